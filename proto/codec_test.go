@@ -1,0 +1,197 @@
+package proto
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"testing"
+)
+
+func sampleRequest() Request {
+	return Request{ID: 42, Op: OpCheck, Attrs: []Attr{{"method", "POST"}, {"path", "/v1/events/9/holds"}, {"user", "u-123456"}, {"ip", "203.0.113.9"}}, Cost: 1}
+}
+
+func sampleResponse() Response {
+	return Response{ID: 42, Allowed: true, Rule: "holds-per-account", Limit: 5, Remaining: 3, ResetMs: 24000,
+		Rules: []RuleResult{
+			{Name: "per-ip", Limit: 100, WindowMs: 1000, Remaining: 97, ResetMs: 30, Allowed: true},
+			{Name: "holds-per-account", Limit: 5, WindowMs: 60000, Remaining: 3, ResetMs: 24000, Allowed: true},
+		}}
+}
+
+func TestRequestRoundTrip(t *testing.T) {
+	req := sampleRequest()
+	req.Limits = []InlineLimit{{Key: "k", Limit: 3, WindowMs: 10, Burst: 4, Algorithm: "fixed_window", Mode: "local", Name: "n"}}
+	req.Cost = 0
+	enc := NewEncoder()
+	enc.EncodeRequest(&req)
+	var got Request
+	if err := NewDecoder().DecodeRequest(enc.Bytes()[HeaderSize:], &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.ID != req.ID || got.Op != req.Op || got.Cost != 0 || len(got.Attrs) != 4 || got.Attrs[2] != req.Attrs[2] || got.Limits[0] != req.Limits[0] {
+		t.Fatalf("round trip: got %+v", got)
+	}
+}
+
+func TestDecodeRequestBounds(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mut  func(*Request)
+	}{
+		{"too many attrs", func(r *Request) {
+			for i := 0; i < DefaultMaxAttrs+1; i++ {
+				r.Attrs = append(r.Attrs, Attr{Name: string(rune('a'+i%26)) + string(rune('A'+i/26)), Value: "v"})
+			}
+		}},
+		{"long value", func(r *Request) { r.Attrs = []Attr{{"user", string(make([]byte, DefaultMaxAttrLen+1))}} }},
+		{"duplicate attr", func(r *Request) { r.Attrs = []Attr{{"user", "a"}, {"user", "b"}} }},
+		{"too many limits", func(r *Request) {
+			for i := 0; i < DefaultMaxLimits+1; i++ {
+				r.Limits = append(r.Limits, InlineLimit{Key: "k", Limit: 1, WindowMs: 1})
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := Request{ID: 1, Op: OpCheck, Cost: 1}
+			tc.mut(&req)
+			enc := NewEncoder()
+			enc.EncodeRequest(&req)
+			var got Request
+			err := NewDecoder().DecodeRequest(enc.Bytes()[HeaderSize:], &got)
+			var pe *Error
+			if !errors.As(err, &pe) || pe.Code != CodeBadRequest {
+				t.Fatalf("got %v, want bad_request", err)
+			}
+		})
+	}
+}
+
+func TestReadFrame(t *testing.T) {
+	enc := NewEncoder()
+	req := sampleRequest()
+	enc.EncodeRequest(&req)
+	enc.EncodeRequest(&req)
+	r := bufio.NewReader(bytes.NewReader(enc.Bytes()))
+	var buf []byte
+	for i := 0; i < 2; i++ {
+		var err error
+		buf, err = ReadFrame(r, buf, DefaultMaxFrame)
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := ReadFrame(r, buf, DefaultMaxFrame); err == nil {
+		t.Fatal("want EOF")
+	}
+	_, err := ReadFrame(bufio.NewReader(bytes.NewReader([]byte{0, 1, 0, 1})), nil, DefaultMaxFrame)
+	var tl *FrameTooLargeError
+	if !errors.As(err, &tl) || tl.Length != 65537 {
+		t.Fatalf("got %v", err)
+	}
+}
+
+// The steady state of a connection allocates nothing: decode a request, encode an answer.
+func TestCodecAllocs(t *testing.T) {
+	req := sampleRequest()
+	enc := NewEncoder()
+	enc.EncodeRequest(&req)
+	frame := append([]byte(nil), enc.Bytes()[HeaderSize:]...)
+	resp := sampleResponse()
+	dec := NewDecoder()
+	var got Request
+	out := NewEncoder()
+	allocs := testing.AllocsPerRun(1000, func() {
+		if err := dec.DecodeRequest(frame, &got); err != nil {
+			t.Fatal(err)
+		}
+		out.Reset()
+		out.EncodeCheck(&resp)
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocs per decode+encode, want 0", allocs)
+	}
+}
+
+func BenchmarkDecodeRequest(b *testing.B) {
+	req := sampleRequest()
+	enc := NewEncoder()
+	enc.EncodeRequest(&req)
+	frame := enc.Bytes()[HeaderSize:]
+	dec := NewDecoder()
+	var got Request
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := dec.DecodeRequest(frame, &got); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkEncodeCheck(b *testing.B) {
+	resp := sampleResponse()
+	enc := NewEncoder()
+	b.ReportAllocs()
+	for b.Loop() {
+		enc.Reset()
+		enc.EncodeCheck(&resp)
+	}
+}
+
+func FuzzDecodeRequest(f *testing.F) {
+	for _, req := range []Request{sampleRequest(), {ID: 1, Op: OpPing, Cost: 1}} {
+		enc := NewEncoder()
+		enc.EncodeRequest(&req)
+		f.Add(enc.Bytes()[HeaderSize:])
+	}
+	for _, m := range malformedFrames() {
+		if b, err := hex.DecodeString(m.Hex); err == nil && len(b) >= HeaderSize {
+			f.Add(b[HeaderSize:])
+		}
+	}
+	f.Add([]byte{0x92, 0x01, 0x02})
+	f.Add([]byte{0xdf, 0xff, 0xff, 0xff, 0xff})
+	dec := NewDecoder()
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var req Request
+		err := dec.DecodeRequest(body, &req)
+		if err != nil {
+			var pe *Error
+			if !errors.As(err, &pe) || pe.Code != CodeBadRequest {
+				t.Fatalf("decode error is not a bad_request *Error: %v", err)
+			}
+			return
+		}
+		// What decodes re-encodes and decodes to the same request.
+		enc := NewEncoder()
+		enc.EncodeRequest(&req)
+		var again Request
+		if err := NewDecoder().DecodeRequest(enc.Bytes()[HeaderSize:], &again); err != nil {
+			t.Fatalf("re-decoding %x: %v", enc.Bytes(), err)
+		}
+		if again.ID != req.ID || again.Op != req.Op || again.Cost != req.Cost || len(again.Attrs) != len(req.Attrs) || len(again.Limits) != len(req.Limits) {
+			t.Fatalf("round trip changed the request: %+v vs %+v", req, again)
+		}
+	})
+}
+
+func FuzzReadFrame(f *testing.F) {
+	f.Add([]byte{0, 0, 0, 1, 0x80})
+	f.Add([]byte{0, 1, 0, 1})
+	f.Add([]byte{0, 0})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		r := bufio.NewReader(bytes.NewReader(data))
+		var buf []byte
+		for {
+			var err error
+			buf, err = ReadFrame(r, buf, 1024)
+			if err != nil {
+				return
+			}
+			if len(buf) > 1024 {
+				t.Fatalf("body of %d bytes above the max", len(buf))
+			}
+		}
+	})
+}

@@ -1,0 +1,418 @@
+package proto
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"unsafe"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
+)
+
+// Default bounds a Decoder applies to a request; a request beyond them is a bad_request.
+const (
+	DefaultMaxAttrs       = 64
+	DefaultMaxAttrNameLen = 128
+	DefaultMaxAttrLen     = 4096
+	DefaultMaxLimits      = 16
+)
+
+// Decoder decodes request and response frame bodies. It wraps one msgpack.Decoder that
+// is reset per body, so a connection reuses it for every frame. Not safe for concurrent use.
+//
+// The zero value is not usable; call NewDecoder.
+type Decoder struct {
+	// Bounds on a request; NewDecoder sets the defaults.
+	MaxAttrs       int
+	MaxAttrNameLen int
+	MaxAttrLen     int
+	MaxLimits      int
+
+	r     bytes.Reader
+	dec   *msgpack.Decoder
+	arena []byte // request strings live here until the next DecodeRequest
+}
+
+// NewDecoder returns a Decoder with the default bounds.
+func NewDecoder() *Decoder {
+	d := &Decoder{
+		MaxAttrs:       DefaultMaxAttrs,
+		MaxAttrNameLen: DefaultMaxAttrNameLen,
+		MaxAttrLen:     DefaultMaxAttrLen,
+		MaxLimits:      DefaultMaxLimits,
+	}
+	d.dec = msgpack.NewDecoder(&d.r)
+	return d
+}
+
+func (d *Decoder) reset(body []byte) {
+	d.r.Reset(body)
+	d.dec.ResetReader(&d.r)
+}
+
+// DecodeRequest decodes one request frame body into req, which it resets first.
+// On failure it returns an *Error with code bad_request; req.ID holds the request's id if
+// it was read before the failure. The strings in req alias the decoder's buffer and are
+// valid until the next DecodeRequest call.
+func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
+	req.Reset()
+	d.reset(body)
+	if cap(d.arena) < len(body) {
+		d.arena = make([]byte, 0, max(len(body), 512))
+	}
+	d.arena = d.arena[:0]
+
+	n, err := d.mapLen("request")
+	if err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		key, err := d.key()
+		if err != nil {
+			return err
+		}
+		switch key {
+		case "id":
+			req.ID, err = d.uint("id")
+		case "op":
+			req.Op, err = d.str("op", 64)
+		case "cost":
+			req.Cost, err = d.uint("cost")
+		case "attrs":
+			req.Attrs, err = d.attrs(req.Attrs)
+		case "limits":
+			req.Limits, err = d.limits(req.Limits)
+		default:
+			err = d.skip(key)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if d.r.Len() != 0 {
+		return Errorf(CodeBadRequest, "frame holds %d bytes after the request map; a frame holds exactly one msgpack map", d.r.Len())
+	}
+	if req.Op == "" {
+		return Errorf(CodeBadRequest, `request has no "op"; send "check" or "ping"`)
+	}
+	return nil
+}
+
+func (d *Decoder) attrs(attrs []Attr) ([]Attr, error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return attrs, d.truncated("attrs")
+	}
+	if c == msgpcode.Nil {
+		_ = d.dec.Skip()
+		return attrs, nil
+	}
+	n, err := d.mapLen("attrs")
+	if err != nil {
+		return attrs, err
+	}
+	if n > d.MaxAttrs {
+		return attrs, Errorf(CodeBadRequest, "request has %d attrs; the limit is %d", n, d.MaxAttrs)
+	}
+	for i := 0; i < n; i++ {
+		name, err := d.str("attrs key", d.MaxAttrNameLen)
+		if err != nil {
+			return attrs, err
+		}
+		value, err := d.str("attrs value", d.MaxAttrLen)
+		if err != nil {
+			return attrs, err
+		}
+		for j := range attrs {
+			if attrs[j].Name == name {
+				return attrs, Errorf(CodeBadRequest, "attribute %q appears twice in attrs", name)
+			}
+		}
+		attrs = append(attrs, Attr{Name: name, Value: value})
+	}
+	return attrs, nil
+}
+
+func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return limits, d.truncated("limits")
+	}
+	if c == msgpcode.Nil {
+		_ = d.dec.Skip()
+		return limits, nil
+	}
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return limits, Errorf(CodeBadRequest, `field "limits" must be an array of maps`)
+	}
+	if n > d.MaxLimits {
+		return limits, Errorf(CodeBadRequest, "request has %d inline limits; the limit is %d", n, d.MaxLimits)
+	}
+	for i := 0; i < n; i++ {
+		var l InlineLimit
+		m, err := d.mapLen("limits[]")
+		if err != nil {
+			return limits, err
+		}
+		for j := 0; j < m; j++ {
+			key, err := d.key()
+			if err != nil {
+				return limits, err
+			}
+			switch key {
+			case "key":
+				l.Key, err = d.str("limits[].key", d.MaxAttrLen)
+			case "limit":
+				l.Limit, err = d.uint("limits[].limit")
+			case "window_ms":
+				l.WindowMs, err = d.uint("limits[].window_ms")
+			case "burst":
+				l.Burst, err = d.uint("limits[].burst")
+			case "algorithm":
+				l.Algorithm, err = d.str("limits[].algorithm", 64)
+			case "mode":
+				l.Mode, err = d.str("limits[].mode", 64)
+			case "name":
+				l.Name, err = d.str("limits[].name", d.MaxAttrNameLen)
+			default:
+				err = d.skip(key)
+			}
+			if err != nil {
+				return limits, err
+			}
+		}
+		limits = append(limits, l)
+	}
+	return limits, nil
+}
+
+func (d *Decoder) truncated(field string) error {
+	return Errorf(CodeBadRequest, "frame ends inside %s: the body is not one complete msgpack map", field)
+}
+
+func (d *Decoder) mapLen(what string) (int, error) {
+	n, err := d.dec.DecodeMapLen()
+	if err != nil || n < 0 {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return 0, d.truncated(what)
+		}
+		return 0, Errorf(CodeBadRequest, "%s must be a msgpack map with string keys", what)
+	}
+	return n, nil
+}
+
+// key reads a map key into a string that aliases a scratch buffer: fine for a switch.
+func (d *Decoder) key() (string, error) {
+	return d.str("map key", 256)
+}
+
+// str reads a msgpack str (or bin) into the arena and returns a string aliasing it.
+func (d *Decoder) str(field string, maxLen int) (string, error) {
+	n, err := d.dec.DecodeBytesLen()
+	if err != nil || n < 0 {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return "", d.truncated(field)
+		}
+		return "", Errorf(CodeBadRequest, "%s must be a string", field)
+	}
+	if n > maxLen {
+		return "", Errorf(CodeBadRequest, "%s is %d bytes long; the limit is %d", field, n, maxLen)
+	}
+	if n > d.r.Len() {
+		return "", d.truncated(field)
+	}
+	if n == 0 {
+		return "", nil
+	}
+	start := len(d.arena)
+	d.arena = d.arena[:start+n] // cap >= len(body) >= all strings: never reallocates
+	b := d.arena[start : start+n]
+	if err := d.dec.ReadFull(b); err != nil {
+		return "", d.truncated(field)
+	}
+	return unsafe.String(&b[0], n), nil
+}
+
+// uint reads a non-negative integer of any msgpack integer width.
+func (d *Decoder) uint(field string) (uint64, error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return 0, d.truncated(field)
+	}
+	switch {
+	case c <= msgpcode.PosFixedNumHigh, c == msgpcode.Uint8, c == msgpcode.Uint16, c == msgpcode.Uint32, c == msgpcode.Uint64:
+		v, err := d.dec.DecodeUint64()
+		if err != nil {
+			return 0, d.truncated(field)
+		}
+		return v, nil
+	case c >= msgpcode.NegFixedNumLow, c == msgpcode.Int8, c == msgpcode.Int16, c == msgpcode.Int32, c == msgpcode.Int64:
+		v, err := d.dec.DecodeInt64()
+		if err != nil {
+			return 0, d.truncated(field)
+		}
+		if v < 0 {
+			return 0, Errorf(CodeBadRequest, "%s must be an unsigned integer, not %d", field, v)
+		}
+		return uint64(v), nil
+	}
+	return 0, Errorf(CodeBadRequest, "%s must be an unsigned integer", field)
+}
+
+func (d *Decoder) boolean(field string) (bool, error) {
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return false, d.truncated(field)
+	}
+	if c != msgpcode.True && c != msgpcode.False {
+		return false, Errorf(CodeBadRequest, "%s must be a boolean", field)
+	}
+	return d.dec.DecodeBool()
+}
+
+func (d *Decoder) skip(field string) error {
+	if err := d.dec.Skip(); err != nil {
+		return d.truncated(fmt.Sprintf("field %q", field))
+	}
+	return nil
+}
+
+// DecodeResponse decodes one response frame body into resp, which it resets first.
+// Unlike DecodeRequest, the strings it stores are allocated and stay valid.
+func (d *Decoder) DecodeResponse(body []byte, resp *Response) error {
+	resp.Reset()
+	d.reset(body)
+	n, err := d.mapLen("response")
+	if err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		key, err := d.dec.DecodeString()
+		if err != nil {
+			return Errorf(CodeBadRequest, "response map keys must be strings")
+		}
+		switch key {
+		case "id":
+			resp.ID, err = d.uint("id")
+		case "allowed":
+			resp.Allowed, err = d.boolean("allowed")
+		case "rule":
+			resp.Rule, err = d.ownedStr("rule")
+		case "limit":
+			resp.Limit, err = d.uint("limit")
+		case "remaining":
+			resp.Remaining, err = d.uint("remaining")
+		case "reset_ms":
+			resp.ResetMs, err = d.uint("reset_ms")
+		case "retry_after_ms":
+			resp.RetryAfterMs, err = d.uint("retry_after_ms")
+		case "degraded":
+			resp.Degraded, err = d.boolean("degraded")
+		case "reason":
+			resp.Reason, err = d.ownedStr("reason")
+		case "rules":
+			err = d.ruleResults(resp)
+		case "version":
+			resp.Version, err = d.ownedStr("version")
+		case "protocol":
+			resp.Protocol, err = d.uint("protocol")
+		case "error":
+			err = d.errorBody(&resp.Err)
+		default:
+			err = d.skip(key)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if d.r.Len() != 0 {
+		return Errorf(CodeBadRequest, "frame holds %d bytes after the response map", d.r.Len())
+	}
+	return nil
+}
+
+func (d *Decoder) ownedStr(field string) (string, error) {
+	s, err := d.dec.DecodeString()
+	if err != nil {
+		return "", Errorf(CodeBadRequest, "%s must be a string", field)
+	}
+	return s, nil
+}
+
+func (d *Decoder) ruleResults(resp *Response) error {
+	n, err := d.dec.DecodeArrayLen()
+	if err != nil {
+		return Errorf(CodeBadRequest, `field "rules" must be an array of maps`)
+	}
+	for i := 0; i < n; i++ {
+		var rr RuleResult
+		m, err := d.mapLen("rules[]")
+		if err != nil {
+			return err
+		}
+		for j := 0; j < m; j++ {
+			key, err := d.dec.DecodeString()
+			if err != nil {
+				return Errorf(CodeBadRequest, "rules[] keys must be strings")
+			}
+			switch key {
+			case "name":
+				rr.Name, err = d.ownedStr("rules[].name")
+			case "limit":
+				rr.Limit, err = d.uint("rules[].limit")
+			case "window_ms":
+				rr.WindowMs, err = d.uint("rules[].window_ms")
+			case "remaining":
+				rr.Remaining, err = d.uint("rules[].remaining")
+			case "reset_ms":
+				rr.ResetMs, err = d.uint("rules[].reset_ms")
+			case "retry_after_ms":
+				rr.RetryAfterMs, err = d.uint("rules[].retry_after_ms")
+			case "allowed":
+				rr.Allowed, err = d.boolean("rules[].allowed")
+			case "shadow":
+				rr.Shadow, err = d.boolean("rules[].shadow")
+			case "reason":
+				rr.Reason, err = d.ownedStr("rules[].reason")
+			default:
+				err = d.skip(key)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		resp.Rules = append(resp.Rules, rr)
+	}
+	return nil
+}
+
+func (d *Decoder) errorBody(e *Error) error {
+	m, err := d.mapLen("error")
+	if err != nil {
+		return err
+	}
+	for j := 0; j < m; j++ {
+		key, err := d.dec.DecodeString()
+		if err != nil {
+			return Errorf(CodeBadRequest, "error keys must be strings")
+		}
+		switch key {
+		case "code":
+			e.Code, err = d.ownedStr("error.code")
+		case "message":
+			e.Message, err = d.ownedStr("error.message")
+		default:
+			err = d.skip(key)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if e.Code == "" {
+		return Errorf(CodeBadRequest, "error response without a code")
+	}
+	return nil
+}

@@ -1,0 +1,143 @@
+// Package proto is the rlsidecar wire protocol, version 1: the frame codec, the message
+// types and the error codes. PROTOCOL.md beside this file is the canonical specification;
+// testdata/vectors.json holds byte-exact frames that every client's tests read.
+//
+// Every message, both ways, is a frame: a 4-byte unsigned big-endian length L, then exactly
+// L bytes holding one msgpack map with string keys. A connection carries many requests; the
+// server answers each exactly once, in order.
+//
+// The codec is built for reuse: a Decoder and an Encoder belong to one connection and are
+// reset per frame, so decoding a request and encoding its answer allocate nothing in the
+// steady state. Neither is safe for concurrent use.
+package proto
+
+import "fmt"
+
+// Version is the protocol version a server reports in its ping response.
+const Version = 1
+
+// HeaderSize is the size of a frame's length prefix.
+const HeaderSize = 4
+
+// DefaultMaxFrame is the largest frame body a server accepts unless configured otherwise.
+const DefaultMaxFrame = 65536
+
+// Operations.
+const (
+	OpCheck = "check"
+	OpPing  = "ping"
+)
+
+// Error codes. The first five are fixed by the protocol; the rest are additions.
+const (
+	CodeBadRequest         = "bad_request"
+	CodeUnknownOp          = "unknown_op"
+	CodeInvalidLimit       = "invalid_limit"
+	CodeFrameTooLarge      = "frame_too_large"
+	CodeInternal           = "internal"
+	CodeTooManyConnections = "too_many_connections" // the server is at its connection cap and closes this one
+	CodeShuttingDown       = "shutting_down"        // the server is draining and closes this connection
+)
+
+// Reasons a check rejects without a retry time.
+const (
+	// ReasonCostExceedsCapacity: the request's cost is larger than the rule's capacity
+	// (burst for a token bucket, requests for a window), so no retry can ever pass.
+	ReasonCostExceedsCapacity = "cost_exceeds_capacity"
+)
+
+// Error is a protocol error: the body of an error response.
+type Error struct {
+	Code    string
+	Message string
+}
+
+func (e *Error) Error() string { return e.Code + ": " + e.Message }
+
+// Errorf returns an *Error with the given code and a formatted message.
+func Errorf(code, format string, args ...any) *Error {
+	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// Attr is one request attribute (method, path, user, api_key, ip, plan, …).
+type Attr struct {
+	Name  string
+	Value string
+}
+
+// InlineLimit is a limit sent in the request itself, checked together with the matched rules.
+// Zero numeric fields mean absent; the limiter reports missing required fields as invalid_limit.
+type InlineLimit struct {
+	Key       string // required
+	Limit     uint64 // required, >= 1
+	WindowMs  uint64 // required, >= 1
+	Burst     uint64 // optional, token_bucket only
+	Algorithm string // optional: token_bucket (default), sliding_window, fixed_window
+	Mode      string // optional: local, hybrid, global
+	Name      string // optional; the name reported in responses (default: the key)
+}
+
+// Request is a decoded request. After Decoder.DecodeRequest its strings alias the
+// decoder's buffer and stay valid only until the next call on that decoder.
+type Request struct {
+	ID     uint64
+	Op     string
+	Attrs  []Attr
+	Limits []InlineLimit
+	Cost   uint64 // 1 when the request did not say; 0 asks without consuming
+}
+
+// Reset clears r for reuse, keeping the capacity of its slices.
+func (r *Request) Reset() {
+	r.ID = 0
+	r.Op = ""
+	r.Attrs = r.Attrs[:0]
+	r.Limits = r.Limits[:0]
+	r.Cost = 1
+}
+
+// RuleResult is one matched rule's or inline limit's part of a check response.
+type RuleResult struct {
+	Name         string
+	Limit        uint64 // requests per window
+	WindowMs     uint64
+	Remaining    uint64
+	ResetMs      uint64
+	RetryAfterMs uint64
+	Allowed      bool
+	Shadow       bool
+	Reason       string // "" or ReasonCostExceedsCapacity (an addition to v1)
+}
+
+// Response is any response: a check answer, a ping answer or an error. A server encodes
+// it with the Encoder method for its kind; a client decodes every kind into it.
+type Response struct {
+	ID uint64
+
+	// check
+	Allowed      bool
+	Rule         string
+	Limit        uint64
+	Remaining    uint64
+	ResetMs      uint64
+	RetryAfterMs uint64
+	Degraded     bool
+	Rules        []RuleResult
+	Reason       string // the deciding rule's reason, "" when none (an addition to v1)
+
+	// ping
+	Version  string
+	Protocol uint64
+
+	// error; Err.Code is "" when the response is not an error
+	Err Error
+}
+
+// Reset clears r for reuse, keeping the capacity of Rules.
+func (r *Response) Reset() {
+	rules := r.Rules[:0]
+	*r = Response{Rules: rules}
+}
+
+// IsError reports whether r is an error response.
+func (r *Response) IsError() bool { return r.Err.Code != "" }
