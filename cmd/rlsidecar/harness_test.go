@@ -1,0 +1,206 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// binary is the real rlsidecar, built once for the end-to-end tests.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "rlsidecar-e2e")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "rlsidecar")
+	out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "building rlsidecar: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// daemonProc is a running daemon binary.
+type daemonProc struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	socket string
+	stderr *syncBuffer
+	done   chan error
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// shortTempDir returns a temp dir whose path fits a Unix socket address (108 bytes).
+func shortTempDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "rls")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// startDaemon runs `rlsidecar serve` with args on a temp socket and waits until it says
+// it is listening.
+func startDaemon(t *testing.T, args ...string) *daemonProc {
+	t.Helper()
+	socket := filepath.Join(shortTempDir(t), "s.sock")
+	return startDaemonAt(t, socket, args...)
+}
+
+func startDaemonAt(t *testing.T, socket string, args ...string) *daemonProc {
+	t.Helper()
+	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket}, args...)...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &daemonProc{t: t, cmd: cmd, socket: socket, stderr: &syncBuffer{}, done: make(chan error, 1)}
+	cmd.Stderr = d.stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ready := make(chan string, 1)
+	go func() {
+		br := bufio.NewReader(stdout)
+		line, _ := br.ReadString('\n')
+		ready <- line
+		io.Copy(io.Discard, br)
+	}()
+	go func() { d.done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			<-d.done
+		}
+	})
+	select {
+	case line := <-ready:
+		if !strings.Contains(line, "listening on") {
+			t.Fatalf("daemon did not start: %q\n%s", line, d.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("daemon did not start in 10s\n%s", d.stderr.String())
+	}
+	return d
+}
+
+// rawConn speaks frames directly.
+type rawConn struct {
+	t   *testing.T
+	c   net.Conn
+	br  *bufio.Reader
+	dec *proto.Decoder
+	buf []byte
+}
+
+func dialRaw(t *testing.T, socket string) *rawConn {
+	t.Helper()
+	c, err := net.Dial("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	return &rawConn{t: t, c: c, br: bufio.NewReader(c), dec: proto.NewDecoder()}
+}
+
+func (r *rawConn) write(b []byte) {
+	r.t.Helper()
+	if _, err := r.c.Write(b); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+func (r *rawConn) send(req *proto.Request) {
+	r.t.Helper()
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(req)
+	r.write(enc.Bytes())
+}
+
+// readFrame returns the next raw frame, header included.
+func (r *rawConn) readFrame() ([]byte, error) {
+	body, err := proto.ReadFrame(r.br, nil, 1<<20)
+	if err != nil {
+		return nil, err
+	}
+	frame := make([]byte, proto.HeaderSize+len(body))
+	frame[3] = byte(len(body))
+	frame[2] = byte(len(body) >> 8)
+	frame[1] = byte(len(body) >> 16)
+	frame[0] = byte(len(body) >> 24)
+	copy(frame[proto.HeaderSize:], body)
+	return frame, nil
+}
+
+func (r *rawConn) recv() *proto.Response {
+	r.t.Helper()
+	frame, err := r.readFrame()
+	if err != nil {
+		r.t.Fatalf("reading a response: %v", err)
+	}
+	var resp proto.Response
+	if err := r.dec.DecodeResponse(frame[proto.HeaderSize:], &resp); err != nil {
+		r.t.Fatal(err)
+	}
+	return &resp
+}
+
+func (r *rawConn) check(id uint64, cost uint64, attrs ...string) *proto.Response {
+	r.t.Helper()
+	req := proto.Request{ID: id, Op: proto.OpCheck, Cost: cost}
+	for _, a := range attrs {
+		k, v, _ := strings.Cut(a, "=")
+		req.Attrs = append(req.Attrs, proto.Attr{Name: k, Value: v})
+	}
+	r.send(&req)
+	resp := r.recv()
+	if resp.ID != id {
+		r.t.Fatalf("answer id %d, want %d", resp.ID, id)
+	}
+	return resp
+}
+
+func writeFile(t *testing.T, dir, name, content string) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}

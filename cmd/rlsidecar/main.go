@@ -1,0 +1,127 @@
+// Command rlsidecar is the rate-limiting sidecar: a daemon that gateways ask "may this
+// request pass?" over a Unix socket, and the tools around it.
+//
+//	rlsidecar serve    [--config F] [--socket P] [flags]   run the daemon
+//	rlsidecar check    [--socket P] attr=value… [--cost N]  ask a running daemon; prints JSON
+//	rlsidecar validate --config F                           check a rules file
+//	rlsidecar replay   --config F --trace T                 run a recorded trace through rules
+//	rlsidecar version
+//
+// Signals (serve): SIGTERM and SIGINT drain — stop accepting, answer what is in flight,
+// remove the socket file, exit 0; a second SIGINT exits at once with status 1. SIGHUP
+// reloads the rules file; a broken file never replaces the rules in force.
+//
+// Exit codes: 0 success; 1 failure (a bad rules file, a daemon that could not start, a
+// check that got no answer); 2 usage error.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+)
+
+// version is set at build time with -ldflags "-X main.version=…".
+var version = "0.1.0-dev"
+
+const (
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
+)
+
+// errUsage marks an error whose remedy is reading the usage text.
+var errUsage = errors.New("usage")
+
+const usage = `rlsidecar — a rate-limiting sidecar for API gateways
+
+Usage:
+  rlsidecar serve    [--config FILE] [--socket PATH] [flags]   run the daemon (built-in example rules without --config)
+  rlsidecar check    [--socket PATH] attr=value... [--cost N]   ask a running daemon; prints the decision as JSON
+  rlsidecar validate --config FILE                             check a rules file; exit 1 with file:line errors
+  rlsidecar replay   --config FILE --trace FILE                run a JSON-lines trace through the rules in local mode
+  rlsidecar version
+
+Run "rlsidecar COMMAND --help" for a command's flags.
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	var err error
+	switch args[0] {
+	case "serve":
+		err = serve(args[1:], stdout, stderr)
+	case "check":
+		err = check(args[1:], stdout, stderr)
+	case "validate":
+		err = validate(args[1:], stdout, stderr)
+	case "replay":
+		err = replay(args[1:], stdout, stderr)
+	case "version", "--version", "-version":
+		fmt.Fprintf(stdout, "rlsidecar %s (protocol 1)\n", version)
+	case "help", "--help", "-h", "-help":
+		fmt.Fprint(stdout, usage)
+	default:
+		fmt.Fprintf(stderr, "rlsidecar: unknown command %q\n\n%s", args[0], usage)
+		return exitUsage
+	}
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, flag.ErrHelp):
+		return exitOK
+	case errors.Is(err, errUsage):
+		fmt.Fprintf(stderr, "rlsidecar %s: %v\n", args[0], err)
+		return exitUsage
+	default:
+		fmt.Fprintf(stderr, "rlsidecar %s: %v\n", args[0], err)
+		return exitFailure
+	}
+}
+
+// newFlags returns a FlagSet that reports errors instead of exiting.
+func newFlags(name string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("rlsidecar "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return fs
+}
+
+// parseInterspersed parses flags that may come before, between or after positional
+// arguments, and returns the positional ones.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, fmt.Errorf("%w: %v", errUsage, err)
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}
+
+func noPositional(fs *flag.FlagSet, args []string) error {
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fmt.Errorf("%w: unexpected argument %q", errUsage, strings.Join(pos, " "))
+	}
+	return nil
+}

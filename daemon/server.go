@@ -1,0 +1,479 @@
+// Package daemon is the rlsidecar server: the Unix socket, the per-connection loop that
+// reads frames, decides and answers in order, and the lifecycle around them.
+//
+// One goroutine serves each connection. It decodes every complete frame already read,
+// answers each into one output buffer, and writes that buffer with a single syscall when
+// no further complete frame is waiting: pipelined requests cost one read and one write per
+// batch, a lone request one of each.
+package daemon
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// Config is the server's configuration. Zero fields take the defaults named below.
+type Config struct {
+	Socket       string        // path of the Unix socket (required)
+	SocketMode   os.FileMode   // permission bits of the socket file; default 0660
+	MaxFrame     int           // largest frame body accepted; default proto.DefaultMaxFrame
+	MaxConns     int           // connections served at once; more are answered too_many_connections and closed; default 1024
+	FrameTimeout time.Duration // time allowed to finish sending a frame once it has begun; default 5s
+	IdleTimeout  time.Duration // close a connection idle this long; 0 (default) keeps idle connections
+	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
+	Version      string        // reported by ping
+	Logger       *slog.Logger  // default: discard
+
+	// Request bounds, passed to the decoder; zero takes the proto defaults.
+	MaxAttrs   int
+	MaxAttrLen int
+}
+
+func (c *Config) setDefaults() {
+	if c.SocketMode == 0 {
+		c.SocketMode = 0o660
+	}
+	if c.MaxFrame <= 0 {
+		c.MaxFrame = proto.DefaultMaxFrame
+	}
+	if c.MaxConns <= 0 {
+		c.MaxConns = 1024
+	}
+	if c.FrameTimeout <= 0 {
+		c.FrameTimeout = 5 * time.Second
+	}
+	if c.DrainTimeout <= 0 {
+		c.DrainTimeout = 5 * time.Second
+	}
+	if c.Version == "" {
+		c.Version = "dev"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Server serves the protocol on a Unix socket. Create it with New, start it with Listen
+// and Serve, stop it with Shutdown.
+type Server struct {
+	cfg Config
+	lim *limiter.Limiter
+	log *slog.Logger
+
+	ln       *net.UnixListener
+	draining atomic.Bool
+	mu       sync.Mutex
+	conns    map[*net.UnixConn]struct{}
+	wg       sync.WaitGroup
+
+	nconns atomic.Int64
+}
+
+// New returns a server deciding with lim.
+func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
+	if cfg.Socket == "" {
+		return nil, errors.New("daemon: no socket path")
+	}
+	cfg.setDefaults()
+	return &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{})}, nil
+}
+
+// Connections returns the number of connections being served.
+func (s *Server) Connections() int64 { return s.nconns.Load() }
+
+// Listen creates the socket. A socket file left by a dead daemon is replaced; one a live
+// daemon answers on is refused, and so is a path that is not a socket.
+func (s *Server) Listen() error {
+	path := s.cfg.Socket
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return fmt.Errorf("listening on %s: the path exists and is not a socket; refusing to replace it", path)
+		}
+		c, err := net.DialTimeout("unix", path, time.Second)
+		if err == nil {
+			c.Close()
+			return fmt.Errorf("listening on %s: another daemon is serving this socket", path)
+		}
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			return fmt.Errorf("listening on %s: probing the existing socket: %w", path, err)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("listening on %s: removing a stale socket: %w", path, err)
+		}
+		s.log.Info("replaced a stale socket file", "socket", path)
+	}
+	// Create the socket owner-only, then open it up to the configured mode, so it is
+	// never more permissive than configured, whatever the umask.
+	old := syscall.Umask(0o177)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	syscall.Umask(old)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, s.cfg.SocketMode); err != nil {
+		ln.Close()
+		return fmt.Errorf("setting mode %#o on %s: %w", s.cfg.SocketMode, path, err)
+	}
+	ln.SetUnlinkOnClose(true)
+	s.ln = ln
+	return nil
+}
+
+// Serve accepts connections until Shutdown. It returns nil after Shutdown.
+func (s *Server) Serve() error {
+	if s.ln == nil {
+		return errors.New("daemon: Serve before Listen")
+	}
+	var backoff time.Duration
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			if s.draining.Load() {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+				// Out of descriptors: wait rather than spin.
+				backoff = min(max(backoff*2, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed; retrying", "err", err, "backoff", backoff)
+				time.Sleep(backoff)
+				continue
+			}
+			return fmt.Errorf("accepting on %s: %w", s.cfg.Socket, err)
+		}
+		backoff = 0
+		if s.nconns.Load() >= int64(s.cfg.MaxConns) {
+			s.refuse(c, proto.CodeTooManyConnections, fmt.Sprintf("the daemon serves at most %d connections; close idle ones or raise --max-conns", s.cfg.MaxConns))
+			continue
+		}
+		if !s.track(c) {
+			s.refuse(c, proto.CodeShuttingDown, "the daemon is shutting down")
+			continue
+		}
+		go s.serveConn(c)
+	}
+}
+
+func (s *Server) refuse(c *net.UnixConn, code, msg string) {
+	enc := proto.NewEncoder()
+	enc.EncodeError(0, code, msg)
+	_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	_, _ = c.Write(enc.Bytes())
+	_ = c.Close()
+}
+
+func (s *Server) track(c *net.UnixConn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.draining.Load() {
+		return false
+	}
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	s.nconns.Add(1)
+	return true
+}
+
+func (s *Server) untrack(c *net.UnixConn) {
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+	s.nconns.Add(-1)
+	s.wg.Done()
+}
+
+// Shutdown stops accepting, removes the socket file, lets every connection answer the
+// frames it has already received, and closes them. Connections still busy when ctx ends
+// (or after DrainTimeout) are closed. It returns when every connection goroutine is done.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.draining.Store(true)
+	conns := make([]*net.UnixConn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	if s.ln != nil {
+		s.ln.Close() // unlinks the socket file
+	}
+	// Wake readers blocked waiting for a next frame; they answer what they hold and exit.
+	past := time.Unix(1, 0)
+	for _, c := range conns {
+		_ = c.SetReadDeadline(past)
+	}
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.DrainTimeout)
+	defer cancel()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		<-done
+		return fmt.Errorf("shutdown: connections still busy after %s were closed", s.cfg.DrainTimeout)
+	}
+}
+
+// conn is the per-connection state: reused codec, request, decision and response.
+type conn struct {
+	s   *Server
+	c   *net.UnixConn
+	br  *bufio.Reader
+	dec *proto.Decoder
+	enc *proto.Encoder
+
+	req  proto.Request
+	in   limiter.Input
+	dcs  limiter.Decision
+	resp proto.Response
+	big  []byte // body of a frame larger than br's buffer
+
+	deadline time.Time // the read deadline currently set (zero: none)
+}
+
+const readBufSize = 16 << 10
+
+func (s *Server) serveConn(c *net.UnixConn) {
+	defer s.untrack(c)
+	defer c.Close()
+	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, readBufSize), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	if s.cfg.MaxAttrs > 0 {
+		cn.dec.MaxAttrs = s.cfg.MaxAttrs
+	}
+	if s.cfg.MaxAttrLen > 0 {
+		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
+		}
+	}()
+	if err := cn.loop(); err != nil && !isClosed(err) {
+		s.log.Debug("connection closed", "err", err)
+	}
+}
+
+func isClosed(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+}
+
+func (cn *conn) setDeadline(t time.Time) error {
+	if t.Equal(cn.deadline) {
+		return nil
+	}
+	cn.deadline = t
+	return cn.c.SetReadDeadline(t)
+}
+
+// waitIdle flushes the answers so far and waits for the first byte of a next frame.
+func (cn *conn) waitIdle() error {
+	if err := cn.flush(); err != nil {
+		return err
+	}
+	s := cn.s
+	if s.cfg.IdleTimeout > 0 {
+		now := time.Now()
+		// Move the deadline only when it is more than half used: one syscall-free check
+		// per request, one timer update per IdleTimeout/2.
+		if cn.deadline.IsZero() || cn.deadline.Sub(now) < s.cfg.IdleTimeout/2 {
+			if err := cn.setDeadline(now.Add(s.cfg.IdleTimeout)); err != nil {
+				return err
+			}
+		}
+	} else if err := cn.setDeadline(time.Time{}); err != nil {
+		return err
+	}
+	// Shutdown sets the draining flag before it sets a past deadline: checking after our
+	// own deadline change means one of the two always wins.
+	if s.draining.Load() {
+		return net.ErrClosed
+	}
+	_, err := cn.br.Peek(1)
+	return err
+}
+
+// need makes sure n bytes are buffered, under the frame deadline if it has to wait.
+func (cn *conn) need(n int) ([]byte, error) {
+	if cn.br.Buffered() < n {
+		fd := time.Now().Add(cn.s.cfg.FrameTimeout)
+		if cn.deadline.IsZero() || cn.deadline.After(fd) {
+			if err := cn.setDeadline(fd); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if cn.br.Buffered() < n && cn.s.draining.Load() {
+		return nil, net.ErrClosed // a half-sent frame is not in flight: do not wait for it
+	}
+	return cn.br.Peek(n)
+}
+
+func (cn *conn) flush() error {
+	if cn.enc.Len() == 0 {
+		return nil
+	}
+	_, err := cn.c.Write(cn.enc.Bytes())
+	cn.enc.Reset()
+	return err
+}
+
+const flushAt = 32 << 10
+
+func (cn *conn) loop() error {
+	maxFrame := cn.s.cfg.MaxFrame
+	for {
+		if cn.br.Buffered() == 0 {
+			if err := cn.waitIdle(); err != nil {
+				return err
+			}
+		}
+		hdr, err := cn.need(proto.HeaderSize)
+		if err != nil {
+			return err
+		}
+		n := int(proto.FrameLength(hdr))
+		if n > maxFrame {
+			cn.enc.EncodeError(0, proto.CodeFrameTooLarge,
+				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", n, maxFrame))
+			_ = cn.flush()
+			return nil
+		}
+		var body []byte
+		if proto.HeaderSize+n <= readBufSize {
+			b, err := cn.need(proto.HeaderSize + n)
+			if err != nil {
+				return err
+			}
+			body = b[proto.HeaderSize:]
+		} else {
+			if _, err := cn.br.Discard(proto.HeaderSize); err != nil {
+				return err
+			}
+			if cap(cn.big) < n {
+				cn.big = make([]byte, n)
+			}
+			cn.big = cn.big[:n]
+			if _, err := cn.need(1); err != nil {
+				return err
+			}
+			if _, err := io.ReadFull(cn.br, cn.big); err != nil {
+				return err
+			}
+			body = cn.big
+			n = -proto.HeaderSize // already consumed
+		}
+		cn.handle(body, time.Now().UnixNano())
+		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
+			return err
+		}
+		if cn.enc.Len() >= flushAt {
+			if err := cn.flush(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// handle answers one frame body into the output buffer. now is the request's time, read
+// once at the edge.
+func (cn *conn) handle(body []byte, now int64) {
+	req := &cn.req
+	if err := cn.dec.DecodeRequest(body, req); err != nil {
+		var pe *proto.Error
+		if errors.As(err, &pe) {
+			cn.enc.EncodeError(req.ID, pe.Code, pe.Message)
+		} else {
+			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+		}
+		return
+	}
+	switch req.Op {
+	case proto.OpCheck:
+		cn.check(now)
+	case proto.OpPing:
+		cn.enc.EncodePing(req.ID, cn.s.cfg.Version)
+	default:
+		cn.enc.EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
+	}
+}
+
+func (cn *conn) check(now int64) {
+	req, in := &cn.req, &cn.in
+	in.Cost = req.Cost
+	in.Attrs = in.Attrs[:0]
+	for _, a := range req.Attrs {
+		in.Attrs = append(in.Attrs, rulesAttr(a))
+	}
+	in.Limits = in.Limits[:0]
+	for i := range req.Limits {
+		l := &req.Limits[i]
+		in.Limits = append(in.Limits, limiter.Inline{Key: l.Key, Name: l.Name, Algorithm: l.Algorithm, Mode: l.Mode, Limit: l.Limit, WindowMs: l.WindowMs, Burst: l.Burst})
+	}
+	d := &cn.dcs
+	if err := cn.s.lim.Check(now, in, d); err != nil {
+		var il *limiter.InvalidLimitError
+		if errors.As(err, &il) {
+			cn.enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
+		} else {
+			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+		}
+		return
+	}
+	resp := &cn.resp
+	resp.Reset()
+	resp.ID = req.ID
+	resp.Allowed = d.Allowed
+	resp.Degraded = d.Degraded
+	for i := range d.Results {
+		r := &d.Results[i]
+		rr := proto.RuleResult{
+			Name:         r.Name,
+			Limit:        r.Limit,
+			WindowMs:     uint64(r.Window / time.Millisecond),
+			Remaining:    r.Remaining,
+			ResetMs:      ceilMs(r.Reset),
+			RetryAfterMs: ceilMs(r.RetryAfter),
+			Allowed:      r.Allowed,
+			Shadow:       r.Shadow,
+		}
+		if r.Impossible {
+			rr.Reason = proto.ReasonCostExceedsCapacity
+		}
+		resp.Rules = append(resp.Rules, rr)
+	}
+	if d.Deciding >= 0 {
+		rr := &resp.Rules[d.Deciding]
+		resp.Rule = rr.Name
+		resp.Limit = rr.Limit
+		resp.Remaining = rr.Remaining
+		resp.ResetMs = rr.ResetMs
+		resp.RetryAfterMs = rr.RetryAfterMs
+		resp.Reason = rr.Reason
+	}
+	cn.enc.EncodeCheck(resp)
+}
+
+// ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms
+// is never early.
+func ceilMs(d time.Duration) uint64 {
+	if d <= 0 {
+		return 0
+	}
+	return uint64((d + time.Millisecond - 1) / time.Millisecond)
+}

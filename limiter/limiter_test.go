@@ -1,0 +1,237 @@
+package limiter
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+const t0 = int64(1_700_000_000) * int64(time.Second)
+
+func mustRules(t testing.TB, yaml string) *rules.Set {
+	t.Helper()
+	set, err := rules.Parse("test.yaml", []byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return set
+}
+
+func newLimiter(t testing.TB, yaml string) *Limiter {
+	return New(mustRules(t, yaml), localbucket.NewStore(localbucket.Options{}))
+}
+
+func attrs(kv ...string) []rules.Attr {
+	var out []rules.Attr
+	for _, s := range kv {
+		k, v, _ := strings.Cut(s, "=")
+		out = append(out, rules.Attr{Name: k, Value: v})
+	}
+	return out
+}
+
+const twoRules = `
+rules:
+  - name: per-ip
+    key: ip
+    limit: { requests: 100, per: 1s }
+  - name: holds
+    match: { method: POST, path: "/v1/events/*/holds" }
+    key: user
+    limit: { requests: 5, per: 60s }
+    plans: { partner: 50, internal: unlimited }
+  - name: shadow-login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    shadow: true
+`
+
+func TestDecidingRule(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	var d Decision
+	in := Input{Attrs: attrs("method=POST", "path=/v1/events/7/holds", "user=u1", "ip=1.2.3.4"), Cost: 1}
+	if err := l.Check(t0, &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if !d.Allowed || len(d.Results) != 2 || d.DecidingResult().Name != "holds" || d.DecidingResult().Remaining != 4 {
+		t.Fatalf("decision %+v", d)
+	}
+	// Exhaust holds; the sixth is rejected by holds with a retry of 12 s, per-ip untouched.
+	for i := 0; i < 4; i++ {
+		_ = l.Check(t0, &in, &d)
+	}
+	if err := l.Check(t0, &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	r := d.DecidingResult()
+	if d.Allowed || r.Name != "holds" || r.RetryAfter != 12*time.Second {
+		t.Fatalf("rejection %+v", d)
+	}
+	if d.Results[0].Remaining != 95 || !d.Results[0].Allowed {
+		t.Fatalf("per-ip after a rejection: %+v (want 95 left: the rejected request consumed nothing)", d.Results[0])
+	}
+}
+
+func TestPlans(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	var d Decision
+	base := attrs("method=POST", "path=/v1/events/7/holds", "user=p1", "ip=9.9.9.9")
+	in := Input{Attrs: append(base, rules.Attr{Name: "plan", Value: "partner"}), Cost: 1}
+	_ = l.Check(t0, &in, &d)
+	if r := d.Results[1]; r.Name != "holds" || r.Limit != 50 || r.Remaining != 49 {
+		t.Fatalf("partner plan: %+v", r)
+	}
+	in.Attrs = append(base, rules.Attr{Name: "plan", Value: "internal"})
+	_ = l.Check(t0, &in, &d)
+	if len(d.Results) != 1 || d.Results[0].Name != "per-ip" {
+		t.Fatalf("unlimited plan still checked: %+v", d.Results)
+	}
+}
+
+func TestShadowNeverRejectsNorDecides(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	var d Decision
+	in := Input{Attrs: attrs("path=/login", "ip=5.5.5.5"), Cost: 1}
+	for i := 0; i < 3; i++ {
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if !d.Allowed {
+			t.Fatalf("request %d rejected by a shadow rule", i)
+		}
+		if d.DecidingResult().Name != "per-ip" {
+			t.Fatalf("deciding %q", d.DecidingResult().Name)
+		}
+	}
+	if sh := d.Results[1]; !sh.Shadow || sh.Allowed {
+		t.Fatalf("shadow result %+v: want reported as rejecting", sh)
+	}
+}
+
+func TestMissingKeyAttributeSkipsRule(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	var d Decision
+	in := Input{Attrs: attrs("method=POST", "path=/v1/events/7/holds"), Cost: 1}
+	_ = l.Check(t0, &in, &d)
+	if !d.Allowed || len(d.Results) != 0 || d.Deciding != -1 {
+		t.Fatalf("%+v", d)
+	}
+}
+
+func TestCostExceedsCapacity(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	var d Decision
+	in := Input{Attrs: attrs("ip=7.7.7.7"), Cost: 101}
+	_ = l.Check(t0, &in, &d)
+	r := d.DecidingResult()
+	if d.Allowed || !r.Impossible || r.RetryAfter != 0 {
+		t.Fatalf("%+v", d)
+	}
+}
+
+func TestInlineLimits(t *testing.T) {
+	l := newLimiter(t, `rules: []`)
+	var d Decision
+	in := Input{Limits: []Inline{{Key: "t1", Limit: 2, WindowMs: 1000}, {Key: "t1", Limit: 3, WindowMs: 1000, Name: "other"}}, Cost: 1}
+	for i := 0; i < 3; i++ {
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Same key, different limits: separate state. The 2/s one rejects the third.
+	if d.Allowed || d.DecidingResult().Name != "t1" || d.Results[1].Name != "other" || d.Results[1].Remaining != 1 {
+		t.Fatalf("%+v", d)
+	}
+	for _, bad := range []Inline{{Limit: 1, WindowMs: 1}, {Key: "k", WindowMs: 1}, {Key: "k", Limit: 1}, {Key: "k", Limit: 1, WindowMs: 1, Algorithm: "leaky"},
+		{Key: "k", Limit: 1, WindowMs: 1, Mode: "global"}, {Key: "k", Limit: 1, WindowMs: 1, Mode: "nope"}, {Key: "k", Limit: 1, WindowMs: 1000, Burst: 2, Algorithm: "fixed_window"}} {
+		in := Input{Limits: []Inline{bad}, Cost: 1}
+		err := l.Check(t0, &in, &d)
+		if _, ok := err.(*InvalidLimitError); !ok {
+			t.Errorf("%+v: got %v, want InvalidLimitError", bad, err)
+		}
+	}
+}
+
+func TestCheckModes(t *testing.T) {
+	set := mustRules(t, "rules:\n  - name: g\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: global\n")
+	if err := CheckModes(set, false); err == nil || !strings.Contains(err.Error(), "test.yaml:2") {
+		t.Fatalf("got %v", err)
+	}
+	if err := CheckModes(set, true); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Concurrent requests over two rules never admit more than either limit, and a rejected
+// request never charges the other rule.
+func TestConcurrentAllOrNothing(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: a
+    key: user
+    limit: { requests: 50, per: 1h }
+  - name: b
+    key: ip
+    limit: { requests: 30, per: 1h }
+`)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	admitted := 0
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var d Decision
+			in := Input{Attrs: attrs("user=u", "ip=i"), Cost: 1}
+			for i := 0; i < 100; i++ {
+				_ = l.Check(t0, &in, &d)
+				if d.Allowed {
+					mu.Lock()
+					admitted++
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if admitted != 30 {
+		t.Fatalf("admitted %d, want 30", admitted)
+	}
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: attrs("user=u"), Cost: 0}, &d)
+	if d.Results[0].Remaining != 20 {
+		t.Fatalf("rule a has %d left, want 20", d.Results[0].Remaining)
+	}
+}
+
+// The in-process decision for a two-rule request: match, keys, buckets.
+func BenchmarkCheck2Rules(b *testing.B) {
+	l := newLimiter(b, twoRules)
+	in := Input{Attrs: attrs("method=POST", "path=/v1/events/7/holds", "user=u-12345", "ip=203.0.113.9"), Cost: 0}
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: in.Attrs, Cost: 1}, &d) // the keys exist
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := l.Check(t0, &in, &d); err != nil || len(d.Results) != 2 {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkCheck2RulesParallel(b *testing.B) {
+	l := newLimiter(b, twoRules)
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		in := Input{Attrs: attrs("method=POST", "path=/v1/events/7/holds", "user=u-12345", "ip=203.0.113.9"), Cost: 0}
+		var d Decision
+		_ = l.Check(t0, &Input{Attrs: in.Attrs, Cost: 1}, &d)
+		for pb.Next() {
+			_ = l.Check(t0, &in, &d)
+		}
+	})
+}

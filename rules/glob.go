@@ -1,0 +1,177 @@
+package rules
+
+import (
+	"errors"
+	"strings"
+)
+
+// A glob is a compiled match.path pattern. Patterns start with '/' and are split into
+// '/'-separated segments:
+//
+//   - a segment "*" matches exactly one non-empty segment: /v1/*/holds matches
+//     /v1/e1/holds but not /v1//holds or /v1/a/b/holds;
+//   - a '*' inside a segment matches any run of bytes other than '/', possibly empty:
+//     /files/*.png matches /files/a.png and /files/.png;
+//   - a segment "**" matches any number of whole segments, including none: /v1/** matches
+//     /v1, /v1/ and /v1/a/b;
+//   - every other byte matches itself. A trailing slash is significant: /a matches /a and
+//     not /a/.
+//
+// Matching walks the path by index and does not allocate.
+type glob struct {
+	pattern string
+	literal bool // no '*': compare whole strings
+	segs    []segment
+}
+
+type segKind uint8
+
+const (
+	segLiteral    segKind = iota // the segment text itself
+	segAny                       // "*": one non-empty segment
+	segWild                      // text with '*' in it
+	segDoubleStar                // "**": zero or more segments
+)
+
+type segment struct {
+	kind segKind
+	text string
+}
+
+func compileGlob(pattern string) (glob, error) {
+	if !strings.HasPrefix(pattern, "/") {
+		return glob{}, errors.New("must start with /")
+	}
+	g := glob{pattern: pattern}
+	if strings.IndexByte(pattern, '*') < 0 {
+		g.literal = true
+		return g, nil
+	}
+	for s := range strings.SplitSeq(pattern, "/") {
+		switch {
+		case s == "**":
+			if n := len(g.segs); n > 0 && g.segs[n-1].kind == segDoubleStar {
+				continue // /a/**/**/b is /a/**/b
+			}
+			g.segs = append(g.segs, segment{kind: segDoubleStar})
+		case strings.Contains(s, "**"):
+			return glob{}, errors.New("** must be a whole segment (e.g. /v1/**)")
+		case s == "*":
+			g.segs = append(g.segs, segment{kind: segAny})
+		case strings.IndexByte(s, '*') >= 0:
+			g.segs = append(g.segs, segment{kind: segWild, text: s})
+		default:
+			g.segs = append(g.segs, segment{kind: segLiteral, text: s})
+		}
+	}
+	return g, nil
+}
+
+// segEnd returns the index of the '/' ending the segment that starts at pos, or len(p).
+func segEnd(p string, pos int) int {
+	if i := strings.IndexByte(p[pos:], '/'); i >= 0 {
+		return pos + i
+	}
+	return len(p)
+}
+
+func (s *segment) match(seg string) bool {
+	switch s.kind {
+	case segLiteral:
+		return seg == s.text
+	case segAny:
+		return seg != ""
+	case segWild:
+		return wildMatch(s.text, seg)
+	}
+	return false
+}
+
+// match reports whether path matches the glob. Segments are the tokens of a classic
+// wildcard match, with "**" as the star: on a mismatch the last "**" takes one more
+// segment, so the walk is O(len(segs) × segments in path) with no recursion.
+func (g *glob) match(path string) bool {
+	if g.literal {
+		return path == g.pattern
+	}
+	segs := g.segs
+	pi, pos := 0, 0 // pattern segment, byte offset of the current path segment
+	starPi, starPos := -1, 0
+	for pos <= len(path) {
+		if pi < len(segs) && segs[pi].kind == segDoubleStar {
+			if pi == len(segs)-1 {
+				return true // a trailing ** takes whatever is left
+			}
+			starPi, starPos = pi, pos
+			pi++
+			continue
+		}
+		end := segEnd(path, pos)
+		if pi < len(segs) && segs[pi].match(path[pos:end]) {
+			pi++
+			pos = end + 1
+			continue
+		}
+		if starPi < 0 {
+			return false
+		}
+		starPos = segEnd(path, starPos) + 1
+		pi, pos = starPi+1, starPos
+	}
+	for pi < len(segs) && segs[pi].kind == segDoubleStar {
+		pi++
+	}
+	return pi == len(segs)
+}
+
+// wildMatch matches s against pattern, where '*' stands for any run of bytes (s holds no
+// '/', being one segment).
+func wildMatch(pattern, s string) bool {
+	pi, si := 0, 0
+	starPi, starSi := -1, 0
+	for si < len(s) {
+		switch {
+		case pi < len(pattern) && pattern[pi] == '*':
+			starPi, starSi = pi, si
+			pi++
+		case pi < len(pattern) && pattern[pi] == s[si]:
+			pi++
+			si++
+		case starPi >= 0:
+			starSi++
+			pi, si = starPi+1, starSi
+		default:
+			return false
+		}
+	}
+	for pi < len(pattern) && pattern[pi] == '*' {
+		pi++
+	}
+	return pi == len(pattern)
+}
+
+// cond is one match condition: the attribute must be present and equal one of values
+// (exact) or match one of globs (path).
+type cond struct {
+	attr   string
+	values []string
+	globs  []glob
+}
+
+func (c *cond) matches(attrs []Attr) bool {
+	v, ok := Lookup(attrs, c.attr)
+	if !ok {
+		return false
+	}
+	for _, want := range c.values {
+		if v == want {
+			return true
+		}
+	}
+	for i := range c.globs {
+		if c.globs[i].match(v) {
+			return true
+		}
+	}
+	return false
+}

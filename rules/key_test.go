@@ -1,0 +1,185 @@
+package rules
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+	"testing"
+
+	"pgregory.net/rapid"
+)
+
+func TestAppendEscaped(t *testing.T) {
+	tests := []struct{ in, want string }{
+		{"", ""},
+		{"ann", "ann"},
+		{"AZaz09-._~:@/+", "AZaz09-._~:@/+"},
+		{"1.2.3.4", "1.2.3.4"},
+		{"2001:db8::1", "2001:db8::1"},
+		{"a b", "a%20b"},
+		{"%", "%25"},
+		{"|={}", "%7C%3D%7B%7D"},
+		{"a|b{c}", "a%7Cb%7Bc%7D"},
+		{"é", "%C3%A9"},
+		{"\x00\xff", "%00%FF"},
+		{"?&#,;*!", "%3F%26%23%2C%3B%2A%21"},
+	}
+	for _, tt := range tests {
+		if got := string(AppendEscaped(nil, tt.in)); got != tt.want {
+			t.Errorf("AppendEscaped(%q) = %q, want %q", tt.in, got, tt.want)
+		}
+	}
+	if got := string(AppendEscaped([]byte("pre:"), "x y")); got != "pre:x%20y" {
+		t.Errorf("AppendEscaped does not append: %q", got)
+	}
+}
+
+func TestAppendKey(t *testing.T) {
+	set := mustParse(t, `rules:
+  - name: per-user
+    key: user
+    limit: { requests: 1, per: 1s }
+  - name: combo.v2
+    key: [api_key, ip]
+    limit: { requests: 1, per: 1s }
+`)
+	one, two := set.Rules[0], set.Rules[1]
+	tests := []struct {
+		r     *Rule
+		attrs []Attr
+		want  string
+		ok    bool
+	}{
+		{one, []Attr{{"user", "ann"}}, "per-user:{user=ann}", true},
+		{one, []Attr{{"user", ""}}, "per-user:{user=}", true},
+		{one, []Attr{{"user", "a}b{c|d=e%f"}}, "per-user:{user=a%7Db%7Bc%7Cd%3De%25f}", true},
+		{one, []Attr{{"ip", "1"}}, "", false},
+		{two, []Attr{{"ip", "::1"}, {"api_key", "k1"}}, "combo.v2:{api_key=k1|ip=::1}", true},
+		{two, []Attr{{"api_key", "k1"}}, "", false},
+		{two, []Attr{{"ip", "1"}}, "", false},
+	}
+	for _, tt := range tests {
+		got, ok := tt.r.AppendKey([]byte("prefix"), tt.attrs)
+		if ok != tt.ok || string(got) != "prefix"+tt.want {
+			t.Errorf("%s.AppendKey(%v) = %q, %v; want %q, %v", tt.r.Name, tt.attrs, got, ok, "prefix"+tt.want, tt.ok)
+		}
+	}
+}
+
+// decodeKey is the inverse of AppendKey, for tests: it splits a client key into the rule
+// name and its attributes, failing on anything AppendKey cannot produce.
+func decodeKey(key string) (name string, attrs []Attr, err error) {
+	name, rest, ok := strings.Cut(key, ":{")
+	if !ok || !strings.HasSuffix(rest, "}") {
+		return "", nil, fmt.Errorf("no :{...} in %q", key)
+	}
+	for part := range strings.SplitSeq(rest[:len(rest)-1], "|") {
+		attr, val, ok := strings.Cut(part, "=")
+		if !ok {
+			return "", nil, fmt.Errorf("no = in %q", part)
+		}
+		v, err := unescape(val)
+		if err != nil {
+			return "", nil, err
+		}
+		attrs = append(attrs, Attr{attr, v})
+	}
+	return name, attrs, nil
+}
+
+func unescape(s string) (string, error) {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '%':
+			if i+2 >= len(s) {
+				return "", fmt.Errorf("short escape in %q", s)
+			}
+			const hexd = "0123456789ABCDEF"
+			hi, lo := strings.IndexByte(hexd, s[i+1]), strings.IndexByte(hexd, s[i+2])
+			if hi < 0 || lo < 0 {
+				return "", fmt.Errorf("bad escape in %q", s)
+			}
+			e := byte(hi<<4 | lo)
+			if keep[e] {
+				return "", fmt.Errorf("needless escape %%%02X in %q", e, s)
+			}
+			b.WriteByte(e)
+			i += 2
+		case keep[c]:
+			b.WriteByte(c)
+		default:
+			return "", fmt.Errorf("unescaped byte %q in %q", c, s)
+		}
+	}
+	return b.String(), nil
+}
+
+func TestKeyProperties(t *testing.T) {
+	set := mustParse(t, `rules:
+  - name: one
+    key: user
+    limit: { requests: 1, per: 1s }
+  - name: two
+    key: [a, b]
+    limit: { requests: 1, per: 1s }
+`)
+	one, two := set.Rules[0], set.Rules[1]
+	// Values from all bytes, and from a few tricky ones so that near-collisions are common.
+	value := rapid.OneOf(
+		rapid.Map(rapid.SliceOf(rapid.Byte()), func(b []byte) string { return string(b) }),
+		rapid.Map(rapid.SliceOfN(rapid.SampledFrom([]byte("a2F7C%|={}:"+"\xc3\xa9")), 0, 6), func(b []byte) string { return string(b) }),
+	)
+	check := func(t *rapid.T, r *Rule, key []byte, vals ...string) {
+		s := string(key)
+		open, close := strings.IndexByte(s, '{'), strings.IndexByte(s, '}')
+		if open != len(r.Name)+1 || close != len(s)-1 || strings.Count(s, "{") != 1 || strings.Count(s, "}") != 1 {
+			t.Fatalf("key %q: braces are not exactly the delimiters", s)
+		}
+		name, attrs, err := decodeKey(s)
+		if err != nil {
+			t.Fatalf("decode %q: %v", s, err)
+		}
+		if name != r.Name || len(attrs) != len(vals) {
+			t.Fatalf("decode %q = %q, %v", s, name, attrs)
+		}
+		for i, v := range vals {
+			if attrs[i].Name != r.Key[i] || attrs[i].Value != v {
+				t.Fatalf("decode %q: attr %d = %+v, want %s=%q", s, i, attrs[i], r.Key[i], v)
+			}
+		}
+	}
+	rapid.Check(t, func(t *rapid.T) {
+		a, b := value.Draw(t, "a"), value.Draw(t, "b")
+		ka, _ := one.AppendKey(nil, []Attr{{"user", a}})
+		kb, _ := one.AppendKey(nil, []Attr{{"user", b}})
+		if bytes.Equal(ka, kb) != (a == b) {
+			t.Fatalf("key(%q) = %q, key(%q) = %q", a, ka, b, kb)
+		}
+		check(t, one, ka, a)
+
+		a1, a2, b1, b2 := value.Draw(t, "a1"), value.Draw(t, "a2"), value.Draw(t, "b1"), value.Draw(t, "b2")
+		k1, _ := two.AppendKey(nil, []Attr{{"b", a2}, {"a", a1}})
+		k2, _ := two.AppendKey(nil, []Attr{{"a", b1}, {"b", b2}})
+		if bytes.Equal(k1, k2) != (a1 == b1 && a2 == b2) {
+			t.Fatalf("key(%q,%q) = %q, key(%q,%q) = %q", a1, a2, k1, b1, b2, k2)
+		}
+		check(t, two, k1, a1, a2)
+		check(t, two, k2, b1, b2)
+	})
+}
+
+func ExampleRule_AppendKey() {
+	set, err := Parse("example.yaml", []byte(`rules:
+  - name: per-account
+    key: [user, ip]
+    limit: { requests: 5, per: 1m }
+`))
+	if err != nil {
+		panic(err)
+	}
+	key, ok := set.Rules[0].AppendKey(nil, []Attr{{"ip", "2001:db8::1"}, {"user", "ann|x={y}"}})
+	fmt.Println(string(key), ok)
+	// Output: per-account:{user=ann%7Cx%3D%7By%7D|ip=2001:db8::1} true
+}

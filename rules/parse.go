@@ -1,0 +1,675 @@
+package rules
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math/bits"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// Error is one problem in a rules file. Its text is "file:line: field: message", as in
+//
+//	rules.yaml:7: rules[1].limit.per: "60x" is not a duration (use e.g. 60s, 1m, 1h, 1d)
+type Error struct {
+	File  string
+	Line  int    // 1-based; 0 when the problem has no line (an empty file)
+	Field string // e.g. "rules[1].limit.per"; "" for the file as a whole
+	Msg   string
+}
+
+func (e *Error) Error() string {
+	var b strings.Builder
+	b.WriteString(e.File)
+	if e.Line > 0 {
+		b.WriteByte(':')
+		b.WriteString(strconv.Itoa(e.Line))
+	}
+	b.WriteString(": ")
+	if e.Field != "" {
+		b.WriteString(e.Field)
+		b.WriteString(": ")
+	}
+	b.WriteString(e.Msg)
+	return b.String()
+}
+
+// Errors is every problem Parse found in a file, ordered by line. Parse returns it as its
+// error; errors.As finds it, and each *Error in it.
+type Errors []*Error
+
+// maxShown bounds how many problems Errors.Error spells out.
+const maxShown = 20
+
+// Error returns one problem per line.
+func (es Errors) Error() string {
+	var b strings.Builder
+	for i, e := range es {
+		if i == maxShown {
+			fmt.Fprintf(&b, "\n... and %d more", len(es)-maxShown)
+			break
+		}
+		if i > 0 {
+			b.WriteByte('\n')
+		}
+		b.WriteString(e.Error())
+	}
+	return b.String()
+}
+
+// Unwrap returns the problems, for errors.Is and errors.As.
+func (es Errors) Unwrap() []error {
+	out := make([]error, len(es))
+	for i, e := range es {
+		out[i] = e
+	}
+	return out
+}
+
+// Load reads and parses the rules file at path. Every error names the path.
+func Load(path string) (*Set, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("reading rules: %w", err)
+	}
+	return Parse(path, data)
+}
+
+// Parse parses and validates a rules file; filename is used in errors and as the Set's
+// Source. It reports every problem it finds (as [Errors]), not just the first, and returns
+// a Set only when there are none.
+func Parse(filename string, data []byte) (*Set, error) {
+	p := &parser{file: filename}
+	rules := p.parse(data)
+	if len(p.errs) > 0 {
+		slices.SortStableFunc(p.errs, func(a, b *Error) int { return a.Line - b.Line })
+		return nil, p.errs
+	}
+	sum := sha256.Sum256(data)
+	return &Set{Rules: rules, Source: filename, Version: hex.EncodeToString(sum[:])[:12]}, nil
+}
+
+type parser struct {
+	file string
+	errs Errors
+}
+
+func (p *parser) errorf(n *yaml.Node, field, format string, args ...any) {
+	line := 0
+	if n != nil {
+		line = n.Line
+	}
+	p.errs = append(p.errs, &Error{File: p.file, Line: line, Field: field, Msg: fmt.Sprintf(format, args...)})
+}
+
+var yamlLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+
+func (p *parser) yamlError(err error) {
+	msg := err.Error()
+	if m := yamlLine.FindStringSubmatch(msg); m != nil {
+		line, _ := strconv.Atoi(m[1])
+		p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + m[2]})
+		return
+	}
+	p.errs = append(p.errs, &Error{File: p.file, Msg: "invalid YAML: " + strings.TrimPrefix(msg, "yaml: ")})
+}
+
+func (p *parser) parse(data []byte) []*Rule {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			p.errorf(nil, "", "no rules: key (the file is empty)")
+		} else {
+			p.yamlError(err)
+		}
+		return nil
+	}
+	var next yaml.Node
+	switch err := dec.Decode(&next); {
+	case err == nil:
+		p.errorf(&next, "", "a second YAML document; put all rules in one document")
+		return nil
+	case !errors.Is(err, io.EOF):
+		p.yamlError(err)
+		return nil
+	}
+	if len(doc.Content) != 1 {
+		p.errorf(&doc, "", "no rules: key")
+		return nil
+	}
+	root := deref(doc.Content[0])
+	if isNull(root) {
+		p.errorf(root, "", "no rules: key")
+		return nil
+	}
+	top, _ := p.mapping(root, "", []string{"rules"})
+	if top == nil {
+		return nil
+	}
+	list, present := top["rules"]
+	if !present {
+		p.errorf(root, "", "no rules: key")
+		return nil
+	}
+	if isNull(list) {
+		return []*Rule{} // "rules:" with nothing under it: no rules, nothing limited
+	}
+	if list.Kind != yaml.SequenceNode {
+		p.errorf(list, "rules", "expected a list of rules, got %s", describe(list))
+		return nil
+	}
+	rules := make([]*Rule, 0, len(list.Content))
+	names := make(map[string]int) // rule name → line of first use
+	for i, item := range list.Content {
+		r := p.rule(i, deref(item))
+		if r == nil {
+			continue
+		}
+		if first, dup := names[r.Name]; dup {
+			p.errorf(item, fmt.Sprintf("rules[%d].name", i), "duplicate rule name %q (first at line %d)", r.Name, first)
+			continue
+		}
+		names[r.Name] = r.Line
+		rules = append(rules, r)
+	}
+	return rules
+}
+
+var (
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure"}
+	limitFields = []string{"requests", "per", "burst"}
+)
+
+// rule validates one rule; it returns nil when the rule has any problem (all reported).
+func (p *parser) rule(idx int, n *yaml.Node) *Rule {
+	field := fmt.Sprintf("rules[%d]", idx)
+	before := len(p.errs)
+	f, _ := p.mapping(n, field, ruleFields)
+	if f == nil {
+		return nil
+	}
+	r := &Rule{File: p.file, Line: n.Line}
+
+	if v := f["name"]; isNull(v) {
+		p.errorf(n, field+".name", "missing (required)")
+	} else if s, ok := p.str(v, field+".name"); ok {
+		if msg := checkName(s); msg != "" {
+			p.errorf(v, field+".name", "%s", msg)
+		}
+		r.Name = s
+	}
+
+	if v := f["match"]; !isNull(v) {
+		r.conds = p.match(v, field+".match")
+	}
+
+	if v := f["key"]; isNull(v) {
+		p.errorf(n, field+".key", "missing (required): an attribute name, or a list of them")
+	} else {
+		r.Key = p.key(v, field+".key")
+	}
+
+	algOK := true
+	if v := f["algorithm"]; !isNull(v) {
+		algOK = false
+		if s, ok := p.str(v, field+".algorithm"); ok {
+			if a, err := localbucket.ParseAlgorithm(s); err != nil {
+				p.errorf(v, field+".algorithm", "unknown algorithm %q (valid: token_bucket, sliding_window, fixed_window)", s)
+			} else {
+				r.Algorithm, algOK = a, true
+			}
+		}
+	}
+
+	limitOK := false
+	limitNode := f["limit"]
+	if isNull(limitNode) {
+		p.errorf(n, field+".limit", "missing (required): e.g. { requests: 10, per: 1m }")
+		limitNode = nil
+	} else {
+		var burstNode *yaml.Node
+		limitOK, burstNode = p.limit(r, limitNode, field+".limit")
+		if burstNode != nil && algOK && r.Algorithm != localbucket.TokenBucket {
+			p.errorf(burstNode, field+".limit.burst", "only token_bucket has a burst (algorithm is %s)", r.Algorithm)
+			limitOK = false
+		}
+	}
+	if limitOK && algOK {
+		lim, err := localbucket.NewLimit(r.Algorithm, r.Requests, r.Per, r.Burst)
+		if err != nil {
+			p.errorf(limitNode, field+".limit", "%v", err)
+			limitOK = false
+		}
+		r.limit = lim
+	}
+
+	if v := f["plans"]; !isNull(v) {
+		r.plans = p.plans(r, v, field+".plans", limitOK && algOK)
+	}
+
+	if v := f["shadow"]; !isNull(v) {
+		if v.Kind != yaml.ScalarNode || v.ShortTag() != "!!bool" || v.Decode(&r.Shadow) != nil {
+			p.errorf(v, field+".shadow", "expected true or false, got %s", describe(v))
+		}
+	}
+	if v := f["mode"]; !isNull(v) {
+		if s, ok := p.str(v, field+".mode"); ok {
+			m, err := ParseMode(s)
+			if err != nil {
+				p.errorf(v, field+".mode", "%v", err)
+			}
+			r.Mode = m
+		}
+	}
+	if v := f["on_store_failure"]; !isNull(v) {
+		if s, ok := p.str(v, field+".on_store_failure"); ok {
+			fp, err := ParseFailurePolicy(s)
+			if err != nil {
+				p.errorf(v, field+".on_store_failure", "%v", err)
+			}
+			r.OnStoreFailure = fp
+		}
+	}
+
+	if len(p.errs) > before {
+		return nil
+	}
+	r.keyPrefix = r.Name + ":{"
+	return r
+}
+
+// limit reads requests, per and burst into r; ok when all three are valid. burst is the
+// burst's node when one was written.
+func (p *parser) limit(r *Rule, n *yaml.Node, field string) (ok bool, burst *yaml.Node) {
+	f, ok := p.mapping(n, field, limitFields)
+	if f == nil {
+		return false, nil
+	}
+	if v := f["requests"]; isNull(v) {
+		p.errorf(n, field+".requests", "missing (required): how many requests per window")
+		ok = false
+	} else {
+		var rok bool
+		r.Requests, rok = p.count(v, field+".requests", "")
+		ok = ok && rok
+	}
+	if v := f["per"]; isNull(v) {
+		p.errorf(n, field+".per", "missing (required): the window, e.g. 1s, 1m, 1h, 1d")
+		ok = false
+	} else if s, sok := p.str(v, field+".per"); !sok {
+		ok = false
+	} else if d, msg := parsePer(s); msg != "" {
+		p.errorf(v, field+".per", "%s", msg)
+		ok = false
+	} else {
+		r.Per = d
+	}
+	if v := f["burst"]; !isNull(v) {
+		b, bok := p.count(v, field+".burst", " (leave burst out for burst = requests)")
+		r.Burst = b
+		ok = ok && bok
+		burst = v
+	}
+	return ok, burst
+}
+
+// plans reads the plan table. build says whether the rule's limit is valid, so that plan
+// limits can be derived from it.
+func (p *parser) plans(r *Rule, n *yaml.Node, field string, build bool) map[string]*planLimit {
+	pairs, ok := p.pairs(n, field)
+	if !ok {
+		return nil
+	}
+	out := make(map[string]*planLimit, len(pairs))
+	for _, kv := range pairs {
+		pf := field + "." + kv.key
+		if kv.key == "" {
+			p.errorf(kv.keyNode, field, "a plan name must not be empty")
+			continue
+		}
+		v := kv.val
+		if v.Kind == yaml.ScalarNode && v.ShortTag() == "!!str" {
+			if v.Value != "unlimited" {
+				p.errorf(v, pf, "expected a number of requests or unlimited, got %s", describe(v))
+				continue
+			}
+			out[kv.key] = &planLimit{unlimited: true}
+			continue
+		}
+		reqs, ok := p.count(v, pf, " (or unlimited)")
+		if !ok || !build {
+			continue
+		}
+		burst, ok := scaleBurst(r.Burst, reqs, r.Requests)
+		if !ok {
+			p.errorf(v, pf, "burst %d scaled to %d requests is too large", r.Burst, reqs)
+			continue
+		}
+		lim, err := localbucket.NewLimit(r.Algorithm, reqs, r.Per, burst)
+		if err != nil {
+			p.errorf(v, pf, "%v", err)
+			continue
+		}
+		out[kv.key] = &planLimit{limit: lim}
+	}
+	return out
+}
+
+// scaleBurst keeps a written burst's ratio to requests for a plan's requests: ⌈burst ×
+// planReqs / reqs⌉, at least 1. A burst of 0 (not written) stays 0, meaning = requests.
+func scaleBurst(burst, planReqs, reqs uint64) (uint64, bool) {
+	if burst == 0 {
+		return 0, true
+	}
+	hi, lo := bits.Mul64(burst, planReqs)
+	if hi >= reqs {
+		return 0, false
+	}
+	q, rem := bits.Div64(hi, lo, reqs)
+	if rem != 0 {
+		if q == ^uint64(0) {
+			return 0, false
+		}
+		q++
+	}
+	return max(q, 1), true
+}
+
+// match compiles the match conditions: exact ones first (cheaper), then path.
+func (p *parser) match(n *yaml.Node, field string) []cond {
+	pairs, ok := p.pairs(n, field)
+	if !ok {
+		return nil
+	}
+	var exact, path []cond
+	for _, kv := range pairs {
+		cf := field + "." + kv.key
+		if msg := checkAttr(kv.key); msg != "" {
+			p.errorf(kv.keyNode, field, "%s", msg)
+			continue
+		}
+		c := cond{attr: kv.key}
+		p.eachString(kv.val, cf, func(s string, at *yaml.Node, sf string) {
+			if kv.key != PathAttribute {
+				c.values = append(c.values, s)
+				return
+			}
+			g, err := compileGlob(s)
+			if err != nil {
+				p.errorf(at, sf, "%q: %v", s, err)
+				return
+			}
+			c.globs = append(c.globs, g)
+		})
+		if kv.key == PathAttribute {
+			path = append(path, c)
+		} else {
+			exact = append(exact, c)
+		}
+	}
+	return append(exact, path...)
+}
+
+// key reads the rule's key: one attribute name or a non-empty list of distinct ones.
+func (p *parser) key(n *yaml.Node, field string) []string {
+	var out []string
+	p.eachString(n, field, func(s string, at *yaml.Node, sf string) {
+		if msg := checkAttr(s); msg != "" {
+			p.errorf(at, sf, "%s", msg)
+			return
+		}
+		if slices.Contains(out, s) {
+			p.errorf(at, sf, "attribute %q listed twice", s)
+			return
+		}
+		out = append(out, s)
+	})
+	return out
+}
+
+// eachString reads a string or a non-empty list of strings, calling each for every one with
+// its node and field.
+func (p *parser) eachString(n *yaml.Node, field string, each func(s string, at *yaml.Node, field string)) {
+	if n.Kind != yaml.SequenceNode {
+		if s, ok := p.str(n, field); ok {
+			each(s, n, field)
+		}
+		return
+	}
+	if len(n.Content) == 0 {
+		p.errorf(n, field, "empty list; give at least one value")
+		return
+	}
+	for i, item := range n.Content {
+		item = deref(item)
+		sf := fmt.Sprintf("%s[%d]", field, i)
+		if s, ok := p.str(item, sf); ok {
+			each(s, item, sf)
+		}
+	}
+}
+
+type pair struct {
+	key          string
+	keyNode, val *yaml.Node
+}
+
+// pairs checks that n is a mapping with scalar keys, none given twice, and returns its
+// entries in order, with aliases resolved.
+func (p *parser) pairs(n *yaml.Node, field string) ([]pair, bool) {
+	if n.Kind != yaml.MappingNode {
+		p.errorf(n, field, "expected a mapping, got %s", describe(n))
+		return nil, false
+	}
+	out := make([]pair, 0, len(n.Content)/2)
+	seen := make(map[string]int, len(n.Content)/2) // key → index in out
+	ok := true
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := deref(n.Content[i]), deref(n.Content[i+1])
+		if k.Kind == yaml.ScalarNode && k.ShortTag() == "!!merge" {
+			p.errorf(k, field, "merge keys (<<) are not supported; write the fields out")
+			ok = false
+			continue
+		}
+		if k.Kind != yaml.ScalarNode || k.ShortTag() == "!!null" {
+			p.errorf(k, field, "keys must be plain names, got %s", describe(k))
+			ok = false
+			continue
+		}
+		if j, dup := seen[k.Value]; dup {
+			p.errorf(k, field, "%q given twice (first at line %d)", k.Value, out[j].keyNode.Line)
+			ok = false
+			continue
+		}
+		seen[k.Value] = len(out)
+		out = append(out, pair{key: k.Value, keyNode: k, val: v})
+	}
+	return out, ok
+}
+
+// mapping is pairs for a mapping whose keys must be among valid; it returns the values of
+// the valid keys (nil when n is not a mapping), and ok when there was no problem.
+func (p *parser) mapping(n *yaml.Node, field string, valid []string) (map[string]*yaml.Node, bool) {
+	pairs, ok := p.pairs(n, field)
+	if pairs == nil && !ok {
+		return nil, false
+	}
+	out := make(map[string]*yaml.Node, len(pairs))
+	for _, kv := range pairs {
+		if !slices.Contains(valid, kv.key) {
+			p.errorf(kv.keyNode, field, "unknown field %q (valid: %s)", kv.key, strings.Join(valid, ", "))
+			ok = false
+			continue
+		}
+		out[kv.key] = kv.val
+	}
+	return out, ok
+}
+
+// str reads a scalar as the text written; numbers are accepted as text (match: {user: 42}).
+func (p *parser) str(n *yaml.Node, field string) (string, bool) {
+	if n.Kind == yaml.ScalarNode {
+		switch n.ShortTag() {
+		case "!!str", "!!int", "!!float":
+			return n.Value, true
+		}
+	}
+	p.errorf(n, field, "expected a string, got %s", describe(n))
+	return "", false
+}
+
+// count reads a whole number >= 1; hint is appended to the "at least 1" message.
+func (p *parser) count(n *yaml.Node, field, hint string) (uint64, bool) {
+	if n.Kind == yaml.ScalarNode && n.ShortTag() == "!!float" && digits.MatchString(n.Value) {
+		p.errorf(n, field, "%s is too large", n.Value) // YAML makes integers past 2^64 floats
+		return 0, false
+	}
+	if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!int" {
+		p.errorf(n, field, "expected a whole number, got %s", describe(n))
+		return 0, false
+	}
+	if strings.HasPrefix(n.Value, "-") {
+		p.errorf(n, field, "must be at least 1, got %s%s", n.Value, hint)
+		return 0, false
+	}
+	var v uint64
+	if err := n.Decode(&v); err != nil {
+		p.errorf(n, field, "%s is too large", n.Value)
+		return 0, false
+	}
+	if v == 0 {
+		p.errorf(n, field, "must be at least 1, got 0%s", hint)
+		return 0, false
+	}
+	return v, true
+}
+
+// parsePer parses a window: a Go duration ("1m30s"), optionally preceded by whole days
+// ("1d", "2d12h"). msg is empty on success.
+func parsePer(s string) (d time.Duration, msg string) {
+	bad := fmt.Sprintf("%q is not a duration (use e.g. 60s, 1m, 1h, 1d)", s)
+	rest := s
+	if i := strings.IndexByte(s, 'd'); i >= 0 {
+		days, err := strconv.ParseUint(s[:i], 10, 64)
+		if err != nil {
+			return 0, bad
+		}
+		const maxDays = uint64(1<<63-1) / uint64(24*time.Hour)
+		if days > maxDays {
+			return 0, fmt.Sprintf("%q is too long", s)
+		}
+		d = time.Duration(days) * 24 * time.Hour
+		rest = s[i+1:]
+		if rest == "" {
+			return checkPer(s, d)
+		}
+		if rest[0] == '-' || rest[0] == '+' {
+			return 0, bad
+		}
+	}
+	r, err := time.ParseDuration(rest)
+	if err != nil {
+		return 0, bad
+	}
+	if d > 0 && r > time.Duration(1<<63-1)-d {
+		return 0, fmt.Sprintf("%q is too long", s)
+	}
+	return checkPer(s, d+r)
+}
+
+func checkPer(s string, d time.Duration) (time.Duration, string) {
+	if d < time.Millisecond {
+		return 0, fmt.Sprintf("%q is too short: at least 1ms", s)
+	}
+	return d, ""
+}
+
+var digits = regexp.MustCompile(`^[0-9_]+$`)
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
+
+const maxNameLen = 64
+
+func checkName(s string) string {
+	if len(s) > maxNameLen {
+		return fmt.Sprintf("%q is too long (%d bytes; at most %d)", s, len(s), maxNameLen)
+	}
+	if !nameRE.MatchString(s) {
+		return fmt.Sprintf("%q is not a valid rule name (a letter or digit, then letters, digits, _ . -)", s)
+	}
+	return ""
+}
+
+var attrRE = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
+
+// checkAttr restricts attribute names to bytes that AppendEscaped keeps, so that client
+// keys can write them unescaped.
+func checkAttr(s string) string {
+	if len(s) > maxNameLen {
+		return fmt.Sprintf("attribute name %q is too long (%d bytes; at most %d)", s, len(s), maxNameLen)
+	}
+	if !attrRE.MatchString(s) {
+		return fmt.Sprintf("%q is not a valid attribute name (letters, digits, _ . -)", s)
+	}
+	return ""
+}
+
+// deref follows aliases (*anchor) to the node they name.
+func deref(n *yaml.Node) *yaml.Node {
+	for i := 0; n != nil && n.Kind == yaml.AliasNode && n.Alias != nil && i < 100; i++ {
+		n = n.Alias
+	}
+	return n
+}
+
+// isNull reports whether a value is absent or null ("key:" with nothing after it).
+func isNull(n *yaml.Node) bool {
+	return n == nil || (n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null")
+}
+
+// describe names a node's type for errors: `a string "abc"`, `a list`.
+func describe(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	case yaml.AliasNode:
+		return "an alias"
+	case yaml.ScalarNode:
+		v := n.Value
+		if len(v) > 40 {
+			v = v[:40] + "..."
+		}
+		switch n.ShortTag() {
+		case "!!str":
+			return "a string " + quote(v)
+		case "!!int":
+			return "an integer " + v
+		case "!!float":
+			return "a number " + v
+		case "!!bool":
+			return "a boolean " + v
+		case "!!null":
+			return "null"
+		default:
+			return "a " + n.ShortTag() + " value " + quote(v)
+		}
+	}
+	return "nothing"
+}
+
+func quote(s string) string { return strconv.Quote(s) }

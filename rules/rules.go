@@ -1,0 +1,209 @@
+// Package rules holds rlsidecar's rule set: the YAML schema, its strict validation (every
+// error names the file, line and field), request matching, per-plan limits and the client
+// key encoding.
+//
+// Most callers want [Load] (or [Parse] for bytes already read), then, per request and per
+// rule, [Rule.Matches], [Rule.AppendKey] and [Rule.LimitFor]. A [Set] and its rules are
+// immutable once built and safe for concurrent use; a reload builds a new Set and swaps it
+// in whole. The per-request methods do not allocate.
+package rules
+
+import (
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// PlanAttribute is the request attribute whose value selects a rule's plan limit.
+const PlanAttribute = "plan"
+
+// PathAttribute is the request attribute that match.path globs are matched against.
+const PathAttribute = "path"
+
+// Attr is one request attribute, such as {"method", "POST"} or {"ip", "1.2.3.4"}.
+type Attr struct{ Name, Value string }
+
+// Lookup returns the value of the first attribute called name (a linear scan: requests
+// carry a handful of attributes). ok is false when there is none; an empty value that is
+// present is found.
+func Lookup(attrs []Attr, name string) (value string, ok bool) {
+	for i := range attrs {
+		if attrs[i].Name == name {
+			return attrs[i].Value, true
+		}
+	}
+	return "", false
+}
+
+// Mode says where a rule's counters live. The zero value, ModeDefault, means the rule did
+// not set one and the daemon's default applies.
+type Mode uint8
+
+const (
+	ModeDefault Mode = iota // not set in the rule: the daemon decides
+	ModeLocal               // in-memory buckets only
+	ModeHybrid              // local buckets fed by a periodically synced global view
+	ModeGlobal              // one atomic store call per check
+)
+
+var modeNames = [...]string{ModeDefault: "default", ModeLocal: "local", ModeHybrid: "hybrid", ModeGlobal: "global"}
+
+// String returns the name used in the YAML ("local", "hybrid", "global"), or "default".
+func (m Mode) String() string {
+	if int(m) < len(modeNames) {
+		return modeNames[m]
+	}
+	return "Mode(" + itoa(uint64(m)) + ")"
+}
+
+// ParseMode parses "local", "hybrid" or "global" (the values a rule's mode takes).
+func ParseMode(s string) (Mode, error) {
+	for m := ModeLocal; m <= ModeGlobal; m++ {
+		if modeNames[m] == s {
+			return m, nil
+		}
+	}
+	return ModeDefault, &valueError{what: "mode", value: s, valid: "local, hybrid, global"}
+}
+
+// FailurePolicy says what a rule does when its store is unreachable. The zero value is
+// FailLocal.
+type FailurePolicy uint8
+
+const (
+	FailLocal  FailurePolicy = iota // fall back to a local bucket (the default)
+	FailOpen                        // allow
+	FailClosed                      // reject
+)
+
+var policyNames = [...]string{FailLocal: "local", FailOpen: "open", FailClosed: "closed"}
+
+// String returns the name used in the YAML: "local", "open" or "closed".
+func (p FailurePolicy) String() string {
+	if int(p) < len(policyNames) {
+		return policyNames[p]
+	}
+	return "FailurePolicy(" + itoa(uint64(p)) + ")"
+}
+
+// ParseFailurePolicy parses "open", "closed" or "local".
+func ParseFailurePolicy(s string) (FailurePolicy, error) {
+	for p := range policyNames {
+		if policyNames[p] == s {
+			return FailurePolicy(p), nil
+		}
+	}
+	return FailLocal, &valueError{what: "on_store_failure", value: s, valid: "open, closed, local"}
+}
+
+type valueError struct{ what, value, valid string }
+
+func (e *valueError) Error() string {
+	return "unknown " + e.what + " " + quote(e.value) + " (valid: " + e.valid + ")"
+}
+
+// Rule is one validated rule. Its exported fields say what the file said (Burst is 0 when
+// the file gave none); the compiled matchers and limits are unexported. A Rule is
+// immutable and safe for concurrent use.
+type Rule struct {
+	Name           string
+	Key            []string // attribute names, in order
+	Algorithm      localbucket.Algorithm
+	Requests       uint64
+	Per            time.Duration
+	Burst          uint64 // as written, 0 if absent
+	Shadow         bool   // counted and reported, never rejects
+	Mode           Mode   // ModeDefault when the rule does not set one
+	OnStoreFailure FailurePolicy
+	File           string // where the rule was defined
+	Line           int
+
+	conds     []cond            // all must hold
+	keyPrefix string            // Name + ":{"
+	limit     localbucket.Limit // the default limit
+	plans     map[string]*planLimit
+}
+
+type planLimit struct {
+	unlimited bool
+	limit     localbucket.Limit
+}
+
+// Matches reports whether every match condition of the rule holds for attrs. A rule
+// without conditions matches every request; a condition on an attribute the request
+// lacks fails. It does not allocate.
+func (r *Rule) Matches(attrs []Attr) bool {
+	for i := range r.conds {
+		if !r.conds[i].matches(attrs) {
+			return false
+		}
+	}
+	return true
+}
+
+// LimitFor returns the limit for a request whose plan attribute is plan (hasPlan false when
+// the request has none). A plan the rule does not list gets the rule's default limit. For
+// an unlimited plan, lim is nil and unlimited is true. The returned Limit lives as long as
+// the Set; it is precomputed, never built per call.
+//
+// With limit {requests: 100, per: 1m, burst: 150} and plans {partner: 1000, internal:
+// unlimited}: no plan or plan "free" → 100/min burst 150; "partner" → 1000/min burst 1500;
+// "internal" → (nil, true).
+func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unlimited bool) {
+	if hasPlan && r.plans != nil {
+		if p, ok := r.plans[plan]; ok {
+			if p.unlimited {
+				return nil, true
+			}
+			return &p.limit, false
+		}
+	}
+	return &r.limit, false
+}
+
+// AppendKey appends the rule's client key for attrs to dst:
+//
+//	<rule name>:{<attr>=<escaped value>[|<attr>=<escaped value>]...}
+//
+// with the attributes in the order of the rule's key and values escaped by
+// [AppendEscaped]. For rule "per-user" with key [user, ip] and attrs user=ann, ip=::1 the
+// key is "per-user:{user=ann|ip=::1}". ok is false (and dst is returned unchanged) when a
+// key attribute is missing. It does not allocate when dst has room.
+func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
+	n := len(dst)
+	dst = append(dst, r.keyPrefix...)
+	for i, name := range r.Key {
+		v, ok := Lookup(attrs, name)
+		if !ok {
+			return dst[:n], false
+		}
+		if i > 0 {
+			dst = append(dst, '|')
+		}
+		dst = append(dst, name...) // attribute names are validated to need no escaping
+		dst = append(dst, '=')
+		dst = AppendEscaped(dst, v)
+	}
+	return append(dst, '}'), true
+}
+
+// Set is a whole, validated rules file. Rules keep the file's order.
+type Set struct {
+	Rules   []*Rule
+	Source  string // file name, or "built-in"
+	Version string // hex sha256 of the source bytes, first 12 characters
+}
+
+func itoa(v uint64) string {
+	var b [20]byte
+	i := len(b)
+	for {
+		i--
+		b[i] = byte('0' + v%10)
+		v /= 10
+		if v == 0 {
+			break
+		}
+	}
+	return string(b[i:])
+}
