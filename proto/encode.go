@@ -49,20 +49,41 @@ func (e *Encoder) end(start int) {
 // The msgpack.Encoder writes to a bytes.Buffer, which never fails, so the errors of the
 // calls below are always nil and are not checked.
 
-func (e *Encoder) str(k, v string) {
-	_ = e.enc.EncodeString(k)
+// Field names are constant: each is encoded once, at init, by msgpack, and copied into
+// frames as bytes. Values go through the msgpack.Encoder.
+type fieldName []byte
+
+func field(name string) fieldName {
+	var b bytes.Buffer
+	_ = msgpack.NewEncoder(&b).EncodeString(name)
+	return b.Bytes()
+}
+
+var (
+	fID, fOp, fAttrs, fLimits, fCost              = field("id"), field("op"), field("attrs"), field("limits"), field("cost")
+	fKey, fLimit, fWindowMs, fBurst, fAlgorithm   = field("key"), field("limit"), field("window_ms"), field("burst"), field("algorithm")
+	fMode, fName, fAllowed, fRule, fRemaining     = field("mode"), field("name"), field("allowed"), field("rule"), field("remaining")
+	fResetMs, fRetryAfterMs, fDegraded, fRules    = field("reset_ms"), field("retry_after_ms"), field("degraded"), field("rules")
+	fShadow, fReason, fVersion, fProtocol, fError = field("shadow"), field("reason"), field("version"), field("protocol"), field("error")
+	fCode, fMessage                               = field("code"), field("message")
+)
+
+func (e *Encoder) str(k fieldName, v string) {
+	e.buf.Write(k)
 	_ = e.enc.EncodeString(v)
 }
 
-func (e *Encoder) uint(k string, v uint64) {
-	_ = e.enc.EncodeString(k)
+func (e *Encoder) uint(k fieldName, v uint64) {
+	e.buf.Write(k)
 	_ = e.enc.EncodeUint(v)
 }
 
-func (e *Encoder) bool(k string, v bool) {
-	_ = e.enc.EncodeString(k)
+func (e *Encoder) bool(k fieldName, v bool) {
+	e.buf.Write(k)
 	_ = e.enc.EncodeBool(v)
 }
+
+func (e *Encoder) key(k fieldName) { e.buf.Write(k) }
 
 // EncodeCheck appends a check response frame:
 // id, allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then
@@ -74,15 +95,15 @@ func (e *Encoder) EncodeCheck(r *Response) {
 		n++
 	}
 	_ = e.enc.EncodeMapLen(n)
-	e.uint("id", r.ID)
-	e.bool("allowed", r.Allowed)
-	e.str("rule", r.Rule)
-	e.uint("limit", r.Limit)
-	e.uint("remaining", r.Remaining)
-	e.uint("reset_ms", r.ResetMs)
-	e.uint("retry_after_ms", r.RetryAfterMs)
-	e.bool("degraded", r.Degraded)
-	_ = e.enc.EncodeString("rules")
+	e.uint(fID, r.ID)
+	e.bool(fAllowed, r.Allowed)
+	e.str(fRule, r.Rule)
+	e.uint(fLimit, r.Limit)
+	e.uint(fRemaining, r.Remaining)
+	e.uint(fResetMs, r.ResetMs)
+	e.uint(fRetryAfterMs, r.RetryAfterMs)
+	e.bool(fDegraded, r.Degraded)
+	e.key(fRules)
 	_ = e.enc.EncodeArrayLen(len(r.Rules))
 	for i := range r.Rules {
 		rr := &r.Rules[i]
@@ -91,20 +112,20 @@ func (e *Encoder) EncodeCheck(r *Response) {
 			m++
 		}
 		_ = e.enc.EncodeMapLen(m)
-		e.str("name", rr.Name)
-		e.uint("limit", rr.Limit)
-		e.uint("window_ms", rr.WindowMs)
-		e.uint("remaining", rr.Remaining)
-		e.uint("reset_ms", rr.ResetMs)
-		e.uint("retry_after_ms", rr.RetryAfterMs)
-		e.bool("allowed", rr.Allowed)
-		e.bool("shadow", rr.Shadow)
+		e.str(fName, rr.Name)
+		e.uint(fLimit, rr.Limit)
+		e.uint(fWindowMs, rr.WindowMs)
+		e.uint(fRemaining, rr.Remaining)
+		e.uint(fResetMs, rr.ResetMs)
+		e.uint(fRetryAfterMs, rr.RetryAfterMs)
+		e.bool(fAllowed, rr.Allowed)
+		e.bool(fShadow, rr.Shadow)
 		if rr.Reason != "" {
-			e.str("reason", rr.Reason)
+			e.str(fReason, rr.Reason)
 		}
 	}
 	if r.Reason != "" {
-		e.str("reason", r.Reason)
+		e.str(fReason, r.Reason)
 	}
 	e.end(start)
 }
@@ -113,9 +134,9 @@ func (e *Encoder) EncodeCheck(r *Response) {
 func (e *Encoder) EncodePing(id uint64, version string) {
 	start := e.begin()
 	_ = e.enc.EncodeMapLen(3)
-	e.uint("id", id)
-	e.str("version", version)
-	e.uint("protocol", Version)
+	e.uint(fID, id)
+	e.str(fVersion, version)
+	e.uint(fProtocol, Version)
 	e.end(start)
 }
 
@@ -123,11 +144,11 @@ func (e *Encoder) EncodePing(id uint64, version string) {
 func (e *Encoder) EncodeError(id uint64, code, message string) {
 	start := e.begin()
 	_ = e.enc.EncodeMapLen(2)
-	e.uint("id", id)
-	_ = e.enc.EncodeString("error")
+	e.uint(fID, id)
+	e.key(fError)
 	_ = e.enc.EncodeMapLen(2)
-	e.str("code", code)
-	e.str("message", message)
+	e.str(fCode, code)
+	e.str(fMessage, message)
 	e.end(start)
 }
 
@@ -147,17 +168,18 @@ func (e *Encoder) EncodeRequest(r *Request) {
 		n++
 	}
 	_ = e.enc.EncodeMapLen(n)
-	e.uint("id", r.ID)
-	e.str("op", r.Op)
+	e.uint(fID, r.ID)
+	e.str(fOp, r.Op)
 	if len(r.Attrs) > 0 {
-		_ = e.enc.EncodeString("attrs")
+		e.key(fAttrs)
 		_ = e.enc.EncodeMapLen(len(r.Attrs))
 		for _, a := range r.Attrs {
-			e.str(a.Name, a.Value)
+			_ = e.enc.EncodeString(a.Name)
+			_ = e.enc.EncodeString(a.Value)
 		}
 	}
 	if len(r.Limits) > 0 {
-		_ = e.enc.EncodeString("limits")
+		e.key(fLimits)
 		_ = e.enc.EncodeArrayLen(len(r.Limits))
 		for i := range r.Limits {
 			l := &r.Limits[i]
@@ -168,25 +190,25 @@ func (e *Encoder) EncodeRequest(r *Request) {
 				}
 			}
 			_ = e.enc.EncodeMapLen(m)
-			e.str("key", l.Key)
-			e.uint("limit", l.Limit)
-			e.uint("window_ms", l.WindowMs)
+			e.str(fKey, l.Key)
+			e.uint(fLimit, l.Limit)
+			e.uint(fWindowMs, l.WindowMs)
 			if l.Burst != 0 {
-				e.uint("burst", l.Burst)
+				e.uint(fBurst, l.Burst)
 			}
 			if l.Algorithm != "" {
-				e.str("algorithm", l.Algorithm)
+				e.str(fAlgorithm, l.Algorithm)
 			}
 			if l.Mode != "" {
-				e.str("mode", l.Mode)
+				e.str(fMode, l.Mode)
 			}
 			if l.Name != "" {
-				e.str("name", l.Name)
+				e.str(fName, l.Name)
 			}
 		}
 	}
 	if r.Cost != 1 {
-		e.uint("cost", r.Cost)
+		e.uint(fCost, r.Cost)
 	}
 	e.end(start)
 }
