@@ -1,0 +1,83 @@
+package localbucket
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+func BenchmarkTake(b *testing.B) {
+	for _, alg := range []Algorithm{TokenBucket, SlidingWindow, FixedWindow} {
+		b.Run(alg.String(), func(b *testing.B) {
+			l := mustLimit(b, alg, 1_000_000_000, time.Second, 0)
+			var s State
+			// Warm up so that the sliding window has a previous count to weigh.
+			s, _ = l.Take(s, base, 1000)
+			now := base + s1 + 300*ms
+			b.ReportAllocs()
+			for b.Loop() {
+				s, _ = l.Take(s, now, 1)
+			}
+		})
+	}
+}
+
+func benchOps(b *testing.B) (*Store, []Op) {
+	s := NewStore(Options{})
+	user := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0)
+	ip := mustLimit(b, SlidingWindow, 1_000_000_000, time.Minute, 0)
+	// Other keys, so that the maps are not trivially small.
+	for i := range 100_000 {
+		s.Apply(base, []Op{{Key: fmt.Appendf(nil, "user:{id=%d}", i), Limit: user, Cost: 1}})
+	}
+	ops := []Op{
+		{Key: []byte("user:{id=42}"), Limit: user, Cost: 1},
+		{Key: []byte("ip:{ip=192.0.2.1}"), Limit: ip, Cost: 1},
+	}
+	if !s.Apply(base, ops) {
+		b.Fatal("rejected")
+	}
+	return s, ops
+}
+
+// BenchmarkStoreApply2 is one request checked against 2 rules on existing keys.
+func BenchmarkStoreApply2(b *testing.B) {
+	s, ops := benchOps(b)
+	now := base + 500*ms
+	b.ReportAllocs()
+	for b.Loop() {
+		s.Apply(now, ops)
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "checks/s")
+}
+
+func BenchmarkStoreApply2Parallel(b *testing.B) {
+	s, _ := benchOps(b)
+	user, ip := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0), mustLimit(b, SlidingWindow, 1_000_000_000, time.Minute, 0)
+	now := base + 500*ms
+	b.ReportAllocs()
+	keys := make([][]byte, 1024)
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "user:{id=%d}", i*97)
+	}
+	b.RunParallel(func(pb *testing.PB) {
+		// Existing user keys spread over the shards, and one shared ip key.
+		ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("ip:{ip=192.0.2.1}"), Limit: ip, Cost: 1}}
+		i := 0
+		for pb.Next() {
+			ops[0].Key = keys[i%len(keys)]
+			s.Apply(now, ops)
+			i++
+		}
+	})
+}
+
+func TestApplyAllocs(t *testing.T) {
+	s := NewStore(Options{})
+	l := mustLimit(t, TokenBucket, 1_000_000_000, time.Second, 0)
+	ops := []Op{{Key: []byte("a"), Limit: l, Cost: 1}, {Key: []byte("b"), Limit: l, Cost: 1}}
+	s.Apply(base, ops)
+	if n := testing.AllocsPerRun(100, func() { s.Apply(base, ops) }); n != 0 {
+		t.Errorf("Apply on existing keys allocates %v times", n)
+	}
+}

@@ -1,0 +1,138 @@
+package localbucket
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"strconv"
+	"time"
+)
+
+// Algorithm selects how a [Limit] counts.
+type Algorithm uint8
+
+const (
+	// TokenBucket refills continuously at requests/window up to burst tokens; a new bucket
+	// starts full. It is implemented as GCRA (one timestamp of state). The default.
+	TokenBucket Algorithm = iota
+	// SlidingWindow is the sliding window counter (the Cloudflare approximation): the
+	// count of the current fixed window plus the previous window's count weighted by how
+	// much of it still overlaps the sliding window.
+	SlidingWindow
+	// FixedWindow counts in windows aligned to absolute time (floor(now / window)).
+	FixedWindow
+)
+
+var algorithmNames = [...]string{
+	TokenBucket:   "token_bucket",
+	SlidingWindow: "sliding_window",
+	FixedWindow:   "fixed_window",
+}
+
+// ParseAlgorithm returns the algorithm named s: "token_bucket", "sliding_window" or
+// "fixed_window".
+func ParseAlgorithm(s string) (Algorithm, error) {
+	for a, name := range algorithmNames {
+		if s == name {
+			return Algorithm(a), nil
+		}
+	}
+	return 0, fmt.Errorf("unknown algorithm %q: valid algorithms are token_bucket, sliding_window and fixed_window", s)
+}
+
+// String returns the name ParseAlgorithm accepts, or "Algorithm(n)" for an unknown value.
+func (a Algorithm) String() string {
+	if int(a) < len(algorithmNames) {
+		return algorithmNames[a]
+	}
+	return "Algorithm(" + strconv.Itoa(int(a)) + ")"
+}
+
+const (
+	maxWindow = 366 * 24 * time.Hour
+	// maxTau bounds burst*window/requests (the time a full token bucket takes to refill)
+	// so that now + 2*tau never overflows int64 for any now before 2116.
+	maxTau = 1 << 60
+)
+
+// Limit holds the immutable, precomputed parameters of one limit: requests per window,
+// with burst capacity for a token bucket. Build it with [NewLimit]; the zero value is not
+// usable (Take panics on it). A Limit is safe for concurrent use; pass it by pointer.
+type Limit struct {
+	alg      Algorithm
+	requests uint64
+	burst    uint64 // token bucket capacity; = requests for the windows
+	window   int64  // ns, a whole number of milliseconds
+	emission int64  // token bucket: ns per token, window/requests rounded down, >= 1
+	tau      int64  // token bucket: burst*emission, the time a full bucket takes to refill
+}
+
+// NewLimit validates and builds a limit of requests per window. For a token bucket, burst
+// is the capacity (0 means burst = requests); the windows have no burst, so burst must be
+// 0 for them.
+//
+// requests must be in [1, 2^32-1], window a whole number of milliseconds in [1ms, 366
+// days]. A token bucket's emission interval window/requests (integer nanoseconds, rounded
+// down) must be at least 1ns, its burst at most 2^32-1, and burst*window/requests at
+// most 2^60ns (about 36 years).
+func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64) (Limit, error) {
+	if int(alg) >= len(algorithmNames) {
+		return Limit{}, fmt.Errorf("unknown algorithm %d", alg)
+	}
+	if requests == 0 {
+		return Limit{}, errors.New("requests must be at least 1")
+	}
+	if requests > math.MaxUint32 {
+		return Limit{}, fmt.Errorf("requests %d exceed the maximum of %d", requests, uint64(math.MaxUint32))
+	}
+	if window < time.Millisecond {
+		return Limit{}, fmt.Errorf("window %v is shorter than 1ms", window)
+	}
+	if window%time.Millisecond != 0 {
+		return Limit{}, fmt.Errorf("window %v is not a whole number of milliseconds", window)
+	}
+	if window > maxWindow {
+		return Limit{}, fmt.Errorf("window %v is longer than 366 days", window)
+	}
+	l := Limit{alg: alg, requests: requests, burst: requests, window: int64(window)}
+	if alg != TokenBucket {
+		if burst != 0 {
+			return Limit{}, fmt.Errorf("burst %d given for %s: burst applies only to token_bucket", burst, alg)
+		}
+		return l, nil
+	}
+	if burst > math.MaxUint32 {
+		return Limit{}, fmt.Errorf("burst %d exceeds the maximum of %d", burst, uint64(math.MaxUint32))
+	}
+	if burst != 0 {
+		l.burst = burst
+	}
+	l.emission = int64(window) / int64(requests)
+	if l.emission < 1 {
+		return Limit{}, fmt.Errorf("rate of %d per %v is too high: the interval between two tokens would be under 1ns", requests, window)
+	}
+	hi, lo := bits.Mul64(l.burst, uint64(l.emission))
+	if hi != 0 || lo > maxTau {
+		return Limit{}, fmt.Errorf("burst %d at %d per %v takes more than 2^60ns (about 36 years) to refill", l.burst, requests, window)
+	}
+	l.tau = int64(lo)
+	return l, nil
+}
+
+// Algorithm returns the algorithm of l.
+func (l *Limit) Algorithm() Algorithm { return l.alg }
+
+// Requests returns the number of requests per window.
+func (l *Limit) Requests() uint64 { return l.requests }
+
+// Window returns the window.
+func (l *Limit) Window() time.Duration { return time.Duration(l.window) }
+
+// Burst returns the effective burst: the token bucket's capacity (requests when NewLimit
+// was given 0), and Requests() for the windows.
+func (l *Limit) Burst() uint64 { return l.burst }
+
+// Capacity returns the largest cost that can ever pass: the burst for a token bucket,
+// requests for the windows. A larger cost is [Result.Impossible].
+func (l *Limit) Capacity() uint64 { return l.burst }

@@ -1,0 +1,463 @@
+package localbucket
+
+import (
+	"bytes"
+	"hash/maphash"
+	"math"
+	"sync"
+	"sync/atomic"
+)
+
+// Options configures a [Store]. The zero value gives the defaults.
+type Options struct {
+	// Shards is the number of independently locked shards, a power of two; default 256.
+	Shards int
+	// MaxKeys caps the keys stored over all shards; default 4,000,000. Each shard holds at
+	// most ceil(MaxKeys/Shards) keys.
+	MaxKeys int
+}
+
+const (
+	defaultShards  = 256
+	defaultMaxKeys = 4_000_000
+	maxShards      = 1 << 16
+)
+
+// Store is a sharded in-memory map from key to [State] that applies batches of checks
+// all-or-nothing ([Store.Apply]). Each shard is a mutex and a hash table; a batch locks the
+// shards it touches in ascending order, so batches on overlapping keys never deadlock and
+// never admit more than the limit. States that carry no information are not stored, and
+// [Store.Sweep] drops the ones that expired. When a shard is full, inserting a key evicts
+// a key that is not currently limited; a shard full of limited clients stores no new key.
+//
+// Build it with [NewStore]; the zero value is not usable. A Store is safe for concurrent
+// use.
+type Store struct {
+	seed      maphash.Seed
+	mask      uint32
+	shards    []shard
+	evictions atomic.Uint64
+	untracked atomic.Uint64
+}
+
+// entry is what is stored for one key: 32 bytes.
+type entry struct {
+	st           State
+	expires      int64
+	limitedUntil int64
+}
+
+// record is one slot of a shard's record arena. A free record has expires == freeMark.
+type record struct {
+	key string
+	e   entry
+}
+
+const (
+	chunkBits = 8
+	chunkSize = 1 << chunkBits // 256 records of 48 bytes: 12 KiB, a size class
+	freeMark  = math.MinInt64
+	minSlots  = 16
+)
+
+// shard is an open-addressing hash table (linear probing, backward-shift deletion) over
+// an arena of records in fixed-size chunks. A slot is 8 bytes: the high 32 bits of the
+// key's hash and the record index + 1 (0 is an empty slot). About 95 bytes per key at
+// 1,000,000 keys, half of what a Go map[string]entry takes, and an update of an existing
+// key is a store through a pointer, not a map assignment (which would allocate).
+type shard struct {
+	mu     sync.Mutex
+	slots  []uint64
+	n      int // live records
+	chunks []*[chunkSize]record
+	free   []uint32 // indexes of free records
+	used   uint32   // records handed out from chunks
+	cap    int
+	// allLimitedUntil is a lower bound on every entry's limitedUntil, recorded when a
+	// full scan found only limited entries; while it is in the future no scan can find
+	// an entry to evict.
+	allLimitedUntil int64
+	_               [16]byte // keep shards on separate cache lines (128 bytes)
+}
+
+func (sh *shard) rec(i uint32) *record { return &sh.chunks[i>>chunkBits][i&(chunkSize-1)] }
+
+// find returns the slot of key (hi: the high 32 bits of its hash) and its record, or the
+// empty slot where it would go.
+func find[K string | []byte](sh *shard, hi uint32, key K) (slot int, idx uint32, found bool) {
+	mask := len(sh.slots) - 1
+	for p := int(hi) & mask; ; p = (p + 1) & mask {
+		v := sh.slots[p]
+		if v == 0 {
+			return p, 0, false
+		}
+		if uint32(v>>32) == hi {
+			if i := uint32(v) - 1; sh.rec(i).key == string(key) {
+				return p, i, true
+			}
+		}
+	}
+}
+
+// add stores a key known to be absent.
+func (sh *shard) add(hi uint32, key []byte, e entry) {
+	if (sh.n+1)*4 > len(sh.slots)*3 {
+		sh.resize(max(2*len(sh.slots), minSlots))
+	}
+	var i uint32
+	if n := len(sh.free); n > 0 {
+		i = sh.free[n-1]
+		sh.free = sh.free[:n-1]
+	} else {
+		if int(sh.used) == len(sh.chunks)*chunkSize {
+			sh.chunks = append(sh.chunks, new([chunkSize]record))
+		}
+		i = sh.used
+		sh.used++
+	}
+	*sh.rec(i) = record{key: string(key), e: e}
+	p, _, _ := find(sh, hi, key)
+	sh.slots[p] = uint64(hi)<<32 | uint64(i+1)
+	sh.n++
+}
+
+func (sh *shard) resize(size int) {
+	old := sh.slots
+	sh.slots = make([]uint64, size)
+	mask := size - 1
+	for _, v := range old {
+		if v == 0 {
+			continue
+		}
+		p := int(v>>32) & mask
+		for sh.slots[p] != 0 {
+			p = (p + 1) & mask
+		}
+		sh.slots[p] = v
+	}
+}
+
+// removeAt deletes the key in slot p, whose record is i.
+func (sh *shard) removeAt(p int, i uint32) {
+	*sh.rec(i) = record{e: entry{expires: freeMark}}
+	sh.free = append(sh.free, i)
+	sh.n--
+	// Backward-shift deletion: move later entries of the probe run into the hole when
+	// their home slot is not cyclically in (hole, their slot].
+	mask := len(sh.slots) - 1
+	hole := p
+	sh.slots[hole] = 0
+	for j := (hole + 1) & mask; ; j = (j + 1) & mask {
+		v := sh.slots[j]
+		if v == 0 {
+			return
+		}
+		home := int(v>>32) & mask
+		if hole <= j {
+			if hole < home && home <= j {
+				continue
+			}
+		} else if hole < home || home <= j {
+			continue
+		}
+		sh.slots[hole] = v
+		sh.slots[j] = 0
+		hole = j
+	}
+}
+
+// NewStore returns an empty store. It panics if o.Shards is not a power of two (a
+// programmer error: validate configuration before).
+func NewStore(o Options) *Store {
+	if o.Shards <= 0 {
+		o.Shards = defaultShards
+	}
+	if o.Shards&(o.Shards-1) != 0 || o.Shards > maxShards {
+		panic("BUG: localbucket: Options.Shards must be a power of two up to 65536")
+	}
+	if o.MaxKeys <= 0 {
+		o.MaxKeys = defaultMaxKeys
+	}
+	s := &Store{
+		seed:   maphash.MakeSeed(),
+		mask:   uint32(o.Shards - 1),
+		shards: make([]shard, o.Shards),
+	}
+	per := (o.MaxKeys + o.Shards - 1) / o.Shards
+	for i := range s.shards {
+		s.shards[i].slots = make([]uint64, minSlots)
+		s.shards[i].cap = per
+	}
+	return s
+}
+
+// Op is one check in an all-or-nothing batch given to [Store.Apply].
+type Op struct {
+	// Key identifies the state. It is copied when stored, so the caller may reuse its
+	// buffer after Apply returns.
+	Key []byte
+	// Limit decides; all ops on one key should share one algorithm.
+	Limit *Limit
+	// Cost is what the op takes; 0 is a peek (see [Limit.Take]).
+	Cost uint64
+	// Shadow marks a dry run: a shadow op never makes the batch fail, and if it would
+	// reject it consumes nothing. Its Result still says whether it would have passed.
+	Shadow bool
+	// Result is written by Apply.
+	Result Result
+}
+
+// opScratch is Apply's per-op working state.
+type opScratch struct {
+	in, out State
+	hash    uint64
+	idx     int32 // index of the stored entry, -1 when the key is not stored
+	prev    int32 // the previous op on the same key, -1 if none
+	shard   uint32
+	last    bool // no later op has the same key
+}
+
+const inlineOps = 16
+
+// Apply decides ops together at time now (ns since the Unix epoch). If every non-shadow
+// op is allowed, it commits every allowed op and returns true. Otherwise it commits
+// nothing and returns false; the Result of each op that was itself allowed then reports
+// the key's current state as a cost-0 peek would, with Allowed still true and RetryAfter
+// 0. Ops on the same key in one batch are applied in order on the tentative state.
+//
+// Apply is atomic and safe for concurrent use: it locks the shards involved in ascending
+// order and releases them when done. It allocates only to store a new key (and for
+// batches of more than 16 ops).
+func (s *Store) Apply(now int64, ops []Op) bool {
+	var scBuf [inlineOps]opScratch
+	var lockBuf [inlineOps]uint32
+	var sc []opScratch
+	locks := lockBuf[:0]
+	if len(ops) <= inlineOps {
+		sc = scBuf[:len(ops)]
+	} else {
+		sc = make([]opScratch, len(ops))
+		locks = make([]uint32, 0, len(ops))
+	}
+
+	for i := range ops {
+		h := maphash.Bytes(s.seed, ops[i].Key)
+		x := &sc[i]
+		x.hash, x.shard, x.prev, x.idx, x.last = h, uint32(h)&s.mask, -1, -1, true
+		for j := i - 1; j >= 0; j-- {
+			if sc[j].hash == h && bytes.Equal(ops[j].Key, ops[i].Key) {
+				x.prev = int32(j)
+				sc[j].last = false
+				break
+			}
+		}
+		// Insert the shard into the sorted, deduplicated lock list.
+		k := len(locks)
+		for k > 0 && locks[k-1] > x.shard {
+			k--
+		}
+		if k > 0 && locks[k-1] == x.shard {
+			continue
+		}
+		locks = append(locks, 0)
+		copy(locks[k+1:], locks[k:])
+		locks[k] = x.shard
+	}
+
+	for _, li := range locks {
+		s.shards[li].mu.Lock()
+	}
+
+	ok := true
+	for i := range ops {
+		op, x := &ops[i], &sc[i]
+		if x.prev >= 0 {
+			p := &sc[x.prev]
+			x.in, x.idx = p.out, p.idx
+		} else if _, idx, found := find(&s.shards[x.shard], uint32(x.hash>>32), op.Key); found {
+			x.idx = int32(idx)
+			x.in = s.shards[x.shard].rec(idx).e.st
+		} else {
+			x.in = State{}
+		}
+		x.out, op.Result = op.Limit.Take(x.in, now, op.Cost)
+		if !op.Result.Allowed && !op.Shadow {
+			ok = false
+		}
+	}
+
+	if !ok {
+		for i := range ops {
+			if !ops[i].Result.Allowed {
+				continue
+			}
+			first := i
+			for sc[first].prev >= 0 {
+				first = int(sc[first].prev)
+			}
+			_, r := ops[i].Limit.Take(sc[first].in, now, 0)
+			r.Allowed, r.RetryAfter = true, 0
+			ops[i].Result = r
+		}
+	} else {
+		s.commit(now, ops, sc)
+	}
+
+	for _, li := range locks {
+		s.shards[li].mu.Unlock()
+	}
+	return ok
+}
+
+// commit stores the final state of every key of the batch: updates and deletions of
+// stored keys first (their indexes were looked up before anything moved), then inserts,
+// which may evict.
+func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
+	inserts := false
+	for i := range ops {
+		x := &sc[i]
+		if !x.last {
+			continue
+		}
+		if x.idx < 0 {
+			inserts = true
+			continue
+		}
+		sh := &s.shards[x.shard]
+		r := &ops[i].Result
+		if r.Expires <= now {
+			p, _, _ := find(sh, uint32(x.hash>>32), ops[i].Key)
+			sh.removeAt(p, uint32(x.idx))
+			continue
+		}
+		sh.rec(uint32(x.idx)).e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil}
+		sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+	}
+	if !inserts {
+		return
+	}
+	for i := range ops {
+		x := &sc[i]
+		r := &ops[i].Result
+		if !x.last || x.idx >= 0 || r.Expires <= now {
+			continue
+		}
+		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil}, now)
+	}
+}
+
+func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
+	if sh.n >= sh.cap {
+		evicted, live := s.evict(sh, h, now)
+		if !evicted {
+			s.untracked.Add(1)
+			return
+		}
+		if live {
+			s.evictions.Add(1)
+		}
+	}
+	sh.add(uint32(h>>32), key, e)
+	sh.allLimitedUntil = min(sh.allLimitedUntil, e.limitedUntil)
+}
+
+const evictionSample = 16
+
+// evict removes one entry of a full shard to make room: an expired one if seen, else the
+// entry that is not limited with the smallest expires among a sample of 16 (from a
+// position picked by the new key's hash h), else among the whole shard. It never removes
+// a limited entry. live reports that the removed entry had not expired.
+func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
+	if sh.allLimitedUntil > now || sh.used == 0 {
+		return false, false
+	}
+	best, found := uint32(0), false
+	bestExp := int64(math.MaxInt64)
+	consider := func(i uint32) (expired bool) {
+		e := &sh.rec(i).e
+		if e.expires == freeMark {
+			return false
+		}
+		if e.expires <= now {
+			return true
+		}
+		if e.limitedUntil <= now && e.expires < bestExp {
+			best, bestExp, found = i, e.expires, true
+		}
+		return false
+	}
+	start := uint32((h >> 8) % uint64(sh.used))
+	for k, seen := uint32(0), 0; k < sh.used && seen < evictionSample; k++ {
+		i := (start + k) % sh.used
+		if sh.rec(i).e.expires == freeMark {
+			continue
+		}
+		seen++
+		if consider(i) {
+			s.removeRecord(sh, i)
+			return true, false
+		}
+	}
+	if !found {
+		lowest := int64(math.MaxInt64)
+		for i := range sh.used {
+			if consider(i) {
+				s.removeRecord(sh, i)
+				return true, false
+			}
+			if e := &sh.rec(i).e; e.expires != freeMark {
+				lowest = min(lowest, e.limitedUntil)
+			}
+		}
+		if !found {
+			sh.allLimitedUntil = lowest
+			return false, false
+		}
+	}
+	s.removeRecord(sh, best)
+	return true, true
+}
+
+func (s *Store) removeRecord(sh *shard, i uint32) {
+	key := sh.rec(i).key
+	p, _, _ := find(sh, uint32(maphash.String(s.seed, key)>>32), key)
+	sh.removeAt(p, i)
+}
+
+// Len returns the number of keys stored. It locks each shard in turn.
+func (s *Store) Len() int {
+	n := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n += sh.n
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// Sweep removes every entry whose Expires <= now, locking one shard at a time, and
+// returns how many it removed.
+func (s *Store) Sweep(now int64) int {
+	n := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		for j := range sh.used {
+			if e := sh.rec(j).e.expires; e != freeMark && e <= now {
+				s.removeRecord(sh, j)
+				n++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// Evictions returns how many live (unexpired, not limited) entries were evicted to keep
+// a shard within its share of MaxKeys.
+func (s *Store) Evictions() uint64 { return s.evictions.Load() }
+
+// Untracked returns how many new keys were not stored because their shard was full of
+// limited clients. Their ops were still decided, as on a fresh state.
+func (s *Store) Untracked() uint64 { return s.untracked.Load() }

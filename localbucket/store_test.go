@@ -1,0 +1,304 @@
+package localbucket
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func op(key string, l *Limit, cost uint64) Op { return Op{Key: []byte(key), Limit: l, Cost: cost} }
+
+func peekStore(t *testing.T, s *Store, now int64, key string, l *Limit) Result {
+	t.Helper()
+	ops := []Op{op(key, l, 0)}
+	s.Apply(now, ops)
+	return ops[0].Result
+}
+
+func TestStoreAllOrNothing(t *testing.T) {
+	s := NewStore(Options{})
+	big := mustLimit(t, TokenBucket, 10, time.Second, 0)
+	one := mustLimit(t, FixedWindow, 1, time.Second, 0)
+	if !s.Apply(base, []Op{op("b", one, 1)}) {
+		t.Fatal("first op on b rejected")
+	}
+	ops := []Op{op("a", big, 3), op("b", one, 1)}
+	if s.Apply(base, ops) {
+		t.Fatal("batch admitted although b is exhausted")
+	}
+	if r := ops[0].Result; !r.Allowed || r.Remaining != 10 || r.Reset != 0 || r.RetryAfter != 0 {
+		t.Errorf("a's result in a failed batch should be a peek of its current state: %+v", r)
+	}
+	if r := ops[1].Result; r.Allowed || r.RetryAfter != s1 {
+		t.Errorf("b's result: %+v", r)
+	}
+	if r := peekStore(t, s, base, "a", big); r.Remaining != 10 {
+		t.Errorf("a consumed by a failed batch: %+v", r)
+	}
+	if n := s.Len(); n != 1 {
+		t.Errorf("Len = %d, want 1 (a not stored)", n)
+	}
+}
+
+func TestStoreShadow(t *testing.T) {
+	s := NewStore(Options{})
+	l := mustLimit(t, FixedWindow, 2, time.Second, 0)
+	ops := []Op{op("real", l, 1), {Key: []byte("shadow"), Limit: l, Cost: 3, Shadow: true}}
+	if !s.Apply(base, ops) {
+		t.Fatal("an impossible shadow op failed the batch")
+	}
+	if ops[1].Result.Allowed {
+		t.Error("shadow op reported allowed")
+	}
+	// Exhaust the shadow key through shadow ops, then see it never rejects the batch.
+	for i := range 4 {
+		ops := []Op{op("real2", l, 0), {Key: []byte("shadow"), Limit: l, Cost: 1, Shadow: true}}
+		if !s.Apply(base, ops) {
+			t.Fatalf("batch %d failed because of a shadow op", i)
+		}
+		if want := i < 2; ops[1].Result.Allowed != want {
+			t.Errorf("shadow take %d: Allowed = %v, want %v", i, ops[1].Result.Allowed, want)
+		}
+	}
+	if r := peekStore(t, s, base, "shadow", l); r.Remaining != 0 {
+		t.Errorf("shadow key: %+v", r)
+	}
+	if r := peekStore(t, s, base, "real", l); r.Remaining != 1 {
+		t.Errorf("real key: %+v", r)
+	}
+	// A rejecting shadow op consumes nothing even where an allowed one in the batch does.
+	ops = []Op{op("real", l, 1), {Key: []byte("shadow"), Limit: l, Cost: 1, Shadow: true}}
+	if !s.Apply(base, ops) || ops[0].Result.Remaining != 0 {
+		t.Errorf("batch: %+v", ops)
+	}
+}
+
+func TestStoreDuplicateKeys(t *testing.T) {
+	s := NewStore(Options{})
+	l := mustLimit(t, FixedWindow, 5, time.Second, 0)
+	ops := []Op{op("k", l, 2), op("k", l, 2), op("k", l, 0)}
+	if !s.Apply(base, ops) {
+		t.Fatal("rejected")
+	}
+	if ops[0].Result.Remaining != 3 || ops[1].Result.Remaining != 1 || ops[2].Result.Remaining != 1 {
+		t.Errorf("remaining %d, %d, %d; want 3, 1, 1", ops[0].Result.Remaining, ops[1].Result.Remaining, ops[2].Result.Remaining)
+	}
+	// The second op on k rejects: nothing is consumed, the first reports the stored state.
+	ops = []Op{op("k", l, 1), op("k", l, 1)}
+	if s.Apply(base, ops) {
+		t.Fatal("admitted 2 with 1 left")
+	}
+	if r := ops[0].Result; !r.Allowed || r.Remaining != 1 {
+		t.Errorf("first op: %+v", r)
+	}
+	if r := peekStore(t, s, base, "k", l); r.Remaining != 1 {
+		t.Errorf("stored: %+v", r)
+	}
+	if s.Len() != 1 {
+		t.Errorf("Len = %d", s.Len())
+	}
+}
+
+func TestStoreNoInformationNotStored(t *testing.T) {
+	s := NewStore(Options{})
+	l := mustLimit(t, TokenBucket, 10, time.Second, 0)
+	peekStore(t, s, base, "fresh", l)
+	if s.Len() != 0 {
+		t.Fatal("a peek of a fresh key was stored")
+	}
+	s.Apply(base, []Op{op("k", l, 1)})
+	if s.Len() != 1 {
+		t.Fatal("not stored")
+	}
+	peekStore(t, s, base+s1, "k", l) // full again: deleted
+	if s.Len() != 0 {
+		t.Fatal("an expired state was kept")
+	}
+}
+
+func TestStoreSweep(t *testing.T) {
+	s := NewStore(Options{Shards: 4})
+	short := mustLimit(t, TokenBucket, 10, time.Second, 0) // 1 token expires after 100ms
+	long := mustLimit(t, FixedWindow, 10, time.Minute, 0)
+	for i := range 100 {
+		l := short
+		if i%4 == 0 {
+			l = long
+		}
+		s.Apply(base, []Op{op(fmt.Sprint("k", i), l, 1)})
+	}
+	if n := s.Sweep(base + 99*ms); n != 0 {
+		t.Errorf("swept %d before anything expired", n)
+	}
+	if n := s.Sweep(base + 100*ms); n != 75 {
+		t.Errorf("swept %d, want 75", n)
+	}
+	if n := s.Len(); n != 25 {
+		t.Errorf("Len = %d, want 25", n)
+	}
+	// Freed slots are reused.
+	for i := range 100 {
+		s.Apply(base+200*ms, []Op{op(fmt.Sprint("n", i), short, 1)})
+	}
+	if n := s.Len(); n != 125 {
+		t.Errorf("Len = %d, want 125", n)
+	}
+	if r := peekStore(t, s, base+200*ms, "k0", long); r.Remaining != 9 {
+		t.Errorf("k0 after sweeps: %+v", r)
+	}
+}
+
+func TestStoreKeyCap(t *testing.T) {
+	s := NewStore(Options{Shards: 1, MaxKeys: 10})
+	one := mustLimit(t, FixedWindow, 1, time.Minute, 0) // limited after one take
+	ten := mustLimit(t, FixedWindow, 10, time.Minute, 0)
+	for i := range 5 {
+		s.Apply(base, []Op{op(fmt.Sprint("limited", i), one, 1)})
+	}
+	for i := range 5 {
+		s.Apply(base+int64(i), []Op{op(fmt.Sprint("free", i), ten, 1)})
+	}
+	if s.Len() != 10 {
+		t.Fatalf("Len = %d", s.Len())
+	}
+	// Each new key (limited as soon as it is in) evicts a non-limited one, never a
+	// limited one.
+	for i := range 5 {
+		s.Apply(base+10, []Op{op(fmt.Sprint("new", i), one, 1)})
+		if s.Len() != 10 {
+			t.Fatalf("Len = %d", s.Len())
+		}
+	}
+	if s.Evictions() != 5 || s.Untracked() != 0 {
+		t.Errorf("Evictions %d, Untracked %d; want 5, 0", s.Evictions(), s.Untracked())
+	}
+	for i := range 5 {
+		for _, k := range []string{"limited", "new"} {
+			if r := peekStore(t, s, base+10, fmt.Sprint(k, i), one); r.Allowed {
+				t.Errorf("%s%d was evicted", k, i)
+			}
+		}
+	}
+	// The shard is full of limited clients.
+	ops := []Op{op("stranger", ten, 1)}
+	if !s.Apply(base+10, ops) || ops[0].Result.Remaining != 9 {
+		t.Errorf("untracked key not decided as fresh: %+v", ops[0].Result)
+	}
+	if s.Untracked() != 1 || s.Evictions() != 5 || s.Len() != 10 {
+		t.Errorf("Untracked %d, Evictions %d, Len %d", s.Untracked(), s.Evictions(), s.Len())
+	}
+	s.Apply(base+11, []Op{op("stranger2", ten, 1)}) // the cached "all limited" answer
+	if s.Untracked() != 2 {
+		t.Errorf("Untracked %d", s.Untracked())
+	}
+	// Once the window is over, expired entries make room without counting evictions.
+	s.Apply(base+time.Minute.Nanoseconds(), []Op{op("later", ten, 1)})
+	if s.Untracked() != 2 || s.Evictions() != 5 {
+		t.Errorf("Untracked %d, Evictions %d", s.Untracked(), s.Evictions())
+	}
+}
+
+// TestStoreKeyCapSample: with more than 16 entries, limited ones in the sample are
+// skipped for a full scan.
+func TestStoreKeyCapScan(t *testing.T) {
+	s := NewStore(Options{Shards: 1, MaxKeys: 200})
+	one := mustLimit(t, FixedWindow, 1, time.Minute, 0)
+	for i := range 199 {
+		s.Apply(base, []Op{op(fmt.Sprint("limited", i), one, 1)})
+	}
+	s.Apply(base, []Op{op("free", mustLimit(t, FixedWindow, 2, time.Minute, 0), 1)})
+	s.Apply(base, []Op{op("new", one, 1)})
+	if s.Evictions() != 1 || s.Untracked() != 0 {
+		t.Fatalf("Evictions %d, Untracked %d", s.Evictions(), s.Untracked())
+	}
+	if r := peekStore(t, s, base, "new", one); r.Allowed {
+		t.Errorf("new key not stored")
+	}
+	for i := range 199 {
+		if r := peekStore(t, s, base, fmt.Sprint("limited", i), one); r.Allowed {
+			t.Fatalf("limited%d evicted", i)
+		}
+	}
+}
+
+func TestStoreConcurrentExact(t *testing.T) {
+	const limit = 1000
+	for _, alg := range []Algorithm{TokenBucket, SlidingWindow, FixedWindow} {
+		t.Run(alg.String(), func(t *testing.T) {
+			s := NewStore(Options{Shards: 16})
+			la := mustLimit(t, alg, limit, time.Hour, 0)
+			lb := mustLimit(t, alg, 10*limit, time.Hour, 0)
+			var admitted atomic.Int64
+			var wg sync.WaitGroup
+			for g := range 16 {
+				wg.Go(func() {
+					ops := []Op{{Key: []byte("user:{a}"), Limit: la, Cost: 1}, {Key: []byte("ip:{b}"), Limit: lb, Cost: 1}}
+					if g%2 == 1 { // opposite lock order
+						ops[0], ops[1] = ops[1], ops[0]
+					}
+					for range 200 {
+						if s.Apply(base, ops) {
+							admitted.Add(1)
+						}
+					}
+				})
+			}
+			wg.Wait()
+			if n := admitted.Load(); n != limit {
+				t.Errorf("admitted %d, want %d", n, limit)
+			}
+			if r := peekStore(t, s, base, "ip:{b}", lb); r.Remaining != 9*limit {
+				t.Errorf("b remaining %d, want %d", r.Remaining, 9*limit)
+			}
+		})
+	}
+}
+
+// TestStoreNoDeadlock runs batches over many keys in opposite orders concurrently.
+func TestStoreNoDeadlock(t *testing.T) {
+	s := NewStore(Options{Shards: 8})
+	l := mustLimit(t, TokenBucket, 1_000_000, time.Second, 0)
+	keys := make([][]byte, 20)
+	for i := range keys {
+		keys[i] = []byte(fmt.Sprint("key", i))
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			ops := make([]Op, 0, len(keys))
+			for i := range keys {
+				k := keys[i]
+				if g%2 == 1 {
+					k = keys[len(keys)-1-i]
+				}
+				ops = append(ops, Op{Key: k, Limit: l, Cost: 1})
+			}
+			for j := range 500 {
+				n := 2 + j%(len(keys)-1) // small batches on the stack, large ones on the heap
+				s.Apply(base, ops[:n])
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("deadlock")
+	}
+}
+
+func TestStoreDefaults(t *testing.T) {
+	s := NewStore(Options{})
+	if len(s.shards) != defaultShards || s.shards[0].cap != defaultMaxKeys/defaultShards {
+		t.Errorf("shards %d cap %d", len(s.shards), s.shards[0].cap)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("no panic for 3 shards")
+		}
+	}()
+	NewStore(Options{Shards: 3})
+}

@@ -1,0 +1,231 @@
+package localbucket
+
+import "math/bits"
+
+// State is the per-key state of a limit: two integers. The zero value is a fresh key: a
+// full token bucket, empty windows. A State is a plain value; [Limit.Take] never mutates
+// it but returns the next one.
+type State struct {
+	// T is, for a token bucket (GCRA), the theoretical arrival time in ns: the bucket is
+	// full from T on. For the windows, the start of the current window in ns.
+	T int64
+	// N is, for a fixed window, the count in the current window. For a sliding window,
+	// the current window's count in the low 32 bits and the previous window's count in the
+	// high 32 bits. Unused (0) for a token bucket.
+	N uint64
+}
+
+// Result is the outcome of one [Limit.Take]. Durations are nanoseconds relative to now,
+// instants are absolute nanoseconds since the Unix epoch.
+//
+// A worked example: a token bucket of 10 requests per second (burst 10) that has just
+// admitted 10 requests at now gives, for one more request, Allowed false, Remaining 0,
+// RetryAfter 100ms (one token refills every 100ms), Reset 1s (the bucket is full again
+// after 1s), Expires = now+1s and LimitedUntil = now+100ms.
+type Result struct {
+	// Allowed reports whether the cost was admitted (and consumed).
+	Allowed bool
+	// Impossible reports that the cost exceeds [Limit.Capacity]: it can never pass.
+	// Allowed is then false and RetryAfter 0.
+	Impossible bool
+	// Limit is [Limit.Requests].
+	Limit uint64
+	// Remaining is what is left after this call: after consuming the cost if allowed,
+	// the current remaining otherwise.
+	Remaining uint64
+	// Reset is the time until the key is back to full (token bucket) or empty (windows),
+	// when it would carry no information if nothing else is taken.
+	Reset int64
+	// RetryAfter is 0 when allowed; otherwise the shortest wait after which the same cost
+	// passes (0 too when Impossible).
+	RetryAfter int64
+	// Expires is the instant from which the resulting state carries no information and
+	// can be dropped: taking from it then gives the same results as from a zero State.
+	// It is never before now; now itself means "already".
+	Expires int64
+	// LimitedUntil is the instant until which a request of cost 1 on the resulting state
+	// would be rejected; 0 when such a request would pass at now (any value <= now means
+	// the key is not limited).
+	LimitedUntil int64
+}
+
+// Take decides whether cost may pass at now on state s, and returns the next state and
+// the result. It is pure: the caller stores the returned state. A rejected cost consumes
+// nothing. Cost 0 is a peek: admission and RetryAfter are judged as for cost 1, nothing
+// is consumed and Remaining is the current remaining. A now earlier than the time the
+// state last saw is clamped to it, so going back in time never creates capacity.
+//
+// now must be in [0, 2^62) (until the year 2116).
+func (l *Limit) Take(s State, now int64, cost uint64) (State, Result) {
+	switch l.alg {
+	case SlidingWindow:
+		return l.takeSliding(s, now, cost)
+	case FixedWindow:
+		return l.takeFixed(s, now, cost)
+	}
+	if l.emission == 0 {
+		panic("BUG: localbucket: Take on a zero Limit; build it with NewLimit")
+	}
+	return l.takeToken(s, now, cost)
+}
+
+// takeToken is GCRA: the state is the theoretical arrival time tat; a cost c passes
+// when tat + c*emission - now <= tau.
+func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
+	tat := max(s.T, now)
+	r := Result{Limit: l.requests}
+	out := State{T: s.T}
+	switch {
+	case cost > l.burst:
+		r.Impossible = true
+	default:
+		c := max(cost, 1)
+		newTat := tat + int64(c)*l.emission // c <= burst, so c*emission <= tau
+		if newTat-now <= l.tau {
+			r.Allowed = true
+			if cost > 0 {
+				tat = newTat
+				out.T = newTat
+			}
+		} else {
+			r.RetryAfter = newTat - l.tau - now
+		}
+	}
+	if avail := now + l.tau - tat; avail > 0 { // negative after a limit shrank
+		r.Remaining = min(uint64(avail/l.emission), l.burst)
+	}
+	r.Reset = tat - now
+	r.Expires = tat
+	if lu := tat + l.emission - l.tau; lu > now {
+		r.LimitedUntil = lu
+	}
+	return out, r
+}
+
+// alignDown returns the start of the window of length w that holds t.
+func alignDown(t, w int64) int64 {
+	m := t % w
+	if m < 0 {
+		m += w
+	}
+	return t - m
+}
+
+func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
+	w := l.window
+	start := alignDown(max(now, s.T), w)
+	count := s.N
+	if s.T < start {
+		count = 0
+	}
+	r := Result{Limit: l.requests}
+	switch {
+	case cost > l.requests:
+		r.Impossible = true
+	case count <= l.requests && max(cost, 1) <= l.requests-count:
+		r.Allowed = true
+		count += cost
+	default:
+		r.RetryAfter = start + w - now
+	}
+	if count < l.requests {
+		r.Remaining = l.requests - count
+	}
+	if count == 0 {
+		// Empty, but a later now before start still clamps to start.
+		r.Expires = max(start, now)
+	} else {
+		r.Reset = start + w - now
+		r.Expires = start + w
+		if count >= l.requests {
+			r.LimitedUntil = start + w
+		}
+	}
+	return State{T: start, N: count}, r
+}
+
+const low32 = 1<<32 - 1
+
+// takeSliding is the sliding window counter: estimate = floor(prev*(w-elapsed)/w) + cur,
+// where elapsed is the time since the start of the current window.
+func (l *Limit) takeSliding(s State, now int64, cost uint64) (State, Result) {
+	w := l.window
+	nowC := max(now, s.T)
+	start := s.T
+	prev, cur := s.N>>32, s.N&low32
+	if d := nowC - start; d >= w {
+		if d < 2*w {
+			prev, cur, start = cur, 0, start+w
+		} else {
+			prev, cur, start = 0, 0, alignDown(nowC, w)
+		}
+	}
+	est := cur
+	if prev != 0 {
+		est += weighted(prev, uint64(start+w-nowC), uint64(w))
+	}
+	r := Result{Limit: l.requests}
+	switch {
+	case cost > l.requests:
+		r.Impossible = true
+	case est <= l.requests && max(cost, 1) <= l.requests-est:
+		r.Allowed = true
+		cur += cost
+		est += cost
+	default:
+		r.RetryAfter = l.slidingEarliest(start, prev, cur, nowC, l.requests-max(cost, 1)) - now
+	}
+	if est < l.requests {
+		r.Remaining = l.requests - est
+	}
+	// Later takes clamp to start, so the instants are computed from start on; one equal
+	// to start means "at any time".
+	r.Expires = max(l.slidingEarliest(start, prev, cur, start, 0), now)
+	if est > 0 {
+		r.Reset = r.Expires - now
+	}
+	if lu := l.slidingEarliest(start, prev, cur, start, l.requests-1); lu > now && lu != start {
+		r.LimitedUntil = lu
+	}
+	return State{T: start, N: prev<<32 | cur}, r
+}
+
+// weighted returns floor(n*r/w) for n < 2^32 and r <= w.
+func weighted(n, r, w uint64) uint64 {
+	hi, lo := bits.Mul64(n, r)
+	q, _ := bits.Div64(hi, lo, w) // hi < w since n*r/w <= n
+	return q
+}
+
+// ceilDiv returns ceil(a*w/d) for 1 <= a <= d (the result is at most w).
+func ceilDiv(a, w, d uint64) uint64 {
+	hi, lo := bits.Mul64(a, w)
+	q, rem := bits.Div64(hi, lo, d)
+	if rem != 0 {
+		q++
+	}
+	return q
+}
+
+// slidingEarliest returns the earliest instant t >= from at which the estimate of the
+// sliding window (start, prev, cur), with nothing more taken, is at most x. from is in
+// [start, start+w). The estimate never increases with time: in the current window it is
+// floor(prev*r/w) + cur with r = start+w-t; in the next one floor(cur*r/w) with
+// r = start+2w-t; from start+2w on it is 0.
+func (l *Limit) slidingEarliest(start int64, prev, cur uint64, from int64, x uint64) int64 {
+	w := uint64(l.window)
+	if cur <= x {
+		k := x - cur
+		if k >= prev {
+			return from
+		}
+		// floor(prev*r/w) <= k  <=>  prev*r < (k+1)*w  <=>  r <= ceil((k+1)*w/prev) - 1
+		if rmax := ceilDiv(k+1, w, prev) - 1; rmax > 0 {
+			return max(start+int64(w)-int64(rmax), from)
+		}
+		return start + int64(w) // the estimate is cur right after the roll
+	}
+	// In the next window: floor(cur*r/w) <= x  <=>  r <= ceil((x+1)*w/cur) - 1.
+	rmax := ceilDiv(x+1, w, cur) - 1
+	return start + 2*int64(w) - int64(rmax)
+}
