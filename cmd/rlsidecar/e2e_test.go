@@ -296,9 +296,18 @@ func TestE2EConnectionCap(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		e := dialRaw(t, d.socket)
-		e.send(&proto.Request{ID: 5, Op: proto.OpPing, Cost: 1})
-		if r := e.recv(); r.Err.Code == "" {
-			break
+		enc := proto.NewEncoder()
+		enc.EncodeRequest(&proto.Request{ID: 5, Op: proto.OpPing, Cost: 1})
+		_, _ = e.c.Write(enc.Bytes()) // a refused connection may already be closed
+		var r proto.Response
+		if frame, err := e.readFrame(); err == nil {
+			_ = e.dec.DecodeResponse(frame[proto.HeaderSize:], &r)
+			if r.Err.Code == "" && r.ID == 5 {
+				break
+			}
+			if r.Err.Code != proto.CodeTooManyConnections {
+				t.Fatalf("unexpected answer %+v", r)
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("no connection slot freed after a client left")
