@@ -30,9 +30,9 @@ type Decoder struct {
 	MaxAttrLen     int
 	MaxLimits      int
 
-	r     bytes.Reader
-	dec   *msgpack.Decoder
-	arena []byte // request strings live here until the next DecodeRequest
+	r    bytes.Reader
+	dec  *msgpack.Decoder
+	body []byte // the body being decoded; request strings alias it
 }
 
 // NewDecoder returns a Decoder with the default bounds.
@@ -48,22 +48,18 @@ func NewDecoder() *Decoder {
 }
 
 func (d *Decoder) reset(body []byte) {
+	d.body = body
 	d.r.Reset(body)
 	d.dec.ResetReader(&d.r)
 }
 
 // DecodeRequest decodes one request frame body into req, which it resets first.
 // On failure it returns an *Error with code bad_request; req.ID holds the request's id if
-// it was read before the failure. The strings in req alias the decoder's buffer and are
-// valid until the next DecodeRequest call.
+// it was read before the failure. The strings in req alias body: they are valid while
+// body is not modified, and decoding copies nothing.
 func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
 	req.Reset()
 	d.reset(body)
-	if cap(d.arena) < len(body) {
-		d.arena = make([]byte, 0, max(len(body), 512))
-	}
-	d.arena = d.arena[:0]
-
 	n, err := d.mapLen("request")
 	if err != nil {
 		return err
@@ -204,12 +200,13 @@ func (d *Decoder) mapLen(what string) (int, error) {
 	return n, nil
 }
 
-// key reads a map key into a string that aliases a scratch buffer: fine for a switch.
+// key reads a map key as a string aliasing the body: fine for a switch.
 func (d *Decoder) key() (string, error) {
 	return d.str("map key", 256)
 }
 
-// str reads a msgpack str (or bin) into the arena and returns a string aliasing it.
+// str reads a msgpack str (or bin) and returns a string aliasing the body: the decoder
+// reads from a bytes.Reader over the body, so the string's bytes are the body's.
 func (d *Decoder) str(field string, maxLen int) (string, error) {
 	n, err := d.dec.DecodeBytesLen()
 	if err != nil || n < 0 {
@@ -221,19 +218,16 @@ func (d *Decoder) str(field string, maxLen int) (string, error) {
 	if n > maxLen {
 		return "", Errorf(CodeBadRequest, "%s is %d bytes long; the limit is %d", field, n, maxLen)
 	}
-	if n > d.r.Len() {
+	rest := d.r.Len()
+	if n > rest {
 		return "", d.truncated(field)
 	}
 	if n == 0 {
 		return "", nil
 	}
-	start := len(d.arena)
-	d.arena = d.arena[:start+n] // cap >= len(body) >= all strings: never reallocates
-	b := d.arena[start : start+n]
-	if err := d.dec.ReadFull(b); err != nil {
-		return "", d.truncated(field)
-	}
-	return unsafe.String(&b[0], n), nil
+	pos := len(d.body) - rest
+	_, _ = d.r.Seek(int64(n), io.SeekCurrent)
+	return unsafe.String(&d.body[pos], n), nil
 }
 
 // uint reads a non-negative integer of any msgpack integer width.

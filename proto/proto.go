@@ -77,8 +77,8 @@ type InlineLimit struct {
 	Name      string // optional; the name reported in responses (default: the key)
 }
 
-// Request is a decoded request. After Decoder.DecodeRequest its strings alias the
-// decoder's buffer and stay valid only until the next call on that decoder.
+// Request is a decoded request. After Decoder.DecodeRequest its strings alias the frame
+// body that was decoded and stay valid only while that body is unchanged.
 type Request struct {
 	ID     uint64
 	Op     string

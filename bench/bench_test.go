@@ -1,0 +1,327 @@
+// Package bench measures rlsidecar over its real socket, beside a do-nothing server that
+// speaks the same framing (floorserver), in the same run, and reports ratios: the
+// machines these run on are shared and noisy, so absolute figures vary and ratios carry
+// the claim.
+//
+//	go test ./bench -run '^$' -bench . -benchtime 100000x
+package bench
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+var binDir string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "rlsbench")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binDir = dir
+	for _, pkg := range []string{"../cmd/rlsidecar", "./floorserver"} {
+		out, err := exec.Command("go", "build", "-o", dir, pkg).CombinedOutput()
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "building %s: %v\n%s", pkg, err, out)
+			os.Exit(1)
+		}
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// server is a benchmarked process listening on a socket.
+type server struct {
+	name   string
+	socket string
+	cmd    *exec.Cmd
+}
+
+func startServer(tb testing.TB, name string, args ...string) *server {
+	tb.Helper()
+	socket := filepath.Join(binDir, name+".sock")
+	cmd := exec.Command(filepath.Join(binDir, name), append(args, "--socket", socket)...)
+	if name == "rlsidecar" {
+		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" {
+			args = append(args, "--cpuprofile", prof) // profile the daemon under the benchmark's load
+		}
+		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--log-level", "warn"}, args...)...)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	br := bufio.NewReader(stdout)
+	line, _ := br.ReadString('\n')
+	if !strings.Contains(line, "listening") {
+		cmd.Process.Kill()
+		tb.Fatalf("%s did not start: %q", name, line)
+	}
+	go io.Copy(io.Discard, br)
+	s := &server{name: name, socket: socket, cmd: cmd}
+	tb.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM) // lets a CPU profile be written
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	return s
+}
+
+func (s *server) rssMB(tb testing.TB) float64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.cmd.Process.Pid))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			kb, _ := strconv.Atoi(strings.Fields(line)[1])
+			return float64(kb) / 1024
+		}
+	}
+	tb.Fatal("no VmRSS")
+	return 0
+}
+
+// frames returns n pre-encoded two-rule check requests over distinct users and ips.
+func frames(n int, distinct int) [][]byte {
+	out := make([][]byte, n)
+	enc := proto.NewEncoder()
+	for i := range out {
+		enc.Reset()
+		u := i % distinct
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+			{Name: "method", Value: "POST"},
+			{Name: "path", Value: "/v1/events/" + strconv.Itoa(u%97) + "/holds"},
+			{Name: "user", Value: "user-" + strconv.Itoa(u)},
+			{Name: "ip", Value: "10.0." + strconv.Itoa(u/256%256) + "." + strconv.Itoa(u%256)},
+		}})
+		out[i] = append([]byte(nil), enc.Bytes()...)
+	}
+	return out
+}
+
+type client struct {
+	c   net.Conn
+	br  *bufio.Reader
+	buf []byte
+	out []byte
+}
+
+func dial(tb testing.TB, socket string) *client {
+	c, err := net.Dial("unix", socket)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { c.Close() })
+	return &client{c: c, br: bufio.NewReaderSize(c, 64<<10)}
+}
+
+func (c *client) readOne() error {
+	var err error
+	c.buf, err = proto.ReadFrame(c.br, c.buf, 1<<20)
+	return err
+}
+
+// roundTrips sends n requests one at a time and returns each round trip's duration.
+func (c *client) roundTrips(fr [][]byte, n int, lat []time.Duration) ([]time.Duration, error) {
+	for i := 0; i < n; i++ {
+		f := fr[i%len(fr)]
+		start := time.Now()
+		if _, err := c.c.Write(f); err != nil {
+			return lat, err
+		}
+		if err := c.readOne(); err != nil {
+			return lat, err
+		}
+		lat = append(lat, time.Since(start))
+	}
+	return lat, nil
+}
+
+// pipelined sends n requests keeping up to inflight outstanding, writing as many new
+// requests as it has read answers, in one write.
+func (c *client) pipelined(fr [][]byte, n, inflight int) error {
+	sent, recvd := 0, 0
+	for recvd < n {
+		c.out = c.out[:0]
+		for sent < n && sent-recvd < inflight {
+			c.out = append(c.out, fr[sent%len(fr)]...)
+			sent++
+		}
+		if len(c.out) > 0 {
+			if _, err := c.c.Write(c.out); err != nil {
+				return err
+			}
+		}
+		if err := c.readOne(); err != nil {
+			return err
+		}
+		recvd++
+		for recvd < n && c.br.Buffered() >= proto.HeaderSize {
+			if int(proto.FrameLength(mustPeek(c.br))) > c.br.Buffered()-proto.HeaderSize {
+				break
+			}
+			if err := c.readOne(); err != nil {
+				return err
+			}
+			recvd++
+		}
+	}
+	return nil
+}
+
+func mustPeek(br *bufio.Reader) []byte {
+	b, _ := br.Peek(proto.HeaderSize)
+	return b
+}
+
+func percentile(d []time.Duration, p float64) time.Duration {
+	s := append([]time.Duration(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[int(float64(len(s)-1)*p)]
+}
+
+func startPair(b *testing.B) (floor, rls *server) {
+	return startServer(b, "floorserver"), startServer(b, "rlsidecar", "--config", "rules.yaml")
+}
+
+// BenchmarkSocketLatency: one connection, one request at a time; b.N round trips per
+// server, alternating in chunks so both see the same machine.
+func BenchmarkSocketLatency(b *testing.B) {
+	floor, rls := startPair(b)
+	fr := frames(4096, 4096)
+	cf, cr := dial(b, floor.socket), dial(b, rls.socket)
+	var lf, lr []time.Duration
+	// Warm up both.
+	cf.roundTrips(fr, 2000, nil)
+	cr.roundTrips(fr, 2000, nil)
+	b.ResetTimer()
+	const chunk = 1000
+	for done := 0; done < b.N; done += chunk {
+		n := min(chunk, b.N-done)
+		var err error
+		if lf, err = cf.roundTrips(fr, n, lf); err != nil {
+			b.Fatal(err)
+		}
+		if lr, err = cr.roundTrips(fr, n, lr); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	pf, pr := percentile(lf, 0.5), percentile(lr, 0.5)
+	b.ReportMetric(float64(pf.Nanoseconds())/1e3, "floor-p50-µs")
+	b.ReportMetric(float64(pr.Nanoseconds())/1e3, "rlsidecar-p50-µs")
+	b.ReportMetric(float64(percentile(lr, 0.99).Nanoseconds())/1e3, "rlsidecar-p99-µs")
+	b.ReportMetric(float64(pr)/float64(pf), "p50-ratio")
+}
+
+func throughput(b *testing.B, conns, inflight int) {
+	floor, rls := startPair(b)
+	fr := frames(8192, 8192)
+	run := func(s *server, cs []*client, n int) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		per := n / len(cs)
+		for i, c := range cs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := c.pipelined(fr[i*7%len(fr):], per, inflight); err != nil {
+					b.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	var cf, cr []*client
+	for i := 0; i < conns; i++ {
+		cf = append(cf, dial(b, floor.socket))
+		cr = append(cr, dial(b, rls.socket))
+	}
+	run(floor, cf, conns*2000)
+	run(rls, cr, conns*2000)
+	b.ResetTimer()
+	var tf, tr time.Duration
+	var total int
+	chunk := max(conns*inflight*50, 20000)
+	for total < b.N {
+		n := min(chunk, b.N-total)
+		n = max(n/conns, 1) * conns
+		tf += run(floor, cf, n)
+		tr += run(rls, cr, n)
+		total += n
+	}
+	b.StopTimer()
+	rf, rr := float64(total)/tf.Seconds(), float64(total)/tr.Seconds()
+	b.ReportMetric(rf, "floor-req/s")
+	b.ReportMetric(rr, "rlsidecar-req/s")
+	b.ReportMetric(rr/rf, "throughput-ratio")
+}
+
+// BenchmarkSocketThroughput4x32: 4 connections, 32 requests in flight on each.
+func BenchmarkSocketThroughput4x32(b *testing.B) { throughput(b, 4, 32) }
+
+// BenchmarkSocketThroughput64: 64 connections, 4 requests in flight on each.
+func BenchmarkSocketThroughput64(b *testing.B) { throughput(b, 64, 4) }
+
+// BenchmarkMemory1MKeys: the daemon's RSS after 1,000,000 distinct clients each made a
+// request (two keys each would double it; this is one rule's worth: per-user).
+func BenchmarkMemory1MKeys(b *testing.B) {
+	dir := b.TempDir()
+	cfg := filepath.Join(dir, "rules.yaml")
+	os.WriteFile(cfg, []byte("rules:\n  - name: per-user\n    key: user\n    limit: { requests: 100, per: 1h }\n"), 0o644)
+	rls := startServer(b, "rlsidecar", "--config", cfg)
+	const keys = 1_000_000
+	const conns = 4
+	before := rls.rssMB(b)
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	for c := 0; c < conns; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cl := dial(b, rls.socket)
+			enc := proto.NewEncoder()
+			var fr [][]byte
+			for i := c; i < keys; i += conns {
+				enc.Reset()
+				enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "user-" + strconv.Itoa(i)}}})
+				fr = append(fr, append([]byte(nil), enc.Bytes()...))
+			}
+			if err := cl.pipelined(fr, len(fr), 256); err != nil {
+				b.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	b.StopTimer()
+	b.ReportMetric(before, "idle-RSS-MB")
+	b.ReportMetric(rls.rssMB(b), "RSS-MB-1M-keys")
+}

@@ -1,0 +1,75 @@
+// Command floorserver is the baseline of the socket benchmarks: a do-nothing server that
+// speaks rlsidecar's framing with the same connection loop shape (read every buffered
+// frame, answer each, one write per batch) and answers every frame with the same canned
+// check response, without decoding or deciding anything. The difference between it and
+// rlsidecar, measured in the same run, is what rlsidecar's work costs.
+package main
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+func main() {
+	socket := flag.String("socket", "", "Unix socket path")
+	flag.Parse()
+	os.Remove(*socket)
+	ln, err := net.Listen("unix", *socket)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	// A canned answer the size of a typical two-rule decision.
+	enc := proto.NewEncoder()
+	enc.EncodeCheck(&proto.Response{ID: 1, Allowed: true, Rule: "holds", Limit: 5, Remaining: 4, ResetMs: 12000,
+		Rules: []proto.RuleResult{
+			{Name: "per-ip", Limit: 100, WindowMs: 1000, Remaining: 99, ResetMs: 10, Allowed: true},
+			{Name: "holds", Limit: 5, WindowMs: 60000, Remaining: 4, ResetMs: 12000, Allowed: true},
+		}})
+	answer := append([]byte(nil), enc.Bytes()...)
+	fmt.Println("floorserver listening on", *socket)
+	go func() {
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+		<-sig
+		ln.Close()
+		os.Exit(0)
+	}()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go serve(c, answer)
+	}
+}
+
+func serve(c net.Conn, answer []byte) {
+	defer c.Close()
+	br := bufio.NewReaderSize(c, 16<<10)
+	out := make([]byte, 0, 64<<10)
+	for {
+		if br.Buffered() == 0 && len(out) > 0 {
+			if _, err := c.Write(out); err != nil {
+				return
+			}
+			out = out[:0]
+		}
+		hdr, err := br.Peek(proto.HeaderSize)
+		if err != nil {
+			return
+		}
+		n := int(proto.FrameLength(hdr))
+		if _, err := br.Discard(proto.HeaderSize + n); err != nil {
+			return
+		}
+		out = append(out, answer...)
+	}
+}
