@@ -1,0 +1,124 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func runInProcess(args ...string) (stdout, stderr string, code int) {
+	var o, e bytes.Buffer
+	code = run(args, &o, &e)
+	return o.String(), e.String(), code
+}
+
+func TestValidate(t *testing.T) {
+	if out, errOut, code := runInProcess("validate", "--config", "../../proto/testdata/rules.yaml"); code != exitOK || !strings.Contains(out, "3 rules") {
+		t.Fatalf("good file: code %d out %q err %q", code, out, errOut)
+	}
+	dir := t.TempDir()
+	bad := writeFile(t, dir, "bad.yaml", "rules:\n  - name: a\n    key: user\n    limit: { requests: 5, per: 60x }\n")
+	_, errOut, code := runInProcess("validate", "--config", bad)
+	if code != exitFailure || !strings.Contains(errOut, "bad.yaml:4") || !strings.Contains(errOut, "limit.per") {
+		t.Fatalf("bad file: code %d, stderr %q", code, errOut)
+	}
+	if _, _, code := runInProcess("validate"); code != exitUsage {
+		t.Fatalf("no --config: code %d", code)
+	}
+	if _, _, code := runInProcess("validate", "--config", filepath.Join(dir, "missing.yaml")); code != exitFailure {
+		t.Fatalf("missing file: code %d", code)
+	}
+}
+
+// serve refuses a broken rules file, and a rule whose mode needs Redis, before it listens.
+func TestServeRefusesBadConfig(t *testing.T) {
+	dir := shortTempDir(t)
+	for name, body := range map[string]string{
+		"broken.yaml": "rules:\n  - name: a\n    kee: user\n",
+		"global.yaml": "rules:\n  - name: g\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: global\n",
+	} {
+		cfg := writeFile(t, dir, name, body)
+		out, err := runCLI(t, "serve", "--config", cfg, "--socket", filepath.Join(dir, "s.sock"))
+		if err == nil || !strings.Contains(out, name+":") {
+			t.Errorf("%s: err=%v out=%s", name, err, out)
+		}
+	}
+}
+
+// The boundary trace of the design brief: limit 10 per 1 s, 10 requests at t = 0.99 s
+// and 10 at t = 1.01 s. A fixed window admits 20, a sliding window counter 11, a token
+// bucket 10.
+func TestReplayBoundaryTrace(t *testing.T) {
+	dir := t.TempDir()
+	var trace strings.Builder
+	for _, tms := range []int{990, 1010} {
+		for i := 0; i < 10; i++ {
+			fmt.Fprintf(&trace, `{"t_ms": %d, "attrs": {"user": "u1"}}`+"\n", tms)
+		}
+	}
+	tracePath := writeFile(t, dir, "trace.jsonl", trace.String())
+	for alg, want := range map[string]uint64{"fixed_window": 20, "sliding_window": 11, "token_bucket": 10} {
+		cfg := writeFile(t, dir, alg+".yaml", fmt.Sprintf("rules:\n  - name: r\n    key: user\n    algorithm: %s\n    limit: { requests: 10, per: 1s }\n", alg))
+		out, errOut, code := runInProcess("replay", "--config", cfg, "--trace", tracePath)
+		if code != exitOK {
+			t.Fatalf("%s: code %d: %s", alg, code, errOut)
+		}
+		var sum replaySummary
+		if err := json.Unmarshal([]byte(out), &sum); err != nil {
+			t.Fatal(err)
+		}
+		if sum.Requests != 20 || sum.Allowed != want || sum.Rejected != 20-want || sum.Rules[0].Rejected != 20-want || sum.DurationMs != 20 {
+			t.Errorf("%s: %+v (rule %+v), want %d allowed", alg, sum, *sum.Rules[0], want)
+		}
+	}
+}
+
+func TestReplayReportsBadLines(t *testing.T) {
+	dir := t.TempDir()
+	tracePath := writeFile(t, dir, "trace.jsonl", `{"t_ms": 1, "attrs": {"ip": "a"}}`+"\n"+`{"t_ms": "x"}`+"\n")
+	_, errOut, code := runInProcess("replay", "--trace", tracePath)
+	if code != exitFailure || !strings.Contains(errOut, "trace.jsonl:2") {
+		t.Fatalf("code %d stderr %q", code, errOut)
+	}
+	tracePath = writeFile(t, dir, "nots.jsonl", `{"attrs": {"ip": "a"}}`+"\n")
+	if _, errOut, code := runInProcess("replay", "--trace", tracePath); code != exitFailure || !strings.Contains(errOut, "t_ms is required") {
+		t.Fatalf("code %d stderr %q", code, errOut)
+	}
+}
+
+// Shadow rules are counted as shadow rejections in a replay, never as rejections.
+func TestReplayShadow(t *testing.T) {
+	dir := t.TempDir()
+	cfg := writeFile(t, dir, "r.yaml", "rules:\n  - name: dark\n    key: ip\n    limit: { requests: 2, per: 1h }\n    shadow: true\n")
+	var trace strings.Builder
+	for i := 0; i < 5; i++ {
+		fmt.Fprintf(&trace, `{"t_ms": %d, "attrs": {"ip": "x"}}`+"\n", i)
+	}
+	out, errOut, code := runInProcess("replay", "--config", cfg, "--trace", writeFile(t, dir, "t.jsonl", trace.String()))
+	if code != exitOK {
+		t.Fatal(errOut)
+	}
+	var sum replaySummary
+	_ = json.Unmarshal([]byte(out), &sum)
+	if sum.Allowed != 5 || sum.Rules[0].ShadowRejected != 3 || sum.Rules[0].Allowed != 2 {
+		t.Fatalf("%s", out)
+	}
+}
+
+func TestUsage(t *testing.T) {
+	if _, _, code := runInProcess(); code != exitUsage {
+		t.Fatal(code)
+	}
+	if _, _, code := runInProcess("frob"); code != exitUsage {
+		t.Fatal(code)
+	}
+	if out, _, code := runInProcess("version"); code != exitOK || !strings.HasPrefix(out, "rlsidecar ") {
+		t.Fatal(out)
+	}
+	if _, _, code := runInProcess("check", "novalue"); code != exitUsage {
+		t.Fatal(code)
+	}
+}
