@@ -13,9 +13,17 @@ import (
 //
 // Field order is fixed (see PROTOCOL.md), so equal messages encode to equal bytes.
 type Encoder struct {
-	buf bytes.Buffer
+	buf sink
 	enc *msgpack.Encoder
 }
+
+// sink is the Encoder's output: an append-only byte slice that never fails. It is what
+// the msgpack.Encoder writes to, and constant field names are appended to it directly.
+type sink struct{ b []byte }
+
+func (s *sink) Write(p []byte) (int, error)       { s.b = append(s.b, p...); return len(p), nil }
+func (s *sink) WriteByte(c byte) error            { s.b = append(s.b, c); return nil }
+func (s *sink) WriteString(v string) (int, error) { s.b = append(s.b, v...); return len(v), nil }
 
 // NewEncoder returns an empty Encoder.
 func NewEncoder() *Encoder {
@@ -25,29 +33,29 @@ func NewEncoder() *Encoder {
 }
 
 // Bytes returns the frames encoded since the last Reset. The slice aliases the buffer.
-func (e *Encoder) Bytes() []byte { return e.buf.Bytes() }
+func (e *Encoder) Bytes() []byte { return e.buf.b }
 
 // Len returns the number of bytes encoded since the last Reset.
-func (e *Encoder) Len() int { return e.buf.Len() }
+func (e *Encoder) Len() int { return len(e.buf.b) }
 
 // Reset empties the buffer, keeping its capacity.
-func (e *Encoder) Reset() { e.buf.Reset() }
+func (e *Encoder) Reset() { e.buf.b = e.buf.b[:0] }
 
 // begin writes a length placeholder and returns where the frame starts.
 func (e *Encoder) begin() int {
-	start := e.buf.Len()
-	e.buf.Write([]byte{0, 0, 0, 0})
+	start := len(e.buf.b)
+	e.buf.b = append(e.buf.b, 0, 0, 0, 0)
 	return start
 }
 
 // end patches the frame's length prefix.
 func (e *Encoder) end(start int) {
-	b := e.buf.Bytes()
+	b := e.buf.b
 	binary.BigEndian.PutUint32(b[start:], uint32(len(b)-start-HeaderSize))
 }
 
-// The msgpack.Encoder writes to a bytes.Buffer, which never fails, so the errors of the
-// calls below are always nil and are not checked.
+// The msgpack.Encoder writes to a sink, which never fails, so the errors of the calls
+// below are always nil and are not checked.
 
 // Field names are constant: each is encoded once, at init, by msgpack, and copied into
 // frames as bytes. Values go through the msgpack.Encoder.
@@ -69,21 +77,21 @@ var (
 )
 
 func (e *Encoder) str(k fieldName, v string) {
-	e.buf.Write(k)
+	e.buf.b = append(e.buf.b, k...)
 	_ = e.enc.EncodeString(v)
 }
 
 func (e *Encoder) uint(k fieldName, v uint64) {
-	e.buf.Write(k)
+	e.buf.b = append(e.buf.b, k...)
 	_ = e.enc.EncodeUint(v)
 }
 
 func (e *Encoder) bool(k fieldName, v bool) {
-	e.buf.Write(k)
+	e.buf.b = append(e.buf.b, k...)
 	_ = e.enc.EncodeBool(v)
 }
 
-func (e *Encoder) key(k fieldName) { e.buf.Write(k) }
+func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 
 // EncodeCheck appends a check response frame:
 // id, allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then
