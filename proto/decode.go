@@ -284,9 +284,9 @@ func (d *Decoder) DecodeResponse(body []byte, resp *Response) error {
 		return err
 	}
 	for i := 0; i < n; i++ {
-		key, err := d.dec.DecodeString()
+		key, err := d.key()
 		if err != nil {
-			return Errorf(CodeBadRequest, "response map keys must be strings")
+			return err
 		}
 		switch key {
 		case "id":
@@ -348,9 +348,9 @@ func (d *Decoder) ruleResults(resp *Response) error {
 			return err
 		}
 		for j := 0; j < m; j++ {
-			key, err := d.dec.DecodeString()
+			key, err := d.key()
 			if err != nil {
-				return Errorf(CodeBadRequest, "rules[] keys must be strings")
+				return err
 			}
 			switch key {
 			case "name":
@@ -389,9 +389,9 @@ func (d *Decoder) errorBody(e *Error) error {
 		return err
 	}
 	for j := 0; j < m; j++ {
-		key, err := d.dec.DecodeString()
+		key, err := d.key()
 		if err != nil {
-			return Errorf(CodeBadRequest, "error keys must be strings")
+			return err
 		}
 		switch key {
 		case "code":

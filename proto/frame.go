@@ -24,11 +24,15 @@ func FrameLength(hdr []byte) uint32 { return binary.BigEndian.Uint32(hdr) }
 // fits (buf is grown otherwise; pass the returned slice back in to reuse it). A length
 // above max returns *FrameTooLargeError without reading the body.
 func ReadFrame(r *bufio.Reader, buf []byte, max int) ([]byte, error) {
-	var hdr [HeaderSize]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+	hdr, err := r.Peek(HeaderSize)
+	if err != nil {
+		if err == io.EOF && r.Buffered() > 0 {
+			err = io.ErrUnexpectedEOF
+		}
 		return buf, err
 	}
-	n := FrameLength(hdr[:])
+	n := FrameLength(hdr)
+	_, _ = r.Discard(HeaderSize)
 	if int64(n) > int64(max) {
 		return buf, &FrameTooLargeError{Length: n, Max: max}
 	}

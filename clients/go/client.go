@@ -1,0 +1,349 @@
+// Package rlclient is the Go client of rlsidecar: it asks the sidecar daemon over its Unix
+// socket whether a request may pass, and turns the answer into HTTP headers and a 429.
+//
+// Most callers want [New], then [Client.Check] per request, or the ready-made
+// [Middleware]. A Client keeps a small pool of connections to the sidecar and pipelines
+// requests on each, so one Check costs one frame write and one frame read on a connection
+// shared with other goroutines; it is safe for concurrent use.
+//
+// The sidecar is a dependency that can be down, restarting or slow. The client never lets
+// that become the caller's problem: when it cannot get an answer in time it answers by its
+// [Policy] — allow (FailOpen, the default) or reject (FailClosed) — and says so in
+// [Decision.Unreachable]. Errors are reserved for the caller's bugs (a request the sidecar
+// refuses as malformed) and for using a closed Client.
+//
+// The wire format is the one of package proto, whose PROTOCOL.md is the specification.
+package rlclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// Policy is what the client answers when the sidecar gives no answer in time: it is down,
+// its socket is missing, it refuses or drops the connection, or it is too slow.
+// The zero value is FailOpen.
+type Policy uint8
+
+const (
+	// FailOpen allows the request: rate limiting disappears while the sidecar is away,
+	// the service does not. The default.
+	FailOpen Policy = iota
+	// FailClosed rejects the request: for endpoints where an unlimited burst is worse than
+	// an outage (logins, password resets, OTP).
+	FailClosed
+)
+
+func (p Policy) String() string {
+	switch p {
+	case FailOpen:
+		return "fail-open"
+	case FailClosed:
+		return "fail-closed"
+	}
+	return fmt.Sprintf("Policy(%d)", uint8(p))
+}
+
+// Defaults for the zero fields of Options.
+const (
+	DefaultConns       = 4
+	DefaultTimeout     = 50 * time.Millisecond
+	DefaultDialTimeout = 100 * time.Millisecond
+)
+
+// Options configure a Client. Only Socket is required; zero fields take the defaults.
+type Options struct {
+	Socket      string        // path of the sidecar's Unix socket (required)
+	Conns       int           // connections in the pool; default 4
+	Timeout     time.Duration // longest wait for one Check when ctx has no earlier deadline; default 50ms
+	DialTimeout time.Duration // longest wait for one connection attempt; default 100ms
+	Policy      Policy        // the answer when the sidecar gives none; default FailOpen
+}
+
+// CheckOptions are the optional parts of a check. A nil *CheckOptions and the zero value
+// both mean: cost 1, no inline limits.
+type CheckOptions struct {
+	// Cost is how much the request consumes from every limit it is checked against.
+	// 0 means the default, 1.
+	Cost uint64
+	// Peek asks without consuming anything (sends cost 0): the answer says whether a
+	// request of cost 1 would pass now. Cost is ignored when Peek is set.
+	Peek bool
+	// Limits are inline limits checked together with the rules the attributes match.
+	Limits []proto.InlineLimit
+}
+
+// RuleDecision is one matched rule's or inline limit's part of a Decision.
+type RuleDecision struct {
+	Name       string
+	Limit      uint64        // requests per Window
+	Window     time.Duration // the rule's window
+	Remaining  uint64        // what the rule has left after this request
+	Reset      time.Duration // until the rule is back to full
+	RetryAfter time.Duration // 0 when this rule allowed; else the earliest time a retry can pass it
+	Allowed    bool
+	Shadow     bool   // a dry-run rule: reported, never rejecting, never deciding
+	Reason     string // "" or proto.ReasonCostExceedsCapacity
+}
+
+// Decision is the answer to a check.
+//
+// Example: the token-bucket rule "per-user" allows 5 requests a minute, so it refills one
+// request every 12 s. A user sent 5 requests at once 10 s ago. The next Check returns
+// Allowed false, Rule "per-user", Limit 5, Remaining 0, RetryAfter 2s (the next whole
+// request is refilled 12 s after the burst), Reset 50s (the bucket is full again once
+// 5 × 12 s have passed), and Rules holds per-user and every other rule that matched.
+// [SetHeaders] turns that into RateLimit-Policy, RateLimit and Retry-After headers.
+//
+// When nothing matched, Allowed is true and Rule is "".
+// When the sidecar gave no answer, the Decision is the client's Policy: Allowed is
+// (Policy == FailOpen), Degraded and Unreachable are true, Rule is "" and Cause says why.
+type Decision struct {
+	Allowed    bool
+	Rule       string        // the deciding rule; "" when nothing matched
+	Limit      uint64        // the deciding rule's limit (requests per window)
+	Remaining  uint64        // what the deciding rule has left after this request
+	Reset      time.Duration // until the deciding rule is back to full
+	RetryAfter time.Duration // 0 when allowed; else the earliest time a retry can pass
+	// Degraded is true when the sidecar decided without the store it needed (a rule's
+	// failure policy applied), or when this client applied its own Policy.
+	Degraded bool
+	// Unreachable is true when this client applied its Policy because the sidecar gave no
+	// answer: its socket is missing, it refused or dropped the connection, it did not
+	// answer within the timeout, the caller's ctx ended first, or the client is backing
+	// off after failed connection attempts.
+	Unreachable bool
+	Reason      string // the deciding rule's reason: "" or proto.ReasonCostExceedsCapacity
+	Rules       []RuleDecision
+	// Cause is why the client applied its Policy (nil when the sidecar decided). When
+	// Unreachable, errors.Is(Cause, ErrUnreachable) holds.
+	Cause error
+}
+
+var (
+	// ErrClosed is returned by a Check or Ping on a closed Client, and by the checks that
+	// were in flight when it closed.
+	ErrClosed = errors.New("rlclient: client closed")
+	// ErrUnreachable is wrapped by every Decision.Cause of an unreachable decision and by
+	// every error of Ping that comes from the transport.
+	ErrUnreachable = errors.New("rlclient: sidecar unreachable")
+)
+
+// unreachable is a transport failure; errors.Is(err, ErrUnreachable) holds for it.
+type unreachable struct {
+	what string
+	err  error
+}
+
+func (e *unreachable) Error() string {
+	if e.err == nil {
+		return "rlclient: sidecar unreachable: " + e.what
+	}
+	return "rlclient: sidecar unreachable: " + e.what + ": " + e.err.Error()
+}
+func (e *unreachable) Unwrap() []error {
+	if e.err == nil {
+		return []error{ErrUnreachable}
+	}
+	return []error{ErrUnreachable, e.err}
+}
+
+var (
+	errTimeout = &unreachable{what: "no answer within the timeout"}
+	errTooBusy = &unreachable{what: "too many requests in flight on the connection"}
+)
+
+// Client asks one sidecar for decisions over a pool of pipelined connections.
+// It dials lazily, on the first check of each connection, and redials a broken connection
+// on next use, backing off between failed attempts. Safe for concurrent use.
+// Close it to stop its goroutines. The zero value is not usable; call New.
+type Client struct {
+	opts   Options
+	dialer net.Dialer
+	slots  []slot
+	next   atomic.Uint32 // round-robin counter
+
+	ctx    context.Context // canceled by Close: stops dials in progress
+	cancel context.CancelFunc
+	closed atomic.Bool
+	wg     sync.WaitGroup // dial and reader goroutines
+}
+
+// New returns a Client for the sidecar listening on o.Socket. It does not dial: the first
+// checks do. It fails only on invalid options.
+func New(o Options) (*Client, error) {
+	if o.Socket == "" {
+		return nil, errors.New("rlclient: Options.Socket is required")
+	}
+	if o.Conns < 0 || o.Timeout < 0 || o.DialTimeout < 0 {
+		return nil, fmt.Errorf("rlclient: negative option (Conns %d, Timeout %v, DialTimeout %v)", o.Conns, o.Timeout, o.DialTimeout)
+	}
+	if o.Policy > FailClosed {
+		return nil, fmt.Errorf("rlclient: unknown %v", o.Policy)
+	}
+	if o.Conns == 0 {
+		o.Conns = DefaultConns
+	}
+	if o.Conns > 1024 {
+		return nil, fmt.Errorf("rlclient: Options.Conns is %d; the limit is 1024", o.Conns)
+	}
+	if o.Timeout == 0 {
+		o.Timeout = DefaultTimeout
+	}
+	if o.DialTimeout == 0 {
+		o.DialTimeout = DefaultDialTimeout
+	}
+	c := &Client{opts: o, slots: make([]slot, o.Conns)}
+	c.dialer.Timeout = o.DialTimeout
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	for i := range c.slots {
+		c.slots[i].c = c
+	}
+	return c, nil
+}
+
+// Close closes every connection and waits for the client's goroutines to end. Checks in
+// flight and later return the Policy decision with ErrClosed. Close is idempotent.
+func (c *Client) Close() error {
+	if c.closed.Swap(true) {
+		c.wg.Wait()
+		return nil
+	}
+	c.cancel()
+	for i := range c.slots {
+		c.slots[i].close()
+	}
+	c.wg.Wait()
+	return nil
+}
+
+// Check asks whether a request with these attributes may pass. The attributes are sent
+// sorted by name, so equal maps make equal frames. Everything else is as for CheckAttrs.
+func (c *Client) Check(ctx context.Context, attrs map[string]string, o *CheckOptions) (Decision, error) {
+	cl := getCall()
+	for k, v := range attrs {
+		cl.req.Attrs = append(cl.req.Attrs, proto.Attr{Name: k, Value: v})
+	}
+	slices.SortFunc(cl.req.Attrs, func(a, b proto.Attr) int { return strings.Compare(a.Name, b.Name) })
+	return c.check(ctx, cl, o)
+}
+
+// CheckAttrs asks whether a request with these attributes may pass; they are sent in the
+// given order and must have distinct names. CheckAttrs neither keeps nor changes attrs.
+//
+// The wait for the answer ends at ctx's deadline or after Options.Timeout, whichever is
+// earlier. When the sidecar gives no answer by then — or is unreachable, or drops the
+// connection — CheckAttrs returns the Policy decision (see Decision) and a nil error: the
+// caller needs no error path for a sidecar that is down.
+//
+// The error is non-nil only when the sidecar answered the request with an error response
+// (a *proto.Error: bad_request, invalid_limit, unknown_op, …, all caused by what the caller
+// sent) or when the client is closed (ErrClosed). Even then the Decision is the Policy
+// decision, with Cause set to the error and Unreachable false.
+func (c *Client) CheckAttrs(ctx context.Context, attrs []proto.Attr, o *CheckOptions) (Decision, error) {
+	cl := getCall()
+	cl.req.Attrs = append(cl.req.Attrs, attrs...)
+	return c.check(ctx, cl, o)
+}
+
+// check sends the check in cl.req (attrs set) and converts the answer.
+func (c *Client) check(ctx context.Context, cl *call, o *CheckOptions) (Decision, error) {
+	cl.req.Op = proto.OpCheck
+	cl.req.Cost = 1
+	if o != nil {
+		cl.req.Limits = append(cl.req.Limits, o.Limits...)
+		switch {
+		case o.Peek:
+			cl.req.Cost = 0
+		case o.Cost != 0:
+			cl.req.Cost = o.Cost
+		}
+	}
+	cl, err := c.roundTrip(ctx, cl)
+	switch {
+	case errors.Is(err, ErrClosed):
+		return c.policyDecision(err, false), err
+	case err != nil:
+		return c.policyDecision(err, true), nil
+	case cl.resp.IsError():
+		perr := &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
+		cl.release()
+		return c.policyDecision(perr, false), perr
+	}
+	d := decision(&cl.resp)
+	cl.release()
+	return d, nil
+}
+
+// Ping asks the sidecar for its version. Unlike Check it reports an unreachable sidecar as
+// an error, one that wraps ErrUnreachable. An error response is returned as a *proto.Error.
+func (c *Client) Ping(ctx context.Context) (version string, err error) {
+	cl := getCall()
+	cl.req.Op = proto.OpPing
+	cl.req.Cost = 1
+	cl, err = c.roundTrip(ctx, cl)
+	if err != nil {
+		return "", fmt.Errorf("rlclient: ping: %w", err)
+	}
+	defer cl.release()
+	if cl.resp.IsError() {
+		return "", &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
+	}
+	return cl.resp.Version, nil
+}
+
+// policyDecision is the answer when the sidecar gave none.
+func (c *Client) policyDecision(cause error, unreachable bool) Decision {
+	return Decision{Allowed: c.opts.Policy == FailOpen, Degraded: true, Unreachable: unreachable, Cause: cause}
+}
+
+// decision converts a check response. Its strings are already owned (DecodeResponse
+// allocates them); Rules is copied because resp belongs to a pooled call.
+func decision(r *proto.Response) Decision {
+	d := Decision{
+		Allowed:    r.Allowed,
+		Rule:       r.Rule,
+		Limit:      r.Limit,
+		Remaining:  r.Remaining,
+		Reset:      ms(r.ResetMs),
+		RetryAfter: ms(r.RetryAfterMs),
+		Degraded:   r.Degraded,
+		Reason:     r.Reason,
+	}
+	if len(r.Rules) > 0 {
+		d.Rules = make([]RuleDecision, len(r.Rules))
+		for i := range r.Rules {
+			rr := &r.Rules[i]
+			d.Rules[i] = RuleDecision{
+				Name:       rr.Name,
+				Limit:      rr.Limit,
+				Window:     ms(rr.WindowMs),
+				Remaining:  rr.Remaining,
+				Reset:      ms(rr.ResetMs),
+				RetryAfter: ms(rr.RetryAfterMs),
+				Allowed:    rr.Allowed,
+				Shadow:     rr.Shadow,
+				Reason:     rr.Reason,
+			}
+		}
+	}
+	return d
+}
+
+// ms converts milliseconds to a Duration, saturating instead of overflowing.
+func ms(v uint64) time.Duration {
+	if v > math.MaxInt64/uint64(time.Millisecond) {
+		return math.MaxInt64
+	}
+	return time.Duration(v) * time.Millisecond
+}

@@ -1,0 +1,501 @@
+package rlclient
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// The connection model
+//
+// A Client has Options.Conns slots; each holds at most one live connection. A Check picks
+// a slot round-robin, takes its connection (dialing one in a client-owned goroutine if
+// there is none, unless the slot is backing off), and sends on it:
+//
+//   - under the connection's mutex it assigns the next id, encodes the frame into the
+//     connection's Encoder and appends its call to the FIFO of pending calls, so id order,
+//     FIFO order and byte order agree;
+//   - if no other sender is writing, it becomes the flusher and writes everything encoded
+//     so far, looping while others add more (group commit: one write for a burst);
+//   - it then waits for its call to be completed, its deadline, or its ctx.
+//
+// One reader goroutine per connection reads frames, pops the oldest pending call, decodes
+// the response into it and checks the echoed id. The server answers in request order; a
+// mismatch, an undecodable frame, a frame with no pending call, or any read or write error
+// breaks the connection: every pending call fails (its caller answers by the Policy), the
+// slot forgets the connection, and the next Check on the slot dials again.
+//
+// A caller that stops waiting marks its call abandoned and leaves it in the FIFO, so the
+// next response still lands on the right call; whoever completes an abandoned call (the
+// reader or a failing connection) returns it to the pool.
+//
+// Failed dials back off per slot: 10ms doubling up to 1s, with jitter (half to all of
+// it). While a slot backs off, Checks that land on it try the other slots and, when all
+// back off, answer by the Policy at once without dialing. A connection that broke before
+// it ever answered counts as a failed dial (a sidecar that accepts and then drops is not
+// hammered either); one that answered resets the backoff.
+
+const (
+	backoffMin = 10 * time.Millisecond
+	backoffMax = time.Second
+
+	// maxPending bounds the calls in flight (including abandoned ones) on one connection:
+	// beyond it the sidecar is far behind and a Check answers by the Policy at once.
+	maxPending = 4096
+
+	// maxResponseFrame is the largest response frame the client reads.
+	maxResponseFrame = 1 << 20
+)
+
+// backoffError is the Cause while a slot backs off after failed connection attempts.
+type backoffError struct {
+	failures int
+	wait     time.Duration
+	err      error // the last failure
+}
+
+func (e *backoffError) Error() string {
+	attempts := "attempts"
+	if e.failures == 1 {
+		attempts = "attempt"
+	}
+	return fmt.Sprintf("rlclient: sidecar unreachable: %d failed %s, next in %v: %v", e.failures, attempts, e.wait.Round(time.Millisecond), e.err)
+}
+func (e *backoffError) Unwrap() []error { return []error{ErrUnreachable, e.err} }
+
+// backoff returns the wait after n consecutive failures: 10ms·2^(n-1), at most 1s, with jitter.
+func backoff(n int) time.Duration {
+	d := backoffMax
+	if n < 8 {
+		d = min(backoffMin<<(n-1), backoffMax)
+	}
+	return d/2 + rand.N(d/2+1)
+}
+
+// call states.
+const (
+	callWaiting   uint32 = iota
+	callDone             // completed; the caller receives from done
+	callAbandoned        // the caller left; whoever completes it pools it
+)
+
+// call is one request in flight. Calls are pooled; the caller owns one until it either
+// receives its completion or abandons it.
+type call struct {
+	id    uint64
+	req   proto.Request // the caller's request; its slices keep their capacity in the pool
+	resp  proto.Response
+	err   error
+	state atomic.Uint32
+	done  chan struct{} // capacity 1
+	timer *time.Timer   // the caller's deadline
+}
+
+var callPool = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return &call{done: make(chan struct{}, 1), timer: t}
+}}
+
+func getCall() *call {
+	cl := callPool.Get().(*call)
+	cl.state.Store(callWaiting)
+	return cl
+}
+
+func (cl *call) release() {
+	cl.err = nil
+	cl.dropRequest()
+	callPool.Put(cl)
+}
+
+// dropRequest forgets the request once it is encoded, so that a pooled call does not keep
+// the caller's strings alive.
+func (cl *call) dropRequest() {
+	clear(cl.req.Attrs)
+	clear(cl.req.Limits)
+	cl.req.Attrs, cl.req.Limits = cl.req.Attrs[:0], cl.req.Limits[:0]
+}
+
+// complete hands the result (in cl.resp, or err) to the caller, or pools an abandoned call.
+func (cl *call) complete(err error) {
+	cl.err = err
+	if cl.state.CompareAndSwap(callWaiting, callDone) {
+		cl.done <- struct{}{}
+		return
+	}
+	cl.release()
+}
+
+// wait waits for cl's completion after it was sent. It returns cl when the caller owns it
+// and cl.resp holds the answer; otherwise nil and the reason (cl is then released or
+// abandoned: the caller must not touch it).
+func (cl *call) wait(ctx context.Context) (*call, error) {
+	var cause error
+	select {
+	case <-cl.done:
+		cl.timer.Stop()
+		return cl.result()
+	case <-cl.timer.C:
+		cause = errTimeout
+	case <-ctx.Done():
+		cl.timer.Stop()
+		cause = ctxError(ctx)
+	}
+	if cl.state.CompareAndSwap(callWaiting, callAbandoned) {
+		return nil, cause
+	}
+	<-cl.done // completed meanwhile: take the answer
+	return cl.result()
+}
+
+func (cl *call) result() (*call, error) {
+	if err := cl.err; err != nil {
+		cl.release()
+		return nil, err
+	}
+	return cl, nil
+}
+
+func ctxError(ctx context.Context) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return errTimeout
+	}
+	return &unreachable{what: "the caller's context ended", err: ctx.Err()}
+}
+
+// roundTrip sends cl.req on a pooled connection and waits for the answer; it takes over
+// cl. On success it returns cl, whose resp holds the answer; the caller releases it.
+// Otherwise it returns a nil call and ErrClosed, or an error wrapping ErrUnreachable
+// (transport, timeout, ctx).
+func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
+	fail := func(err error) (*call, error) {
+		cl.release()
+		return nil, err
+	}
+	if c.closed.Load() {
+		return fail(ErrClosed)
+	}
+	if ctx.Err() != nil {
+		return fail(ctxError(ctx))
+	}
+	now := time.Now()
+	wait := c.opts.Timeout
+	if dl, ok := ctx.Deadline(); ok {
+		wait = min(wait, dl.Sub(now))
+	}
+	if wait <= 0 {
+		return fail(errTimeout)
+	}
+	cl.timer.Reset(wait)
+	// Round-robin over the slots; one that is backing off passes to the next.
+	n := len(c.slots)
+	start := int(c.next.Add(1) % uint32(n))
+	var cn *conn
+	var err error
+	for i := 0; i < n; i++ {
+		cn, err = c.slots[(start+i)%n].get(ctx, cl)
+		if _, backingOff := err.(*backoffError); !backingOff {
+			break
+		}
+	}
+	if err == nil {
+		err = cn.send(cl)
+	}
+	if err != nil {
+		cl.timer.Stop()
+		return fail(err)
+	}
+	cl.dropRequest() // encoded; the caller still owns cl until wait
+	return cl.wait(ctx)
+}
+
+// slot holds one connection of the pool, and its dialing and backoff state.
+type slot struct {
+	c        *Client
+	mu       sync.Mutex
+	cn       *conn         // live connection, or nil
+	dialing  chan struct{} // closed when the dial in progress ends; nil when none
+	failures int           // consecutive failed dials (or connections that never answered)
+	retryAt  time.Time     // no dial before this
+	backoff  *backoffError // non-nil while failures > 0
+	closed   bool
+}
+
+// get returns the slot's live connection, dialing one if needed and allowed. While a dial
+// is in progress it waits for it, up to the call's deadline.
+func (s *slot) get(ctx context.Context, cl *call) (*conn, error) {
+	for {
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			return nil, ErrClosed
+		}
+		if cn := s.cn; cn != nil {
+			s.mu.Unlock()
+			return cn, nil
+		}
+		if s.dialing == nil {
+			if s.backoff != nil && time.Now().Before(s.retryAt) {
+				b := s.backoff
+				s.mu.Unlock()
+				return nil, b
+			}
+			s.dialing = make(chan struct{})
+			s.c.wg.Add(1)
+			go s.dial(s.dialing)
+		}
+		ch := s.dialing
+		s.mu.Unlock()
+		select {
+		case <-ch:
+		case <-cl.timer.C:
+			return nil, errTimeout
+		case <-ctx.Done():
+			return nil, ctxError(ctx)
+		}
+	}
+}
+
+// dial connects the slot and starts the connection's reader. It runs in its own goroutine
+// so that it finishes (and its result serves later checks) even when the check that
+// started it has given up waiting.
+func (s *slot) dial(done chan struct{}) {
+	defer s.c.wg.Done()
+	nc, err := s.c.dialer.DialContext(s.c.ctx, "unix", s.c.opts.Socket)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	defer close(done)
+	s.dialing = nil
+	if s.closed {
+		if err == nil {
+			nc.Close()
+		}
+		return
+	}
+	if err != nil {
+		s.failed(err)
+		return
+	}
+	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder()}
+	s.cn = cn
+	s.c.wg.Add(1)
+	go cn.readLoop()
+}
+
+// failed records a failed attempt and starts the backoff. s.mu is held.
+func (s *slot) failed(err error) {
+	s.failures++
+	wait := backoff(s.failures)
+	s.retryAt = time.Now().Add(wait)
+	s.backoff = &backoffError{failures: s.failures, wait: wait, err: err}
+}
+
+// detach forgets a broken connection. s.mu is not held.
+func (s *slot) detach(cn *conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cn != cn {
+		return
+	}
+	s.cn = nil
+	if cn.served.Load() {
+		s.failures, s.backoff = 0, nil
+	} else {
+		s.failed(cn.err)
+	}
+}
+
+func (s *slot) close() {
+	s.mu.Lock()
+	s.closed = true
+	cn := s.cn
+	s.cn = nil
+	s.mu.Unlock()
+	if cn != nil {
+		cn.fail(ErrClosed)
+	}
+}
+
+// conn is one pipelined connection to the sidecar.
+type conn struct {
+	s      *slot
+	nc     net.Conn
+	served atomic.Bool // a response arrived: the sidecar is really there
+
+	mu       sync.Mutex
+	enc      *proto.Encoder // frames not yet written
+	spare    *proto.Encoder // the buffer the flusher is writing
+	flushing bool
+	nextID   uint64
+	pending  queue
+	broken   bool
+	err      error // why it broke
+}
+
+// send assigns cl.req an id, queues cl and makes sure the frame gets written. A write
+// error breaks the connection, which completes cl; so once cl is queued, send returns nil.
+//
+// A write can block only when the sidecar has stopped reading and the socket buffer is
+// full. Its deadline is Options.Timeout from the start of the write, not the flusher's
+// own deadline: a caller with little time left must not break the connection for all.
+// So the flusher's Check can take up to Timeout longer than its own deadline, and only
+// when the sidecar has stalled; the connection then breaks.
+func (cn *conn) send(cl *call) error {
+	cn.mu.Lock()
+	if cn.broken {
+		err := cn.err
+		cn.mu.Unlock()
+		return err
+	}
+	if cn.pending.n >= maxPending {
+		cn.mu.Unlock()
+		return errTooBusy
+	}
+	cn.nextID++
+	cl.id = cn.nextID
+	cl.req.ID = cl.id
+	cn.enc.EncodeRequest(&cl.req)
+	cn.pending.push(cl)
+	if cn.flushing {
+		cn.mu.Unlock()
+		return nil
+	}
+	cn.flushing = true
+	for cn.enc.Len() > 0 {
+		buf := cn.enc
+		cn.enc, cn.spare = cn.spare, buf
+		cn.mu.Unlock()
+		err := cn.nc.SetWriteDeadline(time.Now().Add(cn.s.c.opts.Timeout))
+		if err == nil {
+			_, err = cn.nc.Write(buf.Bytes())
+		}
+		buf.Reset()
+		if err != nil {
+			cn.fail(&unreachable{what: "writing a request", err: err})
+			return nil
+		}
+		cn.mu.Lock()
+	}
+	cn.flushing = false
+	cn.mu.Unlock()
+	return nil
+}
+
+// readLoop hands each response to the oldest pending call until the connection breaks.
+func (cn *conn) readLoop() {
+	defer cn.s.c.wg.Done()
+	br := bufio.NewReaderSize(cn.nc, 16<<10)
+	dec := proto.NewDecoder()
+	var buf []byte
+	for {
+		body, err := proto.ReadFrame(br, buf, maxResponseFrame)
+		if err != nil {
+			cn.fail(&unreachable{what: "reading a response", err: err})
+			return
+		}
+		buf = body
+		cn.mu.Lock()
+		cl := cn.pending.pop()
+		cn.mu.Unlock()
+		if cl == nil {
+			cn.fail(unsolicited(dec, body))
+			return
+		}
+		if err := dec.DecodeResponse(body, &cl.resp); err != nil {
+			err = &unreachable{what: "undecodable response", err: err}
+			cl.complete(err)
+			cn.fail(err)
+			return
+		}
+		r := &cl.resp
+		if r.ID != cl.id && (!r.IsError() || r.ID != 0) {
+			err := &unreachable{what: fmt.Sprintf("response id %d where %d was due", r.ID, cl.id)}
+			cl.complete(err)
+			cn.fail(err)
+			return
+		}
+		if r.Err.Code == proto.CodeTooManyConnections || r.Err.Code == proto.CodeShuttingDown {
+			// The sidecar closes this connection; this is no fault of the request.
+			err := &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
+			cl.complete(err)
+			cn.fail(err)
+			return
+		}
+		cn.served.Store(true)
+		cl.complete(nil)
+	}
+}
+
+// unsolicited describes a frame that arrived with no request pending.
+func unsolicited(dec *proto.Decoder, body []byte) error {
+	var r proto.Response
+	if dec.DecodeResponse(body, &r) == nil && r.IsError() {
+		return &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
+	}
+	return &unreachable{what: "response without a pending request"}
+}
+
+// fail breaks the connection once: it closes the socket, fails every pending call with
+// err and detaches the connection from its slot.
+func (cn *conn) fail(err error) {
+	cn.mu.Lock()
+	if cn.broken {
+		cn.mu.Unlock()
+		return
+	}
+	cn.broken = true
+	cn.err = err
+	pending := cn.pending.drain()
+	cn.mu.Unlock()
+	cn.nc.Close()
+	cn.s.detach(cn) // first, so that the failed callers' next checks redial
+	for _, cl := range pending {
+		cl.complete(err)
+	}
+}
+
+// queue is a FIFO ring of pending calls.
+type queue struct {
+	buf     []*call
+	head, n int
+}
+
+func (q *queue) push(cl *call) {
+	if q.n == len(q.buf) {
+		nb := make([]*call, max(16, 2*len(q.buf)))
+		for i := 0; i < q.n; i++ {
+			nb[i] = q.buf[(q.head+i)%len(q.buf)]
+		}
+		q.buf, q.head = nb, 0
+	}
+	q.buf[(q.head+q.n)%len(q.buf)] = cl
+	q.n++
+}
+
+func (q *queue) pop() *call {
+	if q.n == 0 {
+		return nil
+	}
+	cl := q.buf[q.head]
+	q.buf[q.head] = nil
+	q.head = (q.head + 1) % len(q.buf)
+	q.n--
+	return cl
+}
+
+func (q *queue) drain() []*call {
+	out := make([]*call, 0, q.n)
+	for cl := q.pop(); cl != nil; cl = q.pop() {
+		out = append(out, cl)
+	}
+	return out
+}

@@ -1,0 +1,232 @@
+package rlclient
+
+import (
+	"encoding/json"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// The HTTP mapping of a Decision, shared by every rlsidecar client (README.md, "HTTP
+// mapping"; vectors in proto/testdata/http_headers.json).
+
+// ProblemType is the "type" of the problem+json bodies this package writes. "about:blank"
+// means the problem is what the status code says (RFC 9457 §4.2.1); the rule and
+// retry_after extension members carry the details.
+const ProblemType = "about:blank"
+
+// Headers returns the rate-limit headers of d; see SetHeaders.
+func Headers(d *Decision) http.Header {
+	h := make(http.Header, 3)
+	SetHeaders(h, d)
+	return h
+}
+
+// SetHeaders sets on h the headers that describe d, per draft-ietf-httpapi-ratelimit-headers:
+//
+//   - when d has a deciding rule: RateLimit-Policy and RateLimit, each a structured-field
+//     list with one item per non-shadow rule of d.Rules, the deciding rule first, then the
+//     others in order: `"per-user";q=5;w=60` (q the limit, w the window in seconds) and
+//     `"per-user";r=0;t=12` (r the remaining, t the reset in seconds);
+//   - when d rejects: Retry-After, in seconds, at least 1 — except when d.Reason is
+//     proto.ReasonCostExceedsCapacity, since no retry can ever pass.
+//
+// Seconds are rounded up. A decision where nothing matched gets no headers.
+func SetHeaders(h http.Header, d *Decision) {
+	if d.Rule != "" {
+		var pol, cur strings.Builder
+		decided := -1
+		for i := range d.Rules {
+			if r := &d.Rules[i]; !r.Shadow && r.Name == d.Rule {
+				decided = i
+				break
+			}
+		}
+		if decided >= 0 {
+			r := &d.Rules[decided]
+			appendItem(&pol, &cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+		} else {
+			// The deciding rule is missing from Rules: describe it from the top-level
+			// fields, which do not carry its window.
+			appendItem(&pol, &cur, d.Rule, d.Limit, 0, false, d.Remaining, d.Reset)
+		}
+		for i := range d.Rules {
+			if r := &d.Rules[i]; !r.Shadow && i != decided {
+				appendItem(&pol, &cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+			}
+		}
+		h.Set("RateLimit-Policy", pol.String())
+		h.Set("RateLimit", cur.String())
+	}
+	if !d.Allowed && d.Reason != proto.ReasonCostExceedsCapacity {
+		h.Set("Retry-After", strconv.FormatInt(retryAfterSeconds(d), 10))
+	}
+}
+
+func appendItem(pol, cur *strings.Builder, name string, limit uint64, window time.Duration, hasWindow bool, remaining uint64, reset time.Duration) {
+	if pol.Len() > 0 {
+		pol.WriteString(", ")
+		cur.WriteString(", ")
+	}
+	sfString(pol, name)
+	pol.WriteString(";q=")
+	pol.WriteString(strconv.FormatUint(limit, 10))
+	if hasWindow {
+		pol.WriteString(";w=")
+		pol.WriteString(strconv.FormatInt(max(ceilSeconds(window), 1), 10))
+	}
+	sfString(cur, name)
+	cur.WriteString(";r=")
+	cur.WriteString(strconv.FormatUint(remaining, 10))
+	cur.WriteString(";t=")
+	cur.WriteString(strconv.FormatInt(ceilSeconds(reset), 10))
+}
+
+// sfString writes s as an RFC 8941 string: `\` and `"` escaped, any byte outside
+// printable ASCII (0x20–0x7E) replaced with `_`.
+func sfString(b *strings.Builder, s string) {
+	b.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\' || c == '"':
+			b.WriteByte('\\')
+			b.WriteByte(c)
+		case c < 0x20 || c > 0x7e:
+			b.WriteByte('_')
+		default:
+			b.WriteByte(c)
+		}
+	}
+	b.WriteByte('"')
+}
+
+// ceilSeconds rounds d up to whole seconds; negative durations count as 0.
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	s := d / time.Second
+	if d%time.Second != 0 {
+		s++
+	}
+	return int64(s)
+}
+
+func retryAfterSeconds(d *Decision) int64 { return max(ceilSeconds(d.RetryAfter), 1) }
+
+// problem is an RFC 9457 problem details body.
+type problem struct {
+	Type       string `json:"type"`
+	Title      string `json:"title"`
+	Status     int    `json:"status"`
+	Detail     string `json:"detail"`
+	Rule       string `json:"rule,omitempty"`
+	RetryAfter int64  `json:"retry_after,omitempty"` // seconds, as in Retry-After
+}
+
+// WriteRejection writes the response for a decision that does not allow the request:
+//
+//   - when the sidecar rejected it: 429 Too Many Requests with the headers of SetHeaders
+//     and an application/problem+json body (RFC 9457) with the extension members "rule"
+//     and "retry_after" (seconds; absent when no retry can pass);
+//   - when the client applied FailClosed because the sidecar gave no decision
+//     (d.Unreachable, or d.Cause set): 503 Service Unavailable, Retry-After: 1, and a
+//     problem+json body saying the rate limiter is unavailable.
+func WriteRejection(w http.ResponseWriter, d *Decision) {
+	h := w.Header()
+	var p problem
+	if d.Unreachable || d.Cause != nil {
+		p = problem{Type: ProblemType, Title: "Service Unavailable", Status: http.StatusServiceUnavailable,
+			Detail: "The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.", RetryAfter: 1}
+		h.Set("Retry-After", "1")
+	} else {
+		SetHeaders(h, d)
+		p = problem{Type: ProblemType, Title: "Too Many Requests", Status: http.StatusTooManyRequests, Rule: d.Rule}
+		limit := "the rate limit"
+		if d.Rule != "" {
+			limit = "rate limit " + strconv.Quote(d.Rule)
+		}
+		if d.Reason == proto.ReasonCostExceedsCapacity {
+			p.Detail = "This request costs more than " + limit + " can ever admit: it can never pass under this limit."
+		} else {
+			p.RetryAfter = retryAfterSeconds(d)
+			p.Detail = "This request exceeds " + limit + "; retry in " + seconds(p.RetryAfter) + "."
+		}
+	}
+	body, err := json.Marshal(&p)
+	if err != nil {
+		panic("BUG: marshaling a problem: " + err.Error())
+	}
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(body)
+}
+
+func seconds(n int64) string {
+	if n == 1 {
+		return "1 second"
+	}
+	return strconv.FormatInt(n, 10) + " seconds"
+}
+
+// MiddlewareOptions configure Middleware. The zero value checks the default attributes
+// at cost 1.
+type MiddlewareOptions struct {
+	// Attrs returns the attributes to check a request with. Default: DefaultAttrs.
+	Attrs func(*http.Request) []proto.Attr
+	// Cost returns the request's cost; 0 means the default, 1. Default: 1 for every request.
+	Cost func(*http.Request) uint64
+	// OnError handles a request whose check returned an error (a *proto.Error, which is a
+	// bug in what Attrs or Cost produced, or ErrClosed): it writes the response itself.
+	// When nil, such a request follows the Client's Policy, as for an unreachable sidecar.
+	OnError func(w http.ResponseWriter, r *http.Request, err error)
+}
+
+// DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port),
+// method and path (r.URL.Path), in that order (sorted by name).
+func DefaultAttrs(r *http.Request) []proto.Attr {
+	ip := r.RemoteAddr
+	if host, _, err := net.SplitHostPort(ip); err == nil {
+		ip = host
+	}
+	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: r.URL.Path}}
+}
+
+// Middleware returns net/http middleware that checks every request with c:
+//
+//   - allowed: it sets the rate-limit headers (SetHeaders) and calls the next handler;
+//   - rejected by the sidecar: 429 with Retry-After and a problem+json body (WriteRejection);
+//   - no decision from the sidecar (unreachable, slow): the Client's Policy — FailOpen calls
+//     the next handler without rate-limit headers, FailClosed answers 503 with
+//     Retry-After: 1 (WriteRejection);
+//   - an error (see Client.CheckAttrs): OnError when set, otherwise the Policy as above.
+func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler {
+	attrs := o.Attrs
+	if attrs == nil {
+		attrs = DefaultAttrs
+	}
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var co CheckOptions
+			if o.Cost != nil {
+				co.Cost = o.Cost(r)
+			}
+			d, err := c.CheckAttrs(r.Context(), attrs(r), &co)
+			if err != nil && o.OnError != nil {
+				o.OnError(w, r, err)
+				return
+			}
+			if !d.Allowed {
+				WriteRejection(w, &d)
+				return
+			}
+			SetHeaders(w.Header(), &d)
+			next.ServeHTTP(w, r)
+		})
+	}
+}

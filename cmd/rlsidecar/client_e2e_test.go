@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	rlclient "github.com/rlsidecar/rlsidecar/clients/go"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+const loginRules = `
+rules:
+  - name: login
+    match: { method: POST, path: /login }
+    key: ip
+    limit: { requests: 5, per: 60s }
+  - name: per-ip
+    key: ip
+    limit: { requests: 1000, per: 1s }
+`
+
+// The Go client against the real daemon: decisions, errors, and the middleware's HTTP.
+func TestE2EGoClient(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", loginRules))
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+
+	if v, err := c.Ping(ctx); err != nil || v == "" {
+		t.Fatalf("ping: %q %v", v, err)
+	}
+	attrs := map[string]string{"method": "POST", "path": "/login", "ip": "192.0.2.1"}
+	for i := 1; i <= 6; i++ {
+		dec, err := c.Check(ctx, attrs, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := i <= 5; dec.Allowed != want || dec.Rule != "login" || dec.Degraded {
+			t.Fatalf("check %d: %+v", i, dec)
+		}
+		if i == 6 && (dec.RetryAfter <= 0 || dec.RetryAfter > 12*time.Second || dec.Remaining != 0) {
+			t.Fatalf("rejection: %+v", dec)
+		}
+	}
+	if _, err := c.Check(ctx, nil, &rlclient.CheckOptions{Limits: []proto.InlineLimit{{Key: "k", Limit: 0, WindowMs: 1}}}); err == nil {
+		t.Fatal("invalid inline limit: no error")
+	} else if pe, ok := err.(*proto.Error); !ok || pe.Code != proto.CodeInvalidLimit {
+		t.Fatalf("invalid inline limit: %v", err)
+	}
+
+	// The middleware: a client IP of its own, five logins pass with headers, the sixth is 429.
+	h := rlclient.Middleware(c, rlclient.MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	for i := 1; i <= 6; i++ {
+		req := httptest.NewRequest(http.MethodPost, "/login", nil)
+		req.RemoteAddr = "198.51.100.9:4711"
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		res := rec.Result()
+		if i <= 5 {
+			if res.StatusCode != http.StatusNoContent || !strings.HasPrefix(res.Header.Get("RateLimit-Policy"), `"login";q=5;w=60`) ||
+				!strings.HasPrefix(res.Header.Get("RateLimit"), `"login";r=`+string(rune('0'+5-i))+`;t=`) {
+				t.Fatalf("request %d: %d %v", i, res.StatusCode, res.Header)
+			}
+			continue
+		}
+		if res.StatusCode != http.StatusTooManyRequests || res.Header.Get("Retry-After") != "12" ||
+			res.Header.Get("Content-Type") != "application/problem+json" {
+			t.Fatalf("sixth request: %d %v", res.StatusCode, res.Header)
+		}
+		var problem map[string]any
+		if err := json.NewDecoder(res.Body).Decode(&problem); err != nil || problem["status"] != float64(429) {
+			t.Fatalf("problem body: %v %v", problem, err)
+		}
+	}
+}
+
+// The daemon going away and coming back: the client answers its policy, degraded, within
+// its timeout, then reconnects on its own.
+func TestE2EGoClientSidecarRestart(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", loginRules)
+	d := startDaemon(t, "--config", cfg)
+	open, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer open.Close()
+	closed, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: 100 * time.Millisecond, Policy: rlclient.FailClosed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closed.Close()
+	ctx := context.Background()
+	attrs := map[string]string{"ip": "203.0.113.77"}
+	for _, c := range []*rlclient.Client{open, closed} {
+		if dec, err := c.Check(ctx, attrs, nil); err != nil || !dec.Allowed || dec.Degraded {
+			t.Fatalf("before the restart: %+v %v", dec, err)
+		}
+	}
+
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	<-d.done
+	for name, c := range map[string]*rlclient.Client{"open": open, "closed": closed} {
+		start := time.Now()
+		dec, err := c.Check(ctx, attrs, nil)
+		if err != nil || !dec.Degraded || !dec.Unreachable || dec.Allowed != (name == "open") {
+			t.Fatalf("%s policy, sidecar down: %+v %v", name, dec, err)
+		}
+		if el := time.Since(start); el > time.Second {
+			t.Fatalf("%s policy answered after %s", name, el)
+		}
+	}
+
+	startDaemonAt(t, d.socket, "--config", cfg)
+	for name, c := range map[string]*rlclient.Client{"open": open, "closed": closed} {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			dec, err := c.Check(ctx, attrs, nil)
+			if err == nil && !dec.Degraded && dec.Allowed && dec.Rule == "per-ip" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s client did not recover after the restart: %+v %v", name, dec, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
