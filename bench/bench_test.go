@@ -93,6 +93,22 @@ func startServer(tb testing.TB, name string, args ...string) *server {
 	return s
 }
 
+// syscalls returns the read and write system calls the server has made (/proc/PID/io).
+func (s *server) syscalls(tb testing.TB) float64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", s.cmd.Process.Pid))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var n float64
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(line, "syscr:") || strings.HasPrefix(line, "syscw:") {
+			v, _ := strconv.ParseFloat(strings.TrimSpace(line[6:]), 64)
+			n += v
+		}
+	}
+	return n
+}
+
 func (s *server) rssMB(tb testing.TB) float64 {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.cmd.Process.Pid))
 	if err != nil {
@@ -270,6 +286,7 @@ func throughput(b *testing.B, conns, inflight int) {
 	b.ResetTimer()
 	var tf, tr time.Duration
 	var total int
+	sysF, sysR := floor.syscalls(b), rls.syscalls(b)
 	chunk := max(conns*inflight*50, 20000)
 	for total < b.N {
 		n := min(chunk, b.N-total)
@@ -279,6 +296,9 @@ func throughput(b *testing.B, conns, inflight int) {
 		total += n
 	}
 	b.StopTimer()
+	sysF, sysR = floor.syscalls(b)-sysF, rls.syscalls(b)-sysR
+	b.ReportMetric(sysF/float64(total), "floor-syscalls/req")
+	b.ReportMetric(sysR/float64(total), "rlsidecar-syscalls/req")
 	rf, rr := float64(total)/tf.Seconds(), float64(total)/tr.Seconds()
 	b.ReportMetric(rf, "floor-req/s")
 	b.ReportMetric(rr, "rlsidecar-req/s")

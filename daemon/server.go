@@ -245,6 +245,7 @@ type conn struct {
 	big  []byte // body of a frame larger than br's buffer
 
 	deadline time.Time // the read deadline currently set (zero: none)
+	waited   bool      // the frame being read was not all there: its time is when it completes
 }
 
 const readBufSize = 16 << 10
@@ -311,6 +312,7 @@ func (cn *conn) waitIdle() error {
 // need makes sure n bytes are buffered, under the frame deadline if it has to wait.
 func (cn *conn) need(n int) ([]byte, error) {
 	if cn.br.Buffered() < n {
+		cn.waited = true
 		fd := time.Now().Add(cn.s.cfg.FrameTimeout)
 		if cn.deadline.IsZero() || cn.deadline.After(fd) {
 			if err := cn.setDeadline(fd); err != nil {
@@ -337,11 +339,18 @@ const flushAt = 32 << 10
 
 func (cn *conn) loop() error {
 	maxFrame := cn.s.cfg.MaxFrame
-	for {
+	var now int64 // the clock, read when a batch of frames arrives
+	for batched := 0; ; batched++ {
 		if cn.br.Buffered() == 0 {
 			if err := cn.waitIdle(); err != nil {
 				return err
 			}
+			batched = 0
+		}
+		// Frames that arrived together share one reading of the clock; a long pipelined
+		// batch reads it again every 64 frames.
+		if batched%64 == 0 {
+			now = time.Now().UnixNano()
 		}
 		hdr, err := cn.need(proto.HeaderSize)
 		if err != nil {
@@ -378,7 +387,10 @@ func (cn *conn) loop() error {
 			body = cn.big
 			n = -proto.HeaderSize // already consumed
 		}
-		cn.handle(body, time.Now().UnixNano())
+		if cn.waited {
+			now, cn.waited = time.Now().UnixNano(), false
+		}
+		cn.handle(body, now)
 		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
 			return err
 		}
