@@ -8,6 +8,7 @@ package bench
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -22,6 +23,7 @@ import (
 	"testing"
 	"time"
 
+	rlclient "github.com/rlsidecar/rlsidecar/clients/go"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -344,4 +346,63 @@ func BenchmarkMemory1MKeys(b *testing.B) {
 	b.StopTimer()
 	b.ReportMetric(before, "idle-RSS-MB")
 	b.ReportMetric(rls.rssMB(b), "RSS-MB-1M-keys")
+}
+
+// BenchmarkSocketGoClient4x32: the same 4 × 32 load through the Go client (clients/go),
+// as a Go gateway would send it: 4 pooled connections, 128 goroutines each with one
+// check in flight, every answer decoded.
+func BenchmarkSocketGoClient4x32(b *testing.B) {
+	floor, rls := startPair(b)
+	const conns, inflight = 4, 32
+	newClient := func(s *server) *rlclient.Client {
+		c, err := rlclient.New(rlclient.Options{Socket: s.socket, Conns: conns, Timeout: 5 * time.Second})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { c.Close() })
+		return c
+	}
+	attrs := make([][]proto.Attr, conns*inflight)
+	for i := range attrs {
+		u := strconv.Itoa(i * 61)
+		attrs[i] = []proto.Attr{{Name: "ip", Value: "10.1.0." + strconv.Itoa(i)}, {Name: "method", Value: "POST"},
+			{Name: "path", Value: "/v1/events/" + u + "/holds"}, {Name: "user", Value: "user-" + u}}
+	}
+	run := func(c *rlclient.Client, n int) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for g := range attrs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx := context.Background()
+				for i := 0; i < n/len(attrs); i++ {
+					d, err := c.CheckAttrs(ctx, attrs[g], nil)
+					if err != nil || d.Unreachable {
+						b.Errorf("check: %v %+v", err, d)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	cf, cr := newClient(floor), newClient(rls)
+	run(cf, 20000)
+	run(cr, 20000)
+	b.ResetTimer()
+	var tf, tr time.Duration
+	total := 0
+	for total < b.N {
+		n := max(min(50000, b.N-total)/len(attrs), 1) * len(attrs)
+		tf += run(cf, n)
+		tr += run(cr, n)
+		total += n
+	}
+	b.StopTimer()
+	rf, rr := float64(total)/tf.Seconds(), float64(total)/tr.Seconds()
+	b.ReportMetric(rf, "floor-req/s")
+	b.ReportMetric(rr, "rlsidecar-req/s")
+	b.ReportMetric(rr/rf, "throughput-ratio")
 }

@@ -34,6 +34,9 @@ func main() {
 			{Name: "holds", Limit: 5, WindowMs: 60000, Remaining: 4, ResetMs: 12000, Allowed: true},
 		}})
 	answer := append([]byte(nil), enc.Bytes()...)
+	// answer = header, map header, "id" key (4 bytes: 0x8X a2 'i' 'd'), id value 0x01, rest.
+	// The server echoes each request's id by splicing its id value in place of 0x01.
+	head, tail := answer[proto.HeaderSize:proto.HeaderSize+4], answer[proto.HeaderSize+5:]
 	fmt.Println("floorserver listening on", *socket)
 	go func() {
 		sig := make(chan os.Signal, 1)
@@ -47,11 +50,34 @@ func main() {
 		if err != nil {
 			return
 		}
-		go serve(c, answer)
+		go serve(c, head, tail)
 	}
 }
 
-func serve(c net.Conn, answer []byte) {
+// idValue returns the msgpack bytes of the id in a canonical request body (map header,
+// then "id"), or a fixint 0 when the body does not start that way.
+func idValue(body []byte) []byte {
+	if len(body) < 5 || body[1] != 0xa2 || body[2] != 'i' || body[3] != 'd' {
+		return []byte{0}
+	}
+	n := 1
+	switch body[4] {
+	case 0xcc:
+		n = 2
+	case 0xcd:
+		n = 3
+	case 0xce:
+		n = 5
+	case 0xcf:
+		n = 9
+	}
+	if len(body) < 4+n {
+		return []byte{0}
+	}
+	return body[4 : 4+n]
+}
+
+func serve(c net.Conn, head, tail []byte) {
 	defer c.Close()
 	br := bufio.NewReaderSize(c, 16<<10)
 	out := make([]byte, 0, 64<<10)
@@ -67,9 +93,18 @@ func serve(c net.Conn, answer []byte) {
 			return
 		}
 		n := int(proto.FrameLength(hdr))
+		frame, err := br.Peek(proto.HeaderSize + min(n, 16))
+		if err != nil {
+			return
+		}
+		id := idValue(frame[proto.HeaderSize:])
+		size := len(head) + len(id) + len(tail)
+		out = append(out, byte(size>>24), byte(size>>16), byte(size>>8), byte(size))
+		out = append(out, head...)
+		out = append(out, id...)
+		out = append(out, tail...)
 		if _, err := br.Discard(proto.HeaderSize + n); err != nil {
 			return
 		}
-		out = append(out, answer...)
 	}
 }
