@@ -1,0 +1,133 @@
+package daemon
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+func startServer(t *testing.T, cfg Config) *Server {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "rlsd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg.Socket = filepath.Join(dir, "s.sock")
+	set, err := rules.Parse("test.yaml", []byte(benchRules))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve()
+	return s
+}
+
+func roundTrip(t *testing.T, c net.Conn, br *bufio.Reader, req *proto.Request) *proto.Response {
+	t.Helper()
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(req)
+	if _, err := c.Write(enc.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	body, err := proto.ReadFrame(br, nil, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var resp proto.Response
+	if err := proto.NewDecoder().DecodeResponse(body, &resp); err != nil {
+		t.Fatal(err)
+	}
+	return &resp
+}
+
+// Shutdown answers, closes idle and half-sent connections, removes the socket and leaves
+// no goroutine behind.
+func TestShutdownLeavesNothing(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := startServer(t, Config{IdleTimeout: time.Minute})
+	idle, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	resp := roundTrip(t, idle, bufio.NewReader(idle), &proto.Request{ID: 3, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "ip", Value: "a"}}})
+	if !resp.Allowed || resp.Rule != "per-ip" {
+		t.Fatalf("%+v", resp)
+	}
+	half, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer half.Close()
+	half.Write([]byte{0, 0, 0, 9, 0x81})
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Connections() != 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d connections", s.Connections())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el > time.Second {
+		t.Fatalf("shutdown took %s with an idle and a half-sent connection", el)
+	}
+	if _, err := os.Stat(s.cfg.Socket); !os.IsNotExist(err) {
+		t.Fatalf("socket left: %v", err)
+	}
+	if s.Connections() != 0 {
+		t.Fatalf("%d connections after shutdown", s.Connections())
+	}
+}
+
+// An idle connection is closed after IdleTimeout; an active one is not.
+func TestIdleTimeout(t *testing.T) {
+	s := startServer(t, Config{IdleTimeout: 150 * time.Millisecond})
+	defer s.Shutdown(context.Background())
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	for i := 0; i < 5; i++ { // active for 5 × 50 ms > the idle timeout
+		roundTrip(t, c, br, &proto.Request{ID: uint64(i), Op: proto.OpPing, Cost: 1})
+		time.Sleep(50 * time.Millisecond)
+	}
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("idle connection got data instead of being closed")
+	}
+}
+
+func TestListenRefusesLiveSocket(t *testing.T) {
+	s := startServer(t, Config{})
+	defer s.Shutdown(context.Background())
+	set, _ := rules.Parse("x", []byte("rules: []"))
+	other, _ := New(Config{Socket: s.cfg.Socket}, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+	if err := other.Listen(); err == nil {
+		t.Fatal("a second server listened on a live socket")
+	}
+}
