@@ -1,0 +1,101 @@
+package redistest
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// clusterTimeout bounds creating the cluster and waiting for every node to report it ok.
+const clusterTimeout = 60 * time.Second
+
+// Cluster is a Redis Cluster of three masters and no replicas, each master owning about a
+// third of the 16384 slots.
+type Cluster struct {
+	// Addrs are the nodes' "127.0.0.1:port" addresses, for redis.ClusterOptions.Addrs.
+	Addrs []string
+	// Nodes are the node processes, in the order of Addrs, for failure tests.
+	Nodes []*Server
+}
+
+// StartCluster starts three cluster-enabled redis-servers (cluster-node-timeout 2000, no
+// persistence) on free loopback ports whose bus ports (port+10000) are free too, joins
+// them with `redis-cli --cluster create … --cluster-replicas 0 --cluster-yes`, and waits
+// until every node reports cluster_state:ok with all 16384 slots served. t.Cleanup stops
+// every node.
+func StartCluster(t testing.TB) *Cluster {
+	t.Helper()
+	cli := lookPath(t, "redis-cli")
+	c := &Cluster{}
+	for i := 0; i < 3; i++ {
+		// Nodes start one after another, so each probe for a free port pair sees the
+		// earlier nodes' ports and bus ports taken.
+		n := start(t, config{cluster: true})
+		c.Nodes = append(c.Nodes, n)
+		c.Addrs = append(c.Addrs, n.Addr)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
+	defer cancel()
+	args := append([]string{"--cluster", "create"}, c.Addrs...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	out, err := exec.CommandContext(ctx, cli, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("redistest: redis-cli %s: %v\n%s\n%s", strings.Join(args, " "), err, out, c.logTails())
+	}
+
+	deadline, _ := ctx.Deadline()
+	for {
+		err := c.check()
+		if err == nil {
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redistest: cluster %v not ready after %v: %v\n%s", c.Addrs, clusterTimeout, err, c.logTails())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// check returns nil once every node sees the whole cluster: state ok, all slots ok,
+// every node known.
+func (c *Cluster) check() error {
+	for _, n := range c.Nodes {
+		info, err := command(n.Addr, "CLUSTER", "INFO")
+		if err != nil {
+			return fmt.Errorf("%s: %w", n.Addr, err)
+		}
+		for _, want := range []string{
+			"cluster_state:ok",
+			"cluster_slots_assigned:16384",
+			"cluster_slots_ok:16384",
+			fmt.Sprintf("cluster_known_nodes:%d", len(c.Nodes)),
+		} {
+			if !hasLine(info, want) {
+				return fmt.Errorf("%s: CLUSTER INFO lacks %s:\n%s", n.Addr, want, info)
+			}
+		}
+	}
+	return nil
+}
+
+func hasLine(text, line string) bool {
+	for _, l := range strings.Split(text, "\n") {
+		if strings.TrimSpace(l) == line {
+			return true
+		}
+	}
+	return false
+}
+
+func (c *Cluster) logTails() string {
+	var b strings.Builder
+	for _, n := range c.Nodes {
+		b.WriteString(n.logTail())
+		b.WriteString("\n")
+	}
+	return b.String()
+}
