@@ -228,7 +228,15 @@ const inlineOps = 16
 // Apply is atomic and safe for concurrent use: it locks the shards involved in ascending
 // order and releases them when done. It allocates only to store a new key (and for
 // batches of more than 16 ops).
-func (s *Store) Apply(now int64, ops []Op) bool {
+func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false) }
+
+// Reject decides ops as Apply does when something outside the batch has already rejected
+// the request: it commits nothing, and each op reports what it would have decided alone
+// (an op that would pass reports the current state as a cost-0 peek, Allowed true).
+// The limiter uses it when a check on another store (Redis) rejected first.
+func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
+
+func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 	var scBuf [inlineOps]opScratch
 	var lockBuf [inlineOps]uint32
 	var sc []opScratch
@@ -268,7 +276,7 @@ func (s *Store) Apply(now int64, ops []Op) bool {
 		s.shards[li].mu.Lock()
 	}
 
-	ok := true
+	ok := !veto
 	for i := range ops {
 		op, x := &ops[i], &sc[i]
 		if x.prev >= 0 {

@@ -302,3 +302,23 @@ func TestStoreDefaults(t *testing.T) {
 	}()
 	NewStore(Options{Shards: 3})
 }
+
+// Reject commits nothing and reports each op as the rejected batch of Apply would.
+func TestStoreReject(t *testing.T) {
+	s := NewStore(Options{})
+	lim, err := NewLimit(TokenBucket, 5, time.Second, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := int64(1_700_000_000) * int64(time.Second)
+	ops := []Op{{Key: []byte("a"), Limit: &lim, Cost: 2}}
+	s.Apply(now, ops)
+	s.Reject(now, ops)
+	if r := ops[0].Result; !r.Allowed || r.Remaining != 3 || r.RetryAfter != 0 {
+		t.Fatalf("reject result %+v, want allowed, 3 remaining (nothing consumed)", r)
+	}
+	s.Apply(now, ops)
+	if ops[0].Result.Remaining != 1 {
+		t.Fatalf("after Reject then Apply: %+v", ops[0].Result)
+	}
+}
