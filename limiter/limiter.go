@@ -9,6 +9,7 @@
 package limiter
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"sync/atomic"
@@ -16,20 +17,59 @@ import (
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
-// Limiter decides requests against a rule set and a store of buckets.
+// Limiter decides requests against a rule set, a store of local buckets and, when the
+// daemon has Redis, the hybrid mode's allowances.
 type Limiter struct {
-	rules atomic.Pointer[rules.Set]
-	store *localbucket.Store
+	rules       atomic.Pointer[rules.Set]
+	store       *localbucket.Store
+	hybrid      *rlsync.Hybrid
+	global      *rlsync.Global
+	globalWait  time.Duration
+	defaultMode rules.Mode
 }
 
-// New returns a Limiter deciding with set on store.
+// New returns a Limiter deciding with set on store, every rule in local mode.
 func New(set *rules.Set, store *localbucket.Store) *Limiter {
-	l := &Limiter{store: store}
+	l := &Limiter{store: store, defaultMode: rules.ModeLocal}
 	l.rules.Store(set)
 	return l
 }
+
+// WithHybrid makes the limiter decide hybrid-mode rules with h, and rules that do not
+// name a mode in hybrid mode too: the default when the daemon has Redis. Call it before
+// the limiter is used.
+func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
+	l.hybrid = h
+	l.defaultMode = rules.ModeHybrid
+	return l
+}
+
+// WithGlobal makes the limiter decide global-mode rules with g, waiting at most timeout
+// for Redis per check; past it (or on any error) each rule's failure policy decides.
+func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
+	l.global = g
+	l.globalWait = timeout
+	return l
+}
+
+// resolve turns a rule's mode into the one the limiter can apply: a rule that names none
+// takes the default; without the store a mode needs (replay, or a limiter built without
+// Redis) it runs locally. serve refuses such rules up front (CheckModes).
+func (l *Limiter) resolve(m rules.Mode) rules.Mode {
+	if m == rules.ModeDefault {
+		m = l.defaultMode
+	}
+	if m == rules.ModeHybrid && l.hybrid == nil || m == rules.ModeGlobal && l.global == nil {
+		return rules.ModeLocal
+	}
+	return m
+}
+
+// RedisPrefix starts every Redis key: the limiter's client key follows it.
+const RedisPrefix = "rl:"
 
 // Rules returns the active rule set.
 func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
@@ -100,9 +140,19 @@ type Decision struct {
 	Results  []Result
 
 	ops    []localbucket.Op
+	hops   []rlsync.HybridOp
+	gops   []rlsync.GlobalOp
+	gpol   []rules.FailurePolicy // per global op
+	where  []opRef               // per result: where its check is
 	keys   []byte
 	ends   []int
 	limits []localbucket.Limit
+}
+
+// opRef says which list holds a result's check, and where.
+type opRef struct {
+	kind rules.Mode // ModeLocal, ModeHybrid or ModeGlobal
+	idx  int32
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -132,6 +182,10 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.Degraded = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
+	d.hops = d.hops[:0]
+	d.where = d.where[:0]
+	d.gops = d.gops[:0]
+	d.gpol = d.gpol[:0]
 	d.keys = d.keys[:0]
 	d.ends = d.ends[:0]
 
@@ -144,15 +198,19 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		if unlimited {
 			continue
 		}
+		mode := l.resolve(r.Mode)
 		var ok bool
 		start := len(d.keys)
+		if mode != rules.ModeLocal {
+			d.keys = append(d.keys, RedisPrefix...)
+		}
 		d.keys, ok = r.AppendKey(d.keys, in.Attrs)
 		if !ok {
 			d.keys = d.keys[:start]
 			continue
 		}
 		d.ends = append(d.ends, len(d.keys))
-		d.ops = append(d.ops, localbucket.Op{Limit: lim, Cost: in.Cost, Shadow: r.Shadow})
+		d.add(mode, lim, in.Cost, r.Shadow, r.OnStoreFailure)
 		d.Results = append(d.Results, Result{Name: r.Name, Shadow: r.Shadow})
 	}
 
@@ -163,8 +221,12 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		d.limits = d.limits[:len(in.Limits)]
 		for i := range in.Limits {
 			il := &in.Limits[i]
-			if err := inlineLimit(i, il, &d.limits[i]); err != nil {
+			mode, err := l.inlineLimit(i, il, &d.limits[i])
+			if err != nil {
 				return err
+			}
+			if mode != rules.ModeLocal {
+				d.keys = append(d.keys, RedisPrefix...)
 			}
 			d.keys = appendInlineKey(d.keys, il, &d.limits[i])
 			d.ends = append(d.ends, len(d.keys))
@@ -172,28 +234,44 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			if name == "" {
 				name = il.Key
 			}
-			d.ops = append(d.ops, localbucket.Op{Limit: &d.limits[i], Cost: in.Cost})
+			d.add(mode, &d.limits[i], in.Cost, false, rules.FailLocal)
 			d.Results = append(d.Results, Result{Name: name})
 		}
 	}
-	if len(d.ops) == 0 {
+	if len(d.where) == 0 {
 		return nil
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
 	start := 0
-	for i := range d.ops {
-		d.ops[i].Key = d.keys[start:d.ends[i]]
+	for i, w := range d.where {
+		key := d.keys[start:d.ends[i]]
 		start = d.ends[i]
+		switch w.kind {
+		case rules.ModeLocal:
+			d.ops[w.idx].Key = key
+		case rules.ModeHybrid:
+			d.hops[w.idx].Key = key
+		default:
+			d.gops[w.idx].Key = string(key) // the global path goes to Redis anyway
+		}
 	}
+	d.Allowed = l.apply(now, d)
 
-	d.Allowed = l.store.Apply(now, d.ops)
-
-	for i := range d.ops {
-		res := &d.ops[i].Result
+	for i, w := range d.where {
+		var res *localbucket.Result
+		var lim *localbucket.Limit
+		switch w.kind {
+		case rules.ModeLocal:
+			res, lim = &d.ops[w.idx].Result, d.ops[w.idx].Limit
+		case rules.ModeHybrid:
+			res, lim = &d.hops[w.idx].Result, d.hops[w.idx].Limit
+		default:
+			res, lim = &d.gops[w.idx].Result, d.gops[w.idx].Limit
+		}
 		out := &d.Results[i]
 		out.Limit = res.Limit
-		out.Window = d.ops[i].Limit.Window()
+		out.Window = lim.Window()
 		out.Remaining = res.Remaining
 		out.Reset = time.Duration(res.Reset)
 		out.RetryAfter = time.Duration(res.RetryAfter)
@@ -202,6 +280,101 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
 	return nil
+}
+
+// add appends one check to the list its mode decides it with.
+func (d *Decision) add(mode rules.Mode, lim *localbucket.Limit, cost uint64, shadow bool, policy rules.FailurePolicy) {
+	switch mode {
+	case rules.ModeHybrid:
+		d.where = append(d.where, opRef{mode, int32(len(d.hops))})
+		d.hops = append(d.hops, rlsync.HybridOp{Limit: lim, Cost: cost, Shadow: shadow})
+	case rules.ModeGlobal:
+		d.where = append(d.where, opRef{mode, int32(len(d.gops))})
+		d.gops = append(d.gops, rlsync.GlobalOp{Limit: lim, Cost: cost, Shadow: shadow})
+		d.gpol = append(d.gpol, policy)
+	default:
+		d.where = append(d.where, opRef{rules.ModeLocal, int32(len(d.ops))})
+		d.ops = append(d.ops, localbucket.Op{Limit: lim, Cost: cost, Shadow: shadow})
+	}
+}
+
+// apply decides the request's checks all-or-nothing across the three modes, cheapest to
+// give back first: hybrid allowances (given back locally), then the exact global checks
+// (one Redis round trip; given back with a refund script), then the local buckets, which
+// commit only when everything passed. A check that rejects leaves the later ones only
+// reporting (the local buckets through Reject), and gives back what earlier ones took.
+func (l *Limiter) apply(now int64, d *Decision) bool {
+	if len(d.hops) == 0 && len(d.gops) == 0 {
+		return l.store.Apply(now, d.ops)
+	}
+	ok := true
+	if len(d.hops) > 0 {
+		ok = l.hybrid.Take(now, d.hops)
+	}
+	globalTook := false
+	if ok && len(d.gops) > 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), l.globalWait)
+		gok, err := l.global.Check(ctx, d.gops)
+		cancel()
+		if err != nil {
+			gok = l.globalUnavailable(d)
+		} else {
+			globalTook = gok
+		}
+		if !gok {
+			ok = false
+			if len(d.hops) > 0 {
+				l.hybrid.Undo(d.hops)
+			}
+		}
+	}
+	if !ok {
+		if len(d.ops) > 0 {
+			l.store.Reject(now, d.ops)
+		}
+		return false
+	}
+	if len(d.ops) == 0 || l.store.Apply(now, d.ops) {
+		return true
+	}
+	if len(d.hops) > 0 {
+		l.hybrid.Undo(d.hops)
+	}
+	if globalTook {
+		ctx, cancel := context.WithTimeout(context.Background(), l.globalWait)
+		_ = l.global.Undo(ctx, d.gops) // a failed refund only leaves capacity used until it refills
+		cancel()
+	}
+	return false
+}
+
+// globalUnavailable decides the global checks of a request Redis did not answer, by
+// each rule's failure policy: open allows, closed rejects, local decides from a local
+// bucket of the rule's limit. The decision is marked degraded.
+func (l *Limiter) globalUnavailable(d *Decision) bool {
+	d.Degraded = true
+	ok := true
+	for i := range d.gops {
+		op := &d.gops[i]
+		switch d.gpol[i] {
+		case rules.FailOpen:
+			op.Result = localbucket.Result{Allowed: true, Limit: op.Limit.Requests(), Remaining: op.Limit.Capacity()}
+		case rules.FailClosed:
+			op.Result = localbucket.Result{Limit: op.Limit.Requests(), RetryAfter: int64(time.Second)}
+			if !op.Shadow {
+				ok = false
+			}
+		default:
+			// Move the check to the local store, under its Redis key.
+			for w := range d.where {
+				if d.where[w].kind == rules.ModeGlobal && d.where[w].idx == int32(i) {
+					d.where[w] = opRef{rules.ModeLocal, int32(len(d.ops))}
+				}
+			}
+			d.ops = append(d.ops, localbucket.Op{Key: []byte(op.Key), Limit: op.Limit, Cost: op.Cost, Shadow: op.Shadow})
+		}
+	}
+	return ok
 }
 
 // deciding chooses the deciding rule: when allowed, the non-shadow rule with the least
@@ -238,6 +411,34 @@ func deciding(allowed bool, results []Result) int {
 	return best
 }
 
+func (l *Limiter) inlineLimit(i int, il *Inline, out *localbucket.Limit) (rules.Mode, error) {
+	mode, err := l.inlineMode(i, il)
+	if err != nil {
+		return mode, err
+	}
+	return mode, inlineLimit(i, il, out)
+}
+
+func (l *Limiter) inlineMode(i int, il *Inline) (rules.Mode, error) {
+	switch il.Mode {
+	case "":
+		return l.defaultMode, nil
+	case "local":
+		return rules.ModeLocal, nil
+	case "hybrid":
+		if l.hybrid != nil {
+			return rules.ModeHybrid, nil
+		}
+		return 0, &InvalidLimitError{i, "mode hybrid needs a Redis store, and this daemon has none; use local or leave mode out"}
+	case "global":
+		if l.global != nil {
+			return rules.ModeGlobal, nil
+		}
+		return 0, &InvalidLimitError{i, "mode global needs a Redis store, and this daemon has none; use local or leave mode out"}
+	}
+	return 0, &InvalidLimitError{i, fmt.Sprintf("unknown mode %q; use local, hybrid or global", il.Mode)}
+}
+
 func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {
 	if il.Key == "" {
 		return &InvalidLimitError{i, `"key" is required and must not be empty`}
@@ -255,13 +456,6 @@ func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {
 			return &InvalidLimitError{i, err.Error()}
 		}
 		alg = a
-	}
-	switch il.Mode {
-	case "", "local":
-	case "hybrid", "global":
-		return &InvalidLimitError{i, fmt.Sprintf("mode %s needs a Redis store, and this daemon has none; use local or leave mode out", il.Mode)}
-	default:
-		return &InvalidLimitError{i, fmt.Sprintf("unknown mode %q; use local, hybrid or global", il.Mode)}
 	}
 	if il.WindowMs > uint64(366*24*time.Hour/time.Millisecond) {
 		return &InvalidLimitError{i, `"window_ms" must be at most 366 days`}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 const t0 = int64(1_700_000_000) * int64(time.Second)
@@ -158,11 +159,18 @@ func TestInlineLimits(t *testing.T) {
 }
 
 func TestCheckModes(t *testing.T) {
-	set := mustRules(t, "rules:\n  - name: g\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: global\n")
-	if err := CheckModes(set, false); err == nil || !strings.Contains(err.Error(), "test.yaml:2") {
-		t.Fatalf("got %v", err)
+	hybrid := mustRules(t, "rules:\n  - name: h\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: hybrid\n")
+	if err := CheckModes(hybrid, false); err == nil || !strings.Contains(err.Error(), "test.yaml:2") {
+		t.Fatalf("hybrid without Redis: got %v", err)
 	}
-	if err := CheckModes(set, true); err != nil {
+	if err := CheckModes(hybrid, true); err != nil {
+		t.Fatal(err)
+	}
+	global := mustRules(t, "rules:\n  - name: g\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: global\n")
+	if err := CheckModes(global, false); err == nil {
+		t.Fatal("global mode accepted without Redis")
+	}
+	if err := CheckModes(global, true); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -250,4 +258,59 @@ func BenchmarkCheck2RulesParallel(b *testing.B) {
 			_ = l.Check(t0, &in, &d)
 		}
 	})
+}
+
+// Hybrid rules beside local ones stay all-or-nothing: a local rejection gives the hybrid
+// allowance back, a hybrid rejection consumes nothing locally. (Take and Undo are local;
+// no Redis is reached here, sync's tests cover the flush.)
+func TestHybridAllOrNothing(t *testing.T) {
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	set := mustRules(t, `
+rules:
+  - name: shared
+    key: user
+    limit: { requests: 4, per: 1h }
+  - name: here
+    key: ip
+    limit: { requests: 10, per: 1h }
+    mode: local
+  - name: tight
+    key: api_key
+    limit: { requests: 1, per: 1h }
+    mode: local
+`)
+	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
+	var d Decision
+	// Before its first sync a daemon admits one request per hybrid key on credit. A
+	// hybrid rejection consumes nothing locally: the first passes, the next two are
+	// rejected by shared, and ip i was charged once.
+	in := Input{Attrs: attrs("user=u", "ip=i"), Cost: 1}
+	for i := 0; i < 3; i++ {
+		_ = l.Check(t0, &in, &d)
+	}
+	if d.Allowed || d.DecidingResult().Name != "shared" || d.DecidingResult().RetryAfter <= 0 {
+		t.Fatalf("third request: %+v", d.Results)
+	}
+	_ = l.Check(t0, &Input{Attrs: attrs("ip=i"), Cost: 0}, &d)
+	if d.Results[0].Name != "here" || d.Results[0].Remaining != 9 {
+		t.Fatalf("local rule after hybrid rejections: %+v", d.Results)
+	}
+	// A local rejection gives the hybrid allowance back: api_key k admits once; user v2's
+	// request on k is rejected by tight, and v2 keeps its one credit.
+	_ = l.Check(t0, &Input{Attrs: attrs("user=v1", "api_key=k"), Cost: 1}, &d)
+	if !d.Allowed {
+		t.Fatalf("first request on k: %+v", d.Results)
+	}
+	_ = l.Check(t0, &Input{Attrs: attrs("user=v2", "api_key=k"), Cost: 1}, &d)
+	if d.Allowed || d.DecidingResult().Name != "tight" {
+		t.Fatalf("second request on k: %+v", d.Results)
+	}
+	_ = l.Check(t0, &Input{Attrs: attrs("user=v2"), Cost: 1}, &d)
+	if !d.Allowed || d.Results[0].Name != "shared" {
+		t.Fatalf("v2 lost its credit to a request tight rejected: %+v", d.Results)
+	}
 }

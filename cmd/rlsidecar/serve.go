@@ -20,6 +20,7 @@ import (
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 // octalMode is a flag holding a file mode written in octal, like 0660.
@@ -53,6 +54,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	logFormat := fs.String("log-format", "text", "log format: text or json")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile to this file until exit (a debugging aid)")
+	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
+	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
+	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
+	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call")
+	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
+	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats (default: hostname-pid)")
+	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
 	if err := noPositional(fs, args); err != nil {
 		return err
 	}
@@ -61,6 +69,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 
+	haveRedis := *redisURL != "" || *redisCluster != ""
 	load := func() (*rules.Set, error) {
 		if *config == "" {
 			return rules.Default(), nil
@@ -69,7 +78,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return nil, err
 		}
-		return set, limiter.CheckModes(set, false)
+		return set, limiter.CheckModes(set, haveRedis)
 	}
 	set, err := load()
 	if err != nil {
@@ -87,6 +96,24 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	store := localbucket.NewStore(localbucket.Options{MaxKeys: *maxKeys})
 	lim := limiter.New(set, store)
+	var hybrid *rlsync.Hybrid
+	modeDesc := "local mode"
+	if haveRedis {
+		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
+		where := rlsync.Redact(*redisURL)
+		if *redisCluster != "" {
+			cfg.Cluster = []string{*redisCluster}
+			where = "cluster " + rlsync.Redact(*redisCluster)
+		}
+		rdb, err := rlsync.Open(cfg)
+		if err != nil {
+			return err
+		}
+		defer rdb.Close()
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval})
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdb), *globalTimeout)
+		modeDesc = "hybrid mode by default, Redis " + where
+	}
 	srv, err := daemon.New(daemon.Config{
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
@@ -110,7 +137,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *config == "" {
 		ruleSource = "built-in example rules"
 	}
-	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, local mode)\n", version, *socket, len(set.Rules), ruleSource)
+	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, %s)\n", version, *socket, len(set.Rules), ruleSource, modeDesc)
 	log.Info("serving", "socket", *socket, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
 
 	ctx, stop := context.WithCancel(context.Background())
@@ -131,6 +158,30 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}()
 
+	// The hybrid sync: flushes every interval, and once more after the server has drained,
+	// so what was admitted before a shutdown reaches Redis.
+	syncCtx, stopSync := context.WithCancel(context.Background())
+	defer stopSync()
+	var syncWG sync.WaitGroup
+	if hybrid != nil {
+		id := *daemonID
+		if id == "" {
+			host, _ := os.Hostname()
+			id = fmt.Sprintf("%s-%d", host, os.Getpid())
+		}
+		var lastLog time.Time
+		syncWG.Add(1)
+		go func() {
+			defer syncWG.Done()
+			hybrid.Run(syncCtx, id, func() int64 { return time.Now().UnixNano() }, max(*redisTimeout, *syncInterval), func(err error) {
+				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
+					lastLog = time.Now()
+					log.Warn("redis sync failed; deciding from local allowances", "err", err)
+				}
+			})
+		}()
+	}
+
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer signal.Stop(sigs)
@@ -142,6 +193,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		case err := <-serveErr:
 			stop()
 			wg.Wait()
+			stopSync()
+			syncWG.Wait()
 			return err
 		case sig := <-sigs:
 			if sig == syscall.SIGHUP {
@@ -171,6 +224,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			<-serveErr
 			stop()
 			wg.Wait()
+			stopSync() // the last flush: nothing the drained connections admitted is lost
+			syncWG.Wait()
 			if err != nil {
 				log.Warn("drain incomplete", "err", err)
 			}

@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// Three real daemons share one real Redis in hybrid mode: together they admit the limit
+// (within the one-interval bound), and after SIGTERM every admitted request is counted
+// in Redis exactly once.
+func TestE2EHybridDaemonsShareOneRedis(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 30, per: 1h }
+`)
+	var ds []*daemonProc
+	for i := 0; i < 3; i++ {
+		ds = append(ds, startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--daemon-id", fmt.Sprint("e2e-", i)))
+	}
+	var conns []*rawConn
+	for _, d := range ds {
+		conns = append(conns, dialRaw(t, d.socket))
+	}
+	// Let every daemon see the others' heartbeats, so first allowances are limit / 3.
+	time.Sleep(200 * time.Millisecond)
+	admitted := 0
+	for i := 0; i < 120; i++ {
+		r := conns[i%3].check(uint64(i+1), 1, "user=shared")
+		if r.Allowed {
+			admitted++
+		}
+		if i%3 == 2 {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	if admitted < 30 || admitted > 33 {
+		t.Errorf("three daemons admitted %d against a shared limit of 30", admitted)
+	}
+	for _, d := range ds {
+		d.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	for _, d := range ds {
+		select {
+		case err := <-d.done:
+			if err != nil {
+				t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("daemon did not exit")
+		}
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	ctx := context.Background()
+	keys, err := rdb.Keys(ctx, "rl:per-user:*").Result()
+	if err != nil || len(keys) != 1 || keys[0] != "rl:per-user:{user=shared}" {
+		t.Fatalf("keys %v %v", keys, err)
+	}
+	n, err := rdb.HGet(ctx, keys[0], "n").Int()
+	if err != nil || n != admitted {
+		t.Fatalf("Redis counted %d (%v); the daemons admitted %d", n, err, admitted)
+	}
+	if ttl := rdb.PTTL(ctx, keys[0]).Val(); ttl <= 0 {
+		t.Fatalf("no TTL on %s", keys[0])
+	}
+}
+
+// A Redis password given in a file never shows in the daemon's command line or logs.
+func TestE2ERedisPasswordStaysSecret(t *testing.T) {
+	const secret = "s3cret-pw-7731"
+	srv := redistest.StartStandalone(t, redistest.WithPassword(secret))
+	dir := shortTempDir(t)
+	pw := writeFile(t, dir, "pw", secret+"\n")
+	d := startDaemon(t, "--redis", "redis://"+srv.Addr, "--redis-password-file", pw, "--log-level", "debug")
+	c := dialRaw(t, d.socket)
+	r := c.check(1, 1, "user=pw-test")
+	if !r.Allowed {
+		t.Fatalf("%+v", r)
+	}
+	// The flush reached Redis with the password.
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, Password: secret})
+	defer rdb.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for rdb.Exists(context.Background(), "rl:per-user:{user=pw-test}").Val() != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no key in Redis: the daemon did not authenticate\n%s", d.stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cmdline := strings.Join(d.cmd.Args, " ")
+	if strings.Contains(cmdline, secret) || strings.Contains(d.stderr.String(), secret) {
+		t.Fatal("the password shows in the command line or the logs")
+	}
+	_ = proto.OpCheck
+}
+
+const globalRules = `
+rules:
+  - name: otp
+    key: user
+    limit: { requests: 25, per: 1h }
+    mode: global
+    on_store_failure: closed
+  - name: search
+    key: ip
+    limit: { requests: 1000, per: 1h }
+    mode: global
+    on_store_failure: open
+`
+
+// Global mode is exact across daemons: two daemons, many racing connections on one key,
+// exactly the limit admitted. With Redis gone, closed rules reject and open ones allow,
+// both marked degraded, within the global timeout.
+func TestE2EGlobalMode(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", globalRules)
+	d1 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "200ms")
+	d2 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "200ms")
+	var mu sync.Mutex
+	admitted := 0
+	var wg sync.WaitGroup
+	for c := 0; c < 8; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			d := d1
+			if c%2 == 1 {
+				d = d2
+			}
+			conn := dialRaw(t, d.socket)
+			for i := 0; i < 10; i++ {
+				r := conn.check(uint64(i+1), 1, "user=racer")
+				if r.Degraded {
+					t.Errorf("degraded with Redis up: %+v", r)
+				}
+				if r.Allowed {
+					mu.Lock()
+					admitted++
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if admitted != 25 {
+		t.Fatalf("two daemons in global mode admitted %d, want exactly 25", admitted)
+	}
+
+	srv.Stop()
+	c := dialRaw(t, d1.socket)
+	start := time.Now()
+	r := c.check(100, 1, "user=someone")
+	if r.Allowed || !r.Degraded || r.Rule != "otp" {
+		t.Fatalf("closed rule with Redis down: %+v", r)
+	}
+	r = c.check(101, 1, "ip=198.51.100.4")
+	if !r.Allowed || !r.Degraded {
+		t.Fatalf("open rule with Redis down: %+v", r)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("two checks with Redis down took %s", el)
+	}
+}

@@ -1,0 +1,156 @@
+package sync
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// PasswordEnv is the environment variable a Redis password is read from when the URL
+// carries none and no password file is given. A password given this way (or in a file)
+// never appears in the process list.
+const PasswordEnv = "RLSIDECAR_REDIS_PASSWORD"
+
+// Config says how to reach Redis. Exactly one of URL and Cluster is set.
+type Config struct {
+	// URL of a standalone Redis: redis://[user@]host:port[/db] or rediss:// for TLS.
+	// A password in the URL works but shows in `ps`; prefer PasswordFile or PasswordEnv.
+	URL string
+	// Cluster is the seed nodes of a Redis Cluster, host:port each. A redis:// or
+	// rediss:// URL form is accepted too: rediss://[user@]host1:port1,host2:port2.
+	Cluster []string
+	// PasswordFile holds the password (trailing newline ignored).
+	PasswordFile string
+	// Timeout bounds every Redis call (dial, read, write); default 50ms.
+	Timeout time.Duration
+	// PoolSize is the connection pool size per node; default 16.
+	PoolSize int
+}
+
+// Open connects (lazily) to the Redis the config names.
+func Open(cfg Config) (redis.UniversalClient, error) {
+	if (cfg.URL == "") == (len(cfg.Cluster) == 0) {
+		return nil, errors.New("redis: give either a URL or cluster nodes")
+	}
+	timeout := cfg.Timeout
+	if timeout <= 0 {
+		timeout = 50 * time.Millisecond
+	}
+	pool := cfg.PoolSize
+	if pool <= 0 {
+		pool = 16
+	}
+	password, err := readPassword(cfg.PasswordFile)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.URL != "" {
+		opt, err := redis.ParseURL(cfg.URL)
+		if err != nil {
+			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), err)
+		}
+		if opt.Password == "" {
+			opt.Password = password
+		}
+		opt.DialTimeout, opt.ReadTimeout, opt.WriteTimeout = timeout, timeout, timeout
+		opt.PoolSize = pool
+		opt.MaxRetries = -1 // the caller's failure policy decides, not a retry loop
+		opt.ContextTimeoutEnabled = true
+		return redis.NewClient(opt), nil
+	}
+	addrs, user, urlPass, useTLS, err := parseCluster(cfg.Cluster)
+	if err != nil {
+		return nil, err
+	}
+	if urlPass != "" {
+		password = urlPass
+	}
+	opt := &redis.ClusterOptions{
+		Addrs:                 addrs,
+		Username:              user,
+		Password:              password,
+		DialTimeout:           timeout,
+		ReadTimeout:           timeout,
+		WriteTimeout:          timeout,
+		PoolSize:              pool,
+		MaxRetries:            -1,
+		ContextTimeoutEnabled: true,
+	}
+	if useTLS {
+		opt.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	return redis.NewClusterClient(opt), nil
+}
+
+func readPassword(file string) (string, error) {
+	if file != "" {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return "", fmt.Errorf("reading the Redis password file: %w", err)
+		}
+		return strings.TrimRight(string(b), "\r\n"), nil
+	}
+	return os.Getenv(PasswordEnv), nil
+}
+
+// parseCluster accepts host:port entries, or one URL redis[s]://[user[:pass]@]h1:p1,h2:p2.
+func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS bool, err error) {
+	if len(nodes) == 1 && strings.Contains(nodes[0], "://") {
+		u, perr := url.Parse(nodes[0])
+		if perr != nil {
+			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: %w", redactURL(nodes[0]), perr)
+		}
+		switch u.Scheme {
+		case "redis":
+		case "rediss":
+			useTLS = true
+		default:
+			return nil, "", "", false, fmt.Errorf("redis cluster URL: scheme %q: use redis:// or rediss://", u.Scheme)
+		}
+		if u.User != nil {
+			user = u.User.Username()
+			pass, _ = u.User.Password()
+		}
+		nodes = strings.Split(u.Host, ",")
+	}
+	for _, n := range nodes {
+		for _, a := range strings.Split(n, ",") {
+			a = strings.TrimSpace(a)
+			if a == "" {
+				continue
+			}
+			if !strings.Contains(a, ":") {
+				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port", a)
+			}
+			addrs = append(addrs, a)
+		}
+	}
+	if len(addrs) == 0 {
+		return nil, "", "", false, errors.New("redis cluster: no nodes")
+	}
+	return addrs, user, pass, useTLS, nil
+}
+
+// redactURL hides a URL's password, for error messages and logs.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil || u.User == nil {
+		if i := strings.LastIndex(s, "@"); i >= 0 {
+			return "***" + s[i:]
+		}
+		return s
+	}
+	if _, has := u.User.Password(); has {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	return u.String()
+}
+
+// Redact returns the URL with its password hidden, for logs.
+func Redact(s string) string { return redactURL(s) }

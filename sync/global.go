@@ -1,0 +1,471 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"sync/atomic"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+//go:embed scripts/global.lua
+var globalSrc string
+
+//go:embed scripts/refund.lua
+var refundSrc string
+
+// script is a Lua script with its source, for EVAL after a NOSCRIPT.
+type script struct {
+	*redis.Script
+	src string
+}
+
+var (
+	globalScript = script{redis.NewScript(globalSrc), globalSrc}
+	refundScript = script{redis.NewScript(refundSrc), refundSrc}
+)
+
+const (
+	globalArgs  = 7 // ARGV values per key of global.lua
+	globalReply = 6 // reply integers per key of global.lua
+	refundArgs  = 5 // ARGV values per key of refund.lua
+)
+
+// rediser is the part of go-redis that Global uses. *redis.Client and
+// *redis.ClusterClient both satisfy it.
+type rediser interface {
+	Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd
+	EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd
+	Pipeline() redis.Pipeliner
+}
+
+// GlobalOp is one check of a request in global mode, given to [Global.Check].
+type GlobalOp struct {
+	// Key is the full Redis key, with its hash tag: rl:<rule>:{<client>}.
+	Key string
+	// Limit decides; all ops on one key should share one algorithm.
+	Limit *localbucket.Limit
+	// Cost is what the op takes; 0 is a peek (see [localbucket.Limit.Take]).
+	Cost uint64
+	// Shadow marks a dry run: a shadow op never makes the check fail, and if it would
+	// reject it consumes nothing. Its Result still says whether it would have passed.
+	Shadow bool
+	// Result is written by Check, as [localbucket.Limit.Take] would write it at Redis's
+	// time: Reset and RetryAfter in ns relative to that time. Expires and LimitedUntil
+	// are left 0.
+	Result localbucket.Result
+
+	window int64 // the window start global.lua counted this op in (for Undo)
+}
+
+// Global is the exact global mode: every check is decided in Redis by one atomic script
+// (scripts/global.lua) per hash slot, with the same decisions and Result fields as
+// [localbucket.Limit.Take], and Redis TIME as the only clock. Build it with [NewGlobal].
+// A Global is safe for concurrent use.
+type Global struct {
+	rdb rediser
+	// bySlot splits a check into one script call per hash slot. It is needed on a
+	// cluster only: on a standalone Redis every key is on the one server, and a single
+	// call is atomic with no refund ever needed.
+	bySlot       bool
+	refundErrors atomic.Uint64
+}
+
+// NewGlobal returns a Global on c, a *redis.Client (standalone) or a *redis.ClusterClient.
+// On a cluster client the ops of a check are grouped by hash slot; on any other client
+// they all go in one script call.
+func NewGlobal(c redis.UniversalClient) *Global {
+	_, cluster := c.(*redis.ClusterClient)
+	return &Global{rdb: c, bySlot: cluster}
+}
+
+// RefundErrors returns how many refunds failed (see [Global.Check]): each left some
+// capacity consumed by a request that was rejected.
+func (g *Global) RefundErrors() uint64 { return g.refundErrors.Load() }
+
+// Check decides ops together, all-or-nothing, and writes each op's Result. Ops whose keys
+// share a hash slot are decided atomically by one script call; the calls of the different
+// slots of a cluster go in one pipeline (one round trip, the nodes in parallel).
+//
+// If every non-shadow op is allowed, Check returns true and everything allowed is
+// consumed. Otherwise it returns false and nothing is consumed: a slot group that
+// rejected wrote nothing, and the groups that committed are refunded (one more pipelined
+// round trip). The Result of each op that was itself allowed then reports its key's
+// state as a peek (cost 0) would, Allowed still true; after a refund, Remaining is exact
+// and Reset an upper bound for a sliding window. A refund that fails is counted in
+// [Global.RefundErrors] and the check still returns false with no error: the decision is
+// known, only some capacity stays consumed until it refills.
+//
+// Errors (a done ctx, timeout, connection, a reply that is not what the script returns)
+// are returned with false when no slot group rejected; the caller applies its failure
+// policy. Groups that did commit are then refunded. ctx carries the deadline.
+func (g *Global) Check(ctx context.Context, ops []GlobalOp) (bool, error) {
+	if len(ops) == 0 {
+		return true, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return false, fmt.Errorf("global check: %w", err)
+	}
+	var cs checkScratch
+	cs.init(ops, g.bySlot)
+
+	calls := cs.calls
+	for gi := range cs.groups {
+		gr := cs.groups[gi]
+		keys := cs.keys[gr.lo:gr.lo:gr.hi]
+		args := cs.args[gr.lo*globalArgs : gr.lo*globalArgs : gr.hi*globalArgs]
+		for _, i := range cs.order[gr.lo:gr.hi] {
+			op := &ops[i]
+			l := op.Limit
+			var emission int64
+			if l.Algorithm() == localbucket.TokenBucket {
+				emission = int64(l.Window()) / int64(l.Requests()) // as localbucket.NewLimit
+			}
+			shadow := 0
+			if op.Shadow {
+				shadow = 1
+			}
+			keys = append(keys, op.Key)
+			args = append(args, int(l.Algorithm()), l.Requests(), l.Window().Microseconds(),
+				l.Burst(), emission, op.Cost, shadow)
+		}
+		calls = append(calls, call{keys: keys, args: args})
+	}
+	cs.calls = calls
+	run(ctx, g.rdb, globalScript, calls)
+
+	ok := true
+	var firstErr error
+	for gi := range cs.groups {
+		c, gr := &calls[gi], cs.groups[gi]
+		idx := cs.order[gr.lo:gr.hi]
+		err := c.cmd.Err()
+		if err == nil {
+			err = parseReply(c.cmd.Val(), ops, idx, cs.window)
+		}
+		if err != nil {
+			for _, i := range idx {
+				ops[i].Result = localbucket.Result{Limit: ops[i].Limit.Requests()}
+			}
+			if firstErr == nil {
+				firstErr = fmt.Errorf("global check of %d keys in slot %d: %w", len(idx), Slot(ops[idx[0]].Key), err)
+			}
+			c.failed = true
+			continue
+		}
+		for _, i := range idx {
+			if !ops[i].Result.Allowed && !ops[i].Shadow {
+				c.rejected = true
+			}
+		}
+		if c.rejected {
+			ok = false
+		}
+	}
+	for i := range ops {
+		ops[i].window = cs.window[i]
+	}
+	if ok && firstErr == nil {
+		return true, nil
+	}
+	g.refund(ctx, ops, &cs)
+	if !ok {
+		return false, nil
+	}
+	return false, firstErr
+}
+
+// Undo gives back what a successful Check took, for a request that a later check (local
+// or hybrid) rejected: one refund call per hash slot, pipelined. A refund that fails is
+// counted in RefundErrors and returned.
+func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
+	bySlot := map[uint16]*call{}
+	var order []uint16
+	for i := range ops {
+		op := &ops[i]
+		if !op.Result.Allowed || op.Cost == 0 {
+			continue
+		}
+		var slot uint16
+		if g.bySlot {
+			slot = Slot(op.Key)
+		}
+		c := bySlot[slot]
+		if c == nil {
+			c = &call{}
+			bySlot[slot] = c
+			order = append(order, slot)
+		}
+		l := op.Limit
+		var emission int64
+		if l.Algorithm() == localbucket.TokenBucket {
+			emission = int64(l.Window()) / int64(l.Requests())
+		}
+		c.keys = append(c.keys, op.Key)
+		c.args = append(c.args, int(l.Algorithm()), l.Window().Microseconds(), emission, op.Cost, op.window)
+		op.Result.Remaining = min(op.Result.Remaining+op.Cost, l.Capacity())
+	}
+	if len(order) == 0 {
+		return nil
+	}
+	calls := make([]call, 0, len(order))
+	for _, slot := range order {
+		calls = append(calls, *bySlot[slot])
+	}
+	run(ctx, g.rdb, refundScript, calls)
+	var err error
+	for i := range calls {
+		if e := calls[i].cmd.Err(); e != nil {
+			g.refundErrors.Add(1)
+			if err == nil {
+				err = fmt.Errorf("global undo: %w", e)
+			}
+		}
+	}
+	return err
+}
+
+// refund gives back what the committed groups of a failed check took, and rewrites the
+// Results of their allowed ops as peeks on the refunded state.
+func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
+	var refunds []call
+	var ridx []int // group of each refund call
+	for gi := range cs.groups {
+		c, gr := &cs.calls[gi], cs.groups[gi]
+		if c.failed || c.rejected {
+			continue
+		}
+		var keys []string
+		var args []any
+		idx := cs.order[gr.lo:gr.hi]
+		for k, i := range idx {
+			op := &ops[i]
+			if !op.Result.Allowed {
+				continue
+			}
+			// What this op and the earlier ones on its key took.
+			var taken uint64
+			for _, j := range idx[:k+1] {
+				if ops[j].Key == op.Key && ops[j].Result.Allowed {
+					taken += ops[j].Cost
+				}
+			}
+			l := op.Limit
+			r := &op.Result
+			r.Remaining = min(r.Remaining+taken, l.Capacity())
+			switch l.Algorithm() {
+			case localbucket.TokenBucket:
+				r.Reset = max(r.Reset-int64(taken)*(int64(l.Window())/int64(l.Requests())), 0)
+			default:
+				if r.Remaining == l.Requests() {
+					r.Reset = 0
+				}
+			}
+			if op.Cost == 0 {
+				continue
+			}
+			var emission int64
+			if l.Algorithm() == localbucket.TokenBucket {
+				emission = int64(l.Window()) / int64(l.Requests())
+			}
+			keys = append(keys, op.Key)
+			args = append(args, int(l.Algorithm()), l.Window().Microseconds(), emission, op.Cost, cs.window[i])
+		}
+		if len(keys) > 0 {
+			refunds = append(refunds, call{keys: keys, args: args})
+			ridx = append(ridx, gi)
+		}
+	}
+	if len(refunds) == 0 {
+		return
+	}
+	run(ctx, g.rdb, refundScript, refunds)
+	for i := range refunds {
+		if refunds[i].cmd.Err() != nil {
+			g.refundErrors.Add(1)
+		}
+	}
+}
+
+// call is one script call: its keys, its ARGV, and after run its reply.
+type call struct {
+	keys     []string
+	args     []any
+	cmd      *redis.Cmd
+	failed   bool // the call returned an error
+	rejected bool // a non-shadow op of the call was rejected: nothing was written
+}
+
+// run sends calls with EVALSHA, all in one pipeline when there are several, and sends
+// those that failed with NOSCRIPT again with EVAL (which also caches the script on that
+// node for the next EVALSHA). Each call's cmd holds its reply or error.
+func run(ctx context.Context, rdb rediser, s script, calls []call) {
+	if len(calls) == 1 {
+		c := &calls[0]
+		c.cmd = rdb.EvalSha(ctx, s.Hash(), c.keys, c.args...)
+		if isNoScript(c.cmd.Err()) {
+			c.cmd = rdb.Eval(ctx, s.src, c.keys, c.args...)
+		}
+		return
+	}
+	pipe := rdb.Pipeline()
+	for i := range calls {
+		calls[i].cmd = pipe.EvalSha(ctx, s.Hash(), calls[i].keys, calls[i].args...)
+	}
+	_, _ = pipe.Exec(ctx) // every cmd carries its own error
+	retry := false
+	for i := range calls {
+		if isNoScript(calls[i].cmd.Err()) {
+			if !retry {
+				pipe = rdb.Pipeline()
+				retry = true
+			}
+			calls[i].cmd = pipe.Eval(ctx, s.src, calls[i].keys, calls[i].args...)
+		}
+	}
+	if retry {
+		_, _ = pipe.Exec(ctx)
+	}
+}
+
+func isNoScript(err error) bool {
+	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
+}
+
+// parseReply writes the Results of ops[idx...] from global.lua's reply v, and each op's
+// window start into window. It checks every type: a Redis-compatible server may answer
+// integers as floats or strings.
+func parseReply(v any, ops []GlobalOp, idx []int, window []int64) error {
+	arr, ok := v.([]any)
+	if !ok {
+		return fmt.Errorf("global.lua replied %T, want an array", v)
+	}
+	if len(arr) != globalReply*len(idx) {
+		return fmt.Errorf("global.lua replied %d values, want %d", len(arr), globalReply*len(idx))
+	}
+	for k, i := range idx {
+		var x [globalReply]int64
+		for j := range x {
+			n, err := toInt64(arr[k*globalReply+j])
+			if err != nil {
+				return fmt.Errorf("global.lua reply value %d: %w", k*globalReply+j, err)
+			}
+			if n < 0 {
+				return fmt.Errorf("global.lua reply value %d is negative: %d", k*globalReply+j, n)
+			}
+			x[j] = n
+		}
+		if x[0] > 1 || x[1] > 1 {
+			return fmt.Errorf("global.lua reply: allowed %d, impossible %d, want 0 or 1", x[0], x[1])
+		}
+		ops[i].Result = localbucket.Result{
+			Allowed:    x[0] == 1,
+			Impossible: x[1] == 1,
+			Limit:      ops[i].Limit.Requests(),
+			Remaining:  uint64(x[2]),
+			Reset:      x[3],
+			RetryAfter: x[4],
+		}
+		window[i] = x[5]
+	}
+	return nil
+}
+
+// toInt64 converts a reply value that should be an integer.
+func toInt64(v any) (int64, error) {
+	switch n := v.(type) {
+	case int64:
+		return n, nil
+	case float64:
+		if n != math.Trunc(n) || n < math.MinInt64 || n >= math.MaxInt64 {
+			return 0, fmt.Errorf("not an integer: %v", n)
+		}
+		return int64(n), nil
+	case string:
+		i, err := strconv.ParseInt(n, 10, 64)
+		if err != nil {
+			f, ferr := strconv.ParseFloat(n, 64)
+			if ferr != nil {
+				return 0, fmt.Errorf("not an integer: %q", n)
+			}
+			return toInt64(f)
+		}
+		return i, nil
+	case nil:
+		return 0, errors.New("nil, want an integer")
+	default:
+		return 0, fmt.Errorf("%T, want an integer", v)
+	}
+}
+
+// group is a range of checkScratch.order: the ops of one script call.
+type group struct{ lo, hi int }
+
+// inlineOps is the number of ops a check handles without allocating its scratch slices.
+const inlineOps = 4
+
+// checkScratch is one Check's working state. Its arrays hold small checks without
+// further allocation; larger ones get slices.
+type checkScratch struct {
+	order  []int    // op indices, grouped by slot, in op order within a group
+	groups []group  // ranges of order
+	keys   []string // keys in order
+	args   []any    // global.lua ARGV in order
+	window []int64  // per op: the window start global.lua counted in
+	calls  []call   // one per group
+	slots  []uint16 // per op (cluster only)
+	placed []bool   // per op (cluster only)
+
+	orderA  [inlineOps]int
+	groupsA [inlineOps]group
+	keysA   [inlineOps]string
+	argsA   [inlineOps * globalArgs]any
+	windowA [inlineOps]int64
+	callsA  [inlineOps]call
+	slotsA  [inlineOps]uint16
+	placedA [inlineOps]bool
+}
+
+func (cs *checkScratch) init(ops []GlobalOp, bySlot bool) {
+	n := len(ops)
+	if n <= inlineOps {
+		cs.order, cs.groups, cs.keys = cs.orderA[:n], cs.groupsA[:0], cs.keysA[:n]
+		cs.args, cs.window, cs.calls = cs.argsA[:n*globalArgs], cs.windowA[:n], cs.callsA[:0]
+		cs.slots, cs.placed = cs.slotsA[:n], cs.placedA[:n]
+	} else {
+		cs.order, cs.groups, cs.keys = make([]int, n), make([]group, 0, n), make([]string, n)
+		cs.args, cs.window, cs.calls = make([]any, n*globalArgs), make([]int64, n), make([]call, 0, n)
+		cs.slots, cs.placed = make([]uint16, n), make([]bool, n)
+	}
+	if !bySlot {
+		for i := range cs.order {
+			cs.order[i] = i
+		}
+		cs.groups = append(cs.groups, group{0, n})
+		return
+	}
+	for i := range ops {
+		cs.slots[i] = Slot(ops[i].Key)
+	}
+	k := 0
+	for i := range ops {
+		if cs.placed[i] {
+			continue
+		}
+		lo := k
+		for j := i; j < n; j++ {
+			if !cs.placed[j] && cs.slots[j] == cs.slots[i] {
+				cs.placed[j] = true
+				cs.order[k] = j
+				k++
+			}
+		}
+		cs.groups = append(cs.groups, group{lo, k})
+	}
+}

@@ -1,0 +1,470 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"strings"
+	gosync "sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+//go:embed scripts/hybrid.lua
+var hybridLua string
+
+var hybridScript = redis.NewScript(hybridLua)
+
+// Hybrid is the hybrid mode: checks are decided from a local allowance per key, with no
+// network on the hot path. Every interval Flush settles, per key, what this daemon used
+// of its last grant and reserves its next one in Redis (scripts/hybrid.lua): the key's
+// headroom over the next interval times this daemon's share of the key's demand. Grants
+// are taken from the global state when granted, so daemons never hand out the same
+// budget twice.
+//
+// Safe for concurrent use. Run (or Flush, in tests) is the only caller of Redis.
+type Hybrid struct {
+	rdb       redis.UniversalClient
+	interval  time.Duration
+	keepAlive time.Duration
+	seed      maphash.Seed
+	shards    [hybridShards]hshard
+
+	// replicas is the number of live daemons (from heartbeats; at least 1): a key seen
+	// for the first time gets capacity / replicas until its first flush.
+	mu       gosync.Mutex
+	replicas int
+}
+
+const hybridShards = 64
+
+type hshard struct {
+	mu gosync.Mutex
+	m  map[string]*hentry
+	_  [40]byte
+}
+
+// hentry is one key's local view.
+type hentry struct {
+	lim         *localbucket.Limit
+	allowance   float64 // what this daemon may still admit until the next grant
+	grant       float64 // the units reserved for this daemon at the last sync
+	grantWindow int64   // the window start (µs) that grant was taken from
+	pending     uint64  // admitted since the last flush began
+	demand      uint64  // offered since the last flush began
+	seen        int64   // last check, daemon clock (ns)
+	synced      int64   // when the view was read (ns; 0: never)
+	remaining   uint64  // global view: units left
+	reset       int64   // global view: ns until full
+	retry       int64   // global view: ns until one unit passes
+}
+
+// HybridOptions configures a Hybrid.
+type HybridOptions struct {
+	Interval  time.Duration // between flushes; default 100ms
+	KeepAlive time.Duration // a key unused this long is no longer refreshed; default 10s
+}
+
+// NewHybrid returns a Hybrid flushing to rdb.
+func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
+	if o.Interval <= 0 {
+		o.Interval = 100 * time.Millisecond
+	}
+	if o.KeepAlive <= 0 {
+		o.KeepAlive = 10 * time.Second
+	}
+	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1}
+	for i := range h.shards {
+		h.shards[i].m = make(map[string]*hentry)
+	}
+	return h
+}
+
+// Interval returns the flush interval.
+func (h *Hybrid) Interval() time.Duration { return h.interval }
+
+// SetReplicas records the number of live daemons.
+func (h *Hybrid) SetReplicas(n int) {
+	h.mu.Lock()
+	h.replicas = max(1, n)
+	h.mu.Unlock()
+}
+
+func (h *Hybrid) replicaCount() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.replicas
+}
+
+// HybridOp is one hybrid check in an all-or-nothing batch.
+type HybridOp struct {
+	Key    []byte // the Redis key, hash tag included; copied if stored
+	Limit  *localbucket.Limit
+	Cost   uint64
+	Shadow bool
+	Result localbucket.Result // output
+}
+
+func (h *Hybrid) shardOf(key []byte) uint32 {
+	return uint32(maphash.Bytes(h.seed, key)) & (hybridShards - 1)
+}
+
+// Take decides ops at now from the local allowances, all-or-nothing: if every non-shadow
+// op fits its allowance, every fitting op is charged and it returns true; otherwise nothing
+// is charged and it returns false. Offered cost counts as demand either way.
+func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
+	var lockBuf [8]uint32
+	locks := lockBuf[:0]
+	for i := range ops {
+		s := h.shardOf(ops[i].Key)
+		k := len(locks)
+		for k > 0 && locks[k-1] > s {
+			k--
+		}
+		if k > 0 && locks[k-1] == s {
+			continue
+		}
+		locks = append(locks, 0)
+		copy(locks[k+1:], locks[k:])
+		locks[k] = s
+	}
+	for _, s := range locks {
+		h.shards[s].mu.Lock()
+	}
+	defer func() {
+		for _, s := range locks {
+			h.shards[s].mu.Unlock()
+		}
+	}()
+
+	replicas := 0
+	ok := true
+	for i := range ops {
+		op := &ops[i]
+		sh := &h.shards[h.shardOf(op.Key)]
+		e := sh.m[string(op.Key)]
+		if e == nil {
+			if replicas == 0 {
+				replicas = h.replicaCount()
+			}
+			// Before its first grant a daemon may admit one request on credit, if the
+			// key's capacity leaves one for every live daemon; the first sync records it.
+			credit := 0.0
+			if op.Limit.Capacity() >= uint64(replicas) {
+				credit = 1
+			}
+			e = &hentry{lim: op.Limit, allowance: credit, remaining: op.Limit.Capacity()}
+			sh.m[string(op.Key)] = e
+		}
+		e.lim = op.Limit
+		e.seen = now
+		op.Result = h.decide(e, now, op.Cost)
+		if !op.Result.Allowed && !op.Shadow {
+			ok = false
+		}
+	}
+	for i := range ops {
+		op := &ops[i]
+		e := h.shards[h.shardOf(op.Key)].m[string(op.Key)]
+		cost := op.Cost
+		e.demand += max(cost, 1)
+		if ok && op.Result.Allowed && cost > 0 {
+			e.allowance -= float64(cost)
+			e.pending += cost
+			op.Result.Remaining = subFloor(op.Result.Remaining, cost)
+		}
+		if !ok && op.Result.Allowed {
+			op.Result.RetryAfter = 0
+		}
+	}
+	return ok
+}
+
+// Undo gives back what Take charged, for a request a later (local) check rejected.
+func (h *Hybrid) Undo(ops []HybridOp) {
+	for i := range ops {
+		op := &ops[i]
+		if !op.Result.Allowed || op.Cost == 0 {
+			continue
+		}
+		sh := &h.shards[h.shardOf(op.Key)]
+		sh.mu.Lock()
+		if e := sh.m[string(op.Key)]; e != nil {
+			e.allowance += float64(op.Cost)
+			e.pending = subFloor(e.pending, op.Cost)
+		}
+		op.Result.Remaining += op.Cost
+		sh.mu.Unlock()
+	}
+}
+
+func subFloor(a, b uint64) uint64 {
+	if b > a {
+		return 0
+	}
+	return a - b
+}
+
+// decide judges cost against e without charging it.
+func (h *Hybrid) decide(e *hentry, now int64, cost uint64) localbucket.Result {
+	lim := e.lim
+	r := localbucket.Result{Limit: lim.Requests()}
+	elapsed := int64(0)
+	if e.synced > 0 {
+		elapsed = max(0, now-e.synced)
+	}
+	r.Reset = max(0, e.reset-elapsed)
+	r.Remaining = subFloor(e.remaining, e.pending)
+	if cost > lim.Capacity() {
+		r.Impossible = true
+		return r
+	}
+	need := float64(max(cost, 1))
+	if e.allowance >= need {
+		r.Allowed = true
+		return r
+	}
+	// Out of allowance: retry when the global view says a unit frees up, but not before
+	// the next flush brings a new allowance.
+	nextView := int64(h.interval)
+	if e.synced > 0 {
+		nextView = max(int64(time.Millisecond), e.synced+int64(h.interval)-now)
+	}
+	r.RetryAfter = max(nextView, e.retry-elapsed)
+	r.Remaining = 0
+	return r
+}
+
+type flushItem struct {
+	key    string
+	e      *hentry
+	delta  uint64
+	demand uint64
+	cmd    *redis.Cmd
+	idle   bool // unused for KeepAlive: dropped once this sync has given its grant back
+}
+
+// Flush runs one sync: for every key it holds it settles what was admitted against the
+// key's last grant and reserves the next grant, sized by the demand offered since the last
+// flush, all pipelined, and applies the views that come back. A key unused for KeepAlive
+// gets a grant of zero, which gives its last one back, and is then dropped locally. On error the unsent or unconfirmed deltas are
+// kept for the next flush, so nothing admitted is lost. A reply lost after Redis applied
+// the script (a timeout at the wrong moment) makes the delta count twice; an idempotency
+// token per flush would prevent it and is not built yet.
+func (h *Hybrid) Flush(ctx context.Context, now int64) error { return h.flush(ctx, now, false) }
+
+// Release is the last flush before a daemon stops: it settles what was admitted and asks
+// for no new grants, so no budget stays reserved for a daemon that is gone.
+func (h *Hybrid) Release(ctx context.Context, now int64) error { return h.flush(ctx, now, true) }
+
+func (h *Hybrid) flush(ctx context.Context, now int64, release bool) error {
+	var items []flushItem
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			idle := e.pending == 0 && e.demand == 0 && now-e.seen > int64(h.keepAlive)
+			if idle && e.grant == 0 {
+				delete(sh.m, k)
+				continue
+			}
+			it := flushItem{key: k, e: e, delta: e.pending, demand: e.demand, idle: idle}
+			if release {
+				it.demand = 0
+			}
+			items = append(items, it)
+			e.pending, e.demand = 0, 0
+		}
+		sh.mu.Unlock()
+	}
+	if len(items) == 0 {
+		return nil
+	}
+	sendErr := h.send(ctx, items)
+	replicas := h.replicaCount()
+	var failed int
+	var firstErr error
+	for i := range items {
+		it := &items[i]
+		vals, err := int64s(it.cmd)
+		if err == nil && len(vals) != 6 {
+			err = fmt.Errorf("script reply has %d elements, want 6", len(vals))
+		}
+		sh := &h.shards[h.shardOf([]byte(it.key))]
+		sh.mu.Lock()
+		e := it.e
+		if err != nil {
+			// Not confirmed: keep the counts for the next flush.
+			e.pending += it.delta
+			if !release {
+				e.demand += it.demand
+			}
+			failed++
+			if firstErr == nil {
+				firstErr = err
+			}
+			sh.mu.Unlock()
+			continue
+		}
+		grant := float64(max(0, vals[0]))
+		e.grant = grant
+		e.grantWindow = vals[4]
+		e.remaining = uint64(max(0, vals[1]))
+		// What was admitted while the sync was on its way counts against the new grant.
+		// A daemon without a grant (no recent demand) may still admit one request on
+		// credit while the key has a unit free for every live daemon, so a client's
+		// first request after a pause is not refused.
+		credit := 0.0
+		if e.remaining >= uint64(replicas) {
+			credit = 1
+		}
+		e.allowance = grant + credit - float64(e.pending)
+		e.reset = vals[2] * int64(time.Microsecond)
+		e.retry = vals[3] * int64(time.Microsecond)
+		e.synced = now
+		if it.idle && e.pending == 0 && e.demand == 0 && e.grant == 0 {
+			delete(sh.m, it.key) // its grant is back in Redis; nothing is left here
+		}
+		sh.mu.Unlock()
+	}
+	if failed > 0 {
+		if firstErr == nil {
+			firstErr = sendErr
+		}
+		return fmt.Errorf("hybrid flush: %d of %d keys not synced: %w", failed, len(items), firstErr)
+	}
+	return nil
+}
+
+// send runs the script for every item in one pipeline (go-redis splits it per node on a
+// cluster), loading the script once if Redis does not know it.
+func (h *Hybrid) send(ctx context.Context, items []flushItem) error {
+	replicas := h.replicaCount()
+	run := func(useSHA bool) error {
+		pipe := h.rdb.Pipeline()
+		for i := range items {
+			it := &items[i]
+			lim := it.e.lim
+			args := []any{int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
+				it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas}
+			if useSHA {
+				it.cmd = hybridScript.EvalSha(ctx, pipe, []string{it.key}, args...)
+			} else {
+				it.cmd = hybridScript.Eval(ctx, pipe, []string{it.key}, args...)
+			}
+		}
+		_, err := pipe.Exec(ctx)
+		return err
+	}
+	err := run(true)
+	if err != nil && hasNoScript(items) {
+		err = run(false) // EVAL loads the script on every node it reaches
+	}
+	return err
+}
+
+func hasNoScript(items []flushItem) bool {
+	for _, it := range items {
+		if it.cmd != nil && it.cmd.Err() != nil && strings.HasPrefix(it.cmd.Err().Error(), "NOSCRIPT") {
+			return true
+		}
+	}
+	return false
+}
+
+// int64s reads a script reply that must be an array of integers, checking types instead
+// of asserting them.
+func int64s(cmd *redis.Cmd) ([]int64, error) {
+	if cmd == nil {
+		return nil, errors.New("not sent")
+	}
+	v, err := cmd.Result()
+	if err != nil {
+		return nil, err
+	}
+	arr, ok := v.([]any)
+	if !ok {
+		return nil, fmt.Errorf("script reply is %T, want an array", v)
+	}
+	out := make([]int64, len(arr))
+	for i, x := range arr {
+		switch n := x.(type) {
+		case int64:
+			out[i] = n
+		case float64:
+			out[i] = int64(n)
+		default:
+			return nil, fmt.Errorf("script reply element %d is %T, want an integer", i, x)
+		}
+	}
+	return out, nil
+}
+
+// Len returns the keys held locally.
+func (h *Hybrid) Len() int {
+	n := 0
+	for i := range h.shards {
+		h.shards[i].mu.Lock()
+		n += len(h.shards[i].m)
+		h.shards[i].mu.Unlock()
+	}
+	return n
+}
+
+//go:embed scripts/heartbeat.lua
+var heartbeatLua string
+
+var heartbeatScript = redis.NewScript(heartbeatLua)
+
+// DaemonsKey is the sorted set of live daemons (member: daemon id, score: Redis time of
+// its last heartbeat, ms).
+const DaemonsKey = "rl:daemons"
+
+// Heartbeat records this daemon as live and returns how many daemons are: those that
+// sent a heartbeat within ttl. It also updates the replica count new keys are sized by.
+func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	v, err := heartbeatScript.Run(ctx, h.rdb, []string{DaemonsKey}, id, ttl.Milliseconds()).Int64()
+	if err != nil {
+		return 0, fmt.Errorf("heartbeat: %w", err)
+	}
+	h.SetReplicas(int(v))
+	return int(v), nil
+}
+
+// Run flushes and sends a heartbeat every interval until ctx ends, then releases (a last
+// flush that takes no new grants), with a fresh context bounded by timeout, so what was
+// admitted before a shutdown reaches Redis and no budget stays reserved. clock returns the daemon's time (ns); onErr sees every failure.
+func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
+	t := time.NewTicker(h.interval)
+	defer t.Stop()
+	beat := func() {
+		c, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		if _, err := h.Heartbeat(c, id, 10*h.interval+time.Second); err != nil {
+			onErr(err)
+		}
+	}
+	flush := func(release bool) {
+		c, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		if err := h.flush(c, clock(), release); err != nil {
+			onErr(err)
+		}
+	}
+	beat()
+	for {
+		select {
+		case <-ctx.Done():
+			flush(true)
+			return
+		case <-t.C:
+			beat()
+			flush(false)
+		}
+	}
+}

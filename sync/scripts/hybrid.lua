@@ -1,0 +1,172 @@
+-- hybrid.lua: one daemon's sync of one key in hybrid mode, atomically: settle what the
+-- daemon used of its last grant, then reserve its next grant.
+--
+-- A grant is a reservation: the units are taken from the key's global state when they
+-- are granted, so every other daemon's view already excludes them, and the grants
+-- outstanding at any moment never exceed what the key can admit (plus, for refilling
+-- algorithms, one interval of refill, granted ahead of time). At the next sync the daemon
+-- reports what it used; the unused part goes back. Units a daemon admitted beyond its
+-- grant (its first requests on a key, before any grant) are added as they are: what was
+-- admitted is recorded, never lost.
+--
+-- The next grant is the key's headroom over the next interval (what it can admit now,
+-- plus the interval's refill) times this daemon's share of the key's demand: a daemon
+-- taking 80% of the traffic gets 80% of the headroom. docs/accuracy.md derives the bound.
+--
+-- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
+-- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
+--
+-- State (a hash; every write sets a TTL, so idle keys vanish): t = GCRA theoretical
+-- arrival time, or the current window's start; n = current window count (reservations
+-- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
+-- current and previous epoch, over all daemons.
+--
+-- KEYS[1] key; ARGV: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
+-- requests, window_us, burst, used, prev_grant, grant_window (the window start the
+-- previous grant was taken in, 0 if none), demand, interval_us, replicas.
+-- Returns: grant (whole units), remaining, reset_us, retry_us, window start (echo it as
+-- grant_window next time), the previous epoch's demand.
+local key = KEYS[1]
+local alg = tonumber(ARGV[1])
+local requests = tonumber(ARGV[2])
+local window = tonumber(ARGV[3])
+local burst = tonumber(ARGV[4])
+local used = tonumber(ARGV[5])
+local prev_grant = tonumber(ARGV[6])
+local grant_window = tonumber(ARGV[7])
+local demand = tonumber(ARGV[8])
+local interval = tonumber(ARGV[9])
+local replicas = math.max(1, tonumber(ARGV[10]))
+
+local tm = redis.call('TIME')
+local now = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
+
+local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp')
+local t = tonumber(h[1]) or 0
+local n = tonumber(h[2]) or 0
+local p = tonumber(h[3]) or 0
+local e = tonumber(h[4]) or 0
+local dc = tonumber(h[5]) or 0
+local dp = tonumber(h[6]) or 0
+
+-- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
+local epoch = math.floor(now / interval)
+if e == epoch then
+  dc = dc + demand
+elseif e == epoch - 1 then
+  dp = dc
+  dc = demand
+else
+  dp = 0
+  dc = demand
+end
+local total = math.max(dp, dc)
+if dp == 0 then
+  -- no complete epoch yet: assume every live daemon sees as much as this one
+  total = math.max(total, demand * replicas)
+end
+
+-- What the daemon used beyond (or short of) its last grant. If the key is gone (expired,
+-- or Redis lost its data), so is that grant: everything used counts.
+local settle = used - prev_grant
+if h[1] == false then settle = used end
+local capacity, avail, headroom, wstart
+if alg == 0 then
+  local T = window / requests
+  local tau = burst * T
+  capacity = burst
+  t = math.max(t, now) + settle * T
+  if t < now then t = now end
+  avail = (now + tau - t) / T
+  headroom = math.min(burst, math.max(0, avail + interval / T))
+  wstart = 0
+else
+  capacity = requests
+  local start = now - now % window
+  if t + window <= start then
+    if alg == 1 and t + window == start then p = n else p = 0 end
+    n = 0
+    t = start
+  elseif t == 0 then
+    t = start
+  end
+  -- Settle against the window the grant was taken from; if that window is gone, only
+  -- what exceeded the grant still counts (in the current window).
+  if grant_window == t then
+    n = math.max(0, n + settle)
+  elseif alg == 1 and grant_window == t - window then
+    p = math.max(0, p + settle)
+  elseif settle > 0 then
+    n = n + settle
+  end
+  wstart = t
+  if alg == 2 then
+    avail = requests - n
+    headroom = math.max(0, avail)
+  else
+    local elapsed = now - t
+    avail = requests - (p * (window - elapsed) / window + n)
+    local later = elapsed + interval
+    local est2
+    if later < window then
+      est2 = p * (window - later) / window + n
+    else
+      est2 = math.max(0, n * (2 * window - later) / window)
+    end
+    headroom = math.min(requests, math.max(0, requests - est2))
+  end
+end
+
+-- This daemon's share of the headroom, by demand, in whole units (so counts stay exact).
+-- Capped at twice its demand (or an even split of the headroom, if larger), so a daemon
+-- that saw little traffic does not hold budget the others need; at least one unit when
+-- there is one, so a small share is never stuck below a whole request.
+local grant = 0
+if demand > 0 and headroom >= 1 then
+  grant = headroom * demand / math.max(total, demand)
+  grant = math.min(grant, math.max(2 * demand, headroom / replicas))
+  grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
+end
+
+-- Reserve it.
+local remaining, reset, retry, ttl
+if alg == 0 then
+  local T = window / requests
+  local tau = burst * T
+  t = math.max(t, now) + grant * T
+  local left = (now + tau - t) / T
+  remaining = math.max(0, math.floor(left))
+  reset = math.max(0, t - now)
+  if left >= 1 then retry = 0 else retry = t - now - tau + T end
+  ttl = reset
+else
+  n = n + grant
+  if alg == 2 then
+    remaining = math.max(0, math.floor(requests - n))
+    if n > 0 then reset = t + window - now else reset = 0 end
+    if remaining >= 1 then retry = 0 else retry = t + window - now end
+    ttl = window
+  else
+    local elapsed = now - t
+    local est = math.floor(p * (window - elapsed) / window + n)
+    remaining = math.max(0, requests - est)
+    if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
+    if remaining >= 1 then
+      retry = 0
+    elseif n + 1 > requests then
+      retry = t + window - now
+    else
+      local x = window - (requests - n) * window / p
+      retry = math.max(1, math.ceil(t + x - now))
+    end
+    ttl = 2 * window
+  end
+end
+
+-- Numbers are written with %.17g: Redis would format them with %.14g, losing the
+-- microseconds of a timestamp.
+local function num(x) return string.format('%.17g', x) end
+redis.call('HSET', key, 't', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp))
+-- Keep the key while it carries state, and at least a few intervals for the epochs.
+redis.call('PEXPIRE', key, math.ceil(math.max(ttl, 4 * interval) / 1000) + 1000)
+return {grant, remaining, math.floor(reset), math.floor(retry), wstart, math.floor(dp)}
