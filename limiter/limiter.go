@@ -55,6 +55,18 @@ func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
 	return l
 }
 
+// splitAmong is how many daemons a split rule's limit is divided among: its own number,
+// or for split: auto the live daemons Redis heartbeats count (1 without Redis).
+func (l *Limiter) splitAmong(r *rules.Rule) int {
+	if !r.SplitAuto {
+		return int(r.Split)
+	}
+	if l.hybrid == nil {
+		return 1
+	}
+	return l.hybrid.Replicas()
+}
+
 // resolve turns a rule's mode into the one the limiter can apply: a rule that names none
 // takes the default; without the store a mode needs (replay, or a limiter built without
 // Redis) it runs locally. serve refuses such rules up front (CheckModes).
@@ -87,6 +99,9 @@ func CheckModes(set *rules.Set, haveRedis bool) error {
 		return nil
 	}
 	for _, r := range set.Rules {
+		if r.SplitAuto {
+			return fmt.Errorf("%s:%d: rule %q: split: auto counts the live daemons through Redis, and this daemon has none; give a number", r.File, r.Line, r.Name)
+		}
 		if r.Mode == rules.ModeHybrid || r.Mode == rules.ModeGlobal {
 			return fmt.Errorf("%s:%d: rule %q: mode %s needs a Redis store, and this daemon has none; use mode local or leave mode out",
 				r.File, r.Line, r.Name, r.Mode)
@@ -194,7 +209,13 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		if !r.Matches(in.Attrs) {
 			continue
 		}
-		lim, unlimited := r.LimitFor(plan, hasPlan)
+		var lim *localbucket.Limit
+		var unlimited bool
+		if r.Split > 0 || r.SplitAuto {
+			lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
+		} else {
+			lim, unlimited = r.LimitFor(plan, hasPlan)
+		}
 		if unlimited {
 			continue
 		}

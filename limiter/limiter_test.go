@@ -314,3 +314,30 @@ rules:
 		t.Fatalf("v2 lost its credit to a request tight rejected: %+v", d.Results)
 	}
 }
+
+func TestSplit(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: s
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 100, per: 1h }
+    split: 20
+`)
+	var d Decision
+	in := Input{Attrs: attrs("user=u"), Cost: 1}
+	admitted := 0
+	for i := 0; i < 10; i++ {
+		_ = l.Check(t0, &in, &d)
+		if d.Allowed {
+			admitted++
+		}
+	}
+	if admitted != 5 || d.Results[0].Limit != 5 {
+		t.Fatalf("a daemon with a 100/h limit split 20 ways admitted %d (limit %d), want 5", admitted, d.Results[0].Limit)
+	}
+	auto := mustRules(t, "rules:\n  - name: a\n    key: user\n    limit: { requests: 10, per: 1s }\n    split: auto\n")
+	if err := CheckModes(auto, false); err == nil {
+		t.Fatal("split: auto accepted without Redis")
+	}
+}

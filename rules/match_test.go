@@ -3,6 +3,7 @@ package rules
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 func mustParse(t testing.TB, src string) *Set {
@@ -324,4 +325,47 @@ func BenchmarkAppendKey(b *testing.B) {
 			}
 		}
 	})
+}
+
+func TestSplitLimitFor(t *testing.T) {
+	set, err := Parse("split.yaml", []byte(`
+rules:
+  - name: s
+    key: user
+    limit: { requests: 100, per: 1m, burst: 150 }
+    plans: { partner: 1000, internal: unlimited }
+    split: 20
+  - name: auto
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 7, per: 1s }
+    split: auto
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, auto := set.Rules[0], set.Rules[1]
+	if s.Split != 20 || s.Mode != ModeLocal || !auto.SplitAuto || auto.Mode != ModeLocal {
+		t.Fatalf("parsed %+v %+v", s, auto)
+	}
+	l, _ := s.SplitLimitFor("", false, 20)
+	if l.Requests() != 5 || l.Burst() != 8 || l.Window() != time.Minute {
+		t.Fatalf("100/min burst 150 over 20: %d burst %d", l.Requests(), l.Burst())
+	}
+	if l, _ := s.SplitLimitFor("partner", true, 20); l.Requests() != 50 {
+		t.Fatalf("partner over 20: %d", l.Requests())
+	}
+	if _, unlimited := s.SplitLimitFor("internal", true, 20); !unlimited {
+		t.Fatal("internal plan not unlimited")
+	}
+	if l, _ := auto.SplitLimitFor("", false, 3); l.Requests() != 3 { // ceil(7/3)
+		t.Fatalf("7 over 3: %d", l.Requests())
+	}
+	if l, _ := auto.SplitLimitFor("", false, 100); l.Requests() != 1 {
+		t.Fatalf("7 over 100: %d, want at least 1", l.Requests())
+	}
+	// A steady daemon count allocates nothing.
+	if a := testing.AllocsPerRun(100, func() { s.SplitLimitFor("partner", true, 20) }); a != 0 {
+		t.Fatalf("%v allocs", a)
+	}
 }

@@ -189,7 +189,7 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split"}
 	limitFields = []string{"requests", "per", "burst"}
 )
 
@@ -281,6 +281,24 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 				p.errorf(v, field+".on_store_failure", "%v", err)
 			}
 			r.OnStoreFailure = fp
+		}
+	}
+
+	if v := f["split"]; !isNull(v) {
+		if v.Kind == yaml.ScalarNode && v.ShortTag() == "!!str" && v.Value == "auto" {
+			r.SplitAuto = true
+		} else if n, ok := p.count(v, field+".split", ` (a number of daemons, or auto)`); ok {
+			if n > 1<<16 {
+				p.errorf(v, field+".split", "%d daemons is too many (at most 65536)", n)
+			}
+			r.Split = uint32(min(n, 1<<16))
+		}
+		switch r.Mode {
+		case ModeDefault:
+			r.Mode = ModeLocal // a split limit is a local one
+		case ModeLocal:
+		default:
+			p.errorf(v, field+".split", "split divides a local limit among daemons; mode %s shares one budget already (use mode local, or drop split)", r.Mode)
 		}
 	}
 

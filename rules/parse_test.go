@@ -18,6 +18,9 @@ import (
 // substrings of the error text (every one must appear).
 var badFixtures = map[string][]string{
 	"empty.yaml":                    {"empty.yaml: no rules: key (the file is empty)"},
+	"split_with_hybrid.yaml":        {"split_with_hybrid.yaml:6: rules[0].split: split divides a local limit among daemons; mode hybrid shares one budget already"},
+	"split_zero.yaml":               {"split_zero.yaml:5: rules[0].split: must be at least 1, got 0 (a number of daemons, or auto)"},
+	"split_word.yaml":               {`split_word.yaml:5: rules[0].split: expected a whole number, got a string "many"`},
 	"comments_only.yaml":            {"comments_only.yaml: no rules: key"},
 	"null_document.yaml":            {"null_document.yaml:2: no rules: key"},
 	"no_rules_key.yaml":             {`no_rules_key.yaml:1: unknown field "ruels" (valid: rules)`, "no_rules_key.yaml:1: no rules: key"},
@@ -27,7 +30,7 @@ var badFixtures = map[string][]string{
 	"syntax.yaml":                   {"syntax.yaml:1: invalid YAML: did not find expected '-' indicator"},
 	"rules_not_list.yaml":           {"rules_not_list.yaml:2: rules: expected a list of rules, got a mapping"},
 	"rule_not_mapping.yaml":         {`rule_not_mapping.yaml:2: rules[0]: expected a mapping, got a string "just-a-name"`},
-	"unknown_rule_field.yaml":       {`unknown_rule_field.yaml:5: rules[0]: unknown field "limits" (valid: name, match, key, algorithm, limit, plans, shadow, mode, on_store_failure)`},
+	"unknown_rule_field.yaml":       {`unknown_rule_field.yaml:5: rules[0]: unknown field "limits" (valid: name, match, key, algorithm, limit, plans, shadow, mode, on_store_failure, split)`},
 	"duplicate_field.yaml":          {`duplicate_field.yaml:4: rules[0]: "name" given twice (first at line 2)`},
 	"merge_key.yaml":                {"merge_key.yaml:5: rules[1]: merge keys (<<) are not supported; write the fields out"},
 	"missing_name.yaml":             {"missing_name.yaml:2: rules[0].name: missing (required)"},

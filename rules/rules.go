@@ -9,6 +9,7 @@
 package rules
 
 import (
+	"sync/atomic"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -115,13 +116,26 @@ type Rule struct {
 	Shadow         bool   // counted and reported, never rejects
 	Mode           Mode   // ModeDefault when the rule does not set one
 	OnStoreFailure FailurePolicy
-	File           string // where the rule was defined
-	Line           int
+	// Split divides the limit among this many daemons, each enforcing its part locally
+	// (the cheap alternative to a shared budget); 0 when not split. SplitAuto takes the
+	// number of live daemons from Redis heartbeats instead. Either implies mode local.
+	Split     uint32
+	SplitAuto bool
+	File      string // where the rule was defined
+	Line      int
 
 	conds     []cond            // all must hold
 	keyPrefix string            // Name + ":{"
 	limit     localbucket.Limit // the default limit
 	plans     map[string]*planLimit
+	split     atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+}
+
+// splitLimits are a rule's limits divided among n daemons.
+type splitLimits struct {
+	n     uint64
+	def   localbucket.Limit
+	plans map[string]*localbucket.Limit
 }
 
 type planLimit struct {
@@ -159,6 +173,51 @@ func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unli
 		}
 	}
 	return &r.limit, false
+}
+
+// SplitLimitFor is LimitFor divided among n daemons: each enforces ceil(requests/n)
+// (and ceil(burst/n)), at least 1, so together they allow about the rule's limit. The
+// limits for the last n asked are cached, so a steady daemon count allocates nothing.
+func (r *Rule) SplitLimitFor(plan string, hasPlan bool, n int) (lim *localbucket.Limit, unlimited bool) {
+	full, unlimited := r.LimitFor(plan, hasPlan)
+	if unlimited || n <= 1 {
+		return full, unlimited
+	}
+	sl := r.split.Load()
+	if sl == nil || sl.n != uint64(n) {
+		sl = r.buildSplit(uint64(n))
+		r.split.Store(sl)
+	}
+	if full == &r.limit {
+		return &sl.def, false
+	}
+	if l := sl.plans[plan]; l != nil {
+		return l, false
+	}
+	return full, false
+}
+
+func (r *Rule) buildSplit(n uint64) *splitLimits {
+	div := func(l *localbucket.Limit) localbucket.Limit {
+		req := max(1, (l.Requests()+n-1)/n)
+		var burst uint64
+		if l.Algorithm() == localbucket.TokenBucket {
+			burst = max(1, (l.Burst()+n-1)/n)
+		}
+		d, err := localbucket.NewLimit(l.Algorithm(), req, l.Window(), burst)
+		if err != nil {
+			return *l // a part too small to express: keep the whole (cannot happen for valid limits)
+		}
+		return d
+	}
+	sl := &splitLimits{n: n, def: div(&r.limit), plans: map[string]*localbucket.Limit{}}
+	for name, p := range r.plans {
+		if !p.unlimited {
+			d := div(&p.limit)
+			sl.plans[name] = &d
+		}
+	}
+	return sl
 }
 
 // AppendKey appends the rule's client key for attrs to dst:

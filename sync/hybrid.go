@@ -95,6 +95,9 @@ func (h *Hybrid) SetReplicas(n int) {
 	h.mu.Unlock()
 }
 
+// Replicas returns the number of live daemons last counted (at least 1).
+func (h *Hybrid) Replicas() int { return h.replicaCount() }
+
 func (h *Hybrid) replicaCount() int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
