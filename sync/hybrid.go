@@ -111,6 +111,8 @@ type HybridOp struct {
 	Cost   uint64
 	Shadow bool
 	Result localbucket.Result // output
+
+	shard uint32 // set by Take
 }
 
 func (h *Hybrid) shardOf(key []byte) uint32 {
@@ -122,9 +124,15 @@ func (h *Hybrid) shardOf(key []byte) uint32 {
 // is charged and it returns false. Offered cost counts as demand either way.
 func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	var lockBuf [8]uint32
+	var entBuf [8]*hentry
 	locks := lockBuf[:0]
+	ents := entBuf[:0]
+	if len(ops) > len(entBuf) {
+		ents = make([]*hentry, 0, len(ops))
+	}
 	for i := range ops {
 		s := h.shardOf(ops[i].Key)
+		ops[i].shard = s
 		k := len(locks)
 		for k > 0 && locks[k-1] > s {
 			k--
@@ -149,7 +157,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	ok := true
 	for i := range ops {
 		op := &ops[i]
-		sh := &h.shards[h.shardOf(op.Key)]
+		sh := &h.shards[op.shard]
 		e := sh.m[string(op.Key)]
 		if e == nil {
 			if replicas == 0 {
@@ -164,6 +172,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 			e = &hentry{lim: op.Limit, allowance: credit, remaining: op.Limit.Capacity()}
 			sh.m[string(op.Key)] = e
 		}
+		ents = append(ents, e)
 		e.lim = op.Limit
 		e.seen = now
 		op.Result = h.decide(e, now, op.Cost)
@@ -173,7 +182,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	}
 	for i := range ops {
 		op := &ops[i]
-		e := h.shards[h.shardOf(op.Key)].m[string(op.Key)]
+		e := ents[i]
 		cost := op.Cost
 		e.demand += max(cost, 1)
 		if ok && op.Result.Allowed && cost > 0 {
@@ -195,7 +204,7 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 		if !op.Result.Allowed || op.Cost == 0 {
 			continue
 		}
-		sh := &h.shards[h.shardOf(op.Key)]
+		sh := &h.shards[op.shard]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil {
 			e.allowance += float64(op.Cost)
@@ -344,36 +353,57 @@ func (h *Hybrid) flush(ctx context.Context, now int64, release bool) error {
 	return nil
 }
 
-// send runs the script for every item in one pipeline (go-redis splits it per node on a
-// cluster), loading the script once if Redis does not know it.
+// flushBatch is how many keys one pipeline carries: a flush of many keys goes as several
+// pipelines, so no single one holds Redis (or waits on it) for long.
+const flushBatch = 512
+
+// send runs the script for every item, pipelined in batches (go-redis splits each batch
+// per node on a cluster). Items that come back NOSCRIPT (a restarted or failed-over node)
+// are sent again with EVAL, which loads the script; only those, so nothing is applied
+// twice.
 func (h *Hybrid) send(ctx context.Context, items []flushItem) error {
 	replicas := h.replicaCount()
-	run := func(useSHA bool) error {
+	args := func(it *flushItem) []any {
+		lim := it.e.lim
+		return []any{int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
+			it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas}
+	}
+	var firstErr error
+	for lo := 0; lo < len(items); lo += flushBatch {
+		batch := items[lo:min(lo+flushBatch, len(items))]
 		pipe := h.rdb.Pipeline()
-		for i := range items {
-			it := &items[i]
-			lim := it.e.lim
-			args := []any{int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
-				it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas}
-			if useSHA {
-				it.cmd = hybridScript.EvalSha(ctx, pipe, []string{it.key}, args...)
-			} else {
-				it.cmd = hybridScript.Eval(ctx, pipe, []string{it.key}, args...)
-			}
+		for i := range batch {
+			it := &batch[i]
+			it.cmd = hybridScript.EvalSha(ctx, pipe, []string{it.key}, args(it)...)
 		}
 		_, err := pipe.Exec(ctx)
-		return err
+		if err != nil && hasNoScript(batch) {
+			pipe = h.rdb.Pipeline()
+			for i := range batch {
+				it := &batch[i]
+				if isNoScriptErr(it.cmd.Err()) {
+					it.cmd = hybridScript.Eval(ctx, pipe, []string{it.key}, args(it)...)
+				}
+			}
+			_, err = pipe.Exec(ctx)
+		}
+		if err != nil && firstErr == nil {
+			firstErr = err
+		}
+		if ctx.Err() != nil {
+			break // out of time: the rest stays pending for the next flush
+		}
 	}
-	err := run(true)
-	if err != nil && hasNoScript(items) {
-		err = run(false) // EVAL loads the script on every node it reaches
-	}
-	return err
+	return firstErr
+}
+
+func isNoScriptErr(err error) bool {
+	return err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT")
 }
 
 func hasNoScript(items []flushItem) bool {
 	for _, it := range items {
-		if it.cmd != nil && it.cmd.Err() != nil && strings.HasPrefix(it.cmd.Err().Error(), "NOSCRIPT") {
+		if it.cmd != nil && isNoScriptErr(it.cmd.Err()) {
 			return true
 		}
 	}
@@ -453,7 +483,8 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		}
 	}
 	flush := func(release bool) {
-		c, cancel := context.WithTimeout(context.Background(), timeout)
+		// A flush of many keys takes several pipelines: allow it a few intervals.
+		c, cancel := context.WithTimeout(context.Background(), max(timeout, 5*h.interval))
 		defer cancel()
 		if err := h.flush(c, clock(), release); err != nil {
 			onErr(err)

@@ -1,0 +1,124 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+)
+
+// modeRules is the benchmark's two-rule shape with both rules in one mode.
+func modeRules(tb testing.TB, mode string) string {
+	path := filepath.Join(tb.TempDir(), mode+".yaml")
+	body := "rules:\n" +
+		"  - name: per-ip\n    key: ip\n    limit: { requests: 1000000000, per: 1h }\n    mode: " + mode + "\n" +
+		"  - name: holds\n    match: { method: POST, path: \"/v1/events/*/holds\" }\n    key: user\n    limit: { requests: 1000000000, per: 1h }\n    mode: " + mode + "\n"
+	if err := os.WriteFile(path, []byte(body), 0o644); err != nil {
+		tb.Fatal(err)
+	}
+	return path
+}
+
+// BenchmarkSocketModes compares, in one run, a daemon deciding locally with one in hybrid
+// mode (same rules, a real Redis behind it) and one in global mode:
+//
+//   - hybrid-vs-local: throughput at 4 connections × 32 in flight, and p50 at one
+//     connection. Hybrid mode has no network on the hot path, so both ratios should be ~1.
+//   - global-extra-µs: a global check's p50 minus a local check's p50 (the socket round
+//     trip) minus a Redis PING's p50 (the Redis round trip): what global mode adds on
+//     top of one Redis round trip. Target: ≤ 50 µs.
+func BenchmarkSocketModes(b *testing.B) {
+	srv := redistest.StartStandalone(b)
+	redisURL := "redis://" + srv.Addr
+	local := startServerNamed(b, "local", "--config", modeRules(b, "local"))
+	hybrid := startServerNamed(b, "hybrid", "--config", modeRules(b, "hybrid"), "--redis", redisURL)
+	global := startServerNamed(b, "global", "--config", modeRules(b, "global"), "--redis", redisURL, "--global-timeout", "100ms")
+	// 256 clients (512 keys): the hybrid daemon syncs each every 100 ms, a load Redis on
+	// this same 2-core machine carries without taking the cores the benchmark measures.
+	fr := frames(8192, 256)
+
+	// Latency at one connection, alternating.
+	cl, ch, cg := dial(b, local.socket), dial(b, hybrid.socket), dial(b, global.socket)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	ctx := context.Background()
+	var ll, lh, lg, lp []time.Duration
+	for _, c := range []*client{cl, ch, cg} {
+		if _, err := c.roundTrips(fr, 1000, nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+	n := max(b.N, 2000)
+	for done := 0; done < n; done += 500 {
+		var err error
+		if ll, err = cl.roundTrips(fr, 500, ll); err != nil {
+			b.Fatal(err)
+		}
+		if lh, err = ch.roundTrips(fr, 500, lh); err != nil {
+			b.Fatal(err)
+		}
+		if lg, err = cg.roundTrips(fr, 500, lg); err != nil {
+			b.Fatal(err)
+		}
+		for i := 0; i < 500; i++ {
+			start := time.Now()
+			if err := rdb.Ping(ctx).Err(); err != nil {
+				b.Fatal(err)
+			}
+			lp = append(lp, time.Since(start))
+		}
+	}
+	pl, ph, pg, pp := percentile(ll, 0.5), percentile(lh, 0.5), percentile(lg, 0.5), percentile(lp, 0.5)
+	b.ReportMetric(float64(pl.Nanoseconds())/1e3, "local-p50-µs")
+	b.ReportMetric(float64(ph.Nanoseconds())/1e3, "hybrid-p50-µs")
+	b.ReportMetric(float64(pg.Nanoseconds())/1e3, "global-p50-µs")
+	b.ReportMetric(float64(pp.Nanoseconds())/1e3, "redis-ping-p50-µs")
+	b.ReportMetric(float64(ph)/float64(pl), "hybrid-vs-local-p50")
+	b.ReportMetric(float64((pg-pl-pp).Nanoseconds())/1e3, "global-extra-µs")
+
+	// Throughput at 4 × 32, local vs hybrid, alternating.
+	const conns, inflight = 4, 32
+	run := func(cs []*client, total int) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i, c := range cs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := c.pipelined(fr[i*7:], total/len(cs), inflight); err != nil {
+					b.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	var csl, csh []*client
+	for i := 0; i < conns; i++ {
+		csl = append(csl, dial(b, local.socket))
+		csh = append(csh, dial(b, hybrid.socket))
+	}
+	var tl, th time.Duration
+	total := 0
+	for total < max(b.N, 40000) {
+		tl += run(csl, 20000)
+		th += run(csh, 20000)
+		total += 20000
+	}
+	b.ReportMetric(float64(tl)/float64(th), "hybrid-vs-local-throughput")
+}
+
+// startServerNamed starts the rlsidecar binary under its own socket name, so several run
+// side by side.
+func startServerNamed(tb testing.TB, name string, args ...string) *server {
+	s := startServer(tb, "rlsidecar", append(args, "--socket", filepath.Join(binDir, name+".sock"))...)
+	s.name = name
+	s.socket = filepath.Join(binDir, name+".sock")
+	return s
+}
