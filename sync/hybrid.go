@@ -332,7 +332,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, release bool) error {
 		// credit while the key has a unit free for every live daemon, so a client's
 		// first request after a pause is not refused.
 		credit := 0.0
-		if e.remaining >= uint64(replicas) {
+		if grant == 0 && e.remaining >= uint64(replicas) {
 			credit = 1
 		}
 		e.allowance = grant + credit - float64(e.pending)
