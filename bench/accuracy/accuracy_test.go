@@ -1,0 +1,101 @@
+package accuracy
+
+import (
+	"bytes"
+	"image/png"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func ms(v ...int) []time.Duration {
+	out := make([]time.Duration, len(v))
+	for i, x := range v {
+		out[i] = time.Duration(x) * time.Millisecond
+	}
+	return out
+}
+
+func TestPerSecond(t *testing.T) {
+	// Buckets of 500 ms over 1.7 s: three whole ones; the partial fourth is left out.
+	got := PerSecond(ms(0, 10, 499, 500, 1499, 1600), 500*time.Millisecond, 1700*time.Millisecond)
+	want := []float64{6, 2, 2}
+	if len(got) != len(want) || got[0] != want[0] || got[1] != want[1] || got[2] != want[2] {
+		t.Fatalf("PerSecond = %v, want %v", got, want)
+	}
+}
+
+func TestRatioAndTargets(t *testing.T) {
+	for _, tc := range []struct {
+		mode     string
+		admitted int
+		ok       bool
+	}{
+		{"hybrid", 900, true},
+		{"hybrid", 944, true},  // 1.049
+		{"hybrid", 950, false}, // 950 / 900 = 1.056
+		{"hybrid", 850, false}, // 0.944
+		{"global", 900, true},
+		{"global", 905, true}, // within 50 ms of refill (5)
+		{"global", 906, false},
+		{"local", 8000, true}, // no target
+	} {
+		r := &Run{Mode: tc.mode, Dist: "even", Rate: 100, Burst: 100, Elapsed: 8 * time.Second,
+			Admitted: make([]time.Duration, tc.admitted)}
+		if r.Ideal() != 900 {
+			t.Fatalf("ideal %v, want 900", r.Ideal())
+		}
+		if got := r.Ratio(); math.Abs(got-float64(tc.admitted)/900) > 1e-12 {
+			t.Fatalf("ratio %v", got)
+		}
+		if _, ok := r.Target(); ok != tc.ok {
+			t.Errorf("%s admitting %d: target met %v, want %v", tc.mode, tc.admitted, ok, tc.ok)
+		}
+	}
+}
+
+func TestOutputs(t *testing.T) {
+	runs := []*Run{
+		{Mode: "hybrid", Dist: "even", Daemons: 3, Rate: 100, Burst: 100, Elapsed: 2 * time.Second, Offered: 2000,
+			Admitted: ms(0, 100, 600, 1200, 1900), RedisCalls: 0.1, RedisCmds: 0.5},
+		{Mode: "local-split", Dist: "even", Daemons: 3, Skipped: "split not accepted"},
+		{Mode: "global", Dist: "even", Daemons: 3, Rate: 100, Burst: 100, Elapsed: 2 * time.Second, Offered: 2000,
+			Admitted: ms(0, 1), RedisCalls: math.NaN(), RedisCmds: math.NaN()},
+	}
+	var tbl bytes.Buffer
+	if err := WriteTable(&tbl, runs); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"| hybrid | even | 3 | 2000 | 5 | 300 | **0.017** | 0.100 | 0.500 | 0.95 – 1.05 ✗ not met |",
+		"not run: split not accepted", "| – | – |"} {
+		if !strings.Contains(tbl.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, tbl.String())
+		}
+	}
+	var csv bytes.Buffer
+	if err := WriteCSV(&csv, runs, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if want := "t_s,hybrid-even,global-even\n0,3,2\n1,2,0\n"; csv.String() != want {
+		t.Errorf("csv:\n%s\nwant:\n%s", csv.String(), want)
+	}
+	path := filepath.Join(t.TempDir(), "c.png")
+	if err := Chart(path, "test", runs, 500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := img.Bounds(); b.Dx() != 800 || b.Dy() != 450 {
+		t.Fatalf("chart is %v, want 800×450", b)
+	}
+}
