@@ -157,8 +157,10 @@ type Decision struct {
 	ops    []localbucket.Op
 	hops   []rlsync.HybridOp
 	gops   []rlsync.GlobalOp
-	gpol   []rules.FailurePolicy // per global op
-	where  []opRef               // per result: where its check is
+	hfb    []fallback    // per hybrid op
+	gfb    []fallback    // per global op
+	fixed  []fixedResult // results decided by a failure policy alone
+	where  []opRef       // per result: where its check is
 	keys   []byte
 	ends   []int
 	limits []localbucket.Limit
@@ -166,8 +168,22 @@ type Decision struct {
 
 // opRef says which list holds a result's check, and where.
 type opRef struct {
-	kind rules.Mode // ModeLocal, ModeHybrid or ModeGlobal
+	kind rules.Mode // ModeLocal, ModeHybrid, ModeGlobal, or ModeDefault for fixed
 	idx  int32
+}
+
+// fixedResult is a check's result decided by a failure policy, with its limit.
+type fixedResult struct {
+	res localbucket.Result
+	lim *localbucket.Limit
+}
+
+// fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
+// and for policy local the limit of the local bucket (the rule's limit divided among the
+// live daemons last counted).
+type fallback struct {
+	policy rules.FailurePolicy
+	local  *localbucket.Limit
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -200,7 +216,9 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.hops = d.hops[:0]
 	d.where = d.where[:0]
 	d.gops = d.gops[:0]
-	d.gpol = d.gpol[:0]
+	d.hfb = d.hfb[:0]
+	d.gfb = d.gfb[:0]
+	d.fixed = d.fixed[:0]
 	d.keys = d.keys[:0]
 	d.ends = d.ends[:0]
 
@@ -231,7 +249,14 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			continue
 		}
 		d.ends = append(d.ends, len(d.keys))
-		d.add(mode, lim, in.Cost, r.Shadow, r.OnStoreFailure)
+		var fb fallback
+		if mode != rules.ModeLocal {
+			fb = fallback{r.OnStoreFailure, lim}
+			if l.hybrid != nil {
+				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.Replicas())
+			}
+		}
+		d.add(mode, lim, in.Cost, r.Shadow, fb)
 		d.Results = append(d.Results, Result{Name: r.Name, Shadow: r.Shadow})
 	}
 
@@ -255,7 +280,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			if name == "" {
 				name = il.Key
 			}
-			d.add(mode, &d.limits[i], in.Cost, false, rules.FailLocal)
+			d.add(mode, &d.limits[i], in.Cost, false, fallback{rules.FailLocal, &d.limits[i]})
 			d.Results = append(d.Results, Result{Name: name})
 		}
 	}
@@ -287,8 +312,10 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			res, lim = &d.ops[w.idx].Result, d.ops[w.idx].Limit
 		case rules.ModeHybrid:
 			res, lim = &d.hops[w.idx].Result, d.hops[w.idx].Limit
-		default:
+		case rules.ModeGlobal:
 			res, lim = &d.gops[w.idx].Result, d.gops[w.idx].Limit
+		default:
+			res, lim = &d.fixed[w.idx].res, d.fixed[w.idx].lim
 		}
 		out := &d.Results[i]
 		out.Limit = res.Limit
@@ -304,15 +331,16 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 }
 
 // add appends one check to the list its mode decides it with.
-func (d *Decision) add(mode rules.Mode, lim *localbucket.Limit, cost uint64, shadow bool, policy rules.FailurePolicy) {
+func (d *Decision) add(mode rules.Mode, lim *localbucket.Limit, cost uint64, shadow bool, fb fallback) {
 	switch mode {
 	case rules.ModeHybrid:
 		d.where = append(d.where, opRef{mode, int32(len(d.hops))})
 		d.hops = append(d.hops, rlsync.HybridOp{Limit: lim, Cost: cost, Shadow: shadow})
+		d.hfb = append(d.hfb, fb)
 	case rules.ModeGlobal:
 		d.where = append(d.where, opRef{mode, int32(len(d.gops))})
 		d.gops = append(d.gops, rlsync.GlobalOp{Limit: lim, Cost: cost, Shadow: shadow})
-		d.gpol = append(d.gpol, policy)
+		d.gfb = append(d.gfb, fb)
 	default:
 		d.where = append(d.where, opRef{rules.ModeLocal, int32(len(d.ops))})
 		d.ops = append(d.ops, localbucket.Op{Limit: lim, Cost: cost, Shadow: shadow})
@@ -329,6 +357,15 @@ func (l *Limiter) apply(now int64, d *Decision) bool {
 		return l.store.Apply(now, d.ops)
 	}
 	ok := true
+	if len(d.hops) > 0 && !l.hybrid.Healthy(now) {
+		// Redis has not answered for a while: the allowances are stale. Each rule's
+		// failure policy decides instead, and the decision says so.
+		for i := range d.hops {
+			op := &d.hops[i]
+			ok = d.unavailable(rules.ModeHybrid, i, op.Key, op.Limit, op.Cost, op.Shadow, d.hfb[i]) && ok
+		}
+		d.hops = d.hops[:0]
+	}
 	if len(d.hops) > 0 {
 		ok = l.hybrid.Take(now, d.hops)
 	}
@@ -338,7 +375,12 @@ func (l *Limiter) apply(now int64, d *Decision) bool {
 		gok, err := l.global.Check(ctx, d.gops)
 		cancel()
 		if err != nil {
-			gok = l.globalUnavailable(d)
+			gok = true
+			for i := range d.gops {
+				op := &d.gops[i]
+				gok = d.unavailable(rules.ModeGlobal, i, []byte(op.Key), op.Limit, op.Cost, op.Shadow, d.gfb[i]) && gok
+			}
+			d.gops = d.gops[:0]
 		} else {
 			globalTook = gok
 		}
@@ -369,30 +411,34 @@ func (l *Limiter) apply(now int64, d *Decision) bool {
 	return false
 }
 
-// globalUnavailable decides the global checks of a request Redis did not answer, by
-// each rule's failure policy: open allows, closed rejects, local decides from a local
-// bucket of the rule's limit. The decision is marked degraded.
-func (l *Limiter) globalUnavailable(d *Decision) bool {
+// unavailable decides the check at index i of the kind's list without the store it
+// needs, by its failure policy: open allows, closed rejects (retry in a second), local
+// moves it to a local bucket holding the rule's limit divided among the live daemons.
+// It points the check's result at its new place and marks the decision degraded; it
+// reports whether the check may pass so far.
+func (d *Decision) unavailable(kind rules.Mode, i int, key []byte, lim *localbucket.Limit, cost uint64, shadow bool, fb fallback) bool {
 	d.Degraded = true
+	var to opRef
 	ok := true
-	for i := range d.gops {
-		op := &d.gops[i]
-		switch d.gpol[i] {
-		case rules.FailOpen:
-			op.Result = localbucket.Result{Allowed: true, Limit: op.Limit.Requests(), Remaining: op.Limit.Capacity()}
-		case rules.FailClosed:
-			op.Result = localbucket.Result{Limit: op.Limit.Requests(), RetryAfter: int64(time.Second)}
-			if !op.Shadow {
-				ok = false
-			}
-		default:
-			// Move the check to the local store, under its Redis key.
-			for w := range d.where {
-				if d.where[w].kind == rules.ModeGlobal && d.where[w].idx == int32(i) {
-					d.where[w] = opRef{rules.ModeLocal, int32(len(d.ops))}
-				}
-			}
-			d.ops = append(d.ops, localbucket.Op{Key: []byte(op.Key), Limit: op.Limit, Cost: op.Cost, Shadow: op.Shadow})
+	switch fb.policy {
+	case rules.FailOpen:
+		to = opRef{rules.ModeDefault, int32(len(d.fixed))}
+		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Allowed: true, Limit: lim.Requests(), Remaining: lim.Capacity()}, lim})
+	case rules.FailClosed:
+		to = opRef{rules.ModeDefault, int32(len(d.fixed))}
+		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Limit: lim.Requests(), RetryAfter: int64(time.Second)}, lim})
+		ok = shadow
+	default:
+		local := fb.local
+		if local == nil {
+			local = lim
+		}
+		to = opRef{rules.ModeLocal, int32(len(d.ops))}
+		d.ops = append(d.ops, localbucket.Op{Key: key, Limit: local, Cost: cost, Shadow: shadow})
+	}
+	for w := range d.where {
+		if d.where[w].kind == kind && d.where[w].idx == int32(i) {
+			d.where[w] = to
 		}
 	}
 	return ok

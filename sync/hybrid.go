@@ -8,6 +8,7 @@ import (
 	"hash/maphash"
 	"strings"
 	gosync "sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -35,10 +36,22 @@ type Hybrid struct {
 	seed      maphash.Seed
 	shards    [hybridShards]hshard
 
-	// replicas is the number of live daemons (from heartbeats; at least 1): a key seen
-	// for the first time gets capacity / replicas until its first flush.
+	// replicas is the number of live daemons (from heartbeats; at least 1).
 	mu       gosync.Mutex
 	replicas int
+
+	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
+	lastOK atomic.Int64
+}
+
+// StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
+// Healthy is false and the rules' failure policies decide.
+func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, time.Second) }
+
+// Healthy reports whether Redis answered recently enough for the allowances to stand.
+// A Hybrid that has never reached Redis counts from its creation.
+func (h *Hybrid) Healthy(now int64) bool {
+	return now-h.lastOK.Load() <= int64(h.StaleAfter())
 }
 
 const hybridShards = 64
@@ -79,6 +92,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		o.KeepAlive = 10 * time.Second
 	}
 	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1}
+	h.lastOK.Store(time.Now().UnixNano())
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
 	}
@@ -344,6 +358,9 @@ func (h *Hybrid) flush(ctx context.Context, now int64, release bool) error {
 		}
 		sh.mu.Unlock()
 	}
+	if failed < len(items) {
+		h.lastOK.Store(max(h.lastOK.Load(), now))
+	}
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
@@ -465,6 +482,7 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 	if err != nil {
 		return 0, fmt.Errorf("heartbeat: %w", err)
 	}
+	h.lastOK.Store(time.Now().UnixNano())
 	h.SetReplicas(int(v))
 	return int(v), nil
 }

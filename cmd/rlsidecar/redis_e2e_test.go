@@ -48,7 +48,9 @@ rules:
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	if admitted < 30 || admitted > 33 {
+	// At most the limit plus one credit per other daemon (docs/accuracy.md); a daemon
+	// whose burst outruns its grant may refuse until its next sync, so a little below.
+	if admitted < 24 || admitted > 30+2 {
 		t.Errorf("three daemons admitted %d against a shared limit of 30", admitted)
 	}
 	for _, d := range ds {
@@ -213,12 +215,14 @@ rules:
 				admitted[user]++
 			}
 			if i%4 == 3 {
-				time.Sleep(30 * time.Millisecond)
+				time.Sleep(60 * time.Millisecond)
 			}
 		}
 		// The bound of docs/accuracy.md for a fixed window: the limit, plus at most one
-		// credit per other daemon when idle daemons race a grant.
-		if admitted[user] > 10+1 || admitted[user] < 8 {
+		// credit per other daemon when idle daemons race a grant. Below it, a daemon whose
+		// traffic outruns its grant refuses until its next sync: bursty traffic over a
+		// few intervals may not use the whole budget.
+		if admitted[user] > 10+1 || admitted[user] < 6 {
 			t.Fatalf("%s: admitted %d against a shared limit of 10", user, admitted[user])
 		}
 	}
@@ -254,5 +258,84 @@ rules:
 		if err != nil || got != n {
 			t.Errorf("%s: Redis counts %d (%v), daemons admitted %d", key, got, err, n)
 		}
+	}
+}
+
+// When Redis stops answering, hybrid rules keep deciding from their allowances for a
+// moment, then by their failure policy, marked degraded; when it is back, decisions are
+// normal again.
+func TestE2EHybridRedisDown(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 100, per: 1m }
+    on_store_failure: closed
+  - name: search
+    match: { path: /search }
+    key: ip
+    limit: { requests: 100, per: 1m }
+    on_store_failure: open
+  - name: api
+    match: { path: /api }
+    key: ip
+    limit: { requests: 3, per: 1h }
+    on_store_failure: local
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms")
+	c := dialRaw(t, d.socket)
+	if r := c.check(1, 1, "path=/login", "ip=a"); !r.Allowed || r.Degraded {
+		t.Fatalf("with Redis up: %+v", r)
+	}
+	srv.Stop()
+	// Past the staleness bound (1 s), every decision follows the failure policy.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r := c.check(2, 1, "path=/login", "ip=a")
+		if r.Degraded {
+			if r.Allowed {
+				t.Fatalf("closed rule allowed with Redis down: %+v", r)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("decisions never became degraded with Redis down")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	start := time.Now()
+	if r := c.check(3, 1, "path=/search", "ip=a"); !r.Allowed || !r.Degraded {
+		t.Fatalf("open rule with Redis down: %+v", r)
+	}
+	admitted := 0
+	for i := 0; i < 6; i++ {
+		r := c.check(uint64(10+i), 1, "path=/api", "ip=b")
+		if !r.Degraded {
+			t.Fatalf("local rule not degraded: %+v", r)
+		}
+		if r.Allowed {
+			admitted++
+		}
+	}
+	if admitted != 3 { // one daemon: the whole limit, locally
+		t.Fatalf("local fallback admitted %d of 6 against a limit of 3", admitted)
+	}
+	if el := time.Since(start); el > time.Second {
+		t.Fatalf("8 checks with Redis down took %s", el)
+	}
+	srv.Restart(t)
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		r := c.check(30, 1, "path=/search", "ip=c")
+		if !r.Degraded && r.Allowed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("decisions still degraded 10 s after Redis came back")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
