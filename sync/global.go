@@ -75,6 +75,7 @@ type Global struct {
 	// call is atomic with no refund ever needed.
 	bySlot       bool
 	refundErrors atomic.Uint64
+	breaker      *Breaker // nil: always call
 }
 
 // NewGlobal returns a Global on c, a *redis.Client (standalone) or a *redis.ClusterClient.
@@ -112,6 +113,25 @@ func (g *Global) Check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, fmt.Errorf("global check: %w", err)
 	}
+	if !g.breaker.Allow() {
+		return false, ErrBreakerOpen
+	}
+	ok, err := g.check(ctx, ops)
+	if err != nil {
+		g.breaker.Failure()
+	} else {
+		g.breaker.Success()
+	}
+	return ok, err
+}
+
+// WithBreaker makes g refuse to call Redis while b is open, and report to b.
+func (g *Global) WithBreaker(b *Breaker) *Global {
+	g.breaker = b
+	return g
+}
+
+func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	var cs checkScratch
 	cs.init(ops, g.bySlot)
 

@@ -41,7 +41,15 @@ type Hybrid struct {
 	replicas int
 
 	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
-	lastOK atomic.Int64
+	lastOK  atomic.Int64
+	breaker *Breaker // nil: always call
+}
+
+// WithBreaker makes h skip its syncs while b is open (what was admitted stays pending),
+// count as unhealthy meanwhile, and report to b.
+func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
+	h.breaker = b
+	return h
 }
 
 // StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
@@ -51,7 +59,7 @@ func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, time.Seco
 // Healthy reports whether Redis answered recently enough for the allowances to stand.
 // A Hybrid that has never reached Redis counts from its creation.
 func (h *Hybrid) Healthy(now int64) bool {
-	return now-h.lastOK.Load() <= int64(h.StaleAfter())
+	return !h.breaker.Open() && now-h.lastOK.Load() <= int64(h.StaleAfter())
 }
 
 const hybridShards = 64
@@ -493,18 +501,28 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
-	beat := func() {
+	// Each sync starts with a heartbeat, which doubles as the breaker's probe: while
+	// Redis is known to be down, nothing else is sent and admitted units stay pending.
+	beat := func() bool {
+		if !h.breaker.Allow() {
+			return false
+		}
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		if _, err := h.Heartbeat(c, id, 10*h.interval+time.Second); err != nil {
+			h.breaker.Failure()
 			onErr(err)
+			return false
 		}
+		h.breaker.Success()
+		return true
 	}
 	flush := func(release bool) {
 		// A flush of many keys takes several pipelines: allow it a few intervals.
 		c, cancel := context.WithTimeout(context.Background(), max(timeout, 5*h.interval))
 		defer cancel()
 		if err := h.flush(c, clock(), release); err != nil {
+			h.breaker.Failure()
 			onErr(err)
 		}
 	}
@@ -512,11 +530,14 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	for {
 		select {
 		case <-ctx.Done():
+			// The last flush after a drain is tried even with the breaker open: it is
+			// the daemon's last chance to hand in what it admitted.
 			flush(true)
 			return
 		case <-t.C:
-			beat()
-			flush(false)
+			if beat() {
+				flush(false)
+			}
 		}
 	}
 }

@@ -1,0 +1,105 @@
+package sync
+
+import (
+	"errors"
+	gosync "sync"
+	"sync/atomic"
+	"time"
+)
+
+// ErrBreakerOpen is returned instead of calling Redis while the breaker is open.
+var ErrBreakerOpen = errors.New("redis circuit breaker open: not calling a store that keeps failing")
+
+// Breaker stops calls to a store that keeps failing: after Failures consecutive failed
+// calls it opens, and every call is refused at once (no request waits on a store known
+// to be down) for Cooldown; then one call at a time is let through as a probe, and the
+// first success closes it again. The zero value is not usable; use NewBreaker. Safe for
+// concurrent use; Allow costs one atomic load while closed.
+type Breaker struct {
+	failures int
+	cooldown time.Duration
+
+	open   atomic.Bool
+	streak atomic.Int32 // consecutive failures
+	mu     gosync.Mutex
+	until  time.Time // while open: no call before this
+	probe  bool      // a probe is out
+	opened atomic.Uint64
+}
+
+// NewBreaker returns a closed breaker opening after failures consecutive failures for
+// cooldown (defaults: 3 failures, 1 s).
+func NewBreaker(failures int, cooldown time.Duration) *Breaker {
+	if failures <= 0 {
+		failures = 3
+	}
+	if cooldown <= 0 {
+		cooldown = time.Second
+	}
+	return &Breaker{failures: failures, cooldown: cooldown}
+}
+
+// Allow reports whether a call may go to the store now. While open it lets one probe
+// through per cool-down.
+func (b *Breaker) Allow() bool {
+	if b == nil || !b.open.Load() {
+		return true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.probe || time.Now().Before(b.until) {
+		return false
+	}
+	b.probe = true
+	return true
+}
+
+// Success records a call that worked: the breaker closes.
+func (b *Breaker) Success() {
+	if b == nil {
+		return
+	}
+	if !b.open.Load() {
+		if b.streak.Load() != 0 {
+			b.streak.Store(0)
+		}
+		return
+	}
+	b.mu.Lock()
+	b.streak.Store(0)
+	b.probe = false
+	b.open.Store(false)
+	b.mu.Unlock()
+}
+
+// Failure records a call that failed (an error or a timeout, not a rejection).
+func (b *Breaker) Failure() {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	streak := b.streak.Add(1)
+	if b.open.Load() {
+		// A failed probe: stay open for another cool-down.
+		b.probe = false
+		b.until = time.Now().Add(b.cooldown)
+		return
+	}
+	if int(streak) >= b.failures {
+		b.open.Store(true)
+		b.until = time.Now().Add(b.cooldown)
+		b.opened.Add(1)
+	}
+}
+
+// Open reports whether the breaker is open.
+func (b *Breaker) Open() bool { return b != nil && b.open.Load() }
+
+// Opened returns how many times the breaker has opened.
+func (b *Breaker) Opened() uint64 {
+	if b == nil {
+		return 0
+	}
+	return b.opened.Load()
+}

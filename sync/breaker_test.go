@@ -1,0 +1,102 @@
+package sync
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+func TestBreaker(t *testing.T) {
+	b := NewBreaker(3, 50*time.Millisecond)
+	for i := 0; i < 2; i++ {
+		b.Failure()
+		if !b.Allow() || b.Open() {
+			t.Fatalf("open after %d failures", i+1)
+		}
+	}
+	b.Success() // a success resets the streak
+	for i := 0; i < 3; i++ {
+		b.Failure()
+	}
+	if !b.Open() || b.Allow() || b.Opened() != 1 {
+		t.Fatal("not open after 3 consecutive failures")
+	}
+	time.Sleep(60 * time.Millisecond)
+	if !b.Allow() {
+		t.Fatal("no probe after the cool-down")
+	}
+	if b.Allow() {
+		t.Fatal("a second probe while the first is out")
+	}
+	b.Failure() // the probe failed: another cool-down
+	if b.Allow() {
+		t.Fatal("allowed right after a failed probe")
+	}
+	time.Sleep(60 * time.Millisecond)
+	if !b.Allow() {
+		t.Fatal("no probe after the second cool-down")
+	}
+	b.Success()
+	if b.Open() || !b.Allow() {
+		t.Fatal("not closed after a successful probe")
+	}
+	var nilB *Breaker
+	if !nilB.Allow() || nilB.Open() {
+		t.Fatal("a nil breaker must allow everything")
+	}
+}
+
+// A frozen Redis: global checks fail within their deadline, the breaker opens after
+// three, and then no check waits at all; thawed, the next probe closes it.
+func TestGlobalBreakerFrozenRedis(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(3, 200*time.Millisecond)
+	g := NewGlobal(rdb).WithBreaker(b)
+	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
+	check := func() (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		_, err := g.Check(ctx, []GlobalOp{{Key: "rl:b:{u=1}", Limit: l, Cost: 1}})
+		return time.Since(start), err
+	}
+	if _, err := check(); err != nil {
+		t.Fatal(err)
+	}
+	srv.Freeze()
+	defer srv.Thaw()
+	for i := 0; i < 3; i++ {
+		el, err := check()
+		if err == nil || el > 200*time.Millisecond {
+			t.Fatalf("check %d against a frozen Redis: %v after %s", i, err, el)
+		}
+	}
+	el, err := check()
+	if !errors.Is(err, ErrBreakerOpen) || el > 5*time.Millisecond {
+		t.Fatalf("with the breaker open: %v after %s", err, el)
+	}
+	srv.Thaw()
+	time.Sleep(250 * time.Millisecond)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := check(); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("breaker did not close after Redis came back")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if b.Open() {
+		t.Fatal("breaker still open")
+	}
+}
