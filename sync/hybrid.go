@@ -40,6 +40,10 @@ type Hybrid struct {
 	mu       gosync.Mutex
 	replicas int
 
+	perShard int           // keys a shard holds at most
+	dropped  atomic.Uint64 // admitted units lost to the key cap before they reached Redis
+	evicted  atomic.Uint64 // keys evicted for the cap
+
 	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
 	lastOK  atomic.Int64
 	breaker *Breaker // nil: always call
@@ -89,6 +93,9 @@ type hentry struct {
 type HybridOptions struct {
 	Interval  time.Duration // between flushes; default 100ms
 	KeepAlive time.Duration // a key unused this long is no longer refreshed; default 10s
+	// MaxKeys caps the keys held (default 1,000,000), so a flood of never-repeating keys
+	// cannot grow memory without bound; see Dropped.
+	MaxKeys int
 }
 
 // NewHybrid returns a Hybrid flushing to rdb.
@@ -99,7 +106,11 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	if o.KeepAlive <= 0 {
 		o.KeepAlive = 10 * time.Second
 	}
-	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1}
+	if o.MaxKeys <= 0 {
+		o.MaxKeys = 1_000_000
+	}
+	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1,
+		perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.lastOK.Store(time.Now().UnixNano())
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
@@ -192,6 +203,9 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 				credit = 1
 			}
 			e = &hentry{lim: op.Limit, allowance: credit, remaining: op.Limit.Capacity()}
+			if len(sh.m) >= h.perShard {
+				h.evict(sh)
+			}
 			sh.m[string(op.Key)] = e
 		}
 		ents = append(ents, e)
@@ -218,6 +232,47 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	}
 	return ok
 }
+
+// evict makes room in a full shard (its lock held): among a sample of keys it drops one
+// holding nothing (no pending units, no grant) if it finds one, else one holding only a
+// grant (left to expire in Redis: a little budget idles, none is lost), else the one with
+// the least pending, whose units are then lost and counted in Dropped.
+func (h *Hybrid) evict(sh *hshard) {
+	var victim string
+	var ve *hentry
+	rank := func(e *hentry) int {
+		switch {
+		case e.pending == 0 && e.grant == 0:
+			return 0
+		case e.pending == 0:
+			return 1
+		}
+		return 2
+	}
+	n := 0
+	for k, e := range sh.m {
+		if ve == nil || rank(e) < rank(ve) || rank(e) == 2 && rank(ve) == 2 && e.pending < ve.pending {
+			victim, ve = k, e
+		}
+		if n++; n == 16 || rank(ve) == 0 {
+			break
+		}
+	}
+	if ve == nil {
+		return
+	}
+	if ve.pending > 0 {
+		h.dropped.Add(ve.pending)
+	}
+	h.evicted.Add(1)
+	delete(sh.m, victim)
+}
+
+// Dropped returns the admitted units lost to the key cap before they reached Redis.
+func (h *Hybrid) Dropped() uint64 { return h.dropped.Load() }
+
+// Evicted returns the keys evicted to keep within the key cap.
+func (h *Hybrid) Evicted() uint64 { return h.evicted.Load() }
 
 // Undo gives back what Take charged, for a request a later (local) check rejected.
 func (h *Hybrid) Undo(ops []HybridOp) {

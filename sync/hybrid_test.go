@@ -313,3 +313,24 @@ func TestRedactURL(t *testing.T) {
 		}
 	}
 }
+
+// A flood of never-repeating keys stays within the key cap; idle keys go first.
+func TestHybridKeyCap(t *testing.T) {
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 640})
+	lim := mustLimit(t, localbucket.TokenBucket, 10, time.Second)
+	now := time.Now().UnixNano()
+	for i := 0; i < 10000; i++ {
+		take(h, now, fmt.Sprintf("rl:flood:{k=%d}", i), lim, 0) // peeks: nothing pending
+	}
+	if n := h.Len(); n > 640 {
+		t.Fatalf("%d keys held with a cap of 640", n)
+	}
+	if h.Evicted() == 0 || h.Dropped() != 0 {
+		t.Fatalf("evicted %d, dropped %d: idle keys should go, nothing admitted lost", h.Evicted(), h.Dropped())
+	}
+}

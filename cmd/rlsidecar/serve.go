@@ -113,7 +113,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer rdb.Close()
 		breaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval}).WithBreaker(breaker)
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys}).WithBreaker(breaker)
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdb).WithBreaker(breaker), *globalTimeout)
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
