@@ -436,7 +436,7 @@ func startAccDaemons(tb testing.TB, n int, args []string) []*accDaemon {
 func startAccDaemon(id string, args []string) (*accDaemon, error) {
 	d := &accDaemon{id: id, socket: filepath.Join(binDir, id+".sock"), done: make(chan struct{}), stderr: &accLog{}}
 	d.cmd = exec.Command(filepath.Join(binDir, "rlsidecar"),
-		append([]string{"serve", "--socket", d.socket, "--daemon-id", id, "--log-level", "warn"}, args...)...)
+		append([]string{"serve", "--socket", d.socket, "--admin=", "--daemon-id", id, "--log-level", "warn"}, args...)...)
 	d.cmd.Stderr = d.stderr
 	stdout, err := d.cmd.StdoutPipe()
 	if err != nil {

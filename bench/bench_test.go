@@ -63,7 +63,7 @@ func startServer(tb testing.TB, name string, args ...string) *server {
 		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" {
 			args = append(args, "--cpuprofile", prof) // profile the daemon under the benchmark's load
 		}
-		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--log-level", "warn"}, args...)...)
+		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--admin=", "--log-level", "warn"}, args...)...)
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {

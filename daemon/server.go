@@ -36,6 +36,7 @@ type Config struct {
 	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
 	Version      string        // reported by ping
 	Logger       *slog.Logger  // default: discard
+	Metrics      *Metrics      // nil: no metrics
 
 	// Request bounds, passed to the decoder; zero takes the proto defaults.
 	MaxAttrs   int
@@ -438,7 +439,11 @@ func (cn *conn) check(now int64) {
 		in.Limits = append(in.Limits, limiter.Inline{Key: l.Key, Name: l.Name, Algorithm: l.Algorithm, Mode: l.Mode, Limit: l.Limit, WindowMs: l.WindowMs, Burst: l.Burst})
 	}
 	d := &cn.dcs
-	if err := cn.s.lim.Check(now, in, d); err != nil {
+	err := cn.s.lim.Check(now, in, d)
+	if m := cn.s.cfg.Metrics; m != nil && err == nil {
+		m.Record(d, now)
+	}
+	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
 			cn.enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())

@@ -29,6 +29,7 @@ type Limiter struct {
 	global      *rlsync.Global
 	globalWait  time.Duration
 	defaultMode rules.Mode
+	shadowAll   atomic.Bool
 }
 
 // New returns a Limiter deciding with set on store, every rule in local mode.
@@ -79,6 +80,16 @@ func (l *Limiter) resolve(m rules.Mode) rules.Mode {
 	}
 	return m
 }
+
+// SetShadowAll makes every rule a shadow rule (counted and reported, never rejecting)
+// while on: the --shadow switch, for dark-launching a whole rule set.
+func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
+
+// ShadowAll reports whether every rule is forced to shadow.
+func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
+
+// ModeOf returns the mode the limiter applies to r.
+func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode { return l.resolve(r.Mode) }
 
 // RedisPrefix starts every Redis key: the limiter's client key follows it.
 const RedisPrefix = "rl:"
@@ -141,6 +152,12 @@ type Result struct {
 	Shadow     bool
 	// Impossible: the cost exceeds this rule's capacity; no retry can ever pass.
 	Impossible bool
+	// Degraded: a failure policy decided this check; the store it needs did not answer.
+	Degraded bool
+	// Rule is the rule this result is for; nil for an inline limit.
+	Rule *rules.Rule
+	// Key is the client key checked (valid until the next Check with this Decision).
+	Key []byte
 }
 
 // Decision is the answer to one request, and the scratch space that produced it.
@@ -168,8 +185,9 @@ type Decision struct {
 
 // opRef says which list holds a result's check, and where.
 type opRef struct {
-	kind rules.Mode // ModeLocal, ModeHybrid, ModeGlobal, or ModeDefault for fixed
-	idx  int32
+	kind     rules.Mode // ModeLocal, ModeHybrid, ModeGlobal, or ModeDefault for fixed
+	idx      int32
+	degraded bool // moved here by a failure policy
 }
 
 // fixedResult is a check's result decided by a failure policy, with its limit.
@@ -223,6 +241,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.ends = d.ends[:0]
 
 	plan, hasPlan := rules.Lookup(in.Attrs, "plan")
+	shadowAll := l.shadowAll.Load()
 	for _, r := range set.Rules {
 		if !r.Matches(in.Attrs) {
 			continue
@@ -256,8 +275,9 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.Replicas())
 			}
 		}
-		d.add(mode, lim, in.Cost, r.Shadow, fb)
-		d.Results = append(d.Results, Result{Name: r.Name, Shadow: r.Shadow})
+		shadow := r.Shadow || shadowAll
+		d.add(mode, lim, in.Cost, shadow, fb)
+		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r})
 	}
 
 	if len(in.Limits) > 0 {
@@ -293,6 +313,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	for i, w := range d.where {
 		key := d.keys[start:d.ends[i]]
 		start = d.ends[i]
+		d.Results[i].Key = key
 		switch w.kind {
 		case rules.ModeLocal:
 			d.ops[w.idx].Key = key
@@ -325,6 +346,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		out.RetryAfter = time.Duration(res.RetryAfter)
 		out.Allowed = res.Allowed
 		out.Impossible = res.Impossible
+		out.Degraded = w.kind == rules.ModeDefault || w.degraded
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
 	return nil
@@ -334,15 +356,15 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 func (d *Decision) add(mode rules.Mode, lim *localbucket.Limit, cost uint64, shadow bool, fb fallback) {
 	switch mode {
 	case rules.ModeHybrid:
-		d.where = append(d.where, opRef{mode, int32(len(d.hops))})
+		d.where = append(d.where, opRef{kind: mode, idx: int32(len(d.hops))})
 		d.hops = append(d.hops, rlsync.HybridOp{Limit: lim, Cost: cost, Shadow: shadow})
 		d.hfb = append(d.hfb, fb)
 	case rules.ModeGlobal:
-		d.where = append(d.where, opRef{mode, int32(len(d.gops))})
+		d.where = append(d.where, opRef{kind: mode, idx: int32(len(d.gops))})
 		d.gops = append(d.gops, rlsync.GlobalOp{Limit: lim, Cost: cost, Shadow: shadow})
 		d.gfb = append(d.gfb, fb)
 	default:
-		d.where = append(d.where, opRef{rules.ModeLocal, int32(len(d.ops))})
+		d.where = append(d.where, opRef{kind: rules.ModeLocal, idx: int32(len(d.ops))})
 		d.ops = append(d.ops, localbucket.Op{Limit: lim, Cost: cost, Shadow: shadow})
 	}
 }
@@ -422,10 +444,10 @@ func (d *Decision) unavailable(kind rules.Mode, i int, key []byte, lim *localbuc
 	ok := true
 	switch fb.policy {
 	case rules.FailOpen:
-		to = opRef{rules.ModeDefault, int32(len(d.fixed))}
+		to = opRef{kind: rules.ModeDefault, idx: int32(len(d.fixed))}
 		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Allowed: true, Limit: lim.Requests(), Remaining: lim.Capacity()}, lim})
 	case rules.FailClosed:
-		to = opRef{rules.ModeDefault, int32(len(d.fixed))}
+		to = opRef{kind: rules.ModeDefault, idx: int32(len(d.fixed))}
 		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Limit: lim.Requests(), RetryAfter: int64(time.Second)}, lim})
 		ok = shadow
 	default:
@@ -433,9 +455,10 @@ func (d *Decision) unavailable(kind rules.Mode, i int, key []byte, lim *localbuc
 		if local == nil {
 			local = lim
 		}
-		to = opRef{rules.ModeLocal, int32(len(d.ops))}
+		to = opRef{kind: rules.ModeLocal, idx: int32(len(d.ops))}
 		d.ops = append(d.ops, localbucket.Op{Key: key, Limit: local, Cost: cost, Shadow: shadow})
 	}
+	to.degraded = true
 	for w := range d.where {
 		if d.where[w].kind == kind && d.where[w].idx == int32(i) {
 			d.where[w] = to

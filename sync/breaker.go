@@ -103,3 +103,7 @@ func (b *Breaker) Opened() uint64 {
 	}
 	return b.opened.Load()
 }
+
+// Observer sees every call to Redis: its op (global_check, hybrid_sync, heartbeat), how
+// long it took and its error. The daemon turns it into metrics.
+type Observer func(op string, d time.Duration, err error)

@@ -8,6 +8,7 @@ import (
 	"math"
 	"strconv"
 	"sync/atomic"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -76,6 +77,7 @@ type Global struct {
 	bySlot       bool
 	refundErrors atomic.Uint64
 	breaker      *Breaker // nil: always call
+	observe      Observer // nil: none
 }
 
 // NewGlobal returns a Global on c, a *redis.Client (standalone) or a *redis.ClusterClient.
@@ -116,13 +118,23 @@ func (g *Global) Check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	if !g.breaker.Allow() {
 		return false, ErrBreakerOpen
 	}
+	start := time.Now()
 	ok, err := g.check(ctx, ops)
+	if g.observe != nil {
+		g.observe("global_check", time.Since(start), err)
+	}
 	if err != nil {
 		g.breaker.Failure()
 	} else {
 		g.breaker.Success()
 	}
 	return ok, err
+}
+
+// WithObserver makes g report every call to Redis (op "global_check").
+func (g *Global) WithObserver(o Observer) *Global {
+	g.observe = o
+	return g
 }
 
 // WithBreaker makes g refuse to call Redis while b is open, and report to b.

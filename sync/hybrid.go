@@ -47,6 +47,19 @@ type Hybrid struct {
 	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
 	lastOK  atomic.Int64
 	breaker *Breaker // nil: always call
+	observe Observer // nil: none
+}
+
+// WithObserver makes h report its calls to Redis (ops hybrid_sync and heartbeat).
+func (h *Hybrid) WithObserver(o Observer) *Hybrid {
+	h.observe = o
+	return h
+}
+
+func (h *Hybrid) observed(op string, start time.Time, err error) {
+	if h.observe != nil {
+		h.observe(op, time.Since(start), err)
+	}
 }
 
 // WithBreaker makes h skip its syncs while b is open (what was admitted stays pending),
@@ -564,7 +577,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		}
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
-		if _, err := h.Heartbeat(c, id, 10*h.interval+time.Second); err != nil {
+		start := time.Now()
+		_, err := h.Heartbeat(c, id, 10*h.interval+time.Second)
+		h.observed("heartbeat", start, err)
+		if err != nil {
 			h.breaker.Failure()
 			onErr(err)
 			return false
@@ -576,7 +592,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		// A flush of many keys takes several pipelines: allow it a few intervals.
 		c, cancel := context.WithTimeout(context.Background(), max(timeout, 5*h.interval))
 		defer cancel()
-		if err := h.flush(c, clock(), release); err != nil {
+		start := time.Now()
+		err := h.flush(c, clock(), release)
+		h.observed("hybrid_sync", start, err)
+		if err != nil {
 			h.breaker.Failure()
 			onErr(err)
 		}

@@ -210,14 +210,14 @@ func TestE2ESocketFile(t *testing.T) {
 		t.Errorf("socket mode %#o, want 0660", perm)
 	}
 	// A live daemon's socket is refused.
-	out, err := runCLI(t, "serve", "--socket", d.socket)
+	out, err := runCLI(t, "serve", "--socket", d.socket, "--admin=")
 	if err == nil || !strings.Contains(out, "another daemon") {
 		t.Errorf("second daemon on a live socket: err=%v out=%s", err, out)
 	}
 	// A path that is not a socket is refused, and left alone.
 	dir := shortTempDir(t)
 	plain := writeFile(t, dir, "plain", "keep me")
-	if out, err := runCLI(t, "serve", "--socket", plain); err == nil || !strings.Contains(out, "not a socket") {
+	if out, err := runCLI(t, "serve", "--socket", plain, "--admin="); err == nil || !strings.Contains(out, "not a socket") {
 		t.Errorf("serve on a regular file: err=%v out=%s", err, out)
 	}
 	if b, _ := os.ReadFile(plain); string(b) != "keep me" {

@@ -84,7 +84,8 @@ func startDaemon(t *testing.T, args ...string) *daemonProc {
 
 func startDaemonAt(t *testing.T, socket string, args ...string) *daemonProc {
 	t.Helper()
-	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket}, args...)...)
+	// No admin endpoint unless a test asks: daemons run side by side.
+	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket, "--admin="}, args...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

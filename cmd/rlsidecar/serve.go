@@ -54,6 +54,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	logFormat := fs.String("log-format", "text", "log format: text or json")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile to this file until exit (a debugging aid)")
+	admin := fs.String("admin", "127.0.0.1:9464", "admin HTTP endpoint (/metrics /healthz /readyz /rules /top); empty: off")
+	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected)")
+	shadowAll := fs.Bool("shadow", false, "make every rule a shadow rule: counted and reported, never rejecting")
+	watch := fs.Bool("watch", true, "reload the rules file when it changes (SIGHUP reloads too)")
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
 	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
@@ -98,6 +102,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	store := localbucket.NewStore(localbucket.Options{MaxKeys: *maxKeys})
 	lim := limiter.New(set, store)
+	lim.SetShadowAll(*shadowAll)
+	metrics := daemon.NewMetrics(version, *topK)
+	metrics.SetRules(set, time.Now())
 	var hybrid *rlsync.Hybrid
 	modeDesc := "local mode"
 	if haveRedis {
@@ -113,8 +120,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer rdb.Close()
 		breaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys}).WithBreaker(breaker)
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdb).WithBreaker(breaker), *globalTimeout)
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys}).
+			WithBreaker(breaker).WithObserver(metrics.ObserveStore)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdb).WithBreaker(breaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while the Redis circuit breaker is open.", func() float64 {
+			if breaker.Open() {
+				return 1
+			}
+			return 0
+		})
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
 	srv, err := daemon.New(daemon.Config{
@@ -129,6 +143,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		DrainTimeout: *drainTimeout,
 		Version:      version,
 		Logger:       log,
+		Metrics:      metrics,
 	}, lim)
 	if err != nil {
 		return err
@@ -185,6 +200,76 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}()
 	}
 
+	// Reloads, from SIGHUP or the file watcher: the whole new set is validated, then
+	// swapped in one step; a broken file never replaces the rules in force.
+	var reloadMu sync.Mutex
+	reload := func(why string) {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		if *config == "" {
+			log.Info("built-in rules: nothing to reload", "trigger", why)
+			return
+		}
+		newSet, err := load()
+		metrics.Reloaded(err)
+		if err != nil {
+			log.Error("reload failed; keeping the rules in force", "trigger", why, "err", err)
+			return
+		}
+		if newSet.Version == lim.Rules().Version {
+			return // touched, not changed
+		}
+		lim.SetRules(newSet)
+		metrics.SetRules(newSet, time.Now())
+		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
+	}
+	if *watch && *config != "" {
+		if err := watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
+			func(err error) { log.Warn("watching the rules file", "err", err) }); err != nil {
+			return err
+		}
+	}
+
+	metrics.GaugeFunc("rlsidecar_connections", "Connections being served.", func() float64 { return float64(srv.Connections()) })
+	metrics.GaugeFunc("rlsidecar_keys", "Client keys held in memory (local buckets and hybrid allowances).", func() float64 {
+		n := lim.Store().Len()
+		if hybrid != nil {
+			n += hybrid.Len()
+		}
+		return float64(n)
+	})
+	metrics.CounterFunc("rlsidecar_evictions_total", "Client states evicted to stay within --max-keys.", func() float64 {
+		n := lim.Store().Evictions()
+		if hybrid != nil {
+			n += hybrid.Evicted()
+		}
+		return float64(n)
+	})
+	if *admin != "" {
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
+		if hybrid != nil {
+			deps.StoreReachable = func() bool { return hybrid.Healthy(time.Now().UnixNano()) }
+		}
+		adm, err := daemon.NewAdmin(*admin, deps)
+		if err != nil {
+			return err
+		}
+		log.Info("admin endpoint", "addr", adm.Addr())
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := adm.Serve(); err != nil {
+				log.Error("admin endpoint stopped", "err", err)
+			}
+		}()
+		go func() {
+			<-ctx.Done()
+			c, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			_ = adm.Shutdown(c)
+		}()
+	}
+
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer signal.Stop(sigs)
@@ -201,17 +286,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		case sig := <-sigs:
 			if sig == syscall.SIGHUP {
-				if *config == "" {
-					log.Info("SIGHUP: built-in rules; nothing to reload")
-					continue
-				}
-				newSet, err := load()
-				if err != nil {
-					log.Error("reload failed; keeping the rules in force", "err", err)
-					continue
-				}
-				lim.SetRules(newSet)
-				log.Info("rules reloaded", "rules", len(newSet.Rules), "version", newSet.Version)
+				reload("SIGHUP")
 				continue
 			}
 			log.Info("draining", "signal", sig.String())

@@ -1,0 +1,295 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// adminAddr waits for the daemon's log line naming its admin endpoint.
+func adminAddr(t *testing.T, d *daemonProc) string {
+	t.Helper()
+	re := regexp.MustCompile(`msg="admin endpoint" addr=(\S+)`)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if m := re.FindStringSubmatch(d.stderr.String()); m != nil {
+			return m[1]
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("no admin endpoint in the log:\n%s", d.stderr.String())
+	return ""
+}
+
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// scrape parses a Prometheus text exposition: metric family → type, and every sample.
+func scrape(t *testing.T, base string) (types map[string]string, samples map[string]float64) {
+	t.Helper()
+	code, body := httpGet(t, base+"/metrics")
+	if code != 200 {
+		t.Fatalf("/metrics: %d", code)
+	}
+	types, samples = map[string]string{}, map[string]float64{}
+	sc := bufio.NewScanner(strings.NewReader(body))
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "# TYPE ") {
+			f := strings.Fields(line)
+			types[f[2]] = f[3]
+			continue
+		}
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		var v float64
+		if _, err := fmt.Sscan(line[i+1:], &v); err != nil {
+			t.Fatalf("bad sample line %q", line)
+		}
+		samples[line[:i]] = v
+	}
+	return types, samples
+}
+
+const adminRules = `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 3, per: 1h }
+  - name: dark
+    key: ip
+    limit: { requests: 1, per: 1h }
+    shadow: true
+`
+
+// The admin endpoint after traffic: every metric the issue names, with its type; /top
+// names the heavy offender of a skewed load; /rules and the health endpoints answer.
+func TestE2EAdminMetrics(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", adminRules), "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	for i := 0; i < 40; i++ { // heavy: 40 requests, 37 rejected
+		id++
+		c.check(id, 1, "user=heavy", "ip=1.1.1.1")
+	}
+	for u := 0; u < 10; u++ { // light users: within their limit
+		id++
+		c.check(id, 1, fmt.Sprint("user=light", u), "ip=2.2.2.2")
+	}
+	types, samples := scrape(t, base)
+	for name, typ := range map[string]string{
+		"rlsidecar_checks_total":             "counter",
+		"rlsidecar_check_duration_seconds":   "histogram",
+		"rlsidecar_keys":                     "gauge",
+		"rlsidecar_evictions_total":          "counter",
+		"rlsidecar_degraded_decisions_total": "counter",
+		"rlsidecar_config_reloads_total":     "counter",
+		"rlsidecar_config_info":              "gauge",
+		"rlsidecar_connections":              "gauge",
+		"rlsidecar_build_info":               "gauge",
+		"rlsidecar_top_rejected":             "gauge",
+	} {
+		if types[name] != typ {
+			t.Errorf("%s: type %q, want %q", name, types[name], typ)
+		}
+	}
+	if v := samples[`rlsidecar_checks_total{rule="per-user",result="rejected"}`]; v != 37 {
+		t.Errorf("per-user rejected = %v, want 37", v)
+	}
+	if v := samples[`rlsidecar_checks_total{rule="per-user",result="allowed"}`]; v != 13 {
+		t.Errorf("per-user allowed = %v, want 13", v)
+	}
+	if v := samples[`rlsidecar_checks_total{rule="dark",result="shadow_rejected"}`]; v != 39+9 {
+		t.Errorf("dark shadow_rejected = %v, want 48", v)
+	}
+	if v := samples[`rlsidecar_check_duration_seconds_count`]; v != 50 {
+		t.Errorf("check_duration count = %v, want 50", v)
+	}
+	if v := samples[`rlsidecar_connections`]; v != 1 {
+		t.Errorf("connections = %v", v)
+	}
+	if v := samples[`rlsidecar_top_rejected{rule="per-user",client="user=heavy"}`]; v != 37 {
+		t.Errorf("top_rejected heavy = %v, want 37", v)
+	}
+	for s := range samples {
+		if strings.Contains(s, "light") {
+			t.Errorf("a client who was never rejected shows in a label: %s", s)
+		}
+	}
+
+	code, body := httpGet(t, base+"/top")
+	var top map[string][]struct {
+		Client string `json:"client"`
+		Count  uint64 `json:"count"`
+	}
+	if err := json.Unmarshal([]byte(body), &top); code != 200 || err != nil || len(top["per-user"]) == 0 || top["per-user"][0].Client != "user=heavy" {
+		t.Fatalf("/top: %d %s", code, body)
+	}
+	code, body = httpGet(t, base+"/rules")
+	if code != 200 || !strings.Contains(body, `"name": "per-user"`) || !strings.Contains(body, `"version"`) {
+		t.Fatalf("/rules: %d %s", code, body)
+	}
+	for _, p := range []string{"/healthz", "/readyz"} {
+		if code, body := httpGet(t, base+p); code != 200 {
+			t.Fatalf("%s: %d %s", p, code, body)
+		}
+	}
+}
+
+// waitVersion polls /rules until its version is not old (or equals want when given).
+func waitReload(t *testing.T, base, old string) string {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		_, body := httpGet(t, base+"/rules")
+		var doc struct {
+			Version string `json:"version"`
+		}
+		_ = json.Unmarshal([]byte(body), &doc)
+		if doc.Version != old {
+			return doc.Version
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("rules not reloaded within 3 s (still %s)", old)
+	return ""
+}
+
+func rulesVersion(t *testing.T, base string) string {
+	_, body := httpGet(t, base+"/rules")
+	var doc struct {
+		Version string `json:"version"`
+	}
+	_ = json.Unmarshal([]byte(body), &doc)
+	return doc.Version
+}
+
+func limitOf(t *testing.T, c *rawConn, id uint64) uint64 {
+	t.Helper()
+	return c.check(id, 0, "user=probe").Limit
+}
+
+func rulesWithLimit(n int) string {
+	return fmt.Sprintf("rules:\n  - name: per-user\n    key: user\n    limit: { requests: %d, per: 1h }\n", n)
+}
+
+// Reloads: in-place write, atomic rename, a broken file that never replaces the rules in
+// force, a symlink swap laid out as a Kubernetes ConfigMap volume, and SIGHUP.
+func TestE2EReload(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	if l := limitOf(t, c, 1); l != 1 {
+		t.Fatalf("limit %d", l)
+	}
+
+	// In-place write.
+	v := rulesVersion(t, base)
+	if err := os.WriteFile(cfg, []byte(rulesWithLimit(2)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	v = waitReload(t, base, v)
+	if l := limitOf(t, c, 2); l != 2 {
+		t.Fatalf("after an in-place write: limit %d", l)
+	}
+
+	// Atomic rename, as editors save.
+	tmp := writeFile(t, dir, ".rules.yaml.swp", rulesWithLimit(3))
+	if err := os.Rename(tmp, cfg); err != nil {
+		t.Fatal(err)
+	}
+	v = waitReload(t, base, v)
+	if l := limitOf(t, c, 3); l != 3 {
+		t.Fatalf("after a rename: limit %d", l)
+	}
+
+	// A broken file: the rules in force stay, the error is counted.
+	if err := os.WriteFile(cfg, []byte("rules:\n  - name: x\n    kee: user\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		_, samples := scrape(t, base)
+		if samples[`rlsidecar_config_reloads_total{result="error"}`] >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("broken file: no reload error counted")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if l := limitOf(t, c, 4); l != 3 || rulesVersion(t, base) != v {
+		t.Fatalf("a broken file replaced the rules: limit %d", l)
+	}
+
+	// A ConfigMap volume: rules.yaml -> ..data/rules.yaml, ..data -> ..v1; an update
+	// writes ..v2 and swaps ..data atomically.
+	cm := shortTempDir(t)
+	os.Mkdir(filepath.Join(cm, "..v1"), 0o755)
+	writeFile(t, filepath.Join(cm, "..v1"), "rules.yaml", rulesWithLimit(5))
+	must(t, os.Symlink("..v1", filepath.Join(cm, "..data")))
+	must(t, os.Symlink("..data/rules.yaml", filepath.Join(cm, "rules.yaml")))
+	d2 := startDaemon(t, "--config", filepath.Join(cm, "rules.yaml"), "--admin", "127.0.0.1:0")
+	base2 := "http://" + adminAddr(t, d2)
+	c2 := dialRaw(t, d2.socket)
+	if l := limitOf(t, c2, 1); l != 5 {
+		t.Fatalf("ConfigMap: limit %d", l)
+	}
+	v2 := rulesVersion(t, base2)
+	os.Mkdir(filepath.Join(cm, "..v2"), 0o755)
+	writeFile(t, filepath.Join(cm, "..v2"), "rules.yaml", rulesWithLimit(6))
+	must(t, os.Symlink("..v2", filepath.Join(cm, "..data_tmp")))
+	must(t, os.Rename(filepath.Join(cm, "..data_tmp"), filepath.Join(cm, "..data")))
+	waitReload(t, base2, v2)
+	if l := limitOf(t, c2, 2); l != 6 {
+		t.Fatalf("after a symlink swap: limit %d", l)
+	}
+
+	// SIGHUP, with the watcher off.
+	d3dir := shortTempDir(t)
+	cfg3 := writeFile(t, d3dir, "rules.yaml", rulesWithLimit(7))
+	d3 := startDaemon(t, "--config", cfg3, "--admin", "127.0.0.1:0", "--watch=false")
+	base3 := "http://" + adminAddr(t, d3)
+	c3 := dialRaw(t, d3.socket)
+	v3 := rulesVersion(t, base3)
+	writeFile(t, d3dir, "rules.yaml", rulesWithLimit(8))
+	time.Sleep(300 * time.Millisecond)
+	if l := limitOf(t, c3, 1); l != 7 {
+		t.Fatalf("reloaded without a watch or a signal: limit %d", l)
+	}
+	d3.cmd.Process.Signal(syscall.SIGHUP)
+	waitReload(t, base3, v3)
+	if l := limitOf(t, c3, 2); l != 8 {
+		t.Fatalf("after SIGHUP: limit %d", l)
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

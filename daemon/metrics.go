@@ -1,0 +1,280 @@
+package daemon
+
+import (
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/VictoriaMetrics/metrics"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// Metrics is one daemon's metrics: its own metrics.Set (so several daemons can run in
+// one process), per-rule counters looked up by rule pointer (no string work per check),
+// a latency histogram of atomic buckets, and a top-K sketch of rejected clients per rule.
+// Labels are rule names and results, never client keys, except the K clients /top names.
+type Metrics struct {
+	set   *metrics.Set
+	topK  int
+	start time.Time
+
+	checkDur latencyHist
+	storeDur latencyHist
+
+	byRule atomic.Pointer[map[*rules.Rule]*ruleMetrics]
+	mu     sync.Mutex // guards what follows
+	byName map[string]*ruleMetrics
+	config struct {
+		version, source string
+		loaded          time.Time
+		set             *rules.Set
+	}
+	funcs []funcMetric
+
+	inline              *ruleMetrics
+	reloadOK, reloadErr *metrics.Counter
+	flushOK, flushErr   *metrics.Counter
+	storeByOpResult     sync.Map // "op|result" → *metrics.Counter
+}
+
+type ruleMetrics struct {
+	name                                      string
+	allowed, rejected, shadowRejected, degrad *metrics.Counter
+	top                                       *topK
+}
+
+type funcMetric struct {
+	name, typ, help string
+	f               func() float64
+}
+
+// NewMetrics returns the metrics of a daemon of the given version, keeping the topK
+// most rejected clients per rule.
+func NewMetrics(version string, topK int) *Metrics {
+	metrics.ExposeMetadata(true) // TYPE and HELP lines, as Prometheus expects
+	if topK <= 0 {
+		topK = 10
+	}
+	m := &Metrics{set: metrics.NewSet(), topK: topK, byName: map[string]*ruleMetrics{}, start: time.Now()}
+	m.inline = m.ruleLocked("~inline")
+	m.reloadOK = m.set.NewCounter(`rlsidecar_config_reloads_total{result="success"}`)
+	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
+	m.flushOK = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="success"}`)
+	m.flushErr = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="error"}`)
+	m.set.NewGauge(fmt.Sprintf(`rlsidecar_build_info{version=%q}`, version), func() float64 { return 1 })
+	m.set.RegisterMetricsWriter(m.writeCustom)
+	return m
+}
+
+func (m *Metrics) ruleLocked(name string) *ruleMetrics {
+	if rm := m.byName[name]; rm != nil {
+		return rm
+	}
+	q := fmt.Sprintf("%q", name)
+	rm := &ruleMetrics{
+		name:           name,
+		allowed:        m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="allowed"}`),
+		rejected:       m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`),
+		shadowRejected: m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`),
+		degrad:         m.set.NewCounter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`),
+		top:            newTopK(m.topK),
+	}
+	m.byName[name] = rm
+	return rm
+}
+
+// SetRules makes the metrics follow a newly active rule set. Counters of rules that
+// keep their name keep counting.
+func (m *Metrics) SetRules(set *rules.Set, loaded time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	table := make(map[*rules.Rule]*ruleMetrics, len(set.Rules))
+	for _, r := range set.Rules {
+		table[r] = m.ruleLocked(r.Name)
+	}
+	m.byRule.Store(&table)
+	m.config.version, m.config.source, m.config.loaded, m.config.set = set.Version, set.Source, loaded, set
+}
+
+// Reloaded counts a reload attempt.
+func (m *Metrics) Reloaded(err error) {
+	if err != nil {
+		m.reloadErr.Inc()
+	} else {
+		m.reloadOK.Inc()
+	}
+}
+
+// Flushed counts a hybrid sync cycle.
+func (m *Metrics) Flushed(err error) {
+	if err != nil {
+		m.flushErr.Inc()
+	} else {
+		m.flushOK.Inc()
+	}
+}
+
+// ObserveStore records one call to Redis: op is global_check, hybrid_sync or heartbeat.
+func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
+	result := "success"
+	if err != nil {
+		result = "error"
+	}
+	key := op + "|" + result
+	c, ok := m.storeByOpResult.Load(key)
+	if !ok {
+		c, _ = m.storeByOpResult.LoadOrStore(key, m.set.GetOrCreateCounter(
+			fmt.Sprintf(`rlsidecar_store_requests_total{op=%q,result=%q}`, op, result)))
+	}
+	c.(*metrics.Counter).Inc()
+	m.storeDur.observe(d)
+	if op == "hybrid_sync" {
+		m.Flushed(err)
+	}
+}
+
+// GaugeFunc and CounterFunc expose a value read at scrape time.
+func (m *Metrics) GaugeFunc(name, help string, f func() float64) {
+	m.mu.Lock()
+	m.funcs = append(m.funcs, funcMetric{name, "gauge", help, f})
+	m.mu.Unlock()
+}
+
+func (m *Metrics) CounterFunc(name, help string, f func() float64) {
+	m.mu.Lock()
+	m.funcs = append(m.funcs, funcMetric{name, "counter", help, f})
+	m.mu.Unlock()
+}
+
+// Record counts one decision: per rule, allowed, rejected or shadow_rejected, degraded
+// decisions, the rejected client in the rule's top-K, and the time since the request
+// arrived (arrived: Unix ns, read when its frame was read).
+func (m *Metrics) Record(d *limiter.Decision, arrived int64) {
+	table := *m.byRule.Load()
+	for i := range d.Results {
+		r := &d.Results[i]
+		rm := m.inline
+		if r.Rule != nil {
+			if x := table[r.Rule]; x != nil {
+				rm = x
+			} else {
+				m.mu.Lock() // a check that started on the previous rule set
+				rm = m.ruleLocked(r.Name)
+				m.mu.Unlock()
+			}
+		}
+		switch {
+		case r.Allowed:
+			rm.allowed.Inc()
+		case r.Shadow:
+			rm.shadowRejected.Inc()
+			rm.top.add(clientOf(r.Key))
+		default:
+			rm.rejected.Inc()
+			rm.top.add(clientOf(r.Key))
+		}
+		if r.Degraded {
+			rm.degrad.Inc()
+		}
+	}
+	m.checkDur.observe(time.Duration(time.Now().UnixNano() - arrived))
+}
+
+// clientOf is the client part of a key: what is inside its hash tag.
+func clientOf(key []byte) []byte {
+	for i, c := range key {
+		if c == '{' {
+			rest := key[i+1:]
+			for j, c := range rest {
+				if c == '}' {
+					return rest[:j]
+				}
+			}
+			return rest
+		}
+	}
+	return key
+}
+
+// Top returns, per rule, the clients most often rejected.
+func (m *Metrics) Top() map[string][]topItem {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := map[string][]topItem{}
+	for name, rm := range m.byName {
+		if l := rm.top.list(); len(l) > 0 {
+			out[name] = l
+		}
+	}
+	return out
+}
+
+// WritePrometheus writes every metric in the Prometheus text format.
+func (m *Metrics) WritePrometheus(w io.Writer) { m.set.WritePrometheus(w) }
+
+var latencyBounds = []float64{1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1}
+
+// latencyHist is a Prometheus histogram of atomic buckets: observing is three atomic
+// adds and no lock, so connections do not contend on it.
+type latencyHist struct {
+	buckets [19]atomic.Uint64 // one per bound, then +Inf
+	count   atomic.Uint64
+	sumNs   atomic.Uint64
+}
+
+func (h *latencyHist) observe(d time.Duration) {
+	if d < 0 {
+		d = 0
+	}
+	s := d.Seconds()
+	i := 0
+	for i < len(latencyBounds) && s > latencyBounds[i] {
+		i++
+	}
+	h.buckets[i].Add(1)
+	h.count.Add(1)
+	h.sumNs.Add(uint64(d))
+}
+
+func (h *latencyHist) write(w io.Writer, name, help string) {
+	fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name)
+	var cum uint64
+	for i, b := range latencyBounds {
+		cum += h.buckets[i].Load()
+		fmt.Fprintf(w, "%s_bucket{le=\"%g\"} %d\n", name, b, cum)
+	}
+	cum += h.buckets[len(latencyBounds)].Load()
+	fmt.Fprintf(w, "%s_bucket{le=\"+Inf\"} %d\n", name, cum)
+	fmt.Fprintf(w, "%s_sum %g\n%s_count %d\n", name, float64(h.sumNs.Load())/1e9, name, cum)
+}
+
+func (m *Metrics) writeCustom(w io.Writer) {
+	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
+	m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
+	m.mu.Lock()
+	funcs := append([]funcMetric(nil), m.funcs...)
+	version := m.config.version
+	var tops []string
+	names := make([]string, 0, len(m.byName))
+	for name := range m.byName {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		for _, it := range m.byName[name].top.list() {
+			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, it.Client, it.Count))
+		}
+	}
+	m.mu.Unlock()
+	for _, f := range funcs {
+		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
+	}
+	fmt.Fprintf(w, "# HELP rlsidecar_config_info The rule set in force, by version (a hash of its files).\n# TYPE rlsidecar_config_info gauge\nrlsidecar_config_info{version=%q} 1\n", version)
+	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only).\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
+}
