@@ -1,0 +1,111 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+)
+
+var metricName = regexp.MustCompile(`rlsidecar_[a-z_]+`)
+
+// family maps a sample name to its metric family (histogram series to the histogram).
+func family(name string) string {
+	for _, suf := range []string{"_bucket", "_sum", "_count"} {
+		if strings.HasSuffix(name, suf) && name != "rlsidecar_config_info" {
+			return strings.TrimSuffix(name, suf)
+		}
+	}
+	return name
+}
+
+// Every metric the Grafana dashboard and the alerting rules query exists, with a type,
+// in a scrape of a running daemon (with Redis, after traffic).
+func TestDashboardsQueryRealMetrics(t *testing.T) {
+	var exprs []string
+	var alerts struct {
+		Groups []struct {
+			Rules []struct {
+				Alert string `yaml:"alert"`
+				Expr  string `yaml:"expr"`
+			} `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	data, err := os.ReadFile("../../deploy/prometheus/alerts.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.Unmarshal(data, &alerts); err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range alerts.Groups {
+		for _, r := range g.Rules {
+			exprs = append(exprs, r.Expr)
+		}
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	data, err = os.ReadFile("../../deploy/grafana/rlsidecar.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			exprs = append(exprs, tg.Expr)
+		}
+	}
+	if len(exprs) < 10 {
+		t.Fatalf("only %d expressions found", len(exprs))
+	}
+
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: shared
+    key: user
+    limit: { requests: 2, per: 1h }
+  - name: exact
+    match: { path: /otp }
+    key: user
+    limit: { requests: 1, per: 1h }
+    mode: global
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--admin", "127.0.0.1:0", "--sync-interval", "50ms")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	for i := 0; i < 5; i++ {
+		c.check(uint64(i+1), 1, "user=u", "path=/otp")
+	}
+	time.Sleep(200 * time.Millisecond) // a few syncs and heartbeats
+	types, _ := scrape(t, base)
+	seen := map[string]bool{}
+	for _, e := range exprs {
+		for _, name := range metricName.FindAllString(e, -1) {
+			f := family(name)
+			if seen[f] {
+				continue
+			}
+			seen[f] = true
+			if types[f] == "" {
+				t.Errorf("%q queries %s, which a running daemon does not export", e, f)
+			}
+		}
+	}
+	t.Logf("%d metric families queried, all exported", len(seen))
+}
