@@ -78,8 +78,12 @@ func (es Errors) Unwrap() []error {
 	return out
 }
 
-// Load reads and parses the rules file at path. Every error names the path.
+// Load reads and parses the rules file at path, or every *.yaml file of the directory at
+// path (see LoadDir). Every error names its file.
 func Load(path string) (*Set, error) {
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return LoadDir(path)
+	}
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("reading rules: %w", err)
@@ -93,6 +97,9 @@ func Load(path string) (*Set, error) {
 func Parse(filename string, data []byte) (*Set, error) {
 	p := &parser{file: filename}
 	rules := p.parse(data)
+	if len(p.errs) == 0 {
+		p.applyPlans(rules, p.top)
+	}
 	if len(p.errs) > 0 {
 		slices.SortStableFunc(p.errs, func(a, b *Error) int { return a.Line - b.Line })
 		return nil, p.errs
@@ -104,6 +111,10 @@ func Parse(filename string, data []byte) (*Set, error) {
 type parser struct {
 	file string
 	errs Errors
+	// plans are the file's top-level plan definitions; inDir allows a file with plans
+	// and no rules (one file of a directory).
+	top   map[string]*topPlan
+	inDir bool
 }
 
 func (p *parser) errorf(n *yaml.Node, field, format string, args ...any) {
@@ -155,12 +166,18 @@ func (p *parser) parse(data []byte) []*Rule {
 		p.errorf(root, "", "no rules: key")
 		return nil
 	}
-	top, _ := p.mapping(root, "", []string{"rules"})
+	top, _ := p.mapping(root, "", []string{"rules", "plans"})
 	if top == nil {
 		return nil
 	}
+	if v := top["plans"]; !isNull(v) {
+		p.topPlans(v)
+	}
 	list, present := top["rules"]
 	if !present {
+		if p.inDir && top["plans"] != nil {
+			return []*Rule{}
+		}
 		p.errorf(root, "", "no rules: key")
 		return nil
 	}

@@ -18,13 +18,15 @@ import (
 // substrings of the error text (every one must appear).
 var badFixtures = map[string][]string{
 	"empty.yaml":                    {"empty.yaml: no rules: key (the file is empty)"},
+	"plan_unknown_rule.yaml":        {`plan_unknown_rule.yaml:2: plans.gold.nosuch: plan "gold" names rule "nosuch", which no rules file defines`},
+	"plan_bad_multiplier.yaml":      {`plan_bad_multiplier.yaml:2: plans.partner: expected a multiplier like 10x or 0.5x, a number of requests, or unlimited; got a string "tenx"`},
 	"split_with_hybrid.yaml":        {"split_with_hybrid.yaml:6: rules[0].split: split divides a local limit among daemons; mode hybrid shares one budget already"},
 	"split_zero.yaml":               {"split_zero.yaml:5: rules[0].split: must be at least 1, got 0 (a number of daemons, or auto)"},
 	"split_word.yaml":               {`split_word.yaml:5: rules[0].split: expected a whole number, got a string "many"`},
 	"comments_only.yaml":            {"comments_only.yaml: no rules: key"},
 	"null_document.yaml":            {"null_document.yaml:2: no rules: key"},
-	"no_rules_key.yaml":             {`no_rules_key.yaml:1: unknown field "ruels" (valid: rules)`, "no_rules_key.yaml:1: no rules: key"},
-	"unknown_top_field.yaml":        {`unknown_top_field.yaml:2: unknown field "version" (valid: rules)`},
+	"no_rules_key.yaml":             {`no_rules_key.yaml:1: unknown field "ruels" (valid: rules, plans)`, "no_rules_key.yaml:1: no rules: key"},
+	"unknown_top_field.yaml":        {`unknown_top_field.yaml:2: unknown field "version" (valid: rules, plans)`},
 	"top_is_list.yaml":              {"top_is_list.yaml:1: expected a mapping, got a list"},
 	"two_documents.yaml":            {"two_documents.yaml:2: a second YAML document; put all rules in one document"},
 	"syntax.yaml":                   {"syntax.yaml:1: invalid YAML: did not find expected '-' indicator"},

@@ -293,3 +293,22 @@ func must(t *testing.T, err error) {
 		t.Fatal(err)
 	}
 }
+
+// --config DIR: every *.yaml in it, merged; a file added to it is picked up.
+func TestE2EConfigDir(t *testing.T) {
+	dir := shortTempDir(t)
+	writeFile(t, dir, "users.yaml", rulesWithLimit(4))
+	writeFile(t, dir, "plans.yaml", "plans:\n  partner: 10x\n")
+	d := startDaemon(t, "--config", dir, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	if r := c.check(1, 0, "user=p", "plan=partner"); r.Limit != 40 {
+		t.Fatalf("plan from another file: limit %d", r.Limit)
+	}
+	v := rulesVersion(t, base)
+	writeFile(t, dir, "ips.yaml", "rules:\n  - name: per-ip\n    key: ip\n    limit: { requests: 9, per: 1m }\n")
+	waitReload(t, base, v)
+	if r := c.check(2, 0, "ip=1.2.3.4"); r.Rule != "per-ip" || r.Limit != 9 {
+		t.Fatalf("a new file's rule: %+v", r)
+	}
+}

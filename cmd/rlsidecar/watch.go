@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -19,6 +20,9 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		return fmt.Errorf("watching %s: %w", path, err)
 	}
 	dir := filepath.Dir(path)
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		dir = path // --config DIR: its files come and go
+	}
 	if err := w.Add(dir); err != nil {
 		w.Close()
 		return fmt.Errorf("watching %s: %w", dir, err)

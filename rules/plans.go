@@ -1,0 +1,244 @@
+package rules
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// topPlan is a plan defined once at the top level of a rules file and applied to every
+// rule that does not define a plan of that name itself:
+//
+//	plans:
+//	  partner: 10x                  # every rule's limit × 10 (burst keeps its ratio)
+//	  internal: unlimited           # exempt from every rule
+//	  gold: { holds-per-account: 500, "*": 5x }   # per rule; "*" for the others
+//
+// A new tenant tier is one line. A rule's own plans: map wins for the names it lists.
+type topPlan struct {
+	name    string
+	file    string
+	line    int
+	all     *planValue            // applies to every rule (nil: only the listed ones)
+	perRule map[string]*planValue // rule name → value
+	nodes   map[string]*yaml.Node // rule name → where it was written (errors)
+}
+
+// planValue is unlimited, a multiplier of the rule's requests, or a number of requests.
+type planValue struct {
+	unlimited bool
+	mult      float64
+	requests  uint64
+}
+
+func (p *parser) topPlans(n *yaml.Node) {
+	pairs, ok := p.pairs(n, "plans")
+	if !ok {
+		return
+	}
+	if p.top == nil {
+		p.top = map[string]*topPlan{}
+	}
+	for _, kv := range pairs {
+		field := "plans." + kv.key
+		if kv.key == "" {
+			p.errorf(kv.keyNode, "plans", "a plan name must not be empty")
+			continue
+		}
+		tp := &topPlan{name: kv.key, file: p.file, line: kv.keyNode.Line}
+		v := deref(kv.val)
+		if v.Kind == yaml.MappingNode {
+			rulePairs, ok := p.pairs(v, field)
+			if !ok {
+				continue
+			}
+			tp.perRule, tp.nodes = map[string]*planValue{}, map[string]*yaml.Node{}
+			for _, rv := range rulePairs {
+				pv := p.planValue(rv.val, field+"."+rv.key)
+				if pv == nil {
+					continue
+				}
+				if rv.key == "*" {
+					tp.all = pv
+					continue
+				}
+				tp.perRule[rv.key] = pv
+				tp.nodes[rv.key] = rv.keyNode
+			}
+		} else if pv := p.planValue(v, field); pv != nil {
+			tp.all = pv
+		} else {
+			continue
+		}
+		p.top[kv.key] = tp
+	}
+}
+
+func (p *parser) planValue(v *yaml.Node, field string) *planValue {
+	v = deref(v)
+	if v.Kind == yaml.ScalarNode && v.ShortTag() == "!!str" {
+		if v.Value == "unlimited" {
+			return &planValue{unlimited: true}
+		}
+		if m, ok := strings.CutSuffix(v.Value, "x"); ok {
+			f, err := strconv.ParseFloat(m, 64)
+			if err == nil && f > 0 && f <= 1e6 && !math.IsInf(f, 0) {
+				return &planValue{mult: f}
+			}
+		}
+		p.errorf(v, field, "expected a multiplier like 10x or 0.5x, a number of requests, or unlimited; got %s", describe(v))
+		return nil
+	}
+	n, ok := p.count(v, field, " (or a multiplier like 10x, or unlimited)")
+	if !ok {
+		return nil
+	}
+	return &planValue{requests: n}
+}
+
+// applyPlans gives every rule the top-level plans it does not define itself.
+func (p *parser) applyPlans(rules []*Rule, plans map[string]*topPlan) {
+	if len(plans) == 0 {
+		return
+	}
+	byName := map[string]bool{}
+	for _, r := range rules {
+		byName[r.Name] = true
+	}
+	names := make([]string, 0, len(plans))
+	for name := range plans {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		tp := plans[name]
+		for rn, node := range tp.nodes {
+			if !byName[rn] {
+				p.errs = append(p.errs, &Error{File: tp.file, Line: node.Line, Field: "plans." + name + "." + rn,
+					Msg: fmt.Sprintf("plan %q names rule %q, which no rules file defines", name, rn)})
+			}
+		}
+		for _, r := range rules {
+			if _, own := r.plans[name]; own {
+				continue
+			}
+			pv := tp.perRule[r.Name]
+			if pv == nil {
+				pv = tp.all
+			}
+			if pv == nil {
+				continue
+			}
+			pl, err := planFor(r, pv)
+			if err != nil {
+				p.errs = append(p.errs, &Error{File: tp.file, Line: tp.line, Field: "plans." + name,
+					Msg: fmt.Sprintf("for rule %q: %v", r.Name, err)})
+				continue
+			}
+			if r.plans == nil {
+				r.plans = map[string]*planLimit{}
+			}
+			r.plans[name] = pl
+		}
+	}
+}
+
+func planFor(r *Rule, pv *planValue) (*planLimit, error) {
+	if pv.unlimited {
+		return &planLimit{unlimited: true}, nil
+	}
+	reqs := pv.requests
+	if pv.mult > 0 {
+		f := math.Ceil(float64(r.Requests) * pv.mult)
+		if f > math.MaxUint32 {
+			return nil, fmt.Errorf("%v × %d requests is too many", pv.mult, r.Requests)
+		}
+		reqs = max(1, uint64(f))
+	}
+	burst, ok := scaleBurst(r.Burst, reqs, r.Requests)
+	if !ok {
+		return nil, fmt.Errorf("burst %d scaled to %d requests is too large", r.Burst, reqs)
+	}
+	lim, err := localbucket.NewLimit(r.Algorithm, reqs, r.Per, burst)
+	if err != nil {
+		return nil, err
+	}
+	return &planLimit{limit: lim}, nil
+}
+
+// LoadDir reads every *.yaml file of dir, in name order, as one rule set: rules from all
+// files (a name used twice is an error naming both files), plans defined once at the top
+// level of any file and applied to the rules of all of them. A file may hold only plans.
+func LoadDir(dir string) (*Set, error) {
+	paths, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	// Skip hidden files: editors' swap files, and a ConfigMap's ..data entries.
+	paths = slices.DeleteFunc(paths, func(p string) bool { return strings.HasPrefix(filepath.Base(p), ".") })
+	if len(paths) == 0 {
+		return nil, fmt.Errorf("%s: no *.yaml rules files", dir)
+	}
+	sort.Strings(paths)
+	var errs Errors
+	var all []*Rule
+	plans := map[string]*topPlan{}
+	firstRule := map[string]*Rule{}
+	h := sha256.New()
+	for _, path := range paths {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("reading rules: %w", err)
+		}
+		h.Write([]byte(filepath.Base(path)))
+		h.Write([]byte{0})
+		h.Write(data)
+		h.Write([]byte{0})
+		p := &parser{file: path, inDir: true}
+		rules := p.parse(data)
+		errs = append(errs, p.errs...)
+		for _, r := range rules {
+			if first := firstRule[r.Name]; first != nil {
+				errs = append(errs, &Error{File: r.File, Line: r.Line, Field: "name",
+					Msg: fmt.Sprintf("duplicate rule name %q (also in %s:%d)", r.Name, first.File, first.Line)})
+				continue
+			}
+			firstRule[r.Name] = r
+			all = append(all, r)
+		}
+		for name, tp := range p.top {
+			if first := plans[name]; first != nil {
+				errs = append(errs, &Error{File: tp.file, Line: tp.line, Field: "plans." + name,
+					Msg: fmt.Sprintf("plan %q defined twice (also in %s:%d)", name, first.file, first.line)})
+				continue
+			}
+			plans[name] = tp
+		}
+	}
+	if len(errs) == 0 {
+		p := &parser{}
+		p.applyPlans(all, plans)
+		errs = append(errs, p.errs...)
+	}
+	if len(errs) > 0 {
+		slices.SortStableFunc(errs, func(a, b *Error) int {
+			if c := strings.Compare(a.File, b.File); c != 0 {
+				return c
+			}
+			return a.Line - b.Line
+		})
+		return nil, errs
+	}
+	return &Set{Rules: all, Source: dir, Version: hex.EncodeToString(h.Sum(nil))[:12]}, nil
+}

@@ -1,0 +1,91 @@
+package rules
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestTopLevelPlans(t *testing.T) {
+	set, err := Parse("plans.yaml", []byte(`
+plans:
+  partner: 10x
+  internal: unlimited
+  gold: { r1: 500, "*": 2x }
+rules:
+  - name: r1
+    key: user
+    limit: { requests: 100, per: 1m, burst: 150 }
+  - name: r2
+    key: ip
+    limit: { requests: 10, per: 1s }
+    plans: { partner: 7 }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r1, r2 := set.Rules[0], set.Rules[1]
+	for _, tc := range []struct {
+		r               *Rule
+		plan            string
+		requests, burst uint64
+		unlimited       bool
+	}{
+		{r1, "partner", 1000, 1500, false},
+		{r1, "gold", 500, 750, false},
+		{r1, "internal", 0, 0, true},
+		{r1, "free", 100, 150, false}, // not a plan: the default
+		{r2, "partner", 7, 7, false},  // the rule's own plan wins
+		{r2, "gold", 20, 20, false},   // "*": 2x
+		{r2, "internal", 0, 0, true},
+	} {
+		lim, unlimited := tc.r.LimitFor(tc.plan, true)
+		if unlimited != tc.unlimited || !unlimited && (lim.Requests() != tc.requests || lim.Burst() != tc.burst) {
+			t.Errorf("%s/%s: %v %v", tc.r.Name, tc.plan, lim, unlimited)
+		}
+	}
+}
+
+func TestLoadDir(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("a.yaml", "rules:\n  - name: a\n    key: user\n    limit: { requests: 10, per: 1m }\n")
+	write("b.yaml", "rules:\n  - name: b\n    key: ip\n    limit: { requests: 5, per: 1s }\n")
+	write("plans.yaml", "plans:\n  partner: 3x\n")
+	write(".swap.yaml", "this is not yaml: [")
+	write("notes.txt", "ignored")
+	set, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(set.Rules) != 2 || set.Rules[0].Name != "a" || set.Rules[1].Name != "b" || set.Source != dir {
+		t.Fatalf("%+v", set)
+	}
+	if lim, _ := set.Rules[1].LimitFor("partner", true); lim.Requests() != 15 {
+		t.Fatalf("plan from another file: %d", lim.Requests())
+	}
+	v := set.Version
+
+	write("c.yaml", "rules:\n  - name: a\n    key: ip\n    limit: { requests: 1, per: 1m }\n")
+	_, err = Load(dir)
+	if err == nil || !strings.Contains(err.Error(), `c.yaml:2: name: duplicate rule name "a" (also in `+filepath.Join(dir, "a.yaml")+`:2)`) {
+		t.Fatalf("duplicate across files: %v", err)
+	}
+	os.Remove(filepath.Join(dir, "c.yaml"))
+	write("more.yaml", "plans:\n  partner: 2x\n")
+	if _, err := Load(dir); err == nil || !strings.Contains(err.Error(), `plan "partner" defined twice`) {
+		t.Fatalf("plan twice: %v", err)
+	}
+	os.Remove(filepath.Join(dir, "more.yaml"))
+	if set, err := Load(dir); err != nil || set.Version != v {
+		t.Fatalf("same files, different version: %v", err)
+	}
+	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "no *.yaml") {
+		t.Fatalf("empty dir: %v", err)
+	}
+}
