@@ -122,3 +122,41 @@ func startServerNamed(tb testing.TB, name string, args ...string) *server {
 	s.socket = filepath.Join(binDir, name+".sock")
 	return s
 }
+
+// BenchmarkSocketMetrics: the same daemon with metrics recorded (the admin endpoint on)
+// and without (off), alternating in one run: what recording costs the hot path.
+func BenchmarkSocketMetrics(b *testing.B) {
+	rules := modeRules(b, "local")
+	off := startServerNamed(b, "nometrics", "--config", rules)
+	on := startServerNamed(b, "metrics", "--config", rules, "--admin", "127.0.0.1:0")
+	fr := frames(8192, 8192)
+	const conns, inflight = 4, 32
+	run := func(cs []*client, total int) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i, c := range cs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := c.pipelined(fr[i*7:], total/len(cs), inflight); err != nil {
+					b.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	var coff, con []*client
+	for i := 0; i < conns; i++ {
+		coff = append(coff, dial(b, off.socket))
+		con = append(con, dial(b, on.socket))
+	}
+	run(coff, 8000)
+	run(con, 8000)
+	var toff, ton time.Duration
+	for total := 0; total < max(b.N, 40000); total += 20000 {
+		toff += run(coff, 20000)
+		ton += run(con, 20000)
+	}
+	b.ReportMetric(float64(toff)/float64(ton), "with-vs-without-metrics-throughput")
+}

@@ -341,3 +341,25 @@ rules:
 		t.Fatal("split: auto accepted without Redis")
 	}
 }
+
+// --shadow: every rule counts and reports, none rejects.
+func TestShadowAll(t *testing.T) {
+	l := newLimiter(t, "rules:\n  - name: r\n    key: user\n    limit: { requests: 1, per: 1h }\n")
+	l.SetShadowAll(true)
+	var d Decision
+	in := Input{Attrs: attrs("user=u"), Cost: 1}
+	for i := 0; i < 3; i++ {
+		_ = l.Check(t0, &in, &d)
+		if !d.Allowed {
+			t.Fatalf("request %d rejected with --shadow", i)
+		}
+	}
+	if r := d.Results[0]; !r.Shadow || r.Allowed {
+		t.Fatalf("the rule should report a shadow rejection: %+v", r)
+	}
+	l.SetShadowAll(false)
+	_ = l.Check(t0, &in, &d)
+	if d.Allowed {
+		t.Fatal("allowed after --shadow was turned off")
+	}
+}

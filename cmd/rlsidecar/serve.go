@@ -105,6 +105,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	lim.SetShadowAll(*shadowAll)
 	metrics := daemon.NewMetrics(version, *topK)
 	metrics.SetRules(set, time.Now())
+	// Checks are counted only when someone can read the counts.
+	recorded := metrics
+	if *admin == "" {
+		recorded = nil
+	}
 	var hybrid *rlsync.Hybrid
 	modeDesc := "local mode"
 	if haveRedis {
@@ -143,7 +148,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		DrainTimeout: *drainTimeout,
 		Version:      version,
 		Logger:       log,
-		Metrics:      metrics,
+		Metrics:      recorded,
 	}, lim)
 	if err != nil {
 		return err
