@@ -247,6 +247,8 @@ type conn struct {
 
 	deadline time.Time // the read deadline currently set (zero: none)
 	waited   bool      // the frame being read was not all there: its time is when it completes
+	// frameTimed: the frame being read has its deadline set.
+	frameTimed bool
 }
 
 const readBufSize = 16 << 10
@@ -313,10 +315,18 @@ func (cn *conn) waitIdle() error {
 // need makes sure n bytes are buffered, under the frame deadline if it has to wait.
 func (cn *conn) need(n int) ([]byte, error) {
 	if cn.br.Buffered() < n {
+		// About to wait for the rest of a frame: first answer the frames already read,
+		// so a client sending a next frame slowly still gets the earlier answers.
+		if err := cn.flush(); err != nil {
+			return nil, err
+		}
 		cn.waited = true
-		fd := time.Now().Add(cn.s.cfg.FrameTimeout)
-		if cn.deadline.IsZero() || cn.deadline.After(fd) {
-			if err := cn.setDeadline(fd); err != nil {
+		// Each frame gets FrameTimeout from when the daemon first waits for it: a client
+		// that pipelines without pause always has a frame in progress, and is fine as
+		// long as each one completes in time.
+		if !cn.frameTimed {
+			cn.frameTimed = true
+			if err := cn.setDeadline(time.Now().Add(cn.s.cfg.FrameTimeout)); err != nil {
 				return nil, err
 			}
 		}
@@ -353,6 +363,7 @@ func (cn *conn) loop() error {
 		if batched%64 == 0 {
 			now = time.Now().UnixNano()
 		}
+		cn.frameTimed = false
 		hdr, err := cn.need(proto.HeaderSize)
 		if err != nil {
 			return err

@@ -267,8 +267,61 @@ func (d *Decoder) boolean(field string) (bool, error) {
 	return d.dec.DecodeBool()
 }
 
+// maxDepth bounds the nesting of values a decoder skips.
+const maxDepth = 32
+
+// skip passes over an unknown field's value. Unlike msgpack's Skip it never trusts a
+// length the body cannot hold: a str or bin announcing 4 GB in a 12-byte frame is a
+// truncated body, not a reason to grow a buffer. Extension values are not part of the
+// protocol and are refused.
 func (d *Decoder) skip(field string) error {
-	if err := d.dec.Skip(); err != nil {
+	return d.skipValue(field, 0)
+}
+
+func (d *Decoder) skipValue(field string, depth int) error {
+	if depth > maxDepth {
+		return Errorf(CodeBadRequest, "field %q nests deeper than %d levels", field, maxDepth)
+	}
+	c, err := d.dec.PeekCode()
+	if err != nil {
+		return d.truncated(fmt.Sprintf("field %q", field))
+	}
+	switch {
+	case msgpcode.IsString(c) || msgpcode.IsBin(c):
+		n, err := d.dec.DecodeBytesLen()
+		if err != nil || n > d.r.Len() {
+			return d.truncated(fmt.Sprintf("field %q", field))
+		}
+		if n > 0 {
+			_, _ = d.r.Seek(int64(n), io.SeekCurrent)
+		}
+		return nil
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		n, err := d.dec.DecodeArrayLen()
+		if err != nil || n > d.r.Len() { // every element takes at least a byte
+			return d.truncated(fmt.Sprintf("field %q", field))
+		}
+		for i := 0; i < n; i++ {
+			if err := d.skipValue(field, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
+		n, err := d.dec.DecodeMapLen()
+		if err != nil || n > d.r.Len()/2 {
+			return d.truncated(fmt.Sprintf("field %q", field))
+		}
+		for i := 0; i < 2*n; i++ {
+			if err := d.skipValue(field, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case msgpcode.IsExt(c):
+		return Errorf(CodeBadRequest, "field %q holds a msgpack extension value; the protocol uses none", field)
+	}
+	if err := d.dec.Skip(); err != nil { // a scalar of fixed size
 		return d.truncated(fmt.Sprintf("field %q", field))
 	}
 	return nil
@@ -328,12 +381,19 @@ func (d *Decoder) DecodeResponse(body []byte, resp *Response) error {
 	return nil
 }
 
+// ownedStr reads a string the caller keeps (a copy), trusting no length the body
+// cannot hold.
 func (d *Decoder) ownedStr(field string) (string, error) {
-	s, err := d.dec.DecodeString()
-	if err != nil {
+	n, err := d.dec.DecodeBytesLen()
+	if err != nil || n < 0 {
 		return "", Errorf(CodeBadRequest, "%s must be a string", field)
 	}
-	return s, nil
+	if n > d.r.Len() {
+		return "", d.truncated(field)
+	}
+	pos := len(d.body) - d.r.Len()
+	_, _ = d.r.Seek(int64(n), io.SeekCurrent)
+	return string(d.body[pos : pos+n]), nil
 }
 
 func (d *Decoder) ruleResults(resp *Response) error {

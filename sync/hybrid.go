@@ -46,8 +46,9 @@ type Hybrid struct {
 
 	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
 	lastOK  atomic.Int64
-	breaker *Breaker // nil: always call
-	observe Observer // nil: none
+	breaker *Breaker      // nil: always call
+	kick    chan struct{} // a key was seen for the first time: sync it without waiting
+	observe Observer      // nil: none
 }
 
 // WithObserver makes h report its calls to Redis (ops hybrid_sync and heartbeat).
@@ -125,6 +126,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1,
 		perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.lastOK.Store(time.Now().UnixNano())
+	h.kick = make(chan struct{}, 1)
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
 	}
@@ -220,6 +222,10 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 				h.evict(sh)
 			}
 			sh.m[string(op.Key)] = e
+			select { // ask Run for a first sync now, not at the next tick
+			case h.kick <- struct{}{}:
+			default:
+			}
 		}
 		ents = append(ents, e)
 		e.lim = op.Limit
@@ -358,18 +364,33 @@ type flushItem struct {
 // kept for the next flush, so nothing admitted is lost. A reply lost after Redis applied
 // the script (a timeout at the wrong moment) makes the delta count twice; an idempotency
 // token per flush would prevent it and is not built yet.
-func (h *Hybrid) Flush(ctx context.Context, now int64) error { return h.flush(ctx, now, false) }
+func (h *Hybrid) Flush(ctx context.Context, now int64) error { return h.flush(ctx, now, flushAll) }
+
+// flushMode says which keys a flush syncs.
+type flushMode uint8
+
+const (
+	flushAll     flushMode = iota // every key, with its demand
+	flushRelease                  // every key, asking for no new grants (shutdown)
+	flushNew                      // only keys never synced: a new client's first grant
+)
 
 // Release is the last flush before a daemon stops: it settles what was admitted and asks
 // for no new grants, so no budget stays reserved for a daemon that is gone.
-func (h *Hybrid) Release(ctx context.Context, now int64) error { return h.flush(ctx, now, true) }
+func (h *Hybrid) Release(ctx context.Context, now int64) error {
+	return h.flush(ctx, now, flushRelease)
+}
 
-func (h *Hybrid) flush(ctx context.Context, now int64, release bool) error {
+func (h *Hybrid) flush(ctx context.Context, now int64, mode flushMode) error {
+	release := mode == flushRelease
 	var items []flushItem
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
 		for k, e := range sh.m {
+			if mode == flushNew && e.synced != 0 {
+				continue
+			}
 			idle := e.pending == 0 && e.demand == 0 && now-e.seen > int64(h.keepAlive)
 			if idle && e.grant == 0 {
 				delete(sh.m, k)
@@ -588,12 +609,12 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		h.breaker.Success()
 		return true
 	}
-	flush := func(release bool) {
+	flush := func(mode flushMode) {
 		// A flush of many keys takes several pipelines: allow it a few intervals.
 		c, cancel := context.WithTimeout(context.Background(), max(timeout, 5*h.interval))
 		defer cancel()
 		start := time.Now()
-		err := h.flush(c, clock(), release)
+		err := h.flush(c, clock(), mode)
 		h.observed("hybrid_sync", start, err)
 		if err != nil {
 			h.breaker.Failure()
@@ -606,11 +627,19 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		case <-ctx.Done():
 			// The last flush after a drain is tried even with the breaker open: it is
 			// the daemon's last chance to hand in what it admitted.
-			flush(true)
+			flush(flushRelease)
 			return
 		case <-t.C:
 			if beat() {
-				flush(false)
+				flush(flushAll)
+			}
+		case <-h.kick:
+			// New clients get their first grant within a round trip instead of waiting
+			// up to an interval on their single credit; at most one such sync per 2 ms,
+			// so a flood of new keys costs Redis one pipeline per 2 ms, not one per key.
+			if h.breaker.Allow() {
+				flush(flushNew)
+				time.Sleep(2 * time.Millisecond)
 			}
 		}
 	}

@@ -38,8 +38,8 @@ func take(h *Hybrid, now int64, key string, lim *localbucket.Limit, cost uint64)
 	return ops[0].Result
 }
 
-// flushAll syncs every daemon once, in order.
-func flushAll(t *testing.T, now int64, hs ...*Hybrid) {
+// syncAll syncs every daemon once, in order.
+func syncAll(t *testing.T, now int64, hs ...*Hybrid) {
 	t.Helper()
 	for _, h := range hs {
 		if err := h.Flush(context.Background(), now); err != nil {
@@ -77,7 +77,7 @@ func TestHybridTwoDaemonsShareABudget(t *testing.T) {
 				}
 			}
 		}
-		flushAll(t, now, a, b)
+		syncAll(t, now, a, b)
 	}
 	if admitted != 10 {
 		t.Fatalf("two daemons admitted %d against a limit of 10", admitted)
@@ -87,8 +87,8 @@ func TestHybridTwoDaemonsShareABudget(t *testing.T) {
 		t.Fatalf("b after the budget is spent: %+v", r)
 	}
 	// With no more demand the next syncs grant nothing and give the last grants back.
-	flushAll(t, now, a, b)
-	flushAll(t, now, a, b)
+	syncAll(t, now, a, b)
+	syncAll(t, now, a, b)
 	n, err := rdb.HGet(ctx, key, "n").Float64()
 	if err != nil || n != float64(admitted) {
 		t.Fatalf("redis counts %v (%v), daemons admitted %d: a unit was lost or doubled", n, err, admitted)
@@ -173,8 +173,8 @@ func TestHybridFlushFailureKeepsDeltas(t *testing.T) {
 	}
 	// The restarted Redis lost the first sync; the 6 admitted since reached it once, as
 	// used beyond a grant it no longer holds. Give the grant back and count.
-	flushAll(t, now, h)
-	flushAll(t, now, h)
+	syncAll(t, now, h)
+	syncAll(t, now, h)
 	if n, _ := rdb.HGet(ctx, key, "n").Float64(); n != 6 {
 		t.Fatalf("n = %v after 6 admitted, want 6", n)
 	}
@@ -198,8 +198,8 @@ func TestHybridNoScript(t *testing.T) {
 	if err := h.Flush(ctx, now); err != nil {
 		t.Fatalf("flush after SCRIPT FLUSH: %v", err)
 	}
-	flushAll(t, now, h)
-	flushAll(t, now, h)
+	syncAll(t, now, h)
+	syncAll(t, now, h)
 	if n, _ := rdb.HGet(ctx, "rl:s:{k=1}", "n").Float64(); n != 2 {
 		t.Fatalf("n = %v, want 2", n)
 	}
@@ -232,8 +232,8 @@ func TestHybridCluster(t *testing.T) {
 			t.Fatalf("user %d: %+v", i, r)
 		}
 	}
-	flushAll(t, now, h) // settles 3 used per key; no demand: no new grant
-	flushAll(t, now, h)
+	syncAll(t, now, h) // settles 3 used per key; no demand: no new grant
+	syncAll(t, now, h)
 	for i := 0; i < 60; i++ {
 		r := take(h, now, fmt.Sprintf("rl:c:{user=%d}", i), lim, 0)
 		if r.Remaining < 46 || r.Remaining > 47 {

@@ -21,6 +21,8 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // octalMode is a flag holding a file mode written in octal, like 0660.
@@ -119,17 +121,27 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			cfg.Cluster = []string{*redisCluster}
 			where = "cluster " + rlsync.Redact(*redisCluster)
 		}
+		// Two clients (two connection pools) and two breakers: global checks wait
+		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
+		// timeouts close connections, must not make the second look down.
 		rdb, err := rlsync.Open(cfg)
 		if err != nil {
 			return err
 		}
 		defer rdb.Close()
-		breaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
+		rdbChecks, err := rlsync.Open(cfg)
+		if err != nil {
+			return err
+		}
+		defer rdbChecks.Close()
+		redis.SetLogger(redisLog{log})
+		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
+		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys}).
-			WithBreaker(breaker).WithObserver(metrics.ObserveStore)
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdb).WithBreaker(breaker).WithObserver(metrics.ObserveStore), *globalTimeout)
-		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while the Redis circuit breaker is open.", func() float64 {
-			if breaker.Open() {
+			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
+			if syncBreaker.Open() || checkBreaker.Open() {
 				return 1
 			}
 			return 0
@@ -316,6 +328,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return nil
 		}
 	}
+}
+
+// redisLog sends go-redis's own log lines (pool dial failures, …) through slog at debug
+// level: the daemon reports Redis trouble itself, once per 10 s, at warn.
+type redisLog struct{ log *slog.Logger }
+
+func (l redisLog) Printf(ctx context.Context, format string, v ...any) {
+	l.log.Debug("go-redis: " + fmt.Sprintf(format, v...))
 }
 
 func newLogger(w io.Writer, format, level string) (*slog.Logger, error) {
