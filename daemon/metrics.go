@@ -27,8 +27,8 @@ type Metrics struct {
 	checkDur latencyHist
 	storeDur latencyHist
 
-	byRule atomic.Pointer[map[*rules.Rule]*ruleMetrics]
-	mu     sync.Mutex // guards what follows
+	byRule atomic.Pointer[[]*ruleMetrics] // by rules.Rule.Index of the active set
+	mu     sync.Mutex                     // guards what follows
 	byName map[string]*ruleMetrics
 	config struct {
 		version, source string
@@ -44,6 +44,7 @@ type Metrics struct {
 }
 
 type ruleMetrics struct {
+	rule                                      *rules.Rule // of the active set
 	name                                      string
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
 	top                                       *topK
@@ -94,9 +95,11 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 func (m *Metrics) SetRules(set *rules.Set, loaded time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	table := make(map[*rules.Rule]*ruleMetrics, len(set.Rules))
-	for _, r := range set.Rules {
-		table[r] = m.ruleLocked(r.Name)
+	table := make([]*ruleMetrics, len(set.Rules))
+	for i, r := range set.Rules {
+		rm := *m.ruleLocked(r.Name) // the same counters, tagged with this set's rule
+		rm.rule = r
+		table[i] = &rm
 	}
 	m.byRule.Store(&table)
 	m.config.version, m.config.source, m.config.loaded, m.config.set = set.Version, set.Source, loaded, set
@@ -153,16 +156,16 @@ func (m *Metrics) CounterFunc(name, help string, f func() float64) {
 }
 
 // Record counts one decision: per rule, allowed, rejected or shadow_rejected, degraded
-// decisions, the rejected client in the rule's top-K, and the time since the request
-// arrived (arrived: Unix ns, read when its frame was read).
-func (m *Metrics) Record(d *limiter.Decision, arrived int64) {
+// decisions, and the rejected client in the rule's top-K. (Latency is observed per batch
+// of frames, see Answered.)
+func (m *Metrics) Record(d *limiter.Decision) {
 	table := *m.byRule.Load()
 	for i := range d.Results {
 		r := &d.Results[i]
 		rm := m.inline
 		if r.Rule != nil {
-			if x := table[r.Rule]; x != nil {
-				rm = x
+			if x := r.Rule.Index; x < len(table) && table[x].rule == r.Rule {
+				rm = table[x]
 			} else {
 				m.mu.Lock() // a check that started on the previous rule set
 				rm = m.ruleLocked(r.Name)
@@ -183,7 +186,14 @@ func (m *Metrics) Record(d *limiter.Decision, arrived int64) {
 			rm.degrad.Inc()
 		}
 	}
-	m.checkDur.observe(time.Duration(time.Now().UnixNano() - arrived))
+}
+
+// Answered observes n requests that arrived at arrived (Unix ns: frames read together
+// share it) and were answered now: one clock reading per batch, not per request.
+func (m *Metrics) Answered(n int, arrived int64) {
+	if n > 0 {
+		m.checkDur.observeN(time.Duration(time.Now().UnixNano()-arrived), uint64(n))
+	}
 }
 
 // clientOf is the client part of a key: what is inside its hash tag.
@@ -228,7 +238,9 @@ type latencyHist struct {
 	sumNs   atomic.Uint64
 }
 
-func (h *latencyHist) observe(d time.Duration) {
+func (h *latencyHist) observe(d time.Duration) { h.observeN(d, 1) }
+
+func (h *latencyHist) observeN(d time.Duration, n uint64) {
 	if d < 0 {
 		d = 0
 	}
@@ -237,9 +249,9 @@ func (h *latencyHist) observe(d time.Duration) {
 	for i < len(latencyBounds) && s > latencyBounds[i] {
 		i++
 	}
-	h.buckets[i].Add(1)
-	h.count.Add(1)
-	h.sumNs.Add(uint64(d))
+	h.buckets[i].Add(n)
+	h.count.Add(n)
+	h.sumNs.Add(uint64(d) * n)
 }
 
 func (h *latencyHist) write(w io.Writer, name, help string) {

@@ -249,6 +249,10 @@ type conn struct {
 	waited   bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
 	frameTimed bool
+	// answered counts the answers in the output buffer, which arrived at arrived (the
+	// first batch's clock reading): the latency histogram is fed per flush.
+	answered int
+	arrived  int64
 }
 
 const readBufSize = 16 << 10
@@ -341,6 +345,10 @@ func (cn *conn) flush() error {
 	if cn.enc.Len() == 0 {
 		return nil
 	}
+	if m := cn.s.cfg.Metrics; m != nil {
+		m.Answered(cn.answered, cn.arrived)
+		cn.answered = 0
+	}
 	_, err := cn.c.Write(cn.enc.Bytes())
 	cn.enc.Reset()
 	return err
@@ -402,6 +410,10 @@ func (cn *conn) loop() error {
 		if cn.waited {
 			now, cn.waited = time.Now().UnixNano(), false
 		}
+		if cn.answered == 0 {
+			cn.arrived = now
+		}
+		cn.answered++
 		cn.handle(body, now)
 		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
 			return err
@@ -452,7 +464,7 @@ func (cn *conn) check(now int64) {
 	d := &cn.dcs
 	err := cn.s.lim.Check(now, in, d)
 	if m := cn.s.cfg.Metrics; m != nil && err == nil {
-		m.Record(d, now)
+		m.Record(d)
 	}
 	if err != nil {
 		var il *limiter.InvalidLimitError

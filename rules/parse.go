@@ -200,6 +200,7 @@ func (p *parser) parse(data []byte) []*Rule {
 			continue
 		}
 		names[r.Name] = r.Line
+		r.Index = len(rules)
 		rules = append(rules, r)
 	}
 	return rules

@@ -215,6 +215,7 @@ func LoadDir(dir string) (*Set, error) {
 				continue
 			}
 			firstRule[r.Name] = r
+			r.Index = len(all)
 			all = append(all, r)
 		}
 		for name, tp := range p.top {

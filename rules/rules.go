@@ -123,6 +123,9 @@ type Rule struct {
 	SplitAuto bool
 	File      string // where the rule was defined
 	Line      int
+	// Index is the rule's position in its Set, so callers can keep per-rule data in a
+	// slice instead of a map.
+	Index int
 
 	conds     []cond            // all must hold
 	keyPrefix string            // Name + ":{"
