@@ -94,6 +94,28 @@ rules:
 	}
 	time.Sleep(200 * time.Millisecond) // a few syncs and heartbeats
 	types, _ := scrape(t, base)
+	// Every metric the daemon promises, with its type.
+	for name, typ := range map[string]string{
+		"rlsidecar_checks_total":               "counter",
+		"rlsidecar_check_duration_seconds":     "histogram",
+		"rlsidecar_store_requests_total":       "counter",
+		"rlsidecar_store_duration_seconds":     "histogram",
+		"rlsidecar_sync_flushes_total":         "counter",
+		"rlsidecar_keys":                       "gauge",
+		"rlsidecar_evictions_total":            "counter",
+		"rlsidecar_degraded_decisions_total":   "counter",
+		"rlsidecar_breaker_open":               "gauge",
+		"rlsidecar_config_reloads_total":       "counter",
+		"rlsidecar_config_info":                "gauge",
+		"rlsidecar_connections":                "gauge",
+		"rlsidecar_build_info":                 "gauge",
+		"rlsidecar_top_rejected":               "gauge",
+		"rlsidecar_hybrid_dropped_units_total": "counter",
+	} {
+		if types[name] != typ {
+			t.Errorf("%s: type %q, want %q", name, types[name], typ)
+		}
+	}
 	seen := map[string]bool{}
 	for _, e := range exprs {
 		for _, name := range metricName.FindAllString(e, -1) {

@@ -262,6 +262,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		return float64(n)
 	})
+	if hybrid != nil {
+		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
+			func() float64 { return float64(hybrid.Dropped()) })
+	}
 	if *admin != "" {
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
 		if hybrid != nil {
