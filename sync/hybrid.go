@@ -2,7 +2,9 @@ package sync
 
 import (
 	"context"
+	"crypto/rand"
 	_ "embed"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/maphash"
@@ -40,6 +42,8 @@ type Hybrid struct {
 	mu       gosync.Mutex
 	replicas int
 
+	id       string        // this daemon, in sync records
+	tokens   atomic.Uint64 // sync tokens: each sync of a key carries a fresh one
 	perShard int           // keys a shard holds at most
 	dropped  atomic.Uint64 // admitted units lost to the key cap before they reached Redis
 	evicted  atomic.Uint64 // keys evicted for the cap
@@ -94,6 +98,7 @@ type hentry struct {
 	allowance   float64 // what this daemon may still admit until the next grant
 	grant       float64 // the units reserved for this daemon at the last sync
 	grantWindow int64   // the window start (µs) that grant was taken from
+	token       uint64  // the token of the last sync Redis confirmed
 	pending     uint64  // admitted since the last flush began
 	demand      uint64  // offered since the last flush began
 	seen        int64   // last check, daemon clock (ns)
@@ -110,6 +115,9 @@ type HybridOptions struct {
 	// MaxKeys caps the keys held (default 1,000,000), so a flood of never-repeating keys
 	// cannot grow memory without bound; see Dropped.
 	MaxKeys int
+	// ID names this daemon in its sync records (default: random). Two daemons must
+	// not share one.
+	ID string
 }
 
 // NewHybrid returns a Hybrid flushing to rdb.
@@ -123,7 +131,12 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	if o.MaxKeys <= 0 {
 		o.MaxKeys = 1_000_000
 	}
-	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1,
+	if o.ID == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		o.ID = hex.EncodeToString(b[:])
+	}
+	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1, id: o.ID,
 		perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.lastOK.Store(time.Now().UnixNano())
 	h.kick = make(chan struct{}, 1)
@@ -350,6 +363,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64) localbucket.Result {
 
 type flushItem struct {
 	key    string
+	token  uint64 // this sync's
 	e      *hentry
 	delta  uint64
 	demand uint64
@@ -436,6 +450,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, mode flushMode) error {
 		}
 		grant := float64(max(0, vals[0]))
 		e.grant = grant
+		e.token = it.token
 		e.grantWindow = vals[4]
 		e.remaining = uint64(max(0, vals[1]))
 		// What was admitted while the sync was on its way counts against the new grant.
@@ -477,18 +492,24 @@ const flushBatch = 512
 // twice.
 func (h *Hybrid) send(ctx context.Context, items []flushItem) error {
 	replicas := h.replicaCount()
+	recordTTL := max(10*time.Second, 20*h.interval).Milliseconds()
 	args := func(it *flushItem) []any {
 		lim := it.e.lim
+		if it.token == 0 {
+			it.token = h.tokens.Add(1)
+		}
 		return []any{int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
-			it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas}
+			it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas,
+			it.e.token, it.token, recordTTL}
 	}
+	keys := func(it *flushItem) []string { return []string{it.key, it.key + ":s:" + h.id} }
 	var firstErr error
 	for lo := 0; lo < len(items); lo += flushBatch {
 		batch := items[lo:min(lo+flushBatch, len(items))]
 		pipe := h.rdb.Pipeline()
 		for i := range batch {
 			it := &batch[i]
-			it.cmd = hybridScript.EvalSha(ctx, pipe, []string{it.key}, args(it)...)
+			it.cmd = hybridScript.EvalSha(ctx, pipe, keys(it), args(it)...)
 		}
 		_, err := pipe.Exec(ctx)
 		if err != nil && hasNoScript(batch) {
@@ -496,7 +517,7 @@ func (h *Hybrid) send(ctx context.Context, items []flushItem) error {
 			for i := range batch {
 				it := &batch[i]
 				if isNoScriptErr(it.cmd.Err()) {
-					it.cmd = hybridScript.Eval(ctx, pipe, []string{it.key}, args(it)...)
+					it.cmd = hybridScript.Eval(ctx, pipe, keys(it), args(it)...)
 				}
 			}
 			_, err = pipe.Exec(ctx)

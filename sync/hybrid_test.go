@@ -334,3 +334,42 @@ func TestHybridKeyCap(t *testing.T) {
 		t.Fatalf("evicted %d, dropped %d: idle keys should go, nothing admitted lost", h.Evicted(), h.Dropped())
 	}
 }
+
+// A sync whose reply was lost (Redis applied it) and that the daemon sends again, with
+// more units used since, counts every unit once: the script finds its record of the lost
+// sync and settles only what is new against the grant it had reserved.
+func TestHybridLostReplyCountsOnce(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	const key, rec = "rl:lost:{user=1}", "rl:lost:{user=1}:s:d1"
+	run := func(used, prevGrant, demand, prevTok, tok uint64, window int64) []int64 {
+		t.Helper()
+		cmd := hybridScript.Run(ctx, rdb, []string{key, rec},
+			2, 100, int64(time.Hour/time.Microsecond), 0, used, prevGrant, window, demand, int64(100*time.Millisecond/time.Microsecond), 1,
+			prevTok, tok, 10000)
+		v, err := int64s(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	a := run(5, 0, 5, 0, 1, 0) // applied; the daemon never sees this answer
+	if a[0] <= 0 {
+		t.Fatalf("first sync granted %d", a[0])
+	}
+	b := run(5+3, 0, 3, 0, 2, 0)        // the resend, with 3 more used since
+	run(0, uint64(b[0]), 0, 2, 3, b[4]) // no demand: the grant goes back
+	if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != 8 {
+		t.Fatalf("Redis counts %d (%v) after 8 units used, want 8", n, err)
+	}
+	// The very same sync twice changes nothing the second time.
+	run(2, 0, 2, 3, 4, b[4])
+	before, _ := rdb.HGet(ctx, key, "n").Int()
+	run(2, 0, 2, 3, 4, b[4])
+	if after, _ := rdb.HGet(ctx, key, "n").Int(); after != before {
+		t.Fatalf("a replayed sync changed n from %d to %d", before, after)
+	}
+	if ttl := rdb.PTTL(ctx, rec).Val(); ttl <= 0 {
+		t.Fatalf("sync record without a TTL: %v", ttl)
+	}
+}

@@ -78,6 +78,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 
 	haveRedis := *redisURL != "" || *redisCluster != ""
+	id := *daemonID
+	if id == "" {
+		host, _ := os.Hostname()
+		id = fmt.Sprintf("%s-%d", host, os.Getpid())
+	}
 	load := func() (*rules.Set, error) {
 		if *config == "" {
 			return rules.Default(), nil
@@ -137,7 +142,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys}).
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id}).
 			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
@@ -199,11 +204,6 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	defer stopSync()
 	var syncWG sync.WaitGroup
 	if hybrid != nil {
-		id := *daemonID
-		if id == "" {
-			host, _ := os.Hostname()
-			id = fmt.Sprintf("%s-%d", host, os.Getpid())
-		}
 		var lastLog time.Time
 		syncWG.Add(1)
 		go func() {

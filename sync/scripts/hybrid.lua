@@ -21,9 +21,19 @@
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons.
 --
--- KEYS[1] key; ARGV: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
--- requests, window_us, burst, used, prev_grant, grant_window (the window start the
--- previous grant was taken in, 0 if none), demand, interval_us, replicas.
+-- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
+-- the key (prev_token) and a fresh one (token); KEYS[2], a short-lived record of this
+-- daemon's last sync of the key (same hash tag), holds "prev_token token grant used
+-- window".
+-- If that record shows the daemon's previous sync was applied but its reply never came
+-- back (its prev_token matches ours, its token is not the one we confirmed), the units it
+-- settled are not settled again and the grant it reserved is given back. A sync whose
+-- token was already applied changes nothing and answers the same grant.
+--
+-- KEYS[1] key, KEYS[2] the sync record; ARGV: algorithm (0 token_bucket, 1
+-- sliding_window, 2 fixed_window), requests, window_us, burst, used, prev_grant,
+-- grant_window (the window start the previous grant was taken in, 0 if none), demand,
+-- interval_us, replicas, prev_token, token, record_ttl_ms.
 -- Returns: grant (whole units), remaining, reset_us, retry_us, window start (echo it as
 -- grant_window next time), the previous epoch's demand.
 local key = KEYS[1]
@@ -37,6 +47,9 @@ local grant_window = tonumber(ARGV[7])
 local demand = tonumber(ARGV[8])
 local interval = tonumber(ARGV[9])
 local replicas = math.max(1, tonumber(ARGV[10]))
+local prev_token = ARGV[11]
+local token = ARGV[12]
+local record_ttl = tonumber(ARGV[13])
 
 local tm = redis.call('TIME')
 local now = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
@@ -70,6 +83,23 @@ end
 -- or Redis lost its data), so is that grant: everything used counts.
 local settle = used - prev_grant
 if h[1] == false then settle = used end
+
+-- Idempotency: what did this daemon's last applied sync of this key do?
+local replay, replay_grant = false, 0
+local rec = redis.call('GET', KEYS[2])
+if rec then
+  local rp, rt, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+  if rt == token then
+    -- this very sync was applied already: change nothing, answer the same grant
+    replay, replay_grant = true, tonumber(rg)
+    settle, demand = 0, 0
+  elseif rp == prev_token and rt ~= prev_token then
+    -- our previous sync was applied but we never got its answer: it settled ru against
+    -- prev_grant and reserved rg. Count only what was used since, against rg.
+    settle = (used - tonumber(ru)) - tonumber(rg)
+    grant_window = tonumber(rw) -- the window that grant was taken from
+  end
+end
 local capacity, avail, headroom, wstart
 if alg == 0 then
   local T = window / requests
@@ -122,25 +152,29 @@ end
 -- that saw little traffic does not hold budget the others need; at least one unit when
 -- there is one, so a small share is never stuck below a whole request.
 local grant = 0
-if demand > 0 and headroom >= 1 then
+if replay then
+  grant = replay_grant
+elseif demand > 0 and headroom >= 1 then
   grant = headroom * demand / math.max(total, demand)
   grant = math.min(grant, math.max(2 * demand, headroom / replicas))
   grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
 end
 
--- Reserve it.
+-- Reserve it (a replayed sync reserved it the first time).
+local reserve = grant
+if replay then reserve = 0 end
 local remaining, reset, retry, ttl
 if alg == 0 then
   local T = window / requests
   local tau = burst * T
-  t = math.max(t, now) + grant * T
+  t = math.max(t, now) + reserve * T
   local left = (now + tau - t) / T
   remaining = math.max(0, math.floor(left))
   reset = math.max(0, t - now)
   if left >= 1 then retry = 0 else retry = t - now - tau + T end
   ttl = reset
 else
-  n = n + grant
+  n = n + reserve
   if alg == 2 then
     remaining = math.max(0, math.floor(requests - n))
     if n > 0 then reset = t + window - now else reset = 0 end
@@ -169,4 +203,7 @@ local function num(x) return string.format('%.17g', x) end
 redis.call('HSET', key, 't', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp))
 -- Keep the key while it carries state, and at least a few intervals for the epochs.
 redis.call('PEXPIRE', key, math.ceil(math.max(ttl, 4 * interval) / 1000) + 1000)
+if not replay then
+  redis.call('SET', KEYS[2], prev_token .. ' ' .. token .. ' ' .. num(grant) .. ' ' .. num(used) .. ' ' .. num(wstart), 'PX', record_ttl)
+end
 return {grant, remaining, math.floor(reset), math.floor(retry), wstart, math.floor(dp)}
