@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -372,4 +373,41 @@ func TestHybridLostReplyCountsOnce(t *testing.T) {
 	if ttl := rdb.PTTL(ctx, rec).Val(); ttl <= 0 {
 		t.Fatalf("sync record without a TTL: %v", ttl)
 	}
+}
+
+// Run's goroutine has an owner: cancelling its context ends it after a last release,
+// and nothing is left running once the client is closed.
+func TestHybridRunStops(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := NewHybrid(rdb, HybridOptions{Interval: 20 * time.Millisecond, ID: "stopper"})
+	lim := mustLimit(t, localbucket.FixedWindow, 100, time.Hour)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		h.Run(ctx, "stopper", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+		close(done)
+	}()
+	admitted := 0
+	for i := 0; i < 10; i++ {
+		if take(h, time.Now().UnixNano(), "rl:stop:{u=1}", lim, 1).Allowed {
+			admitted++
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return after its context ended")
+	}
+	// The last release gave the grant back: Redis counts what was admitted, nothing more.
+	if n, _ := rdb.HGet(context.Background(), "rl:stop:{u=1}", "n").Int(); n != admitted || admitted < 5 {
+		t.Fatalf("n = %d after %d admitted and a release", n, admitted)
+	}
+	rdb.Close()
 }
