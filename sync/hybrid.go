@@ -362,13 +362,18 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64) localbucket.Result {
 }
 
 type flushItem struct {
-	key    string
-	token  uint64 // this sync's
-	e      *hentry
-	delta  uint64
-	demand uint64
-	cmd    *redis.Cmd
-	idle   bool // unused for KeepAlive: dropped once this sync has given its grant back
+	key   string
+	token uint64 // this sync's
+	// A snapshot of the entry, taken under its shard's lock: send reads only these.
+	lim         *localbucket.Limit
+	grant       uint64
+	grantWindow int64
+	prevToken   uint64
+	e           *hentry
+	delta       uint64
+	demand      uint64
+	cmd         *redis.Cmd
+	idle        bool // unused for KeepAlive: dropped once this sync has given its grant back
 }
 
 // Flush runs one sync: for every key it holds it settles what was admitted against the
@@ -410,7 +415,8 @@ func (h *Hybrid) flush(ctx context.Context, now int64, mode flushMode) error {
 				delete(sh.m, k)
 				continue
 			}
-			it := flushItem{key: k, e: e, delta: e.pending, demand: e.demand, idle: idle}
+			it := flushItem{key: k, e: e, delta: e.pending, demand: e.demand, idle: idle,
+				lim: e.lim, grant: uint64(e.grant), grantWindow: e.grantWindow, prevToken: e.token}
 			if release {
 				it.demand = 0
 			}
@@ -494,13 +500,13 @@ func (h *Hybrid) send(ctx context.Context, items []flushItem) error {
 	replicas := h.replicaCount()
 	recordTTL := max(10*time.Second, 20*h.interval).Milliseconds()
 	args := func(it *flushItem) []any {
-		lim := it.e.lim
+		lim := it.lim
 		if it.token == 0 {
 			it.token = h.tokens.Add(1)
 		}
 		return []any{int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
-			it.delta, uint64(it.e.grant), it.e.grantWindow, it.demand, h.interval.Microseconds(), replicas,
-			it.e.token, it.token, recordTTL}
+			it.delta, it.grant, it.grantWindow, it.demand, h.interval.Microseconds(), replicas,
+			it.prevToken, it.token, recordTTL}
 	}
 	keys := func(it *flushItem) []string { return []string{it.key, it.key + ":s:" + h.id} }
 	var firstErr error
