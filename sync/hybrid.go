@@ -379,10 +379,10 @@ type flushItem struct {
 // Flush runs one sync: for every key it holds it settles what was admitted against the
 // key's last grant and reserves the next grant, sized by the demand offered since the last
 // flush, all pipelined, and applies the views that come back. A key unused for KeepAlive
-// gets a grant of zero, which gives its last one back, and is then dropped locally. On error the unsent or unconfirmed deltas are
-// kept for the next flush, so nothing admitted is lost. A reply lost after Redis applied
-// the script (a timeout at the wrong moment) makes the delta count twice; an idempotency
-// token per flush would prevent it and is not built yet.
+// gets a grant of zero, which gives its last one back, and is then dropped locally. On
+// error the unsent or unconfirmed units are kept for the next flush, so nothing admitted
+// is lost; and since every sync carries tokens that Redis records for 10 s, a sync whose
+// reply was lost after Redis applied it is not counted again when its units are resent.
 func (h *Hybrid) Flush(ctx context.Context, now int64) error { return h.flush(ctx, now, flushAll) }
 
 // flushMode says which keys a flush syncs.
