@@ -1,9 +1,7 @@
 package bench
 
 import (
-	"bufio"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -11,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/checker"
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
-	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // faultRules: a hybrid rule (local fallback, the default) and two global rules, one
@@ -38,76 +36,23 @@ const faultRules = `rules:
     on_store_failure: open
 `
 
-// faultClient sends checks one at a time on one connection and decodes each answer.
-type faultClient struct {
-	c   net.Conn
-	br  *bufio.Reader
-	enc *proto.Encoder
-	dec *proto.Decoder
-	buf []byte
-	id  uint64
-}
-
-func dialFaultClient(tb testing.TB, socket string) *faultClient {
-	c, err := net.Dial("unix", socket)
+// dialFaultClient connects a checker.Conn to socket, closed when tb ends.
+func dialFaultClient(tb testing.TB, socket string) *checker.Conn {
+	c, err := checker.Dial(socket)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { c.Close() })
-	return &faultClient{c: c, br: bufio.NewReader(c), enc: proto.NewEncoder(), dec: proto.NewDecoder()}
+	return c
 }
 
-// check asks for one request with attrs (name, value, name, value…), waiting at most 5 s,
-// and returns the answer and its round trip. An error response is an error.
-func (f *faultClient) check(attrs ...string) (proto.Response, time.Duration, error) {
-	f.id++
-	req := proto.Request{ID: f.id, Op: proto.OpCheck, Cost: 1}
-	for i := 0; i+1 < len(attrs); i += 2 {
-		req.Attrs = append(req.Attrs, proto.Attr{Name: attrs[i], Value: attrs[i+1]})
-	}
-	f.enc.Reset()
-	f.enc.EncodeRequest(&req)
-	_ = f.c.SetDeadline(time.Now().Add(5 * time.Second))
-	var resp proto.Response
-	start := time.Now()
-	if _, err := f.c.Write(f.enc.Bytes()); err != nil {
-		return resp, 0, err
-	}
-	body, err := proto.ReadFrame(f.br, f.buf, 1<<20)
-	took := time.Since(start)
+// waitNormal: checker.Conn.WaitNormal, failing b.
+func waitNormal(b *testing.B, c *checker.Conn, timeout time.Duration, attrs ...string) time.Duration {
+	d, err := c.WaitNormal(timeout, attrs...)
 	if err != nil {
-		return resp, took, err
+		b.Fatal(err)
 	}
-	f.buf = body[:0]
-	if err := f.dec.DecodeResponse(body, &resp); err != nil {
-		return resp, took, err
-	}
-	if resp.ID != f.id {
-		return resp, took, fmt.Errorf("answer id %d, want %d", resp.ID, f.id)
-	}
-	if resp.IsError() {
-		return resp, took, fmt.Errorf("error response %s: %s", resp.Err.Code, resp.Err.Message)
-	}
-	return resp, took, nil
-}
-
-// waitNormal checks attrs until an answer is allowed and not degraded and returns how
-// long that took; it fails b after timeout.
-func (f *faultClient) waitNormal(b *testing.B, timeout time.Duration, attrs ...string) time.Duration {
-	start := time.Now()
-	for {
-		r, _, err := f.check(attrs...)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if r.Allowed && !r.Degraded {
-			return time.Since(start)
-		}
-		if time.Since(start) > timeout {
-			b.Fatalf("%v: no normal answer within %s", attrs, timeout)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	return d
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -141,11 +86,11 @@ func BenchmarkFaults(b *testing.B) {
 	srv := redistest.StartStandalone(b)
 	d := startServerNamed(b, "faults", "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms")
 	c := dialFaultClient(b, d.socket)
-	api := []string{"path", "/api", "user", "well-behaved"}
-	otp := []string{"path", "/otp", "user", "u1"}
-	search := []string{"path", "/search", "ip", "192.0.2.1"}
+	api := []string{"path=/api", "user=well-behaved"}
+	otp := []string{"path=/otp", "user=u1"}
+	search := []string{"path=/search", "ip=192.0.2.1"}
 	for _, attrs := range [][]string{api, otp, search} {
-		c.waitNormal(b, 5*time.Second, attrs...)
+		waitNormal(b, c, 5*time.Second, attrs...)
 	}
 
 	// Frozen Redis under a hybrid rule.
@@ -153,7 +98,7 @@ func BenchmarkFaults(b *testing.B) {
 	var lat []time.Duration
 	errs := 0
 	for start := time.Now(); time.Since(start) < outage; {
-		_, took, err := c.check(api...)
+		_, took, err := c.Check(api...)
 		if err != nil {
 			errs++
 			c = dialFaultClient(b, d.socket)
@@ -166,7 +111,7 @@ func BenchmarkFaults(b *testing.B) {
 	b.ReportMetric(ms(percentile(lat, 0.99)), "frozen-p99-ms")
 	b.ReportMetric(ms(percentile(lat, 1)), "frozen-max-ms")
 	for _, attrs := range [][]string{api, otp, search} {
-		c.waitNormal(b, 5*time.Second, attrs...)
+		waitNormal(b, c, 5*time.Second, attrs...)
 	}
 
 	// Redis down: global rules answer by policy.
@@ -178,7 +123,7 @@ func BenchmarkFaults(b *testing.B) {
 		if total%2 == 1 {
 			attrs, open = search, true
 		}
-		r, took, err := c.check(attrs...)
+		r, took, err := c.Check(attrs...)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -197,8 +142,8 @@ func BenchmarkFaults(b *testing.B) {
 	// Redis back.
 	srv.Restart(b)
 	up := time.Now()
-	c.waitNormal(b, 10*time.Second, otp...)
-	c.waitNormal(b, 10*time.Second, search...)
+	waitNormal(b, c, 10*time.Second, otp...)
+	waitNormal(b, c, 10*time.Second, search...)
 	b.ReportMetric(time.Since(up).Seconds(), "back-s")
 
 	// SIGTERM under load.
@@ -211,7 +156,7 @@ func BenchmarkFaults(b *testing.B) {
 		go func() {
 			defer wg.Done()
 			for {
-				if _, _, err := lc.check("path", "/api", "user", fmt.Sprint("load-", i)); err != nil {
+				if _, _, err := lc.Check("path=/api", fmt.Sprint("user=load-", i)); err != nil {
 					return
 				}
 				mu.Lock()

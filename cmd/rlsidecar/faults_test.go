@@ -8,11 +8,9 @@ package main
 //	go test -race -count=1 -run 'Fault' ./cmd/rlsidecar
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"slices"
 	"strings"
@@ -26,6 +24,7 @@ import (
 	"github.com/rs/zerolog"
 
 	rlclient "github.com/rlsidecar/rlsidecar/clients/go"
+	"github.com/rlsidecar/rlsidecar/internal/checker"
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -33,58 +32,15 @@ import (
 // faultConn speaks the protocol like rawConn but returns errors instead of failing the
 // test, so it can run on a goroutine of its own and watch the daemon go away.
 // Not safe for concurrent use.
-type faultConn struct {
-	c   net.Conn
-	br  *bufio.Reader
-	enc *proto.Encoder
-	dec *proto.Decoder
-	buf []byte
-	id  uint64
-}
-
-func dialFault(t *testing.T, socket string) *faultConn {
+// dialFault connects a checker.Conn to socket, closed when t ends.
+func dialFault(t *testing.T, socket string) *checker.Conn {
 	t.Helper()
-	c, err := net.Dial("unix", socket)
+	c, err := checker.Dial(socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	return &faultConn{c: c, br: bufio.NewReader(c), enc: proto.NewEncoder(), dec: proto.NewDecoder()}
-}
-
-// check sends one check of cost 1 with attrs ("name=value" each) and waits at most 5 s
-// for its answer. It returns the answer and the round trip; an error response is an error.
-func (f *faultConn) check(attrs ...string) (proto.Response, time.Duration, error) {
-	f.id++
-	req := proto.Request{ID: f.id, Op: proto.OpCheck, Cost: 1}
-	for _, a := range attrs {
-		k, v, _ := strings.Cut(a, "=")
-		req.Attrs = append(req.Attrs, proto.Attr{Name: k, Value: v})
-	}
-	f.enc.Reset()
-	f.enc.EncodeRequest(&req)
-	_ = f.c.SetDeadline(time.Now().Add(5 * time.Second))
-	start := time.Now()
-	var resp proto.Response
-	if _, err := f.c.Write(f.enc.Bytes()); err != nil {
-		return resp, 0, err
-	}
-	body, err := proto.ReadFrame(f.br, f.buf, 1<<20)
-	el := time.Since(start)
-	if err != nil {
-		return resp, el, err
-	}
-	f.buf = body[:0]
-	if err := f.dec.DecodeResponse(body, &resp); err != nil {
-		return resp, el, err
-	}
-	if resp.ID != f.id {
-		return resp, el, fmt.Errorf("answer id %d, want %d", resp.ID, f.id)
-	}
-	if resp.IsError() {
-		return resp, el, fmt.Errorf("error response %s: %s", resp.Err.Code, resp.Err.Message)
-	}
-	return resp, el, nil
+	return c
 }
 
 // sample is one check seen by a load goroutine.
@@ -153,7 +109,7 @@ func (r *recorder) between(from, to time.Time) []sample {
 
 // checkLoop checks on c until stop is closed, cycling through shapes (name → attrs),
 // and records every answer. It returns when stop closes or the connection fails.
-func checkLoop(c *faultConn, rec *recorder, stop <-chan struct{}, shapes [][]string) {
+func checkLoop(c *checker.Conn, rec *recorder, stop <-chan struct{}, shapes [][]string) {
 	for i := 0; ; i++ {
 		select {
 		case <-stop:
@@ -162,7 +118,7 @@ func checkLoop(c *faultConn, rec *recorder, stop <-chan struct{}, shapes [][]str
 		}
 		shape := shapes[i%len(shapes)]
 		start := time.Now()
-		resp, took, err := c.check(shape[1:]...)
+		resp, took, err := c.Check(shape[1:]...)
 		rec.add(sample{rule: shape[0], start: start, took: took, allowed: resp.Allowed, degraded: resp.Degraded, retryMs: resp.RetryAfterMs, err: err})
 		if err != nil {
 			return
@@ -277,7 +233,7 @@ rules:
 	degraded, rejected := 0, 0
 	start := time.Now()
 	for time.Since(start) < frozen {
-		r, took, err := c.check("user=well")
+		r, took, err := c.Check("user=well")
 		if err != nil {
 			t.Fatalf("check %d with Redis frozen for %s: %v", len(lat)+1, time.Since(start), err)
 		}
@@ -307,22 +263,13 @@ rules:
 
 // waitNormal checks with attrs until an answer is allowed and not degraded, and returns
 // how long that took; it fails t after timeout.
-func waitNormal(t *testing.T, c *faultConn, timeout time.Duration, attrs ...string) time.Duration {
+func waitNormal(t *testing.T, c *checker.Conn, timeout time.Duration, attrs ...string) time.Duration {
 	t.Helper()
-	start := time.Now()
-	for {
-		r, _, err := c.check(attrs...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if r.Allowed && !r.Degraded {
-			return time.Since(start)
-		}
-		if time.Since(start) > timeout {
-			t.Fatalf("%v: no normal (allowed, not degraded) answer within %s: %+v", attrs, timeout, r)
-		}
-		time.Sleep(10 * time.Millisecond)
+	d, err := c.WaitNormal(timeout, attrs...)
+	if err != nil {
+		t.Fatal(err)
 	}
+	return d
 }
 
 const globalPolicyRules = `
@@ -453,7 +400,7 @@ rules:
 		}
 	}
 	check := func() proto.Response {
-		r, _, err := c.check("user=buyer")
+		r, _, err := c.Check("user=buyer")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -731,7 +678,7 @@ rules:
 		go func() {
 			defer wg.Done()
 			for {
-				r, _, err := c.check("user=shopper")
+				r, _, err := c.Check("user=shopper")
 				if err != nil {
 					return // the daemon closed the connection: drained
 				}
@@ -802,10 +749,10 @@ rules:
 	start0 := time.Now()
 	rejected, total := 0, 0
 	for start := time.Now(); time.Since(start) < 3*time.Second; {
-		if _, _, err := c.check("path=/search", "ip=a"); err != nil {
+		if _, _, err := c.Check("path=/search", "ip=a"); err != nil {
 			t.Fatal(err)
 		}
-		r, _, err := c.check("path=/login", "ip=a")
+		r, _, err := c.Check("path=/login", "ip=a")
 		if err != nil {
 			t.Fatal(err)
 		}
