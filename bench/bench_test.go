@@ -214,6 +214,25 @@ func (c *client) pipelined(fr [][]byte, n, inflight int) error {
 	return nil
 }
 
+// runPipelined sends n requests spread over cs, each connection keeping inflight
+// requests outstanding, and returns the wall time.
+func runPipelined(b *testing.B, cs []*client, fr [][]byte, n, inflight int) time.Duration {
+	var wg sync.WaitGroup
+	start := time.Now()
+	per := n / len(cs)
+	for i, c := range cs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := c.pipelined(fr[i*7%len(fr):], per, inflight); err != nil {
+				b.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	return time.Since(start)
+}
+
 func mustPeek(br *bufio.Reader) []byte {
 	b, _ := br.Peek(proto.HeaderSize)
 	return b
@@ -262,22 +281,7 @@ func BenchmarkSocketLatency(b *testing.B) {
 func throughput(b *testing.B, conns, inflight int) {
 	floor, rls := startPair(b)
 	fr := frames(8192, 8192)
-	run := func(s *server, cs []*client, n int) time.Duration {
-		var wg sync.WaitGroup
-		start := time.Now()
-		per := n / len(cs)
-		for i, c := range cs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if err := c.pipelined(fr[i*7%len(fr):], per, inflight); err != nil {
-					b.Error(err)
-				}
-			}()
-		}
-		wg.Wait()
-		return time.Since(start)
-	}
+	run := func(s *server, cs []*client, n int) time.Duration { return runPipelined(b, cs, fr, n, inflight) }
 	var cf, cr []*client
 	for i := 0; i < conns; i++ {
 		cf = append(cf, dial(b, floor.socket))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -84,21 +83,7 @@ func BenchmarkSocketModes(b *testing.B) {
 
 	// Throughput at 4 × 32, local vs hybrid, alternating.
 	const conns, inflight = 4, 32
-	run := func(cs []*client, total int) time.Duration {
-		var wg sync.WaitGroup
-		start := time.Now()
-		for i, c := range cs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if err := c.pipelined(fr[i*7:], total/len(cs), inflight); err != nil {
-					b.Error(err)
-				}
-			}()
-		}
-		wg.Wait()
-		return time.Since(start)
-	}
+	run := func(cs []*client, total int) time.Duration { return runPipelined(b, cs, fr, total, inflight) }
 	var csl, csh []*client
 	for i := 0; i < conns; i++ {
 		csl = append(csl, dial(b, local.socket))
@@ -131,21 +116,7 @@ func BenchmarkSocketMetrics(b *testing.B) {
 	on := startServerNamed(b, "metrics", "--config", rules, "--admin", "127.0.0.1:0")
 	fr := frames(8192, 8192)
 	const conns, inflight = 4, 32
-	run := func(cs []*client, total int) time.Duration {
-		var wg sync.WaitGroup
-		start := time.Now()
-		for i, c := range cs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if err := c.pipelined(fr[i*7:], total/len(cs), inflight); err != nil {
-					b.Error(err)
-				}
-			}()
-		}
-		wg.Wait()
-		return time.Since(start)
-	}
+	run := func(cs []*client, total int) time.Duration { return runPipelined(b, cs, fr, total, inflight) }
 	var coff, con []*client
 	for i := 0; i < conns; i++ {
 		coff = append(coff, dial(b, off.socket))
