@@ -7,13 +7,16 @@ require (
 	github.com/VictoriaMetrics/metrics v1.45.0
 	github.com/fsnotify/fsnotify v1.10.1
 	github.com/redis/go-redis/v9 v9.23.0
+	github.com/rlsidecar/rlsidecar/clients/go v0.0.0-00010101000000-000000000000
+	github.com/rlsidecar/rlsidecar/proto v0.0.0-00010101000000-000000000000
 	github.com/rs/zerolog v1.33.0
-	github.com/vmihailenco/msgpack/v5 v5.4.1
 	go.uber.org/goleak v1.3.0
 	go.yaml.in/yaml/v3 v3.0.6
 	gonum.org/v1/plot v0.17.0
 	pgregory.net/rapid v1.3.0
 )
+
+require github.com/vmihailenco/msgpack/v5 v5.4.1 // indirect
 
 require (
 	codeberg.org/go-fonts/liberation v0.5.0 // indirect
@@ -43,4 +46,12 @@ require (
 	golang.org/x/text v0.28.0 // indirect
 	google.golang.org/protobuf v1.36.1 // indirect
 	gopkg.in/tomb.v1 v1.0.0-20141024135613-dd632973f1e7 // indirect
+)
+
+// proto and clients/go are modules of their own, so a gateway importing the Go client
+// does not pull this module's test and benchmark dependencies; inside the repo they are
+// used from the tree.
+replace (
+	github.com/rlsidecar/rlsidecar/clients/go => ./clients/go
+	github.com/rlsidecar/rlsidecar/proto => ./proto
 )
