@@ -1,0 +1,224 @@
+-- resty.rlsidecar: the rlsidecar client for nginx / OpenResty (lua-nginx-module).
+--
+--   local rlsidecar = require "resty.rlsidecar"
+--   local limiter = rlsidecar.new{ socket = "/run/rlsidecar/rlsidecar.sock" }
+--   -- in access_by_lua_block:
+--   limiter:access()  -- 429 / 503 and exit, or set the rate-limit headers and continue
+--
+-- Model. One check is one request/response on a cosocket to the daemon's Unix socket.
+-- Connections are kept in nginx's per-worker pool (setkeepalive), so a check normally
+-- reuses an open connection: no connect, one write, one read. A client object holds only
+-- settings; it is safe to create once (init_by_lua, a module upvalue) and share between
+-- requests of a worker.
+--
+-- When the sidecar gives no answer (socket missing, refused, closed, no answer within
+-- timeout_ms), check returns the policy decision: allowed under on_unavailable = "open"
+-- (the default), rejected with 503 under "closed"; degraded and unreachable either way,
+-- with cause saying why. The connection is then closed, never pooled, so a late answer
+-- cannot be read by the next request.
+--
+-- Requests are encoded by rlsidecar.codec (canonical bytes, checked against
+-- proto/testdata/vectors.json); answers are decoded by Debian's lua-mpack when it is
+-- installed (C, fast; LuaJIT numbers are doubles, so its integers are exact up to 2^53),
+-- else by rlsidecar.codec.
+
+local codec = require "rlsidecar.codec"
+local http = require "rlsidecar.http"
+
+local ngx = ngx
+local type, tostring, pairs, setmetatable = type, tostring, pairs, setmetatable
+
+local _M = { _VERSION = "1.0.0" }
+local mt = { __index = _M }
+
+-- MAX_FRAME is the largest answer this client reads; a longer one means the stream is
+-- not the daemon's, and the connection is dropped.
+local MAX_FRAME = 1048576
+
+local mpack_ok, mpack = pcall(require, "mpack")
+local unpacker = mpack_ok and mpack.Unpacker and mpack.Unpacker() or nil
+
+-- decode_body decodes one answer: with lua-mpack when present, else the Lua codec.
+local function decode_body(body)
+  if unpacker then
+    local ok, v, pos = pcall(unpacker, body)
+    if not ok then
+      return nil, "msgpack: " .. tostring(v)
+    end
+    if pos ~= #body + 1 or type(v) ~= "table" then
+      return nil, "msgpack: not one map"
+    end
+    return v
+  end
+  return codec.decode_body(body)
+end
+_M.decode_body = decode_body
+_M.decoder = unpacker and "lua-mpack" or "rlsidecar.codec"
+
+-- new returns a client. opts:
+--   socket          path of the daemon's socket, with or without "unix:" (required)
+--   timeout_ms      connect, send and read timeout of one check (default 50)
+--   on_unavailable  "open" (default) or "closed": the decision when the sidecar gives
+--                   no answer
+--   pool_size       idle connections kept per worker (default 16)
+--   keepalive_ms    how long an idle connection stays in the pool (default 60000)
+--   attrs           function() returning the attributes of the current request, a map
+--                   or a list of {name, value}; default: ip, method, path
+--   cost            function() returning the current request's cost (default 1)
+-- It returns nil and an error for bad options.
+function _M.new(opts)
+  if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
+    return nil, "rlsidecar.new: opts.socket (the daemon's socket path) is required"
+  end
+  local path = opts.socket
+  if path:sub(1, 5) ~= "unix:" then
+    path = "unix:" .. path
+  end
+  local policy = opts.on_unavailable or "open"
+  if policy ~= "open" and policy ~= "closed" then
+    return nil, 'rlsidecar.new: on_unavailable must be "open" or "closed", not ' .. tostring(policy)
+  end
+  local timeout = opts.timeout_ms or 50
+  if type(timeout) ~= "number" or timeout <= 0 then
+    return nil, "rlsidecar.new: timeout_ms must be a positive number"
+  end
+  for _, f in pairs({ "attrs", "cost" }) do
+    if opts[f] ~= nil and type(opts[f]) ~= "function" then
+      return nil, "rlsidecar.new: opts." .. f .. " must be a function"
+    end
+  end
+  return setmetatable({
+    path = path,
+    pool = "rlsidecar:" .. path,
+    timeout = timeout,
+    policy = policy,
+    pool_size = opts.pool_size or 16,
+    keepalive = opts.keepalive_ms or 60000,
+    attrs = opts.attrs,
+    cost = opts.cost,
+  }, mt)
+end
+
+-- next_id numbers the requests of this worker; ids stay below 2^31.
+local last_id = 0
+local function next_id()
+  last_id = last_id % 2147483647 + 1
+  return last_id
+end
+
+-- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
+-- and whether the failure is the transport's (the socket is then closed).
+function _M.roundtrip(self, frame, id)
+  local sock = ngx.socket.tcp()
+  sock:settimeouts(self.timeout, self.timeout, self.timeout)
+  local ok, err = sock:connect(self.path, { pool = self.pool })
+  if not ok then
+    return nil, "connecting to " .. self.path .. ": " .. tostring(err), true
+  end
+  local function fail(what, e)
+    sock:close()
+    return nil, what .. " " .. self.path .. ": " .. tostring(e), true
+  end
+  ok, err = sock:send(frame)
+  if not ok then
+    return fail("writing to", err)
+  end
+  local head
+  head, err = sock:receive(4)
+  if not head then
+    return fail("reading from", err)
+  end
+  local n = codec.frame_length(head)
+  if n > MAX_FRAME then
+    return fail("reading from", "an answer of " .. n .. " bytes")
+  end
+  local body
+  body, err = sock:receive(n)
+  if not body then
+    return fail("reading from", err)
+  end
+  local resp
+  resp, err = decode_body(body)
+  if not resp then
+    return fail("decoding an answer from", err)
+  end
+  if resp.id ~= id then
+    return fail("reading from", "an answer to request " .. tostring(resp.id) .. ", not " .. id)
+  end
+  sock:setkeepalive(self.keepalive, self.pool_size)
+  return resp
+end
+
+-- check asks the sidecar whether a request with attrs (a map, or a list of {name, value}
+-- to keep their order) may pass. opts: cost (default 1), limits (inline limits, see
+-- proto/PROTOCOL.md). It returns a decision (see rlsidecar.http) and nil; or, when the
+-- sidecar answered with an error (a bug in what was sent: bad_request, invalid_limit,
+-- ...) or the arguments are invalid, the policy decision and the error as a string.
+function _M.check(self, attrs, opts)
+  local id = next_id()
+  local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs,
+    cost = opts and opts.cost, limits = opts and opts.limits })
+  if not frame then
+    return http.policy_decision(self.policy, err), "rlsidecar: " .. err
+  end
+  local resp, rerr = self:roundtrip(frame, id)
+  if not resp then
+    return http.policy_decision(self.policy, rerr), nil
+  end
+  if resp.error then
+    local e = resp.error
+    local msg = "rlsidecar: " .. tostring(e.code) .. ": " .. tostring(e.message)
+    local d = http.policy_decision(self.policy, msg)
+    d.unreachable = false
+    return d, msg
+  end
+  if resp.rules == nil then resp.rules = {} end
+  if resp.rule == nil then resp.rule = "" end
+  return resp, nil
+end
+
+-- default_attrs are the attributes of the current request: ip (the client address),
+-- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
+function _M.default_attrs()
+  return {
+    { "ip", ngx.var.remote_addr or "" },
+    { "method", ngx.req.get_method() },
+    { "path", ngx.var.uri or "" },
+  }
+end
+
+-- access checks the current request and acts on the decision; call it from
+-- access_by_lua_block:
+--   - rejected: 429 with Retry-After, RateLimit-Policy, RateLimit and a problem+json body,
+--     and the request ends;
+--   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
+--     goes on (to proxy_pass, ...);
+--   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
+--     answers 503 with Retry-After: 1 and a problem+json body.
+-- An error answer is logged and follows the policy. It returns the decision.
+function _M.access(self)
+  local attrs = self.attrs and self.attrs() or _M.default_attrs()
+  local cost = self.cost and self.cost() or nil
+  local d, err = self:check(attrs, { cost = cost })
+  if err then
+    ngx.log(ngx.ERR, err)
+  elseif d.unreachable then
+    ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
+  end
+  if not d.allowed then
+    local status, headers, body = http.rejection(d)
+    for k, v in pairs(headers) do
+      ngx.header[k] = v
+    end
+    ngx.header["Content-Length"] = #body
+    ngx.status = status
+    ngx.print(body)
+    return ngx.exit(status)
+  end
+  for k, v in pairs(http.headers(d)) do
+    ngx.header[k] = v
+  end
+  return d
+end
+
+return _M

@@ -1,0 +1,251 @@
+-- rlsidecar.http: a decision as HTTP, exactly as the Go client writes it
+-- (clients/go/http.go; the rules in clients/go/README.md, "HTTP mapping"; the cases in
+-- clients/testdata/http_headers.json, which test/unit.lua checks).
+--
+-- A decision is the table the clients return: allowed, rule, limit, remaining,
+-- reset_ms, retry_after_ms, reason, degraded, rules = {{name, limit, window_ms,
+-- remaining, reset_ms, retry_after_ms, allowed, shadow}, ...}, and unreachable = true
+-- when the client applied its policy because the sidecar gave no answer. Numbers may be
+-- Lua integers or floats (lua-mpack and cjson give floats); they print the same.
+--
+-- Pure functions: safe under nginx, HAProxy and plain Lua 5.1-5.4.
+
+local byte, char, sub, format, concat = string.byte, string.char, string.sub, string.format, table.concat
+local floor = math.floor
+
+local M = {}
+
+-- PROBLEM_TYPE is the "type" of the problem+json bodies (RFC 9457 "about:blank": the
+-- problem is what the status says; "rule" and "retry_after" carry the details).
+M.PROBLEM_TYPE = "about:blank"
+
+local REASON_COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
+
+local function int(n)
+  return format("%.0f", n)
+end
+
+-- ceil_seconds rounds milliseconds up to whole seconds; 0 or less is 0.
+local function ceil_seconds(ms)
+  if ms == nil or ms <= 0 then
+    return 0
+  end
+  return floor((ms + 999) / 1000)
+end
+
+local function retry_after_seconds(d)
+  local s = ceil_seconds(d.retry_after_ms)
+  if s < 1 then s = 1 end
+  return s
+end
+
+-- sf_string is s as an RFC 8941 string: \ and " escaped, any byte outside printable
+-- ASCII replaced with _.
+local function sf_string(s)
+  return '"' .. s:gsub('[\\"]', "\\%0"):gsub("[^\32-\126]", "_") .. '"'
+end
+
+local function append_item(pol, cur, name, limit, window_ms, remaining, reset_ms)
+  local q = sf_string(name) .. ";q=" .. int(limit)
+  if window_ms then
+    local w = ceil_seconds(window_ms)
+    if w < 1 then w = 1 end
+    q = q .. ";w=" .. int(w)
+  end
+  pol[#pol + 1] = q
+  cur[#cur + 1] = sf_string(name) .. ";r=" .. int(remaining or 0) .. ";t=" .. int(ceil_seconds(reset_ms))
+end
+
+-- headers returns the rate-limit headers of d as a table name -> value:
+--   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
+--   rule, the deciding rule first (built from the top-level fields, without w, when
+--   d.rules lacks it); Retry-After (seconds, at least 1) when d rejects, except when
+--   d.reason is cost_exceeds_capacity (no retry can pass).
+-- A decision where nothing matched gets no RateLimit fields.
+function M.headers(d)
+  local h = {}
+  local rules = d.rules or {}
+  if d.rule ~= nil and d.rule ~= "" then
+    local pol, cur, decided = {}, {}, nil
+    for i, r in ipairs(rules) do
+      if not r.shadow and r.name == d.rule then
+        decided = i
+        break
+      end
+    end
+    if decided then
+      local r = rules[decided]
+      append_item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+    else
+      append_item(pol, cur, d.rule, d.limit, nil, d.remaining, d.reset_ms)
+    end
+    for i, r in ipairs(rules) do
+      if not r.shadow and i ~= decided then
+        append_item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+      end
+    end
+    h["RateLimit-Policy"] = concat(pol, ", ")
+    h["RateLimit"] = concat(cur, ", ")
+  end
+  if not d.allowed and d.reason ~= REASON_COST_EXCEEDS_CAPACITY then
+    h["Retry-After"] = int(retry_after_seconds(d))
+  end
+  return h
+end
+
+-- utf8_len returns the length of the valid UTF-8 sequence at s[i], or nil.
+local function utf8_len(s, i)
+  local c = byte(s, i)
+  local n, min
+  if c >= 0xc2 and c <= 0xdf then n, min = 2, 0x80
+  elseif c >= 0xe0 and c <= 0xef then n, min = 3, 0x800
+  elseif c >= 0xf0 and c <= 0xf4 then n, min = 4, 0x10000
+  else return nil end
+  local cp = c % (2 ^ (7 - n))
+  for k = 1, n - 1 do
+    local cc = byte(s, i + k)
+    if not cc or cc < 0x80 or cc > 0xbf then return nil end
+    cp = cp * 64 + (cc - 0x80)
+  end
+  if cp < min or cp > 0x10ffff or (cp >= 0xd800 and cp <= 0xdfff) then return nil end
+  return n, cp
+end
+
+-- NOT_PRINTABLE are the ranges of assigned code points above U+007F that Go's
+-- unicode.IsPrint rejects (separators other than U+0020, C1 controls, format characters,
+-- private use); strconv.Quote escapes them. Unassigned code points are not listed.
+local NOT_PRINTABLE = {
+  { 0x80, 0xa0 }, { 0xad, 0xad }, { 0x600, 0x605 }, { 0x61c, 0x61c }, { 0x6dd, 0x6dd },
+  { 0x70f, 0x70f }, { 0x1680, 0x1680 }, { 0x180e, 0x180e }, { 0x2000, 0x200f },
+  { 0x2028, 0x202f }, { 0x205f, 0x2064 }, { 0x2066, 0x206f }, { 0x3000, 0x3000 },
+  { 0xd800, 0xf8ff }, { 0xfeff, 0xfeff }, { 0xfff9, 0xfffb }, { 0xf0000, 0x10ffff },
+}
+
+local function go_printable(cp)
+  for _, r in ipairs(NOT_PRINTABLE) do
+    if cp >= r[1] and cp <= r[2] then
+      return false
+    end
+  end
+  return true
+end
+
+local GO_QUOTE_ESC = { [7] = "\\a", [8] = "\\b", [12] = "\\f", [10] = "\\n", [13] = "\\r", [9] = "\\t", [11] = "\\v" }
+
+-- go_quote is Go's strconv.Quote (the detail message quotes the rule as Go does): \"
+-- \\ and C escapes, \xNN for other control bytes and invalid UTF-8, \uXXXX for the
+-- non-printable characters of NOT_PRINTABLE; other characters are kept.
+local function go_quote(s)
+  local out, i = { '"' }, 1
+  while i <= #s do
+    local c = byte(s, i)
+    if c == 34 or c == 92 then
+      out[#out + 1] = "\\" .. char(c); i = i + 1
+    elseif c >= 32 and c < 127 then
+      out[#out + 1] = char(c); i = i + 1
+    elseif c < 128 then
+      out[#out + 1] = GO_QUOTE_ESC[c] or format("\\x%02x", c); i = i + 1
+    else
+      local n, cp = utf8_len(s, i)
+      if n and not go_printable(cp) then
+        out[#out + 1] = format(cp < 0x10000 and "\\u%04x" or "\\U%08x", cp); i = i + n
+      elseif n then
+        out[#out + 1] = sub(s, i, i + n - 1); i = i + n
+      else
+        out[#out + 1] = format("\\x%02x", c); i = i + 1
+      end
+    end
+  end
+  out[#out + 1] = '"'
+  return concat(out)
+end
+
+local JSON_ESC = { [34] = '\\"', [92] = "\\\\", [10] = "\\n", [13] = "\\r", [9] = "\\t",
+  [60] = "\\u003c", [62] = "\\u003e", [38] = "\\u0026" }
+
+-- json_string is s as Go's encoding/json writes it (HTML-safe): <, >, & as \u00XX,
+-- control bytes as \u00XX, U+2028/9 escaped, invalid UTF-8 as \ufffd.
+local function json_string(s)
+  local out, i = { '"' }, 1
+  while i <= #s do
+    local c = byte(s, i)
+    if JSON_ESC[c] then
+      out[#out + 1] = JSON_ESC[c]; i = i + 1
+    elseif c < 32 then
+      out[#out + 1] = format("\\u%04x", c); i = i + 1
+    elseif c < 128 then
+      out[#out + 1] = char(c); i = i + 1
+    else
+      local n, cp = utf8_len(s, i)
+      if not n then
+        out[#out + 1] = "\\ufffd"; i = i + 1
+      elseif cp == 0x2028 or cp == 0x2029 then
+        out[#out + 1] = format("\\u%04x", cp); i = i + n
+      else
+        out[#out + 1] = sub(s, i, i + n - 1); i = i + n
+      end
+    end
+  end
+  out[#out + 1] = '"'
+  return concat(out)
+end
+
+local function seconds(n)
+  if n == 1 then
+    return "1 second"
+  end
+  return int(n) .. " seconds"
+end
+
+local UNAVAILABLE_BODY = '{"type":"about:blank","title":"Service Unavailable","status":503,'
+  .. '"detail":"The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.",'
+  .. '"retry_after":1}'
+
+-- rejection returns the response for a decision that does not allow the request:
+-- status, headers (a table name -> value, Content-Type included) and body:
+--   - rejected by the sidecar: 429, the headers of M.headers, and a problem+json body
+--     with the members "rule" and "retry_after" (seconds; absent when no retry can pass);
+--   - no decision from the sidecar under the closed policy (d.unreachable, or d.cause
+--     set by an error answer): 503, Retry-After: 1, and a problem+json body saying the
+--     rate limiter is unavailable.
+function M.rejection(d)
+  if d.unreachable or d.cause then
+    return 503, { ["Retry-After"] = "1", ["Content-Type"] = "application/problem+json" }, UNAVAILABLE_BODY
+  end
+  local h = M.headers(d)
+  h["Content-Type"] = "application/problem+json"
+  local rule = d.rule or ""
+  local limit = "the rate limit"
+  if rule ~= "" then
+    limit = "rate limit " .. go_quote(rule)
+  end
+  local detail, retry
+  if d.reason == REASON_COST_EXCEEDS_CAPACITY then
+    detail = "This request costs more than " .. limit .. " can ever admit: it can never pass under this limit."
+  else
+    retry = retry_after_seconds(d)
+    detail = "This request exceeds " .. limit .. "; retry in " .. seconds(retry) .. "."
+  end
+  local body = { '{"type":"about:blank","title":"Too Many Requests","status":429,"detail":', json_string(detail) }
+  if rule ~= "" then
+    body[#body + 1] = ',"rule":' .. json_string(rule)
+  end
+  if retry then
+    body[#body + 1] = ',"retry_after":' .. int(retry)
+  end
+  body[#body + 1] = "}"
+  return 429, h, concat(body)
+end
+
+-- policy_decision is the decision a client returns when the sidecar gave no answer:
+-- allowed under "open", rejected (503) under "closed"; degraded and unreachable either
+-- way, cause saying why.
+function M.policy_decision(on_unavailable, cause)
+  return {
+    allowed = on_unavailable ~= "closed",
+    rule = "", limit = 0, remaining = 0, reset_ms = 0, retry_after_ms = 0,
+    rules = {}, degraded = true, unreachable = true, cause = cause,
+  }
+end
+
+return M

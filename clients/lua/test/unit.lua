@@ -1,0 +1,210 @@
+-- Unit tests of the Lua clients: the codec against proto/testdata/vectors.json, the HTTP
+-- mapping against clients/testdata/http_headers.json and problem_bodies.json, and bad
+-- input. Runs under Lua 5.3 (HAProxy's runtime: `lua5.3 test/unit.lua` from
+-- clients/lua) and under nginx's LuaJIT (test/unit.sh runs it in init_by_lua, where the
+-- nginx client's lua-mpack decoder is used too). Needs lua-cjson to read the JSON files.
+--
+-- RLSIDECAR_REPO (env) or the first argument: the repository root (default ../..).
+
+local cjson = require "cjson"
+local codec = require "rlsidecar.codec"
+local http = require "rlsidecar.http"
+
+local root = (arg and arg[1]) or os.getenv("RLSIDECAR_REPO") or "../.."
+local out = (ngx and io.stderr) or io.stdout
+local failures, checks = 0, 0
+
+local function fail(fmt, ...)
+  failures = failures + 1
+  out:write("FAIL: " .. string.format(fmt, ...) .. "\n")
+end
+
+local function check(cond, fmt, ...)
+  checks = checks + 1
+  if not cond then fail(fmt, ...) end
+end
+
+local function read(path)
+  local f = assert(io.open(root .. "/" .. path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return cjson.decode(s)
+end
+
+local function hex(s)
+  return (s:gsub(".", function(c) return string.format("%02x", c:byte()) end))
+end
+
+local function unhex(h)
+  return (h:gsub("..", function(x) return string.char(tonumber(x, 16)) end))
+end
+
+-- deep_equal compares a decoded answer with the JSON meaning; numbers by value.
+local function deep_equal(a, b, path)
+  if type(a) ~= type(b) then
+    return false, path .. ": " .. type(a) .. " vs " .. type(b)
+  end
+  if type(a) ~= "table" then
+    if a ~= b then return false, path .. ": " .. tostring(a) .. " vs " .. tostring(b) end
+    return true
+  end
+  for k, v in pairs(b) do
+    local ok, why = deep_equal(a[k], v, path .. "." .. tostring(k))
+    if not ok then return false, why end
+  end
+  for k in pairs(a) do
+    if b[k] == nil then return false, path .. "." .. tostring(k) .. ": unexpected" end
+  end
+  return true
+end
+
+-- integers_stay_integers checks, where the runtime has integers (5.3+), that every
+-- number decoded from msgpack is one: a float would print as "5.0" in a header.
+local function integers_stay_integers(v, path)
+  if not math.type then return true end
+  if type(v) == "number" then
+    return math.type(v) == "integer" or v >= 2 ^ 53, path
+  end
+  if type(v) == "table" then
+    for k, x in pairs(v) do
+      local ok, where = integers_stay_integers(x, path .. "." .. tostring(k))
+      if not ok then return false, where end
+    end
+  end
+  return true
+end
+
+local vectors = read("proto/testdata/vectors.json")
+
+-- Requests: encode each message to exactly its bytes, and decode the bytes back.
+for _, v in ipairs(vectors.requests) do
+  local m = v.message
+  local frame, err = codec.encode_request({ id = m.id, op = m.op, attrs = m.attrs, limits = m.limits, cost = m.cost })
+  if m.id > codec.MAX_SAFE then
+    -- 2^64-1 is no exact Lua number on LuaJIT; the encoder refuses it instead of
+    -- sending another id. Its decoding is checked below.
+    check(frame == nil and err:find('"id"'), "%s: an id above 2^53 must be refused, got %s", v.name, tostring(err))
+  else
+    check(frame ~= nil, "%s: encode: %s", v.name, tostring(err))
+    check(frame and hex(frame) == v.hex, "%s: encoded\n  %s\nwant\n  %s", v.name, frame and hex(frame) or "", v.hex)
+  end
+  local bytes = unhex(v.hex)
+  check(codec.frame_length(bytes) == #bytes - 4, "%s: frame length", v.name)
+  local req, derr = codec.decode_body(bytes:sub(5))
+  check(req ~= nil, "%s: decode: %s", v.name, tostring(derr))
+  if req then
+    check(req.op == m.op and req.id == m.id and (req.cost or 1) == m.cost, "%s: decoded id/op/cost", v.name)
+  end
+end
+
+-- Responses: decode with the Lua codec (HAProxy) and with the nginx client's decoder.
+local decoders = { { "rlsidecar.codec", codec.decode_body } }
+if ngx then
+  local resty = require "resty.rlsidecar"
+  decoders[#decoders + 1] = { "resty.rlsidecar (" .. resty.decoder .. ")", resty.decode_body }
+  check(resty.decoder == "lua-mpack", "nginx: lua-mpack not found on package.cpath (%s)", package.cpath)
+end
+for _, dec in ipairs(decoders) do
+  for _, v in ipairs(vectors.responses) do
+    local bytes = unhex(v.hex)
+    check(codec.frame_length(bytes) == #bytes - 4, "%s: frame length", v.name)
+    local resp, err = dec[2](bytes:sub(5))
+    check(resp ~= nil, "%s %s: decode: %s", dec[1], v.name, tostring(err))
+    if resp then
+      local ok, why = deep_equal(resp, v.message, "")
+      check(ok, "%s %s: %s", dec[1], v.name, tostring(why))
+      if dec[1] == "rlsidecar.codec" then
+        local int_ok, where = integers_stay_integers(resp, "")
+        check(int_ok, "%s %s: %s decoded as a float", dec[1], v.name, tostring(where))
+      end
+    end
+  end
+end
+
+-- Malformed bodies: the decoder says so instead of returning a value.
+for _, body in ipairs({ "", "\130\162id", "\192\192", "\193", "\217\10abc" }) do
+  local v, err = codec.decode_body(body)
+  check(v == nil and type(err) == "string", "malformed %q decoded to %s", hex(body), tostring(v))
+end
+
+-- Canonical order of a map of attributes: sorted by name.
+do
+  local a = codec.encode_request({ id = 9, op = "check", attrs = { user = "u", ip = "1.2.3.4", method = "GET" } })
+  local b = codec.encode_request({ id = 9, op = "check", attrs = { { "ip", "1.2.3.4" }, { "method", "GET" }, { "user", "u" } } })
+  check(a == b, "a map of attributes is encoded sorted by name")
+  local many = {}
+  for i = 1, 40 do many[string.format("k%02d", i)] = string.rep("v", i * 10) end
+  local f = codec.encode_request({ id = 70000, op = "check", attrs = many, cost = 300 })
+  local r = codec.decode_body(f:sub(5))
+  check(r and r.id == 70000 and r.cost == 300 and r.attrs.k40 == string.rep("v", 400), "map16, str16 and uint32 round trip")
+end
+
+-- Bad input: a clear error, nothing encoded.
+for _, c in ipairs({
+  { { id = 1, op = "check", attrs = { user = 5 } }, "attribute user must be a string" },
+  { { id = 1, op = "check", attrs = { [1] = { "user" } } }, "attrs[1] must be a {name, value} pair" },
+  { { id = 1, op = "check", attrs = "user=alice" }, "attrs must be a table" },
+  { { id = 1, op = "check", cost = -1 }, '"cost" must be a non-negative integer' },
+  { { id = 1, op = "check", cost = 1.5 }, '"cost" must be a non-negative integer' },
+  { { id = 1, op = "" }, '"op" must be a non-empty string' },
+  { { id = 1, op = "check", limits = { { key = "k", limit = 0, window_ms = 1000 } } }, 'limits[0]: "limit" must be an integer of at least 1' },
+  { { id = 1, op = "check", limits = { { key = "", limit = 1, window_ms = 1000 } } }, 'limits[0]: "key" must be a non-empty string' },
+  { { id = 1, op = "check", limits = { { key = "k", limit = 1, window_ms = 1000, mode = 3 } } }, 'limits[0]: "mode" must be a string' },
+}) do
+  local frame, err = codec.encode_request(c[1])
+  check(frame == nil and err and err:find(c[2], 1, true), "bad input: got %s, %s; want error %q", tostring(frame), tostring(err), c[2])
+end
+
+-- The HTTP mapping: every case of the shared table.
+local function lower_keys(t)
+  local l = {}
+  for k, v in pairs(t) do l[k:lower()] = v end
+  return l
+end
+
+for _, v in ipairs(read("clients/testdata/http_headers.json")) do
+  local got = lower_keys(http.headers(v.decision))
+  local want = lower_keys(v.headers)
+  for k, w in pairs(want) do
+    check(got[k] == w, "%s: %s: got %s, want %s (%s)", v.name, k, tostring(got[k]), w, v.meaning)
+  end
+  for k, g in pairs(got) do
+    check(want[k] ~= nil, "%s: unexpected header %s: %s", v.name, k, g)
+  end
+  check(v.decision.allowed == (v.status == 200), "%s: allowed vs status %d", v.name, v.status)
+  if not v.decision.allowed then
+    local status, h = http.rejection(v.decision)
+    check(status == v.status, "%s: rejection status %d, want %d", v.name, status, v.status)
+    check(h["Content-Type"] == "application/problem+json", "%s: Content-Type %s", v.name, tostring(h["Content-Type"]))
+  end
+end
+
+for _, v in ipairs(read("clients/testdata/problem_bodies.json")) do
+  local d = v.decision
+  d.unreachable = v.unreachable
+  local status, h, body = http.rejection(d)
+  check(status == v.status, "%s: status %d, want %d", v.name, status, v.status)
+  check(body == v.body, "%s: body\n  %s\nwant\n  %s", v.name, body, v.body)
+  local got = lower_keys(h)
+  for k, w in pairs(lower_keys(v.headers)) do
+    check(got[k] == w, "%s: %s: got %s, want %s", v.name, k, tostring(got[k]), w)
+  end
+end
+
+-- The policy decision: open allows without rate-limit fields, closed answers 503.
+do
+  local open = http.policy_decision("open", "connection refused")
+  check(open.allowed and open.degraded and open.unreachable and next(http.headers(open)) == nil,
+    "open policy: allowed, degraded, no headers")
+  local closed = http.policy_decision("closed", "timeout")
+  local status, h = http.rejection(closed)
+  check(not closed.allowed and closed.degraded and status == 503 and h["Retry-After"] == "1"
+    and h["RateLimit"] == nil, "closed policy: 503 with Retry-After 1")
+end
+
+local runtime = (jit and jit.version) or _VERSION
+out:write(string.format("%s: %d checks, %d failures\n", runtime, checks, failures))
+if failures > 0 then
+  error(string.format("%d of %d checks failed", failures, checks), 0)
+end
+return true
