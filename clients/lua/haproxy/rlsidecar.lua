@@ -1,0 +1,159 @@
+-- The rlsidecar client for HAProxy (Lua 5.3/5.4, HAProxy 2.2 and later). Load it with
+--
+--   global
+--     lua-prepend-path /usr/share/rlsidecar/lua/?.lua
+--     lua-load /usr/share/rlsidecar/lua/haproxy/rlsidecar.lua
+--
+-- and use its two actions in an HTTP frontend (examples/haproxy.cfg):
+--
+--   http-request  lua.rlsidecar unix@/run/rlsidecar/rlsidecar.sock open 50
+--   http-response lua.rlsidecar_headers
+--
+-- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
+-- client address), method and path (without the query) with the daemon at SOCKET
+-- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
+-- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
+-- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
+-- the sidecar gives no answer within TIMEOUT_MS (or the socket is missing), POLICY
+-- decides: `open` lets the request through without rate-limit headers, `closed` answers
+-- 503 with Retry-After: 1; the decision is degraded either way and the cause is logged.
+--
+-- Set the transaction variable txn.rlsidecar_user (e.g. `http-request set-var(txn.rlsidecar_user)
+-- req.hdr(x-user)`) to add a `user` attribute, txn.rlsidecar_api_key for `api_key`, and
+-- txn.rlsidecar_cost for the cost.
+--
+-- Connections: HAProxy's Lua sockets belong to the stream that opened them, so each check
+-- opens a connection to the Unix socket, makes one request and closes it (no pool).
+-- Frames are encoded and decoded by rlsidecar.codec, in plain Lua: lua-mpack under Lua 5.3
+-- decodes integers as floats, which would print as "5.0" in the headers.
+
+local codec = require "rlsidecar.codec"
+local http = require "rlsidecar.http"
+
+local MAX_FRAME = 1048576
+
+local last_id = 0
+local function next_id()
+  last_id = last_id % 2147483647 + 1
+  return last_id
+end
+
+-- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
+-- and an error.
+local function roundtrip(address, timeout_ms, frame, id)
+  local sock = core.tcp()
+  sock:settimeout(timeout_ms / 1000)
+  local ok, err = sock:connect(address)
+  if not ok then
+    sock:close()
+    return nil, "connecting to " .. address .. ": " .. tostring(err)
+  end
+  local function fail(what, e)
+    sock:close()
+    return nil, what .. " " .. address .. ": " .. tostring(e)
+  end
+  local sent
+  sent, err = sock:send(frame)
+  if not sent then
+    return fail("writing to", err)
+  end
+  local head
+  head, err = sock:receive(4)
+  if not head or #head < 4 then
+    return fail("reading from", err or "closed")
+  end
+  local n = codec.frame_length(head)
+  if n > MAX_FRAME then
+    return fail("reading from", "an answer of " .. n .. " bytes")
+  end
+  local body
+  body, err = sock:receive(n)
+  if not body or #body < n then
+    return fail("reading from", err or "closed")
+  end
+  sock:close()
+  local resp
+  resp, err = codec.decode_body(body)
+  if not resp then
+    return nil, "decoding an answer from " .. address .. ": " .. err
+  end
+  if type(resp) ~= "table" or resp.id ~= id then
+    return nil, "an answer to another request from " .. address
+  end
+  return resp
+end
+
+-- check returns the decision for attrs and cost (see rlsidecar.http) and, for an error
+-- answer or bad arguments, an error string.
+local function check(address, policy, timeout_ms, attrs, cost)
+  local id = next_id()
+  local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs, cost = cost })
+  if not frame then
+    return http.policy_decision(policy, err), "rlsidecar: " .. err
+  end
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id)
+  if not resp then
+    return http.policy_decision(policy, rerr)
+  end
+  if resp.error then
+    local msg = "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+    local d = http.policy_decision(policy, msg)
+    d.unreachable = false
+    return d, msg
+  end
+  if resp.rules == nil then resp.rules = {} end
+  if resp.rule == nil then resp.rule = "" end
+  return resp
+end
+
+local REASONS = { [429] = "Too Many Requests", [503] = "Service Unavailable" }
+
+local function action(txn, address, policy, timeout)
+  local timeout_ms = tonumber(timeout)
+  if (policy ~= "open" and policy ~= "closed") or not timeout_ms or timeout_ms <= 0 then
+    core.Alert("rlsidecar: usage: http-request lua.rlsidecar unix@/path open|closed TIMEOUT_MS")
+    return
+  end
+  local attrs = {
+    { "ip", txn.f:src() or "" },
+    { "method", txn.f:method() or "" },
+    { "path", txn.f:path() or "" },
+  }
+  local user = txn:get_var("txn.rlsidecar_user")
+  if user and user ~= "" then attrs[#attrs + 1] = { "user", user } end
+  local key = txn:get_var("txn.rlsidecar_api_key")
+  if key and key ~= "" then attrs[#attrs + 1] = { "api_key", key } end
+  local cost = tonumber(txn:get_var("txn.rlsidecar_cost"))
+
+  local d, err = check(address, policy, timeout_ms, attrs, cost)
+  if err then
+    txn:Alert(err)
+  elseif d.unreachable then
+    txn:Warning("rlsidecar: no decision, policy " .. policy .. ": " .. tostring(d.cause))
+  end
+  if not d.allowed then
+    local status, headers, body = http.rejection(d)
+    local reply = txn:reply()
+    reply:set_status(status, REASONS[status])
+    for k, v in pairs(headers) do
+      reply:add_header(k, v)
+    end
+    reply:set_body(body)
+    txn:done(reply)
+    return
+  end
+  txn:set_priv(http.headers(d))
+end
+
+local function add_headers(txn)
+  local h = txn:get_priv()
+  if type(h) ~= "table" then
+    return
+  end
+  for k, v in pairs(h) do
+    txn.http:res_set_header(k, v)
+  end
+end
+
+core.register_action("rlsidecar", { "http-req" }, action, 3)
+core.register_action("rlsidecar_headers", { "http-res" }, add_headers, 0)

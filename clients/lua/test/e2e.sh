@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# End to end through real gateways: the real daemon (built from this repo) on a temp
+# socket with a temp rules file, a backend (nginx returning 200), and in front of it real
+# nginx (Debian nginx + libnginx-mod-http-lua) and real HAProxy running the example
+# configs of clients/lua/examples (only paths and ports substituted). For each gateway it
+# sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit, then 429s
+# with Retry-After, the same headers and the problem+json body the Go client writes; that
+# unchecked paths pass untouched; that nginx keeps its connection to the daemon (one open
+# connection after the burst) and gets a decision right after a daemon restart (the pool
+# drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
+# policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
+# Retry-After: 1 and its problem body. Free loopback ports, a temp dir, every process
+# stopped on exit. Exits 0 only if everything holds.
+#
+# Needs go, nginx, libnginx-mod-http-lua, lua-mpack, haproxy (with Lua), curl, python3
+# (scripts/test-gateways installs them).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)" # clients/lua
+repo="$(cd "$here/../.." && pwd)"
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  local p
+  for p in "${pids[@]-}"; do
+    [ -n "$p" ] && kill "$p" 2>/dev/null || true
+  done
+  for p in "${pids[@]-}"; do
+    [ -n "$p" ] && wait "$p" 2>/dev/null || true
+  done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+failures=0
+pass() { echo "  ok   $*"; }
+fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
+expect() { # expect WHAT GOT WANT
+  if [ "$2" == "$3" ]; then pass "$1"; else fail "$1: got [$2], want [$3]"; fi
+}
+expect_re() { # expect_re WHAT GOT REGEX
+  if [[ "$2" =~ $3 ]]; then pass "$1"; else fail "$1: got [$2], want /$3/"; fi
+}
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+wait_for() { # wait_for WHAT COMMAND...: up to 10 s
+  local i
+  for i in $(seq 100); do
+    if "${@:2}" >/dev/null 2>&1; then return 0; fi
+    sleep 0.1
+  done
+  echo "timed out waiting for $1" >&2
+  for f in "$tmp"/*.log; do echo "--- $f" >&2; tail -20 "$f" >&2; done
+  exit 1
+}
+
+# request METHOD URL [USER]: sets status, headers (lower-case names) and body.
+request() {
+  local args=(-s -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
+  [ -n "${3:-}" ] && args+=(-H "X-User: $3")
+  status=$(curl "${args[@]}" "$2")
+  headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
+  body=$(cat "$tmp/b")
+}
+header() { # header NAME (lower-case): its value in the last response, or ""
+  grep -i "^$1: " <<<"$headers" | head -1 | sed "s/^$1: //" || true
+}
+# header values were lower-cased with the names; compare them case-insensitively.
+lc() { tr 'A-Z' 'a-z' <<<"$1"; }
+
+echo "== building the daemon"
+(cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
+
+cat >"$tmp/rules.yaml" <<'EOF'
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 3, per: 60s }
+  - name: per-ip
+    match: { path: "/api/**" }
+    key: ip
+    limit: { requests: 1000, per: 60s }
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 100, per: 60s }
+EOF
+
+sock="$tmp/rl.sock"
+admin_port=$(free_port)
+"$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$sock" --admin "127.0.0.1:$admin_port" \
+  >"$tmp/daemon.log" 2>&1 &
+daemon_pid=$!
+pids+=("$daemon_pid")
+wait_for "the daemon" "$tmp/rlsidecar" check --socket "$sock" user=probe-nobody-uses path=/probe
+
+echo "== backend (nginx returning 200)"
+backend_port=$(free_port)
+mkdir -p "$tmp/backend/logs"
+cat >"$tmp/backend/nginx.conf" <<EOF
+events {}
+http {
+  access_log off;
+  client_body_temp_path $tmp/backend; proxy_temp_path $tmp/backend; fastcgi_temp_path $tmp/backend;
+  uwsgi_temp_path $tmp/backend; scgi_temp_path $tmp/backend;
+  server {
+    listen 127.0.0.1:$backend_port;
+    location / { return 200 "backend \$uri\n"; }
+  }
+}
+EOF
+nginx -e "$tmp/backend.log" -p "$tmp/backend" -c "$tmp/backend/nginx.conf" -g "daemon off; master_process off; pid $tmp/backend/nginx.pid;" &
+pids+=($!)
+wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
+
+echo "== nginx with clients/lua/examples/nginx.conf"
+nginx_port=$(free_port)
+mkdir -p "$tmp/nginx/logs"
+sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
+  -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
+  -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
+  -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
+  -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;#" \
+  "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
+# One process (master_process off): it runs as the invoking user, who owns the socket.
+nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" &
+pids+=($!)
+wait_for "nginx" curl -sf "http://127.0.0.1:$nginx_port/static/x"
+
+echo "== HAProxy with clients/lua/examples/haproxy.cfg"
+hap_port=$(free_port)
+sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
+  -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
+  -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
+  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
+  "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
+haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
+pids+=($!)
+wait_for "haproxy" curl -sf "http://127.0.0.1:$hap_port/static/x"
+
+# burst GATEWAY PORT USER: 5 requests as USER to /api/items; per-user admits 3.
+burst() {
+  local name=$1 port=$2 user=$3 i
+  echo "-- $name: a burst of 5 as $user (per-user: 3 per 60 s)"
+  for i in 1 2 3; do
+    request GET "http://127.0.0.1:$port/api/items" "$user"
+    expect "$name request $i: status" "$status" 200
+    expect "$name request $i: body from the backend" "$body" "backend /api/items"
+    expect "$name request $i: RateLimit-Policy (deciding rule first)" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "per-ip";q=1000;w=60')"
+    expect_re "$name request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=$((20 * i)), \"per-ip\";r=[0-9]+;t=[0-9]+$"
+    expect "$name request $i: no Retry-After" "$(header retry-after)" ""
+  done
+  for i in 4 5; do
+    request GET "http://127.0.0.1:$port/api/items" "$user"
+    expect "$name request $i: status" "$status" 429
+    local ra
+    ra=$(header retry-after)
+    expect_re "$name request $i: Retry-After" "$ra" '^(19|20)$'
+    expect "$name request $i: Content-Type" "$(header content-type)" "application/problem+json"
+    expect "$name request $i: RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "per-ip";q=1000;w=60')"
+    expect_re "$name request $i: RateLimit" "$(header ratelimit)" '^"per-user";r=0;t=60, "per-ip";r=[0-9]+;t=[0-9]+$'
+    expect "$name request $i: problem body" "$body" \
+      "{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\"detail\":\"This request exceeds rate limit \\\"per-user\\\"; retry in $ra seconds.\",\"rule\":\"per-user\",\"retry_after\":$ra}"
+  done
+  request GET "http://127.0.0.1:$port/static/logo.png" "$user"
+  expect "$name unchecked path: status" "$status" 200
+  expect "$name unchecked path: no RateLimit" "$(header ratelimit)" ""
+  request POST "http://127.0.0.1:$port/login"
+  expect "$name /login (closed policy, sidecar up): status" "$status" 200
+  expect "$name /login: RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+}
+
+burst nginx "$nginx_port" ngx-alice
+burst haproxy "$hap_port" hap-alice
+
+echo "-- nginx pools its connection to the daemon"
+conns=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_connections" {print $2}')
+expect "open connections at the daemon after both bursts (nginx keeps 1; HAProxy closes each)" "$conns" 1
+
+echo "-- the daemon restarts: nginx's pooled connection is stale, the next check still gets a decision"
+kill "$daemon_pid"
+wait "$daemon_pid" 2>/dev/null || true
+"$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$sock" --admin "" >>"$tmp/daemon.log" 2>&1 &
+daemon_pid=$!
+pids+=("$daemon_pid")
+wait_for "the restarted daemon" "$tmp/rlsidecar" check --socket "$sock" user=probe-nobody-uses path=/probe
+request GET "http://127.0.0.1:$nginx_port/api/items" ngx-carol
+expect "nginx after a restart: status" "$status" 200
+expect_re "nginx after a restart: decided, not degraded" "$(header ratelimit)" '^"per-user";r=2;t=20, '
+
+echo "-- the daemon stops: the unreachable policies"
+kill "$daemon_pid"
+wait "$daemon_pid" 2>/dev/null || true
+for gw in "nginx $nginx_port" "haproxy $hap_port"; do
+  set -- $gw
+  request GET "http://127.0.0.1:$2/api/items" "$1-bob"
+  expect "$1 open policy: status" "$status" 200
+  expect "$1 open policy: body from the backend" "$body" "backend /api/items"
+  expect "$1 open policy: no RateLimit" "$(header ratelimit)" ""
+  request POST "http://127.0.0.1:$2/login"
+  expect "$1 closed policy: status" "$status" 503
+  expect "$1 closed policy: Retry-After" "$(header retry-after)" 1
+  expect "$1 closed policy: Content-Type" "$(header content-type)" "application/problem+json"
+  expect "$1 closed policy: problem body" "$body" \
+    '{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.","retry_after":1}'
+done
+
+if [ "$failures" -ne 0 ]; then
+  echo "== $failures checks FAILED"
+  for f in "$tmp"/*.log; do echo "--- $f"; tail -20 "$f"; done
+  exit 1
+fi
+echo "== nginx and HAProxy end to end: ok"
