@@ -190,6 +190,38 @@ request GET "http://127.0.0.1:$nginx_port/api/items" ngx-carol
 expect "nginx after a restart: status" "$status" 200
 expect_re "nginx after a restart: decided, not degraded" "$(header ratelimit)" '^"per-user";r=2;t=20, '
 
+echo "-- a sidecar that accepts but never answers: nginx's timeout (50 ms) and the policies"
+hole="$tmp/hole.sock"
+python3 -c '
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(64)
+conns = []
+while True:
+    c, _ = s.accept(); conns.append(c)   # read nothing, answer nothing
+' "$hole" &
+pids+=($!)
+wait_for "the silent sidecar" test -S "$hole"
+hole_port=$(free_port)
+mkdir -p "$tmp/nginx-hole/logs"
+sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" \
+  -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
+nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" &
+pids+=($!)
+wait_for "nginx (silent sidecar)" curl -sf "http://127.0.0.1:$hole_port/static/x"
+start=$(date +%s%N)
+request GET "http://127.0.0.1:$hole_port/api/items" ngx-dave
+elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+expect "silent sidecar, open policy: status" "$status" 200
+expect "silent sidecar, open policy: no RateLimit" "$(header ratelimit)" ""
+if [ "$elapsed_ms" -ge 40 ] && [ "$elapsed_ms" -lt 2000 ]; then
+  pass "silent sidecar: answered after the timeout (${elapsed_ms} ms)"
+else
+  fail "silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
+fi
+request POST "http://127.0.0.1:$hole_port/login"
+expect "silent sidecar, closed policy: status" "$status" 503
+expect "silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"
 wait "$daemon_pid" 2>/dev/null || true

@@ -11,12 +11,13 @@ local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
 
 local root = (arg and arg[1]) or os.getenv("RLSIDECAR_REPO") or "../.."
-local out = (ngx and io.stderr) or io.stdout
+local out = io.stdout
 local failures, checks = 0, 0
 
 local function fail(fmt, ...)
   failures = failures + 1
   out:write("FAIL: " .. string.format(fmt, ...) .. "\n")
+  out:flush()
 end
 
 local function check(cond, fmt, ...)
@@ -204,6 +205,7 @@ end
 
 local runtime = (jit and jit.version) or _VERSION
 out:write(string.format("%s: %d checks, %d failures\n", runtime, checks, failures))
+out:flush()
 if failures > 0 then
   error(string.format("%d of %d checks failed", failures, checks), 0)
 end
