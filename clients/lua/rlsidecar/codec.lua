@@ -32,7 +32,12 @@ end
 M.is_uint = is_uint
 
 local function be(n, width)
-  -- n as width big-endian bytes; n is a non-negative integer below 256^width.
+  -- n as width (2, 4 or 8... any) big-endian bytes; n is a non-negative integer below 256^width.
+  if width == 2 then
+    return char(floor(n / 256) % 256, n % 256)
+  elseif width == 4 then
+    return char(floor(n / 16777216) % 256, floor(n / 65536) % 256, floor(n / 256) % 256, n % 256)
+  end
   local t = {}
   for i = width, 1, -1 do
     t[i] = n % 256
@@ -77,26 +82,29 @@ local function put_header(buf, n, fix, w16)
   end
 end
 
--- ordered_attrs returns attrs as a list of {name, value}: an array of pairs keeps its
--- order; a map is sorted by name, so equal maps give equal bytes. Errors name the bad
--- entry; nothing is sent when there is one.
-local function ordered_attrs(attrs)
-  if attrs == nil then
-    return {}
-  end
+-- put_attrs appends attrs: an array of {name, value} pairs in its order; a map sorted by
+-- name, so equal maps give equal bytes. It returns the number of attributes, or nil and
+-- an error naming the bad entry (the caller then sends nothing).
+local function put_attrs(buf, attrs)
   if type(attrs) ~= "table" then
     return nil, "attrs must be a table, not a " .. type(attrs)
   end
-  local list = {}
   if attrs[1] ~= nil then
-    for i, p in ipairs(attrs) do
+    local n = #attrs
+    for i = 1, n do
+      local p = attrs[i]
       if type(p) ~= "table" or type(p[1]) ~= "string" or type(p[2]) ~= "string" then
         return nil, "attrs[" .. i .. "] must be a {name, value} pair of strings"
       end
-      list[i] = p
     end
-    return list
+    put_str(buf, "attrs")
+    put_header(buf, n, 0x80, "\222")
+    for i = 1, n do
+      put_str(buf, attrs[i][1]); put_str(buf, attrs[i][2])
+    end
+    return n
   end
+  local names = {}
   for k, v in pairs(attrs) do
     if type(k) ~= "string" then
       return nil, "attribute names must be strings, not " .. type(k)
@@ -104,10 +112,19 @@ local function ordered_attrs(attrs)
     if type(v) ~= "string" then
       return nil, "attribute " .. k .. " must be a string, not " .. type(v)
     end
-    list[#list + 1] = { k, v }
+    names[#names + 1] = k
   end
-  sort(list, function(a, b) return a[1] < b[1] end)
-  return list
+  local n = #names
+  if n == 0 then
+    return 0
+  end
+  sort(names)
+  put_str(buf, "attrs")
+  put_header(buf, n, 0x80, "\222")
+  for i = 1, n do
+    put_str(buf, names[i]); put_str(buf, attrs[names[i]])
+  end
+  return n
 end
 
 local function put_limit(buf, i, l)
@@ -165,31 +182,25 @@ function M.encode_request(req)
   if not is_uint(cost) then
     return nil, '"cost" must be a non-negative integer'
   end
-  local attrs, err = ordered_attrs(req.attrs)
-  if not attrs then
-    return nil, err
-  end
   local limits = req.limits or {}
   if type(limits) ~= "table" then
     return nil, '"limits" must be a table'
   end
-  local n = 2
-  if #attrs > 0 then n = n + 1 end
-  if #limits > 0 then n = n + 1 end
-  if cost ~= 1 then n = n + 1 end
-
-  local buf = {}
-  put_header(buf, n, 0x80, "\222")
+  -- The map header counts the fields, known only after attrs is written: leave its
+  -- slot and fill it in at the end.
+  local buf = { "" }
   put_str(buf, "id"); put_uint(buf, id)
   put_str(buf, "op"); put_str(buf, req.op)
-  if #attrs > 0 then
-    put_str(buf, "attrs")
-    put_header(buf, #attrs, 0x80, "\222")
-    for _, p in ipairs(attrs) do
-      put_str(buf, p[1]); put_str(buf, p[2])
+  local n = 2
+  if req.attrs ~= nil then
+    local na, err = put_attrs(buf, req.attrs)
+    if not na then
+      return nil, err
     end
+    if na > 0 then n = n + 1 end
   end
   if #limits > 0 then
+    n = n + 1
     put_str(buf, "limits")
     put_header(buf, #limits, 0x90, "\220")
     for i, l in ipairs(limits) do
@@ -200,8 +211,10 @@ function M.encode_request(req)
     end
   end
   if cost ~= 1 then
+    n = n + 1
     put_str(buf, "cost"); put_uint(buf, cost)
   end
+  buf[1] = char(0x80 + n)
   local body = concat(buf)
   return be(#body, 4) .. body
 end
@@ -277,44 +290,51 @@ local function decode_map(s, pos, n)
   return t, pos
 end
 
+local TRUNCATED = "msgpack: truncated"
+
 -- decode returns the msgpack value starting at s[pos] and the position after it. It
 -- raises an error (a string starting "msgpack:") on truncated or unsupported input.
+-- The common types come first, and nothing is allocated but the values themselves: it
+-- runs once per check on the gateway's hot path.
 function decode(s, pos)
   local t = byte(s, pos)
   if t == nil then
-    error("msgpack: truncated", 0)
-  end
-  local function need(k)
-    if pos + k > #s then error("msgpack: truncated", 0) end
+    error(TRUNCATED, 0)
   end
   if t < 0x80 then
     return t, pos + 1
+  elseif t >= 0xa0 and t < 0xc0 then
+    local e = pos + t - 0xa0
+    if e > #s then error(TRUNCATED, 0) end
+    return sub(s, pos + 1, e), e + 1
   elseif t < 0x90 then
     return decode_map(s, pos + 1, t - 0x80)
   elseif t < 0xa0 then
     return decode_array(s, pos + 1, t - 0x90)
-  elseif t < 0xc0 then
-    local n = t - 0xa0
-    need(n)
-    return sub(s, pos + 1, pos + n), pos + 1 + n
-  elseif t >= 0xe0 then
-    return t - 256, pos + 1
-  elseif t == 0xc0 then
-    return nil, pos + 1
   elseif t == 0xc2 then
     return false, pos + 1
   elseif t == 0xc3 then
     return true, pos + 1
-  elseif t == 0xcc or t == 0xcd or t == 0xce then
-    local w = (t == 0xcc) and 1 or (t == 0xcd) and 2 or 4
-    need(w)
-    return uint_at(s, pos + 1, w), pos + 1 + w
+  elseif t == 0xcc then
+    if pos + 1 > #s then error(TRUNCATED, 0) end
+    return byte(s, pos + 1), pos + 2
+  elseif t == 0xcd then
+    if pos + 2 > #s then error(TRUNCATED, 0) end
+    local a, b = byte(s, pos + 1, pos + 2)
+    return a * 256 + b, pos + 3
+  elseif t == 0xce then
+    if pos + 4 > #s then error(TRUNCATED, 0) end
+    return uint_at(s, pos + 1, 4), pos + 5
   elseif t == 0xcf then
-    need(8)
+    if pos + 8 > #s then error(TRUNCATED, 0) end
     return uint64_at(s, pos + 1), pos + 9
+  elseif t >= 0xe0 then
+    return t - 256, pos + 1
+  elseif t == 0xc0 then
+    return nil, pos + 1
   elseif t >= 0xd0 and t <= 0xd3 then
-    local w = ({ [0xd0] = 1, [0xd1] = 2, [0xd2] = 4, [0xd3] = 8 })[t]
-    need(w)
+    local w = (t == 0xd0) and 1 or (t == 0xd1) and 2 or (t == 0xd2) and 4 or 8
+    if pos + w > #s then error(TRUNCATED, 0) end
     if byte(s, pos + 1) < 128 then
       return (w == 8) and uint64_at(s, pos + 1) or uint_at(s, pos + 1, w), pos + 1 + w
     end
@@ -324,25 +344,25 @@ function decode(s, pos)
       hi, lo = uint_at(s, pos + 1, 4), uint_at(s, pos + 5, 4)
     end
     local top = (w == 8) and 4294967295 or 0
-    local span = (w == 8) and 4294967296 or ({ 256, 65536, nil, 4294967296 })[w]
+    local span = (w == 1) and 256 or (w == 2) and 65536 or 4294967296
     return -((top - hi) * 4294967296 + (span - lo)), pos + 1 + w
   elseif t == 0xca or t == 0xcb then
     local w = (t == 0xca) and 4 or 8
-    need(w)
+    if pos + w > #s then error(TRUNCATED, 0) end
     return float_at(s, pos + 1, w), pos + 1 + w
   elseif t == 0xd9 or t == 0xda or t == 0xdb or t == 0xc4 or t == 0xc5 or t == 0xc6 then
     local w = (t == 0xd9 or t == 0xc4) and 1 or (t == 0xda or t == 0xc5) and 2 or 4
-    need(w)
-    local n = uint_at(s, pos + 1, w)
-    need(w + n)
-    return sub(s, pos + 1 + w, pos + w + n), pos + 1 + w + n
+    if pos + w > #s then error(TRUNCATED, 0) end
+    local e = pos + w + uint_at(s, pos + 1, w)
+    if e > #s then error(TRUNCATED, 0) end
+    return sub(s, pos + 1 + w, e), e + 1
   elseif t == 0xdc or t == 0xdd then
     local w = (t == 0xdc) and 2 or 4
-    need(w)
+    if pos + w > #s then error(TRUNCATED, 0) end
     return decode_array(s, pos + 1 + w, uint_at(s, pos + 1, w))
   elseif t == 0xde or t == 0xdf then
     local w = (t == 0xde) and 2 or 4
-    need(w)
+    if pos + w > #s then error(TRUNCATED, 0) end
     return decode_map(s, pos + 1 + w, uint_at(s, pos + 1, w))
   end
   error(string.format("msgpack: unsupported type byte 0x%02x", t), 0)

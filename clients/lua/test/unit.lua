@@ -102,8 +102,17 @@ end
 local decoders = { { "rlsidecar.codec", codec.decode_body } }
 if ngx then
   local resty = require "resty.rlsidecar"
-  decoders[#decoders + 1] = { "resty.rlsidecar (" .. resty.decoder .. ")", resty.decode_body }
-  check(resty.decoder == "lua-mpack", "nginx: lua-mpack not found on package.cpath (%s)", package.cpath)
+  check(resty.mpack_decode_body ~= nil, "nginx: lua-mpack not found on package.cpath (%s)", package.cpath)
+  decoders[#decoders + 1] = { "resty.rlsidecar (lua-mpack)", resty.mpack_decode_body }
+  check(resty.decode_body == codec.decode_body, "nginx: the default decoder is rlsidecar.codec")
+  local c, err = resty.new({ socket = "/nonexistent.sock", decoder = "lua-mpack" })
+  check(c and c.decode == resty.mpack_decode_body, "nginx: new{decoder = lua-mpack}: %s", tostring(err))
+  c, err = resty.new({ socket = "/nonexistent.sock", decoder = "cjson" })
+  check(c == nil and err:find("decoder"), "nginx: a bad decoder is refused")
+  c, err = resty.new({ socket = "/x.sock", on_unavailable = "maybe" })
+  check(c == nil and err:find("on_unavailable"), "nginx: a bad policy is refused")
+  c, err = resty.new({})
+  check(c == nil and err:find("socket"), "nginx: a missing socket is refused")
 end
 for _, dec in ipairs(decoders) do
   for _, v in ipairs(vectors.responses) do
