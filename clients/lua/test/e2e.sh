@@ -190,7 +190,7 @@ request GET "http://127.0.0.1:$nginx_port/api/items" ngx-carol
 expect "nginx after a restart: status" "$status" 200
 expect_re "nginx after a restart: decided, not degraded" "$(header ratelimit)" '^"per-user";r=2;t=20, '
 
-echo "-- a sidecar that accepts but never answers: nginx's timeout (50 ms) and the policies"
+echo "-- a sidecar that accepts but never answers: the timeout (50 ms) and the policies"
 hole="$tmp/hole.sock"
 python3 -c '
 import socket, sys, time
@@ -211,16 +211,35 @@ wait_for "nginx (silent sidecar)" curl -sf "http://127.0.0.1:$hole_port/static/x
 start=$(date +%s%N)
 request GET "http://127.0.0.1:$hole_port/api/items" ngx-dave
 elapsed_ms=$((($(date +%s%N) - start) / 1000000))
-expect "silent sidecar, open policy: status" "$status" 200
-expect "silent sidecar, open policy: no RateLimit" "$(header ratelimit)" ""
+expect "nginx, silent sidecar, open policy: status" "$status" 200
+expect "nginx, silent sidecar, open policy: no RateLimit" "$(header ratelimit)" ""
 if [ "$elapsed_ms" -ge 40 ] && [ "$elapsed_ms" -lt 2000 ]; then
-  pass "silent sidecar: answered after the timeout (${elapsed_ms} ms)"
+  pass "nginx, silent sidecar: answered after the timeout (${elapsed_ms} ms)"
 else
-  fail "silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
+  fail "nginx, silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
 fi
 request POST "http://127.0.0.1:$hole_port/login"
-expect "silent sidecar, closed policy: status" "$status" 503
-expect "silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+expect "nginx, silent sidecar, closed policy: status" "$status" 503
+expect "nginx, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+
+hole_hap_port=$(free_port)
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
+haproxy -db -f "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-hole.log" 2>&1 &
+pids+=($!)
+wait_for "haproxy (silent sidecar)" curl -sf "http://127.0.0.1:$hole_hap_port/static/x"
+start=$(date +%s%N)
+request GET "http://127.0.0.1:$hole_hap_port/api/items" hap-dave
+elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+expect "haproxy, silent sidecar, open policy: status" "$status" 200
+expect "haproxy, silent sidecar, open policy: no RateLimit" "$(header ratelimit)" ""
+if [ "$elapsed_ms" -ge 40 ] && [ "$elapsed_ms" -lt 2000 ]; then
+  pass "haproxy, silent sidecar: answered after the timeout (${elapsed_ms} ms)"
+else
+  fail "haproxy, silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
+fi
+request POST "http://127.0.0.1:$hole_hap_port/login"
+expect "haproxy, silent sidecar, closed policy: status" "$status" 503
+expect "haproxy, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
 
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"
