@@ -115,7 +115,7 @@ hz=$(getconf CLK_TCK)
 run() {
   local out n0 d0 n1 d1
   n0=$(cpu_ticks "$nginx_pid") d0=$(cpu_ticks "$daemon_pid")
-  out=$(wrk -t1 -c1 -d "${secs}s" -s "$tmp/users.lua" "http://127.0.0.1:$port$1")
+  out=$(wrk -t1 -c1 --timeout 5s -d "${secs}s" -s "$tmp/users.lua" "http://127.0.0.1:$port$1")
   n1=$(cpu_ticks "$nginx_pid") d1=$(cpu_ticks "$daemon_pid")
   local non2xx
   non2xx=$(awk '/^P50_US/ {print $6}' <<<"$out")

@@ -58,7 +58,7 @@ wait_for() { # wait_for WHAT COMMAND...: up to 10 s
 
 # request METHOD URL [USER]: sets status, headers (lower-case names) and body.
 request() {
-  local args=(-s -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
+  local args=(-s --max-time 10 -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
   [ -n "${3:-}" ] && args+=(-H "X-User: $3")
   status=$(curl "${args[@]}" "$2")
   headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
