@@ -139,7 +139,7 @@ median=$(printf '%s\n' "${diffs[@]}" | median)
 cpu=$(printf '%s\n' "${cpus[@]}" | median)
 dcpu=$(printf '%s\n' "${dcpus[@]}" | median)
 echo "nginx + rlsidecar Lua check: adds ${median} µs to the p50 of a proxied request (median of $rounds rounds; target ≤ 100 µs)"
-echo "CPU per checked request: nginx +${cpu} µs, daemon ${dcpu} µs (medians; CPU time is not inflated by waiting for a busy CPU)"
+echo "CPU per checked request: nginx +${cpu} µs, daemon ${dcpu} µs (medians; includes the context switches, which a busy VM makes expensive)"
 if awk -v m="$median" 'BEGIN {exit !(m <= 100)}'; then
   echo "within the 100 µs target"
 else
