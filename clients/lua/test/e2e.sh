@@ -9,7 +9,10 @@
 # connection after the burst) and gets a decision right after a daemon restart (the pool
 # drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
 # policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
-# Retry-After: 1 and its problem body. Free loopback ports, a temp dir, every process
+# Retry-After: 1 and its problem body. Also client:check() itself from a test-only
+# location: inline limits, cost, cost above capacity, bad input (refused before sending)
+# and an error answer (policy decision and error; the connection stays usable).
+# Free loopback ports, a temp dir, every process
 # stopped on exit. Exits 0 only if everything holds.
 #
 # Needs go, nginx, libnginx-mod-http-lua, lua-mpack, haproxy (with Lua), curl, python3
@@ -124,6 +127,28 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
+# A test-only location beside the example's: client:check() cases against the real daemon.
+cat >"$tmp/check-cases.lua" <<'LUA'
+local rl = rl_open
+local function line(fmt, ...) ngx.say(string.format(fmt, ...)) end
+local inline = { { key = "tenant:acme", limit = 2, window_ms = 60000 } }
+local d, err = rl:check({ path = "/inline" }, { limits = inline, cost = 2 })
+line("inline: allowed=%s rule=%s limit=%s remaining=%s rules=%d", tostring(d.allowed), d.rule, d.limit, d.remaining, #d.rules)
+d = rl:check({ path = "/inline" }, { limits = inline })
+line("inline again: allowed=%s rule=%s retry_after_ms>0=%s", tostring(d.allowed), d.rule, tostring(d.retry_after_ms > 0))
+d = rl:check({ path = "/inline" }, { limits = { { key = "tenant:big", limit = 2, window_ms = 60000 } }, cost = 3 })
+line("cost 3 > capacity 2: allowed=%s reason=%s", tostring(d.allowed), tostring(d.reason))
+d, err = rl:check({ path = "/x" }, { limits = { { key = "k", limit = 0, window_ms = 1000 } } })
+line("bad input: allowed=%s degraded=%s err=%s", tostring(d.allowed), tostring(d.degraded), tostring(err))
+local many = {}
+for i = 1, 65 do many["a" .. i] = "v" end -- the daemon takes at most 64 attributes
+d, err = rl:check(many)
+line("error answer: allowed=%s degraded=%s unreachable=%s err=%s", tostring(d.allowed), tostring(d.degraded),
+  tostring(d.unreachable), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+d = rl:check({ path = "/x" })
+line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
+LUA
+sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
 # One process (master_process off): it runs as the invoking user, who owns the socket.
 nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" &
 pids+=($!)
@@ -171,6 +196,19 @@ burst() {
   expect "$name /login (closed policy, sidecar up): status" "$status" 200
   expect "$name /login: RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
 }
+
+echo "-- nginx: client:check() with inline limits, cost, bad input and an error answer"
+request GET "http://127.0.0.1:$nginx_port/__rlsidecar_test"
+expect "check() cases: status" "$status" 200
+expect "check() cases" "$body" "$(cat <<'WANT'
+inline: allowed=true rule=tenant:acme limit=2 remaining=0 rules=1
+inline again: allowed=false rule=tenant:acme retry_after_ms>0=true
+cost 3 > capacity 2: allowed=false reason=cost_exceeds_capacity
+bad input: allowed=true degraded=true err=rlsidecar: limits[0]: "limit" must be an integer of at least 1
+error answer: allowed=true degraded=true unreachable=false err=rlsidecar: bad_request
+after the error answer: allowed=true degraded=false
+WANT
+)"
 
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
