@@ -59,4 +59,4 @@ http {
 }
 CONF
 echo "nginx LuaJIT, CPU per call:"
-timeout 120 nginx -p "$tmp" -c "$tmp/nginx.conf" -g 'daemon off; master_process off;'
+timeout 120 nginx -e stderr -p "$tmp" -c "$tmp/nginx.conf" -g 'daemon off; master_process off;'

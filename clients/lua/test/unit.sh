@@ -31,4 +31,4 @@ http {
   }
 }
 CONF
-timeout 60 nginx -p "$tmp" -c "$tmp/nginx.conf" -g 'daemon off; master_process off;'
+timeout 60 nginx -e stderr -p "$tmp" -c "$tmp/nginx.conf" -g 'daemon off; master_process off;'
