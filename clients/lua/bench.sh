@@ -70,7 +70,7 @@ http {
   server { listen 127.0.0.1:$backend_port; location / { return 200 "backend\n"; } }
 }
 EOF
-nginx -e "$tmp/backend.log" -p "$tmp/backend" -c "$tmp/backend/nginx.conf" -g "daemon off; master_process off; pid $tmp/backend/nginx.pid;" &
+nginx -e "$tmp/backend.log" -p "$tmp/backend" -c "$tmp/backend/nginx.conf" -g "daemon off; master_process off; pid $tmp/backend/nginx.pid;" 2>>"$tmp/backend.log" &
 pids+=($!)
 
 port=$(free_port)
@@ -81,7 +81,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$port#" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
-nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" &
+nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" 2>>"$tmp/nginx.log" &
 nginx_pid=$!
 pids+=($!)
 wait_for "nginx" curl -sf "http://127.0.0.1:$port/static/x"

@@ -114,7 +114,7 @@ http {
   }
 }
 EOF
-nginx -e "$tmp/backend.log" -p "$tmp/backend" -c "$tmp/backend/nginx.conf" -g "daemon off; master_process off; pid $tmp/backend/nginx.pid;" &
+nginx -e "$tmp/backend.log" -p "$tmp/backend" -c "$tmp/backend/nginx.conf" -g "daemon off; master_process off; pid $tmp/backend/nginx.pid;" 2>>"$tmp/backend.log" &
 pids+=($!)
 wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
 
@@ -150,7 +150,7 @@ line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tost
 LUA
 sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
 # One process (master_process off): it runs as the invoking user, who owns the socket.
-nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" &
+nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" 2>>"$tmp/nginx.log" &
 pids+=($!)
 wait_for "nginx" curl -sf "http://127.0.0.1:$nginx_port/static/x"
 
@@ -243,7 +243,7 @@ hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
 sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
-nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" &
+nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
 pids+=($!)
 wait_for "nginx (silent sidecar)" curl -sf "http://127.0.0.1:$hole_port/static/x"
 start=$(date +%s%N)
