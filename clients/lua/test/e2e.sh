@@ -164,9 +164,9 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
-  -e "s#\(rlsidecar.sock [a-z]*\) 50#\1 2000#" \
+  -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
-grep -q "rlsidecar.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
+grep -q "rl.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
 haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
 pids+=($!)
 wait_for "haproxy" curl -sf "http://127.0.0.1:$hap_port/static/x"
