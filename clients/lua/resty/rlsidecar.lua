@@ -192,6 +192,21 @@ function _M.check(self, attrs, opts)
   return resp, nil
 end
 
+-- ping asks the daemon for its version: it returns the version string and the protocol
+-- number, or nil and an error (health checks; it does not consult the policy).
+function _M.ping(self)
+  local id = next_id()
+  local frame = codec.encode_request({ id = id, op = "ping" })
+  local resp, err = self:roundtrip(frame, id)
+  if not resp then
+    return nil, err
+  end
+  if resp.error then
+    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+  end
+  return resp.version, resp.protocol
+end
+
 -- default_attrs are the attributes of the current request: ip (the client address),
 -- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
 function _M.default_attrs()

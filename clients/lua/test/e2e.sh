@@ -135,6 +135,8 @@ grep -q "timeout_ms = 2000" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/ngi
 cat >"$tmp/check-cases.lua" <<'LUA'
 local rl = rl_open
 local function line(fmt, ...) ngx.say(string.format(fmt, ...)) end
+local version, protocol = rl:ping()
+line("ping: protocol=%s version=%s", tostring(protocol), tostring(version and version ~= ""))
 local inline = { { key = "tenant:acme", limit = 2, window_ms = 60000 } }
 local d, err = rl:check({ path = "/inline" }, { limits = inline, cost = 2 })
 line("inline: allowed=%s rule=%s limit=%s remaining=%s rules=%d", tostring(d.allowed), d.rule, d.limit, d.remaining, #d.rules)
@@ -207,6 +209,7 @@ echo "-- nginx: client:check() with inline limits, cost, bad input and an error 
 request GET "http://127.0.0.1:$nginx_port/__rlsidecar_test"
 expect "check() cases: status" "$status" 200
 expect "check() cases" "$body" "$(cat <<'WANT'
+ping: protocol=1 version=true
 inline: allowed=true rule=tenant:acme limit=2 remaining=0 rules=1
 inline again: allowed=false rule=tenant:acme retry_after_ms>0=true
 cost 3 > capacity 2: allowed=false reason=cost_exceeds_capacity
