@@ -254,6 +254,15 @@ type Set struct {
 	Rules   []*Rule
 	Source  string // file name, or "built-in"
 	Version string // hex sha256 of the source bytes, first 12 characters
+
+	idx atomic.Pointer[index] // built with the Set; see AppendMatching
+}
+
+// newSet returns a Set of rules with its matching index built.
+func newSet(rules []*Rule, source, version string) *Set {
+	s := &Set{Rules: rules, Source: source, Version: version}
+	s.idx.Store(buildIndex(rules))
+	return s
 }
 
 func itoa(v uint64) string {
