@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"pgregory.net/rapid"
 )
@@ -228,12 +229,15 @@ func TestIndexMatchesLinear(t *testing.T) {
 		if err != nil {
 			t.Fatalf("generated rules do not parse: %v\n%s", err, src)
 		}
-		if set.idx.Load() == nil || set.idx.Load().linear {
+		if ix := set.idx.Load(); ix == nil || ix.linear != (len(set.Rules) < minIndexed) {
 			t.Fatal("a parsed set has no index")
 		}
+		indexed := &Set{Rules: set.Rules} // the index even below minIndexed rules
+		indexed.idx.Store(buildIndex(set.Rules, 0))
 		for range 20 {
 			attrs := drawAttrs(t)
 			checkSame(t, set, attrs)
+			checkSame(t, indexed, attrs)
 		}
 	})
 }
@@ -353,7 +357,7 @@ func BenchmarkIndexBuild10k(b *testing.B) {
 	set := mustParse(b, src.String())
 	b.ReportAllocs()
 	for b.Loop() {
-		_ = buildIndex(set.Rules)
+		_ = buildIndex(set.Rules, minIndexed)
 	}
 	b.ReportMetric(float64(b.Elapsed().Microseconds())/1e3/float64(b.N), "ms/build")
 }
@@ -370,4 +374,38 @@ func BenchmarkAppendMatching(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkSmallSetRatio: the index against the linear scan on a 3-rule set, alternating
+// batches in one run; reports the median ratio index/linear.
+func BenchmarkSmallSetRatio(b *testing.B) {
+	set := mustParse(b, `rules:
+  - { name: per-ip, key: ip, limit: { requests: 1, per: 1s } }
+  - { name: holds, match: { method: POST, path: "/v1/events/*/holds" }, key: user, limit: { requests: 1, per: 1s } }
+  - { name: login, match: { method: POST, path: /login }, key: ip, limit: { requests: 1, per: 1s } }
+`)
+	ix := buildIndex(set.Rules, 0)
+	attrs := []Attr{{"method", "POST"}, {"path", "/v1/events/7/holds"}, {"user", "u-12345"}, {"ip", "203.0.113.9"}}
+	dst := make([]*Rule, 0, 8)
+	const batch = 5000
+	var ratios []float64
+	for b.Loop() {
+		start := time.Now()
+		for range batch {
+			dst = ix.appendMatching(set.Rules, dst[:0], attrs)
+		}
+		ti := time.Since(start)
+		start = time.Now()
+		for range batch {
+			dst = dst[:0]
+			for _, r := range set.Rules {
+				if r.Matches(attrs) {
+					dst = append(dst, r)
+				}
+			}
+		}
+		ratios = append(ratios, float64(ti)/float64(time.Since(start)))
+	}
+	slices.Sort(ratios)
+	b.ReportMetric(ratios[len(ratios)/2], "index/linear")
 }
