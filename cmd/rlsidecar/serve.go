@@ -370,7 +370,11 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "%s: %d rules, version %s\n", *config, len(set.Rules), set.Version)
+	ws := set.Warnings() // rules that can never have an effect: reported, not fatal
+	for _, w := range ws {
+		fmt.Fprintf(stderr, "warning: %v\n", w)
+	}
+	fmt.Fprintf(stdout, "%s: %d rules, version %s, %d warnings\n", *config, len(set.Rules), set.Version, len(ws))
 	return nil
 }
 
