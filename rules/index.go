@@ -51,6 +51,8 @@ type pathNode struct {
 	end     []int32    // rules whose glob ends at this node, ascending
 	// isStar marks a "**" node: it consumes any segment and stays.
 	isStar bool
+	// litOnly: not a star node, and every edge is literal.
+	litOnly bool
 	// wildAt finds a wild edge by pattern while building; nil once built.
 	wildAt map[string]int
 }
@@ -231,6 +233,7 @@ func (n *pathNode) litChild(s string) *pathNode {
 // done drops the build-time maps below n and moves a single literal edge out of its map.
 func (n *pathNode) done() {
 	n.wildAt = nil
+	n.litOnly = !n.isStar && n.any == nil && n.wild == nil && n.star == nil
 	if len(n.lit) == 1 {
 		for s, c := range n.lit {
 			n.oneLit, n.oneNode = s, c
@@ -277,6 +280,22 @@ func (ix *index) matchPath(dst []int32, path string) ([]int32, int) {
 			end++ // segments are short: a loop beats a call to IndexByte
 		}
 		seg := path[pos:end]
+		pos = end + 1
+		if len(cur) == 1 && cur[0].litOnly {
+			// The common case, a single state with only literal edges: descend.
+			n := cur[0]
+			c := n.oneNode
+			if c == nil {
+				c = n.lit[seg]
+			} else if seg != n.oneLit {
+				c = nil
+			}
+			cur = cur[:0]
+			if c != nil {
+				cur = addState(cur, c)
+			}
+			continue
+		}
 		next = next[:0]
 		for _, n := range cur {
 			if n.isStar {
@@ -299,7 +318,6 @@ func (ix *index) matchPath(dst []int32, path string) ([]int32, int) {
 			}
 		}
 		cur, next = next, cur
-		pos = end + 1
 	}
 	lists := 0
 	for _, n := range cur {
