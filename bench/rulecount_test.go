@@ -141,3 +141,93 @@ func BenchmarkSocketRuleCountThroughput4x32(b *testing.B) {
 	b.ReportMetric(rl, "2001rules-req/s")
 	b.ReportMetric(ratios[len(ratios)/2], "throughput-ratio")
 }
+
+// BenchmarkSocketReload10k: one connection checking one request at a time against a
+// daemon with 10,001 rules, first b.N/2 checks with the rules file left alone, then b.N/2
+// while the file is replaced every 300 ms (the daemon's watcher reloads it: YAML,
+// validation, the index, then one atomic swap). The two versions differ in the limit of
+// the rule every request matches, so each answer says which set decided it; the
+// benchmark counts the switches it saw. Reports p50, p99 and the slowest check of both
+// phases: a reload must not pause checks (the old set serves until the swap).
+func BenchmarkSocketReload10k(b *testing.B) {
+	dir := b.TempDir()
+	path := filepath.Join(dir, "rules.yaml")
+	version := func(limit int) []byte {
+		var s strings.Builder
+		s.WriteString("rules:\n")
+		for i := range 10000 {
+			fmt.Fprintf(&s, "  - { name: r%d, match: { method: GET, path: \"/v1/svc%d/**\" }, key: user, limit: { requests: 1000000000, per: 1h } }\n", i, i)
+		}
+		fmt.Fprintf(&s, "  - { name: items, match: { method: GET, path: /v1/items }, key: user, limit: { requests: %d, per: 1h } }\n", limit)
+		return []byte(s.String())
+	}
+	versions := [2][]byte{version(1000000000), version(999999999)}
+	replace := func(data []byte) {
+		tmp := filepath.Join(dir, ".rules.tmp")
+		if err := os.WriteFile(tmp, data, 0o600); err != nil {
+			b.Error(err)
+			return
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			b.Error(err)
+		}
+	}
+	replace(versions[0])
+	s := startServerAt(b, "rlsidecar", "rls-reload.sock", "--config", path)
+	c := dial(b, s.socket)
+	fr := itemFrames(4096)
+	dec := proto.NewDecoder()
+	var resp proto.Response
+	var lastLimit uint64
+	switches := 0
+	check := func(n int, lat []time.Duration) []time.Duration {
+		for i := range n {
+			start := time.Now()
+			if _, err := c.c.Write(fr[i%len(fr)]); err != nil {
+				b.Fatal(err)
+			}
+			if err := c.readOne(); err != nil {
+				b.Fatal(err)
+			}
+			lat = append(lat, time.Since(start))
+			if err := dec.DecodeResponse(c.buf, &resp); err != nil || resp.Rule != "items" {
+				b.Fatalf("answer %+v, %v", resp, err)
+			}
+			if lastLimit != 0 && resp.Limit != lastLimit {
+				switches++
+			}
+			lastLimit = resp.Limit
+		}
+		return lat
+	}
+	check(2000, nil)
+	b.ResetTimer()
+	quiet := check(b.N/2+1, nil)
+
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // owned here: stopped and waited for below
+		defer close(done)
+		t := time.NewTicker(300 * time.Millisecond)
+		defer t.Stop()
+		for i := 1; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				replace(versions[i%2])
+			}
+		}
+	}()
+	reloading := check(b.N/2+1, nil)
+	close(stop)
+	<-done
+	b.StopTimer()
+	b.ReportMetric(float64(percentile(quiet, 0.5).Nanoseconds())/1e3, "quiet-p50-µs")
+	b.ReportMetric(float64(percentile(quiet, 0.99).Nanoseconds())/1e3, "quiet-p99-µs")
+	b.ReportMetric(float64(percentile(quiet, 1).Nanoseconds())/1e3, "quiet-max-µs")
+	b.ReportMetric(float64(percentile(reloading, 0.5).Nanoseconds())/1e3, "reloading-p50-µs")
+	b.ReportMetric(float64(percentile(reloading, 0.99).Nanoseconds())/1e3, "reloading-p99-µs")
+	b.ReportMetric(float64(percentile(reloading, 1).Nanoseconds())/1e3, "reloading-max-µs")
+	b.ReportMetric(float64(switches), "swaps-seen")
+}
