@@ -334,7 +334,9 @@ func (ix *index) matchPath(dst []int32, path string) ([]int32, int) {
 // same rules as testing Rule.Matches on each rule of s in turn, but visits only the rules
 // the Set's index files under the request's path and attribute values, so its cost does
 // not grow with the number of rules. It does not allocate when dst has room for the
-// candidates (a Decision's scratch slice, reused, soon has).
+// matched rules (a Decision's scratch slice, reused, soon has) and the path reaches at
+// most 32 rules through at most 16 tree states at a time; beyond that its scratch space
+// spills to the heap. It is safe for concurrent use.
 //
 // A Set built by Parse, Load or LoadDir carries its index; one assembled by hand is
 // indexed on first use.
