@@ -18,16 +18,16 @@ import (
 //
 // Whichever condition the rule is filed under, a request the rule matches satisfies that
 // condition, so a query visiting the tree along the request's path and the maps at the
-// request's values meets every rule that can match; each rule met is then checked whole
-// (Rule.Matches). The primary is the condition fewer other rules share (see build), so a
-// request visits few rules whatever the size of the set. Rules without conditions are
-// on the always list.
+// request's values meets every rule that can match; each rule met is then checked on its
+// other conditions. The primary is the condition fewer other rules share (see
+// buildIndex), so a request visits few rules whatever the size of the set. Rules without
+// conditions are on the always list.
 type index struct {
 	always  []int32     // rules without conditions: every request checks them
 	attrs   []attrIndex // one per attribute name some rule is filed under
 	root    *pathNode   // nil when no rule is filed under its path
 	primary []int32     // per rule position: the condition it is filed under, -1 for none
-	linear  bool        // the Set's Rule.Index fields do not give positions: scan linearly
+	linear  bool        // a small set, or Index fields not giving positions: scan linearly
 }
 
 // attrIndex files rules by the exact values of one attribute.
