@@ -2,6 +2,8 @@ package rules
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -455,4 +457,27 @@ func BenchmarkSmallSetRatio(b *testing.B) {
 	}
 	slices.Sort(ratios)
 	b.ReportMetric(ratios[len(ratios)/2], "index/linear")
+}
+
+// LoadDir builds the index over the rules of all files, positions running across them.
+func TestIndexLoadDir(t *testing.T) {
+	dir := t.TempDir()
+	for f, body := range map[string]string{"a.yaml": manyRules(10), "b.yaml": strings.ReplaceAll(strings.ReplaceAll(manyRules(10), "name: r", "name: b"), "name: items", "name: b-items")} {
+		body = strings.ReplaceAll(body, "name: all", "name: all-"+f[:1])
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	set, err := LoadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ix := set.idx.Load(); ix == nil || ix.linear || len(set.Rules) != 24 {
+		t.Fatalf("%d rules, index %+v", len(set.Rules), ix)
+	}
+	attrs := []Attr{{"method", "GET"}, {"path", "/v1/svc3/x"}}
+	checkSame(t, set, attrs)
+	if got := names(set.AppendMatching(nil, attrs)); !slices.Equal(got, []string{"r3", "all-a", "b3", "all-b"}) {
+		t.Errorf("got %v", got)
+	}
 }
