@@ -6,6 +6,11 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"pgregory.net/rapid"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // manyRules is n rules that the benchmark request does not match, of the shapes a large
@@ -94,4 +99,49 @@ func BenchmarkCheckRuleCountRatio(b *testing.B) {
 	b.ReportMetric(ratios[len(ratios)/2], "ratio-5003/3")
 	b.ReportMetric(float64(ts.Nanoseconds())/float64(b.N*batch), "ns/check-3rules")
 	b.ReportMetric(float64(tl.Nanoseconds())/float64(b.N*batch), "ns/check-5003rules")
+}
+
+// The claim behind validate's "never decides" warning (rules.Set.Warnings): when rule b
+// has rule a's match, key, algorithm and per, and a's limit is at least as tight, b never
+// rejects a request that a allows. Random limits, costs and times, local mode, every
+// algorithm; the warning must be given for each pair drawn.
+func TestShadowedRuleNeverDecides(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		alg := rapid.SampledFrom([]string{"token_bucket", "sliding_window", "fixed_window"}).Draw(t, "algorithm")
+		per := rapid.SampledFrom([]string{"1s", "10s", "1m"}).Draw(t, "per")
+		reqA := rapid.Uint64Range(1, 20).Draw(t, "requests-a")
+		reqB := reqA + rapid.Uint64Range(0, 20).Draw(t, "more-b")
+		limA := fmt.Sprintf("{ requests: %d, per: %s }", reqA, per)
+		limB := fmt.Sprintf("{ requests: %d, per: %s }", reqB, per)
+		if alg == "token_bucket" && rapid.Bool().Draw(t, "bursts") {
+			burstA := reqA + rapid.Uint64Range(0, 10).Draw(t, "burst-a")
+			burstB := max(burstA+rapid.Uint64Range(0, 10).Draw(t, "burst-b"), reqB)
+			limA = fmt.Sprintf("{ requests: %d, per: %s, burst: %d }", reqA, per, burstA)
+			limB = fmt.Sprintf("{ requests: %d, per: %s, burst: %d }", reqB, per, burstB)
+		}
+		src := fmt.Sprintf(`rules:
+  - { name: a, match: { method: GET }, key: user, algorithm: %s, limit: %s }
+  - { name: b, match: { method: GET }, key: user, algorithm: %s, limit: %s }
+`, alg, limA, alg, limB)
+		set, err := rules.Parse("shadow.yaml", []byte(src))
+		if err != nil {
+			t.Fatalf("%v\n%s", err, src)
+		}
+		if ws := set.Warnings(); len(ws) != 1 || !strings.Contains(ws[0].Error(), "never decides") {
+			t.Fatalf("warnings %v for\n%s", ws, src)
+		}
+		l := New(set, localbucket.NewStore(localbucket.Options{}))
+		var d Decision
+		now := t0
+		for i := range rapid.IntRange(1, 200).Draw(t, "checks") {
+			now += rapid.Int64Range(0, int64(3*time.Second)).Draw(t, "step")
+			in := Input{Attrs: attrs("method=GET", "user=u"), Cost: rapid.Uint64Range(1, 3).Draw(t, "cost")}
+			if err := l.Check(now, &in, &d); err != nil || len(d.Results) != 2 {
+				t.Fatalf("check %d: %v, %+v", i, err, d.Results)
+			}
+			if a, b := d.Results[0], d.Results[1]; !b.Allowed && a.Allowed {
+				t.Fatalf("check %d: b rejects what a allows: a %+v, b %+v\n%s", i, a, b, src)
+			}
+		}
+	})
 }
