@@ -57,7 +57,13 @@ type server struct {
 
 func startServer(tb testing.TB, name string, args ...string) *server {
 	tb.Helper()
-	socket := filepath.Join(binDir, name+".sock")
+	return startServerAt(tb, name, name+".sock", args...)
+}
+
+// startServerAt is startServer on the socket sockName, for two servers of one binary.
+func startServerAt(tb testing.TB, name, sockName string, args ...string) *server {
+	tb.Helper()
+	socket := filepath.Join(binDir, sockName)
 	cmd := exec.Command(filepath.Join(binDir, name), append(args, "--socket", socket)...)
 	if name == "rlsidecar" {
 		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" {

@@ -181,6 +181,8 @@ type Decision struct {
 	keys   []byte
 	ends   []int
 	limits []localbucket.Limit
+	// matched holds the rules matching the request, from the rule set's index.
+	matched []*rules.Rule
 }
 
 // opRef says which list holds a result's check, and where.
@@ -242,10 +244,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 
 	plan, hasPlan := rules.Lookup(in.Attrs, "plan")
 	shadowAll := l.shadowAll.Load()
-	for _, r := range set.Rules {
-		if !r.Matches(in.Attrs) {
-			continue
-		}
+	d.matched = set.AppendMatching(d.matched[:0], in.Attrs) // the index: rule-file order
+	for _, r := range d.matched {
 		var lim *localbucket.Limit
 		var unlimited bool
 		if r.Split > 0 || r.SplitAuto {

@@ -105,7 +105,7 @@ func Parse(filename string, data []byte) (*Set, error) {
 		return nil, p.errs
 	}
 	sum := sha256.Sum256(data)
-	return &Set{Rules: rules, Source: filename, Version: hex.EncodeToString(sum[:])[:12]}, nil
+	return newSet(rules, filename, hex.EncodeToString(sum[:])[:12]), nil
 }
 
 type parser struct {

@@ -241,5 +241,5 @@ func LoadDir(dir string) (*Set, error) {
 		})
 		return nil, errs
 	}
-	return &Set{Rules: all, Source: dir, Version: hex.EncodeToString(h.Sum(nil))[:12]}, nil
+	return newSet(all, dir, hex.EncodeToString(h.Sum(nil))[:12]), nil
 }

@@ -158,6 +158,17 @@ func (r *Rule) Matches(attrs []Attr) bool {
 	return true
 }
 
+// matchesExcept is Matches without testing condition skip (the one a matching index
+// already established); skip -1 tests them all.
+func (r *Rule) matchesExcept(attrs []Attr, skip int) bool {
+	for i := range r.conds {
+		if i != skip && !r.conds[i].matches(attrs) {
+			return false
+		}
+	}
+	return true
+}
+
 // LimitFor returns the limit for a request whose plan attribute is plan (hasPlan false when
 // the request has none). A plan the rule does not list gets the rule's default limit. For
 // an unlimited plan, lim is nil and unlimited is true. The returned Limit lives as long as
@@ -254,6 +265,15 @@ type Set struct {
 	Rules   []*Rule
 	Source  string // file name, or "built-in"
 	Version string // hex sha256 of the source bytes, first 12 characters
+
+	idx atomic.Pointer[index] // built with the Set; see AppendMatching
+}
+
+// newSet returns a Set of rules with its matching index built.
+func newSet(rules []*Rule, source, version string) *Set {
+	s := &Set{Rules: rules, Source: source, Version: version}
+	s.idx.Store(buildIndex(rules, minIndexed))
+	return s
 }
 
 func itoa(v uint64) string {

@@ -236,8 +236,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if newSet.Version == lim.Rules().Version {
 			return // touched, not changed
 		}
-		lim.SetRules(newSet)
+		// Metrics first: their table for the new set is built (under their lock, one
+		// entry per rule) while checks still run on the old set, which never waits for
+		// it; the other order made checks on the new set wait for that lock.
 		metrics.SetRules(newSet, time.Now())
+		lim.SetRules(newSet)
 		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
 	}
 	if *watch && *config != "" {
@@ -370,7 +373,11 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "%s: %d rules, version %s\n", *config, len(set.Rules), set.Version)
+	ws := set.Warnings() // rules that can never have an effect: reported, not fatal
+	for _, w := range ws {
+		fmt.Fprintf(stderr, "warning: %v\n", w)
+	}
+	fmt.Fprintf(stdout, "%s: %d rules, version %s, %d warnings\n", *config, len(set.Rules), set.Version, len(ws))
 	return nil
 }
 

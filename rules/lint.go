@@ -1,0 +1,187 @@
+package rules
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Warnings returns the rules of s that can never have an effect, as errors that do not
+// stop the Set from loading (`rlsidecar validate` prints them; a Set with warnings serves
+// normally). Each names the file and line of the rule. Two kinds:
+//
+// A rule that never decides (shadowed). Rule B is shadowed by an earlier rule A when
+//
+//   - their matches are identical: the same attributes, each with the same set of values
+//     or path globs (order and repeats aside);
+//   - their keys name the same set of attributes;
+//   - they have the same algorithm, the same per, the same mode, split and
+//     on_store_failure;
+//   - neither is shadow (a shadow B is there to be observed, not to reject);
+//   - and A's limit is at least as tight as B's for every plan: for the default limit and
+//     each plan either rule lists, A's requests ≤ B's and A's burst ≤ B's, or B's plan is
+//     unlimited (an unlimited plan on A against a limited one on B is not tighter).
+//
+// Then every request B applies to, A applies to with the same client; both buckets see
+// exactly the same admitted requests (a check is all-or-nothing), and A's, refilling no
+// faster and holding no more, is never fuller than B's. So B rejects only requests that A
+// rejects already: it never changes a decision (exactly so in local and global modes; in
+// hybrid mode up to the sync's approximation). Remove B, or loosen A.
+//
+// A path glob that no request path can match. Every glob matches some string, so this
+// looks at what gateways send: a request path, as written by the client, before the
+// query. A glob warns when it holds
+//
+//   - '?' or '#': they start the query and the fragment, which are not part of the path
+//     (and a glob has no '?' wildcard);
+//   - a space or control character, which a request path never carries unescaped;
+//   - route-template or regular-expression syntax that a glob takes literally: a segment
+//     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
+//     starting with '^', a pattern ending in '$'.
+//
+// Warnings come in rule-file order (file, then line).
+func (s *Set) Warnings() Errors {
+	var out Errors
+	type earlier struct{ rules []*Rule }
+	bySig := map[string]*earlier{}
+	for _, r := range s.Rules {
+		for ci := range r.conds {
+			for gi := range r.conds[ci].globs {
+				if why := deadGlob(r.conds[ci].globs[gi].pattern); why != "" {
+					out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name) + " match.path",
+						Msg: fmt.Sprintf("%q matches no request path: %s", r.conds[ci].globs[gi].pattern, why)})
+				}
+			}
+		}
+		sig := shadowSignature(r)
+		e := bySig[sig]
+		if e == nil {
+			e = &earlier{}
+			bySig[sig] = e
+		}
+		if !r.Shadow {
+			for _, a := range e.rules {
+				if atLeastAsTight(a, r) {
+					where := "line " + strconv.Itoa(a.Line)
+					if a.File != r.File {
+						where = a.File + ":" + strconv.Itoa(a.Line)
+					}
+					out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name),
+						Msg: fmt.Sprintf("never decides: rule %q (%s) matches the same requests with the same key and a limit at least as tight", a.Name, where)})
+					break
+				}
+			}
+			e.rules = append(e.rules, r)
+		}
+	}
+	return out
+}
+
+// shadowSignature is equal for two rules exactly when all but their limits and names
+// agree in the sense of Warnings.
+func shadowSignature(r *Rule) string {
+	var b strings.Builder
+	conds := make([]string, 0, len(r.conds))
+	for ci := range r.conds {
+		c := &r.conds[ci]
+		var vals []string
+		vals = append(vals, c.values...)
+		for gi := range c.globs {
+			vals = append(vals, c.globs[gi].pattern)
+		}
+		slices.Sort(vals)
+		vals = slices.Compact(vals)
+		var cb strings.Builder
+		cb.WriteString(strconv.Quote(c.attr))
+		for _, v := range vals {
+			cb.WriteByte(' ')
+			cb.WriteString(strconv.Quote(v))
+		}
+		conds = append(conds, cb.String())
+	}
+	slices.Sort(conds)
+	for _, c := range conds {
+		b.WriteString(c)
+		b.WriteByte(';')
+	}
+	key := slices.Clone(r.Key)
+	slices.Sort(key)
+	fmt.Fprintf(&b, "|%q|%d|%d|%d|%d|%d|%v", key, r.Algorithm, r.limit.Window(), r.Mode, r.OnStoreFailure, r.Split, r.SplitAuto)
+	return b.String()
+}
+
+// atLeastAsTight reports whether a's limit is at least as tight as b's for the default
+// and every plan either lists.
+func atLeastAsTight(a, b *Rule) bool {
+	tighter := func(plan string, hasPlan bool) bool {
+		la, ua := a.LimitFor(plan, hasPlan)
+		lb, ub := b.LimitFor(plan, hasPlan)
+		switch {
+		case ub:
+			return true // b never applies to this plan
+		case ua:
+			return false
+		}
+		return la.Requests() <= lb.Requests() && la.Burst() <= lb.Burst()
+	}
+	if !tighter("", false) {
+		return false
+	}
+	for name := range a.plans {
+		if !tighter(name, true) {
+			return false
+		}
+	}
+	for name := range b.plans {
+		if !tighter(name, true) {
+			return false
+		}
+	}
+	return true
+}
+
+// deadGlob says why no request path can match pattern, or "" when one can.
+func deadGlob(pattern string) string {
+	for i := 0; i < len(pattern); i++ {
+		switch c := pattern[i]; {
+		case c == '?':
+			return "'?' starts the query string, which is not part of the path (for any characters within a segment, use *)"
+		case c == '#':
+			return "'#' starts the fragment, which clients never send"
+		case c <= ' ' || c == 0x7f:
+			return "a request path never holds a space or control character unescaped"
+		case c == '\\':
+			return "a backslash looks like a regular expression; globs have * (within a segment) and ** (any depth)"
+		}
+	}
+	if strings.Contains(pattern, ".*") {
+		return "\".*\" looks like a regular expression; globs have * (within a segment) and ** (any depth)"
+	}
+	if strings.HasSuffix(pattern, "$") && len(pattern) > 1 {
+		return "a trailing '$' looks like a regular expression anchor; a glob always matches the whole path"
+	}
+	for seg := range strings.SplitSeq(pattern, "/") {
+		switch {
+		case strings.HasPrefix(seg, "{") && strings.HasSuffix(seg, "}") && len(seg) > 2:
+			return "segment " + strconv.Quote(seg) + " looks like a route template; use * for one segment"
+		case len(seg) > 1 && seg[0] == ':' && isIdent(seg[1:]):
+			return "segment " + strconv.Quote(seg) + " looks like a route parameter; use * for one segment"
+		case strings.HasPrefix(seg, "^"):
+			return "a leading '^' looks like a regular expression anchor; a glob always matches the whole path"
+		case strings.Contains(seg, "[") && strings.Contains(seg, "]"):
+			return "segment " + strconv.Quote(seg) + " looks like a character class; globs have none (use *)"
+		}
+	}
+	return ""
+}
+
+func isIdent(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c == '_' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || i > 0 && c >= '0' && c <= '9') {
+			return false
+		}
+	}
+	return s != ""
+}

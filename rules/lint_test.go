@@ -1,0 +1,94 @@
+package rules
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestWarningsShadowed(t *testing.T) {
+	const a = `  - name: a
+    match: { method: [GET, POST], path: "/v1/**" }
+    key: [user, ip]
+    limit: { requests: 10, per: 1m }
+`
+	tests := []struct {
+		name string
+		b    string // the later rule
+		warn bool
+	}{
+		{"identical", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 10, per: 1m }", true},
+		{"looser, values reordered and repeated, key reordered", "match: { path: \"/v1/**\", method: [POST, GET, GET] }\n    key: [ip, user]\n    limit: { requests: 20, per: 1m, burst: 30 }", true},
+		{"tighter", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 5, per: 1m }", false},
+		{"smaller burst", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m, burst: 5 }", false},
+		{"other per", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1h }", false},
+		{"other key", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: user\n    limit: { requests: 20, per: 1m }", false},
+		{"narrower match", "match: { method: GET, path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
+		{"other glob", "match: { method: [GET, POST], path: \"/v1/*\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
+		{"other algorithm", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    algorithm: fixed_window\n    limit: { requests: 20, per: 1m }", false},
+		{"other failure policy", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    on_store_failure: closed\n    limit: { requests: 20, per: 1m }", false},
+		{"shadow", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    shadow: true\n    limit: { requests: 20, per: 1m }", false},
+		{"a plan only b raises", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { partner: 100 }", true},
+		{"a plan b makes unlimited", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { internal: unlimited }", true},
+		{"a plan b lowers", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { free: 5 }", false},
+	}
+	for _, tt := range tests {
+		src := "rules:\n" + a + "  - name: b\n    " + tt.b + "\n"
+		set := mustParse(t, src)
+		ws := set.Warnings()
+		if got := len(ws) > 0; got != tt.warn {
+			t.Errorf("%s: warnings %v, want a warning: %v", tt.name, ws, tt.warn)
+			continue
+		}
+		if tt.warn && (ws[0].Line != 6 || !strings.Contains(ws[0].Error(), `test.yaml:6: rule "b": never decides: rule "a" (line 2)`)) {
+			t.Errorf("%s: %v", tt.name, ws[0])
+		}
+	}
+	// An unlimited plan on the earlier rule is not tighter than a limit on the later one.
+	set := mustParse(t, "rules:\n"+strings.Replace(a, "per: 1m }", "per: 1m }\n    plans: { internal: unlimited }", 1)+
+		"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
+	if ws := set.Warnings(); len(ws) != 0 {
+		t.Errorf("unlimited plan on a: %v", ws)
+	}
+	// A shadow rule shadows nothing.
+	set = mustParse(t, "rules:\n"+strings.Replace(a, "key:", "shadow: true\n    key:", 1)+"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
+	if ws := set.Warnings(); len(ws) != 0 {
+		t.Errorf("shadow a: %v", ws)
+	}
+}
+
+func TestWarningsDeadGlobs(t *testing.T) {
+	dead := []string{"/search?q=*", "/a#top", "/a b", "/a\tb", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
+		"/^v1/**", "/files/[0-9]*"}
+	live := []string{"/", "/**", "/v1/*/holds", "/files/*.png", "/$metadata", "/v1/projects/p:run", "/a+b", "/{", "/a.b", "/:", "/a(b)"}
+	for _, g := range dead {
+		if deadGlob(g) == "" {
+			t.Errorf("%q: no warning", g)
+		}
+	}
+	for _, g := range live {
+		if why := deadGlob(g); why != "" {
+			t.Errorf("%q: %s", g, why)
+		}
+	}
+	set := mustParse(t, `rules:
+  - name: ok
+    match: { path: "/v1/**" }
+    key: ip
+    limit: { requests: 1, per: 1s }
+  - name: template
+    match: { path: ["/v1/x", "/users/{id}"] }
+    key: ip
+    limit: { requests: 1, per: 1s }
+`)
+	ws := set.Warnings()
+	if len(ws) != 1 || ws[0].Line != 6 || !strings.Contains(ws[0].Error(), `"/users/{id}" matches no request path: segment "{id}" looks like a route template`) {
+		t.Errorf("warnings %v", ws)
+	}
+}
+
+// The built-in rules and the fixtures that should be clean are.
+func TestWarningsNoneOnDefault(t *testing.T) {
+	if ws := Default().Warnings(); len(ws) != 0 {
+		t.Errorf("built-in rules: %v", ws)
+	}
+}
