@@ -169,11 +169,11 @@ func scratchOf[T any](d *Decision, id storeID) *native[T] {
 	return n
 }
 
-// lastBatch returns store id's scratch as its last take left it.
+// lastBatch returns store id's scratch as its last take left it, for giveBack.
 func lastBatch[T any](d *Decision, id storeID) *native[T] {
-	n, _ := d.scratch[id].(*native[T])
-	if n == nil {
-		return &native[T]{}
+	n, ok := d.scratch[id].(*native[T])
+	if !ok {
+		panic("BUG: limiter: giveBack before take")
 	}
 	return n
 }
