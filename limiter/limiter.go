@@ -179,6 +179,7 @@ type Decision struct {
 	Results  []Result
 
 	ops     []op                // one per result: the check's operations
+	routed  uint8               // a bit per store (1<<storeID) some op is routed to
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
@@ -215,6 +216,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.Degraded = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
+	d.routed = 0
 	d.keys = d.keys[:0]
 
 	plan, hasPlan := rules.Lookup(in.Attrs, "plan")
@@ -252,7 +254,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			}
 		}
 		shadow := r.Shadow || shadowAll
-		d.ops = append(d.ops, op{keyEnd: len(d.keys), lim: lim, cost: in.Cost, shadow: shadow, store: id, fb: fb})
+		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: in.Cost, shadow: shadow, fb: fb}
+		d.route(len(d.ops)-1, id)
 		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r})
 	}
 
@@ -276,8 +279,9 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			if name == "" {
 				name = il.Key
 			}
-			d.ops = append(d.ops, op{keyEnd: len(d.keys), lim: &d.limits[i], cost: in.Cost, store: id,
+			d.ops = append(d.ops, op{keyEnd: int32(len(d.keys)), lim: &d.limits[i], cost: in.Cost,
 				fb: fallback{rules.FailLocal, &d.limits[i]}})
+			d.route(len(d.ops)-1, id)
 			d.Results = append(d.Results, Result{Name: name})
 		}
 	}
@@ -286,7 +290,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
-	start := 0
+	start := int32(0)
 	for i := range d.ops {
 		o := &d.ops[i]
 		o.key = d.keys[start:o.keyEnd]
@@ -297,15 +301,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 
 	for i := range d.ops {
 		o := &d.ops[i]
-		out := &d.Results[i]
-		out.Limit = o.res.Limit
-		out.Window = o.lim.Window()
-		out.Remaining = o.res.Remaining
-		out.Reset = time.Duration(o.res.Reset)
-		out.RetryAfter = time.Duration(o.res.RetryAfter)
-		out.Allowed = o.res.Allowed
-		out.Impossible = o.res.Impossible
-		out.Degraded = o.degraded
+		d.Results[i].Window = o.lim.Window()
+		d.Results[i].Degraded = o.degraded
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
 	return nil

@@ -53,18 +53,17 @@ type store interface {
 var errStale = errors.New("store state is stale")
 
 // op is one operation of a check: one rule's (or inline limit's) limit on one client key,
-// routed to one store, and its outcome. A check is a slice of ops, parallel to
-// Decision.Results.
+// routed to one store. A check is a slice of ops, parallel to Decision.Results, where
+// each op's outcome is written (Decision.report).
 type op struct {
 	key      []byte // the client key (Redis prefix included for a Redis store)
-	keyEnd   int    // where key ends in Decision.keys (sliced once that stops growing)
 	lim      *localbucket.Limit
 	cost     uint64
+	fb       fallback // what decides when its store cannot
+	keyEnd   int32    // where key ends in Decision.keys (sliced once that stops growing)
 	shadow   bool
 	store    storeID
-	degraded bool     // a failure policy decided or rerouted it
-	fb       fallback // what decides when its store cannot
-	res      localbucket.Result
+	degraded bool // a failure policy decided or rerouted it
 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
@@ -75,14 +74,24 @@ type fallback struct {
 	local  *localbucket.Limit
 }
 
+// route sends op i to store id.
+func (d *Decision) route(i int, id storeID) {
+	d.ops[i].store = id
+	d.routed |= 1 << id
+}
+
 // routes reports whether any op of d is routed to id.
-func (d *Decision) routes(id storeID) bool {
-	for i := range d.ops {
-		if d.ops[i].store == id {
-			return true
-		}
-	}
-	return false
+func (d *Decision) routes(id storeID) bool { return d.routed&(1<<id) != 0 }
+
+// report writes a store's outcome for op i into its Result.
+func (d *Decision) report(i int, r *localbucket.Result) {
+	out := &d.Results[i]
+	out.Limit = r.Limit
+	out.Remaining = r.Remaining
+	out.Reset = time.Duration(r.Reset)
+	out.RetryAfter = time.Duration(r.RetryAfter)
+	out.Allowed = r.Allowed
+	out.Impossible = r.Impossible
 }
 
 // apply decides the request's ops all-or-nothing across the stores, in storeID order.
@@ -136,16 +145,16 @@ func (d *Decision) fallBack(id storeID) bool {
 		switch o.fb.policy {
 		case rules.FailOpen:
 			o.store = decided
-			o.res = localbucket.Result{Allowed: true, Limit: o.lim.Requests(), Remaining: o.lim.Capacity()}
+			d.report(i, &localbucket.Result{Allowed: true, Limit: o.lim.Requests(), Remaining: o.lim.Capacity()})
 		case rules.FailClosed:
 			o.store = decided
-			o.res = localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second)}
+			d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second)})
 			ok = ok && o.shadow
 		default:
-			o.store = storeLocal
 			if o.fb.local != nil {
 				o.lim = o.fb.local
 			}
+			d.route(i, storeLocal)
 		}
 	}
 	return ok
@@ -176,4 +185,16 @@ func lastBatch[T any](d *Decision, id storeID) *native[T] {
 		panic("BUG: limiter: giveBack before take")
 	}
 	return n
+}
+
+// push extends s by one element in place and returns it, so a caller fills a large
+// struct where it lives instead of building it and copying it in.
+func push[T any](s *[]T) *T {
+	if len(*s) < cap(*s) {
+		*s = (*s)[:len(*s)+1]
+	} else {
+		var zero T
+		*s = append(*s, zero)
+	}
+	return &(*s)[len(*s)-1]
 }

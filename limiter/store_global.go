@@ -50,6 +50,6 @@ func (s globalStore) skip(int64, *Decision) {}
 
 func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
 	for k, i := range n.at {
-		d.ops[i].res = n.ops[k].Result
+		d.report(i, &n.ops[k].Result)
 	}
 }

@@ -39,6 +39,6 @@ func (s hybridStore) skip(int64, *Decision) {}
 
 func (s hybridStore) results(d *Decision, n *native[rlsync.HybridOp]) {
 	for k, i := range n.at {
-		d.ops[i].res = n.ops[k].Result
+		d.report(i, &n.ops[k].Result)
 	}
 }

@@ -13,7 +13,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeLocal {
-			n.ops = append(n.ops, localbucket.Op{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow})
+			*push(&n.ops) = localbucket.Op{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow}
 			n.at = append(n.at, i)
 		}
 	}
@@ -22,7 +22,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 
 func (s localStore) results(d *Decision, n *native[localbucket.Op]) {
 	for k, i := range n.at {
-		d.ops[i].res = n.ops[k].Result
+		d.report(i, &n.ops[k].Result)
 	}
 }
 
