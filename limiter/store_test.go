@@ -275,3 +275,79 @@ rules:
 		t.Fatalf("keys %v\nwant %s", keys, want)
 	}
 }
+
+// mixedLimiter has a hybrid rule beside a local one, its Hybrid never synced (Redis
+// unreachable): fresh, its allowances stand; a minute later they are stale.
+func mixedLimiter(tb testing.TB) *Limiter {
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1", Timeout: 50 * time.Millisecond})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { rdb.Close() })
+	return New(mustRules(tb, `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 1000000000, per: 1h }
+    mode: hybrid
+  - name: per-ip
+    key: ip
+    limit: { requests: 1000000000, per: 1h }
+    mode: local
+`), localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
+}
+
+// Checks through the hybrid store and the failure-policy step allocate nothing once the
+// keys exist: the adapters keep their batches in the Decision.
+func TestStorePathsAllocate0(t *testing.T) {
+	l := mixedLimiter(t)
+	in := Input{Attrs: attrs("user=u-1", "ip=203.0.113.9"), Cost: 1}
+	for _, tc := range []struct {
+		name     string
+		now      int64
+		degraded bool
+	}{
+		{"hybrid+local", time.Now().UnixNano(), false},
+		{"stale: local fallback", time.Now().Add(time.Minute).UnixNano(), true},
+	} {
+		var d Decision
+		_ = l.Check(tc.now, &in, &d)
+		if d.Degraded != tc.degraded || len(d.Results) != 2 {
+			t.Fatalf("%s: %+v", tc.name, d)
+		}
+		if n := testing.AllocsPerRun(200, func() { _ = l.Check(tc.now, &in, &d) }); n != 0 {
+			t.Errorf("%s: %v allocs per check", tc.name, n)
+		}
+	}
+}
+
+// BenchmarkCheckHybridLocal is BenchmarkCheck2Rules with one rule in hybrid mode: the
+// hybrid store, then the local one (fresh allowances: after the first request on credit,
+// the hybrid rule rejects and the local bucket only reports).
+func BenchmarkCheckHybridLocal(b *testing.B) {
+	l := mixedLimiter(b)
+	in := Input{Attrs: attrs("user=u-12345", "ip=203.0.113.9"), Cost: 1}
+	now := time.Now().UnixNano()
+	var d Decision
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := l.Check(now, &in, &d); err != nil || len(d.Results) != 2 {
+			b.Fatal(err, d)
+		}
+	}
+}
+
+// BenchmarkCheckDegraded: the hybrid allowances are stale, so every check goes through
+// the failure-policy step (local fallback) and then the local store.
+func BenchmarkCheckDegraded(b *testing.B) {
+	l := mixedLimiter(b)
+	in := Input{Attrs: attrs("user=u-12345", "ip=203.0.113.9"), Cost: 1}
+	now := time.Now().Add(time.Minute).UnixNano()
+	var d Decision
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := l.Check(now, &in, &d); err != nil || !d.Degraded || !d.Allowed {
+			b.Fatal(err, d)
+		}
+	}
+}
