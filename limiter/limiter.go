@@ -179,7 +179,7 @@ type Decision struct {
 	Results  []Result
 
 	ops     []op                // one per result: the check's operations
-	routed  uint8               // a bit per store (1<<storeID) some op is routed to
+	routed  uint8               // a bit per store (1<<storeID) some op was routed to
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
@@ -279,8 +279,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			if name == "" {
 				name = il.Key
 			}
-			d.ops = append(d.ops, op{keyEnd: int32(len(d.keys)), lim: &d.limits[i], cost: in.Cost,
-				fb: fallback{rules.FailLocal, &d.limits[i]}})
+			*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[i], cost: in.Cost,
+				fb: fallback{rules.FailLocal, &d.limits[i]}}
 			d.route(len(d.ops)-1, id)
 			d.Results = append(d.Results, Result{Name: name})
 		}
