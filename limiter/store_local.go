@@ -13,7 +13,8 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeLocal {
-			*push(&n.ops) = localbucket.Op{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow}
+			lo := push(&n.ops) // its Result is left as it was: Apply and Reject write every one
+			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
 			n.at = append(n.at, i)
 		}
 	}
