@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -155,6 +156,7 @@ func testPrefixes(t *testing.T, rdb redis.UniversalClient, redisArgs []string) {
 			t.Errorf("%s counts %d (%v), want %d", key, got, err, want)
 		}
 	}
+	var mu sync.Mutex // ForEachMaster calls scan for every master at once
 	var stray []string
 	scan := func(ctx context.Context, c *redis.Client) error {
 		for _, p := range []string{"rl:*", "*daemons*"} {
@@ -162,7 +164,9 @@ func testPrefixes(t *testing.T, rdb redis.UniversalClient, redisArgs []string) {
 			if err != nil {
 				return err
 			}
+			mu.Lock()
 			stray = append(stray, keys...)
+			mu.Unlock()
 		}
 		return nil
 	}
