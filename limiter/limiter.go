@@ -163,7 +163,8 @@ type Result struct {
 	Degraded bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
-	// Key is the client key checked (valid until the next Check with this Decision).
+	// Key is the client key checked; for a hybrid or global check it is the Redis key,
+	// prefix included (valid until the next Check with this Decision).
 	Key []byte
 }
 
