@@ -1,15 +1,6 @@
-// Package limiter is the decision engine: for one request it matches the rules, derives
-// each rule's client key, validates the inline limits, applies every check to the store
-// all-or-nothing and chooses the deciding rule.
-//
-// A Limiter is safe for concurrent use. Its rules are swapped atomically (SetRules), so a
-// check sees either the old rule set or the new one, never a mix. Callers bring their own
-// Decision, which holds the scratch space a check needs; reusing one Decision per
-// connection makes Check allocation-free once the keys exist.
 package limiter
 
 import (
-	"context"
 	"fmt"
 	"strconv"
 	"sync/atomic"
@@ -20,21 +11,24 @@ import (
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
-// Limiter decides requests against a rule set, a store of local buckets and, when the
-// daemon has Redis, the hybrid mode's allowances.
+// Limiter decides requests against a rule set, with one store per mode: the local
+// buckets always, and when the daemon has Redis the hybrid mode's allowances and the
+// global mode's scripts.
 type Limiter struct {
 	rules       atomic.Pointer[rules.Set]
-	store       *localbucket.Store
-	hybrid      *rlsync.Hybrid
-	global      *rlsync.Global
-	globalWait  time.Duration
+	buckets     *localbucket.Store
+	stores      [numStores]store // by storeID; nil: the daemon lacks that mode
+	hybrid      *hybridStore     // also stores[storeHybrid]; counts the live daemons
+	prefix      string           // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
 }
 
-// New returns a Limiter deciding with set on store, every rule in local mode.
+// New returns a Limiter deciding with set on store, every rule in local mode, its Redis
+// keys (once WithHybrid or WithGlobal) under rlsync.DefaultPrefix.
 func New(set *rules.Set, store *localbucket.Store) *Limiter {
-	l := &Limiter{store: store, defaultMode: rules.ModeLocal}
+	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix}
+	l.stores[storeLocal] = localStore{store}
 	l.rules.Store(set)
 	return l
 }
@@ -43,7 +37,8 @@ func New(set *rules.Set, store *localbucket.Store) *Limiter {
 // name a mode in hybrid mode too: the default when the daemon has Redis. Call it before
 // the limiter is used.
 func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
-	l.hybrid = h
+	l.hybrid = &hybridStore{h}
+	l.stores[storeHybrid] = l.hybrid
 	l.defaultMode = rules.ModeHybrid
 	return l
 }
@@ -51,10 +46,25 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 // WithGlobal makes the limiter decide global-mode rules with g, waiting at most timeout
 // for Redis per check; past it (or on any error) each rule's failure policy decides.
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
-	l.global = g
-	l.globalWait = timeout
+	l.stores[storeGlobal] = globalStore{g, timeout}
 	return l
 }
+
+// SetRedisPrefix makes every Redis key the limiter builds (rule and inline-limit keys in
+// hybrid and global mode) start with prefix instead of rlsync.DefaultPrefix. The daemon's
+// other keys take the same prefix through rlsync.HybridOptions. It returns the error of
+// rlsync.CheckPrefix and changes nothing on a bad prefix. Call it before the limiter is
+// used.
+func (l *Limiter) SetRedisPrefix(prefix string) error {
+	if err := rlsync.CheckPrefix(prefix); err != nil {
+		return err
+	}
+	l.prefix = prefix
+	return nil
+}
+
+// RedisPrefix returns the prefix of every Redis key the limiter builds.
+func (l *Limiter) RedisPrefix() string { return l.prefix }
 
 // splitAmong is how many daemons a split rule's limit is divided among: its own number,
 // or for split: auto the live daemons Redis heartbeats count (1 without Redis).
@@ -65,7 +75,7 @@ func (l *Limiter) splitAmong(r *rules.Rule) int {
 	if l.hybrid == nil {
 		return 1
 	}
-	return l.hybrid.Replicas()
+	return l.hybrid.replicas()
 }
 
 // resolve turns a rule's mode into the one the limiter can apply: a rule that names none
@@ -75,7 +85,7 @@ func (l *Limiter) resolve(m rules.Mode) rules.Mode {
 	if m == rules.ModeDefault {
 		m = l.defaultMode
 	}
-	if m == rules.ModeHybrid && l.hybrid == nil || m == rules.ModeGlobal && l.global == nil {
+	if m == rules.ModeHybrid && l.stores[storeHybrid] == nil || m == rules.ModeGlobal && l.stores[storeGlobal] == nil {
 		return rules.ModeLocal
 	}
 	return m
@@ -91,9 +101,6 @@ func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 // ModeOf returns the mode the limiter applies to r.
 func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode { return l.resolve(r.Mode) }
 
-// RedisPrefix starts every Redis key: the limiter's client key follows it.
-const RedisPrefix = "rl:"
-
 // Rules returns the active rule set.
 func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
 
@@ -101,7 +108,7 @@ func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
 func (l *Limiter) SetRules(set *rules.Set) { l.rules.Store(set) }
 
 // Store returns the store the limiter decides on.
-func (l *Limiter) Store() *localbucket.Store { return l.store }
+func (l *Limiter) Store() *localbucket.Store { return l.buckets }
 
 // CheckModes reports an error for the first rule whose mode needs a store the daemon does
 // not have. Without Redis every rule runs in local mode; hybrid and global need one.
@@ -156,7 +163,8 @@ type Result struct {
 	Degraded bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
-	// Key is the client key checked (valid until the next Check with this Decision).
+	// Key is the client key checked; for a hybrid or global check it is the Redis key,
+	// prefix included (valid until the next Check with this Decision).
 	Key []byte
 }
 
@@ -171,39 +179,13 @@ type Decision struct {
 	Degraded bool
 	Results  []Result
 
-	ops    []localbucket.Op
-	hops   []rlsync.HybridOp
-	gops   []rlsync.GlobalOp
-	hfb    []fallback    // per hybrid op
-	gfb    []fallback    // per global op
-	fixed  []fixedResult // results decided by a failure policy alone
-	where  []opRef       // per result: where its check is
-	keys   []byte
-	ends   []int
-	limits []localbucket.Limit
+	ops     []op                // one per result: the check's operations
+	routed  uint8               // a bit per store (1<<storeID) some op was routed to
+	keys    []byte              // every op's key, back to back
+	limits  []localbucket.Limit // the inline limits, parsed
+	scratch [numStores]any      // each store's own batch types (scratchOf)
 	// matched holds the rules matching the request, from the rule set's index.
 	matched []*rules.Rule
-}
-
-// opRef says which list holds a result's check, and where.
-type opRef struct {
-	kind     rules.Mode // ModeLocal, ModeHybrid, ModeGlobal, or ModeDefault for fixed
-	idx      int32
-	degraded bool // moved here by a failure policy
-}
-
-// fixedResult is a check's result decided by a failure policy, with its limit.
-type fixedResult struct {
-	res localbucket.Result
-	lim *localbucket.Limit
-}
-
-// fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
-// and for policy local the limit of the local bucket (the rule's limit divided among the
-// live daemons last counted).
-type fallback struct {
-	policy rules.FailurePolicy
-	local  *localbucket.Limit
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -226,6 +208,10 @@ func (e *InvalidLimitError) Error() string {
 
 // Check decides in at time now (Unix nanoseconds, read once at the edge) and fills d.
 // It returns *InvalidLimitError when an inline limit is malformed; then nothing is consumed.
+//
+// It works in three steps: gather one op per matching rule and inline limit (its key,
+// limit, cost, store and failure policy), apply them all-or-nothing across the stores,
+// and report each op as a Result.
 func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	set := l.rules.Load()
 	d.Allowed = true
@@ -233,14 +219,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.Degraded = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
-	d.hops = d.hops[:0]
-	d.where = d.where[:0]
-	d.gops = d.gops[:0]
-	d.hfb = d.hfb[:0]
-	d.gfb = d.gfb[:0]
-	d.fixed = d.fixed[:0]
+	d.routed = 0
 	d.keys = d.keys[:0]
-	d.ends = d.ends[:0]
 
 	plan, hasPlan := rules.Lookup(in.Attrs, "plan")
 	shadowAll := l.shadowAll.Load()
@@ -256,27 +236,27 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		if unlimited {
 			continue
 		}
-		mode := l.resolve(r.Mode)
+		id := storeOf(l.resolve(r.Mode))
 		var ok bool
 		start := len(d.keys)
-		if mode != rules.ModeLocal {
-			d.keys = append(d.keys, RedisPrefix...)
+		if id != storeLocal {
+			d.keys = append(d.keys, l.prefix...)
 		}
 		d.keys, ok = r.AppendKey(d.keys, in.Attrs)
 		if !ok {
 			d.keys = d.keys[:start]
 			continue
 		}
-		d.ends = append(d.ends, len(d.keys))
 		var fb fallback
-		if mode != rules.ModeLocal {
+		if id != storeLocal {
 			fb = fallback{r.OnStoreFailure, lim}
 			if l.hybrid != nil {
-				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.Replicas())
+				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
 			}
 		}
 		shadow := r.Shadow || shadowAll
-		d.add(mode, lim, in.Cost, shadow, fb)
+		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: in.Cost, shadow: shadow, fb: fb}
+		d.route(len(d.ops)-1, id)
 		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r})
 	}
 
@@ -291,180 +271,53 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			if err != nil {
 				return err
 			}
-			if mode != rules.ModeLocal {
-				d.keys = append(d.keys, RedisPrefix...)
+			id := storeOf(mode)
+			if id != storeLocal {
+				d.keys = append(d.keys, l.prefix...)
 			}
 			d.keys = appendInlineKey(d.keys, il, &d.limits[i])
-			d.ends = append(d.ends, len(d.keys))
 			name := il.Name
 			if name == "" {
 				name = il.Key
 			}
-			d.add(mode, &d.limits[i], in.Cost, false, fallback{rules.FailLocal, &d.limits[i]})
+			*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[i], cost: in.Cost,
+				fb: fallback{rules.FailLocal, &d.limits[i]}}
+			d.route(len(d.ops)-1, id)
 			d.Results = append(d.Results, Result{Name: name})
 		}
 	}
-	if len(d.where) == 0 {
+	if len(d.ops) == 0 {
 		return nil
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
-	start := 0
-	for i, w := range d.where {
-		key := d.keys[start:d.ends[i]]
-		start = d.ends[i]
-		d.Results[i].Key = key
-		switch w.kind {
-		case rules.ModeLocal:
-			d.ops[w.idx].Key = key
-		case rules.ModeHybrid:
-			d.hops[w.idx].Key = key
-		default:
-			d.gops[w.idx].Key = string(key) // the global path goes to Redis anyway
-		}
+	start := int32(0)
+	for i := range d.ops {
+		o := &d.ops[i]
+		o.key = d.keys[start:o.keyEnd]
+		start = o.keyEnd
+		d.Results[i].Key = o.key
 	}
 	d.Allowed = l.apply(now, d)
 
-	for i, w := range d.where {
-		var res *localbucket.Result
-		var lim *localbucket.Limit
-		switch w.kind {
-		case rules.ModeLocal:
-			res, lim = &d.ops[w.idx].Result, d.ops[w.idx].Limit
-		case rules.ModeHybrid:
-			res, lim = &d.hops[w.idx].Result, d.hops[w.idx].Limit
-		case rules.ModeGlobal:
-			res, lim = &d.gops[w.idx].Result, d.gops[w.idx].Limit
-		default:
-			res, lim = &d.fixed[w.idx].res, d.fixed[w.idx].lim
-		}
-		out := &d.Results[i]
-		out.Limit = res.Limit
-		out.Window = lim.Window()
-		out.Remaining = res.Remaining
-		out.Reset = time.Duration(res.Reset)
-		out.RetryAfter = time.Duration(res.RetryAfter)
-		out.Allowed = res.Allowed
-		out.Impossible = res.Impossible
-		out.Degraded = w.kind == rules.ModeDefault || w.degraded
+	for i := range d.ops {
+		o := &d.ops[i]
+		d.Results[i].Window = o.lim.Window()
+		d.Results[i].Degraded = o.degraded
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
 	return nil
 }
 
-// add appends one check to the list its mode decides it with.
-func (d *Decision) add(mode rules.Mode, lim *localbucket.Limit, cost uint64, shadow bool, fb fallback) {
-	switch mode {
+// storeOf returns the store that decides a mode's checks (m as resolve returns it).
+func storeOf(m rules.Mode) storeID {
+	switch m {
 	case rules.ModeHybrid:
-		d.where = append(d.where, opRef{kind: mode, idx: int32(len(d.hops))})
-		d.hops = append(d.hops, rlsync.HybridOp{Limit: lim, Cost: cost, Shadow: shadow})
-		d.hfb = append(d.hfb, fb)
+		return storeHybrid
 	case rules.ModeGlobal:
-		d.where = append(d.where, opRef{kind: mode, idx: int32(len(d.gops))})
-		d.gops = append(d.gops, rlsync.GlobalOp{Limit: lim, Cost: cost, Shadow: shadow})
-		d.gfb = append(d.gfb, fb)
-	default:
-		d.where = append(d.where, opRef{kind: rules.ModeLocal, idx: int32(len(d.ops))})
-		d.ops = append(d.ops, localbucket.Op{Limit: lim, Cost: cost, Shadow: shadow})
+		return storeGlobal
 	}
-}
-
-// apply decides the request's checks all-or-nothing across the three modes, cheapest to
-// give back first: hybrid allowances (given back locally), then the exact global checks
-// (one Redis round trip; given back with a refund script), then the local buckets, which
-// commit only when everything passed. A check that rejects leaves the later ones only
-// reporting (the local buckets through Reject), and gives back what earlier ones took.
-func (l *Limiter) apply(now int64, d *Decision) bool {
-	if len(d.hops) == 0 && len(d.gops) == 0 {
-		return l.store.Apply(now, d.ops)
-	}
-	ok := true
-	if len(d.hops) > 0 && !l.hybrid.Healthy(now) {
-		// Redis has not answered for a while: the allowances are stale. Each rule's
-		// failure policy decides instead, and the decision says so.
-		for i := range d.hops {
-			op := &d.hops[i]
-			ok = d.unavailable(rules.ModeHybrid, i, op.Key, op.Limit, op.Cost, op.Shadow, d.hfb[i]) && ok
-		}
-		d.hops = d.hops[:0]
-	}
-	if len(d.hops) > 0 {
-		ok = l.hybrid.Take(now, d.hops)
-	}
-	globalTook := false
-	if ok && len(d.gops) > 0 {
-		ctx, cancel := context.WithTimeout(context.Background(), l.globalWait)
-		gok, err := l.global.Check(ctx, d.gops)
-		cancel()
-		if err != nil {
-			gok = true
-			for i := range d.gops {
-				op := &d.gops[i]
-				gok = d.unavailable(rules.ModeGlobal, i, []byte(op.Key), op.Limit, op.Cost, op.Shadow, d.gfb[i]) && gok
-			}
-			d.gops = d.gops[:0]
-		} else {
-			globalTook = gok
-		}
-		if !gok {
-			ok = false
-			if len(d.hops) > 0 {
-				l.hybrid.Undo(d.hops)
-			}
-		}
-	}
-	if !ok {
-		if len(d.ops) > 0 {
-			l.store.Reject(now, d.ops)
-		}
-		return false
-	}
-	if len(d.ops) == 0 || l.store.Apply(now, d.ops) {
-		return true
-	}
-	if len(d.hops) > 0 {
-		l.hybrid.Undo(d.hops)
-	}
-	if globalTook {
-		ctx, cancel := context.WithTimeout(context.Background(), l.globalWait)
-		_ = l.global.Undo(ctx, d.gops) // a failed refund only leaves capacity used until it refills
-		cancel()
-	}
-	return false
-}
-
-// unavailable decides the check at index i of the kind's list without the store it
-// needs, by its failure policy: open allows, closed rejects (retry in a second), local
-// moves it to a local bucket holding the rule's limit divided among the live daemons.
-// It points the check's result at its new place and marks the decision degraded; it
-// reports whether the check may pass so far.
-func (d *Decision) unavailable(kind rules.Mode, i int, key []byte, lim *localbucket.Limit, cost uint64, shadow bool, fb fallback) bool {
-	d.Degraded = true
-	var to opRef
-	ok := true
-	switch fb.policy {
-	case rules.FailOpen:
-		to = opRef{kind: rules.ModeDefault, idx: int32(len(d.fixed))}
-		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Allowed: true, Limit: lim.Requests(), Remaining: lim.Capacity()}, lim})
-	case rules.FailClosed:
-		to = opRef{kind: rules.ModeDefault, idx: int32(len(d.fixed))}
-		d.fixed = append(d.fixed, fixedResult{localbucket.Result{Limit: lim.Requests(), RetryAfter: int64(time.Second)}, lim})
-		ok = shadow
-	default:
-		local := fb.local
-		if local == nil {
-			local = lim
-		}
-		to = opRef{kind: rules.ModeLocal, idx: int32(len(d.ops))}
-		d.ops = append(d.ops, localbucket.Op{Key: key, Limit: local, Cost: cost, Shadow: shadow})
-	}
-	to.degraded = true
-	for w := range d.where {
-		if d.where[w].kind == kind && d.where[w].idx == int32(i) {
-			d.where[w] = to
-		}
-	}
-	return ok
+	return storeLocal
 }
 
 // deciding chooses the deciding rule: when allowed, the non-shadow rule with the least
@@ -516,12 +369,12 @@ func (l *Limiter) inlineMode(i int, il *Inline) (rules.Mode, error) {
 	case "local":
 		return rules.ModeLocal, nil
 	case "hybrid":
-		if l.hybrid != nil {
+		if l.stores[storeHybrid] != nil {
 			return rules.ModeHybrid, nil
 		}
 		return 0, &InvalidLimitError{i, "mode hybrid needs a Redis store, and this daemon has none; use local or leave mode out"}
 	case "global":
-		if l.global != nil {
+		if l.stores[storeGlobal] != nil {
 			return rules.ModeGlobal, nil
 		}
 		return 0, &InvalidLimitError{i, "mode global needs a Redis store, and this daemon has none; use local or leave mode out"}
@@ -576,4 +429,4 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 
 // Sweep drops the state of keys that carry no information any more (full buckets,
 // windows that have passed), so memory follows the active keys. Call it periodically.
-func (l *Limiter) Sweep(now int64) int { return l.store.Sweep(now) }
+func (l *Limiter) Sweep(now int64) int { return l.buckets.Sweep(now) }

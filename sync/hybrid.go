@@ -53,6 +53,8 @@ type Hybrid struct {
 	breaker *Breaker      // nil: always call
 	kick    chan struct{} // a key was seen for the first time: sync it without waiting
 	observe Observer      // nil: none
+
+	daemonsKey string // the live-daemons set, under the configured prefix
 }
 
 // WithObserver makes h report its calls to Redis (ops hybrid_sync and heartbeat).
@@ -118,6 +120,9 @@ type HybridOptions struct {
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.
 	ID string
+	// Prefix starts the live-daemons key (DaemonsKeyFor); default DefaultPrefix. It must
+	// pass CheckPrefix. The keys Hybrid syncs come from its callers, prefix included.
+	Prefix string
 }
 
 // NewHybrid returns a Hybrid flushing to rdb.
@@ -136,8 +141,11 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		_, _ = rand.Read(b[:])
 		o.ID = hex.EncodeToString(b[:])
 	}
+	if o.Prefix == "" {
+		o.Prefix = DefaultPrefix
+	}
 	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1, id: o.ID,
-		perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
+		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.lastOK.Store(time.Now().UnixNano())
 	h.kick = make(chan struct{}, 1)
 	for i := range h.shards {
@@ -595,14 +603,13 @@ var heartbeatLua string
 
 var heartbeatScript = redis.NewScript(heartbeatLua)
 
-// DaemonsKey is the sorted set of live daemons (member: daemon id, score: Redis time of
-// its last heartbeat, ms).
-const DaemonsKey = "rl:daemons"
+// DaemonsKey is the sorted set of live daemons under DefaultPrefix (see DaemonsKeyFor).
+const DaemonsKey = DefaultPrefix + "daemons"
 
 // Heartbeat records this daemon as live and returns how many daemons are: those that
 // sent a heartbeat within ttl. It also updates the replica count new keys are sized by.
 func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
-	v, err := heartbeatScript.Run(ctx, h.rdb, []string{DaemonsKey}, id, ttl.Milliseconds()).Int64()
+	v, err := heartbeatScript.Run(ctx, h.rdb, []string{h.daemonsKey}, id, ttl.Milliseconds()).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("heartbeat: %w", err)
 	}

@@ -64,6 +64,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
 	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
 	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call")
+	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats (default: hostname-pid)")
 	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
@@ -77,6 +78,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 
+	if err := rlsync.CheckPrefix(*redisPrefix); err != nil {
+		return fmt.Errorf("%w: --redis-prefix: %v", errUsage, err)
+	}
 	haveRedis := *redisURL != "" || *redisCluster != ""
 	id := *daemonID
 	if id == "" {
@@ -142,8 +146,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id}).
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Prefix: *redisPrefix}).
 			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
+		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
+			return err
+		}
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {

@@ -1,0 +1,62 @@
+// Package limiter is the decision engine: for one request it matches the rules, derives
+// each rule's client key, validates the inline limits, applies every check to its store
+// all-or-nothing and chooses the deciding rule.
+//
+// A Limiter is safe for concurrent use. Its rules are swapped atomically (SetRules), so a
+// check sees either the old rule set or the new one, never a mix. Callers bring their own
+// Decision, which holds the scratch space a check needs; reusing one Decision per
+// connection makes Check allocation-free once the keys exist. Most callers want New, then
+// WithHybrid and WithGlobal when the daemon has Redis, then Check.
+//
+// # One shape for a check
+//
+// Check turns a request into a slice of uniform operations (op, in store.go), one per
+// matching rule or inline limit: the limit, the client key, the cost, whether it is a
+// shadow, the store that decides it, and its failure policy; then it applies them and
+// reports one Result per op. Each mode is one store behind the small interface store
+// (store.go):
+//
+//   - take: decide the store's ops at now, all-or-nothing (or fail: the store cannot
+//     decide now);
+//   - giveBack: return what take took, when a later store rejects the request;
+//   - skip: report without taking, when an earlier store rejected.
+//
+// apply walks the stores in a fixed order, cheapest to give back first (hybrid
+// allowances in memory, then the global mode's Redis scripts, then the local buckets,
+// which commit only when everything else passed). When a store fails, one step
+// (Decision.fallBack) applies every affected op's failure policy: open allows, closed
+// refuses, local reroutes the op to the local store; the op and the decision are marked
+// degraded. Each store's adapter is its own file (store_local.go, store_hybrid.go,
+// store_global.go) and is the only code calling that store's package, so a change in a
+// store's API changes one file. An adapter keeps its API's own batch types in the
+// Decision (scratchOf), so no store costs an allocation per check.
+//
+// # Extending it
+//
+// Every new kind of limit adds a store or an algorithm, never another list in Decision:
+//
+//   - Concurrency leases ("at most N in flight"): a lease store whose take acquires N
+//     leases all-or-nothing and whose giveBack releases them; releasing a lease when the
+//     request ends is a new operation on that store (a Release(key, lease id) the daemon
+//     calls), not a new path through Check. Its ids go in the Result.
+//   - Escalating bans: a ban store consulted first (its take refuses while a ban holds,
+//     taking nothing), with the ban raised by the rule's rejection; or an algorithm in
+//     localbucket whose state carries the offence count, in which case no store changes.
+//   - Calendar windows (per day in a time zone, per month): an algorithm in localbucket
+//     (a window start computed from now and the zone), run by the local store and the
+//     Redis scripts alike; no change here beyond parsing.
+//   - Delay ("let it through after d instead of refusing"): a field of the op's Result
+//     (the wait) that the local and global algorithms fill, and a rule option; the
+//     stores and their order stay as they are.
+//
+// A new store gets a storeID before storeLocal (the failure policy "local" reroutes to
+// the local store, which therefore runs last), an adapter file, and a mapping from its
+// mode in storeOf.
+//
+// # Redis keys
+//
+// A Redis-backed op's key is the daemon's prefix (SetRedisPrefix; default
+// rlsync.DefaultPrefix, "rl:"), then the rule name, then the client between braces, the
+// Redis Cluster hash tag: rl:per-user:{user=alice}. Inline limits use
+// rl:~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<key>}. Local keys have no prefix.
+package limiter

@@ -1,0 +1,200 @@
+package limiter
+
+import (
+	"errors"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// storeID names a store, and orders the stores: apply visits them in this order.
+//
+// The order is cheapest to give back first: hybrid allowances are given back in memory,
+// global checks with one refund round trip, and the local buckets last, because they
+// commit only when everything before them passed and because the failure policy "local"
+// moves a check there from an earlier store. A new store goes before storeLocal.
+type storeID uint8
+
+const (
+	storeHybrid storeID = iota // local allowances synced to Redis (store_hybrid.go)
+	storeGlobal                // one atomic Redis script per check (store_global.go)
+	storeLocal                 // this daemon's buckets (store_local.go); always last
+	numStores
+
+	// decided marks an op that no store decides: its failure policy wrote its result.
+	decided storeID = numStores
+)
+
+// store is the one thing a mode is to the limiter: where a check's operations are taken
+// from, all-or-nothing, and given back. Each store sees, per check, the Decision's ops
+// routed to it (those whose store field is its id) as one batch; an adapter translates
+// them to its package's API, keeping that API's scratch types in the Decision
+// (scratchOf), and writes each op's res back.
+//
+// A store is shared by every check and must be safe for concurrent use; what belongs to
+// one check lives in its Decision.
+type store interface {
+	// take decides the batch at now. When every non-shadow op fits, it takes what the ops
+	// that fit cost and returns true; otherwise it takes nothing and returns false.
+	// Either way it writes every op's res. An error says the store cannot decide now
+	// (Redis down, too slow, allowances stale): nothing was taken, and the ops' failure
+	// policies decide instead (Decision.fallBack).
+	take(now int64, d *Decision) (bool, error)
+	// giveBack returns what the batch's last take took (it returned true), because a
+	// later store rejected the request, and updates the results to match.
+	giveBack(now int64, d *Decision)
+	// skip stands in for take when an earlier store has already rejected the request:
+	// nothing is taken, but a store may report its ops' results as a peek would.
+	skip(now int64, d *Decision)
+}
+
+// errStale is a store's error when its state is too old to decide from.
+var errStale = errors.New("store state is stale")
+
+// op is one operation of a check: one rule's (or inline limit's) limit on one client key,
+// routed to one store. A check is a slice of ops, parallel to Decision.Results, where
+// each op's outcome is written (Decision.report).
+type op struct {
+	key      []byte // the client key (Redis prefix included for a Redis store)
+	lim      *localbucket.Limit
+	cost     uint64
+	fb       fallback // what decides when its store cannot
+	keyEnd   int32    // where key ends in Decision.keys (sliced once that stops growing)
+	shadow   bool
+	store    storeID
+	degraded bool // a failure policy decided or rerouted it
+}
+
+// fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
+// and for policy local the limit of the local bucket (the rule's limit divided among the
+// live daemons last counted).
+type fallback struct {
+	policy rules.FailurePolicy
+	local  *localbucket.Limit
+}
+
+// route sends op i to store id.
+func (d *Decision) route(i int, id storeID) {
+	d.ops[i].store = id
+	d.routed |= 1 << id
+}
+
+// routes reports whether any op of d is routed to id.
+func (d *Decision) routes(id storeID) bool { return d.routed&(1<<id) != 0 }
+
+// report writes a store's outcome for op i into its Result.
+func (d *Decision) report(i int, r *localbucket.Result) {
+	out := &d.Results[i]
+	out.Limit = r.Limit
+	out.Remaining = r.Remaining
+	out.Reset = time.Duration(r.Reset)
+	out.RetryAfter = time.Duration(r.RetryAfter)
+	out.Allowed = r.Allowed
+	out.Impossible = r.Impossible
+}
+
+// apply decides the request's ops all-or-nothing across the stores, in storeID order.
+// A store that rejects leaves the later ones only reporting (skip), and the earlier ones
+// that took give back. A store that cannot decide hands its ops to their failure
+// policies (fallBack), which may reroute them to the local store.
+func (l *Limiter) apply(now int64, d *Decision) bool {
+	ok := true
+	var took [numStores]bool
+	for id := range numStores {
+		if !d.routes(id) {
+			continue
+		}
+		s := l.stores[id]
+		if !ok {
+			s.skip(now, d)
+			continue
+		}
+		passed, err := s.take(now, d)
+		if err != nil {
+			passed = d.fallBack(id)
+		} else {
+			took[id] = passed
+		}
+		if !passed {
+			ok = false
+			for e := range id {
+				if took[e] {
+					l.stores[e].giveBack(now, d)
+				}
+			}
+		}
+	}
+	return ok
+}
+
+// fallBack decides the ops routed to id without that store, each by its failure policy:
+// open allows, closed rejects (retry in a second), local reroutes the op to the local
+// store with the rule's limit divided among the live daemons (decided later in apply,
+// since storeLocal comes last). Every such op, and the decision, is marked degraded. It
+// reports whether the request may still pass: false when closed refused a non-shadow op.
+func (d *Decision) fallBack(id storeID) bool {
+	d.Degraded = true
+	ok := true
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store != id {
+			continue
+		}
+		o.degraded = true
+		switch o.fb.policy {
+		case rules.FailOpen:
+			o.store = decided
+			d.report(i, &localbucket.Result{Allowed: true, Limit: o.lim.Requests(), Remaining: o.lim.Capacity()})
+		case rules.FailClosed:
+			o.store = decided
+			d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second)})
+			ok = ok && o.shadow
+		default:
+			if o.fb.local != nil {
+				o.lim = o.fb.local
+			}
+			d.route(i, storeLocal)
+		}
+	}
+	return ok
+}
+
+// native is one store's batch in its own API's types: kept in the Decision between
+// checks, so a check allocates nothing once its largest batch has been seen.
+type native[T any] struct {
+	ops []T
+	at  []int // for each of ops, its index in Decision.ops
+}
+
+// scratchOf returns store id's scratch in d, emptied, creating it on first use.
+func scratchOf[T any](d *Decision, id storeID) *native[T] {
+	n, _ := d.scratch[id].(*native[T])
+	if n == nil {
+		n = new(native[T])
+		d.scratch[id] = n
+	}
+	n.ops, n.at = n.ops[:0], n.at[:0]
+	return n
+}
+
+// lastBatch returns store id's scratch as its last take left it, for giveBack.
+func lastBatch[T any](d *Decision, id storeID) *native[T] {
+	n, ok := d.scratch[id].(*native[T])
+	if !ok {
+		panic("BUG: limiter: giveBack before take")
+	}
+	return n
+}
+
+// push extends s by one element in place and returns it, so a caller fills a large
+// struct where it lives instead of building it and copying it in.
+func push[T any](s *[]T) *T {
+	if len(*s) < cap(*s) {
+		*s = (*s)[:len(*s)+1]
+	} else {
+		var zero T
+		*s = append(*s, zero)
+	}
+	return &(*s)[len(*s)-1]
+}

@@ -1,0 +1,44 @@
+package limiter
+
+import rlsync "github.com/rlsidecar/rlsidecar/sync"
+
+// hybridStore is the hybrid mode's store: this daemon's allowances, synced to Redis in
+// the background by rlsync.Hybrid. Take and give back are in memory; while Redis has not
+// answered for a while (Healthy is false) the allowances are stale and take fails, so
+// the rules' failure policies decide. This file is the only one that calls rlsync.Hybrid.
+type hybridStore struct{ h *rlsync.Hybrid }
+
+// replicas returns the number of live daemons last counted (at least 1).
+func (s hybridStore) replicas() int { return s.h.Replicas() }
+
+func (s hybridStore) take(now int64, d *Decision) (bool, error) {
+	if !s.h.Healthy(now) {
+		return false, errStale
+	}
+	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store == storeHybrid {
+			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow})
+			n.at = append(n.at, i)
+		}
+	}
+	ok := s.h.Take(now, n.ops)
+	s.results(d, n)
+	return ok, nil
+}
+
+func (s hybridStore) giveBack(_ int64, d *Decision) {
+	n := lastBatch[rlsync.HybridOp](d, storeHybrid)
+	s.h.Undo(n.ops)
+	s.results(d, n)
+}
+
+// skip leaves the results empty: the allowances are not consulted.
+func (s hybridStore) skip(int64, *Decision) {}
+
+func (s hybridStore) results(d *Decision, n *native[rlsync.HybridOp]) {
+	for k, i := range n.at {
+		d.report(i, &n.ops[k].Result)
+	}
+}

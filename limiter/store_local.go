@@ -1,0 +1,46 @@
+package limiter
+
+import "github.com/rlsidecar/rlsidecar/localbucket"
+
+// localStore is the local mode's store: this daemon's buckets (localbucket.Store). It is
+// last in apply's order, so nothing after it can reject: it commits only when every
+// other store passed, and never gives back.
+type localStore struct{ s *localbucket.Store }
+
+// batch gathers d's local ops into the store's scratch.
+func (s localStore) batch(d *Decision) *native[localbucket.Op] {
+	n := scratchOf[localbucket.Op](d, storeLocal)
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store == storeLocal {
+			lo := push(&n.ops) // its Result is left as it was: Apply and Reject write every one
+			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
+			n.at = append(n.at, i)
+		}
+	}
+	return n
+}
+
+func (s localStore) results(d *Decision, n *native[localbucket.Op]) {
+	for k, i := range n.at {
+		d.report(i, &n.ops[k].Result)
+	}
+}
+
+func (s localStore) take(now int64, d *Decision) (bool, error) {
+	n := s.batch(d)
+	ok := s.s.Apply(now, n.ops)
+	s.results(d, n)
+	return ok, nil
+}
+
+// skip reports the buckets' state without charging them (localbucket.Store.Reject).
+func (s localStore) skip(now int64, d *Decision) {
+	n := s.batch(d)
+	s.s.Reject(now, n.ops)
+	s.results(d, n)
+}
+
+func (s localStore) giveBack(int64, *Decision) {
+	panic("BUG: limiter: the local store is last; nothing after it can reject")
+}
