@@ -123,6 +123,16 @@ type Rule struct {
 	SplitAuto bool
 	File      string // where the rule was defined
 	Line      int
+	// Unlimited: limit: unlimited, a rule that matches and limits nothing. Deny: limit:
+	// deny, a rule that rejects every request it matches. Neither has a limit, plans or
+	// split (see extensions.go).
+	Unlimited bool
+	Deny      bool
+	// Replaces names the rules that do not apply to a check this rule matches;
+	// ReplacesIdx are their indexes in the Set.
+	Replaces    []string
+	ReplacesIdx []int
+	replacesAt  []int // line of each name
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -167,6 +177,9 @@ func (r *Rule) Matches(attrs []Attr) bool {
 // unlimited}: no plan or plan "free" → 100/min burst 150; "partner" → 1000/min burst 1500;
 // "internal" → (nil, true).
 func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unlimited bool) {
+	if r.Unlimited {
+		return nil, true
+	}
 	if hasPlan && r.plans != nil {
 		if p, ok := r.plans[plan]; ok {
 			if p.unlimited {
@@ -254,6 +267,8 @@ type Set struct {
 	Rules   []*Rule
 	Source  string // file name, or "built-in"
 	Version string // hex sha256 of the source bytes, first 12 characters
+
+	replacing bool // a rule replaces others
 }
 
 func itoa(v uint64) string {
