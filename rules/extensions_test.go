@@ -52,7 +52,7 @@ rules:
 		{0, []Attr{{"ip", "3.3.3.3"}}, true},
 		{0, []Attr{{"ip", "1.1.1.1"}}, false},
 		{0, []Attr{{"ip", "10.0.0.1"}}, false},
-		{0, nil, false}, // absent attribute: the condition fails
+		{0, nil, false},                                // absent attribute: the condition fails
 		{1, []Attr{{"path", "/api/a/b/action"}}, true}, // crosses '/', unlike a path glob
 		{1, []Attr{{"path", "/api/a/other"}}, false},
 	}
