@@ -343,11 +343,11 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		}
 		out := &d.Results[i]
 		out.Limit = res.Limit
-		if out.Rule != nil && out.Rule.Deny {
-			out.Limit = 0
-		}
 		out.Window = lim.Window()
 		out.Remaining = res.Remaining
+		if out.Rule != nil && out.Rule.Deny {
+			out.Limit, out.Remaining = 0, 0
+		}
 		out.Reset = time.Duration(res.Reset)
 		out.RetryAfter = time.Duration(res.RetryAfter)
 		out.Allowed = res.Allowed

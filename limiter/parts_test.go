@@ -73,7 +73,7 @@ func TestParts(t *testing.T) {
 	}
 
 	check(part(1, "domain=msg", "k=ip", "ip=50.0.0.5"))
-	if d.Allowed || !d.Results[0].Impossible || d.Results[0].Limit != 0 || d.Deciding != 0 {
+	if d.Allowed || !d.Results[0].Impossible || d.Results[0].Limit != 0 || d.Results[0].Remaining != 0 || d.Deciding != 0 {
 		t.Fatalf("deny: %+v", d)
 	}
 	check(part(1, "domain=msg", "k=ip", "ip=50.0.0.6"))
