@@ -30,6 +30,7 @@ import (
 	"math/bits"
 	"net"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -117,7 +118,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, lim: lim, grpc: grpc.NewServer(), health: health.NewServer()}
+	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
+	// A pool of stream workers instead of a goroutine per call.
+	s.grpc = grpc.NewServer(grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))))
 	s.scratch.New = func() any { return new(scratch) }
 	rlsv3.RegisterRateLimitServiceServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
