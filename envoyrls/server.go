@@ -214,6 +214,7 @@ type scratch struct {
 	keys   []byte
 	pol    []byte
 	cur    []byte
+	best   []int32
 	d      limiter.Decision
 }
 
@@ -378,7 +379,11 @@ func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
 	// Each descriptor reports its own deciding result, chosen as the limiter chooses the
 	// request's: a rejecting one (the longest retry-after) before the least remaining,
 	// non-shadow before shadow.
-	best := make([]int32, n) // index+1 in d.Results; 0 for none
+	best := sc.best[:0] // index+1 in d.Results; 0 for none
+	for range n {
+		best = append(best, 0)
+	}
+	sc.best = best
 	for i := range d.Results {
 		r := &d.Results[i]
 		if b := best[r.Part]; b == 0 || better(r, &d.Results[b-1]) {

@@ -5,9 +5,11 @@ import (
 	"math"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -333,4 +335,74 @@ func flat(h http.Header) []string {
 		out = append(out, k+": "+strings.Join(v, ","))
 	}
 	return out
+}
+
+// import-envoy converts every README example, and what it writes passes validate and
+// serves; a bad file is an error naming file:line:field, with nothing on stdout.
+func TestImportEnvoyCLI(t *testing.T) {
+	dir := t.TempDir()
+	examples, _ := filepath.Glob("../../envoyrls/testdata/readme/ex*.yaml")
+	var inputs []string
+	for _, p := range examples {
+		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") && !strings.Contains(p, "ex9b") && !strings.Contains(p, "ex9c") {
+			inputs = append(inputs, p) // one file per domain, as Envoy requires
+		}
+	}
+	out, errOut, code := runInProcess(append([]string{"import-envoy", "--algorithm", "sliding_window"}, inputs...)...)
+	if code != exitOK {
+		t.Fatalf("import-envoy: code %d\n%s", code, errOut)
+	}
+	if !strings.Contains(out, "algorithm: sliding_window") || strings.Count(out, "- name:") < 15 {
+		t.Fatalf("output:\n%s", out)
+	}
+	rulesFile := writeFile(t, dir, "converted.yaml", out)
+	if vout, verr, code := runInProcess("validate", "--config", rulesFile); code != exitOK {
+		t.Fatalf("validate: %s %s", vout, verr)
+	}
+
+	bad := writeFile(t, dir, "bad.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n")
+	out, errOut, code = runInProcess("import-envoy", bad)
+	if code != exitFailure || out != "" || !strings.Contains(errOut, "bad.yaml:5: descriptors[0].rate_limit.unit") {
+		t.Fatalf("bad file: code %d out %q err %q", code, out, errOut)
+	}
+	if _, _, code := runInProcess("import-envoy"); code != exitUsage {
+		t.Fatalf("no files: code %d", code)
+	}
+}
+
+// SIGTERM with the Envoy listener: both sockets removed, exit 0, no call cut.
+func TestE2EEnvoyRLSSigterm(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+	f.call(t, "edge", 0, desc("remote_address=1.2.3.4"))
+	sock := strings.TrimPrefix(f.d.cmd.Args[len(f.d.cmd.Args)-1], "unix:")
+	if err := f.d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-f.d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, f.d.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no exit within 10s of SIGTERM")
+	}
+	for _, p := range []string{f.d.socket, sock} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left behind: %v", p, err)
+		}
+	}
+}
+
+// A second daemon cannot take a live Envoy socket; it says so and exits.
+func TestE2EEnvoyRLSAddressInUse(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+	sock := f.d.cmd.Args[len(f.d.cmd.Args)-1]
+	dir := shortTempDir(t)
+	out, err := runCLI(t, "serve", "--admin=", "--socket", filepath.Join(dir, "s.sock"), "--envoy-rls", sock)
+	if err == nil || !strings.Contains(out, "another server is serving this socket") {
+		t.Fatalf("err=%v out=%s", err, out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "s.sock")); !os.IsNotExist(err) {
+		t.Errorf("the msgpack socket was left behind: %v", err)
+	}
 }
