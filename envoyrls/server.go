@@ -120,7 +120,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
 	// A pool of stream workers instead of a goroutine per call.
-	s.grpc = grpc.NewServer(grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))))
+	s.grpc = grpc.NewServer(grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
+		// Fixed windows: no BDP-estimation pings between a call and its answer.
+		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20))
 	s.scratch.New = func() any { return new(scratch) }
 	rlsv3.RegisterRateLimitServiceServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
