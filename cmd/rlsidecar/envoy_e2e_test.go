@@ -77,11 +77,11 @@ type rlsFixture struct {
 	hc  healthpb.HealthClient
 }
 
-func startEnvoyDaemon(t *testing.T, rulesYAML string) *rlsFixture {
+func startEnvoyDaemon(t *testing.T, rulesYAML string, extra ...string) *rlsFixture {
 	t.Helper()
 	dir := shortTempDir(t)
 	sock := filepath.Join(dir, "rls.sock")
-	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", rulesYAML), "--envoy-rls", "unix:"+sock)
+	d := startDaemon(t, append([]string{"--config", writeFile(t, dir, "rules.yaml", rulesYAML), "--envoy-rls", "unix:" + sock}, extra...)...)
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -374,7 +374,7 @@ func TestImportEnvoyCLI(t *testing.T) {
 func TestE2EEnvoyRLSSigterm(t *testing.T) {
 	f := startEnvoyDaemon(t, envoyRules)
 	f.call(t, "edge", 0, desc("remote_address=1.2.3.4"))
-	sock := strings.TrimPrefix(f.d.cmd.Args[len(f.d.cmd.Args)-1], "unix:")
+	sock := strings.TrimPrefix(argAfter(f.d, "--envoy-rls"), "unix:")
 	if err := f.d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -396,7 +396,7 @@ func TestE2EEnvoyRLSSigterm(t *testing.T) {
 // A second daemon cannot take a live Envoy socket; it says so and exits.
 func TestE2EEnvoyRLSAddressInUse(t *testing.T) {
 	f := startEnvoyDaemon(t, envoyRules)
-	sock := f.d.cmd.Args[len(f.d.cmd.Args)-1]
+	sock := argAfter(f.d, "--envoy-rls")
 	dir := shortTempDir(t)
 	out, err := runCLI(t, "serve", "--admin=", "--socket", filepath.Join(dir, "s.sock"), "--envoy-rls", sock)
 	if err == nil || !strings.Contains(out, "another server is serving this socket") {
@@ -404,5 +404,35 @@ func TestE2EEnvoyRLSAddressInUse(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "s.sock")); !os.IsNotExist(err) {
 		t.Errorf("the msgpack socket was left behind: %v", err)
+	}
+}
+
+func argAfter(d *daemonProc, flag string) string {
+	for i, a := range d.cmd.Args {
+		if a == flag && i+1 < len(d.cmd.Args) {
+			return d.cmd.Args[i+1]
+		}
+	}
+	return ""
+}
+
+// Decisions asked over gRPC are counted like the socket's: a shadow rule's rejections as
+// shadow_rejected, a real one's as rejected.
+func TestE2EEnvoyRLSMetrics(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, f.d)
+	for range 3 {
+		f.call(t, "example6", 0, desc("service=auth", "user=user-a"))
+		f.call(t, "edge", 0, desc("remote_address=50.0.0.5"))
+	}
+	_, samples := scrape(t, base)
+	for name, want := range map[string]float64{
+		`rlsidecar_checks_total{rule="user-a",result="allowed"}`:         1,
+		`rlsidecar_checks_total{rule="user-a",result="shadow_rejected"}`: 2,
+		`rlsidecar_checks_total{rule="blocked",result="rejected"}`:       3,
+	} {
+		if samples[name] != want {
+			t.Errorf("%s = %v, want %v", name, samples[name], want)
+		}
 	}
 }
