@@ -368,6 +368,9 @@ func TestImportEnvoyCLI(t *testing.T) {
 	if _, _, code := runInProcess("import-envoy"); code != exitUsage {
 		t.Fatalf("no files: code %d", code)
 	}
+	if _, _, code := runInProcess("import-envoy", "--algorithm", "leaky_bucket", bad); code != exitUsage {
+		t.Fatalf("bad --algorithm: code %d", code)
+	}
 }
 
 // SIGTERM with the Envoy listener: both sockets removed, exit 0, no call cut.

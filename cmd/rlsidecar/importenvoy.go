@@ -22,6 +22,11 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 	if len(paths) == 0 {
 		return fmt.Errorf("%w: give one or more envoyproxy/ratelimit config files", errUsage)
 	}
+	switch *alg {
+	case "fixed_window", "sliding_window", "token_bucket":
+	default:
+		return fmt.Errorf("%w: --algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", errUsage, *alg)
+	}
 	files := make([]envoyrls.File, len(paths))
 	for i, p := range paths {
 		data, err := os.ReadFile(p)
