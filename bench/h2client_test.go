@@ -53,14 +53,20 @@ func dialH2(tb testing.TB, socket, path string) *h2Client {
 	return h
 }
 
-// call sends req and waits for the answer's trailers; it returns the gRPC status.
-func (h *h2Client) call(req gproto.Message) (string, error) {
-	var err error
-	h.msg, err = gproto.MarshalOptions{}.MarshalAppend(append(h.msg[:0], 0, 0, 0, 0, 0), req)
+// grpcMessage returns req as a gRPC length-prefixed message, to send with call (the
+// benchmark pre-encodes its requests, as it does msgpack frames).
+func grpcMessage(req gproto.Message) []byte {
+	msg, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, req)
 	if err != nil {
-		return "", err
+		panic("BUG: marshaling a request: " + err.Error())
 	}
-	binary.BigEndian.PutUint32(h.msg[1:5], uint32(len(h.msg)-5))
+	binary.BigEndian.PutUint32(msg[1:5], uint32(len(msg)-5))
+	return msg
+}
+
+// call sends msg (from grpcMessage) and waits for the answer's trailers; it returns the
+// gRPC status.
+func (h *h2Client) call(msg []byte) (string, error) {
 	h.hbuf.Reset()
 	for _, f := range [...]hpack.HeaderField{
 		{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: h.path},
@@ -75,7 +81,7 @@ func (h *h2Client) call(req gproto.Message) (string, error) {
 	if err := h.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: h.hbuf.Bytes(), EndHeaders: true}); err != nil {
 		return "", err
 	}
-	if err := h.fr.WriteData(id, true, h.msg); err != nil {
+	if err := h.fr.WriteData(id, true, msg); err != nil {
 		return "", err
 	}
 	if err := h.bw.Flush(); err != nil {
