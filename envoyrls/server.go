@@ -30,7 +30,6 @@ import (
 	"math/bits"
 	"net"
 	"os"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -119,8 +118,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
-	// A pool of stream workers instead of a goroutine per call.
-	s.grpc = grpc.NewServer(grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
+	s.grpc = grpc.NewServer(
 		// Fixed windows: no BDP-estimation pings between a call and its answer.
 		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20))
 	s.scratch.New = func() any { return new(scratch) }
