@@ -52,6 +52,7 @@ func TestMain(m *testing.M) {
 type server struct {
 	name   string
 	socket string
+	envoy  string // the Envoy rate limit service's socket, when served
 	cmd    *exec.Cmd
 }
 

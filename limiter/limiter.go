@@ -140,10 +140,26 @@ type Inline struct {
 }
 
 // Input is one request: its attributes, its inline limits and its cost.
+//
+// With Parts, it is several requests decided together, all-or-nothing: Envoy's
+// descriptors of one ShouldRateLimit call. The rules are matched against each part's
+// attributes and charged the part's cost; a rule that another matched rule replaces (in
+// any part) does not apply. Attrs and Cost are then unused; Limits still apply, at Cost.
 type Input struct {
 	Attrs  []rules.Attr
 	Limits []Inline
 	Cost   uint64 // 0 asks without consuming
+	Parts  []Part
+}
+
+// Part is one of an Input's parts. Its inline limits are checked with its cost; when
+// NoRules is set, they alone decide it and no rule is matched (an Envoy descriptor's
+// limit override).
+type Part struct {
+	Attrs   []rules.Attr
+	Limits  []Inline
+	Cost    uint64
+	NoRules bool
 }
 
 // Result is one matched rule's or inline limit's part of a decision. Durations are in
@@ -166,6 +182,8 @@ type Result struct {
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
 	// prefix included (valid until the next Check with this Decision).
 	Key []byte
+	// Part is the index in Input.Parts of the part this result is for; 0 without parts.
+	Part int
 }
 
 // Decision is the answer to one request, and the scratch space that produced it.
@@ -178,6 +196,9 @@ type Decision struct {
 	Deciding int // index in Results of the deciding rule; -1 when no rule decides
 	Degraded bool
 	Results  []Result
+	// Unlimited lists, in order, the parts (0 without Input.Parts) that matched a rule
+	// unlimited for them: such a rule gives no Result.
+	Unlimited []int
 
 	ops     []op                // one per result: the check's operations
 	routed  uint8               // a bit per store (1<<storeID) some op was routed to
@@ -185,7 +206,8 @@ type Decision struct {
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
 	// matched holds the rules matching the request, from the rule set's index.
-	matched []*rules.Rule
+	matched  []*rules.Rule
+	replaced []bool // by rule index: replaced by a matched rule (only when the set has replaces)
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -222,68 +244,49 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 	d.routed = 0
 	d.keys = d.keys[:0]
 
-	plan, hasPlan := rules.Lookup(in.Attrs, "plan")
 	shadowAll := l.shadowAll.Load()
-	d.matched = set.AppendMatching(d.matched[:0], in.Attrs) // the index: rule-file order
-	for _, r := range d.matched {
-		var lim *localbucket.Limit
-		var unlimited bool
-		if r.Split > 0 || r.SplitAuto {
-			lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
-		} else {
-			lim, unlimited = r.LimitFor(plan, hasPlan)
+	if set.AnyReplaces() {
+		d.findReplaced(set, in)
+	} else {
+		d.replaced = d.replaced[:0]
+	}
+	d.Unlimited = d.Unlimited[:0]
+	nparts := max(len(in.Parts), 1)
+	for p := range nparts {
+		attrs, cost, noRules := in.Attrs, in.Cost, false
+		if len(in.Parts) > 0 {
+			pt := &in.Parts[p]
+			attrs, cost, noRules = pt.Attrs, pt.Cost, pt.NoRules
 		}
-		if unlimited {
-			continue
+		if !noRules {
+			l.matchRules(d, set, attrs, cost, p, shadowAll)
 		}
-		id := storeOf(l.resolve(r.Mode))
-		var ok bool
-		start := len(d.keys)
-		if id != storeLocal {
-			d.keys = append(d.keys, l.prefix...)
-		}
-		d.keys, ok = r.AppendKey(d.keys, in.Attrs)
-		if !ok {
-			d.keys = d.keys[:start]
-			continue
-		}
-		var fb fallback
-		if id != storeLocal {
-			fb = fallback{r.OnStoreFailure, lim}
-			if l.hybrid != nil {
-				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
-			}
-		}
-		shadow := r.Shadow || shadowAll
-		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: in.Cost, shadow: shadow, fb: fb}
-		d.route(len(d.ops)-1, id)
-		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r})
 	}
 
-	if len(in.Limits) > 0 {
-		if cap(d.limits) < len(in.Limits) {
-			d.limits = make([]localbucket.Limit, len(in.Limits))
+	ninline := len(in.Limits)
+	for p := range in.Parts {
+		ninline += len(in.Parts[p].Limits)
+	}
+	if ninline > 0 {
+		if cap(d.limits) < ninline {
+			d.limits = make([]localbucket.Limit, ninline)
 		}
-		d.limits = d.limits[:len(in.Limits)]
+		d.limits = d.limits[:ninline]
+		n := 0
 		for i := range in.Limits {
-			il := &in.Limits[i]
-			mode, err := l.inlineLimit(i, il, &d.limits[i])
-			if err != nil {
+			if err := l.addInline(d, n, i, &in.Limits[i], in.Cost, 0); err != nil {
 				return err
 			}
-			id := storeOf(mode)
-			if id != storeLocal {
-				d.keys = append(d.keys, l.prefix...)
+			n++
+		}
+		for p := range in.Parts {
+			pt := &in.Parts[p]
+			for i := range pt.Limits {
+				if err := l.addInline(d, n, n, &pt.Limits[i], pt.Cost, p); err != nil {
+					return err
+				}
+				n++
 			}
-			d.keys = appendInlineKey(d.keys, il, &d.limits[i])
-			name := il.Name
-			if name == "" {
-				name = il.Key
-			}
-			*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[i], cost: in.Cost,
-				fb: fallback{rules.FailLocal, &d.limits[i]}}
-			d.route(len(d.ops)-1, id)
-			d.Results = append(d.Results, Result{Name: name})
 		}
 	}
 	if len(d.ops) == 0 {
@@ -302,10 +305,127 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 
 	for i := range d.ops {
 		o := &d.ops[i]
-		d.Results[i].Window = o.lim.Window()
-		d.Results[i].Degraded = o.degraded
+		out := &d.Results[i]
+		out.Window = o.lim.Window()
+		out.Degraded = o.degraded
+		if out.Rule != nil && out.Rule.Deny {
+			out.Limit, out.Remaining = 0, 0
+		}
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
+	return nil
+}
+
+// matchRules adds the checks of the rules of set that match attrs (part p of the input),
+// skipping the replaced ones and noting the parts an unlimited rule matched.
+func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, cost uint64, p int, shadowAll bool) {
+	plan, hasPlan := rules.Lookup(attrs, "plan")
+	d.matched = set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
+	for _, r := range d.matched {
+		if len(d.replaced) > 0 && d.replaced[r.Index] {
+			continue
+		}
+		var lim *localbucket.Limit
+		var unlimited bool
+		switch {
+		case r.Deny:
+			lim = &denyLimit
+		case r.Split > 0 || r.SplitAuto:
+			lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
+		default:
+			lim, unlimited = r.LimitFor(plan, hasPlan)
+		}
+		if unlimited {
+			if n := len(d.Unlimited); n == 0 || d.Unlimited[n-1] != p {
+				d.Unlimited = append(d.Unlimited, p)
+			}
+			continue
+		}
+		id := storeOf(l.resolve(r.Mode))
+		if r.Deny {
+			id = storeLocal // decided here: no store is asked
+		}
+		var ok bool
+		start := len(d.keys)
+		if id != storeLocal {
+			d.keys = append(d.keys, l.prefix...)
+		}
+		d.keys, ok = r.AppendKey(d.keys, attrs)
+		if !ok {
+			d.keys = d.keys[:start]
+			continue
+		}
+		var fb fallback
+		if id != storeLocal {
+			fb = fallback{r.OnStoreFailure, lim}
+			if l.hybrid != nil {
+				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
+			}
+		}
+		shadow := r.Shadow || shadowAll
+		c := cost
+		if r.Deny {
+			c = denyCost
+		}
+		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
+		d.route(len(d.ops)-1, id)
+		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p})
+	}
+}
+
+// denyLimit and denyCost make a limit: deny rule's check: a cost no limit can hold, so
+// it is rejected as impossible (and with it the request, all-or-nothing) without state.
+var (
+	denyLimit, _ = localbucket.NewLimit(localbucket.TokenBucket, 1, time.Second, 0)
+	denyCost     = ^uint64(0)
+)
+
+// findReplaced marks in d.replaced the rules that a rule matching the input replaces.
+func (d *Decision) findReplaced(set *rules.Set, in *Input) {
+	if cap(d.replaced) < len(set.Rules) {
+		d.replaced = make([]bool, len(set.Rules))
+	}
+	d.replaced = d.replaced[:len(set.Rules)]
+	clear(d.replaced)
+	nparts := max(len(in.Parts), 1)
+	for p := range nparts {
+		attrs := in.Attrs
+		if len(in.Parts) > 0 {
+			if in.Parts[p].NoRules {
+				continue
+			}
+			attrs = in.Parts[p].Attrs
+		}
+		for _, r := range set.Rules {
+			if len(r.ReplacesIdx) > 0 && r.Matches(attrs) {
+				for _, i := range r.ReplacesIdx {
+					d.replaced[i] = true
+				}
+			}
+		}
+	}
+}
+
+// addInline adds the check of inline limit il (at index i of the error it may return),
+// stored at d.limits[n], costing cost, for part p.
+func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p int) error {
+	mode, err := l.inlineLimit(i, il, &d.limits[n])
+	if err != nil {
+		return err
+	}
+	id := storeOf(mode)
+	if id != storeLocal {
+		d.keys = append(d.keys, l.prefix...)
+	}
+	d.keys = appendInlineKey(d.keys, il, &d.limits[n])
+	name := il.Name
+	if name == "" {
+		name = il.Key
+	}
+	*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[n], cost: cost,
+		fb: fallback{rules.FailLocal, &d.limits[n]}}
+	d.route(len(d.ops)-1, id)
+	d.Results = append(d.Results, Result{Name: name, Part: p})
 	return nil
 }
 

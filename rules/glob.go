@@ -156,12 +156,16 @@ type cond struct {
 	attr   string
 	values []string
 	globs  []glob
+	ops    *condOps // the mapping form (extensions.go); nil otherwise
 }
 
 func (c *cond) matches(attrs []Attr) bool {
 	v, ok := Lookup(attrs, c.attr)
 	if !ok {
 		return false
+	}
+	if c.ops != nil {
+		return c.ops.matches(v)
 	}
 	for _, want := range c.values {
 		if v == want {

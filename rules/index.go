@@ -118,6 +118,9 @@ func buildIndex(rules []*Rule, minRules int) *index {
 		best, bestCost := -1, 0
 		for ci := range r.conds {
 			c := &r.conds[ci]
+			if c.ops != nil {
+				continue // an operator mapping (glob, not, not_glob) names no value to file under
+			}
 			cost := 0
 			if c.globs != nil {
 				for gi := range c.globs {
@@ -135,6 +138,10 @@ func buildIndex(rules []*Rule, minRules int) *index {
 			if best < 0 || cost < bestCost || cost == bestCost && c.globs != nil {
 				best, bestCost = ci, cost
 			}
+		}
+		if best < 0 {
+			ix.always = append(ix.always, int32(i)) // every condition is an operator mapping
+			continue
 		}
 		ix.primary[i] = int32(best)
 		c := &r.conds[best]

@@ -481,3 +481,40 @@ func TestIndexLoadDir(t *testing.T) {
 		t.Errorf("got %v", got)
 	}
 }
+
+// A rule whose only conditions are operator mappings (glob, not, not_glob: the Envoy
+// extensions) names no value to file it under: the index checks it on every request, and
+// one with an operator beside an exact value is filed under the value.
+func TestIndexOperatorConditions(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("rules:\n")
+	for i := range 10 {
+		fmt.Fprintf(&b, "  - name: r%d\n    match: { path: \"/v1/svc%d/**\" }\n    key: ip\n    limit: { requests: 1, per: 1s }\n", i, i)
+	}
+	b.WriteString(`  - name: ops-only
+    match: { tenant: { glob: "acme-*" } }
+    key: ip
+    limit: { requests: 1, per: 1s }
+  - name: not-only
+    match: { tenant: { not: [acme-1] } }
+    key: ip
+    limit: { requests: 1, per: 1s }
+  - name: ops-and-value
+    match: { method: GET, tenant: { not_glob: "acme-*" } }
+    key: ip
+    limit: { requests: 1, per: 1s }
+`)
+	set := mustParse(t, b.String())
+	for _, attrs := range [][]Attr{
+		{{"tenant", "acme-1"}},
+		{{"tenant", "acme-2"}, {"path", "/v1/svc3/x"}},
+		{{"tenant", "other"}, {"method", "GET"}},
+		{{"method", "GET"}},
+		{{"tenant", "acme-9"}, {"method", "GET"}},
+	} {
+		checkSame(t, set, attrs)
+	}
+	if got := names(set.AppendMatching(nil, []Attr{{"tenant", "acme-2"}})); !slices.Equal(got, []string{"ops-only", "not-only"}) {
+		t.Fatalf("tenant acme-2 matched %v, want [ops-only not-only]", got)
+	}
+}

@@ -99,6 +99,7 @@ func Parse(filename string, data []byte) (*Set, error) {
 	rules := p.parse(data)
 	if len(p.errs) == 0 {
 		p.applyPlans(rules, p.top)
+		p.errs = append(p.errs, resolveReplaces(rules)...)
 	}
 	if len(p.errs) > 0 {
 		slices.SortStableFunc(p.errs, func(a, b *Error) int { return a.Line - b.Line })
@@ -207,7 +208,7 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces"}
 	limitFields = []string{"requests", "per", "burst"}
 )
 
@@ -257,6 +258,12 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if isNull(limitNode) {
 		p.errorf(n, field+".limit", "missing (required): e.g. { requests: 10, per: 1m }")
 		limitNode = nil
+	} else if limitNode.Kind == yaml.ScalarNode && limitNode.ShortTag() == "!!str" && limitNode.Value == "unlimited" {
+		r.Unlimited = true
+		limitNode = nil
+	} else if limitNode.Kind == yaml.ScalarNode && limitNode.ShortTag() == "!!str" && limitNode.Value == "deny" {
+		r.Deny = true // rejects every request it matches (extensions.go)
+		limitNode = nil
 	} else {
 		var burstNode *yaml.Node
 		limitOK, burstNode = p.limit(r, limitNode, field+".limit")
@@ -275,7 +282,14 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	}
 
 	if v := f["plans"]; !isNull(v) {
-		r.plans = p.plans(r, v, field+".plans", limitOK && algOK)
+		if r.Unlimited || r.Deny {
+			p.errorf(v, field+".plans", "a rule whose limit is unlimited or deny has no plans")
+		} else {
+			r.plans = p.plans(r, v, field+".plans", limitOK && algOK)
+		}
+	}
+	if v := f["replaces"]; !isNull(v) {
+		p.replaces(r, v, field+".replaces")
 	}
 
 	if v := f["shadow"]; !isNull(v) {
@@ -310,6 +324,9 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 				p.errorf(v, field+".split", "%d daemons is too many (at most 65536)", n)
 			}
 			r.Split = uint32(min(n, 1<<16))
+		}
+		if r.Unlimited || r.Deny {
+			p.errorf(v, field+".split", "a rule whose limit is unlimited or deny cannot be split")
 		}
 		switch r.Mode {
 		case ModeDefault:
@@ -438,6 +455,11 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			continue
 		}
 		c := cond{attr: kv.key}
+		if kv.val.Kind == yaml.MappingNode {
+			c.ops = p.condOps(kv.val, cf)
+			exact = append(exact, c)
+			continue
+		}
 		p.eachString(kv.val, cf, func(s string, at *yaml.Node, sf string) {
 			if kv.key != PathAttribute {
 				c.values = append(c.values, s)

@@ -130,7 +130,7 @@ func (p *parser) applyPlans(rules []*Rule, plans map[string]*topPlan) {
 			}
 		}
 		for _, r := range rules {
-			if _, own := r.plans[name]; own {
+			if _, own := r.plans[name]; own || r.Unlimited || r.Deny {
 				continue
 			}
 			pv := tp.perRule[r.Name]
@@ -231,6 +231,7 @@ func LoadDir(dir string) (*Set, error) {
 		p := &parser{}
 		p.applyPlans(all, plans)
 		errs = append(errs, p.errs...)
+		errs = append(errs, resolveReplaces(all)...)
 	}
 	if len(errs) > 0 {
 		slices.SortStableFunc(errs, func(a, b *Error) int {

@@ -123,6 +123,16 @@ type Rule struct {
 	SplitAuto bool
 	File      string // where the rule was defined
 	Line      int
+	// Unlimited: limit: unlimited, a rule that matches and limits nothing. Deny: limit:
+	// deny, a rule that rejects every request it matches. Neither has a limit, plans or
+	// split (see extensions.go).
+	Unlimited bool
+	Deny      bool
+	// Replaces names the rules that do not apply to a check this rule matches;
+	// ReplacesIdx are their indexes in the Set.
+	Replaces    []string
+	ReplacesIdx []int
+	replacesAt  []int // line of each name
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -178,6 +188,9 @@ func (r *Rule) matchesExcept(attrs []Attr, skip int) bool {
 // unlimited}: no plan or plan "free" → 100/min burst 150; "partner" → 1000/min burst 1500;
 // "internal" → (nil, true).
 func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unlimited bool) {
+	if r.Unlimited {
+		return nil, true
+	}
 	if hasPlan && r.plans != nil {
 		if p, ok := r.plans[plan]; ok {
 			if p.unlimited {
@@ -266,12 +279,13 @@ type Set struct {
 	Source  string // file name, or "built-in"
 	Version string // hex sha256 of the source bytes, first 12 characters
 
-	idx atomic.Pointer[index] // built with the Set; see AppendMatching
+	idx       atomic.Pointer[index] // built with the Set; see AppendMatching
+	replacing bool                  // a rule replaces others
 }
 
 // newSet returns a Set of rules with its matching index built.
 func newSet(rules []*Rule, source, version string) *Set {
-	s := &Set{Rules: rules, Source: source, Version: version}
+	s := &Set{Rules: rules, Source: source, Version: version, replacing: anyReplaces(rules)}
 	s.idx.Store(buildIndex(rules, minIndexed))
 	return s
 }

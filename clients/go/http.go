@@ -1,12 +1,9 @@
 package rlclient
 
 import (
-	"encoding/json"
 	"net"
 	"net/http"
 	"strconv"
-	"strings"
-	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -17,7 +14,7 @@ import (
 // ProblemType is the "type" of the problem+json bodies this package writes. "about:blank"
 // means the problem is what the status code says (RFC 9457 §4.2.1); the rule and
 // retry_after extension members carry the details.
-const ProblemType = "about:blank"
+const ProblemType = proto.ProblemType
 
 // Headers returns the rate-limit headers of d; see SetHeaders.
 func Headers(d *Decision) http.Header {
@@ -38,7 +35,7 @@ func Headers(d *Decision) http.Header {
 // Seconds are rounded up. A decision where nothing matched gets no headers.
 func SetHeaders(h http.Header, d *Decision) {
 	if d.Rule != "" {
-		var pol, cur strings.Builder
+		var pol, cur []byte
 		decided := -1
 		for i := range d.Rules {
 			if r := &d.Rules[i]; !r.Shadow && r.Name == d.Rule {
@@ -48,84 +45,23 @@ func SetHeaders(h http.Header, d *Decision) {
 		}
 		if decided >= 0 {
 			r := &d.Rules[decided]
-			appendItem(&pol, &cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+			pol, cur = proto.AppendRateLimitItem(pol, cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
 		} else {
 			// The deciding rule is missing from Rules: describe it from the top-level
 			// fields, which do not carry its window.
-			appendItem(&pol, &cur, d.Rule, d.Limit, 0, false, d.Remaining, d.Reset)
+			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rule, d.Limit, 0, false, d.Remaining, d.Reset)
 		}
 		for i := range d.Rules {
 			if r := &d.Rules[i]; !r.Shadow && i != decided {
-				appendItem(&pol, &cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+				pol, cur = proto.AppendRateLimitItem(pol, cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
 			}
 		}
-		h.Set("RateLimit-Policy", pol.String())
-		h.Set("RateLimit", cur.String())
+		h.Set("RateLimit-Policy", string(pol))
+		h.Set("RateLimit", string(cur))
 	}
 	if !d.Allowed && d.Reason != proto.ReasonCostExceedsCapacity {
-		h.Set("Retry-After", strconv.FormatInt(retryAfterSeconds(d), 10))
+		h.Set("Retry-After", strconv.FormatInt(proto.RetryAfterSeconds(d.RetryAfter), 10))
 	}
-}
-
-func appendItem(pol, cur *strings.Builder, name string, limit uint64, window time.Duration, hasWindow bool, remaining uint64, reset time.Duration) {
-	if pol.Len() > 0 {
-		pol.WriteString(", ")
-		cur.WriteString(", ")
-	}
-	sfString(pol, name)
-	pol.WriteString(";q=")
-	pol.WriteString(strconv.FormatUint(limit, 10))
-	if hasWindow {
-		pol.WriteString(";w=")
-		pol.WriteString(strconv.FormatInt(max(ceilSeconds(window), 1), 10))
-	}
-	sfString(cur, name)
-	cur.WriteString(";r=")
-	cur.WriteString(strconv.FormatUint(remaining, 10))
-	cur.WriteString(";t=")
-	cur.WriteString(strconv.FormatInt(ceilSeconds(reset), 10))
-}
-
-// sfString writes s as an RFC 8941 string: `\` and `"` escaped, any byte outside
-// printable ASCII (0x20–0x7E) replaced with `_`.
-func sfString(b *strings.Builder, s string) {
-	b.WriteByte('"')
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; {
-		case c == '\\' || c == '"':
-			b.WriteByte('\\')
-			b.WriteByte(c)
-		case c < 0x20 || c > 0x7e:
-			b.WriteByte('_')
-		default:
-			b.WriteByte(c)
-		}
-	}
-	b.WriteByte('"')
-}
-
-// ceilSeconds rounds d up to whole seconds; negative durations count as 0.
-func ceilSeconds(d time.Duration) int64 {
-	if d <= 0 {
-		return 0
-	}
-	s := d / time.Second
-	if d%time.Second != 0 {
-		s++
-	}
-	return int64(s)
-}
-
-func retryAfterSeconds(d *Decision) int64 { return max(ceilSeconds(d.RetryAfter), 1) }
-
-// problem is an RFC 9457 problem details body.
-type problem struct {
-	Type       string `json:"type"`
-	Title      string `json:"title"`
-	Status     int    `json:"status"`
-	Detail     string `json:"detail"`
-	Rule       string `json:"rule,omitempty"`
-	RetryAfter int64  `json:"retry_after,omitempty"` // seconds, as in Retry-After
 }
 
 // WriteRejection writes the response for a decision that does not allow the request:
@@ -138,40 +74,20 @@ type problem struct {
 //     problem+json body saying the rate limiter is unavailable.
 func WriteRejection(w http.ResponseWriter, d *Decision) {
 	h := w.Header()
-	var p problem
+	var body []byte
+	status := http.StatusTooManyRequests
 	if d.Unreachable || d.Cause != nil {
-		p = problem{Type: ProblemType, Title: "Service Unavailable", Status: http.StatusServiceUnavailable,
-			Detail: "The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.", RetryAfter: 1}
+		status = http.StatusServiceUnavailable
+		body = proto.UnavailableBody()
 		h.Set("Retry-After", "1")
 	} else {
 		SetHeaders(h, d)
-		p = problem{Type: ProblemType, Title: "Too Many Requests", Status: http.StatusTooManyRequests, Rule: d.Rule}
-		limit := "the rate limit"
-		if d.Rule != "" {
-			limit = "rate limit " + strconv.Quote(d.Rule)
-		}
-		if d.Reason == proto.ReasonCostExceedsCapacity {
-			p.Detail = "This request costs more than " + limit + " can ever admit: it can never pass under this limit."
-		} else {
-			p.RetryAfter = retryAfterSeconds(d)
-			p.Detail = "This request exceeds " + limit + "; retry in " + seconds(p.RetryAfter) + "."
-		}
-	}
-	body, err := json.Marshal(&p)
-	if err != nil {
-		panic("BUG: marshaling a problem: " + err.Error())
+		body = proto.TooManyRequestsBody(d.Rule, d.Reason == proto.ReasonCostExceedsCapacity, d.RetryAfter)
 	}
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
-	w.WriteHeader(p.Status)
+	w.WriteHeader(status)
 	_, _ = w.Write(body)
-}
-
-func seconds(n int64) string {
-	if n == 1 {
-		return "1 second"
-	}
-	return strconv.FormatInt(n, 10) + " seconds"
 }
 
 // MiddlewareOptions configure Middleware. The zero value checks the default attributes

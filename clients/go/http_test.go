@@ -312,3 +312,13 @@ func ExampleHeaders() {
 	// RateLimit: "per-user";r=0;t=50, "per-ip";r=100;t=0
 	// Retry-After: 2
 }
+
+// problem is the RFC 9457 problem details body WriteRejection writes (proto's format).
+type problem struct {
+	Type       string `json:"type"`
+	Title      string `json:"title"`
+	Status     int    `json:"status"`
+	Detail     string `json:"detail"`
+	Rule       string `json:"rule,omitempty"`
+	RetryAfter int64  `json:"retry_after,omitempty"`
+}

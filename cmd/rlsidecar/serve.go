@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/daemon"
+	"github.com/rlsidecar/rlsidecar/envoyrls"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -70,6 +71,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "how long the breaker stays open before one probe is let through")
+	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
 	if err := noPositional(fs, args); err != nil {
 		return err
 	}
@@ -179,6 +181,21 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := srv.Listen(); err != nil {
 		return err
+	}
+	var rls *envoyrls.Server
+	if *envoyRLS != "" {
+		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Logger: log}
+		if recorded != nil {
+			rc.Recorder = recorded
+		}
+		if rls, err = envoyrls.New(rc, lim); err == nil {
+			err = rls.Listen()
+		}
+		if err != nil {
+			srv.Shutdown(context.Background())
+			return err
+		}
+		log.Info("envoy rate limit service", "addr", *envoyRLS)
 	}
 	ruleSource := set.Source
 	if *config == "" {
@@ -306,10 +323,38 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	defer signal.Stop(sigs)
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve() }()
+	rlsErr := make(chan error, 1)
+	if rls != nil {
+		go func() { rlsErr <- rls.Serve() }()
+	}
+	// stopRLS stops the Envoy listener with the socket server, answering its calls in
+	// flight within the drain timeout.
+	stopRLS := func() {
+		if rls == nil {
+			return
+		}
+		c, cancel := context.WithTimeout(context.Background(), *drainTimeout)
+		defer cancel()
+		if err := rls.Shutdown(c); err != nil {
+			log.Warn("envoy rate limit service drain incomplete", "err", err)
+		}
+		<-rlsErr
+		rls = nil
+	}
 
 	for {
 		select {
+		case err := <-rlsErr: // the Envoy listener failed: stop the daemon too
+			rls = nil
+			_ = srv.Shutdown(context.Background())
+			<-serveErr
+			stop()
+			wg.Wait()
+			stopSync()
+			syncWG.Wait()
+			return err
 		case err := <-serveErr:
+			stopRLS()
 			stop()
 			wg.Wait()
 			stopSync()
@@ -329,8 +374,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 					}
 				}
 			}()
+			var rlsDone sync.WaitGroup
+			rlsDone.Go(stopRLS)
 			err := srv.Shutdown(context.Background())
 			<-serveErr
+			rlsDone.Wait()
 			stop()
 			wg.Wait()
 			stopSync() // the last flush: nothing the drained connections admitted is lost

@@ -1,0 +1,209 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// envoyBenchRules is one Envoy-style rule (what import-envoy writes for a per-user
+// descriptor), generous enough that the load is mostly admitted.
+const envoyBenchRules = `
+rules:
+  - name: per-user
+    match: { domain: api, descriptor: user }
+    key: [domain, user]
+    algorithm: fixed_window
+    limit: { requests: 1000, per: 1s }
+`
+
+// envoyUsers returns n user ids: Zipf over a million users, and every 16th one of four
+// hot users.
+func envoyUsers(n int) []string {
+	r := rand.New(rand.NewPCG(1, 2))
+	z := rand.NewZipf(r, 1.1, 1, 1_000_000-1)
+	out := make([]string, n)
+	for i := range out {
+		if i%16 == 0 {
+			out[i] = "hot-" + strconv.Itoa(i/16%4)
+		} else {
+			out[i] = "user-" + strconv.FormatUint(z.Uint64(), 10)
+		}
+	}
+	return out
+}
+
+// startEnvoyServer starts the daemon with both listeners and returns it, a gRPC client on
+// its Envoy socket, and the socket the msgpack checks go to.
+func startEnvoyServer(b *testing.B) (*server, *grpc.ClientConn) {
+	rulesPath := filepath.Join(binDir, "envoy-rules.yaml")
+	if err := os.WriteFile(rulesPath, []byte(envoyBenchRules), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	sock := filepath.Join(binDir, "envoy.sock")
+	s := startServer(b, "rlsidecar", "--config", rulesPath, "--envoy-rls", "unix:"+sock)
+	s.envoy = sock
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { conn.Close() })
+	return s, conn
+}
+
+func envoyRequests(users []string) []*rlsv3.RateLimitRequest {
+	out := make([]*rlsv3.RateLimitRequest, len(users))
+	for i, u := range users {
+		out[i] = &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{
+			{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: u}}}}}
+	}
+	return out
+}
+
+// The same checks as msgpack frames: the attributes the Envoy transport gives the limiter.
+func envoyFrames(users []string) [][]byte {
+	out := make([][]byte, len(users))
+	enc := proto.NewEncoder()
+	for i, u := range users {
+		enc.Reset()
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+			{Name: "domain", Value: "api"}, {Name: "descriptor", Value: "user"}, {Name: "user", Value: u}}})
+		out[i] = append([]byte(nil), enc.Bytes()...)
+	}
+	return out
+}
+
+// BenchmarkEnvoyRLS: p50 of one ShouldRateLimit with one descriptor over a Unix socket
+// beside the msgpack socket's check p50 for the same check, on the same daemon,
+// alternating in chunks of 500 (the target: a ratio of at most 2.5); then the gRPC
+// throughput at 64 concurrent streams over one connection, beside msgpack at 64
+// connections with one request outstanding each.
+func BenchmarkEnvoyRLS(b *testing.B) {
+	s, conn := startEnvoyServer(b)
+	users := envoyUsers(1 << 16)
+	reqs, fr := envoyRequests(users), envoyFrames(users)
+	msgs := make([][]byte, len(reqs))
+	for i, r := range reqs {
+		msgs[i] = grpcMessage(r)
+	}
+	rls := rlsv3.NewRateLimitServiceClient(conn)
+	ctx := context.Background()
+	mc := dial(b, s.socket)
+	hc := dialH2(b, s.envoy, "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+	grpcRound := func(from, n int, lat []time.Duration) []time.Duration {
+		for i := range n {
+			start := time.Now()
+			st, err := hc.call(msgs[(from+i)%len(msgs)])
+			if err != nil || st != "0" {
+				b.Fatalf("call: status %q, %v", st, err)
+			}
+			lat = append(lat, time.Since(start))
+		}
+		return lat
+	}
+	grpcRound(0, 2000, nil)
+	mc.roundTrips(fr, 2000, nil)
+
+	b.ResetTimer()
+	// Alternate in chunks of 100 calls, and take the ratio of the two p50s in each pair
+	// of chunks: both sides see the same moment of a shared machine. The claim is the
+	// median of those ratios.
+	// The daemon's CPU time is summed per side too: unlike a latency, it does not depend on
+	// how busy the machine is.
+	var lg, lm []time.Duration
+	var ratios []float64
+	var cpuG, cpuM time.Duration
+	const chunk = 100
+	for done := 0; done < b.N; done += chunk {
+		n := min(chunk, b.N-done)
+		g0, m0 := len(lg), len(lm)
+		c0 := s.cpu(b)
+		lg = grpcRound(done, n, lg)
+		c1 := s.cpu(b)
+		var err error
+		if lm, err = mc.roundTrips(fr[done%len(fr):], n, lm); err != nil {
+			b.Fatal(err)
+		}
+		cpuG, cpuM = cpuG+c1-c0, cpuM+s.cpu(b)-c1
+		ratios = append(ratios, float64(percentile(lg[g0:], 0.5))/float64(percentile(lm[m0:], 0.5)))
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(cpuG.Nanoseconds())/1e3/float64(b.N), "grpc-daemon-cpu-µs/call")
+	b.ReportMetric(float64(cpuM.Nanoseconds())/1e3/float64(b.N), "msgpack-daemon-cpu-µs/check")
+	pg, pm := percentile(lg, 0.5), percentile(lm, 0.5)
+	sort.Float64s(ratios)
+	b.ReportMetric(float64(pm.Nanoseconds())/1e3, "msgpack-p50-µs")
+	b.ReportMetric(float64(pg.Nanoseconds())/1e3, "grpc-p50-µs")
+	b.ReportMetric(float64(percentile(lg, 0.99).Nanoseconds())/1e3, "grpc-p99-µs")
+	b.ReportMetric(float64(pg)/float64(pm), "p50-ratio")
+	b.ReportMetric(ratios[len(ratios)/2], "chunk-p50-ratio-median")
+
+	// Throughput at 64 concurrent streams: b.N calls each way, alternating twice.
+	const streams = 64
+	grpcLoad := func(n int) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for g := range streams {
+			wg.Go(func() {
+				for i := g; i < n; i += streams {
+					if _, err := rls.ShouldRateLimit(ctx, reqs[i%len(reqs)]); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	conns := make([]*client, streams)
+	for i := range conns {
+		conns[i] = dial(b, s.socket)
+	}
+	var tg, tm time.Duration
+	for range 2 {
+		tg += grpcLoad(b.N)
+		tm += runPipelined(b, conns, fr, b.N/streams*streams, 1)
+	}
+	total := float64(2 * (b.N / streams * streams))
+	b.ReportMetric(float64(2*b.N)/tg.Seconds(), "grpc-64-streams-req/s")
+	b.ReportMetric(total/tm.Seconds(), "msgpack-64-conns-req/s")
+}
+
+// cpu returns the CPU time the server's threads have used (/proc/PID/task/*/schedstat,
+// nanosecond precision).
+func (s *server) cpu(tb testing.TB) time.Duration {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/schedstat", s.cmd.Process.Pid))
+	if err != nil || len(tasks) == 0 {
+		tb.Fatalf("no schedstat for pid %d: %v", s.cmd.Process.Pid, err)
+	}
+	var total time.Duration
+	for _, t := range tasks {
+		data, err := os.ReadFile(t)
+		if err != nil {
+			continue // a thread that just exited
+		}
+		f := strings.Fields(string(data))
+		if len(f) == 0 {
+			continue
+		}
+		ns, _ := strconv.ParseInt(f[0], 10, 64)
+		total += time.Duration(ns)
+	}
+	return total
+}

@@ -1,0 +1,441 @@
+package main
+
+import (
+	"context"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	rlclient "github.com/rlsidecar/rlsidecar/clients/go"
+)
+
+// envoyRules are what import-envoy writes for envoyproxy/ratelimit's README examples
+// (messaging, unlimited, shadow, replaces, a block list), plus a token bucket.
+const envoyRules = `
+rules:
+  - name: marketing
+    match: { domain: messaging, descriptor: "message_type,to_number", message_type: marketing }
+    key: [domain, message_type, to_number]
+    algorithm: fixed_window
+    limit: { requests: 2, per: 1d }
+  - name: per-number
+    match: { domain: messaging, descriptor: to_number }
+    key: [domain, to_number]
+    algorithm: fixed_window
+    limit: { requests: 3, per: 1d }
+  - name: ldap
+    match: { domain: internal, descriptor: ldap }
+    key: [domain, ldap]
+    limit: unlimited
+  - name: user-a
+    match: { domain: example6, descriptor: "service,user", user: user-a }
+    key: [domain, service, user]
+    algorithm: fixed_window
+    limit: { requests: 1, per: 1s }
+    shadow: true
+  - name: specific_limit
+    match: { domain: example7, descriptor: "key_1,user", key_1: value_1, user: bkthomps }
+    key: [domain, key_1, user]
+    algorithm: fixed_window
+    limit: { requests: 1, per: 1h }
+  - name: wider
+    match: { domain: example7, descriptor: "key_2,user", key_2: value_2, user: bkthomps }
+    key: [domain, key_2, user]
+    algorithm: fixed_window
+    limit: { requests: 2, per: 1h }
+    replaces: [specific_limit]
+  - name: blocked
+    match: { domain: edge, descriptor: remote_address, remote_address: 50.0.0.5 }
+    key: [domain, remote_address]
+    limit: deny
+  - name: per-ip
+    match: { domain: edge, descriptor: remote_address, remote_address: { not: 50.0.0.5 } }
+    key: [domain, remote_address]
+    limit: { requests: 3, per: 30s }
+`
+
+type rlsFixture struct {
+	d   *daemonProc
+	rls rlsv3.RateLimitServiceClient
+	hc  healthpb.HealthClient
+}
+
+func startEnvoyDaemon(t *testing.T, rulesYAML string, extra ...string) *rlsFixture {
+	t.Helper()
+	dir := shortTempDir(t)
+	sock := filepath.Join(dir, "rls.sock")
+	d := startDaemon(t, append([]string{"--config", writeFile(t, dir, "rules.yaml", rulesYAML), "--envoy-rls", "unix:" + sock}, extra...)...)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &rlsFixture{d: d, rls: rlsv3.NewRateLimitServiceClient(conn), hc: healthpb.NewHealthClient(conn)}
+}
+
+// desc builds a descriptor from "key=value" entries.
+func desc(kv ...string) *commonrl.RateLimitDescriptor {
+	d := &commonrl.RateLimitDescriptor{}
+	for _, s := range kv {
+		k, v, _ := strings.Cut(s, "=")
+		d.Entries = append(d.Entries, &commonrl.RateLimitDescriptor_Entry{Key: k, Value: v})
+	}
+	return d
+}
+
+func (f *rlsFixture) call(t *testing.T, domain string, hits uint32, ds ...*commonrl.RateLimitDescriptor) *rlsv3.RateLimitResponse {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := f.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: domain, Descriptors: ds, HitsAddend: hits})
+	if err != nil {
+		t.Fatalf("ShouldRateLimit(%s): %v", domain, err)
+	}
+	if len(resp.Statuses) != len(ds) {
+		t.Fatalf("%d statuses for %d descriptors", len(resp.Statuses), len(ds))
+	}
+	return resp
+}
+
+type wantStatus struct {
+	code      rlsv3.RateLimitResponse_Code
+	name      string // "" with limit false: no current_limit
+	limit     bool
+	rpu       uint32
+	unit      rlsv3.RateLimitResponse_RateLimit_Unit
+	remaining uint32
+}
+
+func checkStatuses(t *testing.T, resp *rlsv3.RateLimitResponse, overall rlsv3.RateLimitResponse_Code, want ...wantStatus) {
+	t.Helper()
+	if resp.OverallCode != overall {
+		t.Errorf("overall %v, want %v", resp.OverallCode, overall)
+	}
+	for i, w := range want {
+		st := resp.Statuses[i]
+		got := wantStatus{code: st.Code, limit: st.CurrentLimit != nil, remaining: st.LimitRemaining}
+		if st.CurrentLimit != nil {
+			got.name, got.rpu, got.unit = st.CurrentLimit.Name, st.CurrentLimit.RequestsPerUnit, st.CurrentLimit.Unit
+			if st.DurationUntilReset == nil {
+				t.Errorf("status %d: no duration_until_reset", i)
+			}
+		}
+		if got != w {
+			t.Errorf("status %d: %+v, want %+v", i, got, w)
+		}
+	}
+}
+
+const (
+	ok   = rlsv3.RateLimitResponse_OK
+	over = rlsv3.RateLimitResponse_OVER_LIMIT
+	day  = rlsv3.RateLimitResponse_RateLimit_DAY
+)
+
+// The Envoy rate limit service against the real daemon: statuses in order, hits_addend,
+// overrides, unknown domains, unlimited, shadow, replaces, all-or-nothing, deny, health.
+func TestE2EEnvoyRLS(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+
+	t.Run("health", func(t *testing.T) {
+		for _, svc := range []string{"", "envoy.service.ratelimit.v3.RateLimitService"} {
+			r, err := f.hc.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+			if err != nil || r.Status != healthpb.HealthCheckResponse_SERVING {
+				t.Errorf("health %q: %v %v", svc, r, err)
+			}
+		}
+	})
+
+	t.Run("order, no match, all-or-nothing", func(t *testing.T) {
+		mk := desc("message_type=marketing", "to_number=111")
+		num := desc("to_number=111")
+		none := desc("message_type=other", "to_number=111") // no rule: OK, no current_limit
+		resp := f.call(t, "messaging", 0, mk, none, num)
+		checkStatuses(t, resp, ok,
+			wantStatus{code: ok, limit: true, name: "marketing", rpu: 2, unit: day, remaining: 1},
+			wantStatus{code: ok},
+			wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 2})
+		f.call(t, "messaging", 0, mk, num)
+		// marketing is spent: rejected, and per-number is not charged for it.
+		resp = f.call(t, "messaging", 0, mk, num)
+		checkStatuses(t, resp, over,
+			wantStatus{code: over, limit: true, name: "marketing", rpu: 2, unit: day},
+			wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 1})
+		resp = f.call(t, "messaging", 0, num)
+		checkStatuses(t, resp, ok, wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 0})
+	})
+
+	t.Run("hits_addend", func(t *testing.T) {
+		resp := f.call(t, "messaging", 2, desc("to_number=222"))
+		checkStatuses(t, resp, ok, wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 1})
+		peek := desc("to_number=222")
+		peek.HitsAddend = wrapperspb.UInt64(0) // the descriptor's own, 0: asks without consuming
+		resp = f.call(t, "messaging", 5, peek)
+		checkStatuses(t, resp, ok, wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 1})
+		two := desc("to_number=222")
+		two.HitsAddend = wrapperspb.UInt64(2) // wins over the call's 1
+		resp = f.call(t, "messaging", 1, two)
+		checkStatuses(t, resp, over, wantStatus{code: over, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 1})
+	})
+
+	t.Run("override", func(t *testing.T) {
+		o := desc("to_number=333")
+		o.Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 1, Unit: typev3.RateLimitUnit_MINUTE}
+		w := wantStatus{code: ok, limit: true, rpu: 1, unit: rlsv3.RateLimitResponse_RateLimit_MINUTE}
+		checkStatuses(t, f.call(t, "messaging", 0, o), ok, w)
+		w.code = over
+		checkStatuses(t, f.call(t, "messaging", 0, o), over, w)
+		// The rule itself was not charged.
+		checkStatuses(t, f.call(t, "messaging", 0, desc("to_number=333")), ok,
+			wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 2})
+	})
+
+	t.Run("unknown domain", func(t *testing.T) {
+		checkStatuses(t, f.call(t, "nobody", 0, desc("to_number=111"), desc("a=b")), ok, wantStatus{code: ok}, wantStatus{code: ok})
+	})
+
+	t.Run("unlimited", func(t *testing.T) {
+		for range 3 {
+			checkStatuses(t, f.call(t, "internal", 0, desc("ldap=x")), ok, wantStatus{code: ok, remaining: math.MaxUint32})
+		}
+	})
+
+	t.Run("shadow", func(t *testing.T) {
+		for range 3 {
+			resp := f.call(t, "example6", 0, desc("service=auth", "user=user-a"))
+			if resp.OverallCode != ok || resp.Statuses[0].Code != ok || resp.Statuses[0].CurrentLimit.GetName() != "user-a" {
+				t.Fatalf("shadow: %v", resp)
+			}
+		}
+	})
+
+	t.Run("replaces", func(t *testing.T) {
+		a := desc("key_1=value_1", "user=bkthomps")
+		b := desc("key_2=value_2", "user=bkthomps")
+		for i := range 2 {
+			resp := f.call(t, "example7", 0, a, b)
+			checkStatuses(t, resp, ok, wantStatus{code: ok},
+				wantStatus{code: ok, limit: true, name: "wider", rpu: 2, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: uint32(1 - i)})
+		}
+		// specific_limit was untouched while replaced.
+		checkStatuses(t, f.call(t, "example7", 0, a), ok,
+			wantStatus{code: ok, limit: true, name: "specific_limit", rpu: 1, unit: rlsv3.RateLimitResponse_RateLimit_HOUR})
+	})
+
+	t.Run("deny and a window with no Envoy unit", func(t *testing.T) {
+		resp := f.call(t, "edge", 0, desc("remote_address=50.0.0.5"))
+		checkStatuses(t, resp, over, wantStatus{code: over, limit: true, name: "blocked", rpu: 0, unit: rlsv3.RateLimitResponse_RateLimit_SECOND})
+		if h := headerMap(resp); h["Retry-After"] != "" || !strings.Contains(string(resp.RawBody), "can never pass") {
+			t.Errorf("deny: headers %v body %s", h, resp.RawBody)
+		}
+		// 3 per 30s is 6 per minute.
+		checkStatuses(t, f.call(t, "edge", 0, desc("remote_address=50.0.0.6")), ok,
+			wantStatus{code: ok, limit: true, name: "per-ip", rpu: 6, unit: rlsv3.RateLimitResponse_RateLimit_MINUTE, remaining: 2})
+	})
+
+	t.Run("bad input", func(t *testing.T) {
+		for _, req := range []*rlsv3.RateLimitRequest{
+			{Domain: "", Descriptors: []*commonrl.RateLimitDescriptor{desc("a=b")}},
+			{Domain: "edge"},
+			{Domain: "edge", Descriptors: []*commonrl.RateLimitDescriptor{desc("=b")}},
+			{Domain: "edge", Descriptors: []*commonrl.RateLimitDescriptor{{Entries: desc("a=b").Entries,
+				Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 0, Unit: typev3.RateLimitUnit_SECOND}}}},
+		} {
+			_, err := f.rls.ShouldRateLimit(context.Background(), req)
+			if status.Code(err) != codes.InvalidArgument {
+				t.Errorf("%v: %v, want InvalidArgument", req, err)
+			}
+		}
+	})
+}
+
+func headerMap(resp *rlsv3.RateLimitResponse) map[string]string {
+	h := map[string]string{}
+	for _, hv := range resp.ResponseHeadersToAdd {
+		h[hv.Key] = hv.Value
+	}
+	return h
+}
+
+// The same rules asked over the msgpack socket and over gRPC give the same decisions, and
+// the same headers and problem body as the Go client writes.
+func TestE2EEnvoyRLSMatchesSocket(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+	c, err := rlclient.New(rlclient.Options{Socket: f.d.socket, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+
+	// Identical at a time that does not cross a second boundary between the two asks
+	// (headers carry whole seconds): try a few fresh keys.
+	var mismatch string
+	for attempt := range 5 {
+		viaSocket := "10.0.0." + string(rune('1'+attempt))
+		viaGRPC := "10.0.1." + string(rune('1'+attempt))
+		mismatch = ""
+		for i := range 5 {
+			dec, err := c.Check(context.Background(), map[string]string{"domain": "edge", "descriptor": "remote_address", "remote_address": viaSocket}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp := f.call(t, "edge", 0, desc("remote_address="+viaGRPC))
+			st := resp.Statuses[0]
+			if dec.Allowed != (resp.OverallCode == ok) || uint64(st.LimitRemaining) != dec.Remaining {
+				t.Fatalf("check %d: socket %+v, gRPC %v", i, dec, resp)
+			}
+			want := rlclient.Headers(&dec)
+			rec := httptest.NewRecorder()
+			if !dec.Allowed {
+				rlclient.WriteRejection(rec, &dec)
+				want = rec.Header()
+				want.Del("Content-Length")
+			}
+			got := http.Header{}
+			for k, v := range headerMap(resp) {
+				got.Set(k, v)
+			}
+			if !reflect.DeepEqual(got, want) {
+				mismatch = "headers: gRPC " + strings.Join(flat(got), "; ") + " | client " + strings.Join(flat(want), "; ")
+			}
+			if !dec.Allowed && rec.Body.String() != string(resp.RawBody) {
+				mismatch = "body: gRPC " + string(resp.RawBody) + " | client " + rec.Body.String()
+			}
+			if dec.Allowed && len(resp.RawBody) != 0 {
+				t.Fatalf("allowed with a body: %s", resp.RawBody)
+			}
+		}
+		if mismatch == "" {
+			return
+		}
+	}
+	t.Fatal(mismatch)
+}
+
+func flat(h http.Header) []string {
+	var out []string
+	for k, v := range h {
+		out = append(out, k+": "+strings.Join(v, ","))
+	}
+	return out
+}
+
+// import-envoy converts every README example, and what it writes passes validate and
+// serves; a bad file is an error naming file:line:field, with nothing on stdout.
+func TestImportEnvoyCLI(t *testing.T) {
+	dir := t.TempDir()
+	examples, _ := filepath.Glob("../../envoyrls/testdata/readme/ex*.yaml")
+	var inputs []string
+	for _, p := range examples {
+		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") && !strings.Contains(p, "ex9b") && !strings.Contains(p, "ex9c") {
+			inputs = append(inputs, p) // one file per domain, as Envoy requires
+		}
+	}
+	out, errOut, code := runInProcess(append([]string{"import-envoy", "--algorithm", "sliding_window"}, inputs...)...)
+	if code != exitOK {
+		t.Fatalf("import-envoy: code %d\n%s", code, errOut)
+	}
+	if !strings.Contains(out, "algorithm: sliding_window") || strings.Count(out, "- name:") < 15 {
+		t.Fatalf("output:\n%s", out)
+	}
+	rulesFile := writeFile(t, dir, "converted.yaml", out)
+	if vout, verr, code := runInProcess("validate", "--config", rulesFile); code != exitOK {
+		t.Fatalf("validate: %s %s", vout, verr)
+	}
+
+	bad := writeFile(t, dir, "bad.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n")
+	out, errOut, code = runInProcess("import-envoy", bad)
+	if code != exitFailure || out != "" || !strings.Contains(errOut, "bad.yaml:5: descriptors[0].rate_limit.unit") {
+		t.Fatalf("bad file: code %d out %q err %q", code, out, errOut)
+	}
+	if _, _, code := runInProcess("import-envoy"); code != exitUsage {
+		t.Fatalf("no files: code %d", code)
+	}
+	if _, _, code := runInProcess("import-envoy", "--algorithm", "leaky_bucket", bad); code != exitUsage {
+		t.Fatalf("bad --algorithm: code %d", code)
+	}
+}
+
+// SIGTERM with the Envoy listener: both sockets removed, exit 0, no call cut.
+func TestE2EEnvoyRLSSigterm(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+	f.call(t, "edge", 0, desc("remote_address=1.2.3.4"))
+	sock := strings.TrimPrefix(argAfter(f.d, "--envoy-rls"), "unix:")
+	if err := f.d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-f.d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, f.d.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no exit within 10s of SIGTERM")
+	}
+	for _, p := range []string{f.d.socket, sock} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left behind: %v", p, err)
+		}
+	}
+}
+
+// A second daemon cannot take a live Envoy socket; it says so and exits.
+func TestE2EEnvoyRLSAddressInUse(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules)
+	sock := argAfter(f.d, "--envoy-rls")
+	dir := shortTempDir(t)
+	out, err := runCLI(t, "serve", "--admin=", "--socket", filepath.Join(dir, "s.sock"), "--envoy-rls", sock)
+	if err == nil || !strings.Contains(out, "another server is serving this socket") {
+		t.Fatalf("err=%v out=%s", err, out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "s.sock")); !os.IsNotExist(err) {
+		t.Errorf("the msgpack socket was left behind: %v", err)
+	}
+}
+
+func argAfter(d *daemonProc, flag string) string {
+	for i, a := range d.cmd.Args {
+		if a == flag && i+1 < len(d.cmd.Args) {
+			return d.cmd.Args[i+1]
+		}
+	}
+	return ""
+}
+
+// Decisions asked over gRPC are counted like the socket's: a shadow rule's rejections as
+// shadow_rejected, a real one's as rejected.
+func TestE2EEnvoyRLSMetrics(t *testing.T) {
+	f := startEnvoyDaemon(t, envoyRules, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, f.d)
+	for range 3 {
+		f.call(t, "example6", 0, desc("service=auth", "user=user-a"))
+		f.call(t, "edge", 0, desc("remote_address=50.0.0.5"))
+	}
+	_, samples := scrape(t, base)
+	for name, want := range map[string]float64{
+		`rlsidecar_checks_total{rule="user-a",result="allowed"}`:         1,
+		`rlsidecar_checks_total{rule="user-a",result="shadow_rejected"}`: 2,
+		`rlsidecar_checks_total{rule="blocked",result="rejected"}`:       3,
+	} {
+		if samples[name] != want {
+			t.Errorf("%s = %v, want %v", name, samples[name], want)
+		}
+	}
+}

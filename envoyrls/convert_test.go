@@ -1,0 +1,289 @@
+package envoyrls
+
+import (
+	"context"
+	"flag"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+var update = flag.Bool("update", false, "rewrite the expected conversions in testdata/readme")
+
+func convertFile(t *testing.T, path, alg string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := Convert([]File{{Name: filepath.Base(path), Data: data}}, alg)
+	if err != nil {
+		t.Fatalf("Convert(%s): %v", path, err)
+	}
+	return out
+}
+
+// Every example of envoyproxy/ratelimit's README, written out by hand, converts to the
+// rules in its .rules.yaml, and those rules load.
+func TestConvertReadmeExamples(t *testing.T) {
+	files, _ := filepath.Glob("testdata/readme/ex*.yaml")
+	n := 0
+	for _, path := range files {
+		if strings.HasSuffix(path, ".rules.yaml") {
+			continue
+		}
+		n++
+		t.Run(filepath.Base(path), func(t *testing.T) {
+			out := convertFile(t, path, "")
+			golden := strings.TrimSuffix(path, ".yaml") + ".rules.yaml"
+			if *update {
+				if err := os.WriteFile(golden, out, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(out) != string(want) {
+				t.Errorf("conversion differs from %s:\n%s", golden, out)
+			}
+			if _, err := rules.Parse(golden, out); err != nil {
+				t.Errorf("converted rules do not load: %v", err)
+			}
+		})
+	}
+	if n < 16 {
+		t.Fatalf("%d README examples; the README has 16 configurations", n)
+	}
+}
+
+func TestConvertAlgorithm(t *testing.T) {
+	out := convertFile(t, "testdata/readme/ex1.yaml", "token_bucket")
+	if !strings.Contains(string(out), "algorithm: token_bucket") || strings.Contains(string(out), "fixed_window") {
+		t.Errorf("--algorithm token_bucket:\n%s", out)
+	}
+	if _, err := Convert(nil, "leaky"); err == nil {
+		t.Error("unknown algorithm: no error")
+	}
+}
+
+// Bad configurations are errors naming the file, the line and the field.
+func TestConvertErrors(t *testing.T) {
+	want := map[string]string{
+		"unit.yaml":                 `unit.yaml:5: descriptors[0].rate_limit.unit: unknown unit "fortnight"`,
+		"unknown_field.yaml":        `unknown_field.yaml:4: descriptors[0]: unknown field "rate_limits"`,
+		"unlimited_unit.yaml":       `unlimited_unit.yaml:6: descriptors[0].rate_limit.unit: an unlimited rate_limit has no unit`,
+		"replaces_unknown.yaml":     `replaces_unknown.yaml:8: replaces[0].name: no rate_limit is named "nobody"`,
+		"bad_key.yaml":              `bad_key.yaml:3: descriptors[0].key: "a b" cannot be an rlsidecar attribute name`,
+		"share_no_wildcard.yaml":    `share_no_wildcard.yaml:5: descriptors[0].share_threshold: share_threshold needs a wildcard value`,
+		"quota_mode.yaml":           `quota_mode.yaml:4: descriptors[0].quota_mode: quota mode is not supported`,
+		"negative.yaml":             `negative.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, got "-1"`,
+		"no_domain.yaml":            `no_domain.yaml:1: domain: missing (required)`,
+		"duplicate.yaml":            `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
+		"repeated_key.yaml":         `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
+		"reserved_key.yaml":         `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
+		"shadow_without_limit.yaml": `shadow_without_limit.yaml:4: descriptors[0].shadow_mode: shadow_mode applies to this descriptor's rate_limit, and it has none`,
+		"duplicate_name.yaml":       `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
+	}
+	files, _ := filepath.Glob("testdata/bad/*.yaml")
+	if len(files) != len(want) {
+		t.Errorf("%d bad fixtures, %d expectations", len(files), len(want))
+	}
+	for _, path := range files {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := want[filepath.Base(path)]
+		_, err = Convert([]File{{Name: filepath.Base(path), Data: data}}, "")
+		if err == nil || w == "" || !strings.Contains(err.Error(), w) {
+			t.Errorf("%s: %v\nwant an error containing %s", path, err, w)
+		}
+	}
+	// One domain in two files.
+	a := []byte("domain: d\ndescriptors: []\n")
+	if _, err := Convert([]File{{"a.yaml", a}, {"b.yaml", a}}, ""); err == nil || !strings.Contains(err.Error(), `b.yaml:1: domain: domain "d" is already defined at a.yaml:1`) {
+		t.Errorf("domain twice: %v", err)
+	}
+}
+
+// serverFor converts the examples and returns a server deciding with the rules.
+func serverFor(t *testing.T, paths ...string) *Server {
+	t.Helper()
+	var files []File
+	for _, p := range paths {
+		data, err := os.ReadFile(filepath.Join("testdata/readme", p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, File{Name: p, Data: data})
+	}
+	out, err := Convert(files, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := rules.Parse("converted.yaml", out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Addr: "unused:0"}, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+type envoyCall struct {
+	domain string
+	descs  [][]string // each a list of "key=value"
+}
+
+func (s *Server) ask(t *testing.T, c envoyCall) *rlsv3.RateLimitResponse {
+	t.Helper()
+	req := &rlsv3.RateLimitRequest{Domain: c.domain}
+	for _, d := range c.descs {
+		rd := &commonrl.RateLimitDescriptor{}
+		for _, kv := range d {
+			k, v, _ := strings.Cut(kv, "=")
+			rd.Entries = append(rd.Entries, &commonrl.RateLimitDescriptor_Entry{Key: k, Value: v})
+		}
+		req.Descriptors = append(req.Descriptors, rd)
+	}
+	resp, err := s.ShouldRateLimit(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+// admitted asks c n+1 times and reports how many were admitted (OVERALL OK).
+func (s *Server) admitted(t *testing.T, c envoyCall, n int) int {
+	t.Helper()
+	ok := 0
+	for range n {
+		if s.ask(t, c).OverallCode == rlsv3.RateLimitResponse_OK {
+			ok++
+		}
+	}
+	return ok
+}
+
+func limitOf(resp *rlsv3.RateLimitResponse, i int) uint32 {
+	if cl := resp.Statuses[i].CurrentLimit; cl != nil {
+		return cl.RequestsPerUnit
+	}
+	return math.MaxUint32 // no limit
+}
+
+const none = math.MaxUint32
+
+// The converted examples decide as the README of envoyproxy/ratelimit says Envoy's do.
+func TestConvertedSemantics(t *testing.T) {
+	t.Run("ex2 nested and multiple descriptors", func(t *testing.T) {
+		s := serverFor(t, "ex2.yaml")
+		mk := envoyCall{"messaging", [][]string{{"message_type=marketing", "to_number=2061111111"}, {"to_number=2061111111"}}}
+		r := s.ask(t, mk)
+		if limitOf(r, 0) != 5 || limitOf(r, 1) != 100 {
+			t.Fatalf("limits: %v", r)
+		}
+		if got := s.admitted(t, mk, 10); got != 4 {
+			t.Errorf("marketing to one number: %d more admitted, want 4", got)
+		}
+		if limitOf(s.ask(t, envoyCall{"messaging", [][]string{{"message_type=other", "to_number=1"}}}), 0) != none {
+			t.Error("message_type=other matched")
+		}
+	})
+	t.Run("ex3 most specific match", func(t *testing.T) {
+		s := serverFor(t, "ex3.yaml")
+		if got := s.admitted(t, envoyCall{"edge_proxy_per_ip", [][]string{{"remote_address=50.0.0.5"}}}, 3); got != 0 {
+			t.Errorf("black-listed IP admitted %d", got)
+		}
+		if got := s.admitted(t, envoyCall{"edge_proxy_per_ip", [][]string{{"remote_address=50.0.0.1"}}}, 12); got != 10 {
+			t.Errorf("other IP admitted %d, want 10", got)
+		}
+	})
+	t.Run("ex4 depth", func(t *testing.T) {
+		two := envoyCall{"example4", [][]string{{"key=value", "subkey=subvalue"}}}
+		if l := limitOf(serverFor(t, "ex4a.yaml").ask(t, two), 0); l != none {
+			t.Errorf("ex4a matched a deeper descriptor: %d", l)
+		}
+		if l := limitOf(serverFor(t, "ex4b.yaml").ask(t, two), 0); l != 300 {
+			t.Errorf("ex4b: %d, want 300", l)
+		}
+	})
+	t.Run("ex5 unlimited", func(t *testing.T) {
+		s := serverFor(t, "ex5.yaml")
+		r := s.ask(t, envoyCall{"internal", [][]string{{"ldap=x"}, {"azure=y"}}})
+		if r.Statuses[0].LimitRemaining != math.MaxUint32 || r.Statuses[0].CurrentLimit != nil || limitOf(r, 1) != 100 {
+			t.Errorf("unlimited: %v", r)
+		}
+	})
+	t.Run("ex6 shadow", func(t *testing.T) {
+		s := serverFor(t, "ex6.yaml")
+		if got := s.admitted(t, envoyCall{"example6", [][]string{{"service=auth-service", "user=user-a"}}}, 15); got != 15 {
+			t.Errorf("shadow user-a admitted %d of 15", got)
+		}
+		if got := s.admitted(t, envoyCall{"example6", [][]string{{"service=auth-service", "user=user-b"}}}, 25); got != 20 {
+			t.Errorf("user-b admitted %d, want 20", got)
+		}
+	})
+	t.Run("ex7 replaces", func(t *testing.T) {
+		s := serverFor(t, "ex7.yaml")
+		both := envoyCall{"example7", [][]string{{"key_1=value_1", "user=bkthomps"}, {"key_2=value_2", "user=bkthomps"}}}
+		if got := s.admitted(t, both, 12); got != 10 {
+			t.Errorf("both: %d admitted, want 10 (the replacing limit)", got)
+		}
+		if got := s.admitted(t, envoyCall{"example7", [][]string{{"key_1=value_1", "user=bkthomps"}}}, 7); got != 5 {
+			t.Errorf("the replaced limit was affected: %d admitted, want 5", got)
+		}
+	})
+	t.Run("ex8", func(t *testing.T) {
+		s := serverFor(t, "ex8.yaml")
+		if l := limitOf(s.ask(t, envoyCall{"example8", [][]string{{"key1=value1"}}}), 0); l != 20 {
+			t.Errorf("key1=value1: %d", l)
+		}
+		if l := limitOf(s.ask(t, envoyCall{"example8", [][]string{{"key1=other"}}}), 0); l != 10 {
+			t.Errorf("key1=other: %d", l)
+		}
+	})
+	t.Run("ex9 wildcards", func(t *testing.T) {
+		for _, c := range []struct {
+			file, key, value string
+			want             uint32
+		}{
+			{"ex9a.yaml", "key1", "valueXYZ", 20}, {"ex9a.yaml", "key1", "valu", none},
+			{"ex9b.yaml", "path", "/api/123/action", 20}, {"ex9b.yaml", "path", "/api/123/other", none},
+			{"ex9c.yaml", "route", "/api/v1/resource/123/action", 20}, {"ex9c.yaml", "route", "/api/v1/other/123/action", none},
+		} {
+			if l := limitOf(serverFor(t, c.file).ask(t, envoyCall{"example9", [][]string{{c.key + "=" + c.value}}}), 0); l != c.want {
+				t.Errorf("%s %s=%s: %d, want %d", c.file, c.key, c.value, l, c.want)
+			}
+		}
+	})
+	t.Run("ex11 share_threshold", func(t *testing.T) {
+		s := serverFor(t, "ex11a.yaml")
+		one := func(v string) envoyCall { return envoyCall{"example11", [][]string{{"files=" + v}}} }
+		s.admitted(t, one("files/a.pdf"), 5)
+		s.admitted(t, one("files/b.csv"), 5)
+		if got := s.admitted(t, one("files/c.txt"), 1); got != 0 {
+			t.Error("shared threshold not shared")
+		}
+		iso := func(v string) envoyCall { return envoyCall{"example11", [][]string{{"files_no_share=" + v}}} }
+		if got := s.admitted(t, iso("files_no_share/a.pdf"), 11); got != 10 {
+			t.Errorf("isolated a.pdf: %d", got)
+		}
+		if got := s.admitted(t, iso("files_no_share/b.csv"), 1); got != 1 {
+			t.Error("isolated thresholds shared")
+		}
+	})
+}

@@ -1,0 +1,515 @@
+// Package envoyrls serves Envoy's rate limit service API
+// (envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit) and the gRPC health
+// service on a second listener of the daemon, so that Envoy, Istio and other Envoy-based
+// gateways ask rlsidecar with no client code. It asks the limiter as the msgpack socket
+// server does; the two transports share no code and neither imports the other.
+//
+// The mapping. A call's descriptors are decided together, all-or-nothing, as the parts of
+// one limiter check. Descriptor i is checked as a request with the attributes
+//
+//	domain       the call's domain
+//	descriptor   the descriptor's keys in order, joined by ",": "message_type,to_number"
+//	<key>        each entry's value, under the entry's key
+//
+// (the descriptor attribute lets a rule require a descriptor of exactly these keys, as
+// Envoy's nested descriptors do; see rlsidecar import-envoy). Its cost is its own
+// hits_addend when set (0 then asks without consuming), else the call's hits_addend, 0
+// meaning 1. A descriptor's limit override is checked instead of the rules, as a fixed
+// window keyed by the domain and the entries. A descriptor that matches nothing, and a
+// domain no rule names, answer OK with no current_limit, as envoyproxy/ratelimit does.
+//
+// Most callers want [New], [Server.Listen], [Server.Serve] and [Server.Shutdown].
+package envoyrls
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/bits"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/proto"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// DescriptorAttribute is the attribute holding a descriptor's keys, in order, joined by
+// ",".
+const DescriptorAttribute = "descriptor"
+
+// DomainAttribute is the attribute holding the call's domain.
+const DomainAttribute = "domain"
+
+// ServiceName is the gRPC service this package serves, also the name its health is
+// reported under (besides "", the server as a whole).
+const ServiceName = "envoy.service.ratelimit.v3.RateLimitService"
+
+// Recorder counts decisions (the daemon's metrics). Record must be safe for concurrent
+// use and must not keep d.
+type Recorder interface {
+	Record(d *limiter.Decision)
+}
+
+// Config configures a Server. Addr is required; the zero value of the others is a
+// sensible default.
+type Config struct {
+	// Addr is "unix:PATH" for a Unix socket (what Envoy's pipe address dials) or
+	// "HOST:PORT" for TCP.
+	Addr string
+	// SocketMode is the permission of a Unix socket file; default 0660.
+	SocketMode os.FileMode
+	// MaxDescriptors and MaxEntries bound one call (default 64 each); a larger call is an
+	// InvalidArgument error.
+	MaxDescriptors int
+	MaxEntries     int
+	// Recorder, when set, counts every decision.
+	Recorder Recorder
+	Logger   *slog.Logger
+}
+
+// Server is the gRPC server. Build it with New; it is safe for concurrent use.
+type Server struct {
+	rlsv3.UnimplementedRateLimitServiceServer
+	cfg     Config
+	lim     *limiter.Limiter
+	grpc    *grpc.Server
+	health  *health.Server
+	ln      net.Listener
+	scratch sync.Pool // *scratch
+}
+
+// New returns a server deciding with lim. Call Listen, then Serve.
+func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
+	if cfg.Addr == "" {
+		return nil, errors.New("envoyrls: an address is required (unix:PATH or HOST:PORT)")
+	}
+	if cfg.SocketMode == 0 {
+		cfg.SocketMode = 0o660
+	}
+	if cfg.SocketMode&0o002 != 0 {
+		return nil, fmt.Errorf("envoyrls: socket mode %#o is world-writable", cfg.SocketMode)
+	}
+	if cfg.MaxDescriptors <= 0 {
+		cfg.MaxDescriptors = 64
+	}
+	if cfg.MaxEntries <= 0 {
+		cfg.MaxEntries = 64
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
+	s.grpc = grpc.NewServer(
+		// Fixed windows: no BDP-estimation pings between a call and its answer.
+		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20))
+	s.scratch.New = func() any { return new(scratch) }
+	rlsv3.RegisterRateLimitServiceServer(s.grpc, s)
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
+	return s, nil
+}
+
+// Listen binds the address. A Unix socket is created owner-only, then opened to
+// SocketMode; a stale socket file is replaced, a live one or any other file refused.
+func (s *Server) Listen() error {
+	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
+	if !ok {
+		ln, err := net.Listen("tcp", s.cfg.Addr)
+		if err != nil {
+			return fmt.Errorf("envoy rls: listening on %s: %w", s.cfg.Addr, err)
+		}
+		s.ln = ln
+		return nil
+	}
+	if path == "" {
+		return errors.New("envoy rls: unix: needs a path")
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return fmt.Errorf("envoy rls: listening on %s: the path exists and is not a socket; refusing to replace it", path)
+		}
+		c, err := net.DialTimeout("unix", path, time.Second)
+		if err == nil {
+			c.Close()
+			return fmt.Errorf("envoy rls: listening on %s: another server is serving this socket", path)
+		}
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			return fmt.Errorf("envoy rls: listening on %s: probing the existing socket: %w", path, err)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("envoy rls: listening on %s: removing a stale socket: %w", path, err)
+		}
+	}
+	old := syscall.Umask(0o177)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	syscall.Umask(old)
+	if err != nil {
+		return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, s.cfg.SocketMode); err != nil {
+		ln.Close()
+		return fmt.Errorf("envoy rls: setting mode %#o on %s: %w", s.cfg.SocketMode, path, err)
+	}
+	ln.SetUnlinkOnClose(true)
+	s.ln = ln
+	return nil
+}
+
+// Addr returns the bound address (after Listen).
+func (s *Server) Addr() net.Addr { return s.ln.Addr() }
+
+// Serve answers calls until Shutdown; it returns nil after Shutdown.
+func (s *Server) Serve() error {
+	if s.ln == nil {
+		return errors.New("envoy rls: Serve before Listen")
+	}
+	if err := s.grpc.Serve(s.ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("envoy rls: %w", err)
+	}
+	return nil
+}
+
+// Shutdown reports NOT_SERVING, stops accepting, and waits for the calls in flight until
+// ctx ends, then closes every connection. The socket file is removed.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.health.Shutdown()
+	done := make(chan struct{})
+	go func() { s.grpc.GracefulStop(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		s.grpc.Stop()
+		<-done
+		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
+	}
+}
+
+// scratch is one call's reusable space: the limiter's input and decision, kept in a pool
+// so that a call allocates only its response.
+type scratch struct {
+	in     limiter.Input
+	parts  []limiter.Part
+	attrs  []rules.Attr
+	limits []limiter.Inline
+	keys   []byte
+	pol    []byte
+	cur    []byte
+	best   []int32
+	d      limiter.Decision
+}
+
+// ShouldRateLimit decides one call. Malformed calls (empty domain, no descriptors, an
+// empty key, a bad override, too many descriptors or entries) are InvalidArgument errors
+// and change nothing.
+func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+	now := time.Now().UnixNano()
+	sc := s.scratch.Get().(*scratch)
+	defer s.scratch.Put(sc)
+	if err := s.input(req, sc); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	d := &sc.d
+	if err := s.lim.Check(now, &sc.in, d); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if s.cfg.Recorder != nil {
+		s.cfg.Recorder.Record(d)
+	}
+	return s.response(len(req.Descriptors), sc), nil
+}
+
+// input fills sc.in from req.
+func (s *Server) input(req *rlsv3.RateLimitRequest, sc *scratch) error {
+	if req.Domain == "" {
+		return errors.New("domain must not be empty")
+	}
+	n := len(req.Descriptors)
+	if n == 0 {
+		return errors.New("descriptors must not be empty")
+	}
+	if n > s.cfg.MaxDescriptors {
+		return fmt.Errorf("%d descriptors; at most %d in one call", n, s.cfg.MaxDescriptors)
+	}
+	cost := uint64(max(req.HitsAddend, 1))
+	sc.parts = sc.parts[:0]
+	sc.attrs = sc.attrs[:0]
+	sc.limits = sc.limits[:0]
+	sc.keys = sc.keys[:0]
+	overrides := 0
+	for i, desc := range req.Descriptors {
+		if desc == nil {
+			return fmt.Errorf("descriptors[%d] is null", i)
+		}
+		if len(desc.Entries) > s.cfg.MaxEntries {
+			return fmt.Errorf("descriptors[%d]: %d entries; at most %d", i, len(desc.Entries), s.cfg.MaxEntries)
+		}
+		if desc.IsNegativeHits {
+			return fmt.Errorf("descriptors[%d]: is_negative_hits (giving budget back) is not supported", i)
+		}
+		keys := ""
+		if len(desc.Entries) == 1 && desc.Entries[0] != nil {
+			keys = desc.Entries[0].Key // the common case, without building a string
+		} else if len(desc.Entries) > 1 {
+			var b strings.Builder
+			for j, e := range desc.Entries {
+				if j > 0 {
+					b.WriteByte(',')
+				}
+				if e != nil {
+					b.WriteString(e.Key)
+				}
+			}
+			keys = b.String()
+		}
+		start := len(sc.attrs)
+		sc.attrs = append(sc.attrs, rules.Attr{Name: DomainAttribute, Value: req.Domain}, rules.Attr{Name: DescriptorAttribute, Value: keys})
+		for j, e := range desc.Entries {
+			if e == nil || e.Key == "" {
+				return fmt.Errorf("descriptors[%d].entries[%d]: key must not be empty", i, j)
+			}
+			sc.attrs = append(sc.attrs, rules.Attr{Name: e.Key, Value: e.Value})
+		}
+		p := limiter.Part{Cost: cost}
+		if desc.HitsAddend != nil {
+			p.Cost = desc.HitsAddend.Value
+		}
+		if desc.Limit != nil {
+			il, err := s.override(req.Domain, desc, sc)
+			if err != nil {
+				return fmt.Errorf("descriptors[%d].limit: %w", i, err)
+			}
+			sc.limits = append(sc.limits, il)
+			p.NoRules = true
+			overrides++
+		}
+		p.Attrs = sc.attrs[start:len(sc.attrs):len(sc.attrs)]
+		sc.parts = append(sc.parts, p)
+	}
+	// Slice the attributes and overrides only now that their buffers no longer grow.
+	at, li := 0, 0
+	for i := range sc.parts {
+		p := &sc.parts[i]
+		k := len(p.Attrs)
+		p.Attrs = sc.attrs[at : at+k : at+k]
+		at += k
+		if p.NoRules {
+			p.Limits = sc.limits[li : li+1 : li+1]
+			li++
+		} else {
+			p.Limits = nil
+		}
+	}
+	sc.in = limiter.Input{Parts: sc.parts}
+	return nil
+}
+
+// override is a descriptor's limit override as an inline limit: a fixed window (Envoy's),
+// keyed by the domain and the entries.
+func (s *Server) override(domain string, desc *commonrl.RateLimitDescriptor, sc *scratch) (limiter.Inline, error) {
+	o := desc.Limit
+	unit, ok := unitDuration[o.Unit]
+	if !ok {
+		return limiter.Inline{}, fmt.Errorf("unit %v is not one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR", o.Unit)
+	}
+	mult := uint64(1)
+	if o.UnitMultiplier != nil {
+		mult = uint64(o.UnitMultiplier.Value)
+	}
+	if mult == 0 {
+		return limiter.Inline{}, errors.New("unit_multiplier must be at least 1")
+	}
+	if o.RequestsPerUnit == 0 {
+		return limiter.Inline{}, errors.New("requests_per_unit must be at least 1")
+	}
+	windowMs := uint64(unit/time.Millisecond) * mult
+	start := len(sc.keys)
+	sc.keys = append(sc.keys, "envoy:"...)
+	sc.keys = append(sc.keys, domain...)
+	for _, e := range desc.Entries {
+		sc.keys = append(sc.keys, 0)
+		sc.keys = append(sc.keys, e.GetKey()...)
+		sc.keys = append(sc.keys, 0)
+		sc.keys = append(sc.keys, e.GetValue()...)
+	}
+	return limiter.Inline{Key: string(sc.keys[start:]), Limit: uint64(o.RequestsPerUnit), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
+}
+
+var unitDuration = map[typev3.RateLimitUnit]time.Duration{
+	typev3.RateLimitUnit_SECOND: time.Second,
+	typev3.RateLimitUnit_MINUTE: time.Minute,
+	typev3.RateLimitUnit_HOUR:   time.Hour,
+	typev3.RateLimitUnit_DAY:    24 * time.Hour,
+	typev3.RateLimitUnit_MONTH:  30 * 24 * time.Hour,
+	typev3.RateLimitUnit_YEAR:   365 * 24 * time.Hour,
+}
+
+// response builds the answer to a call of n descriptors from sc.d.
+func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
+	d := &sc.d
+	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK, Statuses: make([]*rlsv3.RateLimitResponse_DescriptorStatus, n)}
+	if !d.Allowed {
+		resp.OverallCode = rlsv3.RateLimitResponse_OVER_LIMIT
+	}
+	for i := range resp.Statuses {
+		resp.Statuses[i] = &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OK}
+	}
+	for _, p := range d.Unlimited {
+		resp.Statuses[p].LimitRemaining = math.MaxUint32
+	}
+	// Each descriptor reports its own deciding result, chosen as the limiter chooses the
+	// request's: a rejecting one (the longest retry-after) before the least remaining,
+	// non-shadow before shadow.
+	best := sc.best[:0] // index+1 in d.Results; 0 for none
+	for range n {
+		best = append(best, 0)
+	}
+	sc.best = best
+	for i := range d.Results {
+		r := &d.Results[i]
+		if b := best[r.Part]; b == 0 || better(r, &d.Results[b-1]) {
+			best[r.Part] = int32(i + 1)
+		}
+	}
+	for p, b := range best {
+		if b == 0 {
+			continue
+		}
+		r := &d.Results[b-1]
+		st := resp.Statuses[p]
+		if !r.Allowed && !r.Shadow {
+			st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
+		}
+		rpu, unit := envoyUnit(r.Limit, r.Window)
+		name := ""
+		if r.Rule != nil {
+			name = r.Rule.Name
+		}
+		st.CurrentLimit = &rlsv3.RateLimitResponse_RateLimit{Name: name, RequestsPerUnit: rpu, Unit: unit}
+		st.LimitRemaining = uint32(min(r.Remaining, math.MaxUint32))
+		st.DurationUntilReset = durationpb.New(r.Reset)
+	}
+
+	// The HTTP mapping, as the clients write it: the deciding rule first.
+	sc.pol, sc.cur = sc.pol[:0], sc.cur[:0]
+	if dr := d.DecidingResult(); dr != nil {
+		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, dr.Name, dr.Limit, dr.Window, true, dr.Remaining, dr.Reset)
+		for i := range d.Results {
+			if r := &d.Results[i]; !r.Shadow && i != d.Deciding {
+				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+			}
+		}
+		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd,
+			header("RateLimit-Policy", string(sc.pol)), header("RateLimit", string(sc.cur)))
+	}
+	if !d.Allowed {
+		dr := d.DecidingResult()
+		rule, impossible, retry := "", false, time.Duration(0)
+		if dr != nil {
+			rule, impossible, retry = dr.Name, dr.Impossible, dr.RetryAfter
+		}
+		if !impossible {
+			resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, header("Retry-After", itoa(proto.RetryAfterSeconds(retry))))
+		}
+		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, header("Content-Type", "application/problem+json"))
+		resp.RawBody = proto.TooManyRequestsBody(rule, impossible, retry)
+	}
+	return resp
+}
+
+// better reports whether result a describes its descriptor better than b.
+func better(a, b *limiter.Result) bool {
+	if a.Shadow != b.Shadow {
+		return !a.Shadow
+	}
+	ar, br := !a.Allowed, !b.Allowed
+	if ar != br {
+		return ar
+	}
+	if ar {
+		if b.Impossible {
+			return false
+		}
+		return a.Impossible || a.RetryAfter > b.RetryAfter
+	}
+	return a.Remaining < b.Remaining
+}
+
+func header(k, v string) *corev3.HeaderValue { return &corev3.HeaderValue{Key: k, Value: v} }
+
+func itoa(v int64) string { return strconv.FormatInt(v, 10) }
+
+// units are Envoy's, shortest first, with the lengths envoyproxy/ratelimit gives them.
+var units = [...]struct {
+	unit rlsv3.RateLimitResponse_RateLimit_Unit
+	d    time.Duration
+}{
+	{rlsv3.RateLimitResponse_RateLimit_SECOND, time.Second},
+	{rlsv3.RateLimitResponse_RateLimit_MINUTE, time.Minute},
+	{rlsv3.RateLimitResponse_RateLimit_HOUR, time.Hour},
+	{rlsv3.RateLimitResponse_RateLimit_DAY, 24 * time.Hour},
+	{rlsv3.RateLimitResponse_RateLimit_WEEK, 7 * 24 * time.Hour},
+	{rlsv3.RateLimitResponse_RateLimit_MONTH, 30 * 24 * time.Hour},
+	{rlsv3.RateLimitResponse_RateLimit_YEAR, 365 * 24 * time.Hour},
+}
+
+// envoyUnit expresses limit per window in an Envoy unit. A window that is a unit is
+// reported as is (10 per minute). Otherwise the rate is kept: the first unit at least as
+// long as the window in which it is a whole number of requests (10 per 30s → 20 per
+// minute; 100 per 90s → 4000 per hour); when there is none, the first unit at least as
+// long as the window, the count rounded down, at least 1 (7 per 13s → 32 per minute).
+// A window past a year is reported per year, rounded down likewise.
+func envoyUnit(limit uint64, window time.Duration) (uint32, rlsv3.RateLimitResponse_RateLimit_Unit) {
+	if window <= 0 {
+		return uint32(min(limit, math.MaxUint32)), rlsv3.RateLimitResponse_RateLimit_SECOND
+	}
+	first := -1
+	for i, u := range units {
+		if u.d < window {
+			continue
+		}
+		if first < 0 {
+			first = i
+		}
+		hi, lo := bits.Mul64(limit, uint64(u.d))
+		if hi >= uint64(window) {
+			break // past uint64: longer units only grow
+		}
+		q, rem := bits.Div64(hi, lo, uint64(window))
+		if q > math.MaxUint32 {
+			break
+		}
+		if rem == 0 {
+			return uint32(q), u.unit
+		}
+	}
+	if first < 0 {
+		first = len(units) - 1
+	}
+	u := units[first]
+	hi, lo := bits.Mul64(limit, uint64(u.d))
+	if hi >= uint64(window) {
+		return math.MaxUint32, u.unit
+	}
+	q, _ := bits.Div64(hi, lo, uint64(window))
+	return uint32(min(max(q, 1), math.MaxUint32)), u.unit
+}

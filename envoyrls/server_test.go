@@ -1,0 +1,86 @@
+package envoyrls
+
+import (
+	"context"
+	"math"
+	"testing"
+	"time"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+func TestEnvoyUnit(t *testing.T) {
+	const (
+		sec  = rlsv3.RateLimitResponse_RateLimit_SECOND
+		min_ = rlsv3.RateLimitResponse_RateLimit_MINUTE
+		hour = rlsv3.RateLimitResponse_RateLimit_HOUR
+		day  = rlsv3.RateLimitResponse_RateLimit_DAY
+		week = rlsv3.RateLimitResponse_RateLimit_WEEK
+		year = rlsv3.RateLimitResponse_RateLimit_YEAR
+	)
+	tests := []struct {
+		limit  uint64
+		window time.Duration
+		rpu    uint32
+		unit   rlsv3.RateLimitResponse_RateLimit_Unit
+	}{
+		{10, time.Second, 10, sec},
+		{10, time.Minute, 10, min_},
+		{10, 30 * time.Second, 20, min_}, // the rate kept in the next unit
+		{10, 500 * time.Millisecond, 20, sec},
+		{100, 90 * time.Second, 4000, hour}, // not whole per minute: per hour
+		{7, 13 * time.Second, 32, min_},     // never whole: rounded down in the next unit
+		{5, 7 * 24 * time.Hour, 5, week},
+		{1, 366 * 24 * time.Hour, 1, year}, // longer than a year: per year, at least 1
+		{0, time.Second, 0, sec},           // limit: deny
+		{math.MaxUint32, time.Millisecond, math.MaxUint32, sec},
+	}
+	for _, tt := range tests {
+		rpu, unit := envoyUnit(tt.limit, tt.window)
+		if rpu != tt.rpu || unit != tt.unit {
+			t.Errorf("envoyUnit(%d, %v) = %d per %v, want %d per %v", tt.limit, tt.window, rpu, unit, tt.rpu, tt.unit)
+		}
+	}
+}
+
+func benchServer(b *testing.B) *Server {
+	set, err := rules.Parse("b.yaml", []byte(`
+rules:
+  - name: per-user
+    match: { domain: api, descriptor: user }
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 1000000, per: 1s }
+`))
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, err := New(Config{Addr: "unused:0"}, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return s
+}
+
+// BenchmarkShouldRateLimit is one call with one descriptor, in process (no transport):
+// what the Envoy transport adds to the limiter's check is building the response.
+func BenchmarkShouldRateLimit(b *testing.B) {
+	s := benchServer(b)
+	req := &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{
+		{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "u1"}}}}}
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := s.ShouldRateLimit(ctx, req); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}

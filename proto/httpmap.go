@@ -1,0 +1,126 @@
+package proto
+
+import (
+	"encoding/json"
+	"strconv"
+	"time"
+)
+
+// The HTTP mapping of a decision (README.md, "HTTP mapping"; vectors in
+// testdata/http_headers.json): the formatting every Go producer of rate-limit headers and
+// problem bodies shares — the Go client's middleware and the daemon's Envoy transport —
+// so that both write the same bytes.
+
+// ProblemType is the "type" of the problem+json bodies. "about:blank" means the problem
+// is what the status code says (RFC 9457 §4.2.1); the rule and retry_after extension
+// members carry the details.
+const ProblemType = "about:blank"
+
+// AppendRateLimitItem appends one rule to the values of the RateLimit-Policy (pol) and
+// RateLimit (cur) headers of draft-ietf-httpapi-ratelimit-headers, separating it from the
+// items before with ", ": `"per-user";q=5;w=60` (q the limit, w the window in seconds,
+// left out when hasWindow is false) and `"per-user";r=0;t=12` (r the remaining, t the
+// reset in seconds). Seconds are rounded up; the window is at least 1.
+func AppendRateLimitItem(pol, cur []byte, name string, limit uint64, window time.Duration, hasWindow bool, remaining uint64, reset time.Duration) ([]byte, []byte) {
+	if len(pol) > 0 {
+		pol = append(pol, ", "...)
+		cur = append(cur, ", "...)
+	}
+	pol = appendSFString(pol, name)
+	pol = append(pol, ";q="...)
+	pol = strconv.AppendUint(pol, limit, 10)
+	if hasWindow {
+		pol = append(pol, ";w="...)
+		pol = strconv.AppendInt(pol, max(CeilSeconds(window), 1), 10)
+	}
+	cur = appendSFString(cur, name)
+	cur = append(cur, ";r="...)
+	cur = strconv.AppendUint(cur, remaining, 10)
+	cur = append(cur, ";t="...)
+	cur = strconv.AppendInt(cur, CeilSeconds(reset), 10)
+	return pol, cur
+}
+
+// appendSFString appends s as an RFC 8941 string: `\` and `"` escaped, any byte outside
+// printable ASCII (0x20–0x7E) replaced with `_`.
+func appendSFString(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\' || c == '"':
+			b = append(b, '\\', c)
+		case c < 0x20 || c > 0x7e:
+			b = append(b, '_')
+		default:
+			b = append(b, c)
+		}
+	}
+	return append(b, '"')
+}
+
+// CeilSeconds rounds d up to whole seconds; negative durations count as 0.
+func CeilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	s := d / time.Second
+	if d%time.Second != 0 {
+		s++
+	}
+	return int64(s)
+}
+
+// RetryAfterSeconds is the Retry-After of a rejection whose retry is possible after d:
+// whole seconds rounded up, at least 1.
+func RetryAfterSeconds(d time.Duration) int64 { return max(CeilSeconds(d), 1) }
+
+// problem is an RFC 9457 problem details body.
+type problem struct {
+	Type       string `json:"type"`
+	Title      string `json:"title"`
+	Status     int    `json:"status"`
+	Detail     string `json:"detail"`
+	Rule       string `json:"rule,omitempty"`
+	RetryAfter int64  `json:"retry_after,omitempty"` // seconds, as in Retry-After
+}
+
+// TooManyRequestsBody returns the application/problem+json body of a 429 for a request
+// rule rejected ("" when the deciding rule is unknown): retry_after is
+// RetryAfterSeconds(retryAfter), or absent when impossible (the cost exceeds what the
+// rule can ever admit).
+func TooManyRequestsBody(rule string, impossible bool, retryAfter time.Duration) []byte {
+	p := problem{Type: ProblemType, Title: "Too Many Requests", Status: 429, Rule: rule}
+	limit := "the rate limit"
+	if rule != "" {
+		limit = "rate limit " + strconv.Quote(rule)
+	}
+	if impossible {
+		p.Detail = "This request costs more than " + limit + " can ever admit: it can never pass under this limit."
+	} else {
+		p.RetryAfter = RetryAfterSeconds(retryAfter)
+		p.Detail = "This request exceeds " + limit + "; retry in " + seconds(p.RetryAfter) + "."
+	}
+	return marshalProblem(&p)
+}
+
+// UnavailableBody returns the application/problem+json body of the 503 a client answers
+// when it admits no request without the rate limiter and has no decision from it.
+func UnavailableBody() []byte {
+	return marshalProblem(&problem{Type: ProblemType, Title: "Service Unavailable", Status: 503,
+		Detail: "The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.", RetryAfter: 1})
+}
+
+func marshalProblem(p *problem) []byte {
+	body, err := json.Marshal(p)
+	if err != nil {
+		panic("BUG: marshaling a problem: " + err.Error())
+	}
+	return body
+}
+
+func seconds(n int64) string {
+	if n == 1 {
+		return "1 second"
+	}
+	return strconv.FormatInt(n, 10) + " seconds"
+}
