@@ -89,10 +89,16 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 }
 
-// newFlags returns a FlagSet that reports errors instead of exiting.
+// newFlags returns a FlagSet that reports errors instead of exiting. Its flags also read
+// the environment (see applyEnv); its usage text says so.
 func newFlags(name string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("rlsidecar "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage of rlsidecar %s:\n", name)
+		fs.PrintDefaults()
+		fmt.Fprintf(fs.Output(), "\n%s\n", envUsage)
+	}
 	return fs
 }
 
@@ -108,6 +114,9 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 			return nil, fmt.Errorf("%w: %v", errUsage, err)
 		}
 		if fs.NArg() == 0 {
+			if err := applyEnv(fs, os.LookupEnv); err != nil {
+				return nil, err
+			}
 			return pos, nil
 		}
 		pos = append(pos, fs.Arg(0))

@@ -43,7 +43,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
 	socket := fs.String("socket", daemon.DefaultSocketPath(), "Unix socket path")
 	mode := octalMode(0o660)
-	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal)")
+	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal); under socket activation the .socket unit's SocketMode= decides")
+	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file, for the gateways' users; under socket activation the .socket unit's SocketGroup= decides")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
@@ -76,6 +77,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
+
+	// A socket passed by systemd (LISTEN_FDS) replaces --socket; read it once, first.
+	activated, err := activatedListener()
+	if err != nil {
+		return err
+	}
+	if activated != nil {
+		*socket = activated.Addr().String()
+		defer activated.Close() // when the daemon fails before serving; Shutdown closes it otherwise
+	}
+	notify := newNotifier(log)
 
 	haveRedis := *redisURL != "" || *redisCluster != ""
 	id := *daemonID
@@ -156,6 +168,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	srv, err := daemon.New(daemon.Config{
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
+		SocketGroup:  *socketGroup,
+		Listener:     activated,
 		MaxFrame:     *maxFrame,
 		MaxConns:     *maxConns,
 		MaxAttrs:     *maxAttrs,
@@ -177,8 +191,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *config == "" {
 		ruleSource = "built-in example rules"
 	}
-	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, %s)\n", version, *socket, len(set.Rules), ruleSource, modeDesc)
-	log.Info("serving", "socket", *socket, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	how := "listening on"
+	if activated != nil {
+		how = "listening (socket activation) on"
+	}
+	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	// status is the service manager's one-line view (systemctl status).
+	status := func() string {
+		rs := lim.Rules()
+		return fmt.Sprintf("serving %d rules (version %s) on %s, %s", len(rs.Rules), rs.Version, *socket, modeDesc)
+	}
 
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
@@ -223,6 +246,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	reload := func(why string) {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
+		notify.reloading("reloading the rules (" + why + ")")
+		var failed error
+		defer func() { // READY=1 ends the reload, whatever its outcome
+			st := status()
+			if failed != nil {
+				st = "reload failed, keeping the rules in force (" + oneLine(failed) + "); " + st
+			}
+			notify.ready(st)
+		}()
 		if *config == "" {
 			log.Info("built-in rules: nothing to reload", "trigger", why)
 			return
@@ -231,6 +263,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.Reloaded(err)
 		if err != nil {
 			log.Error("reload failed; keeping the rules in force", "trigger", why, "err", err)
+			failed = err
 			return
 		}
 		if newSet.Version == lim.Rules().Version {
@@ -296,10 +329,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	defer signal.Stop(sigs)
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve() }()
+	notify.ready(status())
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		notify.watchdog(ctx)
+	}()
 
 	for {
 		select {
 		case err := <-serveErr:
+			notify.stopping("stopping: " + oneLine(err))
 			stop()
 			wg.Wait()
 			stopSync()
@@ -311,6 +351,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 				continue
 			}
 			log.Info("draining", "signal", sig.String())
+			notify.stopping("draining (" + sig.String() + ")")
 			go func() {
 				for s := range sigs {
 					if s == syscall.SIGINT {
@@ -376,3 +417,11 @@ func validate(args []string, stdout, stderr io.Writer) error {
 
 var _ = errors.New
 var _ = flag.ErrHelp
+
+// oneLine returns err's text on one line, for a STATUS= notification.
+func oneLine(err error) string {
+	if err == nil {
+		return "no error"
+	}
+	return strings.ReplaceAll(err.Error(), "\n", "; ")
+}
