@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -45,4 +46,24 @@ func applyEnv(fs *flag.FlagSet, lookup func(string) (string, bool)) error {
 		}
 	})
 	return err
+}
+
+// envNotFlags are RLSIDECAR_ variables that are read but are not flags.
+var envNotFlags = []string{"RLSIDECAR_REDIS_PASSWORD"}
+
+// unknownEnv returns the names of the RLSIDECAR_ variables in environ (os.Environ's form)
+// that set no flag of fs and are not otherwise read: likely typos in a settings file,
+// worth a warning (by name only: a value may be secret).
+func unknownEnv(fs *flag.FlagSet, environ []string) []string {
+	known := map[string]bool{}
+	fs.VisitAll(func(f *flag.Flag) { known[envName(f.Name)] = true })
+	var out []string
+	for _, kv := range environ {
+		name, _, _ := strings.Cut(kv, "=")
+		if strings.HasPrefix(name, envPrefix) && !known[name] && !slices.Contains(envNotFlags, name) {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }

@@ -78,6 +78,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 
+	for _, name := range unknownEnv(fs, os.Environ()) {
+		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
+	}
 	// A socket passed by systemd (LISTEN_FDS) replaces --socket; read it once, first.
 	activated, err := activatedListener()
 	if err != nil {

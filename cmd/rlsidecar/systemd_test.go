@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -96,6 +97,18 @@ func TestApplyEnv(t *testing.T) {
 				t.Fatalf("got %q, want %q", got, tt.want)
 			}
 		})
+	}
+}
+
+func TestUnknownEnv(t *testing.T) {
+	fs := newFlags("serve", io.Discard)
+	fs.Int("max-conns", 0, "")
+	fs.String("redis-password-file", "", "")
+	env := []string{"RLSIDECAR_MAX_CONNS=1", "RLSIDECAR_MAX_CONN=2", "RLSIDECAR_REDIS_PASSWORD=secret",
+		"RLSIDECAR_REDIS_PASSWORD_FILE=/x", "PATH=/bin", "RLSIDECAR_ZZZ=", "MY_RLSIDECAR_X=1"}
+	got := unknownEnv(fs, env)
+	if want := []string{"RLSIDECAR_MAX_CONN", "RLSIDECAR_ZZZ"}; !slices.Equal(got, want) {
+		t.Fatalf("unknownEnv = %q, want %q", got, want)
 	}
 }
 
