@@ -535,3 +535,40 @@ func TestE2ESocketActivationRestartUnderLoad(t *testing.T) {
 	}
 	t.Logf("%d daemons, %d checks answered, %d resent after a restart closed their connection, 0 refused", len(pids), answered.Load(), retries.Load())
 }
+
+// The packaged settings file names only real flags (commented or not), and the packaged
+// rules validate (the built-in example: 4 rules).
+func TestPackagedConfiguration(t *testing.T) {
+	var help bytes.Buffer
+	run([]string{"serve", "--help"}, io.Discard, &help)
+	flags := map[string]bool{"RLSIDECAR_REDIS_PASSWORD": true}
+	for line := range strings.SplitSeq(help.String(), "\n") {
+		if f, ok := strings.CutPrefix(line, "  -"); ok {
+			flags[envName(strings.Fields(f)[0])] = true
+		}
+	}
+	if !flags["RLSIDECAR_REDIS_TIMEOUT"] {
+		t.Fatalf("no flags read from serve --help:\n%s", help.String())
+	}
+	data, err := os.ReadFile("../../deploy/debian/default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, line := range strings.Split(string(data), "\n") {
+		name, _, ok := strings.Cut(strings.TrimPrefix(line, "#"), "=")
+		if !ok || !strings.HasPrefix(name, envPrefix) {
+			continue
+		}
+		// --envoy-rls is helper #13's flag, merged separately.
+		if !flags[name] && name != "RLSIDECAR_ENVOY_RLS" {
+			t.Errorf("deploy/debian/default:%d: %s sets no flag of serve", i+1, name)
+		}
+	}
+	var out bytes.Buffer
+	if code := run([]string{"validate", "--config", "../../deploy/debian/rules.yaml"}, &out, io.Discard); code != exitOK {
+		t.Fatalf("the packaged rules do not validate")
+	}
+	if !strings.Contains(out.String(), "4 rules") {
+		t.Errorf("the packaged rules: %s", out.String())
+	}
+}
