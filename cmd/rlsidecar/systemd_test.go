@@ -174,6 +174,30 @@ func TestE2EConfiguredByEnvironment(t *testing.T) {
 	if strings.Contains(strings.Join(d.cmd.Args, " "), secret) || strings.Contains(d.stderr.String(), secret) {
 		t.Fatal("the password shows in the command line or the logs")
 	}
+
+	// A password in $RLSIDECAR_REDIS's URL stays out of the STATUS= line, which
+	// `systemctl status` shows to every user.
+	n := listenNotify(t)
+	t.Setenv("NOTIFY_SOCKET", n.path)
+	t.Setenv("RLSIDECAR_REDIS_PASSWORD", "")
+	t.Setenv("RLSIDECAR_REDIS", "redis://:"+secret+"@"+srv.Addr)
+	d2 := startDaemon(t)
+	ready := n.waitFor(t, "READY", 10*time.Second)
+	if st := ready.fields["STATUS"]; strings.Contains(st, secret) || !strings.Contains(st, srv.Addr) {
+		t.Fatalf("STATUS=%q: want the Redis address without its password", st)
+	}
+	if r := dialRaw(t, d2.socket).check(1, 1, "user=env-test-2"); !r.Allowed {
+		t.Fatalf("with the password in the URL: %+v", r)
+	}
+	for len(rdb.Keys(context.Background(), "*env-test-2*").Val()) == 0 {
+		if time.Now().After(deadline.Add(5 * time.Second)) {
+			t.Fatalf("nothing of user env-test-2 reached Redis: the URL's password was not used\n%s", d2.stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if strings.Contains(d2.stderr.String(), secret) {
+		t.Fatal("the password in the URL shows in the logs")
+	}
 }
 
 // --socket-group gives the socket file to a group, keeping the mode, without systemd; a
