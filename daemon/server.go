@@ -29,6 +29,7 @@ import (
 type Config struct {
 	Socket       string        // path of the Unix socket (required)
 	SocketMode   os.FileMode   // permission bits of the socket file; default 0660
+	SocketGroup  string        // group (name or number) given the socket file; empty: the daemon's own
 	MaxFrame     int           // largest frame body accepted; default proto.DefaultMaxFrame
 	MaxConns     int           // connections served at once; more are answered too_many_connections and closed; default 1024
 	FrameTimeout time.Duration // time allowed to finish sending a frame once it has begun; default 5s
@@ -41,6 +42,11 @@ type Config struct {
 	// Request bounds, passed to the decoder; zero takes the proto defaults.
 	MaxAttrs   int
 	MaxAttrLen int
+
+	// Listener, when set, is an already-open listening socket (from systemd socket
+	// activation): Listen takes it as it is, ignoring SocketMode and SocketGroup, and
+	// Shutdown closes it without removing its file, which belongs to whoever opened it.
+	Listener *net.UnixListener
 }
 
 func (c *Config) setDefaults() {
@@ -96,9 +102,22 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 func (s *Server) Connections() int64 { return s.nconns.Load() }
 
 // Listen creates the socket. A socket file left by a dead daemon is replaced; one a live
-// daemon answers on is refused, and so is a path that is not a socket.
+// daemon answers on is refused, and so is a path that is not a socket. With
+// Config.Listener set, it takes that socket as it is.
 func (s *Server) Listen() error {
+	if s.cfg.Listener != nil {
+		s.cfg.Listener.SetUnlinkOnClose(false)
+		s.ln = s.cfg.Listener
+		return nil
+	}
 	path := s.cfg.Socket
+	gid := -1
+	if s.cfg.SocketGroup != "" {
+		var err error
+		if gid, err = lookupGroup(s.cfg.SocketGroup); err != nil {
+			return fmt.Errorf("listening on %s: %w", path, err)
+		}
+	}
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return fmt.Errorf("listening on %s: the path exists and is not a socket; refusing to replace it", path)
@@ -123,6 +142,12 @@ func (s *Server) Listen() error {
 	syscall.Umask(old)
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", path, err)
+	}
+	if gid >= 0 {
+		if err := os.Chown(path, -1, gid); err != nil {
+			ln.Close()
+			return fmt.Errorf("giving %s to group %s: %w", path, s.cfg.SocketGroup, err)
+		}
 	}
 	if err := os.Chmod(path, s.cfg.SocketMode); err != nil {
 		ln.Close()

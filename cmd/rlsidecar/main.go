@@ -9,8 +9,18 @@
 //	rlsidecar version
 //
 // Signals (serve): SIGTERM and SIGINT drain — stop accepting, answer what is in flight,
-// remove the socket file, exit 0; a second SIGINT exits at once with status 1. SIGHUP
-// reloads the rules file; a broken file never replaces the rules in force.
+// remove the socket file (unless systemd passed it), exit 0; a second SIGINT exits at
+// once with status 1. SIGHUP reloads the rules file; a broken file never replaces the
+// rules in force.
+//
+// Under systemd (systemd/rlsidecar.socket and .service), serve takes its listening socket
+// from LISTEN_FDS, leaves that socket in place when it exits (systemd holds it across
+// restarts), and reports READY=1, RELOADING=1, STOPPING=1, STATUS= and WATCHDOG=1 to
+// NOTIFY_SOCKET.
+//
+// Every flag of every command also reads RLSIDECAR_<FLAG> from the environment
+// (--redis-timeout: RLSIDECAR_REDIS_TIMEOUT); the command line wins; a malformed value is
+// a usage error.
 //
 // Exit codes: 0 success; 1 failure (a bad rules file, a daemon that could not start, a
 // check that got no answer); 2 usage error.
@@ -93,10 +103,16 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 }
 
-// newFlags returns a FlagSet that reports errors instead of exiting.
+// newFlags returns a FlagSet that reports errors instead of exiting. Its flags also read
+// the environment (see applyEnv); its usage text says so.
 func newFlags(name string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("rlsidecar "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage of rlsidecar %s:\n", name)
+		fs.PrintDefaults()
+		fmt.Fprintf(fs.Output(), "\n%s\n", envUsage)
+	}
 	return fs
 }
 
@@ -112,6 +128,9 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 			return nil, fmt.Errorf("%w: %v", errUsage, err)
 		}
 		if fs.NArg() == 0 {
+			if err := applyEnv(fs, os.LookupEnv); err != nil {
+				return nil, err
+			}
 			return pos, nil
 		}
 		pos = append(pos, fs.Arg(0))

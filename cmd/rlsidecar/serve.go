@@ -44,7 +44,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
 	socket := fs.String("socket", daemon.DefaultSocketPath(), "Unix socket path")
 	mode := octalMode(0o660)
-	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal)")
+	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal); under socket activation the .socket unit's SocketMode= decides")
+	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file, for the gateways' users; under socket activation the .socket unit's SocketGroup= decides")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
@@ -83,6 +84,20 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err := rlsync.CheckPrefix(*redisPrefix); err != nil {
 		return fmt.Errorf("%w: --redis-prefix: %v", errUsage, err)
 	}
+	for _, name := range unknownEnv(fs, os.Environ()) {
+		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
+	}
+	// A socket passed by systemd (LISTEN_FDS) replaces --socket; read it once, first.
+	activated, err := activatedListener()
+	if err != nil {
+		return err
+	}
+	if activated != nil {
+		*socket = activated.Addr().String()
+		defer activated.Close() // when the daemon fails before serving; Shutdown closes it otherwise
+	}
+	notify := newNotifier(log)
+
 	haveRedis := *redisURL != "" || *redisCluster != ""
 	id := *daemonID
 	if id == "" {
@@ -165,6 +180,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	srv, err := daemon.New(daemon.Config{
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
+		SocketGroup:  *socketGroup,
+		Listener:     activated,
 		MaxFrame:     *maxFrame,
 		MaxConns:     *maxConns,
 		MaxAttrs:     *maxAttrs,
@@ -201,8 +218,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *config == "" {
 		ruleSource = "built-in example rules"
 	}
-	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, %s)\n", version, *socket, len(set.Rules), ruleSource, modeDesc)
-	log.Info("serving", "socket", *socket, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	how := "listening on"
+	if activated != nil {
+		how = "listening (socket activation) on"
+	}
+	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	// status is the service manager's one-line view (systemctl status).
+	status := func() string {
+		rs := lim.Rules()
+		return fmt.Sprintf("serving %d rules (version %s) on %s, %s", len(rs.Rules), rs.Version, *socket, modeDesc)
+	}
 
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
@@ -247,6 +273,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	reload := func(why string) {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
+		notify.reloading("reloading the rules (" + why + ")")
+		var failed error
+		defer func() { // READY=1 ends the reload, whatever its outcome
+			st := status()
+			if failed != nil {
+				st = "reload failed, keeping the rules in force (" + oneLine(failed) + "); " + st
+			}
+			notify.ready(st)
+		}()
 		if *config == "" {
 			log.Info("built-in rules: nothing to reload", "trigger", why)
 			return
@@ -255,6 +290,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.Reloaded(err)
 		if err != nil {
 			log.Error("reload failed; keeping the rules in force", "trigger", why, "err", err)
+			failed = err
 			return
 		}
 		if newSet.Version == lim.Rules().Version {
@@ -341,10 +377,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		<-rlsErr
 		rls = nil
 	}
+	notify.ready(status())
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		notify.watchdog(ctx)
+	}()
 
 	for {
 		select {
 		case err := <-rlsErr: // the Envoy listener failed: stop the daemon too
+			notify.stopping("stopping: envoy rate limit service: " + oneLine(err))
 			rls = nil
 			_ = srv.Shutdown(context.Background())
 			<-serveErr
@@ -354,6 +397,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			syncWG.Wait()
 			return err
 		case err := <-serveErr:
+			notify.stopping("stopping: " + oneLine(err))
 			stopRLS()
 			stop()
 			wg.Wait()
@@ -366,6 +410,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 				continue
 			}
 			log.Info("draining", "signal", sig.String())
+			notify.stopping("draining (" + sig.String() + ")")
 			go func() {
 				for s := range sigs {
 					if s == syscall.SIGINT {
@@ -438,3 +483,11 @@ func validate(args []string, stdout, stderr io.Writer) error {
 
 var _ = errors.New
 var _ = flag.ErrHelp
+
+// oneLine returns err's text on one line, for a STATUS= notification.
+func oneLine(err error) string {
+	if err == nil {
+		return "no error"
+	}
+	return strings.ReplaceAll(err.Error(), "\n", "; ")
+}

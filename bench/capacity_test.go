@@ -1,0 +1,285 @@
+package bench
+
+import (
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// BenchmarkCapacityGlobal measures what global mode costs Redis, the inputs of the
+// capacity table in docs/operations.md. The real daemon checks the benchmark's two-rule
+// shape (per-ip and per-user, both global) over the socket, at 4 connections × 4 in
+// flight, on a Zipf load over 1,000,000 clients (s = 1.1: a few hot clients and a long
+// tail of rare ones); Redis's own INFO counters, read before and after each round, give
+// per check:
+//
+//   - redis-calls/check: scripts run (EVALSHA …): one per hash slot a request touches;
+//   - redis-cmds/check: every command Redis executed, those inside scripts included;
+//   - redis-cpu-µs/check: Redis's CPU time (used_cpu_user + used_cpu_sys) per check,
+//     less its idle CPU (redis-idle-cpu-%, measured for 3 s before the rounds);
+//
+// each the median of 5 rounds of 20,000 checks (the machine is shared: a median, not a mean). The
+// baseline, alternating with each round at the same concurrency: PINGs from the
+// benchmark (redis-cpu-µs/ping), so check-vs-ping-cpu says what a check costs Redis in
+// units of its cheapest command on the same machine, under the same noise. Then
+// bytes/key: Redis's used_memory grown by fresh clients' keys (two per check), divided
+// by the keys added (DBSIZE), on a second daemon whose keys outlive the measure. Sub-benchmarks: one standalone Redis, and a 3-primary
+// Redis Cluster (counters summed over the nodes).
+func BenchmarkCapacityGlobal(b *testing.B) {
+	b.Run("standalone", func(b *testing.B) {
+		srv := redistest.StartStandalone(b)
+		capacityGlobal(b, []string{srv.Addr}, "--redis", "redis://"+srv.Addr)
+	})
+	b.Run("cluster3", func(b *testing.B) {
+		c := redistest.StartCluster(b)
+		capacityGlobal(b, c.Addrs, "--redis-cluster", strings.Join(c.Addrs, ","))
+	})
+}
+
+func capacityGlobal(b *testing.B, addrs []string, redisArgs ...string) {
+	d := startServerNamed(b, "capglobal", append([]string{"--config", modeRules(b, "global"), "--global-timeout", "1s", "--redis-timeout", "1s"}, redisArgs...)...)
+	var nodes []*redis.Client
+	for _, a := range addrs {
+		n := redis.NewClient(&redis.Options{Addr: a})
+		b.Cleanup(func() { n.Close() })
+		nodes = append(nodes, n)
+	}
+	const conns, inflight = 4, 4
+	// The figures need RLSIDECAR_CAPACITY_FULL=1 (scripts/bench); without it, one small
+	// round keeps the benchmark from rotting in scripts/test's single pass.
+	perRound, rounds, fresh, idleFor := 2000, 1, 5000, 500*time.Millisecond
+	if os.Getenv("RLSIDECAR_CAPACITY_FULL") == "1" {
+		perRound, rounds, fresh, idleFor = 20000, 5, 100_000, 3*time.Second
+	}
+	var cs []*client
+	for range conns {
+		cs = append(cs, dial(b, d.socket))
+	}
+	fr := zipfFrames(50000, 1_000_000, 1)
+	capRun(b, cs, fr, perRound, inflight) // warm up: scripts loaded, connections open
+
+	// Redis's own background work (cron, the cluster bus) is not the checks': measured idle
+	// and subtracted, pro rata, from each round.
+	i0 := capStats(b, nodes)
+	idleStart := time.Now()
+	time.Sleep(idleFor)
+	i1 := capStats(b, nodes)
+	idle := (i1.cpu - i0.cpu) / time.Since(idleStart).Seconds() // CPU seconds per second
+	b.ReportMetric(idle*100, "redis-idle-cpu-%")
+
+	var calls, cmds, cpu, ping, rate []float64
+	for range max(rounds, b.N) {
+		s0 := capStats(b, nodes)
+		el := capRun(b, cs, fr, perRound, inflight)
+		s1 := capStats(b, nodes)
+		n := float64(perRound)
+		calls = append(calls, (s1.calls-s0.calls)/n)
+		cmds = append(cmds, (s1.cmds-s0.cmds)/n)
+		cpu = append(cpu, (s1.cpu-s0.cpu-idle*el.Seconds())*1e6/n)
+		rate = append(rate, n/el.Seconds())
+		// The baseline, alternating: PINGs at the same concurrency, from this process.
+		s0 = capStats(b, nodes)
+		el = pingRun(b, nodes, perRound, conns*inflight)
+		s1 = capStats(b, nodes)
+		ping = append(ping, (s1.cpu-s0.cpu-idle*el.Seconds())*1e6/n)
+	}
+	b.ReportMetric(median(ping), "redis-cpu-µs/ping")
+	b.ReportMetric(median(cpu)/median(ping), "check-vs-ping-cpu")
+	b.ReportMetric(median(calls), "redis-calls/check")
+	b.ReportMetric(median(cmds), "redis-cmds/check")
+	b.ReportMetric(median(cpu), "redis-cpu-µs/check")
+	b.ReportMetric(median(rate), "checks/s")
+
+	// Memory: fresh clients only, two keys each (per-ip, per-user), on a second daemon
+	// whose limits (100 per hour) keep a key for 36 s after one request: the first
+	// daemon's keys (10^9 per hour) carry no information, so expire, a second after use.
+	mem := startServerNamed(b, "capmem", append([]string{"--config", memRules(b), "--global-timeout", "1s", "--redis-timeout", "1s"}, redisArgs...)...)
+	var ms []*client
+	for range conns {
+		ms = append(ms, dial(b, mem.socket))
+	}
+	s0 := capStats(b, nodes)
+	capRun(b, ms, freshFrames(fresh), fresh, inflight)
+	s1 := capStats(b, nodes)
+	if s1.keys-s0.keys < float64(fresh) {
+		b.Fatalf("%v keys added by %d fresh clients, want about %d", s1.keys-s0.keys, fresh, 2*fresh)
+	}
+	b.ReportMetric((s1.mem-s0.mem)/(s1.keys-s0.keys), "bytes/key")
+}
+
+// capRun sends n requests from fr over cs, each connection its own share of fr and
+// inflight requests outstanding, and returns the wall time. Every answer must be an
+// admitted, non-degraded decision: a check that Redis did not decide would make its cost
+// look smaller than it is.
+func capRun(b *testing.B, cs []*client, fr [][]byte, n, inflight int) time.Duration {
+	var wg sync.WaitGroup
+	per := n / len(cs)
+	start := time.Now()
+	for i, c := range cs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			mine := fr[i*per%len(fr):]
+			dec := proto.NewDecoder()
+			var resp proto.Response
+			sent, recvd := 0, 0
+			for recvd < per {
+				c.out = c.out[:0]
+				for sent < per && sent-recvd < inflight {
+					c.out = append(c.out, mine[sent%len(mine)]...)
+					sent++
+				}
+				if len(c.out) > 0 {
+					if _, err := c.c.Write(c.out); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+				body, err := proto.ReadFrame(c.br, c.buf[:0], 1<<20)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				c.buf = body
+				if err := dec.DecodeResponse(body, &resp); err != nil {
+					b.Error(err)
+					return
+				}
+				if !resp.Allowed || resp.Degraded || resp.Err.Code != "" {
+					b.Errorf("answer %+v: not an admitted decision from Redis", resp)
+					return
+				}
+				recvd++
+			}
+		}()
+	}
+	wg.Wait()
+	if b.Failed() {
+		b.FailNow()
+	}
+	return time.Since(start)
+}
+
+// pingRun sends n PINGs from g goroutines spread over nodes and returns the wall time.
+func pingRun(b *testing.B, nodes []*redis.Client, n, g int) time.Duration {
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range g {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			node := nodes[i%len(nodes)]
+			for range n / g {
+				if err := node.Ping(context.Background()).Err(); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return time.Since(start)
+}
+
+// memRules is modeRules' global shape with a limit of 100 per hour.
+func memRules(tb testing.TB) string {
+	path := filepath.Join(tb.TempDir(), "mem.yaml")
+	body := "rules:\n" +
+		"  - name: per-ip\n    key: ip\n    limit: { requests: 100, per: 1h }\n    mode: global\n" +
+		"  - name: holds\n    match: { method: POST, path: \"/v1/events/*/holds\" }\n    key: user\n    limit: { requests: 100, per: 1h }\n    mode: global\n"
+	if err := os.WriteFile(path, []byte(body), 0o644); err != nil {
+		tb.Fatal(err)
+	}
+	return path
+}
+
+// capCounters are Redis counters summed over nodes.
+type capCounters struct{ calls, cmds, cpu, mem, keys float64 }
+
+func capStats(tb testing.TB, nodes []*redis.Client) capCounters {
+	var s capCounters
+	ctx := context.Background()
+	for _, n := range nodes {
+		info, err := n.Info(ctx, "stats", "commandstats", "cpu", "memory", "keyspace").Result()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		for line := range strings.SplitSeq(info, "\n") {
+			line = strings.TrimSpace(line)
+			k, v, ok := strings.Cut(line, ":")
+			if !ok {
+				continue
+			}
+			num := func(s string) float64 { f, _ := strconv.ParseFloat(s, 64); return f }
+			switch k {
+			case "total_commands_processed":
+				s.cmds += num(v)
+			case "used_cpu_user", "used_cpu_sys":
+				s.cpu += num(v)
+			case "used_memory":
+				s.mem += num(v)
+			case "cmdstat_eval", "cmdstat_evalsha", "cmdstat_eval_ro", "cmdstat_evalsha_ro", "cmdstat_fcall", "cmdstat_fcall_ro":
+				n, _, _ := strings.Cut(strings.TrimPrefix(v, "calls="), ",")
+				s.calls += num(n)
+			case "db0":
+				n, _, _ := strings.Cut(strings.TrimPrefix(v, "keys="), ",")
+				s.keys += num(n)
+			}
+		}
+	}
+	// INFO itself is a command on every node: not the daemon's.
+	s.cmds -= float64(len(nodes))
+	return s
+}
+
+// zipfFrames returns n two-rule check requests (per-ip and per-user match) whose client
+// is drawn from a Zipf distribution over clients: client k's user and ip are derived
+// from k, so a hot client is hot on both rules.
+func zipfFrames(n, clients int, seed uint64) [][]byte {
+	r := rand.New(rand.NewPCG(seed, seed))
+	z := rand.NewZipf(r, 1.1, 1, uint64(clients-1))
+	out := make([][]byte, n)
+	for i := range out {
+		out[i] = clientFrame(i, int(z.Uint64()))
+	}
+	return out
+}
+
+// freshFrames returns n requests each from a client no other frame (and no zipfFrames
+// client) uses.
+func freshFrames(n int) [][]byte {
+	out := make([][]byte, n)
+	for i := range out {
+		out[i] = clientFrame(i, 10_000_000+i)
+	}
+	return out
+}
+
+func clientFrame(id, k int) []byte {
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&proto.Request{ID: uint64(id), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+		{Name: "method", Value: "POST"},
+		{Name: "path", Value: "/v1/events/" + strconv.Itoa(k%97) + "/holds"},
+		{Name: "user", Value: "user-" + strconv.Itoa(k)},
+		{Name: "ip", Value: "10." + strconv.Itoa(k>>16&255) + "." + strconv.Itoa(k>>8&255) + "." + strconv.Itoa(k&255)},
+	}})
+	return append([]byte(nil), enc.Bytes()...)
+}
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
