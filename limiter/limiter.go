@@ -426,9 +426,9 @@ func (l *Limiter) apply(now int64, d *Decision) bool {
 		l.hybrid.Undo(d.hops)
 	}
 	if globalTook {
-		ctx, cancel := context.WithTimeout(context.Background(), l.globalWait)
-		_ = l.global.Undo(ctx, d.gops) // a failed refund only leaves capacity used until it refills
-		cancel()
+		// Undo bounds itself (not by globalWait: the decision is made, only capacity is
+		// at stake). A failed refund leaves capacity used until it refills.
+		_ = l.global.Undo(context.Background(), d.gops)
 	}
 	return false
 }
