@@ -80,8 +80,13 @@ func (a *Admin) Serve() error {
 	return nil
 }
 
-// Shutdown stops the endpoint.
-func (a *Admin) Shutdown(ctx context.Context) error { return a.srv.Shutdown(ctx) }
+// Shutdown stops the endpoint and releases its port, also when Serve was never called
+// (a start that failed after binding it).
+func (a *Admin) Shutdown(ctx context.Context) error {
+	err := a.srv.Shutdown(ctx)
+	_ = a.ln.Close() // already closed when Serve ran
+	return err
+}
 
 // notReady says why the daemon cannot answer, or "" when it can. Redis being away is not
 // a reason: every check is then decided by its rule's failure policy (open, closed or

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -170,15 +168,33 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// Bind everything before announcing anything, and undo what a failed start created:
+	// a socket file left behind would be found by clients and refuse them.
+	var adm *daemon.Admin
+	if *admin != "" {
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
+		if hybrid != nil {
+			deps.StoreReachable = func() bool { return hybrid.Healthy(time.Now().UnixNano()) }
+		}
+		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
+			return err
+		}
+	}
 	if err := srv.Listen(); err != nil {
+		if adm != nil {
+			_ = adm.Shutdown(context.Background())
+		}
 		return err
 	}
-	ruleSource := set.Source
-	if *config == "" {
-		ruleSource = "built-in example rules"
-	}
-	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, %s)\n", version, *socket, len(set.Rules), ruleSource, modeDesc)
-	log.Info("serving", "socket", *socket, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	started := false
+	defer func() {
+		if !started {
+			_ = srv.Shutdown(context.Background()) // closes the listener: unlinks the socket
+			if adm != nil {
+				_ = adm.Shutdown(context.Background())
+			}
+		}
+	}()
 
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
@@ -247,6 +263,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 
+	ruleSource := set.Source
+	if *config == "" {
+		ruleSource = "built-in example rules"
+	}
+	started = true
+	fmt.Fprintf(stdout, "rlsidecar %s listening on %s (%d rules from %s, %s)\n", version, *socket, len(set.Rules), ruleSource, modeDesc)
+	log.Info("serving", "socket", *socket, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+
 	metrics.GaugeFunc("rlsidecar_connections", "Connections being served.", func() float64 { return float64(srv.Connections()) })
 	metrics.GaugeFunc("rlsidecar_keys", "Client keys held in memory (local buckets and hybrid allowances).", func() float64 {
 		n := lim.Store().Len()
@@ -266,15 +290,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}
-	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
-		if hybrid != nil {
-			deps.StoreReachable = func() bool { return hybrid.Healthy(time.Now().UnixNano()) }
-		}
-		adm, err := daemon.NewAdmin(*admin, deps)
-		if err != nil {
-			return err
-		}
+	if adm != nil {
 		log.Info("admin endpoint", "addr", adm.Addr())
 		wg.Add(1)
 		go func() {
@@ -373,6 +389,3 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stdout, "%s: %d rules, version %s\n", *config, len(set.Rules), set.Version)
 	return nil
 }
-
-var _ = errors.New
-var _ = flag.ErrHelp
