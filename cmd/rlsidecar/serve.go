@@ -56,6 +56,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile to this file until exit (a debugging aid)")
 	admin := fs.String("admin", "127.0.0.1:9464", "admin HTTP endpoint (/metrics /healthz /readyz /rules /top); empty: off")
 	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected)")
+	topLabels := fs.String("top-labels", "hashed", "how rlsidecar_top_rejected names a client: hashed (a keyed 48-bit hash, matched to the key on /top), raw (the key itself: API keys and IPs reach your metrics store) or off")
+	topSaltFile := fs.String("top-labels-salt-file", "", "file holding the secret that keys the hashed labels, so they agree across restarts and daemons (default: a random one per process)")
 	shadowAll := fs.Bool("shadow", false, "make every rule a shadow rule: counted and reported, never rejecting")
 	watch := fs.Bool("watch", true, "reload the rules file when it changes (SIGHUP reloads too)")
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
@@ -108,7 +110,21 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	store := localbucket.NewStore(localbucket.Options{MaxKeys: *maxKeys})
 	lim := limiter.New(set, store)
 	lim.SetShadowAll(*shadowAll)
+	topMode, err := daemon.ParseTopLabels(*topLabels)
+	if err != nil {
+		return fmt.Errorf("%w: --top-labels %v", errUsage, err)
+	}
+	var topSalt []byte
+	if *topSaltFile != "" {
+		if topSalt, err = os.ReadFile(*topSaltFile); err != nil {
+			return fmt.Errorf("reading --top-labels-salt-file: %w", err)
+		}
+		if topSalt = []byte(strings.TrimSpace(string(topSalt))); len(topSalt) < 16 {
+			return fmt.Errorf("%w: --top-labels-salt-file %s holds %d bytes; use at least 16 random ones", errUsage, *topSaltFile, len(topSalt))
+		}
+	}
 	metrics := daemon.NewMetrics(version, *topK)
+	metrics.SetTopLabels(topMode, topSalt)
 	metrics.SetRules(set, time.Now())
 	// Checks are counted only when someone can read the counts.
 	recorded := metrics
