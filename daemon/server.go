@@ -32,6 +32,7 @@ type Config struct {
 	MaxFrame     int           // largest frame body accepted; default proto.DefaultMaxFrame
 	MaxConns     int           // connections served at once; more are answered too_many_connections and closed; default 1024
 	FrameTimeout time.Duration // time allowed to finish sending a frame once it has begun; default 5s
+	WriteTimeout time.Duration // time allowed for a client to take its answers; past it the connection is closed; default 5s
 	IdleTimeout  time.Duration // close a connection idle this long; 0 (default) keeps idle connections
 	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
 	Version      string        // reported by ping
@@ -55,6 +56,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.FrameTimeout <= 0 {
 		c.FrameTimeout = 5 * time.Second
+	}
+	if c.WriteTimeout <= 0 {
+		c.WriteTimeout = 5 * time.Second
 	}
 	if c.DrainTimeout <= 0 {
 		c.DrainTimeout = 5 * time.Second
@@ -81,6 +85,9 @@ type Server struct {
 	wg       sync.WaitGroup
 
 	nconns atomic.Int64
+	// readBuf is the size of a connection's read buffer: frames that do not fit are read
+	// into a buffer of their own (the fuzz test lowers it to reach that path).
+	readBuf int
 }
 
 // New returns a server deciding with lim.
@@ -89,7 +96,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		return nil, errors.New("daemon: no socket path")
 	}
 	cfg.setDefaults()
-	return &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{})}, nil
+	return &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize}, nil
 }
 
 // Connections returns the number of connections being served.
@@ -245,7 +252,8 @@ type conn struct {
 	resp proto.Response
 	big  []byte // body of a frame larger than br's buffer
 
-	deadline time.Time // the read deadline currently set (zero: none)
+	deadline  time.Time // the read deadline currently set (zero: none)
+	wdeadline time.Time // the write deadline currently set (zero: none)
 	waited   bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
 	frameTimed bool
@@ -260,7 +268,7 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, readBufSize), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
 	}
@@ -319,26 +327,33 @@ func (cn *conn) waitIdle() error {
 // need makes sure n bytes are buffered, under the frame deadline if it has to wait.
 func (cn *conn) need(n int) ([]byte, error) {
 	if cn.br.Buffered() < n {
-		// About to wait for the rest of a frame: first answer the frames already read,
-		// so a client sending a next frame slowly still gets the earlier answers.
-		if err := cn.flush(); err != nil {
+		if err := cn.awaitFrame(); err != nil {
 			return nil, err
 		}
-		cn.waited = true
-		// Each frame gets FrameTimeout from when the daemon first waits for it: a client
-		// that pipelines without pause always has a frame in progress, and is fine as
-		// long as each one completes in time.
-		if !cn.frameTimed {
-			cn.frameTimed = true
-			if err := cn.setDeadline(time.Now().Add(cn.s.cfg.FrameTimeout)); err != nil {
-				return nil, err
-			}
-		}
-	}
-	if cn.br.Buffered() < n && cn.s.draining.Load() {
-		return nil, net.ErrClosed // a half-sent frame is not in flight: do not wait for it
 	}
 	return cn.br.Peek(n)
+}
+
+// awaitFrame prepares to wait for the rest of a frame: it answers the frames already
+// read, so a client sending a next frame slowly still gets the earlier answers, and sets
+// the frame deadline. Each frame gets FrameTimeout from when the daemon first waits for
+// it: a client that pipelines without pause always has a frame in progress, and is fine
+// as long as each one completes in time.
+func (cn *conn) awaitFrame() error {
+	if err := cn.flush(); err != nil {
+		return err
+	}
+	cn.waited = true
+	if !cn.frameTimed {
+		cn.frameTimed = true
+		if err := cn.setDeadline(time.Now().Add(cn.s.cfg.FrameTimeout)); err != nil {
+			return err
+		}
+	}
+	if cn.s.draining.Load() {
+		return net.ErrClosed // a half-sent frame is not in flight: do not wait for it
+	}
+	return nil
 }
 
 func (cn *conn) flush() error {
@@ -348,6 +363,16 @@ func (cn *conn) flush() error {
 	if m := cn.s.cfg.Metrics; m != nil {
 		m.Answered(cn.answered, cn.arrived)
 		cn.answered = 0
+	}
+	// A client that does not read its answers is cut off after WriteTimeout, freeing its
+	// goroutine and connection slot. The deadline moves only once more than half used:
+	// one timer update per WriteTimeout/2, not per write.
+	wt := cn.s.cfg.WriteTimeout
+	if now := time.Now(); cn.wdeadline.Sub(now) < wt/2 {
+		cn.wdeadline = now.Add(wt)
+		if err := cn.c.SetWriteDeadline(cn.wdeadline); err != nil {
+			return err
+		}
 	}
 	_, err := cn.c.Write(cn.enc.Bytes())
 	cn.enc.Reset()
@@ -384,7 +409,7 @@ func (cn *conn) loop() error {
 			return nil
 		}
 		var body []byte
-		if proto.HeaderSize+n <= readBufSize {
+		if proto.HeaderSize+n <= cn.s.readBuf {
 			b, err := cn.need(proto.HeaderSize + n)
 			if err != nil {
 				return err
@@ -398,8 +423,12 @@ func (cn *conn) loop() error {
 				cn.big = make([]byte, n)
 			}
 			cn.big = cn.big[:n]
-			if _, err := cn.need(1); err != nil {
-				return err
+			// The frame is longer than the buffer: reading it may wait, under the same
+			// frame deadline as a frame that fits.
+			if cn.br.Buffered() < n {
+				if err := cn.awaitFrame(); err != nil {
+					return err
+				}
 			}
 			if _, err := io.ReadFull(cn.br, cn.big); err != nil {
 				return err

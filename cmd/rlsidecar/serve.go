@@ -48,6 +48,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", 4096, "bytes per attribute value")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
+	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
 	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never)")
 	drainTimeout := fs.Duration("drain-timeout", 5*time.Second, "on SIGTERM, time to answer what is in flight")
 	sweepEvery := fs.Duration("sweep-interval", 5*time.Second, "how often state that carries no information is dropped")
@@ -175,6 +176,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		MaxAttrs:     *maxAttrs,
 		MaxAttrLen:   *maxAttrLen,
 		FrameTimeout: *frameTimeout,
+		WriteTimeout: *writeTimeout,
 		IdleTimeout:  *idleTimeout,
 		DrainTimeout: *drainTimeout,
 		Version:      version,
