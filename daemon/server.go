@@ -254,7 +254,7 @@ type conn struct {
 
 	deadline  time.Time // the read deadline currently set (zero: none)
 	wdeadline time.Time // the write deadline currently set (zero: none)
-	waited   bool      // the frame being read was not all there: its time is when it completes
+	waited    bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
 	frameTimed bool
 	// answered counts the answers in the output buffer, which arrived at arrived (the
