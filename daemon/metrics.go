@@ -196,11 +196,12 @@ func (m *Metrics) Record(d *limiter.Decision) {
 	}
 }
 
-// Answered observes n requests that arrived at arrived (Unix ns: frames read together
-// share it) and were answered now: one clock reading per batch, not per request.
-func (m *Metrics) Answered(n int, arrived int64) {
+// Answered observes n requests that arrived at arrived (frames read together share it)
+// and were answered at now, both read from the daemon's monotonic clock: one clock
+// reading per batch, not per request.
+func (m *Metrics) Answered(n int, arrived, now int64) {
 	if n > 0 {
-		m.checkDur.observeN(time.Duration(time.Now().UnixNano()-arrived), uint64(n))
+		m.checkDur.observeN(time.Duration(now-arrived), uint64(n))
 	}
 }
 

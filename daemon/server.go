@@ -38,6 +38,7 @@ type Config struct {
 	Version      string        // reported by ping
 	Logger       *slog.Logger  // default: discard
 	Metrics      *Metrics      // nil: no metrics
+	Clock        Clock         // read once per batch of frames; default NewSystemClock()
 
 	// Request bounds, passed to the decoder; zero takes the proto defaults.
 	MaxAttrs   int
@@ -69,6 +70,9 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+	if c.Clock == nil {
+		c.Clock = NewSystemClock()
+	}
 }
 
 // Server serves the protocol on a Unix socket. Create it with New, start it with Listen
@@ -88,6 +92,20 @@ type Server struct {
 	// readBuf is the size of a connection's read buffer: frames that do not fit are read
 	// into a buffer of their own (the fuzz test lowers it to reach that path).
 	readBuf int
+	// wallOffset is the wall clock's offset from the monotonic one last told the store.
+	wallOffset atomic.Int64
+}
+
+// now reads the clock: it returns the monotonic time decisions are made on, and tells
+// the store when the wall clock has moved from it by more than a millisecond (a step),
+// so fixed windows stay aligned to wall time.
+func (s *Server) now() int64 {
+	mono, wall := s.cfg.Clock.Now()
+	if d := wall - mono - s.wallOffset.Load(); d > int64(time.Millisecond) || d < -int64(time.Millisecond) {
+		s.wallOffset.Store(wall - mono)
+		s.lim.Store().SetWallOffset(wall - mono)
+	}
+	return mono
 }
 
 // New returns a server deciding with lim.
@@ -361,7 +379,7 @@ func (cn *conn) flush() error {
 		return nil
 	}
 	if m := cn.s.cfg.Metrics; m != nil {
-		m.Answered(cn.answered, cn.arrived)
+		m.Answered(cn.answered, cn.arrived, cn.s.now())
 		cn.answered = 0
 	}
 	// A client that does not read its answers is cut off after WriteTimeout, freeing its
@@ -383,7 +401,7 @@ const flushAt = 32 << 10
 
 func (cn *conn) loop() error {
 	maxFrame := cn.s.cfg.MaxFrame
-	var now int64 // the clock, read when a batch of frames arrives
+	var now int64 // the monotonic clock (see Clock), read when a batch of frames arrives
 	for batched := 0; ; batched++ {
 		if cn.br.Buffered() == 0 {
 			if err := cn.waitIdle(); err != nil {
@@ -394,7 +412,7 @@ func (cn *conn) loop() error {
 		// Frames that arrived together share one reading of the clock; a long pipelined
 		// batch reads it again every 64 frames.
 		if batched%64 == 0 {
-			now = time.Now().UnixNano()
+			now = cn.s.now()
 		}
 		cn.frameTimed = false
 		hdr, err := cn.need(proto.HeaderSize)
@@ -437,7 +455,7 @@ func (cn *conn) loop() error {
 			n = -proto.HeaderSize // already consumed
 		}
 		if cn.waited {
-			now, cn.waited = time.Now().UnixNano(), false
+			now, cn.waited = cn.s.now(), false
 		}
 		if cn.answered == 0 {
 			cn.arrived = now

@@ -108,6 +108,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer func() { pprof.StopCPUProfile(); f.Close() }()
 	}
+	// One clock for every decision, expiry and health check: monotonic, so a wall clock
+	// step neither refills buckets nor rejects active clients (see daemon.Clock).
+	clock := daemon.NewSystemClock()
 	store := localbucket.NewStore(localbucket.Options{MaxKeys: *maxKeys})
 	lim := limiter.New(set, store)
 	lim.SetShadowAll(*shadowAll)
@@ -157,7 +160,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id}).
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Clock: clock.Mono}).
 			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
@@ -182,6 +185,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		Version:      version,
 		Logger:       log,
 		Metrics:      recorded,
+		Clock:        clock,
 	}, lim)
 	if err != nil {
 		return err
@@ -192,7 +196,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *admin != "" {
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
 		if hybrid != nil {
-			deps.StoreReachable = func() bool { return hybrid.Healthy(time.Now().UnixNano()) }
+			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
 		}
 		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
 			return err
@@ -227,7 +231,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				lim.Sweep(time.Now().UnixNano())
+				lim.Sweep(clock.Mono())
 			}
 		}
 	}()
@@ -242,7 +246,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		syncWG.Add(1)
 		go func() {
 			defer syncWG.Done()
-			hybrid.Run(syncCtx, id, func() int64 { return time.Now().UnixNano() }, max(*redisTimeout, *syncInterval), func(err error) {
+			hybrid.Run(syncCtx, id, clock.Mono, max(*redisTimeout, *syncInterval), func(err error) {
 				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
 					lastLog = time.Now()
 					log.Warn("redis sync failed; deciding from local allowances", "err", err)
