@@ -308,6 +308,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		return float64(n)
 	})
+	metrics.CounterFunc("rlsidecar_untracked_decisions_total", "Decisions for client keys the local store could not hold (--max-keys reached with every held client limited): made on their rule's shared fallback state, not their own.",
+		func() float64 { return float64(lim.Store().Untracked()) })
 	if hybrid != nil {
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
