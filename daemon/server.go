@@ -279,6 +279,47 @@ type conn struct {
 	// first batch's clock reading): the latency histogram is fed per flush.
 	answered int
 	arrived  int64
+
+	// pending are the checks waiting on Redis, in request order; answers read after the
+	// first of them go to the tail of the last one, so answers leave in request order.
+	// Empty on the fast path (local and hybrid checks are answered inline into enc).
+	pending []*pending
+	spare   []*pending  // finished ones, for reuse
+	bufs    net.Buffers // the write of a flush with pending checks
+	bufsArr [][]byte    // bufs' backing array, reused
+}
+
+// pending is one check decided off the connection's goroutine because it waits on Redis
+// (a global-mode rule), so that a pipelined connection's Redis round trips overlap.
+type pending struct {
+	body []byte // a copy of the frame body: req's strings alias it
+	req  proto.Request
+	in   limiter.Input
+	dcs  limiter.Decision
+	resp proto.Response
+	enc  *proto.Encoder // the answer, written by the deciding goroutine before done
+	tail *proto.Encoder // the answers of the frames after it, written by the connection
+	done chan struct{}
+}
+
+// maxPending bounds the checks in flight on Redis per connection; past it the connection
+// waits for them before reading further.
+const maxPending = 64
+
+// out is the encoder the next inline answer goes to: the output buffer, or after a
+// pending check, that check's tail.
+func (cn *conn) out() *proto.Encoder {
+	if n := len(cn.pending); n > 0 {
+		return cn.pending[n-1].tail
+	}
+	return cn.enc
+}
+
+// wait blocks until every pending check is decided.
+func (cn *conn) wait() {
+	for _, p := range cn.pending {
+		<-p.done
+	}
 }
 
 const readBufSize = 16 << 10
@@ -293,6 +334,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
+	defer cn.wait() // no deciding goroutine outlives its connection
 	defer func() {
 		if p := recover(); p != nil {
 			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
@@ -342,6 +384,18 @@ func (cn *conn) waitIdle() error {
 	return err
 }
 
+// setWriteDeadline keeps a write deadline ahead: a client that does not read its answers
+// is cut off after WriteTimeout, freeing its goroutine and connection slot. The deadline
+// moves only once more than half used: one timer update per WriteTimeout/2, not per write.
+func (cn *conn) setWriteDeadline() error {
+	wt := cn.s.cfg.WriteTimeout
+	if now := time.Now(); cn.wdeadline.Sub(now) < wt/2 {
+		cn.wdeadline = now.Add(wt)
+		return cn.c.SetWriteDeadline(cn.wdeadline)
+	}
+	return nil
+}
+
 // need makes sure n bytes are buffered, under the frame deadline if it has to wait.
 func (cn *conn) need(n int) ([]byte, error) {
 	if cn.br.Buffered() < n {
@@ -375,6 +429,9 @@ func (cn *conn) awaitFrame() error {
 }
 
 func (cn *conn) flush() error {
+	if len(cn.pending) > 0 {
+		return cn.flushPending()
+	}
 	if cn.enc.Len() == 0 {
 		return nil
 	}
@@ -382,18 +439,39 @@ func (cn *conn) flush() error {
 		m.Answered(cn.answered, cn.arrived, cn.s.now())
 		cn.answered = 0
 	}
-	// A client that does not read its answers is cut off after WriteTimeout, freeing its
-	// goroutine and connection slot. The deadline moves only once more than half used:
-	// one timer update per WriteTimeout/2, not per write.
-	wt := cn.s.cfg.WriteTimeout
-	if now := time.Now(); cn.wdeadline.Sub(now) < wt/2 {
-		cn.wdeadline = now.Add(wt)
-		if err := cn.c.SetWriteDeadline(cn.wdeadline); err != nil {
-			return err
-		}
+	if err := cn.setWriteDeadline(); err != nil {
+		return err
 	}
 	_, err := cn.c.Write(cn.enc.Bytes())
 	cn.enc.Reset()
+	return err
+}
+
+// flushPending waits for the pending checks and writes every answer, in request order,
+// with one writev.
+func (cn *conn) flushPending() error {
+	cn.wait()
+	cn.bufs = append(cn.bufsArr[:0], cn.enc.Bytes())
+	for _, p := range cn.pending {
+		cn.bufs = append(cn.bufs, p.enc.Bytes(), p.tail.Bytes())
+	}
+	cn.bufsArr = cn.bufs[:0]
+	if m := cn.s.cfg.Metrics; m != nil {
+		m.Answered(cn.answered, cn.arrived, cn.s.now())
+		cn.answered = 0
+	}
+	err := cn.setWriteDeadline()
+	if err == nil {
+		_, err = cn.bufs.WriteTo(cn.c)
+	}
+	cn.enc.Reset()
+	for _, p := range cn.pending {
+		p.enc.Reset()
+		p.tail.Reset()
+		cn.spare = append(cn.spare, p)
+	}
+	clear(cn.pending)
+	cn.pending = cn.pending[:0]
 	return err
 }
 
@@ -465,7 +543,7 @@ func (cn *conn) loop() error {
 		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
 			return err
 		}
-		if cn.enc.Len() >= flushAt {
+		if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
 			if err := cn.flush(); err != nil {
 				return err
 			}
@@ -480,24 +558,24 @@ func (cn *conn) handle(body []byte, now int64) {
 	if err := cn.dec.DecodeRequest(body, req); err != nil {
 		var pe *proto.Error
 		if errors.As(err, &pe) {
-			cn.enc.EncodeError(req.ID, pe.Code, pe.Message)
+			cn.out().EncodeError(req.ID, pe.Code, pe.Message)
 		} else {
-			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+			cn.out().EncodeError(req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
 	switch req.Op {
 	case proto.OpCheck:
-		cn.check(now)
+		cn.check(body, now)
 	case proto.OpPing:
-		cn.enc.EncodePing(req.ID, cn.s.cfg.Version)
+		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	default:
-		cn.enc.EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
+		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
 	}
 }
 
-func (cn *conn) check(now int64) {
-	req, in := &cn.req, &cn.in
+// input fills in from req.
+func input(in *limiter.Input, req *proto.Request) {
 	in.Cost = req.Cost
 	in.Attrs = in.Attrs[:0]
 	for _, a := range req.Attrs {
@@ -508,21 +586,68 @@ func (cn *conn) check(now int64) {
 		l := &req.Limits[i]
 		in.Limits = append(in.Limits, limiter.Inline{Key: l.Key, Name: l.Name, Algorithm: l.Algorithm, Mode: l.Mode, Limit: l.Limit, WindowMs: l.WindowMs, Burst: l.Burst})
 	}
+}
+
+// check answers the check in cn.req (decoded from body). A check that waits on Redis is
+// decided by a goroutine of its own, so that the Redis round trips of a pipelined
+// connection overlap; every other check is decided and answered inline.
+func (cn *conn) check(body []byte, now int64) {
+	input(&cn.in, &cn.req)
 	d := &cn.dcs
-	err := cn.s.lim.Check(now, in, d)
-	if m := cn.s.cfg.Metrics; m != nil && err == nil {
+	waits, err := cn.s.lim.Prepare(&cn.in, d)
+	if err == nil && waits {
+		cn.goCheck(body, now)
+		return
+	}
+	if err == nil {
+		cn.s.lim.Decide(now, d)
+	}
+	cn.s.answer(cn.out(), &cn.req, d, &cn.resp, err)
+}
+
+// goCheck decides the check in body on a goroutine of its own, answering into a pending
+// slot that the next flush writes in order.
+func (cn *conn) goCheck(body []byte, now int64) {
+	var p *pending
+	if n := len(cn.spare); n > 0 {
+		p = cn.spare[n-1]
+		cn.spare = cn.spare[:n-1]
+	} else {
+		p = &pending{enc: proto.NewEncoder(), tail: proto.NewEncoder()}
+	}
+	p.done = make(chan struct{})
+	// The body is in the read buffer, which the next read overwrites: decide on a copy.
+	p.body = append(p.body[:0], body...)
+	if err := cn.dec.DecodeRequest(p.body, &p.req); err != nil {
+		panic("BUG: a frame decoded twice gave an error the second time: " + err.Error())
+	}
+	input(&p.in, &p.req)
+	cn.pending = append(cn.pending, p)
+	lim := cn.s.lim
+	go func() {
+		defer close(p.done)
+		_, err := lim.Prepare(&p.in, &p.dcs)
+		if err == nil {
+			lim.Decide(now, &p.dcs)
+		}
+		cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
+	}()
+}
+
+// answer encodes the answer to the check req, decided into d (or refused with err).
+func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, resp *proto.Response, err error) {
+	if m := s.cfg.Metrics; m != nil && err == nil {
 		m.Record(d)
 	}
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
-			cn.enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
+			enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
 		} else {
-			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+			enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
-	resp := &cn.resp
 	resp.Reset()
 	resp.ID = req.ID
 	resp.Allowed = d.Allowed
@@ -553,7 +678,7 @@ func (cn *conn) check(now int64) {
 		resp.RetryAfterMs = rr.RetryAfterMs
 		resp.Reason = rr.Reason
 	}
-	cn.enc.EncodeCheck(resp)
+	enc.EncodeCheck(resp)
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms

@@ -224,7 +224,21 @@ func (e *InvalidLimitError) Error() string {
 
 // Check decides in at time now (Unix nanoseconds, read once at the edge) and fills d.
 // It returns *InvalidLimitError when an inline limit is malformed; then nothing is consumed.
+// It is Prepare then Decide.
 func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
+	if _, err := l.Prepare(in, d); err != nil {
+		return err
+	}
+	l.Decide(now, d)
+	return nil
+}
+
+// Prepare is the first half of Check: it matches the rules, derives the keys and
+// validates the inline limits into d, consuming nothing, and reports whether Decide will
+// wait on Redis (a global-mode check), so a caller can decide such a request off its
+// fast path. d then refers to in's strings (inline limit names): keep them until Decide.
+// It returns *InvalidLimitError when an inline limit is malformed.
+func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	set := l.rules.Load()
 	d.Allowed = true
 	d.Deciding = -1
@@ -289,7 +303,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			il := &in.Limits[i]
 			mode, err := l.inlineLimit(i, il, &d.limits[i])
 			if err != nil {
-				return err
+				return false, err
 			}
 			if mode != rules.ModeLocal {
 				d.keys = append(d.keys, RedisPrefix...)
@@ -305,7 +319,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		}
 	}
 	if len(d.where) == 0 {
-		return nil
+		return false, nil
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
@@ -322,6 +336,16 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		default:
 			d.gops[w.idx].Key = string(key) // the global path goes to Redis anyway
 		}
+	}
+	return len(d.gops) > 0, nil
+}
+
+// Decide is the second half of Check: it applies the checks Prepare put in d at time now,
+// all-or-nothing, and fills in d's results and deciding rule. It waits on Redis (at most
+// the global timeout) only when Prepare said so.
+func (l *Limiter) Decide(now int64, d *Decision) {
+	if len(d.where) == 0 {
+		return
 	}
 	d.Allowed = l.apply(now, d)
 
@@ -349,7 +373,6 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		out.Degraded = w.kind == rules.ModeDefault || w.degraded
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
-	return nil
 }
 
 // add appends one check to the list its mode decides it with.
