@@ -149,6 +149,8 @@ type client struct {
 	br  *bufio.Reader
 	buf []byte
 	out []byte
+	// verify, when set, checks every answer read.
+	verify func(body []byte) error
 }
 
 func dial(tb testing.TB, socket string) *client {
@@ -163,6 +165,9 @@ func dial(tb testing.TB, socket string) *client {
 func (c *client) readOne() error {
 	var err error
 	c.buf, err = proto.ReadFrame(c.br, c.buf, 1<<20)
+	if err == nil && c.verify != nil {
+		err = c.verify(c.buf)
+	}
 	return err
 }
 

@@ -82,6 +82,16 @@ type Global struct {
 	refundWait time.Duration
 }
 
+// WithAutoPipeline makes g send the script calls of concurrent checks together: the
+// calls that arrive while a batch is on the wire go as the next one, in one pipeline.
+// With many checks in flight (a pipelined connection's, or many connections') Redis and
+// the daemon then spend a few syscalls per batch rather than per check. Call it before g
+// is used.
+func (g *Global) WithAutoPipeline() *Global {
+	g.rdb = &autoPipe{rediser: g.rdb}
+	return g
+}
+
 // DefaultRefundTimeout bounds a refund (see [Global.WithRefundTimeout]).
 const DefaultRefundTimeout = 250 * time.Millisecond
 

@@ -162,7 +162,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Clock: clock.Mono}).
 			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {
 				return 1
