@@ -50,9 +50,10 @@ func TestMain(m *testing.M) {
 
 // server is a benchmarked process listening on a socket.
 type server struct {
-	name   string
-	socket string
-	cmd    *exec.Cmd
+	name     string
+	socket   string
+	cmd      *exec.Cmd
+	stopOnce sync.Once
 }
 
 func startServer(tb testing.TB, name string, args ...string) *server {
@@ -81,18 +82,24 @@ func startServer(tb testing.TB, name string, args ...string) *server {
 	}
 	go io.Copy(io.Discard, br)
 	s := &server{name: name, socket: socket, cmd: cmd}
-	tb.Cleanup(func() {
-		cmd.Process.Signal(syscall.SIGTERM) // lets a CPU profile be written
+	tb.Cleanup(s.stop)
+	return s
+}
+
+// stop ends the server with SIGTERM (which lets a CPU profile be written), or SIGKILL
+// after 5 s, and waits for it. It may be called more than once.
+func (s *server) stop() {
+	s.stopOnce.Do(func() {
+		s.cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
+		go func() { s.cmd.Wait(); close(done) }()
 		select {
 		case <-done:
 		case <-time.After(5 * time.Second):
-			cmd.Process.Kill()
+			s.cmd.Process.Kill()
 			<-done
 		}
 	})
-	return s
 }
 
 // syscalls returns the read and write system calls the server has made (/proc/PID/io).

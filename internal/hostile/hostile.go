@@ -51,6 +51,9 @@ type Scenario struct {
 	FloodKeys    int
 	FloodConns   int
 	MinDuration  time.Duration // the good client checks at least this long
+	// GoodInterval is the good client's pause between two requests (a client with other
+	// work to do); default 200µs.
+	GoodInterval time.Duration
 }
 
 type Result struct {
@@ -227,6 +230,10 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 	var resp proto.Response
 	lat := make([]time.Duration, 0, 1<<16)
 	logins := 0
+	interval := s.GoodInterval
+	if interval <= 0 {
+		interval = 200 * time.Microsecond
+	}
 	for id := uint64(1); ; id++ {
 		select {
 		case <-stop:
@@ -278,7 +285,7 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 				errs.add("check %d: want allowed by per-user (limit 1000000), got %+v", id, resp)
 			}
 		}
-		time.Sleep(200 * time.Microsecond) // a client with other work to do
+		time.Sleep(interval) // a client with other work to do
 	}
 }
 
