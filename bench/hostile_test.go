@@ -1,7 +1,12 @@
 package bench
 
 import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -28,6 +33,9 @@ import (
 // smaller scenario and no breakdown, for the CI smoke pass.
 //
 //	RLSIDECAR_HOSTILE_FULL=1 go test ./bench -run '^$' -bench 'Hostile$' -benchtime 1x
+//
+// RLSIDECAR_HOSTILE_PHASE=garbage (or alone, halfopen, flood, all) runs one phase only;
+// with RLSIDECAR_BENCH_CPUPROFILE=file the daemon writes a CPU profile of it.
 func BenchmarkHostile(b *testing.B) {
 	dir := b.TempDir()
 	cfg := filepath.Join(dir, "rules.yaml")
@@ -40,7 +48,8 @@ func BenchmarkHostile(b *testing.B) {
 		rls := startServer(b, "rlsidecar", "--config", cfg, "--frame-timeout", frameTimeout.String(), "--max-conns", "512", "--max-keys", "100000")
 		defer rls.stop()
 		s := &hostile.Scenario{Socket: rls.socket, PID: rls.cmd.Process.Pid, FrameTimeout: frameTimeout, MaxFrame: proto.DefaultMaxFrame,
-			GarbageConns: garbage, HalfOpen: half, FloodKeys: flood, FloodConns: 2, MinDuration: 10 * time.Second, GoodInterval: 2 * time.Millisecond}
+			GarbageConns: garbage, HalfOpen: half, FloodKeys: flood, FloodConns: 2, MinDuration: 10 * time.Second, GoodInterval: 2 * time.Millisecond,
+			Good: goodClientProcess(b, rls.socket)}
 		if !full {
 			s.GarbageConns, s.HalfOpen, s.FloodKeys, s.MinDuration = min(garbage, 5), min(half, 50), min(flood, 40_000), 2*time.Second
 		}
@@ -59,6 +68,15 @@ func BenchmarkHostile(b *testing.B) {
 	}
 	b.ResetTimer()
 	var res, alone *hostile.Result
+	if only := os.Getenv("RLSIDECAR_HOSTILE_PHASE"); only != "" { // one phase alone, e.g. to profile it
+		shapes := map[string][3]int{"alone": {}, "garbage": {20, 0, 0}, "halfopen": {0, 200, 0}, "flood": {0, 0, 400_000}, "all": {20, 200, 400_000}}
+		sh, ok := shapes[only]
+		if !ok {
+			b.Fatalf("RLSIDECAR_HOSTILE_PHASE=%s: use alone, garbage, halfopen, flood or all", only)
+		}
+		phase(only, sh[0], sh[1], sh[2])
+		return
+	}
 	for range b.N {
 		if full {
 			alone = phase("alone", 0, 0, 0)
@@ -86,4 +104,57 @@ func BenchmarkHostile(b *testing.B) {
 	b.ReportMetric(float64(res.FloodN)/res.FloodTime.Seconds(), "flood-keys/s")
 	b.ReportMetric(float64(res.GarbageOut.Load()), "garbage-frames")
 	b.ReportMetric(float64(halfMax.Milliseconds()), "half-open-close-max-ms")
+}
+
+// goodClientEnv names the socket a good client in a process of its own checks on.
+const goodClientEnv = "RLSIDECAR_HOSTILE_GOOD_CLIENT"
+
+// goodClientProcess runs the scenario's good client in a process of its own (this test
+// binary, re-executed): a gateway is its own process, and in this one the attackers'
+// goroutines would delay its measurements in the Go scheduler. It stops when its stdin
+// closes and writes its measurements to stdout as JSON.
+func goodClientProcess(b *testing.B, socket string) func(stop <-chan struct{}) hostile.GoodResult {
+	return func(stop <-chan struct{}) hostile.GoodResult {
+		var r hostile.GoodResult
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), goodClientEnv+"="+socket)
+		stdin, err := cmd.StdinPipe()
+		if err != nil {
+			b.Error(err)
+			return r
+		}
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, os.Stderr
+		if err := cmd.Start(); err != nil {
+			b.Error(err)
+			return r
+		}
+		<-stop
+		stdin.Close()
+		if err := cmd.Wait(); err != nil {
+			b.Errorf("the good client's process: %v", err)
+			return r
+		}
+		if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+			b.Errorf("the good client's measurements: %v", err)
+		}
+		return r
+	}
+}
+
+// goodClientMain is the good client's process: it checks on socket every 2 ms until its
+// stdin closes, then writes what it measured.
+func goodClientMain(socket string) int {
+	stop := make(chan struct{})
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		close(stop)
+	}()
+	s := &hostile.Scenario{Socket: socket, GoodInterval: 2 * time.Millisecond}
+	r := s.RunGoodClient(stop)
+	if err := json.NewEncoder(os.Stdout).Encode(r); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
 }

@@ -54,6 +54,27 @@ type Scenario struct {
 	// GoodInterval is the good client's pause between two requests (a client with other
 	// work to do); default 200µs.
 	GoodInterval time.Duration
+	// Good, when set, runs the good client instead of this process (e.g. in a process of
+	// its own, as a gateway would be: then the attackers' goroutines do not delay its
+	// measurements in this process's scheduler). It runs until stop is closed.
+	Good func(stop <-chan struct{}) GoodResult
+}
+
+// GoodResult is what a good client measured.
+type GoodResult struct {
+	Lat   []time.Duration // round trips
+	Errs  []string        // first few errors
+	NErrs int
+}
+
+// RunGoodClient runs the good client until stop is closed: the body of a good client
+// run in a process of its own (see Scenario.Good).
+func (s *Scenario) RunGoodClient(stop <-chan struct{}) GoodResult {
+	var r GoodResult
+	errs := &errList{list: &r.Errs}
+	r.Lat = s.goodClient(stop, errs)
+	r.NErrs = errs.n
+	return r
 }
 
 type Result struct {
@@ -138,9 +159,12 @@ func (s *Scenario) Run() *Result {
 	go func() {
 		defer good.Done()
 		defer close(goodDone)
-		errs := &errList{list: &res.GoodErrs}
-		defer func() { res.NGoodErrs = errs.n }()
-		res.Lat = s.goodClient(stop, errs)
+		run := s.RunGoodClient
+		if s.Good != nil {
+			run = s.Good
+		}
+		r := run(stop)
+		res.Lat, res.GoodErrs, res.NGoodErrs = r.Lat, r.Errs, r.NErrs
 	}()
 
 	// Garbage frames on garbageConns connections, each reconnecting when the daemon
