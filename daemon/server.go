@@ -4,7 +4,11 @@
 // One goroutine serves each connection. It decodes every complete frame already read,
 // answers each into one output buffer, and writes that buffer with a single syscall when
 // no further complete frame is waiting: pipelined requests cost one read and one write per
-// batch, a lone request one of each.
+// batch, a lone request one of each. A check that waits on Redis (a global-mode rule) is
+// decided on a goroutine of its own, so the Redis round trips of one pipelined connection
+// overlap; the answers after it wait in order behind it, and are written once it is
+// decided. Every other check is decided inline, with no goroutine and no lock of the
+// connection's.
 package daemon
 
 import (
