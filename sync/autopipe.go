@@ -2,6 +2,7 @@ package sync
 
 import (
 	"context"
+	"runtime"
 	gosync "sync"
 	"time"
 
@@ -66,6 +67,10 @@ func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args
 // send sends every queued call as one pipeline, answers them, and hands the next batch
 // to the first caller that queued meanwhile.
 func (a *autoPipe) send() {
+	// Let the callers already runnable queue first: the checks of one pipelined batch
+	// are started together, and without this the first would go alone, the rest a round
+	// trip later. A lone call loses a scheduler pass, not a round trip.
+	runtime.Gosched()
 	a.mu.Lock()
 	batch := a.queue
 	a.queue = nil
