@@ -68,7 +68,7 @@ const (
 
 // shard is an open-addressing hash table (linear probing, backward-shift deletion) over
 // an arena of records in fixed-size chunks. A slot is 8 bytes: the high 32 bits of the
-// key's hash and the record index + 1 (0 is an empty slot). About 95 bytes per key at
+// key's hash and the record index + 1 (0 is an empty slot). About 100 bytes per key at
 // 1,000,000 keys, half of what a Go map[string]entry takes, and an update of an existing
 // key is a store through a pointer, not a map assignment (which would allocate).
 type shard struct {
