@@ -15,7 +15,7 @@ import (
 // limit is admitted, every call answered, none lost in a batch.
 func TestGlobalAutoPipeline(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr})
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestGlobalAutoPipeline(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < 50; i++ {
-				ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 				ops := []GlobalOp{{Key: "rl:ap:{shared}", Limit: lim, Cost: 1}, {Key: fmt.Sprintf("rl:ap2:{w%d}", w), Limit: lim, Cost: 1}}
 				ok, err := g.Check(ctx, ops)
 				cancel()
