@@ -30,6 +30,9 @@ import (
 var binDir string
 
 func TestMain(m *testing.M) {
+	if socket := os.Getenv(goodClientEnv); socket != "" {
+		os.Exit(goodClientMain(socket))
+	}
 	dir, err := os.MkdirTemp("", "rlsbench")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -50,10 +53,11 @@ func TestMain(m *testing.M) {
 
 // server is a benchmarked process listening on a socket.
 type server struct {
-	name   string
-	socket string
-	envoy  string // the Envoy rate limit service's socket, when served
-	cmd    *exec.Cmd
+	name     string
+	socket   string
+	envoy    string // the Envoy rate limit service's socket, when served
+	cmd      *exec.Cmd
+	stopOnce sync.Once
 }
 
 func startServer(tb testing.TB, name string, args ...string) *server {
@@ -88,18 +92,24 @@ func startServerAt(tb testing.TB, name, sockName string, args ...string) *server
 	}
 	go io.Copy(io.Discard, br)
 	s := &server{name: name, socket: socket, cmd: cmd}
-	tb.Cleanup(func() {
-		cmd.Process.Signal(syscall.SIGTERM) // lets a CPU profile be written
+	tb.Cleanup(s.stop)
+	return s
+}
+
+// stop ends the server with SIGTERM (which lets a CPU profile be written), or SIGKILL
+// after 5 s, and waits for it. It may be called more than once.
+func (s *server) stop() {
+	s.stopOnce.Do(func() {
+		s.cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
+		go func() { s.cmd.Wait(); close(done) }()
 		select {
 		case <-done:
 		case <-time.After(5 * time.Second):
-			cmd.Process.Kill()
+			s.cmd.Process.Kill()
 			<-done
 		}
 	})
-	return s
 }
 
 // syscalls returns the read and write system calls the server has made (/proc/PID/io).
@@ -156,6 +166,8 @@ type client struct {
 	br  *bufio.Reader
 	buf []byte
 	out []byte
+	// verify, when set, checks every answer read.
+	verify func(body []byte) error
 }
 
 func dial(tb testing.TB, socket string) *client {
@@ -170,6 +182,9 @@ func dial(tb testing.TB, socket string) *client {
 func (c *client) readOne() error {
 	var err error
 	c.buf, err = proto.ReadFrame(c.br, c.buf, 1<<20)
+	if err == nil && c.verify != nil {
+		err = c.verify(c.buf)
+	}
 	return err
 }
 

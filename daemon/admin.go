@@ -10,12 +10,11 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
-	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // Admin is the admin HTTP endpoint: /metrics (Prometheus text), /healthz (the process
-// answers), /readyz (rules loaded, and the store reachable or every rule's failure
-// policy tolerating its absence), /rules (the active rules, their version and load
+// answers), /readyz (rules loaded: the daemon answers every check, by the rules' failure
+// policies while Redis is away), /rules (the active rules, their version and load
 // time), /top (the clients most often rejected, per rule).
 type Admin struct {
 	srv *http.Server
@@ -26,7 +25,8 @@ type Admin struct {
 type AdminDeps struct {
 	Metrics *Metrics
 	Limiter *limiter.Limiter
-	// StoreReachable reports whether Redis answers; nil when the daemon has none.
+	// StoreReachable reports whether Redis answers; nil when the daemon has none. It
+	// feeds the gauge rlsidecar_store_unreachable, never /readyz.
 	StoreReachable func() bool
 }
 
@@ -35,6 +35,14 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("admin endpoint on %s: %w", addr, err)
+	}
+	if deps.StoreReachable != nil {
+		deps.Metrics.GaugeFunc("rlsidecar_store_unreachable", "1 while Redis does not answer: hybrid and global rules are decided by their failure policies (the daemon stays ready).", func() float64 {
+			if deps.StoreReachable() {
+				return 0
+			}
+			return 1
+		})
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
@@ -72,21 +80,22 @@ func (a *Admin) Serve() error {
 	return nil
 }
 
-// Shutdown stops the endpoint.
-func (a *Admin) Shutdown(ctx context.Context) error { return a.srv.Shutdown(ctx) }
+// Shutdown stops the endpoint and releases its port, also when Serve was never called
+// (a start that failed after binding it).
+func (a *Admin) Shutdown(ctx context.Context) error {
+	err := a.srv.Shutdown(ctx)
+	_ = a.ln.Close() // already closed when Serve ran
+	return err
+}
 
+// notReady says why the daemon cannot answer, or "" when it can. Redis being away is not
+// a reason: every check is then decided by its rule's failure policy (open, closed or
+// local), which is an answer. Were it a reason, losing Redis would mark every gateway's
+// daemon unready at once; degradation is the gauge rlsidecar_store_unreachable and its
+// alert instead.
 func notReady(deps AdminDeps) string {
-	set := deps.Limiter.Rules()
-	if set == nil {
+	if deps.Limiter.Rules() == nil {
 		return "no rules loaded"
-	}
-	if deps.StoreReachable == nil || deps.StoreReachable() {
-		return ""
-	}
-	for _, r := range set.Rules {
-		if r.Mode != rules.ModeLocal && r.OnStoreFailure == rules.FailClosed {
-			return fmt.Sprintf("Redis is unreachable and rule %q fails closed without it", r.Name)
-		}
 	}
 	return ""
 }

@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -26,7 +27,10 @@ import (
 
 // Limits of the server under fuzzing: small, so that inputs reach them.
 const (
-	fuzzMaxFrame     = 1024
+	fuzzMaxFrame = 1024
+	// fuzzReadBuf is the server's read buffer under fuzzing: frames of 257 to 1024 bytes
+	// take the path of frames longer than the buffer.
+	fuzzReadBuf      = 256
 	fuzzFrameTimeout = 50 * time.Millisecond
 	// fuzzCloseBound is how long the server may take to close a connection once its input
 	// has ended (or stalled mid-frame); generous for the race detector on a busy machine.
@@ -137,6 +141,7 @@ func newFuzzServer(f *testing.F) (*Server, *errorLog) {
 	if err != nil {
 		f.Fatal(err)
 	}
+	s.readBuf = fuzzReadBuf
 	if err := s.Listen(); err != nil {
 		f.Fatal(err)
 	}
@@ -171,7 +176,12 @@ func fuzzSeeds(f *testing.F) {
 	f.Add(append(append([]byte(nil), check...), check[:7]...))    // then half a frame
 	f.Add(append(append([]byte(nil), ping...), 0, 0))             // then half a header
 	f.Add(append(append([]byte(nil), ping...), 0, 1, 0, 1, 0x80)) // then an oversized header
-	f.Add([]byte{0, 0, 0, 0})                                     // L = 0
+	big := frameOf(proto.Request{ID: 8, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+		{Name: "user", Value: strings.Repeat("u", 600)}, {Name: "ip", Value: "203.0.113.9"}}})
+	f.Add(append(append([]byte(nil), big...), ping...))             // longer than the read buffer
+	f.Add(append(append([]byte(nil), ping...), big[:400]...))       // then half of a long frame
+	f.Add(append(append([]byte(nil), big...), big[:len(big)-1]...)) // one long frame, then most of another
+	f.Add([]byte{0, 0, 0, 0})                                       // L = 0
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff})
 	data, err := os.ReadFile("../proto/testdata/vectors.json")
 	if err != nil {
@@ -192,7 +202,8 @@ func fuzzSeeds(f *testing.F) {
 }
 
 // FuzzServeConn writes arbitrary bytes as a client's stream into the real connection
-// loop (a Server on a temp socket, MaxFrame 1024, FrameTimeout 50 ms) and checks that:
+// loop (a Server on a temp socket, MaxFrame 1024, FrameTimeout 50 ms, a read buffer of
+// 256 bytes so that longer frames take the large-frame path) and checks that:
 // the server does not panic (a recovered panic is logged at level Error) or hang — once
 // the input ends, or stalls inside a frame, the connection is closed within a bound;
 // every frame it writes is a msgpack map DecodeResponse accepts; it answers exactly the

@@ -1,6 +1,10 @@
 package daemon
 
 import (
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"sort"
@@ -23,6 +27,10 @@ type Metrics struct {
 	set   *metrics.Set
 	topK  int
 	start time.Time
+	// topLabels and topSalt say how rlsidecar_top_rejected names a client; set before
+	// the first scrape (SetTopLabels).
+	topLabels TopLabels
+	topSalt   []byte
 
 	checkDur latencyHist
 	storeDur latencyHist
@@ -188,12 +196,65 @@ func (m *Metrics) Record(d *limiter.Decision) {
 	}
 }
 
-// Answered observes n requests that arrived at arrived (Unix ns: frames read together
-// share it) and were answered now: one clock reading per batch, not per request.
-func (m *Metrics) Answered(n int, arrived int64) {
+// Answered observes n requests that arrived at arrived (frames read together share it)
+// and were answered at now, both read from the daemon's monotonic clock: one clock
+// reading per batch, not per request.
+func (m *Metrics) Answered(n int, arrived, now int64) {
 	if n > 0 {
-		m.checkDur.observeN(time.Duration(time.Now().UnixNano()-arrived), uint64(n))
+		m.checkDur.observeN(time.Duration(now-arrived), uint64(n))
 	}
+}
+
+// TopLabels is how the rlsidecar_top_rejected metric names a client. The zero value is
+// TopHashed.
+type TopLabels uint8
+
+const (
+	// TopHashed labels a client with a short keyed hash of its key (see [ClientLabel]):
+	// stable, not reversible without the salt, and matched to the key on /top.
+	TopHashed TopLabels = iota
+	// TopRaw labels a client with its key as sent: API keys and IP addresses end up in
+	// the metrics store.
+	TopRaw
+	// TopOff exports no rlsidecar_top_rejected series; /top still answers.
+	TopOff
+)
+
+// ParseTopLabels parses "hashed", "raw" or "off".
+func ParseTopLabels(s string) (TopLabels, error) {
+	switch s {
+	case "hashed":
+		return TopHashed, nil
+	case "raw":
+		return TopRaw, nil
+	case "off":
+		return TopOff, nil
+	}
+	return 0, fmt.Errorf("%q: use hashed, raw or off", s)
+}
+
+// SetTopLabels chooses how rlsidecar_top_rejected names clients. salt keys the hash of
+// TopHashed; nil picks a random one (stable for the life of the process). Call it before
+// the metrics are scraped.
+func (m *Metrics) SetTopLabels(mode TopLabels, salt []byte) {
+	if mode == TopHashed && len(salt) == 0 {
+		salt = make([]byte, 32)
+		_, _ = rand.Read(salt) // crypto/rand.Read never fails (Go 1.24+)
+	}
+	m.mu.Lock()
+	m.topLabels, m.topSalt = mode, salt
+	m.mu.Unlock()
+}
+
+// ClientLabel is the label TopHashed gives a client key: "h:" and the first 12 hex
+// digits (48 bits) of HMAC-SHA256(salt, key). Keyed, because client keys have little
+// entropy (all IPv4 addresses are 2^32 guesses): with a known salt, or none, anyone
+// could hash every candidate and read the key back. 48 bits keep the K names of a rule
+// distinct (a collision among 10 is about 10^-13 likely) and the label short.
+func ClientLabel(salt []byte, client string) string {
+	h := hmac.New(sha256.New, salt)
+	h.Write([]byte(client))
+	return "h:" + hex.EncodeToString(h.Sum(nil)[:6])
 }
 
 // clientOf is the client part of a key: what is inside its hash tag.
@@ -212,13 +273,19 @@ func clientOf(key []byte) []byte {
 	return key
 }
 
-// Top returns, per rule, the clients most often rejected.
+// Top returns, per rule, the clients most often rejected, with their raw keys (and, with
+// TopHashed, the label the metric gives each): the loopback /top endpoint shows them.
 func (m *Metrics) Top() map[string][]topItem {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	out := map[string][]topItem{}
 	for name, rm := range m.byName {
 		if l := rm.top.list(); len(l) > 0 {
+			if m.topLabels == TopHashed {
+				for i := range l {
+					l[i].Label = ClientLabel(m.topSalt, l[i].Client)
+				}
+			}
 			out[name] = l
 		}
 	}
@@ -279,8 +346,15 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	}
 	sort.Strings(names)
 	for _, name := range names {
+		if m.topLabels == TopOff {
+			break
+		}
 		for _, it := range m.byName[name].top.list() {
-			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, it.Client, it.Count))
+			client := it.Client
+			if m.topLabels == TopHashed {
+				client = ClientLabel(m.topSalt, client)
+			}
+			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, client, it.Count))
 		}
 	}
 	m.mu.Unlock()
@@ -288,5 +362,5 @@ func (m *Metrics) writeCustom(w io.Writer) {
 		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
 	}
 	fmt.Fprintf(w, "# HELP rlsidecar_config_info The rule set in force, by version (a hash of its files).\n# TYPE rlsidecar_config_info gauge\nrlsidecar_config_info{version=%q} 1\n", version)
-	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only).\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
+	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
 }

@@ -4,7 +4,11 @@
 // One goroutine serves each connection. It decodes every complete frame already read,
 // answers each into one output buffer, and writes that buffer with a single syscall when
 // no further complete frame is waiting: pipelined requests cost one read and one write per
-// batch, a lone request one of each.
+// batch, a lone request one of each. A check that waits on Redis (a global-mode rule) is
+// decided on a goroutine of its own, so the Redis round trips of one pipelined connection
+// overlap; the answers after it wait in order behind it, and are written once it is
+// decided. Every other check is decided inline, with no goroutine and no lock of the
+// connection's.
 package daemon
 
 import (
@@ -33,11 +37,13 @@ type Config struct {
 	MaxFrame     int           // largest frame body accepted; default proto.DefaultMaxFrame
 	MaxConns     int           // connections served at once; more are answered too_many_connections and closed; default 1024
 	FrameTimeout time.Duration // time allowed to finish sending a frame once it has begun; default 5s
+	WriteTimeout time.Duration // time allowed for a client to take its answers; past it the connection is closed; default 5s
 	IdleTimeout  time.Duration // close a connection idle this long; 0 (default) keeps idle connections
 	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
 	Version      string        // reported by ping
 	Logger       *slog.Logger  // default: discard
 	Metrics      *Metrics      // nil: no metrics
+	Clock        Clock         // read once per batch of frames; default NewSystemClock()
 
 	// Request bounds, passed to the decoder; zero takes the proto defaults.
 	MaxAttrs   int
@@ -62,6 +68,9 @@ func (c *Config) setDefaults() {
 	if c.FrameTimeout <= 0 {
 		c.FrameTimeout = 5 * time.Second
 	}
+	if c.WriteTimeout <= 0 {
+		c.WriteTimeout = 5 * time.Second
+	}
 	if c.DrainTimeout <= 0 {
 		c.DrainTimeout = 5 * time.Second
 	}
@@ -70,6 +79,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Clock == nil {
+		c.Clock = NewSystemClock()
 	}
 }
 
@@ -87,6 +99,23 @@ type Server struct {
 	wg       sync.WaitGroup
 
 	nconns atomic.Int64
+	// readBuf is the size of a connection's read buffer: frames that do not fit are read
+	// into a buffer of their own (the fuzz test lowers it to reach that path).
+	readBuf int
+	// wallOffset is the wall clock's offset from the monotonic one last told the store.
+	wallOffset atomic.Int64
+}
+
+// now reads the clock: it returns the monotonic time decisions are made on, and tells
+// the store when the wall clock has moved from it by more than a millisecond (a step),
+// so fixed windows stay aligned to wall time.
+func (s *Server) now() int64 {
+	mono, wall := s.cfg.Clock.Now()
+	if d := wall - mono - s.wallOffset.Load(); d > int64(time.Millisecond) || d < -int64(time.Millisecond) {
+		s.wallOffset.Store(wall - mono)
+		s.lim.Store().SetWallOffset(wall - mono)
+	}
+	return mono
 }
 
 // New returns a server deciding with lim.
@@ -95,7 +124,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		return nil, errors.New("daemon: no socket path")
 	}
 	cfg.setDefaults()
-	return &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{})}, nil
+	return &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize}, nil
 }
 
 // Connections returns the number of connections being served.
@@ -270,14 +299,56 @@ type conn struct {
 	resp proto.Response
 	big  []byte // body of a frame larger than br's buffer
 
-	deadline time.Time // the read deadline currently set (zero: none)
-	waited   bool      // the frame being read was not all there: its time is when it completes
+	deadline  time.Time // the read deadline currently set (zero: none)
+	wdeadline time.Time // the write deadline currently set (zero: none)
+	waited    bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
 	frameTimed bool
 	// answered counts the answers in the output buffer, which arrived at arrived (the
 	// first batch's clock reading): the latency histogram is fed per flush.
 	answered int
 	arrived  int64
+
+	// pending are the checks waiting on Redis, in request order; answers read after the
+	// first of them go to the tail of the last one, so answers leave in request order.
+	// Empty on the fast path (local and hybrid checks are answered inline into enc).
+	pending []*pending
+	spare   []*pending  // finished ones, for reuse
+	bufs    net.Buffers // the write of a flush with pending checks
+	bufsArr [][]byte    // bufs' backing array, reused
+}
+
+// pending is one check decided off the connection's goroutine because it waits on Redis
+// (a global-mode rule), so that a pipelined connection's Redis round trips overlap.
+type pending struct {
+	body []byte // a copy of the frame body: req's strings alias it
+	req  proto.Request
+	in   limiter.Input
+	dcs  limiter.Decision
+	resp proto.Response
+	enc  *proto.Encoder // the answer, written by the deciding goroutine before done
+	tail *proto.Encoder // the answers of the frames after it, written by the connection
+	done chan struct{}
+}
+
+// maxPending bounds the checks in flight on Redis per connection; past it the connection
+// waits for them before reading further.
+const maxPending = 64
+
+// out is the encoder the next inline answer goes to: the output buffer, or after a
+// pending check, that check's tail.
+func (cn *conn) out() *proto.Encoder {
+	if n := len(cn.pending); n > 0 {
+		return cn.pending[n-1].tail
+	}
+	return cn.enc
+}
+
+// wait blocks until every pending check is decided.
+func (cn *conn) wait() {
+	for _, p := range cn.pending {
+		<-p.done
+	}
 }
 
 const readBufSize = 16 << 10
@@ -285,13 +356,14 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, readBufSize), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
 	}
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
+	defer cn.wait() // no deciding goroutine outlives its connection
 	defer func() {
 		if p := recover(); p != nil {
 			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
@@ -341,41 +413,94 @@ func (cn *conn) waitIdle() error {
 	return err
 }
 
+// setWriteDeadline keeps a write deadline ahead: a client that does not read its answers
+// is cut off after WriteTimeout, freeing its goroutine and connection slot. The deadline
+// moves only once more than half used: one timer update per WriteTimeout/2, not per write.
+func (cn *conn) setWriteDeadline() error {
+	wt := cn.s.cfg.WriteTimeout
+	if now := time.Now(); cn.wdeadline.Sub(now) < wt/2 {
+		cn.wdeadline = now.Add(wt)
+		return cn.c.SetWriteDeadline(cn.wdeadline)
+	}
+	return nil
+}
+
 // need makes sure n bytes are buffered, under the frame deadline if it has to wait.
 func (cn *conn) need(n int) ([]byte, error) {
 	if cn.br.Buffered() < n {
-		// About to wait for the rest of a frame: first answer the frames already read,
-		// so a client sending a next frame slowly still gets the earlier answers.
-		if err := cn.flush(); err != nil {
+		if err := cn.awaitFrame(); err != nil {
 			return nil, err
 		}
-		cn.waited = true
-		// Each frame gets FrameTimeout from when the daemon first waits for it: a client
-		// that pipelines without pause always has a frame in progress, and is fine as
-		// long as each one completes in time.
-		if !cn.frameTimed {
-			cn.frameTimed = true
-			if err := cn.setDeadline(time.Now().Add(cn.s.cfg.FrameTimeout)); err != nil {
-				return nil, err
-			}
-		}
-	}
-	if cn.br.Buffered() < n && cn.s.draining.Load() {
-		return nil, net.ErrClosed // a half-sent frame is not in flight: do not wait for it
 	}
 	return cn.br.Peek(n)
 }
 
+// awaitFrame prepares to wait for the rest of a frame: it answers the frames already
+// read, so a client sending a next frame slowly still gets the earlier answers, and sets
+// the frame deadline. Each frame gets FrameTimeout from when the daemon first waits for
+// it: a client that pipelines without pause always has a frame in progress, and is fine
+// as long as each one completes in time.
+func (cn *conn) awaitFrame() error {
+	if err := cn.flush(); err != nil {
+		return err
+	}
+	cn.waited = true
+	if !cn.frameTimed {
+		cn.frameTimed = true
+		if err := cn.setDeadline(time.Now().Add(cn.s.cfg.FrameTimeout)); err != nil {
+			return err
+		}
+	}
+	if cn.s.draining.Load() {
+		return net.ErrClosed // a half-sent frame is not in flight: do not wait for it
+	}
+	return nil
+}
+
 func (cn *conn) flush() error {
+	if len(cn.pending) > 0 {
+		return cn.flushPending()
+	}
 	if cn.enc.Len() == 0 {
 		return nil
 	}
 	if m := cn.s.cfg.Metrics; m != nil {
-		m.Answered(cn.answered, cn.arrived)
+		m.Answered(cn.answered, cn.arrived, cn.s.now())
 		cn.answered = 0
+	}
+	if err := cn.setWriteDeadline(); err != nil {
+		return err
 	}
 	_, err := cn.c.Write(cn.enc.Bytes())
 	cn.enc.Reset()
+	return err
+}
+
+// flushPending waits for the pending checks and writes every answer, in request order,
+// with one writev.
+func (cn *conn) flushPending() error {
+	cn.wait()
+	cn.bufs = append(cn.bufsArr[:0], cn.enc.Bytes())
+	for _, p := range cn.pending {
+		cn.bufs = append(cn.bufs, p.enc.Bytes(), p.tail.Bytes())
+	}
+	cn.bufsArr = cn.bufs[:0]
+	if m := cn.s.cfg.Metrics; m != nil {
+		m.Answered(cn.answered, cn.arrived, cn.s.now())
+		cn.answered = 0
+	}
+	err := cn.setWriteDeadline()
+	if err == nil {
+		_, err = cn.bufs.WriteTo(cn.c)
+	}
+	cn.enc.Reset()
+	for _, p := range cn.pending {
+		p.enc.Reset()
+		p.tail.Reset()
+		cn.spare = append(cn.spare, p)
+	}
+	clear(cn.pending)
+	cn.pending = cn.pending[:0]
 	return err
 }
 
@@ -383,7 +508,7 @@ const flushAt = 32 << 10
 
 func (cn *conn) loop() error {
 	maxFrame := cn.s.cfg.MaxFrame
-	var now int64 // the clock, read when a batch of frames arrives
+	var now int64 // the monotonic clock (see Clock), read when a batch of frames arrives
 	for batched := 0; ; batched++ {
 		if cn.br.Buffered() == 0 {
 			if err := cn.waitIdle(); err != nil {
@@ -394,7 +519,7 @@ func (cn *conn) loop() error {
 		// Frames that arrived together share one reading of the clock; a long pipelined
 		// batch reads it again every 64 frames.
 		if batched%64 == 0 {
-			now = time.Now().UnixNano()
+			now = cn.s.now()
 		}
 		cn.frameTimed = false
 		hdr, err := cn.need(proto.HeaderSize)
@@ -409,7 +534,7 @@ func (cn *conn) loop() error {
 			return nil
 		}
 		var body []byte
-		if proto.HeaderSize+n <= readBufSize {
+		if proto.HeaderSize+n <= cn.s.readBuf {
 			b, err := cn.need(proto.HeaderSize + n)
 			if err != nil {
 				return err
@@ -423,8 +548,12 @@ func (cn *conn) loop() error {
 				cn.big = make([]byte, n)
 			}
 			cn.big = cn.big[:n]
-			if _, err := cn.need(1); err != nil {
-				return err
+			// The frame is longer than the buffer: reading it may wait, under the same
+			// frame deadline as a frame that fits.
+			if cn.br.Buffered() < n {
+				if err := cn.awaitFrame(); err != nil {
+					return err
+				}
 			}
 			if _, err := io.ReadFull(cn.br, cn.big); err != nil {
 				return err
@@ -433,7 +562,7 @@ func (cn *conn) loop() error {
 			n = -proto.HeaderSize // already consumed
 		}
 		if cn.waited {
-			now, cn.waited = time.Now().UnixNano(), false
+			now, cn.waited = cn.s.now(), false
 		}
 		if cn.answered == 0 {
 			cn.arrived = now
@@ -443,7 +572,7 @@ func (cn *conn) loop() error {
 		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
 			return err
 		}
-		if cn.enc.Len() >= flushAt {
+		if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
 			if err := cn.flush(); err != nil {
 				return err
 			}
@@ -458,24 +587,24 @@ func (cn *conn) handle(body []byte, now int64) {
 	if err := cn.dec.DecodeRequest(body, req); err != nil {
 		var pe *proto.Error
 		if errors.As(err, &pe) {
-			cn.enc.EncodeError(req.ID, pe.Code, pe.Message)
+			cn.out().EncodeError(req.ID, pe.Code, pe.Message)
 		} else {
-			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+			cn.out().EncodeError(req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
 	switch req.Op {
 	case proto.OpCheck:
-		cn.check(now)
+		cn.check(body, now)
 	case proto.OpPing:
-		cn.enc.EncodePing(req.ID, cn.s.cfg.Version)
+		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	default:
-		cn.enc.EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
+		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
 	}
 }
 
-func (cn *conn) check(now int64) {
-	req, in := &cn.req, &cn.in
+// input fills in from req.
+func input(in *limiter.Input, req *proto.Request) {
 	in.Cost = req.Cost
 	in.Attrs = in.Attrs[:0]
 	for _, a := range req.Attrs {
@@ -486,21 +615,68 @@ func (cn *conn) check(now int64) {
 		l := &req.Limits[i]
 		in.Limits = append(in.Limits, limiter.Inline{Key: l.Key, Name: l.Name, Algorithm: l.Algorithm, Mode: l.Mode, Limit: l.Limit, WindowMs: l.WindowMs, Burst: l.Burst})
 	}
+}
+
+// check answers the check in cn.req (decoded from body). A check that waits on Redis is
+// decided by a goroutine of its own, so that the Redis round trips of a pipelined
+// connection overlap; every other check is decided and answered inline.
+func (cn *conn) check(body []byte, now int64) {
+	input(&cn.in, &cn.req)
 	d := &cn.dcs
-	err := cn.s.lim.Check(now, in, d)
-	if m := cn.s.cfg.Metrics; m != nil && err == nil {
+	waits, err := cn.s.lim.Prepare(&cn.in, d)
+	if err == nil && waits {
+		cn.goCheck(body, now)
+		return
+	}
+	if err == nil {
+		cn.s.lim.Decide(now, d)
+	}
+	cn.s.answer(cn.out(), &cn.req, d, &cn.resp, err)
+}
+
+// goCheck decides the check in body on a goroutine of its own, answering into a pending
+// slot that the next flush writes in order.
+func (cn *conn) goCheck(body []byte, now int64) {
+	var p *pending
+	if n := len(cn.spare); n > 0 {
+		p = cn.spare[n-1]
+		cn.spare = cn.spare[:n-1]
+	} else {
+		p = &pending{enc: proto.NewEncoder(), tail: proto.NewEncoder()}
+	}
+	p.done = make(chan struct{})
+	// The body is in the read buffer, which the next read overwrites: decide on a copy.
+	p.body = append(p.body[:0], body...)
+	if err := cn.dec.DecodeRequest(p.body, &p.req); err != nil {
+		panic("BUG: a frame decoded twice gave an error the second time: " + err.Error())
+	}
+	input(&p.in, &p.req)
+	cn.pending = append(cn.pending, p)
+	lim := cn.s.lim
+	go func() {
+		defer close(p.done)
+		_, err := lim.Prepare(&p.in, &p.dcs)
+		if err == nil {
+			lim.Decide(now, &p.dcs)
+		}
+		cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
+	}()
+}
+
+// answer encodes the answer to the check req, decided into d (or refused with err).
+func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, resp *proto.Response, err error) {
+	if m := s.cfg.Metrics; m != nil && err == nil {
 		m.Record(d)
 	}
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
-			cn.enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
+			enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
 		} else {
-			cn.enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+			enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
-	resp := &cn.resp
 	resp.Reset()
 	resp.ID = req.ID
 	resp.Allowed = d.Allowed
@@ -531,7 +707,7 @@ func (cn *conn) check(now int64) {
 		resp.RetryAfterMs = rr.RetryAfterMs
 		resp.Reason = rr.Reason
 	}
-	cn.enc.EncodeCheck(resp)
+	enc.EncodeCheck(resp)
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms

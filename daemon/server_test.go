@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"net"
 	"os"
@@ -130,4 +131,75 @@ func TestListenRefusesLiveSocket(t *testing.T) {
 	if err := other.Listen(); err == nil {
 		t.Fatal("a second server listened on a live socket")
 	}
+}
+
+// waitConns waits until the server serves want connections, or fails after bound.
+func waitConns(t *testing.T, s *Server, want int64, bound time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(bound)
+	for s.Connections() != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d connections served after %s, want %d", s.Connections(), bound, want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A frame longer than the read buffer, begun and never finished, is cut off by the frame
+// timeout like any other (before, that path read with no deadline and held the
+// connection forever).
+func TestFrameTimeoutLargeFrame(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		size int // announced body length
+	}{
+		{"small", 200},
+		{"large", readBufSize + 1000},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := startServer(t, Config{FrameTimeout: 100 * time.Millisecond})
+			defer s.Shutdown(context.Background())
+			c, err := net.Dial("unix", s.cfg.Socket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			// A header and part of the body in one write, then nothing.
+			frame := make([]byte, proto.HeaderSize+100)
+			frame[0], frame[1], frame[2], frame[3] = byte(tc.size>>24), byte(tc.size>>16), byte(tc.size>>8), byte(tc.size)
+			if _, err := c.Write(frame); err != nil {
+				t.Fatal(err)
+			}
+			waitConns(t, s, 1, time.Second)
+			waitConns(t, s, 0, 3*time.Second)
+		})
+	}
+}
+
+// A client that sends and never reads its answers is cut off once a write has waited
+// WriteTimeout: its goroutine and connection slot are freed.
+func TestWriteTimeoutFreesSlot(t *testing.T) {
+	s := startServer(t, Config{WriteTimeout: 200 * time.Millisecond})
+	defer s.Shutdown(context.Background())
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ping := frameOf(proto.Request{ID: 1, Op: proto.OpPing, Cost: 1})
+	batch := bytes.Repeat(ping, 1000)
+	wrote := make(chan struct{})
+	go func() { // writes until the server stops reading (then blocks) or closes
+		defer close(wrote)
+		_ = c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		for {
+			if _, err := c.Write(batch); err != nil {
+				return
+			}
+		}
+	}()
+	waitConns(t, s, 1, time.Second)
+	waitConns(t, s, 0, 5*time.Second)
+	c.Close()
+	<-wrote
 }

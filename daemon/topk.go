@@ -19,6 +19,7 @@ type topK struct {
 
 type topItem struct {
 	Client string `json:"client"`
+	Label  string `json:"label,omitempty"` // the client's label in rlsidecar_top_rejected, when hashed
 	Count  uint64 `json:"count"`
 	Err    uint64 `json:"error"` // Count may exceed the true count by at most this
 }

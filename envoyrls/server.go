@@ -193,7 +193,13 @@ func (s *Server) Serve() error {
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
 	done := make(chan struct{})
-	go func() { s.grpc.GracefulStop(); close(done) }()
+	go func() {
+		s.grpc.GracefulStop()
+		if s.ln != nil {
+			_ = s.ln.Close() // not yet served (a failed start): gRPC does not own it
+		}
+		close(done)
+	}()
 	select {
 	case <-done:
 		return nil

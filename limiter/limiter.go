@@ -230,11 +230,23 @@ func (e *InvalidLimitError) Error() string {
 
 // Check decides in at time now (Unix nanoseconds, read once at the edge) and fills d.
 // It returns *InvalidLimitError when an inline limit is malformed; then nothing is consumed.
-//
-// It works in three steps: gather one op per matching rule and inline limit (its key,
-// limit, cost, store and failure policy), apply them all-or-nothing across the stores,
-// and report each op as a Result.
+// It is Prepare then Decide: gather one op per matching rule and inline limit (its key,
+// limit, cost, store and failure policy), then apply them all-or-nothing across the
+// stores and report each op as a Result.
 func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
+	if _, err := l.Prepare(in, d); err != nil {
+		return err
+	}
+	l.Decide(now, d)
+	return nil
+}
+
+// Prepare is the first half of Check: it matches the rules, derives the keys and
+// validates the inline limits into d, consuming nothing, and reports whether Decide will
+// wait on Redis (a global-mode check), so a caller can decide such a request off its
+// fast path. d then refers to in's strings (inline limit names): keep them until Decide.
+// It returns *InvalidLimitError when an inline limit is malformed.
+func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	set := l.rules.Load()
 	d.Allowed = true
 	d.Deciding = -1
@@ -275,7 +287,7 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		n := 0
 		for i := range in.Limits {
 			if err := l.addInline(d, n, i, &in.Limits[i], in.Cost, 0); err != nil {
-				return err
+				return false, err
 			}
 			n++
 		}
@@ -283,14 +295,14 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 			pt := &in.Parts[p]
 			for i := range pt.Limits {
 				if err := l.addInline(d, n, n, &pt.Limits[i], pt.Cost, p); err != nil {
-					return err
+					return false, err
 				}
 				n++
 			}
 		}
 	}
 	if len(d.ops) == 0 {
-		return nil
+		return false, nil
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
@@ -300,6 +312,16 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		o.key = d.keys[start:o.keyEnd]
 		start = o.keyEnd
 		d.Results[i].Key = o.key
+	}
+	return d.routed&(1<<storeGlobal) != 0, nil
+}
+
+// Decide is the second half of Check: it applies the checks Prepare put in d at time now,
+// all-or-nothing, and fills in d's results and deciding rule. It waits on Redis (at most
+// the global timeout) only when Prepare said so.
+func (l *Limiter) Decide(now int64, d *Decision) {
+	if len(d.ops) == 0 {
+		return
 	}
 	d.Allowed = l.apply(now, d)
 
@@ -313,7 +335,6 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 		}
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
-	return nil
 }
 
 // matchRules adds the checks of the rules of set that match attrs (part p of the input),

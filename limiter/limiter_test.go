@@ -363,3 +363,36 @@ func TestShadowAll(t *testing.T) {
 		t.Fatal("allowed after --shadow was turned off")
 	}
 }
+
+// A reload that changes a rule's algorithm or window but keeps its name resets its
+// clients' states instead of misreading them (the case from issue 9: a client at 4 of 10
+// in a 10 s sliding window, reloaded to a fixed window, was refused for the rest of the
+// window — with per: 1d, a day).
+func TestReloadAlgorithmChangeResets(t *testing.T) {
+	rule := func(alg, per string) string {
+		return "rules:\n  - name: api\n    key: user\n    algorithm: " + alg + "\n    limit: { requests: 10, per: " + per + " }\n"
+	}
+	for _, tc := range []struct{ name, from, to string }{
+		{"sliding_to_fixed", rule("sliding_window", "10s"), rule("fixed_window", "10s")},
+		{"sliding_to_fixed_1d", rule("sliding_window", "10s"), rule("fixed_window", "1d")},
+		{"fixed_to_sliding", rule("fixed_window", "10s"), rule("sliding_window", "10s")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLimiter(t, tc.from)
+			var d Decision
+			in := Input{Attrs: attrs("user=u"), Cost: 1}
+			for i := 0; i < 4; i++ {
+				if err := l.Check(t0+int64(i)*int64(time.Millisecond), &in, &d); err != nil || !d.Allowed {
+					t.Fatalf("request %d: %v %+v", i, err, d.Results)
+				}
+			}
+			l.SetRules(mustRules(t, tc.to))
+			if err := l.Check(t0+600*int64(time.Millisecond), &in, &d); err != nil || !d.Allowed {
+				t.Fatalf("after the reload: %v %+v, want allowed", err, d.Results)
+			}
+			if r := d.Results[0]; r.Remaining != 9 {
+				t.Errorf("after the reload: %d remaining, want 9 (a fresh state)", r.Remaining)
+			}
+		})
+	}
+}

@@ -39,9 +39,9 @@ func (s globalStore) take(_ int64, d *Decision) (bool, error) {
 
 func (s globalStore) giveBack(_ int64, d *Decision) {
 	n := lastBatch[rlsync.GlobalOp](d, storeGlobal)
-	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
-	_ = s.g.Undo(ctx, n.ops) // counted in RefundErrors; the decision stands
-	cancel()
+	// Undo bounds itself (not by wait: the decision is made, only capacity is at stake).
+	// A failed refund, counted in RefundErrors, leaves capacity used until it refills.
+	_ = s.g.Undo(context.Background(), n.ops)
 	s.results(d, n)
 }
 

@@ -68,6 +68,18 @@ type Limit struct {
 	tau      int64  // token bucket: burst*emission, the time a full bucket takes to refill
 }
 
+// stateKind identifies how a state of this limit is to be read: its algorithm and, for
+// the windows, its window (a token bucket's state, the time it is full from, means the
+// same under any rate). A state written under another kind is not read but reset (see
+// [Store]): a sliding window's two packed counts read as a fixed window's one count
+// would be a huge count. Never 0.
+func (l *Limit) stateKind() uint64 {
+	if l.alg == TokenBucket {
+		return 1
+	}
+	return uint64(l.alg) + 1 | uint64(l.window)<<8
+}
+
 // NewLimit validates and builds a limit of requests per window. For a token bucket, burst
 // is the capacity (0 means burst = requests); the windows have no burst, so burst must be
 // 0 for them.

@@ -28,7 +28,10 @@ const (
 // shards it touches in ascending order, so batches on overlapping keys never deadlock and
 // never admit more than the limit. States that carry no information are not stored, and
 // [Store.Sweep] drops the ones that expired. When a shard is full, inserting a key evicts
-// a key that is not currently limited; a shard full of limited clients stores no new key.
+// a key that is not currently limited; a shard full of limited clients stores no new key,
+// and decides new keys on a fallback state per rule that they share ([Store.Untracked]).
+// A state is read only by a limit of the algorithm (and window) that wrote it; another
+// (after a reload changed the rule) starts it afresh.
 //
 // Build it with [NewStore]; the zero value is not usable. A Store is safe for concurrent
 // use.
@@ -38,13 +41,16 @@ type Store struct {
 	shards    []shard
 	evictions atomic.Uint64
 	untracked atomic.Uint64
+	// wallOffset is wall time minus the time Apply is given (see SetWallOffset).
+	wallOffset atomic.Int64
 }
 
-// entry is what is stored for one key: 32 bytes.
+// entry is what is stored for one key: 40 bytes.
 type entry struct {
 	st           State
 	expires      int64
 	limitedUntil int64
+	kind         uint64 // Limit.stateKind of the limit that wrote st
 }
 
 // record is one slot of a shard's record arena. A free record has expires == freeMark.
@@ -55,14 +61,14 @@ type record struct {
 
 const (
 	chunkBits = 8
-	chunkSize = 1 << chunkBits // 256 records of 48 bytes: 12 KiB, a size class
+	chunkSize = 1 << chunkBits // 256 records of 56 bytes: 14 KiB, a size class
 	freeMark  = math.MinInt64
 	minSlots  = 16
 )
 
 // shard is an open-addressing hash table (linear probing, backward-shift deletion) over
 // an arena of records in fixed-size chunks. A slot is 8 bytes: the high 32 bits of the
-// key's hash and the record index + 1 (0 is an empty slot). About 95 bytes per key at
+// key's hash and the record index + 1 (0 is an empty slot). About 100 bytes per key at
 // 1,000,000 keys, half of what a Go map[string]entry takes, and an update of an existing
 // key is a store through a pointer, not a map assignment (which would allocate).
 type shard struct {
@@ -77,7 +83,37 @@ type shard struct {
 	// full scan found only limited entries; while it is in the future no scan can find
 	// an entry to evict.
 	allLimitedUntil int64
-	_               [16]byte // keep shards on separate cache lines (128 bytes)
+	// fallback holds, per rule (the part of a key before its hash tag), the state that
+	// decides the rule's new keys while the shard is full of limited clients: they share
+	// it, so a flood of limited keys cannot make every new key unlimited. At most
+	// maxFallbacks rules; past them, one shared by the rest.
+	fallback map[string]*entry
+	_        [8]byte // keep shards on separate cache lines (128 bytes)
+}
+
+const maxFallbacks = 64
+
+// fallbackFor returns the fallback state of key's rule, creating it if needed.
+func (sh *shard) fallbackFor(key []byte) *entry {
+	name := key
+	if i := bytes.Index(key, []byte(":{")); i >= 0 {
+		name = key[:i]
+	}
+	if e := sh.fallback[string(name)]; e != nil {
+		return e
+	}
+	if sh.fallback == nil {
+		sh.fallback = map[string]*entry{}
+	}
+	if len(sh.fallback) >= maxFallbacks {
+		name = nil
+		if e := sh.fallback[""]; e != nil {
+			return e
+		}
+	}
+	e := &entry{}
+	sh.fallback[string(name)] = e
+	return e
 }
 
 func (sh *shard) rec(i uint32) *record { return &sh.chunks[i>>chunkBits][i&(chunkSize-1)] }
@@ -211,13 +247,45 @@ type Op struct {
 type opScratch struct {
 	in, out State
 	hash    uint64
-	idx     int32 // index of the stored entry, -1 when the key is not stored
-	prev    int32 // the previous op on the same key, -1 if none
+	over    *entry // the rule's fallback state deciding an untracked key, else nil
+	idx     int32  // index of the stored entry, -1 when the key is not stored
+	prev    int32  // the previous op on the same key, -1 if none
 	shard   uint32
 	last    bool // no later op has the same key
 }
 
 const inlineOps = 16
+
+// stateFor returns e's state if it was written under l's kind of state, else a fresh one:
+// a reload that changed a rule's algorithm or window (same name) resets its clients
+// rather than misreading their states.
+func stateFor(e *entry, l *Limit) State {
+	if e.kind != l.stateKind() {
+		return State{}
+	}
+	return e.st
+}
+
+// take is l.Take at now, except that a fixed window is aligned to wall time now+off; the
+// instants it returns are brought back to now's clock.
+func take(l *Limit, st State, now, off int64, cost uint64) (State, Result) {
+	if l.alg != FixedWindow || off == 0 {
+		return l.Take(st, now, cost)
+	}
+	out, r := l.Take(st, now+off, cost)
+	r.Expires -= off
+	if r.LimitedUntil != 0 {
+		r.LimitedUntil -= off
+	}
+	return out, r
+}
+
+// SetWallOffset tells the store the wall clock's offset from the clock Apply is given
+// (wall - now, in ns). The daemon decides on a monotonic clock (so that a wall clock step
+// neither refills buckets nor rejects active clients) and fixed windows still align to
+// wall time: Apply gives them now+offset. 0 (the default) when now is the wall clock.
+// Safe for concurrent use.
+func (s *Store) SetWallOffset(off int64) { s.wallOffset.Store(off) }
 
 // Apply decides ops together at time now (ns since the Unix epoch). If every non-shadow
 // op is allowed, it commits every allowed op and returns true. Otherwise it commits
@@ -276,19 +344,29 @@ func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 		s.shards[li].mu.Lock()
 	}
 
+	off := s.wallOffset.Load()
 	ok := !veto
 	for i := range ops {
 		op, x := &ops[i], &sc[i]
+		x.over = nil
+		sh := &s.shards[x.shard]
 		if x.prev >= 0 {
 			p := &sc[x.prev]
-			x.in, x.idx = p.out, p.idx
-		} else if _, idx, found := find(&s.shards[x.shard], uint32(x.hash>>32), op.Key); found {
+			x.in, x.idx, x.over = p.out, p.idx, p.over
+		} else if _, idx, found := find(sh, uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
-			x.in = s.shards[x.shard].rec(idx).e.st
+			x.in = stateFor(&sh.rec(idx).e, op.Limit)
+		} else if sh.n >= sh.cap && sh.allLimitedUntil > now {
+			// The shard is full of limited clients: the key cannot be stored, and a
+			// fresh state would let it pass every time. It is decided on its rule's
+			// fallback state, which every such key shares.
+			x.over = sh.fallbackFor(op.Key)
+			x.in = stateFor(x.over, op.Limit)
+			s.untracked.Add(1)
 		} else {
 			x.in = State{}
 		}
-		x.out, op.Result = op.Limit.Take(x.in, now, op.Cost)
+		x.out, op.Result = take(op.Limit, x.in, now, off, op.Cost)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 		}
@@ -303,7 +381,7 @@ func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 			for sc[first].prev >= 0 {
 				first = int(sc[first].prev)
 			}
-			_, r := ops[i].Limit.Take(sc[first].in, now, 0)
+			_, r := take(ops[i].Limit, sc[first].in, now, off, 0)
 			r.Allowed, r.RetryAfter = true, 0
 			ops[i].Result = r
 		}
@@ -327,18 +405,22 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 		if !x.last {
 			continue
 		}
+		r := &ops[i].Result
+		if x.over != nil {
+			*x.over = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
+			continue
+		}
 		if x.idx < 0 {
 			inserts = true
 			continue
 		}
 		sh := &s.shards[x.shard]
-		r := &ops[i].Result
 		if r.Expires <= now {
 			p, _, _ := find(sh, uint32(x.hash>>32), ops[i].Key)
 			sh.removeAt(p, uint32(x.idx))
 			continue
 		}
-		sh.rec(uint32(x.idx)).e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil}
+		sh.rec(uint32(x.idx)).e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
 		sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
 	}
 	if !inserts {
@@ -347,10 +429,10 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 	for i := range ops {
 		x := &sc[i]
 		r := &ops[i].Result
-		if !x.last || x.idx >= 0 || r.Expires <= now {
+		if !x.last || x.idx >= 0 || x.over != nil || r.Expires <= now {
 			continue
 		}
-		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil}, now)
+		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now)
 	}
 }
 
@@ -466,6 +548,8 @@ func (s *Store) Sweep(now int64) int {
 // a shard within its share of MaxKeys.
 func (s *Store) Evictions() uint64 { return s.evictions.Load() }
 
-// Untracked returns how many new keys were not stored because their shard was full of
-// limited clients. Their ops were still decided, as on a fresh state.
+// Untracked returns how many decisions were made for keys the store could not hold
+// because their shard was full of limited clients: decided on their rule's fallback
+// state (shared by every such key of the rule in the shard), or, the first time a shard
+// is found full, on a fresh state.
 func (s *Store) Untracked() uint64 { return s.untracked.Load() }

@@ -322,3 +322,97 @@ func TestStoreReject(t *testing.T) {
 		t.Fatalf("after Reject then Apply: %+v", ops[0].Result)
 	}
 }
+
+// A key's state is read only under the algorithm and window that wrote it: a rule
+// reloaded from a 10 s sliding window to a fixed window (same name, same keys) starts its
+// clients afresh, instead of reading the sliding window's two packed counts as one huge
+// count and refusing the client for the rest of the window.
+func TestStoreStateKindChange(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		from, to *Limit
+		want     uint64 // remaining after one more request under to
+	}{
+		{"sliding_to_fixed", mustLimit(t, SlidingWindow, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 10, 10*time.Second, 0), 9},
+		{"fixed_to_sliding", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, SlidingWindow, 10, 10*time.Second, 0), 9},
+		{"window_10s_to_1d", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 10, 24*time.Hour, 0), 9},
+		{"token_to_fixed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 10, 10*time.Second, 0), 9},
+		// Same algorithm and window, new limit: the state carries over.
+		{"fixed_limit_raised", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 20, 10*time.Second, 0), 15},
+		{"token_rate_changed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 10, 20*time.Second, 0), 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewStore(Options{})
+			for i := 0; i < 4; i++ {
+				if !s.Apply(base+int64(i), []Op{op("rule:{u}", tc.from, 1)}) {
+					t.Fatalf("request %d rejected", i)
+				}
+			}
+			ops := []Op{op("rule:{u}", tc.to, 1)}
+			if !s.Apply(base+600*int64(time.Millisecond), ops) || ops[0].Result.Remaining != tc.want {
+				t.Fatalf("after the change: %+v, want allowed with %d remaining", ops[0].Result, tc.want)
+			}
+		})
+	}
+}
+
+// A flood of new keys into a shard full of limited clients does not make every new key
+// unlimited: the keys the store cannot hold share their rule's fallback state.
+func TestStoreFullOfLimitedSharesFallback(t *testing.T) {
+	s := NewStore(Options{Shards: 1, MaxKeys: 8})
+	one := mustLimit(t, FixedWindow, 1, time.Hour, 0)
+	for i := 0; i < 8; i++ { // fill the shard with limited clients
+		if !s.Apply(base, []Op{op(fmt.Sprintf("login:{held%d}", i), one, 1)}) {
+			t.Fatal("filling rejected")
+		}
+	}
+	allowed := 0
+	for i := 0; i < 1000; i++ {
+		if s.Apply(base+int64(i), []Op{op(fmt.Sprintf("login:{new%d}", i), one, 1)}) {
+			allowed++
+		}
+	}
+	// At most: one decided on a fresh state when the shard is first found full, and the
+	// one the shared fallback state admits.
+	if allowed > 2 {
+		t.Errorf("%d of 1000 new keys admitted by a limit of 1 per hour while the store was full", allowed)
+	}
+	if n := s.Untracked(); n < 998 {
+		t.Errorf("Untracked %d, want every decision on the fallback counted", n)
+	}
+	// Another rule's new keys have their own share.
+	other := mustLimit(t, FixedWindow, 1, time.Hour, 0)
+	if !s.Apply(base+2000, []Op{op("search:{x}", other, 1)}) {
+		t.Error("another rule's first untracked key was refused: the fallback is not per rule")
+	}
+	if s.Len() != 8 {
+		t.Errorf("Len %d, want 8 (the cap)", s.Len())
+	}
+}
+
+// With a wall offset, fixed windows align to wall time (now+offset) while the other
+// algorithms run on now; the instants Apply returns are on now's clock.
+func TestStoreWallOffsetFixedWindow(t *testing.T) {
+	s := NewStore(Options{})
+	off := int64(30 * time.Second)
+	s.SetWallOffset(off)
+	perMin := mustLimit(t, FixedWindow, 1, time.Minute, 0)
+	t0 := int64(600) * int64(time.Minute) // a minute boundary on now's clock
+	// Wall t0+59s: allowed; wall t0+61s: a new wall-aligned window, allowed again.
+	for _, at := range []int64{29, 31} {
+		ops := []Op{op("f:{u}", perMin, 1)}
+		if !s.Apply(t0+at*int64(time.Second), ops) {
+			t.Fatalf("at now+%ds (wall +%ds): rejected %+v", at, at+30, ops[0].Result)
+		}
+	}
+	ops := []Op{op("f:{u}", perMin, 1)}
+	now := t0 + 32*int64(time.Second)
+	if s.Apply(now, ops) {
+		t.Fatal("second request in a wall-aligned window admitted")
+	}
+	r := ops[0].Result
+	// The wall window ends at wall t0+120s, i.e. now's t0+90s.
+	if r.RetryAfter != int64(58*time.Second) || r.LimitedUntil != t0+90*int64(time.Second) {
+		t.Errorf("result %+v: want RetryAfter 58s and LimitedUntil at now's t0+90s", r)
+	}
+}

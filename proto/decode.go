@@ -64,6 +64,7 @@ func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
 	if err != nil {
 		return err
 	}
+	var seen fieldSet
 	for i := 0; i < n; i++ {
 		key, err := d.key()
 		if err != nil {
@@ -71,15 +72,25 @@ func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
 		}
 		switch key {
 		case "id":
-			req.ID, err = d.uint("id")
+			if err = seen.once(fieldID, "request", key); err == nil {
+				req.ID, err = d.uint("id")
+			}
 		case "op":
-			req.Op, err = d.str("op", 64)
+			if err = seen.once(fieldOp, "request", key); err == nil {
+				req.Op, err = d.str("op", 64)
+			}
 		case "cost":
-			req.Cost, err = d.uint("cost")
+			if err = seen.once(fieldCost, "request", key); err == nil {
+				req.Cost, err = d.uint("cost")
+			}
 		case "attrs":
-			req.Attrs, err = d.attrs(req.Attrs)
+			if err = seen.once(fieldAttrs, "request", key); err == nil {
+				req.Attrs, err = d.attrs(req.Attrs)
+			}
 		case "limits":
-			req.Limits, err = d.limits(req.Limits)
+			if err = seen.once(fieldLimits, "request", key); err == nil {
+				req.Limits, err = d.limits(req.Limits)
+			}
 		default:
 			err = d.skip(key)
 		}
@@ -153,25 +164,32 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 		if err != nil {
 			return limits, err
 		}
+		var seen fieldSet
 		for j := 0; j < m; j++ {
 			key, err := d.key()
 			if err != nil {
 				return limits, err
 			}
-			switch key {
-			case "key":
+			f := limitField(key)
+			if f != 0 {
+				if err := seen.once(f, "limits[]", key); err != nil {
+					return limits, err
+				}
+			}
+			switch f {
+			case limitKey:
 				l.Key, err = d.str("limits[].key", d.MaxAttrLen)
-			case "limit":
+			case limitLimit:
 				l.Limit, err = d.uint("limits[].limit")
-			case "window_ms":
+			case limitWindow:
 				l.WindowMs, err = d.uint("limits[].window_ms")
-			case "burst":
+			case limitBurst:
 				l.Burst, err = d.uint("limits[].burst")
-			case "algorithm":
+			case limitAlgorithm:
 				l.Algorithm, err = d.str("limits[].algorithm", 64)
-			case "mode":
+			case limitMode:
 				l.Mode, err = d.str("limits[].mode", 64)
-			case "name":
+			case limitName:
 				l.Name, err = d.str("limits[].name", d.MaxAttrNameLen)
 			default:
 				err = d.skip(key)
@@ -183,6 +201,60 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 		limits = append(limits, l)
 	}
 	return limits, nil
+}
+
+// fieldSet records which known fields of one map were read: a map that repeats a known
+// field is a bad_request, so a request cannot pass a bound twice (two "attrs" maps of 40
+// entries each under a cap of 64) or say two things at once. Unknown fields are skipped
+// and not tracked.
+type fieldSet uint16
+
+// Known fields of the request map and of an inline-limit map.
+const (
+	fieldID fieldSet = 1 << iota
+	fieldOp
+	fieldCost
+	fieldAttrs
+	fieldLimits
+)
+
+const (
+	limitKey fieldSet = 1 << iota
+	limitLimit
+	limitWindow
+	limitBurst
+	limitAlgorithm
+	limitMode
+	limitName
+)
+
+func limitField(key string) fieldSet {
+	switch key {
+	case "key":
+		return limitKey
+	case "limit":
+		return limitLimit
+	case "window_ms":
+		return limitWindow
+	case "burst":
+		return limitBurst
+	case "algorithm":
+		return limitAlgorithm
+	case "mode":
+		return limitMode
+	case "name":
+		return limitName
+	}
+	return 0
+}
+
+// once marks f as read, or reports that the map already held it.
+func (s *fieldSet) once(f fieldSet, where, key string) error {
+	if *s&f != 0 {
+		return Errorf(CodeBadRequest, "%s map holds %q twice; a key may appear once", where, key)
+	}
+	*s |= f
+	return nil
 }
 
 func (d *Decoder) truncated(field string) error {

@@ -291,6 +291,11 @@ func malformedFrames() []badFrame {
 		{Name: "cost-negative", Meaning: `"cost" is -1`, Hex: frame("83a26964" + "08" + "a26f70" + "a5636865636b" + "a4636f7374" + "ff"), ErrorCode: CodeBadRequest, ErrorID: 8},
 		{Name: "attr-value-not-string", Meaning: `an attribute value is an integer`, Hex: frame("83a26964" + "09" + "a26f70" + "a5636865636b" + "a56174747273" + "81a475736572" + "2a"), ErrorCode: CodeBadRequest, ErrorID: 9},
 		{Name: "no-op", Meaning: `a map without "op"`, Hex: frame("81a26964" + "0a"), ErrorCode: CodeBadRequest, ErrorID: 10},
+		{Name: "repeated-attrs", Meaning: `"attrs" appears twice (each map within the cap, together beyond it); the id read before it is echoed`, Hex: frame("84a26964" + "0b" + "a26f70" + "a5636865636b" + "a56174747273" + "81a475736572" + "a161" + "a56174747273" + "81a26970" + "a162"), ErrorCode: CodeBadRequest, ErrorID: 11},
+		{Name: "repeated-limits", Meaning: `"limits" appears twice`, Hex: frame("84a26964" + "0c" + "a26f70" + "a5636865636b" + "a66c696d697473" + "90" + "a66c696d697473" + "90"), ErrorCode: CodeBadRequest, ErrorID: 12},
+		{Name: "repeated-id", Meaning: `"id" appears twice; the first is echoed`, Hex: frame("83a26964" + "0d" + "a26f70" + "a470696e67" + "a26964" + "0e"), ErrorCode: CodeBadRequest, ErrorID: 13},
+		{Name: "repeated-attr-name", Meaning: `"attrs" names "user" twice`, Hex: frame("83a26964" + "0f" + "a26f70" + "a5636865636b" + "a56174747273" + "82a475736572" + "a161" + "a475736572" + "a162"), ErrorCode: CodeBadRequest, ErrorID: 15},
+		{Name: "repeated-limit-field", Meaning: `an inline limit holds "limit" twice`, Hex: frame("83a26964" + "10" + "a26f70" + "a5636865636b" + "a66c696d697473" + "91" + "83a36b6579a174" + "a56c696d6974" + "0a" + "a56c696d6974" + "cd03e8"), ErrorCode: CodeBadRequest, ErrorID: 16},
 		{Name: "frame-too-large", Meaning: "a header announcing 65,537 bytes: the server answers frame_too_large with id 0 and closes the connection", Hex: "00010001", ErrorCode: CodeFrameTooLarge, Closes: true},
 	}
 }

@@ -78,6 +78,40 @@ type Global struct {
 	refundErrors atomic.Uint64
 	breaker      *Breaker // nil: always call
 	observe      Observer // nil: none
+	// refundWait bounds a refund; 0 means DefaultRefundTimeout.
+	refundWait time.Duration
+}
+
+// WithAutoPipeline makes g send the script calls of concurrent checks together: the
+// calls that arrive while a batch is on the wire go as the next one, in one pipeline.
+// With many checks in flight (a pipelined connection's, or many connections') Redis and
+// the daemon then spend a few syscalls per batch rather than per check. Call it before g
+// is used.
+func (g *Global) WithAutoPipeline() *Global {
+	g.rdb = &autoPipe{rediser: g.rdb}
+	return g
+}
+
+// DefaultRefundTimeout bounds a refund (see [Global.WithRefundTimeout]).
+const DefaultRefundTimeout = 250 * time.Millisecond
+
+// WithRefundTimeout sets how long a refund may wait for Redis. A refund runs on its own
+// context, detached from the check's: the check's deadline is what a caller waits for a
+// decision, and it may have passed by the time a refund is known to be needed; a refund
+// that is not sent leaves capacity consumed by a request that was rejected.
+func (g *Global) WithRefundTimeout(d time.Duration) *Global {
+	g.refundWait = d
+	return g
+}
+
+// refundContext returns the bounded context a refund runs on: parent's values, not its
+// cancellation or deadline.
+func (g *Global) refundContext(parent context.Context) (context.Context, context.CancelFunc) {
+	d := g.refundWait
+	if d <= 0 {
+		d = DefaultRefundTimeout
+	}
+	return context.WithTimeout(context.WithoutCancel(parent), d)
 }
 
 // NewGlobal returns a Global on c, a *redis.Client (standalone) or a *redis.ClusterClient.
@@ -107,7 +141,8 @@ func (g *Global) RefundErrors() uint64 { return g.refundErrors.Load() }
 //
 // Errors (a done ctx, timeout, connection, a reply that is not what the script returns)
 // are returned with false when no slot group rejected; the caller applies its failure
-// policy. Groups that did commit are then refunded. ctx carries the deadline.
+// policy. Groups that did commit are then refunded, on a context of their own (see
+// [Global.WithRefundTimeout]). ctx carries the check's deadline.
 func (g *Global) Check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	if len(ops) == 0 {
 		return true, nil
@@ -214,7 +249,8 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 }
 
 // Undo gives back what a successful Check took, for a request that a later check (local
-// or hybrid) rejected: one refund call per hash slot, pipelined. A refund that fails is
+// or hybrid) rejected: one refund call per hash slot, pipelined. It runs on its own
+// context (see [Global.WithRefundTimeout]): ctx gives values only. A refund that fails is
 // counted in RefundErrors and returned.
 func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 	bySlot := map[uint16]*call{}
@@ -250,6 +286,8 @@ func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 	for _, slot := range order {
 		calls = append(calls, *bySlot[slot])
 	}
+	ctx, cancel := g.refundContext(ctx)
+	defer cancel()
 	run(ctx, g.rdb, refundScript, calls)
 	var err error
 	for i := range calls {
@@ -317,6 +355,9 @@ func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
 	if len(refunds) == 0 {
 		return
 	}
+	// Not the check's context: its deadline may be what made a group fail.
+	ctx, cancel := g.refundContext(ctx)
+	defer cancel()
 	run(ctx, g.rdb, refundScript, refunds)
 	for i := range refunds {
 		if refunds[i].cmd.Err() != nil {

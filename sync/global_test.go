@@ -842,3 +842,54 @@ func BenchmarkGlobalCheck(b *testing.B) {
 		b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "checks/s")
 	})
 }
+
+// cancelAfterPipeline is a Redis client whose pipelines cancel a context once they have
+// run: the check's deadline passing just after Redis answered it.
+type cancelAfterPipeline struct {
+	rediser
+	cancel context.CancelFunc
+}
+
+func (c cancelAfterPipeline) Pipeline() redis.Pipeliner {
+	return cancelPipe{c.rediser.Pipeline(), c.cancel}
+}
+
+type cancelPipe struct {
+	redis.Pipeliner
+	cancel context.CancelFunc
+}
+
+func (p cancelPipe) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	defer p.cancel()
+	return p.Pipeliner.Exec(ctx)
+}
+
+// A refund does not share the check's context: when the check's deadline passes just
+// after Redis answered, the committed groups are still given back (before, the refund
+// ran on the dead context, failed, and the capacity leaked).
+func TestGlobalRefundOutlivesCheckContext(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	b := globalBackend{name: "standalone_by_slot", g: &Global{rdb: rdb, bySlot: true}, rdb: rdb}
+	big, small := globalLimit(t, localbucket.TokenBucket, 10, time.Hour, 0), globalLimit(t, localbucket.TokenBucket, 2, time.Hour, 0)
+	a, z := "rl:refund_a:{u1}", "rl:refund_z:{u2}"
+	globalExhaust(t, b, z, small)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	g := &Global{rdb: cancelAfterPipeline{rdb, cancel}, bySlot: true}
+	ok, err := g.Check(ctx, []GlobalOp{{Key: z, Limit: small, Cost: 1}, {Key: a, Limit: big, Cost: 3}})
+	if ok || err != nil {
+		t.Fatalf("Check: %v %v, want false, nil", ok, err)
+	}
+	if ctx.Err() == nil {
+		t.Fatal("the check's context was not cancelled: the test does not test anything")
+	}
+	if n := g.RefundErrors(); n != 0 {
+		t.Errorf("RefundErrors %d, want 0", n)
+	}
+	if r := globalPeek(t, b, a, big); r != 10 {
+		t.Errorf("%s has %d left after the refund, want 10", a, r)
+	}
+}

@@ -48,6 +48,7 @@ type Hybrid struct {
 	dropped  atomic.Uint64 // admitted units lost to the key cap before they reached Redis
 	evicted  atomic.Uint64 // keys evicted for the cap
 
+	clock func() int64 // HybridOptions.Clock
 	// lastOK is when Redis last answered a heartbeat or a flush (daemon clock, ns).
 	lastOK  atomic.Int64
 	breaker *Breaker      // nil: always call
@@ -123,6 +124,9 @@ type HybridOptions struct {
 	// Prefix starts the live-daemons key (DaemonsKeyFor); default DefaultPrefix. It must
 	// pass CheckPrefix. The keys Hybrid syncs come from its callers, prefix included.
 	Prefix string
+	// Clock is the daemon's clock (ns), the one checks are decided on: lastOK is read
+	// on it, so Healthy compares like with like; default the wall clock.
+	Clock func() int64
 }
 
 // NewHybrid returns a Hybrid flushing to rdb.
@@ -136,6 +140,9 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	if o.MaxKeys <= 0 {
 		o.MaxKeys = 1_000_000
 	}
+	if o.Clock == nil {
+		o.Clock = func() int64 { return time.Now().UnixNano() }
+	}
 	if o.ID == "" {
 		var b [8]byte
 		_, _ = rand.Read(b[:])
@@ -145,8 +152,8 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		o.Prefix = DefaultPrefix
 	}
 	h := &Hybrid{rdb: rdb, interval: o.Interval, keepAlive: o.KeepAlive, seed: maphash.MakeSeed(), replicas: 1, id: o.ID,
-		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
-	h.lastOK.Store(time.Now().UnixNano())
+		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards, clock: o.Clock}
+	h.lastOK.Store(h.clock())
 	h.kick = make(chan struct{}, 1)
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
@@ -613,7 +620,7 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 	if err != nil {
 		return 0, fmt.Errorf("heartbeat: %w", err)
 	}
-	h.lastOK.Store(time.Now().UnixNano())
+	h.lastOK.Store(h.clock())
 	h.SetReplicas(int(v))
 	return int(v), nil
 }

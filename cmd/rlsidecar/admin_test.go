@@ -99,16 +99,17 @@ func TestE2EAdminMetrics(t *testing.T) {
 	}
 	types, samples := scrape(t, base)
 	for name, typ := range map[string]string{
-		"rlsidecar_checks_total":             "counter",
-		"rlsidecar_check_duration_seconds":   "histogram",
-		"rlsidecar_keys":                     "gauge",
-		"rlsidecar_evictions_total":          "counter",
-		"rlsidecar_degraded_decisions_total": "counter",
-		"rlsidecar_config_reloads_total":     "counter",
-		"rlsidecar_config_info":              "gauge",
-		"rlsidecar_connections":              "gauge",
-		"rlsidecar_build_info":               "gauge",
-		"rlsidecar_top_rejected":             "gauge",
+		"rlsidecar_checks_total":              "counter",
+		"rlsidecar_check_duration_seconds":    "histogram",
+		"rlsidecar_keys":                      "gauge",
+		"rlsidecar_evictions_total":           "counter",
+		"rlsidecar_untracked_decisions_total": "counter",
+		"rlsidecar_degraded_decisions_total":  "counter",
+		"rlsidecar_config_reloads_total":      "counter",
+		"rlsidecar_config_info":               "gauge",
+		"rlsidecar_connections":               "gauge",
+		"rlsidecar_build_info":                "gauge",
+		"rlsidecar_top_rejected":              "gauge",
 	} {
 		if types[name] != typ {
 			t.Errorf("%s: type %q, want %q", name, types[name], typ)
@@ -129,8 +130,26 @@ func TestE2EAdminMetrics(t *testing.T) {
 	if v := samples[`rlsidecar_connections`]; v != 1 {
 		t.Errorf("connections = %v", v)
 	}
-	if v := samples[`rlsidecar_top_rejected{rule="per-user",client="user=heavy"}`]; v != 37 {
-		t.Errorf("top_rejected heavy = %v, want 37", v)
+	// The metric names the heavy client by a keyed hash (--top-labels hashed, the
+	// default); /top, on loopback, shows the raw key beside that label.
+	var top map[string][]struct {
+		Client, Label string
+		Count         uint64
+	}
+	if code, body := httpGet(t, base+"/top"); code != 200 || json.Unmarshal([]byte(body), &top) != nil || len(top["per-user"]) == 0 {
+		t.Fatalf("/top: %d %s", code, body)
+	}
+	heavy := top["per-user"][0]
+	if heavy.Client != "user=heavy" || !strings.HasPrefix(heavy.Label, "h:") {
+		t.Fatalf("/top per-user: %+v, want user=heavy with its h: label", heavy)
+	}
+	if v := samples[`rlsidecar_top_rejected{rule="per-user",client="`+heavy.Label+`"}`]; v != 37 {
+		t.Errorf("top_rejected %s = %v, want 37", heavy.Label, v)
+	}
+	for s := range samples {
+		if strings.Contains(s, "heavy") {
+			t.Errorf("a client key shows in a label: %s", s)
+		}
 	}
 	for s := range samples {
 		if strings.Contains(s, "light") {
@@ -138,15 +157,7 @@ func TestE2EAdminMetrics(t *testing.T) {
 		}
 	}
 
-	code, body := httpGet(t, base+"/top")
-	var top map[string][]struct {
-		Client string `json:"client"`
-		Count  uint64 `json:"count"`
-	}
-	if err := json.Unmarshal([]byte(body), &top); code != 200 || err != nil || len(top["per-user"]) == 0 || top["per-user"][0].Client != "user=heavy" {
-		t.Fatalf("/top: %d %s", code, body)
-	}
-	code, body = httpGet(t, base+"/rules")
+	code, body := httpGet(t, base+"/rules")
 	if code != 200 || !strings.Contains(body, `"name": "per-user"`) || !strings.Contains(body, `"version"`) {
 		t.Fatalf("/rules: %d %s", code, body)
 	}

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -120,5 +122,30 @@ func TestUsage(t *testing.T) {
 	}
 	if _, _, code := runInProcess("check", "novalue"); code != exitUsage {
 		t.Fatal(code)
+	}
+}
+
+// A start that fails leaves nothing behind: with the admin port taken, serve exits
+// non-zero, never says it is listening, and leaves no socket file for clients to find.
+func TestServeFailedStartLeavesNoSocket(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	dir := shortTempDir(t)
+	sock := filepath.Join(dir, "s.sock")
+	out, err := runCLI(t, "serve", "--socket", sock, "--admin", ln.Addr().String())
+	if err == nil {
+		t.Fatalf("serve with its admin port taken exited 0:\n%s", out)
+	}
+	if !strings.Contains(out, "address already in use") {
+		t.Errorf("the error does not say why:\n%s", out)
+	}
+	if strings.Contains(out, "listening on") {
+		t.Errorf("serve announced a socket it then abandoned:\n%s", out)
+	}
+	if _, err := os.Lstat(sock); !os.IsNotExist(err) {
+		t.Errorf("socket file left behind after a failed start (lstat: %v)", err)
 	}
 }

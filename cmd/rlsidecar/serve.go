@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -52,6 +50,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", 4096, "bytes per attribute value")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
+	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
 	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never)")
 	drainTimeout := fs.Duration("drain-timeout", 5*time.Second, "on SIGTERM, time to answer what is in flight")
 	sweepEvery := fs.Duration("sweep-interval", 5*time.Second, "how often state that carries no information is dropped")
@@ -60,6 +59,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile to this file until exit (a debugging aid)")
 	admin := fs.String("admin", "127.0.0.1:9464", "admin HTTP endpoint (/metrics /healthz /readyz /rules /top); empty: off")
 	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected)")
+	topLabels := fs.String("top-labels", "hashed", "how rlsidecar_top_rejected names a client: hashed (a keyed 48-bit hash, matched to the key on /top), raw (the key itself: API keys and IPs reach your metrics store) or off")
+	topSaltFile := fs.String("top-labels-salt-file", "", "file holding the secret that keys the hashed labels, so they agree across restarts and daemons (default: a random one per process)")
 	shadowAll := fs.Bool("shadow", false, "make every rule a shadow rule: counted and reported, never rejecting")
 	watch := fs.Bool("watch", true, "reload the rules file when it changes (SIGHUP reloads too)")
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
@@ -128,10 +129,27 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer func() { pprof.StopCPUProfile(); f.Close() }()
 	}
+	// One clock for every decision, expiry and health check: monotonic, so a wall clock
+	// step neither refills buckets nor rejects active clients (see daemon.Clock).
+	clock := daemon.NewSystemClock()
 	store := localbucket.NewStore(localbucket.Options{MaxKeys: *maxKeys})
 	lim := limiter.New(set, store)
 	lim.SetShadowAll(*shadowAll)
+	topMode, err := daemon.ParseTopLabels(*topLabels)
+	if err != nil {
+		return fmt.Errorf("%w: --top-labels %v", errUsage, err)
+	}
+	var topSalt []byte
+	if *topSaltFile != "" {
+		if topSalt, err = os.ReadFile(*topSaltFile); err != nil {
+			return fmt.Errorf("reading --top-labels-salt-file: %w", err)
+		}
+		if topSalt = []byte(strings.TrimSpace(string(topSalt))); len(topSalt) < 16 {
+			return fmt.Errorf("%w: --top-labels-salt-file %s holds %d bytes; use at least 16 random ones", errUsage, *topSaltFile, len(topSalt))
+		}
+	}
 	metrics := daemon.NewMetrics(version, *topK)
+	metrics.SetTopLabels(topMode, topSalt)
 	metrics.SetRules(set, time.Now())
 	// Checks are counted only when someone can read the counts.
 	recorded := metrics
@@ -163,12 +181,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Prefix: *redisPrefix}).
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Prefix: *redisPrefix, Clock: clock.Mono}).
 			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {
 				return 1
@@ -187,43 +205,63 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		MaxAttrs:     *maxAttrs,
 		MaxAttrLen:   *maxAttrLen,
 		FrameTimeout: *frameTimeout,
+		WriteTimeout: *writeTimeout,
 		IdleTimeout:  *idleTimeout,
 		DrainTimeout: *drainTimeout,
 		Version:      version,
 		Logger:       log,
 		Metrics:      recorded,
+		Clock:        clock,
 	}, lim)
 	if err != nil {
 		return err
 	}
+	// Bind everything before announcing anything, and undo what a failed start created:
+	// a socket file left behind would be found by clients and refuse them.
+	var adm *daemon.Admin
+	if *admin != "" {
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
+		if hybrid != nil {
+			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
+		}
+		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
+			return err
+		}
+	}
 	if err := srv.Listen(); err != nil {
+		if adm != nil {
+			_ = adm.Shutdown(context.Background())
+		}
 		return err
 	}
 	var rls *envoyrls.Server
+	started := false
+	defer func() {
+		if !started {
+			_ = srv.Shutdown(context.Background()) // closes the listener: unlinks the socket
+			if rls != nil {
+				_ = rls.Shutdown(context.Background())
+			}
+			if adm != nil {
+				_ = adm.Shutdown(context.Background())
+			}
+		}
+	}()
 	if *envoyRLS != "" {
 		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Logger: log}
 		if recorded != nil {
 			rc.Recorder = recorded
 		}
-		if rls, err = envoyrls.New(rc, lim); err == nil {
-			err = rls.Listen()
+		r, err := envoyrls.New(rc, lim)
+		if err == nil {
+			err = r.Listen()
 		}
 		if err != nil {
-			srv.Shutdown(context.Background())
 			return err
 		}
+		rls = r
 		log.Info("envoy rate limit service", "addr", *envoyRLS)
 	}
-	ruleSource := set.Source
-	if *config == "" {
-		ruleSource = "built-in example rules"
-	}
-	how := "listening on"
-	if activated != nil {
-		how = "listening (socket activation) on"
-	}
-	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
-	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {
 		rs := lim.Rules()
@@ -243,7 +281,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				lim.Sweep(time.Now().UnixNano())
+				lim.Sweep(clock.Mono())
 			}
 		}
 	}()
@@ -258,7 +296,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		syncWG.Add(1)
 		go func() {
 			defer syncWG.Done()
-			hybrid.Run(syncCtx, id, func() int64 { return time.Now().UnixNano() }, max(*redisTimeout, *syncInterval), func(err error) {
+			hybrid.Run(syncCtx, id, clock.Mono, max(*redisTimeout, *syncInterval), func(err error) {
 				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
 					lastLog = time.Now()
 					log.Warn("redis sync failed; deciding from local allowances", "err", err)
@@ -310,6 +348,18 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 
+	ruleSource := set.Source
+	if *config == "" {
+		ruleSource = "built-in example rules"
+	}
+	how := "listening on"
+	if activated != nil {
+		how = "listening (socket activation) on"
+	}
+	started = true
+	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+
 	metrics.GaugeFunc("rlsidecar_connections", "Connections being served.", func() float64 { return float64(srv.Connections()) })
 	metrics.GaugeFunc("rlsidecar_keys", "Client keys held in memory (local buckets and hybrid allowances).", func() float64 {
 		n := lim.Store().Len()
@@ -325,19 +375,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		return float64(n)
 	})
+	metrics.CounterFunc("rlsidecar_untracked_decisions_total", "Decisions for client keys the local store could not hold (--max-keys reached with every held client limited): made on their rule's shared fallback state, not their own.",
+		func() float64 { return float64(lim.Store().Untracked()) })
 	if hybrid != nil {
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}
-	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
-		if hybrid != nil {
-			deps.StoreReachable = func() bool { return hybrid.Healthy(time.Now().UnixNano()) }
-		}
-		adm, err := daemon.NewAdmin(*admin, deps)
-		if err != nil {
-			return err
-		}
+	if adm != nil {
 		log.Info("admin endpoint", "addr", adm.Addr())
 		wg.Add(1)
 		go func() {
@@ -480,9 +524,6 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stdout, "%s: %d rules, version %s, %d warnings\n", *config, len(set.Rules), set.Version, len(ws))
 	return nil
 }
-
-var _ = errors.New
-var _ = flag.ErrHelp
 
 // oneLine returns err's text on one line, for a STATUS= notification.
 func oneLine(err error) string {

@@ -51,6 +51,30 @@ type Scenario struct {
 	FloodKeys    int
 	FloodConns   int
 	MinDuration  time.Duration // the good client checks at least this long
+	// GoodInterval is the good client's pause between two requests (a client with other
+	// work to do); default 200µs.
+	GoodInterval time.Duration
+	// Good, when set, runs the good client instead of this process (e.g. in a process of
+	// its own, as a gateway would be: then the attackers' goroutines do not delay its
+	// measurements in this process's scheduler). It runs until stop is closed.
+	Good func(stop <-chan struct{}) GoodResult
+}
+
+// GoodResult is what a good client measured.
+type GoodResult struct {
+	Lat   []time.Duration // round trips
+	Errs  []string        // first few errors
+	NErrs int
+}
+
+// RunGoodClient runs the good client until stop is closed: the body of a good client
+// run in a process of its own (see Scenario.Good).
+func (s *Scenario) RunGoodClient(stop <-chan struct{}) GoodResult {
+	var r GoodResult
+	errs := &errList{list: &r.Errs}
+	r.Lat = s.goodClient(stop, errs)
+	r.NErrs = errs.n
+	return r
 }
 
 type Result struct {
@@ -135,9 +159,12 @@ func (s *Scenario) Run() *Result {
 	go func() {
 		defer good.Done()
 		defer close(goodDone)
-		errs := &errList{list: &res.GoodErrs}
-		defer func() { res.NGoodErrs = errs.n }()
-		res.Lat = s.goodClient(stop, errs)
+		run := s.RunGoodClient
+		if s.Good != nil {
+			run = s.Good
+		}
+		r := run(stop)
+		res.Lat, res.GoodErrs, res.NGoodErrs = r.Lat, r.Errs, r.NErrs
 	}()
 
 	// Garbage frames on garbageConns connections, each reconnecting when the daemon
@@ -227,6 +254,10 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 	var resp proto.Response
 	lat := make([]time.Duration, 0, 1<<16)
 	logins := 0
+	interval := s.GoodInterval
+	if interval <= 0 {
+		interval = 200 * time.Microsecond
+	}
 	for id := uint64(1); ; id++ {
 		select {
 		case <-stop:
@@ -278,7 +309,7 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 				errs.add("check %d: want allowed by per-user (limit 1000000), got %+v", id, resp)
 			}
 		}
-		time.Sleep(200 * time.Microsecond) // a client with other work to do
+		time.Sleep(interval) // a client with other work to do
 	}
 }
 
