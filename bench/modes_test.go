@@ -191,4 +191,3 @@ func BenchmarkGlobalPipelined(b *testing.B) {
 	b.ReportMetric(m32, "depth32-checks/s")
 	b.ReportMetric(m32/m1, "depth32-vs-depth1")
 }
-
