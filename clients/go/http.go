@@ -12,7 +12,7 @@ import (
 )
 
 // The HTTP mapping of a Decision, shared by every rlsidecar client (README.md, "HTTP
-// mapping"; vectors in proto/testdata/http_headers.json).
+// mapping"; vectors in clients/testdata/http_headers.json).
 
 // ProblemType is the "type" of the problem+json bodies this package writes. "about:blank"
 // means the problem is what the status code says (RFC 9457 §4.2.1); the rule and

@@ -16,7 +16,7 @@ import (
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
-// headerVector is one entry of proto/testdata/http_headers.json.
+// headerVector is one entry of clients/testdata/http_headers.json.
 type headerVector struct {
 	Name     string `json:"name"`
 	Meaning  string `json:"meaning"`
@@ -57,7 +57,7 @@ func (v *headerVector) response() proto.Response {
 
 func loadHeaderVectors(t *testing.T) []headerVector {
 	t.Helper()
-	b, err := os.ReadFile("../../proto/testdata/http_headers.json")
+	b, err := os.ReadFile("../testdata/http_headers.json")
 	if err != nil {
 		t.Fatal(err)
 	}
