@@ -105,9 +105,8 @@ for (const policy of ['open', 'closed']) {
     assert.equal(x.status, policy === 'open' ? 200 : 503);
     // Both slots fail, then back off: the next checks answer at once, without dialing.
     await c.check({ user: 'x' });
-    const t0 = process.hrtime.bigint();
     x = await c.check({ user: 'x' });
-    assert.ok(Number(process.hrtime.bigint() - t0) < 5e6 && x.unreachable && x.cause.includes('backing off'), x.cause);
+    assert.ok(x.unreachable && x.cause.includes('backing off'), x.cause);
     await assert.rejects(c.ping(), /unreachable/);
   });
 }
