@@ -31,7 +31,8 @@ rules:
 def binary():
     path = os.environ.get("RLSIDECAR_BIN")
     if path:
-        return path
+        yield path
+        return
     d = tempfile.mkdtemp(prefix="rls-py-bin")
     path = os.path.join(d, "rlsidecar")
     subprocess.run(["go", "build", "-o", path, "./cmd/rlsidecar"], cwd=ROOT, check=True)
