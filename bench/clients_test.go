@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -73,9 +74,9 @@ func startDriver(b *testing.B, name string, cmd *exec.Cmd) *seqDriver {
 	return &seqDriver{name: name, cmd: cmd, in: in, out: bufio.NewReader(out)}
 }
 
-// run makes the driver check n times in a row and returns the time it took, as the
-// driver measured it (its process start and the pipe are outside the measure).
-func (d *seqDriver) run(b *testing.B, n int) time.Duration {
+// run makes the driver check n times in a row and returns the time it took and the CPU
+// time its process spent, as the driver measured them (its start and the pipe are outside).
+func (d *seqDriver) run(b *testing.B, n int) sample {
 	if _, err := fmt.Fprintln(d.in, n); err != nil {
 		b.Fatalf("%s client: %v", d.name, err)
 	}
@@ -83,11 +84,23 @@ func (d *seqDriver) run(b *testing.B, n int) time.Duration {
 	if err != nil {
 		b.Fatalf("%s client's loop ended: %v", d.name, err)
 	}
-	ns, err := strconv.ParseInt(strings.TrimSpace(line), 10, 64)
-	if err != nil {
+	var wall, cpu int64
+	if _, err := fmt.Sscan(line, &wall, &cpu); err != nil {
 		b.Fatalf("%s client: %q: %v", d.name, line, err)
 	}
-	return time.Duration(ns)
+	return sample{time.Duration(wall), time.Duration(cpu)}
+}
+
+// sample is one round of one client: wall-clock time, and CPU time of the client's process.
+type sample struct{ wall, cpu time.Duration }
+
+// cpuTime returns the CPU time (user + system) this process has used.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 func median(xs []float64) float64 {
@@ -107,7 +120,8 @@ func median(xs []float64) float64 {
 // turns in rounds of b.N/rounds checks (rounds: $RLSIDECAR_CLIENTS_ROUNDS, default 9), so
 // they share the machine's moments; each client's figure is its median round, and the
 // ratios (python-vs-go, node-vs-go) are medians of the per-round ratios. The targets are
-// Python ≤ 4× and Node ≤ 3× the Go client's time per check.
+// Python ≤ 4× and Node ≤ 3× the Go client's time per check. Each client's own CPU time
+// per check (*-cpu-ns/check: its process's user + system time) is reported beside.
 func BenchmarkClientsSequential(b *testing.B) {
 	root, err := filepath.Abs("..")
 	if err != nil {
@@ -141,9 +155,9 @@ func BenchmarkClientsSequential(b *testing.B) {
 			{Name: "path", Value: "/v1/events/" + u + "/holds"}, {Name: "user", Value: "user-" + u}}
 	}
 	next := 0
-	goRun := func(n int) time.Duration {
+	goRun := func(n int) sample {
 		ctx := context.Background()
-		start := time.Now()
+		start, cpu := time.Now(), cpuTime(b)
 		for range n {
 			d, err := c.CheckAttrs(ctx, attrs[next], nil)
 			if err != nil || !d.Allowed || d.Degraded {
@@ -153,7 +167,7 @@ func BenchmarkClientsSequential(b *testing.B) {
 				next = 0
 			}
 		}
-		return time.Since(start)
+		return sample{time.Since(start), cpuTime(b) - cpu}
 	}
 
 	rounds := 9
@@ -170,10 +184,10 @@ func BenchmarkClientsSequential(b *testing.B) {
 	node.run(b, warm)
 
 	b.ResetTimer()
-	var goNs, pyNs, nodeNs, pyRatio, nodeRatio []float64
+	var goNs, pyNs, nodeNs, pyRatio, nodeRatio, goCPU, pyCPU, nodeCPU []float64
 	for r := range rounds {
 		// Rotate who goes first, so no client always follows the same one.
-		var tg, tp, tn time.Duration
+		var tg, tp, tn sample
 		switch r % 3 {
 		case 0:
 			tg, tp, tn = goRun(chunk), py.run(b, chunk), node.run(b, chunk)
@@ -183,8 +197,9 @@ func BenchmarkClientsSequential(b *testing.B) {
 			tn, tg, tp = node.run(b, chunk), goRun(chunk), py.run(b, chunk)
 		}
 		per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(chunk) }
-		goNs, pyNs, nodeNs = append(goNs, per(tg)), append(pyNs, per(tp)), append(nodeNs, per(tn))
-		pyRatio, nodeRatio = append(pyRatio, per(tp)/per(tg)), append(nodeRatio, per(tn)/per(tg))
+		goNs, pyNs, nodeNs = append(goNs, per(tg.wall)), append(pyNs, per(tp.wall)), append(nodeNs, per(tn.wall))
+		pyRatio, nodeRatio = append(pyRatio, per(tp.wall)/per(tg.wall)), append(nodeRatio, per(tn.wall)/per(tg.wall))
+		goCPU, pyCPU, nodeCPU = append(goCPU, per(tg.cpu)), append(pyCPU, per(tp.cpu)), append(nodeCPU, per(tn.cpu))
 	}
 	b.StopTimer()
 	b.ReportMetric(0, "ns/op")
@@ -193,4 +208,9 @@ func BenchmarkClientsSequential(b *testing.B) {
 	b.ReportMetric(median(nodeNs), "node-ns/check")
 	b.ReportMetric(median(pyRatio), "python-vs-go")
 	b.ReportMetric(median(nodeRatio), "node-vs-go")
+	// The client's own CPU per check (its process: encode, syscalls, decode, runtime),
+	// which the machine's load does not inflate as it does wall-clock time.
+	b.ReportMetric(median(goCPU), "go-cpu-ns/check")
+	b.ReportMetric(median(pyCPU), "python-cpu-ns/check")
+	b.ReportMetric(median(nodeCPU), "node-cpu-ns/check")
 }
