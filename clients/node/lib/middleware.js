@@ -2,7 +2,8 @@
 // Connect/Express-style middleware: check every request, answer 429/503 or pass it on with
 // the rate-limit headers, as the Go client's Middleware does.
 
-const { ProtocolError } = require('./proto');
+const { ProtocolError, ClosedError } = require('./proto');
+const { Decision } = require('./decision');
 
 /** The default attributes: ip (the peer's address), method, path (without the query). */
 function defaultAttrs(req) {
@@ -20,7 +21,7 @@ function defaultAttrs(req) {
  * allowed → rate-limit headers set, next(); rejected by a rule → 429 with Retry-After and
  * a problem+json body; no answer → the client's onUnavailable ('open': next() without
  * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
- * refuses) follows onUnavailable too, unless onError is given.
+ * refuses) and a closed client follow onUnavailable too, unless onError is given.
  */
 function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
   return function rlsidecarMiddleware(req, res, next) {
@@ -42,8 +43,9 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       for (const k in h) res.setHeader(k, h[k]);
       next();
     }, (e) => {
-      if (e instanceof ProtocolError && !onError) {
-        const d = e.decision;
+      if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {
+        const d = e instanceof ProtocolError ? e.decision
+          : new Decision({ allowed: client.onUnavailable === 'open', degraded: true, cause: 'client closed' });
         if (d.allowed) return next();
         const r = d.rejection();
         res.statusCode = r.status;

@@ -146,3 +146,12 @@ test('defaultAttrs', () => {
   assert.deepEqual(rl.defaultAttrs({ method: 'GET', url: '/b', originalUrl: '/mount/b?x', socket: {} }),
     { ip: '', method: 'GET', path: '/mount/b' });
 });
+
+for (const [policy, want] of [['open', 200], ['closed', 503]]) {
+  test(`a closed client follows the policy, ${policy}`, async (t) => {
+    const d = await startDaemon(t);
+    const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, onUnavailable: policy });
+    await c.close();
+    assert.equal((await (await serve(t, rl.middleware(c)))('/api/x')).status, want);
+  });
+}

@@ -1,7 +1,8 @@
 """WSGI and ASGI middleware: check every request, answer 429/503 or pass it on with the
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
-from ._proto import ProtocolError
+from ._proto import ClosedError, ProtocolError
+from .decision import Decision
 
 
 def wsgi_attrs(environ):
@@ -18,6 +19,10 @@ def asgi_attrs(scope):
     return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": scope.get("path", "")}
 
 
+def _closed(client):
+    return Decision(client.on_unavailable == "open", degraded=True, cause="client closed")
+
+
 def _reason(status):
     return {200: "OK", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
 
@@ -32,8 +37,8 @@ class WSGIMiddleware:
       called;
     - no answer from the sidecar: the client's on_unavailable — "open" calls the app
       without rate-limit headers, "closed" answers 503 with Retry-After: 1;
-    - a ProtocolError (``attrs`` or ``cost`` produced something the sidecar refuses):
-      the client's on_unavailable, as for an unreachable sidecar.
+    - a ProtocolError (``attrs`` or ``cost`` produced something the sidecar refuses) or
+      a closed client: the client's on_unavailable, as for an unreachable sidecar.
 
     ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
     by default wsgi_attrs and 1.
@@ -51,6 +56,8 @@ class WSGIMiddleware:
             d = self.client.check(self.attrs(environ), cost)
         except ProtocolError as e:
             d = e.decision
+        except ClosedError:
+            d = _closed(self.client)
         if not d.allowed:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
@@ -85,6 +92,8 @@ class ASGIMiddleware:
             d = await self.client.check(self.attrs(scope), cost)
         except ProtocolError as e:
             d = e.decision
+        except ClosedError:
+            d = _closed(self.client)
         if not d.allowed:
             status, headers, body = d.rejection()
             await send({"type": "http.response.start", "status": status,

@@ -183,3 +183,16 @@ def test_protocol_error_follows_the_policy(daemon):
     with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable="closed") as client:
         status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client, attrs=lambda env: many), "/")
     assert status == 503
+
+
+@pytest.mark.parametrize("policy, want", [("open", 200), ("closed", 503)])
+def test_closed_client_follows_the_policy(daemon, policy, want):
+    client = rlsidecar.Client(daemon.socket, timeout=2, on_unavailable=policy)
+    client.close()
+    assert wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client), "/api/x")[0] == want
+
+    async def main():
+        c = rlsidecar.AsyncClient(daemon.socket, timeout=2, on_unavailable=policy)
+        await c.close()
+        return await asgi_get(rlsidecar.ASGIMiddleware(hello_asgi, c), "/api/x")
+    assert asyncio.run(main())[0] == want
