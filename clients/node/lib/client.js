@@ -295,6 +295,7 @@ class Client {
       const send = (conn) => {
         if (settled) return;
         if (typeof conn === 'string') return entry.done(null, conn);
+        if (conn.broken !== null) return entry.done(null, conn.broken);
         if (conn.inFlight() >= MAX_PENDING) return entry.done(null, 'too many checks in flight on the connection');
         const id = conn.nextId + 1;
         msg.id = id;

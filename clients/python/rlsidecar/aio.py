@@ -161,6 +161,8 @@ class AsyncClient:
             conn = await self._connect(loop, deadline)
             if isinstance(conn, str):
                 return conn
+        if conn.broken is not None:
+            return conn.broken
         if len(conn.pending) >= MAX_PENDING:
             return "too many checks in flight on the connection"
         frame = _proto.encode(make(conn.next_id + 1))  # raises before anything is queued

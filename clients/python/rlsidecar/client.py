@@ -32,12 +32,13 @@ def backoff(failures):
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "next_id")
+    __slots__ = ("sock", "buf", "next_id", "served")
 
     def __init__(self, sock):
         self.sock = sock
         self.buf = bytearray()  # bytes read beyond the last frame
         self.next_id = 0
+        self.served = False  # an answer arrived: the sidecar is really there
 
 
 class Client:
@@ -54,8 +55,9 @@ class Client:
     socket missing, connection refused or dropped, sidecar stalled — it returns the
     ``on_unavailable`` decision: "open" allows, "closed" rejects (the HTTP form is then
     a 503); either way ``degraded`` and ``unreachable`` are True. A connection that timed
-    out is closed (a late answer must not be read as the next one's). Failed dials back
-    off from 10 ms to 1 s; meanwhile checks answer by the policy at once.
+    out is closed (a late answer must not be read as the next one's). Failed dials, and
+    connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
+    checks answer by the policy at once.
 
     It raises only ProtocolError (the sidecar refused the request as malformed: a bug in
     what the caller sent) and ClosedError. Safe for use by many threads; close() it (or
@@ -131,7 +133,11 @@ class Client:
             conn.sock.close()
             if isinstance(e, socket.timeout):
                 return [self._policy("no answer within the timeout") for _ in checks]
-            return [self._policy("connection lost: %s" % e) for _ in checks]
+            why = "connection lost: %s" % e
+            if not conn.served:
+                # A sidecar that accepts and then drops is not hammered either: back off.
+                self._failed(why)
+            return [self._policy(why) for _ in checks]
         out = []
         err = None
         for i, msg in enumerate(msgs):
@@ -151,6 +157,7 @@ class Client:
                 out.append(d)
             else:
                 out.append(_proto.decision(msg))
+        conn.served = True
         with self._lock:
             self._failures = 0
         self._put(conn)
@@ -193,12 +200,16 @@ class Client:
             s.connect(self.socket_path)
         except OSError as e:
             s.close()
-            with self._lock:
-                self._failures += 1
-                self._retry_at = time.monotonic() + backoff(self._failures)
-                self._last_error = "connecting to %s: %s" % (self.socket_path, e)
-                return self._last_error
+            return self._failed("connecting to %s: %s" % (self.socket_path, e))
         return _Conn(s)
+
+    def _failed(self, why):
+        """Count a failed attempt, start the backoff and return why."""
+        with self._lock:
+            self._failures += 1
+            self._retry_at = time.monotonic() + backoff(self._failures)
+            self._last_error = why
+        return why
 
     def _put(self, conn):
         with self._lock:

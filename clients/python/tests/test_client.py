@@ -161,3 +161,38 @@ def test_ping_and_close(daemon):
     c.close()
     with pytest.raises(rlsidecar.ClosedError):
         c.check({"user": "x"})
+
+
+def test_a_sidecar_that_accepts_and_drops_is_backed_off(short_tmp):
+    """A listener that closes every connection at once: the first check fails, the next
+    ones back off instead of redialling."""
+    import socket as s
+
+    path = os.path.join(short_tmp, "drop.sock")
+    srv = s.socket(s.AF_UNIX, s.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(16)
+    accepted = []
+
+    def drop():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            c.close()
+
+    t = threading.Thread(target=drop)
+    t.start()
+    try:
+        with rlsidecar.Client(path, timeout=1) as c:
+            d = c.check({"user": "x"})
+            assert d.unreachable and "connection lost" in d.cause
+            d = c.check({"user": "x"})
+            assert d.unreachable and "backing off" in d.cause
+        assert len(accepted) == 1
+    finally:
+        srv.shutdown(s.SHUT_RDWR)
+        srv.close()
+        t.join()
