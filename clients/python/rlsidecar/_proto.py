@@ -69,11 +69,15 @@ def check_message(req_id, attrs, cost, limits):
     ``name``. Wrong types raise TypeError or ValueError before anything is sent.
     """
     msg = {"id": req_id, "op": "check"}
+    if attrs is not None and not isinstance(attrs, dict):
+        raise TypeError("attrs must be a dict of str to str, not %s" % type(attrs).__name__)
     if attrs:
         for k, v in attrs.items():
             if type(k) is not str or type(v) is not str:
                 raise TypeError("attrs must map str to str; %r: %r" % (k, v))
         msg["attrs"] = attrs
+    if limits is not None and not isinstance(limits, (list, tuple)):
+        raise TypeError("limits must be a list of dicts, not %s" % type(limits).__name__)
     if limits:
         msg["limits"] = [_norm_limit(i, lim) for i, lim in enumerate(limits)]
     if cost != 1:

@@ -111,6 +111,8 @@ class Client:
         sidecar refused (its ``decision`` is the policy one; use check() to isolate it)."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
+        if not checks:
+            return []
         now = time.monotonic()
         deadline = now + self.timeout
         conn = self._take(now)

@@ -59,6 +59,8 @@ def test_inline_limits(daemon):
     (({}, 1, [{"key": "k", "limit": 1}]), ValueError),
     (({}, 1, [{"key": "k", "limit": 1, "window_ms": 1, "colour": "red"}]), ValueError),
     (({}, 1, ["k"]), TypeError),
+    ((["user", "x"],), TypeError),
+    (({}, 1, {"key": "k"}), TypeError),
 ])
 def test_bad_input_is_refused_before_sending(daemon, bad, exc):
     with rlsidecar.Client(daemon.socket, timeout=2) as c:
@@ -82,6 +84,7 @@ def test_check_many_pipelines_on_one_connection(daemon):
         assert [d.allowed for d in ds] == [True] * 5 + [False] * 2
         assert [d.remaining for d in ds[:5]] == [4, 3, 2, 1, 0]
         assert len(c._idle) == 1
+        assert c.check_many([]) == []
 
 
 def test_threads_share_the_pool_and_nothing_is_lost(daemon):
