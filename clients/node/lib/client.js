@@ -145,7 +145,6 @@ class Slot {
     const c = this.client;
     return new Promise((resolve) => {
       const socket = net.createConnection({ path: c.socket });
-      socket.setNoDelay?.(true);
       const timer = setTimeout(() => {
         socket.destroy();
         done(`connecting to ${c.socket}: timed out`);

@@ -191,6 +191,10 @@ class AsyncClient:
             return await asyncio.wait_for(asyncio.shield(self._dial), max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
             return "no connection within the timeout"
+        except asyncio.CancelledError:
+            if self._closed:  # close() cancelled the dial this check waited for
+                raise _proto.ClosedError("rlsidecar: client closed") from None
+            raise
 
     async def _do_dial(self):
         try:

@@ -99,3 +99,15 @@ def test_restarted_sidecar(daemon):
                 await asyncio.sleep(0.01)
             assert not d.unreachable and d.remaining == 4
     run(main())
+
+
+def test_close_during_dial(daemon):
+    """A check waiting for the connection when close() is called raises ClosedError."""
+    async def main():
+        c = rlsidecar.AsyncClient(daemon.socket, timeout=2)
+        t = asyncio.ensure_future(c.check({"user": "x"}))
+        await asyncio.sleep(0)  # the check has started the dial and waits for it
+        await c.close()
+        with pytest.raises(rlsidecar.ClosedError):
+            await t
+    run(main())
