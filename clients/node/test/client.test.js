@@ -159,3 +159,11 @@ test('close', async (t) => {
   await c.close();
   await assert.rejects(c.check({ user: 'x' }), rl.ClosedError);
 });
+
+test('close during the dial', async (t) => {
+  const d = await startDaemon(t);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  const p = c.check({ user: 'x' }); // starts the dial
+  await c.close();
+  await assert.rejects(p, rl.ClosedError);
+});
