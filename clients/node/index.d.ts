@@ -10,7 +10,7 @@ export declare const COST_EXCEEDS_CAPACITY: 'cost_exceeds_capacity';
 export interface InlineLimit {
   key: string;
   limit: number | bigint;
-  window_ms: number | bigint;
+  windowMs: number | bigint;
   burst?: number | bigint;
   algorithm?: 'token_bucket' | 'sliding_window' | 'fixed_window';
   mode?: 'local' | 'hybrid' | 'global';

@@ -11,9 +11,10 @@ const PROTOCOL = 1;
 // The largest answer frame the client reads; a longer announced length breaks the connection.
 const MAX_RESPONSE_FRAME = 1 << 20;
 
-const LIMIT_REQUIRED = ['key', 'limit', 'window_ms'];
-const LIMIT_OPTIONAL = ['burst', 'algorithm', 'mode', 'name'];
-const LIMIT_FIELDS = new Set([...LIMIT_REQUIRED, ...LIMIT_OPTIONAL]);
+// An inline limit's fields: the JS name, then its name on the wire.
+const LIMIT_REQUIRED = [['key', 'key'], ['limit', 'limit'], ['windowMs', 'window_ms']];
+const LIMIT_OPTIONAL = [['burst', 'burst'], ['algorithm', 'algorithm'], ['mode', 'mode'], ['name', 'name']];
+const LIMIT_FIELDS = new Set([...LIMIT_REQUIRED, ...LIMIT_OPTIONAL].map(([js]) => js));
 
 /** The sidecar answered a request with an error: the request itself is wrong. */
 class ProtocolError extends Error {
@@ -48,24 +49,25 @@ function normLimit(i, lim) {
     }
   }
   const out = {};
-  for (const f of LIMIT_REQUIRED) {
-    if (lim[f] === undefined) throw new RangeError(`limits[${i}]: ${JSON.stringify(f)} is required`);
-    out[f] = lim[f];
+  for (const [js, wire] of LIMIT_REQUIRED) {
+    if (lim[js] === undefined) throw new RangeError(`limits[${i}]: ${JSON.stringify(js)} is required`);
+    out[wire] = lim[js];
   }
-  for (const f of LIMIT_OPTIONAL) {
-    const v = lim[f];
-    if (v !== undefined && v !== null && v !== '' && v !== 0) out[f] = v;
+  for (const [js, wire] of LIMIT_OPTIONAL) {
+    const v = lim[js];
+    if (v !== undefined && v !== null && v !== '' && v !== 0) out[wire] = v;
   }
   if (typeof out.key !== 'string') throw new TypeError(`limits[${i}].key must be a string`);
-  for (const f of ['limit', 'window_ms', 'burst']) {
-    if (out[f] !== undefined && !isUint(out[f])) throw new RangeError(`limits[${i}].${f} must be an integer >= 0`);
+  for (const [js, wire] of [['limit', 'limit'], ['windowMs', 'window_ms'], ['burst', 'burst']]) {
+    if (out[wire] !== undefined && !isUint(out[wire])) throw new RangeError(`limits[${i}].${js} must be an integer >= 0`);
   }
   return out;
 }
 
 /**
  * Returns the request map of a check, in canonical field order. attrs: an object of
- * string to string, sent in its key order; limits: inline limits. Wrong types throw a
+ * string to string, sent in its key order; limits: inline limits ({ key, limit, windowMs,
+ * burst?, algorithm?, mode?, name? }). Wrong types throw a
  * TypeError or RangeError before anything is sent.
  */
 function checkMessage(id, attrs, cost, limits) {

@@ -52,11 +52,11 @@ test('two rules and cost', async (t) => {
 test('inline limits and error answers', async (t) => {
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 2000 });
-  const limits = [{ key: 'tenant:acme', limit: 2, window_ms: 60000, algorithm: 'fixed_window', name: 'acme' }];
+  const limits = [{ key: 'tenant:acme', limit: 2, windowMs: 60000, algorithm: 'fixed_window', name: 'acme' }];
   const got = [];
   for (let i = 0; i < 3; i++) got.push((await c.check({}, { limits })).allowed);
   assert.deepEqual(got, [true, true, false]);
-  await assert.rejects(c.check({}, { limits: [{ key: 'k', limit: 0, window_ms: 1000 }] }), (e) => {
+  await assert.rejects(c.check({}, { limits: [{ key: 'k', limit: 0, windowMs: 1000 }] }), (e) => {
     assert.ok(e instanceof rl.ProtocolError && e.code === 'invalid_limit' && e.sidecarMessage.includes('limit'));
     assert.ok(e.decision.allowed && e.decision.degraded && !e.decision.unreachable);
     return true;
@@ -72,8 +72,9 @@ test('bad input is refused before sending', async (t) => {
     [{ user: 'x' }, { cost: -1 }, RangeError],
     [{ user: 'x' }, { cost: 1.5 }, RangeError],
     [{}, { limits: [{ key: 'k', limit: 1 }] }, RangeError],
-    [{}, { limits: [{ key: 'k', limit: 1, window_ms: 1, colour: 'red' }] }, RangeError],
+    [{}, { limits: [{ key: 'k', limit: 1, windowMs: 1, colour: 'red' }] }, RangeError],
     [{}, { limits: ['k'] }, TypeError],
+    [{}, { limits: [{ key: 'k', limit: 1, window_ms: 1000 }] }, RangeError], // the wire's name, not the client's
     [['user', 'x'], {}, TypeError],
   ];
   for (const [attrs, opts, E] of bad) await assert.rejects(c.check(attrs, opts), E);
@@ -86,7 +87,7 @@ test('bad input is refused before sending', async (t) => {
 test('concurrent checks are pipelined on the pool, each counted once', async (t) => {
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 5000, conns: 2 });
-  const limits = [{ key: 'shared', limit: 300, window_ms: 3600000, algorithm: 'fixed_window' }];
+  const limits = [{ key: 'shared', limit: 300, windowMs: 3600000, algorithm: 'fixed_window' }];
   const ds = await Promise.all(Array.from({ length: 400 }, () => c.check({}, { limits })));
   assert.equal(ds.filter((x) => x.allowed).length, 300);
   assert.ok(ds.every((x) => !x.degraded));

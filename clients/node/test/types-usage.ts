@@ -4,7 +4,7 @@ import { Client, Decision, RuleDecision, ProtocolError, ClosedError, middleware,
 
 async function use(): Promise<void> {
   const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2 });
-  const d: Decision = await c.check({ user: 'alice' }, { cost: 2, limits: [{ key: 'k', limit: 10, window_ms: 1000, algorithm: 'fixed_window' }] });
+  const d: Decision = await c.check({ user: 'alice' }, { cost: 2, limits: [{ key: 'k', limit: 10, windowMs: 1000, algorithm: 'fixed_window' }] });
   const allowed: boolean = d.allowed;
   const r: RuleDecision | undefined = d.rules[0];
   const h: Record<string, string> = d.headers();

@@ -15,11 +15,16 @@ const { ROOT, startDaemon } = require('./helpers');
 
 const V = JSON.parse(fs.readFileSync(path.join(ROOT, 'proto', 'testdata', 'vectors.json'), 'utf8'));
 
+// jsLimits renames the wire's window_ms to the client's windowMs.
+function jsLimits(ls) {
+  return ls && ls.map(({ window_ms: windowMs, ...rest }) => ({ ...rest, windowMs }));
+}
+
 function requestFrame(m) {
   // The largest id does not fit a JS number: the vectors' JSON parser gave a rounded one.
   const id = m.id > Number.MAX_SAFE_INTEGER ? 18446744073709551615n : m.id;
   if (m.op === 'ping') return proto.encode({ id, op: 'ping' });
-  return proto.encode(proto.checkMessage(id, Object.fromEntries(m.attrs || []), m.cost, m.limits));
+  return proto.encode(proto.checkMessage(id, Object.fromEntries(m.attrs || []), m.cost, jsLimits(m.limits)));
 }
 
 test('protocol version', () => assert.equal(V.protocol, rl.PROTOCOL));
@@ -64,7 +69,7 @@ test('exchanges through the client against the real daemon', async (t) => {
       assert.equal(got.toString('hex'), ex.response_hex, ex.name);
       continue;
     }
-    const p = c.check(req.attrs || {}, { cost: req.cost, limits: req.limits });
+    const p = c.check(req.attrs || {}, { cost: req.cost, limits: jsLimits(req.limits) });
     if (want.error) {
       await assert.rejects(p, (e) => {
         assert.ok(e instanceof rl.ProtocolError);
