@@ -14,6 +14,9 @@ BACKOFF_MAX = 1.0
 
 _POLICIES = ("open", "closed")
 
+#: check_many writes at most this many frames before reading their answers.
+BATCH_WINDOW = 256
+
 
 def _check_options(socket_path, timeout, on_unavailable):
     if not socket_path or not isinstance(socket_path, str):
@@ -129,8 +132,17 @@ class Client:
                 raise
         try:
             conn.sock.settimeout(self.timeout)
-            conn.sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
-            msgs = [self._read(conn, deadline) for _ in frames]
+            if len(frames) == 1:
+                conn.sock.sendall(frames[0])
+                msgs = [self._read(conn, deadline)]
+            else:
+                # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers
+                # would otherwise fill them both ways, the sidecar waiting for us to read.
+                msgs = []
+                for i in range(0, len(frames), BATCH_WINDOW):
+                    window = frames[i:i + BATCH_WINDOW]
+                    conn.sock.sendall(b"".join(window))
+                    msgs.extend(self._read(conn, deadline) for _ in window)
         except (OSError, ValueError) as e:
             conn.sock.close()
             if isinstance(e, socket.timeout):

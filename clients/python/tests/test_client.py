@@ -79,12 +79,16 @@ def test_bad_options():
 
 
 def test_check_many_pipelines_on_one_connection(daemon):
-    with rlsidecar.Client(daemon.socket, timeout=2) as c:
+    with rlsidecar.Client(daemon.socket, timeout=10) as c:
         ds = c.check_many([({"user": "erin"}, 1, None)] * 7)
         assert [d.allowed for d in ds] == [True] * 5 + [False] * 2
         assert [d.remaining for d in ds[:5]] == [4, 3, 2, 1, 0]
         assert len(c._idle) == 1
         assert c.check_many([]) == []
+        # A batch larger than the socket buffers both ways (4,000 checks with 2 KB attributes).
+        lim = [{"key": "big", "limit": 3000, "window_ms": 3600000, "algorithm": "fixed_window"}]
+        ds = c.check_many([({"pad": "x" * 2048}, 1, lim)] * 4000)
+        assert sum(d.allowed for d in ds) == 3000 and not any(d.degraded for d in ds)
 
 
 def test_threads_share_the_pool_and_nothing_is_lost(daemon):
