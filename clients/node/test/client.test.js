@@ -168,3 +168,13 @@ test('close during the dial', async (t) => {
   await c.close();
   await assert.rejects(p, rl.ClosedError);
 });
+
+test('an idle client does not keep the process alive', async (t) => {
+  const d = await startDaemon(t);
+  const code = `const rl = require(${JSON.stringify(path.join(__dirname, '..'))});
+    new rl.Client({ socket: ${JSON.stringify(d.socket)}, timeoutMs: 5000 }).check({ user: 'x' })
+      .then((x) => console.log(x.allowed && !x.unreachable));`;
+  const r = require('child_process').spawnSync(process.execPath, ['-e', code], { encoding: 'utf8', timeout: 10000 });
+  assert.equal(r.status, 0, r.stderr);
+  assert.equal(r.stdout.trim(), 'true');
+});
