@@ -104,10 +104,12 @@ for (const policy of ['open', 'closed']) {
     assert.equal(x.allowed, policy === 'open');
     assert.ok(x.degraded && x.unreachable && x.cause.includes('none.sock'), x.cause);
     assert.equal(x.status, policy === 'open' ? 200 : 503);
-    // Both slots fail, then back off: the next checks answer at once, without dialing.
-    await c.check({ user: 'x' });
-    x = await c.check({ user: 'x' });
-    assert.ok(x.unreachable && x.cause.includes('backing off'), x.cause);
+    // Failed slots back off (10 ms doubling, with jitter): of 20 checks in a row, some answer
+    // at once without dialing, however slow the machine.
+    const causes = [];
+    for (let i = 0; i < 20; i++) causes.push((await c.check({ user: 'x' })).cause);
+    assert.ok(causes.some((cause) => cause.includes('backing off')), causes.join('\n'));
+    assert.ok(c.slots.every((s) => s.failures >= 1 && s.failures < 20), c.slots.map((s) => s.failures).join());
     await assert.rejects(c.ping(), /unreachable/);
   });
 }
@@ -127,7 +129,7 @@ test('a stalled sidecar times out; late answers are dropped', async (t) => {
   }
   const took = Date.now() - t0;
   assert.ok(ds.every((x) => !x.allowed && x.unreachable && x.cause.includes('timeout')), JSON.stringify(ds));
-  assert.ok(took >= 90 && took < 1000, String(took));
+  assert.ok(took >= 90 && took < 3000, String(took)); // bounded by the timeout: the stopped daemon never answers
   // The connection stays; the three late answers are dropped in order, and the next check
   // gets its own answer (the three consumed when the daemon woke).
   const x = await c.check({ user: 'frank' });

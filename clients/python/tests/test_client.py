@@ -121,9 +121,11 @@ def test_missing_socket(short_tmp, policy):
     assert d.allowed == (policy == "open")
     assert d.degraded and d.unreachable and "none.sock" in d.cause
     assert d.status == (200 if policy == "open" else 503)
-    # Backing off: the next check answers at once, without dialing.
-    d = c.check({"user": "x"})
-    assert d.unreachable and "backing off" in d.cause
+    # Backing off (10 ms doubling, with jitter): of 20 checks in a row, some answer at once
+    # without dialing, however slow the machine.
+    causes = [c.check({"user": "x"}).cause for _ in range(20)]
+    assert any("backing off" in cause for cause in causes), causes
+    assert 1 <= c._failures < 20
     with pytest.raises(ConnectionError):
         c.ping()
 
@@ -139,7 +141,7 @@ def test_stalled_sidecar_times_out_then_recovers(daemon):
         finally:
             daemon.resume()
         assert not d.allowed and d.unreachable and d.degraded and "timeout" in d.cause
-        assert 0.09 <= took < 1.0
+        assert 0.09 <= took < 3.0  # bounded by the timeout, not the daemon: it never answers while stopped
         # The stalled request did reach the daemon (it consumed one when the daemon woke);
         # the timed-out connection was closed, so its late answer cannot be read as this one's.
         d = c.check({"user": "frank"})
@@ -196,9 +198,9 @@ def test_a_sidecar_that_accepts_and_drops_is_backed_off(short_tmp):
         with rlsidecar.Client(path, timeout=1) as c:
             d = c.check({"user": "x"})
             assert d.unreachable and "connection lost" in d.cause
-            d = c.check({"user": "x"})
-            assert d.unreachable and "backing off" in d.cause
-        assert len(accepted) == 1
+            causes = [c.check({"user": "x"}).cause for _ in range(20)]
+            assert any("backing off" in cause for cause in causes), causes
+        assert len(accepted) < 20
     finally:
         srv.shutdown(s.SHUT_RDWR)
         srv.close()
