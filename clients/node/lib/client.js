@@ -97,6 +97,10 @@ class Conn {
       }
       this.served = true;
       entry.done(msg, null);
+      if (e !== null && e[0] === 'frame_too_large') {
+        // The sidecar closes the connection after this answer: no check may follow on it.
+        return this.fail('the sidecar closed the connection: frame_too_large');
+      }
     }
     this.buf = off === buf.length ? null : buf.subarray(off);
   }

@@ -180,3 +180,12 @@ test('an idle client does not keep the process alive', async (t) => {
   assert.equal(r.status, 0, r.stderr);
   assert.equal(r.stdout.trim(), 'true');
 });
+
+test('frame_too_large, then the next check is answered', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000, conns: 1 });
+  assert.ok((await c.check({ user: 'ivy' })).allowed);
+  await assert.rejects(c.check({ user: 'ivy', blob: 'x'.repeat(70000) }), (e) => e instanceof rl.ProtocolError && e.code === 'frame_too_large');
+  const x = await c.check({ user: 'ivy' });
+  assert.ok(x.allowed && !x.degraded && x.remaining === 3, JSON.stringify(x));
+});

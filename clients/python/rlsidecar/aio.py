@@ -56,6 +56,9 @@ class _Protocol(asyncio.Protocol):
             self.served = True
             if not fut.done():  # else the caller gave up: the answer is dropped
                 fut.set_result(msg)
+            if e is not None and e[0] == "frame_too_large":
+                # The sidecar closes the connection after this answer: no check may follow on it.
+                return self.fail("the sidecar closed the connection: frame_too_large")
 
     def connection_lost(self, exc):
         self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection")

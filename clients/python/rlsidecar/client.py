@@ -154,6 +154,7 @@ class Client:
             return [self._policy(why) for _ in checks]
         out = []
         err = None
+        keep = True
         for i, msg in enumerate(msgs):
             mid = msg.get("id")
             e = _proto.error_of(msg)
@@ -164,6 +165,8 @@ class Client:
                 if e[0] in ("too_many_connections", "shutting_down"):
                     conn.sock.close()
                     return [self._policy("the sidecar closed the connection: %s" % e[0]) for _ in checks]
+                if e[0] == "frame_too_large":
+                    keep = False  # the sidecar closes the connection after this answer
                 d = self._policy(None)
                 d.unreachable, d.cause = False, "%s: %s" % e
                 if err is None:
@@ -174,7 +177,10 @@ class Client:
         conn.served = True
         with self._lock:
             self._failures = 0
-        self._put(conn)
+        if keep:
+            self._put(conn)
+        else:
+            conn.sock.close()
         if err is not None:
             raise err
         return out

@@ -111,3 +111,15 @@ def test_close_during_dial(daemon):
         with pytest.raises(rlsidecar.ClosedError):
             await t
     run(main())
+
+
+def test_frame_too_large_then_the_next_check_is_answered(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            assert (await c.check({"user": "ivy"})).allowed
+            with pytest.raises(rlsidecar.ProtocolError) as e:
+                await c.check({"user": "ivy", "blob": "x" * 70000})
+            assert e.value.code == "frame_too_large"
+            d = await c.check({"user": "ivy"})
+            assert d.allowed and not d.degraded and d.remaining == 3, d
+    run(main())

@@ -205,3 +205,15 @@ def test_a_sidecar_that_accepts_and_drops_is_backed_off(short_tmp):
         srv.shutdown(s.SHUT_RDWR)
         srv.close()
         t.join()
+
+
+def test_frame_too_large_then_the_next_check_is_answered(daemon):
+    """A request over the daemon's frame limit is the caller's error; the daemon closes
+    that connection, so the client does not pool it, and the next check is answered."""
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1) as c:
+        assert c.check({"user": "ivy"}).allowed
+        with pytest.raises(rlsidecar.ProtocolError) as e:
+            c.check({"user": "ivy", "blob": "x" * 70000})
+        assert e.value.code == "frame_too_large"
+        d = c.check({"user": "ivy"})
+        assert d.allowed and not d.degraded and d.remaining == 3
