@@ -25,6 +25,6 @@ test('README example', async (t) => {
   assert.equal(r.status, 0, r.stderr);
   // Each console.log's "// ..." comment is what it prints.
   const promised = [...blocks[0].matchAll(/^\s*console\.log\(.*\); \/\/ (.*)$/gm)].map((m) => m[1]);
-  assert.equal(promised.length, 4);
+  assert.equal(promised.length, 5);
   assert.deepEqual(r.stdout.trimEnd().split('\n'), promised);
 });
