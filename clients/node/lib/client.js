@@ -300,9 +300,17 @@ class Client {
         if (typeof conn === 'string') return entry.done(null, conn);
         if (conn.broken !== null) return entry.done(null, conn.broken);
         if (conn.inFlight() >= MAX_PENDING) return entry.done(null, 'too many checks in flight on the connection');
-        const id = conn.nextId + 1;
-        msg.id = id;
-        conn.send(entry, proto.encode(msg));
+        msg.id = conn.nextId + 1;
+        let frame;
+        try {
+          frame = proto.encode(msg);
+        } catch (e) {
+          settled = true;
+          clearTimeout(timer);
+          reject(e);
+          return;
+        }
+        conn.send(entry, frame);
       };
       if (got instanceof Conn) send(got);
       else got.then(send);
