@@ -431,6 +431,13 @@ func (cn *conn) readLoop() {
 			return
 		}
 		cn.served.Store(true)
+		if r.Err.Code == proto.CodeFrameTooLarge {
+			// The sidecar closes the connection after this answer: detach it before the
+			// caller can send its next check on it.
+			cn.fail(&unreachable{what: "the sidecar closed the connection after an oversized request"})
+			cl.complete(nil)
+			return
+		}
 		cl.complete(nil)
 	}
 }

@@ -138,3 +138,27 @@ func TestE2EGoClientSidecarRestart(t *testing.T) {
 		}
 	}
 }
+
+// A request over the daemon's frame limit gets frame_too_large, and the daemon closes that
+// connection: the check after it must be answered, not fail on the closed connection.
+func TestE2EGoClientFrameTooLarge(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", loginRules))
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	for i := range 10 {
+		if _, err := c.Check(ctx, map[string]string{"ip": "192.0.2.7", "blob": strings.Repeat("x", 70000)}, nil); err == nil {
+			t.Fatal("a 70 kB request: no error")
+		} else if pe, ok := err.(*proto.Error); !ok || pe.Code != proto.CodeFrameTooLarge {
+			t.Fatalf("a 70 kB request: %v", err)
+		}
+		dec, err := c.Check(ctx, map[string]string{"ip": "192.0.2.7"}, nil)
+		if err != nil || dec.Unreachable || !dec.Allowed {
+			t.Fatalf("round %d, the check after frame_too_large: %+v %v", i, dec, err)
+		}
+	}
+}

@@ -1,0 +1,133 @@
+// TypeScript declarations of the rlsidecar Node client.
+
+/// <reference types="node" />
+
+export declare const PROTOCOL: 1;
+export declare const PROBLEM_TYPE: 'about:blank';
+export declare const COST_EXCEEDS_CAPACITY: 'cost_exceeds_capacity';
+
+/** An inline limit, checked together with the rules the attributes match. */
+export interface InlineLimit {
+  key: string;
+  limit: number | bigint;
+  windowMs: number | bigint;
+  burst?: number | bigint;
+  algorithm?: 'token_bucket' | 'sliding_window' | 'fixed_window';
+  mode?: 'local' | 'hybrid' | 'global';
+  name?: string;
+}
+
+export interface ClientOptions {
+  /** Path of the sidecar's Unix socket. */
+  socket: string;
+  /** Longest wait for one check, in milliseconds; default 50. */
+  timeoutMs?: number;
+  /** The decision when the sidecar gives no answer in time; default 'open'. */
+  onUnavailable?: 'open' | 'closed';
+  /** Connections in the pool, each pipelined; default 2. */
+  conns?: number;
+  /** Longest wait for one connection attempt, in milliseconds; default max(timeoutMs, 100). */
+  connectTimeoutMs?: number;
+}
+
+export interface CheckOptions {
+  /** What the request consumes; default 1; 0 asks without consuming. */
+  cost?: number | bigint;
+  limits?: InlineLimit[];
+}
+
+export declare class RuleDecision {
+  readonly name: string;
+  readonly limit: number;
+  readonly windowMs: number;
+  readonly remaining: number;
+  readonly resetMs: number;
+  readonly retryAfterMs: number;
+  readonly allowed: boolean;
+  readonly shadow: boolean;
+  readonly reason: '' | 'cost_exceeds_capacity' | string;
+}
+
+export interface Rejection {
+  status: 429 | 503;
+  headers: Record<string, string>;
+  body: Buffer;
+}
+
+export interface Problem {
+  type: string;
+  title: string;
+  status: number;
+  detail: string;
+  rule?: string;
+  retry_after?: number;
+}
+
+export declare class Decision {
+  readonly allowed: boolean;
+  /** The deciding rule; '' when nothing decided. */
+  readonly rule: string;
+  readonly limit: number;
+  readonly remaining: number;
+  readonly resetMs: number;
+  readonly retryAfterMs: number;
+  /** The sidecar decided without its store, or this client applied onUnavailable. */
+  readonly degraded: boolean;
+  readonly rules: RuleDecision[];
+  readonly reason: '' | 'cost_exceeds_capacity' | string;
+  /** This client applied onUnavailable: the sidecar gave no answer. */
+  readonly unreachable: boolean;
+  /** Why this client applied onUnavailable, else null. */
+  readonly cause: string | null;
+  /** 200, 429 (a rule rejected) or 503 (no answer under 'closed'). */
+  readonly status: 200 | 429 | 503;
+  /** RateLimit-Policy, RateLimit and (when rejected) Retry-After. */
+  headers(): Record<string, string>;
+  problem(): Problem | null;
+  rejection(): Rejection | null;
+}
+
+export declare class ProtocolError extends Error {
+  readonly code: string;
+  readonly sidecarMessage: string;
+  /** The onUnavailable decision, for a caller that carries on. */
+  readonly decision?: Decision;
+}
+
+export declare class ClosedError extends Error {}
+
+export declare class Client {
+  constructor(options: ClientOptions);
+  readonly socket: string;
+  readonly timeoutMs: number;
+  readonly onUnavailable: 'open' | 'closed';
+  check(attrs: Record<string, string>, options?: CheckOptions): Promise<Decision>;
+  ping(): Promise<string>;
+  close(): Promise<void>;
+}
+
+export interface MiddlewareRequest {
+  method?: string;
+  url?: string;
+  originalUrl?: string;
+  socket?: { remoteAddress?: string };
+}
+
+export interface MiddlewareResponse {
+  statusCode: number;
+  setHeader(name: string, value: string): unknown;
+  end(body?: Buffer): unknown;
+}
+
+export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse> {
+  attrs?: (req: Req) => Record<string, string>;
+  cost?: (req: Req) => number;
+  onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
+}
+
+export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string };
+
+export declare function middleware<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse>(
+  client: Client,
+  options?: MiddlewareOptions<Req, Res>,
+): (req: Req, res: Res, next: (err?: unknown) => void) => void;

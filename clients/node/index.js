@@ -1,0 +1,12 @@
+'use strict';
+// rlsidecar: the Node client of the rlsidecar rate-limiter daemon. See README.md.
+
+const { Client } = require('./lib/client');
+const { Decision, RuleDecision, PROBLEM_TYPE, COST_EXCEEDS_CAPACITY } = require('./lib/decision');
+const { middleware, defaultAttrs } = require('./lib/middleware');
+const { PROTOCOL, ProtocolError, ClosedError } = require('./lib/proto');
+
+module.exports = {
+  Client, Decision, RuleDecision, middleware, defaultAttrs, ProtocolError, ClosedError, PROTOCOL, PROBLEM_TYPE,
+  COST_EXCEEDS_CAPACITY,
+};

@@ -1,0 +1,321 @@
+'use strict';
+// The client: a small pool of kept-alive connections, checks pipelined on each.
+//
+// Model. A Client has `conns` slots, each holding at most one live connection. A check
+// picks a slot round-robin (skipping slots that back off), dials it if needed, and writes
+// its frame at once: many checks are in flight on one connection. The sidecar answers in
+// request order, so each answer goes to the oldest pending check, whose id it must echo.
+// A check that times out resolves with the policy decision and stays in the FIFO,
+// abandoned, so the late answer still lands on the right entry and is dropped. A
+// mismatched id, an undecodable frame or a socket error breaks the connection: every
+// pending check resolves with the policy decision, and the next check redials. Failed
+// dials back off per slot from 10 ms, doubling to 1 s, with jitter; a slot that backs
+// off answers by the policy at once.
+
+const net = require('net');
+const proto = require('./proto');
+const { Decision } = require('./decision');
+
+const BACKOFF_MIN = 10;
+const BACKOFF_MAX = 1000;
+// Checks in flight (abandoned ones included) beyond which a connection counts as stalled:
+// a check then answers by the policy at once.
+const MAX_PENDING = 4096;
+
+function backoff(failures) {
+  const d = failures >= 8 ? BACKOFF_MAX : Math.min(BACKOFF_MIN * 2 ** (failures - 1), BACKOFF_MAX);
+  return d / 2 + Math.random() * (d / 2);
+}
+
+class Conn {
+  constructor(slot, socket) {
+    this.slot = slot;
+    this.socket = socket;
+    this.pending = []; // entries in request order, from head
+    this.head = 0;
+    this.nextId = 0;
+    this.buf = null; // bytes read beyond the last whole frame
+    this.served = false;
+    this.broken = null;
+    this.corked = false;
+    socket.on('data', (chunk) => this.onData(chunk));
+    socket.on('error', (e) => this.fail(`connection lost: ${e.message}`));
+    socket.on('close', () => this.fail('the sidecar closed the connection'));
+  }
+
+  send(entry, frame) {
+    entry.id = ++this.nextId;
+    this.pending.push(entry);
+    // Frames written in the same tick go out in one write.
+    if (!this.corked) {
+      this.corked = true;
+      this.socket.cork();
+      process.nextTick(() => {
+        this.corked = false;
+        this.socket.uncork();
+      });
+    }
+    this.socket.write(frame);
+  }
+
+  inFlight() {
+    return this.pending.length - this.head;
+  }
+
+  onData(chunk) {
+    let buf = this.buf === null ? chunk : Buffer.concat([this.buf, chunk]);
+    let off = 0;
+    while (buf.length - off >= 4) {
+      const n = buf.readUInt32BE(off);
+      if (n > proto.MAX_RESPONSE_FRAME) return this.fail(`answer frame of ${n} bytes`);
+      if (buf.length - off - 4 < n) break;
+      const body = buf.subarray(off + 4, off + 4 + n);
+      off += 4 + n;
+      let msg;
+      try {
+        msg = proto.decode(body);
+      } catch (e) {
+        return this.fail(e.message);
+      }
+      if (this.broken !== null) return;
+      if (this.head === this.pending.length) {
+        const e = proto.errorOf(msg);
+        return this.fail(e ? `the sidecar closed the connection: ${e[0]}` : 'an answer nobody asked for');
+      }
+      const entry = this.pending[this.head];
+      this.pending[this.head++] = undefined;
+      if (this.head > 1024 && this.head * 2 > this.pending.length) {
+        this.pending = this.pending.slice(this.head);
+        this.head = 0;
+      }
+      const e = proto.errorOf(msg);
+      if (msg.id !== entry.id && !(e !== null && msg.id === 0)) {
+        return this.fail(`answer id ${msg.id} where ${entry.id} was due`);
+      }
+      if (e !== null && (e[0] === 'too_many_connections' || e[0] === 'shutting_down')) {
+        return this.fail(`the sidecar closed the connection: ${e[0]}`);
+      }
+      this.served = true;
+      entry.done(msg, null);
+      if (e !== null && e[0] === 'frame_too_large') {
+        // The sidecar closes the connection after this answer: no check may follow on it.
+        return this.fail('the sidecar closed the connection: frame_too_large');
+      }
+    }
+    this.buf = off === buf.length ? null : buf.subarray(off);
+  }
+
+  // fail breaks the connection once: every pending check gets the policy decision.
+  fail(why) {
+    if (this.broken !== null) return;
+    this.broken = why;
+    this.socket.destroy();
+    this.slot.detach(this);
+    const pending = this.pending;
+    const head = this.head;
+    this.pending = [];
+    this.head = 0;
+    for (let i = head; i < pending.length; i++) pending[i].done(null, why);
+  }
+}
+
+class Slot {
+  constructor(client) {
+    this.client = client;
+    this.conn = null;
+    this.dialing = null; // a Promise while a dial is in progress
+    this.failures = 0;
+    this.retryAt = 0;
+    this.lastError = null;
+  }
+
+  backingOff(now) {
+    return this.conn === null && this.dialing === null && this.failures > 0 && now < this.retryAt;
+  }
+
+  // get returns the live connection, or a Promise of one (or of a string saying why not).
+  get() {
+    if (this.conn !== null) return this.conn;
+    if (this.dialing === null) {
+      if (this.failures > 0 && Date.now() < this.retryAt) {
+        return `backing off after ${this.failures} failed attempt(s): ${this.lastError}`;
+      }
+      this.dialing = this.dial();
+    }
+    return this.dialing;
+  }
+
+  dial() {
+    const c = this.client;
+    return new Promise((resolve) => {
+      const socket = net.createConnection({ path: c.socket });
+      const timer = setTimeout(() => {
+        socket.destroy();
+        done(`connecting to ${c.socket}: timed out`);
+      }, c.connectTimeoutMs);
+      const done = (why) => {
+        clearTimeout(timer);
+        socket.removeListener('error', onError);
+        this.dialing = null;
+        if (why !== null) {
+          this.failed(why);
+          resolve(why);
+          return;
+        }
+        if (c.closed) {
+          socket.destroy();
+          resolve('client closed');
+          return;
+        }
+        socket.unref(); // an idle client does not keep the process alive; waiting checks hold a timer
+        this.conn = new Conn(this, socket);
+        resolve(this.conn);
+      };
+      const onError = (e) => done(`connecting to ${c.socket}: ${e.message}`);
+      socket.once('error', onError);
+      socket.once('connect', () => done(null));
+    });
+  }
+
+  failed(why) {
+    this.failures++;
+    this.retryAt = Date.now() + backoff(this.failures);
+    this.lastError = why;
+  }
+
+  detach(conn) {
+    if (this.conn !== conn) return;
+    this.conn = null;
+    if (conn.served) this.failures = 0;
+    else this.failed(conn.broken);
+  }
+
+  close() {
+    if (this.conn !== null) this.conn.fail('client closed');
+  }
+}
+
+/**
+ * Asks one sidecar for decisions over its Unix socket: a pool of `conns` (default 2)
+ * kept-alive connections, checks pipelined on each. See the README for the policy when
+ * the sidecar gives no answer.
+ */
+class Client {
+  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs } = {}) {
+    if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
+    if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
+      throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);
+    }
+    if (onUnavailable !== 'open' && onUnavailable !== 'closed') {
+      throw new RangeError(`onUnavailable must be 'open' or 'closed', not ${JSON.stringify(onUnavailable)}`);
+    }
+    if (!(Number.isInteger(conns) && conns >= 1 && conns <= 1024)) throw new RangeError(`conns must be 1..1024, not ${conns}`);
+    this.socket = socket;
+    this.timeoutMs = timeoutMs;
+    this.onUnavailable = onUnavailable;
+    this.connectTimeoutMs = connectTimeoutMs === undefined ? Math.max(timeoutMs, 100) : connectTimeoutMs;
+    this.closed = false;
+    this.slots = [];
+    for (let i = 0; i < conns; i++) this.slots.push(new Slot(this));
+    this.next = 0;
+  }
+
+  /**
+   * Asks whether a request with these attributes may pass. attrs: an object of string to
+   * string, sent in its key order. cost: what it consumes (default 1; 0 asks without
+   * consuming). limits: inline limits. Resolves to a Decision; when the sidecar gives no
+   * answer within timeoutMs, to the onUnavailable decision (degraded, unreachable). Rejects
+   * only with a ProtocolError (the sidecar refused the request), a ClosedError, or a
+   * TypeError/RangeError for bad arguments, before anything is sent.
+   */
+  check(attrs, { cost = 1, limits } = {}) {
+    let msg;
+    try {
+      msg = proto.checkMessage(0, attrs, cost, limits);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    return this.roundTrip(msg).then((m) => {
+      if (typeof m === 'string') return this.policy(m, true);
+      const e = proto.errorOf(m);
+      if (e !== null) throw new proto.ProtocolError(e[0], e[1], this.policy(`${e[0]}: ${e[1]}`, false));
+      return proto.decision(m);
+    });
+  }
+
+  /** Resolves to the sidecar's version; rejects when it is unreachable. */
+  ping() {
+    return this.roundTrip({ id: 0, op: 'ping' }).then((m) => {
+      if (typeof m === 'string') throw new Error(`rlsidecar: sidecar unreachable: ${m}`);
+      const e = proto.errorOf(m);
+      if (e !== null) throw new proto.ProtocolError(e[0], e[1]);
+      return m.version;
+    });
+  }
+
+  /** Closes every connection; checks in flight resolve with the policy decision, later ones reject. */
+  close() {
+    this.closed = true;
+    for (const s of this.slots) s.close();
+    return Promise.resolve();
+  }
+
+  policy(cause, unreachable) {
+    return new Decision({ allowed: this.onUnavailable === 'open', degraded: true, unreachable, cause });
+  }
+
+  // roundTrip sends msg (its id set per connection) and resolves to the answer map, or to a
+  // string saying why there is none.
+  roundTrip(msg) {
+    if (this.closed) return Promise.reject(new proto.ClosedError());
+    const n = this.slots.length;
+    const now = Date.now();
+    let slot = null;
+    for (let i = 0; i < n; i++) {
+      const s = this.slots[(this.next + i) % n];
+      if (!s.backingOff(now)) {
+        slot = s;
+        break;
+      }
+    }
+    this.next = (this.next + 1) % n;
+    if (slot === null) slot = this.slots[this.next];
+    const got = slot.get();
+    if (typeof got === 'string') return Promise.resolve(got);
+    return new Promise((resolve, reject) => {
+      let settled = false;
+      const entry = {
+        id: 0,
+        done: (m, why) => {
+          if (settled) return; // abandoned after a timeout: the late answer is dropped
+          settled = true;
+          clearTimeout(timer);
+          if (why === 'client closed') reject(new proto.ClosedError());
+          else resolve(m !== null ? m : why);
+        },
+      };
+      const timer = setTimeout(() => entry.done(null, 'no answer within the timeout'), this.timeoutMs);
+      const send = (conn) => {
+        if (settled) return;
+        if (typeof conn === 'string') return entry.done(null, conn);
+        if (conn.broken !== null) return entry.done(null, conn.broken);
+        if (conn.inFlight() >= MAX_PENDING) return entry.done(null, 'too many checks in flight on the connection');
+        msg.id = conn.nextId + 1;
+        let frame;
+        try {
+          frame = proto.encode(msg);
+        } catch (e) {
+          settled = true;
+          clearTimeout(timer);
+          reject(e);
+          return;
+        }
+        conn.send(entry, frame);
+      };
+      if (got instanceof Conn) send(got);
+      else got.then(send);
+    });
+  }
+}
+
+module.exports = { Client, backoff };

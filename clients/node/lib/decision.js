@@ -1,0 +1,173 @@
+'use strict';
+// Decisions and their HTTP form, identical to the Go client's (clients/go/http.go). The
+// rules are in clients/go/README.md, "HTTP mapping"; the cases every client is tested
+// against are in clients/testdata/http_headers.json.
+
+// The "type" of the problem+json bodies: the problem is what the status code says.
+const PROBLEM_TYPE = 'about:blank';
+const COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity';
+
+/** One matched rule's or inline limit's part of a Decision. Times are milliseconds. */
+class RuleDecision {
+  constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '') {
+    this.name = name;
+    this.limit = limit; // requests per window
+    this.windowMs = windowMs;
+    this.remaining = remaining; // left after this request
+    this.resetMs = resetMs; // until the rule is back to full
+    this.retryAfterMs = retryAfterMs; // 0 when this rule allowed
+    this.allowed = allowed;
+    this.shadow = shadow; // a dry-run rule: reported, never rejecting, never deciding
+    this.reason = reason; // '' or 'cost_exceeds_capacity'
+  }
+}
+
+/**
+ * The answer to a check. When nothing matched, allowed is true and rule is ''. When the
+ * sidecar gave no answer, it is the client's onUnavailable decision: allowed is
+ * (onUnavailable === 'open'), degraded and unreachable are true, cause says why.
+ */
+class Decision {
+  constructor(f) {
+    this.allowed = f.allowed;
+    this.rule = f.rule || ''; // the deciding rule; '' when nothing decided
+    this.limit = f.limit || 0; // the deciding rule's limit (requests per window)
+    this.remaining = f.remaining || 0; // what the deciding rule has left after this request
+    this.resetMs = f.resetMs || 0; // until the deciding rule is back to full
+    this.retryAfterMs = f.retryAfterMs || 0; // 0 when allowed; else the earliest time a retry can pass
+    this.degraded = f.degraded === true;
+    this.rules = f.rules || [];
+    this.reason = f.reason || ''; // '' or 'cost_exceeds_capacity': no retry can ever pass
+    this.unreachable = f.unreachable === true; // the client applied onUnavailable
+    this.cause = f.cause === undefined ? null : f.cause; // why (a string), else null
+  }
+
+  /** 200 (go on), 429 (a rule rejected) or 503 (no answer and onUnavailable 'closed'). */
+  get status() {
+    if (this.allowed) return 200;
+    if (this.unreachable || this.cause !== null) return 503;
+    return 429;
+  }
+
+  /**
+   * The rate-limit headers: RateLimit-Policy and RateLimit (one item per non-shadow
+   * rule, the deciding rule first) when a rule decided; Retry-After (seconds, at least 1)
+   * when rejected, except for cost_exceeds_capacity.
+   */
+  headers() {
+    const h = {};
+    if (this.rule !== '') {
+      const pol = [];
+      const cur = [];
+      let decided = null;
+      for (const r of this.rules) {
+        if (!r.shadow && r.name === this.rule) {
+          decided = r;
+          break;
+        }
+      }
+      if (decided !== null) {
+        item(pol, cur, decided.name, decided.limit, decided.windowMs, decided.remaining, decided.resetMs);
+      } else {
+        // The deciding rule is missing from rules: the top-level fields have no window.
+        item(pol, cur, this.rule, this.limit, null, this.remaining, this.resetMs);
+      }
+      for (const r of this.rules) {
+        if (!r.shadow && r !== decided) item(pol, cur, r.name, r.limit, r.windowMs, r.remaining, r.resetMs);
+      }
+      h['RateLimit-Policy'] = pol.join(', ');
+      h['RateLimit'] = cur.join(', ');
+    }
+    if (!this.allowed && this.reason !== COST_EXCEEDS_CAPACITY) h['Retry-After'] = String(retryAfterS(this));
+    return h;
+  }
+
+  /** The RFC 9457 problem details of a decision that does not allow; null when allowed. */
+  problem() {
+    if (this.allowed) return null;
+    if (this.status === 503) {
+      return {
+        type: PROBLEM_TYPE, title: 'Service Unavailable', status: 503,
+        detail: 'The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.',
+        retry_after: 1,
+      };
+    }
+    const limit = this.rule !== '' ? 'rate limit ' + goQuote(this.rule) : 'the rate limit';
+    const p = { type: PROBLEM_TYPE, title: 'Too Many Requests', status: 429, detail: '' };
+    if (this.rule !== '') p.rule = this.rule;
+    if (this.reason === COST_EXCEEDS_CAPACITY) {
+      p.detail = `This request costs more than ${limit} can ever admit: it can never pass under this limit.`;
+    } else {
+      const s = retryAfterS(this);
+      p.detail = `This request exceeds ${limit}; retry in ${s} second${s === 1 ? '' : 's'}.`;
+      p.retry_after = s;
+    }
+    return p;
+  }
+
+  /**
+   * { status, headers, body } of the response to a request this decision does not allow:
+   * 429 with headers() and a problem+json body, or 503 with Retry-After: 1 when the
+   * sidecar gave no answer under 'closed'. body is a Buffer, the bytes the Go client
+   * writes. null when allowed.
+   */
+  rejection() {
+    const p = this.problem();
+    if (p === null) return null;
+    const headers = p.status === 503 ? { 'Retry-After': '1' } : this.headers();
+    const body = Buffer.from(goJSON(p), 'utf8');
+    headers['Content-Type'] = 'application/problem+json';
+    headers['Content-Length'] = String(body.length);
+    return { status: p.status, headers, body };
+  }
+}
+
+function ceilS(ms) {
+  return ms <= 0 ? 0 : Math.ceil(ms / 1000);
+}
+
+function retryAfterS(d) {
+  return Math.max(ceilS(d.retryAfterMs), 1);
+}
+
+function item(pol, cur, name, limit, windowMs, remaining, resetMs) {
+  const n = sfString(name);
+  pol.push(windowMs === null ? `${n};q=${limit}` : `${n};q=${limit};w=${Math.max(ceilS(windowMs), 1)}`);
+  cur.push(`${n};r=${remaining};t=${ceilS(resetMs)}`);
+}
+
+// sfString: an RFC 8941 string; backslash and quote escaped, every byte outside printable
+// ASCII (each byte of a UTF-8 sequence too) replaced with '_'.
+function sfString(s) {
+  let out = '"';
+  for (const c of Buffer.from(s, 'utf8')) {
+    if (c === 0x5c || c === 0x22) out += '\\' + String.fromCharCode(c);
+    else if (c < 0x20 || c > 0x7e) out += '_';
+    else out += String.fromCharCode(c);
+  }
+  return out + '"';
+}
+
+const GO_ESC = { '\x07': '\\a', '\b': '\\b', '\f': '\\f', '\n': '\\n', '\r': '\\r', '\t': '\\t', '\v': '\\v', '\\': '\\\\', '"': '\\"' };
+const NOT_PRINT = /[\p{C}\p{Z}]/u;
+
+// goQuote: s quoted as Go's strconv.Quote does (for the problem detail).
+function goQuote(s) {
+  let out = '"';
+  for (const ch of s) {
+    const cp = ch.codePointAt(0);
+    if (GO_ESC[ch] !== undefined) out += GO_ESC[ch];
+    else if (ch === ' ' || !NOT_PRINT.test(ch)) out += ch;
+    else if (cp < 0x80) out += '\\x' + cp.toString(16).padStart(2, '0');
+    else if (cp <= 0xffff) out += '\\u' + cp.toString(16).padStart(4, '0');
+    else out += '\\U' + cp.toString(16).padStart(8, '0');
+  }
+  return out + '"';
+}
+
+// goJSON: obj as Go's encoding/json writes it: compact, UTF-8, <, > and & escaped.
+function goJSON(obj) {
+  return JSON.stringify(obj).replace(/[<>&\u2028\u2029]/g, (c) => '\\u' + c.charCodeAt(0).toString(16).padStart(4, '0'));
+}
+
+module.exports = { Decision, RuleDecision, PROBLEM_TYPE, COST_EXCEEDS_CAPACITY };

@@ -1,0 +1,62 @@
+'use strict';
+// Connect/Express-style middleware: check every request, answer 429/503 or pass it on with
+// the rate-limit headers, as the Go client's Middleware does.
+
+const { ProtocolError, ClosedError } = require('./proto');
+const { Decision } = require('./decision');
+
+/** The default attributes: ip (the peer's address), method, path (without the query). */
+function defaultAttrs(req) {
+  const url = req.originalUrl || req.url || '';
+  const q = url.indexOf('?');
+  return {
+    ip: (req.socket && req.socket.remoteAddress) || '',
+    method: req.method || '',
+    path: q < 0 ? url : url.slice(0, q),
+  };
+}
+
+/**
+ * Returns (req, res, next) middleware that checks every request with client:
+ * allowed → rate-limit headers set, next(); rejected by a rule → 429 with Retry-After and
+ * a problem+json body; no answer → the client's onUnavailable ('open': next() without
+ * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
+ * refuses) and a closed client follow onUnavailable too, unless onError is given.
+ */
+function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
+  return function rlsidecarMiddleware(req, res, next) {
+    let p;
+    try {
+      p = client.check(attrs(req), { cost: cost ? cost(req) : 1 });
+    } catch (e) {
+      return next(e);
+    }
+    p.then((d) => {
+      if (!d.allowed) {
+        const r = d.rejection();
+        res.statusCode = r.status;
+        for (const k in r.headers) res.setHeader(k, r.headers[k]);
+        res.end(r.body);
+        return;
+      }
+      const h = d.headers();
+      for (const k in h) res.setHeader(k, h[k]);
+      next();
+    }, (e) => {
+      if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {
+        const d = e instanceof ProtocolError ? e.decision
+          : new Decision({ allowed: client.onUnavailable === 'open', degraded: true, cause: 'client closed' });
+        if (d.allowed) return next();
+        const r = d.rejection();
+        res.statusCode = r.status;
+        for (const k in r.headers) res.setHeader(k, r.headers[k]);
+        res.end(r.body);
+        return;
+      }
+      if (onError) return onError(e, req, res, next);
+      next(e);
+    });
+  };
+}
+
+module.exports = { middleware, defaultAttrs };

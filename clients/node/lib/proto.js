@@ -1,0 +1,151 @@
+'use strict';
+// The wire format of rlsidecar protocol v1 (proto/PROTOCOL.md): frames, requests, answers.
+// A frame is a 4-byte big-endian length, then one msgpack map. Requests are encoded in the
+// canonical field order of the Go encoder (id, op, attrs, limits, cost), so equal requests
+// give equal bytes and the shared test vectors hold byte for byte.
+
+const { Encoder, Decoder } = require('@msgpack/msgpack');
+const { Decision, RuleDecision } = require('./decision');
+
+const PROTOCOL = 1;
+// The largest answer frame the client reads; a longer announced length breaks the connection.
+const MAX_RESPONSE_FRAME = 1 << 20;
+
+// An inline limit's fields: the JS name, then its name on the wire.
+const LIMIT_REQUIRED = [['key', 'key'], ['limit', 'limit'], ['windowMs', 'window_ms']];
+const LIMIT_OPTIONAL = [['burst', 'burst'], ['algorithm', 'algorithm'], ['mode', 'mode'], ['name', 'name']];
+const LIMIT_FIELDS = new Set([...LIMIT_REQUIRED, ...LIMIT_OPTIONAL].map(([js]) => js));
+
+/** The sidecar answered a request with an error: the request itself is wrong. */
+class ProtocolError extends Error {
+  constructor(code, message, decision) {
+    super(`rlsidecar: ${code}: ${message}`);
+    this.name = 'ProtocolError';
+    this.code = code;
+    this.sidecarMessage = message;
+    this.decision = decision;
+  }
+}
+
+/** The client was closed before or during the check. */
+class ClosedError extends Error {
+  constructor() {
+    super('rlsidecar: client closed');
+    this.name = 'ClosedError';
+  }
+}
+
+function isUint(v) {
+  return (Number.isSafeInteger(v) && v >= 0) || (typeof v === 'bigint' && v >= 0n);
+}
+
+function normLimit(i, lim) {
+  if (lim === null || typeof lim !== 'object' || Array.isArray(lim)) {
+    throw new TypeError(`limits[${i}] must be an object`);
+  }
+  for (const k of Object.keys(lim)) {
+    if (!LIMIT_FIELDS.has(k)) {
+      throw new RangeError(`limits[${i}]: unknown field ${JSON.stringify(k)}; known: ${[...LIMIT_FIELDS].join(', ')}`);
+    }
+  }
+  const out = {};
+  for (const [js, wire] of LIMIT_REQUIRED) {
+    if (lim[js] === undefined) throw new RangeError(`limits[${i}]: ${JSON.stringify(js)} is required`);
+    out[wire] = lim[js];
+  }
+  for (const [js, wire] of LIMIT_OPTIONAL) {
+    const v = lim[js];
+    if (v !== undefined && v !== null && v !== '' && v !== 0) out[wire] = v;
+  }
+  if (typeof out.key !== 'string') throw new TypeError(`limits[${i}].key must be a string`);
+  for (const [js, wire] of [['limit', 'limit'], ['windowMs', 'window_ms'], ['burst', 'burst']]) {
+    if (out[wire] !== undefined && !isUint(out[wire])) throw new RangeError(`limits[${i}].${js} must be an integer >= 0`);
+  }
+  return out;
+}
+
+/**
+ * Returns the request map of a check, in canonical field order. attrs: an object of
+ * string to string, sent in its key order; limits: inline limits ({ key, limit, windowMs,
+ * burst?, algorithm?, mode?, name? }). Wrong types throw a
+ * TypeError or RangeError before anything is sent.
+ */
+function checkMessage(id, attrs, cost, limits) {
+  const msg = { id, op: 'check' };
+  if (attrs !== undefined && attrs !== null) {
+    if (typeof attrs !== 'object' || Array.isArray(attrs)) throw new TypeError('attrs must be an object of strings');
+    let n = 0;
+    for (const k in attrs) {
+      if (typeof attrs[k] !== 'string') throw new TypeError(`attrs.${k} must be a string, not ${typeof attrs[k]}`);
+      n++;
+    }
+    if (n > 0) msg.attrs = attrs;
+  }
+  if (limits !== undefined && limits !== null) {
+    if (!Array.isArray(limits)) throw new TypeError('limits must be an array');
+    if (limits.length > 0) msg.limits = limits.map((l, i) => normLimit(i, l));
+  }
+  if (cost !== undefined && cost !== 1) {
+    if (!isUint(cost)) throw new RangeError(`cost must be an integer >= 0, not ${cost}`);
+    msg.cost = cost;
+  }
+  return msg;
+}
+
+const encoder = new Encoder({ useBigInt64: true, ignoreUndefined: true });
+
+/** Returns msg as one frame (length prefix included), in a new Buffer. */
+function encode(msg) {
+  const body = encoder.encodeSharedRef(msg);
+  const frame = Buffer.allocUnsafe(4 + body.length);
+  frame.writeUInt32BE(body.length, 0);
+  frame.set(body, 4);
+  return frame;
+}
+
+const decoder = new Decoder();
+
+/** Returns the msgpack map of a frame body; throws when it is not one. */
+function decode(body) {
+  let msg;
+  try {
+    msg = decoder.decode(body);
+  } catch (e) {
+    throw new Error(`undecodable answer: ${e.message}`);
+  }
+  if (msg === null || typeof msg !== 'object' || Array.isArray(msg) || msg instanceof Uint8Array) {
+    throw new Error('answer is not a map');
+  }
+  return msg;
+}
+
+function str(v) {
+  if (v === undefined || v === null) return '';
+  return v instanceof Uint8Array ? Buffer.from(v).toString('utf8') : v;
+}
+
+/** Returns the Decision of a check answer. */
+function decision(m) {
+  const rules = [];
+  if (Array.isArray(m.rules)) {
+    for (const r of m.rules) {
+      rules.push(new RuleDecision(str(r.name), r.limit || 0, r.window_ms || 0, r.remaining || 0, r.reset_ms || 0,
+        r.retry_after_ms || 0, r.allowed === true, r.shadow === true, str(r.reason)));
+    }
+  }
+  return new Decision({
+    allowed: m.allowed === true, rule: str(m.rule), limit: m.limit || 0, remaining: m.remaining || 0,
+    resetMs: m.reset_ms || 0, retryAfterMs: m.retry_after_ms || 0, degraded: m.degraded === true, rules,
+    reason: str(m.reason),
+  });
+}
+
+/** Returns [code, message] when m is an error answer, else null. */
+function errorOf(m) {
+  const e = m.error;
+  if (e === undefined) return null;
+  if (e === null || typeof e !== 'object') return ['internal', String(e)];
+  return [str(e.code), str(e.message)];
+}
+
+module.exports = { PROTOCOL, MAX_RESPONSE_FRAME, ProtocolError, ClosedError, checkMessage, encode, decode, decision, errorOf };

@@ -1,0 +1,191 @@
+'use strict';
+// The Client against the real daemon: decisions, pipelining on a small pool, and a sidecar
+// that is missing, stalled or restarted.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const path = require('path');
+
+const rl = require('..');
+const { startDaemon, tempDir } = require('./helpers');
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function client(t, opts) {
+  const c = new rl.Client(opts);
+  t.after(() => c.close());
+  return c;
+}
+
+test('allows then rejects', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  for (let i = 0; i < 5; i++) {
+    const x = await c.check({ user: 'alice' });
+    assert.deepEqual([x.allowed, x.rule, x.limit, x.remaining, x.degraded, x.unreachable], [true, 'per-user', 5, 4 - i, false, false]);
+  }
+  const x = await c.check({ user: 'alice' });
+  assert.ok(!x.allowed && x.rule === 'per-user' && x.remaining === 0);
+  assert.ok(x.retryAfterMs > 11000 && x.retryAfterMs <= 12000, String(x.retryAfterMs));
+  const r = x.rejection();
+  assert.equal(r.status, 429);
+  assert.equal(r.headers['RateLimit-Policy'], '"per-user";q=5;w=60');
+  assert.equal(r.headers.RateLimit, '"per-user";r=0;t=60');
+  assert.equal(r.headers['Retry-After'], '12');
+  assert.ok(r.body.toString().endsWith('"rule":"per-user","retry_after":12}'));
+  assert.equal((await c.check({ user: 'bob' }, { cost: 0 })).remaining, 5);
+  assert.equal((await c.check({ user: 'bob' })).remaining, 4);
+  assert.ok(await c.ping());
+});
+
+test('two rules and cost', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  let x = await c.check({ method: 'POST', path: '/login', ip: '198.51.100.1', user: 'carol' }, { cost: 2 });
+  assert.ok(x.allowed && x.rule === 'login-per-ip' && x.remaining === 1);
+  assert.deepEqual(x.rules.map((r) => r.name), ['per-user', 'login-per-ip']);
+  assert.equal(x.headers().RateLimit, '"login-per-ip";r=1;t=40, "per-user";r=3;t=24');
+  x = await c.check({ user: 'carol' }, { cost: 6 });
+  assert.ok(!x.allowed && x.reason === rl.COST_EXCEEDS_CAPACITY && !('Retry-After' in x.headers()));
+});
+
+test('inline limits and error answers', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  const limits = [{ key: 'tenant:acme', limit: 2, windowMs: 60000, algorithm: 'fixed_window', name: 'acme' }];
+  const got = [];
+  for (let i = 0; i < 3; i++) got.push((await c.check({}, { limits })).allowed);
+  assert.deepEqual(got, [true, true, false]);
+  await assert.rejects(c.check({}, { limits: [{ key: 'k', limit: 0, windowMs: 1000 }] }), (e) => {
+    assert.ok(e instanceof rl.ProtocolError && e.code === 'invalid_limit' && e.sidecarMessage.includes('limit'));
+    assert.ok(e.decision.allowed && e.decision.degraded && !e.decision.unreachable);
+    return true;
+  });
+  assert.ok((await c.check({ user: 'dave' })).allowed);
+});
+
+test('bad input is refused before sending', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  const bad = [
+    [{ user: 1 }, {}, TypeError],
+    [{ user: 'x' }, { cost: -1 }, RangeError],
+    [{ user: 'x' }, { cost: 1.5 }, RangeError],
+    [{}, { limits: [{ key: 'k', limit: 1 }] }, RangeError],
+    [{}, { limits: [{ key: 'k', limit: 1, windowMs: 1, colour: 'red' }] }, RangeError],
+    [{}, { limits: ['k'] }, TypeError],
+    [{}, { limits: [{ key: 'k', limit: 1, window_ms: 1000 }] }, RangeError], // the wire's name, not the client's
+    [['user', 'x'], {}, TypeError],
+  ];
+  for (const [attrs, opts, E] of bad) await assert.rejects(c.check(attrs, opts), E);
+  assert.equal((await c.check({ user: 'x' })).remaining, 4);
+  for (const o of [{}, { socket: 's', timeoutMs: 0 }, { socket: 's', onUnavailable: 'maybe' }, { socket: 's', conns: 0 }]) {
+    assert.throws(() => new rl.Client(o));
+  }
+});
+
+test('concurrent checks are pipelined on the pool, each counted once', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 5000, conns: 2 });
+  const limits = [{ key: 'shared', limit: 300, windowMs: 3600000, algorithm: 'fixed_window' }];
+  const ds = await Promise.all(Array.from({ length: 400 }, () => c.check({}, { limits })));
+  assert.equal(ds.filter((x) => x.allowed).length, 300);
+  assert.ok(ds.every((x) => !x.degraded));
+  assert.equal((await c.check({}, { cost: 0, limits })).remaining, 0);
+  // Two connections, both used: each carried many checks at once.
+  assert.ok(c.slots.every((s) => s.conn !== null && s.conn.nextId >= 150), c.slots.map((s) => s.conn && s.conn.nextId).join());
+});
+
+for (const policy of ['open', 'closed']) {
+  test(`missing socket, ${policy}`, async (t) => {
+    const sock = path.join(tempDir(t), 'none.sock');
+    const c = client(t, { socket: sock, onUnavailable: policy });
+    let x = await c.check({ user: 'x' });
+    assert.equal(x.allowed, policy === 'open');
+    assert.ok(x.degraded && x.unreachable && x.cause.includes('none.sock'), x.cause);
+    assert.equal(x.status, policy === 'open' ? 200 : 503);
+    // Failed slots back off (10 ms doubling, with jitter): of 20 checks in a row, some answer
+    // at once without dialing, however slow the machine.
+    const causes = [];
+    for (let i = 0; i < 20; i++) causes.push((await c.check({ user: 'x' })).cause);
+    assert.ok(causes.some((cause) => cause.includes('backing off')), causes.join('\n'));
+    assert.ok(c.slots.every((s) => s.failures >= 1 && s.failures < 20), c.slots.map((s) => s.failures).join());
+    await assert.rejects(c.ping(), /unreachable/);
+  });
+}
+
+test('a stalled sidecar times out; late answers are dropped', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 100, onUnavailable: 'closed', conns: 1 });
+  assert.equal((await c.check({ user: 'frank' })).remaining, 4);
+  const conn = c.slots[0].conn;
+  await d.pause();
+  let ds;
+  const t0 = Date.now();
+  try {
+    ds = await Promise.all([1, 2, 3].map(() => c.check({ user: 'frank' })));
+  } finally {
+    d.resume();
+  }
+  const took = Date.now() - t0;
+  assert.ok(ds.every((x) => !x.allowed && x.unreachable && x.cause.includes('timeout')), JSON.stringify(ds));
+  assert.ok(took >= 90 && took < 3000, String(took)); // bounded by the timeout: the stopped daemon never answers
+  // The connection stays; the three late answers are dropped in order, and the next check
+  // gets its own answer (the three consumed when the daemon woke).
+  const x = await c.check({ user: 'frank' });
+  assert.equal(c.slots[0].conn, conn);
+  assert.ok(x.allowed && !x.degraded && x.remaining === 0, JSON.stringify(x));
+});
+
+test('a restarted sidecar', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 500 });
+  assert.ok((await c.check({ user: 'gina' })).allowed);
+  await d.stop();
+  await sleep(20);
+  let x = await c.check({ user: 'gina' });
+  assert.ok(x.allowed && x.unreachable);
+  await d.start();
+  const deadline = Date.now() + 5000;
+  for (;;) {
+    x = await c.check({ user: 'gina' });
+    if (!x.unreachable || Date.now() > deadline) break;
+    await sleep(10);
+  }
+  assert.ok(!x.unreachable && x.remaining === 4, JSON.stringify(x));
+});
+
+test('close', async (t) => {
+  const d = await startDaemon(t);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  assert.ok((await c.check({ user: 'x' })).allowed);
+  await c.close();
+  await assert.rejects(c.check({ user: 'x' }), rl.ClosedError);
+});
+
+test('close during the dial', async (t) => {
+  const d = await startDaemon(t);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  const p = c.check({ user: 'x' }); // starts the dial
+  await c.close();
+  await assert.rejects(p, rl.ClosedError);
+});
+
+test('an idle client does not keep the process alive', async (t) => {
+  const d = await startDaemon(t);
+  const code = `const rl = require(${JSON.stringify(path.join(__dirname, '..'))});
+    new rl.Client({ socket: ${JSON.stringify(d.socket)}, timeoutMs: 5000 }).check({ user: 'x' })
+      .then((x) => console.log(x.allowed && !x.unreachable));`;
+  const r = require('child_process').spawnSync(process.execPath, ['-e', code], { encoding: 'utf8', timeout: 10000 });
+  assert.equal(r.status, 0, r.stderr);
+  assert.equal(r.stdout.trim(), 'true');
+});
+
+test('frame_too_large, then the next check is answered', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000, conns: 1 });
+  assert.ok((await c.check({ user: 'ivy' })).allowed);
+  await assert.rejects(c.check({ user: 'ivy', blob: 'x'.repeat(70000) }), (e) => e instanceof rl.ProtocolError && e.code === 'frame_too_large');
+  const x = await c.check({ user: 'ivy' });
+  assert.ok(x.allowed && !x.degraded && x.remaining === 3, JSON.stringify(x));
+});

@@ -1,0 +1,93 @@
+'use strict';
+// The shared HTTP table (clients/testdata/http_headers.json): headers, status and the
+// problem+json body of every case, as the Go client makes them.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('fs');
+const path = require('path');
+
+const { Decision, RuleDecision } = require('..');
+const { ROOT } = require('./helpers');
+
+const CASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'http_headers.json'), 'utf8'));
+
+function decisionOf(c) {
+  const d = c.decision;
+  return new Decision({
+    allowed: d.allowed, rule: d.rule, limit: d.limit, remaining: d.remaining, resetMs: d.reset_ms,
+    retryAfterMs: d.retry_after_ms, reason: d.reason,
+    rules: d.rules.map((r) => new RuleDecision(r.name, r.limit, r.window_ms, r.remaining, r.reset_ms, r.retry_after_ms, r.allowed, r.shadow)),
+  });
+}
+
+const lower = (h) => Object.fromEntries(Object.entries(h).map(([k, v]) => [k.toLowerCase(), v]));
+
+test('the table is there', () => assert.ok(CASES.length >= 7));
+
+for (const c of CASES) {
+  test(`headers ${c.name}`, () => {
+    const d = decisionOf(c);
+    assert.deepEqual(lower(d.headers()), lower(c.headers), c.meaning);
+    assert.equal(d.status, c.status);
+  });
+
+  test(`rejection ${c.name}`, () => {
+    const d = decisionOf(c);
+    if (c.status === 200) {
+      assert.equal(d.rejection(), null);
+      return;
+    }
+    const { status, headers, body } = d.rejection();
+    assert.equal(status, 429);
+    const h = lower(headers);
+    assert.equal(h['content-type'], 'application/problem+json');
+    assert.equal(h['content-length'], String(body.length));
+    delete h['content-type'];
+    delete h['content-length'];
+    assert.deepEqual(h, lower(c.headers));
+    const p = JSON.parse(body);
+    const ra = c.headers['Retry-After'];
+    assert.deepEqual(Object.keys(p), ['type', 'title', 'status', 'detail', ...(d.rule ? ['rule'] : []), ...(ra ? ['retry_after'] : [])]);
+    assert.deepEqual([p.type, p.title, p.status, p.rule], ['about:blank', 'Too Many Requests', 429, d.rule || undefined]);
+    if (ra) {
+      assert.equal(String(p.retry_after), ra);
+      assert.ok(p.detail.endsWith(`; retry in ${ra} second${ra === '1' ? '' : 's'}.`), p.detail);
+    } else {
+      assert.ok(p.detail.endsWith('can never pass under this limit.'), p.detail);
+    }
+  });
+}
+
+test('body bytes as Go writes them', () => {
+  let d = new Decision({ allowed: false, rule: 'per-user', limit: 5, resetMs: 60000, retryAfterMs: 11200,
+    rules: [new RuleDecision('per-user', 5, 60000, 0, 60000, 11200, false, false)] });
+  assert.equal(d.rejection().body.toString(), '{"type":"about:blank","title":"Too Many Requests","status":429,'
+    + '"detail":"This request exceeds rate limit \\"per-user\\"; retry in 12 seconds.","rule":"per-user","retry_after":12}');
+  // Go's strconv.Quote and encoding/json: control bytes escaped, <>& as \u00XX, Unicode kept
+  // (the bytes WriteRejection writes for these names).
+  d = new Decision({ allowed: false, rule: 'a\t<b>&\u043a', limit: 1, resetMs: 1000, retryAfterMs: 1000 });
+  assert.equal(d.rejection().body.toString(), '{"type":"about:blank","title":"Too Many Requests","status":429,'
+    + '"detail":"This request exceeds rate limit \\"a\\\\t\\u003cb\\u003e\\u0026\u043a\\"; retry in 1 second.",'
+    + '"rule":"a\\t\\u003cb\\u003e\\u0026\u043a","retry_after":1}');
+  d = new Decision({ allowed: false, rule: 'x\x7f\u2028\u{1F600}\u00a0', retryAfterMs: 5000 });
+  assert.equal(d.rejection().body.toString(), '{"type":"about:blank","title":"Too Many Requests","status":429,'
+    + '"detail":"This request exceeds rate limit \\"x\\\\x7f\\\\u2028\u{1F600}\\\\u00a0\\"; retry in 5 seconds.",'
+    + '"rule":"x\x7f\\u2028\u{1F600}\u00a0","retry_after":5}');
+});
+
+test('unreachable, closed: 503', () => {
+  const d = new Decision({ allowed: false, degraded: true, unreachable: true, cause: 'connecting: refused' });
+  const { status, headers, body } = d.rejection();
+  assert.equal(status, 503);
+  assert.deepEqual(headers, { 'Retry-After': '1', 'Content-Type': 'application/problem+json', 'Content-Length': String(body.length) });
+  assert.deepEqual(JSON.parse(body), { type: 'about:blank', title: 'Service Unavailable', status: 503,
+    detail: 'The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.', retry_after: 1 });
+});
+
+test('unreachable, open: no headers', () => {
+  const d = new Decision({ allowed: true, degraded: true, unreachable: true, cause: 'connecting: refused' });
+  assert.deepEqual(d.headers(), {});
+  assert.equal(d.rejection(), null);
+  assert.equal(d.status, 200);
+});

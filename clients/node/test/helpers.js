@@ -1,0 +1,110 @@
+'use strict';
+// The real rlsidecar daemon for the tests: built once per test file with go build (or
+// taken from $RLSIDECAR_BIN), started on a temp socket with a temp rules file.
+
+const { spawnSync, spawn } = require('child_process');
+const fs = require('fs');
+const os = require('os');
+const path = require('path');
+
+const ROOT = path.resolve(__dirname, '..', '..', '..');
+
+const RULES = `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 60s }
+  - name: login-per-ip
+    match: { method: POST, path: /login }
+    key: ip
+    limit: { requests: 3, per: 60s }
+`;
+
+let built = null;
+
+function binary() {
+  if (process.env.RLSIDECAR_BIN) return process.env.RLSIDECAR_BIN;
+  if (built) return built;
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'rls-node-bin'));
+  const out = path.join(dir, 'rlsidecar');
+  const r = spawnSync('go', ['build', '-o', out, './cmd/rlsidecar'], { cwd: ROOT, stdio: 'inherit' });
+  if (r.status !== 0) throw new Error('go build failed');
+  process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }));
+  built = out;
+  return out;
+}
+
+function tempDir(t) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'rls')); // short: a socket path is at most 107 bytes
+  t.after(() => fs.rmSync(dir, { recursive: true, force: true }));
+  return dir;
+}
+
+/** A running `rlsidecar serve`; stopped when the test ends. */
+class Daemon {
+  constructor(dir, rules) {
+    this.socket = path.join(dir, 's.sock');
+    this.rules = path.join(dir, 'rules.yaml');
+    fs.writeFileSync(this.rules, rules);
+    this.proc = null;
+  }
+
+  start() {
+    this.proc = spawn(binary(), ['serve', '--socket', this.socket, '--admin=', '--config', this.rules],
+      { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stderr = '';
+    this.proc.stderr.on('data', (b) => { stderr += b; });
+    const proc = this.proc;
+    return new Promise((resolve, reject) => {
+      let out = '';
+      const timer = setTimeout(() => reject(new Error(`daemon did not start in 10s: ${stderr}`)), 10000);
+      const onData = (b) => {
+        out += b;
+        if (out.includes('\n')) {
+          clearTimeout(timer);
+          proc.stdout.removeListener('data', onData);
+          proc.stdout.resume();
+          if (out.includes('listening on')) resolve(this);
+          else reject(new Error(`daemon did not start: ${out} ${stderr}`));
+        }
+      };
+      proc.stdout.on('data', onData);
+      proc.on('exit', (code) => reject(new Error(`daemon exited ${code}: ${stderr}`)));
+    });
+  }
+
+  stop() {
+    if (this.proc && this.proc.exitCode === null && this.proc.signalCode === null) {
+      const p = this.proc;
+      const exited = new Promise((resolve) => p.once('exit', resolve));
+      p.kill('SIGCONT');
+      p.kill('SIGKILL');
+      return exited;
+    }
+    return Promise.resolve();
+  }
+
+  /** Stops the daemon with SIGSTOP and waits until it is stopped: a stalled sidecar. */
+  async pause() {
+    this.proc.kill('SIGSTOP');
+    const deadline = Date.now() + 5000;
+    while (Date.now() < deadline) {
+      const stat = fs.readFileSync(`/proc/${this.proc.pid}/stat`, 'utf8');
+      if (stat.slice(stat.lastIndexOf(')') + 2).startsWith('T')) return;
+      await new Promise((r) => setTimeout(r, 1));
+    }
+    throw new Error('the daemon did not stop');
+  }
+
+  resume() {
+    this.proc.kill('SIGCONT');
+  }
+}
+
+async function startDaemon(t, rules = RULES) {
+  const d = new Daemon(tempDir(t), rules);
+  t.after(() => d.stop());
+  return d.start();
+}
+
+module.exports = { ROOT, RULES, binary, tempDir, startDaemon };

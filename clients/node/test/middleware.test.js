@@ -1,0 +1,157 @@
+'use strict';
+// The Connect/Express-style middleware behind a real node:http server: the shared header
+// table end to end (a fake sidecar sends each case's decision), and the real daemon.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('fs');
+const http = require('http');
+const net = require('net');
+const path = require('path');
+const { encode } = require('@msgpack/msgpack');
+
+const rl = require('..');
+const proto = require('../lib/proto');
+const { ROOT, startDaemon, tempDir } = require('./helpers');
+
+const CASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'http_headers.json'), 'utf8'));
+
+// fakeSidecar answers a check of path /<case name> with that case's decision.
+async function fakeSidecar(t) {
+  const sock = path.join(tempDir(t), 'fake.sock');
+  const byName = Object.fromEntries(CASES.map((c) => [c.name, c]));
+  const conns = new Set();
+  const srv = net.createServer((s) => {
+    conns.add(s);
+    let buf = Buffer.alloc(0);
+    s.on('data', (b) => {
+      buf = Buffer.concat([buf, b]);
+      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
+        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
+        buf = buf.subarray(4 + buf.readUInt32BE(0));
+        const resp = { ...byName[req.attrs.path.slice(1)].decision, id: req.id, degraded: false };
+        if (!resp.reason) delete resp.reason;
+        const body = Buffer.from(encode(resp));
+        const head = Buffer.alloc(4);
+        head.writeUInt32BE(body.length);
+        s.write(Buffer.concat([head, body]));
+      }
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => {
+    for (const s of conns) s.destroy();
+    srv.close(r);
+  }));
+  return sock;
+}
+
+// serve runs node:http with the middleware in front of a handler that says hello.
+async function serve(t, mw) {
+  const srv = http.createServer((req, res) => {
+    mw(req, res, (err) => {
+      if (err) {
+        res.statusCode = 500;
+        res.end(String(err));
+        return;
+      }
+      res.setHeader('X-Next', '1');
+      res.end('hello');
+    });
+  });
+  await new Promise((r) => srv.listen(0, '127.0.0.1', r));
+  t.after(() => new Promise((r) => { srv.closeAllConnections(); srv.close(r); }));
+  const base = `http://127.0.0.1:${srv.address().port}`;
+  return async (p, init) => {
+    const r = await fetch(base + p, init);
+    return { status: r.status, headers: r.headers, body: Buffer.from(await r.arrayBuffer()) };
+  };
+}
+
+test('the header table through the middleware', async (t) => {
+  const c = new rl.Client({ socket: await fakeSidecar(t), timeoutMs: 2000 });
+  t.after(() => c.close());
+  const get = await serve(t, rl.middleware(c));
+  for (const cs of CASES) {
+    const r = await get('/' + cs.name + '?q=1');
+    assert.equal(r.status, cs.status, cs.name);
+    const want = Object.fromEntries(Object.entries(cs.headers).map(([k, v]) => [k.toLowerCase(), v]));
+    for (const k of ['ratelimit-policy', 'ratelimit', 'retry-after']) assert.equal(r.headers.get(k), want[k] ?? null, `${cs.name} ${k}`);
+    assert.equal(r.headers.get('x-next') === '1', cs.status === 200);
+    if (cs.status === 429) {
+      assert.equal(r.headers.get('content-type'), 'application/problem+json');
+      const p = JSON.parse(r.body);
+      assert.equal(p.status, 429);
+      assert.equal(p.rule, cs.decision.rule || undefined);
+      assert.equal(String(p.retry_after ?? ''), cs.headers['Retry-After'] ?? '');
+    } else {
+      assert.equal(r.body.toString(), 'hello');
+    }
+  }
+});
+
+const RULES_IP = `
+rules:
+  - name: per-ip
+    match: { path: /api/** }
+    key: [ip, method]
+    limit: { requests: 2, per: 60s }
+`;
+
+test('the real daemon behind the middleware', async (t) => {
+  const d = await startDaemon(t, RULES_IP);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const get = await serve(t, rl.middleware(c, { cost: () => 1 }));
+  const rs = [];
+  for (let i = 0; i < 3; i++) rs.push(await get('/api/x?q=1'));
+  assert.deepEqual(rs.map((r) => r.status), [200, 200, 429]);
+  assert.equal(rs[0].headers.get('ratelimit'), '"per-ip";r=1;t=30');
+  assert.equal(rs[2].headers.get('retry-after'), '30');
+  assert.equal(JSON.parse(rs[2].body).rule, 'per-ip');
+  assert.equal((await get('/api/x', { method: 'POST' })).status, 200); // the key is ip and method
+  const other = await get('/other');
+  assert.ok(other.status === 200 && other.headers.get('ratelimit') === null);
+});
+
+for (const [policy, want] of [['open', 200], ['closed', 503]]) {
+  test(`unreachable sidecar, ${policy}`, async (t) => {
+    const c = new rl.Client({ socket: path.join(tempDir(t), 'none.sock'), onUnavailable: policy });
+    t.after(() => c.close());
+    const r = await (await serve(t, rl.middleware(c)))('/api/x');
+    assert.equal(r.status, want);
+    if (want === 503) assert.ok(r.headers.get('retry-after') === '1' && JSON.parse(r.body).title === 'Service Unavailable');
+    else assert.ok(r.body.toString() === 'hello' && r.headers.get('ratelimit') === null);
+  });
+}
+
+test('a protocol error follows the policy, or onError', async (t) => {
+  const d = await startDaemon(t);
+  const many = Object.fromEntries(Array.from({ length: 100 }, (_, i) => [`a${i}`, 'v']));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, onUnavailable: 'closed' });
+  t.after(() => c.close());
+  assert.equal((await (await serve(t, rl.middleware(c, { attrs: () => many })))('/')).status, 503);
+  const seen = [];
+  const mw = rl.middleware(c, {
+    attrs: () => many,
+    onError: (e, req, res) => { seen.push(e.code); res.statusCode = 400; res.end(); },
+  });
+  assert.equal((await (await serve(t, mw))('/')).status, 400);
+  assert.deepEqual(seen, ['bad_request']);
+});
+
+test('defaultAttrs', () => {
+  assert.deepEqual(rl.defaultAttrs({ method: 'GET', url: '/a/b?x=1', socket: { remoteAddress: '::1' } }),
+    { ip: '::1', method: 'GET', path: '/a/b' });
+  assert.deepEqual(rl.defaultAttrs({ method: 'GET', url: '/b', originalUrl: '/mount/b?x', socket: {} }),
+    { ip: '', method: 'GET', path: '/mount/b' });
+});
+
+for (const [policy, want] of [['open', 200], ['closed', 503]]) {
+  test(`a closed client follows the policy, ${policy}`, async (t) => {
+    const d = await startDaemon(t);
+    const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, onUnavailable: policy });
+    await c.close();
+    assert.equal((await (await serve(t, rl.middleware(c)))('/api/x')).status, want);
+  });
+}

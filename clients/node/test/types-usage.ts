@@ -1,0 +1,38 @@
+// A use of every declaration in index.d.ts; types.test.js compiles it with tsc --strict.
+import * as http from 'http';
+import { Client, Decision, RuleDecision, ProtocolError, ClosedError, middleware, defaultAttrs, PROTOCOL } from '..';
+
+async function use(): Promise<void> {
+  const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2 });
+  const d: Decision = await c.check({ user: 'alice' }, { cost: 2, limits: [{ key: 'k', limit: 10, windowMs: 1000, algorithm: 'fixed_window' }] });
+  const allowed: boolean = d.allowed;
+  const r: RuleDecision | undefined = d.rules[0];
+  const h: Record<string, string> = d.headers();
+  const rej = d.rejection();
+  if (rej !== null) {
+    const s: 429 | 503 = rej.status;
+    const b: Buffer = rej.body;
+    void s, b;
+  }
+  const cause: string | null = d.cause;
+  const v: string = await c.ping();
+  try {
+    await c.check({ user: 'x' });
+  } catch (e) {
+    if (e instanceof ProtocolError) console.log(e.code, e.sidecarMessage, e.decision?.status);
+    if (e instanceof ClosedError) console.log(e.message);
+  }
+  const p: 1 = PROTOCOL;
+  const mw = middleware<http.IncomingMessage, http.ServerResponse>(c, { cost: () => 1, attrs: (req) => ({ path: req.url || '' }) });
+  http.createServer((req, res) => mw(req, res, () => res.end('ok')));
+  const a: { ip: string; method: string; path: string } = defaultAttrs({ method: 'GET', url: '/' });
+  await c.close();
+  void allowed, r, h, cause, v, p, a;
+}
+
+void use;
+
+// @ts-expect-error: onUnavailable is 'open' or 'closed'
+new Client({ socket: 's', onUnavailable: 'maybe' });
+// @ts-expect-error: attrs are strings
+void new Client({ socket: 's' }).check({ user: 1 });

@@ -1,0 +1,137 @@
+"""The wire format of rlsidecar protocol v1 (proto/PROTOCOL.md): frames, requests, answers.
+
+A frame is a 4-byte big-endian length, then one msgpack map. Requests are encoded in the
+canonical field order of the Go encoder (id, op, attrs, limits, cost), so equal requests
+give equal bytes and the shared test vectors hold byte for byte.
+"""
+
+import struct
+
+import msgpack
+
+from .decision import Decision, RuleDecision
+
+PROTOCOL = 1
+
+#: The largest answer frame the clients read; a longer announced length breaks the
+#: connection (the sidecar never sends one).
+MAX_RESPONSE_FRAME = 1 << 20
+
+_LEN = struct.Struct(">I")
+_LIMIT_REQUIRED = ("key", "limit", "window_ms")
+_LIMIT_OPTIONAL = ("burst", "algorithm", "mode", "name")
+_LIMIT_FIELDS = frozenset(_LIMIT_REQUIRED + _LIMIT_OPTIONAL)
+
+
+class ProtocolError(Exception):
+    """The sidecar answered a request with an error (bad_request, invalid_limit, ...).
+
+    It means the request itself is wrong (a bug in what the caller sent), not that the
+    sidecar is away. ``code`` and ``message`` are the sidecar's; ``decision`` is the
+    client's on_unavailable decision, so a caller that ignores the error stays safe.
+    """
+
+    def __init__(self, code, message, decision=None):
+        super().__init__("rlsidecar: %s: %s" % (code, message))
+        self.code = code
+        self.message = message
+        self.decision = decision
+
+
+class ClosedError(Exception):
+    """The client was closed before or during the check."""
+
+
+def _norm_limit(i, lim):
+    if not isinstance(lim, dict):
+        raise TypeError("limits[%d] must be a dict, not %s" % (i, type(lim).__name__))
+    unknown = set(lim) - _LIMIT_FIELDS
+    if unknown:
+        raise ValueError("limits[%d]: unknown field(s) %s; known: %s"
+                         % (i, ", ".join(sorted(map(str, unknown))), ", ".join(_LIMIT_REQUIRED + _LIMIT_OPTIONAL)))
+    out = {}
+    for f in _LIMIT_REQUIRED:
+        if f not in lim:
+            raise ValueError("limits[%d]: %r is required" % (i, f))
+        out[f] = lim[f]
+    for f in _LIMIT_OPTIONAL:
+        v = lim.get(f)
+        if v is not None and v != "" and v != 0:
+            out[f] = v
+    return out
+
+
+def check_message(req_id, attrs, cost, limits):
+    """Return the request map of a check, in canonical field order.
+
+    ``attrs`` is a dict of str to str, sent in its order; ``limits`` a list of dicts with
+    ``key``, ``limit``, ``window_ms`` and optionally ``burst``, ``algorithm``, ``mode``,
+    ``name``. Wrong types raise TypeError or ValueError before anything is sent.
+    """
+    msg = {"id": req_id, "op": "check"}
+    if attrs is not None and not isinstance(attrs, dict):
+        raise TypeError("attrs must be a dict of str to str, not %s" % type(attrs).__name__)
+    if attrs:
+        for k, v in attrs.items():
+            if type(k) is not str or type(v) is not str:
+                raise TypeError("attrs must map str to str; %r: %r" % (k, v))
+        msg["attrs"] = attrs
+    if limits is not None and not isinstance(limits, (list, tuple)):
+        raise TypeError("limits must be a list of dicts, not %s" % type(limits).__name__)
+    if limits:
+        msg["limits"] = [_norm_limit(i, lim) for i, lim in enumerate(limits)]
+    if cost != 1:
+        if type(cost) is not int or cost < 0:
+            raise ValueError("cost must be an int >= 0, not %r" % (cost,))
+        msg["cost"] = cost
+    return msg
+
+
+def encode(msg):
+    """Return msg as one frame (length prefix included)."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header):
+    """Return the body length announced by a 4-byte frame header."""
+    (n,) = _LEN.unpack(header)
+    return n
+
+
+def decode(body):
+    """Return the msgpack map of a frame body; ValueError when it is not one."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types; all mean a bad frame
+        raise ValueError("undecodable answer: %s" % e) from None
+    if not isinstance(msg, dict):
+        raise ValueError("answer is a %s, not a map" % type(msg).__name__)
+    return msg
+
+
+def _str(v):
+    return v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else v
+
+
+def decision(msg):
+    """Return the Decision of a check answer, as decoded by decode()."""
+    g = msg.get
+    rules = [
+        RuleDecision(_str(r.get("name", "")), r.get("limit", 0), r.get("window_ms", 0), r.get("remaining", 0),
+                     r.get("reset_ms", 0), r.get("retry_after_ms", 0), r.get("allowed", False),
+                     r.get("shadow", False), _str(r.get("reason", "")))
+        for r in (g("rules") or ())
+    ]
+    return Decision(g("allowed", False), _str(g("rule", "")), g("limit", 0), g("remaining", 0), g("reset_ms", 0),
+                    g("retry_after_ms", 0), g("degraded", False), rules, _str(g("reason", "")))
+
+
+def error_of(msg):
+    """Return (code, message) when msg is an error answer, else None."""
+    e = msg.get("error")
+    if e is None:
+        return None
+    if not isinstance(e, dict):
+        return ("internal", repr(e))
+    return (_str(e.get("code", "")), _str(e.get("message", "")))

@@ -1,0 +1,230 @@
+"""The asyncio client: checks pipelined over one kept-alive connection."""
+
+import asyncio
+import collections
+import time
+
+from . import _proto
+from .client import _check_options, backoff
+from .decision import Decision
+
+#: Checks in flight (abandoned ones included) beyond which the sidecar is far behind:
+#: a check then answers by the policy at once.
+MAX_PENDING = 4096
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection: frames out in the transport's buffer, answers matched in order."""
+
+    def __init__(self, client):
+        self.client = client
+        self.transport = None
+        self.buf = bytearray()
+        self.pending = collections.deque()  # (id, future), in request order
+        self.next_id = 0
+        self.served = False
+        self.broken = None  # why the connection broke; None while usable
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        buf = self.buf
+        buf += data
+        while len(buf) >= 4:
+            n = _proto.frame_length(buf[:4])
+            if n > _proto.MAX_RESPONSE_FRAME:
+                return self.fail("answer frame of %d bytes" % n)
+            if len(buf) < 4 + n:
+                return
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            try:
+                msg = _proto.decode(body)
+            except ValueError as e:
+                return self.fail(str(e))
+            if not self.pending:
+                e = _proto.error_of(msg)
+                return self.fail("the sidecar closed the connection: %s" % e[0] if e else "an answer nobody asked for")
+            want, fut = self.pending.popleft()
+            got = msg.get("id")
+            e = _proto.error_of(msg)
+            if got != want and not (e is not None and got == 0):
+                return self.fail("answer id %r where %d was due" % (got, want))
+            if e is not None and e[0] in ("too_many_connections", "shutting_down"):
+                return self.fail("the sidecar closed the connection: %s" % e[0])
+            self.served = True
+            if not fut.done():  # else the caller gave up: the answer is dropped
+                fut.set_result(msg)
+            if e is not None and e[0] == "frame_too_large":
+                # The sidecar closes the connection after this answer: no check may follow on it.
+                return self.fail("the sidecar closed the connection: frame_too_large")
+
+    def connection_lost(self, exc):
+        self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection")
+
+    def fail(self, why):
+        """Break the connection once: close it and fail every pending check."""
+        if self.broken is not None:
+            return
+        self.broken = why
+        if self.transport is not None:
+            self.transport.close()
+        self.client._detach(self)
+        err = ConnectionError(why)
+        while self.pending:
+            _, fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+
+
+def _expire(fut):
+    if not fut.done():
+        fut.set_exception(TimeoutError("no answer within the timeout"))
+
+
+class AsyncClient:
+    """Asks one sidecar for decisions from asyncio code, pipelining every check over one
+    kept-alive connection: concurrent checks each write their frame at once (no waiting
+    for the previous answer) and the answers, which come back in order, are matched to
+    them. Use it from one event loop.
+
+    ``timeout`` (seconds, default 50 ms) bounds each check; when the sidecar gives no
+    answer by then — socket missing, refused, dropped, stalled — check() returns the
+    ``on_unavailable`` decision ("open" allows, "closed" rejects; degraded and unreachable
+    are True). A late answer is dropped and the connection stays in use. A broken
+    connection is redialled by the next check; failed dials back off from 10 ms to 1 s,
+    and meanwhile checks answer by the policy at once.
+
+    check() raises only ProtocolError (a malformed request) and ClosedError. Close it with
+    ``await client.close()`` or ``async with``.
+    """
+
+    def __init__(self, socket_path, timeout=0.05, on_unavailable="open"):
+        _check_options(socket_path, timeout, on_unavailable)
+        self.socket_path = socket_path
+        self.timeout = float(timeout)
+        self.on_unavailable = on_unavailable
+        self._conn = None
+        self._dial = None  # the dial task in progress
+        self._closed = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error = None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        """Close the connection, failing checks in flight (they answer by the policy);
+        later checks raise ClosedError. Idempotent."""
+        self._closed = True
+        if self._dial is not None:
+            self._dial.cancel()
+            try:
+                await self._dial
+            except BaseException:
+                pass
+            self._dial = None
+        if self._conn is not None:
+            self._conn.fail("client closed")
+
+    async def check(self, attrs, cost=1, limits=None):
+        """Ask whether a request with these attributes may pass; see Client.check."""
+        msg = await self._round_trip(lambda i: _proto.check_message(i, attrs, cost, limits))
+        if isinstance(msg, str):
+            return Decision(self.on_unavailable == "open", degraded=True, unreachable=True, cause=msg)
+        e = _proto.error_of(msg)
+        if e is not None:
+            d = Decision(self.on_unavailable == "open", degraded=True, cause="%s: %s" % e)
+            raise _proto.ProtocolError(e[0], e[1], d)
+        return _proto.decision(msg)
+
+    async def ping(self):
+        """Return the sidecar's version string; raises ConnectionError when unreachable."""
+        msg = await self._round_trip(lambda i: {"id": i, "op": "ping"})
+        if isinstance(msg, str):
+            raise ConnectionError("rlsidecar: sidecar unreachable: " + msg)
+        e = _proto.error_of(msg)
+        if e is not None:
+            raise _proto.ProtocolError(*e)
+        return msg.get("version", "")
+
+    async def _round_trip(self, make):
+        """Send make(id) and return the answer map, or a str saying why there is none."""
+        if self._closed:
+            raise _proto.ClosedError("rlsidecar: client closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        conn = self._conn
+        if conn is None:
+            conn = await self._connect(loop, deadline)
+            if isinstance(conn, str):
+                return conn
+        if conn.broken is not None:
+            return conn.broken
+        if len(conn.pending) >= MAX_PENDING:
+            return "too many checks in flight on the connection"
+        frame = _proto.encode(make(conn.next_id + 1))  # raises before anything is queued
+        conn.next_id += 1
+        fut = loop.create_future()
+        conn.pending.append((conn.next_id, fut))
+        conn.transport.write(frame)
+        timer = loop.call_at(deadline, _expire, fut)
+        try:
+            return await fut
+        except TimeoutError:
+            return "no answer within the timeout"
+        except ConnectionError as e:
+            if self._closed:
+                raise _proto.ClosedError("rlsidecar: client closed") from None
+            return str(e)
+        finally:
+            timer.cancel()
+
+    async def _connect(self, loop, deadline):
+        if self._dial is None:
+            if self._failures and time.monotonic() < self._retry_at:
+                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error)
+            self._dial = loop.create_task(self._do_dial())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._dial), max(deadline - loop.time(), 0))
+        except asyncio.TimeoutError:
+            return "no connection within the timeout"
+        except asyncio.CancelledError:
+            if self._closed:  # close() cancelled the dial this check waited for
+                raise _proto.ClosedError("rlsidecar: client closed") from None
+            raise
+
+    async def _do_dial(self):
+        try:
+            _, conn = await asyncio.wait_for(
+                asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(self), self.socket_path),
+                max(self.timeout, 0.1))
+        except (OSError, asyncio.TimeoutError) as e:
+            self._failed("connecting to %s: %s" % (self.socket_path, e or "timed out"))
+            return self._last_error
+        finally:
+            self._dial = None
+        if self._closed:
+            conn.fail("client closed")
+            return "client closed"
+        self._conn = conn
+        return conn
+
+    def _failed(self, why):
+        self._failures += 1
+        self._retry_at = time.monotonic() + backoff(self._failures)
+        self._last_error = why
+
+    def _detach(self, conn):
+        if self._conn is not conn:
+            return
+        self._conn = None
+        if conn.served:
+            self._failures = 0
+        else:
+            self._failed(conn.broken)

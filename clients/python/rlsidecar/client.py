@@ -1,0 +1,267 @@
+"""The blocking client: a pool of kept-alive connections, one check in flight on each."""
+
+import random
+import socket
+import threading
+import time
+
+from . import _proto
+from .decision import Decision
+
+#: Failed connection attempts back off from 10 ms, doubling, up to 1 s (with jitter).
+BACKOFF_MIN = 0.010
+BACKOFF_MAX = 1.0
+
+_POLICIES = ("open", "closed")
+
+#: check_many writes at most this many frames before reading their answers.
+BATCH_WINDOW = 256
+
+
+def _check_options(socket_path, timeout, on_unavailable):
+    if not socket_path or not isinstance(socket_path, str):
+        raise ValueError("socket_path must be a non-empty str")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError("timeout must be a number of seconds > 0, not %r" % (timeout,))
+    if on_unavailable not in _POLICIES:
+        raise ValueError('on_unavailable must be "open" or "closed", not %r' % (on_unavailable,))
+
+
+def backoff(failures):
+    """The wait in seconds after n consecutive failed attempts: 10 ms·2^(n-1), at most
+    1 s, then a random half to all of it."""
+    d = BACKOFF_MAX if failures >= 8 else min(BACKOFF_MIN * (1 << (failures - 1)), BACKOFF_MAX)
+    return d / 2 + random.random() * d / 2
+
+
+class _Conn:
+    __slots__ = ("sock", "buf", "next_id", "served")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()  # bytes read beyond the last frame
+        self.next_id = 0
+        self.served = False  # an answer arrived: the sidecar is really there
+
+
+class Client:
+    """Asks one sidecar for decisions over its Unix socket.
+
+    Connections are kept open and pooled: a check takes an idle connection (or dials one),
+    sends its frame, reads the answer and puts the connection back, so concurrent threads
+    each use their own connection and a single thread reuses one. At most ``pool_size``
+    idle connections are kept. check_many() pipelines a batch of checks on one
+    connection (one write, answers read in order).
+
+    The sidecar is a dependency that can be down, restarting or slow; check() never
+    raises for that. When no answer arrives within ``timeout`` seconds (default 50 ms) —
+    socket missing, connection refused or dropped, sidecar stalled — it returns the
+    ``on_unavailable`` decision: "open" allows, "closed" rejects (the HTTP form is then
+    a 503); either way ``degraded`` and ``unreachable`` are True. A connection that timed
+    out is closed (a late answer must not be read as the next one's). Failed dials, and
+    connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
+    checks answer by the policy at once.
+
+    It raises only ProtocolError (the sidecar refused the request as malformed: a bug in
+    what the caller sent) and ClosedError. Safe for use by many threads; close() it (or
+    use it as a context manager) to close its connections.
+    """
+
+    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", pool_size=4):
+        _check_options(socket_path, timeout, on_unavailable)
+        if not isinstance(pool_size, int) or pool_size < 1:
+            raise ValueError("pool_size must be an int >= 1, not %r" % (pool_size,))
+        self.socket_path = socket_path
+        self.timeout = float(timeout)
+        self.on_unavailable = on_unavailable
+        self.pool_size = pool_size
+        self._lock = threading.Lock()
+        self._idle = []
+        self._closed = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Close every idle connection; later checks raise ClosedError. Idempotent."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.sock.close()
+
+    def check(self, attrs, cost=1, limits=None):
+        """Ask whether a request with these attributes may pass, and consume ``cost``.
+
+        ``attrs``: dict of str to str (``user``, ``ip``, ``path``, ... — whatever the rules
+        match on), sent in its order. ``cost``: what the request consumes; 0 asks without
+        consuming. ``limits``: inline limits, dicts with ``key``, ``limit``,
+        ``window_ms`` and optionally ``burst``, ``algorithm``, ``mode``, ``name``.
+        Returns a Decision; see the class doc for an unreachable sidecar.
+        """
+        return self.check_many([(attrs, cost, limits)])[0]
+
+    def check_many(self, checks):
+        """Check several requests at once, pipelined on one connection: ``checks`` is a
+        list of ``(attrs, cost, limits)`` tuples; returns their Decisions in order. The
+        timeout covers the whole batch. Raises ProtocolError for the first check the
+        sidecar refused (its ``decision`` is the policy one; use check() to isolate it)."""
+        if self._closed:
+            raise ClosedError("rlsidecar: client closed")
+        if not checks:
+            return []
+        now = time.monotonic()
+        deadline = now + self.timeout
+        conn = self._take(now)
+        if not isinstance(conn, _Conn):
+            return [self._policy(conn) for _ in checks]
+        first = conn.next_id + 1
+        frames = []
+        for attrs, cost, limits in checks:
+            conn.next_id += 1
+            try:
+                frames.append(_proto.encode(_proto.check_message(conn.next_id, attrs, cost, limits)))
+            except Exception:
+                self._put(conn)
+                raise
+        try:
+            conn.sock.settimeout(self.timeout)
+            if len(frames) == 1:
+                conn.sock.sendall(frames[0])
+                msgs = [self._read(conn, deadline)]
+            else:
+                # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers
+                # would otherwise fill them both ways, the sidecar waiting for us to read.
+                msgs = []
+                for i in range(0, len(frames), BATCH_WINDOW):
+                    window = frames[i:i + BATCH_WINDOW]
+                    conn.sock.sendall(b"".join(window))
+                    msgs.extend(self._read(conn, deadline) for _ in window)
+        except (OSError, ValueError) as e:
+            conn.sock.close()
+            if isinstance(e, socket.timeout):
+                return [self._policy("no answer within the timeout") for _ in checks]
+            why = "connection lost: %s" % e
+            if not conn.served:
+                # A sidecar that accepts and then drops is not hammered either: back off.
+                self._failed(why)
+            return [self._policy(why) for _ in checks]
+        out = []
+        err = None
+        keep = True
+        for i, msg in enumerate(msgs):
+            mid = msg.get("id")
+            e = _proto.error_of(msg)
+            if mid != first + i and not (e is not None and mid == 0):
+                conn.sock.close()
+                return [self._policy("answer id %r where %d was due" % (mid, first + i)) for _ in checks]
+            if e is not None:
+                if e[0] in ("too_many_connections", "shutting_down"):
+                    conn.sock.close()
+                    return [self._policy("the sidecar closed the connection: %s" % e[0]) for _ in checks]
+                if e[0] == "frame_too_large":
+                    keep = False  # the sidecar closes the connection after this answer
+                d = self._policy(None)
+                d.unreachable, d.cause = False, "%s: %s" % e
+                if err is None:
+                    err = _proto.ProtocolError(e[0], e[1], d)
+                out.append(d)
+            else:
+                out.append(_proto.decision(msg))
+        conn.served = True
+        with self._lock:
+            self._failures = 0
+        if keep:
+            self._put(conn)
+        else:
+            conn.sock.close()
+        if err is not None:
+            raise err
+        return out
+
+    def ping(self):
+        """Return the sidecar's version string; raises OSError when it is unreachable."""
+        conn = self._take(time.monotonic())
+        if not isinstance(conn, _Conn):
+            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
+        conn.next_id += 1
+        try:
+            conn.sock.settimeout(self.timeout)
+            conn.sock.sendall(_proto.encode({"id": conn.next_id, "op": "ping"}))
+            msg = self._read(conn, time.monotonic() + self.timeout)
+        except BaseException:
+            conn.sock.close()
+            raise
+        self._put(conn)
+        e = _proto.error_of(msg)
+        if e is not None:
+            raise _proto.ProtocolError(*e)
+        return msg.get("version", "")
+
+    def _policy(self, cause):
+        return Decision(self.on_unavailable == "open", degraded=True, unreachable=cause is not None, cause=cause)
+
+    def _take(self, now):
+        """Return an idle or new connection, or a str saying why there is none."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._failures and now < self._retry_at:
+                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.socket_path)
+        except OSError as e:
+            s.close()
+            return self._failed("connecting to %s: %s" % (self.socket_path, e))
+        return _Conn(s)
+
+    def _failed(self, why):
+        """Count a failed attempt, start the backoff and return why."""
+        with self._lock:
+            self._failures += 1
+            self._retry_at = time.monotonic() + backoff(self._failures)
+            self._last_error = why
+        return why
+
+    def _put(self, conn):
+        with self._lock:
+            if not self._closed and len(self._idle) < self.pool_size:
+                self._idle.append(conn)
+                return
+        conn.sock.close()
+
+    @staticmethod
+    def _read(conn, deadline):
+        """Read one frame from conn and decode it; socket.timeout past the deadline."""
+        buf = conn.buf
+        sock = conn.sock
+        need = 4
+        while True:
+            if len(buf) >= need:
+                if need == 4:
+                    need = 4 + _proto.frame_length(buf[:4])
+                    if need - 4 > _proto.MAX_RESPONSE_FRAME:
+                        raise ValueError("answer frame of %d bytes" % (need - 4))
+                    continue
+                body = bytes(buf[4:need])
+                del buf[:need]
+                return _proto.decode(body)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("no answer within the timeout")
+            sock.settimeout(left)
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the sidecar closed the connection")
+            buf += chunk
+
+
+ClosedError = _proto.ClosedError

@@ -1,0 +1,218 @@
+"""Decisions and their HTTP form, identical to the Go client's (clients/go/http.go).
+
+The rules are in clients/go/README.md, "HTTP mapping"; the cases every client is tested
+against are in clients/testdata/http_headers.json.
+"""
+
+import json
+
+#: The "type" of the problem+json bodies: the problem is what the status code says
+#: (RFC 9457 §4.2.1); the "rule" and "retry_after" members carry the details.
+PROBLEM_TYPE = "about:blank"
+
+COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
+
+
+class RuleDecision:
+    """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
+
+    __slots__ = ("name", "limit", "window_ms", "remaining", "reset_ms", "retry_after_ms", "allowed", "shadow",
+                 "reason")
+
+    def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason=""):
+        self.name = name
+        self.limit = limit  # requests per window
+        self.window_ms = window_ms
+        self.remaining = remaining  # left after this request
+        self.reset_ms = reset_ms  # until the rule is back to full
+        self.retry_after_ms = retry_after_ms  # 0 when this rule allowed
+        self.allowed = allowed
+        self.shadow = shadow  # a dry-run rule: reported, never rejecting, never deciding
+        self.reason = reason  # "" or "cost_exceeds_capacity"
+
+    def __eq__(self, other):
+        return isinstance(other, RuleDecision) and all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
+
+    def __repr__(self):
+        return "RuleDecision(%s)" % ", ".join("%s=%r" % (f, getattr(self, f)) for f in self.__slots__)
+
+
+class Decision:
+    """The answer to a check.
+
+    Example: the token-bucket rule "per-user" allows 5 requests a minute (one refilled
+    every 12 s). A user sent 5 at once 10 s ago; the next check returns allowed False,
+    rule "per-user", limit 5, remaining 0, retry_after_ms 2000, reset_ms 50000, and rules
+    holds per-user and every other matched rule. headers() turns that into
+    RateLimit-Policy, RateLimit and Retry-After.
+
+    When nothing matched, allowed is True and rule is "". When the sidecar gave no answer
+    (missing, refusing, too slow), the decision is the client's on_unavailable policy:
+    allowed is (policy == "open"), degraded and unreachable are True, rule is "" and
+    cause says why. degraded alone (unreachable False) means the sidecar decided without
+    the store it needed, by a rule's failure policy.
+
+    A Decision is a plain value: safe to share between threads once returned.
+    """
+
+    __slots__ = ("allowed", "rule", "limit", "remaining", "reset_ms", "retry_after_ms", "degraded", "rules", "reason",
+                 "unreachable", "cause")
+
+    def __init__(self, allowed, rule="", limit=0, remaining=0, reset_ms=0, retry_after_ms=0, degraded=False,
+                 rules=None, reason="", unreachable=False, cause=None):
+        self.allowed = allowed
+        self.rule = rule  # the deciding rule; "" when nothing decided
+        self.limit = limit  # the deciding rule's limit (requests per window)
+        self.remaining = remaining  # what the deciding rule has left after this request
+        self.reset_ms = reset_ms  # until the deciding rule is back to full
+        self.retry_after_ms = retry_after_ms  # 0 when allowed; else the earliest time a retry can pass
+        self.degraded = degraded
+        self.rules = rules if rules is not None else []
+        self.reason = reason  # "" or "cost_exceeds_capacity": no retry can ever pass
+        self.unreachable = unreachable  # the client applied on_unavailable: no answer from the sidecar
+        self.cause = cause  # why the client applied on_unavailable (a str), else None
+
+    def __repr__(self):
+        return "Decision(%s)" % ", ".join("%s=%r" % (f, getattr(self, f)) for f in self.__slots__)
+
+    @property
+    def status(self):
+        """The HTTP status this decision calls for: 200 (go on), 429 (a rule rejected) or
+        503 (no answer from the sidecar and on_unavailable is "closed")."""
+        if self.allowed:
+            return 200
+        if self.unreachable or self.cause is not None:
+            return 503
+        return 429
+
+    def headers(self):
+        """Return the rate-limit response headers of this decision, as a dict:
+
+        - when a rule decided: RateLimit-Policy and RateLimit (draft-ietf-httpapi-
+          ratelimit-headers), one item per non-shadow rule, the deciding rule first:
+          ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up);
+        - when rejected: Retry-After in seconds, at least 1, except for
+          cost_exceeds_capacity (no retry can pass).
+
+        A decision where nothing matched, or an unreachable one, gets {} (when allowed).
+        """
+        h = {}
+        if self.rule:
+            pol, cur = [], []
+            decided = None
+            for r in self.rules:
+                if not r.shadow and r.name == self.rule:
+                    decided = r
+                    break
+            if decided is not None:
+                _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided.remaining, decided.reset_ms)
+            else:
+                # The deciding rule is missing from rules: the top-level fields have no window.
+                _item(pol, cur, self.rule, self.limit, None, self.remaining, self.reset_ms)
+            for r in self.rules:
+                if not r.shadow and r is not decided:
+                    _item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+            h["RateLimit-Policy"] = ", ".join(pol)
+            h["RateLimit"] = ", ".join(cur)
+        if not self.allowed and self.reason != COST_EXCEEDS_CAPACITY:
+            h["Retry-After"] = str(self._retry_after_s())
+        return h
+
+    def _retry_after_s(self):
+        return max(_ceil_s(self.retry_after_ms), 1)
+
+    def problem(self):
+        """Return the RFC 9457 problem details (a dict) of a decision that does not allow
+        the request, as the Go client writes them; None when allowed."""
+        if self.allowed:
+            return None
+        if self.status == 503:
+            return {"type": PROBLEM_TYPE, "title": "Service Unavailable", "status": 503,
+                    "detail": "The rate limiter is unavailable and this service does not admit requests without it; "
+                              "retry in 1 second.",
+                    "retry_after": 1}
+        limit = "rate limit " + _go_quote(self.rule) if self.rule else "the rate limit"
+        p = {"type": PROBLEM_TYPE, "title": "Too Many Requests", "status": 429, "detail": ""}
+        if self.rule:
+            p["rule"] = self.rule
+        if self.reason == COST_EXCEEDS_CAPACITY:
+            p["detail"] = "This request costs more than " + limit + " can ever admit: it can never pass under this limit."
+        else:
+            s = self._retry_after_s()
+            p["detail"] = "This request exceeds %s; retry in %d second%s." % (limit, s, "" if s == 1 else "s")
+            p["retry_after"] = s
+        return p
+
+    def rejection(self):
+        """Return (status, headers, body) of the response to a request this decision does
+        not allow: 429 with the headers() and a problem+json body, or, when the sidecar
+        gave no answer and on_unavailable is "closed", 503 with Retry-After: 1. The body
+        is bytes, the same bytes the Go client writes. None when allowed."""
+        p = self.problem()
+        if p is None:
+            return None
+        if p["status"] == 503:
+            h = {"Retry-After": "1"}
+        else:
+            h = self.headers()
+        body = _go_json(p)
+        h["Content-Type"] = "application/problem+json"
+        h["Content-Length"] = str(len(body))
+        return p["status"], h, body
+
+
+def _ceil_s(ms):
+    """ms rounded up to whole seconds; negative counts as 0."""
+    return 0 if ms <= 0 else -(-ms // 1000)
+
+
+def _item(pol, cur, name, limit, window_ms, remaining, reset_ms):
+    n = _sf_string(name)
+    pol.append("%s;q=%d" % (n, limit) if window_ms is None else "%s;q=%d;w=%d" % (n, limit, max(_ceil_s(window_ms), 1)))
+    cur.append("%s;r=%d;t=%d" % (n, remaining, _ceil_s(reset_ms)))
+
+
+def _sf_string(s):
+    """s as an RFC 8941 string: backslash and quote escaped, every byte outside printable
+    ASCII (each byte of a UTF-8 sequence too) replaced with "_"."""
+    out = ['"']
+    for c in s.encode("utf-8", "surrogateescape"):
+        if c == 0x5C or c == 0x22:
+            out.append("\\" + chr(c))
+        elif c < 0x20 or c > 0x7E:
+            out.append("_")
+        else:
+            out.append(chr(c))
+    out.append('"')
+    return "".join(out)
+
+
+_GO_ESC = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v", "\\": "\\\\",
+           '"': '\\"'}
+
+
+def _go_quote(s):
+    """s quoted as Go's strconv.Quote does (for the problem detail)."""
+    out = ['"']
+    for ch in s:
+        e = _GO_ESC.get(ch)
+        if e is not None:
+            out.append(e)
+        elif ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x80:
+            out.append("\\x%02x" % ord(ch))
+        elif ord(ch) <= 0xFFFF:
+            out.append("\\u%04x" % ord(ch))
+        else:
+            out.append("\\U%08x" % ord(ch))
+    out.append('"')
+    return "".join(out)
+
+
+def _go_json(obj):
+    """obj as Go's encoding/json writes it: compact, UTF-8, <, > and & escaped."""
+    s = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    s = s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    s = s.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return s.encode("utf-8")

@@ -1,0 +1,113 @@
+"""WSGI and ASGI middleware: check every request, answer 429/503 or pass it on with the
+rate-limit headers — the same behaviour as the Go client's Middleware."""
+
+from ._proto import ClosedError, ProtocolError
+from .decision import Decision
+
+
+def wsgi_attrs(environ):
+    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path
+    (SCRIPT_NAME + PATH_INFO, without the query string)."""
+    return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
+            "path": environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")}
+
+
+def asgi_attrs(scope):
+    """The default attributes of an ASGI HTTP request: ip (the client's host), method,
+    path (without the query string)."""
+    client = scope.get("client")
+    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": scope.get("path", "")}
+
+
+def _closed(client):
+    return Decision(client.on_unavailable == "open", degraded=True, cause="client closed")
+
+
+def _reason(status):
+    return {200: "OK", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
+
+
+class WSGIMiddleware:
+    """WSGI middleware around ``app`` that checks every request with ``client`` (a
+    rlsidecar.Client):
+
+    - allowed: the rate-limit headers (Decision.headers()) are added to the app's
+      response;
+    - rejected by a rule: 429 with Retry-After and a problem+json body; the app is not
+      called;
+    - no answer from the sidecar: the client's on_unavailable — "open" calls the app
+      without rate-limit headers, "closed" answers 503 with Retry-After: 1;
+    - a ProtocolError (``attrs`` or ``cost`` produced something the sidecar refuses) or
+      a closed client: the client's on_unavailable, as for an unreachable sidecar.
+
+    ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
+    by default wsgi_attrs and 1.
+    """
+
+    def __init__(self, app, client, attrs=wsgi_attrs, cost=None):
+        self.app = app
+        self.client = client
+        self.attrs = attrs
+        self.cost = cost
+
+    def __call__(self, environ, start_response):
+        cost = self.cost(environ) if self.cost is not None else 1
+        try:
+            d = self.client.check(self.attrs(environ), cost)
+        except ProtocolError as e:
+            d = e.decision
+        except ClosedError:
+            d = _closed(self.client)
+        if not d.allowed:
+            status, headers, body = d.rejection()
+            start_response("%d %s" % (status, _reason(status)), list(headers.items()))
+            return [body]
+        extra = list(d.headers().items())
+        if not extra:
+            return self.app(environ, start_response)
+
+        def start(status, headers, exc_info=None):
+            return start_response(status, headers + extra, exc_info) if exc_info else start_response(status, headers + extra)
+
+        return self.app(environ, start)
+
+
+class ASGIMiddleware:
+    """ASGI middleware around ``app`` that checks every HTTP request with ``client`` (a
+    rlsidecar.AsyncClient); other scopes (lifespan, websocket) pass through. It behaves
+    as WSGIMiddleware does; ``attrs(scope) -> dict`` and ``cost(scope) -> int`` default
+    to asgi_attrs and 1."""
+
+    def __init__(self, app, client, attrs=asgi_attrs, cost=None):
+        self.app = app
+        self.client = client
+        self.attrs = attrs
+        self.cost = cost
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        cost = self.cost(scope) if self.cost is not None else 1
+        try:
+            d = await self.client.check(self.attrs(scope), cost)
+        except ProtocolError as e:
+            d = e.decision
+        except ClosedError:
+            d = _closed(self.client)
+        if not d.allowed:
+            status, headers, body = d.rejection()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
+        if not extra:
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = list(message.get("headers", ())) + extra
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)

@@ -1,0 +1,118 @@
+"""Fixtures: the real rlsidecar daemon, built once per session (or taken from
+$RLSIDECAR_BIN), started per test on a temp socket with a temp rules file."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+
+RULES = """
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 60s }
+  - name: login-per-ip
+    match: { method: POST, path: /login }
+    key: ip
+    limit: { requests: 3, per: 60s }
+"""
+
+
+@pytest.fixture(scope="session")
+def binary():
+    path = os.environ.get("RLSIDECAR_BIN")
+    if path:
+        yield path
+        return
+    d = tempfile.mkdtemp(prefix="rls-py-bin")
+    path = os.path.join(d, "rlsidecar")
+    subprocess.run(["go", "build", "-o", path, "./cmd/rlsidecar"], cwd=ROOT, check=True)
+    yield path
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Daemon:
+    """A running `rlsidecar serve` on a temp socket."""
+
+    def __init__(self, binary, rules, tmp):
+        self.dir = tmp
+        self.socket = os.path.join(tmp, "s.sock")
+        self.rules = os.path.join(tmp, "rules.yaml")
+        with open(self.rules, "w") as f:
+            f.write(rules)
+        self.binary = binary
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen([self.binary, "serve", "--socket", self.socket, "--admin=", "--config", self.rules],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))
+        t.start()
+        t.join(10)
+        if not line or "listening on" not in line[0]:
+            self.proc.kill()
+            raise RuntimeError("daemon did not start: %r %s" % (line, self.proc.stderr.read()))
+        # Drain the pipes so the daemon never blocks on them.
+        for stream in (self.proc.stdout, self.proc.stderr):
+            threading.Thread(target=stream.read, daemon=True).start()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self):
+        """Stop the daemon (SIGSTOP) and wait until it is stopped: a stalled sidecar."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with open("/proc/%d/stat" % self.proc.pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.001)
+        raise RuntimeError("the daemon did not stop")
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def short_tmp():
+    d = tempfile.mkdtemp(prefix="rls")  # short: a Unix socket path is at most 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(binary, short_tmp):
+    d = Daemon(binary, RULES, short_tmp)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def make_daemon(binary):
+    made = []
+
+    def make(rules):
+        tmp = tempfile.mkdtemp(prefix="rls")
+        d = Daemon(binary, rules, tmp)
+        made.append((d, tmp))
+        return d
+
+    yield make
+    for d, tmp in made:
+        d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

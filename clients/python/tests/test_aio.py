@@ -1,0 +1,125 @@
+"""The asyncio client against the real daemon: pipelining on one connection, timeouts
+with the late answer dropped, an unreachable sidecar."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import rlsidecar
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_pipelined_checks_on_one_connection(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            assert await c.ping()
+            conn = c._conn
+            lim = [{"key": "shared", "limit": 150, "window_ms": 3600000, "algorithm": "fixed_window"}]
+            ds = await asyncio.gather(*(c.check({}, limits=lim) for _ in range(200)))
+            assert c._conn is conn  # one connection carried them all
+            assert sum(d.allowed for d in ds) == 150
+            # Pipelined in order: the answers' remaining count down with the request order.
+            assert [d.remaining for d in ds[:150]] == list(range(149, -1, -1))
+            assert all(not d.allowed and d.retry_after_ms > 0 for d in ds[150:])
+    run(main())
+
+
+def test_decisions_and_errors(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            ds = [await c.check({"user": "alice"}) for _ in range(6)]
+            assert [d.allowed for d in ds] == [True] * 5 + [False]
+            assert ds[-1].headers()["Retry-After"] == "12"
+            with pytest.raises(rlsidecar.ProtocolError) as e:
+                await c.check({}, limits=[{"key": "k", "limit": 0, "window_ms": 1}])
+            assert e.value.code == "invalid_limit" and e.value.decision.degraded
+            with pytest.raises(TypeError):
+                await c.check({"user": 7})
+            assert (await c.check({"user": "bob"})).remaining == 4
+        with pytest.raises(rlsidecar.ClosedError):
+            await c.check({"user": "bob"})
+    run(main())
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+def test_missing_socket(short_tmp, policy):
+    async def main():
+        c = rlsidecar.AsyncClient(os.path.join(short_tmp, "none.sock"), on_unavailable=policy)
+        d = await c.check({"user": "x"})
+        assert d.allowed == (policy == "open") and d.degraded and d.unreachable and "none.sock" in d.cause
+        causes = [(await c.check({"user": "x"})).cause for _ in range(20)]
+        assert any("backing off" in cause for cause in causes), causes
+        with pytest.raises(ConnectionError):
+            await c.ping()
+        await c.close()
+    run(main())
+
+
+def test_stalled_sidecar_late_answers_dropped(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.1, on_unavailable="closed") as c:
+            assert (await c.check({"user": "frank"})).remaining == 4
+            conn = c._conn
+            daemon.pause()
+            try:
+                t = time.monotonic()
+                ds = await asyncio.gather(*(c.check({"user": "frank"}) for _ in range(3)))
+                took = time.monotonic() - t
+            finally:
+                daemon.resume()
+            assert all(not d.allowed and d.unreachable and "timeout" in d.cause for d in ds), ds
+            assert 0.09 <= took < 3.0  # bounded by the timeout, not the daemon: it never answers while stopped
+            # The connection stays; the three late answers are dropped in order, and the
+            # next check gets its own answer (the three consumed when the daemon woke).
+            d = await c.check({"user": "frank"})
+            assert c._conn is conn
+            assert d.allowed and not d.degraded and d.remaining == 0
+    run(main())
+
+
+def test_restarted_sidecar(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.5) as c:
+            assert (await c.check({"user": "gina"})).allowed
+            daemon.stop()
+            await asyncio.sleep(0.05)
+            d = await c.check({"user": "gina"})
+            assert d.allowed and d.unreachable
+            daemon.start()
+            deadline = time.monotonic() + 5
+            while True:
+                d = await c.check({"user": "gina"})
+                if not d.unreachable or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.01)
+            assert not d.unreachable and d.remaining == 4
+    run(main())
+
+
+def test_close_during_dial(daemon):
+    """A check waiting for the connection when close() is called raises ClosedError."""
+    async def main():
+        c = rlsidecar.AsyncClient(daemon.socket, timeout=2)
+        t = asyncio.ensure_future(c.check({"user": "x"}))
+        await asyncio.sleep(0)  # the check has started the dial and waits for it
+        await c.close()
+        with pytest.raises(rlsidecar.ClosedError):
+            await t
+    run(main())
+
+
+def test_frame_too_large_then_the_next_check_is_answered(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            assert (await c.check({"user": "ivy"})).allowed
+            with pytest.raises(rlsidecar.ProtocolError) as e:
+                await c.check({"user": "ivy", "blob": "x" * 70000})
+            assert e.value.code == "frame_too_large"
+            d = await c.check({"user": "ivy"})
+            assert d.allowed and not d.degraded and d.remaining == 3, d
+    run(main())

@@ -1,0 +1,198 @@
+"""WSGI and ASGI middleware: the shared header table end to end (a fake sidecar sends each
+case's decision), and the real daemon with the default attributes."""
+
+import asyncio
+import json
+import os
+import socketserver
+import threading
+
+import msgpack
+import pytest
+
+import rlsidecar
+from rlsidecar import _proto
+
+from test_headers import CASES
+
+
+class _FakeHandler(socketserver.StreamRequestHandler):
+    def handle(self):
+        while True:
+            head = self.rfile.read(4)
+            if len(head) < 4:
+                return
+            req = _proto.decode(self.rfile.read(_proto.frame_length(head)))
+            case = self.server.cases[req["attrs"]["path"][1:]]
+            resp = dict(case["decision"], id=req["id"], degraded=False)
+            if not resp["reason"]:
+                del resp["reason"]
+            body = msgpack.packb(resp)
+            self.wfile.write(len(body).to_bytes(4, "big") + body)
+
+
+@pytest.fixture
+def fake_sidecar(short_tmp):
+    """A sidecar that answers a check of path /<case name> with that case's decision."""
+    path = os.path.join(short_tmp, "fake.sock")
+    srv = socketserver.ThreadingUnixStreamServer(path, _FakeHandler)
+    srv.daemon_threads = True
+    srv.cases = {c["name"]: c for c in CASES}
+    t = threading.Thread(target=srv.serve_forever)
+    t.start()
+    yield path
+    srv.shutdown()
+    srv.server_close()
+    t.join()
+
+
+def hello_app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain"), ("X-Next", "1")])
+    return [b"hello"]
+
+
+def wsgi_get(app, path, method="GET", ip="192.0.2.1"):
+    got = {}
+
+    def start_response(status, headers, exc_info=None):
+        got["status"] = int(status.split()[0])
+        got["headers"] = {k.lower(): v for k, v in headers}
+
+    body = b"".join(app({"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "", "REMOTE_ADDR": ip,
+                         "QUERY_STRING": "q=1"}, start_response))
+    return got["status"], got["headers"], body
+
+
+async def hello_asgi(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"x-next", b"1")]})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+async def asgi_get(app, path, method="GET", ip="192.0.2.1"):
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(m):
+        sent.append(m)
+
+    await app({"type": "http", "method": method, "path": path, "query_string": b"q=1", "client": (ip, 4711),
+               "headers": []}, receive, send)
+    start = sent[0]
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(
+        m.get("body", b"") for m in sent[1:])
+
+
+def check_case(c, status, headers, body):
+    assert status == c["status"], c["name"]
+    for k in ("ratelimit-policy", "ratelimit", "retry-after"):
+        assert headers.get(k) == {n.lower(): v for n, v in c["headers"].items()}.get(k), (c["name"], k)
+    assert (headers.get("x-next") == "1") == (status == 200)
+    if status == 429:
+        assert headers["content-type"] == "application/problem+json"
+        p = json.loads(body)
+        assert p["status"] == 429 and p.get("rule") == (c["decision"]["rule"] or None)
+        assert str(p.get("retry_after", "")) == c["headers"].get("Retry-After", "")
+    else:
+        assert body == b"hello"
+
+
+def test_wsgi_table(fake_sidecar):
+    with rlsidecar.Client(fake_sidecar, timeout=2) as client:
+        app = rlsidecar.WSGIMiddleware(hello_app, client)
+        for c in CASES:
+            check_case(c, *wsgi_get(app, "/" + c["name"]))
+
+
+def test_asgi_table(fake_sidecar):
+    async def main():
+        async with rlsidecar.AsyncClient(fake_sidecar, timeout=2) as client:
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client)
+            for c in CASES:
+                check_case(c, *await asgi_get(app, "/" + c["name"]))
+    asyncio.run(main())
+
+
+RULES_IP = """
+rules:
+  - name: per-ip
+    match: { path: /api/** }
+    key: [ip, method]
+    limit: { requests: 2, per: 60s }
+"""
+
+
+def test_wsgi_real_daemon(make_daemon):
+    d = make_daemon(RULES_IP)
+    with rlsidecar.Client(d.socket, timeout=2) as client:
+        app = rlsidecar.WSGIMiddleware(hello_app, client, cost=lambda env: 1)
+        got = [wsgi_get(app, "/api/x") for _ in range(3)]
+        assert [g[0] for g in got] == [200, 200, 429]
+        assert got[0][1]["ratelimit"] == '"per-ip";r=1;t=30' and got[0][1]["x-next"] == "1"
+        assert got[2][1]["retry-after"] == "30" and json.loads(got[2][2])["rule"] == "per-ip"
+        # The key is ip and method: another method, another IP, an unmatched path pass.
+        assert wsgi_get(app, "/api/x", method="POST")[0] == 200
+        assert wsgi_get(app, "/api/x", ip="192.0.2.2")[0] == 200
+        status, headers, _ = wsgi_get(app, "/other")
+        assert status == 200 and "ratelimit" not in headers
+
+
+def test_asgi_real_daemon(make_daemon):
+    d = make_daemon(RULES_IP)
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as client:
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client)
+            got = [await asgi_get(app, "/api/x") for _ in range(3)]
+            assert [g[0] for g in got] == [200, 200, 429]
+            assert got[1][1]["ratelimit"] == '"per-ip";r=0;t=60'
+            assert json.loads(got[2][2])["retry_after"] == 30
+            # Lifespan and other scopes pass through unchecked.
+            seen = []
+
+            async def other(scope, receive, send):
+                seen.append(scope["type"])
+            await rlsidecar.ASGIMiddleware(other, client)({"type": "lifespan"}, None, None)
+            assert seen == ["lifespan"]
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy, want", [("open", 200), ("closed", 503)])
+def test_unreachable_policies(short_tmp, policy, want):
+    path = os.path.join(short_tmp, "none.sock")
+    with rlsidecar.Client(path, on_unavailable=policy) as client:
+        status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client), "/api/x")
+    assert status == want
+    if want == 503:
+        assert headers["retry-after"] == "1" and json.loads(body)["title"] == "Service Unavailable"
+    else:
+        assert body == b"hello" and "ratelimit" not in headers
+
+    async def main():
+        async with rlsidecar.AsyncClient(path, on_unavailable=policy) as client:
+            return await asgi_get(rlsidecar.ASGIMiddleware(hello_asgi, client), "/api/x")
+    status, headers, body = asyncio.run(main())
+    assert status == want and (want == 200 or headers["retry-after"] == "1")
+
+
+def test_protocol_error_follows_the_policy(daemon):
+    """Attributes the sidecar refuses (too many) are the caller's bug: the request is
+    answered by the policy, as for an unreachable sidecar."""
+    many = {"a%d" % i: "v" for i in range(100)}
+    with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable="closed") as client:
+        status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client, attrs=lambda env: many), "/")
+    assert status == 503
+
+
+@pytest.mark.parametrize("policy, want", [("open", 200), ("closed", 503)])
+def test_closed_client_follows_the_policy(daemon, policy, want):
+    client = rlsidecar.Client(daemon.socket, timeout=2, on_unavailable=policy)
+    client.close()
+    assert wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client), "/api/x")[0] == want
+
+    async def main():
+        c = rlsidecar.AsyncClient(daemon.socket, timeout=2, on_unavailable=policy)
+        await c.close()
+        return await asgi_get(rlsidecar.ASGIMiddleware(hello_asgi, c), "/api/x")
+    assert asyncio.run(main())[0] == want
