@@ -5,7 +5,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -276,10 +275,4 @@ func clientFrame(id, k int) []byte {
 		{Name: "ip", Value: "10." + strconv.Itoa(k>>16&255) + "." + strconv.Itoa(k>>8&255) + "." + strconv.Itoa(k&255)},
 	}})
 	return append([]byte(nil), enc.Bytes()...)
-}
-
-func median(v []float64) float64 {
-	s := slices.Clone(v)
-	slices.Sort(s)
-	return s[len(s)/2]
 }
