@@ -108,15 +108,15 @@ func (e *Encoder) EncodeCheck(r *Response) {
 		n++
 	}
 	b = appendMapLen(b, n)
-	b = appendUintField(b, fID, r.ID)
-	b = appendBoolField(b, fAllowed, r.Allowed)
-	b = appendStrField(b, fRule, r.Rule)
-	b = appendUintField(b, fLimit, r.Limit)
-	b = appendUintField(b, fRemaining, r.Remaining)
-	b = appendUintField(b, fResetMs, r.ResetMs)
-	b = appendUintField(b, fRetryAfterMs, r.RetryAfterMs)
-	b = appendBoolField(b, fDegraded, r.Degraded)
-	b = append(b, fRules...)
+	b = appendUintField(b, kID, r.ID)
+	b = appendBoolField(b, kAllowed, r.Allowed)
+	b = appendStrField(b, kRule, r.Rule)
+	b = appendUintField(b, kLimit, r.Limit)
+	b = appendUintField(b, kRemaining, r.Remaining)
+	b = appendUintField(b, kResetMs, r.ResetMs)
+	b = appendUintField(b, kRetryAfterMs, r.RetryAfterMs)
+	b = appendBoolField(b, kDegraded, r.Degraded)
+	b = append(b, kRules...)
 	b = appendArrayLen(b, len(r.Rules))
 	for i := range r.Rules {
 		rr := &r.Rules[i]
@@ -125,20 +125,20 @@ func (e *Encoder) EncodeCheck(r *Response) {
 			m++
 		}
 		b = appendMapLen(b, m)
-		b = appendStrField(b, fName, rr.Name)
-		b = appendUintField(b, fLimit, rr.Limit)
-		b = appendUintField(b, fWindowMs, rr.WindowMs)
-		b = appendUintField(b, fRemaining, rr.Remaining)
-		b = appendUintField(b, fResetMs, rr.ResetMs)
-		b = appendUintField(b, fRetryAfterMs, rr.RetryAfterMs)
-		b = appendBoolField(b, fAllowed, rr.Allowed)
-		b = appendBoolField(b, fShadow, rr.Shadow)
+		b = appendStrField(b, kName, rr.Name)
+		b = appendUintField(b, kLimit, rr.Limit)
+		b = appendUintField(b, kWindowMs, rr.WindowMs)
+		b = appendUintField(b, kRemaining, rr.Remaining)
+		b = appendUintField(b, kResetMs, rr.ResetMs)
+		b = appendUintField(b, kRetryAfterMs, rr.RetryAfterMs)
+		b = appendBoolField(b, kAllowed, rr.Allowed)
+		b = appendBoolField(b, kShadow, rr.Shadow)
 		if rr.Reason != "" {
-			b = appendStrField(b, fReason, rr.Reason)
+			b = appendStrField(b, kReason, rr.Reason)
 		}
 	}
 	if r.Reason != "" {
-		b = appendStrField(b, fReason, r.Reason)
+		b = appendStrField(b, kReason, r.Reason)
 	}
 	e.buf.b = b
 	e.end(start)
