@@ -69,6 +69,19 @@ func main() {
 	}
 }
 
+// command is how this run was started, as scripts/compare (which adds -root) was called.
+func command() string {
+	args := []string{"scripts/compare"}
+	for i := 1; i < len(os.Args); i++ {
+		if os.Args[i] == "-root" {
+			i++
+			continue
+		}
+		args = append(args, os.Args[i])
+	}
+	return strings.Join(args, " ")
+}
+
 func machine() string {
 	model := "unknown cpu"
 	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
@@ -91,7 +104,7 @@ func run(cfg config, out string) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	rep := &Report{Started: time.Now().UTC(), Machine: machine(), Command: "scripts/compare " + strings.Join(os.Args[1:], " ")}
+	rep := &Report{Started: time.Now().UTC(), Machine: machine(), Command: command()}
 
 	bar := newProgress()
 	bar.step("building rlsidecar and the floor server")
