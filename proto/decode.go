@@ -57,7 +57,19 @@ func (d *Decoder) reset(body []byte) {
 // On failure it returns an *Error with code bad_request; req.ID holds the request's id if
 // it was read before the failure. The strings in req alias body: they are valid while
 // body is not modified, and decoding copies nothing.
+//
+// The common request shape takes a fast path (fastdecode.go) that reads the body directly;
+// anything else, and every error, goes through msgpack/v5, the codec of record.
 func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
+	req.Reset()
+	if d.decodeFast(body, req) {
+		return nil
+	}
+	return d.decodeRequestMsgpack(body, req)
+}
+
+// decodeRequestMsgpack is DecodeRequest through msgpack/v5 only.
+func (d *Decoder) decodeRequestMsgpack(body []byte, req *Request) error {
 	req.Reset()
 	d.reset(body)
 	n, err := d.mapLen("request")

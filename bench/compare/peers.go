@@ -1,0 +1,385 @@
+//go:build peers
+
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	rlcommon "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	ratelimitv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	guber "github.com/gubernator-io/gubernator/v2"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// The peers, at the versions the comparison names. Each is installed with `go install`
+// into the run's temporary directory (the go build cache makes later runs quick) and runs
+// as its own process on free loopback ports.
+const (
+	gubernatorPkg = "github.com/gubernator-io/gubernator/v2/cmd/gubernator@v2.13.0"
+	envoyRLPkg    = "github.com/envoyproxy/ratelimit/src/service_cmd@v1.4.1-0.20260122083618-3fb702589d36"
+)
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func goInstall(bin, pkg string) error {
+	cmd := exec.Command("go", "install", pkg)
+	cmd.Env = append(os.Environ(), "GOBIN="+bin, "GOFLAGS=-buildvcs=false", "GOWORK=off")
+	cmd.Dir = bin
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("go install %s: %w\n%s", pkg, err, out)
+	}
+	return nil
+}
+
+// startPeers installs and starts the peers it can and returns them as systems; a peer
+// that cannot be built or started is left out with a note saying why.
+func startPeers(dir string, ks keys) ([]*system, []string, func()) {
+	bin := filepath.Join(dir, "peers")
+	_ = os.MkdirAll(bin, 0o755)
+	var (
+		systems []*system
+		notes   []string
+		stops   []func()
+		mu      sync.Mutex
+		wg      sync.WaitGroup
+	)
+	errs := make([]error, 2)
+	wg.Go(func() { errs[0] = goInstall(bin, gubernatorPkg) })
+	wg.Go(func() { errs[1] = goInstall(bin, envoyRLPkg) })
+	wg.Wait()
+	if errs[0] != nil {
+		notes = append(notes, fmt.Sprintf("gubernator not measured: %v", errs[0]))
+	} else if ss, stop, err := startGubernator(bin, ks); err != nil {
+		notes = append(notes, fmt.Sprintf("gubernator not measured: %v", err))
+	} else {
+		mu.Lock()
+		systems = append(systems, ss...)
+		stops = append(stops, stop)
+		mu.Unlock()
+	}
+	if errs[1] != nil {
+		notes = append(notes, fmt.Sprintf("envoy-ratelimit not measured: %v", errs[1]))
+	} else if s, stop, err := startEnvoyRL(bin, ks); err != nil {
+		notes = append(notes, fmt.Sprintf("envoy-ratelimit not measured: %v", err))
+	} else {
+		systems = append(systems, s)
+		stops = append(stops, stop)
+	}
+	return systems, notes, func() {
+		for _, s := range stops {
+			s()
+		}
+	}
+}
+
+// waitReady calls probe until it succeeds or 30 s pass.
+func waitReady(name string, probe func() error) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := probe()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not ready after 30s: %w", name, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// --- gubernator
+
+type gubChecker struct {
+	c        guber.V1Client
+	ks       keys
+	behavior guber.Behavior
+}
+
+func (g *gubChecker) check(i int) error { return g.checkKey(g.ks[i]) }
+
+func (g *gubChecker) checkKey(k int) error {
+	resp, err := g.c.GetRateLimits(context.Background(), &guber.GetRateLimitsReq{Requests: []*guber.RateLimitReq{{
+		Name: "per_user", UniqueKey: "user-" + strconv.Itoa(k), Hits: 1, Limit: 1_000_000_000,
+		Duration: 60 * guber.Minute, Behavior: g.behavior,
+	}}})
+	if err != nil {
+		return err
+	}
+	if len(resp.Responses) != 1 || resp.Responses[0].Error != "" || resp.Responses[0].Status != guber.Status_UNDER_LIMIT {
+		return fmt.Errorf("gubernator answered %v", resp.Responses)
+	}
+	return nil
+}
+
+func (g *gubChecker) close() {}
+
+func startGubernator(bin string, ks keys) ([]*system, func(), error) {
+	var ports [3]int
+	for i := range ports {
+		p, err := freePort()
+		if err != nil {
+			return nil, nil, err
+		}
+		ports[i] = p
+	}
+	grpcAddr := fmt.Sprintf("127.0.0.1:%d", ports[0])
+	cmd := exec.Command(filepath.Join(bin, "gubernator"))
+	cmd.Env = append(os.Environ(),
+		"GUBER_GRPC_ADDRESS="+grpcAddr,
+		fmt.Sprintf("GUBER_HTTP_ADDRESS=127.0.0.1:%d", ports[1]),
+		"GUBER_ADVERTISE_ADDRESS="+grpcAddr,
+		"GUBER_PEER_DISCOVERY_TYPE=member-list",
+		fmt.Sprintf("GUBER_MEMBERLIST_ADDRESS=127.0.0.1:%d", ports[2]),
+		fmt.Sprintf("GUBER_MEMBERLIST_BIND_ADDRESS=127.0.0.1:%d", ports[2]),
+		fmt.Sprintf("GUBER_MEMBERLIST_KNOWN_NODES=127.0.0.1:%d", ports[2]), // a cluster of one
+		"OTEL_TRACES_EXPORTER=none", "OTEL_SDK_DISABLED=true",
+		"GUBER_CACHE_SIZE=2000000", // holds the memory test's million keys
+		"GUBER_LOG_LEVEL=error",
+	)
+	logf, err := logTo(cmd, bin, "gubernator.log")
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, nil, fmt.Errorf("starting gubernator: %w", err)
+	}
+	p := &process{cmd: cmd}
+	dial := func(b guber.Behavior) (*gubChecker, error) {
+		c, err := guber.DialV1Server(grpcAddr, nil)
+		if err != nil {
+			return nil, err
+		}
+		return &gubChecker{c: c, ks: ks, behavior: b}, nil
+	}
+	probe, err := dial(guber.Behavior_BATCHING)
+	if err != nil {
+		p.stop()
+		return nil, nil, err
+	}
+	if err := waitReady("gubernator", func() error { return probe.checkKey(0) }); err != nil {
+		p.stop()
+		return nil, nil, fmt.Errorf("%w; its log ends: %s", err, tail(logf))
+	}
+	mk := func(name string, b guber.Behavior) *system {
+		return &system{name: name, dial: func() (checker, error) { return dial(b) }}
+	}
+	def := mk("gubernator", guber.Behavior_BATCHING)
+	def.memory = func(n int) (MemoryRow, error) {
+		before, err := p.rssKB()
+		if err != nil {
+			return MemoryRow{}, err
+		}
+		if err := distinctKeys(func() (keyChecker, error) { return dial(guber.Behavior_BATCHING) }, 1_000_000_000, n); err != nil {
+			return MemoryRow{}, err
+		}
+		after, err := p.rssKB()
+		if err != nil {
+			return MemoryRow{}, err
+		}
+		return MemoryRow{System: "gubernator", Keys: n, BytesPerKey: float64(after-before) * 1024 / float64(n), Measure: "server RSS growth"}, nil
+	}
+	return []*system{def, mk("gubernator-global", guber.Behavior_GLOBAL)}, p.stop, nil
+}
+
+// keyChecker checks one key by number.
+type keyChecker interface {
+	checkKey(k int) error
+	close()
+}
+
+// distinctKeys checks keys base..base+n-1 once each over 16 connections.
+func distinctKeys(dial func() (keyChecker, error), base, n int) error {
+	var wg sync.WaitGroup
+	errs := make([]error, 16)
+	for g := range errs {
+		c, err := dial()
+		if err != nil {
+			return err
+		}
+		wg.Go(func() {
+			defer c.close()
+			for k := g; k < n; k += len(errs) {
+				if err := c.checkKey(base + k); err != nil {
+					errs[g] = err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// --- envoyproxy/ratelimit
+
+const envoyConfig = `domain: bench
+descriptors:
+  - key: user
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1000000000
+`
+
+type envoyChecker struct {
+	conn *grpc.ClientConn
+	c    ratelimitv3.RateLimitServiceClient
+	ks   keys
+}
+
+func (e *envoyChecker) check(i int) error { return e.checkKey(e.ks[i]) }
+
+func (e *envoyChecker) checkKey(k int) error {
+	resp, err := e.c.ShouldRateLimit(context.Background(), &ratelimitv3.RateLimitRequest{
+		Domain:      "bench",
+		Descriptors: []*rlcommon.RateLimitDescriptor{{Entries: []*rlcommon.RateLimitDescriptor_Entry{{Key: "user", Value: "user-" + strconv.Itoa(k)}}}},
+		HitsAddend:  1,
+	})
+	if err != nil {
+		return err
+	}
+	if resp.OverallCode != ratelimitv3.RateLimitResponse_OK {
+		return fmt.Errorf("envoy-ratelimit answered %v", resp.OverallCode)
+	}
+	return nil
+}
+
+func (e *envoyChecker) close() { _ = e.conn.Close() }
+
+func startEnvoyRL(bin string, ks keys) (*system, func(), error) {
+	var ports [4]int
+	for i := range ports {
+		p, err := freePort()
+		if err != nil {
+			return nil, nil, err
+		}
+		ports[i] = p
+	}
+	redisPort, grpcPort := ports[0], ports[1]
+	redisDir := filepath.Join(bin, "redis")
+	_ = os.MkdirAll(redisDir, 0o755)
+	redis := exec.Command("redis-server", "--port", strconv.Itoa(redisPort), "--bind", "127.0.0.1", "--save", "",
+		"--appendonly", "no", "--dir", redisDir)
+	if err := redis.Start(); err != nil {
+		return nil, nil, fmt.Errorf("starting redis-server (is it installed?): %w", err)
+	}
+	rp := &process{cmd: redis}
+	if err := waitReady("redis-server", func() error {
+		return exec.Command("redis-cli", "-p", strconv.Itoa(redisPort), "PING").Run()
+	}); err != nil {
+		rp.stop()
+		return nil, nil, err
+	}
+	cfgDir := filepath.Join(bin, "runtime", "ratelimit", "config")
+	if err := os.MkdirAll(cfgDir, 0o755); err != nil {
+		rp.stop()
+		return nil, nil, err
+	}
+	if err := os.WriteFile(filepath.Join(cfgDir, "bench.yaml"), []byte(envoyConfig), 0o644); err != nil {
+		rp.stop()
+		return nil, nil, err
+	}
+	cmd := exec.Command(filepath.Join(bin, "service_cmd"))
+	cmd.Env = append(os.Environ(),
+		"USE_STATSD=false", "LOG_LEVEL=error",
+		"REDIS_SOCKET_TYPE=tcp", fmt.Sprintf("REDIS_URL=127.0.0.1:%d", redisPort),
+		"RUNTIME_ROOT="+filepath.Join(bin, "runtime"), "RUNTIME_SUBDIRECTORY=ratelimit", "RUNTIME_WATCH_ROOT=false",
+		"GRPC_HOST=127.0.0.1", fmt.Sprintf("GRPC_PORT=%d", grpcPort),
+		"HOST=127.0.0.1", fmt.Sprintf("PORT=%d", ports[2]),
+		"DEBUG_HOST=127.0.0.1", fmt.Sprintf("DEBUG_PORT=%d", ports[3]),
+	)
+	logf, err := logTo(cmd, bin, "envoy-ratelimit.log")
+	if err != nil {
+		rp.stop()
+		return nil, nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		rp.stop()
+		return nil, nil, fmt.Errorf("starting envoy ratelimit: %w", err)
+	}
+	p := &process{cmd: cmd}
+	stop := func() { p.stop(); rp.stop() }
+	addr := fmt.Sprintf("127.0.0.1:%d", grpcPort)
+	dial := func() (*envoyChecker, error) {
+		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return nil, err
+		}
+		return &envoyChecker{conn: conn, c: ratelimitv3.NewRateLimitServiceClient(conn), ks: ks}, nil
+	}
+	probe, err := dial()
+	if err != nil {
+		stop()
+		return nil, nil, err
+	}
+	defer probe.close()
+	if err := waitReady("envoy-ratelimit", func() error { return probe.checkKey(0) }); err != nil {
+		stop()
+		return nil, nil, fmt.Errorf("%w; its log ends: %s", err, tail(logf))
+	}
+	s := &system{name: "envoy-ratelimit", dial: func() (checker, error) { return dial() }}
+	s.memory = func(n int) (MemoryRow, error) {
+		before, err := redisUsedMemory(redisPort)
+		if err != nil {
+			return MemoryRow{}, err
+		}
+		if err := distinctKeys(func() (keyChecker, error) { return dial() }, 1_000_000_000, n); err != nil {
+			return MemoryRow{}, err
+		}
+		after, err := redisUsedMemory(redisPort)
+		if err != nil {
+			return MemoryRow{}, err
+		}
+		return MemoryRow{System: "envoy-ratelimit", Keys: n, BytesPerKey: float64(after-before) / float64(n), Measure: "its Redis used_memory growth"}, nil
+	}
+	return s, stop, nil
+}
+
+func redisUsedMemory(port int) (int64, error) {
+	out, err := exec.Command("redis-cli", "-p", strconv.Itoa(port), "INFO", "memory").Output()
+	if err != nil {
+		return 0, fmt.Errorf("redis-cli INFO memory: %w", err)
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
+			return strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return 0, errors.New("no used_memory in INFO memory")
+}
+
+// logTo sends cmd's output to a file in dir and returns its path.
+func logTo(cmd *exec.Cmd, dir, name string) (string, error) {
+	path := filepath.Join(dir, name)
+	f, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	cmd.Stdout, cmd.Stderr = f, f
+	return path, nil
+}
+
+// tail returns the last lines of a log, for an error message.
+func tail(path string) string {
+	b, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Join(lines[max(0, len(lines)-5):], " | ")
+}

@@ -1,0 +1,190 @@
+package proto
+
+import (
+	"encoding/binary"
+	"unsafe"
+)
+
+// The fast path decodes the request shape every client sends — a fixmap holding id, op,
+// cost and attrs (a fixmap of short strings), and limits only when nil — straight from the
+// body, without the msgpack.Decoder's per-call overhead. It never produces an error: it
+// either decodes the request completely, exactly as the msgpack path would, or it reports
+// that it declined, and DecodeRequest runs the msgpack path (the codec of record) from the
+// start. So every error message, and every shape it does not know, comes from one place.
+//
+// It declines on anything unusual: a key that is not a fixstr or is unknown, a key that
+// appears twice (at the top level or in attrs), a non-canonical or negative integer, a
+// bin where a str belongs, a string over its bound, inline limits, trailing bytes, a
+// truncated body. FuzzDecodeFastDifferential checks that whenever it accepts, the msgpack
+// path decodes the same request without error.
+
+// Bits of the top-level fields the fast path has seen, to decline a repeated key.
+const (
+	seenID = 1 << iota
+	seenOp
+	seenCost
+	seenAttrs
+	seenLimits
+)
+
+// decodeFast decodes body into req (already reset) and reports whether it did. When it
+// returns false req holds partial data and the caller must decode again.
+func (d *Decoder) decodeFast(body []byte, req *Request) bool {
+	if len(body) == 0 || body[0]&0xf0 != 0x80 { // fixmap
+		return false
+	}
+	n := int(body[0] & 0x0f)
+	p := 1
+	seen := 0
+	for i := 0; i < n; i++ {
+		key, q, ok := fastStr(body, p, 31)
+		if !ok || body[p] > 0xbf { // keys must be fixstr
+			return false
+		}
+		p = q
+		switch key {
+		case "id":
+			if seen&seenID != 0 {
+				return false
+			}
+			seen |= seenID
+			req.ID, p, ok = fastUint(body, p)
+		case "op":
+			if seen&seenOp != 0 {
+				return false
+			}
+			seen |= seenOp
+			req.Op, p, ok = fastStr(body, p, 64)
+		case "cost":
+			if seen&seenCost != 0 {
+				return false
+			}
+			seen |= seenCost
+			req.Cost, p, ok = fastUint(body, p)
+		case "attrs":
+			if seen&seenAttrs != 0 {
+				return false
+			}
+			seen |= seenAttrs
+			p, ok = d.fastAttrs(body, p, req)
+		case "limits":
+			if seen&seenLimits != 0 || p >= len(body) || body[p] != 0xc0 { // only nil
+				return false
+			}
+			seen |= seenLimits
+			p++
+		default:
+			return false
+		}
+		if !ok {
+			return false
+		}
+	}
+	return p == len(body) && req.Op != ""
+}
+
+func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
+	if p >= len(body) {
+		return p, false
+	}
+	c := body[p]
+	if c == 0xc0 { // nil: no attrs
+		return p + 1, true
+	}
+	if c&0xf0 != 0x80 {
+		return p, false
+	}
+	n := int(c & 0x0f)
+	if n > d.MaxAttrs {
+		return p, false
+	}
+	p++
+	attrs := req.Attrs
+	for i := 0; i < n; i++ {
+		var name, value string
+		var ok bool
+		if name, p, ok = fastStr(body, p, d.MaxAttrNameLen); !ok {
+			return p, false
+		}
+		if value, p, ok = fastStr(body, p, d.MaxAttrLen); !ok {
+			return p, false
+		}
+		for j := range attrs {
+			if attrs[j].Name == name {
+				return p, false
+			}
+		}
+		attrs = append(attrs, Attr{Name: name, Value: value})
+	}
+	req.Attrs = attrs
+	return p, true
+}
+
+// fastStr reads a fixstr, str8 or str16 of at most maxLen bytes at body[p:] and returns
+// it aliasing body, and the position after it.
+func fastStr(body []byte, p, maxLen int) (string, int, bool) {
+	if p >= len(body) {
+		return "", p, false
+	}
+	c := body[p]
+	var n int
+	switch {
+	case c >= 0xa0 && c <= 0xbf:
+		n = int(c & 0x1f)
+		p++
+	case c == 0xd9:
+		if p+2 > len(body) {
+			return "", p, false
+		}
+		n = int(body[p+1])
+		p += 2
+	case c == 0xda:
+		if p+3 > len(body) {
+			return "", p, false
+		}
+		n = int(binary.BigEndian.Uint16(body[p+1:]))
+		p += 3
+	default:
+		return "", p, false
+	}
+	if n > maxLen || n > len(body)-p {
+		return "", p, false
+	}
+	if n == 0 {
+		return "", p, true
+	}
+	return unsafe.String(&body[p], n), p + n, true
+}
+
+// fastUint reads a positive fixint or a uint8/16/32/64 at body[p:].
+func fastUint(body []byte, p int) (uint64, int, bool) {
+	if p >= len(body) {
+		return 0, p, false
+	}
+	c := body[p]
+	switch {
+	case c <= 0x7f:
+		return uint64(c), p + 1, true
+	case c == 0xcc:
+		if p+2 > len(body) {
+			return 0, p, false
+		}
+		return uint64(body[p+1]), p + 2, true
+	case c == 0xcd:
+		if p+3 > len(body) {
+			return 0, p, false
+		}
+		return uint64(binary.BigEndian.Uint16(body[p+1:])), p + 3, true
+	case c == 0xce:
+		if p+5 > len(body) {
+			return 0, p, false
+		}
+		return uint64(binary.BigEndian.Uint32(body[p+1:])), p + 5, true
+	case c == 0xcf:
+		if p+9 > len(body) {
+			return 0, p, false
+		}
+		return binary.BigEndian.Uint64(body[p+1:]), p + 9, true
+	}
+	return 0, p, false
+}
