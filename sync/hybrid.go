@@ -51,6 +51,8 @@ type Hybrid struct {
 	evicted  atomic.Uint64 // keys evicted for the cap
 	backlog  atomic.Int64  // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64 // exact syncs made for a waiting request
+	// syncStart is when the periodic sync on its way began (daemon clock, ns; 0: none).
+	syncStart atomic.Int64
 
 	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
 	lastOK   atomic.Int64
@@ -115,8 +117,8 @@ type HybridOptions struct {
 	// MaxSyncKeys caps the keys one periodic sync carries (default 100,000); the rest
 	// wait for the next one (see Backlog).
 	MaxSyncKeys int
-	// FetchWait bounds how long a request waits for an exact sync of its key (default:
-	// the interval, at least 50ms); past it the request is refused.
+	// FetchWait bounds how long a request waits for an exact sync of its key (default
+	// 50ms); past it the request is refused.
 	FetchWait time.Duration
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.
@@ -138,7 +140,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		o.MaxSyncKeys = 100_000
 	}
 	if o.FetchWait <= 0 {
-		o.FetchWait = max(o.Interval, 50*time.Millisecond)
+		o.FetchWait = 50 * time.Millisecond
 	}
 	if o.ID == "" {
 		var b [8]byte

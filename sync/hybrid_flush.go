@@ -44,7 +44,7 @@ type syncItem struct {
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
 	short       uint32 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
-	vals        [6]int64
+	vals        [replyInts]int64
 	err         error
 }
 
@@ -84,8 +84,15 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now
+	credit := math.Floor(max(0, e.view) / n)
+	if v[6] != 0 {
+		e.flags |= flagShared
+		credit = 0
+	} else {
+		e.flags &^= flagShared
+	}
 	// What was admitted while the sync was on its way counts against the new allowance.
-	e.allowance = float64(e.grant) + math.Floor(max(0, e.view)/n) - float64(e.pending)
+	e.allowance = float64(e.grant) + credit - float64(e.pending)
 	e.lastDemand = 0
 	if it.mode == modeShare {
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
@@ -204,7 +211,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 // pipeline up to pipeCalls calls (go-redis splits it per node on a cluster).
 const (
 	callKeys  = 128
-	pipeCalls = 64
+	pipeCalls = 16
 )
 
 type syncCall struct {
@@ -235,7 +242,8 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 		calls = append(calls, syncCall{items: items[lo:hi]})
 		lo = hi
 	}
-	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds()}
+	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
+		max(1, int64(h.keepAlive/h.interval))}
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
 		keys := make([]string, len(c.items))
 		args := make([]any, 0, len(common)+11*len(c.items))
@@ -304,11 +312,14 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 	return firstErr
 }
 
-// parseSyncReply stores each item's 6 integers of c's reply, or c's error.
+// replyInts is how many integers scripts/hybrid.lua answers per key.
+const replyInts = 7
+
+// parseSyncReply stores each item's integers of c's reply, or c's error.
 func parseSyncReply(c *syncCall) {
 	vals, err := int64s(c.cmd)
-	if err == nil && len(vals) != 6*len(c.items) {
-		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), 6*len(c.items))
+	if err == nil && len(vals) != replyInts*len(c.items) {
+		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), replyInts*len(c.items))
 	}
 	for i := range c.items {
 		it := &c.items[i]
@@ -316,7 +327,7 @@ func parseSyncReply(c *syncCall) {
 			it.err = err
 			continue
 		}
-		copy(it.vals[:], vals[6*i:6*i+6])
+		copy(it.vals[:], vals[replyInts*i:replyInts*i+replyInts])
 	}
 }
 

@@ -41,9 +41,10 @@ type hentry struct {
 }
 
 const (
-	flagDirty uint8 = 1 << iota // on its shard's dirty list
-	flagBusy                    // a sync of it is on its way: no second one meanwhile
-	flagGone                    // evicted: a sync still holding it skips it
+	flagDirty  uint8 = 1 << iota // on its shard's dirty list
+	flagBusy                     // a sync of it is on its way: no second one meanwhile
+	flagGone                     // evicted: a sync still holding it skips it
+	flagShared                   // another daemon used the key lately: no credit, grants only
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

@@ -25,8 +25,8 @@ type HybridOp struct {
 // Offered cost counts as demand either way.
 //
 // Ops are decided from the local view. If the only refusals are of keys this daemon
-// cannot decide locally (no fresh view, or its share of the key too small to hold the
-// request), Take waits for one exact sync of those keys (at most FetchWait) and decides
+// cannot decide locally (no fresh view, and no grant or credit to cover the request),
+// Take waits for one exact sync of those keys (at most FetchWait) and decides
 // again from what Redis granted: the exact mode's answer, for the keys that need it.
 func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	ok, items := h.take(now, ops, true)
@@ -78,12 +78,15 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 			if len(sh.m) >= h.perShard {
 				h.evict(sh)
 			}
-			// A key new here: its view is a full key, of which this daemon's credit is
-			// its share (see creditShares). What it admits on it is counted at the next
-			// sync.
+			// A key new here: before its first sync a daemon may admit one request on
+			// credit, if the key's capacity leaves one for every live daemon. What it
+			// admits is counted at the next sync; anything more waits for an exact sync.
 			lim := h.limits.intern(op.Limit)
 			c := float64(lim.Capacity())
-			e = &hentry{key: string(op.Key), lim: lim, view: c, allowance: math.Floor(c / n)}
+			e = &hentry{key: string(op.Key), lim: lim, view: c}
+			if c >= n/2 {
+				e.allowance = 1
+			}
 			sh.m[e.key] = e
 		} else if *e.lim != *op.Limit {
 			e.lim = h.limits.intern(op.Limit)
@@ -159,7 +162,18 @@ func satAdd32(a uint32, b uint64) uint32 {
 	return math.MaxUint32
 }
 
-// fetch runs the exact syncs Take waits for, and applies them.
+// redisAnswering reports whether a request may wait for Redis: the breaker is closed
+// and no periodic sync has been on its way for more than an interval (a slow or frozen
+// Redis: requests are decided locally, and past StaleAfter by the rules' policies).
+func (h *Hybrid) redisAnswering(now int64) bool {
+	s := h.syncStart.Load()
+	return !h.breaker.Open() && (s == 0 || now-s <= int64(h.interval))
+}
+
+// fetch runs the exact syncs Take waits for, and applies them. A failure does not count
+// against the breaker (one slow answer on a loaded Redis must not degrade every key):
+// the periodic syncs judge Redis, and redisAnswering keeps requests from waiting on a
+// Redis they find slow.
 func (h *Hybrid) fetch(now int64, items []syncItem) {
 	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
 	defer cancel()
@@ -224,14 +238,14 @@ func project(e *hentry, now int64) float64 {
 	return min(c, v)
 }
 
-// creditShares is what a view is divided by for this daemon's credit: 2N for N live
-// daemons. Even if every other daemon spends its whole credit where this one cannot see
-// it, the N credits together stay within what the key has (docs/accuracy.md).
+// creditShares is what a view is divided by for this daemon's credit on a key no other
+// daemon uses: 2N for N live daemons, so what it may admit unseen stays small if
+// another daemon starts using the key (docs/accuracy.md).
 func (h *Hybrid) creditShares() float64 { return float64(2 * h.replicaCount()) }
 
 // growth is the credit the refill since e's view adds to this daemon's share.
 func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
-	if e.synced == 0 {
+	if e.synced == 0 || e.flags&flagShared != 0 {
 		return 0
 	}
 	return math.Floor(max(0, project(e, now))/n) - math.Floor(max(0, e.view)/n)
@@ -281,8 +295,11 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch b
 		r.Allowed = true
 		return r, false
 	}
+	// Without a fresh view (a key new here, or last synced more than two intervals ago:
+	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
+	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
-	fetch = mayFetch && cost > 0 && e.lastDemand < 2 && e.flags&flagBusy == 0 && (stale || proj >= need)
+	fetch = mayFetch && cost > 0 && e.lastDemand < 2 && e.flags&flagBusy == 0 && stale && h.redisAnswering(now)
 	// Out of allowance: retry when the view says a unit frees up, but not before the
 	// next sync brings a new allowance.
 	nextView := int64(h.interval)

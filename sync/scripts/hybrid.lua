@@ -21,8 +21,10 @@
 -- State (a hash; every write sets a TTL, so idle keys vanish): t = GCRA theoretical
 -- arrival time, or the current window's start; n = current window count (reservations
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
--- current and previous epoch, over all daemons; s:<daemon> = that daemon's last sync of
--- the key, "prev_token token grant used window".
+-- current and previous epoch, over all daemons; o = the last daemon that used the key
+-- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
+-- than one daemon within share_epochs); s:<daemon> = that daemon's last sync of the key,
+-- "prev_token token grant used window".
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -32,18 +34,20 @@
 -- answers the same grant.
 --
 -- KEYS: the keys (on a cluster, all in one slot). ARGV[1] daemon id, ARGV[2] interval_us,
--- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync);
--- then per key 11 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
+-- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
+-- ARGV[5] share_epochs; then per key 11 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
 -- requests, window_us, burst, used, prev_grant, grant_window (the window start the
 -- previous grant was taken in, 0 if none), demand, mode, prev_token, token.
--- Returns per key 6 integers: grant (whole units), remaining, reset_us, retry_us, window
--- start (echo it as grant_window next time), and avail_milli: the units the key can admit
+-- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
+-- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
--- interval's refill is reserved.
+-- interval's refill is reserved; and shared: 1 if another daemon used the key within
+-- share_epochs (its daemons then admit on grants only, no credit).
 local id = ARGV[1]
 local interval = tonumber(ARGV[2])
 local replicas = math.max(1, tonumber(ARGV[3]))
 local min_ttl = tonumber(ARGV[4])
+local share_epochs = tonumber(ARGV[5])
 local rfield = 's:' .. id
 
 local tm = redis.call('TIME')
@@ -56,7 +60,7 @@ local function num(x) return string.format('%.17g', x) end
 
 local out = {}
 for i, key in ipairs(KEYS) do
-  local a = 4 + (i - 1) * 11
+  local a = 5 + (i - 1) * 11
   local alg = tonumber(ARGV[a + 1])
   local requests = tonumber(ARGV[a + 2])
   local window = tonumber(ARGV[a + 3])
@@ -69,7 +73,7 @@ for i, key in ipairs(KEYS) do
   local prev_token = ARGV[a + 10]
   local token = ARGV[a + 11]
 
-  local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield)
+  local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield, 'o', 'x')
   local t = tonumber(h[1]) or 0
   local n = tonumber(h[2]) or 0
   local p = tonumber(h[3]) or 0
@@ -97,6 +101,17 @@ for i, key in ipairs(KEYS) do
       settle = (used - tonumber(ru)) - tonumber(rg)
       grant_window = tonumber(rw) -- the window that grant was taken from
     end
+  end
+
+  -- Shared: another daemon used the key lately.
+  local x = tonumber(h[9]) or 0
+  local o = nil
+  if used > 0 or demand > 0 then
+    local oid, oep = string.match(h[8] or '', '^(%S+) (%S+)$')
+    if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+      x = epoch + share_epochs
+    end
+    o = id .. ' ' .. epoch
   end
 
   -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
@@ -216,7 +231,11 @@ for i, key in ipairs(KEYS) do
     end
   end
 
-  local fields = {'t', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp)}
+  local fields = {'t', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp), 'x', num(x)}
+  if o then
+    fields[#fields + 1] = 'o'
+    fields[#fields + 1] = o
+  end
   if not replay then
     fields[#fields + 1] = rfield
     fields[#fields + 1] = prev_token .. ' ' .. token .. ' ' .. num(grant) .. ' ' .. num(used) .. ' ' .. num(wstart)
@@ -225,12 +244,13 @@ for i, key in ipairs(KEYS) do
   -- Keep the key while it carries state, for the epochs, and for as long as the sync
   -- records must last.
   redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
-  local o = (i - 1) * 6
-  out[o + 1] = grant
-  out[o + 2] = remaining
-  out[o + 3] = math.floor(reset)
-  out[o + 4] = math.floor(retry)
-  out[o + 5] = wstart
-  out[o + 6] = math.floor(avail * 1000)
+  local r = (i - 1) * 7
+  out[r + 1] = grant
+  out[r + 2] = remaining
+  out[r + 3] = math.floor(reset)
+  out[r + 4] = math.floor(retry)
+  out[r + 5] = wstart
+  out[r + 6] = math.floor(avail * 1000)
+  if x >= epoch then out[r + 7] = 1 else out[r + 7] = 0 end
 end
 return out
