@@ -56,8 +56,9 @@ type Hybrid struct {
 
 	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
 	lastOK   atomic.Int64
-	breaker  *Breaker // nil: always call
-	observe  Observer // nil: none
+	kick     chan struct{} // a key was seen for the first time: sync soon, not at the next tick
+	breaker  *Breaker      // nil: always call
+	observe  Observer      // nil: none
 	syncDone func(d time.Duration, keys int)
 }
 
@@ -152,6 +153,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		maxSync: o.MaxSyncKeys, seed: maphash.MakeSeed(), id: o.ID,
 		perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.replicas.Store(1)
+	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(cluster)
 	h.lastOK.Store(time.Now().UnixNano())
 	for i := range h.shards {

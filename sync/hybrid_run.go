@@ -77,6 +77,11 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 // heartbeat costs Redis a few commands, so at most one per second.
 func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Second) }
 
+// kickEvery is how often at most Run syncs early because keys were seen for the first
+// time: new clients get their first view within it, and a flood of new keys costs Redis
+// one sync per kickEvery, many keys per script call, not one per key.
+const kickEvery = 20 * time.Millisecond
+
 // Run syncs every interval and sends a heartbeat every second until ctx ends, then
 // releases (a last sync that gives every grant back and takes none), with a fresh
 // context bounded by timeout, so what was admitted before a shutdown reaches Redis and
@@ -153,6 +158,12 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			flush(false)
 			h.sweep(sweep, clock())
 			sweep = (sweep + 1) % hybridShards
+		case <-h.kick:
+			flush(false)
+			select {
+			case <-ctx.Done():
+			case <-time.After(kickEvery):
+			}
 		}
 	}
 }

@@ -88,6 +88,10 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 				e.allowance = 1
 			}
 			sh.m[e.key] = e
+			select { // ask Run for an early sync: the key's first view, within kickEvery
+			case h.kick <- struct{}{}:
+			default:
+			}
 		} else if *e.lim != *op.Limit {
 			e.lim = h.limits.intern(op.Limit)
 		}
