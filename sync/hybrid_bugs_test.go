@@ -221,3 +221,27 @@ func evalCalls(t *testing.T, rdb redis.UniversalClient) int {
 	}
 	return total
 }
+
+// A sync carries at most its cap of keys; the rest wait for the next one, counted in
+// Backlog, and nothing they admitted is lost.
+func TestHybridSyncBacklog(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	now := time.Now().UnixNano()
+	for i := range 50 {
+		take(h, now, fmt.Sprintf("rl:backlog:{k%d}", i), lim, 1)
+	}
+	if sent, err := h.flush(ctx, now, 20, false); err != nil || sent != 20 || h.Backlog() != 30 {
+		t.Fatalf("first sync sent %d (%v), backlog %d; want 20 and 30", sent, err, h.Backlog())
+	}
+	if sent, err := h.flush(ctx, now, 100, false); err != nil || sent != 30 || h.Backlog() != 0 {
+		t.Fatalf("second sync sent %d (%v), backlog %d; want 30 and 0", sent, err, h.Backlog())
+	}
+	for i := range 50 {
+		if n, err := rdb.HGet(ctx, fmt.Sprintf("rl:backlog:{k%d}", i), "n").Int(); err != nil || n != 1 {
+			t.Fatalf("key %d: Redis counts %d (%v), want 1", i, n, err)
+		}
+	}
+}

@@ -46,6 +46,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal)")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
+	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", 4096, "bytes per attribute value")
@@ -142,8 +143,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id}).
-			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id}).
+			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {
@@ -263,6 +264,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return float64(n)
 	})
 	if hybrid != nil {
+		metrics.GaugeFunc("rlsidecar_hybrid_sync_backlog", "Hybrid keys that needed a sync and were left for the next one (a sync carries at most --hybrid-max-sync-keys).",
+			func() float64 { return float64(hybrid.Backlog()) })
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}
