@@ -42,7 +42,7 @@ type syncItem struct {
 	token       uint32 // this sync's
 	demand      uint32 // what the script sizes the grant by
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
-	short       uint32 // the entry's shortfall taken by this sync (ditto)
+	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	vals        [replyInts]int64
 	err         error
@@ -70,7 +70,7 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 		// Not confirmed: keep the counts for the next sync.
 		e.pending += it.used
 		e.demand = satAdd32(e.demand, uint64(it.offered))
-		e.short = satAdd32(e.short, uint64(it.short))
+		e.short = satAdd16(e.short, uint64(it.short))
 		if e.flags&flagGone == 0 {
 			sh.markDirty(e)
 		}
@@ -80,7 +80,6 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
 	e.reset = v[2] * int64(time.Microsecond)
-	e.retry = v[3] * int64(time.Microsecond)
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now

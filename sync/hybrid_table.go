@@ -3,6 +3,7 @@ package sync
 import (
 	"hash/maphash"
 	gosync "sync"
+	"time"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
@@ -28,14 +29,13 @@ type hentry struct {
 	view        float64            // units the key could admit beyond every reservation, at the last sync
 	grantWindow int64              // the window start (µs) the grant was taken from
 	pending     uint64             // admitted since the last sync was sent
-	seen        int64              // last check, daemon clock (ns)
 	synced      int64              // when the view was read (ns; 0: never)
 	reset       int64              // view: ns until full
-	retry       int64              // view: ns until one unit passes
+	seen        uint32             // last check, in seconds of the daemon clock (seenSecs)
 	token       uint32             // the token of the last sync Redis confirmed
 	grant       uint32             // the units reserved for this daemon at the last sync
 	demand      uint32             // offered since the last sync was sent
-	short       uint32             // of which refused locally for want of allowance
+	short       uint16             // of which refused locally for want of allowance (saturating)
 	lastDemand  uint16             // the demand the last sync asked a share grant for
 	flags       uint8
 }
@@ -107,6 +107,10 @@ func (h *Hybrid) evict(sh *hshard) {
 	ve.flags |= flagGone // the dirty list may still hold it
 }
 
+// seenSecs is the daemon clock now (ns) in whole seconds, as entries record their last
+// check: enough for the keep-alive, and 4 bytes a key.
+func seenSecs(now int64) uint32 { return uint32(now / int64(time.Second)) }
+
 // sweep forgets the keys of shard i unused for KeepAlive that hold nothing: their view
 // is old enough to be worthless, and Redis already has everything they admitted.
 func (h *Hybrid) sweep(i int, now int64) {
@@ -114,7 +118,7 @@ func (h *Hybrid) sweep(i int, now int64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for k, e := range sh.m {
-		if now-e.seen > int64(h.keepAlive) && !e.holds() && e.flags == 0 {
+		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags == 0 {
 			delete(sh.m, k)
 		}
 	}

@@ -96,7 +96,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 			e.lim = h.limits.intern(op.Limit)
 		}
 		ents = append(ents, e)
-		e.seen = now
+		e.seen = seenSecs(now)
 		var f bool
 		op.Result, f = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow)
 		if mayFetch {
@@ -149,7 +149,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 		}
 		if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
 			// Demand beyond the allowance: the next sync asks for a share grant.
-			e.short = satAdd32(e.short, max(cost, 1))
+			e.short = satAdd16(e.short, max(cost, 1))
 			sh.markDirty(e)
 		}
 		if !ok && op.Result.Allowed {
@@ -157,6 +157,13 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 		}
 	}
 	return ok, nil
+}
+
+func satAdd16(a uint16, b uint64) uint16 {
+	if s := uint64(a) + b; s < math.MaxUint16 {
+		return uint16(s)
+	}
+	return math.MaxUint16
 }
 
 func satAdd32(a uint32, b uint64) uint32 {
@@ -304,15 +311,21 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch b
 	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
 	fetch = mayFetch && cost > 0 && e.lastDemand < 2 && e.flags&flagBusy == 0 && stale && h.redisAnswering(now)
-	// Out of allowance: retry when the view says a unit frees up, but not before the
-	// next sync brings a new allowance.
+	// Out of allowance: retry when the view says the units free up (at the limit's rate,
+	// and for a window by its end at the latest), but not before the next sync brings a
+	// new allowance.
 	nextView := int64(h.interval)
 	if e.synced > 0 {
 		nextView = max(int64(time.Millisecond), e.synced+int64(h.interval)-now)
 	}
 	retry := int64(0)
-	if e.synced > 0 {
-		retry = e.retry - (now - e.synced)
+	if proj < need {
+		retry = int64((need - proj) * float64(lim.Window()) / float64(lim.Requests()))
+		if lim.Algorithm() != localbucket.TokenBucket && e.synced > 0 {
+			if end := e.reset - (now - e.synced); end > 0 {
+				retry = min(retry, end)
+			}
+		}
 	}
 	r.RetryAfter = max(nextView, retry)
 	r.Remaining = 0

@@ -1,0 +1,42 @@
+package sync
+
+import (
+	"runtime"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// BenchmarkHybridMemoryPerKey: heap bytes per hybrid key held, at 1,000,000 keys (each
+// key "rl:per-user:{user=user-N}", one check admitted on credit; no Redis reached).
+// Target ≤ 200 bytes. Runs once whatever b.N is: use -benchtime 1x.
+func BenchmarkHybridMemoryPerKey(b *testing.B) {
+	const keys = 1_000_000
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer rdb.Close()
+	lim := mustLimit(b, localbucket.TokenBucket, 600, time.Minute)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 2 * keys})
+	now := time.Now().UnixNano()
+	ops := []HybridOp{{Limit: lim, Cost: 1}}
+	key := make([]byte, 0, 64)
+	for i := 0; i < keys; i++ {
+		key = append(append(key[:0], "rl:per-user:{user=user-"...), strconv.Itoa(i)...)
+		key = append(key, '}')
+		ops[0].Key = key
+		h.Take(now, ops)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / keys
+	b.ReportMetric(per, "bytes/key")
+	b.Logf("%d hybrid keys held: %.0f heap bytes per key (target ≤ 200)", h.Len(), per)
+	runtime.KeepAlive(h)
+}
