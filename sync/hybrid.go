@@ -51,6 +51,9 @@ type Hybrid struct {
 	evicted  atomic.Uint64 // keys evicted for the cap
 	backlog  atomic.Int64  // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64 // exact syncs made for a waiting request
+	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
+	// again until Redis answers something.
+	fetchFailed atomic.Int64
 	// syncStart is when the periodic sync on its way began (daemon clock, ns; 0: none).
 	syncStart atomic.Int64
 
@@ -119,7 +122,7 @@ type HybridOptions struct {
 	// wait for the next one (see Backlog).
 	MaxSyncKeys int
 	// FetchWait bounds how long a request waits for an exact sync of its key (default
-	// 50ms); past it the request is refused.
+	// 25ms); past it the request is refused.
 	FetchWait time.Duration
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.
@@ -141,7 +144,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		o.MaxSyncKeys = 100_000
 	}
 	if o.FetchWait <= 0 {
-		o.FetchWait = 50 * time.Millisecond
+		o.FetchWait = 25 * time.Millisecond
 	}
 	if o.ID == "" {
 		var b [8]byte

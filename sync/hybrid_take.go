@@ -173,12 +173,13 @@ func satAdd32(a uint32, b uint64) uint32 {
 	return math.MaxUint32
 }
 
-// redisAnswering reports whether a request may wait for Redis: the breaker is closed
-// and no periodic sync has been on its way for more than an interval (a slow or frozen
-// Redis: requests are decided locally, and past StaleAfter by the rules' policies).
+// redisAnswering reports whether a request may wait for Redis: the breaker is closed,
+// no periodic sync has been on its way for more than an interval, and Redis has
+// answered since the last exact sync failed (a slow or frozen Redis: requests are
+// decided locally, and past StaleAfter by the rules' policies).
 func (h *Hybrid) redisAnswering(now int64) bool {
 	s := h.syncStart.Load()
-	return !h.breaker.Open() && (s == 0 || now-s <= int64(h.interval))
+	return !h.breaker.Open() && (s == 0 || now-s <= int64(h.interval)) && h.fetchFailed.Load() <= h.lastOK.Load()
 }
 
 // fetch runs the exact syncs Take waits for, and applies them. A failure does not count
@@ -192,7 +193,9 @@ func (h *Hybrid) fetch(now int64, items []syncItem) {
 	h.fetches.Add(uint64(len(items)))
 	err := h.send(ctx, items, h.replicaCount())
 	h.observed("hybrid_fetch", start, err)
-	h.applyAll(now, items)
+	if failed, _ := h.applyAll(now, items); failed > 0 {
+		h.fetchFailed.Store(time.Now().UnixNano())
+	}
 }
 
 // Undo gives back what Take charged, for a request a later (local) check rejected.
