@@ -210,7 +210,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 // pipeline up to pipeCalls calls (go-redis splits it per node on a cluster).
 const (
 	callKeys  = 128
-	pipeCalls = 16
+	pipeCalls = 4
 )
 
 type syncCall struct {

@@ -77,6 +77,10 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 // heartbeat costs Redis a few commands, so at most one per second.
 func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Second) }
 
+// releaseBudget bounds the last sync before a daemon stops. Keys already synced need
+// nothing then; this is for units admitted and not yet synced, and grants not yet used.
+const releaseBudget = 10 * time.Second
+
 // kickEvery is how often at most Run syncs early because keys were seen for the first
 // time: new clients get their first view within it, and a flood of new keys costs Redis
 // one sync per kickEvery, many keys per script call, not one per key.
@@ -114,8 +118,13 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		if !release && !h.breaker.Allow() {
 			return
 		}
-		// A sync of many keys takes several pipelines: allow it a few intervals.
-		c, cancel := context.WithTimeout(context.Background(), max(timeout, 5*h.interval))
+		// A sync of many keys takes several pipelines: allow it a few intervals, and the
+		// last one, which settles every key held, up to releaseBudget.
+		budget := max(timeout, 5*h.interval)
+		if release {
+			budget = max(timeout, releaseBudget)
+		}
+		c, cancel := context.WithTimeout(context.Background(), budget)
 		defer cancel()
 		start := time.Now()
 		limit := h.maxSync

@@ -231,16 +231,19 @@ for i, key in ipairs(KEYS) do
     end
   end
 
-  local fields = {'t', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp), 'x', num(x)}
-  if o then
-    fields[#fields + 1] = 'o'
-    fields[#fields + 1] = o
-  end
+  -- Only t and the window start are timestamps (beyond %.14g); the counts are written as
+  -- they are.
+  local rec_v = false
   if not replay then
-    fields[#fields + 1] = rfield
-    fields[#fields + 1] = prev_token .. ' ' .. token .. ' ' .. num(grant) .. ' ' .. num(used) .. ' ' .. num(wstart)
+    rec_v = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
   end
-  redis.call('HSET', key, unpack(fields))
+  if o and rec_v then
+    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x, 'o', o, rfield, rec_v)
+  elseif rec_v then
+    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x, rfield, rec_v)
+  else
+    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x)
+  end
   -- Keep the key while it carries state, for the epochs, and for as long as the sync
   -- records must last.
   redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
