@@ -94,7 +94,7 @@ func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
 
 // StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
 // Healthy is false and the rules' failure policies decide.
-func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, 3*h.heartbeatEvery()) }
+func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, 2*h.heartbeatEvery()) }
 
 // Healthy reports whether Redis answered recently enough for the allowances to stand.
 // A Hybrid that has never reached Redis counts from its creation.
