@@ -99,6 +99,7 @@ func BenchmarkSpreadClients(b *testing.B) {
 			g, h := res["global"], res["hybrid"]
 			ratio := float64(h.admitted) / float64(g.admitted)
 			deg := float64(h.degraded) / float64(h.offered)
+			gdeg := float64(g.degraded) / float64(g.offered)
 			name := fmt.Sprintf("%dd-%s", daemons, strings.ReplaceAll(lim.text, "/", "per"))
 			b.ReportMetric(ratio, name+"-hybrid/global")
 			b.ReportMetric(deg, name+"-degraded")
@@ -108,9 +109,12 @@ func BenchmarkSpreadClients(b *testing.B) {
 			if ratio < 0.98 || ratio > 1.05 || deg >= 0.01 {
 				verdict = "NOT MET"
 			}
-			b.Logf("spread: %d clients at 3× %s over %d daemons for %v: global admitted %d of %d, hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
+			if gdeg > 0 {
+				verdict += " (global baseline degraded: not exact)"
+			}
+			b.Logf("spread: %d clients at 3× %s over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
 				"Redis per check: global %.3f calls %.1f µs, hybrid %.3f calls %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
-				clients, lim.text, daemons, load, g.admitted, g.offered, h.admitted, h.offered, ratio, 100*deg,
+				clients, lim.text, daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
 				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), h.calls/float64(h.offered), h.cpuUsec/float64(h.offered),
 				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
 		}
@@ -132,7 +136,10 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	if err := os.WriteFile(cfg, []byte(rule), 0o644); err != nil {
 		b.Fatal(err)
 	}
-	ds := startAccDaemons(b, daemons, []string{"--config", cfg, "--redis", "redis://" + addr, "--sync-interval", accSync.String(), "--global-timeout", "50ms"})
+	// Generous timeouts for both modes: on a loaded machine a global check that times out
+	// is decided by the rule's policy (degraded), which is not the exact baseline.
+	ds := startAccDaemons(b, daemons, []string{"--config", cfg, "--redis", "redis://" + addr, "--sync-interval", accSync.String(),
+		"--global-timeout", "500ms", "--redis-timeout", "500ms"})
 	defer stopAccDaemons(ds)
 	deadline := time.Now().Add(10 * time.Second)
 	for rdb.ZCard(ctx, "rl:daemons").Val() < int64(daemons) {
