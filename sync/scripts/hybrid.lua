@@ -224,26 +224,35 @@ for i, key in ipairs(KEYS) do
       elseif n + 1 > requests then
         retry = t + window - now
       else
-        local x = window - (requests - n) * window / p
-        retry = math.max(1, math.ceil(t + x - now))
+        local xs = window - (requests - n) * window / p
+        retry = math.max(1, math.ceil(t + xs - now))
       end
       ttl = 2 * window
     end
   end
 
-  -- Only t and the window start are timestamps (beyond %.14g); the counts are written as
-  -- they are.
-  local rec_v = false
+  -- Write only what changed (each field costs Redis CPU on every sync): the epoch's
+  -- demand only when this sync brought some, n and p only for the windows. Numbers passed
+  -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
+  -- window start goes through num).
+  local f = {'t', t}
+  if alg ~= 0 then
+    f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+  end
+  if share_demand > 0 then
+    f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
+  end
+  if x ~= (tonumber(h[9]) or 0) then
+    f[#f + 1] = 'x'; f[#f + 1] = x
+  end
+  if o and o ~= h[8] then
+    f[#f + 1] = 'o'; f[#f + 1] = o
+  end
   if not replay then
-    rec_v = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
+    f[#f + 1] = rfield
+    f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
   end
-  if o and rec_v then
-    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x, 'o', o, rfield, rec_v)
-  elseif rec_v then
-    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x, rfield, rec_v)
-  else
-    redis.call('HSET', key, 't', num(t), 'n', n, 'p', p, 'e', epoch, 'dc', dc, 'dp', dp, 'x', x)
-  end
+  redis.call('HSET', key, unpack(f))
   -- Keep the key while it carries state, for the epochs, and for as long as the sync
   -- records must last.
   redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
