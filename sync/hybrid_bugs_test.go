@@ -245,3 +245,30 @@ func TestHybridSyncBacklog(t *testing.T) {
 		}
 	}
 }
+
+// Keys unused for the keep-alive that hold nothing are forgotten, shared ones included;
+// a key still holding admitted units is kept until they reach Redis.
+func TestHybridSweepForgetsIdleKeys(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	now := time.Now().UnixNano()
+	take(h, now, "rl:sweep:{idle}", lim, 1)
+	take(h, now, "rl:sweep:{shared}", lim, 1)
+	if err := h.Flush(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	sh := &h.shards[h.shardOf([]byte("rl:sweep:{shared}"))]
+	sh.mu.Lock()
+	sh.m["rl:sweep:{shared}"].flags |= flagShared
+	sh.mu.Unlock()
+	take(h, now, "rl:sweep:{pending}", lim, 1) // admitted, not yet synced
+	later := now + int64(3*time.Second)
+	for i := range hybridShards {
+		h.sweep(i, later)
+	}
+	if n := h.Len(); n != 1 {
+		t.Fatalf("%d keys held after the sweep, want only the one with a unit not yet synced", n)
+	}
+}

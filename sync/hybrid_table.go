@@ -118,7 +118,7 @@ func (h *Hybrid) sweep(i int, now int64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for k, e := range sh.m {
-		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags == 0 {
+		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 {
 			delete(sh.m, k)
 		}
 	}
