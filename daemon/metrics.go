@@ -125,7 +125,8 @@ func (m *Metrics) Flushed(err error) {
 	}
 }
 
-// ObserveStore records one call to Redis: op is global_check, hybrid_sync or heartbeat.
+// ObserveStore records one call to Redis: op is global_check, hybrid_sync, hybrid_fetch
+// (an exact sync a request waits for) or heartbeat.
 func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
 	result := "success"
 	if err != nil {
