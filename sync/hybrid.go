@@ -54,8 +54,6 @@ type Hybrid struct {
 	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
 	// again until Redis answers something.
 	fetchFailed atomic.Int64
-	// syncStart is when the periodic sync on its way began (daemon clock, ns; 0: none).
-	syncStart atomic.Int64
 
 	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
 	lastOK   atomic.Int64

@@ -265,10 +265,55 @@ func TestHybridSweepForgetsIdleKeys(t *testing.T) {
 	sh.mu.Unlock()
 	take(h, now, "rl:sweep:{pending}", lim, 1) // admitted, not yet synced
 	later := now + int64(3*time.Second)
+	// A fixed window of an hour is not full again 3 s later: the views stay, so a
+	// client coming back is not given a first unit again.
 	for i := range hybridShards {
 		h.sweep(i, later)
 	}
+	if n := h.Len(); n != 3 {
+		t.Fatalf("%d keys held after the sweep, want all 3 (none full again)", n)
+	}
+	// Once the window has ended they are full: all but the one with a unit not yet
+	// synced go.
+	afterWindow := now + int64(time.Hour+time.Minute)
+	for i := range hybridShards {
+		h.sweep(i, afterWindow)
+	}
 	if n := h.Len(); n != 1 {
 		t.Fatalf("%d keys held after the sweep, want only the one with a unit not yet synced", n)
+	}
+}
+
+// A limited client whose requests rotate slowly over the daemons (each daemon sees it
+// less often than the keep-alive) is not given a first unit on credit at every visit:
+// a daemon keeps the view of a key that is not full, and decides by an exact sync.
+func TestHybridSlowRotatingClient(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.FixedWindow, 5, time.Hour)
+	hs := make([]*Hybrid, 5)
+	for i := range hs {
+		hs[i] = NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
+		hs[i].SetReplicas(len(hs))
+	}
+	now := time.Now().UnixNano()
+	admitted := 0
+	for visit := 0; visit < 6; visit++ {
+		for _, h := range hs {
+			if take(h, now, "rl:slow:{user=1}", lim, 1).Allowed {
+				admitted++
+			}
+			if err := h.Flush(context.Background(), now); err != nil {
+				t.Fatal(err)
+			}
+		}
+		now += int64(20 * time.Second) // longer than the keep-alive
+		for _, h := range hs {
+			for i := range hybridShards {
+				h.sweep(i, now)
+			}
+		}
+	}
+	if admitted != 5 {
+		t.Fatalf("admitted %d over 30 requests against a limit of 5 per hour", admitted)
 	}
 }

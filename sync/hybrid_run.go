@@ -131,10 +131,7 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		if release {
 			limit = 0
 		}
-		now := clock()
-		h.syncStart.Store(now)
-		sent, err := h.flush(c, now, limit, release)
-		h.syncStart.Store(0)
+		sent, err := h.flush(c, clock(), limit, release)
 		if sent == 0 && err == nil {
 			return
 		}

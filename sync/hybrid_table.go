@@ -111,14 +111,18 @@ func (h *Hybrid) evict(sh *hshard) {
 // check: enough for the keep-alive, and 4 bytes a key.
 func seenSecs(now int64) uint32 { return uint32(now / int64(time.Second)) }
 
-// sweep forgets the keys of shard i unused for KeepAlive that hold nothing: their view
-// is old enough to be worthless, and Redis already has everything they admitted.
+// sweep forgets the keys of shard i unused for KeepAlive that hold nothing and that are
+// full again by their view: Redis already has everything they admitted, and a key
+// forgotten gets one unit on credit when it comes back, which only a full key may give
+// (a limited client whose requests rotate slowly over the daemons would otherwise get
+// that unit on every visit).
 func (h *Hybrid) sweep(i int, now int64) {
 	sh := &h.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for k, e := range sh.m {
-		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 {
+		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
+			project(e, now) >= float64(e.lim.Capacity()) {
 			delete(sh.m, k)
 		}
 	}

@@ -174,12 +174,11 @@ func satAdd32(a uint32, b uint64) uint32 {
 }
 
 // redisAnswering reports whether a request may wait for Redis: the breaker is closed,
-// no periodic sync has been on its way for more than an interval, and Redis has
-// answered since the last exact sync failed (a slow or frozen Redis: requests are
-// decided locally, and past StaleAfter by the rules' policies).
-func (h *Hybrid) redisAnswering(now int64) bool {
-	s := h.syncStart.Load()
-	return !h.breaker.Open() && (s == 0 || now-s <= int64(h.interval)) && h.fetchFailed.Load() <= h.lastOK.Load()
+// and Redis has answered since the last exact sync failed (a frozen Redis costs one
+// request one FetchWait; then requests are decided locally, and past StaleAfter by the
+// rules' policies).
+func (h *Hybrid) redisAnswering(int64) bool {
+	return !h.breaker.Open() && h.fetchFailed.Load() <= h.lastOK.Load()
 }
 
 // fetch runs the exact syncs Take waits for, and applies them. A failure does not count
