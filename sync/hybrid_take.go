@@ -79,12 +79,14 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 				h.evict(sh)
 			}
 			// A key new here: before its first sync a daemon may admit one request on
-			// credit, if the key's capacity leaves one for every live daemon. What it
-			// admits is counted at the next sync; anything more waits for an exact sync.
+			// credit, if the key's capacity leaves two for every live daemon (a small
+			// limit shared by many daemons is decided by exact syncs: a stale view could
+			// mistake it for full). What it admits is counted at the next sync; anything
+			// more waits for an exact sync.
 			lim := h.limits.intern(op.Limit)
 			c := float64(lim.Capacity())
 			e = &hentry{key: string(op.Key), lim: lim, view: c}
-			if c >= n/2 {
+			if c >= n {
 				e.allowance = 1
 			}
 			sh.m[e.key] = e
