@@ -84,7 +84,7 @@ const releaseBudget = 10 * time.Second
 // kickEvery is how often at most Run syncs early because keys were seen for the first
 // time: new clients get their first view within it, and a flood of new keys costs Redis
 // one sync per kickEvery, many keys per script call, not one per key.
-const kickEvery = 20 * time.Millisecond
+const kickEvery = 50 * time.Millisecond
 
 // Run syncs every interval and sends a heartbeat every second until ctx ends, then
 // releases (a last sync that gives every grant back and takes none), with a fresh
