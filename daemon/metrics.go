@@ -34,6 +34,8 @@ type Metrics struct {
 
 	checkDur latencyHist
 	storeDur latencyHist
+	syncDur  latencyHist // periodic hybrid syncs; written once one was observed
+	synced   atomic.Bool
 
 	byRule atomic.Pointer[[]*ruleMetrics] // by rules.Rule.Index of the active set
 	mu     sync.Mutex                     // guards what follows
@@ -131,7 +133,8 @@ func (m *Metrics) Flushed(err error) {
 	}
 }
 
-// ObserveStore records one call to Redis: op is global_check, hybrid_sync or heartbeat.
+// ObserveStore records one call to Redis: op is global_check, hybrid_sync, hybrid_fetch
+// (an exact sync a request waits for) or heartbeat.
 func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
 	result := "success"
 	if err != nil {
@@ -148,6 +151,13 @@ func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
 	if op == "hybrid_sync" {
 		m.Flushed(err)
 	}
+}
+
+// HybridSynced records one periodic hybrid sync (rlsidecar_hybrid_sync_duration_seconds):
+// how long it took; keys is how many keys it carried.
+func (m *Metrics) HybridSynced(d time.Duration, keys int) {
+	m.syncDur.observe(d)
+	m.synced.Store(true)
 }
 
 // GaugeFunc and CounterFunc expose a value read at scrape time.
@@ -336,6 +346,9 @@ func (h *latencyHist) write(w io.Writer, name, help string) {
 func (m *Metrics) writeCustom(w io.Writer) {
 	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
 	m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
+	if m.synced.Load() {
+		m.syncDur.write(w, "rlsidecar_hybrid_sync_duration_seconds", "Duration of a periodic hybrid sync (all its pipelines).")
+	}
 	m.mu.Lock()
 	funcs := append([]funcMetric(nil), m.funcs...)
 	version := m.config.version

@@ -273,7 +273,7 @@ func TestHybridAllOrNothing(t *testing.T) {
 rules:
   - name: shared
     key: user
-    limit: { requests: 4, per: 1h }
+    limit: { requests: 2, per: 1h }
   - name: here
     key: ip
     limit: { requests: 10, per: 1h }
@@ -285,7 +285,8 @@ rules:
 `)
 	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
 	var d Decision
-	// Before its first sync a daemon admits one request per hybrid key on credit. A
+	// Before its first sync a daemon admits its credit per hybrid key, 1/2N of the limit
+	// (here one request; the exact sync it then tries finds no Redis). A
 	// hybrid rejection consumes nothing locally: the first passes, the next two are
 	// rejected by shared, and ip i was charged once.
 	in := Input{Attrs: attrs("user=u", "ip=i"), Cost: 1}

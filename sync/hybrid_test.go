@@ -342,12 +342,12 @@ func TestHybridKeyCap(t *testing.T) {
 func TestHybridLostReplyCountsOnce(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	const key, rec = "rl:lost:{user=1}", "rl:lost:{user=1}:s:d1"
+	const key = "rl:lost:{user=1}"
 	run := func(used, prevGrant, demand, prevTok, tok uint64, window int64) []int64 {
 		t.Helper()
-		cmd := hybridScript.Run(ctx, rdb, []string{key, rec},
-			2, 100, int64(time.Hour/time.Microsecond), 0, used, prevGrant, window, demand, int64(100*time.Millisecond/time.Microsecond), 1,
-			prevTok, tok, 10000)
+		cmd := hybridScript.Run(ctx, rdb, []string{key},
+			"d1", int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100,
+			2, 100, int64(time.Hour/time.Microsecond), 0, used, prevGrant, window, demand, modeShare, prevTok, tok)
 		v, err := int64s(cmd)
 		if err != nil {
 			t.Fatal(err)
@@ -370,8 +370,8 @@ func TestHybridLostReplyCountsOnce(t *testing.T) {
 	if after, _ := rdb.HGet(ctx, key, "n").Int(); after != before {
 		t.Fatalf("a replayed sync changed n from %d to %d", before, after)
 	}
-	if ttl := rdb.PTTL(ctx, rec).Val(); ttl <= 0 {
-		t.Fatalf("sync record without a TTL: %v", ttl)
+	if ttl := rdb.PTTL(ctx, key).Val(); ttl < 10*time.Second {
+		t.Fatalf("key holding the sync records expires in %v, want at least the records' 10 s", ttl)
 	}
 }
 

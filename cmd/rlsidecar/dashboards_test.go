@@ -96,21 +96,23 @@ rules:
 	types, _ := scrape(t, base)
 	// Every metric the daemon promises, with its type.
 	for name, typ := range map[string]string{
-		"rlsidecar_checks_total":               "counter",
-		"rlsidecar_check_duration_seconds":     "histogram",
-		"rlsidecar_store_requests_total":       "counter",
-		"rlsidecar_store_duration_seconds":     "histogram",
-		"rlsidecar_sync_flushes_total":         "counter",
-		"rlsidecar_keys":                       "gauge",
-		"rlsidecar_evictions_total":            "counter",
-		"rlsidecar_degraded_decisions_total":   "counter",
-		"rlsidecar_breaker_open":               "gauge",
-		"rlsidecar_config_reloads_total":       "counter",
-		"rlsidecar_config_info":                "gauge",
-		"rlsidecar_connections":                "gauge",
-		"rlsidecar_build_info":                 "gauge",
-		"rlsidecar_top_rejected":               "gauge",
-		"rlsidecar_hybrid_dropped_units_total": "counter",
+		"rlsidecar_checks_total":                 "counter",
+		"rlsidecar_check_duration_seconds":       "histogram",
+		"rlsidecar_store_requests_total":         "counter",
+		"rlsidecar_store_duration_seconds":       "histogram",
+		"rlsidecar_sync_flushes_total":           "counter",
+		"rlsidecar_keys":                         "gauge",
+		"rlsidecar_evictions_total":              "counter",
+		"rlsidecar_degraded_decisions_total":     "counter",
+		"rlsidecar_breaker_open":                 "gauge",
+		"rlsidecar_config_reloads_total":         "counter",
+		"rlsidecar_config_info":                  "gauge",
+		"rlsidecar_connections":                  "gauge",
+		"rlsidecar_build_info":                   "gauge",
+		"rlsidecar_top_rejected":                 "gauge",
+		"rlsidecar_hybrid_dropped_units_total":   "counter",
+		"rlsidecar_hybrid_sync_backlog":          "gauge",
+		"rlsidecar_hybrid_sync_duration_seconds": "histogram",
 	} {
 		if types[name] != typ {
 			t.Errorf("%s: type %q, want %q", name, types[name], typ)

@@ -46,6 +46,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file, for the gateways' users; under socket activation the .socket unit's SocketGroup= decides")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
+	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", 4096, "bytes per attribute value")
@@ -181,8 +182,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		redis.SetLogger(redisLog{log})
 		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
 		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, ID: id, Prefix: *redisPrefix, Clock: clock.Mono}).
-			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore)
+		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
+			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
+			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
@@ -378,6 +380,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	metrics.CounterFunc("rlsidecar_untracked_decisions_total", "Decisions for client keys the local store could not hold (--max-keys reached with every held client limited): made on their rule's shared fallback state, not their own.",
 		func() float64 { return float64(lim.Store().Untracked()) })
 	if hybrid != nil {
+		metrics.GaugeFunc("rlsidecar_hybrid_sync_backlog", "Hybrid keys that needed a sync and were left for the next one (a sync carries at most --hybrid-max-sync-keys).",
+			func() float64 { return float64(hybrid.Backlog()) })
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}

@@ -1,17 +1,19 @@
--- hybrid.lua: one daemon's sync of one key in hybrid mode, atomically: settle what the
--- daemon used of its last grant, then reserve its next grant.
+-- hybrid.lua: one daemon's sync of many keys in hybrid mode, each key atomically (the
+-- whole call is): settle what the daemon admitted since its last sync of the key against
+-- the grant it held, then, if asked, reserve a new grant, and answer the key's state.
 --
 -- A grant is a reservation: the units are taken from the key's global state when they
--- are granted, so every other daemon's view already excludes them, and the grants
--- outstanding at any moment never exceed what the key can admit (plus, for refilling
--- algorithms, one interval of refill, granted ahead of time). At the next sync the daemon
--- reports what it used; the unused part goes back. Units a daemon admitted beyond its
--- grant (its first requests on a key, before any grant) are added as they are: what was
--- admitted is recorded, never lost.
+-- are granted, so every other daemon's view already excludes them. At the next sync the
+-- daemon reports what it used; the unused part goes back. Units a daemon admitted beyond
+-- its grant (on credit, see sync/hybrid_take.go) are added as they are: what was admitted
+-- is recorded, never lost; if that overdraws the key, the debt delays its refill.
 --
--- The next grant is the key's headroom over the next interval (what it can admit now,
--- plus the interval's refill) times this daemon's share of the key's demand: a daemon
--- taking 80% of the traffic gets 80% of the headroom. docs/accuracy.md derives the bound.
+-- Two kinds of grant (ARGV per key: mode):
+--   0 share: the key's headroom over the next interval (what it can admit now plus the
+--     interval's refill) times this daemon's share of the key's demand (a key hot on this
+--     daemon, whose demand outran its allowance);
+--   1 exact: exactly `demand` units if the key has them now, else none (a request the
+--     daemon could not decide locally waits for this answer: the exact mode's decision).
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -19,191 +21,248 @@
 -- State (a hash; every write sets a TTL, so idle keys vanish): t = GCRA theoretical
 -- arrival time, or the current window's start; n = current window count (reservations
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
--- current and previous epoch, over all daemons.
+-- current and previous epoch, over all daemons; o = the last daemon that used the key
+-- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
+-- than one daemon within share_epochs); s:<daemon> = that daemon's last sync of the key,
+-- "prev_token token grant used window".
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
--- the key (prev_token) and a fresh one (token); KEYS[2], a short-lived record of this
--- daemon's last sync of the key (same hash tag), holds "prev_token token grant used
--- window".
--- If that record shows the daemon's previous sync was applied but its reply never came
--- back (its prev_token matches ours, its token is not the one we confirmed), the units it
--- settled are not settled again and the grant it reserved is given back. A sync whose
--- token was already applied changes nothing and answers the same grant.
+-- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
+-- sync was applied but its reply never came back (its prev_token matches ours, its token
+-- is not the one we confirmed), the units it settled are not settled again and the grant
+-- it reserved is given back. A sync whose token was already applied changes nothing and
+-- answers the same grant.
 --
--- KEYS[1] key, KEYS[2] the sync record; ARGV: algorithm (0 token_bucket, 1
--- sliding_window, 2 fixed_window), requests, window_us, burst, used, prev_grant,
--- grant_window (the window start the previous grant was taken in, 0 if none), demand,
--- interval_us, replicas, prev_token, token, record_ttl_ms.
--- Returns: grant (whole units), remaining, reset_us, retry_us, window start (echo it as
--- grant_window next time), the previous epoch's demand.
-local key = KEYS[1]
-local alg = tonumber(ARGV[1])
-local requests = tonumber(ARGV[2])
-local window = tonumber(ARGV[3])
-local burst = tonumber(ARGV[4])
-local used = tonumber(ARGV[5])
-local prev_grant = tonumber(ARGV[6])
-local grant_window = tonumber(ARGV[7])
-local demand = tonumber(ARGV[8])
-local interval = tonumber(ARGV[9])
-local replicas = math.max(1, tonumber(ARGV[10]))
-local prev_token = ARGV[11]
-local token = ARGV[12]
-local record_ttl = tonumber(ARGV[13])
+-- KEYS: the keys (on a cluster, all in one slot). ARGV[1] daemon id, ARGV[2] interval_us,
+-- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
+-- ARGV[5] share_epochs; then per key 11 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
+-- requests, window_us, burst, used, prev_grant, grant_window (the window start the
+-- previous grant was taken in, 0 if none), demand, mode, prev_token, token.
+-- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
+-- start (echo it as grant_window next time), avail_milli: the units the key can admit
+-- now beyond every reservation, times 1000, negative while it is in debt or its next
+-- interval's refill is reserved; and shared: 1 if another daemon used the key within
+-- share_epochs (its daemons then admit on grants only, no credit).
+local id = ARGV[1]
+local interval = tonumber(ARGV[2])
+local replicas = math.max(1, tonumber(ARGV[3]))
+local min_ttl = tonumber(ARGV[4])
+local share_epochs = tonumber(ARGV[5])
+local rfield = 's:' .. id
 
 local tm = redis.call('TIME')
 local now = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
-
-local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp')
-local t = tonumber(h[1]) or 0
-local n = tonumber(h[2]) or 0
-local p = tonumber(h[3]) or 0
-local e = tonumber(h[4]) or 0
-local dc = tonumber(h[5]) or 0
-local dp = tonumber(h[6]) or 0
-
--- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
 local epoch = math.floor(now / interval)
-if e == epoch then
-  dc = dc + demand
-elseif e == epoch - 1 then
-  dp = dc
-  dc = demand
-else
-  dp = 0
-  dc = demand
-end
-local total = math.max(dp, dc)
-if dp == 0 then
-  -- no complete epoch yet: assume every live daemon sees as much as this one
-  total = math.max(total, demand * replicas)
-end
-
--- What the daemon used beyond (or short of) its last grant. If the key is gone (expired,
--- or Redis lost its data), so is that grant: everything used counts.
-local settle = used - prev_grant
-if h[1] == false then settle = used end
-
--- Idempotency: what did this daemon's last applied sync of this key do?
-local replay, replay_grant = false, 0
-local rec = redis.call('GET', KEYS[2])
-if rec then
-  local rp, rt, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
-  if rt == token then
-    -- this very sync was applied already: change nothing, answer the same grant
-    replay, replay_grant = true, tonumber(rg)
-    settle, demand = 0, 0
-  elseif rp == prev_token and rt ~= prev_token then
-    -- our previous sync was applied but we never got its answer: it settled ru against
-    -- prev_grant and reserved rg. Count only what was used since, against rg.
-    settle = (used - tonumber(ru)) - tonumber(rg)
-    grant_window = tonumber(rw) -- the window that grant was taken from
-  end
-end
-local capacity, avail, headroom, wstart
-if alg == 0 then
-  local T = window / requests
-  local tau = burst * T
-  capacity = burst
-  t = math.max(t, now) + settle * T
-  if t < now then t = now end
-  avail = (now + tau - t) / T
-  headroom = math.min(burst, math.max(0, avail + interval / T))
-  wstart = 0
-else
-  capacity = requests
-  local start = now - now % window
-  if t + window <= start then
-    if alg == 1 and t + window == start then p = n else p = 0 end
-    n = 0
-    t = start
-  elseif t == 0 then
-    t = start
-  end
-  -- Settle against the window the grant was taken from; if that window is gone, only
-  -- what exceeded the grant still counts (in the current window).
-  if grant_window == t then
-    n = math.max(0, n + settle)
-  elseif alg == 1 and grant_window == t - window then
-    p = math.max(0, p + settle)
-  elseif settle > 0 then
-    n = n + settle
-  end
-  wstart = t
-  if alg == 2 then
-    avail = requests - n
-    headroom = math.max(0, avail)
-  else
-    local elapsed = now - t
-    avail = requests - (p * (window - elapsed) / window + n)
-    local later = elapsed + interval
-    local est2
-    if later < window then
-      est2 = p * (window - later) / window + n
-    else
-      est2 = math.max(0, n * (2 * window - later) / window)
-    end
-    headroom = math.min(requests, math.max(0, requests - est2))
-  end
-end
-
--- This daemon's share of the headroom, by demand, in whole units (so counts stay exact).
--- Capped at twice its demand (or an even split of the headroom, if larger), so a daemon
--- that saw little traffic does not hold budget the others need; at least one unit when
--- there is one, so a small share is never stuck below a whole request.
-local grant = 0
-if replay then
-  grant = replay_grant
-elseif demand > 0 and headroom >= 1 then
-  grant = headroom * demand / math.max(total, demand)
-  grant = math.min(grant, math.max(2 * demand, headroom / replicas))
-  grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
-end
-
--- Reserve it (a replayed sync reserved it the first time).
-local reserve = grant
-if replay then reserve = 0 end
-local remaining, reset, retry, ttl
-if alg == 0 then
-  local T = window / requests
-  local tau = burst * T
-  t = math.max(t, now) + reserve * T
-  local left = (now + tau - t) / T
-  remaining = math.max(0, math.floor(left))
-  reset = math.max(0, t - now)
-  if left >= 1 then retry = 0 else retry = t - now - tau + T end
-  ttl = reset
-else
-  n = n + reserve
-  if alg == 2 then
-    remaining = math.max(0, math.floor(requests - n))
-    if n > 0 then reset = t + window - now else reset = 0 end
-    if remaining >= 1 then retry = 0 else retry = t + window - now end
-    ttl = window
-  else
-    local elapsed = now - t
-    local est = math.floor(p * (window - elapsed) / window + n)
-    remaining = math.max(0, requests - est)
-    if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
-    if remaining >= 1 then
-      retry = 0
-    elseif n + 1 > requests then
-      retry = t + window - now
-    else
-      local x = window - (requests - n) * window / p
-      retry = math.max(1, math.ceil(t + x - now))
-    end
-    ttl = 2 * window
-  end
-end
 
 -- Numbers are written with %.17g: Redis would format them with %.14g, losing the
 -- microseconds of a timestamp.
 local function num(x) return string.format('%.17g', x) end
-redis.call('HSET', key, 't', num(t), 'n', num(n), 'p', num(p), 'e', num(epoch), 'dc', num(dc), 'dp', num(dp))
--- Keep the key while it carries state, and at least a few intervals for the epochs.
-redis.call('PEXPIRE', key, math.ceil(math.max(ttl, 4 * interval) / 1000) + 1000)
-if not replay then
-  redis.call('SET', KEYS[2], prev_token .. ' ' .. token .. ' ' .. num(grant) .. ' ' .. num(used) .. ' ' .. num(wstart), 'PX', record_ttl)
+
+local out = {}
+for i, key in ipairs(KEYS) do
+  local a = 5 + (i - 1) * 11
+  local alg = tonumber(ARGV[a + 1])
+  local requests = tonumber(ARGV[a + 2])
+  local window = tonumber(ARGV[a + 3])
+  local burst = tonumber(ARGV[a + 4])
+  local used = tonumber(ARGV[a + 5])
+  local prev_grant = tonumber(ARGV[a + 6])
+  local grant_window = tonumber(ARGV[a + 7])
+  local demand = tonumber(ARGV[a + 8])
+  local mode = tonumber(ARGV[a + 9])
+  local prev_token = ARGV[a + 10]
+  local token = ARGV[a + 11]
+
+  local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield, 'o', 'x')
+  local t = tonumber(h[1]) or 0
+  local n = tonumber(h[2]) or 0
+  local p = tonumber(h[3]) or 0
+  local e = tonumber(h[4]) or 0
+  local dc = tonumber(h[5]) or 0
+  local dp = tonumber(h[6]) or 0
+
+  -- What the daemon used beyond (or short of) its last grant. If the key is gone
+  -- (expired, or Redis lost its data), so is that grant: everything used counts.
+  local settle = used - prev_grant
+  if h[1] == false then settle = used end
+
+  -- Idempotency: what did this daemon's last applied sync of this key do?
+  local replay, replay_grant = false, 0
+  local rec = h[7]
+  if rec then
+    local rp, rt, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+    if rt == token then
+      -- this very sync was applied already: change nothing, answer the same grant
+      replay, replay_grant = true, tonumber(rg)
+      settle, demand = 0, 0
+    elseif rp == prev_token and rt ~= prev_token then
+      -- our previous sync was applied but we never got its answer: it settled ru against
+      -- prev_grant and reserved rg. Count only what was used since, against rg.
+      settle = (used - tonumber(ru)) - tonumber(rg)
+      grant_window = tonumber(rw) -- the window that grant was taken from
+    end
+  end
+
+  -- Shared: another daemon used the key lately.
+  local x = tonumber(h[9]) or 0
+  local o = nil
+  if used > 0 or demand > 0 then
+    local oid, oep = string.match(h[8] or '', '^(%S+) (%S+)$')
+    if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+      x = epoch + share_epochs
+    end
+    o = id .. ' ' .. epoch
+  end
+
+  -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
+  local share_demand = 0
+  if mode == 0 then share_demand = demand end
+  if e == epoch then
+    dc = dc + share_demand
+  elseif e == epoch - 1 then
+    dp = dc
+    dc = share_demand
+  else
+    dp = 0
+    dc = share_demand
+  end
+  local total = math.max(dp, dc)
+  if dp == 0 then
+    -- no complete epoch yet: assume every live daemon sees as much as this one
+    total = math.max(total, share_demand * replicas)
+  end
+
+  local avail, headroom, wstart
+  if alg == 0 then
+    local T = window / requests
+    local tau = burst * T
+    t = math.max(t, now) + settle * T
+    if t < now then t = now end
+    avail = (now + tau - t) / T
+    headroom = math.min(burst, math.max(0, avail + interval / T))
+    wstart = 0
+  else
+    local start = now - now % window
+    if t + window <= start then
+      if alg == 1 and t + window == start then p = n else p = 0 end
+      n = 0
+      t = start
+    elseif t == 0 then
+      t = start
+    end
+    -- Settle against the window the grant was taken from; if that window is gone, only
+    -- what exceeded the grant still counts (in the current window).
+    if grant_window == t then
+      n = math.max(0, n + settle)
+    elseif alg == 1 and grant_window == t - window then
+      p = math.max(0, p + settle)
+    elseif settle > 0 then
+      n = n + settle
+    end
+    wstart = t
+    if alg == 2 then
+      avail = requests - n
+      headroom = math.max(0, avail)
+    else
+      local elapsed = now - t
+      avail = requests - (p * (window - elapsed) / window + n)
+      local later = elapsed + interval
+      local est2
+      if later < window then
+        est2 = p * (window - later) / window + n
+      else
+        est2 = math.max(0, n * (2 * window - later) / window)
+      end
+      headroom = math.min(requests, math.max(0, requests - est2))
+    end
+  end
+
+  local grant = 0
+  if replay then
+    grant = replay_grant
+  elseif mode == 1 then
+    if demand > 0 and avail >= demand then grant = demand end
+  elseif demand > 0 and headroom >= 1 then
+    -- This daemon's share of the headroom, by demand, in whole units (so counts stay
+    -- exact). Capped at twice its demand (or an even split of the headroom, if larger),
+    -- so a daemon that saw little traffic does not hold budget the others need; at least
+    -- one unit when there is one.
+    grant = headroom * demand / math.max(total, demand)
+    grant = math.min(grant, math.max(2 * demand, headroom / replicas))
+    grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
+  end
+
+  -- Reserve it (a replayed sync reserved it the first time).
+  local reserve = grant
+  if replay then reserve = 0 end
+  local remaining, reset, retry, ttl
+  if alg == 0 then
+    local T = window / requests
+    local tau = burst * T
+    t = math.max(t, now) + reserve * T
+    local left = (now + tau - t) / T
+    avail = left
+    remaining = math.max(0, math.floor(left))
+    reset = math.max(0, t - now)
+    if left >= 1 then retry = 0 else retry = t - now - tau + T end
+    ttl = reset
+  else
+    n = n + reserve
+    avail = avail - reserve
+    if alg == 2 then
+      remaining = math.max(0, math.floor(requests - n))
+      if n > 0 then reset = t + window - now else reset = 0 end
+      if remaining >= 1 then retry = 0 else retry = t + window - now end
+      ttl = window
+    else
+      local elapsed = now - t
+      local est = math.floor(p * (window - elapsed) / window + n)
+      remaining = math.max(0, requests - est)
+      if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
+      if remaining >= 1 then
+        retry = 0
+      elseif n + 1 > requests then
+        retry = t + window - now
+      else
+        local xs = window - (requests - n) * window / p
+        retry = math.max(1, math.ceil(t + xs - now))
+      end
+      ttl = 2 * window
+    end
+  end
+
+  -- Write only what changed (each field costs Redis CPU on every sync): the epoch's
+  -- demand only when this sync brought some, n and p only for the windows. Numbers passed
+  -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
+  -- window start goes through num).
+  local f = {'t', t}
+  if alg ~= 0 then
+    f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+  end
+  if share_demand > 0 then
+    f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
+  end
+  if x ~= (tonumber(h[9]) or 0) then
+    f[#f + 1] = 'x'; f[#f + 1] = x
+  end
+  if o and o ~= h[8] then
+    f[#f + 1] = 'o'; f[#f + 1] = o
+  end
+  if not replay then
+    f[#f + 1] = rfield
+    f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
+  end
+  redis.call('HSET', key, unpack(f))
+  -- Keep the key while it carries state, for the epochs, and for as long as the sync
+  -- records must last.
+  redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
+  local r = (i - 1) * 7
+  out[r + 1] = grant
+  out[r + 2] = remaining
+  out[r + 3] = math.floor(reset)
+  out[r + 4] = math.floor(retry)
+  out[r + 5] = wstart
+  out[r + 6] = math.floor(avail * 1000)
+  if x >= epoch then out[r + 7] = 1 else out[r + 7] = 0 end
 end
-return {grant, remaining, math.floor(reset), math.floor(retry), wstart, math.floor(dp)}
+return out

@@ -1,0 +1,263 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// Spread clients: each client's requests rotate over the daemons, as a load balancer
+// spreads them over the gateways. Every client is offered 3× its limit; hybrid must admit
+// what the exact (global) mode admits on the same load, within 0.98–1.05, with < 1% of
+// decisions degraded. Sizes (env): RLSIDECAR_SPREAD_CLIENTS (default 100; the figures
+// use 500 and 5000), RLSIDECAR_SPREAD_DAEMONS (comma list, default "2,5"; figures
+// "2,5,20"), RLSIDECAR_SPREAD_SECONDS (default 4; figures 10), RLSIDECAR_SPREAD_LIMITS
+// (default "5/10s"; figures "5/10s,5/1m").
+
+// spreadEnv reads a benchmark size from the environment.
+func spreadEnv(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// spreadLimit is one rule limit: requests per window, a token bucket with burst =
+// requests.
+type spreadLimit struct {
+	requests int
+	window   time.Duration
+	text     string
+}
+
+func parseSpreadLimit(tb testing.TB, s string) spreadLimit {
+	n, per, ok := strings.Cut(s, "/")
+	r, err := strconv.Atoi(n)
+	if !ok || err != nil {
+		tb.Fatalf("limit %q: want requests/window", s)
+	}
+	if per[0] < '0' || per[0] > '9' {
+		per = "1" + per
+	}
+	w, err := time.ParseDuration(per)
+	if err != nil {
+		tb.Fatalf("limit %q: %v", s, err)
+	}
+	return spreadLimit{requests: r, window: w, text: s}
+}
+
+// spreadEvent is one scheduled check: client c at time at, to daemon d.
+type spreadEvent struct {
+	at     time.Duration
+	client int
+}
+
+// spreadResult is what one run measured.
+type spreadResult struct {
+	offered, admitted, degraded int
+	calls, cpuUsec              float64 // Redis scripts run and their CPU time (commandstats)
+	lag                         time.Duration
+}
+
+// BenchmarkSpreadClients: see the comment above. It reports, per (daemons, limit), the
+// admissions of the global and hybrid modes on the same schedule, their ratio, the
+// degraded share, and the Redis calls and CPU per check of each.
+func BenchmarkSpreadClients(b *testing.B) {
+	clients, _ := strconv.Atoi(spreadEnv("RLSIDECAR_SPREAD_CLIENTS", "100"))
+	secs, _ := strconv.ParseFloat(spreadEnv("RLSIDECAR_SPREAD_SECONDS", "4"), 64)
+	load := time.Duration(secs * float64(time.Second))
+	srv := redistest.StartStandalone(b)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	b.Cleanup(func() { rdb.Close() })
+	for _, ds := range strings.Split(spreadEnv("RLSIDECAR_SPREAD_DAEMONS", "2,5"), ",") {
+		daemons, err := strconv.Atoi(ds)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, ls := range strings.Split(spreadEnv("RLSIDECAR_SPREAD_LIMITS", "5/10s"), ",") {
+			lim := parseSpreadLimit(b, ls)
+			res := map[string]spreadResult{}
+			for _, mode := range []string{"global", "hybrid"} {
+				res[mode] = spreadRun(b, srv.Addr, rdb, mode, daemons, clients, lim, load)
+			}
+			g, h := res["global"], res["hybrid"]
+			ratio := float64(h.admitted) / float64(g.admitted)
+			deg := float64(h.degraded) / float64(h.offered)
+			gdeg := float64(g.degraded) / float64(g.offered)
+			name := fmt.Sprintf("%dd-%s", daemons, strings.ReplaceAll(lim.text, "/", "per"))
+			b.ReportMetric(ratio, name+"-hybrid/global")
+			b.ReportMetric(deg, name+"-degraded")
+			b.ReportMetric(h.calls/float64(h.offered), name+"-hybrid-calls/check")
+			b.ReportMetric(g.calls/float64(g.offered), name+"-global-calls/check")
+			verdict := "met"
+			if ratio < 0.98 || ratio > 1.05 || deg >= 0.01 {
+				verdict = "NOT MET"
+			}
+			if gdeg > 0 {
+				verdict += " (global baseline degraded: not exact)"
+			}
+			b.Logf("spread: %d clients at 3× %s over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
+				"Redis per check: global %.3f calls %.1f µs, hybrid %.3f calls %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
+				clients, lim.text, daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
+				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), h.calls/float64(h.offered), h.cpuUsec/float64(h.offered),
+				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
+		}
+	}
+}
+
+// spreadRun runs one mode on fresh daemons and a flushed Redis.
+func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemons, clients int, lim spreadLimit, load time.Duration) spreadResult {
+	ctx := context.Background()
+	if err := rdb.FlushAll(ctx).Err(); err != nil {
+		b.Fatal(err)
+	}
+	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
+		b.Fatal(err)
+	}
+	cfg := filepath.Join(b.TempDir(), mode+".yaml")
+	rule := fmt.Sprintf("rules:\n  - name: spread\n    key: user\n    limit: { requests: %d, per: %s }\n    mode: %s\n",
+		lim.requests, lim.window, mode)
+	if err := os.WriteFile(cfg, []byte(rule), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	// Generous timeouts for both modes: on a loaded machine a global check that times out
+	// is decided by the rule's policy (degraded), which is not the exact baseline.
+	ds := startAccDaemons(b, daemons, []string{"--config", cfg, "--redis", "redis://" + addr, "--sync-interval", accSync.String(),
+		"--global-timeout", "500ms", "--redis-timeout", "500ms"})
+	defer stopAccDaemons(ds)
+	deadline := time.Now().Add(10 * time.Second)
+	for rdb.ZCard(ctx, "rl:daemons").Val() < int64(daemons) {
+		if time.Now().After(deadline) {
+			b.Fatalf("%s: only %d of %d daemons heartbeat within 10s", mode, rdb.ZCard(ctx, "rl:daemons").Val(), daemons)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(1500 * time.Millisecond) // every daemon has counted the others
+
+	// The schedule: client c offered 3× its limit, evenly paced from a random phase; its
+	// k-th request goes to daemon (c+k) mod daemons. The same seed for both modes.
+	rate := 3 * float64(lim.requests) / lim.window.Seconds()
+	period := time.Duration(float64(time.Second) / rate)
+	rng := rand.New(rand.NewPCG(1, 2))
+	perDaemon := make([][]spreadEvent, daemons)
+	for c := 0; c < clients; c++ {
+		phase := time.Duration(rng.Int64N(int64(period)))
+		for k := 0; ; k++ {
+			at := phase + time.Duration(k)*period
+			if at >= load {
+				break
+			}
+			d := (c + k) % daemons
+			perDaemon[d] = append(perDaemon[d], spreadEvent{at: at, client: c})
+		}
+	}
+	for _, evs := range perDaemon {
+		sort.Slice(evs, func(i, j int) bool { return evs[i].at < evs[j].at })
+	}
+	before := accRedisStats(b, rdb)
+	cpuBefore := spreadScriptUsec(b, rdb)
+	const workers = 4 // connections per daemon, so a check waiting on Redis does not hold the schedule
+	var mu sync.Mutex
+	var res spreadResult
+	var wg sync.WaitGroup
+	start := time.Now().Add(10 * time.Millisecond)
+	for d := range ds {
+		for w := 0; w < workers; w++ {
+			conn, err := net.Dial("unix", ds[d].socket)
+			if err != nil {
+				b.Fatal(err)
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer conn.Close()
+				br := bufio.NewReader(conn)
+				enc := proto.NewEncoder()
+				dec := proto.NewDecoder()
+				var body []byte
+				var resp proto.Response
+				var r spreadResult
+				for i := w; i < len(perDaemon[d]); i += workers {
+					ev := perDaemon[d][i]
+					time.Sleep(time.Until(start.Add(ev.at)))
+					r.lag = max(r.lag, time.Since(start)-ev.at)
+					enc.Reset()
+					enc.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1,
+						Attrs: []proto.Attr{{Name: "user", Value: "c" + strconv.Itoa(ev.client)}}})
+					if _, err := conn.Write(enc.Bytes()); err != nil {
+						b.Error(err)
+						return
+					}
+					var err error
+					if body, err = proto.ReadFrame(br, body, 1<<20); err != nil {
+						b.Error(err)
+						return
+					}
+					if err := dec.DecodeResponse(body, &resp); err != nil || resp.IsError() {
+						b.Errorf("daemon %s: %v %+v", ds[d].id, err, resp.Err)
+						return
+					}
+					r.offered++
+					if resp.Allowed {
+						r.admitted++
+					}
+					if resp.Degraded {
+						r.degraded++
+					}
+				}
+				mu.Lock()
+				res.offered += r.offered
+				res.admitted += r.admitted
+				res.degraded += r.degraded
+				res.lag = max(res.lag, r.lag)
+				mu.Unlock()
+			}()
+		}
+	}
+	wg.Wait()
+	after := accRedisStats(b, rdb)
+	res.calls = after.calls - before.calls
+	res.cpuUsec = spreadScriptUsec(b, rdb) - cpuBefore
+	return res
+}
+
+// spreadScriptUsec returns the CPU time (µs) Redis spent in scripts (EVAL, EVALSHA and
+// their read-only forms, commandstats): all the daemons' work, commands inside scripts
+// included, counted once.
+func spreadScriptUsec(tb testing.TB, rdb *redis.Client) float64 {
+	info, err := rdb.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	total := 0.0
+	for _, line := range strings.Split(info, "\n") {
+		name, rest, ok := strings.Cut(strings.TrimSpace(line), ":calls=")
+		if !ok {
+			continue
+		}
+		switch name {
+		case "cmdstat_eval", "cmdstat_evalsha", "cmdstat_eval_ro", "cmdstat_evalsha_ro":
+			_, u, _ := strings.Cut(rest, "usec=")
+			u, _, _ = strings.Cut(u, ",")
+			v, _ := strconv.ParseFloat(u, 64)
+			total += v
+		}
+	}
+	return total
+}

@@ -1,0 +1,319 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// An inline limit lives in the connection's scratch decision, which the next request
+// overwrites: the key must keep the limit it was checked with. Two inline limits of
+// different windows on one connection: the first key is synced as the hourly fixed
+// window it was checked with, not as the next request's token bucket. Under -race, a
+// sync reading the limits while the connection rewrites its scratch is a data race if
+// the entry points into the scratch.
+func TestHybridInlineLimitIsCopied(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{})
+	hourly := *mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	perSecond := *mustLimit(t, localbucket.TokenBucket, 1000, time.Second)
+	var scratch localbucket.Limit // one connection's scratch, reused by every request
+	now := time.Now().UnixNano()
+	scratch = hourly
+	take(h, now, "rl:inline:{a}", &scratch, 1)
+	scratch = perSecond
+	take(h, now, "rl:inline:{b}", &scratch, 1)
+	if err := h.Flush(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	if ttl := rdb.PTTL(ctx, "rl:inline:{a}").Val(); ttl < 30*time.Minute {
+		t.Fatalf("key a (fixed window of 1h) expires in %v: it was synced with another request's limit", ttl)
+	}
+	start, err := rdb.HGet(ctx, "rl:inline:{a}", "t").Float64()
+	if err != nil || int64(start)%int64(time.Hour/time.Microsecond) != 0 {
+		t.Fatalf("key a's state t = %v (%v), want the start of an hour window", start, err)
+	}
+
+	done := make(chan error, 1)
+	go func() {
+		var err error
+		for i := 0; i < 20 && err == nil; i++ {
+			err = h.Flush(ctx, time.Now().UnixNano())
+		}
+		done <- err
+	}()
+	for i := 0; i < 2000; i++ {
+		if i%2 == 0 {
+			scratch = hourly
+		} else {
+			scratch = perSecond
+		}
+		take(h, time.Now().UnixNano(), fmt.Sprintf("rl:inline:{k%d}", i%50), &scratch, 1)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The first answer for a new key reports when the key is full again, as the later
+// ones do: headers built from it must not say "reset now".
+func TestHybridFirstAnswerReset(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{})
+	now := time.Now().UnixNano()
+	for _, c := range []struct {
+		alg      localbucket.Algorithm
+		requests uint64
+		window   time.Duration
+		min, max time.Duration
+	}{
+		{localbucket.TokenBucket, 10, time.Second, 99 * time.Millisecond, 101 * time.Millisecond},
+		{localbucket.FixedWindow, 10, time.Hour, time.Nanosecond, time.Hour},
+		{localbucket.SlidingWindow, 10, time.Minute, time.Minute, 2 * time.Minute},
+	} {
+		lim := mustLimit(t, c.alg, c.requests, c.window)
+		r := take(h, now, fmt.Sprintf("rl:first:{%v}", c.alg), lim, 1)
+		if !r.Allowed || time.Duration(r.Reset) < c.min || time.Duration(r.Reset) > c.max {
+			t.Errorf("%v: first answer %+v, want allowed with reset in [%v, %v]", c.alg, r, c.min, c.max)
+		}
+	}
+}
+
+// On a 3-master cluster with the master holding rl:daemons stopped, a key on a healthy
+// master keeps syncing: the heartbeat is not a single point of failure.
+func TestHybridClusterHeartbeatMasterDown(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	ctx := context.Background()
+	cc := rdb.(*redis.ClusterClient)
+	owner := func(key string) string {
+		slots, err := cc.ClusterSlots(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := int(Slot(key))
+		for _, r := range slots {
+			if r.Start <= s && s <= r.End {
+				return r.Nodes[0].Addr
+			}
+		}
+		t.Fatalf("slot %d not served", s)
+		return ""
+	}
+	down := owner(DaemonsKey)
+	key := ""
+	for i := 0; key == ""; i++ {
+		if k := fmt.Sprintf("rl:hb:{user=%d}", i); owner(k) != down {
+			key = k
+		}
+	}
+	for i, a := range cl.Addrs {
+		if a == down {
+			cl.Nodes[i].Stop()
+		}
+	}
+
+	h := NewHybrid(rdb, HybridOptions{Interval: 50 * time.Millisecond, ID: "hb-down"})
+	runCtx, cancel := context.WithCancel(ctx)
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		h.Run(runCtx, "hb-down", func() int64 { return time.Now().UnixNano() }, 300*time.Millisecond, func(error) {})
+	}()
+	lim := mustLimit(t, localbucket.TokenBucket, 1000, time.Second)
+	end := time.Now().Add(2 * time.Second)
+	for time.Now().Before(end) {
+		take(h, time.Now().UnixNano(), key, lim, 1)
+		time.Sleep(5 * time.Millisecond)
+	}
+	healthy := h.Healthy(time.Now().UnixNano())
+	cancel()
+	<-stopped
+	if !healthy {
+		t.Fatal("hybrid unhealthy with only the heartbeat's master down")
+	}
+	if n, err := rdb.Exists(ctx, key).Result(); err != nil || n != 1 {
+		t.Fatalf("key on a healthy master never synced (exists %d, %v)", n, err)
+	}
+}
+
+// Release gives every grant back in a few script calls, many keys each, not one call
+// per key: 20,000 keys holding grants settle in at most 20,000/100 calls, and Redis
+// then counts exactly what was admitted.
+func TestHybridReleaseIsBatched(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	const keys = 20000
+	now := time.Now().UnixNano()
+	admitted := make([]int, keys)
+	// One request each on credit, a sync, then more than the credit the view leaves:
+	// the next sync grants each key a share.
+	for _, rounds := range []int{1, 6} {
+		for i := range keys {
+			for range rounds {
+				if take(h, now, fmt.Sprintf("rl:rel:{k%d}", i), lim, 1).Allowed {
+					admitted[i]++
+				}
+			}
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held := 0
+	for i := range h.shards {
+		for _, e := range h.shards[i].m {
+			held += int(e.grant)
+		}
+	}
+	if held == 0 {
+		t.Fatal("no key holds a grant: nothing to release")
+	}
+	before := evalCalls(t, rdb)
+	if err := h.Release(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	if calls := evalCalls(t, rdb) - before; calls > keys/100 {
+		t.Fatalf("release of %d keys took %d script calls", keys, calls)
+	}
+	for i := 0; i < keys; i += 997 {
+		n, err := rdb.HGet(ctx, fmt.Sprintf("rl:rel:{k%d}", i), "n").Int()
+		if err != nil || n != admitted[i] {
+			t.Fatalf("key %d: Redis counts %d (%v), %d admitted: a grant was not given back", i, n, err, admitted[i])
+		}
+	}
+}
+
+// evalCalls returns how many EVAL and EVALSHA calls Redis has served.
+func evalCalls(t *testing.T, rdb redis.UniversalClient) int {
+	t.Helper()
+	info, err := rdb.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	total := 0
+	for _, line := range strings.Split(info, "\n") {
+		if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, "calls=")
+		v, _, _ := strings.Cut(rest, ",")
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("commandstats line %q: %v", line, err)
+		}
+		total += n
+	}
+	return total
+}
+
+// A sync carries at most its cap of keys; the rest wait for the next one, counted in
+// Backlog, and nothing they admitted is lost.
+func TestHybridSyncBacklog(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	now := time.Now().UnixNano()
+	for i := range 50 {
+		take(h, now, fmt.Sprintf("rl:backlog:{k%d}", i), lim, 1)
+	}
+	if sent, err := h.flush(ctx, now, 20, false); err != nil || sent != 20 || h.Backlog() != 30 {
+		t.Fatalf("first sync sent %d (%v), backlog %d; want 20 and 30", sent, err, h.Backlog())
+	}
+	if sent, err := h.flush(ctx, now, 100, false); err != nil || sent != 30 || h.Backlog() != 0 {
+		t.Fatalf("second sync sent %d (%v), backlog %d; want 30 and 0", sent, err, h.Backlog())
+	}
+	for i := range 50 {
+		if n, err := rdb.HGet(ctx, fmt.Sprintf("rl:backlog:{k%d}", i), "n").Int(); err != nil || n != 1 {
+			t.Fatalf("key %d: Redis counts %d (%v), want 1", i, n, err)
+		}
+	}
+}
+
+// Keys unused for the keep-alive that hold nothing are forgotten, shared ones included;
+// a key still holding admitted units is kept until they reach Redis.
+func TestHybridSweepForgetsIdleKeys(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	now := time.Now().UnixNano()
+	take(h, now, "rl:sweep:{idle}", lim, 1)
+	take(h, now, "rl:sweep:{shared}", lim, 1)
+	if err := h.Flush(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	sh := &h.shards[h.shardOf([]byte("rl:sweep:{shared}"))]
+	sh.mu.Lock()
+	sh.m["rl:sweep:{shared}"].flags |= flagShared
+	sh.mu.Unlock()
+	take(h, now, "rl:sweep:{pending}", lim, 1) // admitted, not yet synced
+	later := now + int64(3*time.Second)
+	// A fixed window of an hour is not full again 3 s later: the views stay, so a
+	// client coming back is not given a first unit again.
+	for i := range hybridShards {
+		h.sweep(i, later)
+	}
+	if n := h.Len(); n != 3 {
+		t.Fatalf("%d keys held after the sweep, want all 3 (none full again)", n)
+	}
+	// Once the window has ended they are full: all but the one with a unit not yet
+	// synced go.
+	afterWindow := now + int64(time.Hour+time.Minute)
+	for i := range hybridShards {
+		h.sweep(i, afterWindow)
+	}
+	if n := h.Len(); n != 1 {
+		t.Fatalf("%d keys held after the sweep, want only the one with a unit not yet synced", n)
+	}
+}
+
+// A limited client whose requests rotate slowly over the daemons (each daemon sees it
+// less often than the keep-alive) is not given a first unit on credit at every visit:
+// a daemon keeps the view of a key that is not full, and decides by an exact sync.
+func TestHybridSlowRotatingClient(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.FixedWindow, 5, time.Hour)
+	hs := make([]*Hybrid, 5)
+	for i := range hs {
+		hs[i] = NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
+		hs[i].SetReplicas(len(hs))
+	}
+	now := time.Now().UnixNano()
+	admitted := 0
+	for visit := 0; visit < 6; visit++ {
+		for _, h := range hs {
+			if take(h, now, "rl:slow:{user=1}", lim, 1).Allowed {
+				admitted++
+			}
+			if err := h.Flush(context.Background(), now); err != nil {
+				t.Fatal(err)
+			}
+		}
+		now += int64(20 * time.Second) // longer than the keep-alive
+		for _, h := range hs {
+			for i := range hybridShards {
+				h.sweep(i, now)
+			}
+		}
+	}
+	if admitted != 5 {
+		t.Fatalf("admitted %d over 30 requests against a limit of 5 per hour", admitted)
+	}
+}

@@ -1,0 +1,363 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+//go:embed scripts/hybrid.lua
+var hybridLua string
+
+var hybridScript = redis.NewScript(hybridLua)
+
+// The sync: which keys travel, how they are batched into script calls, and how the
+// replies are applied.
+
+// Grant modes of scripts/hybrid.lua.
+const (
+	modeShare uint8 = 0 // a share of the key's headroom, by demand
+	modeExact uint8 = 1 // exactly the units asked for, if the key has them now
+)
+
+// syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
+// so sending reads only this.
+type syncItem struct {
+	sh          *hshard
+	e           *hentry
+	lim         *localbucket.Limit
+	used        uint64 // admitted since the last sync
+	grantWindow int64
+	prevGrant   uint32
+	prevToken   uint32
+	token       uint32 // this sync's
+	demand      uint32 // what the script sizes the grant by
+	offered     uint32 // the entry's demand taken by this sync (given back on failure)
+	short       uint16 // the entry's shortfall taken by this sync (ditto)
+	mode        uint8
+	vals        [replyInts]int64
+	err         error
+}
+
+// snapshot takes e into a sync (its shard's lock held): what it admitted travels, and
+// no other sync of it starts until this one is applied.
+func (h *Hybrid) snapshot(sh *hshard, e *hentry, mode uint8, demand uint32) syncItem {
+	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
+		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode}
+	e.flags |= flagBusy
+	e.pending = 0
+	if mode == modeShare {
+		it.offered, it.short = e.demand, e.short
+		e.demand, e.short = 0, 0
+	}
+	return it
+}
+
+// apply applies one sync's outcome to its entry (its shard's lock held).
+func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
+	e, sh := it.e, it.sh
+	e.flags &^= flagBusy
+	if it.err != nil {
+		// Not confirmed: keep the counts for the next sync.
+		e.pending += it.used
+		e.demand = satAdd32(e.demand, uint64(it.offered))
+		e.short = satAdd16(e.short, uint64(it.short))
+		if e.flags&flagGone == 0 {
+			sh.markDirty(e)
+		}
+		return
+	}
+	v := it.vals
+	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
+	e.token = it.token
+	e.reset = v[2] * int64(time.Microsecond)
+	e.grantWindow = v[4]
+	e.view = float64(v[5]) / 1000
+	e.synced = now
+	credit := math.Floor(max(0, e.view) / n)
+	if v[6] != 0 {
+		e.flags |= flagShared
+		credit = 0
+	} else {
+		e.flags &^= flagShared
+	}
+	// What was admitted while the sync was on its way counts against the new allowance.
+	e.allowance = float64(e.grant) + credit - float64(e.pending)
+	e.lastDemand = 0
+	if it.mode == modeShare {
+		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
+	}
+	if e.flags&flagGone == 0 && (e.grant > 0 || e.needsSync()) {
+		sh.markDirty(e)
+	}
+}
+
+// applyAll applies items, locking each one's shard.
+func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr error) {
+	n := h.creditShares()
+	ok := false
+	for i := range items {
+		it := &items[i]
+		it.sh.mu.Lock()
+		h.apply(it, now, n)
+		it.sh.mu.Unlock()
+		if it.err != nil {
+			failed++
+			if firstErr == nil {
+				firstErr = it.err
+			}
+		} else {
+			ok = true
+		}
+	}
+	if ok {
+		h.answered(h.clock())
+	}
+	return failed, firstErr
+}
+
+// Flush runs one sync of every key that changed, with no cap on their number: what each
+// admitted is settled against its last grant, keys whose demand outran their allowance
+// get a share grant, and unused grants go back. On error the unsent or unconfirmed units
+// are kept for the next sync, so nothing admitted is lost; and since every sync carries
+// tokens that Redis records with the key, a sync whose reply was lost after Redis
+// applied it is not counted again when its units are resent.
+func (h *Hybrid) Flush(ctx context.Context, now int64) error {
+	_, err := h.flush(ctx, now, math.MaxInt, false)
+	return err
+}
+
+// Release is the last sync before a daemon stops: it settles what every key admitted
+// and gives back every grant, asking for no new ones, so no budget stays reserved for a
+// daemon that is gone.
+func (h *Hybrid) Release(ctx context.Context, now int64) error {
+	_, err := h.flush(ctx, now, math.MaxInt, true)
+	return err
+}
+
+// flush syncs at most limit keys that changed (release: every key holding something,
+// asking for nothing), and returns how many it sent.
+func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) (int, error) {
+	var items []syncItem
+	backlog := 0
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		if release {
+			for _, e := range sh.m {
+				if e.flags&flagBusy == 0 && e.pending != uint64(e.grant) {
+					e.short = 0
+					items = append(items, h.snapshot(sh, e, modeShare, 0))
+				}
+			}
+			sh.mu.Unlock()
+			continue
+		}
+		keep := sh.dirty[:0]
+		for _, e := range sh.dirty {
+			switch {
+			case e.flags&flagGone != 0:
+				e.flags &^= flagDirty
+			case e.flags&flagBusy != 0:
+				keep = append(keep, e) // a request's exact sync has it: next time
+			case !e.needsSync():
+				e.flags &^= flagDirty
+			case len(items) >= limit:
+				backlog++
+				keep = append(keep, e)
+			default:
+				// Ask for a share grant while the key is hot here: its demand outran the
+				// allowance, or it held a share grant and is still in demand.
+				demand := uint32(0)
+				if e.short > 0 || e.lastDemand >= 2 {
+					demand = e.demand
+				}
+				e.flags &^= flagDirty
+				items = append(items, h.snapshot(sh, e, modeShare, demand))
+			}
+		}
+		clear(sh.dirty[len(keep):])
+		sh.dirty = keep
+		sh.mu.Unlock()
+	}
+	if !release {
+		h.backlog.Store(int64(backlog))
+	}
+	if len(items) == 0 {
+		return 0, nil
+	}
+	sendErr := h.send(ctx, items, h.replicaCount())
+	failed, firstErr := h.applyAll(now, items)
+	if failed > 0 {
+		if firstErr == nil {
+			firstErr = sendErr
+		}
+		return len(items), fmt.Errorf("hybrid sync: %d of %d keys not synced: %w", failed, len(items), firstErr)
+	}
+	return len(items), nil
+}
+
+// Batching: a script call carries up to callKeys keys (on a cluster, of one slot), and a
+// pipeline up to pipeCalls calls (go-redis splits it per node on a cluster).
+const (
+	callKeys  = 128
+	pipeCalls = 4
+)
+
+type syncCall struct {
+	items []syncItem
+	cmd   *redis.Cmd
+}
+
+// send runs the script for items, many keys per call, pipelined, and records each
+// item's reply or error in it. Calls that come back NOSCRIPT (a restarted or failed-over
+// node) are sent again with EVAL, which loads the script; only those, so nothing is
+// applied twice. A call not sent for want of time carries the context's error.
+func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error {
+	if h.cluster {
+		sort.Slice(items, func(i, j int) bool { return Slot(items[i].e.key) < Slot(items[j].e.key) })
+	}
+	var calls []syncCall
+	for lo := 0; lo < len(items); {
+		hi := min(lo+callKeys, len(items))
+		if h.cluster {
+			s := Slot(items[lo].e.key)
+			for k := lo + 1; k < hi; k++ {
+				if Slot(items[k].e.key) != s {
+					hi = k
+					break
+				}
+			}
+		}
+		calls = append(calls, syncCall{items: items[lo:hi]})
+		lo = hi
+	}
+	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
+		max(1, int64(h.keepAlive/h.interval))}
+	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
+		keys := make([]string, len(c.items))
+		args := make([]any, 0, len(common)+11*len(c.items))
+		args = append(args, common...)
+		for i := range c.items {
+			it := &c.items[i]
+			keys[i] = it.e.key
+			if it.token == 0 {
+				it.token = uint32(h.tokens.Add(1))
+				if it.token == 0 {
+					it.token = uint32(h.tokens.Add(1))
+				}
+			}
+			lim := it.lim
+			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
+				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token)
+		}
+		if load {
+			c.cmd = hybridScript.Eval(ctx, pipe, keys, args...)
+		} else {
+			c.cmd = hybridScript.EvalSha(ctx, pipe, keys, args...)
+		}
+	}
+	var firstErr error
+	for lo := 0; lo < len(calls); lo += pipeCalls {
+		batch := calls[lo:min(lo+pipeCalls, len(calls))]
+		if ctx.Err() != nil {
+			// Out of time: the rest stays pending for the next sync.
+			for i := range batch {
+				for k := range batch[i].items {
+					batch[i].items[k].err = ctx.Err()
+				}
+			}
+			if firstErr == nil {
+				firstErr = ctx.Err()
+			}
+			continue
+		}
+		pipe := h.rdb.Pipeline()
+		for i := range batch {
+			run(pipe, &batch[i], false)
+		}
+		_, err := pipe.Exec(ctx)
+		if err != nil {
+			var again []*syncCall
+			for i := range batch {
+				if isNoScriptErr(batch[i].cmd.Err()) {
+					again = append(again, &batch[i])
+				}
+			}
+			if len(again) > 0 {
+				pipe = h.rdb.Pipeline()
+				for _, c := range again {
+					run(pipe, c, true)
+				}
+				_, err = pipe.Exec(ctx)
+			}
+		}
+		if err != nil && firstErr == nil {
+			firstErr = err
+		}
+		for i := range batch {
+			parseSyncReply(&batch[i])
+		}
+	}
+	return firstErr
+}
+
+// replyInts is how many integers scripts/hybrid.lua answers per key.
+const replyInts = 7
+
+// parseSyncReply stores each item's integers of c's reply, or c's error.
+func parseSyncReply(c *syncCall) {
+	vals, err := int64s(c.cmd)
+	if err == nil && len(vals) != replyInts*len(c.items) {
+		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), replyInts*len(c.items))
+	}
+	for i := range c.items {
+		it := &c.items[i]
+		if err != nil {
+			it.err = err
+			continue
+		}
+		copy(it.vals[:], vals[replyInts*i:replyInts*i+replyInts])
+	}
+}
+
+func isNoScriptErr(err error) bool {
+	return err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT")
+}
+
+// int64s reads a script reply that must be an array of integers, checking types instead
+// of asserting them.
+func int64s(cmd *redis.Cmd) ([]int64, error) {
+	if cmd == nil {
+		return nil, errors.New("not sent")
+	}
+	v, err := cmd.Result()
+	if err != nil {
+		return nil, err
+	}
+	arr, ok := v.([]any)
+	if !ok {
+		return nil, fmt.Errorf("script reply is %T, want an array", v)
+	}
+	out := make([]int64, len(arr))
+	for i, x := range arr {
+		switch n := x.(type) {
+		case int64:
+			out[i] = n
+		case float64:
+			out[i] = int64(n)
+		default:
+			return nil, fmt.Errorf("script reply element %d is %T, want an integer", i, x)
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,48 @@
+package sync
+
+import (
+	"os"
+	"runtime"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// BenchmarkHybridMemoryPerKey: heap bytes per hybrid key held, at
+// RLSIDECAR_MEMORY_KEYS keys (default 100,000; the figure 1,000,000), each key
+// "rl:per-user:{user=user-N}" with one check admitted on credit (no Redis reached, so
+// every key is also on its shard's list of keys to sync). Target ≤ 200 bytes at
+// 1,000,000. Runs once whatever b.N is: use -benchtime 1x.
+func BenchmarkHybridMemoryPerKey(b *testing.B) {
+	keys := 100_000
+	if v, err := strconv.Atoi(os.Getenv("RLSIDECAR_MEMORY_KEYS")); err == nil && v > 0 {
+		keys = v
+	}
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer rdb.Close()
+	lim := mustLimit(b, localbucket.TokenBucket, 600, time.Minute)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 2 * keys})
+	now := time.Now().UnixNano()
+	ops := []HybridOp{{Limit: lim, Cost: 1}}
+	key := make([]byte, 0, 64)
+	for i := 0; i < keys; i++ {
+		key = append(append(key[:0], "rl:per-user:{user=user-"...), strconv.Itoa(i)...)
+		key = append(key, '}')
+		ops[0].Key = key
+		h.Take(now, ops)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / float64(keys)
+	b.ReportMetric(per, "bytes/key")
+	b.Logf("%d hybrid keys held: %.0f heap bytes per key (target ≤ 200)", h.Len(), per)
+	runtime.KeepAlive(h)
+}

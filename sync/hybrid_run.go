@@ -1,0 +1,176 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed scripts/heartbeat.lua
+var heartbeatLua string
+
+var heartbeatScript = redis.NewScript(heartbeatLua)
+
+// DaemonsKey is the sorted set of live daemons (member: daemon id, score: Redis time of
+// its last heartbeat, ms). On a Redis Cluster two more sets, on slots of the other two
+// thirds of the slot space (other masters, in the usual layout), hold the same, so losing
+// one master loses neither the count nor the heartbeat.
+const DaemonsKey = DefaultPrefix + "daemons"
+
+// heartbeatKeys returns the keys heartbeats go to: base (the live-daemons set under the
+// configured prefix, DaemonsKeyFor) and, on a cluster, two more named after it.
+func heartbeatKeys(base string, cluster bool) []string {
+	keys := []string{base}
+	if !cluster {
+		return keys
+	}
+	third := func(k string) int { return int(Slot(k)) * 3 / Slots }
+	seen := map[int]bool{third(base): true}
+	for i := 0; len(seen) < 3; i++ {
+		k := fmt.Sprintf("%s:{%d}", base, i)
+		if t := third(k); !seen[t] {
+			seen[t] = true
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// Heartbeat records this daemon as live and returns how many daemons are: those that
+// sent a heartbeat within ttl (the most any heartbeat set counts). It also updates the
+// replica count shares are sized by. It fails only if no heartbeat set answered.
+func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	pipe := h.rdb.Pipeline()
+	cmds := make([]*redis.Cmd, len(h.heartbeatKs))
+	for i, k := range h.heartbeatKs {
+		cmds[i] = heartbeatScript.EvalSha(ctx, pipe, []string{k}, id, ttl.Milliseconds())
+	}
+	_, _ = pipe.Exec(ctx)
+	best := 0
+	var errs []error
+	for i, k := range h.heartbeatKs {
+		n, err := cmds[i].Int64()
+		if isNoScriptErr(err) {
+			n, err = heartbeatScript.Eval(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", k, err))
+			continue
+		}
+		best = max(best, int(n))
+	}
+	if best == 0 {
+		return 0, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
+	}
+	h.answered(h.clock())
+	h.SetReplicas(best)
+	if len(errs) > 0 {
+		return best, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
+	}
+	return best, nil
+}
+
+// heartbeatEvery is the period of heartbeats: the count of daemons changes slowly, and a
+// heartbeat costs Redis a few commands, so at most one per second.
+func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Second) }
+
+// releaseBudget bounds the last sync before a daemon stops. Keys already synced need
+// nothing then; this is for units admitted and not yet synced, and grants not yet used.
+const releaseBudget = 10 * time.Second
+
+// kickEvery is how often at most Run syncs early because keys were seen for the first
+// time: new clients get their first view within it, and a flood of new keys costs Redis
+// one sync per kickEvery, many keys per script call, not one per key.
+const kickEvery = 50 * time.Millisecond
+
+// Run syncs every interval and sends a heartbeat every second until ctx ends, then
+// releases (a last sync that gives every grant back and takes none), with a fresh
+// context bounded by timeout, so what was admitted before a shutdown reaches Redis and
+// no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
+// key's sync goes to the node that holds it. clock returns the daemon's time (ns);
+// onErr sees every failure.
+func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
+	t := time.NewTicker(h.interval)
+	defer t.Stop()
+	beatEvery := h.heartbeatEvery()
+	beat := func() {
+		if !h.breaker.Allow() {
+			return
+		}
+		c, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		start := time.Now()
+		n, err := h.Heartbeat(c, id, 3*beatEvery)
+		h.observed("heartbeat", start, err)
+		if n == 0 {
+			h.breaker.Failure()
+		} else {
+			h.breaker.Success()
+		}
+		if err != nil {
+			onErr(err)
+		}
+	}
+	flush := func(release bool) {
+		if !release && !h.breaker.Allow() {
+			return
+		}
+		// A sync of many keys takes several pipelines: allow it a few intervals, and the
+		// last one, which settles every key held, up to releaseBudget.
+		budget := max(timeout, 5*h.interval)
+		if release {
+			budget = max(timeout, releaseBudget)
+		}
+		c, cancel := context.WithTimeout(context.Background(), budget)
+		defer cancel()
+		start := time.Now()
+		limit := h.maxSync
+		if release {
+			limit = 0
+		}
+		sent, err := h.flush(c, clock(), limit, release)
+		if sent == 0 && err == nil {
+			return
+		}
+		h.observed("hybrid_sync", start, err)
+		if h.syncDone != nil && !release {
+			h.syncDone(time.Since(start), sent)
+		}
+		if err != nil {
+			h.breaker.Failure()
+			onErr(err)
+		} else {
+			h.breaker.Success()
+		}
+	}
+	beat()
+	lastBeat := time.Now()
+	sweep := 0
+	for {
+		select {
+		case <-ctx.Done():
+			// The last sync after a drain is tried even with the breaker open: it is
+			// the daemon's last chance to hand in what it admitted.
+			flush(true)
+			return
+		case <-t.C:
+			if time.Since(lastBeat) >= beatEvery {
+				lastBeat = time.Now()
+				beat()
+			}
+			flush(false)
+			h.sweep(sweep, clock())
+			sweep = (sweep + 1) % hybridShards
+		case <-h.kick:
+			flush(false)
+			select {
+			case <-ctx.Done():
+			case <-time.After(kickEvery):
+			}
+		}
+	}
+}

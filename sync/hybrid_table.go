@@ -1,0 +1,129 @@
+package sync
+
+import (
+	"hash/maphash"
+	gosync "sync"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// The key table: 64 shards, each a map from the Redis key to its entry under a mutex,
+// plus the list of its keys that have something to tell Redis (dirty), so a sync visits
+// only those, never every key held.
+
+const hybridShards = 64
+
+type hshard struct {
+	mu    gosync.Mutex
+	m     map[string]*hentry
+	dirty []*hentry // entries with flagDirty, to consider at the next sync
+	_     [24]byte
+}
+
+// hentry is one key's local view. Guarded by its shard's mutex.
+type hentry struct {
+	key         string             // the map key
+	lim         *localbucket.Limit // interned (limitTable): never a caller's
+	allowance   float64            // grant left plus credit, at the view (see credit)
+	view        float64            // units the key could admit beyond every reservation, at the last sync
+	grantWindow int64              // the window start (µs) the grant was taken from
+	pending     uint64             // admitted since the last sync was sent
+	synced      int64              // when the view was read (ns; 0: never)
+	reset       int64              // view: ns until full
+	seen        uint32             // last check, in seconds of the daemon clock (seenSecs)
+	token       uint32             // the token of the last sync Redis confirmed
+	grant       uint32             // the units reserved for this daemon at the last sync
+	demand      uint32             // offered since the last sync was sent
+	short       uint16             // of which refused locally for want of allowance (saturating)
+	lastDemand  uint16             // the demand the last sync asked a share grant for
+	flags       uint8
+}
+
+const (
+	flagDirty  uint8 = 1 << iota // on its shard's dirty list
+	flagBusy                     // a sync of it is on its way: no second one meanwhile
+	flagGone                     // evicted: a sync still holding it skips it
+	flagShared                   // another daemon used the key lately: no credit, grants only
+)
+
+func (h *Hybrid) shardOf(key []byte) uint32 {
+	return uint32(maphash.Bytes(h.seed, key)) & (hybridShards - 1)
+}
+
+// markDirty puts e on its shard's dirty list (the shard's lock held).
+func (sh *hshard) markDirty(e *hentry) {
+	if e.flags&flagDirty == 0 {
+		e.flags |= flagDirty
+		sh.dirty = append(sh.dirty, e)
+	}
+}
+
+// needsSync reports whether e has something to tell Redis: units used beyond (or short
+// of) its grant, or demand that outran its allowance.
+func (e *hentry) needsSync() bool {
+	return e.pending != uint64(e.grant) || e.short > 0
+}
+
+// holds reports whether forgetting e would lose something: units not yet in Redis, or
+// a grant not yet given back.
+func (e *hentry) holds() bool { return e.pending > 0 || e.grant > 0 }
+
+// evict makes room in a full shard (its lock held): among a sample of keys it drops one
+// holding nothing if it finds one, else one holding only a grant (left to expire in
+// Redis: a little budget idles, none is lost), else the one with the least pending,
+// whose units are then lost and counted in Dropped. Keys with a sync on its way are
+// left alone.
+func (h *Hybrid) evict(sh *hshard) {
+	var ve *hentry
+	rank := func(e *hentry) int {
+		switch {
+		case e.flags&flagBusy != 0:
+			return 3
+		case e.pending == 0 && e.grant == 0:
+			return 0
+		case e.pending == 0:
+			return 1
+		}
+		return 2
+	}
+	n := 0
+	for _, e := range sh.m {
+		if ve == nil || rank(e) < rank(ve) || rank(e) == 2 && rank(ve) == 2 && e.pending < ve.pending {
+			ve = e
+		}
+		if n++; n == 16 || rank(ve) == 0 {
+			break
+		}
+	}
+	if ve == nil || rank(ve) == 3 {
+		return
+	}
+	if ve.pending > 0 {
+		h.dropped.Add(ve.pending)
+	}
+	h.evicted.Add(1)
+	delete(sh.m, ve.key)
+	ve.flags |= flagGone // the dirty list may still hold it
+}
+
+// seenSecs is the daemon clock now (ns) in whole seconds, as entries record their last
+// check: enough for the keep-alive, and 4 bytes a key.
+func seenSecs(now int64) uint32 { return uint32(now / int64(time.Second)) }
+
+// sweep forgets the keys of shard i unused for KeepAlive that hold nothing and that are
+// full again by their view: Redis already has everything they admitted, and a key
+// forgotten gets one unit on credit when it comes back, which only a full key may give
+// (a limited client whose requests rotate slowly over the daemons would otherwise get
+// that unit on every visit).
+func (h *Hybrid) sweep(i int, now int64) {
+	sh := &h.shards[i]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for k, e := range sh.m {
+		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
+			project(e, now) >= float64(e.lim.Capacity()) {
+			delete(sh.m, k)
+		}
+	}
+}

@@ -1,0 +1,337 @@
+package sync
+
+import (
+	"context"
+	"math"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// HybridOp is one hybrid check in an all-or-nothing batch.
+type HybridOp struct {
+	Key    []byte // the Redis key, hash tag included; copied if stored
+	Limit  *localbucket.Limit
+	Cost   uint64
+	Shadow bool
+	Result localbucket.Result // output
+
+	shard   uint32 // set by Take
+	fetched bool   // decided by an exact sync, not locally
+}
+
+// Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
+// is charged and it returns true; otherwise nothing is charged and it returns false.
+// Offered cost counts as demand either way.
+//
+// Ops are decided from the local view. If the only refusals are of keys this daemon
+// cannot decide locally (no fresh view, and no grant or credit to cover the request),
+// Take waits for one exact sync of those keys (at most FetchWait) and decides
+// again from what Redis granted: the exact mode's answer, for the keys that need it.
+func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
+	ok, items := h.take(now, ops, true)
+	if items != nil {
+		h.fetch(now, items)
+		ok, _ = h.take(now, ops, false)
+	}
+	return ok
+}
+
+func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncItem) {
+	var lockBuf [8]uint32
+	var entBuf [8]*hentry
+	locks := lockBuf[:0]
+	ents := entBuf[:0]
+	if len(ops) > len(entBuf) {
+		ents = make([]*hentry, 0, len(ops))
+	}
+	for i := range ops {
+		s := h.shardOf(ops[i].Key)
+		ops[i].shard = s
+		k := len(locks)
+		for k > 0 && locks[k-1] > s {
+			k--
+		}
+		if k > 0 && locks[k-1] == s {
+			continue
+		}
+		locks = append(locks, 0)
+		copy(locks[k+1:], locks[k:])
+		locks[k] = s
+	}
+	for _, s := range locks {
+		h.shards[s].mu.Lock()
+	}
+	defer func() {
+		for _, s := range locks {
+			h.shards[s].mu.Unlock()
+		}
+	}()
+
+	n := h.creditShares()
+	ok, fetch := true, false
+	for i := range ops {
+		op := &ops[i]
+		sh := &h.shards[op.shard]
+		e := sh.m[string(op.Key)]
+		if e == nil {
+			if len(sh.m) >= h.perShard {
+				h.evict(sh)
+			}
+			// A key new here: before its first sync a daemon may admit one request on
+			// credit, if the key's capacity leaves two for every live daemon (a small
+			// limit shared by many daemons is decided by exact syncs: a stale view could
+			// mistake it for full). What it admits is counted at the next sync; anything
+			// more waits for an exact sync.
+			lim := h.limits.intern(op.Limit)
+			c := float64(lim.Capacity())
+			e = &hentry{key: string(op.Key), lim: lim, view: c}
+			if c >= n {
+				e.allowance = 1
+			}
+			sh.m[e.key] = e
+			select { // ask Run for an early sync: the key's first view, within kickEvery
+			case h.kick <- struct{}{}:
+			default:
+			}
+		} else if *e.lim != *op.Limit {
+			e.lim = h.limits.intern(op.Limit)
+		}
+		ents = append(ents, e)
+		e.seen = seenSecs(now)
+		var f bool
+		op.Result, f = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow)
+		if mayFetch {
+			op.fetched = f
+		}
+		if !op.Result.Allowed && !op.Shadow {
+			ok = false
+			fetch = fetch || f
+		}
+	}
+	if !ok && fetch {
+		// Worth waiting only if every refusal is one an exact sync may turn around.
+		all := true
+		for i := range ops {
+			if op := &ops[i]; !op.Result.Allowed && !op.Shadow && !op.fetched {
+				all = false
+				break
+			}
+		}
+		if all {
+			var items []syncItem
+			for i := range ops {
+				op, e := &ops[i], ents[i]
+				if op.fetched && !op.Result.Allowed && !op.Shadow && e.flags&flagBusy == 0 {
+					have := max(0, math.Floor(e.allowance+h.growth(e, now, n)))
+					need := max(1, float64(max(op.Cost, 1))-have)
+					items = append(items, h.snapshot(&h.shards[op.shard], e, modeExact, uint32(min(need, math.MaxUint32))))
+				}
+			}
+			if items != nil {
+				return false, items
+			}
+		}
+		for i := range ops {
+			ops[i].fetched = false
+		}
+	}
+	for i := range ops {
+		op := &ops[i]
+		e := ents[i]
+		sh := &h.shards[op.shard]
+		cost := op.Cost
+		e.demand = satAdd32(e.demand, max(cost, 1))
+		if ok && op.Result.Allowed && cost > 0 {
+			e.allowance -= float64(cost)
+			e.pending += cost
+			sh.markDirty(e)
+			op.Result.Remaining = subFloor(op.Result.Remaining, cost)
+			op.Result.Reset = h.resetOf(e, now)
+		}
+		if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
+			// Demand beyond the allowance: the next sync asks for a share grant.
+			e.short = satAdd16(e.short, max(cost, 1))
+			sh.markDirty(e)
+		}
+		if !ok && op.Result.Allowed {
+			op.Result.RetryAfter = 0
+		}
+	}
+	return ok, nil
+}
+
+func satAdd16(a uint16, b uint64) uint16 {
+	if s := uint64(a) + b; s < math.MaxUint16 {
+		return uint16(s)
+	}
+	return math.MaxUint16
+}
+
+func satAdd32(a uint32, b uint64) uint32 {
+	if s := uint64(a) + b; s < math.MaxUint32 {
+		return uint32(s)
+	}
+	return math.MaxUint32
+}
+
+// redisAnswering reports whether a request may wait for Redis: the breaker is closed,
+// and Redis has answered since the last exact sync failed (a frozen Redis costs one
+// request one FetchWait; then requests are decided locally, and past StaleAfter by the
+// rules' policies).
+func (h *Hybrid) redisAnswering(int64) bool {
+	return !h.breaker.Open() && h.fetchFailed.Load() <= h.lastOK.Load()
+}
+
+// fetch runs the exact syncs Take waits for, and applies them. A failure does not count
+// against the breaker (one slow answer on a loaded Redis must not degrade every key):
+// the periodic syncs judge Redis, and redisAnswering keeps requests from waiting on a
+// Redis they find slow.
+func (h *Hybrid) fetch(now int64, items []syncItem) {
+	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
+	defer cancel()
+	start := time.Now()
+	h.fetches.Add(uint64(len(items)))
+	err := h.send(ctx, items, h.replicaCount())
+	h.observed("hybrid_fetch", start, err)
+	if failed, _ := h.applyAll(now, items); failed > 0 {
+		h.fetchFailed.Store(h.clock())
+	}
+}
+
+// Undo gives back what Take charged, for a request a later (local) check rejected.
+func (h *Hybrid) Undo(ops []HybridOp) {
+	for i := range ops {
+		op := &ops[i]
+		if !op.Result.Allowed || op.Cost == 0 {
+			continue
+		}
+		sh := &h.shards[op.shard]
+		sh.mu.Lock()
+		if e := sh.m[string(op.Key)]; e != nil {
+			e.allowance += float64(op.Cost)
+			e.pending = subFloor(e.pending, op.Cost)
+		}
+		op.Result.Remaining += op.Cost
+		sh.mu.Unlock()
+	}
+}
+
+func subFloor(a, b uint64) uint64 {
+	if b > a {
+		return 0
+	}
+	return a - b
+}
+
+// project returns what the key can admit at now beyond every reservation, by e's view
+// and the refill since (an upper bound for a sliding window).
+func project(e *hentry, now int64) float64 {
+	lim := e.lim
+	c := float64(lim.Capacity())
+	if e.synced == 0 {
+		return e.view
+	}
+	age := now - e.synced
+	if age <= 0 {
+		return e.view
+	}
+	v := e.view
+	switch lim.Algorithm() {
+	case localbucket.TokenBucket:
+		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
+	case localbucket.SlidingWindow:
+		if e.reset > 0 && age >= e.reset {
+			return c
+		}
+		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
+	default:
+		if e.reset > 0 && age >= e.reset {
+			return c
+		}
+	}
+	return min(c, v)
+}
+
+// creditShares is what a view is divided by for this daemon's credit on a key no other
+// daemon uses: 2N for N live daemons, so what it may admit unseen stays small if
+// another daemon starts using the key (docs/accuracy.md).
+func (h *Hybrid) creditShares() float64 { return float64(2 * h.replicaCount()) }
+
+// growth is the credit the refill since e's view adds to this daemon's share.
+func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
+	if e.synced == 0 || e.flags&flagShared != 0 {
+		return 0
+	}
+	return math.Floor(max(0, project(e, now))/n) - math.Floor(max(0, e.view)/n)
+}
+
+// resetOf is the time until e's key is full again (token bucket) or empty (windows),
+// counting what this daemon admitted that Redis has not seen.
+func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
+	base := int64(0)
+	if e.synced > 0 {
+		base = max(0, e.reset-(now-e.synced))
+	}
+	unseen := int64(e.pending) - int64(e.grant)
+	if unseen <= 0 {
+		return base
+	}
+	lim := e.lim
+	w := int64(lim.Window())
+	switch lim.Algorithm() {
+	case localbucket.TokenBucket:
+		return base + unseen*w/int64(lim.Requests())
+	case localbucket.FixedWindow:
+		if base > 0 {
+			return base
+		}
+		return w - now%w
+	default:
+		return max(base, 2*w-now%w)
+	}
+}
+
+// decide judges cost against e without charging it. fetch reports that e cannot decide
+// it locally but an exact sync could.
+func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch bool) (r localbucket.Result, fetch bool) {
+	lim := e.lim
+	r.Limit = lim.Requests()
+	proj := project(e, now)
+	unseen := max(0, float64(e.pending)-float64(e.grant))
+	r.Remaining = uint64(max(0, math.Floor(proj-unseen))) + subFloor(uint64(e.grant), e.pending)
+	r.Reset = h.resetOf(e, now)
+	if cost > lim.Capacity() {
+		r.Impossible = true
+		return r, false
+	}
+	need := float64(max(cost, 1))
+	if e.allowance+h.growth(e, now, n) >= need {
+		r.Allowed = true
+		return r, false
+	}
+	// Without a fresh view (a key new here, or last synced more than two intervals ago:
+	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
+	// refuses and asks for a share grant at the next sync.
+	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
+	fetch = mayFetch && cost > 0 && e.lastDemand < 2 && e.flags&flagBusy == 0 && stale && h.redisAnswering(now)
+	// Out of allowance: retry when the view says the units free up (at the limit's rate,
+	// and for a window by its end at the latest), but not before the next sync brings a
+	// new allowance.
+	nextView := int64(h.interval)
+	if e.synced > 0 {
+		nextView = max(int64(time.Millisecond), e.synced+int64(h.interval)-now)
+	}
+	retry := int64(0)
+	if proj < need {
+		retry = int64((need - proj) * float64(lim.Window()) / float64(lim.Requests()))
+		if lim.Algorithm() != localbucket.TokenBucket && e.synced > 0 {
+			if end := e.reset - (now - e.synced); end > 0 {
+				retry = min(retry, end)
+			}
+		}
+	}
+	r.RetryAfter = max(nextView, retry)
+	r.Remaining = 0
+	return r, fetch
+}
