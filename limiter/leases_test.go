@@ -1,0 +1,197 @@
+package limiter
+
+import (
+	"testing"
+	"time"
+)
+
+const leaseRules = `
+rules:
+  - name: exports
+    match: { path: "/v1/exports/**" }
+    key: user
+    concurrency: { max: 2, lease: 10s }
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 1h }
+`
+
+func exportInput(user string) *Input {
+	return &Input{Attrs: attrs("path=/v1/exports/x", "user="+user), Cost: 1}
+}
+
+// checkLease runs one check and returns its decision's allowed, lease token and the
+// exports rule's result.
+func checkLease(t *testing.T, l *Limiter, now int64, in *Input, owner uint64) (bool, string, Result) {
+	t.Helper()
+	d := Decision{Owner: owner}
+	if err := l.Check(now, in, &d); err != nil {
+		t.Fatal(err)
+	}
+	var tok string
+	if d.Lease != 0 {
+		tok = l.Leases().Token(d.Lease)
+	}
+	for _, r := range d.Results {
+		if r.Name == "exports" {
+			return d.Allowed, tok, r
+		}
+	}
+	t.Fatalf("no exports result in %+v", d.Results)
+	return false, "", Result{}
+}
+
+func stats(l *Limiter, rule string) LeaseStats {
+	var out LeaseStats
+	l.Leases().Stats(func(name string, s LeaseStats) {
+		if name == rule {
+			out = s
+		}
+	})
+	return out
+}
+
+func TestLeasesTwoThenRefusal(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	for i, want := range []uint64{1, 0} {
+		ok, tok, r := checkLease(t, l, t0, in, 0)
+		if !ok || tok == "" || r.Limit != 2 || r.Remaining != want || r.Window != 10*time.Second {
+			t.Fatalf("check %d: allowed %v lease %q limit %d remaining %d window %v; want true, a lease, 2, %d, 10s", i, ok, tok, r.Limit, r.Remaining, want, r.Window)
+		}
+	}
+	ok, tok, r := checkLease(t, l, t0+int64(time.Second), in, 0)
+	if ok || tok != "" || r.Allowed || r.RetryAfter != time.Second {
+		t.Fatalf("third: allowed %v lease %q retry %v; want refused, no lease, retry capped at 1s", ok, tok, r.RetryAfter)
+	}
+	// The refused check consumed nothing of per-user: 5 - 2 = 3 left.
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: attrs("user=ann"), Cost: 0}, &d)
+	if d.Results[0].Remaining != 3 {
+		t.Errorf("per-user remaining %d after two leases and a refusal; want 3", d.Results[0].Remaining)
+	}
+	// Another user has slots of their own.
+	if ok, _, _ := checkLease(t, l, t0, exportInput("bob"), 0); !ok {
+		t.Error("bob refused: slots are per key")
+	}
+}
+
+func TestLeasesReleaseRenewExpire(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	_, a, _ := checkLease(t, l, t0, in, 0)
+	_, b, _ := checkLease(t, l, t0, in, 0)
+	if a == b {
+		t.Fatalf("two leases share the token %q", a)
+	}
+	ls := l.Leases()
+	if !ls.Release(a, t0) {
+		t.Fatal("release of a live lease said false")
+	}
+	if ls.Release(a, t0) {
+		t.Fatal("second release said true")
+	}
+	for _, bad := range []string{"", "x", "nonce.1", ls.nonce + ".", ls.nonce + ".zz!", ls.nonce + ".999"} {
+		if ls.Release(bad, t0) {
+			t.Errorf("release of unknown token %q said true", bad)
+		}
+	}
+	ok, c, r := checkLease(t, l, t0, in, 0)
+	if !ok || r.Remaining != 0 {
+		t.Fatalf("after a release: allowed %v remaining %d; want true 0", ok, r.Remaining)
+	}
+
+	// Renew b for 30s at t0+5s; c expires at t0+10s.
+	renewed, in30 := ls.Renew(b, 30*time.Second, t0+int64(5*time.Second))
+	if !renewed || in30 != 30*time.Second {
+		t.Fatalf("renew: %v %v; want true 30s", renewed, in30)
+	}
+	at := t0 + int64(10*time.Second)
+	if ok, _, _ := checkLease(t, l, at, in, 0); !ok {
+		t.Fatal("refused at t0+10s, when c has expired")
+	}
+	if ls.Release(c, at) {
+		t.Error("release of an expired lease said true")
+	}
+	if renewed, _ := ls.Renew(c, 0, at); renewed {
+		t.Error("renew of an expired lease said true")
+	}
+	if ok, _, _ := checkLease(t, l, at, in, 0); ok {
+		t.Fatal("allowed a third lease: b (renewed) and the new one hold both slots")
+	}
+	// Sweep frees what expired without a check on the key.
+	if n := l.Sweep(t0 + int64(time.Hour)); n < 2 {
+		t.Errorf("sweep an hour later freed %d; want the 2 leases", n)
+	}
+	if n := ls.Len(); n != 0 {
+		t.Errorf("%d leases left after the sweep", n)
+	}
+	s := stats(l, "exports")
+	if s.InFlight != 0 || s.Released != 1 || s.Expired != 3 {
+		t.Errorf("stats %+v; want 0 in flight, 1 released, 3 expired", s)
+	}
+}
+
+func TestLeasesOwnerClosed(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	checkLease(t, l, t0, in, 7)
+	_, other, _ := checkLease(t, l, t0, in, 8)
+	if n := l.Leases().ReleaseOwner(7, t0); n != 1 {
+		t.Fatalf("owner 7 closed: freed %d; want 1", n)
+	}
+	if ok, _, _ := checkLease(t, l, t0, in, 7); !ok {
+		t.Fatal("refused after the owner's close freed a slot")
+	}
+	if !l.Leases().Release(other, t0) {
+		t.Fatal("owner 8's lease was freed by owner 7's close")
+	}
+	if s := stats(l, "exports"); s.Closed != 1 || s.InFlight != 1 {
+		t.Errorf("stats %+v; want 1 closed, 1 in flight", s)
+	}
+}
+
+func TestLeasesRateRefusedHoldsNothing(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	for range 5 { // per-user allows 5 an hour; release each lease
+		ok, tok, _ := checkLease(t, l, t0, in, 0)
+		if !ok || !l.Leases().Release(tok, t0) {
+			t.Fatal("setup check refused")
+		}
+	}
+	ok, tok, r := checkLease(t, l, t0, in, 0)
+	if ok || tok != "" || !r.Allowed || r.Remaining != 2 {
+		t.Fatalf("rate-refused check: allowed %v lease %q exports allowed %v remaining %d; want refused, no lease, exports 2 free", ok, tok, r.Allowed, r.Remaining)
+	}
+	if n := l.Leases().Len(); n != 0 {
+		t.Fatalf("%d leases held after a rate refusal", n)
+	}
+	if s := stats(l, "exports"); s.InFlight != 0 {
+		t.Fatalf("in flight %d after a rate refusal", s.InFlight)
+	}
+}
+
+func TestLeasesShadowAndPeek(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1 }
+    shadow: true
+`)
+	in := &Input{Attrs: attrs("user=ann"), Cost: 0}
+	var d Decision
+	if err := l.Check(t0, in, &d); err != nil || d.Lease != 0 || d.Results[0].Remaining != 1 {
+		t.Fatalf("cost 0: lease %d remaining %d err %v; want a peek: no lease, 1 free", d.Lease, d.Results[0].Remaining, err)
+	}
+	in.Cost = 1
+	_ = l.Check(t0, in, &d)
+	if !d.Allowed || d.Lease == 0 {
+		t.Fatal("first shadow check took no lease")
+	}
+	_ = l.Check(t0, in, &d)
+	if !d.Allowed || d.Lease != 0 || d.Results[0].Allowed {
+		t.Fatalf("shadow over max: allowed %v lease %d rule allowed %v; want allowed, no lease, rule refused", d.Allowed, d.Lease, d.Results[0].Allowed)
+	}
+}
