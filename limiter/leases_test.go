@@ -195,3 +195,30 @@ rules:
 		t.Fatalf("shadow over max: allowed %v lease %d rule allowed %v; want allowed, no lease, rule refused", d.Allowed, d.Lease, d.Results[0].Allowed)
 	}
 }
+
+// BenchmarkCheckLease: a check matching a concurrency rule and a rate rule, then the
+// release of its lease by token (as the daemon does), beside BenchmarkCheck2Rules.
+func BenchmarkCheckLease(b *testing.B) {
+	l := newLimiter(b, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 10s }
+  - name: per-ip
+    key: ip
+    limit: { requests: 1000000000, per: 1h }
+`)
+	in := &Input{Attrs: attrs("user=ann", "ip=1.2.3.4"), Cost: 1}
+	var d Decision
+	ls := l.Leases()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		now := t0 + int64(i)
+		if err := l.Check(now, in, &d); err != nil || !d.Allowed {
+			b.Fatal("refused", err)
+		}
+		if !ls.Release(ls.Token(d.Lease), now) {
+			b.Fatal("not released")
+		}
+	}
+}
