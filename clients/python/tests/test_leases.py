@@ -63,3 +63,49 @@ def test_close_frees_leases(make_daemon):
                 break
             time.sleep(0.01)
         assert c2.check({"user": "ann"}, cost=0).rules[0].remaining == 2
+
+
+def test_async_client_and_middlewares_release(make_daemon):
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            a = await c.check({"user": "ann"})
+            assert a.allowed and a.lease
+            assert not (await c.check({"user": "ann"})).allowed
+            assert await c.renew(a.lease, 5000) == (True, 5000)
+            assert await c.release(a.lease) is True
+            assert await c.release(a.lease) is False
+
+            seen = []
+
+            async def app(scope, receive, send):
+                seen.append((await c.check({"user": "ann"}, cost=0)).rules[0].remaining)
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+            sent = []
+
+            async def send(m):
+                sent.append(m)
+            for _ in range(3):
+                await mw({"type": "http", "method": "GET", "path": "/"}, None, send)
+            assert seen == [0, 0, 0] and sent[0]["status"] == 200
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+    asyncio.run(run())
+
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        during = []
+
+        def app(environ, start_response):
+            during.append(c.check({"user": "ann"}, cost=0).rules[0].remaining)
+            start_response("200 OK", [])
+            return [b"ok"]
+        mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"})
+        for _ in range(3):
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            assert list(body) == [b"ok"]
+            body.close()
+        assert during == [0, 0, 0]
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
