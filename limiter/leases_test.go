@@ -222,3 +222,31 @@ rules:
 		}
 	}
 }
+
+// Two parts of one check matching one concurrency rule with one key take two slots of
+// it: against max 1 the check is refused and holds nothing; against max 2 it holds both,
+// and one release frees both.
+func TestLeasesPartsShareASlot(t *testing.T) {
+	for _, tc := range []struct {
+		max     string
+		allowed bool
+	}{{"1", false}, {"2", true}} {
+		l := newLimiter(t, "rules:\n  - name: c\n    key: user\n    concurrency: { max: "+tc.max+" }\n")
+		in := &Input{Parts: []Part{part(1, "user=ann"), part(1, "user=ann")}}
+		var d Decision
+		if err := l.Check(t0, in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != tc.allowed || (d.Lease != 0) != tc.allowed {
+			t.Fatalf("max %s: allowed %v lease %d; want allowed %v", tc.max, d.Allowed, d.Lease, tc.allowed)
+		}
+		if s := stats(l, "c"); s.InFlight != map[bool]int64{false: 0, true: 2}[tc.allowed] {
+			t.Fatalf("max %s: %d in flight", tc.max, s.InFlight)
+		}
+		if tc.allowed {
+			if !l.Leases().Release(l.Leases().Token(d.Lease), t0) || stats(l, "c").InFlight != 0 {
+				t.Fatal("one release did not free both parts")
+			}
+		}
+	}
+}

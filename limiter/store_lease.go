@@ -25,7 +25,7 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 			ls.expireSlot(sl, now)
 			sl = ls.slots[string(o.key)] // gone when every part expired
 		}
-		if !s.report(d, i, o, sl, now) && !o.shadow {
+		if !s.report(d, i, o, sl, now, s.earlier(d, i)) && !o.shadow {
 			ok = false
 		}
 		if d.Results[i].Allowed && o.cost > 0 {
@@ -47,13 +47,30 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 	return true, nil
 }
 
-// report writes op i's result from a peek at its slot sl, taking nothing: allowed when
-// a slot is free, remaining the free slots, and for a full one the retry hint. It
-// reports whether a slot is free.
-func (s leaseStore) report(d *Decision, i int, o *op, sl *slot, now int64) bool {
+// earlier counts the slots that ops of d before op i, on the same key, are to take in
+// this check (two parts of an Envoy call may match one rule with one key).
+func (s leaseStore) earlier(d *Decision, i int) uint64 {
+	var n uint64
+	for j := range i {
+		o := &d.ops[j]
+		if o.store == storeLease && o.cost > 0 && d.Results[j].Allowed && string(o.key) == string(d.ops[i].key) {
+			n++
+		}
+	}
+	return n
+}
+
+// report writes op i's result from a peek at its slot sl, taking nothing, where taking
+// more slots of it earlier in this check: allowed when a slot is free, remaining the
+// free slots, and for a full one the retry hint. It reports whether a slot is free.
+func (s leaseStore) report(d *Decision, i int, o *op, sl *slot, now int64, taking uint64) bool {
 	slots := o.lim.Requests()
 	held, retry := peekSlot(sl, slots, now)
+	held += taking
 	fits := held < slots
+	if !fits && retry == 0 {
+		retry = int64(maxRetryHint) // full only through this check's own parts
+	}
 	r := localbucket.Result{Allowed: fits, Limit: slots}
 	if fits {
 		r.Remaining = slots - held
@@ -88,7 +105,7 @@ func (s leaseStore) skip(now int64, d *Decision) {
 		if o.store != storeLease {
 			continue
 		}
-		s.report(d, i, o, ls.slots[string(o.key)], now)
+		s.report(d, i, o, ls.slots[string(o.key)], now, 0)
 	}
 }
 
