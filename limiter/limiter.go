@@ -101,8 +101,14 @@ func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
 // ShadowAll reports whether every rule is forced to shadow.
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 
-// ModeOf returns the mode the limiter applies to r.
-func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode { return l.resolve(r.Mode) }
+// ModeOf returns the mode the limiter applies to r: local for a concurrency rule, whose
+// leases are per daemon.
+func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
+	if r.Concurrency {
+		return rules.ModeLocal
+	}
+	return l.resolve(r.Mode)
+}
 
 // Rules returns the active rule set.
 func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }

@@ -108,6 +108,12 @@ func TestE2ELeases(t *testing.T) {
 		t.Fatalf("after a rate refusal: exports remaining %d; want 2 (it held nothing)", r.Rules[0].Remaining)
 	}
 
+	if code, body := httpGet(t, base+"/rules"); code != 200 || !strings.Contains(body, `"concurrency": {
+        "max": 2,
+        "lease": "30s"
+      }`) || !strings.Contains(body, `"mode": "local"`) {
+		t.Errorf("/rules: %d\n%s\nwant the exports rule's concurrency {max 2, lease 30s}", code, body)
+	}
 	types, samples := scrape(t, base)
 	for name, typ := range map[string]string{"rlsidecar_inflight": "gauge", "rlsidecar_leases_total": "counter"} {
 		if types[name] != typ {
