@@ -352,6 +352,7 @@ func writeLeases(w io.Writer, ls *limiter.Leases) {
 	var rows []row
 	ls.Stats(func(rule string, s limiter.LeaseStats) { rows = append(rows, row{rule, s}) })
 	sort.Slice(rows, func(i, j int) bool { return rows[i].rule < rows[j].rule })
+	fmt.Fprintf(w, "# HELP rlsidecar_leases_capped_total Checks refused because this daemon held the most live leases it keeps (limiter.DefaultMaxLeases).\n# TYPE rlsidecar_leases_capped_total counter\nrlsidecar_leases_capped_total %d\n", ls.Capped())
 	fmt.Fprint(w, "# HELP rlsidecar_inflight Concurrency leases this daemon holds now, by rule.\n# TYPE rlsidecar_inflight gauge\n")
 	for _, r := range rows {
 		fmt.Fprintf(w, "rlsidecar_inflight{rule=%q} %d\n", r.rule, r.s.InFlight)

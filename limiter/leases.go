@@ -27,6 +27,8 @@ type Leases struct {
 	nonce string // starts every token: tokens from another daemon or run are unknown here
 
 	mu     sync.Mutex
+	max    int // the most live leases; past it a check is refused as if its slots were full
+	capped uint64
 	next   uint64
 	slots  map[string]*slot
 	leases map[uint64]*lease
@@ -70,10 +72,16 @@ type leasePart struct {
 // maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
 const maxRetryHint = time.Second
 
+// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each), so that a
+// flood of checks on distinct keys cannot grow memory without bound: past it, a check
+// matching a concurrency rule is refused as if its slots were full (Leases.Capped).
+const DefaultMaxLeases = 1 << 20
+
 func newLeases() *Leases {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return &Leases{
+		max:    DefaultMaxLeases,
 		nonce:  hex.EncodeToString(b[:]),
 		slots:  map[string]*slot{},
 		leases: map[uint64]*lease{},
@@ -196,6 +204,20 @@ func (ls *Leases) Stats(f func(rule string, s LeaseStats)) {
 	for name, s := range ls.stats {
 		f(name, *s)
 	}
+}
+
+// SetMax bounds the live leases at n (at least 1); see DefaultMaxLeases.
+func (ls *Leases) SetMax(n int) {
+	ls.mu.Lock()
+	ls.max = max(n, 1)
+	ls.mu.Unlock()
+}
+
+// Capped returns how many checks were refused because the live leases were at the bound.
+func (ls *Leases) Capped() uint64 {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.capped
 }
 
 // Len returns the number of live leases.

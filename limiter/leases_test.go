@@ -250,3 +250,26 @@ func TestLeasesPartsShareASlot(t *testing.T) {
 		}
 	}
 }
+
+// Past the bound on live leases a check is refused and takes nothing; a release makes
+// room again.
+func TestLeasesBound(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	l.Leases().SetMax(2)
+	_, a, _ := checkLease(t, l, t0, exportInput("ann"), 0)
+	checkLease(t, l, t0, exportInput("bob"), 0)
+	ok, tok, r := checkLease(t, l, t0, exportInput("cid"), 0)
+	if ok || tok != "" || r.Allowed || r.RetryAfter != time.Second || l.Leases().Capped() != 1 || l.Leases().Len() != 2 {
+		t.Fatalf("third lease past a bound of 2: allowed %v lease %q retry %v capped %d live %d; want refused, nothing taken",
+			ok, tok, r.RetryAfter, l.Leases().Capped(), l.Leases().Len())
+	}
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: attrs("user=cid"), Cost: 0}, &d)
+	if d.Results[0].Remaining != 5 {
+		t.Fatalf("the refused check charged per-user: %d left", d.Results[0].Remaining)
+	}
+	l.Leases().Release(a, t0)
+	if ok, _, _ := checkLease(t, l, t0, exportInput("cid"), 0); !ok {
+		t.Fatal("refused after a release made room")
+	}
+}

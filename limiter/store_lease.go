@@ -35,6 +35,18 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 	if !ok || n == 0 {
 		return ok, nil
 	}
+	if len(ls.leases) >= ls.max {
+		// At the bound on live leases: every op that would take a slot is refused as if
+		// full (a shadow op too, though it does not refuse the request); nothing is taken.
+		ls.capped++
+		for i := range d.ops {
+			if o := &d.ops[i]; o.store == storeLease && d.Results[i].Allowed && o.cost > 0 {
+				d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(maxRetryHint), Reset: int64(maxRetryHint)})
+				ok = ok && o.shadow
+			}
+		}
+		return ok, nil
+	}
 	l := ls.newLease(d.Owner, n)
 	for i := range d.ops {
 		o := &d.ops[i]
