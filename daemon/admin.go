@@ -111,8 +111,15 @@ type ruleDoc struct {
 	OnStoreFailure string   `json:"on_store_failure"`
 	Shadow         bool     `json:"shadow"`
 	Split          any      `json:"split,omitempty"`
-	File           string   `json:"file"`
-	Line           int      `json:"line"`
+	// Concurrency is set for a concurrency rule: requests is then its max, per its lease.
+	Concurrency *concurrencyDoc `json:"concurrency,omitempty"`
+	File        string          `json:"file"`
+	Line        int             `json:"line"`
+}
+
+type concurrencyDoc struct {
+	Max   uint64 `json:"max"`
+	Lease string `json:"lease"`
 }
 
 func rulesDoc(deps AdminDeps) any {
@@ -135,6 +142,9 @@ func rulesDoc(deps AdminDeps) any {
 			d.Split = "auto"
 		} else if r.Split > 0 {
 			d.Split = r.Split
+		}
+		if r.Concurrency {
+			d.Concurrency = &concurrencyDoc{Max: r.Requests, Lease: r.Per.String()}
 		}
 		out.Rules = append(out.Rules, d)
 	}

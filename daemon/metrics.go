@@ -45,7 +45,8 @@ type Metrics struct {
 		loaded          time.Time
 		set             *rules.Set
 	}
-	funcs []funcMetric
+	funcs  []funcMetric
+	leases *limiter.Leases // the concurrency leases reported, nil: none (SetLeases)
 
 	inline              *ruleMetrics
 	reloadOK, reloadErr *metrics.Counter
@@ -343,6 +344,37 @@ func (h *latencyHist) write(w io.Writer, name, help string) {
 	fmt.Fprintf(w, "%s_sum %g\n%s_count %d\n", name, float64(h.sumNs.Load())/1e9, name, cum)
 }
 
+// SetLeases makes the metrics report ls's concurrency leases by rule:
+// rlsidecar_inflight{rule} and rlsidecar_leases_total{rule,result}. Call it before the
+// first scrape.
+func (m *Metrics) SetLeases(ls *limiter.Leases) {
+	m.mu.Lock()
+	m.leases = ls
+	m.mu.Unlock()
+}
+
+// writeLeases writes the lease metrics of ls, by rule name in order.
+func writeLeases(w io.Writer, ls *limiter.Leases) {
+	type row struct {
+		rule string
+		s    limiter.LeaseStats
+	}
+	var rows []row
+	ls.Stats(func(rule string, s limiter.LeaseStats) { rows = append(rows, row{rule, s}) })
+	sort.Slice(rows, func(i, j int) bool { return rows[i].rule < rows[j].rule })
+	fmt.Fprintf(w, "# HELP rlsidecar_leases_capped_total Checks refused because this daemon held the most live leases it keeps (limiter.DefaultMaxLeases).\n# TYPE rlsidecar_leases_capped_total counter\nrlsidecar_leases_capped_total %d\n", ls.Capped())
+	fmt.Fprint(w, "# HELP rlsidecar_inflight Concurrency leases this daemon holds now, by rule.\n# TYPE rlsidecar_inflight gauge\n")
+	for _, r := range rows {
+		fmt.Fprintf(w, "rlsidecar_inflight{rule=%q} %d\n", r.rule, r.s.InFlight)
+	}
+	fmt.Fprint(w, "# HELP rlsidecar_leases_total Concurrency lease slots freed, by rule and how: released, expired (not released in time: the leak signal) or closed (the connection that took it closed).\n# TYPE rlsidecar_leases_total counter\n")
+	for _, r := range rows {
+		fmt.Fprintf(w, "rlsidecar_leases_total{rule=%q,result=\"released\"} %d\n", r.rule, r.s.Released)
+		fmt.Fprintf(w, "rlsidecar_leases_total{rule=%q,result=\"expired\"} %d\n", r.rule, r.s.Expired)
+		fmt.Fprintf(w, "rlsidecar_leases_total{rule=%q,result=\"closed\"} %d\n", r.rule, r.s.Closed)
+	}
+}
+
 func (m *Metrics) writeCustom(w io.Writer) {
 	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
 	m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
@@ -370,7 +402,11 @@ func (m *Metrics) writeCustom(w io.Writer) {
 			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, client, it.Count))
 		}
 	}
+	leases := m.leases
 	m.mu.Unlock()
+	if leases != nil {
+		writeLeases(w, leases)
+	}
 	for _, f := range funcs {
 		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
 	}

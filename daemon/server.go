@@ -27,6 +27,7 @@ import (
 
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/proto"
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // Config is the server's configuration. Zero fields take the defaults named below.
@@ -98,7 +99,8 @@ type Server struct {
 	conns    map[*net.UnixConn]struct{}
 	wg       sync.WaitGroup
 
-	nconns atomic.Int64
+	nconns  atomic.Int64
+	connIDs atomic.Uint64 // the last connection id given (conn.id)
 	// readBuf is the size of a connection's read buffer: frames that do not fit are read
 	// into a buffer of their own (the fuzz test lowers it to reach that path).
 	readBuf int
@@ -288,6 +290,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 // conn is the per-connection state: reused codec, request, decision and response.
 type conn struct {
 	s   *Server
+	id  uint64 // owns the leases taken on this connection (limiter.Decision.Owner)
 	c   *net.UnixConn
 	br  *bufio.Reader
 	dec *proto.Decoder
@@ -356,13 +359,17 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
 	}
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
+	// Last, once no check is deciding: the connection's leases are freed when it closes,
+	// so a gateway that dies frees its slots at once.
+	defer func() { s.lim.Leases().ReleaseOwner(cn.id, s.now()) }()
 	defer cn.wait() // no deciding goroutine outlives its connection
 	defer func() {
 		if p := recover(); p != nil {
@@ -598,9 +605,25 @@ func (cn *conn) handle(body []byte, now int64) {
 		cn.check(body, now)
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
+	case proto.OpRelease:
+		cn.out().EncodeRelease(req.ID, cn.s.lim.Leases().Release(req.Lease, now))
+	case proto.OpRenew:
+		cn.renew(now)
 	default:
-		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q and %q", req.Op, proto.OpCheck, proto.OpPing))
+		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q, %q, %q and %q",
+			req.Op, proto.OpCheck, proto.OpPing, proto.OpRelease, proto.OpRenew))
 	}
+}
+
+// renew answers the renew request in cn.req.
+func (cn *conn) renew(now int64) {
+	req := &cn.req
+	if req.LeaseMs > uint64(rules.MaxLease/time.Millisecond) {
+		cn.out().EncodeError(req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
+		return
+	}
+	renewed, in := cn.s.lim.Leases().Renew(req.Lease, time.Duration(req.LeaseMs)*time.Millisecond, now)
+	cn.out().EncodeRenew(req.ID, renewed, ceilMs(in))
 }
 
 // input fills in from req.
@@ -651,6 +674,7 @@ func (cn *conn) goCheck(body []byte, now int64) {
 		panic("BUG: a frame decoded twice gave an error the second time: " + err.Error())
 	}
 	input(&p.in, &p.req)
+	p.dcs.Owner = cn.id
 	cn.pending = append(cn.pending, p)
 	lim := cn.s.lim
 	go func() {
@@ -706,6 +730,9 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		resp.ResetMs = rr.ResetMs
 		resp.RetryAfterMs = rr.RetryAfterMs
 		resp.Reason = rr.Reason
+	}
+	if d.Lease != 0 {
+		resp.Lease = s.lim.Leases().Token(d.Lease)
 	}
 	enc.EncodeCheck(resp)
 }

@@ -35,10 +35,11 @@
 //
 // Every new kind of limit adds a store or an algorithm, never another list in Decision:
 //
-//   - Concurrency leases ("at most N in flight"): a lease store whose take acquires N
-//     leases all-or-nothing and whose giveBack releases them; releasing a lease when the
-//     request ends is a new operation on that store (a Release(key, lease id) the daemon
-//     calls), not a new path through Check. Its ids go in the Result.
+//   - Concurrency leases ("at most N in flight") are the lease store (store_lease.go,
+//     leases.go): its take acquires one slot in each concurrency op all-or-nothing, as
+//     one lease whose id goes in Decision.Lease, and its giveBack frees it; releasing,
+//     renewing and freeing a closed connection's leases are operations on the store
+//     (Limiter.Leases), not paths through Check.
 //   - Escalating bans: a ban store consulted first (its take refuses while a ban holds,
 //     taking nothing), with the ban raised by the rule's rejection; or an algorithm in
 //     localbucket whose state carries the offence count, in which case no store changes.

@@ -19,6 +19,7 @@ type Limiter struct {
 	buckets     *localbucket.Store
 	stores      [numStores]store // by storeID; nil: the daemon lacks that mode
 	hybrid      *hybridStore     // also stores[storeHybrid]; counts the live daemons
+	leases      *Leases          // also stores[storeLease]
 	prefix      string           // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
@@ -29,6 +30,8 @@ type Limiter struct {
 func New(set *rules.Set, store *localbucket.Store) *Limiter {
 	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix}
 	l.stores[storeLocal] = localStore{store}
+	l.leases = newLeases()
+	l.stores[storeLease] = leaseStore{l.leases}
 	l.rules.Store(set)
 	return l
 }
@@ -98,14 +101,24 @@ func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
 // ShadowAll reports whether every rule is forced to shadow.
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 
-// ModeOf returns the mode the limiter applies to r.
-func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode { return l.resolve(r.Mode) }
+// ModeOf returns the mode the limiter applies to r: local for a concurrency rule, whose
+// leases are per daemon.
+func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
+	if r.Concurrency {
+		return rules.ModeLocal
+	}
+	return l.resolve(r.Mode)
+}
 
 // Rules returns the active rule set.
 func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
 
 // SetRules swaps in a new rule set; checks already running finish with the old one.
 func (l *Limiter) SetRules(set *rules.Set) { l.rules.Store(set) }
+
+// Leases returns the store of the concurrency rules' leases, for releasing and renewing
+// them.
+func (l *Limiter) Leases() *Leases { return l.leases }
 
 // Store returns the store the limiter decides on.
 func (l *Limiter) Store() *localbucket.Store { return l.buckets }
@@ -196,6 +209,12 @@ type Decision struct {
 	Deciding int // index in Results of the deciding rule; -1 when no rule decides
 	Degraded bool
 	Results  []Result
+	// Lease is the id of the lease an allowed check took, holding a slot in each
+	// concurrency rule it matched (Leases.Token makes its token); 0 when it took none.
+	Lease uint64
+	// Owner is set by the caller before Decide: the connection a lease taken belongs to,
+	// so that Leases.ReleaseOwner frees it when that closes. 0: no owner.
+	Owner uint64
 	// Unlimited lists, in order, the parts (0 without Input.Parts) that matched a rule
 	// unlimited for them: such a rule gives no Result.
 	Unlimited []int
@@ -251,6 +270,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Allowed = true
 	d.Deciding = -1
 	d.Degraded = false
+	d.Lease = 0
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
 	d.routed = 0
@@ -363,12 +383,16 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			continue
 		}
 		id := storeOf(l.resolve(r.Mode))
+		if r.Concurrency {
+			id = storeLease // per daemon: a concurrency rule has no Redis store yet
+		}
 		if r.Deny {
 			id = storeLocal // decided here: no store is asked
 		}
 		var ok bool
 		start := len(d.keys)
-		if id != storeLocal {
+		redis := id == storeHybrid || id == storeGlobal
+		if redis {
 			d.keys = append(d.keys, l.prefix...)
 		}
 		d.keys, ok = r.AppendKey(d.keys, attrs)
@@ -377,7 +401,7 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			continue
 		}
 		var fb fallback
-		if id != storeLocal {
+		if redis {
 			fb = fallback{r.OnStoreFailure, lim}
 			if l.hybrid != nil {
 				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
@@ -570,4 +594,5 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 
 // Sweep drops the state of keys that carry no information any more (full buckets,
 // windows that have passed), so memory follows the active keys. Call it periodically.
-func (l *Limiter) Sweep(now int64) int { return l.buckets.Sweep(now) }
+// It also frees the concurrency leases that ran out (Leases.Sweep).
+func (l *Limiter) Sweep(now int64) int { return l.buckets.Sweep(now) + l.leases.Sweep(now) }

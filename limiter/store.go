@@ -19,6 +19,7 @@ type storeID uint8
 const (
 	storeHybrid storeID = iota // local allowances synced to Redis (store_hybrid.go)
 	storeGlobal                // one atomic Redis script per check (store_global.go)
+	storeLease                 // concurrency rules' slots (store_lease.go, leases.go)
 	storeLocal                 // this daemon's buckets (store_local.go); always last
 	numStores
 

@@ -78,6 +78,7 @@ const (
 	kWindowMs     = "\xa9window_ms"
 	kShadow       = "\xa6shadow"
 	kReason       = "\xa6reason"
+	kLease        = "\xa5lease"
 )
 
 func appendUintField(b []byte, k string, v uint64) []byte {

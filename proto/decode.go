@@ -103,6 +103,14 @@ func (d *Decoder) decodeRequestMsgpack(body []byte, req *Request) error {
 			if err = seen.once(fieldLimits, "request", key); err == nil {
 				req.Limits, err = d.limits(req.Limits)
 			}
+		case "lease":
+			if err = seen.once(fieldLease, "request", key); err == nil {
+				req.Lease, err = d.str("lease", MaxLeaseLen)
+			}
+		case "lease_ms":
+			if err = seen.once(fieldLeaseMs, "request", key); err == nil {
+				req.LeaseMs, err = d.uint("lease_ms")
+			}
 		default:
 			err = d.skip(key)
 		}
@@ -228,6 +236,8 @@ const (
 	fieldCost
 	fieldAttrs
 	fieldLimits
+	fieldLease
+	fieldLeaseMs
 )
 
 const (
@@ -444,6 +454,14 @@ func (d *Decoder) DecodeResponse(body []byte, resp *Response) error {
 			resp.Degraded, err = d.boolean("degraded")
 		case "reason":
 			resp.Reason, err = d.ownedStr("reason")
+		case "lease":
+			resp.Lease, err = d.ownedStr("lease")
+		case "released":
+			resp.Released, err = d.boolean("released")
+		case "renewed":
+			resp.Renewed, err = d.boolean("renewed")
+		case "expires_ms":
+			resp.ExpiresMs, err = d.uint("expires_ms")
 		case "rules":
 			err = d.ruleResults(resp)
 		case "version":

@@ -74,6 +74,8 @@ var (
 	fResetMs, fRetryAfterMs, fDegraded, fRules    = field("reset_ms"), field("retry_after_ms"), field("degraded"), field("rules")
 	fShadow, fReason, fVersion, fProtocol, fError = field("shadow"), field("reason"), field("version"), field("protocol"), field("error")
 	fCode, fMessage                               = field("code"), field("message")
+	fLease, fLeaseMs, fReleased, fRenewed         = field("lease"), field("lease_ms"), field("released"), field("renewed")
+	fExpiresMs                                    = field("expires_ms")
 )
 
 func (e *Encoder) str(k fieldName, v string) {
@@ -95,7 +97,7 @@ func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 
 // EncodeCheck appends a check response frame:
 // id, allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then
-// reason when it is not empty.
+// reason when it is not empty, then lease when it is not empty.
 //
 // It is the hot path's encoder, so it appends msgpack directly (appendfast.go) instead of
 // going through the msgpack.Encoder; TestEncodeCheckMatchesMsgpack checks the bytes are
@@ -105,6 +107,9 @@ func (e *Encoder) EncodeCheck(r *Response) {
 	b := e.buf.b
 	n := 9
 	if r.Reason != "" {
+		n++
+	}
+	if r.Lease != "" {
 		n++
 	}
 	b = appendMapLen(b, n)
@@ -140,7 +145,29 @@ func (e *Encoder) EncodeCheck(r *Response) {
 	if r.Reason != "" {
 		b = appendStrField(b, kReason, r.Reason)
 	}
+	if r.Lease != "" {
+		b = appendStrField(b, kLease, r.Lease)
+	}
 	e.buf.b = b
+	e.end(start)
+}
+
+// EncodeRelease appends a release response frame: id, released.
+func (e *Encoder) EncodeRelease(id uint64, released bool) {
+	start := e.begin()
+	_ = e.enc.EncodeMapLen(2)
+	e.uint(fID, id)
+	e.bool(fReleased, released)
+	e.end(start)
+}
+
+// EncodeRenew appends a renew response frame: id, renewed, expires_ms.
+func (e *Encoder) EncodeRenew(id uint64, renewed bool, expiresMs uint64) {
+	start := e.begin()
+	_ = e.enc.EncodeMapLen(3)
+	e.uint(fID, id)
+	e.bool(fRenewed, renewed)
+	e.uint(fExpiresMs, expiresMs)
 	e.end(start)
 }
 
@@ -167,7 +194,7 @@ func (e *Encoder) EncodeError(id uint64, code, message string) {
 }
 
 // EncodeRequest appends a request frame: id, op, attrs (when any, in the given order),
-// limits (when any), cost (when it is not 1). Each inline limit carries key, limit,
+// limits (when any), cost (when it is not 1), lease and lease_ms (when set). Each inline limit carries key, limit,
 // window_ms, then burst, algorithm, mode and name when set.
 func (e *Encoder) EncodeRequest(r *Request) {
 	start := e.begin()
@@ -179,6 +206,12 @@ func (e *Encoder) EncodeRequest(r *Request) {
 		n++
 	}
 	if r.Cost != 1 {
+		n++
+	}
+	if r.Lease != "" {
+		n++
+	}
+	if r.LeaseMs != 0 {
 		n++
 	}
 	_ = e.enc.EncodeMapLen(n)
@@ -223,6 +256,12 @@ func (e *Encoder) EncodeRequest(r *Request) {
 	}
 	if r.Cost != 1 {
 		e.uint(fCost, r.Cost)
+	}
+	if r.Lease != "" {
+		e.str(fLease, r.Lease)
+	}
+	if r.LeaseMs != 0 {
+		e.uint(fLeaseMs, r.LeaseMs)
 	}
 	e.end(start)
 }

@@ -54,7 +54,7 @@ func exchanges() []exchange {
 			Response{ID: 7, Allowed: true}, "check"},
 		{"unknown-op", "an op the server does not know",
 			Request{ID: 8, Op: "frobnicate", Cost: 1},
-			Response{ID: 8, Err: Error{Code: CodeUnknownOp, Message: `unknown op "frobnicate"; this server knows "check" and "ping"`}}, "error"},
+			Response{ID: 8, Err: Error{Code: CodeUnknownOp, Message: `unknown op "frobnicate"; this server knows "check", "ping", "release" and "renew"`}}, "error"},
 		{"invalid-inline-limit", "an inline limit with limit 0",
 			Request{ID: 9, Op: OpCheck, Limits: []InlineLimit{{Key: "k", Limit: 0, WindowMs: 1000}}, Cost: 1},
 			Response{ID: 9, Err: Error{Code: CodeInvalidLimit, Message: `limits[0]: "limit" must be at least 1`}}, "error"},

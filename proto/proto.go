@@ -24,9 +24,14 @@ const DefaultMaxFrame = 65536
 
 // Operations.
 const (
-	OpCheck = "check"
-	OpPing  = "ping"
+	OpCheck   = "check"
+	OpPing    = "ping"
+	OpRelease = "release" // frees a lease (an addition to v1)
+	OpRenew   = "renew"   // extends a lease (an addition to v1)
 )
+
+// MaxLeaseLen bounds a lease token in a release or renew request.
+const MaxLeaseLen = 128
 
 // Error codes. The first five are fixed by the protocol; the rest are additions.
 const (
@@ -85,6 +90,10 @@ type Request struct {
 	Attrs  []Attr
 	Limits []InlineLimit
 	Cost   uint64 // 1 when the request did not say; 0 asks without consuming
+	// Lease is the lease token of a release or renew request; LeaseMs a renew's new
+	// duration (0: each rule's own lease).
+	Lease   string
+	LeaseMs uint64
 }
 
 // Reset clears r for reuse, keeping the capacity of its slices.
@@ -94,6 +103,8 @@ func (r *Request) Reset() {
 	r.Attrs = r.Attrs[:0]
 	r.Limits = r.Limits[:0]
 	r.Cost = 1
+	r.Lease = ""
+	r.LeaseMs = 0
 }
 
 // RuleResult is one matched rule's or inline limit's part of a check response.
@@ -124,6 +135,12 @@ type Response struct {
 	Degraded     bool
 	Rules        []RuleResult
 	Reason       string // the deciding rule's reason, "" when none (an addition to v1)
+	Lease        string // the lease an allowed check holds, "" when none (an addition to v1)
+
+	// release and renew (additions to v1)
+	Released  bool
+	Renewed   bool
+	ExpiresMs uint64 // until the renewed lease expires
 
 	// ping
 	Version  string

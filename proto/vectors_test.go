@@ -21,6 +21,10 @@ type vectorFile struct {
 	Responses []vector   `json:"responses"`
 	Malformed []badFrame `json:"malformed"`
 	Exchanges []exchange `json:"exchanges"`
+	// Leases: concurrency leases (additions to v1), kept apart so that a client reading
+	// only the sections above is not broken by them.
+	LeaseRequests  []vector `json:"lease_requests"`
+	LeaseResponses []vector `json:"lease_responses"`
 }
 
 type vector struct {
@@ -48,10 +52,18 @@ type exchange struct {
 
 // The canonical messages. JSON forms (for other languages) are derived from these with
 // requestJSON/responseJSON; the test checks the file against both the bytes and the JSON.
-var canonRequests = []struct {
+type canonRequest struct {
 	name, meaning string
 	req           Request
-}{
+}
+
+type canonResponse struct {
+	name, meaning string
+	resp          Response
+	kind          string
+}
+
+var canonRequests = []canonRequest{
 	{"ping", "a ping", Request{ID: 1, Op: OpPing, Cost: 1}},
 	{"check-one-attr", "a check with one attribute and the default cost",
 		Request{ID: 2, Op: OpCheck, Attrs: []Attr{{"user", "alice"}}, Cost: 1}},
@@ -65,11 +77,7 @@ var canonRequests = []struct {
 		Request{ID: math.MaxUint64, Op: OpCheck, Attrs: []Attr{{"ip", "::1"}}, Cost: 1}},
 }
 
-var canonResponses = []struct {
-	name, meaning string
-	resp          Response
-	kind          string
-}{
+var canonResponses = []canonResponse{
 	{"ping", "the answer to a ping", Response{ID: 1, Version: "1.0.0", Protocol: 1}, "ping"},
 	{"check-allowed", "allowed; two rules matched; the deciding rule is the one with least remaining",
 		Response{ID: 2, Allowed: true, Rule: "per-user", Limit: 5, Remaining: 3, ResetMs: 24000,
@@ -109,11 +117,20 @@ func TestVectors(t *testing.T) {
 	if err := json.Unmarshal(data, &f); err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
-	if len(f.Requests) != len(canonRequests) || len(f.Responses) != len(canonResponses) {
+	if len(f.Requests) != len(canonRequests) || len(f.Responses) != len(canonResponses) ||
+		len(f.LeaseRequests) != len(canonLeaseRequests) || len(f.LeaseResponses) != len(canonLeaseResponses) {
 		t.Fatalf("%s is stale: run go test ./proto -run TestVectors -update", path)
 	}
 	dec := NewDecoder()
-	for i, v := range f.Requests {
+	checkRequests(t, dec, f.Requests, canonRequests)
+	checkResponses(t, dec, f.Responses, canonResponses)
+	checkRequests(t, dec, f.LeaseRequests, canonLeaseRequests)
+	checkResponses(t, dec, f.LeaseResponses, canonLeaseResponses)
+	checkMalformed(t, dec, f.Malformed)
+}
+
+func checkRequests(t *testing.T, dec *Decoder, vs []vector, canonRequests []canonRequest) {
+	for i, v := range vs {
 		t.Run("request/"+v.Name, func(t *testing.T) {
 			frame := mustHex(t, v.Hex)
 			body := frameBody(t, frame)
@@ -131,7 +148,10 @@ func TestVectors(t *testing.T) {
 			}
 		})
 	}
-	for i, v := range f.Responses {
+}
+
+func checkResponses(t *testing.T, dec *Decoder, vs []vector, canonResponses []canonResponse) {
+	for i, v := range vs {
 		t.Run("response/"+v.Name, func(t *testing.T) {
 			frame := mustHex(t, v.Hex)
 			var got Response
@@ -150,7 +170,10 @@ func TestVectors(t *testing.T) {
 			}
 		})
 	}
-	for _, v := range f.Malformed {
+}
+
+func checkMalformed(t *testing.T, dec *Decoder, vs []badFrame) {
+	for _, v := range vs {
 		t.Run("malformed/"+v.Name, func(t *testing.T) {
 			frame := mustHex(t, v.Hex)
 			if len(frame) < HeaderSize {
@@ -189,6 +212,10 @@ func encodeResponse(r *Response, kind string) []byte {
 		enc.EncodePing(r.ID, r.Version)
 	case "error":
 		enc.EncodeError(r.ID, r.Err.Code, r.Err.Message)
+	case "release":
+		enc.EncodeRelease(r.ID, r.Released)
+	case "renew":
+		enc.EncodeRenew(r.ID, r.Renewed, r.ExpiresMs)
 	default:
 		enc.EncodeCheck(r)
 	}
@@ -247,6 +274,12 @@ func requestJSON(r *Request) map[string]any {
 		}
 		m["limits"] = ls
 	}
+	if r.Lease != "" {
+		m["lease"] = r.Lease
+	}
+	if r.LeaseMs != 0 {
+		m["lease_ms"] = r.LeaseMs
+	}
 	return m
 }
 
@@ -256,6 +289,10 @@ func responseJSON(r *Response, kind string) map[string]any {
 		return map[string]any{"id": r.ID, "version": r.Version, "protocol": r.Protocol}
 	case "error":
 		return map[string]any{"id": r.ID, "error": map[string]any{"code": r.Err.Code, "message": r.Err.Message}}
+	case "release":
+		return map[string]any{"id": r.ID, "released": r.Released}
+	case "renew":
+		return map[string]any{"id": r.ID, "renewed": r.Renewed, "expires_ms": r.ExpiresMs}
 	}
 	rules := []map[string]any{}
 	for _, rr := range r.Rules {
@@ -271,7 +308,33 @@ func responseJSON(r *Response, kind string) map[string]any {
 	if r.Reason != "" {
 		m["reason"] = r.Reason
 	}
+	if r.Lease != "" {
+		m["lease"] = r.Lease
+	}
 	return m
+}
+
+// The canonical lease messages (concurrency rules; additions to v1).
+var canonLeaseRequests = []canonRequest{
+	{"release", "release a lease; answered released: true only when it freed slots",
+		Request{ID: 20, Op: OpRelease, Lease: "3f9a1c07.1k", Cost: 1}},
+	{"renew", "renew a lease for 60 s",
+		Request{ID: 21, Op: OpRenew, Lease: "3f9a1c07.1k", LeaseMs: 60000, Cost: 1}},
+	{"renew-default", "renew a lease for each rule's own lease duration",
+		Request{ID: 22, Op: OpRenew, Lease: "3f9a1c07.1k", Cost: 1}},
+}
+
+var canonLeaseResponses = []canonResponse{
+	{"check-lease", "allowed by a concurrency rule of max 2 with a 30 s lease: one slot left; lease holds the slot",
+		Response{ID: 23, Allowed: true, Rule: "exports", Limit: 2, Remaining: 1, Lease: "3f9a1c07.1k",
+			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 1, Allowed: true}}}, "check"},
+	{"check-lease-refused", "refused: both slots held; retry_after_ms is a hint, at most 1 s; no lease",
+		Response{ID: 24, Allowed: false, Rule: "exports", Limit: 2, Remaining: 0, ResetMs: 1000, RetryAfterMs: 1000,
+			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 0, ResetMs: 1000, RetryAfterMs: 1000, Allowed: false}}}, "check"},
+	{"released", "the lease freed its slots", Response{ID: 20, Released: true}, "release"},
+	{"not-released", "the lease was unknown, expired or already released: not an error", Response{ID: 25, Released: false}, "release"},
+	{"renewed", "the lease is live and now expires in 60 s", Response{ID: 21, Renewed: true, ExpiresMs: 60000}, "renew"},
+	{"not-renewed", "the lease was unknown, expired or released", Response{ID: 26}, "renew"},
 }
 
 // malformedFrames are bodies the server must answer with an error (and, for oversized
@@ -314,6 +377,16 @@ func writeVectors(t *testing.T, path string) {
 	for _, c := range canonResponses {
 		r := c.resp
 		f.Responses = append(f.Responses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(encodeResponse(&r, c.kind)), Message: responseJSON(&r, c.kind)})
+	}
+	for _, c := range canonLeaseRequests {
+		enc := NewEncoder()
+		enc.EncodeRequest(&c.req)
+		r := c.req
+		f.LeaseRequests = append(f.LeaseRequests, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(enc.Bytes()), Message: requestJSON(&r)})
+	}
+	for _, c := range canonLeaseResponses {
+		r := c.resp
+		f.LeaseResponses = append(f.LeaseResponses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(encodeResponse(&r, c.kind)), Message: responseJSON(&r, c.kind)})
 	}
 	f.Malformed = malformedFrames()
 	f.Exchanges = exchanges()

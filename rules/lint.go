@@ -107,7 +107,7 @@ func shadowSignature(r *Rule) string {
 	}
 	key := slices.Clone(r.Key)
 	slices.Sort(key)
-	fmt.Fprintf(&b, "|%q|%d|%d|%d|%d|%d|%v", key, r.Algorithm, r.limit.Window(), r.Mode, r.OnStoreFailure, r.Split, r.SplitAuto)
+	fmt.Fprintf(&b, "|%q|%d|%d|%d|%d|%d|%v|%v", key, r.Algorithm, r.limit.Window(), r.Mode, r.OnStoreFailure, r.Split, r.SplitAuto, r.Concurrency)
 	return b.String()
 }
 

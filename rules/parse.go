@@ -208,7 +208,7 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "concurrency"}
 	limitFields = []string{"requests", "per", "burst"}
 )
 
@@ -255,7 +255,18 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 
 	limitOK := false
 	limitNode := f["limit"]
-	if isNull(limitNode) {
+	if cn := f["concurrency"]; !isNull(cn) {
+		// A concurrency rule: its limit is max slots held for lease each (concurrency.go).
+		if !isNull(limitNode) {
+			p.errorf(limitNode, field+".limit", "a rule has limit or concurrency, not both")
+		}
+		if v := f["algorithm"]; !isNull(v) {
+			p.errorf(v, field+".algorithm", "a concurrency rule counts leases in flight; it has no algorithm")
+			algOK = false
+		}
+		limitNode = cn
+		limitOK = p.concurrency(r, cn, field+".concurrency")
+	} else if isNull(limitNode) {
 		p.errorf(n, field+".limit", "missing (required): e.g. { requests: 10, per: 1m }")
 		limitNode = nil
 	} else if limitNode.Kind == yaml.ScalarNode && limitNode.ShortTag() == "!!str" && limitNode.Value == "unlimited" {
@@ -335,6 +346,10 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 		default:
 			p.errorf(v, field+".split", "split divides a local limit among daemons; mode %s shares one budget already (use mode local, or drop split)", r.Mode)
 		}
+	}
+
+	if r.Concurrency && (r.Mode == ModeHybrid || r.Mode == ModeGlobal) {
+		p.errorf(f["mode"], field+".mode", "mode %s for a concurrency rule is not supported yet; concurrency leases are per daemon (use mode local or leave mode out)", r.Mode)
 	}
 
 	if len(p.errs) > before {

@@ -128,6 +128,9 @@ type Rule struct {
 	// split (see extensions.go).
 	Unlimited bool
 	Deny      bool
+	// Concurrency: concurrency: {max, lease}, a rule limiting the requests in flight
+	// rather than their rate (concurrency.go). Requests is then max and Per the lease.
+	Concurrency bool
 	// Replaces names the rules that do not apply to a check this rule matches;
 	// ReplacesIdx are their indexes in the Set.
 	Replaces    []string

@@ -128,6 +128,23 @@ type Decision struct {
 	// Cause is why the client applied its Policy (nil when the sidecar decided). When
 	// Unreachable, errors.Is(Cause, ErrUnreachable) holds.
 	Cause error
+	// Lease is set when the request was allowed and matched concurrency rules: it holds
+	// one slot in each until released (Release), renewed (Client.Renew) or expired.
+	// Release it when the request ends, in a defer. The sidecar also frees it when the
+	// connection that took it closes: the Client keeps its pooled connections open, so
+	// that only happens when the Client is closed or a connection breaks.
+	Lease string
+
+	c *Client // the client that took Lease
+}
+
+// Release frees d's lease (Client.Release); it does nothing and returns false when d
+// holds none.
+func (d *Decision) Release(ctx context.Context) (bool, error) {
+	if d.Lease == "" || d.c == nil {
+		return false, nil
+	}
+	return d.c.Release(ctx, d.Lease)
 }
 
 var (
@@ -281,6 +298,9 @@ func (c *Client) check(ctx context.Context, cl *call, o *CheckOptions) (Decision
 		return c.policyDecision(perr, false), perr
 	}
 	d := decision(&cl.resp)
+	if d.Lease != "" {
+		d.c = c
+	}
 	cl.release()
 	return d, nil
 }
@@ -302,6 +322,50 @@ func (c *Client) Ping(ctx context.Context) (version string, err error) {
 	return cl.resp.Version, nil
 }
 
+// Release frees the slots lease holds. released is false when the lease was unknown,
+// expired or already released, which is not an error: releasing is idempotent. Like Ping,
+// it reports an unreachable sidecar as an error wrapping ErrUnreachable (the lease then
+// expires on its own, or is freed when its connection closes); an error response is a
+// *proto.Error.
+func (c *Client) Release(ctx context.Context, lease string) (released bool, err error) {
+	cl := getCall()
+	cl.req.Op = proto.OpRelease
+	cl.req.Cost = 1
+	cl.req.Lease = lease
+	cl, err = c.roundTrip(ctx, cl)
+	if err != nil {
+		return false, fmt.Errorf("rlclient: release: %w", err)
+	}
+	defer cl.release()
+	if cl.resp.IsError() {
+		return false, &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
+	}
+	return cl.resp.Released, nil
+}
+
+// Renew extends the live lease to d from now (0: each of its rules' own lease; at most
+// an hour), for a request that runs long. renewed is false when the lease was unknown,
+// expired or released; expiresIn is then 0. Errors are as for Release.
+func (c *Client) Renew(ctx context.Context, lease string, d time.Duration) (renewed bool, expiresIn time.Duration, err error) {
+	if d < 0 {
+		return false, 0, fmt.Errorf("rlclient: renew: negative duration %v", d)
+	}
+	cl := getCall()
+	cl.req.Op = proto.OpRenew
+	cl.req.Cost = 1
+	cl.req.Lease = lease
+	cl.req.LeaseMs = uint64((d + time.Millisecond - 1) / time.Millisecond)
+	cl, err = c.roundTrip(ctx, cl)
+	if err != nil {
+		return false, 0, fmt.Errorf("rlclient: renew: %w", err)
+	}
+	defer cl.release()
+	if cl.resp.IsError() {
+		return false, 0, &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
+	}
+	return cl.resp.Renewed, ms(cl.resp.ExpiresMs), nil
+}
+
 // policyDecision is the answer when the sidecar gave none.
 func (c *Client) policyDecision(cause error, unreachable bool) Decision {
 	return Decision{Allowed: c.opts.Policy == FailOpen, Degraded: true, Unreachable: unreachable, Cause: cause}
@@ -319,6 +383,7 @@ func decision(r *proto.Response) Decision {
 		RetryAfter: ms(r.RetryAfterMs),
 		Degraded:   r.Degraded,
 		Reason:     r.Reason,
+		Lease:      r.Lease,
 	}
 	if len(r.Rules) > 0 {
 		d.Rules = make([]RuleDecision, len(r.Rules))

@@ -123,6 +123,7 @@ func (cl *call) dropRequest() {
 	clear(cl.req.Attrs)
 	clear(cl.req.Limits)
 	cl.req.Attrs, cl.req.Limits = cl.req.Attrs[:0], cl.req.Limits[:0]
+	cl.req.Lease, cl.req.LeaseMs = "", 0
 }
 
 // complete hands the result (in cl.resp, or err) to the caller, or pools an abandoned call.

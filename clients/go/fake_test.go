@@ -21,7 +21,8 @@ type fakeSidecar struct {
 	path string
 	ln   *net.UnixListener
 
-	// answer fills resp (ID preset to the request's) for a check; setting resp.Err makes
+	// answer fills resp (ID preset to the request's) for a check, release or renew (by
+	// req.Op: the fields of that answer); setting resp.Err makes
 	// it an error response. It runs on the connection's goroutine, so it may block.
 	answer func(req *proto.Request, resp *proto.Response)
 	delay  atomic.Int64 // nanoseconds to sleep before each answer
@@ -134,13 +135,18 @@ func (f *fakeSidecar) serve(nc net.Conn) {
 			switch req.Op {
 			case proto.OpPing:
 				enc.EncodePing(req.ID, "fake-1.0")
-			case proto.OpCheck:
+			case proto.OpCheck, proto.OpRelease, proto.OpRenew:
 				resp.Reset()
 				resp.ID = req.ID
 				f.answer(&req, &resp)
-				if resp.IsError() {
+				switch {
+				case resp.IsError():
 					enc.EncodeError(resp.ID, resp.Err.Code, resp.Err.Message)
-				} else {
+				case req.Op == proto.OpRelease:
+					enc.EncodeRelease(resp.ID, resp.Released)
+				case req.Op == proto.OpRenew:
+					enc.EncodeRenew(resp.ID, resp.Renewed, resp.ExpiresMs)
+				default:
 					enc.EncodeCheck(&resp)
 				}
 			default:

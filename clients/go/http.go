@@ -1,6 +1,7 @@
 package rlclient
 
 import (
+	"context"
 	"net"
 	"net/http"
 	"strconv"
@@ -116,6 +117,8 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 // Middleware returns net/http middleware that checks every request with c:
 //
 //   - allowed: it sets the rate-limit headers (SetHeaders) and calls the next handler;
+//     when the decision holds a concurrency lease, it releases it when the handler
+//     returns (or panics), even if the request's context was canceled;
 //   - rejected by the sidecar: 429 with Retry-After and a problem+json body (WriteRejection);
 //   - no decision from the sidecar (unreachable, slow): the Client's Policy — FailOpen calls
 //     the next handler without rate-limit headers, FailClosed answers 503 with
@@ -142,6 +145,9 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 				return
 			}
 			SetHeaders(w.Header(), &d)
+			if d.Lease != "" {
+				defer func() { _, _ = d.Release(context.WithoutCancel(r.Context())) }()
+			}
 			next.ServeHTTP(w, r)
 		})
 	}

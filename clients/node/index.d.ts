@@ -79,6 +79,8 @@ export declare class Decision {
   readonly unreachable: boolean;
   /** Why this client applied onUnavailable, else null. */
   readonly cause: string | null;
+  /** The concurrency lease an allowed check holds; '' when none. Release it with Client.release. */
+  readonly lease: string;
   /** 200, 429 (a rule rejected) or 503 (no answer under 'closed'). */
   readonly status: 200 | 429 | 503;
   /** RateLimit-Policy, RateLimit and (when rejected) Retry-After. */
@@ -103,6 +105,10 @@ export declare class Client {
   readonly onUnavailable: 'open' | 'closed';
   check(attrs: Record<string, string>, options?: CheckOptions): Promise<Decision>;
   ping(): Promise<string>;
+  /** Frees a concurrency lease: false when it was unknown, expired or already released. */
+  release(lease: string): Promise<boolean>;
+  /** Extends a live lease to leaseMs from now (0: each rule's own lease). */
+  renew(lease: string, leaseMs?: number): Promise<{ renewed: boolean; expiresMs: number }>;
   close(): Promise<void>;
 }
 

@@ -151,6 +151,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	metrics := daemon.NewMetrics(version, *topK)
 	metrics.SetTopLabels(topMode, topSalt)
+	metrics.SetLeases(lim.Leases())
 	metrics.SetRules(set, time.Now())
 	// Checks are counted only when someone can read the counts.
 	recorded := metrics

@@ -207,6 +207,32 @@ function _M.ping(self)
   return resp.version, resp.protocol
 end
 
+-- release frees the slots a concurrency lease (decision.lease) holds: it returns true
+-- when it did, false when the lease was unknown, expired or already released, or nil and
+-- an error when the sidecar did not answer. Cosockets are not available in the log
+-- phase: release from a later phase that has them, or from ngx.timer.at(0, ...) in
+-- log_by_lua. The sidecar also frees a lease when the connection that took it closes,
+-- and this client's connections go back to nginx's keepalive pool, which may close them:
+-- a lease can then be freed before its request ends (see README.md).
+function _M.release(self, lease)
+  if lease == nil or lease == "" then
+    return false
+  end
+  local id = next_id()
+  local frame, err = codec.encode_request({ id = id, op = "release", lease = lease })
+  if not frame then
+    return nil, "rlsidecar: " .. err
+  end
+  local resp, rerr = self:roundtrip(frame, id)
+  if not resp then
+    return nil, rerr
+  end
+  if resp.error then
+    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+  end
+  return resp.released == true
+end
+
 -- default_attrs are the attributes of the current request: ip (the client address),
 -- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
 function _M.default_attrs()

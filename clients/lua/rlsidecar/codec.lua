@@ -214,6 +214,21 @@ function M.encode_request(req)
     n = n + 1
     put_str(buf, "cost"); put_uint(buf, cost)
   end
+  -- release and renew (concurrency leases): the lease token, and a renew's duration.
+  if req.lease ~= nil and req.lease ~= "" then
+    if type(req.lease) ~= "string" then
+      return nil, '"lease" must be a string'
+    end
+    n = n + 1
+    put_str(buf, "lease"); put_str(buf, req.lease)
+  end
+  if req.lease_ms ~= nil and req.lease_ms ~= 0 then
+    if not is_uint(req.lease_ms) then
+      return nil, '"lease_ms" must be a non-negative integer'
+    end
+    n = n + 1
+    put_str(buf, "lease_ms"); put_uint(buf, req.lease_ms)
+  end
   buf[1] = char(0x80 + n)
   local body = concat(buf)
   return be(#body, 4) .. body

@@ -98,6 +98,22 @@ for _, v in ipairs(vectors.requests) do
   end
 end
 
+-- Lease requests (release, renew): encoded to exactly their bytes.
+for _, v in ipairs(vectors.lease_requests) do
+  local m = v.message
+  local frame, err = codec.encode_request({ id = m.id, op = m.op, cost = m.cost, lease = m.lease, lease_ms = m.lease_ms })
+  check(frame ~= nil, "%s: encode: %s", v.name, tostring(err))
+  check(frame and hex(frame) == v.hex, "%s: encoded\n  %s\nwant\n  %s", v.name, frame and hex(frame) or "", v.hex)
+end
+for _, v in ipairs(vectors.lease_responses) do
+  local resp, err = codec.decode_body(unhex(v.hex):sub(5))
+  check(resp ~= nil, "%s: decode: %s", v.name, tostring(err))
+  if resp then
+    local ok, why = deep_equal(resp, v.message, "")
+    check(ok, "lease %s: %s", v.name, tostring(why))
+  end
+end
+
 -- Responses: decode with the Lua codec (HAProxy) and with the nginx client's decoder.
 local decoders = { { "rlsidecar.codec", codec.decode_body } }
 if ngx then

@@ -243,6 +243,38 @@ class Client {
     });
   }
 
+  /**
+   * Frees the slots a concurrency lease holds: resolves to true when it did, false when
+   * the lease was unknown, expired or already released (not an error: call it in a
+   * finally). Rejects when the sidecar is unreachable (the lease then expires, or is freed
+   * when the connection that took it closes: the pool keeps its connections open until
+   * close()) and with a ProtocolError on an error answer.
+   */
+  release(lease) {
+    if (!lease) return Promise.resolve(false);
+    return this.leaseCall('release', lease, 0).then((m) => m.released === true);
+  }
+
+  /** Extends a live lease to leaseMs from now (0: each rule's own); resolves to { renewed, expiresMs }. */
+  renew(lease, leaseMs = 0) {
+    return this.leaseCall('renew', lease, leaseMs).then((m) => ({ renewed: m.renewed === true, expiresMs: m.expires_ms || 0 }));
+  }
+
+  leaseCall(op, lease, leaseMs) {
+    let msg;
+    try {
+      msg = proto.leaseMessage(0, op, lease, leaseMs);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    return this.roundTrip(msg).then((m) => {
+      if (typeof m === 'string') throw new Error(`rlsidecar: sidecar unreachable: ${m}`);
+      const e = proto.errorOf(m);
+      if (e !== null) throw new proto.ProtocolError(e[0], e[1]);
+      return m;
+    });
+  }
+
   /** Resolves to the sidecar's version; rejects when it is unreachable. */
   ping() {
     return this.roundTrip({ id: 0, op: 'ping' }).then((m) => {

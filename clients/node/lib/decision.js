@@ -38,6 +38,9 @@ class Decision {
     this.degraded = f.degraded === true;
     this.rules = f.rules || [];
     this.reason = f.reason || ''; // '' or 'cost_exceeds_capacity': no retry can ever pass
+    // The concurrency lease an allowed check holds ('' when none): Client.release(lease)
+    // frees its slots.
+    this.lease = f.lease || '';
     this.unreachable = f.unreachable === true; // the client applied onUnavailable
     this.cause = f.cause === undefined ? null : f.cause; // why (a string), else null
   }

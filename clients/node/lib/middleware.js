@@ -18,7 +18,8 @@ function defaultAttrs(req) {
 
 /**
  * Returns (req, res, next) middleware that checks every request with client:
- * allowed → rate-limit headers set, next(); rejected by a rule → 429 with Retry-After and
+ * allowed → rate-limit headers set, next(), and a concurrency lease released when the
+ * response finishes or closes; rejected by a rule → 429 with Retry-After and
  * a problem+json body; no answer → the client's onUnavailable ('open': next() without
  * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
  * refuses) and a closed client follow onUnavailable too, unless onError is given.
@@ -41,6 +42,17 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       }
       const h = d.headers();
       for (const k in h) res.setHeader(k, h[k]);
+      if (d.lease && typeof res.once === 'function') {
+        // The request is over when the response finishes or its connection closes.
+        let done = false;
+        const release = () => {
+          if (done) return;
+          done = true;
+          client.release(d.lease).catch(() => {}); // it then expires on its own
+        };
+        res.once('finish', release);
+        res.once('close', release);
+      }
       next();
     }, (e) => {
       if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {

@@ -136,8 +136,19 @@ function decision(m) {
   return new Decision({
     allowed: m.allowed === true, rule: str(m.rule), limit: m.limit || 0, remaining: m.remaining || 0,
     resetMs: m.reset_ms || 0, retryAfterMs: m.retry_after_ms || 0, degraded: m.degraded === true, rules,
-    reason: str(m.reason),
+    reason: str(m.reason), lease: str(m.lease),
   });
+}
+
+/** Returns the request map of a release or renew (canonical field order). */
+function leaseMessage(id, op, lease, leaseMs) {
+  if (typeof lease !== 'string') throw new TypeError(`lease must be a string, not ${typeof lease}`);
+  const msg = { id, op, lease };
+  if (leaseMs !== undefined && leaseMs !== null && leaseMs !== 0) {
+    if (!isUint(leaseMs)) throw new RangeError(`leaseMs must be an integer >= 0, not ${leaseMs}`);
+    msg.lease_ms = leaseMs;
+  }
+  return msg;
 }
 
 /** Returns [code, message] when m is an error answer, else null. */
@@ -148,4 +159,4 @@ function errorOf(m) {
   return [str(e.code), str(e.message)];
 }
 
-module.exports = { PROTOCOL, MAX_RESPONSE_FRAME, ProtocolError, ClosedError, checkMessage, encode, decode, decision, errorOf };
+module.exports = { PROTOCOL, MAX_RESPONSE_FRAME, ProtocolError, ClosedError, checkMessage, leaseMessage, encode, decode, decision, errorOf };

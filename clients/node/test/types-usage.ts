@@ -16,6 +16,10 @@ async function use(): Promise<void> {
   }
   const cause: string | null = d.cause;
   const v: string = await c.ping();
+  const lease: string = d.lease;
+  const released: boolean = await c.release(lease);
+  const { renewed, expiresMs }: { renewed: boolean; expiresMs: number } = await c.renew(lease, 60000);
+  void released, renewed, expiresMs;
   try {
     await c.check({ user: 'x' });
   } catch (e) {

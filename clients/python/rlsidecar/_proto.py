@@ -124,7 +124,20 @@ def decision(msg):
         for r in (g("rules") or ())
     ]
     return Decision(g("allowed", False), _str(g("rule", "")), g("limit", 0), g("remaining", 0), g("reset_ms", 0),
-                    g("retry_after_ms", 0), g("degraded", False), rules, _str(g("reason", "")))
+                    g("retry_after_ms", 0), g("degraded", False), rules, _str(g("reason", "")),
+                    lease=_str(g("lease", "")))
+
+
+def lease_message(req_id, op, lease, lease_ms=None):
+    """Return the request map of a release or renew (canonical field order)."""
+    if not isinstance(lease, str):
+        raise TypeError("lease must be a str, not %s" % type(lease).__name__)
+    msg = {"id": req_id, "op": op, "lease": lease}
+    if lease_ms:
+        if type(lease_ms) is not int or lease_ms < 0:
+            raise ValueError("lease_ms must be an int >= 0, not %r" % (lease_ms,))
+        msg["lease_ms"] = lease_ms
+    return msg
 
 
 def error_of(msg):

@@ -143,6 +143,28 @@ class AsyncClient:
             raise _proto.ProtocolError(e[0], e[1], d)
         return _proto.decision(msg)
 
+    async def release(self, lease):
+        """Free the slots ``lease`` holds; see Client.release. Its one connection holds
+        every lease it took: closing the client frees them."""
+        if not lease:
+            return False
+        msg = await self._lease_call("release", lease, None)
+        return bool(msg.get("released", False))
+
+    async def renew(self, lease, lease_ms=None):
+        """Extend a live lease; returns (renewed, expires_ms). See Client.renew."""
+        msg = await self._lease_call("renew", lease, lease_ms)
+        return bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+
+    async def _lease_call(self, op, lease, lease_ms):
+        msg = await self._round_trip(lambda i: _proto.lease_message(i, op, lease, lease_ms))
+        if isinstance(msg, str):
+            raise ConnectionError("rlsidecar: sidecar unreachable: " + msg)
+        e = _proto.error_of(msg)
+        if e is not None:
+            raise _proto.ProtocolError(*e)
+        return msg
+
     async def ping(self):
         """Return the sidecar's version string; raises ConnectionError when unreachable."""
         msg = await self._round_trip(lambda i: {"id": i, "op": "ping"})

@@ -35,13 +35,14 @@ def backoff(failures):
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "next_id", "served")
+    __slots__ = ("sock", "buf", "next_id", "served", "leases")
 
     def __init__(self, sock):
         self.sock = sock
         self.buf = bytearray()  # bytes read beyond the last frame
         self.next_id = 0
         self.served = False  # an answer arrived: the sidecar is really there
+        self.leases = 0  # leases taken on it and not released through this client
 
 
 class Client:
@@ -62,6 +63,12 @@ class Client:
     connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
     checks answer by the policy at once.
 
+    Concurrency leases: an allowed check that matched a concurrency rule has
+    ``decision.lease``; release() it when the request ends (idempotent), renew() it for a
+    long one. The sidecar frees a lease when the connection that took it closes, so a
+    connection holding leases stays pooled past ``pool_size`` until they are released;
+    close() frees them all, and so does a connection that times out.
+
     It raises only ProtocolError (the sidecar refused the request as malformed: a bug in
     what the caller sent) and ClosedError. Safe for use by many threads; close() it (or
     use it as a context manager) to close its connections.
@@ -81,6 +88,7 @@ class Client:
         self._failures = 0
         self._retry_at = 0.0
         self._last_error = None
+        self._lease_conn = {}  # lease → the _Conn that took it
 
     def __enter__(self):
         return self
@@ -173,7 +181,12 @@ class Client:
                     err = _proto.ProtocolError(e[0], e[1], d)
                 out.append(d)
             else:
-                out.append(_proto.decision(msg))
+                d = _proto.decision(msg)
+                if d.lease:
+                    conn.leases += 1
+                    with self._lock:
+                        self._lease_conn[d.lease] = conn
+                out.append(d)
         conn.served = True
         with self._lock:
             self._failures = 0
@@ -184,6 +197,52 @@ class Client:
         if err is not None:
             raise err
         return out
+
+    def release(self, lease):
+        """Free the slots ``lease`` holds; True when it did, False when the lease was
+        unknown, expired or already released (not an error: call it in a finally).
+        Raises OSError when the sidecar is unreachable (the lease then expires, or is freed
+        when its connection closes) and ProtocolError on an error answer."""
+        if not lease:
+            return False
+        msg = self._call("release", lease, None)
+        with self._lock:
+            conn = self._lease_conn.pop(lease, None)
+        if conn is not None:
+            conn.leases -= 1
+        return bool(msg.get("released", False))
+
+    def renew(self, lease, lease_ms=None):
+        """Extend a live lease to ``lease_ms`` from now (None: each rule's own lease; at
+        most 3,600,000). Returns (renewed, expires_ms); errors as for release()."""
+        msg = self._call("renew", lease, lease_ms)
+        return bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+
+    def _call(self, op, lease, lease_ms):
+        """Send a release or renew and return its answer map."""
+        if self._closed:
+            raise ClosedError("rlsidecar: client closed")
+        conn = self._take(time.monotonic())
+        if not isinstance(conn, _Conn):
+            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
+        conn.next_id += 1
+        try:
+            frame = _proto.encode(_proto.lease_message(conn.next_id, op, lease, lease_ms))
+        except Exception:
+            self._put(conn)
+            raise
+        try:
+            conn.sock.settimeout(self.timeout)
+            conn.sock.sendall(frame)
+            msg = self._read(conn, time.monotonic() + self.timeout)
+        except BaseException:
+            conn.sock.close()
+            raise
+        self._put(conn)
+        e = _proto.error_of(msg)
+        if e is not None:
+            raise _proto.ProtocolError(*e)
+        return msg
 
     def ping(self):
         """Return the sidecar's version string; raises OSError when it is unreachable."""
@@ -233,7 +292,7 @@ class Client:
 
     def _put(self, conn):
         with self._lock:
-            if not self._closed and len(self._idle) < self.pool_size:
+            if not self._closed and (len(self._idle) < self.pool_size or conn.leases > 0):
                 self._idle.append(conn)
                 return
         conn.sock.close()

@@ -56,10 +56,10 @@ class Decision:
     """
 
     __slots__ = ("allowed", "rule", "limit", "remaining", "reset_ms", "retry_after_ms", "degraded", "rules", "reason",
-                 "unreachable", "cause")
+                 "unreachable", "cause", "lease")
 
     def __init__(self, allowed, rule="", limit=0, remaining=0, reset_ms=0, retry_after_ms=0, degraded=False,
-                 rules=None, reason="", unreachable=False, cause=None):
+                 rules=None, reason="", unreachable=False, cause=None, lease=""):
         self.allowed = allowed
         self.rule = rule  # the deciding rule; "" when nothing decided
         self.limit = limit  # the deciding rule's limit (requests per window)
@@ -71,6 +71,9 @@ class Decision:
         self.reason = reason  # "" or "cost_exceeds_capacity": no retry can ever pass
         self.unreachable = unreachable  # the client applied on_unavailable: no answer from the sidecar
         self.cause = cause  # why the client applied on_unavailable (a str), else None
+        # The concurrency lease an allowed check holds ("" when none): one slot in each
+        # concurrency rule it matched, until Client.release(lease) or its expiry.
+        self.lease = lease
 
     def __repr__(self):
         return "Decision(%s)" % ", ".join("%s=%r" % (f, getattr(self, f)) for f in self.__slots__)

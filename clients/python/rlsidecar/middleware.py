@@ -63,13 +63,46 @@ class WSGIMiddleware:
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
         extra = list(d.headers().items())
-        if not extra:
-            return self.app(environ, start_response)
+        start = start_response
+        if extra:
+            def start(status, headers, exc_info=None):
+                return start_response(status, headers + extra, exc_info) if exc_info else start_response(status, headers + extra)
+        if not d.lease:
+            return self.app(environ, start)
+        try:
+            body = self.app(environ, start)
+        except BaseException:
+            self._release(d.lease)
+            raise
+        return _Releasing(body, lambda: self._release(d.lease))
 
-        def start(status, headers, exc_info=None):
-            return start_response(status, headers + extra, exc_info) if exc_info else start_response(status, headers + extra)
+    def _release(self, lease):
+        try:
+            self.client.release(lease)
+        except Exception:  # the lease then expires on its own; the response is not at fault
+            pass
 
-        return self.app(environ, start)
+
+class _Releasing:
+    """A WSGI response body that releases a concurrency lease when the server closes it
+    (the request is over: PEP 3333)."""
+
+    def __init__(self, body, release):
+        self._body = body
+        self._release = release
+
+    def __iter__(self):
+        return iter(self._body)
+
+    def close(self):
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
 
 
 class ASGIMiddleware:
@@ -101,6 +134,17 @@ class ASGIMiddleware:
             await send({"type": "http.response.body", "body": body})
             return
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
+        if d.lease:
+            try:
+                return await self._call(scope, receive, send, extra)
+            finally:
+                try:
+                    await self.client.release(d.lease)
+                except Exception:  # the lease then expires on its own
+                    pass
+        return await self._call(scope, receive, send, extra)
+
+    async def _call(self, scope, receive, send, extra):
         if not extra:
             return await self.app(scope, receive, send)
 

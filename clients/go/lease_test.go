@@ -1,0 +1,117 @@
+package rlclient
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// leaseFake is a sidecar with one concurrency rule of max slots: checks take leases,
+// release and renew answer as the daemon does.
+type leaseFake struct {
+	mu    sync.Mutex
+	max   int
+	next  int
+	held  map[string]bool
+	renew uint64 // the last renew's lease_ms
+}
+
+func (f *leaseFake) answer(req *proto.Request, resp *proto.Response) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	switch req.Op {
+	case proto.OpRelease:
+		resp.Released = f.held[req.Lease]
+		delete(f.held, req.Lease)
+	case proto.OpRenew:
+		if f.held[req.Lease] {
+			resp.Renewed, resp.ExpiresMs = true, req.LeaseMs
+			f.renew = req.LeaseMs
+		}
+	default:
+		if len(f.held) >= f.max {
+			resp.Rule, resp.RetryAfterMs = "exports", 1000
+			return
+		}
+		f.next++
+		tok := "t." + strconv.Itoa(f.next)
+		f.held[tok] = true
+		resp.Allowed, resp.Rule, resp.Limit, resp.Remaining, resp.Lease = true, "exports", uint64(f.max), uint64(f.max-len(f.held)), tok
+		resp.Rules = []proto.RuleResult{{Name: "exports", Limit: uint64(f.max), WindowMs: 30000, Remaining: resp.Remaining, Allowed: true}}
+	}
+}
+
+func (f *leaseFake) inFlight() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.held)
+}
+
+func TestLeaseReleaseRenew(t *testing.T) {
+	path := socketPath(t)
+	f := &leaseFake{max: 1, held: map[string]bool{}}
+	startFake(t, path, f.answer)
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	ctx := context.Background()
+	d, err := c.Check(ctx, map[string]string{"user": "ann"}, nil)
+	if err != nil || !d.Allowed || d.Lease != "t.1" {
+		t.Fatalf("check: %+v %v; want allowed with lease t.1", d, err)
+	}
+	if d2, _ := c.Check(ctx, map[string]string{"user": "ann"}, nil); d2.Allowed || d2.Lease != "" {
+		t.Fatalf("second check: %+v; want refused without a lease", d2)
+	}
+	if ok, _ := (&Decision{}).Release(ctx); ok {
+		t.Fatal("releasing a decision without a lease said true")
+	}
+	renewed, in, err := c.Renew(ctx, d.Lease, 90*time.Second)
+	if err != nil || !renewed || in != 90*time.Second || f.renew != 90000 {
+		t.Fatalf("renew: %v %v %v (sent %d ms); want true 90s", renewed, in, err, f.renew)
+	}
+	if ok, err := d.Release(ctx); !ok || err != nil {
+		t.Fatalf("release: %v %v; want true", ok, err)
+	}
+	if ok, err := d.Release(ctx); ok || err != nil {
+		t.Fatalf("second release: %v %v; want false, no error", ok, err)
+	}
+	if renewed, _, _ := c.Renew(ctx, d.Lease, 0); renewed {
+		t.Fatal("renewed a released lease")
+	}
+	if _, _, err := c.Renew(ctx, d.Lease, -time.Second); err == nil {
+		t.Fatal("a negative renew gave no error")
+	}
+}
+
+// The middleware releases the lease when the handler returns, and when it panics.
+func TestMiddlewareReleasesLease(t *testing.T) {
+	path := socketPath(t)
+	f := &leaseFake{max: 1, held: map[string]bool{}}
+	startFake(t, path, f.answer)
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	var during int
+	h := Middleware(c, MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		during = f.inFlight()
+		if r.URL.Path == "/panic" {
+			panic(http.ErrAbortHandler)
+		}
+	}))
+	for i := range 3 {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("GET", "/export", nil))
+		if rec.Code != 200 || during != 1 || f.inFlight() != 0 {
+			t.Fatalf("request %d: status %d, %d in flight during the handler, %d after; want 200, 1, 0", i, rec.Code, during, f.inFlight())
+		}
+	}
+	func() {
+		defer func() { _ = recover() }()
+		h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest("GET", "/panic", nil))
+	}()
+	if f.inFlight() != 0 {
+		t.Fatal("a panicking handler kept its lease")
+	}
+}

@@ -1,0 +1,55 @@
+'use strict';
+// Concurrency leases through the Client and the middleware, against the real daemon.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { EventEmitter } = require('events');
+
+const rl = require('..');
+const { startDaemon } = require('./helpers');
+
+const RULES = `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 30s }
+`;
+
+test('leases: two then a refusal, release, renew', async (t) => {
+  const d = await startDaemon(t, RULES);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const a = await c.check({ user: 'ann' });
+  const b = await c.check({ user: 'ann' });
+  assert.ok(a.allowed && b.allowed && a.lease && b.lease && a.lease !== b.lease);
+  assert.deepEqual([a.rules[0].limit, a.rules[0].windowMs, a.rules[0].remaining], [2, 30000, 1]);
+  const r = await c.check({ user: 'ann' });
+  assert.ok(!r.allowed && r.lease === '' && r.retryAfterMs > 0 && r.retryAfterMs <= 1000);
+  assert.deepEqual(await c.renew(b.lease, 60000), { renewed: true, expiresMs: 60000 });
+  assert.equal(await c.release(a.lease), true);
+  assert.equal(await c.release(a.lease), false);
+  assert.equal(await c.release(''), false);
+  assert.deepEqual(await c.renew(a.lease), { renewed: false, expiresMs: 0 });
+  assert.ok((await c.check({ user: 'ann' })).allowed);
+});
+
+test('the middleware releases when the response finishes', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  for (let i = 0; i < 3; i++) {
+    const res = new EventEmitter();
+    res.headers = {};
+    res.setHeader = (k, v) => { res.headers[k] = v; };
+    res.end = () => res.emit('finish');
+    await new Promise((resolve) => mw({ method: 'GET', url: '/' }, res, resolve));
+    assert.equal((await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining, 0, `request ${i} holds its slot`);
+    res.end();
+    res.emit('close');
+    for (let k = 0; k < 100 && (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining !== 1; k++) {
+      await new Promise((r) => setTimeout(r, 5));
+    }
+    assert.equal((await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining, 1, `request ${i} released`);
+  }
+});

@@ -1,0 +1,111 @@
+"""Concurrency leases through the blocking client, against the real daemon."""
+
+import threading
+
+import rlsidecar
+
+RULES = """
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 30s }
+"""
+
+
+def test_lease_release_renew(make_daemon):
+    d = make_daemon(RULES)
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        a = c.check({"user": "ann"})
+        b = c.check({"user": "ann"})
+        assert a.allowed and b.allowed and a.lease and b.lease and a.lease != b.lease
+        assert (a.rules[0].limit, a.rules[0].window_ms, a.rules[0].remaining) == (2, 30000, 1)
+        refused = c.check({"user": "ann"})
+        assert not refused.allowed and refused.lease == "" and 0 < refused.retry_after_ms <= 1000
+        assert c.renew(b.lease, 60000) == (True, 60000)
+        assert c.release(a.lease) is True
+        assert c.release(a.lease) is False
+        assert c.release("") is False and c.release("nope") is False
+        assert c.renew(a.lease) == (False, 0)
+        assert c.check({"user": "ann"}).allowed
+
+
+def test_leases_survive_a_small_pool(make_daemon):
+    # pool_size 1, 4 threads: the connections holding leases stay open, so no slot is
+    # freed before its release.
+    d = make_daemon(RULES.replace("max: 2", "max: 4"))
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1) as c:
+        got, barrier = [], threading.Barrier(4)
+
+        def take():
+            barrier.wait()
+            got.append(c.check({"user": "ann"}))
+        ts = [threading.Thread(target=take) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert all(x.allowed and x.lease for x in got)
+        assert not c.check({"user": "ann"}).allowed
+        for x in got:
+            assert c.release(x.lease)
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 4
+
+
+def test_close_frees_leases(make_daemon):
+    d = make_daemon(RULES)
+    c = rlsidecar.Client(d.socket, timeout=2)
+    assert c.check({"user": "ann"}).lease and c.check({"user": "ann"}).lease
+    c.close()
+    with rlsidecar.Client(d.socket, timeout=2) as c2:
+        import time
+        for _ in range(200):
+            if c2.check({"user": "ann"}, cost=0).rules[0].remaining == 2:
+                break
+            time.sleep(0.01)
+        assert c2.check({"user": "ann"}, cost=0).rules[0].remaining == 2
+
+
+def test_async_client_and_middlewares_release(make_daemon):
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            a = await c.check({"user": "ann"})
+            assert a.allowed and a.lease
+            assert not (await c.check({"user": "ann"})).allowed
+            assert await c.renew(a.lease, 5000) == (True, 5000)
+            assert await c.release(a.lease) is True
+            assert await c.release(a.lease) is False
+
+            seen = []
+
+            async def app(scope, receive, send):
+                seen.append((await c.check({"user": "ann"}, cost=0)).rules[0].remaining)
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+            sent = []
+
+            async def send(m):
+                sent.append(m)
+            for _ in range(3):
+                await mw({"type": "http", "method": "GET", "path": "/"}, None, send)
+            assert seen == [0, 0, 0] and sent[0]["status"] == 200
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+    asyncio.run(run())
+
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        during = []
+
+        def app(environ, start_response):
+            during.append(c.check({"user": "ann"}, cost=0).rules[0].remaining)
+            start_response("200 OK", [])
+            return [b"ok"]
+        mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"})
+        for _ in range(3):
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            assert list(body) == [b"ok"]
+            body.close()
+        assert during == [0, 0, 0]
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1

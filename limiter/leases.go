@@ -1,0 +1,327 @@
+package limiter
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Leases is the local store of concurrency rules: slots held by requests in flight.
+//
+// A concurrency rule's key has max slots (the op's Limit.Requests) and each slot is held
+// for the rule's lease (Limit.Window) unless released or renewed first. One allowed check
+// takes one lease, holding one slot in every concurrency rule it matched (a part per
+// rule); its id goes in Decision.Lease, and Token turns it into the opaque string a
+// client gets. A lease is freed by Release, by ReleaseOwner (the connection that took it
+// closed), or part by part as each part's lease runs out: expired parts are dropped when
+// their key is next checked, and by Sweep.
+//
+// Times are the limiter's clock (monotonic Unix nanoseconds), passed in by the caller,
+// so tests inject them. Leases is safe for concurrent use: one mutex guards it (a check
+// with a concurrency rule holds it for a few map operations). Its zero value is not
+// usable; the Limiter makes one (New) and returns it from Limiter.Leases.
+type Leases struct {
+	nonce string // starts every token: tokens from another daemon or run are unknown here
+
+	mu     sync.Mutex
+	max    int // the most live leases; past it a check is refused as if its slots were full
+	capped uint64
+	next   uint64
+	slots  map[string]*slot
+	leases map[uint64]*lease
+	owners map[uint64]map[uint64]*lease // owner → its live leases; owner 0 is not tracked
+	stats  map[string]*LeaseStats       // by rule name
+	free   []*lease                     // released leases, for reuse
+	spare  []*slot                      // emptied slots, for reuse
+}
+
+// LeaseStats counts one concurrency rule's leases on this daemon.
+type LeaseStats struct {
+	InFlight int64  // slots held now
+	Released uint64 // parts freed by Release
+	Expired  uint64 // parts whose lease ran out: the leak signal
+	Closed   uint64 // parts freed because the owning connection closed
+}
+
+// slot is one concurrency key's held parts.
+type slot struct {
+	key  string
+	held []*leasePart
+}
+
+// lease is one check's hold: a part per concurrency rule it matched.
+type lease struct {
+	id    uint64
+	owner uint64
+	parts []leasePart
+	live  int // parts not yet freed
+}
+
+// leasePart is one slot a lease holds, in one rule.
+type leasePart struct {
+	l       *lease
+	s       *slot // nil once freed
+	stats   *LeaseStats
+	expires int64 // now-clock nanoseconds
+	dur     int64 // the rule's lease, for Renew without a duration
+}
+
+// maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
+const maxRetryHint = time.Second
+
+// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each), so that a
+// flood of checks on distinct keys cannot grow memory without bound: past it, a check
+// matching a concurrency rule is refused as if its slots were full (Leases.Capped).
+const DefaultMaxLeases = 1 << 20
+
+func newLeases() *Leases {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return &Leases{
+		max:    DefaultMaxLeases,
+		nonce:  hex.EncodeToString(b[:]),
+		slots:  map[string]*slot{},
+		leases: map[uint64]*lease{},
+		owners: map[uint64]map[uint64]*lease{},
+		stats:  map[string]*LeaseStats{},
+	}
+}
+
+// Token returns the opaque string a client gets for lease id: this daemon's nonce, a dot,
+// then the id in base 36.
+func (ls *Leases) Token(id uint64) string {
+	return ls.nonce + "." + strconv.FormatUint(id, 36)
+}
+
+// parse returns the lease id of token, or 0 when token is not one of this daemon's.
+func (ls *Leases) parse(token string) uint64 {
+	rest, ok := strings.CutPrefix(token, ls.nonce)
+	if !ok || len(rest) < 2 || rest[0] != '.' {
+		return 0
+	}
+	id, err := strconv.ParseUint(rest[1:], 36, 64)
+	if err != nil {
+		return 0
+	}
+	return id
+}
+
+// Release frees every slot lease token holds and reports whether it freed any: false
+// when the token is unknown, expired or already released (releasing is idempotent).
+func (ls *Leases) Release(token string, now int64) bool {
+	id := ls.parse(token)
+	if id == 0 {
+		return false
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	l := ls.leases[id]
+	if l == nil {
+		return false
+	}
+	ls.expireLease(l, now)
+	if l.live == 0 {
+		return false
+	}
+	ls.freeLease(l, func(s *LeaseStats) { s.Released++ })
+	return true
+}
+
+// Renew extends the live lease token to now+d in each of its parts (d 0: each rule's own
+// lease). It reports whether the lease was live, and then how long until its first part
+// expires.
+func (ls *Leases) Renew(token string, d time.Duration, now int64) (renewed bool, expiresIn time.Duration) {
+	id := ls.parse(token)
+	if id == 0 {
+		return false, 0
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	l := ls.leases[id]
+	if l == nil {
+		return false, 0
+	}
+	ls.expireLease(l, now)
+	if l.live == 0 {
+		return false, 0
+	}
+	first := int64(-1)
+	for i := range l.parts {
+		p := &l.parts[i]
+		if p.s == nil {
+			continue
+		}
+		p.expires = now + p.dur
+		if d > 0 {
+			p.expires = now + int64(d)
+		}
+		if first < 0 || p.expires < first {
+			first = p.expires
+		}
+	}
+	return true, time.Duration(first - now)
+}
+
+// ReleaseOwner frees every lease owner still holds (its connection closed), counting
+// them as closed, and returns how many leases it freed.
+func (ls *Leases) ReleaseOwner(owner uint64, now int64) int {
+	if owner == 0 {
+		return 0
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	n := 0
+	for _, l := range ls.owners[owner] {
+		ls.expireLease(l, now)
+		if l.live > 0 {
+			n++
+			ls.freeLease(l, func(s *LeaseStats) { s.Closed++ })
+		}
+	}
+	delete(ls.owners, owner)
+	return n
+}
+
+// Sweep frees every part whose lease ran out by now and returns how many it freed.
+func (ls *Leases) Sweep(now int64) int {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	n := 0
+	for _, l := range ls.leases {
+		n += ls.expireLease(l, now)
+	}
+	return n
+}
+
+// Stats calls f for every concurrency rule that has taken a lease, with a copy of its
+// counts. f runs under the store's lock: it must not call back into ls.
+func (ls *Leases) Stats(f func(rule string, s LeaseStats)) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for name, s := range ls.stats {
+		f(name, *s)
+	}
+}
+
+// SetMax bounds the live leases at n (at least 1); see DefaultMaxLeases.
+func (ls *Leases) SetMax(n int) {
+	ls.mu.Lock()
+	ls.max = max(n, 1)
+	ls.mu.Unlock()
+}
+
+// Capped returns how many checks were refused because the live leases were at the bound.
+func (ls *Leases) Capped() uint64 {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.capped
+}
+
+// Len returns the number of live leases.
+func (ls *Leases) Len() int {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return len(ls.leases)
+}
+
+// expireLease frees l's parts whose lease ran out by now (and l, when none is left);
+// it returns how many parts it freed.
+func (ls *Leases) expireLease(l *lease, now int64) int {
+	n := 0
+	for i := range l.parts {
+		p := &l.parts[i]
+		if p.s != nil && p.expires <= now {
+			ls.freePart(p)
+			p.stats.Expired++
+			n++
+		}
+	}
+	if l.live == 0 {
+		ls.dropLease(l)
+	}
+	return n
+}
+
+// expireSlot frees the parts held in s whose lease ran out by now.
+func (ls *Leases) expireSlot(s *slot, now int64) {
+	for i := 0; i < len(s.held); {
+		p := s.held[i]
+		if p.expires > now {
+			i++
+			continue
+		}
+		l := p.l
+		ls.freePart(p) // removes s.held[i]
+		p.stats.Expired++
+		if l.live == 0 {
+			ls.dropLease(l)
+		}
+	}
+}
+
+// freeLease frees l's live parts, counting each with count, and drops l.
+func (ls *Leases) freeLease(l *lease, count func(*LeaseStats)) {
+	for i := range l.parts {
+		p := &l.parts[i]
+		if p.s != nil {
+			ls.freePart(p)
+			count(p.stats)
+		}
+	}
+	ls.dropLease(l)
+}
+
+// freePart frees the slot p holds.
+func (ls *Leases) freePart(p *leasePart) {
+	s := p.s
+	for i, q := range s.held {
+		if q == p {
+			last := len(s.held) - 1
+			s.held[i] = s.held[last]
+			s.held[last] = nil
+			s.held = s.held[:last]
+			break
+		}
+	}
+	p.s = nil
+	p.stats.InFlight--
+	p.l.live--
+	if len(s.held) == 0 {
+		delete(ls.slots, s.key)
+		s.key = ""
+		ls.spare = append(ls.spare, s)
+	}
+}
+
+// dropLease forgets l, whose parts are all free, and keeps it for reuse.
+func (ls *Leases) dropLease(l *lease) {
+	delete(ls.leases, l.id)
+	if l.owner != 0 {
+		if m := ls.owners[l.owner]; m != nil {
+			delete(m, l.id)
+		}
+	}
+	l.parts = l.parts[:0]
+	l.id, l.owner = 0, 0
+	ls.free = append(ls.free, l)
+}
+
+// peekSlot reports how many of s's slots are held and, when all max are, how long until
+// the first of its parts expires (capped at maxRetryHint, at least 1ms).
+func peekSlot(s *slot, slots uint64, now int64) (held uint64, retry int64) {
+	if s == nil {
+		return 0, 0
+	}
+	held = uint64(len(s.held))
+	if held < slots {
+		return held, 0
+	}
+	retry = int64(maxRetryHint)
+	for _, p := range s.held {
+		retry = min(retry, p.expires-now)
+	}
+	return held, max(retry, int64(time.Millisecond))
+}

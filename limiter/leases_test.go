@@ -1,0 +1,275 @@
+package limiter
+
+import (
+	"testing"
+	"time"
+)
+
+const leaseRules = `
+rules:
+  - name: exports
+    match: { path: "/v1/exports/**" }
+    key: user
+    concurrency: { max: 2, lease: 10s }
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 1h }
+`
+
+func exportInput(user string) *Input {
+	return &Input{Attrs: attrs("path=/v1/exports/x", "user="+user), Cost: 1}
+}
+
+// checkLease runs one check and returns its decision's allowed, lease token and the
+// exports rule's result.
+func checkLease(t *testing.T, l *Limiter, now int64, in *Input, owner uint64) (bool, string, Result) {
+	t.Helper()
+	d := Decision{Owner: owner}
+	if err := l.Check(now, in, &d); err != nil {
+		t.Fatal(err)
+	}
+	var tok string
+	if d.Lease != 0 {
+		tok = l.Leases().Token(d.Lease)
+	}
+	for _, r := range d.Results {
+		if r.Name == "exports" {
+			return d.Allowed, tok, r
+		}
+	}
+	t.Fatalf("no exports result in %+v", d.Results)
+	return false, "", Result{}
+}
+
+func stats(l *Limiter, rule string) LeaseStats {
+	var out LeaseStats
+	l.Leases().Stats(func(name string, s LeaseStats) {
+		if name == rule {
+			out = s
+		}
+	})
+	return out
+}
+
+func TestLeasesTwoThenRefusal(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	for i, want := range []uint64{1, 0} {
+		ok, tok, r := checkLease(t, l, t0, in, 0)
+		if !ok || tok == "" || r.Limit != 2 || r.Remaining != want || r.Window != 10*time.Second {
+			t.Fatalf("check %d: allowed %v lease %q limit %d remaining %d window %v; want true, a lease, 2, %d, 10s", i, ok, tok, r.Limit, r.Remaining, want, r.Window)
+		}
+	}
+	ok, tok, r := checkLease(t, l, t0+int64(time.Second), in, 0)
+	if ok || tok != "" || r.Allowed || r.RetryAfter != time.Second {
+		t.Fatalf("third: allowed %v lease %q retry %v; want refused, no lease, retry capped at 1s", ok, tok, r.RetryAfter)
+	}
+	// The refused check consumed nothing of per-user: 5 - 2 = 3 left.
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: attrs("user=ann"), Cost: 0}, &d)
+	if d.Results[0].Remaining != 3 {
+		t.Errorf("per-user remaining %d after two leases and a refusal; want 3", d.Results[0].Remaining)
+	}
+	// Another user has slots of their own.
+	if ok, _, _ := checkLease(t, l, t0, exportInput("bob"), 0); !ok {
+		t.Error("bob refused: slots are per key")
+	}
+}
+
+func TestLeasesReleaseRenewExpire(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	_, a, _ := checkLease(t, l, t0, in, 0)
+	_, b, _ := checkLease(t, l, t0, in, 0)
+	if a == b {
+		t.Fatalf("two leases share the token %q", a)
+	}
+	ls := l.Leases()
+	if !ls.Release(a, t0) {
+		t.Fatal("release of a live lease said false")
+	}
+	if ls.Release(a, t0) {
+		t.Fatal("second release said true")
+	}
+	for _, bad := range []string{"", "x", "nonce.1", ls.nonce + ".", ls.nonce + ".zz!", ls.nonce + ".999"} {
+		if ls.Release(bad, t0) {
+			t.Errorf("release of unknown token %q said true", bad)
+		}
+	}
+	ok, c, r := checkLease(t, l, t0, in, 0)
+	if !ok || r.Remaining != 0 {
+		t.Fatalf("after a release: allowed %v remaining %d; want true 0", ok, r.Remaining)
+	}
+
+	// Renew b for 30s at t0+5s; c expires at t0+10s.
+	renewed, in30 := ls.Renew(b, 30*time.Second, t0+int64(5*time.Second))
+	if !renewed || in30 != 30*time.Second {
+		t.Fatalf("renew: %v %v; want true 30s", renewed, in30)
+	}
+	at := t0 + int64(10*time.Second)
+	if ok, _, _ := checkLease(t, l, at, in, 0); !ok {
+		t.Fatal("refused at t0+10s, when c has expired")
+	}
+	if ls.Release(c, at) {
+		t.Error("release of an expired lease said true")
+	}
+	if renewed, _ := ls.Renew(c, 0, at); renewed {
+		t.Error("renew of an expired lease said true")
+	}
+	if ok, _, _ := checkLease(t, l, at, in, 0); ok {
+		t.Fatal("allowed a third lease: b (renewed) and the new one hold both slots")
+	}
+	// Sweep frees what expired without a check on the key.
+	if n := l.Sweep(t0 + int64(time.Hour)); n < 2 {
+		t.Errorf("sweep an hour later freed %d; want the 2 leases", n)
+	}
+	if n := ls.Len(); n != 0 {
+		t.Errorf("%d leases left after the sweep", n)
+	}
+	s := stats(l, "exports")
+	if s.InFlight != 0 || s.Released != 1 || s.Expired != 3 {
+		t.Errorf("stats %+v; want 0 in flight, 1 released, 3 expired", s)
+	}
+}
+
+func TestLeasesOwnerClosed(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	checkLease(t, l, t0, in, 7)
+	_, other, _ := checkLease(t, l, t0, in, 8)
+	if n := l.Leases().ReleaseOwner(7, t0); n != 1 {
+		t.Fatalf("owner 7 closed: freed %d; want 1", n)
+	}
+	if ok, _, _ := checkLease(t, l, t0, in, 7); !ok {
+		t.Fatal("refused after the owner's close freed a slot")
+	}
+	if !l.Leases().Release(other, t0) {
+		t.Fatal("owner 8's lease was freed by owner 7's close")
+	}
+	if s := stats(l, "exports"); s.Closed != 1 || s.InFlight != 1 {
+		t.Errorf("stats %+v; want 1 closed, 1 in flight", s)
+	}
+}
+
+func TestLeasesRateRefusedHoldsNothing(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	for range 5 { // per-user allows 5 an hour; release each lease
+		ok, tok, _ := checkLease(t, l, t0, in, 0)
+		if !ok || !l.Leases().Release(tok, t0) {
+			t.Fatal("setup check refused")
+		}
+	}
+	ok, tok, r := checkLease(t, l, t0, in, 0)
+	if ok || tok != "" || !r.Allowed || r.Remaining != 2 {
+		t.Fatalf("rate-refused check: allowed %v lease %q exports allowed %v remaining %d; want refused, no lease, exports 2 free", ok, tok, r.Allowed, r.Remaining)
+	}
+	if n := l.Leases().Len(); n != 0 {
+		t.Fatalf("%d leases held after a rate refusal", n)
+	}
+	if s := stats(l, "exports"); s.InFlight != 0 {
+		t.Fatalf("in flight %d after a rate refusal", s.InFlight)
+	}
+}
+
+func TestLeasesShadowAndPeek(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1 }
+    shadow: true
+`)
+	in := &Input{Attrs: attrs("user=ann"), Cost: 0}
+	var d Decision
+	if err := l.Check(t0, in, &d); err != nil || d.Lease != 0 || d.Results[0].Remaining != 1 {
+		t.Fatalf("cost 0: lease %d remaining %d err %v; want a peek: no lease, 1 free", d.Lease, d.Results[0].Remaining, err)
+	}
+	in.Cost = 1
+	_ = l.Check(t0, in, &d)
+	if !d.Allowed || d.Lease == 0 {
+		t.Fatal("first shadow check took no lease")
+	}
+	_ = l.Check(t0, in, &d)
+	if !d.Allowed || d.Lease != 0 || d.Results[0].Allowed {
+		t.Fatalf("shadow over max: allowed %v lease %d rule allowed %v; want allowed, no lease, rule refused", d.Allowed, d.Lease, d.Results[0].Allowed)
+	}
+}
+
+// BenchmarkCheckLease: a check matching a concurrency rule and a rate rule, then the
+// release of its lease by token (as the daemon does), beside BenchmarkCheck2Rules.
+func BenchmarkCheckLease(b *testing.B) {
+	l := newLimiter(b, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 10s }
+  - name: per-ip
+    key: ip
+    limit: { requests: 1000000000, per: 1h }
+`)
+	in := &Input{Attrs: attrs("user=ann", "ip=1.2.3.4"), Cost: 1}
+	var d Decision
+	ls := l.Leases()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		now := t0 + int64(i)
+		if err := l.Check(now, in, &d); err != nil || !d.Allowed {
+			b.Fatal("refused", err)
+		}
+		if !ls.Release(ls.Token(d.Lease), now) {
+			b.Fatal("not released")
+		}
+	}
+}
+
+// Two parts of one check matching one concurrency rule with one key take two slots of
+// it: against max 1 the check is refused and holds nothing; against max 2 it holds both,
+// and one release frees both.
+func TestLeasesPartsShareASlot(t *testing.T) {
+	for _, tc := range []struct {
+		max     string
+		allowed bool
+	}{{"1", false}, {"2", true}} {
+		l := newLimiter(t, "rules:\n  - name: c\n    key: user\n    concurrency: { max: "+tc.max+" }\n")
+		in := &Input{Parts: []Part{part(1, "user=ann"), part(1, "user=ann")}}
+		var d Decision
+		if err := l.Check(t0, in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != tc.allowed || (d.Lease != 0) != tc.allowed {
+			t.Fatalf("max %s: allowed %v lease %d; want allowed %v", tc.max, d.Allowed, d.Lease, tc.allowed)
+		}
+		if s := stats(l, "c"); s.InFlight != map[bool]int64{false: 0, true: 2}[tc.allowed] {
+			t.Fatalf("max %s: %d in flight", tc.max, s.InFlight)
+		}
+		if tc.allowed {
+			if !l.Leases().Release(l.Leases().Token(d.Lease), t0) || stats(l, "c").InFlight != 0 {
+				t.Fatal("one release did not free both parts")
+			}
+		}
+	}
+}
+
+// Past the bound on live leases a check is refused and takes nothing; a release makes
+// room again.
+func TestLeasesBound(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	l.Leases().SetMax(2)
+	_, a, _ := checkLease(t, l, t0, exportInput("ann"), 0)
+	checkLease(t, l, t0, exportInput("bob"), 0)
+	ok, tok, r := checkLease(t, l, t0, exportInput("cid"), 0)
+	if ok || tok != "" || r.Allowed || r.RetryAfter != time.Second || l.Leases().Capped() != 1 || l.Leases().Len() != 2 {
+		t.Fatalf("third lease past a bound of 2: allowed %v lease %q retry %v capped %d live %d; want refused, nothing taken",
+			ok, tok, r.RetryAfter, l.Leases().Capped(), l.Leases().Len())
+	}
+	var d Decision
+	_ = l.Check(t0, &Input{Attrs: attrs("user=cid"), Cost: 0}, &d)
+	if d.Results[0].Remaining != 5 {
+		t.Fatalf("the refused check charged per-user: %d left", d.Results[0].Remaining)
+	}
+	l.Leases().Release(a, t0)
+	if ok, _, _ := checkLease(t, l, t0, exportInput("cid"), 0); !ok {
+		t.Fatal("refused after a release made room")
+	}
+}

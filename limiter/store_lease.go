@@ -1,0 +1,178 @@
+package limiter
+
+import "github.com/rlsidecar/rlsidecar/localbucket"
+
+// leaseStore is the concurrency rules' store (Leases, leases.go). Its take acquires, all
+// or nothing, one slot in every concurrency op of the check, as one lease whose id it
+// puts in Decision.Lease; giveBack frees that lease when a later store (the local
+// buckets) rejects the request. An op's limit is max slots per lease: Requests is max,
+// Window the lease. A cost of 0 asks without taking; any other cost holds one slot. A
+// shadow op that does not fit is reported refused and holds nothing.
+type leaseStore struct{ ls *Leases }
+
+func (s leaseStore) take(now int64, d *Decision) (bool, error) {
+	ls := s.ls
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ok, n := true, 0
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store != storeLease {
+			continue
+		}
+		sl := ls.slots[string(o.key)]
+		if sl != nil {
+			ls.expireSlot(sl, now)
+			sl = ls.slots[string(o.key)] // gone when every part expired
+		}
+		if !s.report(d, i, o, sl, now, s.earlier(d, i)) && !o.shadow {
+			ok = false
+		}
+		if d.Results[i].Allowed && o.cost > 0 {
+			n++
+		}
+	}
+	if !ok || n == 0 {
+		return ok, nil
+	}
+	if len(ls.leases) >= ls.max {
+		// At the bound on live leases: every op that would take a slot is refused as if
+		// full (a shadow op too, though it does not refuse the request); nothing is taken.
+		ls.capped++
+		for i := range d.ops {
+			if o := &d.ops[i]; o.store == storeLease && d.Results[i].Allowed && o.cost > 0 {
+				d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(maxRetryHint), Reset: int64(maxRetryHint)})
+				ok = ok && o.shadow
+			}
+		}
+		return ok, nil
+	}
+	l := ls.newLease(d.Owner, n)
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store == storeLease && d.Results[i].Allowed && o.cost > 0 {
+			ls.hold(l, o.key, d.Results[i].Name, now, int64(o.lim.Window()))
+			d.Results[i].Remaining--
+		}
+	}
+	d.Lease = l.id
+	return true, nil
+}
+
+// earlier counts the slots that ops of d before op i, on the same key, are to take in
+// this check (two parts of an Envoy call may match one rule with one key).
+func (s leaseStore) earlier(d *Decision, i int) uint64 {
+	var n uint64
+	for j := range i {
+		o := &d.ops[j]
+		if o.store == storeLease && o.cost > 0 && d.Results[j].Allowed && string(o.key) == string(d.ops[i].key) {
+			n++
+		}
+	}
+	return n
+}
+
+// report writes op i's result from a peek at its slot sl, taking nothing, where taking
+// more slots of it earlier in this check: allowed when a slot is free, remaining the
+// free slots, and for a full one the retry hint. It reports whether a slot is free.
+func (s leaseStore) report(d *Decision, i int, o *op, sl *slot, now int64, taking uint64) bool {
+	slots := o.lim.Requests()
+	held, retry := peekSlot(sl, slots, now)
+	held += taking
+	fits := held < slots
+	if !fits && retry == 0 {
+		retry = int64(maxRetryHint) // full only through this check's own parts
+	}
+	r := localbucket.Result{Allowed: fits, Limit: slots}
+	if fits {
+		r.Remaining = slots - held
+	} else {
+		r.RetryAfter, r.Reset = retry, retry
+	}
+	d.report(i, &r)
+	return fits
+}
+
+func (s leaseStore) giveBack(now int64, d *Decision) {
+	ls := s.ls
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if l := ls.leases[d.Lease]; l != nil {
+		ls.freeLease(l, func(*LeaseStats) {})
+	}
+	for i := range d.ops {
+		if o := &d.ops[i]; o.store == storeLease && d.Results[i].Allowed && o.cost > 0 {
+			d.Results[i].Remaining++
+		}
+	}
+	d.Lease = 0
+}
+
+func (s leaseStore) skip(now int64, d *Decision) {
+	ls := s.ls
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store != storeLease {
+			continue
+		}
+		s.report(d, i, o, ls.slots[string(o.key)], now, 0)
+	}
+}
+
+// newLease returns an empty lease of owner with a new id, registered, with room for
+// parts parts.
+func (ls *Leases) newLease(owner uint64, parts int) *lease {
+	var l *lease
+	if n := len(ls.free); n > 0 {
+		l = ls.free[n-1]
+		ls.free = ls.free[:n-1]
+	} else {
+		l = new(lease)
+	}
+	if cap(l.parts) < parts {
+		l.parts = make([]leasePart, 0, parts)
+	}
+	ls.next++
+	l.id, l.owner = ls.next, owner
+	ls.leases[l.id] = l
+	if owner != 0 {
+		m := ls.owners[owner]
+		if m == nil {
+			m = map[uint64]*lease{}
+			ls.owners[owner] = m
+		}
+		m[l.id] = l
+	}
+	return l
+}
+
+// hold adds to l a part holding one slot of key in rule, expiring after dur.
+func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
+	sl := ls.slots[string(key)]
+	if sl == nil {
+		if n := len(ls.spare); n > 0 {
+			sl = ls.spare[n-1]
+			ls.spare = ls.spare[:n-1]
+		} else {
+			sl = new(slot)
+		}
+		sl.key = string(key)
+		ls.slots[sl.key] = sl
+	}
+	st := ls.stats[rule]
+	if st == nil {
+		st = new(LeaseStats)
+		ls.stats[rule] = st
+	}
+	if len(l.parts) == cap(l.parts) {
+		panic("BUG: limiter: a lease holds more parts than newLease made room for")
+	}
+	l.parts = l.parts[:len(l.parts)+1]
+	p := &l.parts[len(l.parts)-1]
+	*p = leasePart{l: l, s: sl, stats: st, expires: now + dur, dur: dur}
+	sl.held = append(sl.held, p)
+	st.InFlight++
+	l.live++
+}

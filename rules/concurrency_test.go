@@ -1,0 +1,64 @@
+package rules
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestConcurrencyRule(t *testing.T) {
+	set, err := Parse("c.yaml", []byte(`plans:
+  gold: { exports: 5 }
+rules:
+  - name: exports
+    match: { path: "/v1/exports/**" }
+    key: user
+    concurrency: { max: 2, lease: 45s }
+  - name: provider
+    key: tenant
+    concurrency: { max: 50 }
+    shadow: true
+    split: 2
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ex, pr := set.Rules[0], set.Rules[1]
+	if !ex.Concurrency || ex.Requests != 2 || ex.Per != 45*time.Second {
+		t.Errorf("exports: concurrency %v max %d lease %v; want true 2 45s", ex.Concurrency, ex.Requests, ex.Per)
+	}
+	if lim, _ := ex.LimitFor("", false); lim.Requests() != 2 || lim.Window() != 45*time.Second {
+		t.Errorf("exports default limit %d per %v; want 2 per 45s", lim.Requests(), lim.Window())
+	}
+	if lim, _ := ex.LimitFor("gold", true); lim.Requests() != 5 || lim.Window() != 45*time.Second {
+		t.Errorf("exports gold limit %d per %v; want the plan's max 5 per 45s", lim.Requests(), lim.Window())
+	}
+	if pr.Per != DefaultLease || !pr.Shadow || pr.Split != 2 || pr.Mode != ModeLocal {
+		t.Errorf("provider: lease %v shadow %v split %d mode %v; want 30s true 2 local", pr.Per, pr.Shadow, pr.Split, pr.Mode)
+	}
+	if lim, _ := pr.SplitLimitFor("", false, 2); lim.Requests() != 25 {
+		t.Errorf("provider split in 2: max %d; want 25", lim.Requests())
+	}
+}
+
+func TestConcurrencyRuleErrors(t *testing.T) {
+	const head = "rules:\n  - name: c\n    key: user\n"
+	for _, tc := range []struct{ name, rule, want string }{
+		{"both", "    limit: { requests: 1, per: 1s }\n    concurrency: { max: 2 }\n", "c.yaml:4: rules[0].limit: a rule has limit or concurrency, not both"},
+		{"no max", "    concurrency: { lease: 10s }\n", "c.yaml:4: rules[0].concurrency.max: missing (required)"},
+		{"zero max", "    concurrency: { max: 0 }\n", "c.yaml:4: rules[0].concurrency.max: must be at least 1, got 0"},
+		{"long lease", "    concurrency: { max: 1, lease: 2h }\n", `c.yaml:4: rules[0].concurrency.lease: "2h" is longer than the longest lease, 1h`},
+		{"bad lease", "    concurrency: { max: 1, lease: soon }\n", `c.yaml:4: rules[0].concurrency.lease: "soon" is not a duration`},
+		{"unknown field", "    concurrency: { max: 1, ttl: 1s }\n", `c.yaml:4: rules[0].concurrency: unknown field "ttl" (valid: max, lease)`},
+		{"not mapping", "    concurrency: 3\n", "c.yaml:4: rules[0].concurrency: expected a mapping"},
+		{"algorithm", "    algorithm: fixed_window\n    concurrency: { max: 1 }\n", "c.yaml:4: rules[0].algorithm: a concurrency rule counts leases in flight; it has no algorithm"},
+		{"global", "    concurrency: { max: 1 }\n    mode: global\n", "c.yaml:5: rules[0].mode: mode global for a concurrency rule is not supported yet"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Parse("c.yaml", []byte(head+tc.rule))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v; want it to contain %q", err, tc.want)
+			}
+		})
+	}
+}
