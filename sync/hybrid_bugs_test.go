@@ -317,3 +317,45 @@ func TestHybridSlowRotatingClient(t *testing.T) {
 		t.Fatalf("admitted %d over 30 requests against a limit of 5 per hour", admitted)
 	}
 }
+
+// A new client's concurrent first requests, on a daemon that has not yet synced its key:
+// one of them makes the exact sync, the others wait for it instead of being refused
+// (which turned a burst of first requests into 429s whatever the limit). Another daemon
+// has used the key, so this one has no credit: every request needs the sync.
+func TestHybridConcurrentFirstRequestsWaitForTheSync(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.TokenBucket, 1_000_000_000, time.Hour)
+	other := NewHybrid(rdb, HybridOptions{ID: "other"})
+	now := time.Now().UnixNano()
+	for k := range 20 {
+		if !take(other, now, fmt.Sprintf("rl:burst:{c%d}", k), lim, 1).Allowed {
+			t.Fatal("the other daemon's first request was refused")
+		}
+	}
+	if err := other.Flush(context.Background(), now); err != nil {
+		t.Fatal(err)
+	}
+	other.SetReplicas(2)
+	h := NewHybrid(rdb, HybridOptions{ID: "this", FetchWait: 2 * time.Second})
+	h.SetReplicas(2)
+	for k := range 20 {
+		key := fmt.Sprintf("rl:burst:{c%d}", k)
+		const burst = 16
+		refused := make(chan *HybridOp, burst)
+		for range burst {
+			go func() {
+				ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}}
+				if h.Take(time.Now().UnixNano(), ops) {
+					refused <- nil
+				} else {
+					refused <- &ops[0]
+				}
+			}()
+		}
+		for range burst {
+			if op := <-refused; op != nil {
+				t.Fatalf("%s: a concurrent first request was refused with a limit of 10^9 per hour: %+v", key, op)
+			}
+		}
+	}
+}

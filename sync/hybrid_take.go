@@ -18,6 +18,7 @@ type HybridOp struct {
 
 	shard   uint32 // set by Take
 	fetched bool   // decided by an exact sync, not locally
+	room    bool   // refused, though the view had room for it (another request took it)
 }
 
 // Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
@@ -28,16 +29,67 @@ type HybridOp struct {
 // cannot decide locally (no fresh view, and no grant or credit to cover the request),
 // Take waits for one exact sync of those keys (at most FetchWait) and decides
 // again from what Redis granted: the exact mode's answer, for the keys that need it.
+//
+// A key whose sync is already in flight (another request's exact sync, or the periodic
+// one) is not synced twice: Take waits for that sync, within the same FetchWait, and
+// decides again. Refusing instead turned a new client's concurrent first requests into
+// 429s whatever its limit.
 func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
-	ok, items := h.take(now, ops, true)
-	if items != nil {
-		h.fetch(now, items)
-		ok, _ = h.take(now, ops, false)
+	deadline := time.Now().Add(h.fetchWait)
+	waited := false
+	for {
+		// After waiting on another request's sync, the view is fresh but that sync
+		// granted what its own request needed: this one makes its own exact sync.
+		ok, items, busy := h.take(now, ops, true, waited)
+		if items != nil {
+			h.fetch(now, items)
+			ok, _, _ = h.take(now, ops, false, false)
+			if ok || !lostRace(ops) || !time.Now().Before(deadline) {
+				return ok
+			}
+			// Redis had room, but a concurrent request on the key took what this sync
+			// granted: sync again (a client over its limit never gets here).
+			waited = true
+			continue
+		}
+		if !busy && (ok || waited || !lostRace(ops)) {
+			return ok
+		}
+		if !busy {
+			// Refused from a fresh view that had room: a concurrent request took the
+			// allowance a sync just brought. Sync this one too (once it is not busy).
+			waited = true
+			if !time.Now().Before(deadline) {
+				return ok
+			}
+			continue
+		}
+		if !time.Now().Before(deadline) {
+			ok, _, _ = h.take(now, ops, false, false)
+			return ok
+		}
+		time.Sleep(busyPoll)
+		waited = true
 	}
-	return ok
 }
 
-func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncItem) {
+// lostRace reports whether a refused op's view had room for it.
+func lostRace(ops []HybridOp) bool {
+	for i := range ops {
+		if op := &ops[i]; !op.Result.Allowed && !op.Shadow && op.room {
+			return true
+		}
+	}
+	return false
+}
+
+// busyPoll is how often Take looks again at a key whose sync is in flight.
+const busyPoll = 200 * time.Microsecond
+
+// take decides ops once. With mayFetch, when every refusal is one an exact sync may turn
+// around, it charges nothing and returns the syncs to make (items), or busy when those
+// keys' syncs are already in flight.
+func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool, items []syncItem, busy bool) {
 	var lockBuf [8]uint32
 	var entBuf [8]*hentry
 	locks := lockBuf[:0]
@@ -100,7 +152,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 		ents = append(ents, e)
 		e.seen = seenSecs(now)
 		var f bool
-		op.Result, f = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow)
+		op.Result, f, op.room = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited)
 		if mayFetch {
 			op.fetched = f
 		}
@@ -119,17 +171,26 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 			}
 		}
 		if all {
-			var items []syncItem
 			for i := range ops {
 				op, e := &ops[i], ents[i]
-				if op.fetched && !op.Result.Allowed && !op.Shadow && e.flags&flagBusy == 0 {
+				if op.fetched && !op.Result.Allowed && !op.Shadow {
+					if e.flags&flagBusy != 0 {
+						busy = true
+						continue
+					}
 					have := max(0, math.Floor(e.allowance+h.growth(e, now, n)))
 					need := max(1, float64(max(op.Cost, 1))-have)
 					items = append(items, h.snapshot(&h.shards[op.shard], e, modeExact, uint32(min(need, math.MaxUint32))))
 				}
 			}
 			if items != nil {
-				return false, items
+				return false, items, false
+			}
+			if busy {
+				for i := range ops {
+					ops[i].fetched = false
+				}
+				return false, nil, true
 			}
 		}
 		for i := range ops {
@@ -158,7 +219,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch bool) (bool, []syncIte
 			op.Result.RetryAfter = 0
 		}
 	}
-	return ok, nil
+	return ok, nil, false
 }
 
 func satAdd16(a uint16, b uint64) uint16 {
@@ -294,7 +355,11 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 
 // decide judges cost against e without charging it. fetch reports that e cannot decide
 // it locally but an exact sync could.
-func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch bool) (r localbucket.Result, fetch bool) {
+//
+// waited: the request waited for another's sync of the key; it may make its own exact
+// sync although the view is now fresh. A key whose sync is in flight is still a fetch:
+// take waits for that sync rather than sending a second.
+func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited bool) (r localbucket.Result, fetch, room bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
 	proj := project(e, now)
@@ -303,18 +368,21 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch b
 	r.Reset = h.resetOf(e, now)
 	if cost > lim.Capacity() {
 		r.Impossible = true
-		return r, false
+		return r, false, false
 	}
 	need := float64(max(cost, 1))
 	if e.allowance+h.growth(e, now, n) >= need {
 		r.Allowed = true
-		return r, false
+		return r, false, false
 	}
+	// Room for it, on a key not busy here (a hot key waits for its share grant): the
+	// request lost the allowance a sync just brought to a concurrent one.
+	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
 	// Without a fresh view (a key new here, or last synced more than two intervals ago:
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
-	fetch = mayFetch && cost > 0 && e.lastDemand < 2 && e.flags&flagBusy == 0 && stale && h.redisAnswering(now)
+	fetch = mayFetch && cost > 0 && (waited || e.lastDemand < 2 && stale) && h.redisAnswering(now)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,
 	// and for a window by its end at the latest), but not before the next sync brings a
 	// new allowance.
@@ -333,5 +401,5 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch b
 	}
 	r.RetryAfter = max(nextView, retry)
 	r.Remaining = 0
-	return r, fetch
+	return r, fetch, room
 }
