@@ -55,6 +55,7 @@ type ruleMetrics struct {
 	rule                                      *rules.Rule // of the active set
 	name                                      string
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
+	warnings, delayed                         *metrics.Counter
 	top                                       *topK
 }
 
@@ -92,6 +93,8 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 		rejected:       m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`),
 		shadowRejected: m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`),
 		degrad:         m.set.NewCounter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`),
+		warnings:       m.set.NewCounter(`rlsidecar_warnings_total{rule=` + q + `}`),
+		delayed:        m.set.NewCounter(`rlsidecar_delayed_total{rule=` + q + `}`),
 		top:            newTopK(m.topK),
 	}
 	m.byName[name] = rm
@@ -192,6 +195,12 @@ func (m *Metrics) Record(d *limiter.Decision) {
 		}
 		if r.Degraded {
 			rm.degrad.Inc()
+		}
+		if r.Warning {
+			rm.warnings.Inc()
+		}
+		if r.Delay > 0 {
+			rm.delayed.Inc()
 		}
 	}
 }

@@ -681,6 +681,8 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	resp.ID = req.ID
 	resp.Allowed = d.Allowed
 	resp.Degraded = d.Degraded
+	resp.Warning = d.Warning
+	resp.DelayMs = ceilMs(d.Delay)
 	for i := range d.Results {
 		r := &d.Results[i]
 		rr := proto.RuleResult{
@@ -692,6 +694,8 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 			RetryAfterMs: ceilMs(r.RetryAfter),
 			Allowed:      r.Allowed,
 			Shadow:       r.Shadow,
+			Warning:      r.Warning,
+			DelayMs:      ceilMs(r.Delay),
 		}
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity

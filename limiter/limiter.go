@@ -177,6 +177,12 @@ type Result struct {
 	Impossible bool
 	// Degraded: a failure policy decided this check; the store it needs did not answer.
 	Degraded bool
+	// Warning: the request was allowed and, after it, the rule has used at least its
+	// warn_at fraction of its capacity (rules.Rule.WarnThreshold).
+	Warning bool
+	// Delay is how long the request must be held before it conforms to this rule (a rule
+	// with delay); 0 when it passes at once or was refused.
+	Delay time.Duration
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -195,7 +201,12 @@ type Decision struct {
 	Allowed  bool
 	Deciding int // index in Results of the deciding rule; -1 when no rule decides
 	Degraded bool
-	Results  []Result
+	// Warning: allowed, and some non-shadow result warns (Result.Warning).
+	Warning bool
+	// Delay is how long the caller must hold an allowed request before forwarding it:
+	// the longest Delay of the non-shadow results; 0 when refused.
+	Delay   time.Duration
+	Results []Result
 	// Unlimited lists, in order, the parts (0 without Input.Parts) that matched a rule
 	// unlimited for them: such a rule gives no Result.
 	Unlimited []int
@@ -251,6 +262,8 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Allowed = true
 	d.Deciding = -1
 	d.Degraded = false
+	d.Warning = false
+	d.Delay = 0
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
 	d.routed = 0
@@ -332,6 +345,18 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		out.Degraded = o.degraded
 		if out.Rule != nil && out.Rule.Deny {
 			out.Limit, out.Remaining = 0, 0
+		}
+		if !d.Allowed || !out.Allowed {
+			out.Delay = 0 // a peek's wait, not a reservation
+			continue
+		}
+		if out.Rule != nil && out.Rule.WarnAt > 0 {
+			c := o.lim.Capacity()
+			out.Warning = c-min(out.Remaining, c) >= out.Rule.WarnThreshold(c)
+		}
+		if !out.Shadow {
+			d.Warning = d.Warning || out.Warning
+			d.Delay = max(d.Delay, out.Delay)
 		}
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)

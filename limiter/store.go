@@ -92,6 +92,7 @@ func (d *Decision) report(i int, r *localbucket.Result) {
 	out.RetryAfter = time.Duration(r.RetryAfter)
 	out.Allowed = r.Allowed
 	out.Impossible = r.Impossible
+	out.Delay = time.Duration(r.Delay)
 }
 
 // apply decides the request's ops all-or-nothing across the stores, in storeID order.

@@ -66,7 +66,25 @@ type Limit struct {
 	window   int64  // ns, a whole number of milliseconds
 	emission int64  // token bucket: ns per token, window/requests rounded down, >= 1
 	tau      int64  // token bucket: burst*emission, the time a full bucket takes to refill
+	delay    int64  // token bucket: how long a request may wait instead of being refused (WithDelay)
 }
+
+// maxDelay bounds WithDelay, keeping now + 2*tau + delay far from overflowing.
+const maxDelay = int64(24 * time.Hour)
+
+// WithDelay returns l with a delay: a token-bucket request that would be refused now but
+// would pass within d is allowed at once with [Result.Delay] set to its wait, its tokens
+// reserved now (nginx's limit_req burst without nodelay). d is clamped to [0, 24h]; the
+// windows ignore it.
+func (l Limit) WithDelay(d time.Duration) Limit {
+	if l.alg == TokenBucket {
+		l.delay = min(max(int64(d), 0), maxDelay)
+	}
+	return l
+}
+
+// Delay returns the delay of l in ns (see WithDelay); 0 when it has none.
+func (l *Limit) Delay() int64 { return l.delay }
 
 // stateKind identifies how a state of this limit is to be read: its algorithm and, for
 // the windows, its window (a token bucket's state, the time it is full from, means the

@@ -43,6 +43,9 @@ type Result struct {
 	// can be dropped: taking from it then gives the same results as from a zero State.
 	// It is never before now; now itself means "already".
 	Expires int64
+	// Delay is, for an allowed request of a limit with a delay ([Limit.WithDelay]), how
+	// long the caller must hold it before it conforms: 0 when it passes at once.
+	Delay int64
 	// LimitedUntil is the instant until which a request of cost 1 on the resulting state
 	// would be rejected; 0 when such a request would pass at now (any value <= now means
 	// the key is not limited).
@@ -81,14 +84,15 @@ func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
 	default:
 		c := max(cost, 1)
 		newTat := tat + int64(c)*l.emission // c <= burst, so c*emission <= tau
-		if newTat-now <= l.tau {
+		if wait := newTat - l.tau - now; wait <= l.delay {
 			r.Allowed = true
+			r.Delay = max(wait, 0)
 			if cost > 0 {
 				tat = newTat
 				out.T = newTat
 			}
 		} else {
-			r.RetryAfter = newTat - l.tau - now
+			r.RetryAfter = wait - l.delay
 		}
 	}
 	if avail := now + l.tau - tat; avail > 0 { // negative after a limit shrank
@@ -96,7 +100,7 @@ func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
 	}
 	r.Reset = tat - now
 	r.Expires = tat
-	if lu := tat + l.emission - l.tau; lu > now {
+	if lu := tat + l.emission - l.tau - l.delay; lu > now {
 		r.LimitedUntil = lu
 	}
 	return out, r

@@ -74,6 +74,7 @@ var (
 	fResetMs, fRetryAfterMs, fDegraded, fRules    = field("reset_ms"), field("retry_after_ms"), field("degraded"), field("rules")
 	fShadow, fReason, fVersion, fProtocol, fError = field("shadow"), field("reason"), field("version"), field("protocol"), field("error")
 	fCode, fMessage                               = field("code"), field("message")
+	fWarning, fDelayMs, fBanned                   = field("warning"), field("delay_ms"), field("banned")
 )
 
 func (e *Encoder) str(k fieldName, v string) {
@@ -95,10 +96,10 @@ func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 
 // EncodeCheck appends a check response frame:
 // id, allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then
-// reason when it is not empty.
+// reason when it is not empty, then warning, delay_ms and banned when set.
 func (e *Encoder) EncodeCheck(r *Response) {
 	start := e.begin()
-	n := 9
+	n := 9 + policyFields(r.Warning, r.DelayMs, r.Banned)
 	if r.Reason != "" {
 		n++
 	}
@@ -115,7 +116,7 @@ func (e *Encoder) EncodeCheck(r *Response) {
 	_ = e.enc.EncodeArrayLen(len(r.Rules))
 	for i := range r.Rules {
 		rr := &r.Rules[i]
-		m := 8
+		m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 		if rr.Reason != "" {
 			m++
 		}
@@ -131,11 +132,41 @@ func (e *Encoder) EncodeCheck(r *Response) {
 		if rr.Reason != "" {
 			e.str(fReason, rr.Reason)
 		}
+		e.policies(rr.Warning, rr.DelayMs, rr.Banned)
 	}
 	if r.Reason != "" {
 		e.str(fReason, r.Reason)
 	}
+	e.policies(r.Warning, r.DelayMs, r.Banned)
 	e.end(start)
+}
+
+// policyFields counts the policy fields (additions to v1) that are set.
+func policyFields(warning bool, delayMs uint64, banned bool) int {
+	n := 0
+	if warning {
+		n++
+	}
+	if delayMs != 0 {
+		n++
+	}
+	if banned {
+		n++
+	}
+	return n
+}
+
+// policies writes the policy fields that are set: warning, delay_ms, banned.
+func (e *Encoder) policies(warning bool, delayMs uint64, banned bool) {
+	if warning {
+		e.bool(fWarning, true)
+	}
+	if delayMs != 0 {
+		e.uint(fDelayMs, delayMs)
+	}
+	if banned {
+		e.bool(fBanned, true)
+	}
 }
 
 // EncodePing appends a ping response frame: id, version, protocol.

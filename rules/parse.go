@@ -208,8 +208,8 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces"}
-	limitFields = []string{"requests", "per", "burst"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "warn_at", "delay"}
+	limitFields = []string{"requests", "per", "burst", "tz"}
 )
 
 // rule validates one rule; it returns nil when the rule has any problem (all reported).
@@ -336,6 +336,8 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 			p.errorf(v, field+".split", "split divides a local limit among daemons; mode %s shares one budget already (use mode local, or drop split)", r.Mode)
 		}
 	}
+
+	p.policies(r, f, field)
 
 	if len(p.errs) > before {
 		return nil

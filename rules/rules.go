@@ -133,6 +133,12 @@ type Rule struct {
 	Replaces    []string
 	ReplacesIdx []int
 	replacesAt  []int // line of each name
+	// WarnAt is warn_at: the fraction of its limit (0 < WarnAt <= 1) from which an
+	// allowed check is marked as a warning; 0 when the rule has none (policies.go).
+	WarnAt float64
+	// Delay is delay: how long a token-bucket request may be held instead of refused
+	// (its tokens reserved at once); 0 when the rule has none (policies.go).
+	Delay time.Duration
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -235,7 +241,7 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 		if err != nil {
 			return *l // a part too small to express: keep the whole (cannot happen for valid limits)
 		}
-		return d
+		return d.WithDelay(time.Duration(l.Delay()))
 	}
 	sl := &splitLimits{n: n, def: div(&r.limit), plans: map[string]*localbucket.Limit{}}
 	for name, p := range r.plans {

@@ -1,0 +1,61 @@
+package main
+
+import (
+	"testing"
+)
+
+// TestE2EPolicies runs warn_at and delay through the real daemon: the answer fields
+// on the wire, and their metrics.
+func TestE2EPolicies(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: quota
+    match: { path: /quota }
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 10, per: 1h }
+    warn_at: 0.8
+  - name: queue
+    match: { path: /queue }
+    key: user
+    limit: { requests: 1, per: 1s }
+    delay: 5s
+`)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	for i := 1; i <= 11; i++ {
+		id++
+		r := c.check(id, 1, "path=/quota", "user=ann")
+		want := i >= 8 && i <= 10
+		if r.Allowed != (i <= 10) || r.Warning != want || r.Rules[0].Warning != want {
+			t.Fatalf("quota request %d: allowed %v warning %v (entry %v), want warning %v", i, r.Allowed, r.Warning, r.Rules[0].Warning, want)
+		}
+	}
+	// nginx's burst example: 1 r/s, 5 may wait; the 7th is refused.
+	for i := 1; i <= 7; i++ {
+		id++
+		r := c.check(id, 1, "path=/queue", "user=ann")
+		if i == 7 {
+			if r.Allowed || r.DelayMs != 0 || r.RetryAfterMs == 0 || r.RetryAfterMs > 1000 {
+				t.Fatalf("queue request 7: allowed %v delay %d retry %d, want refused within 1s", r.Allowed, r.DelayMs, r.RetryAfterMs)
+			}
+			continue
+		}
+		// The daemon's clock moves between requests: each wait is within a few ms of
+		// (i-1) seconds, never more.
+		want := uint64(i-1) * 1000
+		if !r.Allowed || r.DelayMs > want || r.DelayMs+50 < want || r.Rules[0].DelayMs != r.DelayMs {
+			t.Fatalf("queue request %d: allowed %v delay %d (entry %d), want about %d", i, r.Allowed, r.DelayMs, r.Rules[0].DelayMs, want)
+		}
+	}
+	_, samples := scrape(t, base)
+	if got := samples[`rlsidecar_warnings_total{rule="quota"}`]; got != 3 {
+		t.Errorf("rlsidecar_warnings_total{quota} = %v, want 3", got)
+	}
+	if got := samples[`rlsidecar_delayed_total{rule="queue"}`]; got != 5 {
+		t.Errorf("rlsidecar_delayed_total{queue} = %v, want 5", got)
+	}
+}

@@ -1,0 +1,110 @@
+package limiter
+
+import (
+	"testing"
+	"time"
+)
+
+// TestWarnAtExactFraction: with warn_at 0.8 on 10 per minute, the 8th request (8 used
+// after it) is the first to warn, and every allowed one after it warns; a refused one
+// does not. A shadow rule's warning is in its entry, not the answer.
+func TestWarnAtExactFraction(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: per-user
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 10, per: 1m }
+    warn_at: 0.8
+  - name: dark
+    key: user
+    limit: { requests: 4, per: 1m }
+    warn_at: 0.5
+    shadow: true
+`)
+	var d Decision
+	in := Input{Attrs: attrs("user=ann"), Cost: 1}
+	for i := 1; i <= 11; i++ {
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		want := i >= 8 && i <= 10
+		if d.Allowed != (i <= 10) || d.Warning != want || d.Results[0].Warning != want {
+			t.Fatalf("request %d: allowed %v warning %v (entry %v), want allowed %v warning %v",
+				i, d.Allowed, d.Warning, d.Results[0].Warning, i <= 10, want)
+		}
+		if dark := i >= 2 && i <= 4; d.Results[1].Warning != dark {
+			t.Fatalf("request %d: shadow entry warning %v, want %v", i, d.Results[1].Warning, dark)
+		}
+	}
+	// A peek (cost 0) at 10 used is refused (it is judged as cost 1): no warning.
+	in.Cost = 0
+	if err := l.Check(t0, &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Warning {
+		t.Fatal("a refused peek warned")
+	}
+	// Another key is unaffected.
+	in = Input{Attrs: attrs("user=bob"), Cost: 7}
+	if err := l.Check(t0, &in, &d); err != nil || d.Warning {
+		t.Fatalf("7 of 10 warned (%v)", err)
+	}
+	in.Cost = 1
+	if err := l.Check(t0, &in, &d); err != nil || !d.Warning {
+		t.Fatalf("8 of 10 did not warn (%v)", err)
+	}
+}
+
+// TestDelayAllOrNothing: a delayed rule reserves its tokens only when the whole request
+// passes; the answer's delay is the longest of the non-shadow rules'.
+func TestDelayAllOrNothing(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: queue
+    key: user
+    limit: { requests: 1, per: 1s }
+    delay: 5s
+  - name: slow-queue
+    key: user
+    limit: { requests: 1, per: 2s }
+    delay: 3s
+  - name: cap
+    match: { path: /capped }
+    key: user
+    limit: { requests: 1, per: 1h }
+`)
+	var d Decision
+	in := Input{Attrs: attrs("user=ann", "path=/a"), Cost: 1}
+	wants := []time.Duration{0, 2 * time.Second, 0}
+	for i, want := range wants[:2] {
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if !d.Allowed || d.Delay != want {
+			t.Fatalf("request %d: allowed %v delay %v, want allowed, delay %v", i+1, d.Allowed, d.Delay, want)
+		}
+	}
+	if d.Results[0].Delay != time.Second || d.Results[1].Delay != 2*time.Second {
+		t.Fatalf("entries' delays %v %v, want 1s 2s", d.Results[0].Delay, d.Results[1].Delay)
+	}
+	// slow-queue would need 4s > 3s: refused; queue's reservation is not taken.
+	if err := l.Check(t0, &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Allowed || d.Delay != 0 || d.Results[0].Delay != 0 || d.Results[1].RetryAfter != time.Second {
+		t.Fatalf("request 3: allowed %v delay %v entries %+v, want refused, retry 1s", d.Allowed, d.Delay, d.Results[:2])
+	}
+	// The path /capped adds a rule that passes once; the refused request reserved nothing.
+	in2 := Input{Attrs: attrs("user=bob", "path=/capped"), Cost: 1}
+	if err := l.Check(t0, &in2, &d); err != nil || !d.Allowed || d.Delay != 0 {
+		t.Fatalf("bob 1: %+v %v", d, err)
+	}
+	if err := l.Check(t0, &in2, &d); err != nil || d.Allowed || d.Delay != 0 {
+		t.Fatalf("bob 2 should be refused by cap: allowed %v delay %v (%v)", d.Allowed, d.Delay, err)
+	}
+	in2.Attrs = attrs("user=bob", "path=/a")
+	if err := l.Check(t0, &in2, &d); err != nil || !d.Allowed || d.Delay != 2*time.Second {
+		t.Fatalf("bob 3: allowed %v delay %v, want delay 2s: the refused request reserved nothing (%v)", d.Allowed, d.Delay, err)
+	}
+}

@@ -1,0 +1,94 @@
+package rules
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestPoliciesParse(t *testing.T) {
+	const head = "rules:\n  - name: r\n    key: ip\n"
+	tests := []struct {
+		name, yaml string
+		warnAt     float64
+		delay      time.Duration
+		mode       Mode
+		err        string // substring; "" for valid
+	}{
+		{"warn_at fraction", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 0.8\n", 0.8, 0, ModeDefault, ""},
+		{"warn_at one", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 1\n", 1, 0, ModeDefault, ""},
+		{"warn_at zero", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 0\n", 0, 0, 0, "rules[0].warn_at: 0 is not in (0, 1]"},
+		{"warn_at above one", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 1.5\n", 0, 0, 0, "1.5 is not in (0, 1]"},
+		{"warn_at negative", head + "    limit: { requests: 10, per: 1m }\n    warn_at: -0.5\n", 0, 0, 0, "-0.5 is not in (0, 1]"},
+		{"warn_at NaN", head + "    limit: { requests: 10, per: 1m }\n    warn_at: .nan\n", 0, 0, 0, "is not in (0, 1]"},
+		{"warn_at string", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 80%\n", 0, 0, 0, "expected a fraction"},
+		{"warn_at on deny", head + "    limit: deny\n    warn_at: 0.5\n", 0, 0, 0, "no limit to warn about"},
+		{"delay", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 5 * time.Second, ModeLocal, ""},
+		{"delay mode local", head + "    limit: { requests: 1, per: 1s }\n    delay: 500ms\n    mode: local\n", 0, 500 * time.Millisecond, ModeLocal, ""},
+		{"delay mode global", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: global\n", 0, 0, 0, "delay is decided in mode local only"},
+		{"delay on a window", head + "    algorithm: fixed_window\n    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 0, 0, "delay applies to token_bucket only"},
+		{"delay too long", head + "    limit: { requests: 1, per: 1s }\n    delay: 2h\n", 0, 0, 0, "longer than the maximum of 1h"},
+		{"delay not a duration", head + "    limit: { requests: 1, per: 1s }\n    delay: soon\n", 0, 0, 0, `"soon" is not a duration`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			set, err := Parse("p.yaml", []byte(tt.yaml))
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("error %v, want one containing %q", err, tt.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := set.Rules[0]
+			if r.WarnAt != tt.warnAt || r.Delay != tt.delay || r.Mode != tt.mode {
+				t.Fatalf("warn_at %v delay %v mode %v, want %v %v %v", r.WarnAt, r.Delay, r.Mode, tt.warnAt, tt.delay, tt.mode)
+			}
+			lim, _ := r.LimitFor("", false)
+			if lim.Delay() != int64(tt.delay) {
+				t.Fatalf("the limit's delay is %v, want %v", time.Duration(lim.Delay()), tt.delay)
+			}
+		})
+	}
+}
+
+func TestDelayReachesPlansAndSplits(t *testing.T) {
+	set, err := Parse("p.yaml", []byte("rules:\n  - name: r\n    key: ip\n    limit: { requests: 10, per: 1s }\n    plans: { gold: 100 }\n    split: 2\n    delay: 3s\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := set.Rules[0]
+	for _, plan := range []string{"", "gold"} {
+		lim, _ := r.LimitFor(plan, plan != "")
+		split, _ := r.SplitLimitFor(plan, plan != "", 2)
+		if lim.Delay() != int64(3*time.Second) || split.Delay() != int64(3*time.Second) {
+			t.Fatalf("plan %q: delay %v, split %v; want 3s", plan, time.Duration(lim.Delay()), time.Duration(split.Delay()))
+		}
+	}
+}
+
+func TestWarnThreshold(t *testing.T) {
+	tests := []struct {
+		at       float64
+		capacity uint64
+		want     uint64
+	}{
+		{0, 10, 0},
+		{0.8, 10, 8},
+		{0.7, 10, 7}, // 7.000000000000001 in binary
+		{0.75, 10, 8},
+		{0.01, 10, 1},
+		{1e-9, 3, 1},
+		{1, 5, 5},
+		{0.1, 3, 1},
+		{0.9, 4_294_967_295, 3_865_470_566}, // ⌈3865470565.5⌉
+	}
+	for _, tt := range tests {
+		r := &Rule{WarnAt: tt.at}
+		if got := r.WarnThreshold(tt.capacity); got != tt.want {
+			t.Errorf("WarnThreshold(%v of %d) = %d, want %d", tt.at, tt.capacity, got, tt.want)
+		}
+	}
+}
