@@ -116,8 +116,7 @@ func alignDown(t, w int64) int64 {
 }
 
 func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
-	w := l.window
-	start := alignDown(max(now, s.T), w)
+	start, end := l.fixedBounds(max(now, s.T))
 	count := s.N
 	if s.T < start {
 		count = 0
@@ -130,7 +129,7 @@ func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
 		r.Allowed = true
 		count += cost
 	default:
-		r.RetryAfter = start + w - now
+		r.RetryAfter = end - now
 	}
 	if count < l.requests {
 		r.Remaining = l.requests - count
@@ -139,10 +138,10 @@ func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
 		// Empty, but a later now before start still clamps to start.
 		r.Expires = max(start, now)
 	} else {
-		r.Reset = start + w - now
-		r.Expires = start + w
+		r.Reset = end - now
+		r.Expires = end
 		if count >= l.requests {
-			r.LimitedUntil = start + w
+			r.LimitedUntil = end
 		}
 	}
 	return State{T: start, N: count}, r
