@@ -41,9 +41,9 @@ func (c Calendar) String() string {
 	return fmt.Sprintf("Calendar(%d)", uint8(c))
 }
 
-// nominal is a unit's nominal length, reported as the limit's Window: a day is 24h
-// (23h or 25h across a DST change), a month 31 days (its longest).
-func (c Calendar) nominal() time.Duration {
+// Nominal is a unit's nominal length, reported as a calendar limit's Window: a day is
+// 24h (23h or 25h across a DST change), a week 7 days, a month 31 days (its longest).
+func (c Calendar) Nominal() time.Duration {
 	switch c {
 	case Week:
 		return 7 * 24 * time.Hour
@@ -77,7 +77,7 @@ func NewCalendarLimit(requests uint64, unit Calendar, loc *time.Location) (Limit
 	if loc == nil {
 		loc = time.UTC
 	}
-	l, err := NewLimit(FixedWindow, requests, unit.nominal(), 0)
+	l, err := NewLimit(FixedWindow, requests, unit.Nominal(), 0)
 	if err != nil {
 		return Limit{}, err
 	}

@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"fmt"
 	"math"
 	"time"
 
@@ -13,10 +14,13 @@ import (
 // queue, not a rate limiter.
 const maxDelay = time.Hour
 
-// policies reads a rule's optional policies, warn_at and delay, from its fields f. It
-// runs after the limit, plans and mode are read, and gives each of the rule's limits the
-// delay.
+// policies reads a rule's optional policies, warn_at and delay, from its fields f, and
+// keeps a calendar rule local. It runs after the limit, plans and mode are read, and
+// gives each of the rule's limits the delay.
 func (p *parser) policies(r *Rule, f map[string]*yaml.Node, field string) {
+	if r.Calendar != localbucket.NoCalendar {
+		p.localOnly(r, f["limit"], field+".limit.per", "a calendar window (per: "+r.Calendar.String()+")")
+	}
 	if v := f["warn_at"]; !isNull(v) {
 		var x float64
 		if v.Kind != yaml.ScalarNode || (v.ShortTag() != "!!float" && v.ShortTag() != "!!int") || v.Decode(&x) != nil {
@@ -84,4 +88,17 @@ func (r *Rule) WarnThreshold(capacity uint64) uint64 {
 		f++
 	}
 	return max(uint64(f), 1)
+}
+
+// loadZone loads an IANA time zone from the embedded database (localbucket imports
+// time/tzdata), so every host agrees; msg is empty on success.
+func loadZone(name string) (*time.Location, string) {
+	if name == "" || name == "Local" {
+		return nil, fmt.Sprintf("%q is not an IANA time zone (e.g. UTC, Europe/Paris, America/Sao_Paulo)", name)
+	}
+	loc, err := time.LoadLocation(name)
+	if err != nil {
+		return nil, fmt.Sprintf("unknown time zone %q (an IANA name, e.g. Europe/Paris, America/Sao_Paulo)", name)
+	}
+	return loc, ""
 }

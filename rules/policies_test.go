@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
 func TestPoliciesParse(t *testing.T) {
@@ -90,5 +92,64 @@ func TestWarnThreshold(t *testing.T) {
 		if got := r.WarnThreshold(tt.capacity); got != tt.want {
 			t.Errorf("WarnThreshold(%v of %d) = %d, want %d", tt.at, tt.capacity, got, tt.want)
 		}
+	}
+}
+
+func TestCalendarParse(t *testing.T) {
+	const head = "rules:\n  - name: r\n    key: ip\n"
+	tests := []struct {
+		name, yaml string
+		unit       localbucket.Calendar
+		zone       string
+		err        string
+	}{
+		{"month in a zone", head + "    limit: { requests: 100000, per: month, tz: America/Sao_Paulo }\n", localbucket.Month, "America/Sao_Paulo", ""},
+		{"day defaults to UTC", head + "    limit: { requests: 10, per: day }\n", localbucket.Day, "UTC", ""},
+		{"week, fixed_window written", head + "    algorithm: fixed_window\n    limit: { requests: 10, per: week, tz: Europe/Paris }\n", localbucket.Week, "Europe/Paris", ""},
+		{"unknown zone", head + "    limit: { requests: 10, per: day, tz: Mars/Olympus }\n", 0, "", `rules[0].limit.tz: unknown time zone "Mars/Olympus"`},
+		{"Local is not a zone", head + "    limit: { requests: 10, per: day, tz: Local }\n", 0, "", "is not an IANA time zone"},
+		{"tz with a duration", head + "    limit: { requests: 10, per: 1d, tz: UTC }\n", 0, "", "a time zone applies to per: day, week or month"},
+		{"calendar with token_bucket", head + "    algorithm: token_bucket\n    limit: { requests: 10, per: day }\n", 0, "", "is a calendar window, counted by fixed_window"},
+		{"calendar with burst", head + "    limit: { requests: 10, per: day, burst: 20 }\n", 0, "", "only token_bucket has a burst"},
+		{"calendar in global mode", head + "    limit: { requests: 10, per: day }\n    mode: global\n", 0, "", "a calendar window (per: day) is decided in mode local only"},
+		{"not a unit", head + "    limit: { requests: 10, per: fortnight }\n", 0, "", `"fortnight" is not a duration`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			set, err := Parse("c.yaml", []byte(tt.yaml))
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("error %v, want one containing %q", err, tt.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := set.Rules[0]
+			lim, _ := r.LimitFor("", false)
+			unit, loc := lim.Calendar()
+			if r.Calendar != tt.unit || unit != tt.unit || loc.String() != tt.zone || r.Mode != ModeLocal || r.Algorithm != localbucket.FixedWindow {
+				t.Fatalf("calendar %v/%v zone %v mode %v algorithm %v", r.Calendar, unit, loc, r.Mode, r.Algorithm)
+			}
+		})
+	}
+}
+
+func TestCalendarPlansAndSplit(t *testing.T) {
+	set, err := Parse("c.yaml", []byte("rules:\n  - name: r\n    key: ip\n    limit: { requests: 100, per: month, tz: Asia/Tokyo }\n    plans: { gold: 1000 }\n    split: 4\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := set.Rules[0]
+	gold, _ := r.LimitFor("gold", true)
+	part, _ := r.SplitLimitFor("gold", true, 4)
+	for _, l := range []*localbucket.Limit{gold, part} {
+		if u, loc := l.Calendar(); u != localbucket.Month || loc.String() != "Asia/Tokyo" {
+			t.Fatalf("a plan or split limit lost the calendar: %v %v", u, loc)
+		}
+	}
+	if gold.Requests() != 1000 || part.Requests() != 250 {
+		t.Fatalf("requests %d and %d, want 1000 and 250", gold.Requests(), part.Requests())
 	}
 }

@@ -133,6 +133,11 @@ type Rule struct {
 	Replaces    []string
 	ReplacesIdx []int
 	replacesAt  []int // line of each name
+	// Calendar is per: day, week or month (NoCalendar for a duration): a fixed window
+	// whose boundaries are local midnights in TZ (limit.tz, default UTC). Per is then the
+	// unit's nominal length (1, 7 or 31 days).
+	Calendar localbucket.Calendar
+	TZ       *time.Location
 	// WarnAt is warn_at: the fraction of its limit (0 < WarnAt <= 1) from which an
 	// allowed check is marked as a warning; 0 when the rule has none (policies.go).
 	WarnAt float64
@@ -237,11 +242,11 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 		if l.Algorithm() == localbucket.TokenBucket {
 			burst = max(1, (l.Burst()+n-1)/n)
 		}
-		d, err := localbucket.NewLimit(l.Algorithm(), req, l.Window(), burst)
+		d, err := l.WithRequests(req, burst)
 		if err != nil {
 			return *l // a part too small to express: keep the whole (cannot happen for valid limits)
 		}
-		return d.WithDelay(time.Duration(l.Delay()))
+		return d
 	}
 	sl := &splitLimits{n: n, def: div(&r.limit), plans: map[string]*localbucket.Limit{}}
 	for name, p := range r.plans {

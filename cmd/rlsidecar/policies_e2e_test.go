@@ -2,6 +2,7 @@ package main
 
 import (
 	"testing"
+	"time"
 )
 
 // TestE2EPolicies runs warn_at and delay through the real daemon: the answer fields
@@ -57,5 +58,44 @@ rules:
 	}
 	if got := samples[`rlsidecar_delayed_total{rule="queue"}`]; got != 5 {
 		t.Errorf("rlsidecar_delayed_total{queue} = %v, want 5", got)
+	}
+}
+
+// TestE2ECalendarWindow: a daily quota in a time zone resets at the zone's next local
+// midnight; reset_ms and retry_after_ms count to it.
+func TestE2ECalendarWindow(t *testing.T) {
+	const zone = "Asia/Kathmandu" // +05:45: no hour-aligned window could match it
+	loc, err := time.LoadLocation(zone)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: daily
+    key: user
+    limit: { requests: 3, per: day, tz: `+zone+` }
+`)
+	d := startDaemon(t, "--config", cfg)
+	c := dialRaw(t, d.socket)
+	nextMidnight := func() time.Time {
+		y, m, dd := time.Now().In(loc).Date()
+		return time.Date(y, m, dd+1, 0, 0, 0, 0, loc)
+	}
+	for i := 1; i <= 4; i++ {
+		before := time.Until(nextMidnight())
+		r := c.check(uint64(i), 1, "user=ann")
+		after := time.Until(nextMidnight())
+		if r.Allowed != (i <= 3) {
+			t.Fatalf("request %d: allowed %v", i, r.Allowed)
+		}
+		got := time.Duration(r.ResetMs) * time.Millisecond
+		if i == 4 {
+			got = time.Duration(r.RetryAfterMs) * time.Millisecond
+		}
+		// after <= true wait <= before; the answer is rounded up to the millisecond.
+		if got < after || got > before+time.Millisecond || r.Rules[0].WindowMs != 86_400_000 {
+			t.Fatalf("request %d: reset/retry %v, want within [%v, %v]; window_ms %d", i, got, after, before, r.Rules[0].WindowMs)
+		}
 	}
 }
