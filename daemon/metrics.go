@@ -45,6 +45,7 @@ type Metrics struct {
 	}
 	funcs []funcMetric
 
+	bannedKeys          func() map[string]int // the gauge rlsidecar_banned_keys (SetBannedKeys)
 	inline              *ruleMetrics
 	reloadOK, reloadErr *metrics.Counter
 	flushOK, flushErr   *metrics.Counter
@@ -55,7 +56,7 @@ type ruleMetrics struct {
 	rule                                      *rules.Rule // of the active set
 	name                                      string
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
-	warnings, delayed                         *metrics.Counter
+	warnings, delayed, bans                   *metrics.Counter
 	top                                       *topK
 }
 
@@ -95,6 +96,7 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 		degrad:         m.set.NewCounter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`),
 		warnings:       m.set.NewCounter(`rlsidecar_warnings_total{rule=` + q + `}`),
 		delayed:        m.set.NewCounter(`rlsidecar_delayed_total{rule=` + q + `}`),
+		bans:           m.set.NewCounter(`rlsidecar_bans_total{rule=` + q + `}`),
 		top:            newTopK(m.topK),
 	}
 	m.byName[name] = rm
@@ -154,6 +156,25 @@ func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
 }
 
 // GaugeFunc and CounterFunc expose a value read at scrape time.
+// SetBannedKeys makes the gauge rlsidecar_banned_keys{rule} report f's counts of the
+// keys banned now per rule, read at each scrape.
+func (m *Metrics) SetBannedKeys(f func() map[string]int) {
+	m.mu.Lock()
+	m.bannedKeys = f
+	m.mu.Unlock()
+}
+
+// ClientName is how the metrics, /top and /bans name a client (the part of a key inside
+// its hash tag): a keyed hash unless --top-labels raw.
+func (m *Metrics) ClientName(client string) string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.topLabels == TopRaw {
+		return client
+	}
+	return ClientLabel(m.topSalt, client)
+}
+
 func (m *Metrics) GaugeFunc(name, help string, f func() float64) {
 	m.mu.Lock()
 	m.funcs = append(m.funcs, funcMetric{name, "gauge", help, f})
@@ -201,6 +222,9 @@ func (m *Metrics) Record(d *limiter.Decision) {
 		}
 		if r.Delay > 0 {
 			rm.delayed.Inc()
+		}
+		if r.BanStarted {
+			rm.bans.Inc()
 		}
 	}
 }
@@ -348,6 +372,7 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	m.mu.Lock()
 	funcs := append([]funcMetric(nil), m.funcs...)
 	version := m.config.version
+	bannedKeys := m.bannedKeys
 	var tops []string
 	names := make([]string, 0, len(m.byName))
 	for name := range m.byName {
@@ -371,5 +396,17 @@ func (m *Metrics) writeCustom(w io.Writer) {
 		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
 	}
 	fmt.Fprintf(w, "# HELP rlsidecar_config_info The rule set in force, by version (a hash of its files).\n# TYPE rlsidecar_config_info gauge\nrlsidecar_config_info{version=%q} 1\n", version)
+	if bannedKeys != nil {
+		byRule := bannedKeys()
+		rules := make([]string, 0, len(byRule))
+		for r := range byRule {
+			rules = append(rules, r)
+		}
+		sort.Strings(rules)
+		fmt.Fprintf(w, "# HELP rlsidecar_banned_keys Keys banned now, per rule (its penalty).\n# TYPE rlsidecar_banned_keys gauge\n")
+		for _, r := range rules {
+			fmt.Fprintf(w, "rlsidecar_banned_keys{rule=%q} %d\n", r, byRule[r])
+		}
+	}
 	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
 }

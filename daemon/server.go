@@ -683,6 +683,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	resp.Degraded = d.Degraded
 	resp.Warning = d.Warning
 	resp.DelayMs = ceilMs(d.Delay)
+	resp.Banned = d.Banned
 	for i := range d.Results {
 		r := &d.Results[i]
 		rr := proto.RuleResult{
@@ -696,6 +697,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 			Shadow:       r.Shadow,
 			Warning:      r.Warning,
 			DelayMs:      ceilMs(r.Delay),
+			Banned:       r.Banned,
 		}
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity

@@ -22,12 +22,13 @@ type Limiter struct {
 	prefix      string           // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
+	bans        *bans // the penalty rules' refusals and bans (bans.go)
 }
 
 // New returns a Limiter deciding with set on store, every rule in local mode, its Redis
 // keys (once WithHybrid or WithGlobal) under rlsync.DefaultPrefix.
 func New(set *rules.Set, store *localbucket.Store) *Limiter {
-	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix}
+	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix, bans: newBans()}
 	l.stores[storeLocal] = localStore{store}
 	l.rules.Store(set)
 	return l
@@ -183,6 +184,10 @@ type Result struct {
 	// Delay is how long the request must be held before it conforms to this rule (a rule
 	// with delay); 0 when it passes at once or was refused.
 	Delay time.Duration
+	// Banned: the key is banned by this rule (its penalty), either already (the check
+	// was refused without asking the store) or from this refusal on; RetryAfter is then
+	// the ban's remaining time. BanStarted: this refusal started the ban.
+	Banned, BanStarted bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -205,7 +210,9 @@ type Decision struct {
 	Warning bool
 	// Delay is how long the caller must hold an allowed request before forwarding it:
 	// the longest Delay of the non-shadow results; 0 when refused.
-	Delay   time.Duration
+	Delay time.Duration
+	// Banned: refused, and the deciding result is Banned.
+	Banned  bool
 	Results []Result
 	// Unlimited lists, in order, the parts (0 without Input.Parts) that matched a rule
 	// unlimited for them: such a rule gives no Result.
@@ -264,6 +271,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Degraded = false
 	d.Warning = false
 	d.Delay = 0
+	d.Banned = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
 	d.routed = 0
@@ -336,12 +344,22 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	d.Allowed = l.apply(now, d)
+	banned := l.checkBans(now, d)
+	d.Allowed = l.apply(now, d, !banned)
 
 	for i := range d.ops {
 		o := &d.ops[i]
 		out := &d.Results[i]
 		out.Window = o.lim.Window()
+		if o.bannedUntil != 0 {
+			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
+			out.RetryAfter = time.Duration(o.bannedUntil - now)
+		} else if !out.Allowed && out.Rule != nil && out.Rule.Penalty != nil {
+			if until := l.bans.refused(o.key, out.Rule, now); until != 0 {
+				out.Banned, out.BanStarted = true, true
+				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
+			}
+		}
 		out.Degraded = o.degraded
 		if out.Rule != nil && out.Rule.Deny {
 			out.Limit, out.Remaining = 0, 0
@@ -360,6 +378,27 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		}
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
+	if r := d.DecidingResult(); r != nil && !d.Allowed {
+		d.Banned = r.Banned
+	}
+}
+
+// checkBans marks the ops whose key a penalty rule has banned at now (op.bannedUntil),
+// and reports whether one of them is not a shadow: the request is then refused without
+// taking from any store.
+func (l *Limiter) checkBans(now int64, d *Decision) bool {
+	refused := false
+	for i := range d.ops {
+		r := d.Results[i].Rule
+		if r == nil || r.Penalty == nil {
+			continue
+		}
+		o := &d.ops[i]
+		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
+			refused = true
+		}
+	}
+	return refused
 }
 
 // matchRules adds the checks of the rules of set that match attrs (part p of the input),
@@ -595,4 +634,6 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 
 // Sweep drops the state of keys that carry no information any more (full buckets,
 // windows that have passed), so memory follows the active keys. Call it periodically.
-func (l *Limiter) Sweep(now int64) int { return l.buckets.Sweep(now) }
+func (l *Limiter) Sweep(now int64) int {
+	return l.buckets.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+}

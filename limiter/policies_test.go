@@ -108,3 +108,83 @@ rules:
 		t.Fatalf("bob 3: allowed %v delay %v, want delay 2s: the refused request reserved nothing (%v)", d.Allowed, d.Delay, err)
 	}
 }
+
+// TestPenaltyEscalatesAndDecays: login allows 2 per minute; 3 refusals within 1m ban the
+// key for 1m, then 2m, then 4m (factor 2), capped at max 5m; after 5m without a ban the
+// next is 1m again. While banned every check is refused at once with the ban's
+// remaining time, taking nothing; another key and another rule are unaffected.
+func TestPenaltyEscalatesAndDecays(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 2, per: 1m }
+    penalty: { after: 3, within: 1m, ban: 1m, factor: 2, max: 5m }
+  - name: per-ip
+    key: ip
+    algorithm: fixed_window
+    limit: { requests: 1000, per: 1h }
+`)
+	var d Decision
+	check := func(now int64, ip string) *Decision {
+		t.Helper()
+		in := Input{Attrs: attrs("path=/login", "ip="+ip), Cost: 1}
+		if err := l.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+	sec := int64(time.Second)
+	now := t0
+	// earn drives ip to a ban from a fresh minute: 2 allowed, 3 refused (the 3rd bans).
+	earn := func(want time.Duration) {
+		t.Helper()
+		for i := 1; i <= 5; i++ {
+			r := check(now, "1.1.1.1")
+			switch {
+			case i <= 2 && !r.Allowed:
+				t.Fatalf("at %ds request %d refused", (now-t0)/sec, i)
+			case i > 2 && i < 5 && (r.Allowed || r.Banned):
+				t.Fatalf("at %ds request %d: allowed %v banned %v, want refused, not banned", (now-t0)/sec, i, r.Allowed, r.Banned)
+			case i == 5 && (r.Allowed || !r.Banned || !r.Results[0].BanStarted || r.Results[0].RetryAfter != want || r.DecidingResult().Name != "login"):
+				t.Fatalf("at %ds request 5: allowed %v banned %v retry %v, want a ban of %v", (now-t0)/sec, r.Allowed, r.Banned, r.Results[0].RetryAfter, want)
+			}
+		}
+	}
+	earn(time.Minute)
+	// Banned: refused at once, retry = the remaining ban, nothing taken (per-ip).
+	now += 30 * sec
+	if r := check(now, "1.1.1.1"); r.Allowed || !r.Banned || r.Results[0].RetryAfter != 30*time.Second || r.Results[0].BanStarted {
+		t.Fatalf("during the ban: allowed %v banned %v retry %v", r.Allowed, r.Banned, r.Results[0].RetryAfter)
+	}
+	if r := check(now, "2.2.2.2"); !r.Allowed || r.Banned {
+		t.Fatal("another key was banned")
+	}
+	in := Input{Attrs: attrs("path=/x", "ip=1.1.1.1"), Cost: 0}
+	if err := l.Check(now, &in, &d); err != nil || !d.Allowed || d.Results[0].Remaining != 1000-2 {
+		t.Fatalf("per-ip: allowed %v remaining %d; the banned checks must take nothing (%v)", d.Allowed, d.Results[0].Remaining, err)
+	}
+	// Each next ban, earned as the last one ends, is twice the last, capped at 5m.
+	last := time.Minute
+	now -= 30 * sec
+	for _, want := range []time.Duration{2 * time.Minute, 4 * time.Minute, 5 * time.Minute, 5 * time.Minute} {
+		now += int64(last) // the ban ends; the bucket (2 per minute) is full again
+		earn(want)
+		last = want
+	}
+	// 5m after the last ban ended without another, the count has decayed: 1m again.
+	_ = l.Sweep(now) // a ban in force survives a sweep
+	if r := check(now+sec, "1.1.1.1"); !r.Banned {
+		t.Fatal("a sweep lifted a ban in force")
+	}
+	now += int64(last) + int64(5*time.Minute)
+	earn(time.Minute)
+	// Lifting it lets the key through at once.
+	if !l.LiftBan("login:{ip=1.1.1.1}", now) {
+		t.Fatal("LiftBan found no ban")
+	}
+	if r := check(now, "1.1.1.1"); r.Banned {
+		t.Fatal("still banned after LiftBan")
+	}
+}

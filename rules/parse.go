@@ -208,7 +208,7 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "warn_at", "delay"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "warn_at", "delay", "penalty"}
 	limitFields = []string{"requests", "per", "burst", "tz"}
 )
 

@@ -32,7 +32,7 @@ var badFixtures = map[string][]string{
 	"syntax.yaml":                   {"syntax.yaml:1: invalid YAML: did not find expected '-' indicator"},
 	"rules_not_list.yaml":           {"rules_not_list.yaml:2: rules: expected a list of rules, got a mapping"},
 	"rule_not_mapping.yaml":         {`rule_not_mapping.yaml:2: rules[0]: expected a mapping, got a string "just-a-name"`},
-	"unknown_rule_field.yaml":       {`unknown_rule_field.yaml:5: rules[0]: unknown field "limits" (valid: name, match, key, algorithm, limit, plans, shadow, mode, on_store_failure, split, replaces, warn_at, delay)`},
+	"unknown_rule_field.yaml":       {`unknown_rule_field.yaml:5: rules[0]: unknown field "limits" (valid: name, match, key, algorithm, limit, plans, shadow, mode, on_store_failure, split, replaces, warn_at, delay, penalty)`},
 	"duplicate_field.yaml":          {`duplicate_field.yaml:4: rules[0]: "name" given twice (first at line 2)`},
 	"merge_key.yaml":                {"merge_key.yaml:5: rules[1]: merge keys (<<) are not supported; write the fields out"},
 	"missing_name.yaml":             {"missing_name.yaml:2: rules[0].name: missing (required)"},

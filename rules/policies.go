@@ -33,6 +33,14 @@ func (p *parser) policies(r *Rule, f map[string]*yaml.Node, field string) {
 			r.WarnAt = x
 		}
 	}
+	if v := f["penalty"]; !isNull(v) {
+		if r.Unlimited || r.Deny {
+			p.errorf(v, field+".penalty", "a rule whose limit is unlimited or deny refuses nobody, or everybody: no penalty")
+		} else if pen := p.penalty(v, field+".penalty"); pen != nil {
+			r.Penalty = pen
+			p.localOnly(r, v, field+".penalty", "penalty")
+		}
+	}
 	if v := f["delay"]; !isNull(v) {
 		s, ok := p.str(v, field+".delay")
 		if !ok {
@@ -101,4 +109,97 @@ func loadZone(name string) (*time.Location, string) {
 		return nil, fmt.Sprintf("unknown time zone %q (an IANA name, e.g. Europe/Paris, America/Sao_Paulo)", name)
 	}
 	return loc, ""
+}
+
+// Penalty is a rule's escalating bans: a key the rule refuses After times within Within
+// is banned for Ban; each later ban of it lasts Factor times the one before, at most
+// Max; after Max without a ban, the next one is Ban again. Immutable.
+type Penalty struct {
+	After  uint64
+	Within time.Duration
+	Ban    time.Duration
+	Factor float64       // >= 1; 2 when not written
+	Max    time.Duration // >= Ban; Ban × 16 (capped at 30 days) when not written
+}
+
+// maxBan bounds a ban and a penalty's within.
+const maxBan = 366 * 24 * time.Hour
+
+// BanFor returns how long the ban after n earlier ones (since the count decayed) lasts:
+// Ban × Factor^n, at most Max. With ban 1m, factor 2, max 10m: 1m, 2m, 4m, 8m, 10m, 10m...
+func (p *Penalty) BanFor(n uint32) time.Duration {
+	d := float64(p.Ban) * math.Pow(p.Factor, float64(n))
+	if d >= float64(p.Max) { // +Inf too
+		return p.Max
+	}
+	return time.Duration(d)
+}
+
+var penaltyFields = []string{"after", "within", "ban", "factor", "max"}
+
+// penalty reads a penalty mapping; nil when it is invalid (errors recorded).
+func (p *parser) penalty(n *yaml.Node, field string) *Penalty {
+	f, ok := p.mapping(n, field, penaltyFields)
+	if f == nil {
+		return nil
+	}
+	pen := &Penalty{Factor: 2}
+	dur := func(name string, required bool, out *time.Duration) {
+		v := f[name]
+		if isNull(v) {
+			if required {
+				p.errorf(n, field+"."+name, "missing (required): a duration, e.g. 1m")
+				ok = false
+			}
+			return
+		}
+		s, sok := p.str(v, field+"."+name)
+		if !sok {
+			ok = false
+			return
+		}
+		d, msg := parsePer(s)
+		if msg == "" && d > maxBan {
+			msg = fmt.Sprintf("%q is longer than the maximum of 366 days", s)
+		}
+		if msg != "" {
+			p.errorf(v, field+"."+name, "%s", msg)
+			ok = false
+			return
+		}
+		*out = d
+	}
+	if v := f["after"]; isNull(v) {
+		p.errorf(n, field+".after", "missing (required): how many refusals within `within` earn a ban")
+		ok = false
+	} else if a, aok := p.count(v, field+".after", ""); !aok {
+		ok = false
+	} else {
+		pen.After = a
+	}
+	dur("within", true, &pen.Within)
+	dur("ban", true, &pen.Ban)
+	dur("max", false, &pen.Max)
+	if v := f["factor"]; !isNull(v) {
+		var x float64
+		if v.Kind != yaml.ScalarNode || (v.ShortTag() != "!!float" && v.ShortTag() != "!!int") || v.Decode(&x) != nil {
+			p.errorf(v, field+".factor", "expected a number at least 1, got %s", describe(v))
+			ok = false
+		} else if !(x >= 1 && x <= 1000) {
+			p.errorf(v, field+".factor", "%s is not in [1, 1000]: each ban is this many times the one before", v.Value)
+			ok = false
+		} else {
+			pen.Factor = x
+		}
+	}
+	if !ok {
+		return nil
+	}
+	if pen.Max == 0 {
+		pen.Max = max(pen.Ban, min(16*pen.Ban, 30*24*time.Hour))
+	} else if pen.Max < pen.Ban {
+		p.errorf(f["max"], field+".max", "%v is shorter than ban (%v)", pen.Max, pen.Ban)
+		return nil
+	}
+	return pen
 }

@@ -153,3 +153,59 @@ func TestCalendarPlansAndSplit(t *testing.T) {
 		t.Fatalf("requests %d and %d, want 1000 and 250", gold.Requests(), part.Requests())
 	}
 }
+
+func TestPenaltyParse(t *testing.T) {
+	const head = "rules:\n  - name: r\n    key: ip\n    limit: { requests: 5, per: 1m }\n"
+	tests := []struct {
+		name, yaml string
+		want       *Penalty
+		err        string
+	}{
+		{"full", head + "    penalty: { after: 5, within: 1m, ban: 10m, factor: 3, max: 6h }\n",
+			&Penalty{After: 5, Within: time.Minute, Ban: 10 * time.Minute, Factor: 3, Max: 6 * time.Hour}, ""},
+		{"defaults", head + "    penalty: { after: 5, within: 1m, ban: 10m }\n",
+			&Penalty{After: 5, Within: time.Minute, Ban: 10 * time.Minute, Factor: 2, Max: 160 * time.Minute}, ""},
+		{"missing ban", head + "    penalty: { after: 5, within: 1m }\n", nil, "rules[0].penalty.ban: missing"},
+		{"after 0", head + "    penalty: { after: 0, within: 1m, ban: 1m }\n", nil, "rules[0].penalty.after: must be at least 1"},
+		{"factor below 1", head + "    penalty: { after: 1, within: 1m, ban: 1m, factor: 0.5 }\n", nil, "0.5 is not in [1, 1000]"},
+		{"max below ban", head + "    penalty: { after: 1, within: 1m, ban: 1h, max: 1m }\n", nil, "shorter than ban"},
+		{"unknown field", head + "    penalty: { after: 1, within: 1m, ban: 1m, forever: true }\n", nil, `unknown field "forever"`},
+		{"ban too long", head + "    penalty: { after: 1, within: 1m, ban: 400d }\n", nil, "longer than the maximum of 366 days"},
+		{"global mode", head + "    mode: global\n    penalty: { after: 1, within: 1m, ban: 1m }\n", nil, "penalty is decided in mode local only"},
+		{"on deny", "rules:\n  - name: r\n    key: ip\n    limit: deny\n    penalty: { after: 1, within: 1m, ban: 1m }\n", nil, "no penalty"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			set, err := Parse("p.yaml", []byte(tt.yaml))
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("error %v, want one containing %q", err, tt.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := set.Rules[0].Penalty; *got != *tt.want || set.Rules[0].Mode != ModeLocal {
+				t.Fatalf("penalty %+v mode %v, want %+v, local", *got, set.Rules[0].Mode, *tt.want)
+			}
+		})
+	}
+}
+
+func TestBanFor(t *testing.T) {
+	p := &Penalty{Ban: time.Minute, Factor: 2, Max: 10 * time.Minute}
+	want := []time.Duration{time.Minute, 2 * time.Minute, 4 * time.Minute, 8 * time.Minute, 10 * time.Minute, 10 * time.Minute}
+	for n, w := range want {
+		if got := p.BanFor(uint32(n)); got != w {
+			t.Errorf("BanFor(%d) = %v, want %v", n, got, w)
+		}
+	}
+	if got := p.BanFor(1 << 31); got != 10*time.Minute {
+		t.Errorf("BanFor(2^31) = %v, want the max", got)
+	}
+	flat := &Penalty{Ban: time.Minute, Factor: 1, Max: time.Hour}
+	if got := flat.BanFor(1<<32 - 1); got != time.Minute {
+		t.Errorf("factor 1: BanFor(2^32-1) = %v, want 1m", got)
+	}
+}

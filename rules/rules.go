@@ -144,6 +144,9 @@ type Rule struct {
 	// Delay is delay: how long a token-bucket request may be held instead of refused
 	// (its tokens reserved at once); 0 when the rule has none (policies.go).
 	Delay time.Duration
+	// Penalty is penalty: escalating bans of a key this rule keeps refusing; nil when
+	// the rule has none (policies.go).
+	Penalty *Penalty
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"encoding/json"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 )
@@ -97,5 +100,72 @@ rules:
 		if got < after || got > before+time.Millisecond || r.Rules[0].WindowMs != 86_400_000 {
 			t.Fatalf("request %d: reset/retry %v, want within [%v, %v]; window_ms %d", i, got, after, before, r.Rules[0].WindowMs)
 		}
+	}
+}
+
+// TestE2EBans: a penalty rule bans a key through the real daemon; the answer says
+// banned, /bans lists it (client hashed as in the metrics), the metrics count it, and
+// DELETE /bans/{rule}/{client} lifts it.
+func TestE2EBans(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 2, per: 1h }
+    penalty: { after: 3, within: 1m, ban: 10m, factor: 2, max: 1h }
+`)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	for i := 1; i <= 5; i++ {
+		r := c.check(uint64(i), 1, "ip=1.1.1.1")
+		if r.Allowed != (i <= 2) || r.Banned != (i == 5) {
+			t.Fatalf("request %d: allowed %v banned %v", i, r.Allowed, r.Banned)
+		}
+	}
+	r := c.check(6, 1, "ip=1.1.1.1")
+	if r.Allowed || !r.Banned || !r.Rules[0].Banned || r.RetryAfterMs < 599_000 || r.RetryAfterMs > 600_000 {
+		t.Fatalf("banned check: allowed %v banned %v retry %d, want banned with about 10m left", r.Allowed, r.Banned, r.RetryAfterMs)
+	}
+	if r := c.check(7, 1, "ip=2.2.2.2"); !r.Allowed || r.Banned {
+		t.Fatal("another key is banned")
+	}
+	code, body := httpGet(t, base+"/bans")
+	var bans []struct {
+		Rule, Client string
+		LeftMs       int64 `json:"left_ms"`
+		Count        int
+	}
+	if err := json.Unmarshal([]byte(body), &bans); code != 200 || err != nil || len(bans) != 1 {
+		t.Fatalf("/bans: %d %s (%v)", code, body, err)
+	}
+	if b := bans[0]; b.Rule != "login" || !strings.HasPrefix(b.Client, "h:") || strings.Contains(body, "1.1.1.1") || b.Count != 1 || b.LeftMs < 590_000 {
+		t.Fatalf("/bans: %s, want login's ban of a hashed client, never the raw key", body)
+	}
+	_, samples := scrape(t, base)
+	if samples[`rlsidecar_bans_total{rule="login"}`] != 1 || samples[`rlsidecar_banned_keys{rule="login"}`] != 1 {
+		t.Fatalf("bans_total %v banned_keys %v, want 1 and 1", samples[`rlsidecar_bans_total{rule="login"}`], samples[`rlsidecar_banned_keys{rule="login"}`])
+	}
+	del := func(path string) int {
+		req, _ := http.NewRequest(http.MethodDelete, base+path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := del("/bans/login/ip=9.9.9.9"); code != http.StatusNotFound {
+		t.Fatalf("lifting an absent ban: %d, want 404", code)
+	}
+	if code := del("/bans/login/" + bans[0].Client); code != http.StatusNoContent {
+		t.Fatalf("lifting the ban by its hashed name: %d, want 204", code)
+	}
+	if r := c.check(8, 1, "ip=1.1.1.1"); r.Banned || r.Allowed {
+		t.Fatalf("after the lift: banned %v allowed %v, want refused by the limit only", r.Banned, r.Allowed)
+	}
+	if _, body := httpGet(t, base+"/bans"); strings.TrimSpace(body) != "[]" {
+		t.Fatalf("/bans after the lift: %s", body)
 	}
 }
