@@ -209,3 +209,28 @@ func TestBanFor(t *testing.T) {
 		t.Errorf("factor 1: BanFor(2^32-1) = %v, want 1m", got)
 	}
 }
+
+// TestPoliciesAreNotShadowed: validate's "never has an effect" warning must not name a
+// rule that differs from an earlier one only by a calendar zone or a policy.
+func TestPoliciesAreNotShadowed(t *testing.T) {
+	for _, second := range []string{
+		"    limit: { requests: 5, per: day, tz: Europe/Paris }\n",
+		"    limit: { requests: 5, per: day }\n    warn_at: 0.5\n",
+		"    limit: { requests: 5, per: day }\n    penalty: { after: 1, within: 1m, ban: 1m }\n",
+	} {
+		set, err := Parse("s.yaml", []byte("rules:\n  - name: a\n    key: ip\n    limit: { requests: 5, per: day }\n  - name: b\n    key: ip\n"+second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if w := set.Warnings(); len(w) != 0 {
+			t.Errorf("rule b (%s) reported: %v", strings.TrimSpace(second), w)
+		}
+	}
+	set, err := Parse("s.yaml", []byte("rules:\n  - name: a\n    key: ip\n    limit: { requests: 5, per: day }\n  - name: b\n    key: ip\n    limit: { requests: 5, per: day }\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(set.Warnings()) != 1 {
+		t.Error("two identical calendar rules: no warning")
+	}
+}
