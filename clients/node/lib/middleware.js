@@ -41,6 +41,13 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       }
       const h = d.headers();
       for (const k in h) res.setHeader(k, h[k]);
+      if (d.delayMs > 0) {
+        // A rule's delay: its tokens are reserved; the request waits, unless the client
+        // goes away first.
+        const timer = setTimeout(next, d.delayMs);
+        res.once('close', () => clearTimeout(timer)); // before next ran: the client went away
+        return;
+      }
       next();
     }, (e) => {
       if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {
