@@ -12,11 +12,17 @@ import (
 // bans is the local mode's ban table (a rule's penalty): per client key (which starts
 // with the rule's name), its refusals in the current `within` window and its bans. Only
 // keys a penalty rule has refused are stored; Sweep drops those that carry nothing any
-// more. Safe for concurrent use: 64 independently locked shards.
+// more. At most maxPerShard keys per shard (4,194,304 in all): past it a refused key
+// that has no record yet is not recorded (it earns no ban until a sweep makes room),
+// so a flood of distinct keys cannot grow memory without bound. Safe for concurrent
+// use: 64 independently locked shards.
 type bans struct {
-	seed   maphash.Seed
-	shards [64]banShard
+	seed        maphash.Seed
+	maxPerShard int
+	shards      [64]banShard
 }
+
+const defaultBansPerShard = 1 << 16
 
 type banShard struct {
 	mu sync.Mutex
@@ -35,7 +41,7 @@ type banEntry struct {
 }
 
 func newBans() *bans {
-	b := &bans{seed: maphash.MakeSeed()}
+	b := &bans{seed: maphash.MakeSeed(), maxPerShard: defaultBansPerShard}
 	for i := range b.shards {
 		b.shards[i].m = map[string]*banEntry{}
 	}
@@ -66,6 +72,9 @@ func (b *bans) refused(key []byte, r *rules.Rule, now int64) int64 {
 	defer sh.mu.Unlock()
 	e := sh.m[string(key)]
 	if e == nil {
+		if len(sh.m) >= b.maxPerShard {
+			return 0
+		}
 		e = &banEntry{rule: r.Name}
 		sh.m[string(key)] = e
 	}

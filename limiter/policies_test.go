@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"strconv"
 	"testing"
 	"time"
 )
@@ -186,5 +187,43 @@ rules:
 	}
 	if r := check(now, "1.1.1.1"); r.Banned {
 		t.Fatal("still banned after LiftBan")
+	}
+}
+
+// TestBansBounded: a flood of distinct refused keys stops being recorded at the cap, and
+// a key already recorded still earns its ban.
+func TestBansBounded(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    penalty: { after: 2, within: 1h, ban: 1h }
+`)
+	l.bans.maxPerShard = 2
+	var d Decision
+	check := func(ip string) *Decision {
+		in := Input{Attrs: attrs("ip=" + ip), Cost: 1}
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+	check("first")
+	check("first") // refused once: recorded
+	for i := range 1000 {
+		ip := "flood-" + strconv.Itoa(i)
+		check(ip)
+		check(ip)
+	}
+	n := 0
+	for i := range l.bans.shards {
+		n += len(l.bans.shards[i].m)
+	}
+	if n > 2*len(l.bans.shards) {
+		t.Fatalf("%d records, want at most %d", n, 2*len(l.bans.shards))
+	}
+	if r := check("first"); !r.Banned {
+		t.Fatal("a key recorded before the flood earned no ban")
 	}
 }
