@@ -123,3 +123,32 @@ func TestCalendarLimit(t *testing.T) {
 		t.Fatal(`"1d" parsed as a calendar unit`)
 	}
 }
+
+// TestCalendarOnMonotonicClock: the daemon gives the store a monotonic now and the wall
+// clock's offset from it; a calendar window still ends at the zone's wall midnight, and
+// the instants the store keeps are on the monotonic clock.
+func TestCalendarOnMonotonicClock(t *testing.T) {
+	paris, err := time.LoadLocation("Europe/Paris")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim, err := NewCalendarLimit(2, Day, paris)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wall := time.Date(2026, 3, 29, 23, 0, 0, 0, paris).UnixNano() // an hour before midnight, the day DST began
+	const mono = int64(5 * time.Second)                          // the monotonic clock: seconds since start
+	s := NewStore(Options{Shards: 1})
+	s.SetWallOffset(wall - mono)
+	ops := []Op{{Key: []byte("daily:{ip=a}"), Limit: &lim, Cost: 2}}
+	if !s.Apply(mono, ops) || ops[0].Result.Reset != int64(time.Hour) || ops[0].Result.Expires != mono+int64(time.Hour) {
+		t.Fatalf("first: %+v, want allowed, reset 1h, expiring 1h from now on the monotonic clock", ops[0].Result)
+	}
+	ops[0].Cost = 1
+	if s.Apply(mono+int64(59*time.Minute), ops) || ops[0].Result.RetryAfter != int64(time.Minute) {
+		t.Fatalf("59m later: %+v, want refused, retry after 1m", ops[0].Result)
+	}
+	if !s.Apply(mono+int64(time.Hour), ops) || ops[0].Result.Remaining != 1 {
+		t.Fatalf("at midnight: %+v, want allowed in a new day", ops[0].Result)
+	}
+}
