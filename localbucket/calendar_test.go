@@ -137,7 +137,7 @@ func TestCalendarOnMonotonicClock(t *testing.T) {
 		t.Fatal(err)
 	}
 	wall := time.Date(2026, 3, 29, 23, 0, 0, 0, paris).UnixNano() // an hour before midnight, the day DST began
-	const mono = int64(5 * time.Second)                          // the monotonic clock: seconds since start
+	const mono = int64(5 * time.Second)                           // the monotonic clock: seconds since start
 	s := NewStore(Options{Shards: 1})
 	s.SetWallOffset(wall - mono)
 	ops := []Op{{Key: []byte("daily:{ip=a}"), Limit: &lim, Cost: 2}}
