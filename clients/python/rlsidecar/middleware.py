@@ -1,6 +1,9 @@
 """WSGI and ASGI middleware: check every request, answer 429/503 or pass it on with the
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
+import asyncio
+import time
+
 from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
@@ -62,6 +65,8 @@ class WSGIMiddleware:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
+        if d.delay_ms:
+            time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         extra = list(d.headers().items())
         start = start_response
         if extra:
@@ -133,6 +138,8 @@ class ASGIMiddleware:
                         "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
             await send({"type": "http.response.body", "body": body})
             return
+        if d.delay_ms:
+            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
             try:
