@@ -138,18 +138,23 @@ class ASGIMiddleware:
                         "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
             await send({"type": "http.response.body", "body": body})
             return
-        if d.delay_ms:
-            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
-            try:
+            try:  # the delay too: a request cancelled while held frees its slot
+                await self._hold(d)
                 return await self._call(scope, receive, send, extra)
             finally:
                 try:
                     await self.client.release(d.lease)
                 except Exception:  # the lease then expires on its own
                     pass
+        await self._hold(d)
         return await self._call(scope, receive, send, extra)
+
+    @staticmethod
+    async def _hold(d):
+        if d.delay_ms:
+            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
 
     async def _call(self, scope, receive, send, extra):
         if not extra:
