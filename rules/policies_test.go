@@ -29,6 +29,8 @@ func TestPoliciesParse(t *testing.T) {
 		{"delay mode local", head + "    limit: { requests: 1, per: 1s }\n    delay: 500ms\n    mode: local\n", 0, 500 * time.Millisecond, ModeLocal, ""},
 		{"delay mode global", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: global\n", 0, 0, 0, "delay is decided in mode local only"},
 		{"delay on a window", head + "    algorithm: fixed_window\n    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 0, 0, "delay applies to token_bucket only"},
+		{"delay on concurrency", head + "    concurrency: { max: 2 }\n    delay: 5s\n", 0, 0, 0, "a concurrency rule holds leases, it has no tokens to delay"},
+		{"warn_at on concurrency", head + "    concurrency: { max: 2 }\n    warn_at: 0.5\n", 0.5, 0, ModeDefault, ""},
 		{"delay too long", head + "    limit: { requests: 1, per: 1s }\n    delay: 2h\n", 0, 0, 0, "longer than the maximum of 1h"},
 		{"delay not a duration", head + "    limit: { requests: 1, per: 1s }\n    delay: soon\n", 0, 0, 0, `"soon" is not a duration`},
 	}
