@@ -15,7 +15,8 @@ import (
 // Admin is the admin HTTP endpoint: /metrics (Prometheus text), /healthz (the process
 // answers), /readyz (rules loaded: the daemon answers every check, by the rules' failure
 // policies while Redis is away), /rules (the active rules, their version and load
-// time), /top (the clients most often rejected, per rule).
+// time), /top (the clients most often rejected, per rule), /bans (the penalty rules'
+// bans in force; DELETE /bans/{rule}/{client} lifts one, from loopback only).
 type Admin struct {
 	srv *http.Server
 	ln  net.Listener
@@ -28,6 +29,9 @@ type AdminDeps struct {
 	// StoreReachable reports whether Redis answers; nil when the daemon has none. It
 	// feeds the gauge rlsidecar_store_unreachable, never /readyz.
 	StoreReachable func() bool
+	// Now is the limiter's clock (the daemon's monotonic one), for the bans' remaining
+	// times; nil: the wall clock.
+	Now func() int64
 }
 
 // NewAdmin listens on addr (e.g. 127.0.0.1:9464).
@@ -65,8 +69,79 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	mux.HandleFunc("GET /top", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, deps.Metrics.Top())
 	})
+	if deps.Now == nil {
+		deps.Now = func() int64 { return time.Now().UnixNano() }
+	}
+	if deps.Limiter != nil {
+		deps.Metrics.SetBannedKeys(func() map[string]int { return deps.Limiter.BannedKeys(deps.Now()) })
+	}
+	mux.HandleFunc("GET /bans", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, bansDoc(deps))
+	})
+	mux.HandleFunc("DELETE /bans/{rule}/{client}", func(w http.ResponseWriter, r *http.Request) {
+		if !fromLoopback(r) {
+			http.Error(w, "lifting a ban is allowed from the loopback interface only", http.StatusForbidden)
+			return
+		}
+		rule, client := r.PathValue("rule"), r.PathValue("client")
+		if lifted := liftBan(deps, rule, client); !lifted {
+			http.Error(w, fmt.Sprintf("no ban of %q by rule %q (give the client as /bans names it, or as attr=value)", client, rule), http.StatusNotFound)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
 	a := &Admin{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln: ln}
 	return a, nil
+}
+
+// banDoc is one ban as /bans lists it: the client named as in the metrics (a keyed hash
+// unless --top-labels raw).
+type banDoc struct {
+	Rule   string `json:"rule"`
+	Client string `json:"client"`
+	LeftMs int64  `json:"left_ms"`
+	Count  uint32 `json:"count"`
+}
+
+func bansDoc(deps AdminDeps) []banDoc {
+	out := []banDoc{}
+	if deps.Limiter == nil {
+		return out
+	}
+	for _, b := range deps.Limiter.Bans(deps.Now()) {
+		out = append(out, banDoc{Rule: b.Rule, Client: deps.Metrics.ClientName(string(clientOf([]byte(b.Key)))),
+			LeftMs: int64((b.Left + time.Millisecond - 1) / time.Millisecond), Count: b.Count})
+	}
+	return out
+}
+
+// liftBan lifts the ban of client by rule; client is the name /bans gives it, or the
+// client part of the key as sent (attr=value|attr=value).
+func liftBan(deps AdminDeps, rule, client string) bool {
+	if deps.Limiter == nil {
+		return false
+	}
+	now := deps.Now()
+	for _, b := range deps.Limiter.Bans(now) {
+		if b.Rule != rule {
+			continue
+		}
+		c := string(clientOf([]byte(b.Key)))
+		if c == client || deps.Metrics.ClientName(c) == client {
+			return deps.Limiter.LiftBan(b.Key, now)
+		}
+	}
+	return false
+}
+
+// fromLoopback reports whether r comes from a loopback address.
+func fromLoopback(r *http.Request) bool {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // Addr returns the address the endpoint listens on.

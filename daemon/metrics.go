@@ -48,6 +48,7 @@ type Metrics struct {
 	funcs  []funcMetric
 	leases *limiter.Leases // the concurrency leases reported, nil: none (SetLeases)
 
+	bannedKeys          func() map[string]int // the gauge rlsidecar_banned_keys (SetBannedKeys)
 	inline              *ruleMetrics
 	reloadOK, reloadErr *metrics.Counter
 	flushOK, flushErr   *metrics.Counter
@@ -58,6 +59,7 @@ type ruleMetrics struct {
 	rule                                      *rules.Rule // of the active set
 	name                                      string
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
+	warnings, delayed, bans                   *metrics.Counter
 	top                                       *topK
 }
 
@@ -95,6 +97,9 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 		rejected:       m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`),
 		shadowRejected: m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`),
 		degrad:         m.set.NewCounter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`),
+		warnings:       m.set.NewCounter(`rlsidecar_warnings_total{rule=` + q + `}`),
+		delayed:        m.set.NewCounter(`rlsidecar_delayed_total{rule=` + q + `}`),
+		bans:           m.set.NewCounter(`rlsidecar_bans_total{rule=` + q + `}`),
 		top:            newTopK(m.topK),
 	}
 	m.byName[name] = rm
@@ -162,6 +167,25 @@ func (m *Metrics) HybridSynced(d time.Duration, keys int) {
 }
 
 // GaugeFunc and CounterFunc expose a value read at scrape time.
+// SetBannedKeys makes the gauge rlsidecar_banned_keys{rule} report f's counts of the
+// keys banned now per rule, read at each scrape.
+func (m *Metrics) SetBannedKeys(f func() map[string]int) {
+	m.mu.Lock()
+	m.bannedKeys = f
+	m.mu.Unlock()
+}
+
+// ClientName is how the metrics, /top and /bans name a client (the part of a key inside
+// its hash tag): a keyed hash unless --top-labels raw.
+func (m *Metrics) ClientName(client string) string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.topLabels == TopRaw {
+		return client
+	}
+	return ClientLabel(m.topSalt, client)
+}
+
 func (m *Metrics) GaugeFunc(name, help string, f func() float64) {
 	m.mu.Lock()
 	m.funcs = append(m.funcs, funcMetric{name, "gauge", help, f})
@@ -203,6 +227,15 @@ func (m *Metrics) Record(d *limiter.Decision) {
 		}
 		if r.Degraded {
 			rm.degrad.Inc()
+		}
+		if r.Warning {
+			rm.warnings.Inc()
+		}
+		if r.Delay > 0 {
+			rm.delayed.Inc()
+		}
+		if r.BanStarted {
+			rm.bans.Inc()
 		}
 	}
 }
@@ -384,6 +417,7 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	m.mu.Lock()
 	funcs := append([]funcMetric(nil), m.funcs...)
 	version := m.config.version
+	bannedKeys := m.bannedKeys
 	var tops []string
 	names := make([]string, 0, len(m.byName))
 	for name := range m.byName {
@@ -411,5 +445,17 @@ func (m *Metrics) writeCustom(w io.Writer) {
 		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
 	}
 	fmt.Fprintf(w, "# HELP rlsidecar_config_info The rule set in force, by version (a hash of its files).\n# TYPE rlsidecar_config_info gauge\nrlsidecar_config_info{version=%q} 1\n", version)
+	if bannedKeys != nil {
+		byRule := bannedKeys()
+		rules := make([]string, 0, len(byRule))
+		for r := range byRule {
+			rules = append(rules, r)
+		}
+		sort.Strings(rules)
+		fmt.Fprintf(w, "# HELP rlsidecar_banned_keys Keys banned now, per rule (its penalty).\n# TYPE rlsidecar_banned_keys gauge\n")
+		for _, r := range rules {
+			fmt.Fprintf(w, "rlsidecar_banned_keys{rule=%q} %d\n", r, byRule[r])
+		}
+	}
 	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
 }

@@ -705,6 +705,9 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	resp.ID = req.ID
 	resp.Allowed = d.Allowed
 	resp.Degraded = d.Degraded
+	resp.Warning = d.Warning
+	resp.DelayMs = ceilMs(d.Delay)
+	resp.Banned = d.Banned
 	for i := range d.Results {
 		r := &d.Results[i]
 		rr := proto.RuleResult{
@@ -716,6 +719,9 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 			RetryAfterMs: ceilMs(r.RetryAfter),
 			Allowed:      r.Allowed,
 			Shadow:       r.Shadow,
+			Warning:      r.Warning,
+			DelayMs:      ceilMs(r.Delay),
+			Banned:       r.Banned,
 		}
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity

@@ -40,15 +40,16 @@
 //     one lease whose id goes in Decision.Lease, and its giveBack frees it; releasing,
 //     renewing and freeing a closed connection's leases are operations on the store
 //     (Limiter.Leases), not paths through Check.
-//   - Escalating bans: a ban store consulted first (its take refuses while a ban holds,
-//     taking nothing), with the ban raised by the rule's rejection; or an algorithm in
-//     localbucket whose state carries the offence count, in which case no store changes.
-//   - Calendar windows (per day in a time zone, per month): an algorithm in localbucket
-//     (a window start computed from now and the zone), run by the local store and the
-//     Redis scripts alike; no change here beyond parsing.
-//   - Delay ("let it through after d instead of refusing"): a field of the op's Result
-//     (the wait) that the local and global algorithms fill, and a rule option; the
-//     stores and their order stay as they are.
+//   - Escalating bans (a rule's penalty, bans.go): a ban table consulted in Decide before
+//     any store (a banned op refuses the request and every store only reports), and
+//     raised after apply by the rule's refusals. Local for now; sharing bans through
+//     Redis would make it a store of its own, first in the order.
+//   - Calendar windows (per day/week/month in a time zone): localbucket.NewCalendarLimit,
+//     a fixed window whose bounds come from the zone; no change here. The Redis scripts
+//     do not carry it yet, so such rules are local (rules/policies.go).
+//   - Delay ("let it through after d instead of refusing"): localbucket.Limit.WithDelay
+//     fills Result.Delay; Decide takes the longest. The stores and their order stay.
+//   - Warnings (warn_at): computed in Decide from each allowed result's remaining.
 //
 // A new store gets a storeID before storeLocal (the failure policy "local" reroutes to
 // the local store, which therefore runs last), an adapter file, and a mapping from its

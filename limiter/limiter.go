@@ -23,12 +23,13 @@ type Limiter struct {
 	prefix      string           // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
+	bans        *bans // the penalty rules' refusals and bans (bans.go)
 }
 
 // New returns a Limiter deciding with set on store, every rule in local mode, its Redis
 // keys (once WithHybrid or WithGlobal) under rlsync.DefaultPrefix.
 func New(set *rules.Set, store *localbucket.Store) *Limiter {
-	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix}
+	l := &Limiter{buckets: store, defaultMode: rules.ModeLocal, prefix: rlsync.DefaultPrefix, bans: newBans()}
 	l.stores[storeLocal] = localStore{store}
 	l.leases = newLeases()
 	l.stores[storeLease] = leaseStore{l.leases}
@@ -190,6 +191,16 @@ type Result struct {
 	Impossible bool
 	// Degraded: a failure policy decided this check; the store it needs did not answer.
 	Degraded bool
+	// Warning: the request was allowed and, after it, the rule has used at least its
+	// warn_at fraction of its capacity (rules.Rule.WarnThreshold).
+	Warning bool
+	// Delay is how long the request must be held before it conforms to this rule (a rule
+	// with delay); 0 when it passes at once or was refused.
+	Delay time.Duration
+	// Banned: the key is banned by this rule (its penalty), either already (the check
+	// was refused without asking the store) or from this refusal on; RetryAfter is then
+	// the ban's remaining time. BanStarted: this refusal started the ban.
+	Banned, BanStarted bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -208,7 +219,14 @@ type Decision struct {
 	Allowed  bool
 	Deciding int // index in Results of the deciding rule; -1 when no rule decides
 	Degraded bool
-	Results  []Result
+	// Warning: allowed, and some non-shadow result warns (Result.Warning).
+	Warning bool
+	// Delay is how long the caller must hold an allowed request before forwarding it:
+	// the longest Delay of the non-shadow results; 0 when refused.
+	Delay time.Duration
+	// Banned: refused, and the deciding result is Banned.
+	Banned  bool
+	Results []Result
 	// Lease is the id of the lease an allowed check took, holding a slot in each
 	// concurrency rule it matched (Leases.Token makes its token); 0 when it took none.
 	Lease uint64
@@ -271,6 +289,9 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Deciding = -1
 	d.Degraded = false
 	d.Lease = 0
+	d.Warning = false
+	d.Delay = 0
+	d.Banned = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
 	d.routed = 0
@@ -343,18 +364,61 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	d.Allowed = l.apply(now, d)
+	banned := l.checkBans(now, d)
+	d.Allowed = l.apply(now, d, !banned)
 
 	for i := range d.ops {
 		o := &d.ops[i]
 		out := &d.Results[i]
 		out.Window = o.lim.Window()
+		if o.bannedUntil != 0 {
+			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
+			out.RetryAfter = time.Duration(o.bannedUntil - now)
+		} else if !out.Allowed && out.Rule != nil && out.Rule.Penalty != nil {
+			if until := l.bans.refused(o.key, out.Rule, now); until != 0 {
+				out.Banned, out.BanStarted = true, true
+				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
+			}
+		}
 		out.Degraded = o.degraded
 		if out.Rule != nil && out.Rule.Deny {
 			out.Limit, out.Remaining = 0, 0
 		}
+		if !d.Allowed || !out.Allowed {
+			out.Delay = 0 // a peek's wait, not a reservation
+			continue
+		}
+		if out.Rule != nil && out.Rule.WarnAt > 0 {
+			c := o.lim.Capacity()
+			out.Warning = c-min(out.Remaining, c) >= out.Rule.WarnThreshold(c)
+		}
+		if !out.Shadow {
+			d.Warning = d.Warning || out.Warning
+			d.Delay = max(d.Delay, out.Delay)
+		}
 	}
 	d.Deciding = deciding(d.Allowed, d.Results)
+	if r := d.DecidingResult(); r != nil && !d.Allowed {
+		d.Banned = r.Banned
+	}
+}
+
+// checkBans marks the ops whose key a penalty rule has banned at now (op.bannedUntil),
+// and reports whether one of them is not a shadow: the request is then refused without
+// taking from any store.
+func (l *Limiter) checkBans(now int64, d *Decision) bool {
+	refused := false
+	for i := range d.ops {
+		r := d.Results[i].Rule
+		if r == nil || r.Penalty == nil {
+			continue
+		}
+		o := &d.ops[i]
+		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
+			refused = true
+		}
+	}
+	return refused
 }
 
 // matchRules adds the checks of the rules of set that match attrs (part p of the input),
@@ -594,5 +658,7 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 
 // Sweep drops the state of keys that carry no information any more (full buckets,
 // windows that have passed), so memory follows the active keys. Call it periodically.
-// It also frees the concurrency leases that ran out (Leases.Sweep).
-func (l *Limiter) Sweep(now int64) int { return l.buckets.Sweep(now) + l.leases.Sweep(now) }
+// It also frees the concurrency leases that ran out (Leases.Sweep) and the bans that ended.
+func (l *Limiter) Sweep(now int64) int {
+	return l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+}

@@ -65,6 +65,9 @@ type op struct {
 	shadow   bool
 	store    storeID
 	degraded bool // a failure policy decided or rerouted it
+	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
+	// banned (Decide, checkBans).
+	bannedUntil int64
 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
@@ -93,14 +96,15 @@ func (d *Decision) report(i int, r *localbucket.Result) {
 	out.RetryAfter = time.Duration(r.RetryAfter)
 	out.Allowed = r.Allowed
 	out.Impossible = r.Impossible
+	out.Delay = time.Duration(r.Delay)
 }
 
 // apply decides the request's ops all-or-nothing across the stores, in storeID order.
 // A store that rejects leaves the later ones only reporting (skip), and the earlier ones
 // that took give back. A store that cannot decide hands its ops to their failure
-// policies (fallBack), which may reroute them to the local store.
-func (l *Limiter) apply(now int64, d *Decision) bool {
-	ok := true
+// policies (fallBack), which may reroute them to the local store. With ok false the
+// request is already refused (a ban): every store only reports.
+func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 	var took [numStores]bool
 	for id := range numStores {
 		if !d.routes(id) {

@@ -62,11 +62,47 @@ const (
 type Limit struct {
 	alg      Algorithm
 	requests uint64
-	burst    uint64 // token bucket capacity; = requests for the windows
-	window   int64  // ns, a whole number of milliseconds
-	emission int64  // token bucket: ns per token, window/requests rounded down, >= 1
-	tau      int64  // token bucket: burst*emission, the time a full bucket takes to refill
+	burst    uint64    // token bucket capacity; = requests for the windows
+	window   int64     // ns, a whole number of milliseconds
+	emission int64     // token bucket: ns per token, window/requests rounded down, >= 1
+	tau      int64     // token bucket: burst*emission, the time a full bucket takes to refill
+	delay    int64     // token bucket: how long a request may wait instead of being refused (WithDelay)
+	cal      *calendar // fixed window: its calendar unit and zone (NewCalendarLimit); nil otherwise
 }
+
+// maxDelay bounds WithDelay, keeping now + 2*tau + delay far from overflowing.
+const maxDelay = int64(24 * time.Hour)
+
+// WithDelay returns l with a delay: a token-bucket request that would be refused now but
+// would pass within d is allowed at once with [Result.Delay] set to its wait, its tokens
+// reserved now (nginx's limit_req burst without nodelay). d is clamped to [0, 24h]; the
+// windows ignore it.
+func (l Limit) WithDelay(d time.Duration) Limit {
+	if l.alg == TokenBucket {
+		l.delay = min(max(int64(d), 0), maxDelay)
+	}
+	return l
+}
+
+// WithRequests returns l with requests per window and burst (0: burst = requests)
+// instead of its own, keeping its algorithm, window, calendar and delay: a plan's or a
+// split's limit. It fails as NewLimit does.
+func (l *Limit) WithRequests(requests, burst uint64) (Limit, error) {
+	var out Limit
+	var err error
+	if l.cal != nil {
+		out, err = NewCalendarLimit(requests, l.cal.unit, l.cal.loc)
+	} else {
+		out, err = NewLimit(l.alg, requests, time.Duration(l.window), burst)
+	}
+	if err != nil {
+		return Limit{}, err
+	}
+	return out.WithDelay(time.Duration(l.delay)), nil
+}
+
+// Delay returns the delay of l in ns (see WithDelay); 0 when it has none.
+func (l *Limit) Delay() int64 { return l.delay }
 
 // stateKind identifies how a state of this limit is to be read: its algorithm and, for
 // the windows, its window (a token bucket's state, the time it is full from, means the
@@ -76,6 +112,9 @@ type Limit struct {
 func (l *Limit) stateKind() uint64 {
 	if l.alg == TokenBucket {
 		return 1
+	}
+	if l.cal != nil {
+		return l.cal.kind
 	}
 	return uint64(l.alg) + 1 | uint64(l.window)<<8
 }

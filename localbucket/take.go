@@ -43,6 +43,9 @@ type Result struct {
 	// can be dropped: taking from it then gives the same results as from a zero State.
 	// It is never before now; now itself means "already".
 	Expires int64
+	// Delay is, for an allowed request of a limit with a delay ([Limit.WithDelay]), how
+	// long the caller must hold it before it conforms: 0 when it passes at once.
+	Delay int64
 	// LimitedUntil is the instant until which a request of cost 1 on the resulting state
 	// would be rejected; 0 when such a request would pass at now (any value <= now means
 	// the key is not limited).
@@ -81,14 +84,15 @@ func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
 	default:
 		c := max(cost, 1)
 		newTat := tat + int64(c)*l.emission // c <= burst, so c*emission <= tau
-		if newTat-now <= l.tau {
+		if wait := newTat - l.tau - now; wait <= l.delay {
 			r.Allowed = true
+			r.Delay = max(wait, 0)
 			if cost > 0 {
 				tat = newTat
 				out.T = newTat
 			}
 		} else {
-			r.RetryAfter = newTat - l.tau - now
+			r.RetryAfter = wait - l.delay
 		}
 	}
 	if avail := now + l.tau - tat; avail > 0 { // negative after a limit shrank
@@ -96,7 +100,7 @@ func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
 	}
 	r.Reset = tat - now
 	r.Expires = tat
-	if lu := tat + l.emission - l.tau; lu > now {
+	if lu := tat + l.emission - l.tau - l.delay; lu > now {
 		r.LimitedUntil = lu
 	}
 	return out, r
@@ -112,8 +116,7 @@ func alignDown(t, w int64) int64 {
 }
 
 func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
-	w := l.window
-	start := alignDown(max(now, s.T), w)
+	start, end := l.fixedBounds(max(now, s.T))
 	count := s.N
 	if s.T < start {
 		count = 0
@@ -126,7 +129,7 @@ func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
 		r.Allowed = true
 		count += cost
 	default:
-		r.RetryAfter = start + w - now
+		r.RetryAfter = end - now
 	}
 	if count < l.requests {
 		r.Remaining = l.requests - count
@@ -135,10 +138,10 @@ func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
 		// Empty, but a later now before start still clamps to start.
 		r.Expires = max(start, now)
 	} else {
-		r.Reset = start + w - now
-		r.Expires = start + w
+		r.Reset = end - now
+		r.Expires = end
 		if count >= l.requests {
-			r.LimitedUntil = start + w
+			r.LimitedUntil = end
 		}
 	}
 	return State{T: start, N: count}, r

@@ -79,6 +79,9 @@ const (
 	kShadow       = "\xa6shadow"
 	kReason       = "\xa6reason"
 	kLease        = "\xa5lease"
+	kWarning      = "\xa7warning"
+	kDelayMs      = "\xa8delay_ms"
+	kBanned       = "\xa6banned"
 )
 
 func appendUintField(b []byte, k string, v uint64) []byte {
@@ -95,4 +98,19 @@ func appendBoolField(b []byte, k string, v bool) []byte {
 		return append(b, 0xc3)
 	}
 	return append(b, 0xc2)
+}
+
+// appendPolicies appends the policy fields that are set: warning, delay_ms, banned
+// (policyFields counts them for the map's length).
+func appendPolicies(b []byte, warning bool, delayMs uint64, banned bool) []byte {
+	if warning {
+		b = appendBoolField(b, kWarning, true)
+	}
+	if delayMs != 0 {
+		b = appendUintField(b, kDelayMs, delayMs)
+	}
+	if banned {
+		b = appendBoolField(b, kBanned, true)
+	}
+	return b
 }

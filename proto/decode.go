@@ -462,6 +462,12 @@ func (d *Decoder) DecodeResponse(body []byte, resp *Response) error {
 			resp.Renewed, err = d.boolean("renewed")
 		case "expires_ms":
 			resp.ExpiresMs, err = d.uint("expires_ms")
+		case "warning":
+			resp.Warning, err = d.boolean("warning")
+		case "delay_ms":
+			resp.DelayMs, err = d.uint("delay_ms")
+		case "banned":
+			resp.Banned, err = d.boolean("banned")
 		case "rules":
 			err = d.ruleResults(resp)
 		case "version":
@@ -533,6 +539,12 @@ func (d *Decoder) ruleResults(resp *Response) error {
 				rr.Shadow, err = d.boolean("rules[].shadow")
 			case "reason":
 				rr.Reason, err = d.ownedStr("rules[].reason")
+			case "warning":
+				rr.Warning, err = d.boolean("rules[].warning")
+			case "delay_ms":
+				rr.DelayMs, err = d.uint("rules[].delay_ms")
+			case "banned":
+				rr.Banned, err = d.boolean("rules[].banned")
 			default:
 				err = d.skip(key)
 			}

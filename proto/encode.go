@@ -97,7 +97,8 @@ func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 
 // EncodeCheck appends a check response frame:
 // id, allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then
-// reason when it is not empty, then lease when it is not empty.
+// reason when it is not empty, then lease when it is not empty, then warning, delay_ms and
+// banned when set (each rule's entry likewise ends with its reason, then its policy fields).
 //
 // It is the hot path's encoder, so it appends msgpack directly (appendfast.go) instead of
 // going through the msgpack.Encoder; TestEncodeCheckMatchesMsgpack checks the bytes are
@@ -105,7 +106,7 @@ func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 func (e *Encoder) EncodeCheck(r *Response) {
 	start := e.begin()
 	b := e.buf.b
-	n := 9
+	n := 9 + policyFields(r.Warning, r.DelayMs, r.Banned)
 	if r.Reason != "" {
 		n++
 	}
@@ -125,7 +126,7 @@ func (e *Encoder) EncodeCheck(r *Response) {
 	b = appendArrayLen(b, len(r.Rules))
 	for i := range r.Rules {
 		rr := &r.Rules[i]
-		m := 8
+		m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 		if rr.Reason != "" {
 			m++
 		}
@@ -141,6 +142,7 @@ func (e *Encoder) EncodeCheck(r *Response) {
 		if rr.Reason != "" {
 			b = appendStrField(b, kReason, rr.Reason)
 		}
+		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
 	}
 	if r.Reason != "" {
 		b = appendStrField(b, kReason, r.Reason)
@@ -148,6 +150,7 @@ func (e *Encoder) EncodeCheck(r *Response) {
 	if r.Lease != "" {
 		b = appendStrField(b, kLease, r.Lease)
 	}
+	b = appendPolicies(b, r.Warning, r.DelayMs, r.Banned)
 	e.buf.b = b
 	e.end(start)
 }
@@ -169,6 +172,21 @@ func (e *Encoder) EncodeRenew(id uint64, renewed bool, expiresMs uint64) {
 	e.bool(fRenewed, renewed)
 	e.uint(fExpiresMs, expiresMs)
 	e.end(start)
+}
+
+// policyFields counts the policy fields (additions to v1) that are set.
+func policyFields(warning bool, delayMs uint64, banned bool) int {
+	n := 0
+	if warning {
+		n++
+	}
+	if delayMs != 0 {
+		n++
+	}
+	if banned {
+		n++
+	}
+	return n
 }
 
 // EncodePing appends a ping response frame: id, version, protocol.

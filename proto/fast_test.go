@@ -177,8 +177,11 @@ func TestDifferentialRandom(t *testing.T) {
 func encodeCheckRef(r *Response) []byte {
 	var buf bytes.Buffer
 	e := msgpack.NewEncoder(&buf)
-	n := 9
+	n := 9 + policyFields(r.Warning, r.DelayMs, r.Banned)
 	if r.Reason != "" {
+		n++
+	}
+	if r.Lease != "" {
 		n++
 	}
 	_ = e.EncodeMapLen(n)
@@ -193,6 +196,17 @@ func encodeCheckRef(r *Response) []byte {
 			_ = e.EncodeString(v)
 		}
 	}
+	policies := func(warning bool, delayMs uint64, banned bool) {
+		if warning {
+			kv("warning", true)
+		}
+		if delayMs != 0 {
+			kv("delay_ms", delayMs)
+		}
+		if banned {
+			kv("banned", true)
+		}
+	}
 	kv("id", r.ID)
 	kv("allowed", r.Allowed)
 	kv("rule", r.Rule)
@@ -204,7 +218,7 @@ func encodeCheckRef(r *Response) []byte {
 	_ = e.EncodeString("rules")
 	_ = e.EncodeArrayLen(len(r.Rules))
 	for _, rr := range r.Rules {
-		m := 8
+		m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 		if rr.Reason != "" {
 			m++
 		}
@@ -220,10 +234,15 @@ func encodeCheckRef(r *Response) []byte {
 		if rr.Reason != "" {
 			kv("reason", rr.Reason)
 		}
+		policies(rr.Warning, rr.DelayMs, rr.Banned)
 	}
 	if r.Reason != "" {
 		kv("reason", r.Reason)
 	}
+	if r.Lease != "" {
+		kv("lease", r.Lease)
+	}
+	policies(r.Warning, r.DelayMs, r.Banned)
 	return buf.Bytes()
 }
 
@@ -242,12 +261,23 @@ func TestEncodeCheckMatchesMsgpack(t *testing.T) {
 		if rng.IntN(3) == 0 {
 			r.Reason = str()
 		}
+		if rng.IntN(3) == 0 {
+			r.Lease = str()
+		}
+		r.Warning, r.Banned = rng.IntN(3) == 0, rng.IntN(3) == 0
+		if rng.IntN(3) == 0 {
+			r.DelayMs = num()
+		}
 		nr := []int{0, 1, 2, 15, 16, 17}[rng.IntN(6)]
 		for j := 0; j < nr; j++ {
 			rr := RuleResult{Name: str(), Limit: num(), WindowMs: num(), Remaining: num(), ResetMs: num(),
 				RetryAfterMs: num(), Allowed: rng.IntN(2) == 0, Shadow: rng.IntN(2) == 0}
 			if rng.IntN(3) == 0 {
 				rr.Reason = str()
+			}
+			rr.Warning, rr.Banned = rng.IntN(3) == 0, rng.IntN(3) == 0
+			if rng.IntN(3) == 0 {
+				rr.DelayMs = num()
 			}
 			r.Rules = append(r.Rules, rr)
 		}

@@ -118,6 +118,10 @@ type RuleResult struct {
 	Allowed      bool
 	Shadow       bool
 	Reason       string // "" or ReasonCostExceedsCapacity (an addition to v1)
+	// Additions to v1, each encoded only when set (see PROTOCOL.md, "Policies"):
+	Warning bool   // allowed, and the rule has used at least its warn_at fraction
+	DelayMs uint64 // allowed, but to be held this long first (a rule with delay)
+	Banned  bool   // refused because the key is banned (a rule with penalty)
 }
 
 // Response is any response: a check answer, a ping answer or an error. A server encodes
@@ -136,6 +140,10 @@ type Response struct {
 	Rules        []RuleResult
 	Reason       string // the deciding rule's reason, "" when none (an addition to v1)
 	Lease        string // the lease an allowed check holds, "" when none (an addition to v1)
+	// Additions to v1, each encoded only when set (see PROTOCOL.md, "Policies"):
+	Warning bool   // allowed, and some non-shadow rule warns
+	DelayMs uint64 // allowed: the gateway holds the request this long before forwarding
+	Banned  bool   // refused because the key is banned by the deciding rule
 
 	// release and renew (additions to v1)
 	Released  bool

@@ -98,6 +98,15 @@ var canonResponses = []canonResponse{
 	{"check-cost-exceeds-capacity", "rejected for good: cost 20 exceeds the rule's capacity 10; retry_after_ms is 0 and reason says no retry can pass",
 		Response{ID: 6, Allowed: false, Rule: "bulk", Limit: 10, Remaining: 10, ResetMs: 0, RetryAfterMs: 0, Reason: ReasonCostExceedsCapacity,
 			Rules: []RuleResult{{Name: "bulk", Limit: 10, WindowMs: 1000, Remaining: 10, Allowed: false, Reason: ReasonCostExceedsCapacity}}}, "check"},
+	{"check-warning", "allowed; per-user (warn_at: 0.8) has used 8 of 10 after this request, so it and the answer warn",
+		Response{ID: 8, Allowed: true, Rule: "per-user", Limit: 10, Remaining: 2, ResetMs: 48000, Warning: true,
+			Rules: []RuleResult{{Name: "per-user", Limit: 10, WindowMs: 60000, Remaining: 2, ResetMs: 48000, Allowed: true, Warning: true}}}, "check"},
+	{"check-delayed", "allowed after a wait: the gateway holds the request delay_ms (1000) before forwarding; its token is reserved",
+		Response{ID: 9, Allowed: true, Rule: "queue", Limit: 1, Remaining: 0, ResetMs: 2000, DelayMs: 1000,
+			Rules: []RuleResult{{Name: "queue", Limit: 1, WindowMs: 1000, Remaining: 0, ResetMs: 2000, Allowed: true, DelayMs: 1000}}}, "check"},
+	{"check-banned", "refused: the key is banned by login (penalty); retry_after_ms is the ban's remaining time",
+		Response{ID: 10, Allowed: false, Rule: "login", Limit: 5, Remaining: 0, ResetMs: 60000, RetryAfterMs: 600000, Banned: true,
+			Rules: []RuleResult{{Name: "login", Limit: 5, WindowMs: 60000, Remaining: 0, ResetMs: 60000, RetryAfterMs: 600000, Banned: true}}}, "check"},
 	{"error-bad-request", "an error answering request 7",
 		Response{ID: 7, Err: Error{Code: CodeBadRequest, Message: `field "cost" must be an unsigned integer`}}, "error"},
 	{"error-unreadable", "an error to a request that could not be read: id 0",
@@ -301,6 +310,7 @@ func responseJSON(r *Response, kind string) map[string]any {
 		if rr.Reason != "" {
 			m["reason"] = rr.Reason
 		}
+		policiesJSON(m, rr.Warning, rr.DelayMs, rr.Banned)
 		rules = append(rules, m)
 	}
 	m := map[string]any{"id": r.ID, "allowed": r.Allowed, "rule": r.Rule, "limit": r.Limit, "remaining": r.Remaining,
@@ -311,6 +321,7 @@ func responseJSON(r *Response, kind string) map[string]any {
 	if r.Lease != "" {
 		m["lease"] = r.Lease
 	}
+	policiesJSON(m, r.Warning, r.DelayMs, r.Banned)
 	return m
 }
 
@@ -335,6 +346,19 @@ var canonLeaseResponses = []canonResponse{
 	{"not-released", "the lease was unknown, expired or already released: not an error", Response{ID: 25, Released: false}, "release"},
 	{"renewed", "the lease is live and now expires in 60 s", Response{ID: 21, Renewed: true, ExpiresMs: 60000}, "renew"},
 	{"not-renewed", "the lease was unknown, expired or released", Response{ID: 26}, "renew"},
+}
+
+// policiesJSON adds the policy fields that are set, as the encoder writes them.
+func policiesJSON(m map[string]any, warning bool, delayMs uint64, banned bool) {
+	if warning {
+		m["warning"] = true
+	}
+	if delayMs != 0 {
+		m["delay_ms"] = delayMs
+	}
+	if banned {
+		m["banned"] = true
+	}
 }
 
 // malformedFrames are bodies the server must answer with an error (and, for oversized

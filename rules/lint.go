@@ -108,6 +108,8 @@ func shadowSignature(r *Rule) string {
 	key := slices.Clone(r.Key)
 	slices.Sort(key)
 	fmt.Fprintf(&b, "|%q|%d|%d|%d|%d|%d|%v|%v", key, r.Algorithm, r.limit.Window(), r.Mode, r.OnStoreFailure, r.Split, r.SplitAuto, r.Concurrency)
+	// A calendar's zone changes its windows; a policy is an effect of its own.
+	fmt.Fprintf(&b, "|%d|%v|%d|%v|%p", r.Calendar, r.TZ, r.Delay, r.WarnAt, r.Penalty)
 	return b.String()
 }
 

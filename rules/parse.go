@@ -208,8 +208,8 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "concurrency"}
-	limitFields = []string{"requests", "per", "burst"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "concurrency", "warn_at", "delay", "penalty"}
+	limitFields = []string{"requests", "per", "burst", "tz"}
 )
 
 // rule validates one rule; it returns nil when the rule has any problem (all reported).
@@ -278,13 +278,29 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	} else {
 		var burstNode *yaml.Node
 		limitOK, burstNode = p.limit(r, limitNode, field+".limit")
+		if r.Calendar != localbucket.NoCalendar {
+			if !isNull(f["algorithm"]) && r.Algorithm != localbucket.FixedWindow {
+				p.errorf(f["algorithm"], field+".algorithm", "per: %s is a calendar window, counted by fixed_window (algorithm is %s; leave it out)", r.Calendar, r.Algorithm)
+				limitOK = false
+			}
+			r.Algorithm = localbucket.FixedWindow
+			if r.TZ == nil {
+				r.TZ = time.UTC
+			}
+		}
 		if burstNode != nil && algOK && r.Algorithm != localbucket.TokenBucket {
 			p.errorf(burstNode, field+".limit.burst", "only token_bucket has a burst (algorithm is %s)", r.Algorithm)
 			limitOK = false
 		}
 	}
 	if limitOK && algOK {
-		lim, err := localbucket.NewLimit(r.Algorithm, r.Requests, r.Per, r.Burst)
+		var lim localbucket.Limit
+		var err error
+		if r.Calendar != localbucket.NoCalendar {
+			lim, err = localbucket.NewCalendarLimit(r.Requests, r.Calendar, r.TZ)
+		} else {
+			lim, err = localbucket.NewLimit(r.Algorithm, r.Requests, r.Per, r.Burst)
+		}
 		if err != nil {
 			p.errorf(limitNode, field+".limit", "%v", err)
 			limitOK = false
@@ -351,6 +367,7 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if r.Concurrency && (r.Mode == ModeHybrid || r.Mode == ModeGlobal) {
 		p.errorf(f["mode"], field+".mode", "mode %s for a concurrency rule is not supported yet; concurrency leases are per daemon (use mode local or leave mode out)", r.Mode)
 	}
+	p.policies(r, f, field)
 
 	if len(p.errs) > before {
 		return nil
@@ -379,11 +396,27 @@ func (p *parser) limit(r *Rule, n *yaml.Node, field string) (ok bool, burst *yam
 		ok = false
 	} else if s, sok := p.str(v, field+".per"); !sok {
 		ok = false
+	} else if c, isCal := localbucket.ParseCalendar(s); isCal {
+		r.Calendar = c
+		r.Per = c.Nominal()
 	} else if d, msg := parsePer(s); msg != "" {
 		p.errorf(v, field+".per", "%s", msg)
 		ok = false
 	} else {
 		r.Per = d
+	}
+	if v := f["tz"]; !isNull(v) {
+		if s, sok := p.str(v, field+".tz"); !sok {
+			ok = false
+		} else if r.Calendar == localbucket.NoCalendar {
+			p.errorf(v, field+".tz", "a time zone applies to per: day, week or month (per is a duration here)")
+			ok = false
+		} else if loc, msg := loadZone(s); msg != "" {
+			p.errorf(v, field+".tz", "%s", msg)
+			ok = false
+		} else {
+			r.TZ = loc
+		}
 	}
 	if v := f["burst"]; !isNull(v) {
 		b, bok := p.count(v, field+".burst", " (leave burst out for burst = requests)")
@@ -426,7 +459,7 @@ func (p *parser) plans(r *Rule, n *yaml.Node, field string, build bool) map[stri
 			p.errorf(v, pf, "burst %d scaled to %d requests is too large", r.Burst, reqs)
 			continue
 		}
-		lim, err := localbucket.NewLimit(r.Algorithm, reqs, r.Per, burst)
+		lim, err := r.limit.WithRequests(reqs, burst) // the rule's window and calendar
 		if err != nil {
 			p.errorf(v, pf, "%v", err)
 			continue

@@ -13,8 +13,6 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
-
-	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
 // topPlan is a plan defined once at the top level of a rules file and applied to every
@@ -170,7 +168,7 @@ func planFor(r *Rule, pv *planValue) (*planLimit, error) {
 	if !ok {
 		return nil, fmt.Errorf("burst %d scaled to %d requests is too large", r.Burst, reqs)
 	}
-	lim, err := localbucket.NewLimit(r.Algorithm, reqs, r.Per, burst)
+	lim, err := r.limit.WithRequests(reqs, burst) // the rule's window, calendar and delay
 	if err != nil {
 		return nil, err
 	}

@@ -136,6 +136,20 @@ type Rule struct {
 	Replaces    []string
 	ReplacesIdx []int
 	replacesAt  []int // line of each name
+	// Calendar is per: day, week or month (NoCalendar for a duration): a fixed window
+	// whose boundaries are local midnights in TZ (limit.tz, default UTC). Per is then the
+	// unit's nominal length (1, 7 or 31 days).
+	Calendar localbucket.Calendar
+	TZ       *time.Location
+	// WarnAt is warn_at: the fraction of its limit (0 < WarnAt <= 1) from which an
+	// allowed check is marked as a warning; 0 when the rule has none (policies.go).
+	WarnAt float64
+	// Delay is delay: how long a token-bucket request may be held instead of refused
+	// (its tokens reserved at once); 0 when the rule has none (policies.go).
+	Delay time.Duration
+	// Penalty is penalty: escalating bans of a key this rule keeps refusing; nil when
+	// the rule has none (policies.go).
+	Penalty *Penalty
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -234,7 +248,7 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 		if l.Algorithm() == localbucket.TokenBucket {
 			burst = max(1, (l.Burst()+n-1)/n)
 		}
-		d, err := localbucket.NewLimit(l.Algorithm(), req, l.Window(), burst)
+		d, err := l.WithRequests(req, burst)
 		if err != nil {
 			return *l // a part too small to express: keep the whole (cannot happen for valid limits)
 		}

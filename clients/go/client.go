@@ -94,6 +94,10 @@ type RuleDecision struct {
 	Allowed    bool
 	Shadow     bool   // a dry-run rule: reported, never rejecting, never deciding
 	Reason     string // "" or proto.ReasonCostExceedsCapacity
+	// Policies (a rule's warn_at, delay and penalty):
+	Warning bool          // allowed, and the rule has used at least its warn_at fraction
+	Delay   time.Duration // allowed, but conforming to this rule only after this wait
+	Banned  bool          // the key is banned by this rule; RetryAfter is the ban's remaining time
 }
 
 // Decision is the answer to a check.
@@ -124,7 +128,16 @@ type Decision struct {
 	// off after failed connection attempts.
 	Unreachable bool
 	Reason      string // the deciding rule's reason: "" or proto.ReasonCostExceedsCapacity
-	Rules       []RuleDecision
+	// Warning is true when allowed and a rule has used at least its warn_at fraction of
+	// its limit: log or notify, the request still passes.
+	Warning bool
+	// Delay is, when allowed, how long to hold the request before forwarding it (a rule
+	// with delay; its tokens are already reserved). Middleware waits it.
+	Delay time.Duration
+	// Banned is true when refused because the key is banned by the deciding rule (its
+	// penalty); RetryAfter is then the ban's remaining time.
+	Banned bool
+	Rules  []RuleDecision
 	// Cause is why the client applied its Policy (nil when the sidecar decided). When
 	// Unreachable, errors.Is(Cause, ErrUnreachable) holds.
 	Cause error
@@ -384,6 +397,9 @@ func decision(r *proto.Response) Decision {
 		Degraded:   r.Degraded,
 		Reason:     r.Reason,
 		Lease:      r.Lease,
+		Warning:    r.Warning,
+		Delay:      ms(r.DelayMs),
+		Banned:     r.Banned,
 	}
 	if len(r.Rules) > 0 {
 		d.Rules = make([]RuleDecision, len(r.Rules))
@@ -399,6 +415,9 @@ func decision(r *proto.Response) Decision {
 				Allowed:    rr.Allowed,
 				Shadow:     rr.Shadow,
 				Reason:     rr.Reason,
+				Warning:    rr.Warning,
+				Delay:      ms(rr.DelayMs),
+				Banned:     rr.Banned,
 			}
 		}
 	}

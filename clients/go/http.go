@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -116,9 +117,12 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 
 // Middleware returns net/http middleware that checks every request with c:
 //
-//   - allowed: it sets the rate-limit headers (SetHeaders) and calls the next handler;
+//   - allowed: it sets the rate-limit headers (SetHeaders) and calls the next handler,
+//     after holding the request d.Delay when a rule with delay asks (nginx's limit_req
+//     without nodelay); if the request's context ends first, nothing more is written;
 //     when the decision holds a concurrency lease, it releases it when the handler
-//     returns (or panics), even if the request's context was canceled;
+//     returns (or panics), or when the request ends while held, even if the request's
+//     context was canceled;
 //   - rejected by the sidecar: 429 with Retry-After and a problem+json body (WriteRejection);
 //   - no decision from the sidecar (unreachable, slow): the Client's Policy — FailOpen calls
 //     the next handler without rate-limit headers, FailClosed answers 503 with
@@ -144,11 +148,26 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 				WriteRejection(w, &d)
 				return
 			}
-			SetHeaders(w.Header(), &d)
 			if d.Lease != "" {
 				defer func() { _, _ = d.Release(context.WithoutCancel(r.Context())) }()
 			}
+			if d.Delay > 0 && !wait(r, d.Delay) {
+				return // the client went away while its request was held
+			}
+			SetHeaders(w.Header(), &d)
 			next.ServeHTTP(w, r)
 		})
+	}
+}
+
+// wait holds r for d; false when r's context ended first.
+func wait(r *http.Request, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-r.Context().Done():
+		return false
 	}
 }

@@ -20,6 +20,7 @@ type leaseFake struct {
 	next  int
 	held  map[string]bool
 	renew uint64 // the last renew's lease_ms
+	delay uint64 // delay_ms on allowed checks (a delay rule matched beside the concurrency rule)
 }
 
 func (f *leaseFake) answer(req *proto.Request, resp *proto.Response) {
@@ -44,6 +45,7 @@ func (f *leaseFake) answer(req *proto.Request, resp *proto.Response) {
 		f.held[tok] = true
 		resp.Allowed, resp.Rule, resp.Limit, resp.Remaining, resp.Lease = true, "exports", uint64(f.max), uint64(f.max-len(f.held)), tok
 		resp.Rules = []proto.RuleResult{{Name: "exports", Limit: uint64(f.max), WindowMs: 30000, Remaining: resp.Remaining, Allowed: true}}
+		resp.DelayMs = f.delay
 	}
 }
 
@@ -113,5 +115,22 @@ func TestMiddlewareReleasesLease(t *testing.T) {
 	}()
 	if f.inFlight() != 0 {
 		t.Fatal("a panicking handler kept its lease")
+	}
+}
+
+// A request holding a lease and a delay whose client goes away while held still frees
+// its slot: the middleware arms the release before it waits.
+func TestMiddlewareReleasesLeaseWhenDelayEnds(t *testing.T) {
+	path := socketPath(t)
+	f := &leaseFake{max: 1, held: map[string]bool{}, delay: 5000}
+	startFake(t, path, f.answer)
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	called := false
+	h := Middleware(c, MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { called = true }))
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest("GET", "/export", nil).WithContext(ctx))
+	if called || f.inFlight() != 0 {
+		t.Fatalf("handler called %v, %d leases in flight after the client left during the delay; want false, 0", called, f.inFlight())
 	}
 }

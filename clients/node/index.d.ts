@@ -46,6 +46,12 @@ export declare class RuleDecision {
   readonly allowed: boolean;
   readonly shadow: boolean;
   readonly reason: '' | 'cost_exceeds_capacity' | string;
+  /** Allowed, and the rule has used at least its warn_at fraction. */
+  readonly warning: boolean;
+  /** Allowed, but conforming to this rule only after this wait (a rule's delay). */
+  readonly delayMs: number;
+  /** The key is banned by this rule (its penalty). */
+  readonly banned: boolean;
 }
 
 export interface Rejection {
@@ -75,6 +81,12 @@ export declare class Decision {
   readonly degraded: boolean;
   readonly rules: RuleDecision[];
   readonly reason: '' | 'cost_exceeds_capacity' | string;
+  /** Allowed, and a rule has used at least its warn_at fraction: log or notify. */
+  readonly warning: boolean;
+  /** Allowed: hold the request this long before forwarding it (middleware does). */
+  readonly delayMs: number;
+  /** Refused because the deciding rule bans the key; retryAfterMs is the ban's rest. */
+  readonly banned: boolean;
   /** This client applied onUnavailable: the sidecar gave no answer. */
   readonly unreachable: boolean;
   /** Why this client applied onUnavailable, else null. */

@@ -24,6 +24,9 @@ type ruleJSON struct {
 	Allowed      bool   `json:"allowed"`
 	Shadow       bool   `json:"shadow"`
 	Reason       string `json:"reason,omitempty"`
+	Warning      bool   `json:"warning,omitempty"`
+	DelayMs      uint64 `json:"delay_ms,omitempty"`
+	Banned       bool   `json:"banned,omitempty"`
 }
 
 type decisionJSON struct {
@@ -35,6 +38,9 @@ type decisionJSON struct {
 	RetryAfterMs uint64     `json:"retry_after_ms"`
 	Degraded     bool       `json:"degraded"`
 	Reason       string     `json:"reason,omitempty"`
+	Warning      bool       `json:"warning,omitempty"`
+	DelayMs      uint64     `json:"delay_ms,omitempty"`
+	Banned       bool       `json:"banned,omitempty"`
 	Rules        []ruleJSON `json:"rules"`
 }
 
@@ -60,7 +66,8 @@ func check(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	out := decisionJSON{Allowed: resp.Allowed, Rule: resp.Rule, Limit: resp.Limit, Remaining: resp.Remaining,
-		ResetMs: resp.ResetMs, RetryAfterMs: resp.RetryAfterMs, Degraded: resp.Degraded, Reason: resp.Reason, Rules: []ruleJSON{}}
+		ResetMs: resp.ResetMs, RetryAfterMs: resp.RetryAfterMs, Degraded: resp.Degraded, Reason: resp.Reason,
+		Warning: resp.Warning, DelayMs: resp.DelayMs, Banned: resp.Banned, Rules: []ruleJSON{}}
 	for _, r := range resp.Rules {
 		out.Rules = append(out.Rules, ruleJSON(r))
 	}

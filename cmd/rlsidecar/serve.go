@@ -223,7 +223,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
 	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim}
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
 		}

@@ -143,6 +143,10 @@ local function action(txn, address, policy, timeout)
     return
   end
   txn:set_priv(http.headers(d))
+  local delay = tonumber(d.delay_ms)
+  if delay and delay > 0 then
+    core.msleep(math.floor(delay)) -- a rule's delay: its tokens are reserved, the request waits
+  end
 end
 
 local function add_headers(txn)

@@ -248,7 +248,9 @@ end
 --   - rejected: 429 with Retry-After, RateLimit-Policy, RateLimit and a problem+json body,
 --     and the request ends;
 --   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
---     goes on (to proxy_pass, ...);
+--     goes on (to proxy_pass, ...), after ngx.sleep(delay_ms) when a rule with delay
+--     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
+--     by every gateway of the daemon);
 --   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
 --     answers 503 with Retry-After: 1 and a problem+json body.
 -- An error answer is logged and follows the policy. It returns the decision.
@@ -273,6 +275,10 @@ function _M.access(self)
   end
   for k, v in pairs(http.headers(d)) do
     ngx.header[k] = v
+  end
+  local delay = tonumber(d.delay_ms)
+  if delay and delay > 0 then
+    ngx.sleep(delay / 1000)
   end
   return d
 end

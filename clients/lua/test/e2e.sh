@@ -91,6 +91,11 @@ rules:
     match: { path: /login }
     key: ip
     limit: { requests: 100, per: 60s }
+  - name: queue
+    match: { path: /api/queue }
+    key: ip
+    limit: { requests: 1, per: 1s }
+    delay: 10s
 EOF
 
 sock="$tmp/rl.sock"
@@ -221,6 +226,26 @@ WANT
 
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
+
+echo "-- delay: a queue of 1 per second shared by nginx and HAProxy; each waits delay_ms"
+# timed GATEWAY PORT: one request to /api/queue; elapsed is its duration in ms.
+timed() {
+  local start end
+  start=$(date +%s%N)
+  request GET "http://127.0.0.1:$2/api/queue"
+  end=$(date +%s%N)
+  elapsed=$(((end - start) / 1000000))
+  expect "$1 /api/queue: status" "$status" 200
+}
+timed nginx "$nginx_port"
+first=$elapsed
+for gw in "nginx $nginx_port" "haproxy $hap_port" "haproxy $hap_port"; do
+  # Each next request conforms about 1 s after the one before (a lower bound: a sleep
+  # is never short; the 200 ms margin is for the first one's own time).
+  timed $gw
+  expect "${gw%% *} /api/queue: held for the delay (took ${elapsed} ms)" "$((elapsed >= 800))" 1
+done
+expect "the first /api/queue request was not held (took ${first} ms)" "$((first < 800))" 1
 
 echo "-- nginx pools its connection to the daemon"
 conns=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_connections" {print $2}')

@@ -9,7 +9,8 @@ const COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity';
 
 /** One matched rule's or inline limit's part of a Decision. Times are milliseconds. */
 class RuleDecision {
-  constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '') {
+  constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '',
+    warning = false, delayMs = 0, banned = false) {
     this.name = name;
     this.limit = limit; // requests per window
     this.windowMs = windowMs;
@@ -19,6 +20,9 @@ class RuleDecision {
     this.allowed = allowed;
     this.shadow = shadow; // a dry-run rule: reported, never rejecting, never deciding
     this.reason = reason; // '' or 'cost_exceeds_capacity'
+    this.warning = warning; // allowed, and the rule has used at least its warn_at fraction
+    this.delayMs = delayMs; // allowed, but conforming to this rule only after this wait
+    this.banned = banned; // the key is banned by this rule (its penalty)
   }
 }
 
@@ -43,6 +47,9 @@ class Decision {
     this.lease = f.lease || '';
     this.unreachable = f.unreachable === true; // the client applied onUnavailable
     this.cause = f.cause === undefined ? null : f.cause; // why (a string), else null
+    this.warning = f.warning === true; // allowed, and a rule has used at least its warn_at fraction
+    this.delayMs = f.delayMs || 0; // allowed: hold the request this long before forwarding (a rule's delay)
+    this.banned = f.banned === true; // refused: the deciding rule bans the key; retryAfterMs is the ban's rest
   }
 
   /** 200 (go on), 429 (a rule rejected) or 503 (no answer and onUnavailable 'closed'). */

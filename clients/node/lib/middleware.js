@@ -53,6 +53,13 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
         res.once('finish', release);
         res.once('close', release);
       }
+      if (d.delayMs > 0) {
+        // A rule's delay: its tokens are reserved; the request waits, unless the client
+        // goes away first.
+        const timer = setTimeout(next, d.delayMs);
+        res.once('close', () => clearTimeout(timer)); // before next ran: the client went away
+        return;
+      }
       next();
     }, (e) => {
       if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {

@@ -130,13 +130,15 @@ function decision(m) {
   if (Array.isArray(m.rules)) {
     for (const r of m.rules) {
       rules.push(new RuleDecision(str(r.name), r.limit || 0, r.window_ms || 0, r.remaining || 0, r.reset_ms || 0,
-        r.retry_after_ms || 0, r.allowed === true, r.shadow === true, str(r.reason)));
+        r.retry_after_ms || 0, r.allowed === true, r.shadow === true, str(r.reason),
+        r.warning === true, r.delay_ms || 0, r.banned === true));
     }
   }
   return new Decision({
     allowed: m.allowed === true, rule: str(m.rule), limit: m.limit || 0, remaining: m.remaining || 0,
     resetMs: m.reset_ms || 0, retryAfterMs: m.retry_after_ms || 0, degraded: m.degraded === true, rules,
     reason: str(m.reason), lease: str(m.lease),
+    warning: m.warning === true, delayMs: m.delay_ms || 0, banned: m.banned === true,
   });
 }
 

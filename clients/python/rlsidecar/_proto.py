@@ -120,12 +120,14 @@ def decision(msg):
     rules = [
         RuleDecision(_str(r.get("name", "")), r.get("limit", 0), r.get("window_ms", 0), r.get("remaining", 0),
                      r.get("reset_ms", 0), r.get("retry_after_ms", 0), r.get("allowed", False),
-                     r.get("shadow", False), _str(r.get("reason", "")))
+                     r.get("shadow", False), _str(r.get("reason", "")),
+                     r.get("warning", False), r.get("delay_ms", 0), r.get("banned", False))
         for r in (g("rules") or ())
     ]
     return Decision(g("allowed", False), _str(g("rule", "")), g("limit", 0), g("remaining", 0), g("reset_ms", 0),
                     g("retry_after_ms", 0), g("degraded", False), rules, _str(g("reason", "")),
-                    lease=_str(g("lease", "")))
+                    lease=_str(g("lease", "")), warning=g("warning", False), delay_ms=g("delay_ms", 0),
+                    banned=g("banned", False))
 
 
 def lease_message(req_id, op, lease, lease_ms=None):

@@ -17,9 +17,10 @@ class RuleDecision:
     """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
 
     __slots__ = ("name", "limit", "window_ms", "remaining", "reset_ms", "retry_after_ms", "allowed", "shadow",
-                 "reason")
+                 "reason", "warning", "delay_ms", "banned")
 
-    def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason=""):
+    def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason="",
+                 warning=False, delay_ms=0, banned=False):
         self.name = name
         self.limit = limit  # requests per window
         self.window_ms = window_ms
@@ -29,6 +30,9 @@ class RuleDecision:
         self.allowed = allowed
         self.shadow = shadow  # a dry-run rule: reported, never rejecting, never deciding
         self.reason = reason  # "" or "cost_exceeds_capacity"
+        self.warning = warning  # allowed, and the rule has used at least its warn_at fraction
+        self.delay_ms = delay_ms  # allowed, but conforming to this rule only after this wait
+        self.banned = banned  # the key is banned by this rule (its penalty)
 
     def __eq__(self, other):
         return isinstance(other, RuleDecision) and all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
@@ -56,10 +60,11 @@ class Decision:
     """
 
     __slots__ = ("allowed", "rule", "limit", "remaining", "reset_ms", "retry_after_ms", "degraded", "rules", "reason",
-                 "unreachable", "cause", "lease")
+                 "unreachable", "cause", "lease", "warning", "delay_ms", "banned")
 
     def __init__(self, allowed, rule="", limit=0, remaining=0, reset_ms=0, retry_after_ms=0, degraded=False,
-                 rules=None, reason="", unreachable=False, cause=None, lease=""):
+                 rules=None, reason="", unreachable=False, cause=None, lease="", warning=False, delay_ms=0,
+                 banned=False):
         self.allowed = allowed
         self.rule = rule  # the deciding rule; "" when nothing decided
         self.limit = limit  # the deciding rule's limit (requests per window)
@@ -74,6 +79,9 @@ class Decision:
         # The concurrency lease an allowed check holds ("" when none): one slot in each
         # concurrency rule it matched, until Client.release(lease) or its expiry.
         self.lease = lease
+        self.warning = warning  # allowed, and a rule has used at least its warn_at fraction
+        self.delay_ms = delay_ms  # allowed: hold the request this long before forwarding (a rule's delay)
+        self.banned = banned  # refused because the deciding rule bans the key; retry_after_ms is the ban's rest
 
     def __repr__(self):
         return "Decision(%s)" % ", ".join("%s=%r" % (f, getattr(self, f)) for f in self.__slots__)

@@ -1,6 +1,9 @@
 """WSGI and ASGI middleware: check every request, answer 429/503 or pass it on with the
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
+import asyncio
+import time
+
 from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
@@ -62,6 +65,8 @@ class WSGIMiddleware:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
+        if d.delay_ms:
+            time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         extra = list(d.headers().items())
         start = start_response
         if extra:
@@ -135,14 +140,21 @@ class ASGIMiddleware:
             return
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
-            try:
+            try:  # the delay too: a request cancelled while held frees its slot
+                await self._hold(d)
                 return await self._call(scope, receive, send, extra)
             finally:
                 try:
                     await self.client.release(d.lease)
                 except Exception:  # the lease then expires on its own
                     pass
+        await self._hold(d)
         return await self._call(scope, receive, send, extra)
+
+    @staticmethod
+    async def _hold(d):
+        if d.delay_ms:
+            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
 
     async def _call(self, scope, receive, send, extra):
         if not extra:

@@ -109,3 +109,43 @@ def test_async_client_and_middlewares_release(make_daemon):
             body.close()
         assert during == [0, 0, 0]
         assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+
+
+def test_lease_and_delay_together(make_daemon):
+    """One answer carries a concurrency lease and a rule's delay; an ASGI request cancelled
+    while held frees its slot."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1") + """
+  - name: queue
+    key: user
+    limit: { requests: 1, per: 10s }
+    delay: 30s
+""")
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            first = await c.check({"user": "ann"})
+            assert first.allowed and first.lease and first.delay_ms == 0
+            assert await c.release(first.lease) is True
+            second = await c.check({"user": "ann"})
+            assert second.allowed and second.lease and 9_000 <= second.delay_ms <= 10_000
+            assert await c.release(second.lease) is True
+
+            async def app(scope, receive, send):
+                raise AssertionError("reached the app while held")
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+
+            async def send(m):
+                pass
+            try:
+                await asyncio.wait_for(mw({"type": "http", "method": "GET", "path": "/"}, None, send), 0.2)
+            except asyncio.TimeoutError:
+                pass
+            else:
+                raise AssertionError("the delayed request was not held")
+            for _ in range(200):  # the release runs as the cancelled task unwinds
+                if (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+    asyncio.run(run())

@@ -1,0 +1,65 @@
+'use strict';
+// The policy fields (warning, delayMs, banned) from the real daemon, and the middleware
+// holding a delayed request.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const http = require('http');
+
+const rl = require('..');
+const { startDaemon } = require('./helpers');
+
+const RULES = `
+rules:
+  - name: quota
+    match: { path: /quota }
+    key: ip
+    algorithm: fixed_window
+    limit: { requests: 10, per: 1h }
+    warn_at: 0.8
+  - name: queue
+    match: { path: /queue }
+    key: ip
+    limit: { requests: 1, per: 300ms }
+    delay: 1s
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    penalty: { after: 2, within: 1m, ban: 10m }
+`;
+
+test('warning, delayMs and banned from the daemon', async (t) => {
+  const d = await startDaemon(t, RULES);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const warnings = [];
+  for (let i = 0; i < 10; i++) warnings.push((await c.check({ path: '/quota', ip: 'a' })).warning);
+  assert.deepEqual(warnings, [false, false, false, false, false, false, false, true, true, true]);
+  const first = await c.check({ path: '/queue', ip: 'a' });
+  const second = await c.check({ path: '/queue', ip: 'a' });
+  assert.equal(first.delayMs, 0);
+  assert.ok(second.allowed && second.delayMs >= 250 && second.delayMs <= 300, `delayMs ${second.delayMs}`);
+  assert.equal(second.rules[0].delayMs, second.delayMs);
+  const res = [];
+  for (let i = 0; i < 4; i++) res.push(await c.check({ path: '/login', ip: 'a' }));
+  assert.deepEqual(res.map((r) => r.banned), [false, false, true, true]);
+  assert.ok(res[3].retryAfterMs >= 599000 && res[3].retryAfterMs <= 600000 && res[3].rules[0].banned);
+});
+
+test('the middleware waits a delay before calling next', async (t) => {
+  const d = await startDaemon(t, RULES);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c);
+  const srv = http.createServer((req, res) => mw(req, res, () => res.end('hello')));
+  await new Promise((r) => srv.listen(0, '127.0.0.1', r));
+  t.after(() => new Promise((r) => { srv.closeAllConnections(); srv.close(r); }));
+  const url = `http://127.0.0.1:${srv.address().port}/queue`;
+  assert.equal((await fetch(url)).status, 200);
+  const start = Date.now();
+  const r = await fetch(url);
+  assert.equal(r.status, 200);
+  assert.equal(await r.text(), 'hello');
+  assert.ok(Date.now() - start >= 250, `answered after ${Date.now() - start}ms`);
+});

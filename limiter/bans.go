@@ -1,0 +1,191 @@
+package limiter
+
+import (
+	"hash/maphash"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// bans is the local mode's ban table (a rule's penalty): per client key (which starts
+// with the rule's name), its refusals in the current `within` window and its bans. Only
+// keys a penalty rule has refused are stored; Sweep drops those that carry nothing any
+// more. At most maxPerShard keys per shard (4,194,304 in all): past it a refused key
+// that has no record yet is not recorded (it earns no ban until a sweep makes room),
+// so a flood of distinct keys cannot grow memory without bound. Safe for concurrent
+// use: 64 independently locked shards.
+type bans struct {
+	seed        maphash.Seed
+	maxPerShard int
+	shards      [64]banShard
+}
+
+const defaultBansPerShard = 1 << 16
+
+type banShard struct {
+	mu sync.Mutex
+	m  map[string]*banEntry
+	_  [40]byte // keep shards on separate cache lines
+}
+
+// banEntry is one key's record under a penalty rule.
+type banEntry struct {
+	rule        string // the rule's name, for listings
+	windowStart int64  // start of the current `within` window of refusals
+	refusals    uint64 // in that window
+	bans        uint32 // bans so far, since the count last decayed
+	until       int64  // the current (or last) ban ends; 0: never banned
+	lastEnd     int64  // when the last ban ended or will end
+}
+
+func newBans() *bans {
+	b := &bans{seed: maphash.MakeSeed(), maxPerShard: defaultBansPerShard}
+	for i := range b.shards {
+		b.shards[i].m = map[string]*banEntry{}
+	}
+	return b
+}
+
+func (b *bans) shard(key []byte) *banShard {
+	return &b.shards[maphash.Bytes(b.seed, key)&63]
+}
+
+// bannedUntil returns when key's ban ends, or 0 when it is not banned at now.
+func (b *bans) bannedUntil(key []byte, now int64) int64 {
+	sh := b.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e := sh.m[string(key)]; e != nil && e.until > now {
+		return e.until
+	}
+	return 0
+}
+
+// refused records that rule r (with a penalty) refused key at now, and returns when the
+// ban this refusal starts ends (0 when it starts none).
+func (b *bans) refused(key []byte, r *rules.Rule, now int64) int64 {
+	p := r.Penalty
+	sh := b.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil {
+		if len(sh.m) >= b.maxPerShard {
+			return 0
+		}
+		e = &banEntry{rule: r.Name}
+		sh.m[string(key)] = e
+	}
+	if e.refusals == 0 || now-e.windowStart >= int64(p.Within) {
+		e.windowStart, e.refusals = now, 0
+	}
+	e.refusals++
+	if e.refusals < p.After {
+		return 0
+	}
+	if e.bans > 0 && now-e.lastEnd >= int64(p.Max) {
+		e.bans = 0 // max without a ban: the count decays
+	}
+	d := p.BanFor(e.bans)
+	e.bans++
+	e.refusals = 0
+	e.until = now + int64(d)
+	e.lastEnd = e.until
+	return e.until
+}
+
+// lift ends key's ban (and forgets its refusals and bans); it reports whether the key
+// was banned at now.
+func (b *bans) lift(key []byte, now int64) bool {
+	sh := b.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil {
+		return false
+	}
+	delete(sh.m, string(key))
+	return e.until > now
+}
+
+// sweep drops the records that carry nothing at now under set: no ban in force, no
+// refusal in the current window, and a ban count that has decayed (or a rule that no
+// longer has a penalty). It returns how many it dropped.
+func (b *bans) sweep(now int64, set *rules.Set) int {
+	pen := map[string]*rules.Penalty{}
+	for _, r := range set.Rules {
+		if r.Penalty != nil {
+			pen[r.Name] = r.Penalty
+		}
+	}
+	n := 0
+	for i := range b.shards {
+		sh := &b.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			p := pen[e.rule]
+			if e.until > now {
+				continue
+			}
+			if p != nil && ((e.refusals > 0 && now-e.windowStart < int64(p.Within)) || (e.bans > 0 && now-e.lastEnd < int64(p.Max))) {
+				continue
+			}
+			delete(sh.m, k)
+			n++
+		}
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// Ban is one ban in force, as Limiter.Bans lists it.
+type Ban struct {
+	Rule  string
+	Key   string        // the client key, rule name included: rule:{attr=value}
+	Left  time.Duration // until it ends
+	Count uint32        // bans of this key since the count last decayed, this one included
+}
+
+// Bans lists the bans in force at now (local mode), by rule then key.
+func (l *Limiter) Bans(now int64) []Ban {
+	var out []Ban
+	for i := range l.bans.shards {
+		sh := &l.bans.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			if e.until > now {
+				out = append(out, Ban{Rule: e.rule, Key: k, Left: time.Duration(e.until - now), Count: e.bans})
+			}
+		}
+		sh.mu.Unlock()
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Rule != out[j].Rule {
+			return out[i].Rule < out[j].Rule
+		}
+		return out[i].Key < out[j].Key
+	})
+	return out
+}
+
+// BannedKeys counts the keys banned at now, per rule name.
+func (l *Limiter) BannedKeys(now int64) map[string]int {
+	out := map[string]int{}
+	for i := range l.bans.shards {
+		sh := &l.bans.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.until > now {
+				out[e.rule]++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return out
+}
+
+// LiftBan ends the ban of key (a client key as Bans lists it, rule name included) and
+// reports whether it was banned at now.
+func (l *Limiter) LiftBan(key string, now int64) bool { return l.bans.lift([]byte(key), now) }
