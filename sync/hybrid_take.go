@@ -35,7 +35,15 @@ type HybridOp struct {
 // decides again. Refusing instead turned a new client's concurrent first requests into
 // 429s whatever its limit.
 func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
-	deadline := time.Now().Add(h.fetchWait)
+	// The clock is read only once a request has to wait: the common case, decided
+	// from the allowance, costs no clock read.
+	var deadline time.Time
+	expired := func() bool {
+		if deadline.IsZero() {
+			deadline = time.Now().Add(h.fetchWait)
+		}
+		return !time.Now().Before(deadline)
+	}
 	waited := false
 	for {
 		// After waiting on another request's sync, the view is fresh but that sync
@@ -44,7 +52,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 		if items != nil {
 			h.fetch(now, items)
 			ok, _, _ = h.take(now, ops, false, false)
-			if ok || !lostRace(ops) || !time.Now().Before(deadline) {
+			if ok || !lostRace(ops) || expired() {
 				return ok
 			}
 			// Redis had room, but a concurrent request on the key took what this sync
@@ -59,12 +67,12 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 			// Refused from a fresh view that had room: a concurrent request took the
 			// allowance a sync just brought. Sync this one too (once it is not busy).
 			waited = true
-			if !time.Now().Before(deadline) {
+			if expired() {
 				return ok
 			}
 			continue
 		}
-		if !time.Now().Before(deadline) {
+		if expired() {
 			ok, _, _ = h.take(now, ops, false, false)
 			return ok
 		}
