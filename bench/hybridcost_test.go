@@ -266,7 +266,7 @@ func BenchmarkHybridSIGTERM(b *testing.B) {
 	ds[0].stop()
 	exit := time.Since(start)
 	total, scanned := 0, 0
-	iter := rdb.Scan(ctx, 0, "rl:flood:*", 10000).Iterator()
+	iter := rdb.Scan(ctx, 0, "rl:flood~*", 10000).Iterator()
 	var batch []string
 	count := func() {
 		pipe := rdb.Pipeline()

@@ -58,7 +58,15 @@
 // # Redis keys
 //
 // A Redis-backed op's key is the daemon's prefix (SetRedisPrefix; default
-// rlsync.DefaultPrefix, "rl:"), then the rule name, then the client between braces, the
-// Redis Cluster hash tag: rl:per-user:{user=alice}. Inline limits use
-// rl:~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<key>}. Local keys have no prefix.
+// rlsync.DefaultPrefix, "rl:"), then the rule name, then the fingerprint of the rule's
+// algorithm and window (AppendFingerprint), then the client between braces, the Redis
+// Cluster hash tag: rl:per-user~sw1h:{user=alice}. The fingerprint is what resets a
+// rule's Redis state (and hybrid allowances) when a reload changes its algorithm or
+// window: its clients move to fresh keys and the old ones expire by their TTL; a reload
+// that changes only the limit keeps the key and the count. Every store that keys Redis
+// state by rule calls AppendFingerprint, and only the braces make a hash tag: prefix,
+// name and fingerprint never contain '{', '}' or ':'. Inline limits use
+// rl:~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<key>} (every parameter is in the
+// key already). Local keys have no prefix and no fingerprint: the local store resets a
+// state written under another kind itself.
 package limiter

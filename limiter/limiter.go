@@ -464,6 +464,11 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			d.keys = d.keys[:start]
 			continue
 		}
+		if redis {
+			// prefix, name, fingerprint, hash tag: a reload changing the rule's
+			// algorithm or window moves its clients to fresh keys (see AppendFingerprint).
+			d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
+		}
 		var fb fallback
 		if redis {
 			fb = fallback{r.OnStoreFailure, lim}

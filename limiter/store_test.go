@@ -99,7 +99,7 @@ rules:
 					r.RetryAfter != tc.want.retry || r.Limit != 3 || r.Window != time.Hour {
 					t.Errorf("remote: %+v, want allowed %v remaining %d retry %v", r, tc.want.ruleOK, tc.want.remaining, tc.want.retry)
 				}
-				if string(r.Key) != "t1:remote:{user=u}" {
+				if string(r.Key) != "t1:remote~tb1h:{user=u}" {
 					t.Errorf("remote key %q", r.Key)
 				}
 				if here.Name != "here" || here.Degraded || here.Remaining != tc.want.here || string(here.Key) != "here:{ip=i}" {
@@ -273,7 +273,7 @@ rules:
 	for _, r := range d.Results {
 		keys = append(keys, string(r.Key))
 	}
-	want := "[tenant-b:h:{user=u} tenant-b:g:{user=u} loc:{user=u} tenant-b:~inline/token_bucket/2/1000/2:{k} ~inline/token_bucket/2/1000/2:{k}]"
+	want := "[tenant-b:h~tb1s:{user=u} tenant-b:g~tb1s:{user=u} loc:{user=u} tenant-b:~inline/token_bucket/2/1000/2:{k} ~inline/token_bucket/2/1000/2:{k}]"
 	if fmt.Sprint(keys) != want {
 		t.Fatalf("keys %v\nwant %s", keys, want)
 	}

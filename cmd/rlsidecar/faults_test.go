@@ -463,7 +463,7 @@ rules:
 	sigterm(t, d, 5*time.Second)
 
 	want := hybridUp + hybridOutage + hybridBack
-	got := redisCount(t, srv.Addr, "rl:orders:{user=buyer}")
+	got := redisCount(t, srv.Addr, "rl:orders~fw366d:{user=buyer}")
 	t.Logf("admitted from grants: %d before the cut, %d during it, %d after; %d by the local fallback; Redis counts %d",
 		hybridUp, hybridOutage, hybridBack, local, got)
 	if got != want {
@@ -712,7 +712,7 @@ rules:
 	if _, err := os.Stat(d.socket); !os.IsNotExist(err) {
 		t.Fatalf("socket file left behind after SIGTERM: %v", err)
 	}
-	got := redisCount(t, srv.Addr, "rl:orders:{user=shopper}")
+	got := redisCount(t, srv.Addr, "rl:orders~fw366d:{user=shopper}")
 	t.Logf("SIGTERM under load (%d connections): exit 0 after %s; %d answered, %d admitted, Redis counts %d",
 		conns, took.Round(time.Millisecond), answered, admitted, got)
 	if degraded != 0 {

@@ -151,7 +151,7 @@ func testPrefixes(t *testing.T, rdb redis.UniversalClient, redisArgs []string) {
 			t.Fatalf("%s did not exit", n)
 		}
 	}
-	for key, want := range map[string]int{"a:synced:{account=h}": 2, "b:synced:{account=h}": 1} {
+	for key, want := range map[string]int{"a:synced~fw1h:{account=h}": 2, "b:synced~fw1h:{account=h}": 1} {
 		if got, err := rdb.HGet(ctx, key, "n").Int(); err != nil || got != want {
 			t.Errorf("%s counts %d (%v), want %d", key, got, err, want)
 		}

@@ -69,7 +69,7 @@ rules:
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	ctx := context.Background()
-	all, err := rdb.Keys(ctx, "rl:per-user:*").Result()
+	all, err := rdb.Keys(ctx, "rl:per-user~fw1h:*").Result()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +83,7 @@ rules:
 		}
 		keys = append(keys, k)
 	}
-	if len(keys) != 1 || keys[0] != "rl:per-user:{user=shared}" {
+	if len(keys) != 1 || keys[0] != "rl:per-user~fw1h:{user=shared}" {
 		t.Fatalf("keys %v", all)
 	}
 	n, err := rdb.HGet(ctx, keys[0], "n").Int()
@@ -111,7 +111,7 @@ func TestE2ERedisPasswordStaysSecret(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, Password: secret})
 	defer rdb.Close()
 	deadline := time.Now().Add(5 * time.Second)
-	for rdb.Exists(context.Background(), "rl:per-user:{user=pw-test}").Val() != 1 {
+	for rdb.Exists(context.Background(), "rl:per-user~tb1m:{user=pw-test}").Val() != 1 {
 		if time.Now().After(deadline) {
 			t.Fatalf("no key in Redis: the daemon did not authenticate\n%s", d.stderr.String())
 		}
@@ -268,7 +268,7 @@ rules:
 	rdb := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
 	defer rdb.Close()
 	for user, n := range admitted {
-		key := "rl:per-user:{" + user + "}"
+		key := "rl:per-user~fw1h:{" + user + "}"
 		got, err := rdb.HGet(context.Background(), key, "n").Int()
 		if err != nil || got != n {
 			t.Errorf("%s: Redis counts %d (%v), daemons admitted %d", key, got, err, n)
