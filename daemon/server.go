@@ -6,9 +6,13 @@
 // no further complete frame is waiting: pipelined requests cost one read and one write per
 // batch, a lone request one of each. A check that waits on Redis (a global-mode rule) is
 // decided on a goroutine of its own, so the Redis round trips of one pipelined connection
-// overlap; the answers after it wait in order behind it, and are written once it is
-// decided. Every other check is decided inline, with no goroutine and no lock of the
-// connection's.
+// overlap; the answers after it wait in order behind it. The connection's goroutine does
+// not wait for them: it hands the batch over (the write queue) and reads on, and whichever
+// goroutine completes the oldest waiting check writes every answer that is then ready, in
+// request order, with one writev. So a pipelined client's next requests are read and sent
+// to Redis while the earlier ones are decided, and no goroutine is added per connection.
+// Every other check is decided inline, with no goroutine and no lock of the connection's
+// while nothing waits on Redis.
 package daemon
 
 import (
@@ -20,6 +24,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -312,30 +317,50 @@ type conn struct {
 	answered int
 	arrived  int64
 
-	// pending are the checks waiting on Redis, in request order; answers read after the
-	// first of them go to the tail of the last one, so answers leave in request order.
-	// Empty on the fast path (local and hybrid checks are answered inline into enc).
+	// pending are this batch's checks waiting on Redis, in request order, not yet handed
+	// to the write queue; answers read after the first of them go to the tail of the last
+	// one, so answers leave in request order. Empty on the fast path (local and hybrid
+	// checks are answered inline into enc).
 	pending []*pending
-	spare   []*pending  // finished ones, for reuse
-	bufs    net.Buffers // the write of a flush with pending checks
+	spare   []*pending // written ones, for reuse (the connection's goroutine's)
+
+	// The write queue, shared with the deciding goroutines: under wmu.
+	wmu     sync.Mutex
+	wcond   sync.Cond   // signalled when the queue shrinks (L is &wmu)
+	queue   []*pending  // handed over, not yet written, in request order
+	free    []*pending  // written, for spare
+	werr    error       // the first failed write: the connection is done
+	writing bool        // a deciding goroutine is about to write what is ready
+	bufs    net.Buffers // the write in progress
 	bufsArr [][]byte    // bufs' backing array, reused
+	// queued is len(queue), stored once the writes of the entries taken off it are done:
+	// 0 means no other goroutine writes, so the fast path writes without wmu.
+	queued   atomic.Int32
+	wfailed  atomic.Bool    // werr is set
+	deciding sync.WaitGroup // the deciding goroutines
 }
 
 // pending is one check decided off the connection's goroutine because it waits on Redis
-// (a global-mode rule), so that a pipelined connection's Redis round trips overlap.
+// (a global-mode rule), so that a pipelined connection's Redis round trips overlap. In
+// the write queue, an entry may also be answers decided inline (fin from the start, enc
+// holding them).
 type pending struct {
 	body []byte // a copy of the frame body: req's strings alias it
 	req  proto.Request
 	in   limiter.Input
 	dcs  limiter.Decision
 	resp proto.Response
-	enc  *proto.Encoder // the answer, written by the deciding goroutine before done
+	enc  *proto.Encoder // the answer, written by the deciding goroutine before fin
 	tail *proto.Encoder // the answers of the frames after it, written by the connection
-	done chan struct{}
+	fin  bool           // enc holds the answer (under wmu)
+	// n answers (its own and its tail's), the frames of which arrived at arrived: the
+	// latency histogram is fed when they are written.
+	n       int
+	arrived int64
 }
 
-// maxPending bounds the checks in flight on Redis per connection; past it the connection
-// waits for them before reading further.
+// maxPending bounds the checks in flight on Redis per connection (handed over or not);
+// past it the connection waits for the oldest before reading further.
 const maxPending = 64
 
 // out is the encoder the next inline answer goes to: the output buffer, or after a
@@ -347,12 +372,9 @@ func (cn *conn) out() *proto.Encoder {
 	return cn.enc
 }
 
-// wait blocks until every pending check is decided.
-func (cn *conn) wait() {
-	for _, p := range cn.pending {
-		<-p.done
-	}
-}
+// wait blocks until every deciding goroutine is done, and with them every write of the
+// answers handed over.
+func (cn *conn) wait() { cn.deciding.Wait() }
 
 const readBufSize = 16 << 10
 
@@ -360,6 +382,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
 	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn.wcond.L = &cn.wmu
 	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
@@ -465,8 +488,8 @@ func (cn *conn) awaitFrame() error {
 }
 
 func (cn *conn) flush() error {
-	if len(cn.pending) > 0 {
-		return cn.flushPending()
+	if len(cn.pending) > 0 || cn.queued.Load() > 0 || cn.wfailed.Load() {
+		return cn.handOver()
 	}
 	if cn.enc.Len() == 0 {
 		return nil
@@ -483,32 +506,95 @@ func (cn *conn) flush() error {
 	return err
 }
 
-// flushPending waits for the pending checks and writes every answer, in request order,
-// with one writev.
-func (cn *conn) flushPending() error {
-	cn.wait()
-	cn.bufs = append(cn.bufsArr[:0], cn.enc.Bytes())
-	for _, p := range cn.pending {
+// handOver queues the answers of this batch behind those already queued (the inline
+// ones as an entry of their own when something is queued before them), writes what is
+// ready, and returns without waiting for the rest: the goroutine that decides the oldest
+// waiting check writes it and what follows it. While maxPending checks are queued it
+// waits for the oldest. It returns the error of a failed write, queued or not.
+func (cn *conn) handOver() error {
+	var lead *pending // the inline answers before the batch's first waiting check
+	if cn.enc.Len() > 0 {
+		lead = cn.take()
+		lead.enc, cn.enc = cn.enc, lead.enc
+		lead.n, lead.arrived, lead.fin = cn.answered, cn.arrived, true
+		cn.answered = 0
+	}
+	cn.wmu.Lock()
+	defer cn.wmu.Unlock()
+	if lead != nil {
+		cn.queue = append(cn.queue, lead)
+	}
+	cn.queue = append(cn.queue, cn.pending...)
+	clear(cn.pending)
+	cn.pending = cn.pending[:0]
+	cn.queued.Store(int32(len(cn.queue)))
+	cn.writeReady()
+	for len(cn.queue) >= maxPending && cn.werr == nil {
+		cn.wcond.Wait()
+	}
+	return cn.werr
+}
+
+// writeReady writes, with one writev, the answers at the head of the queue that are
+// decided, and takes them off it. Under wmu.
+func (cn *conn) writeReady() {
+	k := 0
+	cn.bufs = cn.bufsArr[:0]
+	for k < len(cn.queue) && cn.queue[k].fin {
+		p := cn.queue[k]
 		cn.bufs = append(cn.bufs, p.enc.Bytes(), p.tail.Bytes())
+		k++
+	}
+	if k == 0 {
+		return
 	}
 	cn.bufsArr = cn.bufs[:0]
 	if m := cn.s.cfg.Metrics; m != nil {
-		m.Answered(cn.answered, cn.arrived, cn.s.now())
-		cn.answered = 0
+		now := cn.s.now()
+		for _, p := range cn.queue[:k] {
+			m.Answered(p.n, p.arrived, now)
+		}
 	}
-	err := cn.setWriteDeadline()
-	if err == nil {
-		_, err = cn.bufs.WriteTo(cn.c)
+	if cn.werr == nil {
+		err := cn.setWriteDeadline()
+		if err == nil {
+			_, err = cn.bufs.WriteTo(cn.c)
+		}
+		if err != nil {
+			cn.werr = err
+			cn.wfailed.Store(true)
+			// Wake the connection's goroutine if it waits for room, and stop its reads:
+			// the connection is done.
+			_ = cn.c.SetReadDeadline(time.Unix(1, 0))
+		}
 	}
-	cn.enc.Reset()
-	for _, p := range cn.pending {
+	for _, p := range cn.queue[:k] {
 		p.enc.Reset()
 		p.tail.Reset()
-		cn.spare = append(cn.spare, p)
+		p.fin = false
+		cn.free = append(cn.free, p)
 	}
-	clear(cn.pending)
-	cn.pending = cn.pending[:0]
-	return err
+	n := copy(cn.queue, cn.queue[k:])
+	clear(cn.queue[n:])
+	cn.queue = cn.queue[:n]
+	cn.queued.Store(int32(n))
+	cn.wcond.Broadcast()
+}
+
+// take returns a pending entry to fill: a written one when there is one.
+func (cn *conn) take() *pending {
+	if len(cn.spare) == 0 {
+		cn.wmu.Lock()
+		cn.spare, cn.free = cn.free, cn.spare
+		cn.wmu.Unlock()
+	}
+	if n := len(cn.spare); n > 0 {
+		p := cn.spare[n-1]
+		cn.spare[n-1] = nil
+		cn.spare = cn.spare[:n-1]
+		return p
+	}
+	return &pending{enc: proto.NewEncoder(), tail: proto.NewEncoder()}
 }
 
 const flushAt = 32 << 10
@@ -535,7 +621,7 @@ func (cn *conn) loop() error {
 		}
 		n := int(proto.FrameLength(hdr))
 		if n > maxFrame {
-			cn.enc.EncodeError(0, proto.CodeFrameTooLarge,
+			cn.out().EncodeError(0, proto.CodeFrameTooLarge,
 				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", n, maxFrame))
 			_ = cn.flush()
 			return nil
@@ -571,10 +657,14 @@ func (cn *conn) loop() error {
 		if cn.waited {
 			now, cn.waited = cn.s.now(), false
 		}
-		if cn.answered == 0 {
-			cn.arrived = now
+		if n := len(cn.pending); n > 0 {
+			cn.pending[n-1].n++ // answered into its tail, unless it is a waiting check
+		} else {
+			if cn.answered == 0 {
+				cn.arrived = now
+			}
+			cn.answered++
 		}
-		cn.answered++
 		cn.handle(body, now)
 		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
 			return err
@@ -660,14 +750,15 @@ func (cn *conn) check(body []byte, now int64) {
 // goCheck decides the check in body on a goroutine of its own, answering into a pending
 // slot that the next flush writes in order.
 func (cn *conn) goCheck(body []byte, now int64) {
-	var p *pending
-	if n := len(cn.spare); n > 0 {
-		p = cn.spare[n-1]
-		cn.spare = cn.spare[:n-1]
+	p := cn.take()
+	// This frame was counted as answered inline (into the tail before it, or into enc):
+	// it moves to its own entry.
+	if n := len(cn.pending); n > 0 {
+		cn.pending[n-1].n--
 	} else {
-		p = &pending{enc: proto.NewEncoder(), tail: proto.NewEncoder()}
+		cn.answered--
 	}
-	p.done = make(chan struct{})
+	p.n, p.arrived = 1, now
 	// The body is in the read buffer, which the next read overwrites: decide on a copy.
 	p.body = append(p.body[:0], body...)
 	if err := cn.dec.DecodeRequest(p.body, &p.req); err != nil {
@@ -677,13 +768,31 @@ func (cn *conn) goCheck(body []byte, now int64) {
 	p.dcs.Owner = cn.id
 	cn.pending = append(cn.pending, p)
 	lim := cn.s.lim
+	cn.deciding.Add(1)
 	go func() {
-		defer close(p.done)
+		defer cn.deciding.Done()
 		_, err := lim.Prepare(&p.in, &p.dcs)
 		if err == nil {
 			lim.Decide(now, &p.dcs)
 		}
 		cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
+		cn.wmu.Lock()
+		p.fin = true // p may be written (and reused) from here: not touched again below
+		if cn.writing || len(cn.queue) == 0 || !cn.queue[0].fin {
+			// Someone is about to write, or the oldest answer is not ready.
+			cn.wmu.Unlock()
+			return
+		}
+		// Checks sent to Redis together come back together: let the others decided by
+		// the same reply finish first, so that one writev carries them all rather than
+		// one write each.
+		cn.writing = true
+		cn.wmu.Unlock()
+		runtime.Gosched()
+		cn.wmu.Lock()
+		cn.writing = false
+		cn.writeReady()
+		cn.wmu.Unlock()
 	}()
 }
 
