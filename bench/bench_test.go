@@ -75,6 +75,11 @@ func startServerAt(tb testing.TB, name, sockName string, args ...string) *server
 			args = append(args, "--cpuprofile", prof) // profile the daemon under the benchmark's load
 		}
 		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--admin=", "--log-level", "warn"}, args...)...)
+		if n := os.Getenv("RLSIDECAR_BENCH_NICE"); n != "" {
+			// Run the daemon at this niceness (negative: priority over the load
+			// generators and other jobs, as systemd Nice= would give it; needs root).
+			cmd = exec.Command("nice", append([]string{"-n", n}, cmd.Args...)...)
+		}
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
