@@ -72,16 +72,23 @@ func startGlobalServer(t *testing.T) *Server {
 
 // A client keeping many checks in flight on one connection, global ones (decided on
 // goroutines that write the answers themselves) among local ones and pings, while the
-// connection reads on: every answer arrives once, in request order. Run under -race it
-// also checks the write queue shared by the connection and the deciding goroutines.
+// connection reads on: every answer arrives once, in request order. With 200 in flight
+// the connection also waits for room (maxPending). Run under -race it also checks the
+// write queue shared by the connection and the deciding goroutines.
 func TestGlobalPipelineAnswersInOrder(t *testing.T) {
+	for _, inflight := range []int{1, 48, 200} {
+		t.Run(fmt.Sprint("inflight=", inflight), func(t *testing.T) { testGlobalPipelineInOrder(t, inflight) })
+	}
+}
+
+func testGlobalPipelineInOrder(t *testing.T, inflight int) {
 	s := startGlobalServer(t)
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	const total, inflight = 3000, 48
+	const total = 3000
 	kind := func(i int) string {
 		switch {
 		case i%7 == 3:
