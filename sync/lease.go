@@ -188,6 +188,45 @@ func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (boo
 	return freed, firstErr
 }
 
+// ReleaseAll frees the parts of several leases (parts[i] of ids[i]) in one pipeline,
+// and returns how many leases it freed a live part of, with the first error.
+func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) (int, error) {
+	if !g.breaker.Allow() {
+		return 0, ErrBreakerOpen
+	}
+	var calls []call
+	var of []int // lease of each call
+	for i, id := range ids {
+		for _, c := range g.partCalls("r", id, parts[i], false) {
+			calls = append(calls, c)
+			of = append(of, i)
+		}
+	}
+	if len(calls) == 0 {
+		return 0, nil
+	}
+	run(ctx, g.rdb, leaseScript, calls)
+	freed := make([]bool, len(ids))
+	var firstErr error
+	for k := range calls {
+		n, err := calls[k].cmd.Int64()
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("lease release: %w", err)
+			}
+			continue
+		}
+		freed[of[k]] = freed[of[k]] || n > 0
+	}
+	n := 0
+	for _, f := range freed {
+		if f {
+			n++
+		}
+	}
+	return n, firstErr
+}
+
 // Renew extends each live part of lease id to its Lease from now (Redis time) and
 // reports whether any part was live, and the shortest lease it set.
 func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool, time.Duration, error) {
