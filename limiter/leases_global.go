@@ -107,8 +107,17 @@ func (ls *Leases) renewedGlobal(id string, expires int64) {
 	}
 }
 
-// takeOwnerGlobal forgets the global leases of owner, counting their parts as closed,
-// and returns them for releasing in Redis.
+// countGlobal counts each part of gl with count.
+func (ls *Leases) countGlobal(gl *globalLease, count func(*LeaseStats)) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, st := range gl.stats {
+		count(st)
+	}
+}
+
+// takeOwnerGlobal forgets the global leases of owner and returns them for releasing in
+// Redis (releaseAll counts those it frees as closed).
 func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 	if owner == 0 {
 		return nil
@@ -124,7 +133,7 @@ func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 		out = append(out, gl)
 	}
 	for _, gl := range out {
-		ls.untrackLocked(gl, func(s *LeaseStats) { s.Closed++ })
+		ls.untrackLocked(gl, nil)
 	}
 	return out
 }

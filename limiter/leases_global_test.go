@@ -394,3 +394,18 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 	}
 	_ = tok
 }
+
+// A global lease whose token would exceed what a release may carry (client keys of
+// kilobytes) is not taken: the rule's on_store_failure decides, degraded.
+func TestGlobalLeaseTokenTooLong(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, "rules:\n  - name: c\n    key: user\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 1200)), Cost: 1}, 0)
+	if !ok || len(tok) > 2048 || d.Degraded {
+		t.Fatalf("1200-byte user: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
+	}
+	ok, tok, d = acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 2100)), Cost: 1}, 0)
+	if ok || tok != "" || !d.Degraded {
+		t.Fatalf("2100-byte user: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
+	}
+}

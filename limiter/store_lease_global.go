@@ -5,9 +5,11 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/binary"
+	"errors"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
@@ -62,6 +64,9 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 			Lease: o.lim.Window(), Take: o.cost > 0, Shadow: o.shadow})
 		n.at = append(n.at, i)
 	}
+	if s.tokenLen(d, n) > maxGlobalToken {
+		return false, errTokenTooLong
+	}
 	var raw [leaseIDBytes]byte
 	_, _ = rand.Read(raw[:]) // never fails (crypto/rand)
 	id := base64.RawURLEncoding.EncodeToString(raw[:])
@@ -113,6 +118,27 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	return true, nil
 }
 
+// maxGlobalToken bounds a global lease's token: what a release or renew request may
+// carry (proto.MaxLeaseLen), less room for a local token joined to it.
+const maxGlobalToken = proto.MaxLeaseLen - 64
+
+// errTokenTooLong makes a check whose global lease's token would be too long (its
+// client keys are) fall to its rules' on_store_failure, as if Redis could not decide.
+var errTokenTooLong = errors.New("global lease: client keys too long for a lease token")
+
+// tokenLen returns the length of the token of a lease taking every op of n that takes.
+func (s *globalLeaseStore) tokenLen(d *Decision, n *native[rlsync.LeaseOp]) int {
+	raw := 2 + leaseIDBytes
+	for k, i := range n.at {
+		if lo := &n.ops[k]; lo.Take {
+			name := len(d.Results[i].Rule.Name)
+			client := len(lo.Key) - len(s.lim.prefix) - name - 3
+			raw += 2*binary.MaxVarintLen16 + name + client
+		}
+	}
+	return 1 + base64.RawURLEncoding.EncodedLen(raw)
+}
+
 // clientOf returns the client part of key, a concurrency rule's Redis key: what is
 // between the braces of prefix + rule + ":{" + client + "}".
 func (s *globalLeaseStore) clientOf(key string, r *rules.Rule) string {
@@ -146,7 +172,7 @@ func (s *globalLeaseStore) skip(int64, *Decision) {}
 // is not an escaped client key. So a forged token can only address the sorted set of a
 // global concurrency rule, inside its hash tag.
 func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync.LeasePart, rs []*rules.Rule, ok bool) {
-	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > 16<<10 {
+	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > proto.MaxLeaseLen {
 		return "", nil, nil, false
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
@@ -257,8 +283,9 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 	return true, in
 }
 
-// releaseAll frees the global leases gls (a closed connection's) in Redis, on one
-// bounded context, and reports how many it freed.
+// releaseAll frees the global leases gls (a closed connection's, no longer tracked) in
+// Redis, on one bounded context, counts those it freed as closed (the others were
+// released through another daemon, or expired), and reports how many it freed.
 func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
@@ -267,7 +294,14 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	for i, gl := range gls {
 		ids[i], parts[i] = gl.id, gl.parts
 	}
-	n, _ := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	freed, _ := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	n := 0
+	for i, f := range freed {
+		if f {
+			n++
+			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
+		}
+	}
 	return n
 }
 

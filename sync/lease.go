@@ -189,10 +189,11 @@ func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (boo
 }
 
 // ReleaseAll frees the parts of several leases (parts[i] of ids[i]) in one pipeline,
-// and returns how many leases it freed a live part of, with the first error.
-func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) (int, error) {
+// and reports for each lease whether it freed a live part of it, with the first error.
+func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) ([]bool, error) {
+	freed := make([]bool, len(ids))
 	if !g.breaker.Allow() {
-		return 0, ErrBreakerOpen
+		return freed, ErrBreakerOpen
 	}
 	var calls []call
 	var of []int // lease of each call
@@ -203,10 +204,9 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 	}
 	if len(calls) == 0 {
-		return 0, nil
+		return freed, nil
 	}
 	run(ctx, g.rdb, leaseScript, calls)
-	freed := make([]bool, len(ids))
 	var firstErr error
 	for k := range calls {
 		n, err := calls[k].cmd.Int64()
@@ -218,13 +218,7 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 		freed[of[k]] = freed[of[k]] || n > 0
 	}
-	n := 0
-	for _, f := range freed {
-		if f {
-			n++
-		}
-	}
-	return n, firstErr
+	return freed, firstErr
 }
 
 // Renew extends each live part of lease id to its Lease from now (Redis time) and

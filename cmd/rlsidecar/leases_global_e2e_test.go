@@ -59,6 +59,13 @@ func TestE2EGlobalLeasesTwoDaemons(t *testing.T) {
 			t.Fatalf("forged %q: %+v; want released false, no error", tok, r)
 		}
 	}
+	// A long client key (a 300-byte user id) makes a long token: still released.
+	long := []string{"path=/v1/exports/1", "user=" + strings.Repeat("u", 300)}
+	if r := c1.check(15, 1, long...); !r.Allowed || len(r.Lease) < 300 {
+		t.Fatalf("long user: %+v", r)
+	} else if rr := c2.leaseOp(16, proto.OpRelease, r.Lease, 0); !rr.Released || rr.IsError() {
+		t.Fatalf("release of a %d-byte token: %+v", len(r.Lease), rr)
+	}
 	if r := c1.leaseOp(20, proto.OpRenew, leases[1], 90000); !r.Renewed || r.ExpiresMs != 90000 {
 		t.Fatalf("renew through d1 of d2's lease: %+v", r)
 	}
