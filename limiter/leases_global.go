@@ -138,7 +138,8 @@ func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 	return out
 }
 
-// dueGlobal returns the tracked global leases whose first part was due to expire by now.
+// dueGlobal returns the tracked global leases whose first part was due to expire by now,
+// at most maxDue of them (the next sweep takes the rest).
 func (ls *Leases) dueGlobal(now int64) []*globalLease {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
@@ -146,10 +147,16 @@ func (ls *Leases) dueGlobal(now int64) []*globalLease {
 	for _, gl := range ls.global {
 		if gl.expires <= now {
 			due = append(due, gl)
+			if len(due) == maxDue {
+				break
+			}
 		}
 	}
 	return due
 }
+
+// maxDue bounds the global leases one sweep asks Redis about (one pipeline).
+const maxDue = 10000
 
 // settleGlobal updates the tracking of gl from Redis's view of its parts (LeaseState):
 // a live part keeps it tracked (renewed through another daemon); else it is forgotten,

@@ -318,16 +318,21 @@ func (s *globalLeaseStore) sweep(now int64) int {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
+	ids := make([]string, len(due))
+	parts := make([][]rlsync.LeasePart, len(due))
+	for i, gl := range due {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts) // one pipeline
 	n := 0
-	for _, gl := range due {
-		left, present, err := s.g.LeaseState(ctx, gl.id, gl.parts)
-		if err != nil {
+	for i, gl := range due {
+		if err != nil || st[i].Err != nil {
 			if now-gl.expires > int64(rlsync.LeaseGrace) {
 				s.ls.untrack(gl, nil) // Redis has dropped it by now, whatever it was
 			}
 			continue
 		}
-		n += s.ls.settleGlobal(gl, now, left, present)
+		n += s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
 	}
 	return n
 }

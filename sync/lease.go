@@ -252,16 +252,49 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 }
 
 // LeaseState reports, for each part of lease id, how long until it expires by Redis's
-// clock: negative once expired, and absent (ok false) when no member holds it any more
-// (released, or expired more than [LeaseGrace] ago). Nothing changes.
+// clock: negative once expired, and absent (present false) when no member holds it any
+// more (released, or expired more than [LeaseGrace] ago). Nothing changes.
 func (g *Global) LeaseState(ctx context.Context, id string, parts []LeasePart) (left []time.Duration, present []bool, err error) {
-	if !g.breaker.Allow() {
-		return nil, nil, ErrBreakerOpen
+	st, err := g.LeaseStates(ctx, []string{id}, [][]LeasePart{parts})
+	if err != nil {
+		return nil, nil, err
 	}
-	groups := g.leaseGroups(len(parts), func(i int) string { return parts[i].Key })
-	calls := g.partCalls("q", id, parts, false)
-	run(ctx, g.rdb, leaseScript, calls)
-	left, present = make([]time.Duration, len(parts)), make([]bool, len(parts))
+	return st[0].Left, st[0].Present, st[0].Err
+}
+
+// PartsState is one lease's answer to [Global.LeaseStates].
+type PartsState struct {
+	Left    []time.Duration // per part: until it expires (negative: expired)
+	Present []bool          // per part: a member still holds it
+	Err     error           // the lease's query failed
+}
+
+// LeaseStates is [Global.LeaseState] for several leases (parts[i] of ids[i]) in one
+// pipeline. The error is the breaker's; each lease's own is in its PartsState.
+func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeasePart) ([]PartsState, error) {
+	if !g.breaker.Allow() {
+		return nil, ErrBreakerOpen
+	}
+	var calls []call
+	first := make([]int, len(ids)+1) // lease i's calls are calls[first[i]:first[i+1]]
+	for i, id := range ids {
+		first[i] = len(calls)
+		calls = append(calls, g.partCalls("q", id, parts[i], false)...)
+	}
+	first[len(ids)] = len(calls)
+	if len(calls) > 0 {
+		run(ctx, g.rdb, leaseScript, calls)
+	}
+	out := make([]PartsState, len(ids))
+	for i := range ids {
+		out[i].Left, out[i].Present, out[i].Err = parseStates(calls[first[i]:first[i+1]], g.leaseGroups(len(parts[i]), func(k int) string { return parts[i][k].Key }), len(parts[i]))
+	}
+	return out, nil
+}
+
+// parseStates reads the query replies of one lease's calls (one per group).
+func parseStates(calls []call, groups [][]int, n int) (left []time.Duration, present []bool, err error) {
+	left, present = make([]time.Duration, n), make([]bool, n)
 	for gi, idx := range groups {
 		v, err := calls[gi].cmd.Int64Slice()
 		if err == nil && len(v) != len(idx)+1 {
