@@ -409,3 +409,34 @@ func TestGlobalLeaseTokenTooLong(t *testing.T) {
 		t.Fatalf("2100-byte user: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
 	}
 }
+
+// A global rate rule and a global concurrency rule on one request: when the lease is
+// refused (full), the rate rule's take is refunded (refund.lua): nothing consumed. They
+// are two script calls, not one: the refund path restores all-or-nothing.
+func TestGlobalLeaseRefundsGlobalRate(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: global
+  - name: slots
+    key: user
+    concurrency: { max: 1 }
+    mode: global
+`, "rl:")
+	in := &Input{Attrs: attrs("user=kim"), Cost: 1}
+	if ok, _, _ := acquire(t, l, in, 0); !ok {
+		t.Fatal("first refused")
+	}
+	for range 3 {
+		if ok, _, d := acquire(t, l, in, 0); ok || d.Results[1].Allowed {
+			t.Fatalf("allowed with the slot held: %+v", d.Results)
+		}
+	}
+	_, _, d := acquire(t, l, &Input{Attrs: attrs("user=kim"), Cost: 0}, 0)
+	if r := d.Results[0]; r.Remaining != 9 {
+		t.Fatalf("rate remaining %d after 1 allowed and 3 lease refusals; want 9 (refunded)", r.Remaining)
+	}
+}
