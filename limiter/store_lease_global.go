@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -31,6 +32,15 @@ type globalLeaseStore struct {
 	wait time.Duration
 	ls   *Leases
 	lim  *Limiter
+	// names indexes the current rule set's global concurrency rules by name, for
+	// decoding tokens; rebuilt when the set changes.
+	names atomic.Pointer[ruleNames]
+}
+
+// ruleNames is the global concurrency rules of one rule set, by name.
+type ruleNames struct {
+	set    *rules.Set
+	byName map[string]*rules.Rule
 }
 
 // globalLease is a global lease this daemon acquired and has not seen freed.
@@ -194,15 +204,15 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		rest = rest[w+int(n):]
 		return v, true
 	}
-	set := s.lim.rules.Load()
+	byName := s.globalRules()
 	for p := range np {
 		name, ok1 := next()
 		client, ok2 := next()
 		if !ok1 || !ok2 || !validClient(client) {
 			return "", nil, nil, false
 		}
-		r := ruleNamed(set, name)
-		if r == nil || !r.Concurrency || s.lim.ModeOf(r) != rules.ModeGlobal {
+		r := byName[name]
+		if r == nil {
 			return "", nil, nil, false
 		}
 		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: p, Lease: r.Per})
@@ -214,14 +224,20 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 	return id, parts, rs, true
 }
 
-// ruleNamed returns the rule of set named name, or nil.
-func ruleNamed(set *rules.Set, name string) *rules.Rule {
+// globalRules returns the current rule set's concurrency rules in global mode, by name.
+func (s *globalLeaseStore) globalRules() map[string]*rules.Rule {
+	set := s.lim.rules.Load()
+	if n := s.names.Load(); n != nil && n.set == set {
+		return n.byName
+	}
+	n := &ruleNames{set: set, byName: map[string]*rules.Rule{}}
 	for _, r := range set.Rules {
-		if r.Name == name {
-			return r
+		if r.Concurrency && s.lim.ModeOf(r) == rules.ModeGlobal {
+			n.byName[r.Name] = r
 		}
 	}
-	return nil
+	s.names.Store(n)
+	return n.byName
 }
 
 // validClient reports whether c could be a rule's client key (rules.Rule.AppendKey):

@@ -167,7 +167,18 @@ func (g *Global) Release(ctx context.Context, id string, parts []LeasePart) (boo
 	if g.observe != nil {
 		g.observe("lease_release", time.Since(start), err)
 	}
+	g.report(err)
 	return ok, err
+}
+
+// report tells the breaker how a call it let through went: each call may be the open
+// breaker's one probe, which must come back.
+func (g *Global) report(err error) {
+	if err != nil {
+		g.breaker.Failure()
+	} else {
+		g.breaker.Success()
+	}
 }
 
 func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (bool, error) {
@@ -204,6 +215,7 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 	}
 	if len(calls) == 0 {
+		g.report(nil)
 		return freed, nil
 	}
 	run(ctx, g.rdb, leaseScript, calls)
@@ -218,6 +230,7 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 		freed[of[k]] = freed[of[k]] || n > 0
 	}
+	g.report(firstErr)
 	return freed, firstErr
 }
 
@@ -239,6 +252,7 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 			err = fmt.Errorf("lease.lua replied %v to a renew, want {parts, ms}", v)
 		}
 		if err != nil {
+			g.breaker.Failure()
 			return false, 0, fmt.Errorf("lease renew: %w", err)
 		}
 		if v[0] > 0 {
@@ -248,6 +262,7 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 			}
 		}
 	}
+	g.breaker.Success()
 	return renewed, time.Duration(max(first, 0)) * time.Millisecond, nil
 }
 
@@ -286,9 +301,14 @@ func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeaseP
 		run(ctx, g.rdb, leaseScript, calls)
 	}
 	out := make([]PartsState, len(ids))
+	var firstErr error
 	for i := range ids {
 		out[i].Left, out[i].Present, out[i].Err = parseStates(calls[first[i]:first[i+1]], g.leaseGroups(len(parts[i]), func(k int) string { return parts[i][k].Key }), len(parts[i]))
+		if firstErr == nil {
+			firstErr = out[i].Err
+		}
 	}
+	g.report(firstErr)
 	return out, nil
 }
 

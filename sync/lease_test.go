@@ -112,3 +112,32 @@ func TestLeaseAcquireRelease(t *testing.T) {
 		})
 	}
 }
+
+// Every lease call that the breaker lets through reports back to it: a release (or renew,
+// or query) taken as the open breaker's probe closes it when Redis answers, rather than
+// leaving the probe out forever and the breaker open.
+func TestLeaseCallsReportToBreaker(t *testing.T) {
+	b := globalBackends(t)[0]
+	ctx := context.Background()
+	parts := []LeasePart{{Key: "rl:breaker:{user=x}", Lease: time.Minute}}
+	for name, call := range map[string]func(g *Global) error{
+		"release": func(g *Global) error { _, err := g.Release(ctx, "id", parts); return err },
+		"renew":   func(g *Global) error { _, _, err := g.Renew(ctx, "id", parts); return err },
+		"state":   func(g *Global) error { _, _, err := g.LeaseState(ctx, "id", parts); return err },
+		"all": func(g *Global) error {
+			_, err := g.ReleaseAll(ctx, []string{"id"}, [][]LeasePart{parts})
+			return err
+		},
+	} {
+		br := NewBreaker(1, time.Millisecond)
+		g := (&Global{rdb: b.g.rdb}).WithBreaker(br)
+		br.Failure() // open
+		time.Sleep(5 * time.Millisecond)
+		if err := call(g); err != nil {
+			t.Fatalf("%s as the probe: %v", name, err)
+		}
+		if br.Open() {
+			t.Fatalf("%s: the breaker is still open after a probe Redis answered", name)
+		}
+	}
+}

@@ -30,8 +30,8 @@ func TestE2EGlobalLeasesTwoDaemons(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	dir := shortTempDir(t)
 	cfg := writeFile(t, dir, "rules.yaml", fmt.Sprintf(globalLeaseYAML, "closed"))
-	d1 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--redis-prefix", "e2e:", "--global-timeout", "500ms", "--admin", "127.0.0.1:0")
-	d2 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--redis-prefix", "e2e:", "--global-timeout", "500ms")
+	d1 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--redis-prefix", "e2e:", "--global-timeout", "2s", "--redis-timeout", "1s", "--admin", "127.0.0.1:0")
+	d2 := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--redis-prefix", "e2e:", "--global-timeout", "2s", "--redis-timeout", "1s")
 	c1, c2 := dialRaw(t, d1.socket), dialRaw(t, d2.socket)
 	exp := []string{"path=/v1/exports/1", "user=ann"}
 
@@ -109,8 +109,8 @@ rules:
     mode: global
 `)
 	ds := []*daemonProc{
-		startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "2s"),
-		startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "2s"),
+		startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "2s", "--redis-timeout", "1s"),
+		startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "2s", "--redis-timeout", "1s"),
 	}
 	var inflight, peak, allowed, refused atomic.Int64
 	var wg sync.WaitGroup
@@ -177,7 +177,7 @@ func TestE2EGlobalLeasesRedisDown(t *testing.T) {
 			srv := redistest.StartStandalone(t)
 			dir := shortTempDir(t)
 			cfg := writeFile(t, dir, "rules.yaml", fmt.Sprintf(globalLeaseYAML, tc.policy))
-			d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "200ms")
+			d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "1s", "--redis-timeout", "500ms")
 			c := dialRaw(t, d.socket)
 			exp := []string{"path=/v1/exports/1", "user=bo"}
 			if r := c.check(1, 1, exp...); !r.Allowed || r.Degraded || !strings.HasPrefix(r.Lease, "g") {
@@ -211,8 +211,8 @@ func TestE2EGlobalLeasesCluster(t *testing.T) {
 	dir := shortTempDir(t)
 	cfg := writeFile(t, dir, "rules.yaml", fmt.Sprintf(globalLeaseYAML, "closed"))
 	nodes := strings.Join(cl.Addrs, ",")
-	d1 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--global-timeout", "500ms")
-	d2 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--global-timeout", "500ms")
+	d1 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--global-timeout", "2s", "--redis-timeout", "1s")
+	d2 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--global-timeout", "2s", "--redis-timeout", "1s")
 	c1, c2 := dialRaw(t, d1.socket), dialRaw(t, d2.socket)
 	for _, user := range []string{"ann", "bob", "cy"} { // three keys, spread over the masters
 		exp := []string{"path=/v1/exports/1", "user=" + user}
