@@ -388,9 +388,21 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 	if !b.ReleaseLease(tok2, nowNs()) {
 		t.Fatal("release of ivy's lease through b")
 	}
+	// jo's lease, taken on a, renewed through b for a minute: a's sweep keeps it.
+	_, tok3, _ := acquire(t, a, &Input{Attrs: attrs("user=jo"), Cost: 1}, 0)
+	if ok, _ := b.RenewLease(tok3, time.Minute, nowNs()); !ok {
+		t.Fatal("renew of jo's lease through b")
+	}
+	time.Sleep(80 * time.Millisecond)
 	a.Sweep(nowNs() + int64(time.Second))
-	if s := stats(a, "short"); s.Expired != 1 || s.InFlight != 0 {
-		t.Fatalf("a's stats after its sweep: %+v, want 1 expired (hal), 0 in flight", s)
+	if s := stats(a, "short"); s.Expired != 1 || s.InFlight != 1 {
+		t.Fatalf("a's stats after its sweep: %+v, want 1 expired (hal), 1 in flight (jo, renewed through b)", s)
+	}
+	if !a.ReleaseLease(tok3, nowNs()) {
+		t.Fatal("jo's renewed lease is not live")
+	}
+	if s := stats(a, "short"); s.InFlight != 0 || s.Released != 1 {
+		t.Fatalf("a's stats after releasing jo: %+v", s)
 	}
 	_ = tok
 }
