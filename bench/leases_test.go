@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -138,4 +140,108 @@ func BenchmarkSocketLeases(b *testing.B) {
 	n := float64(len(ratios) * round)
 	b.ReportMetric(float64(tp.Nanoseconds())/n, "plain-ns/check")
 	b.ReportMetric(float64(tl.Nanoseconds())/n, "lease-ns/check+release")
+}
+
+// globalLeaseBenchRules: a global rate rule and a global concurrency rule on the same
+// key shape; kind picks which one a request matches.
+const globalLeaseBenchRules = `rules:
+  - name: rate
+    match: { kind: rate }
+    key: user
+    limit: { requests: 1000000000, per: 1h }
+    mode: global
+  - name: slots
+    match: { kind: lease }
+    key: user
+    concurrency: { max: 1000000, lease: 30s }
+    mode: global
+`
+
+// kindFrames are n checks over distinct users, each matching the rule of kind.
+func kindFrames(n, distinct int, kind string) [][]byte {
+	out := make([][]byte, n)
+	enc := proto.NewEncoder()
+	for i := range out {
+		enc.Reset()
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+			{Name: "user", Value: "user-" + strconv.Itoa(i%distinct)},
+			{Name: "kind", Value: kind},
+		}})
+		out[i] = append([]byte(nil), enc.Bytes()...)
+	}
+	return out
+}
+
+// BenchmarkGlobalLeaseAcquire: one daemon on a real redis-server, alternating in one run:
+// checks matching one global rate rule, and checks matching one global concurrency rule
+// (each acquires a lease in Redis, lease.lua; not released, so the sorted sets grow as a
+// busy service's would). Reported: p50 at one connection and time per check at 4
+// connections × 32 in flight, each as acquire over rate (medians of the rounds). Every
+// answer must be allowed and not degraded. Target: acquire ≤ 1.3× a global rate check.
+func BenchmarkGlobalLeaseAcquire(b *testing.B) {
+	srv := redistest.StartStandalone(b)
+	path := filepath.Join(b.TempDir(), "global-leases.yaml")
+	if err := os.WriteFile(path, []byte(globalLeaseBenchRules), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	d := startServerNamed(b, "global-leases", "--config", path, "--redis", "redis://"+srv.Addr,
+		"--global-timeout", "1s", "--redis-timeout", "1s")
+	rate, lease := kindFrames(8192, 4096, "rate"), kindFrames(8192, 4096, "lease")
+	verify := func(c *client, kind string) {
+		dec := proto.NewDecoder()
+		var resp proto.Response
+		c.verify = func(body []byte) error {
+			if err := dec.DecodeResponse(body, &resp); err != nil {
+				return err
+			}
+			if resp.IsError() || !resp.Allowed || resp.Degraded || (kind == "lease") != (resp.Lease != "") {
+				return fmt.Errorf("%s answer %+v, want allowed from Redis", kind, resp)
+			}
+			return nil
+		}
+	}
+	cr, cl := dial(b, d.socket), dial(b, d.socket)
+	verify(cr, "rate")
+	verify(cl, "lease")
+	for _, c := range []*client{cr, cl} {
+		if err := c.pipelined(map[*client][][]byte{cr: rate, cl: lease}[c], 2000, 32); err != nil { // warm
+			b.Fatal(err)
+		}
+	}
+	var p50 []float64
+	for i := range max(b.N/500, 5) {
+		lr, err := cr.roundTrips(rate[i*97%len(rate):], 500, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ll, err := cl.roundTrips(lease[i*97%len(lease):], 500, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		p50 = append(p50, float64(percentile(ll, 0.5))/float64(percentile(lr, 0.5)))
+	}
+	b.ReportMetric(median(p50), "acquire-vs-rate-p50")
+
+	const conns, inflight, round = 4, 32, 8000
+	var csr, csl []*client
+	for range conns {
+		c := dial(b, d.socket)
+		verify(c, "rate")
+		csr = append(csr, c)
+		c = dial(b, d.socket)
+		verify(c, "lease")
+		csl = append(csl, c)
+	}
+	var thr []float64
+	var tr, tl time.Duration
+	for range max(b.N/round, 5) {
+		r := runPipelined(b, csr, rate, round, inflight)
+		l := runPipelined(b, csl, lease, round, inflight)
+		tr, tl = tr+r, tl+l
+		thr = append(thr, float64(l)/float64(r))
+	}
+	b.ReportMetric(median(thr), "acquire-vs-rate-4x32")
+	n := float64(len(thr) * round)
+	b.ReportMetric(float64(tr.Nanoseconds())/n, "rate-ns/check")
+	b.ReportMetric(float64(tl.Nanoseconds())/n, "acquire-ns/check")
 }

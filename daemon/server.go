@@ -392,7 +392,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	}
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once.
-	defer func() { s.lim.Leases().ReleaseOwner(cn.id, s.now()) }()
+	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
 	defer cn.wait() // no deciding goroutine outlives its connection
 	defer func() {
 		if p := recover(); p != nil {
@@ -696,7 +696,7 @@ func (cn *conn) handle(body []byte, now int64) {
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
-		cn.out().EncodeRelease(req.ID, cn.s.lim.Leases().Release(req.Lease, now))
+		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
 	case proto.OpRenew:
 		cn.renew(now)
 	default:
@@ -712,7 +712,7 @@ func (cn *conn) renew(now int64) {
 		cn.out().EncodeError(req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
 	}
-	renewed, in := cn.s.lim.Leases().Renew(req.Lease, time.Duration(req.LeaseMs)*time.Millisecond, now)
+	renewed, in := cn.s.lim.RenewLease(req.Lease, time.Duration(req.LeaseMs)*time.Millisecond, now)
 	cn.out().EncodeRenew(req.ID, renewed, ceilMs(in))
 }
 
@@ -846,9 +846,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		resp.RetryAfterMs = rr.RetryAfterMs
 		resp.Reason = rr.Reason
 	}
-	if d.Lease != 0 {
-		resp.Lease = s.lim.Leases().Token(d.Lease)
-	}
+	resp.Lease = s.lim.LeaseToken(d)
 	enc.EncodeCheck(resp)
 }
 

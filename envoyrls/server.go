@@ -238,10 +238,10 @@ func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitReques
 	if err := s.lim.Check(now, &sc.in, d); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if d.Lease != 0 {
+	if tok := s.lim.LeaseToken(d); tok != "" {
 		// Envoy's protocol has no release: a concurrency rule here only asks whether a
 		// slot is free, and holds none past the call.
-		s.lim.Leases().Release(s.lim.Leases().Token(d.Lease), now)
+		s.lim.ReleaseLease(tok, now)
 	}
 	if s.cfg.Recorder != nil {
 		s.cfg.Recorder.Record(d)

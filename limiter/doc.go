@@ -39,7 +39,11 @@
 //     leases.go): its take acquires one slot in each concurrency op all-or-nothing, as
 //     one lease whose id goes in Decision.Lease, and its giveBack frees it; releasing,
 //     renewing and freeing a closed connection's leases are operations on the store
-//     (Limiter.Leases), not paths through Check.
+//     (Limiter.Leases), not paths through Check. In global mode the slots are in Redis
+//     (store_lease_global.go, sync/scripts/lease.lua): a store before the local lease
+//     store, so that on_store_failure local reroutes a concurrency op there; its token
+//     carries the rules and clients any daemon needs to release it (Limiter.LeaseToken,
+//     ReleaseLease, RenewLease, ReleaseOwner cover both kinds).
 //   - Escalating bans (a rule's penalty, bans.go): a ban table consulted in Decide before
 //     any store (a banned op refuses the request and every store only reports), and
 //     raised after apply by the rule's refusals. Local for now; sharing bans through
@@ -68,5 +72,8 @@
 // name and fingerprint never contain '{', '}' or ':'. Inline limits use
 // rl:~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<key>} (every parameter is in the
 // key already). Local keys have no prefix and no fingerprint: the local store resets a
-// state written under another kind itself.
+// state written under another kind itself. A global concurrency rule's key has the same
+// shape without the fingerprint (rl:exports:{user=alice}: any daemon rebuilds it from a
+// lease token) and holds a sorted set of lease parts ("<lease id>:<part>", scored by
+// expiry in ms on Redis's clock).
 package limiter

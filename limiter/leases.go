@@ -36,6 +36,11 @@ type Leases struct {
 	stats  map[string]*LeaseStats       // by rule name
 	free   []*lease                     // released leases, for reuse
 	spare  []*slot                      // emptied slots, for reuse
+
+	// The global leases this daemon acquired (leases_global.go), by id and by owner;
+	// nil until the first.
+	global       map[string]*globalLease
+	globalOwners map[uint64]map[string]*globalLease
 }
 
 // LeaseStats counts one concurrency rule's leases on this daemon.

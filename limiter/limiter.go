@@ -17,10 +17,11 @@ import (
 type Limiter struct {
 	rules       atomic.Pointer[rules.Set]
 	buckets     *localbucket.Store
-	stores      [numStores]store // by storeID; nil: the daemon lacks that mode
-	hybrid      *hybridStore     // also stores[storeHybrid]; counts the live daemons
-	leases      *Leases          // also stores[storeLease]
-	prefix      string           // starts every Redis key
+	stores      [numStores]store  // by storeID; nil: the daemon lacks that mode
+	hybrid      *hybridStore      // also stores[storeHybrid]; counts the live daemons
+	leases      *Leases           // also stores[storeLease]
+	global      *globalLeaseStore // also stores[storeGlobalLease]; nil without Redis
+	prefix      string            // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
 	bans        *bans // the penalty rules' refusals and bans (bans.go)
@@ -49,8 +50,12 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 
 // WithGlobal makes the limiter decide global-mode rules with g, waiting at most timeout
 // for Redis per check; past it (or on any error) each rule's failure policy decides.
+// Concurrency rules in global mode (or hybrid) then hold their slots in Redis too
+// (store_lease_global.go).
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
 	l.stores[storeGlobal] = globalStore{g, timeout}
+	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
+	l.stores[storeGlobalLease] = l.global
 	return l
 }
 
@@ -102,13 +107,17 @@ func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
 // ShadowAll reports whether every rule is forced to shadow.
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 
-// ModeOf returns the mode the limiter applies to r: local for a concurrency rule, whose
-// leases are per daemon.
+// ModeOf returns the mode the limiter applies to r. A concurrency rule is local or
+// global: hybrid (and the hybrid default, when the daemon has Redis) means global for it.
 func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
-	if r.Concurrency {
-		return rules.ModeLocal
+	m := l.resolve(r.Mode)
+	if r.Concurrency && m == rules.ModeHybrid {
+		m = rules.ModeGlobal
 	}
-	return l.resolve(r.Mode)
+	if r.Concurrency && m == rules.ModeGlobal && l.stores[storeGlobalLease] == nil {
+		m = rules.ModeLocal
+	}
+	return m
 }
 
 // Rules returns the active rule set.
@@ -230,6 +239,10 @@ type Decision struct {
 	// Lease is the id of the lease an allowed check took, holding a slot in each
 	// concurrency rule it matched (Leases.Token makes its token); 0 when it took none.
 	Lease uint64
+	// globalLease is the global lease an allowed check took, holding a slot in each
+	// global concurrency rule it matched (Limiter.LeaseToken makes the client's token
+	// from it and Lease); nil when it took none.
+	globalLease *globalLease
 	// Owner is set by the caller before Decide: the connection a lease taken belongs to,
 	// so that Leases.ReleaseOwner frees it when that closes. 0: no owner.
 	Owner uint64
@@ -289,6 +302,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Deciding = -1
 	d.Degraded = false
 	d.Lease = 0
+	d.globalLease = nil
 	d.Warning = false
 	d.Delay = 0
 	d.Banned = false
@@ -354,7 +368,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		start = o.keyEnd
 		d.Results[i].Key = o.key
 	}
-	return d.routed&(1<<storeGlobal) != 0, nil
+	return d.routed&(1<<storeGlobal|1<<storeGlobalLease) != 0, nil
 }
 
 // Decide is the second half of Check: it applies the checks Prepare put in d at time now,
@@ -446,16 +460,21 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			}
 			continue
 		}
-		id := storeOf(l.resolve(r.Mode))
+		var id storeID
 		if r.Concurrency {
-			id = storeLease // per daemon: a concurrency rule has no Redis store yet
+			id = storeLease // per daemon, or in Redis (global mode)
+			if l.ModeOf(r) == rules.ModeGlobal {
+				id = storeGlobalLease
+			}
+		} else {
+			id = storeOf(l.resolve(r.Mode))
 		}
 		if r.Deny {
 			id = storeLocal // decided here: no store is asked
 		}
 		var ok bool
 		start := len(d.keys)
-		redis := id == storeHybrid || id == storeGlobal
+		redis := id == storeHybrid || id == storeGlobal || id == storeGlobalLease
 		if redis {
 			d.keys = append(d.keys, l.prefix...)
 		}
@@ -464,9 +483,12 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			d.keys = d.keys[:start]
 			continue
 		}
-		if redis {
+		if redis && id != storeGlobalLease {
 			// prefix, name, fingerprint, hash tag: a reload changing the rule's
 			// algorithm or window moves its clients to fresh keys (see AppendFingerprint).
+			// A concurrency rule has neither (its sorted set of leases reads the same
+			// under any max or lease duration), and its key is rebuilt from a lease
+			// token by any daemon, so it has no fingerprint.
 			d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
 		}
 		var fb fallback
@@ -665,5 +687,9 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 // windows that have passed), so memory follows the active keys. Call it periodically.
 // It also frees the concurrency leases that ran out (Leases.Sweep) and the bans that ended.
 func (l *Limiter) Sweep(now int64) int {
-	return l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+	n := l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+	if l.global != nil {
+		n += l.global.sweep(now)
+	}
+	return n
 }

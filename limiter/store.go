@@ -17,10 +17,11 @@ import (
 type storeID uint8
 
 const (
-	storeHybrid storeID = iota // local allowances synced to Redis (store_hybrid.go)
-	storeGlobal                // one atomic Redis script per check (store_global.go)
-	storeLease                 // concurrency rules' slots (store_lease.go, leases.go)
-	storeLocal                 // this daemon's buckets (store_local.go); always last
+	storeHybrid      storeID = iota // local allowances synced to Redis (store_hybrid.go)
+	storeGlobal                     // one atomic Redis script per check (store_global.go)
+	storeGlobalLease                // concurrency rules' slots in Redis (store_lease_global.go)
+	storeLease                      // concurrency rules' slots (store_lease.go, leases.go)
+	storeLocal                      // this daemon's buckets (store_local.go); always last
 	numStores
 
 	// decided marks an op that no store decides: its failure policy wrote its result.
@@ -159,7 +160,11 @@ func (d *Decision) fallBack(id storeID) bool {
 			if o.fb.local != nil {
 				o.lim = o.fb.local
 			}
-			d.route(i, storeLocal)
+			if r := d.Results[i].Rule; r != nil && r.Concurrency {
+				d.route(i, storeLease) // a local lease (storeLease comes after the Redis stores)
+			} else {
+				d.route(i, storeLocal)
+			}
 		}
 	}
 	return ok

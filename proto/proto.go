@@ -30,8 +30,10 @@ const (
 	OpRenew   = "renew"   // extends a lease (an addition to v1)
 )
 
-// MaxLeaseLen bounds a lease token in a release or renew request.
-const MaxLeaseLen = 128
+// MaxLeaseLen bounds a lease token in a release or renew request. A global lease's token
+// carries its rules and client keys (so that any daemon can release it): the limiter
+// never answers a longer one (limiter.maxGlobalToken).
+const MaxLeaseLen = 2048
 
 // Error codes. The first five are fixed by the protocol; the rest are additions.
 const (

@@ -41,6 +41,23 @@ rules:
 	}
 }
 
+// TestConcurrencyRuleModes: a concurrency rule takes every mode (hybrid and the default
+// mean global when the daemon has Redis; the limiter resolves them).
+func TestConcurrencyRuleModes(t *testing.T) {
+	for _, m := range []struct {
+		yaml string
+		want Mode
+	}{{"", ModeDefault}, {"    mode: local\n", ModeLocal}, {"    mode: hybrid\n", ModeHybrid}, {"    mode: global\n", ModeGlobal}} {
+		set, err := Parse("c.yaml", []byte("rules:\n  - name: c\n    key: user\n    concurrency: { max: 3 }\n"+m.yaml+"    on_store_failure: closed\n"))
+		if err != nil {
+			t.Fatalf("%q: %v", m.yaml, err)
+		}
+		if r := set.Rules[0]; r.Mode != m.want || r.OnStoreFailure != FailClosed {
+			t.Errorf("%q: mode %v, on_store_failure %v; want %v, closed", m.yaml, r.Mode, r.OnStoreFailure, m.want)
+		}
+	}
+}
+
 func TestConcurrencyRuleErrors(t *testing.T) {
 	const head = "rules:\n  - name: c\n    key: user\n"
 	for _, tc := range []struct{ name, rule, want string }{
@@ -52,7 +69,7 @@ func TestConcurrencyRuleErrors(t *testing.T) {
 		{"unknown field", "    concurrency: { max: 1, ttl: 1s }\n", `c.yaml:4: rules[0].concurrency: unknown field "ttl" (valid: max, lease)`},
 		{"not mapping", "    concurrency: 3\n", "c.yaml:4: rules[0].concurrency: expected a mapping"},
 		{"algorithm", "    algorithm: fixed_window\n    concurrency: { max: 1 }\n", "c.yaml:4: rules[0].algorithm: a concurrency rule counts leases in flight; it has no algorithm"},
-		{"global", "    concurrency: { max: 1 }\n    mode: global\n", "c.yaml:5: rules[0].mode: mode global for a concurrency rule is not supported yet"},
+		{"global split", "    concurrency: { max: 4 }\n    mode: global\n    split: 2\n", "rules[0].split: split divides a local limit among daemons; mode global shares one budget already"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Parse("c.yaml", []byte(head+tc.rule))

@@ -364,9 +364,6 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 		}
 	}
 
-	if r.Concurrency && (r.Mode == ModeHybrid || r.Mode == ModeGlobal) {
-		p.errorf(f["mode"], field+".mode", "mode %s for a concurrency rule is not supported yet; concurrency leases are per daemon (use mode local or leave mode out)", r.Mode)
-	}
 	p.policies(r, f, field)
 
 	if len(p.errs) > before {

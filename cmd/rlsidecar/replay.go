@@ -137,9 +137,9 @@ func runReplay(set *rules.Set, in io.Reader, name string) (*replaySummary, error
 		if err := lim.Check(t*int64(time.Millisecond), &input, &d); err != nil {
 			return nil, fmt.Errorf("%s:%d: %v", name, lineNo, err)
 		}
-		if d.Lease != 0 {
+		if tok := lim.LeaseToken(&d); tok != "" {
 			// A log has no request durations: each request releases its lease at once.
-			lim.Leases().Release(lim.Leases().Token(d.Lease), t*int64(time.Millisecond))
+			lim.ReleaseLease(tok, t*int64(time.Millisecond))
 		}
 		sum.Requests++
 		if d.Allowed {

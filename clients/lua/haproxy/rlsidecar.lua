@@ -24,6 +24,12 @@
 --
 -- Connections: HAProxy's Lua sockets belong to the stream that opened them, so each check
 -- opens a connection to the Unix socket, makes one request and closes it (no pool).
+-- Concurrency leases: when the answer carries a lease (a concurrency rule's slot), that
+-- connection stays open, holding the slot, until `lua.rlsidecar_headers` runs as the
+-- response starts: it sends the release, then closes the connection. A transaction that
+-- ends without a response closes it when HAProxy frees the stream, and the daemon frees
+-- the leases of a connection that closes; so `http-response lua.rlsidecar_headers` is
+-- what bounds a slot to its request.
 -- Frames are encoded and decoded by rlsidecar.codec, in plain Lua: lua-mpack under Lua 5.3
 -- decodes integers as floats, which would print as "5.0" in the headers.
 
@@ -39,8 +45,9 @@ local function next_id()
 end
 
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
--- and an error.
-local function roundtrip(address, timeout_ms, frame, id)
+-- and an error. With keep, the connection stays open and is returned second (the
+-- caller closes it): a lease the answer carries is held while its connection is open.
+local function roundtrip(address, timeout_ms, frame, id, keep)
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
   local ok, err = sock:connect(address)
@@ -71,15 +78,18 @@ local function roundtrip(address, timeout_ms, frame, id)
   if not body or #body < n then
     return fail("reading from", err or "closed")
   end
-  sock:close()
+  if not keep then sock:close() end
   local resp
   resp, err = codec.decode_body(body)
   if not resp then
+    if keep then sock:close() end
     return nil, "decoding an answer from " .. address .. ": " .. err
   end
   if type(resp) ~= "table" or resp.id ~= id then
+    if keep then sock:close() end
     return nil, "an answer to another request from " .. address
   end
+  if keep then return resp, sock end
   return resp
 end
 
@@ -91,11 +101,13 @@ local function check(address, policy, timeout_ms, attrs, cost)
   if not frame then
     return http.policy_decision(policy, err), "rlsidecar: " .. err
   end
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id)
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id, true)
   if not resp then
     return http.policy_decision(policy, rerr)
   end
+  local sock = rerr
   if resp.error then
+    sock:close()
     local msg = "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
     local d = http.policy_decision(policy, msg)
     d.unreachable = false
@@ -103,7 +115,28 @@ local function check(address, policy, timeout_ms, attrs, cost)
   end
   if resp.rules == nil then resp.rules = {} end
   if resp.rule == nil then resp.rule = "" end
+  if resp.allowed and resp.lease and resp.lease ~= "" then
+    resp.sock = sock -- holds the lease: released (and closed) when the response starts
+  else
+    sock:close()
+  end
   return resp
+end
+
+-- release frees the lease d holds on the connection that took it, then closes that
+-- connection (which would free it too: the daemon frees a connection's leases when it
+-- closes).
+local function release(d, timeout_ms)
+  local sock = d.sock
+  if not sock then return end
+  d.sock = nil
+  local id = next_id()
+  local frame = codec.encode_request({ id = id, op = "release", lease = d.lease })
+  if frame and sock:send(frame) then
+    local head = sock:receive(4) -- the answer; released or not, the connection closes
+    if head and #head == 4 then sock:receive(codec.frame_length(head)) end
+  end
+  sock:close()
 end
 
 local REASONS = { [429] = "Too Many Requests", [503] = "Service Unavailable" }
@@ -142,7 +175,13 @@ local function action(txn, address, policy, timeout)
     txn:done(reply)
     return
   end
-  txn:set_priv(http.headers(d))
+  local h = http.headers(d)
+  if d.sock then
+    -- A concurrency rule's slot, held by the open connection until the response.
+    h = { headers = h, lease = d }
+    d.timeout_ms = timeout_ms
+  end
+  txn:set_priv(h)
   local delay = tonumber(d.delay_ms)
   if delay and delay > 0 then
     core.msleep(math.floor(delay)) -- a rule's delay: its tokens are reserved, the request waits
@@ -153,6 +192,10 @@ local function add_headers(txn)
   local h = txn:get_priv()
   if type(h) ~= "table" then
     return
+  end
+  if h.lease then
+    release(h.lease)
+    h = h.headers
   end
   for k, v in pairs(h) do
     txn.http:res_set_header(k, v)

@@ -233,6 +233,42 @@ function _M.release(self, lease)
   return resp.released == true
 end
 
+-- log releases the lease access() kept for the current request (a concurrency rule's
+-- slot), once the request has ended; call it from log_by_lua_block beside every
+-- access_by_lua_block that calls access():
+--
+--   location /v1/exports/ {
+--     access_by_lua_block { rl_open:access() }
+--     log_by_lua_block    { rl_open:log() }
+--     proxy_pass http://app;
+--   }
+--
+-- Cosockets are not available in the log phase, so the release runs in a zero-delay
+-- timer (ngx.timer.at), after the response has gone to the client. Without log(), the
+-- slot stays held until the lease runs out, or until nginx closes the pooled connection
+-- that took it (pool_size idle connections per worker, keepalive_ms: set them above the
+-- worker's leased requests in flight and their longest duration). It returns true when
+-- a release was scheduled.
+function _M.log(self)
+  local ctx = ngx.ctx
+  local lease = ctx.rlsidecar_lease
+  if not lease then
+    return false
+  end
+  ctx.rlsidecar_lease = nil
+  local ok, err = ngx.timer.at(0, function(premature)
+    if premature then return end
+    local _, rerr = self:release(lease)
+    if rerr then
+      ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
+    end
+  end)
+  if not ok then
+    ngx.log(ngx.ERR, "rlsidecar: scheduling a lease release: ", err)
+  end
+  return ok and true or false
+end
+
 -- default_attrs are the attributes of the current request: ip (the client address),
 -- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
 function _M.default_attrs()
@@ -275,6 +311,10 @@ function _M.access(self)
   end
   for k, v in pairs(http.headers(d)) do
     ngx.header[k] = v
+  end
+  if d.lease and d.lease ~= "" then
+    -- A concurrency rule's slot: held until log() releases it when the request ends.
+    ngx.ctx.rlsidecar_lease = d.lease
   end
   local delay = tonumber(d.delay_ms)
   if delay and delay > 0 then

@@ -96,6 +96,10 @@ rules:
     key: ip
     limit: { requests: 1, per: 1s }
     delay: 10s
+  - name: slow-in-flight
+    match: { path: "/slow/**" }
+    key: ip
+    concurrency: { max: 1, lease: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -110,6 +114,8 @@ echo "== backend (nginx returning 200)"
 backend_port=$(free_port)
 mkdir -p "$tmp/backend/logs"
 cat >"$tmp/backend/nginx.conf" <<EOF
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 events {}
 http {
   access_log off;
@@ -118,6 +124,7 @@ http {
   server {
     listen 127.0.0.1:$backend_port;
     location / { return 200 "backend \$uri\n"; }
+    location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
   }
 }
 EOF
@@ -250,6 +257,33 @@ expect "the first /api/queue request was not held (took ${first} ms)" "$((first 
 echo "-- nginx pools its connection to the daemon"
 conns=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_connections" {print $2}')
 expect "open connections at the daemon after both bursts (nginx keeps 1; HAProxy closes each)" "$conns" 1
+
+echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
+# in_flight GATEWAY PORT: a 1 s request to /slow/ holds the one slot of slow-in-flight;
+# a second one meanwhile is refused; once the first completed, the slot is free again
+# (the lease is 60 s: only the gateway's release frees it that soon).
+in_flight() {
+  local name=$1 port=$2
+  curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/a" >"$tmp/slow-$name" &
+  local slow=$!
+  sleep 0.4
+  request GET "http://127.0.0.1:$port/slow/b"
+  expect "$name: a second request while the first is in flight" "$status" 429
+  expect "$name: its problem names the concurrency rule" "$(grep -o '"rule":"[^"]*"' <<<"$body")" '"rule":"slow-in-flight"'
+  wait "$slow"
+  expect "$name: the first (held 1 s by the backend)" "$(cat "$tmp/slow-$name")" 200
+  local i
+  for i in $(seq 20); do # the release follows the response; give it a moment
+    request GET "http://127.0.0.1:$port/slow/c"
+    [ "$status" == 200 ] && break
+    sleep 0.05
+  done
+  expect "$name: after the first completed, the slot is free" "$status" 200
+}
+in_flight nginx "$nginx_port"
+in_flight haproxy "$hap_port"
+inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
+expect "no slot held after both gateways' requests" "$inflight" 0
 
 echo "-- the daemon restarts: nginx's pooled connection is stale, the next check still gets a decision"
 kill "$daemon_pid"

@@ -1,0 +1,190 @@
+package limiter
+
+import (
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// The global leases this daemon acquired are tracked in Leases beside the local ones,
+// under the same mutex: by owner, so that a closed connection frees them, and in their
+// rules' LeaseStats (InFlight counts them until they are seen freed). Redis decides;
+// this is bookkeeping.
+
+// track registers gl, whose part p is of the rule nameOf(p), taken now.
+func (ls *Leases) track(gl *globalLease, nameOf func(p int) string, ops []rlsync.LeaseOp) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.global == nil {
+		ls.global = map[string]*globalLease{}
+		ls.globalOwners = map[uint64]map[string]*globalLease{}
+	}
+	for p := range ops {
+		if !ops[p].Allowed || !ops[p].Take {
+			continue
+		}
+		st := ls.statsOf(nameOf(p))
+		st.InFlight++
+		gl.stats = append(gl.stats, st)
+	}
+	ls.global[gl.id] = gl
+	if gl.owner != 0 {
+		m := ls.globalOwners[gl.owner]
+		if m == nil {
+			m = map[string]*globalLease{}
+			ls.globalOwners[gl.owner] = m
+		}
+		m[gl.id] = gl
+	}
+}
+
+// statsOf returns rule's LeaseStats, created on first use. ls.mu must be held.
+func (ls *Leases) statsOf(rule string) *LeaseStats {
+	st := ls.stats[rule]
+	if st == nil {
+		st = new(LeaseStats)
+		ls.stats[rule] = st
+	}
+	return st
+}
+
+// untrack forgets gl, if still tracked, counting each of its parts with count (nil:
+// not counted). It reports whether gl was tracked.
+func (ls *Leases) untrack(gl *globalLease, count func(*LeaseStats)) bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.untrackLocked(gl, count)
+}
+
+func (ls *Leases) untrackLocked(gl *globalLease, count func(*LeaseStats)) bool {
+	if ls.global[gl.id] != gl {
+		return false
+	}
+	delete(ls.global, gl.id)
+	if m := ls.globalOwners[gl.owner]; m != nil {
+		delete(m, gl.id)
+		if len(m) == 0 {
+			delete(ls.globalOwners, gl.owner)
+		}
+	}
+	for _, st := range gl.stats {
+		st.InFlight--
+		if count != nil {
+			count(st)
+		}
+	}
+	return true
+}
+
+// releasedGlobal records the release through this daemon of the global lease id, whose
+// parts are of rules rs: freed says whether Redis freed a live part.
+func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if gl := ls.global[id]; gl != nil {
+		var count func(*LeaseStats)
+		if freed {
+			count = func(s *LeaseStats) { s.Released++ }
+		}
+		ls.untrackLocked(gl, count)
+		return
+	}
+	if freed {
+		for _, r := range rs {
+			ls.statsOf(r.Name).Released++ // acquired through another daemon
+		}
+	}
+}
+
+// renewedGlobal notes that the global lease id, if tracked here, now first expires at
+// expires.
+func (ls *Leases) renewedGlobal(id string, expires int64) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if gl := ls.global[id]; gl != nil {
+		gl.expires = expires
+	}
+}
+
+// countGlobal counts each part of gl with count.
+func (ls *Leases) countGlobal(gl *globalLease, count func(*LeaseStats)) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, st := range gl.stats {
+		count(st)
+	}
+}
+
+// takeOwnerGlobal forgets the global leases of owner and returns them for releasing in
+// Redis (releaseAll counts those it frees as closed).
+func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
+	if owner == 0 {
+		return nil
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	m := ls.globalOwners[owner]
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]*globalLease, 0, len(m))
+	for _, gl := range m {
+		out = append(out, gl)
+	}
+	for _, gl := range out {
+		ls.untrackLocked(gl, nil)
+	}
+	return out
+}
+
+// dueGlobal returns the tracked global leases whose first part was due to expire by now,
+// at most maxDue of them (the next sweep takes the rest).
+func (ls *Leases) dueGlobal(now int64) []*globalLease {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var due []*globalLease
+	for _, gl := range ls.global {
+		if gl.expires <= now {
+			due = append(due, gl)
+			if len(due) == maxDue {
+				break
+			}
+		}
+	}
+	return due
+}
+
+// maxDue bounds the global leases one sweep asks Redis about (one pipeline).
+const maxDue = 10000
+
+// settleGlobal updates the tracking of gl from Redis's view of its parts (LeaseState):
+// a live part keeps it tracked (renewed through another daemon); else it is forgotten,
+// its parts still present counted expired, those gone having been released through
+// another daemon. It returns the parts counted expired.
+func (ls *Leases) settleGlobal(gl *globalLease, now int64, left []time.Duration, present []bool) int {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	first := time.Duration(-1)
+	for p := range left {
+		if present[p] && left[p] > 0 && (first < 0 || left[p] < first) {
+			first = left[p]
+		}
+	}
+	if first > 0 {
+		gl.expires = now + int64(first)
+		return 0
+	}
+	if ls.global[gl.id] != gl {
+		return 0
+	}
+	n := 0
+	for p, st := range gl.stats {
+		if p < len(present) && present[p] {
+			st.Expired++
+			n++
+		}
+	}
+	ls.untrackLocked(gl, nil)
+	return n
+}

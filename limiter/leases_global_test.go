@@ -1,0 +1,454 @@
+package limiter
+
+import (
+	"context"
+	"encoding/base64"
+	"strings"
+	gosync "sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+const globalLeaseRules = `
+rules:
+  - name: exports
+    match: { path: "/v1/exports/**" }
+    key: user
+    concurrency: { max: 3, lease: 10s }
+    mode: global
+  - name: uploads
+    match: { path: "/v1/uploads/**" }
+    key: user
+    concurrency: { max: 2, lease: 10s }
+  - name: here
+    match: { path: "/v1/uploads/**" }
+    key: user
+    concurrency: { max: 5, lease: 10s }
+    mode: local
+  - name: per-user
+    key: user
+    limit: { requests: 1000, per: 1h }
+    mode: local
+`
+
+// globalLimiter returns a limiter on rdb with global mode (and the hybrid default), its
+// Redis keys under prefix.
+func globalLimiter(t *testing.T, rdb redis.UniversalClient, yaml, prefix string) *Limiter {
+	t.Helper()
+	l := New(mustRules(t, yaml), localbucket.NewStore(localbucket.Options{})).
+		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{Prefix: prefix})).
+		WithGlobal(rlsync.NewGlobal(rdb), 5*time.Second) // a loaded machine is slow, not down
+	if err := l.SetRedisPrefix(prefix); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+func nowNs() int64 { return time.Now().UnixNano() }
+
+// acquire checks in on l for owner and returns the decision's allowed and token.
+func acquire(t *testing.T, l *Limiter, in *Input, owner uint64) (bool, string, *Decision) {
+	t.Helper()
+	d := &Decision{Owner: owner}
+	if err := l.Check(nowNs(), in, d); err != nil {
+		t.Fatal(err)
+	}
+	return d.Allowed, l.LeaseToken(d), d
+}
+
+// Two daemons on one Redis share a global concurrency rule's slots: 3 in flight per user
+// across them, the 4th refused; a lease released through the OTHER daemon frees a slot;
+// a second release is false. The hybrid default makes a rule without a mode global too.
+func TestGlobalLeasesAcrossDaemons(t *testing.T) {
+	rdb := realRedis(t)
+	a := globalLimiter(t, rdb, globalLeaseRules, "t1:")
+	b := globalLimiter(t, rdb, globalLeaseRules, "t1:")
+	in := exportInput("ann")
+	var toks []string
+	for i, l := range []*Limiter{a, b, a} {
+		ok, tok, d := acquire(t, l, in, 0)
+		if !ok || !strings.HasPrefix(tok, "g") || d.Results[0].Remaining != uint64(2-i) || d.Results[0].Limit != 3 {
+			t.Fatalf("lease %d: allowed %v token %q result %+v", i, ok, tok, d.Results[0])
+		}
+		toks = append(toks, tok)
+	}
+	ok, tok, d := acquire(t, b, in, 0)
+	if ok || tok != "" || d.Results[0].RetryAfter <= 0 || d.Results[0].RetryAfter > time.Second {
+		t.Fatalf("4th: allowed %v token %q retry %v; want refused, no lease, a hint in (0, 1s]", ok, tok, d.Results[0].RetryAfter)
+	}
+	if !b.ReleaseLease(toks[0], nowNs()) {
+		t.Fatal("release through the other daemon: false")
+	}
+	if b.ReleaseLease(toks[0], nowNs()) || a.ReleaseLease(toks[0], nowNs()) {
+		t.Fatal("second release: true")
+	}
+	if ok, _, _ := acquire(t, b, in, 0); !ok {
+		t.Fatal("a slot released through the other daemon is not free")
+	}
+	if n := rdb.ZCard(context.Background(), "t1:exports:{user=ann}").Val(); n != 3 {
+		t.Fatalf("Redis holds %d members under the prefix's key, want 3", n)
+	}
+	// Renew through the other daemon.
+	if ok, in := b.RenewLease(toks[1], time.Minute, nowNs()); !ok || in != time.Minute {
+		t.Fatalf("renew through b: %v %v", ok, in)
+	}
+	if ok, _ := a.RenewLease(toks[0], 0, nowNs()); ok {
+		t.Fatal("renewed a released lease")
+	}
+	// The stats: a acquired two, of which b released one: a still counts both in flight
+	// until it learns so (its sweep); b counts the release.
+	if s := stats(b, "exports"); s.Released != 1 {
+		t.Errorf("b's exports stats %+v, want 1 released", s)
+	}
+
+	// The default mode (hybrid) is global for a concurrency rule; a local one beside it
+	// joins the same token.
+	up := &Input{Attrs: attrs("path=/v1/uploads/x", "user=bo"), Cost: 1}
+	ok, tok, _ = acquire(t, a, up, 7)
+	if !ok || !strings.Contains(tok, "~g") {
+		t.Fatalf("uploads: allowed %v token %q, want a local and a global lease", ok, tok)
+	}
+	if _, tok2, _ := acquire(t, b, up, 0); tok2 == "" {
+		t.Fatal("second upload refused")
+	}
+	if ok, _, _ := acquire(t, b, up, 0); ok {
+		t.Fatal("third upload allowed: uploads (hybrid default) is not global")
+	}
+	if !b.ReleaseLease(tok, nowNs()) { // b frees the global part; the local part is a's
+		t.Fatal("release of the joint token through b: false")
+	}
+	if a.Leases().Len() != 1 {
+		t.Fatalf("a holds %d local leases, want 1 (the joint token's local part)", a.Leases().Len())
+	}
+	if !a.ReleaseLease(tok, nowNs()) || a.Leases().Len() != 0 {
+		t.Fatal("the joint token's local part not released through a")
+	}
+}
+
+// A connection that closes frees its global leases in Redis (ReleaseOwner).
+func TestGlobalLeasesOwnerClose(t *testing.T) {
+	rdb := realRedis(t)
+	a := globalLimiter(t, rdb, globalLeaseRules, "rl:")
+	for range 3 {
+		if ok, _, _ := acquire(t, a, exportInput("cy"), 42); !ok {
+			t.Fatal("refused")
+		}
+	}
+	if s := stats(a, "exports"); s.InFlight != 3 {
+		t.Fatalf("in flight %d, want 3", s.InFlight)
+	}
+	if n := a.ReleaseOwner(42, nowNs()); n != 3 {
+		t.Fatalf("ReleaseOwner freed %d, want 3", n)
+	}
+	if n := rdb.ZCard(context.Background(), "rl:exports:{user=cy}").Val(); n != 0 {
+		t.Fatalf("%d members left after the owner closed", n)
+	}
+	if s := stats(a, "exports"); s.InFlight != 0 || s.Closed != 3 {
+		t.Fatalf("stats %+v, want 0 in flight, 3 closed", s)
+	}
+}
+
+// A global lease taken and then refused by a later store (a local rate rule) is given
+// back: nothing held in Redis. A request refused by a global lease consumes nothing of
+// the local rate rule.
+func TestGlobalLeaseGivenBack(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1 }
+    mode: global
+  - name: rate
+    key: user
+    limit: { requests: 1, per: 1h }
+    mode: local
+`, "rl:")
+	in := &Input{Attrs: attrs("user=dee"), Cost: 1}
+	ok, tok, _ := acquire(t, l, in, 0)
+	if !ok || tok == "" || !l.ReleaseLease(tok, nowNs()) {
+		t.Fatal("first check")
+	}
+	ok, tok, d := acquire(t, l, in, 0) // the rate rule refuses now
+	if ok || tok != "" {
+		t.Fatalf("second: allowed %v token %q", ok, tok)
+	}
+	if n := rdb.ZCard(context.Background(), "rl:exports:{user=dee}").Val(); n != 0 {
+		t.Fatalf("a refused request holds %d slots in Redis", n)
+	}
+	if r := d.Results[0]; !r.Allowed || r.Remaining != 1 {
+		t.Fatalf("exports result %+v, want allowed with 1 free (nothing held)", r)
+	}
+	if s := stats(l, "exports"); s.InFlight != 0 {
+		t.Fatalf("in flight %d after a give-back", s.InFlight)
+	}
+}
+
+// Forged and garbage tokens release and renew nothing, are never an error, and can
+// only address a global concurrency rule's keys.
+func TestGlobalLeaseForgedTokens(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, globalLeaseRules, "rl:")
+	ok, tok, _ := acquire(t, l, exportInput("eve"), 0)
+	if !ok {
+		t.Fatal("refused")
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(tok[1:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := func(b []byte) string { return "g" + base64.RawURLEncoding.EncodeToString(b) }
+	mutate := func(f func([]byte) []byte) string { return enc(f(append([]byte(nil), raw...))) }
+	// A token with the real id naming a rate rule, a local rule, a brace in the client.
+	withPart := func(rule, client string) string {
+		b := append([]byte(nil), raw[:1+leaseIDBytes]...)
+		b = append(b, 1, byte(len(rule)))
+		b = append(b, rule...)
+		b = append(b, byte(len(client)))
+		return enc(append(b, client...))
+	}
+	for name, forged := range map[string]string{
+		"empty":        "",
+		"garbage":      "not a lease",
+		"g only":       "g",
+		"bad base64":   "g!!!!",
+		"short":        enc([]byte{1, 2, 3}),
+		"version":      mutate(func(b []byte) []byte { b[0] = 9; return b }),
+		"other id":     mutate(func(b []byte) []byte { b[1] ^= 0xFF; return b }),
+		"zero parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 0; return b[:2+leaseIDBytes] }),
+		"more parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 2; return b }),
+		"trailing":     mutate(func(b []byte) []byte { return append(b, 0) }),
+		"truncated":    mutate(func(b []byte) []byte { return b[:len(b)-2] }),
+		"rate rule":    withPart("per-user", "user=eve"),
+		"local rule":   withPart("here", "user=eve"),
+		"unknown rule": withPart("nope", "user=eve"),
+		"brace":        withPart("exports", "user=eve}{x"),
+		"empty client": withPart("exports", ""),
+		"local nonce":  "00000000.1",
+		"joined junk":  "x~y",
+	} {
+		if l.ReleaseLease(forged, nowNs()) {
+			t.Errorf("%s: released", name)
+		}
+		if ok, _ := l.RenewLease(forged, 0, nowNs()); ok {
+			t.Errorf("%s: renewed", name)
+		}
+	}
+	if n := rdb.ZCard(context.Background(), "rl:exports:{user=eve}").Val(); n != 1 {
+		t.Fatalf("%d members after forged releases, want 1", n)
+	}
+	if !l.ReleaseLease(tok, nowNs()) {
+		t.Fatal("the real token no longer releases")
+	}
+}
+
+// Redis down: a global concurrency rule follows its on_store_failure: open allows,
+// degraded, holding no slot; closed refuses; local takes a local lease.
+func TestGlobalLeaseRedisDown(t *testing.T) {
+	for _, tc := range []struct {
+		policy  string
+		allowed bool
+		local   bool // a local lease taken
+	}{{"open", true, false}, {"closed", false, false}, {"local", true, true}} {
+		t.Run(tc.policy, func(t *testing.T) {
+			l := globalLimiter(t, unreachable(t), `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2 }
+    mode: global
+    on_store_failure: `+tc.policy+"\n", "rl:")
+			for i := range 3 {
+				ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=fay"), Cost: 1}, 0)
+				want := tc.allowed && (!tc.local || i < 2)
+				if ok != want || !d.Degraded {
+					t.Fatalf("check %d: allowed %v degraded %v; want %v, degraded", i, ok, d.Degraded, want)
+				}
+				if (tok != "") != (tc.local && want) || strings.HasPrefix(tok, "g") {
+					t.Fatalf("check %d: token %q", i, tok)
+				}
+			}
+		})
+	}
+}
+
+// 100 goroutines over two daemons against max 10 never see 11 in flight.
+func TestGlobalLeasesNeverOverMax(t *testing.T) {
+	rdb := realRedis(t)
+	yaml := "rules:\n  - name: pool\n    key: svc\n    concurrency: { max: 10, lease: 30s }\n    mode: global\n    on_store_failure: closed\n"
+	ls := []*Limiter{globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")}
+	var inFlight, peak, admitted atomic.Int64
+	var wg gosync.WaitGroup
+	for g := range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			l := ls[g%2]
+			in := &Input{Attrs: attrs("svc=pay"), Cost: 1}
+			for range 20 {
+				d := &Decision{}
+				if err := l.Check(nowNs(), in, d); err != nil {
+					t.Error(err)
+					return
+				}
+				if !d.Allowed {
+					continue
+				}
+				n := inFlight.Add(1)
+				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+				}
+				admitted.Add(1)
+				time.Sleep(200 * time.Microsecond)
+				inFlight.Add(-1)
+				if !ls[(g+1)%2].ReleaseLease(l.LeaseToken(d), nowNs()) { // through the other daemon
+					t.Error("release false")
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if peak.Load() > 10 || peak.Load() < 2 || admitted.Load() < 20 {
+		t.Fatalf("peak %d in flight (max 10), %d admitted", peak.Load(), admitted.Load())
+	}
+	t.Logf("peak %d, admitted %d of 2000", peak.Load(), admitted.Load())
+}
+
+// On a 3-master Redis Cluster, a lease whose parts are in different hash slots is taken
+// all-or-nothing, and released through another daemon.
+func TestGlobalLeasesCluster(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	t.Cleanup(func() { cc.Close() })
+	yaml := `
+rules:
+  - name: by-user
+    key: user
+    concurrency: { max: 2 }
+    mode: global
+  - name: by-tenant
+    key: tenant
+    concurrency: { max: 1 }
+    mode: global
+`
+	a, b := globalLimiter(t, cc, yaml, "rl:"), globalLimiter(t, cc, yaml, "rl:")
+	in := func(u string) *Input { return &Input{Attrs: attrs("user="+u, "tenant=acme"), Cost: 1} }
+	if rlsync.Slot("rl:by-user:{user=gil}") == rlsync.Slot("rl:by-tenant:{tenant=acme}") {
+		t.Fatal("the test needs two hash slots")
+	}
+	ok, tok, _ := acquire(t, a, in("gil"), 0)
+	if !ok {
+		t.Fatal("first refused")
+	}
+	ok, _, d := acquire(t, b, in("gil"), 0) // by-tenant full: by-user gives its slot back
+	if ok || !d.Results[0].Allowed || d.Results[1].Allowed {
+		t.Fatalf("second: %v %+v", ok, d.Results)
+	}
+	ctx := context.Background()
+	if n := cc.ZCard(ctx, "rl:by-user:{user=gil}").Val(); n != 1 {
+		t.Fatalf("by-user holds %d, want 1 (the refused lease gave its slot back)", n)
+	}
+	if !b.ReleaseLease(tok, nowNs()) {
+		t.Fatal("release through b")
+	}
+	if n := cc.ZCard(ctx, "rl:by-tenant:{tenant=acme}").Val() + cc.ZCard(ctx, "rl:by-user:{user=gil}").Val(); n != 0 {
+		t.Fatalf("%d members left after the release", n)
+	}
+	if ok, _, _ := acquire(t, b, in("gil"), 0); !ok {
+		t.Fatal("refused after the release")
+	}
+}
+
+// Expiry frees a global slot for everyone, and the acquiring daemon's sweep counts it
+// expired (the leak signal); one released through another daemon is not.
+func TestGlobalLeaseExpirySweep(t *testing.T) {
+	rdb := realRedis(t)
+	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 1, lease: 50ms }\n    mode: global\n"
+	a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
+	in := &Input{Attrs: attrs("user=hal"), Cost: 1}
+	if ok, _, _ := acquire(t, a, in, 0); !ok {
+		t.Fatal("refused")
+	}
+	if ok, _, _ := acquire(t, b, in, 0); ok {
+		t.Fatal("allowed over max")
+	}
+	time.Sleep(80 * time.Millisecond)
+	ok, tok, _ := acquire(t, b, &Input{Attrs: attrs("user=hal"), Cost: 1}, 0)
+	if !ok {
+		t.Fatal("an expired lease still holds its slot")
+	}
+	in2 := &Input{Attrs: attrs("user=ivy"), Cost: 1}
+	_, tok2, _ := acquire(t, a, in2, 0)
+	if !b.ReleaseLease(tok2, nowNs()) {
+		t.Fatal("release of ivy's lease through b")
+	}
+	// jo's lease, taken on a, renewed through b for a minute: a's sweep keeps it.
+	_, tok3, _ := acquire(t, a, &Input{Attrs: attrs("user=jo"), Cost: 1}, 0)
+	if ok, _ := b.RenewLease(tok3, time.Minute, nowNs()); !ok {
+		t.Fatal("renew of jo's lease through b")
+	}
+	time.Sleep(80 * time.Millisecond)
+	a.Sweep(nowNs() + int64(time.Second))
+	if s := stats(a, "short"); s.Expired != 1 || s.InFlight != 1 {
+		t.Fatalf("a's stats after its sweep: %+v, want 1 expired (hal), 1 in flight (jo, renewed through b)", s)
+	}
+	if !a.ReleaseLease(tok3, nowNs()) {
+		t.Fatal("jo's renewed lease is not live")
+	}
+	if s := stats(a, "short"); s.InFlight != 0 || s.Released != 1 {
+		t.Fatalf("a's stats after releasing jo: %+v", s)
+	}
+	_ = tok
+}
+
+// A global lease whose token would exceed what a release may carry (client keys of
+// kilobytes) is not taken: the rule's on_store_failure decides, degraded.
+func TestGlobalLeaseTokenTooLong(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, "rules:\n  - name: c\n    key: user\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 1200)), Cost: 1}, 0)
+	if !ok || len(tok) > 2048 || d.Degraded {
+		t.Fatalf("1200-byte user: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
+	}
+	ok, tok, d = acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 2100)), Cost: 1}, 0)
+	if ok || tok != "" || !d.Degraded {
+		t.Fatalf("2100-byte user: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
+	}
+}
+
+// A global rate rule and a global concurrency rule on one request: when the lease is
+// refused (full), the rate rule's take is refunded (refund.lua): nothing consumed. They
+// are two script calls, not one: the refund path restores all-or-nothing.
+func TestGlobalLeaseRefundsGlobalRate(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: global
+  - name: slots
+    key: user
+    concurrency: { max: 1 }
+    mode: global
+`, "rl:")
+	in := &Input{Attrs: attrs("user=kim"), Cost: 1}
+	if ok, _, _ := acquire(t, l, in, 0); !ok {
+		t.Fatal("first refused")
+	}
+	for range 3 {
+		if ok, _, d := acquire(t, l, in, 0); ok || d.Results[1].Allowed {
+			t.Fatalf("allowed with the slot held: %+v", d.Results)
+		}
+	}
+	_, _, d := acquire(t, l, &Input{Attrs: attrs("user=kim"), Cost: 0}, 0)
+	if r := d.Results[0]; r.Remaining != 9 {
+		t.Fatalf("rate remaining %d after 1 allowed and 3 lease refusals; want 9 (refunded)", r.Remaining)
+	}
+}

@@ -1,0 +1,435 @@
+package limiter
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/binary"
+	"errors"
+	"sync/atomic"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
+	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// globalLeaseStore is the store of concurrency rules in global mode: their slots are
+// members of Redis sorted sets (rlsync.Global.Acquire, sync/scripts/lease.lua), so the
+// max holds across every daemon on one Redis. Its take acquires one slot in each op of
+// the check, all-or-nothing, as one global lease: a random id, and the parts (rule and
+// client of each op) that any daemon needs to find its members again, all encoded in the
+// lease's token (globalToken). giveBack releases it when a later store refuses the
+// request. A take waits at most wait; past it, or on any Redis error, the ops' failure
+// policies decide (open: allowed, no slot held; closed: refused; local: a local lease).
+//
+// The daemon that acquired a lease tracks it in ls (by owner, for the connection-close
+// release, and in its rules' LeaseStats); its Redis state is what counts. This file is
+// the only one calling rlsync.Global's lease methods.
+type globalLeaseStore struct {
+	g    *rlsync.Global
+	wait time.Duration
+	ls   *Leases
+	lim  *Limiter
+	// names indexes the current rule set's global concurrency rules by name, for
+	// decoding tokens; rebuilt when the set changes.
+	names atomic.Pointer[ruleNames]
+}
+
+// ruleNames is the global concurrency rules of one rule set, by name.
+type ruleNames struct {
+	set    *rules.Set
+	byName map[string]*rules.Rule
+}
+
+// globalLease is a global lease this daemon acquired and has not seen freed.
+type globalLease struct {
+	id      string // the Redis member prefix: lease.lua's members are "<id>:<part>"
+	token   string
+	owner   uint64
+	parts   []rlsync.LeasePart
+	stats   []*LeaseStats // per part
+	expires int64         // this daemon's clock: when the first part expires, as last known
+}
+
+// leaseIDBytes is the size of a global lease's random id: unguessable, so that a token
+// cannot be forged to release another client's lease.
+const leaseIDBytes = 12
+
+// maxLeaseParts bounds the parts a global token may name (a check's concurrency rules).
+const maxLeaseParts = 64
+
+// globalTokenPrefix starts a global lease's token; a local token starts with hex digits.
+const globalTokenPrefix = 'g'
+
+func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
+	n := scratchOf[rlsync.LeaseOp](d, storeGlobalLease)
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store != storeGlobalLease {
+			continue
+		}
+		n.ops = append(n.ops, rlsync.LeaseOp{Key: string(o.key), Part: len(n.ops), Max: o.lim.Requests(),
+			Lease: o.lim.Window(), Take: o.cost > 0, Shadow: o.shadow})
+		n.at = append(n.at, i)
+	}
+	if s.tokenLen(d, n) > maxGlobalToken {
+		return false, errTokenTooLong
+	}
+	var raw [leaseIDBytes]byte
+	_, _ = rand.Read(raw[:]) // never fails (crypto/rand)
+	id := base64.RawURLEncoding.EncodeToString(raw[:])
+	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	ok, err := s.g.Acquire(ctx, id, n.ops)
+	cancel()
+	if err != nil {
+		return false, err
+	}
+	held := 0
+	for k, i := range n.at {
+		lo := &n.ops[k]
+		r := localbucket.Result{Allowed: lo.Allowed, Limit: lo.Max, Remaining: lo.Remaining}
+		if !lo.Allowed {
+			r.RetryAfter, r.Reset = int64(lo.RetryAfter), int64(lo.RetryAfter)
+		}
+		d.report(i, &r)
+		if ok && lo.Allowed && lo.Take {
+			held++
+		}
+	}
+	if !ok || held == 0 {
+		return ok, nil
+	}
+	gl := &globalLease{id: id, owner: d.Owner, expires: -1}
+	var buf []byte
+	buf = append(buf, 1)
+	buf = append(buf, raw[:]...)
+	buf = append(buf, byte(held))
+	for k, i := range n.at {
+		lo := &n.ops[k]
+		if !lo.Allowed || !lo.Take {
+			continue
+		}
+		rule := d.Results[i].Rule
+		client := s.clientOf(lo.Key, rule)
+		buf = binary.AppendUvarint(buf, uint64(len(rule.Name)))
+		buf = append(buf, rule.Name...)
+		buf = binary.AppendUvarint(buf, uint64(len(client)))
+		buf = append(buf, client...)
+		gl.parts = append(gl.parts, rlsync.LeasePart{Key: lo.Key, Part: lo.Part, Lease: lo.Lease})
+		if e := now + int64(lo.Lease); gl.expires < 0 || e < gl.expires {
+			gl.expires = e
+		}
+	}
+	gl.token = string(globalTokenPrefix) + base64.RawURLEncoding.EncodeToString(buf)
+	s.ls.track(gl, func(p int) string { return d.Results[n.at[p]].Name }, n.ops)
+	d.globalLease = gl
+	return true, nil
+}
+
+// maxGlobalToken bounds a global lease's token: what a release or renew request may
+// carry (proto.MaxLeaseLen), less room for a local token joined to it.
+const maxGlobalToken = proto.MaxLeaseLen - 64
+
+// errTokenTooLong makes a check whose global lease's token would be too long (its
+// client keys are) fall to its rules' on_store_failure, as if Redis could not decide.
+var errTokenTooLong = errors.New("global lease: client keys too long for a lease token")
+
+// tokenLen returns the length of the token of a lease taking every op of n that takes.
+func (s *globalLeaseStore) tokenLen(d *Decision, n *native[rlsync.LeaseOp]) int {
+	raw := 2 + leaseIDBytes
+	for k, i := range n.at {
+		if lo := &n.ops[k]; lo.Take {
+			name := len(d.Results[i].Rule.Name)
+			client := len(lo.Key) - len(s.lim.prefix) - name - 3
+			raw += 2*binary.MaxVarintLen16 + name + client
+		}
+	}
+	return 1 + base64.RawURLEncoding.EncodedLen(raw)
+}
+
+// clientOf returns the client part of key, a concurrency rule's Redis key: what is
+// between the braces of prefix + rule + ":{" + client + "}".
+func (s *globalLeaseStore) clientOf(key string, r *rules.Rule) string {
+	return key[len(s.lim.prefix)+len(r.Name)+2 : len(key)-1]
+}
+
+func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
+	gl := d.globalLease
+	n := lastBatch[rlsync.LeaseOp](d, storeGlobalLease)
+	for k, i := range n.at {
+		if lo := &n.ops[k]; lo.Allowed && lo.Take {
+			d.Results[i].Remaining++
+		}
+	}
+	if gl == nil {
+		return
+	}
+	d.globalLease = nil
+	s.ls.untrack(gl, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), rlsync.DefaultRefundTimeout)
+	defer cancel()
+	_, _ = s.g.Release(ctx, gl.id, gl.parts) // failed: the slots expire after their lease
+}
+
+// skip leaves the results empty: Redis is not asked.
+func (s *globalLeaseStore) skip(int64, *Decision) {}
+
+// decodeGlobal returns the lease of a global token, its parts rebuilt from the current
+// rule set: ok false when the token is not well formed, names more parts than a lease
+// has, or names a rule that is not a concurrency rule in global mode, or a client that
+// is not an escaped client key. So a forged token can only address the sorted set of a
+// global concurrency rule, inside its hash tag.
+func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync.LeasePart, rs []*rules.Rule, ok bool) {
+	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > proto.MaxLeaseLen {
+		return "", nil, nil, false
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
+	if err != nil || len(raw) < 2+leaseIDBytes || raw[0] != 1 {
+		return "", nil, nil, false
+	}
+	id = base64.RawURLEncoding.EncodeToString(raw[1 : 1+leaseIDBytes])
+	np := int(raw[1+leaseIDBytes])
+	rest := raw[2+leaseIDBytes:]
+	if np == 0 || np > maxLeaseParts {
+		return "", nil, nil, false
+	}
+	next := func() (string, bool) {
+		n, w := binary.Uvarint(rest)
+		if w <= 0 || n > uint64(len(rest)-w) {
+			return "", false
+		}
+		v := string(rest[w : w+int(n)])
+		rest = rest[w+int(n):]
+		return v, true
+	}
+	byName := s.globalRules()
+	for p := range np {
+		name, ok1 := next()
+		client, ok2 := next()
+		if !ok1 || !ok2 || !validClient(client) {
+			return "", nil, nil, false
+		}
+		r := byName[name]
+		if r == nil {
+			return "", nil, nil, false
+		}
+		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: p, Lease: r.Per})
+		rs = append(rs, r)
+	}
+	if len(rest) != 0 {
+		return "", nil, nil, false
+	}
+	return id, parts, rs, true
+}
+
+// globalRules returns the current rule set's concurrency rules in global mode, by name.
+func (s *globalLeaseStore) globalRules() map[string]*rules.Rule {
+	set := s.lim.rules.Load()
+	if n := s.names.Load(); n != nil && n.set == set {
+		return n.byName
+	}
+	n := &ruleNames{set: set, byName: map[string]*rules.Rule{}}
+	for _, r := range set.Rules {
+		if r.Concurrency && s.lim.ModeOf(r) == rules.ModeGlobal {
+			n.byName[r.Name] = r
+		}
+	}
+	s.names.Store(n)
+	return n.byName
+}
+
+// validClient reports whether c could be a rule's client key (rules.Rule.AppendKey):
+// name=value pairs joined by '|', the values escaped (rules.AppendEscaped). Above all
+// it has no brace, so it stays inside its hash tag.
+func validClient(c string) bool {
+	if c == "" {
+		return false
+	}
+	for i := 0; i < len(c); i++ {
+		if !clientByte[c[i]] {
+			return false
+		}
+	}
+	return true
+}
+
+var clientByte = func() (t [256]bool) {
+	for _, c := range "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~:@/+%|=" {
+		t[c] = true
+	}
+	return t
+}()
+
+// release frees the global lease of token through Redis, whichever daemon acquired it.
+func (s *globalLeaseStore) release(token string) bool {
+	id, parts, rs, ok := s.decodeGlobal(token)
+	if !ok {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
+	defer cancel()
+	freed, err := s.g.Release(ctx, id, parts)
+	if err != nil {
+		return false // the lease expires after its lease
+	}
+	s.ls.releasedGlobal(id, rs, freed)
+	return freed
+}
+
+// renew extends the global lease of token (d 0: each rule's own lease).
+func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool, time.Duration) {
+	id, parts, _, ok := s.decodeGlobal(token)
+	if !ok {
+		return false, 0
+	}
+	if d > 0 {
+		for i := range parts {
+			parts[i].Lease = d
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
+	defer cancel()
+	renewed, in, err := s.g.Renew(ctx, id, parts)
+	if err != nil || !renewed {
+		return false, 0
+	}
+	s.ls.renewedGlobal(id, now+int64(in))
+	return true, in
+}
+
+// releaseAll frees the global leases gls (a closed connection's, no longer tracked) in
+// Redis, on one bounded context, counts those it freed as closed (the others were
+// released through another daemon, or expired), and reports how many it freed.
+func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
+	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
+	defer cancel()
+	ids := make([]string, len(gls))
+	parts := make([][]rlsync.LeasePart, len(gls))
+	for i, gl := range gls {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	freed, _ := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	n := 0
+	for i, f := range freed {
+		if f {
+			n++
+			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
+		}
+	}
+	return n
+}
+
+// closeReleaseWait bounds the release of a closed connection's global leases.
+const closeReleaseWait = time.Second
+
+// sweep asks Redis about the tracked global leases whose first part is due by now: a
+// part still there and expired is counted expired (the leak signal), one renewed
+// through another daemon stays tracked, one gone was released through another daemon.
+func (s *globalLeaseStore) sweep(now int64) int {
+	due := s.ls.dueGlobal(now)
+	if len(due) == 0 {
+		return 0
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
+	defer cancel()
+	ids := make([]string, len(due))
+	parts := make([][]rlsync.LeasePart, len(due))
+	for i, gl := range due {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts) // one pipeline
+	n := 0
+	for i, gl := range due {
+		if err != nil || st[i].Err != nil {
+			if now-gl.expires > int64(rlsync.LeaseGrace) {
+				s.ls.untrack(gl, nil) // Redis has dropped it by now, whatever it was
+			}
+			continue
+		}
+		n += s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
+	}
+	return n
+}
+
+// LeaseToken returns the opaque token of the lease d's allowed check took: "" when it
+// took none. A check that matched both local and global concurrency rules holds a lease
+// of each, joined in one token.
+func (l *Limiter) LeaseToken(d *Decision) string {
+	switch {
+	case d.globalLease == nil && d.Lease == 0:
+		return ""
+	case d.globalLease == nil:
+		return l.leases.Token(d.Lease)
+	case d.Lease == 0:
+		return d.globalLease.token
+	}
+	return l.leases.Token(d.Lease) + tokenJoin + d.globalLease.token
+}
+
+// tokenJoin joins a local and a global token; neither contains it.
+const tokenJoin = "~"
+
+func splitToken(token string) (local, global string) {
+	for i := 0; i < len(token); i++ {
+		if token[i] == tokenJoin[0] {
+			return token[:i], token[i+1:]
+		}
+	}
+	if len(token) > 0 && token[0] == globalTokenPrefix {
+		return "", token
+	}
+	return token, ""
+}
+
+// ReleaseLease frees the lease of token (Limiter.LeaseToken) and reports whether it
+// freed any slot: false when it is unknown, expired, already released, forged, or its
+// global part could not reach Redis (it then expires after its lease). A global lease is
+// released through any daemon on the same Redis.
+func (l *Limiter) ReleaseLease(token string, now int64) bool {
+	local, global := splitToken(token)
+	freed := false
+	if local != "" {
+		freed = l.leases.Release(local, now)
+	}
+	if global != "" && l.global != nil {
+		freed = l.global.release(global) || freed
+	}
+	return freed
+}
+
+// RenewLease extends the live lease of token to now+d in each of its parts (d 0: each
+// rule's own lease), through any daemon for a global lease. It reports whether the lease
+// was live, and then how long until its first part expires.
+func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, time.Duration) {
+	local, global := splitToken(token)
+	renewed, in := false, time.Duration(-1)
+	if local != "" {
+		if ok, t := l.leases.Renew(local, d, now); ok {
+			renewed, in = true, t
+		}
+	}
+	if global != "" && l.global != nil {
+		if ok, t := l.global.renew(global, d, now); ok {
+			if !renewed || t < in {
+				in = t
+			}
+			renewed = true
+		}
+	}
+	return renewed, max(in, 0)
+}
+
+// ReleaseOwner frees every lease owner still holds (its connection closed), local and
+// global (in Redis, batched on one bounded context), counting them as closed, and
+// returns how many leases it freed.
+func (l *Limiter) ReleaseOwner(owner uint64, now int64) int {
+	n := l.leases.ReleaseOwner(owner, now)
+	if l.global != nil {
+		if gls := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
+			n += l.global.releaseAll(gls)
+		}
+	}
+	return n
+}

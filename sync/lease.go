@@ -1,0 +1,416 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed scripts/lease.lua
+var leaseSrc string
+
+var leaseScript = script{redis.NewScript(leaseSrc), leaseSrc}
+
+// LeaseGrace is how long an expired lease part stays in its Redis sorted set before a
+// call drops it: long enough for the daemon that acquired it to see, at its next sweep,
+// that it expired rather than was released through another daemon.
+const LeaseGrace = time.Minute
+
+// LeaseOp is one slot of a lease in global mode: one concurrency rule's key. See
+// [Global.Acquire].
+type LeaseOp struct {
+	// Key is the full Redis key, with its hash tag: rl:<rule>:{<client>}.
+	Key string
+	// Part numbers the op within its lease: its member in Key's sorted set is
+	// "<lease id>:<part>". Parts of one lease are distinct.
+	Part int
+	// Max is the number of slots of Key; Lease how long a slot is held (ms resolution).
+	Max   uint64
+	Lease time.Duration
+	// Take: hold a slot when allowed. False asks only (a cost of 0).
+	Take bool
+	// Shadow: a dry run that never refuses the lease, and holds nothing when refused.
+	Shadow bool
+
+	// Written by Acquire: whether a slot was free, the free slots after the call, and
+	// when refused how long until the earliest held slot expires (at most 1 s).
+	Allowed    bool
+	Remaining  uint64
+	RetryAfter time.Duration
+}
+
+// LeasePart names one slot a lease holds, for [Global.Release], [Global.Renew] and
+// [Global.LeaseState].
+type LeasePart struct {
+	Key   string
+	Part  int
+	Lease time.Duration // for Renew: the new lease of this part
+}
+
+// Acquire takes, all-or-nothing, one slot in each op with Take for the lease id (its
+// members "<id>:<part>"): when every non-shadow op has a free slot it holds them and
+// returns true; otherwise it holds nothing and returns false. It writes every op's
+// result. Ops in one hash slot are one atomic script call (scripts/lease.lua); the calls
+// of several slots go in one pipeline and, when one refuses or fails, the others' slots
+// are given back (on a bounded context of their own, see [Global.WithRefundTimeout]).
+// An error (ctx done, Redis down, a bad reply) holds nothing, apart from a give-back
+// that failed (counted in RefundErrors: those slots expire after their lease).
+func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
+	if len(ops) == 0 {
+		return true, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return false, fmt.Errorf("lease acquire: %w", err)
+	}
+	if !g.breaker.Allow() {
+		return false, ErrBreakerOpen
+	}
+	start := time.Now()
+	ok, err := g.acquire(ctx, id, ops)
+	if g.observe != nil {
+		g.observe("lease_acquire", time.Since(start), err)
+	}
+	if err != nil {
+		g.breaker.Failure()
+	} else {
+		g.breaker.Success()
+	}
+	return ok, err
+}
+
+func (g *Global) acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
+	groups := g.leaseGroups(len(ops), func(i int) string { return ops[i].Key })
+	calls := make([]call, len(groups))
+	grace := LeaseGrace.Milliseconds()
+	for gi, idx := range groups {
+		c := &calls[gi]
+		c.args = make([]any, 0, 3+5*len(idx))
+		c.args = append(c.args, "a", id, grace)
+		for _, i := range idx {
+			o := &ops[i]
+			c.keys = append(c.keys, o.Key)
+			c.args = append(c.args, o.Part, o.Max, max(o.Lease.Milliseconds(), 1), b01(o.Take), b01(o.Shadow))
+		}
+	}
+	run(ctx, g.rdb, leaseScript, calls)
+	ok := true
+	var firstErr error
+	for gi, idx := range groups {
+		c := &calls[gi]
+		err := c.cmd.Err()
+		if err == nil {
+			err = parseAcquire(c.cmd.Val(), ops, idx)
+		}
+		if err != nil {
+			c.failed = true
+			for _, i := range idx {
+				ops[i].Allowed, ops[i].Remaining, ops[i].RetryAfter = false, 0, 0
+			}
+			if firstErr == nil {
+				firstErr = fmt.Errorf("lease acquire of %d keys in slot %d: %w", len(idx), Slot(ops[idx[0]].Key), err)
+			}
+			continue
+		}
+		for _, i := range idx {
+			if !ops[i].Allowed && !ops[i].Shadow {
+				c.rejected = true
+				ok = false
+			}
+		}
+	}
+	if ok && firstErr == nil {
+		return true, nil
+	}
+	// Give back what the groups that committed hold.
+	var back []LeasePart
+	for gi, idx := range groups {
+		if calls[gi].failed || calls[gi].rejected {
+			continue
+		}
+		for _, i := range idx {
+			if o := &ops[i]; o.Take && o.Allowed {
+				back = append(back, LeasePart{Key: o.Key, Part: o.Part})
+				o.Remaining++
+			}
+		}
+	}
+	if len(back) > 0 {
+		rctx, cancel := g.refundContext(ctx)
+		if _, err := g.release(rctx, id, back); err != nil {
+			g.refundErrors.Add(1)
+		}
+		cancel()
+	}
+	if !ok {
+		return false, nil
+	}
+	return false, firstErr
+}
+
+// Release frees the parts of lease id and reports whether it freed any live one: false
+// when they are unknown, expired or already released. Parts in several hash slots are
+// one pipeline.
+func (g *Global) Release(ctx context.Context, id string, parts []LeasePart) (bool, error) {
+	if len(parts) == 0 {
+		return false, nil
+	}
+	if !g.breaker.Allow() {
+		return false, ErrBreakerOpen
+	}
+	start := time.Now()
+	ok, err := g.release(ctx, id, parts)
+	if g.observe != nil {
+		g.observe("lease_release", time.Since(start), err)
+	}
+	g.report(err)
+	return ok, err
+}
+
+// report tells the breaker how a call it let through went: each call may be the open
+// breaker's one probe, which must come back.
+func (g *Global) report(err error) {
+	if err != nil {
+		g.breaker.Failure()
+	} else {
+		g.breaker.Success()
+	}
+}
+
+func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (bool, error) {
+	calls := g.partCalls("r", id, parts, false)
+	run(ctx, g.rdb, leaseScript, calls)
+	freed := false
+	var firstErr error
+	for i := range calls {
+		n, err := calls[i].cmd.Int64()
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("lease release: %w", err)
+			}
+			continue
+		}
+		freed = freed || n > 0
+	}
+	return freed, firstErr
+}
+
+// ReleaseAll frees the parts of several leases (parts[i] of ids[i]) in one pipeline,
+// and reports for each lease whether it freed a live part of it, with the first error.
+func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) ([]bool, error) {
+	freed := make([]bool, len(ids))
+	if !g.breaker.Allow() {
+		return freed, ErrBreakerOpen
+	}
+	var calls []call
+	var of []int // lease of each call
+	for i, id := range ids {
+		for _, c := range g.partCalls("r", id, parts[i], false) {
+			calls = append(calls, c)
+			of = append(of, i)
+		}
+	}
+	if len(calls) == 0 {
+		g.report(nil)
+		return freed, nil
+	}
+	run(ctx, g.rdb, leaseScript, calls)
+	var firstErr error
+	for k := range calls {
+		n, err := calls[k].cmd.Int64()
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("lease release: %w", err)
+			}
+			continue
+		}
+		freed[of[k]] = freed[of[k]] || n > 0
+	}
+	g.report(firstErr)
+	return freed, firstErr
+}
+
+// Renew extends each live part of lease id to its Lease from now (Redis time) and
+// reports whether any part was live, and the shortest lease it set.
+func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool, time.Duration, error) {
+	if len(parts) == 0 {
+		return false, 0, nil
+	}
+	if !g.breaker.Allow() {
+		return false, 0, ErrBreakerOpen
+	}
+	calls := g.partCalls("n", id, parts, true)
+	run(ctx, g.rdb, leaseScript, calls)
+	renewed, first := false, int64(-1)
+	for i := range calls {
+		v, err := calls[i].cmd.Int64Slice()
+		if err == nil && (len(v) != 2 || v[0] < 0 || v[1] < 0) {
+			err = fmt.Errorf("lease.lua replied %v to a renew, want {parts, ms}", v)
+		}
+		if err != nil {
+			g.breaker.Failure()
+			return false, 0, fmt.Errorf("lease renew: %w", err)
+		}
+		if v[0] > 0 {
+			renewed = true
+			if first < 0 || v[1] < first {
+				first = v[1]
+			}
+		}
+	}
+	g.breaker.Success()
+	return renewed, time.Duration(max(first, 0)) * time.Millisecond, nil
+}
+
+// LeaseState reports, for each part of lease id, how long until it expires by Redis's
+// clock: negative once expired, and absent (present false) when no member holds it any
+// more (released, or expired more than [LeaseGrace] ago). Nothing changes.
+func (g *Global) LeaseState(ctx context.Context, id string, parts []LeasePart) (left []time.Duration, present []bool, err error) {
+	st, err := g.LeaseStates(ctx, []string{id}, [][]LeasePart{parts})
+	if err != nil {
+		return nil, nil, err
+	}
+	return st[0].Left, st[0].Present, st[0].Err
+}
+
+// PartsState is one lease's answer to [Global.LeaseStates].
+type PartsState struct {
+	Left    []time.Duration // per part: until it expires (negative: expired)
+	Present []bool          // per part: a member still holds it
+	Err     error           // the lease's query failed
+}
+
+// LeaseStates is [Global.LeaseState] for several leases (parts[i] of ids[i]) in one
+// pipeline. The error is the breaker's; each lease's own is in its PartsState.
+func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeasePart) ([]PartsState, error) {
+	if !g.breaker.Allow() {
+		return nil, ErrBreakerOpen
+	}
+	var calls []call
+	first := make([]int, len(ids)+1) // lease i's calls are calls[first[i]:first[i+1]]
+	for i, id := range ids {
+		first[i] = len(calls)
+		calls = append(calls, g.partCalls("q", id, parts[i], false)...)
+	}
+	first[len(ids)] = len(calls)
+	if len(calls) > 0 {
+		run(ctx, g.rdb, leaseScript, calls)
+	}
+	out := make([]PartsState, len(ids))
+	var firstErr error
+	for i := range ids {
+		out[i].Left, out[i].Present, out[i].Err = parseStates(calls[first[i]:first[i+1]], g.leaseGroups(len(parts[i]), func(k int) string { return parts[i][k].Key }), len(parts[i]))
+		if firstErr == nil {
+			firstErr = out[i].Err
+		}
+	}
+	g.report(firstErr)
+	return out, nil
+}
+
+// parseStates reads the query replies of one lease's calls (one per group).
+func parseStates(calls []call, groups [][]int, n int) (left []time.Duration, present []bool, err error) {
+	left, present = make([]time.Duration, n), make([]bool, n)
+	for gi, idx := range groups {
+		v, err := calls[gi].cmd.Int64Slice()
+		if err == nil && len(v) != len(idx)+1 {
+			err = fmt.Errorf("lease.lua replied %d values to a query, want %d", len(v), len(idx)+1)
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("lease query: %w", err)
+		}
+		now := v[len(idx)]
+		for k, i := range idx {
+			if v[k] >= 0 {
+				present[i], left[i] = true, time.Duration(v[k]-now)*time.Millisecond
+			}
+		}
+	}
+	return left, present, nil
+}
+
+// partCalls builds one lease.lua call per hash slot of parts, in the order of
+// leaseGroups.
+func (g *Global) partCalls(op, id string, parts []LeasePart, withLease bool) []call {
+	groups := g.leaseGroups(len(parts), func(i int) string { return parts[i].Key })
+	calls := make([]call, len(groups))
+	for gi, idx := range groups {
+		c := &calls[gi]
+		c.args = append(make([]any, 0, 3+2*len(idx)), op, id, LeaseGrace.Milliseconds())
+		for _, i := range idx {
+			c.keys = append(c.keys, parts[i].Key)
+			c.args = append(c.args, parts[i].Part)
+			if withLease {
+				c.args = append(c.args, max(parts[i].Lease.Milliseconds(), 1))
+			}
+		}
+	}
+	return calls
+}
+
+// leaseGroups returns the indices 0..n-1 grouped by the hash slot of key(i) (one group
+// on a standalone server), each group in index order.
+func (g *Global) leaseGroups(n int, key func(int) string) [][]int {
+	if !g.bySlot {
+		all := make([]int, n)
+		for i := range all {
+			all[i] = i
+		}
+		return [][]int{all}
+	}
+	var groups [][]int
+	at := map[uint16]int{}
+	for i := range n {
+		s := Slot(key(i))
+		gi, ok := at[s]
+		if !ok {
+			gi = len(groups)
+			at[s] = gi
+			groups = append(groups, nil)
+		}
+		groups[gi] = append(groups[gi], i)
+	}
+	return groups
+}
+
+// parseAcquire writes the results of ops[idx...] from lease.lua's acquire reply v.
+func parseAcquire(v any, ops []LeaseOp, idx []int) error {
+	arr, ok := v.([]any)
+	if !ok {
+		return fmt.Errorf("lease.lua replied %T, want an array", v)
+	}
+	if len(arr) != 3*len(idx) {
+		return fmt.Errorf("lease.lua replied %d values, want %d", len(arr), 3*len(idx))
+	}
+	for k, i := range idx {
+		var x [3]int64
+		for j := range x {
+			n, err := toInt64(arr[3*k+j])
+			if err != nil {
+				return fmt.Errorf("lease.lua reply value %d: %w", 3*k+j, err)
+			}
+			if n < 0 {
+				return fmt.Errorf("lease.lua reply value %d is negative: %d", 3*k+j, n)
+			}
+			x[j] = n
+		}
+		if x[0] > 1 {
+			return errors.New("lease.lua reply: allowed " + strconv.FormatInt(x[0], 10) + ", want 0 or 1")
+		}
+		ops[i].Allowed = x[0] == 1
+		ops[i].Remaining = uint64(x[1])
+		ops[i].RetryAfter = time.Duration(x[2]) * time.Millisecond
+	}
+	return nil
+}
+
+func b01(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
