@@ -118,14 +118,21 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
-	s.grpc = grpc.NewServer(
-		// Fixed windows: no BDP-estimation pings between a call and its answer.
-		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20))
+	s.grpc = grpc.NewServer(TransportOptions()...)
 	s.scratch.New = func() any { return new(scratch) }
 	rlsv3.RegisterRateLimitServiceServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
+}
+
+// TransportOptions are the grpc-go server options the Envoy listener is served with (the
+// benchmark's do-nothing grpc-go server uses them too, to measure the same transport).
+func TransportOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		// Fixed windows: no BDP-estimation pings between a call and its answer.
+		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
+	}
 }
 
 // Listen binds the address. A Unix socket is created owner-only, then opened to
