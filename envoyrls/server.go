@@ -88,7 +88,9 @@ type Server struct {
 	rlsv3.UnimplementedRateLimitServiceServer
 	cfg     Config
 	lim     *limiter.Limiter
-	grpc    *grpc.Server
+	mu      sync.Mutex
+	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
+	stopped bool         // Shutdown was called
 	health  *health.Server
 	ln      net.Listener
 	scratch sync.Pool    // *scratch
@@ -116,27 +118,46 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), now: func() int64 { return time.Now().UnixNano() }}
-	s.grpc = grpc.NewServer(append(TransportOptions(), grpc.ForceServerCodecV2(newCodec()))...)
 	s.scratch.New = func() any { return new(scratch) }
-	// The generated service description but for its handler: wireHandler decodes and
-	// encodes the messages itself (wire.go).
-	desc := rlsv3.RateLimitService_ServiceDesc
-	desc.Methods = []grpc.MethodDesc{{MethodName: "ShouldRateLimit", Handler: wireHandler}}
-	s.grpc.RegisterService(&desc, s)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
 }
 
-// TransportOptions are the grpc-go server options the Envoy listener is served with (the
-// benchmark's do-nothing grpc-go server uses them too, to measure the same transport).
-func TransportOptions() []grpc.ServerOption {
-	o := []grpc.ServerOption{
-		// Fixed windows: no BDP-estimation pings between a call and its answer.
-		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
-	}
-	return o
+// newGRPC builds the gRPC server: the rate limit service and health.
+func (s *Server) newGRPC() *grpc.Server {
+	g := grpc.NewServer(append(TransportOptions(), grpc.ForceServerCodecV2(newCodec()))...)
+	// The generated service description but for its handler: wireHandler decodes and
+	// encodes the messages itself (wire.go).
+	desc := rlsv3.RateLimitService_ServiceDesc
+	desc.Methods = []grpc.MethodDesc{{MethodName: "ShouldRateLimit", Handler: wireHandler}}
+	g.RegisterService(&desc, s)
+	healthpb.RegisterHealthServer(g, s.health)
+	return g
 }
+
+// TransportOptions are the grpc-go server options the Envoy listener is served with (the
+// benchmark's do-nothing grpc-go server, bench/grpcfloor, uses them too, to measure the
+// same transport). Each was measured in BenchmarkEnvoyRLS beside the defaults (README,
+// "Envoy"); kept are those that lowered the daemon's CPU per call:
+//   - fixed flow-control windows, so that no BDP-estimation ping goes between a call and
+//     its answer;
+//   - stream workers: a call runs on one of a few long-lived goroutines rather than a new
+//     one, which would start on a small stack and grow it on every call (a worker that is
+//     busy makes grpc-go fall back to a new goroutine, so no call waits for one).
+//
+// SharedWriteBuffer, larger read and write buffers and larger windows made no difference
+// that the noise of a shared 2-core machine could show, and are left at grpc-go's
+// defaults.
+func TransportOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
+		grpc.NumStreamWorkers(streamWorkers),
+	}
+}
+
+// streamWorkers is the number of long-lived goroutines calls run on: as many as the
+// benchmark's concurrent streams.
+const streamWorkers = 64
 
 // Listen binds the address. A Unix socket is created owner-only, then opened to
 // SocketMode; a stale socket file is replaced, a live one or any other file refused.
@@ -187,12 +208,23 @@ func (s *Server) Listen() error {
 // Addr returns the bound address (after Listen).
 func (s *Server) Addr() net.Addr { return s.ln.Addr() }
 
-// Serve answers calls until Shutdown; it returns nil after Shutdown.
+// Serve answers calls until Shutdown; it returns nil after Shutdown (at once if Shutdown
+// came first).
 func (s *Server) Serve() error {
 	if s.ln == nil {
 		return errors.New("envoy rls: Serve before Listen")
 	}
-	if err := s.grpc.Serve(s.ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return nil
+	}
+	if s.grpc == nil {
+		s.grpc = s.newGRPC()
+	}
+	g := s.grpc
+	s.mu.Unlock()
+	if err := g.Serve(s.ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("envoy rls: %w", err)
 	}
 	return nil
@@ -202,9 +234,15 @@ func (s *Server) Serve() error {
 // ctx ends, then closes every connection. The socket file is removed.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
+	s.mu.Lock()
+	s.stopped = true
+	g := s.grpc
+	s.mu.Unlock()
 	done := make(chan struct{})
 	go func() {
-		s.grpc.GracefulStop()
+		if g != nil {
+			g.GracefulStop()
+		}
 		if s.ln != nil {
 			_ = s.ln.Close() // not yet served (a failed start): gRPC does not own it
 		}
@@ -214,7 +252,9 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-done:
 		return nil
 	case <-ctx.Done():
-		s.grpc.Stop()
+		if g != nil {
+			g.Stop()
+		}
 		<-done
 		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
 	}
