@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/trace"
 	"syscall"
 	"time"
 
@@ -86,12 +87,26 @@ func main() {
 			},
 		}},
 	}, struct{}{})
+	// GRPCFLOOR_TRACE=FILE writes an execution trace (runtime/trace) until SIGTERM: the
+	// goroutine handoffs of each call (go tool trace).
+	if path := os.Getenv("GRPCFLOOR_TRACE"); path != "" {
+		f, err := os.Create(path)
+		if err == nil {
+			err = trace.Start(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		defer f.Close()
+	}
 	fmt.Println("grpcfloor listening on", *socket)
 	go func() {
 		sig := make(chan os.Signal, 1)
 		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
 		<-sig
 		s.Stop()
+		trace.Stop()
 		os.Exit(0)
 	}()
 	if err := s.Serve(ln); err != nil {
