@@ -39,7 +39,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binDir = dir
-	for _, pkg := range []string{"../cmd/rlsidecar", "./floorserver"} {
+	for _, pkg := range []string{"../cmd/rlsidecar", "./floorserver", "./grpcfloor", "./h2floor"} {
 		out, err := exec.Command("go", "build", "-o", dir, pkg).CombinedOutput()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "building %s: %v\n%s", pkg, err, out)

@@ -104,8 +104,13 @@ func BenchmarkEnvoyRLS(b *testing.B) {
 	rls := rlsv3.NewRateLimitServiceClient(conn)
 	ctx := context.Background()
 	mc := dial(b, s.socket)
-	hc := dialH2(b, s.envoy, "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
-	grpcRound := func(from, n int, lat []time.Duration) []time.Duration {
+	const method = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+	hc := dialH2(b, s.envoy, method)
+	floor := startServer(b, "grpcfloor")
+	fc := dialH2(b, floor.socket, method)
+	h2floor := startServer(b, "h2floor")
+	h2c := dialH2(b, h2floor.socket, method)
+	round := func(hc *h2Client, from, n int, lat []time.Duration) []time.Duration {
 		for i := range n {
 			start := time.Now()
 			st, err := hc.call(msgs[(from+i)%len(msgs)])
@@ -116,7 +121,9 @@ func BenchmarkEnvoyRLS(b *testing.B) {
 		}
 		return lat
 	}
-	grpcRound(0, 2000, nil)
+	round(hc, 0, 2000, nil)
+	round(fc, 0, 2000, nil)
+	round(h2c, 0, 2000, nil)
 	mc.roundTrips(fr, 2000, nil)
 
 	b.ResetTimer()
@@ -125,33 +132,55 @@ func BenchmarkEnvoyRLS(b *testing.B) {
 	// median of those ratios.
 	// The daemon's CPU time is summed per side too: unlike a latency, it does not depend on
 	// how busy the machine is.
-	var lg, lm []time.Duration
-	var ratios []float64
-	var cpuG, cpuM time.Duration
+	// The do-nothing grpc-go server (bench/grpcfloor) takes its turn in each chunk too: the
+	// floor any grpc-go server has on this machine at this moment; and so does a
+	// do-nothing single-goroutine HTTP/2 loop (bench/h2floor): the floor of a hand-written
+	// transport.
+	var lg, lm, lf, lh []time.Duration
+	var ratios, floorRatios, h2Ratios []float64
+	var cpuG, cpuM, cpuF, cpuH time.Duration
 	const chunk = 100
 	for done := 0; done < b.N; done += chunk {
 		n := min(chunk, b.N-done)
-		g0, m0 := len(lg), len(lm)
+		g0, m0, f0, h0 := len(lg), len(lm), len(lf), len(lh)
 		c0 := s.cpu(b)
-		lg = grpcRound(done, n, lg)
+		lg = round(hc, done, n, lg)
 		c1 := s.cpu(b)
 		var err error
 		if lm, err = mc.roundTrips(fr[done%len(fr):], n, lm); err != nil {
 			b.Fatal(err)
 		}
-		cpuG, cpuM = cpuG+c1-c0, cpuM+s.cpu(b)-c1
-		ratios = append(ratios, float64(percentile(lg[g0:], 0.5))/float64(percentile(lm[m0:], 0.5)))
+		c2 := s.cpu(b)
+		cf0 := floor.cpu(b)
+		lf = round(fc, done, n, lf)
+		cf1 := floor.cpu(b)
+		ch0 := h2floor.cpu(b)
+		lh = round(h2c, done, n, lh)
+		cpuG, cpuM, cpuF, cpuH = cpuG+c1-c0, cpuM+c2-c1, cpuF+cf1-cf0, cpuH+h2floor.cpu(b)-ch0
+		pm := float64(percentile(lm[m0:], 0.5))
+		ratios = append(ratios, float64(percentile(lg[g0:], 0.5))/pm)
+		floorRatios = append(floorRatios, float64(percentile(lf[f0:], 0.5))/pm)
+		h2Ratios = append(h2Ratios, float64(percentile(lh[h0:], 0.5))/pm)
 	}
 	b.StopTimer()
 	b.ReportMetric(float64(cpuG.Nanoseconds())/1e3/float64(b.N), "grpc-daemon-cpu-µs/call")
+	b.ReportMetric(float64(cpuF.Nanoseconds())/1e3/float64(b.N), "grpcfloor-cpu-µs/call")
+	b.ReportMetric(float64(cpuH.Nanoseconds())/1e3/float64(b.N), "h2floor-cpu-µs/call")
 	b.ReportMetric(float64(cpuM.Nanoseconds())/1e3/float64(b.N), "msgpack-daemon-cpu-µs/check")
-	pg, pm := percentile(lg, 0.5), percentile(lm, 0.5)
+	pg, pm, pf := percentile(lg, 0.5), percentile(lm, 0.5), percentile(lf, 0.5)
 	sort.Float64s(ratios)
+	sort.Float64s(floorRatios)
+	sort.Float64s(h2Ratios)
 	b.ReportMetric(float64(pm.Nanoseconds())/1e3, "msgpack-p50-µs")
 	b.ReportMetric(float64(pg.Nanoseconds())/1e3, "grpc-p50-µs")
+	b.ReportMetric(float64(pf.Nanoseconds())/1e3, "grpcfloor-p50-µs")
+	b.ReportMetric(float64(percentile(lh, 0.5).Nanoseconds())/1e3, "h2floor-p50-µs")
 	b.ReportMetric(float64(percentile(lg, 0.99).Nanoseconds())/1e3, "grpc-p99-µs")
 	b.ReportMetric(float64(pg)/float64(pm), "p50-ratio")
+	b.ReportMetric(float64(pg)/float64(pf), "p50-ratio-to-grpcfloor")
 	b.ReportMetric(ratios[len(ratios)/2], "chunk-p50-ratio-median")
+	b.ReportMetric(floorRatios[len(floorRatios)/2], "grpcfloor-chunk-p50-ratio-median")
+	b.ReportMetric(h2Ratios[len(h2Ratios)/2], "h2floor-chunk-p50-ratio-median")
 
 	// Throughput at 64 concurrent streams: b.N calls each way, alternating twice.
 	const streams = 64

@@ -88,3 +88,31 @@ func TestNewRefuses(t *testing.T) {
 		t.Error("world-writable socket: no error")
 	}
 }
+
+// A server asked in process, or listening and never served, runs no goroutine (grpc-go's
+// stream workers start with Serve), and Shutdown before Serve makes Serve return at once.
+func TestNoGoroutinesUntilServed(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	if _, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
+		Descriptors: []*commonrl.RateLimitDescriptor{{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "u"}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "e.sock")
+	l, err := New(Config{Addr: "unix:" + sock}, limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Serve(); err != nil {
+		t.Fatalf("Serve after Shutdown: %v", err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
+	}
+}

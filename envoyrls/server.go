@@ -36,8 +36,6 @@ import (
 	"syscall"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/grpc"
@@ -45,7 +43,6 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -91,10 +88,13 @@ type Server struct {
 	rlsv3.UnimplementedRateLimitServiceServer
 	cfg     Config
 	lim     *limiter.Limiter
-	grpc    *grpc.Server
+	mu      sync.Mutex
+	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
+	stopped bool         // Shutdown was called
 	health  *health.Server
 	ln      net.Listener
-	scratch sync.Pool // *scratch
+	scratch sync.Pool    // *scratch
+	now     func() int64 // the clock, in Unix nanoseconds (tests set one)
 }
 
 // New returns a server deciding with lim. Call Listen, then Serve.
@@ -117,16 +117,47 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, lim: lim, health: health.NewServer()}
-	s.grpc = grpc.NewServer(
-		// Fixed windows: no BDP-estimation pings between a call and its answer.
-		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20))
+	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), now: func() int64 { return time.Now().UnixNano() }}
 	s.scratch.New = func() any { return new(scratch) }
-	rlsv3.RegisterRateLimitServiceServer(s.grpc, s)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
 }
+
+// newGRPC builds the gRPC server: the rate limit service and health.
+func (s *Server) newGRPC() *grpc.Server {
+	g := grpc.NewServer(append(TransportOptions(), grpc.ForceServerCodecV2(newCodec()))...)
+	// The generated service description but for its handler: wireHandler decodes and
+	// encodes the messages itself (wire.go).
+	desc := rlsv3.RateLimitService_ServiceDesc
+	desc.Methods = []grpc.MethodDesc{{MethodName: "ShouldRateLimit", Handler: wireHandler}}
+	g.RegisterService(&desc, s)
+	healthpb.RegisterHealthServer(g, s.health)
+	return g
+}
+
+// TransportOptions are the grpc-go server options the Envoy listener is served with (the
+// benchmark's do-nothing grpc-go server, bench/grpcfloor, uses them too, to measure the
+// same transport). Each was measured in BenchmarkEnvoyRLS beside the defaults (README,
+// "Envoy"); kept are those that lowered the daemon's CPU per call:
+//   - fixed flow-control windows, so that no BDP-estimation ping goes between a call and
+//     its answer;
+//   - stream workers: a call runs on one of a few long-lived goroutines rather than a new
+//     one, which would start on a small stack and grow it on every call (a worker that is
+//     busy makes grpc-go fall back to a new goroutine, so no call waits for one).
+//
+// SharedWriteBuffer, larger read and write buffers and larger windows made no difference
+// that the noise of a shared 2-core machine could show, and are left at grpc-go's
+// defaults.
+func TransportOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
+		grpc.NumStreamWorkers(streamWorkers),
+	}
+}
+
+// streamWorkers is the number of long-lived goroutines calls run on: as many as the
+// benchmark's concurrent streams.
+const streamWorkers = 64
 
 // Listen binds the address. A Unix socket is created owner-only, then opened to
 // SocketMode; a stale socket file is replaced, a live one or any other file refused.
@@ -177,12 +208,23 @@ func (s *Server) Listen() error {
 // Addr returns the bound address (after Listen).
 func (s *Server) Addr() net.Addr { return s.ln.Addr() }
 
-// Serve answers calls until Shutdown; it returns nil after Shutdown.
+// Serve answers calls until Shutdown; it returns nil after Shutdown (at once if Shutdown
+// came first).
 func (s *Server) Serve() error {
 	if s.ln == nil {
 		return errors.New("envoy rls: Serve before Listen")
 	}
-	if err := s.grpc.Serve(s.ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return nil
+	}
+	if s.grpc == nil {
+		s.grpc = s.newGRPC()
+	}
+	g := s.grpc
+	s.mu.Unlock()
+	if err := g.Serve(s.ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("envoy rls: %w", err)
 	}
 	return nil
@@ -192,9 +234,15 @@ func (s *Server) Serve() error {
 // ctx ends, then closes every connection. The socket file is removed.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
+	s.mu.Lock()
+	s.stopped = true
+	g := s.grpc
+	s.mu.Unlock()
 	done := make(chan struct{})
 	go func() {
-		s.grpc.GracefulStop()
+		if g != nil {
+			g.GracefulStop()
+		}
 		if s.ln != nil {
 			_ = s.ln.Close() // not yet served (a failed start): gRPC does not own it
 		}
@@ -204,15 +252,23 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-done:
 		return nil
 	case <-ctx.Done():
-		s.grpc.Stop()
+		if g != nil {
+			g.Stop()
+		}
 		<-done
 		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
 	}
 }
 
-// scratch is one call's reusable space: the limiter's input and decision, kept in a pool
-// so that a call allocates only its response.
+// scratch is one call's reusable space: its bytes and decoded request, the limiter's
+// input and decision, the answer; kept in a pool so that a call allocates only its
+// response's bytes.
 type scratch struct {
+	raw    []byte
+	call   call
+	ans    answer
+	num    []byte
+	outLen int
 	in     limiter.Input
 	parts  []limiter.Part
 	attrs  []rules.Attr
@@ -224,19 +280,56 @@ type scratch struct {
 	d      limiter.Decision
 }
 
+// maxKeptRequest is the largest request buffer a pooled scratch keeps.
+const maxKeptRequest = 64 << 10
+
 // ShouldRateLimit decides one call. Malformed calls (empty domain, no descriptors, an
 // empty key, a bad override, too many descriptors or entries) are InvalidArgument errors
-// and change nothing.
+// and change nothing. The gRPC server answers calls with the same decision path without
+// the generated types (wireHandler); this method is for calls in process.
 func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
-	now := time.Now().UnixNano()
 	sc := s.scratch.Get().(*scratch)
 	defer s.scratch.Put(sc)
-	if err := s.input(req, sc); err != nil {
+	if err := fromProto(req, &sc.call); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := s.decide(sc); err != nil {
+		return nil, err
+	}
+	return toProto(&sc.ans), nil
+}
+
+// wireHandler is ShouldRateLimit's gRPC handler: dec (the codec) parses the request's
+// bytes into a pooled scratch, and the response goes back as its bytes.
+func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+	s := srv.(*Server)
+	sc := s.scratch.Get().(*scratch)
+	defer func() {
+		if cap(sc.raw) > maxKeptRequest {
+			sc.raw = nil
+		}
+		s.scratch.Put(sc)
+	}()
+	if err := dec(sc); err != nil {
+		return nil, err
+	}
+	if err := s.decide(sc); err != nil {
+		return nil, err
+	}
+	out := appendResponse(make([]byte, 0, max(sc.outLen, 128)), &sc.ans)
+	sc.outLen = len(out)
+	return (*encoded)(&out), nil
+}
+
+// decide answers sc.call into sc.ans.
+func (s *Server) decide(sc *scratch) error {
+	now := s.now()
+	if err := s.input(&sc.call, sc); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	d := &sc.d
 	if err := s.lim.Check(now, &sc.in, d); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if tok := s.lim.LeaseToken(d); tok != "" {
 		// Envoy's protocol has no release: a concurrency rule here only asks whether a
@@ -246,72 +339,68 @@ func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitReques
 	if s.cfg.Recorder != nil {
 		s.cfg.Recorder.Record(d)
 	}
-	return s.response(len(req.Descriptors), sc), nil
+	s.response(len(sc.call.descs), sc)
+	return nil
 }
 
-// input fills sc.in from req.
-func (s *Server) input(req *rlsv3.RateLimitRequest, sc *scratch) error {
-	if req.Domain == "" {
+// input fills sc.in from c.
+func (s *Server) input(c *call, sc *scratch) error {
+	if c.domain == "" {
 		return errors.New("domain must not be empty")
 	}
-	n := len(req.Descriptors)
+	n := len(c.descs)
 	if n == 0 {
 		return errors.New("descriptors must not be empty")
 	}
 	if n > s.cfg.MaxDescriptors {
 		return fmt.Errorf("%d descriptors; at most %d in one call", n, s.cfg.MaxDescriptors)
 	}
-	cost := uint64(max(req.HitsAddend, 1))
+	cost := uint64(max(c.hits, 1))
 	sc.parts = sc.parts[:0]
 	sc.attrs = sc.attrs[:0]
 	sc.limits = sc.limits[:0]
 	sc.keys = sc.keys[:0]
-	overrides := 0
-	for i, desc := range req.Descriptors {
-		if desc == nil {
-			return fmt.Errorf("descriptors[%d] is null", i)
+	for i := range c.descs {
+		desc := &c.descs[i]
+		entries := c.entries[desc.lo:desc.hi]
+		if len(entries) > s.cfg.MaxEntries {
+			return fmt.Errorf("descriptors[%d]: %d entries; at most %d", i, len(entries), s.cfg.MaxEntries)
 		}
-		if len(desc.Entries) > s.cfg.MaxEntries {
-			return fmt.Errorf("descriptors[%d]: %d entries; at most %d", i, len(desc.Entries), s.cfg.MaxEntries)
-		}
-		if desc.IsNegativeHits {
+		if desc.negative {
 			return fmt.Errorf("descriptors[%d]: is_negative_hits (giving budget back) is not supported", i)
 		}
 		keys := ""
-		if len(desc.Entries) == 1 && desc.Entries[0] != nil {
-			keys = desc.Entries[0].Key // the common case, without building a string
-		} else if len(desc.Entries) > 1 {
+		if len(entries) == 1 {
+			keys = entries[0].key // the common case, without building a string
+		} else if len(entries) > 1 {
 			var b strings.Builder
-			for j, e := range desc.Entries {
+			for j, e := range entries {
 				if j > 0 {
 					b.WriteByte(',')
 				}
-				if e != nil {
-					b.WriteString(e.Key)
-				}
+				b.WriteString(e.key)
 			}
 			keys = b.String()
 		}
 		start := len(sc.attrs)
-		sc.attrs = append(sc.attrs, rules.Attr{Name: DomainAttribute, Value: req.Domain}, rules.Attr{Name: DescriptorAttribute, Value: keys})
-		for j, e := range desc.Entries {
-			if e == nil || e.Key == "" {
+		sc.attrs = append(sc.attrs, rules.Attr{Name: DomainAttribute, Value: c.domain}, rules.Attr{Name: DescriptorAttribute, Value: keys})
+		for j, e := range entries {
+			if e.key == "" {
 				return fmt.Errorf("descriptors[%d].entries[%d]: key must not be empty", i, j)
 			}
-			sc.attrs = append(sc.attrs, rules.Attr{Name: e.Key, Value: e.Value})
+			sc.attrs = append(sc.attrs, rules.Attr{Name: e.key, Value: e.value})
 		}
 		p := limiter.Part{Cost: cost}
-		if desc.HitsAddend != nil {
-			p.Cost = desc.HitsAddend.Value
+		if desc.hasHits {
+			p.Cost = desc.hits
 		}
-		if desc.Limit != nil {
-			il, err := s.override(req.Domain, desc, sc)
+		if desc.hasLimit {
+			il, err := s.override(c.domain, desc, entries, sc)
 			if err != nil {
 				return fmt.Errorf("descriptors[%d].limit: %w", i, err)
 			}
 			sc.limits = append(sc.limits, il)
 			p.NoRules = true
-			overrides++
 		}
 		p.Attrs = sc.attrs[start:len(sc.attrs):len(sc.attrs)]
 		sc.parts = append(sc.parts, p)
@@ -336,33 +425,32 @@ func (s *Server) input(req *rlsv3.RateLimitRequest, sc *scratch) error {
 
 // override is a descriptor's limit override as an inline limit: a fixed window (Envoy's),
 // keyed by the domain and the entries.
-func (s *Server) override(domain string, desc *commonrl.RateLimitDescriptor, sc *scratch) (limiter.Inline, error) {
-	o := desc.Limit
-	unit, ok := unitDuration[o.Unit]
+func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratch) (limiter.Inline, error) {
+	unit, ok := unitDuration[typev3.RateLimitUnit(desc.unit)]
 	if !ok {
-		return limiter.Inline{}, fmt.Errorf("unit %v is not one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR", o.Unit)
+		return limiter.Inline{}, fmt.Errorf("unit %v is not one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR", typev3.RateLimitUnit(desc.unit))
 	}
 	mult := uint64(1)
-	if o.UnitMultiplier != nil {
-		mult = uint64(o.UnitMultiplier.Value)
+	if desc.hasMult {
+		mult = uint64(desc.mult)
 	}
 	if mult == 0 {
 		return limiter.Inline{}, errors.New("unit_multiplier must be at least 1")
 	}
-	if o.RequestsPerUnit == 0 {
+	if desc.rpu == 0 {
 		return limiter.Inline{}, errors.New("requests_per_unit must be at least 1")
 	}
 	windowMs := uint64(unit/time.Millisecond) * mult
 	start := len(sc.keys)
 	sc.keys = append(sc.keys, "envoy:"...)
 	sc.keys = append(sc.keys, domain...)
-	for _, e := range desc.Entries {
+	for _, e := range entries {
 		sc.keys = append(sc.keys, 0)
-		sc.keys = append(sc.keys, e.GetKey()...)
+		sc.keys = append(sc.keys, e.key...)
 		sc.keys = append(sc.keys, 0)
-		sc.keys = append(sc.keys, e.GetValue()...)
+		sc.keys = append(sc.keys, e.value...)
 	}
-	return limiter.Inline{Key: string(sc.keys[start:]), Limit: uint64(o.RequestsPerUnit), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
+	return limiter.Inline{Key: string(sc.keys[start:]), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
 }
 
 var unitDuration = map[typev3.RateLimitUnit]time.Duration{
@@ -374,18 +462,19 @@ var unitDuration = map[typev3.RateLimitUnit]time.Duration{
 	typev3.RateLimitUnit_YEAR:   365 * 24 * time.Hour,
 }
 
-// response builds the answer to a call of n descriptors from sc.d.
-func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
+// response fills sc.ans, the answer to a call of n descriptors, from sc.d.
+func (s *Server) response(n int, sc *scratch) {
 	d := &sc.d
-	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK, Statuses: make([]*rlsv3.RateLimitResponse_DescriptorStatus, n)}
-	if !d.Allowed {
-		resp.OverallCode = rlsv3.RateLimitResponse_OVER_LIMIT
-	}
-	for i := range resp.Statuses {
-		resp.Statuses[i] = &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OK}
+	a := &sc.ans
+	a.over = !d.Allowed
+	a.statuses = a.statuses[:0]
+	a.headers = a.headers[:0]
+	a.body = nil
+	for range n {
+		a.statuses = append(a.statuses, dstatus{})
 	}
 	for _, p := range d.Unlimited {
-		resp.Statuses[p].LimitRemaining = math.MaxUint32
+		a.statuses[p].remaining = math.MaxUint32
 	}
 	// Each descriptor reports its own deciding result, chosen as the limiter chooses the
 	// request's: a rejecting one (the longest retry-after) before the least remaining,
@@ -406,18 +495,15 @@ func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
 			continue
 		}
 		r := &d.Results[b-1]
-		st := resp.Statuses[p]
-		if !r.Allowed && !r.Shadow {
-			st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
-		}
-		rpu, unit := envoyUnit(r.Limit, r.Window)
-		name := ""
+		st := &a.statuses[p]
+		st.over = !r.Allowed && !r.Shadow
+		st.hasLimit = true
+		st.rpu, st.unit = envoyUnit(r.Limit, r.Window)
 		if r.Rule != nil {
-			name = r.Rule.Name
+			st.name = r.Rule.Name
 		}
-		st.CurrentLimit = &rlsv3.RateLimitResponse_RateLimit{Name: name, RequestsPerUnit: rpu, Unit: unit}
-		st.LimitRemaining = uint32(min(r.Remaining, math.MaxUint32))
-		st.DurationUntilReset = durationpb.New(r.Reset)
+		st.remaining = uint32(min(r.Remaining, math.MaxUint32))
+		st.reset = r.Reset
 	}
 
 	// The HTTP mapping, as the clients write it: the deciding rule first.
@@ -429,8 +515,7 @@ func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
 				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
 			}
 		}
-		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd,
-			header("RateLimit-Policy", string(sc.pol)), header("RateLimit", string(sc.cur)))
+		a.headers = append(a.headers, hdr{"RateLimit-Policy", sc.pol}, hdr{"RateLimit", sc.cur})
 	}
 	if !d.Allowed {
 		dr := d.DecidingResult()
@@ -439,13 +524,15 @@ func (s *Server) response(n int, sc *scratch) *rlsv3.RateLimitResponse {
 			rule, impossible, retry = dr.Name, dr.Impossible, dr.RetryAfter
 		}
 		if !impossible {
-			resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, header("Retry-After", itoa(proto.RetryAfterSeconds(retry))))
+			sc.num = strconv.AppendInt(sc.num[:0], proto.RetryAfterSeconds(retry), 10)
+			a.headers = append(a.headers, hdr{"Retry-After", sc.num})
 		}
-		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, header("Content-Type", "application/problem+json"))
-		resp.RawBody = proto.TooManyRequestsBody(rule, impossible, retry)
+		a.headers = append(a.headers, hdr{"Content-Type", problemJSON})
+		a.body = proto.TooManyRequestsBody(rule, impossible, retry)
 	}
-	return resp
 }
+
+var problemJSON = []byte("application/problem+json")
 
 // better reports whether result a describes its descriptor better than b.
 func better(a, b *limiter.Result) bool {
@@ -464,10 +551,6 @@ func better(a, b *limiter.Result) bool {
 	}
 	return a.Remaining < b.Remaining
 }
-
-func header(k, v string) *corev3.HeaderValue { return &corev3.HeaderValue{Key: k, Value: v} }
-
-func itoa(v int64) string { return strconv.FormatInt(v, 10) }
 
 // units are Envoy's, shortest first, with the lengths envoyproxy/ratelimit gives them.
 var units = [...]struct {

@@ -9,6 +9,9 @@ import (
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 
+	"google.golang.org/grpc/mem"
+	gproto "google.golang.org/protobuf/proto"
+
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -80,6 +83,50 @@ func BenchmarkShouldRateLimit(b *testing.B) {
 			if _, err := s.ShouldRateLimit(ctx, req); err != nil {
 				b.Error(err)
 				return
+			}
+		}
+	})
+}
+
+// BenchmarkCodec is one call with one descriptor in process, from the request's bytes to
+// the response's, as the gRPC server runs it: "wire" through the server's codec and
+// handler, "generated" through google.golang.org/protobuf and the generated types (what
+// the generated handler and grpc-go's proto codec would do).
+func BenchmarkCodec(b *testing.B) {
+	s := benchServer(b)
+	req, err := gproto.Marshal(&rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{
+		{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "u1"}}}}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	c := newCodec()
+	data := mem.BufferSlice{mem.SliceBuffer(req)}
+	b.Run("wire", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			out, err := wireHandler(s, ctx, func(v any) error { return c.Unmarshal(data, v) }, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := c.Marshal(out); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("generated", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			in := new(rlsv3.RateLimitRequest)
+			if err := gproto.Unmarshal(req, in); err != nil {
+				b.Fatal(err)
+			}
+			out, err := s.ShouldRateLimit(ctx, in)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := gproto.Marshal(out); err != nil {
+				b.Fatal(err)
 			}
 		}
 	})
