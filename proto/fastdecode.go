@@ -37,10 +37,11 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	p := 1
 	seen := 0
 	for i := 0; i < n; i++ {
-		key, q, ok := fastStr(body, p, 31)
-		if !ok || body[p] > 0xbf { // keys must be fixstr
+		key, q := fixStr(body, p, 31) // keys must be fixstr (and none is empty)
+		if q == p {
 			return false
 		}
+		var ok bool
 		p = q
 		switch key {
 		case "id":
@@ -118,7 +119,9 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 		}
 		p = q
 		for j := range attrs {
-			if attrs[j].Name == name {
+			// The first byte first: most names differ there, and a string compare of
+			// equal lengths is a call.
+			if a := attrs[j].Name; len(a) == len(name) && (len(a) == 0 || a[0] == name[0]) && a == name {
 				return p, false
 			}
 		}
