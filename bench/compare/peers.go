@@ -17,6 +17,7 @@ import (
 	rlcommon "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	ratelimitv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	guber "github.com/gubernator-io/gubernator/v2"
+	"github.com/sirupsen/logrus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 )
@@ -130,7 +131,7 @@ func (g *gubChecker) checkKey(k int) error {
 func (g *gubChecker) close() {}
 
 func startGubernator(bin string, ks keys) ([]*system, func(), error) {
-	grpcAddr, _, p, err := startGubNode(bin, "", "")
+	grpcAddr, p, err := startGubNode(bin, "")
 	if err != nil {
 		return nil, nil, err
 	}
@@ -162,21 +163,17 @@ func startGubernator(bin string, ks keys) ([]*system, func(), error) {
 	return []*system{def, mk("gubernator-global", guber.Behavior_GLOBAL)}, p.stop, nil
 }
 
-// startGubNode starts one gubernator node (installed in bin), its log named by tag,
-// joining the memberlist of the node at join ("" for a cluster of its own), and waits
-// until it answers. It returns its gRPC and memberlist addresses.
-func startGubNode(bin, tag, join string) (grpcAddr, memberlist string, p *process, err error) {
+// startGubNode starts one gubernator node (installed in bin), a cluster of its own, its
+// log named by tag, and waits until it answers. It returns its gRPC address.
+func startGubNode(bin, tag string) (grpcAddr string, p *process, err error) {
 	var ports [3]int
 	for i := range ports {
 		if ports[i], err = freePort(); err != nil {
-			return "", "", nil, err
+			return "", nil, err
 		}
 	}
 	grpcAddr = fmt.Sprintf("127.0.0.1:%d", ports[0])
-	memberlist = fmt.Sprintf("127.0.0.1:%d", ports[2])
-	if join == "" {
-		join = memberlist
-	}
+	memberlist := fmt.Sprintf("127.0.0.1:%d", ports[2])
 	cmd := exec.Command(filepath.Join(bin, "gubernator"))
 	cmd.Env = append(os.Environ(),
 		"GUBER_GRPC_ADDRESS="+grpcAddr,
@@ -185,30 +182,30 @@ func startGubNode(bin, tag, join string) (grpcAddr, memberlist string, p *proces
 		"GUBER_PEER_DISCOVERY_TYPE=member-list",
 		"GUBER_MEMBERLIST_ADDRESS="+memberlist,
 		"GUBER_MEMBERLIST_BIND_ADDRESS="+memberlist,
-		"GUBER_MEMBERLIST_KNOWN_NODES="+join,
+		"GUBER_MEMBERLIST_KNOWN_NODES="+memberlist, // a cluster of one
 		"OTEL_TRACES_EXPORTER=none", "OTEL_SDK_DISABLED=true",
 		"GUBER_CACHE_SIZE=2000000", // holds the memory test's million keys
 		"GUBER_LOG_LEVEL=error",
 	)
 	logf, err := logTo(cmd, bin, "gubernator"+tag+".log")
 	if err != nil {
-		return "", "", nil, err
+		return "", nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return "", "", nil, fmt.Errorf("starting gubernator: %w", err)
+		return "", nil, fmt.Errorf("starting gubernator: %w", err)
 	}
 	p = &process{cmd: cmd}
 	c, err := guber.DialV1Server(grpcAddr, nil)
 	if err != nil {
 		p.stop()
-		return "", "", nil, err
+		return "", nil, err
 	}
 	probe := &gubChecker{c: c, behavior: guber.Behavior_BATCHING}
 	if err := waitReady("gubernator", func() error { return probe.checkKey(0) }); err != nil {
 		p.stop()
-		return "", "", nil, fmt.Errorf("%w; its log ends: %s", err, tail(logf))
+		return "", nil, fmt.Errorf("%w; its log ends: %s", err, tail(logf))
 	}
-	return grpcAddr, memberlist, p, nil
+	return grpcAddr, p, nil
 }
 
 // keyChecker checks one key by number.
@@ -515,30 +512,62 @@ func startRedisPeers(dir string) ([]*redisSystem, []string, func()) {
 			}
 		}
 	}
-	if _, err := os.Stat(filepath.Join(bin, "gubernator")); err == nil {
-		a, ml, pa, err := startGubNode(bin, "-acc0", "")
-		var b string
-		var pb *process
-		if err == nil {
-			stops = append(stops, pa.stop)
-			b, _, pb, err = startGubNode(bin, "-acc1", ml)
-		}
-		if err != nil {
-			notes = append(notes, fmt.Sprintf("gubernator-global Redis phase: %v", err))
-		} else {
-			stops = append(stops, pb.stop)
-			time.Sleep(2 * time.Second) // let the two nodes see each other
-			addrs := []string{a, b}
-			out = append(out, &redisSystem{name: "gubernator-global", instances: 2,
-				dial: func(i int) (admitter, error) {
-					c, err := guber.DialV1Server(addrs[i], nil)
-					if err != nil {
-						return nil, err
-					}
-					return &gubChecker{c: c, behavior: guber.Behavior_GLOBAL}, nil
-				}})
-			notes = append(notes, "gubernator keeps no counts in Redis (GLOBAL owners sync over gRPC): it has no Redis cost row")
-		}
+	if nodes, stopNodes, err := gubernatorCluster(2); err != nil {
+		notes = append(notes, fmt.Sprintf("gubernator-global Redis phase: %v", err))
+	} else {
+		stops = append(stops, stopNodes)
+		out = append(out, &redisSystem{name: "gubernator-global", instances: 2,
+			dial: func(i int) (admitter, error) {
+				c, err := guber.DialV1Server(nodes[i], nil)
+				if err != nil {
+					return nil, err
+				}
+				return &gubChecker{c: c, behavior: guber.Behavior_GLOBAL}, nil
+			}})
+		notes = append(notes, "gubernator keeps no counts in Redis (GLOBAL owners sync over gRPC): it has no Redis cost row; "+
+			"its two-node cluster runs inside the compare process (gubernator's own cluster package's way: memberlist names "+
+			"every node on one host alike), with its default behaviours (GLOBAL sync every 100 ms)")
 	}
 	return out, notes, stop
+}
+
+// gubernatorCluster starts n gubernator daemons in this process on free loopback ports,
+// each told of all the others (discovery none, peers set directly), and returns their
+// gRPC addresses.
+func gubernatorCluster(n int) ([]string, func(), error) {
+	var daemons []*guber.Daemon
+	stop := func() {
+		for _, d := range daemons {
+			d.Close()
+		}
+	}
+	var peers []guber.PeerInfo
+	for range n {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		d, err := guber.SpawnDaemon(ctx, guber.DaemonConfig{
+			GRPCListenAddress: "127.0.0.1:0", HTTPListenAddress: "127.0.0.1:0", PeerDiscoveryType: "none",
+			Logger: quietLogger(),
+		})
+		cancel()
+		if err != nil {
+			stop()
+			return nil, nil, fmt.Errorf("starting a gubernator daemon: %w", err)
+		}
+		d.PeerInfo = guber.PeerInfo{GRPCAddress: d.GRPCListeners[0].Addr().String(), HTTPAddress: d.HTTPListener.Addr().String()}
+		daemons = append(daemons, d)
+		peers = append(peers, d.PeerInfo)
+	}
+	var addrs []string
+	for _, d := range daemons {
+		d.SetPeers(peers)
+		addrs = append(addrs, d.PeerInfo.GRPCAddress)
+	}
+	return addrs, stop, nil
+}
+
+// quietLogger logs the in-process gubernator daemons' errors only, to stderr.
+func quietLogger() *logrus.Entry {
+	l := logrus.New()
+	l.SetLevel(logrus.ErrorLevel)
+	return logrus.NewEntry(l)
 }
