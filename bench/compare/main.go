@@ -139,7 +139,7 @@ func run(cfg config, out string) error {
 	}
 
 	conns := []int{1, 16, 64}
-	steps := cfg.rounds*len(conns)*2 + cfg.rounds*2 + len(peers)*len(conns) + 2 + (len(ours)+len(peers))*3 + len(cfg.memKeys)*(1+len(peers)) + 2 + 4*3
+	steps := cfg.rounds*len(conns)*2 + cfg.rounds*2 + len(peers)*len(conns) + 2 + (len(ours)+len(peers))*3 + len(cfg.memKeys)*(1+len(peers)) + 2 + 4*4
 	bar.total(steps)
 
 	// Closed loop, rlsidecar and the floor alternating round by round.
@@ -354,13 +354,15 @@ func redisPhase(cfg config, dir string, rep *Report, bar *progress) error {
 				rep.RedisCost = append(rep.RedisCost, row)
 			}
 		}
-		bar.step(fmt.Sprintf("%s: accuracy, %d instances", s.name, s.instances))
-		row, err := accuracy(s, 4_000_000_000+si)
-		if err != nil {
-			rep.Notes = append(rep.Notes, fmt.Sprintf("accuracy of %s: %s", s.name, firstLine(err)))
-			continue
+		for ki, shape := range []string{"hot", "sparse"} {
+			bar.step(fmt.Sprintf("%s: accuracy, %s keys, %d instances", s.name, shape, s.instances))
+			row, err := accuracy(s, shape, 4_000_000_000+(si*2+ki)*1000)
+			if err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("accuracy of %s, %s keys: %s", s.name, shape, firstLine(err)))
+				continue
+			}
+			rep.Accuracy = append(rep.Accuracy, row)
 		}
-		rep.Accuracy = append(rep.Accuracy, row)
 	}
 	return nil
 }

@@ -249,6 +249,10 @@ descriptors:
     rate_limit:
       unit: hour
       requests_per_unit: 1000
+  - key: seat
+    rate_limit:
+      unit: hour
+      requests_per_unit: 10
 `
 
 type envoyChecker struct {
@@ -433,12 +437,9 @@ func tail(path string) string {
 	return strings.Join(lines[max(0, len(lines)-5):], " | ")
 }
 
-// admit checks key under the limited (acct, 1,000 an hour) or unlimited (user) limit.
-func (g *gubChecker) admit(key int, limited bool) (ok, degraded bool, err error) {
-	name, limit := "per_user", int64(1_000_000_000)
-	if limited {
-		name, limit = "acct", accuracyLimit
-	}
+// admit checks key under the limit of kind.
+func (g *gubChecker) admit(key int, kind limitKind) (ok, degraded bool, err error) {
+	name, limit := kind.name(), kind.limit()
 	resp, err := g.c.GetRateLimits(context.Background(), &guber.GetRateLimitsReq{Requests: []*guber.RateLimitReq{{
 		Name: name, UniqueKey: "k-" + strconv.Itoa(key), Hits: 1, Limit: limit,
 		Duration: 60 * guber.Minute, Behavior: g.behavior,
@@ -452,12 +453,9 @@ func (g *gubChecker) admit(key int, limited bool) (ok, degraded bool, err error)
 	return resp.Responses[0].Status == guber.Status_UNDER_LIMIT, false, nil
 }
 
-// admit checks key under the limited (acct, 1,000 an hour) or unlimited (user) descriptor.
-func (e *envoyChecker) admit(key int, limited bool) (ok, degraded bool, err error) {
-	name := "user"
-	if limited {
-		name = "acct"
-	}
+// admit checks key under the descriptor of kind.
+func (e *envoyChecker) admit(key int, kind limitKind) (ok, degraded bool, err error) {
+	name := kind.name()
 	resp, err := e.c.ShouldRateLimit(context.Background(), &ratelimitv3.RateLimitRequest{
 		Domain:      "bench",
 		Descriptors: []*rlcommon.RateLimitDescriptor{{Entries: []*rlcommon.RateLimitDescriptor_Entry{{Key: name, Value: strconv.Itoa(key)}}}},

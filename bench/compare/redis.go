@@ -36,28 +36,50 @@ type CostRow struct {
 	Commands         map[string]float64 `json:"commands_per_check"` // by command name
 }
 
-// AccuracyRow is how many checks a limit shared by instances admitted: limit checks
-// per hour on one key, sent limit × 3 times over 16 connections spread evenly across the
-// instances. Admitted ÷ limit is 1 for an exact limiter; above 1 it over-admits.
+// AccuracyRow is how many checks a limit shared by instances admitted, each key sent
+// three times its limit over 16 connections spread evenly across the instances: "hot",
+// one key limited to 1,000 an hour; "sparse", 300 keys limited to 10 an hour each, their
+// checks interleaved. Admitted ÷ (limit × keys) is 1 for an exact limiter; above 1 it
+// over-admits.
 type AccuracyRow struct {
 	System    string  `json:"system"`
 	Instances int     `json:"instances"`
-	Limit     int     `json:"limit"`
+	Keys      string  `json:"keys"`  // "hot" or "sparse"
+	Limit     int     `json:"limit"` // per key`
 	Sent      int     `json:"sent"`
 	Admitted  int     `json:"admitted"`
-	Ratio     float64 `json:"admitted_per_limit"`
-	Degraded  int     `json:"degraded"` // checks a failure policy decided (Redis too slow)
+	Ratio     float64 `json:"admitted_per_limit"` // admitted ÷ (limit × keys)
+	Degraded  int     `json:"degraded"`           // checks a failure policy decided (Redis too slow)
 }
 
-// accuracyLimit is the limit of the accuracy test's key, per hour (every instance's
-// configuration says so).
-const accuracyLimit = 1000
+// The limits of the accuracy test's keys, per hour (every system's configuration says
+// so), and the number of sparse keys.
+const (
+	hotLimit    = 1000 // the attribute or descriptor acct
+	sparseLimit = 10   // seat
+	sparseKeyN  = 300
+)
+
+// limitKind chooses the limit a check is under.
+type limitKind int
+
+const (
+	unlimited     limitKind = iota // user: a billion an hour
+	hotLimited                     // acct: hotLimit an hour
+	sparseLimited                  // seat: sparseLimit an hour
+)
+
+// name is the attribute (rlsidecar), descriptor key (envoy) or limit name (gubernator).
+func (k limitKind) name() string { return [...]string{"user", "acct", "seat"}[k] }
+
+// limit is the kind's limit per hour.
+func (k limitKind) limit() int64 { return [...]int64{1_000_000_000, hotLimit, sparseLimit}[k] }
 
 // admitter sends one check on a key and reports whether it was admitted.
 type admitter interface {
 	// admit reports whether the check was admitted, and degraded when a failure policy
 	// decided it because the system's store did not answer (rlsidecar says so).
-	admit(key int, limited bool) (ok, degraded bool, err error)
+	admit(key int, kind limitKind) (ok, degraded bool, err error)
 	close()
 }
 
@@ -117,7 +139,7 @@ func redisCost(s *redisSystem, shape string, keys []int) (CostRow, error) {
 	}
 	var degraded atomic.Int64
 	if err := spread(16, len(keys), func(int) (admitter, error) { return s.dial(0) }, func(a admitter, i int) error {
-		ok, deg, err := a.admit(keys[i], false)
+		ok, deg, err := a.admit(keys[i], unlimited)
 		if deg {
 			degraded.Add(1)
 		}
@@ -148,13 +170,18 @@ func redisCost(s *redisSystem, shape string, keys []int) (CostRow, error) {
 	return row, nil
 }
 
-// accuracy sends accuracyLimit × 3 checks of one fresh limited key over 16 connections,
-// spread evenly across the system's instances, and counts the admitted ones.
-func accuracy(s *redisSystem, key int) (AccuracyRow, error) {
-	sent := accuracyLimit * 3
+// accuracy sends three times the limit of each key (one fresh hot key at base, or
+// sparseKeyN fresh keys from base, interleaved) over 16 connections spread across the
+// system's instances, and counts the admitted checks.
+func accuracy(s *redisSystem, shape string, base int) (AccuracyRow, error) {
+	kind, nkeys := hotLimited, 1
+	if shape == "sparse" {
+		kind, nkeys = sparseLimited, sparseKeyN
+	}
+	sent := int(kind.limit()) * 3 * nkeys
 	var admitted, degraded atomic.Int64
-	if err := spread(16, sent, func(g int) (admitter, error) { return s.dial(g % s.instances) }, func(a admitter, _ int) error {
-		ok, deg, err := a.admit(key, true)
+	if err := spread(16, sent, func(g int) (admitter, error) { return s.dial(g % s.instances) }, func(a admitter, i int) error {
+		ok, deg, err := a.admit(base+i%nkeys, kind)
 		if ok {
 			admitted.Add(1)
 		}
@@ -166,8 +193,8 @@ func accuracy(s *redisSystem, key int) (AccuracyRow, error) {
 		return AccuracyRow{}, fmt.Errorf("%s: %w", s.name, err)
 	}
 	n := int(admitted.Load())
-	return AccuracyRow{System: s.name, Instances: s.instances, Limit: accuracyLimit, Sent: sent, Admitted: n,
-		Ratio: float64(n) / accuracyLimit, Degraded: int(degraded.Load())}, nil
+	return AccuracyRow{System: s.name, Instances: s.instances, Keys: shape, Limit: int(kind.limit()), Sent: sent, Admitted: n,
+		Ratio: float64(n) / float64(kind.limit()*int64(nkeys)), Degraded: int(degraded.Load())}, nil
 }
 
 // spread runs n calls of do over conns connections (dial opens connection g), each
@@ -223,7 +250,7 @@ func hotKeys(n int) []int {
 }
 
 // redisRulesYAML: each mode's rules are chosen by the attribute tier; user is keyed
-// under a limit no test reaches, acct under the accuracy test's limit.
+// under a limit no test reaches, acct and seat under the accuracy test's limits.
 const redisRulesYAML = `rules:
   - name: user-hybrid
     match: { tier: hybrid }
@@ -235,6 +262,11 @@ const redisRulesYAML = `rules:
     key: acct
     mode: hybrid
     limit: { requests: 1000, per: 1h }
+  - name: seat-hybrid
+    match: { tier: hybrid }
+    key: seat
+    mode: hybrid
+    limit: { requests: 10, per: 1h }
   - name: user-global
     match: { tier: global }
     key: user
@@ -245,6 +277,11 @@ const redisRulesYAML = `rules:
     key: acct
     mode: global
     limit: { requests: 1000, per: 1h }
+  - name: seat-global
+    match: { tier: global }
+    key: seat
+    mode: global
+    limit: { requests: 10, per: 1h }
 `
 
 // startRedis starts a redis-server on a free port with its files in dir.
@@ -280,11 +317,8 @@ type rlsAdmitter struct {
 	resp proto.Response
 }
 
-func (r *rlsAdmitter) admit(key int, limited bool) (ok, degraded bool, err error) {
-	name := "user"
-	if limited {
-		name = "acct"
-	}
+func (r *rlsAdmitter) admit(key int, kind limitKind) (ok, degraded bool, err error) {
+	name := kind.name()
 	r.enc.Reset()
 	r.enc.EncodeRequest(&proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
 		{Name: "tier", Value: r.tier}, {Name: name, Value: strconv.Itoa(key)}}})
@@ -301,7 +335,7 @@ func (r *rlsAdmitter) admit(key int, limited bool) (ok, degraded bool, err error
 	if len(r.resp.Rules) != 1 {
 		return false, false, fmt.Errorf("%d rules decided the check, want 1", len(r.resp.Rules))
 	}
-	if !r.resp.Allowed && !limited {
+	if !r.resp.Allowed && kind == unlimited {
 		rr := &r.resp.Rules[0]
 		return false, r.resp.Degraded, fmt.Errorf("%s refused user %d under a limit of a billion: limit %d, remaining %d, retry after %d ms, reset %d ms, degraded %v",
 			rr.Name, key, rr.Limit, rr.Remaining, rr.RetryAfterMs, rr.ResetMs, r.resp.Degraded)
