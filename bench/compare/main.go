@@ -204,6 +204,11 @@ func run(cfg config, out string) error {
 		}
 	}
 
+	// A checkpoint: a later phase that fails or hangs leaves these figures.
+	if err := writeReport(rep, out); err != nil {
+		return err
+	}
+
 	// Memory per active key.
 	for _, n := range cfg.memKeys {
 		bar.step(fmt.Sprintf("rlsidecar memory at %d keys", n))
@@ -224,6 +229,9 @@ func run(cfg config, out string) error {
 			}
 			rep.Memory = append(rep.Memory, m)
 		}
+	}
+	if err := writeReport(rep, out); err != nil {
+		return err
 	}
 	if err := redisPhase(cfg, dir, rep, bar); err != nil {
 		return err

@@ -440,7 +440,9 @@ func tail(path string) string {
 // admit checks key under the limit of kind.
 func (g *gubChecker) admit(key int, kind limitKind) (ok, degraded bool, err error) {
 	name, limit := kind.name(), kind.limit()
-	resp, err := g.c.GetRateLimits(context.Background(), &guber.GetRateLimitsReq{Requests: []*guber.RateLimitReq{{
+	ctx, cancel := context.WithTimeout(context.Background(), admitTimeout)
+	defer cancel()
+	resp, err := g.c.GetRateLimits(ctx, &guber.GetRateLimitsReq{Requests: []*guber.RateLimitReq{{
 		Name: name, UniqueKey: "k-" + strconv.Itoa(key), Hits: 1, Limit: limit,
 		Duration: 60 * guber.Minute, Behavior: g.behavior,
 	}}})
@@ -456,7 +458,9 @@ func (g *gubChecker) admit(key int, kind limitKind) (ok, degraded bool, err erro
 // admit checks key under the descriptor of kind.
 func (e *envoyChecker) admit(key int, kind limitKind) (ok, degraded bool, err error) {
 	name := kind.name()
-	resp, err := e.c.ShouldRateLimit(context.Background(), &ratelimitv3.RateLimitRequest{
+	ctx, cancel := context.WithTimeout(context.Background(), admitTimeout)
+	defer cancel()
+	resp, err := e.c.ShouldRateLimit(ctx, &ratelimitv3.RateLimitRequest{
 		Domain:      "bench",
 		Descriptors: []*rlcommon.RateLimitDescriptor{{Entries: []*rlcommon.RateLimitDescriptor_Entry{{Key: name, Value: strconv.Itoa(key)}}}},
 		HitsAddend:  1,
@@ -515,13 +519,7 @@ func startRedisPeers(dir string) ([]*redisSystem, []string, func()) {
 	} else {
 		stops = append(stops, stopNodes)
 		out = append(out, &redisSystem{name: "gubernator-global", instances: 2,
-			dial: func(i int) (admitter, error) {
-				c, err := guber.DialV1Server(nodes[i], nil)
-				if err != nil {
-					return nil, err
-				}
-				return &gubChecker{c: c, behavior: guber.Behavior_GLOBAL}, nil
-			}})
+			dial: func(i int) (admitter, error) { return dialGub(nodes[i]) }})
 		notes = append(notes, "gubernator keeps no counts in Redis (GLOBAL owners sync over gRPC): it has no Redis cost row; "+
 			"its two-node cluster runs inside the compare process (gubernator's own cluster package's way: memberlist names "+
 			"every node on one host alike), with its default behaviours (GLOBAL sync every 100 ms)")
@@ -530,28 +528,43 @@ func startRedisPeers(dir string) ([]*redisSystem, []string, func()) {
 }
 
 // gubernatorCluster starts n gubernator daemons in this process on free loopback ports,
-// each told of all the others (discovery none, peers set directly), and returns their
-// gRPC addresses.
+// each told of all the others (discovery none, peers set directly, as gubernator's own
+// cluster package does), and returns their gRPC addresses.
 func gubernatorCluster(n int) ([]string, func(), error) {
 	var daemons []*guber.Daemon
+	log := logrus.New()
+	log.SetLevel(logrus.ErrorLevel)
 	stop := func() {
+		log.SetLevel(logrus.PanicLevel) // a node stopping first makes the other complain
 		for _, d := range daemons {
 			d.Close()
 		}
 	}
 	var peers []guber.PeerInfo
 	for range n {
+		grpcPort, err := freePort()
+		if err != nil {
+			stop()
+			return nil, nil, err
+		}
+		httpPort, err := freePort()
+		if err != nil {
+			stop()
+			return nil, nil, err
+		}
+		addr := fmt.Sprintf("127.0.0.1:%d", grpcPort)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		d, err := guber.SpawnDaemon(ctx, guber.DaemonConfig{
-			GRPCListenAddress: "127.0.0.1:0", HTTPListenAddress: "127.0.0.1:0", PeerDiscoveryType: "none",
-			Logger: quietLogger(),
+			InstanceID: addr, GRPCListenAddress: addr, AdvertiseAddress: addr,
+			HTTPListenAddress: fmt.Sprintf("127.0.0.1:%d", httpPort), PeerDiscoveryType: "none",
+			Logger: log.WithField("node", addr),
 		})
 		cancel()
 		if err != nil {
 			stop()
 			return nil, nil, fmt.Errorf("starting a gubernator daemon: %w", err)
 		}
-		d.PeerInfo = guber.PeerInfo{GRPCAddress: d.GRPCListeners[0].Addr().String(), HTTPAddress: d.HTTPListener.Addr().String()}
+		d.PeerInfo = guber.PeerInfo{GRPCAddress: addr, HTTPAddress: d.HTTPListener.Addr().String()}
 		daemons = append(daemons, d)
 		peers = append(peers, d.PeerInfo)
 	}
@@ -563,9 +576,11 @@ func gubernatorCluster(n int) ([]string, func(), error) {
 	return addrs, stop, nil
 }
 
-// quietLogger logs the in-process gubernator daemons' errors only, to stderr.
-func quietLogger() *logrus.Entry {
-	l := logrus.New()
-	l.SetLevel(logrus.ErrorLevel)
-	return logrus.NewEntry(l)
+// dialGub connects to the gubernator node at addr, checking with GLOBAL behaviour.
+func dialGub(addr string) (*gubChecker, error) {
+	c, err := guber.DialV1Server(addr, nil)
+	if err != nil {
+		return nil, err
+	}
+	return &gubChecker{c: c, behavior: guber.Behavior_GLOBAL}, nil
 }

@@ -75,6 +75,10 @@ func (k limitKind) name() string { return [...]string{"user", "acct", "seat"}[k]
 // limit is the kind's limit per hour.
 func (k limitKind) limit() int64 { return [...]int64{1_000_000_000, hotLimit, sparseLimit}[k] }
 
+// admitTimeout bounds one check of the Redis phase: a system that stops answering fails
+// its row rather than the run.
+const admitTimeout = 10 * time.Second
+
 // admitter sends one check on a key and reports whether it was admitted.
 type admitter interface {
 	// admit reports whether the check was admitted, and degraded when a failure policy
@@ -323,6 +327,9 @@ func (r *rlsAdmitter) admit(key int, kind limitKind) (ok, degraded bool, err err
 	r.enc.EncodeRequest(&proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
 		{Name: "tier", Value: r.tier}, {Name: name, Value: strconv.Itoa(key)}}})
 	r.s.fr = [][]byte{r.enc.Bytes()}
+	if err := r.s.c.SetDeadline(time.Now().Add(admitTimeout)); err != nil {
+		return false, false, err
+	}
 	if err := r.s.check(0); err != nil {
 		return false, false, err
 	}
