@@ -719,10 +719,7 @@ func (cn *conn) renew(now int64) {
 // input fills in from req.
 func input(in *limiter.Input, req *proto.Request) {
 	in.Cost = req.Cost
-	in.Attrs = in.Attrs[:0]
-	for _, a := range req.Attrs {
-		in.Attrs = append(in.Attrs, rulesAttr(a))
-	}
+	in.Attrs = rulesAttrs(req.Attrs) // req's own array: in lives no longer than req
 	in.Limits = in.Limits[:0]
 	for i := range req.Limits {
 		l := &req.Limits[i]
@@ -819,7 +816,8 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	resp.Banned = d.Banned
 	for i := range d.Results {
 		r := &d.Results[i]
-		rr := proto.RuleResult{
+		rr := push(&resp.Rules) // filled in place: a RuleResult is large
+		*rr = proto.RuleResult{
 			Name:         r.Name,
 			Limit:        r.Limit,
 			WindowMs:     uint64(r.Window / time.Millisecond),
@@ -835,7 +833,6 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity
 		}
-		resp.Rules = append(resp.Rules, rr)
 	}
 	if d.Deciding >= 0 {
 		rr := &resp.Rules[d.Deciding]
@@ -857,4 +854,16 @@ func ceilMs(d time.Duration) uint64 {
 		return 0
 	}
 	return uint64((d + time.Millisecond - 1) / time.Millisecond)
+}
+
+// push extends s by one element in place and returns it, so a caller fills a large
+// struct where it lives instead of building it and copying it in.
+func push[T any](s *[]T) *T {
+	if len(*s) < cap(*s) {
+		*s = (*s)[:len(*s)+1]
+	} else {
+		var zero T
+		*s = append(*s, zero)
+	}
+	return &(*s)[len(*s)-1]
 }

@@ -505,7 +505,7 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 		}
 		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
 		d.route(len(d.ops)-1, id)
-		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p})
+		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p}
 	}
 }
 

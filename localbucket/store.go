@@ -304,17 +304,26 @@ func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false
 // The limiter uses it when a check on another store (Redis) rejected first.
 func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 
+// smallOps is the batch size (most checks: a rule or two) whose scratch apply keeps in
+// a smaller array, so that it is not zeroing inlineOps entries per check.
+const smallOps = 4
+
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
-	var scBuf [inlineOps]opScratch
-	var lockBuf [inlineOps]uint32
-	var sc []opScratch
-	locks := lockBuf[:0]
-	if len(ops) <= inlineOps {
-		sc = scBuf[:len(ops)]
-	} else {
-		sc = make([]opScratch, len(ops))
-		locks = make([]uint32, 0, len(ops))
+	if len(ops) <= smallOps {
+		var scBuf [smallOps]opScratch
+		var lockBuf [smallOps]uint32
+		return s.applyWith(now, ops, veto, scBuf[:len(ops)], lockBuf[:0])
 	}
+	if len(ops) <= inlineOps {
+		var scBuf [inlineOps]opScratch
+		var lockBuf [inlineOps]uint32
+		return s.applyWith(now, ops, veto, scBuf[:len(ops)], lockBuf[:0])
+	}
+	return s.applyWith(now, ops, veto, make([]opScratch, len(ops)), make([]uint32, 0, len(ops)))
+}
+
+// applyWith is apply with its scratch: sc one per op, locks empty with room for one per op.
+func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks []uint32) bool {
 
 	for i := range ops {
 		h := maphash.Bytes(s.seed, ops[i].Key)
@@ -336,7 +345,9 @@ func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 			continue
 		}
 		locks = append(locks, 0)
-		copy(locks[k+1:], locks[k:])
+		for m := len(locks) - 1; m > k; m-- { // a few entries: cheaper than copy's memmove
+			locks[m] = locks[m-1]
+		}
 		locks[k] = x.shard
 	}
 

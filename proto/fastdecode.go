@@ -37,10 +37,11 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	p := 1
 	seen := 0
 	for i := 0; i < n; i++ {
-		key, q, ok := fastStr(body, p, 31)
-		if !ok || body[p] > 0xbf { // keys must be fixstr
+		key, q := fixStr(body, p, 31) // keys must be fixstr (and none is empty)
+		if q == p {
 			return false
 		}
+		var ok bool
 		p = q
 		switch key {
 		case "id":
@@ -101,16 +102,26 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 	p++
 	attrs := req.Attrs
 	for i := 0; i < n; i++ {
-		var name, value string
-		var ok bool
-		if name, p, ok = fastStr(body, p, d.MaxAttrNameLen); !ok {
-			return p, false
+		name, q := fixStr(body, p, d.MaxAttrNameLen)
+		if q == p {
+			var ok bool
+			if name, q, ok = fastStrLong(body, p, d.MaxAttrNameLen); !ok {
+				return p, false
+			}
 		}
-		if value, p, ok = fastStr(body, p, d.MaxAttrLen); !ok {
-			return p, false
+		p = q
+		value, q := fixStr(body, p, d.MaxAttrLen)
+		if q == p {
+			var ok bool
+			if value, q, ok = fastStrLong(body, p, d.MaxAttrLen); !ok {
+				return p, false
+			}
 		}
+		p = q
 		for j := range attrs {
-			if attrs[j].Name == name {
+			// The first byte first: most names differ there, and a string compare of
+			// equal lengths is a call.
+			if a := attrs[j].Name; len(a) == len(name) && (len(a) == 0 || a[0] == name[0]) && a == name {
 				return p, false
 			}
 		}
@@ -121,8 +132,28 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 }
 
 // fastStr reads a fixstr, str8 or str16 of at most maxLen bytes at body[p:] and returns
-// it aliasing body, and the position after it.
+// it aliasing body, and the position after it. A non-empty fixstr (nearly every string a
+// client sends) is read inline; the rest by fastStrLong.
 func fastStr(body []byte, p, maxLen int) (string, int, bool) {
+	if s, q := fixStr(body, p, maxLen); q > p {
+		return s, q, true
+	}
+	return fastStrLong(body, p, maxLen)
+}
+
+// fixStr reads a non-empty fixstr of at most maxLen bytes at body[p:], returning it and
+// the position after it; it returns p itself for anything else (fastStr reads it).
+// Small enough to be inlined where attributes are read.
+func fixStr(body []byte, p, maxLen int) (string, int) {
+	if uint(p) < uint(len(body)) {
+		if n := int(body[p]) - 0xa0; n > 0 && n < 32 && n <= maxLen && n < len(body)-p {
+			return unsafe.String(&body[p+1], n), p + 1 + n
+		}
+	}
+	return "", p
+}
+
+func fastStrLong(body []byte, p, maxLen int) (string, int, bool) {
 	if p >= len(body) {
 		return "", p, false
 	}

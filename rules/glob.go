@@ -22,6 +22,18 @@ type glob struct {
 	pattern string
 	literal bool // no '*': compare whole strings
 	segs    []segment
+	// parts is the pattern without "**" as runs of literal text (slashes included) and
+	// single-segment wildcards, matched left to right in one pass (matchParts); nil when
+	// the pattern has a "**".
+	parts []globPart
+}
+
+// globPart is a run of literal text, or (wild set) one segment matching a wildcard
+// segment: "*" (any non-empty segment) or a pattern such as "*.png".
+type globPart struct {
+	text string // the literal run, or the wildcard segment's pattern
+	wild bool
+	any  bool // wild and the pattern is "*"
 }
 
 type segKind uint8
@@ -64,15 +76,74 @@ func compileGlob(pattern string) (glob, error) {
 			g.segs = append(g.segs, segment{kind: segLiteral, text: s})
 		}
 	}
+	g.parts = compileParts(g.segs)
 	return g, nil
 }
 
-// segEnd returns the index of the '/' ending the segment that starts at pos, or len(p).
-func segEnd(p string, pos int) int {
-	if i := strings.IndexByte(p[pos:], '/'); i >= 0 {
-		return pos + i
+// compileParts joins a pattern's segments into the parts matchParts walks: each
+// wildcard segment stands alone, and the literal segments and slashes between them form
+// one run. It returns nil when a segment is "**".
+func compileParts(segs []segment) []globPart {
+	var parts []globPart
+	var lit strings.Builder
+	for i := range segs {
+		s := &segs[i]
+		if i > 0 {
+			lit.WriteByte('/')
+		}
+		switch s.kind {
+		case segDoubleStar:
+			return nil
+		case segLiteral:
+			lit.WriteString(s.text)
+			continue
+		}
+		if lit.Len() > 0 {
+			parts = append(parts, globPart{text: lit.String()})
+			lit.Reset()
+		}
+		parts = append(parts, globPart{text: s.text, wild: true, any: s.kind == segAny})
 	}
-	return len(p)
+	if lit.Len() > 0 {
+		parts = append(parts, globPart{text: lit.String()})
+	}
+	return parts
+}
+
+// matchParts matches path against a pattern without "**": each literal run must come
+// next, each wildcard takes the bytes up to the next '/' (at least one for "*"), and
+// the path must end with the last part.
+func (g *glob) matchParts(path string) bool {
+	pos := 0
+	for i := range g.parts {
+		pt := &g.parts[i]
+		if !pt.wild {
+			if len(path)-pos < len(pt.text) || path[pos:pos+len(pt.text)] != pt.text {
+				return false
+			}
+			pos += len(pt.text)
+			continue
+		}
+		end := segEnd(path, pos)
+		if pt.any {
+			if end == pos {
+				return false
+			}
+		} else if !wildMatch(pt.text, path[pos:end]) {
+			return false
+		}
+		pos = end
+	}
+	return pos == len(path)
+}
+
+// segEnd returns the index of the '/' ending the segment that starts at pos, or len(p).
+// Segments are short: a loop beats a call to IndexByte.
+func segEnd(p string, pos int) int {
+	for pos < len(p) && p[pos] != '/' {
+		pos++
+	}
+	return pos
 }
 
 func (s *segment) match(seg string) bool {
@@ -93,6 +164,9 @@ func (s *segment) match(seg string) bool {
 func (g *glob) match(path string) bool {
 	if g.literal {
 		return path == g.pattern
+	}
+	if g.parts != nil {
+		return g.matchParts(path)
 	}
 	segs := g.segs
 	pi, pos := 0, 0 // pattern segment, byte offset of the current path segment

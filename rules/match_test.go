@@ -93,8 +93,30 @@ func TestGlobAgainstReference(t *testing.T) {
 		}
 		return ok && ref(pat[1:], path[1:])
 	}
-	patterns := []string{"/**", "/a/**", "/**/b", "/a/*/b", "/*/**/*", "/**/a*/**", "/a/**/b/**", "/*/", "/a*/b"}
-	paths := []string{"", "/", "//", "/a", "/a/", "/a/b", "/a/b/", "/ab/b", "/a/x/b", "/a/x/y/b", "/x/a/y/b/z", "/a//b", "/b"}
+	patterns := []string{"/**", "/a/**", "/**/b", "/a/*/b", "/*/**/*", "/**/a*/**", "/a/**/b/**", "/*/", "/a*/b",
+		// without "**" (matchParts): runs of literal segments between wildcards
+		"/*", "/*/*", "/a/*", "/a/*/", "/*/b", "/a/b/*", "/a*", "/*b/*", "/a/*/b/*/c", "/a/b*/", "//*", "/*//b", "/x*y/b"}
+	paths := []string{"", "/", "//", "/a", "/a/", "/a/b", "/a/b/", "/ab/b", "/a/x/b", "/a/x/y/b", "/x/a/y/b/z", "/a//b", "/b",
+		"/a/b/c", "/a/x/b/y/c", "/a/x/b//c", "/xy/b", "/xzy/b", "/x/b", "/bb/a", "/a/bc/", "//b", "/q//b", "/a/x/b/y/c/"}
+	// And every pattern of up to three segments over a small alphabet against every path
+	// of up to three segments over another, so that both matchers meet each corner.
+	patSegs := []string{"a", "b", "*", "a*", "*b", "**", ""}
+	pathSegs := []string{"a", "b", "ab", "", "x"}
+	var gen func(segs []string, n int, prefix string, out *[]string)
+	gen = func(segs []string, n int, prefix string, out *[]string) {
+		*out = append(*out, prefix)
+		if n == 0 {
+			return
+		}
+		for _, s := range segs {
+			gen(segs, n-1, prefix+"/"+s, out)
+		}
+	}
+	var genPats, genPaths []string
+	gen(patSegs, 3, "", &genPats)
+	gen(pathSegs, 3, "", &genPaths)
+	patterns = append(patterns, genPats[1:]...)
+	paths = append(paths, genPaths...)
 	for _, pat := range patterns {
 		g, err := compileGlob(pat)
 		if err != nil {

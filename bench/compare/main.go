@@ -25,7 +25,10 @@ type Report struct {
 	Command string      `json:"command"`
 	Latency []Row       `json:"latency"`
 	Memory  []MemoryRow `json:"memory"`
-	Notes   []string    `json:"notes"`
+	// RedisCost and Accuracy are the Redis phase (redis.go).
+	RedisCost []CostRow     `json:"redis_cost"`
+	Accuracy  []AccuracyRow `json:"accuracy"`
+	Notes     []string      `json:"notes"`
 }
 
 // MemoryRow is the memory a system holds per active key.
@@ -43,6 +46,7 @@ type config struct {
 	open         time.Duration // one open-loop measurement
 	rounds       int           // rlsidecar/floor alternations
 	memKeys      []int
+	costChecks   int // checks per Redis cost measurement
 }
 
 func main() {
@@ -55,12 +59,12 @@ func main() {
 		fmt.Fprintln(os.Stderr, "compare: -out DIR is required")
 		os.Exit(2)
 	}
-	cfg := config{phase: 5 * time.Second, open: 4 * time.Second, rounds: 3, memKeys: []int{100_000, 1_000_000}}
+	cfg := config{phase: 5 * time.Second, open: 4 * time.Second, rounds: 3, memKeys: []int{100_000, 1_000_000}, costChecks: 50_000}
 	switch {
 	case *smoke:
-		cfg = config{smoke: true, phase: 300 * time.Millisecond, open: 300 * time.Millisecond, rounds: 1, memKeys: []int{10_000}}
+		cfg = config{smoke: true, phase: 300 * time.Millisecond, open: 300 * time.Millisecond, rounds: 1, memKeys: []int{10_000}, costChecks: 2_000}
 	case *quick:
-		cfg = config{quick: true, phase: 1500 * time.Millisecond, open: time.Second, rounds: 2, memKeys: []int{100_000}}
+		cfg = config{quick: true, phase: 1500 * time.Millisecond, open: time.Second, rounds: 2, memKeys: []int{100_000}, costChecks: 10_000}
 	}
 	cfg.root = *root
 	if err := run(cfg, *out); err != nil {
@@ -135,7 +139,7 @@ func run(cfg config, out string) error {
 	}
 
 	conns := []int{1, 16, 64}
-	steps := cfg.rounds*len(conns)*2 + cfg.rounds*2 + len(peers)*len(conns) + 2 + (len(ours)+len(peers))*3 + len(cfg.memKeys)*(1+len(peers))
+	steps := cfg.rounds*len(conns)*2 + cfg.rounds*2 + len(peers)*len(conns) + 2 + (len(ours)+len(peers))*3 + len(cfg.memKeys)*(1+len(peers)) + 2 + 4*4
 	bar.total(steps)
 
 	// Closed loop, rlsidecar and the floor alternating round by round.
@@ -200,6 +204,11 @@ func run(cfg config, out string) error {
 		}
 	}
 
+	// A checkpoint: a later phase that fails or hangs leaves these figures.
+	if err := writeReport(rep, out); err != nil {
+		return err
+	}
+
 	// Memory per active key.
 	for _, n := range cfg.memKeys {
 		bar.step(fmt.Sprintf("rlsidecar memory at %d keys", n))
@@ -220,6 +229,12 @@ func run(cfg config, out string) error {
 			}
 			rep.Memory = append(rep.Memory, m)
 		}
+	}
+	if err := writeReport(rep, out); err != nil {
+		return err
+	}
+	if err := redisPhase(cfg, dir, rep, bar); err != nil {
+		return err
 	}
 	bar.done()
 
@@ -312,4 +327,60 @@ func writeJSON(path string, v any) error {
 		return err
 	}
 	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+// redisPhase measures what a check costs Redis (hot and sparse keys) and how closely a
+// limit shared by two instances holds, for rlsidecar's hybrid and global modes and the
+// peers that apply.
+func redisPhase(cfg config, dir string, rep *Report, bar *progress) error {
+	bar.step("starting rlsidecar (hybrid and global) on Redis")
+	systems, stop, err := startRlsidecarRedis(dir)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	if !cfg.smoke {
+		bar.step("starting the peers of the Redis phase")
+		ps, notes, stopPeers := startRedisPeers(dir)
+		defer stopPeers()
+		systems = append(systems, ps...)
+		rep.Notes = append(rep.Notes, notes...)
+	}
+	for si, s := range systems {
+		if s.redisPort != 0 {
+			for _, shape := range []string{"hot", "sparse"} {
+				bar.step(fmt.Sprintf("%s: Redis cost, %s keys", s.name, shape))
+				keys := hotKeys(cfg.costChecks)
+				if shape == "sparse" {
+					keys = sparseKeys(cfg.costChecks)
+				}
+				row, err := redisCost(s, shape, keys)
+				if err != nil {
+					rep.Notes = append(rep.Notes, fmt.Sprintf("Redis cost of %s, %s keys: %s", s.name, shape, firstLine(err)))
+					continue
+				}
+				rep.RedisCost = append(rep.RedisCost, row)
+			}
+		}
+		for ki, shape := range []string{"hot", "sparse"} {
+			bar.step(fmt.Sprintf("%s: accuracy, %s keys, %d instances", s.name, shape, s.instances))
+			row, err := accuracy(s, shape, 4_000_000_000+(si*2+ki)*1000)
+			if err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("accuracy of %s, %s keys: %s", s.name, shape, firstLine(err)))
+				continue
+			}
+			rep.Accuracy = append(rep.Accuracy, row)
+		}
+	}
+	return nil
+}
+
+// firstLine is an error's first line (errors.Join of one per connection repeats itself),
+// with how many more there were.
+func firstLine(err error) string {
+	lines := strings.Split(err.Error(), "\n")
+	if len(lines) == 1 {
+		return lines[0]
+	}
+	return fmt.Sprintf("%s (and %d more)", lines[0], len(lines)-1)
 }

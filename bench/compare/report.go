@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 
@@ -32,6 +33,17 @@ func ratios(rows []Row) []string {
 	for _, peer := range []string{"gubernator", "envoy-ratelimit"} {
 		if p, ok := find(rows, peer, 1, 1, "closed"); ok && rl1.P50us > 0 {
 			out = append(out, fmt.Sprintf("p50 at 1 conn: %s / rlsidecar = %.1fx", peer, p.P50us/rl1.P50us))
+		}
+	}
+	// rlsidecar's Envoy API beside envoyproxy/ratelimit: the same gRPC client and load.
+	if re1, ok := find(rows, "rlsidecar-envoy", 1, 1, "closed"); ok && re1.P50us > 0 {
+		if p, ok := find(rows, "envoy-ratelimit", 1, 1, "closed"); ok {
+			out = append(out, fmt.Sprintf("p50 at 1 conn over Envoy's gRPC API: envoy-ratelimit / rlsidecar-envoy = %.1fx", p.P50us/re1.P50us))
+		}
+	}
+	if re64, ok := find(rows, "rlsidecar-envoy", 64, 1, "closed"); ok {
+		if p, ok := find(rows, "envoy-ratelimit", 64, 1, "closed"); ok && p.OpsPerS > 0 {
+			out = append(out, fmt.Sprintf("throughput at 64 conns over Envoy's gRPC API: rlsidecar-envoy / envoy-ratelimit = %.1fx", re64.OpsPerS/p.OpsPerS))
 		}
 	}
 	if rl64, ok := find(rows, "rlsidecar", 64, 1, "closed"); ok {
@@ -75,6 +87,33 @@ func writeReport(rep *Report, out string) error {
 			fmt.Fprintf(&b, "| %s | %d | %.0f | %s |\n", m.System, m.Keys, m.BytesPerKey, m.Measure)
 		}
 	}
+	if len(rep.RedisCost) > 0 {
+		b.WriteString("\n## Redis cost per check\n\nThe system's own Redis, INFO before and after the checks (syncs and heartbeats included): " +
+			"commands from commandstats, which counts the commands a Lua script runs beside the EVALSHA; CPU from used_cpu_user + used_cpu_sys.\n\n" +
+			"| system | keys | checks | degraded | Redis commands/check | Redis CPU µs/check | commands/check |\n|---|---|---:|---:|---:|---:|---|\n")
+		for _, r := range rep.RedisCost {
+			names := make([]string, 0, len(r.Commands))
+			for c := range r.Commands {
+				names = append(names, c)
+			}
+			sort.Strings(names)
+			var parts []string
+			for _, c := range names {
+				if r.Commands[c] >= 0.0005 { // heartbeats and such, under a thousandth: in report.json
+					parts = append(parts, fmt.Sprintf("%s %.3f", c, r.Commands[c]))
+				}
+			}
+			fmt.Fprintf(&b, "| %s | %s | %d | %d | %.3f | %.2f | %s |\n", r.System, r.Keys, r.Checks, r.Degraded, r.CommandsPerCheck, r.CPUUsecPerCheck, strings.Join(parts, ", "))
+		}
+	}
+	if len(rep.Accuracy) > 0 {
+		b.WriteString("\n## Accuracy of a shared limit\n\nEach key checked three times its limit over 16 connections spread across the instances: " +
+			"hot, one key limited to 1,000 an hour; sparse, 300 keys limited to 10 an hour each, their checks interleaved.\n\n" +
+			"| system | instances | keys | limit per key | sent | degraded | admitted | admitted ÷ limit |\n|---|---:|---|---:|---:|---:|---:|---:|\n")
+		for _, r := range rep.Accuracy {
+			fmt.Fprintf(&b, "| %s | %d | %s | %d | %d | %d | %d | %.3f |\n", r.System, r.Instances, r.Keys, r.Limit, r.Sent, r.Degraded, r.Admitted, r.Ratio)
+		}
+	}
 	if len(rep.Notes) > 0 {
 		b.WriteString("\n## Notes\n\n")
 		for _, n := range rep.Notes {
@@ -90,7 +129,7 @@ func writeReport(rep *Report, out string) error {
 
 // systemsOrder is the charts' order. x-time-rate (in process, no socket) is in the tables
 // only: a thousand times faster, it would flatten every other bar.
-var systemsOrder = []string{"floor", "rlsidecar", "gubernator", "gubernator-global", "envoy-ratelimit"}
+var systemsOrder = []string{"floor", "rlsidecar", "gubernator", "gubernator-global", "envoy-ratelimit", "rlsidecar-envoy"}
 
 // plainTicks labels an axis with whole numbers (gonum's default prints 5000000.00).
 type plainTicks struct{}
