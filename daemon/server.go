@@ -292,6 +292,7 @@ type conn struct {
 	s   *Server
 	id  uint64 // owns the leases taken on this connection (limiter.Decision.Owner)
 	c   *net.UnixConn
+	rw  io.ReadWriter // c's reads and writes, without the scheduler's syscall state (rawio_linux.go)
 	br  *bufio.Reader
 	dec *proto.Decoder
 	enc *proto.Encoder
@@ -359,7 +360,8 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	rw := newConnIO(c)
+	cn := &conn{s: s, c: c, rw: rw, id: s.connIDs.Add(1), br: bufio.NewReaderSize(rw, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
 	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
@@ -478,7 +480,7 @@ func (cn *conn) flush() error {
 	if err := cn.setWriteDeadline(); err != nil {
 		return err
 	}
-	_, err := cn.c.Write(cn.enc.Bytes())
+	_, err := cn.rw.Write(cn.enc.Bytes())
 	cn.enc.Reset()
 	return err
 }
