@@ -22,6 +22,7 @@
 #   ROUNDS=3 SECONDS_PER_ROUND=2 HAPROXY=0 clients/lua/bench.sh
 #   BASELINE_REV=main clients/lua/bench.sh      # also a daemon built from main, in the same
 #                                               # rounds, behind its own identical nginx
+#   CONNECTIONS=8 clients/lua/bench.sh          # a steady rate: 8 connections, each sequential
 #
 # Prints whether nginx's median added p50 is within the 100 µs target (README); with
 # BENCH_STRICT=1 it exits 1 when it is not. HAProxy has no target: it connects per check.
@@ -30,6 +31,7 @@ here="$(cd "$(dirname "$0")" && pwd)" # clients/lua
 repo="$(cd "$here/../.." && pwd)"
 rounds="${ROUNDS:-7}"
 secs="${SECONDS_PER_ROUND:-5}"
+conns="${CONNECTIONS:-1}"
 haproxy_on="${HAPROXY:-1}"
 baseline="${BASELINE_REV:-}"
 need="go nginx wrk curl python3"
@@ -182,7 +184,7 @@ hz=$(getconf CLK_TCK)
 run() {
   local g=${gw_pid[$1]} d=${d_pid[$1]} a=${admin[$1]} out g0 d0 gs0 ds0 k0 g1 d1 gs1 ds1 k1 non2xx
   g0=$(cpu_ticks "$g") d0=$(cpu_ticks "$d") gs0=$(switches "$g") ds0=$(switches "$d") k0=$(checks "$a")
-  out=$(wrk -t1 -c1 --timeout 5s -d "${secs}s" -s "$tmp/users.lua" "${base[$1]}$2")
+  out=$(wrk -t1 -c"$conns" --timeout 5s -d "${secs}s" -s "$tmp/users.lua" "${base[$1]}$2")
   g1=$(cpu_ticks "$g") d1=$(cpu_ticks "$d") gs1=$(switches "$g") ds1=$(switches "$d") k1=$(checks "$a")
   non2xx=$(awk '/^P50_US/ {print $6}' <<<"$out")
   [ "$non2xx" = 0 ] || { echo "$1$2: $non2xx responses were not 2xx" >&2; exit 1; }
@@ -221,7 +223,7 @@ load=$(cut -d' ' -f1-3 /proc/loadavg)
 declare -A added
 for s in "${setups[@]}"; do
   added[$s]=$(tr ' ' '\n' <<<"${diffs[$s]}" | grep . | median)
-  echo "$s + rlsidecar Lua check: adds ${added[$s]} µs to the p50 of a proxied request (median of $rounds rounds; load average $load)"
+  echo "$s + rlsidecar Lua check: adds ${added[$s]} µs to the p50 of a proxied request (median of $rounds rounds, $conns connection(s); load average $load)"
   echo "  per checked request (medians): gateway CPU +$(tr ' ' '\n' <<<"${cpus[$s]}" | grep . | median) µs, context switches +$(tr ' ' '\n' <<<"${css[$s]}" | grep . | median); daemon CPU $(tr ' ' '\n' <<<"${dcpus[$s]}" | grep . | median) µs, context switches $(tr ' ' '\n' <<<"${dcss[$s]}" | grep . | median)"
 done
 echo "daemon connections now: $(metric "${admin[nginx]}" '^rlsidecar_connections ') (nginx's one worker keeps its pool; HAProxy connects per check)"
