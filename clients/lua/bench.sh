@@ -23,6 +23,14 @@
 #   BASELINE_REV=main clients/lua/bench.sh      # also a daemon built from main, in the same
 #                                               # rounds, behind its own identical nginx
 #   CONNECTIONS=8 clients/lua/bench.sh          # a steady rate: 8 connections, each sequential
+#   KEEP_CPUS_AWAKE=1 clients/lua/bench.sh      # a diagnostic, not the figure: see below
+#
+# KEEP_CPUS_AWAKE=1 runs one SCHED_IDLE busy loop per CPU for the rounds, so that no CPU
+# halts: it takes only time nothing else wants, and shows what the round trip costs once
+# waking an idle CPU is taken out. On a VM whose idle vCPUs halt at once (no guest halt
+# polling, e.g. haltpoll.guest_halt_poll_ns=0 on the CI machine) each wake-up of a
+# process on an idle vCPU is an exit to the hypervisor, and a check adds two of them:
+# there a quiet machine shows a larger added p50 than a loaded one.
 #
 # Prints whether nginx's median added p50 is within the 100 µs target (README); with
 # BENCH_STRICT=1 it exits 1 when it is not. HAProxy has no target: it connects per check.
@@ -195,6 +203,15 @@ run() {
 
 median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 sub() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", a - b}'; }
+
+if [ "${KEEP_CPUS_AWAKE:-}" = 1 ]; then
+  command -v chrt >/dev/null || { echo "KEEP_CPUS_AWAKE needs chrt (util-linux)" >&2; exit 1; }
+  for _ in $(seq "$(nproc)"); do
+    chrt -i 0 bash -c 'while :; do :; done' &
+    pids+=($!)
+  done
+  echo "KEEP_CPUS_AWAKE: $(nproc) SCHED_IDLE busy loops keep the CPUs from halting (a diagnostic)"
+fi
 
 idle0=$(cpu_ticks "${d_pid[nginx]}")
 sleep 2
