@@ -360,8 +360,7 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	rw := newConnIO(c)
-	cn := &conn{s: s, c: c, rw: rw, id: s.connIDs.Add(1), br: bufio.NewReaderSize(rw, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
 	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
@@ -369,6 +368,8 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
+	cn.rw = newConnIO(c)
+	cn.br.Reset(cn.rw) // keeps its buffer
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once.
 	defer func() { s.lim.Leases().ReleaseOwner(cn.id, s.now()) }()
