@@ -297,6 +297,7 @@ type conn struct {
 	s   *Server
 	id  uint64 // owns the leases taken on this connection (limiter.Decision.Owner)
 	c   *net.UnixConn
+	rw  io.ReadWriter // c's reads and writes, without the scheduler's syscall state (rawio_linux.go)
 	br  *bufio.Reader
 	dec *proto.Decoder
 	enc *proto.Encoder
@@ -390,6 +391,8 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
+	cn.rw = newConnIO(c)
+	cn.br.Reset(cn.rw) // keeps its buffer
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once.
 	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
@@ -501,7 +504,7 @@ func (cn *conn) flush() error {
 	if err := cn.setWriteDeadline(); err != nil {
 		return err
 	}
-	_, err := cn.c.Write(cn.enc.Bytes())
+	_, err := cn.rw.Write(cn.enc.Bytes())
 	cn.enc.Reset()
 	return err
 }
