@@ -42,17 +42,26 @@ type syncItem struct {
 	token       uint32 // this sync's
 	demand      uint32 // what the script sizes the grant by
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
+	age         uint32 // ms since the key's last check: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	vals        [replyInts]int64
 	err         error
 }
 
-// snapshot takes e into a sync (its shard's lock held): what it admitted travels, and
-// no other sync of it starts until this one is applied.
-func (h *Hybrid) snapshot(sh *hshard, e *hentry, mode uint8, demand uint32) syncItem {
+// snapshot takes e into a sync (its shard's lock held) at now: what it admitted
+// travels, and no other sync of it starts until this one is applied.
+//
+// The units it admitted beyond its grant (credit) are charged in Redis as of the key's
+// last check (age), not as of the sync: on a full token bucket, charging them when the
+// sync arrives lost the refill of the time in between, and a client whose requests
+// rotate over the daemons lost the request that came just as its refill did. The last
+// check is no earlier than the last admission, so the charge is never earlier than the
+// exact mode's: no refill is credited that the exact mode would not have.
+func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand uint32) syncItem {
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
-		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode}
+		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode,
+		age: min(seenMs(now)-e.seen, maxChargeAge)}
 	e.flags |= flagBusy
 	e.pending = 0
 	if mode == modeShare {
@@ -156,7 +165,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 			for _, e := range sh.m {
 				if e.flags&flagBusy == 0 && e.pending != uint64(e.grant) {
 					e.short = 0
-					items = append(items, h.snapshot(sh, e, modeShare, 0))
+					items = append(items, h.snapshot(sh, e, now, modeShare, 0))
 				}
 			}
 			sh.mu.Unlock()
@@ -182,7 +191,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 					demand = e.demand
 				}
 				e.flags &^= flagDirty
-				items = append(items, h.snapshot(sh, e, modeShare, demand))
+				items = append(items, h.snapshot(sh, e, now, modeShare, demand))
 			}
 		}
 		clear(sh.dirty[len(keep):])
@@ -205,6 +214,11 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	}
 	return len(items), nil
 }
+
+// maxChargeAge bounds how far back (ms) a sync dates the units it charges (syncItem.age):
+// a unit admitted longer ago than a sync record lasts (the script's minimum TTL) is
+// charged as of then.
+const maxChargeAge = 10_000
 
 // Batching: a script call carries up to callKeys keys (on a cluster, of one slot), and a
 // pipeline up to pipeCalls calls (go-redis splits it per node on a cluster).
@@ -245,7 +259,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 		max(1, int64(h.keepAlive/h.interval))}
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
 		keys := make([]string, len(c.items))
-		args := make([]any, 0, len(common)+11*len(c.items))
+		args := make([]any, 0, len(common)+syncArgs*len(c.items))
 		args = append(args, common...)
 		for i := range c.items {
 			it := &c.items[i]
@@ -258,7 +272,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 			}
 			lim := it.lim
 			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
-				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token)
+				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token, int64(it.age)*1000)
 		}
 		if load {
 			c.cmd = hybridScript.Eval(ctx, pipe, keys, args...)
@@ -310,6 +324,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 	}
 	return firstErr
 }
+
+// syncArgs is how many ARGV values scripts/hybrid.lua takes per key.
+const syncArgs = 12
 
 // replyInts is how many integers scripts/hybrid.lua answers per key.
 const replyInts = 7

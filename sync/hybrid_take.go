@@ -158,7 +158,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool
 			e.lim = h.limits.intern(op.Limit)
 		}
 		ents = append(ents, e)
-		e.seen = seenSecs(now)
+		e.seen = seenMs(now)
 		var f bool
 		op.Result, f, op.room = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited)
 		if mayFetch {
@@ -188,7 +188,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool
 					}
 					have := max(0, math.Floor(e.allowance+h.growth(e, now, n)))
 					need := max(1, float64(max(op.Cost, 1))-have)
-					items = append(items, h.snapshot(&h.shards[op.shard], e, modeExact, uint32(min(need, math.MaxUint32))))
+					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(min(need, math.MaxUint32))))
 				}
 			}
 			if items != nil {

@@ -347,7 +347,7 @@ func TestHybridLostReplyCountsOnce(t *testing.T) {
 		t.Helper()
 		cmd := hybridScript.Run(ctx, rdb, []string{key},
 			"d1", int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100,
-			2, 100, int64(time.Hour/time.Microsecond), 0, used, prevGrant, window, demand, modeShare, prevTok, tok)
+			2, 100, int64(time.Hour/time.Microsecond), 0, used, prevGrant, window, demand, modeShare, prevTok, tok, 0)
 		v, err := int64s(cmd)
 		if err != nil {
 			t.Fatal(err)

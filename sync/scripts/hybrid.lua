@@ -35,9 +35,11 @@
 --
 -- KEYS: the keys (on a cluster, all in one slot). ARGV[1] daemon id, ARGV[2] interval_us,
 -- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
--- ARGV[5] share_epochs; then per key 11 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
+-- ARGV[5] share_epochs; then per key 12 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
 -- requests, window_us, burst, used, prev_grant, grant_window (the window start the
--- previous grant was taken in, 0 if none), demand, mode, prev_token, token.
+-- previous grant was taken in, 0 if none), demand, mode, prev_token, token, age_us (how
+-- long ago, by the daemon's clock, the key was last checked: units used beyond the grant
+-- are charged to a token bucket as of then, as the exact mode would have charged them).
 -- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
 -- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
@@ -60,7 +62,7 @@ local function num(x) return string.format('%.17g', x) end
 
 local out = {}
 for i, key in ipairs(KEYS) do
-  local a = 5 + (i - 1) * 11
+  local a = 5 + (i - 1) * 12
   local alg = tonumber(ARGV[a + 1])
   local requests = tonumber(ARGV[a + 2])
   local window = tonumber(ARGV[a + 3])
@@ -72,6 +74,7 @@ for i, key in ipairs(KEYS) do
   local mode = tonumber(ARGV[a + 9])
   local prev_token = ARGV[a + 10]
   local token = ARGV[a + 11]
+  local age = tonumber(ARGV[a + 12])
 
   local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield, 'o', 'x')
   local t = tonumber(h[1]) or 0
@@ -136,7 +139,11 @@ for i, key in ipairs(KEYS) do
   if alg == 0 then
     local T = window / requests
     local tau = burst * T
-    t = math.max(t, now) + settle * T
+    -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
+    -- started refilling then, not now.
+    local since = now
+    if settle > 0 then since = now - age end
+    t = math.max(t, since) + settle * T
     if t < now then t = now end
     avail = (now + tau - t) / T
     headroom = math.min(burst, math.max(0, avail + interval / T))
