@@ -69,6 +69,16 @@ local epoch = math.floor(now / interval)
 -- microseconds of a timestamp.
 local function num(x) return string.format('%.17g', x) end
 
+-- The fields a key's sync reads: its own record, the last user and the shared mark
+-- always; the window counts for windows; the demand epochs only when this sync brings
+-- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
+-- per key.
+local fields = {
+  [false] = {[false] = {'t', rfield, 'o', 'x'}, [true] = {'t', rfield, 'o', 'x', 'e', 'dc', 'dp'}},
+  [true] = {[false] = {'t', rfield, 'o', 'x', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'n', 'p', 'e', 'dc', 'dp'}},
+}
+local me = id .. ' ' .. epoch -- the last user, as this sync records it
+
 local out = {}
 for i = 1, nkeys do
   local key = KEYS[i]
@@ -87,7 +97,8 @@ for i = 1, nkeys do
   local token = ARGV[a + 11]
   local age = tonumber(ARGV[a + 12])
 
-  local h = redis.pcall('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield, 'o', 'x')
+  local win = alg ~= 0
+  local h = redis.pcall('HMGET', key, unpack(fields[win][mode == 0 and demand > 0]))
   if h.err then
     -- not served here (a slot moved): nothing touched
     local r = (i - 1) * 7
@@ -95,11 +106,17 @@ for i = 1, nkeys do
     for k = 2, 7 do out[r + k] = 0 end
   else
     local t = tonumber(h[1]) or 0
-    local n = tonumber(h[2]) or 0
-    local p = tonumber(h[3]) or 0
-    local e = tonumber(h[4]) or 0
-    local dc = tonumber(h[5]) or 0
-    local dp = tonumber(h[6]) or 0
+    local rec, last, shared = h[2], h[3], h[4]
+    local d = 5 -- where the demand epochs are in h
+    local n, p = 0, 0
+    if win then
+      n = tonumber(h[5]) or 0
+      p = tonumber(h[6]) or 0
+      d = 7
+    end
+    local e = tonumber(h[d]) or 0
+    local dc = tonumber(h[d + 1]) or 0
+    local dp = tonumber(h[d + 2]) or 0
 
     -- What the daemon used beyond (or short of) its last grant. If the key is gone
     -- (expired, or Redis lost its data), so is that grant: everything used counts.
@@ -108,14 +125,15 @@ for i = 1, nkeys do
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
     local replay, replay_grant = false, 0
-    local rec = h[7]
     if rec then
-      local rp, rt, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+      local rp, rt = string.match(rec, '^(%S+) (%S+) ')
       if rt == token then
         -- this very sync was applied already: change nothing, answer the same grant
+        local _, _, rg = string.match(rec, '^(%S+) (%S+) (%S+) ')
         replay, replay_grant = true, tonumber(rg)
         settle, demand = 0, 0
       elseif rp == prev_token and rt ~= prev_token then
+        local _, _, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
         -- our previous sync was applied but we never got its answer: it settled ru against
         -- prev_grant and reserved rg. Count only what was used since, against rg.
         settle = (used - tonumber(ru)) - tonumber(rg)
@@ -124,14 +142,16 @@ for i = 1, nkeys do
     end
 
     -- Shared: another daemon used the key lately.
-    local x = tonumber(h[9]) or 0
+    local x = tonumber(shared) or 0
     local o = nil
     if used > 0 or demand > 0 then
-      local oid, oep = string.match(h[8] or '', '^(%S+) (%S+)$')
-      if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
-        x = epoch + share_epochs
+      if last and last ~= me then
+        local oid, oep = string.match(last, '^(%S+) (%S+)$')
+        if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+          x = epoch + share_epochs
+        end
       end
-      o = id .. ' ' .. epoch
+      o = me
     end
 
     -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
@@ -266,15 +286,17 @@ for i = 1, nkeys do
     if share_demand > 0 then
       f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
     end
-    if x ~= (tonumber(h[9]) or 0) then
+    if x ~= (tonumber(shared) or 0) then
       f[#f + 1] = 'x'; f[#f + 1] = x
     end
-    if o and o ~= h[8] then
+    if o and o ~= last then
       f[#f + 1] = 'o'; f[#f + 1] = o
     end
     if not replay then
+      local ws = '0'
+      if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
-      f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
+      f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
     end
     redis.call('HSET', key, unpack(f))
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
