@@ -318,9 +318,21 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 			declared = 1
 		}
 		keys := make([]string, declared)
-		args := make([]any, 0, len(common)+1+syncArgs*len(c.items)+len(c.items)-declared)
+		// The distinct limits go once per call; each key names its own by index.
+		limIdx := make(map[localbucket.Limit]int, 4)
+		var lims []*localbucket.Limit
+		for i := range c.items {
+			if _, ok := limIdx[*c.items[i].lim]; !ok {
+				limIdx[*c.items[i].lim] = len(lims) + 1
+				lims = append(lims, c.items[i].lim)
+			}
+		}
+		args := make([]any, 0, len(common)+2+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
 		args = append(args, common...)
-		args = append(args, len(c.items)-declared)
+		args = append(args, len(c.items)-declared, len(lims))
+		for _, lim := range lims {
+			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst())
+		}
 		for i := range c.items {
 			it := &c.items[i]
 			if i < declared {
@@ -332,8 +344,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 					it.token = uint32(h.tokens.Add(1))
 				}
 			}
-			lim := it.lim
-			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
+			args = append(args, limIdx[*it.lim],
 				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token, int64(it.age)*1000)
 		}
 		for i := declared; i < len(c.items); i++ {
@@ -397,7 +408,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 }
 
 // syncArgs is how many ARGV values scripts/hybrid.lua takes per key.
-const syncArgs = 12
+const syncArgs = 9
 
 // replyInts is how many integers scripts/hybrid.lua answers per key.
 const replyInts = 7

@@ -37,11 +37,14 @@
 -- its master; the others follow in ARGV). ARGV[1] daemon id, ARGV[2] interval_us,
 -- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
 -- ARGV[5] share_epochs, ARGV[6] extra: how many keys are not declared (their names are
--- the last ARGV values, after every key's values); then per key 12 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
--- requests, window_us, burst, used, prev_grant, grant_window (the window start the
--- previous grant was taken in, 0 if none), demand, mode, prev_token, token, age_us (how
--- long ago, by the daemon's clock, the key was last checked: units used beyond the grant
--- are charged to a token bucket as of then, as the exact mode would have charged them).
+-- the last ARGV values, after every key's values), ARGV[7] limits: how many distinct
+-- limits the keys have; then per limit 4 values: algorithm (0 token_bucket, 1
+-- sliding_window, 2 fixed_window), requests, window_us, burst; then per key 9 values:
+-- limit (its index among the limits, from 1), used, prev_grant, grant_window (the window
+-- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
+-- age_us (how long ago, by the daemon's clock, the key was last checked: units used
+-- beyond the grant are charged to a token bucket as of then, as the exact mode would
+-- have charged them).
 -- On a cluster one call carries every key of one master, whatever their slots: old-style
 -- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
@@ -57,6 +60,13 @@ local replicas = math.max(1, tonumber(ARGV[3]))
 local min_ttl = tonumber(ARGV[4])
 local share_epochs = tonumber(ARGV[5])
 local extra = tonumber(ARGV[6])
+local nlimits = tonumber(ARGV[7])
+local limits = {}
+for j = 1, nlimits do
+  local b = 7 + (j - 1) * 4
+  limits[j] = {tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])}
+end
+local kargs = 7 + nlimits * 4 -- where the keys' values start
 local declared = #KEYS
 local nkeys = declared + extra
 local rfield = 's:' .. id
@@ -82,20 +92,18 @@ local me = id .. ' ' .. epoch -- the last user, as this sync records it
 local out = {}
 for i = 1, nkeys do
   local key = KEYS[i]
-  if i > declared then key = ARGV[6 + nkeys * 12 + i - declared] end
-  local a = 6 + (i - 1) * 12
-  local alg = tonumber(ARGV[a + 1])
-  local requests = tonumber(ARGV[a + 2])
-  local window = tonumber(ARGV[a + 3])
-  local burst = tonumber(ARGV[a + 4])
-  local used = tonumber(ARGV[a + 5])
-  local prev_grant = tonumber(ARGV[a + 6])
-  local grant_window = tonumber(ARGV[a + 7])
-  local demand = tonumber(ARGV[a + 8])
-  local mode = tonumber(ARGV[a + 9])
-  local prev_token = ARGV[a + 10]
-  local token = ARGV[a + 11]
-  local age = tonumber(ARGV[a + 12])
+  if i > declared then key = ARGV[kargs + nkeys * 9 + i - declared] end
+  local a = kargs + (i - 1) * 9
+  local lim = limits[tonumber(ARGV[a + 1])]
+  local alg, requests, window, burst = lim[1], lim[2], lim[3], lim[4]
+  local used = tonumber(ARGV[a + 2])
+  local prev_grant = tonumber(ARGV[a + 3])
+  local grant_window = tonumber(ARGV[a + 4])
+  local demand = tonumber(ARGV[a + 5])
+  local mode = tonumber(ARGV[a + 6])
+  local prev_token = ARGV[a + 7]
+  local token = ARGV[a + 8]
+  local age = tonumber(ARGV[a + 9])
 
   local win = alg ~= 0
   local h = redis.pcall('HMGET', key, unpack(fields[win][mode == 0 and demand > 0]))
