@@ -89,6 +89,7 @@ func SpreadChart(path, title string, rows []SpreadRow) error {
 	p.Legend.Top = true
 	p.Y.Min, p.Y.Max = 0, top*1.25 // room for the legend above the bars
 	p.NominalX(names...)
+	p.X.Min, p.X.Max = -0.7, float64(len(rows))-0.3
 
 	c := vgimg.NewWith(vgimg.UseWH(800*vg.Inch/96, 450*vg.Inch/96), vgimg.UseDPI(96))
 	p.Draw(draw.New(c))
