@@ -100,3 +100,97 @@ func TestHybridScriptSkipsKeysNotServed(t *testing.T) {
 		t.Fatalf("the local key counts %d (%v), want 1", n, err)
 	}
 }
+
+// A slot moves to another master under a daemon whose slot map is stale: the sync that
+// reaches the old master leaves the key untouched, keeps its units pending without
+// counting a failure (the breaker must not open on a reshard), and a later sync, with
+// the map reloaded, counts them on the new master, once.
+func TestHybridClusterSlotMoved(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	master := func(k string) string {
+		m, err := cc.MasterForKey(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Options().Addr
+	}
+	// Two keys on one master, the moved one in the higher slot (so it is not the key
+	// declared, which routes the call).
+	var stay, moved string
+	for i := 0; moved == ""; i++ {
+		a, b := fmt.Sprintf("rl:mv:{user=%d}", i), fmt.Sprintf("rl:mv:{user=%d}", i+1)
+		if master(a) == master(b) && Slot(a) < Slot(b) {
+			stay, moved = a, b
+		}
+	}
+	from := master(moved)
+	var to string
+	for _, a := range cl.Addrs {
+		if a != from {
+			to = a
+			break
+		}
+	}
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		defer c.Close()
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	// The slot is empty: hand it to the other master on every node (target first).
+	slot := Slot(moved)
+	for _, a := range append([]string{to, from}, cl.Addrs...) {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		if err := c.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", ids[to]).Err(); err != nil {
+			t.Fatalf("SETSLOT on %s: %v", a, err)
+		}
+		c.Close()
+	}
+	if master(moved) != from {
+		t.Fatal("the client's slot map is not stale: the test cannot tell")
+	}
+
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	now := time.Now().UnixNano()
+	take(h, now, stay, lim, 1) // on credit
+	take(h, now, moved, lim, 1)
+	if err := h.Flush(ctx, now); err != nil {
+		t.Fatalf("a sync meeting a moved slot failed: %v (it must not count against the breaker)", err)
+	}
+	target := redis.NewClient(&redis.Options{Addr: to})
+	defer target.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		n, err := target.HGet(ctx, moved, "n").Int()
+		if err == nil && n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the moved key counts %d (%v) on its new master, want 1", n, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+		if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	source := redis.NewClient(&redis.Options{Addr: from})
+	defer source.Close()
+	if n := source.Exists(ctx, moved).Val(); n != 0 {
+		t.Fatal("the moved key was written on its old master")
+	}
+	if n, err := cc.HGet(ctx, stay, "n").Int(); err != nil || n != 1 {
+		t.Fatalf("the other key counts %d (%v), want 1", n, err)
+	}
+}

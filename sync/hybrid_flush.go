@@ -110,7 +110,8 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 	}
 }
 
-// applyAll applies items, locking each one's shard.
+// applyAll applies items, locking each one's shard, and counts the items that failed
+// (a key whose slot moved is not a failure: it stays pending for the next sync).
 func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr error) {
 	n := h.creditShares()
 	ok := false
@@ -119,12 +120,17 @@ func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr err
 		it.sh.mu.Lock()
 		h.apply(it, now, n)
 		it.sh.mu.Unlock()
-		if it.err != nil {
+		switch {
+		case errors.Is(it.err, errNotServed):
+			// Redis answered; the key's slot moved: resent to its new master next time,
+			// not a failure of Redis (the breaker must not open on a reshard).
+			ok = true
+		case it.err != nil:
 			failed++
 			if firstErr == nil {
 				firstErr = it.err
 			}
-		} else {
+		default:
 			ok = true
 		}
 	}
