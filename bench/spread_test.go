@@ -30,7 +30,7 @@ import (
 // use 500 and 5000), RLSIDECAR_SPREAD_DAEMONS (comma list, default "2,5"; figures
 // "2,5,20"), RLSIDECAR_SPREAD_SECONDS (default 4; figures 10), RLSIDECAR_SPREAD_LIMITS
 // (default "5/10s"; figures "5/10s,5/1m"). With RLSIDECAR_SPREAD_OUT set to a directory,
-// it writes there spread-<clients>.md (the table) and, per limit, a chart
+// it writes there, per limit, the table spread-<clients>-<limit>.md and the chart
 // spread-<clients>-<limit>.png (docs/accuracy holds the published ones).
 
 // spreadEnv reads a benchmark size from the environment.
@@ -129,24 +129,22 @@ func BenchmarkSpreadClients(b *testing.B) {
 		}
 	}
 	if out := os.Getenv("RLSIDECAR_SPREAD_OUT"); out != "" {
-		var all []accuracy.SpreadRow
 		for _, ls := range limits {
-			all = append(all, rows[ls]...)
-			name := fmt.Sprintf("spread-%d-%s.png", clients, strings.ReplaceAll(ls, "/", "per"))
+			name := fmt.Sprintf("spread-%d-%s", clients, strings.ReplaceAll(ls, "/", "per"))
 			title := fmt.Sprintf("%d clients at 3× %s, each client's requests rotating over the daemons, %v", clients, ls, load)
-			if err := accuracy.SpreadChart(filepath.Join(out, name), title, rows[ls]); err != nil {
+			if err := accuracy.SpreadChart(filepath.Join(out, name+".png"), title, rows[ls]); err != nil {
 				b.Fatal(err)
 			}
-		}
-		f, err := os.Create(filepath.Join(out, fmt.Sprintf("spread-%d.md", clients)))
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := accuracy.WriteSpreadTable(f, all); err != nil {
-			b.Fatal(err)
-		}
-		if err := f.Close(); err != nil {
-			b.Fatal(err)
+			f, err := os.Create(filepath.Join(out, name+".md"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := accuracy.WriteSpreadTable(f, rows[ls]); err != nil {
+				b.Fatal(err)
+			}
+			if err := f.Close(); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
 }
