@@ -178,16 +178,27 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	}
 	time.Sleep(1500 * time.Millisecond) // every daemon has counted the others
 
-	// The schedule: client c offered 3× its limit, evenly paced from a random phase; its
-	// k-th request goes to daemon (c+k) mod daemons. The same seed for both modes.
+	// The schedule: client c offered 3× its limit, paced from a random phase, each request
+	// moved by up to ± jitter/2 of the period (RLSIDECAR_SPREAD_JITTER, default 0.25; 0:
+	// evenly paced); its k-th request goes to daemon (c+k) mod daemons. The same seed for
+	// both modes. Evenly paced, every third request lands exactly on a refill of the
+	// token bucket (3× the rate), so whether it passes turns on a few milliseconds of lag
+	// and the count measured the machine's lag between runs more than the limiter.
 	rate := 3 * float64(lim.requests) / lim.window.Seconds()
 	period := time.Duration(float64(time.Second) / rate)
+	jitter, err := strconv.ParseFloat(spreadEnv("RLSIDECAR_SPREAD_JITTER", "0.25"), 64)
+	if err != nil || jitter < 0 || jitter >= 1 {
+		b.Fatalf("RLSIDECAR_SPREAD_JITTER=%q: want a fraction of the period in [0, 1)", os.Getenv("RLSIDECAR_SPREAD_JITTER"))
+	}
 	rng := rand.New(rand.NewPCG(1, 2))
 	perDaemon := make([][]spreadEvent, daemons)
 	for c := 0; c < clients; c++ {
 		phase := time.Duration(rng.Int64N(int64(period)))
 		for k := 0; ; k++ {
-			at := phase + time.Duration(k)*period
+			at := phase + time.Duration(k)*period + time.Duration((rng.Float64()-0.5)*jitter*float64(period))
+			if at < 0 {
+				at = 0
+			}
 			if at >= load {
 				break
 			}
