@@ -47,9 +47,43 @@ func BenchmarkHybridCost(b *testing.B) {
 	zipfKeys := envInt("RLSIDECAR_COST_ZIPF_KEYS", 100_000)
 	zipfLoad := time.Duration(envInt("RLSIDECAR_COST_ZIPF_SECONDS", 2)) * time.Second
 
-	srv := redistest.StartStandalone(b)
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	b.Cleanup(func() { rdb.Close() })
+	// RLSIDECAR_COST_TOPOLOGY: "standalone" (default) or "cluster3" (a 3-master Redis
+	// Cluster; every counter summed over the masters).
+	var nodes []*redis.Client
+	var redisArgs []string
+	switch topo := spreadEnv("RLSIDECAR_COST_TOPOLOGY", "standalone"); topo {
+	case "standalone":
+		srv := redistest.StartStandalone(b)
+		nodes = append(nodes, redis.NewClient(&redis.Options{Addr: srv.Addr}))
+		redisArgs = []string{"--redis", "redis://" + srv.Addr}
+	case "cluster3":
+		c := redistest.StartCluster(b)
+		for _, a := range c.Addrs {
+			nodes = append(nodes, redis.NewClient(&redis.Options{Addr: a}))
+		}
+		redisArgs = []string{"--redis-cluster", strings.Join(c.Addrs, ",")}
+	default:
+		b.Fatalf("RLSIDECAR_COST_TOPOLOGY=%q: want standalone or cluster3", topo)
+	}
+	b.Cleanup(func() {
+		for _, n := range nodes {
+			n.Close()
+		}
+	})
+	// stats sums the counters of every node: script calls and commands, script time,
+	// process CPU.
+	stats := func() (accStats, float64, float64) {
+		var s accStats
+		var usec, proc float64
+		for _, n := range nodes {
+			a := accRedisStats(b, n)
+			s.calls += a.calls
+			s.cmds += a.cmds
+			usec += spreadScriptUsec(b, n)
+			proc += costProcUsec(b, n)
+		}
+		return s, usec, proc
+	}
 	type cost struct {
 		checks        int
 		calls, usec   float64
@@ -58,22 +92,24 @@ func BenchmarkHybridCost(b *testing.B) {
 	}
 	run := func(mode, load string) cost {
 		ctx := context.Background()
-		if err := rdb.FlushAll(ctx).Err(); err != nil {
-			b.Fatal(err)
-		}
-		if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
-			b.Fatal(err)
+		for _, n := range nodes {
+			if err := n.FlushAll(ctx).Err(); err != nil {
+				b.Fatal(err)
+			}
+			if err := n.ConfigResetStat(ctx).Err(); err != nil {
+				b.Fatal(err)
+			}
 		}
 		cfg := filepath.Join(b.TempDir(), mode+".yaml")
 		rule := "rules:\n  - name: per-user\n    key: user\n    limit: { requests: 600, per: 60s }\n    mode: " + mode + "\n"
 		if err := os.WriteFile(cfg, []byte(rule), 0o644); err != nil {
 			b.Fatal(err)
 		}
-		ds := startAccDaemons(b, 1, []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--max-keys", "2000000", "--global-timeout", "500ms", "--redis-timeout", "500ms"})
+		ds := startAccDaemons(b, 1, append([]string{"--config", cfg, "--max-keys", "2000000", "--global-timeout", "500ms", "--redis-timeout", "500ms"}, redisArgs...))
 		defer stopAccDaemons(ds)
 		time.Sleep(300 * time.Millisecond)
 		var c cost
-		before, usec0, proc0 := accRedisStats(b, rdb), spreadScriptUsec(b, rdb), costProcUsec(b, rdb)
+		before, usec0, proc0 := stats()
 		start := time.Now()
 		switch load {
 		case "sparse":
@@ -82,16 +118,17 @@ func BenchmarkHybridCost(b *testing.B) {
 			c.checks = costZipf(b, ds[0].socket, zipfKeys, zipfLoad)
 		}
 		el := time.Since(start)
-		after, usec1, proc1 := accRedisStats(b, rdb), spreadScriptUsec(b, rdb), costProcUsec(b, rdb)
+		after, usec1, proc1 := stats()
 		c.procUsec = (proc1 - proc0) / float64(c.checks)
 		c.rate = float64(c.checks) / el.Seconds()
 		c.calls = (after.calls - before.calls) / float64(c.checks)
 		c.usec = (usec1 - usec0) / float64(c.checks)
 		if load == "sparse" {
 			time.Sleep(3 * time.Second)
-			q0 := accRedisStats(b, rdb)
+			q0, _, _ := stats()
 			time.Sleep(2 * time.Second)
-			c.quietPS = (accRedisStats(b, rdb).cmds - q0.cmds) / 2
+			q1, _, _ := stats()
+			c.quietPS = (q1.cmds - q0.cmds) / 2
 		}
 		return c
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/bench/accuracy"
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -28,7 +29,9 @@ import (
 // decisions degraded. Sizes (env): RLSIDECAR_SPREAD_CLIENTS (default 100; the figures
 // use 500 and 5000), RLSIDECAR_SPREAD_DAEMONS (comma list, default "2,5"; figures
 // "2,5,20"), RLSIDECAR_SPREAD_SECONDS (default 4; figures 10), RLSIDECAR_SPREAD_LIMITS
-// (default "5/10s"; figures "5/10s,5/1m").
+// (default "5/10s"; figures "5/10s,5/1m"). With RLSIDECAR_SPREAD_OUT set to a directory,
+// it writes there, per limit, the table spread-<clients>-<limit>.md and the chart
+// spread-<clients>-<limit>.png (docs/accuracy holds the published ones).
 
 // spreadEnv reads a benchmark size from the environment.
 func spreadEnv(name, def string) string {
@@ -85,18 +88,24 @@ func BenchmarkSpreadClients(b *testing.B) {
 	srv := redistest.StartStandalone(b)
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	b.Cleanup(func() { rdb.Close() })
+	limits := strings.Split(spreadEnv("RLSIDECAR_SPREAD_LIMITS", "5/10s"), ",")
+	rows := map[string][]accuracy.SpreadRow{} // by limit
 	for _, ds := range strings.Split(spreadEnv("RLSIDECAR_SPREAD_DAEMONS", "2,5"), ",") {
 		daemons, err := strconv.Atoi(ds)
 		if err != nil {
 			b.Fatal(err)
 		}
-		for _, ls := range strings.Split(spreadEnv("RLSIDECAR_SPREAD_LIMITS", "5/10s"), ",") {
+		for _, ls := range limits {
 			lim := parseSpreadLimit(b, ls)
 			res := map[string]spreadResult{}
 			for _, mode := range []string{"global", "hybrid"} {
 				res[mode] = spreadRun(b, srv.Addr, rdb, mode, daemons, clients, lim, load)
 			}
 			g, h := res["global"], res["hybrid"]
+			rows[ls] = append(rows[ls], accuracy.SpreadRow{Clients: clients, Daemons: daemons, Limit: ls, Offered: h.offered,
+				Global: g.admitted, Hybrid: h.admitted, Degraded: float64(h.degraded) / float64(h.offered),
+				GlobalCalls: g.calls / float64(g.offered), HybridCalls: h.calls / float64(h.offered),
+				GlobalUsec: g.cpuUsec / float64(g.offered), HybridUsec: h.cpuUsec / float64(h.offered)})
 			ratio := float64(h.admitted) / float64(g.admitted)
 			deg := float64(h.degraded) / float64(h.offered)
 			gdeg := float64(g.degraded) / float64(g.offered)
@@ -117,6 +126,25 @@ func BenchmarkSpreadClients(b *testing.B) {
 				clients, lim.text, daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
 				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), h.calls/float64(h.offered), h.cpuUsec/float64(h.offered),
 				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
+		}
+	}
+	if out := os.Getenv("RLSIDECAR_SPREAD_OUT"); out != "" {
+		for _, ls := range limits {
+			name := fmt.Sprintf("spread-%d-%s", clients, strings.ReplaceAll(ls, "/", "per"))
+			title := fmt.Sprintf("%d clients at 3× %s, each client's requests rotating over the daemons, %v", clients, ls, load)
+			if err := accuracy.SpreadChart(filepath.Join(out, name+".png"), title, rows[ls]); err != nil {
+				b.Fatal(err)
+			}
+			f, err := os.Create(filepath.Join(out, name+".md"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := accuracy.WriteSpreadTable(f, rows[ls]); err != nil {
+				b.Fatal(err)
+			}
+			if err := f.Close(); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
 }
@@ -150,16 +178,27 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	}
 	time.Sleep(1500 * time.Millisecond) // every daemon has counted the others
 
-	// The schedule: client c offered 3× its limit, evenly paced from a random phase; its
-	// k-th request goes to daemon (c+k) mod daemons. The same seed for both modes.
+	// The schedule: client c offered 3× its limit, paced from a random phase, each request
+	// moved by up to ± jitter/2 of the period (RLSIDECAR_SPREAD_JITTER, default 0.25; 0:
+	// evenly paced); its k-th request goes to daemon (c+k) mod daemons. The same seed for
+	// both modes. Evenly paced, every third request lands exactly on a refill of the
+	// token bucket (3× the rate), so whether it passes turns on a few milliseconds of lag
+	// and the count measured the machine's lag between runs more than the limiter.
 	rate := 3 * float64(lim.requests) / lim.window.Seconds()
 	period := time.Duration(float64(time.Second) / rate)
+	jitter, err := strconv.ParseFloat(spreadEnv("RLSIDECAR_SPREAD_JITTER", "0.25"), 64)
+	if err != nil || jitter < 0 || jitter >= 1 {
+		b.Fatalf("RLSIDECAR_SPREAD_JITTER=%q: want a fraction of the period in [0, 1)", os.Getenv("RLSIDECAR_SPREAD_JITTER"))
+	}
 	rng := rand.New(rand.NewPCG(1, 2))
 	perDaemon := make([][]spreadEvent, daemons)
 	for c := 0; c < clients; c++ {
 		phase := time.Duration(rng.Int64N(int64(period)))
 		for k := 0; ; k++ {
-			at := phase + time.Duration(k)*period
+			at := phase + time.Duration(k)*period + time.Duration((rng.Float64()-0.5)*jitter*float64(period))
+			if at < 0 {
+				at = 0
+			}
 			if at >= load {
 				break
 			}

@@ -730,9 +730,11 @@ func input(in *limiter.Input, req *proto.Request) {
 	}
 }
 
-// check answers the check in cn.req (decoded from body). A check that waits on Redis is
-// decided by a goroutine of its own, so that the Redis round trips of a pipelined
-// connection overlap; every other check is decided and answered inline.
+// check answers the check in cn.req (decoded from body). A check that waits on Redis (a
+// global rule, or a hybrid key the daemon cannot decide from its local view) is decided
+// by a goroutine of its own, so that the Redis round trips of a pipelined connection
+// overlap and its other requests are not stalled; every other check is decided and
+// answered inline.
 func (cn *conn) check(body []byte, now int64) {
 	input(&cn.in, &cn.req)
 	d := &cn.dcs
@@ -741,8 +743,10 @@ func (cn *conn) check(body []byte, now int64) {
 		cn.goCheck(body, now)
 		return
 	}
-	if err == nil {
-		cn.s.lim.Decide(now, d)
+	if err == nil && !cn.s.lim.DecideInline(now, d) {
+		// A hybrid key needs Redis (an exact sync): decide off the fast path too.
+		cn.goCheck(body, now)
+		return
 	}
 	cn.s.answer(cn.out(), &cn.req, d, &cn.resp, err)
 }

@@ -258,6 +258,9 @@ type Decision struct {
 	// matched holds the rules matching the request, from the rule set's index.
 	matched  []*rules.Rule
 	replaced []bool // by rule index: replaced by a matched rule (only when the set has replaces)
+	// noWait: DecideInline is deciding; a hybrid key that would wait on Redis sets
+	// wouldWait instead, and nothing is taken.
+	noWait, wouldWait bool
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -380,6 +383,9 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	}
 	banned := l.checkBans(now, d)
 	d.Allowed = l.apply(now, d, !banned)
+	if d.wouldWait {
+		return // DecideInline: nothing taken, nothing recorded
+	}
 
 	for i := range d.ops {
 		o := &d.ops[i]
@@ -415,6 +421,23 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if r := d.DecidingResult(); r != nil && !d.Allowed {
 		d.Banned = r.Banned
 	}
+}
+
+// DecideInline is Decide for a caller that must not wait on Redis (a connection's loop,
+// whose pipelined requests a wait would stall), after a Prepare that said the check does
+// not wait (no global rule). It reports false, having taken and recorded nothing, when a
+// hybrid key cannot be decided from the local view (it needs an exact sync, or another
+// request's sync is in flight): the caller then runs Prepare and Decide again where
+// waiting is fine. Otherwise it is Decide, and reports true.
+func (l *Limiter) DecideInline(now int64, d *Decision) bool {
+	d.noWait = true
+	l.Decide(now, d)
+	d.noWait = false
+	if d.wouldWait {
+		d.wouldWait = false
+		return false
+	}
+	return true
 }
 
 // checkBans marks the ops whose key a penalty rule has banned at now (op.bannedUntil),

@@ -117,6 +117,16 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 			continue
 		}
 		passed, err := s.take(now, d)
+		if d.wouldWait {
+			// DecideInline: this store would wait on Redis. Give back what the earlier
+			// stores took; the decision is made again where waiting is fine.
+			for e := range id {
+				if took[e] {
+					l.stores[e].giveBack(now, d)
+				}
+			}
+			return false
+		}
 		if err != nil {
 			passed = d.fallBack(id)
 		} else {

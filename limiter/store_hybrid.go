@@ -23,7 +23,16 @@ func (s hybridStore) take(now int64, d *Decision) (bool, error) {
 			n.at = append(n.at, i)
 		}
 	}
-	ok := s.h.Take(now, n.ops)
+	var ok bool
+	if d.noWait {
+		var wait bool
+		if ok, wait = s.h.TryTake(now, n.ops); wait {
+			d.wouldWait = true // nothing taken: DecideInline's caller decides elsewhere
+			return false, nil
+		}
+	} else {
+		ok = s.h.Take(now, n.ops)
+	}
 	s.results(d, n)
 	return ok, nil
 }

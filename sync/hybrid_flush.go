@@ -42,17 +42,26 @@ type syncItem struct {
 	token       uint32 // this sync's
 	demand      uint32 // what the script sizes the grant by
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
+	age         uint32 // ms since the key's last check: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	vals        [replyInts]int64
 	err         error
 }
 
-// snapshot takes e into a sync (its shard's lock held): what it admitted travels, and
-// no other sync of it starts until this one is applied.
-func (h *Hybrid) snapshot(sh *hshard, e *hentry, mode uint8, demand uint32) syncItem {
+// snapshot takes e into a sync (its shard's lock held) at now: what it admitted
+// travels, and no other sync of it starts until this one is applied.
+//
+// The units it admitted beyond its grant (credit) are charged in Redis as of the key's
+// last check (age), not as of the sync: on a full token bucket, charging them when the
+// sync arrives lost the refill of the time in between, and a client whose requests
+// rotate over the daemons lost the request that came just as its refill did. The last
+// check is no earlier than the last admission, so the charge is never earlier than the
+// exact mode's: no refill is credited that the exact mode would not have.
+func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand uint32) syncItem {
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
-		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode}
+		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode,
+		age: min(seenMs(now)-e.seen, maxChargeAge)}
 	e.flags |= flagBusy
 	e.pending = 0
 	if mode == modeShare {
@@ -101,7 +110,8 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 	}
 }
 
-// applyAll applies items, locking each one's shard.
+// applyAll applies items, locking each one's shard, and counts the items that failed
+// (a key whose slot moved is not a failure: it stays pending for the next sync).
 func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr error) {
 	n := h.creditShares()
 	ok := false
@@ -110,12 +120,17 @@ func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr err
 		it.sh.mu.Lock()
 		h.apply(it, now, n)
 		it.sh.mu.Unlock()
-		if it.err != nil {
+		switch {
+		case errors.Is(it.err, errNotServed):
+			// Redis answered; the key's slot moved: resent to its new master next time,
+			// not a failure of Redis (the breaker must not open on a reshard).
+			ok = true
+		case it.err != nil:
 			failed++
 			if firstErr == nil {
 				firstErr = it.err
 			}
-		} else {
+		default:
 			ok = true
 		}
 	}
@@ -156,7 +171,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 			for _, e := range sh.m {
 				if e.flags&flagBusy == 0 && e.pending != uint64(e.grant) {
 					e.short = 0
-					items = append(items, h.snapshot(sh, e, modeShare, 0))
+					items = append(items, h.snapshot(sh, e, now, modeShare, 0))
 				}
 			}
 			sh.mu.Unlock()
@@ -182,7 +197,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 					demand = e.demand
 				}
 				e.flags &^= flagDirty
-				items = append(items, h.snapshot(sh, e, modeShare, demand))
+				items = append(items, h.snapshot(sh, e, now, modeShare, demand))
 			}
 		}
 		clear(sh.dirty[len(keep):])
@@ -206,8 +221,15 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	return len(items), nil
 }
 
-// Batching: a script call carries up to callKeys keys (on a cluster, of one slot), and a
-// pipeline up to pipeCalls calls (go-redis splits it per node on a cluster).
+// maxChargeAge bounds how far back (ms) a sync dates the units it charges (syncItem.age):
+// a unit admitted longer ago than a sync record lasts (the script's minimum TTL) is
+// charged as of then.
+const maxChargeAge = 10_000
+
+// Batching: a script call carries up to callKeys keys (on a cluster, of one master,
+// whatever their slots), and a pipeline up to pipeCalls calls per node (go-redis splits
+// a cluster's pipeline per node and sends to the nodes at once): a sync of fewer than
+// callKeys × pipeCalls keys per node is one pipeline per node.
 const (
 	callKeys  = 128
 	pipeCalls = 4
@@ -218,21 +240,74 @@ type syncCall struct {
 	cmd   *redis.Cmd
 }
 
+// errNotServed is a key's error when the node a sync went to no longer serves its slot
+// (it moved since go-redis last read the slot map): its units stay pending.
+var errNotServed = errors.New("hybrid sync: the key's slot is not served by the node the sync went to")
+
+// byNode sorts a cluster sync's items by the master serving each key (by slot within
+// it) and returns the number of masters. A key whose master is unknown (no slot map
+// yet) is grouped by its slot alone: a call carries one slot then, as before the slot
+// map.
+func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
+	cc, _ := h.rdb.(*redis.ClusterClient)
+	nodes := make([]string, len(items))
+	slots := make([]uint16, len(items))
+	distinct := map[string]bool{}
+	for i := range items {
+		k := items[i].e.key
+		slots[i] = Slot(k)
+		if cc != nil {
+			if m, err := cc.MasterForKey(ctx, k); err == nil {
+				nodes[i] = m.Options().Addr
+				distinct[nodes[i]] = true
+				continue
+			}
+		}
+		nodes[i] = fmt.Sprintf("slot %d", slots[i])
+		distinct[nodes[i]] = true
+	}
+	idx := make([]int, len(items))
+	for i := range idx {
+		idx[i] = i
+	}
+	sort.Slice(idx, func(a, b int) bool {
+		i, j := idx[a], idx[b]
+		if nodes[i] != nodes[j] {
+			return nodes[i] < nodes[j]
+		}
+		return slots[i] < slots[j]
+	})
+	sorted := make([]syncItem, len(items))
+	sn := make([]string, len(items))
+	for k, i := range idx {
+		sorted[k], sn[k] = items[i], nodes[i]
+	}
+	copy(items, sorted)
+	return sn, len(distinct)
+}
+
 // send runs the script for items, many keys per call, pipelined, and records each
 // item's reply or error in it. Calls that come back NOSCRIPT (a restarted or failed-over
 // node) are sent again with EVAL, which loads the script; only those, so nothing is
 // applied twice. A call not sent for want of time carries the context's error.
+//
+// On a cluster a call carries keys of one master and declares only its first key (which
+// routes it): the script reaches the others, in other slots of the same node, from ARGV.
+// One sync is then one pipeline per master, however many slots its keys span.
 func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error {
+	perPipe := pipeCalls
+	var nodes []string
 	if h.cluster {
-		sort.Slice(items, func(i, j int) bool { return Slot(items[i].e.key) < Slot(items[j].e.key) })
+		var n int
+		nodes, n = h.byNode(ctx, items)
+		perPipe = pipeCalls * n
 	}
 	var calls []syncCall
 	for lo := 0; lo < len(items); {
 		hi := min(lo+callKeys, len(items))
 		if h.cluster {
-			s := Slot(items[lo].e.key)
 			for k := lo + 1; k < hi; k++ {
-				if Slot(items[k].e.key) != s {
+				if nodes[k] != nodes[lo] {
 					hi = k
 					break
 				}
@@ -244,21 +319,42 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
 		max(1, int64(h.keepAlive/h.interval))}
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
-		keys := make([]string, len(c.items))
-		args := make([]any, 0, len(common)+11*len(c.items))
+		declared := len(c.items)
+		if h.cluster {
+			declared = 1
+		}
+		keys := make([]string, declared)
+		// The distinct limits go once per call; each key names its own by index.
+		limIdx := make(map[localbucket.Limit]int, 4)
+		var lims []*localbucket.Limit
+		for i := range c.items {
+			if _, ok := limIdx[*c.items[i].lim]; !ok {
+				limIdx[*c.items[i].lim] = len(lims) + 1
+				lims = append(lims, c.items[i].lim)
+			}
+		}
+		args := make([]any, 0, len(common)+2+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
 		args = append(args, common...)
+		args = append(args, len(c.items)-declared, len(lims))
+		for _, lim := range lims {
+			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst())
+		}
 		for i := range c.items {
 			it := &c.items[i]
-			keys[i] = it.e.key
+			if i < declared {
+				keys[i] = it.e.key
+			}
 			if it.token == 0 {
 				it.token = uint32(h.tokens.Add(1))
 				if it.token == 0 {
 					it.token = uint32(h.tokens.Add(1))
 				}
 			}
-			lim := it.lim
-			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst(),
-				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token)
+			args = append(args, limIdx[*it.lim],
+				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token, int64(it.age)*1000)
+		}
+		for i := declared; i < len(c.items); i++ {
+			args = append(args, c.items[i].e.key)
 		}
 		if load {
 			c.cmd = hybridScript.Eval(ctx, pipe, keys, args...)
@@ -267,8 +363,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 		}
 	}
 	var firstErr error
-	for lo := 0; lo < len(calls); lo += pipeCalls {
-		batch := calls[lo:min(lo+pipeCalls, len(calls))]
+	moved := false
+	for lo := 0; lo < len(calls); lo += perPipe {
+		batch := calls[lo:min(lo+perPipe, len(calls))]
 		if ctx.Err() != nil {
 			// Out of time: the rest stays pending for the next sync.
 			for i := range batch {
@@ -305,17 +402,26 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 			firstErr = err
 		}
 		for i := range batch {
-			parseSyncReply(&batch[i])
+			moved = parseSyncReply(&batch[i]) || moved
+		}
+	}
+	if moved {
+		if cc, ok := h.rdb.(*redis.ClusterClient); ok {
+			cc.ReloadState(ctx)
 		}
 	}
 	return firstErr
 }
 
+// syncArgs is how many ARGV values scripts/hybrid.lua takes per key.
+const syncArgs = 9
+
 // replyInts is how many integers scripts/hybrid.lua answers per key.
 const replyInts = 7
 
-// parseSyncReply stores each item's integers of c's reply, or c's error.
-func parseSyncReply(c *syncCall) {
+// parseSyncReply stores each item's integers of c's reply, or c's error, and reports
+// whether a key was not served by the node (errNotServed).
+func parseSyncReply(c *syncCall) (moved bool) {
 	vals, err := int64s(c.cmd)
 	if err == nil && len(vals) != replyInts*len(c.items) {
 		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), replyInts*len(c.items))
@@ -326,8 +432,14 @@ func parseSyncReply(c *syncCall) {
 			it.err = err
 			continue
 		}
+		if vals[replyInts*i] < 0 {
+			it.err = errNotServed
+			moved = true
+			continue
+		}
 		copy(it.vals[:], vals[replyInts*i:replyInts*i+replyInts])
 	}
+	return moved
 }
 
 func isNoScriptErr(err error) bool {

@@ -31,7 +31,7 @@ type hentry struct {
 	pending     uint64             // admitted since the last sync was sent
 	synced      int64              // when the view was read (ns; 0: never)
 	reset       int64              // view: ns until full
-	seen        uint32             // last check, in seconds of the daemon clock (seenSecs)
+	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
 	token       uint32             // the token of the last sync Redis confirmed
 	grant       uint32             // the units reserved for this daemon at the last sync
 	demand      uint32             // offered since the last sync was sent
@@ -107,9 +107,11 @@ func (h *Hybrid) evict(sh *hshard) {
 	ve.flags |= flagGone // the dirty list may still hold it
 }
 
-// seenSecs is the daemon clock now (ns) in whole seconds, as entries record their last
-// check: enough for the keep-alive, and 4 bytes a key.
-func seenSecs(now int64) uint32 { return uint32(now / int64(time.Second)) }
+// seenMs is the daemon clock now (ns) in milliseconds, wrapping every 49 days, as
+// entries record their last check: 4 bytes a key, fine enough to date what a key
+// admitted (syncItem.age), and compared only by differences (seenMs(now)-e.seen), which
+// wrap correctly.
+func seenMs(now int64) uint32 { return uint32(now / int64(time.Millisecond)) }
 
 // sweep forgets the keys of shard i unused for KeepAlive that hold nothing and that are
 // full again by their view: Redis already has everything they admitted, and a key
@@ -121,7 +123,7 @@ func (h *Hybrid) sweep(i int, now int64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for k, e := range sh.m {
-		if seenSecs(now)-e.seen > uint32(h.keepAlive/time.Second) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
+		if seenMs(now)-e.seen > uint32(h.keepAlive/time.Millisecond) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
 			project(e, now) >= float64(e.lim.Capacity()) {
 			delete(sh.m, k)
 		}

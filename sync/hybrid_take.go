@@ -48,10 +48,10 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	for {
 		// After waiting on another request's sync, the view is fresh but that sync
 		// granted what its own request needed: this one makes its own exact sync.
-		ok, items, busy := h.take(now, ops, true, waited)
+		ok, items, busy := h.take(now, ops, true, waited, false)
 		if items != nil {
 			h.fetch(now, items)
-			ok, _, _ = h.take(now, ops, false, false)
+			ok, _, _ = h.take(now, ops, false, false, false)
 			if ok || !lostRace(ops) || expired() {
 				return ok
 			}
@@ -73,12 +73,26 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 			continue
 		}
 		if expired() {
-			ok, _, _ = h.take(now, ops, false, false)
+			ok, _, _ = h.take(now, ops, false, false, false)
 			return ok
 		}
 		time.Sleep(busyPoll)
 		waited = true
 	}
+}
+
+// TryTake is Take for a caller that must not wait on Redis (a connection's loop, where a
+// wait would stall the requests pipelined behind this one): when Take would wait (an
+// exact sync of a key, another request's sync of it in flight, or a race for what a
+// sync just brought), it charges nothing, counts no demand, and reports wait; the caller
+// then calls Take where waiting is fine. Otherwise it is Take: decided from the local
+// view, nothing sent.
+func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
+	ok, _, busy := h.take(now, ops, true, false, true)
+	if busy || !ok && lostRace(ops) {
+		return false, true
+	}
+	return ok, false
 }
 
 // lostRace reports whether a refused op's view had room for it.
@@ -96,8 +110,9 @@ const busyPoll = 200 * time.Microsecond
 
 // take decides ops once. With mayFetch, when every refusal is one an exact sync may turn
 // around, it charges nothing and returns the syncs to make (items), or busy when those
-// keys' syncs are already in flight.
-func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool, items []syncItem, busy bool) {
+// keys' syncs are already in flight. With probe it starts no sync: where it would, it
+// returns busy, having charged nothing.
+func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe bool) (ok bool, items []syncItem, busy bool) {
 	var lockBuf [8]uint32
 	var entBuf [8]*hentry
 	locks := lockBuf[:0]
@@ -158,7 +173,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool
 			e.lim = h.limits.intern(op.Limit)
 		}
 		ents = append(ents, e)
-		e.seen = seenSecs(now)
+		e.seen = seenMs(now)
 		var f bool
 		op.Result, f, op.room = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited)
 		if mayFetch {
@@ -178,6 +193,12 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool
 				break
 			}
 		}
+		if all && probe {
+			for i := range ops {
+				ops[i].fetched = false
+			}
+			return false, nil, true
+		}
 		if all {
 			for i := range ops {
 				op, e := &ops[i], ents[i]
@@ -188,7 +209,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited bool) (ok bool
 					}
 					have := max(0, math.Floor(e.allowance+h.growth(e, now, n)))
 					need := max(1, float64(max(op.Cost, 1))-have)
-					items = append(items, h.snapshot(&h.shards[op.shard], e, modeExact, uint32(min(need, math.MaxUint32))))
+					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(min(need, math.MaxUint32))))
 				}
 			}
 			if items != nil {

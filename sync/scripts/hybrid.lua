@@ -33,11 +33,22 @@
 -- it reserved is given back. A sync whose token was already applied changes nothing and
 -- answers the same grant.
 --
--- KEYS: the keys (on a cluster, all in one slot). ARGV[1] daemon id, ARGV[2] interval_us,
+-- KEYS: the keys, declared (on a cluster: the first key only, which routes the call to
+-- its master; the others follow in ARGV). ARGV[1] daemon id, ARGV[2] interval_us,
 -- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
--- ARGV[5] share_epochs; then per key 11 values: algorithm (0 token_bucket, 1 sliding_window, 2 fixed_window),
--- requests, window_us, burst, used, prev_grant, grant_window (the window start the
--- previous grant was taken in, 0 if none), demand, mode, prev_token, token.
+-- ARGV[5] share_epochs, ARGV[6] extra: how many keys are not declared (their names are
+-- the last ARGV values, after every key's values), ARGV[7] limits: how many distinct
+-- limits the keys have; then per limit 4 values: algorithm (0 token_bucket, 1
+-- sliding_window, 2 fixed_window), requests, window_us, burst; then per key 9 values:
+-- limit (its index among the limits, from 1), used, prev_grant, grant_window (the window
+-- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
+-- age_us (how long ago, by the daemon's clock, the key was last checked: units used
+-- beyond the grant are charged to a token bucket as of then, as the exact mode would
+-- have charged them).
+-- On a cluster one call carries every key of one master, whatever their slots: old-style
+-- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
+-- does not serve (its slot moved since the daemon read the slot map) is not touched, and
+-- answers grant -1: the daemon keeps its units for the next sync.
 -- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
 -- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
@@ -48,6 +59,16 @@ local interval = tonumber(ARGV[2])
 local replicas = math.max(1, tonumber(ARGV[3]))
 local min_ttl = tonumber(ARGV[4])
 local share_epochs = tonumber(ARGV[5])
+local extra = tonumber(ARGV[6])
+local nlimits = tonumber(ARGV[7])
+local limits = {}
+for j = 1, nlimits do
+  local b = 7 + (j - 1) * 4
+  limits[j] = {tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])}
+end
+local kargs = 7 + nlimits * 4 -- where the keys' values start
+local declared = #KEYS
+local nkeys = declared + extra
 local rfield = 's:' .. id
 
 local tm = redis.call('TIME')
@@ -58,211 +79,245 @@ local epoch = math.floor(now / interval)
 -- microseconds of a timestamp.
 local function num(x) return string.format('%.17g', x) end
 
+-- The fields a key's sync reads: its own record, the last user and the shared mark
+-- always; the window counts for windows; the demand epochs only when this sync brings
+-- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
+-- per key.
+local fields = {
+  [false] = {[false] = {'t', rfield, 'o', 'x'}, [true] = {'t', rfield, 'o', 'x', 'e', 'dc', 'dp'}},
+  [true] = {[false] = {'t', rfield, 'o', 'x', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'n', 'p', 'e', 'dc', 'dp'}},
+}
+local me = id .. ' ' .. epoch -- the last user, as this sync records it
+
 local out = {}
-for i, key in ipairs(KEYS) do
-  local a = 5 + (i - 1) * 11
-  local alg = tonumber(ARGV[a + 1])
-  local requests = tonumber(ARGV[a + 2])
-  local window = tonumber(ARGV[a + 3])
-  local burst = tonumber(ARGV[a + 4])
-  local used = tonumber(ARGV[a + 5])
-  local prev_grant = tonumber(ARGV[a + 6])
-  local grant_window = tonumber(ARGV[a + 7])
-  local demand = tonumber(ARGV[a + 8])
-  local mode = tonumber(ARGV[a + 9])
-  local prev_token = ARGV[a + 10]
-  local token = ARGV[a + 11]
+for i = 1, nkeys do
+  local key = KEYS[i]
+  if i > declared then key = ARGV[kargs + nkeys * 9 + i - declared] end
+  local a = kargs + (i - 1) * 9
+  local lim = limits[tonumber(ARGV[a + 1])]
+  local alg, requests, window, burst = lim[1], lim[2], lim[3], lim[4]
+  local used = tonumber(ARGV[a + 2])
+  local prev_grant = tonumber(ARGV[a + 3])
+  local grant_window = tonumber(ARGV[a + 4])
+  local demand = tonumber(ARGV[a + 5])
+  local mode = tonumber(ARGV[a + 6])
+  local prev_token = ARGV[a + 7]
+  local token = ARGV[a + 8]
+  local age = tonumber(ARGV[a + 9])
 
-  local h = redis.call('HMGET', key, 't', 'n', 'p', 'e', 'dc', 'dp', rfield, 'o', 'x')
-  local t = tonumber(h[1]) or 0
-  local n = tonumber(h[2]) or 0
-  local p = tonumber(h[3]) or 0
-  local e = tonumber(h[4]) or 0
-  local dc = tonumber(h[5]) or 0
-  local dp = tonumber(h[6]) or 0
-
-  -- What the daemon used beyond (or short of) its last grant. If the key is gone
-  -- (expired, or Redis lost its data), so is that grant: everything used counts.
-  local settle = used - prev_grant
-  if h[1] == false then settle = used end
-
-  -- Idempotency: what did this daemon's last applied sync of this key do?
-  local replay, replay_grant = false, 0
-  local rec = h[7]
-  if rec then
-    local rp, rt, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
-    if rt == token then
-      -- this very sync was applied already: change nothing, answer the same grant
-      replay, replay_grant = true, tonumber(rg)
-      settle, demand = 0, 0
-    elseif rp == prev_token and rt ~= prev_token then
-      -- our previous sync was applied but we never got its answer: it settled ru against
-      -- prev_grant and reserved rg. Count only what was used since, against rg.
-      settle = (used - tonumber(ru)) - tonumber(rg)
-      grant_window = tonumber(rw) -- the window that grant was taken from
-    end
-  end
-
-  -- Shared: another daemon used the key lately.
-  local x = tonumber(h[9]) or 0
-  local o = nil
-  if used > 0 or demand > 0 then
-    local oid, oep = string.match(h[8] or '', '^(%S+) (%S+)$')
-    if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
-      x = epoch + share_epochs
-    end
-    o = id .. ' ' .. epoch
-  end
-
-  -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
-  local share_demand = 0
-  if mode == 0 then share_demand = demand end
-  if e == epoch then
-    dc = dc + share_demand
-  elseif e == epoch - 1 then
-    dp = dc
-    dc = share_demand
+  local win = alg ~= 0
+  local h = redis.pcall('HMGET', key, unpack(fields[win][mode == 0 and demand > 0]))
+  if h.err then
+    -- not served here (a slot moved): nothing touched
+    local r = (i - 1) * 7
+    out[r + 1] = -1
+    for k = 2, 7 do out[r + k] = 0 end
   else
-    dp = 0
-    dc = share_demand
-  end
-  local total = math.max(dp, dc)
-  if dp == 0 then
-    -- no complete epoch yet: assume every live daemon sees as much as this one
-    total = math.max(total, share_demand * replicas)
-  end
+    local t = tonumber(h[1]) or 0
+    local rec, last, shared = h[2], h[3], h[4]
+    local d = 5 -- where the demand epochs are in h
+    local n, p = 0, 0
+    if win then
+      n = tonumber(h[5]) or 0
+      p = tonumber(h[6]) or 0
+      d = 7
+    end
+    local e = tonumber(h[d]) or 0
+    local dc = tonumber(h[d + 1]) or 0
+    local dp = tonumber(h[d + 2]) or 0
 
-  local avail, headroom, wstart
-  if alg == 0 then
-    local T = window / requests
-    local tau = burst * T
-    t = math.max(t, now) + settle * T
-    if t < now then t = now end
-    avail = (now + tau - t) / T
-    headroom = math.min(burst, math.max(0, avail + interval / T))
-    wstart = 0
-  else
-    local start = now - now % window
-    if t + window <= start then
-      if alg == 1 and t + window == start then p = n else p = 0 end
-      n = 0
-      t = start
-    elseif t == 0 then
-      t = start
-    end
-    -- Settle against the window the grant was taken from; if that window is gone, only
-    -- what exceeded the grant still counts (in the current window).
-    if grant_window == t then
-      n = math.max(0, n + settle)
-    elseif alg == 1 and grant_window == t - window then
-      p = math.max(0, p + settle)
-    elseif settle > 0 then
-      n = n + settle
-    end
-    wstart = t
-    if alg == 2 then
-      avail = requests - n
-      headroom = math.max(0, avail)
-    else
-      local elapsed = now - t
-      avail = requests - (p * (window - elapsed) / window + n)
-      local later = elapsed + interval
-      local est2
-      if later < window then
-        est2 = p * (window - later) / window + n
-      else
-        est2 = math.max(0, n * (2 * window - later) / window)
+    -- What the daemon used beyond (or short of) its last grant. If the key is gone
+    -- (expired, or Redis lost its data), so is that grant: everything used counts.
+    local settle = used - prev_grant
+    if h[1] == false then settle = used end
+
+    -- Idempotency: what did this daemon's last applied sync of this key do?
+    local replay, replay_grant = false, 0
+    if rec then
+      local rp, rt = string.match(rec, '^(%S+) (%S+) ')
+      if rt == token then
+        -- this very sync was applied already: change nothing, answer the same grant
+        local _, _, rg = string.match(rec, '^(%S+) (%S+) (%S+) ')
+        replay, replay_grant = true, tonumber(rg)
+        settle, demand = 0, 0
+      elseif rp == prev_token and rt ~= prev_token then
+        local _, _, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+        -- our previous sync was applied but we never got its answer: it settled ru against
+        -- prev_grant and reserved rg. Count only what was used since, against rg.
+        settle = (used - tonumber(ru)) - tonumber(rg)
+        grant_window = tonumber(rw) -- the window that grant was taken from
       end
-      headroom = math.min(requests, math.max(0, requests - est2))
     end
-  end
 
-  local grant = 0
-  if replay then
-    grant = replay_grant
-  elseif mode == 1 then
-    if demand > 0 and avail >= demand then grant = demand end
-  elseif demand > 0 and headroom >= 1 then
-    -- This daemon's share of the headroom, by demand, in whole units (so counts stay
-    -- exact). Capped at twice its demand (or an even split of the headroom, if larger),
-    -- so a daemon that saw little traffic does not hold budget the others need; at least
-    -- one unit when there is one.
-    grant = headroom * demand / math.max(total, demand)
-    grant = math.min(grant, math.max(2 * demand, headroom / replicas))
-    grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
-  end
-
-  -- Reserve it (a replayed sync reserved it the first time).
-  local reserve = grant
-  if replay then reserve = 0 end
-  local remaining, reset, retry, ttl
-  if alg == 0 then
-    local T = window / requests
-    local tau = burst * T
-    t = math.max(t, now) + reserve * T
-    local left = (now + tau - t) / T
-    avail = left
-    remaining = math.max(0, math.floor(left))
-    reset = math.max(0, t - now)
-    if left >= 1 then retry = 0 else retry = t - now - tau + T end
-    ttl = reset
-  else
-    n = n + reserve
-    avail = avail - reserve
-    if alg == 2 then
-      remaining = math.max(0, math.floor(requests - n))
-      if n > 0 then reset = t + window - now else reset = 0 end
-      if remaining >= 1 then retry = 0 else retry = t + window - now end
-      ttl = window
-    else
-      local elapsed = now - t
-      local est = math.floor(p * (window - elapsed) / window + n)
-      remaining = math.max(0, requests - est)
-      if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
-      if remaining >= 1 then
-        retry = 0
-      elseif n + 1 > requests then
-        retry = t + window - now
-      else
-        local xs = window - (requests - n) * window / p
-        retry = math.max(1, math.ceil(t + xs - now))
+    -- Shared: another daemon used the key lately.
+    local x = tonumber(shared) or 0
+    local o = nil
+    if used > 0 or demand > 0 then
+      if last and last ~= me then
+        local oid, oep = string.match(last, '^(%S+) (%S+)$')
+        if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+          x = epoch + share_epochs
+        end
       end
-      ttl = 2 * window
+      o = me
     end
-  end
 
-  -- Write only what changed (each field costs Redis CPU on every sync): the epoch's
-  -- demand only when this sync brought some, n and p only for the windows. Numbers passed
-  -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
-  -- window start goes through num).
-  local f = {'t', t}
-  if alg ~= 0 then
-    f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+    -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
+    local share_demand = 0
+    if mode == 0 then share_demand = demand end
+    if e == epoch then
+      dc = dc + share_demand
+    elseif e == epoch - 1 then
+      dp = dc
+      dc = share_demand
+    else
+      dp = 0
+      dc = share_demand
+    end
+    local total = math.max(dp, dc)
+    if dp == 0 then
+      -- no complete epoch yet: assume every live daemon sees as much as this one
+      total = math.max(total, share_demand * replicas)
+    end
+
+    local avail, headroom, wstart
+    if alg == 0 then
+      local T = window / requests
+      local tau = burst * T
+      -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
+      -- started refilling then, not now.
+      local since = now
+      if settle > 0 then since = now - age end
+      t = math.max(t, since) + settle * T
+      if t < now then t = now end
+      avail = (now + tau - t) / T
+      headroom = math.min(burst, math.max(0, avail + interval / T))
+      wstart = 0
+    else
+      local start = now - now % window
+      if t + window <= start then
+        if alg == 1 and t + window == start then p = n else p = 0 end
+        n = 0
+        t = start
+      elseif t == 0 then
+        t = start
+      end
+      -- Settle against the window the grant was taken from; if that window is gone, only
+      -- what exceeded the grant still counts (in the current window).
+      if grant_window == t then
+        n = math.max(0, n + settle)
+      elseif alg == 1 and grant_window == t - window then
+        p = math.max(0, p + settle)
+      elseif settle > 0 then
+        n = n + settle
+      end
+      wstart = t
+      if alg == 2 then
+        avail = requests - n
+        headroom = math.max(0, avail)
+      else
+        local elapsed = now - t
+        avail = requests - (p * (window - elapsed) / window + n)
+        local later = elapsed + interval
+        local est2
+        if later < window then
+          est2 = p * (window - later) / window + n
+        else
+          est2 = math.max(0, n * (2 * window - later) / window)
+        end
+        headroom = math.min(requests, math.max(0, requests - est2))
+      end
+    end
+
+    local grant = 0
+    if replay then
+      grant = replay_grant
+    elseif mode == 1 then
+      if demand > 0 and avail >= demand then grant = demand end
+    elseif demand > 0 and headroom >= 1 then
+      -- This daemon's share of the headroom, by demand, in whole units (so counts stay
+      -- exact). Capped at twice its demand (or an even split of the headroom, if larger),
+      -- so a daemon that saw little traffic does not hold budget the others need; at least
+      -- one unit when there is one.
+      grant = headroom * demand / math.max(total, demand)
+      grant = math.min(grant, math.max(2 * demand, headroom / replicas))
+      grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
+    end
+
+    -- Reserve it (a replayed sync reserved it the first time).
+    local reserve = grant
+    if replay then reserve = 0 end
+    local remaining, reset, retry, ttl
+    if alg == 0 then
+      local T = window / requests
+      local tau = burst * T
+      t = math.max(t, now) + reserve * T
+      local left = (now + tau - t) / T
+      avail = left
+      remaining = math.max(0, math.floor(left))
+      reset = math.max(0, t - now)
+      if left >= 1 then retry = 0 else retry = t - now - tau + T end
+      ttl = reset
+    else
+      n = n + reserve
+      avail = avail - reserve
+      if alg == 2 then
+        remaining = math.max(0, math.floor(requests - n))
+        if n > 0 then reset = t + window - now else reset = 0 end
+        if remaining >= 1 then retry = 0 else retry = t + window - now end
+        ttl = window
+      else
+        local elapsed = now - t
+        local est = math.floor(p * (window - elapsed) / window + n)
+        remaining = math.max(0, requests - est)
+        if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
+        if remaining >= 1 then
+          retry = 0
+        elseif n + 1 > requests then
+          retry = t + window - now
+        else
+          local xs = window - (requests - n) * window / p
+          retry = math.max(1, math.ceil(t + xs - now))
+        end
+        ttl = 2 * window
+      end
+    end
+
+    -- Write only what changed (each field costs Redis CPU on every sync): the epoch's
+    -- demand only when this sync brought some, n and p only for the windows. Numbers passed
+    -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
+    -- window start goes through num).
+    local f = {'t', t}
+    if alg ~= 0 then
+      f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+    end
+    if share_demand > 0 then
+      f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
+    end
+    if x ~= (tonumber(shared) or 0) then
+      f[#f + 1] = 'x'; f[#f + 1] = x
+    end
+    if o and o ~= last then
+      f[#f + 1] = 'o'; f[#f + 1] = o
+    end
+    if not replay then
+      local ws = '0'
+      if wstart ~= 0 then ws = num(wstart) end
+      f[#f + 1] = rfield
+      f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
+    end
+    redis.call('HSET', key, unpack(f))
+    -- Keep the key while it carries state, for the epochs, and for as long as the sync
+    -- records must last.
+    redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
+    local r = (i - 1) * 7
+    out[r + 1] = grant
+    out[r + 2] = remaining
+    out[r + 3] = math.floor(reset)
+    out[r + 4] = math.floor(retry)
+    out[r + 5] = wstart
+    out[r + 6] = math.floor(avail * 1000)
+    if x >= epoch then out[r + 7] = 1 else out[r + 7] = 0 end
   end
-  if share_demand > 0 then
-    f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
-  end
-  if x ~= (tonumber(h[9]) or 0) then
-    f[#f + 1] = 'x'; f[#f + 1] = x
-  end
-  if o and o ~= h[8] then
-    f[#f + 1] = 'o'; f[#f + 1] = o
-  end
-  if not replay then
-    f[#f + 1] = rfield
-    f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. num(wstart)
-  end
-  redis.call('HSET', key, unpack(f))
-  -- Keep the key while it carries state, for the epochs, and for as long as the sync
-  -- records must last.
-  redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
-  local r = (i - 1) * 7
-  out[r + 1] = grant
-  out[r + 2] = remaining
-  out[r + 3] = math.floor(reset)
-  out[r + 4] = math.floor(retry)
-  out[r + 5] = wstart
-  out[r + 6] = math.floor(avail * 1000)
-  if x >= epoch then out[r + 7] = 1 else out[r + 7] = 0 end
 end
 return out
