@@ -50,7 +50,7 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 // WithGlobal makes the limiter decide global-mode rules with g, waiting at most timeout
 // for Redis per check; past it (or on any error) each rule's failure policy decides.
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
-	l.stores[storeGlobal] = globalStore{g, timeout}
+	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets}
 	return l
 }
 
@@ -452,6 +452,11 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 		}
 		if r.Deny {
 			id = storeLocal // decided here: no store is asked
+		}
+		if id == storeHybrid && l.stores[storeGlobal] != nil && (r.Calendar != localbucket.NoCalendar || r.Delay > 0) {
+			// The hybrid sync aligns a window to multiples of its length and grants
+			// tokens, not reservations: such a rule is decided by the global scripts.
+			id = storeGlobal
 		}
 		var ok bool
 		start := len(d.keys)

@@ -1,9 +1,12 @@
 package limiter
 
 import (
+	"bytes"
 	"context"
+	"strconv"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
@@ -12,18 +15,28 @@ import (
 // rules' failure policies decide. A give back is a refund script within the same bound;
 // a refund that fails only leaves capacity used until it refills. This file is the only
 // one that calls rlsync.Global.
+//
+// A calendar window's key names the window: its start, from the daemon's wall clock and
+// the limit's zone, goes before the hash tag (calendarKey), so every daemon counts one
+// window in one key and a window's key expires with it.
 type globalStore struct {
 	g    *rlsync.Global
 	wait time.Duration
+	wall *localbucket.Store // its WallOffset turns the limiter's clock into wall time
 }
 
-func (s globalStore) take(_ int64, d *Decision) (bool, error) {
+func (s globalStore) take(now int64, d *Decision) (bool, error) {
 	n := scratchOf[rlsync.GlobalOp](d, storeGlobal)
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeGlobal {
 			// The key is copied: the global path goes to Redis anyway.
-			n.ops = append(n.ops, rlsync.GlobalOp{Key: string(o.key), Limit: o.lim, Cost: o.cost, Shadow: o.shadow})
+			op := rlsync.GlobalOp{Key: string(o.key), Limit: o.lim, Cost: o.cost, Shadow: o.shadow}
+			if start, end, ok := o.lim.CalendarBounds(now + s.wall.WallOffset()); ok {
+				op.Key = calendarKey(o.key, start)
+				op.WindowLeft = time.Duration(end - now - s.wall.WallOffset())
+			}
+			n.ops = append(n.ops, op)
 			n.at = append(n.at, i)
 		}
 	}
@@ -52,4 +65,17 @@ func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
 	for k, i := range n.at {
 		d.report(i, &n.ops[k].Result)
 	}
+}
+
+// calendarKey returns key (<prefix><rule>:{<client>}) with the calendar window's start,
+// in Unix seconds, after the rule's name: <prefix><rule>@<start>:{<client>}. Rule names
+// and prefixes have no '{', and rule names no '@', so it is another key of the same
+// client (same hash tag, same slot), and no rule's key under any prefix.
+func calendarKey(key []byte, start int64) string {
+	tag := bytes.IndexByte(key, '{') - 1 // the ':' before the tag
+	b := make([]byte, 0, len(key)+12)
+	b = append(b, key[:tag]...)
+	b = append(b, '@')
+	b = strconv.AppendInt(b, start/int64(time.Second), 10)
+	return string(append(b, key[tag:]...))
 }

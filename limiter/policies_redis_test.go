@@ -1,0 +1,153 @@
+package limiter
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// clusterRedis starts a real 3-master Redis Cluster and returns a client of it.
+func clusterRedis(t *testing.T) redis.UniversalClient {
+	t.Helper()
+	c := redistest.StartCluster(t)
+	rdb, err := rlsync.Open(rlsync.Config{Cluster: c.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	return rdb
+}
+
+// globalLimiter returns a limiter whose rules (yaml) run in global mode on rdb, the
+// default mode hybrid (so a calendar or delay rule without a mode is routed to global).
+func globalLimiter(t *testing.T, rdb redis.UniversalClient, yaml string) *Limiter {
+	t.Helper()
+	return New(mustRules(t, yaml), localbucket.NewStore(localbucket.Options{})).
+		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{})).
+		WithGlobal(rlsync.NewGlobal(rdb), 2*time.Second)
+}
+
+// TestCalendarGlobalBoundaries is localbucket's calendar table through global mode on a
+// real Redis (standalone and a 3-master Cluster), on an injected clock: two limiters
+// (two daemons) share each window; reset and retry-after count to its end; the key
+// names the window's start, so the next window starts empty; the key expires with it.
+func TestCalendarGlobalBoundaries(t *testing.T) {
+	tests := []struct {
+		name, zone, unit, at, start, end string
+	}{
+		{"sao paulo gap: the day starts at 01:00", "America/Sao_Paulo", "day", "2018-11-04T12:00:00-02:00", "2018-11-04T01:00:00-02:00", "2018-11-05T00:00:00-02:00"},
+		{"sao paulo gap: the day before ends at 01:00", "America/Sao_Paulo", "day", "2018-11-03T23:59:59-03:00", "2018-11-03T00:00:00-03:00", "2018-11-04T01:00:00-02:00"},
+		{"sao paulo month of the gap", "America/Sao_Paulo", "month", "2018-11-30T23:00:00-02:00", "2018-11-01T00:00:00-03:00", "2018-12-01T00:00:00-02:00"},
+		{"new york spring forward", "America/New_York", "day", "2026-03-08T03:30:00-04:00", "2026-03-08T00:00:00-05:00", "2026-03-09T00:00:00-04:00"},
+		{"new york fall back, second 01:30", "America/New_York", "day", "2026-11-01T01:30:00-05:00", "2026-11-01T00:00:00-04:00", "2026-11-02T00:00:00-05:00"},
+		{"lord howe spring", "Australia/Lord_Howe", "day", "2026-10-04T12:00:00+11:00", "2026-10-04T00:00:00+10:30", "2026-10-05T00:00:00+11:00"},
+		{"lord howe autumn", "Australia/Lord_Howe", "day", "2026-04-05T01:45:00+10:30", "2026-04-05T00:00:00+11:00", "2026-04-06T00:00:00+10:30"},
+		{"havana repeated midnight, second", "America/Havana", "day", "2026-11-01T00:10:00-05:00", "2026-11-01T00:00:00-04:00", "2026-11-02T00:00:00-05:00"},
+		{"leap february", "UTC", "month", "2028-02-29T23:59:59Z", "2028-02-01T00:00:00Z", "2028-03-01T00:00:00Z"},
+		{"leap week", "UTC", "week", "2028-02-29T00:00:00Z", "2028-02-28T00:00:00Z", "2028-03-06T00:00:00Z"},
+		{"week across a year end", "Europe/Berlin", "week", "2027-01-03T23:59:59+01:00", "2026-12-28T00:00:00+01:00", "2027-01-04T00:00:00+01:00"},
+		{"month across a year end", "Asia/Tokyo", "month", "2026-12-31T23:59:59+09:00", "2026-12-01T00:00:00+09:00", "2027-01-01T00:00:00+09:00"},
+	}
+	parse := func(s string) int64 {
+		v, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v.UnixNano()
+	}
+	for _, where := range []string{"standalone", "cluster"} {
+		t.Run(where, func(t *testing.T) {
+			var rdb redis.UniversalClient
+			if where == "cluster" {
+				rdb = clusterRedis(t)
+			} else {
+				rdb = realRedis(t)
+			}
+			for i, tt := range tests {
+				t.Run(tt.name, func(t *testing.T) {
+					yaml := fmt.Sprintf("rules:\n  - name: cal%d\n    key: user\n    limit: { requests: 3, per: %s, tz: %s }\n", i, tt.unit, tt.zone)
+					l1, l2 := globalLimiter(t, rdb, yaml), globalLimiter(t, rdb, yaml)
+					at, start, end := parse(tt.at), parse(tt.start), parse(tt.end)
+					var d Decision
+					check := func(l *Limiter, now int64) *Result {
+						t.Helper()
+						if err := l.Check(now, &Input{Attrs: attrs("user=ann"), Cost: 1}, &d); err != nil {
+							t.Fatal(err)
+						}
+						if d.Degraded || len(d.Results) != 1 {
+							t.Fatalf("degraded or no result: %+v", d)
+						}
+						return &d.Results[0]
+					}
+					for k := range 3 {
+						r := check([]*Limiter{l1, l2}[k%2], at)
+						if !r.Allowed || r.Remaining != uint64(2-k) || r.Reset != time.Duration(end-at) {
+							t.Fatalf("take %d: %+v, want allowed, %d left, reset %v", k+1, r, 2-k, time.Duration(end-at))
+						}
+					}
+					if r := check(l2, at); r.Allowed || r.RetryAfter != time.Duration(end-at) {
+						t.Fatalf("fourth take (other daemon): %+v, want refused, retry after %v", r, time.Duration(end-at))
+					}
+					if r := check(l1, end-1); r.Allowed {
+						t.Fatal("allowed 1ns before the boundary")
+					}
+					if r := check(l2, end); !r.Allowed || r.Remaining != 2 {
+						t.Fatalf("at the boundary: %+v, want allowed with 2 left", r)
+					}
+					key := fmt.Sprintf("rl:cal%d@%d:{user=ann}", i, start/int64(time.Second))
+					ttl, err := rdb.PTTL(context.Background(), key).Result()
+					if err != nil || ttl <= time.Duration(end-at) || ttl > time.Duration(end-at)+2*time.Second {
+						t.Fatalf("key %s: TTL %v (%v), want the window's end (%v) + 1s", key, ttl, err, time.Duration(end-at))
+					}
+				})
+			}
+		})
+	}
+}
+
+// TestDelayGlobalNginxBurst is nginx's documented limit_req example (rate=1r/s burst=5,
+// no nodelay) in global mode across two limiters on one Redis (standalone and Cluster):
+// six requests at once pass with waits of 0, 1, ..., 5 s, whichever daemon they reach;
+// the seventh is refused; a refused request reserves nothing.
+func TestDelayGlobalNginxBurst(t *testing.T) {
+	for _, where := range []string{"standalone", "cluster"} {
+		t.Run(where, func(t *testing.T) {
+			var rdb redis.UniversalClient
+			if where == "cluster" {
+				rdb = clusterRedis(t)
+			} else {
+				rdb = realRedis(t)
+			}
+			const yaml = "rules:\n  - name: queue\n    key: user\n    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: global\n"
+			ls := []*Limiter{globalLimiter(t, rdb, yaml), globalLimiter(t, rdb, yaml)}
+			var d Decision
+			for i := range 7 {
+				if err := ls[i%2].Check(time.Now().UnixNano(), &Input{Attrs: attrs("user=ann"), Cost: 1}, &d); err != nil {
+					t.Fatal(err)
+				}
+				if d.Degraded {
+					t.Fatalf("request %d degraded", i+1)
+				}
+				want := time.Duration(i) * time.Second
+				if i == 6 {
+					if d.Allowed || d.Delay != 0 || d.Results[0].RetryAfter <= 0 || d.Results[0].RetryAfter > time.Second {
+						t.Fatalf("request 7: allowed %v delay %v retry %v, want refused within 1s", d.Allowed, d.Delay, d.Results[0].RetryAfter)
+					}
+					continue
+				}
+				// Redis's clock moves between requests: each wait is at most i s and within
+				// a little of it.
+				if !d.Allowed || d.Delay > want || d.Delay < want-500*time.Millisecond || d.Results[0].Delay != d.Delay {
+					t.Fatalf("request %d: allowed %v delay %v, want about %v", i+1, d.Allowed, d.Delay, want)
+				}
+			}
+		})
+	}
+}
