@@ -23,7 +23,8 @@ type Limiter struct {
 	prefix      string           // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
-	bans        *bans // the penalty rules' refusals and bans (bans.go)
+	bans        *bans       // the penalty rules' refusals and bans (bans.go)
+	shared      *sharedBans // the same in hybrid and global mode, in Redis; nil: per daemon (bans_shared.go)
 }
 
 // New returns a Limiter deciding with set on store, every rule in local mode, its Redis
@@ -375,7 +376,14 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 		} else if !out.Allowed && out.Rule != nil && out.Rule.Penalty != nil {
-			if until := l.bans.refused(o.key, out.Rule, now); until != 0 {
+			var until int64
+			switch {
+			case o.bans == bansLocal:
+				until = l.bans.refused(o.key, out.Rule, now)
+			case !o.degraded || o.bans == bansHybrid: // a global op degraded: Redis is away
+				until = l.shared.refused(now, d, i, out.Rule)
+			}
+			if until != 0 {
 				out.Banned, out.BanStarted = true, true
 				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
 			}
@@ -407,14 +415,25 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 // and reports whether one of them is not a shadow: the request is then refused without
 // taking from any store.
 func (l *Limiter) checkBans(now int64, d *Decision) bool {
-	refused := false
+	shared := false
 	for i := range d.ops {
 		r := d.Results[i].Rule
 		if r == nil || r.Penalty == nil {
 			continue
 		}
 		o := &d.ops[i]
-		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
+		if o.bans != bansLocal {
+			shared = true
+			continue
+		}
+		o.bannedUntil = l.bans.bannedUntil(o.key, now)
+	}
+	if shared {
+		l.shared.check(now, d)
+	}
+	refused := false
+	for i := range d.ops {
+		if o := &d.ops[i]; o.bannedUntil != 0 && !o.shadow {
 			refused = true
 		}
 	}
@@ -482,6 +501,12 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			c = denyCost
 		}
 		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
+		if redis && r.Penalty != nil && l.shared != nil {
+			d.ops[len(d.ops)-1].bans = bansHybrid
+			if id == storeGlobal {
+				d.ops[len(d.ops)-1].bans = bansGlobal
+			}
+		}
 		d.route(len(d.ops)-1, id)
 		d.Results = append(d.Results, Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p})
 	}

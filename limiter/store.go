@@ -68,6 +68,7 @@ type op struct {
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64
+	bans        banScope // where the rule's bans live (bans_shared.go)
 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,

@@ -1,0 +1,313 @@
+package limiter
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// banScope is where an op's penalty bans live: this daemon's table (bans.go), or Redis,
+// shared by every daemon (sharedBans), checked at once (global) or from what this daemon
+// last learned (hybrid).
+type banScope uint8
+
+const (
+	bansLocal  banScope = iota
+	bansHybrid          // known within one sync interval; refusals summed per interval
+	bansGlobal          // read from Redis before the check; refusals counted at once
+)
+
+// maxPendingRefusals bounds the hybrid refusals waiting for the next interval: past it a
+// refused key that has none pending is not counted (as the local table's bound).
+const maxPendingRefusals = 1 << 16
+
+// maxKnownBans bounds the bans a daemon learns per read of the index.
+const maxKnownBans = 100_000
+
+// sharedBans is the penalty rules' bans in hybrid and global modes, shared through Redis
+// (rlsync.Bans): the pre-check of limiter/doc.go "Extending it" for those modes.
+//
+//   - global: a check with a penalty op reads its ban key first (one pipelined round trip
+//     before the script; a ban raised anywhere is enforced at once), and each refusal is
+//     counted in Redis at once: the refusal that reaches `after` starts the ban and says
+//     so in its answer;
+//   - hybrid: a check consults the bans this daemon knows, refreshed every interval from
+//     the index (run); refusals are counted here and summed into Redis every interval.
+//     So a ban raised on one daemon is enforced by every other within one interval, and
+//     starts at most one interval after the refusal that reached `after` (that many more
+//     refusals may pass unbanned, and refusals near the end of a `within` window may be
+//     counted in the next).
+//
+// Times in Redis are wall times; the limiter decides on its own clock (monotonic in the
+// daemon), converted with the local store's wall offset. Safe for concurrent use.
+type sharedBans struct {
+	b    *rlsync.Bans
+	wait time.Duration      // bounds a check's ban read and refusal count
+	wall *localbucket.Store // WallOffset: wall - the limiter's clock
+
+	// known is the bans in force this daemon knows, by rule client key: replaced whole by
+	// each read of the index, and copied to add one this daemon started or to drop one it
+	// lifted (bans are rare; checks read it without a lock).
+	known atomic.Pointer[map[string]knownBan]
+	mu    sync.Mutex // serializes writers of known, and guards pending
+	// pending is the hybrid refusals not yet sent, by rule client key.
+	pending map[string]*pendingRefusal
+}
+
+type knownBan struct {
+	until int64 // wall ns
+	count uint32
+}
+
+type pendingRefusal struct {
+	n      uint64
+	policy rlsync.BanPolicy
+}
+
+func policyOf(p *rules.Penalty) rlsync.BanPolicy {
+	return rlsync.BanPolicy{After: p.After, Within: p.Within, Ban: p.Ban, Factor: p.Factor, Max: p.Max}
+}
+
+// WithSharedBans makes the penalty rules in hybrid and global mode share their bans
+// through b, bounding a global check's reads and counts by wait. The daemon must then run
+// RunSharedBans. Call it before the limiter is used; without it those rules' bans stay
+// per daemon.
+func (l *Limiter) WithSharedBans(b *rlsync.Bans, wait time.Duration) *Limiter {
+	s := &sharedBans{b: b, wait: wait, wall: l.buckets, pending: map[string]*pendingRefusal{}}
+	s.known.Store(&map[string]knownBan{})
+	l.shared = s
+	return l
+}
+
+// RunSharedBans sends the hybrid refusals counted here and learns the bans raised by
+// every daemon, every interval, until ctx is done; then it sends the refusals once more.
+// now is the limiter's clock; onErr (may be nil) hears each failed round. A no-op without
+// WithSharedBans.
+func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now func() int64, onErr func(error)) {
+	s := l.shared
+	if s == nil {
+		return
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(interval, time.Second))
+			_ = s.flush(fctx, s.wallOf(now()))
+			cancel()
+			return
+		case <-t.C:
+		}
+		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
+		err := s.round(rctx, s.wallOf(now()))
+		cancel()
+		if err != nil && onErr != nil {
+			onErr(err)
+		}
+	}
+}
+
+func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
+
+// round sends the pending refusals, then reads the index.
+func (s *sharedBans) round(ctx context.Context, wall int64) error {
+	ferr := s.flush(ctx, wall)
+	list, err := s.b.Known(ctx, wall, maxKnownBans)
+	if err != nil {
+		return err
+	}
+	m := make(map[string]knownBan, len(list))
+	for _, b := range list {
+		m[b.Key] = knownBan{until: b.Until, count: b.Count}
+	}
+	s.mu.Lock()
+	s.known.Store(&m)
+	s.mu.Unlock()
+	return ferr
+}
+
+// flush sends the pending refusals in one pipeline and learns the bans they started.
+func (s *sharedBans) flush(ctx context.Context, wall int64) error {
+	s.mu.Lock()
+	if len(s.pending) == 0 {
+		s.mu.Unlock()
+		return nil
+	}
+	rs := make([]rlsync.BanRefusal, 0, len(s.pending))
+	for k, p := range s.pending {
+		rs = append(rs, rlsync.BanRefusal{Key: k, N: p.n, Policy: p.policy})
+	}
+	clear(s.pending)
+	s.mu.Unlock()
+	err := s.b.Refused(ctx, wall, rs)
+	for i := range rs {
+		if rs[i].Until > wall {
+			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
+		}
+	}
+	return err
+}
+
+// learn adds one ban to known.
+func (s *sharedBans) learn(key string, b knownBan) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := *s.known.Load()
+	if o, ok := old[key]; ok && o.until >= b.until {
+		return
+	}
+	m := make(map[string]knownBan, len(old)+1)
+	for k, v := range old {
+		m[k] = v
+	}
+	m[key] = b
+	s.known.Store(&m)
+}
+
+// forget drops key from known.
+func (s *sharedBans) forget(key string) {
+	if _, ok := (*s.known.Load())[key]; !ok {
+		return // the common case, without the lock
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := *s.known.Load()
+	if _, ok := old[key]; !ok {
+		return
+	}
+	m := make(map[string]knownBan, len(old))
+	for k, v := range old {
+		if k != key {
+			m[k] = v
+		}
+	}
+	s.known.Store(&m)
+}
+
+// knownUntil returns when the ban of key this daemon knows ends (wall ns), or 0.
+func (s *sharedBans) knownUntil(key []byte, wall int64) int64 {
+	if b, ok := (*s.known.Load())[string(key)]; ok && b.until > wall {
+		return b.until
+	}
+	return 0
+}
+
+// check sets bannedUntil (on the limiter's clock) on d's ops with shared bans: from what
+// this daemon knows, and for global ops from Redis too. A failed read leaves a global op
+// to what is known: its rule's store decides (and its failure policy, if Redis is away).
+func (s *sharedBans) check(now int64, d *Decision) {
+	off := s.wall.WallOffset()
+	wall := now + off
+	var keys []string
+	var at []int
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.bans == bansLocal || d.Results[i].Rule == nil || d.Results[i].Rule.Penalty == nil {
+			continue
+		}
+		if o.bans == bansGlobal {
+			keys = append(keys, string(o.key))
+			at = append(at, i)
+		} else if u := s.knownUntil(o.key, wall); u != 0 {
+			o.bannedUntil = u - off
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	// Global: Redis is the authority (a ban lifted anywhere ends at once); what this
+	// daemon knows stands in only when Redis does not answer.
+	out := make([]rlsync.SharedBan, len(keys))
+	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	err := s.b.Read(ctx, wall, keys, out)
+	cancel()
+	for k, i := range at {
+		o := &d.ops[i]
+		switch b := out[k]; {
+		case b.Until != 0:
+			o.bannedUntil = b.Until - off
+			s.learn(b.Key, knownBan{until: b.Until, count: b.Count})
+		case err != nil:
+			if u := s.knownUntil(o.key, wall); u != 0 {
+				o.bannedUntil = u - off
+			}
+		default:
+			s.forget(b.Key) // lifted elsewhere
+		}
+	}
+}
+
+// refused counts op i's refusal by rule r at now (the limiter's clock): at once in Redis
+// for a global op, returning when the ban it started (or found) ends on the limiter's
+// clock, 0 when none; for a hybrid op, added to the next interval's batch (0).
+func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule) int64 {
+	o := &d.ops[i]
+	if o.bans == bansHybrid {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		p := s.pending[string(o.key)]
+		if p == nil {
+			if len(s.pending) >= maxPendingRefusals {
+				return 0
+			}
+			p = &pendingRefusal{policy: policyOf(r.Penalty)}
+			s.pending[string(o.key)] = p
+		}
+		p.n++
+		return 0
+	}
+	off := s.wall.WallOffset()
+	rs := [1]rlsync.BanRefusal{{Key: string(o.key), N: 1, Policy: policyOf(r.Penalty)}}
+	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	err := s.b.Refused(ctx, now+off, rs[:])
+	cancel()
+	if err != nil || rs[0].Until == 0 {
+		return 0
+	}
+	s.learn(rs[0].Key, knownBan{until: rs[0].Until, count: rs[0].Count})
+	return rs[0].Until - off
+}
+
+// list appends the bans in force this daemon knows at now (the limiter's clock).
+func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
+	wall := s.wallOf(now)
+	for k, b := range *s.known.Load() {
+		if b.until > wall {
+			out = append(out, Ban{Rule: ruleOfKey(k, prefix), Key: k, Left: time.Duration(b.until - wall), Count: b.count})
+		}
+	}
+	return out
+}
+
+// lift lifts key's ban in Redis and here.
+func (s *sharedBans) lift(key string, now int64) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
+	defer cancel()
+	was, err := s.b.Lift(ctx, s.wallOf(now), key)
+	if err != nil {
+		return false
+	}
+	was = was || s.knownUntil([]byte(key), s.wallOf(now)) != 0
+	s.forget(key)
+	return was
+}
+
+// ruleOfKey returns the rule name in a Redis client key <prefix><rule>:{<client>}.
+func ruleOfKey(key, prefix string) string {
+	if len(key) < len(prefix) {
+		return ""
+	}
+	k := key[len(prefix):]
+	for i := 0; i < len(k); i++ {
+		if k[i] == ':' {
+			return k[:i]
+		}
+	}
+	return k
+}

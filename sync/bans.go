@@ -1,0 +1,224 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed scripts/ban.lua
+var banSrc string
+
+var banScript = script{redis.NewScript(banSrc), banSrc}
+
+// Bans is the penalty rules' escalating bans in hybrid and global modes, shared by every
+// daemon on one Redis under one prefix. Per client of a penalty rule, one hash
+// <prefix><rule>@ban:{<client>} (BanKey; the client's hash tag, so it lives on the slot of
+// the client's other keys) holds its refusals in the current `within` window, the end of
+// its ban and its count of bans, and expires once it carries nothing (scripts/ban.lua).
+// Every ban in force is also a member of the sorted set <prefix>~bans (score: its end in
+// Unix ms, member: "<count>|<key>"), which each daemon reads once per interval to learn
+// the bans raised elsewhere ([Bans.Known]). No rule name contains '@' or starts with '~',
+// so neither key is any rule's key under any prefix.
+//
+// Times are the daemons' wall clocks in Unix ns (ms in Redis), given by the caller, so a
+// ban ends at the same instant on every daemon (to their clocks' agreement) and tests can
+// inject a clock. Safe for concurrent use.
+type Bans struct {
+	rdb   redis.UniversalClient
+	index string
+}
+
+// NewBans returns the shared bans under prefix (checked by [CheckPrefix]) on c, a
+// *redis.Client or a *redis.ClusterClient.
+func NewBans(c redis.UniversalClient, prefix string) (*Bans, error) {
+	if err := CheckPrefix(prefix); err != nil {
+		return nil, err
+	}
+	return &Bans{rdb: c, index: prefix + "~bans"}, nil
+}
+
+// BanKey returns the ban key of key, a rule's client key <prefix><rule>:{<client>}:
+// <prefix><rule>@ban:{<client>}. It panics on a key without a hash tag (a bug).
+func BanKey(key string) string {
+	tag := strings.IndexByte(key, '{') - 1
+	if tag < 0 || key[tag] != ':' {
+		panic("BUG: sync: BanKey of a key without a hash tag: " + key)
+	}
+	return key[:tag] + "@ban" + key[tag:]
+}
+
+// BanPolicy is a penalty rule's escalation, as rules.Penalty: After refusals within
+// Within start a ban of Ban, each later one Factor times longer, at most Max; the count
+// decays after Max without a ban.
+type BanPolicy struct {
+	After  uint64
+	Within time.Duration
+	Ban    time.Duration
+	Factor float64
+	Max    time.Duration
+}
+
+// BanRefusal is refusals of one client by a penalty rule, given to [Bans.Refused], and
+// what they did.
+type BanRefusal struct {
+	Key    string // the rule's client key (not the ban key)
+	N      uint64 // refusals, at least 1
+	Policy BanPolicy
+	// Written by Refused: Until is the end of the client's ban in force (Unix ns), 0 when
+	// none; Count its number since the count decayed; Started: these refusals started it.
+	Until   int64
+	Count   uint32
+	Started bool
+}
+
+// Refused adds each refusal batch to its client's count at now (Unix ns), starting a ban
+// where the count reaches the policy's After, and writes what happened into rs. The
+// calls go in one pipeline; a ban started is then added to the index. An error leaves
+// the failed batches' results zero.
+func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
+	if len(rs) == 0 {
+		return nil
+	}
+	ms := now / int64(time.Millisecond)
+	calls := make([]call, len(rs))
+	for i := range rs {
+		r := &rs[i]
+		p := r.Policy
+		calls[i] = call{keys: []string{BanKey(r.Key)}, args: []any{ms, max(r.N, 1), p.After,
+			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1)}}
+	}
+	run(ctx, b.rdb, banScript, calls)
+	var firstErr error
+	var started []redis.Z
+	for i := range rs {
+		r := &rs[i]
+		r.Until, r.Count, r.Started = 0, 0, false
+		v, err := calls[i].cmd.Int64Slice()
+		if err == nil && len(v) != 3 {
+			err = fmt.Errorf("ban.lua replied %d values, want 3", len(v))
+		}
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("ban refusals of %d keys: %w", len(rs), err)
+			}
+			continue
+		}
+		r.Until, r.Count, r.Started = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1
+		if r.Started {
+			started = append(started, redis.Z{Score: float64(v[0]), Member: member(v[1], r.Key)})
+		}
+	}
+	if len(started) > 0 {
+		if err := b.rdb.ZAdd(ctx, b.index, started...).Err(); err != nil && firstErr == nil {
+			firstErr = fmt.Errorf("ban index: %w", err)
+		}
+	}
+	return firstErr
+}
+
+func member(count int64, key string) string { return strconv.FormatInt(count, 10) + "|" + key }
+
+// Read writes, for each rule client key in keys, its ban in force at now (Unix ns) into
+// out (Until 0 when it has none): one pipelined read of the ban keys. len(out) must be
+// len(keys).
+func (b *Bans) Read(ctx context.Context, now int64, keys []string, out []SharedBan) error {
+	cmds := make([]*redis.SliceCmd, len(keys))
+	pipe := b.rdb.Pipeline()
+	for i, k := range keys {
+		cmds[i] = pipe.HMGet(ctx, BanKey(k), "u", "c")
+	}
+	_, _ = pipe.Exec(ctx) // each cmd carries its own error
+	var firstErr error
+	for i, c := range cmds {
+		out[i] = SharedBan{Key: keys[i]}
+		v, err := c.Result()
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("ban of %d keys: %w", len(keys), err)
+			}
+			continue
+		}
+		u, _ := v[0].(string)
+		cs, _ := v[1].(string)
+		ms, _ := strconv.ParseInt(u, 10, 64)
+		n, _ := strconv.ParseUint(cs, 10, 32)
+		if until := ms * int64(time.Millisecond); until > now {
+			out[i].Until, out[i].Count = until, uint32(n)
+		}
+	}
+	return firstErr
+}
+
+// SharedBan is a ban in force, as [Bans.Known] lists it.
+type SharedBan struct {
+	Key   string // the rule's client key: <prefix><rule>:{<client>}
+	Until int64  // Unix ns
+	Count uint32
+}
+
+// Known lists at most limit bans in force at now (Unix ns) from the index, soonest to
+// end first, and drops the index's ended ones. A key banned again appears once, with its
+// latest ban.
+func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, error) {
+	ms := now / int64(time.Millisecond)
+	pipe := b.rdb.Pipeline()
+	pipe.ZRemRangeByScore(ctx, b.index, "-inf", strconv.FormatInt(ms, 10))
+	zs := pipe.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{Key: b.index, ByScore: true,
+		Start: "(" + strconv.FormatInt(ms, 10), Stop: "+inf", Count: int64(limit)})
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, fmt.Errorf("reading the ban index %s: %w", b.index, err)
+	}
+	latest := map[string]int{}
+	var out []SharedBan
+	for _, z := range zs.Val() {
+		m, _ := z.Member.(string)
+		cs, key, ok := strings.Cut(m, "|")
+		n, err := strconv.ParseUint(cs, 10, 32)
+		if !ok || err != nil {
+			continue // not ours
+		}
+		sb := SharedBan{Key: key, Until: int64(z.Score) * int64(time.Millisecond), Count: uint32(n)}
+		if j, seen := latest[key]; seen {
+			if sb.Until > out[j].Until {
+				out[j] = sb
+			}
+			continue
+		}
+		latest[key] = len(out)
+		out = append(out, sb)
+	}
+	return out, nil
+}
+
+// Lift ends the ban of key (a rule's client key) and forgets its refusals and bans, in
+// Redis: every daemon stops enforcing it at its next read of the index (global checks at
+// once). It reports whether key was banned at now.
+func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
+	bk := BanKey(key)
+	v, err := b.rdb.HMGet(ctx, bk, "u", "c").Result()
+	if err != nil {
+		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
+	}
+	var u, c int64
+	if s, ok := v[0].(string); ok {
+		u, _ = strconv.ParseInt(s, 10, 64)
+	}
+	if s, ok := v[1].(string); ok {
+		c, _ = strconv.ParseInt(s, 10, 64)
+	}
+	if err := b.rdb.Del(ctx, bk).Err(); err != nil {
+		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
+	}
+	if c > 0 {
+		if err := b.rdb.ZRem(ctx, b.index, member(c, key)).Err(); err != nil {
+			return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
+		}
+	}
+	return u*int64(time.Millisecond) > now, nil
+}
