@@ -1,0 +1,200 @@
+package main
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+)
+
+// policiesRedisRules: the policies of issue #15 in the Redis-backed modes. A calendar
+// window and a delay without a mode (hybrid by default with Redis) are decided by the
+// global scripts.
+const policiesRedisRules = `
+rules:
+  - name: login-global
+    match: { path: /g }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 10m }
+  - name: login-hybrid
+    match: { path: /h }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: hybrid
+    penalty: { after: 2, within: 1m, ban: 10m }
+  - name: daily
+    match: { path: /cal }
+    key: user
+    limit: { requests: 3, per: day, tz: Asia/Kathmandu }
+  - name: queue
+    match: { path: /q }
+    key: user
+    limit: { requests: 1, per: 1s }
+    delay: 5s
+`
+
+// TestE2EPoliciesRedis runs calendar windows, delay and shared bans through two real
+// daemons on one Redis, standalone and a 3-master Cluster.
+func TestE2EPoliciesRedis(t *testing.T) {
+	t.Run("standalone", func(t *testing.T) {
+		srv := redistest.StartStandalone(t)
+		testPoliciesRedis(t, "--redis", "redis://"+srv.Addr)
+	})
+	t.Run("cluster", func(t *testing.T) {
+		cl := redistest.StartCluster(t)
+		testPoliciesRedis(t, "--redis-cluster", strings.Join(cl.Addrs, ","))
+	})
+}
+
+func testPoliciesRedis(t *testing.T, redisArgs ...string) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", policiesRedisRules)
+	const interval = 50 * time.Millisecond
+	args := append([]string{"--config", cfg, "--admin", "127.0.0.1:0", "--sync-interval", interval.String(), "--global-timeout", "500ms"}, redisArgs...)
+	d1, d2 := startDaemon(t, args...), startDaemon(t, args...)
+	c := [2]*rawConn{dialRaw(t, d1.socket), dialRaw(t, d2.socket)}
+	id := uint64(0)
+	check := func(k int, attrs ...string) *responseView {
+		t.Helper()
+		id++
+		r := c[k].check(id, 1, attrs...)
+		if r.Degraded {
+			t.Fatalf("degraded with Redis up: %+v", r)
+		}
+		return &responseView{r.Allowed, r.Banned, r.DelayMs, r.ResetMs, r.RetryAfterMs}
+	}
+
+	t.Run("calendar", func(t *testing.T) {
+		loc, err := time.LoadLocation("Asia/Kathmandu")
+		if err != nil {
+			t.Fatal(err)
+		}
+		nextMidnight := func() time.Time {
+			y, m, dd := time.Now().In(loc).Date()
+			return time.Date(y, m, dd+1, 0, 0, 0, 0, loc)
+		}
+		for i := 1; i <= 4; i++ { // alternating daemons: one window for both
+			before := time.Until(nextMidnight())
+			r := check(i%2, "path=/cal", "user=ann")
+			after := time.Until(nextMidnight())
+			if r.allowed != (i <= 3) {
+				t.Fatalf("request %d: allowed %v", i, r.allowed)
+			}
+			got := time.Duration(r.resetMs) * time.Millisecond
+			if i == 4 {
+				got = time.Duration(r.retryMs) * time.Millisecond
+			}
+			if got < after || got > before+time.Millisecond {
+				t.Fatalf("request %d: reset/retry %v, want within [%v, %v] (the next Kathmandu midnight)", i, got, after, before)
+			}
+		}
+	})
+
+	t.Run("delay: nginx's burst example over two daemons", func(t *testing.T) {
+		for i := 1; i <= 7; i++ {
+			r := check(i%2, "path=/q", "user=ann")
+			if i == 7 {
+				if r.allowed || r.delayMs != 0 || r.retryMs == 0 || r.retryMs > 1000 {
+					t.Fatalf("request 7: allowed %v delay %d retry %d, want refused within 1s", r.allowed, r.delayMs, r.retryMs)
+				}
+				continue
+			}
+			want := uint64(i-1) * 1000
+			if !r.allowed || r.delayMs > want || r.delayMs+500 < want {
+				t.Fatalf("request %d: allowed %v delay %d ms, want about %d", i, r.allowed, r.delayMs, want)
+			}
+		}
+	})
+
+	t.Run("global bans: at once on the other daemon", func(t *testing.T) {
+		if r := check(0, "path=/g", "ip=1.1.1.1"); !r.allowed {
+			t.Fatal("first request refused")
+		}
+		if r := check(0, "path=/g", "ip=1.1.1.1"); r.allowed || r.banned {
+			t.Fatalf("refusal 1: allowed %v banned %v", r.allowed, r.banned)
+		}
+		if r := check(1, "path=/g", "ip=1.1.1.1"); r.allowed || !r.banned {
+			t.Fatalf("refusal 2 on daemon 2: banned %v, want the ban to start", r.banned)
+		}
+		if r := check(0, "path=/g", "ip=1.1.1.1"); !r.banned {
+			t.Fatalf("daemon 1 right after: banned %v, want banned at once", r.banned)
+		}
+	})
+
+	t.Run("hybrid bans: within a sync interval", func(t *testing.T) {
+		for k := range 2 { // one refusal on each daemon: two in all
+			for i := 0; ; i++ {
+				if i > 100 {
+					t.Fatalf("daemon %d never refused", k+1)
+				}
+				r := check(k, "path=/h", "ip=2.2.2.2")
+				if r.banned {
+					t.Fatal("banned before two refusals")
+				}
+				if !r.allowed {
+					break
+				}
+				time.Sleep(interval)
+			}
+		}
+		// Each daemon sums its refusal at its next interval; the one that reaches `after`
+		// starts the ban, and each learns it at its next read: a few intervals at most.
+		start := time.Now()
+		for k := range 2 {
+			for !check(k, "path=/h", "ip=2.2.2.2").banned {
+				if time.Since(start) > 5*time.Second {
+					t.Fatalf("daemon %d not banned after %v", k+1, time.Since(start))
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+		t.Logf("both daemons enforce the hybrid ban %v after the second refusal (sync interval %v)", time.Since(start), interval)
+	})
+
+	t.Run("/bans and DELETE", func(t *testing.T) {
+		base1, base2 := "http://"+adminAddr(t, d1), "http://"+adminAddr(t, d2)
+		var bans []struct {
+			Rule   string `json:"rule"`
+			Client string `json:"client"`
+			Count  uint32 `json:"count"`
+			LeftMs int64  `json:"left_ms"`
+		}
+		code, body := httpGet(t, base2+"/bans")
+		if err := json.Unmarshal([]byte(body), &bans); code != 200 || err != nil || len(bans) != 2 {
+			t.Fatalf("daemon 2 /bans: %d %s (%v), want both shared bans", code, body, err)
+		}
+		if strings.Contains(body, "1.1.1.1") || bans[0].Rule != "login-global" || bans[1].Rule != "login-hybrid" || bans[0].LeftMs < 590_000 {
+			t.Fatalf("daemon 2 /bans: %s", body)
+		}
+		req, _ := http.NewRequest(http.MethodDelete, base2+"/bans/login-global/ip=1.1.1.1", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("DELETE on daemon 2: %d, want 204", resp.StatusCode)
+		}
+		if r := check(0, "path=/g", "ip=1.1.1.1"); r.banned {
+			t.Fatal("daemon 1 still enforces the global ban daemon 2 lifted")
+		}
+		// Daemon 2 started the global ban; daemon 1 knows the hybrid one.
+		if _, samples := scrape(t, base2); samples[`rlsidecar_bans_total{rule="login-global"}`] != 1 {
+			t.Errorf("daemon 2: rlsidecar_bans_total{login-global} = %v, want 1", samples[`rlsidecar_bans_total{rule="login-global"}`])
+		}
+		if _, samples := scrape(t, base1); samples[`rlsidecar_banned_keys{rule="login-hybrid"}`] != 1 {
+			t.Errorf("daemon 1: rlsidecar_banned_keys{login-hybrid} = %v, want 1", samples[`rlsidecar_banned_keys{rule="login-hybrid"}`])
+		}
+	})
+}
+
+// responseView is the part of an answer these tests read.
+type responseView struct {
+	allowed, banned           bool
+	delayMs, resetMs, retryMs uint64
+}
