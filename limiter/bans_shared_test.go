@@ -225,3 +225,36 @@ rules:
 	cancel()
 	<-done
 }
+
+// TestBannedRequestCountsNoOtherRefusal: a request refused by one rule's ban is not a
+// refusal by the other penalty rules it matched (their stores were not asked), so they
+// start no ban of their own.
+func TestBannedRequestCountsNoOtherRefusal(t *testing.T) {
+	const yaml = `
+rules:
+  - name: strict
+    key: ip
+    limit: { requests: 1, per: 30s }
+    mode: global
+    penalty: { after: 1, within: 1m, ban: 10m }
+  - name: lenient
+    key: user
+    limit: { requests: 100, per: 1h }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 10m }
+`
+	rdb := realRedis(t)
+	l := sharedLimiter(t, rdb, yaml)
+	var d Decision
+	for i := range 5 {
+		if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1", "user=bob"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != (i == 0) || (i >= 2 && !d.Banned) {
+			t.Fatalf("request %d: allowed %v banned %v", i+1, d.Allowed, d.Banned)
+		}
+	}
+	if bans := l.Bans(t0); len(bans) != 1 || bans[0].Rule != "strict" {
+		t.Fatalf("bans %+v, want strict's only", bans)
+	}
+}

@@ -375,7 +375,8 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if !out.Allowed && out.Rule != nil && out.Rule.Penalty != nil {
+		} else if !out.Allowed && o.reported && out.Rule != nil && out.Rule.Penalty != nil {
+			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64
 			switch {
 			case o.bans == bansLocal:

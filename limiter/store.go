@@ -69,6 +69,7 @@ type op struct {
 	// banned (Decide, checkBans).
 	bannedUntil int64
 	bans        banScope // where the rule's bans live (bans_shared.go)
+	reported    bool     // a store (or failure policy) wrote its result (report)
 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
@@ -90,6 +91,7 @@ func (d *Decision) routes(id storeID) bool { return d.routed&(1<<id) != 0 }
 
 // report writes a store's outcome for op i into its Result.
 func (d *Decision) report(i int, r *localbucket.Result) {
+	d.ops[i].reported = true
 	out := &d.Results[i]
 	out.Limit = r.Limit
 	out.Remaining = r.Remaining
