@@ -104,12 +104,25 @@ func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 
 // ModeOf returns the mode the limiter applies to r: local for a concurrency rule, whose
-// leases are per daemon.
+// leases are per daemon; global for a hybrid rule with a calendar window or a delay
+// (hybridAsGlobal).
 func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
 	if r.Concurrency {
 		return rules.ModeLocal
 	}
-	return l.resolve(r.Mode)
+	m := l.resolve(r.Mode)
+	if m == rules.ModeHybrid && l.hybridAsGlobal(r) {
+		return rules.ModeGlobal
+	}
+	return m
+}
+
+// hybridAsGlobal reports whether r, in hybrid mode, is decided by the global store: a
+// calendar window or a delay. The hybrid sync aligns a window to multiples of its length
+// and grants tokens ahead of use, so it can express neither a window whose bounds come
+// from a time zone nor a reservation that waits.
+func (l *Limiter) hybridAsGlobal(r *rules.Rule) bool {
+	return l.stores[storeGlobal] != nil && (r.Calendar != localbucket.NoCalendar || r.Delay > 0)
 }
 
 // Rules returns the active rule set.
@@ -473,9 +486,7 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 		if r.Deny {
 			id = storeLocal // decided here: no store is asked
 		}
-		if id == storeHybrid && l.stores[storeGlobal] != nil && (r.Calendar != localbucket.NoCalendar || r.Delay > 0) {
-			// The hybrid sync aligns a window to multiples of its length and grants
-			// tokens, not reservations: such a rule is decided by the global scripts.
+		if id == storeHybrid && l.hybridAsGlobal(r) {
 			id = storeGlobal
 		}
 		var ok bool

@@ -151,3 +151,97 @@ func TestDelayGlobalNginxBurst(t *testing.T) {
 		})
 	}
 }
+
+// TestHybridPoliciesDecidedGlobally: in a daemon whose default mode is hybrid, a rule
+// with a calendar window or a delay is decided by the global scripts (one key per
+// calendar window in Redis at once, no hybrid allowance), and ModeOf says so; a plain
+// rule stays hybrid.
+func TestHybridPoliciesDecidedGlobally(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: daily
+    key: user
+    limit: { requests: 2, per: day, tz: Europe/Paris }
+  - name: queue
+    key: user
+    limit: { requests: 1, per: 1s }
+    delay: 2s
+    mode: hybrid
+  - name: plain
+    key: user
+    limit: { requests: 100, per: 1h }
+`)
+	set := l.Rules()
+	for i, want := range []string{"global", "global", "hybrid"} {
+		if got := l.ModeOf(set.Rules[i]).String(); got != want {
+			t.Errorf("rule %s: mode %s, want %s", set.Rules[i].Name, got, want)
+		}
+	}
+	var d Decision
+	now := time.Now().UnixNano()
+	if err := l.Check(now, &Input{Attrs: attrs("user=zoe"), Cost: 1}, &d); err != nil || !d.Allowed || d.Degraded {
+		t.Fatalf("first check: %+v %v", d, err)
+	}
+	lim, _ := set.Rules[0].LimitFor("", false)
+	start, _, _ := lim.CalendarBounds(now)
+	key := fmt.Sprintf("rl:daily@%d:{user=zoe}", start/int64(time.Second))
+	if n, err := rdb.HGet(context.Background(), key, "n").Int(); err != nil || n != 1 {
+		t.Fatalf("%s counts %d (%v), want 1 at once (global)", key, n, err)
+	}
+	if err := l.Check(now, &Input{Attrs: attrs("user=zoe"), Cost: 1}, &d); err != nil || !d.Allowed || d.Delay <= 0 {
+		t.Fatalf("second check: allowed %v delay %v (%v), want a delay from the global token bucket", d.Allowed, d.Delay, err)
+	}
+}
+
+// TestGlobalPoliciesRefunded: on a 3-master Cluster, a request whose calendar window and
+// delayed bucket (one client's slot) pass but whose other rule (another slot) refuses is
+// refunded: the calendar count and the bucket's reservation are given back, so the next
+// request sees them untouched. Nothing admitted is lost or counted twice.
+func TestGlobalPoliciesRefunded(t *testing.T) {
+	rdb := clusterRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: daily
+    key: user
+    limit: { requests: 5, per: day }
+    mode: global
+  - name: queue
+    key: user
+    limit: { requests: 1, per: 1m }
+    delay: 10m
+    mode: global
+  - name: per-ip
+    match: { path: /capped }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: global
+`)
+	if rlsync.Slot("rl:daily:{user=ann}") == rlsync.Slot("rl:per-ip:{ip=9.9.9.9}") {
+		t.Fatal("pick keys on two slots")
+	}
+	var d Decision
+	check := func(path string) *Decision {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("user=ann", "ip=9.9.9.9", "path="+path), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Degraded {
+			t.Fatalf("degraded: %+v", d.Results)
+		}
+		return &d
+	}
+	if r := check("/capped"); !r.Allowed || r.Results[0].Remaining != 4 || r.Delay != 0 {
+		t.Fatalf("first: allowed %v daily remaining %d delay %v", r.Allowed, r.Results[0].Remaining, r.Delay)
+	}
+	// per-ip refuses: daily and queue (another slot) passed and are refunded.
+	if r := check("/capped"); r.Allowed || r.Results[0].Remaining != 4 || r.Delay != 0 {
+		t.Fatalf("second: allowed %v daily remaining %d delay %v, want refused with daily refunded", r.Allowed, r.Results[0].Remaining, r.Delay)
+	}
+	// Without per-ip: daily has 4 left before this one, and queue's one reservation is the
+	// first request's, so this one waits about a minute, not two.
+	r := check("/free")
+	if !r.Allowed || r.Results[0].Remaining != 3 || r.Delay > time.Minute || r.Delay < 50*time.Second {
+		t.Fatalf("third: allowed %v daily remaining %d delay %v, want 3 left and a wait of about 1m", r.Allowed, r.Results[0].Remaining, r.Delay)
+	}
+}
