@@ -26,8 +26,9 @@ const (
 // refused key that has none pending is not counted (as the local table's bound).
 const maxPendingRefusals = 1 << 16
 
-// maxKnownBans bounds the bans a daemon learns per read of the index.
-const maxKnownBans = 100_000
+// maxKnownBans bounds the bans a daemon learns per read of the index (those ending
+// last): a read costs Redis and the daemon O(bans in force), every interval.
+const maxKnownBans = 10_000
 
 // sharedBans is the penalty rules' bans in hybrid and global modes, shared through Redis
 // (rlsync.Bans): the pre-check of limiter/doc.go "Extending it" for those modes.

@@ -162,15 +162,15 @@ type SharedBan struct {
 	Count uint32
 }
 
-// Known lists at most limit bans in force at now (Unix ns) from the index, soonest to
-// end first, and drops the index's ended ones. A key banned again appears once, with its
-// latest ban.
+// Known lists at most limit bans in force at now (Unix ns) from the index, latest to end
+// first (past limit, the bans ending soonest are left out), and drops the index's ended
+// ones. A key banned again appears once, with its latest ban.
 func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, error) {
 	ms := now / int64(time.Millisecond)
 	pipe := b.rdb.Pipeline()
 	pipe.ZRemRangeByScore(ctx, b.index, "-inf", strconv.FormatInt(ms, 10))
-	zs := pipe.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{Key: b.index, ByScore: true,
-		Start: "(" + strconv.FormatInt(ms, 10), Stop: "+inf", Count: int64(limit)})
+	zs := pipe.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{Key: b.index, ByScore: true, Rev: true,
+		Start: "+inf", Stop: "(" + strconv.FormatInt(ms, 10), Count: int64(limit)})
 	if _, err := pipe.Exec(ctx); err != nil {
 		return nil, fmt.Errorf("reading the ban index %s: %w", b.index, err)
 	}

@@ -125,3 +125,28 @@ func TestBansBadInput(t *testing.T) {
 		t.Fatal("a refused call wrote its key")
 	}
 }
+
+// TestBansKnownLimit: past its limit, Known keeps the bans ending last.
+func TestBansKnownLimit(t *testing.T) {
+	be := globalBackends(t)[0]
+	ctx := context.Background()
+	b, err := NewBans(be.rdb, "k:")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := int64(1_700_000_000) * int64(time.Second)
+	for i, ban := range []time.Duration{time.Minute, 3 * time.Minute, 2 * time.Minute} {
+		rs := []BanRefusal{{Key: "k:r:{c=" + string(rune('a'+i)) + "}", N: 1,
+			Policy: BanPolicy{After: 1, Within: time.Minute, Ban: ban, Factor: 2, Max: time.Hour}}}
+		if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started {
+			t.Fatalf("ban %d: %+v %v", i, rs[0], err)
+		}
+	}
+	list, err := b.Known(ctx, now, 2)
+	if err != nil || len(list) != 2 || list[0].Key != "k:r:{c=b}" || list[1].Key != "k:r:{c=c}" {
+		t.Fatalf("Known(limit 2) = %+v (%v), want the 3m and 2m bans", list, err)
+	}
+	if list, _ := b.Known(ctx, now+int64(150*time.Second), 10); len(list) != 1 || list[0].Key != "k:r:{c=b}" {
+		t.Fatalf("Known 2.5m later = %+v, want the 3m ban only", list)
+	}
+}
