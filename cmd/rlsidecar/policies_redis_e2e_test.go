@@ -198,3 +198,52 @@ type responseView struct {
 	allowed, banned           bool
 	delayMs, resetMs, retryMs uint64
 }
+
+// TestE2ESharedBanGrowth: through two real daemons in global mode, bans grow ban,
+// ban×factor, ban×factor² up to max and decay after max without one, on the daemons'
+// real clocks (short durations). Each ban starts on the refusal that reaches `after`,
+// whichever daemon takes it, whose answer carries the whole ban as retry_after_ms.
+func TestE2ESharedBanGrowth(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 50ms }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 300ms, factor: 2, max: 1200ms }
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "500ms"}
+	c := [2]*rawConn{dialRaw(t, startDaemon(t, args...).socket), dialRaw(t, startDaemon(t, args...).socket)}
+	id := uint64(0)
+	// earn sends requests, alternating daemons, until one is banned; it returns that
+	// answer's retry_after_ms.
+	earn := func() uint64 {
+		t.Helper()
+		for i := 0; i < 200; i++ {
+			id++
+			r := c[i%2].check(id, 1, "ip=1.1.1.1")
+			if r.Degraded {
+				t.Fatalf("degraded: %+v", r)
+			}
+			if r.Banned {
+				return r.RetryAfterMs
+			}
+		}
+		t.Fatal("never banned")
+		return 0
+	}
+	for _, want := range []uint64{300, 600, 1200, 1200} {
+		got := earn()
+		// The starting refusal carries the whole ban, rounded up to the ms.
+		if got != want && got != want+1 {
+			t.Fatalf("ban of %d ms, want %d", got, want)
+		}
+		time.Sleep(time.Duration(got) * time.Millisecond)
+	}
+	time.Sleep(1300 * time.Millisecond) // max (1200ms) without a ban: the count decays
+	if got := earn(); got != 300 && got != 301 {
+		t.Fatalf("after the decay: a ban of %d ms, want 300 again", got)
+	}
+}
