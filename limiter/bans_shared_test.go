@@ -12,7 +12,7 @@ import (
 
 // sharedLimiter returns a limiter (one daemon) on rdb whose penalty rules in hybrid and
 // global mode share their bans through Redis under the default prefix.
-func sharedLimiter(t *testing.T, rdb redis.UniversalClient, yaml string) *Limiter {
+func sharedLimiter(t testing.TB, rdb redis.UniversalClient, yaml string) *Limiter {
 	t.Helper()
 	b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
 	if err != nil {

@@ -27,7 +27,7 @@ func clusterRedis(t *testing.T) redis.UniversalClient {
 
 // globalLimiter returns a limiter whose rules (yaml) run in global mode on rdb, the
 // default mode hybrid (so a calendar or delay rule without a mode is routed to global).
-func globalLimiter(t *testing.T, rdb redis.UniversalClient, yaml string) *Limiter {
+func globalLimiter(t testing.TB, rdb redis.UniversalClient, yaml string) *Limiter {
 	t.Helper()
 	return New(mustRules(t, yaml), localbucket.NewStore(localbucket.Options{})).
 		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{})).
