@@ -33,10 +33,11 @@ const maxKnownBans = 10_000
 // sharedBans is the penalty rules' bans in hybrid and global modes, shared through Redis
 // (rlsync.Bans): the pre-check of limiter/doc.go "Extending it" for those modes.
 //
-//   - global: a check with a penalty op reads its ban key first (one pipelined round trip
-//     before the script; a ban raised anywhere is enforced at once), and each refusal is
-//     counted in Redis at once: the refusal that reaches `after` starts the ban and says
-//     so in its answer;
+//   - global: the check's script call also checks the penalty op's ban key (global.lua's
+//     algorithm 5; store_global.go), so a ban raised or lifted anywhere counts at once, in
+//     the check's one round trip; each refusal is counted in Redis at once (one more
+//     round trip, for refusals only): the refusal that reaches `after` starts the ban and
+//     says so in its answer;
 //   - hybrid: a check consults the bans this daemon knows, refreshed every interval from
 //     the index (run); refusals are counted here and summed into Redis every interval.
 //     So a ban raised on one daemon is enforced by every other within one interval, and
@@ -199,47 +200,19 @@ func (s *sharedBans) knownUntil(key []byte, wall int64) int64 {
 	return 0
 }
 
-// check sets bannedUntil (on the limiter's clock) on d's ops with shared bans: from what
-// this daemon knows, and for global ops from Redis too. A failed read leaves a global op
-// to what is known: its rule's store decides (and its failure policy, if Redis is away).
+// check sets bannedUntil (on the limiter's clock) on d's hybrid ops with shared bans,
+// from what this daemon knows. A global op's ban is checked in its store's script call
+// instead (store_global.go), so that Redis, not what a daemon last heard, decides it.
 func (s *sharedBans) check(now int64, d *Decision) {
 	off := s.wall.WallOffset()
 	wall := now + off
-	var keys []string
-	var at []int
 	for i := range d.ops {
 		o := &d.ops[i]
-		if o.bans == bansLocal || d.Results[i].Rule == nil || d.Results[i].Rule.Penalty == nil {
+		if o.bans != bansHybrid {
 			continue
 		}
-		if o.bans == bansGlobal {
-			keys = append(keys, string(o.key))
-			at = append(at, i)
-		} else if u := s.knownUntil(o.key, wall); u != 0 {
+		if u := s.knownUntil(o.key, wall); u != 0 {
 			o.bannedUntil = u - off
-		}
-	}
-	if len(keys) == 0 {
-		return
-	}
-	// Global: Redis is the authority (a ban lifted anywhere ends at once); what this
-	// daemon knows stands in only when Redis does not answer.
-	out := make([]rlsync.SharedBan, len(keys))
-	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
-	err := s.b.Read(ctx, wall, keys, out)
-	cancel()
-	for k, i := range at {
-		o := &d.ops[i]
-		switch b := out[k]; {
-		case b.Until != 0:
-			o.bannedUntil = b.Until - off
-			s.learn(b.Key, knownBan{until: b.Until, count: b.Count})
-		case err != nil:
-			if u := s.knownUntil(o.key, wall); u != 0 {
-				o.bannedUntil = u - off
-			}
-		default:
-			s.forget(b.Key) // lifted elsewhere
 		}
 	}
 }

@@ -436,7 +436,10 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 			continue
 		}
 		o := &d.ops[i]
-		if o.bans != bansLocal {
+		if o.bans == bansGlobal {
+			continue // checked in the global store's script call (store_global.go)
+		}
+		if o.bans == bansHybrid {
 			shared = true
 			continue
 		}

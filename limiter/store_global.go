@@ -16,6 +16,9 @@ import (
 // a refund that fails only leaves capacity used until it refills. This file is the only
 // one that calls rlsync.Global.
 //
+// A penalty rule's op with shared bans (bansGlobal) brings a ban check of its key into
+// the same script call: a banned client's check commits nothing, in one round trip.
+//
 // A calendar window's key names the window: its start, from the daemon's wall clock and
 // the limit's zone, goes before the hash tag (calendarKey), so every daemon counts one
 // window in one key and a window's key expires with it.
@@ -38,6 +41,12 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 			}
 			n.ops = append(n.ops, op)
 			n.at = append(n.at, i)
+			if o.bans == bansGlobal {
+				// The key's shared ban, checked in the same script call (same slot).
+				n.ops = append(n.ops, rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim,
+					Shadow: o.shadow, Ban: true, BanAt: now + s.wall.WallOffset()})
+				n.at = append(n.at, i)
+			}
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
@@ -61,8 +70,17 @@ func (s globalStore) giveBack(_ int64, d *Decision) {
 // skip leaves the results empty: Redis is not asked.
 func (s globalStore) skip(int64, *Decision) {}
 
+// results reports each op's result; a ban check that found a ban in force marks its op
+// banned (Decide reports it as such) instead.
 func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
+	off := s.wall.WallOffset()
 	for k, i := range n.at {
+		if g := &n.ops[k]; g.Ban {
+			if g.BannedUntil != 0 {
+				d.ops[i].bannedUntil = g.BannedUntil - off
+			}
+			continue
+		}
 		d.report(i, &n.ops[k].Result)
 	}
 }

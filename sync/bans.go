@@ -124,37 +124,6 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 
 func member(count int64, key string) string { return strconv.FormatInt(count, 10) + "|" + key }
 
-// Read writes, for each rule client key in keys, its ban in force at now (Unix ns) into
-// out (Until 0 when it has none): one pipelined read of the ban keys. len(out) must be
-// len(keys).
-func (b *Bans) Read(ctx context.Context, now int64, keys []string, out []SharedBan) error {
-	cmds := make([]*redis.SliceCmd, len(keys))
-	pipe := b.rdb.Pipeline()
-	for i, k := range keys {
-		cmds[i] = pipe.HMGet(ctx, BanKey(k), "u", "c")
-	}
-	_, _ = pipe.Exec(ctx) // each cmd carries its own error
-	var firstErr error
-	for i, c := range cmds {
-		out[i] = SharedBan{Key: keys[i]}
-		v, err := c.Result()
-		if err != nil {
-			if firstErr == nil {
-				firstErr = fmt.Errorf("ban of %d keys: %w", len(keys), err)
-			}
-			continue
-		}
-		u, _ := v[0].(string)
-		cs, _ := v[1].(string)
-		ms, _ := strconv.ParseInt(u, 10, 64)
-		n, _ := strconv.ParseUint(cs, 10, 32)
-		if until := ms * int64(time.Millisecond); until > now {
-			out[i].Until, out[i].Count = until, uint32(n)
-		}
-	}
-	return firstErr
-}
-
 // SharedBan is a ban in force, as [Bans.Known] lists it.
 type SharedBan struct {
 	Key   string // the rule's client key: <prefix><rule>:{<client>}

@@ -65,6 +65,14 @@ type GlobalOp struct {
 	// the daemon's clock: the daemon computes the window from the limit's zone and names
 	// its start in Key, and the key expires this long after its last take (+1 s).
 	WindowLeft time.Duration
+	// Ban makes the op a ban check, not a limit: Key is a ban key (BanKey, on the slot
+	// of the client's other keys), BanAt the daemon's wall clock (Unix ns), Cost 0, and
+	// Limit any non-nil limit (reported, not applied). It is refused, and with it the
+	// check, while the ban is in force; Check then writes the ban's end (Unix ns) in
+	// BannedUntil. See global_policies.go.
+	Ban         bool
+	BanAt       int64
+	BannedUntil int64
 
 	window int64 // the window start global.lua counted this op in (for Undo)
 }

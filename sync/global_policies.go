@@ -15,6 +15,7 @@ import (
 const (
 	algCalendar   = 3 // a fixed window whose bounds the daemon computed (GlobalOp.WindowLeft)
 	algTokenDelay = 4 // a token bucket with a delay (localbucket.Limit.WithDelay)
+	algBan        = 5 // a ban check (GlobalOp.Ban)
 )
 
 // appendScriptArgs appends op's 7 global.lua ARGV values to args.
@@ -22,6 +23,7 @@ const (
 //   - a calendar window (algorithm 3): requests, its length in µs, requests, the time
 //     left in it at the daemon's clock in µs (GlobalOp.WindowLeft; at least 1), cost,
 //     shadow. Its key names the window, so the script needs no clock for it;
+//   - a ban check (algorithm 5): 1, 1, 1, the daemon's wall clock in ms, 0, shadow;
 //   - a token bucket with a delay (algorithm 4): as a token bucket, with the delay in µs
 //     in place of the window (the token bucket's rate is its emission);
 //   - anything else: algorithm, requests, window_us, burst, emission_ns, cost, shadow.
@@ -30,6 +32,9 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 	shadow := 0
 	if op.Shadow {
 		shadow = 1
+	}
+	if op.Ban {
+		return append(args, algBan, 1, 1, 1, op.BanAt/int64(time.Millisecond), 0, shadow)
 	}
 	if unit, _ := l.Calendar(); unit != localbucket.NoCalendar {
 		left := max(op.WindowLeft.Microseconds(), 1)
@@ -48,9 +53,17 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 
 // replyWindow reads the last value of op's global.lua reply: the start of the window the
 // op counted in (for refund.lua), except for a token bucket with a delay, where it is the
-// delay the request must wait (ns), which it writes in op.Result.Delay; a token bucket's
-// refund needs no window.
+// delay the request must wait (ns), which it writes in op.Result.Delay (a token bucket's
+// refund needs no window), and for a ban check, where it is the ban's end (ms), which it
+// writes in op.BannedUntil.
 func replyWindow(op *GlobalOp, v int64) int64 {
+	if op.Ban {
+		op.BannedUntil = 0
+		if !op.Result.Allowed {
+			op.BannedUntil = v * int64(time.Millisecond)
+		}
+		return 0
+	}
 	if op.Limit.Algorithm() == localbucket.TokenBucket && op.Limit.Delay() > 0 {
 		op.Result.Delay = v
 		return 0

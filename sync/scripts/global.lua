@@ -31,6 +31,12 @@
 --   4 token bucket with a delay: as algorithm 0, with the delay in µs in the window_us
 --     slot: a take that would pass within the delay passes now (its tokens reserved) and
 --     the reply's last value (window_us for the others) is how long to wait, in ns.
+--   5 ban check: the key is a penalty rule's ban key (sync.BanKey: the client's slot, so
+--     in the call of the client's other keys), the emission_ns slot the daemon's wall
+--     clock in ms, cost 0. Refused while the ban it holds (field u, its end in ms, written
+--     by ban.lua) is in force, with retry_after_ns to its end and the ban's end (ms) as
+--     the last value; never written. A banned client's checks so commit nothing, in the
+--     same round trip as the checks themselves.
 --
 -- State, a hash per key, mirroring localbucket.State:
 --   token bucket (GCRA): t = theoretical arrival time, integer µs; f = its sub-µs part in
@@ -235,18 +241,32 @@ local function take_calendar(st, requests, left, cost, r)
   return consumed
 end
 
+-- Ban check (algorithm 5). st.u = the ban's end, ms; now_ms: the daemon's clock.
+local function take_ban(st, now_ms, r)
+  local u = st.u or 0
+  if u > now_ms then
+    r.retry = (u - now_ms) * 1000000
+    r.window = u
+  else
+    r.allowed = 1
+  end
+  return false
+end
+
 local function take(alg, st, requests, w, burst, e, cost, r)
   if alg == 0 then return take_token(st, requests, burst, e, cost, r) end
   if alg == 3 then return take_calendar(st, requests, e, cost, r) end
   if alg == 4 then return take_token(st, requests, burst, e, cost, r, w * 1000) end
+  if alg == 5 then return take_ban(st, e, r) end
   if alg == 1 then return take_sliding(st, requests, w, cost, r) end
   if alg == 2 then return take_fixed(st, requests, w, cost, r) end
   return redis.error_reply('rlsidecar global.lua: unknown algorithm ' .. tostring(alg))
 end
 
 local function load(key)
-  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p')
-  local st = {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0}
+  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u')
+  local st = {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
+    u = tonumber(v[5])} -- u: a ban key's (algorithm 5)
   return st
 end
 
