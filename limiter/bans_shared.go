@@ -2,6 +2,8 @@ package limiter
 
 import (
 	"context"
+	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,6 +61,9 @@ type sharedBans struct {
 	mu    sync.Mutex // serializes writers of known, and guards pending
 	// pending is the hybrid refusals not yet sent, by rule client key.
 	pending map[string]*pendingRefusal
+	// unindexed is the bans this daemon started and has not yet added to the index
+	// (rlsync.Bans.Index); each round retries them, and keeps them known meanwhile.
+	unindexed []rlsync.SharedBan
 }
 
 type knownBan struct {
@@ -117,9 +122,18 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 
 func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
 
-// round sends the pending refusals, then reads the index.
+// round sends the pending refusals, indexes the bans started here, then reads the
+// index: what this daemon knows is the index, and its own bans not yet indexed.
 func (s *sharedBans) round(ctx context.Context, wall int64) error {
 	ferr := s.flush(ctx, wall)
+	s.mu.Lock()
+	todo := s.unindexed
+	s.unindexed = nil
+	s.mu.Unlock()
+	var ierr error
+	if ierr = s.b.Index(ctx, todo); ierr != nil {
+		s.started(todo...) // retried next round
+	}
 	list, err := s.b.Known(ctx, wall, maxKnownBans)
 	if err != nil {
 		return err
@@ -129,9 +143,27 @@ func (s *sharedBans) round(ctx context.Context, wall int64) error {
 		m[b.Key] = knownBan{until: b.Until, count: b.Count}
 	}
 	s.mu.Lock()
+	for _, b := range s.unindexed {
+		if o, ok := m[b.Key]; b.Until > wall && (!ok || o.until < b.Until) {
+			m[b.Key] = knownBan{until: b.Until, count: b.Count}
+		}
+	}
 	s.known.Store(&m)
 	s.mu.Unlock()
-	return ferr
+	return errors.Join(ferr, ierr)
+}
+
+// started records bans this daemon started, for the next round to index (at most
+// maxPendingRefusals waiting: past it a ban is enforced by its key and by this daemon,
+// and the others learn it when it is raised again).
+func (s *sharedBans) started(bans ...rlsync.SharedBan) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bans {
+		if len(s.unindexed) < maxPendingRefusals {
+			s.unindexed = append(s.unindexed, b)
+		}
+	}
 }
 
 // flush sends the pending refusals in one pipeline and learns the bans they started.
@@ -151,6 +183,9 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 	for i := range rs {
 		if rs[i].Until > wall {
 			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
+		}
+		if rs[i].Started {
+			s.started(rlsync.SharedBan{Key: rs[i].Key, Until: rs[i].Until, Count: rs[i].Count})
 		}
 	}
 	return err
@@ -245,6 +280,9 @@ func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule) int64
 		return 0
 	}
 	s.learn(rs[0].Key, knownBan{until: rs[0].Until, count: rs[0].Count})
+	if rs[0].Started {
+		s.started(rlsync.SharedBan{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count})
+	}
 	return rs[0].Until - off
 }
 
@@ -269,6 +307,9 @@ func (s *sharedBans) lift(key string, now int64) bool {
 	}
 	was = was || s.knownUntil([]byte(key), s.wallOf(now)) != 0
 	s.forget(key)
+	s.mu.Lock()
+	s.unindexed = slices.DeleteFunc(s.unindexed, func(b rlsync.SharedBan) bool { return b.Key == key }) // not to index it again
+	s.mu.Unlock()
 	return was
 }
 

@@ -79,8 +79,9 @@ type BanRefusal struct {
 
 // Refused adds each refusal batch to its client's count at now (Unix ns), starting a ban
 // where the count reaches the policy's After, and writes what happened into rs. The
-// calls go in one pipeline; a ban started is then added to the index. An error leaves
-// the failed batches' results zero.
+// calls go in one pipeline. An error leaves the failed batches' results zero. The caller
+// adds the bans started to the index ([Bans.Index]): on a Cluster the index is on
+// another node, so it cannot be in the same script.
 func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 	if len(rs) == 0 {
 		return nil
@@ -95,7 +96,6 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 	}
 	run(ctx, b.rdb, banScript, calls)
 	var firstErr error
-	var started []redis.Z
 	for i := range rs {
 		r := &rs[i]
 		r.Until, r.Count, r.Started = 0, 0, false
@@ -110,16 +110,24 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 			continue
 		}
 		r.Until, r.Count, r.Started = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1
-		if r.Started {
-			started = append(started, redis.Z{Score: float64(v[0]), Member: member(v[1], r.Key)})
-		}
-	}
-	if len(started) > 0 {
-		if err := b.rdb.ZAdd(ctx, b.index, started...).Err(); err != nil && firstErr == nil {
-			firstErr = fmt.Errorf("ban index: %w", err)
-		}
 	}
 	return firstErr
+}
+
+// Index adds bans (as Refused reported them started) to the index, where every daemon
+// learns them ([Bans.Known]). It is idempotent: the caller retries what failed.
+func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
+	if len(bans) == 0 {
+		return nil
+	}
+	zs := make([]redis.Z, len(bans))
+	for i, sb := range bans {
+		zs[i] = redis.Z{Score: float64(sb.Until / int64(time.Millisecond)), Member: member(int64(sb.Count), sb.Key)}
+	}
+	if err := b.rdb.ZAdd(ctx, b.index, zs...).Err(); err != nil {
+		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, err)
+	}
+	return nil
 }
 
 func member(count int64, key string) string { return strconv.FormatInt(count, 10) + "|" + key }

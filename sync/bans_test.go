@@ -44,6 +44,11 @@ func TestBansEscalateAndDecay(t *testing.T) {
 				if err := b.Refused(ctx, now, rs); err != nil {
 					t.Fatal(err)
 				}
+				if rs[0].Started {
+					if err := b.Index(ctx, []SharedBan{{Key: key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+						t.Fatal(err)
+					}
+				}
 				return rs[0]
 			}
 			// 2 refusals, then the window passes: they are forgotten.
@@ -136,6 +141,9 @@ func TestBansKnownLimit(t *testing.T) {
 			Policy: BanPolicy{After: 1, Within: time.Minute, Ban: ban, Factor: 2, Max: time.Hour}}}
 		if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started {
 			t.Fatalf("ban %d: %+v %v", i, rs[0], err)
+		}
+		if err := b.Index(ctx, []SharedBan{{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+			t.Fatal(err)
 		}
 	}
 	list, err := b.Known(ctx, now, 2)
