@@ -253,6 +253,7 @@ type Decision struct {
 
 	ops     []op                // one per result: the check's operations
 	routed  uint8               // a bit per store (1<<storeID) some op was routed to
+	skipped uint8               // a bit per store apply skipped (an earlier one rejected)
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
@@ -308,7 +309,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Banned = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
-	d.routed = 0
+	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
 
 	shadowAll := l.shadowAll.Load()
@@ -388,7 +389,7 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if !out.Allowed && o.reported && out.Rule != nil && out.Rule.Penalty != nil {
+		} else if !out.Allowed && !d.unasked(i) && out.Rule != nil && out.Rule.Penalty != nil {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64
 			switch {
@@ -429,29 +430,27 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 // and reports whether one of them is not a shadow: the request is then refused without
 // taking from any store.
 func (l *Limiter) checkBans(now int64, d *Decision) bool {
-	shared := false
+	refused, shared := false, false
 	for i := range d.ops {
-		r := d.Results[i].Rule
-		if r == nil || r.Penalty == nil {
-			continue
-		}
 		o := &d.ops[i]
-		if o.bans == bansGlobal {
-			continue // checked in the global store's script call (store_global.go)
-		}
-		if o.bans == bansHybrid {
-			shared = true
+		if o.bans != bansLocal {
+			// Global: checked in the global store's script call (store_global.go).
+			shared = shared || o.bans == bansHybrid
 			continue
 		}
-		o.bannedUntil = l.bans.bannedUntil(o.key, now)
+		if r := d.Results[i].Rule; r == nil || r.Penalty == nil {
+			continue
+		}
+		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
+			refused = true
+		}
 	}
 	if shared {
 		l.shared.check(now, d)
-	}
-	refused := false
-	for i := range d.ops {
-		if o := &d.ops[i]; o.bannedUntil != 0 && !o.shadow {
-			refused = true
+		for i := range d.ops {
+			if o := &d.ops[i]; o.bans == bansHybrid && o.bannedUntil != 0 && !o.shadow {
+				refused = true
+			}
 		}
 	}
 	return refused
