@@ -61,6 +61,9 @@ type sharedBans struct {
 	mu    sync.Mutex // serializes writers of known, and guards pending
 	// pending is the hybrid refusals not yet sent, by rule client key.
 	pending map[string]*pendingRefusal
+	// onStarted hears each ban a batch of hybrid refusals started (its rule client key),
+	// which no answer reports (OnSharedBanStarted); nil: none.
+	onStarted func(key string)
 	// unindexed is the bans this daemon started and has not yet added to the index
 	// (rlsync.Bans.Index); each round retries them, and keeps them known meanwhile.
 	unindexed []rlsync.SharedBan
@@ -89,6 +92,15 @@ func (l *Limiter) WithSharedBans(b *rlsync.Bans, wait time.Duration) *Limiter {
 	s.known.Store(&map[string]knownBan{})
 	l.shared = s
 	return l
+}
+
+// OnSharedBanStarted makes f hear the rule of each ban that a batch of this daemon's
+// hybrid refusals started in Redis: no answer reports those (Result.BanStarted), so
+// metrics count them here. Call it after WithSharedBans, before RunSharedBans.
+func (l *Limiter) OnSharedBanStarted(f func(rule string)) {
+	if l.shared != nil {
+		l.shared.onStarted = func(key string) { f(ruleOfKey(key, l.prefix)) }
+	}
 }
 
 // RunSharedBans sends the hybrid refusals counted here and learns the bans raised by
@@ -186,6 +198,9 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 		}
 		if rs[i].Started {
 			s.started(rlsync.SharedBan{Key: rs[i].Key, Until: rs[i].Until, Count: rs[i].Count})
+			if s.onStarted != nil {
+				s.onStarted(rs[i].Key)
+			}
 		}
 	}
 	return err

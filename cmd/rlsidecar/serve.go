@@ -196,6 +196,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		lim.WithSharedBans(sharedBans, *globalTimeout)
+		lim.OnSharedBanStarted(metrics.BanStarted)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {
 				return 1
