@@ -198,6 +198,15 @@ func (m *Metrics) CounterFunc(name, help string, f func() float64) {
 	m.mu.Unlock()
 }
 
+// BanStarted counts a ban of rule's that no answer reported starting: a shared ban
+// raised by this daemon's batch of hybrid refusals (limiter.OnSharedBanStarted).
+func (m *Metrics) BanStarted(rule string) {
+	m.mu.Lock()
+	rm := m.ruleLocked(rule)
+	m.mu.Unlock()
+	rm.bans.Inc()
+}
+
 // Record counts one decision: per rule, allowed, rejected or shadow_rejected, degraded
 // decisions, and the rejected client in the rule's top-K. (Latency is observed per batch
 // of frames, see Answered.)

@@ -148,9 +148,13 @@ type Ban struct {
 	Count uint32        // bans of this key since the count last decayed, this one included
 }
 
-// Bans lists the bans in force at now (local mode), by rule then key.
+// Bans lists the bans in force at now, by rule then key: this daemon's (local mode) and
+// the shared ones it knows (hybrid and global modes; their keys carry the Redis prefix).
 func (l *Limiter) Bans(now int64) []Ban {
 	var out []Ban
+	if l.shared != nil {
+		out = l.shared.list(now, l.prefix, out)
+	}
 	for i := range l.bans.shards {
 		sh := &l.bans.shards[i]
 		sh.mu.Lock()
@@ -170,9 +174,15 @@ func (l *Limiter) Bans(now int64) []Ban {
 	return out
 }
 
-// BannedKeys counts the keys banned at now, per rule name.
+// BannedKeys counts the keys banned at now, per rule name (shared bans as this daemon
+// knows them).
 func (l *Limiter) BannedKeys(now int64) map[string]int {
 	out := map[string]int{}
+	if l.shared != nil {
+		for _, b := range l.shared.list(now, l.prefix, nil) {
+			out[b.Rule]++
+		}
+	}
 	for i := range l.bans.shards {
 		sh := &l.bans.shards[i]
 		sh.mu.Lock()
@@ -187,5 +197,11 @@ func (l *Limiter) BannedKeys(now int64) map[string]int {
 }
 
 // LiftBan ends the ban of key (a client key as Bans lists it, rule name included) and
-// reports whether it was banned at now.
-func (l *Limiter) LiftBan(key string, now int64) bool { return l.bans.lift([]byte(key), now) }
+// reports whether it was banned at now. A shared ban is lifted in Redis too: global
+// checks stop enforcing it at once, the other daemons' hybrid checks within an interval.
+func (l *Limiter) LiftBan(key string, now int64) bool {
+	if l.bans.lift([]byte(key), now) {
+		return true
+	}
+	return l.shared != nil && l.shared.lift(key, now)
+}

@@ -44,15 +44,20 @@
 //     store, so that on_store_failure local reroutes a concurrency op there; its token
 //     carries the rules and clients any daemon needs to release it (Limiter.LeaseToken,
 //     ReleaseLease, RenewLease, ReleaseOwner cover both kinds).
-//   - Escalating bans (a rule's penalty, bans.go): a ban table consulted in Decide before
-//     any store (a banned op refuses the request and every store only reports), and
-//     raised after apply by the rule's refusals. Local for now; sharing bans through
-//     Redis would make it a store of its own, first in the order.
+//   - Escalating bans (a rule's penalty): a pre-check in Decide before any store (a
+//     banned op refuses the request and every store only reports), and raised after
+//     apply by the rule's refusals. Where the ban lives is the op's banScope: this
+//     daemon's table (bans.go) for a local rule, Redis for a hybrid or global one
+//     (bans_shared.go, rlsync.Bans): read at once for global, known within one sync
+//     interval for hybrid. One pre-check, two tables; no list in Decision.
 //   - Calendar windows (per day/week/month in a time zone): localbucket.NewCalendarLimit,
-//     a fixed window whose bounds come from the zone; no change here. The Redis scripts
-//     do not carry it yet, so such rules are local (rules/policies.go).
+//     a fixed window whose bounds come from the zone. In global mode the adapter names
+//     the window's start in the key (store_global.go, calendarKey); hybrid-mode rules
+//     with a calendar window or a delay are routed to the global store (matchRules),
+//     since the hybrid sync can express neither.
 //   - Delay ("let it through after d instead of refusing"): localbucket.Limit.WithDelay
-//     fills Result.Delay; Decide takes the longest. The stores and their order stay.
+//     fills Result.Delay (global.lua's algorithm 4 in global mode); Decide takes the
+//     longest. The stores and their order stay.
 //   - Warnings (warn_at): computed in Decide from each allowed result's remaining.
 //
 // A new store gets a storeID before storeLocal (the failure policy "local" reroutes to
@@ -76,4 +81,9 @@
 // shape without the fingerprint (rl:exports:{user=alice}: any daemon rebuilds it from a
 // lease token) and holds a sorted set of lease parts ("<lease id>:<part>", scored by
 // expiry in ms on Redis's clock).
+// A calendar window's key names the window's start (Unix seconds) after the rule and its
+// fingerprint: rl:monthly~cmonth.1a2b3c4d@1767236400:{user=alice}; a penalty rule's
+// shared bans are rl:login~sw1m@ban:{ip=1.2.3.4}, indexed in the sorted set rl:~bans.
+// Rule names have no '@' or '~' and do not start with '~', so none of these is a rule
+// key under any prefix, and each keeps its client's hash tag (same slot).
 package limiter

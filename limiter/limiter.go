@@ -24,7 +24,8 @@ type Limiter struct {
 	prefix      string            // starts every Redis key
 	defaultMode rules.Mode
 	shadowAll   atomic.Bool
-	bans        *bans // the penalty rules' refusals and bans (bans.go)
+	bans        *bans       // the penalty rules' refusals and bans (bans.go)
+	shared      *sharedBans // the same in hybrid and global mode, in Redis; nil: per daemon (bans_shared.go)
 }
 
 // New returns a Limiter deciding with set on store, every rule in local mode, its Redis
@@ -53,7 +54,7 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 // Concurrency rules in global mode (or hybrid) then hold their slots in Redis too
 // (store_lease_global.go).
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
-	l.stores[storeGlobal] = globalStore{g, timeout}
+	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets}
 	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
 	l.stores[storeGlobalLease] = l.global
 	return l
@@ -109,6 +110,7 @@ func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
 
 // ModeOf returns the mode the limiter applies to r. A concurrency rule is local or
 // global: hybrid (and the hybrid default, when the daemon has Redis) means global for it.
+// A hybrid rule with a calendar window or a delay is global too (hybridAsGlobal).
 func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
 	m := l.resolve(r.Mode)
 	if r.Concurrency && m == rules.ModeHybrid {
@@ -117,7 +119,18 @@ func (l *Limiter) ModeOf(r *rules.Rule) rules.Mode {
 	if r.Concurrency && m == rules.ModeGlobal && l.stores[storeGlobalLease] == nil {
 		m = rules.ModeLocal
 	}
+	if m == rules.ModeHybrid && l.hybridAsGlobal(r) {
+		return rules.ModeGlobal
+	}
 	return m
+}
+
+// hybridAsGlobal reports whether r, in hybrid mode, is decided by the global store: a
+// calendar window or a delay. The hybrid sync aligns a window to multiples of its length
+// and grants tokens ahead of use, so it can express neither a window whose bounds come
+// from a time zone nor a reservation that waits.
+func (l *Limiter) hybridAsGlobal(r *rules.Rule) bool {
+	return l.stores[storeGlobal] != nil && (r.Calendar != localbucket.NoCalendar || r.Delay > 0)
 }
 
 // Rules returns the active rule set.
@@ -252,6 +265,7 @@ type Decision struct {
 
 	ops     []op                // one per result: the check's operations
 	routed  uint8               // a bit per store (1<<storeID) some op was routed to
+	skipped uint8               // a bit per store apply skipped (an earlier one rejected)
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
@@ -311,7 +325,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.Banned = false
 	d.Results = d.Results[:0]
 	d.ops = d.ops[:0]
-	d.routed = 0
+	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
 
 	shadowAll := l.shadowAll.Load()
@@ -394,8 +408,16 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if !out.Allowed && out.Rule != nil && out.Rule.Penalty != nil {
-			if until := l.bans.refused(o.key, out.Rule, now); until != 0 {
+		} else if !out.Allowed && !d.unasked(i) && out.Rule != nil && out.Rule.Penalty != nil {
+			// Refused by its rule: not an op whose store a rejection skipped unasked.
+			var until int64
+			switch {
+			case o.bans == bansLocal:
+				until = l.bans.refused(o.key, out.Rule, now)
+			case !o.degraded || o.bans == bansHybrid: // a global op degraded: Redis is away
+				until = l.shared.refused(now, d, i, out.Rule)
+			}
+			if until != 0 {
 				out.Banned, out.BanStarted = true, true
 				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
 			}
@@ -444,15 +466,27 @@ func (l *Limiter) DecideInline(now int64, d *Decision) bool {
 // and reports whether one of them is not a shadow: the request is then refused without
 // taking from any store.
 func (l *Limiter) checkBans(now int64, d *Decision) bool {
-	refused := false
+	refused, shared := false, false
 	for i := range d.ops {
-		r := d.Results[i].Rule
-		if r == nil || r.Penalty == nil {
+		o := &d.ops[i]
+		if o.bans != bansLocal {
+			// Global: checked in the global store's script call (store_global.go).
+			shared = shared || o.bans == bansHybrid
 			continue
 		}
-		o := &d.ops[i]
+		if r := d.Results[i].Rule; r == nil || r.Penalty == nil {
+			continue
+		}
 		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
 			refused = true
+		}
+	}
+	if shared {
+		l.shared.check(now, d)
+		for i := range d.ops {
+			if o := &d.ops[i]; o.bans == bansHybrid && o.bannedUntil != 0 && !o.shadow {
+				refused = true
+			}
 		}
 	}
 	return refused
@@ -495,6 +529,9 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 		if r.Deny {
 			id = storeLocal // decided here: no store is asked
 		}
+		if id == storeHybrid && l.hybridAsGlobal(r) {
+			id = storeGlobal
+		}
 		var ok bool
 		start := len(d.keys)
 		redis := id == storeHybrid || id == storeGlobal || id == storeGlobalLease
@@ -527,6 +564,12 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			c = denyCost
 		}
 		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
+		if redis && r.Penalty != nil && l.shared != nil {
+			d.ops[len(d.ops)-1].bans = bansHybrid
+			if id == storeGlobal {
+				d.ops[len(d.ops)-1].bans = bansGlobal
+			}
+		}
 		d.route(len(d.ops)-1, id)
 		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p}
 	}

@@ -65,7 +65,8 @@ type op struct {
 	keyEnd   int32    // where key ends in Decision.keys (sliced once that stops growing)
 	shadow   bool
 	store    storeID
-	degraded bool // a failure policy decided or rerouted it
+	degraded bool     // a failure policy decided or rerouted it
+	bans     banScope // where the rule's bans live (bans_shared.go)
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64
@@ -83,6 +84,13 @@ type fallback struct {
 func (d *Decision) route(i int, id storeID) {
 	d.ops[i].store = id
 	d.routed |= 1 << id
+}
+
+// unasked reports whether op i's result is not its store's: the store was skipped (an
+// earlier one rejected) and, unlike the local store, reports nothing when skipped.
+func (d *Decision) unasked(i int) bool {
+	id := d.ops[i].store
+	return d.skipped&(1<<id) != 0 && (id == storeHybrid || id == storeGlobal)
 }
 
 // routes reports whether any op of d is routed to id.
@@ -114,6 +122,7 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 		s := l.stores[id]
 		if !ok {
 			s.skip(now, d)
+			d.skipped |= 1 << id
 			continue
 		}
 		passed, err := s.take(now, d)

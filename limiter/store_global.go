@@ -1,9 +1,12 @@
 package limiter
 
 import (
+	"bytes"
 	"context"
+	"strconv"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
@@ -12,19 +15,38 @@ import (
 // rules' failure policies decide. A give back is a refund script within the same bound;
 // a refund that fails only leaves capacity used until it refills. This file is the only
 // one that calls rlsync.Global.
+//
+// A penalty rule's op with shared bans (bansGlobal) brings a ban check of its key into
+// the same script call: a banned client's check commits nothing, in one round trip.
+//
+// A calendar window's key names the window: its start, from the daemon's wall clock and
+// the limit's zone, goes before the hash tag (calendarKey), so every daemon counts one
+// window in one key and a window's key expires with it.
 type globalStore struct {
 	g    *rlsync.Global
 	wait time.Duration
+	wall *localbucket.Store // its WallOffset turns the limiter's clock into wall time
 }
 
-func (s globalStore) take(_ int64, d *Decision) (bool, error) {
+func (s globalStore) take(now int64, d *Decision) (bool, error) {
 	n := scratchOf[rlsync.GlobalOp](d, storeGlobal)
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeGlobal {
 			// The key is copied: the global path goes to Redis anyway.
-			n.ops = append(n.ops, rlsync.GlobalOp{Key: string(o.key), Limit: o.lim, Cost: o.cost, Shadow: o.shadow})
+			op := rlsync.GlobalOp{Key: string(o.key), Limit: o.lim, Cost: o.cost, Shadow: o.shadow}
+			if start, end, ok := o.lim.CalendarBounds(now + s.wall.WallOffset()); ok {
+				op.Key = calendarKey(o.key, start)
+				op.WindowLeft = time.Duration(end - now - s.wall.WallOffset())
+			}
+			n.ops = append(n.ops, op)
 			n.at = append(n.at, i)
+			if o.bans == bansGlobal {
+				// The key's shared ban, checked in the same script call (same slot).
+				n.ops = append(n.ops, rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim,
+					Shadow: o.shadow, Ban: true, BanAt: now + s.wall.WallOffset()})
+				n.at = append(n.at, i)
+			}
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
@@ -48,8 +70,30 @@ func (s globalStore) giveBack(_ int64, d *Decision) {
 // skip leaves the results empty: Redis is not asked.
 func (s globalStore) skip(int64, *Decision) {}
 
+// results reports each op's result; a ban check that found a ban in force marks its op
+// banned (Decide reports it as such) instead.
 func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
+	off := s.wall.WallOffset()
 	for k, i := range n.at {
+		if g := &n.ops[k]; g.Ban {
+			if g.BannedUntil != 0 {
+				d.ops[i].bannedUntil = g.BannedUntil - off
+			}
+			continue
+		}
 		d.report(i, &n.ops[k].Result)
 	}
+}
+
+// calendarKey returns key (<prefix><rule>:{<client>}) with the calendar window's start,
+// in Unix seconds, after the rule's name: <prefix><rule>@<start>:{<client>}. Rule names
+// and prefixes have no '{', and rule names no '@', so it is another key of the same
+// client (same hash tag, same slot), and no rule's key under any prefix.
+func calendarKey(key []byte, start int64) string {
+	tag := bytes.IndexByte(key, '{') - 1 // the ':' before the tag
+	b := make([]byte, 0, len(key)+12)
+	b = append(b, key[:tag]...)
+	b = append(b, '@')
+	b = strconv.AppendInt(b, start/int64(time.Second), 10)
+	return string(append(b, key[tag:]...))
 }

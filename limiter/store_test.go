@@ -25,7 +25,7 @@ func unreachable(t *testing.T) redis.UniversalClient {
 }
 
 // realRedis starts a real redis-server and returns a client of it.
-func realRedis(t *testing.T) redis.UniversalClient {
+func realRedis(t testing.TB) redis.UniversalClient {
 	t.Helper()
 	srv := redistest.StartStandalone(t)
 	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: time.Second})

@@ -167,3 +167,15 @@ func (c *calendar) midnight(y int, m time.Month, d int) int64 {
 	}
 	return wall // unreachable for real zones: at most a few transitions in four days
 }
+
+// CalendarBounds returns the calendar window [start, end) that holds the wall time t (ns
+// since the Unix epoch); ok is false for a limit that is not a calendar window. The
+// Redis-backed modes name the window by its start in the key, so every daemon counts it
+// in one place.
+func (l *Limit) CalendarBounds(t int64) (start, end int64, ok bool) {
+	if l.cal == nil {
+		return 0, 0, false
+	}
+	start, end = l.cal.bounds(t)
+	return start, end, true
+}

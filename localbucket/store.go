@@ -287,6 +287,9 @@ func take(l *Limit, st State, now, off int64, cost uint64) (State, Result) {
 // Safe for concurrent use.
 func (s *Store) SetWallOffset(off int64) { s.wallOffset.Store(off) }
 
+// WallOffset returns the offset SetWallOffset last set (wall - now, in ns).
+func (s *Store) WallOffset() int64 { return s.wallOffset.Load() }
+
 // Apply decides ops together at time now (ns since the Unix epoch). If every non-shadow
 // op is allowed, it commits every allowed op and returns true. Otherwise it commits
 // nothing and returns false; the Result of each op that was itself allowed then reports

@@ -14,13 +14,11 @@ import (
 // queue, not a rate limiter.
 const maxDelay = time.Hour
 
-// policies reads a rule's optional policies, warn_at and delay, from its fields f, and
-// keeps a calendar rule local. It runs after the limit, plans and mode are read, and
-// gives each of the rule's limits the delay.
+// policies reads a rule's optional policies, warn_at, penalty and delay, from its fields
+// f. It runs after the limit, plans and mode are read, and gives each of the rule's
+// limits the delay. Every policy works in every mode: in hybrid mode a calendar window or
+// a delay is decided by the global scripts (limiter), and bans are shared through Redis.
 func (p *parser) policies(r *Rule, f map[string]*yaml.Node, field string) {
-	if r.Calendar != localbucket.NoCalendar {
-		p.localOnly(r, f["limit"], field+".limit.per", "a calendar window (per: "+r.Calendar.String()+")")
-	}
 	if v := f["warn_at"]; !isNull(v) {
 		var x float64
 		if v.Kind != yaml.ScalarNode || (v.ShortTag() != "!!float" && v.ShortTag() != "!!int") || v.Decode(&x) != nil {
@@ -38,7 +36,6 @@ func (p *parser) policies(r *Rule, f map[string]*yaml.Node, field string) {
 			p.errorf(v, field+".penalty", "a rule whose limit is unlimited or deny refuses nobody, or everybody: no penalty")
 		} else if pen := p.penalty(v, field+".penalty"); pen != nil {
 			r.Penalty = pen
-			p.localOnly(r, v, field+".penalty", "penalty")
 		}
 	}
 	if v := f["delay"]; !isNull(v) {
@@ -66,21 +63,7 @@ func (p *parser) policies(r *Rule, f map[string]*yaml.Node, field string) {
 					pl.limit = pl.limit.WithDelay(d)
 				}
 			}
-			p.localOnly(r, v, field+".delay", "delay")
 		}
-	}
-}
-
-// localOnly makes r, which uses policy what, a local-mode rule: the policies other than
-// warn_at are decided by this daemon's buckets for now (the Redis scripts do not carry
-// them yet). A rule that asks for hybrid or global mode is an error, not a silent change.
-func (p *parser) localOnly(r *Rule, at *yaml.Node, field, what string) {
-	switch r.Mode {
-	case ModeDefault:
-		r.Mode = ModeLocal
-	case ModeLocal:
-	default:
-		p.errorf(at, field, "%s is decided in mode local only (for now); mode %s does not carry it (use mode local, or drop %s)", what, r.Mode, what)
 	}
 }
 

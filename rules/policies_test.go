@@ -25,9 +25,10 @@ func TestPoliciesParse(t *testing.T) {
 		{"warn_at NaN", head + "    limit: { requests: 10, per: 1m }\n    warn_at: .nan\n", 0, 0, 0, "is not in (0, 1]"},
 		{"warn_at string", head + "    limit: { requests: 10, per: 1m }\n    warn_at: 80%\n", 0, 0, 0, "expected a fraction"},
 		{"warn_at on deny", head + "    limit: deny\n    warn_at: 0.5\n", 0, 0, 0, "no limit to warn about"},
-		{"delay", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 5 * time.Second, ModeLocal, ""},
+		{"delay", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 5 * time.Second, ModeDefault, ""},
 		{"delay mode local", head + "    limit: { requests: 1, per: 1s }\n    delay: 500ms\n    mode: local\n", 0, 500 * time.Millisecond, ModeLocal, ""},
-		{"delay mode global", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: global\n", 0, 0, 0, "delay is decided in mode local only"},
+		{"delay mode global", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: global\n", 0, 5 * time.Second, ModeGlobal, ""},
+		{"delay mode hybrid", head + "    limit: { requests: 1, per: 1s }\n    delay: 5s\n    mode: hybrid\n", 0, 5 * time.Second, ModeHybrid, ""},
 		{"delay on a window", head + "    algorithm: fixed_window\n    limit: { requests: 1, per: 1s }\n    delay: 5s\n", 0, 0, 0, "delay applies to token_bucket only"},
 		{"delay on concurrency", head + "    concurrency: { max: 2 }\n    delay: 5s\n", 0, 0, 0, "a concurrency rule holds leases, it has no tokens to delay"},
 		{"warn_at on concurrency", head + "    concurrency: { max: 2 }\n    warn_at: 0.5\n", 0.5, 0, ModeDefault, ""},
@@ -113,7 +114,8 @@ func TestCalendarParse(t *testing.T) {
 		{"tz with a duration", head + "    limit: { requests: 10, per: 1d, tz: UTC }\n", 0, "", "a time zone applies to per: day, week or month"},
 		{"calendar with token_bucket", head + "    algorithm: token_bucket\n    limit: { requests: 10, per: day }\n", 0, "", "is a calendar window, counted by fixed_window"},
 		{"calendar with burst", head + "    limit: { requests: 10, per: day, burst: 20 }\n", 0, "", "only token_bucket has a burst"},
-		{"calendar in global mode", head + "    limit: { requests: 10, per: day }\n    mode: global\n", 0, "", "a calendar window (per: day) is decided in mode local only"},
+		{"calendar in global mode", head + "    limit: { requests: 10, per: day }\n    mode: global\n", localbucket.Day, "UTC", ""},
+		{"calendar in hybrid mode", head + "    limit: { requests: 10, per: day }\n    mode: hybrid\n", localbucket.Day, "UTC", ""},
 		{"not a unit", head + "    limit: { requests: 10, per: fortnight }\n", 0, "", `"fortnight" is not a duration`},
 	}
 	for _, tt := range tests {
@@ -131,7 +133,7 @@ func TestCalendarParse(t *testing.T) {
 			r := set.Rules[0]
 			lim, _ := r.LimitFor("", false)
 			unit, loc := lim.Calendar()
-			if r.Calendar != tt.unit || unit != tt.unit || loc.String() != tt.zone || r.Mode != ModeLocal || r.Algorithm != localbucket.FixedWindow {
+			if r.Calendar != tt.unit || unit != tt.unit || loc.String() != tt.zone || r.Algorithm != localbucket.FixedWindow {
 				t.Fatalf("calendar %v/%v zone %v mode %v algorithm %v", r.Calendar, unit, loc, r.Mode, r.Algorithm)
 			}
 		})
@@ -173,7 +175,7 @@ func TestPenaltyParse(t *testing.T) {
 		{"max below ban", head + "    penalty: { after: 1, within: 1m, ban: 1h, max: 1m }\n", nil, "shorter than ban"},
 		{"unknown field", head + "    penalty: { after: 1, within: 1m, ban: 1m, forever: true }\n", nil, `unknown field "forever"`},
 		{"ban too long", head + "    penalty: { after: 1, within: 1m, ban: 400d }\n", nil, "longer than the maximum of 366 days"},
-		{"global mode", head + "    mode: global\n    penalty: { after: 1, within: 1m, ban: 1m }\n", nil, "penalty is decided in mode local only"},
+		{"global mode", head + "    mode: global\n    penalty: { after: 1, within: 1m, ban: 1m }\n", &Penalty{After: 1, Within: time.Minute, Ban: time.Minute, Factor: 2, Max: 16 * time.Minute}, ""},
 		{"on deny", "rules:\n  - name: r\n    key: ip\n    limit: deny\n    penalty: { after: 1, within: 1m, ban: 1m }\n", nil, "no penalty"},
 	}
 	for _, tt := range tests {
@@ -188,8 +190,8 @@ func TestPenaltyParse(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := set.Rules[0].Penalty; *got != *tt.want || set.Rules[0].Mode != ModeLocal {
-				t.Fatalf("penalty %+v mode %v, want %+v, local", *got, set.Rules[0].Mode, *tt.want)
+			if got := set.Rules[0].Penalty; *got != *tt.want {
+				t.Fatalf("penalty %+v, want %+v", *got, *tt.want)
 			}
 		})
 	}

@@ -61,6 +61,18 @@ type GlobalOp struct {
 	// time: Reset and RetryAfter in ns relative to that time. Expires and LimitedUntil
 	// are left 0.
 	Result localbucket.Result
+	// WindowLeft is, for a calendar limit only, the time left in its current window at
+	// the daemon's clock: the daemon computes the window from the limit's zone and names
+	// its start in Key, and the key expires this long after its last take (+1 s).
+	WindowLeft time.Duration
+	// Ban makes the op a ban check, not a limit: Key is a ban key (BanKey, on the slot
+	// of the client's other keys), BanAt the daemon's wall clock (Unix ns), Cost 0, and
+	// Limit any non-nil limit (reported, not applied). It is refused, and with it the
+	// check, while the ban is in force; Check then writes the ban's end (Unix ns) in
+	// BannedUntil. See global_policies.go.
+	Ban         bool
+	BanAt       int64
+	BannedUntil int64
 
 	window int64 // the window start global.lua counted this op in (for Undo)
 }
@@ -189,18 +201,8 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 		args := cs.args[gr.lo*globalArgs : gr.lo*globalArgs : gr.hi*globalArgs]
 		for _, i := range cs.order[gr.lo:gr.hi] {
 			op := &ops[i]
-			l := op.Limit
-			var emission int64
-			if l.Algorithm() == localbucket.TokenBucket {
-				emission = int64(l.Window()) / int64(l.Requests()) // as localbucket.NewLimit
-			}
-			shadow := 0
-			if op.Shadow {
-				shadow = 1
-			}
 			keys = append(keys, op.Key)
-			args = append(args, int(l.Algorithm()), l.Requests(), l.Window().Microseconds(),
-				l.Burst(), emission, op.Cost, shadow)
+			args = appendScriptArgs(args, op) // global_policies.go
 		}
 		calls = append(calls, call{keys: keys, args: args})
 	}
@@ -445,7 +447,7 @@ func parseReply(v any, ops []GlobalOp, idx []int, window []int64) error {
 			Reset:      x[3],
 			RetryAfter: x[4],
 		}
-		window[i] = x[5]
+		window[i] = replyWindow(&ops[i], x[5]) // global_policies.go
 	}
 	return nil
 }

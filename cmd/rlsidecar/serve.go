@@ -190,6 +190,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		// Penalty rules in hybrid and global mode share their bans through Redis.
+		sharedBans, err := rlsync.NewBans(rdbChecks, *redisPrefix)
+		if err != nil {
+			return err
+		}
+		lim.WithSharedBans(sharedBans, *globalTimeout)
+		lim.OnSharedBanStarted(metrics.BanStarted)
 		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
 			if syncBreaker.Open() || checkBreaker.Open() {
 				return 1
@@ -303,6 +310,22 @@ func serve(args []string, stdout, stderr io.Writer) error {
 				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
 					lastLog = time.Now()
 					log.Warn("redis sync failed; deciding from local allowances", "err", err)
+				}
+			})
+		}()
+	}
+
+	// The shared bans: refusals summed and bans learned every sync interval, and the
+	// refusals counted since the last round sent once more at shutdown.
+	if hybrid != nil {
+		var lastLog time.Time
+		syncWG.Add(1)
+		go func() {
+			defer syncWG.Done()
+			lim.RunSharedBans(syncCtx, *syncInterval, clock.Mono, func(err error) {
+				if time.Since(lastLog) > 10*time.Second {
+					lastLog = time.Now()
+					log.Warn("redis: sharing the penalty bans failed; enforcing those known", "err", err)
 				}
 			})
 		}()

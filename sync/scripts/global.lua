@@ -20,6 +20,24 @@
 --   (0 = peek: judged as cost 1, consumes nothing), shadow (1 = dry run: never makes the
 --   batch fail, and consumes nothing when it would reject).
 --
+-- Two more algorithms carry the policies of issue #15 (built by global_policies.go),
+-- each reusing the ARGV slots it has no use for:
+--   3 calendar window: requests, window_us (its length), burst (= requests), and in the
+--     emission_ns slot the µs left in the window at the daemon's clock. The daemon
+--     computes the window from its time zone and names its start in the key, so every
+--     daemon counts one window in one key and the script needs no clock for it; the key
+--     expires when the window ends (+1 s). State: n, the count (t = 0, for refund.lua).
+--     reset_ns and retry_after_ns count to the window's end.
+--   4 token bucket with a delay: as algorithm 0, with the delay in µs in the window_us
+--     slot: a take that would pass within the delay passes now (its tokens reserved) and
+--     the reply's last value (window_us for the others) is how long to wait, in ns.
+--   5 ban check: the key is a penalty rule's ban key (sync.BanKey: the client's slot, so
+--     in the call of the client's other keys), the emission_ns slot the daemon's wall
+--     clock in ms, cost 0. Refused while the ban it holds (field u, its end in ms, written
+--     by ban.lua) is in force, with retry_after_ns to its end and the ban's end (ms) as
+--     the last value; never written. A banned client's checks so commit nothing, in the
+--     same round trip as the checks themselves.
+--
 -- State, a hash per key, mirroring localbucket.State:
 --   token bucket (GCRA): t = theoretical arrival time, integer µs; f = its sub-µs part in
 --     ns (0..999), so the TAT keeps localbucket's nanosecond emission interval exactly
@@ -96,7 +114,8 @@ end
 local function fmt(x) return string.format('%.0f', x) end
 
 -- Token bucket (GCRA). st = {t, f}; works on d = tat - now in ns.
-local function take_token(st, requests, burst, e, cost, r)
+local function take_token(st, requests, burst, e, cost, r, delay)
+  delay = delay or 0 -- ns (algorithm 4)
   local tau = burst * e
   local d = 0
   if st.t then d = (st.t - now) * 1000 + st.f end
@@ -106,11 +125,12 @@ local function take_token(st, requests, burst, e, cost, r)
     r.impossible = 1
   else
     local nd = d + math.max(cost, 1) * e
-    if nd <= tau then
+    if nd <= tau + delay then
       r.allowed = 1
+      if delay > 0 and nd > tau then r.window = nd - tau end -- the wait (algorithm 4)
       if cost > 0 then d, consumed = nd, true end
     else
-      r.retry = nd - tau
+      r.retry = nd - tau - delay
     end
   end
   local avail = tau - d
@@ -201,16 +221,52 @@ local function take_sliding(st, requests, w, cost, r)
   return consumed
 end
 
+-- Calendar window (algorithm 3). st = {n}; left = µs to the window's end.
+local function take_calendar(st, requests, left, cost, r)
+  local count = st.n or 0
+  local consumed = false
+  if cost > requests then
+    r.impossible = 1
+  elseif count <= requests and math.max(cost, 1) <= requests - count then
+    r.allowed = 1
+    count = count + cost
+    consumed = cost > 0
+  else
+    r.retry = left * 1000
+  end
+  if count < requests then r.remaining = requests - count end
+  if count > 0 then r.reset = left * 1000 end
+  r.expires = left * 1000
+  if consumed then st.t, st.n, st.p = 0, count, 0 end
+  return consumed
+end
+
+-- Ban check (algorithm 5). st.u = the ban's end, ms; now_ms: the daemon's clock.
+local function take_ban(st, now_ms, r)
+  local u = st.u or 0
+  if u > now_ms then
+    r.retry = (u - now_ms) * 1000000
+    r.window = u
+  else
+    r.allowed = 1
+  end
+  return false
+end
+
 local function take(alg, st, requests, w, burst, e, cost, r)
   if alg == 0 then return take_token(st, requests, burst, e, cost, r) end
+  if alg == 3 then return take_calendar(st, requests, e, cost, r) end
+  if alg == 4 then return take_token(st, requests, burst, e, cost, r, w * 1000) end
+  if alg == 5 then return take_ban(st, e, r) end
   if alg == 1 then return take_sliding(st, requests, w, cost, r) end
   if alg == 2 then return take_fixed(st, requests, w, cost, r) end
   return redis.error_reply('rlsidecar global.lua: unknown algorithm ' .. tostring(alg))
 end
 
 local function load(key)
-  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p')
-  local st = {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0}
+  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u')
+  local st = {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
+    u = tonumber(v[5])} -- u: a ban key's (algorithm 5)
   return st
 end
 
@@ -267,7 +323,7 @@ if ok then
   for _, key in ipairs(order) do
     local st = states[key]
     if st.dirty then
-      if st.alg == 0 then
+      if st.alg == 0 or st.alg == 4 then
         redis.call('HSET', key, 't', fmt(st.t), 'f', fmt(st.f))
       else
         redis.call('HSET', key, 't', fmt(st.t), 'n', fmt(st.n), 'p', fmt(st.p))

@@ -1,0 +1,345 @@
+package limiter
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// banScope is where an op's penalty bans live: this daemon's table (bans.go), or Redis,
+// shared by every daemon (sharedBans), checked at once (global) or from what this daemon
+// last learned (hybrid).
+type banScope uint8
+
+const (
+	bansLocal  banScope = iota
+	bansHybrid          // known within one sync interval; refusals summed per interval
+	bansGlobal          // read from Redis before the check; refusals counted at once
+)
+
+// maxPendingRefusals bounds the hybrid refusals waiting for the next interval: past it a
+// refused key that has none pending is not counted (as the local table's bound).
+const maxPendingRefusals = 1 << 16
+
+// maxKnownBans bounds the bans a daemon learns per read of the index (those ending
+// last): a read costs Redis and the daemon O(bans in force), every interval.
+const maxKnownBans = 10_000
+
+// sharedBans is the penalty rules' bans in hybrid and global modes, shared through Redis
+// (rlsync.Bans): the pre-check of limiter/doc.go "Extending it" for those modes.
+//
+//   - global: the check's script call also checks the penalty op's ban key (global.lua's
+//     algorithm 5; store_global.go), so a ban raised or lifted anywhere counts at once, in
+//     the check's one round trip; each refusal is counted in Redis at once (one more
+//     round trip, for refusals only): the refusal that reaches `after` starts the ban and
+//     says so in its answer;
+//   - hybrid: a check consults the bans this daemon knows, refreshed every interval from
+//     the index (run); refusals are counted here and summed into Redis every interval.
+//     So a ban raised on one daemon is enforced by every other within one interval, and
+//     starts at most one interval after the refusal that reached `after` (that many more
+//     refusals may pass unbanned, and refusals near the end of a `within` window may be
+//     counted in the next).
+//
+// Times in Redis are wall times; the limiter decides on its own clock (monotonic in the
+// daemon), converted with the local store's wall offset. Safe for concurrent use.
+type sharedBans struct {
+	b    *rlsync.Bans
+	wait time.Duration      // bounds a check's ban read and refusal count
+	wall *localbucket.Store // WallOffset: wall - the limiter's clock
+
+	// known is the bans in force this daemon knows, by rule client key: replaced whole by
+	// each read of the index, and copied to add one this daemon started or to drop one it
+	// lifted (bans are rare; checks read it without a lock).
+	known atomic.Pointer[map[string]knownBan]
+	mu    sync.Mutex // serializes writers of known, and guards pending
+	// pending is the hybrid refusals not yet sent, by rule client key.
+	pending map[string]*pendingRefusal
+	// onStarted hears each ban a batch of hybrid refusals started (its rule client key),
+	// which no answer reports (OnSharedBanStarted); nil: none.
+	onStarted func(key string)
+	// unindexed is the bans this daemon started and has not yet added to the index
+	// (rlsync.Bans.Index); each round retries them, and keeps them known meanwhile.
+	unindexed []rlsync.SharedBan
+}
+
+type knownBan struct {
+	until int64 // wall ns
+	count uint32
+}
+
+type pendingRefusal struct {
+	n      uint64
+	policy rlsync.BanPolicy
+}
+
+func policyOf(p *rules.Penalty) rlsync.BanPolicy {
+	return rlsync.BanPolicy{After: p.After, Within: p.Within, Ban: p.Ban, Factor: p.Factor, Max: p.Max}
+}
+
+// WithSharedBans makes the penalty rules in hybrid and global mode share their bans
+// through b, bounding a global check's reads and counts by wait. The daemon must then run
+// RunSharedBans. Call it before the limiter is used; without it those rules' bans stay
+// per daemon.
+func (l *Limiter) WithSharedBans(b *rlsync.Bans, wait time.Duration) *Limiter {
+	s := &sharedBans{b: b, wait: wait, wall: l.buckets, pending: map[string]*pendingRefusal{}}
+	s.known.Store(&map[string]knownBan{})
+	l.shared = s
+	return l
+}
+
+// OnSharedBanStarted makes f hear the rule of each ban that a batch of this daemon's
+// hybrid refusals started in Redis: no answer reports those (Result.BanStarted), so
+// metrics count them here. Call it after WithSharedBans, before RunSharedBans.
+func (l *Limiter) OnSharedBanStarted(f func(rule string)) {
+	if l.shared != nil {
+		l.shared.onStarted = func(key string) { f(ruleOfKey(key, l.prefix)) }
+	}
+}
+
+// RunSharedBans sends the hybrid refusals counted here and learns the bans raised by
+// every daemon, every interval, until ctx is done; then it sends the refusals once more.
+// now is the limiter's clock; onErr (may be nil) hears each failed round. A no-op without
+// WithSharedBans.
+func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now func() int64, onErr func(error)) {
+	s := l.shared
+	if s == nil {
+		return
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(interval, time.Second))
+			_ = s.flush(fctx, s.wallOf(now()))
+			cancel()
+			return
+		case <-t.C:
+		}
+		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
+		err := s.round(rctx, s.wallOf(now()))
+		cancel()
+		if err != nil && onErr != nil {
+			onErr(err)
+		}
+	}
+}
+
+func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
+
+// round sends the pending refusals, indexes the bans started here, then reads the
+// index: what this daemon knows is the index, and its own bans not yet indexed.
+func (s *sharedBans) round(ctx context.Context, wall int64) error {
+	ferr := s.flush(ctx, wall)
+	s.mu.Lock()
+	todo := s.unindexed
+	s.unindexed = nil
+	s.mu.Unlock()
+	var ierr error
+	if ierr = s.b.Index(ctx, todo); ierr != nil {
+		s.started(todo...) // retried next round
+	}
+	list, err := s.b.Known(ctx, wall, maxKnownBans)
+	if err != nil {
+		return err
+	}
+	m := make(map[string]knownBan, len(list))
+	for _, b := range list {
+		m[b.Key] = knownBan{until: b.Until, count: b.Count}
+	}
+	s.mu.Lock()
+	for _, b := range s.unindexed {
+		if o, ok := m[b.Key]; b.Until > wall && (!ok || o.until < b.Until) {
+			m[b.Key] = knownBan{until: b.Until, count: b.Count}
+		}
+	}
+	s.known.Store(&m)
+	s.mu.Unlock()
+	return errors.Join(ferr, ierr)
+}
+
+// started records bans this daemon started, for the next round to index (at most
+// maxPendingRefusals waiting: past it a ban is enforced by its key and by this daemon,
+// and the others learn it when it is raised again).
+func (s *sharedBans) started(bans ...rlsync.SharedBan) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bans {
+		if len(s.unindexed) < maxPendingRefusals {
+			s.unindexed = append(s.unindexed, b)
+		}
+	}
+}
+
+// flush sends the pending refusals in one pipeline and learns the bans they started.
+func (s *sharedBans) flush(ctx context.Context, wall int64) error {
+	s.mu.Lock()
+	if len(s.pending) == 0 {
+		s.mu.Unlock()
+		return nil
+	}
+	rs := make([]rlsync.BanRefusal, 0, len(s.pending))
+	for k, p := range s.pending {
+		rs = append(rs, rlsync.BanRefusal{Key: k, N: p.n, Policy: p.policy})
+	}
+	clear(s.pending)
+	s.mu.Unlock()
+	err := s.b.Refused(ctx, wall, rs)
+	for i := range rs {
+		if rs[i].Until > wall {
+			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
+		}
+		if rs[i].Started {
+			s.started(rlsync.SharedBan{Key: rs[i].Key, Until: rs[i].Until, Count: rs[i].Count})
+			if s.onStarted != nil {
+				s.onStarted(rs[i].Key)
+			}
+		}
+	}
+	return err
+}
+
+// learn adds one ban to known.
+func (s *sharedBans) learn(key string, b knownBan) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := *s.known.Load()
+	if o, ok := old[key]; ok && o.until >= b.until {
+		return
+	}
+	m := make(map[string]knownBan, len(old)+1)
+	for k, v := range old {
+		m[k] = v
+	}
+	m[key] = b
+	s.known.Store(&m)
+}
+
+// forget drops key from known.
+func (s *sharedBans) forget(key string) {
+	if _, ok := (*s.known.Load())[key]; !ok {
+		return // the common case, without the lock
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := *s.known.Load()
+	if _, ok := old[key]; !ok {
+		return
+	}
+	m := make(map[string]knownBan, len(old))
+	for k, v := range old {
+		if k != key {
+			m[k] = v
+		}
+	}
+	s.known.Store(&m)
+}
+
+// knownUntil returns when the ban of key this daemon knows ends (wall ns), or 0.
+func (s *sharedBans) knownUntil(key []byte, wall int64) int64 {
+	if b, ok := (*s.known.Load())[string(key)]; ok && b.until > wall {
+		return b.until
+	}
+	return 0
+}
+
+// check sets bannedUntil (on the limiter's clock) on d's hybrid ops with shared bans,
+// from what this daemon knows. A global op's ban is checked in its store's script call
+// instead (store_global.go), so that Redis, not what a daemon last heard, decides it.
+func (s *sharedBans) check(now int64, d *Decision) {
+	off := s.wall.WallOffset()
+	wall := now + off
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.bans != bansHybrid {
+			continue
+		}
+		if u := s.knownUntil(o.key, wall); u != 0 {
+			o.bannedUntil = u - off
+		}
+	}
+}
+
+// refused counts op i's refusal by rule r at now (the limiter's clock): at once in Redis
+// for a global op, returning when the ban it started (or found) ends on the limiter's
+// clock, 0 when none; for a hybrid op, added to the next interval's batch (0).
+func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule) int64 {
+	o := &d.ops[i]
+	if o.bans == bansHybrid {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		p := s.pending[string(o.key)]
+		if p == nil {
+			if len(s.pending) >= maxPendingRefusals {
+				return 0
+			}
+			p = &pendingRefusal{policy: policyOf(r.Penalty)}
+			s.pending[string(o.key)] = p
+		}
+		p.n++
+		return 0
+	}
+	off := s.wall.WallOffset()
+	rs := [1]rlsync.BanRefusal{{Key: string(o.key), N: 1, Policy: policyOf(r.Penalty)}}
+	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	err := s.b.Refused(ctx, now+off, rs[:])
+	cancel()
+	if err != nil || rs[0].Until == 0 {
+		return 0
+	}
+	s.learn(rs[0].Key, knownBan{until: rs[0].Until, count: rs[0].Count})
+	if rs[0].Started {
+		s.started(rlsync.SharedBan{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count})
+	}
+	return rs[0].Until - off
+}
+
+// list appends the bans in force this daemon knows at now (the limiter's clock).
+func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
+	wall := s.wallOf(now)
+	for k, b := range *s.known.Load() {
+		if b.until > wall {
+			out = append(out, Ban{Rule: ruleOfKey(k, prefix), Key: k, Left: time.Duration(b.until - wall), Count: b.count})
+		}
+	}
+	return out
+}
+
+// lift lifts key's ban in Redis and here.
+func (s *sharedBans) lift(key string, now int64) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
+	defer cancel()
+	was, err := s.b.Lift(ctx, s.wallOf(now), key)
+	if err != nil {
+		return false
+	}
+	was = was || s.knownUntil([]byte(key), s.wallOf(now)) != 0
+	s.forget(key)
+	s.mu.Lock()
+	s.unindexed = slices.DeleteFunc(s.unindexed, func(b rlsync.SharedBan) bool { return b.Key == key }) // not to index it again
+	s.mu.Unlock()
+	return was
+}
+
+// ruleOfKey returns the rule name in a Redis client key <prefix><rule>~<fp>:{<client>}
+// (limiter/doc.go, "Redis keys"): what precedes the fingerprint, or the ':' before the
+// hash tag. Rule names have no '~', '@' or ':'.
+func ruleOfKey(key, prefix string) string {
+	if len(key) < len(prefix) {
+		return ""
+	}
+	k := key[len(prefix):]
+	for i := 0; i < len(k); i++ {
+		if k[i] == ':' || k[i] == '~' || k[i] == '@' {
+			return k[:i]
+		}
+	}
+	return k
+}

@@ -1,0 +1,267 @@
+package limiter
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
+)
+
+// sharedLimiter returns a limiter (one daemon) on rdb whose penalty rules in hybrid and
+// global mode share their bans through Redis under the default prefix.
+func sharedLimiter(t testing.TB, rdb redis.UniversalClient, yaml string) *Limiter {
+	t.Helper()
+	b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return policyLimiter(t, rdb, yaml).WithSharedBans(b, 2*time.Second)
+}
+
+func redisFor(t *testing.T, where string) redis.UniversalClient {
+	if where == "cluster" {
+		return clusterRedis(t)
+	}
+	return realRedis(t)
+}
+
+// TestSharedBansGlobal: in global mode a ban raised by one daemon's refusals is enforced
+// by another at once; the refusal count is in Redis (refusals on two daemons add up);
+// bans grow ban, ban×factor, ban×factor² up to max and decay after max without one, on an
+// injected clock; lifting one on a daemon lifts it for every daemon at once. Standalone
+// and a 3-master Cluster.
+func TestSharedBansGlobal(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 30s }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 1m, factor: 2, max: 5m }
+`
+	for _, where := range []string{"standalone", "cluster"} {
+		t.Run(where, func(t *testing.T) {
+			rdb := redisFor(t, where)
+			ls := [2]*Limiter{sharedLimiter(t, rdb, yaml), sharedLimiter(t, rdb, yaml)}
+			var d Decision
+			check := func(l *Limiter, now int64) *Decision {
+				t.Helper()
+				if err := l.Check(now, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
+					t.Fatal(err)
+				}
+				if d.Degraded {
+					t.Fatalf("degraded: %+v", d.Results)
+				}
+				return &d
+			}
+			sec := int64(time.Second)
+			now := t0
+			if r := check(ls[0], now); !r.Allowed {
+				t.Fatal("first request refused")
+			}
+			// earn: a refusal on daemon 0, then one on daemon 1, which starts a ban of want;
+			// daemon 0 enforces it at once.
+			earn := func(want time.Duration) {
+				t.Helper()
+				if r := check(ls[0], now); r.Allowed || r.Banned {
+					t.Fatalf("at %ds refusal 1: allowed %v banned %v", (now-t0)/sec, r.Allowed, r.Banned)
+				}
+				if r := check(ls[1], now); r.Allowed || !r.Banned || !r.Results[0].BanStarted || r.Results[0].RetryAfter != want {
+					t.Fatalf("at %ds refusal 2 (other daemon): banned %v started %v retry %v, want a ban of %v",
+						(now-t0)/sec, r.Banned, r.Results[0].BanStarted, r.Results[0].RetryAfter, want)
+				}
+				if r := check(ls[0], now+sec); !r.Banned || r.Results[0].RetryAfter != want-time.Second || r.Results[0].BanStarted {
+					t.Fatalf("daemon 0 a second later: banned %v retry %v, want %v", r.Banned, r.Results[0].RetryAfter, want-time.Second)
+				}
+			}
+			earn(time.Minute)
+			last := time.Minute
+			for _, want := range []time.Duration{2 * time.Minute, 4 * time.Minute, 5 * time.Minute, 5 * time.Minute} {
+				now += int64(last)
+				earn(want)
+				last = want
+			}
+			// Daemon 0 lists what it knows: the bans it read at its last round, after
+			// daemon 1 (which started them) indexed them at its own.
+			for _, l := range []*Limiter{ls[1], ls[0]} {
+				if err := l.shared.round(context.Background(), now); err != nil {
+					t.Fatal(err)
+				}
+			}
+			bans := ls[0].Bans(now)
+			if len(bans) != 1 || bans[0].Rule != "login" || bans[0].Key != "rl:login~tb30s:{ip=1.1.1.1}" || bans[0].Count != 5 || bans[0].Left != last {
+				t.Fatalf("daemon 0 lists %+v, want login's ban of rl:login~tb30s:{ip=1.1.1.1}, count 5, %v left", bans, last)
+			}
+			// 5m after the last ban ended without another, the count has decayed: 1m again.
+			now += int64(last) + int64(5*time.Minute)
+			earn(time.Minute)
+			// Lifted on daemon 1: daemon 0 lets the key reach its rule at once.
+			if !ls[1].LiftBan("rl:login~tb30s:{ip=1.1.1.1}", now) {
+				t.Fatal("LiftBan found no ban")
+			}
+			if r := check(ls[0], now); r.Banned {
+				t.Fatal("daemon 0 still enforces a lifted ban")
+			}
+		})
+	}
+}
+
+// TestSharedBansHybrid: in hybrid mode each daemon counts its refusals and sums them
+// into Redis once per interval (round); a ban raised there is enforced by the other
+// daemon from its next round on, not before (what it knows is one interval old).
+func TestSharedBansHybrid(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: hybrid
+    penalty: { after: 3, within: 1m, ban: 10m }
+`
+	for _, where := range []string{"standalone", "cluster"} {
+		t.Run(where, func(t *testing.T) {
+			rdb := redisFor(t, where)
+			ls := [2]*Limiter{sharedLimiter(t, rdb, yaml), sharedLimiter(t, rdb, yaml)}
+			var d Decision
+			check := func(l *Limiter) *Decision {
+				t.Helper()
+				if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
+					t.Fatal(err)
+				}
+				return &d
+			}
+			round := func(l *Limiter) {
+				t.Helper()
+				if err := l.shared.round(context.Background(), time.Now().UnixNano()); err != nil {
+					t.Fatal(err)
+				}
+			}
+			refused := 0
+			for i := 0; refused < 2; i++ { // 2 refusals on daemon 0: below after
+				if i > 50 {
+					t.Fatal("daemon 0 never refused")
+				}
+				if r := check(ls[0]); !r.Allowed {
+					refused++
+				}
+			}
+			round(ls[0])
+			for r := check(ls[1]); r.Allowed; r = check(ls[1]) { // one on daemon 1: the third
+			}
+			if r := check(ls[0]); r.Banned {
+				t.Fatal("banned before daemon 1 summed its refusal")
+			}
+			round(ls[1]) // daemon 1 sums it: the ban starts, and daemon 1 knows it
+			if r := check(ls[1]); !r.Banned || r.Results[0].RetryAfter <= 9*time.Minute {
+				t.Fatalf("daemon 1 after its round: banned %v retry %v, want a ban of 10m", r.Banned, r.Results[0].RetryAfter)
+			}
+			if r := check(ls[0]); r.Banned {
+				t.Fatal("daemon 0 enforced the ban before its next round: it should not know it yet")
+			}
+			round(ls[0])
+			if r := check(ls[0]); !r.Banned || r.Results[0].RetryAfter <= 9*time.Minute {
+				t.Fatalf("daemon 0 after its round: banned %v retry %v, want the 10m ban", r.Banned, r.Results[0].RetryAfter)
+			}
+			if bans := ls[0].Bans(time.Now().UnixNano()); len(bans) != 1 || bans[0].Count != 1 || bans[0].Rule != "login" {
+				t.Fatalf("daemon 0 lists %+v", bans)
+			}
+			// Lifted on daemon 0: gone from Redis, so daemon 1 drops it at its next round.
+			if !ls[0].LiftBan("rl:login~tb1h:{ip=1.1.1.1}", time.Now().UnixNano()) {
+				t.Fatal("LiftBan found no ban")
+			}
+			if r := check(ls[0]); r.Banned {
+				t.Fatal("daemon 0 still enforces the ban it lifted")
+			}
+			round(ls[1])
+			if r := check(ls[1]); r.Banned {
+				t.Fatal("daemon 1 still enforces a lifted ban after its round")
+			}
+		})
+	}
+}
+
+// TestSharedBansRun: RunSharedBans learns a ban raised elsewhere within an interval or so
+// and sends pending refusals when stopped.
+func TestSharedBansRun(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: hybrid
+    penalty: { after: 1, within: 1m, ban: 10m }
+`
+	rdb := realRedis(t)
+	l1, l2 := sharedLimiter(t, rdb, yaml), sharedLimiter(t, rdb, yaml)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		l2.RunSharedBans(ctx, 20*time.Millisecond, func() int64 { return time.Now().UnixNano() }, nil)
+	}()
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	done1 := make(chan struct{})
+	go func() {
+		defer close(done1)
+		l1.RunSharedBans(ctx1, time.Hour, func() int64 { return time.Now().UnixNano() }, nil)
+	}()
+	var d Decision
+	for d.Allowed = true; d.Allowed; {
+		if err := l1.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=9.9.9.9"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel1() // l1's loop never ticked (1h): stopping it sends the refusal
+	<-done1
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if err := l2.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=9.9.9.9"), Cost: 0}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Banned {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("daemon 2 never learned the ban")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	<-done
+}
+
+// TestBannedRequestCountsNoOtherRefusal: a request refused by one rule's ban is not a
+// refusal by the other penalty rules it matched (their stores were not asked), so they
+// start no ban of their own.
+func TestBannedRequestCountsNoOtherRefusal(t *testing.T) {
+	const yaml = `
+rules:
+  - name: strict
+    key: ip
+    limit: { requests: 1, per: 30s }
+    mode: global
+    penalty: { after: 1, within: 1m, ban: 10m }
+  - name: lenient
+    key: user
+    limit: { requests: 100, per: 1h }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 10m }
+`
+	rdb := realRedis(t)
+	l := sharedLimiter(t, rdb, yaml)
+	var d Decision
+	for i := range 5 {
+		if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1", "user=bob"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != (i == 0) || (i >= 2 && !d.Banned) {
+			t.Fatalf("request %d: allowed %v banned %v", i+1, d.Allowed, d.Banned)
+		}
+	}
+	if bans := l.Bans(t0); len(bans) != 1 || bans[0].Rule != "strict" {
+		t.Fatalf("bans %+v, want strict's only", bans)
+	}
+}

@@ -1,0 +1,201 @@
+package sync
+
+import (
+	"context"
+	_ "embed"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed scripts/ban.lua
+var banSrc string
+
+var banScript = script{redis.NewScript(banSrc), banSrc}
+
+// Bans is the penalty rules' escalating bans in hybrid and global modes, shared by every
+// daemon on one Redis under one prefix. Per client of a penalty rule, one hash
+// <prefix><rule>@ban:{<client>} (BanKey; the client's hash tag, so it lives on the slot of
+// the client's other keys) holds its refusals in the current `within` window, the end of
+// its ban and its count of bans, and expires once it carries nothing (scripts/ban.lua).
+// Every ban in force is also a member of the sorted set <prefix>~bans (score: its end in
+// Unix ms, member: "<count>|<key>"), which each daemon reads once per interval to learn
+// the bans raised elsewhere ([Bans.Known]). No rule name contains '@' or starts with '~',
+// so neither key is any rule's key under any prefix.
+//
+// Times are the daemons' wall clocks in Unix ns (ms in Redis), given by the caller, so a
+// ban ends at the same instant on every daemon (to their clocks' agreement) and tests can
+// inject a clock. Safe for concurrent use.
+type Bans struct {
+	rdb   redis.UniversalClient
+	index string
+}
+
+// NewBans returns the shared bans under prefix (checked by [CheckPrefix]) on c, a
+// *redis.Client or a *redis.ClusterClient.
+func NewBans(c redis.UniversalClient, prefix string) (*Bans, error) {
+	if err := CheckPrefix(prefix); err != nil {
+		return nil, err
+	}
+	return &Bans{rdb: c, index: prefix + "~bans"}, nil
+}
+
+// BanKey returns the ban key of key, a rule's client key <prefix><rule>:{<client>}:
+// <prefix><rule>@ban:{<client>}. It panics on a key without a hash tag (a bug).
+func BanKey(key string) string {
+	tag := strings.IndexByte(key, '{') - 1
+	if tag < 0 || key[tag] != ':' {
+		panic("BUG: sync: BanKey of a key without a hash tag: " + key)
+	}
+	return key[:tag] + "@ban" + key[tag:]
+}
+
+// BanPolicy is a penalty rule's escalation, as rules.Penalty: After refusals within
+// Within start a ban of Ban, each later one Factor times longer, at most Max; the count
+// decays after Max without a ban.
+type BanPolicy struct {
+	After  uint64
+	Within time.Duration
+	Ban    time.Duration
+	Factor float64
+	Max    time.Duration
+}
+
+// BanRefusal is refusals of one client by a penalty rule, given to [Bans.Refused], and
+// what they did.
+type BanRefusal struct {
+	Key    string // the rule's client key (not the ban key)
+	N      uint64 // refusals, at least 1
+	Policy BanPolicy
+	// Written by Refused: Until is the end of the client's ban in force (Unix ns), 0 when
+	// none; Count its number since the count decayed; Started: these refusals started it.
+	Until   int64
+	Count   uint32
+	Started bool
+}
+
+// Refused adds each refusal batch to its client's count at now (Unix ns), starting a ban
+// where the count reaches the policy's After, and writes what happened into rs. The
+// calls go in one pipeline. An error leaves the failed batches' results zero. The caller
+// adds the bans started to the index ([Bans.Index]): on a Cluster the index is on
+// another node, so it cannot be in the same script.
+func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
+	if len(rs) == 0 {
+		return nil
+	}
+	ms := now / int64(time.Millisecond)
+	calls := make([]call, len(rs))
+	for i := range rs {
+		r := &rs[i]
+		p := r.Policy
+		calls[i] = call{keys: []string{BanKey(r.Key)}, args: []any{ms, max(r.N, 1), p.After,
+			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1)}}
+	}
+	run(ctx, b.rdb, banScript, calls)
+	var firstErr error
+	for i := range rs {
+		r := &rs[i]
+		r.Until, r.Count, r.Started = 0, 0, false
+		v, err := calls[i].cmd.Int64Slice()
+		if err == nil && len(v) != 3 {
+			err = fmt.Errorf("ban.lua replied %d values, want 3", len(v))
+		}
+		if err != nil {
+			if firstErr == nil {
+				firstErr = fmt.Errorf("ban refusals of %d keys: %w", len(rs), err)
+			}
+			continue
+		}
+		r.Until, r.Count, r.Started = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1
+	}
+	return firstErr
+}
+
+// Index adds bans (as Refused reported them started) to the index, where every daemon
+// learns them ([Bans.Known]). It is idempotent: the caller retries what failed.
+func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
+	if len(bans) == 0 {
+		return nil
+	}
+	zs := make([]redis.Z, len(bans))
+	for i, sb := range bans {
+		zs[i] = redis.Z{Score: float64(sb.Until / int64(time.Millisecond)), Member: member(int64(sb.Count), sb.Key)}
+	}
+	if err := b.rdb.ZAdd(ctx, b.index, zs...).Err(); err != nil {
+		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, err)
+	}
+	return nil
+}
+
+func member(count int64, key string) string { return strconv.FormatInt(count, 10) + "|" + key }
+
+// SharedBan is a ban in force, as [Bans.Known] lists it.
+type SharedBan struct {
+	Key   string // the rule's client key: <prefix><rule>:{<client>}
+	Until int64  // Unix ns
+	Count uint32
+}
+
+// Known lists at most limit bans in force at now (Unix ns) from the index, latest to end
+// first (past limit, the bans ending soonest are left out), and drops the index's ended
+// ones. A key banned again appears once, with its latest ban.
+func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, error) {
+	ms := now / int64(time.Millisecond)
+	pipe := b.rdb.Pipeline()
+	pipe.ZRemRangeByScore(ctx, b.index, "-inf", strconv.FormatInt(ms, 10))
+	zs := pipe.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{Key: b.index, ByScore: true, Rev: true,
+		Start: "+inf", Stop: "(" + strconv.FormatInt(ms, 10), Count: int64(limit)})
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, fmt.Errorf("reading the ban index %s: %w", b.index, err)
+	}
+	latest := map[string]int{}
+	var out []SharedBan
+	for _, z := range zs.Val() {
+		m, _ := z.Member.(string)
+		cs, key, ok := strings.Cut(m, "|")
+		n, err := strconv.ParseUint(cs, 10, 32)
+		if !ok || err != nil {
+			continue // not ours
+		}
+		sb := SharedBan{Key: key, Until: int64(z.Score) * int64(time.Millisecond), Count: uint32(n)}
+		if j, seen := latest[key]; seen {
+			if sb.Until > out[j].Until {
+				out[j] = sb
+			}
+			continue
+		}
+		latest[key] = len(out)
+		out = append(out, sb)
+	}
+	return out, nil
+}
+
+// Lift ends the ban of key (a rule's client key) and forgets its refusals and bans, in
+// Redis: every daemon stops enforcing it at its next read of the index (global checks at
+// once). It reports whether key was banned at now.
+func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
+	bk := BanKey(key)
+	v, err := b.rdb.HMGet(ctx, bk, "u", "c").Result()
+	if err != nil {
+		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
+	}
+	var u, c int64
+	if s, ok := v[0].(string); ok {
+		u, _ = strconv.ParseInt(s, 10, 64)
+	}
+	if s, ok := v[1].(string); ok {
+		c, _ = strconv.ParseInt(s, 10, 64)
+	}
+	if err := b.rdb.Del(ctx, bk).Err(); err != nil {
+		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
+	}
+	if c > 0 {
+		if err := b.rdb.ZRem(ctx, b.index, member(c, key)).Err(); err != nil {
+			return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
+		}
+	}
+	return u*int64(time.Millisecond) > now, nil
+}

@@ -1,0 +1,156 @@
+package sync
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestBanKey(t *testing.T) {
+	tests := []struct{ key, want string }{
+		{"rl:login:{ip=1.1.1.1}", "rl:login@ban:{ip=1.1.1.1}"},
+		{"a:b:login:{user=x:{y}}", "a:b:login@ban:{user=x:{y}}"}, // prefix with ':'; client with braces
+	}
+	for _, tt := range tests {
+		if got := BanKey(tt.key); got != tt.want {
+			t.Errorf("BanKey(%q) = %q, want %q", tt.key, got, tt.want)
+		}
+		if Slot(BanKey(tt.key)) != Slot(tt.key) {
+			t.Errorf("%q: the ban key is on another slot", tt.key)
+		}
+	}
+}
+
+// TestBansEscalateAndDecay drives ban.lua on an injected clock, on a standalone Redis and
+// a 3-master Cluster: refusals add up (in batches, as hybrid daemons send them) within
+// `within`; bans last ban, ban×factor, ban×factor², capped at max; refusals during a ban
+// do not count; max without a ban resets the count; the key expires once it carries
+// nothing; the index lists the bans in force; Lift ends one.
+func TestBansEscalateAndDecay(t *testing.T) {
+	for _, be := range globalBackends(t)[1:] { // standalone (grouped by slot) and cluster
+		t.Run(be.name, func(t *testing.T) {
+			ctx := context.Background()
+			b, err := NewBans(be.rdb, "t:")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pol := BanPolicy{After: 3, Within: time.Minute, Ban: time.Minute, Factor: 2, Max: 5 * time.Minute}
+			const key = "t:login:{ip=1.1.1.1}"
+			now := int64(1_700_000_000) * int64(time.Second)
+			refuse := func(n uint64) BanRefusal {
+				t.Helper()
+				rs := []BanRefusal{{Key: key, N: n, Policy: pol}}
+				if err := b.Refused(ctx, now, rs); err != nil {
+					t.Fatal(err)
+				}
+				if rs[0].Started {
+					if err := b.Index(ctx, []SharedBan{{Key: key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return rs[0]
+			}
+			// 2 refusals, then the window passes: they are forgotten.
+			if r := refuse(2); r.Until != 0 || r.Started {
+				t.Fatalf("2 refusals: %+v, want no ban", r)
+			}
+			now += int64(time.Minute)
+			if r := refuse(2); r.Until != 0 {
+				t.Fatalf("2 refusals in a new window: %+v, want no ban", r)
+			}
+			last := time.Duration(0)
+			for i, want := range []time.Duration{time.Minute, 2 * time.Minute, 4 * time.Minute, 5 * time.Minute, 5 * time.Minute} {
+				now += int64(last)
+				var r BanRefusal
+				if i == 0 {
+					r = refuse(1) // the third of the window
+				} else {
+					r = refuse(3) // a daemon's batch of three
+				}
+				if !r.Started || r.Until != now+int64(want) || r.Count != uint32(i+1) {
+					t.Fatalf("ban %d: %+v, want started, %v, count %d", i+1, r, want, i+1)
+				}
+				if r2 := refuse(5); r2.Started || r2.Until != r.Until {
+					t.Fatalf("refusals during ban %d: %+v, want the same ban", i+1, r2)
+				}
+				last = want
+			}
+			list, err := b.Known(ctx, now, 10)
+			if err != nil || len(list) != 1 || list[0] != (SharedBan{Key: key, Until: now + int64(last), Count: 5}) {
+				t.Fatalf("Known: %+v (%v)", list, err)
+			}
+			// The key lives until max after the ban's end, then carries nothing.
+			ttl, err := be.rdb.PTTL(ctx, BanKey(key)).Result()
+			if err != nil || ttl <= last+5*time.Minute-time.Second || ttl > last+5*time.Minute+2*time.Second {
+				t.Fatalf("ban key TTL %v (%v), want about the ban (%v) + max (5m)", ttl, err, last)
+			}
+			// max without a ban after the last ends: the count decays, 1m again.
+			now += int64(last) + int64(5*time.Minute)
+			if r := refuse(3); !r.Started || r.Until != now+int64(time.Minute) || r.Count != 1 {
+				t.Fatalf("after the decay: %+v, want a 1m ban, count 1", r)
+			}
+			if list, _ := b.Known(ctx, now, 10); len(list) != 1 || list[0].Count != 1 {
+				t.Fatalf("Known after the decay: %+v, want only the new ban", list)
+			}
+			was, err := b.Lift(ctx, now, key)
+			if err != nil || !was {
+				t.Fatalf("Lift: %v %v", was, err)
+			}
+			if n, _ := be.rdb.Exists(ctx, BanKey(key)).Result(); n != 0 {
+				t.Fatal("the ban key survived Lift")
+			}
+			if list, _ := b.Known(ctx, now, 10); len(list) != 0 {
+				t.Fatalf("Known after Lift: %+v", list)
+			}
+			if was, err := b.Lift(ctx, now, key); err != nil || was {
+				t.Fatalf("Lift of nothing: %v %v", was, err)
+			}
+		})
+	}
+}
+
+// TestBansBadInput: ban.lua refuses malformed arguments and writes nothing; NewBans
+// refuses a bad prefix.
+func TestBansBadInput(t *testing.T) {
+	be := globalBackends(t)[0]
+	if _, err := NewBans(be.rdb, "no-colon"); err == nil {
+		t.Fatal("NewBans accepted a prefix without ':'")
+	}
+	ctx := context.Background()
+	err := be.rdb.Eval(ctx, banSrc, []string{"t:x@ban:{a}"}, "now", 1, 1, 1, 1, 1, 1).Err()
+	if err == nil || !strings.Contains(err.Error(), "rlsidecar ban.lua") {
+		t.Fatalf("bad now: %v, want ban.lua's error", err)
+	}
+	if n, _ := be.rdb.Exists(ctx, "t:x@ban:{a}").Result(); n != 0 {
+		t.Fatal("a refused call wrote its key")
+	}
+}
+
+// TestBansKnownLimit: past its limit, Known keeps the bans ending last.
+func TestBansKnownLimit(t *testing.T) {
+	be := globalBackends(t)[0]
+	ctx := context.Background()
+	b, err := NewBans(be.rdb, "k:")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := int64(1_700_000_000) * int64(time.Second)
+	for i, ban := range []time.Duration{time.Minute, 3 * time.Minute, 2 * time.Minute} {
+		rs := []BanRefusal{{Key: "k:r:{c=" + string(rune('a'+i)) + "}", N: 1,
+			Policy: BanPolicy{After: 1, Within: time.Minute, Ban: ban, Factor: 2, Max: time.Hour}}}
+		if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started {
+			t.Fatalf("ban %d: %+v %v", i, rs[0], err)
+		}
+		if err := b.Index(ctx, []SharedBan{{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list, err := b.Known(ctx, now, 2)
+	if err != nil || len(list) != 2 || list[0].Key != "k:r:{c=b}" || list[1].Key != "k:r:{c=c}" {
+		t.Fatalf("Known(limit 2) = %+v (%v), want the 3m and 2m bans", list, err)
+	}
+	if list, _ := b.Known(ctx, now+int64(150*time.Second), 10); len(list) != 1 || list[0].Key != "k:r:{c=b}" {
+		t.Fatalf("Known 2.5m later = %+v, want the 3m ban only", list)
+	}
+}
