@@ -298,13 +298,18 @@ func median(v []float64) float64 {
 	return (v[len(v)/2-1] + v[len(v)/2]) / 2
 }
 
-// progress is a one-line progress bar on stderr.
+// progress is a one-line progress bar on stderr when stderr is a terminal, and one line
+// per step otherwise (a CI log keeps no carriage returns or escape codes).
 type progress struct {
 	n, of int
 	start time.Time
+	tty   bool
 }
 
-func newProgress() *progress { return &progress{start: time.Now()} }
+func newProgress() *progress {
+	fi, err := os.Stderr.Stat()
+	return &progress{start: time.Now(), tty: err == nil && fi.Mode()&os.ModeCharDevice != 0}
+}
 
 func (p *progress) total(n int) { p.of = p.n + n }
 
@@ -313,11 +318,19 @@ func (p *progress) step(what string) {
 	of := max(p.of, p.n)
 	const width = 30
 	fill := p.n * width / of
+	if !p.tty {
+		fmt.Fprintf(os.Stderr, "%3d/%d %5.0fs %s\n", p.n, of, time.Since(p.start).Seconds(), what)
+		return
+	}
 	fmt.Fprintf(os.Stderr, "\r\033[K[%s%s] %3d/%d %5.0fs %s", strings.Repeat("#", fill), strings.Repeat(".", width-fill),
 		p.n, of, time.Since(p.start).Seconds(), what)
 }
 
 func (p *progress) done() {
+	if !p.tty {
+		fmt.Fprintf(os.Stderr, "done in %.0fs\n", time.Since(p.start).Seconds())
+		return
+	}
 	fmt.Fprintf(os.Stderr, "\r\033[Kdone in %.0fs\n", time.Since(p.start).Seconds())
 }
 
