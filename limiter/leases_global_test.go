@@ -452,3 +452,39 @@ rules:
 		t.Fatalf("rate remaining %d after 1 allowed and 3 lease refusals; want 9 (refunded)", r.Remaining)
 	}
 }
+
+// LeaseWaits tells the daemon which releases and renews go to Redis (decided off the
+// connection's fast path): a token with a global part, on a limiter with global mode;
+// never a local token. It allocates nothing.
+func TestLeaseWaits(t *testing.T) {
+	rdb := realRedis(t)
+	g := globalLimiter(t, rdb, globalLeaseRules, "rl:")
+	local := New(mustRules(t, globalLeaseRules), localbucket.NewStore(localbucket.Options{}))
+	_, global, _ := acquire(t, g, exportInput("dee"), 7)
+	if global == "" || global[0] != globalTokenPrefix {
+		t.Fatalf("global token %q", global)
+	}
+	loc := g.leases.Token(1)
+	for _, tc := range []struct {
+		name  string
+		l     *Limiter
+		token string
+		want  bool
+	}{
+		{"local token", g, loc, false},
+		{"global token", g, global, true},
+		{"local and global joined", g, loc + tokenJoin + global, true},
+		{"forged global (Redis says no)", g, "gAAAA", true},
+		{"empty", g, "", false},
+		{"global token, no global mode", local, global, false},
+		{"local token, no global mode", local, loc, false},
+	} {
+		if got := tc.l.LeaseWaits(tc.token); got != tc.want {
+			t.Errorf("%s: LeaseWaits(%q) = %v, want %v", tc.name, tc.token, got, tc.want)
+		}
+	}
+	joined := loc + tokenJoin + global
+	if n := testing.AllocsPerRun(100, func() { g.LeaseWaits(joined) }); n != 0 {
+		t.Errorf("LeaseWaits allocates %v times", n)
+	}
+}

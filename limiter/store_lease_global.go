@@ -383,6 +383,14 @@ func splitToken(token string) (local, global string) {
 	return token, ""
 }
 
+// LeaseWaits reports whether releasing or renewing the lease of token goes to Redis (it
+// has a global part and this limiter has a global store): the caller then does it off
+// its fast path, as a global check. Without allocation; a local token is false.
+func (l *Limiter) LeaseWaits(token string) bool {
+	_, global := splitToken(token)
+	return global != "" && l.global != nil
+}
+
 // ReleaseLease frees the lease of token (Limiter.LeaseToken) and reports whether it
 // freed any slot: false when it is unknown, expired, already released, forged, or its
 // global part could not reach Redis (it then expires after its lease). A global lease is
