@@ -245,3 +245,123 @@ func BenchmarkGlobalLeaseAcquire(b *testing.B) {
 	b.ReportMetric(float64(tr.Nanoseconds())/n, "rate-ns/check")
 	b.ReportMetric(float64(tl.Nanoseconds())/n, "acquire-ns/check")
 }
+
+// pairTrips runs n acquire + release pairs one after another at one connection: a check
+// from fr, then the release of the lease its answer carries. It returns each pair's time.
+func (c *client) pairTrips(fr [][]byte, n int, lat []time.Duration) ([]time.Duration, error) {
+	dec, enc := proto.NewDecoder(), proto.NewEncoder()
+	var resp proto.Response
+	for i := range n {
+		start := time.Now()
+		if _, err := c.c.Write(fr[i%len(fr)]); err != nil {
+			return lat, err
+		}
+		if err := c.readOne(); err != nil {
+			return lat, err
+		}
+		if err := dec.DecodeResponse(c.buf, &resp); err != nil {
+			return lat, err
+		}
+		enc.Reset()
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpRelease, Lease: resp.Lease, Cost: 1})
+		if _, err := c.c.Write(enc.Bytes()); err != nil {
+			return lat, err
+		}
+		if err := c.readOne(); err != nil {
+			return lat, err
+		}
+		lat = append(lat, time.Since(start))
+	}
+	return lat, nil
+}
+
+// BenchmarkGlobalLeasePair: one daemon on a real redis-server, alternating in one run:
+// a global rate check, and a global lease's whole life over the socket, its acquire (a
+// check matching one global concurrency rule) then its release (both through Redis,
+// lease.lua; the release decided off the connection's fast path). Reported, each as
+// pair over rate check (medians of the rounds): p50 at one connection, and time per unit
+// at 4 connections × 32 in flight (a unit is a rate check, or an acquire plus its
+// release). Every check must be allowed from Redis, every release must free its lease.
+// Two Redis round trips against one: about 2× is what it should cost.
+func BenchmarkGlobalLeasePair(b *testing.B) {
+	srv := redistest.StartStandalone(b)
+	path := filepath.Join(b.TempDir(), "global-leases.yaml")
+	if err := os.WriteFile(path, []byte(globalLeaseBenchRules), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	d := startServerNamed(b, "global-lease-pair", "--config", path, "--redis", "redis://"+srv.Addr,
+		"--global-timeout", "1s", "--redis-timeout", "1s")
+	rate, lease := kindFrames(8192, 4096, "rate"), kindFrames(8192, 4096, "lease")
+	verify := func(c *client, kind string) *client {
+		dec := proto.NewDecoder()
+		var resp proto.Response
+		c.verify = func(body []byte) error {
+			if err := dec.DecodeResponse(body, &resp); err != nil {
+				return err
+			}
+			switch {
+			case resp.IsError():
+				return fmt.Errorf("%s: error answer %+v", kind, resp)
+			case kind == "lease" && resp.Lease == "" && !resp.Released:
+				return fmt.Errorf("release answer %+v, want released", resp)
+			case (kind == "rate" || resp.Lease != "") && (!resp.Allowed || resp.Degraded):
+				return fmt.Errorf("%s answer %+v, want allowed from Redis", kind, resp)
+			}
+			return nil
+		}
+		return c
+	}
+	cr, cl := verify(dial(b, d.socket), "rate"), verify(dial(b, d.socket), "lease")
+	if err := cr.pipelined(rate, 2000, 32); err != nil { // warm
+		b.Fatal(err)
+	}
+	if err := cl.units(lease, 1000, 32); err != nil {
+		b.Fatal(err)
+	}
+	var p50 []float64
+	var lr, ll []time.Duration
+	for i := range max(b.N/500, 5) {
+		var err error
+		if lr, err = cr.roundTrips(rate[i*97%len(rate):], 500, lr[:0]); err != nil {
+			b.Fatal(err)
+		}
+		if ll, err = cl.pairTrips(lease[i*97%len(lease):], 500, ll[:0]); err != nil {
+			b.Fatal(err)
+		}
+		p50 = append(p50, float64(percentile(ll, 0.5))/float64(percentile(lr, 0.5)))
+	}
+	b.ReportMetric(median(p50), "pair-vs-rate-p50")
+	b.ReportMetric(float64(percentile(lr, 0.5).Nanoseconds()), "rate-p50-ns")
+	b.ReportMetric(float64(percentile(ll, 0.5).Nanoseconds()), "pair-p50-ns")
+
+	const conns, inflight, round = 4, 32, 8000
+	var csr, csl []*client
+	for range conns {
+		csr = append(csr, verify(dial(b, d.socket), "rate"))
+		csl = append(csl, verify(dial(b, d.socket), "lease"))
+	}
+	runUnits := func(cs []*client, fr [][]byte) time.Duration {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i, c := range cs {
+			wg.Go(func() {
+				if err := c.units(fr[i*7%len(fr):], round/conns, inflight); err != nil {
+					b.Error(err)
+				}
+			})
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	var thr []float64
+	var tr, tl time.Duration
+	for range max(b.N/round, 5) {
+		r, l := runUnits(csr, rate), runUnits(csl, lease)
+		tr, tl = tr+r, tl+l
+		thr = append(thr, float64(l)/float64(r))
+	}
+	b.ReportMetric(median(thr), "pair-vs-rate-4x32")
+	n := float64(len(thr) * round)
+	b.ReportMetric(float64(tr.Nanoseconds())/n, "rate-ns/check")
+	b.ReportMetric(float64(tl.Nanoseconds())/n, "pair-ns/acquire+release")
+}

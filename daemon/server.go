@@ -4,15 +4,23 @@
 // One goroutine serves each connection. It decodes every complete frame already read,
 // answers each into one output buffer, and writes that buffer with a single syscall when
 // no further complete frame is waiting: pipelined requests cost one read and one write per
-// batch, a lone request one of each. A check that waits on Redis (a global-mode rule) is
-// decided on a goroutine of its own, so the Redis round trips of one pipelined connection
-// overlap; the answers after it wait in order behind it. The connection's goroutine does
+// batch, a lone request one of each. A request that waits on Redis (a check with a
+// global-mode rule, or the release or renew of a global lease) is decided on a goroutine
+// of its own, so the Redis round trips of one pipelined connection overlap; the answers
+// after it wait in order behind it. The connection's goroutine does
 // not wait for them: it hands the batch over (the write queue) and reads on, and whichever
 // goroutine completes the oldest waiting check writes every answer that is then ready, in
 // request order, with one writev. So a pipelined client's next requests are read and sent
 // to Redis while the earlier ones are decided, and no goroutine is added per connection.
-// Every other check is decided inline, with no goroutine and no lock of the connection's
-// while nothing waits on Redis.
+// Every other request (a local release among them) is decided inline, with no goroutine
+// and no lock of the connection's while nothing waits on Redis. Requests decided off the
+// fast path run concurrently: a client that needs a release done before its next check
+// waits for the release's answer.
+//
+// When a connection closes, its goroutine waits for its requests in flight, then frees
+// the leases it still holds: the global ones in one Redis pipeline bounded at 1 s
+// (limiter.Limiter.ReleaseOwner), on that goroutine, so neither the accept loop nor any
+// other connection waits for it; the connection counts against MaxConns until then.
 package daemon
 
 import (
@@ -341,8 +349,8 @@ type conn struct {
 	deciding sync.WaitGroup // the deciding goroutines
 }
 
-// pending is one check decided off the connection's goroutine because it waits on Redis
-// (a global-mode rule), so that a pipelined connection's Redis round trips overlap. In
+// pending is one request decided off the connection's goroutine because it waits on
+// Redis (a check with a global-mode rule, the release or renew of a global lease), so that a pipelined connection's Redis round trips overlap. In
 // the write queue, an entry may also be answers decided inline (fin from the start, enc
 // holding them).
 type pending struct {
@@ -699,24 +707,38 @@ func (cn *conn) handle(body []byte, now int64) {
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
+		if cn.s.lim.LeaseWaits(req.Lease) {
+			cn.goWait(body, now) // a global lease: Redis decides, off the fast path
+			return
+		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
 	case proto.OpRenew:
-		cn.renew(now)
+		cn.renew(body, now)
 	default:
 		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q, %q, %q and %q",
 			req.Op, proto.OpCheck, proto.OpPing, proto.OpRelease, proto.OpRenew))
 	}
 }
 
-// renew answers the renew request in cn.req.
-func (cn *conn) renew(now int64) {
+// renew answers the renew request in cn.req (decoded from body): inline for a local
+// lease, off the fast path (goWait) for one with a global part.
+func (cn *conn) renew(body []byte, now int64) {
 	req := &cn.req
 	if req.LeaseMs > uint64(rules.MaxLease/time.Millisecond) {
 		cn.out().EncodeError(req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
 	}
-	renewed, in := cn.s.lim.RenewLease(req.Lease, time.Duration(req.LeaseMs)*time.Millisecond, now)
-	cn.out().EncodeRenew(req.ID, renewed, ceilMs(in))
+	if cn.s.lim.LeaseWaits(req.Lease) {
+		cn.goWait(body, now)
+		return
+	}
+	cn.s.renew(cn.out(), req, now)
+}
+
+// renew decides the renew request req (its lease_ms already checked) and answers it.
+func (s *Server) renew(enc *proto.Encoder, req *proto.Request, now int64) {
+	renewed, in := s.lim.RenewLease(req.Lease, time.Duration(req.LeaseMs)*time.Millisecond, now)
+	enc.EncodeRenew(req.ID, renewed, ceilMs(in))
 }
 
 // input fills in from req.
@@ -740,20 +762,21 @@ func (cn *conn) check(body []byte, now int64) {
 	d := &cn.dcs
 	waits, err := cn.s.lim.Prepare(&cn.in, d)
 	if err == nil && waits {
-		cn.goCheck(body, now)
+		cn.goWait(body, now)
 		return
 	}
 	if err == nil && !cn.s.lim.DecideInline(now, d) {
 		// A hybrid key needs Redis (an exact sync): decide off the fast path too.
-		cn.goCheck(body, now)
+		cn.goWait(body, now)
 		return
 	}
 	cn.s.answer(cn.out(), &cn.req, d, &cn.resp, err)
 }
 
-// goCheck decides the check in body on a goroutine of its own, answering into a pending
-// slot that the next flush writes in order.
-func (cn *conn) goCheck(body []byte, now int64) {
+// goWait decides the request in body (a check, or the release or renew of a global
+// lease) on a goroutine of its own, answering into a pending slot that the next flush
+// writes in order.
+func (cn *conn) goWait(body []byte, now int64) {
 	p := cn.take()
 	// This frame was counted as answered inline (into the tail before it, or into enc):
 	// it moves to its own entry.
@@ -775,11 +798,18 @@ func (cn *conn) goCheck(body []byte, now int64) {
 	cn.deciding.Add(1)
 	go func() {
 		defer cn.deciding.Done()
-		_, err := lim.Prepare(&p.in, &p.dcs)
-		if err == nil {
-			lim.Decide(now, &p.dcs)
+		switch p.req.Op {
+		case proto.OpRelease:
+			p.enc.EncodeRelease(p.req.ID, lim.ReleaseLease(p.req.Lease, now))
+		case proto.OpRenew:
+			cn.s.renew(p.enc, &p.req, now)
+		default:
+			_, err := lim.Prepare(&p.in, &p.dcs)
+			if err == nil {
+				lim.Decide(now, &p.dcs)
+			}
+			cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
 		}
-		cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
 		cn.wmu.Lock()
 		p.fin = true // p may be written (and reused) from here: not touched again below
 		if cn.writing || len(cn.queue) == 0 || !cn.queue[0].fin {

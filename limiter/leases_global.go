@@ -138,6 +138,21 @@ func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 	return out
 }
 
+// retrack tracks again gl, taken off its owner (takeOwnerGlobal) but not released in
+// Redis, with no owner: in flight until the sweep settles it.
+func (ls *Leases) retrack(gl *globalLease) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.global[gl.id] != nil {
+		return
+	}
+	gl.owner = 0
+	for _, st := range gl.stats {
+		st.InFlight++
+	}
+	ls.global[gl.id] = gl
+}
+
 // dueGlobal returns the tracked global leases whose first part was due to expire by now,
 // at most maxDue of them (the next sweep takes the rest).
 func (ls *Leases) dueGlobal(now int64) []*globalLease {

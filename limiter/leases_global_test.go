@@ -452,3 +452,76 @@ rules:
 		t.Fatalf("rate remaining %d after 1 allowed and 3 lease refusals; want 9 (refunded)", r.Remaining)
 	}
 }
+
+// LeaseWaits tells the daemon which releases and renews go to Redis (decided off the
+// connection's fast path): a token with a global part, on a limiter with global mode;
+// never a local token. It allocates nothing.
+func TestLeaseWaits(t *testing.T) {
+	rdb := realRedis(t)
+	g := globalLimiter(t, rdb, globalLeaseRules, "rl:")
+	local := New(mustRules(t, globalLeaseRules), localbucket.NewStore(localbucket.Options{}))
+	_, global, _ := acquire(t, g, exportInput("dee"), 7)
+	if global == "" || global[0] != globalTokenPrefix {
+		t.Fatalf("global token %q", global)
+	}
+	loc := g.leases.Token(1)
+	for _, tc := range []struct {
+		name  string
+		l     *Limiter
+		token string
+		want  bool
+	}{
+		{"local token", g, loc, false},
+		{"global token", g, global, true},
+		{"local and global joined", g, loc + tokenJoin + global, true},
+		{"forged global (Redis says no)", g, "gAAAA", true},
+		{"empty", g, "", false},
+		{"global token, no global mode", local, global, false},
+		{"local token, no global mode", local, loc, false},
+	} {
+		if got := tc.l.LeaseWaits(tc.token); got != tc.want {
+			t.Errorf("%s: LeaseWaits(%q) = %v, want %v", tc.name, tc.token, got, tc.want)
+		}
+	}
+	joined := loc + tokenJoin + global
+	if n := testing.AllocsPerRun(100, func() { g.LeaseWaits(joined) }); n != 0 {
+		t.Errorf("LeaseWaits allocates %v times", n)
+	}
+}
+
+// A closed connection's global leases that Redis cannot release (frozen) stay tracked,
+// ownerless, and in flight: Redis still holds their slots. The sweep then counts them
+// expired (the leak signal) once they have run out, as for any lease never released.
+func TestGlobalLeasesOwnerCloseRedisFrozen(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 5, lease: 200ms }\n    mode: global\n"
+	a := globalLimiter(t, rdb, yaml, "rl:")
+	for range 2 {
+		if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=kim"), Cost: 1}, 42); !ok {
+			t.Fatal("refused")
+		}
+	}
+	srv.Freeze()
+	start := time.Now()
+	n := a.ReleaseOwner(42, nowNs())
+	srv.Thaw()
+	if el := time.Since(start); n != 0 || el > 3*time.Second {
+		t.Fatalf("ReleaseOwner with Redis frozen freed %d in %v; want 0, bounded", n, el)
+	}
+	if s := stats(a, "short"); s.InFlight != 2 || s.Closed != 0 {
+		t.Fatalf("stats after a release Redis could not make: %+v; want 2 in flight, 0 closed", s)
+	}
+	time.Sleep(300 * time.Millisecond)
+	a.Sweep(nowNs() + int64(time.Second))
+	if s := stats(a, "short"); s.InFlight != 0 || s.Expired != 2 {
+		t.Fatalf("stats after the sweep: %+v; want 0 in flight, 2 expired", s)
+	}
+	if a.ReleaseOwner(42, nowNs()) != 0 {
+		t.Fatal("the owner still holds leases")
+	}
+}

@@ -301,7 +301,9 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 
 // releaseAll frees the global leases gls (a closed connection's, no longer tracked) in
 // Redis, on one bounded context, counts those it freed as closed (the others were
-// released through another daemon, or expired), and reports how many it freed.
+// released through another daemon, or expired), and reports how many it freed. When
+// Redis failed, those it did not free may still hold their slots: they are tracked
+// again, ownerless, so the sweep counts them expired or finds them gone.
 func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
@@ -310,12 +312,15 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	for i, gl := range gls {
 		ids[i], parts[i] = gl.id, gl.parts
 	}
-	freed, _ := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	freed, err := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
 	n := 0
 	for i, f := range freed {
-		if f {
+		switch {
+		case f:
 			n++
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
+		case err != nil:
+			s.ls.retrack(gls[i])
 		}
 	}
 	return n
@@ -381,6 +386,14 @@ func splitToken(token string) (local, global string) {
 		return "", token
 	}
 	return token, ""
+}
+
+// LeaseWaits reports whether releasing or renewing the lease of token goes to Redis (it
+// has a global part and this limiter has a global store): the caller then does it off
+// its fast path, as a global check. Without allocation; a local token is false.
+func (l *Limiter) LeaseWaits(token string) bool {
+	_, global := splitToken(token)
+	return global != "" && l.global != nil
 }
 
 // ReleaseLease frees the lease of token (Limiter.LeaseToken) and reports whether it
