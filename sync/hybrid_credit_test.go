@@ -74,6 +74,45 @@ func TestHybridCreditReservedWhenKeyChangesHands(t *testing.T) {
 					t.Fatalf("Redis counted %d (%v); the daemons admitted %d", n, err, admitted)
 				}
 			}
+			// The first daemon synced since: its credit is counted, the reservation gone.
+			if rdb.HExists(ctx, key, "k").Val() {
+				t.Fatal("the credit reservation outlived its owner's next sync")
+			}
 		})
+	}
+}
+
+// Credit lapses creditLife after its view: a daemon alone on a key admits on credit
+// without a Redis call, but past creditLife (when a reservation of that credit in Redis
+// may have lapsed) the request waits for an exact sync instead.
+func TestHybridCreditLapses(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.TokenBucket, 100, time.Hour)
+	h := NewHybrid(rdb, HybridOptions{})
+	if _, err := h.Heartbeat(context.Background(), "lapse", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().UnixNano()
+	key := "rl:lapse:{user=alone}"
+	if !take(h, now, key, lim, 1).Allowed {
+		t.Fatal("first unit refused")
+	}
+	syncAll(t, now, h)
+	calls := evalCalls(t, rdb)
+	later := now + int64(time.Second)
+	if !take(h, later, key, lim, 1).Allowed {
+		t.Fatal("refused on credit")
+	}
+	if c := evalCalls(t, rdb); c != calls {
+		t.Fatalf("a request on credit made %d Redis calls", c-calls)
+	}
+	syncAll(t, later, h)
+	calls = evalCalls(t, rdb)
+	lapsed := later + int64(creditLife) + int64(time.Second)
+	if !take(h, lapsed, key, lim, 1).Allowed {
+		t.Fatal("refused after the credit lapsed, with budget in Redis")
+	}
+	if c := evalCalls(t, rdb); c != calls+1 {
+		t.Fatalf("after the credit lapsed a request made %d Redis calls, want 1 (an exact sync)", c-calls)
 	}
 }
