@@ -23,10 +23,7 @@
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons; o = the last daemon that used the key
 -- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
--- than one daemon within share_epochs); k = credit reserved for the key's previous user,
--- "id units until_us" (set when the key changes hands, until that daemon syncs it again);
--- z = when the key's TTL ends, as last set (Redis ms; a sync skips PEXPIRE while it is
--- far enough); s:<daemon> = that daemon's last sync of the key,
+-- than one daemon within share_epochs); s:<daemon> = that daemon's last sync of the key,
 -- "prev_token token grant used window".
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
@@ -87,8 +84,8 @@ local function num(x) return string.format('%.17g', x) end
 -- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
 -- per key.
 local fields = {
-  [false] = {[false] = {'t', rfield, 'o', 'x', 'k', 'z'}, [true] = {'t', rfield, 'o', 'x', 'k', 'z', 'e', 'dc', 'dp'}},
-  [true] = {[false] = {'t', rfield, 'o', 'x', 'k', 'z', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'k', 'z', 'n', 'p', 'e', 'dc', 'dp'}},
+  [false] = {[false] = {'t', rfield, 'o', 'x', 'k'}, [true] = {'t', rfield, 'o', 'x', 'k', 'e', 'dc', 'dp'}},
+  [true] = {[false] = {'t', rfield, 'o', 'x', 'k', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'k', 'n', 'p', 'e', 'dc', 'dp'}},
 }
 -- How long a reservation of a previous user's credit (field k) lasts: longer than a
 -- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
@@ -123,13 +120,12 @@ for i = 1, nkeys do
     local t = tonumber(h[1]) or 0
     local rec, last, shared = h[2], h[3], h[4]
     local kres = h[5]
-    local expires = tonumber(h[6]) or 0 -- when the key's TTL, as last set, ends (Redis ms)
-    local d = 7 -- where the demand epochs are in h
+    local d = 6 -- where the demand epochs are in h
     local n, p = 0, 0
     if win then
-      n = tonumber(h[7]) or 0
-      p = tonumber(h[8]) or 0
-      d = 9
+      n = tonumber(h[6]) or 0
+      p = tonumber(h[7]) or 0
+      d = 8
     end
     local e = tonumber(h[d]) or 0
     local dc = tonumber(h[d + 1]) or 0
@@ -343,21 +339,11 @@ for i = 1, nkeys do
       f[#f + 1] = rfield
       f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
     end
-    local zset = false
-    -- Keep the key while it carries state, for the epochs, and for as long as the sync
-    -- records must last.
-    -- The TTL is set for twice what the key needs and its end kept in z, so the syncs
-    -- in between (a sparse key's next one, 10 s later) skip the PEXPIRE: one command of
-    -- three per key. A key lives at most twice its needed time after its last sync.
-    local need = math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000
-    local now_ms = math.floor(now / 1000)
-    if expires < now_ms + need then
-      f[#f + 1] = 'z'; f[#f + 1] = num(now_ms + 2 * need)
-      zset = true
-    end
     redis.call('HSET', key, unpack(f))
     if kset == false then redis.call('HDEL', key, 'k') end
-    if zset then redis.call('PEXPIRE', key, 2 * need) end
+    -- Keep the key while it carries state, for the epochs, and for as long as the sync
+    -- records must last.
+    redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
     local r = (i - 1) * 7
     out[r + 1] = grant
     out[r + 2] = remaining
