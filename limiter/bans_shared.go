@@ -124,7 +124,7 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 		case <-t.C:
 		}
 		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
-		err := s.round(rctx, s.wallOf(now()))
+		err := s.round(rctx, s.wallOf(now()), anyPenalty(l.rules.Load()))
 		cancel()
 		if err != nil && onErr != nil {
 			onErr(err)
@@ -134,9 +134,25 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 
 func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
 
-// round sends the pending refusals, indexes the bans started here, then reads the
-// index: what this daemon knows is the index, and its own bans not yet indexed.
-func (s *sharedBans) round(ctx context.Context, wall int64) error {
+// anyPenalty reports whether set has a penalty rule: without one nothing consults the
+// bans, so a round does not read the index (two Redis commands per interval, every
+// daemon's largest idle cost).
+func anyPenalty(set *rules.Set) bool {
+	if set == nil {
+		return false
+	}
+	for _, r := range set.Rules {
+		if r.Penalty != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// round sends the pending refusals, indexes the bans started here, then, if read (the
+// rules have a penalty rule), reads the index: what this daemon knows is the index, and
+// its own bans not yet indexed.
+func (s *sharedBans) round(ctx context.Context, wall int64, read bool) error {
 	ferr := s.flush(ctx, wall)
 	s.mu.Lock()
 	todo := s.unindexed
@@ -145,6 +161,9 @@ func (s *sharedBans) round(ctx context.Context, wall int64) error {
 	var ierr error
 	if ierr = s.b.Index(ctx, todo); ierr != nil {
 		s.started(todo...) // retried next round
+	}
+	if !read {
+		return errors.Join(ferr, ierr)
 	}
 	list, err := s.b.Known(ctx, wall, maxKnownBans)
 	if err != nil {

@@ -2,6 +2,8 @@ package limiter
 
 import (
 	"context"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -87,7 +89,7 @@ rules:
 			// Daemon 0 lists what it knows: the bans it read at its last round, after
 			// daemon 1 (which started them) indexed them at its own.
 			for _, l := range []*Limiter{ls[1], ls[0]} {
-				if err := l.shared.round(context.Background(), now); err != nil {
+				if err := l.shared.round(context.Background(), now, true); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -135,7 +137,7 @@ rules:
 			}
 			round := func(l *Limiter) {
 				t.Helper()
-				if err := l.shared.round(context.Background(), time.Now().UnixNano()); err != nil {
+				if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -263,5 +265,53 @@ rules:
 	}
 	if bans := l.Bans(t0); len(bans) != 1 || bans[0].Rule != "strict" {
 		t.Fatalf("bans %+v, want strict's only", bans)
+	}
+}
+
+// TestSharedBansIdleWithoutPenaltyRules: without a penalty rule nothing reads the ban
+// index, so a daemon does not read it either (it cost every daemon two Redis commands
+// per interval, 20 a second, with no penalty rule at all: the hybrid idle-cost target is
+// ≤ 20 commands a second per daemon, heartbeats included). With one, it reads it.
+func TestSharedBansIdleWithoutPenaltyRules(t *testing.T) {
+	for _, tc := range []struct {
+		name, yaml string
+		reads      bool
+	}{
+		{"no penalty", "rules:\n  - name: api\n    key: ip\n    limit: { requests: 5, per: 1m }\n    mode: hybrid\n", false},
+		{"penalty", "rules:\n  - name: login\n    key: ip\n    limit: { requests: 1, per: 1h }\n    mode: hybrid\n    penalty: { after: 1, within: 1m, ban: 10m }\n", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rdb := realRedis(t)
+			l := sharedLimiter(t, rdb, tc.yaml)
+			reads := func() int {
+				info, err := rdb.Info(context.Background(), "commandstats").Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				n := 0
+				for _, line := range strings.Split(info, "\n") {
+					if strings.HasPrefix(line, "cmdstat_zrange") || strings.HasPrefix(line, "cmdstat_zremrangebyscore") {
+						_, rest, _ := strings.Cut(line, "calls=")
+						rest, _, _ = strings.Cut(rest, ",")
+						v, _ := strconv.Atoi(rest)
+						n += v
+					}
+				}
+				return n
+			}
+			before := reads()
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				l.RunSharedBans(ctx, 10*time.Millisecond, func() int64 { return time.Now().UnixNano() }, nil)
+			}()
+			time.Sleep(150 * time.Millisecond)
+			cancel()
+			<-done
+			if got := reads() - before; (got > 0) != tc.reads {
+				t.Fatalf("%d reads of the ban index in 150 ms at a 10 ms interval; want reads: %v", got, tc.reads)
+			}
+		})
 	}
 }

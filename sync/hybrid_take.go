@@ -207,7 +207,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe bool) (
 						busy = true
 						continue
 					}
-					have := max(0, math.Floor(e.allowance+h.growth(e, now, n)))
+					have := max(0, math.Floor(h.allowance(e, now, n)))
 					need := max(1, float64(max(op.Cost, 1))-have)
 					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(min(need, math.MaxUint32))))
 				}
@@ -356,6 +356,23 @@ func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
 	return math.Floor(max(0, project(e, now))/n) - math.Floor(max(0, e.view)/n)
 }
 
+// creditLife is how long a view's credit may be spent. When another daemon starts
+// using the key, Redis reserves what this daemon may still admit on credit until this
+// daemon syncs the key again, or for at most a minute (credit_life in
+// scripts/hybrid.lua, longer by a margin for the time the answer took to arrive): past
+// creditLife the credit lapses here, so no credit outlives its reservation. A key used
+// more rarely than that waits for an exact sync, as a key new here does.
+const creditLife = 50 * time.Second
+
+// allowance is what e may admit locally at now: its grant left, plus its credit and the
+// credit's growth while the credit has not lapsed (creditLife).
+func (h *Hybrid) allowance(e *hentry, now int64, n float64) float64 {
+	if e.synced > 0 && now-e.synced > int64(creditLife) {
+		return min(e.allowance, float64(e.grant)-float64(e.pending))
+	}
+	return e.allowance + h.growth(e, now, n)
+}
+
 // resetOf is the time until e's key is full again (token bucket) or empty (windows),
 // counting what this daemon admitted that Redis has not seen.
 func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
@@ -400,7 +417,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		return r, false, false
 	}
 	need := float64(max(cost, 1))
-	if e.allowance+h.growth(e, now, n) >= need {
+	if h.allowance(e, now, n) >= need {
 		r.Allowed = true
 		return r, false, false
 	}

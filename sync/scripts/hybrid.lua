@@ -84,9 +84,13 @@ local function num(x) return string.format('%.17g', x) end
 -- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
 -- per key.
 local fields = {
-  [false] = {[false] = {'t', rfield, 'o', 'x'}, [true] = {'t', rfield, 'o', 'x', 'e', 'dc', 'dp'}},
-  [true] = {[false] = {'t', rfield, 'o', 'x', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'n', 'p', 'e', 'dc', 'dp'}},
+  [false] = {[false] = {'t', rfield, 'o', 'x', 'k'}, [true] = {'t', rfield, 'o', 'x', 'k', 'e', 'dc', 'dp'}},
+  [true] = {[false] = {'t', rfield, 'o', 'x', 'k', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'k', 'n', 'p', 'e', 'dc', 'dp'}},
 }
+-- How long a reservation of a previous user's credit (field k) lasts: longer than a
+-- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
+-- the credit lapses on the daemon before its reservation lapses here.
+local credit_life = 60000000
 local me = id .. ' ' .. epoch -- the last user, as this sync records it
 
 local out = {}
@@ -115,12 +119,13 @@ for i = 1, nkeys do
   else
     local t = tonumber(h[1]) or 0
     local rec, last, shared = h[2], h[3], h[4]
-    local d = 5 -- where the demand epochs are in h
+    local kres = h[5]
+    local d = 6 -- where the demand epochs are in h
     local n, p = 0, 0
     if win then
-      n = tonumber(h[5]) or 0
-      p = tonumber(h[6]) or 0
-      d = 7
+      n = tonumber(h[6]) or 0
+      p = tonumber(h[7]) or 0
+      d = 8
     end
     local e = tonumber(h[d]) or 0
     local dc = tonumber(h[d + 1]) or 0
@@ -149,6 +154,20 @@ for i = 1, nkeys do
       end
     end
 
+    -- Credit a previous user may still hold (k = "owner units until_us"): set when the
+    -- key changed hands, cleared when its owner syncs again (then told the key is
+    -- shared, so its credit is gone). Until then the other daemons' grants and views
+    -- leave those units: exact syncs must not hand out what the owner may admit unseen.
+    local res, kown, kset = 0, nil, nil
+    if kres then
+      local kid, kamt, kuntil = string.match(kres, '^(%S+) (%S+) (%S+)$')
+      if kid and tonumber(kuntil) > now then
+        if kid == id then kset = false else res, kown = tonumber(kamt), kid end
+      else
+        kset = false
+      end
+    end
+
     -- Shared: another daemon used the key lately.
     local x = tonumber(shared) or 0
     local o = nil
@@ -156,6 +175,17 @@ for i = 1, nkeys do
       if last and last ~= me then
         local oid, oep = string.match(last, '^(%S+) (%S+)$')
         if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+          if x < epoch and not kown then
+            -- The key changes hands: its last user was answered "not shared" and may
+            -- hold credit, up to a 2N-th of the capacity (growth included), that no
+            -- sync has counted yet. Reserve it until that daemon syncs again.
+            local cap = burst
+            if alg ~= 0 then cap = requests end
+            local c = math.floor(cap / (2 * replicas))
+            if c > 0 then
+              res, kown, kset = c, oid, oid .. ' ' .. c .. ' ' .. num(now + credit_life)
+            end
+          end
           x = epoch + share_epochs
         end
       end
@@ -190,7 +220,7 @@ for i = 1, nkeys do
       if settle > 0 then since = now - age end
       t = math.max(t, since) + settle * T
       if t < now then t = now end
-      avail = (now + tau - t) / T
+      avail = (now + tau - t) / T - res
       headroom = math.min(burst, math.max(0, avail + interval / T))
       wstart = 0
     else
@@ -213,11 +243,11 @@ for i = 1, nkeys do
       end
       wstart = t
       if alg == 2 then
-        avail = requests - n
+        avail = requests - n - res
         headroom = math.max(0, avail)
       else
         local elapsed = now - t
-        avail = requests - (p * (window - elapsed) / window + n)
+        avail = requests - (p * (window - elapsed) / window + n) - res
         local later = elapsed + interval
         local est2
         if later < window then
@@ -225,7 +255,7 @@ for i = 1, nkeys do
         else
           est2 = math.max(0, n * (2 * window - later) / window)
         end
-        headroom = math.min(requests, math.max(0, requests - est2))
+        headroom = math.min(requests, math.max(0, requests - est2 - res))
       end
     end
 
@@ -252,7 +282,7 @@ for i = 1, nkeys do
       local T = window / requests
       local tau = burst * T
       t = math.max(t, now) + reserve * T
-      local left = (now + tau - t) / T
+      local left = (now + tau - t) / T - res
       avail = left
       remaining = math.max(0, math.floor(left))
       reset = math.max(0, t - now)
@@ -262,13 +292,13 @@ for i = 1, nkeys do
       n = n + reserve
       avail = avail - reserve
       if alg == 2 then
-        remaining = math.max(0, math.floor(requests - n))
+        remaining = math.max(0, math.floor(requests - n - res))
         if n > 0 then reset = t + window - now else reset = 0 end
         if remaining >= 1 then retry = 0 else retry = t + window - now end
         ttl = window
       else
         local elapsed = now - t
-        local est = math.floor(p * (window - elapsed) / window + n)
+        local est = math.floor(p * (window - elapsed) / window + n + res)
         remaining = math.max(0, requests - est)
         if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
         if remaining >= 1 then
@@ -297,6 +327,9 @@ for i = 1, nkeys do
     if x ~= (tonumber(shared) or 0) then
       f[#f + 1] = 'x'; f[#f + 1] = x
     end
+    if kset then
+      f[#f + 1] = 'k'; f[#f + 1] = kset
+    end
     if o and o ~= last then
       f[#f + 1] = 'o'; f[#f + 1] = o
     end
@@ -307,6 +340,7 @@ for i = 1, nkeys do
       f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
     end
     redis.call('HSET', key, unpack(f))
+    if kset == false then redis.call('HDEL', key, 'k') end
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
     -- records must last.
     redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
@@ -317,7 +351,9 @@ for i = 1, nkeys do
     out[r + 4] = math.floor(retry)
     out[r + 5] = wstart
     out[r + 6] = math.floor(avail * 1000)
-    if x >= epoch then out[r + 7] = 1 else out[r + 7] = 0 end
+    -- Shared while another daemon's credit is reserved, too: at most one daemon holds
+    -- credit nobody has counted.
+    if x >= epoch or kown then out[r + 7] = 1 else out[r + 7] = 0 end
   end
 end
 return out
