@@ -63,6 +63,15 @@
 -- (0/1: cost exceeds the capacity, never passes), remaining, reset_ns, retry_after_ns,
 -- window_us (the start of the window the check counted in, for refund.lua; 0 for a token
 -- bucket).
+--
+-- Batch: the checks of several requests in one call (sync's auto-pipeline sends the
+-- requests queued together on a standalone Redis so, see autopipe.go). ARGV[1] =
+-- 'batch', ARGV[2] = m, the number of requests, ARGV[3..m+2] = each request's number of
+-- keys, then the 7 values per key of every request, in order; KEYS the requests' keys in
+-- order. The requests are decided one after another, each all-or-nothing as above on the
+-- states the earlier ones left (exactly as m calls in a row), one TIME for all of them.
+-- Reply: an array of m replies, each as above. An error reply fails the whole batch, and
+-- then nothing is written.
 
 local floor, max, min = math.floor, math.max, math.min
 local TWO52 = 4503599627370496
@@ -275,79 +284,149 @@ local function state(v)
     u = tonumber(v[5]), x = tonumber(v[6])} -- u: a ban key's (algorithm 5)
 end
 
-local nops = #KEYS
-if #ARGV ~= 7 * nops then
-  return redis.error_reply('rlsidecar global.lua: want 7 ARGV per key, got ' .. #ARGV .. ' for ' .. nops)
-end
+-- states: per key, its state as the requests decided so far left it; order: the keys in
+-- the order first read. written: per key, the expires_ns and algorithm of its last
+-- committed take (nil: not written), and when.
+local states, order, written, wrote_at = {}, {}, {}, {}
 
--- states: per key, its state as the earlier checks of the call left it; firsts: per key,
--- its HMGET reply, the state before the call (parsed again only when nothing commits).
-local states, firsts, order = {}, {}, {}
-local out, ok = {}, true
-for i = 1, nops do
-  local key = KEYS[i]
-  local a = (i - 1) * 7
-  local alg, requests, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-  local st = states[key]
-  if not st then
-    local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'x')
-    st = state(v)
-    states[key], firsts[key] = st, v
-    order[#order + 1] = key
-  end
-  local allowed, impossible, remaining, reset, retry, window, expires, consumed =
-    take(alg, st, requests, w, burst, e, cost)
-  if type(allowed) == 'table' then return allowed end -- an error reply
-  if consumed then
-    st.dirty, st.expires, st.alg = true, expires, alg
-  end
-  if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
-  local j = (i - 1) * 6
-  out[j + 1], out[j + 2], out[j + 3] = allowed, impossible, remaining
-  out[j + 4], out[j + 5], out[j + 6] = reset, retry, window
-end
-
-if not ok then
-  -- Nothing is committed: each check that was itself allowed reports its key's state
-  -- before the call as a peek would.
-  for i = 1, nops do
+-- decide decides one request: n checks on KEYS[k0+1..k0+n], ARGV from a0 (7 per check),
+-- all-or-nothing on the states left by the earlier requests, and writes its 6 reply
+-- values per check to res from index 1. It returns an error reply, or nil.
+local function decide(k0, a0, n, res)
+  local before -- per key first touched by this request: its state before it
+  local ok = true
+  local commits -- the consuming checks, to mark written if the request commits
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local a = a0 + (i - 1) * 7
+    local alg, requests, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    local st = states[key]
+    if not st then
+      local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'x')
+      st = state(v)
+      states[key] = st
+      order[#order + 1] = key
+      before = before or {}
+      before[key] = v -- the HMGET reply: parsed again only when nothing commits
+    elseif not (before and before[key]) then
+      before = before or {}
+      before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x}
+    end
+    local allowed, impossible, remaining, reset, retry, window, expires, consumed =
+      take(alg, st, requests, w, burst, e, cost)
+    if type(allowed) == 'table' then return allowed end -- an error reply
+    if consumed then
+      commits = commits or {}
+      commits[#commits + 1] = key
+      commits[#commits + 1] = expires
+      commits[#commits + 1] = alg
+    end
+    if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
     local j = (i - 1) * 6
-    if out[j + 1] == 1 then
-      local a = (i - 1) * 7
-      local _, impossible, remaining, reset = take(tonumber(ARGV[a + 1]), state(firsts[KEYS[i]]),
-        tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), 0)
-      out[j + 2], out[j + 3], out[j + 4], out[j + 5], out[j + 6] = impossible, remaining, reset, 0, 0
+    res[j + 1], res[j + 2], res[j + 3] = allowed, impossible, remaining
+    res[j + 4], res[j + 5], res[j + 6] = reset, retry, window
+  end
+  if ok then
+    if commits then
+      for c = 1, #commits, 3 do
+        local key = commits[c]
+        written[key], wrote_at[key] = commits[c + 1], commits[c + 2]
+      end
+    end
+    return nil
+  end
+  -- Nothing is committed: the request's keys go back to their state before it, and each
+  -- check that was itself allowed reports that state as a peek would.
+  for key, b in pairs(before) do
+    if b.copy then
+      states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x}
+    else
+      states[key] = state(b)
     end
   end
-  return out
+  for i = 1, n do
+    local j = (i - 1) * 6
+    if res[j + 1] == 1 then
+      local key = KEYS[k0 + i]
+      local a = a0 + (i - 1) * 7
+      local b = before[key]
+      local st = b.copy and {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u} or state(b)
+      local _, impossible, remaining, reset = take(tonumber(ARGV[a + 1]), st,
+        tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), 0)
+      res[j + 2], res[j + 3], res[j + 4], res[j + 5], res[j + 6] = impossible, remaining, reset, 0, 0
+    end
+  end
+  return nil
 end
 
--- Commit. A key's TTL must cover its state's information plus 1 s: ttl ms from now. Its
--- hash keeps in x the instant (Redis TIME, ms) the TTL it was last given ends, so PEXPIRE
--- runs only when the TTL must grow, and then grows it by 1 s + 1/8 more than needed: a
--- key taken from again and again pays it about once a second (or per eighth of its
--- lifetime), not on every take. An idle key thus lives at most 1 s + 1/8 of its TTL
--- longer than it must. Numbers go to Redis as they are (integers below 2^53 print
--- exactly).
+local out = {}
+if ARGV[1] == 'batch' then
+  -- Several requests (see the header): ARGV[2] = m, ARGV[3..m+2] their key counts.
+  local m = tonumber(ARGV[2])
+  if not m or m < 1 or #ARGV < 2 + m then
+    return redis.error_reply('rlsidecar global.lua: bad batch header')
+  end
+  local nk = 0
+  for r = 1, m do
+    local n = tonumber(ARGV[2 + r])
+    if not n or n < 1 then return redis.error_reply('rlsidecar global.lua: bad batch key count ' .. tostring(ARGV[2 + r])) end
+    nk = nk + n
+  end
+  if nk ~= #KEYS or #ARGV ~= 2 + m + 7 * nk then
+    return redis.error_reply('rlsidecar global.lua: batch of ' .. m .. ' requests wants ' .. nk .. ' keys and ' ..
+      (2 + m + 7 * nk) .. ' ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
+  end
+  local k0, a0 = 0, 2 + m
+  for r = 1, m do
+    local n = tonumber(ARGV[2 + r])
+    local res = {}
+    local err = decide(k0, a0, n, res)
+    if err then return err end
+    out[r] = res
+    k0, a0 = k0 + n, a0 + 7 * n
+  end
+else
+  local nops = #KEYS
+  if #ARGV ~= 7 * nops then
+    return redis.error_reply('rlsidecar global.lua: want 7 ARGV per key, got ' .. #ARGV .. ' for ' .. nops)
+  end
+  local err = decide(0, 0, nops, out)
+  if err then return err end
+end
+
+-- Commit what the committed requests consumed. A key's TTL must cover its state's
+-- information plus 1 s: ttl ms from now. Its hash keeps in x the instant (Redis TIME, ms)
+-- the TTL it was last given ends, so PEXPIRE runs only when the TTL must grow:
+--   - a fixed window's information ends with its window (+1 s), the same instant for
+--     every take in it: one PEXPIRE per window, exact;
+--   - a token bucket's (its TAT) and a sliding window's grow with every take: the TTL is
+--     grown by 1 s + 1/8 more than needed, so a key taken from again and again pays
+--     PEXPIRE about once a second (or per eighth of its lifetime), not on every take.
+--     An idle key lives at most 1 s + 1/8 of its TTL longer than it must;
+--   - a calendar window's end is the daemon's (left, on its clock): PEXPIRE on every
+--     take, exact, as before.
+-- Numbers go to Redis as they are (integers below 2^53 print exactly).
 local now_ms = floor(now / 1000)
 for _, key in ipairs(order) do
-  local st = states[key]
-  if st.dirty then
-    local ttl = math.ceil(st.expires / 1000000) + 1000
+  local expires = written[key]
+  if expires then
+    local st, alg = states[key], wrote_at[key]
+    local ttl = math.ceil(expires / 1000000) + 1000
     local x = st.x
-    if x and x >= now_ms + ttl then
-      if st.alg == 0 or st.alg == 4 then
+    if x and x >= now_ms + ttl and alg ~= 3 then
+      if alg == 0 or alg == 4 then
         redis.call('HSET', key, 't', st.t, 'f', st.f)
       else
         redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p)
       end
     else
-      ttl = ttl + 1000 + floor(ttl / 8)
-      if st.alg == 0 or st.alg == 4 then
-        redis.call('HSET', key, 't', st.t, 'f', st.f, 'x', now_ms + ttl)
+      if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
+      st.x = now_ms + ttl
+      if alg == 0 or alg == 4 then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'x', st.x)
       else
-        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'x', now_ms + ttl)
+        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'x', st.x)
       end
       redis.call('PEXPIRE', key, ttl)
     end
