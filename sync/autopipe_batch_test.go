@@ -207,3 +207,41 @@ func TestGlobalBatchNoScript(t *testing.T) {
 		t.Fatalf("count %d after 3 checks, want 3", s.N)
 	}
 }
+
+// global.lua skips PEXPIRE while the TTL it last set (field gx) covers the state; a key
+// that a hybrid daemon has written since (the same rule in hybrid mode elsewhere, or
+// before a reload: field o) may have a shorter TTL, so global.lua sets it again. Without
+// that, the key would expire at the hybrid daemon's TTL with the global takes in it.
+func TestGlobalTTLAfterHybridWrite(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	g := NewGlobal(rdb)
+	ctx := globalCtx(t)
+	for _, alg := range globalAlgs {
+		t.Run(alg.String(), func(t *testing.T) {
+			key := "rl:mixed_" + alg.String() + ":{u}"
+			l := globalLimit(t, alg, 10, 24*time.Hour, 0)
+			take := func() {
+				t.Helper()
+				if ok, err := g.Check(ctx, []GlobalOp{{Key: key, Limit: l, Cost: 1}}); !ok || err != nil {
+					t.Fatalf("check: %v %v", ok, err)
+				}
+			}
+			take()
+			// A hybrid daemon's sync: its fields and its own, shorter TTL.
+			if err := rdb.HSet(ctx, key, "o", "d2 7", "x", 0).Err(); err != nil {
+				t.Fatal(err)
+			}
+			if err := rdb.PExpire(ctx, key, 2*time.Second).Err(); err != nil {
+				t.Fatal(err)
+			}
+			take()
+			// The state now holds 2 takes, informative for over an hour whatever the
+			// algorithm (24 h window, 10 per window).
+			if ttl := rdb.PTTL(ctx, key).Val(); ttl < time.Hour {
+				t.Fatalf("PTTL %v after a global take on a key a hybrid daemon wrote, want over 1h", ttl)
+			}
+		})
+	}
+}

@@ -44,7 +44,8 @@
 --     instead of drifting by rounding a fractional µs emission on every take.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
---   every written key: x = when the TTL it was last given ends (Redis TIME, integer ms).
+--   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;
+--     not x, which hybrid.lua uses: the same rule in both modes shares its keys).
 -- A missing key or field is a fresh key (a full bucket, empty windows). A key is written
 -- only when something is consumed, with a TTL that covers at least until its state
 -- carries no information any more, plus 1s, so idle clients vanish; PEXPIRE runs only
@@ -278,10 +279,15 @@ local function take(alg, st, requests, w, burst, e, cost)
   return redis.error_reply('rlsidecar global.lua: unknown algorithm ' .. tostring(alg))
 end
 
--- state parses a key's HMGET reply (t, f, n, p, u, x) into a state.
+-- state parses a key's HMGET reply (t, f, n, p, u, gx, o) into a state. x: the TTL's end
+-- as global.lua last set it, unless a hybrid daemon has written the key since (its field
+-- o: the same rule in hybrid mode on another daemon, or before a reload), whose PEXPIRE
+-- may have shortened the TTL: then x is unknown (nil), and the commit sets the TTL.
 local function state(v)
+  local x = nil
+  if not v[7] then x = tonumber(v[6]) end
   return {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
-    u = tonumber(v[5]), x = tonumber(v[6])} -- u: a ban key's (algorithm 5)
+    u = tonumber(v[5]), x = x} -- u: a ban key's (algorithm 5)
 end
 
 -- states: per key, its state as the requests decided so far left it; order: the keys in
@@ -303,7 +309,7 @@ local function decide(k0, a0, n, res)
     local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
     local st = states[key]
     if not st then
-      local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'x')
+      local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o')
       st = state(v)
       states[key] = st
       order[#order + 1] = key
@@ -396,7 +402,7 @@ else
 end
 
 -- Commit what the committed requests consumed. A key's TTL must cover its state's
--- information plus 1 s: ttl ms from now. Its hash keeps in x the instant (Redis TIME, ms)
+-- information plus 1 s: ttl ms from now. Its hash keeps in gx the instant (Redis TIME, ms)
 -- the TTL it was last given ends, so PEXPIRE runs only when the TTL must grow:
 --   - a fixed window's information ends with its window (+1 s), the same instant for
 --     every take in it: one PEXPIRE per window, exact;
@@ -424,9 +430,9 @@ for _, key in ipairs(order) do
       if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
       st.x = now_ms + ttl
       if alg == 0 or alg == 4 then
-        redis.call('HSET', key, 't', st.t, 'f', st.f, 'x', st.x)
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x)
       else
-        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'x', st.x)
+        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'gx', st.x)
       end
       redis.call('PEXPIRE', key, ttl)
     end

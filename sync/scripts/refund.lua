@@ -20,7 +20,7 @@
 --   that has since rolled once, that count is now p, so p -= cost; never below 0. A
 --   window that has rolled further no longer counts the cost: nothing to undo.
 -- A missing key (expired) has nothing to give back. The TTL is left alone, and with it
--- field x (the TTL's end, see global.lua): a refund only makes the state expire sooner,
+-- field gx (the TTL's end, see global.lua): a refund only makes the state expire sooner,
 -- so the TTL set by global.lua stays long enough. Numbers go to Redis as they are
 -- (integers below 2^53 print exactly, as global.lua writes them).
 --
