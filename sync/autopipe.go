@@ -116,14 +116,14 @@ func (a *autoPipe) send() {
 	if bounded {
 		ctx, cancel = context.WithDeadline(ctx, latest)
 	}
-	var merged *redis.Cmd
-	var members []*apCall
+	var merged []*redis.Cmd
+	var groups [][]*apCall
 	if a.merge {
-		merged, members = mergeGlobal(ctx, batch)
+		merged, groups = mergeGlobal(ctx, batch)
 	}
 	var cmds []redis.Cmder
-	if merged != nil {
-		cmds = append(cmds, merged)
+	for _, m := range merged {
+		cmds = append(cmds, m)
 	}
 	for _, c := range batch {
 		if merged == nil || !c.global {
@@ -140,8 +140,8 @@ func (a *autoPipe) send() {
 		_, _ = pipe.Exec(ctx) // every cmd carries its own error
 	}
 	cancel()
-	if merged != nil {
-		splitGlobal(merged, members)
+	for i, m := range merged {
+		splitGlobal(m, groups[i])
 	}
 
 	a.mu.Lock()
@@ -160,39 +160,60 @@ func (a *autoPipe) send() {
 	}
 }
 
-// mergeGlobal returns one call of global.lua's batch form deciding the global.lua calls
-// of batch, in order, and those calls; nil if there are fewer than two.
-func mergeGlobal(ctx context.Context, batch []*apCall) (*redis.Cmd, []*apCall) {
+// mergeMax is the most requests one merged call decides: Redis runs a script without
+// serving anyone else, so a call stays short (64 checks are about 2 ms of Redis time
+// here) however many checks a batch holds; a batch of more goes as several calls, in one
+// pipeline.
+const mergeMax = 64
+
+// mergeGlobal returns the calls of global.lua's batch form deciding the global.lua calls
+// of batch, in order (at most mergeMax each), and the calls each decides; nil if batch
+// has fewer than two global.lua calls.
+func mergeGlobal(ctx context.Context, batch []*apCall) ([]*redis.Cmd, [][]*apCall) {
 	var members []*apCall
-	nkeys, nargs := 0, 0
 	for _, c := range batch {
 		if c.global {
 			members = append(members, c)
-			nkeys += len(c.keys)
-			nargs += len(c.args)
 		}
 	}
 	if len(members) < 2 {
 		return nil, nil
 	}
-	m := len(members)
+	var cmds []*redis.Cmd
+	var groups [][]*apCall
+	for lo := 0; lo < len(members); lo += mergeMax {
+		group := members[lo:min(lo+mergeMax, len(members))]
+		cmds = append(cmds, mergeCall(ctx, group))
+		groups = append(groups, group)
+	}
+	return cmds, groups
+}
+
+// mergeCall returns the one call of global.lua's batch form deciding group, in order.
+func mergeCall(ctx context.Context, group []*apCall) *redis.Cmd {
+	nkeys, nargs := 0, 0
+	for _, c := range group {
+		nkeys += len(c.keys)
+		nargs += len(c.args)
+	}
+	m := len(group)
 	args := make([]any, 0, 3+nkeys+2+m+nargs)
 	args = append(args, "evalsha", globalScript.Hash(), nkeys)
-	for _, c := range members {
+	for _, c := range group {
 		for _, k := range c.keys {
 			args = append(args, k)
 		}
 	}
 	args = append(args, "batch", m)
-	for _, c := range members {
+	for _, c := range group {
 		args = append(args, len(c.keys))
 	}
-	for _, c := range members {
+	for _, c := range group {
 		args = append(args, c.args...)
 	}
 	cmd := redis.NewCmd(ctx, args...)
 	cmd.SetFirstKeyPos(3)
-	return cmd, members
+	return cmd
 }
 
 // splitGlobal gives each member of a merged call its own reply, or the call's error.
