@@ -22,10 +22,10 @@ import (
 // own. Safe for concurrent use.
 //
 // On a standalone Redis (merge set) the global.lua calls of one batch go further: they
-// are sent as ONE call of global.lua's batch form, which decides them one after another,
-// each all-or-nothing, exactly as the separate calls would in that order, and answers
-// each; Redis then pays one script call, one TIME and one command parse per batch
-// instead of per check. Each caller still gets its own reply (or the call's error: a
+// are sent as one call of global.lua's batch form (per mergeMax of them), which decides
+// them one after another, each all-or-nothing, exactly as the separate calls would in
+// that order, and answers each; Redis then pays one script call, one TIME and one
+// command parse per batch instead of per check. Each caller still gets its own reply (or the call's error: a
 // NOSCRIPT then makes each caller resend its own call with EVAL, as without merging).
 type autoPipe struct {
 	rediser
