@@ -139,7 +139,8 @@ func BenchmarkSocketMetrics(b *testing.B) {
 // redis-server behind it), with 1 and with 32 checks in flight, alternating in one run.
 // Global checks wait on Redis; the daemon overlaps those of one connection (answers
 // still in request order), so depth 32 must give at least 4× the checks/s of depth 1.
-// Reported: depth1-checks/s, depth32-checks/s and their ratio (medians of the rounds).
+// Reported: depth1-checks/s, depth32-checks/s and their ratio (medians of the rounds), and
+// Redis script time, CPU and script calls per check at depth 32.
 // Timeouts are 1 s: on a loaded machine a 50 ms Redis timeout trips the breaker, and
 // answers decided by policy (degraded, which fails the benchmark) would flatter depth 32.
 func BenchmarkGlobalPipelined(b *testing.B) {
@@ -166,11 +167,15 @@ func BenchmarkGlobalPipelined(b *testing.B) {
 	if err := c.pipelined(fr, 2000, 32); err != nil { // warm: Redis connections, keys
 		b.Fatal(err)
 	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
 	const perRound = 2000
 	var r1, r32 []float64
+	var usec32, cpu32, calls32 float64 // Redis script time, process CPU and script calls over the depth-32 rounds
 	rounds := max(b.N/perRound, 5)
 	for i := 0; i < rounds; i++ {
 		for _, depth := range []int{1, 32} {
+			u0, p0, c0 := spreadScriptUsec(b, rdb), costProcUsec(b, rdb), accRedisStats(b, rdb).calls
 			start := time.Now()
 			if err := c.pipelined(fr[i*97%len(fr):], perRound, depth); err != nil {
 				b.Fatal(err)
@@ -180,6 +185,9 @@ func BenchmarkGlobalPipelined(b *testing.B) {
 				r1 = append(r1, rate)
 			} else {
 				r32 = append(r32, rate)
+				usec32 += spreadScriptUsec(b, rdb) - u0
+				cpu32 += costProcUsec(b, rdb) - p0
+				calls32 += accRedisStats(b, rdb).calls - c0
 			}
 		}
 	}
@@ -190,4 +198,12 @@ func BenchmarkGlobalPipelined(b *testing.B) {
 	b.ReportMetric(m1, "depth1-checks/s")
 	b.ReportMetric(m32, "depth32-checks/s")
 	b.ReportMetric(m32/m1, "depth32-vs-depth1")
+	// What Redis spends per check at depth 32: script time (INFO commandstats, EVALSHA and
+	// EVAL) and its whole process CPU (INFO cpu, user + sys, which also counts the reads,
+	// writes and parsing of the batches).
+	b.ReportMetric(usec32/float64(rounds*perRound), "redis-script-µs/check")
+	b.ReportMetric(cpu32/float64(rounds*perRound), "redis-cpu-µs/check")
+	// Script calls per check: 1 when each check is its own EVALSHA, less when the
+	// auto-pipeline merges a batch's checks into one call (standalone Redis).
+	b.ReportMetric(calls32/float64(rounds*perRound), "redis-calls/check")
 }

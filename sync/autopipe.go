@@ -2,6 +2,7 @@ package sync
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	gosync "sync"
 	"time"
@@ -19,8 +20,16 @@ import (
 // when it is done, the first caller still waiting is woken to send the next. A queued
 // call waits for the batch in flight (bounded by its callers' deadlines) and then its
 // own. Safe for concurrent use.
+//
+// On a standalone Redis (merge set) the global.lua calls of one batch go further: they
+// are sent as one call of global.lua's batch form (per mergeMax of them), which decides
+// them one after another, each all-or-nothing, exactly as the separate calls would in
+// that order, and answers each; Redis then pays one script call, one TIME and one
+// command parse per batch instead of per check. Each caller still gets its own reply (or the call's error: a
+// NOSCRIPT then makes each caller resend its own call with EVAL, as without merging).
 type autoPipe struct {
 	rediser
+	merge bool // standalone: merge a batch's global.lua calls into one
 	mu    gosync.Mutex
 	busy  bool
 	queue []*apCall
@@ -35,20 +44,15 @@ type apCall struct {
 	ctx  context.Context
 	cmd  *redis.Cmd
 	done chan bool // true: lead the next batch; false: cmd holds the reply
+	// The call, for merging: set for a global.lua call only.
+	global bool
+	keys   []string
+	args   []any
 }
 
 // EvalSha queues the call and returns when its batch has been answered.
 func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
-	cmdArgs := make([]any, 0, 3+len(keys)+len(args))
-	cmdArgs = append(cmdArgs, "evalsha", sha1, len(keys))
-	for _, k := range keys {
-		cmdArgs = append(cmdArgs, k)
-	}
-	cmdArgs = append(cmdArgs, args...)
-	c := &apCall{ctx: ctx, cmd: redis.NewCmd(ctx, cmdArgs...), done: make(chan bool, 1)}
-	if len(keys) > 0 {
-		c.cmd.SetFirstKeyPos(3)
-	}
+	c := a.newCall(ctx, sha1, keys, args)
 	a.mu.Lock()
 	a.queue = append(a.queue, c)
 	lead := !a.busy
@@ -62,6 +66,24 @@ func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args
 			return c.cmd
 		}
 	}
+}
+
+// newCall returns the queued form of an EVALSHA call.
+func (a *autoPipe) newCall(ctx context.Context, sha1 string, keys []string, args []any) *apCall {
+	cmdArgs := make([]any, 0, 3+len(keys)+len(args))
+	cmdArgs = append(cmdArgs, "evalsha", sha1, len(keys))
+	for _, k := range keys {
+		cmdArgs = append(cmdArgs, k)
+	}
+	cmdArgs = append(cmdArgs, args...)
+	c := &apCall{ctx: ctx, cmd: redis.NewCmd(ctx, cmdArgs...), done: make(chan bool, 1)}
+	if len(keys) > 0 {
+		c.cmd.SetFirstKeyPos(3)
+	}
+	if a.merge && sha1 == globalScript.Hash() && len(keys) > 0 {
+		c.global, c.keys, c.args = true, keys, args
+	}
+	return c
 }
 
 // send sends every queued call as one pipeline, answers them, and hands the next batch
@@ -94,16 +116,33 @@ func (a *autoPipe) send() {
 	if bounded {
 		ctx, cancel = context.WithDeadline(ctx, latest)
 	}
-	if p, ok := a.rediser.(processor); ok && len(batch) == 1 {
-		_ = p.Process(ctx, batch[0].cmd)
+	var merged []*redis.Cmd
+	var groups [][]*apCall
+	if a.merge {
+		merged, groups = mergeGlobal(ctx, batch)
+	}
+	var cmds []redis.Cmder
+	for _, m := range merged {
+		cmds = append(cmds, m)
+	}
+	for _, c := range batch {
+		if merged == nil || !c.global {
+			cmds = append(cmds, c.cmd)
+		}
+	}
+	if p, ok := a.rediser.(processor); ok && len(cmds) == 1 {
+		_ = p.Process(ctx, cmds[0])
 	} else {
 		pipe := a.rediser.Pipeline()
-		for _, c := range batch {
-			_ = pipe.Process(ctx, c.cmd)
+		for _, c := range cmds {
+			_ = pipe.Process(ctx, c)
 		}
 		_, _ = pipe.Exec(ctx) // every cmd carries its own error
 	}
 	cancel()
+	for i, m := range merged {
+		splitGlobal(m, groups[i])
+	}
 
 	a.mu.Lock()
 	var next *apCall
@@ -118,5 +157,86 @@ func (a *autoPipe) send() {
 	}
 	if next != nil {
 		next.done <- true
+	}
+}
+
+// mergeMax is the most requests one merged call decides: Redis runs a script without
+// serving anyone else, so a call stays short (64 checks are about 2 ms of Redis time
+// here) however many checks a batch holds; a batch of more goes as several calls, in one
+// pipeline.
+const mergeMax = 64
+
+// mergeGlobal returns the calls of global.lua's batch form deciding the global.lua calls
+// of batch, in order (at most mergeMax each), and the calls each decides; nil if batch
+// has fewer than two global.lua calls.
+func mergeGlobal(ctx context.Context, batch []*apCall) ([]*redis.Cmd, [][]*apCall) {
+	var members []*apCall
+	for _, c := range batch {
+		if c.global {
+			members = append(members, c)
+		}
+	}
+	if len(members) < 2 {
+		return nil, nil
+	}
+	var cmds []*redis.Cmd
+	var groups [][]*apCall
+	for lo := 0; lo < len(members); lo += mergeMax {
+		group := members[lo:min(lo+mergeMax, len(members))]
+		cmds = append(cmds, mergeCall(ctx, group))
+		groups = append(groups, group)
+	}
+	return cmds, groups
+}
+
+// mergeCall returns the one call of global.lua's batch form deciding group, in order.
+func mergeCall(ctx context.Context, group []*apCall) *redis.Cmd {
+	nkeys, nargs := 0, 0
+	for _, c := range group {
+		nkeys += len(c.keys)
+		nargs += len(c.args)
+	}
+	m := len(group)
+	args := make([]any, 0, 3+nkeys+2+m+nargs)
+	args = append(args, "evalsha", globalScript.Hash(), nkeys)
+	for _, c := range group {
+		for _, k := range c.keys {
+			args = append(args, k)
+		}
+	}
+	args = append(args, "batch", m)
+	for _, c := range group {
+		args = append(args, len(c.keys))
+	}
+	for _, c := range group {
+		args = append(args, c.args...)
+	}
+	cmd := redis.NewCmd(ctx, args...)
+	cmd.SetFirstKeyPos(3)
+	return cmd
+}
+
+// splitGlobal gives each member of a merged call its own reply, or the call's error.
+func splitGlobal(merged *redis.Cmd, members []*apCall) {
+	if err := merged.Err(); err != nil {
+		for _, c := range members {
+			c.cmd.SetErr(err)
+		}
+		return
+	}
+	arr, ok := merged.Val().([]any)
+	if !ok || len(arr) != len(members) {
+		err := fmt.Errorf("global.lua batch of %d replied %T of %d values", len(members), merged.Val(), len(arr))
+		for _, c := range members {
+			c.cmd.SetErr(err)
+		}
+		return
+	}
+	for i, c := range members {
+		if e, isErr := arr[i].(error); isErr {
+			c.cmd.SetErr(e)
+			continue
+		}
+		c.cmd.SetVal(arr[i])
 	}
 }

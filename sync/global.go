@@ -100,7 +100,7 @@ type Global struct {
 // the daemon then spend a few syscalls per batch rather than per check. Call it before g
 // is used.
 func (g *Global) WithAutoPipeline() *Global {
-	g.rdb = &autoPipe{rediser: g.rdb}
+	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot}
 	return g
 }
 

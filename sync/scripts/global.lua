@@ -44,9 +44,16 @@
 --     instead of drifting by rounding a fractional µs emission on every take.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
+--   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;
+--     not x, which hybrid.lua uses: the same rule in both modes shares its keys).
 -- A missing key or field is a fresh key (a full bucket, empty windows). A key is written
--- only when something is consumed, always with PEXPIRE set to when its state carries no
--- information any more, plus 1s, so idle clients vanish.
+-- only when something is consumed, with a TTL that covers at least until its state
+-- carries no information any more, plus 1s, so idle clients vanish; PEXPIRE runs only
+-- when that TTL must grow (see the commit at the end).
+--
+-- Cost: one HMGET per key read, one HSET per key written, PEXPIRE rarely, and TIME. The
+-- commands are cheap (under 1 µs each); the script's own work, in Lua, is most of the
+-- cost, so the takes return multiple values rather than building tables.
 --
 -- All-or-nothing: every check is decided on the state as left by the earlier checks of
 -- the call. Only if every non-shadow check is allowed are the new states written; else
@@ -57,8 +64,17 @@
 -- (0/1: cost exceeds the capacity, never passes), remaining, reset_ns, retry_after_ns,
 -- window_us (the start of the window the check counted in, for refund.lua; 0 for a token
 -- bucket).
+--
+-- Batch: the checks of several requests in one call (sync's auto-pipeline sends the
+-- requests queued together on a standalone Redis so, see autopipe.go). ARGV[1] =
+-- 'batch', ARGV[2] = m, the number of requests, ARGV[3..m+2] = each request's number of
+-- keys, then the 7 values per key of every request, in order; KEYS the requests' keys in
+-- order. The requests are decided one after another, each all-or-nothing as above on the
+-- states the earlier ones left (exactly as m calls in a row), one TIME for all of them.
+-- Reply: an array of m replies, each as above. An error reply fails the whole batch, and
+-- then nothing is written.
 
-local floor = math.floor
+local floor, max, min = math.floor, math.max, math.min
 local TWO52 = 4503599627370496
 
 local tm = redis.call('TIME')
@@ -111,66 +127,69 @@ local function ceildiv(a, b, c)
   return q
 end
 
-local function fmt(x) return string.format('%.0f', x) end
+-- Every take_* returns, for one check: allowed (0/1), impossible (0/1), remaining,
+-- reset_ns, retry_after_ns, window (the reply's last value), expires_ns (when the state
+-- carries no information any more, relative to now), consumed (boolean); and updates st
+-- when consumed. Multiple values, no table: the script runs per check, and Lua's tables
+-- are its main cost after the commands.
 
--- Token bucket (GCRA). st = {t, f}; works on d = tat - now in ns.
-local function take_token(st, requests, burst, e, cost, r, delay)
-  delay = delay or 0 -- ns (algorithm 4)
+-- Token bucket (GCRA). st = {t, f}; works on d = tat - now in ns. delay in ns (algorithm
+-- 4; 0 else).
+local function take_token(st, burst, e, cost, delay)
   local tau = burst * e
   local d = 0
   if st.t then d = (st.t - now) * 1000 + st.f end
   if d < 0 then d = 0 end -- tat = max(tat, now)
-  local consumed = false
+  local allowed, impossible, retry, window, consumed = 0, 0, 0, 0, false
   if cost > burst then
-    r.impossible = 1
+    impossible = 1
   else
-    local nd = d + math.max(cost, 1) * e
+    local nd = d + max(cost, 1) * e
     if nd <= tau + delay then
-      r.allowed = 1
-      if delay > 0 and nd > tau then r.window = nd - tau end -- the wait (algorithm 4)
+      allowed = 1
+      if delay > 0 and nd > tau then window = nd - tau end -- the wait (algorithm 4)
       if cost > 0 then d, consumed = nd, true end
     else
-      r.retry = nd - tau - delay
+      retry = nd - tau - delay
     end
   end
+  local remaining = 0
   local avail = tau - d
-  if avail > 0 then r.remaining = math.min(muldiv(avail, 1, e), burst) end
-  r.reset = d
-  r.expires = d
+  if avail > 0 then remaining = min(muldiv(avail, 1, e), burst) end
   if consumed then
     local us = floor(d / 1000)
     st.t, st.f = now + us, d - us * 1000
   end
-  return consumed
+  return allowed, impossible, remaining, d, retry, window, d, consumed
 end
 
 -- Fixed window. st = {t, n}.
-local function take_fixed(st, requests, w, cost, r)
+local function take_fixed(st, requests, w, cost)
   local t = st.t or 0
-  local start = math.max(now, t)
+  local start = max(now, t)
   start = start - start % w
-  local count = st.n or 0
+  local count = st.n
   if t < start then count = 0 end
-  local consumed = false
+  local allowed, impossible, retry, consumed = 0, 0, 0, false
   if cost > requests then
-    r.impossible = 1
-  elseif count <= requests and math.max(cost, 1) <= requests - count then
-    r.allowed = 1
+    impossible = 1
+  elseif count <= requests and max(cost, 1) <= requests - count then
+    allowed = 1
     count = count + cost
     consumed = cost > 0
   else
-    r.retry = (start + w - now) * 1000
+    retry = (start + w - now) * 1000
   end
-  if count < requests then r.remaining = requests - count end
+  local remaining, reset, expires = 0, 0, 0
+  if count < requests then remaining = requests - count end
   if count == 0 then
-    r.expires = math.max(start - now, 0) * 1000
+    expires = max(start - now, 0) * 1000
   else
-    r.reset = (start + w - now) * 1000
-    r.expires = r.reset
+    reset = (start + w - now) * 1000
+    expires = reset
   end
-  r.window = start
   if consumed then st.t, st.n, st.p = start, count, 0 end
-  return consumed
+  return allowed, impossible, remaining, reset, retry, start, expires, consumed
 end
 
 -- earliest returns, in ns relative to now, the earliest instant t >= from at which the
@@ -181,7 +200,7 @@ local function earliest(w, start, prev, cur, from, x)
     local k = x - cur
     if k >= prev then return (from - now) * 1000 end
     local rmax = ceildiv((k + 1) * 1000, w, prev) - 1
-    if rmax > 0 then return math.max((start + w - now) * 1000 - rmax, (from - now) * 1000) end
+    if rmax > 0 then return max((start + w - now) * 1000 - rmax, (from - now) * 1000) end
     return (start + w - now) * 1000
   end
   local rmax = ceildiv((x + 1) * 1000, w, cur) - 1
@@ -189,10 +208,10 @@ local function earliest(w, start, prev, cur, from, x)
 end
 
 -- Sliding window counter. st = {t, n, p}.
-local function take_sliding(st, requests, w, cost, r)
+local function take_sliding(st, requests, w, cost)
   local start = st.t or 0
-  local nowc = math.max(now, start)
-  local prev, cur = st.p or 0, st.n or 0
+  local nowc = max(now, start)
+  local prev, cur = st.p, st.n
   local dt = nowc - start
   if dt >= w then
     if dt < 2 * w then
@@ -203,132 +222,219 @@ local function take_sliding(st, requests, w, cost, r)
   end
   local est = cur
   if prev ~= 0 then est = est + muldiv(prev, start + w - nowc, w) end
-  local consumed = false
+  local allowed, impossible, retry, consumed = 0, 0, 0, false
   if cost > requests then
-    r.impossible = 1
-  elseif est <= requests and math.max(cost, 1) <= requests - est then
-    r.allowed = 1
+    impossible = 1
+  elseif est <= requests and max(cost, 1) <= requests - est then
+    allowed = 1
     cur, est = cur + cost, est + cost
     consumed = cost > 0
   else
-    r.retry = earliest(w, start, prev, cur, nowc, requests - math.max(cost, 1))
+    retry = earliest(w, start, prev, cur, nowc, requests - max(cost, 1))
   end
-  if est < requests then r.remaining = requests - est end
-  r.expires = math.max(earliest(w, start, prev, cur, start, 0), 0)
-  if est > 0 then r.reset = r.expires end
-  r.window = start
+  local remaining, reset = 0, 0
+  if est < requests then remaining = requests - est end
+  local expires = max(earliest(w, start, prev, cur, start, 0), 0)
+  if est > 0 then reset = expires end
   if consumed then st.t, st.n, st.p = start, cur, prev end
-  return consumed
+  return allowed, impossible, remaining, reset, retry, start, expires, consumed
 end
 
 -- Calendar window (algorithm 3). st = {n}; left = µs to the window's end.
-local function take_calendar(st, requests, left, cost, r)
-  local count = st.n or 0
-  local consumed = false
+local function take_calendar(st, requests, left, cost)
+  local count = st.n
+  local allowed, impossible, retry, consumed = 0, 0, 0, false
   if cost > requests then
-    r.impossible = 1
-  elseif count <= requests and math.max(cost, 1) <= requests - count then
-    r.allowed = 1
+    impossible = 1
+  elseif count <= requests and max(cost, 1) <= requests - count then
+    allowed = 1
     count = count + cost
     consumed = cost > 0
   else
-    r.retry = left * 1000
+    retry = left * 1000
   end
-  if count < requests then r.remaining = requests - count end
-  if count > 0 then r.reset = left * 1000 end
-  r.expires = left * 1000
+  local remaining, reset = 0, 0
+  if count < requests then remaining = requests - count end
+  if count > 0 then reset = left * 1000 end
   if consumed then st.t, st.n, st.p = 0, count, 0 end
-  return consumed
+  return allowed, impossible, remaining, reset, retry, 0, left * 1000, consumed
 end
 
 -- Ban check (algorithm 5). st.u = the ban's end, ms; now_ms: the daemon's clock.
-local function take_ban(st, now_ms, r)
+local function take_ban(st, now_ms)
   local u = st.u or 0
   if u > now_ms then
-    r.retry = (u - now_ms) * 1000000
-    r.window = u
-  else
-    r.allowed = 1
+    return 0, 0, 0, 0, (u - now_ms) * 1000000, u, 0, false
   end
-  return false
+  return 1, 0, 0, 0, 0, 0, 0, false
 end
 
-local function take(alg, st, requests, w, burst, e, cost, r)
-  if alg == 0 then return take_token(st, requests, burst, e, cost, r) end
-  if alg == 3 then return take_calendar(st, requests, e, cost, r) end
-  if alg == 4 then return take_token(st, requests, burst, e, cost, r, w * 1000) end
-  if alg == 5 then return take_ban(st, e, r) end
-  if alg == 1 then return take_sliding(st, requests, w, cost, r) end
-  if alg == 2 then return take_fixed(st, requests, w, cost, r) end
+local function take(alg, st, requests, w, burst, e, cost)
+  if alg == 0 then return take_token(st, burst, e, cost, 0) end
+  if alg == 1 then return take_sliding(st, requests, w, cost) end
+  if alg == 2 then return take_fixed(st, requests, w, cost) end
+  if alg == 3 then return take_calendar(st, requests, e, cost) end
+  if alg == 4 then return take_token(st, burst, e, cost, w * 1000) end
+  if alg == 5 then return take_ban(st, e) end
   return redis.error_reply('rlsidecar global.lua: unknown algorithm ' .. tostring(alg))
 end
 
-local function load(key)
-  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u')
-  local st = {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
-    u = tonumber(v[5])} -- u: a ban key's (algorithm 5)
-  return st
+-- state parses a key's HMGET reply (t, f, n, p, u, gx, o) into a state. x: the TTL's end
+-- as global.lua last set it, unless a hybrid daemon has written the key since (its field
+-- o: the same rule in hybrid mode on another daemon, or before a reload), whose PEXPIRE
+-- may have shortened the TTL: then x is unknown (nil), and the commit sets the TTL.
+local function state(v)
+  local x = nil
+  if not v[7] then x = tonumber(v[6]) end
+  return {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
+    u = tonumber(v[5]), x = x} -- u: a ban key's (algorithm 5)
 end
 
-local function copy(st) return {t = st.t, f = st.f, n = st.n, p = st.p} end
+-- states: per key, its state as the requests decided so far left it; order: the keys in
+-- the order first read. written: per key, the expires_ns and algorithm of its last
+-- committed take (nil: not written), and when.
+local states, order, written, wrote_at = {}, {}, {}, {}
 
-local nops = #KEYS
-if #ARGV ~= 7 * nops then
-  return redis.error_reply('rlsidecar global.lua: want 7 ARGV per key, got ' .. #ARGV .. ' for ' .. nops)
-end
-
-local states, firsts, order = {}, {}, {}
-local res, ok = {}, true
-for i = 1, nops do
-  local key = KEYS[i]
-  local a = (i - 1) * 7
-  local alg, requests, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-  local shadow = ARGV[a + 7] == '1'
-  if not states[key] then
-    states[key] = load(key)
-    firsts[key] = copy(states[key])
-    order[#order + 1] = key
+-- decide decides one request: n checks on KEYS[k0+1..k0+n], ARGV from a0 (7 per check),
+-- all-or-nothing on the states left by the earlier requests, and writes its 6 reply
+-- values per check to res from index 1. It returns an error reply, or nil.
+local function decide(k0, a0, n, res)
+  local before -- per key first touched by this request: its state before it
+  local ok = true
+  local commits -- the consuming checks, to mark written if the request commits
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local a = a0 + (i - 1) * 7
+    local alg, requests, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    local st = states[key]
+    if not st then
+      local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o')
+      st = state(v)
+      states[key] = st
+      order[#order + 1] = key
+      before = before or {}
+      before[key] = v -- the HMGET reply: parsed again only when nothing commits
+    elseif not (before and before[key]) then
+      before = before or {}
+      before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x}
+    end
+    local allowed, impossible, remaining, reset, retry, window, expires, consumed =
+      take(alg, st, requests, w, burst, e, cost)
+    if type(allowed) == 'table' then return allowed end -- an error reply
+    if consumed then
+      commits = commits or {}
+      commits[#commits + 1] = key
+      commits[#commits + 1] = expires
+      commits[#commits + 1] = alg
+    end
+    if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
+    local j = (i - 1) * 6
+    res[j + 1], res[j + 2], res[j + 3] = allowed, impossible, remaining
+    res[j + 4], res[j + 5], res[j + 6] = reset, retry, window
   end
-  local r = {allowed = 0, impossible = 0, remaining = 0, reset = 0, retry = 0, expires = 0, window = 0}
-  local consumed = take(alg, states[key], requests, w, burst, e, cost, r)
-  if type(consumed) == 'table' then return consumed end -- an error reply
-  if consumed then
-    states[key].dirty = true
-    states[key].expires = r.expires
-    states[key].alg = alg
+  if ok then
+    if commits then
+      for c = 1, #commits, 3 do
+        local key = commits[c]
+        written[key], wrote_at[key] = commits[c + 1], commits[c + 2]
+      end
+    end
+    return nil
   end
-  if r.allowed == 0 and not shadow then ok = false end
-  res[i] = r
+  -- Nothing is committed: the request's keys go back to their state before it, and each
+  -- check that was itself allowed reports that state as a peek would.
+  for key, b in pairs(before) do
+    if b.copy then
+      states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x}
+    else
+      states[key] = state(b)
+    end
+  end
+  for i = 1, n do
+    local j = (i - 1) * 6
+    if res[j + 1] == 1 then
+      local key = KEYS[k0 + i]
+      local a = a0 + (i - 1) * 7
+      local b = before[key]
+      local st = b.copy and {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u} or state(b)
+      local _, impossible, remaining, reset = take(tonumber(ARGV[a + 1]), st,
+        tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), 0)
+      res[j + 2], res[j + 3], res[j + 4], res[j + 5], res[j + 6] = impossible, remaining, reset, 0, 0
+    end
+  end
+  return nil
 end
 
 local out = {}
-for i = 1, nops do
-  local r = res[i]
-  if not ok and r.allowed == 1 then
-    -- Nothing is committed: report the key's state before the call as a peek would.
-    local a = (i - 1) * 7
-    local p = {allowed = 0, impossible = 0, remaining = 0, reset = 0, retry = 0, expires = 0, window = 0}
-    take(tonumber(ARGV[a + 1]), copy(firsts[KEYS[i]]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-      tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), 0, p)
-    r = p
-    r.allowed, r.retry, r.window = 1, 0, 0
+if ARGV[1] == 'batch' then
+  -- Several requests (see the header): ARGV[2] = m, ARGV[3..m+2] their key counts.
+  local m = tonumber(ARGV[2])
+  if not m or m < 1 or #ARGV < 2 + m then
+    return redis.error_reply('rlsidecar global.lua: bad batch header')
   end
-  local j = (i - 1) * 6
-  out[j + 1], out[j + 2], out[j + 3] = r.allowed, r.impossible, r.remaining
-  out[j + 4], out[j + 5], out[j + 6] = r.reset, r.retry, r.window
+  local nk = 0
+  for r = 1, m do
+    local n = tonumber(ARGV[2 + r])
+    if not n or n < 1 then return redis.error_reply('rlsidecar global.lua: bad batch key count ' .. tostring(ARGV[2 + r])) end
+    nk = nk + n
+  end
+  if nk ~= #KEYS or #ARGV ~= 2 + m + 7 * nk then
+    return redis.error_reply('rlsidecar global.lua: batch of ' .. m .. ' requests wants ' .. nk .. ' keys and ' ..
+      (2 + m + 7 * nk) .. ' ARGV, got ' .. #KEYS .. ' and ' .. #ARGV)
+  end
+  local k0, a0 = 0, 2 + m
+  for r = 1, m do
+    local n = tonumber(ARGV[2 + r])
+    local res = {}
+    local err = decide(k0, a0, n, res)
+    if err then return err end
+    out[r] = res
+    k0, a0 = k0 + n, a0 + 7 * n
+  end
+else
+  local nops = #KEYS
+  if #ARGV ~= 7 * nops then
+    return redis.error_reply('rlsidecar global.lua: want 7 ARGV per key, got ' .. #ARGV .. ' for ' .. nops)
+  end
+  local err = decide(0, 0, nops, out)
+  if err then return err end
 end
 
-if ok then
-  for _, key in ipairs(order) do
-    local st = states[key]
-    if st.dirty then
-      if st.alg == 0 or st.alg == 4 then
-        redis.call('HSET', key, 't', fmt(st.t), 'f', fmt(st.f))
+-- Commit what the committed requests consumed. A key's TTL must cover its state's
+-- information plus 1 s: ttl ms from now. Its hash keeps in gx the instant (Redis TIME, ms)
+-- the TTL it was last given ends, so PEXPIRE runs only when the TTL must grow:
+--   - a fixed window's information ends with its window (+1 s), the same instant for
+--     every take in it: one PEXPIRE per window, exact;
+--   - a token bucket's (its TAT) and a sliding window's grow with every take: the TTL is
+--     grown by 1 s + 1/8 more than needed, so a key taken from again and again pays
+--     PEXPIRE about once a second (or per eighth of its lifetime), not on every take.
+--     An idle key lives at most 1 s + 1/8 of its TTL longer than it must;
+--   - a calendar window's end is the daemon's (left, on its clock): PEXPIRE on every
+--     take, exact, as before.
+-- Numbers go to Redis as they are (integers below 2^53 print exactly).
+local now_ms = floor(now / 1000)
+for _, key in ipairs(order) do
+  local expires = written[key]
+  if expires then
+    local st, alg = states[key], wrote_at[key]
+    local ttl = math.ceil(expires / 1000000) + 1000
+    local x = st.x
+    if x and x >= now_ms + ttl and alg ~= 3 then
+      if alg == 0 or alg == 4 then
+        redis.call('HSET', key, 't', st.t, 'f', st.f)
       else
-        redis.call('HSET', key, 't', fmt(st.t), 'n', fmt(st.n), 'p', fmt(st.p))
+        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p)
       end
-      redis.call('PEXPIRE', key, fmt(math.ceil(st.expires / 1000000) + 1000))
+    else
+      if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
+      st.x = now_ms + ttl
+      if alg == 0 or alg == 4 then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x)
+      else
+        redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'gx', st.x)
+      end
+      redis.call('PEXPIRE', key, ttl)
     end
   end
 end

@@ -19,13 +19,14 @@
 --   windows: if the key is still in the same window, n -= cost; for a sliding window
 --   that has since rolled once, that count is now p, so p -= cost; never below 0. A
 --   window that has rolled further no longer counts the cost: nothing to undo.
--- A missing key (expired) has nothing to give back. The TTL is left alone: a refund only
--- makes the state expire sooner, so the TTL set by global.lua stays long enough.
+-- A missing key (expired) has nothing to give back. The TTL is left alone, and with it
+-- field gx (the TTL's end, see global.lua): a refund only makes the state expire sooner,
+-- so the TTL set by global.lua stays long enough. Numbers go to Redis as they are
+-- (integers below 2^53 print exactly, as global.lua writes them).
 --
 -- Reply: the number of checks refunded.
 
 local floor = math.floor
-local function fmt(x) return string.format('%.0f', x) end
 
 if #ARGV ~= 5 * #KEYS then
   return redis.error_reply('rlsidecar refund.lua: want 5 ARGV per key, got ' .. #ARGV .. ' for ' .. #KEYS)
@@ -46,13 +47,13 @@ for i = 1, #KEYS do
       t = t - cost * eus
       local carry = floor(f / 1000)
       t, f = t + carry, f - carry * 1000
-      redis.call('HSET', key, 't', fmt(t), 'f', fmt(f))
+      redis.call('HSET', key, 't', t, 'f', f)
       done = done + 1
     elseif t == start then
-      redis.call('HSET', key, 'n', fmt(math.max((tonumber(v[3]) or 0) - cost, 0)))
+      redis.call('HSET', key, 'n', math.max((tonumber(v[3]) or 0) - cost, 0))
       done = done + 1
     elseif alg == 1 and t == start + w then
-      redis.call('HSET', key, 'p', fmt(math.max((tonumber(v[4]) or 0) - cost, 0)))
+      redis.call('HSET', key, 'p', math.max((tonumber(v[4]) or 0) - cost, 0))
       done = done + 1
     end
   end
