@@ -69,6 +69,7 @@ rules:
     match: { domain: edge, descriptor: remote_address, remote_address: { not: 50.0.0.5 } }
     key: [domain, remote_address]
     limit: { requests: 3, per: 30s }
+    warn_at: 0.6
 `
 
 type rlsFixture struct {
