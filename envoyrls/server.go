@@ -276,6 +276,7 @@ type scratch struct {
 	keys   []byte
 	pol    []byte
 	cur    []byte
+	warn   []byte
 	best   []int32
 	d      limiter.Decision
 }
@@ -516,6 +517,17 @@ func (s *Server) response(n int, sc *scratch) {
 			}
 		}
 		a.headers = append(a.headers, hdr{"RateLimit-Policy", sc.pol}, hdr{"RateLimit", sc.cur})
+	}
+	if d.Allowed {
+		sc.warn = sc.warn[:0]
+		for i := range d.Results {
+			if r := &d.Results[i]; r.Warning && !r.Shadow {
+				sc.warn = proto.AppendWarningItem(sc.warn, r.Name)
+			}
+		}
+		if len(sc.warn) > 0 {
+			a.headers = append(a.headers, hdr{"RateLimit-Warning", sc.warn})
+		}
 	}
 	if !d.Allowed {
 		dr := d.DecidingResult()

@@ -41,6 +41,16 @@ func AppendRateLimitItem(pol, cur []byte, name string, limit uint64, window time
 	return pol, cur
 }
 
+// AppendWarningItem appends one warning rule's name to the value of the RateLimit-Warning
+// header, rlsidecar's own (not in the IETF draft): an RFC 8941 list of sf-strings quoted
+// as in RateLimit-Policy, separated from the items before with ", ": `"per-user", "per-ip"`.
+func AppendWarningItem(b []byte, name string) []byte {
+	if len(b) > 0 {
+		b = append(b, ", "...)
+	}
+	return appendSFString(b, name)
+}
+
 // appendSFString appends s as an RFC 8941 string: `\` and `"` escaped, any byte outside
 // printable ASCII (0x20–0x7E) replaced with `_`.
 func appendSFString(b []byte, s string) []byte {

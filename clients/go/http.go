@@ -31,6 +31,9 @@ func Headers(d *Decision) http.Header {
 //     list with one item per non-shadow rule of d.Rules, the deciding rule first, then the
 //     others in order: `"per-user";q=5;w=60` (q the limit, w the window in seconds) and
 //     `"per-user";r=0;t=12` (r the remaining, t the reset in seconds);
+//   - when d allows and some non-shadow rule of d.Rules warns (warn_at): RateLimit-Warning,
+//     rlsidecar's own header (not in the draft), a structured-field list of those rules'
+//     names in the order of d.Rules, quoted as in RateLimit-Policy: `"per-user", "per-ip"`;
 //   - when d rejects: Retry-After, in seconds, at least 1 — except when d.Reason is
 //     proto.ReasonCostExceedsCapacity, since no retry can ever pass.
 //
@@ -60,6 +63,17 @@ func SetHeaders(h http.Header, d *Decision) {
 		}
 		h.Set("RateLimit-Policy", string(pol))
 		h.Set("RateLimit", string(cur))
+	}
+	if d.Allowed {
+		var warn []byte
+		for i := range d.Rules {
+			if r := &d.Rules[i]; r.Warning && !r.Shadow {
+				warn = proto.AppendWarningItem(warn, r.Name)
+			}
+		}
+		if warn != nil {
+			h.Set("RateLimit-Warning", string(warn))
+		}
 	}
 	if !d.Allowed && d.Reason != proto.ReasonCostExceedsCapacity {
 		h.Set("Retry-After", strconv.FormatInt(proto.RetryAfterSeconds(d.RetryAfter), 10))

@@ -28,6 +28,7 @@ type headerVector struct {
 		ResetMs      uint64 `json:"reset_ms"`
 		RetryAfterMs uint64 `json:"retry_after_ms"`
 		Reason       string `json:"reason"`
+		Warning      bool   `json:"warning"`
 		Rules        []struct {
 			Name         string `json:"name"`
 			Limit        uint64 `json:"limit"`
@@ -37,6 +38,7 @@ type headerVector struct {
 			RetryAfterMs uint64 `json:"retry_after_ms"`
 			Allowed      bool   `json:"allowed"`
 			Shadow       bool   `json:"shadow"`
+			Warning      bool   `json:"warning"`
 		} `json:"rules"`
 	} `json:"decision"`
 	Headers map[string]string `json:"headers"`
@@ -47,10 +49,10 @@ type headerVector struct {
 func (v *headerVector) response() proto.Response {
 	d := &v.Decision
 	r := proto.Response{Allowed: d.Allowed, Rule: d.Rule, Limit: d.Limit, Remaining: d.Remaining,
-		ResetMs: d.ResetMs, RetryAfterMs: d.RetryAfterMs, Reason: d.Reason}
+		ResetMs: d.ResetMs, RetryAfterMs: d.RetryAfterMs, Reason: d.Reason, Warning: d.Warning}
 	for _, rr := range d.Rules {
 		r.Rules = append(r.Rules, proto.RuleResult{Name: rr.Name, Limit: rr.Limit, WindowMs: rr.WindowMs,
-			Remaining: rr.Remaining, ResetMs: rr.ResetMs, RetryAfterMs: rr.RetryAfterMs, Allowed: rr.Allowed, Shadow: rr.Shadow})
+			Remaining: rr.Remaining, ResetMs: rr.ResetMs, RetryAfterMs: rr.RetryAfterMs, Allowed: rr.Allowed, Shadow: rr.Shadow, Warning: rr.Warning})
 	}
 	return r
 }
@@ -123,7 +125,7 @@ func TestMiddlewareVectors(t *testing.T) {
 				t.Fatalf("status %d, want %d", rec.Code, v.Status)
 			}
 			got := rec.Header()
-			for _, k := range []string{"RateLimit-Policy", "RateLimit", "Retry-After"} {
+			for _, k := range []string{"RateLimit-Policy", "RateLimit", "RateLimit-Warning", "Retry-After"} {
 				if g, w := got.Get(k), canonical(v.Headers).Get(k); g != w {
 					t.Errorf("%s: %q, want %q", k, g, w)
 				}

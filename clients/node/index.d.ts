@@ -95,7 +95,7 @@ export declare class Decision {
   readonly lease: string;
   /** 200, 429 (a rule rejected) or 503 (no answer under 'closed'). */
   readonly status: 200 | 429 | 503;
-  /** RateLimit-Policy, RateLimit and (when rejected) Retry-After. */
+  /** RateLimit-Policy, RateLimit, (when allowed and a rule warns) RateLimit-Warning and (when rejected) Retry-After. */
   headers(): Record<string, string>;
   problem(): Problem | null;
   rejection(): Rejection | null;

@@ -69,6 +69,7 @@ rules:
     match: { domain: edge, descriptor: remote_address, remote_address: { not: 50.0.0.5 } }
     key: [domain, remote_address]
     limit: { requests: 3, per: 30s }
+    warn_at: 0.6
 `
 
 type rlsFixture struct {
@@ -287,6 +288,7 @@ func TestE2EEnvoyRLSMatchesSocket(t *testing.T) {
 	// Identical at a time that does not cross a second boundary between the two asks
 	// (headers carry whole seconds): try a few fresh keys.
 	var mismatch string
+	warned := false // per-ip's warn_at 0.6: the 2nd and 3rd checks of a key warn
 	for attempt := range 5 {
 		viaSocket := "10.0.0." + string(rune('1'+attempt))
 		viaGRPC := "10.0.1." + string(rune('1'+attempt))
@@ -312,6 +314,7 @@ func TestE2EEnvoyRLSMatchesSocket(t *testing.T) {
 			for k, v := range headerMap(resp) {
 				got.Set(k, v)
 			}
+			warned = warned || got.Get("RateLimit-Warning") == `"per-ip"`
 			if !reflect.DeepEqual(got, want) {
 				mismatch = "headers: gRPC " + strings.Join(flat(got), "; ") + " | client " + strings.Join(flat(want), "; ")
 			}
@@ -323,6 +326,9 @@ func TestE2EEnvoyRLSMatchesSocket(t *testing.T) {
 			}
 		}
 		if mismatch == "" {
+			if !warned {
+				t.Fatal("no RateLimit-Warning over gRPC")
+			}
 			return
 		}
 	}

@@ -59,7 +59,10 @@ end
 -- headers returns the rate-limit headers of d as a table name -> value:
 --   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
 --   rule, the deciding rule first (built from the top-level fields, without w, when
---   d.rules lacks it); Retry-After (seconds, at least 1) when d rejects, except when
+--   d.rules lacks it); RateLimit-Warning (rlsidecar's own header, not in the draft) when
+--   d allows and some non-shadow rule warns (warn_at): those rules' names in the order of
+--   d.rules, quoted as in RateLimit-Policy, "per-user", "per-ip";
+--   Retry-After (seconds, at least 1) when d rejects, except when
 --   d.reason is cost_exceeds_capacity (no retry can pass).
 -- A decision where nothing matched gets no RateLimit fields.
 function M.headers(d)
@@ -86,6 +89,13 @@ function M.headers(d)
     end
     h["RateLimit-Policy"] = concat(pol, ", ")
     h["RateLimit"] = concat(cur, ", ")
+  end
+  if d.allowed then
+    local warn = {}
+    for _, r in ipairs(rules) do
+      if r.warning == true and not r.shadow then warn[#warn + 1] = sf_string(r.name) end
+    end
+    if #warn > 0 then h["RateLimit-Warning"] = concat(warn, ", ") end
   end
   if not d.allowed and d.reason ~= REASON_COST_EXCEEDS_CAPACITY then
     h["Retry-After"] = int(retry_after_seconds(d))

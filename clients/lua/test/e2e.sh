@@ -5,8 +5,9 @@
 # configs of clients/lua/examples (paths and ports substituted, and the 50 ms timeout
 # raised to 2 s so that a loaded CI machine does not turn decisions into policy ones; the
 # silent-sidecar part keeps the example's 50 ms). For each gateway it
-# sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit, then 429s
-# with Retry-After, the same headers and the problem+json body the Go client writes; that
+# sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit (and
+# RateLimit-Warning once per-user reaches its warn_at), then 429s with Retry-After, the same
+# headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
 # unchecked paths pass untouched; that nginx keeps its connection to the daemon (one open
 # connection after the burst) and gets a decision right after a daemon restart (the pool
 # drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
@@ -83,6 +84,7 @@ rules:
   - name: per-user
     key: user
     limit: { requests: 3, per: 60s }
+    warn_at: 0.6
   - name: per-ip
     match: { path: "/api/**" }
     key: ip
@@ -196,6 +198,8 @@ burst() {
     expect "$name request $i: RateLimit-Policy (deciding rule first)" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "per-ip";q=1000;w=60')"
     expect_re "$name request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=($((20 * i - 1))|$((20 * i))), \"per-ip\";r=[0-9]+;t=[0-9]+$"
     expect "$name request $i: no Retry-After" "$(header retry-after)" ""
+    # warn_at 0.6 of 3: the 2nd and 3rd requests warn.
+    expect "$name request $i: RateLimit-Warning" "$(header ratelimit-warning)" "$( ((i >= 2)) && lc '"per-user"')"
   done
   for i in 4 5; do
     request GET "http://127.0.0.1:$port/api/items" "$user"
@@ -204,6 +208,7 @@ burst() {
     ra=$(header retry-after)
     expect_re "$name request $i: Retry-After" "$ra" '^(1[0-9]|20)$'
     expect "$name request $i: Content-Type" "$(header content-type)" "application/problem+json"
+    expect "$name request $i: no RateLimit-Warning on a 429" "$(header ratelimit-warning)" ""
     expect "$name request $i: RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "per-ip";q=1000;w=60')"
     expect_re "$name request $i: RateLimit" "$(header ratelimit)" '^"per-user";r=0;t=(5[0-9]|60), "per-ip";r=[0-9]+;t=[0-9]+$'
     expect "$name request $i: problem body" "$body" \

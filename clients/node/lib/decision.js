@@ -61,8 +61,11 @@ class Decision {
 
   /**
    * The rate-limit headers: RateLimit-Policy and RateLimit (one item per non-shadow
-   * rule, the deciding rule first) when a rule decided; Retry-After (seconds, at least 1)
-   * when rejected, except for cost_exceeds_capacity.
+   * rule, the deciding rule first) when a rule decided; RateLimit-Warning (rlsidecar's
+   * own header, not in the draft) when allowed and some non-shadow rule warns (warn_at):
+   * those rules' names in the order of rules, quoted as in RateLimit-Policy,
+   * `"per-user", "per-ip"`; Retry-After (seconds, at least 1) when rejected, except for
+   * cost_exceeds_capacity.
    */
   headers() {
     const h = {};
@@ -87,6 +90,10 @@ class Decision {
       }
       h['RateLimit-Policy'] = pol.join(', ');
       h['RateLimit'] = cur.join(', ');
+    }
+    if (this.allowed) {
+      const warn = this.rules.filter((r) => r.warning && !r.shadow).map((r) => sfString(r.name));
+      if (warn.length > 0) h['RateLimit-Warning'] = warn.join(', ');
     }
     if (!this.allowed && this.reason !== COST_EXCEEDS_CAPACITY) h['Retry-After'] = String(retryAfterS(this));
     return h;

@@ -16,8 +16,9 @@ function decisionOf(c) {
   const d = c.decision;
   return new Decision({
     allowed: d.allowed, rule: d.rule, limit: d.limit, remaining: d.remaining, resetMs: d.reset_ms,
-    retryAfterMs: d.retry_after_ms, reason: d.reason,
-    rules: d.rules.map((r) => new RuleDecision(r.name, r.limit, r.window_ms, r.remaining, r.reset_ms, r.retry_after_ms, r.allowed, r.shadow)),
+    retryAfterMs: d.retry_after_ms, reason: d.reason, warning: d.warning === true,
+    rules: d.rules.map((r) => new RuleDecision(r.name, r.limit, r.window_ms, r.remaining, r.reset_ms, r.retry_after_ms, r.allowed, r.shadow,
+      '', r.warning === true)),
   });
 }
 

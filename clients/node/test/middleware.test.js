@@ -76,7 +76,7 @@ test('the header table through the middleware', async (t) => {
     const r = await get('/' + cs.name + '?q=1');
     assert.equal(r.status, cs.status, cs.name);
     const want = Object.fromEntries(Object.entries(cs.headers).map(([k, v]) => [k.toLowerCase(), v]));
-    for (const k of ['ratelimit-policy', 'ratelimit', 'retry-after']) assert.equal(r.headers.get(k), want[k] ?? null, `${cs.name} ${k}`);
+    for (const k of ['ratelimit-policy', 'ratelimit', 'ratelimit-warning', 'retry-after']) assert.equal(r.headers.get(k), want[k] ?? null, `${cs.name} ${k}`);
     assert.equal(r.headers.get('x-next') === '1', cs.status === 200);
     if (cs.status === 429) {
       assert.equal(r.headers.get('content-type'), 'application/problem+json');

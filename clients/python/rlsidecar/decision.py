@@ -102,6 +102,10 @@ class Decision:
         - when a rule decided: RateLimit-Policy and RateLimit (draft-ietf-httpapi-
           ratelimit-headers), one item per non-shadow rule, the deciding rule first:
           ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up);
+        - when allowed and some non-shadow rule warns (warn_at): RateLimit-Warning,
+          rlsidecar's own header (not in the draft), a structured-field list of those
+          rules' names in the order of rules, quoted as in RateLimit-Policy:
+          ``"per-user", "per-ip"``;
         - when rejected: Retry-After in seconds, at least 1, except for
           cost_exceeds_capacity (no retry can pass).
 
@@ -125,6 +129,10 @@ class Decision:
                     _item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
             h["RateLimit-Policy"] = ", ".join(pol)
             h["RateLimit"] = ", ".join(cur)
+        if self.allowed:
+            warn = [_sf_string(r.name) for r in self.rules if r.warning and not r.shadow]
+            if warn:
+                h["RateLimit-Warning"] = ", ".join(warn)
         if not self.allowed and self.reason != COST_EXCEEDS_CAPACITY:
             h["Retry-After"] = str(self._retry_after_s())
         return h

@@ -17,9 +17,9 @@ with open(os.path.join(ROOT, "clients", "testdata", "http_headers.json")) as f:
 def decision_of(c):
     d = c["decision"]
     rules = [RuleDecision(r["name"], r["limit"], r["window_ms"], r["remaining"], r["reset_ms"], r["retry_after_ms"],
-                          r["allowed"], r["shadow"]) for r in d["rules"]]
+                          r["allowed"], r["shadow"], warning=r.get("warning", False)) for r in d["rules"]]
     return Decision(d["allowed"], d["rule"], d["limit"], d["remaining"], d["reset_ms"], d["retry_after_ms"], False,
-                    rules, d["reason"])
+                    rules, d["reason"], warning=d.get("warning", False))
 
 
 def lower(h):
