@@ -19,15 +19,11 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
-	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
-	gproto "google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/durationpb"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/rlsidecar/rlsidecar/bench/internal/cannedrls"
 )
 
 func main() {
@@ -39,21 +35,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	// The answer rlsidecar gives an admitted one-descriptor call of the benchmark (the
-	// same as bench/grpcfloor's), with gRPC's 5-byte message prefix.
-	answer, err := gproto.Marshal(&rlsv3.RateLimitResponse{
-		OverallCode: rlsv3.RateLimitResponse_OK,
-		Statuses: []*rlsv3.RateLimitResponse_DescriptorStatus{{
-			Code:               rlsv3.RateLimitResponse_OK,
-			CurrentLimit:       &rlsv3.RateLimitResponse_RateLimit{Name: "per-user", RequestsPerUnit: 1000, Unit: rlsv3.RateLimitResponse_RateLimit_SECOND},
-			LimitRemaining:     999,
-			DurationUntilReset: durationpb.New(412 * time.Millisecond),
-		}},
-		ResponseHeadersToAdd: []*corev3.HeaderValue{
-			{Key: "RateLimit-Policy", Value: `"per-user";q=1000;w=1`},
-			{Key: "RateLimit", Value: `"per-user";r=999;t=1`},
-		},
-	})
+	// The answer rlsidecar gives an admitted one-descriptor call of the benchmark (cannedrls, as
+	// bench/grpcfloor's), with gRPC's 5-byte message prefix.
+	answer, err := cannedrls.Answer()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
