@@ -35,8 +35,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	// The answer rlsidecar gives an admitted one-descriptor call of the benchmark (cannedrls, as
-	// bench/grpcfloor's), with gRPC's 5-byte message prefix.
+	// The answer rlsidecar gives an admitted one-descriptor call of the benchmark, the
+	// same as bench/grpcfloor's; sent with gRPC's 5-byte message prefix.
 	answer, err := cannedrls.Answer()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
