@@ -73,8 +73,33 @@ type GlobalOp struct {
 	Ban         bool
 	BanAt       int64
 	BannedUntil int64
+	// Lease, set by [LeaseCheck], makes the op a concurrency lease's slot instead of a
+	// limit: decided in the script call of its hash slot with the request's other ops,
+	// all-or-nothing with them. Limit and Cost are unused.
+	Lease *LeaseOp
 
-	window int64 // the window start global.lua counted this op in (for Undo)
+	window int64  // the window start global.lua counted this op in (for Undo)
+	member string // a lease slot's member in Key's sorted set: "<lease id>:<part>"
+}
+
+// LeaseCheck returns the op that takes (or with o.Take false asks for) o's slot for
+// lease id, as [Global.Acquire] would, for [Global.Check] to decide beside a request's
+// rate ops: where they share a hash slot, one script call (global.lua's algorithm 6)
+// decides them all-or-nothing, so a refused rate op holds no slot and a full lease takes
+// nothing. Check writes o's Allowed, Remaining and RetryAfter, and the op's Result
+// (Limit = o.Max). The slot, held under o.Key as lease.lua keeps it, is released or
+// renewed by [Global.Release] and [Global.Renew], never by [Global.Undo]. o must stay
+// where it is until Check returns.
+func LeaseCheck(id string, o *LeaseOp) GlobalOp {
+	return GlobalOp{Key: o.Key, Shadow: o.Shadow, Lease: o, member: id + ":" + strconv.Itoa(o.Part)}
+}
+
+// limitOf is what op's Result reports as its limit.
+func limitOf(op *GlobalOp) uint64 {
+	if op.Lease != nil {
+		return op.Lease.Max
+	}
+	return op.Limit.Requests()
 }
 
 // Global is the exact global mode: every check is decided in Redis by one atomic script
@@ -220,7 +245,10 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 		}
 		if err != nil {
 			for _, i := range idx {
-				ops[i].Result = localbucket.Result{Limit: ops[i].Limit.Requests()}
+				ops[i].Result = localbucket.Result{Limit: limitOf(&ops[i])}
+				if lo := ops[i].Lease; lo != nil {
+					lo.Allowed, lo.Remaining, lo.RetryAfter = false, 0, 0
+				}
 			}
 			if firstErr == nil {
 				firstErr = fmt.Errorf("global check of %d keys in slot %d: %w", len(idx), Slot(ops[idx[0]].Key), err)
@@ -251,7 +279,8 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 }
 
 // Undo gives back what a successful Check took, for a request that a later check (local
-// or hybrid) rejected: one refund call per hash slot, pipelined. It runs on its own
+// or hybrid) rejected: one refund call per hash slot, pipelined. Lease slots are left to
+// [Global.Release] (their holder's bookkeeping goes with it). It runs on its own
 // context (see [Global.WithRefundTimeout]): ctx gives values only. A refund that fails is
 // counted in RefundErrors and returned.
 func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
@@ -259,7 +288,7 @@ func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 	var order []uint16
 	for i := range ops {
 		op := &ops[i]
-		if !op.Result.Allowed || op.Cost == 0 {
+		if !op.Result.Allowed || op.Cost == 0 || op.Lease != nil {
 			continue
 		}
 		var slot uint16
@@ -319,6 +348,15 @@ func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
 		for k, i := range idx {
 			op := &ops[i]
 			if !op.Result.Allowed {
+				continue
+			}
+			if lo := op.Lease; lo != nil {
+				if lo.Take { // its member goes
+					lo.Remaining++
+					op.Result.Remaining++
+					keys = append(keys, op.Key)
+					args = append(args, algLease, op.member, 0, 0, 0)
+				}
 				continue
 			}
 			// What this op and the earlier ones on its key took.
@@ -442,7 +480,7 @@ func parseReply(v any, ops []GlobalOp, idx []int, window []int64) error {
 		ops[i].Result = localbucket.Result{
 			Allowed:    x[0] == 1,
 			Impossible: x[1] == 1,
-			Limit:      ops[i].Limit.Requests(),
+			Limit:      limitOf(&ops[i]),
 			Remaining:  uint64(x[2]),
 			Reset:      x[3],
 			RetryAfter: x[4],

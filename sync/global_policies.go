@@ -16,6 +16,7 @@ const (
 	algCalendar   = 3 // a fixed window whose bounds the daemon computed (GlobalOp.WindowLeft)
 	algTokenDelay = 4 // a token bucket with a delay (localbucket.Limit.WithDelay)
 	algBan        = 5 // a ban check (GlobalOp.Ban)
+	algLease      = 6 // a concurrency lease's slot (GlobalOp.Lease, LeaseCheck)
 )
 
 // appendScriptArgs appends op's 7 global.lua ARGV values to args.
@@ -24,6 +25,8 @@ const (
 //     left in it at the daemon's clock in µs (GlobalOp.WindowLeft; at least 1), cost,
 //     shadow. Its key names the window, so the script needs no clock for it;
 //   - a ban check (algorithm 5): 1, 1, 1, the daemon's wall clock in ms, 0, shadow;
+//   - a lease slot (algorithm 6): max, the lease in ms (at least 1), the member,
+//     LeaseGrace in ms, take (0/1), shadow;
 //   - a token bucket with a delay (algorithm 4): as a token bucket, with the delay in µs
 //     in place of the window (the token bucket's rate is its emission);
 //   - anything else: algorithm, requests, window_us, burst, emission_ns, cost, shadow.
@@ -35,6 +38,10 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 	}
 	if op.Ban {
 		return append(args, algBan, 1, 1, 1, op.BanAt/int64(time.Millisecond), 0, shadow)
+	}
+	if lo := op.Lease; lo != nil {
+		return append(args, algLease, lo.Max, max(lo.Lease.Milliseconds(), 1), op.member,
+			LeaseGrace.Milliseconds(), b01(lo.Take), shadow)
 	}
 	if unit, _ := l.Calendar(); unit != localbucket.NoCalendar {
 		left := max(op.WindowLeft.Microseconds(), 1)
@@ -52,11 +59,16 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 }
 
 // replyWindow reads the last value of op's global.lua reply: the start of the window the
-// op counted in (for refund.lua), except for a token bucket with a delay, where it is the
-// delay the request must wait (ns), which it writes in op.Result.Delay (a token bucket's
-// refund needs no window), and for a ban check, where it is the ban's end (ms), which it
-// writes in op.BannedUntil.
+// op counted in (for refund.lua), except for a lease slot (0: it copies the Result to its
+// LeaseOp), for a token bucket with a delay, where it is the delay the request must wait
+// (ns), which it writes in op.Result.Delay (a token bucket's refund needs no window), and
+// for a ban check, where it is the ban's end (ms), which it writes in op.BannedUntil.
 func replyWindow(op *GlobalOp, v int64) int64 {
+	if lo := op.Lease; lo != nil {
+		r := &op.Result
+		lo.Allowed, lo.Remaining, lo.RetryAfter = r.Allowed, r.Remaining, time.Duration(r.RetryAfter)
+		return 0
+	}
 	if op.Ban {
 		op.BannedUntil = 0
 		if !op.Result.Allowed {

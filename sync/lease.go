@@ -3,9 +3,7 @@ package sync
 import (
 	"context"
 	_ "embed"
-	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -55,11 +53,14 @@ type LeasePart struct {
 // Acquire takes, all-or-nothing, one slot in each op with Take for the lease id (its
 // members "<id>:<part>"): when every non-shadow op has a free slot it holds them and
 // returns true; otherwise it holds nothing and returns false. It writes every op's
-// result. Ops in one hash slot are one atomic script call (scripts/lease.lua); the calls
-// of several slots go in one pipeline and, when one refuses or fails, the others' slots
-// are given back (on a bounded context of their own, see [Global.WithRefundTimeout]).
-// An error (ctx done, Redis down, a bad reply) holds nothing, apart from a give-back
-// that failed (counted in RefundErrors: those slots expire after their lease).
+// result. It is [Global.Check] of the ops' [LeaseCheck]s: ops in one hash slot are one
+// atomic script call (global.lua's algorithm 6, on the sorted sets lease.lua releases,
+// renews and queries); the calls of several slots go in one pipeline and, when one
+// refuses or fails, the others' slots are given back (on a bounded context of their
+// own, see [Global.WithRefundTimeout]). An error (ctx done, Redis down, a bad reply)
+// holds nothing, apart from a give-back that failed (counted in RefundErrors: those
+// slots expire after their lease). A request with rate rules too gives its LeaseChecks
+// to Check with its rate ops instead: one call per slot for both.
 func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
 	if len(ops) == 0 {
 		return true, nil
@@ -84,72 +85,11 @@ func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, e
 }
 
 func (g *Global) acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
-	groups := g.leaseGroups(len(ops), func(i int) string { return ops[i].Key })
-	calls := make([]call, len(groups))
-	grace := LeaseGrace.Milliseconds()
-	for gi, idx := range groups {
-		c := &calls[gi]
-		c.args = make([]any, 0, 3+5*len(idx))
-		c.args = append(c.args, "a", id, grace)
-		for _, i := range idx {
-			o := &ops[i]
-			c.keys = append(c.keys, o.Key)
-			c.args = append(c.args, o.Part, o.Max, max(o.Lease.Milliseconds(), 1), b01(o.Take), b01(o.Shadow))
-		}
+	gops := make([]GlobalOp, len(ops))
+	for i := range ops {
+		gops[i] = LeaseCheck(id, &ops[i])
 	}
-	run(ctx, g.rdb, leaseScript, calls)
-	ok := true
-	var firstErr error
-	for gi, idx := range groups {
-		c := &calls[gi]
-		err := c.cmd.Err()
-		if err == nil {
-			err = parseAcquire(c.cmd.Val(), ops, idx)
-		}
-		if err != nil {
-			c.failed = true
-			for _, i := range idx {
-				ops[i].Allowed, ops[i].Remaining, ops[i].RetryAfter = false, 0, 0
-			}
-			if firstErr == nil {
-				firstErr = fmt.Errorf("lease acquire of %d keys in slot %d: %w", len(idx), Slot(ops[idx[0]].Key), err)
-			}
-			continue
-		}
-		for _, i := range idx {
-			if !ops[i].Allowed && !ops[i].Shadow {
-				c.rejected = true
-				ok = false
-			}
-		}
-	}
-	if ok && firstErr == nil {
-		return true, nil
-	}
-	// Give back what the groups that committed hold.
-	var back []LeasePart
-	for gi, idx := range groups {
-		if calls[gi].failed || calls[gi].rejected {
-			continue
-		}
-		for _, i := range idx {
-			if o := &ops[i]; o.Take && o.Allowed {
-				back = append(back, LeasePart{Key: o.Key, Part: o.Part})
-				o.Remaining++
-			}
-		}
-	}
-	if len(back) > 0 {
-		rctx, cancel := g.refundContext(ctx)
-		if _, err := g.release(rctx, id, back); err != nil {
-			g.refundErrors.Add(1)
-		}
-		cancel()
-	}
-	if !ok {
-		return false, nil
-	}
-	return false, firstErr
+	return g.check(ctx, gops)
 }
 
 // Release frees the parts of lease id and reports whether it freed any live one: false
@@ -375,37 +315,6 @@ func (g *Global) leaseGroups(n int, key func(int) string) [][]int {
 		groups[gi] = append(groups[gi], i)
 	}
 	return groups
-}
-
-// parseAcquire writes the results of ops[idx...] from lease.lua's acquire reply v.
-func parseAcquire(v any, ops []LeaseOp, idx []int) error {
-	arr, ok := v.([]any)
-	if !ok {
-		return fmt.Errorf("lease.lua replied %T, want an array", v)
-	}
-	if len(arr) != 3*len(idx) {
-		return fmt.Errorf("lease.lua replied %d values, want %d", len(arr), 3*len(idx))
-	}
-	for k, i := range idx {
-		var x [3]int64
-		for j := range x {
-			n, err := toInt64(arr[3*k+j])
-			if err != nil {
-				return fmt.Errorf("lease.lua reply value %d: %w", 3*k+j, err)
-			}
-			if n < 0 {
-				return fmt.Errorf("lease.lua reply value %d is negative: %d", 3*k+j, n)
-			}
-			x[j] = n
-		}
-		if x[0] > 1 {
-			return errors.New("lease.lua reply: allowed " + strconv.FormatInt(x[0], 10) + ", want 0 or 1")
-		}
-		ops[i].Allowed = x[0] == 1
-		ops[i].Remaining = uint64(x[1])
-		ops[i].RetryAfter = time.Duration(x[2]) * time.Millisecond
-	}
-	return nil
 }
 
 func b01(b bool) int {

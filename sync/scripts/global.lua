@@ -37,6 +37,19 @@
 --     by ban.lua) is in force, with retry_after_ns to its end and the ban's end (ms) as
 --     the last value; never written. A banned client's checks so commit nothing, in the
 --     same round trip as the checks themselves.
+--   6 concurrency lease slot (sync.LeaseCheck): the key is a concurrency rule's sorted
+--     set, exactly as lease.lua keeps it (its header: members "<lease id>:<part>" scored
+--     by expiry in Redis TIME ms, expired members dropped once grace_ms old, TTL the
+--     latest expiry + grace_ms), so a lease taken here is released, renewed and queried
+--     by lease.lua, through any daemon. ARGV: 6, max, lease_ms, the member, grace_ms,
+--     take (1: hold a slot; 0: ask only), shadow. Allowed while fewer than max
+--     unexpired members (with the slots the request's earlier checks take) hold it;
+--     committed, like every check, only if the whole request is allowed: then ZADD the
+--     member at now + lease_ms. Reply: allowed, 0, remaining (free slots after the
+--     request), and when refused reset_ns = retry_after_ns = until the earliest held
+--     slot expires (1 ms .. 1 s), window 0. A request's rate checks and lease slots on
+--     one slot are so decided all-or-nothing in one call: a refused rate check holds no
+--     slot, a full lease takes nothing.
 --
 -- State, a hash per key, mirroring localbucket.State:
 --   token bucket (GCRA): t = theoretical arrival time, integer µs; f = its sub-µs part in
@@ -295,6 +308,53 @@ end
 -- committed take (nil: not written), and when.
 local states, order, written, wrote_at = {}, {}, {}, {}
 
+-- Concurrency lease slots (algorithm 6). held: per lease key, the unexpired members as
+-- the requests decided so far left it (read once per call, after dropping the members
+-- expired more than grace_ms ago).
+local now_ms = floor(now / 1000)
+local held = {}
+local function fmt(x) return string.format('%.0f', x) end
+
+local function lease_held(key, grace)
+  local h = held[key]
+  if not h then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now_ms - grace))
+    h = redis.call('ZCOUNT', key, '(' .. fmt(now_ms), '+inf')
+    held[key] = h
+  end
+  return h
+end
+
+-- lease_ask decides one slot of key (ARGV from a), taking counting the slots of key the
+-- request's earlier checks take: allowed (0/1), remaining, retry_ns.
+local function lease_ask(key, a, taking)
+  local mx, grace = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 5])
+  if not mx or not grace or grace < 0 then
+    return redis.error_reply('rlsidecar global.lua: bad lease slot ARGV for ' .. key)
+  end
+  local h = lease_held(key, grace) + (taking[key] or 0)
+  if h < mx then
+    local left = mx - h
+    if ARGV[a + 6] == '1' then left = left - 1 end
+    return 1, left, 0
+  end
+  local first = redis.call('ZRANGEBYSCORE', key, '(' .. fmt(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local retry = 1000
+  if first[2] then retry = min(max(tonumber(first[2]) - now_ms, 1), 1000) end
+  return 0, 0, retry * 1000000
+end
+
+-- lease_commit holds the slot of the allowed check of key (ARGV from a): its member
+-- scored by its expiry, and the key's TTL covering that expiry + grace_ms.
+local function lease_commit(key, a)
+  local lease, grace = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 5])
+  local expiry = now_ms + lease
+  redis.call('ZADD', key, fmt(expiry), ARGV[a + 4])
+  held[key] = held[key] + 1
+  local want = lease + grace
+  if redis.call('PTTL', key) < want then redis.call('PEXPIRE', key, fmt(want)) end
+end
+
 -- decide decides one request: n checks on KEYS[k0+1..k0+n], ARGV from a0 (7 per check),
 -- all-or-nothing on the states left by the earlier requests, and writes its 6 reply
 -- values per check to res from index 1. It returns an error reply, or nil.
@@ -302,36 +362,54 @@ local function decide(k0, a0, n, res)
   local before -- per key first touched by this request: its state before it
   local ok = true
   local commits -- the consuming checks, to mark written if the request commits
+  local taking -- lease slots: per key, the slots the request's allowed checks take
+  local slots -- lease slots: the checks that take one, if the request commits
   for i = 1, n do
     local key = KEYS[k0 + i]
     local a = a0 + (i - 1) * 7
-    local alg, requests, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-    local st = states[key]
-    if not st then
-      local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o')
-      st = state(v)
-      states[key] = st
-      order[#order + 1] = key
-      before = before or {}
-      before[key] = v -- the HMGET reply: parsed again only when nothing commits
-    elseif not (before and before[key]) then
-      before = before or {}
-      before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x}
+    local alg = tonumber(ARGV[a + 1])
+    if alg == 6 then
+      taking = taking or {}
+      local allowed, remaining, retry = lease_ask(key, a, taking)
+      if type(allowed) == 'table' then return allowed end -- an error reply
+      if allowed == 1 and ARGV[a + 6] == '1' then
+        taking[key] = (taking[key] or 0) + 1
+        slots = slots or {}
+        slots[#slots + 1] = i
+      end
+      if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
+      local j = (i - 1) * 6
+      res[j + 1], res[j + 2], res[j + 3] = allowed, 0, remaining
+      res[j + 4], res[j + 5], res[j + 6] = retry, retry, 0
+    else
+      local requests, w = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+      local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+      local st = states[key]
+      if not st then
+        local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o')
+        st = state(v)
+        states[key] = st
+        order[#order + 1] = key
+        before = before or {}
+        before[key] = v -- the HMGET reply: parsed again only when nothing commits
+      elseif not (before and before[key]) then
+        before = before or {}
+        before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x}
+      end
+      local allowed, impossible, remaining, reset, retry, window, expires, consumed =
+        take(alg, st, requests, w, burst, e, cost)
+      if type(allowed) == 'table' then return allowed end -- an error reply
+      if consumed then
+        commits = commits or {}
+        commits[#commits + 1] = key
+        commits[#commits + 1] = expires
+        commits[#commits + 1] = alg
+      end
+      if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
+      local j = (i - 1) * 6
+      res[j + 1], res[j + 2], res[j + 3] = allowed, impossible, remaining
+      res[j + 4], res[j + 5], res[j + 6] = reset, retry, window
     end
-    local allowed, impossible, remaining, reset, retry, window, expires, consumed =
-      take(alg, st, requests, w, burst, e, cost)
-    if type(allowed) == 'table' then return allowed end -- an error reply
-    if consumed then
-      commits = commits or {}
-      commits[#commits + 1] = key
-      commits[#commits + 1] = expires
-      commits[#commits + 1] = alg
-    end
-    if allowed == 0 and ARGV[a + 7] ~= '1' then ok = false end
-    local j = (i - 1) * 6
-    res[j + 1], res[j + 2], res[j + 3] = allowed, impossible, remaining
-    res[j + 4], res[j + 5], res[j + 6] = reset, retry, window
   end
   if ok then
     if commits then
@@ -340,22 +418,30 @@ local function decide(k0, a0, n, res)
         written[key], wrote_at[key] = commits[c + 1], commits[c + 2]
       end
     end
+    if slots then
+      for _, i in ipairs(slots) do lease_commit(KEYS[k0 + i], a0 + (i - 1) * 7) end
+    end
     return nil
   end
   -- Nothing is committed: the request's keys go back to their state before it, and each
-  -- check that was itself allowed reports that state as a peek would.
-  for key, b in pairs(before) do
-    if b.copy then
-      states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x}
-    else
-      states[key] = state(b)
+  -- check that was itself allowed reports that state as a peek would (a lease slot: the
+  -- slots free before the request).
+  if before then
+    for key, b in pairs(before) do
+      if b.copy then
+        states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x}
+      else
+        states[key] = state(b)
+      end
     end
   end
   for i = 1, n do
     local j = (i - 1) * 6
-    if res[j + 1] == 1 then
+    local a = a0 + (i - 1) * 7
+    if res[j + 1] == 1 and tonumber(ARGV[a + 1]) == 6 then
+      res[j + 3] = tonumber(ARGV[a + 2]) - held[KEYS[k0 + i]]
+    elseif res[j + 1] == 1 then
       local key = KEYS[k0 + i]
-      local a = a0 + (i - 1) * 7
       local b = before[key]
       local st = b.copy and {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u} or state(b)
       local _, impossible, remaining, reset = take(tonumber(ARGV[a + 1]), st,
@@ -413,7 +499,6 @@ end
 --   - a calendar window's end is the daemon's (left, on its clock): PEXPIRE on every
 --     take, exact, as before.
 -- Numbers go to Redis as they are (integers below 2^53 print exactly).
-local now_ms = floor(now / 1000)
 for _, key in ipairs(order) do
   local expires = written[key]
   if expires then

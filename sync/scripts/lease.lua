@@ -1,5 +1,7 @@
--- lease.lua: concurrency leases in global mode. Acquires, releases, renews or queries one
--- lease's slots on keys that share a hash slot, atomically.
+-- lease.lua: concurrency leases in global mode. Releases, renews or queries one lease's
+-- slots on keys that share a hash slot, atomically. Slots are taken by global.lua (its
+-- algorithm 6), in the script call of the request's other checks of that slot, on the
+-- state kept as described here.
 --
 -- State: a concurrency key is a sorted set of the parts of the leases holding one of its
 -- slots, each member "<lease id>:<part>" scored by its expiry (Redis TIME, integer ms).
@@ -14,12 +16,6 @@
 --
 -- ARGV[1]: the operation; ARGV[2]: the lease id; ARGV[3]: grace_ms. Then per key, in
 -- KEYS order:
---   'a' acquire: part, max, lease_ms, take (0 = ask only, hold nothing), shadow (1 = a
---       dry run: never refuses the batch, holds nothing when it does not fit).
---       All-or-nothing: a slot is taken in every key with take=1 only if every
---       non-shadow key has one free. Reply: 3 integers per key: allowed (0/1), remaining
---       (free slots after this call), retry_ms (when refused: until the earliest held
---       part expires, 1..1000; 0 when allowed).
 --   'r' release: part. Reply: the number of parts removed (0: unknown, expired or
 --       already released).
 --   'n' renew: part, lease_ms. Reply: {parts renewed, the shortest new lease in ms}.
@@ -35,7 +31,7 @@ local op, id, grace = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if not grace or grace < 0 then
   return redis.error_reply('rlsidecar lease.lua: bad grace_ms ' .. tostring(ARGV[3]))
 end
-local per = ({a = 5, r = 1, n = 2, q = 1})[op]
+local per = ({r = 1, n = 2, q = 1})[op]
 if not per then
   return redis.error_reply('rlsidecar lease.lua: unknown operation ' .. tostring(op))
 end
@@ -87,50 +83,12 @@ if op == 'n' then
   return {n, math.max(first, 0)}
 end
 
-if op == 'q' then
-  local out = {}
-  for i = 1, #KEYS do
-    local s = tonumber(redis.call('ZSCORE', KEYS[i], id .. ':' .. arg(i, 1)))
-    out[i] = s or -1
-  end
-  out[#KEYS + 1] = now
-  return out
-end
-
--- Acquire.
-local taking, res, ok = {}, {}, true
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  local max, take, shadow = tonumber(arg(i, 2)), arg(i, 4) == '1', arg(i, 5) == '1'
-  prune(key)
-  local held = redis.call('ZCOUNT', key, '(' .. fmt(now), '+inf') + (taking[key] or 0)
-  local r = {0, 0, 0}
-  if held < max then
-    r[1], r[2] = 1, max - held
-    if take then
-      taking[key] = (taking[key] or 0) + 1
-      r[2] = r[2] - 1
-    end
-  else
-    local first = redis.call('ZRANGEBYSCORE', key, '(' .. fmt(now), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    local retry = 1000
-    if first[2] then retry = math.min(math.max(tonumber(first[2]) - now, 1), 1000) end
-    r[3] = retry
-    if not shadow then ok = false end
-  end
-  res[i] = r
-end
-
+-- Query.
 local out = {}
 for i = 1, #KEYS do
-  local r = res[i]
-  if ok and r[1] == 1 and arg(i, 4) == '1' then
-    local key, lease = KEYS[i], tonumber(arg(i, 3))
-    redis.call('ZADD', key, fmt(now + lease), id .. ':' .. arg(i, 1))
-    keep(key, now + lease)
-  elseif not ok and r[1] == 1 and arg(i, 4) == '1' then
-    r[2] = r[2] + 1 -- nothing taken: report the slots free before this call
-  end
-  out[#out + 1], out[#out + 2], out[#out + 3] = r[1], r[2], r[3]
+  local s = tonumber(redis.call('ZSCORE', KEYS[i], id .. ':' .. arg(i, 1)))
+  out[i] = s or -1
 end
+out[#KEYS + 1] = now
 return out
+

@@ -24,6 +24,9 @@
 -- so the TTL set by global.lua stays long enough. Numbers go to Redis as they are
 -- (integers below 2^53 print exactly, as global.lua writes them).
 --
+-- A concurrency lease slot that global.lua took (its algorithm 6) is given back by
+-- removing its member: ARGV 6, the member, 0, 0, 0.
+--
 -- Reply: the number of checks refunded.
 
 local floor = math.floor
@@ -38,23 +41,27 @@ for i = 1, #KEYS do
   local a = (i - 1) * 5
   local alg, w, e = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local cost, start = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-  local v = redis.call('HMGET', key, 't', 'f', 'n', 'p')
-  local t = tonumber(v[1])
-  if t and cost > 0 then
-    if alg == 0 then
-      local eus = floor(e / 1000)
-      local f = (tonumber(v[2]) or 0) - cost * (e - eus * 1000)
-      t = t - cost * eus
-      local carry = floor(f / 1000)
-      t, f = t + carry, f - carry * 1000
-      redis.call('HSET', key, 't', t, 'f', f)
-      done = done + 1
-    elseif t == start then
-      redis.call('HSET', key, 'n', math.max((tonumber(v[3]) or 0) - cost, 0))
-      done = done + 1
-    elseif alg == 1 and t == start + w then
-      redis.call('HSET', key, 'p', math.max((tonumber(v[4]) or 0) - cost, 0))
-      done = done + 1
+  if alg == 6 then
+    done = done + redis.call('ZREM', key, ARGV[a + 2]) -- a lease slot: its member
+  else
+    local v = redis.call('HMGET', key, 't', 'f', 'n', 'p')
+    local t = tonumber(v[1])
+    if t and cost > 0 then
+      if alg == 0 then
+        local eus = floor(e / 1000)
+        local f = (tonumber(v[2]) or 0) - cost * (e - eus * 1000)
+        t = t - cost * eus
+        local carry = floor(f / 1000)
+        t, f = t + carry, f - carry * 1000
+        redis.call('HSET', key, 't', t, 'f', f)
+        done = done + 1
+      elseif t == start then
+        redis.call('HSET', key, 'n', math.max((tonumber(v[3]) or 0) - cost, 0))
+        done = done + 1
+      elseif alg == 1 and t == start + w then
+        redis.call('HSET', key, 'p', math.max((tonumber(v[4]) or 0) - cost, 0))
+        done = done + 1
+      end
     end
   end
 end

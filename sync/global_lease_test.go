@@ -1,0 +1,240 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	gosync "sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// scriptCalls returns how many EVAL and EVALSHA calls the masters of b have served (INFO
+// commandstats, summed over the nodes).
+func scriptCalls(t *testing.T, b globalBackend) int64 {
+	t.Helper()
+	var total atomic.Int64
+	err := b.forEachNode(context.Background(), func(ctx context.Context, c *redis.Client) error {
+		info, err := c.Info(ctx, "commandstats").Result()
+		if err != nil {
+			return err
+		}
+		for _, line := range strings.Split(info, "\n") {
+			if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
+				continue
+			}
+			_, rest, _ := strings.Cut(line, "calls=")
+			v, _, _ := strings.Cut(rest, ",")
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				return fmt.Errorf("commandstats line %q: %w", line, err)
+			}
+			total.Add(n)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return total.Load()
+}
+
+// A request with a rate rule and a lease on one client (one hash slot) is ONE script
+// call, on a standalone Redis (one call, and grouped by slot) and a 3-master Cluster, and
+// all-or-nothing both ways: a full lease takes nothing of the rate rule, a refused rate
+// rule holds no slot. The slot is lease.lua's (released, renewed there) with its TTL.
+func TestCheckRateAndLeaseOneCall(t *testing.T) {
+	ctx := context.Background()
+	for _, b := range globalBackends(t) {
+		t.Run(b.name, func(t *testing.T) {
+			g := b.g
+			rateKey := "rl:rate:{user=" + b.name + "}"
+			slotKey := "rl:slots:{user=" + b.name + "}"
+			if Slot(rateKey) != Slot(slotKey) {
+				t.Fatal("the test needs one hash slot")
+			}
+			lim := globalLimit(t, localbucket.TokenBucket, 2, time.Hour, 2)
+			var lo LeaseOp
+			check := func(id string, cost uint64) (bool, []GlobalOp) {
+				t.Helper()
+				lo = LeaseOp{Key: slotKey, Part: 0, Max: 1, Lease: time.Minute, Take: true}
+				ops := []GlobalOp{{Key: rateKey, Limit: lim, Cost: cost}, LeaseCheck(id, &lo)}
+				ok, err := g.Check(ctx, ops)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ok, ops
+			}
+			rateLeft := func() uint64 {
+				t.Helper()
+				ops := []GlobalOp{{Key: rateKey, Limit: lim}}
+				if _, err := g.Check(ctx, ops); err != nil {
+					t.Fatal(err)
+				}
+				return ops[0].Result.Remaining
+			}
+			rateLeft() // loads the script on the key's node: no NOSCRIPT below
+
+			before := scriptCalls(t, b)
+			ok, ops := check("A", 1)
+			if n := scriptCalls(t, b) - before; n != 1 {
+				t.Fatalf("a rate rule and a lease on one client made %d script calls, want 1", n)
+			}
+			if !ok || !lo.Allowed || lo.Remaining != 0 || ops[1].Result.Limit != 1 || ops[0].Result.Remaining != 1 {
+				t.Fatalf("first: %v rate %+v lease %+v", ok, ops[0].Result, lo)
+			}
+			if n := b.rdb.ZCard(ctx, slotKey).Val(); n != 1 {
+				t.Fatalf("the lease holds %d members, want 1", n)
+			}
+			if ttl := b.rdb.PTTL(ctx, slotKey).Val(); ttl <= time.Minute || ttl > time.Minute+LeaseGrace {
+				t.Fatalf("lease key TTL %v, want the lease plus the grace", ttl)
+			}
+
+			// The lease is full: the rate rule's take is not made.
+			ok, ops = check("B", 1)
+			if ok || lo.Allowed || lo.RetryAfter <= 0 || lo.RetryAfter > time.Second || !ops[0].Result.Allowed {
+				t.Fatalf("full lease: %v rate %+v lease %+v", ok, ops[0].Result, lo)
+			}
+			if ops[0].Result.Remaining != 1 || rateLeft() != 1 {
+				t.Fatal("a request refused by its lease consumed its rate rule")
+			}
+
+			// The slot is lease.lua's: released there, it is free again.
+			if freed, err := g.Release(ctx, "A", []LeasePart{{Key: slotKey, Part: 0}}); err != nil || !freed {
+				t.Fatalf("release: %v %v", freed, err)
+			}
+			ok, _ = check("C", 1) // the rate rule's last unit
+			if !ok || rateLeft() != 0 {
+				t.Fatal("C")
+			}
+			if renewed, in, err := g.Renew(ctx, "C", []LeasePart{{Key: slotKey, Part: 0, Lease: 2 * time.Minute}}); err != nil || !renewed || in != 2*time.Minute {
+				t.Fatalf("renew: %v %v %v", renewed, in, err)
+			}
+			if freed, _ := g.Release(ctx, "C", []LeasePart{{Key: slotKey, Part: 0}}); !freed {
+				t.Fatal("release of C")
+			}
+
+			// The rate rule refuses: no slot is held, and the lease reports its free slot.
+			ok, ops = check("D", 1)
+			if ok || ops[0].Result.Allowed || !lo.Allowed || lo.Remaining != 1 {
+				t.Fatalf("rate refused: %v rate %+v lease %+v", ok, ops[0].Result, lo)
+			}
+			if n := b.rdb.ZCard(ctx, slotKey).Val(); n != 0 {
+				t.Fatalf("a request refused by its rate rule holds %d slots", n)
+			}
+		})
+	}
+}
+
+// Across hash slots (a rate rule per user, a lease per tenant), the calls go in one
+// pipeline and a refusal gives back what the other slot's call took: the rate take
+// (refund.lua) or the lease's member (refund.lua's algorithm 6).
+func TestCheckRateAndLeaseAcrossSlots(t *testing.T) {
+	ctx := context.Background()
+	for _, b := range globalBackends(t)[1:] { // grouped by slot
+		t.Run(b.name, func(t *testing.T) {
+			g := b.g
+			rateKey := "rl:rate:{user=" + b.name + "}"
+			slotKey := "rl:slots:{tenant=" + b.name + "}"
+			if Slot(rateKey) == Slot(slotKey) {
+				t.Fatal("the test needs two hash slots")
+			}
+			lim := globalLimit(t, localbucket.FixedWindow, 1, time.Hour, 0)
+			var lo LeaseOp
+			check := func(id string) (bool, []GlobalOp) {
+				t.Helper()
+				lo = LeaseOp{Key: slotKey, Part: 0, Max: 1, Lease: time.Minute, Take: true}
+				ops := []GlobalOp{{Key: rateKey, Limit: lim, Cost: 1}, LeaseCheck(id, &lo)}
+				ok, err := g.Check(ctx, ops)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ok, ops
+			}
+			// A lease held elsewhere fills the tenant: the rate take is refunded.
+			other := LeaseOp{Key: slotKey, Part: 0, Max: 1, Lease: time.Minute, Take: true}
+			if ok, err := g.Acquire(ctx, "X", []LeaseOp{other}); err != nil || !ok {
+				t.Fatalf("X: %v %v", ok, err)
+			}
+			if ok, ops := check("A"); ok || !ops[0].Result.Allowed || ops[0].Result.Remaining != 1 || lo.Allowed {
+				t.Fatalf("full lease: %v rate %+v lease %+v", ok, ops[0].Result, lo)
+			}
+			if n, _ := b.rdb.HGet(ctx, rateKey, "n").Int(); n != 0 {
+				t.Fatalf("the rate key counts %d after the refund, want 0", n)
+			}
+			if freed, _ := g.Release(ctx, "X", []LeasePart{{Key: slotKey}}); !freed {
+				t.Fatal("release of X")
+			}
+			if ok, _ := check("B"); !ok {
+				t.Fatal("B refused")
+			}
+			if freed, _ := g.Release(ctx, "B", []LeasePart{{Key: slotKey}}); !freed {
+				t.Fatal("release of B")
+			}
+			// The rate rule refuses now: the lease's member is removed again.
+			ok, ops := check("C")
+			if ok || ops[0].Result.Allowed || !lo.Allowed || lo.Remaining != 1 {
+				t.Fatalf("rate refused: %v rate %+v lease %+v", ok, ops[0].Result, lo)
+			}
+			if n := b.rdb.ZCard(ctx, slotKey).Val(); n != 0 {
+				t.Fatalf("a request refused by its rate rule holds %d slots", n)
+			}
+		})
+	}
+}
+
+// Concurrent requests, each a rate take and a lease slot on one client, merged by the
+// auto-pipeline into global.lua's batch form: exactly max are admitted, the rate rule
+// counts exactly the admitted ones (a request refused by its lease consumed nothing),
+// and the merged calls are fewer than the requests.
+func TestCheckRateAndLeaseBatched(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	g := NewGlobal(rdb).WithAutoPipeline()
+	ctx := globalCtx(t)
+	lim := globalLimit(t, localbucket.FixedWindow, 1000, time.Hour, 0)
+	const n, mx = 200, 7
+	var admitted atomic.Int64
+	var wg gosync.WaitGroup
+	base := evalCalls(t, rdb)
+	for i := range n {
+		wg.Go(func() {
+			lo := LeaseOp{Key: "rl:slots:{user=z}", Max: mx, Lease: time.Minute, Take: true}
+			ops := []GlobalOp{{Key: "rl:rate:{user=z}", Limit: lim, Cost: 1}, LeaseCheck("L"+strconv.Itoa(i), &lo)}
+			ok, err := g.Check(ctx, ops)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if ok != lo.Allowed || ok != ops[1].Result.Allowed {
+				t.Errorf("request %d: allowed %v, lease %+v", i, ok, lo)
+			}
+			if ok {
+				admitted.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	calls := evalCalls(t, rdb) - base
+	if admitted.Load() != mx {
+		t.Fatalf("%d admitted, want %d", admitted.Load(), mx)
+	}
+	if c, _ := rdb.HGet(ctx, "rl:rate:{user=z}", "n").Int(); c != mx {
+		t.Fatalf("the rate rule counts %d, want %d (the admitted ones)", c, mx)
+	}
+	if z := rdb.ZCard(ctx, "rl:slots:{user=z}").Val(); z != mx {
+		t.Fatalf("%d slots held, want %d", z, mx)
+	}
+	t.Logf("%d requests in %d script calls", n, calls)
+	if calls >= n {
+		t.Errorf("%d script calls for %d requests: not merged", calls, n)
+	}
+}
