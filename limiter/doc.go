@@ -40,8 +40,11 @@
 //     one lease whose id goes in Decision.Lease, and its giveBack frees it; releasing,
 //     renewing and freeing a closed connection's leases are operations on the store
 //     (Limiter.Leases), not paths through Check. In global mode the slots are in Redis
-//     (store_lease_global.go, sync/scripts/lease.lua): a store before the local lease
-//     store, so that on_store_failure local reroutes a concurrency op there; its token
+//     (store_lease_global.go; taken by sync/scripts/global.lua, in the global store's
+//     script call when the check has global rate rules too, so one call per hash slot
+//     decides both; released, renewed and queried by sync/scripts/lease.lua): a store
+//     before the local lease store, so that on_store_failure local reroutes a
+//     concurrency op there; its token
 //     carries the rules and clients any daemon needs to release it (Limiter.LeaseToken,
 //     ReleaseLease, RenewLease, ReleaseOwner cover both kinds).
 //   - Escalating bans (a rule's penalty): a pre-check in Decide before any store (a

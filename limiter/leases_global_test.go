@@ -3,6 +3,8 @@ package limiter
 import (
 	"context"
 	"encoding/base64"
+	"fmt"
+	"strconv"
 	"strings"
 	gosync "sync"
 	"sync/atomic"
@@ -423,8 +425,8 @@ func TestGlobalLeaseTokenTooLong(t *testing.T) {
 }
 
 // A global rate rule and a global concurrency rule on one request: when the lease is
-// refused (full), the rate rule's take is refunded (refund.lua): nothing consumed. They
-// are two script calls, not one: the refund path restores all-or-nothing.
+// refused (full), the rate rule has consumed nothing (one script call decides both, see
+// TestGlobalRateAndLeaseOneCall).
 func TestGlobalLeaseRefundsGlobalRate(t *testing.T) {
 	rdb := realRedis(t)
 	l := globalLimiter(t, rdb, `
@@ -523,5 +525,135 @@ func TestGlobalLeasesOwnerCloseRedisFrozen(t *testing.T) {
 	}
 	if a.ReleaseOwner(42, nowNs()) != 0 {
 		t.Fatal("the owner still holds leases")
+	}
+}
+
+// scriptCalls returns how many EVAL and EVALSHA calls the masters behind rdb have served
+// (INFO commandstats, summed over a Cluster's masters).
+func scriptCalls(t *testing.T, rdb redis.UniversalClient) int64 {
+	t.Helper()
+	var total atomic.Int64
+	count := func(ctx context.Context, c *redis.Client) error {
+		info, err := c.Info(ctx, "commandstats").Result()
+		if err != nil {
+			return err
+		}
+		for _, line := range strings.Split(info, "\n") {
+			if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
+				continue
+			}
+			_, rest, _ := strings.Cut(line, "calls=")
+			v, _, _ := strings.Cut(rest, ",")
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				return fmt.Errorf("commandstats line %q: %w", line, err)
+			}
+			total.Add(n)
+		}
+		return nil
+	}
+	var err error
+	switch c := rdb.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachMaster(context.Background(), count)
+	case *redis.Client:
+		err = count(context.Background(), c)
+	default:
+		t.Fatalf("scriptCalls: %T", rdb)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return total.Load()
+}
+
+// A request matching a global rate rule and a global concurrency rule on one client (one
+// hash slot) is decided by ONE script call, on a real redis-server and a real 3-master
+// Cluster, all-or-nothing both ways: a full lease consumes nothing of the rate rule, a
+// refusing rate rule holds no slot. Its lease is released and renewed as any (through
+// another daemon), and its refusals carry the lease's retry hint.
+func TestGlobalRateAndLeaseOneCall(t *testing.T) {
+	yaml := `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 2, per: 1h }
+    mode: global
+  - name: slots
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: global
+`
+	cl := redistest.StartCluster(t)
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	t.Cleanup(func() { cc.Close() })
+	for _, tc := range []struct {
+		name string
+		rdb  redis.UniversalClient
+	}{{"standalone", realRedis(t)}, {"cluster", cc}} {
+		t.Run(tc.name, func(t *testing.T) {
+			rdb := tc.rdb
+			a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
+			ctx := context.Background()
+			in := func(cost uint64) *Input { return &Input{Attrs: attrs("user=lu-" + tc.name), Cost: cost} }
+			slots := "rl:slots:{user=lu-" + tc.name + "}"
+			rateLeft := func() uint64 {
+				t.Helper()
+				_, _, d := acquire(t, a, in(0), 0) // a peek, holding nothing
+				return d.Results[0].Remaining
+			}
+			if rateLeft() != 2 { // and the script is loaded on the client's node
+				t.Fatal("fresh rate rule")
+			}
+			calls := func(f func()) int64 {
+				t.Helper()
+				before := scriptCalls(t, rdb)
+				f()
+				return scriptCalls(t, rdb) - before
+			}
+
+			var tok string
+			if n := calls(func() {
+				var ok bool
+				var d *Decision
+				ok, tok, d = acquire(t, a, in(1), 0)
+				if !ok || tok == "" || d.Degraded || d.Results[1].Remaining != 0 || d.Results[0].Remaining != 1 {
+					t.Fatalf("first: allowed %v token %q %+v", ok, tok, d.Results)
+				}
+			}); n != 1 {
+				t.Fatalf("a rate rule and a lease on one client made %d script calls, want 1", n)
+			}
+			if n := calls(func() {
+				ok, tok2, d := acquire(t, b, in(1), 0)
+				if ok || tok2 != "" || d.Results[1].Allowed || d.Results[1].RetryAfter <= 0 || d.Results[1].RetryAfter > time.Second {
+					t.Fatalf("full lease: allowed %v token %q %+v", ok, tok2, d.Results)
+				}
+			}); n != 1 {
+				t.Fatalf("a refusal made %d script calls, want 1", n)
+			}
+			if rateLeft() != 1 {
+				t.Fatal("a request refused by its lease consumed the rate rule")
+			}
+			if ok, in := b.RenewLease(tok, 2*time.Minute, nowNs()); !ok || in != 2*time.Minute {
+				t.Fatalf("renew through the other daemon: %v %v", ok, in)
+			}
+			if !b.ReleaseLease(tok, nowNs()) || a.ReleaseLease(tok, nowNs()) {
+				t.Fatal("release through the other daemon, then again")
+			}
+			ok, tok, _ := acquire(t, b, in(1), 0) // the rate rule's last unit
+			if !ok || !b.ReleaseLease(tok, nowNs()) || rateLeft() != 0 {
+				t.Fatal("second lease")
+			}
+			ok, tok, d := acquire(t, a, in(1), 0)
+			if ok || tok != "" || d.Results[0].Allowed || !d.Results[1].Allowed || d.Results[1].Remaining != 1 {
+				t.Fatalf("rate refused: allowed %v token %q %+v; want the free slot reported", ok, tok, d.Results)
+			}
+			if n := rdb.ZCard(ctx, slots).Val(); n != 0 {
+				t.Fatalf("a request refused by its rate rule holds %d slots", n)
+			}
+			if s := stats(a, "slots"); s.InFlight != 0 { // the refused request tracks no lease
+				t.Fatalf("a's stats %+v, want nothing in flight", s)
+			}
+		})
 	}
 }

@@ -54,8 +54,8 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 // Concurrency rules in global mode (or hybrid) then hold their slots in Redis too
 // (store_lease_global.go).
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
-	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets}
 	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
+	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets, l.global}
 	l.stores[storeGlobalLease] = l.global
 	return l
 }

@@ -22,10 +22,17 @@ import (
 // A calendar window's key names the window: its start, from the daemon's wall clock and
 // the limit's zone, goes before the hash tag (calendarKey), so every daemon counts one
 // window in one key and a window's key expires with it.
+//
+// A check with global concurrency rules too brings their lease slots into the same Check
+// (rlsync.LeaseCheck): where they share a hash slot with its rate rules (the same
+// client), one script call decides them all-or-nothing; across slots, one pipeline and
+// refunds. The lease store (leases) builds the slots and, after this take, keeps the
+// lease it holds (globalLeaseStore.take) or reports them (skip).
 type globalStore struct {
-	g    *rlsync.Global
-	wait time.Duration
-	wall *localbucket.Store // its WallOffset turns the limiter's clock into wall time
+	g      *rlsync.Global
+	wait   time.Duration
+	wall   *localbucket.Store // its WallOffset turns the limiter's clock into wall time
+	leases *globalLeaseStore
 }
 
 func (s globalStore) take(now int64, d *Decision) (bool, error) {
@@ -49,9 +56,23 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 			}
 		}
 	}
+	var lb *leaseBatch
+	if d.routes(storeGlobalLease) {
+		lb = s.leases.prepare(d)
+		lb.combined = true
+		if lb.err == nil {
+			for k := range lb.ops {
+				n.ops = append(n.ops, rlsync.LeaseCheck(lb.id, &lb.ops[k]))
+				n.at = append(n.at, lb.at[k])
+			}
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
 	ok, err := s.g.Check(ctx, n.ops)
 	cancel()
+	if lb != nil && lb.err == nil {
+		lb.err = err
+	}
 	if err != nil {
 		return false, err
 	}
@@ -71,17 +92,19 @@ func (s globalStore) giveBack(_ int64, d *Decision) {
 func (s globalStore) skip(int64, *Decision) {}
 
 // results reports each op's result; a ban check that found a ban in force marks its op
-// banned (Decide reports it as such) instead.
+// banned (Decide reports it as such) instead; a lease slot is left to the lease store.
 func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
 	off := s.wall.WallOffset()
 	for k, i := range n.at {
-		if g := &n.ops[k]; g.Ban {
+		switch g := &n.ops[k]; {
+		case g.Lease != nil: // the lease store reports it
+		case g.Ban:
 			if g.BannedUntil != 0 {
 				d.ops[i].bannedUntil = g.BannedUntil - off
 			}
-			continue
+		default:
+			d.report(i, &g.Result)
 		}
-		d.report(i, &n.ops[k].Result)
 	}
 }
 

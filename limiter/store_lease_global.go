@@ -16,12 +16,15 @@ import (
 )
 
 // globalLeaseStore is the store of concurrency rules in global mode: their slots are
-// members of Redis sorted sets (rlsync.Global.Acquire, sync/scripts/lease.lua), so the
-// max holds across every daemon on one Redis. Its take acquires one slot in each op of
-// the check, all-or-nothing, as one global lease: a random id, and the parts (rule and
+// members of Redis sorted sets (rlsync.LeaseCheck and Global.Acquire, taken by
+// sync/scripts/global.lua; released, renewed and queried by sync/scripts/lease.lua), so
+// the max holds across every daemon on one Redis. Its take acquires one slot in each op
+// of the check, all-or-nothing, as one global lease: a random id, and the parts (rule and
 // client of each op) that any daemon needs to find its members again, all encoded in the
-// lease's token (globalToken). giveBack releases it when a later store refuses the
-// request. A take waits at most wait; past it, or on any Redis error, the ops' failure
+// lease's token (globalToken). When the check has global rate rules too, the global
+// store (which apply visits first) decides the slots in its own Check, with them: one
+// script call per hash slot for both; take then only keeps the lease (leaseBatch).
+// giveBack releases it when a later store refuses the request. A take waits at most wait; past it, or on any Redis error, the ops' failure
 // policies decide (open: allowed, no slot held; closed: refused; local: a local lease).
 //
 // The daemon that acquired a lease tracks it in ls (by owner, for the connection-close
@@ -63,32 +66,81 @@ const maxLeaseParts = 64
 // globalTokenPrefix starts a global lease's token; a local token starts with hex digits.
 const globalTokenPrefix = 'g'
 
-func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
-	n := scratchOf[rlsync.LeaseOp](d, storeGlobalLease)
+// leaseBatch is the store's batch of one check, kept in the Decision (its scratch): the
+// lease ops and the lease's id (prepare), and, when the global store decided them in its
+// own Check (combined, read and cleared by take or skip), the outcome.
+type leaseBatch struct {
+	native[rlsync.LeaseOp]
+	raw      [leaseIDBytes]byte
+	id       string
+	combined bool  // decided by the global store's call: take and skip call no Redis
+	err      error // prepare's error, or the combined call's
+}
+
+// leaseBatchOf returns d's lease batch, created on first use.
+func leaseBatchOf(d *Decision) *leaseBatch {
+	lb, _ := d.scratch[storeGlobalLease].(*leaseBatch)
+	if lb == nil {
+		lb = new(leaseBatch)
+		d.scratch[storeGlobalLease] = lb
+	}
+	return lb
+}
+
+// prepare builds d's lease batch: one op per op routed here, and a fresh random id. Its
+// err is errTokenTooLong when the lease's token would be too long: nothing to ask Redis.
+func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
+	lb := leaseBatchOf(d)
+	lb.ops, lb.at, lb.combined, lb.err = lb.ops[:0], lb.at[:0], false, nil
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store != storeGlobalLease {
 			continue
 		}
-		n.ops = append(n.ops, rlsync.LeaseOp{Key: string(o.key), Part: len(n.ops), Max: o.lim.Requests(),
+		lb.ops = append(lb.ops, rlsync.LeaseOp{Key: string(o.key), Part: len(lb.ops), Max: o.lim.Requests(),
 			Lease: o.lim.Window(), Take: o.cost > 0, Shadow: o.shadow})
-		n.at = append(n.at, i)
+		lb.at = append(lb.at, i)
 	}
-	if s.tokenLen(d, n) > maxGlobalToken {
-		return false, errTokenTooLong
+	if s.tokenLen(d, &lb.native) > maxGlobalToken {
+		lb.err = errTokenTooLong
+		return lb
 	}
-	var raw [leaseIDBytes]byte
-	_, _ = rand.Read(raw[:]) // never fails (crypto/rand)
-	id := base64.RawURLEncoding.EncodeToString(raw[:])
+	_, _ = rand.Read(lb.raw[:]) // never fails (crypto/rand)
+	lb.id = base64.RawURLEncoding.EncodeToString(lb.raw[:])
+	return lb
+}
+
+// take acquires the check's lease: in its own call, or, when the global store's Check
+// has decided it with the check's global rate rules (combined), from that outcome (that
+// Check passed, or take would not be called).
+func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
+	lb := leaseBatchOf(d)
+	if lb.combined {
+		lb.combined = false
+		if lb.err != nil {
+			return false, lb.err
+		}
+		return s.hold(now, d, lb, true), nil
+	}
+	lb = s.prepare(d)
+	if lb.err != nil {
+		return false, lb.err
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
-	ok, err := s.g.Acquire(ctx, id, n.ops)
+	ok, err := s.g.Acquire(ctx, lb.id, lb.ops)
 	cancel()
 	if err != nil {
 		return false, err
 	}
+	return s.hold(now, d, lb, ok), nil
+}
+
+// hold reports the results of lb, decided with outcome ok, and when ok and it holds a
+// slot, makes it d's global lease: its token, tracked in ls. It returns ok.
+func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool) bool {
 	held := 0
-	for k, i := range n.at {
-		lo := &n.ops[k]
+	for k, i := range lb.at {
+		lo := &lb.ops[k]
 		r := localbucket.Result{Allowed: lo.Allowed, Limit: lo.Max, Remaining: lo.Remaining}
 		if !lo.Allowed {
 			r.RetryAfter, r.Reset = int64(lo.RetryAfter), int64(lo.RetryAfter)
@@ -99,15 +151,15 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 		}
 	}
 	if !ok || held == 0 {
-		return ok, nil
+		return ok
 	}
-	gl := &globalLease{id: id, owner: d.Owner, expires: -1}
+	gl := &globalLease{id: lb.id, owner: d.Owner, expires: -1}
 	var buf []byte
 	buf = append(buf, 1)
-	buf = append(buf, raw[:]...)
+	buf = append(buf, lb.raw[:]...)
 	buf = append(buf, byte(held))
-	for k, i := range n.at {
-		lo := &n.ops[k]
+	for k, i := range lb.at {
+		lo := &lb.ops[k]
 		if !lo.Allowed || !lo.Take {
 			continue
 		}
@@ -123,9 +175,9 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 		}
 	}
 	gl.token = string(globalTokenPrefix) + base64.RawURLEncoding.EncodeToString(buf)
-	s.ls.track(gl, func(p int) string { return d.Results[n.at[p]].Name }, n.ops)
+	s.ls.track(gl, func(p int) string { return d.Results[lb.at[p]].Name }, lb.ops)
 	d.globalLease = gl
-	return true, nil
+	return true
 }
 
 // maxGlobalToken bounds a global lease's token: what a release or renew request may
@@ -157,7 +209,7 @@ func (s *globalLeaseStore) clientOf(key string, r *rules.Rule) string {
 
 func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
 	gl := d.globalLease
-	n := lastBatch[rlsync.LeaseOp](d, storeGlobalLease)
+	n := leaseBatchOf(d)
 	for k, i := range n.at {
 		if lo := &n.ops[k]; lo.Allowed && lo.Take {
 			d.Results[i].Remaining++
@@ -173,8 +225,19 @@ func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
 	_, _ = s.g.Release(ctx, gl.id, gl.parts) // failed: the slots expire after their lease
 }
 
-// skip leaves the results empty: Redis is not asked.
-func (s *globalLeaseStore) skip(int64, *Decision) {}
+// skip leaves the results empty (Redis is not asked), unless the global store's call
+// decided the batch with the rate rules that refused the request: then it reports them
+// (nothing is held: that call was all-or-nothing).
+func (s *globalLeaseStore) skip(now int64, d *Decision) {
+	lb := leaseBatchOf(d)
+	if !lb.combined {
+		return
+	}
+	lb.combined = false
+	if lb.err == nil {
+		s.hold(now, d, lb, false)
+	}
+}
 
 // decodeGlobal returns the lease of a global token, its parts rebuilt from the current
 // rule set: ok false when the token is not well formed, names more parts than a lease
