@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -46,7 +47,8 @@ func evalshaCalls(t *testing.T, rdb *redis.Client) int {
 // requests of 1-3 ops on a small pool of keys with small limits, so that requests reject,
 // repeat keys, and depend on what the earlier requests of the batch committed; peeks and
 // shadow ops included; some batches longer than mergeMax (several merged calls, in one
-// pipeline). The sequential run is on one server, the batch on another.
+// pipeline), and lease slots (LeaseCheck) beside them. The sequential run is on one
+// server, the batch on another.
 func TestGlobalBatchMatchesSequential(t *testing.T) {
 	seqSrv, batSrv := redistest.StartStandalone(t), redistest.StartStandalone(t)
 	seqRdb := redis.NewClient(&redis.Options{Addr: seqSrv.Addr})
@@ -76,7 +78,13 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 		reqs := make([]batchRequest, n)
 		for i := range reqs {
 			k := 1 + rng.IntN(3)
-			for range k {
+			for j := range k {
+				if rng.IntN(4) == 0 { // a lease slot (LeaseCheck), max 2 per key
+					lo := &LeaseOp{Key: fmt.Sprintf("rl:b%d_L:{c%d}", round, rng.IntN(4)), Part: j, Max: 2,
+						Lease: time.Hour, Take: rng.IntN(4) != 0, Shadow: rng.IntN(8) == 0}
+					reqs[i].ops = append(reqs[i].ops, LeaseCheck(fmt.Sprintf("r%di%d", round, i), lo))
+					continue
+				}
 				li := rng.IntN(len(limits))
 				op := GlobalOp{
 					Key:    fmt.Sprintf("rl:b%d_%d:{c%d}", round, li, rng.IntN(4)),
@@ -92,7 +100,7 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 		t0 := globalRedisNow(t, seqRdb)
 		seqOps := make([][]GlobalOp, n)
 		for i, r := range reqs {
-			seqOps[i] = append([]GlobalOp(nil), r.ops...)
+			seqOps[i] = cloneOps(r.ops)
 			if _, err := seq.Check(ctx, seqOps[i]); err != nil {
 				t.Fatal(err)
 			}
@@ -104,7 +112,7 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 		batOps := make([][]GlobalOp, n)
 		calls := make([]*apCall, n)
 		for i, r := range reqs {
-			batOps[i] = append([]GlobalOp(nil), r.ops...)
+			batOps[i] = cloneOps(r.ops)
 			var args []any
 			keys := make([]string, 0, len(r.ops))
 			for j := range batOps[i] {
@@ -165,7 +173,29 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 				}
 			}
 		}
+		// The lease slots held: the same members.
+		for c := range 4 {
+			key := fmt.Sprintf("rl:b%d_L:{c%d}", round, c)
+			sm, bm := seqRdb.ZRange(ctx, key, 0, -1).Val(), batRdb.ZRange(ctx, key, 0, -1).Val()
+			slices.Sort(sm)
+			slices.Sort(bm)
+			if !slices.Equal(sm, bm) || len(bm) > 2 {
+				t.Fatalf("round %d: %s holds %v batched, %v sequential (max 2)", round, key, bm, sm)
+			}
+		}
 	}
+}
+
+// cloneOps copies ops, each lease slot's LeaseOp too (Check writes its result there).
+func cloneOps(ops []GlobalOp) []GlobalOp {
+	out := append([]GlobalOp(nil), ops...)
+	for i := range out {
+		if lo := out[i].Lease; lo != nil {
+			c := *lo
+			out[i].Lease = &c
+		}
+	}
+	return out
 }
 
 // A merged call that meets an empty script cache (NOSCRIPT) runs nothing; each request
