@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -208,7 +210,8 @@ func BenchmarkGlobalRateAndLease(b *testing.B) {
 
 // acquireVsRate runs BenchmarkGlobalLeaseAcquire's rounds on a daemon with rules yaml:
 // frames of kind rate (a lone global rate rule) against frames of kind lease (which
-// acquire a lease), reporting name-vs-rate at p50 and 4 × 32.
+// acquire a lease), reporting name-vs-rate at p50 and 4 × 32, and at 4 × 32 the CPU time
+// per check of Redis and of the daemon for each kind.
 func acquireVsRate(b *testing.B, daemon, yaml, name string) {
 	srv := redistest.StartStandalone(b)
 	path := filepath.Join(b.TempDir(), daemon+".yaml")
@@ -263,11 +266,23 @@ func acquireVsRate(b *testing.B, daemon, yaml, name string) {
 		verify(c, "lease")
 		csl = append(csl, c)
 	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	// CPU per check of Redis and of the daemon, each kind's rounds summed: where a ratio
+	// comes from on a machine whose two cores the daemon, Redis and the client share.
+	var cpu [2]struct{ redis, daemon float64 }
+	timed := func(k int, cs []*client, fr [][]byte) time.Duration {
+		r0, d0 := costProcUsec(b, rdb), d.cpu(b)
+		t := runPipelined(b, cs, fr, round, inflight)
+		cpu[k].redis += costProcUsec(b, rdb) - r0
+		cpu[k].daemon += float64((d.cpu(b) - d0).Microseconds())
+		return t
+	}
 	var thr []float64
 	var tr, tl time.Duration
 	for range max(b.N/round, 5) {
-		r := runPipelined(b, csr, rate, round, inflight)
-		l := runPipelined(b, csl, lease, round, inflight)
+		r := timed(0, csr, rate)
+		l := timed(1, csl, lease)
 		tr, tl = tr+r, tl+l
 		thr = append(thr, float64(l)/float64(r))
 	}
@@ -275,6 +290,10 @@ func acquireVsRate(b *testing.B, daemon, yaml, name string) {
 	n := float64(len(thr) * round)
 	b.ReportMetric(float64(tr.Nanoseconds())/n, "rate-ns/check")
 	b.ReportMetric(float64(tl.Nanoseconds())/n, name+"-ns/check")
+	b.ReportMetric(cpu[0].redis/n, "rate-redis-cpu-us/check")
+	b.ReportMetric(cpu[1].redis/n, name+"-redis-cpu-us/check")
+	b.ReportMetric(cpu[0].daemon/n, "rate-daemon-cpu-us/check")
+	b.ReportMetric(cpu[1].daemon/n, name+"-daemon-cpu-us/check")
 }
 
 // pairTrips runs n acquire + release pairs one after another at one connection: a check

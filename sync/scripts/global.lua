@@ -311,15 +311,18 @@ local states, order, written, wrote_at = {}, {}, {}, {}
 -- Concurrency lease slots (algorithm 6). held: per lease key, the unexpired members as
 -- the requests decided so far left it (read once per call, after dropping the members
 -- expired more than grace_ms ago).
+-- Scores and TTLs are integer ms, below 2^53: they go to Redis as numbers, and into a
+-- string ('(' .. now_ms) with Lua's %.14g, exact for 14 digits (until the year 5138):
+-- no string.format, which costs as much as a command here.
 local now_ms = floor(now / 1000)
+local exclusive_now = '(' .. now_ms
 local held = {}
-local function fmt(x) return string.format('%.0f', x) end
 
 local function lease_held(key, grace)
   local h = held[key]
   if not h then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now_ms - grace))
-    h = redis.call('ZCOUNT', key, '(' .. fmt(now_ms), '+inf')
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms - grace)
+    h = redis.call('ZCOUNT', key, exclusive_now, '+inf')
     held[key] = h
   end
   return h
@@ -338,7 +341,7 @@ local function lease_ask(key, a, taking)
     if ARGV[a + 6] == '1' then left = left - 1 end
     return 1, left, 0
   end
-  local first = redis.call('ZRANGEBYSCORE', key, '(' .. fmt(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local first = redis.call('ZRANGEBYSCORE', key, exclusive_now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   local retry = 1000
   if first[2] then retry = min(max(tonumber(first[2]) - now_ms, 1), 1000) end
   return 0, 0, retry * 1000000
@@ -349,10 +352,10 @@ end
 local function lease_commit(key, a)
   local lease, grace = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 5])
   local expiry = now_ms + lease
-  redis.call('ZADD', key, fmt(expiry), ARGV[a + 4])
+  redis.call('ZADD', key, expiry, ARGV[a + 4])
   held[key] = held[key] + 1
   local want = lease + grace
-  if redis.call('PTTL', key) < want then redis.call('PEXPIRE', key, fmt(want)) end
+  if redis.call('PTTL', key) < want then redis.call('PEXPIRE', key, want) end
 end
 
 -- decide decides one request: n checks on KEYS[k0+1..k0+n], ARGV from a0 (7 per check),
