@@ -657,3 +657,76 @@ rules:
 		})
 	}
 }
+
+// With Redis down, a check with a global rate rule and a global concurrency rule (one
+// script call when Redis is up) follows each rule's own on_store_failure: the call's
+// error reaches both, degraded (unless the rate rule's closed policy has refused
+// already: the lease is then not asked, as any store after a refusal).
+func TestGlobalRateAndLeaseRedisDown(t *testing.T) {
+	for _, tc := range []struct {
+		rate, slots string
+		allowed     bool
+		local       bool // a local lease taken
+	}{
+		{"open", "open", true, false},
+		{"open", "local", true, true},
+		{"open", "closed", false, false},
+		{"closed", "open", false, false},
+		{"local", "local", true, true},
+	} {
+		t.Run(tc.rate+"-"+tc.slots, func(t *testing.T) {
+			l := globalLimiter(t, unreachable(t), `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: global
+    on_store_failure: `+tc.rate+`
+  - name: slots
+    key: user
+    concurrency: { max: 2 }
+    mode: global
+    on_store_failure: `+tc.slots+"\n", "rl:")
+			ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=max"), Cost: 1}, 0)
+			// A rate rule that refuses by its policy leaves the lease unasked (skipped).
+			slotsAsked := tc.rate != "closed"
+			if ok != tc.allowed || !d.Degraded || !d.Results[0].Degraded || d.Results[1].Degraded != slotsAsked {
+				t.Fatalf("allowed %v degraded %v %+v; want %v, degraded", ok, d.Degraded, d.Results, tc.allowed)
+			}
+			if (tok != "") != (tc.local && tc.allowed) || strings.HasPrefix(tok, "g") {
+				t.Fatalf("token %q", tok)
+			}
+			if l.Leases().Len() != 0 && !tc.allowed {
+				t.Fatal("a refused check holds a local lease")
+			}
+		})
+	}
+}
+
+// A check whose global lease's token would be too long (a client key of kilobytes) with
+// a global rate rule beside it: the lease falls to its on_store_failure (closed: the
+// check is refused) and the rate rule, taken in the same call, is given back.
+func TestGlobalRateAndLeaseTokenTooLong(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: global
+  - name: slots
+    key: user
+    concurrency: { max: 2 }
+    mode: global
+    on_store_failure: closed
+`, "rl:")
+	user := "user=" + strings.Repeat("u", 2100)
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs(user), Cost: 1}, 0)
+	if ok || tok != "" || !d.Results[1].Degraded || d.Results[0].Degraded {
+		t.Fatalf("allowed %v token %d bytes %+v; want refused by the lease's closed policy", ok, len(tok), d.Results)
+	}
+	_, _, d = acquire(t, l, &Input{Attrs: attrs(user), Cost: 0}, 0)
+	if r := d.Results[0].Remaining; r != 10 {
+		t.Fatalf("rate remaining %d, want 10 (given back)", r)
+	}
+}
