@@ -310,8 +310,7 @@ local states, order, written, wrote_at = {}, {}, {}, {}
 
 -- Concurrency lease slots (algorithm 6). held: per lease key, the unexpired members as
 -- the requests decided so far left it (read once per call, after dropping the members
--- expired more than grace_ms ago).
--- Scores and TTLs are integer ms, below 2^53: they go to Redis as numbers, and into a
+-- expired more than grace_ms ago). Scores and TTLs are integer ms, below 2^53: they go to Redis as numbers, and into a
 -- string ('(' .. now_ms) with Lua's %.14g, exact for 14 digits (until the year 5138):
 -- no string.format, which costs as much as a command here.
 local now_ms = floor(now / 1000)
@@ -328,8 +327,8 @@ local function lease_held(key, grace)
   return h
 end
 
--- lease_ask decides one slot of key (ARGV from a), taking counting the slots of key the
--- request's earlier checks take: allowed (0/1), remaining, retry_ns.
+-- lease_ask decides one slot of key (ARGV from a), on top of taking[key], the slots of
+-- key the request's earlier checks take: allowed (0/1), remaining, retry_ns.
 local function lease_ask(key, a, taking)
   local mx, grace = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 5])
   if not mx or not grace or grace < 0 then
