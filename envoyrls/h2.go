@@ -135,11 +135,13 @@ func (s *Server) shutdownNative(ctx context.Context) error {
 		conns = append(conns, cn)
 	}
 	s.mu.Unlock()
-	for _, cn := range conns {
-		cn.goAway()
-	}
 	done := make(chan struct{})
 	go func() {
+		// A connection whose client does not read holds its lock in a write: its GOAWAY
+		// waits, and the deadline below closes it.
+		for _, cn := range conns {
+			cn.goAway()
+		}
 		s.connWG.Wait()
 		close(done)
 	}()
@@ -213,6 +215,7 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 	cn.rfr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	cn.rfr.MaxHeaderListSize = h2MaxHeaderList
 	cn.rfr.SetReuseFrames()
+	cn.rfr.SetMaxReadFrameSize(16384) // SETTINGS_MAX_FRAME_SIZE's default, which we keep
 	cn.wfr = http2.NewFramer(cn.bw, nil)
 	cn.henc = hpack.NewEncoder(&cn.hbuf)
 	return cn
@@ -463,7 +466,7 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 			return connErr(http2.ErrCodeProtocol, "trailers without END_STREAM")
 		}
 		st.ended = true
-		return cn.requestEnded(st, nil)
+		return cn.requestEnded(st, st.body)
 	}
 	if id <= cn.lastID {
 		return connErr(http2.ErrCodeStreamClosed, "HEADERS on a closed stream")
