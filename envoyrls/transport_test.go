@@ -184,6 +184,13 @@ func TestTransportCases(t *testing.T) {
 					t.Fatalf("%v", err)
 				}
 			})
+			t.Run("past the stream's receive window", func(t *testing.T) {
+				// 3 MiB: the server must give window back while the request arrives.
+				resp, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: strings.Repeat("w", 3<<20), Descriptors: []*commonrl.RateLimitDescriptor{desc1("u")}})
+				if err != nil || len(resp.Statuses) != 1 {
+					t.Fatalf("%v", err)
+				}
+			})
 			t.Run("past the maximum message", func(t *testing.T) {
 				_, err := sv.rls.ShouldRateLimit(ctx, huge)
 				if status.Code(err) != codes.ResourceExhausted {
