@@ -799,10 +799,7 @@ func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg strin
 // allow, and the OK trailers once it is all sent; what the windows do not allow waits in
 // st.out for WINDOW_UPDATEs.
 func (cn *h2conn) answer(st *h2stream, msg []byte) error {
-	cn.hbuf.Reset()
-	cn.henc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
-	cn.henc.WriteField(hpack.HeaderField{Name: "content-type", Value: "application/grpc"})
-	if err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.hbuf.Bytes(), EndHeaders: true}); err != nil {
+	if err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okHeaders, EndHeaders: true}); err != nil {
 		return err
 	}
 	sent, err := cn.sendData(st, msg)
@@ -816,6 +813,29 @@ func (cn *h2conn) answer(st *h2stream, msg []byte) error {
 		return nil
 	}
 	return cn.finish(st)
+}
+
+// The header blocks of every OK answer, HPACK-encoded once: ":status: 200" from the
+// static table, the others as literals never indexed, so that they leave the dynamic
+// table (which the error answers use, through henc) as it is.
+var (
+	okHeaders  = literalBlock([]byte{0x88}, "content-type", "application/grpc")
+	okTrailers = literalBlock(nil, "grpc-status", "0")
+)
+
+// literalBlock appends to b fields (name, value) as HPACK literals without indexing.
+func literalBlock(b []byte, kv ...string) []byte {
+	for i := 0; i < len(kv); i += 2 {
+		b = append(b, 0x00)
+		for _, s := range kv[i : i+2] {
+			if len(s) > 126 {
+				panic("BUG: literalBlock takes strings of at most 126 bytes")
+			}
+			b = append(b, byte(len(s)))
+			b = append(b, s...)
+		}
+	}
+	return b
 }
 
 // sendData writes DATA frames of b for st within the send windows and the client's
@@ -839,9 +859,7 @@ func (cn *h2conn) sendData(st *h2stream, b []byte) (int, error) {
 
 // finish sends st's OK trailers and closes it.
 func (cn *h2conn) finish(st *h2stream) error {
-	cn.hbuf.Reset()
-	cn.henc.WriteField(hpack.HeaderField{Name: "grpc-status", Value: "0"})
-	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.hbuf.Bytes(), EndHeaders: true, EndStream: true})
+	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okTrailers, EndHeaders: true, EndStream: true})
 	if err == nil && !st.ended {
 		err = cn.wfr.WriteRSTStream(st.id, http2.ErrCodeNo)
 	}

@@ -568,3 +568,84 @@ func FuzzNativeConn(f *testing.F) {
 		}
 	})
 }
+
+// callStream is the preface and n calls of one descriptor, each a HEADERS and a DATA
+// frame as Envoy sends them, with connection window given back as a client reading the
+// answers would (64 KiB every 64 calls, more than they take).
+func callStream(n int) []byte {
+	var in bytes.Buffer
+	in.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&in, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	fr.WriteSettings()
+	msg := oneCall("u1")
+	kv := grpcHeaders(pathShouldRateLimit, "grpc-timeout", "20m", "user-agent", "envoy")
+	for i := range n {
+		hb.Reset()
+		for j := 0; j < len(kv); j += 2 {
+			enc.WriteField(hpack.HeaderField{Name: kv[j], Value: kv[j+1]})
+		}
+		id := uint32(2*i + 1)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+		fr.WriteData(id, true, msg)
+		if i%64 == 63 {
+			fr.WriteWindowUpdate(0, 1<<16)
+		}
+	}
+	return in.Bytes()
+}
+
+// recordConn is a fakeConn that keeps what the server writes.
+type recordConn struct {
+	fakeConn
+	out bytes.Buffer
+}
+
+func (c *recordConn) Write(b []byte) (int, error) { return c.out.Write(b) }
+
+// The connection loop over a stream of calls read at once (what BenchmarkNativeConn
+// runs): every call is answered OK, in order.
+func TestNativeConnBatch(t *testing.T) {
+	const n = 3000
+	c := &recordConn{fakeConn: fakeConn{in: bytes.NewReader(callStream(n)), closed: make(chan struct{})}}
+	newH2Conn(testServer(t), c).serve()
+	fr := http2.NewFramer(nil, &c.out)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	next, oks := uint32(1), 0
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			break
+		}
+		if g, ok := f.(*http2.GoAwayFrame); ok {
+			t.Fatalf("GOAWAY %v %s", g.ErrCode, g.DebugData())
+		}
+		if h, ok := f.(*http2.MetaHeadersFrame); ok && h.StreamEnded() {
+			if h.StreamID != next {
+				t.Fatalf("stream %d ended, want %d", h.StreamID, next)
+			}
+			if v := h.PseudoValue("status"); v == "" && len(h.Fields) > 0 && h.Fields[0].Value == "0" {
+				oks++
+			} else {
+				t.Errorf("stream %d: %v", h.StreamID, h.Fields)
+			}
+			next += 2
+		}
+	}
+	if oks != n {
+		t.Fatalf("%d answers OK of %d", oks, n)
+	}
+}
+
+// BenchmarkNativeConn is the native transport's connection loop alone, in process: b.N
+// calls of one descriptor (callStream) read from memory and answered into a discarding
+// writer. Its allocations are the transport's and the decision's per call, without a
+// client's.
+func BenchmarkNativeConn(b *testing.B) {
+	s := benchServer(b)
+	c := &fakeConn{in: bytes.NewReader(callStream(b.N)), closed: make(chan struct{})}
+	b.ReportAllocs()
+	b.ResetTimer()
+	newH2Conn(s, c).serve()
+}
