@@ -205,6 +205,11 @@ type h2stream struct {
 	sendWin     int64
 	out         []byte // answer bytes waiting for send window
 	outOff      int
+	// refused: the call is answered with this error once its request ends (refuse).
+	refused     bool
+	refusedHTTP int
+	refusedCode codes.Code
+	refusedMsg  string
 }
 
 func newH2Conn(s *Server, nc net.Conn) *h2conn {
@@ -482,7 +487,7 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	st.ended = f.StreamEnded()
 	cn.streams[id] = st
 	if f.Truncated {
-		return cn.abort(st, 431, codes.ResourceExhausted, "the header list is larger than "+strconv.Itoa(h2MaxHeaderList)+" bytes")
+		return cn.refuse(st, 431, codes.ResourceExhausted, "the header list is larger than "+strconv.Itoa(h2MaxHeaderList)+" bytes")
 	}
 	var path, ctype, timeout string
 	post := false
@@ -501,15 +506,15 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		}
 	}
 	if !post {
-		return cn.abort(st, 405, codes.Internal, "invalid gRPC request method")
+		return cn.refuse(st, 405, codes.Internal, "invalid gRPC request method")
 	}
 	if !isGRPC(ctype) {
-		return cn.abort(st, 415, codes.InvalidArgument, fmt.Sprintf("invalid gRPC request content-type %q", ctype))
+		return cn.refuse(st, 415, codes.InvalidArgument, fmt.Sprintf("invalid gRPC request content-type %q", ctype))
 	}
 	if timeout != "" {
 		d, ok := parseTimeout(timeout)
 		if !ok {
-			return cn.abort(st, 200, codes.Internal, fmt.Sprintf("malformed grpc-timeout %q", timeout))
+			return cn.refuse(st, 200, codes.Internal, fmt.Sprintf("malformed grpc-timeout %q", timeout))
 		}
 		st.deadline = cn.s.now() + int64(d)
 	}
@@ -519,9 +524,9 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	case pathHealthCheck:
 		st.method = methodHealthCheck
 	case pathHealthWatch:
-		return cn.abort(st, 200, codes.Unimplemented, "Health/Watch is not served by the native transport (--envoy-rls-transport grpc-go serves it); use Health/Check")
+		return cn.refuse(st, 200, codes.Unimplemented, "Health/Watch is not served by the native transport (--envoy-rls-transport grpc-go serves it); use Health/Check")
 	default:
-		return cn.abort(st, 200, codes.Unimplemented, fmt.Sprintf("unknown method %q", path))
+		return cn.refuse(st, 200, codes.Unimplemented, fmt.Sprintf("unknown method %q", path))
 	}
 	if st.ended {
 		return cn.requestEnded(st, nil)
@@ -620,13 +625,16 @@ func (cn *h2conn) onData(f *http2.DataFrame) error {
 	}
 	st.ended = f.StreamEnded()
 	data := f.Data()
+	if st.refused {
+		data = nil // dropped: the answer is an error already
+	}
 	if st.ended && len(st.body) == 0 {
 		return cn.requestEnded(st, data) // the whole body in one frame: no copy
 	}
 	st.body = append(st.body, data...)
 	if len(st.body) >= 5 {
 		if n := binary.BigEndian.Uint32(st.body[1:5]); n > h2MaxMessage {
-			return cn.abort(st, 200, codes.ResourceExhausted, fmt.Sprintf("grpc: received message larger than max (%d vs. %d)", n, h2MaxMessage))
+			return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("grpc: received message larger than max (%d vs. %d)", n, h2MaxMessage))
 		}
 	}
 	if st.ended {
@@ -646,6 +654,9 @@ func (cn *h2conn) onData(f *http2.DataFrame) error {
 // requestEnded answers a call whose request body is complete: body (nil when the stream
 // ended with no data).
 func (cn *h2conn) requestEnded(st *h2stream, body []byte) error {
+	if st.refused {
+		return cn.abort(st, st.refusedHTTP, st.refusedCode, st.refusedMsg)
+	}
 	if st.deadline != 0 && cn.s.now() >= st.deadline {
 		return cn.abort(st, 200, codes.DeadlineExceeded, "the call's deadline passed before it was decided")
 	}
@@ -776,8 +787,21 @@ func (cn *h2conn) abortErr(st *h2stream, err error) error {
 	return cn.abort(st, 200, sts.Code(), sts.Message())
 }
 
+// refuse answers st with an error status once its request has ended (at once if it
+// has); what the client sends until then is dropped. Answering while the client still
+// sends is allowed, but clients take it badly (curl's nghttp2 reports an error, or waits
+// forever, in place of the answer).
+func (cn *h2conn) refuse(st *h2stream, httpStatus int, code codes.Code, msg string) error {
+	if st.ended {
+		return cn.abort(st, httpStatus, code, msg)
+	}
+	st.refused, st.refusedHTTP, st.refusedCode, st.refusedMsg = true, httpStatus, code, msg
+	return nil
+}
+
 // abort answers st with an error status alone (a trailers-only response, with HTTP
-// status httpStatus), and resets the stream if the client is still sending.
+// status httpStatus). Called before the request ended (abortRST), what the client still
+// sends on the stream is dropped.
 func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg string) error {
 	cn.hbuf.Reset()
 	cn.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(httpStatus)})
@@ -787,12 +811,18 @@ func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg strin
 		cn.henc.WriteField(hpack.HeaderField{Name: "grpc-message", Value: encodeGRPCMessage(msg)})
 	}
 	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.hbuf.Bytes(), EndHeaders: true, EndStream: true})
-	if err == nil && !st.ended {
-		// Answered before the request ended: the client may stop sending.
-		err = cn.wfr.WriteRSTStream(st.id, http2.ErrCodeNo)
-	}
 	cn.closeStream(st)
 	return err
+}
+
+// abortRST is abort for a request too large to read on: the stream is also reset
+// (NO_ERROR), so that the client stops sending it.
+func (cn *h2conn) abortRST(st *h2stream, code codes.Code, msg string) error {
+	ended := st.ended
+	if err := cn.abort(st, 200, code, msg); err != nil || ended {
+		return err
+	}
+	return cn.wfr.WriteRSTStream(st.id, http2.ErrCodeNo)
 }
 
 // answer sends st's response headers, msg (a gRPC message) as far as the send windows
@@ -860,9 +890,6 @@ func (cn *h2conn) sendData(st *h2stream, b []byte) (int, error) {
 // finish sends st's OK trailers and closes it.
 func (cn *h2conn) finish(st *h2stream) error {
 	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okTrailers, EndHeaders: true, EndStream: true})
-	if err == nil && !st.ended {
-		err = cn.wfr.WriteRSTStream(st.id, http2.ErrCodeNo)
-	}
 	cn.closeStream(st)
 	return err
 }

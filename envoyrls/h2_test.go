@@ -7,6 +7,9 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -222,12 +225,13 @@ func TestNativeProtocol(t *testing.T) {
 				t.Fatalf("%+v", rp)
 			}
 		}},
-		{"unknown path: UNIMPLEMENTED, and the body still sent is dropped", func(t *testing.T, r *rawConn) {
+		{"unknown path: UNIMPLEMENTED once the request ends, its body dropped", func(t *testing.T, r *rawConn) {
 			r.headers(1, false, grpcHeaders("/x.Y/Z")...)
+			r.fr.WriteData(1, false, oneCall("dropped"))
+			r.fr.WriteData(1, true, oneCall("dropped"))
 			if rp := r.await(1, nil); rp.grpcStatus != "12" || !strings.Contains(rp.grpcMessage, "/x.Y/Z") {
 				t.Fatalf("%+v", rp)
 			}
-			r.fr.WriteData(1, true, oneCall("late")) // crossed the answer: ignored
 			r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
 			r.fr.WriteData(3, true, oneCall("after"))
 			okAnswer(t, r.await(3, nil))
@@ -272,6 +276,7 @@ func TestNativeProtocol(t *testing.T) {
 		}},
 		{"malformed grpc-timeout", func(t *testing.T, r *rawConn) {
 			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "10x")...)
+			r.fr.WriteData(1, true, oneCall("x"))
 			if rp := r.await(1, nil); rp.grpcStatus != "13" {
 				t.Fatalf("%+v", rp)
 			}
@@ -580,7 +585,7 @@ func callStream(n int) []byte {
 	enc := hpack.NewEncoder(&hb)
 	fr.WriteSettings()
 	msg := oneCall("u1")
-	kv := grpcHeaders(pathShouldRateLimit, "grpc-timeout", "20m", "user-agent", "envoy")
+	kv := grpcHeaders(pathShouldRateLimit, "grpc-timeout", "5S", "user-agent", "envoy")
 	for i := range n {
 		hb.Reset()
 		for j := 0; j < len(kv); j += 2 {
@@ -648,4 +653,40 @@ func BenchmarkNativeConn(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	newH2Conn(s, c).serve()
+}
+
+// curl's HTTP/2 client (nghttp2) with prior knowledge asks the native transport over the
+// Unix socket: a second, independent client implementation. Skipped when curl is not
+// installed or lacks HTTP/2.
+func TestNativeCurl(t *testing.T) {
+	curl, err := exec.LookPath("curl")
+	if err != nil {
+		t.Skip("no curl")
+	}
+	if v, err := exec.Command(curl, "--version").Output(); err != nil || !strings.Contains(string(v), "HTTP2") {
+		t.Skip("curl without HTTP/2")
+	}
+	sv := serveTest(t, testServer(t), TransportNative)
+	dir := t.TempDir()
+	req := filepath.Join(dir, "req")
+	if err := os.WriteFile(req, oneCall("curl"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ path, status string }{{pathShouldRateLimit, "0"}, {"/no.Such/Method", "12"}} {
+		out, hdrs := filepath.Join(dir, "out"), filepath.Join(dir, "headers")
+		cmd := exec.Command(curl, "-sS", "--http2-prior-knowledge", "--unix-socket", sv.sock, "-X", "POST",
+			"-H", "content-type: application/grpc", "-H", "te: trailers", "--data-binary", "@"+req,
+			"-o", out, "-D", hdrs, "http://rls"+tc.path)
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("curl: %v\n%s", err, b)
+		}
+		h, _ := os.ReadFile(hdrs)
+		if !strings.Contains(string(h), "HTTP/2 200") || !strings.Contains(string(h), "grpc-status: "+tc.status) {
+			t.Fatalf("%s: headers and trailers:\n%s", tc.path, h)
+		}
+		if tc.status == "0" {
+			body, _ := os.ReadFile(out)
+			okAnswer(t, reply{status: "200", grpcStatus: "0", data: body})
+		}
+	}
 }
