@@ -68,6 +68,10 @@ const (
 	// h2MaxMessage is the largest request message, grpc-go's default: a larger one is
 	// answered RESOURCE_EXHAUSTED as soon as its length prefix arrives.
 	h2MaxMessage = 4 << 20
+	// h2MaxBuffered bounds the request bytes a connection holds across its streams: a
+	// call that would pass it is answered RESOURCE_EXHAUSTED (1,024 streams of 4 MiB
+	// messages would otherwise be 4 GiB).
+	h2MaxBuffered = 16 << 20
 	// h2MaxHeaderList is SETTINGS_MAX_HEADER_LIST_SIZE.
 	h2MaxHeaderList = 16 << 10
 	// h2PrefaceTimeout bounds the wait for a new connection's client preface.
@@ -185,6 +189,7 @@ type h2conn struct {
 	sc       *scratch // the inline path's
 	out      []byte   // the inline path's answer
 
+	buffered    int   // request bytes held in the streams' bodies
 	recvConn    int64 // what the client may still send on the connection
 	recvUnacked int64 // consumed and not yet given back in a WINDOW_UPDATE
 	deciding    sync.WaitGroup
@@ -230,9 +235,8 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 func (cn *h2conn) serve() {
 	defer func() {
 		cn.mu.Lock()
-		cn.closed = true
+		cn.closeLocked()
 		cn.mu.Unlock()
-		cn.nc.Close()
 		cn.deciding.Wait()
 	}()
 	cn.nc.SetReadDeadline(time.Now().Add(h2PrefaceTimeout))
@@ -631,7 +635,11 @@ func (cn *h2conn) onData(f *http2.DataFrame) error {
 	if st.ended && len(st.body) == 0 {
 		return cn.requestEnded(st, data) // the whole body in one frame: no copy
 	}
+	if cn.buffered+len(data) > h2MaxBuffered {
+		return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("the connection's calls hold more than %d request bytes", h2MaxBuffered))
+	}
 	st.body = append(st.body, data...)
+	cn.buffered += len(data)
 	if len(st.body) >= 5 {
 		if n := binary.BigEndian.Uint32(st.body[1:5]); n > h2MaxMessage {
 			return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("grpc: received message larger than max (%d vs. %d)", n, h2MaxMessage))
@@ -942,6 +950,8 @@ func (cn *h2conn) closeStream(st *h2stream) {
 	}
 	st.done = true
 	delete(cn.streams, st.id)
+	cn.buffered -= len(st.body)
+	st.body = st.body[:0]
 	if cap(st.body) > maxKeptRequest {
 		st.body = nil
 	}

@@ -690,3 +690,58 @@ func TestNativeCurl(t *testing.T) {
 		}
 	}
 }
+
+// A connection holds at most h2MaxBuffered request bytes across its streams: five calls
+// of 3.9 MiB each, interleaved, and the one that crosses the bound is answered
+// RESOURCE_EXHAUSTED and reset; the others' bodies go on.
+func TestNativeBufferedBound(t *testing.T) {
+	var in bytes.Buffer
+	in.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&in, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	fr.WriteSettings()
+	const size = 3900 << 10
+	kv := grpcHeaders(pathShouldRateLimit)
+	for id := uint32(1); id <= 9; id += 2 {
+		hb.Reset()
+		for j := 0; j < len(kv); j += 2 {
+			enc.WriteField(hpack.HeaderField{Name: kv[j], Value: kv[j+1]})
+		}
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+	}
+	chunk := make([]byte, 16<<10)
+	binary.BigEndian.PutUint32(chunk[1:5], size-5)
+	for off := 0; off < size; off += len(chunk) {
+		for id := uint32(1); id <= 9; id += 2 {
+			fr.WriteData(id, false, chunk[:min(len(chunk), size-off)])
+		}
+		chunk = make([]byte, 16<<10)
+	}
+	c := &recordConn{fakeConn: fakeConn{in: bytes.NewReader(in.Bytes()), closed: make(chan struct{})}}
+	newH2Conn(testServer(t), c).serve()
+	out := http2.NewFramer(nil, &c.out)
+	out.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	exhausted, rst := 0, 0
+	for {
+		f, err := out.ReadFrame()
+		if err != nil {
+			break
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v %s", f.ErrCode, f.DebugData())
+		case *http2.MetaHeadersFrame:
+			for _, hf := range f.Fields {
+				if hf.Name == "grpc-status" && hf.Value == "8" {
+					exhausted++
+				}
+			}
+		case *http2.RSTStreamFrame:
+			rst++
+		}
+	}
+	if exhausted != 1 || rst != 1 {
+		t.Fatalf("%d answered RESOURCE_EXHAUSTED, %d reset; want 1 and 1", exhausted, rst)
+	}
+}
