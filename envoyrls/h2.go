@@ -27,6 +27,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -92,6 +93,7 @@ const (
 
 // serveNative accepts connections on s.ln until Shutdown, one goroutine each.
 func (s *Server) serveNative() error {
+	var backoff time.Duration
 	for {
 		nc, err := s.ln.Accept()
 		if err != nil {
@@ -101,12 +103,16 @@ func (s *Server) serveNative() error {
 			if stopped {
 				return nil
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) || errors.Is(err, syscall.ECONNABORTED) {
+				// Out of descriptors for now: wait (5 ms doubling to 1 s), as net/http does.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.cfg.Logger.Warn("envoy rls: accepting", "err", err, "retry_in", backoff)
+				time.Sleep(backoff)
 				continue
 			}
 			return fmt.Errorf("envoy rls: accepting: %w", err)
 		}
+		backoff = 0
 		cn := newH2Conn(s, nc)
 		s.mu.Lock()
 		if s.stopped {
