@@ -173,10 +173,12 @@ func (s *Server) shutdownNative(ctx context.Context) error {
 // the writer and every stream's state, shared with the goroutines deciding calls that
 // wait on Redis.
 type h2conn struct {
-	s   *Server
-	nc  net.Conn
-	br  *bufio.Reader
-	rfr *http2.Framer // reads only
+	s    *Server
+	nc   net.Conn
+	br   *bufio.Reader
+	rfr  *http2.Framer  // reads only
+	hdec *hpack.Decoder // the client's header blocks, into hdr
+	hdr  hdrs
 
 	mu       sync.Mutex
 	bw       *bufio.Writer
@@ -228,8 +230,8 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
 		recvConn: h2Window, sc: new(scratch)}
 	cn.rfr = http2.NewFramer(io.Discard, cn.br)
-	cn.rfr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	cn.rfr.MaxHeaderListSize = h2MaxHeaderList
+	cn.hdec = hpack.NewDecoder(4096, cn.emit)
+	cn.hdec.SetMaxStringLength(h2MaxHeaderList)
 	cn.rfr.SetReuseFrames()
 	cn.rfr.SetMaxReadFrameSize(16384) // SETTINGS_MAX_FRAME_SIZE's default, which we keep
 	cn.wfr = http2.NewFramer(cn.bw, nil)
@@ -283,10 +285,8 @@ func (cn *h2conn) serve() {
 		if err == nil {
 			err = cn.handle(f)
 		}
-		var se http2.StreamError
-		if errors.As(err, &se) {
-			// The stream's fault only: reset it and go on.
-			err = cn.resetStream(se.StreamID, se.Code)
+		if err != nil {
+			err = cn.streamError(err)
 		}
 		if err != nil {
 			cn.fail(err)
@@ -299,6 +299,16 @@ func (cn *h2conn) serve() {
 		}
 		cn.mu.Unlock()
 	}
+}
+
+// streamError resets the stream when err is a stream's fault only (a StreamError), and
+// then reports the reset's outcome; any other err is returned as is.
+func (cn *h2conn) streamError(err error) error {
+	var se http2.StreamError
+	if errors.As(err, &se) {
+		return cn.resetStream(se.StreamID, se.Code)
+	}
+	return err
 }
 
 // fail ends the connection on err: a protocol error is told the client in a GOAWAY.
@@ -375,8 +385,11 @@ func (cn *h2conn) goAway() {
 // fault and any other error for the connection's.
 func (cn *h2conn) handle(f http2.Frame) error {
 	switch f := f.(type) {
-	case *http2.MetaHeadersFrame:
-		return cn.onHeaders(f)
+	case *http2.HeadersFrame:
+		cn.hdr = hdrs{id: f.StreamID, end: f.StreamEnded()}
+		return cn.headerFragment(f.HeaderBlockFragment(), f.HeadersEnded())
+	case *http2.ContinuationFrame: // the Framer checks that it follows its HEADERS
+		return cn.headerFragment(f.HeaderBlockFragment(), f.HeadersEnded())
 	case *http2.DataFrame:
 		return cn.onData(f)
 	case *http2.SettingsFrame:
@@ -414,8 +427,6 @@ func (cn *h2conn) handle(f http2.Frame) error {
 		return nil
 	case *http2.PushPromiseFrame:
 		return connErr(http2.ErrCodeProtocol, "PUSH_PROMISE from a client")
-	case *http2.HeadersFrame:
-		return errors.New("BUG: HEADERS without ReadMetaHeaders")
 	}
 	return nil // PRIORITY, unknown frame types: ignored
 }
@@ -466,9 +477,104 @@ func (cn *h2conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 	return cn.pump()
 }
 
-// onHeaders opens a stream (a call), or ends one with trailers.
-func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
-	id := f.StreamID
+// hdrs is the header block being read: a HEADERS frame's and its CONTINUATIONs',
+// decoded as it arrives (emit) into what a call needs, with no per-field allocation but
+// hpack's for literal values.
+type hdrs struct {
+	id        uint32
+	end       bool   // END_STREAM
+	size      uint32 // the decoded header list's size so far (RFC 9113, 6.5.2)
+	block     int    // its encoded bytes so far
+	truncated bool   // past h2MaxHeaderList
+	invalid   string // why the block is malformed; "" if it is not
+	regular   bool   // a regular field was seen: no pseudo-field may follow
+	pseudo    uint8  // the pseudo-fields seen, one bit each (pseudoBits)
+	post      bool
+	path      string
+	ctype     string
+	timeout   string
+	encoding  string
+}
+
+// pseudoBits are hdrs.pseudo's bits.
+const (
+	pseudoMethod uint8 = 1 << iota
+	pseudoPath
+	pseudoScheme
+	pseudoAuthority
+)
+
+// emit takes one decoded header field of the block being read.
+func (cn *h2conn) emit(hf hpack.HeaderField) {
+	h := &cn.hdr
+	if h.invalid != "" || h.truncated {
+		return
+	}
+	h.size += hf.Size()
+	if h.size > h2MaxHeaderList {
+		h.truncated = true
+		return
+	}
+	if len(hf.Name) > 0 && hf.Name[0] == ':' {
+		if h.regular {
+			h.invalid = "a pseudo-header field after a regular one"
+			return
+		}
+		var bit uint8
+		switch hf.Name {
+		case ":method":
+			bit, h.post = pseudoMethod, hf.Value == "POST"
+		case ":path":
+			bit, h.path = pseudoPath, hf.Value
+		case ":scheme":
+			bit = pseudoScheme
+		case ":authority":
+			bit = pseudoAuthority
+		default:
+			h.invalid = "pseudo-header field " + hf.Name + " in a request"
+			return
+		}
+		if h.pseudo&bit != 0 {
+			h.invalid = "pseudo-header field " + hf.Name + " twice"
+		}
+		h.pseudo |= bit
+		return
+	}
+	h.regular = true
+	switch hf.Name {
+	case "content-type":
+		h.ctype = hf.Value
+	case "grpc-timeout":
+		h.timeout = hf.Value
+	case "grpc-encoding":
+		h.encoding = hf.Value
+	}
+}
+
+// headerFragment decodes a piece of a header block; the last one (ended) completes it.
+func (cn *h2conn) headerFragment(frag []byte, ended bool) error {
+	h := &cn.hdr
+	h.block += len(frag)
+	if h.block > 2*h2MaxHeaderList {
+		return connErr(http2.ErrCodeProtocol, "a header block past twice the header list size")
+	}
+	if _, err := cn.hdec.Write(frag); err != nil {
+		return connErr(http2.ErrCodeCompression, err.Error())
+	}
+	if !ended {
+		return nil
+	}
+	if err := cn.hdec.Close(); err != nil {
+		return connErr(http2.ErrCodeCompression, err.Error())
+	}
+	return cn.onHeaders()
+}
+
+// onHeaders opens a stream (a call) with the header block just read, or ends one with
+// trailers.
+func (cn *h2conn) onHeaders() error {
+	h := &cn.hdr
+	id := h.id
 	if id%2 == 0 {
 		return connErr(http2.ErrCodeProtocol, "an even stream id from a client")
 	}
@@ -477,8 +583,11 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		if st.ended {
 			return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
 		}
-		if !f.StreamEnded() {
+		if !h.end {
 			return connErr(http2.ErrCodeProtocol, "trailers without END_STREAM")
+		}
+		if h.pseudo != 0 || h.invalid != "" {
+			return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol}
 		}
 		st.ended = true
 		return cn.requestEnded(st, st.body)
@@ -493,28 +602,17 @@ func (cn *h2conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if len(cn.streams) >= h2MaxStreams {
 		return cn.wfr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
 	}
+	if h.invalid != "" || (!h.truncated && h.pseudo&(pseudoMethod|pseudoPath|pseudoScheme) != pseudoMethod|pseudoPath|pseudoScheme) {
+		return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol} // malformed
+	}
 	st := cn.newStream(id)
-	st.ended = f.StreamEnded()
+	st.ended = h.end
 	cn.streams[id] = st
-	if f.Truncated {
+	if h.truncated {
 		return cn.refuse(st, 431, codes.ResourceExhausted, "the header list is larger than "+strconv.Itoa(h2MaxHeaderList)+" bytes")
 	}
-	var path, ctype, timeout string
-	post := false
-	for _, hf := range f.Fields {
-		switch hf.Name {
-		case ":method":
-			post = hf.Value == "POST"
-		case ":path":
-			path = hf.Value
-		case "content-type":
-			ctype = hf.Value
-		case "grpc-timeout":
-			timeout = hf.Value
-		case "grpc-encoding":
-			st.encoding = hf.Value
-		}
-	}
+	st.encoding = h.encoding
+	path, ctype, timeout, post := h.path, h.ctype, h.timeout, h.post
 	if !post {
 		return cn.refuse(st, 405, codes.Internal, "invalid gRPC request method")
 	}

@@ -291,6 +291,39 @@ func TestNativeProtocol(t *testing.T) {
 			r.fr.WriteData(3, true, oneCall("in-time"))
 			okAnswer(t, r.await(3, nil))
 		}},
+		{"malformed header blocks reset their stream only", func(t *testing.T, r *rawConn) {
+			bad := [][]string{
+				{"content-type", "application/grpc", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit}, // pseudo after regular
+				{":method", "POST", ":scheme", "http", "content-type", "application/grpc"},                               // no :path
+				{":method", "POST", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit},                  // twice
+				{":status", "200", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit},                   // a response's
+			}
+			id := uint32(1)
+			for _, kv := range bad {
+				r.headers(id, true, kv...)
+				if rp := r.await(id, nil); !rp.reset || rp.rst != http2.ErrCodeProtocol {
+					t.Fatalf("%v: %+v", kv, rp)
+				}
+				id += 2
+			}
+			// Trailers with a pseudo-header field.
+			r.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(id, false, oneCall("t"))
+			r.headers(id, true, ":path", "/x")
+			if rp := r.await(id, nil); !rp.reset || rp.rst != http2.ErrCodeProtocol {
+				t.Fatalf("trailers: %+v", rp)
+			}
+			r.headers(id+2, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(id+2, true, oneCall("after"))
+			okAnswer(t, r.await(id+2, nil))
+		}},
+		{"a header list past 16 KiB", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "x-big", strings.Repeat("b", 9000), "x-big2", strings.Repeat("c", 9000))...)
+			r.fr.WriteData(1, true, oneCall("big"))
+			if rp := r.await(1, nil); rp.status != "431" || rp.grpcStatus != "8" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
 		{"RST_STREAM from the client", func(t *testing.T, r *rawConn) {
 			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
 			r.fr.WriteRSTStream(1, http2.ErrCodeCancel)
@@ -388,6 +421,13 @@ func TestNativeConnectionErrors(t *testing.T) {
 			blk := r.block(grpcHeaders(pathShouldRateLimit)...)
 			return append(frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 5, blk), frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 3, blk)...)
 		}, http2.ErrCodeStreamClosed},
+		{"a header block past 32 KiB over CONTINUATIONs", func(r *rawConn) []byte {
+			b := frame(http2.FrameHeaders, 0, 1, nil)
+			for range 3 {
+				b = append(b, frame(http2.FrameContinuation, 0, 1, make([]byte, 16000))...)
+			}
+			return b
+		}, http2.ErrCodeProtocol},
 		{"PUSH_PROMISE", func(*rawConn) []byte {
 			return frame(http2.FramePushPromise, http2.FlagPushPromiseEndHeaders, 1, []byte{0, 0, 0, 2})
 		}, http2.ErrCodeProtocol},
