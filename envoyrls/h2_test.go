@@ -20,6 +20,8 @@ import (
 	"go.uber.org/goleak"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	gproto "google.golang.org/protobuf/proto"
 )
 
@@ -783,5 +785,84 @@ func TestNativeBufferedBound(t *testing.T) {
 	}
 	if exhausted != 1 || rst != 1 {
 		t.Fatalf("%d answered RESOURCE_EXHAUSTED, %d reset; want 1 and 1", exhausted, rst)
+	}
+}
+
+// Shutdown sends GOAWAY naming the last stream opened; a stream opened after it is
+// refused, the call in flight is answered, then the connection closes.
+func TestNativeGoAway(t *testing.T) {
+	s, frozen := globalServer(t)
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	defer sv.conn.Close()
+	r := dialRaw(t, sv.sock)
+	frozen.Freeze()
+	defer frozen.Thaw()
+	msg, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "g",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("goaway")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	binary.BigEndian.PutUint32(msg[1:], uint32(len(msg)-5))
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	r.fr.WriteData(1, true, msg)
+	waitFor(t, func() bool { return inFlight(s) > 0 })
+	shut := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		shut <- s.Shutdown(ctx)
+	}()
+	for {
+		if g, ok := r.next().(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1 {
+				t.Fatalf("GOAWAY %v last %d", g.ErrCode, g.LastStreamID)
+			}
+			break
+		}
+	}
+	r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+	if rp := r.await(3, nil); !rp.reset || rp.rst != http2.ErrCodeRefusedStream {
+		t.Fatalf("a stream after GOAWAY: %+v", rp)
+	}
+	frozen.Thaw()
+	if rp := r.await(1, nil); rp.grpcStatus != "0" || len(rp.data) < 5 {
+		t.Fatalf("the call in flight: %+v", rp)
+	}
+	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := r.fr.ReadFrame(); err == nil {
+		t.Fatal("the connection is still open once its last stream was answered")
+	}
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-sv.done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// The native transport on TCP, as on a Unix socket.
+func TestNativeTCP(t *testing.T) {
+	s := testServer(t)
+	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve() }()
+	conn, err := grpc.NewClient(s.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rlsv3.NewRateLimitServiceClient(conn).ShouldRateLimit(ctx10(t), &rlsv3.RateLimitRequest{Domain: "api",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("tcp")}})
+	if err != nil || len(resp.Statuses) != 1 || resp.Statuses[0].CurrentLimit == nil {
+		t.Fatalf("%v %v", resp, err)
+	}
+	conn.Close()
+	if err := s.Shutdown(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
