@@ -57,6 +57,9 @@ func startEnvoyServer(b *testing.B, transport string) (*server, *grpc.ClientConn
 		b.Fatal(err)
 	}
 	sock := filepath.Join(binDir, "envoy-"+transport+".sock")
+	if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" && transport != "native" {
+		b.Setenv("RLSIDECAR_BENCH_CPUPROFILE", prof+"."+transport) // the native daemon's is prof
+	}
 	s := startServerAt(b, "rlsidecar", "rlsidecar-"+transport+".sock", "--config", rulesPath, "--envoy-rls", "unix:"+sock, "--envoy-rls-transport", transport)
 	s.envoy = sock
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
