@@ -19,9 +19,16 @@ import (
 	"github.com/rlsidecar/rlsidecar/rules"
 )
 
-// Listen, serve, answer, shut down: the socket has the configured mode and is removed,
-// health turns NOT_SERVING, Serve returns nil, and no goroutine is left behind.
+// Listen, serve, answer, shut down, on each transport: the socket has the configured
+// mode and is removed, health turns NOT_SERVING, Serve returns nil, and no goroutine is
+// left behind.
 func TestLifecycle(t *testing.T) {
+	for _, tr := range Transports {
+		t.Run(tr, func(t *testing.T) { testLifecycle(t, tr) })
+	}
+}
+
+func testLifecycle(t *testing.T, transport string) {
 	defer goleak.VerifyNone(t)
 	dir, err := os.MkdirTemp("", "rls")
 	if err != nil {
@@ -29,7 +36,7 @@ func TestLifecycle(t *testing.T) {
 	}
 	defer os.RemoveAll(dir)
 	sock := filepath.Join(dir, "e.sock")
-	s, err := New(Config{Addr: "unix:" + sock, SocketMode: 0o640}, limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{})))
+	s, err := New(Config{Addr: "unix:" + sock, SocketMode: 0o640, Transport: transport}, limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{})))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +79,7 @@ func TestLifecycle(t *testing.T) {
 	if err := s.Listen(); err != nil {
 		t.Fatalf("relisten: %v", err)
 	}
-	other, _ := New(Config{Addr: "unix:" + sock}, limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{})))
+	other, _ := New(Config{Addr: "unix:" + sock, Transport: transport}, limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{})))
 	if err := other.Listen(); err == nil {
 		t.Error("a second server took a live socket")
 	}
@@ -86,6 +93,9 @@ func TestNewRefuses(t *testing.T) {
 	}
 	if _, err := New(Config{Addr: "unix:/tmp/x", SocketMode: 0o666}, lim); err == nil {
 		t.Error("world-writable socket: no error")
+	}
+	if _, err := New(Config{Addr: "unix:/tmp/x", Transport: "http3"}, lim); err == nil {
+		t.Error("unknown transport: no error")
 	}
 }
 

@@ -33,6 +33,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -78,6 +79,9 @@ type Config struct {
 	// InvalidArgument error.
 	MaxDescriptors int
 	MaxEntries     int
+	// Transport serves the calls: TransportNative (the default, "" too) or
+	// TransportGRPCGo.
+	Transport string
 	// Recorder, when set, counts every decision.
 	Recorder Recorder
 	Logger   *slog.Logger
@@ -86,15 +90,18 @@ type Config struct {
 // Server is the gRPC server. Build it with New; it is safe for concurrent use.
 type Server struct {
 	rlsv3.UnimplementedRateLimitServiceServer
-	cfg     Config
-	lim     *limiter.Limiter
-	mu      sync.Mutex
-	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
-	stopped bool         // Shutdown was called
-	health  *health.Server
-	ln      net.Listener
-	scratch sync.Pool    // *scratch
-	now     func() int64 // the clock, in Unix nanoseconds (tests set one)
+	cfg      Config
+	lim      *limiter.Limiter
+	mu       sync.Mutex
+	grpc     *grpc.Server // built by Serve: its stream workers run until it stops
+	stopped  bool         // Shutdown was called
+	health   *health.Server
+	ln       net.Listener
+	scratch  sync.Pool            // *scratch
+	now      func() int64         // the clock, in Unix nanoseconds (tests set one)
+	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
+	conns    map[*h2conn]struct{} // the native transport's connections, under mu
+	connWG   sync.WaitGroup       // their goroutines
 }
 
 // New returns a server deciding with lim. Call Listen, then Serve.
@@ -116,6 +123,13 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	switch cfg.Transport {
+	case "":
+		cfg.Transport = DefaultTransport
+	case TransportNative, TransportGRPCGo:
+	default:
+		return nil, fmt.Errorf("envoyrls: transport %q is neither %s nor %s", cfg.Transport, TransportNative, TransportGRPCGo)
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), now: func() int64 { return time.Now().UnixNano() }}
 	s.scratch.New = func() any { return new(scratch) }
@@ -219,6 +233,10 @@ func (s *Server) Serve() error {
 		s.mu.Unlock()
 		return nil
 	}
+	if s.cfg.Transport == TransportNative {
+		s.mu.Unlock()
+		return s.serveNative()
+	}
 	if s.grpc == nil {
 		s.grpc = s.newGRPC()
 	}
@@ -238,6 +256,12 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.stopped = true
 	g := s.grpc
 	s.mu.Unlock()
+	if s.cfg.Transport == TransportNative {
+		if s.ln != nil {
+			_ = s.ln.Close()
+		}
+		return s.shutdownNative(ctx)
+	}
 	done := make(chan struct{})
 	go func() {
 		if g != nil {
@@ -322,8 +346,30 @@ func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.Unary
 	return (*encoded)(&out), nil
 }
 
+// decideInline answers sc.call into sc.ans unless the decision would wait on Redis (a
+// global rule, or a hybrid key that needs an exact sync); then it reports done false,
+// having taken nothing, and the caller decides where waiting is fine (decide).
+func (s *Server) decideInline(sc *scratch) (done bool, err error) {
+	now := s.now()
+	if err := s.input(&sc.call, sc); err != nil {
+		return true, status.Error(codes.InvalidArgument, err.Error())
+	}
+	d := &sc.d
+	waits, err := s.lim.Prepare(&sc.in, d)
+	if err != nil {
+		return true, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if waits || !s.lim.DecideInline(now, d) {
+		return false, nil
+	}
+	s.finish(now, sc)
+	return true, nil
+}
+
 // decide answers sc.call into sc.ans.
 func (s *Server) decide(sc *scratch) error {
+	s.deciding.Add(1)
+	defer s.deciding.Add(-1)
 	now := s.now()
 	if err := s.input(&sc.call, sc); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
@@ -332,6 +378,14 @@ func (s *Server) decide(sc *scratch) error {
 	if err := s.lim.Check(now, &sc.in, d); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
+	s.finish(now, sc)
+	return nil
+}
+
+// finish completes a decision in sc: a lease it took is given back, the decision is
+// recorded, and sc.ans filled.
+func (s *Server) finish(now int64, sc *scratch) {
+	d := &sc.d
 	if tok := s.lim.LeaseToken(d); tok != "" {
 		// Envoy's protocol has no release: a concurrency rule here only asks whether a
 		// slot is free, and holds none past the call.
@@ -341,7 +395,6 @@ func (s *Server) decide(sc *scratch) error {
 		s.cfg.Recorder.Record(d)
 	}
 	s.response(len(sc.call.descs), sc)
-	return nil
 }
 
 // input fills sc.in from c.

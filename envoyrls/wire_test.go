@@ -332,7 +332,7 @@ func memSlice(b []byte) mem.BufferSlice { return mem.BufferSlice{mem.SliceBuffer
 
 // testServer is a server (not listening) with per-user limits of two algorithms, a
 // shadow rule and a concurrency-free deny rule.
-func testServer(t *testing.T) *Server {
+func testServer(t testing.TB) *Server {
 	t.Helper()
 	set, err := rules.Parse("t.yaml", []byte(`
 rules:

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	rlclient "github.com/rlsidecar/rlsidecar/clients/go"
+	"github.com/rlsidecar/rlsidecar/envoyrls"
 )
 
 // envoyRules are what import-envoy writes for envoyproxy/ratelimit's README examples
@@ -153,7 +154,13 @@ const (
 // The Envoy rate limit service against the real daemon: statuses in order, hits_addend,
 // overrides, unknown domains, unlimited, shadow, replaces, all-or-nothing, deny, health.
 func TestE2EEnvoyRLS(t *testing.T) {
-	f := startEnvoyDaemon(t, envoyRules)
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLS(t, tr) })
+	}
+}
+
+func testE2EEnvoyRLS(t *testing.T, transport string) {
+	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport)
 
 	t.Run("health", func(t *testing.T) {
 		for _, svc := range []string{"", "envoy.service.ratelimit.v3.RateLimitService"} {
@@ -278,7 +285,13 @@ func headerMap(resp *rlsv3.RateLimitResponse) map[string]string {
 // The same rules asked over the msgpack socket and over gRPC give the same decisions, and
 // the same headers and problem body as the Go client writes.
 func TestE2EEnvoyRLSMatchesSocket(t *testing.T) {
-	f := startEnvoyDaemon(t, envoyRules)
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLSMatchesSocket(t, tr) })
+	}
+}
+
+func testE2EEnvoyRLSMatchesSocket(t *testing.T, transport string) {
+	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport)
 	c, err := rlclient.New(rlclient.Options{Socket: f.d.socket, Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -381,7 +394,13 @@ func TestImportEnvoyCLI(t *testing.T) {
 
 // SIGTERM with the Envoy listener: both sockets removed, exit 0, no call cut.
 func TestE2EEnvoyRLSSigterm(t *testing.T) {
-	f := startEnvoyDaemon(t, envoyRules)
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLSSigterm(t, tr) })
+	}
+}
+
+func testE2EEnvoyRLSSigterm(t *testing.T, transport string) {
+	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport)
 	f.call(t, "edge", 0, desc("remote_address=1.2.3.4"))
 	sock := strings.TrimPrefix(argAfter(f.d, "--envoy-rls"), "unix:")
 	if err := f.d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
@@ -404,7 +423,13 @@ func TestE2EEnvoyRLSSigterm(t *testing.T) {
 
 // A second daemon cannot take a live Envoy socket; it says so and exits.
 func TestE2EEnvoyRLSAddressInUse(t *testing.T) {
-	f := startEnvoyDaemon(t, envoyRules)
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLSAddressInUse(t, tr) })
+	}
+}
+
+func testE2EEnvoyRLSAddressInUse(t *testing.T, transport string) {
+	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport)
 	sock := argAfter(f.d, "--envoy-rls")
 	dir := shortTempDir(t)
 	out, err := runCLI(t, "serve", "--admin=", "--socket", filepath.Join(dir, "s.sock"), "--envoy-rls", sock)
@@ -428,7 +453,13 @@ func argAfter(d *daemonProc, flag string) string {
 // Decisions asked over gRPC are counted like the socket's: a shadow rule's rejections as
 // shadow_rejected, a real one's as rejected.
 func TestE2EEnvoyRLSMetrics(t *testing.T) {
-	f := startEnvoyDaemon(t, envoyRules, "--admin", "127.0.0.1:0")
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLSMetrics(t, tr) })
+	}
+}
+
+func testE2EEnvoyRLSMetrics(t *testing.T, transport string) {
+	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport, "--admin", "127.0.0.1:0")
 	base := "http://" + adminAddr(t, f.d)
 	for range 3 {
 		f.call(t, "example6", 0, desc("service=auth", "user=user-a"))
@@ -443,5 +474,17 @@ func TestE2EEnvoyRLSMetrics(t *testing.T) {
 		if samples[name] != want {
 			t.Errorf("%s = %v, want %v", name, samples[name], want)
 		}
+	}
+}
+
+// An unknown --envoy-rls-transport is a usage error, from the flag or the environment.
+func TestEnvoyRLSTransportFlag(t *testing.T) {
+	out, errOut, code := runInProcess("serve", "--admin=", "--envoy-rls-transport", "http3")
+	if code != exitUsage || !strings.Contains(errOut, "--envoy-rls-transport") {
+		t.Fatalf("code %d out %q err %q", code, out, errOut)
+	}
+	t.Setenv("RLSIDECAR_ENVOY_RLS_TRANSPORT", "quic")
+	if _, errOut, code := runInProcess("serve", "--admin="); code != exitUsage || !strings.Contains(errOut, "quic") {
+		t.Fatalf("from the environment: code %d err %q", code, errOut)
 	}
 }

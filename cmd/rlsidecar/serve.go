@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -75,6 +76,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "how long the breaker stays open before one probe is let through")
 	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
+	envoyTransport := fs.String("envoy-rls-transport", envoyrls.DefaultTransport, "the Envoy listener's transport: native (rlsidecar's own HTTP/2 server for ShouldRateLimit and Health/Check) or grpc-go (google.golang.org/grpc, which also serves Health/Watch)")
 	if err := noPositional(fs, args); err != nil {
 		return err
 	}
@@ -85,6 +87,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 
 	if err := rlsync.CheckPrefix(*redisPrefix); err != nil {
 		return fmt.Errorf("%w: --redis-prefix: %v", errUsage, err)
+	}
+	if !slices.Contains(envoyrls.Transports, *envoyTransport) {
+		return fmt.Errorf("%w: --envoy-rls-transport %q: use one of %s", errUsage, *envoyTransport, strings.Join(envoyrls.Transports, ", "))
 	}
 	for _, name := range unknownEnv(fs, os.Environ()) {
 		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
@@ -258,7 +263,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}()
 	if *envoyRLS != "" {
-		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Logger: log}
+		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Transport: *envoyTransport, Logger: log}
 		if recorded != nil {
 			rc.Recorder = recorded
 		}
@@ -270,7 +275,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		rls = r
-		log.Info("envoy rate limit service", "addr", *envoyRLS)
+		log.Info("envoy rate limit service", "addr", *envoyRLS, "transport", *envoyTransport)
 	}
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {

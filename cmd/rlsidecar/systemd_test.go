@@ -583,8 +583,7 @@ func TestPackagedConfiguration(t *testing.T) {
 		if !ok || !strings.HasPrefix(name, envPrefix) {
 			continue
 		}
-		// --envoy-rls is helper #13's flag, merged separately.
-		if !flags[name] && name != "RLSIDECAR_ENVOY_RLS" {
+		if !flags[name] {
 			t.Errorf("deploy/debian/default:%d: %s sets no flag of serve", i+1, name)
 		}
 	}

@@ -1,0 +1,1101 @@
+package envoyrls
+
+// The native transport: gRPC over HTTP/2 in cleartext with prior knowledge (h2c, what
+// Envoy's gRPC client speaks to a rate limit service), for the unary calls Envoy makes:
+// ShouldRateLimit and grpc.health.v1.Health/Check (Health/Watch, a server stream, is
+// answered UNIMPLEMENTED). One goroutine per connection reads frames and answers each call
+// inline when its request ends, as the msgpack socket's loop does: no handoff between a
+// reader, a handler and a writer goroutine (grpc-go's three). A call that waits on Redis
+// (a global rule, or a hybrid key that needs an exact sync) is decided on a goroutine of
+// its own, which writes its answer under the connection's lock, so the connection's other
+// streams go on.
+//
+// Frames and header compression are golang.org/x/net/http2's Framer and hpack; this file
+// keeps the connection's state: settings, streams, flow control in both directions,
+// GOAWAY. Answers are written into a buffer that is flushed once no input is buffered (a
+// burst of calls costs one write), or at once by a deciding goroutine.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	gproto "google.golang.org/protobuf/proto"
+)
+
+// Transports the Envoy listener can be served with (Config.Transport).
+const (
+	// TransportNative is this package's own HTTP/2 server (h2.go).
+	TransportNative = "native"
+	// TransportGRPCGo is google.golang.org/grpc's server.
+	TransportGRPCGo = "grpc-go"
+	// DefaultTransport is the transport of a Config that names none.
+	DefaultTransport = TransportNative
+)
+
+// Transports lists the transports, the default first.
+var Transports = []string{TransportNative, TransportGRPCGo}
+
+// The methods the native transport serves.
+const (
+	pathShouldRateLimit = "/" + ServiceName + "/ShouldRateLimit"
+	pathHealthCheck     = "/grpc.health.v1.Health/Check"
+	pathHealthWatch     = "/grpc.health.v1.Health/Watch"
+)
+
+// The native transport's limits, advertised in its SETTINGS where HTTP/2 has one.
+const (
+	// h2MaxStreams is SETTINGS_MAX_CONCURRENT_STREAMS: a stream opened past it is refused
+	// (RST_STREAM REFUSED_STREAM, which a client retries).
+	h2MaxStreams = 1024
+	// h2Window is the receive window of each stream (SETTINGS_INITIAL_WINDOW_SIZE) and of
+	// the connection, given back once half of it is consumed.
+	h2Window = 1 << 20
+	// h2MaxMessage is the largest request message, grpc-go's default: a larger one is
+	// answered RESOURCE_EXHAUSTED as soon as its length prefix arrives.
+	h2MaxMessage = 4 << 20
+	// h2MaxBuffered bounds the request bytes a connection holds across its streams: a
+	// call that would pass it is answered RESOURCE_EXHAUSTED (1,024 streams of 4 MiB
+	// messages would otherwise be 4 GiB).
+	h2MaxBuffered = 16 << 20
+	// h2MaxHeaderList is SETTINGS_MAX_HEADER_LIST_SIZE.
+	h2MaxHeaderList = 16 << 10
+	// h2PrefaceTimeout bounds the wait for a new connection's client preface.
+	h2PrefaceTimeout = 10 * time.Second
+	// h2MaxGRPCMessage bounds the grpc-message trailer, so that trailers fit one frame.
+	h2MaxGRPCMessage = 1024
+)
+
+// method is what a stream calls.
+type method uint8
+
+const (
+	methodUnknown method = iota
+	methodShouldRateLimit
+	methodHealthCheck
+	methodHealthWatch
+)
+
+// serveNative accepts connections on s.ln until Shutdown, one goroutine each.
+func (s *Server) serveNative() error {
+	var backoff time.Duration
+	for {
+		nc, err := s.ln.Accept()
+		if err != nil {
+			s.mu.Lock()
+			stopped := s.stopped
+			s.mu.Unlock()
+			if stopped {
+				return nil
+			}
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) || errors.Is(err, syscall.ECONNABORTED) {
+				// Out of descriptors for now: wait (5 ms doubling to 1 s), as net/http does.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.cfg.Logger.Warn("envoy rls: accepting", "err", err, "retry_in", backoff)
+				time.Sleep(backoff)
+				continue
+			}
+			return fmt.Errorf("envoy rls: accepting: %w", err)
+		}
+		backoff = 0
+		cn := newH2Conn(s, nc)
+		s.mu.Lock()
+		if s.stopped {
+			s.mu.Unlock()
+			nc.Close()
+			continue
+		}
+		if s.conns == nil {
+			s.conns = make(map[*h2conn]struct{})
+		}
+		s.conns[cn] = struct{}{}
+		s.connWG.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.connWG.Done()
+			cn.serve()
+			s.mu.Lock()
+			delete(s.conns, cn)
+			s.mu.Unlock()
+		}()
+	}
+}
+
+// shutdownNative sends every connection GOAWAY, lets the calls in flight finish until ctx
+// ends, then closes what is left.
+func (s *Server) shutdownNative(ctx context.Context) error {
+	s.mu.Lock()
+	conns := make([]*h2conn, 0, len(s.conns))
+	for cn := range s.conns {
+		conns = append(conns, cn)
+	}
+	s.mu.Unlock()
+	done := make(chan struct{})
+	go func() {
+		// A connection whose client does not read holds its lock in a write: its GOAWAY
+		// waits, and the deadline below closes it.
+		for _, cn := range conns {
+			cn.goAway()
+		}
+		s.connWG.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		s.mu.Lock()
+		for cn := range s.conns {
+			cn.nc.Close()
+		}
+		s.mu.Unlock()
+		<-done
+		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
+	}
+}
+
+// h2conn is one client connection. Its read loop (serve) is the only reader; mu guards
+// the writer and every stream's state, shared with the goroutines deciding calls that
+// wait on Redis.
+type h2conn struct {
+	s    *Server
+	nc   net.Conn
+	br   *bufio.Reader
+	rfr  *http2.Framer  // reads only
+	hdec *hpack.Decoder // the client's header blocks, into hdr
+	hdr  hdrs
+
+	mu       sync.Mutex
+	bw       *bufio.Writer
+	wfr      *http2.Framer // writes only
+	henc     *hpack.Encoder
+	hbuf     bytes.Buffer
+	streams  map[uint32]*h2stream
+	free     []*h2stream
+	lastID   uint32 // the highest stream the client opened
+	goneAway bool   // GOAWAY sent: no stream is opened past lastID
+	closed   bool   // the connection is closed or closing: nothing more is written
+	sendConn int64  // what the connection's send window still allows
+	peerInit int64  // the peer's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMax  int    // the peer's SETTINGS_MAX_FRAME_SIZE
+	blocked  []*h2stream
+	sc       *scratch // the inline path's
+	out      []byte   // the inline path's answer
+
+	buffered    int   // request bytes held in the streams' bodies
+	recvConn    int64 // what the client may still send on the connection
+	recvUnacked int64 // consumed and not yet given back in a WINDOW_UPDATE
+	deciding    sync.WaitGroup
+}
+
+// h2stream is one call.
+type h2stream struct {
+	id          uint32
+	method      method
+	ended       bool  // the client's END_STREAM arrived
+	deciding    bool  // handed to a goroutine that answers it
+	done        bool  // answered, or reset: no more is written
+	deadline    int64 // from grpc-timeout, Unix nanoseconds; 0: none
+	encoding    string
+	body        []byte
+	recvAvail   int64
+	recvUnacked int64
+	sendWin     int64
+	out         []byte // answer bytes waiting for send window
+	outOff      int
+	// refused: the call is answered with this error once its request ends (refuse).
+	refused     bool
+	refusedHTTP int
+	refusedCode codes.Code
+	refusedMsg  string
+}
+
+func newH2Conn(s *Server, nc net.Conn) *h2conn {
+	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(nc, 32<<10), bw: bufio.NewWriterSize(nc, 32<<10),
+		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
+		recvConn: h2Window, sc: new(scratch)}
+	cn.rfr = http2.NewFramer(io.Discard, cn.br)
+	cn.hdec = hpack.NewDecoder(4096, cn.emit)
+	cn.hdec.SetMaxStringLength(h2MaxHeaderList)
+	cn.rfr.SetReuseFrames()
+	cn.rfr.SetMaxReadFrameSize(16384) // SETTINGS_MAX_FRAME_SIZE's default, which we keep
+	cn.wfr = http2.NewFramer(cn.bw, nil)
+	cn.henc = hpack.NewEncoder(&cn.hbuf)
+	return cn
+}
+
+// serve runs the connection until it closes, then waits for its deciding goroutines.
+func (cn *h2conn) serve() {
+	defer func() {
+		cn.mu.Lock()
+		cn.closeLocked()
+		cn.mu.Unlock()
+		cn.deciding.Wait()
+	}()
+	cn.nc.SetReadDeadline(time.Now().Add(h2PrefaceTimeout))
+	var preface [len(http2.ClientPreface)]byte
+	if _, err := io.ReadFull(cn.br, preface[:]); err != nil || string(preface[:]) != http2.ClientPreface {
+		return
+	}
+	cn.nc.SetReadDeadline(time.Time{})
+	cn.mu.Lock()
+	err := cn.wfr.WriteSettings(
+		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: h2MaxStreams},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: h2Window},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: h2MaxHeaderList},
+	)
+	if err == nil {
+		err = cn.wfr.WriteWindowUpdate(0, h2Window-65535)
+	}
+	if err == nil {
+		err = cn.bw.Flush()
+	}
+	cn.mu.Unlock()
+	if err != nil {
+		return
+	}
+	for {
+		if cn.br.Buffered() == 0 {
+			cn.mu.Lock()
+			if cn.bw.Buffered() > 0 && !cn.closed {
+				if err := cn.bw.Flush(); err != nil {
+					cn.mu.Unlock()
+					return
+				}
+			}
+			cn.mu.Unlock()
+		}
+		f, err := cn.rfr.ReadFrame()
+		cn.mu.Lock()
+		if err == nil {
+			err = cn.handle(f)
+		}
+		if err != nil {
+			err = cn.streamError(err)
+		}
+		if err != nil {
+			cn.fail(err)
+			cn.mu.Unlock()
+			return
+		}
+		if cn.closed {
+			cn.mu.Unlock()
+			return
+		}
+		cn.mu.Unlock()
+	}
+}
+
+// streamError resets the stream when err is a stream's fault only (a StreamError), and
+// then reports the reset's outcome; any other err is returned as is.
+func (cn *h2conn) streamError(err error) error {
+	var se http2.StreamError
+	if errors.As(err, &se) {
+		return cn.resetStream(se.StreamID, se.Code)
+	}
+	return err
+}
+
+// fail ends the connection on err: a protocol error is told the client in a GOAWAY.
+// Called with mu held.
+func (cn *h2conn) fail(err error) {
+	if cn.closed {
+		return
+	}
+	code, debug := http2.ErrCode(0xff), ""
+	var ce http2.ConnectionError
+	var he h2Error
+	switch {
+	case errors.As(err, &ce):
+		code = http2.ErrCode(ce)
+		if d := cn.rfr.ErrorDetail(); d != nil {
+			debug = d.Error()
+		}
+	case errors.Is(err, http2.ErrFrameTooLarge):
+		code = http2.ErrCodeFrameSize
+	case errors.As(err, &he):
+		code, debug = he.code, he.reason
+	}
+	if code != 0xff {
+		cn.nc.SetWriteDeadline(time.Now().Add(time.Second))
+		if cn.wfr.WriteGoAway(cn.lastID, code, []byte(debug)) == nil {
+			cn.bw.Flush()
+		}
+	}
+	cn.closeLocked()
+}
+
+// h2Error is a connection error this file finds (the Framer finds the others).
+type h2Error struct {
+	code   http2.ErrCode
+	reason string
+}
+
+func (e h2Error) Error() string { return "http2: " + e.code.String() + ": " + e.reason }
+
+func connErr(code http2.ErrCode, reason string) error { return h2Error{code, reason} }
+
+// closeLocked closes the connection: every stream is done, nothing more is written.
+func (cn *h2conn) closeLocked() {
+	if cn.closed {
+		return
+	}
+	cn.closed = true
+	for id, st := range cn.streams {
+		st.done = true
+		delete(cn.streams, id)
+	}
+	cn.blocked = cn.blocked[:0]
+	cn.nc.Close()
+}
+
+// goAway starts a graceful close: GOAWAY names the last stream the client opened, those
+// streams are answered, and the connection closes once none is left.
+func (cn *h2conn) goAway() {
+	cn.mu.Lock()
+	defer cn.mu.Unlock()
+	if cn.goneAway || cn.closed {
+		return
+	}
+	cn.goneAway = true
+	if cn.wfr.WriteGoAway(cn.lastID, http2.ErrCodeNo, nil) == nil {
+		cn.bw.Flush()
+	}
+	if len(cn.streams) == 0 {
+		cn.closeLocked()
+	}
+}
+
+// handle applies one frame. Called with mu held; it returns a StreamError for a stream's
+// fault and any other error for the connection's.
+func (cn *h2conn) handle(f http2.Frame) error {
+	switch f := f.(type) {
+	case *http2.HeadersFrame:
+		cn.hdr = hdrs{id: f.StreamID, end: f.StreamEnded()}
+		return cn.headerFragment(f.HeaderBlockFragment(), f.HeadersEnded())
+	case *http2.ContinuationFrame: // the Framer checks that it follows its HEADERS
+		return cn.headerFragment(f.HeaderBlockFragment(), f.HeadersEnded())
+	case *http2.DataFrame:
+		return cn.onData(f)
+	case *http2.SettingsFrame:
+		if f.IsAck() {
+			return nil
+		}
+		if err := f.ForeachSetting(cn.onSetting); err != nil {
+			return err
+		}
+		if err := cn.wfr.WriteSettingsAck(); err != nil {
+			return err
+		}
+		return cn.pump()
+	case *http2.PingFrame:
+		if f.IsAck() {
+			return nil
+		}
+		return cn.wfr.WritePing(true, f.Data)
+	case *http2.WindowUpdateFrame:
+		return cn.onWindowUpdate(f)
+	case *http2.RSTStreamFrame:
+		if f.StreamID > cn.lastID {
+			return connErr(http2.ErrCodeProtocol, "RST_STREAM on an idle stream")
+		}
+		if st := cn.streams[f.StreamID]; st != nil {
+			cn.closeStream(st)
+		}
+		return nil
+	case *http2.GoAwayFrame:
+		// The client opens no more streams: close once those it opened are answered.
+		cn.goneAway = true
+		if len(cn.streams) == 0 {
+			cn.closeLocked()
+		}
+		return nil
+	case *http2.PushPromiseFrame:
+		return connErr(http2.ErrCodeProtocol, "PUSH_PROMISE from a client")
+	}
+	return nil // PRIORITY, unknown frame types: ignored
+}
+
+// onSetting applies one of the client's settings.
+func (cn *h2conn) onSetting(s http2.Setting) error {
+	if err := s.Valid(); err != nil {
+		return err
+	}
+	switch s.ID {
+	case http2.SettingInitialWindowSize:
+		delta := int64(s.Val) - cn.peerInit
+		cn.peerInit = int64(s.Val)
+		for _, st := range cn.streams {
+			st.sendWin += delta
+			if st.sendWin > 1<<31-1 {
+				return connErr(http2.ErrCodeFlowControl, "a stream's send window past 2^31-1")
+			}
+		}
+	case http2.SettingMaxFrameSize:
+		cn.peerMax = int(s.Val)
+	case http2.SettingHeaderTableSize:
+		cn.henc.SetMaxDynamicTableSizeLimit(s.Val)
+	}
+	return nil
+}
+
+func (cn *h2conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
+	inc := int64(f.Increment)
+	if f.StreamID == 0 {
+		cn.sendConn += inc
+		if cn.sendConn > 1<<31-1 {
+			return connErr(http2.ErrCodeFlowControl, "the connection's send window past 2^31-1")
+		}
+		return cn.pump()
+	}
+	if f.StreamID > cn.lastID {
+		return connErr(http2.ErrCodeProtocol, "WINDOW_UPDATE on an idle stream")
+	}
+	st := cn.streams[f.StreamID]
+	if st == nil {
+		return nil // a closed stream
+	}
+	st.sendWin += inc
+	if st.sendWin > 1<<31-1 {
+		return http2.StreamError{StreamID: st.id, Code: http2.ErrCodeFlowControl}
+	}
+	return cn.pump()
+}
+
+// hdrs is the header block being read: a HEADERS frame's and its CONTINUATIONs',
+// decoded as it arrives (emit) into what a call needs, with no per-field allocation but
+// hpack's for literal values.
+type hdrs struct {
+	id        uint32
+	end       bool   // END_STREAM
+	size      uint32 // the decoded header list's size so far (RFC 9113, 6.5.2)
+	block     int    // its encoded bytes so far
+	truncated bool   // past h2MaxHeaderList
+	invalid   string // why the block is malformed; "" if it is not
+	regular   bool   // a regular field was seen: no pseudo-field may follow
+	pseudo    uint8  // the pseudo-fields seen, one bit each (pseudoBits)
+	post      bool
+	path      string
+	ctype     string
+	timeout   string
+	encoding  string
+}
+
+// pseudoBits are hdrs.pseudo's bits.
+const (
+	pseudoMethod uint8 = 1 << iota
+	pseudoPath
+	pseudoScheme
+	pseudoAuthority
+)
+
+// emit takes one decoded header field of the block being read.
+func (cn *h2conn) emit(hf hpack.HeaderField) {
+	h := &cn.hdr
+	if h.invalid != "" || h.truncated {
+		return
+	}
+	h.size += hf.Size()
+	if h.size > h2MaxHeaderList {
+		h.truncated = true
+		return
+	}
+	if len(hf.Name) > 0 && hf.Name[0] == ':' {
+		if h.regular {
+			h.invalid = "a pseudo-header field after a regular one"
+			return
+		}
+		var bit uint8
+		switch hf.Name {
+		case ":method":
+			bit, h.post = pseudoMethod, hf.Value == "POST"
+		case ":path":
+			bit, h.path = pseudoPath, hf.Value
+		case ":scheme":
+			bit = pseudoScheme
+		case ":authority":
+			bit = pseudoAuthority
+		default:
+			h.invalid = "pseudo-header field " + hf.Name + " in a request"
+			return
+		}
+		if h.pseudo&bit != 0 {
+			h.invalid = "pseudo-header field " + hf.Name + " twice"
+		}
+		h.pseudo |= bit
+		return
+	}
+	h.regular = true
+	switch hf.Name {
+	case "content-type":
+		h.ctype = hf.Value
+	case "grpc-timeout":
+		h.timeout = hf.Value
+	case "grpc-encoding":
+		h.encoding = hf.Value
+	}
+}
+
+// headerFragment decodes a piece of a header block; the last one (ended) completes it.
+func (cn *h2conn) headerFragment(frag []byte, ended bool) error {
+	h := &cn.hdr
+	h.block += len(frag)
+	if h.block > 2*h2MaxHeaderList {
+		return connErr(http2.ErrCodeProtocol, "a header block past twice the header list size")
+	}
+	if _, err := cn.hdec.Write(frag); err != nil {
+		return connErr(http2.ErrCodeCompression, err.Error())
+	}
+	if !ended {
+		return nil
+	}
+	if err := cn.hdec.Close(); err != nil {
+		return connErr(http2.ErrCodeCompression, err.Error())
+	}
+	return cn.onHeaders()
+}
+
+// onHeaders opens a stream (a call) with the header block just read, or ends one with
+// trailers.
+func (cn *h2conn) onHeaders() error {
+	h := &cn.hdr
+	id := h.id
+	if id%2 == 0 {
+		return connErr(http2.ErrCodeProtocol, "an even stream id from a client")
+	}
+	if st := cn.streams[id]; st != nil {
+		// Trailers: they must end the stream.
+		if st.ended {
+			return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
+		}
+		if !h.end {
+			return connErr(http2.ErrCodeProtocol, "trailers without END_STREAM")
+		}
+		if h.pseudo != 0 || h.invalid != "" {
+			return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol}
+		}
+		st.ended = true
+		return cn.requestEnded(st, st.body)
+	}
+	if id <= cn.lastID {
+		return connErr(http2.ErrCodeStreamClosed, "HEADERS on a closed stream")
+	}
+	cn.lastID = id
+	if cn.goneAway {
+		return cn.wfr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
+	}
+	if len(cn.streams) >= h2MaxStreams {
+		return cn.wfr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
+	}
+	if h.invalid != "" || (!h.truncated && h.pseudo&(pseudoMethod|pseudoPath|pseudoScheme) != pseudoMethod|pseudoPath|pseudoScheme) {
+		return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol} // malformed
+	}
+	st := cn.newStream(id)
+	st.ended = h.end
+	cn.streams[id] = st
+	if h.truncated {
+		return cn.refuse(st, 431, codes.ResourceExhausted, "the header list is larger than "+strconv.Itoa(h2MaxHeaderList)+" bytes")
+	}
+	st.encoding = h.encoding
+	path, ctype, timeout, post := h.path, h.ctype, h.timeout, h.post
+	if !post {
+		return cn.refuse(st, 405, codes.Internal, "invalid gRPC request method")
+	}
+	if !isGRPC(ctype) {
+		return cn.refuse(st, 415, codes.InvalidArgument, fmt.Sprintf("invalid gRPC request content-type %q", ctype))
+	}
+	if timeout != "" {
+		d, ok := parseTimeout(timeout)
+		if !ok {
+			return cn.refuse(st, 200, codes.Internal, fmt.Sprintf("malformed grpc-timeout %q", timeout))
+		}
+		st.deadline = cn.s.now() + int64(d)
+	}
+	switch path {
+	case pathShouldRateLimit:
+		st.method = methodShouldRateLimit
+	case pathHealthCheck:
+		st.method = methodHealthCheck
+	case pathHealthWatch:
+		return cn.refuse(st, 200, codes.Unimplemented, "Health/Watch is not served by the native transport (--envoy-rls-transport grpc-go serves it); use Health/Check")
+	default:
+		return cn.refuse(st, 200, codes.Unimplemented, fmt.Sprintf("unknown method %q", path))
+	}
+	if st.ended {
+		return cn.requestEnded(st, nil)
+	}
+	return nil
+}
+
+// isGRPC reports whether a content-type is gRPC's with the proto codec.
+func isGRPC(ct string) bool {
+	rest, ok := strings.CutPrefix(ct, "application/grpc")
+	if !ok {
+		return false
+	}
+	if rest == "" || rest[0] == ';' {
+		return true
+	}
+	sub, _, _ := strings.Cut(rest, ";")
+	return sub == "+proto"
+}
+
+// parseTimeout reads a grpc-timeout value: at most 8 digits and a unit.
+func parseTimeout(v string) (time.Duration, bool) {
+	if len(v) < 2 || len(v) > 9 {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(v[:len(v)-1], 10, 64)
+	if err != nil || n < 0 {
+		return 0, false
+	}
+	var unit time.Duration
+	switch v[len(v)-1] {
+	case 'H':
+		unit = time.Hour
+	case 'M':
+		unit = time.Minute
+	case 'S':
+		unit = time.Second
+	case 'm':
+		unit = time.Millisecond
+	case 'u':
+		unit = time.Microsecond
+	case 'n':
+		unit = time.Nanosecond
+	default:
+		return 0, false
+	}
+	if n > int64(1<<63-1)/int64(unit) {
+		return 1<<63 - 1, true
+	}
+	return time.Duration(n) * unit, true
+}
+
+func (cn *h2conn) newStream(id uint32) *h2stream {
+	var st *h2stream
+	if n := len(cn.free); n > 0 {
+		st = cn.free[n-1]
+		cn.free = cn.free[:n-1]
+		body := st.body[:0]
+		*st = h2stream{body: body}
+	} else {
+		st = new(h2stream)
+	}
+	st.id, st.recvAvail, st.sendWin = id, h2Window, cn.peerInit
+	return st
+}
+
+// onData takes a piece of a request's body.
+func (cn *h2conn) onData(f *http2.DataFrame) error {
+	n := int64(f.Length) // padding included: it counts against flow control
+	cn.recvConn -= n
+	if cn.recvConn < 0 {
+		return connErr(http2.ErrCodeFlowControl, "DATA past the connection's window")
+	}
+	cn.recvUnacked += n
+	if cn.recvUnacked >= h2Window/2 {
+		if err := cn.wfr.WriteWindowUpdate(0, uint32(cn.recvUnacked)); err != nil {
+			return err
+		}
+		cn.recvConn += cn.recvUnacked
+		cn.recvUnacked = 0
+	}
+	id := f.StreamID
+	if id > cn.lastID {
+		return connErr(http2.ErrCodeProtocol, "DATA on an idle stream")
+	}
+	st := cn.streams[id]
+	if st == nil {
+		return nil // a stream answered or reset already: what was in flight is dropped
+	}
+	if st.ended {
+		return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
+	}
+	st.recvAvail -= n
+	if st.recvAvail < 0 {
+		return http2.StreamError{StreamID: id, Code: http2.ErrCodeFlowControl}
+	}
+	st.ended = f.StreamEnded()
+	data := f.Data()
+	if st.refused {
+		data = nil // dropped: the answer is an error already
+	}
+	if st.ended && len(st.body) == 0 {
+		return cn.requestEnded(st, data) // the whole body in one frame: no copy
+	}
+	if cn.buffered+len(data) > h2MaxBuffered {
+		return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("the connection's calls hold more than %d request bytes", h2MaxBuffered))
+	}
+	st.body = append(st.body, data...)
+	cn.buffered += len(data)
+	if len(st.body) >= 5 {
+		if n := binary.BigEndian.Uint32(st.body[1:5]); n > h2MaxMessage {
+			return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("grpc: received message larger than max (%d vs. %d)", n, h2MaxMessage))
+		}
+	}
+	if st.ended {
+		return cn.requestEnded(st, st.body)
+	}
+	st.recvUnacked += n
+	if st.recvUnacked >= h2Window/2 {
+		if err := cn.wfr.WriteWindowUpdate(id, uint32(st.recvUnacked)); err != nil {
+			return err
+		}
+		st.recvAvail += st.recvUnacked
+		st.recvUnacked = 0
+	}
+	return nil
+}
+
+// requestEnded answers a call whose request body is complete: body (nil when the stream
+// ended with no data).
+func (cn *h2conn) requestEnded(st *h2stream, body []byte) error {
+	if st.refused {
+		return cn.abort(st, st.refusedHTTP, st.refusedCode, st.refusedMsg)
+	}
+	if st.deadline != 0 && cn.s.now() >= st.deadline {
+		return cn.abort(st, 200, codes.DeadlineExceeded, "the call's deadline passed before it was decided")
+	}
+	if len(body) < 5 {
+		return cn.abort(st, 200, codes.Internal, "grpc: the request ended without a whole message")
+	}
+	n := binary.BigEndian.Uint32(body[1:5])
+	if n > h2MaxMessage {
+		return cn.abort(st, 200, codes.ResourceExhausted, fmt.Sprintf("grpc: received message larger than max (%d vs. %d)", n, h2MaxMessage))
+	}
+	switch body[0] {
+	case 0:
+	case 1:
+		if st.encoding == "" || st.encoding == "identity" {
+			return cn.abort(st, 200, codes.Internal, "grpc: compressed flag set with identity or empty encoding")
+		}
+		return cn.abort(st, 200, codes.Unimplemented, fmt.Sprintf("grpc: Decompressor is not installed for grpc-encoding %q", st.encoding))
+	default:
+		return cn.abort(st, 200, codes.Internal, fmt.Sprintf("grpc: invalid message flag %d", body[0]))
+	}
+	if int(n) != len(body)-5 {
+		return cn.abort(st, 200, codes.Internal, "grpc: a unary call's request is not one whole message")
+	}
+	msg := body[5:]
+	switch st.method {
+	case methodShouldRateLimit:
+		return cn.shouldRateLimit(st, msg)
+	case methodHealthCheck:
+		return cn.healthCheck(st, msg)
+	}
+	return errors.New("BUG: a request ended on a stream with no method")
+}
+
+// shouldRateLimit decides a call inline, or hands it to a goroutine when it waits on
+// Redis.
+func (cn *h2conn) shouldRateLimit(st *h2stream, msg []byte) error {
+	s, sc := cn.s, cn.sc
+	if err := parseRequest(msg, &sc.call); err != nil {
+		return cn.abort(st, 200, codes.Internal, "grpc: error unmarshalling request: "+err.Error())
+	}
+	done, err := s.decideInline(sc)
+	if err != nil {
+		return cn.abortErr(st, err)
+	}
+	if !done {
+		cn.decideLater(st, msg)
+		return nil
+	}
+	cn.out = appendMessage(cn.out[:0], &sc.ans)
+	return cn.answer(st, cn.out)
+}
+
+// appendMessage appends a's response as a gRPC message: the 5-byte prefix, then the
+// protobuf bytes.
+func appendMessage(b []byte, a *answer) []byte {
+	start := len(b)
+	b = append(b, 0, 0, 0, 0, 0)
+	b = appendResponse(b, a)
+	binary.BigEndian.PutUint32(b[start+1:], uint32(len(b)-start-5))
+	return b
+}
+
+// decideLater decides the call in msg on a goroutine of its own, which answers st under
+// mu unless the stream was reset or the connection closed meanwhile.
+func (cn *h2conn) decideLater(st *h2stream, msg []byte) {
+	s := cn.s
+	sc := s.scratch.Get().(*scratch)
+	sc.raw = append(sc.raw[:0], msg...)
+	st.deciding = true
+	cn.deciding.Add(1)
+	go func() {
+		defer cn.deciding.Done()
+		var out []byte
+		err := parseRequest(sc.raw, &sc.call)
+		if err == nil {
+			err = s.decide(sc)
+		}
+		if err == nil {
+			out = appendMessage(make([]byte, 0, max(sc.outLen, 128)), &sc.ans)
+			sc.outLen = len(out)
+		}
+		if cap(sc.raw) > maxKeptRequest {
+			sc.raw = nil
+		}
+		s.scratch.Put(sc)
+		cn.mu.Lock()
+		defer cn.mu.Unlock()
+		st.deciding = false
+		if st.done {
+			cn.free = append(cn.free, st)
+			return
+		}
+		if err == nil {
+			err = cn.answer(st, out)
+		} else {
+			err = cn.abortErr(st, err)
+		}
+		if err == nil && !cn.closed {
+			err = cn.bw.Flush()
+		}
+		if err != nil {
+			cn.fail(err)
+		}
+	}()
+}
+
+// healthCheck answers grpc.health.v1.Health/Check from the server's health.
+func (cn *h2conn) healthCheck(st *h2stream, msg []byte) error {
+	var req healthpb.HealthCheckRequest
+	if err := gproto.Unmarshal(msg, &req); err != nil {
+		return cn.abort(st, 200, codes.Internal, "grpc: error unmarshalling request: "+err.Error())
+	}
+	resp, err := cn.s.health.Check(context.Background(), &req)
+	if err != nil {
+		return cn.abortErr(st, err)
+	}
+	b, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, resp)
+	if err != nil {
+		return cn.abort(st, 200, codes.Internal, err.Error())
+	}
+	binary.BigEndian.PutUint32(b[1:], uint32(len(b)-5))
+	return cn.answer(st, b)
+}
+
+// abortErr answers st with err's gRPC status.
+func (cn *h2conn) abortErr(st *h2stream, err error) error {
+	sts, _ := status.FromError(err)
+	return cn.abort(st, 200, sts.Code(), sts.Message())
+}
+
+// refuse answers st with an error status once its request has ended (at once if it
+// has); what the client sends until then is dropped. Answering while the client still
+// sends is allowed, but clients take it badly (curl's nghttp2 reports an error, or waits
+// forever, in place of the answer).
+func (cn *h2conn) refuse(st *h2stream, httpStatus int, code codes.Code, msg string) error {
+	if st.ended {
+		return cn.abort(st, httpStatus, code, msg)
+	}
+	st.refused, st.refusedHTTP, st.refusedCode, st.refusedMsg = true, httpStatus, code, msg
+	return nil
+}
+
+// abort answers st with an error status alone (a trailers-only response, with HTTP
+// status httpStatus). Called before the request ended (abortRST), what the client still
+// sends on the stream is dropped.
+func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg string) error {
+	cn.hbuf.Reset()
+	cn.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(httpStatus)})
+	cn.henc.WriteField(hpack.HeaderField{Name: "content-type", Value: "application/grpc"})
+	cn.henc.WriteField(hpack.HeaderField{Name: "grpc-status", Value: strconv.Itoa(int(code))})
+	if msg != "" {
+		cn.henc.WriteField(hpack.HeaderField{Name: "grpc-message", Value: encodeGRPCMessage(msg)})
+	}
+	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.hbuf.Bytes(), EndHeaders: true, EndStream: true})
+	cn.closeStream(st)
+	return err
+}
+
+// abortRST is abort for a request too large to read on: the stream is also reset
+// (NO_ERROR), so that the client stops sending it.
+func (cn *h2conn) abortRST(st *h2stream, code codes.Code, msg string) error {
+	ended := st.ended
+	if err := cn.abort(st, 200, code, msg); err != nil || ended {
+		return err
+	}
+	return cn.wfr.WriteRSTStream(st.id, http2.ErrCodeNo)
+}
+
+// answer sends st's response headers, msg (a gRPC message) as far as the send windows
+// allow, and the OK trailers once it is all sent; what the windows do not allow waits in
+// st.out for WINDOW_UPDATEs.
+func (cn *h2conn) answer(st *h2stream, msg []byte) error {
+	if err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okHeaders, EndHeaders: true}); err != nil {
+		return err
+	}
+	sent, err := cn.sendData(st, msg)
+	if err != nil {
+		return err
+	}
+	if sent < len(msg) {
+		st.out = append(st.out[:0], msg[sent:]...)
+		st.outOff = 0
+		cn.blocked = append(cn.blocked, st)
+		return nil
+	}
+	return cn.finish(st)
+}
+
+// The header blocks of every OK answer, HPACK-encoded once: ":status: 200" from the
+// static table, the others as literals never indexed, so that they leave the dynamic
+// table (which the error answers use, through henc) as it is.
+var (
+	okHeaders  = literalBlock([]byte{0x88}, "content-type", "application/grpc")
+	okTrailers = literalBlock(nil, "grpc-status", "0")
+)
+
+// literalBlock appends to b fields (name, value) as HPACK literals without indexing.
+func literalBlock(b []byte, kv ...string) []byte {
+	for i := 0; i < len(kv); i += 2 {
+		b = append(b, 0x00)
+		for _, s := range kv[i : i+2] {
+			if len(s) > 126 {
+				panic("BUG: literalBlock takes strings of at most 126 bytes")
+			}
+			b = append(b, byte(len(s)))
+			b = append(b, s...)
+		}
+	}
+	return b
+}
+
+// sendData writes DATA frames of b for st within the send windows and the client's
+// frame size, and returns how much it wrote.
+func (cn *h2conn) sendData(st *h2stream, b []byte) (int, error) {
+	sent := 0
+	for sent < len(b) {
+		n := min(int64(len(b)-sent), cn.sendConn, st.sendWin, int64(cn.peerMax))
+		if n <= 0 {
+			break
+		}
+		if err := cn.wfr.WriteData(st.id, false, b[sent:sent+int(n)]); err != nil {
+			return sent, err
+		}
+		sent += int(n)
+		cn.sendConn -= n
+		st.sendWin -= n
+	}
+	return sent, nil
+}
+
+// finish sends st's OK trailers and closes it.
+func (cn *h2conn) finish(st *h2stream) error {
+	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okTrailers, EndHeaders: true, EndStream: true})
+	cn.closeStream(st)
+	return err
+}
+
+// pump sends what blocked streams can now send.
+func (cn *h2conn) pump() error {
+	kept := cn.blocked[:0]
+	for i, st := range cn.blocked {
+		if st.done {
+			continue
+		}
+		sent, err := cn.sendData(st, st.out[st.outOff:])
+		if err != nil {
+			cn.blocked = append(kept, cn.blocked[i:]...)
+			return err
+		}
+		st.outOff += sent
+		if st.outOff < len(st.out) {
+			kept = append(kept, st)
+			continue
+		}
+		if err := cn.finish(st); err != nil {
+			cn.blocked = append(kept, cn.blocked[i+1:]...)
+			return err
+		}
+	}
+	cn.blocked = kept
+	return nil
+}
+
+// resetStream answers a stream error: RST_STREAM, and the stream is closed.
+func (cn *h2conn) resetStream(id uint32, code http2.ErrCode) error {
+	if id == 0 {
+		return connErr(code, "a stream error on stream 0")
+	}
+	if id > cn.lastID && id%2 == 1 {
+		cn.lastID = id // a stream the error opened (malformed HEADERS)
+	}
+	if st := cn.streams[id]; st != nil {
+		cn.closeStream(st)
+	}
+	return cn.wfr.WriteRSTStream(id, code)
+}
+
+// closeStream forgets st; its struct is reused unless a goroutine still holds it. After
+// GOAWAY, the last stream closed closes the connection.
+func (cn *h2conn) closeStream(st *h2stream) {
+	if st.done {
+		return
+	}
+	st.done = true
+	delete(cn.streams, st.id)
+	cn.buffered -= len(st.body)
+	st.body = st.body[:0]
+	if cap(st.body) > maxKeptRequest {
+		st.body = nil
+	}
+	st.out = st.out[:0]
+	if !st.deciding {
+		cn.free = append(cn.free, st)
+	}
+	if cn.goneAway && len(cn.streams) == 0 && !cn.closed {
+		cn.bw.Flush() // the last answer; the connection closes either way
+		cn.closeLocked()
+	}
+}
+
+// encodeGRPCMessage percent-encodes a grpc-message value as gRPC's HTTP/2 mapping says
+// (bytes outside printable ASCII, and '%'), cut to h2MaxGRPCMessage bytes.
+func encodeGRPCMessage(msg string) string {
+	if len(msg) > h2MaxGRPCMessage {
+		msg = msg[:h2MaxGRPCMessage]
+	}
+	clean := true
+	for i := 0; i < len(msg); i++ {
+		if c := msg[i]; c < 0x20 || c > 0x7e || c == '%' {
+			clean = false
+			break
+		}
+	}
+	if clean {
+		return msg
+	}
+	const hex = "0123456789ABCDEF"
+	var b strings.Builder
+	for i := 0; i < len(msg); i++ {
+		c := msg[i]
+		if c < 0x20 || c > 0x7e || c == '%' {
+			b.WriteByte('%')
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&15])
+		} else {
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}

@@ -1,0 +1,868 @@
+package envoyrls
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"go.uber.org/goleak"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	gproto "google.golang.org/protobuf/proto"
+)
+
+// rawConn is an HTTP/2 client speaking frames to the native transport, to test what
+// grpc-go's client never does.
+type rawConn struct {
+	t    *testing.T
+	c    net.Conn
+	fr   *http2.Framer
+	henc *hpack.Encoder
+	hbuf bytes.Buffer
+}
+
+// dialRaw connects, sends the preface and settings, and waits for the server's
+// SETTINGS, which it acknowledges.
+func dialRaw(t *testing.T, sock string, settings ...http2.Setting) *rawConn {
+	t.Helper()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	r.henc = hpack.NewEncoder(&r.hbuf)
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.fr.WriteSettings(settings...); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f := r.next()
+		if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
+			if err := r.fr.WriteSettingsAck(); err != nil {
+				t.Fatal(err)
+			}
+			return r
+		}
+	}
+}
+
+func (r *rawConn) next() http2.Frame {
+	r.t.Helper()
+	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	f, err := r.fr.ReadFrame()
+	if err != nil {
+		r.t.Fatalf("reading a frame: %v", err)
+	}
+	return f
+}
+
+// block encodes header fields, name/value pairs.
+func (r *rawConn) block(kv ...string) []byte {
+	r.hbuf.Reset()
+	for i := 0; i < len(kv); i += 2 {
+		r.henc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+	}
+	return append([]byte(nil), r.hbuf.Bytes()...)
+}
+
+// grpcHeaders are a call's request headers, with extra fields (name, value) after them.
+func grpcHeaders(path string, extra ...string) []string {
+	return append([]string{":method", "POST", ":scheme", "http", ":path", path, ":authority", "rls",
+		"content-type", "application/grpc", "te", "trailers"}, extra...)
+}
+
+func (r *rawConn) headers(id uint32, end bool, kv ...string) {
+	r.t.Helper()
+	if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: r.block(kv...), EndHeaders: true, EndStream: end}); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// oneCall is a ShouldRateLimit request message with its 5-byte prefix.
+func oneCall(user string) []byte {
+	b, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "api",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1(user)}})
+	if err != nil {
+		panic(err)
+	}
+	binary.BigEndian.PutUint32(b[1:], uint32(len(b)-5))
+	return b
+}
+
+// reply is what came back on one stream.
+type reply struct {
+	status      string // :status
+	grpcStatus  string
+	grpcMessage string
+	data        []byte
+	rst         http2.ErrCode
+	reset       bool
+	maxData     int // the largest DATA frame
+}
+
+// await reads frames until stream id ends (trailers with END_STREAM, or RST_STREAM),
+// answering PINGs and giving window back with windowUpdate (nil: none).
+func (r *rawConn) await(id uint32, onData func(n int)) reply {
+	r.t.Helper()
+	var rp reply
+	for {
+		switch f := r.next().(type) {
+		case *http2.MetaHeadersFrame:
+			if f.StreamID != id {
+				continue
+			}
+			for _, hf := range f.Fields {
+				switch hf.Name {
+				case ":status":
+					rp.status = hf.Value
+				case "grpc-status":
+					rp.grpcStatus = hf.Value
+				case "grpc-message":
+					rp.grpcMessage = hf.Value
+				}
+			}
+			if f.StreamEnded() {
+				return rp
+			}
+		case *http2.DataFrame:
+			if f.StreamID == id {
+				rp.data = append(rp.data, f.Data()...)
+				rp.maxData = max(rp.maxData, len(f.Data()))
+				if onData != nil {
+					onData(len(f.Data()))
+				}
+			}
+		case *http2.RSTStreamFrame:
+			if f.StreamID == id {
+				rp.reset, rp.rst = true, f.ErrCode
+				return rp
+			}
+		case *http2.GoAwayFrame:
+			r.t.Fatalf("GOAWAY %v while waiting for stream %d: %s", f.ErrCode, id, f.DebugData())
+		}
+	}
+}
+
+// okAnswer checks rp is an OK answer with one descriptor status.
+func okAnswer(t *testing.T, rp reply) {
+	t.Helper()
+	if rp.status != "200" || rp.grpcStatus != "0" || len(rp.data) < 5 {
+		t.Fatalf("answer: %+v", rp)
+	}
+	var resp rlsv3.RateLimitResponse
+	if err := gproto.Unmarshal(rp.data[5:], &resp); err != nil || len(resp.Statuses) != 1 || resp.Statuses[0].CurrentLimit == nil {
+		t.Fatalf("answer: %v %v", &resp, err)
+	}
+}
+
+// The native transport against a client speaking frames: what Envoy's client may do and
+// grpc-go's does not, each on a fresh connection.
+func TestNativeProtocol(t *testing.T) {
+	sv := serveTest(t, testServer(t), TransportNative)
+	tests := []struct {
+		name string
+		run  func(t *testing.T, r *rawConn)
+	}{
+		{"ping", func(t *testing.T, r *rawConn) {
+			data := [8]byte{1, 2, 3, 4, 5, 6, 7, 8}
+			r.fr.WritePing(false, data)
+			for {
+				if p, ok := r.next().(*http2.PingFrame); ok {
+					if !p.IsAck() || p.Data != data {
+						t.Fatalf("ping answer: %+v", p)
+					}
+					return
+				}
+			}
+		}},
+		{"CONTINUATION and a body over several DATA frames", func(t *testing.T, r *rawConn) {
+			blk := r.block(grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: blk[:3]})
+			r.fr.WriteContinuation(1, false, blk[3:10])
+			r.fr.WriteContinuation(1, true, blk[10:])
+			msg := oneCall("cont")
+			r.fr.WriteData(1, false, msg[:2])
+			r.fr.WriteData(1, false, msg[2:7])
+			r.fr.WriteDataPadded(1, false, msg[7:], []byte{0, 0, 0})
+			r.fr.WriteData(1, true, nil)
+			okAnswer(t, r.await(1, nil))
+		}},
+		{"client trailers end the request", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, false, oneCall("trl"))
+			r.headers(1, true, "x-trailer", "1")
+			okAnswer(t, r.await(1, nil))
+		}},
+		{"content-type", func(t *testing.T, r *rawConn) {
+			kv := grpcHeaders(pathShouldRateLimit)
+			kv[9] = "text/plain"
+			r.headers(1, true, kv...)
+			if rp := r.await(1, nil); rp.status != "415" || rp.grpcStatus != "3" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"GET", func(t *testing.T, r *rawConn) {
+			kv := grpcHeaders(pathShouldRateLimit)
+			kv[1] = "GET"
+			r.headers(1, true, kv...)
+			if rp := r.await(1, nil); rp.status != "405" || rp.grpcStatus != "13" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"unknown path: UNIMPLEMENTED once the request ends, its body dropped", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders("/x.Y/Z")...)
+			r.fr.WriteData(1, false, oneCall("dropped"))
+			r.fr.WriteData(1, true, oneCall("dropped"))
+			if rp := r.await(1, nil); rp.grpcStatus != "12" || !strings.Contains(rp.grpcMessage, "/x.Y/Z") {
+				t.Fatalf("%+v", rp)
+			}
+			r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(3, true, oneCall("after"))
+			okAnswer(t, r.await(3, nil))
+		}},
+		{"no message", func(t *testing.T, r *rawConn) {
+			r.headers(1, true, grpcHeaders(pathShouldRateLimit)...)
+			if rp := r.await(1, nil); rp.grpcStatus != "13" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"two messages", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, append(oneCall("a"), oneCall("b")...))
+			if rp := r.await(1, nil); rp.grpcStatus != "13" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"undecodable message", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, []byte{0, 0, 0, 0, 2, 0xff, 0xff})
+			if rp := r.await(1, nil); rp.grpcStatus != "13" || !strings.Contains(rp.grpcMessage, "unmarshalling") {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"compressed flag, no encoding", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			msg := oneCall("z")
+			msg[0] = 1
+			r.fr.WriteData(1, true, msg)
+			if rp := r.await(1, nil); rp.grpcStatus != "13" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"compressed, gzip", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-encoding", "gzip")...)
+			msg := oneCall("z")
+			msg[0] = 1
+			r.fr.WriteData(1, true, msg)
+			if rp := r.await(1, nil); rp.grpcStatus != "12" || !strings.Contains(rp.grpcMessage, "gzip") {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"malformed grpc-timeout", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "10x")...)
+			r.fr.WriteData(1, true, oneCall("x"))
+			if rp := r.await(1, nil); rp.grpcStatus != "13" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"grpc-timeout passed", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "0n")...)
+			r.fr.WriteData(1, true, oneCall("late"))
+			if rp := r.await(1, nil); rp.grpcStatus != "4" {
+				t.Fatalf("%+v", rp)
+			}
+			r.headers(3, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "10S")...)
+			r.fr.WriteData(3, true, oneCall("in-time"))
+			okAnswer(t, r.await(3, nil))
+		}},
+		{"malformed header blocks reset their stream only", func(t *testing.T, r *rawConn) {
+			bad := [][]string{
+				{"content-type", "application/grpc", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit}, // pseudo after regular
+				{":method", "POST", ":scheme", "http", "content-type", "application/grpc"},                               // no :path
+				{":method", "POST", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit},                  // twice
+				{":status", "200", ":method", "POST", ":scheme", "http", ":path", pathShouldRateLimit},                   // a response's
+			}
+			id := uint32(1)
+			for _, kv := range bad {
+				r.headers(id, true, kv...)
+				if rp := r.await(id, nil); !rp.reset || rp.rst != http2.ErrCodeProtocol {
+					t.Fatalf("%v: %+v", kv, rp)
+				}
+				id += 2
+			}
+			// Trailers with a pseudo-header field.
+			r.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(id, false, oneCall("t"))
+			r.headers(id, true, ":path", "/x")
+			if rp := r.await(id, nil); !rp.reset || rp.rst != http2.ErrCodeProtocol {
+				t.Fatalf("trailers: %+v", rp)
+			}
+			r.headers(id+2, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(id+2, true, oneCall("after"))
+			okAnswer(t, r.await(id+2, nil))
+		}},
+		{"a header list past 16 KiB", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "x-big", strings.Repeat("b", 9000), "x-big2", strings.Repeat("c", 9000))...)
+			r.fr.WriteData(1, true, oneCall("big"))
+			if rp := r.await(1, nil); rp.status != "431" || rp.grpcStatus != "8" {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+		{"RST_STREAM from the client", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteRSTStream(1, http2.ErrCodeCancel)
+			r.fr.WriteData(1, true, oneCall("x")) // after the reset: dropped
+			r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(3, true, oneCall("y"))
+			okAnswer(t, r.await(3, nil))
+		}},
+		{"MAX_CONCURRENT_STREAMS", func(t *testing.T, r *rawConn) {
+			id := uint32(1)
+			for range h2MaxStreams {
+				r.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+				id += 2
+			}
+			r.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+			if rp := r.await(id, nil); !rp.reset || rp.rst != http2.ErrCodeRefusedStream {
+				t.Fatalf("stream %d past the limit: %+v", id, rp)
+			}
+			r.fr.WriteData(1, true, oneCall("first"))
+			okAnswer(t, r.await(1, nil))
+			// One closed: room for one more.
+			r.headers(id+2, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(id+2, true, oneCall("next"))
+			okAnswer(t, r.await(id+2, nil))
+		}},
+		{"the client's window and frame size are respected", func(t *testing.T, r *rawConn) {
+			r.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 7})
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, oneCall("small-window"))
+			rp := r.await(1, func(n int) { r.fr.WriteWindowUpdate(1, uint32(n)) })
+			okAnswer(t, rp)
+			if rp.maxData > 7 {
+				t.Errorf("a DATA frame of %d bytes in a window of 7", rp.maxData)
+			}
+		}},
+		{"a stream window of 0 holds the answer until a WINDOW_UPDATE", func(t *testing.T, r *rawConn) {
+			r.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, oneCall("zero-window"))
+			// Headers arrive, no DATA; then the window opens.
+			for {
+				if h, ok := r.next().(*http2.MetaHeadersFrame); ok && h.StreamID == 1 {
+					break
+				}
+			}
+			r.fr.WriteWindowUpdate(1, 1<<20)
+			rp := r.await(1, nil)
+			if rp.grpcStatus != "0" || len(rp.data) < 5 {
+				t.Fatalf("%+v", rp)
+			}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.run(t, dialRaw(t, sv.sock))
+		})
+	}
+}
+
+// Malformed frames end their connection with GOAWAY and the right code; the server
+// serves other connections as before.
+func TestNativeConnectionErrors(t *testing.T) {
+	sv := serveTest(t, testServer(t), TransportNative)
+	frame := func(typ http2.FrameType, flags http2.Flags, id uint32, payload []byte) []byte {
+		b := []byte{byte(len(payload) >> 16), byte(len(payload) >> 8), byte(len(payload)), byte(typ), byte(flags)}
+		b = binary.BigEndian.AppendUint32(b, id)
+		return append(b, payload...)
+	}
+	tests := []struct {
+		name  string
+		bytes func(r *rawConn) []byte
+		code  http2.ErrCode
+	}{
+		{"DATA on stream 0", func(*rawConn) []byte { return frame(http2.FrameData, 0, 0, []byte("x")) }, http2.ErrCodeProtocol},
+		{"a frame past MAX_FRAME_SIZE", func(*rawConn) []byte { return frame(http2.FrameData, 0, 1, make([]byte, 16385)) }, http2.ErrCodeFrameSize},
+		{"SETTINGS of 5 bytes", func(*rawConn) []byte { return frame(http2.FrameSettings, 0, 0, make([]byte, 5)) }, http2.ErrCodeFrameSize},
+		{"WINDOW_UPDATE of 0", func(*rawConn) []byte { return frame(http2.FrameWindowUpdate, 0, 0, make([]byte, 4)) }, http2.ErrCodeProtocol},
+		{"connection window past 2^31-1", func(*rawConn) []byte {
+			return frame(http2.FrameWindowUpdate, 0, 0, binary.BigEndian.AppendUint32(nil, 1<<31-1))
+		}, http2.ErrCodeFlowControl},
+		{"undecodable HPACK", func(*rawConn) []byte {
+			return frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 1, []byte{0xff, 0xff, 0xff, 0xff})
+		}, http2.ErrCodeCompression},
+		{"an even stream id", func(r *rawConn) []byte {
+			return frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 2, r.block(grpcHeaders(pathShouldRateLimit)...))
+		}, http2.ErrCodeProtocol},
+		{"CONTINUATION without HEADERS", func(*rawConn) []byte {
+			return frame(http2.FrameContinuation, http2.FlagContinuationEndHeaders, 1, []byte{0x82})
+		}, http2.ErrCodeProtocol},
+		{"SETTINGS_MAX_FRAME_SIZE below 16384", func(*rawConn) []byte {
+			return frame(http2.FrameSettings, 0, 0, []byte{0, 5, 0, 0, 0, 100})
+		}, http2.ErrCodeProtocol},
+		{"DATA on an idle stream", func(*rawConn) []byte { return frame(http2.FrameData, 0, 9, []byte("x")) }, http2.ErrCodeProtocol},
+		{"HEADERS on a closed stream", func(r *rawConn) []byte {
+			blk := r.block(grpcHeaders(pathShouldRateLimit)...)
+			return append(frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 5, blk), frame(http2.FrameHeaders, http2.FlagHeadersEndHeaders, 3, blk)...)
+		}, http2.ErrCodeStreamClosed},
+		{"a header block past 32 KiB over CONTINUATIONs", func(r *rawConn) []byte {
+			b := frame(http2.FrameHeaders, 0, 1, nil)
+			for range 3 {
+				b = append(b, frame(http2.FrameContinuation, 0, 1, make([]byte, 16000))...)
+			}
+			return b
+		}, http2.ErrCodeProtocol},
+		{"PUSH_PROMISE", func(*rawConn) []byte {
+			return frame(http2.FramePushPromise, http2.FlagPushPromiseEndHeaders, 1, []byte{0, 0, 0, 2})
+		}, http2.ErrCodeProtocol},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := dialRaw(t, sv.sock)
+			if _, err := r.c.Write(tt.bytes(r)); err != nil {
+				t.Fatal(err)
+			}
+			for {
+				r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				f, err := r.fr.ReadFrame()
+				if err != nil {
+					t.Fatalf("no GOAWAY: %v", err)
+				}
+				if g, ok := f.(*http2.GoAwayFrame); ok {
+					if g.ErrCode != tt.code {
+						t.Fatalf("GOAWAY %v (%s), want %v", g.ErrCode, g.DebugData(), tt.code)
+					}
+					break
+				}
+			}
+			if _, err := r.fr.ReadFrame(); err == nil {
+				t.Fatal("the connection is still open after GOAWAY")
+			}
+			// Others are served.
+			ok := dialRaw(t, sv.sock)
+			ok.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			ok.fr.WriteData(1, true, oneCall("fine"))
+			okAnswer(t, ok.await(1, nil))
+		})
+	}
+}
+
+// Hostile clients at once — garbage after the preface, a client that sends nothing, one
+// that floods calls and never reads, one that opens every stream it may and ends none —
+// while a grpc-go client is answered as usual; once they hang up, shutdown is prompt and
+// leaves no goroutine.
+func TestNativeHostileClients(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	var hostile []net.Conn
+	dial := func() net.Conn {
+		c, err := net.Dial("unix", sv.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hostile = append(hostile, c)
+		return c
+	}
+	r := rand.New(rand.NewPCG(6, 6))
+	var wg sync.WaitGroup
+	for range 10 {
+		c := dial()
+		junk := make([]byte, 4096)
+		for i := range junk {
+			junk[i] = byte(r.Uint32())
+		}
+		wg.Go(func() { c.Write(append([]byte(http2.ClientPreface), junk...)) })
+	}
+	dial() // says nothing
+	flood := dial()
+	wg.Go(func() {
+		fr := http2.NewFramer(flood, nil)
+		var hb bytes.Buffer
+		enc := hpack.NewEncoder(&hb)
+		if _, err := io.WriteString(flood, http2.ClientPreface); err != nil {
+			return
+		}
+		fr.WriteSettings()
+		msg := oneCall("flood")
+		for id := uint32(1); id < 40000; id += 2 {
+			hb.Reset()
+			for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
+				enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+			}
+			flood.SetWriteDeadline(time.Now().Add(2 * time.Second))
+			if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true}) != nil ||
+				fr.WriteData(id, true, msg) != nil {
+				return // the server stopped reading: its answers filled the socket
+			}
+		}
+	})
+	opener := dialRaw(t, sv.sock)
+	for id := uint32(1); id < 2*h2MaxStreams+10; id += 2 {
+		opener.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+	}
+	wg.Wait()
+
+	ctx := ctx10(t)
+	for i := range 200 {
+		if _, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("good")}}); err != nil {
+			t.Fatalf("call %d beside hostile clients: %v", i, err)
+		}
+	}
+	for _, c := range hostile {
+		c.Close()
+	}
+	opener.c.Close()
+	sv.conn.Close()
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Shutdown(sctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-sv.done; err != nil {
+		t.Errorf("Serve: %v", err)
+	}
+}
+
+// fakeConn is a connection whose client sends in and then hangs up; what the server
+// writes is dropped.
+type fakeConn struct {
+	in     *bytes.Reader
+	closed chan struct{}
+	once   sync.Once
+}
+
+func (c *fakeConn) Read(b []byte) (int, error) {
+	select {
+	case <-c.closed:
+		return 0, net.ErrClosed
+	default:
+	}
+	return c.in.Read(b)
+}
+func (c *fakeConn) Write(b []byte) (int, error) {
+	select {
+	case <-c.closed:
+		return 0, net.ErrClosed
+	default:
+	}
+	return len(b), nil
+}
+func (c *fakeConn) Close() error                     { c.once.Do(func() { close(c.closed) }); return nil }
+func (c *fakeConn) LocalAddr() net.Addr              { return &net.UnixAddr{} }
+func (c *fakeConn) RemoteAddr() net.Addr             { return &net.UnixAddr{} }
+func (c *fakeConn) SetDeadline(time.Time) error      { return nil }
+func (c *fakeConn) SetReadDeadline(time.Time) error  { return nil }
+func (c *fakeConn) SetWriteDeadline(time.Time) error { return nil }
+
+// fuzzSeeds are byte streams after the preface: a valid call, and pieces of one.
+func fuzzSeeds() [][]byte {
+	var b bytes.Buffer
+	fr := http2.NewFramer(&b, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	kv := grpcHeaders(pathShouldRateLimit)
+	for i := 0; i < len(kv); i += 2 {
+		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+	}
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 3})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+	fr.WriteData(1, true, oneCall("fuzz"))
+	fr.WritePing(false, [8]byte{})
+	fr.WriteWindowUpdate(1, 100)
+	fr.WriteRSTStream(3, http2.ErrCodeCancel)
+	full := b.Bytes()
+	return [][]byte{full, full[:30], full[9:], {0, 0, 0, 4, 0, 0, 0, 0, 0}}
+}
+
+// FuzzNativeConn: any byte stream after the preface ends its connection without a panic
+// or a hang.
+func FuzzNativeConn(f *testing.F) {
+	for _, s := range fuzzSeeds() {
+		f.Add(s)
+	}
+	set := testServer(f)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		s := set
+		c := &fakeConn{in: bytes.NewReader(append([]byte(http2.ClientPreface), data...)), closed: make(chan struct{})}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			newH2Conn(s, c).serve()
+		}()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the connection did not end")
+		}
+	})
+}
+
+// callStream is the preface and n calls of one descriptor, each a HEADERS and a DATA
+// frame as Envoy sends them, with connection window given back as a client reading the
+// answers would (64 KiB every 64 calls, more than they take).
+func callStream(n int) []byte {
+	var in bytes.Buffer
+	in.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&in, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	fr.WriteSettings()
+	msg := oneCall("u1")
+	kv := grpcHeaders(pathShouldRateLimit, "grpc-timeout", "5S", "user-agent", "envoy")
+	for i := range n {
+		hb.Reset()
+		for j := 0; j < len(kv); j += 2 {
+			enc.WriteField(hpack.HeaderField{Name: kv[j], Value: kv[j+1]})
+		}
+		id := uint32(2*i + 1)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+		fr.WriteData(id, true, msg)
+		if i%64 == 63 {
+			fr.WriteWindowUpdate(0, 1<<16)
+		}
+	}
+	return in.Bytes()
+}
+
+// recordConn is a fakeConn that keeps what the server writes.
+type recordConn struct {
+	fakeConn
+	out bytes.Buffer
+}
+
+func (c *recordConn) Write(b []byte) (int, error) { return c.out.Write(b) }
+
+// The connection loop over a stream of calls read at once (what BenchmarkNativeConn
+// runs): every call is answered OK, in order.
+func TestNativeConnBatch(t *testing.T) {
+	const n = 3000
+	c := &recordConn{fakeConn: fakeConn{in: bytes.NewReader(callStream(n)), closed: make(chan struct{})}}
+	newH2Conn(testServer(t), c).serve()
+	fr := http2.NewFramer(nil, &c.out)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	next, oks := uint32(1), 0
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			break
+		}
+		if g, ok := f.(*http2.GoAwayFrame); ok {
+			t.Fatalf("GOAWAY %v %s", g.ErrCode, g.DebugData())
+		}
+		if h, ok := f.(*http2.MetaHeadersFrame); ok && h.StreamEnded() {
+			if h.StreamID != next {
+				t.Fatalf("stream %d ended, want %d", h.StreamID, next)
+			}
+			if v := h.PseudoValue("status"); v == "" && len(h.Fields) > 0 && h.Fields[0].Value == "0" {
+				oks++
+			} else {
+				t.Errorf("stream %d: %v", h.StreamID, h.Fields)
+			}
+			next += 2
+		}
+	}
+	if oks != n {
+		t.Fatalf("%d answers OK of %d", oks, n)
+	}
+}
+
+// BenchmarkNativeConn is the native transport's connection loop alone, in process: b.N
+// calls of one descriptor (callStream) read from memory and answered into a discarding
+// writer. Its allocations are the transport's and the decision's per call, without a
+// client's.
+func BenchmarkNativeConn(b *testing.B) {
+	s := benchServer(b)
+	c := &fakeConn{in: bytes.NewReader(callStream(b.N)), closed: make(chan struct{})}
+	b.ReportAllocs()
+	b.ResetTimer()
+	newH2Conn(s, c).serve()
+}
+
+// curl's HTTP/2 client (nghttp2) with prior knowledge asks the native transport over the
+// Unix socket: a second, independent client implementation. Skipped when curl is not
+// installed or lacks HTTP/2.
+func TestNativeCurl(t *testing.T) {
+	curl, err := exec.LookPath("curl")
+	if err != nil {
+		t.Skip("no curl")
+	}
+	if v, err := exec.Command(curl, "--version").Output(); err != nil || !strings.Contains(string(v), "HTTP2") {
+		t.Skip("curl without HTTP/2")
+	}
+	sv := serveTest(t, testServer(t), TransportNative)
+	dir := t.TempDir()
+	req := filepath.Join(dir, "req")
+	if err := os.WriteFile(req, oneCall("curl"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ path, status string }{{pathShouldRateLimit, "0"}, {"/no.Such/Method", "12"}} {
+		out, hdrs := filepath.Join(dir, "out"), filepath.Join(dir, "headers")
+		cmd := exec.Command(curl, "-sS", "--http2-prior-knowledge", "--unix-socket", sv.sock, "-X", "POST",
+			"-H", "content-type: application/grpc", "-H", "te: trailers", "--data-binary", "@"+req,
+			"-o", out, "-D", hdrs, "http://rls"+tc.path)
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("curl: %v\n%s", err, b)
+		}
+		h, _ := os.ReadFile(hdrs)
+		if !strings.Contains(string(h), "HTTP/2 200") || !strings.Contains(string(h), "grpc-status: "+tc.status) {
+			t.Fatalf("%s: headers and trailers:\n%s", tc.path, h)
+		}
+		if tc.status == "0" {
+			body, _ := os.ReadFile(out)
+			okAnswer(t, reply{status: "200", grpcStatus: "0", data: body})
+		}
+	}
+}
+
+// A connection holds at most h2MaxBuffered request bytes across its streams: five calls
+// of 3.9 MiB each, interleaved, and the one that crosses the bound is answered
+// RESOURCE_EXHAUSTED and reset; the others' bodies go on.
+func TestNativeBufferedBound(t *testing.T) {
+	var in bytes.Buffer
+	in.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&in, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	fr.WriteSettings()
+	const size = 3900 << 10
+	kv := grpcHeaders(pathShouldRateLimit)
+	for id := uint32(1); id <= 9; id += 2 {
+		hb.Reset()
+		for j := 0; j < len(kv); j += 2 {
+			enc.WriteField(hpack.HeaderField{Name: kv[j], Value: kv[j+1]})
+		}
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+	}
+	chunk := make([]byte, 16<<10)
+	binary.BigEndian.PutUint32(chunk[1:5], size-5)
+	for off := 0; off < size; off += len(chunk) {
+		for id := uint32(1); id <= 9; id += 2 {
+			fr.WriteData(id, false, chunk[:min(len(chunk), size-off)])
+		}
+		chunk = make([]byte, 16<<10)
+	}
+	c := &recordConn{fakeConn: fakeConn{in: bytes.NewReader(in.Bytes()), closed: make(chan struct{})}}
+	newH2Conn(testServer(t), c).serve()
+	out := http2.NewFramer(nil, &c.out)
+	out.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	exhausted, rst := 0, 0
+	for {
+		f, err := out.ReadFrame()
+		if err != nil {
+			break
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v %s", f.ErrCode, f.DebugData())
+		case *http2.MetaHeadersFrame:
+			for _, hf := range f.Fields {
+				if hf.Name == "grpc-status" && hf.Value == "8" {
+					exhausted++
+				}
+			}
+		case *http2.RSTStreamFrame:
+			rst++
+		}
+	}
+	if exhausted != 1 || rst != 1 {
+		t.Fatalf("%d answered RESOURCE_EXHAUSTED, %d reset; want 1 and 1", exhausted, rst)
+	}
+}
+
+// Shutdown sends GOAWAY naming the last stream opened; a stream opened after it is
+// refused, the call in flight is answered, then the connection closes.
+func TestNativeGoAway(t *testing.T) {
+	s, frozen := globalServer(t)
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	defer sv.conn.Close()
+	r := dialRaw(t, sv.sock)
+	frozen.Freeze()
+	defer frozen.Thaw()
+	msg, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "g",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("goaway")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	binary.BigEndian.PutUint32(msg[1:], uint32(len(msg)-5))
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	r.fr.WriteData(1, true, msg)
+	waitFor(t, func() bool { return inFlight(s) > 0 })
+	shut := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		shut <- s.Shutdown(ctx)
+	}()
+	for {
+		if g, ok := r.next().(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1 {
+				t.Fatalf("GOAWAY %v last %d", g.ErrCode, g.LastStreamID)
+			}
+			break
+		}
+	}
+	r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+	if rp := r.await(3, nil); !rp.reset || rp.rst != http2.ErrCodeRefusedStream {
+		t.Fatalf("a stream after GOAWAY: %+v", rp)
+	}
+	frozen.Thaw()
+	if rp := r.await(1, nil); rp.grpcStatus != "0" || len(rp.data) < 5 {
+		t.Fatalf("the call in flight: %+v", rp)
+	}
+	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := r.fr.ReadFrame(); err == nil {
+		t.Fatal("the connection is still open once its last stream was answered")
+	}
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-sv.done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// The native transport on TCP, as on a Unix socket.
+func TestNativeTCP(t *testing.T) {
+	s := testServer(t)
+	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve() }()
+	conn, err := grpc.NewClient(s.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rlsv3.NewRateLimitServiceClient(conn).ShouldRateLimit(ctx10(t), &rlsv3.RateLimitRequest{Domain: "api",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("tcp")}})
+	if err != nil || len(resp.Statuses) != 1 || resp.Statuses[0].CurrentLimit == nil {
+		t.Fatalf("%v %v", resp, err)
+	}
+	conn.Close()
+	if err := s.Shutdown(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
