@@ -119,6 +119,8 @@ type Server struct {
 	readBuf int
 	// wallOffset is the wall clock's offset from the monotonic one last told the store.
 	wallOffset atomic.Int64
+	// heads holds each rule's pre-encoded name, limit and window for the answers.
+	heads ruleHeads
 }
 
 // now reads the clock: it returns the monotonic time decisions are made on, and tells
@@ -858,9 +860,6 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	for i := range d.Results {
 		r := &d.Results[i]
 		rr := proto.RuleResult{
-			Name:         r.Name,
-			Limit:        r.Limit,
-			WindowMs:     uint64(r.Window / time.Millisecond),
 			Remaining:    r.Remaining,
 			ResetMs:      ceilMs(r.Reset),
 			RetryAfterMs: ceilMs(r.RetryAfter),
@@ -873,6 +872,12 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity
 		}
+		windowMs := uint64(r.Window / time.Millisecond)
+		if head := s.heads.get(r, windowMs); head != nil {
+			enc.AppendRuleHead(head, &rr) // name, limit and window_ms copied from the cache
+			continue
+		}
+		rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, windowMs
 		enc.AppendRule(&rr)
 	}
 	enc.EndCheck(&h)

@@ -87,9 +87,13 @@ const (
 	kBannedTrue    = "\xa6banned\xc3"
 )
 
-// appendUintField appends the key k and v; a positive fixint (most values) inline.
+// appendUintField appends the key k and v.
 func appendUintField(b []byte, k string, v uint64) []byte {
-	b = append(b, k...)
+	return appendUintValue(append(b, k...), v)
+}
+
+// appendUintValue is appendUint with a positive fixint (most values) inline.
+func appendUintValue(b []byte, v uint64) []byte {
 	if v <= 0x7f {
 		return append(b, byte(v))
 	}

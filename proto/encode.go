@@ -169,16 +169,59 @@ func (e *Encoder) BeginCheck(h *CheckHead, n int) {
 
 // AppendRule appends one entry of the rules array of the check BeginCheck started.
 func (e *Encoder) AppendRule(rr *RuleResult) {
-	b := e.buf.b
+	b := append(e.buf.b, ruleMapLen(rr))
+	b = appendStrField(b, kName, rr.Name)
+	b = appendUintField(b, kLimit, rr.Limit)
+	b = appendUintField(b, kWindowMs, rr.WindowMs)
+	e.buf.b = appendRuleTail(append(b, kRemaining...), rr)
+}
+
+// RuleHead is the part of a rule's entry in check answers that stays the same from one
+// answer to the next — its name, limit and window_ms — encoded once. A server keeps one
+// per rule and passes it to AppendRuleHead instead of encoding them in every answer.
+// It is immutable, so safe for concurrent use. Make it with NewRuleHead.
+type RuleHead struct {
+	name     string
+	limit    uint64
+	windowMs uint64
+	b        []byte // name, limit and window_ms, then the remaining key
+}
+
+// NewRuleHead encodes the constant part of a rule's entry.
+func NewRuleHead(name string, limit, windowMs uint64) *RuleHead {
+	b := appendStrField(nil, kName, name)
+	b = appendUintField(b, kLimit, limit)
+	b = appendUintField(b, kWindowMs, windowMs)
+	return &RuleHead{name: name, limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
+}
+
+// Is reports whether h encodes this name, limit and window.
+func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
+	return h.limit == limit && h.windowMs == windowMs && h.name == name
+}
+
+// AppendRuleHead is AppendRule for a rule whose name, limit and window_ms h holds:
+// rr's Name, Limit and WindowMs are not read, h's are written. The bytes are those of
+// AppendRule.
+func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
+	b := append(e.buf.b, ruleMapLen(rr))
+	e.buf.b = appendRuleTail(append(b, h.b...), rr)
+}
+
+// ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
+// most 12: a fixmap).
+func ruleMapLen(rr *RuleResult) byte {
 	m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 	if rr.Reason != "" {
 		m++
 	}
-	b = append(b, 0x80|byte(m)) // at most 12 fields: a fixmap
-	b = appendStrField(b, kName, rr.Name)
-	b = appendUintField(b, kLimit, rr.Limit)
-	b = appendUintField(b, kWindowMs, rr.WindowMs)
-	b = appendUintField(b, kRemaining, rr.Remaining)
+	return 0x80 | byte(m)
+}
+
+// appendRuleTail appends the value of remaining (its key already written) and the fields
+// of rr's entry after it.
+func appendRuleTail(b []byte, rr *RuleResult) []byte {
+	b = appendUintValue(b, rr.Remaining)
 	b = appendUintField(b, kResetMs, rr.ResetMs)
 	b = appendUintField(b, kRetryAfterMs, rr.RetryAfterMs)
 	switch {
@@ -196,7 +239,7 @@ func (e *Encoder) AppendRule(rr *RuleResult) {
 	if rr.Warning || rr.DelayMs != 0 || rr.Banned {
 		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
 	}
-	e.buf.b = b
+	return b
 }
 
 // EndCheck appends the fields of h after the rules array and completes the frame.

@@ -100,27 +100,59 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 		return p, false
 	}
 	p++
+	// The common case, a name and a value that are both non-empty fixstrs, in a tight
+	// loop; at the first other string the loop hands over to fastAttrsFrom, which reads
+	// every string shape, from that attribute on. A tail call: nothing is kept across it,
+	// so the loop keeps its state in registers.
 	attrs := req.Attrs
+	maxName, maxValue := d.MaxAttrNameLen, d.MaxAttrLen
 	for i := 0; i < n; i++ {
-		name, q := fixStr(body, p, d.MaxAttrNameLen)
-		if q == p {
-			var ok bool
-			if name, q, ok = fastStrLong(body, p, d.MaxAttrNameLen); !ok {
-				return p, false
-			}
+		if p+1 >= len(body) {
+			return p, false // truncated: no name and value fit
 		}
-		p = q
-		value, q := fixStr(body, p, d.MaxAttrLen)
-		if q == p {
-			var ok bool
-			if value, q, ok = fastStrLong(body, p, d.MaxAttrLen); !ok {
-				return p, false
-			}
+		ln := int(body[p]) - 0xa0
+		if ln <= 0 || ln >= 32 || ln > maxName || ln >= len(body)-p-1 {
+			req.Attrs = attrs
+			return d.fastAttrsFrom(body, p, req, i, n)
 		}
-		p = q
+		q := p + 1 + ln
+		lv := int(body[q]) - 0xa0
+		if lv <= 0 || lv >= 32 || lv > maxValue || lv >= len(body)-q {
+			req.Attrs = attrs
+			return d.fastAttrsFrom(body, p, req, i, n)
+		}
+		name := unsafe.String(&body[p+1], ln)
+		value := unsafe.String(&body[q+1], lv)
+		p = q + 1 + lv
 		for j := range attrs {
 			// The first byte first: most names differ there, and a string compare of
 			// equal lengths is a call.
+			if a := attrs[j].Name; len(a) == ln && a[0] == name[0] && a == name {
+				return p, false
+			}
+		}
+		attrs = append(attrs, Attr{Name: name, Value: value})
+	}
+	req.Attrs = attrs
+	return p, true
+}
+
+// fastAttrsFrom reads attributes i to n-1 of an attrs map (those before i are in
+// req.Attrs), the next one at body[p:], taking every string shape fastStrLong reads.
+func (d *Decoder) fastAttrsFrom(body []byte, p int, req *Request, i, n int) (int, bool) {
+	attrs := req.Attrs
+	for ; i < n; i++ {
+		name, q, ok := fastStr(body, p, d.MaxAttrNameLen)
+		if !ok {
+			return p, false
+		}
+		p = q
+		value, q, ok := fastStr(body, p, d.MaxAttrLen)
+		if !ok {
+			return p, false
+		}
+		p = q
+		for j := range attrs {
 			if a := attrs[j].Name; len(a) == len(name) && (len(a) == 0 || a[0] == name[0]) && a == name {
 				return p, false
 			}
