@@ -34,9 +34,19 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 		return false
 	}
 	n := int(body[0] & 0x0f)
-	p := 1
-	seen := 0
-	for i := 0; i < n; i++ {
+	p, i, seen := 1, 0, 0
+	// Every client's request starts with id then op (as EncodeRequest writes it): read
+	// the two without the key dispatch below, which takes over from the third key, or
+	// from the first when the body starts otherwise.
+	if n >= 2 && len(body) >= 8 && body[1] == 0xa2 && body[2] == 'i' && body[3] == 'd' {
+		if id, q, ok := fastUint(body, 4); ok && q+3 < len(body) && body[q] == 0xa2 && body[q+1] == 'o' && body[q+2] == 'p' {
+			if op, r, ok := fastStr(body, q+3, 64); ok {
+				req.ID, req.Op = id, op
+				p, i, seen = r, 2, seenID|seenOp
+			}
+		}
+	}
+	for ; i < n; i++ {
 		key, q := fixStr(body, p, 31) // keys must be fixstr (and none is empty)
 		if q == p {
 			return false
