@@ -308,6 +308,7 @@ func BenchmarkSocketLatency(b *testing.B) {
 func throughput(b *testing.B, conns, inflight int) {
 	floor, rls := startPair(b)
 	fr := frames(8192, 8192)
+	sameAnswerSize(b, floor, rls, fr)
 	run := func(s *server, cs []*client, n int) time.Duration { return runPipelined(b, cs, fr, n, inflight) }
 	var cf, cr []*client
 	for i := 0; i < conns; i++ {
@@ -336,6 +337,28 @@ func throughput(b *testing.B, conns, inflight int) {
 	b.ReportMetric(rf, "floor-req/s")
 	b.ReportMetric(rr, "rlsidecar-req/s")
 	b.ReportMetric(rr/rf, "throughput-ratio")
+}
+
+// sameAnswerSize fails b unless the floor answers fr's frames with as many bytes as
+// rlsidecar does: the load generator then does the same work for both (it reads and
+// copies every answer), and the ratio measures the servers alone.
+func sameAnswerSize(b *testing.B, floor, rls *server, fr [][]byte) {
+	cf, cr := dial(b, floor.socket), dial(b, rls.socket)
+	for _, f := range fr[:16] {
+		var n [2]int
+		for i, c := range []*client{cf, cr} {
+			if _, err := c.c.Write(f); err != nil {
+				b.Fatal(err)
+			}
+			if err := c.readOne(); err != nil {
+				b.Fatal(err)
+			}
+			n[i] = len(c.buf)
+		}
+		if n[0] != n[1] {
+			b.Fatalf("the floor answers with %d bytes, rlsidecar with %d: the load generator would not do the same work for both (see floorserver's canned answer)", n[0], n[1])
+		}
+	}
 }
 
 // BenchmarkSocketThroughput4x32: 4 connections, 32 requests in flight on each.
