@@ -3,6 +3,7 @@ package proto
 import (
 	"bytes"
 	"encoding/binary"
+	"strings"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -192,7 +193,8 @@ func NewRuleHead(name string, limit, windowMs uint64) *RuleHead {
 	b := appendStrField(nil, kName, name)
 	b = appendUintField(b, kLimit, limit)
 	b = appendUintField(b, kWindowMs, windowMs)
-	return &RuleHead{name: name, limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
+	// The name is copied: a head outlives the answer it was made for.
+	return &RuleHead{name: strings.Clone(name), limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
 }
 
 // Is reports whether h encodes this name, limit and window.
