@@ -3,7 +3,6 @@ package proto
 import (
 	"bytes"
 	"encoding/binary"
-	"strings"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -188,13 +187,14 @@ type RuleHead struct {
 	b        []byte // name, limit and window_ms, then the remaining key
 }
 
-// NewRuleHead encodes the constant part of a rule's entry.
+// NewRuleHead encodes the constant part of a rule's entry. The head keeps name for Is, so
+// it must be a string that never changes: a rule's name, not a string decoded from a
+// request (those alias the read buffer).
 func NewRuleHead(name string, limit, windowMs uint64) *RuleHead {
 	b := appendStrField(nil, kName, name)
 	b = appendUintField(b, kLimit, limit)
 	b = appendUintField(b, kWindowMs, windowMs)
-	// The name is copied: a head outlives the answer it was made for.
-	return &RuleHead{name: strings.Clone(name), limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
+	return &RuleHead{name: name, limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
 }
 
 // Is reports whether h encodes this name, limit and window.
