@@ -2,6 +2,7 @@ package proto
 
 import (
 	"encoding/binary"
+	"slices"
 	"unsafe"
 )
 
@@ -113,8 +114,12 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 	// The common case, a name and a value that are both non-empty fixstrs, in a tight
 	// loop; at the first other string the loop hands over to fastAttrsFrom, which reads
 	// every string shape, from that attribute on. A tail call: nothing is kept across it,
-	// so the loop keeps its state in registers.
+	// and the loop makes no other call (room for the n attributes is made before it, names
+	// are compared byte by byte), so it keeps its state in registers.
 	attrs := req.Attrs
+	if cap(attrs)-len(attrs) < n {
+		attrs = slices.Grow(attrs, n)
+	}
 	maxName, maxValue := d.MaxAttrNameLen, d.MaxAttrLen
 	for i := 0; i < n; i++ {
 		if p+1 >= len(body) {
@@ -135,16 +140,26 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 		value := unsafe.String(&body[q+1], lv)
 		p = q + 1 + lv
 		for j := range attrs {
-			// The first byte first: most names differ there, and a string compare of
-			// equal lengths is a call.
-			if a := attrs[j].Name; len(a) == ln && a[0] == name[0] && a == name {
+			if a := attrs[j].Name; len(a) == ln && sameBytes(a, name) {
 				return p, false
 			}
 		}
-		attrs = append(attrs, Attr{Name: name, Value: value})
+		attrs = attrs[:len(attrs)+1] // within the capacity made above
+		attrs[len(attrs)-1] = Attr{Name: name, Value: value}
 	}
 	req.Attrs = attrs
 	return p, true
+}
+
+// sameBytes reports whether a and b, of equal lengths, are equal: a loop the compiler
+// inlines, where a == b is a call (names are short, and most differ at the first byte).
+func sameBytes(a, b string) bool {
+	for k := 0; k < len(a) && k < len(b); k++ {
+		if a[k] != b[k] {
+			return false
+		}
+	}
+	return true
 }
 
 // fastAttrsFrom reads attributes i to n-1 of an attrs map (those before i are in
