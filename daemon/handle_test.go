@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -96,5 +97,22 @@ func BenchmarkHandleMetrics(b *testing.B) {
 	for b.Loop() {
 		cn.enc.Reset()
 		cn.handle(body, now)
+	}
+}
+
+// TestCeilMs: durations round up to whole milliseconds, so a client waiting
+// retry_after_ms is never early, up to the longest duration without overflowing.
+func TestCeilMs(t *testing.T) {
+	for _, tc := range []struct {
+		d    time.Duration
+		want uint64
+	}{
+		{-time.Second, 0}, {0, 0}, {1, 1}, {time.Millisecond - 1, 1}, {time.Millisecond, 1},
+		{time.Millisecond + 1, 2}, {time.Hour, 3_600_000},
+		{math.MaxInt64, math.MaxInt64/uint64(time.Millisecond) + 1},
+	} {
+		if got := ceilMs(tc.d); got != tc.want {
+			t.Errorf("ceilMs(%d) = %d, want %d", tc.d, got, tc.want)
+		}
 	}
 }

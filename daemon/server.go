@@ -119,6 +119,8 @@ type Server struct {
 	readBuf int
 	// wallOffset is the wall clock's offset from the monotonic one last told the store.
 	wallOffset atomic.Int64
+	// heads holds each rule's pre-encoded name, limit and window for the answers.
+	heads ruleHeads
 }
 
 // now reads the clock: it returns the monotonic time decisions are made on, and tells
@@ -310,11 +312,10 @@ type conn struct {
 	dec *proto.Decoder
 	enc *proto.Encoder
 
-	req  proto.Request
-	in   limiter.Input
-	dcs  limiter.Decision
-	resp proto.Response
-	big  []byte // body of a frame larger than br's buffer
+	req proto.Request
+	in  limiter.Input
+	dcs limiter.Decision
+	big []byte // body of a frame larger than br's buffer
 
 	deadline  time.Time // the read deadline currently set (zero: none)
 	wdeadline time.Time // the write deadline currently set (zero: none)
@@ -358,7 +359,6 @@ type pending struct {
 	req  proto.Request
 	in   limiter.Input
 	dcs  limiter.Decision
-	resp proto.Response
 	enc  *proto.Encoder // the answer, written by the deciding goroutine before fin
 	tail *proto.Encoder // the answers of the frames after it, written by the connection
 	fin  bool           // enc holds the answer (under wmu)
@@ -770,7 +770,7 @@ func (cn *conn) check(body []byte, now int64) {
 		cn.goWait(body, now)
 		return
 	}
-	cn.s.answer(cn.out(), &cn.req, d, &cn.resp, err)
+	cn.s.answer(cn.out(), &cn.req, d, err)
 }
 
 // goWait decides the request in body (a check, or the release or renew of a global
@@ -808,7 +808,7 @@ func (cn *conn) goWait(body []byte, now int64) {
 			if err == nil {
 				lim.Decide(now, &p.dcs)
 			}
-			cn.s.answer(p.enc, &p.req, &p.dcs, &p.resp, err)
+			cn.s.answer(p.enc, &p.req, &p.dcs, err)
 		}
 		cn.wmu.Lock()
 		p.fin = true // p may be written (and reused) from here: not touched again below
@@ -830,11 +830,9 @@ func (cn *conn) goWait(body []byte, now int64) {
 	}()
 }
 
-// answer encodes the answer to the check req, decided into d (or refused with err).
-func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, resp *proto.Response, err error) {
-	if m := s.cfg.Metrics; m != nil && err == nil {
-		m.Record(d)
-	}
+// answer encodes the answer to the check req, decided into d (or refused with err),
+// straight from d into enc: no Response is built.
+func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, err error) {
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
@@ -844,44 +842,42 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		}
 		return
 	}
-	resp.Reset()
-	resp.ID = req.ID
-	resp.Allowed = d.Allowed
-	resp.Degraded = d.Degraded
-	resp.Warning = d.Warning
-	resp.DelayMs = ceilMs(d.Delay)
-	resp.Banned = d.Banned
+	if m := s.cfg.Metrics; m != nil {
+		m.Record(d)
+	}
+	h := proto.CheckHead{ID: req.ID, Allowed: d.Allowed, Degraded: d.Degraded, Warning: d.Warning,
+		DelayMs: ceilMs(d.Delay), Banned: d.Banned}
+	if d.Deciding >= 0 {
+		r := &d.Results[d.Deciding]
+		h.Rule, h.Limit, h.Remaining = r.Name, r.Limit, r.Remaining
+		h.ResetMs, h.RetryAfterMs = ceilMs(r.Reset), ceilMs(r.RetryAfter)
+		if r.Impossible {
+			h.Reason = proto.ReasonCostExceedsCapacity
+		}
+	}
+	h.Lease = s.lim.LeaseToken(d)
+	enc.BeginCheck(&h, len(d.Results))
+	var rr proto.RuleResult // every field AppendRuleHead reads is set for each rule
 	for i := range d.Results {
 		r := &d.Results[i]
-		rr := push(&resp.Rules) // filled in place: a RuleResult is large
-		*rr = proto.RuleResult{
-			Name:         r.Name,
-			Limit:        r.Limit,
-			WindowMs:     uint64(r.Window / time.Millisecond),
-			Remaining:    r.Remaining,
-			ResetMs:      ceilMs(r.Reset),
-			RetryAfterMs: ceilMs(r.RetryAfter),
-			Allowed:      r.Allowed,
-			Shadow:       r.Shadow,
-			Warning:      r.Warning,
-			DelayMs:      ceilMs(r.Delay),
-			Banned:       r.Banned,
-		}
+		rr.Remaining = r.Remaining
+		rr.ResetMs = ceilMs(r.Reset)
+		rr.RetryAfterMs = ceilMs(r.RetryAfter)
+		rr.Allowed, rr.Shadow, rr.Warning, rr.Banned = r.Allowed, r.Shadow, r.Warning, r.Banned
+		rr.DelayMs = ceilMs(r.Delay)
+		rr.Reason = ""
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity
 		}
+		windowMs := uint64(r.Window / time.Millisecond)
+		if head := s.heads.get(r, windowMs); head != nil {
+			enc.AppendRuleHead(head, &rr) // name, limit and window_ms copied from the cache
+			continue
+		}
+		rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, windowMs
+		enc.AppendRule(&rr)
 	}
-	if d.Deciding >= 0 {
-		rr := &resp.Rules[d.Deciding]
-		resp.Rule = rr.Name
-		resp.Limit = rr.Limit
-		resp.Remaining = rr.Remaining
-		resp.ResetMs = rr.ResetMs
-		resp.RetryAfterMs = rr.RetryAfterMs
-		resp.Reason = rr.Reason
-	}
-	resp.Lease = s.lim.LeaseToken(d)
-	enc.EncodeCheck(resp)
+	enc.EndCheck(&h)
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms
@@ -890,17 +886,5 @@ func ceilMs(d time.Duration) uint64 {
 	if d <= 0 {
 		return 0
 	}
-	return uint64((d + time.Millisecond - 1) / time.Millisecond)
-}
-
-// push extends s by one element in place and returns it, so a caller fills a large
-// struct where it lives instead of building it and copying it in.
-func push[T any](s *[]T) *T {
-	if len(*s) < cap(*s) {
-		*s = (*s)[:len(*s)+1]
-	} else {
-		var zero T
-		*s = append(*s, zero)
-	}
-	return &(*s)[len(*s)-1]
+	return (uint64(d) + uint64(time.Millisecond) - 1) / uint64(time.Millisecond) // unsigned: no overflow near the longest duration, and a cheaper division
 }

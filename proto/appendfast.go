@@ -65,52 +65,64 @@ func appendArrayLen(b []byte, n int) []byte {
 // appending a constant the compiler knows the size of is a few moves, not a memmove call.
 // TestEncodeCheckMatchesMsgpack checks them against msgpack's encoding.
 const (
-	kID           = "\xa2id"
-	kAllowed      = "\xa7allowed"
-	kRule         = "\xa4rule"
-	kLimit        = "\xa5limit"
-	kRemaining    = "\xa9remaining"
-	kResetMs      = "\xa8reset_ms"
-	kRetryAfterMs = "\xaeretry_after_ms"
-	kDegraded     = "\xa8degraded"
-	kRules        = "\xa5rules"
-	kName         = "\xa4name"
-	kWindowMs     = "\xa9window_ms"
-	kShadow       = "\xa6shadow"
-	kReason       = "\xa6reason"
-	kLease        = "\xa5lease"
-	kWarning      = "\xa7warning"
-	kDelayMs      = "\xa8delay_ms"
-	kBanned       = "\xa6banned"
+	kID            = "\xa2id"
+	kAllowedTrue   = "\xa7allowed\xc3"
+	kAllowedFalse  = "\xa7allowed\xc2"
+	kRule          = "\xa4rule"
+	kLimit         = "\xa5limit"
+	kRemaining     = "\xa9remaining"
+	kResetMs       = "\xa8reset_ms"
+	kRetryAfterMs  = "\xaeretry_after_ms"
+	kDegradedTrue  = "\xa8degraded\xc3"
+	kDegradedFalse = "\xa8degraded\xc2"
+	kRules         = "\xa5rules"
+	kName          = "\xa4name"
+	kWindowMs      = "\xa9window_ms"
+	kShadowTrue    = "\xa6shadow\xc3"
+	kShadowFalse   = "\xa6shadow\xc2"
+	kReason        = "\xa6reason"
+	kLease         = "\xa5lease"
+	kWarningTrue   = "\xa7warning\xc3"
+	kDelayMs       = "\xa8delay_ms"
+	kBannedTrue    = "\xa6banned\xc3"
 )
 
+// appendUintField appends the key k and v.
 func appendUintField(b []byte, k string, v uint64) []byte {
-	return appendUint(append(b, k...), v)
+	return appendUintValue(append(b, k...), v)
+}
+
+// appendUintValue is appendUint with a positive fixint (most values) inline.
+func appendUintValue(b []byte, v uint64) []byte {
+	if v <= 0x7f {
+		return append(b, byte(v))
+	}
+	return appendUint(b, v)
 }
 
 func appendStrField(b []byte, k string, v string) []byte {
 	return appendStr(append(b, k...), v)
 }
 
-func appendBoolField(b []byte, k string, v bool) []byte {
-	b = append(b, k...)
+// appendBoolField appends kTrue or kFalse: a key with its value, one constant each.
+func appendBoolField(b []byte, kTrue, kFalse string, v bool) []byte {
 	if v {
-		return append(b, 0xc3)
+		return append(b, kTrue...)
 	}
-	return append(b, 0xc2)
+	return append(b, kFalse...)
 }
 
 // appendPolicies appends the policy fields that are set: warning, delay_ms, banned
 // (policyFields counts them for the map's length).
 func appendPolicies(b []byte, warning bool, delayMs uint64, banned bool) []byte {
 	if warning {
-		b = appendBoolField(b, kWarning, true)
+		b = append(b, kWarningTrue...)
 	}
 	if delayMs != 0 {
 		b = appendUintField(b, kDelayMs, delayMs)
 	}
 	if banned {
-		b = appendBoolField(b, kBanned, true)
+		b = append(b, kBannedTrue...)
 	}
 	return b
 }

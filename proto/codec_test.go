@@ -139,6 +139,29 @@ func BenchmarkEncodeCheck(b *testing.B) {
 	}
 }
 
+// BenchmarkEncodeCheckHeads is BenchmarkEncodeCheck as the daemon encodes: the answer
+// written from its parts (BeginCheck, AppendRuleHead, EndCheck), each rule's name, limit
+// and window pre-encoded in a RuleHead, no Response built.
+func BenchmarkEncodeCheckHeads(b *testing.B) {
+	resp := sampleResponse()
+	h := CheckHead{ID: resp.ID, Allowed: resp.Allowed, Rule: resp.Rule, Limit: resp.Limit, Remaining: resp.Remaining,
+		ResetMs: resp.ResetMs, RetryAfterMs: resp.RetryAfterMs, Degraded: resp.Degraded}
+	heads := make([]*RuleHead, len(resp.Rules))
+	for i, rr := range resp.Rules {
+		heads[i] = NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
+	}
+	enc := NewEncoder()
+	b.ReportAllocs()
+	for b.Loop() {
+		enc.Reset()
+		enc.BeginCheck(&h, len(resp.Rules))
+		for i := range resp.Rules {
+			enc.AppendRuleHead(heads[i], &resp.Rules[i])
+		}
+		enc.EndCheck(&h)
+	}
+}
+
 func FuzzDecodeRequest(f *testing.F) {
 	for _, req := range []Request{sampleRequest(), {ID: 1, Op: OpPing, Cost: 1}} {
 		enc := NewEncoder()

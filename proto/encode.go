@@ -13,8 +13,9 @@ import (
 //
 // Field order is fixed (see PROTOCOL.md), so equal messages encode to equal bytes.
 type Encoder struct {
-	buf sink
-	enc *msgpack.Encoder
+	buf   sink
+	enc   *msgpack.Encoder
+	check int // where the check frame BeginCheck started begins
 }
 
 // sink is the Encoder's output: an append-only byte slice that never fails. It is what
@@ -100,59 +101,158 @@ func (e *Encoder) key(k fieldName) { e.buf.b = append(e.buf.b, k...) }
 // reason when it is not empty, then lease when it is not empty, then warning, delay_ms and
 // banned when set (each rule's entry likewise ends with its reason, then its policy fields).
 //
-// It is the hot path's encoder, so it appends msgpack directly (appendfast.go) instead of
-// going through the msgpack.Encoder; TestEncodeCheckMatchesMsgpack checks the bytes are
-// the ones msgpack/v5 writes.
+// It is BeginCheck, AppendRule per rule and EndCheck; a server that has its rules' results
+// elsewhere calls those directly instead of building a Response.
 func (e *Encoder) EncodeCheck(r *Response) {
-	start := e.begin()
-	b := e.buf.b
-	n := 9 + policyFields(r.Warning, r.DelayMs, r.Banned)
-	if r.Reason != "" {
-		n++
-	}
-	if r.Lease != "" {
-		n++
-	}
-	b = appendMapLen(b, n)
-	b = appendUintField(b, kID, r.ID)
-	b = appendBoolField(b, kAllowed, r.Allowed)
-	b = appendStrField(b, kRule, r.Rule)
-	b = appendUintField(b, kLimit, r.Limit)
-	b = appendUintField(b, kRemaining, r.Remaining)
-	b = appendUintField(b, kResetMs, r.ResetMs)
-	b = appendUintField(b, kRetryAfterMs, r.RetryAfterMs)
-	b = appendBoolField(b, kDegraded, r.Degraded)
-	b = append(b, kRules...)
-	b = appendArrayLen(b, len(r.Rules))
+	h := CheckHead{ID: r.ID, Allowed: r.Allowed, Rule: r.Rule, Limit: r.Limit, Remaining: r.Remaining,
+		ResetMs: r.ResetMs, RetryAfterMs: r.RetryAfterMs, Degraded: r.Degraded, Reason: r.Reason,
+		Lease: r.Lease, Warning: r.Warning, DelayMs: r.DelayMs, Banned: r.Banned}
+	e.BeginCheck(&h, len(r.Rules))
 	for i := range r.Rules {
-		rr := &r.Rules[i]
-		m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
-		if rr.Reason != "" {
-			m++
-		}
-		b = appendMapLen(b, m)
-		b = appendStrField(b, kName, rr.Name)
-		b = appendUintField(b, kLimit, rr.Limit)
-		b = appendUintField(b, kWindowMs, rr.WindowMs)
-		b = appendUintField(b, kRemaining, rr.Remaining)
-		b = appendUintField(b, kResetMs, rr.ResetMs)
-		b = appendUintField(b, kRetryAfterMs, rr.RetryAfterMs)
-		b = appendBoolField(b, kAllowed, rr.Allowed)
-		b = appendBoolField(b, kShadow, rr.Shadow)
-		if rr.Reason != "" {
-			b = appendStrField(b, kReason, rr.Reason)
-		}
+		e.AppendRule(&r.Rules[i])
+	}
+	e.EndCheck(&h)
+}
+
+// CheckHead is the top level of a check answer, its rules aside: what BeginCheck and
+// EndCheck write. Rule, Limit, Remaining, ResetMs, RetryAfterMs and Reason are the
+// deciding rule's (zero when no rule decides); the fields mean what Response's do.
+type CheckHead struct {
+	ID           uint64
+	Allowed      bool
+	Degraded     bool
+	Warning      bool
+	Banned       bool
+	Rule         string
+	Limit        uint64
+	Remaining    uint64
+	ResetMs      uint64
+	RetryAfterMs uint64
+	Reason       string
+	Lease        string
+	DelayMs      uint64
+}
+
+// BeginCheck starts a check response frame: it appends the fields of h up to the rules
+// array, announcing n rules. The caller then appends exactly n with AppendRule and ends
+// the frame with EndCheck(h), h unchanged; nothing else may be encoded in between.
+//
+// This is the hot path's encoder: it appends msgpack directly (appendfast.go) into the
+// output buffer, with no intermediate Response; TestEncodeCheckMatchesMsgpack checks the
+// bytes are the ones msgpack/v5 writes.
+func (e *Encoder) BeginCheck(h *CheckHead, n int) {
+	b := e.buf.b
+	e.check = len(b)
+	m := 9 + policyFields(h.Warning, h.DelayMs, h.Banned)
+	if h.Reason != "" {
+		m++
+	}
+	if h.Lease != "" {
+		m++
+	}
+	b = append(b, 0, 0, 0, 0) // the length, patched by EndCheck
+	b = appendMapLen(b, m)
+	b = appendUintField(b, kID, h.ID)
+	b = appendBoolField(b, kAllowedTrue, kAllowedFalse, h.Allowed)
+	b = appendStrField(b, kRule, h.Rule)
+	b = appendUintField(b, kLimit, h.Limit)
+	b = appendUintField(b, kRemaining, h.Remaining)
+	b = appendUintField(b, kResetMs, h.ResetMs)
+	b = appendUintField(b, kRetryAfterMs, h.RetryAfterMs)
+	if h.Degraded {
+		b = append(b, kDegradedTrue+kRules...)
+	} else {
+		b = append(b, kDegradedFalse+kRules...)
+	}
+	e.buf.b = appendArrayLen(b, n)
+}
+
+// AppendRule appends one entry of the rules array of the check BeginCheck started.
+func (e *Encoder) AppendRule(rr *RuleResult) {
+	b := append(e.buf.b, ruleMapLen(rr))
+	b = appendStrField(b, kName, rr.Name)
+	b = appendUintField(b, kLimit, rr.Limit)
+	b = appendUintField(b, kWindowMs, rr.WindowMs)
+	e.buf.b = appendRuleTail(append(b, kRemaining...), rr)
+}
+
+// RuleHead is the part of a rule's entry in check answers that stays the same from one
+// answer to the next — its name, limit and window_ms — encoded once. A server keeps one
+// per rule and passes it to AppendRuleHead instead of encoding them in every answer.
+// It is immutable, so safe for concurrent use. Make it with NewRuleHead.
+type RuleHead struct {
+	name     string
+	limit    uint64
+	windowMs uint64
+	b        []byte // name, limit and window_ms, then the remaining key
+}
+
+// NewRuleHead encodes the constant part of a rule's entry. The head keeps name for Is, so
+// it must be a string that never changes: a rule's name, not a string decoded from a
+// request (those alias the read buffer).
+func NewRuleHead(name string, limit, windowMs uint64) *RuleHead {
+	b := appendStrField(nil, kName, name)
+	b = appendUintField(b, kLimit, limit)
+	b = appendUintField(b, kWindowMs, windowMs)
+	return &RuleHead{name: name, limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
+}
+
+// Is reports whether h encodes this name, limit and window.
+func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
+	return h.limit == limit && h.windowMs == windowMs && h.name == name
+}
+
+// AppendRuleHead is AppendRule for a rule whose name, limit and window_ms h holds:
+// rr's Name, Limit and WindowMs are not read, h's are written. The bytes are those of
+// AppendRule.
+func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
+	b := append(e.buf.b, ruleMapLen(rr))
+	e.buf.b = appendRuleTail(append(b, h.b...), rr)
+}
+
+// ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
+// most 12: a fixmap).
+func ruleMapLen(rr *RuleResult) byte {
+	m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
+	if rr.Reason != "" {
+		m++
+	}
+	return 0x80 | byte(m)
+}
+
+// appendRuleTail appends the value of remaining (its key already written) and the fields
+// of rr's entry after it.
+func appendRuleTail(b []byte, rr *RuleResult) []byte {
+	b = appendUintValue(b, rr.Remaining)
+	b = appendUintField(b, kResetMs, rr.ResetMs)
+	b = appendUintField(b, kRetryAfterMs, rr.RetryAfterMs)
+	// Two constants of at most 16 bytes each, which the compiler copies inline (one of
+	// 17 bytes would be a call).
+	b = appendBoolField(b, kAllowedTrue, kAllowedFalse, rr.Allowed)
+	b = appendBoolField(b, kShadowTrue, kShadowFalse, rr.Shadow)
+	if rr.Reason != "" {
+		b = appendStrField(b, kReason, rr.Reason)
+	}
+	if rr.Warning || rr.DelayMs != 0 || rr.Banned {
 		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
 	}
-	if r.Reason != "" {
-		b = appendStrField(b, kReason, r.Reason)
+	return b
+}
+
+// EndCheck appends the fields of h after the rules array and completes the frame.
+func (e *Encoder) EndCheck(h *CheckHead) {
+	b := e.buf.b
+	if h.Reason != "" {
+		b = appendStrField(b, kReason, h.Reason)
 	}
-	if r.Lease != "" {
-		b = appendStrField(b, kLease, r.Lease)
+	if h.Lease != "" {
+		b = appendStrField(b, kLease, h.Lease)
 	}
-	b = appendPolicies(b, r.Warning, r.DelayMs, r.Banned)
+	if h.Warning || h.DelayMs != 0 || h.Banned {
+		b = appendPolicies(b, h.Warning, h.DelayMs, h.Banned)
+	}
 	e.buf.b = b
-	e.end(start)
+	e.end(e.check)
 }
 
 // EncodeRelease appends a release response frame: id, released.

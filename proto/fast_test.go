@@ -31,6 +31,13 @@ func fastSeeds() [][]byte {
 		{ID: 1 << 40, Op: OpCheck, Cost: 0, Attrs: []Attr{{"user", strings.Repeat("u", 40)}, {"path", strings.Repeat("/p", 200)}}},
 		{ID: 300, Op: OpCheck, Cost: 70000, Attrs: []Attr{{"", ""}}},
 		{ID: 2, Op: OpCheck, Cost: 1, Limits: []InlineLimit{{Key: "k", Limit: 3, WindowMs: 10}}},
+		// fastAttrs' fixstr loop hands over to fastAttrsFrom mid-map: at a long value, an
+		// empty name, an empty value, and with a name repeated across the hand-over.
+		{ID: 3, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"user", strings.Repeat("u", 40)}, {"c", "d"}}},
+		{ID: 4, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"", "e"}, {"c", "d"}}},
+		{ID: 5, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"f", ""}, {"c", "d"}}},
+		{ID: 6, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {strings.Repeat("n", 33), "v"}, {"a", "x"}}},
+		{ID: 7, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"a", strings.Repeat("v", 33)}}},
 	} {
 		enc := NewEncoder()
 		enc.EncodeRequest(&req)
@@ -288,6 +295,33 @@ func TestEncodeCheckMatchesMsgpack(t *testing.T) {
 		}
 		if int(FrameLength(enc.Bytes())) != enc.Len()-HeaderSize {
 			t.Fatalf("frame length %d for a %d-byte body", FrameLength(enc.Bytes()), enc.Len()-HeaderSize)
+		}
+		// The same answer with each rule's constant part pre-encoded (a RuleHead), after
+		// another frame in the buffer: the same bytes.
+		enc.Reset()
+		enc.EncodePing(1, "v")
+		before := enc.Len()
+		h := CheckHead{ID: r.ID, Allowed: r.Allowed, Rule: r.Rule, Limit: r.Limit, Remaining: r.Remaining,
+			ResetMs: r.ResetMs, RetryAfterMs: r.RetryAfterMs, Degraded: r.Degraded, Reason: r.Reason,
+			Lease: r.Lease, Warning: r.Warning, DelayMs: r.DelayMs, Banned: r.Banned}
+		enc.BeginCheck(&h, len(r.Rules))
+		for j := range r.Rules {
+			rr := r.Rules[j]
+			head := NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
+			if !head.Is(rr.Name, rr.Limit, rr.WindowMs) || head.Is(rr.Name+"x", rr.Limit, rr.WindowMs) ||
+				head.Is(rr.Name, rr.Limit+1, rr.WindowMs) || head.Is(rr.Name, rr.Limit, rr.WindowMs+1) {
+				t.Fatalf("response %d: RuleHead.Is is wrong for %q %d %d", i, rr.Name, rr.Limit, rr.WindowMs)
+			}
+			rr.Name, rr.Limit, rr.WindowMs = "not read", 1, 2
+			enc.AppendRuleHead(head, &rr)
+		}
+		enc.EndCheck(&h)
+		frame := enc.Bytes()[before:]
+		if got, want := frame[HeaderSize:], encodeCheckRef(&r); !bytes.Equal(got, want) {
+			t.Fatalf("response %d: with rule heads, %d bytes unlike msgpack's %d", i, len(got), len(want))
+		}
+		if int(FrameLength(frame)) != len(frame)-HeaderSize {
+			t.Fatalf("with rule heads: frame length %d for a %d-byte body", FrameLength(frame), len(frame)-HeaderSize)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package proto
 
 import (
 	"encoding/binary"
+	"slices"
 	"unsafe"
 )
 
@@ -34,9 +35,19 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 		return false
 	}
 	n := int(body[0] & 0x0f)
-	p := 1
-	seen := 0
-	for i := 0; i < n; i++ {
+	p, i, seen := 1, 0, 0
+	// Every client's request starts with id then op (as EncodeRequest writes it): read
+	// the two without the key dispatch below, which takes over from the third key, or
+	// from the first when the body starts otherwise.
+	if n >= 2 && len(body) >= 8 && body[1] == 0xa2 && body[2] == 'i' && body[3] == 'd' {
+		if id, q, ok := fastUint(body, 4); ok && q+3 < len(body) && body[q] == 0xa2 && body[q+1] == 'o' && body[q+2] == 'p' {
+			if op, r, ok := fastStr(body, q+3, 64); ok {
+				req.ID, req.Op = id, op
+				p, i, seen = r, 2, seenID|seenOp
+			}
+		}
+	}
+	for ; i < n; i++ {
 		key, q := fixStr(body, p, 31) // keys must be fixstr (and none is empty)
 		if q == p {
 			return false
@@ -100,27 +111,73 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 		return p, false
 	}
 	p++
+	// The common case, a name and a value that are both non-empty fixstrs, in a tight
+	// loop; at the first other string the loop hands over to fastAttrsFrom, which reads
+	// every string shape, from that attribute on. A tail call: nothing is kept across it,
+	// and the loop makes no other call (room for the n attributes is made before it, names
+	// are compared byte by byte), so it keeps its state in registers.
 	attrs := req.Attrs
+	if cap(attrs)-len(attrs) < n {
+		attrs = slices.Grow(attrs, n)
+	}
+	maxName, maxValue := d.MaxAttrNameLen, d.MaxAttrLen
 	for i := 0; i < n; i++ {
-		name, q := fixStr(body, p, d.MaxAttrNameLen)
-		if q == p {
-			var ok bool
-			if name, q, ok = fastStrLong(body, p, d.MaxAttrNameLen); !ok {
+		if p+1 >= len(body) {
+			return p, false // truncated: no name and value fit
+		}
+		ln := int(body[p]) - 0xa0
+		if ln <= 0 || ln >= 32 || ln > maxName || ln >= len(body)-p-1 {
+			req.Attrs = attrs
+			return d.fastAttrsFrom(body, p, req, i, n)
+		}
+		q := p + 1 + ln
+		lv := int(body[q]) - 0xa0
+		if lv <= 0 || lv >= 32 || lv > maxValue || lv >= len(body)-q {
+			req.Attrs = attrs
+			return d.fastAttrsFrom(body, p, req, i, n)
+		}
+		name := unsafe.String(&body[p+1], ln)
+		value := unsafe.String(&body[q+1], lv)
+		p = q + 1 + lv
+		for j := range attrs {
+			if a := attrs[j].Name; len(a) == ln && sameBytes(a, name) {
 				return p, false
 			}
 		}
+		attrs = attrs[:len(attrs)+1] // within the capacity made above
+		attrs[len(attrs)-1] = Attr{Name: name, Value: value}
+	}
+	req.Attrs = attrs
+	return p, true
+}
+
+// sameBytes reports whether a and b, of equal lengths, are equal: a loop the compiler
+// inlines, where a == b is a call (names are short, and most differ at the first byte).
+func sameBytes(a, b string) bool {
+	for k := 0; k < len(a) && k < len(b); k++ {
+		if a[k] != b[k] {
+			return false
+		}
+	}
+	return true
+}
+
+// fastAttrsFrom reads attributes i to n-1 of an attrs map (those before i are in
+// req.Attrs), the next one at body[p:], taking every string shape fastStrLong reads.
+func (d *Decoder) fastAttrsFrom(body []byte, p int, req *Request, i, n int) (int, bool) {
+	attrs := req.Attrs
+	for ; i < n; i++ {
+		name, q, ok := fastStr(body, p, d.MaxAttrNameLen)
+		if !ok {
+			return p, false
+		}
 		p = q
-		value, q := fixStr(body, p, d.MaxAttrLen)
-		if q == p {
-			var ok bool
-			if value, q, ok = fastStrLong(body, p, d.MaxAttrLen); !ok {
-				return p, false
-			}
+		value, q, ok := fastStr(body, p, d.MaxAttrLen)
+		if !ok {
+			return p, false
 		}
 		p = q
 		for j := range attrs {
-			// The first byte first: most names differ there, and a string compare of
-			// equal lengths is a call.
 			if a := attrs[j].Name; len(a) == len(name) && (len(a) == 0 || a[0] == name[0]) && a == name {
 				return p, false
 			}

@@ -26,12 +26,15 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	// A canned answer the size of a typical two-rule decision.
+	// A canned answer with the fields and the size of rlsidecar's answer to the benchmark's
+	// frames under bench/rules.yaml (two rules of 1,000,000,000 an hour, both matched),
+	// so a load generator reads as many bytes from either server (the benchmarks check
+	// it: sameAnswerSize).
 	enc := proto.NewEncoder()
-	enc.EncodeCheck(&proto.Response{ID: 1, Allowed: true, Rule: "holds", Limit: 5, Remaining: 4, ResetMs: 12000,
+	enc.EncodeCheck(&proto.Response{ID: 1, Allowed: true, Rule: "per-ip", Limit: 1e9, Remaining: 1e9 - 1, ResetMs: 1,
 		Rules: []proto.RuleResult{
-			{Name: "per-ip", Limit: 100, WindowMs: 1000, Remaining: 99, ResetMs: 10, Allowed: true},
-			{Name: "holds", Limit: 5, WindowMs: 60000, Remaining: 4, ResetMs: 12000, Allowed: true},
+			{Name: "per-ip", Limit: 1e9, WindowMs: 3_600_000, Remaining: 1e9 - 1, ResetMs: 1, Allowed: true},
+			{Name: "holds", Limit: 1e9, WindowMs: 3_600_000, Remaining: 1e9 - 1, ResetMs: 1, Allowed: true},
 		}})
 	answer := append([]byte(nil), enc.Bytes()...)
 	// answer = header, map header, "id" key (4 bytes: 0x8X a2 'i' 'd'), id value 0x01, rest.
