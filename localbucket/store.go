@@ -266,18 +266,18 @@ func stateFor(e *entry, l *Limit) State {
 	return e.st
 }
 
-// take is l.Take at now, except that a fixed window is aligned to wall time now+off; the
-// instants it returns are brought back to now's clock.
-func take(l *Limit, st State, now, off int64, cost uint64) (State, Result) {
+// take is l.Take at now, writing the result through r, except that a fixed window is
+// aligned to wall time now+off; the instants it returns are brought back to now's clock.
+func take(l *Limit, st State, now, off int64, cost uint64, r *Result) State {
 	if l.alg != FixedWindow || off == 0 {
-		return l.Take(st, now, cost)
+		return l.takeInto(st, now, cost, r)
 	}
-	out, r := l.Take(st, now+off, cost)
+	out := l.takeInto(st, now+off, cost, r)
 	r.Expires -= off
 	if r.LimitedUntil != 0 {
 		r.LimitedUntil -= off
 	}
-	return out, r
+	return out
 }
 
 // SetWallOffset tells the store the wall clock's offset from the clock Apply is given
@@ -380,7 +380,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else {
 			x.in = State{}
 		}
-		x.out, op.Result = take(op.Limit, x.in, now, off, op.Cost)
+		x.out = take(op.Limit, x.in, now, off, op.Cost, &op.Result)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 		}
@@ -395,9 +395,9 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 			for sc[first].prev >= 0 {
 				first = int(sc[first].prev)
 			}
-			_, r := take(ops[i].Limit, sc[first].in, now, off, 0)
+			r := &ops[i].Result
+			take(ops[i].Limit, sc[first].in, now, off, 0, r)
 			r.Allowed, r.RetryAfter = true, 0
-			ops[i].Result = r
 		}
 	} else {
 		s.commit(now, ops, sc)
