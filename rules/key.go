@@ -25,8 +25,18 @@ const upperHex = "0123456789ABCDEF"
 // other than as the start of an escape, which is what keeps client keys unambiguous and
 // hash tags intact. It does not allocate when dst has room.
 func AppendEscaped(dst []byte, s string) []byte {
-	start := 0
 	for i := 0; i < len(s); i++ {
+		if !keep[s[i]] {
+			return appendEscapedFrom(dst, s, i)
+		}
+	}
+	return append(dst, s...) // the common case: nothing to escape, one copy
+}
+
+// appendEscapedFrom is AppendEscaped when s[i] is the first byte to escape.
+func appendEscapedFrom(dst []byte, s string, i int) []byte {
+	start := 0
+	for ; i < len(s); i++ {
 		c := s[i]
 		if keep[c] {
 			continue

@@ -369,7 +369,7 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if len(p.errs) > before {
 		return nil
 	}
-	r.keyPrefix = r.Name + ":{"
+	r.setKeyLits()
 	return r
 }
 

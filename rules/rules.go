@@ -155,7 +155,7 @@ type Rule struct {
 	Index int
 
 	conds     []cond            // all must hold
-	keyPrefix string            // Name + ":{"
+	keyLits   []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
 	limit     localbucket.Limit // the default limit
 	plans     map[string]*planLimit
 	split     atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
@@ -274,7 +274,25 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 // key attribute is missing. It does not allocate when dst has room.
 func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 	n := len(dst)
-	dst = append(dst, r.keyPrefix...)
+	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
+		return r.appendKeySlow(dst, attrs)
+	}
+	for i, lit := range r.keyLits {
+		v, ok := Lookup(attrs, r.Key[i])
+		if !ok {
+			return dst[:n], false
+		}
+		dst = append(dst, lit...)
+		dst = AppendEscaped(dst, v)
+	}
+	return append(dst, '}'), true
+}
+
+// appendKeySlow is AppendKey for a rule without key attributes or keyLits.
+func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
+	n := len(dst)
+	dst = append(dst, r.Name...)
+	dst = append(dst, ":{"...)
 	for i, name := range r.Key {
 		v, ok := Lookup(attrs, name)
 		if !ok {
@@ -288,6 +306,18 @@ func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 		dst = AppendEscaped(dst, v)
 	}
 	return append(dst, '}'), true
+}
+
+// setKeyLits computes keyLits from the rule's name and key (parse.go, once valid).
+func (r *Rule) setKeyLits() {
+	r.keyLits = make([]string, len(r.Key))
+	for i, name := range r.Key {
+		if i == 0 {
+			r.keyLits[i] = r.Name + ":{" + name + "="
+		} else {
+			r.keyLits[i] = "|" + name + "="
+		}
+	}
 }
 
 // Set is a whole, validated rules file. Rules keep the file's order.
