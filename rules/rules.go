@@ -154,11 +154,11 @@ type Rule struct {
 	// slice instead of a map.
 	Index int
 
-	conds     []cond            // all must hold
-	keyLits   []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
-	limit     localbucket.Limit // the default limit
-	plans     map[string]*planLimit
-	split     atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+	conds   []cond            // all must hold
+	keyLits []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	limit   localbucket.Limit // the default limit
+	plans   map[string]*planLimit
+	split   atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
 }
 
 // splitLimits are a rule's limits divided among n daemons.
