@@ -84,6 +84,7 @@ type fallback struct {
 func (d *Decision) route(i int, id storeID) {
 	d.ops[i].store = id
 	d.routed |= 1 << id
+	d.localReady = false // Prepare builds the local batch after routing; a reroute rebuilds it
 }
 
 // unasked reports whether op i's result is not its store's: the store was skipped (an
