@@ -115,6 +115,11 @@ func (d *Decision) report(i int, r *localbucket.Result) {
 // policies (fallBack), which may reroute them to the local store. With ok false the
 // request is already refused (a ban): every store only reports.
 func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
+	if d.routed == 1<<storeLocal && ok {
+		// Only local ops (most checks): the local store decides alone, and nothing
+		// before it can have taken.
+		return localStore{l.buckets}.take1(now, d)
+	}
 	var took [numStores]bool
 	for id := range numStores {
 		if !d.routes(id) {

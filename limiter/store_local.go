@@ -34,10 +34,15 @@ func (s localStore) results(d *Decision, n *native[localbucket.Op]) {
 }
 
 func (s localStore) take(now int64, d *Decision) (bool, error) {
+	return s.take1(now, d), nil
+}
+
+// take1 is take, which never fails.
+func (s localStore) take1(now int64, d *Decision) bool {
 	n := s.batch(d)
 	ok := s.s.Apply(now, n.ops)
 	s.results(d, n)
-	return ok, nil
+	return ok
 }
 
 // skip reports the buckets' state without charging them (localbucket.Store.Reject).
