@@ -248,6 +248,7 @@ type opScratch struct {
 	in, out State
 	hash    uint64
 	over    *entry // the rule's fallback state deciding an untracked key, else nil
+	e       *entry // the stored entry (records never move), nil when the key is not stored
 	idx     int32  // index of the stored entry, -1 when the key is not stored
 	prev    int32  // the previous op on the same key, -1 if none
 	shard   uint32
@@ -362,14 +363,15 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 	ok := !veto
 	for i := range ops {
 		op, x := &ops[i], &sc[i]
-		x.over = nil
+		x.over, x.e = nil, nil
 		sh := &s.shards[x.shard]
 		if x.prev >= 0 {
 			p := &sc[x.prev]
-			x.in, x.idx, x.over = p.out, p.idx, p.over
+			x.in, x.idx, x.e, x.over = p.out, p.idx, p.e, p.over
 		} else if _, idx, found := find(sh, uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
-			x.in = stateFor(&sh.rec(idx).e, op.Limit)
+			x.e = &sh.rec(idx).e
+			x.in = stateFor(x.e, op.Limit)
 		} else if sh.n >= sh.cap && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
@@ -434,7 +436,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 			sh.removeAt(p, uint32(x.idx))
 			continue
 		}
-		sh.rec(uint32(x.idx)).e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
+		*x.e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
 		sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
 	}
 	if !inserts {
