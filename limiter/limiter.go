@@ -275,6 +275,10 @@ type Decision struct {
 	localReady bool
 	// penalties: some op's rule has a penalty (bans to check before taking).
 	penalties bool
+	// general makes Decide take its general path for every check: the local batch
+	// gathered again, every store asked in turn, bans always checked. Tests set it to
+	// compare the fast paths with it.
+	general bool
 	// matched holds the rules matching the request, from the rule set's index.
 	matched  []*rules.Rule
 	replaced []bool // by rule index: replaced by a matched rule (only when the set has replaces)
@@ -400,7 +404,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 			lb.at = append(lb.at, i)
 		}
 	}
-	d.localReady = true
+	d.localReady = !d.general
 	return d.routed&(1<<storeGlobal|1<<storeGlobalLease) != 0, nil
 }
 
@@ -411,7 +415,7 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	banned := d.penalties && l.checkBans(now, d)
+	banned := (d.penalties || d.general) && l.checkBans(now, d)
 	d.Allowed = l.apply(now, d, !banned)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded

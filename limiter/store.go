@@ -115,7 +115,7 @@ func (d *Decision) report(i int, r *localbucket.Result) {
 // policies (fallBack), which may reroute them to the local store. With ok false the
 // request is already refused (a ban): every store only reports.
 func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
-	if d.routed == 1<<storeLocal && ok {
+	if d.routed == 1<<storeLocal && ok && !d.general {
 		// Only local ops (most checks): the local store decides alone, and nothing
 		// before it can have taken.
 		return localStore{l.buckets}.take1(now, d)

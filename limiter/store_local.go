@@ -23,7 +23,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 			n.at = append(n.at, i)
 		}
 	}
-	d.localReady = true
+	d.localReady = !d.general
 	return n
 }
 
