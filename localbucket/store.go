@@ -270,6 +270,9 @@ func stateFor(e *entry, l *Limit) State {
 // take is l.Take at now, writing the result through r, except that a fixed window is
 // aligned to wall time now+off; the instants it returns are brought back to now's clock.
 func take(l *Limit, st State, now, off int64, cost uint64, r *Result) State {
+	if l.alg == TokenBucket && l.emission != 0 {
+		return l.takeToken(st, now, cost, r) // the common case, one call down
+	}
 	if l.alg != FixedWindow || off == 0 {
 		return l.takeInto(st, now, cost, r)
 	}
