@@ -135,6 +135,21 @@ func find[K string | []byte](sh *shard, hi uint32, key K) (slot int, idx uint32,
 	}
 }
 
+// lookup returns the record of key (hi: the high 32 bits of its hash): find's hit,
+// small enough to be inlined into apply's loop.
+func (sh *shard) lookup(hi uint32, key []byte) (idx uint32, found bool) {
+	mask := len(sh.slots) - 1
+	for p := int(hi) & mask; ; p = (p + 1) & mask {
+		v := sh.slots[p]
+		if v == 0 {
+			return 0, false
+		}
+		if uint32(v>>32) == hi && sh.rec(uint32(v)-1).key == string(key) {
+			return uint32(v) - 1, true
+		}
+	}
+}
+
 // add stores a key known to be absent.
 func (sh *shard) add(hi uint32, key []byte, e entry) {
 	if (sh.n+1)*4 > len(sh.slots)*3 {
@@ -311,11 +326,17 @@ func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false
 // The limiter uses it when a check on another store (Redis) rejected first.
 func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 
-// smallOps is the batch size (most checks: a rule or two) whose scratch apply keeps in
-// a smaller array, so that it is not zeroing inlineOps entries per check.
+// smallOps is the batch size whose scratch apply keeps in a smaller array, so that it is
+// not zeroing inlineOps entries per check; most checks (a rule or two) get one smaller
+// still.
 const smallOps = 4
 
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
+	if len(ops) <= 2 {
+		var scBuf [2]opScratch
+		var lockBuf [2]uint32
+		return s.applyWith(now, ops, veto, scBuf[:len(ops)], lockBuf[:0])
+	}
 	if len(ops) <= smallOps {
 		var scBuf [smallOps]opScratch
 		var lockBuf [smallOps]uint32
@@ -371,7 +392,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		if x.prev >= 0 {
 			p := &sc[x.prev]
 			x.in, x.idx, x.e, x.over = p.out, p.idx, p.e, p.over
-		} else if _, idx, found := find(sh, uint32(x.hash>>32), op.Key); found {
+		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
 			x.in = stateFor(x.e, op.Limit)
