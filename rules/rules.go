@@ -277,6 +277,14 @@ func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
 		return r.appendKeySlow(dst, attrs)
 	}
+	if len(r.Key) == 1 { // most rules: one attribute
+		v, ok := Lookup(attrs, r.Key[0])
+		if !ok {
+			return dst, false
+		}
+		dst = append(dst, r.keyLits[0]...)
+		return append(AppendEscaped(dst, v), '}'), true
+	}
 	for i, lit := range r.keyLits {
 		v, ok := Lookup(attrs, r.Key[i])
 		if !ok {
