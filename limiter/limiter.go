@@ -515,11 +515,18 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 // matchRules adds the checks of the rules of set that match attrs (part p of the input),
 // skipping the replaced ones and noting the parts an unlimited rule matched.
 func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, cost uint64, p int, shadowAll bool) {
-	plan, hasPlan := rules.Lookup(attrs, "plan")
+	// The plan attribute is read once, for the first matched rule that has plans: the
+	// limits of a rule without plans do not depend on it.
+	var plan string
+	var hasPlan, planRead bool
 	d.matched = set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
 	for _, r := range d.matched {
 		if len(d.replaced) > 0 && d.replaced[r.Index] {
 			continue
+		}
+		if !planRead && r.HasPlans() {
+			plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
+			planRead = true
 		}
 		var lim *localbucket.Limit
 		var unlimited bool

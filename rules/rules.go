@@ -219,6 +219,10 @@ func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unli
 	return &r.limit, false
 }
 
+// HasPlans reports whether the rule's limit depends on the request's plan attribute
+// (it lists plans); LimitFor and SplitLimitFor ignore the plan otherwise.
+func (r *Rule) HasPlans() bool { return r.plans != nil }
+
 // SplitLimitFor is LimitFor divided among n daemons: each enforces ceil(requests/n)
 // (and ceil(burst/n)), at least 1, so together they allow about the rule's limit. The
 // limits for the last n asked are cached, so a steady daemon count allocates nothing.
