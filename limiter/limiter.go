@@ -269,6 +269,16 @@ type Decision struct {
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
+	// local is the local store's batch: built by Prepare beside the ops (localReady),
+	// rebuilt by the local store when a failure policy has rerouted ops to it since.
+	local      native[localbucket.Op]
+	localReady bool
+	// penalties: some op's rule has a penalty (bans to check before taking).
+	penalties bool
+	// general makes Decide take its general path for every check: the local batch
+	// gathered again, every store asked in turn, bans always checked. Tests set it to
+	// compare the fast paths with it.
+	general bool
 	// matched holds the rules matching the request, from the rule set's index.
 	matched  []*rules.Rule
 	replaced []bool // by rule index: replaced by a matched rule (only when the set has replaces)
@@ -327,6 +337,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.ops = d.ops[:0]
 	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
+	d.localReady, d.penalties = false, false
 
 	shadowAll := l.shadowAll.Load()
 	if set.AnyReplaces() {
@@ -378,13 +389,22 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	}
 
 	// Keys were appended to one buffer; slice them only now that it no longer grows.
+	// The local store's batch is gathered in the same pass.
+	lb := &d.local
+	lb.ops, lb.at = lb.ops[:0], lb.at[:0]
 	start := int32(0)
 	for i := range d.ops {
 		o := &d.ops[i]
 		o.key = d.keys[start:o.keyEnd]
 		start = o.keyEnd
 		d.Results[i].Key = o.key
+		if o.store == storeLocal {
+			lo := push(&lb.ops) // its Result is left as it was: Apply and Reject write every one
+			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
+			lb.at = append(lb.at, i)
+		}
 	}
+	d.localReady = !d.general
 	return d.routed&(1<<storeGlobal|1<<storeGlobalLease) != 0, nil
 }
 
@@ -395,7 +415,7 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	banned := l.checkBans(now, d)
+	banned := (d.penalties || d.general) && l.checkBans(now, d)
 	d.Allowed = l.apply(now, d, !banned)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded
@@ -495,11 +515,18 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 // matchRules adds the checks of the rules of set that match attrs (part p of the input),
 // skipping the replaced ones and noting the parts an unlimited rule matched.
 func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, cost uint64, p int, shadowAll bool) {
-	plan, hasPlan := rules.Lookup(attrs, "plan")
+	// The plan attribute is read once, for the first matched rule that has plans: the
+	// limits of a rule without plans do not depend on it.
+	var plan string
+	var hasPlan, planRead bool
 	d.matched = set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
 	for _, r := range d.matched {
 		if len(d.replaced) > 0 && d.replaced[r.Index] {
 			continue
+		}
+		if !planRead && r.HasPlans() {
+			plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
+			planRead = true
 		}
 		var lim *localbucket.Limit
 		var unlimited bool
@@ -564,6 +591,7 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			c = denyCost
 		}
 		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
+		d.penalties = d.penalties || r.Penalty != nil
 		if redis && r.Penalty != nil && l.shared != nil {
 			d.ops[len(d.ops)-1].bans = bansHybrid
 			if id == storeGlobal {

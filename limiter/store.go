@@ -84,6 +84,7 @@ type fallback struct {
 func (d *Decision) route(i int, id storeID) {
 	d.ops[i].store = id
 	d.routed |= 1 << id
+	d.localReady = false // Prepare builds the local batch after routing; a reroute rebuilds it
 }
 
 // unasked reports whether op i's result is not its store's: the store was skipped (an
@@ -114,6 +115,11 @@ func (d *Decision) report(i int, r *localbucket.Result) {
 // policies (fallBack), which may reroute them to the local store. With ok false the
 // request is already refused (a ban): every store only reports.
 func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
+	if d.routed == 1<<storeLocal && ok && !d.general {
+		// Only local ops (most checks): the local store decides alone, and nothing
+		// before it can have taken.
+		return localStore{l.buckets}.take1(now, d)
+	}
 	var took [numStores]bool
 	for id := range numStores {
 		if !d.routes(id) {

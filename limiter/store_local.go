@@ -7,9 +7,14 @@ import "github.com/rlsidecar/rlsidecar/localbucket"
 // other store passed, and never gives back.
 type localStore struct{ s *localbucket.Store }
 
-// batch gathers d's local ops into the store's scratch.
+// batch returns d's local ops as the store's batch: the one Prepare gathered, or, when a
+// failure policy has rerouted ops here since, gathered again.
 func (s localStore) batch(d *Decision) *native[localbucket.Op] {
-	n := scratchOf[localbucket.Op](d, storeLocal)
+	n := &d.local
+	if d.localReady {
+		return n
+	}
+	n.ops, n.at = n.ops[:0], n.at[:0]
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeLocal {
@@ -18,6 +23,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 			n.at = append(n.at, i)
 		}
 	}
+	d.localReady = !d.general
 	return n
 }
 
@@ -28,10 +34,15 @@ func (s localStore) results(d *Decision, n *native[localbucket.Op]) {
 }
 
 func (s localStore) take(now int64, d *Decision) (bool, error) {
+	return s.take1(now, d), nil
+}
+
+// take1 is take, which never fails.
+func (s localStore) take1(now int64, d *Decision) bool {
 	n := s.batch(d)
 	ok := s.s.Apply(now, n.ops)
 	s.results(d, n)
-	return ok, nil
+	return ok
 }
 
 // skip reports the buckets' state without charging them (localbucket.Store.Reject).

@@ -66,6 +66,7 @@ type Limit struct {
 	window   int64     // ns, a whole number of milliseconds
 	emission int64     // token bucket: ns per token, window/requests rounded down, >= 1
 	tau      int64     // token bucket: burst*emission, the time a full bucket takes to refill
+	perToken divisor   // token bucket: divides by emission
 	delay    int64     // token bucket: how long a request may wait instead of being refused (WithDelay)
 	cal      *calendar // fixed window: its calendar unit and zone (NewCalendarLimit); nil otherwise
 }
@@ -168,6 +169,7 @@ func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 		return Limit{}, fmt.Errorf("burst %d at %d per %v takes more than 2^60ns (about 36 years) to refill", l.burst, requests, window)
 	}
 	l.tau = int64(lo)
+	l.perToken = newDivisor(uint64(l.emission))
 	return l, nil
 }
 

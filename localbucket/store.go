@@ -135,6 +135,21 @@ func find[K string | []byte](sh *shard, hi uint32, key K) (slot int, idx uint32,
 	}
 }
 
+// lookup returns the record of key (hi: the high 32 bits of its hash): find's hit,
+// small enough to be inlined into apply's loop.
+func (sh *shard) lookup(hi uint32, key []byte) (idx uint32, found bool) {
+	mask := len(sh.slots) - 1
+	for p := int(hi) & mask; ; p = (p + 1) & mask {
+		v := sh.slots[p]
+		if v == 0 {
+			return 0, false
+		}
+		if uint32(v>>32) == hi && sh.rec(uint32(v)-1).key == string(key) {
+			return uint32(v) - 1, true
+		}
+	}
+}
+
 // add stores a key known to be absent.
 func (sh *shard) add(hi uint32, key []byte, e entry) {
 	if (sh.n+1)*4 > len(sh.slots)*3 {
@@ -248,6 +263,7 @@ type opScratch struct {
 	in, out State
 	hash    uint64
 	over    *entry // the rule's fallback state deciding an untracked key, else nil
+	e       *entry // the stored entry (records never move), nil when the key is not stored
 	idx     int32  // index of the stored entry, -1 when the key is not stored
 	prev    int32  // the previous op on the same key, -1 if none
 	shard   uint32
@@ -266,18 +282,21 @@ func stateFor(e *entry, l *Limit) State {
 	return e.st
 }
 
-// take is l.Take at now, except that a fixed window is aligned to wall time now+off; the
-// instants it returns are brought back to now's clock.
-func take(l *Limit, st State, now, off int64, cost uint64) (State, Result) {
-	if l.alg != FixedWindow || off == 0 {
-		return l.Take(st, now, cost)
+// take is l.Take at now, writing the result through r, except that a fixed window is
+// aligned to wall time now+off; the instants it returns are brought back to now's clock.
+func take(l *Limit, st State, now, off int64, cost uint64, r *Result) State {
+	if l.alg == TokenBucket && l.emission != 0 {
+		return l.takeToken(st, now, cost, r) // the common case, one call down
 	}
-	out, r := l.Take(st, now+off, cost)
+	if l.alg != FixedWindow || off == 0 {
+		return l.takeInto(st, now, cost, r)
+	}
+	out := l.takeInto(st, now+off, cost, r)
 	r.Expires -= off
 	if r.LimitedUntil != 0 {
 		r.LimitedUntil -= off
 	}
-	return out, r
+	return out
 }
 
 // SetWallOffset tells the store the wall clock's offset from the clock Apply is given
@@ -307,11 +326,17 @@ func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false
 // The limiter uses it when a check on another store (Redis) rejected first.
 func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 
-// smallOps is the batch size (most checks: a rule or two) whose scratch apply keeps in
-// a smaller array, so that it is not zeroing inlineOps entries per check.
+// smallOps is the batch size whose scratch apply keeps in a smaller array, so that it is
+// not zeroing inlineOps entries per check; most checks (a rule or two) get one smaller
+// still.
 const smallOps = 4
 
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
+	if len(ops) <= 2 {
+		var scBuf [2]opScratch
+		var lockBuf [2]uint32
+		return s.applyWith(now, ops, veto, scBuf[:len(ops)], lockBuf[:0])
+	}
 	if len(ops) <= smallOps {
 		var scBuf [smallOps]opScratch
 		var lockBuf [smallOps]uint32
@@ -362,14 +387,15 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 	ok := !veto
 	for i := range ops {
 		op, x := &ops[i], &sc[i]
-		x.over = nil
+		x.over, x.e = nil, nil
 		sh := &s.shards[x.shard]
 		if x.prev >= 0 {
 			p := &sc[x.prev]
-			x.in, x.idx, x.over = p.out, p.idx, p.over
-		} else if _, idx, found := find(sh, uint32(x.hash>>32), op.Key); found {
+			x.in, x.idx, x.e, x.over = p.out, p.idx, p.e, p.over
+		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
-			x.in = stateFor(&sh.rec(idx).e, op.Limit)
+			x.e = &sh.rec(idx).e
+			x.in = stateFor(x.e, op.Limit)
 		} else if sh.n >= sh.cap && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
@@ -380,7 +406,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else {
 			x.in = State{}
 		}
-		x.out, op.Result = take(op.Limit, x.in, now, off, op.Cost)
+		x.out = take(op.Limit, x.in, now, off, op.Cost, &op.Result)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 		}
@@ -395,9 +421,9 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 			for sc[first].prev >= 0 {
 				first = int(sc[first].prev)
 			}
-			_, r := take(ops[i].Limit, sc[first].in, now, off, 0)
+			r := &ops[i].Result
+			take(ops[i].Limit, sc[first].in, now, off, 0, r)
 			r.Allowed, r.RetryAfter = true, 0
-			ops[i].Result = r
 		}
 	} else {
 		s.commit(now, ops, sc)
@@ -434,7 +460,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 			sh.removeAt(p, uint32(x.idx))
 			continue
 		}
-		sh.rec(uint32(x.idx)).e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
+		*x.e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
 		sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
 	}
 	if !inserts {

@@ -60,23 +60,31 @@ type Result struct {
 //
 // now must be in [0, 2^62) (until the year 2116).
 func (l *Limit) Take(s State, now int64, cost uint64) (State, Result) {
+	var r Result
+	out := l.takeInto(s, now, cost, &r)
+	return out, r
+}
+
+// takeInto is Take writing the result through r (every field), so that the store fills
+// an op's result where it lives instead of copying it back up through the calls.
+func (l *Limit) takeInto(s State, now int64, cost uint64, r *Result) State {
 	switch l.alg {
 	case SlidingWindow:
-		return l.takeSliding(s, now, cost)
+		return l.takeSliding(s, now, cost, r)
 	case FixedWindow:
-		return l.takeFixed(s, now, cost)
+		return l.takeFixed(s, now, cost, r)
 	}
 	if l.emission == 0 {
 		panic("BUG: localbucket: Take on a zero Limit; build it with NewLimit")
 	}
-	return l.takeToken(s, now, cost)
+	return l.takeToken(s, now, cost, r)
 }
 
 // takeToken is GCRA: the state is the theoretical arrival time tat; a cost c passes
 // when tat + c*emission - now <= tau.
-func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
+func (l *Limit) takeToken(s State, now int64, cost uint64, r *Result) State {
 	tat := max(s.T, now)
-	r := Result{Limit: l.requests}
+	*r = Result{Limit: l.requests}
 	out := State{T: s.T}
 	switch {
 	case cost > l.burst:
@@ -96,14 +104,14 @@ func (l *Limit) takeToken(s State, now int64, cost uint64) (State, Result) {
 		}
 	}
 	if avail := now + l.tau - tat; avail > 0 { // negative after a limit shrank
-		r.Remaining = min(uint64(avail/l.emission), l.burst)
+		r.Remaining = min(l.perToken.div(uint64(avail)), l.burst)
 	}
 	r.Reset = tat - now
 	r.Expires = tat
 	if lu := tat + l.emission - l.tau - l.delay; lu > now {
 		r.LimitedUntil = lu
 	}
-	return out, r
+	return out
 }
 
 // alignDown returns the start of the window of length w that holds t.
@@ -115,13 +123,13 @@ func alignDown(t, w int64) int64 {
 	return t - m
 }
 
-func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
+func (l *Limit) takeFixed(s State, now int64, cost uint64, r *Result) State {
 	start, end := l.fixedBounds(max(now, s.T))
 	count := s.N
 	if s.T < start {
 		count = 0
 	}
-	r := Result{Limit: l.requests}
+	*r = Result{Limit: l.requests}
 	switch {
 	case cost > l.requests:
 		r.Impossible = true
@@ -144,14 +152,14 @@ func (l *Limit) takeFixed(s State, now int64, cost uint64) (State, Result) {
 			r.LimitedUntil = end
 		}
 	}
-	return State{T: start, N: count}, r
+	return State{T: start, N: count}
 }
 
 const low32 = 1<<32 - 1
 
 // takeSliding is the sliding window counter: estimate = floor(prev*(w-elapsed)/w) + cur,
 // where elapsed is the time since the start of the current window.
-func (l *Limit) takeSliding(s State, now int64, cost uint64) (State, Result) {
+func (l *Limit) takeSliding(s State, now int64, cost uint64, r *Result) State {
 	w := l.window
 	nowC := max(now, s.T)
 	start := s.T
@@ -167,7 +175,7 @@ func (l *Limit) takeSliding(s State, now int64, cost uint64) (State, Result) {
 	if prev != 0 {
 		est += weighted(prev, uint64(start+w-nowC), uint64(w))
 	}
-	r := Result{Limit: l.requests}
+	*r = Result{Limit: l.requests}
 	switch {
 	case cost > l.requests:
 		r.Impossible = true
@@ -190,7 +198,7 @@ func (l *Limit) takeSliding(s State, now int64, cost uint64) (State, Result) {
 	if lu := l.slidingEarliest(start, prev, cur, start, l.requests-1); lu > now && lu != start {
 		r.LimitedUntil = lu
 	}
-	return State{T: start, N: prev<<32 | cur}, r
+	return State{T: start, N: prev<<32 | cur}
 }
 
 // weighted returns floor(n*r/w) for n < 2^32 and r <= w.

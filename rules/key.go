@@ -17,6 +17,16 @@ var keep = func() (t [256]bool) {
 	return t
 }()
 
+// keep8 is keep as 1s and 0s, to test several bytes with one branch.
+var keep8 = func() (t [256]uint8) {
+	for c, k := range keep {
+		if k {
+			t[c] = 1
+		}
+	}
+	return t
+}()
+
 const upperHex = "0123456789ABCDEF"
 
 // AppendEscaped appends s to dst, keeping the bytes A-Z a-z 0-9 - . _ ~ : @ / + and
@@ -25,8 +35,27 @@ const upperHex = "0123456789ABCDEF"
 // other than as the start of an escape, which is what keeps client keys unambiguous and
 // hash tags intact. It does not allocate when dst has room.
 func AppendEscaped(dst []byte, s string) []byte {
+	// The common case is a value with nothing to escape, copied in one append; test its
+	// bytes four at a time, one branch each.
+	i := 0
+	for ; i+4 <= len(s); i += 4 {
+		b := s[i : i+4]
+		if keep8[b[0]]&keep8[b[1]]&keep8[b[2]]&keep8[b[3]] == 0 {
+			break
+		}
+	}
+	for ; i < len(s); i++ {
+		if keep8[s[i]] == 0 {
+			return appendEscapedFrom(dst, s, i)
+		}
+	}
+	return append(dst, s...)
+}
+
+// appendEscapedFrom is AppendEscaped when s[i] is the first byte to escape.
+func appendEscapedFrom(dst []byte, s string, i int) []byte {
 	start := 0
-	for i := 0; i < len(s); i++ {
+	for ; i < len(s); i++ {
 		c := s[i]
 		if keep[c] {
 			continue

@@ -183,3 +183,52 @@ func ExampleRule_AppendKey() {
 	fmt.Println(string(key), ok)
 	// Output: per-account:{user=ann%7Cx%3D%7By%7D|ip=2001:db8::1} true
 }
+
+// The fast paths of key building (AppendKey's precomputed literals, AppendEscaped's
+// four-byte test) write what the plain loops write, for values of any bytes, missing
+// attributes and a buffer that already holds something.
+func TestAppendKeyFastMatchesPlain(t *testing.T) {
+	set := mustParse(t, `rules:
+  - name: one
+    key: user
+    limit: { requests: 1, per: 1s }
+  - name: two
+    key: [a, b, user]
+    limit: { requests: 1, per: 1s }
+`)
+	plainEscape := func(s string) string {
+		var b strings.Builder
+		for i := 0; i < len(s); i++ {
+			if c := s[i]; keep[c] {
+				b.WriteByte(c)
+			} else {
+				fmt.Fprintf(&b, "%%%02X", c)
+			}
+		}
+		return b.String()
+	}
+	value := rapid.OneOf(
+		rapid.Map(rapid.SliceOf(rapid.Byte()), func(b []byte) string { return string(b) }),
+		rapid.StringMatching(`[a-z0-9.:-]{0,12}`),
+		rapid.Map(rapid.SliceOfN(rapid.SampledFrom([]byte("ab9.%|{ \xff")), 0, 9), func(b []byte) string { return string(b) }),
+	)
+	rapid.Check(t, func(t *rapid.T) {
+		v := value.Draw(t, "v")
+		if got, want := string(AppendEscaped([]byte("x"), v)), "x"+plainEscape(v); got != want {
+			t.Fatalf("AppendEscaped(%q) = %q, want %q", v, got, want)
+		}
+		var attrs []Attr
+		for _, name := range []string{"user", "b", "a", "other"} {
+			if rapid.IntRange(0, 5).Draw(t, "absent "+name) > 0 {
+				attrs = append(attrs, Attr{name, value.Draw(t, name)})
+			}
+		}
+		for _, r := range set.Rules {
+			fast, okf := r.AppendKey([]byte("pre"), attrs)
+			plain, okp := r.appendKeySlow([]byte("pre"), attrs)
+			if okf != okp || !bytes.Equal(fast, plain) {
+				t.Fatalf("rule %s, attrs %q: AppendKey = %q %v, plain = %q %v", r.Name, attrs, fast, okf, plain, okp)
+			}
+		}
+	})
+}

@@ -369,7 +369,7 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if len(p.errs) > before {
 		return nil
 	}
-	r.keyPrefix = r.Name + ":{"
+	r.setKeyLits()
 	return r
 }
 
@@ -523,7 +523,23 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			exact = append(exact, c)
 		}
 	}
+	// Test the cheapest conditions first (their order does not change what matches): a
+	// path listing only literal paths is a length and a string compare, exact values a
+	// lookup and compares, globs a walk.
+	if len(path) == 1 && allLiteral(path[0].globs) {
+		return append(path, exact...)
+	}
 	return append(exact, path...)
+}
+
+// allLiteral reports whether every glob is a literal path.
+func allLiteral(globs []glob) bool {
+	for i := range globs {
+		if !globs[i].literal {
+			return false
+		}
+	}
+	return true
 }
 
 // key reads the rule's key: one attribute name or a non-empty list of distinct ones.

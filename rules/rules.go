@@ -154,11 +154,11 @@ type Rule struct {
 	// slice instead of a map.
 	Index int
 
-	conds     []cond            // all must hold
-	keyPrefix string            // Name + ":{"
-	limit     localbucket.Limit // the default limit
-	plans     map[string]*planLimit
-	split     atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+	conds   []cond            // all must hold
+	keyLits []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	limit   localbucket.Limit // the default limit
+	plans   map[string]*planLimit
+	split   atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
 }
 
 // splitLimits are a rule's limits divided among n daemons.
@@ -219,6 +219,10 @@ func (r *Rule) LimitFor(plan string, hasPlan bool) (lim *localbucket.Limit, unli
 	return &r.limit, false
 }
 
+// HasPlans reports whether the rule's limit depends on the request's plan attribute
+// (it lists plans); LimitFor and SplitLimitFor ignore the plan otherwise.
+func (r *Rule) HasPlans() bool { return r.plans != nil }
+
 // SplitLimitFor is LimitFor divided among n daemons: each enforces ceil(requests/n)
 // (and ceil(burst/n)), at least 1, so together they allow about the rule's limit. The
 // limits for the last n asked are cached, so a steady daemon count allocates nothing.
@@ -274,7 +278,33 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 // key attribute is missing. It does not allocate when dst has room.
 func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 	n := len(dst)
-	dst = append(dst, r.keyPrefix...)
+	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
+		return r.appendKeySlow(dst, attrs)
+	}
+	if len(r.Key) == 1 { // most rules: one attribute
+		v, ok := Lookup(attrs, r.Key[0])
+		if !ok {
+			return dst, false
+		}
+		dst = append(dst, r.keyLits[0]...)
+		return append(AppendEscaped(dst, v), '}'), true
+	}
+	for i, lit := range r.keyLits {
+		v, ok := Lookup(attrs, r.Key[i])
+		if !ok {
+			return dst[:n], false
+		}
+		dst = append(dst, lit...)
+		dst = AppendEscaped(dst, v)
+	}
+	return append(dst, '}'), true
+}
+
+// appendKeySlow is AppendKey for a rule without key attributes or keyLits.
+func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
+	n := len(dst)
+	dst = append(dst, r.Name...)
+	dst = append(dst, ":{"...)
 	for i, name := range r.Key {
 		v, ok := Lookup(attrs, name)
 		if !ok {
@@ -288,6 +318,18 @@ func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 		dst = AppendEscaped(dst, v)
 	}
 	return append(dst, '}'), true
+}
+
+// setKeyLits computes keyLits from the rule's name and key (parse.go, once valid).
+func (r *Rule) setKeyLits() {
+	r.keyLits = make([]string, len(r.Key))
+	for i, name := range r.Key {
+		if i == 0 {
+			r.keyLits[i] = r.Name + ":{" + name + "="
+		} else {
+			r.keyLits[i] = "|" + name + "="
+		}
+	}
 }
 
 // Set is a whole, validated rules file. Rules keep the file's order.
