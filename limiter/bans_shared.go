@@ -117,8 +117,10 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 	for {
 		select {
 		case <-ctx.Done():
+			// The last round sends the pending refusals and indexes the bans they start:
+			// a ban only this daemon knew would otherwise never reach the others.
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(interval, time.Second))
-			_ = s.flush(fctx, s.wallOf(now()))
+			_ = s.round(fctx, s.wallOf(now()), false)
 			cancel()
 			return
 		case <-t.C:
