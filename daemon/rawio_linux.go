@@ -3,6 +3,7 @@ package daemon
 import (
 	"io"
 	"net"
+	"runtime"
 	"syscall"
 	"unsafe"
 )
@@ -21,17 +22,18 @@ import (
 //
 // A rawIO is used by its connection's goroutine only, as net.Conn's Read and Write are.
 type rawIO struct {
-	rc syscall.RawConn
+	rc   syscall.RawConn
+	spin *spinner // nil: wait in the netpoller at once
 }
 
 // newConnIO returns the reader and writer of c's hot path: rawIO, or c itself when its
 // raw descriptor is not available.
-func newConnIO(c *net.UnixConn) io.ReadWriter {
+func newConnIO(c *net.UnixConn, spin *spinner) io.ReadWriter {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return c
 	}
-	return &rawIO{rc: rc}
+	return &rawIO{rc: rc, spin: spin}
 }
 
 // Read reads into p what the socket holds, waiting for the first byte.
@@ -41,14 +43,33 @@ func (r *rawIO) Read(p []byte) (int, error) {
 	}
 	var n int
 	var errno syscall.Errno
+	spun := false
 	err := r.rc.Read(func(fd uintptr) bool {
+		var until int64
 		for {
 			r1, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
 			switch e {
 			case syscall.EINTR:
 				continue
 			case syscall.EAGAIN:
+				// Once per Read, and by one connection at a time: keep asking for up to
+				// the budget, yielding to every other goroutine between asks.
+				if until == 0 && !spun && r.spin != nil && r.spin.acquire() {
+					spun = true
+					until = nanotime() + int64(r.spin.budget)
+				}
+				if until != 0 && nanotime() < until {
+					runtime.Gosched()
+					continue
+				}
+				if until != 0 {
+					r.spin.release()
+					until = 0
+				}
 				return false // wait in the netpoller, then call again
+			}
+			if until != 0 {
+				r.spin.release()
 			}
 			n, errno = int(r1), e
 			return true

@@ -24,6 +24,8 @@
 #                                               # rounds, behind its own identical nginx
 #   CONNECTIONS=8 clients/lua/bench.sh          # a steady rate: 8 connections, each sequential
 #   KEEP_CPUS_AWAKE=1 clients/lua/bench.sh      # a diagnostic, not the figure: see below
+#   BUSY_POLL=300us clients/lua/bench.sh        # also a daemon run with --busy-poll 300us, in
+#                                               # the same rounds, behind its own nginx
 #
 # KEEP_CPUS_AWAKE=1 runs one SCHED_IDLE busy loop per CPU for the rounds, so that no CPU
 # halts: it takes only time nothing else wants, and shows what the round trip costs once
@@ -42,6 +44,7 @@ secs="${SECONDS_PER_ROUND:-5}"
 conns="${CONNECTIONS:-1}"
 haproxy_on="${HAPROXY:-1}"
 baseline="${BASELINE_REV:-}"
+busy_poll="${BUSY_POLL:-}"
 need="go nginx wrk curl python3"
 [ "$haproxy_on" = 0 ] || need="$need haproxy"
 for c in $need; do
@@ -102,11 +105,11 @@ pids+=($!)
 declare -A gw_pid d_pid base admin
 setups=()
 
-# start_daemon NAME BINARY: a daemon on its own socket ($tmp/NAME.sock).
+# start_daemon NAME BINARY [FLAG...]: a daemon on its own socket ($tmp/NAME.sock).
 start_daemon() {
   local a
   a=127.0.0.1:$(free_port)
-  "$2" serve --config "$tmp/rules.yaml" --socket "$tmp/$1.sock" --admin "$a" >"$tmp/$1-daemon.log" 2>&1 &
+  "$2" serve --config "$tmp/rules.yaml" --socket "$tmp/$1.sock" --admin "$a" "${@:3}" >"$tmp/$1-daemon.log" 2>&1 &
   pids+=($!)
   d_pid[$1]=$! admin[$1]=$a
   wait_for "the daemon $1" "$tmp/rlsidecar" check --socket "$tmp/$1.sock" path=/probe
@@ -155,6 +158,7 @@ start_haproxy() {
 start_daemon daemon "$tmp/rlsidecar"
 start_nginx nginx daemon
 [ -z "$baseline" ] || { start_daemon base "$tmp/rlsidecar-base" && start_nginx "nginx-$baseline" base; }
+[ -z "$busy_poll" ] || { start_daemon busy "$tmp/rlsidecar" --busy-poll "$busy_poll" && start_nginx "nginx-busy-$busy_poll" busy; }
 [ "$haproxy_on" = 0 ] || start_haproxy haproxy daemon
 
 cat >"$tmp/users.lua" <<'EOF'

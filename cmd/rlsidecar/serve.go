@@ -54,6 +54,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
 	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
 	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never)")
+	busyPoll := fs.Duration("busy-poll", 0, "after answering, keep reading a connection this long before sleeping (one connection at a time; costs up to one CPU while checks keep coming; 0: off)")
 	drainTimeout := fs.Duration("drain-timeout", 5*time.Second, "on SIGTERM, time to answer what is in flight")
 	sweepEvery := fs.Duration("sweep-interval", 5*time.Second, "how often state that carries no information is dropped")
 	logFormat := fs.String("log-format", "text", "log format: text or json")
@@ -222,6 +223,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		FrameTimeout: *frameTimeout,
 		WriteTimeout: *writeTimeout,
 		IdleTimeout:  *idleTimeout,
+		BusyPoll:     *busyPoll,
 		DrainTimeout: *drainTimeout,
 		Version:      version,
 		Logger:       log,
