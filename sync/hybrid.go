@@ -51,6 +51,7 @@ type Hybrid struct {
 	evicted  atomic.Uint64 // keys evicted for the cap
 	backlog  atomic.Int64  // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64 // exact syncs made for a waiting request
+	fetchQ   fetchQueue    // exact syncs waiting for the batch in flight (hybrid_fetch.go)
 	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
 	// again until Redis answers something.
 	fetchFailed atomic.Int64
