@@ -23,8 +23,15 @@
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons; o = the last daemon that used the key
 -- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
--- than one daemon within share_epochs); s:<daemon> = that daemon's last sync of the key,
--- "prev_token token grant used window".
+-- than one daemon within share_epochs; a use by another daemon sets it at least
+-- share_epochs ahead, and at most half as much again, so it is rewritten at most every
+-- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
+-- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
+-- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
+-- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
+-- "prev_token token grant used window", written by a sync that changed the key's count
+-- (a sync that settles nothing and reserves nothing leaves the last record: replaying
+-- it, or losing its reply, has nothing to count twice).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -83,15 +90,27 @@ local function num(x) return string.format('%.17g', x) end
 -- always; the window counts for windows; the demand epochs only when this sync brings
 -- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
 -- per key.
-local fields = {
-  [false] = {[false] = {'t', rfield, 'o', 'x', 'k'}, [true] = {'t', rfield, 'o', 'x', 'k', 'e', 'dc', 'dp'}},
-  [true] = {[false] = {'t', rfield, 'o', 'x', 'k', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'k', 'n', 'p', 'e', 'dc', 'dp'}},
-}
+-- Built when first needed: a call of one key (an exact sync) builds one list, not four.
+local fieldsets = {}
+local function fields(win, dem)
+  local k = 1
+  if win then k = k + 2 end
+  if dem then k = k + 1 end
+  local fl = fieldsets[k]
+  if not fl then
+    fl = {'t', rfield, 'o', 'x', 'k', 'hx', 'gx'}
+    if win then fl[#fl + 1] = 'n'; fl[#fl + 1] = 'p' end
+    if dem then fl[#fl + 1] = 'e'; fl[#fl + 1] = 'dc'; fl[#fl + 1] = 'dp' end
+    fieldsets[k] = fl
+  end
+  return fl
+end
 -- How long a reservation of a previous user's credit (field k) lasts: longer than a
 -- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
 -- the credit lapses on the daemon before its reservation lapses here.
 local credit_life = 60000000
 local me = id .. ' ' .. epoch -- the last user, as this sync records it
+local now_ms = math.floor(now / 1000)
 
 local out = {}
 for i = 1, nkeys do
@@ -110,7 +129,7 @@ for i = 1, nkeys do
   local age = tonumber(ARGV[a + 9])
 
   local win = alg ~= 0
-  local h = redis.pcall('HMGET', key, unpack(fields[win][mode == 0 and demand > 0]))
+  local h = redis.pcall('HMGET', key, unpack(fields(win, mode == 0 and demand > 0)))
   if h.err then
     -- not served here (a slot moved): nothing touched
     local r = (i - 1) * 7
@@ -118,15 +137,19 @@ for i = 1, nkeys do
     for k = 2, 7 do out[r + k] = 0 end
   else
     local t = tonumber(h[1]) or 0
+    local t0 = tonumber(h[1]) -- as read: t, n and p are written only if they change
     local rec, last, shared = h[2], h[3], h[4]
     local kres = h[5]
-    local d = 6 -- where the demand epochs are in h
+    local hx = tonumber(h[6])
+    if h[7] then hx = nil end -- the global mode also sets this key's TTL
+    local d = 8 -- where the demand epochs are in h
     local n, p = 0, 0
     if win then
-      n = tonumber(h[6]) or 0
-      p = tonumber(h[7]) or 0
-      d = 8
+      n = tonumber(h[8]) or 0
+      p = tonumber(h[9]) or 0
+      d = 10
     end
+    local n0, p0 = n, p
     local e = tonumber(h[d]) or 0
     local dc = tonumber(h[d + 1]) or 0
     local dp = tonumber(h[d + 2]) or 0
@@ -137,7 +160,7 @@ for i = 1, nkeys do
     if h[1] == false then settle = used end
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
-    local replay, replay_grant = false, 0
+    local replay, replay_grant, resent = false, 0, false
     if rec then
       local rp, rt = string.match(rec, '^(%S+) (%S+) ')
       if rt == token then
@@ -151,6 +174,7 @@ for i = 1, nkeys do
         -- prev_grant and reserved rg. Count only what was used since, against rg.
         settle = (used - tonumber(ru)) - tonumber(rg)
         grant_window = tonumber(rw) -- the window that grant was taken from
+        resent = true
       end
     end
 
@@ -186,7 +210,7 @@ for i = 1, nkeys do
               res, kown, kset = c, oid, oid .. ' ' .. c .. ' ' .. num(now + credit_life)
             end
           end
-          x = epoch + share_epochs
+          if x < epoch + share_epochs then x = epoch + share_epochs + math.floor(share_epochs / 2) end
         end
       end
       o = me
@@ -317,9 +341,12 @@ for i = 1, nkeys do
     -- demand only when this sync brought some, n and p only for the windows. Numbers passed
     -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
     -- window start goes through num).
-    local f = {'t', t}
-    if alg ~= 0 then
-      f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+    local f = {}
+    if t ~= t0 or n ~= n0 or p ~= p0 then
+      f[1] = 't'; f[2] = t
+      if alg ~= 0 then
+        f[3] = 'n'; f[4] = n; f[5] = 'p'; f[6] = p
+      end
     end
     if share_demand > 0 then
       f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
@@ -333,17 +360,25 @@ for i = 1, nkeys do
     if o and o ~= last then
       f[#f + 1] = 'o'; f[#f + 1] = o
     end
-    if not replay then
+    if not replay and (settle ~= 0 or reserve ~= 0 or resent) then
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
       f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
     end
-    redis.call('HSET', key, unpack(f))
-    if kset == false then redis.call('HDEL', key, 'k') end
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
-    -- records must last.
-    redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
+    -- records must last: need ms from now. The TTL grows only when it ends sooner, and
+    -- then by up to 10 s more, so a key synced often is given a TTL every 10 s, not at
+    -- every sync (one command less per key, and per exact sync).
+    local need = math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000
+    local expire = nil
+    if not hx or hx < now_ms + need then
+      expire = need + math.min(math.floor(need / 2), 10000)
+      f[#f + 1] = 'hx'; f[#f + 1] = now_ms + expire
+    end
+    if #f > 0 then redis.call('HSET', key, unpack(f)) end
+    if kset == false then redis.call('HDEL', key, 'k') end
+    if expire then redis.call('PEXPIRE', key, expire) end
     local r = (i - 1) * 7
     out[r + 1] = grant
     out[r + 2] = remaining
