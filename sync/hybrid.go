@@ -65,6 +65,12 @@ type Hybrid struct {
 	clock    func() int64 // HybridOptions.Clock
 
 	daemonsKey string // the live-daemons set, under the configured prefix
+
+	// On a standalone Redis a heartbeat rides on a sync's script call when one goes
+	// while it is due (hybrid_run.go): Run offers it, send takes it.
+	beat    atomic.Int32 // beatIdle, beatOffered or beatTaken
+	rodeAt  atomic.Int64 // when a heartbeat riding on a sync last succeeded (wall clock, ns)
+	beatTTL time.Duration
 }
 
 // WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch and
@@ -172,6 +178,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	h.replicas.Store(1)
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
+	h.beatTTL = 3 * h.heartbeatEvery()
 	h.lastOK.Store(h.clock())
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)

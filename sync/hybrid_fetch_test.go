@@ -267,3 +267,62 @@ func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 		}
 	}
 }
+
+// On a standalone Redis a daemon's heartbeat rides on its syncs' script calls while it
+// makes some (an exact sync every few milliseconds here): no heartbeat call of its own
+// after the first, yet the live-daemons set sees it every second; once the traffic
+// stops, heartbeats go alone again.
+func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	var alone atomic.Int64
+	h := NewHybrid(rdb, HybridOptions{ID: "ride", Interval: 20 * time.Millisecond}).WithObserver(func(op string, _ time.Duration, err error) {
+		if op == "heartbeat" && err == nil {
+			alone.Add(1)
+		}
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(runCtx, "ride", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	defer func() { stop(); <-done }()
+	score := func() float64 {
+		v, err := rdb.ZScore(ctx, DaemonsKey, "ride").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	for alone.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	first := score()
+	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	fetches := h.Fetches()
+	for i, end := 0, time.Now().Add(2500*time.Millisecond); time.Now().Before(end); i++ {
+		take(h, time.Now().UnixNano(), fmt.Sprintf("rl:ride:{user=%d}", i), lim, 1) // an exact sync each
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := h.Fetches() - fetches; n < 100 {
+		t.Fatalf("only %d exact syncs in 2.5 s", n)
+	}
+	if n := alone.Load(); n != 1 {
+		t.Fatalf("%d heartbeat calls of their own while exact syncs went every 5 ms, want 1 (the first)", n)
+	}
+	if last := score(); last < first+1500 {
+		t.Fatalf("the live-daemons set saw the daemon at %v ms, then at %v: no heartbeat rode on the syncs", first, last)
+	}
+	if h.Replicas() != 1 {
+		t.Fatalf("replicas %d, want 1", h.Replicas())
+	}
+	// No traffic: the next heartbeat goes alone, within its period and an interval.
+	deadline := time.Now().Add(3 * time.Second)
+	for alone.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("no heartbeat of its own within 3 s of the traffic stopping")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

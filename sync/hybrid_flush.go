@@ -246,6 +246,8 @@ const (
 type syncCall struct {
 	items []syncItem
 	cmd   *redis.Cmd
+	beat  bool  // carries this daemon's heartbeat (standalone; Hybrid.beat)
+	live  int64 // its answer: the live daemons (0: none)
 }
 
 // errNotServed is a key's error when the node a sync went to no longer serves its slot
@@ -325,6 +327,12 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		}
 		lo = hi
 	}
+	// A heartbeat Run offered rides on the first call (standalone: the live-daemons set is
+	// on the same node).
+	if !h.cluster && len(calls) > 0 && h.beat.CompareAndSwap(beatOffered, beatTaken) {
+		calls[0].beat = true
+		defer func() { h.rideBeat(calls[0].live) }()
+	}
 	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
 		max(1, int64(h.keepAlive/h.interval))}
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
@@ -332,7 +340,12 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		if h.cluster {
 			declared = 1
 		}
-		keys := make([]string, declared)
+		keys := make([]string, declared, declared+1)
+		beatTTL := int64(0)
+		if c.beat {
+			keys = append(keys, h.daemonsKey)
+			beatTTL = h.beatTTL.Milliseconds()
+		}
 		// The distinct limits go once per call; each key names its own by index.
 		limIdx := make(map[localbucket.Limit]int, 4)
 		var lims []*localbucket.Limit
@@ -342,9 +355,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 				lims = append(lims, c.items[i].lim)
 			}
 		}
-		args := make([]any, 0, len(common)+2+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
+		args := make([]any, 0, len(common)+3+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
 		args = append(args, common...)
-		args = append(args, len(c.items)-declared, len(lims))
+		args = append(args, len(c.items)-declared, len(lims), beatTTL)
 		for _, lim := range lims {
 			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst())
 		}
@@ -465,8 +478,15 @@ const replyInts = 7
 // whether a key was not served by the node (errNotServed).
 func parseSyncReply(c *syncCall) (moved bool) {
 	vals, err := int64s(c.cmd)
-	if err == nil && len(vals) != replyInts*len(c.items) {
-		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), replyInts*len(c.items))
+	want := replyInts * len(c.items)
+	if c.beat {
+		want++
+	}
+	if err == nil && len(vals) != want {
+		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), want)
+	}
+	if err == nil && c.beat {
+		c.live = vals[want-1]
 	}
 	for i := range c.items {
 		it := &c.items[i]

@@ -74,6 +74,25 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 	return best, nil
 }
 
+// Where the next heartbeat stands (Hybrid.beat), on a standalone Redis.
+const (
+	beatIdle    int32 = iota // not due, or due and not yet offered
+	beatOffered              // due: the next sync's first script call may carry it
+	beatTaken                // a sync's call carries it; its reply is on its way
+)
+
+// rideBeat settles a heartbeat that rode on a sync's script call: live is the count of
+// live daemons it answered (0: the call failed, and Run offers it again).
+func (h *Hybrid) rideBeat(live int64) {
+	if live > 0 {
+		h.answered(h.clock())
+		h.SetReplicas(int(live))
+		h.rodeAt.Store(time.Now().UnixNano())
+		h.breaker.Success()
+	}
+	h.beat.Store(beatIdle)
+}
+
 // heartbeatEvery is the period of heartbeats: the count of daemons changes slowly, and a
 // heartbeat costs Redis a few commands, so at most one per second.
 func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Second) }
@@ -93,6 +112,11 @@ const kickEvery = 50 * time.Millisecond
 // no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
+//
+// On a standalone Redis, when id is the Hybrid's own ID, a heartbeat that falls due
+// rides on the next sync's script call (a periodic sync or an exact one) if one goes
+// within an interval, and is sent alone only if none does: a busy daemon's heartbeats
+// then cost Redis no call of their own.
 func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
@@ -149,6 +173,8 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	}
 	beat()
 	lastBeat := time.Now()
+	ride := !h.cluster && id == h.id
+	var offered time.Time
 	sweep := 0
 	for {
 		select {
@@ -158,9 +184,20 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			flush(true)
 			return
 		case <-t.C:
+			if r := h.rodeAt.Load(); r > lastBeat.UnixNano() {
+				lastBeat = time.Unix(0, r)
+			}
 			if time.Since(lastBeat) >= beatEvery {
-				lastBeat = time.Now()
-				beat()
+				switch {
+				case !ride:
+					lastBeat = time.Now()
+					beat()
+				case h.beat.CompareAndSwap(beatIdle, beatOffered):
+					offered = time.Now() // the next sync's call carries it
+				case time.Since(offered) >= h.interval && h.beat.CompareAndSwap(beatOffered, beatIdle):
+					lastBeat = time.Now() // no sync went within an interval: alone
+					beat()
+				}
 			}
 			flush(false)
 			h.sweep(sweep, clock())

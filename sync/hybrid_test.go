@@ -346,7 +346,7 @@ func TestHybridLostReplyCountsOnce(t *testing.T) {
 	run := func(used, prevGrant, demand, prevTok, tok uint64, window int64) []int64 {
 		t.Helper()
 		cmd := hybridScript.Run(ctx, rdb, []string{key},
-			"d1", int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1,
+			"d1", int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1, 0,
 			2, 100, int64(time.Hour/time.Microsecond), 0, 1, used, prevGrant, window, demand, modeShare, prevTok, tok, 0)
 		v, err := int64s(cmd)
 		if err != nil {

@@ -45,7 +45,9 @@
 -- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
 -- ARGV[5] share_epochs, ARGV[6] extra: how many keys are not declared (their names are
 -- the last ARGV values, after every key's values), ARGV[7] limits: how many distinct
--- limits the keys have; then per limit 4 values: algorithm (0 token_bucket, 1
+-- limits the keys have, ARGV[8] heartbeat: 0, or (on a standalone Redis) the ttl in ms of
+-- a heartbeat this call carries for the daemon (heartbeat.lua's work: the last KEYS entry
+-- is then the live-daemons set, not a key to sync); then per limit 4 values: algorithm (0 token_bucket, 1
 -- sliding_window, 2 fixed_window), requests, window_us, burst; then per key 9 values:
 -- limit (its index among the limits, from 1), used, prev_grant, grant_window (the window
 -- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
@@ -56,7 +58,8 @@
 -- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
 -- answers grant -1: the daemon keeps its units for the next sync.
--- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
+-- Returns per key 7 integers (and, after them, the live daemons if the call carries a
+-- heartbeat): grant (whole units), remaining, reset_us, retry_us, window
 -- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and shared: 1 if another daemon used the key within
@@ -68,13 +71,15 @@ local min_ttl = tonumber(ARGV[4])
 local share_epochs = tonumber(ARGV[5])
 local extra = tonumber(ARGV[6])
 local nlimits = tonumber(ARGV[7])
+local beat_ttl = tonumber(ARGV[8])
 local limits = {}
 for j = 1, nlimits do
-  local b = 7 + (j - 1) * 4
+  local b = 8 + (j - 1) * 4
   limits[j] = {tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])}
 end
-local kargs = 7 + nlimits * 4 -- where the keys' values start
+local kargs = 8 + nlimits * 4 -- where the keys' values start
 local declared = #KEYS
+if beat_ttl > 0 then declared = declared - 1 end
 local nkeys = declared + extra
 local rfield = 's:' .. id
 
@@ -390,5 +395,14 @@ for i = 1, nkeys do
     -- credit nobody has counted.
     if x >= epoch or kown then out[r + 7] = 1 else out[r + 7] = 0 end
   end
+end
+if beat_ttl > 0 then
+  -- The daemon's heartbeat, as heartbeat.lua does it, riding on this call.
+  local dk = KEYS[#KEYS]
+  local ms = math.floor(now / 1000)
+  redis.call('ZADD', dk, ms, id)
+  redis.call('ZREMRANGEBYSCORE', dk, '-inf', ms - beat_ttl)
+  redis.call('PEXPIRE', dk, 2 * beat_ttl)
+  out[#out + 1] = redis.call('ZCARD', dk)
 end
 return out
