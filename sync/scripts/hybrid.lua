@@ -376,10 +376,16 @@ for i = 1, nkeys do
     -- then by up to 10 s more, so a key synced often is given a TTL every 10 s, not at
     -- every sync (one command less per key, and per exact sync).
     local need = math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000
+    -- A key's first sync (no state yet: most keys of a sparse load are synced once)
+    -- writes no hx: it would cost a field and save nothing.
     local expire = nil
     if not hx or hx < now_ms + need then
-      expire = need + math.min(math.floor(need / 2), 10000)
-      f[#f + 1] = 'hx'; f[#f + 1] = now_ms + expire
+      if t0 then
+        expire = need + math.min(math.floor(need / 2), 10000)
+        f[#f + 1] = 'hx'; f[#f + 1] = now_ms + expire
+      else
+        expire = need
+      end
     end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
     if kset == false then redis.call('HDEL', key, 'k') end
