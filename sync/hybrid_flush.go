@@ -3,6 +3,7 @@ package sync
 import (
 	"context"
 	_ "embed"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -333,8 +334,8 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		calls[0].beat = true
 		defer func() { h.rideBeat(calls[0].live) }()
 	}
-	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
-		max(1, int64(h.keepAlive/h.interval))}
+	minTTL := max(10*time.Second, 20*h.interval).Milliseconds()
+	shareEpochs := max(1, int64(h.keepAlive/h.interval))
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
 		declared := len(c.items)
 		if h.cluster {
@@ -355,11 +356,16 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 				lims = append(lims, c.items[i].lim)
 			}
 		}
-		args := make([]any, 0, len(common)+3+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
-		args = append(args, common...)
-		args = append(args, len(c.items)-declared, len(lims), beatTTL)
+		// Every number in one string of little-endian int64s (scripts/hybrid.lua).
+		nums := make([]byte, 0, 8*(callNums+4*len(lims)+syncArgs*len(c.items)))
+		put := func(vs ...int64) {
+			for _, v := range vs {
+				nums = binary.LittleEndian.AppendUint64(nums, uint64(v))
+			}
+		}
+		put(h.interval.Microseconds(), int64(replicas), minTTL, shareEpochs, int64(len(c.items)-declared), int64(len(lims)), beatTTL)
 		for _, lim := range lims {
-			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst())
+			put(int64(lim.Algorithm()), int64(lim.Requests()), lim.Window().Microseconds(), int64(lim.Burst()))
 		}
 		for i := range c.items {
 			it := &c.items[i]
@@ -372,9 +378,11 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 					it.token = uint32(h.tokens.Add(1))
 				}
 			}
-			args = append(args, limIdx[*it.lim],
-				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token, int64(it.age)*1000)
+			put(int64(limIdx[*it.lim]), int64(it.used), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
+				int64(it.prevToken), int64(it.token), int64(it.age)*1000)
 		}
+		args := make([]any, 0, 2+len(c.items)-declared)
+		args = append(args, h.id, nums)
 		for i := declared; i < len(c.items); i++ {
 			args = append(args, c.items[i].e.key)
 		}
@@ -468,8 +476,12 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 	return firstErr
 }
 
-// syncArgs is how many ARGV values scripts/hybrid.lua takes per key.
-const syncArgs = 9
+// callNums and syncArgs are how many numbers scripts/hybrid.lua takes per call (before
+// the limits) and per key.
+const (
+	callNums = 7
+	syncArgs = 9
+)
 
 // replyInts is how many integers scripts/hybrid.lua answers per key.
 const replyInts = 7
