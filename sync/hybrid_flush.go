@@ -299,9 +299,9 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 
 // send runs the script for items, up to perCall keys per call, up to perPipe calls (per
 // node, on a cluster) per pipeline, and records each item's reply or error in it. On a
-// cluster it reorders items (by master). Calls that come back NOSCRIPT (a restarted or failed-over
-// node) are sent again with EVAL, which loads the script; only those, so nothing is
-// applied twice. A call not sent for want of time carries the context's error.
+// cluster it reorders items (by master). Calls that come back NOSCRIPT (a restarted or
+// failed-over node) are sent again with EVAL, which loads the script; only those, so
+// nothing is applied twice. A call not sent for want of time carries the context's error.
 //
 // On a cluster a call carries keys of one master and declares only its first key (which
 // routes it): the script reaches the others, in other slots of the same node, from ARGV.
