@@ -4,6 +4,7 @@ import (
 	"context"
 	"runtime"
 	gosync "sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -11,11 +12,14 @@ import (
 // go together, as the global mode's checks do (autoPipe). While one batch is on the
 // wire the requests that arrive queue, and go as the next batch: one send, many keys
 // per script call (fetchCallKeys; on a cluster, keys of one master per call, the masters
-// at once). A lone request goes at once, as before.
+// at once). A lone request goes at once, as before. Each request is woken as soon as
+// its own keys' replies are applied (on a cluster, a slow master delays only the
+// requests whose keys it holds, and the one request sending the batch, which waits for
+// all of it), and a call that fails fails only its own keys.
 //
 // No goroutine of its own: the request that finds no batch in flight sends one; when it
-// is done, the first request still queued is woken to send the next. Each request is
-// woken once its own keys' replies are applied. A key is never in two batches: its
+// is done, the first request still queued is woken to send the next. A key is never in
+// two batches: its
 // snapshot marks it busy (flagBusy) until its reply is applied, and a request on a busy
 // key waits for that sync (Take) instead of queueing another.
 
@@ -30,7 +34,8 @@ type fetchQueue struct {
 // fetchReq is one request's exact syncs.
 type fetchReq struct {
 	items []syncItem
-	done  chan bool // true: lead the next batch; false: items applied
+	left  atomic.Int32 // items not yet applied
+	done  chan bool    // true: lead the next batch; false: items applied
 }
 
 // fetchPipe bounds the calls of one batch's pipeline: in practice all of them, one
@@ -79,6 +84,10 @@ func (h *Hybrid) sendFetches() {
 	n := 0
 	for _, r := range batch {
 		n += len(r.items)
+		r.left.Store(int32(len(r.items)))
+		for k := range r.items {
+			r.items[k].req = r
+		}
 	}
 	items := batch[0].items
 	if len(batch) > 1 {
@@ -87,15 +96,24 @@ func (h *Hybrid) sendFetches() {
 			items = append(items, r.items...)
 		}
 	}
+	// applied applies items whose replies are in and wakes each request whose items
+	// are all applied.
+	applied := func(its []syncItem) {
+		if failed, _ := h.applyAll(its); failed > 0 {
+			h.fetchFailed.Store(h.clock())
+		}
+		for i := range its {
+			if r := its[i].req; r.left.Add(-1) == 0 {
+				r.done <- false
+			}
+		}
+	}
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
 	h.fetches.Add(uint64(n))
-	err := h.send(ctx, items, h.replicaCount(), fetchCallKeys, fetchPipe)
+	err := h.send(ctx, items, h.replicaCount(), fetchCallKeys, fetchPipe, applied)
 	cancel()
 	h.observed("hybrid_fetch", start, err)
-	if failed, _ := h.applyAll(items); failed > 0 {
-		h.fetchFailed.Store(h.clock())
-	}
 
 	q.mu.Lock()
 	var next *fetchReq
@@ -105,9 +123,6 @@ func (h *Hybrid) sendFetches() {
 		q.busy = false
 	}
 	q.mu.Unlock()
-	for _, r := range batch {
-		r.done <- false
-	}
 	if next != nil {
 		next.done <- true
 	}

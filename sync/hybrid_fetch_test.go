@@ -194,7 +194,8 @@ func TestHybridExactSyncsBatchedExact(t *testing.T) {
 
 // A batch whose call to one master fails (the master frozen past FetchWait) fails only
 // the requests whose keys live there: the others, in the same batch, are decided from
-// their replies, and nothing is counted twice once the master is back.
+// their replies as soon as their masters answer, not when the frozen one times out, and
+// nothing is counted twice once the master is back.
 func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 	cl := redistest.StartCluster(t)
 	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 5 * time.Second})
@@ -223,17 +224,42 @@ func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 		}
 		onFrozen[i] = m.Options().Addr == frozen.Addr
 	}
-	h := NewHybrid(rdb, HybridOptions{ID: "fail", FetchWait: 300 * time.Millisecond})
-	frozen.Freeze()
+	const fetchWait = time.Second
+	h := NewHybrid(rdb, HybridOptions{ID: "fail", FetchWait: fetchWait})
+	// Every request queues behind a batch in flight (as if one were), so all of them go
+	// in one batch when it is handed on.
+	q := &h.fetchQ
+	q.mu.Lock()
+	q.busy = true
+	q.mu.Unlock()
 	allowed := make([]bool, n)
+	took := make([]time.Duration, n)
+	var start time.Time
 	var wg gosync.WaitGroup
 	for i := range keys {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			allowed[i] = h.Take(time.Now().UnixNano(), []HybridOp{{Key: []byte(keys[i]), Limit: lim, Cost: 1}})
+			took[i] = time.Since(start)
 		}()
 	}
+	for {
+		q.mu.Lock()
+		queued := len(q.queue)
+		q.mu.Unlock()
+		if queued == n {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	frozen.Freeze()
+	q.mu.Lock()
+	lead := q.queue[0]
+	q.mu.Unlock()
+	leadKey := lead.items[0].e.key // the request that sends the batch waits for all of it
+	start = time.Now()
+	lead.done <- true // the batch in flight is done: the first queued sends the next
 	wg.Wait()
 	frozen.Thaw()
 	healthy := 0
@@ -247,6 +273,9 @@ func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 		healthy++
 		if !allowed[i] {
 			t.Fatalf("%s: refused though its master answered (a failure on another master failed it)", k)
+		}
+		if k != leadKey && took[i] >= fetchWait/2 {
+			t.Fatalf("%s: decided %v after its batch went, though its master answered: it waited for the frozen one", k, took[i])
 		}
 	}
 	if healthy == 0 || healthy == n {

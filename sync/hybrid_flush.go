@@ -47,7 +47,8 @@ type syncItem struct {
 	age         uint32 // ms since the key's last check: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
-	now         int64 // the daemon clock when the snapshot was taken: the view's time
+	now         int64     // the daemon clock when the snapshot was taken: the view's time
+	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	vals        [replyInts]int64
 	err         error
 }
@@ -215,7 +216,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	if len(items) == 0 {
 		return 0, nil
 	}
-	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls)
+	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
 	failed, firstErr := h.applyAll(items)
 	if failed > 0 {
 		if firstErr == nil {
@@ -302,11 +303,13 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 // cluster it reorders items (by master). Calls that come back NOSCRIPT (a restarted or
 // failed-over node) are sent again with EVAL, which loads the script; only those, so
 // nothing is applied twice. A call not sent for want of time carries the context's error.
+// With applied, send hands it each call's items once their replies (or errors) are in,
+// as each pipeline comes back: on a cluster, one master's before another's.
 //
 // On a cluster a call carries keys of one master and declares only its first key (which
 // routes it): the script reaches the others, in other slots of the same node, from ARGV.
 // One sync is then one pipeline per master, however many slots its keys span.
-func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, perPipe int) error {
+func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, perPipe int, applied func([]syncItem)) error {
 	var nodes, callNode []string
 	if h.cluster {
 		nodes, _ = h.byNode(ctx, items)
@@ -406,6 +409,11 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 				if firstErr == nil {
 					firstErr = ctx.Err()
 				}
+				if applied != nil {
+					for i := range batch {
+						applied(batch[i].items)
+					}
+				}
 				continue
 			}
 			pipe := h.rdb.Pipeline()
@@ -433,6 +441,11 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			}
 			for i := range batch {
 				moved = parseSyncReply(&batch[i]) || moved
+			}
+			if applied != nil {
+				for i := range batch {
+					applied(batch[i].items)
+				}
 			}
 		}
 		return moved, firstErr
