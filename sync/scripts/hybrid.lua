@@ -196,10 +196,12 @@ for i = 1, nkeys do
     -- Shared: another daemon used the key lately.
     local x = tonumber(shared) or 0
     local o = nil
+    local other = false -- another daemon used the key within share_epochs
     if used > 0 or demand > 0 then
       if last and last ~= me then
         local oid, oep = string.match(last, '^(%S+) (%S+)$')
         if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+          other = true
           if x < epoch and not kown then
             -- The key changes hands: its last user was answered "not shared" and may
             -- hold credit, up to a 2N-th of the capacity (growth included), that no
@@ -358,9 +360,6 @@ for i = 1, nkeys do
     if kset then
       f[#f + 1] = 'k'; f[#f + 1] = kset
     end
-    if o and o ~= last then
-      f[#f + 1] = 'o'; f[#f + 1] = o
-    end
     if not replay and (settle ~= 0 or reserve ~= 0 or resent) then
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
@@ -382,6 +381,15 @@ for i = 1, nkeys do
       else
         expire = need
       end
+    end
+    -- The last user: written with the rest; alone (a sync that changes nothing else,
+    -- typically an exact sync refused) only if the key is not already marked shared for
+    -- at least share_epochs ÷ 2 more epochs with another daemon's use on record. While it
+    -- is, no daemon gets credit, and the first sync past that half writes it again, so
+    -- credit is never given to, nor kept from a reservation for, a daemon it would be
+    -- otherwise (the refusals of a spread client then cost a read, as in the global mode).
+    if o and o ~= last and (#f > 0 or not (other and x >= epoch + math.floor(share_epochs / 2))) then
+      f[#f + 1] = 'o'; f[#f + 1] = o
     end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
     if kset == false then redis.call('HDEL', key, 'k') end
