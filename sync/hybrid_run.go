@@ -113,10 +113,10 @@ const kickEvery = 50 * time.Millisecond
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
 //
-// On a standalone Redis, when id is the Hybrid's own ID, a heartbeat that falls due
-// rides on the next sync's script call (a periodic sync or an exact one) if one goes
-// within an interval, and is sent alone only if none does: a busy daemon's heartbeats
-// then cost Redis no call of their own.
+// On a standalone Redis, when id is the Hybrid's own ID, a heartbeat rides on a sync's
+// script call (a periodic sync or an exact one) that goes in the interval before it is
+// due, and is sent alone when due only if none does: a busy daemon's heartbeats then cost
+// Redis no call of their own.
 func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
@@ -174,7 +174,6 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	beat()
 	lastBeat := time.Now()
 	ride := !h.cluster && id == h.id
-	var offered time.Time
 	sweep := 0
 	for {
 		select {
@@ -187,17 +186,19 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			if r := h.rodeAt.Load(); r > lastBeat.UnixNano() {
 				lastBeat = time.Unix(0, r)
 			}
-			if time.Since(lastBeat) >= beatEvery {
-				switch {
-				case !ride:
+			// Riding, a heartbeat is offered to the syncs an interval before it is due,
+			// and goes alone when due if none took it: one a second either way.
+			switch since := time.Since(lastBeat); {
+			case !ride:
+				if since >= beatEvery {
 					lastBeat = time.Now()
 					beat()
-				case h.beat.CompareAndSwap(beatIdle, beatOffered):
-					offered = time.Now() // the next sync's call carries it
-				case time.Since(offered) >= h.interval && h.beat.CompareAndSwap(beatOffered, beatIdle):
-					lastBeat = time.Now() // no sync went within an interval: alone
-					beat()
 				}
+			case since >= beatEvery-h.interval && h.beat.CompareAndSwap(beatIdle, beatOffered):
+				// the next sync's first call carries it
+			case since >= beatEvery && h.beat.CompareAndSwap(beatOffered, beatIdle):
+				lastBeat = time.Now() // no sync took it: alone
+				beat()
 			}
 			flush(false)
 			h.sweep(sweep, clock())
