@@ -129,8 +129,8 @@ type HybridOptions struct {
 	// MaxSyncKeys caps the keys one periodic sync carries (default 100,000); the rest
 	// wait for the next one (see Backlog).
 	MaxSyncKeys int
-	// FetchWait bounds how long a request waits for an exact sync of its key (default
-	// 25ms); past it the request is refused.
+	// FetchWait bounds a batch of exact syncs (default 25ms): a request waits for the
+	// batch in flight and then its own; past it the request is refused.
 	FetchWait time.Duration
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.

@@ -26,8 +26,10 @@ type HybridOp struct {
 //
 // Ops are decided from the local view. If the only refusals are of keys this daemon
 // cannot decide locally (no fresh view, and no grant or credit to cover the request),
-// Take waits for one exact sync of those keys (at most FetchWait) and decides
-// again from what Redis granted: the exact mode's answer, for the keys that need it.
+// Take waits for one exact sync of those keys and decides again from what Redis
+// granted: the exact mode's answer, for the keys that need it. Exact syncs of concurrent
+// requests go together (hybrid_fetch.go): a request waits at most for the batch in
+// flight and then its own, each bounded by FetchWait.
 //
 // A key whose sync is already in flight (another request's exact sync, or the periodic
 // one) is not synced twice: Take waits for that sync, within the same FetchWait, and
