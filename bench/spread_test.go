@@ -248,7 +248,7 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	}
 	before := accRedisStats(b, rdb)
 	cpuBefore := spreadScriptUsec(b, rdb)
-	procBefore := spreadProcUsec(b, rdb)
+	procBefore := costProcUsec(b, rdb)
 	const workers = 4 // connections per daemon, so a check waiting on Redis does not hold the schedule
 	var mu sync.Mutex
 	var res spreadResult
@@ -311,7 +311,7 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	after := accRedisStats(b, rdb)
 	res.calls = after.calls - before.calls
 	res.cpuUsec = spreadScriptUsec(b, rdb) - cpuBefore
-	res.procUsec = spreadProcUsec(b, rdb) - procBefore
+	res.procUsec = costProcUsec(b, rdb) - procBefore
 	return res
 }
 
@@ -335,26 +335,6 @@ func spreadScriptUsec(tb testing.TB, rdb *redis.Client) float64 {
 			u, _, _ = strings.Cut(u, ",")
 			v, _ := strconv.ParseFloat(u, 64)
 			total += v
-		}
-	}
-	return total
-}
-
-// spreadProcUsec returns the Redis process's CPU time (µs, INFO cpu, user + sys): every
-// command's cost, the network's included, which script time leaves out.
-func spreadProcUsec(tb testing.TB, rdb *redis.Client) float64 {
-	info, err := rdb.Info(context.Background(), "cpu").Result()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	total := 0.0
-	for _, line := range strings.Split(info, "\n") {
-		line = strings.TrimSpace(line)
-		for _, k := range []string{"used_cpu_user:", "used_cpu_sys:"} {
-			if v, ok := strings.CutPrefix(line, k); ok {
-				f, _ := strconv.ParseFloat(v, 64)
-				total += f * 1e6
-			}
 		}
 	}
 	return total

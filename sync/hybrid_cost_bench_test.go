@@ -33,24 +33,7 @@ func BenchmarkHybridScriptPerKey(b *testing.B) {
 	ctx := context.Background()
 	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer node.Close()
-	usec := func() float64 {
-		info, err := node.Info(ctx, "commandstats").Result()
-		if err != nil {
-			b.Fatal(err)
-		}
-		total := 0.0
-		for _, line := range strings.Split(info, "\n") {
-			name, rest, ok := strings.Cut(strings.TrimSpace(line), ":calls=")
-			if !ok || (name != "cmdstat_eval" && name != "cmdstat_evalsha") {
-				continue
-			}
-			_, u, _ := strings.Cut(rest, "usec=")
-			u, _, _ = strings.Cut(u, ",")
-			v, _ := strconv.ParseFloat(u, 64)
-			total += v
-		}
-		return total
-	}
+	usec := func() float64 { return scriptUsec(b, node) }
 	// proc is the Redis process's CPU time (µs, INFO cpu, user + sys): unlike script
 	// time, not inflated when a long batched call is preempted on a busy machine.
 	proc := func() float64 {
@@ -145,24 +128,7 @@ func BenchmarkHybridExactPerCheck(b *testing.B) {
 			ctx := context.Background()
 			node := redis.NewClient(&redis.Options{Addr: srv.Addr})
 			defer node.Close()
-			usec := func() float64 {
-				info, err := node.Info(ctx, "commandstats").Result()
-				if err != nil {
-					b.Fatal(err)
-				}
-				total := 0.0
-				for _, line := range strings.Split(info, "\n") {
-					name, rest, ok := strings.Cut(strings.TrimSpace(line), ":calls=")
-					if !ok || (name != "cmdstat_eval" && name != "cmdstat_evalsha") {
-						continue
-					}
-					_, u, _ := strings.Cut(rest, "usec=")
-					u, _, _ = strings.Cut(u, ",")
-					v, _ := strconv.ParseFloat(u, 64)
-					total += v
-				}
-				return total
-			}
+			usec := func() float64 { return scriptUsec(b, node) }
 			lim, err := localbucket.NewLimit(localbucket.TokenBucket, c.requests, time.Hour, 0)
 			if err != nil {
 				b.Fatal(err)
@@ -241,4 +207,25 @@ func BenchmarkHybridExactPerCheck(b *testing.B) {
 			b.ReportMetric(mh/mg, "hybrid/global")
 		})
 	}
+}
+
+// scriptUsec returns the time (µs) node has spent in EVAL and EVALSHA calls (INFO
+// commandstats).
+func scriptUsec(b *testing.B, node *redis.Client) float64 {
+	info, err := node.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	total := 0.0
+	for _, line := range strings.Split(info, "\n") {
+		name, rest, ok := strings.Cut(strings.TrimSpace(line), ":calls=")
+		if !ok || (name != "cmdstat_eval" && name != "cmdstat_evalsha") {
+			continue
+		}
+		_, u, _ := strings.Cut(rest, "usec=")
+		u, _, _ = strings.Cut(u, ",")
+		v, _ := strconv.ParseFloat(u, 64)
+		total += v
+	}
+	return total
 }
