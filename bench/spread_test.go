@@ -32,6 +32,14 @@ import (
 // (default "5/10s"; figures "5/10s,5/1m"). With RLSIDECAR_SPREAD_OUT set to a directory,
 // it writes there, per limit, the table spread-<clients>-<limit>.md and the chart
 // spread-<clients>-<limit>.png (docs/accuracy holds the published ones).
+//
+// A run whose sender fell behind its schedule is not a measurement: the clients' late
+// requests find refill they were not offered (one 5,000-client run gave hybrid 1.111 of
+// global because its sender lagged 2 s in the hybrid phase). A row where either mode's
+// sender lagged more than RLSIDECAR_SPREAD_MAX_LAG (default a quarter of the limit's
+// refill period, 500 ms for 5/10s) is run again, up to RLSIDECAR_SPREAD_TRIES times
+// (default 3); a row that never keeps up is left out, said so in the log, and fails the
+// benchmark.
 
 // spreadEnv reads a benchmark size from the environment.
 func spreadEnv(name, def string) string {
@@ -75,6 +83,7 @@ type spreadEvent struct {
 type spreadResult struct {
 	offered, admitted, degraded int
 	calls, cpuUsec              float64 // Redis scripts run and their CPU time (commandstats)
+	procUsec                    float64 // the Redis process's CPU time (INFO cpu, user + sys)
 	lag                         time.Duration
 }
 
@@ -97,15 +106,39 @@ func BenchmarkSpreadClients(b *testing.B) {
 		}
 		for _, ls := range limits {
 			lim := parseSpreadLimit(b, ls)
+			maxLag := lim.window / time.Duration(4*lim.requests)
+			if v := os.Getenv("RLSIDECAR_SPREAD_MAX_LAG"); v != "" {
+				if maxLag, err = time.ParseDuration(v); err != nil {
+					b.Fatalf("RLSIDECAR_SPREAD_MAX_LAG=%q: %v", v, err)
+				}
+			}
+			tries, err := strconv.Atoi(spreadEnv("RLSIDECAR_SPREAD_TRIES", "3"))
+			if err != nil || tries < 1 {
+				b.Fatalf("RLSIDECAR_SPREAD_TRIES=%q: want a count ≥ 1", os.Getenv("RLSIDECAR_SPREAD_TRIES"))
+			}
 			res := map[string]spreadResult{}
-			for _, mode := range []string{"global", "hybrid"} {
-				res[mode] = spreadRun(b, srv.Addr, rdb, mode, daemons, clients, lim, load)
+			kept := false
+			for try := 1; try <= tries && !kept; try++ {
+				for _, mode := range []string{"global", "hybrid"} {
+					res[mode] = spreadRun(b, srv.Addr, rdb, mode, daemons, clients, lim, load)
+				}
+				g, h := res["global"], res["hybrid"]
+				if kept = g.lag <= maxLag && h.lag <= maxLag; !kept {
+					b.Logf("spread: %d clients at 3× %s over %d daemons, try %d of %d: the sender fell behind its schedule (global %v, hybrid %v; at most %v): run not kept",
+						clients, lim.text, daemons, try, tries, g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), maxLag)
+				}
+			}
+			if !kept {
+				b.Errorf("spread: %d clients at 3× %s over %d daemons: the sender fell behind its schedule in each of %d tries; row left out (the machine cannot pace this load now)",
+					clients, lim.text, daemons, tries)
+				continue
 			}
 			g, h := res["global"], res["hybrid"]
 			rows[ls] = append(rows[ls], accuracy.SpreadRow{Clients: clients, Daemons: daemons, Limit: ls, Offered: h.offered,
 				Global: g.admitted, Hybrid: h.admitted, Degraded: float64(h.degraded) / float64(h.offered),
 				GlobalCalls: g.calls / float64(g.offered), HybridCalls: h.calls / float64(h.offered),
-				GlobalUsec: g.cpuUsec / float64(g.offered), HybridUsec: h.cpuUsec / float64(h.offered)})
+				GlobalUsec: g.cpuUsec / float64(g.offered), HybridUsec: h.cpuUsec / float64(h.offered),
+				GlobalProcUsec: g.procUsec / float64(g.offered), HybridProcUsec: h.procUsec / float64(h.offered)})
 			ratio := float64(h.admitted) / float64(g.admitted)
 			deg := float64(h.degraded) / float64(h.offered)
 			gdeg := float64(g.degraded) / float64(g.offered)
@@ -114,6 +147,9 @@ func BenchmarkSpreadClients(b *testing.B) {
 			b.ReportMetric(deg, name+"-degraded")
 			b.ReportMetric(h.calls/float64(h.offered), name+"-hybrid-calls/check")
 			b.ReportMetric(g.calls/float64(g.offered), name+"-global-calls/check")
+			b.ReportMetric(h.cpuUsec/float64(h.offered), name+"-hybrid-script-µs/check")
+			b.ReportMetric(g.cpuUsec/float64(g.offered), name+"-global-script-µs/check")
+			b.ReportMetric(h.procUsec/g.procUsec*float64(g.offered)/float64(h.offered), name+"-redis-cpu-hybrid/global")
 			verdict := "met"
 			if ratio < 0.98 || ratio > 1.05 || deg >= 0.01 {
 				verdict = "NOT MET"
@@ -122,9 +158,10 @@ func BenchmarkSpreadClients(b *testing.B) {
 				verdict += " (global baseline degraded: not exact)"
 			}
 			b.Logf("spread: %d clients at 3× %s over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
-				"Redis per check: global %.3f calls %.1f µs, hybrid %.3f calls %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
+				"Redis per check: global %.3f calls %.1f µs of scripts %.1f µs of process CPU, hybrid %.3f calls %.1f µs %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
 				clients, lim.text, daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
-				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), h.calls/float64(h.offered), h.cpuUsec/float64(h.offered),
+				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), g.procUsec/float64(g.offered),
+				h.calls/float64(h.offered), h.cpuUsec/float64(h.offered), h.procUsec/float64(h.offered),
 				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
 		}
 	}
@@ -211,6 +248,7 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	}
 	before := accRedisStats(b, rdb)
 	cpuBefore := spreadScriptUsec(b, rdb)
+	procBefore := costProcUsec(b, rdb)
 	const workers = 4 // connections per daemon, so a check waiting on Redis does not hold the schedule
 	var mu sync.Mutex
 	var res spreadResult
@@ -273,6 +311,7 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	after := accRedisStats(b, rdb)
 	res.calls = after.calls - before.calls
 	res.cpuUsec = spreadScriptUsec(b, rdb) - cpuBefore
+	res.procUsec = costProcUsec(b, rdb) - procBefore
 	return res
 }
 

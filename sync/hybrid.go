@@ -51,6 +51,7 @@ type Hybrid struct {
 	evicted  atomic.Uint64 // keys evicted for the cap
 	backlog  atomic.Int64  // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64 // exact syncs made for a waiting request
+	fetchQ   fetchQueue    // exact syncs waiting for the batch in flight (hybrid_fetch.go)
 	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
 	// again until Redis answers something.
 	fetchFailed atomic.Int64
@@ -64,6 +65,12 @@ type Hybrid struct {
 	clock    func() int64 // HybridOptions.Clock
 
 	daemonsKey string // the live-daemons set, under the configured prefix
+
+	// On a standalone Redis a heartbeat rides on a sync's script call when one goes
+	// while it is due (hybrid_run.go): Run offers it, send takes it.
+	beat    atomic.Int32 // beatIdle, beatOffered or beatTaken
+	rodeAt  atomic.Int64 // when a heartbeat riding on a sync last succeeded (wall clock, ns)
+	beatTTL time.Duration
 }
 
 // WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch and
@@ -122,8 +129,8 @@ type HybridOptions struct {
 	// MaxSyncKeys caps the keys one periodic sync carries (default 100,000); the rest
 	// wait for the next one (see Backlog).
 	MaxSyncKeys int
-	// FetchWait bounds how long a request waits for an exact sync of its key (default
-	// 25ms); past it the request is refused.
+	// FetchWait bounds a batch of exact syncs (default 25ms): a request waits for the
+	// batch in flight and then its own; past it the request is refused.
 	FetchWait time.Duration
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.
@@ -171,6 +178,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	h.replicas.Store(1)
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
+	h.beatTTL = 3 * h.heartbeatEvery()
 	h.lastOK.Store(h.clock())
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)

@@ -83,9 +83,9 @@ func TestHybridScriptSkipsKeysNotServed(t *testing.T) {
 	}
 	node := redis.NewClient(&redis.Options{Addr: addr})
 	defer node.Close()
-	perKey := []any{1, 1, 0, 0, 0, modeShare, 0, 1, 0}
-	args := []any{"d1", int64(100 * time.Millisecond / time.Microsecond), 1, 10000, 100, 1, 1, 2, 10, int64(time.Hour / time.Microsecond), 10}
-	args = append(append(append(args, perKey...), perKey...), far)
+	perKey := []int64{1, 1, 0, 0, 0, int64(modeShare), 0, 1, 0}
+	nums := []int64{int64(100 * time.Millisecond / time.Microsecond), 1, 10000, 100, 1, 1, 0, 2, 10, int64(time.Hour / time.Microsecond), 10}
+	args := append(hybridArgs("d1", append(append(nums, perKey...), perKey...)...), far)
 	v, err := int64s(hybridScript.Eval(ctx, node, []string{here}, args...))
 	if err != nil {
 		t.Fatal(err)

@@ -3,11 +3,13 @@ package sync
 import (
 	"context"
 	_ "embed"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
 	"sort"
 	"strings"
+	gosync "sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -45,6 +47,8 @@ type syncItem struct {
 	age         uint32 // ms since the key's last check: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
+	now         int64     // the daemon clock when the snapshot was taken: the view's time
+	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	vals        [replyInts]int64
 	err         error
 }
@@ -60,7 +64,7 @@ type syncItem struct {
 // exact mode's: no refill is credited that the exact mode would not have.
 func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand uint32) syncItem {
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
-		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode,
+		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
 		age: min(seenMs(now)-e.seen, maxChargeAge)}
 	e.flags |= flagBusy
 	e.pending = 0
@@ -71,8 +75,10 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	return it
 }
 
-// apply applies one sync's outcome to its entry (its shard's lock held).
-func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
+// apply applies one sync's outcome to its entry (its shard's lock held), as a view of
+// the key at the snapshot's time.
+func (h *Hybrid) apply(it *syncItem, n float64) {
+	now := it.now
 	e, sh := it.e, it.sh
 	e.flags &^= flagBusy
 	if it.err != nil {
@@ -112,13 +118,13 @@ func (h *Hybrid) apply(it *syncItem, now int64, n float64) {
 
 // applyAll applies items, locking each one's shard, and counts the items that failed
 // (a key whose slot moved is not a failure: it stays pending for the next sync).
-func (h *Hybrid) applyAll(now int64, items []syncItem) (failed int, firstErr error) {
+func (h *Hybrid) applyAll(items []syncItem) (failed int, firstErr error) {
 	n := h.creditShares()
 	ok := false
 	for i := range items {
 		it := &items[i]
 		it.sh.mu.Lock()
-		h.apply(it, now, n)
+		h.apply(it, n)
 		it.sh.mu.Unlock()
 		switch {
 		case errors.Is(it.err, errNotServed):
@@ -210,8 +216,8 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	if len(items) == 0 {
 		return 0, nil
 	}
-	sendErr := h.send(ctx, items, h.replicaCount())
-	failed, firstErr := h.applyAll(now, items)
+	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
+	failed, firstErr := h.applyAll(items)
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
@@ -226,18 +232,24 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 // charged as of then.
 const maxChargeAge = 10_000
 
-// Batching: a script call carries up to callKeys keys (on a cluster, of one master,
-// whatever their slots), and a pipeline up to pipeCalls calls per node (go-redis splits
-// a cluster's pipeline per node and sends to the nodes at once): a sync of fewer than
-// callKeys × pipeCalls keys per node is one pipeline per node.
+// Batching: a periodic sync's script call carries up to callKeys keys (on a cluster, of
+// one master, whatever their slots), and a pipeline up to pipeCalls calls per node
+// (go-redis splits a cluster's pipeline per node and sends to the nodes at once): a sync
+// of fewer than callKeys × pipeCalls keys per node is one pipeline per node. Exact syncs
+// (hybrid_fetch.go) carry up to fetchCallKeys keys a call, every call in one pipeline:
+// requests wait for them, so a call stays short (as the global mode's merged calls,
+// mergeMax).
 const (
-	callKeys  = 128
-	pipeCalls = 4
+	callKeys      = 128
+	pipeCalls     = 4
+	fetchCallKeys = 64
 )
 
 type syncCall struct {
 	items []syncItem
 	cmd   *redis.Cmd
+	beat  bool  // carries this daemon's heartbeat (standalone; Hybrid.beat)
+	live  int64 // its answer: the live daemons (0: none)
 }
 
 // errNotServed is a key's error when the node a sync went to no longer serves its slot
@@ -286,25 +298,25 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 	return sn, len(distinct)
 }
 
-// send runs the script for items, many keys per call, pipelined, and records each
-// item's reply or error in it. Calls that come back NOSCRIPT (a restarted or failed-over
-// node) are sent again with EVAL, which loads the script; only those, so nothing is
-// applied twice. A call not sent for want of time carries the context's error.
+// send runs the script for items, up to perCall keys per call, up to perPipe calls (per
+// node, on a cluster) per pipeline, and records each item's reply or error in it. On a
+// cluster it reorders items (by master). Calls that come back NOSCRIPT (a restarted or
+// failed-over node) are sent again with EVAL, which loads the script; only those, so
+// nothing is applied twice. A call not sent for want of time carries the context's error.
+// With applied, send hands it each call's items once their replies (or errors) are in,
+// as each pipeline comes back: on a cluster, one master's before another's.
 //
 // On a cluster a call carries keys of one master and declares only its first key (which
 // routes it): the script reaches the others, in other slots of the same node, from ARGV.
 // One sync is then one pipeline per master, however many slots its keys span.
-func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error {
-	perPipe := pipeCalls
-	var nodes []string
+func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, perPipe int, applied func([]syncItem)) error {
+	var nodes, callNode []string
 	if h.cluster {
-		var n int
-		nodes, n = h.byNode(ctx, items)
-		perPipe = pipeCalls * n
+		nodes, _ = h.byNode(ctx, items)
 	}
 	var calls []syncCall
 	for lo := 0; lo < len(items); {
-		hi := min(lo+callKeys, len(items))
+		hi := min(lo+perCall, len(items))
 		if h.cluster {
 			for k := lo + 1; k < hi; k++ {
 				if nodes[k] != nodes[lo] {
@@ -314,16 +326,30 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 			}
 		}
 		calls = append(calls, syncCall{items: items[lo:hi]})
+		if h.cluster {
+			callNode = append(callNode, nodes[lo])
+		}
 		lo = hi
 	}
-	common := []any{h.id, h.interval.Microseconds(), replicas, max(10*time.Second, 20*h.interval).Milliseconds(),
-		max(1, int64(h.keepAlive/h.interval))}
+	// A heartbeat Run offered rides on the first call (standalone: the live-daemons set is
+	// on the same node).
+	if !h.cluster && len(calls) > 0 && h.beat.CompareAndSwap(beatOffered, beatTaken) {
+		calls[0].beat = true
+		defer func() { h.rideBeat(calls[0].live) }()
+	}
+	minTTL := max(10*time.Second, 20*h.interval).Milliseconds()
+	shareEpochs := max(1, int64(h.keepAlive/h.interval))
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
 		declared := len(c.items)
 		if h.cluster {
 			declared = 1
 		}
-		keys := make([]string, declared)
+		keys := make([]string, declared, declared+1)
+		beatTTL := int64(0)
+		if c.beat {
+			keys = append(keys, h.daemonsKey)
+			beatTTL = h.beatTTL.Milliseconds()
+		}
 		// The distinct limits go once per call; each key names its own by index.
 		limIdx := make(map[localbucket.Limit]int, 4)
 		var lims []*localbucket.Limit
@@ -333,11 +359,16 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 				lims = append(lims, c.items[i].lim)
 			}
 		}
-		args := make([]any, 0, len(common)+2+4*len(lims)+syncArgs*len(c.items)+len(c.items)-declared)
-		args = append(args, common...)
-		args = append(args, len(c.items)-declared, len(lims))
+		// Every number in one string of little-endian int64s (scripts/hybrid.lua).
+		nums := make([]byte, 0, 8*(callNums+4*len(lims)+syncArgs*len(c.items)))
+		put := func(vs ...int64) {
+			for _, v := range vs {
+				nums = binary.LittleEndian.AppendUint64(nums, uint64(v))
+			}
+		}
+		put(h.interval.Microseconds(), int64(replicas), minTTL, shareEpochs, int64(len(c.items)-declared), int64(len(lims)), beatTTL)
 		for _, lim := range lims {
-			args = append(args, int(lim.Algorithm()), lim.Requests(), lim.Window().Microseconds(), lim.Burst())
+			put(int64(lim.Algorithm()), int64(lim.Requests()), lim.Window().Microseconds(), int64(lim.Burst()))
 		}
 		for i := range c.items {
 			it := &c.items[i]
@@ -350,9 +381,11 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 					it.token = uint32(h.tokens.Add(1))
 				}
 			}
-			args = append(args, limIdx[*it.lim],
-				it.used, it.prevGrant, it.grantWindow, it.demand, it.mode, it.prevToken, it.token, int64(it.age)*1000)
+			put(int64(limIdx[*it.lim]), int64(it.used), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
+				int64(it.prevToken), int64(it.token), int64(it.age)*1000)
 		}
+		args := make([]any, 0, 2+len(c.items)-declared)
+		args = append(args, h.id, nums)
 		for i := declared; i < len(c.items); i++ {
 			args = append(args, c.items[i].e.key)
 		}
@@ -362,48 +395,91 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 			c.cmd = hybridScript.EvalSha(ctx, pipe, keys, args...)
 		}
 	}
+	// pipeline sends calls, perPipe a pipeline, one pipeline after another.
+	pipeline := func(calls []syncCall) (moved bool, firstErr error) {
+		for lo := 0; lo < len(calls); lo += perPipe {
+			batch := calls[lo:min(lo+perPipe, len(calls))]
+			if ctx.Err() != nil {
+				// Out of time: the rest stays pending for the next sync.
+				for i := range batch {
+					for k := range batch[i].items {
+						batch[i].items[k].err = ctx.Err()
+					}
+				}
+				if firstErr == nil {
+					firstErr = ctx.Err()
+				}
+				if applied != nil {
+					for i := range batch {
+						applied(batch[i].items)
+					}
+				}
+				continue
+			}
+			pipe := h.rdb.Pipeline()
+			for i := range batch {
+				run(pipe, &batch[i], false)
+			}
+			_, err := pipe.Exec(ctx)
+			if err != nil {
+				var again []*syncCall
+				for i := range batch {
+					if isNoScriptErr(batch[i].cmd.Err()) {
+						again = append(again, &batch[i])
+					}
+				}
+				if len(again) > 0 {
+					pipe = h.rdb.Pipeline()
+					for _, c := range again {
+						run(pipe, c, true)
+					}
+					_, err = pipe.Exec(ctx)
+				}
+			}
+			if err != nil && firstErr == nil {
+				firstErr = err
+			}
+			for i := range batch {
+				moved = parseSyncReply(&batch[i]) || moved
+			}
+			if applied != nil {
+				for i := range batch {
+					applied(batch[i].items)
+				}
+			}
+		}
+		return moved, firstErr
+	}
+	// On a cluster each master's calls go in pipelines of their own, the masters at once:
+	// go-redis's cluster pipeline, when a node fails, sets the error on every command of
+	// the pipeline once its retry runs out of time, so one frozen master would fail the
+	// keys of every other.
 	var firstErr error
 	moved := false
-	for lo := 0; lo < len(calls); lo += perPipe {
-		batch := calls[lo:min(lo+perPipe, len(calls))]
-		if ctx.Err() != nil {
-			// Out of time: the rest stays pending for the next sync.
-			for i := range batch {
-				for k := range batch[i].items {
-					batch[i].items[k].err = ctx.Err()
+	if !h.cluster {
+		moved, firstErr = pipeline(calls)
+	} else {
+		var wg gosync.WaitGroup
+		var mu gosync.Mutex
+		for lo := 0; lo < len(calls); {
+			hi := lo + 1
+			for hi < len(calls) && callNode[hi] == callNode[lo] {
+				hi++
+			}
+			wg.Add(1)
+			go func(calls []syncCall) {
+				defer wg.Done()
+				m, err := pipeline(calls)
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil && firstErr == nil {
+					firstErr = err
 				}
-			}
-			if firstErr == nil {
-				firstErr = ctx.Err()
-			}
-			continue
+				moved = moved || m
+			}(calls[lo:hi])
+			lo = hi
 		}
-		pipe := h.rdb.Pipeline()
-		for i := range batch {
-			run(pipe, &batch[i], false)
-		}
-		_, err := pipe.Exec(ctx)
-		if err != nil {
-			var again []*syncCall
-			for i := range batch {
-				if isNoScriptErr(batch[i].cmd.Err()) {
-					again = append(again, &batch[i])
-				}
-			}
-			if len(again) > 0 {
-				pipe = h.rdb.Pipeline()
-				for _, c := range again {
-					run(pipe, c, true)
-				}
-				_, err = pipe.Exec(ctx)
-			}
-		}
-		if err != nil && firstErr == nil {
-			firstErr = err
-		}
-		for i := range batch {
-			moved = parseSyncReply(&batch[i]) || moved
-		}
+		wg.Wait()
 	}
 	if moved {
 		if cc, ok := h.rdb.(*redis.ClusterClient); ok {
@@ -413,8 +489,12 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas int) error
 	return firstErr
 }
 
-// syncArgs is how many ARGV values scripts/hybrid.lua takes per key.
-const syncArgs = 9
+// callNums and syncArgs are how many numbers scripts/hybrid.lua takes per call (before
+// the limits) and per key.
+const (
+	callNums = 7
+	syncArgs = 9
+)
 
 // replyInts is how many integers scripts/hybrid.lua answers per key.
 const replyInts = 7
@@ -423,8 +503,15 @@ const replyInts = 7
 // whether a key was not served by the node (errNotServed).
 func parseSyncReply(c *syncCall) (moved bool) {
 	vals, err := int64s(c.cmd)
-	if err == nil && len(vals) != replyInts*len(c.items) {
-		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), replyInts*len(c.items))
+	want := replyInts * len(c.items)
+	if c.beat {
+		want++
+	}
+	if err == nil && len(vals) != want {
+		err = fmt.Errorf("script reply has %d elements, want %d", len(vals), want)
+	}
+	if err == nil && c.beat {
+		c.live = vals[want-1]
 	}
 	for i := range c.items {
 		it := &c.items[i]

@@ -74,6 +74,25 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 	return best, nil
 }
 
+// Where the next heartbeat stands (Hybrid.beat), on a standalone Redis.
+const (
+	beatIdle    int32 = iota // not due, or due and not yet offered
+	beatOffered              // due: the next sync's first script call may carry it
+	beatTaken                // a sync's call carries it; its reply is on its way
+)
+
+// rideBeat settles a heartbeat that rode on a sync's script call: live is the count of
+// live daemons it answered (0: the call failed, and Run offers it again).
+func (h *Hybrid) rideBeat(live int64) {
+	if live > 0 {
+		h.answered(h.clock())
+		h.SetReplicas(int(live))
+		h.rodeAt.Store(time.Now().UnixNano())
+		h.breaker.Success()
+	}
+	h.beat.Store(beatIdle)
+}
+
 // heartbeatEvery is the period of heartbeats: the count of daemons changes slowly, and a
 // heartbeat costs Redis a few commands, so at most one per second.
 func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Second) }
@@ -93,6 +112,11 @@ const kickEvery = 50 * time.Millisecond
 // no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
+//
+// On a standalone Redis, when id is the Hybrid's own ID, a heartbeat rides on a sync's
+// script call (a periodic sync or an exact one) that goes in the interval before it is
+// due, and is sent alone when due only if none does: a busy daemon's heartbeats then cost
+// Redis no call of their own.
 func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout time.Duration, onErr func(error)) {
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
@@ -149,6 +173,7 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	}
 	beat()
 	lastBeat := time.Now()
+	ride := !h.cluster && id == h.id
 	sweep := 0
 	for {
 		select {
@@ -158,8 +183,21 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			flush(true)
 			return
 		case <-t.C:
-			if time.Since(lastBeat) >= beatEvery {
-				lastBeat = time.Now()
+			if r := h.rodeAt.Load(); r > lastBeat.UnixNano() {
+				lastBeat = time.Unix(0, r)
+			}
+			// Riding, a heartbeat is offered to the syncs an interval before it is due,
+			// and goes alone when due if none took it: one a second either way.
+			switch since := time.Since(lastBeat); {
+			case !ride:
+				if since >= beatEvery {
+					lastBeat = time.Now()
+					beat()
+				}
+			case since >= beatEvery-h.interval && h.beat.CompareAndSwap(beatIdle, beatOffered):
+				// the next sync's first call carries it
+			case since >= beatEvery && h.beat.CompareAndSwap(beatOffered, beatIdle):
+				lastBeat = time.Now() // no sync took it: alone
 				beat()
 			}
 			flush(false)

@@ -1,7 +1,6 @@
 package sync
 
 import (
-	"context"
 	"math"
 	"time"
 
@@ -27,8 +26,10 @@ type HybridOp struct {
 //
 // Ops are decided from the local view. If the only refusals are of keys this daemon
 // cannot decide locally (no fresh view, and no grant or credit to cover the request),
-// Take waits for one exact sync of those keys (at most FetchWait) and decides
-// again from what Redis granted: the exact mode's answer, for the keys that need it.
+// Take waits for one exact sync of those keys and decides again from what Redis
+// granted: the exact mode's answer, for the keys that need it. Exact syncs of concurrent
+// requests go together (hybrid_fetch.go): a request waits at most for the batch in
+// flight and then its own, each bounded by FetchWait.
 //
 // A key whose sync is already in flight (another request's exact sync, or the periodic
 // one) is not synced twice: Take waits for that sync, within the same FetchWait, and
@@ -50,7 +51,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 		// granted what its own request needed: this one makes its own exact sync.
 		ok, items, busy := h.take(now, ops, true, waited, false)
 		if items != nil {
-			h.fetch(now, items)
+			h.fetch(items)
 			ok, _, _ = h.take(now, ops, false, false, false)
 			if ok || !lostRace(ops) || expired() {
 				return ok
@@ -271,22 +272,6 @@ func satAdd32(a uint32, b uint64) uint32 {
 // rules' policies).
 func (h *Hybrid) redisAnswering(int64) bool {
 	return !h.breaker.Open() && h.fetchFailed.Load() <= h.lastOK.Load()
-}
-
-// fetch runs the exact syncs Take waits for, and applies them. A failure does not count
-// against the breaker (one slow answer on a loaded Redis must not degrade every key):
-// the periodic syncs judge Redis, and redisAnswering keeps requests from waiting on a
-// Redis they find slow.
-func (h *Hybrid) fetch(now int64, items []syncItem) {
-	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
-	defer cancel()
-	start := time.Now()
-	h.fetches.Add(uint64(len(items)))
-	err := h.send(ctx, items, h.replicaCount())
-	h.observed("hybrid_fetch", start, err)
-	if failed, _ := h.applyAll(now, items); failed > 0 {
-		h.fetchFailed.Store(h.clock())
-	}
 }
 
 // Undo gives back what Take charged, for a request a later (local) check rejected.

@@ -2,6 +2,7 @@ package sync
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"strings"
 	"testing"
@@ -23,6 +24,16 @@ func standalone(t *testing.T) redis.UniversalClient {
 	}
 	t.Cleanup(func() { rdb.Close() })
 	return rdb
+}
+
+// hybridArgs is scripts/hybrid.lua's ARGV for a call by daemon id: its numbers packed
+// as the script reads them, then the names of any keys not declared.
+func hybridArgs(id string, nums ...int64) []any {
+	var b []byte
+	for _, v := range nums {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	return []any{id, b}
 }
 
 func mustLimit(t testing.TB, alg localbucket.Algorithm, requests uint64, window time.Duration) *localbucket.Limit {
@@ -345,9 +356,10 @@ func TestHybridLostReplyCountsOnce(t *testing.T) {
 	const key = "rl:lost:{user=1}"
 	run := func(used, prevGrant, demand, prevTok, tok uint64, window int64) []int64 {
 		t.Helper()
-		cmd := hybridScript.Run(ctx, rdb, []string{key},
-			"d1", int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1,
-			2, 100, int64(time.Hour/time.Microsecond), 0, 1, used, prevGrant, window, demand, modeShare, prevTok, tok, 0)
+		cmd := hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("d1",
+			int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1, 0,
+			2, 100, int64(time.Hour/time.Microsecond), 0,
+			1, int64(used), int64(prevGrant), window, int64(demand), int64(modeShare), int64(prevTok), int64(tok), 0)...)
 		v, err := int64s(cmd)
 		if err != nil {
 			t.Fatal(err)

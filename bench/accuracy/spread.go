@@ -24,6 +24,8 @@ type SpreadRow struct {
 	Degraded         float64
 	// Script calls and script time (µs, INFO commandstats) per check, each mode.
 	GlobalCalls, HybridCalls, GlobalUsec, HybridUsec float64
+	// The Redis process's CPU time (µs, INFO cpu) per check, each mode.
+	GlobalProcUsec, HybridProcUsec float64
 }
 
 // Ratio is hybrid ÷ global admissions: the target is 0.98–1.05.
@@ -38,16 +40,16 @@ func (r SpreadRow) Met() bool {
 // WriteSpreadTable writes the markdown table of rows to w.
 func WriteSpreadTable(w io.Writer, rows []SpreadRow) error {
 	var b strings.Builder
-	b.WriteString("| clients | limit | daemons | global admitted | hybrid admitted | hybrid ÷ global | hybrid degraded | script calls / check, global · hybrid | script µs / check, global · hybrid | target |\n")
-	b.WriteString("|---:|---|---:|---:|---:|---:|---:|---|---|---|\n")
+	b.WriteString("| clients | limit | daemons | global admitted | hybrid admitted | hybrid ÷ global | hybrid degraded | script calls / check, global · hybrid | script µs / check, global · hybrid | Redis CPU µs / check, global · hybrid | target |\n")
+	b.WriteString("|---:|---|---:|---:|---:|---:|---:|---|---|---|---|\n")
 	for _, r := range rows {
 		verdict := "0.98–1.05, < 1% ✓"
 		if !r.Met() {
 			verdict = "0.98–1.05, < 1% ✗ not met"
 		}
-		fmt.Fprintf(&b, "| %d | %s | %d | %d | %d | **%.3f** | %.2f%% | %.3f · %.3f | %.1f · %.1f | %s |\n",
+		fmt.Fprintf(&b, "| %d | %s | %d | %d | %d | **%.3f** | %.2f%% | %.3f · %.3f | %.1f · %.1f | %.1f · %.1f | %s |\n",
 			r.Clients, r.Limit, r.Daemons, r.Global, r.Hybrid, r.Ratio(), 100*r.Degraded,
-			r.GlobalCalls, r.HybridCalls, r.GlobalUsec, r.HybridUsec, verdict)
+			r.GlobalCalls, r.HybridCalls, r.GlobalUsec, r.HybridUsec, r.GlobalProcUsec, r.HybridProcUsec, verdict)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -23,8 +23,15 @@
 -- included); p = previous window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons; o = the last daemon that used the key
 -- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
--- than one daemon within share_epochs); s:<daemon> = that daemon's last sync of the key,
--- "prev_token token grant used window".
+-- than one daemon within share_epochs; a use by another daemon sets it at least
+-- share_epochs ahead, and at most half as much again, so it is rewritten at most every
+-- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
+-- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
+-- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
+-- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
+-- "prev_token token grant used window", written by a sync that changed the key's count
+-- (a sync that settles nothing and reserves nothing leaves the last record: replaying
+-- it, or losing its reply, has nothing to count twice).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -34,12 +41,18 @@
 -- answers the same grant.
 --
 -- KEYS: the keys, declared (on a cluster: the first key only, which routes the call to
--- its master; the others follow in ARGV). ARGV[1] daemon id, ARGV[2] interval_us,
--- ARGV[3] replicas, ARGV[4] minimum TTL in ms (how long a record must outlive a sync),
--- ARGV[5] share_epochs, ARGV[6] extra: how many keys are not declared (their names are
--- the last ARGV values, after every key's values), ARGV[7] limits: how many distinct
--- limits the keys have; then per limit 4 values: algorithm (0 token_bucket, 1
--- sliding_window, 2 fixed_window), requests, window_us, burst; then per key 9 values:
+-- its master; the others follow in ARGV).
+-- ARGV[1] daemon id; ARGV[2] every number of the call, each a little-endian 64-bit
+-- integer (struct.unpack: one string for Redis to hand over, not one per number, which
+-- cost a single-key call about a sixth of its time); ARGV[3..] the names of the keys not
+-- declared, in order.
+-- The numbers: interval_us, replicas, minimum TTL in ms (how long a record must outlive
+-- a sync), share_epochs, extra: how many keys are not declared, limits: how many distinct
+-- limits the keys have, heartbeat: 0, or (on a standalone Redis) the ttl in ms of a
+-- heartbeat this call carries for the daemon (heartbeat.lua's work: the last KEYS entry
+-- is then the live-daemons set, not a key to sync); then per limit 4 values: algorithm (0
+-- token_bucket, 1 sliding_window, 2 fixed_window), requests, window_us, burst; then per
+-- key 9 values:
 -- limit (its index among the limits, from 1), used, prev_grant, grant_window (the window
 -- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
 -- age_us (how long ago, by the daemon's clock, the key was last checked: units used
@@ -49,25 +62,24 @@
 -- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
 -- answers grant -1: the daemon keeps its units for the next sync.
--- Returns per key 7 integers: grant (whole units), remaining, reset_us, retry_us, window
+-- Returns per key 7 integers (and, after them, the live daemons if the call carries a
+-- heartbeat): grant (whole units), remaining, reset_us, retry_us, window
 -- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and shared: 1 if another daemon used the key within
 -- share_epochs (its daemons then admit on grants only, no credit).
 local id = ARGV[1]
-local interval = tonumber(ARGV[2])
-local replicas = math.max(1, tonumber(ARGV[3]))
-local min_ttl = tonumber(ARGV[4])
-local share_epochs = tonumber(ARGV[5])
-local extra = tonumber(ARGV[6])
-local nlimits = tonumber(ARGV[7])
+local nums = ARGV[2]
+local interval, replicas, min_ttl, share_epochs, extra, nlimits, beat_ttl, pos = struct.unpack('<i8i8i8i8i8i8i8', nums)
+replicas = math.max(1, replicas)
 local limits = {}
 for j = 1, nlimits do
-  local b = 7 + (j - 1) * 4
-  limits[j] = {tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])}
+  local a1, a2, a3, a4
+  a1, a2, a3, a4, pos = struct.unpack('<i8i8i8i8', nums, pos)
+  limits[j] = {a1, a2, a3, a4}
 end
-local kargs = 7 + nlimits * 4 -- where the keys' values start
 local declared = #KEYS
+if beat_ttl > 0 then declared = declared - 1 end
 local nkeys = declared + extra
 local rfield = 's:' .. id
 
@@ -83,34 +95,42 @@ local function num(x) return string.format('%.17g', x) end
 -- always; the window counts for windows; the demand epochs only when this sync brings
 -- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
 -- per key.
-local fields = {
-  [false] = {[false] = {'t', rfield, 'o', 'x', 'k'}, [true] = {'t', rfield, 'o', 'x', 'k', 'e', 'dc', 'dp'}},
-  [true] = {[false] = {'t', rfield, 'o', 'x', 'k', 'n', 'p'}, [true] = {'t', rfield, 'o', 'x', 'k', 'n', 'p', 'e', 'dc', 'dp'}},
-}
+-- Built when first needed: a call of one key (an exact sync) builds one list, not four.
+local fieldsets = {}
+local function fields(win, dem)
+  local k = 1
+  if win then k = k + 2 end
+  if dem then k = k + 1 end
+  local fl = fieldsets[k]
+  if not fl then
+    fl = {'t', rfield, 'o', 'x', 'k', 'hx', 'gx'}
+    if win then fl[#fl + 1] = 'n'; fl[#fl + 1] = 'p' end
+    if dem then fl[#fl + 1] = 'e'; fl[#fl + 1] = 'dc'; fl[#fl + 1] = 'dp' end
+    fieldsets[k] = fl
+  end
+  return fl
+end
 -- How long a reservation of a previous user's credit (field k) lasts: longer than a
 -- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
 -- the credit lapses on the daemon before its reservation lapses here.
 local credit_life = 60000000
 local me = id .. ' ' .. epoch -- the last user, as this sync records it
+local now_ms = math.floor(now / 1000)
 
 local out = {}
 for i = 1, nkeys do
   local key = KEYS[i]
-  if i > declared then key = ARGV[kargs + nkeys * 9 + i - declared] end
-  local a = kargs + (i - 1) * 9
-  local lim = limits[tonumber(ARGV[a + 1])]
+  if i > declared then key = ARGV[2 + i - declared] end
+  local li, used, prev_grant, grant_window, demand, mode, prev_token, token, age
+  li, used, prev_grant, grant_window, demand, mode, prev_token, token, age, pos =
+    struct.unpack('<i8i8i8i8i8i8i8i8i8', nums, pos)
+  -- Tokens are compared with, and written into, sync records as decimal strings.
+  prev_token, token = tostring(prev_token), tostring(token)
+  local lim = limits[li]
   local alg, requests, window, burst = lim[1], lim[2], lim[3], lim[4]
-  local used = tonumber(ARGV[a + 2])
-  local prev_grant = tonumber(ARGV[a + 3])
-  local grant_window = tonumber(ARGV[a + 4])
-  local demand = tonumber(ARGV[a + 5])
-  local mode = tonumber(ARGV[a + 6])
-  local prev_token = ARGV[a + 7]
-  local token = ARGV[a + 8]
-  local age = tonumber(ARGV[a + 9])
 
   local win = alg ~= 0
-  local h = redis.pcall('HMGET', key, unpack(fields[win][mode == 0 and demand > 0]))
+  local h = redis.pcall('HMGET', key, unpack(fields(win, mode == 0 and demand > 0)))
   if h.err then
     -- not served here (a slot moved): nothing touched
     local r = (i - 1) * 7
@@ -118,15 +138,19 @@ for i = 1, nkeys do
     for k = 2, 7 do out[r + k] = 0 end
   else
     local t = tonumber(h[1]) or 0
+    local t0 = tonumber(h[1]) -- as read: t, n and p are written only if they change
     local rec, last, shared = h[2], h[3], h[4]
     local kres = h[5]
-    local d = 6 -- where the demand epochs are in h
+    local hx = tonumber(h[6])
+    if h[7] then hx = nil end -- the global mode also sets this key's TTL
+    local d = 8 -- where the demand epochs are in h
     local n, p = 0, 0
     if win then
-      n = tonumber(h[6]) or 0
-      p = tonumber(h[7]) or 0
-      d = 8
+      n = tonumber(h[8]) or 0
+      p = tonumber(h[9]) or 0
+      d = 10
     end
+    local n0, p0 = n, p
     local e = tonumber(h[d]) or 0
     local dc = tonumber(h[d + 1]) or 0
     local dp = tonumber(h[d + 2]) or 0
@@ -137,7 +161,7 @@ for i = 1, nkeys do
     if h[1] == false then settle = used end
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
-    local replay, replay_grant = false, 0
+    local replay, replay_grant, resent = false, 0, false
     if rec then
       local rp, rt = string.match(rec, '^(%S+) (%S+) ')
       if rt == token then
@@ -151,6 +175,7 @@ for i = 1, nkeys do
         -- prev_grant and reserved rg. Count only what was used since, against rg.
         settle = (used - tonumber(ru)) - tonumber(rg)
         grant_window = tonumber(rw) -- the window that grant was taken from
+        resent = true
       end
     end
 
@@ -171,10 +196,12 @@ for i = 1, nkeys do
     -- Shared: another daemon used the key lately.
     local x = tonumber(shared) or 0
     local o = nil
+    local other = false -- another daemon used the key within share_epochs
     if used > 0 or demand > 0 then
       if last and last ~= me then
         local oid, oep = string.match(last, '^(%S+) (%S+)$')
         if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
+          other = true
           if x < epoch and not kown then
             -- The key changes hands: its last user was answered "not shared" and may
             -- hold credit, up to a 2N-th of the capacity (growth included), that no
@@ -186,7 +213,7 @@ for i = 1, nkeys do
               res, kown, kset = c, oid, oid .. ' ' .. c .. ' ' .. num(now + credit_life)
             end
           end
-          x = epoch + share_epochs
+          if x < epoch + share_epochs then x = epoch + share_epochs + math.floor(share_epochs / 2) end
         end
       end
       o = me
@@ -317,9 +344,12 @@ for i = 1, nkeys do
     -- demand only when this sync brought some, n and p only for the windows. Numbers passed
     -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
     -- window start goes through num).
-    local f = {'t', t}
-    if alg ~= 0 then
-      f[#f + 1] = 'n'; f[#f + 1] = n; f[#f + 1] = 'p'; f[#f + 1] = p
+    local f = {}
+    if t ~= t0 or n ~= n0 or p ~= p0 then
+      f[1] = 't'; f[2] = t
+      if alg ~= 0 then
+        f[3] = 'n'; f[4] = n; f[5] = 'p'; f[6] = p
+      end
     end
     if share_demand > 0 then
       f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
@@ -330,20 +360,40 @@ for i = 1, nkeys do
     if kset then
       f[#f + 1] = 'k'; f[#f + 1] = kset
     end
-    if o and o ~= last then
-      f[#f + 1] = 'o'; f[#f + 1] = o
-    end
-    if not replay then
+    if not replay and (settle ~= 0 or reserve ~= 0 or resent) then
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
       f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
     end
-    redis.call('HSET', key, unpack(f))
-    if kset == false then redis.call('HDEL', key, 'k') end
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
-    -- records must last.
-    redis.call('PEXPIRE', key, math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000)
+    -- records must last: need ms from now. The TTL grows only when it ends sooner, and
+    -- then by up to 10 s more, so a key synced often is given a TTL every 10 s, not at
+    -- every sync (one command less per key, and per exact sync).
+    local need = math.ceil(math.max(ttl / 1000, 4 * interval / 1000, min_ttl)) + 1000
+    -- A key's first sync (no state yet: most keys of a sparse load are synced once)
+    -- writes no hx: it would cost a field and save nothing.
+    local expire = nil
+    if not hx or hx < now_ms + need then
+      if t0 then
+        expire = need + math.min(math.floor(need / 2), 10000)
+        f[#f + 1] = 'hx'; f[#f + 1] = now_ms + expire
+      else
+        expire = need
+      end
+    end
+    -- The last user: written with the rest; alone (a sync that changes nothing else,
+    -- typically an exact sync refused) only if the key is not already marked shared for
+    -- at least share_epochs ÷ 2 more epochs with another daemon's use on record. While it
+    -- is, no daemon gets credit, and the first sync past that half writes it again, so
+    -- credit is never given to, nor kept from a reservation for, a daemon it would be
+    -- otherwise (the refusals of a spread client then cost a read, as in the global mode).
+    if o and o ~= last and (#f > 0 or not (other and x >= epoch + math.floor(share_epochs / 2))) then
+      f[#f + 1] = 'o'; f[#f + 1] = o
+    end
+    if #f > 0 then redis.call('HSET', key, unpack(f)) end
+    if kset == false then redis.call('HDEL', key, 'k') end
+    if expire then redis.call('PEXPIRE', key, expire) end
     local r = (i - 1) * 7
     out[r + 1] = grant
     out[r + 2] = remaining
@@ -355,5 +405,14 @@ for i = 1, nkeys do
     -- credit nobody has counted.
     if x >= epoch or kown then out[r + 7] = 1 else out[r + 7] = 0 end
   end
+end
+if beat_ttl > 0 then
+  -- The daemon's heartbeat, as heartbeat.lua does it, riding on this call.
+  local dk = KEYS[#KEYS]
+  local ms = math.floor(now / 1000)
+  redis.call('ZADD', dk, ms, id)
+  redis.call('ZREMRANGEBYSCORE', dk, '-inf', ms - beat_ttl)
+  redis.call('PEXPIRE', dk, 2 * beat_ttl)
+  out[#out + 1] = redis.call('ZCARD', dk)
 end
 return out

@@ -1,0 +1,129 @@
+package sync
+
+import (
+	"context"
+	"runtime"
+	gosync "sync"
+	"sync/atomic"
+	"time"
+)
+
+// Exact syncs, batched: the requests that wait for an exact sync of their keys (Take)
+// go together, as the global mode's checks do (autoPipe). While one batch is on the
+// wire the requests that arrive queue, and go as the next batch: one send, many keys
+// per script call (fetchCallKeys; on a cluster, keys of one master per call, the masters
+// at once). A lone request goes at once, as before. Each request is woken as soon as
+// its own keys' replies are applied (on a cluster, a slow master delays only the
+// requests whose keys it holds, and the one request sending the batch, which waits for
+// all of it), and a call that fails fails only its own keys.
+//
+// No goroutine of its own: the request that finds no batch in flight sends one; when it
+// is done, the first request still queued is woken to send the next. A key is never in
+// two batches: its
+// snapshot marks it busy (flagBusy) until its reply is applied, and a request on a busy
+// key waits for that sync (Take) instead of queueing another.
+
+// fetchQueue is the exact syncs waiting for the batch in flight. Its zero value is
+// ready; safe for concurrent use.
+type fetchQueue struct {
+	mu    gosync.Mutex
+	busy  bool // a batch is on its way; the requests queued go as the next one
+	queue []*fetchReq
+}
+
+// fetchReq is one request's exact syncs.
+type fetchReq struct {
+	items []syncItem
+	left  atomic.Int32 // items not yet applied
+	done  chan bool    // true: lead the next batch; false: items applied
+}
+
+// fetchPipe bounds the calls of one batch's pipeline: in practice all of them, one
+// pipeline per node (a batch is the requests that arrived during one round trip).
+const fetchPipe = 1 << 16
+
+// fetch runs the exact syncs Take waits for, in the next batch, and returns once they
+// are applied. A failure does not count against the breaker (one slow answer on a loaded
+// Redis must not degrade every key): the periodic syncs judge Redis, and redisAnswering
+// keeps requests from waiting on a Redis they find slow.
+//
+// A request waits at most for the batch in flight and then its own, each bounded by
+// FetchWait.
+func (h *Hybrid) fetch(items []syncItem) {
+	r := &fetchReq{items: items, done: make(chan bool, 1)}
+	q := &h.fetchQ
+	q.mu.Lock()
+	q.queue = append(q.queue, r)
+	lead := !q.busy
+	q.busy = true
+	q.mu.Unlock()
+	for {
+		if lead {
+			h.sendFetches()
+		}
+		if lead = <-r.done; !lead {
+			return
+		}
+	}
+}
+
+// sendFetches sends every queued request's exact syncs as one batch, applies the
+// replies, wakes the requests, and hands the next batch to the first request that
+// queued meanwhile.
+func (h *Hybrid) sendFetches() {
+	// Let the requests already runnable queue first: requests that need an exact sync
+	// together (a connection's pipelined checks) then go in one batch, not the first
+	// alone and the rest a round trip later. A lone request loses a scheduler pass.
+	runtime.Gosched()
+	q := &h.fetchQ
+	q.mu.Lock()
+	batch := q.queue
+	q.queue = nil
+	q.mu.Unlock()
+
+	n := 0
+	for _, r := range batch {
+		n += len(r.items)
+		r.left.Store(int32(len(r.items)))
+		for k := range r.items {
+			r.items[k].req = r
+		}
+	}
+	items := batch[0].items
+	if len(batch) > 1 {
+		items = make([]syncItem, 0, n)
+		for _, r := range batch {
+			items = append(items, r.items...)
+		}
+	}
+	// applied applies items whose replies are in and wakes each request whose items
+	// are all applied.
+	applied := func(its []syncItem) {
+		if failed, _ := h.applyAll(its); failed > 0 {
+			h.fetchFailed.Store(h.clock())
+		}
+		for i := range its {
+			if r := its[i].req; r.left.Add(-1) == 0 {
+				r.done <- false
+			}
+		}
+	}
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
+	h.fetches.Add(uint64(n))
+	err := h.send(ctx, items, h.replicaCount(), fetchCallKeys, fetchPipe, applied)
+	cancel()
+	h.observed("hybrid_fetch", start, err)
+
+	q.mu.Lock()
+	var next *fetchReq
+	if len(q.queue) > 0 {
+		next = q.queue[0]
+	} else {
+		q.busy = false
+	}
+	q.mu.Unlock()
+	if next != nil {
+		next.done <- true
+	}
+}

@@ -1,0 +1,357 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	gosync "sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// loadHybridScript loads scripts/hybrid.lua on every node, as a daemon's first sync
+// would: the counts below are of the calls themselves, not of NOSCRIPT retries.
+func loadHybridScript(t *testing.T, nodes ...*redis.Client) {
+	t.Helper()
+	for _, n := range nodes {
+		if err := hybridScript.Load(context.Background(), n).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// exactSyncsBatched runs n concurrent first requests, each on a key of its own with a
+// limit of 1 per hour (so no credit: each needs an exact sync), while Redis is frozen
+// under the first one's sync: the others arrive while a sync is in flight, and must go
+// together in the next one. It returns the script calls the requests cost and the
+// batches of exact syncs sent, and checks that each request was decided exactly: every
+// first request admitted, a second one refused, Redis counting exactly one unit per key.
+func exactSyncsBatched(t *testing.T, rdb redis.UniversalClient, freeze, thaw func(), calls func() int, prefix string, n int) (int, int) {
+	t.Helper()
+	ctx := context.Background()
+	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	var batches atomic.Int64
+	h := NewHybrid(rdb, HybridOptions{ID: "batch", FetchWait: 10 * time.Second}).WithObserver(func(op string, _ time.Duration, _ error) {
+		if op == "hybrid_fetch" {
+			batches.Add(1)
+		}
+	})
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("%s:{user=%d}", prefix, i)
+	}
+	before := calls()
+	freeze()
+	allowed := make([]bool, n)
+	var wg gosync.WaitGroup
+	for i := range keys {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ops := []HybridOp{{Key: []byte(keys[i]), Limit: lim, Cost: 1}}
+			allowed[i] = h.Take(time.Now().UnixNano(), ops)
+		}()
+	}
+	time.Sleep(500 * time.Millisecond) // every request has queued behind the frozen sync
+	thaw()
+	wg.Wait()
+	got, sent := calls()-before, int(batches.Load())
+	for i, k := range keys {
+		if !allowed[i] {
+			t.Fatalf("%s: a client's first request was refused with a limit of 1 per hour", k)
+		}
+		if take(h, time.Now().UnixNano(), k, lim, 1).Allowed {
+			t.Fatalf("%s: a second request was admitted with a limit of 1 per hour", k)
+		}
+		if c, err := rdb.HGet(ctx, k, "n").Int(); err != nil || c != 1 {
+			t.Fatalf("%s: Redis counts %d (%v), want 1: the unit admitted was not counted exactly once", k, c, err)
+		}
+	}
+	return got, sent
+}
+
+// Exact syncs that arrive while one is in flight go together in the next send: many
+// keys per script call (fetchCallKeys), as the global mode batches its checks. Before,
+// each waiting request was a script call of its own.
+func TestHybridExactSyncsBatched(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer node.Close()
+	loadHybridScript(t, node)
+	const n = 150
+	got, batches := exactSyncsBatched(t, rdb, srv.Freeze, srv.Thaw, func() int { return evalCalls(t, rdb) }, "rl:xb", n)
+	// Two batches at most (the one frozen, the rest) of n keys in all, fetchCallKeys
+	// keys a call.
+	want := 1 + (n+fetchCallKeys-1)/fetchCallKeys
+	if got > want || batches > 2 {
+		t.Fatalf("%d concurrent exact syncs cost %d script calls in %d batches, want at most %d in 2", n, got, batches, want)
+	}
+	t.Logf("%d concurrent exact syncs: %d script calls in %d batches", n, got, batches)
+}
+
+// On a 3-master cluster the exact syncs queued together are one call per master (of at
+// most fetchCallKeys keys), whatever their slots.
+func TestHybridExactSyncsBatchedCluster(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	nodes := make([]*redis.Client, len(cl.Addrs))
+	for i, a := range cl.Addrs {
+		nodes[i] = redis.NewClient(&redis.Options{Addr: a})
+		defer nodes[i].Close()
+	}
+	loadHybridScript(t, nodes...)
+	calls := func() int {
+		c := 0
+		for _, n := range nodes {
+			c += evalCalls(t, n)
+		}
+		return c
+	}
+	freeze := func() {
+		for _, n := range cl.Nodes {
+			n.Freeze()
+		}
+	}
+	thaw := func() {
+		for _, n := range cl.Nodes {
+			n.Thaw()
+		}
+	}
+	const n = 150 // about 50 keys on each master, in about 150 slots
+	got, batches := exactSyncsBatched(t, rdb, freeze, thaw, calls, "rl:xbc", n)
+	// Two batches at most (the one frozen, the rest), each one call per master (about
+	// 50 keys each, under fetchCallKeys).
+	if want := 2 * len(cl.Addrs); got > want || batches > 2 {
+		t.Fatalf("%d concurrent exact syncs on a %d-master cluster cost %d script calls in %d batches, want at most %d calls in 2 batches",
+			n, len(cl.Addrs), got, batches, want)
+	}
+	t.Logf("%d concurrent exact syncs on a %d-master cluster: %d script calls in %d batches", n, len(cl.Addrs), got, batches)
+}
+
+// Concurrent requests on a few keys, over their limit, from several daemons: every key
+// admits exactly its limit in all, whatever the batches, and Redis counts exactly what
+// was admitted (nothing taken twice, nothing lost).
+func TestHybridExactSyncsBatchedExact(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	const daemons, keys, perKey, limit = 3, 40, 12, 5
+	lim := mustLimit(t, localbucket.FixedWindow, limit, time.Hour)
+	hs := make([]*Hybrid, daemons)
+	for i := range hs {
+		hs[i] = NewHybrid(rdb, HybridOptions{ID: fmt.Sprint("d", i), FetchWait: 5 * time.Second})
+		hs[i].SetReplicas(daemons)
+	}
+	admitted := make([]int, keys)
+	var mu gosync.Mutex
+	var wg gosync.WaitGroup
+	for k := range keys {
+		for r := range perKey {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ops := []HybridOp{{Key: []byte(fmt.Sprintf("rl:xe:{user=%d}", k)), Limit: lim, Cost: 1}}
+				if hs[(k+r)%daemons].Take(time.Now().UnixNano(), ops) {
+					mu.Lock()
+					admitted[k]++
+					mu.Unlock()
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	for _, h := range hs { // settle every key and give back every grant
+		if err := h.Release(ctx, time.Now().UnixNano()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	total := 0
+	for k := range keys {
+		key := fmt.Sprintf("rl:xe:{user=%d}", k)
+		if admitted[k] > limit {
+			t.Fatalf("%s: admitted %d of %d with a limit of %d", key, admitted[k], perKey, limit)
+		}
+		if c, err := rdb.HGet(ctx, key, "n").Int(); err != nil || c != admitted[k] {
+			t.Fatalf("%s: Redis counts %d (%v), %d admitted", key, c, err, admitted[k])
+		}
+		total += admitted[k]
+	}
+	t.Logf("admitted %d of %d requests, limit %d per key over %d keys", total, keys*perKey, limit, keys)
+}
+
+// A batch whose call to one master fails (the master frozen past FetchWait) fails only
+// the requests whose keys live there: the others, in the same batch, are decided from
+// their replies as soon as their masters answer, not when the frozen one times out, and
+// nothing is counted twice once the master is back.
+func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	nodes := make([]*redis.Client, len(cl.Addrs))
+	for i, a := range cl.Addrs {
+		nodes[i] = redis.NewClient(&redis.Options{Addr: a})
+		defer nodes[i].Close()
+	}
+	loadHybridScript(t, nodes...)
+	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	const n = 60
+	keys := make([]string, n)
+	onFrozen := make([]bool, n)
+	frozen := cl.Nodes[0]
+	for i := range keys {
+		keys[i] = fmt.Sprintf("rl:xf:{user=%d}", i)
+		m, err := cc.MasterForKey(ctx, keys[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		onFrozen[i] = m.Options().Addr == frozen.Addr
+	}
+	const fetchWait = time.Second
+	h := NewHybrid(rdb, HybridOptions{ID: "fail", FetchWait: fetchWait})
+	// Every request queues behind a batch in flight (as if one were), so all of them go
+	// in one batch when it is handed on.
+	q := &h.fetchQ
+	q.mu.Lock()
+	q.busy = true
+	q.mu.Unlock()
+	allowed := make([]bool, n)
+	took := make([]time.Duration, n)
+	var start time.Time
+	var wg gosync.WaitGroup
+	for i := range keys {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			allowed[i] = h.Take(time.Now().UnixNano(), []HybridOp{{Key: []byte(keys[i]), Limit: lim, Cost: 1}})
+			took[i] = time.Since(start)
+		}()
+	}
+	for {
+		q.mu.Lock()
+		queued := len(q.queue)
+		q.mu.Unlock()
+		if queued == n {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	frozen.Freeze()
+	q.mu.Lock()
+	lead := q.queue[0]
+	q.mu.Unlock()
+	leadKey := lead.items[0].e.key // the request that sends the batch waits for all of it
+	start = time.Now()
+	lead.done <- true // the batch in flight is done: the first queued sends the next
+	wg.Wait()
+	frozen.Thaw()
+	healthy := 0
+	for i, k := range keys {
+		if onFrozen[i] {
+			if allowed[i] {
+				t.Fatalf("%s: admitted though its master was frozen past FetchWait", k)
+			}
+			continue
+		}
+		healthy++
+		if !allowed[i] {
+			t.Fatalf("%s: refused though its master answered (a failure on another master failed it)", k)
+		}
+		if k != leadKey && took[i] >= fetchWait/2 {
+			t.Fatalf("%s: decided %v after its batch went, though its master answered: it waited for the frozen one", k, took[i])
+		}
+	}
+	if healthy == 0 || healthy == n {
+		t.Fatalf("%d of %d keys on healthy masters: want some of each", healthy, n)
+	}
+	// Nothing was admitted for the frozen master's keys, and the healthy keys were
+	// counted once: a sync of every key now settles what each admitted.
+	if err := h.Release(ctx, time.Now().UnixNano()); err != nil {
+		t.Fatal(err)
+	}
+	for i, k := range keys {
+		want := 0
+		if allowed[i] {
+			want = 1
+		}
+		if c, err := rdb.HGet(ctx, k, "n").Int(); (err != nil && err != redis.Nil) || c != want {
+			t.Fatalf("%s: Redis counts %d (%v), want %d", k, c, err, want)
+		}
+	}
+}
+
+// On a standalone Redis a daemon's heartbeat rides on its syncs' script calls while it
+// makes some (an exact sync every few milliseconds here): no heartbeat call of its own
+// after the first, yet the live-daemons set sees it every second; once the traffic
+// stops, heartbeats go alone again.
+func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	var alone atomic.Int64
+	h := NewHybrid(rdb, HybridOptions{ID: "ride", Interval: 20 * time.Millisecond}).WithObserver(func(op string, _ time.Duration, err error) {
+		if op == "heartbeat" && err == nil {
+			alone.Add(1)
+		}
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(runCtx, "ride", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	defer func() { stop(); <-done }()
+	score := func() float64 {
+		v, err := rdb.ZScore(ctx, DaemonsKey, "ride").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	for alone.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	first := score()
+	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	fetches := h.Fetches()
+	for i, end := 0, time.Now().Add(2500*time.Millisecond); time.Now().Before(end); i++ {
+		take(h, time.Now().UnixNano(), fmt.Sprintf("rl:ride:{user=%d}", i), lim, 1) // an exact sync each
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := h.Fetches() - fetches; n < 100 {
+		t.Fatalf("only %d exact syncs in 2.5 s", n)
+	}
+	if n := alone.Load(); n != 1 {
+		t.Fatalf("%d heartbeat calls of their own while exact syncs went every 5 ms, want 1 (the first)", n)
+	}
+	if last := score(); last < first+1500 {
+		t.Fatalf("the live-daemons set saw the daemon at %v ms, then at %v: no heartbeat rode on the syncs", first, last)
+	}
+	if h.Replicas() != 1 {
+		t.Fatalf("replicas %d, want 1", h.Replicas())
+	}
+	// No traffic: the next heartbeat goes alone, within its period and an interval.
+	deadline := time.Now().Add(3 * time.Second)
+	for alone.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("no heartbeat of its own within 3 s of the traffic stopping")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
