@@ -38,6 +38,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/rawio"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -129,7 +130,7 @@ type Server struct {
 	// heads holds each rule's pre-encoded name, limit and window for the answers.
 	heads ruleHeads
 	// spin is the busy-poll budget connections share (Config.BusyPoll); nil when off.
-	spin *spinner
+	spin *rawio.Spinner
 }
 
 // now reads the clock: it returns the monotonic time decisions are made on, and tells
@@ -152,7 +153,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	cfg.setDefaults()
 	srv := &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize}
 	if cfg.BusyPoll > 0 {
-		srv.spin = &spinner{budget: cfg.BusyPoll}
+		srv.spin = rawio.NewSpinner(cfg.BusyPoll)
 	}
 	return srv, nil
 }
@@ -412,7 +413,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	if s.cfg.MaxAttrLen > 0 {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
-	cn.rw = newConnIO(c, s.spin)
+	cn.rw = rawio.New(c, s.spin)
 	cn.br.Reset(cn.rw) // keeps its buffer
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once.

@@ -4,9 +4,12 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -202,4 +205,19 @@ func TestWriteTimeoutFreesSlot(t *testing.T) {
 	waitConns(t, s, 0, 5*time.Second)
 	c.Close()
 	<-wrote
+}
+
+// TestIsClosedKnowsRawIOErrors: the errors internal/rawio documents for a connection that
+// ended (the peer closed, Shutdown closed it, a deadline passed, a reset) are the ones the
+// connection loop treats as a close, not a failure to log.
+func TestIsClosedKnowsRawIOErrors(t *testing.T) {
+	for _, err := range []error{io.EOF, net.ErrClosed, os.ErrDeadlineExceeded, syscall.ECONNRESET, syscall.EPIPE,
+		fmt.Errorf("read: %w", syscall.ECONNRESET)} {
+		if !isClosed(err) {
+			t.Errorf("isClosed(%v) = false", err)
+		}
+	}
+	if isClosed(syscall.EBADF) {
+		t.Error("isClosed(EBADF) = true: a real failure would go unlogged")
+	}
 }

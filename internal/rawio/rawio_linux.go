@@ -1,8 +1,7 @@
-package daemon
+package rawio
 
 import (
 	"io"
-	"net"
 	"runtime"
 	"syscall"
 	"unsafe"
@@ -23,12 +22,12 @@ import (
 // A rawIO is used by its connection's goroutine only, as net.Conn's Read and Write are.
 type rawIO struct {
 	rc   syscall.RawConn
-	spin *spinner // nil: wait in the netpoller at once
+	spin *Spinner // nil: wait in the netpoller at once
 }
 
-// newConnIO returns the reader and writer of c's hot path: rawIO, or c itself when its
-// raw descriptor is not available.
-func newConnIO(c *net.UnixConn, spin *spinner) io.ReadWriter {
+// New returns the reader and writer of c's hot path: a rawIO, or c itself when its raw
+// descriptor is not available. spin, when not nil, is the busy-poll budget c shares.
+func New(c Conn, spin *Spinner) io.ReadWriter {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return c
