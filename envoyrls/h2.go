@@ -36,6 +36,8 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 	gproto "google.golang.org/protobuf/proto"
+
+	"github.com/rlsidecar/rlsidecar/internal/rawio"
 )
 
 // Transports the Envoy listener can be served with (Config.Transport).
@@ -226,7 +228,14 @@ type h2stream struct {
 }
 
 func newH2Conn(s *Server, nc net.Conn) *h2conn {
-	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(nc, 32<<10), bw: bufio.NewWriterSize(nc, 32<<10),
+	// Reads and writes go through raw system calls where the socket allows (internal/rawio):
+	// through net.Conn, the first read after an idle moment wakes the runtime's sysmon
+	// thread on the call's path.
+	var rw io.ReadWriter = nc
+	if rc, ok := nc.(rawio.Conn); ok {
+		rw = rawio.New(rc, nil)
+	}
+	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(rw, 32<<10), bw: bufio.NewWriterSize(rw, 32<<10),
 		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
 		recvConn: h2Window, sc: new(scratch)}
 	cn.rfr = http2.NewFramer(io.Discard, cn.br)
