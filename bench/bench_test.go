@@ -81,6 +81,13 @@ func startServerAt(tb testing.TB, name, sockName string, args ...string) *server
 			cmd = exec.Command("nice", append([]string{"-n", n}, cmd.Args...)...)
 		}
 	}
+	// The benchmark's own settings are not the daemon's (it would warn that no flag
+	// takes them).
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "RLSIDECAR_BENCH_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		tb.Fatal(err)
