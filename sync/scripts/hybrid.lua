@@ -68,15 +68,24 @@
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and shared: 1 if another daemon used the key within
 -- share_epochs (its daemons then admit on grants only, no credit).
+-- The libraries as locals: one lookup each per call, not one per use.
+local math, string, struct, redis, tonumber = math, string, struct, redis, tonumber
 local id = ARGV[1]
 local nums = ARGV[2]
 local interval, replicas, min_ttl, share_epochs, extra, nlimits, beat_ttl, pos = struct.unpack('<i8i8i8i8i8i8i8', nums)
 replicas = math.max(1, replicas)
-local limits = {}
-for j = 1, nlimits do
+-- The limits, flat (4 values each, limit j from 4(j-1)+1): one table per call, not one
+-- per limit (every table a call makes is garbage the next collection step pays for).
+local limits
+if nlimits == 1 then
   local a1, a2, a3, a4
   a1, a2, a3, a4, pos = struct.unpack('<i8i8i8i8', nums, pos)
-  limits[j] = {a1, a2, a3, a4}
+  limits = {a1, a2, a3, a4} -- made at its size
+else
+  limits = {}
+  for j = 0, 4 * (nlimits - 1), 4 do
+    limits[j + 1], limits[j + 2], limits[j + 3], limits[j + 4], pos = struct.unpack('<i8i8i8i8', nums, pos)
+  end
 end
 local declared = #KEYS
 if beat_ttl > 0 then declared = declared - 1 end
@@ -91,54 +100,53 @@ local epoch = math.floor(now / interval)
 -- microseconds of a timestamp.
 local function num(x) return string.format('%.17g', x) end
 
--- The fields a key's sync reads: its own record, the last user and the shared mark
--- always; the window counts for windows; the demand epochs only when this sync brings
--- demand for a share grant (nothing else reads or writes them). Fewer fields, less work
--- per key.
--- Built when first needed: a call of one key (an exact sync) builds one list, not four.
-local fieldsets = {}
-local function fields(win, dem)
-  local k = 1
-  if win then k = k + 2 end
-  if dem then k = k + 1 end
-  local fl = fieldsets[k]
-  if not fl then
-    fl = {'t', rfield, 'o', 'x', 'k', 'hx', 'gx'}
-    if win then fl[#fl + 1] = 'n'; fl[#fl + 1] = 'p' end
-    if dem then fl[#fl + 1] = 'e'; fl[#fl + 1] = 'dc'; fl[#fl + 1] = 'dp' end
-    fieldsets[k] = fl
-  end
-  return fl
-end
+-- The fields a key's sync reads (hmget below): its own record, the last user and the
+-- shared mark always; the window counts for windows; the demand epochs only when this
+-- sync brings demand for a share grant (nothing else reads or writes them). Fewer
+-- fields, less work per key. Each list is written out in its call: no table to build
+-- and unpack per call (an exact sync is a call of one key).
 -- How long a reservation of a previous user's credit (field k) lasts: longer than a
 -- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
 -- the credit lapses on the daemon before its reservation lapses here.
 local credit_life = 60000000
-local me = id .. ' ' .. epoch -- the last user, as this sync records it
+local me = string.format('%s %d', id, epoch) -- the last user, as this sync records it (%d: see the record)
 local now_ms = math.floor(now / 1000)
 
-local out = {}
+local out
+if nkeys == 1 then out = {0, 0, 0, 0, 0, 0, 0} else out = {} end -- one key: made at its size
 for i = 1, nkeys do
   local key = KEYS[i]
   if i > declared then key = ARGV[2 + i - declared] end
   local li, used, prev_grant, grant_window, demand, mode, prev_token, token, age
   li, used, prev_grant, grant_window, demand, mode, prev_token, token, age, pos =
     struct.unpack('<i8i8i8i8i8i8i8i8i8', nums, pos)
-  -- Tokens are compared with, and written into, sync records as decimal strings.
-  prev_token, token = tostring(prev_token), tostring(token)
-  local lim = limits[li]
-  local alg, requests, window, burst = lim[1], lim[2], lim[3], lim[4]
+  -- Tokens are written into sync records as decimal strings (Lua's %.14g, exact: they
+  -- are below 2^32), and a record's tokens compared as numbers: no string made for a
+  -- comparison.
+  local lb = 4 * (li - 1)
+  local alg, requests, window, burst = limits[lb + 1], limits[lb + 2], limits[lb + 3], limits[lb + 4]
 
   local win = alg ~= 0
-  local h = redis.pcall('HMGET', key, unpack(fields(win, mode == 0 and demand > 0)))
+  local h
+  if mode == 0 and demand > 0 then
+    if win then
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp')
+    else
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp')
+    end
+  elseif win then
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p')
+  else
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx')
+  end
   if h.err then
     -- not served here (a slot moved): nothing touched
     local r = (i - 1) * 7
     out[r + 1] = -1
     for k = 2, 7 do out[r + k] = 0 end
   else
-    local t = tonumber(h[1]) or 0
     local t0 = tonumber(h[1]) -- as read: t, n and p are written only if they change
+    local t = t0 or 0
     local rec, last, shared = h[2], h[3], h[4]
     local kres = h[5]
     local hx = tonumber(h[6])
@@ -164,6 +172,7 @@ for i = 1, nkeys do
     local replay, replay_grant, resent = false, 0, false
     if rec then
       local rp, rt = string.match(rec, '^(%S+) (%S+) ')
+      rp, rt = tonumber(rp), tonumber(rt)
       if rt == token then
         -- this very sync was applied already: change nothing, answer the same grant
         local _, _, rg = string.match(rec, '^(%S+) (%S+) (%S+) ')
@@ -194,7 +203,8 @@ for i = 1, nkeys do
     end
 
     -- Shared: another daemon used the key lately.
-    local x = tonumber(shared) or 0
+    local x0 = tonumber(shared) or 0 -- as read
+    local x = x0
     local o = nil
     local other = false -- another daemon used the key within share_epochs
     if used > 0 or demand > 0 then
@@ -342,9 +352,10 @@ for i = 1, nkeys do
 
     -- Write only what changed (each field costs Redis CPU on every sync): the epoch's
     -- demand only when this sync brought some, n and p only for the windows. Numbers passed
-    -- to redis.call are written exactly (Lua's own tostring, in the record, is %.14g: the
+    -- to redis.call are written exactly (the record formats its integers with %d; the
     -- window start goes through num).
-    local f = {}
+    -- (f is made with room for the usual fields: one allocation, not one per doubling.)
+    local f = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
     if t ~= t0 or n ~= n0 or p ~= p0 then
       f[1] = 't'; f[2] = t
       if alg ~= 0 then
@@ -354,7 +365,7 @@ for i = 1, nkeys do
     if share_demand > 0 then
       f[#f + 1] = 'e'; f[#f + 1] = epoch; f[#f + 1] = 'dc'; f[#f + 1] = dc; f[#f + 1] = 'dp'; f[#f + 1] = dp
     end
-    if x ~= (tonumber(shared) or 0) then
+    if x ~= x0 then
       f[#f + 1] = 'x'; f[#f + 1] = x
     end
     if kset then
@@ -364,7 +375,10 @@ for i = 1, nkeys do
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
-      f[#f + 1] = prev_token .. ' ' .. token .. ' ' .. grant .. ' ' .. used .. ' ' .. ws
+      -- Integers formatted as integers (%d): Lua's own number-to-string (%.14g, what a
+      -- concatenation uses) costs several times as much. The same text for every value
+      -- below 10^14, so a record reads the same to a daemon running the previous script.
+      f[#f + 1] = string.format('%d %d %d %d %s', prev_token, token, grant, used, ws)
     end
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
     -- records must last: need ms from now. The TTL grows only when it ends sooner, and
