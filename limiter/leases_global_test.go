@@ -3,8 +3,6 @@ package limiter
 import (
 	"context"
 	"encoding/base64"
-	"fmt"
-	"strconv"
 	"strings"
 	gosync "sync"
 	"sync/atomic"
@@ -528,43 +526,14 @@ func TestGlobalLeasesOwnerCloseRedisFrozen(t *testing.T) {
 	}
 }
 
-// scriptCalls returns how many EVAL and EVALSHA calls the masters behind rdb have served
-// (INFO commandstats, summed over a Cluster's masters).
+// scriptCalls returns how many EVAL and EVALSHA calls the masters behind rdb have served.
 func scriptCalls(t *testing.T, rdb redis.UniversalClient) int64 {
 	t.Helper()
-	var total atomic.Int64
-	count := func(ctx context.Context, c *redis.Client) error {
-		info, err := c.Info(ctx, "commandstats").Result()
-		if err != nil {
-			return err
-		}
-		for _, line := range strings.Split(info, "\n") {
-			if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
-				continue
-			}
-			_, rest, _ := strings.Cut(line, "calls=")
-			v, _, _ := strings.Cut(rest, ",")
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil {
-				return fmt.Errorf("commandstats line %q: %w", line, err)
-			}
-			total.Add(n)
-		}
-		return nil
-	}
-	var err error
-	switch c := rdb.(type) {
-	case *redis.ClusterClient:
-		err = c.ForEachMaster(context.Background(), count)
-	case *redis.Client:
-		err = count(context.Background(), c)
-	default:
-		t.Fatalf("scriptCalls: %T", rdb)
-	}
+	n, err := redistest.ScriptCalls(context.Background(), rdb)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return total.Load()
+	return n
 }
 
 // A request matching a global rate rule and a global concurrency rule on one client (one

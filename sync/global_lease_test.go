@@ -2,9 +2,7 @@ package sync
 
 import (
 	"context"
-	"fmt"
 	"strconv"
-	"strings"
 	gosync "sync"
 	"sync/atomic"
 	"testing"
@@ -16,34 +14,10 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
-// scriptCalls returns how many EVAL and EVALSHA calls the masters of b have served (INFO
-// commandstats, summed over the nodes).
+// scriptCalls returns how many EVAL and EVALSHA calls b's masters have served.
 func scriptCalls(t *testing.T, b globalBackend) int64 {
 	t.Helper()
-	var total atomic.Int64
-	err := b.forEachNode(context.Background(), func(ctx context.Context, c *redis.Client) error {
-		info, err := c.Info(ctx, "commandstats").Result()
-		if err != nil {
-			return err
-		}
-		for _, line := range strings.Split(info, "\n") {
-			if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
-				continue
-			}
-			_, rest, _ := strings.Cut(line, "calls=")
-			v, _, _ := strings.Cut(rest, ",")
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil {
-				return fmt.Errorf("commandstats line %q: %w", line, err)
-			}
-			total.Add(n)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return total.Load()
+	return int64(evalCalls(t, b.rdb))
 }
 
 // A request with a rate rule and a lease on one client (one hash slot) is ONE script
