@@ -13,7 +13,6 @@ import (
 
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
-	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -95,17 +94,7 @@ func TestTransportsMatchInProcess(t *testing.T) {
 			r := rand.New(rand.NewPCG(13, 4))
 			users := []string{"u1", "u2", "u3"}
 			for i := range 300 {
-				req := &rlsv3.RateLimitRequest{Domain: "api", HitsAddend: r.Uint32N(3)}
-				for range 1 + r.IntN(3) {
-					d := &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: users[r.IntN(len(users))]}}}
-					if r.IntN(5) == 0 {
-						d.Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 3, Unit: typev3.RateLimitUnit_HOUR}
-					}
-					if r.IntN(20) == 0 {
-						d.Entries[0].Key = "" // refused by both
-					}
-					req.Descriptors = append(req.Descriptors, d)
-				}
+				req := randomRequest(r, users)
 				mu.Lock()
 				now += int64(r.IntN(300)) * int64(time.Millisecond)
 				mu.Unlock()

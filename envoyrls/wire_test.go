@@ -292,17 +292,7 @@ func TestWireMatchesShouldRateLimit(t *testing.T) {
 	r := rand.New(rand.NewPCG(13, 3))
 	users := []string{"u1", "u2", "u3"}
 	for i := range 300 {
-		req := &rlsv3.RateLimitRequest{Domain: "api", HitsAddend: r.Uint32N(3)}
-		for range 1 + r.IntN(3) {
-			d := &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: users[r.IntN(len(users))]}}}
-			if r.IntN(5) == 0 {
-				d.Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 3, Unit: typev3.RateLimitUnit_HOUR}
-			}
-			if r.IntN(20) == 0 {
-				d.Entries[0].Key = "" // refused by both
-			}
-			req.Descriptors = append(req.Descriptors, d)
-		}
+		req := randomRequest(r, users)
 		now += int64(r.IntN(300)) * int64(time.Millisecond)
 		want, wantErr := typed.ShouldRateLimit(context.Background(), req)
 		var got rlsv3.RateLimitResponse
@@ -360,4 +350,22 @@ rules:
 		t.Fatal(err)
 	}
 	return s
+}
+
+// randomRequest draws a ShouldRateLimit call of 1–3 descriptors on users: now and then
+// with a limit override, or with an empty key (refused as malformed), and hits_addend
+// 0–2. The differential tests send the same draws to two servers.
+func randomRequest(r *rand.Rand, users []string) *rlsv3.RateLimitRequest {
+	req := &rlsv3.RateLimitRequest{Domain: "api", HitsAddend: r.Uint32N(3)}
+	for range 1 + r.IntN(3) {
+		d := &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: users[r.IntN(len(users))]}}}
+		if r.IntN(5) == 0 {
+			d.Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 3, Unit: typev3.RateLimitUnit_HOUR}
+		}
+		if r.IntN(20) == 0 {
+			d.Entries[0].Key = "" // refused by both
+		}
+		req.Descriptors = append(req.Descriptors, d)
+	}
+	return req
 }
