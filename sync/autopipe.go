@@ -3,8 +3,6 @@ package sync
 import (
 	"context"
 	"fmt"
-	"runtime"
-	gosync "sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -30,9 +28,7 @@ import (
 type autoPipe struct {
 	rediser
 	merge bool // standalone: merge a batch's global.lua calls into one
-	mu    gosync.Mutex
-	busy  bool
-	queue []*apCall
+	calls combiner[*apCall]
 }
 
 // processor sends one command: *redis.Client and *redis.ClusterClient.
@@ -43,7 +39,7 @@ type processor interface {
 type apCall struct {
 	ctx  context.Context
 	cmd  *redis.Cmd
-	done chan bool // true: lead the next batch; false: cmd holds the reply
+	done chan bool // see batchMember; false: cmd holds the reply
 	// The call, for merging: set for a global.lua call only.
 	global bool
 	keys   []string
@@ -53,20 +49,11 @@ type apCall struct {
 // EvalSha queues the call and returns when its batch has been answered.
 func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
 	c := a.newCall(ctx, sha1, keys, args)
-	a.mu.Lock()
-	a.queue = append(a.queue, c)
-	lead := !a.busy
-	a.busy = true
-	a.mu.Unlock()
-	for {
-		if lead {
-			a.send()
-		}
-		if lead = <-c.done; !lead {
-			return c.cmd
-		}
-	}
+	a.calls.do(c, a.send)
+	return c.cmd
 }
+
+func (c *apCall) wake() chan bool { return c.done }
 
 // newCall returns the queued form of an EVALSHA call.
 func (a *autoPipe) newCall(ctx context.Context, sha1 string, keys []string, args []any) *apCall {
@@ -86,18 +73,8 @@ func (a *autoPipe) newCall(ctx context.Context, sha1 string, keys []string, args
 	return c
 }
 
-// send sends every queued call as one pipeline, answers them, and hands the next batch
-// to the first caller that queued meanwhile.
-func (a *autoPipe) send() {
-	// Let the callers already runnable queue first: the checks of one pipelined batch
-	// are started together, and without this the first would go alone, the rest a round
-	// trip later. A lone call loses a scheduler pass, not a round trip.
-	runtime.Gosched()
-	a.mu.Lock()
-	batch := a.queue
-	a.queue = nil
-	a.mu.Unlock()
-
+// send sends batch's calls as one pipeline and answers them.
+func (a *autoPipe) send(batch []*apCall) {
 	// The batch's context: the latest deadline among its calls (each caller's own
 	// deadline bounds only its own wait in go-redis; here they share one round trip).
 	var latest time.Time
@@ -144,19 +121,8 @@ func (a *autoPipe) send() {
 		splitGlobal(m, groups[i])
 	}
 
-	a.mu.Lock()
-	var next *apCall
-	if len(a.queue) > 0 {
-		next = a.queue[0]
-	} else {
-		a.busy = false
-	}
-	a.mu.Unlock()
 	for _, c := range batch {
 		c.done <- false
-	}
-	if next != nil {
-		next.done <- true
 	}
 }
 

@@ -121,8 +121,7 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 			}
 			calls[i] = ap.newCall(ctx, globalScript.Hash(), keys, args)
 		}
-		ap.queue, ap.busy = calls, true
-		ap.send()
+		ap.send(calls)
 		t1 := globalRedisNow(t, batRdb)
 		if got, want := evalshaCalls(t, batRdb)-calls0, (n+mergeMax-1)/mergeMax; got != want {
 			t.Fatalf("round %d: %d requests took %d EVALSHA calls, want %d merged calls", round, n, got, want)
@@ -221,8 +220,7 @@ func TestGlobalBatchNoScript(t *testing.T) {
 		opsOf[i] = []GlobalOp{{Key: "rl:ns:{u}", Limit: lim, Cost: 1}}
 		calls[i] = ap.newCall(ctx, globalScript.Hash(), []string{"rl:ns:{u}"}, appendScriptArgs(nil, &opsOf[i][0]))
 	}
-	ap.queue, ap.busy = calls, true
-	ap.send()
+	ap.send(calls)
 	for i, c := range calls {
 		if !isNoScript(c.cmd.Err()) {
 			t.Fatalf("call %d: %v, want NOSCRIPT", i, c.cmd.Err())

@@ -44,14 +44,14 @@ type Hybrid struct {
 
 	replicas atomic.Int64 // live daemons (from heartbeats; at least 1)
 
-	id       string        // this daemon, in sync records
-	tokens   atomic.Uint64 // sync tokens: each sync of a key carries a fresh one
-	perShard int           // keys a shard holds at most
-	dropped  atomic.Uint64 // admitted units lost to the key cap before they reached Redis
-	evicted  atomic.Uint64 // keys evicted for the cap
-	backlog  atomic.Int64  // keys that needed a sync and waited for the next one
-	fetches  atomic.Uint64 // exact syncs made for a waiting request
-	fetchQ   fetchQueue    // exact syncs waiting for the batch in flight (hybrid_fetch.go)
+	id       string              // this daemon, in sync records
+	tokens   atomic.Uint64       // sync tokens: each sync of a key carries a fresh one
+	perShard int                 // keys a shard holds at most
+	dropped  atomic.Uint64       // admitted units lost to the key cap before they reached Redis
+	evicted  atomic.Uint64       // keys evicted for the cap
+	backlog  atomic.Int64        // keys that needed a sync and waited for the next one
+	fetches  atomic.Uint64       // exact syncs made for a waiting request
+	fetchQ   combiner[*fetchReq] // exact syncs waiting for the batch in flight (hybrid_fetch.go)
 	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
 	// again until Redis answers something.
 	fetchFailed atomic.Int64

@@ -2,8 +2,6 @@ package sync
 
 import (
 	"context"
-	"runtime"
-	gosync "sync"
 	"sync/atomic"
 	"time"
 )
@@ -23,20 +21,14 @@ import (
 // snapshot marks it busy (flagBusy) until its reply is applied, and a request on a busy
 // key waits for that sync (Take) instead of queueing another.
 
-// fetchQueue is the exact syncs waiting for the batch in flight. Its zero value is
-// ready; safe for concurrent use.
-type fetchQueue struct {
-	mu    gosync.Mutex
-	busy  bool // a batch is on its way; the requests queued go as the next one
-	queue []*fetchReq
-}
-
 // fetchReq is one request's exact syncs.
 type fetchReq struct {
 	items []syncItem
 	left  atomic.Int32 // items not yet applied
-	done  chan bool    // true: lead the next batch; false: items applied
+	done  chan bool    // see batchMember
 }
+
+func (r *fetchReq) wake() chan bool { return r.done }
 
 // fetchPipe bounds the calls of one batch's pipeline: in practice all of them, one
 // pipeline per node (a batch is the requests that arrived during one round trip).
@@ -50,37 +42,12 @@ const fetchPipe = 1 << 16
 // A request waits at most for the batch in flight and then its own, each bounded by
 // FetchWait.
 func (h *Hybrid) fetch(items []syncItem) {
-	r := &fetchReq{items: items, done: make(chan bool, 1)}
-	q := &h.fetchQ
-	q.mu.Lock()
-	q.queue = append(q.queue, r)
-	lead := !q.busy
-	q.busy = true
-	q.mu.Unlock()
-	for {
-		if lead {
-			h.sendFetches()
-		}
-		if lead = <-r.done; !lead {
-			return
-		}
-	}
+	h.fetchQ.do(&fetchReq{items: items, done: make(chan bool, 1)}, h.sendFetches)
 }
 
-// sendFetches sends every queued request's exact syncs as one batch, applies the
-// replies, wakes the requests, and hands the next batch to the first request that
-// queued meanwhile.
-func (h *Hybrid) sendFetches() {
-	// Let the requests already runnable queue first: requests that need an exact sync
-	// together (a connection's pipelined checks) then go in one batch, not the first
-	// alone and the rest a round trip later. A lone request loses a scheduler pass.
-	runtime.Gosched()
-	q := &h.fetchQ
-	q.mu.Lock()
-	batch := q.queue
-	q.queue = nil
-	q.mu.Unlock()
-
+// sendFetches sends batch's exact syncs in one send, applies the replies, and wakes
+// each request once its items are applied.
+func (h *Hybrid) sendFetches(batch []*fetchReq) {
 	n := 0
 	for _, r := range batch {
 		n += len(r.items)
@@ -114,16 +81,4 @@ func (h *Hybrid) sendFetches() {
 	err := h.send(ctx, items, h.replicaCount(), fetchCallKeys, fetchPipe, applied)
 	cancel()
 	h.observed("hybrid_fetch", start, err)
-
-	q.mu.Lock()
-	var next *fetchReq
-	if len(q.queue) > 0 {
-		next = q.queue[0]
-	} else {
-		q.busy = false
-	}
-	q.mu.Unlock()
-	if next != nil {
-		next.done <- true
-	}
 }
