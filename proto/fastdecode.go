@@ -1,7 +1,6 @@
 package proto
 
 import (
-	"encoding/binary"
 	"slices"
 	"unsafe"
 )
@@ -28,63 +27,119 @@ const (
 	seenLimits
 )
 
+// The fast path's keys after their fixstr header, as the little-endian integers of their
+// bytes ("attrs" and "limits" split in two), so that a key is compared in one or two
+// integer comparisons instead of a string switch.
+const (
+	keyID     = 'i' | 'd'<<8
+	keyOp     = 'o' | 'p'<<8
+	keyCost   = 'c' | 'o'<<8 | 's'<<16 | 't'<<24
+	keyAttr   = 'a' | 't'<<8 | 't'<<16 | 'r'<<24 // "attr", then 's'
+	keyLimi   = 'l' | 'i'<<8 | 'm'<<16 | 'i'<<24 // "limi", then "ts"
+	keyLimits = 't' | 's'<<8
+)
+
+// The fast path reads the body through a frame: the body's bytes with reads that skip
+// Go's bounds checks. Every read is preceded, in the same function, by an explicit check
+// that it is inside the body (those checks are what the fast path's declining is made of
+// anyway), so a bounds check would test a second time what was just tested; the strings it
+// returns are of length at least 1 and inside the body, so they never point past it.
+// FuzzDecodeFastDifferential and the -race build's pointer checks (checkptr) test this.
+type frame struct {
+	base unsafe.Pointer // the body's first byte
+	n    int            // the body's length
+}
+
+// at is the byte at i, which the caller has checked is below f.n.
+func (f frame) at(i int) byte { return *(*byte)(unsafe.Add(f.base, i)) }
+
+// le16 and le32 are the little-endian integers at i, whose 2 or 4 bytes the caller has
+// checked are below f.n (byte loads the compiler merges into one).
+func (f frame) le16(i int) uint16 { return uint16(f.at(i)) | uint16(f.at(i+1))<<8 }
+func (f frame) le32(i int) uint32 { return uint32(f.le16(i)) | uint32(f.le16(i+2))<<16 }
+
+// str is the string of the n bytes at i, 1 <= n and i+n <= f.n checked by the caller.
+// It is unsafe.String without the check of n (that it is not negative, and does not wrap
+// around the address space), which the caller's checks make: a string's header built
+// in place.
+func (f frame) str(i, n int) string {
+	return *(*string)(unsafe.Pointer(&stringHeader{unsafe.Add(f.base, i), n}))
+}
+
+// stringHeader is the layout of a string: its data and its length.
+type stringHeader struct {
+	data unsafe.Pointer
+	n    int
+}
+
 // decodeFast decodes body into req (already reset) and reports whether it did. When it
 // returns false req holds partial data and the caller must decode again.
+//
+// Each key is dispatched on its fixstr header (its length) and then compared as an
+// integer; a key is at least 2 bytes and its value at least 1, so one length check per key
+// covers the header, the shortest keys and the first byte of their value.
 func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	if len(body) == 0 || body[0]&0xf0 != 0x80 { // fixmap
 		return false
 	}
+	f := frame{unsafe.Pointer(&body[0]), len(body)}
 	n := int(body[0] & 0x0f)
-	p, i, seen := 1, 0, 0
-	// Every client's request starts with id then op (as EncodeRequest writes it): read
-	// the two without the key dispatch below, which takes over from the third key, or
-	// from the first when the body starts otherwise.
-	if n >= 2 && len(body) >= 8 && body[1] == 0xa2 && body[2] == 'i' && body[3] == 'd' {
-		if id, q, ok := fastUint(body, 4); ok && q+3 < len(body) && body[q] == 0xa2 && body[q+1] == 'o' && body[q+2] == 'p' {
-			if op, r, ok := fastStr(body, q+3, 64); ok {
-				req.ID, req.Op = id, op
-				p, i, seen = r, 2, seenID|seenOp
-			}
-		}
-	}
-	for ; i < n; i++ {
-		key, q := fixStr(body, p, 31) // keys must be fixstr (and none is empty)
-		if q == p {
+	p, seen := 1, 0
+	for ; n > 0; n-- {
+		if f.n-p < 4 { // the shortest key ("id", "op") and a one-byte value
 			return false
 		}
 		var ok bool
-		p = q
-		switch key {
-		case "id":
-			if seen&seenID != 0 {
+		switch f.at(p) {
+		case 0xa2: // "id" or "op"
+			switch f.le16(p + 1) {
+			case keyID:
+				if seen&seenID != 0 {
+					return false
+				}
+				seen |= seenID
+				if c := f.at(p + 3); c <= 0x7f { // a positive fixint: nearly every id
+					req.ID, p, ok = uint64(c), p+4, true
+				} else {
+					req.ID, p, ok = fastUint(f, p+3)
+				}
+			case keyOp:
+				if seen&seenOp != 0 {
+					return false
+				}
+				seen |= seenOp
+				p += 3
+				// A fixstr of 1 to 31 bytes ("check"), else any string shape.
+				if ln := int(f.at(p)) - 0xa0; uint(ln-1) < 31 && ln < f.n-p {
+					req.Op, p, ok = f.str(p+1, ln), p+1+ln, true
+				} else {
+					req.Op, p, ok = fastStr(f, p, 64)
+				}
+			default:
 				return false
 			}
-			seen |= seenID
-			req.ID, p, ok = fastUint(body, p)
-		case "op":
-			if seen&seenOp != 0 {
-				return false
-			}
-			seen |= seenOp
-			req.Op, p, ok = fastStr(body, p, 64)
-		case "cost":
-			if seen&seenCost != 0 {
+		case 0xa4: // "cost"
+			if f.n-p < 6 || f.le32(p+1) != keyCost || seen&seenCost != 0 {
 				return false
 			}
 			seen |= seenCost
-			req.Cost, p, ok = fastUint(body, p)
-		case "attrs":
-			if seen&seenAttrs != 0 {
+			if c := f.at(p + 5); c <= 0x7f {
+				req.Cost, p, ok = uint64(c), p+6, true
+			} else {
+				req.Cost, p, ok = fastUint(f, p+5)
+			}
+		case 0xa5: // "attrs"
+			if f.n-p < 7 || f.le32(p+1) != keyAttr || f.at(p+5) != 's' || seen&seenAttrs != 0 {
 				return false
 			}
 			seen |= seenAttrs
-			p, ok = d.fastAttrs(body, p, req)
-		case "limits":
-			if seen&seenLimits != 0 || p >= len(body) || body[p] != 0xc0 { // only nil
+			p, ok = d.fastAttrs(f, p+6, req)
+		case 0xa6: // "limits", only nil
+			if f.n-p < 8 || f.le32(p+1) != keyLimi || f.le16(p+5) != keyLimits || f.at(p+7) != 0xc0 || seen&seenLimits != 0 {
 				return false
 			}
 			seen |= seenLimits
-			p++
+			p, ok = p+8, true
 		default:
 			return false
 		}
@@ -92,14 +147,23 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 			return false
 		}
 	}
-	return p == len(body) && req.Op != ""
+	return p == f.n && req.Op != ""
 }
 
-func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
-	if p >= len(body) {
-		return p, false
-	}
-	c := body[p]
+// fastAttrs reads the attrs value at f's p (the caller has checked p < f.n) into
+// req.Attrs, which is empty.
+//
+// The common shape is read in a loop without calls: attributes with a fixstr name of 1 to
+// 31 bytes and a value that is a fixstr of 1 to 31 bytes or a str8 of 1 to 255 bytes (a
+// long path or key), each name not one of the names before it, with a length check per
+// string. At the first other attribute the loop stops, and fastAttrsFrom, which reads every
+// string shape, takes over from that attribute on.
+//
+// A repeated name is found with a 64-bit set of hashed names: at a name whose bit is
+// already set (a repeat, or two names sharing a bit) the loop stops, and fastAttrsFrom,
+// which compares names, reads on.
+func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
+	c := f.at(p)
 	if c == 0xc0 { // nil: no attrs
 		return p + 1, true
 	}
@@ -111,76 +175,82 @@ func (d *Decoder) fastAttrs(body []byte, p int, req *Request) (int, bool) {
 		return p, false
 	}
 	p++
-	// The common case, a name and a value that are both non-empty fixstrs, in a tight
-	// loop; at the first other string the loop hands over to fastAttrsFrom, which reads
-	// every string shape, from that attribute on. A tail call: nothing is kept across it,
-	// and the loop makes no other call (room for the n attributes is made before it, names
-	// are compared byte by byte), so it keeps its state in registers.
-	attrs := req.Attrs
-	if cap(attrs)-len(attrs) < n {
+	attrs := req.Attrs[:0]
+	if cap(attrs) < n {
 		attrs = slices.Grow(attrs, n)
 	}
-	maxName, maxValue := d.MaxAttrNameLen, d.MaxAttrLen
-	for i := 0; i < n; i++ {
-		if p+1 >= len(body) {
-			return p, false // truncated: no name and value fit
-		}
-		ln := int(body[p]) - 0xa0
-		if ln <= 0 || ln >= 32 || ln > maxName || ln >= len(body)-p-1 {
-			req.Attrs = attrs
-			return d.fastAttrsFrom(body, p, req, i, n)
-		}
-		q := p + 1 + ln
-		lv := int(body[q]) - 0xa0
-		if lv <= 0 || lv >= 32 || lv > maxValue || lv >= len(body)-q {
-			req.Attrs = attrs
-			return d.fastAttrsFrom(body, p, req, i, n)
-		}
-		name := unsafe.String(&body[p+1], ln)
-		value := unsafe.String(&body[q+1], lv)
-		p = q + 1 + lv
-		for j := range attrs {
-			if a := attrs[j].Name; len(a) == ln && sameBytes(a, name) {
-				return p, false
-			}
-		}
-		attrs = attrs[:len(attrs)+1] // within the capacity made above
-		attrs[len(attrs)-1] = Attr{Name: name, Value: value}
+	if d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 { // bounds the loop does not check
+		req.Attrs = attrs
+		return d.fastAttrsFrom(f, p, req, 0, n)
 	}
-	req.Attrs = attrs
+	attrs = attrs[:n]
+	i := 0
+	var names uint64 // bit h of each name read, h its length and first and last bytes mixed
+	for ; i < len(attrs); i++ {
+		if f.n-p < 4 { // a name, a value header and a value of a byte each
+			break
+		}
+		ln := int(f.at(p)) - 0xa0 // a fixstr name's length
+		v := p + 1 + ln           // the value's header
+		if uint(ln-1) >= 31 || f.n-v < 2 {
+			break
+		}
+		c := f.at(v)
+		lv := int(c) - 0xa0
+		if uint(lv-1) < 31 {
+			v++
+		} else { // a str8 of 1 to 255 bytes?
+			lv = int(f.at(v + 1))
+			if c != 0xd9 || lv == 0 {
+				break
+			}
+			v += 2
+		}
+		if lv > f.n-v {
+			break
+		}
+		bit := uint64(1) << ((uint(f.at(p+1)) + uint(f.at(p+ln))<<2 + uint(ln)<<4) & 63)
+		if names&bit != 0 {
+			break
+		}
+		names |= bit
+		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v, lv)}
+		p = v + lv
+	}
+	req.Attrs = attrs[:i]
+	if i < len(attrs) {
+		return d.fastAttrsFrom(f, p, req, i, len(attrs))
+	}
 	return p, true
 }
 
-// sameBytes reports whether a and b, of equal lengths, are equal: a loop the compiler
-// inlines, where a == b is a call (names are short, and most differ at the first byte).
-func sameBytes(a, b string) bool {
-	for k := 0; k < len(a) && k < len(b); k++ {
-		if a[k] != b[k] {
-			return false
+// repeated reports whether name is among attrs' names.
+func repeated(attrs []Attr, name string) bool {
+	for j := range attrs {
+		if attrs[j].Name == name {
+			return true
 		}
 	}
-	return true
+	return false
 }
 
 // fastAttrsFrom reads attributes i to n-1 of an attrs map (those before i are in
-// req.Attrs), the next one at body[p:], taking every string shape fastStrLong reads.
-func (d *Decoder) fastAttrsFrom(body []byte, p int, req *Request, i, n int) (int, bool) {
+// req.Attrs), the next one at f's p, taking every string shape fastStr reads.
+func (d *Decoder) fastAttrsFrom(f frame, p int, req *Request, i, n int) (int, bool) {
 	attrs := req.Attrs
 	for ; i < n; i++ {
-		name, q, ok := fastStr(body, p, d.MaxAttrNameLen)
+		name, q, ok := fastStr(f, p, d.MaxAttrNameLen)
 		if !ok {
 			return p, false
 		}
 		p = q
-		value, q, ok := fastStr(body, p, d.MaxAttrLen)
+		value, q, ok := fastStr(f, p, d.MaxAttrLen)
 		if !ok {
 			return p, false
 		}
 		p = q
-		for j := range attrs {
-			if a := attrs[j].Name; len(a) == len(name) && (len(a) == 0 || a[0] == name[0]) && a == name {
-				return p, false
-			}
+		if repeated(attrs, name) {
+			return p, false
 		}
 		attrs = append(attrs, Attr{Name: name, Value: value})
 	}
@@ -188,91 +258,68 @@ func (d *Decoder) fastAttrsFrom(body []byte, p int, req *Request, i, n int) (int
 	return p, true
 }
 
-// fastStr reads a fixstr, str8 or str16 of at most maxLen bytes at body[p:] and returns
-// it aliasing body, and the position after it. A non-empty fixstr (nearly every string a
-// client sends) is read inline; the rest by fastStrLong.
-func fastStr(body []byte, p, maxLen int) (string, int, bool) {
-	if s, q := fixStr(body, p, maxLen); q > p {
-		return s, q, true
-	}
-	return fastStrLong(body, p, maxLen)
-}
-
-// fixStr reads a non-empty fixstr of at most maxLen bytes at body[p:], returning it and
-// the position after it; it returns p itself for anything else (fastStr reads it).
-// Small enough to be inlined where attributes are read.
-func fixStr(body []byte, p, maxLen int) (string, int) {
-	if uint(p) < uint(len(body)) {
-		if n := int(body[p]) - 0xa0; n > 0 && n < 32 && n <= maxLen && n < len(body)-p {
-			return unsafe.String(&body[p+1], n), p + 1 + n
-		}
-	}
-	return "", p
-}
-
-func fastStrLong(body []byte, p, maxLen int) (string, int, bool) {
-	if p >= len(body) {
+// fastStr reads a fixstr, str8 or str16 of at most maxLen bytes at f's p and returns it
+// (aliasing the body) and the position after it.
+func fastStr(f frame, p, maxLen int) (string, int, bool) {
+	if p >= f.n {
 		return "", p, false
 	}
-	c := body[p]
+	c := f.at(p)
 	var n int
 	switch {
 	case c >= 0xa0 && c <= 0xbf:
 		n = int(c & 0x1f)
 		p++
 	case c == 0xd9:
-		if p+2 > len(body) {
+		if f.n-p < 2 {
 			return "", p, false
 		}
-		n = int(body[p+1])
+		n = int(f.at(p + 1))
 		p += 2
 	case c == 0xda:
-		if p+3 > len(body) {
+		if f.n-p < 3 {
 			return "", p, false
 		}
-		n = int(binary.BigEndian.Uint16(body[p+1:]))
+		n = int(f.at(p+1))<<8 | int(f.at(p+2))
 		p += 3
 	default:
 		return "", p, false
 	}
-	if n > maxLen || n > len(body)-p {
+	if n > maxLen || n > f.n-p {
 		return "", p, false
 	}
 	if n == 0 {
 		return "", p, true
 	}
-	return unsafe.String(&body[p], n), p + n, true
+	return f.str(p, n), p + n, true
 }
 
-// fastUint reads a positive fixint or a uint8/16/32/64 at body[p:].
-func fastUint(body []byte, p int) (uint64, int, bool) {
-	if p >= len(body) {
+// fastUint reads a positive fixint or a uint8/16/32/64 at f's p.
+func fastUint(f frame, p int) (uint64, int, bool) {
+	if p >= f.n {
 		return 0, p, false
 	}
-	c := body[p]
-	switch {
+	var v uint64
+	var size int
+	switch c := f.at(p); {
 	case c <= 0x7f:
 		return uint64(c), p + 1, true
 	case c == 0xcc:
-		if p+2 > len(body) {
-			return 0, p, false
-		}
-		return uint64(body[p+1]), p + 2, true
+		size = 1
 	case c == 0xcd:
-		if p+3 > len(body) {
-			return 0, p, false
-		}
-		return uint64(binary.BigEndian.Uint16(body[p+1:])), p + 3, true
+		size = 2
 	case c == 0xce:
-		if p+5 > len(body) {
-			return 0, p, false
-		}
-		return uint64(binary.BigEndian.Uint32(body[p+1:])), p + 5, true
+		size = 4
 	case c == 0xcf:
-		if p+9 > len(body) {
-			return 0, p, false
-		}
-		return binary.BigEndian.Uint64(body[p+1:]), p + 9, true
+		size = 8
+	default:
+		return 0, p, false
 	}
-	return 0, p, false
+	if f.n-p <= size {
+		return 0, p, false
+	}
+	for k := 1; k <= size; k++ {
+		v = v<<8 | uint64(f.at(p+k))
+	}
+	return v, p + 1 + size, true
 }
