@@ -56,7 +56,9 @@ func (f frame) at(i int) byte { return *(*byte)(unsafe.Add(f.base, i)) }
 // le16 and le32 are the little-endian integers at i, whose 2 or 4 bytes the caller has
 // checked are below f.n (byte loads the compiler merges into one).
 func (f frame) le16(i int) uint16 { return uint16(f.at(i)) | uint16(f.at(i+1))<<8 }
-func (f frame) le32(i int) uint32 { return uint32(f.le16(i)) | uint32(f.le16(i+2))<<16 }
+func (f frame) le32(i int) uint32 {
+	return uint32(f.at(i)) | uint32(f.at(i+1))<<8 | uint32(f.at(i+2))<<16 | uint32(f.at(i+3))<<24
+}
 
 // str is the string of the n bytes at i, 1 <= n and i+n <= f.n checked by the caller.
 // It is unsafe.String without the check of n (that it is not negative, and does not wrap
@@ -85,6 +87,16 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	f := frame{unsafe.Pointer(&body[0]), len(body)}
 	n := int(body[0] & 0x0f)
 	p, seen := 1, 0
+	// Every client starts a request with an id (a positive fixint when small) and an op (a
+	// short fixstr), as EncodeRequest does: those two are read here with one comparison
+	// each for their keys, and the loop reads the rest, or all of a request that starts
+	// otherwise.
+	if n >= 2 && f.n >= 10 && f.le32(1)&0xff_ffff == 0xa2|keyID<<8 && f.at(4) <= 0x7f && f.le32(5)&0xff_ffff == 0xa2|keyOp<<8 {
+		if ln := int(f.at(8)) - 0xa0; uint(ln-1) < 31 && ln < f.n-8 {
+			req.ID, req.Op = uint64(f.at(4)), f.str(9, ln)
+			p, seen, n = 9+ln, seenID|seenOp, n-2
+		}
+	}
 	for ; n > 0; n-- {
 		if f.n-p < 4 { // the shortest key ("id", "op") and a one-byte value
 			return false
