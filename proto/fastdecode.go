@@ -199,26 +199,26 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 	i := 0
 	var names uint64 // bit h of each name read, h its length and first and last bytes mixed
 	for ; i < len(attrs); i++ {
-		if f.n-p < 4 { // a name, a value header and a value of a byte each
+		if p >= f.n-3 { // a name, a value header and a value of a byte each
 			break
 		}
-		ln := int(f.at(p)) - 0xa0 // a fixstr name's length
-		v := p + 1 + ln           // the value's header
-		if uint(ln-1) >= 31 || f.n-v < 2 {
+		ln := int(f.at(p)) - 0xa0 // a fixstr name's length, if 1 to 31
+		v := p + 1 + ln           // then the value's header
+		if uint(v) >= uint(f.n-1) {
 			break
 		}
-		c := f.at(v)
-		lv := int(c) - 0xa0
-		if uint(lv-1) < 31 {
-			v++
-		} else { // a str8 of 1 to 255 bytes?
-			lv = int(f.at(v + 1))
-			if c != 0xd9 || lv == 0 {
+		lv := int(f.at(v)) - 0xa0
+		if (uint(ln-1) | uint(lv-1)) >= 31 { // not both fixstrs of 1 to 31 bytes
+			if uint(ln-1) >= 31 || f.at(v) != 0xd9 { // a str8 value of 1 to 255 bytes reads on
 				break
 			}
-			v += 2
+			v++
+			lv = int(f.at(v))
+			if lv == 0 {
+				break
+			}
 		}
-		if lv > f.n-v {
+		if lv >= f.n-v { // the value is at v+1
 			break
 		}
 		bit := uint64(1) << ((uint(f.at(p+1)) + uint(f.at(p+ln))<<2 + uint(ln)<<4) & 63)
@@ -226,8 +226,8 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 			break
 		}
 		names |= bit
-		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v, lv)}
-		p = v + lv
+		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v+1, lv)}
+		p = v + 1 + lv
 	}
 	req.Attrs = attrs[:i]
 	if i < len(attrs) {
