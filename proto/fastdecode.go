@@ -145,7 +145,24 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 				return false
 			}
 			seen |= seenAttrs
-			p, ok = d.fastAttrs(f, p+6, req)
+			p += 6
+			c := f.at(p)
+			if c&0xf0 != 0x80 || int(c&0x0f) > d.MaxAttrs || d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 {
+				p, ok = d.fastAttrs(f, p, req) // nil, or what fixAttrs does not read
+				break
+			}
+			n := int(c & 0x0f)
+			attrs := req.Attrs[:0]
+			if cap(attrs) < n {
+				attrs = slices.Grow(attrs, n)
+			}
+			var i int
+			p, i = fixAttrs(f, p+1, attrs[:n])
+			req.Attrs = attrs[:i]
+			ok = true
+			if i < n {
+				p, ok = d.fastAttrsFrom(f, p, req, i, n)
+			}
 		case 0xa6: // "limits", only nil
 			if f.n-p < 8 || f.le32(p+1) != keyLimi || f.le16(p+5) != keyLimits || f.at(p+7) != 0xc0 || seen&seenLimits != 0 {
 				return false
@@ -163,17 +180,8 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 }
 
 // fastAttrs reads the attrs value at f's p (the caller has checked p < f.n) into
-// req.Attrs, which is empty.
-//
-// The common shape is read in a loop without calls: attributes with a fixstr name of 1 to
-// 31 bytes and a value that is a fixstr of 1 to 31 bytes or a str8 of 1 to 255 bytes (a
-// long path or key), each name not one of the names before it, with a length check per
-// string. At the first other attribute the loop stops, and fastAttrsFrom, which reads every
-// string shape, takes over from that attribute on.
-//
-// A repeated name is found with a 64-bit set of hashed names: at a name whose bit is
-// already set (a repeat, or two names sharing a bit) the loop stops, and fastAttrsFrom,
-// which compares names, reads on.
+// req.Attrs, which is empty, when decodeFast does not: a nil, or a map under bounds that
+// fixAttrs does not check.
 func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 	c := f.at(p)
 	if c == 0xc0 { // nil: no attrs
@@ -186,16 +194,21 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 	if n > d.MaxAttrs {
 		return p, false
 	}
-	p++
-	attrs := req.Attrs[:0]
-	if cap(attrs) < n {
-		attrs = slices.Grow(attrs, n)
-	}
-	if d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 { // bounds the loop does not check
-		req.Attrs = attrs
-		return d.fastAttrsFrom(f, p, req, 0, n)
-	}
-	attrs = attrs[:n]
+	req.Attrs = slices.Grow(req.Attrs[:0], n)
+	return d.fastAttrsFrom(f, p+1, req, 0, n)
+}
+
+// fixAttrs reads the attributes at f's p into attrs, as many as it holds, as long as each
+// has a fixstr name of 1 to 31 bytes and a value that is a fixstr of 1 to 31 bytes or a
+// str8 of 1 to 255 bytes (a long path or key), and its name is not one of the names before
+// it. It returns the position after the attributes it read and their number: a loop with
+// a length check per string, no call and no write but attrs. The caller checks the bounds
+// on names and values (MaxAttrNameLen, MaxAttrLen) allow those lengths.
+//
+// A repeated name is found with a 64-bit set of hashed names: at a name whose bit is
+// already set (a repeat, or two names sharing a bit) it stops, and fastAttrsFrom, which
+// compares names, reads on from there.
+func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
 	i := 0
 	var names uint64 // bit h of each name read, h its length and first and last bytes mixed
 	for ; i < len(attrs); i++ {
@@ -229,11 +242,7 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v+1, lv)}
 		p = v + 1 + lv
 	}
-	req.Attrs = attrs[:i]
-	if i < len(attrs) {
-		return d.fastAttrsFrom(f, p, req, i, len(attrs))
-	}
-	return p, true
+	return p, i
 }
 
 // repeated reports whether name is among attrs' names.
