@@ -1,6 +1,7 @@
 package proto
 
 import (
+	"encoding/binary"
 	"slices"
 	"unsafe"
 )
@@ -53,11 +54,16 @@ type frame struct {
 // at is the byte at i, which the caller has checked is below f.n.
 func (f frame) at(i int) byte { return *(*byte)(unsafe.Add(f.base, i)) }
 
-// le16 and le32 are the little-endian integers at i, whose 2 or 4 bytes the caller has
-// checked are below f.n (byte loads the compiler merges into one).
-func (f frame) le16(i int) uint16 { return uint16(f.at(i)) | uint16(f.at(i+1))<<8 }
+// le16, le32 and le64 are the little-endian integers at i, whose 2, 4 or 8 bytes the
+// caller has checked are below f.n: one load where the machine allows it.
+func (f frame) le16(i int) uint16 {
+	return binary.LittleEndian.Uint16((*[2]byte)(unsafe.Add(f.base, i))[:])
+}
 func (f frame) le32(i int) uint32 {
-	return uint32(f.at(i)) | uint32(f.at(i+1))<<8 | uint32(f.at(i+2))<<16 | uint32(f.at(i+3))<<24
+	return binary.LittleEndian.Uint32((*[4]byte)(unsafe.Add(f.base, i))[:])
+}
+func (f frame) le64(i int) uint64 {
+	return binary.LittleEndian.Uint64((*[8]byte)(unsafe.Add(f.base, i))[:])
 }
 
 // str is the string of the n bytes at i, 1 <= n and i+n <= f.n checked by the caller.
@@ -91,10 +97,13 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	// short fixstr), as EncodeRequest does: those two are read here with one comparison
 	// each for their keys, and the loop reads the rest, or all of a request that starts
 	// otherwise.
-	if n >= 2 && f.n >= 10 && f.le32(1)&0xff_ffff == 0xa2|keyID<<8 && f.at(4) <= 0x7f && f.le32(5)&0xff_ffff == 0xa2|keyOp<<8 {
-		if ln := int(f.at(8)) - 0xa0; uint(ln-1) < 31 && ln < f.n-8 {
-			req.ID, req.Op = uint64(f.at(4)), f.str(9, ln)
-			p, seen, n = 9+ln, seenID|seenOp, n-2
+	const idOp = (0xa2 | keyID<<8) | (0xa2|keyOp<<8)<<32 // bytes 1 to 8 but the id and the op's header
+	if n >= 2 && f.n >= 10 {
+		if x := f.le64(1); x&0x00ff_ffff_80ff_ffff == idOp {
+			if ln := int(x>>56) - 0xa0; uint(ln-1) < 31 && ln < f.n-8 {
+				req.ID, req.Op = x>>24&0x7f, f.str(9, ln)
+				p, seen, n = 9+ln, seenID|seenOp, n-2
+			}
 		}
 	}
 	for ; n > 0; n-- {
