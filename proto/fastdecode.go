@@ -218,40 +218,46 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 // already set (a repeat, or two names sharing a bit) it stops, and fastAttrsFrom, which
 // compares names, reads on from there.
 func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
-	i := 0
-	var names uint64 // bit h of each name read, h its length and first and last bytes mixed
-	for ; i < len(attrs); i++ {
+	var names uint64 // bit nameBit of each name read
+	for i := range attrs {
 		if p >= f.n-3 { // a name, a value header and a value of a byte each
-			break
+			return p, i
 		}
 		ln := int(f.at(p)) - 0xa0 // a fixstr name's length, if 1 to 31
 		v := p + 1 + ln           // then the value's header
 		if uint(v) >= uint(f.n-1) {
-			break
+			return p, i
 		}
 		lv := int(f.at(v)) - 0xa0
 		if (uint(ln-1) | uint(lv-1)) >= 31 { // not both fixstrs of 1 to 31 bytes
 			if uint(ln-1) >= 31 || f.at(v) != 0xd9 { // a str8 value of 1 to 255 bytes reads on
-				break
+				return p, i
 			}
 			v++
 			lv = int(f.at(v))
 			if lv == 0 {
-				break
+				return p, i
 			}
 		}
-		if lv >= f.n-v { // the value is at v+1
-			break
+		end := v + 1 + lv // the value is at v+1
+		if end > f.n {
+			return p, i
 		}
-		bit := uint64(1) << ((uint(f.at(p+1)) + uint(f.at(p+ln))<<2 + uint(ln)<<4) & 63)
-		if names&bit != 0 {
-			break
+		h := nameBit(f.at(p+1), f.at(p+ln))
+		if names>>h&1 != 0 {
+			return p, i
 		}
-		names |= bit
+		names |= 1 << h
 		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v+1, lv)}
-		p = v + 1 + lv
+		p = end
 	}
-	return p, i
+	return p, len(attrs)
+}
+
+// nameBit is the bit of a name in fixAttrs' set of names, from its first and last bytes:
+// TestNameBits checks that the usual names take different bits.
+func nameBit(first, last byte) uint {
+	return (uint(first) + 3*uint(last)) & 63
 }
 
 // repeated reports whether name is among attrs' names.
