@@ -243,7 +243,7 @@ func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
 		if end > f.n {
 			return p, i
 		}
-		h := nameBit(f.at(p+1), f.at(p+ln))
+		h := (uint(f.at(p+1)) + 3*uint(f.at(p+ln))) & 63 // nameBit, written out
 		if names>>h&1 != 0 {
 			return p, i
 		}
