@@ -58,9 +58,13 @@ func (d *Decoder) reset(body []byte) {
 // it was read before the failure. The strings in req alias body: they are valid while
 // body is not modified, and decoding copies nothing.
 //
-// The common request shape takes a fast path (fastdecode.go) that reads the body directly;
-// anything else, and every error, goes through msgpack/v5, the codec of record.
+// The common request shapes take fast paths (fastdecode.go) that read the body directly:
+// decodeCheck the one every client sends for a check, decodeFast its variations; anything
+// else, and every error, goes through msgpack/v5, the codec of record.
 func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
+	if d.decodeCheck(body, req) { // the shape of nearly every request, straight through
+		return nil
+	}
 	req.Reset()
 	if d.decodeFast(body, req) {
 		return nil

@@ -80,6 +80,63 @@ type stringHeader struct {
 	n    int
 }
 
+// decodeCheck decodes the request every client sends for a check or a ping, in the
+// order EncodeRequest and the Lua client write it: a fixmap of an id (a positive fixint),
+// an op (a fixstr of 1 to 31 bytes), then attrs (a fixmap that fixAttrs reads whole) and
+// then cost (a positive fixint), each of the last two optional but attrs first. It sets
+// every field of req and reports true, or reports false for any other body, after which
+// req holds partial data: DecodeRequest then resets it and decodes again. One straight
+// path without the key dispatch of decodeFast.
+func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
+	if len(body) < 10 {
+		return false
+	}
+	f := frame{unsafe.Pointer(&body[0]), len(body)}
+	n := int(f.at(0)) - 0x80 // a fixmap of 2 to 4 keys
+	x := f.le64(1)
+	const idOp = (0xa2 | keyID<<8) | (0xa2|keyOp<<8)<<32 // bytes 1 to 8 but the id and the op's header
+	if uint(n-2) > 2 || x&0x00ff_ffff_80ff_ffff != idOp {
+		return false
+	}
+	ln := int(x>>56) - 0xa0 // the op's length
+	p := 9 + ln
+	if uint(ln-1) >= 31 || p > f.n {
+		return false
+	}
+	attrs, cost := req.Attrs[:0], uint64(1)
+	if n >= 3 { // attrs: "\xa5attrs" and a fixmap header
+		const key = 0xa5 | keyAttr<<8 | 's'<<40 | 0x80<<48
+		if f.n-p < 8 {
+			return false
+		}
+		y := f.le64(p)
+		m := int(y>>48) & 0x0f
+		if y&0x00f0_ffff_ffff_ffff != key || m > d.MaxAttrs || d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 {
+			return false
+		}
+		if cap(attrs) < m {
+			attrs = slices.Grow(attrs, m)
+		}
+		attrs = attrs[:m]
+		var i int
+		if p, i = fixAttrs(f, p+7, attrs); i < m {
+			return false
+		}
+		if n == 4 { // cost: "\xa4cost" and a positive fixint, the last 6 bytes
+			if f.n-p != 6 || f.at(p) != 0xa4 || f.le32(p+1) != keyCost || f.at(p+5) > 0x7f {
+				return false
+			}
+			cost, p = uint64(f.at(p+5)), p+6
+		}
+	}
+	if p != f.n {
+		return false
+	}
+	req.ID, req.Op, req.Attrs, req.Cost = x>>24&0x7f, f.str(9, ln), attrs, cost
+	req.Limits, req.Lease, req.LeaseMs = req.Limits[:0], "", 0
+	return true
+}
+
 // decodeFast decodes body into req (already reset) and reports whether it did. When it
 // returns false req holds partial data and the caller must decode again.
 //
