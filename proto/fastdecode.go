@@ -103,7 +103,9 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 	if uint(ln-1) >= 31 || p > f.n {
 		return false
 	}
-	attrs, cost := req.Attrs[:0], uint64(1)
+	// req is written as it is read (DecodeRequest resets it when this declines), so that
+	// little is kept across the call to fixAttrs.
+	req.ID, req.Op, req.Attrs, req.Cost = x>>24&0x7f, f.str(9, ln), req.Attrs[:0], 1
 	if n >= 3 { // attrs: "\xa5attrs" and a fixmap header
 		const key = 0xa5 | keyAttr<<8 | 's'<<40 | 0x80<<48
 		if f.n-p < 8 {
@@ -114,27 +116,23 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		if y&0x00f0_ffff_ffff_ffff != key || m > d.MaxAttrs || d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 {
 			return false
 		}
-		if cap(attrs) < m {
-			attrs = slices.Grow(attrs, m)
+		if cap(req.Attrs) < m {
+			req.Attrs = slices.Grow(req.Attrs, m)
 		}
-		attrs = attrs[:m]
+		req.Attrs = req.Attrs[:m]
 		var i int
-		if p, i = fixAttrs(f, p+7, attrs); i < m {
+		if p, i = fixAttrs(f, p+7, req.Attrs); i < m {
 			return false
 		}
 		if n == 4 { // cost: "\xa4cost" and a positive fixint, the last 6 bytes
 			if f.n-p != 6 || f.at(p) != 0xa4 || f.le32(p+1) != keyCost || f.at(p+5) > 0x7f {
 				return false
 			}
-			cost, p = uint64(f.at(p+5)), p+6
+			req.Cost, p = uint64(f.at(p+5)), p+6
 		}
 	}
-	if p != f.n {
-		return false
-	}
-	req.ID, req.Op, req.Attrs, req.Cost = x>>24&0x7f, f.str(9, ln), attrs, cost
 	req.Limits, req.Lease, req.LeaseMs = req.Limits[:0], "", 0
-	return true
+	return p == f.n
 }
 
 // decodeFast decodes body into req (already reset) and reports whether it did. When it
