@@ -13,11 +13,16 @@ import (
 // that it declined, and DecodeRequest runs the msgpack path (the codec of record) from the
 // start. So every error message, and every shape it does not know, comes from one place.
 //
-// It declines on anything unusual: a key that is not a fixstr or is unknown, a key that
+// It is two paths, each declining to the next: decodeCheck reads the order clients write
+// (id, op, attrs, cost) in one straight line; decodeFast reads the same keys in any order.
+// Both read attributes with fixAttrs, a loop without calls, and hand over to
+// fastAttrsFrom at the first attribute it does not read.
+//
+// They decline on anything unusual: a key that is not a fixstr or is unknown, a key that
 // appears twice (at the top level or in attrs), a non-canonical or negative integer, a
 // bin where a str belongs, a string over its bound, inline limits, trailing bytes, a
-// truncated body. FuzzDecodeFastDifferential checks that whenever it accepts, the msgpack
-// path decodes the same request without error.
+// truncated body. FuzzDecodeFastDifferential checks that whenever either accepts, the
+// msgpack path decodes the same request without error.
 
 // Bits of the top-level fields the fast path has seen, to decline a repeated key.
 const (
@@ -45,24 +50,40 @@ const (
 // that it is inside the body (those checks are what the fast path's declining is made of
 // anyway), so a bounds check would test a second time what was just tested; the strings it
 // returns are of length at least 1 and inside the body, so they never point past it.
-// FuzzDecodeFastDifferential and the -race build's pointer checks (checkptr) test this.
+// Built with the tag rlsidecar_checkframe (scripts/test-proto-checked runs the proto tests
+// and the differential fuzz seeds so), every read is checked and one outside the body
+// panics: the differential tests then catch a read that a result does not show.
 type frame struct {
 	base unsafe.Pointer // the body's first byte
 	n    int            // the body's length
 }
 
+// check panics, in a build with the tag rlsidecar_checkframe, if the size bytes at i are
+// not all inside the body; in the default build it is nothing.
+func (f frame) check(i, size int) {
+	if checkFrame && (i < 0 || i > f.n-size) {
+		panic("BUG: the fast request decoder reads outside the body")
+	}
+}
+
 // at is the byte at i, which the caller has checked is below f.n.
-func (f frame) at(i int) byte { return *(*byte)(unsafe.Add(f.base, i)) }
+func (f frame) at(i int) byte {
+	f.check(i, 1)
+	return *(*byte)(unsafe.Add(f.base, i))
+}
 
 // le16, le32 and le64 are the little-endian integers at i, whose 2, 4 or 8 bytes the
 // caller has checked are below f.n: one load where the machine allows it.
 func (f frame) le16(i int) uint16 {
+	f.check(i, 2)
 	return binary.LittleEndian.Uint16((*[2]byte)(unsafe.Add(f.base, i))[:])
 }
 func (f frame) le32(i int) uint32 {
+	f.check(i, 4)
 	return binary.LittleEndian.Uint32((*[4]byte)(unsafe.Add(f.base, i))[:])
 }
 func (f frame) le64(i int) uint64 {
+	f.check(i, 8)
 	return binary.LittleEndian.Uint64((*[8]byte)(unsafe.Add(f.base, i))[:])
 }
 
@@ -71,6 +92,7 @@ func (f frame) le64(i int) uint64 {
 // around the address space), which the caller's checks make: a string's header built
 // in place.
 func (f frame) str(i, n int) string {
+	f.check(i, max(n, 1))
 	return *(*string)(unsafe.Pointer(&stringHeader{unsafe.Add(f.base, i), n}))
 }
 
@@ -81,9 +103,10 @@ type stringHeader struct {
 }
 
 // decodeCheck decodes the request every client sends for a check or a ping, in the
-// order EncodeRequest and the Lua client write it: a fixmap of an id (a positive fixint),
-// an op (a fixstr of 1 to 31 bytes), then attrs (a fixmap that fixAttrs reads whole) and
-// then cost (a positive fixint), each of the last two optional but attrs first. It sets
+// order EncodeRequest and the Lua client write it: a fixmap of an id (an unsigned
+// integer), an op (a fixstr of 1 to 31 bytes), then attrs (a fixmap that fixAttrs reads
+// whole) and then cost (an unsigned integer), each of the last two optional but attrs
+// first. It sets
 // every field of req and reports true, or reports false for any other body, after which
 // req holds partial data: DecodeRequest then resets it and decodes again. One straight
 // path without the key dispatch of decodeFast.
@@ -92,20 +115,40 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		return false
 	}
 	f := frame{unsafe.Pointer(&body[0]), len(body)}
-	n := int(f.at(0)) - 0x80 // a fixmap of 2 to 4 keys
-	x := f.le64(1)
-	const idOp = (0xa2 | keyID<<8) | (0xa2|keyOp<<8)<<32 // bytes 1 to 8 but the id and the op's header
-	if uint(n-2) > 2 || x&0x00ff_ffff_80ff_ffff != idOp {
+	x := f.le64(0) // a fixmap header, "\xa2id", the id and, when it is a fixint, "\xa2op"
+	n := int(x&0xff) - 0x80
+	if uint(n-2) > 2 { // a fixmap of 2 to 4 keys
 		return false
 	}
-	ln := int(x>>56) - 0xa0 // the op's length
-	p := 9 + ln
-	if uint(ln-1) >= 31 || p > f.n {
+	const idOp = (0xa2|keyID<<8)<<8 | (0xa2|keyOp<<8)<<40
+	var id uint64
+	var p int
+	ok := true
+	if x&0xffff_ff80_ffff_ff00 == idOp { // a positive fixint id: one comparison for both keys
+		id, p = x>>32&0x7f, 8
+	} else { // an id of another width
+		if x&0xffff_ff00 != (0xa2|keyID<<8)<<8 {
+			return false
+		}
+		if byte(x>>32) == 0xcd { // a uint16, as a connection's ids soon are
+			id, p = uint64(byte(x>>40))<<8|uint64(byte(x>>48)), 7
+		} else if id, p, ok = fastUint(f, 4); !ok {
+			return false
+		}
+		if f.n-p < 5 || f.le32(p)&0xff_ffff != 0xa2|keyOp<<8 { // "\xa2op", a header and a byte
+			return false
+		}
+		p += 3
+	}
+	ln := int(f.at(p)) - 0xa0 // the op's fixstr header
+	if uint(ln-1) >= 31 || ln >= f.n-p {
 		return false
 	}
+	op := f.str(p+1, ln)
+	p += 1 + ln
 	// req is written as it is read (DecodeRequest resets it when this declines), so that
 	// little is kept across the call to fixAttrs.
-	req.ID, req.Op, req.Attrs, req.Cost = x>>24&0x7f, f.str(9, ln), req.Attrs[:0], 1
+	req.ID, req.Op, req.Attrs, req.Cost = id, op, req.Attrs[:0], 1
 	if n >= 3 { // attrs: "\xa5attrs" and a fixmap header
 		const key = 0xa5 | keyAttr<<8 | 's'<<40 | 0x80<<48
 		if f.n-p < 8 {
@@ -124,11 +167,13 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		if p, i = fixAttrs(f, p+7, req.Attrs); i < m {
 			return false
 		}
-		if n == 4 { // cost: "\xa4cost" and a positive fixint, the last 6 bytes
-			if f.n-p != 6 || f.at(p) != 0xa4 || f.le32(p+1) != keyCost || f.at(p+5) > 0x7f {
+		if n == 4 { // cost: "\xa4cost" and an unsigned integer
+			if f.n-p < 6 || f.at(p) != 0xa4 || f.le32(p+1) != keyCost {
 				return false
 			}
-			req.Cost, p = uint64(f.at(p+5)), p+6
+			if req.Cost, p, ok = fastUint(f, p+5); !ok {
+				return false
+			}
 		}
 	}
 	req.Limits, req.Lease, req.LeaseMs = req.Limits[:0], "", 0
