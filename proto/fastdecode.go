@@ -148,8 +148,11 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 	p += 1 + ln
 	// req is written as it is read (DecodeRequest resets it when this declines), so that
 	// little is kept across the call to fixAttrs.
-	req.ID, req.Op, req.Attrs, req.Cost = id, op, req.Attrs[:0], 1
-	if n >= 3 { // attrs: "\xa5attrs" and a fixmap header
+	req.ID, req.Op, req.Cost = id, op, 1
+	attrs := req.Attrs[:0]
+	if n < 3 {
+		req.Attrs = attrs
+	} else { // attrs: "\xa5attrs" and a fixmap header
 		const key = 0xa5 | keyAttr<<8 | 's'<<40 | 0x80<<48
 		if f.n-p < 8 {
 			return false
@@ -159,12 +162,13 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		if y&0x00f0_ffff_ffff_ffff != key || m > d.MaxAttrs || d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 {
 			return false
 		}
-		if cap(req.Attrs) < m {
-			req.Attrs = slices.Grow(req.Attrs, m)
+		if cap(attrs) < m {
+			attrs = slices.Grow(attrs, m)
 		}
-		req.Attrs = req.Attrs[:m]
+		attrs = attrs[:m]
+		req.Attrs = attrs
 		var i int
-		if p, i = fixAttrs(f, p+7, req.Attrs); i < m {
+		if p, i = fixAttrs(f, p+7, attrs); i < m {
 			return false
 		}
 		if n == 4 { // cost: "\xa4cost" and an unsigned integer
