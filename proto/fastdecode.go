@@ -106,10 +106,9 @@ type stringHeader struct {
 // order EncodeRequest and the Lua client write it: a fixmap of an id (an unsigned
 // integer), an op (a fixstr of 1 to 31 bytes), then attrs (a fixmap that fixAttrs reads
 // whole) and then cost (an unsigned integer), each of the last two optional but attrs
-// first. It sets
-// every field of req and reports true, or reports false for any other body, after which
-// req holds partial data: DecodeRequest then resets it and decodes again. One straight
-// path without the key dispatch of decodeFast.
+// first. It sets every field of req and reports true, or reports false for any other
+// body, after which req holds partial data: DecodeRequest then resets it and decodes
+// again. One straight path, without decodeFast's key dispatch.
 func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 	if len(body) < 10 {
 		return false
@@ -319,8 +318,8 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 // on names and values (MaxAttrNameLen, MaxAttrLen) allow those lengths.
 //
 // A repeated name is found with a 64-bit set of hashed names: at a name whose bit is
-// already set (a repeat, or two names sharing a bit) it stops, and fastAttrsFrom, which
-// compares names, reads on from there.
+// already set (a repeat, or two names sharing a bit) it stops. Where it stops, decodeFast
+// reads on with fastAttrsFrom, which compares names, and decodeCheck declines.
 func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
 	var names uint64 // bit nameBit of each name read
 	for i := range attrs {
