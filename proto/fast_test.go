@@ -76,7 +76,7 @@ func fastSeeds() [][]byte {
 	return seeds
 }
 
-// checkSeeds are bodies at the edges of decodeCheck (the straight path for id, op, attrs,
+// checkSeeds are bodies at the edges of DecodeRequest's straight path (id, op, attrs,
 // cost) and of fixAttrs' loop: every string form of names and values (fixstr, str8, str16,
 // bin, empty, at each length bound), keys out of order, unknown and repeated keys, nil and
 // wrongly typed values, names that share a bit of fixAttrs' set, truncation at every
@@ -200,14 +200,20 @@ func checkDifferentialWith(t *testing.T, body []byte, newDecoder func() *Decoder
 			t.Fatalf("%x: fast path decoded %+v, msgpack %+v", body, fr, sr)
 		}
 	}
+	// DecodeRequest into a request holding another's fields: the straight path, when it
+	// takes the body (check.passedOn stays 0), sets every field as msgpack does.
 	cr = Request{ID: 99, Op: "stale", Cost: 99, Lease: "stale", LeaseMs: 99, Attrs: []Attr{{"stale", "x"}}, Limits: []InlineLimit{{Key: "stale"}}}
-	if check.decodeCheck(body, &cr) {
-		if serr != nil {
-			t.Fatalf("%x: decodeCheck accepted %+v, msgpack says %v", body, cr, serr)
+	cerr := check.DecodeRequest(body, &cr)
+	if check.passedOn == 0 {
+		if serr != nil || cerr != nil {
+			t.Fatalf("%x: the straight path accepted %+v (error %v), msgpack says %v", body, cr, cerr, serr)
 		}
 		if !sameRequest(&cr, &sr) || cr.Lease != sr.Lease || cr.LeaseMs != sr.LeaseMs {
-			t.Fatalf("%x: decodeCheck decoded %+v, msgpack %+v", body, cr, sr)
+			t.Fatalf("%x: the straight path decoded %+v, msgpack %+v", body, cr, sr)
 		}
+	}
+	if serr == nil && (cerr != nil || !sameRequest(&cr, &sr) || cr.Lease != sr.Lease || cr.LeaseMs != sr.LeaseMs) {
+		t.Fatalf("%x: DecodeRequest over a used request decoded %+v (error %v), msgpack %+v", body, cr, cerr, sr)
 	}
 	if (serr == nil) != (berr == nil) || (serr != nil && serr.Error() != berr.Error()) {
 		t.Fatalf("%x: DecodeRequest says %v, msgpack %v", body, berr, serr)
@@ -250,8 +256,8 @@ func TestFastPathTakesCommonShape(t *testing.T) {
 }
 
 // TestCheckPathTakesCommonShape: the requests clients send for a check or a ping are
-// decoded by decodeCheck whole (long and short strings, any number of attributes up to
-// a fixmap's 15, a cost), so the benchmarks measure it and not a fallback.
+// decoded by DecodeRequest's straight path whole (long and short strings, any number of
+// attributes up to a fixmap's 15, a cost), so the benchmarks measure it, not a fallback.
 func TestCheckPathTakesCommonShape(t *testing.T) {
 	many := make([]Attr, 15)
 	for i := range many {
@@ -267,8 +273,9 @@ func TestCheckPathTakesCommonShape(t *testing.T) {
 		enc := NewEncoder()
 		enc.EncodeRequest(&req)
 		var got Request
-		if !NewDecoder().decodeCheck(enc.Bytes()[HeaderSize:], &got) || !sameRequest(&got, &req) {
-			t.Fatalf("decodeCheck declined or changed %+v: %+v", req, got)
+		dec := NewDecoder()
+		if err := dec.DecodeRequest(enc.Bytes()[HeaderSize:], &got); err != nil || dec.passedOn != 0 || !sameRequest(&got, &req) {
+			t.Fatalf("the straight path passed on (%d) or changed %+v: %+v, %v", dec.passedOn, req, got, err)
 		}
 	}
 }

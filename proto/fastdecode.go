@@ -13,7 +13,7 @@ import (
 // that it declined, and DecodeRequest runs the msgpack path (the codec of record) from the
 // start. So every error message, and every shape it does not know, comes from one place.
 //
-// It is two paths, each declining to the next: decodeCheck reads the order clients write
+// It is two paths, each declining to the next: DecodeRequest reads the order clients write
 // (id, op, attrs, cost) in one straight line; decodeFast reads the same keys in any order.
 // Both read attributes with fixAttrs, a loop without calls, and hand over to
 // fastAttrsFrom at the first attribute it does not read.
@@ -102,22 +102,27 @@ type stringHeader struct {
 	n    int
 }
 
-// decodeCheck decodes the request every client sends for a check or a ping, in the
-// order EncodeRequest and the Lua client write it: a fixmap of an id (an unsigned
+// DecodeRequest decodes one request frame body into req, which it resets first.
+// On failure it returns an *Error with code bad_request; req.ID holds the request's id if
+// it was read before the failure. The strings in req alias body: they are valid while
+// body is not modified, and decoding copies nothing.
+//
+// It reads the request every client sends for a check or a ping in one straight path, in
+// the order EncodeRequest and the Lua client write it: a fixmap of an id (an unsigned
 // integer), an op (a fixstr of 1 to 31 bytes), then attrs (a fixmap that fixAttrs reads
 // whole) and then cost (an unsigned integer), each of the last two optional but attrs
-// first. It sets every field of req and reports true, or reports false for any other
-// body, after which req holds partial data: DecodeRequest then resets it and decodes
-// again. One straight path, without decodeFast's key dispatch.
-func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
+// first. Any other body it passes on to decodeOther (decode.go) from the start, whatever
+// it has written into req: decodeFast for the same keys in another order or form, then
+// msgpack/v5, the codec of record, for anything else and every error.
+func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
 	if len(body) < 10 {
-		return false
+		return d.decodeOther(body, req)
 	}
 	f := frame{unsafe.Pointer(&body[0]), len(body)}
 	x := f.le64(0) // a fixmap header, "\xa2id", the id and, when it is a fixint, "\xa2op"
 	n := int(x&0xff) - 0x80
 	if uint(n-2) > 2 { // a fixmap of 2 to 4 keys
-		return false
+		return d.decodeOther(body, req)
 	}
 	const idOp = (0xa2|keyID<<8)<<8 | (0xa2|keyOp<<8)<<40
 	var id uint64
@@ -127,25 +132,25 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		id, p = x>>32&0x7f, 8
 	} else { // an id of another width
 		if x&0xffff_ff00 != (0xa2|keyID<<8)<<8 {
-			return false
+			return d.decodeOther(body, req)
 		}
 		if byte(x>>32) == 0xcd { // a uint16, as a connection's ids soon are
 			id, p = uint64(byte(x>>40))<<8|uint64(byte(x>>48)), 7
 		} else if id, p, ok = fastUint(f, 4); !ok {
-			return false
+			return d.decodeOther(body, req)
 		}
 		if f.n-p < 5 || f.le32(p)&0xff_ffff != 0xa2|keyOp<<8 { // "\xa2op", a header and a byte
-			return false
+			return d.decodeOther(body, req)
 		}
 		p += 3
 	}
 	ln := int(f.at(p)) - 0xa0 // the op's fixstr header
 	if uint(ln-1) >= 31 || ln >= f.n-p {
-		return false
+		return d.decodeOther(body, req)
 	}
 	op := f.str(p+1, ln)
 	p += 1 + ln
-	// req is written as it is read (DecodeRequest resets it when this declines), so that
+	// req is written as it is read (decodeOther resets it), so that
 	// little is kept across the call to fixAttrs.
 	req.ID, req.Op, req.Cost = id, op, 1
 	attrs := req.Attrs[:0]
@@ -154,12 +159,12 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 	} else { // attrs: "\xa5attrs" and a fixmap header
 		const key = 0xa5 | keyAttr<<8 | 's'<<40 | 0x80<<48
 		if f.n-p < 8 {
-			return false
+			return d.decodeOther(body, req)
 		}
 		y := f.le64(p)
 		m := int(y>>48) & 0x0f
 		if y&0x00f0_ffff_ffff_ffff != key || m > d.MaxAttrs || d.MaxAttrNameLen < 31 || d.MaxAttrLen < 255 {
-			return false
+			return d.decodeOther(body, req)
 		}
 		if cap(attrs) < m {
 			attrs = slices.Grow(attrs, m)
@@ -168,19 +173,22 @@ func (d *Decoder) decodeCheck(body []byte, req *Request) bool {
 		req.Attrs = attrs
 		var i int
 		if p, i = fixAttrs(f, p+7, attrs); i < m {
-			return false
+			return d.decodeOther(body, req)
 		}
 		if n == 4 { // cost: "\xa4cost" and an unsigned integer
 			if f.n-p < 6 || f.at(p) != 0xa4 || f.le32(p+1) != keyCost {
-				return false
+				return d.decodeOther(body, req)
 			}
 			if req.Cost, p, ok = fastUint(f, p+5); !ok {
-				return false
+				return d.decodeOther(body, req)
 			}
 		}
 	}
 	req.Limits, req.Lease, req.LeaseMs = req.Limits[:0], "", 0
-	return p == f.n
+	if p != f.n {
+		return d.decodeOther(body, req)
+	}
+	return nil
 }
 
 // decodeFast decodes body into req (already reset) and reports whether it did. When it
@@ -319,7 +327,7 @@ func (d *Decoder) fastAttrs(f frame, p int, req *Request) (int, bool) {
 //
 // A repeated name is found with a 64-bit set of hashed names: at a name whose bit is
 // already set (a repeat, or two names sharing a bit) it stops. Where it stops, decodeFast
-// reads on with fastAttrsFrom, which compares names, and decodeCheck declines.
+// reads on with fastAttrsFrom, which compares names, and DecodeRequest passes the body on.
 func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
 	var names uint64 // bit nameBit of each name read
 	for i := range attrs {
