@@ -144,11 +144,14 @@ func checkSeeds() [][]byte {
 		cat(head(3), attrs([]byte{0x01}, str("x"))),                                        // an integer name
 		cat(head(3), attrs(str("ab"), str("1"), str("Uf"), str("2"))),                      // names sharing a bit of fixAttrs' set
 		cat(head(3), attrs(str("path"), str("1"), str("plan"), str("2"), str("path"), str("3"))),
-		cat(head(3), str("attrs"), []byte{0x8f}, bytes.Repeat(cat(str("k"), str("v")), 15)),           // 15 attrs, all "k"
-		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xd9, 0xff}, []byte("short")),       // a str8 longer than the body
-		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xda, 0xff, 0xff}, []byte("short")), // a str16 longer than the body
-		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xbf}, []byte("short")),             // a fixstr longer than the body
-		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcc, 0xff, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),     // a uint8 id
+		cat(head(3), str("attrs"), []byte{0x8f}, bytes.Repeat(cat(str("k"), str("v")), 15)),                         // 15 attrs, all "k"
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xd9, 0xff}, []byte("short")),                     // a str8 longer than the body
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xda, 0xff, 0xff}, []byte("short")),               // a str16 longer than the body
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xbf}, []byte("short")),                           // a fixstr longer than the body
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcc, 0xff, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),                   // a uint8 id
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcd, 0x01, 0x02, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),             // a uint16 id
+		cat([]byte{0x82, 0xa2, 'i', 'd', 0xcd, 0x01, 0x02, 0xa2, 'o', 'p', 0xa4}, []byte("ping")),                   // a ping, just long enough
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xce, 0x01, 0x02, 0x03, 0x04, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std), // a uint32 id
 		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),
 		cat([]byte{0x83, 0xa2, 'i', 'd', 0xe0, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),         // a negative id
 		cat([]byte{0x83, 0xa2, 'i', 'd', 0x01, 0xa2, 'o', 'p', 0xa0}, std),                          // an empty op
