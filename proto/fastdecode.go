@@ -359,7 +359,8 @@ func fixAttrs(f frame, p int, attrs []Attr) (int, int) {
 			return p, i
 		}
 		names |= 1 << h
-		attrs[i] = Attr{Name: f.str(p+1, ln), Value: f.str(v+1, lv)}
+		a := &attrs[i]
+		a.Name, a.Value = f.str(p+1, ln), f.str(v+1, lv)
 		p = end
 	}
 	return p, len(attrs)
