@@ -616,10 +616,21 @@ func mixedFrames(n int) [][]byte {
 	return frames
 }
 
-// TestMixedFramesDecode: every frame of the mixed benchmark decodes, as msgpack does.
+// TestMixedFramesDecode: every frame of the mixed benchmark decodes as msgpack decodes
+// it, and all of them on DecodeRequest's straight path (what clients send, in the order
+// they send it, with ids of any width, long values and costs).
 func TestMixedFramesDecode(t *testing.T) {
-	for _, b := range mixedFrames(4096) {
+	frames := mixedFrames(4096)
+	dec := NewDecoder()
+	var req Request
+	for _, b := range frames {
 		checkDifferential(t, b)
+		if err := dec.DecodeRequest(b, &req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if dec.passedOn != 0 {
+		t.Errorf("the straight path passed on %d of %d frames", dec.passedOn, len(frames))
 	}
 }
 
