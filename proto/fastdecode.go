@@ -6,17 +6,17 @@ import (
 	"unsafe"
 )
 
-// The fast path decodes the request shape every client sends — a fixmap holding id, op,
+// The fast paths decode the request shape every client sends — a fixmap holding id, op,
 // cost and attrs (a fixmap of short strings), and limits only when nil — straight from the
-// body, without the msgpack.Decoder's per-call overhead. It never produces an error: it
-// either decodes the request completely, exactly as the msgpack path would, or it reports
-// that it declined, and DecodeRequest runs the msgpack path (the codec of record) from the
-// start. So every error message, and every shape it does not know, comes from one place.
+// body, without the msgpack.Decoder's per-call overhead. They never produce an error
+// themselves: each either decodes the request completely, exactly as the msgpack path
+// would, or declines, and the msgpack path (the codec of record) decodes it from the
+// start. So every error message, and every shape they do not know, comes from one place.
 //
-// It is two paths, each declining to the next: DecodeRequest reads the order clients write
-// (id, op, attrs, cost) in one straight line; decodeFast reads the same keys in any order.
-// Both read attributes with fixAttrs, a loop without calls, and hand over to
-// fastAttrsFrom at the first attribute it does not read.
+// There are two, each declining to the next: DecodeRequest's straight path reads the order
+// clients write (id, op, attrs, cost) in one line; decodeFast reads the same keys in any
+// order. Both read attributes with fixAttrs, a loop without calls; where it stops,
+// decodeFast hands over to fastAttrsFrom and the straight path passes the body on.
 //
 // They decline on anything unusual: a key that is not a fixstr or is unknown, a key that
 // appears twice (at the top level or in attrs), a non-canonical or negative integer, a
@@ -206,7 +206,7 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 	p, seen := 1, 0
 	// Every client starts a request with an id (a positive fixint when small) and an op (a
 	// short fixstr), as EncodeRequest does: those two are read here with one comparison
-	// each for their keys, and the loop reads the rest, or all of a request that starts
+	// for both keys, and the loop reads the rest, or all of a request that starts
 	// otherwise.
 	const idOp = (0xa2 | keyID<<8) | (0xa2|keyOp<<8)<<32 // bytes 1 to 8 but the id and the op's header
 	if n >= 2 && f.n >= 10 {
