@@ -33,6 +33,10 @@ type Decoder struct {
 	r    bytes.Reader
 	dec  *msgpack.Decoder
 	body []byte // the body being decoded; request strings alias it
+
+	// passedOn counts the requests DecodeRequest's straight path passed on to
+	// decodeOther (tests read it: the shape clients send must not be among them).
+	passedOn int
 }
 
 // NewDecoder returns a Decoder with the default bounds.
@@ -53,14 +57,11 @@ func (d *Decoder) reset(body []byte) {
 	d.dec.ResetReader(&d.r)
 }
 
-// DecodeRequest decodes one request frame body into req, which it resets first.
-// On failure it returns an *Error with code bad_request; req.ID holds the request's id if
-// it was read before the failure. The strings in req alias body: they are valid while
-// body is not modified, and decoding copies nothing.
-//
-// The common request shape takes a fast path (fastdecode.go) that reads the body directly;
-// anything else, and every error, goes through msgpack/v5, the codec of record.
-func (d *Decoder) DecodeRequest(body []byte, req *Request) error {
+// decodeOther decodes body into req when DecodeRequest's straight path (fastdecode.go)
+// passes it on: decodeFast, for the usual keys in another order or form, and then
+// msgpack/v5, the codec of record, for anything else and every error.
+func (d *Decoder) decodeOther(body []byte, req *Request) error {
+	d.passedOn++
 	req.Reset()
 	if d.decodeFast(body, req) {
 		return nil

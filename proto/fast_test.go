@@ -3,12 +3,15 @@ package proto
 import (
 	"bytes"
 	"encoding/hex"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -69,6 +72,103 @@ func fastSeeds() [][]byte {
 	add("de 0002 a2 6964 01 a2 6f70 a5 636865636b")                                                                                            // map16
 	add("")
 	add("c0")
+	seeds = append(seeds, checkSeeds()...)
+	return seeds
+}
+
+// checkSeeds are bodies at the edges of DecodeRequest's straight path (id, op, attrs,
+// cost) and of fixAttrs' loop: every string form of names and values (fixstr, str8, str16,
+// bin, empty, at each length bound), keys out of order, unknown and repeated keys, nil and
+// wrongly typed values, names that share a bit of fixAttrs' set, truncation at every
+// attribute, lengths beyond the body, negative and largest integers.
+func checkSeeds() [][]byte {
+	var seeds [][]byte
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	str := func(s string) []byte { // fixstr, or str8 from 32 bytes on
+		if len(s) < 32 {
+			return append([]byte{0xa0 | byte(len(s))}, s...)
+		}
+		return append([]byte{0xd9, byte(len(s))}, s...)
+	}
+	str8 := func(s string) []byte { return append([]byte{0xd9, byte(len(s))}, s...) }
+	str16 := func(s string) []byte { return append([]byte{0xda, byte(len(s) >> 8), byte(len(s))}, s...) }
+	bin8 := func(s string) []byte { return append([]byte{0xc4, byte(len(s))}, s...) }
+	head := func(n int) []byte {
+		return cat([]byte{0x80 | byte(n)}, str("id"), []byte{0x07}, str("op"), str("check"))
+	}
+	attrs := func(pairs ...[]byte) []byte {
+		return cat(str("attrs"), []byte{0x80 | byte(len(pairs)/2)}, cat(pairs...))
+	}
+	cost := func(v ...byte) []byte { return cat(str("cost"), v) }
+	long := func(n int) string { return strings.Repeat("x", n) }
+	std := attrs(str("method"), str("GET"), str("path"), str("/a/b"), str("user"), str("u-1"), str("ip"), str("10.0.0.1"))
+	for _, b := range [][]byte{
+		cat(head(2)),                  // a ping or a check without attrs
+		cat(head(3), std),             // the common shape
+		cat(head(4), std, cost(0x05)), // with a cost
+		cat(head(4), std, cost(0x00)), // cost 0
+		cat(head(4), std, cost(0x7f)), // the largest fixint
+		cat(head(4), std, cost(0xcc, 0x80)),
+		cat(head(4), std, cost(0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff)), // uint64 max
+		cat(head(4), std, cost(0xff)), // negative fixint
+		cat(head(4), std, cost(0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff)), // int64 -1
+		cat(head(4), std, cost(0xc0)),                  // nil cost
+		cat(head(4), std, cost(0xa1, '1')),             // string cost
+		cat(head(4), cost(0x02), std),                  // cost before attrs
+		cat(head(4), std, str("xyz"), []byte{0x01}),    // unknown key last
+		cat(head(4), std, str("attrs"), []byte{0x80}),  // attrs twice
+		cat(head(4), std, str("limits"), []byte{0xc0}), // limits nil
+		cat(head(3), std, []byte{0x00}),                // a trailing byte
+		cat(head(2), []byte{0x00}),
+		cat(head(3), str("attrs"), []byte{0xc0}),                           // attrs nil
+		cat(head(3), str("attrs"), []byte{0x80}),                           // attrs empty
+		cat(head(3), str("attrs"), []byte{0x90}),                           // attrs an array
+		cat(head(3), str("attrs"), []byte{0xde, 0, 1}, str("a"), str("b")), // map16 attrs
+		cat(head(3), attrs(str("a"), str("b"), str("a"), str("c"))),        // a repeated name
+		cat(head(3), attrs(str("ab"), str("1"), str("ab"), str(long(40)))),
+		cat(head(3), attrs(str("a"), str(long(31)), str("b"), str(long(32)), str("c"), str(long(255)))),
+		cat(head(3), attrs(str("a"), str8("x"), str("b"), str8(""), str("c"), str16("y"))), // str8, empty str8, str16 values
+		cat(head(3), attrs(str8("a"), str("x"))),                                           // a str8 name
+		cat(head(3), attrs(str16("a"), str("x"))),                                          // a str16 name
+		cat(head(3), attrs(str(long(31)), str("x"), str(long(32)), str("y"))),              // names at the fixstr bound
+		cat(head(3), attrs(str(long(128)), str("x"))),                                      // a name at MaxAttrNameLen
+		cat(head(3), attrs(str(long(129)), str("x"))),                                      // beyond it
+		cat(head(3), attrs(str("a"), str16(long(4096)))),                                   // a value at MaxAttrLen
+		cat(head(3), attrs(str("a"), str16(long(4097)))),                                   // beyond it
+		cat(head(3), attrs(str(""), str("x"))),                                             // an empty name
+		cat(head(3), attrs(str("a"), str(""))),                                             // an empty value
+		cat(head(3), attrs(str("a"), bin8("x"))),                                           // a bin value
+		cat(head(3), attrs(bin8("a"), str("x"))),                                           // a bin name
+		cat(head(3), attrs(str("a"), []byte{0xc0})),                                        // a nil value
+		cat(head(3), attrs(str("a"), []byte{0x01})),                                        // an integer value
+		cat(head(3), attrs([]byte{0x01}, str("x"))),                                        // an integer name
+		cat(head(3), attrs(str("ab"), str("1"), str("Uf"), str("2"))),                      // names sharing a bit of fixAttrs' set
+		cat(head(3), attrs(str("path"), str("1"), str("plan"), str("2"), str("path"), str("3"))),
+		cat(head(3), str("attrs"), []byte{0x8f}, bytes.Repeat(cat(str("k"), str("v")), 15)),                         // 15 attrs, all "k"
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xd9, 0xff}, []byte("short")),                     // a str8 longer than the body
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xda, 0xff, 0xff}, []byte("short")),               // a str16 longer than the body
+		cat(head(3), str("attrs"), []byte{0x82}, str("a"), []byte{0xbf}, []byte("short")),                           // a fixstr longer than the body
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcc, 0xff, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),                   // a uint8 id
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcd, 0x01, 0x02, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),             // a uint16 id
+		cat([]byte{0x82, 0xa2, 'i', 'd', 0xcd, 0x01, 0x02, 0xa2, 'o', 'p', 0xa4}, []byte("ping")),                   // a ping, just long enough
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xce, 0x01, 0x02, 0x03, 0x04, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std), // a uint32 id
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0xe0, 0xa2, 'o', 'p', 0xa5}, []byte("check"), std),         // a negative id
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0x01, 0xa2, 'o', 'p', 0xa0}, std),                          // an empty op
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0x01, 0xa2, 'o', 'p', 0xd9, 5}, []byte("check"), std),      // a str8 op
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0x01, 0xa2, 'o', 'p', 0xbf}, []byte("check"), std),         // an op longer than the body
+		cat([]byte{0x83, 0xa2, 'o', 'p', 0xa5}, []byte("check"), []byte{0xa2, 'i', 'd', 0x01}, std), // op before id
+		cat([]byte{0x83, 0xa2, 'i', 'd', 0x01, 0xa2, 'i', 'd', 0x02}, std),                          // id twice
+		cat([]byte{0x82, 0xa2, 'i', 'd', 0x01, 0xa2, 'o', 'x', 0xa5}, []byte("check")),              // a key like op
+		cat([]byte{0x85}, head(4)[1:], std, cost(0x01), str("lease"), str("t")),                     // five keys
+	} {
+		seeds = append(seeds, b)
+		for _, cut := range []int{1, 2, 7, 8, 9, 10} { // truncated, inside each part
+			if cut < len(b) {
+				seeds = append(seeds, b[:len(b)-cut])
+			}
+		}
+	}
 	return seeds
 }
 
@@ -83,8 +183,14 @@ func sameRequest(a, b *Request) bool {
 // fast path accepts, msgpack accepts the same request.
 func checkDifferential(t *testing.T, body []byte) {
 	t.Helper()
-	fast, slow, both := NewDecoder(), NewDecoder(), NewDecoder()
-	var fr, sr, br Request
+	checkDifferentialWith(t, body, NewDecoder)
+}
+
+// checkDifferentialWith is checkDifferential with decoders from newDecoder (other bounds).
+func checkDifferentialWith(t *testing.T, body []byte, newDecoder func() *Decoder) {
+	t.Helper()
+	fast, slow, both, check := newDecoder(), newDecoder(), newDecoder(), newDecoder()
+	var fr, sr, br, cr Request
 	fr.Reset()
 	accepted := fast.decodeFast(body, &fr)
 	serr := slow.decodeRequestMsgpack(body, &sr)
@@ -97,10 +203,25 @@ func checkDifferential(t *testing.T, body []byte) {
 			t.Fatalf("%x: fast path decoded %+v, msgpack %+v", body, fr, sr)
 		}
 	}
+	// DecodeRequest into a request holding another's fields: the straight path, when it
+	// takes the body (check.passedOn stays 0), sets every field as msgpack does.
+	cr = Request{ID: 99, Op: "stale", Cost: 99, Lease: "stale", LeaseMs: 99, Attrs: []Attr{{"stale", "x"}}, Limits: []InlineLimit{{Key: "stale"}}}
+	cerr := check.DecodeRequest(body, &cr)
+	if check.passedOn == 0 {
+		if serr != nil || cerr != nil {
+			t.Fatalf("%x: the straight path accepted %+v (error %v), msgpack says %v", body, cr, cerr, serr)
+		}
+		if !sameRequest(&cr, &sr) || cr.Lease != sr.Lease || cr.LeaseMs != sr.LeaseMs {
+			t.Fatalf("%x: the straight path decoded %+v, msgpack %+v", body, cr, sr)
+		}
+	}
+	if serr == nil && (cerr != nil || !sameRequest(&cr, &sr) || cr.Lease != sr.Lease || cr.LeaseMs != sr.LeaseMs) {
+		t.Fatalf("%x: DecodeRequest over a used request decoded %+v (error %v), msgpack %+v", body, cr, cerr, sr)
+	}
 	if (serr == nil) != (berr == nil) || (serr != nil && serr.Error() != berr.Error()) {
 		t.Fatalf("%x: DecodeRequest says %v, msgpack %v", body, berr, serr)
 	}
-	if serr == nil && !sameRequest(&br, &sr) {
+	if serr == nil && (!sameRequest(&br, &sr) || br.Lease != sr.Lease || br.LeaseMs != sr.LeaseMs) {
 		t.Fatalf("%x: DecodeRequest decoded %+v, msgpack %+v", body, br, sr)
 	}
 	if serr != nil && br.ID != sr.ID {
@@ -133,6 +254,77 @@ func TestFastPathTakesCommonShape(t *testing.T) {
 		got.Reset()
 		if !NewDecoder().decodeFast(enc.Bytes()[HeaderSize:], &got) || !sameRequest(&got, &req) {
 			t.Fatalf("fast path declined or changed %+v: %+v", req, got)
+		}
+	}
+}
+
+// TestCheckPathTakesCommonShape: the requests clients send for a check or a ping are
+// decoded by DecodeRequest's straight path whole (long and short strings, any number of
+// attributes up to a fixmap's 15, a cost), so the benchmarks measure it, not a fallback.
+func TestCheckPathTakesCommonShape(t *testing.T) {
+	many := make([]Attr, 15)
+	for i := range many {
+		many[i] = Attr{Name: "attr-" + string(rune('a'+i)), Value: strings.Repeat("v", i*17)}
+	}
+	many[0].Value = "v"
+	for _, req := range []Request{
+		sampleRequest(),
+		{ID: 1, Op: OpPing, Cost: 1},
+		{ID: 127, Op: OpCheck, Cost: 0, Attrs: []Attr{{"api_key", strings.Repeat("k", 40)}, {"plan", "pro"}, {"path", strings.Repeat("/p", 100)}}},
+		{ID: 3, Op: OpCheck, Cost: 100, Attrs: many},
+	} {
+		enc := NewEncoder()
+		enc.EncodeRequest(&req)
+		var got Request
+		dec := NewDecoder()
+		if err := dec.DecodeRequest(enc.Bytes()[HeaderSize:], &got); err != nil || dec.passedOn != 0 || !sameRequest(&got, &req) {
+			t.Fatalf("the straight path passed on (%d) or changed %+v: %+v, %v", dec.passedOn, req, got, err)
+		}
+	}
+}
+
+// TestDifferentialSmallBounds: with bounds below what fixAttrs reads unchecked (names
+// under 31 bytes, values under 255), every decoder still agrees with msgpack, which then
+// refuses the longer strings.
+func TestDifferentialSmallBounds(t *testing.T) {
+	for _, bounds := range [][2]int{{4, 4096}, {128, 8}, {1, 1}, {30, 254}} {
+		newDecoder := func() *Decoder {
+			d := NewDecoder()
+			d.MaxAttrNameLen, d.MaxAttrLen, d.MaxAttrs = bounds[0], bounds[1], 3
+			return d
+		}
+		for _, b := range fastSeeds() {
+			checkDifferentialWith(t, b, newDecoder)
+		}
+	}
+}
+
+// TestNameBits: the usual attribute names take different bits of fixAttrs' set of names,
+// so a request holding several of them stays on the loop; two names that share a bit (or
+// a repeated name) end the loop, and fastAttrsFrom, which compares names, reads on
+// (checked by the seeds "ab"/"Uf" and "path"/"plan"/"path").
+func TestNameBits(t *testing.T) {
+	seen := map[uint]string{}
+	for _, name := range []string{"method", "path", "user", "ip", "api_key", "plan", "host", "tenant", "route",
+		"country", "key", "client", "org", "region", "user_agent", "service", "endpoint", "token", "account", "app"} {
+		bit := nameBit(name[0], name[len(name)-1])
+		if other, ok := seen[bit]; ok {
+			t.Errorf("%q and %q share bit %d", name, other, bit)
+		}
+		seen[bit] = name
+	}
+	// fixAttrs uses nameBit (written out): it stops at the second of two names that share
+	// a bit, and reads two that do not.
+	if nameBit('a', 'b') != nameBit('U', 'f') {
+		t.Fatal(`the seeds' "ab" and "Uf" no longer share a bit: change them`)
+	}
+	for _, tc := range []struct {
+		body string
+		want int
+	}{{"\xa2ab\xa11\xa2Uf\xa12", 1}, {"\xa2ab\xa11\xa2Ug\xa12", 2}} {
+		body := []byte(tc.body)
+		if _, i := fixAttrs(frame{unsafe.Pointer(&body[0]), len(body)}, 0, make([]Attr, 2)); i != tc.want {
+			t.Errorf("fixAttrs read %d attributes of %q, want %d", i, tc.body, tc.want)
 		}
 	}
 }
@@ -368,5 +560,103 @@ func BenchmarkDecodeRequestMsgpack(b *testing.B) {
 		if err := dec.decodeRequestMsgpack(body, &got); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// mixedFrames are n request bodies shaped like real traffic rather than one repeated
+// request: users drawn Zipf-distributed from a million beside a few hot ones, paths short
+// and long (past the 31 bytes of a fixstr), an API key on some, a plan and a host on
+// others, 2 to 7 attributes in varying order, a cost on a tenth, an occasional ping.
+func mixedFrames(n int) [][]byte {
+	rng := rand.New(rand.NewPCG(5, 6))
+	zipf := rand.NewZipf(rng, 1.1, 1, 1_000_000)
+	methods := []string{"GET", "GET", "GET", "POST", "PUT", "DELETE"}
+	plans := []string{"free", "pro", "partner", "enterprise"}
+	enc := NewEncoder()
+	frames := make([][]byte, n)
+	for i := range frames {
+		req := Request{ID: uint64(i), Op: OpCheck, Cost: 1}
+		switch {
+		case rng.IntN(100) == 0:
+			req.Op = OpPing
+		case rng.IntN(10) == 0:
+			req.Cost = uint64(rng.IntN(500))
+		}
+		if req.Op == OpCheck {
+			user := zipf.Uint64()
+			if rng.IntN(20) == 0 {
+				user = uint64(rng.IntN(3)) // a hot client
+			}
+			path := "/v1/events/" + strconv.Itoa(rng.IntN(100000)) + "/holds"
+			if rng.IntN(3) == 0 {
+				path = "/api/v2/customers/" + strconv.Itoa(rng.IntN(1e6)) + "/orders/" + strconv.Itoa(rng.IntN(1e6)) + "/items"
+			}
+			attrs := []Attr{
+				{"method", methods[rng.IntN(len(methods))]},
+				{"path", path},
+				{"user", "user-" + strconv.FormatUint(user, 10)},
+				{"ip", strconv.Itoa(rng.IntN(256)) + "." + strconv.Itoa(rng.IntN(256)) + "." + strconv.Itoa(rng.IntN(256)) + "." + strconv.Itoa(rng.IntN(256))},
+			}
+			if rng.IntN(3) == 0 {
+				attrs = append(attrs, Attr{"api_key", fmt.Sprintf("sk_live_%032x", rng.Uint64())})
+			}
+			if rng.IntN(3) == 0 {
+				attrs = append(attrs, Attr{"plan", plans[rng.IntN(len(plans))]})
+			}
+			if rng.IntN(4) == 0 {
+				attrs = append(attrs, Attr{"host", "api" + strconv.Itoa(rng.IntN(9)) + ".example.com"})
+			}
+			rng.Shuffle(len(attrs), func(a, b int) { attrs[a], attrs[b] = attrs[b], attrs[a] })
+			req.Attrs = attrs[:2+rng.IntN(len(attrs)-1)]
+		}
+		enc.Reset()
+		enc.EncodeRequest(&req)
+		frames[i] = append([]byte(nil), enc.Bytes()[HeaderSize:]...)
+	}
+	return frames
+}
+
+// TestMixedFramesDecode: every frame of the mixed benchmark decodes as msgpack decodes
+// it, and all of them on DecodeRequest's straight path (what clients send, in the order
+// they send it, with ids of any width, long values and costs).
+func TestMixedFramesDecode(t *testing.T) {
+	frames := mixedFrames(4096)
+	dec := NewDecoder()
+	var req Request
+	for _, b := range frames {
+		checkDifferential(t, b)
+		if err := dec.DecodeRequest(b, &req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if dec.passedOn != 0 {
+		t.Errorf("the straight path passed on %d of %d frames", dec.passedOn, len(frames))
+	}
+}
+
+// BenchmarkDecodeRequestMixed decodes 4,096 requests shaped like real traffic (see
+// mixedFrames) in turn: the fast paths' gain must hold beyond BenchmarkDecodeRequest's one
+// request.
+func BenchmarkDecodeRequestMixed(b *testing.B) {
+	benchmarkDecodeMixed(b, (*Decoder).DecodeRequest)
+}
+
+// BenchmarkDecodeRequestMixedMsgpack is BenchmarkDecodeRequestMixed through msgpack/v5
+// only.
+func BenchmarkDecodeRequestMixedMsgpack(b *testing.B) {
+	benchmarkDecodeMixed(b, (*Decoder).decodeRequestMsgpack)
+}
+
+func benchmarkDecodeMixed(b *testing.B, decode func(*Decoder, []byte, *Request) error) {
+	frames := mixedFrames(4096)
+	dec := NewDecoder()
+	var got Request
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		if err := decode(dec, frames[i&4095], &got); err != nil {
+			b.Fatal(err)
+		}
+		i++
 	}
 }
