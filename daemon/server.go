@@ -859,8 +859,9 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	if m := s.cfg.Metrics; m != nil {
 		m.Record(d)
 	}
-	h := proto.CheckHead{ID: req.ID, Allowed: d.Allowed, Degraded: d.Degraded, Warning: d.Warning,
-		DelayMs: ceilMs(d.Delay), Banned: d.Banned}
+	var h proto.CheckHead
+	h.ID, h.Allowed, h.Degraded, h.Warning, h.Banned = req.ID, d.Allowed, d.Degraded, d.Warning, d.Banned
+	h.DelayMs = ceilMs(d.Delay)
 	if d.Deciding >= 0 {
 		r := &d.Results[d.Deciding]
 		h.Rule, h.Limit, h.Remaining = r.Name, r.Limit, r.Remaining
@@ -868,30 +869,43 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		if r.Impossible {
 			h.Reason = proto.ReasonCostExceedsCapacity
 		}
+		if h.Head = s.heads.first(r); h.Head == nil {
+			h.Head = s.heads.find(r)
+		} // the rule's name and limit pre-encoded
 	}
 	h.Lease = s.lim.LeaseToken(d)
 	enc.BeginCheck(&h, len(d.Results))
-	var rr proto.RuleResult // every field AppendRuleHead reads is set for each rule
 	for i := range d.Results {
 		r := &d.Results[i]
-		rr.Remaining = r.Remaining
-		rr.ResetMs = ceilMs(r.Reset)
-		rr.RetryAfterMs = ceilMs(r.RetryAfter)
-		rr.Allowed, rr.Shadow, rr.Warning, rr.Banned = r.Allowed, r.Shadow, r.Warning, r.Banned
-		rr.DelayMs = ceilMs(r.Delay)
-		rr.Reason = ""
-		if r.Impossible {
-			rr.Reason = proto.ReasonCostExceedsCapacity
-		}
-		windowMs := uint64(r.Window / time.Millisecond)
-		if head := s.heads.get(r, windowMs); head != nil {
-			enc.AppendRuleHead(head, &rr) // name, limit and window_ms copied from the cache
+		head := s.heads.first(r) // name, limit and window_ms pre-encoded
+		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned {
+			// Its v1 fields only, the common entry, written from r's fields.
+			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
-		rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, windowMs
-		enc.AppendRule(&rr)
+		s.answerRule(enc, r, head)
 	}
 	enc.EndCheck(&h)
+}
+
+// answerRule encodes r's entry in a check answer when answer's common case does not
+// apply: a reason or policy fields to write, or a head not found at once (head nil: it
+// is looked up, or the entry encoded in full).
+func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.RuleHead) {
+	rr := proto.RuleResult{Remaining: r.Remaining, ResetMs: ceilMs(r.Reset), RetryAfterMs: ceilMs(r.RetryAfter),
+		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay)}
+	if r.Impossible {
+		rr.Reason = proto.ReasonCostExceedsCapacity
+	}
+	if head == nil {
+		head = s.heads.find(r)
+	}
+	if head != nil {
+		enc.AppendRuleHead(head, &rr)
+		return
+	}
+	rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, uint64(r.Window/time.Millisecond)
+	enc.AppendRule(&rr)
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms
