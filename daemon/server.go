@@ -859,9 +859,20 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	if m := s.cfg.Metrics; m != nil {
 		m.Record(d)
 	}
-	var h proto.CheckHead
-	h.ID, h.Allowed, h.Degraded, h.Warning, h.Banned = req.ID, d.Allowed, d.Degraded, d.Warning, d.Banned
-	h.DelayMs = ceilMs(d.Delay)
+	lease := s.lim.LeaseToken(d)
+	if d.Deciding >= 0 && lease == "" && !d.Warning && d.Delay <= 0 && !d.Banned {
+		r := &d.Results[d.Deciding]
+		if head := s.heads.first(r); head != nil && !r.Impossible {
+			// The common answer, its v1 fields only: written from d's fields, the deciding
+			// rule's name and limit pre-encoded.
+			enc.BeginCheckV1(req.ID, d.Allowed, d.Degraded, head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), len(d.Results))
+			s.answerRules(enc, d)
+			enc.EndCheckV1()
+			return
+		}
+	}
+	h := proto.CheckHead{ID: req.ID, Allowed: d.Allowed, Degraded: d.Degraded, Warning: d.Warning,
+		DelayMs: ceilMs(d.Delay), Banned: d.Banned, Lease: lease}
 	if d.Deciding >= 0 {
 		r := &d.Results[d.Deciding]
 		h.Rule, h.Limit, h.Remaining = r.Name, r.Limit, r.Remaining
@@ -873,19 +884,24 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 			h.Head = s.heads.find(r)
 		} // the rule's name and limit pre-encoded
 	}
-	h.Lease = s.lim.LeaseToken(d)
 	enc.BeginCheck(&h, len(d.Results))
+	s.answerRules(enc, d)
+	enc.EndCheck(&h)
+}
+
+// answerRules encodes the rules array of the answer to d: each entry's name, limit and
+// window_ms pre-encoded (s.heads), the common entries (their v1 fields only) written from
+// the results' fields.
+func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 	for i := range d.Results {
 		r := &d.Results[i]
-		head := s.heads.first(r) // name, limit and window_ms pre-encoded
+		head := s.heads.first(r)
 		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned {
-			// Its v1 fields only, the common entry, written from r's fields.
 			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
 		s.answerRule(enc, r, head)
 	}
-	enc.EndCheck(&h)
 }
 
 // answerRule encodes r's entry in a check answer when answer's common case does not

@@ -166,13 +166,17 @@ func putUint(p unsafe.Pointer, i int, v uint64) int {
 		*(*byte)(unsafe.Add(p, i)) = byte(v)
 		return i + 1
 	}
-	return putUintWide(p, i, v)
+	return putUintWideCall(p, i, v)
 }
 
-// putUintWide is putUint for v > 0x7f: a tag and 1, 2, 4 or 8 big-endian bytes. Not
-// inlined, so that putUint is.
+// putUintWideCall is putUintWide, not inlined, so that putUint is.
 //
 //go:noinline
+func putUintWideCall(p unsafe.Pointer, i int, v uint64) int { return putUintWide(p, i, v) }
+
+// putUintWide is putUint for v > 0x7f: a tag and 1, 2, 4 or 8 big-endian bytes.
+// Small enough to inline, though not within putUint: a function writing several values
+// (AppendRuleHeadV1) calls it inline, so that its fast path has no call.
 func putUintWide(p unsafe.Pointer, i int, v uint64) int {
 	q := unsafe.Add(p, i)
 	switch {

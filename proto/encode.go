@@ -211,6 +211,63 @@ func (e *Encoder) BeginCheck(h *CheckHead, n int) {
 	e.buf.b = appendArrayLen(b[:i], n)
 }
 
+// BeginCheckV1 is BeginCheck for an answer of the v1 fields only — no reason, lease or
+// policy fields — whose deciding rule's name and limit head holds (the RuleHead of the
+// deciding rule's entry): the hot path's common answer, from its values, without a
+// CheckHead. The caller appends n rules and ends the frame with EndCheckV1.
+func (e *Encoder) BeginCheckV1(id uint64, allowed, degraded bool, head *RuleHead, remaining, resetMs, retryAfterMs uint64, n int) {
+	b := e.room(beginRoom + head.top.room)
+	p, i := base(b), len(b)
+	e.check = i
+	// The length (patched by EndCheckV1), a map of the 9 v1 fields, the id key.
+	*(*[8]byte)(unsafe.Add(p, i)) = [8]byte{0, 0, 0, 0, 0x89, kID[0], kID[1], kID[2]}
+	// putUint written out, putUintWide inline: no call on the way (no registers to save).
+	if i += 8; id <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(id)
+		i++
+	} else {
+		i = putUintWide(p, i, id)
+	}
+	*(*[len(kAllowedFalse + kRule)]byte)(unsafe.Add(p, i)) = [len(kAllowedFalse + kRule)]byte([]byte(kAllowedFalse + kRule))
+	*(*byte)(unsafe.Add(p, i+len(kAllowed))) = 0xc2 | b2u(allowed)
+	i = head.top.put(p, i+len(kAllowedFalse+kRule))
+	if remaining <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(remaining)
+		i++
+	} else {
+		i = putUintWide(p, i, remaining)
+	}
+	*(*[len(kResetMs)]byte)(unsafe.Add(p, i)) = [len(kResetMs)]byte([]byte(kResetMs))
+	if i += len(kResetMs); resetMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(resetMs)
+		i++
+	} else {
+		i = putUintWide(p, i, resetMs)
+	}
+	*(*[len(kRetryAfterMs)]byte)(unsafe.Add(p, i)) = [len(kRetryAfterMs)]byte([]byte(kRetryAfterMs))
+	if i += len(kRetryAfterMs); retryAfterMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(retryAfterMs)
+		i++
+	} else {
+		i = putUintWide(p, i, retryAfterMs)
+	}
+	*(*[len(kDegradedFalse + kRules)]byte)(unsafe.Add(p, i)) = [len(kDegradedFalse + kRules)]byte([]byte(kDegradedFalse + kRules))
+	*(*byte)(unsafe.Add(p, i+len(kDegradedFalse)-1)) = 0xc2 | b2u(degraded)
+	i += len(kDegradedFalse + kRules)
+	if n < 16 {
+		*(*byte)(unsafe.Add(p, i)) = 0x90 | byte(n)
+		e.buf.b = e.buf.b[:i+1] // the length only: b is e.buf.b
+		return
+	}
+	e.buf.b = appendArrayLen(b[:i], n)
+}
+
+// EndCheckV1 completes the frame BeginCheckV1 started.
+func (e *Encoder) EndCheckV1() {
+	b := e.buf.b
+	binary.BigEndian.PutUint32(b[e.check:], uint32(len(b)-e.check-HeaderSize))
+}
+
 // sameString is a == b, at once when they are the same string (a rule's name, both).
 func sameString(a, b string) bool {
 	return len(a) == len(b) && (unsafe.StringData(a) == unsafe.StringData(b) || a == b)
@@ -293,11 +350,27 @@ func (e *Encoder) AppendRuleHeadV1(h *RuleHead, remaining, resetMs, retryAfterMs
 	p, i := base(b), len(b)
 	*(*byte)(unsafe.Add(p, i)) = 0x88 // a map of the 8 v1 fields
 	i = h.entry.put(p, i+1)
-	i = putUint(p, i, remaining)
+	// putUint written out, putUintWide inline: no call on the way (no registers to save).
+	if remaining <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(remaining)
+		i++
+	} else {
+		i = putUintWide(p, i, remaining)
+	}
 	*(*[len(kResetMs)]byte)(unsafe.Add(p, i)) = [len(kResetMs)]byte([]byte(kResetMs))
-	i = putUint(p, i+len(kResetMs), resetMs)
+	if i += len(kResetMs); resetMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(resetMs)
+		i++
+	} else {
+		i = putUintWide(p, i, resetMs)
+	}
 	*(*[len(kRetryAfterMs)]byte)(unsafe.Add(p, i)) = [len(kRetryAfterMs)]byte([]byte(kRetryAfterMs))
-	i = putUint(p, i+len(kRetryAfterMs), retryAfterMs)
+	if i += len(kRetryAfterMs); retryAfterMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(retryAfterMs)
+		i++
+	} else {
+		i = putUintWide(p, i, retryAfterMs)
+	}
 	*(*[len(kAllowed)]byte)(unsafe.Add(p, i)) = [len(kAllowed)]byte([]byte(kAllowed))
 	*(*byte)(unsafe.Add(p, i+len(kAllowed))) = 0xc2 | b2u(allowed)
 	i += len(kAllowed) + 1
