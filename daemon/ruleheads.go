@@ -23,7 +23,7 @@ import (
 // a miss builds the head (once per rule, limit and window). Safe for concurrent use; the
 // zero value is ready.
 type ruleHeads struct {
-	t atomic.Pointer[[]atomic.Pointer[ruleHead]]
+	t atomic.Pointer[headTable] // immutable once published, its entries too
 }
 
 // maxHeadVariants is how many (limit, window) heads a rule keeps.
@@ -38,32 +38,49 @@ type ruleHead struct {
 }
 
 type headVariant struct {
+	key  headKey
+	head *proto.RuleHead
+}
+
+// headKey is what varies among a rule's entries: its limit and window.
+type headKey struct {
 	limit  uint64
 	window time.Duration
-	head   *proto.RuleHead
 }
 
 // get returns the head of r's entry, or nil when r has none to cache (an inline limit, or
 // a result whose name is not its rule's): the caller then encodes the entry in full.
-func (c *ruleHeads) get(r *limiter.Result) *proto.RuleHead { // answer calls first and find itself
-	if h := c.first(r); h != nil {
+func (c *ruleHeads) get(r *limiter.Result) *proto.RuleHead {
+	if h := c.table().first(r); h != nil {
 		return h
 	}
 	return c.find(r)
 }
 
-// first is get's common case, a leaf function of a few loads and compares: the head of r's
-// rule's first variant when r is for it and named by the rule's own name string; else
-// nil (then find knows).
-func (c *ruleHeads) first(r *limiter.Result) *proto.RuleHead {
-	if t := c.t.Load(); t != nil && r.Rule != nil && uint(r.Rule.Index) < uint(len(*t)) {
-		e := (*t)[r.Rule.Index].Load()
-		if e != nil && e.rule == r.Rule && e.first.limit == r.Limit && e.first.window == r.Window &&
-			unsafe.StringData(e.name) == unsafe.StringData(r.Name) && len(e.name) == len(r.Name) {
-			return e.first.head
-		}
+// headTable is the table of rule heads, by rule index, as published: immutable.
+type headTable []*ruleHead
+
+// table returns the heads' table as it is now: an answer reads it once for its entries.
+func (c *ruleHeads) table() headTable {
+	if t := c.t.Load(); t != nil {
+		return *t
 	}
 	return nil
+}
+
+// first is get's common case, inlined: the head of r's rule's first variant when r is for
+// it and named by the rule's own name string; else nil (then find knows).
+func (t headTable) first(r *limiter.Result) *proto.RuleHead {
+	rule := r.Rule
+	if rule == nil || uint(rule.Index) >= uint(len(t)) {
+		return nil
+	}
+	e := t[rule.Index]
+	if e == nil || e.rule != rule || e.first.key != (headKey{r.Limit, r.Window}) ||
+		unsafe.StringData(e.name) != unsafe.StringData(r.Name) || len(e.name) != len(r.Name) {
+		return nil
+	}
+	return e.first.head
 }
 
 // find is get past first: a search of r's rule's variants, then add.
@@ -72,7 +89,7 @@ func (c *ruleHeads) find(r *limiter.Result) *proto.RuleHead {
 		return nil
 	}
 	if t := c.t.Load(); t != nil && r.Rule.Index < len(*t) {
-		if e := (*t)[r.Rule.Index].Load(); e != nil && e.rule == r.Rule {
+		if e := (*t)[r.Rule.Index]; e != nil && e.rule == r.Rule {
 			if e.name != r.Name {
 				return nil // not its rule's name: not cached
 			}
@@ -86,56 +103,54 @@ func (c *ruleHeads) find(r *limiter.Result) *proto.RuleHead {
 
 // variant returns e's head for r's limit and window, nil when it has none.
 func (e *ruleHead) variant(r *limiter.Result) *proto.RuleHead {
-	if e.first.limit == r.Limit && e.first.window == r.Window {
+	k := headKey{r.Limit, r.Window}
+	if e.first.key == k {
 		return e.first.head
 	}
 	for i := range e.more {
-		if v := &e.more[i]; v.limit == r.Limit && v.window == r.Window {
+		if v := &e.more[i]; v.key == k {
 			return v.head
 		}
 	}
 	return nil
 }
 
-// add makes r's head and publishes it, growing the table (doubling, so the copies cost
-// O(rules) in all) when r's index is past its end.
+// add makes r's head and publishes it: a copy of the table with r's rule's entry
+// replaced (copy on write: a miss is once per rule, limit and window, so the copies cost
+// O(rules) each, few in all).
 func (c *ruleHeads) add(r *limiter.Result) *proto.RuleHead {
-	v := headVariant{limit: r.Limit, window: r.Window,
+	v := headVariant{key: headKey{r.Limit, r.Window},
 		head: proto.NewRuleHead(r.Name, r.Limit, uint64(r.Window/time.Millisecond))}
 	x := r.Rule.Index
 	for {
 		old := c.t.Load()
-		if old != nil && x < len(*old) {
-			slot := &(*old)[x]
-			e := slot.Load()
-			next := &ruleHead{rule: r.Rule, name: r.Name, first: v}
-			if e != nil && e.rule == r.Rule {
-				if e.name != r.Name {
-					return nil // not its rule's name: not cached
-				}
-				if h := e.variant(r); h != nil {
-					return h // published meanwhile
-				}
-				keep := e.more[max(0, len(e.more)-(maxHeadVariants-2)):]
-				next.first = e.first
-				next.more = append(append(make([]headVariant, 0, len(keep)+1), keep...), v)
-			}
-			if slot.CompareAndSwap(e, next) {
-				// Stored in a table being replaced, it may be lost: made again then.
-				return v.head
-			}
-			continue
-		}
-		n := 16
+		var e *ruleHead
+		n := x + 1
 		if old != nil {
-			n = 2 * len(*old)
-		}
-		t := make([]atomic.Pointer[ruleHead], max(n, x+1))
-		if old != nil {
-			for i := range *old {
-				t[i].Store((*old)[i].Load())
+			n = max(n, len(*old))
+			if x < len(*old) {
+				e = (*old)[x]
 			}
 		}
-		c.t.CompareAndSwap(old, &t) // then store into whichever table won
+		next := &ruleHead{rule: r.Rule, name: r.Name, first: v}
+		if e != nil && e.rule == r.Rule {
+			if e.name != r.Name {
+				return nil // not its rule's name: not cached
+			}
+			if h := e.variant(r); h != nil {
+				return h // published meanwhile
+			}
+			keep := e.more[max(0, len(e.more)-(maxHeadVariants-2)):]
+			next.first = e.first
+			next.more = append(append(make([]headVariant, 0, len(keep)+1), keep...), v)
+		}
+		t := make(headTable, n)
+		if old != nil {
+			copy(t, *old)
+		}
+		t[x] = next
+		if c.t.CompareAndSwap(old, &t) {
+			return v.head
+		}
 	}
 }

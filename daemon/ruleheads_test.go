@@ -42,7 +42,7 @@ func TestRuleHeads(t *testing.T) {
 			t.Fatalf("a's variant %d: %v", l, h)
 		}
 	}
-	if c.first(res(a, 5, time.Second)) != ha {
+	if c.table().first(res(a, 5, time.Second)) != ha {
 		t.Fatal("the first variant is not found at once")
 	}
 	if h := c.get(res(a, 6, time.Second)); h == ha6 || h == nil || !h.Is("a", 6, 1000) {

@@ -862,7 +862,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	lease := s.lim.LeaseToken(d)
 	if d.Deciding >= 0 && lease == "" && !d.Warning && d.Delay <= 0 && !d.Banned {
 		r := &d.Results[d.Deciding]
-		if head := s.heads.first(r); head != nil && !r.Impossible {
+		if head := s.heads.table().first(r); head != nil && !r.Impossible {
 			// The common answer, its v1 fields only: written from d's fields, the deciding
 			// rule's name and limit pre-encoded.
 			enc.BeginCheckV1(req.ID, d.Allowed, d.Degraded, head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), len(d.Results))
@@ -880,9 +880,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		if r.Impossible {
 			h.Reason = proto.ReasonCostExceedsCapacity
 		}
-		if h.Head = s.heads.first(r); h.Head == nil {
-			h.Head = s.heads.find(r)
-		} // the rule's name and limit pre-encoded
+		h.Head = s.heads.get(r) // the rule's name and limit pre-encoded
 	}
 	enc.BeginCheck(&h, len(d.Results))
 	s.answerRules(enc, d)
@@ -893,9 +891,10 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 // window_ms pre-encoded (s.heads), the common entries (their v1 fields only) written from
 // the results' fields.
 func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
+	heads := s.heads.table()
 	for i := range d.Results {
 		r := &d.Results[i]
-		head := s.heads.first(r)
+		head := heads.first(r)
 		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned {
 			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
