@@ -202,17 +202,21 @@ func drawDecision(t *rapid.T, all []*rules.Rule) (proto.Request, limiter.Decisio
 		rapid.StringOfN(rapid.RuneFrom([]rune("ab")), 250, 300, -1), // str8 and str16 names
 	)
 	n := rapid.IntRange(0, 8).Draw(t, "rules")
+	// The policy fields are rarer, as in real answers (most answers have none: answer's
+	// common case).
+	rare := func(label string) bool { return rapid.IntRange(0, 3).Draw(t, label) == 0 }
 	d := limiter.Decision{Allowed: rapid.Bool().Draw(t, "allowed"), Degraded: rapid.Bool().Draw(t, "degraded"),
-		Warning: rapid.Bool().Draw(t, "warning"), Banned: rapid.Bool().Draw(t, "banned"),
-		Delay: durOf("delay"), Deciding: rapid.IntRange(-1, n-1).Draw(t, "deciding")}
+		Warning: rare("warning"), Banned: rare("banned"), Deciding: rapid.IntRange(-1, n-1).Draw(t, "deciding")}
+	if rare("delayed") {
+		d.Delay = durOf("delay")
+	}
 	if rapid.IntRange(0, 3).Draw(t, "leased") == 0 {
 		d.Lease = rapid.Uint64Range(1, math.MaxUint64).Draw(t, "lease")
 	}
 	for i := range n {
 		r := limiter.Result{Remaining: num.Draw(t, "remaining"), Reset: durOf("reset"), RetryAfter: durOf("retry"),
 			Allowed: rapid.Bool().Draw(t, "rallowed"), Shadow: rapid.Bool().Draw(t, "shadow")}
-		// The policy fields and reasons are rarer, as in real answers.
-		if rapid.IntRange(0, 3).Draw(t, "policies") == 0 {
+		if rare("policies") {
 			r.Impossible, r.Warning, r.Banned = rapid.Bool().Draw(t, "impossible"), rapid.Bool().Draw(t, "rwarning"), rapid.Bool().Draw(t, "rbanned")
 			r.Delay = durOf("rdelay")
 		}
@@ -335,4 +339,23 @@ func TestAnswerLimiterDecisions(t *testing.T) {
 			t.Fatalf("check %d (%+v): bytes differ from the reference\n got %x\nwant %x", i, d.Results, got, wantBytes)
 		}
 	}
+}
+
+// TestCeilMsMatchesDivision: ceilMs, the compiler's multiply-and-shift for the division by
+// a millisecond, is the exact ceiling for every duration: around each multiple of a
+// millisecond across the range, and for random ones.
+func TestCeilMsMatchesDivision(t *testing.T) {
+	for k := int64(0); k <= math.MaxInt64/int64(time.Millisecond); k = k*2 + 1 {
+		for _, d := range []int64{k * int64(time.Millisecond), k*int64(time.Millisecond) - 1, k*int64(time.Millisecond) + 1} {
+			if got, want := ceilMs(time.Duration(d)), ceilMsRef(time.Duration(d)); got != want {
+				t.Fatalf("ceilMs(%d) = %d, want %d", d, got, want)
+			}
+		}
+	}
+	rapid.Check(t, func(t *rapid.T) {
+		d := time.Duration(rapid.Int64().Draw(t, "d"))
+		if got, want := ceilMs(d), ceilMsRef(d); got != want {
+			t.Fatalf("ceilMs(%d) = %d, want %d", d, got, want)
+		}
+	})
 }

@@ -9,8 +9,9 @@ import (
 )
 
 // TestEncodeCheckHeadsMatchesMsgpack: a check answer written the daemon's way — the
-// deciding rule's name and limit from its RuleHead (CheckHead.Head), each entry with a
-// RuleHead, the v1-only ones by AppendRuleHeadV1 — gives msgpack/v5's bytes
+// deciding rule's name and limit from its RuleHead (CheckHead.Head, or BeginCheckV1 for
+// an answer of the v1 fields only), each entry with a RuleHead, the v1-only ones by
+// AppendRuleHeadV1 — gives msgpack/v5's bytes
 // (encodeCheckRef) for random answers: values at every msgpack width, names long enough
 // for str8 and str16 and heads past a block's 64 bytes, a Head that does not hold the
 // rule (not used), and encoders whose buffer is full to the last byte (the grow path).
@@ -90,7 +91,14 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 		case 2:
 			h.Head = NewRuleHead(r.Rule, r.Limit+1, 1)
 		}
-		enc.BeginCheck(&h, len(r.Rules))
+		// An answer of the v1 fields only, sometimes begun from its values (BeginCheckV1).
+		v1 := r.Reason == "" && r.Lease == "" && !r.Warning && r.DelayMs == 0 && !r.Banned && rng.IntN(2) == 0
+		if v1 {
+			enc.BeginCheckV1(r.ID, r.Allowed, r.Degraded, NewRuleHead(strings.Clone(r.Rule), r.Limit, num()),
+				r.Remaining, r.ResetMs, r.RetryAfterMs, len(r.Rules))
+		} else {
+			enc.BeginCheck(&h, len(r.Rules))
+		}
 		for j := range r.Rules {
 			rr := r.Rules[j]
 			head := NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
@@ -101,7 +109,11 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 			rr.Name, rr.Limit, rr.WindowMs = "not read", 1, 2
 			enc.AppendRuleHead(head, &rr)
 		}
-		enc.EndCheck(&h)
+		if v1 {
+			enc.EndCheckV1()
+		} else {
+			enc.EndCheck(&h)
+		}
 		frame := enc.Bytes()[before:]
 		if got, want := frame[HeaderSize:], encodeCheckRef(&r); !bytes.Equal(got, want) {
 			t.Fatalf("response %d: %d bytes unlike msgpack's %d", i, len(got), len(want))
