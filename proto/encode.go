@@ -216,7 +216,11 @@ func (e *Encoder) BeginCheck(h *CheckHead, n int) {
 // deciding rule's entry): the hot path's common answer, from its values, without a
 // CheckHead. The caller appends n rules and ends the frame with EndCheckV1.
 func (e *Encoder) BeginCheckV1(id uint64, allowed, degraded bool, head *RuleHead, remaining, resetMs, retryAfterMs uint64, n int) {
-	b := e.room(beginRoom + head.top.room)
+	b := e.buf.b
+	if cap(b)-len(b) < beginRoom+head.top.room {
+		e.beginCheckV1Grow(id, allowed, degraded, head, remaining, resetMs, retryAfterMs, n) // as AppendRuleHeadV1's
+		return
+	}
 	p, i := base(b), len(b)
 	e.check = i
 	// The length (patched by EndCheckV1), a map of the 9 v1 fields, the id key.
@@ -260,6 +264,14 @@ func (e *Encoder) BeginCheckV1(id uint64, allowed, degraded bool, head *RuleHead
 		return
 	}
 	e.buf.b = appendArrayLen(b[:i], n)
+}
+
+// beginCheckV1Grow is BeginCheckV1 when the buffer needs to grow first.
+//
+//go:noinline
+func (e *Encoder) beginCheckV1Grow(id uint64, allowed, degraded bool, head *RuleHead, remaining, resetMs, retryAfterMs uint64, n int) {
+	e.grow(beginRoom + head.top.room)
+	e.BeginCheckV1(id, allowed, degraded, head, remaining, resetMs, retryAfterMs, n)
 }
 
 // EndCheckV1 completes the frame BeginCheckV1 started.
@@ -346,7 +358,13 @@ const ruleRoom = 1 + maxUint + len(kResetMs) + maxUint + len(kRetryAfterMs) + ma
 // policy fields (warning, delay_ms, banned) — from its values: the hot path's common
 // entry, without a RuleResult.
 func (e *Encoder) AppendRuleHeadV1(h *RuleHead, remaining, resetMs, retryAfterMs uint64, allowed, shadow bool) {
-	b := e.room(ruleRoom + h.entry.room)
+	b := e.buf.b
+	if cap(b)-len(b) < ruleRoom+h.entry.room {
+		// A call after which nothing is live, so that the fast path keeps its arguments
+		// in registers.
+		e.appendRuleHeadV1Grow(h, remaining, resetMs, retryAfterMs, allowed, shadow)
+		return
+	}
 	p, i := base(b), len(b)
 	*(*byte)(unsafe.Add(p, i)) = 0x88 // a map of the 8 v1 fields
 	i = h.entry.put(p, i+1)
@@ -377,6 +395,14 @@ func (e *Encoder) AppendRuleHeadV1(h *RuleHead, remaining, resetMs, retryAfterMs
 	*(*[len(kShadow)]byte)(unsafe.Add(p, i)) = [len(kShadow)]byte([]byte(kShadow))
 	*(*byte)(unsafe.Add(p, i+len(kShadow))) = 0xc2 | b2u(shadow)
 	e.buf.b = e.buf.b[:i+len(kShadow)+1] // the length only: b is e.buf.b
+}
+
+// appendRuleHeadV1Grow is AppendRuleHeadV1 when the buffer needs to grow first.
+//
+//go:noinline
+func (e *Encoder) appendRuleHeadV1Grow(h *RuleHead, remaining, resetMs, retryAfterMs uint64, allowed, shadow bool) {
+	e.grow(ruleRoom + h.entry.room)
+	e.AppendRuleHeadV1(h, remaining, resetMs, retryAfterMs, allowed, shadow)
 }
 
 // ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
