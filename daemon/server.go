@@ -871,6 +871,12 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 			return
 		}
 	}
+	s.answerCheckHead(enc, req, d, lease)
+}
+
+// answerCheckHead is answer past its common case: the top level through a CheckHead,
+// with a reason, a lease or policy fields to write, or no deciding rule's head.
+func (s *Server) answerCheckHead(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, lease string) {
 	h := proto.CheckHead{ID: req.ID, Allowed: d.Allowed, Degraded: d.Degraded, Warning: d.Warning,
 		DelayMs: ceilMs(d.Delay), Banned: d.Banned, Lease: lease}
 	if d.Deciding >= 0 {
