@@ -23,7 +23,7 @@ import (
 // a miss builds the head (once per rule, limit and window). Safe for concurrent use; the
 // zero value is ready.
 type ruleHeads struct {
-	t atomic.Pointer[headTable] // immutable once published, its entries too
+	t atomic.Pointer[headTable]
 }
 
 // maxHeadVariants is how many (limit, window) heads a rule keeps.
@@ -57,8 +57,9 @@ func (c *ruleHeads) get(r *limiter.Result) *proto.RuleHead {
 	return c.find(r)
 }
 
-// headTable is the table of rule heads, by rule index, as published: immutable.
-type headTable []*ruleHead
+// headTable is the table of rule heads, by rule index. A table replaces the one it
+// grows from; each slot is replaced whole (ruleHead is immutable).
+type headTable []atomic.Pointer[ruleHead]
 
 // table returns the heads' table as it is now: an answer reads it once for its entries.
 func (c *ruleHeads) table() headTable {
@@ -75,7 +76,7 @@ func (t headTable) first(r *limiter.Result) *proto.RuleHead {
 	if rule == nil || uint(rule.Index) >= uint(len(t)) {
 		return nil
 	}
-	e := t[rule.Index]
+	e := t[rule.Index].Load()
 	if e == nil || e.rule != rule || e.first.key != (headKey{r.Limit, r.Window}) ||
 		unsafe.StringData(e.name) != unsafe.StringData(r.Name) || len(e.name) != len(r.Name) {
 		return nil
@@ -89,7 +90,7 @@ func (c *ruleHeads) find(r *limiter.Result) *proto.RuleHead {
 		return nil
 	}
 	if t := c.t.Load(); t != nil && r.Rule.Index < len(*t) {
-		if e := (*t)[r.Rule.Index]; e != nil && e.rule == r.Rule {
+		if e := (*t)[r.Rule.Index].Load(); e != nil && e.rule == r.Rule {
 			if e.name != r.Name {
 				return nil // not its rule's name: not cached
 			}
@@ -115,42 +116,45 @@ func (e *ruleHead) variant(r *limiter.Result) *proto.RuleHead {
 	return nil
 }
 
-// add makes r's head and publishes it: a copy of the table with r's rule's entry
-// replaced (copy on write: a miss is once per rule, limit and window, so the copies cost
-// O(rules) each, few in all).
+// add makes r's head and publishes it, growing the table (doubling, so the copies cost
+// O(rules) in all) when r's index is past its end.
 func (c *ruleHeads) add(r *limiter.Result) *proto.RuleHead {
 	v := headVariant{key: headKey{r.Limit, r.Window},
 		head: proto.NewRuleHead(r.Name, r.Limit, uint64(r.Window/time.Millisecond))}
 	x := r.Rule.Index
 	for {
 		old := c.t.Load()
-		var e *ruleHead
-		n := x + 1
+		if old != nil && x < len(*old) {
+			slot := &(*old)[x]
+			e := slot.Load()
+			next := &ruleHead{rule: r.Rule, name: r.Name, first: v}
+			if e != nil && e.rule == r.Rule {
+				if e.name != r.Name {
+					return nil // not its rule's name: not cached
+				}
+				if h := e.variant(r); h != nil {
+					return h // published meanwhile
+				}
+				keep := e.more[max(0, len(e.more)-(maxHeadVariants-2)):]
+				next.first = e.first
+				next.more = append(append(make([]headVariant, 0, len(keep)+1), keep...), v)
+			}
+			if slot.CompareAndSwap(e, next) {
+				// Stored in a table being replaced, it may be lost: made again then.
+				return v.head
+			}
+			continue
+		}
+		n := 16
 		if old != nil {
-			n = max(n, len(*old))
-			if x < len(*old) {
-				e = (*old)[x]
-			}
+			n = 2 * len(*old)
 		}
-		next := &ruleHead{rule: r.Rule, name: r.Name, first: v}
-		if e != nil && e.rule == r.Rule {
-			if e.name != r.Name {
-				return nil // not its rule's name: not cached
-			}
-			if h := e.variant(r); h != nil {
-				return h // published meanwhile
-			}
-			keep := e.more[max(0, len(e.more)-(maxHeadVariants-2)):]
-			next.first = e.first
-			next.more = append(append(make([]headVariant, 0, len(keep)+1), keep...), v)
-		}
-		t := make(headTable, n)
+		t := make(headTable, max(n, x+1))
 		if old != nil {
-			copy(t, *old)
+			for i := range *old {
+				t[i].Store((*old)[i].Load())
+			}
 		}
-		t[x] = next
-		if c.t.CompareAndSwap(old, &t) {
-			return v.head
-		}
+		c.t.CompareAndSwap(old, &t) // then store into whichever table won
 	}
 }
