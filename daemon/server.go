@@ -859,8 +859,26 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	if m := s.cfg.Metrics; m != nil {
 		m.Record(d)
 	}
+	lease := s.lim.LeaseToken(d)
+	if d.Deciding >= 0 && lease == "" && !d.Warning && d.Delay <= 0 && !d.Banned {
+		r := &d.Results[d.Deciding]
+		if head := s.heads.table().first(r); head != nil && !r.Impossible {
+			// The common answer, its v1 fields only: written from d's fields, the deciding
+			// rule's name and limit pre-encoded.
+			enc.BeginCheckV1(req.ID, d.Allowed, d.Degraded, head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), len(d.Results))
+			s.answerRules(enc, d)
+			enc.EndCheckV1()
+			return
+		}
+	}
+	s.answerCheckHead(enc, req, d, lease)
+}
+
+// answerCheckHead is answer past its common case: the top level through a CheckHead,
+// with a reason, a lease or policy fields to write, or no deciding rule's head.
+func (s *Server) answerCheckHead(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, lease string) {
 	h := proto.CheckHead{ID: req.ID, Allowed: d.Allowed, Degraded: d.Degraded, Warning: d.Warning,
-		DelayMs: ceilMs(d.Delay), Banned: d.Banned}
+		DelayMs: ceilMs(d.Delay), Banned: d.Banned, Lease: lease}
 	if d.Deciding >= 0 {
 		r := &d.Results[d.Deciding]
 		h.Rule, h.Limit, h.Remaining = r.Name, r.Limit, r.Remaining
@@ -868,30 +886,47 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		if r.Impossible {
 			h.Reason = proto.ReasonCostExceedsCapacity
 		}
+		h.Head = s.heads.get(r) // the rule's name and limit pre-encoded
 	}
-	h.Lease = s.lim.LeaseToken(d)
 	enc.BeginCheck(&h, len(d.Results))
-	var rr proto.RuleResult // every field AppendRuleHead reads is set for each rule
+	s.answerRules(enc, d)
+	enc.EndCheck(&h)
+}
+
+// answerRules encodes the rules array of the answer to d: each entry's name, limit and
+// window_ms pre-encoded (s.heads), the common entries (their v1 fields only) written from
+// the results' fields.
+func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
+	heads := s.heads.table()
 	for i := range d.Results {
 		r := &d.Results[i]
-		rr.Remaining = r.Remaining
-		rr.ResetMs = ceilMs(r.Reset)
-		rr.RetryAfterMs = ceilMs(r.RetryAfter)
-		rr.Allowed, rr.Shadow, rr.Warning, rr.Banned = r.Allowed, r.Shadow, r.Warning, r.Banned
-		rr.DelayMs = ceilMs(r.Delay)
-		rr.Reason = ""
-		if r.Impossible {
-			rr.Reason = proto.ReasonCostExceedsCapacity
-		}
-		windowMs := uint64(r.Window / time.Millisecond)
-		if head := s.heads.get(r, windowMs); head != nil {
-			enc.AppendRuleHead(head, &rr) // name, limit and window_ms copied from the cache
+		head := heads.first(r)
+		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned {
+			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
-		rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, windowMs
-		enc.AppendRule(&rr)
+		s.answerRule(enc, r, head)
 	}
-	enc.EndCheck(&h)
+}
+
+// answerRule encodes r's entry in a check answer when answer's common case does not
+// apply: a reason or policy fields to write, or a head not found at once (head nil: it
+// is looked up, or the entry encoded in full).
+func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.RuleHead) {
+	rr := proto.RuleResult{Remaining: r.Remaining, ResetMs: ceilMs(r.Reset), RetryAfterMs: ceilMs(r.RetryAfter),
+		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay)}
+	if r.Impossible {
+		rr.Reason = proto.ReasonCostExceedsCapacity
+	}
+	if head == nil {
+		head = s.heads.find(r)
+	}
+	if head != nil {
+		enc.AppendRuleHead(head, &rr)
+		return
+	}
+	rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, uint64(r.Window/time.Millisecond)
+	enc.AppendRule(&rr)
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms

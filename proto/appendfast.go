@@ -3,6 +3,8 @@ package proto
 import (
 	"encoding/binary"
 	"math"
+	"slices"
+	"unsafe"
 )
 
 // Direct msgpack appenders for the hot path's answer. Each writes the same bytes as the
@@ -66,6 +68,7 @@ func appendArrayLen(b []byte, n int) []byte {
 // TestEncodeCheckMatchesMsgpack checks them against msgpack's encoding.
 const (
 	kID            = "\xa2id"
+	kAllowed       = "\xa7allowed"
 	kAllowedTrue   = "\xa7allowed\xc3"
 	kAllowedFalse  = "\xa7allowed\xc2"
 	kRule          = "\xa4rule"
@@ -78,6 +81,7 @@ const (
 	kRules         = "\xa5rules"
 	kName          = "\xa4name"
 	kWindowMs      = "\xa9window_ms"
+	kShadow        = "\xa6shadow"
 	kShadowTrue    = "\xa6shadow\xc3"
 	kShadowFalse   = "\xa6shadow\xc2"
 	kReason        = "\xa6reason"
@@ -125,4 +129,137 @@ func appendPolicies(b []byte, warning bool, delayMs uint64, banned bool) []byte 
 		b = append(b, kBannedTrue...)
 	}
 	return b
+}
+
+// Writers into reserved room, for the hot path's answer (BeginCheck, AppendRuleHead,
+// EndCheck). Encoder.room makes sure the buffer's capacity holds what they write past its
+// length; they then store at p+i (p the buffer's array, i an index below its capacity)
+// with no capacity or bounds check of their own, and return the index after what they
+// wrote. Each caller's room is the most its writes can take, counted beside them.
+
+// room returns e's buffer with capacity for at least n bytes past its length.
+func (e *Encoder) room(n int) []byte {
+	if b := e.buf.b; cap(b)-len(b) >= n {
+		return b
+	}
+	return e.grow(n)
+}
+
+// grow is room's slow path, out of line so that its callers' fast paths stay small.
+//
+//go:noinline
+func (e *Encoder) grow(n int) []byte {
+	e.buf.b = slices.Grow(e.buf.b, n)
+	return e.buf.b
+}
+
+// base is the address of b's array: p for the writers.
+func base(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
+
+// maxUint is the most putUint writes.
+const maxUint = 9
+
+// putUint writes v as msgpack.Encoder.EncodeUint does (its smallest encoding). A
+// positive fixint (most values) is one store; a wider value is putUintWide.
+func putUint(p unsafe.Pointer, i int, v uint64) int {
+	if v <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(v)
+		return i + 1
+	}
+	return putUintWideCall(p, i, v)
+}
+
+// putUintWideCall is putUintWide, not inlined, so that putUint is.
+//
+//go:noinline
+func putUintWideCall(p unsafe.Pointer, i int, v uint64) int { return putUintWide(p, i, v) }
+
+// putUintWide is putUint for v > 0x7f: a tag and 1, 2, 4 or 8 big-endian bytes.
+// Small enough to inline, though not within putUint: a function writing several values
+// (AppendRuleHeadV1) calls it inline, so that its fast path has no call.
+func putUintWide(p unsafe.Pointer, i int, v uint64) int {
+	q := unsafe.Add(p, i)
+	switch {
+	case v <= math.MaxUint8:
+		*(*[2]byte)(q) = [2]byte{0xcc, byte(v)}
+		return i + 2
+	case v <= math.MaxUint16:
+		*(*byte)(q) = 0xcd
+		binary.BigEndian.PutUint16((*[2]byte)(unsafe.Add(q, 1))[:], uint16(v))
+		return i + 3
+	case v <= math.MaxUint32:
+		*(*byte)(q) = 0xce
+		binary.BigEndian.PutUint32((*[4]byte)(unsafe.Add(q, 1))[:], uint32(v))
+		return i + 5
+	}
+	*(*byte)(q) = 0xcf
+	binary.BigEndian.PutUint64((*[8]byte)(unsafe.Add(q, 1))[:], v)
+	return i + 9
+}
+
+// putBool writes the msgpack bool v.
+func putBool(p unsafe.Pointer, i int, v bool) int {
+	*(*byte)(unsafe.Add(p, i)) = 0xc2 | b2u(v)
+	return i + 1
+}
+
+// b2u is 1 for true, 0 for false, without a branch: a bool's byte is 0 or 1.
+func b2u(v bool) byte { return *(*byte)(unsafe.Pointer(&v)) }
+
+// putBytes writes s (len(s) bytes of room).
+func putBytes(p unsafe.Pointer, i int, s []byte) int {
+	return i + copy(unsafe.Slice((*byte)(unsafe.Add(p, i)), len(s)), s)
+}
+
+// maxStrHead is the most a msgpack string's header takes (str32).
+const maxStrHead = 5
+
+// putStr writes s as msgpack.Encoder.EncodeString does: maxStrHead+len(s) bytes of room.
+func putStr(p unsafe.Pointer, i int, s string) int {
+	n := len(s)
+	q := unsafe.Add(p, i)
+	switch {
+	case n < 32:
+		*(*byte)(q) = 0xa0 | byte(n)
+		i++
+	case n < 256:
+		*(*[2]byte)(q) = [2]byte{0xd9, byte(n)}
+		i += 2
+	case n <= math.MaxUint16:
+		*(*byte)(q) = 0xda
+		binary.BigEndian.PutUint16((*[2]byte)(unsafe.Add(q, 1))[:], uint16(n))
+		i += 3
+	default:
+		*(*byte)(q) = 0xdb
+		binary.BigEndian.PutUint32((*[4]byte)(unsafe.Add(q, 1))[:], uint32(n))
+		i += 5
+	}
+	return i + copy(unsafe.Slice((*byte)(unsafe.Add(p, i)), n), s)
+}
+
+// blockSize is the size of a block's single store.
+const blockSize = 64
+
+// block is constant bytes an answer copies: with one 64-byte store when they fit in it
+// (the bytes past them are room that later writes overwrite or the frame's length leaves
+// out), else with a copy.
+type block struct {
+	a    [blockSize]byte
+	b    []byte // the bytes; a holds them too when they fit
+	room int    // the room put needs: max(blockSize, len(b))
+}
+
+func newBlock(b []byte) block {
+	k := block{b: b, room: max(blockSize, len(b))}
+	copy(k.a[:], b)
+	return k
+}
+
+// put writes k's bytes (k.room bytes of room).
+func (k *block) put(p unsafe.Pointer, i int) int {
+	if len(k.b) <= blockSize {
+		*(*[blockSize]byte)(unsafe.Add(p, i)) = k.a
+		return i + len(k.b)
+	}
+	return putBytes(p, i, k.b)
 }

@@ -139,26 +139,43 @@ func BenchmarkEncodeCheck(b *testing.B) {
 	}
 }
 
-// BenchmarkEncodeCheckHeads is BenchmarkEncodeCheck as the daemon encodes: the answer
-// written from its parts (BeginCheck, AppendRuleHead, EndCheck), each rule's name, limit
-// and window pre-encoded in a RuleHead, no Response built.
+// BenchmarkEncodeCheckHeads is BenchmarkEncodeCheck as the daemon encodes the common
+// answer (its v1 fields only): written from its values (BeginCheckV1, AppendRuleHeadV1,
+// EndCheckV1), each rule's name, limit and window — and the deciding rule's name and
+// limit — pre-encoded in a RuleHead, no Response or CheckHead built.
 func BenchmarkEncodeCheckHeads(b *testing.B) {
 	resp := sampleResponse()
-	h := CheckHead{ID: resp.ID, Allowed: resp.Allowed, Rule: resp.Rule, Limit: resp.Limit, Remaining: resp.Remaining,
-		ResetMs: resp.ResetMs, RetryAfterMs: resp.RetryAfterMs, Degraded: resp.Degraded}
 	heads := make([]*RuleHead, len(resp.Rules))
 	for i, rr := range resp.Rules {
 		heads[i] = NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
 	}
+	deciding := heads[1] // holds-per-account
 	enc := NewEncoder()
 	b.ReportAllocs()
 	for b.Loop() {
 		enc.Reset()
-		enc.BeginCheck(&h, len(resp.Rules))
+		enc.BeginCheckV1(resp.ID, resp.Allowed, resp.Degraded, deciding, resp.Remaining, resp.ResetMs, resp.RetryAfterMs, len(resp.Rules))
 		for i := range resp.Rules {
-			enc.AppendRuleHead(heads[i], &resp.Rules[i])
+			rr := &resp.Rules[i]
+			enc.AppendRuleHeadV1(heads[i], rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
 		}
-		enc.EndCheck(&h)
+		enc.EndCheckV1()
+	}
+}
+
+// TestEncodeCheckHeadsBenchmarkBytes: what BenchmarkEncodeCheckHeads writes is the sample
+// answer's msgpack.
+func TestEncodeCheckHeadsBenchmarkBytes(t *testing.T) {
+	resp := sampleResponse()
+	enc := NewEncoder()
+	enc.BeginCheckV1(resp.ID, resp.Allowed, resp.Degraded, NewRuleHead(resp.Rule, resp.Limit, 60000), resp.Remaining, resp.ResetMs, resp.RetryAfterMs, len(resp.Rules))
+	for i := range resp.Rules {
+		rr := &resp.Rules[i]
+		enc.AppendRuleHeadV1(NewRuleHead(rr.Name, rr.Limit, rr.WindowMs), rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
+	}
+	enc.EndCheckV1()
+	if got, want := enc.Bytes()[HeaderSize:], encodeCheckRef(&resp); !bytes.Equal(got, want) {
+		t.Fatalf("got %x\nwant %x", got, want)
 	}
 }
 

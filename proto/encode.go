@@ -3,6 +3,7 @@ package proto
 import (
 	"bytes"
 	"encoding/binary"
+	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -131,40 +132,165 @@ type CheckHead struct {
 	Reason       string
 	Lease        string
 	DelayMs      uint64
+	// Head, when not nil, is the deciding rule's RuleHead: BeginCheck copies the rule's
+	// name and limit from it, pre-encoded, instead of encoding Rule and Limit — when it
+	// holds those (the same name and limit; else it is not used). Optional.
+	Head *RuleHead
 }
 
+// beginRoom is the most BeginCheck writes but the rule's name, limit and the remaining
+// key (topRoom with its name): the length (4), the map's length (a fixmap: at most 14
+// fields), id, allowed, the rule key, remaining, reset_ms, retry_after_ms, degraded and
+// rules, and the array's length.
+const (
+	beginRoom = 4 + 1 + len(kID) + maxUint + len(kAllowedTrue) + len(kRule) + maxUint +
+		len(kResetMs) + maxUint + len(kRetryAfterMs) + maxUint + len(kDegradedTrue) + len(kRules) + 5
+	topRoom = maxStrHead + len(kLimit) + maxUint + len(kRemaining)
+)
+
 // BeginCheck starts a check response frame: it appends the fields of h up to the rules
-// array, announcing n rules. The caller then appends exactly n with AppendRule and ends
-// the frame with EndCheck(h), h unchanged; nothing else may be encoded in between.
+// array, announcing n rules. The caller then appends exactly n with AppendRule or
+// AppendRuleHead and ends the frame with EndCheck(h), h unchanged; nothing else may be
+// encoded in between.
 //
-// This is the hot path's encoder: it appends msgpack directly (appendfast.go) into the
+// This is the hot path's encoder: it writes msgpack directly (appendfast.go) into the
 // output buffer, with no intermediate Response; TestEncodeCheckMatchesMsgpack checks the
 // bytes are the ones msgpack/v5 writes.
 func (e *Encoder) BeginCheck(h *CheckHead, n int) {
-	b := e.buf.b
-	e.check = len(b)
-	m := 9 + policyFields(h.Warning, h.DelayMs, h.Banned)
-	if h.Reason != "" {
-		m++
+	m := 9
+	if h.Reason != "" || h.Lease != "" || h.Warning || h.DelayMs != 0 || h.Banned {
+		m += policyFields(h.Warning, h.DelayMs, h.Banned)
+		if h.Reason != "" {
+			m++
+		}
+		if h.Lease != "" {
+			m++
+		}
 	}
-	if h.Lease != "" {
-		m++
-	}
-	b = append(b, 0, 0, 0, 0) // the length, patched by EndCheck
-	b = appendMapLen(b, m)
-	b = appendUintField(b, kID, h.ID)
-	b = appendBoolField(b, kAllowedTrue, kAllowedFalse, h.Allowed)
-	b = appendStrField(b, kRule, h.Rule)
-	b = appendUintField(b, kLimit, h.Limit)
-	b = appendUintField(b, kRemaining, h.Remaining)
-	b = appendUintField(b, kResetMs, h.ResetMs)
-	b = appendUintField(b, kRetryAfterMs, h.RetryAfterMs)
-	if h.Degraded {
-		b = append(b, kDegradedTrue+kRules...)
+	top := h.Head
+	need := beginRoom + topRoom + len(h.Rule)
+	if top != nil && top.limit == h.Limit && sameString(top.name, h.Rule) {
+		need = beginRoom + top.top.room
 	} else {
-		b = append(b, kDegradedFalse+kRules...)
+		top = nil
 	}
-	e.buf.b = appendArrayLen(b, n)
+	b := e.room(need)
+	p, i := base(b), len(b)
+	e.check = i
+	// The length (patched by EndCheck), the map's, then the id key.
+	*(*[8]byte)(unsafe.Add(p, i)) = [8]byte{0, 0, 0, 0, 0x80 | byte(m), kID[0], kID[1], kID[2]}
+	i = putUint(p, i+8, h.ID)
+	if h.Allowed {
+		*(*[len(kAllowedTrue + kRule)]byte)(unsafe.Add(p, i)) = [len(kAllowedTrue + kRule)]byte([]byte(kAllowedTrue + kRule))
+	} else {
+		*(*[len(kAllowedFalse + kRule)]byte)(unsafe.Add(p, i)) = [len(kAllowedFalse + kRule)]byte([]byte(kAllowedFalse + kRule))
+	}
+	i += len(kAllowedTrue + kRule)
+	if top != nil {
+		i = top.top.put(p, i)
+	} else {
+		i = putStr(p, i, h.Rule)
+		*(*[len(kLimit)]byte)(unsafe.Add(p, i)) = [len(kLimit)]byte([]byte(kLimit))
+		i = putUint(p, i+len(kLimit), h.Limit)
+		*(*[len(kRemaining)]byte)(unsafe.Add(p, i)) = [len(kRemaining)]byte([]byte(kRemaining))
+		i += len(kRemaining)
+	}
+	i = putUint(p, i, h.Remaining)
+	i = putResetRetry(p, i, h.ResetMs, h.RetryAfterMs)
+	if h.Degraded {
+		*(*[len(kDegradedTrue + kRules)]byte)(unsafe.Add(p, i)) = [len(kDegradedTrue + kRules)]byte([]byte(kDegradedTrue + kRules))
+	} else {
+		*(*[len(kDegradedFalse + kRules)]byte)(unsafe.Add(p, i)) = [len(kDegradedFalse + kRules)]byte([]byte(kDegradedFalse + kRules))
+	}
+	i += len(kDegradedTrue + kRules)
+	if n < 16 {
+		*(*byte)(unsafe.Add(p, i)) = 0x90 | byte(n)
+		e.buf.b = e.buf.b[:i+1] // the length only: b is e.buf.b
+		return
+	}
+	e.buf.b = appendArrayLen(b[:i], n)
+}
+
+// BeginCheckV1 is BeginCheck for an answer of the v1 fields only — no reason, lease or
+// policy fields — whose deciding rule's name and limit head holds (the RuleHead of the
+// deciding rule's entry): the hot path's common answer, from its values, without a
+// CheckHead. The caller appends n rules and ends the frame with EndCheckV1.
+func (e *Encoder) BeginCheckV1(id uint64, allowed, degraded bool, head *RuleHead, remaining, resetMs, retryAfterMs uint64, n int) {
+	b := e.buf.b
+	if cap(b)-len(b) < beginRoom+head.top.room {
+		e.beginCheckV1Grow(id, allowed, degraded, head, remaining, resetMs, retryAfterMs, n) // as AppendRuleHeadV1's
+		return
+	}
+	p, i := base(b), len(b)
+	e.check = i
+	// The length (patched by EndCheckV1), a map of the 9 v1 fields, the id key.
+	*(*[8]byte)(unsafe.Add(p, i)) = [8]byte{0, 0, 0, 0, 0x89, kID[0], kID[1], kID[2]}
+	// putUint written out, putUintWide inline: no call on the way (no registers to save).
+	if i += 8; id <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(id)
+		i++
+	} else {
+		i = putUintWide(p, i, id)
+	}
+	*(*[len(kAllowedFalse + kRule)]byte)(unsafe.Add(p, i)) = [len(kAllowedFalse + kRule)]byte([]byte(kAllowedFalse + kRule))
+	*(*byte)(unsafe.Add(p, i+len(kAllowed))) = 0xc2 | b2u(allowed)
+	i = head.top.put(p, i+len(kAllowedFalse+kRule))
+	if remaining <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(remaining)
+		i++
+	} else {
+		i = putUintWide(p, i, remaining)
+	}
+	*(*[len(kResetMs)]byte)(unsafe.Add(p, i)) = [len(kResetMs)]byte([]byte(kResetMs))
+	if i += len(kResetMs); resetMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(resetMs)
+		i++
+	} else {
+		i = putUintWide(p, i, resetMs)
+	}
+	*(*[len(kRetryAfterMs)]byte)(unsafe.Add(p, i)) = [len(kRetryAfterMs)]byte([]byte(kRetryAfterMs))
+	if i += len(kRetryAfterMs); retryAfterMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(retryAfterMs)
+		i++
+	} else {
+		i = putUintWide(p, i, retryAfterMs)
+	}
+	*(*[len(kDegradedFalse + kRules)]byte)(unsafe.Add(p, i)) = [len(kDegradedFalse + kRules)]byte([]byte(kDegradedFalse + kRules))
+	*(*byte)(unsafe.Add(p, i+len(kDegradedFalse)-1)) = 0xc2 | b2u(degraded)
+	i += len(kDegradedFalse + kRules)
+	if n < 16 {
+		*(*byte)(unsafe.Add(p, i)) = 0x90 | byte(n)
+		e.buf.b = e.buf.b[:i+1] // the length only: b is e.buf.b
+		return
+	}
+	e.buf.b = appendArrayLen(b[:i], n)
+}
+
+// beginCheckV1Grow is BeginCheckV1 when the buffer needs to grow first.
+//
+//go:noinline
+func (e *Encoder) beginCheckV1Grow(id uint64, allowed, degraded bool, head *RuleHead, remaining, resetMs, retryAfterMs uint64, n int) {
+	e.grow(beginRoom + head.top.room)
+	e.BeginCheckV1(id, allowed, degraded, head, remaining, resetMs, retryAfterMs, n)
+}
+
+// EndCheckV1 completes the frame BeginCheckV1 started.
+func (e *Encoder) EndCheckV1() {
+	b := e.buf.b
+	binary.BigEndian.PutUint32(b[e.check:], uint32(len(b)-e.check-HeaderSize))
+}
+
+// sameString is a == b, at once when they are the same string (a rule's name, both).
+func sameString(a, b string) bool {
+	return len(a) == len(b) && (unsafe.StringData(a) == unsafe.StringData(b) || a == b)
+}
+
+// putResetRetry writes the reset_ms and retry_after_ms fields (2 keys and maxUint each).
+func putResetRetry(p unsafe.Pointer, i int, resetMs, retryAfterMs uint64) int {
+	*(*[len(kResetMs)]byte)(unsafe.Add(p, i)) = [len(kResetMs)]byte([]byte(kResetMs))
+	i = putUint(p, i+len(kResetMs), resetMs)
+	*(*[len(kRetryAfterMs)]byte)(unsafe.Add(p, i)) = [len(kRetryAfterMs)]byte([]byte(kRetryAfterMs))
+	return putUint(p, i+len(kRetryAfterMs), retryAfterMs)
 }
 
 // AppendRule appends one entry of the rules array of the check BeginCheck started.
@@ -177,14 +303,16 @@ func (e *Encoder) AppendRule(rr *RuleResult) {
 }
 
 // RuleHead is the part of a rule's entry in check answers that stays the same from one
-// answer to the next — its name, limit and window_ms — encoded once. A server keeps one
-// per rule and passes it to AppendRuleHead instead of encoding them in every answer.
+// answer to the next — its name, limit and window_ms — encoded once; and the same rule's
+// name and limit as the deciding rule at the top level (CheckHead.Head). A server keeps
+// one per rule and passes it to AppendRuleHead instead of encoding them in every answer.
 // It is immutable, so safe for concurrent use. Make it with NewRuleHead.
 type RuleHead struct {
 	name     string
 	limit    uint64
 	windowMs uint64
-	b        []byte // name, limit and window_ms, then the remaining key
+	entry    block // name, limit and window_ms, then the remaining key
+	top      block // the name's string, the limit key and value, then the remaining key
 }
 
 // NewRuleHead encodes the constant part of a rule's entry. The head keeps name for Is, so
@@ -194,7 +322,10 @@ func NewRuleHead(name string, limit, windowMs uint64) *RuleHead {
 	b := appendStrField(nil, kName, name)
 	b = appendUintField(b, kLimit, limit)
 	b = appendUintField(b, kWindowMs, windowMs)
-	return &RuleHead{name: name, limit: limit, windowMs: windowMs, b: append(b, kRemaining...)}
+	top := appendStr(nil, name)
+	top = append(appendUintField(top, kLimit, limit), kRemaining...)
+	return &RuleHead{name: name, limit: limit, windowMs: windowMs,
+		entry: newBlock(append(b, kRemaining...)), top: newBlock(top)}
 }
 
 // Is reports whether h encodes this name, limit and window.
@@ -206,8 +337,72 @@ func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
 // rr's Name, Limit and WindowMs are not read, h's are written. The bytes are those of
 // AppendRule.
 func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
-	b := append(e.buf.b, ruleMapLen(rr))
-	e.buf.b = appendRuleTail(append(b, h.b...), rr)
+	start := len(e.buf.b)
+	e.AppendRuleHeadV1(h, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
+	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned {
+		e.buf.b[start] = ruleMapLen(rr)
+		b := e.buf.b
+		if rr.Reason != "" {
+			b = appendStrField(b, kReason, rr.Reason)
+		}
+		e.buf.b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
+	}
+}
+
+// ruleRoom is the most AppendRuleHeadV1 writes but its head: the map's length,
+// remaining, reset_ms, retry_after_ms, allowed and shadow.
+const ruleRoom = 1 + maxUint + len(kResetMs) + maxUint + len(kRetryAfterMs) + maxUint +
+	len(kAllowed) + 1 + len(kShadow) + 1
+
+// AppendRuleHeadV1 is AppendRuleHead for an entry of the v1 fields only — no reason, no
+// policy fields (warning, delay_ms, banned) — from its values: the hot path's common
+// entry, without a RuleResult.
+func (e *Encoder) AppendRuleHeadV1(h *RuleHead, remaining, resetMs, retryAfterMs uint64, allowed, shadow bool) {
+	b := e.buf.b
+	if cap(b)-len(b) < ruleRoom+h.entry.room {
+		// A call after which nothing is live, so that the fast path keeps its arguments
+		// in registers.
+		e.appendRuleHeadV1Grow(h, remaining, resetMs, retryAfterMs, allowed, shadow)
+		return
+	}
+	p, i := base(b), len(b)
+	*(*byte)(unsafe.Add(p, i)) = 0x88 // a map of the 8 v1 fields
+	i = h.entry.put(p, i+1)
+	// putUint written out, putUintWide inline: no call on the way (no registers to save).
+	if remaining <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(remaining)
+		i++
+	} else {
+		i = putUintWide(p, i, remaining)
+	}
+	*(*[len(kResetMs)]byte)(unsafe.Add(p, i)) = [len(kResetMs)]byte([]byte(kResetMs))
+	if i += len(kResetMs); resetMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(resetMs)
+		i++
+	} else {
+		i = putUintWide(p, i, resetMs)
+	}
+	*(*[len(kRetryAfterMs)]byte)(unsafe.Add(p, i)) = [len(kRetryAfterMs)]byte([]byte(kRetryAfterMs))
+	if i += len(kRetryAfterMs); retryAfterMs <= 0x7f {
+		*(*byte)(unsafe.Add(p, i)) = byte(retryAfterMs)
+		i++
+	} else {
+		i = putUintWide(p, i, retryAfterMs)
+	}
+	*(*[len(kAllowed)]byte)(unsafe.Add(p, i)) = [len(kAllowed)]byte([]byte(kAllowed))
+	*(*byte)(unsafe.Add(p, i+len(kAllowed))) = 0xc2 | b2u(allowed)
+	i += len(kAllowed) + 1
+	*(*[len(kShadow)]byte)(unsafe.Add(p, i)) = [len(kShadow)]byte([]byte(kShadow))
+	*(*byte)(unsafe.Add(p, i+len(kShadow))) = 0xc2 | b2u(shadow)
+	e.buf.b = e.buf.b[:i+len(kShadow)+1] // the length only: b is e.buf.b
+}
+
+// appendRuleHeadV1Grow is AppendRuleHeadV1 when the buffer needs to grow first.
+//
+//go:noinline
+func (e *Encoder) appendRuleHeadV1Grow(h *RuleHead, remaining, resetMs, retryAfterMs uint64, allowed, shadow bool) {
+	e.grow(ruleRoom + h.entry.room)
+	e.AppendRuleHeadV1(h, remaining, resetMs, retryAfterMs, allowed, shadow)
 }
 
 // ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
@@ -242,17 +437,19 @@ func appendRuleTail(b []byte, rr *RuleResult) []byte {
 // EndCheck appends the fields of h after the rules array and completes the frame.
 func (e *Encoder) EndCheck(h *CheckHead) {
 	b := e.buf.b
-	if h.Reason != "" {
-		b = appendStrField(b, kReason, h.Reason)
+	if h.Reason != "" || h.Lease != "" || h.Warning || h.DelayMs != 0 || h.Banned {
+		if h.Reason != "" {
+			b = appendStrField(b, kReason, h.Reason)
+		}
+		if h.Lease != "" {
+			b = appendStrField(b, kLease, h.Lease)
+		}
+		if h.Warning || h.DelayMs != 0 || h.Banned {
+			b = appendPolicies(b, h.Warning, h.DelayMs, h.Banned)
+		}
+		e.buf.b = b
 	}
-	if h.Lease != "" {
-		b = appendStrField(b, kLease, h.Lease)
-	}
-	if h.Warning || h.DelayMs != 0 || h.Banned {
-		b = appendPolicies(b, h.Warning, h.DelayMs, h.Banned)
-	}
-	e.buf.b = b
-	e.end(e.check)
+	binary.BigEndian.PutUint32(b[e.check:], uint32(len(b)-e.check-HeaderSize))
 }
 
 // EncodeRelease appends a release response frame: id, released.
