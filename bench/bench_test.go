@@ -126,18 +126,27 @@ func (s *server) stop() {
 
 // syscalls returns the read and write system calls the server has made (/proc/PID/io).
 func (s *server) syscalls(tb testing.TB) float64 {
+	r, w := s.readsWrites(tb)
+	return r + w
+}
+
+// readsWrites returns the read and the write system calls the server has made
+// (/proc/PID/io: syscr, syscw), apart.
+func (s *server) readsWrites(tb testing.TB) (reads, writes float64) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", s.cmd.Process.Pid))
 	if err != nil {
 		tb.Fatal(err)
 	}
-	var n float64
 	for _, line := range strings.Split(string(data), "\n") {
-		if strings.HasPrefix(line, "syscr:") || strings.HasPrefix(line, "syscw:") {
-			v, _ := strconv.ParseFloat(strings.TrimSpace(line[6:]), 64)
-			n += v
+		v, _ := strconv.ParseFloat(strings.TrimSpace(line[min(6, len(line)):]), 64)
+		switch {
+		case strings.HasPrefix(line, "syscr:"):
+			reads = v
+		case strings.HasPrefix(line, "syscw:"):
+			writes = v
 		}
 	}
-	return n
+	return reads, writes
 }
 
 // cpuSeconds returns the CPU time, user and system, the server has used (/proc/PID/stat,
@@ -342,7 +351,8 @@ func throughput(b *testing.B, conns, inflight int) {
 	b.ResetTimer()
 	var tf, tr time.Duration
 	var total int
-	sysF, sysR := floor.syscalls(b), rls.syscalls(b)
+	rdF, wrF := floor.readsWrites(b)
+	rdR, wrR := rls.readsWrites(b)
 	cpuF, cpuR := floor.cpuSeconds(b), rls.cpuSeconds(b)
 	chunk := max(conns*inflight*50, 20000)
 	for total < b.N {
@@ -353,10 +363,18 @@ func throughput(b *testing.B, conns, inflight int) {
 		total += n
 	}
 	b.StopTimer()
-	sysF, sysR = floor.syscalls(b)-sysF, rls.syscalls(b)-sysR
+	rdF2, wrF2 := floor.readsWrites(b)
+	rdR2, wrR2 := rls.readsWrites(b)
 	cpuF, cpuR = floor.cpuSeconds(b)-cpuF, rls.cpuSeconds(b)-cpuR
-	b.ReportMetric(sysF/float64(total), "floor-syscalls/req")
-	b.ReportMetric(sysR/float64(total), "rlsidecar-syscalls/req")
+	b.ReportMetric((rdF2-rdF+wrF2-wrF)/float64(total), "floor-syscalls/req")
+	b.ReportMetric((rdR2-rdR+wrR2-wrR)/float64(total), "rlsidecar-syscalls/req")
+	// Reads per write: above 1 when a read finds the socket empty (EAGAIN) before the
+	// netpoller wakes the connection for its next batch.
+	b.ReportMetric((rdF2-rdF)/(wrF2-wrF), "floor-reads/write")
+	b.ReportMetric((rdR2-rdR)/(wrR2-wrR), "rlsidecar-reads/write")
+	// Requests per write: the mean batch answered with one write.
+	b.ReportMetric(float64(total)/(wrF2-wrF), "floor-req/write")
+	b.ReportMetric(float64(total)/(wrR2-wrR), "rlsidecar-req/write")
 	// Each server's own CPU per request: unlike the rates, it hardly depends on what else
 	// the machine runs (10 ms ticks: run ≥ 100,000 requests for a figure to ±10%).
 	b.ReportMetric(cpuF/float64(total)*1e6, "floor-cpu-µs/req")
