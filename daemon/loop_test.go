@@ -5,11 +5,21 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
+
+	"pgregory.net/rapid"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // batchFeed is a connection's transport in memory: each Read returns one batch of whole
@@ -98,4 +108,132 @@ func BenchmarkLoopBatch32(b *testing.B) {
 		b.Fatalf("%d answers to %d requests", feed.answers, 64+b.N)
 	}
 	b.ReportMetric(float64(64+b.N)/float64(feed.writes), "req/write")
+}
+
+// fixedClock is a Clock that does not move: answers then depend on the requests alone.
+type fixedClock struct{}
+
+func (fixedClock) Now() (mono, wall int64) { return 1e18, 1e18 }
+
+// chunkFeed is a connection's transport in memory that hands out its stream in the
+// given chunks, one per Read (cut to the reader's room), then io.EOF; it keeps what is
+// written.
+type chunkFeed struct {
+	data   []byte
+	chunks []int
+	out    bytes.Buffer
+}
+
+func (f *chunkFeed) Read(p []byte) (int, error) {
+	if len(f.data) == 0 {
+		return 0, io.EOF
+	}
+	n := len(f.data)
+	if len(f.chunks) > 0 {
+		n, f.chunks = min(n, f.chunks[0]), f.chunks[1:]
+	}
+	n = copy(p, f.data[:n])
+	f.data = f.data[n:]
+	return n, nil
+}
+
+func (f *chunkFeed) Write(p []byte) (int, error) { return f.out.Write(p) }
+
+// TestLoopAnswersAsHandle: whatever the stream's cut into reads, the connection loop
+// (walking the frames complete in its buffer, or taking them one at a time by the general
+// path when they are cut, longer than the buffer or than the maximum) answers exactly
+// the complete frames, in order, with the bytes handle gives each one on its own — and
+// refuses an oversized header and stops there. The reference feeds handle frame by frame.
+func TestLoopAnswersAsHandle(t *testing.T) {
+	const readBuf, maxFrame = 256, 1024
+	mkconn := func(t *rapid.T, rw io.ReadWriter) *conn {
+		set, err := rules.Parse("bench.yaml", []byte(benchRules))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := New(Config{Socket: "unused", Clock: fixedClock{}, MaxFrame: maxFrame}, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.readBuf = readBuf
+		cn := &conn{s: s, dec: proto.NewDecoder(), enc: proto.NewEncoder(), rw: rw, br: bufio.NewReaderSize(rw, readBuf)}
+		cn.wcond.L = &cn.wmu
+		return cn
+	}
+	sock := socketConn(t) // for the loop's deadlines
+	rapid.Check(t, func(t *rapid.T) {
+		var stream []byte
+		var bodies [][]byte
+		for i := range rapid.IntRange(0, 40).Draw(t, "frames") {
+			var body []byte
+			switch rapid.IntRange(0, 5).Draw(t, "kind") {
+			case 0, 1: // a check, of few users so that some are refused
+				u := rapid.IntRange(0, 3).Draw(t, "user")
+				body = frameOf(proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: uint64(rapid.IntRange(0, 3).Draw(t, "cost")), Attrs: []proto.Attr{
+					{Name: "method", Value: "POST"}, {Name: "path", Value: "/login"},
+					{Name: "user", Value: "u" + strconv.Itoa(u)}, {Name: "ip", Value: "10.0.0." + strconv.Itoa(u)}}})[proto.HeaderSize:]
+			case 2:
+				body = frameOf(proto.Request{ID: uint64(i), Op: proto.OpPing, Cost: 1})[proto.HeaderSize:]
+			case 3: // longer than the read buffer
+				body = frameOf(proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+					{Name: "user", Value: strings.Repeat("u", rapid.IntRange(200, 900).Draw(t, "len"))}, {Name: "ip", Value: "10.0.0.9"}}})[proto.HeaderSize:]
+			case 4: // not a request
+				body = rapid.SliceOfN(rapid.Byte(), 0, 40).Draw(t, "junk")
+			case 5:
+				body = frameOf(proto.Request{ID: uint64(i), Op: "nope", Cost: 1})[proto.HeaderSize:]
+			}
+			bodies = append(bodies, body)
+			stream = binary.BigEndian.AppendUint32(stream, uint32(len(body)))
+			stream = append(stream, body...)
+		}
+		end := rapid.IntRange(0, 2).Draw(t, "end")
+		switch end {
+		case 1: // an oversized header, then bytes never read
+			stream = append(binary.BigEndian.AppendUint32(stream, maxFrame+1), 1, 2, 3)
+		case 2: // a frame cut short
+			stream = append(binary.BigEndian.AppendUint32(stream, 50), 0x81)
+		}
+		// The reference: each complete frame answered by handle on its own.
+		ref := mkconn(t, nil)
+		for _, body := range bodies {
+			ref.handle(body, 1e18)
+		}
+		if end == 1 {
+			ref.enc.EncodeError(0, proto.CodeFrameTooLarge,
+				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", maxFrame+1, maxFrame))
+		}
+		feed := &chunkFeed{data: stream, chunks: rapid.SliceOfN(rapid.IntRange(1, 300), 0, 60).Draw(t, "chunks")}
+		cn := mkconn(t, feed)
+		cn.c = sock
+		err := cn.loop()
+		if want := error(io.EOF); end == 1 {
+			if err != nil {
+				t.Fatalf("loop after an oversized header: %v", err)
+			}
+		} else if !errors.Is(err, want) {
+			t.Fatalf("loop: %v, want EOF", err)
+		}
+		if !bytes.Equal(feed.out.Bytes(), ref.enc.Bytes()) {
+			t.Fatalf("the loop answered\n%x\nhandle, frame by frame:\n%x", feed.out.Bytes(), ref.enc.Bytes())
+		}
+	})
+}
+
+// TestLoopAllocs: the connection loop adds no allocation to a pipelined request
+// (TestHandleAllocs covers the request's own work).
+func TestLoopAllocs(t *testing.T) {
+	body := checkFrame()
+	frame := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+	feed := &batchFeed{batch: bytes.Repeat(frame, 32), frame: len(frame), left: 64}
+	cn := feedConn(t, feed)
+	_ = cn.loop() // the client's keys exist from here
+	allocs := testing.AllocsPerRun(20, func() {
+		feed.left = 320
+		if err := cn.loop(); !errors.Is(err, io.EOF) {
+			t.Fatal(err)
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocs per 320 pipelined requests", allocs)
+	}
 }
