@@ -70,8 +70,8 @@ func startServerAt(tb testing.TB, name, sockName string, args ...string) *server
 	tb.Helper()
 	socket := filepath.Join(binDir, sockName)
 	cmd := exec.Command(filepath.Join(binDir, name), append(args, "--socket", socket)...)
-	if name == "rlsidecar" {
-		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" {
+	if name == "rlsidecar" || name == vsName {
+		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" && name == "rlsidecar" {
 			args = append(args, "--cpuprofile", prof) // profile the daemon under the benchmark's load
 		}
 		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--admin=", "--log-level", "warn"}, args...)...)
@@ -302,7 +302,27 @@ func percentile(d []time.Duration, p float64) time.Duration {
 	return s[int(float64(len(s)-1)*p)]
 }
 
+// vsName is the name, in binDir, of the rlsidecar binary RLSIDECAR_BENCH_VS names.
+const vsName = "rlsidecar-vs"
+
+// startPair starts the floor server and rlsidecar. With RLSIDECAR_BENCH_VS set to the path
+// of another rlsidecar binary (a build of main, say), that daemon takes the floor's place,
+// with the same flags as rlsidecar: the floor-* figures are then its, and the ratios
+// compare two builds of the daemon in the same run.
+//
+//	git archive main | tar -x -C /tmp/main && (cd /tmp/main && go build -o /tmp/rls-main ./cmd/rlsidecar)
+//	RLSIDECAR_BENCH_VS=/tmp/rls-main go test ./bench -run '^$' -bench 'SocketThroughput4x32$' -benchtime 600000x -count 5
 func startPair(b *testing.B) (floor, rls *server) {
+	if vs := os.Getenv("RLSIDECAR_BENCH_VS"); vs != "" {
+		bin, err := os.ReadFile(vs)
+		if err == nil {
+			err = os.WriteFile(filepath.Join(binDir, vsName), bin, 0o755)
+		}
+		if err != nil {
+			b.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
+		}
+		return startServer(b, vsName, "--config", "rules.yaml"), startServer(b, "rlsidecar", "--config", "rules.yaml")
+	}
 	return startServer(b, "floorserver"), startServer(b, "rlsidecar", "--config", "rules.yaml")
 }
 
