@@ -114,7 +114,8 @@ func feedConn(tb testing.TB, feed *batchFeed) *conn {
 // BenchmarkLoopBatch32 is the connection loop's cost per request under pipelined load:
 // the request of BenchmarkHandle, arriving 32 frames per read, answered 32 per write, over
 // an in-memory transport (no system call). Minus BenchmarkHandle's, its instructions per
-// op are what the loop adds to each request (framing, batching, the clock, the write):
+// op are what the loop adds to each request (framing, batching, the clock, the write),
+// plus the transport's own copy and frame count (~20):
 //
 //	scripts/instructions ./daemon BenchmarkLoopBatch32 main
 func BenchmarkLoopBatch32(b *testing.B) {
