@@ -250,9 +250,11 @@ func TestLoopAnswersAsHandle(t *testing.T) {
 			stream = append(stream, body...)
 		}
 		end := rapid.IntRange(0, 2).Draw(t, "end")
+		// An oversized header: just over the maximum, or past what a 32-bit int holds.
+		oversized := rapid.SampledFrom([]uint32{maxFrame + 1, 1<<31 + 5, 1<<32 - 1}).Draw(t, "oversized")
 		switch end {
 		case 1: // an oversized header, then bytes never read
-			stream = append(binary.BigEndian.AppendUint32(stream, maxFrame+1), 1, 2, 3)
+			stream = append(binary.BigEndian.AppendUint32(stream, oversized), 1, 2, 3)
 		case 2: // a frame cut short
 			stream = append(binary.BigEndian.AppendUint32(stream, 50), 0x81)
 		}
@@ -263,7 +265,7 @@ func TestLoopAnswersAsHandle(t *testing.T) {
 		}
 		if end == 1 {
 			ref.enc.EncodeError(0, proto.CodeFrameTooLarge,
-				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", maxFrame+1, maxFrame))
+				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", oversized, maxFrame))
 		}
 		feed := &chunkFeed{data: stream, chunks: rapid.SliceOfN(rapid.IntRange(1, 300), 0, 60).Draw(t, "chunks")}
 		cn := mkconn(t, feed)

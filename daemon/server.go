@@ -658,9 +658,13 @@ func (cn *conn) walk(now *int64, batched *int) (done bool, err error) {
 	maxFrame := cn.s.cfg.MaxFrame
 	off := 0
 	for len(buf)-off >= proto.HeaderSize {
-		n := int(proto.FrameLength(buf[off:]))
+		l := proto.FrameLength(buf[off:])
+		if uint64(l) > uint64(maxFrame) { // compared unconverted: int is 32 bits on some platforms
+			break
+		}
+		n := int(l)
 		end := off + proto.HeaderSize + n
-		if n > maxFrame || end > len(buf) {
+		if end > len(buf) {
 			break
 		}
 		if *batched%clockEvery == 0 {
@@ -712,13 +716,14 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	n := int(proto.FrameLength(hdr))
-	if n > maxFrame {
+	l := proto.FrameLength(hdr)
+	if uint64(l) > uint64(maxFrame) {
 		cn.out().EncodeError(0, proto.CodeFrameTooLarge,
-			fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", n, maxFrame))
+			fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", l, maxFrame))
 		_ = cn.flush()
 		return true, nil
 	}
+	n := int(l)
 	var body []byte
 	if proto.HeaderSize+n <= cn.s.readBuf {
 		b, err := cn.need(proto.HeaderSize + n)
