@@ -70,8 +70,8 @@ func startServerAt(tb testing.TB, name, sockName string, args ...string) *server
 	tb.Helper()
 	socket := filepath.Join(binDir, sockName)
 	cmd := exec.Command(filepath.Join(binDir, name), append(args, "--socket", socket)...)
-	if name == "rlsidecar" {
-		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" {
+	if name == "rlsidecar" || name == vsName {
+		if prof := os.Getenv("RLSIDECAR_BENCH_CPUPROFILE"); prof != "" && name == "rlsidecar" {
 			args = append(args, "--cpuprofile", prof) // profile the daemon under the benchmark's load
 		}
 		cmd = exec.Command(filepath.Join(binDir, name), append([]string{"serve", "--socket", socket, "--admin=", "--log-level", "warn"}, args...)...)
@@ -124,20 +124,44 @@ func (s *server) stop() {
 	})
 }
 
+// selfCPU returns the CPU time, user and system, this process (the load generator) has
+// used.
+func selfCPU(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
 // syscalls returns the read and write system calls the server has made (/proc/PID/io).
 func (s *server) syscalls(tb testing.TB) float64 {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", s.cmd.Process.Pid))
+	r, w := s.readsWrites(tb)
+	return r + w
+}
+
+// readsWrites returns the read and the write system calls the server has made, apart.
+func (s *server) readsWrites(tb testing.TB) (reads, writes float64) {
+	return readsWrites(tb, s.cmd.Process.Pid)
+}
+
+// readsWrites returns the read and the write system calls process pid has made
+// (/proc/PID/io: syscr, syscw).
+func readsWrites(tb testing.TB, pid int) (reads, writes float64) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
 	if err != nil {
 		tb.Fatal(err)
 	}
-	var n float64
 	for _, line := range strings.Split(string(data), "\n") {
-		if strings.HasPrefix(line, "syscr:") || strings.HasPrefix(line, "syscw:") {
-			v, _ := strconv.ParseFloat(strings.TrimSpace(line[6:]), 64)
-			n += v
+		v, _ := strconv.ParseFloat(strings.TrimSpace(line[min(6, len(line)):]), 64)
+		switch {
+		case strings.HasPrefix(line, "syscr:"):
+			reads = v
+		case strings.HasPrefix(line, "syscw:"):
+			writes = v
 		}
 	}
-	return n
+	return reads, writes
 }
 
 // cpuSeconds returns the CPU time, user and system, the server has used (/proc/PID/stat,
@@ -293,7 +317,27 @@ func percentile(d []time.Duration, p float64) time.Duration {
 	return s[int(float64(len(s)-1)*p)]
 }
 
+// vsName is the name, in binDir, of the rlsidecar binary RLSIDECAR_BENCH_VS names.
+const vsName = "rlsidecar-vs"
+
+// startPair starts the floor server and rlsidecar. With RLSIDECAR_BENCH_VS set to the path
+// of another rlsidecar binary (a build of main, say), that daemon takes the floor's place,
+// with the same flags as rlsidecar: the floor-* figures are then its, and the ratios
+// compare two builds of the daemon in the same run.
+//
+//	git archive main | tar -x -C /tmp/main && (cd /tmp/main && go build -o /tmp/rls-main ./cmd/rlsidecar)
+//	RLSIDECAR_BENCH_VS=/tmp/rls-main go test ./bench -run '^$' -bench 'SocketThroughput4x32$' -benchtime 600000x -count 5
 func startPair(b *testing.B) (floor, rls *server) {
+	if vs := os.Getenv("RLSIDECAR_BENCH_VS"); vs != "" {
+		bin, err := os.ReadFile(vs)
+		if err == nil {
+			err = os.WriteFile(filepath.Join(binDir, vsName), bin, 0o755)
+		}
+		if err != nil {
+			b.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
+		}
+		return startServer(b, vsName, "--config", "rules.yaml"), startServer(b, "rlsidecar", "--config", "rules.yaml")
+	}
 	return startServer(b, "floorserver"), startServer(b, "rlsidecar", "--config", "rules.yaml")
 }
 
@@ -342,21 +386,49 @@ func throughput(b *testing.B, conns, inflight int) {
 	b.ResetTimer()
 	var tf, tr time.Duration
 	var total int
-	sysF, sysR := floor.syscalls(b), rls.syscalls(b)
+	rdF, wrF := floor.readsWrites(b)
+	rdR, wrR := rls.readsWrites(b)
 	cpuF, cpuR := floor.cpuSeconds(b), rls.cpuSeconds(b)
+	// The load generator's CPU while it drives each server: the same per request for
+	// both when it does the same work (same requests, same answer sizes).
+	var genF, genR time.Duration
+	var crF, crR float64 // and its reads
 	chunk := max(conns*inflight*50, 20000)
 	for total < b.N {
 		n := min(chunk, b.N-total)
 		n = max(n/conns, 1) * conns
+		g := selfCPU(b)
+		r0, _ := readsWrites(b, os.Getpid())
 		tf += run(floor, cf, n)
+		g2 := selfCPU(b)
+		r1, _ := readsWrites(b, os.Getpid())
 		tr += run(rls, cr, n)
+		r2, _ := readsWrites(b, os.Getpid())
+		crF += r1 - r0
+		crR += r2 - r1
+		genF, genR = genF+g2-g, genR+selfCPU(b)-g2
 		total += n
 	}
 	b.StopTimer()
-	sysF, sysR = floor.syscalls(b)-sysF, rls.syscalls(b)-sysR
+	// Its read system calls per request: the same for both, where its CPU is not: it
+	// waits more often for the slower server, and waiting costs (the scheduler polls
+	// and sleeps: ~30% of the generator's CPU, under go test -cpuprofile).
+	b.ReportMetric(crF/float64(total), "floor-client-reads/req")
+	b.ReportMetric(crR/float64(total), "rlsidecar-client-reads/req")
+	b.ReportMetric(genF.Seconds()/float64(total)*1e6, "floor-client-cpu-µs/req")
+	b.ReportMetric(genR.Seconds()/float64(total)*1e6, "rlsidecar-client-cpu-µs/req")
+	rdF2, wrF2 := floor.readsWrites(b)
+	rdR2, wrR2 := rls.readsWrites(b)
 	cpuF, cpuR = floor.cpuSeconds(b)-cpuF, rls.cpuSeconds(b)-cpuR
-	b.ReportMetric(sysF/float64(total), "floor-syscalls/req")
-	b.ReportMetric(sysR/float64(total), "rlsidecar-syscalls/req")
+	b.ReportMetric((rdF2-rdF+wrF2-wrF)/float64(total), "floor-syscalls/req")
+	b.ReportMetric((rdR2-rdR+wrR2-wrR)/float64(total), "rlsidecar-syscalls/req")
+	// Reads per write: above 1 when a read finds the socket empty (EAGAIN) before the
+	// netpoller wakes the connection for its next batch.
+	b.ReportMetric((rdF2-rdF)/(wrF2-wrF), "floor-reads/write")
+	b.ReportMetric((rdR2-rdR)/(wrR2-wrR), "rlsidecar-reads/write")
+	// Requests per write: the mean batch answered with one write.
+	b.ReportMetric(float64(total)/(wrF2-wrF), "floor-req/write")
+	b.ReportMetric(float64(total)/(wrR2-wrR), "rlsidecar-req/write")
 	// Each server's own CPU per request: unlike the rates, it hardly depends on what else
 	// the machine runs (10 ms ticks: run ≥ 100,000 requests for a figure to ±10%).
 	b.ReportMetric(cpuF/float64(total)*1e6, "floor-cpu-µs/req")

@@ -624,82 +624,148 @@ func (cn *conn) take() *pending {
 
 const flushAt = 32 << 10
 
+// clockEvery is how many frames of one batch share a reading of the clock.
+const clockEvery = 64
+
+// loop serves the connection until it ends. The frames already complete in the read
+// buffer are walked with plain slice indexing and discarded together (walk); a frame that
+// is not all there yet, or is longer than the buffer or the maximum, takes the general
+// path (frame), one at a time.
 func (cn *conn) loop() error {
-	maxFrame := cn.s.cfg.MaxFrame
 	var now int64 // the monotonic clock (see Clock), read when a batch of frames arrives
-	for batched := 0; ; batched++ {
+	batched := 0  // frames since the clock was read
+	for {
 		if cn.br.Buffered() == 0 {
 			if err := cn.waitIdle(); err != nil {
 				return err
 			}
 			batched = 0
 		}
-		// Frames that arrived together share one reading of the clock; a long pipelined
-		// batch reads it again every 64 frames.
-		if batched%64 == 0 {
-			now = cn.s.now()
-		}
-		cn.frameTimed = false
-		hdr, err := cn.need(proto.HeaderSize)
-		if err != nil {
+		done, err := cn.walk(&now, &batched)
+		if err != nil || done {
 			return err
 		}
-		n := int(proto.FrameLength(hdr))
-		if n > maxFrame {
-			cn.out().EncodeError(0, proto.CodeFrameTooLarge,
-				fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", n, maxFrame))
-			_ = cn.flush()
-			return nil
+	}
+}
+
+// walk answers the frames complete in the read buffer, then, when none is, one frame by
+// the general path (frame). Frames that arrived together share one reading of the clock;
+// a long pipelined batch reads it again every clockEvery frames. done: the connection
+// ends without an error.
+func (cn *conn) walk(now *int64, batched *int) (done bool, err error) {
+	// Buffered bytes only: Peek does not read.
+	buf, _ := cn.br.Peek(cn.br.Buffered())
+	maxFrame := cn.s.cfg.MaxFrame
+	off := 0
+	for len(buf)-off >= proto.HeaderSize {
+		l := proto.FrameLength(buf[off:])
+		if uint64(l) > uint64(maxFrame) { // compared unconverted: int is 32 bits on some platforms
+			break
 		}
-		var body []byte
-		if proto.HeaderSize+n <= cn.s.readBuf {
-			b, err := cn.need(proto.HeaderSize + n)
-			if err != nil {
-				return err
-			}
-			body = b[proto.HeaderSize:]
-		} else {
-			if _, err := cn.br.Discard(proto.HeaderSize); err != nil {
-				return err
-			}
-			if cap(cn.big) < n {
-				cn.big = make([]byte, n)
-			}
-			cn.big = cn.big[:n]
-			// The frame is longer than the buffer: reading it may wait, under the same
-			// frame deadline as a frame that fits.
-			if cn.br.Buffered() < n {
-				if err := cn.awaitFrame(); err != nil {
-					return err
-				}
-			}
-			if _, err := io.ReadFull(cn.br, cn.big); err != nil {
-				return err
-			}
-			body = cn.big
-			n = -proto.HeaderSize // already consumed
+		n := int(l)
+		end := off + proto.HeaderSize + n
+		if end > len(buf) {
+			break
 		}
-		if cn.waited {
-			now, cn.waited = cn.s.now(), false
+		if *batched%clockEvery == 0 {
+			*now = cn.s.now()
 		}
-		if n := len(cn.pending); n > 0 {
-			cn.pending[n-1].n++ // answered into its tail, unless it is a waiting check
-		} else {
-			if cn.answered == 0 {
-				cn.arrived = now
-			}
-			cn.answered++
-		}
-		cn.handle(body, now)
-		if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
-			return err
-		}
+		*batched++
+		cn.count(*now)
+		cn.handle(buf[off+proto.HeaderSize:end], *now)
+		off = end
 		if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
+			// The frames walked stay in the buffer until discarded below: a flush
+			// does not read.
 			if err := cn.flush(); err != nil {
-				return err
+				return false, err
 			}
 		}
 	}
+	if off > 0 {
+		_, err := cn.br.Discard(off) // buffered: cannot fail
+		return false, err
+	}
+	return cn.frame(now, batched)
+}
+
+// count counts the frame about to be answered: into the output buffer, or after a
+// waiting check, into that check's tail (goWait moves it when it waits itself).
+func (cn *conn) count(now int64) {
+	if n := len(cn.pending); n > 0 {
+		cn.pending[n-1].n++
+		return
+	}
+	if cn.answered == 0 {
+		cn.arrived = now
+	}
+	cn.answered++
+}
+
+// frame reads and answers one frame by the general path: waiting for its bytes under
+// the frame deadline, or reading a frame longer than the read buffer into a buffer of
+// its own, or refusing one longer than the maximum (done: the connection is closed).
+func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
+	maxFrame := cn.s.cfg.MaxFrame
+	if *batched%clockEvery == 0 {
+		*now = cn.s.now()
+	}
+	*batched++
+	cn.frameTimed = false
+	hdr, err := cn.need(proto.HeaderSize)
+	if err != nil {
+		return false, err
+	}
+	l := proto.FrameLength(hdr)
+	if uint64(l) > uint64(maxFrame) {
+		cn.out().EncodeError(0, proto.CodeFrameTooLarge,
+			fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", l, maxFrame))
+		_ = cn.flush()
+		return true, nil
+	}
+	n := int(l)
+	var body []byte
+	if proto.HeaderSize+n <= cn.s.readBuf {
+		b, err := cn.need(proto.HeaderSize + n)
+		if err != nil {
+			return false, err
+		}
+		body = b[proto.HeaderSize:]
+	} else {
+		if _, err := cn.br.Discard(proto.HeaderSize); err != nil {
+			return false, err
+		}
+		if cap(cn.big) < n {
+			cn.big = make([]byte, n)
+		}
+		cn.big = cn.big[:n]
+		// The frame is longer than the buffer: reading it may wait, under the same
+		// frame deadline as a frame that fits.
+		if cn.br.Buffered() < n {
+			if err := cn.awaitFrame(); err != nil {
+				return false, err
+			}
+		}
+		if _, err := io.ReadFull(cn.br, cn.big); err != nil {
+			return false, err
+		}
+		body = cn.big
+		n = -proto.HeaderSize // already consumed
+	}
+	if cn.waited {
+		*now, cn.waited = cn.s.now(), false
+	}
+	cn.count(*now)
+	cn.handle(body, *now)
+	if _, err := cn.br.Discard(proto.HeaderSize + n); err != nil {
+		return false, err
+	}
+	if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
+		if err := cn.flush(); err != nil {
+			return false, err
+		}
+	}
+	return false, nil
 }
 
 // handle answers one frame body into the output buffer. now is the request's time, read

@@ -19,10 +19,26 @@ import (
 // state. Errors are those of net.Conn: io.EOF, net.ErrClosed once closed,
 // os.ErrDeadlineExceeded, and the socket's errno (ECONNRESET, EPIPE, ...).
 //
-// A rawIO is used by its connection's goroutine only, as net.Conn's Read and Write are.
+// A rawIO is used by its connection's goroutine only, as net.Conn's Read and Write are
+// (one goroutine may read while another writes).
 type rawIO struct {
 	rc   syscall.RawConn
 	spin *Spinner // nil: wait in the netpoller at once
+
+	// The Read under way: the callback the raw connection calls (bound once, in New, so
+	// that a Read allocates nothing: a closure per call would put it and what it
+	// captures on the heap) and its state.
+	readFn func(fd uintptr) bool
+	rp     []byte
+	rn     int
+	rerrno syscall.Errno
+	spun   bool // this Read has spun (once per Read)
+
+	// The Write under way, likewise.
+	writeFn func(fd uintptr) bool
+	wp      []byte
+	wdone   int
+	werrno  syscall.Errno
 }
 
 // New returns the reader and writer of c's hot path: a rawIO, or c itself when its raw
@@ -32,7 +48,9 @@ func New(c Conn, spin *Spinner) io.ReadWriter {
 	if err != nil {
 		return c
 	}
-	return &rawIO{rc: rc, spin: spin}
+	r := &rawIO{rc: rc, spin: spin}
+	r.readFn, r.writeFn = r.readFd, r.writeFd
+	return r
 }
 
 // Read reads into p what the socket holds, waiting for the first byte.
@@ -40,40 +58,10 @@ func (r *rawIO) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	var n int
-	var errno syscall.Errno
-	spun := false
-	err := r.rc.Read(func(fd uintptr) bool {
-		var until int64
-		for {
-			r1, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
-			switch e {
-			case syscall.EINTR:
-				continue
-			case syscall.EAGAIN:
-				// Once per Read, and by one connection at a time: keep asking for up to
-				// the budget, yielding to every other goroutine between asks.
-				if until == 0 && !spun && r.spin != nil && r.spin.acquire() {
-					spun = true
-					until = nanotime() + int64(r.spin.budget)
-				}
-				if until != 0 && nanotime() < until {
-					runtime.Gosched()
-					continue
-				}
-				if until != 0 {
-					r.spin.release()
-					until = 0
-				}
-				return false // wait in the netpoller, then call again
-			}
-			if until != 0 {
-				r.spin.release()
-			}
-			n, errno = int(r1), e
-			return true
-		}
-	})
+	r.rp, r.rn, r.rerrno, r.spun = p, 0, 0, false
+	err := r.rc.Read(r.readFn)
+	n, errno := r.rn, r.rerrno
+	r.rp = nil
 	switch {
 	case err != nil:
 		return 0, err
@@ -85,26 +73,47 @@ func (r *rawIO) Read(p []byte) (int, error) {
 	return n, nil
 }
 
+// readFd is Read's callback: it reads r.rp from fd, and reports false (wait in the
+// netpoller, then call again) when the socket is empty.
+func (r *rawIO) readFd(fd uintptr) bool {
+	p := r.rp
+	var until int64
+	for {
+		r1, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+		switch e {
+		case syscall.EINTR:
+			continue
+		case syscall.EAGAIN:
+			// Once per Read, and by one connection at a time: keep asking for up to
+			// the budget, yielding to every other goroutine between asks.
+			if until == 0 && !r.spun && r.spin != nil && r.spin.acquire() {
+				r.spun = true
+				until = nanotime() + int64(r.spin.budget)
+			}
+			if until != 0 && nanotime() < until {
+				runtime.Gosched()
+				continue
+			}
+			if until != 0 {
+				r.spin.release()
+				until = 0
+			}
+			return false // wait in the netpoller, then call again
+		}
+		if until != 0 {
+			r.spin.release()
+		}
+		r.rn, r.rerrno = int(r1), e
+		return true
+	}
+}
+
 // Write writes all of p, waiting while the socket's buffer is full.
 func (r *rawIO) Write(p []byte) (int, error) {
-	done := 0
-	var errno syscall.Errno
-	err := r.rc.Write(func(fd uintptr) bool {
-		for done < len(p) {
-			r1, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[done])), uintptr(len(p)-done))
-			switch e {
-			case 0:
-				done += int(r1)
-			case syscall.EINTR:
-			case syscall.EAGAIN:
-				return false
-			default:
-				errno = e
-				return true
-			}
-		}
-		return true
-	})
+	r.wp, r.wdone, r.werrno = p, 0, 0
+	err := r.rc.Write(r.writeFn)
+	done, errno := r.wdone, r.werrno
+	r.wp = nil
 	if err != nil {
 		return done, err
 	}
@@ -112,4 +121,24 @@ func (r *rawIO) Write(p []byte) (int, error) {
 		return done, errno
 	}
 	return done, nil
+}
+
+// writeFd is Write's callback: it writes what is left of r.wp to fd, and reports false
+// (wait in the netpoller, then call again) when the socket's buffer is full.
+func (r *rawIO) writeFd(fd uintptr) bool {
+	p := r.wp
+	for r.wdone < len(p) {
+		r1, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[r.wdone])), uintptr(len(p)-r.wdone))
+		switch e {
+		case 0:
+			r.wdone += int(r1)
+		case syscall.EINTR:
+		case syscall.EAGAIN:
+			return false
+		default:
+			r.werrno = e
+			return true
+		}
+	}
+	return true
 }

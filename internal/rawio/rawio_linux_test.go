@@ -231,3 +231,71 @@ func TestBusyPoll(t *testing.T) {
 		}
 	})
 }
+
+// TestRawIODoesNotAllocate: a Read or a Write that need not wait allocates nothing (each
+// allocated its callback and the state the callback shared with it, three objects and two, on every call).
+func TestRawIODoesNotAllocate(t *testing.T) {
+	s, c := unixPair(t)
+	rw := New(s, nil)
+	if _, err := c.Write(make([]byte, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	one := make([]byte, 1)
+	if allocs := testing.AllocsPerRun(200, func() {
+		if n, err := rw.Read(one); n != 1 || err != nil {
+			t.Fatalf("Read = %d, %v", n, err)
+		}
+	}); allocs != 0 {
+		t.Errorf("%v allocs per Read", allocs)
+	}
+	answer := []byte("answer")
+	if allocs := testing.AllocsPerRun(200, func() {
+		if n, err := rw.Write(answer); n != len(answer) || err != nil {
+			t.Fatalf("Write = %d, %v", n, err)
+		}
+	}); allocs != 0 {
+		t.Errorf("%v allocs per Write", allocs)
+	}
+}
+
+// TestRawIOReadWhileWriting: one goroutine may read while another writes (the state of
+// each is its own): every byte each way arrives, in order. Run with -race.
+func TestRawIOReadWhileWriting(t *testing.T) {
+	s, c := unixPair(t)
+	rw := New(s, nil)
+	const n = 1 << 20
+	out := make([]byte, n)
+	for i := range out {
+		out[i] = byte(i * 13)
+	}
+	echoed := make(chan []byte, 1)
+	go func() { // the peer: sends out, and reads all it is sent
+		go func() { c.Write(out) }()
+		b, _ := io.ReadAll(c)
+		echoed <- b
+	}()
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := rw.Write(out)
+		wrote <- err
+	}()
+	got := make([]byte, 0, n)
+	buf := make([]byte, 4096)
+	for len(got) < n {
+		k, err := rw.Read(buf)
+		if err != nil {
+			t.Fatalf("Read after %d bytes: %v", len(got), err)
+		}
+		got = append(got, buf[:k]...)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if !bytes.Equal(got, out) {
+		t.Fatal("the bytes read are not those the peer sent")
+	}
+	if b := <-echoed; !bytes.Equal(b, out) {
+		t.Fatalf("the peer read %d bytes, not the %d written in order", len(b), n)
+	}
+}
