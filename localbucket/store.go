@@ -331,7 +331,204 @@ func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 // still.
 const smallOps = 4
 
+// apply is Apply (veto false) and Reject (veto true). Batches of one op, and of two ops
+// on distinct keys whose stored keys (if absent) fit in their shards, take a fast path
+// (apply1, apply2: no scratch, no lock list); the rest, and whatever those paths decline
+// before changing anything, the general one (applyGeneral). Both give the same results
+// and leave the same state (TestFastPathMatchesGeneral).
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
+	switch len(ops) {
+	case 1:
+		if ok, done := s.apply1(now, &ops[0], veto); done {
+			return ok
+		}
+	case 2:
+		if ok, done := s.apply2(now, &ops[0], &ops[1], veto); done {
+			return ok
+		}
+	}
+	return s.applyGeneral(now, ops, veto)
+}
+
+// entry returns the stored entry of key (hi: the high 32 bits of its hash), nil when the
+// key is not stored: lookup for the fast paths, which need the entry, not its index.
+func (sh *shard) entry(hi uint32, key []byte) *entry {
+	mask := len(sh.slots) - 1
+	for p := int(hi) & mask; ; p = (p + 1) & mask {
+		v := sh.slots[p]
+		if v == 0 {
+			return nil
+		}
+		if uint32(v>>32) == hi {
+			if r := sh.rec(uint32(v) - 1); r.key == string(key) {
+				return &r.e
+			}
+		}
+	}
+}
+
+// apply1 is apply for one op. done is false (and nothing was changed) when the key is
+// not stored and its shard is full: the general path decides then (evictions, the
+// rule's fallback state).
+func (s *Store) apply1(now int64, op *Op, veto bool) (ok, done bool) {
+	h := maphash.Bytes(s.seed, op.Key)
+	sh := &s.shards[uint32(h)&s.mask]
+	sh.mu.Lock()
+	e := sh.entry(uint32(h>>32), op.Key)
+	var in State
+	if e != nil {
+		in = stateFor(e, op.Limit)
+	} else if sh.n >= sh.cap {
+		sh.mu.Unlock()
+		return false, false
+	}
+	r := &op.Result
+	out := s.take(op.Limit, in, now, op.Cost, r)
+	ok = !veto && (r.Allowed || op.Shadow)
+	if !ok {
+		if r.Allowed {
+			s.peek(op.Limit, in, now, r)
+		}
+	} else if e != nil {
+		if r.Expires > now {
+			e.set(out, r, op.Limit)
+			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+		} else {
+			sh.remove(h, op.Key)
+		}
+	} else if r.Expires > now {
+		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now)
+	}
+	sh.mu.Unlock()
+	return ok, true
+}
+
+// apply2 is apply for two ops on distinct keys. done is false (and nothing was changed)
+// when both ops have the same key (or their hashes collide), or when a key is not
+// stored and its shard is full: the general path decides then.
+func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
+	ha, hb := maphash.Bytes(s.seed, a.Key), maphash.Bytes(s.seed, b.Key)
+	if ha == hb {
+		return false, false
+	}
+	ia, ib := uint32(ha)&s.mask, uint32(hb)&s.mask
+	sa, sb := &s.shards[ia], &s.shards[ib]
+	// Lock in ascending shard order, as applyGeneral does, and a shared shard once.
+	switch {
+	case ia == ib:
+		sa.mu.Lock()
+	case ia < ib:
+		sa.mu.Lock()
+		sb.mu.Lock()
+	default:
+		sb.mu.Lock()
+		sa.mu.Lock()
+	}
+	ea, eb := sa.entry(uint32(ha>>32), a.Key), sb.entry(uint32(hb>>32), b.Key)
+	var ina, inb State
+	if ea != nil {
+		ina = stateFor(ea, a.Limit)
+	} else if sa.n >= sa.cap {
+		unlock2(sa, sb)
+		return false, false
+	}
+	if eb != nil {
+		inb = stateFor(eb, b.Limit)
+	} else if sb.n >= sb.cap {
+		unlock2(sa, sb)
+		return false, false
+	}
+	ra, rb := &a.Result, &b.Result
+	// s.take, inlined (the compiler does not).
+	var outa, outb State
+	if l := a.Limit; l.alg == TokenBucket && l.emission != 0 {
+		outa = l.takeToken(ina, now, a.Cost, ra)
+	} else {
+		outa = take(l, ina, now, s.wallOffset.Load(), a.Cost, ra)
+	}
+	if l := b.Limit; l.alg == TokenBucket && l.emission != 0 {
+		outb = l.takeToken(inb, now, b.Cost, rb)
+	} else {
+		outb = take(l, inb, now, s.wallOffset.Load(), b.Cost, rb)
+	}
+	ok = !veto && (ra.Allowed || a.Shadow) && (rb.Allowed || b.Shadow)
+	if !ok {
+		if ra.Allowed {
+			s.peek(a.Limit, ina, now, ra)
+		}
+		if rb.Allowed {
+			s.peek(b.Limit, inb, now, rb)
+		}
+		unlock2(sa, sb)
+		return false, true
+	}
+	// As commit does: updates and deletions of stored keys first, then inserts.
+	if ea != nil {
+		if ra.Expires > now {
+			ea.set(outa, ra, a.Limit)
+			sa.allLimitedUntil = min(sa.allLimitedUntil, ra.LimitedUntil)
+		} else {
+			sa.remove(ha, a.Key)
+		}
+	}
+	if eb != nil {
+		if rb.Expires > now {
+			eb.set(outb, rb, b.Limit)
+			sb.allLimitedUntil = min(sb.allLimitedUntil, rb.LimitedUntil)
+		} else {
+			sb.remove(hb, b.Key)
+		}
+	}
+	if ea == nil && ra.Expires > now {
+		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: ra.LimitedUntil, kind: a.Limit.stateKind()}, now)
+	}
+	if eb == nil && rb.Expires > now {
+		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: rb.LimitedUntil, kind: b.Limit.stateKind()}, now)
+	}
+	sa.mu.Unlock()
+	if sb != sa {
+		sb.mu.Unlock()
+	}
+	return true, true
+}
+
+// unlock2 unlocks what apply2 locked.
+func unlock2(sa, sb *shard) {
+	sa.mu.Unlock()
+	if sb != sa {
+		sb.mu.Unlock()
+	}
+}
+
+// take is the package's take for the fast paths: a token bucket's takeToken called
+// directly (the common case), anything else through take with the wall offset.
+func (s *Store) take(l *Limit, in State, now int64, cost uint64, r *Result) State {
+	if l.alg == TokenBucket && l.emission != 0 {
+		return l.takeToken(in, now, cost, r)
+	}
+	return take(l, in, now, s.wallOffset.Load(), cost, r)
+}
+
+// peek rewrites r, the result of an op that passed in a batch that failed, as a cost-0
+// peek of the key's state before the batch (in), Allowed true and RetryAfter 0.
+func (s *Store) peek(l *Limit, in State, now int64, r *Result) {
+	take(l, in, now, s.wallOffset.Load(), 0, r)
+	r.Allowed, r.RetryAfter = true, 0
+}
+
+// set stores in e the state out that l's take left with result r.
+func (e *entry) set(out State, r *Result, l *Limit) {
+	e.st, e.expires, e.limitedUntil, e.kind = out, r.Expires, r.LimitedUntil, l.stateKind()
+}
+
+// remove deletes key (hash h), which is stored.
+func (sh *shard) remove(h uint64, key []byte) {
+	p, i, _ := find(sh, uint32(h>>32), key)
+	sh.removeAt(p, i)
+}
+
+// applyGeneral is apply for any batch: duplicate keys, full shards, more than two ops.
+func (s *Store) applyGeneral(now int64, ops []Op, veto bool) bool {
 	if len(ops) <= 2 {
 		var scBuf [2]opScratch
 		var lockBuf [2]uint32

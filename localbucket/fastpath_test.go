@@ -1,0 +1,136 @@
+package localbucket
+
+import (
+	"reflect"
+	"strconv"
+	"testing"
+	"time"
+
+	"pgregory.net/rapid"
+)
+
+// TestFastPathMatchesGeneral drives random batches through Apply and Reject (whose
+// batches of one and two ops take apply1 and apply2) on one store and through
+// applyGeneral on an identical one (same seed, same options), and checks that they give
+// the same verdicts and results and end in exactly the same state: hash tables, record
+// arenas, free lists, fallback states, counters. The batches mix repeated keys (within
+// a batch too), keys of one shard, shards too small for their keys (evictions, untracked
+// keys on fallback states), expiries, clock steps back, shadow ops, refusals, costs over
+// capacity, limits of every algorithm (a reload that changes a key's algorithm), delays
+// and a wall offset.
+func TestFastPathMatchesGeneral(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		o := Options{
+			Shards:  rapid.SampledFrom([]int{1, 2, 4}).Draw(t, "shards"),
+			MaxKeys: rapid.IntRange(1, 24).Draw(t, "maxKeys"),
+		}
+		fast, general := NewStore(o), NewStore(o)
+		general.seed = fast.seed
+		if off := rapid.SampledFrom([]int64{0, 7 * ms, -3 * ms}).Draw(t, "wallOffset"); off != 0 {
+			fast.SetWallOffset(off)
+			general.SetWallOffset(off)
+		}
+		var lims []*Limit
+		for range rapid.IntRange(1, 4).Draw(t, "limits") {
+			alg := rapid.SampledFrom([]Algorithm{TokenBucket, SlidingWindow, FixedWindow}).Draw(t, "alg")
+			var burst uint64
+			if alg == TokenBucket {
+				burst = rapid.Uint64Range(0, 5).Draw(t, "burst")
+			}
+			l, err := NewLimit(alg, rapid.Uint64Range(1, 4).Draw(t, "requests"), time.Duration(rapid.IntRange(1, 20).Draw(t, "windowMs"))*time.Millisecond, burst)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rapid.IntRange(0, 3).Draw(t, "delayed") == 0 {
+				l = l.WithDelay(time.Duration(rapid.Int64Range(0, 10*ms).Draw(t, "delay")))
+			}
+			lims = append(lims, &l)
+		}
+		nkeys := rapid.IntRange(1, 40).Draw(t, "keys")
+		now := base
+		for range rapid.IntRange(1, 200).Draw(t, "steps") {
+			now += rapid.Int64Range(-ms, 6*ms).Draw(t, "dt")
+			n := rapid.SampledFrom([]int{1, 1, 2, 2, 2, 3}).Draw(t, "ops")
+			a, b := make([]Op, n), make([]Op, n)
+			for i := range a {
+				k := rapid.IntRange(0, nkeys-1).Draw(t, "key")
+				a[i] = Op{
+					Key:    []byte("r" + strconv.Itoa(k%3) + ":{k=" + strconv.Itoa(k) + "}"),
+					Limit:  lims[rapid.IntRange(0, len(lims)-1).Draw(t, "limit")],
+					Cost:   rapid.Uint64Range(0, 6).Draw(t, "cost"),
+					Shadow: rapid.IntRange(0, 4).Draw(t, "shadow") == 0,
+				}
+				// Stale results, which both paths must overwrite.
+				a[i].Result = Result{Allowed: true, Remaining: 99, Delay: 1}
+			}
+			copy(b, a)
+			var gotFast, gotGeneral bool
+			if veto := rapid.IntRange(0, 5).Draw(t, "veto") == 0; veto {
+				fast.Reject(now, a)
+				general.applyGeneral(now, b, true)
+			} else {
+				gotFast, gotGeneral = fast.Apply(now, a), general.applyGeneral(now, b, false)
+			}
+			if gotFast != gotGeneral {
+				t.Fatalf("batch %v: fast path %v, general path %v", opKeys(a), gotFast, gotGeneral)
+			}
+			for i := range a {
+				if a[i].Result != b[i].Result {
+					t.Fatalf("batch %v, op %d: fast path %+v, general path %+v", opKeys(a), i, a[i].Result, b[i].Result)
+				}
+			}
+			if d := storeDiff(fast, general); d != "" {
+				t.Fatalf("after batch %v: %s", opKeys(a), d)
+			}
+			if rapid.IntRange(0, 40).Draw(t, "sweep") == 0 {
+				if x, y := fast.Sweep(now), general.Sweep(now); x != y {
+					t.Fatalf("Sweep removed %d and %d", x, y)
+				}
+			}
+		}
+	})
+}
+
+func opKeys(ops []Op) []string {
+	var ks []string
+	for _, o := range ops {
+		ks = append(ks, string(o.Key)+"/"+strconv.FormatUint(o.Cost, 10))
+	}
+	return ks
+}
+
+// storeDiff describes the first difference between the states of x and y, "" if none.
+func storeDiff(x, y *Store) string {
+	if a, b := x.Evictions(), y.Evictions(); a != b {
+		return "evictions " + strconv.FormatUint(a, 10) + " and " + strconv.FormatUint(b, 10)
+	}
+	if a, b := x.Untracked(), y.Untracked(); a != b {
+		return "untracked " + strconv.FormatUint(a, 10) + " and " + strconv.FormatUint(b, 10)
+	}
+	for i := range x.shards {
+		p, q := &x.shards[i], &y.shards[i]
+		if p.n != q.n || p.used != q.used || p.allLimitedUntil != q.allLimitedUntil {
+			return "shard " + strconv.Itoa(i) + ": counts differ"
+		}
+		if !reflect.DeepEqual(p.slots, q.slots) {
+			return "shard " + strconv.Itoa(i) + ": slots differ"
+		}
+		if len(p.free) != len(q.free) || (len(p.free) > 0 && !reflect.DeepEqual(p.free, q.free)) {
+			return "shard " + strconv.Itoa(i) + ": free lists differ"
+		}
+		for j := range p.used {
+			if *p.rec(j) != *q.rec(j) {
+				return "shard " + strconv.Itoa(i) + ": record " + strconv.Itoa(int(j)) + " differs"
+			}
+		}
+		if len(p.fallback) != len(q.fallback) {
+			return "shard " + strconv.Itoa(i) + ": fallback states differ"
+		}
+		for k, e := range p.fallback {
+			if f := q.fallback[k]; f == nil || *f != *e {
+				return "shard " + strconv.Itoa(i) + ": fallback state of " + k + " differs"
+			}
+		}
+	}
+	return ""
+}
