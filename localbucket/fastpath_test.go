@@ -134,3 +134,27 @@ func storeDiff(x, y *Store) string {
 	}
 	return ""
 }
+
+// TestTakeTokenFastPath checks takeToken (whose first branch handles a cost that passes at
+// once) against takeTokenAll, which handles every case, on random token buckets (with
+// delays, and limits that shrank under a state), states, instants and costs.
+func TestTakeTokenFastPath(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		l, err := NewLimit(TokenBucket, rapid.Uint64Range(1, 1<<32-1).Draw(t, "requests"),
+			time.Duration(rapid.Int64Range(1, 3_600_000).Draw(t, "windowMs"))*time.Millisecond, rapid.Uint64Range(0, 1<<20).Draw(t, "burst"))
+		if err != nil {
+			t.Skip(err)
+		}
+		if rapid.Bool().Draw(t, "delayed") {
+			l = l.WithDelay(time.Duration(rapid.Int64Range(0, int64(time.Hour)).Draw(t, "delay")))
+		}
+		now := base + rapid.Int64Range(-int64(time.Hour), int64(time.Hour)).Draw(t, "now")
+		st := State{T: base + rapid.Int64Range(-2*l.tau, 2*l.tau).Draw(t, "tat")}
+		cost := rapid.SampledFrom([]uint64{0, 1, 2, l.burst - 1, l.burst, l.burst + 1, rapid.Uint64().Draw(t, "any")}).Draw(t, "cost")
+		var fast, all Result
+		fast.Remaining, all.Remaining = 7, 9 // stale fields, overwritten by both
+		if a, b := l.takeToken(st, now, cost, &fast), l.takeTokenAll(st, now, cost, &all); a != b || fast != all {
+			t.Fatalf("cost %d on %+v at %d: fast path %+v %+v, every case %+v %+v", cost, st, now, a, fast, b, all)
+		}
+	})
+}

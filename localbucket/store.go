@@ -339,13 +339,9 @@ const smallOps = 4
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 	switch len(ops) {
 	case 1:
-		if ok, done := s.apply1(now, &ops[0], veto); done {
-			return ok
-		}
+		return s.apply1(now, ops, veto)
 	case 2:
-		if ok, done := s.apply2(now, &ops[0], &ops[1], veto); done {
-			return ok
-		}
+		return s.apply2(now, ops, veto)
 	}
 	return s.applyGeneral(now, ops, veto)
 }
@@ -367,10 +363,10 @@ func (sh *shard) entry(hi uint32, key []byte) *entry {
 	}
 }
 
-// apply1 is apply for one op. done is false (and nothing was changed) when the key is
-// not stored and its shard is full: the general path decides then (evictions, the
-// rule's fallback state).
-func (s *Store) apply1(now int64, op *Op, veto bool) (ok, done bool) {
+// apply1 is apply for one op. When the key is not stored and its shard is full, it
+// hands the batch, unchanged, to the general path (evictions, the rule's fallback state).
+func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
+	op := &ops[0]
 	h := maphash.Bytes(s.seed, op.Key)
 	sh := &s.shards[uint32(h)&s.mask]
 	sh.mu.Lock()
@@ -380,11 +376,11 @@ func (s *Store) apply1(now int64, op *Op, veto bool) (ok, done bool) {
 		in = stateFor(e, op.Limit)
 	} else if sh.n >= sh.cap {
 		sh.mu.Unlock()
-		return false, false
+		return s.applyGeneral(now, ops, veto)
 	}
 	r := &op.Result
 	out := s.take(op.Limit, in, now, op.Cost, r)
-	ok = !veto && (r.Allowed || op.Shadow)
+	ok := !veto && (r.Allowed || op.Shadow)
 	if !ok {
 		if r.Allowed {
 			s.peek(op.Limit, in, now, r)
@@ -400,16 +396,17 @@ func (s *Store) apply1(now int64, op *Op, veto bool) (ok, done bool) {
 		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now)
 	}
 	sh.mu.Unlock()
-	return ok, true
+	return ok
 }
 
-// apply2 is apply for two ops on distinct keys. done is false (and nothing was changed)
-// when both ops have the same key (or their hashes collide), or when a key is not
-// stored and its shard is full: the general path decides then.
-func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
+// apply2 is apply for two ops on distinct keys. When both ops have the same key (or
+// their hashes collide), or when a key is not stored and its shard is full, it hands the
+// batch, unchanged, to the general path.
+func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
+	a, b := &ops[0], &ops[1]
 	ha, hb := maphash.Bytes(s.seed, a.Key), maphash.Bytes(s.seed, b.Key)
 	if ha == hb {
-		return false, false
+		return s.applyGeneral(now, ops, veto)
 	}
 	ia, ib := uint32(ha)&s.mask, uint32(hb)&s.mask
 	sa, sb := &s.shards[ia], &s.shards[ib]
@@ -430,13 +427,13 @@ func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
 		ina = stateFor(ea, a.Limit)
 	} else if sa.n >= sa.cap {
 		unlock2(sa, sb)
-		return false, false
+		return s.applyGeneral(now, ops, veto)
 	}
 	if eb != nil {
 		inb = stateFor(eb, b.Limit)
 	} else if sb.n >= sb.cap {
 		unlock2(sa, sb)
-		return false, false
+		return s.applyGeneral(now, ops, veto)
 	}
 	ra, rb := &a.Result, &b.Result
 	// s.take, inlined (the compiler does not).
@@ -451,8 +448,7 @@ func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
 	} else {
 		outb = take(l, inb, now, s.wallOffset.Load(), b.Cost, rb)
 	}
-	ok = !veto && (ra.Allowed || a.Shadow) && (rb.Allowed || b.Shadow)
-	if !ok {
+	if veto || !(ra.Allowed || a.Shadow) || !(rb.Allowed || b.Shadow) {
 		if ra.Allowed {
 			s.peek(a.Limit, ina, now, ra)
 		}
@@ -460,7 +456,7 @@ func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
 			s.peek(b.Limit, inb, now, rb)
 		}
 		unlock2(sa, sb)
-		return false, true
+		return false
 	}
 	// As commit does: updates and deletions of stored keys first, then inserts.
 	if ea != nil {
@@ -489,7 +485,7 @@ func (s *Store) apply2(now int64, a, b *Op, veto bool) (ok, done bool) {
 	if sb != sa {
 		sb.mu.Unlock()
 	}
-	return true, true
+	return true
 }
 
 // unlock2 unlocks what apply2 locked.
