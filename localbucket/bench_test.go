@@ -55,11 +55,12 @@ func BenchmarkStoreApply2Parallel(b *testing.B) {
 	s, _ := benchOps(b)
 	user, ip := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0), mustLimit(b, SlidingWindow, 1_000_000_000, time.Minute, 0)
 	now := base + 500*ms
-	b.ReportAllocs()
 	keys := make([][]byte, 1024)
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "user:{id=%d}", i*97)
 	}
+	b.ReportAllocs()
+	b.ResetTimer() // the set-up's allocations are not the loop's
 	b.RunParallel(func(pb *testing.PB) {
 		// Existing user keys spread over the shards, and one shared ip key.
 		ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("ip:{ip=192.0.2.1}"), Limit: ip, Cost: 1}}
@@ -79,5 +80,26 @@ func TestApplyAllocs(t *testing.T) {
 	s.Apply(base, ops)
 	if n := testing.AllocsPerRun(100, func() { s.Apply(base, ops) }); n != 0 {
 		t.Errorf("Apply on existing keys allocates %v times", n)
+	}
+}
+
+// BenchmarkStoreApply4 is one request checked against 4 token-bucket rules on existing
+// keys (three user keys spread over the shards and one shared key).
+func BenchmarkStoreApply4(b *testing.B) {
+	s, _ := benchOps(b)
+	l := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0)
+	ops := []Op{
+		{Key: []byte("user:{id=42}"), Limit: l, Cost: 1},
+		{Key: []byte("user:{id=4242}"), Limit: l, Cost: 1},
+		{Key: []byte("user:{id=77}"), Limit: l, Cost: 1},
+		{Key: []byte("global:{}"), Limit: l, Cost: 1},
+	}
+	now := base + 500*ms
+	if !s.Apply(now, ops) {
+		b.Fatal("rejected")
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		s.Apply(now, ops)
 	}
 }

@@ -10,7 +10,7 @@ import (
 )
 
 // TestFastPathMatchesGeneral drives random batches through Apply and Reject (whose
-// batches of one and two ops take apply1 and apply2) on one store and through
+// batches of one, two, and three or four ops take apply1, apply2 and applySmall) on one store and through
 // applyGeneral on an identical one (same seed, same options), and checks that they give
 // the same verdicts and results and end in exactly the same state: hash tables, record
 // arenas, free lists, fallback states, counters. The batches mix repeated keys (within
@@ -50,7 +50,7 @@ func TestFastPathMatchesGeneral(t *testing.T) {
 		now := base
 		for range rapid.IntRange(1, 200).Draw(t, "steps") {
 			now += rapid.Int64Range(-ms, 6*ms).Draw(t, "dt")
-			n := rapid.SampledFrom([]int{1, 1, 2, 2, 2, 3}).Draw(t, "ops")
+			n := rapid.SampledFrom([]int{1, 1, 2, 2, 2, 3, 4, 5}).Draw(t, "ops")
 			a, b := make([]Op, n), make([]Op, n)
 			for i := range a {
 				k := rapid.IntRange(0, nkeys-1).Draw(t, "key")

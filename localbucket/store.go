@@ -331,10 +331,10 @@ func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 // still.
 const smallOps = 4
 
-// apply is Apply (veto false) and Reject (veto true). Batches of one op, and of two ops
-// on distinct keys whose stored keys (if absent) fit in their shards, take a fast path
-// (apply1, apply2: no scratch, no lock list); the rest, and whatever those paths decline
-// before changing anything, the general one (applyGeneral). Both give the same results
+// apply is Apply (veto false) and Reject (veto true). Batches of one op, and of up to
+// four ops on distinct keys whose stored keys (if absent) fit in their shards, take a
+// fast path (apply1, apply2: no scratch, no lock list; applySmall); the rest, and
+// whatever those paths decline before changing anything, the general one (applyGeneral). Both give the same results
 // and leave the same state (TestFastPathMatchesGeneral).
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 	switch len(ops) {
@@ -342,6 +342,8 @@ func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 		return s.apply1(now, ops, veto)
 	case 2:
 		return s.apply2(now, ops, veto)
+	case 3, smallOps:
+		return s.applySmall(now, ops, veto)
 	}
 	return s.applyGeneral(now, ops, veto)
 }
@@ -486,6 +488,103 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		sb.mu.Unlock()
 	}
 	return true
+}
+
+// applySmall is apply for three or four ops (smallOps) on distinct keys, as apply2 does
+// for two: when two ops have the same key (or their hashes collide), or when a key is
+// not stored and its shard is full, it hands the batch, unchanged, to the general path.
+func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
+	var (
+		hs    [smallOps]uint64
+		shs   [smallOps]*shard
+		es    [smallOps]*entry
+		ins   [smallOps]State
+		outs  [smallOps]State
+		locks [smallOps]uint32 // the shards to lock, ascending, each once
+	)
+	nl := 0
+	for i := range ops {
+		h := maphash.Bytes(s.seed, ops[i].Key)
+		for j := range i {
+			if hs[j] == h {
+				return s.applyGeneral(now, ops, veto)
+			}
+		}
+		hs[i] = h
+		si := uint32(h) & s.mask
+		shs[i] = &s.shards[si]
+		k := nl
+		for k > 0 && locks[k-1] > si {
+			k--
+		}
+		if k > 0 && locks[k-1] == si {
+			continue
+		}
+		for m := nl; m > k; m-- {
+			locks[m] = locks[m-1]
+		}
+		locks[k] = si
+		nl++
+	}
+	for _, li := range locks[:nl] {
+		s.shards[li].mu.Lock()
+	}
+	for i := range ops {
+		sh := shs[i]
+		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
+			ins[i] = stateFor(es[i], ops[i].Limit)
+		} else if sh.n >= sh.cap {
+			s.unlock(locks[:nl])
+			return s.applyGeneral(now, ops, veto)
+		}
+	}
+	ok := !veto
+	for i := range ops {
+		op := &ops[i]
+		outs[i] = s.take(op.Limit, ins[i], now, op.Cost, &op.Result)
+		if !op.Result.Allowed && !op.Shadow {
+			ok = false
+		}
+	}
+	if !ok {
+		for i := range ops {
+			if ops[i].Result.Allowed {
+				s.peek(ops[i].Limit, ins[i], now, &ops[i].Result)
+			}
+		}
+		s.unlock(locks[:nl])
+		return false
+	}
+	// As commit does: updates and deletions of stored keys first, then inserts.
+	inserts := false
+	for i := range ops {
+		op, e, sh := &ops[i], es[i], shs[i]
+		switch r := &op.Result; {
+		case e == nil:
+			inserts = true
+		case r.Expires > now:
+			e.set(outs[i], r, op.Limit)
+			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+		default:
+			sh.remove(hs[i], op.Key)
+		}
+	}
+	if inserts {
+		for i := range ops {
+			if r := &ops[i].Result; es[i] == nil && r.Expires > now {
+				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now)
+			}
+		}
+	}
+	s.unlock(locks[:nl])
+	return true
+}
+
+// unlock unlocks the shards numbered in locks.
+func (s *Store) unlock(locks []uint32) {
+	for _, li := range locks {
+		s.shards[li].mu.Unlock()
+	}
 }
 
 // unlock2 unlocks what apply2 locked.
