@@ -326,16 +326,17 @@ func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false
 // The limiter uses it when a check on another store (Redis) rejected first.
 func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 
-// smallOps is the batch size whose scratch apply keeps in a smaller array, so that it is
-// not zeroing inlineOps entries per check; most checks (a rule or two) get one smaller
-// still.
+// smallOps is the largest batch applySmall takes, and the batch size whose scratch
+// applyGeneral keeps in a smaller array, so that it is not zeroing inlineOps entries per
+// check; batches of one or two get one smaller still.
 const smallOps = 4
 
 // apply is Apply (veto false) and Reject (veto true). Batches of one op, and of up to
 // four ops on distinct keys whose stored keys (if absent) fit in their shards, take a
 // fast path (apply1, apply2: no scratch, no lock list; applySmall); the rest, and
-// whatever those paths decline before changing anything, the general one (applyGeneral). Both give the same results
-// and leave the same state (TestFastPathMatchesGeneral).
+// whatever those paths decline before changing anything, the general one
+// (applyGeneral). Every path gives the same results and leaves the same state
+// (TestFastPathMatchesGeneral).
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
 	switch len(ops) {
 	case 1:
@@ -380,12 +381,12 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 		sh.mu.Unlock()
 		return s.applyGeneral(now, ops, veto)
 	}
-	r := &op.Result
-	out := s.take(op.Limit, in, now, op.Cost, r)
+	r, off := &op.Result, s.wallOffset.Load()
+	out := takeFast(op.Limit, in, now, off, op.Cost, r)
 	ok := !veto && (r.Allowed || op.Shadow)
 	if !ok {
 		if r.Allowed {
-			s.peek(op.Limit, in, now, r)
+			peekPassed(op.Limit, in, now, off, r)
 		}
 	} else if e != nil {
 		if r.Expires > now {
@@ -437,25 +438,25 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
-	ra, rb := &a.Result, &b.Result
-	// s.take, inlined (the compiler does not).
+	ra, rb, off := &a.Result, &b.Result, s.wallOffset.Load()
+	// takeFast, inlined (the compiler does not).
 	var outa, outb State
 	if l := a.Limit; l.alg == TokenBucket && l.emission != 0 {
 		outa = l.takeToken(ina, now, a.Cost, ra)
 	} else {
-		outa = take(l, ina, now, s.wallOffset.Load(), a.Cost, ra)
+		outa = take(l, ina, now, off, a.Cost, ra)
 	}
 	if l := b.Limit; l.alg == TokenBucket && l.emission != 0 {
 		outb = l.takeToken(inb, now, b.Cost, rb)
 	} else {
-		outb = take(l, inb, now, s.wallOffset.Load(), b.Cost, rb)
+		outb = take(l, inb, now, off, b.Cost, rb)
 	}
 	if veto || !(ra.Allowed || a.Shadow) || !(rb.Allowed || b.Shadow) {
 		if ra.Allowed {
-			s.peek(a.Limit, ina, now, ra)
+			peekPassed(a.Limit, ina, now, off, ra)
 		}
 		if rb.Allowed {
-			s.peek(b.Limit, inb, now, rb)
+			peekPassed(b.Limit, inb, now, off, rb)
 		}
 		unlock2(sa, sb)
 		return false
@@ -538,10 +539,10 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 			return s.applyGeneral(now, ops, veto)
 		}
 	}
-	ok := !veto
+	ok, off := !veto, s.wallOffset.Load()
 	for i := range ops {
 		op := &ops[i]
-		outs[i] = s.take(op.Limit, ins[i], now, op.Cost, &op.Result)
+		outs[i] = takeFast(op.Limit, ins[i], now, off, op.Cost, &op.Result)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 		}
@@ -549,7 +550,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	if !ok {
 		for i := range ops {
 			if ops[i].Result.Allowed {
-				s.peek(ops[i].Limit, ins[i], now, &ops[i].Result)
+				peekPassed(ops[i].Limit, ins[i], now, off, &ops[i].Result)
 			}
 		}
 		s.unlock(locks[:nl])
@@ -595,19 +596,19 @@ func unlock2(sa, sb *shard) {
 	}
 }
 
-// take is the package's take for the fast paths: a token bucket's takeToken called
-// directly (the common case), anything else through take with the wall offset.
-func (s *Store) take(l *Limit, in State, now int64, cost uint64, r *Result) State {
+// takeFast is take for the fast paths: a token bucket's takeToken called directly (the
+// common case), anything else through take.
+func takeFast(l *Limit, in State, now, off int64, cost uint64, r *Result) State {
 	if l.alg == TokenBucket && l.emission != 0 {
 		return l.takeToken(in, now, cost, r)
 	}
-	return take(l, in, now, s.wallOffset.Load(), cost, r)
+	return take(l, in, now, off, cost, r)
 }
 
-// peek rewrites r, the result of an op that passed in a batch that failed, as a cost-0
+// peekPassed rewrites r, the result of an op that passed in a batch that failed, as a cost-0
 // peek of the key's state before the batch (in), Allowed true and RetryAfter 0.
-func (s *Store) peek(l *Limit, in State, now int64, r *Result) {
-	take(l, in, now, s.wallOffset.Load(), 0, r)
+func peekPassed(l *Limit, in State, now, off int64, r *Result) {
+	take(l, in, now, off, 0, r)
 	r.Allowed, r.RetryAfter = true, 0
 }
 
