@@ -3,6 +3,8 @@ package localbucket
 import (
 	"reflect"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -157,4 +159,58 @@ func TestTakeTokenFastPath(t *testing.T) {
 			t.Fatalf("cost %d on %+v at %d: fast path %+v %+v, every case %+v %+v", cost, st, now, a, fast, b, all)
 		}
 	})
+}
+
+// TestFastPathsConcurrentExact runs batches of one to six ops (every path: apply1,
+// apply2, applySmall, applyGeneral), all on one hot key among others, from goroutines in
+// parallel, on one shard and on many: the hot key admits exactly its limit, and every
+// admitted batch is counted once on each of its other keys.
+func TestFastPathsConcurrentExact(t *testing.T) {
+	const limit = 500
+	for _, shards := range []int{1, 16} {
+		t.Run(strconv.Itoa(shards), func(t *testing.T) {
+			s := NewStore(Options{Shards: shards})
+			hot := mustLimit(t, FixedWindow, limit, time.Hour, 0)
+			wide := mustLimit(t, FixedWindow, 1_000_000, time.Hour, 0)
+			var admitted [12]atomic.Int64 // by goroutine
+			var wg sync.WaitGroup
+			for g := range 12 {
+				wg.Go(func() {
+					n := g%6 + 1
+					ops := make([]Op, n)
+					for i := range ops {
+						ops[i] = Op{Key: []byte("k" + strconv.Itoa(g) + "-" + strconv.Itoa(i)), Limit: wide, Cost: 1}
+					}
+					ops[g%n] = Op{Key: []byte("hot"), Limit: hot, Cost: 1} // at every position
+					for range 100 {
+						if s.Apply(base, ops) {
+							admitted[g].Add(1)
+						}
+					}
+				})
+			}
+			wg.Wait()
+			total := int64(0)
+			for i := range admitted {
+				total += admitted[i].Load()
+			}
+			if total != limit {
+				t.Errorf("admitted %d, want %d", total, limit)
+			}
+			// Each goroutine's own keys count its admitted batches exactly (none for a
+			// batch that failed).
+			for g := range 12 {
+				n := g%6 + 1
+				for i := range n {
+					if i == g%n {
+						continue
+					}
+					used := 1_000_000 - int64(peekStore(t, s, base, "k"+strconv.Itoa(g)+"-"+strconv.Itoa(i), wide).Remaining)
+					if want := admitted[g].Load(); used != want {
+						t.Errorf("key k%d-%d counted %d times, its batch admitted %d times", g, i, used, want)
+					}
+				}
+			}
+		})
+	}
 }
