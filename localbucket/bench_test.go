@@ -2,6 +2,7 @@ package localbucket
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"testing"
 	"time"
 )
@@ -55,11 +56,12 @@ func BenchmarkStoreApply2Parallel(b *testing.B) {
 	s, _ := benchOps(b)
 	user, ip := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0), mustLimit(b, SlidingWindow, 1_000_000_000, time.Minute, 0)
 	now := base + 500*ms
-	b.ReportAllocs()
 	keys := make([][]byte, 1024)
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "user:{id=%d}", i*97)
 	}
+	b.ReportAllocs()
+	b.ResetTimer() // the set-up's allocations are not the loop's
 	b.RunParallel(func(pb *testing.PB) {
 		// Existing user keys spread over the shards, and one shared ip key.
 		ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("ip:{ip=192.0.2.1}"), Limit: ip, Cost: 1}}
@@ -79,5 +81,56 @@ func TestApplyAllocs(t *testing.T) {
 	s.Apply(base, ops)
 	if n := testing.AllocsPerRun(100, func() { s.Apply(base, ops) }); n != 0 {
 		t.Errorf("Apply on existing keys allocates %v times", n)
+	}
+}
+
+// BenchmarkStoreApply4 is one request checked against 4 token-bucket rules on existing
+// keys (three user keys spread over the shards and one shared key).
+func BenchmarkStoreApply4(b *testing.B) {
+	s, _ := benchOps(b)
+	l := mustLimit(b, TokenBucket, 1_000_000_000, time.Second, 0)
+	ops := []Op{
+		{Key: []byte("user:{id=42}"), Limit: l, Cost: 1},
+		{Key: []byte("user:{id=4242}"), Limit: l, Cost: 1},
+		{Key: []byte("user:{id=77}"), Limit: l, Cost: 1},
+		{Key: []byte("global:{}"), Limit: l, Cost: 1},
+	}
+	now := base + 500*ms
+	if !s.Apply(now, ops) {
+		b.Fatal("rejected")
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		s.Apply(now, ops)
+	}
+}
+
+// BenchmarkStoreApply2Zipf is real traffic's shape: each check is a user key drawn from
+// a Zipf distribution over a million users (s = 1.1; most draws hit hot users, the
+// tail inserts new keys and, as the store fills, finds shards with long probe runs)
+// beside one shared key, at 100 per minute per user and 10^9 per hour for the shared
+// key, the clock advancing 1µs per check.
+func BenchmarkStoreApply2Zipf(b *testing.B) {
+	s := NewStore(Options{})
+	user := mustLimit(b, TokenBucket, 100, time.Minute, 0)
+	shared := mustLimit(b, TokenBucket, 1_000_000_000, time.Hour, 0)
+	z := rand.NewZipf(rand.New(rand.NewPCG(1, 2)), 1.1, 1, 1_000_000-1)
+	keys := make([][]byte, 1<<16)
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "per-user:{user=u%d}", z.Uint64())
+	}
+	ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("global:{}"), Limit: shared, Cost: 1}}
+	now := base
+	for _, k := range keys { // the keys exist, as after a warm-up
+		ops[0].Key = k
+		s.Apply(now, ops)
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		now += 1000
+		ops[0].Key = keys[i&(len(keys)-1)]
+		s.Apply(now, ops)
+		i++
 	}
 }

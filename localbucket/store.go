@@ -326,12 +326,305 @@ func (s *Store) Apply(now int64, ops []Op) bool { return s.apply(now, ops, false
 // The limiter uses it when a check on another store (Redis) rejected first.
 func (s *Store) Reject(now int64, ops []Op) { s.apply(now, ops, true) }
 
-// smallOps is the batch size whose scratch apply keeps in a smaller array, so that it is
-// not zeroing inlineOps entries per check; most checks (a rule or two) get one smaller
-// still.
+// smallOps is the largest batch applySmall takes, and the batch size whose scratch
+// applyGeneral keeps in a smaller array, so that it is not zeroing inlineOps entries per
+// check; batches of one or two get one smaller still.
 const smallOps = 4
 
+// apply is Apply (veto false) and Reject (veto true). Batches of one op, and of up to
+// four ops on distinct keys whose stored keys (if absent) fit in their shards, take a
+// fast path (apply1, apply2: no scratch, no lock list; applySmall); the rest, and
+// whatever those paths decline before changing anything, the general one
+// (applyGeneral). Every path gives the same results and leaves the same state
+// (TestFastPathMatchesGeneral).
 func (s *Store) apply(now int64, ops []Op, veto bool) bool {
+	switch len(ops) {
+	case 1:
+		return s.apply1(now, ops, veto)
+	case 2:
+		return s.apply2(now, ops, veto)
+	case 3, smallOps:
+		return s.applySmall(now, ops, veto)
+	}
+	return s.applyGeneral(now, ops, veto)
+}
+
+// entry returns the stored entry of key (hi: the high 32 bits of its hash), nil when the
+// key is not stored: lookup for the fast paths, which need the entry, not its index.
+func (sh *shard) entry(hi uint32, key []byte) *entry {
+	mask := len(sh.slots) - 1
+	for p := int(hi) & mask; ; p = (p + 1) & mask {
+		v := sh.slots[p]
+		if v == 0 {
+			return nil
+		}
+		if uint32(v>>32) == hi {
+			if r := sh.rec(uint32(v) - 1); r.key == string(key) {
+				return &r.e
+			}
+		}
+	}
+}
+
+// apply1 is apply for one op. When the key is not stored and its shard is full, it
+// hands the batch, unchanged, to the general path (evictions, the rule's fallback state).
+func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
+	op := &ops[0]
+	h := maphash.Bytes(s.seed, op.Key)
+	sh := &s.shards[uint32(h)&s.mask]
+	sh.mu.Lock()
+	e := sh.entry(uint32(h>>32), op.Key)
+	var in State
+	if e != nil {
+		in = stateFor(e, op.Limit)
+	} else if sh.n >= sh.cap {
+		sh.mu.Unlock()
+		return s.applyGeneral(now, ops, veto)
+	}
+	r, off := &op.Result, s.wallOffset.Load()
+	out := takeFast(op.Limit, in, now, off, op.Cost, r)
+	ok := !veto && (r.Allowed || op.Shadow)
+	if !ok {
+		if r.Allowed {
+			peekPassed(op.Limit, in, now, off, r)
+		}
+	} else if e != nil {
+		if r.Expires > now {
+			e.set(out, r, op.Limit)
+			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+		} else {
+			sh.remove(h, op.Key)
+		}
+	} else if r.Expires > now {
+		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now)
+	}
+	sh.mu.Unlock()
+	return ok
+}
+
+// apply2 is apply for two ops on distinct keys. When both ops have the same key (or
+// their hashes collide), or when a key is not stored and its shard is full, it hands the
+// batch, unchanged, to the general path.
+func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
+	a, b := &ops[0], &ops[1]
+	ha, hb := maphash.Bytes(s.seed, a.Key), maphash.Bytes(s.seed, b.Key)
+	if ha == hb {
+		return s.applyGeneral(now, ops, veto)
+	}
+	ia, ib := uint32(ha)&s.mask, uint32(hb)&s.mask
+	sa, sb := &s.shards[ia], &s.shards[ib]
+	// Lock in ascending shard order, as applyGeneral does, and a shared shard once.
+	switch {
+	case ia == ib:
+		sa.mu.Lock()
+	case ia < ib:
+		sa.mu.Lock()
+		sb.mu.Lock()
+	default:
+		sb.mu.Lock()
+		sa.mu.Lock()
+	}
+	ea, eb := sa.entry(uint32(ha>>32), a.Key), sb.entry(uint32(hb>>32), b.Key)
+	var ina, inb State
+	if ea != nil {
+		ina = stateFor(ea, a.Limit)
+	} else if sa.n >= sa.cap {
+		unlock2(sa, sb)
+		return s.applyGeneral(now, ops, veto)
+	}
+	if eb != nil {
+		inb = stateFor(eb, b.Limit)
+	} else if sb.n >= sb.cap {
+		unlock2(sa, sb)
+		return s.applyGeneral(now, ops, veto)
+	}
+	ra, rb, off := &a.Result, &b.Result, s.wallOffset.Load()
+	// takeFast, inlined (the compiler does not).
+	var outa, outb State
+	if l := a.Limit; l.alg == TokenBucket && l.emission != 0 {
+		outa = l.takeToken(ina, now, a.Cost, ra)
+	} else {
+		outa = take(l, ina, now, off, a.Cost, ra)
+	}
+	if l := b.Limit; l.alg == TokenBucket && l.emission != 0 {
+		outb = l.takeToken(inb, now, b.Cost, rb)
+	} else {
+		outb = take(l, inb, now, off, b.Cost, rb)
+	}
+	if veto || !(ra.Allowed || a.Shadow) || !(rb.Allowed || b.Shadow) {
+		if ra.Allowed {
+			peekPassed(a.Limit, ina, now, off, ra)
+		}
+		if rb.Allowed {
+			peekPassed(b.Limit, inb, now, off, rb)
+		}
+		unlock2(sa, sb)
+		return false
+	}
+	// As commit does: updates and deletions of stored keys first, then inserts.
+	if ea != nil {
+		if ra.Expires > now {
+			ea.set(outa, ra, a.Limit)
+			sa.allLimitedUntil = min(sa.allLimitedUntil, ra.LimitedUntil)
+		} else {
+			sa.remove(ha, a.Key)
+		}
+	}
+	if eb != nil {
+		if rb.Expires > now {
+			eb.set(outb, rb, b.Limit)
+			sb.allLimitedUntil = min(sb.allLimitedUntil, rb.LimitedUntil)
+		} else {
+			sb.remove(hb, b.Key)
+		}
+	}
+	if ea == nil && ra.Expires > now {
+		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: ra.LimitedUntil, kind: a.Limit.stateKind()}, now)
+	}
+	if eb == nil && rb.Expires > now {
+		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: rb.LimitedUntil, kind: b.Limit.stateKind()}, now)
+	}
+	sa.mu.Unlock()
+	if sb != sa {
+		sb.mu.Unlock()
+	}
+	return true
+}
+
+// applySmall is apply for three or four ops (smallOps) on distinct keys, as apply2 does
+// for two: when two ops have the same key (or their hashes collide), or when a key is
+// not stored and its shard is full, it hands the batch, unchanged, to the general path.
+func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
+	var (
+		hs    [smallOps]uint64
+		shs   [smallOps]*shard
+		es    [smallOps]*entry
+		ins   [smallOps]State
+		outs  [smallOps]State
+		locks [smallOps]uint32 // the shards to lock, ascending, each once
+	)
+	nl := 0
+	for i := range ops {
+		h := maphash.Bytes(s.seed, ops[i].Key)
+		for j := range i {
+			if hs[j] == h {
+				return s.applyGeneral(now, ops, veto)
+			}
+		}
+		hs[i] = h
+		si := uint32(h) & s.mask
+		shs[i] = &s.shards[si]
+		k := nl
+		for k > 0 && locks[k-1] > si {
+			k--
+		}
+		if k > 0 && locks[k-1] == si {
+			continue
+		}
+		for m := nl; m > k; m-- {
+			locks[m] = locks[m-1]
+		}
+		locks[k] = si
+		nl++
+	}
+	for _, li := range locks[:nl] {
+		s.shards[li].mu.Lock()
+	}
+	for i := range ops {
+		sh := shs[i]
+		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
+			ins[i] = stateFor(es[i], ops[i].Limit)
+		} else if sh.n >= sh.cap {
+			s.unlock(locks[:nl])
+			return s.applyGeneral(now, ops, veto)
+		}
+	}
+	ok, off := !veto, s.wallOffset.Load()
+	for i := range ops {
+		op := &ops[i]
+		outs[i] = takeFast(op.Limit, ins[i], now, off, op.Cost, &op.Result)
+		if !op.Result.Allowed && !op.Shadow {
+			ok = false
+		}
+	}
+	if !ok {
+		for i := range ops {
+			if ops[i].Result.Allowed {
+				peekPassed(ops[i].Limit, ins[i], now, off, &ops[i].Result)
+			}
+		}
+		s.unlock(locks[:nl])
+		return false
+	}
+	// As commit does: updates and deletions of stored keys first, then inserts.
+	inserts := false
+	for i := range ops {
+		op, e, sh := &ops[i], es[i], shs[i]
+		switch r := &op.Result; {
+		case e == nil:
+			inserts = true
+		case r.Expires > now:
+			e.set(outs[i], r, op.Limit)
+			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+		default:
+			sh.remove(hs[i], op.Key)
+		}
+	}
+	if inserts {
+		for i := range ops {
+			if r := &ops[i].Result; es[i] == nil && r.Expires > now {
+				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now)
+			}
+		}
+	}
+	s.unlock(locks[:nl])
+	return true
+}
+
+// unlock unlocks the shards numbered in locks.
+func (s *Store) unlock(locks []uint32) {
+	for _, li := range locks {
+		s.shards[li].mu.Unlock()
+	}
+}
+
+// unlock2 unlocks what apply2 locked.
+func unlock2(sa, sb *shard) {
+	sa.mu.Unlock()
+	if sb != sa {
+		sb.mu.Unlock()
+	}
+}
+
+// takeFast is take for the fast paths: a token bucket's takeToken called directly (the
+// common case), anything else through take.
+func takeFast(l *Limit, in State, now, off int64, cost uint64, r *Result) State {
+	if l.alg == TokenBucket && l.emission != 0 {
+		return l.takeToken(in, now, cost, r)
+	}
+	return take(l, in, now, off, cost, r)
+}
+
+// peekPassed rewrites r, the result of an op that passed in a batch that failed, as a cost-0
+// peek of the key's state before the batch (in), Allowed true and RetryAfter 0.
+func peekPassed(l *Limit, in State, now, off int64, r *Result) {
+	take(l, in, now, off, 0, r)
+	r.Allowed, r.RetryAfter = true, 0
+}
+
+// set stores in e the state out that l's take left with result r.
+func (e *entry) set(out State, r *Result, l *Limit) {
+	e.st, e.expires, e.limitedUntil, e.kind = out, r.Expires, r.LimitedUntil, l.stateKind()
+}
+
+// remove deletes key (hash h), which is stored.
+func (sh *shard) remove(h uint64, key []byte) {
+	p, i, _ := find(sh, uint32(h>>32), key)
+	sh.removeAt(p, i)
+}
+
+// applyGeneral is apply for any batch: duplicate keys, full shards, more than two ops.
+func (s *Store) applyGeneral(now int64, ops []Op, veto bool) bool {
 	if len(ops) <= 2 {
 		var scBuf [2]opScratch
 		var lockBuf [2]uint32
