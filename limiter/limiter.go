@@ -3,6 +3,7 @@ package limiter
 import (
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -15,7 +16,8 @@ import (
 // buckets always, and when the daemon has Redis the hybrid mode's allowances and the
 // global mode's scripts.
 type Limiter struct {
-	rules       atomic.Pointer[rules.Set]
+	active      atomic.Pointer[compiled] // the rule set and what it means here (compiled.go)
+	mu          sync.Mutex               // serialises the writers of active
 	buckets     *localbucket.Store
 	stores      [numStores]store  // by storeID; nil: the daemon lacks that mode
 	hybrid      *hybridStore      // also stores[storeHybrid]; counts the live daemons
@@ -35,7 +37,7 @@ func New(set *rules.Set, store *localbucket.Store) *Limiter {
 	l.stores[storeLocal] = localStore{store}
 	l.leases = newLeases()
 	l.stores[storeLease] = leaseStore{l.leases}
-	l.rules.Store(set)
+	l.recompile(set)
 	return l
 }
 
@@ -46,6 +48,7 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 	l.hybrid = &hybridStore{h}
 	l.stores[storeHybrid] = l.hybrid
 	l.defaultMode = rules.ModeHybrid
+	l.recompile(nil)
 	return l
 }
 
@@ -57,6 +60,7 @@ func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
 	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
 	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets, l.global}
 	l.stores[storeGlobalLease] = l.global
+	l.recompile(nil)
 	return l
 }
 
@@ -103,7 +107,12 @@ func (l *Limiter) resolve(m rules.Mode) rules.Mode {
 
 // SetShadowAll makes every rule a shadow rule (counted and reported, never rejecting)
 // while on: the --shadow switch, for dark-launching a whole rule set.
-func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
+func (l *Limiter) SetShadowAll(on bool) {
+	l.mu.Lock()
+	l.shadowAll.Store(on)
+	l.mu.Unlock()
+	l.recompile(nil)
+}
 
 // ShadowAll reports whether every rule is forced to shadow.
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
@@ -134,10 +143,10 @@ func (l *Limiter) hybridAsGlobal(r *rules.Rule) bool {
 }
 
 // Rules returns the active rule set.
-func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
+func (l *Limiter) Rules() *rules.Set { return l.active.Load().set }
 
 // SetRules swaps in a new rule set; checks already running finish with the old one.
-func (l *Limiter) SetRules(set *rules.Set) { l.rules.Store(set) }
+func (l *Limiter) SetRules(set *rules.Set) { l.recompile(set) }
 
 // Leases returns the store of the concurrency rules' leases, for releasing and renewing
 // them.
@@ -324,7 +333,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 // fast path. d then refers to in's strings (inline limit names): keep them until Decide.
 // It returns *InvalidLimitError when an inline limit is malformed.
 func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
-	set := l.rules.Load()
+	c := l.active.Load()
+	set := c.set
 	d.Allowed = true
 	d.Deciding = -1
 	d.Degraded = false
@@ -339,7 +349,6 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.keys = d.keys[:0]
 	d.localReady, d.penalties = false, false
 
-	shadowAll := l.shadowAll.Load()
 	if set.AnyReplaces() {
 		d.findReplaced(set, in)
 	} else {
@@ -354,7 +363,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 			attrs, cost, noRules = pt.Attrs, pt.Cost, pt.NoRules
 		}
 		if !noRules {
-			l.matchRules(d, set, attrs, cost, p, shadowAll)
+			l.matchRules(d, c, attrs, cost, p)
 		}
 	}
 
@@ -428,7 +437,7 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if !out.Allowed && !d.unasked(i) && out.Rule != nil && out.Rule.Penalty != nil {
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64
 			switch {
@@ -443,14 +452,14 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			}
 		}
 		out.Degraded = o.degraded
-		if out.Rule != nil && out.Rule.Deny {
+		if o.flags&infoDeny != 0 {
 			out.Limit, out.Remaining = 0, 0
 		}
 		if !d.Allowed || !out.Allowed {
 			out.Delay = 0 // a peek's wait, not a reservation
 			continue
 		}
-		if out.Rule != nil && out.Rule.WarnAt > 0 {
+		if o.flags&infoWarn != 0 {
 			c := o.lim.Capacity()
 			out.Warning = c-min(out.Remaining, c) >= out.Rule.WarnThreshold(c)
 		}
@@ -494,7 +503,7 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 			shared = shared || o.bans == bansHybrid
 			continue
 		}
-		if r := d.Results[i].Rule; r == nil || r.Penalty == nil {
+		if o.flags&infoPenalty == 0 {
 			continue
 		}
 		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
@@ -512,56 +521,47 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 	return refused
 }
 
-// matchRules adds the checks of the rules of set that match attrs (part p of the input),
-// skipping the replaced ones and noting the parts an unlimited rule matched.
-func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, cost uint64, p int, shadowAll bool) {
+// matchRules adds the checks of the rules of c's set that match attrs (part p of the
+// input), skipping the replaced ones and noting the parts an unlimited rule matched.
+// What a rule's check takes from the configuration alone was derived when c was built
+// (ruleInfo); only the plan's limit, a split among the live daemons and the key are
+// derived here.
+func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost uint64, p int) {
 	// The plan attribute is read once, for the first matched rule that has plans: the
 	// limits of a rule without plans do not depend on it.
 	var plan string
 	var hasPlan, planRead bool
-	d.matched = set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
+	var tmp ruleInfo
+	d.matched = c.set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
 	for _, r := range d.matched {
 		if len(d.replaced) > 0 && d.replaced[r.Index] {
 			continue
 		}
-		if !planRead && r.HasPlans() {
-			plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
-			planRead = true
-		}
-		var lim *localbucket.Limit
-		var unlimited bool
-		switch {
-		case r.Deny:
-			lim = &denyLimit
-		case r.Split > 0 || r.SplitAuto:
-			lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
-		default:
-			lim, unlimited = r.LimitFor(plan, hasPlan)
-		}
-		if unlimited {
-			if n := len(d.Unlimited); n == 0 || d.Unlimited[n-1] != p {
-				d.Unlimited = append(d.Unlimited, p)
+		in := l.info(c, r, &tmp)
+		lim := in.lim
+		if lim == nil {
+			unlimited := in.flags&infoUnlimited != 0
+			if !unlimited {
+				if !planRead && r.HasPlans() {
+					plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
+					planRead = true
+				}
+				if r.Split > 0 || r.SplitAuto {
+					lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
+				} else {
+					lim, unlimited = r.LimitFor(plan, hasPlan)
+				}
 			}
-			continue
-		}
-		var id storeID
-		if r.Concurrency {
-			id = storeLease // per daemon, or in Redis (global mode)
-			if l.ModeOf(r) == rules.ModeGlobal {
-				id = storeGlobalLease
+			if unlimited {
+				if n := len(d.Unlimited); n == 0 || d.Unlimited[n-1] != p {
+					d.Unlimited = append(d.Unlimited, p)
+				}
+				continue
 			}
-		} else {
-			id = storeOf(l.resolve(r.Mode))
-		}
-		if r.Deny {
-			id = storeLocal // decided here: no store is asked
-		}
-		if id == storeHybrid && l.hybridAsGlobal(r) {
-			id = storeGlobal
 		}
 		var ok bool
 		start := len(d.keys)
-		redis := id == storeHybrid || id == storeGlobal || id == storeGlobalLease
+		redis := in.flags&infoRedis != 0
 		if redis {
 			d.keys = append(d.keys, l.prefix...)
 		}
@@ -570,35 +570,30 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			d.keys = d.keys[:start]
 			continue
 		}
-		if redis && id != storeGlobalLease {
-			// prefix, name, fingerprint, hash tag: a reload changing the rule's
-			// algorithm or window moves its clients to fresh keys (see AppendFingerprint).
-			// A concurrency rule has neither (its sorted set of leases reads the same
-			// under any max or lease duration), and its key is rebuilt from a lease
-			// token by any daemon, so it has no fingerprint.
-			d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
-		}
 		var fb fallback
 		if redis {
-			fb = fallback{r.OnStoreFailure, lim}
-			if l.hybrid != nil {
+			if in.flags&infoFingerprint != 0 {
+				// prefix, name, fingerprint, hash tag: a reload changing the rule's
+				// algorithm or window moves its clients to fresh keys (see
+				// AppendFingerprint). A concurrency rule has neither (its sorted set of
+				// leases reads the same under any max or lease duration), and its key is
+				// rebuilt from a lease token by any daemon, so it has no fingerprint.
+				d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
+			}
+			fb = fallback{in.fb, lim}
+			if in.flags&infoFallbackSplit != 0 {
 				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
 			}
 		}
-		shadow := r.Shadow || shadowAll
-		c := cost
-		if r.Deny {
-			c = denyCost
+		shadow := in.flags&infoShadow != 0
+		cst := cost
+		if in.flags&infoDeny != 0 {
+			cst = denyCost
 		}
-		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
-		d.penalties = d.penalties || r.Penalty != nil
-		if redis && r.Penalty != nil && l.shared != nil {
-			d.ops[len(d.ops)-1].bans = bansHybrid
-			if id == storeGlobal {
-				d.ops[len(d.ops)-1].bans = bansGlobal
-			}
-		}
-		d.route(len(d.ops)-1, id)
+		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: cst, shadow: shadow, fb: fb,
+			bans: in.bans, flags: in.flags & opFlags, store: in.store}
+		d.penalties = d.penalties || in.flags&infoPenalty != 0
+		d.routed |= 1 << in.store
 		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p}
 	}
 }
@@ -781,7 +776,7 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 // windows that have passed), so memory follows the active keys. Call it periodically.
 // It also frees the concurrency leases that ran out (Leases.Sweep) and the bans that ended.
 func (l *Limiter) Sweep(now int64) int {
-	n := l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+	n := l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.Rules())
 	if l.global != nil {
 		n += l.global.sweep(now)
 	}

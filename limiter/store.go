@@ -67,6 +67,7 @@ type op struct {
 	store    storeID
 	degraded bool     // a failure policy decided or rerouted it
 	bans     banScope // where the rule's bans live (bans_shared.go)
+	flags    uint16   // the rule's infoDeny, infoPenalty, infoWarn (compiled.go); 0 for an inline limit
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64
