@@ -278,8 +278,9 @@ type Decision struct {
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
-	// local is the local store's batch: built by Prepare beside the ops (localReady),
-	// rebuilt by the local store when a failure policy has rerouted ops to it since.
+	// local is the local store's batch: built by Prepare beside the ops (localReady), in
+	// op order, rebuilt by the local store when a failure policy has rerouted ops to it
+	// since.
 	local      native[localbucket.Op]
 	localReady bool
 	// penalties: some op's rule has a penalty (bans to check before taking).
@@ -348,6 +349,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
 	d.localReady, d.penalties = false, false
+	d.local.ops, d.local.at = d.local.ops[:0], d.local.at[:0]
 
 	if set.AnyReplaces() {
 		d.findReplaced(set, in)
@@ -397,22 +399,6 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		return false, nil
 	}
 
-	// Keys were appended to one buffer; slice them only now that it no longer grows.
-	// The local store's batch is gathered in the same pass.
-	lb := &d.local
-	lb.ops, lb.at = lb.ops[:0], lb.at[:0]
-	start := int32(0)
-	for i := range d.ops {
-		o := &d.ops[i]
-		o.key = d.keys[start:o.keyEnd]
-		start = o.keyEnd
-		d.Results[i].Key = o.key
-		if o.store == storeLocal {
-			lo := push(&lb.ops) // its Result is left as it was: Apply and Reject write every one
-			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
-			lb.at = append(lb.at, i)
-		}
-	}
 	d.localReady = !d.general
 	return d.routed&(1<<storeGlobal|1<<storeGlobalLease) != 0, nil
 }
@@ -590,11 +576,17 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		if in.flags&infoDeny != 0 {
 			cst = denyCost
 		}
-		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: cst, shadow: shadow, fb: fb,
+		// A key slice stays valid when a later append moves d.keys: its bytes are
+		// neither moved nor written again.
+		key := d.keys[start:len(d.keys):len(d.keys)]
+		*push(&d.ops) = op{key: key, lim: lim, cost: cst, shadow: shadow, fb: fb,
 			bans: in.bans, flags: in.flags & opFlags, store: in.store}
 		d.penalties = d.penalties || in.flags&infoPenalty != 0
 		d.routed |= 1 << in.store
-		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p}
+		if in.store == storeLocal {
+			addLocal(&d.local, key, lim, cst, shadow, len(d.ops)-1)
+		}
+		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p, Key: key}
 	}
 }
 
@@ -639,6 +631,7 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 		return err
 	}
 	id := storeOf(mode)
+	start := len(d.keys)
 	if id != storeLocal {
 		d.keys = append(d.keys, l.prefix...)
 	}
@@ -647,10 +640,14 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 	if name == "" {
 		name = il.Key
 	}
-	*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[n], cost: cost,
-		fb: fallback{rules.FailLocal, &d.limits[n]}}
-	d.route(len(d.ops)-1, id)
-	d.Results = append(d.Results, Result{Name: name, Part: p})
+	key := d.keys[start:len(d.keys):len(d.keys)]
+	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost,
+		fb: fallback{rules.FailLocal, &d.limits[n]}, store: id}
+	d.routed |= 1 << id
+	if id == storeLocal {
+		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)
+	}
+	d.Results = append(d.Results, Result{Name: name, Part: p, Key: key})
 	return nil
 }
 

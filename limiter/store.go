@@ -62,7 +62,6 @@ type op struct {
 	lim      *localbucket.Limit
 	cost     uint64
 	fb       fallback // what decides when its store cannot
-	keyEnd   int32    // where key ends in Decision.keys (sliced once that stops growing)
 	shadow   bool
 	store    storeID
 	degraded bool     // a failure policy decided or rerouted it
