@@ -22,7 +22,7 @@ type compiled struct {
 
 // ruleInfo is one rule's part of compiled.
 type ruleInfo struct {
-	rule *rules.Rule // the rule it was derived from (a check verifies it: hand-built sets)
+	rule *rules.Rule // the rule it was derived from (matchRules verifies it: hand-built sets)
 	// lim is the rule's limit when it does not depend on the request (no plans, no split,
 	// not unlimited); nil: matchRules derives it per request.
 	lim   *localbucket.Limit
@@ -59,16 +59,6 @@ func (l *Limiter) compile(set *rules.Set, shadowAll bool) *compiled {
 		}
 	}
 	return c
-}
-
-// info returns the ruleInfo of r, a rule of c's set: the compiled one, or derived now
-// for a rule whose Index is not its position (a Set assembled by hand).
-func (l *Limiter) info(c *compiled, r *rules.Rule, tmp *ruleInfo) *ruleInfo {
-	if i := r.Index; uint(i) < uint(len(c.rules)) && c.rules[i].rule == r {
-		return &c.rules[i]
-	}
-	*tmp = l.infoOf(r, c.shadowAll)
-	return tmp
 }
 
 // infoOf derives r's ruleInfo: the one place that maps a rule and the configuration to

@@ -283,8 +283,10 @@ type Decision struct {
 	// since.
 	local      native[localbucket.Op]
 	localReady bool
-	// penalties: some op's rule has a penalty (bans to check before taking).
-	penalties bool
+	// flags is the union of the ops' flags (op.flags): infoPenalty, some op's rule has
+	// a penalty (bans to check before taking); infoDeny, infoWarn. Decide skips what no
+	// op needs.
+	flags uint16
 	// general makes Decide take its general path for every check: the local batch
 	// gathered again, every store asked in turn, bans always checked. Tests set it to
 	// compare the fast paths with it.
@@ -348,7 +350,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.ops = d.ops[:0]
 	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
-	d.localReady, d.penalties = false, false
+	d.localReady, d.flags = false, 0
 	d.local.ops, d.local.at = d.local.ops[:0], d.local.at[:0]
 
 	if set.AnyReplaces() {
@@ -410,12 +412,35 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	banned := (d.penalties || d.general) && l.checkBans(now, d)
+	banned := (d.flags&infoPenalty != 0 || d.general) && l.checkBans(now, d)
 	d.Allowed = l.apply(now, d, !banned)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded
 	}
 
+	if d.flags == 0 && !d.Degraded && !d.general {
+		// No deny, penalty or warn_at rule, nothing degraded (most checks): only the
+		// window and the delay to report.
+		for i := range d.ops {
+			out := &d.Results[i]
+			out.Window = d.ops[i].lim.Window()
+			if !d.Allowed || !out.Allowed {
+				out.Delay = 0 // a peek's wait, not a reservation
+			} else if !out.Shadow {
+				d.Delay = max(d.Delay, out.Delay)
+			}
+		}
+	} else {
+		l.report(now, d)
+	}
+	d.Deciding = deciding(d.Allowed, d.Results)
+	if r := d.DecidingResult(); r != nil && !d.Allowed {
+		d.Banned = r.Banned
+	}
+}
+
+// report completes the results of Decide's ops: windows, bans, deny, warnings, delays.
+func (l *Limiter) report(now int64, d *Decision) {
 	for i := range d.ops {
 		o := &d.ops[i]
 		out := &d.Results[i]
@@ -453,10 +478,6 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			d.Warning = d.Warning || out.Warning
 			d.Delay = max(d.Delay, out.Delay)
 		}
-	}
-	d.Deciding = deciding(d.Allowed, d.Results)
-	if r := d.DecidingResult(); r != nil && !d.Allowed {
-		d.Banned = r.Banned
 	}
 }
 
@@ -523,7 +544,12 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		if len(d.replaced) > 0 && d.replaced[r.Index] {
 			continue
 		}
-		in := l.info(c, r, &tmp)
+		in := &tmp
+		if i := r.Index; uint(i) < uint(len(c.rules)) && c.rules[i].rule == r {
+			in = &c.rules[i]
+		} else {
+			tmp = l.infoOf(r, c.shadowAll) // a Set assembled by hand: derived per check
+		}
 		lim := in.lim
 		if lim == nil {
 			unlimited := in.flags&infoUnlimited != 0
@@ -581,7 +607,7 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		key := d.keys[start:len(d.keys):len(d.keys)]
 		*push(&d.ops) = op{key: key, lim: lim, cost: cst, shadow: shadow, fb: fb,
 			bans: in.bans, flags: in.flags & opFlags, store: in.store}
-		d.penalties = d.penalties || in.flags&infoPenalty != 0
+		d.flags |= in.flags & opFlags
 		d.routed |= 1 << in.store
 		if in.store == storeLocal {
 			addLocal(&d.local, key, lim, cst, shadow, len(d.ops)-1)
