@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -269,5 +270,19 @@ func TestHandBuiltSet(t *testing.T) {
 		if got, want := summary(&da), summary(&db); got != want {
 			t.Fatalf("hand-built set:\n%s\nparsed:\n%s", got, want)
 		}
+	}
+}
+
+// matchRules writes each field of a rule's op in place rather than zeroing it: a field
+// added to op must be written there too. This trips when op changes, as a reminder.
+func TestOpFieldsWrittenByMatchRules(t *testing.T) {
+	var names []string
+	ty := reflect.TypeFor[op]()
+	for i := range ty.NumField() {
+		names = append(names, ty.Field(i).Name)
+	}
+	want := "key lim cost fb shadow store degraded bans flags bannedUntil"
+	if got := strings.Join(names, " "); got != want {
+		t.Fatalf("op's fields are %q, matchRules writes %q: write the new ones there and update this list", got, want)
 	}
 }

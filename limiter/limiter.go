@@ -605,14 +605,18 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		// A key slice stays valid when a later append moves d.keys: its bytes are
 		// neither moved nor written again.
 		key := d.keys[start:len(d.keys):len(d.keys)]
-		*push(&d.ops) = op{key: key, lim: lim, cost: cst, shadow: shadow, fb: fb,
-			bans: in.bans, flags: in.flags & opFlags, store: in.store}
+		o := push(&d.ops) // every field written in place (see op): no op built aside and copied
+		o.key, o.lim, o.cost, o.fb = key, lim, cst, fb
+		o.shadow, o.store, o.degraded, o.bans = shadow, in.store, false, in.bans
+		o.flags, o.bannedUntil = in.flags&opFlags, 0
 		d.flags |= in.flags & opFlags
 		d.routed |= 1 << in.store
 		if in.store == storeLocal {
 			addLocal(&d.local, key, lim, cst, shadow, len(d.ops)-1)
 		}
-		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p, Key: key}
+		out := push(&d.Results) // zeroed in place, then the fields known now
+		*out = Result{}
+		out.Name, out.Shadow, out.Rule, out.Part, out.Key = r.Name, shadow, r, p, key
 	}
 }
 

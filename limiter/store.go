@@ -57,6 +57,8 @@ var errStale = errors.New("store state is stale")
 // op is one operation of a check: one rule's (or inline limit's) limit on one client key,
 // routed to one store. A check is a slice of ops, parallel to Decision.Results, where
 // each op's outcome is written (Decision.report).
+// matchRules writes every field of a rule's op in place: a new field must be written
+// there too.
 type op struct {
 	key      []byte // the client key (Redis prefix included for a Redis store)
 	lim      *localbucket.Limit
