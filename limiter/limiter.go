@@ -418,21 +418,27 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		return // DecideInline: nothing taken, nothing recorded
 	}
 
-	if d.flags == 0 && !d.Degraded && !d.general {
-		// No deny, penalty or warn_at rule, nothing degraded (most checks): only the
-		// window and the delay to report.
+	if d.flags == 0 && !d.Degraded && !d.general && d.Allowed {
+		// Allowed, no deny, penalty or warn_at rule, nothing degraded (most checks):
+		// only the window and the delay to report, and the deciding rule (deciding's
+		// allowed case) found in the same pass.
+		best := -1
 		for i := range d.ops {
 			out := &d.Results[i]
 			out.Window = d.ops[i].lim.Window()
-			if !d.Allowed || !out.Allowed {
-				out.Delay = 0 // a peek's wait, not a reservation
+			if !out.Allowed {
+				out.Delay = 0 // a shadow's refusal: a peek's wait, not a reservation
 			} else if !out.Shadow {
 				d.Delay = max(d.Delay, out.Delay)
 			}
+			if !out.Shadow && (best < 0 || out.Remaining < d.Results[best].Remaining) {
+				best = i
+			}
 		}
-	} else {
-		l.report(now, d)
+		d.Deciding = best
+		return
 	}
+	l.report(now, d)
 	d.Deciding = deciding(d.Allowed, d.Results)
 	if r := d.DecidingResult(); r != nil && !d.Allowed {
 		d.Banned = r.Banned
