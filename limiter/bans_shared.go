@@ -91,6 +91,7 @@ func (l *Limiter) WithSharedBans(b *rlsync.Bans, wait time.Duration) *Limiter {
 	s := &sharedBans{b: b, wait: wait, wall: l.buckets, pending: map[string]*pendingRefusal{}}
 	s.known.Store(&map[string]knownBan{})
 	l.shared = s
+	l.recompile(nil)
 	return l
 }
 
@@ -126,7 +127,7 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 		case <-t.C:
 		}
 		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
-		err := s.round(rctx, s.wallOf(now()), anyPenalty(l.rules.Load()))
+		err := s.round(rctx, s.wallOf(now()), anyPenalty(l.Rules()))
 		cancel()
 		if err != nil && onErr != nil {
 			onErr(err)

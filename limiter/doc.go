@@ -13,7 +13,11 @@
 // Check turns a request into a slice of uniform operations (op, in store.go), one per
 // matching rule or inline limit: the limit, the client key, the cost, whether it is a
 // shadow, the store that decides it, and its failure policy; then it applies them and
-// reports one Result per op. Each mode is one store behind the small interface store
+// reports one Result per op. What an op takes from its rule and the limiter's
+// configuration alone (the store, the key's shape, shadow, a limit no plan or split
+// chooses, the failure policy) is derived once per rule set and configuration (compiled,
+// in compiled.go), so a check only matches, builds keys and fills in the ops. Each mode
+// is one store behind the small interface store
 // (store.go):
 //
 //   - take: decide the store's ops at now, all-or-nothing (or fail: the store cannot
@@ -56,7 +60,7 @@
 //   - Calendar windows (per day/week/month in a time zone): localbucket.NewCalendarLimit,
 //     a fixed window whose bounds come from the zone. In global mode the adapter names
 //     the window's start in the key (store_global.go, calendarKey); hybrid-mode rules
-//     with a calendar window or a delay are routed to the global store (matchRules),
+//     with a calendar window or a delay are routed to the global store (infoOf),
 //     since the hybrid sync can express neither.
 //   - Delay ("let it through after d instead of refusing"): localbucket.Limit.WithDelay
 //     fills Result.Delay (global.lua's algorithm 4 in global mode); Decide takes the

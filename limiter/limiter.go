@@ -3,6 +3,7 @@ package limiter
 import (
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -15,7 +16,8 @@ import (
 // buckets always, and when the daemon has Redis the hybrid mode's allowances and the
 // global mode's scripts.
 type Limiter struct {
-	rules       atomic.Pointer[rules.Set]
+	active      atomic.Pointer[compiled] // the rule set and what it means here (compiled.go)
+	mu          sync.Mutex               // serialises the writers of active
 	buckets     *localbucket.Store
 	stores      [numStores]store  // by storeID; nil: the daemon lacks that mode
 	hybrid      *hybridStore      // also stores[storeHybrid]; counts the live daemons
@@ -35,7 +37,7 @@ func New(set *rules.Set, store *localbucket.Store) *Limiter {
 	l.stores[storeLocal] = localStore{store}
 	l.leases = newLeases()
 	l.stores[storeLease] = leaseStore{l.leases}
-	l.rules.Store(set)
+	l.recompile(set)
 	return l
 }
 
@@ -46,6 +48,7 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 	l.hybrid = &hybridStore{h}
 	l.stores[storeHybrid] = l.hybrid
 	l.defaultMode = rules.ModeHybrid
+	l.recompile(nil)
 	return l
 }
 
@@ -57,6 +60,7 @@ func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
 	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
 	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets, l.global}
 	l.stores[storeGlobalLease] = l.global
+	l.recompile(nil)
 	return l
 }
 
@@ -103,7 +107,12 @@ func (l *Limiter) resolve(m rules.Mode) rules.Mode {
 
 // SetShadowAll makes every rule a shadow rule (counted and reported, never rejecting)
 // while on: the --shadow switch, for dark-launching a whole rule set.
-func (l *Limiter) SetShadowAll(on bool) { l.shadowAll.Store(on) }
+func (l *Limiter) SetShadowAll(on bool) {
+	l.mu.Lock()
+	l.shadowAll.Store(on)
+	l.mu.Unlock()
+	l.recompile(nil)
+}
 
 // ShadowAll reports whether every rule is forced to shadow.
 func (l *Limiter) ShadowAll() bool { return l.shadowAll.Load() }
@@ -134,10 +143,10 @@ func (l *Limiter) hybridAsGlobal(r *rules.Rule) bool {
 }
 
 // Rules returns the active rule set.
-func (l *Limiter) Rules() *rules.Set { return l.rules.Load() }
+func (l *Limiter) Rules() *rules.Set { return l.active.Load().set }
 
 // SetRules swaps in a new rule set; checks already running finish with the old one.
-func (l *Limiter) SetRules(set *rules.Set) { l.rules.Store(set) }
+func (l *Limiter) SetRules(set *rules.Set) { l.recompile(set) }
 
 // Leases returns the store of the concurrency rules' leases, for releasing and renewing
 // them.
@@ -269,12 +278,15 @@ type Decision struct {
 	keys    []byte              // every op's key, back to back
 	limits  []localbucket.Limit // the inline limits, parsed
 	scratch [numStores]any      // each store's own batch types (scratchOf)
-	// local is the local store's batch: built by Prepare beside the ops (localReady),
-	// rebuilt by the local store when a failure policy has rerouted ops to it since.
+	// local is the local store's batch: built by Prepare beside the ops (localReady), in
+	// op order, rebuilt by the local store when a failure policy has rerouted ops to it
+	// since.
 	local      native[localbucket.Op]
 	localReady bool
-	// penalties: some op's rule has a penalty (bans to check before taking).
-	penalties bool
+	// flags is the union of the ops' flags (op.flags): infoPenalty, some op's rule has
+	// a penalty (bans to check before taking); infoDeny, infoWarn. Decide skips what no
+	// op needs.
+	flags uint16
 	// general makes Decide take its general path for every check: the local batch
 	// gathered again, every store asked in turn, bans always checked. Tests set it to
 	// compare the fast paths with it.
@@ -324,7 +336,8 @@ func (l *Limiter) Check(now int64, in *Input, d *Decision) error {
 // fast path. d then refers to in's strings (inline limit names): keep them until Decide.
 // It returns *InvalidLimitError when an inline limit is malformed.
 func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
-	set := l.rules.Load()
+	c := l.active.Load()
+	set := c.set
 	d.Allowed = true
 	d.Deciding = -1
 	d.Degraded = false
@@ -337,9 +350,9 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.ops = d.ops[:0]
 	d.routed, d.skipped = 0, 0
 	d.keys = d.keys[:0]
-	d.localReady, d.penalties = false, false
+	d.localReady, d.flags = false, 0
+	d.local.ops, d.local.at = d.local.ops[:0], d.local.at[:0]
 
-	shadowAll := l.shadowAll.Load()
 	if set.AnyReplaces() {
 		d.findReplaced(set, in)
 	} else {
@@ -354,7 +367,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 			attrs, cost, noRules = pt.Attrs, pt.Cost, pt.NoRules
 		}
 		if !noRules {
-			l.matchRules(d, set, attrs, cost, p, shadowAll)
+			l.matchRules(d, c, attrs, cost, p)
 		}
 	}
 
@@ -388,22 +401,6 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		return false, nil
 	}
 
-	// Keys were appended to one buffer; slice them only now that it no longer grows.
-	// The local store's batch is gathered in the same pass.
-	lb := &d.local
-	lb.ops, lb.at = lb.ops[:0], lb.at[:0]
-	start := int32(0)
-	for i := range d.ops {
-		o := &d.ops[i]
-		o.key = d.keys[start:o.keyEnd]
-		start = o.keyEnd
-		d.Results[i].Key = o.key
-		if o.store == storeLocal {
-			lo := push(&lb.ops) // its Result is left as it was: Apply and Reject write every one
-			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
-			lb.at = append(lb.at, i)
-		}
-	}
 	d.localReady = !d.general
 	return d.routed&(1<<storeGlobal|1<<storeGlobalLease) != 0, nil
 }
@@ -415,12 +412,41 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	banned := (d.penalties || d.general) && l.checkBans(now, d)
+	banned := (d.flags&infoPenalty != 0 || d.general) && l.checkBans(now, d)
 	d.Allowed = l.apply(now, d, !banned)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded
 	}
 
+	if d.flags == 0 && !d.Degraded && !d.general && d.Allowed {
+		// Allowed, no deny, penalty or warn_at rule, nothing degraded (most checks):
+		// only the window and the delay to report, and the deciding rule (deciding's
+		// allowed case) found in the same pass.
+		best := -1
+		for i := range d.ops {
+			out := &d.Results[i]
+			out.Window = d.ops[i].lim.Window()
+			if !out.Allowed {
+				out.Delay = 0 // a shadow's refusal: a peek's wait, not a reservation
+			} else if !out.Shadow {
+				d.Delay = max(d.Delay, out.Delay)
+			}
+			if !out.Shadow && (best < 0 || out.Remaining < d.Results[best].Remaining) {
+				best = i
+			}
+		}
+		d.Deciding = best
+		return
+	}
+	l.report(now, d)
+	d.Deciding = deciding(d.Allowed, d.Results)
+	if r := d.DecidingResult(); r != nil && !d.Allowed {
+		d.Banned = r.Banned
+	}
+}
+
+// report completes the results of Decide's ops: windows, bans, deny, warnings, delays.
+func (l *Limiter) report(now int64, d *Decision) {
 	for i := range d.ops {
 		o := &d.ops[i]
 		out := &d.Results[i]
@@ -428,7 +454,7 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if !out.Allowed && !d.unasked(i) && out.Rule != nil && out.Rule.Penalty != nil {
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64
 			switch {
@@ -443,14 +469,14 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			}
 		}
 		out.Degraded = o.degraded
-		if out.Rule != nil && out.Rule.Deny {
+		if o.flags&infoDeny != 0 {
 			out.Limit, out.Remaining = 0, 0
 		}
 		if !d.Allowed || !out.Allowed {
 			out.Delay = 0 // a peek's wait, not a reservation
 			continue
 		}
-		if out.Rule != nil && out.Rule.WarnAt > 0 {
+		if o.flags&infoWarn != 0 {
 			c := o.lim.Capacity()
 			out.Warning = c-min(out.Remaining, c) >= out.Rule.WarnThreshold(c)
 		}
@@ -458,10 +484,6 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			d.Warning = d.Warning || out.Warning
 			d.Delay = max(d.Delay, out.Delay)
 		}
-	}
-	d.Deciding = deciding(d.Allowed, d.Results)
-	if r := d.DecidingResult(); r != nil && !d.Allowed {
-		d.Banned = r.Banned
 	}
 }
 
@@ -494,7 +516,7 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 			shared = shared || o.bans == bansHybrid
 			continue
 		}
-		if r := d.Results[i].Rule; r == nil || r.Penalty == nil {
+		if o.flags&infoPenalty == 0 {
 			continue
 		}
 		if o.bannedUntil = l.bans.bannedUntil(o.key, now); o.bannedUntil != 0 && !o.shadow {
@@ -512,56 +534,52 @@ func (l *Limiter) checkBans(now int64, d *Decision) bool {
 	return refused
 }
 
-// matchRules adds the checks of the rules of set that match attrs (part p of the input),
-// skipping the replaced ones and noting the parts an unlimited rule matched.
-func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, cost uint64, p int, shadowAll bool) {
+// matchRules adds the checks of the rules of c's set that match attrs (part p of the
+// input), skipping the replaced ones and noting the parts an unlimited rule matched.
+// What a rule's check takes from the configuration alone was derived when c was built
+// (ruleInfo); only the plan's limit, a split among the live daemons and the key are
+// derived here.
+func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost uint64, p int) {
 	// The plan attribute is read once, for the first matched rule that has plans: the
 	// limits of a rule without plans do not depend on it.
 	var plan string
 	var hasPlan, planRead bool
-	d.matched = set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
+	var tmp ruleInfo
+	d.matched = c.set.AppendMatching(d.matched[:0], attrs) // the index: rule-file order
 	for _, r := range d.matched {
 		if len(d.replaced) > 0 && d.replaced[r.Index] {
 			continue
 		}
-		if !planRead && r.HasPlans() {
-			plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
-			planRead = true
-		}
-		var lim *localbucket.Limit
-		var unlimited bool
-		switch {
-		case r.Deny:
-			lim = &denyLimit
-		case r.Split > 0 || r.SplitAuto:
-			lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
-		default:
-			lim, unlimited = r.LimitFor(plan, hasPlan)
-		}
-		if unlimited {
-			if n := len(d.Unlimited); n == 0 || d.Unlimited[n-1] != p {
-				d.Unlimited = append(d.Unlimited, p)
-			}
-			continue
-		}
-		var id storeID
-		if r.Concurrency {
-			id = storeLease // per daemon, or in Redis (global mode)
-			if l.ModeOf(r) == rules.ModeGlobal {
-				id = storeGlobalLease
-			}
+		in := &tmp
+		if i := r.Index; uint(i) < uint(len(c.rules)) && c.rules[i].rule == r {
+			in = &c.rules[i]
 		} else {
-			id = storeOf(l.resolve(r.Mode))
+			tmp = l.infoOf(r, c.shadowAll) // a Set assembled by hand: derived per check
 		}
-		if r.Deny {
-			id = storeLocal // decided here: no store is asked
-		}
-		if id == storeHybrid && l.hybridAsGlobal(r) {
-			id = storeGlobal
+		lim := in.lim
+		if lim == nil {
+			unlimited := in.flags&infoUnlimited != 0
+			if !unlimited {
+				if !planRead && r.HasPlans() {
+					plan, hasPlan = rules.Lookup(attrs, rules.PlanAttribute)
+					planRead = true
+				}
+				if r.Split > 0 || r.SplitAuto {
+					lim, unlimited = r.SplitLimitFor(plan, hasPlan, l.splitAmong(r))
+				} else {
+					lim, unlimited = r.LimitFor(plan, hasPlan)
+				}
+			}
+			if unlimited {
+				if n := len(d.Unlimited); n == 0 || d.Unlimited[n-1] != p {
+					d.Unlimited = append(d.Unlimited, p)
+				}
+				continue
+			}
 		}
 		var ok bool
 		start := len(d.keys)
-		redis := id == storeHybrid || id == storeGlobal || id == storeGlobalLease
+		redis := in.flags&infoRedis != 0
 		if redis {
 			d.keys = append(d.keys, l.prefix...)
 		}
@@ -570,36 +588,41 @@ func (l *Limiter) matchRules(d *Decision, set *rules.Set, attrs []rules.Attr, co
 			d.keys = d.keys[:start]
 			continue
 		}
-		if redis && id != storeGlobalLease {
-			// prefix, name, fingerprint, hash tag: a reload changing the rule's
-			// algorithm or window moves its clients to fresh keys (see AppendFingerprint).
-			// A concurrency rule has neither (its sorted set of leases reads the same
-			// under any max or lease duration), and its key is rebuilt from a lease
-			// token by any daemon, so it has no fingerprint.
-			d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
-		}
 		var fb fallback
 		if redis {
-			fb = fallback{r.OnStoreFailure, lim}
-			if l.hybrid != nil {
+			if in.flags&infoFingerprint != 0 {
+				// prefix, name, fingerprint, hash tag: a reload changing the rule's
+				// algorithm or window moves its clients to fresh keys (see
+				// AppendFingerprint). A concurrency rule has neither (its sorted set of
+				// leases reads the same under any max or lease duration), and its key is
+				// rebuilt from a lease token by any daemon, so it has no fingerprint.
+				d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
+			}
+			fb = fallback{in.fb, lim}
+			if in.flags&infoFallbackSplit != 0 {
 				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
 			}
 		}
-		shadow := r.Shadow || shadowAll
-		c := cost
-		if r.Deny {
-			c = denyCost
+		shadow := in.flags&infoShadow != 0
+		cst := cost
+		if in.flags&infoDeny != 0 {
+			cst = denyCost
 		}
-		*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: lim, cost: c, shadow: shadow, fb: fb}
-		d.penalties = d.penalties || r.Penalty != nil
-		if redis && r.Penalty != nil && l.shared != nil {
-			d.ops[len(d.ops)-1].bans = bansHybrid
-			if id == storeGlobal {
-				d.ops[len(d.ops)-1].bans = bansGlobal
-			}
+		// A key slice stays valid when a later append moves d.keys: its bytes are
+		// neither moved nor written again.
+		key := d.keys[start:len(d.keys):len(d.keys)]
+		o := push(&d.ops) // every field written in place (see op): no op built aside and copied
+		o.key, o.lim, o.cost, o.fb = key, lim, cst, fb
+		o.shadow, o.store, o.degraded, o.bans = shadow, in.store, false, in.bans
+		o.flags, o.bannedUntil = in.flags&opFlags, 0
+		d.flags |= in.flags & opFlags
+		d.routed |= 1 << in.store
+		if in.store == storeLocal {
+			addLocal(&d.local, key, lim, cst, shadow, len(d.ops)-1)
 		}
-		d.route(len(d.ops)-1, id)
-		*push(&d.Results) = Result{Name: r.Name, Shadow: shadow, Rule: r, Part: p}
+		out := push(&d.Results) // zeroed in place, then the fields known now
+		*out = Result{}
+		out.Name, out.Shadow, out.Rule, out.Part, out.Key = r.Name, shadow, r, p, key
 	}
 }
 
@@ -644,6 +667,7 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 		return err
 	}
 	id := storeOf(mode)
+	start := len(d.keys)
 	if id != storeLocal {
 		d.keys = append(d.keys, l.prefix...)
 	}
@@ -652,10 +676,14 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 	if name == "" {
 		name = il.Key
 	}
-	*push(&d.ops) = op{keyEnd: int32(len(d.keys)), lim: &d.limits[n], cost: cost,
-		fb: fallback{rules.FailLocal, &d.limits[n]}}
-	d.route(len(d.ops)-1, id)
-	d.Results = append(d.Results, Result{Name: name, Part: p})
+	key := d.keys[start:len(d.keys):len(d.keys)]
+	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost,
+		fb: fallback{rules.FailLocal, &d.limits[n]}, store: id}
+	d.routed |= 1 << id
+	if id == storeLocal {
+		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)
+	}
+	d.Results = append(d.Results, Result{Name: name, Part: p, Key: key})
 	return nil
 }
 
@@ -781,7 +809,7 @@ func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 // windows that have passed), so memory follows the active keys. Call it periodically.
 // It also frees the concurrency leases that ran out (Leases.Sweep) and the bans that ended.
 func (l *Limiter) Sweep(now int64) int {
-	n := l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.rules.Load())
+	n := l.buckets.Sweep(now) + l.leases.Sweep(now) + l.bans.sweep(now, l.Rules())
 	if l.global != nil {
 		n += l.global.sweep(now)
 	}

@@ -57,16 +57,18 @@ var errStale = errors.New("store state is stale")
 // op is one operation of a check: one rule's (or inline limit's) limit on one client key,
 // routed to one store. A check is a slice of ops, parallel to Decision.Results, where
 // each op's outcome is written (Decision.report).
+// matchRules writes every field of a rule's op in place: a new field must be written
+// there too.
 type op struct {
 	key      []byte // the client key (Redis prefix included for a Redis store)
 	lim      *localbucket.Limit
 	cost     uint64
 	fb       fallback // what decides when its store cannot
-	keyEnd   int32    // where key ends in Decision.keys (sliced once that stops growing)
 	shadow   bool
 	store    storeID
 	degraded bool     // a failure policy decided or rerouted it
 	bans     banScope // where the rule's bans live (bans_shared.go)
+	flags    uint16   // the rule's infoDeny, infoPenalty, infoWarn (compiled.go); 0 for an inline limit
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64

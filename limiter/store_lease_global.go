@@ -289,7 +289,7 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 
 // globalRules returns the current rule set's concurrency rules in global mode, by name.
 func (s *globalLeaseStore) globalRules() map[string]*rules.Rule {
-	set := s.lim.rules.Load()
+	set := s.lim.Rules()
 	if n := s.names.Load(); n != nil && n.set == set {
 		return n.byName
 	}

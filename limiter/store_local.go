@@ -18,9 +18,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store == storeLocal {
-			lo := push(&n.ops) // its Result is left as it was: Apply and Reject write every one
-			lo.Key, lo.Limit, lo.Cost, lo.Shadow = o.key, o.lim, o.cost, o.shadow
-			n.at = append(n.at, i)
+			addLocal(n, o.key, o.lim, o.cost, o.shadow, i)
 		}
 	}
 	d.localReady = !d.general
@@ -54,4 +52,12 @@ func (s localStore) skip(now int64, d *Decision) {
 
 func (s localStore) giveBack(int64, *Decision) {
 	panic("BUG: limiter: the local store is last; nothing after it can reject")
+}
+
+// addLocal appends a local op (the op at index i in Decision.ops) to the batch n. Its
+// Result is left as it was: Apply and Reject write every one.
+func addLocal(n *native[localbucket.Op], key []byte, lim *localbucket.Limit, cost uint64, shadow bool, i int) {
+	lo := push(&n.ops)
+	lo.Key, lo.Limit, lo.Cost, lo.Shadow = key, lim, cost, shadow
+	n.at = append(n.at, i)
 }

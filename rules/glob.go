@@ -26,6 +26,10 @@ type glob struct {
 	// single-segment wildcards, matched left to right in one pass (matchParts); nil when
 	// the pattern has a "**".
 	parts []globPart
+	// pre and suf are parts' literal first and last parts ("" when a wildcard ends it),
+	// tested first, where a mismatch is cheapest; mid are the parts between them.
+	pre, suf string
+	mid      []globPart
 }
 
 // globPart is a run of literal text, or (wild set) one segment matching a wildcard
@@ -77,6 +81,15 @@ func compileGlob(pattern string) (glob, error) {
 		}
 	}
 	g.parts = compileParts(g.segs)
+	if mid := g.parts; mid != nil {
+		if !mid[0].wild {
+			g.pre, mid = mid[0].text, mid[1:]
+		}
+		if n := len(mid); n > 0 && !mid[n-1].wild {
+			g.suf, mid = mid[n-1].text, mid[:n-1]
+		}
+		g.mid = mid
+	}
 	return g, nil
 }
 
@@ -112,11 +125,20 @@ func compileParts(segs []segment) []globPart {
 
 // matchParts matches path against a pattern without "**": each literal run must come
 // next, each wildcard takes the bytes up to the next '/' (at least one for "*"), and
-// the path must end with the last part.
+// the path must end with the last part. The literal runs at both ends are tested first;
+// a wildcard is a whole segment, so the run after it starts with '/' and the wildcard
+// stops where it would in one pass from the start.
 func (g *glob) matchParts(path string) bool {
+	if len(path) < len(g.pre)+len(g.suf) || path[:len(g.pre)] != g.pre || path[len(path)-len(g.suf):] != g.suf {
+		return false
+	}
+	path = path[len(g.pre) : len(path)-len(g.suf)]
+	if len(g.mid) == 1 && g.mid[0].any { // "/v1/events/*/holds": one non-empty segment
+		return path != "" && segEnd(path, 0) == len(path)
+	}
 	pos := 0
-	for i := range g.parts {
-		pt := &g.parts[i]
+	for i := range g.mid {
+		pt := &g.mid[i]
 		if !pt.wild {
 			if len(path)-pos < len(pt.text) || path[pos:pos+len(pt.text)] != pt.text {
 				return false
