@@ -30,6 +30,12 @@ type glob struct {
 	// tested first, where a mismatch is cheapest; mid are the parts between them.
 	pre, suf string
 	mid      []globPart
+	// preW and sufW are pre and suf compiled for comparing by words (word16), and lit
+	// the pattern when it is literal; all set by compileGlob.
+	preW, sufW, lit word16
+	// anyMid: the pattern is pre, one "*" segment, suf, with pre (not empty) and suf
+	// at most 16 bytes long (match compares them by words, without matchParts).
+	anyMid bool
 }
 
 // globPart is a run of literal text, or (wild set) one segment matching a wildcard
@@ -61,6 +67,7 @@ func compileGlob(pattern string) (glob, error) {
 	g := glob{pattern: pattern}
 	if strings.IndexByte(pattern, '*') < 0 {
 		g.literal = true
+		g.lit = newWord16(pattern)
 		return g, nil
 	}
 	for s := range strings.SplitSeq(pattern, "/") {
@@ -90,6 +97,8 @@ func compileGlob(pattern string) (glob, error) {
 		}
 		g.mid = mid
 	}
+	g.preW, g.sufW = newWord16(g.pre), newWord16(g.suf)
+	g.anyMid = len(g.mid) == 1 && g.mid[0].any && g.pre != "" && len(g.pre) <= 16 && len(g.suf) <= 16
 	return g, nil
 }
 
@@ -129,7 +138,7 @@ func compileParts(segs []segment) []globPart {
 // a wildcard is a whole segment, so the run after it starts with '/' and the wildcard
 // stops where it would in one pass from the start.
 func (g *glob) matchParts(path string) bool {
-	if len(path) < len(g.pre)+len(g.suf) || path[:len(g.pre)] != g.pre || path[len(path)-len(g.suf):] != g.suf {
+	if len(path) < len(g.pre)+len(g.suf) || !g.preW.eq(path[:len(g.pre)]) || !g.sufW.eq(path[len(path)-len(g.suf):]) {
 		return false
 	}
 	path = path[len(g.pre) : len(path)-len(g.suf)]
@@ -185,7 +194,41 @@ func (s *segment) match(seg string) bool {
 // segment, so the walk is O(len(segs) × segments in path) with no recursion.
 func (g *glob) match(path string) bool {
 	if g.literal {
-		return path == g.pattern
+		w := &g.lit
+		n := len(path)
+		switch {
+		case n != len(w.s):
+			return false
+		case n < 8:
+			return shortWord(path) == w.w0
+		case n <= 16:
+			return load64(path, 0) == w.w0 && load64(path, n-8) == w.w1
+		}
+		return path == w.s
+	}
+	if g.anyMid {
+		// pre, one non-empty segment, suf ("/v1/events/*/holds"), pre and suf of at
+		// most 16 bytes: compared by words (word16), here.
+		pre, suf := &g.preW, &g.sufW
+		np, ns, n := len(pre.s), len(suf.s), len(path)
+		if n <= np+ns {
+			return false
+		}
+		if np < 8 {
+			if shortWord(path[:np]) != pre.w0 {
+				return false
+			}
+		} else if load64(path, 0) != pre.w0 || load64(path, np-8) != pre.w1 {
+			return false
+		}
+		if ns < 8 {
+			if shortWord(path[n-ns:]) != suf.w0 {
+				return false
+			}
+		} else if load64(path, n-ns) != suf.w0 || load64(path, n-8) != suf.w1 {
+			return false
+		}
+		return segEnd(path, np) == n-ns
 	}
 	if g.parts != nil {
 		return g.matchParts(path)
@@ -253,19 +296,98 @@ type cond struct {
 	values []string
 	globs  []glob
 	ops    *condOps // the mapping form (extensions.go); nil otherwise
+	// short: attr is at most 8 bytes long and attrW its shortWord: matches finds it by
+	// length and word, without a call to compare strings.
+	short bool
+	attrW uint64
+	// words are values compiled for comparing (word16), one per value; nil in a
+	// condition assembled by hand, which compares values as strings.
+	words []word16
+	// kind is the common shape matches tests without its general loops (set by
+	// compile; condGeneral in a condition assembled by hand).
+	kind condKind
 }
 
+type condKind uint8
+
+const (
+	condGeneral  condKind = iota
+	condOneValue          // one value, no globs: words[0]
+	condOneGlob           // one glob and no values: globs[0]
+)
+
+// newCond returns a condition on attribute attr, without values yet; compile it once
+// they are added.
+func newCond(attr string) cond {
+	return cond{attr: attr, short: len(attr) <= 8, attrW: shortWord(attr)}
+}
+
+// compile sets c.kind from its values and globs.
+func (c *cond) compile() {
+	switch {
+	case c.ops != nil || len(c.words) != len(c.values):
+		c.kind = condGeneral
+	case len(c.values) == 1 && len(c.globs) == 0:
+		c.kind = condOneValue
+	case len(c.values) == 0 && len(c.globs) == 1:
+		c.kind = condOneGlob
+	default:
+		c.kind = condGeneral
+	}
+}
+
+// matches reports whether the condition holds for attrs. The attribute is found, and a
+// single value compared, here, without calls: this runs for most rules of a set on every
+// request.
 func (c *cond) matches(attrs []Attr) bool {
-	v, ok := Lookup(attrs, c.attr)
-	if !ok {
-		return false
+	var v string
+	if c.short {
+		n, w, i := len(c.attr), c.attrW, 0
+		for ; i < len(attrs); i++ {
+			if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+				v = a.Value
+				break
+			}
+		}
+		if i == len(attrs) {
+			return false
+		}
+	} else {
+		var ok bool
+		if v, ok = Lookup(attrs, c.attr); !ok {
+			return false
+		}
+	}
+	switch c.kind {
+	case condOneValue:
+		w := &c.words[0]
+		n := len(v)
+		switch {
+		case n != len(w.s):
+			return false
+		case n < 8:
+			return shortWord(v) == w.w0
+		case n <= 16:
+			return load64(v, 0) == w.w0 && load64(v, n-8) == w.w1
+		}
+		return v == w.s
+	case condOneGlob:
+		return c.globs[0].match(v)
 	}
 	if c.ops != nil {
 		return c.ops.matches(v)
 	}
-	for _, want := range c.values {
-		if v == want {
-			return true
+	if len(c.words) == len(c.values) {
+		for i := range c.words {
+			if c.words[i].eq(v) {
+				return true
+			}
+		}
+	} else {
+		for _, want := range c.values {
+			if v == want {
+				return true
+			}
 		}
 	}
 	for i := range c.globs {

@@ -154,11 +154,16 @@ type Rule struct {
 	// slice instead of a map.
 	Index int
 
-	conds   []cond            // all must hold
-	keyLits []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
-	limit   localbucket.Limit // the default limit
-	plans   map[string]*planLimit
-	split   atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+	conds   []cond   // all must hold
+	keyLits []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	// keyWords are the shortWord of each key attribute name (set with keyLits), and
+	// keyShort says every name is at most 8 bytes long: AppendKey finds them by
+	// lookupShort.
+	keyWords []uint64
+	keyShort bool
+	limit    localbucket.Limit // the default limit
+	plans    map[string]*planLimit
+	split    atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
 }
 
 // splitLimits are a rule's limits divided among n daemons.
@@ -281,21 +286,35 @@ func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
 		return r.appendKeySlow(dst, attrs)
 	}
+	if !r.keyShort || len(r.keyWords) != len(r.Key) {
+		return r.appendKeyLong(dst, attrs)
+	}
 	if len(r.Key) == 1 { // most rules: one attribute
-		v, ok := Lookup(attrs, r.Key[0])
+		v, ok := lookupShort(attrs, len(r.Key[0]), r.keyWords[0])
 		if !ok {
 			return dst, false
 		}
-		dst = append(dst, r.keyLits[0]...)
-		return append(AppendEscaped(dst, v), '}'), true
+		return append(appendPart(dst, r.keyLits[0], v), '}'), true
 	}
+	for i, lit := range r.keyLits {
+		v, ok := lookupShort(attrs, len(r.Key[i]), r.keyWords[i])
+		if !ok {
+			return dst[:n], false
+		}
+		dst = appendPart(dst, lit, v)
+	}
+	return append(dst, '}'), true
+}
+
+// appendKeyLong is AppendKey for a rule with a key attribute name over 8 bytes long.
+func (r *Rule) appendKeyLong(dst []byte, attrs []Attr) ([]byte, bool) {
+	n := len(dst)
 	for i, lit := range r.keyLits {
 		v, ok := Lookup(attrs, r.Key[i])
 		if !ok {
 			return dst[:n], false
 		}
-		dst = append(dst, lit...)
-		dst = AppendEscaped(dst, v)
+		dst = appendPart(dst, lit, v)
 	}
 	return append(dst, '}'), true
 }
@@ -320,9 +339,16 @@ func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 	return append(dst, '}'), true
 }
 
-// setKeyLits computes keyLits from the rule's name and key (parse.go, once valid).
+// setKeyLits computes keyLits and keyWords from the rule's name and key (parse.go, once
+// valid).
 func (r *Rule) setKeyLits() {
 	r.keyLits = make([]string, len(r.Key))
+	r.keyWords = make([]uint64, len(r.Key))
+	r.keyShort = true
+	for i, name := range r.Key {
+		r.keyWords[i] = shortWord(name)
+		r.keyShort = r.keyShort && len(name) <= 8
+	}
 	for i, name := range r.Key {
 		if i == 0 {
 			r.keyLits[i] = r.Name + ":{" + name + "="
