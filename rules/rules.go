@@ -156,11 +156,15 @@ type Rule struct {
 
 	conds   []cond   // all must hold
 	keyLits []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
-	// keyWords are the shortWord of each key attribute name (set with keyLits), and
-	// keyShort says every name is at most 8 bytes long: AppendKey finds them by
-	// lookupShort.
+	// keyWords are the shortWord of each key attribute name (set with keyLits): AppendKey
+	// finds a name of at most 8 bytes by its length and word.
 	keyWords []uint64
-	keyShort bool
+	// key1: the key is one attribute, its name key1Len <= 8 bytes long with shortWord
+	// key1Word, and key1Lit is keyLits[0] (AppendKey's common case, set with keyLits).
+	key1     bool
+	key1Len  int
+	key1Word uint64
+	key1Lit  string
 	limit    localbucket.Limit // the default limit
 	plans    map[string]*planLimit
 	split    atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
@@ -282,41 +286,36 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 // key is "per-user:{user=ann|ip=::1}". ok is false (and dst is returned unchanged) when a
 // key attribute is missing. It does not allocate when dst has room.
 func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
-	n := len(dst)
+	if r.key1 { // most rules: one attribute, its name at most 8 bytes long
+		n, w := r.key1Len, r.key1Word
+		for i := range attrs {
+			if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+				return appendPart(dst, r.key1Lit, a.Value), true
+			}
+		}
+		return dst, false
+	}
 	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
 		return r.appendKeySlow(dst, attrs)
 	}
-	if !r.keyShort || len(r.keyWords) != len(r.Key) {
-		return r.appendKeyLong(dst, attrs)
-	}
-	if len(r.Key) == 1 { // most rules: one attribute
-		v, ok := lookupShort(attrs, len(r.Key[0]), r.keyWords[0])
-		if !ok {
-			return dst, false
-		}
-		return append(appendPart(dst, r.keyLits[0], v), '}'), true
-	}
-	for i, lit := range r.keyLits {
-		v, ok := lookupShort(attrs, len(r.Key[i]), r.keyWords[i])
-		if !ok {
-			return dst[:n], false
-		}
-		dst = appendPart(dst, lit, v)
-	}
-	return append(dst, '}'), true
-}
-
-// appendKeyLong is AppendKey for a rule with a key attribute name over 8 bytes long.
-func (r *Rule) appendKeyLong(dst []byte, attrs []Attr) ([]byte, bool) {
 	n := len(dst)
 	for i, lit := range r.keyLits {
-		v, ok := Lookup(attrs, r.Key[i])
+		var v string
+		var ok bool
+		if name := r.Key[i]; len(name) <= 8 && len(r.keyWords) == len(r.Key) {
+			v, ok = lookupShort(attrs, len(name), r.keyWords[i])
+		} else {
+			v, ok = Lookup(attrs, name)
+		}
 		if !ok {
 			return dst[:n], false
 		}
+		if i > 0 {
+			dst = dst[:len(dst)-1] // the '}' appendPart wrote: the key goes on
+		}
 		dst = appendPart(dst, lit, v)
 	}
-	return append(dst, '}'), true
+	return dst, true
 }
 
 // appendKeySlow is AppendKey for a rule without key attributes or keyLits.
@@ -344,10 +343,11 @@ func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 func (r *Rule) setKeyLits() {
 	r.keyLits = make([]string, len(r.Key))
 	r.keyWords = make([]uint64, len(r.Key))
-	r.keyShort = true
 	for i, name := range r.Key {
 		r.keyWords[i] = shortWord(name)
-		r.keyShort = r.keyShort && len(name) <= 8
+	}
+	if r.key1 = len(r.Key) == 1 && len(r.Key[0]) <= 8; r.key1 {
+		r.key1Len, r.key1Word = len(r.Key[0]), r.keyWords[0]
 	}
 	for i, name := range r.Key {
 		if i == 0 {
@@ -355,6 +355,9 @@ func (r *Rule) setKeyLits() {
 		} else {
 			r.keyLits[i] = "|" + name + "="
 		}
+	}
+	if r.key1 {
+		r.key1Lit = r.keyLits[0]
 	}
 }
 

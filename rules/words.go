@@ -69,9 +69,10 @@ func plainWord(x uint64) uint64 {
 	return geByte(x, '-')&^geByte(x, ':'+1) | geByte(y, 'a')&^geByte(y, 'z'+1)
 }
 
-// appendPart appends lit and then v escaped by AppendEscaped, with room for one byte
-// more (a key's closing '}'). The common part, a literal of 8 to 16 bytes and a value of
-// 4 to 16 bytes needing no escaping, is tested and copied as words into room grown once.
+// appendPart appends lit, then v escaped by AppendEscaped, then '}' (which closes a key,
+// or which the caller drops to go on). The common part, a literal of 8 to 16 bytes and a
+// value of 4 to 16 bytes needing no escaping, is tested and copied as words into room
+// grown once.
 func appendPart(dst []byte, lit, v string) []byte {
 	n, m := len(lit), len(v)
 	if n >= 8 && n <= 16 && m >= 4 && m <= 16 {
@@ -84,7 +85,7 @@ func appendPart(dst []byte, lit, v string) []byte {
 		}
 		if (v0|v1)&msb == 0 && plainWord(v0)&plainWord(v1) == msb {
 			k := len(dst)
-			dst = slices.Grow(dst, n+m+1)[:k+n+m]
+			dst = slices.Grow(dst, n+m+1)[:k+n+m+1]
 			b := dst[k:]
 			binary.LittleEndian.PutUint64(b, load64(lit, 0))
 			binary.LittleEndian.PutUint64(b[n-8:], load64(lit, n-8))
@@ -96,11 +97,12 @@ func appendPart(dst []byte, lit, v string) []byte {
 				binary.LittleEndian.PutUint32(b, uint32(v0))
 				binary.LittleEndian.PutUint32(b[m-4:], uint32(v0>>32))
 			}
+			b[m] = '}'
 			return dst
 		}
 	}
 	dst = append(dst, lit...)
-	return AppendEscaped(dst, v)
+	return append(AppendEscaped(dst, v), '}')
 }
 
 // words16 returns two words identifying s, at most 16 bytes long, among the strings of
