@@ -290,6 +290,9 @@ func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
 		n, w := r.key1Len, r.key1Word
 		for i := range attrs {
 			if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+				if out, ok := appendPlain(dst, r.key1Lit, a.Value); ok {
+					return out, true
+				}
 				return appendPart(dst, r.key1Lit, a.Value), true
 			}
 		}

@@ -1,9 +1,6 @@
 package rules
 
-import (
-	"encoding/binary"
-	"slices"
-)
+import "slices"
 
 // Short strings (attribute names, values, key literals) are compared, tested and copied
 // here a machine word at a time, with no call to the runtime's memequal or memmove: for
@@ -63,46 +60,61 @@ func geByte(x uint64, c uint8) uint64 {
 // plainWord has the top bit of each byte of x set where that byte is one of - . / 0-9 :
 // A-Z a-z, the kept bytes (see keep) bar + @ _ ~, provided no byte of x has its top bit
 // set: a value whose words are all plain needs no escaping, and one that is not is
-// tested byte by byte.
+// tested byte by byte. It is two range tests, [-, :] on x and [a, z] on x with A-Z moved
+// onto a-z, each the difference of two geByte.
 func plainWord(x uint64) uint64 {
 	y := x | 0x20*lsb // A-Z onto a-z; no other byte lands on a-z
-	return geByte(x, '-')&^geByte(x, ':'+1) | geByte(y, 'a')&^geByte(y, 'z'+1)
+	return ((x+(0x80-'-')*lsb)&^(x+(0x80-':'-1)*lsb) | (y+(0x80-'a')*lsb)&^(y+(0x80-'z'-1)*lsb)) & msb
 }
 
 // appendPart appends lit, then v escaped by AppendEscaped, then '}' (which closes a key,
-// or which the caller drops to go on). The common part, a literal of 8 to 16 bytes and a
-// value of 4 to 16 bytes needing no escaping, is tested and copied as words into room
-// grown once.
+// or which the caller drops to go on).
 func appendPart(dst []byte, lit, v string) []byte {
-	n, m := len(lit), len(v)
-	if n >= 8 && n <= 16 && m >= 4 && m <= 16 {
-		var v0, v1 uint64
-		if m >= 8 {
-			v0, v1 = load64(v, 0), load64(v, m-8)
-		} else {
-			v0 = uint64(load32(v, 0)) | uint64(load32(v, m-4))<<32
-			v1 = v0
-		}
-		if (v0|v1)&msb == 0 && plainWord(v0)&plainWord(v1) == msb {
-			k := len(dst)
-			dst = slices.Grow(dst, n+m+1)[:k+n+m+1]
-			b := dst[k:]
-			binary.LittleEndian.PutUint64(b, load64(lit, 0))
-			binary.LittleEndian.PutUint64(b[n-8:], load64(lit, n-8))
-			b = b[n:]
-			if m >= 8 {
-				binary.LittleEndian.PutUint64(b, v0)
-				binary.LittleEndian.PutUint64(b[m-8:], v1)
-			} else {
-				binary.LittleEndian.PutUint32(b, uint32(v0))
-				binary.LittleEndian.PutUint32(b[m-4:], uint32(v0>>32))
-			}
-			b[m] = '}'
-			return dst
+	if out, ok := appendPlain(dst, lit, v); ok {
+		return out
+	}
+	if cap(dst)-len(dst) < len(lit)+len(v)+1 {
+		dst = slices.Grow(dst, len(lit)+len(v)+1)
+		if out, ok := appendPlain(dst, lit, v); ok {
+			return out
 		}
 	}
 	dst = append(dst, lit...)
 	return append(AppendEscaped(dst, v), '}')
+}
+
+// appendPlain is appendPart's common case, done with words and no call (so without
+// spilling registers): a literal of 8 to 16 bytes and a value of 4 to 16 bytes needing
+// no escaping, when dst has room. ok is false, and dst untouched, otherwise.
+func appendPlain(dst []byte, lit, v string) (_ []byte, ok bool) {
+	n, m, k := len(lit), len(v), len(dst)
+	if n < 8 || n > 16 || m < 4 || m > 16 || cap(dst)-k < n+m+1 {
+		return dst, false
+	}
+	var v0, v1 uint64
+	if m >= 8 {
+		v0, v1 = load64(v, 0), load64(v, m-8)
+	} else {
+		v0 = uint64(load32(v, 0)) | uint64(load32(v, m-4))<<32
+		v1 = v0
+	}
+	if (v0|v1)&msb != 0 || plainWord(v0)&plainWord(v1) != msb { // a byte to escape, or + @ _ ~
+		return dst, false
+	}
+	// dst[k:k+n+m+1] is in its capacity: stores at offsets checked above.
+	dst = dst[:k+n+m+1]
+	store64(dst, k, load64(lit, 0))
+	store64(dst, k+n-8, load64(lit, n-8))
+	k += n
+	if m >= 8 {
+		store64(dst, k, v0)
+		store64(dst, k+m-8, v1)
+	} else {
+		store32(dst, k, uint32(v0))
+		store32(dst, k+m-4, uint32(v0>>32))
+	}
+	dst[k+m] = '}'
+	return dst, true
 }
 
 // words16 returns two words identifying s, at most 16 bytes long, among the strings of
