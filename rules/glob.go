@@ -314,6 +314,8 @@ const (
 	condGeneral  condKind = iota
 	condOneValue          // one value, no globs: words[0]
 	condOneGlob           // one glob and no values: globs[0]
+	condLitPath           // one literal glob and no values: globs[0].lit
+	condAnyMid            // one glob pre/*/suf (glob.anyMid) and no values
 )
 
 // newCond returns a condition on attribute attr, without values yet; compile it once
@@ -329,11 +331,73 @@ func (c *cond) compile() {
 		c.kind = condGeneral
 	case len(c.values) == 1 && len(c.globs) == 0:
 		c.kind = condOneValue
+	case len(c.values) == 0 && len(c.globs) == 1 && c.globs[0].literal:
+		c.kind = condLitPath
+	case len(c.values) == 0 && len(c.globs) == 1 && c.globs[0].anyMid:
+		c.kind = condAnyMid
 	case len(c.values) == 0 && len(c.globs) == 1:
 		c.kind = condOneGlob
 	default:
 		c.kind = condGeneral
 	}
+}
+
+// holds is matches, with the common conditions — a short attribute name and one value,
+// one literal path or one pre/*/suf glob — tested here without a call, so that they keep
+// everything in registers (matches is called only in tail position, for the others).
+func (c *cond) holds(attrs []Attr) bool {
+	if !c.short || c.kind < condOneValue || c.kind == condOneGlob {
+		return c.matches(attrs)
+	}
+	var v string
+	n, w, i := len(c.attr), c.attrW, 0
+	for ; i < len(attrs); i++ {
+		if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+			v = a.Value
+			break
+		}
+	}
+	if i == len(attrs) {
+		return false
+	}
+	var want *word16
+	switch c.kind {
+	case condOneValue:
+		want = &c.words[0]
+	case condLitPath:
+		want = &c.globs[0].lit
+	default: // condAnyMid
+		g := &c.globs[0]
+		pre, suf := &g.preW, &g.sufW
+		np, ns, n := len(pre.s), len(suf.s), len(v)
+		if n <= np+ns {
+			return false
+		}
+		if np < 8 {
+			if shortWord(v[:np]) != pre.w0 {
+				return false
+			}
+		} else if load64(v, 0) != pre.w0 || load64(v, np-8) != pre.w1 {
+			return false
+		}
+		if ns < 8 {
+			if shortWord(v[n-ns:]) != suf.w0 {
+				return false
+			}
+		} else if load64(v, n-ns) != suf.w0 || load64(v, n-8) != suf.w1 {
+			return false
+		}
+		return segEnd(v, np) == n-ns
+	}
+	switch n := len(v); {
+	case n != len(want.s):
+		return false
+	case n < 8:
+		return shortWord(v) == want.w0
+	case n <= 16:
+		return load64(v, 0) == want.w0 && load64(v, n-8) == want.w1
+	}
+	return v == want.s // a long value or path
 }
 
 // matches reports whether the condition holds for attrs. The attribute is found, and a
@@ -371,7 +435,7 @@ func (c *cond) matches(attrs []Attr) bool {
 			return load64(v, 0) == w.w0 && load64(v, n-8) == w.w1
 		}
 		return v == w.s
-	case condOneGlob:
+	case condOneGlob, condLitPath, condAnyMid:
 		return c.globs[0].match(v)
 	}
 	if c.ops != nil {

@@ -187,7 +187,7 @@ type planLimit struct {
 // lacks fails. It does not allocate.
 func (r *Rule) Matches(attrs []Attr) bool {
 	for i := range r.conds {
-		if !r.conds[i].matches(attrs) {
+		if !r.conds[i].holds(attrs) {
 			return false
 		}
 	}
@@ -198,7 +198,7 @@ func (r *Rule) Matches(attrs []Attr) bool {
 // already established); skip -1 tests them all.
 func (r *Rule) matchesExcept(attrs []Attr, skip int) bool {
 	for i := range r.conds {
-		if i != skip && !r.conds[i].matches(attrs) {
+		if i != skip && !r.conds[i].holds(attrs) {
 			return false
 		}
 	}
@@ -286,18 +286,54 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 // key is "per-user:{user=ann|ip=::1}". ok is false (and dst is returned unchanged) when a
 // key attribute is missing. It does not allocate when dst has room.
 func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
-	if r.key1 { // most rules: one attribute, its name at most 8 bytes long
-		n, w := r.key1Len, r.key1Word
-		for i := range attrs {
-			if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
-				if out, ok := appendPlain(dst, r.key1Lit, a.Value); ok {
-					return out, true
-				}
-				return appendPart(dst, r.key1Lit, a.Value), true
-			}
+	if !r.key1 {
+		return r.appendKeyN(dst, attrs)
+	}
+	// Most rules: one attribute, its name at most 8 bytes long, found by length and
+	// word, and its part written by appendPlain's code, here, so that the common case
+	// makes no call.
+	n, w, i := r.key1Len, r.key1Word, 0
+	for ; i < len(attrs); i++ {
+		if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+			break
 		}
+	}
+	if i == len(attrs) {
 		return dst, false
 	}
+	lit, v := r.key1Lit, attrs[i].Value
+	n, m, k := len(lit), len(v), len(dst)
+	if n < 8 || n > 16 || m < 4 || m > 16 || cap(dst)-k < n+m+1 {
+		return appendPart(dst, lit, v), true
+	}
+	var v0, v1 uint64
+	if m >= 8 {
+		v0, v1 = load64(v, 0), load64(v, m-8)
+	} else {
+		v0 = uint64(load32(v, 0)) | uint64(load32(v, m-4))<<32
+		v1 = v0
+	}
+	if (v0|v1)&msb != 0 || plainWord(v0)&plainWord(v1) != msb { // a byte to escape, or + @ _ ~
+		return appendPart(dst, lit, v), true
+	}
+	// dst[k:k+n+m+1] is in its capacity: stores at offsets checked above.
+	dst = dst[:k+n+m+1]
+	store64(dst, k, load64(lit, 0))
+	store64(dst, k+n-8, load64(lit, n-8))
+	k += n
+	if m >= 8 {
+		store64(dst, k, v0)
+		store64(dst, k+m-8, v1)
+	} else {
+		store32(dst, k, uint32(v0))
+		store32(dst, k+m-4, uint32(v0>>32))
+	}
+	dst[k+m] = '}'
+	return dst, true
+}
+
+// appendKeyN is AppendKey for a key of several attributes, or of one with a long name.
+func (r *Rule) appendKeyN(dst []byte, attrs []Attr) ([]byte, bool) {
 	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
 		return r.appendKeySlow(dst, attrs)
 	}
