@@ -83,35 +83,56 @@ func appendPart(dst []byte, lit, v string) []byte {
 	return append(AppendEscaped(dst, v), '}')
 }
 
-// appendPlain is appendPart's common case, done with words and no call (so without
-// spilling registers): a literal of 8 to 16 bytes and a value of 4 to 16 bytes needing
-// no escaping, when dst has room. ok is false, and dst untouched, otherwise.
+// appendPlain is appendPart's common case, done with words and no call to grow or to
+// escape: a value of at most 16 bytes needing no escaping (tested by plainWord), when dst
+// has room; the literal (not empty) is copied by words up to 16 bytes. ok is false, and
+// dst untouched, otherwise.
 func appendPlain(dst []byte, lit, v string) (_ []byte, ok bool) {
 	n, m, k := len(lit), len(v), len(dst)
-	if n < 8 || n > 16 || m < 4 || m > 16 || cap(dst)-k < n+m+1 {
+	if n == 0 || m > 16 || cap(dst)-k < n+m+1 {
 		return dst, false
 	}
 	var v0, v1 uint64
-	if m >= 8 {
+	switch {
+	case m >= 8:
 		v0, v1 = load64(v, 0), load64(v, m-8)
-	} else {
+	case m >= 4:
 		v0 = uint64(load32(v, 0)) | uint64(load32(v, m-4))<<32
 		v1 = v0
+	case m > 0:
+		// Bytes 0, m/2 and m-1 (all of them), in the low three lanes; the other lanes
+		// copy lane 0 so that they pass or fail with it.
+		v0 = uint64(v[0]) * lsb
+		v0 = v0&^0xFFFF00 | uint64(v[m>>1])<<8 | uint64(v[m-1])<<16
+		v1 = v0
 	}
-	if (v0|v1)&msb != 0 || plainWord(v0)&plainWord(v1) != msb { // a byte to escape, or + @ _ ~
+	if m > 0 && ((v0|v1)&msb != 0 || plainWord(v0)&plainWord(v1) != msb) { // a byte to escape, or + @ _ ~
 		return dst, false
 	}
 	// dst[k:k+n+m+1] is in its capacity: stores at offsets checked above.
 	dst = dst[:k+n+m+1]
-	store64(dst, k, load64(lit, 0))
-	store64(dst, k+n-8, load64(lit, n-8))
+	switch {
+	case n > 16:
+		copy(dst[k:], lit)
+	case n >= 8:
+		store64(dst, k, load64(lit, 0))
+		store64(dst, k+n-8, load64(lit, n-8))
+	case n >= 4:
+		store32(dst, k, load32(lit, 0))
+		store32(dst, k+n-4, load32(lit, n-4))
+	default:
+		dst[k], dst[k+n>>1], dst[k+n-1] = lit[0], lit[n>>1], lit[n-1]
+	}
 	k += n
-	if m >= 8 {
+	switch {
+	case m >= 8:
 		store64(dst, k, v0)
 		store64(dst, k+m-8, v1)
-	} else {
+	case m >= 4:
 		store32(dst, k, uint32(v0))
 		store32(dst, k+m-4, uint32(v0>>32))
+	case m > 0:
+		dst[k], dst[k+m>>1], dst[k+m-1] = v[0], v[m>>1], v[m-1]
 	}
 	dst[k+m] = '}'
 	return dst, true
