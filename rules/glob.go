@@ -342,6 +342,14 @@ func (c *cond) compile() {
 	}
 }
 
+// findAttr is Lookup(attrs, c.attr), by length and word when the name is short.
+func (c *cond) findAttr(attrs []Attr) (string, bool) {
+	if c.short {
+		return lookupShort(attrs, len(c.attr), c.attrW)
+	}
+	return Lookup(attrs, c.attr)
+}
+
 // holds is matches, with the common conditions — a short attribute name and one value,
 // one literal path or one pre/*/suf glob — tested here without a call, so that they keep
 // everything in registers (matches is called only in tail position, for the others).
