@@ -408,43 +408,13 @@ func (c *cond) holds(attrs []Attr) bool {
 	return v == want.s // a long value or path
 }
 
-// matches reports whether the condition holds for attrs. The attribute is found, and a
-// single value compared, here, without calls: this runs for most rules of a set on every
-// request.
+// matches reports whether the condition holds for attrs: the general test, for a
+// condition of any shape (holds tests the common ones itself and calls matches for the
+// others).
 func (c *cond) matches(attrs []Attr) bool {
-	var v string
-	if c.short {
-		n, w, i := len(c.attr), c.attrW, 0
-		for ; i < len(attrs); i++ {
-			if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
-				v = a.Value
-				break
-			}
-		}
-		if i == len(attrs) {
-			return false
-		}
-	} else {
-		var ok bool
-		if v, ok = Lookup(attrs, c.attr); !ok {
-			return false
-		}
-	}
-	switch c.kind {
-	case condOneValue:
-		w := &c.words[0]
-		n := len(v)
-		switch {
-		case n != len(w.s):
-			return false
-		case n < 8:
-			return shortWord(v) == w.w0
-		case n <= 16:
-			return load64(v, 0) == w.w0 && load64(v, n-8) == w.w1
-		}
-		return v == w.s
-	case condOneGlob, condLitPath, condAnyMid:
-		return c.globs[0].match(v)
+	v, ok := c.findAttr(attrs)
+	if !ok {
+		return false
 	}
 	if c.ops != nil {
 		return c.ops.matches(v)
