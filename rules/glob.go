@@ -36,6 +36,11 @@ type glob struct {
 	// anyMid: the pattern is pre, one "*" segment, suf, with pre (not empty) and suf
 	// at most 16 bytes long (match compares them by words, without matchParts).
 	anyMid bool
+	// head is the pattern without its "**" when that is its last segment and its only
+	// "**" (and something precedes it): a path matches when its first headSegs segments
+	// match head. nil otherwise.
+	head     *glob
+	headSegs int
 }
 
 // globPart is a run of literal text, or (wild set) one segment matching a wildcard
@@ -85,6 +90,33 @@ func compileGlob(pattern string) (glob, error) {
 			g.segs = append(g.segs, segment{kind: segWild, text: s})
 		default:
 			g.segs = append(g.segs, segment{kind: segLiteral, text: s})
+		}
+	}
+	if n := len(g.segs); n > 2 && g.segs[n-1].kind == segDoubleStar {
+		// A trailing "**" only (the common /v1/**): the segments before it are matched
+		// as a glob of their own (head) against as many leading segments of the path,
+		// whatever follows.
+		var b strings.Builder
+		only := true
+		for i, sg := range g.segs[:n-1] {
+			if i > 0 {
+				b.WriteByte('/')
+			}
+			switch sg.kind {
+			case segDoubleStar:
+				only = false
+			case segAny:
+				b.WriteByte('*')
+			default:
+				b.WriteString(sg.text)
+			}
+		}
+		if only {
+			head, err := compileGlob(b.String())
+			if err != nil {
+				return glob{}, err
+			}
+			g.head, g.headSegs = &head, n-1
 		}
 	}
 	g.parts = compileParts(g.segs)
@@ -232,6 +264,19 @@ func (g *glob) match(path string) bool {
 	}
 	if g.parts != nil {
 		return g.matchParts(path)
+	}
+	if g.head != nil {
+		// The path's first headSegs segments: up to its headSegs-th '/', or all of it.
+		cut, slashes := len(path), 0
+		for i := 0; i < len(path); i++ {
+			if path[i] == '/' {
+				if slashes++; slashes == g.headSegs {
+					cut = i
+					break
+				}
+			}
+		}
+		return g.head.match(path[:cut])
 	}
 	segs := g.segs
 	pi, pos := 0, 0 // pattern segment, byte offset of the current path segment
