@@ -30,6 +30,17 @@ type glob struct {
 	// tested first, where a mismatch is cheapest; mid are the parts between them.
 	pre, suf string
 	mid      []globPart
+	// preW and sufW are pre and suf compiled for comparing by words (word16), and lit
+	// the pattern when it is literal; all set by compileGlob.
+	preW, sufW, lit word16
+	// anyMid: the pattern is pre, one "*" segment, suf, with pre (not empty) and suf
+	// at most 16 bytes long (match compares them by words, without matchParts).
+	anyMid bool
+	// head is the pattern without its "**" when that is its last segment and its only
+	// "**" (and something precedes it): a path matches when its first headSegs segments
+	// match head. nil otherwise.
+	head     *glob
+	headSegs int
 }
 
 // globPart is a run of literal text, or (wild set) one segment matching a wildcard
@@ -61,6 +72,7 @@ func compileGlob(pattern string) (glob, error) {
 	g := glob{pattern: pattern}
 	if strings.IndexByte(pattern, '*') < 0 {
 		g.literal = true
+		g.lit = newWord16(pattern)
 		return g, nil
 	}
 	for s := range strings.SplitSeq(pattern, "/") {
@@ -80,6 +92,33 @@ func compileGlob(pattern string) (glob, error) {
 			g.segs = append(g.segs, segment{kind: segLiteral, text: s})
 		}
 	}
+	if n := len(g.segs); n > 2 && g.segs[n-1].kind == segDoubleStar {
+		// A trailing "**" only (the common /v1/**): the segments before it are matched
+		// as a glob of their own (head) against as many leading segments of the path,
+		// whatever follows.
+		var b strings.Builder
+		only := true
+		for i, sg := range g.segs[:n-1] {
+			if i > 0 {
+				b.WriteByte('/')
+			}
+			switch sg.kind {
+			case segDoubleStar:
+				only = false
+			case segAny:
+				b.WriteByte('*')
+			default:
+				b.WriteString(sg.text)
+			}
+		}
+		if only {
+			head, err := compileGlob(b.String())
+			if err != nil {
+				return glob{}, err
+			}
+			g.head, g.headSegs = &head, n-1
+		}
+	}
 	g.parts = compileParts(g.segs)
 	if mid := g.parts; mid != nil {
 		if !mid[0].wild {
@@ -90,6 +129,8 @@ func compileGlob(pattern string) (glob, error) {
 		}
 		g.mid = mid
 	}
+	g.preW, g.sufW = newWord16(g.pre), newWord16(g.suf)
+	g.anyMid = len(g.mid) == 1 && g.mid[0].any && g.pre != "" && len(g.pre) <= 16 && len(g.suf) <= 16
 	return g, nil
 }
 
@@ -129,7 +170,7 @@ func compileParts(segs []segment) []globPart {
 // a wildcard is a whole segment, so the run after it starts with '/' and the wildcard
 // stops where it would in one pass from the start.
 func (g *glob) matchParts(path string) bool {
-	if len(path) < len(g.pre)+len(g.suf) || path[:len(g.pre)] != g.pre || path[len(path)-len(g.suf):] != g.suf {
+	if len(path) < len(g.pre)+len(g.suf) || !g.preW.eq(path[:len(g.pre)]) || !g.sufW.eq(path[len(path)-len(g.suf):]) {
 		return false
 	}
 	path = path[len(g.pre) : len(path)-len(g.suf)]
@@ -185,10 +226,57 @@ func (s *segment) match(seg string) bool {
 // segment, so the walk is O(len(segs) × segments in path) with no recursion.
 func (g *glob) match(path string) bool {
 	if g.literal {
-		return path == g.pattern
+		w := &g.lit
+		n := len(path)
+		switch {
+		case n != len(w.s):
+			return false
+		case n < 8:
+			return shortWord(path) == w.w0
+		case n <= 16:
+			return load64(path, 0) == w.w0 && load64(path, n-8) == w.w1
+		}
+		return path == w.s
+	}
+	if g.anyMid {
+		// pre, one non-empty segment, suf ("/v1/events/*/holds"), pre and suf of at
+		// most 16 bytes: compared by words (word16), here.
+		pre, suf := &g.preW, &g.sufW
+		np, ns, n := len(pre.s), len(suf.s), len(path)
+		if n <= np+ns {
+			return false
+		}
+		if np < 8 {
+			if shortWord(path[:np]) != pre.w0 {
+				return false
+			}
+		} else if load64(path, 0) != pre.w0 || load64(path, np-8) != pre.w1 {
+			return false
+		}
+		if ns < 8 {
+			if shortWord(path[n-ns:]) != suf.w0 {
+				return false
+			}
+		} else if load64(path, n-ns) != suf.w0 || load64(path, n-8) != suf.w1 {
+			return false
+		}
+		return segEnd(path, np) == n-ns
 	}
 	if g.parts != nil {
 		return g.matchParts(path)
+	}
+	if g.head != nil {
+		// The path's first headSegs segments: up to its headSegs-th '/', or all of it.
+		cut, slashes := len(path), 0
+		for i := 0; i < len(path); i++ {
+			if path[i] == '/' {
+				if slashes++; slashes == g.headSegs {
+					cut = i
+					break
+				}
+			}
+		}
+		return g.head.match(path[:cut])
 	}
 	segs := g.segs
 	pi, pos := 0, 0 // pattern segment, byte offset of the current path segment
@@ -253,19 +341,140 @@ type cond struct {
 	values []string
 	globs  []glob
 	ops    *condOps // the mapping form (extensions.go); nil otherwise
+	// short: attr is at most 8 bytes long and attrW its shortWord: matches finds it by
+	// length and word, without a call to compare strings.
+	short bool
+	attrW uint64
+	// words are values compiled for comparing (word16), one per value; nil in a
+	// condition assembled by hand, which compares values as strings.
+	words []word16
+	// kind is the common shape matches tests without its general loops (set by
+	// compile; condGeneral in a condition assembled by hand).
+	kind condKind
 }
 
+type condKind uint8
+
+const (
+	condGeneral  condKind = iota
+	condOneValue          // one value, no globs: words[0]
+	condOneGlob           // one glob and no values: globs[0]
+	condLitPath           // one literal glob and no values: globs[0].lit
+	condAnyMid            // one glob pre/*/suf (glob.anyMid) and no values
+)
+
+// newCond returns a condition on attribute attr, without values yet; compile it once
+// they are added.
+func newCond(attr string) cond {
+	return cond{attr: attr, short: len(attr) <= 8, attrW: shortWord(attr)}
+}
+
+// compile sets c.kind from its values and globs.
+func (c *cond) compile() {
+	switch {
+	case c.ops != nil || len(c.words) != len(c.values):
+		c.kind = condGeneral
+	case len(c.values) == 1 && len(c.globs) == 0:
+		c.kind = condOneValue
+	case len(c.values) == 0 && len(c.globs) == 1 && c.globs[0].literal:
+		c.kind = condLitPath
+	case len(c.values) == 0 && len(c.globs) == 1 && c.globs[0].anyMid:
+		c.kind = condAnyMid
+	case len(c.values) == 0 && len(c.globs) == 1:
+		c.kind = condOneGlob
+	default:
+		c.kind = condGeneral
+	}
+}
+
+// findAttr is Lookup(attrs, c.attr), by length and word when the name is short.
+func (c *cond) findAttr(attrs []Attr) (string, bool) {
+	if c.short {
+		return lookupShort(attrs, len(c.attr), c.attrW)
+	}
+	return Lookup(attrs, c.attr)
+}
+
+// holds is matches, with the common conditions — a short attribute name and one value,
+// one literal path or one pre/*/suf glob — tested here without a call, so that they keep
+// everything in registers (matches is called only in tail position, for the others).
+func (c *cond) holds(attrs []Attr) bool {
+	if !c.short || c.kind < condOneValue || c.kind == condOneGlob {
+		return c.matches(attrs)
+	}
+	var v string
+	n, w, i := len(c.attr), c.attrW, 0
+	for ; i < len(attrs); i++ {
+		if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+			v = a.Value
+			break
+		}
+	}
+	if i == len(attrs) {
+		return false
+	}
+	var want *word16
+	switch c.kind {
+	case condOneValue:
+		want = &c.words[0]
+	case condLitPath:
+		want = &c.globs[0].lit
+	default: // condAnyMid
+		g := &c.globs[0]
+		pre, suf := &g.preW, &g.sufW
+		np, ns, n := len(pre.s), len(suf.s), len(v)
+		if n <= np+ns {
+			return false
+		}
+		if np < 8 {
+			if shortWord(v[:np]) != pre.w0 {
+				return false
+			}
+		} else if load64(v, 0) != pre.w0 || load64(v, np-8) != pre.w1 {
+			return false
+		}
+		if ns < 8 {
+			if shortWord(v[n-ns:]) != suf.w0 {
+				return false
+			}
+		} else if load64(v, n-ns) != suf.w0 || load64(v, n-8) != suf.w1 {
+			return false
+		}
+		return segEnd(v, np) == n-ns
+	}
+	switch n := len(v); {
+	case n != len(want.s):
+		return false
+	case n < 8:
+		return shortWord(v) == want.w0
+	case n <= 16:
+		return load64(v, 0) == want.w0 && load64(v, n-8) == want.w1
+	}
+	return v == want.s // a long value or path
+}
+
+// matches reports whether the condition holds for attrs: the general test, for a
+// condition of any shape (holds tests the common ones itself and calls matches for the
+// others).
 func (c *cond) matches(attrs []Attr) bool {
-	v, ok := Lookup(attrs, c.attr)
+	v, ok := c.findAttr(attrs)
 	if !ok {
 		return false
 	}
 	if c.ops != nil {
 		return c.ops.matches(v)
 	}
-	for _, want := range c.values {
-		if v == want {
-			return true
+	if len(c.words) == len(c.values) {
+		for i := range c.words {
+			if c.words[i].eq(v) {
+				return true
+			}
+		}
+	} else {
+		for _, want := range c.values {
+			if v == want {
+				return true
+			}
 		}
 	}
 	for i := range c.globs {

@@ -1,5 +1,7 @@
 package rules
 
+import "slices"
+
 // keep marks the bytes AppendEscaped writes as they are.
 var keep = func() (t [256]bool) {
 	for c := 'A'; c <= 'Z'; c++ {
@@ -52,17 +54,28 @@ func AppendEscaped(dst []byte, s string) []byte {
 	return append(dst, s...)
 }
 
-// appendEscapedFrom is AppendEscaped when s[i] is the first byte to escape.
+// appendEscapedFrom is AppendEscaped when s[i] is the first byte to escape. It counts
+// the bytes to escape first, grows dst once to the exact length (so it allocates only
+// when dst has no room for the result), and writes every byte in place.
 func appendEscapedFrom(dst []byte, s string, i int) []byte {
-	start := 0
+	esc := 0
+	for j := i; j < len(s); j++ {
+		esc += int(keep8[s[j]] ^ 1)
+	}
+	k := len(dst)
+	dst = slices.Grow(dst, len(s)+2*esc)[:k+len(s)+2*esc]
+	k += copy(dst[k:], s[:i])
+	out := dst[k:]
+	o := 0
 	for ; i < len(s); i++ {
 		c := s[i]
 		if keep[c] {
+			out[o] = c
+			o++
 			continue
 		}
-		dst = append(dst, s[start:i]...)
-		dst = append(dst, '%', upperHex[c>>4], upperHex[c&0xF])
-		start = i + 1
+		out[o], out[o+1], out[o+2] = '%', upperHex[c>>4], upperHex[c&0xF]
+		o += 3
 	}
-	return append(dst, s[start:]...)
+	return dst
 }

@@ -499,15 +499,17 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			p.errorf(kv.keyNode, field, "%s", msg)
 			continue
 		}
-		c := cond{attr: kv.key}
+		c := newCond(kv.key)
 		if kv.val.Kind == yaml.MappingNode {
 			c.ops = p.condOps(kv.val, cf)
+			c.compile()
 			exact = append(exact, c)
 			continue
 		}
 		p.eachString(kv.val, cf, func(s string, at *yaml.Node, sf string) {
 			if kv.key != PathAttribute {
 				c.values = append(c.values, s)
+				c.words = append(c.words, newWord16(s))
 				return
 			}
 			g, err := compileGlob(s)
@@ -517,6 +519,7 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			}
 			c.globs = append(c.globs, g)
 		})
+		c.compile()
 		if kv.key == PathAttribute {
 			path = append(path, c)
 		} else {

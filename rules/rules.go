@@ -154,11 +154,20 @@ type Rule struct {
 	// slice instead of a map.
 	Index int
 
-	conds   []cond            // all must hold
-	keyLits []string          // what AppendKey writes before each key value: Name+":{user=", "|ip="
-	limit   localbucket.Limit // the default limit
-	plans   map[string]*planLimit
-	split   atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+	conds   []cond   // all must hold
+	keyLits []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	// keyWords are the shortWord of each key attribute name (set with keyLits): AppendKey
+	// finds a name of at most 8 bytes by its length and word.
+	keyWords []uint64
+	// key1: the key is one attribute, its name key1Len <= 8 bytes long with shortWord
+	// key1Word, and key1Lit is keyLits[0] (AppendKey's common case, set with keyLits).
+	key1     bool
+	key1Len  int
+	key1Word uint64
+	key1Lit  string
+	limit    localbucket.Limit // the default limit
+	plans    map[string]*planLimit
+	split    atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
 }
 
 // splitLimits are a rule's limits divided among n daemons.
@@ -178,7 +187,7 @@ type planLimit struct {
 // lacks fails. It does not allocate.
 func (r *Rule) Matches(attrs []Attr) bool {
 	for i := range r.conds {
-		if !r.conds[i].matches(attrs) {
+		if !r.conds[i].holds(attrs) {
 			return false
 		}
 	}
@@ -189,7 +198,7 @@ func (r *Rule) Matches(attrs []Attr) bool {
 // already established); skip -1 tests them all.
 func (r *Rule) matchesExcept(attrs []Attr, skip int) bool {
 	for i := range r.conds {
-		if i != skip && !r.conds[i].matches(attrs) {
+		if i != skip && !r.conds[i].holds(attrs) {
 			return false
 		}
 	}
@@ -277,27 +286,75 @@ func (r *Rule) buildSplit(n uint64) *splitLimits {
 // key is "per-user:{user=ann|ip=::1}". ok is false (and dst is returned unchanged) when a
 // key attribute is missing. It does not allocate when dst has room.
 func (r *Rule) AppendKey(dst []byte, attrs []Attr) ([]byte, bool) {
-	n := len(dst)
+	if !r.key1 {
+		return r.appendKeyN(dst, attrs)
+	}
+	// Most rules: one attribute, its name at most 8 bytes long, found by length and
+	// word, and its part written by appendPlain's code, here, so that the common case
+	// makes no call.
+	n, w, i := r.key1Len, r.key1Word, 0
+	for ; i < len(attrs); i++ {
+		if a := &attrs[i]; len(a.Name) == n && shortWord(a.Name) == w {
+			break
+		}
+	}
+	if i == len(attrs) {
+		return dst, false
+	}
+	lit, v := r.key1Lit, attrs[i].Value
+	n, m, k := len(lit), len(v), len(dst)
+	if n < 8 || n > 16 || m < 4 || m > 16 || cap(dst)-k < n+m+1 {
+		return appendPart(dst, lit, v), true
+	}
+	var v0, v1 uint64
+	if m >= 8 {
+		v0, v1 = load64(v, 0), load64(v, m-8)
+	} else {
+		v0 = uint64(load32(v, 0)) | uint64(load32(v, m-4))<<32
+		v1 = v0
+	}
+	if (v0|v1)&msb != 0 || plainWord(v0)&plainWord(v1) != msb { // a byte to escape, or + @ _ ~
+		return appendPart(dst, lit, v), true
+	}
+	// dst[k:k+n+m+1] is in its capacity: stores at offsets checked above.
+	dst = dst[:k+n+m+1]
+	store64(dst, k, load64(lit, 0))
+	store64(dst, k+n-8, load64(lit, n-8))
+	k += n
+	if m >= 8 {
+		store64(dst, k, v0)
+		store64(dst, k+m-8, v1)
+	} else {
+		store32(dst, k, uint32(v0))
+		store32(dst, k+m-4, uint32(v0>>32))
+	}
+	dst[k+m] = '}'
+	return dst, true
+}
+
+// appendKeyN is AppendKey for a key of several attributes, or of one with a long name.
+func (r *Rule) appendKeyN(dst []byte, attrs []Attr) ([]byte, bool) {
 	if len(r.Key) == 0 || len(r.keyLits) != len(r.Key) {
 		return r.appendKeySlow(dst, attrs)
 	}
-	if len(r.Key) == 1 { // most rules: one attribute
-		v, ok := Lookup(attrs, r.Key[0])
-		if !ok {
-			return dst, false
-		}
-		dst = append(dst, r.keyLits[0]...)
-		return append(AppendEscaped(dst, v), '}'), true
-	}
+	n := len(dst)
 	for i, lit := range r.keyLits {
-		v, ok := Lookup(attrs, r.Key[i])
+		var v string
+		var ok bool
+		if name := r.Key[i]; len(name) <= 8 && len(r.keyWords) == len(r.Key) {
+			v, ok = lookupShort(attrs, len(name), r.keyWords[i])
+		} else {
+			v, ok = Lookup(attrs, name)
+		}
 		if !ok {
 			return dst[:n], false
 		}
-		dst = append(dst, lit...)
-		dst = AppendEscaped(dst, v)
+		if i > 0 {
+			dst = dst[:len(dst)-1] // the '}' appendPart wrote: the key goes on
+		}
+		dst = appendPart(dst, lit, v)
 	}
-	return append(dst, '}'), true
+	return dst, true
 }
 
 // appendKeySlow is AppendKey for a rule without key attributes or keyLits.
@@ -320,15 +377,26 @@ func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 	return append(dst, '}'), true
 }
 
-// setKeyLits computes keyLits from the rule's name and key (parse.go, once valid).
+// setKeyLits computes keyLits and keyWords from the rule's name and key (parse.go, once
+// valid).
 func (r *Rule) setKeyLits() {
 	r.keyLits = make([]string, len(r.Key))
+	r.keyWords = make([]uint64, len(r.Key))
+	for i, name := range r.Key {
+		r.keyWords[i] = shortWord(name)
+	}
+	if r.key1 = len(r.Key) == 1 && len(r.Key[0]) <= 8; r.key1 {
+		r.key1Len, r.key1Word = len(r.Key[0]), r.keyWords[0]
+	}
 	for i, name := range r.Key {
 		if i == 0 {
 			r.keyLits[i] = r.Name + ":{" + name + "="
 		} else {
 			r.keyLits[i] = "|" + name + "="
 		}
+	}
+	if r.key1 {
+		r.key1Lit = r.keyLits[0]
 	}
 }
 
