@@ -134,3 +134,42 @@ func BenchmarkStoreApply2Zipf(b *testing.B) {
 		i++
 	}
 }
+
+// BenchmarkStoreApply2Uniform is the store in situ under many live keys: each check is
+// a user key drawn uniformly from n stored keys (16,384: the socket benchmark's 8,192
+// users × 2 rules; 262,144; 1,048,576), so that most lookups miss the CPU caches, beside
+// one shared key, the clock advancing 1µs per check. The draws are precomputed.
+func BenchmarkStoreApply2Uniform(b *testing.B) {
+	for _, n := range []int{1 << 14, 1 << 18, 1 << 20} {
+		b.Run(fmt.Sprintf("keys=%d", n), func(b *testing.B) {
+			s := NewStore(Options{})
+			user := mustLimit(b, TokenBucket, 100, time.Minute, 0)
+			shared := mustLimit(b, TokenBucket, 1_000_000_000, time.Hour, 0)
+			keys := make([][]byte, n)
+			ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("global:{}"), Limit: shared, Cost: 1}}
+			now := base
+			for i := range keys {
+				keys[i] = fmt.Appendf(nil, "per-user:{user=user-%d}", i)
+				ops[0].Key = keys[i]
+				s.Apply(now, ops)
+			}
+			if s.Len() != n+1 {
+				b.Fatalf("%d keys stored, want %d", s.Len(), n+1)
+			}
+			r := rand.New(rand.NewPCG(3, 4))
+			draws := make([]uint32, 1<<20)
+			for i := range draws {
+				draws[i] = uint32(r.IntN(n))
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			i := 0
+			for b.Loop() {
+				now += 1000
+				ops[0].Key = keys[draws[i&(len(draws)-1)]]
+				s.Apply(now, ops)
+				i++
+			}
+		})
+	}
+}
