@@ -53,18 +53,51 @@ type entry struct {
 	kind         uint64 // Limit.stateKind of the limit that wrote st
 }
 
-// record is one slot of a shard's record arena. A free record has expires == freeMark.
+// record is one slot of a shard's record arena: 96 bytes, two adjacent cache lines or
+// three, with the key's bytes in it when the key is short (inlineKey bytes or fewer: most
+// keys), so that a lookup's hit reads the slot and the record and nothing else, not a
+// separately allocated key. A longer key is in long (klen is then longKey). A free record
+// has e.expires == freeMark.
 type record struct {
-	key string
-	e   entry
+	klen uint8 // the key's length when it is inline, else longKey
+	kin  [inlineKey]byte
+	long string // the key when it is longer than inlineKey, else ""
+	e    entry
 }
 
 const (
+	inlineKey = 39
+	longKey   = math.MaxUint8
 	chunkBits = 8
-	chunkSize = 1 << chunkBits // 256 records of 56 bytes: 14 KiB, a size class
+	chunkSize = 1 << chunkBits // 256 records of 96 bytes: 24 KiB, a size class
 	freeMark  = math.MinInt64
 	minSlots  = 16
 )
+
+// is reports whether r's key is key.
+func (r *record) is(key []byte) bool {
+	if len(key) <= inlineKey {
+		return int(r.klen) == len(key) && string(r.kin[:len(key)]) == string(key)
+	}
+	return r.long == string(key)
+}
+
+// setKey stores key in r.
+func (r *record) setKey(key []byte) {
+	if len(key) <= inlineKey {
+		r.klen = uint8(copy(r.kin[:], key))
+		return
+	}
+	r.klen, r.long = longKey, string(key)
+}
+
+// hash returns the hash of r's key under seed.
+func (r *record) hash(seed maphash.Seed) uint64 {
+	if r.klen == longKey {
+		return maphash.String(seed, r.long)
+	}
+	return maphash.Bytes(seed, r.kin[:r.klen])
+}
 
 // shard is an open-addressing hash table (linear probing, backward-shift deletion) over
 // an arena of records in fixed-size chunks. A slot is 8 bytes: the high 32 bits of the
@@ -120,7 +153,7 @@ func (sh *shard) rec(i uint32) *record { return &sh.chunks[i>>chunkBits][i&(chun
 
 // find returns the slot of key (hi: the high 32 bits of its hash) and its record, or the
 // empty slot where it would go.
-func find[K string | []byte](sh *shard, hi uint32, key K) (slot int, idx uint32, found bool) {
+func find(sh *shard, hi uint32, key []byte) (slot int, idx uint32, found bool) {
 	mask := len(sh.slots) - 1
 	for p := int(hi) & mask; ; p = (p + 1) & mask {
 		v := sh.slots[p]
@@ -128,7 +161,7 @@ func find[K string | []byte](sh *shard, hi uint32, key K) (slot int, idx uint32,
 			return p, 0, false
 		}
 		if uint32(v>>32) == hi {
-			if i := uint32(v) - 1; sh.rec(i).key == string(key) {
+			if i := uint32(v) - 1; sh.rec(i).is(key) {
 				return p, i, true
 			}
 		}
@@ -144,7 +177,7 @@ func (sh *shard) lookup(hi uint32, key []byte) (idx uint32, found bool) {
 		if v == 0 {
 			return 0, false
 		}
-		if uint32(v>>32) == hi && sh.rec(uint32(v)-1).key == string(key) {
+		if uint32(v>>32) == hi && sh.rec(uint32(v)-1).is(key) {
 			return uint32(v) - 1, true
 		}
 	}
@@ -166,7 +199,9 @@ func (sh *shard) add(hi uint32, key []byte, e entry) {
 		i = sh.used
 		sh.used++
 	}
-	*sh.rec(i) = record{key: string(key), e: e}
+	r := sh.rec(i)
+	*r = record{e: e}
+	r.setKey(key)
 	p, _, _ := find(sh, hi, key)
 	sh.slots[p] = uint64(hi)<<32 | uint64(i+1)
 	sh.n++
@@ -359,7 +394,7 @@ func (sh *shard) entry(hi uint32, key []byte) *entry {
 			return nil
 		}
 		if uint32(v>>32) == hi {
-			if r := sh.rec(uint32(v) - 1); r.key == string(key) {
+			if r := sh.rec(uint32(v) - 1); r.is(key) {
 				return &r.e
 			}
 		}
@@ -841,9 +876,14 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 	return true, true
 }
 
+// removeRecord removes record i, which is live.
 func (s *Store) removeRecord(sh *shard, i uint32) {
-	key := sh.rec(i).key
-	p, _, _ := find(sh, uint32(maphash.String(s.seed, key)>>32), key)
+	mask := len(sh.slots) - 1
+	p := int(sh.rec(i).hash(s.seed)>>32) & mask
+	for uint32(sh.slots[p]) != i+1 { // its slot is in the probe run from its home
+
+		p = (p + 1) & mask
+	}
 	sh.removeAt(p, i)
 }
 
