@@ -53,20 +53,20 @@ type entry struct {
 	kind         uint64 // Limit.stateKind of the limit that wrote st
 }
 
-// record is one slot of a shard's record arena: 96 bytes, two adjacent cache lines or
-// three, with the key's bytes in it when the key is short (inlineKey bytes or fewer: most
-// keys), so that a lookup's hit reads the slot and the record and nothing else, not a
-// separately allocated key. A longer key is in long (klen is then longKey). A free record
-// has e.expires == freeMark.
+// record is one slot of a shard's record arena: 96 bytes (two adjacent cache lines), with
+// the key's bytes in it when the key is short (inlineKey bytes or fewer: most keys), so
+// that a lookup's hit reads the slot and the record and nothing else, not a separately
+// allocated key. A longer key is in its shard's long map (klen is then longKey). Records
+// hold no pointer, so the garbage collector does not scan the arena. A free record has
+// e.expires == freeMark.
 type record struct {
 	klen uint8 // the key's length when it is inline, else longKey
 	kin  [inlineKey]byte
-	long string // the key when it is longer than inlineKey, else ""
 	e    entry
 }
 
 const (
-	inlineKey = 39
+	inlineKey = 55
 	longKey   = math.MaxUint8
 	chunkBits = 8
 	chunkSize = 1 << chunkBits // 256 records of 96 bytes: 24 KiB, a size class
@@ -74,27 +74,33 @@ const (
 	minSlots  = 16
 )
 
-// is reports whether r's key is key.
-func (r *record) is(key []byte) bool {
-	if len(key) <= inlineKey {
-		return int(r.klen) == len(key) && string(r.kin[:len(key)]) == string(key)
+// is reports whether record i, r, holds key.
+func (sh *shard) is(r *record, i uint32, key []byte) bool {
+	if n := int(r.klen); n == len(key) && n <= inlineKey {
+		return string(r.kin[:n]) == string(key)
 	}
-	return r.long == string(key)
+	return r.klen == longKey && sh.isLong(i, key)
 }
 
-// setKey stores key in r.
-func (r *record) setKey(key []byte) {
+// isLong reports whether record i holds key, a long one.
+func (sh *shard) isLong(i uint32, key []byte) bool { return sh.long[i] == string(key) }
+
+// setKey stores key in record i, r.
+func (sh *shard) setKey(r *record, i uint32, key []byte) {
 	if len(key) <= inlineKey {
 		r.klen = uint8(copy(r.kin[:], key))
 		return
 	}
-	r.klen, r.long = longKey, string(key)
+	if sh.long == nil {
+		sh.long = map[uint32]string{}
+	}
+	r.klen, sh.long[i] = longKey, string(key)
 }
 
-// hash returns the hash of r's key under seed.
-func (r *record) hash(seed maphash.Seed) uint64 {
+// hash returns the hash under seed of the key of record i, r.
+func (sh *shard) hash(seed maphash.Seed, r *record, i uint32) uint64 {
 	if r.klen == longKey {
-		return maphash.String(seed, r.long)
+		return maphash.String(seed, sh.long[i])
 	}
 	return maphash.Bytes(seed, r.kin[:r.klen])
 }
@@ -110,8 +116,10 @@ type shard struct {
 	n      int // live records
 	chunks []*[chunkSize]record
 	free   []uint32 // indexes of free records
-	used   uint32   // records handed out from chunks
-	cap    int
+	// long holds, by record index, the keys longer than inlineKey.
+	long map[uint32]string
+	used uint32 // records handed out from chunks
+	cap  int
 	// allLimitedUntil is a lower bound on every entry's limitedUntil, recorded when a
 	// full scan found only limited entries; while it is in the future no scan can find
 	// an entry to evict.
@@ -161,7 +169,7 @@ func find(sh *shard, hi uint32, key []byte) (slot int, idx uint32, found bool) {
 			return p, 0, false
 		}
 		if uint32(v>>32) == hi {
-			if i := uint32(v) - 1; sh.rec(i).is(key) {
+			if i := uint32(v) - 1; sh.is(sh.rec(i), i, key) {
 				return p, i, true
 			}
 		}
@@ -177,7 +185,7 @@ func (sh *shard) lookup(hi uint32, key []byte) (idx uint32, found bool) {
 		if v == 0 {
 			return 0, false
 		}
-		if uint32(v>>32) == hi && sh.rec(uint32(v)-1).is(key) {
+		if i := uint32(v) - 1; uint32(v>>32) == hi && sh.is(sh.rec(i), i, key) {
 			return uint32(v) - 1, true
 		}
 	}
@@ -201,7 +209,7 @@ func (sh *shard) add(hi uint32, key []byte, e entry) {
 	}
 	r := sh.rec(i)
 	*r = record{e: e}
-	r.setKey(key)
+	sh.setKey(r, i, key)
 	p, _, _ := find(sh, hi, key)
 	sh.slots[p] = uint64(hi)<<32 | uint64(i+1)
 	sh.n++
@@ -225,6 +233,9 @@ func (sh *shard) resize(size int) {
 
 // removeAt deletes the key in slot p, whose record is i.
 func (sh *shard) removeAt(p int, i uint32) {
+	if r := sh.rec(i); r.klen == longKey {
+		delete(sh.long, i)
+	}
 	*sh.rec(i) = record{e: entry{expires: freeMark}}
 	sh.free = append(sh.free, i)
 	sh.n--
@@ -394,8 +405,8 @@ func (sh *shard) entry(hi uint32, key []byte) *entry {
 			return nil
 		}
 		if uint32(v>>32) == hi {
-			if r := sh.rec(uint32(v) - 1); r.is(key) {
-				return &r.e
+			if i := uint32(v) - 1; sh.is(sh.rec(i), i, key) {
+				return &sh.rec(i).e
 			}
 		}
 	}
@@ -879,7 +890,7 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 // removeRecord removes record i, which is live.
 func (s *Store) removeRecord(sh *shard, i uint32) {
 	mask := len(sh.slots) - 1
-	p := int(sh.rec(i).hash(s.seed)>>32) & mask
+	p := int(sh.hash(s.seed, sh.rec(i), i)>>32) & mask
 	for uint32(sh.slots[p]) != i+1 { // its slot is in the probe run from its home
 
 		p = (p + 1) & mask
