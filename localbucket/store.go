@@ -473,7 +473,21 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		sb.mu.Lock()
 		sa.mu.Lock()
 	}
-	ea, eb := sa.entry(uint32(ha>>32), a.Key), sb.entry(uint32(hb>>32), b.Key)
+	// Both keys' home slots, then the records they lead to, before either is compared
+	// (their misses overlap under many keys); a key elsewhere in its probe run, by entry.
+	hia, hib := uint32(ha>>32), uint32(hb>>32)
+	va, vb := sa.slots[int(hia)&(len(sa.slots)-1)], sb.slots[int(hib)&(len(sb.slots)-1)]
+	var ea, eb *entry
+	if ia := uint32(va) - 1; va != 0 && uint32(va>>32) == hia && sa.is(sa.rec(ia), ia, a.Key) {
+		ea = &sa.rec(ia).e
+	} else {
+		ea = sa.entry(hia, a.Key)
+	}
+	if ib := uint32(vb) - 1; vb != 0 && uint32(vb>>32) == hib && sb.is(sb.rec(ib), ib, b.Key) {
+		eb = &sb.rec(ib).e
+	} else {
+		eb = sb.entry(hib, b.Key)
+	}
 	var ina, inb State
 	if ea != nil {
 		ina = stateFor(ea, a.Limit)
