@@ -3,6 +3,8 @@ package localbucket
 import (
 	"fmt"
 	"math/rand/v2"
+	"runtime"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -130,6 +132,80 @@ func BenchmarkStoreApply2Zipf(b *testing.B) {
 	for b.Loop() {
 		now += 1000
 		ops[0].Key = keys[i&(len(keys)-1)]
+		s.Apply(now, ops)
+		i++
+	}
+}
+
+// BenchmarkStoreApply2Uniform is the store in situ under many live keys: each check is
+// a user key drawn uniformly from n stored keys (16,384: the socket benchmark's 8,192
+// users × 2 rules; 262,144; 1,048,576), so that most lookups miss the CPU caches, beside
+// one shared key, the clock advancing 1µs per check. The draws are precomputed; each
+// key is written into one buffer, as the daemon builds a request's keys, so that the
+// misses measured are the store's. The pairs=n cases check two keys of one client each
+// time, per-user and per-ip, both drawn (2n live keys: pairs=8192 is the socket
+// benchmark's shape), so that both lookups miss.
+func BenchmarkStoreApply2Uniform(b *testing.B) {
+	for _, n := range []int{1 << 14, 1 << 18, 1 << 20} {
+		b.Run(fmt.Sprintf("keys=%d", n), func(b *testing.B) { benchUniform(b, n, false) })
+	}
+	for _, n := range []int{1 << 13, 1 << 19} {
+		b.Run(fmt.Sprintf("pairs=%d", n), func(b *testing.B) { benchUniform(b, n, true) })
+	}
+}
+
+func benchUniform(b *testing.B, n int, pairs bool) {
+	s := NewStore(Options{})
+	user := mustLimit(b, TokenBucket, 100, time.Minute, 0)
+	shared := mustLimit(b, TokenBucket, 1_000_000_000, time.Hour, 0)
+	ops := []Op{{Limit: user, Cost: 1}, {Key: []byte("global:{}"), Limit: shared, Cost: 1}}
+	key := func(buf []byte, i uint32) []byte {
+		buf = append(buf[:0], "per-user:{user=user-"...)
+		return append(strconv.AppendUint(buf, uint64(i), 10), '}')
+	}
+	ipKey := func(buf []byte, i uint32) []byte {
+		buf = append(buf[:0], "per-ip:{ip=10."...)
+		buf = strconv.AppendUint(buf, uint64(i>>16), 10)
+		buf = strconv.AppendUint(append(buf, '.'), uint64(i>>8&0xff), 10)
+		buf = strconv.AppendUint(append(buf, '.'), uint64(i&0xff), 10)
+		return append(buf, '}')
+	}
+	var buf, buf2 []byte
+	want := n + 1
+	if pairs {
+		ops[1].Limit, want = user, 2*n
+	}
+	now := base
+	for i := range n {
+		buf = key(buf, uint32(i))
+		ops[0].Key = buf
+		if pairs {
+			buf2 = ipKey(buf2, uint32(i))
+			ops[1].Key = buf2
+		}
+		s.Apply(now, ops)
+	}
+	if s.Len() != want {
+		b.Fatalf("%d keys stored, want %d", s.Len(), want)
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	draws := make([]uint32, 1<<20)
+	for i := range draws {
+		draws[i] = uint32(r.IntN(n))
+	}
+	runtime.GC() // the set-up's garbage collected before timing, not during
+	b.ReportAllocs()
+	b.ResetTimer()
+	i := 0
+	for b.Loop() {
+		now += 1000
+		d := draws[i&(len(draws)-1)]
+		buf = key(buf, d)
+		ops[0].Key = buf
+		if pairs {
+			buf2 = ipKey(buf2, d)
+			ops[1].Key = buf2
+		}
 		s.Apply(now, ops)
 		i++
 	}

@@ -3,6 +3,7 @@ package localbucket
 import (
 	"reflect"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -57,7 +58,7 @@ func TestFastPathMatchesGeneral(t *testing.T) {
 			for i := range a {
 				k := rapid.IntRange(0, nkeys-1).Draw(t, "key")
 				a[i] = Op{
-					Key:    []byte("r" + strconv.Itoa(k%3) + ":{k=" + strconv.Itoa(k) + "}"),
+					Key:    testKey(k),
 					Limit:  lims[rapid.IntRange(0, len(lims)-1).Draw(t, "limit")],
 					Cost:   rapid.Uint64Range(0, 6).Draw(t, "cost"),
 					Shadow: rapid.IntRange(0, 4).Draw(t, "shadow") == 0,
@@ -93,6 +94,16 @@ func TestFastPathMatchesGeneral(t *testing.T) {
 	})
 }
 
+// testKey is the differential tests' key k: one of three rules, and every fourth key
+// longer than a record holds inline (inlineKey), at lengths around it.
+func testKey(k int) []byte {
+	key := "r" + strconv.Itoa(k%3) + ":{k=" + strconv.Itoa(k)
+	if k%4 == 3 {
+		key += ",pad=" + strings.Repeat("x", inlineKey-12+k%9)
+	}
+	return []byte(key + "}")
+}
+
 func opKeys(ops []Op) []string {
 	var ks []string
 	for _, o := range ops {
@@ -124,6 +135,9 @@ func storeDiff(x, y *Store) string {
 			if *p.rec(j) != *q.rec(j) {
 				return "shard " + strconv.Itoa(i) + ": record " + strconv.Itoa(int(j)) + " differs"
 			}
+		}
+		if !reflect.DeepEqual(p.long, q.long) {
+			return "shard " + strconv.Itoa(i) + ": long keys differ"
 		}
 		if len(p.fallback) != len(q.fallback) {
 			return "shard " + strconv.Itoa(i) + ": fallback states differ"

@@ -2,6 +2,8 @@ package localbucket
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -414,5 +416,92 @@ func TestStoreWallOffsetFixedWindow(t *testing.T) {
 	// The wall window ends at wall t0+120s, i.e. now's t0+90s.
 	if r.RetryAfter != int64(58*time.Second) || r.LimitedUntil != t0+90*int64(time.Second) {
 		t.Errorf("result %+v: want RetryAfter 58s and LimitedUntil at now's t0+90s", r)
+	}
+}
+
+// TestStoreKeyLengths stores keys of every length class (inline in their record, at and
+// around the inline limit, long ones kept aside, past 255 bytes), pairs that differ only
+// in their last byte, and checks that each key reads back its own state, that the table
+// stays consistent, and that Sweep and evictions free long keys' storage.
+func TestStoreKeyLengths(t *testing.T) {
+	one := mustLimit(t, FixedWindow, 1, time.Second, 0)
+	var keys []string
+	for _, n := range []int{1, 2, inlineKey - 1, inlineKey, inlineKey + 1, inlineKey + 2, 100, 254, 255, 256, 300} {
+		k := strings.Repeat("k", n-1)
+		keys = append(keys, k+"a", k+"b")
+	}
+	keys = append(keys, "") // the empty key, a valid one
+	for _, shards := range []int{1, 4} {
+		s := NewStore(Options{Shards: shards})
+		for _, k := range keys {
+			if !s.Apply(base, []Op{op(k, one, 1)}) {
+				t.Fatalf("first op on %d-byte key %q rejected", len(k), k)
+			}
+		}
+		checkTable(t, s)
+		for _, k := range keys {
+			if s.Apply(base, []Op{op(k, one, 1)}) {
+				t.Fatalf("second op on %d-byte key %q allowed: its state was not found", len(k), k)
+			}
+		}
+		if n := s.Len(); n != len(keys) {
+			t.Fatalf("%d keys stored, want %d", n, len(keys))
+		}
+		if n := s.Sweep(base + int64(time.Hour)); n != len(keys) {
+			t.Fatalf("Sweep removed %d keys, want %d", n, len(keys))
+		}
+		checkTable(t, s)
+	}
+	// Evictions in a full shard of long and short keys.
+	s := NewStore(Options{Shards: 1, MaxKeys: 8})
+	short := mustLimit(t, TokenBucket, 1000, time.Hour, 0)
+	for i := range 200 {
+		k := strconv.Itoa(i)
+		if i%2 == 0 {
+			k += strings.Repeat("-", inlineKey)
+		}
+		s.Apply(base+int64(i)*int64(time.Millisecond), []Op{op(k, short, 1)})
+		checkTable(t, s)
+	}
+	if s.Evictions() == 0 {
+		t.Fatal("no eviction")
+	}
+}
+
+// checkTable checks every shard's table: each slot leads to a live record holding a key
+// whose hash matches the slot, the counts agree, and the long keys kept aside are those
+// of live records.
+func checkTable(t *testing.T, s *Store) {
+	t.Helper()
+	for si := range s.shards {
+		sh := &s.shards[si]
+		sh.mu.Lock()
+		live, long := 0, 0
+		for _, v := range sh.slots {
+			if v == 0 {
+				continue
+			}
+			live++
+			i := uint32(v) - 1
+			r := sh.rec(i)
+			if r.e.expires == freeMark {
+				t.Fatalf("shard %d: slot leads to free record %d", si, i)
+			}
+			if h := sh.hash(s.seed, r, i); uint32(h>>32) != uint32(v>>32) || uint32(h)&s.mask != uint32(si) {
+				t.Fatalf("shard %d: record %d's key does not hash to its slot", si, i)
+			}
+			if r.klen == longKey {
+				long++
+				if k := sh.long[i]; len(k) <= inlineKey || !sh.is(r, i, []byte(k)) {
+					t.Fatalf("shard %d: long key %q of record %d", si, k, i)
+				}
+			} else if !sh.is(r, i, r.kin[:r.klen]) {
+				t.Fatalf("shard %d: record %d does not hold its own key", si, i)
+			}
+		}
+		if live != sh.n || long != len(sh.long) || sh.n > sh.cap {
+			t.Fatalf("shard %d: %d slots, n %d (cap %d); %d long records, %d long keys", si, live, sh.n, sh.cap, long, len(sh.long))
+		}
+		sh.mu.Unlock()
 	}
 }
