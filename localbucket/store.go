@@ -6,6 +6,7 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 )
 
 // Options configures a [Store]. The zero value gives the defaults.
@@ -114,6 +115,19 @@ func (sh *shard) hash(seed maphash.Seed, r *record, i uint32) uint64 {
 // existing key is a store through a pointer, not a map assignment (which would
 // allocate).
 type shard struct {
+	// Shards sit side by side in one slice and are locked from different cores: each
+	// takes a whole number of 128-byte blocks (two cache lines, which the adjacent-line
+	// prefetcher pulls together), so that no two share a line. TestShardSize checks it.
+	// The padding comes first: a zero-size last field would itself add padding.
+	_ [(shardAlign - unsafe.Sizeof(shardFields{})%shardAlign) % shardAlign]byte
+	shardFields
+}
+
+// shardAlign is the block a shard's size is a multiple of.
+const shardAlign = 128
+
+// shardFields is a shard's state; shard pads it.
+type shardFields struct {
 	mu     sync.Mutex
 	slots  []uint64
 	n      int // live records
@@ -132,7 +146,6 @@ type shard struct {
 	// it, so a flood of limited keys cannot make every new key unlimited. At most
 	// maxFallbacks rules; past them, one shared by the rest.
 	fallback map[string]*entry
-	_        [8]byte // keep shards on separate cache lines (128 bytes)
 }
 
 const maxFallbacks = 64

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 func op(key string, l *Limit, cost uint64) Op { return Op{Key: []byte(key), Limit: l, Cost: cost} }
@@ -503,5 +504,14 @@ func checkTable(t *testing.T, s *Store) {
 			t.Fatalf("shard %d: %d slots, n %d (cap %d); %d long records, %d long keys", si, live, sh.n, sh.cap, long, len(sh.long))
 		}
 		sh.mu.Unlock()
+	}
+}
+
+// TestShardSize: a shard takes a whole number of 128-byte blocks, so shards locked from
+// different cores never share a cache line (a field added to shardFields once made it
+// 136 bytes against its comment's 128).
+func TestShardSize(t *testing.T) {
+	if size := unsafe.Sizeof(shard{}); size%shardAlign != 0 {
+		t.Fatalf("a shard is %d bytes, not a multiple of %d", size, shardAlign)
 	}
 }
