@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vmihailenco/msgpack/v5"
 	"pgregory.net/rapid"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -64,79 +63,14 @@ func ceilMsRef(d time.Duration) uint64 {
 	return q
 }
 
-// encodeRef writes resp as a check answer's frame body with msgpack/v5's Encoder: id,
-// allowed, rule, limit, remaining, reset_ms, retry_after_ms, degraded, rules, then reason,
-// lease, warning, delay_ms and banned when set (PROTOCOL.md); each rule's entry: name,
-// limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, then reason,
-// warning, delay_ms and banned when set.
+// encodeRef writes resp as a check answer's frame body through proto's Response encoder
+// (Encoder.EncodeCheck), whose bytes proto's own tests hold to msgpack/v5's at every
+// width boundary (TestEncodeCheckMatchesMsgpack): the answer written straight from a
+// decision must be the same bytes, and decode (proto.Decoder) to the same Response.
 func encodeRef(resp *proto.Response) []byte {
-	var buf bytes.Buffer
-	e := msgpack.NewEncoder(&buf)
-	kv := func(k string, v any) {
-		_ = e.EncodeString(k)
-		switch v := v.(type) {
-		case uint64:
-			_ = e.EncodeUint(v)
-		case bool:
-			_ = e.EncodeBool(v)
-		case string:
-			_ = e.EncodeString(v)
-		}
-	}
-	count := func(set ...bool) int {
-		n := 0
-		for _, s := range set {
-			if s {
-				n++
-			}
-		}
-		return n
-	}
-	policies := func(warning bool, delayMs uint64, banned bool) {
-		if warning {
-			kv("warning", true)
-		}
-		if delayMs != 0 {
-			kv("delay_ms", delayMs)
-		}
-		if banned {
-			kv("banned", true)
-		}
-	}
-	_ = e.EncodeMapLen(9 + count(resp.Reason != "", resp.Lease != "", resp.Warning, resp.DelayMs != 0, resp.Banned))
-	kv("id", resp.ID)
-	kv("allowed", resp.Allowed)
-	kv("rule", resp.Rule)
-	kv("limit", resp.Limit)
-	kv("remaining", resp.Remaining)
-	kv("reset_ms", resp.ResetMs)
-	kv("retry_after_ms", resp.RetryAfterMs)
-	kv("degraded", resp.Degraded)
-	_ = e.EncodeString("rules")
-	_ = e.EncodeArrayLen(len(resp.Rules))
-	for _, rr := range resp.Rules {
-		_ = e.EncodeMapLen(8 + count(rr.Reason != "", rr.Warning, rr.DelayMs != 0, rr.Banned))
-		kv("name", rr.Name)
-		kv("limit", rr.Limit)
-		kv("window_ms", rr.WindowMs)
-		kv("remaining", rr.Remaining)
-		kv("reset_ms", rr.ResetMs)
-		kv("retry_after_ms", rr.RetryAfterMs)
-		kv("allowed", rr.Allowed)
-		kv("shadow", rr.Shadow)
-		if rr.Reason != "" {
-			kv("reason", rr.Reason)
-		}
-		policies(rr.Warning, rr.DelayMs, rr.Banned)
-	}
-	if resp.Reason != "" {
-		kv("reason", resp.Reason)
-	}
-	if resp.Lease != "" {
-		kv("lease", resp.Lease)
-	}
-	policies(resp.Warning, resp.DelayMs, resp.Banned)
-	return buf.Bytes()
+	enc := proto.NewEncoder()
+	enc.EncodeCheck(resp)
+	return append([]byte(nil), enc.Bytes()[proto.HeaderSize:]...)
 }
 
 // answerRules are two generations of a rule set (the second a reload: the same names at
