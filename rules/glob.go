@@ -221,6 +221,31 @@ func (s *segment) match(seg string) bool {
 	return false
 }
 
+// matchAnyMid is match for an anyMid glob: pre, one non-empty segment, suf
+// ("/v1/events/*/holds"), pre and suf of at most 16 bytes, compared by words (word16).
+func (g *glob) matchAnyMid(path string) bool {
+	pre, suf := &g.preW, &g.sufW
+	np, ns, n := len(pre.s), len(suf.s), len(path)
+	if n <= np+ns {
+		return false
+	}
+	if np < 8 {
+		if shortWord(path[:np]) != pre.w0 {
+			return false
+		}
+	} else if load64(path, 0) != pre.w0 || load64(path, np-8) != pre.w1 {
+		return false
+	}
+	if ns < 8 {
+		if shortWord(path[n-ns:]) != suf.w0 {
+			return false
+		}
+	} else if load64(path, n-ns) != suf.w0 || load64(path, n-8) != suf.w1 {
+		return false
+	}
+	return segEnd(path, np) == n-ns
+}
+
 // match reports whether path matches the glob. Segments are the tokens of a classic
 // wildcard match, with "**" as the star: on a mismatch the last "**" takes one more
 // segment, so the walk is O(len(segs) × segments in path) with no recursion.
@@ -239,28 +264,7 @@ func (g *glob) match(path string) bool {
 		return path == w.s
 	}
 	if g.anyMid {
-		// pre, one non-empty segment, suf ("/v1/events/*/holds"), pre and suf of at
-		// most 16 bytes: compared by words (word16), here.
-		pre, suf := &g.preW, &g.sufW
-		np, ns, n := len(pre.s), len(suf.s), len(path)
-		if n <= np+ns {
-			return false
-		}
-		if np < 8 {
-			if shortWord(path[:np]) != pre.w0 {
-				return false
-			}
-		} else if load64(path, 0) != pre.w0 || load64(path, np-8) != pre.w1 {
-			return false
-		}
-		if ns < 8 {
-			if shortWord(path[n-ns:]) != suf.w0 {
-				return false
-			}
-		} else if load64(path, n-ns) != suf.w0 || load64(path, n-8) != suf.w1 {
-			return false
-		}
-		return segEnd(path, np) == n-ns
+		return g.matchAnyMid(path)
 	}
 	if g.parts != nil {
 		return g.matchParts(path)
@@ -420,27 +424,7 @@ func (c *cond) holds(attrs []Attr) bool {
 	case condLitPath:
 		want = &c.globs[0].lit
 	default: // condAnyMid
-		g := &c.globs[0]
-		pre, suf := &g.preW, &g.sufW
-		np, ns, n := len(pre.s), len(suf.s), len(v)
-		if n <= np+ns {
-			return false
-		}
-		if np < 8 {
-			if shortWord(v[:np]) != pre.w0 {
-				return false
-			}
-		} else if load64(v, 0) != pre.w0 || load64(v, np-8) != pre.w1 {
-			return false
-		}
-		if ns < 8 {
-			if shortWord(v[n-ns:]) != suf.w0 {
-				return false
-			}
-		} else if load64(v, n-ns) != suf.w0 || load64(v, n-8) != suf.w1 {
-			return false
-		}
-		return segEnd(v, np) == n-ns
+		return c.globs[0].matchAnyMid(v)
 	}
 	switch n := len(v); {
 	case n != len(want.s):
