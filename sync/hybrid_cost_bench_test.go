@@ -24,15 +24,8 @@ import (
 // their ratio (the target of BenchmarkHybridCost's sparse load is ≤ 0.5), and the same
 // ratio of the Redis process's CPU time.
 func BenchmarkHybridScriptPerKey(b *testing.B) {
-	srv := redistest.StartStandalone(b)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer rdb.Close()
+	rdb, node := scriptBenchRedis(b)
 	ctx := context.Background()
-	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	defer node.Close()
 	usec := func() float64 { return scriptUsec(b, node) }
 	// proc is the Redis process's CPU time (µs, INFO cpu, user + sys): unlike script
 	// time, not inflated when a long batched call is preempted on a busy machine.
@@ -119,15 +112,8 @@ func BenchmarkHybridExactPerCheck(b *testing.B) {
 		requests uint64
 	}{{"admitted", 1_000_000_000}, {"refused", 1}} {
 		b.Run(c.name, func(b *testing.B) {
-			srv := redistest.StartStandalone(b)
-			rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer rdb.Close()
+			rdb, node := scriptBenchRedis(b)
 			ctx := context.Background()
-			node := redis.NewClient(&redis.Options{Addr: srv.Addr})
-			defer node.Close()
 			usec := func() float64 { return scriptUsec(b, node) }
 			lim, err := localbucket.NewLimit(localbucket.TokenBucket, c.requests, time.Hour, 0)
 			if err != nil {
@@ -228,4 +214,19 @@ func scriptUsec(b *testing.B, node *redis.Client) float64 {
 		total += v
 	}
 	return total
+}
+
+// scriptBenchRedis starts a redis-server for a script-cost benchmark and returns the
+// daemon's client to it and a plain client to the same node (for INFO), both closed when
+// b ends.
+func scriptBenchRedis(b *testing.B) (redis.UniversalClient, *redis.Client) {
+	srv := redistest.StartStandalone(b)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rdb.Close() })
+	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	b.Cleanup(func() { node.Close() })
+	return rdb, node
 }
