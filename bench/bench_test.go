@@ -40,7 +40,12 @@ func TestMain(m *testing.M) {
 	}
 	binDir = dir
 	for _, pkg := range []string{"../cmd/rlsidecar", "./floorserver", "./grpcfloor", "./h2floor"} {
-		out, err := exec.Command("go", "build", "-o", dir, pkg).CombinedOutput()
+		args := []string{"build", "-o", dir}
+		if tags := os.Getenv("RLSIDECAR_BENCH_TAGS"); tags != "" && pkg == "../cmd/rlsidecar" {
+			// A measurement build of the daemon, e.g. rlsidecar_nostore (limiter/applylocal_nostore.go).
+			args = append(args, "-tags", tags)
+		}
+		out, err := exec.Command("go", append(args, pkg)...).CombinedOutput()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "building %s: %v\n%s", pkg, err, out)
 			os.Exit(1)

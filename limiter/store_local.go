@@ -38,7 +38,7 @@ func (s localStore) take(now int64, d *Decision) (bool, error) {
 // take1 is take, which never fails.
 func (s localStore) take1(now int64, d *Decision) bool {
 	n := s.batch(d)
-	ok := s.s.Apply(now, n.ops)
+	ok := applyLocal(s.s, now, n.ops)
 	s.results(d, n)
 	return ok
 }

@@ -391,6 +391,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	started = true
 	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	if limiter.NoStore {
+		log.Error("this daemon was built with -tags rlsidecar_nostore, for measurement: it admits every local check without counting it; never run it for traffic")
+	}
 	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
 
 	metrics.GaugeFunc("rlsidecar_connections", "Connections being served.", func() float64 { return float64(srv.Connections()) })
