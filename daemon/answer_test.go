@@ -196,7 +196,7 @@ func TestAnswerMatchesReference(t *testing.T) {
 			want := responseRef(s, &req, &d)
 			wantBytes := encodeRef(&want)
 			start := enc.Len()
-			s.answer(enc, &req, &d, nil)
+			s.answer(enc, &req, &d, nil, nil)
 			frame := enc.Bytes()[start:]
 			if len(frame) < proto.HeaderSize || int(proto.FrameLength(frame)) != len(frame)-proto.HeaderSize {
 				t.Fatalf("answer %d: frame length %d for %d bytes", a, proto.FrameLength(frame), len(frame))
@@ -268,7 +268,7 @@ func TestAnswerLimiterDecisions(t *testing.T) {
 		}
 		want := responseRef(s, &req, &d)
 		enc.Reset()
-		s.answer(enc, &req, &d, nil)
+		s.answer(enc, &req, &d, nil, nil)
 		if got, wantBytes := enc.Bytes()[proto.HeaderSize:], encodeRef(&want); !bytes.Equal(got, wantBytes) {
 			t.Fatalf("check %d (%+v): bytes differ from the reference\n got %x\nwant %x", i, d.Results, got, wantBytes)
 		}

@@ -210,14 +210,29 @@ func (m *Metrics) BanStarted(rule string) {
 // Record counts one decision: per rule, allowed, rejected or shadow_rejected, degraded
 // decisions, and the rejected client in the rule's top-K. (Latency is observed per batch
 // of frames, see Answered.)
-func (m *Metrics) Record(d *limiter.Decision) {
-	table := *m.byRule.Load()
+func (m *Metrics) Record(d *limiter.Decision) { m.record(d, nil) }
+
+// record is Record. With t, a connection's tally, the allowed checks of the active rules
+// are counted there, and reach the shared counters at the connection's next flush
+// (FlushTally).
+func (m *Metrics) record(d *limiter.Decision, t *Tally) {
+	tp := m.byRule.Load()
+	table := *tp
+	if t != nil && t.table != tp {
+		// The counts so far are by the indexes of the table they were taken under.
+		m.FlushTally(t)
+		t.table = tp
+		if cap(t.n) < len(table) {
+			t.n = make([]uint64, len(table))
+		}
+		t.n = t.n[:len(table)]
+	}
 	for i := range d.Results {
 		r := &d.Results[i]
-		rm := m.inline
+		rm, x := m.inline, -1 // x: rm's index in table
 		if r.Rule != nil {
-			if x := r.Rule.Index; x < len(table) && table[x].rule == r.Rule {
-				rm = table[x]
+			if i := r.Rule.Index; i < len(table) && table[i].rule == r.Rule {
+				rm, x = table[i], i
 			} else {
 				m.mu.Lock() // a check that started on the previous rule set
 				rm = m.ruleLocked(r.Name)
@@ -225,6 +240,11 @@ func (m *Metrics) Record(d *limiter.Decision) {
 			}
 		}
 		switch {
+		case r.Allowed && t != nil && x >= 0:
+			if t.n[x] == 0 {
+				t.touched = append(t.touched, x)
+			}
+			t.n[x]++
 		case r.Allowed:
 			rm.allowed.Inc()
 		case r.Shadow:
@@ -247,6 +267,31 @@ func (m *Metrics) Record(d *limiter.Decision) {
 			rm.bans.Inc()
 		}
 	}
+}
+
+// Tally is one connection's count of allowed checks per rule, not yet in the shared
+// counters: a check adds to it (record), and the connection adds it to the counters once
+// per batch of answers, before writing them (FlushTally). An atomic add per rule and
+// check, on counters that every core adds to, costs a cache-line transfer whenever
+// another core added last (BenchmarkRecordTally); once per batch, it is one for many
+// checks. A Tally is its connection goroutine's; the zero value is ready.
+type Tally struct {
+	table   *[]*ruleMetrics // the rule table n is indexed by
+	n       []uint64        // allowed checks by rule index
+	touched []int           // the indexes of n that are not 0
+}
+
+// FlushTally adds t's counts to the counters and zeroes them.
+func (m *Metrics) FlushTally(t *Tally) {
+	if len(t.touched) == 0 {
+		return
+	}
+	table := *t.table
+	for _, i := range t.touched {
+		table[i].allowed.Add(int(t.n[i]))
+		t.n[i] = 0
+	}
+	t.touched = t.touched[:0]
 }
 
 // Answered observes n requests that arrived at arrived (frames read together share it)

@@ -330,6 +330,8 @@ type conn struct {
 	in  limiter.Input
 	dcs limiter.Decision
 	big []byte // body of a frame larger than br's buffer
+	// tally counts the allowed checks answered inline, added to the metrics at each flush.
+	tally Tally
 
 	deadline  time.Time // the read deadline currently set (zero: none)
 	wdeadline time.Time // the write deadline currently set (zero: none)
@@ -419,6 +421,9 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	// so a gateway that dies frees its slots at once.
 	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
 	defer cn.wait() // no deciding goroutine outlives its connection
+	if m := s.cfg.Metrics; m != nil {
+		defer m.FlushTally(&cn.tally) // checks decided whose answers were not written
+	}
 	defer func() {
 		if p := recover(); p != nil {
 			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
@@ -513,6 +518,9 @@ func (cn *conn) awaitFrame() error {
 }
 
 func (cn *conn) flush() error {
+	if m := cn.s.cfg.Metrics; m != nil {
+		m.FlushTally(&cn.tally) // counted before the answers are out
+	}
 	if len(cn.pending) > 0 || cn.queued.Load() > 0 || cn.wfailed.Load() {
 		return cn.handOver()
 	}
@@ -850,7 +858,7 @@ func (cn *conn) check(body []byte, now int64) {
 		cn.goWait(body, now)
 		return
 	}
-	cn.s.answer(cn.out(), &cn.req, d, err)
+	cn.s.answer(cn.out(), &cn.req, d, err, &cn.tally)
 }
 
 // goWait decides the request in body (a check, or the release or renew of a global
@@ -888,7 +896,7 @@ func (cn *conn) goWait(body []byte, now int64) {
 			if err == nil {
 				lim.Decide(now, &p.dcs)
 			}
-			cn.s.answer(p.enc, &p.req, &p.dcs, err)
+			cn.s.answer(p.enc, &p.req, &p.dcs, err, nil)
 		}
 		cn.wmu.Lock()
 		p.fin = true // p may be written (and reused) from here: not touched again below
@@ -912,7 +920,7 @@ func (cn *conn) goWait(body []byte, now int64) {
 
 // answer encodes the answer to the check req, decided into d (or refused with err),
 // straight from d into enc: no Response is built.
-func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, err error) {
+func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, err error, t *Tally) {
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
@@ -923,7 +931,7 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 		return
 	}
 	if m := s.cfg.Metrics; m != nil {
-		m.Record(d)
+		m.record(d, t)
 	}
 	lease := s.lim.LeaseToken(d)
 	if d.Deciding >= 0 && lease == "" && !d.Warning && d.Delay <= 0 && !d.Banned {
