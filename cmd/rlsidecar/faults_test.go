@@ -780,7 +780,12 @@ rules:
 		time.Sleep(time.Millisecond)
 	}
 	t.Logf("hybrid closed rule, Redis 30 ms slow, global traffic beside it: %d of %d logins rejected", rejected, total)
-	if rejected > total/10 {
+	// Were the syncs to wait behind the global checks (one client for both), every sync
+	// would take 30 ms more than the slow Redis alone, past the 50 ms --redis-timeout:
+	// the sync breaker opens and the closed rule rejects most logins. A loaded machine
+	// can push some syncs past it too (once above a tenth, on a machine busy with other
+	// jobs), which is not what this test is about: the bound is a quarter.
+	if rejected > total/4 {
 		t.Errorf("a Redis slow for global checks (but answering hybrid syncs) made the hybrid closed rule reject %d of %d", rejected, total)
 	}
 }
