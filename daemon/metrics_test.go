@@ -5,14 +5,12 @@ import (
 	"bytes"
 	"context"
 	"net"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
-	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 )
@@ -78,22 +76,9 @@ func TestTopLabels(t *testing.T) {
 // counters before its answer is written, across two connections, rejections, and a
 // reload that moves the rules to other indexes mid-connection.
 func TestTallyCountsBeforeAnswers(t *testing.T) {
-	set, err := rules.Parse("test.yaml", []byte(benchRules))
-	if err != nil {
-		t.Fatal(err)
-	}
 	m := NewMetrics("test", 10)
-	m.SetRules(set, time.Now())
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	dir := t.TempDir()
-	s, err := New(Config{Socket: filepath.Join(dir, "s.sock"), Metrics: m}, lim)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve()
+	s := startServer(t, Config{Metrics: m})
+	m.SetRules(s.lim.Rules(), time.Now())
 	t.Cleanup(func() { s.Shutdown(context.Background()) })
 
 	counter := func(rule, result string) string {
@@ -118,22 +103,14 @@ func TestTallyCountsBeforeAnswers(t *testing.T) {
 			t.Fatal(err)
 		}
 		for range n {
-			body, err := proto.ReadFrame(br, nil, 1<<20)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var resp proto.Response
-			if err := proto.NewDecoder().DecodeResponse(body, &resp); err != nil {
-				t.Fatal(err)
-			}
-			if resp.Allowed {
+			if readResponse(t, br).Allowed {
 				allowed++
 			}
 		}
 		return allowed
 	}
 	dial := func() (net.Conn, *bufio.Reader) {
-		c, err := net.Dial("unix", filepath.Join(dir, "s.sock"))
+		c, err := net.Dial("unix", s.cfg.Socket)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,27 +137,15 @@ func TestTallyCountsBeforeAnswers(t *testing.T) {
 	if got, want := counter("login", "allowed")+"/"+counter("login", "rejected"), "10/5"; got != want {
 		t.Errorf("login allowed/rejected: %s, want %s", got, want)
 	}
-	// A reload that puts the rules at other indexes, between two batches of c1.
-	reordered := "rules:\n" + `
-  - name: login
-    match: { method: POST, path: /login }
-    key: ip
-    limit: { requests: 10, per: 1m }
-  - name: holds
-    match: { method: POST, path: "/v1/events/*/holds" }
-    key: user
-    limit: { requests: 1000000000, per: 1h }
-  - name: per-ip
-    key: ip
-    limit: { requests: 1000000000, per: 1h }
-`
-	set2, err := rules.Parse("test2.yaml", []byte(reordered))
+	// A reload between two batches of c1 that moves every rule to the next index.
+	shifted, err := rules.Parse("shifted.yaml", []byte(strings.Replace(benchRules, "rules:\n",
+		"rules:\n  - { name: first, match: { path: /elsewhere }, key: ip, limit: { requests: 5, per: 1m } }\n", 1)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	pipelined(c1, br1, 3, holds...)
-	m.SetRules(set2, time.Now())
-	lim.SetRules(set2)
+	m.SetRules(shifted, time.Now())
+	s.lim.SetRules(shifted)
 	pipelined(c1, br1, 4, holds...)
 	pipelined(c2, br2, 5, holds...)
 	if got := counter("per-ip", "allowed"); got != "147" { // 120 + 15 logins (per-ip passed, login decided) + 3 + 4 + 5

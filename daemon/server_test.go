@@ -51,6 +51,12 @@ func roundTrip(t *testing.T, c net.Conn, br *bufio.Reader, req *proto.Request) *
 	if _, err := c.Write(enc.Bytes()); err != nil {
 		t.Fatal(err)
 	}
+	return readResponse(t, br)
+}
+
+// readResponse reads and decodes one answer from br.
+func readResponse(t *testing.T, br *bufio.Reader) *proto.Response {
+	t.Helper()
 	body, err := proto.ReadFrame(br, nil, 1<<20)
 	if err != nil {
 		t.Fatal(err)
