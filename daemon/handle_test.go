@@ -99,7 +99,7 @@ func BenchmarkHandleMetrics(b *testing.B) {
 		cn.enc.Reset()
 		cn.handle(body, now)
 		if n++; n%32 == 0 {
-			cn.s.cfg.Metrics.FlushTally(&cn.tally) // as a flush of a 32-frame batch does
+			cn.s.cfg.Metrics.flushTally(&cn.tally) // as a flush of a 32-frame batch does
 		}
 	}
 }

@@ -214,13 +214,13 @@ func (m *Metrics) Record(d *limiter.Decision) { m.record(d, nil) }
 
 // record is Record. With t, a connection's tally, the allowed checks of the active rules
 // are counted there, and reach the shared counters at the connection's next flush
-// (FlushTally).
-func (m *Metrics) record(d *limiter.Decision, t *Tally) {
+// (flushTally).
+func (m *Metrics) record(d *limiter.Decision, t *batchTally) {
 	tp := m.byRule.Load()
 	table := *tp
 	if t != nil && t.table != tp {
 		// The counts so far are by the indexes of the table they were taken under.
-		m.FlushTally(t)
+		m.flushTally(t)
 		t.table = tp
 		if cap(t.n) < len(table) {
 			t.n = make([]uint64, len(table))
@@ -269,20 +269,20 @@ func (m *Metrics) record(d *limiter.Decision, t *Tally) {
 	}
 }
 
-// Tally is one connection's count of allowed checks per rule, not yet in the shared
+// batchTally is one connection's count of allowed checks per rule, not yet in the shared
 // counters: a check adds to it (record), and the connection adds it to the counters once
-// per batch of answers, before writing them (FlushTally). An atomic add per rule and
+// per batch of answers, before writing them (flushTally). An atomic add per rule and
 // check, on counters that every core adds to, costs a cache-line transfer whenever
 // another core added last (BenchmarkRecordTally); once per batch, it is one for many
-// checks. A Tally is its connection goroutine's; the zero value is ready.
-type Tally struct {
+// checks. A batchTally is its connection goroutine's; the zero value is ready.
+type batchTally struct {
 	table   *[]*ruleMetrics // the rule table n is indexed by
 	n       []uint64        // allowed checks by rule index
 	touched []int           // the indexes of n that are not 0
 }
 
-// FlushTally adds t's counts to the counters and zeroes them.
-func (m *Metrics) FlushTally(t *Tally) {
+// flushTally adds t's counts to the counters and zeroes them.
+func (m *Metrics) flushTally(t *batchTally) {
 	if len(t.touched) == 0 {
 		return
 	}

@@ -72,7 +72,7 @@ func TestTopLabels(t *testing.T) {
 	}
 }
 
-// A connection's allowed checks are tallied per batch (Tally), yet every one is in the
+// A connection's allowed checks are tallied per batch (batchTally), yet every one is in the
 // counters before its answer is written, across two connections, rejections, and a
 // reload that moves the rules to other indexes mid-connection.
 func TestTallyCountsBeforeAnswers(t *testing.T) {
@@ -183,12 +183,12 @@ func TestTallyAcrossReload(t *testing.T) {
 	m := NewMetrics("test", 10)
 	set1, set2 := parse("a", "b"), parse("b", "a")
 	m.SetRules(set1, time.Now())
-	var tally Tally
+	var tally batchTally
 	m.record(allowed(set1, "a"), &tally)
 	m.record(allowed(set1, "a"), &tally)
 	m.SetRules(set2, time.Now()) // b is now at a's index
 	m.record(allowed(set2, "b"), &tally)
-	m.FlushTally(&tally)
+	m.flushTally(&tally)
 	var buf bytes.Buffer
 	m.WritePrometheus(&buf)
 	for _, want := range []string{
@@ -221,19 +221,19 @@ func BenchmarkRecordTally(b *testing.B) {
 			var ru0, ru1 syscall.Rusage
 			syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
 			b.RunParallel(func(pb *testing.PB) {
-				var t Tally
+				var t batchTally
 				n := 0
 				for pb.Next() {
 					if tallied {
 						m.record(d, &t)
 						if n++; n%32 == 0 {
-							m.FlushTally(&t)
+							m.flushTally(&t)
 						}
 					} else {
 						m.record(d, nil)
 					}
 				}
-				m.FlushTally(&t)
+				m.flushTally(&t)
 			})
 			syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
 			cpu := ru1.Utime.Nano() + ru1.Stime.Nano() - ru0.Utime.Nano() - ru0.Stime.Nano()

@@ -331,7 +331,7 @@ type conn struct {
 	dcs limiter.Decision
 	big []byte // body of a frame larger than br's buffer
 	// tally counts the allowed checks answered inline, added to the metrics at each flush.
-	tally Tally
+	tally batchTally
 
 	deadline  time.Time // the read deadline currently set (zero: none)
 	wdeadline time.Time // the write deadline currently set (zero: none)
@@ -422,7 +422,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
 	defer cn.wait() // no deciding goroutine outlives its connection
 	if m := s.cfg.Metrics; m != nil {
-		defer m.FlushTally(&cn.tally) // checks decided whose answers were not written
+		defer m.flushTally(&cn.tally) // checks decided whose answers were not written
 	}
 	defer func() {
 		if p := recover(); p != nil {
@@ -519,7 +519,7 @@ func (cn *conn) awaitFrame() error {
 
 func (cn *conn) flush() error {
 	if m := cn.s.cfg.Metrics; m != nil {
-		m.FlushTally(&cn.tally) // counted before the answers are out
+		m.flushTally(&cn.tally) // counted before the answers are out
 	}
 	if len(cn.pending) > 0 || cn.queued.Load() > 0 || cn.wfailed.Load() {
 		return cn.handOver()
@@ -920,7 +920,7 @@ func (cn *conn) goWait(body []byte, now int64) {
 
 // answer encodes the answer to the check req, decided into d (or refused with err),
 // straight from d into enc: no Response is built.
-func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, err error, t *Tally) {
+func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decision, err error, t *batchTally) {
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
