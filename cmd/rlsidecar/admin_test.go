@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -322,4 +323,68 @@ func TestE2EConfigDir(t *testing.T) {
 	if r := c.check(2, 0, "ip=1.2.3.4"); r.Rule != "per-ip" || r.Limit != 9 {
 		t.Fatalf("a new file's rule: %+v", r)
 	}
+}
+
+// Daemons side by side with the default admin address (blue/green on one host, or a
+// test harness that starts several): none refuses to start. One that finds the default
+// address taken serves checks without an admin endpoint, says so, and takes the address
+// once it is freed. An address given explicitly must be had (TestServeFailedStartLeavesNoSocket).
+func TestDefaultAdminAddressYields(t *testing.T) {
+	const addr = "127.0.0.1:9464"
+	held, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Skipf("%s is in use on this host, so its hand-over cannot be driven here: %v", addr, err)
+	}
+	defer held.Close()
+	taken := regexp.MustCompile(`admin endpoint: the default address is taken`)
+	var ds []*daemonProc
+	for i := 0; i < 2; i++ {
+		d := startServe(t, filepath.Join(shortTempDir(t), "s.sock"), "--config", writeFile(t, shortTempDir(t), "rules.yaml", rulesWithLimit(5)))
+		if l := limitOf(t, dialRaw(t, d.socket), 1); l != 5 {
+			t.Fatalf("daemon %d, started beside a taken admin address, answers limit %d", i, l)
+		}
+		if !taken.MatchString(d.stderr.String()) {
+			t.Fatalf("daemon %d does not say its admin address is taken:\n%s", i, d.stderr.String())
+		}
+		ds = append(ds, d)
+	}
+	// holder waits until one daemon of ds serves the address, and returns it.
+	holder := func(ds []*daemonProc) *daemonProc {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			var got []*daemonProc
+			for _, d := range ds {
+				if strings.Contains(d.stderr.String(), `msg="admin endpoint" addr=`+addr) {
+					got = append(got, d)
+				}
+			}
+			if len(got) > 1 {
+				t.Fatalf("%d daemons claim %s", len(got), addr)
+			}
+			if len(got) == 1 {
+				if code, body := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
+					t.Fatalf("/healthz on the taken-over address: %d %s", code, body)
+				}
+				return got[0]
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		t.Fatalf("no daemon took %s after it was freed", addr)
+		return nil
+	}
+	held.Close()
+	first := holder(ds)
+	// The first holder leaves (the old colour of a blue/green upgrade): the other takes over.
+	first.cmd.Process.Signal(syscall.SIGTERM)
+	if err := <-first.done; err != nil {
+		t.Fatalf("the first holder's exit: %v\n%s", err, first.stderr.String())
+	}
+	var rest []*daemonProc
+	for _, d := range ds {
+		if d != first {
+			rest = append(rest, d)
+		}
+	}
+	holder(rest)
 }

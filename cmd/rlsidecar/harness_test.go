@@ -85,7 +85,13 @@ func startDaemon(t *testing.T, args ...string) *daemonProc {
 func startDaemonAt(t *testing.T, socket string, args ...string) *daemonProc {
 	t.Helper()
 	// No admin endpoint unless a test asks: daemons run side by side.
-	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket, "--admin="}, args...)...)
+	return startServe(t, socket, append([]string{"--admin="}, args...)...)
+}
+
+// startServe runs `rlsidecar serve --socket socket args...`, with no flag added.
+func startServe(t *testing.T, socket string, args ...string) *daemonProc {
+	t.Helper()
+	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket}, args...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -81,6 +83,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err := noPositional(fs, args); err != nil {
 		return err
 	}
+	// The admin address given (flag or environment) must be had; the default one yields
+	// to another daemon on the host (see lateAdmin).
+	adminGiven := false
+	fs.Visit(func(f *flag.Flag) { adminGiven = adminGiven || f.Name == "admin" })
 	log, err := newLogger(stderr, *logFormat, *logLevel)
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
@@ -236,13 +242,20 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// Bind everything before announcing anything, and undo what a failed start created:
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
+	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
 	if *admin != "" {
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
 		}
 		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
-			return err
+			if adminGiven || !errors.Is(err, syscall.EADDRINUSE) {
+				return err
+			}
+			// Another daemon on this host (blue/green, or several side by side) holds
+			// the default address: serve checks anyway, and take it once it is freed.
+			log.Warn("admin endpoint: the default address is taken (another rlsidecar on this host?); serving checks without it, and retrying every second; give each daemon its own --admin, or --admin= for none", "addr", *admin)
+			adm, lateAdmin = nil, func() (*daemon.Admin, error) { return daemon.NewAdmin(*admin, deps) }
 		}
 	}
 	if err := srv.Listen(); err != nil {
@@ -419,7 +432,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}
-	if adm != nil {
+	serveAdmin := func(adm *daemon.Admin) {
 		log.Info("admin endpoint", "addr", adm.Addr())
 		wg.Add(1)
 		go func() {
@@ -433,6 +446,33 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			c, cancel := context.WithTimeout(context.Background(), time.Second)
 			defer cancel()
 			_ = adm.Shutdown(c)
+		}()
+	}
+	if adm != nil {
+		serveAdmin(adm)
+	}
+	if lateAdmin != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(time.Second)
+			defer t.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
+				adm, err := lateAdmin()
+				if err == nil {
+					serveAdmin(adm)
+					return
+				}
+				if !errors.Is(err, syscall.EADDRINUSE) {
+					log.Error("admin endpoint: giving up", "err", err)
+					return
+				}
+			}
 		}()
 	}
 
