@@ -302,6 +302,11 @@ func (c *client) pipelined(fr [][]byte, n, inflight int) error {
 // runPipelined sends n requests spread over cs, each connection keeping inflight
 // requests outstanding, and returns the wall time.
 func runPipelined(b *testing.B, cs []*client, fr [][]byte, n, inflight int) time.Duration {
+	return runParts(b, cs, func(i int) [][]byte { return fr[i*7%len(fr):] }, n, inflight)
+}
+
+// runParts is runPipelined with connection i sending part(i), in a loop.
+func runParts(b *testing.B, cs []*client, part func(i int) [][]byte, n, inflight int) time.Duration {
 	var wg sync.WaitGroup
 	start := time.Now()
 	per := n / len(cs)
@@ -309,7 +314,7 @@ func runPipelined(b *testing.B, cs []*client, fr [][]byte, n, inflight int) time
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.pipelined(fr[i*7%len(fr):], per, inflight); err != nil {
+			if err := c.pipelined(part(i), per, inflight); err != nil {
 				b.Error(err)
 			}
 		}()
@@ -385,9 +390,33 @@ func BenchmarkSocketLatency(b *testing.B) {
 
 func throughput(b *testing.B, conns, inflight int) {
 	floor, rls := startPair(b)
-	fr := frames(8192, 8192)
+	// The load: 8,192 users (two keys each), every connection walking all of them a few
+	// frames apart, so a key is checked on several connections within microseconds. Two
+	// settings change its shape, to see what a figure depends on:
+	// RLSIDECAR_BENCH_USERS=N checks N users; RLSIDECAR_BENCH_SPLIT=1 gives each
+	// connection its own share of them, so that no key is checked on two connections.
+	users := 8192
+	if v := os.Getenv("RLSIDECAR_BENCH_USERS"); v != "" {
+		var err error
+		if users, err = strconv.Atoi(v); err != nil || users < 1 {
+			b.Fatalf("RLSIDECAR_BENCH_USERS=%q: want a count of users", v)
+		}
+	}
+	fr := frames(max(8192, users), users)
 	sameAnswerSize(b, floor, rls, fr)
-	run := func(s *server, cs []*client, n int) time.Duration { return runPipelined(b, cs, fr, n, inflight) }
+	part := func(i int) [][]byte { return fr[i*7%len(fr):] }
+	if os.Getenv("RLSIDECAR_BENCH_SPLIT") == "1" {
+		if users < conns {
+			b.Fatalf("RLSIDECAR_BENCH_SPLIT: %d users cannot be split between %d connections", users, conns)
+		}
+		parts := make([][][]byte, conns)
+		for j, f := range fr { // frame j is user j % users's (see frames)
+			i := j % users * conns / users
+			parts[i] = append(parts[i], f)
+		}
+		part = func(i int) [][]byte { return parts[i] }
+	}
+	run := func(s *server, cs []*client, n int) time.Duration { return runParts(b, cs, part, n, inflight) }
 	var cf, cr []*client
 	for i := 0; i < conns; i++ {
 		cf = append(cf, dial(b, floor.socket))
