@@ -301,20 +301,29 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { // the janitor: drops state that carries no information
-		defer wg.Done()
-		t := time.NewTicker(*sweepEvery)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				lim.Sweep(clock.Mono())
+	// every runs f every d, until ctx ends or f returns false.
+	every := func(d time.Duration, f func() bool) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(d)
+			defer t.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+					if !f() {
+						return
+					}
+				}
 			}
-		}
-	}()
+		}()
+	}
+	every(*sweepEvery, func() bool { // the janitor: drops state that carries no information
+		lim.Sweep(clock.Mono())
+		return true
+	})
 
 	// The hybrid sync: flushes every interval, and once more after the server has drained,
 	// so what was admitted before a shutdown reaches Redis.
@@ -452,28 +461,18 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		serveAdmin(adm)
 	}
 	if lateAdmin != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			t := time.NewTicker(time.Second)
-			defer t.Stop()
-			for {
-				select {
-				case <-ctx.Done():
-					return
-				case <-t.C:
-				}
-				adm, err := lateAdmin()
-				if err == nil {
-					serveAdmin(adm)
-					return
-				}
-				if !errors.Is(err, syscall.EADDRINUSE) {
-					log.Error("admin endpoint: giving up", "err", err)
-					return
-				}
+		every(time.Second, func() bool { // until the default admin address is freed
+			adm, err := lateAdmin()
+			switch {
+			case err == nil:
+				serveAdmin(adm)
+				return false
+			case errors.Is(err, syscall.EADDRINUSE):
+				return true
 			}
-		}()
+			log.Error("admin endpoint: giving up", "err", err)
+			return false
+		})
 	}
 
 	sigs := make(chan os.Signal, 4)
