@@ -52,7 +52,8 @@ type Metrics struct {
 	inline              *ruleMetrics
 	reloadOK, reloadErr *metrics.Counter
 	flushOK, flushErr   *metrics.Counter
-	storeByOpResult     sync.Map // "op|result" → *metrics.Counter
+	closed              [nCloseReasons]*metrics.Counter // by closeReason; [0] unused
+	storeByOpResult     sync.Map                        // "op|result" → *metrics.Counter
 }
 
 type ruleMetrics struct {
@@ -81,6 +82,9 @@ func NewMetrics(version string, topK int) *Metrics {
 	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
 	m.flushOK = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="success"}`)
 	m.flushErr = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="error"}`)
+	for r := closeReason(1); r < nCloseReasons; r++ {
+		m.closed[r] = m.set.NewCounter(fmt.Sprintf(`rlsidecar_connections_closed_total{reason=%q}`, r))
+	}
 	m.set.NewGauge(fmt.Sprintf(`rlsidecar_build_info{version=%q}`, version), func() float64 { return 1 })
 	m.set.RegisterMetricsWriter(m.writeCustom)
 	return m
@@ -513,3 +517,23 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	}
 	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
 }
+
+// closeReason is why the daemon closed a connection itself (a client's own close is not
+// one): the label of rlsidecar_connections_closed_total.
+type closeReason uint32
+
+const (
+	closeTooManyConnections closeReason = iota + 1 // refused past MaxConns
+	closeFrameTooLarge                             // answered frame_too_large
+	closeWriteTimeout                              // the client did not take its answers within WriteTimeout
+	closeFrameTimeout                              // a frame begun was not finished within FrameTimeout
+	closeIdleTimeout                               // idle past IdleTimeout
+	nCloseReasons
+)
+
+var closeReasonNames = [nCloseReasons]string{"", "too_many_connections", "frame_too_large", "write_timeout", "frame_timeout", "idle_timeout"}
+
+func (r closeReason) String() string { return closeReasonNames[r] }
+
+// connClosed counts a connection the daemon closed, by why.
+func (m *Metrics) connClosed(r closeReason) { m.closed[r].Inc() }

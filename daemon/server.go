@@ -224,6 +224,7 @@ func (s *Server) Serve() error {
 		return errors.New("daemon: Serve before Listen")
 	}
 	var backoff time.Duration
+	var lastRefusal time.Time
 	for {
 		c, err := s.ln.AcceptUnix()
 		if err != nil {
@@ -243,6 +244,13 @@ func (s *Server) Serve() error {
 		backoff = 0
 		if s.nconns.Load() >= int64(s.cfg.MaxConns) {
 			s.refuse(c, proto.CodeTooManyConnections, fmt.Sprintf("the daemon serves at most %d connections; close idle ones or raise --max-conns", s.cfg.MaxConns))
+			if m := s.cfg.Metrics; m != nil {
+				m.connClosed(closeTooManyConnections)
+			}
+			if now := time.Now(); now.Sub(lastRefusal) > 10*time.Second { // one line per 10 s
+				lastRefusal = now
+				s.log.Warn("refusing connections: --max-conns reached (rlsidecar_connections_closed_total{reason=\"too_many_connections\"} counts them)", "max_conns", s.cfg.MaxConns)
+			}
 			continue
 		}
 		if !s.track(c) {
@@ -338,6 +346,9 @@ type conn struct {
 	waited    bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
 	frameTimed bool
+	// cut is why the daemon closed this connection (a closeReason), 0 while it has not;
+	// set once, by the first cause (a failed write can come from a deciding goroutine).
+	cut atomic.Uint32
 	// answered counts the answers in the output buffer, which arrived at arrived (the
 	// first batch's clock reading): the latency histogram is fed per flush.
 	answered int
@@ -420,6 +431,13 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once.
 	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
+	if m := s.cfg.Metrics; m != nil {
+		defer func() { // after wait: a deciding goroutine's write may be the cause
+			if r := closeReason(cn.cut.Load()); r != 0 {
+				m.connClosed(r)
+			}
+		}()
+	}
 	defer cn.wait() // no deciding goroutine outlives its connection
 	if m := s.cfg.Metrics; m != nil {
 		defer m.flushTally(&cn.tally) // checks decided whose answers were not written
@@ -470,7 +488,18 @@ func (cn *conn) waitIdle() error {
 		return net.ErrClosed
 	}
 	_, err := cn.br.Peek(1)
+	if err != nil {
+		cn.cutBy(closeIdleTimeout, err)
+	}
 	return err
+}
+
+// cutBy records r as why the daemon closes the connection when err is a deadline that
+// passed (not the client's close, nor a shutdown's deadline); the first cause wins.
+func (cn *conn) cutBy(r closeReason, err error) {
+	if errors.Is(err, os.ErrDeadlineExceeded) && !cn.s.draining.Load() {
+		cn.cut.CompareAndSwap(0, uint32(r))
+	}
 }
 
 // setWriteDeadline keeps a write deadline ahead: a client that does not read its answers
@@ -492,7 +521,11 @@ func (cn *conn) need(n int) ([]byte, error) {
 			return nil, err
 		}
 	}
-	return cn.br.Peek(n)
+	b, err := cn.br.Peek(n)
+	if err != nil {
+		cn.cutBy(closeFrameTimeout, err)
+	}
+	return b, err
 }
 
 // awaitFrame prepares to wait for the rest of a frame: it answers the frames already
@@ -536,6 +569,9 @@ func (cn *conn) flush() error {
 	}
 	_, err := cn.rw.Write(cn.enc.Bytes())
 	cn.enc.Reset()
+	if err != nil {
+		cn.cutBy(closeWriteTimeout, err)
+	}
 	return err
 }
 
@@ -594,6 +630,7 @@ func (cn *conn) writeReady() {
 			_, err = cn.bufs.WriteTo(cn.c)
 		}
 		if err != nil {
+			cn.cutBy(closeWriteTimeout, err) // before the read deadline below ends the reads
 			cn.werr = err
 			cn.wfailed.Store(true)
 			// Wake the connection's goroutine if it waits for room, and stop its reads:
@@ -729,6 +766,7 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 		cn.out().EncodeError(0, proto.CodeFrameTooLarge,
 			fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", l, maxFrame))
 		_ = cn.flush()
+		cn.cut.CompareAndSwap(0, uint32(closeFrameTooLarge))
 		return true, nil
 	}
 	n := int(l)
@@ -755,6 +793,7 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 			}
 		}
 		if _, err := io.ReadFull(cn.br, cn.big); err != nil {
+			cn.cutBy(closeFrameTimeout, err)
 			return false, err
 		}
 		body = cn.big

@@ -114,7 +114,8 @@ func TestShutdownLeavesNothing(t *testing.T) {
 
 // An idle connection is closed after IdleTimeout; an active one is not.
 func TestIdleTimeout(t *testing.T) {
-	s := startServer(t, Config{IdleTimeout: 150 * time.Millisecond})
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{IdleTimeout: 150 * time.Millisecond, Metrics: m})
 	defer s.Shutdown(context.Background())
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
@@ -129,6 +130,26 @@ func TestIdleTimeout(t *testing.T) {
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := br.ReadByte(); err == nil {
 		t.Fatal("idle connection got data instead of being closed")
+	}
+	waitClosed(t, m, closeIdleTimeout)
+}
+
+// waitClosed waits until m has counted one connection closed by the daemon, for r, and
+// fails if it counts any other reason or more than one.
+func waitClosed(t *testing.T, m *Metrics, r closeReason) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for m.closed[r].Get() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	for q := closeReason(1); q < nCloseReasons; q++ {
+		want := uint64(0)
+		if q == r {
+			want = 1
+		}
+		if got := m.closed[q].Get(); got != want {
+			t.Errorf("rlsidecar_connections_closed_total{reason=%q} = %d, want %d", q, got, want)
+		}
 	}
 }
 
@@ -166,7 +187,8 @@ func TestFrameTimeoutLargeFrame(t *testing.T) {
 		{"large", readBufSize + 1000},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := startServer(t, Config{FrameTimeout: 100 * time.Millisecond})
+			m := NewMetrics("test", 10)
+			s := startServer(t, Config{FrameTimeout: 100 * time.Millisecond, Metrics: m})
 			defer s.Shutdown(context.Background())
 			c, err := net.Dial("unix", s.cfg.Socket)
 			if err != nil {
@@ -181,6 +203,7 @@ func TestFrameTimeoutLargeFrame(t *testing.T) {
 			}
 			waitConns(t, s, 1, time.Second)
 			waitConns(t, s, 0, 3*time.Second)
+			waitClosed(t, m, closeFrameTimeout)
 		})
 	}
 }
@@ -188,7 +211,8 @@ func TestFrameTimeoutLargeFrame(t *testing.T) {
 // A client that sends and never reads its answers is cut off once a write has waited
 // WriteTimeout: its goroutine and connection slot are freed.
 func TestWriteTimeoutFreesSlot(t *testing.T) {
-	s := startServer(t, Config{WriteTimeout: 200 * time.Millisecond})
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{WriteTimeout: 200 * time.Millisecond, Metrics: m})
 	defer s.Shutdown(context.Background())
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
@@ -211,6 +235,62 @@ func TestWriteTimeoutFreesSlot(t *testing.T) {
 	waitConns(t, s, 0, 5*time.Second)
 	c.Close()
 	<-wrote
+	waitClosed(t, m, closeWriteTimeout)
+}
+
+// The daemon counts the connections it refuses past MaxConns and those it closes after
+// answering frame_too_large; a client's own close and a shutdown are not counted.
+func TestConnectionsClosedCounted(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{MaxConns: 1, Metrics: m})
+	a, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	waitConns(t, s, 1, time.Second)
+	b, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if r := readResponse(t, bufio.NewReader(b)); r.Err.Code != proto.CodeTooManyConnections {
+		t.Fatalf("past MaxConns: %+v", r)
+	}
+	waitClosed(t, m, closeTooManyConnections)
+
+	a.Close() // the client's own close: not counted
+	waitConns(t, s, 0, time.Second)
+	m.closed[closeTooManyConnections].Set(0)
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte{0x7f, 0xff, 0xff, 0xff}); err != nil {
+		t.Fatal(err)
+	}
+	if r := readResponse(t, bufio.NewReader(c)); r.Err.Code != proto.CodeFrameTooLarge {
+		t.Fatalf("a frame too large: %+v", r)
+	}
+	waitClosed(t, m, closeFrameTooLarge)
+
+	m.closed[closeFrameTooLarge].Set(0)
+	waitConns(t, s, 0, time.Second)
+	d, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	waitConns(t, s, 1, time.Second)
+	if err := s.Shutdown(context.Background()); err != nil { // closes d, idle: not counted
+		t.Fatal(err)
+	}
+	for r := closeReason(1); r < nCloseReasons; r++ {
+		if got := m.closed[r].Get(); got != 0 {
+			t.Errorf("after a client's close and a shutdown, reason %q counted %d", r, got)
+		}
+	}
 }
 
 // TestIsClosedKnowsRawIOErrors: the errors internal/rawio documents for a connection that
