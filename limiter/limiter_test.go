@@ -263,6 +263,54 @@ func BenchmarkCheck2RulesParallel(b *testing.B) {
 // Hybrid rules beside local ones stay all-or-nothing: a local rejection gives the hybrid
 // allowance back, a hybrid rejection consumes nothing locally. (Take and Undo are local;
 // no Redis is reached here, sync's tests cover the flush.)
+// A hybrid key the daemon cannot decide without Redis (new here, no credit left) while
+// Redis does not answer is decided by its rule's failure policy, marked degraded, from
+// the first request after its exact sync failed: never refused as if over its limit
+// while Redis is being judged down (before, a new client got 429s for up to 2 s).
+func TestHybridNewKeyWithoutRedisFollowsPolicy(t *testing.T) {
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	set := mustRules(t, `
+rules:
+  - name: open
+    key: user
+    limit: { requests: 100, per: 1h }
+    on_store_failure: open
+  - name: closed
+    key: ip
+    limit: { requests: 100, per: 1h }
+    on_store_failure: closed
+  - name: local
+    key: api_key
+    limit: { requests: 100, per: 1h }
+`)
+	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
+	var d Decision
+	for _, tc := range []struct {
+		attr    string
+		allowed bool
+	}{{"user=u", true}, {"ip=i", false}, {"api_key=k", true}} {
+		in := Input{Attrs: attrs(tc.attr), Cost: 1}
+		_ = l.Check(t0, &in, &d) // the key's credit: one request, before any sync
+		if !d.Allowed || d.Degraded {
+			t.Fatalf("%s, first request (on credit): %+v", tc.attr, d.Results)
+		}
+		for i := 0; i < 3; i++ {
+			_ = l.Check(t0, &in, &d)
+			if d.Allowed != tc.allowed || !d.Degraded || !d.Results[0].Degraded {
+				t.Fatalf("%s, request %d with Redis down: allowed %v degraded %v, want allowed %v, degraded: %+v",
+					tc.attr, i+2, d.Allowed, d.Degraded, tc.allowed, d.Results)
+			}
+		}
+		if tc.attr == "api_key=k" && d.Results[0].Remaining != 97 { // the local fallback bucket, limit ÷ 1 daemon
+			t.Fatalf("local policy: remaining %d, want 97", d.Results[0].Remaining)
+		}
+	}
+}
+
 func TestHybridAllOrNothing(t *testing.T) {
 	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
 	if err != nil {
@@ -274,6 +322,7 @@ rules:
   - name: shared
     key: user
     limit: { requests: 2, per: 1h }
+    on_store_failure: closed
   - name: here
     key: ip
     limit: { requests: 10, per: 1h }
@@ -286,14 +335,14 @@ rules:
 	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
 	var d Decision
 	// Before its first sync a daemon admits its credit per hybrid key, 1/2N of the limit
-	// (here one request; the exact sync it then tries finds no Redis). A
-	// hybrid rejection consumes nothing locally: the first passes, the next two are
-	// rejected by shared, and ip i was charged once.
+	// (here one request); the exact sync it then tries finds no Redis, so shared's failure
+	// policy (closed) decides. A hybrid rejection consumes nothing locally: the first
+	// passes, the next two are rejected by shared, and ip i was charged once.
 	in := Input{Attrs: attrs("user=u", "ip=i"), Cost: 1}
 	for i := 0; i < 3; i++ {
 		_ = l.Check(t0, &in, &d)
 	}
-	if d.Allowed || d.DecidingResult().Name != "shared" || d.DecidingResult().RetryAfter <= 0 {
+	if d.Allowed || !d.Degraded || d.DecidingResult().Name != "shared" || d.DecidingResult().RetryAfter <= 0 {
 		t.Fatalf("third request: %+v", d.Results)
 	}
 	_ = l.Check(t0, &Input{Attrs: attrs("ip=i"), Cost: 0}, &d)

@@ -33,8 +33,27 @@ func (s hybridStore) take(now int64, d *Decision) (bool, error) {
 	} else {
 		ok = s.h.Take(now, n.ops)
 	}
+	if !ok && refusedForRedis(n.ops) {
+		return false, errStale // nothing taken: the failure policies decide
+	}
 	s.results(d, n)
 	return ok, nil
+}
+
+// refusedForRedis reports whether ops were refused only for want of Redis: every refused
+// non-shadow op is one the daemon cannot decide without it (rlsync.HybridOp.Unreachable).
+// A refusal because a limit is reached is not.
+func refusedForRedis(ops []rlsync.HybridOp) bool {
+	refused := false
+	for i := range ops {
+		if o := &ops[i]; !o.Result.Allowed && !o.Shadow {
+			if !o.Unreachable {
+				return false
+			}
+			refused = true
+		}
+	}
+	return refused
 }
 
 func (s hybridStore) giveBack(_ int64, d *Decision) {

@@ -60,7 +60,8 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		}
 		opt.DialTimeout, opt.ReadTimeout, opt.WriteTimeout = timeout, timeout, timeout
 		opt.PoolSize = pool
-		opt.MaxRetries = -1 // the caller's failure policy decides, not a retry loop
+		opt.MaxRetries = -1   // the caller's failure policy decides, not a retry loop
+		opt.DialerRetries = 1 // nor a dial retried within the call (go-redis: 5, 100 ms apart)
 		opt.ContextTimeoutEnabled = true
 		return redis.NewClient(opt), nil
 	}
@@ -80,6 +81,7 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		WriteTimeout:          timeout,
 		PoolSize:              pool,
 		MaxRetries:            -1,
+		DialerRetries:         1,
 		ContextTimeoutEnabled: true,
 	}
 	if useTLS {

@@ -130,7 +130,8 @@ type HybridOptions struct {
 	// wait for the next one (see Backlog).
 	MaxSyncKeys int
 	// FetchWait bounds a batch of exact syncs (default 25ms): a request waits for the
-	// batch in flight and then its own; past it the request is refused.
+	// batch in flight and then its own; past it, the keys only Redis could decide are
+	// Unreachable (HybridOp), for the rules' failure policies.
 	FetchWait time.Duration
 	// ID names this daemon in its sync records (default: random). Two daemons must
 	// not share one.

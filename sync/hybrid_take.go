@@ -14,6 +14,12 @@ type HybridOp struct {
 	Cost   uint64
 	Shadow bool
 	Result localbucket.Result // output
+	// Unreachable (output): refused only because Redis is not answering (or did not
+	// within FetchWait) and the daemon cannot decide the key without it: no fresh view
+	// of the key (one new here, or not synced lately), or a view with room and no
+	// allowance. Not a limit reached: when every refused op is Unreachable the caller
+	// decides by the rules' failure policies.
+	Unreachable bool
 
 	shard   uint32 // set by Take
 	fetched bool   // decided by an exact sync, not locally
@@ -49,10 +55,10 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 	for {
 		// After waiting on another request's sync, the view is fresh but that sync
 		// granted what its own request needed: this one makes its own exact sync.
-		ok, items, busy := h.take(now, ops, true, waited, false)
+		ok, items, busy := h.take(now, ops, true, waited, false, false)
 		if items != nil {
 			h.fetch(items)
-			ok, _, _ = h.take(now, ops, false, false, false)
+			ok, _, _ = h.take(now, ops, false, false, false, false)
 			if ok || !lostRace(ops) || expired() {
 				return ok
 			}
@@ -69,12 +75,13 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 			// allowance a sync just brought. Sync this one too (once it is not busy).
 			waited = true
 			if expired() {
+				ok, _, _ = h.take(now, ops, false, false, false, true)
 				return ok
 			}
 			continue
 		}
 		if expired() {
-			ok, _, _ = h.take(now, ops, false, false, false)
+			ok, _, _ = h.take(now, ops, false, false, false, true)
 			return ok
 		}
 		time.Sleep(busyPoll)
@@ -89,7 +96,7 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 // then calls Take where waiting is fine. Otherwise it is Take: decided from the local
 // view, nothing sent.
 func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
-	ok, _, busy := h.take(now, ops, true, false, true)
+	ok, _, busy := h.take(now, ops, true, false, true, false)
 	if busy || !ok && lostRace(ops) {
 		return false, true
 	}
@@ -112,8 +119,9 @@ const busyPoll = 200 * time.Microsecond
 // take decides ops once. With mayFetch, when every refusal is one an exact sync may turn
 // around, it charges nothing and returns the syncs to make (items), or busy when those
 // keys' syncs are already in flight. With probe it starts no sync: where it would, it
-// returns busy, having charged nothing.
-func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe bool) (ok bool, items []syncItem, busy bool) {
+// returns busy, having charged nothing. gaveUp: the request waited FetchWait for Redis
+// in vain; a refusal only Redis could have turned around is then Unreachable.
+func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp bool) (ok bool, items []syncItem, busy bool) {
 	var lockBuf [8]uint32
 	var entBuf [8]*hentry
 	locks := lockBuf[:0]
@@ -176,7 +184,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe bool) (
 		ents = append(ents, e)
 		e.seen = seenMs(now)
 		var f bool
-		op.Result, f, op.room = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited)
+		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited, gaveUp)
 		if mayFetch {
 			op.fetched = f
 		}
@@ -385,12 +393,14 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 }
 
 // decide judges cost against e without charging it. fetch reports that e cannot decide
-// it locally but an exact sync could.
+// it locally but an exact sync could; unreachable, that e cannot decide it locally and
+// Redis is not answering, or did not in time for this request (gaveUp; see
+// HybridOp.Unreachable).
 //
 // waited: the request waited for another's sync of the key; it may make its own exact
 // sync although the view is now fresh. A key whose sync is in flight is still a fetch:
 // take waits for that sync rather than sending a second.
-func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited bool) (r localbucket.Result, fetch, room bool) {
+func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp bool) (r localbucket.Result, fetch, room, unreachable bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
 	proj := project(e, now)
@@ -399,12 +409,12 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	r.Reset = h.resetOf(e, now)
 	if cost > lim.Capacity() {
 		r.Impossible = true
-		return r, false, false
+		return r, false, false, false
 	}
 	need := float64(max(cost, 1))
 	if h.allowance(e, now, n) >= need {
 		r.Allowed = true
-		return r, false, false
+		return r, false, false, false
 	}
 	// Room for it, on a key not busy here (a hot key waits for its share grant): the
 	// request lost the allowance a sync just brought to a concurrent one.
@@ -413,7 +423,9 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
-	fetch = mayFetch && cost > 0 && (waited || e.lastDemand < 2 && stale) && h.redisAnswering(now)
+	answering := h.redisAnswering(now)
+	fetch = mayFetch && cost > 0 && (waited || e.lastDemand < 2 && stale) && answering
+	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,
 	// and for a window by its end at the latest), but not before the next sync brings a
 	// new allowance.
@@ -432,5 +444,5 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	}
 	r.RetryAfter = max(nextView, retry)
 	r.Remaining = 0
-	return r, fetch, room
+	return r, fetch, room, unreachable
 }

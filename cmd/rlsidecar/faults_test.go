@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -788,4 +789,73 @@ rules:
 	if rejected > total/4 {
 		t.Errorf("a Redis slow for global checks (but answering hybrid syncs) made the hybrid closed rule reject %d of %d", rejected, total)
 	}
+}
+
+// New clients while Redis is down, or while the daemon is still finding out that it is:
+// a hybrid key the daemon cannot decide without Redis is decided by its rule's failure
+// policy, marked degraded, never refused as if it were over its limit. Before, a new
+// client got 429s (not degraded) from its second request until Redis had been judged
+// down: up to 2 s after a daemon started with Redis away.
+func TestFaultRedisDownNewClientsFollowPolicy(t *testing.T) {
+	const rules = `
+rules:
+  - name: api
+    key: user
+    limit: { requests: 100, per: 1m }
+    on_store_failure: open
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 100, per: 1m }
+    on_store_failure: closed
+`
+	// check sends n checks for each of clients new clients of attr and fails t on an
+	// answer that is refused but not degraded, or not what the policy says.
+	check := func(t *testing.T, c *checker.Conn, phase, attr string, extra []string, clients, n int, allowed bool) {
+		t.Helper()
+		for i := 0; i < clients; i++ {
+			attrs := append([]string{fmt.Sprintf("%s=%s-%d", attr, phase, i)}, extra...)
+			for k := 0; k < n; k++ {
+				r, _, err := c.Check(attrs...)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !r.Allowed && !r.Degraded {
+					t.Fatalf("%s: client %d, check %d refused, not degraded (as if over its limit of 100): %+v", phase, i, k+1, r)
+				}
+				if r.Degraded && r.Allowed != allowed {
+					t.Fatalf("%s: client %d, check %d: allowed %v by the failure policy, want %v", phase, i, k+1, r.Allowed, allowed)
+				}
+			}
+		}
+	}
+	t.Run("started without Redis", func(t *testing.T) {
+		cfg := writeFile(t, shortTempDir(t), "rules.yaml", rules)
+		d := startDaemon(t, "--config", cfg, "--redis", "redis://"+deadAddr(t))
+		c := dialFault(t, d.socket)
+		check(t, c, "start", "user", nil, 20, 5, true)
+		check(t, c, "start", "ip", []string{"method=POST", "path=/login"}, 20, 5, false)
+	})
+	t.Run("Redis stopped", func(t *testing.T) {
+		srv := redistest.StartStandalone(t)
+		cfg := writeFile(t, shortTempDir(t), "rules.yaml", rules)
+		d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr)
+		c := dialFault(t, d.socket)
+		waitNormal(t, c, 5*time.Second, "user=well")
+		srv.Stop()
+		check(t, c, "stopped", "user", nil, 20, 5, true)
+		check(t, c, "stopped", "ip", []string{"method=POST", "path=/login"}, 20, 5, false)
+	})
+}
+
+// deadAddr returns a loopback address nothing listens on (a port just released).
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
 }

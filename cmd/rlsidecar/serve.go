@@ -338,7 +338,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			hybrid.Run(syncCtx, id, clock.Mono, max(*redisTimeout, *syncInterval), func(err error) {
 				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
 					lastLog = time.Now()
-					log.Warn("redis sync failed; deciding from local allowances", "err", err)
+					log.Warn("redis sync failed; deciding from local allowances, and by the failure policies where only Redis could decide", "err", err)
 				}
 			})
 		}()
