@@ -260,20 +260,24 @@ func BenchmarkCheck2RulesParallel(b *testing.B) {
 	})
 }
 
-// Hybrid rules beside local ones stay all-or-nothing: a local rejection gives the hybrid
-// allowance back, a hybrid rejection consumes nothing locally. (Take and Undo are local;
-// no Redis is reached here, sync's tests cover the flush.)
+// withoutRedis returns a limiter of rules in hybrid mode whose Redis never answers
+// (nothing listens on port 1).
+func withoutRedis(t *testing.T, rules string) *Limiter {
+	t.Helper()
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	return New(mustRules(t, rules), localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
+}
+
 // A hybrid key the daemon cannot decide without Redis (new here, no credit left) while
 // Redis does not answer is decided by its rule's failure policy, marked degraded, from
 // the first request after its exact sync failed: never refused as if over its limit
 // while Redis is being judged down (before, a new client got 429s for up to 2 s).
 func TestHybridNewKeyWithoutRedisFollowsPolicy(t *testing.T) {
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	set := mustRules(t, `
+	l := withoutRedis(t, `
 rules:
   - name: open
     key: user
@@ -287,7 +291,6 @@ rules:
     key: api_key
     limit: { requests: 100, per: 1h }
 `)
-	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
 	var d Decision
 	for _, tc := range []struct {
 		attr    string
@@ -311,13 +314,11 @@ rules:
 	}
 }
 
+// Hybrid rules beside local ones stay all-or-nothing: a local rejection gives the hybrid
+// allowance back, a hybrid rejection consumes nothing locally. (Take and Undo are local;
+// no Redis is reached here, sync's tests cover the flush.)
 func TestHybridAllOrNothing(t *testing.T) {
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://127.0.0.1:1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	set := mustRules(t, `
+	l := withoutRedis(t, `
 rules:
   - name: shared
     key: user
@@ -332,7 +333,6 @@ rules:
     limit: { requests: 1, per: 1h }
     mode: local
 `)
-	l := New(set, localbucket.NewStore(localbucket.Options{})).WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{}))
 	var d Decision
 	// Before its first sync a daemon admits its credit per hybrid key, 1/2N of the limit
 	// (here one request); the exact sync it then tries finds no Redis, so shared's failure
