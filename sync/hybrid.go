@@ -52,9 +52,10 @@ type Hybrid struct {
 	backlog  atomic.Int64        // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64       // exact syncs made for a waiting request
 	fetchQ   combiner[*fetchReq] // exact syncs waiting for the batch in flight (hybrid_fetch.go)
-	// fetchFailed is when an exact sync last failed (daemon clock, ns): none is tried
-	// again until Redis answers something.
-	fetchFailed atomic.Int64
+	// syncFailed is when a sync last failed (daemon clock, ns): an exact sync that did,
+	// or a periodic one that got no answer at all. Until Redis answers something, no
+	// exact sync is tried and keys only Redis can decide are Unreachable.
+	syncFailed atomic.Int64
 
 	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
 	lastOK   atomic.Int64

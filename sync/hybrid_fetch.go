@@ -67,7 +67,7 @@ func (h *Hybrid) sendFetches(batch []*fetchReq) {
 	// are all applied.
 	applied := func(its []syncItem) {
 		if failed, _ := h.applyAll(its); failed > 0 {
-			h.fetchFailed.Store(h.clock())
+			h.syncFailed.Store(h.clock())
 		}
 		for i := range its {
 			if r := its[i].req; r.left.Add(-1) == 0 {

@@ -143,7 +143,7 @@ func (h *Hybrid) applyAll(items []syncItem) (failed int, firstErr error) {
 	if ok {
 		h.answered(h.clock())
 	} else if failed > 0 {
-		h.fetchFailed.Store(h.clock()) // nothing answered: no exact sync is tried until Redis answers
+		h.syncFailed.Store(h.clock()) // nothing answered: no exact sync is tried until Redis answers
 	}
 	return failed, firstErr
 }

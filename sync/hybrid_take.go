@@ -275,11 +275,11 @@ func satAdd32(a uint32, b uint64) uint32 {
 }
 
 // redisAnswering reports whether a request may wait for Redis: the breaker is closed,
-// and Redis has answered since the last exact sync failed (a frozen Redis costs one
-// request one FetchWait; then requests are decided locally, and past StaleAfter by the
-// rules' policies).
+// and Redis has answered since a sync last failed (a frozen Redis costs one request one
+// FetchWait; then keys with an allowance are decided from it, and keys only Redis could
+// decide by the rules' policies, as every key is past StaleAfter).
 func (h *Hybrid) redisAnswering(int64) bool {
-	return !h.breaker.Open() && h.fetchFailed.Load() <= h.lastOK.Load()
+	return !h.breaker.Open() && h.syncFailed.Load() <= h.lastOK.Load()
 }
 
 // Undo gives back what Take charged, for a request a later (local) check rejected.
