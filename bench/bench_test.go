@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -416,7 +417,15 @@ func throughput(b *testing.B, conns, inflight int) {
 		}
 		part = func(i int) [][]byte { return parts[i] }
 	}
-	run := func(s *server, cs []*client, n int) time.Duration { return runParts(b, cs, part, n, inflight) }
+	// Each run carries a profiler label naming its server, so that go test -cpuprofile
+	// separates the load generator's own work on each (go tool pprof -tagfocus
+	// server=rlsidecar); what no label covers is its runtime waiting and waking.
+	run := func(s *server, cs []*client, n int) (d time.Duration) {
+		pprof.Do(context.Background(), pprof.Labels("server", s.name), func(context.Context) {
+			d = runParts(b, cs, part, n, inflight)
+		})
+		return d
+	}
 	var cf, cr []*client
 	for i := 0; i < conns; i++ {
 		cf = append(cf, dial(b, floor.socket))
