@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -305,5 +306,44 @@ func TestIsClosedKnowsRawIOErrors(t *testing.T) {
 	}
 	if isClosed(syscall.EBADF) {
 		t.Error("isClosed(EBADF) = true: a real failure would go unlogged")
+	}
+}
+
+// A value longer than rules.MaxKeyValue, up to what a frame holds, is matched and limited
+// like any other, by a key of its own: a gateway passes paths and headers its end users
+// choose, and a refusal (bad_request) would hand the request to the gateway's failure
+// policy, open by default, which is a way around every limit.
+func TestLongValuesAreLimited(t *testing.T) {
+	s := startServer(t, Config{})
+	defer s.Shutdown(context.Background())
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	long := strings.Repeat("x", 20_000)
+	ipA, ipB := long+"a", long+"b" // differ in their last byte only
+	check := func(ip, path string) *proto.Response {
+		t.Helper()
+		return roundTrip(t, c, br, &proto.Request{Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+			{Name: "method", Value: "POST"}, {Name: "path", Value: path}, {Name: "ip", Value: ip}, {Name: "user", Value: long}}})
+	}
+	for i := range 10 {
+		r := check(ipA, "/login")
+		if r.IsError() || !r.Allowed || r.Rule != "login" || r.Remaining != uint64(9-i) {
+			t.Fatalf("check %d with a long ip: %+v, want allowed by login, %d left", i+1, r, 9-i)
+		}
+	}
+	if r := check(ipA, "/login"); r.IsError() || r.Allowed || r.Rule != "login" {
+		t.Fatalf("11th check with a long ip: %+v, want refused by login", r)
+	}
+	if r := check(ipB, "/login"); r.IsError() || !r.Allowed || r.Remaining != 9 {
+		t.Fatalf("another long ip: %+v, want a budget of its own (allowed, 9 left)", r)
+	}
+	// A long path still matches its rule's glob, and the long user is keyed.
+	r := check(ipB, "/v1/events/"+long+"/holds")
+	if r.IsError() || !r.Allowed || len(r.Rules) != 2 || r.Rules[1].Name != "holds" {
+		t.Fatalf("a long path: %+v, want per-ip and holds matched", r)
 	}
 }

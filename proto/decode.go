@@ -15,7 +15,7 @@ import (
 const (
 	DefaultMaxAttrs       = 64
 	DefaultMaxAttrNameLen = 128
-	DefaultMaxAttrLen     = 4096
+	DefaultMaxAttrLen     = 65536 // a frame's worth: a long path is limited, not refused
 	DefaultMaxLimits      = 16
 )
 

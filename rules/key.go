@@ -1,6 +1,11 @@
 package rules
 
-import "slices"
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"slices"
+	"unsafe"
+)
 
 // keep marks the bytes AppendEscaped writes as they are.
 var keep = func() (t [256]bool) {
@@ -31,12 +36,24 @@ var keep8 = func() (t [256]uint8) {
 
 const upperHex = "0123456789ABCDEF"
 
+// MaxKeyValue is the longest value [AppendEscaped] writes out. A longer one, which a
+// request can carry up to its frame's size (a gateway's path, a header), is written as
+// '=' and the lowercase hex of its SHA-256: keys stay bounded in memory and in Redis,
+// and a long value is still limited, by a key of its own.
+const MaxKeyValue = 4096
+
 // AppendEscaped appends s to dst, keeping the bytes A-Z a-z 0-9 - . _ ~ : @ / + and
 // writing every other byte as %XX (uppercase hex), so "a|b{c}" becomes "a%7Cb%7Bc%7D".
-// The encoding is injective and its output never contains '{', '}', '|', '=' or '%'
-// other than as the start of an escape, which is what keeps client keys unambiguous and
-// hash tags intact. It does not allocate when dst has room.
+// A value longer than MaxKeyValue is written as '=' and its SHA-256 in hex instead. The
+// encoding is injective (an escaped value never holds '=', so no value's escaping is
+// another's digest; two digests meet only where SHA-256 collides) and its output never
+// contains '{', '}', '|' or '%' other than as the start of an escape, nor '=' other than
+// as a digest's mark, which is what keeps client keys unambiguous and hash tags intact.
+// It does not allocate when dst has room.
 func AppendEscaped(dst []byte, s string) []byte {
+	if len(s) > MaxKeyValue {
+		return appendDigest(dst, s)
+	}
 	// The common case is a value with nothing to escape, copied in one append; test its
 	// bytes four at a time, one branch each.
 	i := 0
@@ -78,4 +95,11 @@ func appendEscapedFrom(dst []byte, s string, i int) []byte {
 		o += 3
 	}
 	return dst
+}
+
+// appendDigest appends '=' and the lowercase hex of s's SHA-256 to dst.
+func appendDigest(dst []byte, s string) []byte {
+	sum := sha256.Sum256(unsafe.Slice(unsafe.StringData(s), len(s))) // read only: no copy of up to a frame
+	dst = append(dst, '=')
+	return hex.AppendEncode(dst, sum[:])
 }

@@ -2,6 +2,8 @@ package rules
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"strings"
 	"testing"
@@ -31,6 +33,44 @@ func TestAppendEscaped(t *testing.T) {
 	}
 	if got := string(AppendEscaped([]byte("pre:"), "x y")); got != "pre:x%20y" {
 		t.Errorf("AppendEscaped does not append: %q", got)
+	}
+}
+
+// A value longer than MaxKeyValue is keyed by its digest: a key of bounded length, of its
+// own (no other long value's, no short value's, whose escaping never holds '='), inside
+// its braces whatever bytes the value holds, and built the same by every path of AppendKey.
+func TestAppendEscapedLongValue(t *testing.T) {
+	at := strings.Repeat("{|=}%", MaxKeyValue/5) + "{|=}"[:MaxKeyValue%5]
+	if len(at) != MaxKeyValue || string(AppendEscaped(nil, at)) != refEscape(at) {
+		t.Fatalf("a value of MaxKeyValue bytes is not escaped as it is")
+	}
+	over := at + "x"
+	sum := sha256.Sum256([]byte(over))
+	if got, want := string(AppendEscaped([]byte("pre:"), over)), "pre:="+hex.EncodeToString(sum[:]); got != want {
+		t.Fatalf("AppendEscaped(MaxKeyValue+1 bytes) = %q, want %q", got, want)
+	}
+	if got := string(AppendEscaped(nil, over[:len(over)-1]+"y")); got == string(AppendEscaped(nil, over)) {
+		t.Fatalf("two long values differing in their last byte share the key %q", got)
+	}
+	set := mustParse(t, `rules:
+  - name: one
+    key: user
+    limit: { requests: 1, per: 1s }
+  - name: two
+    key: [a, b, user]
+    limit: { requests: 1, per: 1s }
+`)
+	attrs := []Attr{{"user", over}, {"a", "}{"}, {"b", strings.Repeat("\xff", 20_000)}}
+	for _, r := range set.Rules {
+		fast, okf := r.AppendKey(nil, attrs)
+		plain, okp := r.appendKeySlow(nil, attrs)
+		s := string(fast)
+		if !okf || !okp || s != string(plain) || len(s) > 3*64+100 {
+			t.Fatalf("rule %s: AppendKey = %q %v, plain %q %v", r.Name, fast, okf, plain, okp)
+		}
+		if strings.Count(s, "{") != 1 || strings.Count(s, "}") != 1 || !strings.HasSuffix(s, "}") {
+			t.Fatalf("rule %s: key %q: braces are not exactly the delimiters", r.Name, s)
+		}
 	}
 }
 

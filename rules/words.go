@@ -73,7 +73,7 @@ func appendPart(dst []byte, lit, v string) []byte {
 	if out, ok := appendPlain(dst, lit, v); ok {
 		return out
 	}
-	if cap(dst)-len(dst) < len(lit)+len(v)+1 {
+	if cap(dst)-len(dst) < len(lit)+len(v)+1 && len(v) <= MaxKeyValue { // a longer v is written as its digest
 		dst = slices.Grow(dst, len(lit)+len(v)+1)
 		if out, ok := appendPlain(dst, lit, v); ok {
 			return out
