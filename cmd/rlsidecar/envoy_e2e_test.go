@@ -71,6 +71,10 @@ rules:
     key: [domain, remote_address]
     limit: { requests: 3, per: 30s }
     warn_at: 0.6
+  - name: monthly
+    match: { domain: quota, descriptor: tenant }
+    key: [domain, tenant]
+    limit: { requests: 3, per: month, tz: Europe/Paris }
 `
 
 type rlsFixture struct {
@@ -213,6 +217,28 @@ func testE2EEnvoyRLS(t *testing.T, transport string) {
 		// The rule itself was not charged.
 		checkStatuses(t, f.call(t, "messaging", 0, desc("to_number=333")), ok,
 			wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 2})
+		// The override's name, shown to the end client in the headers and the body, is
+		// the domain and the descriptor's keys: not its values, nor the key's NUL bytes.
+		resp := f.call(t, "messaging", 0, o)
+		var policy string
+		for _, h := range resp.ResponseHeadersToAdd {
+			if h.Key == "RateLimit-Policy" {
+				policy = h.Value
+			}
+		}
+		if !strings.HasPrefix(policy, `"messaging.to_number.override";q=1;w=60`) {
+			t.Errorf("RateLimit-Policy %q, want the override named messaging.to_number.override", policy)
+		}
+		if body := string(resp.RawBody); !strings.Contains(body, `"messaging.to_number.override"`) || strings.Contains(body, "333") || strings.Contains(body, `\u0000`) {
+			t.Errorf("refusal body %s names the override by its key", body)
+		}
+	})
+
+	t.Run("calendar month", func(t *testing.T) {
+		// 3 per calendar month is Envoy's 3 per MONTH, not 35 per YEAR (its nominal 31
+		// days' rate).
+		checkStatuses(t, f.call(t, "quota", 0, desc("tenant=acme")), ok,
+			wantStatus{code: ok, limit: true, name: "monthly", rpu: 3, unit: rlsv3.RateLimitResponse_RateLimit_MONTH, remaining: 2})
 	})
 
 	t.Run("unknown domain", func(t *testing.T) {

@@ -218,6 +218,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		})
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
+	if mode&0o002 != 0 {
+		log.Warn("the socket mode lets every local user ask the daemon; prefer a group (--socket-group)", "socket_mode", fmt.Sprintf("%#o", uint32(mode)))
+	}
 	srv, err := daemon.New(daemon.Config{
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
