@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -169,9 +170,12 @@ func fuzzSeeds(f *testing.F) {
 	ping := frameOf(proto.Request{ID: 1, Op: proto.OpPing, Cost: 1})
 	inline := frameOf(proto.Request{ID: 9, Op: proto.OpCheck, Cost: 0, Limits: []proto.InlineLimit{
 		{Key: "k", Limit: 3, WindowMs: 1000, Algorithm: "sliding_window", Name: "n"}, {Key: "bad"}}})
+	notUTF8 := frameOf(proto.Request{ID: 10, Op: proto.OpCheck, Cost: 1, Limits: []proto.InlineLimit{
+		{Key: "\x8c\x01", Limit: 5, WindowMs: 1000}, {Key: "k2", Name: "n\xff", Limit: 5, WindowMs: 1000}}})
 	f.Add(ping)
 	f.Add(check)
 	f.Add(inline)
+	f.Add(notUTF8)
 	f.Add(bytes.Join([][]byte{ping, check, inline, ping}, nil))   // pipelined
 	f.Add(append(append([]byte(nil), check...), check[:7]...))    // then half a frame
 	f.Add(append(append([]byte(nil), ping...), 0, 0))             // then half a header
@@ -247,6 +251,9 @@ func FuzzServeConn(f *testing.F) {
 			if err := dec.DecodeResponse(body, &resp); err != nil {
 				t.Fatalf("answer %d is not a valid response (%v): %x", len(got), err, body)
 			}
+			if s := invalidUTF8(&resp); s != "" {
+				t.Fatalf("answer %d holds the string %q, not UTF-8, as a msgpack str: %x", len(got), s, body)
+			}
 			got = append(got, resp)
 			if len(got) > len(want.answers) {
 				t.Fatalf("%d answers to %d complete frames: %+v", len(got), len(want.answers), got)
@@ -275,6 +282,21 @@ func FuzzServeConn(f *testing.F) {
 		}
 		pingAfter(t, s)
 	})
+}
+
+// invalidUTF8 returns a string of r's that is not valid UTF-8 (a msgpack str is UTF-8, and
+// strict decoders refuse the whole answer otherwise), or "".
+func invalidUTF8(r *proto.Response) string {
+	strs := []string{r.Rule, r.Reason, r.Lease, r.Version, r.Err.Code, r.Err.Message}
+	for _, rr := range r.Rules {
+		strs = append(strs, rr.Name, rr.Reason)
+	}
+	for _, s := range strs {
+		if !utf8.ValidString(s) {
+			return s
+		}
+	}
+	return ""
 }
 
 func matches(r *proto.Response, w expectedAnswer) error {

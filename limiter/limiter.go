@@ -3,9 +3,11 @@ package limiter
 import (
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -675,6 +677,11 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 	name := il.Name
 	if name == "" {
 		name = il.Key
+	}
+	if !utf8.ValidString(name) {
+		// Answers carry it as a msgpack str, which is UTF-8; a request may send any
+		// bytes (as bin). The key keeps the bytes; the name shown is made valid.
+		name = strings.ToValidUTF8(name, "\uFFFD")
 	}
 	key := d.keys[start:len(d.keys):len(d.keys)]
 	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost,
