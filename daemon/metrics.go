@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
@@ -394,8 +395,56 @@ func (m *Metrics) Top() map[string][]topItem {
 	return out
 }
 
-// WritePrometheus writes every metric in the Prometheus text format.
-func (m *Metrics) WritePrometheus(w io.Writer) { m.set.WritePrometheus(w) }
+// WritePrometheus writes every metric in the Prometheus text format, each family with
+// its TYPE and HELP lines.
+func (m *Metrics) WritePrometheus(w io.Writer) {
+	var b bytes.Buffer
+	m.set.WritePrometheus(&b)
+	w.Write(withHelp(b.Bytes()))
+}
+
+// setHelp is the HELP text of the families the metrics Set writes, which it writes as a
+// bare "# HELP name" (promtool check metrics: "no help text").
+var setHelp = map[string]string{
+	"rlsidecar_checks_total":             "Checks decided, by rule and result: allowed, rejected, or shadow_rejected (a shadow rule's refusal, not enforced). Inline limits count under rule ~inline.",
+	"rlsidecar_degraded_decisions_total": "Checks a rule's on_store_failure policy decided because the store it needs did not answer, by rule.",
+	"rlsidecar_warnings_total":           "Allowed checks after which a rule had used at least its warn_at fraction, by rule.",
+	"rlsidecar_delayed_total":            "Checks allowed after a wait (delay_ms, a rule with delay), by rule.",
+	"rlsidecar_bans_total":               "Bans this daemon started, by rule (its penalty).",
+	"rlsidecar_config_reloads_total":     "Rule reloads, by result: success, or error (the rules in force were kept).",
+	"rlsidecar_sync_flushes_total":       "Hybrid-mode syncs of admitted counts with Redis, by result.",
+	"rlsidecar_connections_closed_total": "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
+	"rlsidecar_build_info":               "The daemon's version, as a label; always 1.",
+	"rlsidecar_store_requests_total":     "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release) and result.",
+}
+
+// withHelp fills in the bare HELP lines of text from setHelp.
+func withHelp(text []byte) []byte {
+	const bare = "# HELP "
+	if !bytes.Contains(text, []byte(bare)) {
+		return text
+	}
+	out := make([]byte, 0, len(text)+1024)
+	for len(text) > 0 {
+		line := text
+		if i := bytes.IndexByte(text, '\n'); i >= 0 {
+			line = text[:i+1]
+		}
+		text = text[len(line):]
+		if name, ok := bytes.CutPrefix(bytes.TrimSuffix(line, []byte("\n")), []byte(bare)); ok && bytes.IndexByte(name, ' ') < 0 {
+			if help, ok := setHelp[string(name)]; ok {
+				out = append(out, bare...)
+				out = append(out, name...)
+				out = append(out, ' ')
+				out = append(out, help...)
+				out = append(out, '\n')
+				continue
+			}
+		}
+		out = append(out, line...)
+	}
+	return out
+}
 
 var latencyBounds = []float64{1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1}
 

@@ -50,12 +50,25 @@ func scrape(t *testing.T, base string) (types map[string]string, samples map[str
 		t.Fatalf("/metrics: %d", code)
 	}
 	types, samples = map[string]string{}, map[string]float64{}
+	help := map[string]string{}
+	defer func() {
+		for f := range types { // Prometheus expects them; promtool check metrics: "no help text"
+			if help[f] == "" {
+				t.Errorf("/metrics: family %s has no HELP text", f)
+			}
+		}
+	}()
 	sc := bufio.NewScanner(strings.NewReader(body))
 	for sc.Scan() {
 		line := sc.Text()
 		if strings.HasPrefix(line, "# TYPE ") {
 			f := strings.Fields(line)
 			types[f[2]] = f[3]
+			continue
+		}
+		if rest, ok := strings.CutPrefix(line, "# HELP "); ok {
+			name, text, _ := strings.Cut(rest, " ")
+			help[name] = strings.TrimSpace(text)
 			continue
 		}
 		if line == "" || strings.HasPrefix(line, "#") {

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -94,6 +95,16 @@ rules:
 	}
 	time.Sleep(200 * time.Millisecond) // a few syncs and heartbeats
 	types, _ := scrape(t, base)
+	// promtool's own check of the exposition, where it is installed (scripts/test-ops
+	// installs it and sets RLSIDECAR_PROMTOOL=1, which makes it required).
+	if path, err := exec.LookPath("promtool"); err == nil || os.Getenv("RLSIDECAR_PROMTOOL") == "1" {
+		_, body := httpGet(t, base+"/metrics")
+		cmd := exec.Command(path, "check", "metrics")
+		cmd.Stdin = strings.NewReader(body)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("promtool check metrics: %v\n%s", err, out)
+		}
+	}
 	// Every metric the daemon promises, with its type.
 	for name, typ := range map[string]string{
 		"rlsidecar_checks_total":                 "counter",
