@@ -293,6 +293,42 @@ func TestE2EReload(t *testing.T) {
 		t.Fatalf("after a symlink swap: limit %d", l)
 	}
 
+	// A link to a file in another directory (etc/rules.yaml -> ../real/rules.yaml), the
+	// target edited in place, then replaced by rename, then the link pointed elsewhere.
+	top := shortTempDir(t)
+	etc, real, other := filepath.Join(top, "etc"), filepath.Join(top, "real"), filepath.Join(top, "other")
+	for _, d := range []string{etc, real, other} {
+		must(t, os.Mkdir(d, 0o755))
+	}
+	target := writeFile(t, real, "rules.yaml", rulesWithLimit(10))
+	must(t, os.Symlink("../real/rules.yaml", filepath.Join(etc, "rules.yaml")))
+	dl := startDaemon(t, "--config", filepath.Join(etc, "rules.yaml"), "--admin", "127.0.0.1:0")
+	basel := "http://" + adminAddr(t, dl)
+	cl := dialRaw(t, dl.socket)
+	vl := rulesVersion(t, basel)
+	must(t, os.WriteFile(target, []byte(rulesWithLimit(11)), 0o644))
+	vl = waitReload(t, basel, vl)
+	if l := limitOf(t, cl, 1); l != 11 {
+		t.Fatalf("the link's target written in place: limit %d", l)
+	}
+	must(t, os.Rename(writeFile(t, real, ".rules.yaml.new", rulesWithLimit(12)), target))
+	vl = waitReload(t, basel, vl)
+	if l := limitOf(t, cl, 2); l != 12 {
+		t.Fatalf("the link's target replaced by rename: limit %d", l)
+	}
+	writeFile(t, other, "rules.yaml", rulesWithLimit(13))
+	must(t, os.Symlink("../other/rules.yaml", filepath.Join(etc, ".tmp-link")))
+	must(t, os.Rename(filepath.Join(etc, ".tmp-link"), filepath.Join(etc, "rules.yaml")))
+	vl = waitReload(t, basel, vl)
+	if l := limitOf(t, cl, 3); l != 13 {
+		t.Fatalf("the link pointed to another directory: limit %d", l)
+	}
+	must(t, os.WriteFile(filepath.Join(other, "rules.yaml"), []byte(rulesWithLimit(14)), 0o644))
+	waitReload(t, basel, vl)
+	if l := limitOf(t, cl, 4); l != 14 {
+		t.Fatalf("the new target written in place: limit %d", l)
+	}
+
 	// SIGHUP, with the watcher off.
 	d3dir := shortTempDir(t)
 	cfg3 := writeFile(t, d3dir, "rules.yaml", rulesWithLimit(7))
