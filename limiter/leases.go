@@ -2,7 +2,9 @@ package limiter
 
 import (
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
+	"math/bits"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,7 +26,8 @@ import (
 // with a concurrency rule holds it for a few map operations). Its zero value is not
 // usable; the Limiter makes one (New) and returns it from Limiter.Leases.
 type Leases struct {
-	nonce string // starts every token: tokens from another daemon or run are unknown here
+	nonce string    // starts every token: tokens from another daemon or run are unknown here
+	key   [2]uint64 // the SipHash key of the tokens' tags: a token cannot be guessed from another
 
 	mu     sync.Mutex
 	max    int // the most live leases; past it a check is refused as if its slots were full
@@ -83,11 +86,12 @@ const maxRetryHint = time.Second
 const DefaultMaxLeases = 1 << 20
 
 func newLeases() *Leases {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
+	var b [20]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 	return &Leases{
 		max:    DefaultMaxLeases,
-		nonce:  hex.EncodeToString(b[:]),
+		nonce:  hex.EncodeToString(b[:4]),
+		key:    [2]uint64{binary.LittleEndian.Uint64(b[4:]), binary.LittleEndian.Uint64(b[12:])},
 		slots:  map[string]*slot{},
 		leases: map[uint64]*lease{},
 		owners: map[uint64]map[uint64]*lease{},
@@ -96,22 +100,73 @@ func newLeases() *Leases {
 }
 
 // Token returns the opaque string a client gets for lease id: this daemon's nonce, a dot,
-// then the id in base 36.
+// the id in base 36, a dot, and the id's tag in base 36: a keyed hash (SipHash-2-4 under
+// a random per-process key) that only this daemon can compute, so that a client holding
+// leases cannot release or renew another's by counting (ids are sequential).
 func (ls *Leases) Token(id uint64) string {
-	return ls.nonce + "." + strconv.FormatUint(id, 36)
+	var b [1 + 13 + 1 + 13]byte
+	t := append(b[:0], '.')
+	t = strconv.AppendUint(t, id, 36)
+	t = append(t, '.')
+	t = strconv.AppendUint(t, siphash(ls.key, id), 36)
+	return ls.nonce + string(t)
 }
 
-// parse returns the lease id of token, or 0 when token is not one of this daemon's.
+// parse returns the lease id of token, or 0 when token is not one of this daemon's (or
+// its tag is wrong).
 func (ls *Leases) parse(token string) uint64 {
 	rest, ok := strings.CutPrefix(token, ls.nonce)
 	if !ok || len(rest) < 2 || rest[0] != '.' {
 		return 0
 	}
-	id, err := strconv.ParseUint(rest[1:], 36, 64)
+	idPart, tagPart, ok := strings.Cut(rest[1:], ".")
+	if !ok {
+		return 0
+	}
+	id, err := strconv.ParseUint(idPart, 36, 64)
 	if err != nil {
 		return 0
 	}
+	tag, err := strconv.ParseUint(tagPart, 36, 64)
+	if err != nil || tag != siphash(ls.key, id) { // one compare of words: no timing to learn from
+		return 0
+	}
 	return id
+}
+
+// siphash returns SipHash-2-4 of the 8 bytes of m (little-endian) under key k.
+func siphash(k [2]uint64, m uint64) uint64 {
+	v0 := k[0] ^ 0x736f6d6570736575
+	v1 := k[1] ^ 0x646f72616e646f6d
+	v2 := k[0] ^ 0x6c7967656e657261
+	v3 := k[1] ^ 0x7465646279746573
+	round := func() {
+		v0 += v1
+		v1 = bits.RotateLeft64(v1, 13) ^ v0
+		v0 = bits.RotateLeft64(v0, 32)
+		v2 += v3
+		v3 = bits.RotateLeft64(v3, 16) ^ v2
+		v0 += v3
+		v3 = bits.RotateLeft64(v3, 21) ^ v0
+		v2 += v1
+		v1 = bits.RotateLeft64(v1, 17) ^ v2
+		v2 = bits.RotateLeft64(v2, 32)
+	}
+	v3 ^= m
+	round()
+	round()
+	v0 ^= m
+	const last = 8 << 56 // the final block: the length, 8, in its top byte
+	v3 ^= last
+	round()
+	round()
+	v0 ^= last
+	v2 ^= 0xff
+	round()
+	round()
+	round()
+	round()
+	return v0 ^ v1 ^ v2 ^ v3
 }
 
 // Release frees every slot lease token holds and reports whether it freed any: false

@@ -1,6 +1,10 @@
 package limiter
 
 import (
+	"encoding/binary"
+	"math/bits"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -91,7 +95,13 @@ func TestLeasesReleaseRenewExpire(t *testing.T) {
 	if ls.Release(a, t0) {
 		t.Fatal("second release said true")
 	}
-	for _, bad := range []string{"", "x", "nonce.1", ls.nonce + ".", ls.nonce + ".zz!", ls.nonce + ".999"} {
+	id, tag, _ := strings.Cut(strings.TrimPrefix(b, ls.nonce+"."), ".")
+	n, _ := strconv.ParseUint(id, 36, 64)
+	next := strconv.FormatUint(n+1, 36)
+	for _, bad := range []string{"", "x", "nonce.1", ls.nonce + ".", ls.nonce + ".zz!", ls.nonce + ".999",
+		ls.nonce + "." + id, ls.nonce + "." + id + ".", ls.nonce + "." + next, // no tag
+		ls.nonce + "." + next + "." + tag, // the next id, guessed, with a known tag
+		ls.nonce + "." + id + "." + tag + "0", ls.nonce + "." + id + "." + tag + ".1"} {
 		if ls.Release(bad, t0) {
 			t.Errorf("release of unknown token %q said true", bad)
 		}
@@ -271,5 +281,63 @@ func TestLeasesBound(t *testing.T) {
 	l.Leases().Release(a, t0)
 	if ok, _, _ := checkLease(t, l, t0, exportInput("cid"), 0); !ok {
 		t.Fatal("refused after a release made room")
+	}
+}
+
+// siphashRef is SipHash-2-4 of any message, as its paper defines it.
+func siphashRef(k0, k1 uint64, msg []byte) uint64 {
+	v := [4]uint64{k0 ^ 0x736f6d6570736575, k1 ^ 0x646f72616e646f6d, k0 ^ 0x6c7967656e657261, k1 ^ 0x7465646279746573}
+	round := func() {
+		v[0] += v[1]
+		v[1] = bits.RotateLeft64(v[1], 13) ^ v[0]
+		v[0] = bits.RotateLeft64(v[0], 32)
+		v[2] += v[3]
+		v[3] = bits.RotateLeft64(v[3], 16) ^ v[2]
+		v[0] += v[3]
+		v[3] = bits.RotateLeft64(v[3], 21) ^ v[0]
+		v[2] += v[1]
+		v[1] = bits.RotateLeft64(v[1], 17) ^ v[2]
+		v[2] = bits.RotateLeft64(v[2], 32)
+	}
+	block := func(m uint64) {
+		v[3] ^= m
+		round()
+		round()
+		v[0] ^= m
+	}
+	n := len(msg)
+	for ; len(msg) >= 8; msg = msg[8:] {
+		block(binary.LittleEndian.Uint64(msg))
+	}
+	var last [8]byte
+	copy(last[:], msg)
+	last[7] = byte(n)
+	block(binary.LittleEndian.Uint64(last[:]))
+	v[2] ^= 0xff
+	for range 4 {
+		round()
+	}
+	return v[0] ^ v[1] ^ v[2] ^ v[3]
+}
+
+// The tokens' tag is SipHash-2-4: the reference implementation gives the paper's test
+// vector, and the tag function agrees with it on 8-byte messages.
+func TestSiphash(t *testing.T) {
+	msg := make([]byte, 15)
+	for i := range msg {
+		msg[i] = byte(i)
+	}
+	k0, k1 := uint64(0x0706050403020100), uint64(0x0f0e0d0c0b0a0908)
+	if got := siphashRef(k0, k1, msg); got != 0xa129ca6149be45e5 {
+		t.Fatalf("reference SipHash-2-4 of the paper's vector = %#x", got)
+	}
+	var m [8]byte
+	for i := range 1000 {
+		k := [2]uint64{k0 * uint64(i+1), k1 ^ uint64(i)<<7}
+		x := uint64(i) * 0x9e3779b97f4a7c15
+		binary.LittleEndian.PutUint64(m[:], x)
+		if got, want := siphash(k, x), siphashRef(k[0], k[1], m[:]); got != want {
+			t.Fatalf("siphash(%x, %#x) = %#x, want %#x", k, x, got, want)
+		}
 	}
 }
