@@ -120,13 +120,17 @@ type MiddlewareOptions struct {
 }
 
 // DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port),
-// method and path (r.URL.Path), in that order (sorted by name).
+// method and path, in that order (sorted by name). The path is
+// NormalizePath(r.URL.EscapedPath()): the target's path as it came, each escape decoded
+// once, slashes merged and dot segments removed, as every rlsidecar client sends it, so
+// that /f%61st, //fast and /a/../fast are all /fast. (r.URL.Path is decoded already;
+// normalizing it would decode twice.)
 func DefaultAttrs(r *http.Request) []proto.Attr {
 	ip := r.RemoteAddr
 	if host, _, err := net.SplitHostPort(ip); err == nil {
 		ip = host
 	}
-	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: r.URL.Path}}
+	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
 }
 
 // Middleware returns net/http middleware that checks every request with c:
