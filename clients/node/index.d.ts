@@ -115,7 +115,8 @@ export declare class Client {
   readonly socket: string;
   readonly timeoutMs: number;
   readonly onUnavailable: 'open' | 'closed';
-  check(attrs: Record<string, string>, options?: CheckOptions): Promise<Decision>;
+  /** attrs: strings, sent in key order; a Uint8Array value (normalizePath's Buffer) is sent as its bytes. */
+  check(attrs: Record<string, string | Uint8Array>, options?: CheckOptions): Promise<Decision>;
   ping(): Promise<string>;
   /** Frees a concurrency lease: false when it was unknown, expired or already released. */
   release(lease: string): Promise<boolean>;
@@ -138,12 +139,20 @@ export interface MiddlewareResponse {
 }
 
 export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse> {
-  attrs?: (req: Req) => Record<string, string>;
+  attrs?: (req: Req) => Record<string, string | Uint8Array>;
   cost?: (req: Req) => number;
   onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
 }
 
-export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string };
+/** ip (the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */
+export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string | Buffer };
+
+/**
+ * The path attribute of a request target, as every rlsidecar client sends it: the query
+ * and fragment dropped, each valid %XX decoded once, slashes merged, dot segments removed
+ * (clients/testdata/paths.json). A string when its bytes are UTF-8, else a Buffer of them.
+ */
+export declare function normalizePath(target: string): string | Buffer;
 
 export declare function middleware<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse>(
   client: Client,

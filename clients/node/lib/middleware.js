@@ -4,15 +4,19 @@
 
 const { ProtocolError, ClosedError } = require('./proto');
 const { Decision } = require('./decision');
+const { normalizePath } = require('./path');
 
-/** The default attributes: ip (the peer's address), method, path (without the query). */
+/**
+ * The default attributes: ip (the peer's address), method, and path: normalizePath of the
+ * request target (req.originalUrl, which Express keeps whole under a mount point, else
+ * req.url), so that /f%61st, //fast and /a/../fast are all /fast, as every rlsidecar
+ * client sends them.
+ */
 function defaultAttrs(req) {
-  const url = req.originalUrl || req.url || '';
-  const q = url.indexOf('?');
   return {
     ip: (req.socket && req.socket.remoteAddress) || '',
     method: req.method || '',
-    path: q < 0 ? url : url.slice(0, q),
+    path: normalizePath(req.originalUrl || req.url || ''),
   };
 }
 

@@ -66,8 +66,10 @@ function normLimit(i, lim) {
 
 /**
  * Returns the request map of a check, in canonical field order. attrs: an object of
- * string to string, sent in its key order; limits: inline limits ({ key, limit, windowMs,
- * burst?, algorithm?, mode?, name? }). Wrong types throw a
+ * string to string, sent in its key order (a value may also be a Uint8Array, such as the
+ * Buffer normalizePath returns for a path that is not UTF-8: its bytes are sent as they
+ * are, as a msgpack bin, which the sidecar reads as a string); limits: inline limits ({ key,
+ * limit, windowMs, burst?, algorithm?, mode?, name? }). Wrong types throw a
  * TypeError or RangeError before anything is sent.
  */
 function checkMessage(id, attrs, cost, limits) {
@@ -76,7 +78,8 @@ function checkMessage(id, attrs, cost, limits) {
     if (typeof attrs !== 'object' || Array.isArray(attrs)) throw new TypeError('attrs must be an object of strings');
     let n = 0;
     for (const k in attrs) {
-      if (typeof attrs[k] !== 'string') throw new TypeError(`attrs.${k} must be a string, not ${typeof attrs[k]}`);
+      const v = attrs[k];
+      if (typeof v !== 'string' && !(v instanceof Uint8Array)) throw new TypeError(`attrs.${k} must be a string, not ${typeof v}`);
       n++;
     }
     if (n > 0) msg.attrs = attrs;
