@@ -190,7 +190,7 @@ func (e *unreachable) Unwrap() []error {
 
 var (
 	errTimeout = &unreachable{what: "no answer within the timeout"}
-	errTooBusy = &unreachable{what: "too many requests in flight on the connection"}
+	errNoRoom  = &unreachable{what: "every connection had as many requests in flight as it may until the deadline"}
 )
 
 // Client asks one sidecar for decisions over a pool of pipelined connections.
@@ -198,10 +198,11 @@ var (
 // on next use, backing off between failed attempts. Safe for concurrent use.
 // Close it to stop its goroutines. The zero value is not usable; call New.
 type Client struct {
-	opts   Options
-	dialer net.Dialer
-	slots  []slot
-	next   atomic.Uint32 // round-robin counter
+	opts       Options
+	dialer     net.Dialer
+	slots      []slot
+	next       atomic.Uint32 // round-robin counter
+	maxPending int           // calls in flight per connection: maxPending (tests lower it)
 
 	ctx    context.Context // canceled by Close: stops dials in progress
 	cancel context.CancelFunc
@@ -233,7 +234,7 @@ func New(o Options) (*Client, error) {
 	if o.DialTimeout == 0 {
 		o.DialTimeout = DefaultDialTimeout
 	}
-	c := &Client{opts: o, slots: make([]slot, o.Conns)}
+	c := &Client{opts: o, slots: make([]slot, o.Conns), maxPending: maxPending}
 	c.dialer.Timeout = o.DialTimeout
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := range c.slots {

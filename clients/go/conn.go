@@ -37,6 +37,16 @@ import (
 // next response still lands on the right call; whoever completes an abandoned call (the
 // reader or a failing connection) returns it to the pool.
 //
+// A connection carries at most Client.maxPending calls (abandoned ones included): a call
+// takes a place in its room (a semaphore) before it is queued, and the reader gives the
+// place back when it pops the call. A Check whose connection is full tries the other
+// slots; when every connection it can get is full, it waits for a place on the first of
+// them (places are handed over in the order the callers asked, so a newcomer does not
+// overtake a waiting Check), until its deadline, and only then answers by the Policy. So
+// a burst of concurrent checks larger than the pool holds is answered by the sidecar, not
+// by the Policy, as long as it is answered in time; and memory stays bounded: what waits
+// is the caller's own goroutine and call, and no connection queues more than maxPending.
+//
 // Failed dials back off per slot: 10ms doubling up to 1s, with jitter (half to all of
 // it). While a slot backs off, Checks that land on it try the other slots and, when all
 // back off, answer by the Policy at once without dialing. A connection that broke before
@@ -48,7 +58,7 @@ const (
 	backoffMax = time.Second
 
 	// maxPending bounds the calls in flight (including abandoned ones) on one connection:
-	// beyond it the sidecar is far behind and a Check answers by the Policy at once.
+	// a Check that finds every connection at it waits for a place, up to its deadline.
 	maxPending = 4096
 
 	// maxResponseFrame is the largest response frame the client reads.
@@ -197,17 +207,7 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 		return fail(errTimeout)
 	}
 	cl.timer.Reset(wait)
-	// Round-robin over the slots; one that is backing off passes to the next.
-	n := len(c.slots)
-	start := int(c.next.Add(1) % uint32(n))
-	var cn *conn
-	var err error
-	for i := 0; i < n; i++ {
-		cn, err = c.slots[(start+i)%n].get(ctx, cl)
-		if _, backingOff := err.(*backoffError); !backingOff {
-			break
-		}
-	}
+	cn, err := c.pick(ctx, cl)
 	if err == nil {
 		err = cn.send(cl)
 	}
@@ -217,6 +217,50 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	}
 	cl.dropRequest() // encoded; the caller still owns cl until wait
 	return cl.wait(ctx)
+}
+
+// pick returns a connection with room for cl, its place in the room taken. It goes
+// round-robin over the slots: one that is backing off, or whose connection is full,
+// passes to the next. When every connection it got is full, it waits for a place on the
+// first of them until cl's deadline or ctx; if that connection breaks meanwhile, it
+// starts over (its slot redials).
+func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
+	n := len(c.slots)
+	start := int(c.next.Add(1) % uint32(n))
+	for {
+		var full *conn
+		var err error
+		for i := 0; i < n; i++ {
+			cn, e := c.slots[(start+i)%n].get(ctx, cl)
+			if e != nil {
+				if _, backingOff := e.(*backoffError); !backingOff {
+					return nil, e // closed, or the deadline or ctx ended while dialing
+				}
+				err = e
+				continue
+			}
+			select {
+			case cn.room <- struct{}{}:
+				return cn, nil
+			default:
+				if full == nil {
+					full = cn
+				}
+			}
+		}
+		if full == nil {
+			return nil, err
+		}
+		select {
+		case full.room <- struct{}{}:
+			return full, nil
+		case <-full.dead:
+		case <-cl.timer.C:
+			return nil, errNoRoom
+		case <-ctx.Done():
+			return nil, ctxError(ctx)
+		}
+	}
 }
 
 // slot holds one connection of the pool, and its dialing and backoff state.
@@ -286,7 +330,8 @@ func (s *slot) dial(done chan struct{}) {
 		s.failed(err)
 		return
 	}
-	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder()}
+	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
+		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
 	s.cn = cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
@@ -331,6 +376,11 @@ type conn struct {
 	s      *slot
 	nc     net.Conn
 	served atomic.Bool // a response arrived: the sidecar is really there
+	// room holds one element per call in flight (abandoned ones included), at most
+	// Client.maxPending: a sender puts one in before queuing, the reader takes one out
+	// when it pops a call.
+	room chan struct{}
+	dead chan struct{} // closed when the connection breaks
 
 	mu       sync.Mutex
 	enc      *proto.Encoder // frames not yet written
@@ -342,8 +392,9 @@ type conn struct {
 	err      error // why it broke
 }
 
-// send assigns cl.req an id, queues cl and makes sure the frame gets written. A write
-// error breaks the connection, which completes cl; so once cl is queued, send returns nil.
+// send assigns cl.req an id, queues cl and makes sure the frame gets written; the caller
+// has taken a place in cn.room. A write error breaks the connection, which completes cl;
+// so once cl is queued, send returns nil.
 //
 // A write can block only when the sidecar has stopped reading and the socket buffer is
 // full. Its deadline is Options.Timeout from the start of the write, not the flusher's
@@ -356,10 +407,6 @@ func (cn *conn) send(cl *call) error {
 		err := cn.err
 		cn.mu.Unlock()
 		return err
-	}
-	if cn.pending.n >= maxPending {
-		cn.mu.Unlock()
-		return errTooBusy
 	}
 	cn.nextID++
 	cl.id = cn.nextID
@@ -411,6 +458,7 @@ func (cn *conn) readLoop() {
 			cn.fail(unsolicited(dec, body))
 			return
 		}
+		<-cn.room // cl's place: the next caller waiting for room takes it
 		if err := dec.DecodeResponse(body, &cl.resp); err != nil {
 			err = &unreachable{what: "undecodable response", err: err}
 			cl.complete(err)
@@ -466,6 +514,7 @@ func (cn *conn) fail(err error) {
 	cn.mu.Unlock()
 	cn.nc.Close()
 	cn.s.detach(cn) // first, so that the failed callers' next checks redial
+	close(cn.dead)  // and the callers waiting for room on it try again
 	for _, cl := range pending {
 		cl.complete(err)
 	}
