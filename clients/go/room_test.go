@@ -165,7 +165,7 @@ func TestWaitersMoveOnWhenTheConnectionBreaks(t *testing.T) {
 	}()
 	eventually(t, "the connection to fill", func() bool { return pendingOn(c)[0] == 2 })
 	time.Sleep(20 * time.Millisecond) // the other three are waiting for room
-	f.dropConns() // the two in flight answer by the Policy; the three waiting redial
+	f.dropConns()                     // the two in flight answer by the Policy; the three waiting redial
 	open()
 	ds := <-done
 	for _, d := range ds {
