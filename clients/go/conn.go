@@ -107,6 +107,9 @@ type call struct {
 	state atomic.Uint32
 	done  chan struct{} // capacity 1
 	timer *time.Timer   // the caller's deadline
+	// bodyLen is, for a request near Options.MaxFrame, its frame body's length with id 0
+	// (sizeUp); 0 when it fits whatever its id.
+	bodyLen int
 }
 
 var callPool = sync.Pool{New: func() any {
@@ -206,6 +209,9 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	if wait <= 0 {
 		return fail(errTimeout)
 	}
+	if err := c.sizeUp(cl); err != nil {
+		return fail(err)
+	}
 	cl.timer.Reset(wait)
 	cn, err := c.pick(ctx, cl)
 	if err == nil {
@@ -217,6 +223,64 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	}
 	cl.dropRequest() // encoded; the caller still owns cl until wait
 	return cl.wait(ctx)
+}
+
+// sizeUp refuses a request whose frame body would be larger than Options.MaxFrame, before
+// anything is sent or waited for. Nearly every request is far below: its length bound says
+// so without encoding it. Otherwise it is encoded, with id 0, to learn its length: over
+// MaxFrame, it is refused; at most MaxFrame, cl.bodyLen keeps it for send, which checks it
+// again with the request's own id (a longer integer than 0).
+func (c *Client) sizeUp(cl *call) error {
+	cl.bodyLen = 0
+	if requestBound(&cl.req) <= c.opts.MaxFrame {
+		return nil
+	}
+	req := cl.req
+	req.ID = 0
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&req)
+	n := enc.Len() - proto.HeaderSize
+	if n > c.opts.MaxFrame {
+		return &RequestTooLargeError{Size: n, Max: c.opts.MaxFrame}
+	}
+	cl.bodyLen = n
+	return nil
+}
+
+// requestBound returns at least the length of r's frame body, whatever its id: its
+// strings' lengths, plus the most that msgpack headers, field names and integers take.
+func requestBound(r *proto.Request) int {
+	const (
+		hdr  = 5  // the longest map, array or str header
+		num  = 9  // the longest uint
+		name = 10 // a field name, at most 9 bytes ("window_ms", "algorithm"), in a fixstr
+	)
+	// id, op, attrs, limits, cost, lease, lease_ms
+	n := hdr + 7*name + num + hdr + len(r.Op) + hdr + hdr + num + hdr + len(r.Lease) + num
+	for _, a := range r.Attrs {
+		n += hdr + len(a.Name) + hdr + len(a.Value)
+	}
+	for i := range r.Limits {
+		l := &r.Limits[i]
+		// key, limit, window_ms, burst, algorithm, mode, name
+		n += hdr + 7*name + 4*hdr + len(l.Key) + len(l.Algorithm) + len(l.Mode) + len(l.Name) + 3*num
+	}
+	return n
+}
+
+// uintLen is the length of v as a msgpack uint in its shortest form.
+func uintLen(v uint64) int {
+	switch {
+	case v < 1<<7:
+		return 1
+	case v < 1<<8:
+		return 2
+	case v < 1<<16:
+		return 3
+	case v < 1<<32:
+		return 5
+	}
+	return 9
 }
 
 // pick returns a connection with room for cl, its place in the room taken. It goes
@@ -393,8 +457,9 @@ type conn struct {
 }
 
 // send assigns cl.req an id, queues cl and makes sure the frame gets written; the caller
-// has taken a place in cn.room. A write error breaks the connection, which completes cl;
-// so once cl is queued, send returns nil.
+// has taken a place in cn.room. A request that its id would make longer than
+// Options.MaxFrame is not sent (its place is given back). A write error breaks the
+// connection, which completes cl; so once cl is queued, send returns nil.
 //
 // A write can block only when the sidecar has stopped reading and the socket buffer is
 // full. Its deadline is Options.Timeout from the start of the write, not the flusher's
@@ -407,6 +472,13 @@ func (cn *conn) send(cl *call) error {
 		err := cn.err
 		cn.mu.Unlock()
 		return err
+	}
+	if cl.bodyLen > 0 {
+		if n := cl.bodyLen - 1 + uintLen(cn.nextID+1); n > cn.s.c.opts.MaxFrame {
+			cn.mu.Unlock()
+			<-cn.room
+			return &RequestTooLargeError{Size: n, Max: cn.s.c.opts.MaxFrame}
+		}
 	}
 	cn.nextID++
 	cl.id = cn.nextID
