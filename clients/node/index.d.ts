@@ -28,6 +28,11 @@ export interface ClientOptions {
   conns?: number;
   /** Longest wait for one connection attempt, in milliseconds; default max(timeoutMs, 100). */
   connectTimeoutMs?: number;
+  /**
+   * The largest request frame body sent, in bytes; default 65536. Set it to the daemon's
+   * --max-frame. A request over it is not sent: check() rejects with a RequestTooLargeError.
+   */
+  maxFrame?: number;
 }
 
 export interface CheckOptions {
@@ -55,7 +60,7 @@ export declare class RuleDecision {
 }
 
 export interface Rejection {
-  status: 429 | 503;
+  status: 429 | 431 | 503;
   headers: Record<string, string>;
   body: Buffer;
 }
@@ -93,8 +98,10 @@ export declare class Decision {
   readonly cause: string | null;
   /** The concurrency lease an allowed check holds; '' when none. Release it with Client.release. */
   readonly lease: string;
-  /** 200, 429 (a rule rejected) or 503 (no answer under 'closed'). */
-  readonly status: 200 | 429 | 503;
+  /** The request was too large to check: rejected whatever onUnavailable; its HTTP form is a 431. */
+  readonly tooLarge: boolean;
+  /** 200, 429 (a rule rejected), 431 (too large to check) or 503 (no answer under 'closed'). */
+  readonly status: 200 | 429 | 431 | 503;
   /** RateLimit-Policy, RateLimit, (when allowed and a rule warns) RateLimit-Warning and (when rejected) Retry-After. */
   headers(): Record<string, string>;
   problem(): Problem | null;
@@ -105,6 +112,15 @@ export declare class ProtocolError extends Error {
   readonly code: string;
   readonly sidecarMessage: string;
   /** The onUnavailable decision, for a caller that carries on. */
+  readonly decision?: Decision;
+}
+
+/** The request was not sent: its frame body would be size bytes, more than maxFrame. */
+export declare class RequestTooLargeError extends Error {
+  readonly code: 'request_too_large';
+  readonly size: number;
+  readonly maxFrame: number;
+  /** For a check: a Decision that rejects whatever onUnavailable (tooLarge, status 431). */
   readonly decision?: Decision;
 }
 

@@ -26,6 +26,8 @@ const net = require('net');
 const proto = require('./proto');
 const { Decision } = require('./decision');
 
+const { RequestTooLargeError } = proto;
+
 const BACKOFF_MIN = 10;
 const BACKOFF_MAX = 1000;
 // Checks in flight on one connection (abandoned ones included) beyond which a check waits
@@ -263,7 +265,7 @@ class Slot {
  * the sidecar gives no answer.
  */
 class Client {
-  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs } = {}) {
+  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME } = {}) {
     if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
     if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
       throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);
@@ -272,9 +274,13 @@ class Client {
       throw new RangeError(`onUnavailable must be 'open' or 'closed', not ${JSON.stringify(onUnavailable)}`);
     }
     if (!(Number.isInteger(conns) && conns >= 1 && conns <= 1024)) throw new RangeError(`conns must be 1..1024, not ${conns}`);
+    if (!(Number.isInteger(maxFrame) && maxFrame >= 1 && maxFrame <= 0xffffffff)) {
+      throw new RangeError(`maxFrame must be an integer of 1..2^32-1 bytes, not ${maxFrame}`);
+    }
     this.socket = socket;
     this.timeoutMs = timeoutMs;
     this.onUnavailable = onUnavailable;
+    this.maxFrame = maxFrame; // the largest request frame body sent: the daemon's --max-frame
     this.connectTimeoutMs = connectTimeoutMs === undefined ? Math.max(timeoutMs, 100) : connectTimeoutMs;
     this.closed = false;
     this.slots = [];
@@ -288,8 +294,11 @@ class Client {
    * string, sent in its key order. cost: what it consumes (default 1; 0 asks without
    * consuming). limits: inline limits. Resolves to a Decision; when the sidecar gives no
    * answer within timeoutMs, to the onUnavailable decision (degraded, unreachable). Rejects
-   * only with a ProtocolError (the sidecar refused the request), a ClosedError, or a
-   * TypeError/RangeError for bad arguments, before anything is sent.
+   * only with a ProtocolError (the sidecar refused the request), a RequestTooLargeError
+   * (its frame would be over maxFrame: not sent), a ClosedError, or a TypeError/RangeError
+   * for bad arguments, before anything is sent. The .decision of a ProtocolError is the
+   * onUnavailable decision, except for frame_too_large; that of a RequestTooLargeError or a
+   * frame_too_large rejects whatever onUnavailable (tooLarge, status 431).
    */
   check(attrs, { cost = 1, limits } = {}) {
     let msg;
@@ -301,8 +310,14 @@ class Client {
     return this.roundTrip(msg).then((m) => {
       if (typeof m === 'string') return this.policy(m, true);
       const e = proto.errorOf(m);
-      if (e !== null) throw new proto.ProtocolError(e[0], e[1], this.policy(`${e[0]}: ${e[1]}`, false));
+      if (e !== null) {
+        const why = `${e[0]}: ${e[1]}`;
+        throw new proto.ProtocolError(e[0], e[1], e[0] === 'frame_too_large' ? tooLarge(why) : this.policy(why, false));
+      }
       return proto.decision(m);
+    }, (e) => {
+      if (e instanceof RequestTooLargeError) e.decision = tooLarge(e.message);
+      throw e;
     });
   }
 
@@ -361,9 +376,20 @@ class Client {
   }
 
   // roundTrip sends msg (its id set per connection) and resolves to the answer map, or to a
-  // string saying why there is none.
+  // string saying why there is none. A message whose frame body would be over maxFrame is
+  // refused at once (nearly every one is far below: its bound says so without encoding it);
+  // write checks again with the message's own id.
   roundTrip(msg) {
     if (this.closed) return Promise.reject(new proto.ClosedError());
+    if (proto.frameBound(msg) > this.maxFrame) {
+      let n;
+      try {
+        n = proto.encode(msg).length - 4;
+      } catch (e) {
+        return Promise.reject(e);
+      }
+      if (n > this.maxFrame) return Promise.reject(new RequestTooLargeError(n, this.maxFrame));
+    }
     return new Promise((resolve, reject) => {
       const entry = {
         id: 0,
@@ -457,9 +483,18 @@ class Client {
       entry.done(null, e);
       return;
     }
+    if (frame.length - 4 > this.maxFrame) {
+      entry.done(null, new RequestTooLargeError(frame.length - 4, this.maxFrame));
+      return;
+    }
     entry.msg = null;
     conn.send(entry, frame);
   }
+}
+
+// tooLarge is the decision of a check too large to check: rejected, whatever onUnavailable.
+function tooLarge(cause) {
+  return new Decision({ allowed: false, tooLarge: true, cause });
 }
 
 module.exports = { Client, backoff, WaitQueue, MAX_PENDING };

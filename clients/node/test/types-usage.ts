@@ -1,16 +1,16 @@
 // A use of every declaration in index.d.ts; types.test.js compiles it with tsc --strict.
 import * as http from 'http';
-import { Client, Decision, RuleDecision, ProtocolError, ClosedError, middleware, defaultAttrs, normalizePath, PROTOCOL } from '..';
+import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, defaultAttrs, normalizePath, PROTOCOL } from '..';
 
 async function use(): Promise<void> {
-  const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2 });
+  const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2, maxFrame: 65536 });
   const d: Decision = await c.check({ user: 'alice' }, { cost: 2, limits: [{ key: 'k', limit: 10, windowMs: 1000, algorithm: 'fixed_window' }] });
   const allowed: boolean = d.allowed;
   const r: RuleDecision | undefined = d.rules[0];
   const h: Record<string, string> = d.headers();
   const rej = d.rejection();
   if (rej !== null) {
-    const s: 429 | 503 = rej.status;
+    const s: 429 | 431 | 503 = rej.status;
     const b: Buffer = rej.body;
     void s, b;
   }
@@ -24,6 +24,7 @@ async function use(): Promise<void> {
     await c.check({ user: 'x' });
   } catch (e) {
     if (e instanceof ProtocolError) console.log(e.code, e.sidecarMessage, e.decision?.status);
+    if (e instanceof RequestTooLargeError) console.log(e.code, e.size, e.maxFrame, e.decision?.tooLarge, e.decision?.status);
     if (e instanceof ClosedError) console.log(e.message);
   }
   const p: 1 = PROTOCOL;
