@@ -59,6 +59,7 @@ const (
 	DefaultConns       = 4
 	DefaultTimeout     = 50 * time.Millisecond
 	DefaultDialTimeout = 100 * time.Millisecond
+	DefaultMaxFrame    = proto.DefaultMaxFrame // the daemon's default --max-frame
 )
 
 // Options configure a Client. Only Socket is required; zero fields take the defaults.
@@ -68,6 +69,11 @@ type Options struct {
 	Timeout     time.Duration // longest wait for one Check when ctx has no earlier deadline; default 50ms
 	DialTimeout time.Duration // longest wait for one connection attempt; default 100ms
 	Policy      Policy        // the answer when the sidecar gives none; default FailOpen
+	// MaxFrame is the largest request frame body the client sends, in bytes; default
+	// 65,536. Set it to the daemon's --max-frame: the daemon answers a larger frame with
+	// frame_too_large and closes the connection (failing the other requests on it). A
+	// request that would be larger is not sent: see ErrRequestTooLarge.
+	MaxFrame int
 }
 
 // CheckOptions are the optional parts of a check. A nil *CheckOptions and the zero value
@@ -167,7 +173,34 @@ var (
 	// ErrUnreachable is wrapped by every Decision.Cause of an unreachable decision and by
 	// every error of Ping that comes from the transport.
 	ErrUnreachable = errors.New("rlclient: sidecar unreachable")
+	// ErrRequestTooLarge is wrapped by the error (a *RequestTooLargeError) of a request
+	// the client did not send because its frame would be larger than Options.MaxFrame:
+	// attribute values (a path, a header) too long to check. Unlike an unreachable
+	// sidecar, it does not lead to the Policy: the Decision of such a Check rejects, and
+	// WriteRejection and Middleware answer it with 431 Request Header Fields Too Large.
+	ErrRequestTooLarge = errors.New("rlclient: request too large to check")
 )
+
+// RequestTooLargeError is the error of a request the client did not send: its frame body
+// would be Size bytes, more than Max (Options.MaxFrame). errors.Is(err, ErrRequestTooLarge)
+// holds for it.
+type RequestTooLargeError struct {
+	Size int // the frame body's length
+	Max  int // Options.MaxFrame
+}
+
+func (e *RequestTooLargeError) Error() string {
+	return fmt.Sprintf("rlclient: request too large to check: its frame would be %d bytes, more than Options.MaxFrame (%d); not sent", e.Size, e.Max)
+}
+func (e *RequestTooLargeError) Unwrap() error { return ErrRequestTooLarge }
+
+// tooLarge reports whether err says the request is too large to check: the client did
+// not send it (ErrRequestTooLarge), or the sidecar refused its frame (frame_too_large,
+// when Options.MaxFrame is larger than the daemon's --max-frame).
+func tooLarge(err error) bool {
+	var pe *proto.Error
+	return errors.Is(err, ErrRequestTooLarge) || errors.As(err, &pe) && pe.Code == proto.CodeFrameTooLarge
+}
 
 // unreachable is a transport failure; errors.Is(err, ErrUnreachable) holds for it.
 type unreachable struct {
@@ -190,7 +223,7 @@ func (e *unreachable) Unwrap() []error {
 
 var (
 	errTimeout = &unreachable{what: "no answer within the timeout"}
-	errTooBusy = &unreachable{what: "too many requests in flight on the connection"}
+	errNoRoom  = &unreachable{what: "every connection had as many requests in flight as it may until the deadline"}
 )
 
 // Client asks one sidecar for decisions over a pool of pipelined connections.
@@ -198,10 +231,11 @@ var (
 // on next use, backing off between failed attempts. Safe for concurrent use.
 // Close it to stop its goroutines. The zero value is not usable; call New.
 type Client struct {
-	opts   Options
-	dialer net.Dialer
-	slots  []slot
-	next   atomic.Uint32 // round-robin counter
+	opts       Options
+	dialer     net.Dialer
+	slots      []slot
+	next       atomic.Uint32 // round-robin counter
+	maxPending int           // calls in flight per connection: maxPending (tests lower it)
 
 	ctx    context.Context // canceled by Close: stops dials in progress
 	cancel context.CancelFunc
@@ -215,8 +249,8 @@ func New(o Options) (*Client, error) {
 	if o.Socket == "" {
 		return nil, errors.New("rlclient: Options.Socket is required")
 	}
-	if o.Conns < 0 || o.Timeout < 0 || o.DialTimeout < 0 {
-		return nil, fmt.Errorf("rlclient: negative option (Conns %d, Timeout %v, DialTimeout %v)", o.Conns, o.Timeout, o.DialTimeout)
+	if o.Conns < 0 || o.Timeout < 0 || o.DialTimeout < 0 || o.MaxFrame < 0 {
+		return nil, fmt.Errorf("rlclient: negative option (Conns %d, Timeout %v, DialTimeout %v, MaxFrame %d)", o.Conns, o.Timeout, o.DialTimeout, o.MaxFrame)
 	}
 	if o.Policy > FailClosed {
 		return nil, fmt.Errorf("rlclient: unknown %v", o.Policy)
@@ -233,7 +267,10 @@ func New(o Options) (*Client, error) {
 	if o.DialTimeout == 0 {
 		o.DialTimeout = DefaultDialTimeout
 	}
-	c := &Client{opts: o, slots: make([]slot, o.Conns)}
+	if o.MaxFrame == 0 {
+		o.MaxFrame = DefaultMaxFrame
+	}
+	c := &Client{opts: o, slots: make([]slot, o.Conns), maxPending: maxPending}
 	c.dialer.Timeout = o.DialTimeout
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := range c.slots {
@@ -278,8 +315,13 @@ func (c *Client) Check(ctx context.Context, attrs map[string]string, o *CheckOpt
 //
 // The error is non-nil only when the sidecar answered the request with an error response
 // (a *proto.Error: bad_request, invalid_limit, unknown_op, …, all caused by what the caller
-// sent) or when the client is closed (ErrClosed). Even then the Decision is the Policy
-// decision, with Cause set to the error and Unreachable false.
+// sent), when the client is closed (ErrClosed), or when the request is too large to check
+// (ErrRequestTooLarge: not sent). Except for the last, the Decision is then the Policy
+// decision, with Cause set to the error and Unreachable false. A request too large to
+// check — ErrRequestTooLarge, or the sidecar's frame_too_large — gets a Decision that
+// rejects whatever the Policy (Allowed false, Cause the error), which WriteRejection answers
+// with 431: under FailOpen, attribute values too long to send must not be a way around
+// every limit.
 func (c *Client) CheckAttrs(ctx context.Context, attrs []proto.Attr, o *CheckOptions) (Decision, error) {
 	cl := getCall()
 	cl.req.Attrs = append(cl.req.Attrs, attrs...)
@@ -303,11 +345,16 @@ func (c *Client) check(ctx context.Context, cl *call, o *CheckOptions) (Decision
 	switch {
 	case errors.Is(err, ErrClosed):
 		return c.policyDecision(err, false), err
+	case errors.Is(err, ErrRequestTooLarge):
+		return Decision{Cause: err}, err
 	case err != nil:
 		return c.policyDecision(err, true), nil
 	case cl.resp.IsError():
 		perr := &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
 		cl.release()
+		if perr.Code == proto.CodeFrameTooLarge {
+			return Decision{Cause: perr}, perr
+		}
 		return c.policyDecision(perr, false), perr
 	}
 	d := decision(&cl.resp)

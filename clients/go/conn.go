@@ -37,6 +37,16 @@ import (
 // next response still lands on the right call; whoever completes an abandoned call (the
 // reader or a failing connection) returns it to the pool.
 //
+// A connection carries at most Client.maxPending calls (abandoned ones included): a call
+// takes a place in its room (a semaphore) before it is queued, and the reader gives the
+// place back when it pops the call. A Check whose connection is full tries the other
+// slots; when every connection it can get is full, it waits for a place on the first of
+// them (places are handed over in the order the callers asked, so a newcomer does not
+// overtake a waiting Check), until its deadline, and only then answers by the Policy. So
+// a burst of concurrent checks larger than the pool holds is answered by the sidecar, not
+// by the Policy, as long as it is answered in time; and memory stays bounded: what waits
+// is the caller's own goroutine and call, and no connection queues more than maxPending.
+//
 // Failed dials back off per slot: 10ms doubling up to 1s, with jitter (half to all of
 // it). While a slot backs off, Checks that land on it try the other slots and, when all
 // back off, answer by the Policy at once without dialing. A connection that broke before
@@ -48,7 +58,7 @@ const (
 	backoffMax = time.Second
 
 	// maxPending bounds the calls in flight (including abandoned ones) on one connection:
-	// beyond it the sidecar is far behind and a Check answers by the Policy at once.
+	// a Check that finds every connection at it waits for a place, up to its deadline.
 	maxPending = 4096
 
 	// maxResponseFrame is the largest response frame the client reads.
@@ -97,6 +107,9 @@ type call struct {
 	state atomic.Uint32
 	done  chan struct{} // capacity 1
 	timer *time.Timer   // the caller's deadline
+	// bodyLen is, for a request near Options.MaxFrame, its frame body's length with id 0
+	// (sizeUp); 0 when it fits whatever its id.
+	bodyLen int
 }
 
 var callPool = sync.Pool{New: func() any {
@@ -196,18 +209,11 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	if wait <= 0 {
 		return fail(errTimeout)
 	}
-	cl.timer.Reset(wait)
-	// Round-robin over the slots; one that is backing off passes to the next.
-	n := len(c.slots)
-	start := int(c.next.Add(1) % uint32(n))
-	var cn *conn
-	var err error
-	for i := 0; i < n; i++ {
-		cn, err = c.slots[(start+i)%n].get(ctx, cl)
-		if _, backingOff := err.(*backoffError); !backingOff {
-			break
-		}
+	if err := c.sizeUp(cl); err != nil {
+		return fail(err)
 	}
+	cl.timer.Reset(wait)
+	cn, err := c.pick(ctx, cl)
 	if err == nil {
 		err = cn.send(cl)
 	}
@@ -217,6 +223,108 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	}
 	cl.dropRequest() // encoded; the caller still owns cl until wait
 	return cl.wait(ctx)
+}
+
+// sizeUp refuses a request whose frame body would be larger than Options.MaxFrame, before
+// anything is sent or waited for. Nearly every request is far below: its length bound says
+// so without encoding it. Otherwise it is encoded, with id 0, to learn its length: over
+// MaxFrame, it is refused; at most MaxFrame, cl.bodyLen keeps it for send, which checks it
+// again with the request's own id (a longer integer than 0).
+func (c *Client) sizeUp(cl *call) error {
+	cl.bodyLen = 0
+	if requestBound(&cl.req) <= c.opts.MaxFrame {
+		return nil
+	}
+	req := cl.req
+	req.ID = 0
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&req)
+	n := enc.Len() - proto.HeaderSize
+	if n > c.opts.MaxFrame {
+		return &RequestTooLargeError{Size: n, Max: c.opts.MaxFrame}
+	}
+	cl.bodyLen = n
+	return nil
+}
+
+// requestBound returns at least the length of r's frame body, whatever its id: its
+// strings' lengths, plus the most that msgpack headers, field names and integers take.
+func requestBound(r *proto.Request) int {
+	const (
+		hdr  = 5  // the longest map, array or str header
+		num  = 9  // the longest uint
+		name = 10 // a field name, at most 9 bytes ("window_ms", "algorithm"), in a fixstr
+	)
+	// id, op, attrs, limits, cost, lease, lease_ms
+	n := hdr + 7*name + num + hdr + len(r.Op) + hdr + hdr + num + hdr + len(r.Lease) + num
+	for _, a := range r.Attrs {
+		n += hdr + len(a.Name) + hdr + len(a.Value)
+	}
+	for i := range r.Limits {
+		l := &r.Limits[i]
+		// key, limit, window_ms, burst, algorithm, mode, name
+		n += hdr + 7*name + 4*hdr + len(l.Key) + len(l.Algorithm) + len(l.Mode) + len(l.Name) + 3*num
+	}
+	return n
+}
+
+// uintLen is the length of v as a msgpack uint in its shortest form.
+func uintLen(v uint64) int {
+	switch {
+	case v < 1<<7:
+		return 1
+	case v < 1<<8:
+		return 2
+	case v < 1<<16:
+		return 3
+	case v < 1<<32:
+		return 5
+	}
+	return 9
+}
+
+// pick returns a connection with room for cl, its place in the room taken. It goes
+// round-robin over the slots: one that is backing off, or whose connection is full,
+// passes to the next. When every connection it got is full, it waits for a place on the
+// first of them until cl's deadline or ctx; if that connection breaks meanwhile, it
+// starts over (its slot redials).
+func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
+	n := len(c.slots)
+	start := int(c.next.Add(1) % uint32(n))
+	for {
+		var full *conn
+		var err error
+		for i := 0; i < n; i++ {
+			cn, e := c.slots[(start+i)%n].get(ctx, cl)
+			if e != nil {
+				if _, backingOff := e.(*backoffError); !backingOff {
+					return nil, e // closed, or the deadline or ctx ended while dialing
+				}
+				err = e
+				continue
+			}
+			select {
+			case cn.room <- struct{}{}:
+				return cn, nil
+			default:
+				if full == nil {
+					full = cn
+				}
+			}
+		}
+		if full == nil {
+			return nil, err
+		}
+		select {
+		case full.room <- struct{}{}:
+			return full, nil
+		case <-full.dead:
+		case <-cl.timer.C:
+			return nil, errNoRoom
+		case <-ctx.Done():
+			return nil, ctxError(ctx)
+		}
+	}
 }
 
 // slot holds one connection of the pool, and its dialing and backoff state.
@@ -286,7 +394,8 @@ func (s *slot) dial(done chan struct{}) {
 		s.failed(err)
 		return
 	}
-	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder()}
+	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
+		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
 	s.cn = cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
@@ -331,6 +440,11 @@ type conn struct {
 	s      *slot
 	nc     net.Conn
 	served atomic.Bool // a response arrived: the sidecar is really there
+	// room holds one element per call in flight (abandoned ones included), at most
+	// Client.maxPending: a sender puts one in before queuing, the reader takes one out
+	// when it pops a call.
+	room chan struct{}
+	dead chan struct{} // closed when the connection breaks
 
 	mu       sync.Mutex
 	enc      *proto.Encoder // frames not yet written
@@ -342,8 +456,10 @@ type conn struct {
 	err      error // why it broke
 }
 
-// send assigns cl.req an id, queues cl and makes sure the frame gets written. A write
-// error breaks the connection, which completes cl; so once cl is queued, send returns nil.
+// send assigns cl.req an id, queues cl and makes sure the frame gets written; the caller
+// has taken a place in cn.room. A request that its id would make longer than
+// Options.MaxFrame is not sent (its place is given back). A write error breaks the
+// connection, which completes cl; so once cl is queued, send returns nil.
 //
 // A write can block only when the sidecar has stopped reading and the socket buffer is
 // full. Its deadline is Options.Timeout from the start of the write, not the flusher's
@@ -357,9 +473,12 @@ func (cn *conn) send(cl *call) error {
 		cn.mu.Unlock()
 		return err
 	}
-	if cn.pending.n >= maxPending {
-		cn.mu.Unlock()
-		return errTooBusy
+	if cl.bodyLen > 0 {
+		if n := cl.bodyLen - 1 + uintLen(cn.nextID+1); n > cn.s.c.opts.MaxFrame {
+			cn.mu.Unlock()
+			<-cn.room
+			return &RequestTooLargeError{Size: n, Max: cn.s.c.opts.MaxFrame}
+		}
 	}
 	cn.nextID++
 	cl.id = cn.nextID
@@ -411,6 +530,7 @@ func (cn *conn) readLoop() {
 			cn.fail(unsolicited(dec, body))
 			return
 		}
+		<-cn.room // cl's place: the next caller waiting for room takes it
 		if err := dec.DecodeResponse(body, &cl.resp); err != nil {
 			err = &unreachable{what: "undecodable response", err: err}
 			cl.complete(err)
@@ -466,6 +586,7 @@ func (cn *conn) fail(err error) {
 	cn.mu.Unlock()
 	cn.nc.Close()
 	cn.s.detach(cn) // first, so that the failed callers' next checks redial
+	close(cn.dead)  // and the callers waiting for room on it try again
 	for _, cl := range pending {
 		cl.complete(err)
 	}

@@ -80,11 +80,19 @@ func SetHeaders(h http.Header, d *Decision) {
 	}
 }
 
+// tooLargeBody is the problem+json body of a 431: the request's attributes were too large
+// to check. Every rlsidecar client writes these bytes.
+const tooLargeBody = `{"type":"about:blank","title":"Request Header Fields Too Large","status":431,` +
+	`"detail":"This request's attributes (its path or header fields) are too large for the rate limiter to check."}`
+
 // WriteRejection writes the response for a decision that does not allow the request:
 //
 //   - when the sidecar rejected it: 429 Too Many Requests with the headers of SetHeaders
 //     and an application/problem+json body (RFC 9457) with the extension members "rule"
 //     and "retry_after" (seconds; absent when no retry can pass);
+//   - when the request was too large to check (d.Cause wraps ErrRequestTooLarge, or is the
+//     sidecar's frame_too_large): 431 Request Header Fields Too Large and a problem+json
+//     body, whatever the Policy;
 //   - when the client applied FailClosed because the sidecar gave no decision
 //     (d.Unreachable, or d.Cause set): 503 Service Unavailable, Retry-After: 1, and a
 //     problem+json body saying the rate limiter is unavailable.
@@ -92,7 +100,10 @@ func WriteRejection(w http.ResponseWriter, d *Decision) {
 	h := w.Header()
 	var body []byte
 	status := http.StatusTooManyRequests
-	if d.Unreachable || d.Cause != nil {
+	if tooLarge(d.Cause) {
+		status = http.StatusRequestHeaderFieldsTooLarge
+		body = []byte(tooLargeBody)
+	} else if d.Unreachable || d.Cause != nil {
 		status = http.StatusServiceUnavailable
 		body = proto.UnavailableBody()
 		h.Set("Retry-After", "1")
@@ -116,17 +127,22 @@ type MiddlewareOptions struct {
 	// OnError handles a request whose check returned an error (a *proto.Error, which is a
 	// bug in what Attrs or Cost produced, or ErrClosed): it writes the response itself.
 	// When nil, such a request follows the Client's Policy, as for an unreachable sidecar.
+	// A request too large to check never reaches OnError: it gets a 431.
 	OnError func(w http.ResponseWriter, r *http.Request, err error)
 }
 
 // DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port),
-// method and path (r.URL.Path), in that order (sorted by name).
+// method and path, in that order (sorted by name). The path is
+// NormalizePath(r.URL.EscapedPath()): the target's path as it came, each escape decoded
+// once, slashes merged and dot segments removed, as every rlsidecar client sends it, so
+// that /f%61st, //fast and /a/../fast are all /fast. (r.URL.Path is decoded already;
+// normalizing it would decode twice.)
 func DefaultAttrs(r *http.Request) []proto.Attr {
 	ip := r.RemoteAddr
 	if host, _, err := net.SplitHostPort(ip); err == nil {
 		ip = host
 	}
-	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: r.URL.Path}}
+	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
 }
 
 // Middleware returns net/http middleware that checks every request with c:
@@ -141,7 +157,9 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 //   - no decision from the sidecar (unreachable, slow): the Client's Policy — FailOpen calls
 //     the next handler without rate-limit headers, FailClosed answers 503 with
 //     Retry-After: 1 (WriteRejection);
-//   - an error (see Client.CheckAttrs): OnError when set, otherwise the Policy as above.
+//   - attributes too large to check (ErrRequestTooLarge, or the sidecar's frame_too_large):
+//     431 Request Header Fields Too Large (WriteRejection), whatever the Policy and OnError;
+//   - another error (see Client.CheckAttrs): OnError when set, otherwise the Policy as above.
 func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler {
 	attrs := o.Attrs
 	if attrs == nil {
@@ -154,7 +172,7 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 				co.Cost = o.Cost(r)
 			}
 			d, err := c.CheckAttrs(r.Context(), attrs(r), &co)
-			if err != nil && o.OnError != nil {
+			if err != nil && o.OnError != nil && !tooLarge(err) {
 				o.OnError(w, r, err)
 				return
 			}

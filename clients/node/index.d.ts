@@ -28,6 +28,11 @@ export interface ClientOptions {
   conns?: number;
   /** Longest wait for one connection attempt, in milliseconds; default max(timeoutMs, 100). */
   connectTimeoutMs?: number;
+  /**
+   * The largest request frame body sent, in bytes; default 65536. Set it to the daemon's
+   * --max-frame. A request over it is not sent: check() rejects with a RequestTooLargeError.
+   */
+  maxFrame?: number;
 }
 
 export interface CheckOptions {
@@ -55,7 +60,7 @@ export declare class RuleDecision {
 }
 
 export interface Rejection {
-  status: 429 | 503;
+  status: 429 | 431 | 503;
   headers: Record<string, string>;
   body: Buffer;
 }
@@ -93,8 +98,10 @@ export declare class Decision {
   readonly cause: string | null;
   /** The concurrency lease an allowed check holds; '' when none. Release it with Client.release. */
   readonly lease: string;
-  /** 200, 429 (a rule rejected) or 503 (no answer under 'closed'). */
-  readonly status: 200 | 429 | 503;
+  /** The request was too large to check: rejected whatever onUnavailable; its HTTP form is a 431. */
+  readonly tooLarge: boolean;
+  /** 200, 429 (a rule rejected), 431 (too large to check) or 503 (no answer under 'closed'). */
+  readonly status: 200 | 429 | 431 | 503;
   /** RateLimit-Policy, RateLimit, (when allowed and a rule warns) RateLimit-Warning and (when rejected) Retry-After. */
   headers(): Record<string, string>;
   problem(): Problem | null;
@@ -108,6 +115,15 @@ export declare class ProtocolError extends Error {
   readonly decision?: Decision;
 }
 
+/** The request was not sent: its frame body would be size bytes, more than maxFrame. */
+export declare class RequestTooLargeError extends Error {
+  readonly code: 'request_too_large';
+  readonly size: number;
+  readonly maxFrame: number;
+  /** For a check: a Decision that rejects whatever onUnavailable (tooLarge, status 431). */
+  readonly decision?: Decision;
+}
+
 export declare class ClosedError extends Error {}
 
 export declare class Client {
@@ -115,7 +131,8 @@ export declare class Client {
   readonly socket: string;
   readonly timeoutMs: number;
   readonly onUnavailable: 'open' | 'closed';
-  check(attrs: Record<string, string>, options?: CheckOptions): Promise<Decision>;
+  /** attrs: strings, sent in key order; a Uint8Array value (normalizePath's Buffer) is sent as its bytes. */
+  check(attrs: Record<string, string | Uint8Array>, options?: CheckOptions): Promise<Decision>;
   ping(): Promise<string>;
   /** Frees a concurrency lease: false when it was unknown, expired or already released. */
   release(lease: string): Promise<boolean>;
@@ -138,12 +155,20 @@ export interface MiddlewareResponse {
 }
 
 export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse> {
-  attrs?: (req: Req) => Record<string, string>;
+  attrs?: (req: Req) => Record<string, string | Uint8Array>;
   cost?: (req: Req) => number;
   onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
 }
 
-export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string };
+/** ip (the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */
+export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string | Buffer };
+
+/**
+ * The path attribute of a request target, as every rlsidecar client sends it: the query
+ * and fragment dropped, each valid %XX decoded once, slashes merged, dot segments removed
+ * (clients/testdata/paths.json). A string when its bytes are UTF-8, else a Buffer of them.
+ */
+export declare function normalizePath(target: string): string | Buffer;
 
 export declare function middleware<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse>(
   client: Client,

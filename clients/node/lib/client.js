@@ -11,16 +11,77 @@
 // pending check resolves with the policy decision, and the next check redials. Failed
 // dials back off per slot from 10 ms, doubling to 1 s, with jitter; a slot that backs
 // off answers by the policy at once.
+//
+// A connection carries at most MAX_PENDING checks in flight (abandoned ones included). A
+// check whose connection is full goes on another live connection with room; when every one
+// is full, it joins the client's queue of waiting checks, and is sent, in the order they
+// came, as answers free room (or a connection opens); a connection that breaks sends its
+// waiters round again (its slot redials). A waiting check gives up at its own timeout and
+// leaves the queue at once, answering by the policy. So a burst larger than the pool holds
+// is decided by the sidecar, not by the policy, as long as it is answered in time; memory
+// stays bounded: no connection holds more than MAX_PENDING, and the queue holds only checks
+// still within their timeout.
 
 const net = require('net');
 const proto = require('./proto');
 const { Decision } = require('./decision');
 
+const { RequestTooLargeError } = proto;
+
 const BACKOFF_MIN = 10;
 const BACKOFF_MAX = 1000;
-// Checks in flight (abandoned ones included) beyond which a connection counts as stalled:
-// a check then answers by the policy at once.
+// Checks in flight on one connection (abandoned ones included) beyond which a check waits
+// for room, up to its timeout.
 const MAX_PENDING = 4096;
+const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
+
+// WaitQueue is a FIFO of the checks waiting for room. A check that gives up leaves it at
+// once (remove): it is only marked, and the marked ones are dropped as the queue is read,
+// or all together when they are most of it, so the queue never holds much more than the
+// checks still waiting.
+class WaitQueue {
+  constructor() {
+    this.items = [];
+    this.head = 0;
+    this.size = 0; // checks still waiting
+  }
+
+  push(entry) {
+    entry.queued = true;
+    this.items.push(entry);
+    this.size++;
+  }
+
+  remove(entry) {
+    if (!entry.queued) return;
+    entry.queued = false;
+    this.size--;
+    const held = this.items.length - this.head;
+    if (held > 64 && this.size * 2 < held) {
+      this.items = this.items.slice(this.head).filter((e) => e.queued);
+      this.head = 0;
+    }
+  }
+
+  shift() {
+    while (this.head < this.items.length) {
+      const e = this.items[this.head];
+      this.items[this.head++] = undefined;
+      if (e.queued) {
+        e.queued = false;
+        this.size--;
+        if (this.head > 1024 && this.head * 2 > this.items.length) {
+          this.items = this.items.slice(this.head);
+          this.head = 0;
+        }
+        return e;
+      }
+    }
+    this.items = [];
+    this.head = 0;
+    return null;
+  }
+}
 
 function backoff(failures) {
   const d = failures >= 8 ? BACKOFF_MAX : Math.min(BACKOFF_MIN * 2 ** (failures - 1), BACKOFF_MAX);
@@ -103,6 +164,7 @@ class Conn {
       }
     }
     this.buf = off === buf.length ? null : buf.subarray(off);
+    this.slot.client.admit(this);
   }
 
   // fail breaks the connection once: every pending check gets the policy decision.
@@ -116,6 +178,7 @@ class Conn {
     this.pending = [];
     this.head = 0;
     for (let i = head; i < pending.length; i++) pending[i].done(null, why);
+    this.slot.client.reroute();
   }
 }
 
@@ -169,6 +232,7 @@ class Slot {
         }
         socket.unref(); // an idle client does not keep the process alive; waiting checks hold a timer
         this.conn = new Conn(this, socket);
+        c.admit(this.conn);
         resolve(this.conn);
       };
       const onError = (e) => done(`connecting to ${c.socket}: ${e.message}`);
@@ -201,7 +265,7 @@ class Slot {
  * the sidecar gives no answer.
  */
 class Client {
-  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs } = {}) {
+  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME } = {}) {
     if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
     if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
       throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);
@@ -210,14 +274,19 @@ class Client {
       throw new RangeError(`onUnavailable must be 'open' or 'closed', not ${JSON.stringify(onUnavailable)}`);
     }
     if (!(Number.isInteger(conns) && conns >= 1 && conns <= 1024)) throw new RangeError(`conns must be 1..1024, not ${conns}`);
+    if (!(Number.isInteger(maxFrame) && maxFrame >= 1 && maxFrame <= 0xffffffff)) {
+      throw new RangeError(`maxFrame must be an integer of 1..2^32-1 bytes, not ${maxFrame}`);
+    }
     this.socket = socket;
     this.timeoutMs = timeoutMs;
     this.onUnavailable = onUnavailable;
+    this.maxFrame = maxFrame; // the largest request frame body sent: the daemon's --max-frame
     this.connectTimeoutMs = connectTimeoutMs === undefined ? Math.max(timeoutMs, 100) : connectTimeoutMs;
     this.closed = false;
     this.slots = [];
     for (let i = 0; i < conns; i++) this.slots.push(new Slot(this));
     this.next = 0;
+    this.waiting = new WaitQueue(); // checks waiting for room on a connection
   }
 
   /**
@@ -225,8 +294,11 @@ class Client {
    * string, sent in its key order. cost: what it consumes (default 1; 0 asks without
    * consuming). limits: inline limits. Resolves to a Decision; when the sidecar gives no
    * answer within timeoutMs, to the onUnavailable decision (degraded, unreachable). Rejects
-   * only with a ProtocolError (the sidecar refused the request), a ClosedError, or a
-   * TypeError/RangeError for bad arguments, before anything is sent.
+   * only with a ProtocolError (the sidecar refused the request), a RequestTooLargeError
+   * (its frame would be over maxFrame: not sent), a ClosedError, or a TypeError/RangeError
+   * for bad arguments, before anything is sent. The .decision of a ProtocolError is the
+   * onUnavailable decision, except for frame_too_large; that of a RequestTooLargeError or a
+   * frame_too_large rejects whatever onUnavailable (tooLarge, status 431).
    */
   check(attrs, { cost = 1, limits } = {}) {
     let msg;
@@ -238,8 +310,14 @@ class Client {
     return this.roundTrip(msg).then((m) => {
       if (typeof m === 'string') return this.policy(m, true);
       const e = proto.errorOf(m);
-      if (e !== null) throw new proto.ProtocolError(e[0], e[1], this.policy(`${e[0]}: ${e[1]}`, false));
+      if (e !== null) {
+        const why = `${e[0]}: ${e[1]}`;
+        throw new proto.ProtocolError(e[0], e[1], e[0] === 'frame_too_large' ? tooLarge(why) : this.policy(why, false));
+      }
       return proto.decision(m);
+    }, (e) => {
+      if (e instanceof RequestTooLargeError) e.decision = tooLarge(e.message);
+      throw e;
     });
   }
 
@@ -288,6 +366,7 @@ class Client {
   /** Closes every connection; checks in flight resolve with the policy decision, later ones reject. */
   close() {
     this.closed = true;
+    for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) e.done(null, 'client closed');
     for (const s of this.slots) s.close();
     return Promise.resolve();
   }
@@ -297,9 +376,46 @@ class Client {
   }
 
   // roundTrip sends msg (its id set per connection) and resolves to the answer map, or to a
-  // string saying why there is none.
+  // string saying why there is none. A message whose frame body would be over maxFrame is
+  // refused at once (nearly every one is far below: its bound says so without encoding it);
+  // write checks again with the message's own id.
   roundTrip(msg) {
     if (this.closed) return Promise.reject(new proto.ClosedError());
+    if (proto.frameBound(msg) > this.maxFrame) {
+      let n;
+      try {
+        n = proto.encode(msg).length - 4;
+      } catch (e) {
+        return Promise.reject(e);
+      }
+      if (n > this.maxFrame) return Promise.reject(new RequestTooLargeError(n, this.maxFrame));
+    }
+    return new Promise((resolve, reject) => {
+      const entry = {
+        id: 0,
+        msg, // until it is sent
+        settled: false,
+        queued: false, // waiting for room (in this.waiting)
+        timer: null,
+        done: (m, why) => {
+          if (entry.settled) return; // abandoned after a timeout: the late answer is dropped
+          entry.settled = true;
+          clearTimeout(entry.timer);
+          this.waiting.remove(entry);
+          entry.msg = null;
+          if (why === 'client closed') reject(new proto.ClosedError());
+          else if (why instanceof Error) reject(why);
+          else resolve(m !== null ? m : why);
+        },
+      };
+      entry.timer = setTimeout(() => entry.done(null, entry.queued ? NO_ROOM : 'no answer within the timeout'), this.timeoutMs);
+      this.route(entry);
+    });
+  }
+
+  // route sends entry on the next slot round-robin (one that backs off passes to the next),
+  // dialing it if needed.
+  route(entry) {
     const n = this.slots.length;
     const now = Date.now();
     let slot = null;
@@ -313,41 +429,72 @@ class Client {
     this.next = (this.next + 1) % n;
     if (slot === null) slot = this.slots[this.next];
     const got = slot.get();
-    if (typeof got === 'string') return Promise.resolve(got);
-    return new Promise((resolve, reject) => {
-      let settled = false;
-      const entry = {
-        id: 0,
-        done: (m, why) => {
-          if (settled) return; // abandoned after a timeout: the late answer is dropped
-          settled = true;
-          clearTimeout(timer);
-          if (why === 'client closed') reject(new proto.ClosedError());
-          else resolve(m !== null ? m : why);
-        },
-      };
-      const timer = setTimeout(() => entry.done(null, 'no answer within the timeout'), this.timeoutMs);
-      const send = (conn) => {
-        if (settled) return;
-        if (typeof conn === 'string') return entry.done(null, conn);
-        if (conn.broken !== null) return entry.done(null, conn.broken);
-        if (conn.inFlight() >= MAX_PENDING) return entry.done(null, 'too many checks in flight on the connection');
-        msg.id = conn.nextId + 1;
-        let frame;
-        try {
-          frame = proto.encode(msg);
-        } catch (e) {
-          settled = true;
-          clearTimeout(timer);
-          reject(e);
-          return;
-        }
-        conn.send(entry, frame);
-      };
-      if (got instanceof Conn) send(got);
-      else got.then(send);
-    });
+    if (got instanceof Conn) this.sendOn(entry, got);
+    else if (typeof got === 'string') entry.done(null, got);
+    else got.then((conn) => this.sendOn(entry, conn));
+  }
+
+  // sendOn sends entry on conn when it has room and no check waits before entry; else entry
+  // joins the checks waiting for room, which go, in order, on every live connection with room.
+  sendOn(entry, conn) {
+    if (entry.settled) return;
+    if (typeof conn === 'string') return entry.done(null, conn);
+    if (conn.broken !== null) return entry.done(null, conn.broken);
+    if (this.waiting.size === 0 && conn.inFlight() < MAX_PENDING) {
+      this.write(entry, conn);
+      return;
+    }
+    this.waiting.push(entry);
+    for (let c = this.roomy(); c !== null && this.waiting.size > 0; c = this.roomy()) this.admit(c);
+  }
+
+  // roomy returns a live connection with room, or null.
+  roomy() {
+    for (const s of this.slots) {
+      const c = s.conn;
+      if (c !== null && c.broken === null && c.inFlight() < MAX_PENDING) return c;
+    }
+    return null;
+  }
+
+  // admit sends waiting checks on conn while it has room.
+  admit(conn) {
+    while (this.waiting.size > 0 && conn.broken === null && conn.inFlight() < MAX_PENDING) {
+      this.write(this.waiting.shift(), conn);
+    }
+  }
+
+  // reroute sends every waiting check round again (a connection broke: its slot redials).
+  reroute() {
+    if (this.waiting.size === 0 || this.closed) return;
+    const entries = [];
+    for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) entries.push(e);
+    for (const e of entries) this.route(e);
+  }
+
+  // write encodes entry's message with conn's next id and sends it.
+  write(entry, conn) {
+    const msg = entry.msg;
+    msg.id = conn.nextId + 1;
+    let frame;
+    try {
+      frame = proto.encode(msg);
+    } catch (e) {
+      entry.done(null, e);
+      return;
+    }
+    if (frame.length - 4 > this.maxFrame) {
+      entry.done(null, new RequestTooLargeError(frame.length - 4, this.maxFrame));
+      return;
+    }
+    entry.msg = null;
+    conn.send(entry, frame);
   }
 }
 
-module.exports = { Client, backoff };
+// tooLarge is the decision of a check too large to check: rejected, whatever onUnavailable.
+function tooLarge(cause) {
+  return new Decision({ allowed: false, tooLarge: true, cause });
+}
+
+module.exports = { Client, backoff, WaitQueue, MAX_PENDING };

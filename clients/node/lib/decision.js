@@ -29,7 +29,9 @@ class RuleDecision {
 /**
  * The answer to a check. When nothing matched, allowed is true and rule is ''. When the
  * sidecar gave no answer, it is the client's onUnavailable decision: allowed is
- * (onUnavailable === 'open'), degraded and unreachable are true, cause says why.
+ * (onUnavailable === 'open'), degraded and unreachable are true, cause says why. When the
+ * request was too large to check (RequestTooLargeError, or the sidecar's frame_too_large),
+ * allowed is false and tooLarge true, whatever onUnavailable: its HTTP form is a 431.
  */
 class Decision {
   constructor(f) {
@@ -50,11 +52,16 @@ class Decision {
     this.warning = f.warning === true; // allowed, and a rule has used at least its warn_at fraction
     this.delayMs = f.delayMs || 0; // allowed: hold the request this long before forwarding (a rule's delay)
     this.banned = f.banned === true; // refused: the deciding rule bans the key; retryAfterMs is the ban's rest
+    this.tooLarge = f.tooLarge === true; // refused: the request was too large to check
   }
 
-  /** 200 (go on), 429 (a rule rejected) or 503 (no answer and onUnavailable 'closed'). */
+  /**
+   * 200 (go on), 429 (a rule rejected), 431 (too large to check) or 503 (no answer and
+   * onUnavailable 'closed').
+   */
   get status() {
     if (this.allowed) return 200;
+    if (this.tooLarge) return 431;
     if (this.unreachable || this.cause !== null) return 503;
     return 429;
   }
@@ -69,6 +76,7 @@ class Decision {
    */
   headers() {
     const h = {};
+    if (this.tooLarge) return h; // no rule decided, and no retry can pass
     if (this.rule !== '') {
       const pol = [];
       const cur = [];
@@ -102,6 +110,12 @@ class Decision {
   /** The RFC 9457 problem details of a decision that does not allow; null when allowed. */
   problem() {
     if (this.allowed) return null;
+    if (this.tooLarge) {
+      return {
+        type: PROBLEM_TYPE, title: 'Request Header Fields Too Large', status: 431,
+        detail: "This request's attributes (its path or header fields) are too large for the rate limiter to check.",
+      };
+    }
     if (this.status === 503) {
       return {
         type: PROBLEM_TYPE, title: 'Service Unavailable', status: 503,
@@ -124,9 +138,10 @@ class Decision {
 
   /**
    * { status, headers, body } of the response to a request this decision does not allow:
-   * 429 with headers() and a problem+json body, or 503 with Retry-After: 1 when the
-   * sidecar gave no answer under 'closed'. body is a Buffer, the bytes the Go client
-   * writes. null when allowed.
+   * 429 with headers() and a problem+json body, 431 with a problem+json body when the
+   * request was too large to check, or 503 with Retry-After: 1 when the sidecar gave no
+   * answer under 'closed'. body is a Buffer, the bytes the Go client writes. null when
+   * allowed.
    */
   rejection() {
     const p = this.problem();

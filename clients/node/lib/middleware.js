@@ -4,15 +4,19 @@
 
 const { ProtocolError, ClosedError } = require('./proto');
 const { Decision } = require('./decision');
+const { normalizePath } = require('./path');
 
-/** The default attributes: ip (the peer's address), method, path (without the query). */
+/**
+ * The default attributes: ip (the peer's address), method, and path: normalizePath of the
+ * request target (req.originalUrl, which Express keeps whole under a mount point, else
+ * req.url), so that /f%61st, //fast and /a/../fast are all /fast, as every rlsidecar
+ * client sends them.
+ */
 function defaultAttrs(req) {
-  const url = req.originalUrl || req.url || '';
-  const q = url.indexOf('?');
   return {
     ip: (req.socket && req.socket.remoteAddress) || '',
     method: req.method || '',
-    path: q < 0 ? url : url.slice(0, q),
+    path: normalizePath(req.originalUrl || req.url || ''),
   };
 }
 
@@ -22,7 +26,9 @@ function defaultAttrs(req) {
  * response finishes or closes; rejected by a rule → 429 with Retry-After and
  * a problem+json body; no answer → the client's onUnavailable ('open': next() without
  * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
- * refuses) and a closed client follow onUnavailable too, unless onError is given.
+ * refuses) and a closed client follow onUnavailable too, unless onError is given. A request
+ * too large to check (RequestTooLargeError, or the sidecar's frame_too_large) gets a 431,
+ * whatever onUnavailable and onError.
  */
 function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
   return function rlsidecarMiddleware(req, res, next) {
@@ -62,6 +68,14 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       }
       next();
     }, (e) => {
+      if (e && e.decision && e.decision.tooLarge) {
+        // Attributes too large to check (a long path or header): 431, whatever the policy.
+        const r = e.decision.rejection();
+        res.statusCode = r.status;
+        for (const k in r.headers) res.setHeader(k, r.headers[k]);
+        res.end(r.body);
+        return;
+      }
       if ((e instanceof ProtocolError || e instanceof ClosedError) && !onError) {
         const d = e instanceof ProtocolError ? e.decision
           : new Decision({ allowed: client.onUnavailable === 'open', degraded: true, cause: 'client closed' });

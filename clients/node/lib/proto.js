@@ -10,6 +10,8 @@ const { Decision, RuleDecision } = require('./decision');
 const PROTOCOL = 1;
 // The largest answer frame the client reads; a longer announced length breaks the connection.
 const MAX_RESPONSE_FRAME = 1 << 20;
+// The largest request frame body the daemon accepts unless started with another --max-frame.
+const DEFAULT_MAX_FRAME = 65536;
 
 // An inline limit's fields: the JS name, then its name on the wire.
 const LIMIT_REQUIRED = [['key', 'key'], ['limit', 'limit'], ['windowMs', 'window_ms']];
@@ -24,6 +26,22 @@ class ProtocolError extends Error {
     this.code = code;
     this.sidecarMessage = message;
     this.decision = decision;
+  }
+}
+
+/**
+ * The client did not send the request: its frame body would be size bytes, more than the
+ * Client's maxFrame. For a check, decision is a Decision that rejects whatever
+ * onUnavailable, with status 431 (Request Header Fields Too Large).
+ */
+class RequestTooLargeError extends Error {
+  constructor(size, maxFrame) {
+    super(`rlsidecar: request too large to check: its frame would be ${size} bytes, more than maxFrame (${maxFrame}); not sent`);
+    this.name = 'RequestTooLargeError';
+    this.code = 'request_too_large';
+    this.size = size;
+    this.maxFrame = maxFrame;
+    this.decision = undefined;
   }
 }
 
@@ -66,8 +84,10 @@ function normLimit(i, lim) {
 
 /**
  * Returns the request map of a check, in canonical field order. attrs: an object of
- * string to string, sent in its key order; limits: inline limits ({ key, limit, windowMs,
- * burst?, algorithm?, mode?, name? }). Wrong types throw a
+ * string to string, sent in its key order (a value may also be a Uint8Array, such as the
+ * Buffer normalizePath returns for a path that is not UTF-8: its bytes are sent as they
+ * are, as a msgpack bin, which the sidecar reads as a string); limits: inline limits ({ key,
+ * limit, windowMs, burst?, algorithm?, mode?, name? }). Wrong types throw a
  * TypeError or RangeError before anything is sent.
  */
 function checkMessage(id, attrs, cost, limits) {
@@ -76,7 +96,8 @@ function checkMessage(id, attrs, cost, limits) {
     if (typeof attrs !== 'object' || Array.isArray(attrs)) throw new TypeError('attrs must be an object of strings');
     let n = 0;
     for (const k in attrs) {
-      if (typeof attrs[k] !== 'string') throw new TypeError(`attrs.${k} must be a string, not ${typeof attrs[k]}`);
+      const v = attrs[k];
+      if (typeof v !== 'string' && !(v instanceof Uint8Array)) throw new TypeError(`attrs.${k} must be a string, not ${typeof v}`);
       n++;
     }
     if (n > 0) msg.attrs = attrs;
@@ -93,6 +114,24 @@ function checkMessage(id, attrs, cost, limits) {
 }
 
 const encoder = new Encoder({ useBigInt64: true, ignoreUndefined: true });
+
+/**
+ * Returns at least the length of v encoded as msgpack by encode, without encoding it:
+ * the most a header or a number takes, and at most 3 UTF-8 bytes per UTF-16 code unit.
+ */
+function frameBound(v) {
+  if (typeof v === 'string') return 5 + 3 * v.length;
+  if (typeof v === 'number' || typeof v === 'bigint') return 9;
+  if (v === null || v === undefined || typeof v === 'boolean') return 1;
+  if (v instanceof Uint8Array) return 5 + v.byteLength;
+  let n = 5;
+  if (Array.isArray(v)) {
+    for (const x of v) n += frameBound(x);
+  } else {
+    for (const k of Object.keys(v)) n += frameBound(k) + frameBound(v[k]);
+  }
+  return n;
+}
 
 /** Returns msg as one frame (length prefix included), in a new Buffer. */
 function encode(msg) {
@@ -161,4 +200,7 @@ function errorOf(m) {
   return [str(e.code), str(e.message)];
 }
 
-module.exports = { PROTOCOL, MAX_RESPONSE_FRAME, ProtocolError, ClosedError, checkMessage, leaseMessage, encode, decode, decision, errorOf };
+module.exports = {
+  PROTOCOL, MAX_RESPONSE_FRAME, DEFAULT_MAX_FRAME, ProtocolError, RequestTooLargeError, ClosedError, checkMessage, leaseMessage,
+  encode, frameBound, decode, decision, errorOf,
+};

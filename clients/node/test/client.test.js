@@ -79,7 +79,7 @@ test('bad input is refused before sending', async (t) => {
   ];
   for (const [attrs, opts, E] of bad) await assert.rejects(c.check(attrs, opts), E);
   assert.equal((await c.check({ user: 'x' })).remaining, 4);
-  for (const o of [{}, { socket: 's', timeoutMs: 0 }, { socket: 's', onUnavailable: 'maybe' }, { socket: 's', conns: 0 }]) {
+  for (const o of [{}, { socket: 's', timeoutMs: 0 }, { socket: 's', onUnavailable: 'maybe' }, { socket: 's', conns: 0 }, { socket: 's', maxFrame: 0 }, { socket: 's', maxFrame: 1.5 }]) {
     assert.throws(() => new rl.Client(o));
   }
 });
@@ -181,11 +181,29 @@ test('an idle client does not keep the process alive', async (t) => {
   assert.equal(r.stdout.trim(), 'true');
 });
 
-test('frame_too_large, then the next check is answered', async (t) => {
+test('a request over maxFrame is not sent; the sidecar\'s frame_too_large is alike', async (t) => {
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 2000, conns: 1 });
   assert.ok((await c.check({ user: 'ivy' })).allowed);
-  await assert.rejects(c.check({ user: 'ivy', blob: 'x'.repeat(70000) }), (e) => e instanceof rl.ProtocolError && e.code === 'frame_too_large');
-  const x = await c.check({ user: 'ivy' });
+  const conn = c.slots[0].conn;
+  // Over the default maxFrame (65,536, the daemon's default --max-frame): refused, not sent.
+  await assert.rejects(c.check({ user: 'ivy', blob: 'x'.repeat(70000) }), (e) => {
+    assert.ok(e instanceof rl.RequestTooLargeError && e.code === 'request_too_large', String(e));
+    assert.ok(e.size > 70000 && e.size < 70100 && e.maxFrame === 65536, `${e.size} ${e.maxFrame}`);
+    assert.ok(!e.decision.allowed && e.decision.tooLarge && e.decision.status === 431 && !e.decision.unreachable);
+    return true;
+  });
+  let x = await c.check({ user: 'ivy' });
   assert.ok(x.allowed && !x.degraded && x.remaining === 3, JSON.stringify(x));
+  assert.equal(c.slots[0].conn, conn); // nothing reached the daemon: the connection stays
+  // A maxFrame above the daemon's: the daemon answers frame_too_large and closes the
+  // connection; the decision rejects all the same (under 'open' too).
+  const big = client(t, { socket: d.socket, timeoutMs: 2000, conns: 1, maxFrame: 1 << 20 });
+  await assert.rejects(big.check({ user: 'ivy', blob: 'x'.repeat(70000) }), (e) => {
+    assert.ok(e instanceof rl.ProtocolError && e.code === 'frame_too_large', String(e));
+    assert.ok(!e.decision.allowed && e.decision.tooLarge && e.decision.status === 431);
+    return true;
+  });
+  x = await big.check({ user: 'ivy' });
+  assert.ok(x.allowed && !x.degraded && x.remaining === 2, JSON.stringify(x));
 });

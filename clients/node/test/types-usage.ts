@@ -1,16 +1,16 @@
 // A use of every declaration in index.d.ts; types.test.js compiles it with tsc --strict.
 import * as http from 'http';
-import { Client, Decision, RuleDecision, ProtocolError, ClosedError, middleware, defaultAttrs, PROTOCOL } from '..';
+import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, defaultAttrs, normalizePath, PROTOCOL } from '..';
 
 async function use(): Promise<void> {
-  const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2 });
+  const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2, maxFrame: 65536 });
   const d: Decision = await c.check({ user: 'alice' }, { cost: 2, limits: [{ key: 'k', limit: 10, windowMs: 1000, algorithm: 'fixed_window' }] });
   const allowed: boolean = d.allowed;
   const r: RuleDecision | undefined = d.rules[0];
   const h: Record<string, string> = d.headers();
   const rej = d.rejection();
   if (rej !== null) {
-    const s: 429 | 503 = rej.status;
+    const s: 429 | 431 | 503 = rej.status;
     const b: Buffer = rej.body;
     void s, b;
   }
@@ -24,14 +24,17 @@ async function use(): Promise<void> {
     await c.check({ user: 'x' });
   } catch (e) {
     if (e instanceof ProtocolError) console.log(e.code, e.sidecarMessage, e.decision?.status);
+    if (e instanceof RequestTooLargeError) console.log(e.code, e.size, e.maxFrame, e.decision?.tooLarge, e.decision?.status);
     if (e instanceof ClosedError) console.log(e.message);
   }
   const p: 1 = PROTOCOL;
   const mw = middleware<http.IncomingMessage, http.ServerResponse>(c, { cost: () => 1, attrs: (req) => ({ path: req.url || '' }) });
   http.createServer((req, res) => mw(req, res, () => res.end('ok')));
-  const a: { ip: string; method: string; path: string } = defaultAttrs({ method: 'GET', url: '/' });
+  const a: { ip: string; method: string; path: string | Buffer } = defaultAttrs({ method: 'GET', url: '/' });
+  const np: string | Buffer = normalizePath('/a/../b');
+  await c.check({ ...a, user: 'alice', raw: Buffer.from([0xff]) });
   await c.close();
-  void allowed, r, h, cause, v, p, a;
+  void allowed, r, h, cause, v, p, a, np;
 }
 
 void use;
