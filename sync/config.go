@@ -53,7 +53,7 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	if cfg.URL != "" {
 		opt, err := redis.ParseURL(cfg.URL)
 		if err != nil {
-			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), err)
+			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), urlErr(err))
 		}
 		if opt.Password == "" {
 			opt.Password = password
@@ -106,7 +106,7 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 	if len(nodes) == 1 && strings.Contains(nodes[0], "://") {
 		u, perr := url.Parse(nodes[0])
 		if perr != nil {
-			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: %w", redactURL(nodes[0]), perr)
+			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: %w", redactURL(nodes[0]), urlErr(perr))
 		}
 		switch u.Scheme {
 		case "redis":
@@ -152,6 +152,21 @@ func redactURL(s string) string {
 		u.User = url.UserPassword(u.User.Username(), "xxxxx")
 	}
 	return u.String()
+}
+
+// urlErr is err, an error parsing a Redis URL, without the URL it may quote (net/url's
+// errors quote it whole, password included) or the escape that failed (which may be
+// part of the password).
+func urlErr(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	var esc url.EscapeError
+	if errors.As(err, &esc) {
+		return errors.New("invalid %-escape (a '%' in a password is written %25)")
+	}
+	return err
 }
 
 // Redact returns the URL with its password hidden, for logs.

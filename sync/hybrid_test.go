@@ -326,6 +326,27 @@ func TestRedactURL(t *testing.T) {
 	}
 }
 
+// A URL that does not parse is refused with an error that shows no part of its password
+// (net/url's errors quote the whole URL, and an escape's error the escape).
+func TestOpenBadURLHidesPassword(t *testing.T) {
+	for _, c := range []Config{
+		{URL: "redis://u:S3cr%zzPW@127.0.0.1:6380"},
+		{URL: "redis://:S3cr3tPW@127.0.0.1:notaport"},
+		{URL: "rediss://:S3cr3tPW@[::1:6380"},
+		{Cluster: []string{"redis://:S3cr%zzPW@127.0.0.1:7000,127.0.0.1:7001"}},
+	} {
+		rdb, err := Open(c)
+		if err == nil {
+			rdb.Close()
+			t.Errorf("%+v: no error", c)
+			continue
+		}
+		if msg := err.Error(); strings.Contains(msg, "S3cr") || strings.Contains(msg, "zzPW") {
+			t.Errorf("%+v: the error shows the password: %s", c, msg)
+		}
+	}
+}
+
 // A flood of never-repeating keys stays within the key cap; idle keys go first.
 func TestHybridKeyCap(t *testing.T) {
 	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"})
