@@ -345,3 +345,70 @@ func TestHybridConcurrentFirstRequestsWaitForTheSync(t *testing.T) {
 		}
 	}
 }
+
+// The hybrid script counts a sliding window as the exact mode and the local buckets do:
+// the previous window's weighted share rounded down, plus the current window's count.
+// With the key's state written in Redis, the script's view (remaining, the units it
+// could grant, until empty, until one more fits) is what localbucket answers for the
+// same state at the same instant, over windows whose elapsed fractions differ. Before,
+// the script left the share unrounded: it admitted 10 where the README's boundary
+// example admits 11, its reset came a window late and its grants fell short.
+func TestHybridScriptSlidingMatchesLocal(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	redisNow := func() int64 { // µs
+		tm, err := rdb.Time(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tm.UnixMicro()
+	}
+	const requests = 10
+	for wi, window := range []time.Duration{time.Second, 7 * time.Second, 10 * time.Second, 61 * time.Second, time.Hour} {
+		lim := mustLimit(t, localbucket.SlidingWindow, requests, window)
+		wus := int64(window / time.Microsecond)
+		for ci, c := range [][2]uint64{{0, 0}, {0, 5}, {0, 10}, {3, 0}, {10, 0}, {10, 5}, {7, 3}, {10, 9}, {4, 10}, {9, 1}} {
+			p, n := c[0], c[1]
+			key := fmt.Sprintf("rl:sw:{w=%d,c=%d}", wi, ci)
+			for attempt := 0; ; attempt++ {
+				before := redisNow()
+				start := before - before%wus
+				rdb.Del(ctx, key)
+				rdb.HSet(ctx, key, "t", start, "n", n, "p", p)
+				v, err := int64s(hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("d1",
+					int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1, 0,
+					1, requests, wus, 0,
+					1, 0, 0, 0, 0, int64(modeShare), 0, 1, 0)...))
+				if err != nil {
+					t.Fatal(err)
+				}
+				after := redisNow()
+				if after-after%wus != start {
+					if attempt < 3 {
+						continue // the window turned during the call: again
+					}
+					t.Fatalf("window %v keeps turning", window)
+				}
+				remaining, reset, retry, avail := v[1], time.Duration(v[2])*time.Microsecond, time.Duration(v[3])*time.Microsecond, v[5]
+				ok := false
+				var want []localbucket.Result
+				for _, now := range []int64{before, after} {
+					_, r := lim.Take(localbucket.State{T: start * 1000, N: p<<32 | n}, now*1000, 0)
+					want = append(want, r)
+					// avail: what it could grant, in thousandths: whole units, negative in debt.
+					availOK := avail%1000 == 0 && (remaining > 0 && avail == 1000*remaining || remaining == 0 && avail <= 0)
+					if uint64(remaining) == r.Remaining && availOK &&
+						(reset-time.Duration(r.Reset)).Abs() <= 5*time.Millisecond &&
+						(r.Allowed && retry == 0 || !r.Allowed && (retry-time.Duration(r.RetryAfter)).Abs() <= 5*time.Millisecond) {
+						ok = true
+					}
+				}
+				if !ok {
+					t.Errorf("window %v, p %d, n %d, %.3f of the window gone: script remaining %d, avail %d/1000, reset %v, retry %v; local %+v",
+						window, p, n, float64(before-start)/float64(wus), remaining, avail, reset, retry, want)
+				}
+				break
+			}
+		}
+	}
+}

@@ -95,6 +95,7 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
 	e.reset = v[2] * int64(time.Microsecond)
+	e.retry = v[3] * int64(time.Microsecond)
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now

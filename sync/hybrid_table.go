@@ -31,6 +31,7 @@ type hentry struct {
 	pending     uint64             // admitted since the last sync was sent
 	synced      int64              // when the view was read (ns; 0: never)
 	reset       int64              // view: ns until full
+	retry       int64              // view: ns until one more unit fits, by Redis (0: one fits)
 	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
 	token       uint32             // the token of the last sync Redis confirmed
 	grant       uint32             // the units reserved for this daemon at the last sync

@@ -416,15 +416,22 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		r.Allowed = true
 		return r, false, false, false
 	}
-	// Room for it, on a key not busy here (a hot key waits for its share grant): the
-	// request lost the allowance a sync just brought to a concurrent one.
-	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
 	// Without a fresh view (a key new here, or last synced more than two intervals ago:
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
+	if cost == 0 && !stale && proj-unseen >= 1 {
+		// A question, not a request: would one pass? By a fresh view the key has room,
+		// whether or not this daemon holds a unit of it (which a request would then get
+		// from an exact or the next sync).
+		r.Allowed = true
+		return r, false, false, false
+	}
+	// Room for it, on a key not busy here (a hot key waits for its share grant): the
+	// request lost the allowance a sync just brought to a concurrent one.
+	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
 	answering := h.redisAnswering(now)
-	fetch = mayFetch && cost > 0 && (waited || e.lastDemand < 2 && stale) && answering
+	fetch = mayFetch && (waited || e.lastDemand < 2 && stale) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,
 	// and for a window by its end at the latest), but not before the next sync brings a
@@ -436,10 +443,18 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	retry := int64(0)
 	if proj < need {
 		retry = int64((need - proj) * float64(lim.Window()) / float64(lim.Requests()))
-		if lim.Algorithm() != localbucket.TokenBucket && e.synced > 0 {
-			if end := e.reset - (now - e.synced); end > 0 {
-				retry = min(retry, end)
+		if alg := lim.Algorithm(); alg != localbucket.TokenBucket && e.synced > 0 {
+			age := now - e.synced
+			if end := e.reset - age; end > 0 {
+				if alg == localbucket.FixedWindow {
+					retry = end // a fixed window frees nothing before it ends
+				} else {
+					retry = min(retry, end)
+				}
 			}
+			// Redis's answer, as of the view, for one more unit: a sliding window frees
+			// units at its previous window's pace, slower than the limit's rate.
+			retry = max(retry, e.retry-age)
 		}
 	}
 	r.RetryAfter = max(nextView, retry)

@@ -283,14 +283,17 @@ for i = 1, nkeys do
         avail = requests - n - res
         headroom = math.max(0, avail)
       else
+        -- The estimate of the sliding window counter, as the exact mode (global.lua)
+        -- and the local buckets count it: the previous window's weighted share rounded
+        -- down, plus the current window's count.
         local elapsed = now - t
-        avail = requests - (p * (window - elapsed) / window + n) - res
+        avail = requests - (math.floor(p * (window - elapsed) / window) + n) - res
         local later = elapsed + interval
         local est2
         if later < window then
-          est2 = p * (window - later) / window + n
+          est2 = math.floor(p * (window - later) / window) + n
         else
-          est2 = math.max(0, n * (2 * window - later) / window)
+          est2 = math.max(0, math.floor(n * (2 * window - later) / window))
         end
         headroom = math.min(requests, math.max(0, requests - est2 - res))
       end
@@ -335,16 +338,34 @@ for i = 1, nkeys do
         ttl = window
       else
         local elapsed = now - t
-        local est = math.floor(p * (window - elapsed) / window + n + res)
+        local est = math.floor(p * (window - elapsed) / window) + n + res
         remaining = math.max(0, requests - est)
-        if n > 0 then reset = t + 2 * window - now elseif p > 0 then reset = t + window - now else reset = 0 end
+        -- Until empty, and until one more unit fits (as localbucket's slidingEarliest):
+        -- in the current window the estimate is floor(p*r/w) + n with r = t+w-time, in
+        -- the next floor(n*r/w) with r = t+2w-time, and floor(c*r/w) <= k while
+        -- r <= ceil((k+1)*w/c) - 1.
+        if n > 0 then
+          reset = t + 2 * window - (math.ceil(window / n) - 1) - now
+        elseif p > 0 then
+          reset = t + window - (math.ceil(window / p) - 1) - now
+        else
+          reset = 0
+        end
+        reset = math.max(0, reset)
         if remaining >= 1 then
           retry = 0
-        elseif n + 1 > requests then
-          retry = t + window - now
         else
-          local xs = window - (requests - n) * window / p
-          retry = math.max(1, math.ceil(t + xs - now))
+          local x = requests - 1 - res -- what floor(...) + n may be for one more unit
+          local at
+          if x < 0 then
+            at = now + interval -- others' reserved credit: freed when they sync
+          elseif n <= x then
+            local rmax = math.ceil((x - n + 1) * window / p) - 1
+            if rmax > 0 then at = t + window - rmax else at = t + window end
+          else
+            at = t + 2 * window - (math.ceil((x + 1) * window / n) - 1)
+          end
+          retry = math.max(1, at - now)
         end
         ttl = 2 * window
       end
