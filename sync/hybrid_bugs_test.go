@@ -412,3 +412,66 @@ func TestHybridScriptSlidingMatchesLocal(t *testing.T) {
 		}
 	}
 }
+
+// A window spent in hybrid mode answers the retry the exact mode would: the window's end
+// for a fixed window (nothing frees before it) and, for a sliding one whose previous
+// window was empty, as much (the count then weighs until the next window). Before, it
+// answered the limit's pace, window ÷ requests: a client that waited that long was
+// refused again, every time.
+func TestHybridWindowRetry(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	const requests, window = 200, 24 * time.Hour
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
+		h := NewHybrid(rdb, HybridOptions{})
+		lim := mustLimit(t, alg, requests, window)
+		key := fmt.Sprintf("rl:retry:{%v}", alg)
+		now := time.Now().UnixNano()
+		for i := range requests {
+			if r := take(h, now, key, lim, 1); !r.Allowed {
+				t.Fatalf("%v: request %d of %d refused: %+v", alg, i+1, requests, r)
+			}
+		}
+		r := take(h, now, key, lim, 1)
+		tm, err := rdb.Time(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		end := window - time.Duration(tm.UnixNano()%int64(window)) // until the window turns, by Redis's clock
+		if r.Allowed || (time.Duration(r.RetryAfter)-end).Abs() > 2*time.Second {
+			t.Errorf("%v: over the limit: %+v, want refused with a retry of %v (the window's end)", alg, r, end)
+		}
+	}
+}
+
+// A cost-0 check asks whether a request would pass, and in hybrid mode gets the answer
+// the exact mode gives, on a key new here whatever its limit. Before, a limit below two
+// per daemon (decided by exact syncs) refused every question, though the key had room:
+// only requests that consumed were worth an exact sync.
+func TestHybridCostZeroAsks(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
+	for range 2 { // the second round sees both daemons
+		for i, h := range []*Hybrid{a, b} {
+			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%d", i), time.Minute); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	lim := mustLimit(t, localbucket.FixedWindow, 3, time.Hour)
+	now := time.Now().UnixNano()
+	for i := range 3 {
+		if r := take(a, now, "rl:ask:{u}", lim, 0); !r.Allowed || r.Remaining != 3 {
+			t.Fatalf("question %d on a key with room: %+v, want allowed with 3 left", i+1, r)
+		}
+	}
+	for i := range 3 {
+		if r := take(b, now, "rl:ask:{u}", lim, 1); !r.Allowed {
+			t.Fatalf("request %d of 3 after the questions: %+v (a question consumed?)", i+1, r)
+		}
+	}
+	if r := take(b, now, "rl:ask:{u}", lim, 0); r.Allowed {
+		t.Fatalf("a question on the spent key, on the daemon that spent it: %+v, want refused", r)
+	}
+}

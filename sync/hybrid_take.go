@@ -218,6 +218,9 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 					}
 					have := max(0, math.Floor(h.allowance(e, now, n)))
 					need := max(1, float64(max(op.Cost, 1))-have)
+					if op.Cost == 0 {
+						need = 0 // a question: the view, no unit reserved here (which others could not use)
+					}
 					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(min(need, math.MaxUint32))))
 				}
 			}
