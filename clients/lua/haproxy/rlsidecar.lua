@@ -10,13 +10,20 @@
 --   http-response lua.rlsidecar_headers
 --
 -- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
--- client address), method and path (without the query) with the daemon at SOCKET
+-- client address), method and path with the daemon at SOCKET
 -- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
 -- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
 -- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
 -- the sidecar gives no answer within TIMEOUT_MS (or the socket is missing), POLICY
 -- decides: `open` lets the request through without rate-limit headers, `closed` answers
 -- 503 with Retry-After: 1; the decision is degraded either way and the cause is logged.
+--
+-- The path is HAProxy's raw path normalized by rlsidecar.path as nginx's $uri is (query
+-- dropped, %XX decoded once, slashes merged, dot segments removed: /log%69n, //login and
+-- /a/../login are all /login), so a rule limits the same requests through either
+-- gateway. The sample fetch `lua.rlsidecar_path` returns that path, for ACLs that choose
+-- which requests are checked (a `path_beg /static/` ACL on the raw path would let
+-- /static/../login through unchecked).
 --
 -- Set the transaction variable txn.rlsidecar_user (e.g. `http-request set-var(txn.rlsidecar_user)
 -- req.hdr(x-user)`) to add a `user` attribute, txn.rlsidecar_api_key for `api_key`, and
@@ -35,6 +42,7 @@
 
 local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
+local normalize_path = require("rlsidecar.path").normalize
 
 local MAX_FRAME = 1048576
 
@@ -150,7 +158,7 @@ local function action(txn, address, policy, timeout)
   local attrs = {
     { "ip", txn.f:src() or "" },
     { "method", txn.f:method() or "" },
-    { "path", txn.f:path() or "" },
+    { "path", normalize_path(txn.f:path() or "") },
   }
   local user = txn:get_var("txn.rlsidecar_user")
   if user and user ~= "" then attrs[#attrs + 1] = { "user", user } end
@@ -201,6 +209,11 @@ local function add_headers(txn)
     txn.http:res_set_header(k, v)
   end
 end
+
+-- lua.rlsidecar_path: the request's path as the check sends it (normalized), for ACLs.
+core.register_fetches("rlsidecar_path", function(txn)
+  return normalize_path(txn.f:path() or "")
+end)
 
 core.register_action("rlsidecar", { "http-req" }, action, 3)
 core.register_action("rlsidecar_headers", { "http-res" }, add_headers, 0)

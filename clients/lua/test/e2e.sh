@@ -8,7 +8,9 @@
 # sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit (and
 # RateLimit-Warning once per-user reaches its warn_at), then 429s with Retry-After, the same
 # headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
-# unchecked paths pass untouched; that nginx keeps its connection to the daemon (one open
+# unchecked paths pass untouched; that one rule on /fast counts /fast, /f%61st, //fast,
+# /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
+# is, and its ACLs use that path); that nginx keeps its connection to the daemon (one open
 # connection after the burst) and gets a decision right after a daemon restart (the pool
 # drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
 # policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
@@ -62,9 +64,10 @@ wait_for() { # wait_for WHAT COMMAND...: up to 10 s
   exit 1
 }
 
-# request METHOD URL [USER]: sets status, headers (lower-case names) and body.
+# request METHOD URL [USER]: sets status, headers (lower-case names) and body. The URL's
+# path is sent as it is (no dot segments removed by curl).
 request() {
-  local args=(-s --max-time 10 -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
+  local args=(-s --path-as-is --max-time 10 -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
   [ -n "${3:-}" ] && args+=(-H "X-User: $3")
   status=$(curl "${args[@]}" "$2")
   headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
@@ -98,6 +101,10 @@ rules:
     key: ip
     limit: { requests: 1, per: 1s }
     delay: 10s
+  - name: fast
+    match: { path: /fast }
+    key: ip
+    limit: { requests: 6, per: 60s }
   - name: slow-in-flight
     match: { path: "/slow/**" }
     key: ip
@@ -239,6 +246,33 @@ WANT
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
 
+echo "-- path: one rule on /fast limits every spelling of it, whichever gateway asks"
+# nginx sends $uri; HAProxy normalizes its raw path by the same rule (rlsidecar.path,
+# clients/testdata/paths.json). Both count against the one key.
+n=0
+for gw in "nginx /fast" "haproxy /f%61st" "haproxy //fast" "haproxy /./fast" "haproxy /a/%2e%2E/fast?x=1" "nginx /f%61st"; do
+  set -- $gw
+  port=$nginx_port
+  [ "$1" == haproxy ] && port=$hap_port
+  n=$((n + 1))
+  request GET "http://127.0.0.1:$port$2"
+  expect "$1 $2: status" "$status" 200
+  expect_re "$1 $2: counted by the rule on /fast" "$(header ratelimit)" "^\"fast\";r=$((6 - n));t=[0-9]+$"
+done
+for gw in "haproxy /%66ast" "haproxy /fast/../fast" "nginx //fast"; do
+  set -- $gw
+  port=$nginx_port
+  [ "$1" == haproxy ] && port=$hap_port
+  request GET "http://127.0.0.1:$port$2"
+  expect "$1 $2: refused by the rule on /fast" "$status/$(grep -o '"rule":"[^"]*"' <<<"$body")" '429/"rule":"fast"'
+done
+# The example's ACLs test the normalized path too (lua.rlsidecar_path): a /static/
+# prefix walked back out of is checked, as nginx's locations see it.
+request POST "http://127.0.0.1:$hap_port/static/../login"
+expect "haproxy /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+request POST "http://127.0.0.1:$nginx_port/static/../login"
+expect "nginx /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+
 echo "-- delay: a queue of 1 per second shared by nginx and HAProxy; each waits delay_ms"
 # timed GATEWAY PORT: one request to /api/queue; elapsed is its duration in ms.
 timed() {
@@ -374,6 +408,9 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   expect "$1 closed policy: Content-Type" "$(header content-type)" "application/problem+json"
   expect "$1 closed policy: problem body" "$body" \
     '{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.","retry_after":1}'
+  # /login spelled otherwise is the same route: the same closed policy.
+  request POST "http://127.0.0.1:$2/log%69n"
+  expect "$1 closed policy, /log%69n: status" "$status" 503
 done
 
 if [ "$failures" -ne 0 ]; then
