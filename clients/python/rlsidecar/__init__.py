@@ -18,9 +18,10 @@ from ._proto import PROTOCOL, ClosedError, ProtocolError
 from .aio import AsyncClient
 from .client import Client
 from .decision import COST_EXCEEDS_CAPACITY, PROBLEM_TYPE, Decision, RuleDecision
-from .middleware import ASGIMiddleware, WSGIMiddleware, asgi_attrs, wsgi_attrs
+from .middleware import ASGIMiddleware, WSGIMiddleware, asgi_attrs, path_attr, wsgi_attrs
 
 __version__ = "0.1.0"
 
 __all__ = ["PROTOCOL", "ClosedError", "ProtocolError", "AsyncClient", "Client", "COST_EXCEEDS_CAPACITY",
-           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "wsgi_attrs"]
+           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "path_attr",
+           "wsgi_attrs"]

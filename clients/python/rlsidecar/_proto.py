@@ -64,17 +64,20 @@ def _norm_limit(i, lim):
 def check_message(req_id, attrs, cost, limits):
     """Return the request map of a check, in canonical field order.
 
-    ``attrs`` is a dict of str to str, sent in its order; ``limits`` a list of dicts with
+    ``attrs`` is a dict of str to str or bytes, sent in its order: a str value as a
+    msgpack str (its UTF-8 bytes), a bytes value as a msgpack bin of exactly its bytes
+    (the daemon matches and keys on the bytes either way; bytes carry a value that is not
+    UTF-8, such as a path with %FF in it). ``limits`` a list of dicts with
     ``key``, ``limit``, ``window_ms`` and optionally ``burst``, ``algorithm``, ``mode``,
     ``name``. Wrong types raise TypeError or ValueError before anything is sent.
     """
     msg = {"id": req_id, "op": "check"}
     if attrs is not None and not isinstance(attrs, dict):
-        raise TypeError("attrs must be a dict of str to str, not %s" % type(attrs).__name__)
+        raise TypeError("attrs must be a dict of str to str or bytes, not %s" % type(attrs).__name__)
     if attrs:
         for k, v in attrs.items():
-            if type(k) is not str or type(v) is not str:
-                raise TypeError("attrs must map str to str; %r: %r" % (k, v))
+            if type(k) is not str or (type(v) is not str and type(v) is not bytes):
+                raise TypeError("attrs must map str to str or bytes; %r: %r" % (k, v))
         msg["attrs"] = attrs
     if limits is not None and not isinstance(limits, (list, tuple)):
         raise TypeError("limits must be a list of dicts, not %s" % type(limits).__name__)

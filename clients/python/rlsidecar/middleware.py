@@ -10,9 +10,31 @@ from .decision import Decision
 
 def wsgi_attrs(environ):
     """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path
-    (SCRIPT_NAME + PATH_INFO, without the query string)."""
+    (SCRIPT_NAME + PATH_INFO, without the query string, as the bytes the client sent:
+    see path_attr)."""
     return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
-            "path": environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")}
+            "path": path_attr(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))}
+
+
+def _wsgi_bytes(s):
+    """The bytes of a WSGI "native string": each character one byte (PEP 3333 decodes them
+    as latin-1). A server that broke the rule and put other characters there gets them
+    as UTF-8."""
+    try:
+        return s.encode("latin-1")
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "surrogateescape")
+
+
+def path_attr(path):
+    """The value to send for ``path`` (bytes): a str when the bytes are UTF-8 (so an
+    attrs function may treat it as text), else the bytes themselves, sent as a msgpack
+    bin. The daemon sees the same bytes either way; a rule on /café/** matches
+    /caf%C3%A9/x."""
+    try:
+        return path.decode("utf-8")
+    except UnicodeDecodeError:
+        return path
 
 
 def asgi_attrs(scope):
