@@ -4,16 +4,27 @@ rate-limit headers — the same behaviour as the Go client's Middleware."""
 import asyncio
 import time
 
+from ._path import clean_path, normalize_path, path_attr
 from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
 
 def wsgi_attrs(environ):
-    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path
-    (SCRIPT_NAME + PATH_INFO, without the query string, as the bytes the client sent:
-    see path_attr)."""
+    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path.
+
+    The path is normalized as every rlsidecar client does (normalize_path): from the raw
+    request target when the server gives it (RAW_URI: gunicorn; REQUEST_URI: uWSGI,
+    mod_wsgi, werkzeug), else from SCRIPT_NAME + PATH_INFO, which the server decoded
+    already and which is not decoded again (clean_path). Either way it is the bytes the
+    client sent (PATH_INFO's latin-1 characters encoded back), as path_attr gives them.
+    """
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        path = normalize_path(_wsgi_bytes(raw))
+    else:
+        path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
     return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
-            "path": path_attr(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))}
+            "path": path_attr(path)}
 
 
 def _wsgi_bytes(s):
@@ -26,22 +37,22 @@ def _wsgi_bytes(s):
         return s.encode("utf-8", "surrogateescape")
 
 
-def path_attr(path):
-    """The value to send for ``path`` (bytes): a str when the bytes are UTF-8 (so an
-    attrs function may treat it as text), else the bytes themselves, sent as a msgpack
-    bin. The daemon sees the same bytes either way; a rule on /café/** matches
-    /caf%C3%A9/x."""
-    try:
-        return path.decode("utf-8")
-    except UnicodeDecodeError:
-        return path
-
 
 def asgi_attrs(scope):
     """The default attributes of an ASGI HTTP request: ip (the client's host), method,
-    path (without the query string)."""
+    path.
+
+    The path is normalized as every rlsidecar client does (normalize_path): from
+    scope["raw_path"], the bytes the client sent, when the server gives it; else from
+    scope["path"], which the server decoded already and which is not decoded again
+    (clean_path). The value is as path_attr gives it."""
     client = scope.get("client")
-    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": scope.get("path", "")}
+    raw = scope.get("raw_path")
+    if raw:
+        path = normalize_path(bytes(raw))
+    else:
+        path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
+    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
 
 
 def _closed(client):
