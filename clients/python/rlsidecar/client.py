@@ -34,6 +34,10 @@ def backoff(failures):
     return d / 2 + random.random() * d / 2
 
 
+class _NotRead(Exception):
+    """The daemon closed a pooled connection without reading the request sent on it."""
+
+
 class _Conn:
     __slots__ = ("sock", "buf", "next_id", "served", "leases")
 
@@ -62,6 +66,13 @@ class Client:
     out is closed (a late answer must not be read as the next one's). Failed dials, and
     connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
     checks answer by the policy at once.
+
+    A pooled connection the daemon has closed since (a restart, serve --idle-timeout) is
+    noticed when a request is sent on it; when the daemon certainly did not read the
+    request (the write fails, or the connection is reset with the request unread), it is
+    sent again, once, on a new connection, within the same timeout, so it is counted
+    once. A connection closed with no answer after the daemon read the request is not
+    retried (the request may have counted): that check answers by the policy.
 
     Concurrency leases: an allowed check that matched a concurrency rule has
     ``decision.lease``; release() it when the request ends (idempotent), renew() it for a
@@ -124,42 +135,12 @@ class Client:
             raise ClosedError("rlsidecar: client closed")
         if not checks:
             return []
-        now = time.monotonic()
-        deadline = now + self.timeout
-        conn = self._take(now)
-        if not isinstance(conn, _Conn):
-            return [self._policy(conn) for _ in checks]
-        first = conn.next_id + 1
-        frames = []
-        for attrs, cost, limits in checks:
-            conn.next_id += 1
-            try:
-                frames.append(_proto.encode(_proto.check_message(conn.next_id, attrs, cost, limits)))
-            except Exception:
-                self._put(conn)
-                raise
-        try:
-            conn.sock.settimeout(self.timeout)
-            if len(frames) == 1:
-                conn.sock.sendall(frames[0])
-                msgs = [self._read(conn, deadline)]
-            else:
-                # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers
-                # would otherwise fill them both ways, the sidecar waiting for us to read.
-                msgs = []
-                for i in range(0, len(frames), BATCH_WINDOW):
-                    window = frames[i:i + BATCH_WINDOW]
-                    conn.sock.sendall(b"".join(window))
-                    msgs.extend(self._read(conn, deadline) for _ in window)
-        except (OSError, ValueError) as e:
-            conn.sock.close()
-            if isinstance(e, socket.timeout):
-                return [self._policy("no answer within the timeout") for _ in checks]
-            why = "connection lost: %s" % e
-            if not conn.served:
-                # A sidecar that accepts and then drops is not hammered either: back off.
-                self._failed(why)
-            return [self._policy(why) for _ in checks]
+        # Every request is built (and bad input refused) before anything is sent.
+        reqs = [_proto.check_message(0, attrs, cost, limits) for attrs, cost, limits in checks]
+        got = self._exchange(reqs, time.monotonic() + self.timeout)
+        if isinstance(got, str):
+            return [self._policy(got) for _ in checks]
+        conn, first, msgs = got
         out = []
         err = None
         keep = True
@@ -187,9 +168,6 @@ class Client:
                     with self._lock:
                         self._lease_conn[d.lease] = conn
                 out.append(d)
-        conn.served = True
-        with self._lock:
-            self._failures = 0
         if keep:
             self._put(conn)
         else:
@@ -222,23 +200,7 @@ class Client:
         """Send a release or renew and return its answer map."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
-        conn = self._take(time.monotonic())
-        if not isinstance(conn, _Conn):
-            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
-        conn.next_id += 1
-        try:
-            frame = _proto.encode(_proto.lease_message(conn.next_id, op, lease, lease_ms))
-        except Exception:
-            self._put(conn)
-            raise
-        try:
-            conn.sock.settimeout(self.timeout)
-            conn.sock.sendall(frame)
-            msg = self._read(conn, time.monotonic() + self.timeout)
-        except BaseException:
-            conn.sock.close()
-            raise
-        self._put(conn)
+        msg = self._ask(_proto.lease_message(0, op, lease, lease_ms))
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
@@ -246,41 +208,129 @@ class Client:
 
     def ping(self):
         """Return the sidecar's version string; raises OSError when it is unreachable."""
-        conn = self._take(time.monotonic())
-        if not isinstance(conn, _Conn):
-            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
-        conn.next_id += 1
-        try:
-            conn.sock.settimeout(self.timeout)
-            conn.sock.sendall(_proto.encode({"id": conn.next_id, "op": "ping"}))
-            msg = self._read(conn, time.monotonic() + self.timeout)
-        except BaseException:
-            conn.sock.close()
-            raise
-        self._put(conn)
+        msg = self._ask({"id": 0, "op": "ping"})
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
+    def _ask(self, req):
+        """Send one request map and return its answer map (the connection is pooled again);
+        raises ConnectionError when there is none."""
+        got = self._exchange([req], time.monotonic() + self.timeout)
+        if isinstance(got, str):
+            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
+        conn, first, (msg,) = got
+        if msg.get("id") != first and _proto.error_of(msg) is None:
+            conn.sock.close()
+            raise ConnectionError("rlsidecar: answer id %r where %d was due" % (msg.get("id"), first))
+        self._put(conn)
+        return msg
+
+    def _exchange(self, reqs, deadline):
+        """Send the request maps reqs (numbered here, in order, on the connection they go
+        out on) pipelined on one connection and read their answers. Returns (conn, the first
+        id, the answer maps), conn not yet back in the pool; or a str saying why there is no
+        answer (the connection is then closed).
+
+        A pooled connection may be one the daemon has closed since its last answer (a
+        restart, --idle-timeout). Sent on such a connection, a request is sent again, once,
+        on a new connection, within the same deadline, when the daemon certainly did not
+        read it:
+
+        - the first write fails (EPIPE, ECONNRESET): nothing of it reached the daemon;
+        - a single request was written whole, and the read fails with ECONNRESET before any
+          byte of the answer: on a Unix socket that is the daemon closing the connection
+          with bytes of ours unread in it, and it reads a request whole before deciding it.
+
+        Never after end-of-file with no answer: on a Unix socket that means the daemon took
+        every byte sent (a daemon closing with bytes unread resets the connection instead),
+        then closed without answering: it died, or a drain timed out, while deciding a
+        request it may have counted. Nor for a batch whose first write went through: the
+        daemon may have decided its first requests before closing unread the rest.
+        """
+        conn, pooled = self._take(deadline)
+        while True:
+            if isinstance(conn, str):
+                return conn
+            first = conn.next_id + 1
+            for req in reqs:
+                conn.next_id += 1
+                req["id"] = conn.next_id
+            frames = [_proto.encode(req) for req in reqs]
+            try:
+                msgs = self._send_read(conn, frames, deadline, pooled)
+            except _NotRead:
+                conn.sock.close()
+                conn, pooled = self._take(deadline, pool=False)  # a fresh one: the others may be stale too
+                continue
+            except (OSError, ValueError) as e:
+                conn.sock.close()
+                if isinstance(e, socket.timeout):
+                    return "no answer within the timeout"
+                why = "connection lost: %s" % e
+                if not conn.served:
+                    # A sidecar that accepts and then drops is not hammered either: back off.
+                    self._failed(why)
+                return why
+            except BaseException:  # interrupted: the connection is out of step
+                conn.sock.close()
+                raise
+            conn.served = True
+            with self._lock:
+                self._failures = 0
+            return conn, first, msgs
+
+    def _send_read(self, conn, frames, deadline, pooled):
+        """Write frames on conn and read as many answers; raises _NotRead (see _exchange)
+        when conn came from the pool and the daemon certainly read none of them."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("no answer within the timeout")
+        conn.sock.settimeout(left)
+        msgs = []
+        # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers would
+        # otherwise fill them both ways, the sidecar waiting for us to read.
+        for i in range(0, len(frames), BATCH_WINDOW):
+            window = frames[i:i + BATCH_WINDOW]
+            data = window[0] if len(window) == 1 else b"".join(window)
+            if i == 0:
+                try:
+                    n = conn.sock.send(data)  # one write: it delivers some bytes or none
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    if pooled:
+                        raise _NotRead(e) from None
+                    raise
+                if n < len(data):
+                    conn.sock.sendall(memoryview(data)[n:])
+            else:
+                conn.sock.sendall(data)
+            for _ in window:
+                msgs.append(self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1))
+        return msgs
+
     def _policy(self, cause):
         return Decision(self.on_unavailable == "open", degraded=True, unreachable=cause is not None, cause=cause)
 
-    def _take(self, now):
-        """Return an idle or new connection, or a str saying why there is none."""
+    def _take(self, deadline, pool=True):
+        """Return (an idle connection, True), or (a new one, False), or (a str saying why
+        there is none, False). pool=False: a new one."""
+        now = time.monotonic()
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            if pool and self._idle:
+                return self._idle.pop(), True
             if self._failures and now < self._retry_at:
-                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error)
+                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error), False
+        if now >= deadline:
+            return "no connection within the timeout", False
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+        s.settimeout(deadline - now)
         try:
             s.connect(self.socket_path)
         except OSError as e:
             s.close()
-            return self._failed("connecting to %s: %s" % (self.socket_path, e))
-        return _Conn(s)
+            return self._failed("connecting to %s: %s" % (self.socket_path, e)), False
+        return _Conn(s), False
 
     def _failed(self, why):
         """Count a failed attempt, start the backoff and return why."""
@@ -298,8 +348,9 @@ class Client:
         conn.sock.close()
 
     @staticmethod
-    def _read(conn, deadline):
-        """Read one frame from conn and decode it; socket.timeout past the deadline."""
+    def _read(conn, deadline, unread_is_stale=False):
+        """Read one frame from conn and decode it; socket.timeout past the deadline. With
+        unread_is_stale, a reset before any byte raises _NotRead (see Client._exchange)."""
         buf = conn.buf
         sock = conn.sock
         need = 4
@@ -317,7 +368,12 @@ class Client:
             if left <= 0:
                 raise socket.timeout("no answer within the timeout")
             sock.settimeout(left)
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError as e:
+                if unread_is_stale and not buf:
+                    raise _NotRead(e) from None
+                raise
             if not chunk:
                 raise ConnectionError("the sidecar closed the connection")
             buf += chunk
