@@ -279,26 +279,57 @@ function _M.default_attrs()
   }
 end
 
--- access checks the current request and acts on the decision; call it from
--- access_by_lua_block:
---   - rejected: 429 with Retry-After, RateLimit-Policy, RateLimit and a problem+json body,
---     and the request ends;
---   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
---     goes on (to proxy_pass, ...), after ngx.sleep(delay_ms) when a rule with delay
---     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
---     by every gateway of the daemon);
---   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
---     answers 503 with Retry-After: 1 and a problem+json body.
--- An error answer is logged and follows the policy. It returns the decision.
-function _M.access(self)
-  local attrs = self.attrs and self.attrs() or _M.default_attrs()
-  local cost = self.cost and self.cost() or nil
-  local d, err = self:check(attrs, { cost = cost })
-  if err then
-    ngx.log(ngx.ERR, err)
-  elseif d.unreachable then
-    ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
+-- Requests this worker has decided, by $request_id, so that access() decides a request
+-- once however many locations it passes through: ngx.ctx does not survive an internal
+-- redirect (try_files ... @app, error_page, rewrite ... last, index), $request_id does.
+-- Two generations of at most REMEMBER entries each: when the current one is full it
+-- becomes the previous one and the one before is dropped, so a request is remembered
+-- for at least the REMEMBER checks that follow it (a second access() after more than
+-- that would ask the daemon again: counted twice, as before, never let through).
+local REMEMBER = 10000
+local decided, decided_before, n_decided = {}, {}, 0
+
+local function remember(id, d)
+  if n_decided >= REMEMBER then
+    decided_before, decided, n_decided = decided, {}, 0
   end
+  decided[id] = d
+  n_decided = n_decided + 1
+end
+
+-- nil until the first access(); then whether nginx keeps $request_id for the request.
+local request_id_kept
+
+-- request_key returns the key access() remembers the current request's decision by, or
+-- nil when there is none: in a subrequest (checked on its own: its location and
+-- attributes are not the main request's, and auth_request's share the main request's
+-- $request_id), or when nginx does not keep $request_id. nginx computes $request_id
+-- once per request and keeps it across internal redirects only when the configuration
+-- names it (proxy_set_header X-Request-Id $request_id, a log_format, ...); otherwise
+-- every read is a new random id, access() cannot recognize a request it has seen, and it
+-- says so once per worker.
+local function request_key()
+  if ngx.is_subrequest then
+    return nil
+  end
+  local id = ngx.var.request_id
+  if request_id_kept == nil then
+    request_id_kept = id ~= nil and ngx.var.request_id == id
+    if not request_id_kept then
+      ngx.log(ngx.ERR, "rlsidecar: nginx does not keep $request_id for the request (the configuration does not ",
+        "name it), so access() checks a request again in each location an internal redirect takes it to; ",
+        "add e.g. proxy_set_header X-Request-Id $request_id; to the server block")
+    end
+  end
+  if request_id_kept then
+    return id
+  end
+  return nil
+end
+
+-- apply acts on the decision d for the current request (see access). again: d was
+-- remembered, it was acted on already in an earlier location (no second wait).
+local function apply(d, again)
   if not d.allowed then
     local status, headers, body = http.rejection(d)
     for k, v in pairs(headers) do
@@ -313,14 +344,55 @@ function _M.access(self)
     ngx.header[k] = v
   end
   if d.lease and d.lease ~= "" then
-    -- A concurrency rule's slot: held until log() releases it when the request ends.
+    -- A concurrency rule's slot: held until log() releases it when the request ends
+    -- (after an internal redirect too: ngx.ctx is new there).
     ngx.ctx.rlsidecar_lease = d.lease
   end
   local delay = tonumber(d.delay_ms)
-  if delay and delay > 0 then
+  if not again and delay and delay > 0 then
     ngx.sleep(delay / 1000)
   end
   return d
+end
+
+-- access checks the current request and acts on the decision; call it from
+-- access_by_lua_block:
+--   - rejected: 429 with Retry-After, RateLimit-Policy, RateLimit and a problem+json body,
+--     and the request ends;
+--   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
+--     goes on (to proxy_pass, ...), after ngx.sleep(delay_ms) when a rule with delay
+--     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
+--     by every gateway of the daemon);
+--   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
+--     answers 503 with Retry-After: 1 and a problem+json body.
+-- An error answer is logged and follows the policy. It returns the decision.
+--
+-- A request is checked once: the daemon's decision is remembered by $request_id (see
+-- request_key), and a later access() for the same request, in another location after an
+-- internal redirect (with this client or another), applies it again — the same status,
+-- headers and body, the lease kept for log(), no second wait — without asking the
+-- daemon. The policy's answer when the daemon gave none is not remembered: the next
+-- location asks again and follows its own client's policy. A subrequest is checked on
+-- its own, each time.
+function _M.access(self)
+  local key = request_key()
+  if key then
+    local d = decided[key] or decided_before[key]
+    if d then
+      return apply(d, true)
+    end
+  end
+  local attrs = self.attrs and self.attrs() or _M.default_attrs()
+  local cost = self.cost and self.cost() or nil
+  local d, err = self:check(attrs, { cost = cost })
+  if err then
+    ngx.log(ngx.ERR, err)
+  elseif d.unreachable then
+    ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
+  elseif key then
+    remember(key, d)
+  end
+  return apply(d, false)
 end
 
 return _M

@@ -10,7 +10,10 @@
 # headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
 # unchecked paths pass untouched; that one rule on /fast counts /fast, /f%61st, //fast,
 # /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
-# is, and its ACLs use that path); that nginx keeps its connection to the daemon (one open
+# is, and its ACLs use that path); that nginx's access() decides a request once across
+# internal redirects (the daemon asked once, a concurrency slot taken once and freed),
+# still checks a location reached only by one, and checks subrequests on their own (and
+# says so when the configuration does not name $request_id); that nginx keeps its connection to the daemon (one open
 # connection after the burst) and gets a decision right after a daemon restart (the pool
 # drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
 # policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
@@ -105,6 +108,14 @@ rules:
     match: { path: /fast }
     key: ip
     limit: { requests: 6, per: 60s }
+  - name: once
+    match: { path: "/once/**" }
+    key: path
+    limit: { requests: 10, per: 60s }
+  - name: one-slot
+    match: { path: "/once/slot/**" }
+    key: ip
+    concurrency: { max: 1, lease: 60s }
   - name: slow-in-flight
     match: { path: "/slow/**" }
     key: ip
@@ -176,6 +187,27 @@ d = rl:check({ path = "/x" })
 line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
 LUA
 sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
+# Test-only locations: a request that passes access() in two locations (an internal
+# redirect), one that reaches access() only through an internal redirect, and
+# subrequests (auth_request's, sharing the main request's variables, and
+# ngx.location.capture's) whose locations call access() too.
+cat >"$tmp/once.conf" <<'CONF'
+        location /once/redirected/ { access_by_lua_block { rl_open:access() } try_files /nonexistent @once_redirected; }
+        location @once_redirected { access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /once/slot/ { access_by_lua_block { rl_open:access() } try_files /nonexistent @once_slot; }
+        location @once_slot { access_by_lua_block { rl_open:access() } log_by_lua_block { rl_open:log() } proxy_pass http://app; }
+        location /once/only-redirected/ { try_files /nonexistent @once_only; }
+        location @once_only { access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /once/auth/ { auth_request /once/auth-check; access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location = /once/auth-check { internal; content_by_lua_block { rl_open:access() return ngx.exit(204) } }
+        location /once/capture/ {
+            access_by_lua_block { rl_open:access() }
+            content_by_lua_block { local r = ngx.location.capture("/once/sub/x") ngx.say("sub ", r.status) }
+        }
+        location /once/sub/ { internal; rewrite_by_lua_block { rl_open:access() } proxy_pass http://app; }
+CONF
+awk -v f="$tmp/once.conf" '/^        location \/static\/ \{/ { while ((getline l < f) > 0) print l } { print }' "$tmp/nginx/nginx.conf" >"$tmp/nginx/nginx.conf.new"
+mv "$tmp/nginx/nginx.conf.new" "$tmp/nginx/nginx.conf"
 # One process (master_process off): it runs as the invoking user, who owns the socket.
 nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" 2>>"$tmp/nginx.log" &
 pids+=($!)
@@ -273,6 +305,45 @@ expect "haproxy /static/../login: checked as /login" "$(header ratelimit-policy)
 request POST "http://127.0.0.1:$nginx_port/static/../login"
 expect "nginx /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
 
+echo "-- nginx: access() decides once per request, across internal redirects"
+# checks_once: the checks the daemon has decided on the rule "once" so far.
+checks_once() {
+  curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_checks_total{rule=\"once\",result=\"allowed\"}" {print $2}'
+}
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/redirected/x"
+expect "try_files ... @app, access() in both: status" "$status" 200
+expect_re "try_files ... @app, access() in both: counted once" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "try_files ... @app, access() in both: the daemon asked once" "$(($(checks_once) - ${before:-0}))" 1
+request GET "http://127.0.0.1:$nginx_port/once/redirected/x"
+expect_re "try_files ... @app, again: counted once more" "$(header ratelimit)" '^"once";r=8;t=[0-9]+$'
+# A concurrency rule's one slot: the request holds it once (a second access() taking a
+# second slot would refuse the request itself), and log() in the last location frees it.
+for i in 1 2; do
+  request GET "http://127.0.0.1:$nginx_port/once/slot/x"
+  expect "one slot, access() in both locations, request $i: status" "$status" 200
+done
+for i in $(seq 20); do # the release follows the response
+  inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"one-slot\"}" {print $2}')
+  [ "$inflight" == 0 ] && break
+  sleep 0.05
+done
+expect "one slot: freed after the request" "$inflight" 0
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/only-redirected/x"
+expect_re "access() only after the internal redirect: checked" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "access() only after the internal redirect: the daemon asked once" "$(($(checks_once) - before))" 1
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/auth/x"
+expect "auth_request subrequest and main request: status" "$status" 200
+expect_re "auth_request: the main request checked on its own path" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "auth_request: the subrequest and the main request each asked once" "$(($(checks_once) - before))" 2
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/capture/x"
+expect "ngx.location.capture: the subrequest checked" "$body" "sub 200"
+expect_re "ngx.location.capture: the main request checked" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "ngx.location.capture: the subrequest and the main request each asked once" "$(($(checks_once) - before))" 2
+
 echo "-- delay: a queue of 1 per second shared by nginx and HAProxy; each waits delay_ms"
 # timed GATEWAY PORT: one request to /api/queue; elapsed is its duration in ms.
 timed() {
@@ -355,7 +426,10 @@ pids+=($!)
 wait_for "the silent sidecar" test -S "$hole"
 hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
+# Without the example's proxy_set_header X-Request-Id, nothing names $request_id: access()
+# must say that it cannot recognize a request across an internal redirect.
 sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
+  -e '/proxy_set_header X-Request-Id \$request_id;/d' \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
 nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
 pids+=($!)
@@ -373,6 +447,9 @@ fi
 request POST "http://127.0.0.1:$hole_port/login"
 expect "nginx, silent sidecar, closed policy: status" "$status" 503
 expect "nginx, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+expect "nginx without \$request_id named: access() says it cannot check once per request" \
+  "$(grep -c 'rlsidecar: nginx does not keep \$request_id' "$tmp/nginx-hole.log")" 1
+expect "nginx with \$request_id named (the example): no such error" "$(grep -c 'does not keep \$request_id' "$tmp/nginx.log" || true)" 0
 
 hole_hap_port=$(free_port)
 sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
