@@ -18,13 +18,14 @@ _POLICIES = ("open", "closed")
 BATCH_WINDOW = 256
 
 
-def _check_options(socket_path, timeout, on_unavailable):
+def _check_options(socket_path, timeout, on_unavailable, max_frame):
     if not socket_path or not isinstance(socket_path, str):
         raise ValueError("socket_path must be a non-empty str")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError("timeout must be a number of seconds > 0, not %r" % (timeout,))
     if on_unavailable not in _POLICIES:
         raise ValueError('on_unavailable must be "open" or "closed", not %r' % (on_unavailable,))
+    _proto.check_max_frame(max_frame)
 
 
 def backoff(failures):
@@ -80,19 +81,26 @@ class Client:
     connection holding leases stays pooled past ``pool_size`` until they are released;
     close() frees them all, and so does a connection that times out.
 
+    Too large: a request whose frame body is over ``max_frame`` bytes (default 65,536,
+    the daemon's default --max-frame) is not sent; check() raises RequestTooLargeError,
+    a ProtocolError whose decision refuses it with a 431, and so does a frame_too_large
+    answer of a daemon whose --max-frame is smaller. The policy never applies to it:
+    under "open" that would let any request through unlimited, given a huge header.
+
     It raises only ProtocolError (the sidecar refused the request as malformed: a bug in
-    what the caller sent) and ClosedError. Safe for use by many threads; close() it (or
-    use it as a context manager) to close its connections.
+    what the caller sent; RequestTooLargeError) and ClosedError. Safe for use by many
+    threads; close() it (or use it as a context manager) to close its connections.
     """
 
-    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", pool_size=4):
-        _check_options(socket_path, timeout, on_unavailable)
+    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", pool_size=4, max_frame=_proto.MAX_FRAME):
+        _check_options(socket_path, timeout, on_unavailable, max_frame)
         if not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError("pool_size must be an int >= 1, not %r" % (pool_size,))
         self.socket_path = socket_path
         self.timeout = float(timeout)
         self.on_unavailable = on_unavailable
         self.pool_size = pool_size
+        self.max_frame = max_frame
         self._lock = threading.Lock()
         self._idle = []
         self._closed = False
@@ -135,9 +143,12 @@ class Client:
             raise ClosedError("rlsidecar: client closed")
         if not checks:
             return []
-        # Every request is built (and bad input refused) before anything is sent.
-        reqs = [_proto.check_message(0, attrs, cost, limits) for attrs, cost, limits in checks]
-        got = self._exchange(reqs, time.monotonic() + self.timeout)
+        # Every request is built (and bad input refused, and a request over max_frame even
+        # with the shortest id) before anything is sent.
+        bodies = [_proto.body(_proto.check_message(0, attrs, cost, limits)) for attrs, cost, limits in checks]
+        for b in bodies:
+            _proto.check_size(len(b), self.max_frame)
+        got = self._exchange(bodies, time.monotonic() + self.timeout)
         if isinstance(got, str):
             return [self._policy(got) for _ in checks]
         conn, first, msgs = got
@@ -156,11 +167,14 @@ class Client:
                     return [self._policy("the sidecar closed the connection: %s" % e[0]) for _ in checks]
                 if e[0] == "frame_too_large":
                     keep = False  # the sidecar closes the connection after this answer
-                d = self._policy(None)
-                d.unreachable, d.cause = False, "%s: %s" % e
+                    pe = _proto.RequestTooLargeError(e[1])
+                else:
+                    d = self._policy(None)
+                    d.unreachable, d.cause = False, "%s: %s" % e
+                    pe = _proto.ProtocolError(e[0], e[1], d)
                 if err is None:
-                    err = _proto.ProtocolError(e[0], e[1], d)
-                out.append(d)
+                    err = pe
+                out.append(pe.decision)
             else:
                 d = _proto.decision(msg)
                 if d.lease:
@@ -200,7 +214,7 @@ class Client:
         """Send a release or renew and return its answer map."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
-        msg = self._ask(_proto.lease_message(0, op, lease, lease_ms))
+        msg = self._ask(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
@@ -208,16 +222,16 @@ class Client:
 
     def ping(self):
         """Return the sidecar's version string; raises OSError when it is unreachable."""
-        msg = self._ask({"id": 0, "op": "ping"})
+        msg = self._ask(_proto.body({"id": 0, "op": "ping"}))
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
-    def _ask(self, req):
-        """Send one request map and return its answer map (the connection is pooled again);
-        raises ConnectionError when there is none."""
-        got = self._exchange([req], time.monotonic() + self.timeout)
+    def _ask(self, body):
+        """Send one request (a body from _proto.body) and return its answer map (the
+        connection is pooled again); raises ConnectionError when there is none."""
+        got = self._exchange([body], time.monotonic() + self.timeout)
         if isinstance(got, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
         conn, first, (msg,) = got
@@ -227,9 +241,9 @@ class Client:
         self._put(conn)
         return msg
 
-    def _exchange(self, reqs, deadline):
-        """Send the request maps reqs (numbered here, in order, on the connection they go
-        out on) pipelined on one connection and read their answers. Returns (conn, the first
+    def _exchange(self, bodies, deadline):
+        """Send the requests (bodies from _proto.body, numbered here, in order, on the
+        connection they go out on) pipelined on one connection and read their answers. Returns (conn, the first
         id, the answer maps), conn not yet back in the pool; or a str saying why there is no
         answer (the connection is then closed).
 
@@ -254,10 +268,16 @@ class Client:
             if isinstance(conn, str):
                 return conn
             first = conn.next_id + 1
-            for req in reqs:
+            frames = []
+            for b in bodies:
                 conn.next_id += 1
-                req["id"] = conn.next_id
-            frames = [_proto.encode(req) for req in reqs]
+                frames.append(_proto.frame(b, conn.next_id))
+            try:
+                for f in frames:  # with their ids: a few bytes longer
+                    _proto.check_size(len(f) - 4, self.max_frame)
+            except _proto.RequestTooLargeError:
+                self._put(conn)  # nothing was sent on it
+                raise
             try:
                 msgs = self._send_read(conn, frames, deadline, pooled)
             except _NotRead:

@@ -60,7 +60,7 @@ def _closed(client):
 
 
 def _reason(status):
-    return {200: "OK", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
+    return {200: "OK", 429: "Too Many Requests", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
 
 
 class WSGIMiddleware:
@@ -73,8 +73,12 @@ class WSGIMiddleware:
       called;
     - no answer from the sidecar: the client's on_unavailable — "open" calls the app
       without rate-limit headers, "closed" answers 503 with Retry-After: 1;
-    - a ProtocolError (``attrs`` or ``cost`` produced something the sidecar refuses) or
-      a closed client: the client's on_unavailable, as for an unreachable sidecar.
+    - a request too large to be checked (RequestTooLargeError: attributes whose frame is
+      over the client's max_frame, such as a huge header an attrs function sends): 431
+      (Request Header Fields Too Large) with a problem+json body; the app is not called;
+    - another ProtocolError (``attrs`` or ``cost`` produced something the sidecar
+      refuses) or a closed client: the client's on_unavailable, as for an unreachable
+      sidecar.
 
     ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
     by default wsgi_attrs and 1.
@@ -91,7 +95,7 @@ class WSGIMiddleware:
         try:
             d = self.client.check(self.attrs(environ), cost)
         except ProtocolError as e:
-            d = e.decision
+            d = e.decision  # a 431 for RequestTooLargeError, else the policy's
         except ClosedError:
             d = _closed(self.client)
         if not d.allowed:

@@ -210,9 +210,10 @@ def test_a_sidecar_that_accepts_and_drops_is_backed_off(short_tmp):
 
 
 def test_frame_too_large_then_the_next_check_is_answered(daemon):
-    """A request over the daemon's frame limit is the caller's error; the daemon closes
-    that connection, so the client does not pool it, and the next check is answered."""
-    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1) as c:
+    """A request over the daemon's frame limit (sent: this client's max_frame is larger);
+    the daemon closes that connection, so the client does not pool it, and the next check
+    is answered. (test_too_large.py: what the error means, and the default max_frame.)"""
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1, max_frame=1 << 20) as c:
         assert c.check({"user": "ivy"}).allowed
         with pytest.raises(rlsidecar.ProtocolError) as e:
             c.check({"user": "ivy", "blob": "x" * 70000})
