@@ -33,6 +33,10 @@ local mt = { __index = _M }
 -- not the daemon's, and the connection is dropped.
 local MAX_FRAME = 1048576
 
+-- DEFAULT_MAX_FRAME is the largest request frame (after the length) the daemon accepts
+-- by default (serve --max-frame): max_frame's default.
+local DEFAULT_MAX_FRAME = 65536
+
 -- Answers are decoded by rlsidecar.codec: under LuaJIT it decodes a two-rule answer in
 -- about 2.5 µs, against 11.9 µs for Debian's lua-mpack (C, but called through the Lua C
 -- API, which LuaJIT does not compile), measured in the same nginx by
@@ -68,6 +72,9 @@ _M.decode_body = decode_body
 --                   or a list of {name, value}; default: ip, method, path
 --   cost            function() returning the current request's cost (default 1)
 --   decoder         "lua" (default: rlsidecar.codec) or "lua-mpack"
+--   max_frame       the largest request frame sent, in bytes after the length (default
+--                   65536, the daemon's default --max-frame): a larger request is not
+--                   sent but refused with 431
 -- It returns nil and an error for bad options.
 function _M.new(opts)
   if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
@@ -90,6 +97,10 @@ function _M.new(opts)
       return nil, "rlsidecar.new: opts." .. f .. " must be a function"
     end
   end
+  local max_frame = opts.max_frame or DEFAULT_MAX_FRAME
+  if type(max_frame) ~= "number" or max_frame < 1 or max_frame % 1 ~= 0 then
+    return nil, "rlsidecar.new: max_frame must be a positive integer (bytes)"
+  end
   local decode = decode_body
   if opts.decoder == "lua-mpack" then
     if not unpacker then
@@ -109,6 +120,7 @@ function _M.new(opts)
     keepalive = opts.keepalive_ms or 60000,
     attrs = opts.attrs,
     cost = opts.cost,
+    max_frame = max_frame,
   }, mt)
 end
 
@@ -158,6 +170,10 @@ function _M.roundtrip(self, frame, id)
     return drop(sock, "decoding an answer from", self.path, err or "not a map")
   end
   if resp.id ~= id then
+    if resp.id == 0 and type(resp.error) == "table" then
+      sock:close() -- an error about a request the daemon could not read (frame_too_large: it closes)
+      return resp
+    end
     return drop(sock, "reading from", self.path, "an answer to request " .. tostring(resp.id) .. ", not " .. id)
   end
   sock:setkeepalive(self.keepalive, self.pool_size)
@@ -169,12 +185,20 @@ end
 -- proto/PROTOCOL.md). It returns a decision (see rlsidecar.http) and nil; or, when the
 -- sidecar answered with an error (a bug in what was sent: bad_request, invalid_limit,
 -- ...) or the arguments are invalid, the policy decision and the error as a string.
+-- A request whose frame is over max_frame is not sent: the decision refuses it (reason
+-- request_too_large, a 431 by rlsidecar.http.rejection) and the error says so; the same
+-- when the daemon answers frame_too_large (its --max-frame is smaller).
 function _M.check(self, attrs, opts)
   local id = next_id()
   local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs,
     cost = opts and opts.cost, limits = opts and opts.limits })
   if not frame then
     return http.policy_decision(self.policy, err), "rlsidecar: " .. err
+  end
+  if #frame - 4 > self.max_frame then
+    local msg = "rlsidecar: frame_too_large: request frame of " .. (#frame - 4) .. " bytes exceeds max_frame "
+      .. self.max_frame .. "; it was not sent"
+    return http.too_large_decision(msg), msg
   end
   local resp, rerr = self:roundtrip(frame, id)
   if not resp then
@@ -183,6 +207,9 @@ function _M.check(self, attrs, opts)
   if resp.error then
     local e = resp.error
     local msg = "rlsidecar: " .. tostring(e.code) .. ": " .. tostring(e.message)
+    if e.code == "frame_too_large" then
+      return http.too_large_decision(msg), msg
+    end
     local d = http.policy_decision(self.policy, msg)
     d.unreachable = false
     return d, msg
@@ -364,7 +391,10 @@ end
 --     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
 --     by every gateway of the daemon);
 --   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
---     answers 503 with Retry-After: 1 and a problem+json body.
+--     answers 503 with Retry-After: 1 and a problem+json body;
+--   - too large to be checked (its frame over max_frame, e.g. a huge header the attrs
+--     function sends): 431 and a problem+json body, whatever the policy, logged at info
+--     (the client's doing, as nginx logs a too long header line).
 -- An error answer is logged and follows the policy. It returns the decision.
 --
 -- A request is checked once: the daemon's decision is remembered by $request_id (see
@@ -385,7 +415,9 @@ function _M.access(self)
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
   local cost = self.cost and self.cost() or nil
   local d, err = self:check(attrs, { cost = cost })
-  if err then
+  if d.reason == http.REQUEST_TOO_LARGE then
+    ngx.log(ngx.INFO, err)
+  elseif err then
     ngx.log(ngx.ERR, err)
   elseif d.unreachable then
     ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)

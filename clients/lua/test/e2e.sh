@@ -10,16 +10,20 @@
 # headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
 # unchecked paths pass untouched; that one rule on /fast counts /fast, /f%61st, //fast,
 # /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
-# is, and its ACLs use that path); that nginx's access() decides a request once across
-# internal redirects (the daemon asked once, a concurrency slot taken once and freed),
-# still checks a location reached only by one, and checks subrequests on their own (and
-# says so when the configuration does not name $request_id); that nginx keeps its connection to the daemon (one open
-# connection after the burst) and gets a decision right after a daemon restart (the pool
-# drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
-# policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
-# Retry-After: 1 and its problem body. Also client:check() itself from a test-only
-# location: inline limits, cost, cost above capacity, bad input (refused before sending)
-# and an error answer (policy decision and error; the connection stays usable).
+# is, and its ACLs use that path); that a request too large to be checked (a 70,000-byte
+# X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
+# the open policy; that nginx's access() decides a request once across internal
+# redirects (the daemon asked once, a concurrency slot taken once and freed), still
+# checks a location reached only by one, checks subrequests on their own, and says so
+# when the configuration does not name $request_id; that nginx keeps its connection to
+# the daemon (one open connection after the burst) and gets a decision right after a
+# daemon restart (the pool drops connections the daemon closed). Then it stops the daemon
+# and asserts the unreachable policies: `open` serves without rate-limit headers,
+# `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
+# Also client:check() itself from a test-only location: inline limits, cost, cost above
+# capacity, bad input (refused before sending), an error answer (policy decision and
+# error; the connection stays usable), and a request over max_frame (not sent, or
+# refused by the daemon: 431 either way); and HAProxy's RLSIDECAR_MAX_FRAME.
 # Free loopback ports, a temp dir, every process
 # stopped on exit. Exits 0 only if everything holds.
 #
@@ -139,6 +143,7 @@ load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 events {}
 http {
   access_log off;
+  large_client_header_buffers 4 128k;
   client_body_temp_path $tmp/backend; proxy_temp_path $tmp/backend; fastcgi_temp_path $tmp/backend;
   uwsgi_temp_path $tmp/backend; scgi_temp_path $tmp/backend;
   server {
@@ -160,7 +165,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
-  -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;#" \
+  -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
 grep -q "timeout_ms = 2000" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/nginx.conf no longer has timeout_ms = 50," >&2; exit 1; }
 # A test-only location beside the example's: client:check() cases against the real daemon.
@@ -185,6 +190,14 @@ line("error answer: allowed=%s degraded=%s unreachable=%s err=%s", tostring(d.al
   tostring(d.unreachable), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 d = rl:check({ path = "/x" })
 line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
+local http = require "rlsidecar.http"
+d, err = rl:check({ path = "/x", blob = string.rep("x", 70000) })
+line("too large, not sent: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+local big = require("resty.rlsidecar").new({ socket = rl.path, timeout_ms = 2000, max_frame = 1048576 })
+d, err = big:check({ path = "/x", blob = string.rep("x", 70000) })
+line("too large for the daemon: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+d = big:check({ path = "/x" })
+line("after it: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
 LUA
 sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
 # Test-only locations: a request that passes access() in two locations (an internal
@@ -220,6 +233,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
+  -e "s#^global#global\n    tune.bufsize 131072#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
 grep -q "rl.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
 haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
@@ -272,6 +286,9 @@ cost 3 > capacity 2: allowed=false reason=cost_exceeds_capacity
 bad input: allowed=true degraded=true err=rlsidecar: limits[0]: "limit" must be an integer of at least 1
 error answer: allowed=true degraded=true unreachable=false err=rlsidecar: bad_request
 after the error answer: allowed=true degraded=false
+too large, not sent: allowed=false status=431 err=rlsidecar: frame_too_large
+too large for the daemon: allowed=false status=431 err=rlsidecar: frame_too_large
+after it: allowed=true degraded=false
 WANT
 )"
 
@@ -304,6 +321,20 @@ request POST "http://127.0.0.1:$hap_port/static/../login"
 expect "haproxy /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
 request POST "http://127.0.0.1:$nginx_port/static/../login"
 expect "nginx /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+
+echo "-- a request too large to be checked (a 70,000-byte X-User, an attribute): 431, not the open policy"
+huge=$(head -c 70000 /dev/zero | tr '\0' u)
+for gw in "nginx $nginx_port" "haproxy $hap_port"; do
+  set -- $gw
+  request GET "http://127.0.0.1:$2/api/items" "$huge"
+  expect "$1 too large: status" "$status" 431
+  expect "$1 too large: Content-Type" "$(header content-type)" "application/problem+json"
+  expect "$1 too large: no RateLimit" "$(header ratelimit)" ""
+  expect "$1 too large: problem body" "$body" \
+    '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,"detail":"This request'"'"'s header fields are too large for the rate limiter to check."}'
+  request GET "http://127.0.0.1:$2/api/items" "$1-ursula"
+  expect "$1 after it: checked as usual" "$status/$(header ratelimit | cut -d';' -f1-2)" '200/"per-user";r=2'
+done
 
 echo "-- nginx: access() decides once per request, across internal redirects"
 # checks_once: the checks the daemon has decided on the rule "once" so far.
@@ -452,7 +483,13 @@ expect "nginx without \$request_id named: access() says it cannot check once per
 expect "nginx with \$request_id named (the example): no such error" "$(grep -c 'does not keep \$request_id' "$tmp/nginx.log" || true)" 0
 
 hole_hap_port=$(free_port)
-sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
+# Its max_frame from the environment (RLSIDECAR_MAX_FRAME, as the daemon's --max-frame):
+# 300 bytes. A value that is no number stops HAProxy at load.
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
+  -e "s#^global#global\n    setenv RLSIDECAR_MAX_FRAME 300#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
+sed -e "s#RLSIDECAR_MAX_FRAME 300#RLSIDECAR_MAX_FRAME 64k#" "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-bad.cfg"
+expect_re "haproxy, RLSIDECAR_MAX_FRAME=64k: refused at load" "$(haproxy -c -f "$tmp/haproxy-bad.cfg" 2>&1 || true)" \
+  "RLSIDECAR_MAX_FRAME must be a positive integer \\(bytes\\), not 64k"
 haproxy -db -f "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-hole.log" 2>&1 &
 pids+=($!)
 wait_for "haproxy (silent sidecar)" curl -sf "http://127.0.0.1:$hole_hap_port/static/x"
@@ -466,6 +503,8 @@ if [ "$elapsed_ms" -ge 40 ] && [ "$elapsed_ms" -lt 2000 ]; then
 else
   fail "haproxy, silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
 fi
+request GET "http://127.0.0.1:$hole_hap_port/api/$(head -c 300 /dev/zero | tr '\0' p)"
+expect "haproxy, RLSIDECAR_MAX_FRAME=300, a 300-byte path: 431 before asking" "$status" 431
 request POST "http://127.0.0.1:$hole_hap_port/login"
 expect "haproxy, silent sidecar, closed policy: status" "$status" 503
 expect "haproxy, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1

@@ -130,6 +130,11 @@ if ngx then
   check(c == nil and err:find("on_unavailable"), "nginx: a bad policy is refused")
   c, err = resty.new({})
   check(c == nil and err:find("socket"), "nginx: a missing socket is refused")
+  check(resty.new({ socket = "/x.sock" }).max_frame == 65536, "nginx: max_frame defaults to 65536")
+  for _, bad in ipairs({ 0, -1, 1.5, "64k" }) do
+    c, err = resty.new({ socket = "/x.sock", max_frame = bad })
+    check(c == nil and err:find("max_frame"), "nginx: max_frame %s is refused", tostring(bad))
+  end
 end
 for _, dec in ipairs(decoders) do
   for _, v in ipairs(vectors.responses) do
@@ -246,6 +251,19 @@ do
   -- clean: a path decoded already (slashes merged, dot segments removed, nothing decoded).
   check(path.clean("//a/%2e%2e/./b/../c?d") == "/a/%2e%2e/c?d", "clean: %q", path.clean("//a/%2e%2e/./b/../c?d"))
   check(path.clean("") == "/" and path.clean("a/..") == "/", "clean: empty and relative")
+end
+
+-- A request too large to be checked: 431, no rate-limit headers, a problem body.
+do
+  local d = http.too_large_decision("request frame of 70012 bytes exceeds max_frame 65536")
+  check(not d.allowed and not d.degraded and not d.unreachable and d.reason == "request_too_large",
+    "too large: a refusal, not the policy's")
+  check(next(http.headers(d)) == nil, "too large: no rate-limit headers, no Retry-After")
+  local status, h, body = http.rejection(d)
+  check(status == 431, "too large: status %s", tostring(status))
+  check(h["Content-Type"] == "application/problem+json" and h["Retry-After"] == nil, "too large: headers")
+  check(body == '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
+    .. '"detail":"This request\'s header fields are too large for the rate limiter to check."}', "too large: body %s", body)
 end
 
 -- The policy decision: open allows without rate-limit fields, closed answers 503.
