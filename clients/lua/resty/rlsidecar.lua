@@ -312,16 +312,30 @@ end
 -- Two generations of at most REMEMBER entries each: when the current one is full it
 -- becomes the previous one and the one before is dropped, so a request is remembered
 -- for at least the REMEMBER checks that follow it (a second access() after more than
--- that would ask the daemon again: counted twice, as before, never let through).
-local REMEMBER = 10000
+-- that would ask the daemon again: counted twice, as before, never let through). An
+-- entry is the response access() gave, not the whole decision: about 330 bytes (a
+-- decision with its rules is over 1 KB), at most 5.5 MB a worker.
+local REMEMBER = 8192
 local decided, decided_before, n_decided = {}, {}, 0
 
-local function remember(id, d)
+local function remember(id, e)
   if n_decided >= REMEMBER then
     decided_before, decided, n_decided = decided, {}, 0
   end
-  decided[id] = d
+  decided[id] = e
   n_decided = n_decided + 1
+end
+
+-- answer returns what access() does for the decision d, to apply and remember: a
+-- refusal's status, headers and body, or an allowed request's headers, lease and delay.
+local function answer(d)
+  if not d.allowed then
+    local status, headers, body = http.rejection(d)
+    return { allowed = false, status = status, headers = headers, body = body }
+  end
+  local lease = d.lease
+  if lease == "" then lease = nil end
+  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms) }
 end
 
 -- nil until the first access(); then whether nginx keeps $request_id for the request.
@@ -354,32 +368,30 @@ local function request_key()
   return nil
 end
 
--- apply acts on the decision d for the current request (see access). again: d was
--- remembered, it was acted on already in an earlier location (no second wait).
-local function apply(d, again)
-  if not d.allowed then
-    local status, headers, body = http.rejection(d)
-    for k, v in pairs(headers) do
+-- apply gives the current request the answer e (from answer). again: e was remembered,
+-- it was given already in an earlier location (no second wait).
+local function apply(e, again)
+  if not e.allowed then
+    for k, v in pairs(e.headers) do
       ngx.header[k] = v
     end
-    ngx.header["Content-Length"] = #body
-    ngx.status = status
-    ngx.print(body)
-    return ngx.exit(status)
+    ngx.header["Content-Length"] = #e.body
+    ngx.status = e.status
+    ngx.print(e.body)
+    return ngx.exit(e.status)
   end
-  for k, v in pairs(http.headers(d)) do
+  for k, v in pairs(e.headers) do
     ngx.header[k] = v
   end
-  if d.lease and d.lease ~= "" then
+  if e.lease then
     -- A concurrency rule's slot: held until log() releases it when the request ends
     -- (after an internal redirect too: ngx.ctx is new there).
-    ngx.ctx.rlsidecar_lease = d.lease
+    ngx.ctx.rlsidecar_lease = e.lease
   end
-  local delay = tonumber(d.delay_ms)
+  local delay = e.delay_ms
   if not again and delay and delay > 0 then
     ngx.sleep(delay / 1000)
   end
-  return d
 end
 
 -- access checks the current request and acts on the decision; call it from
@@ -395,21 +407,23 @@ end
 --   - too large to be checked (its frame over max_frame, e.g. a huge header the attrs
 --     function sends): 431 and a problem+json body, whatever the policy, logged at info
 --     (the client's doing, as nginx logs a too long header line).
--- An error answer is logged and follows the policy. It returns the decision.
+-- An error answer is logged and follows the policy. It returns the decision (the second
+-- time for a request, see below, { allowed = ..., again = true }).
 --
 -- A request is checked once: the daemon's decision is remembered by $request_id (see
 -- request_key), and a later access() for the same request, in another location after an
 -- internal redirect (with this client or another), applies it again — the same status,
 -- headers and body, the lease kept for log(), no second wait — without asking the
--- daemon. The policy's answer when the daemon gave none is not remembered: the next
+-- daemon, and returns { allowed = ..., again = true }. The policy's answer when the daemon gave none is not remembered: the next
 -- location asks again and follows its own client's policy. A subrequest is checked on
 -- its own, each time.
 function _M.access(self)
   local key = request_key()
   if key then
-    local d = decided[key] or decided_before[key]
-    if d then
-      return apply(d, true)
+    local e = decided[key] or decided_before[key]
+    if e then
+      apply(e, true)
+      return { allowed = e.allowed, again = true }
     end
   end
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
@@ -421,10 +435,13 @@ function _M.access(self)
     ngx.log(ngx.ERR, err)
   elseif d.unreachable then
     ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
-  elseif key then
-    remember(key, d)
   end
-  return apply(d, false)
+  local e = answer(d)
+  if key and not err and not d.unreachable then
+    remember(key, e)
+  end
+  apply(e, false)
+  return d
 end
 
 return _M
