@@ -37,7 +37,6 @@ def _wsgi_bytes(s):
         return s.encode("utf-8", "surrogateescape")
 
 
-
 def asgi_attrs(scope):
     """The default attributes of an ASGI HTTP request: ip (the client's host), method,
     path.
@@ -60,7 +59,8 @@ def _closed(client):
 
 
 def _reason(status):
-    return {200: "OK", 429: "Too Many Requests", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
+    return {200: "OK", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}[status]
 
 
 class WSGIMiddleware:

@@ -55,7 +55,8 @@ class Daemon:
         self.start()
 
     def start(self):
-        self.proc = subprocess.Popen([self.binary, "serve", "--socket", self.socket, "--admin=", "--config", self.rules] + self.args,
+        self.proc = subprocess.Popen([self.binary, "serve", "--socket", self.socket, "--admin=", "--config", self.rules]
+                                     + self.args,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = []
         t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))
