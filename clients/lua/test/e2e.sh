@@ -315,6 +315,34 @@ for gw in "haproxy /%66ast" "haproxy /fast/../fast" "nginx //fast"; do
   request GET "http://127.0.0.1:$port$2"
   expect "$1 $2: refused by the rule on /fast" "$status/$(grep -o '"rule":"[^"]*"' <<<"$body")" '429/"rule":"fast"'
 done
+# nginx's $uri, which the nginx client sends, is the path of clients/testdata/paths.json
+# for every case nginx accepts (it refuses the others: 400). Asked of the backend, a
+# plain nginx (merge_slashes on, the default) answering "backend $uri".
+uri_cases=0
+while read -r line; do
+  uri_cases=$((uri_cases + 1))
+  case "$line" in "ok "*) pass "nginx \$uri: ${line#ok }" ;; *) fail "nginx \$uri: $line" ;; esac
+done < <(python3 - "$repo/clients/testdata/paths.json" "$backend_port" <<'PY'
+import json, socket, sys
+for c in json.load(open(sys.argv[1]))["cases"]:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    s.sendall(b"GET " + c["raw"].encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        data += d
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = head.split(b" ")[1]
+    want = b"backend " + c["path"].encode("latin-1") + b"\n"
+    if status == b"400" or (status == b"200" and body == want):
+        print("ok %r: %s" % (c["raw"], "refused" if status == b"400" else "same path"))
+    else:
+        print("%r: %s %r, want %r" % (c["raw"], status.decode(), body, want))
+PY
+)
+expect "nginx \$uri: every case of paths.json asked" "$uri_cases" "$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["cases"]))' "$repo/clients/testdata/paths.json")"
 # The example's ACLs test the normalized path too (lua.rlsidecar_path): a /static/
 # prefix walked back out of is checked, as nginx's locations see it.
 request POST "http://127.0.0.1:$hap_port/static/../login"
