@@ -10,13 +10,26 @@
 --   http-response lua.rlsidecar_headers
 --
 -- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
--- client address), method and path (without the query) with the daemon at SOCKET
+-- client address), method and path with the daemon at SOCKET
 -- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
 -- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
 -- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
 -- the sidecar gives no answer within TIMEOUT_MS (or the socket is missing), POLICY
 -- decides: `open` lets the request through without rate-limit headers, `closed` answers
 -- 503 with Retry-After: 1; the decision is degraded either way and the cause is logged.
+--
+-- The path is HAProxy's raw path normalized by rlsidecar.path as nginx's $uri is (query
+-- dropped, %XX decoded once, slashes merged, dot segments removed: /log%69n, //login and
+-- /a/../login are all /login), so a rule limits the same requests through either
+-- gateway. The sample fetch `lua.rlsidecar_path` returns that path, for ACLs that choose
+-- which requests are checked (a `path_beg /static/` ACL on the raw path would let
+-- /static/../login through unchecked).
+--
+-- A request whose frame is over RLSIDECAR_MAX_FRAME bytes (an environment variable,
+-- read when the file is loaded: `setenv RLSIDECAR_MAX_FRAME 131072` in global before
+-- lua-load; default 65536, the daemon's default --max-frame, which the daemon reads from
+-- the same variable) is not sent: it is answered 431 (Request Header Fields Too Large),
+-- whatever POLICY says, and so is one the daemon refuses as frame_too_large.
 --
 -- Set the transaction variable txn.rlsidecar_user (e.g. `http-request set-var(txn.rlsidecar_user)
 -- req.hdr(x-user)`) to add a `user` attribute, txn.rlsidecar_api_key for `api_key`, and
@@ -35,8 +48,21 @@
 
 local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
+local normalize_path = require("rlsidecar.path").normalize
 
-local MAX_FRAME = 1048576
+local MAX_FRAME = 1048576 -- the largest answer read
+
+-- max_frame: the largest request frame sent (bytes after the length).
+local max_frame = 65536
+do
+  local env = os.getenv("RLSIDECAR_MAX_FRAME")
+  if env ~= nil and env ~= "" then
+    max_frame = tonumber(env)
+    if not max_frame or max_frame < 1 or max_frame % 1 ~= 0 then
+      error("rlsidecar: RLSIDECAR_MAX_FRAME must be a positive integer (bytes), not " .. env, 0)
+    end
+  end
+end
 
 local last_id = 0
 local function next_id()
@@ -85,6 +111,11 @@ local function roundtrip(address, timeout_ms, frame, id, keep)
     if keep then sock:close() end
     return nil, "decoding an answer from " .. address .. ": " .. err
   end
+  if type(resp) == "table" and resp.id == 0 and type(resp.error) == "table" then
+    -- An error about a request the daemon could not read (frame_too_large: it closes).
+    if keep then sock:close() end
+    return resp
+  end
   if type(resp) ~= "table" or resp.id ~= id then
     if keep then sock:close() end
     return nil, "an answer to another request from " .. address
@@ -101,14 +132,22 @@ local function check(address, policy, timeout_ms, attrs, cost)
   if not frame then
     return http.policy_decision(policy, err), "rlsidecar: " .. err
   end
+  if #frame - 4 > max_frame then
+    local msg = "rlsidecar: frame_too_large: request frame of " .. (#frame - 4) .. " bytes exceeds max_frame "
+      .. max_frame .. "; it was not sent"
+    return http.too_large_decision(msg), msg
+  end
   local resp, rerr = roundtrip(address, timeout_ms, frame, id, true)
   if not resp then
     return http.policy_decision(policy, rerr)
   end
   local sock = rerr
   if resp.error then
-    sock:close()
+    if sock then sock:close() end
     local msg = "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+    if resp.error.code == "frame_too_large" then
+      return http.too_large_decision(msg), msg
+    end
     local d = http.policy_decision(policy, msg)
     d.unreachable = false
     return d, msg
@@ -139,7 +178,7 @@ local function release(d, timeout_ms)
   sock:close()
 end
 
-local REASONS = { [429] = "Too Many Requests", [503] = "Service Unavailable" }
+local REASONS = { [429] = "Too Many Requests", [431] = "Request Header Fields Too Large", [503] = "Service Unavailable" }
 
 local function action(txn, address, policy, timeout)
   local timeout_ms = tonumber(timeout)
@@ -150,7 +189,7 @@ local function action(txn, address, policy, timeout)
   local attrs = {
     { "ip", txn.f:src() or "" },
     { "method", txn.f:method() or "" },
-    { "path", txn.f:path() or "" },
+    { "path", normalize_path(txn.f:path() or "") },
   }
   local user = txn:get_var("txn.rlsidecar_user")
   if user and user ~= "" then attrs[#attrs + 1] = { "user", user } end
@@ -159,7 +198,9 @@ local function action(txn, address, policy, timeout)
   local cost = tonumber(txn:get_var("txn.rlsidecar_cost"))
 
   local d, err = check(address, policy, timeout_ms, attrs, cost)
-  if err then
+  if d.reason == http.REQUEST_TOO_LARGE then
+    txn:Info(err) -- the client's doing
+  elseif err then
     txn:Alert(err)
   elseif d.unreachable then
     txn:Warning("rlsidecar: no decision, policy " .. policy .. ": " .. tostring(d.cause))
@@ -201,6 +242,11 @@ local function add_headers(txn)
     txn.http:res_set_header(k, v)
   end
 end
+
+-- lua.rlsidecar_path: the request's path as the check sends it (normalized), for ACLs.
+core.register_fetches("rlsidecar_path", function(txn)
+  return normalize_path(txn.f:path() or "")
+end)
 
 core.register_action("rlsidecar", { "http-req" }, action, 3)
 core.register_action("rlsidecar_headers", { "http-res" }, add_headers, 0)

@@ -33,6 +33,10 @@ local mt = { __index = _M }
 -- not the daemon's, and the connection is dropped.
 local MAX_FRAME = 1048576
 
+-- DEFAULT_MAX_FRAME is the largest request frame (after the length) the daemon accepts
+-- by default (serve --max-frame): max_frame's default.
+local DEFAULT_MAX_FRAME = 65536
+
 -- Answers are decoded by rlsidecar.codec: under LuaJIT it decodes a two-rule answer in
 -- about 2.5 µs, against 11.9 µs for Debian's lua-mpack (C, but called through the Lua C
 -- API, which LuaJIT does not compile), measured in the same nginx by
@@ -68,6 +72,9 @@ _M.decode_body = decode_body
 --                   or a list of {name, value}; default: ip, method, path
 --   cost            function() returning the current request's cost (default 1)
 --   decoder         "lua" (default: rlsidecar.codec) or "lua-mpack"
+--   max_frame       the largest request frame sent, in bytes after the length (default
+--                   65536, the daemon's default --max-frame): a larger request is not
+--                   sent but refused with 431
 -- It returns nil and an error for bad options.
 function _M.new(opts)
   if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
@@ -90,6 +97,10 @@ function _M.new(opts)
       return nil, "rlsidecar.new: opts." .. f .. " must be a function"
     end
   end
+  local max_frame = opts.max_frame or DEFAULT_MAX_FRAME
+  if type(max_frame) ~= "number" or max_frame < 1 or max_frame % 1 ~= 0 then
+    return nil, "rlsidecar.new: max_frame must be a positive integer (bytes)"
+  end
   local decode = decode_body
   if opts.decoder == "lua-mpack" then
     if not unpacker then
@@ -109,6 +120,7 @@ function _M.new(opts)
     keepalive = opts.keepalive_ms or 60000,
     attrs = opts.attrs,
     cost = opts.cost,
+    max_frame = max_frame,
   }, mt)
 end
 
@@ -158,6 +170,10 @@ function _M.roundtrip(self, frame, id)
     return drop(sock, "decoding an answer from", self.path, err or "not a map")
   end
   if resp.id ~= id then
+    if resp.id == 0 and type(resp.error) == "table" then
+      sock:close() -- an error about a request the daemon could not read (frame_too_large: it closes)
+      return resp
+    end
     return drop(sock, "reading from", self.path, "an answer to request " .. tostring(resp.id) .. ", not " .. id)
   end
   sock:setkeepalive(self.keepalive, self.pool_size)
@@ -169,12 +185,20 @@ end
 -- proto/PROTOCOL.md). It returns a decision (see rlsidecar.http) and nil; or, when the
 -- sidecar answered with an error (a bug in what was sent: bad_request, invalid_limit,
 -- ...) or the arguments are invalid, the policy decision and the error as a string.
+-- A request whose frame is over max_frame is not sent: the decision refuses it (reason
+-- request_too_large, a 431 by rlsidecar.http.rejection) and the error says so; the same
+-- when the daemon answers frame_too_large (its --max-frame is smaller).
 function _M.check(self, attrs, opts)
   local id = next_id()
   local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs,
     cost = opts and opts.cost, limits = opts and opts.limits })
   if not frame then
     return http.policy_decision(self.policy, err), "rlsidecar: " .. err
+  end
+  if #frame - 4 > self.max_frame then
+    local msg = "rlsidecar: frame_too_large: request frame of " .. (#frame - 4) .. " bytes exceeds max_frame "
+      .. self.max_frame .. "; it was not sent"
+    return http.too_large_decision(msg), msg
   end
   local resp, rerr = self:roundtrip(frame, id)
   if not resp then
@@ -183,6 +207,9 @@ function _M.check(self, attrs, opts)
   if resp.error then
     local e = resp.error
     local msg = "rlsidecar: " .. tostring(e.code) .. ": " .. tostring(e.message)
+    if e.code == "frame_too_large" then
+      return http.too_large_decision(msg), msg
+    end
     local d = http.policy_decision(self.policy, msg)
     d.unreachable = false
     return d, msg
@@ -279,6 +306,94 @@ function _M.default_attrs()
   }
 end
 
+-- Requests this worker has decided, by $request_id, so that access() decides a request
+-- once however many locations it passes through: ngx.ctx does not survive an internal
+-- redirect (try_files ... @app, error_page, rewrite ... last, index), $request_id does.
+-- Two generations of at most REMEMBER entries each: when the current one is full it
+-- becomes the previous one and the one before is dropped, so a request is remembered
+-- for at least the REMEMBER checks that follow it (a second access() after more than
+-- that would ask the daemon again: counted twice, as before, never let through). An
+-- entry is the response access() gave, not the whole decision: about 330 bytes (a
+-- decision with its rules is over 1 KB), at most 5.5 MB a worker.
+local REMEMBER = 8192
+local decided, decided_before, n_decided = {}, {}, 0
+
+local function remember(id, e)
+  if n_decided >= REMEMBER then
+    decided_before, decided, n_decided = decided, {}, 0
+  end
+  decided[id] = e
+  n_decided = n_decided + 1
+end
+
+-- answer returns what access() does for the decision d, to apply and remember: a
+-- refusal's status, headers and body, or an allowed request's headers, lease and delay.
+local function answer(d)
+  if not d.allowed then
+    local status, headers, body = http.rejection(d)
+    return { allowed = false, status = status, headers = headers, body = body }
+  end
+  local lease = d.lease
+  if lease == "" then lease = nil end
+  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms) }
+end
+
+-- nil until the first access(); then whether nginx keeps $request_id for the request.
+local request_id_kept
+
+-- request_key returns the key access() remembers the current request's decision by, or
+-- nil when there is none: in a subrequest (checked on its own: its location and
+-- attributes are not the main request's, and auth_request's share the main request's
+-- $request_id), or when nginx does not keep $request_id. nginx computes $request_id
+-- once per request and keeps it across internal redirects only when the configuration
+-- names it (proxy_set_header X-Request-Id $request_id, a log_format, ...); otherwise
+-- every read is a new random id, access() cannot recognize a request it has seen, and it
+-- says so once per worker.
+local function request_key()
+  if ngx.is_subrequest then
+    return nil
+  end
+  local id = ngx.var.request_id
+  if request_id_kept == nil then
+    request_id_kept = id ~= nil and ngx.var.request_id == id
+    if not request_id_kept then
+      ngx.log(ngx.ERR, "rlsidecar: nginx does not keep $request_id for the request (the configuration does not ",
+        "name it), so access() checks a request again in each location an internal redirect takes it to; ",
+        "add e.g. proxy_set_header X-Request-Id $request_id; to the server block")
+    end
+  end
+  if request_id_kept then
+    return id
+  end
+  return nil
+end
+
+-- apply gives the current request the answer e (from answer). again: e was remembered,
+-- it was given already in an earlier location (no second wait).
+local function apply(e, again)
+  if not e.allowed then
+    for k, v in pairs(e.headers) do
+      ngx.header[k] = v
+    end
+    ngx.header["Content-Length"] = #e.body
+    ngx.status = e.status
+    ngx.print(e.body)
+    return ngx.exit(e.status)
+  end
+  for k, v in pairs(e.headers) do
+    ngx.header[k] = v
+  end
+  if e.lease then
+    -- A concurrency rule's slot: held until log() releases it when the request ends
+    -- (after an internal redirect too: ngx.ctx is new there).
+    ngx.ctx.rlsidecar_lease = e.lease
+  end
+  local delay = e.delay_ms
+  if not again and delay and delay > 0 then
+    ngx.sleep(delay / 1000)
+  end
+end
+
 -- access checks the current request and acts on the decision; call it from
 -- access_by_lua_block:
 --   - rejected: 429 with Retry-After, RateLimit-Policy, RateLimit and a problem+json body,
@@ -288,38 +403,44 @@ end
 --     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
 --     by every gateway of the daemon);
 --   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
---     answers 503 with Retry-After: 1 and a problem+json body.
--- An error answer is logged and follows the policy. It returns the decision.
+--     answers 503 with Retry-After: 1 and a problem+json body;
+--   - too large to be checked (its frame over max_frame, e.g. a huge header the attrs
+--     function sends): 431 and a problem+json body, whatever the policy, logged at info
+--     (the client's doing, as nginx logs a too long header line).
+-- An error answer is logged and follows the policy. It returns the decision (the second
+-- time for a request, see below, { allowed = ..., again = true }).
+--
+-- A request is checked once: the daemon's decision is remembered by $request_id (see
+-- request_key), and a later access() for the same request, in another location after an
+-- internal redirect (with this client or another), applies it again — the same status,
+-- headers and body, the lease kept for log(), no second wait — without asking the
+-- daemon, and returns { allowed = ..., again = true }. The policy's answer when the daemon gave none is not remembered: the next
+-- location asks again and follows its own client's policy. A subrequest is checked on
+-- its own, each time.
 function _M.access(self)
+  local key = request_key()
+  if key then
+    local e = decided[key] or decided_before[key]
+    if e then
+      apply(e, true)
+      return { allowed = e.allowed, again = true }
+    end
+  end
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
   local cost = self.cost and self.cost() or nil
   local d, err = self:check(attrs, { cost = cost })
-  if err then
+  if d.reason == http.REQUEST_TOO_LARGE then
+    ngx.log(ngx.INFO, err)
+  elseif err then
     ngx.log(ngx.ERR, err)
   elseif d.unreachable then
     ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
   end
-  if not d.allowed then
-    local status, headers, body = http.rejection(d)
-    for k, v in pairs(headers) do
-      ngx.header[k] = v
-    end
-    ngx.header["Content-Length"] = #body
-    ngx.status = status
-    ngx.print(body)
-    return ngx.exit(status)
+  local e = answer(d)
+  if key and not err and not d.unreachable then
+    remember(key, e)
   end
-  for k, v in pairs(http.headers(d)) do
-    ngx.header[k] = v
-  end
-  if d.lease and d.lease ~= "" then
-    -- A concurrency rule's slot: held until log() releases it when the request ends.
-    ngx.ctx.rlsidecar_lease = d.lease
-  end
-  local delay = tonumber(d.delay_ms)
-  if delay and delay > 0 then
-    ngx.sleep(delay / 1000)
-  end
+  apply(e, false)
   return d
 end
 

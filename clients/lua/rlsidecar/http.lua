@@ -21,6 +21,12 @@ M.PROBLEM_TYPE = "about:blank"
 
 local REASON_COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 
+-- REQUEST_TOO_LARGE is the reason of a decision refusing a request too large to be
+-- checked (its frame over max_frame: not sent, or refused by the daemon with
+-- frame_too_large); rejection answers it with 431.
+local REQUEST_TOO_LARGE = "request_too_large"
+M.REQUEST_TOO_LARGE = REQUEST_TOO_LARGE
+
 local function int(n)
   return format("%.0f", n)
 end
@@ -63,7 +69,7 @@ end
 --   d allows and some non-shadow rule warns (warn_at): those rules' names in the order of
 --   d.rules, quoted as in RateLimit-Policy, "per-user", "per-ip";
 --   Retry-After (seconds, at least 1) when d rejects, except when
---   d.reason is cost_exceeds_capacity (no retry can pass).
+--   d.reason is cost_exceeds_capacity or request_too_large (no retry can pass).
 -- A decision where nothing matched gets no RateLimit fields.
 function M.headers(d)
   local h = {}
@@ -97,7 +103,7 @@ function M.headers(d)
     end
     if #warn > 0 then h["RateLimit-Warning"] = concat(warn, ", ") end
   end
-  if not d.allowed and d.reason ~= REASON_COST_EXCEEDS_CAPACITY then
+  if not d.allowed and d.reason ~= REASON_COST_EXCEEDS_CAPACITY and d.reason ~= REQUEST_TOO_LARGE then
     h["Retry-After"] = int(retry_after_seconds(d))
   end
   return h
@@ -211,14 +217,22 @@ local UNAVAILABLE_BODY = '{"type":"about:blank","title":"Service Unavailable","s
   .. '"detail":"The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.",'
   .. '"retry_after":1}'
 
+local TOO_LARGE_BODY = '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
+  .. '"detail":"This request\'s header fields are too large for the rate limiter to check."}'
+
 -- rejection returns the response for a decision that does not allow the request:
 -- status, headers (a table name -> value, Content-Type included) and body:
 --   - rejected by the sidecar: 429, the headers of M.headers, and a problem+json body
 --     with the members "rule" and "retry_after" (seconds; absent when no retry can pass);
 --   - no decision from the sidecar under the closed policy (d.unreachable, or d.cause
 --     set by an error answer): 503, Retry-After: 1, and a problem+json body saying the
---     rate limiter is unavailable.
+--     rate limiter is unavailable;
+--   - too large to be checked (d.reason request_too_large): 431 and a problem+json body,
+--     no rate-limit headers.
 function M.rejection(d)
+  if d.reason == REQUEST_TOO_LARGE then
+    return 431, { ["Content-Type"] = "application/problem+json" }, TOO_LARGE_BODY
+  end
   if d.unreachable or d.cause then
     return 503, { ["Retry-After"] = "1", ["Content-Type"] = "application/problem+json" }, UNAVAILABLE_BODY
   end
@@ -255,6 +269,17 @@ function M.policy_decision(on_unavailable, cause)
     allowed = on_unavailable ~= "closed",
     rule = "", limit = 0, remaining = 0, reset_ms = 0, retry_after_ms = 0,
     rules = {}, degraded = true, unreachable = true, cause = cause,
+  }
+end
+
+-- too_large_decision is the decision of a request too large to be checked: refused (431)
+-- whatever the policy, since under "open" the policy would let any request through
+-- unlimited, given a huge header; neither degraded nor unreachable; cause says why.
+function M.too_large_decision(cause)
+  return {
+    allowed = false,
+    rule = "", limit = 0, remaining = 0, reset_ms = 0, retry_after_ms = 0,
+    rules = {}, degraded = false, unreachable = false, reason = REQUEST_TOO_LARGE, cause = cause,
   }
 end
 

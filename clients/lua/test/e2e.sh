@@ -8,13 +8,22 @@
 # sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit (and
 # RateLimit-Warning once per-user reaches its warn_at), then 429s with Retry-After, the same
 # headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
-# unchecked paths pass untouched; that nginx keeps its connection to the daemon (one open
-# connection after the burst) and gets a decision right after a daemon restart (the pool
-# drops connections the daemon closed). Then it stops the daemon and asserts the unreachable
-# policies: `open` serves without rate-limit headers, `closed` (/login) answers 503 with
-# Retry-After: 1 and its problem body. Also client:check() itself from a test-only
-# location: inline limits, cost, cost above capacity, bad input (refused before sending)
-# and an error answer (policy decision and error; the connection stays usable).
+# unchecked paths pass untouched; that one rule on /fast counts /fast, /f%61st, //fast,
+# /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
+# is, and its ACLs use that path); that a request too large to be checked (a 70,000-byte
+# X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
+# the open policy; that nginx's access() decides a request once across internal
+# redirects (the daemon asked once, a concurrency slot taken once and freed), still
+# checks a location reached only by one, checks subrequests on their own, and says so
+# when the configuration does not name $request_id; that nginx keeps its connection to
+# the daemon (one open connection after the burst) and gets a decision right after a
+# daemon restart (the pool drops connections the daemon closed). Then it stops the daemon
+# and asserts the unreachable policies: `open` serves without rate-limit headers,
+# `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
+# Also client:check() itself from a test-only location: inline limits, cost, cost above
+# capacity, bad input (refused before sending), an error answer (policy decision and
+# error; the connection stays usable), and a request over max_frame (not sent, or
+# refused by the daemon: 431 either way); and HAProxy's RLSIDECAR_MAX_FRAME.
 # Free loopback ports, a temp dir, every process
 # stopped on exit. Exits 0 only if everything holds.
 #
@@ -62,9 +71,10 @@ wait_for() { # wait_for WHAT COMMAND...: up to 10 s
   exit 1
 }
 
-# request METHOD URL [USER]: sets status, headers (lower-case names) and body.
+# request METHOD URL [USER]: sets status, headers (lower-case names) and body. The URL's
+# path is sent as it is (no dot segments removed by curl).
 request() {
-  local args=(-s --max-time 10 -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
+  local args=(-s --path-as-is --max-time 10 -X "$1" -D "$tmp/h" -o "$tmp/b" -w '%{http_code}')
   [ -n "${3:-}" ] && args+=(-H "X-User: $3")
   status=$(curl "${args[@]}" "$2")
   headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
@@ -98,6 +108,18 @@ rules:
     key: ip
     limit: { requests: 1, per: 1s }
     delay: 10s
+  - name: fast
+    match: { path: /fast }
+    key: ip
+    limit: { requests: 6, per: 60s }
+  - name: once
+    match: { path: "/once/**" }
+    key: path
+    limit: { requests: 10, per: 60s }
+  - name: one-slot
+    match: { path: "/once/slot/**" }
+    key: ip
+    concurrency: { max: 1, lease: 60s }
   - name: slow-in-flight
     match: { path: "/slow/**" }
     key: ip
@@ -121,6 +143,7 @@ load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 events {}
 http {
   access_log off;
+  large_client_header_buffers 4 128k;
   client_body_temp_path $tmp/backend; proxy_temp_path $tmp/backend; fastcgi_temp_path $tmp/backend;
   uwsgi_temp_path $tmp/backend; scgi_temp_path $tmp/backend;
   server {
@@ -142,7 +165,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
-  -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;#" \
+  -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
 grep -q "timeout_ms = 2000" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/nginx.conf no longer has timeout_ms = 50," >&2; exit 1; }
 # A test-only location beside the example's: client:check() cases against the real daemon.
@@ -167,8 +190,37 @@ line("error answer: allowed=%s degraded=%s unreachable=%s err=%s", tostring(d.al
   tostring(d.unreachable), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 d = rl:check({ path = "/x" })
 line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
+local http = require "rlsidecar.http"
+d, err = rl:check({ path = "/x", blob = string.rep("x", 70000) })
+line("too large, not sent: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+local big = require("resty.rlsidecar").new({ socket = rl.path, timeout_ms = 2000, max_frame = 1048576 })
+d, err = big:check({ path = "/x", blob = string.rep("x", 70000) })
+line("too large for the daemon: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+d = big:check({ path = "/x" })
+line("after it: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
 LUA
 sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
+# Test-only locations: a request that passes access() in two locations (an internal
+# redirect), one that reaches access() only through an internal redirect, and
+# subrequests (auth_request's, sharing the main request's variables, and
+# ngx.location.capture's) whose locations call access() too.
+cat >"$tmp/once.conf" <<'CONF'
+        location /once/redirected/ { access_by_lua_block { rl_open:access() } try_files /nonexistent @once_redirected; }
+        location @once_redirected { access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /once/slot/ { access_by_lua_block { rl_open:access() } try_files /nonexistent @once_slot; }
+        location @once_slot { access_by_lua_block { rl_open:access() } log_by_lua_block { rl_open:log() } proxy_pass http://app; }
+        location /once/only-redirected/ { try_files /nonexistent @once_only; }
+        location @once_only { access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /once/auth/ { auth_request /once/auth-check; access_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location = /once/auth-check { internal; content_by_lua_block { rl_open:access() return ngx.exit(204) } }
+        location /once/capture/ {
+            access_by_lua_block { rl_open:access() }
+            content_by_lua_block { local r = ngx.location.capture("/once/sub/x") ngx.say("sub ", r.status) }
+        }
+        location /once/sub/ { internal; rewrite_by_lua_block { rl_open:access() } proxy_pass http://app; }
+CONF
+awk -v f="$tmp/once.conf" '/^        location \/static\/ \{/ { while ((getline l < f) > 0) print l } { print }' "$tmp/nginx/nginx.conf" >"$tmp/nginx/nginx.conf.new"
+mv "$tmp/nginx/nginx.conf.new" "$tmp/nginx/nginx.conf"
 # One process (master_process off): it runs as the invoking user, who owns the socket.
 nginx -e "$tmp/nginx.log" -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx/nginx.pid;" 2>>"$tmp/nginx.log" &
 pids+=($!)
@@ -181,6 +233,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
+  -e "s#^global#global\n    tune.bufsize 131072#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
 grep -q "rl.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
 haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
@@ -233,11 +286,122 @@ cost 3 > capacity 2: allowed=false reason=cost_exceeds_capacity
 bad input: allowed=true degraded=true err=rlsidecar: limits[0]: "limit" must be an integer of at least 1
 error answer: allowed=true degraded=true unreachable=false err=rlsidecar: bad_request
 after the error answer: allowed=true degraded=false
+too large, not sent: allowed=false status=431 err=rlsidecar: frame_too_large
+too large for the daemon: allowed=false status=431 err=rlsidecar: frame_too_large
+after it: allowed=true degraded=false
 WANT
 )"
 
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
+
+echo "-- path: one rule on /fast limits every spelling of it, whichever gateway asks"
+# nginx sends $uri; HAProxy normalizes its raw path by the same rule (rlsidecar.path,
+# clients/testdata/paths.json). Both count against the one key.
+n=0
+for gw in "nginx /fast" "haproxy /f%61st" "haproxy //fast" "haproxy /./fast" "haproxy /a/%2e%2E/fast?x=1" "nginx /f%61st"; do
+  set -- $gw
+  port=$nginx_port
+  [ "$1" == haproxy ] && port=$hap_port
+  n=$((n + 1))
+  request GET "http://127.0.0.1:$port$2"
+  expect "$1 $2: status" "$status" 200
+  expect_re "$1 $2: counted by the rule on /fast" "$(header ratelimit)" "^\"fast\";r=$((6 - n));t=[0-9]+$"
+done
+for gw in "haproxy /%66ast" "haproxy /fast/../fast" "nginx //fast"; do
+  set -- $gw
+  port=$nginx_port
+  [ "$1" == haproxy ] && port=$hap_port
+  request GET "http://127.0.0.1:$port$2"
+  expect "$1 $2: refused by the rule on /fast" "$status/$(grep -o '"rule":"[^"]*"' <<<"$body")" '429/"rule":"fast"'
+done
+# nginx's $uri, which the nginx client sends, is the path of clients/testdata/paths.json
+# for every case nginx accepts (it refuses the others: 400). Asked of the backend, a
+# plain nginx (merge_slashes on, the default) answering "backend $uri".
+uri_cases=0
+while read -r line; do
+  uri_cases=$((uri_cases + 1))
+  case "$line" in "ok "*) pass "nginx \$uri: ${line#ok }" ;; *) fail "nginx \$uri: $line" ;; esac
+done < <(python3 - "$repo/clients/testdata/paths.json" "$backend_port" <<'PY'
+import json, socket, sys
+for c in json.load(open(sys.argv[1]))["cases"]:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    s.sendall(b"GET " + c["raw"].encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        data += d
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = head.split(b" ")[1]
+    want = b"backend " + c["path"].encode("latin-1") + b"\n"
+    if status == b"400" or (status == b"200" and body == want):
+        print("ok %r: %s" % (c["raw"], "refused" if status == b"400" else "same path"))
+    else:
+        print("%r: %s %r, want %r" % (c["raw"], status.decode(), body, want))
+PY
+)
+expect "nginx \$uri: every case of paths.json asked" "$uri_cases" "$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["cases"]))' "$repo/clients/testdata/paths.json")"
+# The example's ACLs test the normalized path too (lua.rlsidecar_path): a /static/
+# prefix walked back out of is checked, as nginx's locations see it.
+request POST "http://127.0.0.1:$hap_port/static/../login"
+expect "haproxy /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+request POST "http://127.0.0.1:$nginx_port/static/../login"
+expect "nginx /static/../login: checked as /login" "$(header ratelimit-policy)" "$(lc '"login";q=100;w=60')"
+
+echo "-- a request too large to be checked (a 70,000-byte X-User, an attribute): 431, not the open policy"
+huge=$(head -c 70000 /dev/zero | tr '\0' u)
+for gw in "nginx $nginx_port" "haproxy $hap_port"; do
+  set -- $gw
+  request GET "http://127.0.0.1:$2/api/items" "$huge"
+  expect "$1 too large: status" "$status" 431
+  expect "$1 too large: Content-Type" "$(header content-type)" "application/problem+json"
+  expect "$1 too large: no RateLimit" "$(header ratelimit)" ""
+  expect "$1 too large: problem body" "$body" \
+    '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,"detail":"This request'"'"'s header fields are too large for the rate limiter to check."}'
+  request GET "http://127.0.0.1:$2/api/items" "$1-ursula"
+  expect "$1 after it: checked as usual" "$status/$(header ratelimit | cut -d';' -f1-2)" '200/"per-user";r=2'
+done
+
+echo "-- nginx: access() decides once per request, across internal redirects"
+# checks_once: the checks the daemon has decided on the rule "once" so far.
+checks_once() {
+  curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_checks_total{rule=\"once\",result=\"allowed\"}" {print $2}'
+}
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/redirected/x"
+expect "try_files ... @app, access() in both: status" "$status" 200
+expect_re "try_files ... @app, access() in both: counted once" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "try_files ... @app, access() in both: the daemon asked once" "$(($(checks_once) - ${before:-0}))" 1
+request GET "http://127.0.0.1:$nginx_port/once/redirected/x"
+expect_re "try_files ... @app, again: counted once more" "$(header ratelimit)" '^"once";r=8;t=[0-9]+$'
+# A concurrency rule's one slot: the request holds it once (a second access() taking a
+# second slot would refuse the request itself), and log() in the last location frees it.
+for i in 1 2; do
+  request GET "http://127.0.0.1:$nginx_port/once/slot/x"
+  expect "one slot, access() in both locations, request $i: status" "$status" 200
+done
+for i in $(seq 20); do # the release follows the response
+  inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"one-slot\"}" {print $2}')
+  [ "$inflight" == 0 ] && break
+  sleep 0.05
+done
+expect "one slot: freed after the request" "$inflight" 0
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/only-redirected/x"
+expect_re "access() only after the internal redirect: checked" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "access() only after the internal redirect: the daemon asked once" "$(($(checks_once) - before))" 1
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/auth/x"
+expect "auth_request subrequest and main request: status" "$status" 200
+expect_re "auth_request: the main request checked on its own path" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "auth_request: the subrequest and the main request each asked once" "$(($(checks_once) - before))" 2
+before=$(checks_once)
+request GET "http://127.0.0.1:$nginx_port/once/capture/x"
+expect "ngx.location.capture: the subrequest checked" "$body" "sub 200"
+expect_re "ngx.location.capture: the main request checked" "$(header ratelimit)" '^"once";r=9;t=[0-9]+$'
+expect "ngx.location.capture: the subrequest and the main request each asked once" "$(($(checks_once) - before))" 2
 
 echo "-- delay: a queue of 1 per second shared by nginx and HAProxy; each waits delay_ms"
 # timed GATEWAY PORT: one request to /api/queue; elapsed is its duration in ms.
@@ -321,7 +485,10 @@ pids+=($!)
 wait_for "the silent sidecar" test -S "$hole"
 hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
+# Without the example's proxy_set_header X-Request-Id, nothing names $request_id: access()
+# must say that it cannot recognize a request across an internal redirect.
 sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
+  -e '/proxy_set_header X-Request-Id \$request_id;/d' \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
 nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
 pids+=($!)
@@ -339,9 +506,18 @@ fi
 request POST "http://127.0.0.1:$hole_port/login"
 expect "nginx, silent sidecar, closed policy: status" "$status" 503
 expect "nginx, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+expect "nginx without \$request_id named: access() says it cannot check once per request" \
+  "$(grep -c 'rlsidecar: nginx does not keep \$request_id' "$tmp/nginx-hole.log")" 1
+expect "nginx with \$request_id named (the example): no such error" "$(grep -c 'does not keep \$request_id' "$tmp/nginx.log" || true)" 0
 
 hole_hap_port=$(free_port)
-sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
+# Its max_frame from the environment (RLSIDECAR_MAX_FRAME, as the daemon's --max-frame):
+# 300 bytes. A value that is no number stops HAProxy at load.
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
+  -e "s#^global#global\n    setenv RLSIDECAR_MAX_FRAME 300#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
+sed -e "s#RLSIDECAR_MAX_FRAME 300#RLSIDECAR_MAX_FRAME 64k#" "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-bad.cfg"
+expect_re "haproxy, RLSIDECAR_MAX_FRAME=64k: refused at load" "$(haproxy -c -f "$tmp/haproxy-bad.cfg" 2>&1 || true)" \
+  "RLSIDECAR_MAX_FRAME must be a positive integer \\(bytes\\), not 64k"
 haproxy -db -f "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-hole.log" 2>&1 &
 pids+=($!)
 wait_for "haproxy (silent sidecar)" curl -sf "http://127.0.0.1:$hole_hap_port/static/x"
@@ -355,6 +531,8 @@ if [ "$elapsed_ms" -ge 40 ] && [ "$elapsed_ms" -lt 2000 ]; then
 else
   fail "haproxy, silent sidecar: answered after ${elapsed_ms} ms, want the 50 ms timeout"
 fi
+request GET "http://127.0.0.1:$hole_hap_port/api/$(head -c 300 /dev/zero | tr '\0' p)"
+expect "haproxy, RLSIDECAR_MAX_FRAME=300, a 300-byte path: 431 before asking" "$status" 431
 request POST "http://127.0.0.1:$hole_hap_port/login"
 expect "haproxy, silent sidecar, closed policy: status" "$status" 503
 expect "haproxy, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
@@ -374,6 +552,9 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   expect "$1 closed policy: Content-Type" "$(header content-type)" "application/problem+json"
   expect "$1 closed policy: problem body" "$body" \
     '{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"The rate limiter is unavailable and this service does not admit requests without it; retry in 1 second.","retry_after":1}'
+  # /login spelled otherwise is the same route: the same closed policy.
+  request POST "http://127.0.0.1:$2/log%69n"
+  expect "$1 closed policy, /log%69n: status" "$status" 503
 done
 
 if [ "$failures" -ne 0 ]; then

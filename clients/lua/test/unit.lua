@@ -1,5 +1,6 @@
 -- Unit tests of the Lua clients: the codec against proto/testdata/vectors.json, the HTTP
--- mapping against clients/testdata/http_headers.json and problem_bodies.json, and bad
+-- mapping against clients/testdata/http_headers.json and problem_bodies.json, the path
+-- normalization against clients/testdata/paths.json, and bad
 -- input. Runs under Lua 5.3 (HAProxy's runtime: `lua5.3 test/unit.lua` from
 -- clients/lua) and under nginx's LuaJIT (test/unit.sh runs it in init_by_lua, where the
 -- nginx client's lua-mpack decoder is used too). Needs lua-cjson to read the JSON files.
@@ -129,6 +130,11 @@ if ngx then
   check(c == nil and err:find("on_unavailable"), "nginx: a bad policy is refused")
   c, err = resty.new({})
   check(c == nil and err:find("socket"), "nginx: a missing socket is refused")
+  check(resty.new({ socket = "/x.sock" }).max_frame == 65536, "nginx: max_frame defaults to 65536")
+  for _, bad in ipairs({ 0, -1, 1.5, "64k" }) do
+    c, err = resty.new({ socket = "/x.sock", max_frame = bad })
+    check(c == nil and err:find("max_frame"), "nginx: max_frame %s is refused", tostring(bad))
+  end
 end
 for _, dec in ipairs(decoders) do
   for _, v in ipairs(vectors.responses) do
@@ -215,6 +221,49 @@ for _, v in ipairs(read("clients/testdata/problem_bodies.json")) do
   for k, w in pairs(lower_keys(v.headers)) do
     check(got[k] == w, "%s: %s: got %s, want %s", v.name, k, tostring(got[k]), w)
   end
+end
+
+-- Path normalization (the HAProxy client's `path`): every case of the shared table, and
+-- a result that is normalized already stays as it is.
+do
+  local path = require "rlsidecar.path"
+  local t = read("clients/testdata/paths.json")
+  check(#t.cases > 30, "paths.json: %d cases", #t.cases)
+  for _, c in ipairs(t.cases) do
+    -- JSON strings stand for bytes: U+0000..U+00FF are the bytes 0x00..0xFF.
+    local want = c.path:gsub("[\194\195][\128-\191]", function(u)
+      return string.char((u:byte(1) - 192) * 64 + u:byte(2) - 128)
+    end)
+    local got = path.normalize(c.raw)
+    check(got == want, "normalize(%q) = %q, want %q", c.raw, got, want)
+    -- Its bytes percent-encoded where they would mean something else, it is a fixed point.
+    local again = path.normalize((got:gsub("[%%?#]", function(ch) return string.format("%%%02X", ch:byte()) end)))
+    check(again == got, "normalize(normalize(%q)) = %q", c.raw, again)
+  end
+  -- Beyond the shared table: the absolute form (a proxy's request target), as nginx.
+  for _, c in ipairs({
+    { "http://example.com/f%61st?x", "/fast" }, { "HTTPS://example.com", "/" },
+    { "http://example.com//a/../b", "/b" }, { "/http://x/a", "/http:/x/a" },
+  }) do
+    local got = path.normalize(c[1])
+    check(got == c[2], "normalize(%q) = %q, want %q", c[1], got, c[2])
+  end
+  -- clean: a path decoded already (slashes merged, dot segments removed, nothing decoded).
+  check(path.clean("//a/%2e%2e/./b/../c?d") == "/a/%2e%2e/c?d", "clean: %q", path.clean("//a/%2e%2e/./b/../c?d"))
+  check(path.clean("") == "/" and path.clean("a/..") == "/", "clean: empty and relative")
+end
+
+-- A request too large to be checked: 431, no rate-limit headers, a problem body.
+do
+  local d = http.too_large_decision("request frame of 70012 bytes exceeds max_frame 65536")
+  check(not d.allowed and not d.degraded and not d.unreachable and d.reason == "request_too_large",
+    "too large: a refusal, not the policy's")
+  check(next(http.headers(d)) == nil, "too large: no rate-limit headers, no Retry-After")
+  local status, h, body = http.rejection(d)
+  check(status == 431, "too large: status %s", tostring(status))
+  check(h["Content-Type"] == "application/problem+json" and h["Retry-After"] == nil, "too large: headers")
+  check(body == '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
+    .. '"detail":"This request\'s header fields are too large for the rate limiter to check."}', "too large: body %s", body)
 end
 
 -- The policy decision: open allows without rate-limit fields, closed answers 503.

@@ -14,13 +14,16 @@ whole app. When the sidecar gives no answer in time, a check returns the on_unav
 decision ("open" or "closed"), marked degraded, instead of raising.
 """
 
-from ._proto import PROTOCOL, ClosedError, ProtocolError
+from ._path import clean_path, normalize_path, path_attr
+from ._proto import MAX_FRAME, PROTOCOL, ClosedError, ProtocolError, RequestTooLargeError
 from .aio import AsyncClient
 from .client import Client
-from .decision import COST_EXCEEDS_CAPACITY, PROBLEM_TYPE, Decision, RuleDecision
+from .decision import COST_EXCEEDS_CAPACITY, PROBLEM_TYPE, REQUEST_TOO_LARGE, Decision, RuleDecision
 from .middleware import ASGIMiddleware, WSGIMiddleware, asgi_attrs, wsgi_attrs
 
 __version__ = "0.1.0"
 
-__all__ = ["PROTOCOL", "ClosedError", "ProtocolError", "AsyncClient", "Client", "COST_EXCEEDS_CAPACITY",
-           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "wsgi_attrs"]
+__all__ = ["MAX_FRAME", "PROTOCOL", "ClosedError", "ProtocolError", "RequestTooLargeError", "AsyncClient", "Client",
+           "COST_EXCEEDS_CAPACITY", "REQUEST_TOO_LARGE",
+           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "wsgi_attrs",
+           "normalize_path", "clean_path", "path_attr"]

@@ -9,9 +9,13 @@ import struct
 
 import msgpack
 
-from .decision import Decision, RuleDecision
+from .decision import REQUEST_TOO_LARGE, Decision, RuleDecision
 
 PROTOCOL = 1
+
+#: The largest request frame body (bytes after the 4-byte length) the daemon accepts by
+#: default (serve --max-frame); the clients' max_frame defaults to it.
+MAX_FRAME = 65536
 
 #: The largest answer frame the clients read; a longer announced length breaks the
 #: connection (the sidecar never sends one).
@@ -36,6 +40,30 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.decision = decision
+
+
+class RequestTooLargeError(ProtocolError):
+    """A request too large for the daemon: its frame is over the client's max_frame, so
+    it was not sent, or the daemon refused it (frame_too_large: its --max-frame is
+    smaller). ``code`` is "frame_too_large"; ``decision`` refuses the request with a 431
+    (Request Header Fields Too Large), whatever on_unavailable says: the failure policy
+    would let "open" clients pass any request unlimited by making it large enough."""
+
+    def __init__(self, message):
+        super().__init__("frame_too_large", message,
+                         Decision(False, reason=REQUEST_TOO_LARGE, cause="frame_too_large: %s" % message))
+
+
+def check_size(body_len, max_frame):
+    """Raise RequestTooLargeError when a frame body of body_len bytes is over max_frame."""
+    if body_len > max_frame:
+        raise RequestTooLargeError("request frame of %d bytes exceeds max_frame %d; it was not sent"
+                                   % (body_len, max_frame))
+
+
+def check_max_frame(max_frame):
+    if type(max_frame) is not int or max_frame < 1:
+        raise ValueError("max_frame must be an int >= 1 (bytes), not %r" % (max_frame,))
 
 
 class ClosedError(Exception):
@@ -64,17 +92,20 @@ def _norm_limit(i, lim):
 def check_message(req_id, attrs, cost, limits):
     """Return the request map of a check, in canonical field order.
 
-    ``attrs`` is a dict of str to str, sent in its order; ``limits`` a list of dicts with
+    ``attrs`` is a dict of str to str or bytes, sent in its order: a str value as a
+    msgpack str (its UTF-8 bytes), a bytes value as a msgpack bin of exactly its bytes
+    (the daemon matches and keys on the bytes either way; bytes carry a value that is not
+    UTF-8, such as a path with %FF in it). ``limits`` a list of dicts with
     ``key``, ``limit``, ``window_ms`` and optionally ``burst``, ``algorithm``, ``mode``,
     ``name``. Wrong types raise TypeError or ValueError before anything is sent.
     """
     msg = {"id": req_id, "op": "check"}
     if attrs is not None and not isinstance(attrs, dict):
-        raise TypeError("attrs must be a dict of str to str, not %s" % type(attrs).__name__)
+        raise TypeError("attrs must be a dict of str to str or bytes, not %s" % type(attrs).__name__)
     if attrs:
         for k, v in attrs.items():
-            if type(k) is not str or type(v) is not str:
-                raise TypeError("attrs must map str to str; %r: %r" % (k, v))
+            if type(k) is not str or (type(v) is not str and type(v) is not bytes):
+                raise TypeError("attrs must map str to str or bytes; %r: %r" % (k, v))
         msg["attrs"] = attrs
     if limits is not None and not isinstance(limits, (list, tuple)):
         raise TypeError("limits must be a list of dicts, not %s" % type(limits).__name__)
@@ -91,6 +122,26 @@ def encode(msg):
     """Return msg as one frame (length prefix included)."""
     body = msgpack.packb(msg, use_bin_type=True)
     return _LEN.pack(len(body)) + body
+
+
+_ID0 = b"\xa2id\x00"
+
+
+def body(msg):
+    """Return the msgpack body of msg, a request map whose id is 0 (its first field, as
+    every request map here has it); frame() puts the real id in. Its length is the
+    shortest the frame can have: an id takes 1 byte (0 to 127) to 9."""
+    b = msgpack.packb(msg, use_bin_type=True)
+    if b[1:5] != _ID0:
+        raise AssertionError("BUG: a request body must start with id 0: %r" % b[:8])
+    return b
+
+
+def frame(body0, req_id):
+    """Return the frame of body0 (from body()) with the id req_id: the bytes encode()
+    gives for the same map with that id."""
+    b = body0[:4] + msgpack.packb(req_id) + body0[5:]
+    return _LEN.pack(len(b)) + b
 
 
 def frame_length(header):

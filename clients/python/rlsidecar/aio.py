@@ -96,15 +96,19 @@ class AsyncClient:
     connection is redialled by the next check; failed dials back off from 10 ms to 1 s,
     and meanwhile checks answer by the policy at once.
 
-    check() raises only ProtocolError (a malformed request) and ClosedError. Close it with
-    ``await client.close()`` or ``async with``.
+    A request over ``max_frame`` bytes is not sent: check() raises RequestTooLargeError
+    (a 431), as Client.check does.
+
+    check() raises only ProtocolError (a malformed request; RequestTooLargeError) and
+    ClosedError. Close it with ``await client.close()`` or ``async with``.
     """
 
-    def __init__(self, socket_path, timeout=0.05, on_unavailable="open"):
-        _check_options(socket_path, timeout, on_unavailable)
+    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", max_frame=_proto.MAX_FRAME):
+        _check_options(socket_path, timeout, on_unavailable, max_frame)
         self.socket_path = socket_path
         self.timeout = float(timeout)
         self.on_unavailable = on_unavailable
+        self.max_frame = max_frame
         self._conn = None
         self._dial = None  # the dial task in progress
         self._closed = False
@@ -134,10 +138,12 @@ class AsyncClient:
 
     async def check(self, attrs, cost=1, limits=None):
         """Ask whether a request with these attributes may pass; see Client.check."""
-        msg = await self._round_trip(lambda i: _proto.check_message(i, attrs, cost, limits))
+        msg = await self._round_trip(_proto.body(_proto.check_message(0, attrs, cost, limits)))
         if isinstance(msg, str):
             return Decision(self.on_unavailable == "open", degraded=True, unreachable=True, cause=msg)
         e = _proto.error_of(msg)
+        if e is not None and e[0] == "frame_too_large":
+            raise _proto.RequestTooLargeError(e[1])
         if e is not None:
             d = Decision(self.on_unavailable == "open", degraded=True, cause="%s: %s" % e)
             raise _proto.ProtocolError(e[0], e[1], d)
@@ -157,7 +163,7 @@ class AsyncClient:
         return bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
 
     async def _lease_call(self, op, lease, lease_ms):
-        msg = await self._round_trip(lambda i: _proto.lease_message(i, op, lease, lease_ms))
+        msg = await self._round_trip(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))
         if isinstance(msg, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: " + msg)
         e = _proto.error_of(msg)
@@ -167,7 +173,7 @@ class AsyncClient:
 
     async def ping(self):
         """Return the sidecar's version string; raises ConnectionError when unreachable."""
-        msg = await self._round_trip(lambda i: {"id": i, "op": "ping"})
+        msg = await self._round_trip(_proto.body({"id": 0, "op": "ping"}))
         if isinstance(msg, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: " + msg)
         e = _proto.error_of(msg)
@@ -175,10 +181,13 @@ class AsyncClient:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
-    async def _round_trip(self, make):
-        """Send make(id) and return the answer map, or a str saying why there is none."""
+    async def _round_trip(self, body):
+        """Send the request body (from _proto.body) and return the answer map, or a str
+        saying why there is none. RequestTooLargeError, before anything is sent, when it
+        is over max_frame."""
         if self._closed:
             raise _proto.ClosedError("rlsidecar: client closed")
+        _proto.check_size(len(body), self.max_frame)  # with the shortest id: before dialing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         conn = self._conn
@@ -190,7 +199,8 @@ class AsyncClient:
             return conn.broken
         if len(conn.pending) >= MAX_PENDING:
             return "too many checks in flight on the connection"
-        frame = _proto.encode(make(conn.next_id + 1))  # raises before anything is queued
+        frame = _proto.frame(body, conn.next_id + 1)
+        _proto.check_size(len(frame) - 4, self.max_frame)  # with its id; before anything is queued
         conn.next_id += 1
         fut = loop.create_future()
         conn.pending.append((conn.next_id, fut))

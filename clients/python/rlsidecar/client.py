@@ -18,13 +18,14 @@ _POLICIES = ("open", "closed")
 BATCH_WINDOW = 256
 
 
-def _check_options(socket_path, timeout, on_unavailable):
+def _check_options(socket_path, timeout, on_unavailable, max_frame):
     if not socket_path or not isinstance(socket_path, str):
         raise ValueError("socket_path must be a non-empty str")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError("timeout must be a number of seconds > 0, not %r" % (timeout,))
     if on_unavailable not in _POLICIES:
         raise ValueError('on_unavailable must be "open" or "closed", not %r' % (on_unavailable,))
+    _proto.check_max_frame(max_frame)
 
 
 def backoff(failures):
@@ -32,6 +33,10 @@ def backoff(failures):
     1 s, then a random half to all of it."""
     d = BACKOFF_MAX if failures >= 8 else min(BACKOFF_MIN * (1 << (failures - 1)), BACKOFF_MAX)
     return d / 2 + random.random() * d / 2
+
+
+class _NotRead(Exception):
+    """The daemon closed a pooled connection without reading the request sent on it."""
 
 
 class _Conn:
@@ -63,25 +68,39 @@ class Client:
     connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
     checks answer by the policy at once.
 
+    A pooled connection the daemon has closed since (a restart, serve --idle-timeout) is
+    noticed when a request is sent on it; when the daemon certainly did not read the
+    request (the write fails, or the connection is reset with the request unread), it is
+    sent again, once, on a new connection, within the same timeout, so it is counted
+    once. A connection closed with no answer after the daemon read the request is not
+    retried (the request may have counted): that check answers by the policy.
+
     Concurrency leases: an allowed check that matched a concurrency rule has
     ``decision.lease``; release() it when the request ends (idempotent), renew() it for a
     long one. The sidecar frees a lease when the connection that took it closes, so a
     connection holding leases stays pooled past ``pool_size`` until they are released;
     close() frees them all, and so does a connection that times out.
 
+    Too large: a request whose frame body is over ``max_frame`` bytes (default 65,536,
+    the daemon's default --max-frame) is not sent; check() raises RequestTooLargeError,
+    a ProtocolError whose decision refuses it with a 431, and so does a frame_too_large
+    answer of a daemon whose --max-frame is smaller. The policy never applies to it:
+    under "open" that would let any request through unlimited, given a huge header.
+
     It raises only ProtocolError (the sidecar refused the request as malformed: a bug in
-    what the caller sent) and ClosedError. Safe for use by many threads; close() it (or
-    use it as a context manager) to close its connections.
+    what the caller sent; RequestTooLargeError) and ClosedError. Safe for use by many
+    threads; close() it (or use it as a context manager) to close its connections.
     """
 
-    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", pool_size=4):
-        _check_options(socket_path, timeout, on_unavailable)
+    def __init__(self, socket_path, timeout=0.05, on_unavailable="open", pool_size=4, max_frame=_proto.MAX_FRAME):
+        _check_options(socket_path, timeout, on_unavailable, max_frame)
         if not isinstance(pool_size, int) or pool_size < 1:
             raise ValueError("pool_size must be an int >= 1, not %r" % (pool_size,))
         self.socket_path = socket_path
         self.timeout = float(timeout)
         self.on_unavailable = on_unavailable
         self.pool_size = pool_size
+        self.max_frame = max_frame
         self._lock = threading.Lock()
         self._idle = []
         self._closed = False
@@ -124,42 +143,15 @@ class Client:
             raise ClosedError("rlsidecar: client closed")
         if not checks:
             return []
-        now = time.monotonic()
-        deadline = now + self.timeout
-        conn = self._take(now)
-        if not isinstance(conn, _Conn):
-            return [self._policy(conn) for _ in checks]
-        first = conn.next_id + 1
-        frames = []
-        for attrs, cost, limits in checks:
-            conn.next_id += 1
-            try:
-                frames.append(_proto.encode(_proto.check_message(conn.next_id, attrs, cost, limits)))
-            except Exception:
-                self._put(conn)
-                raise
-        try:
-            conn.sock.settimeout(self.timeout)
-            if len(frames) == 1:
-                conn.sock.sendall(frames[0])
-                msgs = [self._read(conn, deadline)]
-            else:
-                # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers
-                # would otherwise fill them both ways, the sidecar waiting for us to read.
-                msgs = []
-                for i in range(0, len(frames), BATCH_WINDOW):
-                    window = frames[i:i + BATCH_WINDOW]
-                    conn.sock.sendall(b"".join(window))
-                    msgs.extend(self._read(conn, deadline) for _ in window)
-        except (OSError, ValueError) as e:
-            conn.sock.close()
-            if isinstance(e, socket.timeout):
-                return [self._policy("no answer within the timeout") for _ in checks]
-            why = "connection lost: %s" % e
-            if not conn.served:
-                # A sidecar that accepts and then drops is not hammered either: back off.
-                self._failed(why)
-            return [self._policy(why) for _ in checks]
+        # Every request is built (and bad input refused, and a request over max_frame even
+        # with the shortest id) before anything is sent.
+        bodies = [_proto.body(_proto.check_message(0, attrs, cost, limits)) for attrs, cost, limits in checks]
+        for b in bodies:
+            _proto.check_size(len(b), self.max_frame)
+        got = self._exchange(bodies, time.monotonic() + self.timeout)
+        if isinstance(got, str):
+            return [self._policy(got) for _ in checks]
+        conn, first, msgs = got
         out = []
         err = None
         keep = True
@@ -175,11 +167,14 @@ class Client:
                     return [self._policy("the sidecar closed the connection: %s" % e[0]) for _ in checks]
                 if e[0] == "frame_too_large":
                     keep = False  # the sidecar closes the connection after this answer
-                d = self._policy(None)
-                d.unreachable, d.cause = False, "%s: %s" % e
+                    pe = _proto.RequestTooLargeError(e[1])
+                else:
+                    d = self._policy(None)
+                    d.unreachable, d.cause = False, "%s: %s" % e
+                    pe = _proto.ProtocolError(e[0], e[1], d)
                 if err is None:
-                    err = _proto.ProtocolError(e[0], e[1], d)
-                out.append(d)
+                    err = pe
+                out.append(pe.decision)
             else:
                 d = _proto.decision(msg)
                 if d.lease:
@@ -187,9 +182,6 @@ class Client:
                     with self._lock:
                         self._lease_conn[d.lease] = conn
                 out.append(d)
-        conn.served = True
-        with self._lock:
-            self._failures = 0
         if keep:
             self._put(conn)
         else:
@@ -222,23 +214,7 @@ class Client:
         """Send a release or renew and return its answer map."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
-        conn = self._take(time.monotonic())
-        if not isinstance(conn, _Conn):
-            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
-        conn.next_id += 1
-        try:
-            frame = _proto.encode(_proto.lease_message(conn.next_id, op, lease, lease_ms))
-        except Exception:
-            self._put(conn)
-            raise
-        try:
-            conn.sock.settimeout(self.timeout)
-            conn.sock.sendall(frame)
-            msg = self._read(conn, time.monotonic() + self.timeout)
-        except BaseException:
-            conn.sock.close()
-            raise
-        self._put(conn)
+        msg = self._ask(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
@@ -246,41 +222,135 @@ class Client:
 
     def ping(self):
         """Return the sidecar's version string; raises OSError when it is unreachable."""
-        conn = self._take(time.monotonic())
-        if not isinstance(conn, _Conn):
-            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % conn)
-        conn.next_id += 1
-        try:
-            conn.sock.settimeout(self.timeout)
-            conn.sock.sendall(_proto.encode({"id": conn.next_id, "op": "ping"}))
-            msg = self._read(conn, time.monotonic() + self.timeout)
-        except BaseException:
-            conn.sock.close()
-            raise
-        self._put(conn)
+        msg = self._ask(_proto.body({"id": 0, "op": "ping"}))
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
+    def _ask(self, body):
+        """Send one request (a body from _proto.body) and return its answer map (the
+        connection is pooled again); raises ConnectionError when there is none."""
+        got = self._exchange([body], time.monotonic() + self.timeout)
+        if isinstance(got, str):
+            raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
+        conn, first, (msg,) = got
+        if msg.get("id") != first and _proto.error_of(msg) is None:
+            conn.sock.close()
+            raise ConnectionError("rlsidecar: answer id %r where %d was due" % (msg.get("id"), first))
+        self._put(conn)
+        return msg
+
+    def _exchange(self, bodies, deadline):
+        """Send the requests (bodies from _proto.body, numbered here, in order, on the
+        connection they go out on) pipelined on one connection and read their answers. Returns (conn, the first
+        id, the answer maps), conn not yet back in the pool; or a str saying why there is no
+        answer (the connection is then closed).
+
+        A pooled connection may be one the daemon has closed since its last answer (a
+        restart, --idle-timeout). Sent on such a connection, a request is sent again, once,
+        on a new connection, within the same deadline, when the daemon certainly did not
+        read it:
+
+        - the first write fails (EPIPE, ECONNRESET): nothing of it reached the daemon;
+        - a single request was written whole, and the read fails with ECONNRESET before any
+          byte of the answer: on a Unix socket that is the daemon closing the connection
+          with bytes of ours unread in it, and it reads a request whole before deciding it.
+
+        Never after end-of-file with no answer: on a Unix socket that means the daemon took
+        every byte sent (a daemon closing with bytes unread resets the connection instead),
+        then closed without answering: it died, or a drain timed out, while deciding a
+        request it may have counted. Nor for a batch whose first write went through: the
+        daemon may have decided its first requests before closing unread the rest.
+        """
+        conn, pooled = self._take(deadline)
+        while True:
+            if isinstance(conn, str):
+                return conn
+            first = conn.next_id + 1
+            frames = []
+            for b in bodies:
+                conn.next_id += 1
+                frames.append(_proto.frame(b, conn.next_id))
+            try:
+                for f in frames:  # with their ids: a few bytes longer
+                    _proto.check_size(len(f) - 4, self.max_frame)
+            except _proto.RequestTooLargeError:
+                self._put(conn)  # nothing was sent on it
+                raise
+            try:
+                msgs = self._send_read(conn, frames, deadline, pooled)
+            except _NotRead:
+                conn.sock.close()
+                conn, pooled = self._take(deadline, pool=False)  # a fresh one: the others may be stale too
+                continue
+            except (OSError, ValueError) as e:
+                conn.sock.close()
+                if isinstance(e, socket.timeout):
+                    return "no answer within the timeout"
+                why = "connection lost: %s" % e
+                if not conn.served:
+                    # A sidecar that accepts and then drops is not hammered either: back off.
+                    self._failed(why)
+                return why
+            except BaseException:  # interrupted: the connection is out of step
+                conn.sock.close()
+                raise
+            conn.served = True
+            with self._lock:
+                self._failures = 0
+            return conn, first, msgs
+
+    def _send_read(self, conn, frames, deadline, pooled):
+        """Write frames on conn and read as many answers; raises _NotRead (see _exchange)
+        when conn came from the pool and the daemon certainly read none of them."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("no answer within the timeout")
+        conn.sock.settimeout(left)
+        msgs = []
+        # In windows of BATCH_WINDOW frames: a batch larger than the socket buffers would
+        # otherwise fill them both ways, the sidecar waiting for us to read.
+        for i in range(0, len(frames), BATCH_WINDOW):
+            window = frames[i:i + BATCH_WINDOW]
+            data = window[0] if len(window) == 1 else b"".join(window)
+            if i == 0:
+                try:
+                    n = conn.sock.send(data)  # one write: it delivers some bytes or none
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    if pooled:
+                        raise _NotRead(e) from None
+                    raise
+                if n < len(data):
+                    conn.sock.sendall(memoryview(data)[n:])
+            else:
+                conn.sock.sendall(data)
+            for _ in window:
+                msgs.append(self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1))
+        return msgs
+
     def _policy(self, cause):
         return Decision(self.on_unavailable == "open", degraded=True, unreachable=cause is not None, cause=cause)
 
-    def _take(self, now):
-        """Return an idle or new connection, or a str saying why there is none."""
+    def _take(self, deadline, pool=True):
+        """Return (an idle connection, True), or (a new one, False), or (a str saying why
+        there is none, False). pool=False: a new one."""
+        now = time.monotonic()
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            if pool and self._idle:
+                return self._idle.pop(), True
             if self._failures and now < self._retry_at:
-                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error)
+                return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error), False
+        if now >= deadline:
+            return "no connection within the timeout", False
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+        s.settimeout(deadline - now)
         try:
             s.connect(self.socket_path)
         except OSError as e:
             s.close()
-            return self._failed("connecting to %s: %s" % (self.socket_path, e))
-        return _Conn(s)
+            return self._failed("connecting to %s: %s" % (self.socket_path, e)), False
+        return _Conn(s), False
 
     def _failed(self, why):
         """Count a failed attempt, start the backoff and return why."""
@@ -298,8 +368,9 @@ class Client:
         conn.sock.close()
 
     @staticmethod
-    def _read(conn, deadline):
-        """Read one frame from conn and decode it; socket.timeout past the deadline."""
+    def _read(conn, deadline, unread_is_stale=False):
+        """Read one frame from conn and decode it; socket.timeout past the deadline. With
+        unread_is_stale, a reset before any byte raises _NotRead (see Client._exchange)."""
         buf = conn.buf
         sock = conn.sock
         need = 4
@@ -317,7 +388,12 @@ class Client:
             if left <= 0:
                 raise socket.timeout("no answer within the timeout")
             sock.settimeout(left)
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError as e:
+                if unread_is_stale and not buf:
+                    raise _NotRead(e) from None
+                raise
             if not chunk:
                 raise ConnectionError("the sidecar closed the connection")
             buf += chunk

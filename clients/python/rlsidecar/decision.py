@@ -12,6 +12,14 @@ PROBLEM_TYPE = "about:blank"
 
 COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 
+#: The reason of a Decision refusing a request too large to be checked (its frame over
+#: the daemon's maximum): the client did not send it, or the daemon refused it. Its HTTP
+#: form is a 431 (Request Header Fields Too Large).
+REQUEST_TOO_LARGE = "request_too_large"
+
+_BODY_431 = {"type": PROBLEM_TYPE, "title": "Request Header Fields Too Large", "status": 431,
+             "detail": "This request's header fields are too large for the rate limiter to check."}
+
 
 class RuleDecision:
     """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
@@ -88,10 +96,13 @@ class Decision:
 
     @property
     def status(self):
-        """The HTTP status this decision calls for: 200 (go on), 429 (a rule rejected) or
-        503 (no answer from the sidecar and on_unavailable is "closed")."""
+        """The HTTP status this decision calls for: 200 (go on), 429 (a rule rejected),
+        431 (the request is too large to be checked: reason REQUEST_TOO_LARGE) or 503 (no
+        answer from the sidecar and on_unavailable is "closed")."""
         if self.allowed:
             return 200
+        if self.reason == REQUEST_TOO_LARGE:
+            return 431
         if self.unreachable or self.cause is not None:
             return 503
         return 429
@@ -107,7 +118,7 @@ class Decision:
           rules' names in the order of rules, quoted as in RateLimit-Policy:
           ``"per-user", "per-ip"``;
         - when rejected: Retry-After in seconds, at least 1, except for
-          cost_exceeds_capacity (no retry can pass).
+          cost_exceeds_capacity and request_too_large (no retry can pass).
 
         A decision where nothing matched, or an unreachable one, gets {} (when allowed).
         """
@@ -133,7 +144,7 @@ class Decision:
             warn = [_sf_string(r.name) for r in self.rules if r.warning and not r.shadow]
             if warn:
                 h["RateLimit-Warning"] = ", ".join(warn)
-        if not self.allowed and self.reason != COST_EXCEEDS_CAPACITY:
+        if not self.allowed and self.reason != COST_EXCEEDS_CAPACITY and self.reason != REQUEST_TOO_LARGE:
             h["Retry-After"] = str(self._retry_after_s())
         return h
 
@@ -145,6 +156,8 @@ class Decision:
         the request, as the Go client writes them; None when allowed."""
         if self.allowed:
             return None
+        if self.status == 431:
+            return dict(_BODY_431)
         if self.status == 503:
             return {"type": PROBLEM_TYPE, "title": "Service Unavailable", "status": 503,
                     "detail": "The rate limiter is unavailable and this service does not admit requests without it; "
@@ -165,13 +178,16 @@ class Decision:
     def rejection(self):
         """Return (status, headers, body) of the response to a request this decision does
         not allow: 429 with the headers() and a problem+json body, or, when the sidecar
-        gave no answer and on_unavailable is "closed", 503 with Retry-After: 1. The body
-        is bytes, the same bytes the Go client writes. None when allowed."""
+        gave no answer and on_unavailable is "closed", 503 with Retry-After: 1, or, for a
+        request too large to be checked, 431 with no rate-limit headers. The body is bytes,
+        the same bytes the Go client writes. None when allowed."""
         p = self.problem()
         if p is None:
             return None
         if p["status"] == 503:
             h = {"Retry-After": "1"}
+        elif p["status"] == 431:
+            h = {}
         else:
             h = self.headers()
         body = _go_json(p)

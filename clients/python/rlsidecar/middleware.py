@@ -4,22 +4,54 @@ rate-limit headers — the same behaviour as the Go client's Middleware."""
 import asyncio
 import time
 
+from ._path import clean_path, normalize_path, path_attr
 from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
 
 def wsgi_attrs(environ):
-    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path
-    (SCRIPT_NAME + PATH_INFO, without the query string)."""
+    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path.
+
+    The path is normalized as every rlsidecar client does (normalize_path): from the raw
+    request target when the server gives it (RAW_URI: gunicorn; REQUEST_URI: uWSGI,
+    mod_wsgi, werkzeug), else from SCRIPT_NAME + PATH_INFO, which the server decoded
+    already and which is not decoded again (clean_path). Either way it is the bytes the
+    client sent (PATH_INFO's latin-1 characters encoded back), as path_attr gives them.
+    """
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        path = normalize_path(_wsgi_bytes(raw))
+    else:
+        path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
     return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
-            "path": environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")}
+            "path": path_attr(path)}
+
+
+def _wsgi_bytes(s):
+    """The bytes of a WSGI "native string": each character one byte (PEP 3333 decodes them
+    as latin-1). A server that broke the rule and put other characters there gets them
+    as UTF-8."""
+    try:
+        return s.encode("latin-1")
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "surrogateescape")
 
 
 def asgi_attrs(scope):
     """The default attributes of an ASGI HTTP request: ip (the client's host), method,
-    path (without the query string)."""
+    path.
+
+    The path is normalized as every rlsidecar client does (normalize_path): from
+    scope["raw_path"], the bytes the client sent, when the server gives it; else from
+    scope["path"], which the server decoded already and which is not decoded again
+    (clean_path). The value is as path_attr gives it."""
     client = scope.get("client")
-    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": scope.get("path", "")}
+    raw = scope.get("raw_path")
+    if raw:
+        path = normalize_path(bytes(raw))
+    else:
+        path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
+    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
 
 
 def _closed(client):
@@ -27,7 +59,8 @@ def _closed(client):
 
 
 def _reason(status):
-    return {200: "OK", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
+    return {200: "OK", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}[status]
 
 
 class WSGIMiddleware:
@@ -40,8 +73,12 @@ class WSGIMiddleware:
       called;
     - no answer from the sidecar: the client's on_unavailable — "open" calls the app
       without rate-limit headers, "closed" answers 503 with Retry-After: 1;
-    - a ProtocolError (``attrs`` or ``cost`` produced something the sidecar refuses) or
-      a closed client: the client's on_unavailable, as for an unreachable sidecar.
+    - a request too large to be checked (RequestTooLargeError: attributes whose frame is
+      over the client's max_frame, such as a huge header an attrs function sends): 431
+      (Request Header Fields Too Large) with a problem+json body; the app is not called;
+    - another ProtocolError (``attrs`` or ``cost`` produced something the sidecar
+      refuses) or a closed client: the client's on_unavailable, as for an unreachable
+      sidecar.
 
     ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
     by default wsgi_attrs and 1.
@@ -58,7 +95,7 @@ class WSGIMiddleware:
         try:
             d = self.client.check(self.attrs(environ), cost)
         except ProtocolError as e:
-            d = e.decision
+            d = e.decision  # a 431 for RequestTooLargeError, else the policy's
         except ClosedError:
             d = _closed(self.client)
         if not d.allowed:

@@ -41,20 +41,22 @@ def binary():
 
 
 class Daemon:
-    """A running `rlsidecar serve` on a temp socket."""
+    """A running `rlsidecar serve` on a temp socket; args are more flags for serve."""
 
-    def __init__(self, binary, rules, tmp):
+    def __init__(self, binary, rules, tmp, args=()):
         self.dir = tmp
         self.socket = os.path.join(tmp, "s.sock")
         self.rules = os.path.join(tmp, "rules.yaml")
         with open(self.rules, "w") as f:
             f.write(rules)
         self.binary = binary
+        self.args = list(args)
         self.proc = None
         self.start()
 
     def start(self):
-        self.proc = subprocess.Popen([self.binary, "serve", "--socket", self.socket, "--admin=", "--config", self.rules],
+        self.proc = subprocess.Popen([self.binary, "serve", "--socket", self.socket, "--admin=", "--config", self.rules]
+                                     + self.args,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = []
         t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))
@@ -106,9 +108,9 @@ def daemon(binary, short_tmp):
 def make_daemon(binary):
     made = []
 
-    def make(rules):
+    def make(rules, args=()):
         tmp = tempfile.mkdtemp(prefix="rls")
-        d = Daemon(binary, rules, tmp)
+        d = Daemon(binary, rules, tmp, args)
         made.append((d, tmp))
         return d
 

@@ -9,6 +9,8 @@ import pytest
 
 import rlsidecar
 
+from conftest import RULES
+
 
 def test_allows_then_rejects(daemon):
     with rlsidecar.Client(daemon.socket, timeout=2) as c:
@@ -208,12 +210,149 @@ def test_a_sidecar_that_accepts_and_drops_is_backed_off(short_tmp):
 
 
 def test_frame_too_large_then_the_next_check_is_answered(daemon):
-    """A request over the daemon's frame limit is the caller's error; the daemon closes
-    that connection, so the client does not pool it, and the next check is answered."""
-    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1) as c:
+    """A request over the daemon's frame limit (sent: this client's max_frame is larger);
+    the daemon closes that connection, so the client does not pool it, and the next check
+    is answered. (test_too_large.py: what the error means, and the default max_frame.)"""
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1, max_frame=1 << 20) as c:
         assert c.check({"user": "ivy"}).allowed
         with pytest.raises(rlsidecar.ProtocolError) as e:
             c.check({"user": "ivy", "blob": "x" * 70000})
         assert e.value.code == "frame_too_large"
         d = c.check({"user": "ivy"})
         assert d.allowed and not d.degraded and d.remaining == 3
+
+
+def _pool_of(c, n):
+    """Fill c's pool with n open connections (as n concurrent checks would)."""
+    import socket as s
+
+    from rlsidecar.client import _Conn
+
+    for _ in range(n):
+        sock = s.socket(s.AF_UNIX, s.SOCK_STREAM)
+        sock.connect(c.socket_path)
+        conn = _Conn(sock)
+        conn.served = True
+        c._put(conn)
+    assert len(c._idle) == n
+
+
+def test_restart_every_pooled_connection_recovers(daemon):
+    """After a daemon restart every idle pooled connection is closed; each check that takes
+    one sends on a fresh connection instead (the daemon read nothing), and none is counted
+    twice. Fail-closed: an unreachable answer would be a 503 on a login route."""
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=4, on_unavailable="closed") as c:
+        _pool_of(c, 4)
+        assert c.check({"user": "hank"}).remaining == 4
+        daemon.stop()
+        daemon.start()
+        ds = [c.check({"user": "hank"}) for _ in range(6)]
+        assert [(d.unreachable, d.cause) for d in ds] == [(False, None)] * 6
+        assert [d.remaining for d in ds] == [4, 3, 2, 1, 0, 0] and not ds[-1].allowed  # a new daemon, fresh state
+    # A batch on a stale connection, and a ping on another, recover the same way.
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=4, on_unavailable="closed") as c:
+        _pool_of(c, 2)
+        daemon.stop()
+        daemon.start()
+        assert [d.remaining for d in c.check_many([({"user": "ida"}, 1, None)] * 3)] == [4, 3, 2]
+        c._idle.reverse()  # the last stale one on top
+        assert c.ping()
+        # Each stale one was closed and dropped; the two fresh ones are pooled.
+        assert len(c._idle) == 2 and all(conn.sock.fileno() >= 0 for conn in c._idle)
+
+
+def test_idle_timeout_closes_pooled_connections(make_daemon):
+    """serve --idle-timeout 300ms and a check every 500 ms: the daemon has closed the
+    pooled connection before each check; every check still gets the daemon's answer."""
+    d = make_daemon(RULES, ["--idle-timeout", "300ms"])
+    with rlsidecar.Client(d.socket, timeout=2, on_unavailable="closed") as c:
+        ds = []
+        for _ in range(4):
+            ds.append(c.check({"user": "jack"}))
+            time.sleep(0.5)
+        assert [(d.unreachable, d.remaining) for d in ds] == [(False, 4), (False, 3), (False, 2), (False, 1)]
+
+
+class _FakeDaemon:
+    """A sidecar on a temp socket answering checks with allowed, until `then` says what to
+    do, once, with the request number `at` (counted over all connections): "close-unread"
+    closes its connection once the request is waiting, unread; "close-read" reads it,
+    then closes without answering (a daemon that died deciding)."""
+
+    def __init__(self, path, at, then):
+        import socket as s
+
+        self.srv = s.socket(s.AF_UNIX, s.SOCK_STREAM)
+        self.srv.bind(path)
+        self.srv.listen(16)
+        self.at, self.then = at, then
+        self.read = []  # ids of the requests read, in order
+        self.conns = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import select
+
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns += 1
+            threading.Thread(target=self._conn, args=(c, select), daemon=True).start()
+
+    def _conn(self, c, select):
+        from rlsidecar import _proto
+
+        with c:
+            while True:
+                select.select([c], [], [])
+                if len(self.read) + 1 == self.at and self.then == "close-unread":
+                    self.then = None
+                    time.sleep(0.05)  # the whole frame is in the socket's queue: closed unread
+                    return
+                head = c.recv(4, 0x100)  # MSG_WAITALL
+                if len(head) < 4:
+                    return
+                req = _proto.decode(c.recv(_proto.frame_length(head), 0x100))
+                self.read.append(req["id"])
+                if len(self.read) == self.at and self.then == "close-read":
+                    return
+                c.sendall(_proto.encode({"id": req["id"], "allowed": True, "rule": "r", "limit": 9,
+                                         "remaining": 9 - len(self.read)}))
+
+    def close(self):
+        self.srv.close()
+
+
+def test_closed_unread_after_the_send_is_retried_once(short_tmp):
+    """The daemon closes a pooled connection just as a check is sent (its idle timeout
+    racing the request): the request arrived but was never read (the client's read gets
+    ECONNRESET), so it is sent again on a fresh connection, and counted once."""
+    fake = _FakeDaemon(os.path.join(short_tmp, "f.sock"), at=2, then="close-unread")
+    try:
+        with rlsidecar.Client(os.path.join(short_tmp, "f.sock"), timeout=2, on_unavailable="closed") as c:
+            assert c.check({"user": "x"}).remaining == 8
+            d = c.check({"user": "x"})
+            assert d.allowed and not d.unreachable and d.remaining == 7
+            assert fake.read == [1, 1] and fake.conns == 2  # id 1 on each connection; read once each
+    finally:
+        fake.close()
+
+
+def test_closed_after_reading_is_not_retried(short_tmp):
+    """A pooled connection closed after the daemon read the request, with no answer (it
+    died deciding): the request may have counted, so it is not sent again; the check
+    answers by the policy."""
+    fake = _FakeDaemon(os.path.join(short_tmp, "f.sock"), at=2, then="close-read")
+    try:
+        with rlsidecar.Client(os.path.join(short_tmp, "f.sock"), timeout=2, on_unavailable="closed") as c:
+            assert c.check({"user": "x"}).remaining == 8
+            d = c.check({"user": "x"})
+            assert not d.allowed and d.unreachable and "connection lost" in d.cause
+            assert fake.read == [1, 2] and fake.conns == 1
+            # Not a failed attempt: the connection had served; the next check dials at once.
+            assert c.check({"user": "x"}).remaining == 6 and fake.conns == 2
+    finally:
+        fake.close()

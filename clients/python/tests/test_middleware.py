@@ -51,15 +51,15 @@ def hello_app(environ, start_response):
     return [b"hello"]
 
 
-def wsgi_get(app, path, method="GET", ip="192.0.2.1"):
+def wsgi_get(app, path, method="GET", ip="192.0.2.1", **environ):
     got = {}
 
     def start_response(status, headers, exc_info=None):
         got["status"] = int(status.split()[0])
         got["headers"] = {k.lower(): v for k, v in headers}
 
-    body = b"".join(app({"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "", "REMOTE_ADDR": ip,
-                         "QUERY_STRING": "q=1"}, start_response))
+    body = b"".join(app(dict({"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "", "REMOTE_ADDR": ip,
+                              "QUERY_STRING": "q=1"}, **environ), start_response))
     return got["status"], got["headers"], body
 
 
@@ -68,7 +68,7 @@ async def hello_asgi(scope, receive, send):
     await send({"type": "http.response.body", "body": b"hello"})
 
 
-async def asgi_get(app, path, method="GET", ip="192.0.2.1"):
+async def asgi_get(app, path, method="GET", ip="192.0.2.1", **scope):
     sent = []
 
     async def receive():
@@ -77,8 +77,8 @@ async def asgi_get(app, path, method="GET", ip="192.0.2.1"):
     async def send(m):
         sent.append(m)
 
-    await app({"type": "http", "method": method, "path": path, "query_string": b"q=1", "client": (ip, 4711),
-               "headers": []}, receive, send)
+    await app(dict({"type": "http", "method": method, "path": path, "query_string": b"q=1", "client": (ip, 4711),
+                    "headers": []}, **scope), receive, send)
     start = sent[0]
     return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(
         m.get("body", b"") for m in sent[1:])
@@ -196,3 +196,54 @@ def test_closed_client_follows_the_policy(daemon, policy, want):
         await c.close()
         return await asgi_get(rlsidecar.ASGIMiddleware(hello_asgi, c), "/api/x")
     assert asyncio.run(main())[0] == want
+
+
+RULES_BYTES = """
+rules:
+  - name: cafe
+    match: { path: "/café/**" }
+    key: ip
+    limit: { requests: 2, per: 60s }
+  - name: per-path
+    match: { path: "/b/**" }
+    key: path
+    limit: { requests: 1, per: 60s }
+"""
+
+
+def test_wsgi_sends_the_paths_bytes(make_daemon):
+    """PATH_INFO is the path's bytes decoded as latin-1 (PEP 3333): the middleware sends
+    those bytes, so a rule on /café/** (UTF-8) matches, as under ASGI."""
+    d = make_daemon(RULES_BYTES)
+    with rlsidecar.Client(d.socket, timeout=2) as client:
+        app = rlsidecar.WSGIMiddleware(hello_app, client)
+        cafe = "/café/menu".encode("utf-8").decode("latin-1")  # what a WSGI server puts in PATH_INFO
+        got = [wsgi_get(app, cafe) for _ in range(3)]
+        assert [g[0] for g in got] == [200, 200, 429]
+        assert got[0][1]["ratelimit"] == '"cafe";r=1;t=30'
+        # Bytes that are not UTF-8 reach the daemon as they are (msgpack bin), each its own
+        # key: \xff and \xfe are not both replaced with U+FFFD.
+        assert [wsgi_get(app, p)[0] for p in ("/b/\xff", "/b/\xfe", "/b/\xff")] == [200, 200, 429]
+
+
+def test_asgi_sends_the_paths_bytes(make_daemon):
+    d = make_daemon(RULES_BYTES)
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as client:
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client)
+            got = [await asgi_get(app, "/café/menu") for _ in range(3)]
+            assert [g[0] for g in got] == [200, 200, 429]
+    asyncio.run(main())
+
+
+def test_attribute_bytes_are_sent_as_bin():
+    """A str attribute is a msgpack str (its UTF-8 bytes); a bytes one is a msgpack bin of
+    exactly its bytes (the daemon takes either); anything else is refused."""
+    frame = _proto.encode(_proto.check_message(1, {"path": b"/\xff"}, 1, None))
+    assert frame.endswith(b"\xa5attrs\x81\xa4path\xc4\x02/\xff")
+    frame = _proto.encode(_proto.check_message(1, {"path": "/café"}, 1, None))
+    assert frame.endswith(b"\xa5attrs\x81\xa4path\xa6/caf\xc3\xa9")
+    for bad in ({"path": 1}, {"path": bytearray(b"/")}, {b"path": "/"}):
+        with pytest.raises(TypeError):
+            _proto.check_message(1, bad, 1, None)

@@ -31,6 +31,17 @@ def test_request_encoding(v):
     assert request_frame(v["message"]).hex() == v["hex"], v["meaning"]
 
 
+@pytest.mark.parametrize("v", VECTORS["requests"], ids=lambda v: v["name"])
+def test_request_frame_with_its_id(v):
+    """The clients encode a request once with id 0 (_proto.body) and put each connection's
+    id in (_proto.frame): the same bytes."""
+    m = v["message"]
+    zero = dict(m, id=0)
+    b = request_frame(zero)[4:]
+    assert _proto.body(_proto.decode(b)) == b
+    assert _proto.frame(b, m["id"]).hex() == v["hex"]
+
+
 @pytest.mark.parametrize("v", VECTORS["responses"], ids=lambda v: v["name"])
 def test_response_decoding(v):
     frame = bytes.fromhex(v["hex"])

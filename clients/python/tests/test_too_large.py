@@ -1,0 +1,126 @@
+"""Requests too large for the daemon (their frame over max_frame, 65,536 bytes by default):
+not sent, refused with RequestTooLargeError, whose decision is a 431 (Request Header
+Fields Too Large), never the failure policy (under "open" that let any request through
+with a huge header). The same when the daemon refuses one (frame_too_large): a daemon
+started with a smaller --max-frame than the client's max_frame."""
+
+import asyncio
+import json
+
+import pytest
+
+import rlsidecar
+from rlsidecar import _proto
+
+from test_middleware import asgi_get, hello_app, hello_asgi, wsgi_get
+
+BIG = "x" * 70000
+BODY_431 = (b'{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
+            b'"detail":"This request\'s header fields are too large for the rate limiter to check."}')
+
+
+def check_431(d):
+    assert not d.allowed and not d.unreachable and not d.degraded and d.reason == "request_too_large"
+    status, headers, body = d.rejection()
+    assert (status, d.status, body) == (431, 431, BODY_431)
+    assert headers == {"Content-Type": "application/problem+json", "Content-Length": str(len(BODY_431))}
+
+
+def test_not_sent(daemon):
+    with rlsidecar.Client(daemon.socket, timeout=2, pool_size=1, on_unavailable="open") as c:
+        assert c.check({"user": "kim"}).remaining == 4
+        conn = c._idle[0]
+        with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+            c.check({"user": "kim", "ua": BIG})
+        assert isinstance(e.value, rlsidecar.ProtocolError) and e.value.code == "frame_too_large"
+        assert "65536" in e.value.message
+        check_431(e.value.decision)
+        # Nothing was sent: the daemon did not close the connection, nothing was consumed.
+        assert c.check({"user": "kim"}).remaining == 3 and c._idle == [conn]
+        # In a batch: refused before any of it is sent.
+        with pytest.raises(rlsidecar.RequestTooLargeError):
+            c.check_many([({"user": "kim"}, 1, None), ({"user": "kim", "ua": BIG}, 1, None)])
+        assert c.check({"user": "kim"}).remaining == 2
+
+
+def test_refused_even_when_the_daemon_is_away(short_tmp):
+    """It does not depend on the daemon: 431, not the policy's 200 or 503."""
+    import os
+
+    with rlsidecar.Client(os.path.join(short_tmp, "none.sock"), on_unavailable="open") as c:
+        with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+            c.check({"ua": BIG})
+        check_431(e.value.decision)
+
+
+def test_max_frame_is_exact(daemon):
+    """A frame whose body is max_frame bytes is sent; one byte more is not."""
+    with rlsidecar.Client(daemon.socket, timeout=2, max_frame=200) as c:
+        base = len(_proto.encode(_proto.check_message(1, {"user": "lee", "pad": ""}, 1, None))) - 4
+        pad = "p" * (200 - base - 1)  # a str8: one byte of length beyond 31 bytes; the ids stay below 128
+        assert len(_proto.encode(_proto.check_message(1, {"user": "lee", "pad": pad}, 1, None))) - 4 == 200
+        assert c.check({"user": "lee", "pad": pad}).allowed
+        with pytest.raises(rlsidecar.RequestTooLargeError):
+            c.check({"user": "lee", "pad": pad + "p"})
+    for bad in (0, -1, 1.5, "64k"):
+        with pytest.raises(ValueError):
+            rlsidecar.Client("/x.sock", max_frame=bad)
+        with pytest.raises(ValueError):
+            rlsidecar.AsyncClient("/x.sock", max_frame=bad)
+
+
+def test_refused_by_the_daemon(daemon):
+    """A client allowing larger frames than the daemon: the daemon's frame_too_large is the
+    same 431, and the connection it closed is not pooled."""
+    with rlsidecar.Client(daemon.socket, timeout=2, max_frame=1 << 20, on_unavailable="open") as c:
+        with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+            c.check({"user": "may", "ua": BIG})
+        check_431(e.value.decision)
+        assert "65536" in e.value.message  # the daemon's message
+        assert c.check({"user": "may"}).remaining == 4
+
+
+def test_async(daemon):
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            assert (await c.check({"user": "ned"})).remaining == 4
+            conn = c._conn
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                await c.check({"user": "ned", "ua": BIG})
+            check_431(e.value.decision)
+            assert (await c.check({"user": "ned"})).remaining == 3 and c._conn is conn  # not sent
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2, max_frame=1 << 20) as c:
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                await c.check({"user": "ned", "ua": BIG})
+            check_431(e.value.decision)
+            assert (await c.check({"user": "ned"})).remaining == 2
+    asyncio.run(main())
+
+
+def ua_attrs_wsgi(environ):
+    return dict(rlsidecar.wsgi_attrs(environ), ua=environ.get("HTTP_USER_AGENT", ""))
+
+
+def ua_attrs_asgi(scope):
+    return dict(rlsidecar.asgi_attrs(scope), ua=dict(scope["headers"]).get(b"user-agent", b"").decode("latin-1"))
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+def test_middleware_answers_431(daemon, policy):
+    """A huge header that the attrs function sends: 431 and the app is not called, under
+    either policy (before: the policy, so "open" let it through unlimited)."""
+    with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable=policy) as client:
+        app = rlsidecar.WSGIMiddleware(hello_app, client, attrs=ua_attrs_wsgi)
+        status, headers, body = wsgi_get(app, "/api/x", HTTP_USER_AGENT=BIG)
+        assert (status, headers["content-type"], body) == (431, "application/problem+json", BODY_431)
+        assert wsgi_get(app, "/api/x", HTTP_USER_AGENT="curl")[0] == 200
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2, on_unavailable=policy) as client:
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client, attrs=ua_attrs_asgi)
+            got = await asgi_get(app, "/api/x", headers=[(b"user-agent", BIG.encode())])
+            assert got == (431, {"content-type": "application/problem+json", "content-length": str(len(BODY_431))},
+                           BODY_431)
+            assert (await asgi_get(app, "/api/x", headers=[(b"user-agent", b"curl")]))[0] == 200
+    asyncio.run(main())
+    assert json.loads(BODY_431)["status"] == 431
