@@ -218,7 +218,7 @@ local UNAVAILABLE_BODY = '{"type":"about:blank","title":"Service Unavailable","s
   .. '"retry_after":1}'
 
 local TOO_LARGE_BODY = '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
-  .. '"detail":"This request\'s header fields are too large for the rate limiter to check."}'
+  .. '"detail":"This request\'s attributes (its path or header fields) are too large for the rate limiter to check."}'
 
 -- rejection returns the response for a decision that does not allow the request:
 -- status, headers (a table name -> value, Content-Type included) and body:

@@ -359,7 +359,7 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   expect "$1 too large: Content-Type" "$(header content-type)" "application/problem+json"
   expect "$1 too large: no RateLimit" "$(header ratelimit)" ""
   expect "$1 too large: problem body" "$body" \
-    '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,"detail":"This request'"'"'s header fields are too large for the rate limiter to check."}'
+    '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,"detail":"This request'"'"'s attributes (its path or header fields) are too large for the rate limiter to check."}'
   request GET "http://127.0.0.1:$2/api/items" "$1-ursula"
   expect "$1 after it: checked as usual" "$status/$(header ratelimit | cut -d';' -f1-2)" '200/"per-user";r=2'
 done

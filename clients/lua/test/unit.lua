@@ -263,7 +263,7 @@ do
   check(status == 431, "too large: status %s", tostring(status))
   check(h["Content-Type"] == "application/problem+json" and h["Retry-After"] == nil, "too large: headers")
   check(body == '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
-    .. '"detail":"This request\'s header fields are too large for the rate limiter to check."}', "too large: body %s", body)
+    .. '"detail":"This request\'s attributes (its path or header fields) are too large for the rate limiter to check."}', "too large: body %s", body)
 end
 
 -- The policy decision: open allows without rate-limit fields, closed answers 503.

@@ -18,7 +18,7 @@ COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 REQUEST_TOO_LARGE = "request_too_large"
 
 _BODY_431 = {"type": PROBLEM_TYPE, "title": "Request Header Fields Too Large", "status": 431,
-             "detail": "This request's header fields are too large for the rate limiter to check."}
+             "detail": "This request's attributes (its path or header fields) are too large for the rate limiter to check."}
 
 
 class RuleDecision:

@@ -16,7 +16,7 @@ from test_middleware import asgi_get, hello_app, hello_asgi, wsgi_get
 
 BIG = "x" * 70000
 BODY_431 = (b'{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
-            b'"detail":"This request\'s header fields are too large for the rate limiter to check."}')
+            b'"detail":"This request\'s attributes (its path or header fields) are too large for the rate limiter to check."}')
 
 
 def check_431(d):
