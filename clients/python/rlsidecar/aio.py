@@ -8,8 +8,9 @@ from . import _proto
 from .client import _check_options, backoff
 from .decision import Decision
 
-#: Checks in flight (abandoned ones included) beyond which the sidecar is far behind:
-#: a check then answers by the policy at once.
+#: Checks in flight (abandoned ones included) on the connection at most: a check that
+#: finds it full waits for room, in turn, until its timeout, and only then answers by
+#: the policy (a burst of concurrent checks is answered by the sidecar, not the policy).
 MAX_PENDING = 4096
 
 
@@ -24,6 +25,7 @@ class _Protocol(asyncio.Protocol):
         self.next_id = 0
         self.served = False
         self.broken = None  # why the connection broke; None while usable
+        self.room = collections.deque()  # futures of checks waiting for room, in turn
 
     def connection_made(self, transport):
         self.transport = transport
@@ -47,6 +49,7 @@ class _Protocol(asyncio.Protocol):
                 e = _proto.error_of(msg)
                 return self.fail("the sidecar closed the connection: %s" % e[0] if e else "an answer nobody asked for")
             want, fut = self.pending.popleft()
+            self.wake_one()
             got = msg.get("id")
             e = _proto.error_of(msg)
             if got != want and not (e is not None and got == 0):
@@ -59,6 +62,14 @@ class _Protocol(asyncio.Protocol):
             if e is not None and e[0] == "frame_too_large":
                 # The sidecar closes the connection after this answer: no check may follow on it.
                 return self.fail("the sidecar closed the connection: frame_too_large")
+
+    def wake_one(self):
+        """Give the place just freed to the first check still waiting for room."""
+        while self.room:
+            w = self.room.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
 
     def connection_lost(self, exc):
         self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection")
@@ -76,6 +87,10 @@ class _Protocol(asyncio.Protocol):
             _, fut = self.pending.popleft()
             if not fut.done():
                 fut.set_exception(err)
+        while self.room:  # the checks waiting for room try again, on a new connection
+            w = self.room.popleft()
+            if not w.done():
+                w.set_result(None)
 
 
 def _expire(fut):
@@ -190,15 +205,28 @@ class AsyncClient:
         _proto.check_size(len(body), self.max_frame)  # with the shortest id: before dialing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        conn = self._conn
-        if conn is None:
-            conn = await self._connect(loop, deadline)
-            if isinstance(conn, str):
-                return conn
-        if conn.broken is not None:
-            return conn.broken
-        if len(conn.pending) >= MAX_PENDING:
-            return "too many checks in flight on the connection"
+        woken = False
+        while True:
+            conn = self._conn
+            if conn is None:
+                conn = await self._connect(loop, deadline)
+                if isinstance(conn, str):
+                    return conn
+            if conn.broken is not None:
+                return conn.broken
+            # Room, and no earlier check waiting for it (one just woken goes first).
+            if len(conn.pending) < MAX_PENDING and (woken or not conn.room):
+                break
+            w = loop.create_future()
+            conn.room.append(w)
+            timer = loop.call_at(deadline, _expire, w)
+            try:
+                await w
+            except TimeoutError:
+                return "no room on the connection within the timeout (%d checks in flight)" % MAX_PENDING
+            finally:
+                timer.cancel()
+            woken = True
         frame = _proto.frame(body, conn.next_id + 1)
         _proto.check_size(len(frame) - 4, self.max_frame)  # with its id; before anything is queued
         conn.next_id += 1

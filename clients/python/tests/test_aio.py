@@ -123,3 +123,41 @@ def test_frame_too_large_then_the_next_check_is_answered(daemon):
             d = await c.check({"user": "ivy"})
             assert d.allowed and not d.degraded and d.remaining == 3, d
     run(main())
+
+
+def test_burst_beyond_the_cap_waits_for_room(daemon, monkeypatch):
+    """More concurrent checks than a connection holds (MAX_PENDING, made 8 here) are all
+    answered by the sidecar: those past the cap wait for room, in turn, within their
+    timeout. Before, they answered by the policy at once, so under "open" a burst of
+    concurrent requests got past every limit."""
+    monkeypatch.setattr(rlsidecar.aio, "MAX_PENDING", 8)
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2, on_unavailable="open") as c:
+            lim = [{"key": "burst", "limit": 100, "window_ms": 3600000, "algorithm": "fixed_window"}]
+            ds = await asyncio.gather(*(c.check({}, limits=lim) for _ in range(300)))
+            assert not any(d.degraded for d in ds), [d.cause for d in ds if d.degraded][:3]
+            assert sum(d.allowed for d in ds) == 100
+            assert max(len(c._conn.pending), 0) == 0 and not c._conn.room
+    run(main())
+
+
+def test_waiting_for_room_ends_at_the_timeout(daemon, monkeypatch):
+    """A check waiting for room on a stalled sidecar answers by the policy at its
+    timeout, not before and not much after."""
+    monkeypatch.setattr(rlsidecar.aio, "MAX_PENDING", 2)
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.2, on_unavailable="closed") as c:
+            assert await c.ping()
+            daemon.pause()
+            try:
+                t = time.monotonic()
+                ds = await asyncio.gather(*(c.check({"user": "gus"}) for _ in range(5)))
+                took = time.monotonic() - t
+            finally:
+                daemon.resume()
+            assert all(not d.allowed and d.unreachable for d in ds), ds
+            assert sum("no room" in d.cause for d in ds) == 3, [d.cause for d in ds]
+            assert 0.19 <= took < 3.0
+    run(main())
