@@ -73,8 +73,9 @@ type leasePart struct {
 	l       *lease
 	s       *slot // nil once freed
 	stats   *LeaseStats
-	expires int64 // now-clock nanoseconds
-	dur     int64 // the rule's lease, for Renew without a duration
+	expires int64  // now-clock nanoseconds
+	dur     int64  // the rule's lease when taken, for Renew without a duration
+	rule    string // the rule's name, for its lease now (Renew)
 }
 
 // maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
@@ -191,9 +192,10 @@ func (ls *Leases) Release(token string, now int64) bool {
 }
 
 // Renew extends the live lease token to now+d in each of its parts (d 0: each rule's own
-// lease). It reports whether the lease was live, and then how long until its first part
-// expires.
-func (ls *Leases) Renew(token string, d time.Duration, now int64) (renewed bool, expiresIn time.Duration) {
+// lease: as own gives it for the rule's name now, a reload having changed it, or as it
+// was when the lease was taken when own is nil or knows no such rule). It reports whether
+// the lease was live, and then how long until its first part expires.
+func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool)) (renewed bool, expiresIn time.Duration) {
 	id := ls.parse(token)
 	if id == 0 {
 		return false, 0
@@ -214,7 +216,13 @@ func (ls *Leases) Renew(token string, d time.Duration, now int64) (renewed bool,
 		if p.s == nil {
 			continue
 		}
-		p.expires = now + p.dur
+		dur := p.dur
+		if own != nil {
+			if cur, ok := own(p.rule); ok {
+				dur = cur
+			}
+		}
+		p.expires = now + dur
 		if d > 0 {
 			p.expires = now + int64(d)
 		}

@@ -112,7 +112,7 @@ func TestLeasesReleaseRenewExpire(t *testing.T) {
 	}
 
 	// Renew b for 30s at t0+5s; c expires at t0+10s.
-	renewed, in30 := ls.Renew(b, 30*time.Second, t0+int64(5*time.Second))
+	renewed, in30 := ls.Renew(b, 30*time.Second, t0+int64(5*time.Second), nil)
 	if !renewed || in30 != 30*time.Second {
 		t.Fatalf("renew: %v %v; want true 30s", renewed, in30)
 	}
@@ -123,7 +123,7 @@ func TestLeasesReleaseRenewExpire(t *testing.T) {
 	if ls.Release(c, at) {
 		t.Error("release of an expired lease said true")
 	}
-	if renewed, _ := ls.Renew(c, 0, at); renewed {
+	if renewed, _ := ls.Renew(c, 0, at, nil); renewed {
 		t.Error("renew of an expired lease said true")
 	}
 	if ok, _, _ := checkLease(t, l, at, in, 0); ok {
@@ -339,5 +339,24 @@ func TestSiphash(t *testing.T) {
 		if got, want := siphash(k, x), siphashRef(k[0], k[1], m[:]); got != want {
 			t.Fatalf("siphash(%x, %#x) = %#x, want %#x", k, x, got, want)
 		}
+	}
+}
+
+// A renew without a duration gives each part its rule's lease as the rules in force say
+// it, a reload having changed it, as a global lease's renew already did.
+func TestLeaseRenewAfterReload(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	ok, tok, _ := checkLease(t, l, t0, exportInput("ann"), 0)
+	if !ok {
+		t.Fatal("refused")
+	}
+	l.SetRules(mustRules(t, strings.Replace(leaseRules, "lease: 10s", "lease: 1s", 1)))
+	renewed, in := l.RenewLease(tok, 0, t0)
+	if !renewed || in != time.Second {
+		t.Fatalf("renewed %v for %v after the lease was reloaded to 1s, want 1s", renewed, in)
+	}
+	l.SetRules(mustRules(t, strings.Replace(leaseRules, "name: exports", "name: renamed", 1)))
+	if renewed, in := l.RenewLease(tok, 0, t0); !renewed || in != 10*time.Second {
+		t.Fatalf("renewed %v for %v once its rule is gone, want its lease when taken, 10s", renewed, in)
 	}
 }

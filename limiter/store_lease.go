@@ -171,7 +171,7 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 	}
 	l.parts = l.parts[:len(l.parts)+1]
 	p := &l.parts[len(l.parts)-1]
-	*p = leasePart{l: l, s: sl, stats: st, expires: now + dur, dur: dur}
+	*p = leasePart{l: l, s: sl, stats: st, expires: now + dur, dur: dur, rule: rule}
 	sl.held = append(sl.held, p)
 	st.InFlight++
 	l.live++

@@ -482,7 +482,7 @@ func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, ti
 	local, global := splitToken(token)
 	renewed, in := false, time.Duration(-1)
 	if local != "" {
-		if ok, t := l.leases.Renew(local, d, now); ok {
+		if ok, t := l.leases.Renew(local, d, now, l.leaseNow); ok {
 			renewed, in = true, t
 		}
 	}
@@ -495,6 +495,18 @@ func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, ti
 		}
 	}
 	return renewed, max(in, 0)
+}
+
+// leaseNow returns the lease of the concurrency rule named rule in the rule set in force.
+func (l *Limiter) leaseNow(rule string) (int64, bool) {
+	for _, r := range l.active.Load().set.Rules {
+		if r.Name == rule && r.Concurrency {
+			if lim, _ := r.LimitFor("", false); lim != nil {
+				return int64(lim.Window()), true
+			}
+		}
+	}
+	return 0, false
 }
 
 // ReleaseOwner frees every lease owner still holds (its connection closed), local and
