@@ -437,3 +437,32 @@ func TestDefaultAdminAddressYields(t *testing.T) {
 	}
 	holder(rest)
 }
+
+// Only the rules' own files reload them: another file of their directory (the daemon's
+// log written beside them, an editor's swap file) does not. Before, each write there
+// reloaded, and with stderr logged into the rules' directory a broken file's reload
+// errors reloaded it again, forever.
+func TestE2EReloadIgnoresOtherFiles(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	reloads := func() (ok, failed float64) {
+		_, s := scrape(t, base)
+		return s[`rlsidecar_config_reloads_total{result="success"}`], s[`rlsidecar_config_reloads_total{result="error"}`]
+	}
+	time.Sleep(300 * time.Millisecond) // past any reload of the start
+	ok0, bad0 := reloads()
+	for i := range 5 {
+		writeFile(t, dir, "rlsidecar.log", strings.Repeat("a line\n", i+1))
+		writeFile(t, dir, ".rules.yaml.swp", "x")
+		time.Sleep(150 * time.Millisecond) // past the debounce each time
+	}
+	time.Sleep(300 * time.Millisecond)
+	if ok, bad := reloads(); ok != ok0 || bad != bad0 {
+		t.Fatalf("writes to other files of the directory reloaded the rules: %v→%v ok, %v→%v failed", ok0, ok, bad0, bad)
+	}
+	v := rulesVersion(t, base)
+	must(t, os.WriteFile(cfg, []byte(rulesWithLimit(2)), 0o644))
+	waitReload(t, base, v)
+}

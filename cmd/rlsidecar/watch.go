@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -23,11 +24,12 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 	if err != nil {
 		return fmt.Errorf("watching %s: %w", path, err)
 	}
-	var watched []string
+	var watched, names []string
 	// rewatch watches the directories path now depends on, and stops watching the
 	// others; it returns the first directory it could not watch.
 	rewatch := func() error {
-		want := configDirs(path)
+		var want []string
+		want, names = configDirs(path)
 		for _, d := range watched {
 			if !slices.Contains(want, d) {
 				w.Remove(d)
@@ -52,7 +54,7 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		return first
 	}
 	if err := rewatch(); err != nil {
-		if own := configDirs(path)[0]; !slices.Contains(watched, own) {
+		if own, _ := configDirs(path); !slices.Contains(watched, own[0]) {
 			w.Close()
 			return err
 		}
@@ -73,8 +75,8 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				if !ok {
 					return
 				}
-				if ev.Op == fsnotify.Chmod {
-					continue
+				if ev.Op == fsnotify.Chmod || !relevant(filepath.Clean(ev.Name), path, names) {
+					continue // another file of a watched directory: the daemon's own log, say
 				}
 				if timer == nil {
 					timer = time.NewTimer(debounce)
@@ -99,18 +101,42 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 	return nil
 }
 
+// relevant reports whether a change to name, in a watched directory, may change the
+// rules at path: name is on the way from path to the rules (the file, a link, a link's
+// target, or a directory on the way, as a ConfigMap's ..data), or, for --config DIR, one
+// of its *.yaml. Any other file of those directories (a log the daemon writes beside its
+// rules, an editor's swap file) is not: reloading on it wasted a parse, and a log of
+// reload errors in the rules' directory reloaded itself forever.
+func relevant(name, path string, names []string) bool {
+	for _, n := range names {
+		if name == n || strings.HasPrefix(n, name+string(filepath.Separator)) {
+			return true
+		}
+	}
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return filepath.Dir(name) == filepath.Clean(path) && filepath.Ext(name) == ".yaml"
+	}
+	return false
+}
+
 // configDirs returns the directories the rules at path depend on: path's own (path
 // itself for a directory), and the directory of each symlink's target on the way from
 // path, or from a directory's *.yaml, to a file; the directory a link chain ends in, its
 // parents' links resolved, too. Missing files are skipped: the next change finds them.
-func configDirs(path string) []string {
-	var dirs []string
+// names are the paths on the way: path (or each *.yaml), every link and target.
+func configDirs(path string) (dirs, names []string) {
 	add := func(d string) {
 		if d = filepath.Clean(d); !slices.Contains(dirs, d) {
 			dirs = append(dirs, d)
 		}
 	}
+	name := func(p string) {
+		if p = filepath.Clean(p); !slices.Contains(names, p) {
+			names = append(names, p)
+		}
+	}
 	follow := func(p string) {
+		name(p)
 		for range 40 { // the kernel's own bound on a chain of links
 			fi, err := os.Lstat(p)
 			if err != nil || fi.Mode()&os.ModeSymlink == 0 {
@@ -124,10 +150,12 @@ func configDirs(path string) []string {
 				t = filepath.Join(filepath.Dir(p), t)
 			}
 			add(filepath.Dir(t))
+			name(t)
 			p = t
 		}
 		if real, err := filepath.EvalSymlinks(p); err == nil {
 			add(filepath.Dir(real))
+			name(real)
 		}
 	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
@@ -136,9 +164,9 @@ func configDirs(path string) []string {
 		for _, f := range files {
 			follow(f)
 		}
-		return dirs
+		return dirs, names
 	}
 	add(filepath.Dir(path))
 	follow(path)
-	return dirs
+	return dirs, names
 }
