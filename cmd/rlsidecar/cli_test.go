@@ -149,3 +149,26 @@ func TestServeFailedStartLeavesNoSocket(t *testing.T) {
 		t.Errorf("socket file left behind after a failed start (lstat: %v)", err)
 	}
 }
+
+// A flag value out of range is refused before anything starts, naming the flag: before,
+// --max-frame 10 started a daemon refusing every check, and --sync-interval 0s or
+// --sweep-interval 0s panicked in a ticker after the daemon said it was listening,
+// leaving its socket behind.
+func TestServeRefusesOutOfRangeFlags(t *testing.T) {
+	dir := shortTempDir(t)
+	sock := filepath.Join(dir, "s.sock")
+	for _, c := range [][]string{
+		{"--max-frame", "10"}, {"--max-conns", "-5"}, {"--max-keys", "0"}, {"--max-attrs", "0"},
+		{"--top-k", "-1"}, {"--frame-timeout", "0s"}, {"--sweep-interval", "0s"},
+		{"--sync-interval", "0s", "--redis", "redis://127.0.0.1:1"}, {"--idle-timeout", "-1s"},
+		{"--breaker-failures", "0"},
+	} {
+		out, err := runCLI(t, append([]string{"serve", "--socket", sock, "--admin="}, c...)...)
+		if err == nil || !strings.Contains(out, c[0]) || strings.Contains(out, "listening on") || strings.Contains(out, "panic") {
+			t.Errorf("serve %s: %v\n%s", strings.Join(c, " "), err, out)
+		}
+		if _, err := os.Lstat(sock); !os.IsNotExist(err) {
+			t.Fatalf("serve %s left its socket (lstat: %v)", strings.Join(c, " "), err)
+		}
+	}
+}

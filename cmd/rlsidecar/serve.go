@@ -93,6 +93,20 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 
+	if err := checkBounds(
+		intAtLeast{"max-frame", *maxFrame, 256}, intAtLeast{"max-conns", *maxConns, 1},
+		intAtLeast{"hybrid-max-sync-keys", *maxSyncKeys, 1}, intAtLeast{"max-keys", *maxKeys, 1},
+		intAtLeast{"max-attrs", *maxAttrs, 1}, intAtLeast{"max-attr-len", *maxAttrLen, 1},
+		intAtLeast{"top-k", *topK, 1}, intAtLeast{"breaker-failures", *breakerFailures, 1},
+		positive{"frame-timeout", *frameTimeout}, positive{"write-timeout", *writeTimeout},
+		positive{"sweep-interval", *sweepEvery}, positive{"sync-interval", *syncInterval},
+		positive{"redis-timeout", *redisTimeout}, positive{"global-timeout", *globalTimeout},
+		positive{"breaker-cooldown", *breakerCooldown},
+		notNegative{"idle-timeout", *idleTimeout}, notNegative{"busy-poll", *busyPoll},
+		notNegative{"drain-timeout", *drainTimeout},
+	); err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
 	if err := rlsync.CheckPrefix(*redisPrefix); err != nil {
 		return fmt.Errorf("%w: --redis-prefix: %v", errUsage, err)
 	}
@@ -612,4 +626,55 @@ func oneLine(err error) string {
 		return "no error"
 	}
 	return strings.ReplaceAll(err.Error(), "\n", "; ")
+}
+
+// A bound on a flag's value, checked before anything starts: a value out of range
+// would start a daemon that refuses every check (--max-frame 10) or panics later
+// (--sync-interval 0s, in a ticker), after it has said it is listening.
+type bound interface{ check() error }
+
+type intAtLeast struct {
+	name   string
+	v, min int
+}
+
+func (b intAtLeast) check() error {
+	if b.v < b.min {
+		return fmt.Errorf("--%s %d: at least %d", b.name, b.v, b.min)
+	}
+	return nil
+}
+
+type positive struct {
+	name string
+	v    time.Duration
+}
+
+func (b positive) check() error {
+	if b.v <= 0 {
+		return fmt.Errorf("--%s %v: must be more than 0", b.name, b.v)
+	}
+	return nil
+}
+
+type notNegative struct {
+	name string
+	v    time.Duration
+}
+
+func (b notNegative) check() error {
+	if b.v < 0 {
+		return fmt.Errorf("--%s %v: must not be negative (0: off)", b.name, b.v)
+	}
+	return nil
+}
+
+// checkBounds returns the first bound a flag's value is out of, or nil.
+func checkBounds(bs ...bound) error {
+	for _, b := range bs {
+		if err := b.check(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
