@@ -157,8 +157,11 @@ rules:
 				t.Fatal("banned before daemon 1 summed its refusal")
 			}
 			round(ls[1]) // daemon 1 sums it: the ban starts, and daemon 1 knows it
-			if r := check(ls[1]); !r.Banned || r.Results[0].RetryAfter <= 9*time.Minute {
-				t.Fatalf("daemon 1 after its round: banned %v retry %v, want a ban of 10m", r.Banned, r.Results[0].RetryAfter)
+			if r := check(ls[1]); !r.Banned || r.Results[0].RetryAfter <= 9*time.Minute || r.Results[0].Limit != 1 {
+				// Its limit too: the entry of a banned hybrid rule is reported from the view
+				// (it said limit 0, as if the rule were a deny).
+				t.Fatalf("daemon 1 after its round: banned %v retry %v limit %d, want a ban of 10m, limit 1",
+					r.Banned, r.Results[0].RetryAfter, r.Results[0].Limit)
 			}
 			if r := check(ls[0]); r.Banned {
 				t.Fatal("daemon 0 enforced the ban before its next round: it should not know it yet")

@@ -453,9 +453,15 @@ func (l *Limiter) report(now int64, d *Decision) {
 		o := &d.ops[i]
 		out := &d.Results[i]
 		out.Window = o.lim.Window()
+		if out.Limit == 0 && o.flags&infoDeny == 0 {
+			out.Limit = o.lim.Requests() // an op no store reported (a global one, unasked)
+		}
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
-			out.RetryAfter = time.Duration(o.bannedUntil - now)
+			// The ban's end, or later if the rule itself refuses until then (as its store
+			// reported it): a retry when the ban ends must not be refused again, and count
+			// toward a longer ban.
+			out.RetryAfter = max(out.RetryAfter, time.Duration(o.bannedUntil-now))
 		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64

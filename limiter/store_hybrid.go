@@ -62,8 +62,19 @@ func (s hybridStore) giveBack(_ int64, d *Decision) {
 	s.results(d, n)
 }
 
-// skip leaves the results empty: the allowances are not consulted.
-func (s hybridStore) skip(int64, *Decision) {}
+// skip reports the ops from the local view, charging and syncing nothing (a check that
+// another store or a ban refused): their rules' entries say what is left, not nothing.
+func (s hybridStore) skip(now int64, d *Decision) {
+	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
+	for i := range d.ops {
+		if o := &d.ops[i]; o.store == storeHybrid {
+			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Shadow: o.shadow})
+			n.at = append(n.at, i)
+		}
+	}
+	s.h.Peek(now, n.ops)
+	s.results(d, n)
+}
 
 func (s hybridStore) results(d *Decision, n *native[rlsync.HybridOp]) {
 	for k, i := range n.at {

@@ -103,6 +103,25 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 	return ok, false
 }
 
+// Peek reports, in each op's Result, what the local view says of its key for a request
+// of cost 0 (allowed: one more would pass; the remaining, reset and retry), charging,
+// counting and syncing nothing. A key this daemon does not hold reports its limit only.
+// For a check another store refused (or a ban): its hybrid rules are reported, not asked.
+func (h *Hybrid) Peek(now int64, ops []HybridOp) {
+	n := h.creditShares()
+	for i := range ops {
+		op := &ops[i]
+		sh := &h.shards[h.shardOf(op.Key)]
+		sh.mu.Lock()
+		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit {
+			op.Result, _, _, _ = h.decide(e, now, 0, n, false, false, false)
+		} else {
+			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
+		}
+		sh.mu.Unlock()
+	}
+}
+
 // lostRace reports whether a refused op's view had room for it.
 func lostRace(ops []HybridOp) bool {
 	for i := range ops {
