@@ -69,8 +69,47 @@ func (d *Decoder) decodeOther(body []byte, req *Request) error {
 	return d.decodeRequestMsgpack(body, req)
 }
 
-// decodeRequestMsgpack is DecodeRequest through msgpack/v5 only.
+// decodeRequestMsgpack is DecodeRequest through msgpack/v5 only. A request it cannot
+// read keeps its id when it has a readable one, wherever it is in the map: the error
+// answer echoes it (field order does not matter on the wire).
 func (d *Decoder) decodeRequestMsgpack(body []byte, req *Request) error {
+	err := d.decodeFields(body, req)
+	if err != nil && req.ID == 0 {
+		req.ID = d.findID(body)
+	}
+	return err
+}
+
+// findID returns the id of a request map whose fields could not all be read: a
+// top-level "id" holding an unsigned integer, found by skipping the values before it;
+// 0 when there is none, or the map cannot be walked that far.
+func (d *Decoder) findID(body []byte) uint64 {
+	d.reset(body)
+	n, err := d.dec.DecodeMapLen()
+	if err != nil {
+		return 0
+	}
+	for range n {
+		key, err := d.key()
+		if err != nil {
+			return 0
+		}
+		if key == "id" {
+			id, err := d.uint("id")
+			if err != nil {
+				return 0
+			}
+			return id
+		}
+		if d.dec.Skip() != nil {
+			return 0
+		}
+	}
+	return 0
+}
+
+// decodeFields decodes body's fields into req.
+func (d *Decoder) decodeFields(body []byte, req *Request) error {
 	req.Reset()
 	d.reset(body)
 	n, err := d.mapLen("request")
