@@ -13,6 +13,7 @@ import (
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
@@ -412,13 +413,24 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 func TestGlobalLeaseTokenTooLong(t *testing.T) {
 	rdb := realRedis(t)
 	l := globalLimiter(t, rdb, "rules:\n  - name: c\n    key: user\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
-	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 1200)), Cost: 1}, 0)
-	if !ok || len(tok) > 2048 || d.Degraded {
-		t.Fatalf("1200-byte user: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
+	// The longest key a value can make, 4,096 bytes each escaped to three (a longer value
+	// is keyed by its digest), fits (it did not at MaxLeaseLen 2,048: about 1,100 did not).
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("%", 4096)), Cost: 1}, 0)
+	if !ok || len(tok) > proto.MaxLeaseLen || d.Degraded {
+		t.Fatalf("4096-byte user: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
 	}
-	ok, tok, d = acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("u", 2100)), Cost: 1}, 0)
+	if !l.ReleaseLease(tok, nowNs()) {
+		t.Fatal("the 4096-byte user's lease did not release")
+	}
+	// Three such keys do not fit: the closed policy refuses.
+	l = globalLimiter(t, rdb, "rules:\n"+
+		"  - name: c1\n    key: a\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n"+
+		"  - name: c2\n    key: b\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n"+
+		"  - name: c3\n    key: c\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
+	long := strings.Repeat("%", 4096)
+	ok, tok, d = acquire(t, l, &Input{Attrs: attrs("a="+long, "b="+long, "c="+long), Cost: 1}, 0)
 	if ok || tok != "" || !d.Degraded {
-		t.Fatalf("2100-byte user: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
+		t.Fatalf("three 4096-byte keys: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
 	}
 }
 

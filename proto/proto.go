@@ -32,8 +32,11 @@ const (
 
 // MaxLeaseLen bounds a lease token in a release or renew request. A global lease's token
 // carries its rules and client keys (so that any daemon can release it): the limiter
-// never answers a longer one (limiter.maxGlobalToken).
-const MaxLeaseLen = 2048
+// never answers a longer one (limiter.maxGlobalToken). 32 KiB holds a client key of a
+// 4,096-byte value every byte of which is escaped (longer values are keyed by their
+// digest), in base64; at 2,048 bytes a value of about 1,100 bytes already made a global
+// concurrency rule fall to its failure policy.
+const MaxLeaseLen = 32 << 10
 
 // Error codes. The first five are fixed by the protocol; the rest are additions.
 const (
