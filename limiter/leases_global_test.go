@@ -696,17 +696,18 @@ rules:
     limit: { requests: 10, per: 1h }
     mode: global
   - name: slots
-    key: user
+    key: [user, a, b]
     concurrency: { max: 2 }
     mode: global
     on_store_failure: closed
 `, "rl:")
-	user := "user=" + strings.Repeat("u", 2100)
-	ok, tok, d := acquire(t, l, &Input{Attrs: attrs(user), Cost: 1}, 0)
+	long := strings.Repeat("%", 4096) // each byte escaped: 12 KiB of key per attribute
+	user := "user=" + long
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs(user, "a="+long, "b="+long), Cost: 1}, 0)
 	if ok || tok != "" || !d.Results[1].Degraded || d.Results[0].Degraded {
 		t.Fatalf("allowed %v token %d bytes %+v; want refused by the lease's closed policy", ok, len(tok), d.Results)
 	}
-	_, _, d = acquire(t, l, &Input{Attrs: attrs(user), Cost: 0}, 0)
+	_, _, d = acquire(t, l, &Input{Attrs: attrs(user, "a="+long, "b="+long), Cost: 0}, 0)
 	if r := d.Results[0].Remaining; r != 10 {
 		t.Fatalf("rate remaining %d, want 10 (given back)", r)
 	}

@@ -474,4 +474,44 @@ func TestHybridCostZeroAsks(t *testing.T) {
 	if r := take(b, now, "rl:ask:{u}", lim, 0); r.Allowed {
 		t.Fatalf("a question on the spent key, on the daemon that spent it: %+v, want refused", r)
 	}
+	// A larger limit gives a key new on a daemon a first unit of credit: a question must
+	// not answer from it. b spends 10 of 10; a, which never saw the key, is asked.
+	big := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	for i := range 10 {
+		if r := take(b, now, "rl:ask:{v}", big, 1); !r.Allowed {
+			t.Fatalf("request %d of 10: %+v", i+1, r)
+		}
+	}
+	if err := b.Flush(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	if r := take(a, now, "rl:ask:{v}", big, 0); r.Allowed || r.Remaining != 0 {
+		t.Fatalf("a question on a key spent through the other daemon: %+v, want refused with 0 left", r)
+	}
+	if r := take(a, now, "rl:ask:{v}", big, 1); r.Allowed {
+		t.Fatalf("a request after the question: %+v, want refused (the question took no unit of credit either)", r)
+	}
+}
+
+// A sliding window's view grows no credit at the limit's pace: its previous window's
+// share frees at that window's own pace, which the view does not tell, and with an empty
+// previous window nothing frees before the window ends. One daemon, 10 per 2 s on a new
+// key: 10 admitted, then nothing later in the window (by the daemon's clock; Redis's
+// own, read by the exact syncs, has not moved). Before, the limit's pace added credit and
+// the daemon admitted an 11th, 9% over the exact mode, in every window.
+func TestHybridSlidingGrowsNoCredit(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.SlidingWindow, 10, 2*time.Second)
+	now := time.Now().UnixNano()
+	for i := range 10 {
+		if r := take(h, now, "rl:swc:{u}", lim, 1); !r.Allowed {
+			t.Fatalf("request %d of 10 refused: %+v", i+1, r)
+		}
+	}
+	for _, later := range []time.Duration{50 * time.Millisecond, time.Second, 1900 * time.Millisecond} {
+		if r := take(h, now+int64(later), "rl:swc:{u}", lim, 1); r.Allowed {
+			t.Fatalf("%v later in the window: an 11th admitted: %+v", later, r)
+		}
+	}
 }

@@ -261,19 +261,21 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		op := &ops[i]
 		e := ents[i]
 		sh := &h.shards[op.shard]
-		cost := op.Cost
-		e.demand = satAdd32(e.demand, max(cost, 1))
-		if ok && op.Result.Allowed && cost > 0 {
-			e.allowance -= float64(cost)
-			e.pending += cost
-			sh.markDirty(e)
-			op.Result.Remaining = subFloor(op.Result.Remaining, cost)
-			op.Result.Reset = h.resetOf(e, now)
-		}
-		if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
-			// Demand beyond the allowance: the next sync asks for a share grant.
-			e.short = satAdd16(e.short, max(cost, 1))
-			sh.markDirty(e)
+		// A question (cost 0) counts no demand: no share grant is asked for it.
+		if cost := op.Cost; cost > 0 {
+			e.demand = satAdd32(e.demand, cost)
+			if ok && op.Result.Allowed {
+				e.allowance -= float64(cost)
+				e.pending += cost
+				sh.markDirty(e)
+				op.Result.Remaining = subFloor(op.Result.Remaining, cost)
+				op.Result.Reset = h.resetOf(e, now)
+			}
+			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
+				// Demand beyond the allowance: the next sync asks for a share grant.
+				e.short = satAdd16(e.short, cost)
+				sh.markDirty(e)
+			}
 		}
 		if !ok && op.Result.Allowed {
 			op.Result.RetryAfter = 0
@@ -349,7 +351,13 @@ func project(e *hentry, now int64) float64 {
 		if e.reset > 0 && age >= e.reset {
 			return c
 		}
-		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
+		// The previous window's share frees at its own pace, which the view does not
+		// tell (the limit's pace overstated it: one daemon admitted an 11th of 10 when
+		// the previous window had been empty). What Redis said of one more unit does:
+		// past it, one may fit, and an exact sync finds out.
+		if e.retry > 0 && age >= e.retry {
+			v = max(v, 1)
+		}
 	default:
 		if e.reset > 0 && age >= e.reset {
 			return c
@@ -434,18 +442,20 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		return r, false, false, false
 	}
 	need := float64(max(cost, 1))
-	if h.allowance(e, now, n) >= need {
-		r.Allowed = true
-		return r, false, false, false
-	}
 	// Without a fresh view (a key new here, or last synced more than two intervals ago:
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
-	if cost == 0 && !stale && proj-unseen >= 1 {
-		// A question, not a request: would one pass? By a fresh view the key has room,
-		// whether or not this daemon holds a unit of it (which a request would then get
-		// from an exact or the next sync).
+	if cost == 0 {
+		// A question, not a request: would one pass? By a fresh view, the key's room,
+		// whether or not this daemon holds a unit of it; without one, Redis (an exact
+		// sync that reserves nothing). Not this daemon's credit, a key's first unit on
+		// it included: that would answer "room" on a key other daemons have spent.
+		if !stale && proj-unseen >= 1 {
+			r.Allowed = true
+			return r, false, false, false
+		}
+	} else if h.allowance(e, now, n) >= need {
 		r.Allowed = true
 		return r, false, false, false
 	}
