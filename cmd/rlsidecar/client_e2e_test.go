@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -139,22 +140,33 @@ func TestE2EGoClientSidecarRestart(t *testing.T) {
 	}
 }
 
-// A request over the daemon's frame limit gets frame_too_large, and the daemon closes that
-// connection: the check after it must be answered, not fail on the closed connection.
+// A request over the daemon's frame limit, sent by a client whose own MaxFrame is larger,
+// gets frame_too_large, and the daemon closes that connection: the check after it must
+// be answered, not fail on the closed connection. (With the client's default MaxFrame,
+// the daemon's, such a request is not sent at all: ErrRequestTooLarge.)
 func TestE2EGoClientFrameTooLarge(t *testing.T) {
 	dir := shortTempDir(t)
 	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", loginRules))
-	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 2 * time.Second})
+	big := map[string]string{"ip": "192.0.2.7", "blob": strings.Repeat("x", 70000)}
+	def, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer def.Close()
+	ctx := context.Background()
+	if _, err := def.Check(ctx, big, nil); !errors.Is(err, rlclient.ErrRequestTooLarge) {
+		t.Fatalf("a 70 kB request, default MaxFrame: %v, want ErrRequestTooLarge", err)
+	}
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 2 * time.Second, MaxFrame: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	ctx := context.Background()
 	for i := range 10 {
-		if _, err := c.Check(ctx, map[string]string{"ip": "192.0.2.7", "blob": strings.Repeat("x", 70000)}, nil); err == nil {
+		if _, err := c.Check(ctx, big, nil); err == nil {
 			t.Fatal("a 70 kB request: no error")
-		} else if pe, ok := err.(*proto.Error); !ok || pe.Code != proto.CodeFrameTooLarge {
-			t.Fatalf("a 70 kB request: %v", err)
+		} else if pe, ok := err.(*proto.Error); (!ok || pe.Code != proto.CodeFrameTooLarge) && !errors.Is(err, rlclient.ErrRequestTooLarge) {
+			t.Fatalf("a 70 kB request: %v, want the daemon's frame_too_large", err)
 		}
 		dec, err := c.Check(ctx, map[string]string{"ip": "192.0.2.7"}, nil)
 		if err != nil || dec.Unreachable || !dec.Allowed {
