@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // Admin is the admin HTTP endpoint: /metrics (Prometheus text), /healthz (the process
@@ -175,26 +177,87 @@ func notReady(deps AdminDeps) string {
 	return ""
 }
 
+// ruleDoc is one rule in /rules, as the rules file says it. A rate rule has algorithm,
+// requests, per (a duration, or day, week or month for a calendar window, whose zone is
+// tz), and burst when the file gives one; a concurrency rule has concurrency {max, lease}
+// instead; limit: unlimited and limit: deny have limit "unlimited" or "deny" and none of
+// these. mode is the mode the daemon gives the rule (its own, or the daemon's default).
+//
+//	{"name": "daily", "match": {"path": ["/cal"]}, "key": ["ip"], "algorithm": "fixed_window",
+//	 "requests": 3, "per": "day", "tz": "America/Sao_Paulo", "warn_at": 0.5, "mode": "local", ...}
 type ruleDoc struct {
-	Name           string   `json:"name"`
-	Key            []string `json:"key"`
-	Algorithm      string   `json:"algorithm"`
-	Requests       uint64   `json:"requests"`
-	Per            string   `json:"per"`
-	Burst          uint64   `json:"burst,omitempty"`
-	Mode           string   `json:"mode"`
-	OnStoreFailure string   `json:"on_store_failure"`
-	Shadow         bool     `json:"shadow"`
-	Split          any      `json:"split,omitempty"`
-	// Concurrency is set for a concurrency rule: requests is then its max, per its lease.
+	Name      string   `json:"name"`
+	Match     matchDoc `json:"match,omitempty"`
+	Key       []string `json:"key"`
+	Algorithm string   `json:"algorithm,omitempty"`
+	Requests  uint64   `json:"requests,omitempty"`
+	Per       string   `json:"per,omitempty"`
+	Burst     uint64   `json:"burst,omitempty"`
+	TZ        string   `json:"tz,omitempty"`
+	// Limit is "unlimited" or "deny" for those rules, as the file writes them.
+	Limit       string          `json:"limit,omitempty"`
 	Concurrency *concurrencyDoc `json:"concurrency,omitempty"`
-	File        string          `json:"file"`
-	Line        int             `json:"line"`
+	// Plans maps a plan to its requests (a concurrency rule's max) or "unlimited": the
+	// rule's own plans and the top-level ones that apply to it, multipliers resolved.
+	Plans          map[string]any `json:"plans,omitempty"`
+	Replaces       []string       `json:"replaces,omitempty"`
+	WarnAt         float64        `json:"warn_at,omitempty"`
+	Delay          string         `json:"delay,omitempty"`
+	Penalty        *penaltyDoc    `json:"penalty,omitempty"`
+	Mode           string         `json:"mode"`
+	OnStoreFailure string         `json:"on_store_failure"`
+	Shadow         bool           `json:"shadow"`
+	Split          any            `json:"split,omitempty"`
+	File           string         `json:"file"`
+	Line           int            `json:"line"`
 }
 
 type concurrencyDoc struct {
 	Max   uint64 `json:"max"`
 	Lease string `json:"lease"`
+}
+
+// penaltyDoc is a rule's penalty, factor and max given their defaults when not written.
+type penaltyDoc struct {
+	After  uint64  `json:"after"`
+	Within string  `json:"within"`
+	Ban    string  `json:"ban"`
+	Factor float64 `json:"factor"`
+	Max    string  `json:"max"`
+}
+
+// matchDoc is a rule's match conditions as a JSON object in the file's order: each
+// attribute to the list of its values (path: its globs), or to its operators
+// {"glob": [...], "not": [...], "not_glob": [...]}.
+type matchDoc []rules.MatchCond
+
+func (m matchDoc) MarshalJSON() ([]byte, error) {
+	type ops struct {
+		Glob    []string `json:"glob,omitempty"`
+		Not     []string `json:"not,omitempty"`
+		NotGlob []string `json:"not_glob,omitempty"`
+	}
+	b := []byte{'{'}
+	for i, c := range m {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		k, err := json.Marshal(c.Attr)
+		if err != nil {
+			return nil, err
+		}
+		var v []byte
+		if c.Values != nil {
+			v, err = json.Marshal(c.Values)
+		} else {
+			v, err = json.Marshal(ops{Glob: c.Glob, Not: c.Not, NotGlob: c.NotGlob})
+		}
+		if err != nil {
+			return nil, err
+		}
+		b = append(append(append(b, k...), ':'), v...)
+	}
+	return append(b, '}'), nil
 }
 
 func rulesDoc(deps AdminDeps) any {
@@ -210,20 +273,54 @@ func rulesDoc(deps AdminDeps) any {
 	out.Loaded = deps.Metrics.config.loaded
 	deps.Metrics.mu.Unlock()
 	for _, r := range set.Rules {
-		d := ruleDoc{Name: r.Name, Key: r.Key, Algorithm: r.Algorithm.String(), Requests: r.Requests, Per: r.Per.String(),
-			Burst: r.Burst, Mode: deps.Limiter.ModeOf(r).String(), OnStoreFailure: r.OnStoreFailure.String(), Shadow: r.Shadow,
-			File: r.File, Line: r.Line}
-		if r.SplitAuto {
-			d.Split = "auto"
-		} else if r.Split > 0 {
-			d.Split = r.Split
-		}
-		if r.Concurrency {
-			d.Concurrency = &concurrencyDoc{Max: r.Requests, Lease: r.Per.String()}
-		}
-		out.Rules = append(out.Rules, d)
+		out.Rules = append(out.Rules, describeRule(deps.Limiter, r))
 	}
 	return out
+}
+
+// describeRule returns r as /rules shows it.
+func describeRule(l *limiter.Limiter, r *rules.Rule) ruleDoc {
+	d := ruleDoc{Name: r.Name, Match: r.Match, Key: r.Key, Replaces: r.Replaces, WarnAt: r.WarnAt,
+		Mode: l.ModeOf(r).String(), OnStoreFailure: r.OnStoreFailure.String(), Shadow: r.Shadow,
+		File: r.File, Line: r.Line}
+	switch {
+	case r.Unlimited:
+		d.Limit = "unlimited"
+	case r.Deny:
+		d.Limit = "deny"
+	case r.Concurrency:
+		d.Concurrency = &concurrencyDoc{Max: r.Requests, Lease: r.Per.String()}
+	default:
+		d.Algorithm, d.Requests, d.Per, d.Burst = r.Algorithm.String(), r.Requests, r.Per.String(), r.Burst
+		if r.Calendar != localbucket.NoCalendar {
+			d.Per = r.Calendar.String()
+			if r.TZ != nil {
+				d.TZ = r.TZ.String()
+			}
+		}
+	}
+	if plans := r.Plans(); plans != nil {
+		d.Plans = make(map[string]any, len(plans))
+		for _, p := range plans {
+			if p.Unlimited {
+				d.Plans[p.Name] = "unlimited"
+			} else {
+				d.Plans[p.Name] = p.Requests
+			}
+		}
+	}
+	if r.Delay > 0 {
+		d.Delay = r.Delay.String()
+	}
+	if p := r.Penalty; p != nil {
+		d.Penalty = &penaltyDoc{After: p.After, Within: p.Within.String(), Ban: p.Ban.String(), Factor: p.Factor, Max: p.Max.String()}
+	}
+	if r.SplitAuto {
+		d.Split = "auto"
+	} else if r.Split > 0 {
+		d.Split = r.Split
+	}
+	return d
 }
 
 func writeJSON(w http.ResponseWriter, v any) {

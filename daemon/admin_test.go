@@ -2,8 +2,10 @@ package daemon
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -68,5 +70,107 @@ rules:
 				t.Fatalf("/metrics lacks %q:\n%s", tc.gauge, body)
 			}
 		})
+	}
+}
+
+// /rules describes each rule as the rules file says it: a calendar window by its unit and
+// zone, a concurrency rule by max and lease (no algorithm or rate), limit: unlimited and
+// deny as such, and match, plans (the rule's own and the top-level ones it takes),
+// replaces, warn_at, delay and penalty beside the fields it always had.
+func TestRulesEndpointDescribesRules(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(`
+plans:
+  gold: 2x
+rules:
+  - name: daily-sp
+    match: { path: /cal }
+    key: ip
+    limit: { requests: 3, per: day, tz: America/Sao_Paulo }
+    warn_at: 0.5
+  - name: exports
+    match: { path: "/v1/exports/**" }
+    key: user
+    concurrency: { max: 2, lease: 30s }
+    plans: { partner: 5 }
+  - name: login
+    match: { path: /login, method: [POST, PUT], tenant: { glob: "acme-*", not: acme-test, not_glob: "*-tmp" } }
+    key: [ip, user]
+    limit: { requests: 5, per: 1m, burst: 10 }
+    plans: { internal: unlimited, partner: 50 }
+    penalty: { after: 10, within: 1m, ban: 10m }
+    delay: 2s
+    replaces: [daily-sp]
+    shadow: true
+    mode: local
+    split: 4
+    on_store_failure: closed
+  - name: weekly
+    key: user
+    limit: { requests: 7, per: week }
+    split: auto
+  - name: open
+    key: ip
+    limit: unlimited
+  - name: blocked
+    match: { ip: 10.0.0.1 }
+    key: ip
+    limit: deny
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10), Limiter: limiter.New(set, localbucket.NewStore(localbucket.Options{}))})
+	code, body := get(t, base+"/rules")
+	if code != 200 {
+		t.Fatalf("/rules: %d %s", code, body)
+	}
+	var doc struct {
+		Rules []json.RawMessage `json:"rules"`
+	}
+	if err := json.Unmarshal([]byte(body), &doc); err != nil {
+		t.Fatalf("/rules: %v\n%s", err, body)
+	}
+	want := []string{
+		`{"name": "daily-sp", "match": {"path": ["/cal"]}, "key": ["ip"],
+		  "algorithm": "fixed_window", "requests": 3, "per": "day", "tz": "America/Sao_Paulo",
+		  "plans": {"gold": 6}, "warn_at": 0.5,
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 5}`,
+		`{"name": "exports", "match": {"path": ["/v1/exports/**"]}, "key": ["user"],
+		  "concurrency": {"max": 2, "lease": "30s"}, "plans": {"gold": 4, "partner": 5},
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 10}`,
+		`{"name": "login",
+		  "match": {"path": ["/login"], "method": ["POST", "PUT"], "tenant": {"glob": ["acme-*"], "not": ["acme-test"], "not_glob": ["*-tmp"]}},
+		  "key": ["ip", "user"], "algorithm": "token_bucket", "requests": 5, "per": "1m0s", "burst": 10,
+		  "plans": {"gold": 10, "internal": "unlimited", "partner": 50},
+		  "replaces": ["daily-sp"], "delay": "2s",
+		  "penalty": {"after": 10, "within": "1m0s", "ban": "10m0s", "factor": 2, "max": "2h40m0s"},
+		  "mode": "local", "on_store_failure": "closed", "shadow": true, "split": 4, "file": "test.yaml", "line": 15}`,
+		`{"name": "weekly", "key": ["user"], "algorithm": "fixed_window", "requests": 7, "per": "week", "tz": "UTC",
+		  "plans": {"gold": 14},
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "split": "auto", "file": "test.yaml", "line": 27}`,
+		`{"name": "open", "key": ["ip"], "limit": "unlimited",
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 31}`,
+		`{"name": "blocked", "match": {"ip": ["10.0.0.1"]}, "key": ["ip"], "limit": "deny",
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 34}`,
+	}
+	if len(doc.Rules) != len(want) {
+		t.Fatalf("/rules has %d rules; want %d:\n%s", len(doc.Rules), len(want), body)
+	}
+	for i, w := range want {
+		var got, exp any
+		if err := json.Unmarshal(doc.Rules[i], &got); err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal([]byte(w), &exp); err != nil {
+			t.Fatalf("want[%d]: %v", i, err)
+		}
+		if !reflect.DeepEqual(got, exp) {
+			t.Errorf("rule %d:\n got %s\nwant %s", i, doc.Rules[i], w)
+		}
+	}
+	// The match conditions keep the file's order (a JSON object's order is not
+	// significant to a parser, but it is to the operator reading it).
+	if i, j, k := strings.Index(body, `"/login"`), strings.Index(body, `"POST"`), strings.Index(body, `"acme-*"`); !(i < j && j < k) {
+		t.Errorf("login's match is not in the file's order (path, method, tenant):\n%s", body)
 	}
 }

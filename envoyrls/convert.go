@@ -38,8 +38,11 @@ import (
 //     path), replaces the rule's replaces, shadow_mode the rule's shadow.
 //
 // detailed_metric and value_to_metric only shape Envoy's metric names; rlsidecar's
-// metrics are per rule, and the output says so where they appear. Anything else that
-// cannot be converted is an error naming the file, the line and the field.
+// metrics are per rule, and the output says so where they appear. shadow_mode on a
+// descriptor without rate_limit does nothing in envoyproxy/ratelimit (it marks the
+// descriptor's own rate_limit, and the descriptors nested in it are not shadowed): the
+// output says so at its top, and gives no rule for it. Anything else that cannot be
+// converted is an error naming the file, the line and the field.
 func Convert(files []File, algorithm string) ([]byte, error) {
 	switch algorithm {
 	case "":
@@ -64,6 +67,9 @@ func Convert(files []File, algorithm string) ([]byte, error) {
 	fmt.Fprintf(&b, "# Converted by rlsidecar import-envoy from %s.\n", strings.Join(names, ", "))
 	b.WriteString("# Checked over Envoy's rate limit service API (serve --envoy-rls), descriptors are\n")
 	b.WriteString("# matched on the attributes domain, descriptor (the keys, joined by \",\") and each entry.\n")
+	for _, n := range c.notes {
+		fmt.Fprintf(&b, "# %s\n", n)
+	}
 	b.WriteString("rules:\n")
 	if len(c.rules) == 0 {
 		b.Truncate(b.Len() - len("rules:\n"))
@@ -87,6 +93,7 @@ type converter struct {
 	rules   []*outRule
 	names   map[string]*outRule
 	domains map[string]string // domain → file:line of first definition
+	notes   []string          // about the whole output, written at its top
 }
 
 // level is one entry of a descriptor path, as matched.
@@ -308,7 +315,8 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		if rl := s.f["rate_limit"]; rl != nil {
 			c.rateLimit(file, domain, rl, s.field+".rate_limit", path, s.f)
 		} else if v := s.f["shadow_mode"]; v != nil && c.boolean(file, v, s.field+".shadow_mode") {
-			c.errorf(file, v, s.field+".shadow_mode", "shadow_mode applies to this descriptor's rate_limit, and it has none; remove it")
+			c.notes = append(c.notes, fmt.Sprintf("%s:%d: %s.shadow_mode: descriptor (%s) has no rate_limit: its shadow_mode does nothing, as in envoyproxy/ratelimit, where it marks the descriptor's own rate_limit only (the descriptors nested in it are not shadowed); no rule for it",
+				file, v.Line, s.field, describePath(path)))
 		}
 		if ds := s.f["descriptors"]; ds != nil {
 			c.descriptors(file, domain, ds, s.field+".descriptors", path)
@@ -482,16 +490,20 @@ func qlist(vs []string) string {
 	return "[" + strings.Join(parts, ", ") + "]"
 }
 
-func (r *outRule) write(b *bytes.Buffer, alg string) {
-	var desc []string
-	for _, l := range r.path {
-		s := l.key
+// describePath writes a descriptor path as the output's comments do: "key=value, key".
+func describePath(path []level) string {
+	desc := make([]string, len(path))
+	for i, l := range path {
+		desc[i] = l.key
 		if l.value != "" {
-			s += "=" + l.value
+			desc[i] += "=" + l.value
 		}
-		desc = append(desc, s)
 	}
-	fmt.Fprintf(b, "\n  # %s:%d: domain %s, descriptor (%s)\n", r.file, r.line, r.domain, strings.Join(desc, ", "))
+	return strings.Join(desc, ", ")
+}
+
+func (r *outRule) write(b *bytes.Buffer, alg string) {
+	fmt.Fprintf(b, "\n  # %s:%d: domain %s, descriptor (%s)\n", r.file, r.line, r.domain, describePath(r.path))
 	for _, n := range r.notes {
 		fmt.Fprintf(b, "  # %s\n", n)
 	}

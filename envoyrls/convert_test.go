@@ -80,20 +80,19 @@ func TestConvertAlgorithm(t *testing.T) {
 // Bad configurations are errors naming the file, the line and the field.
 func TestConvertErrors(t *testing.T) {
 	want := map[string]string{
-		"unit.yaml":                 `unit.yaml:5: descriptors[0].rate_limit.unit: unknown unit "fortnight"`,
-		"unknown_field.yaml":        `unknown_field.yaml:4: descriptors[0]: unknown field "rate_limits"`,
-		"unlimited_unit.yaml":       `unlimited_unit.yaml:6: descriptors[0].rate_limit.unit: an unlimited rate_limit has no unit`,
-		"replaces_unknown.yaml":     `replaces_unknown.yaml:8: replaces[0].name: no rate_limit is named "nobody"`,
-		"bad_key.yaml":              `bad_key.yaml:3: descriptors[0].key: "a b" cannot be an rlsidecar attribute name`,
-		"share_no_wildcard.yaml":    `share_no_wildcard.yaml:5: descriptors[0].share_threshold: share_threshold needs a wildcard value`,
-		"quota_mode.yaml":           `quota_mode.yaml:4: descriptors[0].quota_mode: quota mode is not supported`,
-		"negative.yaml":             `negative.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, got "-1"`,
-		"no_domain.yaml":            `no_domain.yaml:1: domain: missing (required)`,
-		"duplicate.yaml":            `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
-		"repeated_key.yaml":         `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
-		"reserved_key.yaml":         `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
-		"shadow_without_limit.yaml": `shadow_without_limit.yaml:4: descriptors[0].shadow_mode: shadow_mode applies to this descriptor's rate_limit, and it has none`,
-		"duplicate_name.yaml":       `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
+		"unit.yaml":              `unit.yaml:5: descriptors[0].rate_limit.unit: unknown unit "fortnight"`,
+		"unknown_field.yaml":     `unknown_field.yaml:4: descriptors[0]: unknown field "rate_limits"`,
+		"unlimited_unit.yaml":    `unlimited_unit.yaml:6: descriptors[0].rate_limit.unit: an unlimited rate_limit has no unit`,
+		"replaces_unknown.yaml":  `replaces_unknown.yaml:8: replaces[0].name: no rate_limit is named "nobody"`,
+		"bad_key.yaml":           `bad_key.yaml:3: descriptors[0].key: "a b" cannot be an rlsidecar attribute name`,
+		"share_no_wildcard.yaml": `share_no_wildcard.yaml:5: descriptors[0].share_threshold: share_threshold needs a wildcard value`,
+		"quota_mode.yaml":        `quota_mode.yaml:4: descriptors[0].quota_mode: quota mode is not supported`,
+		"negative.yaml":          `negative.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, got "-1"`,
+		"no_domain.yaml":         `no_domain.yaml:1: domain: missing (required)`,
+		"duplicate.yaml":         `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
+		"repeated_key.yaml":      `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
+		"reserved_key.yaml":      `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
+		"duplicate_name.yaml":    `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
 	}
 	files, _ := filepath.Glob("testdata/bad/*.yaml")
 	if len(files) != len(want) {
@@ -132,6 +131,12 @@ func serverFor(t *testing.T, paths ...string) *Server {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serverOf(t, out)
+}
+
+// serverOf returns a server deciding with the converted rules out.
+func serverOf(t *testing.T, out []byte) *Server {
+	t.Helper()
 	set, err := rules.Parse("converted.yaml", out)
 	if err != nil {
 		t.Fatal(err)
@@ -289,4 +294,48 @@ func TestConvertedSemantics(t *testing.T) {
 			t.Error("isolated thresholds shared")
 		}
 	})
+}
+
+// A descriptor with shadow_mode and no rate_limit loads in envoyproxy/ratelimit, where
+// shadow_mode only marks the descriptor's own rate_limit: it does nothing there, and the
+// descriptors nested in it are not shadowed. The conversion gives no rule for it, says so
+// in a comment, and converts the nested descriptors as written.
+func TestConvertShadowWithoutLimit(t *testing.T) {
+	cfg := []byte(`domain: d
+descriptors:
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: par
+    shadow_mode: true
+    descriptors:
+      - key: user
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: leaf
+    shadow_mode: true
+`)
+	out, err := Convert([]File{{Name: "ev.yaml", Data: cfg}}, "")
+	if err != nil {
+		t.Fatalf("Convert: %v", err)
+	}
+	for _, note := range []string{
+		"# ev.yaml:6: descriptors[1].shadow_mode: descriptor (par) has no rate_limit",
+		"# ev.yaml:11: descriptors[2].shadow_mode: descriptor (leaf) has no rate_limit",
+	} {
+		if !strings.Contains(string(out), note) {
+			t.Errorf("output lacks the note %q:\n%s", note, out)
+		}
+	}
+	if strings.Contains(string(out), "shadow: true") || strings.Count(string(out), "  - name: ") != 2 {
+		t.Errorf("want two rules (user, par/user), neither shadow:\n%s", out)
+	}
+	s := serverOf(t, out)
+	if got := s.admitted(t, envoyCall{"d", [][]string{{"par=x", "user=a"}}}, 3); got != 1 {
+		t.Errorf("par/user admitted %d of 3; want 1 (its limit, not shadowed)", got)
+	}
+	if got := s.admitted(t, envoyCall{"d", [][]string{{"user=a"}}}, 3); got != 2 {
+		t.Errorf("user admitted %d of 3; want 2", got)
+	}
+	if l := limitOf(s.ask(t, envoyCall{"d", [][]string{{"leaf=x"}}}), 0); l != none {
+		t.Errorf("leaf has a limit (%d); want none", l)
+	}
 }

@@ -56,6 +56,8 @@ type condOps struct {
 	globs    []wildcard
 	not      []string
 	notGlobs []wildcard
+	// globText and notGlobText are the patterns as written (Rule.Match).
+	globText, notGlobText []string
 }
 
 // matches reports whether v satisfies every operator.
@@ -95,13 +97,19 @@ func (p *parser) condOps(n *yaml.Node, field string) *condOps {
 	}
 	ops := &condOps{}
 	if v := f["glob"]; !isNull(v) {
-		p.eachString(v, field+".glob", func(s string, _ *yaml.Node, _ string) { ops.globs = append(ops.globs, compileWildcard(s)) })
+		p.eachString(v, field+".glob", func(s string, _ *yaml.Node, _ string) {
+			ops.globs = append(ops.globs, compileWildcard(s))
+			ops.globText = append(ops.globText, s)
+		})
 	}
 	if v := f["not"]; !isNull(v) {
 		p.eachString(v, field+".not", func(s string, _ *yaml.Node, _ string) { ops.not = append(ops.not, s) })
 	}
 	if v := f["not_glob"]; !isNull(v) {
-		p.eachString(v, field+".not_glob", func(s string, _ *yaml.Node, _ string) { ops.notGlobs = append(ops.notGlobs, compileWildcard(s)) })
+		p.eachString(v, field+".not_glob", func(s string, _ *yaml.Node, _ string) {
+			ops.notGlobs = append(ops.notGlobs, compileWildcard(s))
+			ops.notGlobText = append(ops.notGlobText, s)
+		})
 	}
 	if len(ops.globs)+len(ops.not)+len(ops.notGlobs) == 0 {
 		p.errorf(n, field, "an operator mapping needs at least one of glob, not, not_glob")

@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -389,5 +390,32 @@ rules:
 	// A steady daemon count allocates nothing.
 	if a := testing.AllocsPerRun(100, func() { s.SplitLimitFor("partner", true, 20) }); a != 0 {
 		t.Fatalf("%v allocs", a)
+	}
+}
+
+// Rule.Match is the match conditions as written, in the file's order (matching reorders
+// its compiled conditions, cheapest first); a rule without match has none.
+func TestMatchAsWritten(t *testing.T) {
+	set := mustParse(t, `
+rules:
+  - name: r
+    match: { path: /login, method: [POST, PUT], user: 42, tenant: { glob: "acme-*", not: [acme-test, acme-dev], not_glob: "*-tmp" } }
+    key: ip
+    limit: { requests: 1, per: 1s }
+  - name: all
+    key: ip
+    limit: { requests: 1, per: 1s }
+`)
+	want := []MatchCond{
+		{Attr: "path", Values: []string{"/login"}},
+		{Attr: "method", Values: []string{"POST", "PUT"}},
+		{Attr: "user", Values: []string{"42"}},
+		{Attr: "tenant", Glob: []string{"acme-*"}, Not: []string{"acme-test", "acme-dev"}, NotGlob: []string{"*-tmp"}},
+	}
+	if got := set.Rules[0].Match; !reflect.DeepEqual(got, want) {
+		t.Errorf("Match = %+v\nwant %+v", got, want)
+	}
+	if got := set.Rules[1].Match; got != nil {
+		t.Errorf("a rule without match: Match = %+v; want nil", got)
 	}
 }

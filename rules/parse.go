@@ -232,7 +232,7 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	}
 
 	if v := f["match"]; !isNull(v) {
-		r.conds = p.match(v, field+".match")
+		r.conds, r.Match = p.match(v, field+".match")
 	}
 
 	if v := f["key"]; isNull(v) {
@@ -486,11 +486,12 @@ func scaleBurst(burst, planReqs, reqs uint64) (uint64, bool) {
 	return max(q, 1), true
 }
 
-// match compiles the match conditions: exact ones first (cheaper), then path.
-func (p *parser) match(n *yaml.Node, field string) []cond {
+// match compiles the match conditions: exact ones first (cheaper), then path. written
+// is the conditions as the file wrote them, in its order.
+func (p *parser) match(n *yaml.Node, field string) (conds []cond, written []MatchCond) {
 	pairs, ok := p.pairs(n, field)
 	if !ok {
-		return nil
+		return nil, nil
 	}
 	var exact, path []cond
 	for _, kv := range pairs {
@@ -504,9 +505,14 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			c.ops = p.condOps(kv.val, cf)
 			c.compile()
 			exact = append(exact, c)
+			if c.ops != nil {
+				written = append(written, MatchCond{Attr: kv.key, Glob: c.ops.globText, Not: c.ops.not, NotGlob: c.ops.notGlobText})
+			}
 			continue
 		}
+		w := MatchCond{Attr: kv.key}
 		p.eachString(kv.val, cf, func(s string, at *yaml.Node, sf string) {
+			w.Values = append(w.Values, s)
 			if kv.key != PathAttribute {
 				c.values = append(c.values, s)
 				c.words = append(c.words, newWord16(s))
@@ -520,6 +526,7 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 			c.globs = append(c.globs, g)
 		})
 		c.compile()
+		written = append(written, w)
 		if kv.key == PathAttribute {
 			path = append(path, c)
 		} else {
@@ -530,9 +537,9 @@ func (p *parser) match(n *yaml.Node, field string) []cond {
 	// path listing only literal paths is a length and a string compare, exact values a
 	// lookup and compares, globs a walk.
 	if len(path) == 1 && allLiteral(path[0].globs) {
-		return append(path, exact...)
+		return append(path, exact...), written
 	}
-	return append(exact, path...)
+	return append(exact, path...), written
 }
 
 // allLiteral reports whether every glob is a literal path.

@@ -3,6 +3,7 @@ package rules
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -87,5 +88,38 @@ func TestLoadDir(t *testing.T) {
 	}
 	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "no *.yaml") {
 		t.Fatalf("empty dir: %v", err)
+	}
+}
+
+// Rule.Plans lists a rule's own plans and the top-level ones it takes, by name, with
+// multipliers resolved; a concurrency rule's plans are its max.
+func TestRulePlansList(t *testing.T) {
+	set, err := Parse("plans.yaml", []byte(`
+plans:
+  partner: 10x
+  internal: unlimited
+rules:
+  - name: r1
+    key: user
+    limit: { requests: 100, per: 1m }
+    plans: { partner: 7, bronze: 50 }
+  - name: exports
+    key: user
+    concurrency: { max: 2 }
+  - name: open
+    key: user
+    limit: unlimited
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range [][]PlanLimit{
+		{{Name: "bronze", Requests: 50}, {Name: "internal", Unlimited: true}, {Name: "partner", Requests: 7}},
+		{{Name: "internal", Unlimited: true}, {Name: "partner", Requests: 20}},
+		nil,
+	} {
+		if got := set.Rules[i].Plans(); !reflect.DeepEqual(got, want) {
+			t.Errorf("%s: Plans() = %+v; want %+v", set.Rules[i].Name, got, want)
+		}
 	}
 }

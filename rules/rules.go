@@ -9,6 +9,8 @@
 package rules
 
 import (
+	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -107,7 +109,10 @@ func (e *valueError) Error() string {
 // the file gave none); the compiled matchers and limits are unexported. A Rule is
 // immutable and safe for concurrent use.
 type Rule struct {
-	Name           string
+	Name string
+	// Match is the match conditions as the file wrote them, in its order; nil when the
+	// rule has none (it matches every request). Matching uses compiled forms of them.
+	Match          []MatchCond
 	Key            []string // attribute names, in order
 	Algorithm      localbucket.Algorithm
 	Requests       uint64
@@ -168,6 +173,45 @@ type Rule struct {
 	limit    localbucket.Limit // the default limit
 	plans    map[string]*planLimit
 	split    atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+}
+
+// MatchCond is one match condition as the rules file wrote it: on attribute Attr, either
+// Values (the value, or the values of a list, any of which matches; for path, globs) or
+// the operator form { glob, not, not_glob } in Glob, Not and NotGlob.
+//
+// match: { method: [GET, HEAD], tenant: { glob: "acme-*", not: acme-test } } is
+// {Attr: "method", Values: [GET HEAD]} then {Attr: "tenant", Glob: [acme-*], Not: [acme-test]}.
+type MatchCond struct {
+	Attr               string
+	Values             []string
+	Glob, Not, NotGlob []string
+}
+
+// PlanLimit is a rule's limit for one plan: Requests (a concurrency rule's max), or
+// Unlimited.
+type PlanLimit struct {
+	Name      string
+	Requests  uint64
+	Unlimited bool
+}
+
+// Plans returns the rule's plans by name: those it lists itself and those of the file's
+// top-level plans that apply to it (a multiplier resolved to a number of requests); nil
+// when it has none. It allocates: for reports, not for checks.
+func (r *Rule) Plans() []PlanLimit {
+	if r.plans == nil {
+		return nil
+	}
+	out := make([]PlanLimit, 0, len(r.plans))
+	for name, p := range r.plans {
+		pl := PlanLimit{Name: name, Unlimited: p.unlimited}
+		if !p.unlimited {
+			pl.Requests = p.limit.Requests()
+		}
+		out = append(out, pl)
+	}
+	slices.SortFunc(out, func(a, b PlanLimit) int { return strings.Compare(a.Name, b.Name) })
+	return out
 }
 
 // splitLimits are a rule's limits divided among n daemons.
