@@ -515,3 +515,38 @@ func TestHybridSlidingGrowsNoCredit(t *testing.T) {
 		}
 	}
 }
+
+// A unit given back (Undo: another store refused the request, all-or-nothing) after a
+// sync has sent it is taken off at the next sync: Redis ends counting nothing for the
+// refused request. Before, Undo found nothing pending and the unit stayed charged: a
+// request a global rule refused was charged to the hybrid rule beside it.
+func TestHybridUndoAfterSync(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{})
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		lim := mustLimit(t, alg, 5, time.Hour)
+		key := fmt.Sprintf("rl:undo:{%v}", alg)
+		now := time.Now().UnixNano()
+		for range 2 {
+			ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}}
+			if !h.Take(now, ops) {
+				t.Fatalf("%v: refused", alg)
+			}
+			if err := h.Flush(ctx, now); err != nil { // the unit goes to Redis
+				t.Fatal(err)
+			}
+			h.Undo(ops) // then the request is refused elsewhere
+		}
+		for range 2 { // the next syncs take them off, and give the grants back
+			if err := h.Flush(ctx, now); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// What is left, asked exactly: all 5.
+		h2 := NewHybrid(rdb, HybridOptions{})
+		if r := take(h2, now, key, lim, 0); !r.Allowed || r.Remaining != 5 {
+			t.Errorf("%v: after two requests given back: %+v, want 5 left", alg, r)
+		}
+	}
+}

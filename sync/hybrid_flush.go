@@ -38,6 +38,7 @@ type syncItem struct {
 	e           *hentry
 	lim         *localbucket.Limit
 	used        uint64 // admitted since the last sync
+	owed        uint64 // given back after an earlier sync had sent them: taken off used
 	grantWindow int64
 	prevGrant   uint32
 	prevToken   uint32
@@ -68,6 +69,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 		age: min(seenMs(now)-e.seen, maxChargeAge)}
 	e.flags |= flagBusy
 	e.pending = 0
+	it.owed, e.owed = e.owed, 0
 	if mode == modeShare {
 		it.offered, it.short = e.demand, e.short
 		e.demand, e.short = 0, 0
@@ -84,6 +86,7 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 	if it.err != nil {
 		// Not confirmed: keep the counts for the next sync.
 		e.pending += it.used
+		e.owed += it.owed
 		e.demand = satAdd32(e.demand, uint64(it.offered))
 		e.short = satAdd16(e.short, uint64(it.short))
 		if e.flags&flagGone == 0 {
@@ -384,7 +387,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 					it.token = uint32(h.tokens.Add(1))
 				}
 			}
-			put(int64(limIdx[*it.lim]), int64(it.used), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
+			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)
 		}
 		args := make([]any, 0, 2+len(c.items)-declared)

@@ -29,6 +29,7 @@ type hentry struct {
 	view        float64            // units the key could admit beyond every reservation, at the last sync
 	grantWindow int64              // the window start (µs) the grant was taken from
 	pending     uint64             // admitted since the last sync was sent
+	owed        uint64             // admitted, sent in a sync, then given back (Undo): the next sync takes them off
 	synced      int64              // when the view was read (ns; 0: never)
 	reset       int64              // view: ns until full
 	retry       int64              // view: ns until one more unit fits, by Redis (0: one fits)
@@ -63,7 +64,7 @@ func (sh *hshard) markDirty(e *hentry) {
 // needsSync reports whether e has something to tell Redis: units used beyond (or short
 // of) its grant, or demand that outran its allowance.
 func (e *hentry) needsSync() bool {
-	return e.pending != uint64(e.grant) || e.short > 0
+	return e.pending != uint64(e.grant) || e.short > 0 || e.owed > 0
 }
 
 // holds reports whether forgetting e would lose something: units not yet in Redis, or

@@ -317,7 +317,16 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil {
 			e.allowance += float64(op.Cost)
-			e.pending = subFloor(e.pending, op.Cost)
+			if e.pending >= op.Cost {
+				e.pending -= op.Cost
+			} else {
+				// A sync took them since (it is on its way, or Redis counted them): the
+				// next one takes them off, or a request another store refused would stay
+				// charged here (all-or-nothing).
+				e.owed += op.Cost - e.pending
+				e.pending = 0
+				sh.markDirty(e)
+			}
 		}
 		op.Result.Remaining += op.Cost
 		sh.mu.Unlock()
