@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -14,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// go-systemd is used rather than a hand-written sd_notify: activation.Listeners checks
+// go-systemd is used rather than a hand-written sd_notify: activation.Files checks
 // LISTEN_PID, honours LISTEN_FDS/LISTEN_FDNAMES, marks the descriptors close-on-exec and
 // consumes the environment, and SdNotify handles abstract NOTIFY_SOCKET addresses — the
 // corner cases a hand-written copy would have to re-learn, for one small dependency with
@@ -22,32 +23,104 @@ import (
 
 // activatedListener returns the listening socket systemd (or systemd-socket-activate)
 // passed in LISTEN_FDS, or nil when none was passed. It consumes the environment, so
-// it must be called once. rlsidecar takes exactly one Unix stream socket.
+// it must be called once. rlsidecar takes exactly one listening Unix stream socket;
+// anything else is refused here, before the daemon announces anything.
 func activatedListener() (*net.UnixListener, error) {
-	lns, err := activation.Listeners()
-	if err != nil {
-		return nil, fmt.Errorf("socket activation: %w", err)
-	}
-	switch len(lns) {
+	files := activation.Files(true)
+	defer func() {
+		for _, f := range files {
+			f.Close() // the listener holds its own descriptor
+		}
+	}()
+	switch len(files) {
 	case 0:
 		return nil, nil
 	case 1:
 	default:
-		for _, ln := range lns {
-			if ln != nil {
-				ln.Close()
-			}
-		}
-		return nil, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS); rlsidecar takes one Unix stream socket", len(lns))
+		return nil, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS); rlsidecar takes one Unix stream socket", len(files))
 	}
-	ul, ok := lns[0].(*net.UnixListener)
-	if !ok {
-		if lns[0] != nil {
-			lns[0].Close()
+	ln, err := unixStreamListener(files[0])
+	if err != nil {
+		return nil, fmt.Errorf("socket activation: %w", err)
+	}
+	return ln, nil
+}
+
+// unixStreamListener returns a listener on a copy of f's descriptor when f is a listening
+// Unix stream socket, and an error saying what f is otherwise. Go's net.FileListener
+// alone takes a datagram or seqpacket socket too (a listener whose Accept fails, or one
+// that serves frames with message boundaries), so the socket's type is read first
+// (SO_TYPE), then whether it listens (SO_ACCEPTCONN).
+func unixStreamListener(f *os.File) (*net.UnixListener, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("the descriptor passed (%s): %w", f.Name(), err)
+	}
+	var (
+		sa            unix.Sockaddr
+		typ, accepts  int
+		saErr, optErr error
+	)
+	if err := rc.Control(func(fd uintptr) {
+		if sa, saErr = unix.Getsockname(int(fd)); saErr != nil {
+			return
 		}
-		return nil, fmt.Errorf("socket activation: the socket passed is not a Unix stream socket (ListenStream= must be a path)")
+		if typ, optErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE); optErr != nil {
+			return
+		}
+		accepts, optErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+	}); err != nil {
+		return nil, fmt.Errorf("the descriptor passed (%s): %w", f.Name(), err)
+	}
+	if saErr != nil {
+		return nil, fmt.Errorf("the descriptor passed (%s) is not a socket: %w", f.Name(), saErr)
+	}
+	if optErr != nil {
+		return nil, fmt.Errorf("the socket passed (%s): reading its type: %w", f.Name(), optErr)
+	}
+	if _, ok := sa.(*unix.SockaddrUnix); !ok || typ != unix.SOCK_STREAM {
+		return nil, fmt.Errorf("the socket passed (%s) is %s, not a Unix stream socket (ListenStream= must be a path)", f.Name(), socketKind(sa, typ))
+	}
+	if accepts == 0 {
+		return nil, fmt.Errorf("the socket passed (%s) is a Unix stream socket that does not listen (the .socket unit needs Accept=no)", f.Name())
+	}
+	ln, err := net.FileListener(f)
+	if err != nil {
+		return nil, fmt.Errorf("the socket passed (%s): %w", f.Name(), err)
+	}
+	ul, ok := ln.(*net.UnixListener)
+	if !ok { // checked above; a BUG if it happens
+		ln.Close()
+		return nil, fmt.Errorf("the socket passed (%s) is not a Unix stream socket (ListenStream= must be a path)", f.Name())
 	}
 	return ul, nil
+}
+
+// socketKind names a socket's family and type for an error message: "a TCP socket",
+// "a Unix datagram socket".
+func socketKind(sa unix.Sockaddr, typ int) string {
+	family := "a non-Unix"
+	switch sa.(type) {
+	case *unix.SockaddrUnix:
+		family = "a Unix"
+	case *unix.SockaddrInet4, *unix.SockaddrInet6:
+		switch typ {
+		case unix.SOCK_STREAM:
+			return "a TCP socket"
+		case unix.SOCK_DGRAM:
+			return "a UDP socket"
+		}
+		family = "an IP"
+	}
+	switch typ {
+	case unix.SOCK_STREAM:
+		return family + " stream socket"
+	case unix.SOCK_DGRAM:
+		return family + " datagram socket"
+	case unix.SOCK_SEQPACKET:
+		return family + " seqpacket socket"
+	}
+	return fmt.Sprintf("%s socket of type %d", family, typ)
 }
 
 // notifier tells the service manager about the daemon's state (sd_notify). With no
