@@ -45,6 +45,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -76,6 +77,9 @@ type Config struct {
 	Addr string
 	// SocketMode is the permission of a Unix socket file; default 0660.
 	SocketMode os.FileMode
+	// SocketGroup is the group (name or number) given a Unix socket file, for the
+	// gateways' users; empty: the daemon's own.
+	SocketGroup string
 	// MaxDescriptors and MaxEntries bound one call (default 64 each); a larger call is an
 	// InvalidArgument error.
 	MaxDescriptors int
@@ -171,8 +175,9 @@ func TransportOptions() []grpc.ServerOption {
 // benchmark's concurrent streams.
 const streamWorkers = 64
 
-// Listen binds the address. A Unix socket is created owner-only, then opened to
-// SocketMode; a stale socket file is replaced, a live one or any other file refused.
+// Listen binds the address. A Unix socket is created owner-only, given to SocketGroup,
+// then opened to SocketMode; a stale socket file is replaced, a live one or any other
+// file refused. A group that does not exist is refused before any file is created.
 func (s *Server) Listen() error {
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
 	if !ok {
@@ -185,6 +190,13 @@ func (s *Server) Listen() error {
 	}
 	if path == "" {
 		return errors.New("envoy rls: unix: needs a path")
+	}
+	gid := -1
+	if s.cfg.SocketGroup != "" {
+		var err error
+		if gid, err = unixsock.LookupGroup(s.cfg.SocketGroup); err != nil {
+			return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+		}
 	}
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
@@ -207,6 +219,12 @@ func (s *Server) Listen() error {
 	syscall.Umask(old)
 	if err != nil {
 		return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+	}
+	if gid >= 0 {
+		if err := os.Chown(path, -1, gid); err != nil {
+			ln.Close()
+			return fmt.Errorf("envoy rls: giving %s to group %s: %w", path, s.cfg.SocketGroup, err)
+		}
 	}
 	if err := os.Chmod(path, s.cfg.SocketMode); err != nil {
 		ln.Close()

@@ -46,8 +46,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
 	socket := fs.String("socket", daemon.DefaultSocketPath(), "Unix socket path")
 	mode := octalMode(0o660)
-	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal); under socket activation the .socket unit's SocketMode= decides")
-	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file, for the gateways' users; under socket activation the .socket unit's SocketGroup= decides")
+	fs.Var(&mode, "socket-mode", "permission bits (octal) of the socket file and of an --envoy-rls unix: socket file; a socket systemd passes has its .socket unit's SocketMode=")
+	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file and an --envoy-rls unix: socket file, for the gateways' users; a socket systemd passes has its .socket unit's SocketGroup=")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
 	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
@@ -282,7 +282,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}()
 	if *envoyRLS != "" {
-		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Transport: *envoyTransport, Logger: log}
+		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), SocketGroup: *socketGroup, Transport: *envoyTransport, Logger: log}
 		if recorded != nil {
 			rc.Recorder = recorded
 		}

@@ -201,8 +201,9 @@ func TestE2EConfiguredByEnvironment(t *testing.T) {
 	}
 }
 
-// --socket-group gives the socket file to a group, keeping the mode, without systemd; a
-// group that does not exist is refused before any socket file is made.
+// --socket-group gives the socket file, and the --envoy-rls unix: one, to a group,
+// keeping the mode, without systemd; a group that does not exist is refused before any
+// socket file is made.
 func TestE2ESocketGroup(t *testing.T) {
 	gid := -1
 	if os.Geteuid() == 0 {
@@ -219,14 +220,17 @@ func TestE2ESocketGroup(t *testing.T) {
 	if gid < 0 {
 		t.Skip("needs root or a supplementary group")
 	}
-	d := startDaemon(t, "--socket-group", strconv.Itoa(gid), "--socket-mode", "0660")
-	fi, err := os.Stat(d.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	if int(st.Gid) != gid || fi.Mode().Perm() != 0o660 {
-		t.Fatalf("socket group %d mode %#o, want %d and 0660", st.Gid, fi.Mode().Perm(), gid)
+	envoySock := filepath.Join(shortTempDir(t), "envoy.sock")
+	d := startDaemon(t, "--socket-group", strconv.Itoa(gid), "--socket-mode", "0660", "--envoy-rls", "unix:"+envoySock)
+	for _, p := range []string{d.socket, envoySock} {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := fi.Sys().(*syscall.Stat_t)
+		if int(st.Gid) != gid || fi.Mode().Perm() != 0o660 {
+			t.Errorf("%s: group %d mode %#o, want %d and 0660", p, st.Gid, fi.Mode().Perm(), gid)
+		}
 	}
 	dialRaw(t, d.socket).check(1, 1, "user=g")
 
