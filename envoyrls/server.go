@@ -80,6 +80,11 @@ type Config struct {
 	// SocketGroup is the group (name or number) given a Unix socket file, for the
 	// gateways' users; empty: the daemon's own.
 	SocketGroup string
+	// Listener, when set, is an already-open listening socket (from systemd socket
+	// activation, rlsidecar-envoy.socket): Listen takes it as it is, ignoring Addr,
+	// SocketMode and SocketGroup (Addr then only names it), and Shutdown closes it
+	// without removing its file, which belongs to whoever opened it.
+	Listener net.Listener
 	// MaxDescriptors and MaxEntries bound one call (default 64 each); a larger call is an
 	// InvalidArgument error.
 	MaxDescriptors int
@@ -177,8 +182,16 @@ const streamWorkers = 64
 
 // Listen binds the address. A Unix socket is created owner-only, given to SocketGroup,
 // then opened to SocketMode; a stale socket file is replaced, a live one or any other
-// file refused. A group that does not exist is refused before any file is created.
+// file refused. A group that does not exist is refused before any file is created. With
+// Config.Listener set, it takes that socket as it is.
 func (s *Server) Listen() error {
+	if s.cfg.Listener != nil {
+		if ul, ok := s.cfg.Listener.(*net.UnixListener); ok {
+			ul.SetUnlinkOnClose(false)
+		}
+		s.ln = s.cfg.Listener
+		return nil
+	}
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
 	if !ok {
 		ln, err := net.Listen("tcp", s.cfg.Addr)
@@ -265,7 +278,8 @@ func (s *Server) Serve() error {
 }
 
 // Shutdown reports NOT_SERVING, stops accepting, and waits for the calls in flight until
-// ctx ends, then closes every connection. The socket file is removed.
+// ctx ends, then closes every connection. The socket file is removed, unless it came
+// from Config.Listener.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
 	s.mu.Lock()

@@ -21,29 +21,69 @@ import (
 // corner cases a hand-written copy would have to re-learn, for one small dependency with
 // no transitive ones in the packages we import.
 
-// activatedListener returns the listening socket systemd (or systemd-socket-activate)
-// passed in LISTEN_FDS, or nil when none was passed. It consumes the environment, so
-// it must be called once. rlsidecar takes exactly one listening Unix stream socket;
+// envoyFDName is the name (FileDescriptorName= in systemd/rlsidecar-envoy.socket) of a
+// passed socket the daemon serves Envoy's rate limit service on, instead of binding
+// --envoy-rls itself. The msgpack socket may have any other name.
+const envoyFDName = "envoy"
+
+// activatedSockets are the listening sockets systemd (or systemd-socket-activate)
+// passed in LISTEN_FDS. A nil field was not passed.
+type activatedSockets struct {
+	socket *net.UnixListener // the msgpack socket: any name but envoyFDName
+	envoy  *net.UnixListener // the Envoy API's socket: named envoyFDName
+}
+
+// close closes what was passed, for a daemon that fails before serving it.
+func (a activatedSockets) close() {
+	for _, ln := range []*net.UnixListener{a.socket, a.envoy} {
+		if ln != nil {
+			ln.Close()
+		}
+	}
+}
+
+// activatedListeners returns the listening sockets systemd passed, by their names
+// (LISTEN_FDNAMES): at most one named envoyFDName, at most one other. It consumes the
+// environment, so it must be called once. Each must be a listening Unix stream socket;
 // anything else is refused here, before the daemon announces anything.
-func activatedListener() (*net.UnixListener, error) {
+//
+// The Envoy socket comes from a .socket unit of its own because a unit's
+// FileDescriptorName= names every socket it lists: two ListenStream= lines in
+// rlsidecar.socket would reach the daemon under one name.
+func activatedListeners() (activatedSockets, error) {
+	var got activatedSockets
 	files := activation.Files(true)
 	defer func() {
 		for _, f := range files {
-			f.Close() // the listener holds its own descriptor
+			f.Close() // each listener holds its own descriptor
 		}
 	}()
-	switch len(files) {
-	case 0:
-		return nil, nil
-	case 1:
-	default:
-		return nil, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS); rlsidecar takes one Unix stream socket", len(files))
+	others := 0
+	for _, f := range files {
+		if f.Name() != envoyFDName {
+			others++
+		}
 	}
-	ln, err := unixStreamListener(files[0])
-	if err != nil {
-		return nil, fmt.Errorf("socket activation: %w", err)
+	if others > 1 {
+		return got, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS) besides any named %q; rlsidecar takes one Unix stream socket, and one for Envoy's API named %q (FileDescriptorName=%s)", others, envoyFDName, envoyFDName, envoyFDName)
 	}
-	return ln, nil
+	for _, f := range files {
+		if f.Name() == envoyFDName && got.envoy != nil {
+			got.close()
+			return activatedSockets{}, fmt.Errorf("socket activation: two sockets named %q passed; the Envoy API takes one", envoyFDName)
+		}
+		ln, err := unixStreamListener(f)
+		if err != nil {
+			got.close()
+			return activatedSockets{}, fmt.Errorf("socket activation: %w", err)
+		}
+		if f.Name() == envoyFDName {
+			got.envoy = ln
+		} else {
+			got.socket = ln
+		}
+	}
+	return got, nil
 }
 
 // unixStreamListener returns a listener on a copy of f's descriptor when f is a listening
