@@ -1,9 +1,7 @@
 package daemon
 
 import (
-	"fmt"
 	"os"
-	"os/user"
 	"path/filepath"
 	"strconv"
 )
@@ -25,20 +23,4 @@ func DefaultSocketPath() string {
 		return filepath.Join(d, "rlsidecar.sock")
 	}
 	return filepath.Join(os.TempDir(), "rlsidecar-"+strconv.Itoa(os.Getuid())+".sock")
-}
-
-// lookupGroup returns the id of the group named (or numbered) name.
-func lookupGroup(name string) (int, error) {
-	if id, err := strconv.Atoi(name); err == nil && id >= 0 {
-		return id, nil
-	}
-	g, err := user.LookupGroup(name)
-	if err != nil {
-		return 0, fmt.Errorf("socket group: %w", err)
-	}
-	id, err := strconv.Atoi(g.Gid)
-	if err != nil {
-		return 0, fmt.Errorf("socket group %s: gid %q is not a number", name, g.Gid)
-	}
-	return id, nil
 }

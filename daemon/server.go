@@ -39,6 +39,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/rawio"
+	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -174,7 +175,7 @@ func (s *Server) Listen() error {
 	gid := -1
 	if s.cfg.SocketGroup != "" {
 		var err error
-		if gid, err = lookupGroup(s.cfg.SocketGroup); err != nil {
+		if gid, err = unixsock.LookupGroup(s.cfg.SocketGroup); err != nil {
 			return fmt.Errorf("listening on %s: %w", path, err)
 		}
 	}

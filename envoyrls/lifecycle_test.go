@@ -4,6 +4,9 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -121,5 +124,56 @@ func TestNoGoroutinesUntilServed(t *testing.T) {
 	}
 	if _, err := os.Stat(sock); !os.IsNotExist(err) {
 		t.Errorf("socket left behind: %v", err)
+	}
+}
+
+// A Unix socket is given to Config.SocketGroup with Config.SocketMode, as the msgpack
+// socket is (it stayed the daemon's own group: a gateway user in the group could not
+// connect); a group that does not exist is refused before any socket file is made.
+func TestListenSocketGroup(t *testing.T) {
+	gid := -1
+	if os.Geteuid() == 0 {
+		gid = 54321 // root may give a file to any group
+	} else {
+		groups, _ := os.Getgroups()
+		for _, g := range groups {
+			if g != os.Getgid() {
+				gid = g
+				break
+			}
+		}
+	}
+	if gid < 0 {
+		t.Skip("needs root or a supplementary group")
+	}
+	lim := limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{}))
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "e.sock")
+	s, err := New(Config{Addr: "unix:" + sock, SocketMode: 0o660, SocketGroup: strconv.Itoa(gid)}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Shutdown(context.Background())
+	fi, err := os.Stat(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := fi.Sys().(*syscall.Stat_t); int(st.Gid) != gid || fi.Mode().Perm() != 0o660 {
+		t.Fatalf("socket group %d mode %#o, want %d and 0660", st.Gid, fi.Mode().Perm(), gid)
+	}
+
+	bad := filepath.Join(dir, "bad.sock")
+	s2, err := New(Config{Addr: "unix:" + bad, SocketGroup: "no-such-group-rls"}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s2.Listen(); err == nil || !strings.Contains(err.Error(), "no-such-group-rls") {
+		t.Fatalf("err = %v, want a refusal naming the group", err)
+	}
+	if _, err := os.Lstat(bad); !os.IsNotExist(err) {
+		t.Fatalf("a socket file was made for a group that does not exist: %v", err)
 	}
 }

@@ -45,6 +45,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -76,6 +77,14 @@ type Config struct {
 	Addr string
 	// SocketMode is the permission of a Unix socket file; default 0660.
 	SocketMode os.FileMode
+	// SocketGroup is the group (name or number) given a Unix socket file, for the
+	// gateways' users; empty: the daemon's own.
+	SocketGroup string
+	// Listener, when set, is an already-open listening socket (from systemd socket
+	// activation, rlsidecar-envoy.socket): Listen takes it as it is, ignoring Addr,
+	// SocketMode and SocketGroup (Addr then only names it), and Shutdown closes it
+	// without removing its file, which belongs to whoever opened it.
+	Listener net.Listener
 	// MaxDescriptors and MaxEntries bound one call (default 64 each); a larger call is an
 	// InvalidArgument error.
 	MaxDescriptors int
@@ -171,9 +180,18 @@ func TransportOptions() []grpc.ServerOption {
 // benchmark's concurrent streams.
 const streamWorkers = 64
 
-// Listen binds the address. A Unix socket is created owner-only, then opened to
-// SocketMode; a stale socket file is replaced, a live one or any other file refused.
+// Listen binds the address. A Unix socket is created owner-only, given to SocketGroup,
+// then opened to SocketMode; a stale socket file is replaced, a live one or any other
+// file refused. A group that does not exist is refused before any file is created. With
+// Config.Listener set, it takes that socket as it is.
 func (s *Server) Listen() error {
+	if s.cfg.Listener != nil {
+		if ul, ok := s.cfg.Listener.(*net.UnixListener); ok {
+			ul.SetUnlinkOnClose(false)
+		}
+		s.ln = s.cfg.Listener
+		return nil
+	}
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
 	if !ok {
 		ln, err := net.Listen("tcp", s.cfg.Addr)
@@ -185,6 +203,13 @@ func (s *Server) Listen() error {
 	}
 	if path == "" {
 		return errors.New("envoy rls: unix: needs a path")
+	}
+	gid := -1
+	if s.cfg.SocketGroup != "" {
+		var err error
+		if gid, err = unixsock.LookupGroup(s.cfg.SocketGroup); err != nil {
+			return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+		}
 	}
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
@@ -207,6 +232,12 @@ func (s *Server) Listen() error {
 	syscall.Umask(old)
 	if err != nil {
 		return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+	}
+	if gid >= 0 {
+		if err := os.Chown(path, -1, gid); err != nil {
+			ln.Close()
+			return fmt.Errorf("envoy rls: giving %s to group %s: %w", path, s.cfg.SocketGroup, err)
+		}
 	}
 	if err := os.Chmod(path, s.cfg.SocketMode); err != nil {
 		ln.Close()
@@ -247,7 +278,8 @@ func (s *Server) Serve() error {
 }
 
 // Shutdown reports NOT_SERVING, stops accepting, and waits for the calls in flight until
-// ctx ends, then closes every connection. The socket file is removed.
+// ctx ends, then closes every connection. The socket file is removed, unless it came
+// from Config.Listener.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
 	s.mu.Lock()

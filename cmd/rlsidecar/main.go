@@ -14,8 +14,9 @@
 // rules in force.
 //
 // Under systemd (systemd/rlsidecar.socket and .service), serve takes its listening socket
-// from LISTEN_FDS, leaves that socket in place when it exits (systemd holds it across
-// restarts), and reports READY=1, RELOADING=1, STOPPING=1, STATUS= and WATCHDOG=1 to
+// from LISTEN_FDS, and the Envoy API's from the socket named "envoy"
+// (systemd/rlsidecar-envoy.socket) in place of --envoy-rls; it leaves those sockets in
+// place when it exits (systemd holds them across restarts), and reports READY=1, RELOADING=1, STOPPING=1, STATUS= and WATCHDOG=1 to
 // NOTIFY_SOCKET.
 //
 // Every flag of every command also reads RLSIDECAR_<FLAG> from the environment

@@ -46,8 +46,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
 	socket := fs.String("socket", daemon.DefaultSocketPath(), "Unix socket path")
 	mode := octalMode(0o660)
-	fs.Var(&mode, "socket-mode", "permission bits of the socket file (octal); under socket activation the .socket unit's SocketMode= decides")
-	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file, for the gateways' users; under socket activation the .socket unit's SocketGroup= decides")
+	fs.Var(&mode, "socket-mode", "permission bits (octal) of the socket file and of an --envoy-rls unix: socket file; a socket systemd passes has its .socket unit's SocketMode=")
+	socketGroup := fs.String("socket-group", "", "group (name or number) given the socket file and an --envoy-rls unix: socket file, for the gateways' users; a socket systemd passes has its .socket unit's SocketGroup=")
 	maxFrame := fs.Int("max-frame", 65536, "largest request frame accepted, in bytes")
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
 	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
@@ -116,14 +116,22 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	for _, name := range unknownEnv(fs, os.Environ()) {
 		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
 	}
-	// A socket passed by systemd (LISTEN_FDS) replaces --socket; read it once, first.
-	activated, err := activatedListener()
+	// Sockets passed by systemd (LISTEN_FDS) replace --socket and, the one named "envoy"
+	// (rlsidecar-envoy.socket), --envoy-rls; read them once, first.
+	activated, err := activatedListeners()
 	if err != nil {
 		return err
 	}
-	if activated != nil {
-		*socket = activated.Addr().String()
-		defer activated.Close() // when the daemon fails before serving; Shutdown closes it otherwise
+	defer activated.close() // when the daemon fails before serving; Shutdown closes them otherwise
+	if activated.socket != nil {
+		*socket = activated.socket.Addr().String()
+	}
+	if activated.envoy != nil {
+		addr := "unix:" + activated.envoy.Addr().String()
+		if *envoyRLS != "" && *envoyRLS != addr {
+			log.Warn("ignoring --envoy-rls: systemd passed the Envoy socket (rlsidecar-envoy.socket)", "envoy_rls", *envoyRLS, "socket", addr)
+		}
+		*envoyRLS = addr
 	}
 	notify := newNotifier(log)
 
@@ -239,7 +247,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
 		SocketGroup:  *socketGroup,
-		Listener:     activated,
+		Listener:     activated.socket,
 		MaxFrame:     *maxFrame,
 		MaxConns:     *maxConns,
 		MaxAttrs:     *maxAttrs,
@@ -283,6 +291,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	var rls *envoyrls.Server
+	envoyDesc := "" // where the Envoy API is served, for the status line
 	started := false
 	defer func() {
 		if !started {
@@ -296,7 +305,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}()
 	if *envoyRLS != "" {
-		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), Transport: *envoyTransport, Logger: log}
+		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), SocketGroup: *socketGroup, Transport: *envoyTransport, Logger: log}
+		if activated.envoy != nil {
+			rc.Listener = activated.envoy
+		}
 		if recorded != nil {
 			rc.Recorder = recorded
 		}
@@ -305,15 +317,25 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			err = r.Listen()
 		}
 		if err != nil {
+			if activated.socket != nil && strings.HasPrefix(*envoyRLS, "unix:") &&
+				(errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM)) {
+				// rlsidecar.service can write nowhere (ProtectSystem=strict), and runs as a
+				// user that owns no directory under /run.
+				err = fmt.Errorf("%w (under systemd, enable rlsidecar-envoy.socket instead: the daemon takes the Envoy socket it passes; docs/operations.md)", err)
+			}
 			return err
 		}
-		rls = r
-		log.Info("envoy rate limit service", "addr", *envoyRLS, "transport", *envoyTransport)
+		rls, envoyDesc = r, *envoyRLS
+		log.Info("envoy rate limit service", "addr", *envoyRLS, "activated", activated.envoy != nil, "transport", *envoyTransport)
 	}
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {
 		rs := lim.Rules()
-		return fmt.Sprintf("serving %d rules (version %s) on %s, %s", len(rs.Rules), rs.Version, *socket, modeDesc)
+		st := fmt.Sprintf("serving %d rules (version %s) on %s, %s", len(rs.Rules), rs.Version, *socket, modeDesc)
+		if envoyDesc != "" {
+			st += ", Envoy API on " + envoyDesc
+		}
+		return st
 	}
 
 	ctx, stop := context.WithCancel(context.Background())
@@ -426,7 +448,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		ruleSource = "built-in example rules"
 	}
 	how := "listening on"
-	if activated != nil {
+	if activated.socket != nil {
 		how = "listening (socket activation) on"
 	}
 	started = true
@@ -434,7 +456,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if limiter.NoStore {
 		log.Error("this daemon was built with -tags rlsidecar_nostore, for measurement: it admits every local check without counting it; never run it for traffic")
 	}
-	log.Info("serving", "socket", *socket, "activated", activated != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
+	log.Info("serving", "socket", *socket, "activated", activated.socket != nil, "rules", len(set.Rules), "source", ruleSource, "version", set.Version)
 
 	metrics.GaugeFunc("rlsidecar_connections", "Connections being served.", func() float64 { return float64(srv.Connections()) })
 	metrics.GaugeFunc("rlsidecar_keys", "Client keys held in memory (local buckets and hybrid allowances).", func() float64 {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -14,40 +15,152 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// go-systemd is used rather than a hand-written sd_notify: activation.Listeners checks
+// go-systemd is used rather than a hand-written sd_notify: activation.Files checks
 // LISTEN_PID, honours LISTEN_FDS/LISTEN_FDNAMES, marks the descriptors close-on-exec and
 // consumes the environment, and SdNotify handles abstract NOTIFY_SOCKET addresses — the
 // corner cases a hand-written copy would have to re-learn, for one small dependency with
 // no transitive ones in the packages we import.
 
-// activatedListener returns the listening socket systemd (or systemd-socket-activate)
-// passed in LISTEN_FDS, or nil when none was passed. It consumes the environment, so
-// it must be called once. rlsidecar takes exactly one Unix stream socket.
-func activatedListener() (*net.UnixListener, error) {
-	lns, err := activation.Listeners()
+// envoyFDName is the name (FileDescriptorName= in systemd/rlsidecar-envoy.socket) of a
+// passed socket the daemon serves Envoy's rate limit service on, instead of binding
+// --envoy-rls itself. The msgpack socket may have any other name.
+const envoyFDName = "envoy"
+
+// activatedSockets are the listening sockets systemd (or systemd-socket-activate)
+// passed in LISTEN_FDS. A nil field was not passed.
+type activatedSockets struct {
+	socket *net.UnixListener // the msgpack socket: any name but envoyFDName
+	envoy  *net.UnixListener // the Envoy API's socket: named envoyFDName
+}
+
+// close closes what was passed, for a daemon that fails before serving it.
+func (a activatedSockets) close() {
+	for _, ln := range []*net.UnixListener{a.socket, a.envoy} {
+		if ln != nil {
+			ln.Close()
+		}
+	}
+}
+
+// activatedListeners returns the listening sockets systemd passed, by their names
+// (LISTEN_FDNAMES): at most one named envoyFDName, at most one other. It consumes the
+// environment, so it must be called once. Each must be a listening Unix stream socket;
+// anything else is refused here, before the daemon announces anything.
+//
+// The Envoy socket comes from a .socket unit of its own because a unit's
+// FileDescriptorName= names every socket it lists: two ListenStream= lines in
+// rlsidecar.socket would reach the daemon under one name.
+func activatedListeners() (activatedSockets, error) {
+	var got activatedSockets
+	files := activation.Files(true)
+	defer func() {
+		for _, f := range files {
+			f.Close() // each listener holds its own descriptor
+		}
+	}()
+	others := 0
+	for _, f := range files {
+		if f.Name() != envoyFDName {
+			others++
+		}
+	}
+	if others > 1 {
+		return got, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS) besides any named %q; rlsidecar takes one Unix stream socket, and one for Envoy's API named %q (FileDescriptorName=%s)", others, envoyFDName, envoyFDName, envoyFDName)
+	}
+	for _, f := range files {
+		if f.Name() == envoyFDName && got.envoy != nil {
+			got.close()
+			return activatedSockets{}, fmt.Errorf("socket activation: two sockets named %q passed; the Envoy API takes one", envoyFDName)
+		}
+		ln, err := unixStreamListener(f)
+		if err != nil {
+			got.close()
+			return activatedSockets{}, fmt.Errorf("socket activation: %w", err)
+		}
+		if f.Name() == envoyFDName {
+			got.envoy = ln
+		} else {
+			got.socket = ln
+		}
+	}
+	return got, nil
+}
+
+// unixStreamListener returns a listener on a copy of f's descriptor when f is a listening
+// Unix stream socket, and an error saying what f is otherwise. Go's net.FileListener
+// alone takes a datagram or seqpacket socket too (a listener whose Accept fails, or one
+// that serves frames with message boundaries), so the socket's type is read first
+// (SO_TYPE), then whether it listens (SO_ACCEPTCONN).
+func unixStreamListener(f *os.File) (*net.UnixListener, error) {
+	rc, err := f.SyscallConn()
 	if err != nil {
-		return nil, fmt.Errorf("socket activation: %w", err)
+		return nil, fmt.Errorf("the descriptor passed (%s): %w", f.Name(), err)
 	}
-	switch len(lns) {
-	case 0:
-		return nil, nil
-	case 1:
-	default:
-		for _, ln := range lns {
-			if ln != nil {
-				ln.Close()
-			}
+	var (
+		sa            unix.Sockaddr
+		typ, accepts  int
+		saErr, optErr error
+	)
+	if err := rc.Control(func(fd uintptr) {
+		if sa, saErr = unix.Getsockname(int(fd)); saErr != nil {
+			return
 		}
-		return nil, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS); rlsidecar takes one Unix stream socket", len(lns))
+		if typ, optErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE); optErr != nil {
+			return
+		}
+		accepts, optErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+	}); err != nil {
+		return nil, fmt.Errorf("the descriptor passed (%s): %w", f.Name(), err)
 	}
-	ul, ok := lns[0].(*net.UnixListener)
-	if !ok {
-		if lns[0] != nil {
-			lns[0].Close()
-		}
-		return nil, fmt.Errorf("socket activation: the socket passed is not a Unix stream socket (ListenStream= must be a path)")
+	if saErr != nil {
+		return nil, fmt.Errorf("the descriptor passed (%s) is not a socket: %w", f.Name(), saErr)
+	}
+	if optErr != nil {
+		return nil, fmt.Errorf("the socket passed (%s): reading its type: %w", f.Name(), optErr)
+	}
+	if _, ok := sa.(*unix.SockaddrUnix); !ok || typ != unix.SOCK_STREAM {
+		return nil, fmt.Errorf("the socket passed (%s) is %s, not a Unix stream socket (ListenStream= must be a path)", f.Name(), socketKind(sa, typ))
+	}
+	if accepts == 0 {
+		return nil, fmt.Errorf("the socket passed (%s) is a Unix stream socket that does not listen (the .socket unit needs Accept=no)", f.Name())
+	}
+	ln, err := net.FileListener(f)
+	if err != nil {
+		return nil, fmt.Errorf("the socket passed (%s): %w", f.Name(), err)
+	}
+	ul, ok := ln.(*net.UnixListener)
+	if !ok { // checked above; a BUG if it happens
+		ln.Close()
+		return nil, fmt.Errorf("the socket passed (%s) is not a Unix stream socket (ListenStream= must be a path)", f.Name())
 	}
 	return ul, nil
+}
+
+// socketKind names a socket's family and type for an error message: "a TCP socket",
+// "a Unix datagram socket".
+func socketKind(sa unix.Sockaddr, typ int) string {
+	family := "a non-Unix"
+	switch sa.(type) {
+	case *unix.SockaddrUnix:
+		family = "a Unix"
+	case *unix.SockaddrInet4, *unix.SockaddrInet6:
+		switch typ {
+		case unix.SOCK_STREAM:
+			return "a TCP socket"
+		case unix.SOCK_DGRAM:
+			return "a UDP socket"
+		}
+		family = "an IP"
+	}
+	switch typ {
+	case unix.SOCK_STREAM:
+		return family + " stream socket"
+	case unix.SOCK_DGRAM:
+		return family + " datagram socket"
+	case unix.SOCK_SEQPACKET:
+		return family + " seqpacket socket"
+	}
+	return fmt.Sprintf("%s socket of type %d", family, typ)
 }
 
 // notifier tells the service manager about the daemon's state (sd_notify). With no

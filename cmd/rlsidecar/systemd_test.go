@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sys/unix"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -200,8 +201,9 @@ func TestE2EConfiguredByEnvironment(t *testing.T) {
 	}
 }
 
-// --socket-group gives the socket file to a group, keeping the mode, without systemd; a
-// group that does not exist is refused before any socket file is made.
+// --socket-group gives the socket file, and the --envoy-rls unix: one, to a group,
+// keeping the mode, without systemd; a group that does not exist is refused before any
+// socket file is made.
 func TestE2ESocketGroup(t *testing.T) {
 	gid := -1
 	if os.Geteuid() == 0 {
@@ -218,14 +220,17 @@ func TestE2ESocketGroup(t *testing.T) {
 	if gid < 0 {
 		t.Skip("needs root or a supplementary group")
 	}
-	d := startDaemon(t, "--socket-group", strconv.Itoa(gid), "--socket-mode", "0660")
-	fi, err := os.Stat(d.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	if int(st.Gid) != gid || fi.Mode().Perm() != 0o660 {
-		t.Fatalf("socket group %d mode %#o, want %d and 0660", st.Gid, fi.Mode().Perm(), gid)
+	envoySock := filepath.Join(shortTempDir(t), "envoy.sock")
+	d := startDaemon(t, "--socket-group", strconv.Itoa(gid), "--socket-mode", "0660", "--envoy-rls", "unix:"+envoySock)
+	for _, p := range []string{d.socket, envoySock} {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := fi.Sys().(*syscall.Stat_t)
+		if int(st.Gid) != gid || fi.Mode().Perm() != 0o660 {
+			t.Errorf("%s: group %d mode %#o, want %d and 0660", p, st.Gid, fi.Mode().Perm(), gid)
+		}
 	}
 	dialRaw(t, d.socket).check(1, 1, "user=g")
 
@@ -323,41 +328,58 @@ func (n *notifyListener) waitFor(t *testing.T, key string, timeout time.Duration
 // group, killed at cleanup. env names the variables passed through (-E).
 func activator(t *testing.T, socket string, env []string, command ...string) *exec.Cmd {
 	t.Helper()
-	sa, err := exec.LookPath("systemd-socket-activate")
-	if err != nil {
-		t.Skip("systemd-socket-activate (Debian package systemd) is not installed")
-	}
 	args := []string{"-l", socket}
 	for _, e := range env {
 		args = append(args, "-E", e)
 	}
-	cmd := exec.Command(sa, append(args, command...)...)
+	return startActivator(t, args, []string{socket}, command...).cmd
+}
+
+// activatorProc is a systemd-socket-activate process and what it printed; done is closed
+// when it (or the command it execs) has exited.
+type activatorProc struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+	out  *syncBuffer
+}
+
+// startActivator runs systemd-socket-activate with saArgs then command, in its own
+// process group, killed at cleanup, and waits until it has bound every path in sockets.
+func startActivator(t *testing.T, saArgs, sockets []string, command ...string) *activatorProc {
+	t.Helper()
+	sa, err := exec.LookPath("systemd-socket-activate")
+	if err != nil {
+		t.Skip("systemd-socket-activate (Debian package systemd) is not installed")
+	}
+	cmd := exec.Command(sa, append(append([]string{}, saArgs...), command...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	var out syncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &out
+	a := &activatorProc{cmd: cmd, done: make(chan struct{}), out: &syncBuffer{}}
+	cmd.Stdout, cmd.Stderr = a.out, a.out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() { cmd.Wait(); close(done) }()
+	go func() { cmd.Wait(); close(a.done) }()
 	t.Cleanup(func() {
 		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		<-done
+		<-a.done
 		if t.Failed() {
-			t.Logf("activator output:\n%s", out.String())
+			t.Logf("activator output:\n%s", a.out.String())
 		}
 	})
 	// systemd-socket-activate binds before it waits for a first connection.
 	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if fi, err := os.Lstat(socket); err == nil && fi.Mode()&os.ModeSocket != 0 {
-			return cmd
+	for _, socket := range sockets {
+		for {
+			if fi, err := os.Lstat(socket); err == nil && fi.Mode()&os.ModeSocket != 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("systemd-socket-activate did not bind %s:\n%s", socket, a.out.String())
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("systemd-socket-activate did not bind %s:\n%s", socket, out.String())
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
+	return a
 }
 
 // Socket activation for real: systemd-socket-activate binds the socket and starts the
@@ -417,6 +439,140 @@ func TestE2ESocketActivationAndNotify(t *testing.T) {
 	}
 	if _, err := os.Lstat(socket); err != nil {
 		t.Fatalf("the daemon removed the activated socket file: %v", err)
+	}
+}
+
+// Only a listening Unix stream socket is taken from LISTEN_FDS: Go's net.FileListener
+// alone also takes a datagram socket (whose Accept fails once the daemon has said it
+// serves) and a seqpacket one (served, with message boundaries the protocol does not
+// expect).
+func TestUnixStreamListenerRefusesOtherSockets(t *testing.T) {
+	dir := shortTempDir(t)
+	n := 0
+	unixSocket := func(typ int, listen bool) int {
+		fd, err := unix.Socket(unix.AF_UNIX, typ|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n++
+		if err := unix.Bind(fd, &unix.SockaddrUnix{Name: filepath.Join(dir, strconv.Itoa(n))}); err != nil {
+			t.Fatal(err)
+		}
+		if listen {
+			if err := unix.Listen(fd, 8); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return fd
+	}
+	tcp := func() int {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Listen(fd, 8); err != nil {
+			t.Fatal(err)
+		}
+		return fd
+	}
+	pipe := func() int {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(p[1])
+		return p[0]
+	}
+	for _, tt := range []struct {
+		name    string
+		fd      func() int
+		wantErr string // "" accepts
+	}{
+		{"unix stream, listening", func() int { return unixSocket(unix.SOCK_STREAM, true) }, ""},
+		{"unix datagram", func() int { return unixSocket(unix.SOCK_DGRAM, false) }, "is a Unix datagram socket, not a Unix stream socket"},
+		{"unix seqpacket, listening", func() int { return unixSocket(unix.SOCK_SEQPACKET, true) }, "is a Unix seqpacket socket, not a Unix stream socket"},
+		{"unix stream, not listening", func() int { return unixSocket(unix.SOCK_STREAM, false) }, "does not listen"},
+		{"tcp, listening", tcp, "is a TCP socket, not a Unix stream socket"},
+		{"a pipe", pipe, "is not a socket"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := os.NewFile(uintptr(tt.fd()), "LISTEN_FD_3")
+			defer f.Close()
+			ln, err := unixStreamListener(f)
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				ln.Close()
+				return
+			}
+			if err == nil {
+				ln.Close()
+				t.Fatalf("accepted; want an error containing %q", tt.wantErr)
+			}
+			if !strings.Contains(err.Error(), tt.wantErr) || !strings.Contains(err.Error(), "LISTEN_FD_3") {
+				t.Fatalf("err = %v, want it to name the descriptor and say %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// The real daemon, handed a datagram or a seqpacket socket by systemd-socket-activate,
+// refuses it at start, exit 1, with the error a TCP socket gets: it neither says it
+// listens nor tells NOTIFY_SOCKET READY=1 (it used to announce itself, then exit at
+// accept with "operation not supported", or serve the seqpacket socket).
+func TestE2ESocketActivationRefusesNonStreamSockets(t *testing.T) {
+	for _, tt := range []struct {
+		name, flag string
+		sotype     int
+	}{
+		{"datagram", "--datagram", unix.SOCK_DGRAM},
+		{"seqpacket", "--seqpacket", unix.SOCK_SEQPACKET},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			socket := filepath.Join(shortTempDir(t), "s.sock")
+			n := listenNotify(t)
+			t.Setenv("NOTIFY_SOCKET", n.path)
+			a := startActivator(t, []string{tt.flag, "-l", socket, "-E", "NOTIFY_SOCKET"}, []string{socket},
+				binary, "serve", "--admin=", "--watch=false")
+			// A first message or connection starts the daemon.
+			fd, err := unix.Socket(unix.AF_UNIX, tt.sotype|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			if tt.sotype == unix.SOCK_DGRAM {
+				err = unix.Sendto(fd, []byte("x"), 0, &unix.SockaddrUnix{Name: socket})
+			} else {
+				err = unix.Connect(fd, &unix.SockaddrUnix{Name: socket})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-a.done:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("the daemon still runs on a %s socket after 10s:\n%s", tt.name, a.out.String())
+			}
+			if code := a.cmd.ProcessState.ExitCode(); code != exitFailure {
+				t.Errorf("exit %d, want %d", code, exitFailure)
+			}
+			out := a.out.String()
+			if want := "is a Unix " + tt.name + " socket, not a Unix stream socket"; !strings.Contains(out, want) {
+				t.Errorf("the output does not say %q:\n%s", want, out)
+			}
+			if strings.Contains(out, "listening") || strings.Contains(out, "serving") {
+				t.Errorf("the daemon announced itself before refusing the socket:\n%s", out)
+			}
+			select {
+			case m := <-n.msgs:
+				t.Errorf("a notification from a daemon that refused its socket: %v", m.fields)
+			default:
+			}
+		})
 	}
 }
 
