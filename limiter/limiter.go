@@ -458,10 +458,9 @@ func (l *Limiter) report(now int64, d *Decision) {
 		}
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
-			// The ban's end, or later if the rule itself refuses until then (as its store
-			// reported it): a retry when the ban ends must not be refused again, and count
-			// toward a longer ban.
-			out.RetryAfter = max(out.RetryAfter, time.Duration(o.bannedUntil-now))
+			// The ban's remaining time, as the protocol defines it for a banned answer
+			// (even where the rule itself would refuse for longer).
+			out.RetryAfter = time.Duration(o.bannedUntil - now)
 		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
 			var until int64

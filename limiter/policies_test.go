@@ -227,35 +227,3 @@ rules:
 		t.Fatal("a key recorded before the flood earned no ban")
 	}
 }
-
-// A ban shorter than its rule's own refusal: a banned answer's retry is the later of the
-// ban's end and the rule's retry, so a client that waits it is not refused again (and
-// counted toward a longer ban). Before, it was the ban's end alone: 2 s where the rule
-// refused for a minute, and each retry at 2 s escalated the ban.
-func TestBannedRetryCoversTheRule(t *testing.T) {
-	l := newLimiter(t, `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1m }
-    penalty: { after: 2, within: 1m, ban: 2s }
-`)
-	var d Decision
-	check := func(now int64) *Decision {
-		t.Helper()
-		if err := l.Check(now, &Input{Attrs: attrs("ip=9.9.9.9"), Cost: 1}, &d); err != nil {
-			t.Fatal(err)
-		}
-		return &d
-	}
-	check(t0) // allowed
-	check(t0) // refused: 1 of 2
-	if r := check(t0); !r.Banned || r.DecidingResult().RetryAfter < 59*time.Second {
-		t.Fatalf("the refusal that bans: banned %v retry %v, want about a minute", r.Banned, r.DecidingResult().RetryAfter)
-	}
-	at := t0 + int64(time.Second)
-	if r := check(at); !r.Banned || r.DecidingResult().RetryAfter < 58*time.Second || r.DecidingResult().Limit != 1 {
-		t.Fatalf("banned, a second later: banned %v retry %v limit %d, want the rule's 59 s and its limit",
-			r.Banned, r.DecidingResult().RetryAfter, r.DecidingResult().Limit)
-	}
-}
