@@ -114,7 +114,12 @@ func (a *autoPipe) send(batch []*apCall) {
 		for _, c := range cmds {
 			_ = pipe.Process(ctx, c)
 		}
-		_, _ = pipe.Exec(ctx) // every cmd carries its own error
+		_, err := pipe.Exec(ctx) // every cmd carries its own error, or this one
+		for _, c := range cmds {
+			if c, ok := c.(*redis.Cmd); ok {
+				unanswered(err, c)
+			}
+		}
 	}
 	cancel()
 	for i, m := range merged {

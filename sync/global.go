@@ -431,7 +431,10 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 	for i := range calls {
 		calls[i].cmd = pipe.EvalSha(ctx, s.Hash(), calls[i].keys, calls[i].args...)
 	}
-	_, _ = pipe.Exec(ctx) // every cmd carries its own error
+	_, err := pipe.Exec(ctx) // every cmd carries its own error, or this one
+	for i := range calls {
+		unanswered(err, calls[i].cmd)
+	}
 	retry := false
 	for i := range calls {
 		if isNoScript(calls[i].cmd.Err()) {
@@ -443,7 +446,10 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 		}
 	}
 	if retry {
-		_, _ = pipe.Exec(ctx)
+		_, err := pipe.Exec(ctx)
+		for i := range calls {
+			unanswered(err, calls[i].cmd)
+		}
 	}
 }
 

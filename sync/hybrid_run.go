@@ -49,7 +49,8 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 	for i, k := range h.heartbeatKs {
 		cmds[i] = heartbeatScript.EvalSha(ctx, pipe, []string{k}, id, ttl.Milliseconds())
 	}
-	_, _ = pipe.Exec(ctx)
+	_, err := pipe.Exec(ctx)
+	unanswered(err, cmds...)
 	best := 0
 	var errs []error
 	for i, k := range h.heartbeatKs {
@@ -209,6 +210,21 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			case <-ctx.Done():
 			case <-time.After(kickEvery):
 			}
+		}
+	}
+}
+
+// unanswered gives each of cmds that holds neither an answer nor an error of its own
+// the error of the pipeline that carried them, err. go-redis leaves them so when the
+// connection could not be set up (a wrong password: WRONGPASS), and reading one then
+// said "unexpected type=<nil> for Int64" instead of why.
+func unanswered(err error, cmds ...*redis.Cmd) {
+	if err == nil {
+		return
+	}
+	for _, c := range cmds {
+		if c != nil && c.Err() == nil && c.Val() == nil {
+			c.SetErr(err)
 		}
 	}
 }

@@ -444,3 +444,19 @@ func TestHybridRunStops(t *testing.T) {
 	}
 	rdb.Close()
 }
+
+// A wrong password is reported as Redis says it (WRONGPASS), by the heartbeat and the
+// global checks: go-redis leaves a pipeline's commands without an error when the
+// connection cannot be set up, and reading one said "unexpected type=<nil> for Int64".
+func TestWrongPasswordIsReported(t *testing.T) {
+	srv := redistest.StartStandalone(t, redistest.WithPassword("right"))
+	rdb, err := Open(Config{URL: "redis://:wrong@" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	h := NewHybrid(rdb, HybridOptions{})
+	if _, err := h.Heartbeat(context.Background(), "d", time.Minute); err == nil || !strings.Contains(err.Error(), "WRONGPASS") {
+		t.Fatalf("heartbeat with a wrong password: %v, want WRONGPASS", err)
+	}
+}
