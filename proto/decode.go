@@ -85,7 +85,7 @@ func (d *Decoder) decodeRequestMsgpack(body []byte, req *Request) error {
 // 0 when there is none, or the map cannot be walked that far.
 func (d *Decoder) findID(body []byte) uint64 {
 	d.reset(body)
-	n, err := d.dec.DecodeMapLen()
+	n, err := d.mapLen("request")
 	if err != nil {
 		return 0
 	}
@@ -101,7 +101,7 @@ func (d *Decoder) findID(body []byte) uint64 {
 			}
 			return id
 		}
-		if d.dec.Skip() != nil {
+		if d.skip(key) != nil { // bounded by what the body holds, not by what a length claims
 			return 0
 		}
 	}
