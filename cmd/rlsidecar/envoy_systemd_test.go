@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -67,17 +66,7 @@ func testE2ESocketActivationEnvoy(t *testing.T, transport string) {
 		t.Errorf("the daemon bound --envoy-rls as well: %v", err)
 	}
 
-	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-a.done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("no exit within 10s of SIGTERM")
-	}
-	if code := a.cmd.ProcessState.ExitCode(); code != exitOK {
-		t.Errorf("exit %d after SIGTERM", code)
-	}
+	a.sigterm(t)
 	for _, p := range []string{sock, envoySock} {
 		if _, err := os.Lstat(p); err != nil {
 			t.Errorf("the daemon removed %s, which systemd owns: %v", p, err)
@@ -263,17 +252,7 @@ func TestE2EEnvoySocketUnderTheUnitsSandbox(t *testing.T) {
 		if out, err := check(outsider, outsider); err == nil || !strings.Contains(out, "permission denied") {
 			t.Errorf("a user outside the group reached the msgpack socket: %v\n%s", err, out)
 		}
-		if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-a.done:
-		case <-time.After(10 * time.Second):
-			t.Fatal("no exit within 10s of SIGTERM")
-		}
-		if code := a.cmd.ProcessState.ExitCode(); code != exitOK {
-			t.Errorf("exit %d after SIGTERM:\n%s", code, a.out.String())
-		}
+		a.sigterm(t)
 		for _, p := range []string{sock, envoySock} {
 			if _, err := os.Lstat(p); err != nil {
 				t.Errorf("%s did not outlive the daemon: %v", p, err)

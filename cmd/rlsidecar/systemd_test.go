@@ -343,6 +343,22 @@ type activatorProc struct {
 	out  *syncBuffer
 }
 
+// sigterm stops the activated daemon as systemd does, and checks it exits 0 within 10 s.
+func (a *activatorProc) sigterm(t *testing.T) {
+	t.Helper()
+	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-a.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no exit within 10s of SIGTERM")
+	}
+	if code := a.cmd.ProcessState.ExitCode(); code != exitOK {
+		t.Errorf("exit %d after SIGTERM:\n%s", code, a.out.String())
+	}
+}
+
 // startActivator runs systemd-socket-activate with saArgs then command, in its own
 // process group, killed at cleanup, and waits until it has bound every path in sockets.
 func startActivator(t *testing.T, saArgs, sockets []string, command ...string) *activatorProc {
