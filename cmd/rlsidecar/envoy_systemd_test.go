@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"errors"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -88,16 +87,7 @@ func TestE2ESocketActivationNames(t *testing.T) {
 			t.Setenv("NOTIFY_SOCKET", n.path)
 			a := startActivator(t, []string{"-l", s1, "-l", s2, "--fdname=" + tt.names, "-E", "NOTIFY_SOCKET"}, []string{s1, s2},
 				binary, "serve", "--admin=", "--watch=false")
-			c, err := net.DialTimeout("unix", s1, 10*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			select {
-			case <-a.done:
-			case <-time.After(10 * time.Second):
-				t.Fatalf("still running after 10s:\n%s", a.out.String())
-			}
+			a.connectThenExit(t, s1)
 			if code := a.cmd.ProcessState.ExitCode(); code != exitFailure || !strings.Contains(a.out.String(), tt.want) {
 				t.Fatalf("exit %d, want %d and %q:\n%s", code, exitFailure, tt.want, a.out.String())
 			}
@@ -184,16 +174,7 @@ func TestE2EEnvoySocketUnderTheUnitsSandbox(t *testing.T) {
 		a := startActivator(t, []string{"-l", sock, "--fdname=rlsidecar"}, []string{sock},
 			sandboxed("--envoy-rls", "unix:"+envoySock)...)
 		asUnit(sock, "rlsidecar.socket")
-		c, err := net.DialTimeout("unix", sock, 10*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		select {
-		case <-a.done:
-		case <-time.After(10 * time.Second):
-			t.Fatalf("still running after 10s:\n%s", a.out.String())
-		}
+		a.connectThenExit(t, sock)
 		out := a.out.String()
 		if a.cmd.ProcessState.ExitCode() != exitFailure || !strings.Contains(out, "read-only file system") {
 			t.Fatalf("exit %d, want %d and a read-only file system:\n%s", a.cmd.ProcessState.ExitCode(), exitFailure, out)

@@ -359,6 +359,22 @@ func (a *activatorProc) sigterm(t *testing.T) {
 	}
 }
 
+// connectThenExit connects to sock, which makes systemd-socket-activate start the
+// daemon, and waits up to 10 s for the daemon to exit: a start it must refuse.
+func (a *activatorProc) connectThenExit(t *testing.T, sock string) {
+	t.Helper()
+	c, err := net.DialTimeout("unix", sock, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	select {
+	case <-a.done:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("still running after 10s:\n%s", a.out.String())
+	}
+}
+
 // startActivator runs systemd-socket-activate with saArgs then command, in its own
 // process group, killed at cleanup, and waits until it has bound every path in sockets.
 func startActivator(t *testing.T, saArgs, sockets []string, command ...string) *activatorProc {
