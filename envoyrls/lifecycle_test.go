@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/rlsidecar/rlsidecar/internal/unixsock/unixsocktest"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -131,21 +132,7 @@ func TestNoGoroutinesUntilServed(t *testing.T) {
 // socket is (it stayed the daemon's own group: a gateway user in the group could not
 // connect); a group that does not exist is refused before any socket file is made.
 func TestListenSocketGroup(t *testing.T) {
-	gid := -1
-	if os.Geteuid() == 0 {
-		gid = 54321 // root may give a file to any group
-	} else {
-		groups, _ := os.Getgroups()
-		for _, g := range groups {
-			if g != os.Getgid() {
-				gid = g
-				break
-			}
-		}
-	}
-	if gid < 0 {
-		t.Skip("needs root or a supplementary group")
-	}
+	gid := unixsocktest.OtherGroup(t)
 	lim := limiter.New(rules.Default(), localbucket.NewStore(localbucket.Options{}))
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "e.sock")

@@ -24,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/internal/unixsock/unixsocktest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -205,21 +206,7 @@ func TestE2EConfiguredByEnvironment(t *testing.T) {
 // keeping the mode, without systemd; a group that does not exist is refused before any
 // socket file is made.
 func TestE2ESocketGroup(t *testing.T) {
-	gid := -1
-	if os.Geteuid() == 0 {
-		gid = 54321 // root may give a file to any group
-	} else {
-		groups, _ := os.Getgroups()
-		for _, g := range groups {
-			if g != os.Getgid() {
-				gid = g
-				break
-			}
-		}
-	}
-	if gid < 0 {
-		t.Skip("needs root or a supplementary group")
-	}
+	gid := unixsocktest.OtherGroup(t)
 	envoySock := filepath.Join(shortTempDir(t), "envoy.sock")
 	d := startDaemon(t, "--socket-group", strconv.Itoa(gid), "--socket-mode", "0660", "--envoy-rls", "unix:"+envoySock)
 	for _, p := range []string{d.socket, envoySock} {
