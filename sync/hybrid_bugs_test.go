@@ -421,7 +421,20 @@ func TestHybridScriptSlidingMatchesLocal(t *testing.T) {
 func TestHybridWindowRetry(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	const requests, window = 200, 24 * time.Hour
+	// The old answer (the pace, window ÷ requests: 7.2 minutes) and the right one (the
+	// window's end) differ only when the window has more than the pace to run: windows
+	// are aligned to the Unix epoch, so a day's ends at midnight UTC. Take the first of
+	// three lengths whose end is at least half an hour away, so that the test tells the
+	// two answers apart at any hour (all end on whole hours since the epoch; the day's
+	// and the 23 hours' share an end once in 23 days, all three once in 575).
+	const requests = 200
+	window := 24 * time.Hour
+	for _, w := range []time.Duration{24 * time.Hour, 23 * time.Hour, 25 * time.Hour} {
+		if w-time.Duration(time.Now().UnixNano()%int64(w)) > 30*time.Minute {
+			window = w
+			break
+		}
+	}
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
 		h := NewHybrid(rdb, HybridOptions{})
 		lim := mustLimit(t, alg, requests, window)
