@@ -563,3 +563,56 @@ func TestHybridUndoAfterSync(t *testing.T) {
 		}
 	}
 }
+
+// A request may take everything a key has left, in one unit or many, as the exact mode
+// lets it. Before, an exact sync asked Redis for the request's cost less the allowance
+// the daemon held, though the sync gives that allowance back and replaces it with what
+// Redis grants: a cost of 10 on a new key of 10 (its first unit on credit) got a grant
+// of 9, and 5 of the 6 left after a cost of 4 was refused, with the capacity free.
+func TestHybridCostUpToWhatIsLeft(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		for _, seq := range [][]uint64{{10}, {1, 9}, {2, 8}, {4, 5, 1}, {4, 6}, {9, 1}, {3, 3, 3, 1}} {
+			h := NewHybrid(rdb, HybridOptions{})
+			lim := mustLimit(t, alg, 10, time.Hour)
+			key := fmt.Sprintf("rl:upto:{%v-%v}", alg, seq)
+			now := time.Now().UnixNano()
+			left := uint64(10)
+			for i, c := range seq {
+				r := take(h, now, key, lim, c)
+				left -= c
+				if !r.Allowed || r.Remaining != left {
+					t.Fatalf("%v, costs %v: request %d (cost %d) got %+v, want allowed with %d left", alg, seq, i+1, c, r, left)
+				}
+			}
+			if r := take(h, now, key, lim, 1); r.Allowed {
+				t.Fatalf("%v, costs %v: one more past the limit allowed: %+v", alg, seq, r)
+			}
+		}
+	}
+}
+
+// Two ops of one check on the same key (two identical inline limits, or two Envoy
+// descriptors alike) are decided together, each as if the ones before it were charged,
+// as the exact and local modes decide them. Before, each was decided against the same
+// allowance: a key of 3 admitted two such checks, 4 units.
+func TestHybridSameKeyTwiceInOneCheck(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		h := NewHybrid(rdb, HybridOptions{})
+		lim := mustLimit(t, alg, 3, time.Hour)
+		key := []byte(fmt.Sprintf("rl:twice:{%v}", alg))
+		now := time.Now().UnixNano()
+		ops := []HybridOp{{Key: key, Limit: lim, Cost: 1}, {Key: key, Limit: lim, Cost: 1}}
+		if !h.Take(now, ops) || ops[0].Result.Remaining != 2 || ops[1].Result.Remaining != 1 {
+			t.Fatalf("%v: first check: %+v, %+v; want allowed, 2 then 1 left", alg, ops[0].Result, ops[1].Result)
+		}
+		ops = []HybridOp{{Key: key, Limit: lim, Cost: 1}, {Key: key, Limit: lim, Cost: 1}}
+		if h.Take(now, ops) {
+			t.Fatalf("%v: a second check of two units on the 1 left was allowed: %+v, %+v", alg, ops[0].Result, ops[1].Result)
+		}
+		if r := take(h, now, string(key), lim, 1); !r.Allowed || r.Remaining != 0 {
+			t.Fatalf("%v: the unit left, after the refused check: %+v, want allowed with 0 left (the refusal charged something?)", alg, r)
+		}
+	}
+}

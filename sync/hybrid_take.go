@@ -24,6 +24,10 @@ type HybridOp struct {
 	shard   uint32 // set by Take
 	fetched bool   // decided by an exact sync, not locally
 	room    bool   // refused, though the view had room for it (another request took it)
+	// upTo: the cost decided for this op, its own plus that of the ops before it in the
+	// batch on the same key (two identical inline limits, or Envoy descriptors): each is
+	// decided as if the ones before it were charged, as the exact mode decides them.
+	upTo uint64
 }
 
 // Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
@@ -200,10 +204,16 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		} else if *e.lim != *op.Limit {
 			e.lim = h.limits.intern(op.Limit)
 		}
+		op.upTo = op.Cost
+		for j, prev := range ents {
+			if prev == e {
+				op.upTo += ops[j].Cost
+			}
+		}
 		ents = append(ents, e)
 		e.seen = seenMs(now)
 		var f bool
-		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.Cost, n, mayFetch && !op.Shadow, waited, gaveUp)
+		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp)
 		if mayFetch {
 			op.fetched = f
 		}
@@ -228,19 +238,29 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			return false, nil, true
 		}
 		if all {
+		ops:
 			for i := range ops {
 				op, e := &ops[i], ents[i]
 				if op.fetched && !op.Result.Allowed && !op.Shadow {
+					for _, later := range ents[i+1:] {
+						if later == e {
+							continue ops // the last op on the key asks for them all
+						}
+					}
 					if e.flags&flagBusy != 0 {
 						busy = true
 						continue
 					}
-					have := max(0, math.Floor(h.allowance(e, now, n)))
-					need := max(1, float64(max(op.Cost, 1))-have)
-					if op.Cost == 0 {
+					// The whole cost, not what the allowance lacks: the sync gives back the
+					// unused grant and replaces the allowance with what Redis grants now
+					// (apply). Asking for the difference left a request for more than its
+					// first unit, or for more than half of what was left, refused with
+					// the capacity it needed free in Redis.
+					need := min(max(op.upTo, 1), math.MaxUint32)
+					if op.upTo == 0 {
 						need = 0 // a question: the view, no unit reserved here (which others could not use)
 					}
-					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(min(need, math.MaxUint32))))
+					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(need)))
 				}
 			}
 			if items != nil {
@@ -268,7 +288,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				e.allowance -= float64(cost)
 				e.pending += cost
 				sh.markDirty(e)
-				op.Result.Remaining = subFloor(op.Result.Remaining, cost)
+				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
 				op.Result.Reset = h.resetOf(e, now)
 			}
 			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
