@@ -14,6 +14,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // Convert reads envoyproxy/ratelimit configuration files and returns an rlsidecar rules
@@ -24,8 +26,9 @@ import (
 //     joined by "," (so a descriptor longer or shorter than the path, or with other keys,
 //     does not match, as in Envoy);
 //   - for each level, the entry's value: a value given is matched exactly; a wildcard
-//     value (with '*') as a glob that none of the level's exact values (and no earlier
-//     wildcard) takes first; a key without value as any value that none of the level's
+//     value (ending with '*': a prefix; a '*' elsewhere is a literal character, as in
+//     envoyproxy/ratelimit) as a glob that none of the level's exact values (and no
+//     earlier wildcard) takes first; a key without value as any value that none of the level's
 //     exact values or wildcards takes — Envoy tries key and value first, then the
 //     wildcards in order, then the key alone, and never backtracks;
 //   - the key: the path's entry keys (each value counts apart), except entries with
@@ -276,7 +279,15 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			c.errorf(file, s.f["key"], s.field+".key", "key %q appears twice in one descriptor path; rlsidecar attributes are looked up by name", s.key)
 			continue
 		}
-		lv.glob = strings.Contains(s.value, "*")
+		lv.glob = isWildcard(s.value)
+		switch {
+		case lv.glob && strings.Contains(s.value[:len(s.value)-1], "*"):
+			c.errorf(file, s.f["value"], s.field+".value", "%q: envoyproxy/ratelimit matches the values starting with %q, its '*' before the end a literal character; rlsidecar's glob cannot match a literal '*'", s.value, s.value[:len(s.value)-1])
+			continue
+		case !lv.glob && s.key == rules.PathAttribute && strings.Contains(s.value, "*"):
+			c.errorf(file, s.f["value"], s.field+".value", "%q: envoyproxy/ratelimit matches only this exact value (a '*' before the end is a literal character); rlsidecar cannot match a literal '*' in the path attribute", s.value)
+			continue
+		}
 		// What Envoy tries before this entry at this level: the exact values, then the
 		// wildcards in order.
 		for oi, o := range sibs {
@@ -285,7 +296,7 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			}
 			switch {
 			case o.value == "":
-			case !strings.Contains(o.value, "*"):
+			case !isWildcard(o.value):
 				if s.value == "" || lv.glob {
 					lv.not = append(lv.not, o.value)
 				}
@@ -295,7 +306,7 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		}
 		if sh := s.f["share_threshold"]; sh != nil && c.boolean(file, sh, s.field+".share_threshold") {
 			if !lv.glob {
-				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (with *), as in Envoy")
+				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (ending with *), as in Envoy")
 				continue
 			}
 			lv.shared = true
@@ -474,6 +485,11 @@ func fitName(base, suffix string) string {
 	return base + suffix
 }
 
+// isWildcard reports whether an envoyproxy/ratelimit descriptor value is a wildcard: it
+// ends with '*' and matches the values starting with what comes before (envoyproxy/ratelimit
+// trims that one '*' and compares prefixes; a '*' anywhere else is a literal character).
+func isWildcard(v string) bool { return strings.HasSuffix(v, "*") }
+
 func q(s string) string {
 	b, _ := json.Marshal(s) // a JSON string is a YAML double-quoted scalar
 	return string(b)
@@ -522,6 +538,11 @@ func (r *outRule) write(b *bytes.Buffer, alg string) {
 		}
 		var ops []string
 		switch {
+		case l.value != "" && !l.glob && l.key == rules.PathAttribute:
+			// A plain value of path is a path glob (it must start with '/'); a glob
+			// without '*' is the value itself, whatever it is.
+			fmt.Fprintf(b, "      %s: { glob: %s }\n", l.key, q(l.value))
+			continue
 		case l.value != "" && !l.glob:
 			fmt.Fprintf(b, "      %s: %s\n", l.key, q(l.value))
 			continue
