@@ -341,9 +341,10 @@ type scratch struct {
 const maxKeptRequest = 64 << 10
 
 // ShouldRateLimit decides one call. Malformed calls (empty domain, no descriptors, an
-// empty key, an override with no unit or a unit_multiplier of 0, too many descriptors or entries) are InvalidArgument errors
-// and change nothing. The gRPC server answers calls with the same decision path without
-// the generated types (wireHandler); this method is for calls in process.
+// empty key, an override with no unit or a unit_multiplier of 0, too many descriptors
+// or entries) are InvalidArgument errors and change nothing. The gRPC server answers
+// calls with the same decision path without the generated types (wireHandler); this
+// method is for calls in process.
 func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 	sc := s.scratch.Get().(*scratch)
 	defer s.scratch.Put(sc)
