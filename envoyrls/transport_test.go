@@ -378,3 +378,29 @@ func TestTransportGlobalCallDoesNotStall(t *testing.T) {
 		})
 	}
 }
+
+// A call whose deadline has passed before it is decided is answered DEADLINE_EXCEEDED and
+// takes nothing, on either transport (Envoy gave up on it, and applied its own failure
+// mode: the call's hit must not be counted as well).
+func TestTransportLateCallTakesNothing(t *testing.T) {
+	for _, tr := range Transports {
+		t.Run(tr, func(t *testing.T) {
+			s := testServer(t)
+			s.now = func() int64 { return 1_700_000_000_000_000_000 } // one window throughout
+			sv := serveTest(t, s, tr)
+			r := dialRaw(t, sv.sock)
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "0n")...)
+			r.fr.WriteData(1, true, oneCall("late"))
+			if rp := r.await(1, nil); rp.grpcStatus != "4" {
+				t.Errorf("a call past its deadline: %+v, want grpc-status 4 (DEADLINE_EXCEEDED)", rp)
+			}
+			resp, err := sv.rls.ShouldRateLimit(ctx10(t), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("late")}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := resp.Statuses[0].LimitRemaining; got != 4 {
+				t.Errorf("after the late call and one more, %d remain of 5, want 4: the late call was charged", got)
+			}
+		})
+	}
+}
