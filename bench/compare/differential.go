@@ -199,6 +199,10 @@ func diffBattery() []diffCall {
 	doc("override of a configured descriptor", req("diff", 0, withOverride(dd("exact=v"), 100, typev3.RateLimitUnit_HOUR)),
 		"an override counts apart from the configured limit", "OK [OK 100/HOUR rem=94 reset]", "OK [OK 100/HOUR rem=99 reset]")
 	same(1, "override of an empty descriptor", req("diff", 0, withOverride(dd(), 5, typev3.RateLimitUnit_DAY)))
+	mult := withOverride(dd("ov=mult"), 2, typev3.RateLimitUnit_SECOND)
+	mult.Limit.UnitMultiplier = wrapperspb.UInt32(60)
+	doc("override with unit_multiplier", req("diff", 0, mult), "an override's unit_multiplier is honoured",
+		"OK [OK 2/SECOND rem=1 reset]", "OK [OK 2/MINUTE rem=1 reset]")
 	doc("override in an unknown domain", req("nodomain", 0, withOverride(dd("ov=x"), 1, typev3.RateLimitUnit_HOUR)),
 		"an override applies in any domain", "OK [OK nolim rem=0]", "OK [OK 1/HOUR rem=0 reset]")
 	return cs
