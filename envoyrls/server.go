@@ -371,6 +371,11 @@ func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.Unary
 	if err := dec(sc); err != nil {
 		return nil, err
 	}
+	if err := ctx.Err(); err != nil {
+		// Cancelled or past its deadline before a stream worker took it up: decided, it
+		// would be charged for an answer nobody reads.
+		return nil, status.FromContextError(err).Err()
+	}
 	if err := s.decide(sc); err != nil {
 		return nil, err
 	}
