@@ -85,6 +85,32 @@ descriptors:
     rate_limit: { unit: hour, requests_per_unit: 2 }
   - key: big
     rate_limit: { unit: hour, requests_per_unit: 10 }
+  - key: w
+    value: "x*"
+    descriptors:
+      - key: b
+        rate_limit: { unit: hour, requests_per_unit: 1 }
+  - key: w
+    value: "xy"
+    descriptors:
+      - key: c
+        rate_limit: { unit: hour, requests_per_unit: 2 }
+  - key: w
+    value: "xy*"
+    rate_limit: { unit: hour, requests_per_unit: 3 }
+  - key: w
+    rate_limit: { unit: hour, requests_per_unit: 4 }
+  - key: star
+    value: "*"
+    rate_limit: { unit: hour, requests_per_unit: 5 }
+  - key: star
+    rate_limit: { unit: hour, requests_per_unit: 6 }
+  - key: sh2
+    value: "p*"
+    share_threshold: true
+    descriptors:
+      - key: u
+        rate_limit: { unit: hour, requests_per_unit: 1 }
 `
 
 // diffCall is one call of the battery; when doc is set, the two answers are expected to
@@ -162,6 +188,19 @@ func diffBattery() []diffCall {
 	same(2, "detailed_metric", req("diff", 0, dd("det=z")))
 	same(2, "share_threshold", req("diff", 0, dd("share=s1")))
 	same(1, "share_threshold, another value", req("diff", 0, dd("share=s2")))
+	// Envoy's lookup never backtracks: an exact value, else the first wildcard in order,
+	// else the key alone, whether or not what it finds has a limit at this depth.
+	same(1, "exact value whose nested key differs", req("diff", 0, dd("w=xy", "b=1")))
+	same(1, "exact value, its nested key", req("diff", 0, dd("w=xy", "c=1")))
+	same(1, "first wildcard, which has no limit of its own", req("diff", 0, dd("w=xyz")))
+	same(2, "first wildcard, nested", req("diff", 0, dd("w=xyz", "b=1")))
+	same(1, "the key alone", req("diff", 0, dd("w=zz")))
+	same(1, "the key alone, nested (no match)", req("diff", 0, dd("w=zz", "b=1")))
+	same(1, "'*' before the key alone", req("diff", 0, dd("star=q")))
+	same(1, "'*' and an empty value", req("diff", 0, dd("star=")))
+	same(1, "share_threshold above a nested limit", req("diff", 0, dd("sh2=p1", "u=a")))
+	same(1, "share_threshold above a nested limit, another value", req("diff", 0, dd("sh2=p2", "u=a")))
+	same(1, "share_threshold above a nested limit, another nested value", req("diff", 0, dd("sh2=p3", "u=b")))
 	same(1, "hits_addend 0 on a fresh key", req("diff", 0, withHits(dd("big=h0"), 0)))
 	same(1, "the call's hits_addend", req("diff", 4, dd("big=h4")))
 	same(1, "a descriptor's hits_addend over the call's", req("diff", 4, withHits(dd("big=h4"), 6)))
