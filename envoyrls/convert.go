@@ -38,7 +38,8 @@ import (
 //     the epoch like Envoy's (algorithm, default fixed_window); unlimited: true becomes
 //     limit: unlimited, requests_per_unit: 0 becomes limit: deny (a block list);
 //   - rate_limit.name becomes the rule's name (else one is made from the domain and the
-//     path), replaces the rule's replaces, shadow_mode the rule's shadow.
+//     path), replaces the rule's replaces, shadow_mode (and quota_mode, which never
+//     refuses either) the rule's shadow.
 //
 // detailed_metric and value_to_metric only shape Envoy's metric names; rlsidecar's
 // metrics are per rule, and the output says so where they appear. shadow_mode on a
@@ -311,9 +312,6 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			}
 			lv.shared = true
 		}
-		if q := s.f["quota_mode"]; q != nil {
-			c.errorf(file, q, s.field+".quota_mode", "quota mode is not supported by rlsidecar")
-		}
 		if m := s.f["metadata"]; m != nil {
 			c.errorf(file, m, s.field+".metadata", "descriptor metadata is not supported by rlsidecar")
 		}
@@ -325,9 +323,13 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		path := append(slices.Clone(parent), lv)
 		if rl := s.f["rate_limit"]; rl != nil {
 			c.rateLimit(file, domain, rl, s.field+".rate_limit", path, s.f)
-		} else if v := s.f["shadow_mode"]; v != nil && c.boolean(file, v, s.field+".shadow_mode") {
-			c.notes = append(c.notes, fmt.Sprintf("%s:%d: %s.shadow_mode: descriptor (%s) has no rate_limit: its shadow_mode does nothing, as in envoyproxy/ratelimit, where it marks the descriptor's own rate_limit only (the descriptors nested in it are not shadowed); no rule for it",
-				file, v.Line, s.field, describePath(path)))
+		} else {
+			for _, k := range []string{"shadow_mode", "quota_mode"} {
+				if v := s.f[k]; v != nil && c.boolean(file, v, s.field+"."+k) {
+					c.notes = append(c.notes, fmt.Sprintf("%s:%d: %s.%s: descriptor (%s) has no rate_limit: its %s does nothing, as in envoyproxy/ratelimit, where it marks the descriptor's own rate_limit only (the descriptors nested in it are not affected); no rule for it",
+						file, v.Line, s.field, k, describePath(path), k))
+				}
+			}
 		}
 		if ds := s.f["descriptors"]; ds != nil {
 			c.descriptors(file, domain, ds, s.field+".descriptors", path)
@@ -412,6 +414,12 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 		}
 	}
 	r.shadow = c.boolean(file, df["shadow_mode"], "shadow_mode")
+	if q := df["quota_mode"]; c.boolean(file, q, "quota_mode") {
+		// envoyproxy/ratelimit answers a quota-mode limit OK past it, and names the
+		// descriptor in its dynamic metadata: a shadow rule decides the same.
+		r.shadow = true
+		r.notes = append(r.notes, fmt.Sprintf("quota_mode (line %d): never refuses, as in envoyproxy/ratelimit; a shadow rule here, its refusals counted in rlsidecar_checks_total{result=\"shadow_rejected\"} (envoyproxy/ratelimit reports them in its dynamic metadata, which rlsidecar does not send)", q.Line))
+	}
 	for _, l := range path {
 		r.notes = append(r.notes, l.notes...)
 	}

@@ -86,7 +86,6 @@ func TestConvertErrors(t *testing.T) {
 		"replaces_unknown.yaml":  `replaces_unknown.yaml:8: replaces[0].name: no rate_limit is named "nobody"`,
 		"bad_key.yaml":           `bad_key.yaml:3: descriptors[0].key: "a b" cannot be an rlsidecar attribute name`,
 		"share_no_wildcard.yaml": `share_no_wildcard.yaml:5: descriptors[0].share_threshold: share_threshold needs a wildcard value`,
-		"quota_mode.yaml":        `quota_mode.yaml:4: descriptors[0].quota_mode: quota mode is not supported`,
 		"negative.yaml":          `negative.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, got "-1"`,
 		"no_domain.yaml":         `no_domain.yaml:1: domain: missing (required)`,
 		"duplicate.yaml":         `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
@@ -394,6 +393,47 @@ descriptors:
 	} {
 		if l := limitOf(s.ask(t, envoyCall{"w", [][]string{{c.kv}}}), 0); l != c.want {
 			t.Errorf("%s: limit %d, want %d\n%s", c.kv, l, c.want, out)
+		}
+	}
+}
+
+// quota_mode: envoyproxy/ratelimit answers such a limit OK past it (naming it in its
+// dynamic metadata): a shadow rule, said in the output; quota_mode: false is nothing, and
+// quota_mode without a rate_limit does nothing there either.
+func TestConvertQuotaMode(t *testing.T) {
+	cfg := []byte(`domain: q
+descriptors:
+  - key: k
+    quota_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: f
+    quota_mode: false
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: p
+    quota_mode: true
+    descriptors:
+      - key: u
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+`)
+	out, err := Convert([]File{{Name: "q.yaml", Data: cfg}}, "")
+	if err != nil {
+		t.Fatalf("Convert: %v", err)
+	}
+	for _, want := range []string{"# quota_mode (line 4): never refuses", "# q.yaml:10: descriptors[2].quota_mode: descriptor (p) has no rate_limit"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Count(string(out), "shadow: true") != 1 {
+		t.Errorf("want one shadow rule (k):\n%s", out)
+	}
+	s := serverOf(t, out)
+	for _, c := range []struct {
+		kv   string
+		want int
+	}{{"k=a", 3}, {"f=a", 1}, {"p=x,u=a", 1}} {
+		if got := s.admitted(t, envoyCall{"q", [][]string{strings.Split(c.kv, ",")}}, 3); got != c.want {
+			t.Errorf("%s: %d of 3 admitted, want %d", c.kv, got, c.want)
 		}
 	}
 }

@@ -105,6 +105,9 @@ descriptors:
     rate_limit: { unit: hour, requests_per_unit: 5 }
   - key: star
     rate_limit: { unit: hour, requests_per_unit: 6 }
+  - key: quota
+    quota_mode: true
+    rate_limit: { unit: hour, requests_per_unit: 1 }
   - key: sh2
     value: "p*"
     share_threshold: true
@@ -180,6 +183,11 @@ func diffBattery() []diffCall {
 	same(1, "deeper than configured", req("diff", 0, dd("anyv=A", "extra=1")))
 	same(2, "unlimited", req("diff", 0, dd("unl=1")))
 	same(3, "shadow", req("diff", 0, dd("shadow=s")))
+	same(1, "quota_mode", req("diff", 0, dd("quota=q")))
+	for range 2 {
+		doc("quota_mode past the limit", req("diff", 0, dd("quota=q")), "quota_mode is a shadow rule",
+			"OK [OK 1/HOUR rem=0]", "OK [OK 1/HOUR rem=0 reset]")
+	}
 	same(2, "week", req("diff", 0, dd("wk=w")))
 	same(2, "month", req("diff", 0, dd("mon=m")))
 	same(2, "year", req("diff", 0, dd("yr=y")))
