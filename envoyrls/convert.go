@@ -47,7 +47,27 @@ import (
 // descriptor's own rate_limit, and the descriptors nested in it are not shadowed): the
 // output says so at its top, and gives no rule for it. Anything else that cannot be
 // converted is an error naming the file, the line and the field.
+//
+// Convert is ConvertWith with the algorithm alone.
 func Convert(files []File, algorithm string) ([]byte, error) {
+	return ConvertWith(files, ConvertOptions{Algorithm: algorithm})
+}
+
+// ConvertOptions are what Convert writes besides the configuration's own: the zero value
+// writes fixed windows in the daemon's default mode.
+type ConvertOptions struct {
+	// Algorithm of the rules that limit: fixed_window (Envoy's, the default "" too),
+	// sliding_window or token_bucket.
+	Algorithm string
+	// Mode of the rules that limit: local, hybrid or global; "" names none, so the
+	// daemon's default applies (hybrid with Redis). envoyproxy/ratelimit counts every
+	// hit in Redis, exactly across its replicas: global does too.
+	Mode string
+}
+
+// ConvertWith is Convert with options.
+func ConvertWith(files []File, opts ConvertOptions) ([]byte, error) {
+	algorithm := opts.Algorithm
 	switch algorithm {
 	case "":
 		algorithm = "fixed_window"
@@ -55,7 +75,12 @@ func Convert(files []File, algorithm string) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("--algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", algorithm)
 	}
-	c := &converter{alg: algorithm, names: map[string]*outRule{}, domains: map[string]string{}}
+	switch opts.Mode {
+	case "", "local", "hybrid", "global":
+	default:
+		return nil, fmt.Errorf("--mode %q: use local, hybrid or global (or none: the daemon's default)", opts.Mode)
+	}
+	c := &converter{alg: algorithm, mode: opts.Mode, names: map[string]*outRule{}, domains: map[string]string{}}
 	for _, f := range files {
 		c.file(f)
 	}
@@ -80,7 +105,7 @@ func Convert(files []File, algorithm string) ([]byte, error) {
 		b.WriteString("rules: []\n")
 	}
 	for _, r := range c.rules {
-		r.write(&b, c.alg)
+		r.write(&b, c.alg, c.mode)
 	}
 	return b.Bytes(), nil
 }
@@ -93,6 +118,7 @@ type File struct {
 
 type converter struct {
 	alg     string
+	mode    string
 	errs    []error
 	rules   []*outRule
 	names   map[string]*outRule
@@ -526,7 +552,7 @@ func describePath(path []level) string {
 	return strings.Join(desc, ", ")
 }
 
-func (r *outRule) write(b *bytes.Buffer, alg string) {
+func (r *outRule) write(b *bytes.Buffer, alg, mode string) {
 	fmt.Fprintf(b, "\n  # %s:%d: domain %s, descriptor (%s)\n", r.file, r.line, r.domain, describePath(r.path))
 	for _, n := range r.notes {
 		fmt.Fprintf(b, "  # %s\n", n)
@@ -578,6 +604,9 @@ func (r *outRule) write(b *bytes.Buffer, alg string) {
 		b.WriteString("    limit: deny\n")
 	default:
 		fmt.Fprintf(b, "    algorithm: %s\n", alg)
+		if mode != "" {
+			fmt.Fprintf(b, "    mode: %s\n", mode)
+		}
 		fmt.Fprintf(b, "    limit: { requests: %d, per: %s }\n", r.requests, r.per)
 	}
 	if r.shadow {

@@ -77,6 +77,35 @@ func TestConvertAlgorithm(t *testing.T) {
 	}
 }
 
+// --mode writes the mode on every rule that limits (envoyproxy/ratelimit's counters are
+// exact across its replicas: global), none on unlimited and deny rules; no mode leaves
+// the daemon's default.
+func TestConvertMode(t *testing.T) {
+	data, err := os.ReadFile("testdata/readme/ex3.yaml") // a limit and a block list
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := []File{{Name: "ex3.yaml", Data: data}}
+	for _, tt := range []struct {
+		mode string
+		want int
+	}{{"", 0}, {"local", 1}, {"hybrid", 1}, {"global", 1}} {
+		out, err := ConvertWith(files, ConvertOptions{Mode: tt.mode})
+		if err != nil {
+			t.Fatalf("%q: %v", tt.mode, err)
+		}
+		if n := strings.Count(string(out), "    mode: "+tt.mode+"\n"); tt.mode != "" && n != tt.want || strings.Count(string(out), "mode:") != tt.want {
+			t.Errorf("--mode %q: want %d rule with it:\n%s", tt.mode, tt.want, out)
+		}
+		if _, err := rules.Parse("converted.yaml", out); err != nil {
+			t.Errorf("--mode %q: %v", tt.mode, err)
+		}
+	}
+	if _, err := ConvertWith(files, ConvertOptions{Mode: "exact"}); err == nil || !strings.Contains(err.Error(), `--mode "exact"`) {
+		t.Errorf("unknown mode: %v", err)
+	}
+}
+
 // Bad configurations are errors naming the file, the line and the field.
 func TestConvertErrors(t *testing.T) {
 	want := map[string]string{

@@ -435,6 +435,13 @@ func TestImportEnvoyCLI(t *testing.T) {
 	if _, _, code := runInProcess("import-envoy", "--algorithm", "leaky_bucket", bad); code != exitUsage {
 		t.Fatalf("bad --algorithm: code %d", code)
 	}
+	out, errOut, code = runInProcess("import-envoy", "--mode", "global", inputs[0])
+	if code != exitOK || !strings.Contains(out, "    mode: global\n") {
+		t.Fatalf("--mode global: code %d %s\n%s", code, errOut, out)
+	}
+	if _, _, code := runInProcess("import-envoy", "--mode", "exact", inputs[0]); code != exitUsage {
+		t.Fatalf("bad --mode: code %d", code)
+	}
 }
 
 // SIGTERM with the Envoy listener: both sockets removed, exit 0, no call cut.
