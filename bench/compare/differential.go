@@ -20,8 +20,9 @@ import (
 )
 
 // The differential phase: envoyproxy/ratelimit and rlsidecar's Envoy API, given one
-// envoyproxy/ratelimit configuration (rlsidecar's converted by `rlsidecar import-envoy`),
-// answer the same ShouldRateLimit calls, each on a fresh store, and their answers are
+// envoyproxy/ratelimit configuration (rlsidecar's converted by `rlsidecar import-envoy`,
+// once as it is, decided locally, and once with --mode global, decided in Redis), answer
+// the same ShouldRateLimit calls, each on a fresh store, and their answers are
 // compared field by field: the overall code, and each status's code, current_limit
 // (requests per unit; the name is rlsidecar's rule name, not compared), limit_remaining
 // and whether duration_until_reset is there (its value to within 2 s: envoyproxy/ratelimit
@@ -298,33 +299,14 @@ func resetsAgree(a, b *ratelimitv3.RateLimitResponse) bool {
 }
 
 // differential runs the phase with the service_cmd installed in bin and the rlsidecar
-// built in dir.
+// built in dir: one envoyproxy/ratelimit and two rlsidecar daemons, the rules converted
+// as they are by default (no mode: local here, without Redis) and with --mode global
+// (on Redis, as envoyproxy/ratelimit counts).
 func differential(dir, bin string) (*DiffReport, error) {
 	cfgFile := filepath.Join(dir, "diff-envoy.yaml")
 	if err := os.WriteFile(cfgFile, []byte(diffConfig), 0o644); err != nil {
 		return nil, err
 	}
-	converted, err := exec.Command(filepath.Join(dir, "rlsidecar"), "import-envoy", cfgFile).Output()
-	if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
-		return nil, fmt.Errorf("rlsidecar import-envoy: %w: %s", err, ee.Stderr)
-	} else if err != nil {
-		return nil, fmt.Errorf("rlsidecar import-envoy: %w", err)
-	}
-	rulesFile := filepath.Join(dir, "diff-rules.yaml")
-	if err := os.WriteFile(rulesFile, converted, 0o644); err != nil {
-		return nil, err
-	}
-	port, err := freePort()
-	if err != nil {
-		return nil, err
-	}
-	rlsAddr := fmt.Sprintf("127.0.0.1:%d", port)
-	rp, err := startLogged(exec.Command(filepath.Join(dir, "rlsidecar"), "serve", "--socket", filepath.Join(dir, "rlsidecar-diff.sock"),
-		"--admin=", "--log-level", "warn", "--config", rulesFile, "--envoy-rls", rlsAddr), "listening")
-	if err != nil {
-		return nil, err
-	}
-	defer rp.stop()
 	redis, redisPort, err := startRedis(filepath.Join(bin, "redis-diff"))
 	if err != nil {
 		return nil, err
@@ -335,59 +317,98 @@ func differential(dir, bin string) (*DiffReport, error) {
 		return nil, err
 	}
 	defer stopEnvoy()
-	var clients [2]*envoyChecker
-	for i, addr := range []string{envoyAddr, rlsAddr} {
+	names := []string{"envoy-ratelimit"}
+	addrs := []string{envoyAddr}
+	for _, mode := range []string{"", "global"} {
+		name, args := "rlsidecar", []string{"import-envoy", cfgFile}
+		if mode != "" {
+			name, args = "rlsidecar --mode "+mode, append(args, "--mode", mode)
+		}
+		converted, err := exec.Command(filepath.Join(dir, "rlsidecar"), args...).Output()
+		if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
+			return nil, fmt.Errorf("rlsidecar import-envoy: %w: %s", err, ee.Stderr)
+		} else if err != nil {
+			return nil, fmt.Errorf("rlsidecar import-envoy: %w", err)
+		}
+		rulesFile := filepath.Join(dir, "diff-rules"+mode+".yaml")
+		if err := os.WriteFile(rulesFile, converted, 0o644); err != nil {
+			return nil, err
+		}
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
+		serve := []string{"serve", "--socket", filepath.Join(dir, "rlsidecar-diff"+mode+".sock"),
+			"--admin=", "--log-level", "warn", "--config", rulesFile, "--envoy-rls", addr}
+		if mode != "" {
+			serve = append(serve, "--redis", fmt.Sprintf("redis://127.0.0.1:%d", redisPort), "--global-timeout", "1s")
+		}
+		rp, err := startLogged(exec.Command(filepath.Join(dir, "rlsidecar"), serve...), "listening")
+		if err != nil {
+			return nil, err
+		}
+		defer rp.stop()
+		names, addrs = append(names, name), append(addrs, addr)
+	}
+	clients := make([]*envoyChecker, len(addrs))
+	for i, addr := range addrs {
 		c, err := envoyDialer(addr, nil, false)()
 		if err != nil {
 			return nil, err
 		}
 		defer c.close()
 		clients[i] = c
-	}
-	if err := waitReady("rlsidecar-envoy (differential)", func() error { return clients[1].checkKey(0) }); err != nil {
-		return nil, err
+		if err := waitReady(names[i]+" (differential)", func() error { return c.checkKey(0) }); err != nil {
+			return nil, err
+		}
 	}
 	// Every unit is a whole number of minutes aligned to the epoch: keep the battery
-	// inside one minute, so that no window of either system ends between the two
-	// answers to a call.
+	// inside one minute, so that no window of either system ends between the answers to
+	// a call.
 	for s := time.Now().Unix() % 60; s < 1 || s > 45; s = time.Now().Unix() % 60 {
 		time.Sleep(200 * time.Millisecond)
 	}
 	rep := &DiffReport{}
+	resps := make([]*ratelimitv3.RateLimitResponse, len(clients))
+	out := make([]string, len(clients))
 	for _, c := range diffBattery() {
-		var resps [2]*ratelimitv3.RateLimitResponse
-		var out [2]string
 		for i, cl := range clients {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			resp, err := cl.c.ShouldRateLimit(ctx, c.req)
 			cancel()
 			resps[i], out[i] = resp, render(resp, err)
 		}
-		rep.Calls++
-		dc := DiffCase{Call: c.label, Envoy: out[0], Rlsidecar: out[1], Why: c.doc}
-		switch {
-		case c.doc == "" && out[0] == out[1]:
-			if resps[0] != nil && resps[1] != nil && !resetsAgree(resps[0], resps[1]) {
-				dc.Why = fmt.Sprintf("duration_until_reset differs by more than 2 s: %v", resetsOf(resps))
-				rep.Unexpected = append(rep.Unexpected, dc)
-				continue
+		for i := 1; i < len(clients); i++ {
+			rep.Calls++
+			dc := DiffCase{Call: c.label, Envoy: out[0], Rlsidecar: out[i], Why: c.doc}
+			if i > 1 {
+				dc.Call = names[i] + ": " + c.label
 			}
-			rep.Same++
-		case c.doc == "":
-			dc.Why = "expected the same answer"
-			rep.Unexpected = append(rep.Unexpected, dc)
-		case out[0] == c.envoy && out[1] == c.rls:
-			rep.Documented = append(rep.Documented, dc)
-		default:
-			dc.Why = fmt.Sprintf("%s: expected envoy-ratelimit %q, rlsidecar %q", c.doc, c.envoy, c.rls)
-			rep.Unexpected = append(rep.Unexpected, dc)
+			switch {
+			case c.doc == "" && out[0] == out[i]:
+				if resps[0] != nil && resps[i] != nil && !resetsAgree(resps[0], resps[i]) {
+					dc.Why = fmt.Sprintf("duration_until_reset differs by more than 2 s: %v", resetsOf(resps[0], resps[i]))
+					rep.Unexpected = append(rep.Unexpected, dc)
+					continue
+				}
+				rep.Same++
+			case c.doc == "":
+				dc.Why = "expected the same answer"
+				rep.Unexpected = append(rep.Unexpected, dc)
+			case out[0] == c.envoy && out[i] == c.rls:
+				rep.Documented = append(rep.Documented, dc)
+			default:
+				dc.Why = fmt.Sprintf("%s: expected envoy-ratelimit %q, rlsidecar %q", c.doc, c.envoy, c.rls)
+				rep.Unexpected = append(rep.Unexpected, dc)
+			}
 		}
 	}
 	return rep, nil
 }
 
-func resetsOf(resps [2]*ratelimitv3.RateLimitResponse) [2][]time.Duration {
-	var out [2][]time.Duration
+func resetsOf(resps ...*ratelimitv3.RateLimitResponse) [][]time.Duration {
+	out := make([][]time.Duration, len(resps))
 	for i, r := range resps {
 		for _, s := range r.Statuses {
 			out[i] = append(out[i], s.DurationUntilReset.AsDuration())
