@@ -66,6 +66,12 @@ descriptors:
     rate_limit: { unit: hour, requests_per_unit: 1 }
   - key: block
     rate_limit: { unit: hour, requests_per_unit: 0 }
+  - key: sec
+    rate_limit: { unit: second, requests_per_unit: 100 }
+  - key: min
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: day
+    rate_limit: { unit: day, requests_per_unit: 1 }
   - key: wk
     rate_limit: { unit: week, requests_per_unit: 1 }
   - key: mon
@@ -189,6 +195,9 @@ func diffBattery() []diffCall {
 		doc("quota_mode past the limit", req("diff", 0, dd("quota=q")), "quota_mode is a shadow rule",
 			"OK [OK 1/HOUR rem=0]", "OK [OK 1/HOUR rem=0 reset]")
 	}
+	same(1, "second", req("diff", 0, dd("sec=s"))) // once: a second may end between the answers
+	same(3, "minute", req("diff", 0, dd("min=m")))
+	same(2, "day", req("diff", 0, dd("day=d")))
 	same(2, "week", req("diff", 0, dd("wk=w")))
 	same(2, "month", req("diff", 0, dd("mon=m")))
 	same(2, "year", req("diff", 0, dd("yr=y")))
