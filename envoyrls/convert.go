@@ -14,6 +14,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // Convert reads envoyproxy/ratelimit configuration files and returns an rlsidecar rules
@@ -24,8 +26,9 @@ import (
 //     joined by "," (so a descriptor longer or shorter than the path, or with other keys,
 //     does not match, as in Envoy);
 //   - for each level, the entry's value: a value given is matched exactly; a wildcard
-//     value (with '*') as a glob that none of the level's exact values (and no earlier
-//     wildcard) takes first; a key without value as any value that none of the level's
+//     value (ending with '*': a prefix; a '*' elsewhere is a literal character, as in
+//     envoyproxy/ratelimit) as a glob that none of the level's exact values (and no
+//     earlier wildcard) takes first; a key without value as any value that none of the level's
 //     exact values or wildcards takes — Envoy tries key and value first, then the
 //     wildcards in order, then the key alone, and never backtracks;
 //   - the key: the path's entry keys (each value counts apart), except entries with
@@ -35,7 +38,8 @@ import (
 //     the epoch like Envoy's (algorithm, default fixed_window); unlimited: true becomes
 //     limit: unlimited, requests_per_unit: 0 becomes limit: deny (a block list);
 //   - rate_limit.name becomes the rule's name (else one is made from the domain and the
-//     path), replaces the rule's replaces, shadow_mode the rule's shadow.
+//     path), replaces the rule's replaces, shadow_mode (and quota_mode, which never
+//     refuses either) the rule's shadow.
 //
 // detailed_metric and value_to_metric only shape Envoy's metric names; rlsidecar's
 // metrics are per rule, and the output says so where they appear. shadow_mode on a
@@ -43,7 +47,27 @@ import (
 // descriptor's own rate_limit, and the descriptors nested in it are not shadowed): the
 // output says so at its top, and gives no rule for it. Anything else that cannot be
 // converted is an error naming the file, the line and the field.
+//
+// Convert is ConvertWith with the algorithm alone.
 func Convert(files []File, algorithm string) ([]byte, error) {
+	return ConvertWith(files, ConvertOptions{Algorithm: algorithm})
+}
+
+// ConvertOptions are what Convert writes besides the configuration's own: the zero value
+// writes fixed windows in the daemon's default mode.
+type ConvertOptions struct {
+	// Algorithm of the rules that limit: fixed_window (Envoy's, the default "" too),
+	// sliding_window or token_bucket.
+	Algorithm string
+	// Mode of the rules that limit: local, hybrid or global; "" names none, so the
+	// daemon's default applies (hybrid with Redis). envoyproxy/ratelimit counts every
+	// hit in Redis, exactly across its replicas: global does too.
+	Mode string
+}
+
+// ConvertWith is Convert with options.
+func ConvertWith(files []File, opts ConvertOptions) ([]byte, error) {
+	algorithm := opts.Algorithm
 	switch algorithm {
 	case "":
 		algorithm = "fixed_window"
@@ -51,7 +75,12 @@ func Convert(files []File, algorithm string) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("--algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", algorithm)
 	}
-	c := &converter{alg: algorithm, names: map[string]*outRule{}, domains: map[string]string{}}
+	switch opts.Mode {
+	case "", "local", "hybrid", "global":
+	default:
+		return nil, fmt.Errorf("--mode %q: use local, hybrid or global (or none: the daemon's default)", opts.Mode)
+	}
+	c := &converter{alg: algorithm, mode: opts.Mode, names: map[string]*outRule{}, domains: map[string]string{}}
 	for _, f := range files {
 		c.file(f)
 	}
@@ -76,7 +105,7 @@ func Convert(files []File, algorithm string) ([]byte, error) {
 		b.WriteString("rules: []\n")
 	}
 	for _, r := range c.rules {
-		r.write(&b, c.alg)
+		r.write(&b, c.alg, c.mode)
 	}
 	return b.Bytes(), nil
 }
@@ -89,6 +118,7 @@ type File struct {
 
 type converter struct {
 	alg     string
+	mode    string
 	errs    []error
 	rules   []*outRule
 	names   map[string]*outRule
@@ -276,7 +306,15 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			c.errorf(file, s.f["key"], s.field+".key", "key %q appears twice in one descriptor path; rlsidecar attributes are looked up by name", s.key)
 			continue
 		}
-		lv.glob = strings.Contains(s.value, "*")
+		lv.glob = isWildcard(s.value)
+		switch {
+		case lv.glob && strings.Contains(s.value[:len(s.value)-1], "*"):
+			c.errorf(file, s.f["value"], s.field+".value", "%q: envoyproxy/ratelimit matches the values starting with %q, its '*' before the end a literal character; rlsidecar's glob cannot match a literal '*'", s.value, s.value[:len(s.value)-1])
+			continue
+		case !lv.glob && s.key == rules.PathAttribute && strings.Contains(s.value, "*"):
+			c.errorf(file, s.f["value"], s.field+".value", "%q: envoyproxy/ratelimit matches only this exact value (a '*' before the end is a literal character); rlsidecar cannot match a literal '*' in the path attribute", s.value)
+			continue
+		}
 		// What Envoy tries before this entry at this level: the exact values, then the
 		// wildcards in order.
 		for oi, o := range sibs {
@@ -285,7 +323,7 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			}
 			switch {
 			case o.value == "":
-			case !strings.Contains(o.value, "*"):
+			case !isWildcard(o.value):
 				if s.value == "" || lv.glob {
 					lv.not = append(lv.not, o.value)
 				}
@@ -295,13 +333,10 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		}
 		if sh := s.f["share_threshold"]; sh != nil && c.boolean(file, sh, s.field+".share_threshold") {
 			if !lv.glob {
-				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (with *), as in Envoy")
+				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (ending with *), as in Envoy")
 				continue
 			}
 			lv.shared = true
-		}
-		if q := s.f["quota_mode"]; q != nil {
-			c.errorf(file, q, s.field+".quota_mode", "quota mode is not supported by rlsidecar")
 		}
 		if m := s.f["metadata"]; m != nil {
 			c.errorf(file, m, s.field+".metadata", "descriptor metadata is not supported by rlsidecar")
@@ -314,9 +349,13 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		path := append(slices.Clone(parent), lv)
 		if rl := s.f["rate_limit"]; rl != nil {
 			c.rateLimit(file, domain, rl, s.field+".rate_limit", path, s.f)
-		} else if v := s.f["shadow_mode"]; v != nil && c.boolean(file, v, s.field+".shadow_mode") {
-			c.notes = append(c.notes, fmt.Sprintf("%s:%d: %s.shadow_mode: descriptor (%s) has no rate_limit: its shadow_mode does nothing, as in envoyproxy/ratelimit, where it marks the descriptor's own rate_limit only (the descriptors nested in it are not shadowed); no rule for it",
-				file, v.Line, s.field, describePath(path)))
+		} else {
+			for _, k := range []string{"shadow_mode", "quota_mode"} {
+				if v := s.f[k]; v != nil && c.boolean(file, v, s.field+"."+k) {
+					c.notes = append(c.notes, fmt.Sprintf("%s:%d: %s.%s: descriptor (%s) has no rate_limit: its %s does nothing, as in envoyproxy/ratelimit, where it marks the descriptor's own rate_limit only (the descriptors nested in it are not affected); no rule for it",
+						file, v.Line, s.field, k, describePath(path), k))
+				}
+			}
 		}
 		if ds := s.f["descriptors"]; ds != nil {
 			c.descriptors(file, domain, ds, s.field+".descriptors", path)
@@ -401,6 +440,12 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 		}
 	}
 	r.shadow = c.boolean(file, df["shadow_mode"], "shadow_mode")
+	if q := df["quota_mode"]; c.boolean(file, q, "quota_mode") {
+		// envoyproxy/ratelimit answers a quota-mode limit OK past it, and names the
+		// descriptor in its dynamic metadata: a shadow rule decides the same.
+		r.shadow = true
+		r.notes = append(r.notes, fmt.Sprintf("quota_mode (line %d): never refuses, as in envoyproxy/ratelimit; a shadow rule here, its refusals counted in rlsidecar_checks_total{result=\"shadow_rejected\"} (envoyproxy/ratelimit reports them in its dynamic metadata, which rlsidecar does not send)", q.Line))
+	}
 	for _, l := range path {
 		r.notes = append(r.notes, l.notes...)
 	}
@@ -474,6 +519,11 @@ func fitName(base, suffix string) string {
 	return base + suffix
 }
 
+// isWildcard reports whether an envoyproxy/ratelimit descriptor value is a wildcard: it
+// ends with '*' and matches the values starting with what comes before (envoyproxy/ratelimit
+// trims that one '*' and compares prefixes; a '*' anywhere else is a literal character).
+func isWildcard(v string) bool { return strings.HasSuffix(v, "*") }
+
 func q(s string) string {
 	b, _ := json.Marshal(s) // a JSON string is a YAML double-quoted scalar
 	return string(b)
@@ -502,7 +552,7 @@ func describePath(path []level) string {
 	return strings.Join(desc, ", ")
 }
 
-func (r *outRule) write(b *bytes.Buffer, alg string) {
+func (r *outRule) write(b *bytes.Buffer, alg, mode string) {
 	fmt.Fprintf(b, "\n  # %s:%d: domain %s, descriptor (%s)\n", r.file, r.line, r.domain, describePath(r.path))
 	for _, n := range r.notes {
 		fmt.Fprintf(b, "  # %s\n", n)
@@ -522,6 +572,11 @@ func (r *outRule) write(b *bytes.Buffer, alg string) {
 		}
 		var ops []string
 		switch {
+		case l.value != "" && !l.glob && l.key == rules.PathAttribute:
+			// A plain value of path is a path glob (it must start with '/'); a glob
+			// without '*' is the value itself, whatever it is.
+			fmt.Fprintf(b, "      %s: { glob: %s }\n", l.key, q(l.value))
+			continue
 		case l.value != "" && !l.glob:
 			fmt.Fprintf(b, "      %s: %s\n", l.key, q(l.value))
 			continue
@@ -549,6 +604,9 @@ func (r *outRule) write(b *bytes.Buffer, alg string) {
 		b.WriteString("    limit: deny\n")
 	default:
 		fmt.Fprintf(b, "    algorithm: %s\n", alg)
+		if mode != "" {
+			fmt.Fprintf(b, "    mode: %s\n", mode)
+		}
 		fmt.Fprintf(b, "    limit: { requests: %d, per: %s }\n", r.requests, r.per)
 	}
 	if r.shadow {

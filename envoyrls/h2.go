@@ -841,7 +841,9 @@ func appendMessage(b []byte, a *answer) []byte {
 }
 
 // decideLater decides the call in msg on a goroutine of its own, which answers st under
-// mu unless the stream was reset or the connection closed meanwhile.
+// mu unless the stream was reset or the connection closed meanwhile. A call the client
+// reset, or whose deadline passed, before the goroutine begins is not decided: nothing
+// is taken for it (once decided, a call is charged: a global rule's script is in Redis).
 func (cn *h2conn) decideLater(st *h2stream, msg []byte) {
 	s := cn.s
 	sc := s.scratch.Get().(*scratch)
@@ -850,12 +852,22 @@ func (cn *h2conn) decideLater(st *h2stream, msg []byte) {
 	cn.deciding.Add(1)
 	go func() {
 		defer cn.deciding.Done()
+		cn.mu.Lock()
+		gone := st.done
+		cn.mu.Unlock()
 		var out []byte
-		err := parseRequest(sc.raw, &sc.call)
-		if err == nil {
-			err = s.decide(sc)
+		var err error
+		switch {
+		case gone: // not answered either (below)
+		case st.deadline != 0 && s.now() >= st.deadline:
+			err = status.Error(codes.DeadlineExceeded, "the call's deadline passed before it was decided")
+		default:
+			err = parseRequest(sc.raw, &sc.call)
+			if err == nil {
+				err = s.decide(sc)
+			}
 		}
-		if err == nil {
+		if err == nil && !gone {
 			out = appendMessage(make([]byte, 0, max(sc.outLen, 128)), &sc.ans)
 			sc.outLen = len(out)
 		}

@@ -30,6 +30,7 @@ import (
 	"math/bits"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -332,6 +333,7 @@ type scratch struct {
 	cur    []byte
 	warn   []byte
 	best   []int32
+	deny   []int32 // the parts whose override is requests_per_unit 0 (denyOverride)
 	d      limiter.Decision
 }
 
@@ -339,9 +341,10 @@ type scratch struct {
 const maxKeptRequest = 64 << 10
 
 // ShouldRateLimit decides one call. Malformed calls (empty domain, no descriptors, an
-// empty key, a bad override, too many descriptors or entries) are InvalidArgument errors
-// and change nothing. The gRPC server answers calls with the same decision path without
-// the generated types (wireHandler); this method is for calls in process.
+// empty key, an override with no unit or a unit_multiplier of 0, too many descriptors
+// or entries) are InvalidArgument errors and change nothing. The gRPC server answers
+// calls with the same decision path without the generated types (wireHandler); this
+// method is for calls in process.
 func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 	sc := s.scratch.Get().(*scratch)
 	defer s.scratch.Put(sc)
@@ -367,6 +370,11 @@ func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.Unary
 	}()
 	if err := dec(sc); err != nil {
 		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		// Cancelled or past its deadline before a stream worker took it up: decided, it
+		// would be charged for an answer nobody reads.
+		return nil, status.FromContextError(err).Err()
 	}
 	if err := s.decide(sc); err != nil {
 		return nil, err
@@ -421,10 +429,29 @@ func (s *Server) finish(now int64, sc *scratch) {
 		// slot is free, and holds none past the call.
 		s.lim.ReleaseLease(tok, now)
 	}
+	if len(sc.deny) > 0 {
+		denied(now, d, sc.deny)
+	}
 	if s.cfg.Recorder != nil {
 		s.cfg.Recorder.Record(d)
 	}
 	s.response(len(sc.call.descs), sc)
+}
+
+// denied reports the checks of the parts in deny (overrides of requests_per_unit 0) as
+// envoyproxy/ratelimit does: a limit of 0 per the override's window, nothing remaining,
+// reset at the end of the window aligned to the epoch.
+func denied(now int64, d *limiter.Decision, deny []int32) {
+	for i := range d.Results {
+		r := &d.Results[i]
+		if r.Rule != nil || !slices.Contains(deny, int32(r.Part)) {
+			continue
+		}
+		r.Limit, r.Remaining = 0, 0
+		if w := int64(r.Window); w > 0 {
+			r.Reset = time.Duration(w - now%w)
+		}
+	}
 }
 
 // input fills sc.in from c.
@@ -444,6 +471,7 @@ func (s *Server) input(c *call, sc *scratch) error {
 	sc.attrs = sc.attrs[:0]
 	sc.limits = sc.limits[:0]
 	sc.keys = sc.keys[:0]
+	sc.deny = sc.deny[:0]
 	for i := range c.descs {
 		desc := &c.descs[i]
 		entries := c.entries[desc.lo:desc.hi]
@@ -483,6 +511,10 @@ func (s *Server) input(c *call, sc *scratch) error {
 			if err != nil {
 				return fmt.Errorf("descriptors[%d].limit: %w", i, err)
 			}
+			if desc.rpu == 0 {
+				p.Cost = denyOverride
+				sc.deny = append(sc.deny, int32(i))
+			}
 			sc.limits = append(sc.limits, il)
 			p.NoRules = true
 		}
@@ -507,8 +539,17 @@ func (s *Server) input(c *call, sc *scratch) error {
 	return nil
 }
 
+// denyOverride is the cost of a descriptor whose limit override has requests_per_unit 0:
+// more than any limit holds, so its check is refused as impossible, no retry ever
+// passing, and the call with it (all-or-nothing: the other descriptors consume nothing),
+// without state, as a rule's limit: deny is. envoyproxy/ratelimit answers such a
+// descriptor OVER_LIMIT too (any hit is over 0).
+const denyOverride = ^uint64(0)
+
 // override is a descriptor's limit override as an inline limit: a fixed window (Envoy's),
-// keyed by the domain and the entries.
+// keyed by the domain and the entries. requests_per_unit 0 refuses every call (Envoy's
+// block list): a local token bucket of 1 asked denyOverride, reported as 0 per the unit
+// (finish).
 func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratch) (limiter.Inline, error) {
 	unit, ok := unitDuration[typev3.RateLimitUnit(desc.unit)]
 	if !ok {
@@ -521,12 +562,13 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	if mult == 0 {
 		return limiter.Inline{}, errors.New("unit_multiplier must be at least 1")
 	}
-	if desc.rpu == 0 {
-		return limiter.Inline{}, errors.New("requests_per_unit must be at least 1")
-	}
 	windowMs := uint64(unit/time.Millisecond) * mult
 	start := len(sc.keys)
-	sc.keys = append(sc.keys, "envoy:"...)
+	if desc.rpu == 0 {
+		sc.keys = append(sc.keys, "envoy-deny:"...)
+	} else {
+		sc.keys = append(sc.keys, "envoy:"...)
+	}
 	sc.keys = append(sc.keys, domain...)
 	for _, e := range entries {
 		sc.keys = append(sc.keys, 0)
@@ -551,6 +593,9 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 		name.WriteString(e.key)
 	}
 	name.WriteString(".override")
+	if desc.rpu == 0 {
+		return limiter.Inline{Key: key, Name: name.String(), Limit: 1, WindowMs: windowMs, Algorithm: "token_bucket", Mode: "local"}, nil
+	}
 	return limiter.Inline{Key: key, Name: name.String(), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
 }
 

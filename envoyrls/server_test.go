@@ -3,11 +3,14 @@ package envoyrls
 import (
 	"context"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"google.golang.org/grpc/mem"
 	gproto "google.golang.org/protobuf/proto"
@@ -130,4 +133,59 @@ func BenchmarkCodec(b *testing.B) {
 			}
 		}
 	})
+}
+
+// A limit override of requests_per_unit 0 refuses its call, as envoyproxy/ratelimit does
+// (OVER_LIMIT, 0 per the unit, nothing remaining, reset at the end of the unit's epoch-
+// aligned window), whatever its hits_addend, no retry ever passing; the other
+// descriptors of the call consume nothing (all-or-nothing), and nothing is kept for it.
+func TestOverrideZero(t *testing.T) {
+	s := testServer(t)
+	const now = 1_700_000_005_000_000_000 // 25 s into a minute (1,699,999,980 is one's start)
+	s.now = func() int64 { return now }
+	zero := func(hits *uint64) *commonrl.RateLimitDescriptor {
+		d := &commonrl.RateLimitDescriptor{
+			Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "blocked"}},
+			Limit:   &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 0, Unit: typev3.RateLimitUnit_MINUTE},
+		}
+		if hits != nil {
+			d.HitsAddend = wrapperspb.UInt64(*hits)
+		}
+		return d
+	}
+	h0, h3 := uint64(0), uint64(3)
+	// Asked once without consuming, the other descriptor's keys are there before.
+	ask := desc1("u")
+	ask.HitsAddend = wrapperspb.UInt64(0)
+	if _, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{ask}}); err != nil {
+		t.Fatal(err)
+	}
+	keys := s.lim.Store().Len()
+	for _, hits := range []*uint64{nil, &h0, &h3, nil} {
+		resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{zero(hits), desc1("u")}})
+		if err != nil {
+			t.Fatalf("hits %v: %v", hits, err)
+		}
+		st := resp.Statuses[0]
+		if resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT || st.Code != rlsv3.RateLimitResponse_OVER_LIMIT ||
+			st.CurrentLimit.GetRequestsPerUnit() != 0 || st.CurrentLimit.GetUnit() != rlsv3.RateLimitResponse_RateLimit_MINUTE ||
+			st.CurrentLimit.GetName() != "" || st.LimitRemaining != 0 || st.DurationUntilReset.AsDuration() != 35*time.Second {
+			t.Fatalf("hits %v: %v", hits, resp)
+		}
+		// The other descriptor is reported but not charged: per-user's 5 per second stay 5.
+		if o := resp.Statuses[1]; o.Code != rlsv3.RateLimitResponse_OK || o.LimitRemaining != 5 {
+			t.Errorf("hits %v: the other descriptor: %v", hits, o)
+		}
+		h := map[string]string{}
+		for _, hv := range resp.ResponseHeadersToAdd {
+			h[hv.Key] = hv.Value
+		}
+		if h["Retry-After"] != "" || !strings.HasPrefix(h["RateLimit-Policy"], `"api.user.override";q=0;w=60`) ||
+			!strings.Contains(string(resp.RawBody), "can never pass") {
+			t.Errorf("hits %v: headers %v body %s", hits, h, resp.RawBody)
+		}
+	}
+	if n := s.lim.Store().Len(); n != keys {
+		t.Errorf("%d keys held after refusals, want %d", n, keys)
+	}
 }

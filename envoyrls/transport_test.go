@@ -1,6 +1,7 @@
 package envoyrls
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"math/rand/v2"
@@ -21,6 +22,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 	gproto "google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -377,4 +379,88 @@ func TestTransportGlobalCallDoesNotStall(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A call whose deadline has passed before it is decided is answered DEADLINE_EXCEEDED and
+// takes nothing, on either transport (Envoy gave up on it, and applied its own failure
+// mode: the call's hit must not be counted as well).
+func TestTransportLateCallTakesNothing(t *testing.T) {
+	for _, tr := range Transports {
+		t.Run(tr, func(t *testing.T) {
+			s := testServer(t)
+			s.now = func() int64 { return 1_700_000_000_000_000_000 } // one window throughout
+			sv := serveTest(t, s, tr)
+			r := dialRaw(t, sv.sock)
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "0n")...)
+			r.fr.WriteData(1, true, oneCall("late"))
+			if rp := r.await(1, nil); rp.grpcStatus != "4" {
+				t.Errorf("a call past its deadline: %+v, want grpc-status 4 (DEADLINE_EXCEEDED)", rp)
+			}
+			resp, err := sv.rls.ShouldRateLimit(ctx10(t), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("late")}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := resp.Statuses[0].LimitRemaining; got != 4 {
+				t.Errorf("after the late call and one more, %d remain of 5, want 4: the late call was charged", got)
+			}
+		})
+	}
+}
+
+// A call that waits on Redis is decided on a goroutine of its own (native) or a stream
+// worker (grpc-go). One the client reset or cancelled, or whose deadline passed, before
+// that began is not decided: nothing is taken for an answer nobody reads.
+func TestGoneBeforeDecidingTakesNothing(t *testing.T) {
+	const now = 1_700_000_000_000_000_000 // one window throughout
+	msg := oneCall("gone")[5:]
+	remaining := func(t *testing.T, s *Server) uint32 {
+		t.Helper()
+		ask := desc1("gone")
+		ask.HitsAddend = wrapperspb.UInt64(0)
+		resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{ask}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Statuses[0].LimitRemaining
+	}
+	for _, tc := range []struct {
+		name string
+		gone func(cn *h2conn, st *h2stream) // under cn.mu, before the goroutine begins
+	}{
+		{"native, reset", func(cn *h2conn, st *h2stream) { cn.closeStream(st) }}, // RST_STREAM
+		{"native, deadline", func(cn *h2conn, st *h2stream) { st.deadline = now }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := testServer(t)
+			s.now = func() int64 { return now }
+			cn := newH2Conn(s, &fakeConn{in: bytes.NewReader(nil), closed: make(chan struct{})})
+			cn.mu.Lock()
+			st := cn.newStream(1)
+			cn.streams[1] = st
+			cn.decideLater(st, msg)
+			tc.gone(cn, st)
+			cn.mu.Unlock()
+			cn.deciding.Wait()
+			if got := remaining(t, s); got != 5 {
+				t.Errorf("%d of 5 remain: the call was charged", got)
+			}
+		})
+	}
+	t.Run("grpc-go, cancelled", func(t *testing.T) {
+		s := testServer(t)
+		s.now = func() int64 { return now }
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		dec := func(v any) error {
+			sc := v.(*scratch)
+			sc.raw = append(sc.raw[:0], msg...)
+			return parseRequest(sc.raw, &sc.call)
+		}
+		if _, err := wireHandler(s, ctx, dec, nil); status.Code(err) != codes.Canceled {
+			t.Errorf("%v, want Canceled", err)
+		}
+		if got := remaining(t, s); got != 5 {
+			t.Errorf("%d of 5 remain: the call was charged", got)
+		}
+	})
 }

@@ -28,7 +28,10 @@ type Report struct {
 	// RedisCost and Accuracy are the Redis phase (redis.go).
 	RedisCost []CostRow     `json:"redis_cost"`
 	Accuracy  []AccuracyRow `json:"accuracy"`
-	Notes     []string      `json:"notes"`
+	// Differential is envoyproxy/ratelimit's answers beside rlsidecar's Envoy API's
+	// (differential.go); nil when envoyproxy/ratelimit was not built.
+	Differential *DiffReport `json:"differential"`
+	Notes        []string    `json:"notes"`
 }
 
 // MemoryRow is the memory a system holds per active key.
@@ -136,6 +139,14 @@ func run(cfg config, out string) error {
 		defer stop()
 		peers = ps
 		rep.Notes = append(rep.Notes, notes...)
+		if _, err := os.Stat(filepath.Join(dir, "peers", "service_cmd")); err == nil {
+			bar.step("envoyproxy/ratelimit and rlsidecar's Envoy API: the same calls, answers compared")
+			d, err := differential(dir, filepath.Join(dir, "peers"))
+			if err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("differential phase: %v", err))
+			}
+			rep.Differential = d
+		}
 	}
 
 	conns := []int{1, 16, 64}

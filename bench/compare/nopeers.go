@@ -10,3 +10,6 @@ func startPeers(dir string, ks keys) ([]*system, []string, func()) {
 
 // startRedisPeers without the "peers" build tag: none.
 func startRedisPeers(dir string) ([]*redisSystem, []string, func()) { return nil, nil, func() {} }
+
+// differential without the "peers" build tag: no envoyproxy/ratelimit to compare with.
+func differential(dir, bin string) (*DiffReport, error) { return nil, nil }

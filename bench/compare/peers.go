@@ -358,6 +358,11 @@ func startEnvoyRL(bin string, ks keys) (*system, func(), error) {
 // runEnvoyRL starts one envoyproxy/ratelimit service (service_cmd, installed in bin) on
 // the Redis at redisPort, its runtime directory named by tag, and waits until it answers.
 func runEnvoyRL(bin string, redisPort int, tag string) (string, func(), error) {
+	return runEnvoyRLWith(bin, redisPort, tag, envoyConfig)
+}
+
+// runEnvoyRLWith is runEnvoyRL with the configuration file config.
+func runEnvoyRLWith(bin string, redisPort int, tag, config string) (string, func(), error) {
 	var ports [3]int
 	for i := range ports {
 		p, err := freePort()
@@ -372,7 +377,7 @@ func runEnvoyRL(bin string, redisPort int, tag string) (string, func(), error) {
 	if err := os.MkdirAll(cfgDir, 0o755); err != nil {
 		return "", nil, err
 	}
-	if err := os.WriteFile(filepath.Join(cfgDir, "bench.yaml"), []byte(envoyConfig), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(cfgDir, "bench.yaml"), []byte(config), 0o644); err != nil {
 		return "", nil, err
 	}
 	cmd := exec.Command(filepath.Join(bin, "service_cmd"))

@@ -114,6 +114,16 @@ func writeReport(rep *Report, out string) error {
 			fmt.Fprintf(&b, "| %s | %d | %s | %d | %d | %d | %d | %.3f |\n", r.System, r.Instances, r.Keys, r.Limit, r.Sent, r.Degraded, r.Admitted, r.Ratio)
 		}
 	}
+	if d := rep.Differential; d != nil {
+		fmt.Fprintf(&b, "\n## envoyproxy/ratelimit beside rlsidecar's Envoy API\n\nOne envoyproxy/ratelimit configuration (rlsidecar's through import-envoy), the same %d calls: "+
+			"%d answered alike, %d differently as the README says, %d differently otherwise.\n\n", d.Calls, d.Same, len(d.Documented), len(d.Unexpected))
+		if len(d.Documented)+len(d.Unexpected) > 0 {
+			b.WriteString("| call | envoy-ratelimit | rlsidecar | why |\n|---|---|---|---|\n")
+			for _, c := range append(append([]DiffCase{}, d.Unexpected...), d.Documented...) {
+				fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", c.Call, c.Envoy, c.Rlsidecar, c.Why)
+			}
+		}
+	}
 	if len(rep.Notes) > 0 {
 		b.WriteString("\n## Notes\n\n")
 		for _, n := range rep.Notes {
@@ -234,4 +244,21 @@ func charts(rep *Report, out string) error {
 	op.Legend.Top = true
 	op.Legend.Left = true
 	return op.Save(8*vg.Inch, 4*vg.Inch, filepath.Join(out, "openloop.png"))
+}
+
+// DiffCase is one call whose answers differ.
+type DiffCase struct {
+	Call      string `json:"call"`
+	Envoy     string `json:"envoy_ratelimit"`
+	Rlsidecar string `json:"rlsidecar"`
+	// Why: the README's difference it is, or what was expected instead.
+	Why string `json:"why"`
+}
+
+// DiffReport is the differential phase's result.
+type DiffReport struct {
+	Calls      int        `json:"calls"`
+	Same       int        `json:"same"`
+	Documented []DiffCase `json:"documented"`
+	Unexpected []DiffCase `json:"unexpected"`
 }

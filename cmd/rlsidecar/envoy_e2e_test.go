@@ -234,6 +234,25 @@ func testE2EEnvoyRLS(t *testing.T, transport string) {
 		}
 	})
 
+	t.Run("override of 0", func(t *testing.T) {
+		// requests_per_unit 0 refuses the call, as envoyproxy/ratelimit does, whatever
+		// its hits_addend; the other descriptor is not charged.
+		z := desc("to_number=444")
+		z.Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 0, Unit: typev3.RateLimitUnit_HOUR}
+		for _, hits := range []uint64{0, 1, 5} {
+			z.HitsAddend = wrapperspb.UInt64(hits)
+			resp := f.call(t, "messaging", 0, z, desc("to_number=445"))
+			checkStatuses(t, resp, over, wantStatus{code: over, limit: true, rpu: 0, unit: rlsv3.RateLimitResponse_RateLimit_HOUR},
+				wantStatus{code: ok, limit: true, name: "per-number", rpu: 3, unit: day, remaining: 3})
+			if r := resp.Statuses[0].DurationUntilReset.AsDuration(); r <= 0 || r > time.Hour {
+				t.Errorf("reset %v, want the rest of the hour", r)
+			}
+			if h := headerMap(resp); h["Retry-After"] != "" || !strings.Contains(string(resp.RawBody), "can never pass") {
+				t.Errorf("override of 0: headers %v body %s", h, resp.RawBody)
+			}
+		}
+	})
+
 	t.Run("calendar month", func(t *testing.T) {
 		// 3 per calendar month is Envoy's 3 per MONTH, not 35 per YEAR (its nominal 31
 		// days' rate).
@@ -290,7 +309,7 @@ func testE2EEnvoyRLS(t *testing.T, transport string) {
 			{Domain: "edge"},
 			{Domain: "edge", Descriptors: []*commonrl.RateLimitDescriptor{desc("=b")}},
 			{Domain: "edge", Descriptors: []*commonrl.RateLimitDescriptor{{Entries: desc("a=b").Entries,
-				Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 0, Unit: typev3.RateLimitUnit_SECOND}}}},
+				Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 1, Unit: typev3.RateLimitUnit_UNKNOWN}}}},
 		} {
 			_, err := f.rls.ShouldRateLimit(context.Background(), req)
 			if status.Code(err) != codes.InvalidArgument {
@@ -389,7 +408,7 @@ func TestImportEnvoyCLI(t *testing.T) {
 	examples, _ := filepath.Glob("../../envoyrls/testdata/readme/ex*.yaml")
 	var inputs []string
 	for _, p := range examples {
-		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") && !strings.Contains(p, "ex9b") && !strings.Contains(p, "ex9c") {
+		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") {
 			inputs = append(inputs, p) // one file per domain, as Envoy requires
 		}
 	}
@@ -415,6 +434,13 @@ func TestImportEnvoyCLI(t *testing.T) {
 	}
 	if _, _, code := runInProcess("import-envoy", "--algorithm", "leaky_bucket", bad); code != exitUsage {
 		t.Fatalf("bad --algorithm: code %d", code)
+	}
+	out, errOut, code = runInProcess("import-envoy", "--mode", "global", inputs[0])
+	if code != exitOK || !strings.Contains(out, "    mode: global\n") {
+		t.Fatalf("--mode global: code %d %s\n%s", code, errOut, out)
+	}
+	if _, _, code := runInProcess("import-envoy", "--mode", "exact", inputs[0]); code != exitUsage {
+		t.Fatalf("bad --mode: code %d", code)
 	}
 }
 

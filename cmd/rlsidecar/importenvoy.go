@@ -15,6 +15,7 @@ import (
 func importEnvoy(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("import-envoy", stderr)
 	alg := fs.String("algorithm", "fixed_window", "algorithm of the rules written: fixed_window (Envoy's windows, aligned to the epoch), sliding_window or token_bucket")
+	mode := fs.String("mode", "", "mode of the rules written: local, hybrid or global (exact across daemons, as envoyproxy/ratelimit's Redis counters are); empty: none, the daemon's default (hybrid with Redis)")
 	paths, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -27,6 +28,11 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("%w: --algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", errUsage, *alg)
 	}
+	switch *mode {
+	case "", "local", "hybrid", "global":
+	default:
+		return fmt.Errorf("%w: --mode %q: use local, hybrid or global", errUsage, *mode)
+	}
 	files := make([]envoyrls.File, len(paths))
 	for i, p := range paths {
 		data, err := os.ReadFile(p)
@@ -35,7 +41,7 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 		}
 		files[i] = envoyrls.File{Name: p, Data: data}
 	}
-	out, err := envoyrls.Convert(files, *alg)
+	out, err := envoyrls.ConvertWith(files, envoyrls.ConvertOptions{Algorithm: *alg, Mode: *mode})
 	if err != nil {
 		return err
 	}

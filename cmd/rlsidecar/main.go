@@ -5,7 +5,7 @@
 //	rlsidecar check    [--socket P] attr=value… [--cost N]  ask a running daemon; prints JSON
 //	rlsidecar validate --config F                           check a rules file
 //	rlsidecar replay   --config F --trace T                 run a recorded trace through rules
-//	rlsidecar import-envoy [--algorithm A] FILE…            convert envoyproxy/ratelimit configs to rules
+//	rlsidecar import-envoy [--algorithm A] [--mode M] FILE… convert envoyproxy/ratelimit configs to rules
 //	rlsidecar version
 //
 // Signals (serve): SIGTERM and SIGINT drain — stop accepting, answer what is in flight,
@@ -55,7 +55,7 @@ Usage:
   rlsidecar check    [--socket PATH] attr=value... [--cost N]   ask a running daemon; prints the decision as JSON
   rlsidecar validate --config FILE                             check a rules file; exit 1 with file:line errors
   rlsidecar replay   --config FILE --trace FILE                run a JSON-lines trace through the rules in local mode
-  rlsidecar import-envoy [--algorithm A] FILE...               convert envoyproxy/ratelimit config files to rules YAML on stdout
+  rlsidecar import-envoy [--algorithm A] [--mode M] FILE...    convert envoyproxy/ratelimit config files to rules YAML on stdout
   rlsidecar version
 
 Run "rlsidecar COMMAND --help" for a command's flags.
