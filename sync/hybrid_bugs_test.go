@@ -595,11 +595,13 @@ func TestHybridCostUpToWhatIsLeft(t *testing.T) {
 // Two ops of one check on the same key (two identical inline limits, or two Envoy
 // descriptors alike) are decided together, each as if the ones before it were charged,
 // as the exact and local modes decide them. Before, each was decided against the same
-// allowance: a key of 3 admitted two such checks, 4 units.
+// allowance: a key of 3 admitted two such checks, 4 units. A refused check reports the
+// first op as the exact mode does (it fit: allowed, 1 left), and does not take that op's
+// room for a race lost (which re-synced until FetchWait ran out, here 2 s).
 func TestHybridSameKeyTwiceInOneCheck(t *testing.T) {
 	rdb := standalone(t)
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
-		h := NewHybrid(rdb, HybridOptions{})
+		h := NewHybrid(rdb, HybridOptions{FetchWait: 2 * time.Second})
 		lim := mustLimit(t, alg, 3, time.Hour)
 		key := []byte(fmt.Sprintf("rl:twice:{%v}", alg))
 		now := time.Now().UnixNano()
@@ -608,8 +610,15 @@ func TestHybridSameKeyTwiceInOneCheck(t *testing.T) {
 			t.Fatalf("%v: first check: %+v, %+v; want allowed, 2 then 1 left", alg, ops[0].Result, ops[1].Result)
 		}
 		ops = []HybridOp{{Key: key, Limit: lim, Cost: 1}, {Key: key, Limit: lim, Cost: 1}}
+		start := time.Now()
 		if h.Take(now, ops) {
 			t.Fatalf("%v: a second check of two units on the 1 left was allowed: %+v, %+v", alg, ops[0].Result, ops[1].Result)
+		}
+		if took := time.Since(start); took > time.Second {
+			t.Errorf("%v: the refused check took %v (waited out FetchWait)", alg, took)
+		}
+		if r := ops[0].Result; !r.Allowed || r.Remaining != 1 {
+			t.Errorf("%v: the refused check's first op: %+v, want allowed with 1 left (as the exact mode reports it)", alg, r)
 		}
 		if r := take(h, now, string(key), lim, 1); !r.Allowed || r.Remaining != 0 {
 			t.Fatalf("%v: the unit left, after the refused check: %+v, want allowed with 0 left (the refusal charged something?)", alg, r)

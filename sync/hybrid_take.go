@@ -222,6 +222,25 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			fetch = fetch || f
 		}
 	}
+	if !ok {
+		// An op with a later one on its key (which carries both costs) is not the one to
+		// sync for, nor a race lost: its key is decided by the last. If the view had room
+		// for it, it is reported as the exact mode reports an op that fit in a refused
+		// check: allowed, its key's state as a question (cost 0) sees it.
+		for i := range ops {
+			if op := &ops[i]; op.room {
+				for _, later := range ents[i+1:] {
+					if later == ents[i] {
+						op.room = false
+						if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false); r.Allowed {
+							op.Result, op.fetched, op.Unreachable = r, false, false
+						}
+						break
+					}
+				}
+			}
+		}
+	}
 	if !ok && fetch {
 		// Worth waiting only if every refusal is one an exact sync may turn around.
 		all := true

@@ -21,7 +21,8 @@ import (
 
 // The differential phase: envoyproxy/ratelimit and rlsidecar's Envoy API, given one
 // envoyproxy/ratelimit configuration (rlsidecar's converted by `rlsidecar import-envoy`,
-// once as it is, decided locally, and once with --mode global, decided in Redis), answer
+// once as it is, decided locally, once with --mode global, decided in Redis, and once
+// with --mode hybrid, one daemon syncing with Redis), answer
 // the same ShouldRateLimit calls, each on a fresh store, and their answers are
 // compared field by field: the overall code, and each status's code, current_limit
 // (requests per unit; the name is rlsidecar's rule name, not compared), limit_remaining
@@ -308,9 +309,10 @@ func resetsAgree(a, b *ratelimitv3.RateLimitResponse) bool {
 }
 
 // differential runs the phase with the service_cmd installed in bin and the rlsidecar
-// built in dir: one envoyproxy/ratelimit and two rlsidecar daemons, the rules converted
-// as they are by default (no mode: local here, without Redis) and with --mode global
-// (on Redis, as envoyproxy/ratelimit counts).
+// built in dir: one envoyproxy/ratelimit and three rlsidecar daemons, the rules converted
+// as they are by default (no mode: local here, without Redis), with --mode global (on
+// Redis, as envoyproxy/ratelimit counts) and with --mode hybrid (on Redis too, under
+// a prefix of its own).
 func differential(dir, bin string) (*DiffReport, error) {
 	cfgFile := filepath.Join(dir, "diff-envoy.yaml")
 	if err := os.WriteFile(cfgFile, []byte(diffConfig), 0o644); err != nil {
@@ -328,7 +330,7 @@ func differential(dir, bin string) (*DiffReport, error) {
 	defer stopEnvoy()
 	names := []string{"envoy-ratelimit"}
 	addrs := []string{envoyAddr}
-	for _, mode := range []string{"", "global"} {
+	for _, mode := range []string{"", "global", "hybrid"} {
 		name, args := "rlsidecar", []string{"import-envoy", cfgFile}
 		if mode != "" {
 			name, args = "rlsidecar --mode "+mode, append(args, "--mode", mode)
@@ -351,7 +353,8 @@ func differential(dir, bin string) (*DiffReport, error) {
 		serve := []string{"serve", "--socket", filepath.Join(dir, "rlsidecar-diff"+mode+".sock"),
 			"--admin=", "--log-level", "warn", "--config", rulesFile, "--envoy-rls", addr}
 		if mode != "" {
-			serve = append(serve, "--redis", fmt.Sprintf("redis://127.0.0.1:%d", redisPort), "--global-timeout", "1s")
+			// Each mode on keys of its own (a global and a hybrid key of one rule share a name).
+			serve = append(serve, "--redis", fmt.Sprintf("redis://127.0.0.1:%d", redisPort), "--global-timeout", "1s", "--redis-prefix", mode+":")
 		}
 		rp, err := startLogged(exec.Command(filepath.Join(dir, "rlsidecar"), serve...), "listening")
 		if err != nil {
