@@ -34,7 +34,7 @@ type hentry struct {
 	reset       int64              // view: ns until full
 	retry       int64              // view: ns until one more unit fits, by Redis (0: one fits)
 	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
-	token       uint32             // the token of the last sync Redis confirmed
+	token       uint32             // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant       uint32             // the units reserved for this daemon at the last sync
 	demand      uint32             // offered since the last sync was sent
 	short       uint16             // of which refused locally for want of allowance (saturating)
