@@ -81,3 +81,32 @@ func TestHybridForgottenKeyCountsEveryUnit(t *testing.T) {
 		t.Fatalf("Redis counts %d (%v), the daemon admitted %d", n, err, admitted)
 	}
 }
+
+// A key whose last unit was an exact sync's grant, used (the usual end of a client whose
+// requests rotate over the daemons: its units are in Redis, reserved by that sync), holds
+// nothing Redis lacks, and is forgotten once unused for KeepAlive and full again, as any
+// other key.
+func TestHybridSweepForgetsUsedGrant(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.TokenBucket, 1, time.Second) // capacity 1: no first unit on credit
+	h := NewHybrid(rdb, HybridOptions{ID: "gw-1"})
+	const key = "rl:sweep:{user=1}"
+	now := time.Now().UnixNano()
+	if r := take(h, now, key, lim, 1); !r.Allowed {
+		t.Fatalf("first request refused: %+v", r)
+	}
+	syncAll(t, now, h)
+	syncAll(t, now, h)
+	later := now + int64(30*time.Second)
+	for i := range h.shards {
+		h.sweep(i, later)
+	}
+	if n := h.Len(); n != 0 {
+		b := []byte(key)
+		sh := &h.shards[h.shardOf(b)]
+		sh.mu.Lock()
+		e := *sh.m[key]
+		sh.mu.Unlock()
+		t.Fatalf("%d keys held 30 s after their last use, the key full again: %+v", n, e)
+	}
+}
