@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // stopDaemon sends SIGTERM and waits for a clean exit.
@@ -66,5 +67,47 @@ rules:
 		if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != admitted[k] {
 			t.Errorf("%s: Redis counts %d (%v), the runs admitted %d", key, n, err, admitted[k])
 		}
+	}
+}
+
+// Blue/green: the old daemon's SIGTERM closes its gateways' connections, but their
+// requests holding global leases are still running; the slots stay held in Redis until
+// the gateway releases them through the new daemon (or they expire). Before, the old
+// daemon freed them as it shut down, and the new one admitted a request past the
+// concurrency max while they were still in flight.
+func TestE2EGlobalLeasesOutliveDaemonShutdown(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 60s }
+    mode: global
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "2s", "--redis-timeout", "1s"}
+	blue := startDaemon(t, append(args, "--daemon-id", "blue")...)
+	green := startDaemon(t, append(args, "--daemon-id", "green")...)
+	cb, cg := dialRaw(t, blue.socket), dialRaw(t, green.socket)
+	var leases []string
+	for i := 0; i < 2; i++ {
+		r := cb.check(uint64(1+i), 1, "user=ann")
+		if !r.Allowed || r.Lease == "" || r.Degraded {
+			t.Fatalf("lease %d on blue: %+v", i+1, r)
+		}
+		leases = append(leases, r.Lease)
+	}
+	stopDaemon(t, blue) // its drain closes the gateway's connection; the requests run on
+	if r := cg.check(3, 1, "user=ann"); r.Allowed || r.Degraded {
+		t.Fatalf("green, with blue's 2 requests still in flight: %+v, want refused (max 2)", r)
+	}
+	// The gateway ends its requests and releases their leases through green.
+	for i, l := range leases {
+		if r := cg.leaseOp(uint64(4+i), proto.OpRelease, l, 0); !r.Released || r.IsError() {
+			t.Fatalf("release %d through green: %+v, want released", i+1, r)
+		}
+	}
+	if r := cg.check(6, 1, "user=ann"); !r.Allowed || r.Degraded {
+		t.Fatalf("green after the releases: %+v, want allowed", r)
 	}
 }
