@@ -8,10 +8,9 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
-// A daemon restarted with the same ID (--daemon-id, or hostname-pid in a container whose
-// process is pid 1) finds its previous run's sync records on the keys. Its syncs must
-// not be taken for replays or resends of those: every unit either run admitted is
-// counted once. Tokens used to restart at 1 in every process, so the new run's first sync
+// A daemon restarted with the same ID (--daemon-id) finds its previous run's sync
+// records on the keys. Its syncs must not be taken for replays or resends of those:
+// every unit either run admitted is counted once. Tokens used to restart at 1 in every process, so the new run's first sync
 // of a key carried the token the old run's first sync had recorded there (a replay:
 // nothing counted), or prev_token 0 matching a record the old run left after its first
 // sync (a resend: the old run's units taken off again).

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -29,9 +30,8 @@ func stopDaemon(t *testing.T, d *daemonProc) {
 	}
 }
 
-// A daemon restarted under the same --daemon-id (a fixed name per host, or hostname-pid
-// for a container whose process is pid 1) counts in Redis every unit each of its runs
-// admitted. Before, every run's sync tokens started at 1, so a key's first sync in the
+// A daemon restarted under the same --daemon-id (a fixed name per host) counts in Redis
+// every unit each of its runs admitted. Before, every run's sync tokens started at 1, so a key's first sync in the
 // new run carried the token the old run had recorded on the key, and the script took it
 // for a replay: 40 keys checked once per run, three runs, Redis counted 1 of 3 on each.
 func TestE2EHybridRestartSameIDCountsOnce(t *testing.T) {
@@ -109,5 +109,20 @@ rules:
 	}
 	if r := cg.check(6, 1, "user=ann"); !r.Allowed || r.Degraded {
 		t.Fatalf("green after the releases: %+v, want allowed", r)
+	}
+}
+
+// Two daemons on one host name with one pid (containers sharing the host's network, each
+// daemon pid 1) get different default IDs: under one ID they counted as one daemon and
+// each took the other's use of a shared key for its own.
+func TestDefaultDaemonIDsDiffer(t *testing.T) {
+	a, b := defaultDaemonID("gw-node-3", 1), defaultDaemonID("gw-node-3", 1)
+	if a == b {
+		t.Fatalf("two daemons on host gw-node-3 as pid 1 both named %q", a)
+	}
+	for _, id := range []string{a, b} {
+		if !strings.HasPrefix(id, "gw-node-3-1-") {
+			t.Fatalf("default ID %q does not start with the host and pid", id)
+		}
 	}
 }
