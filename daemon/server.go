@@ -430,8 +430,15 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	cn.rw = rawio.New(c, s.spin)
 	cn.br.Reset(cn.rw) // keeps its buffer
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
-	// so a gateway that dies frees its slots at once.
-	defer func() { s.lim.ReleaseOwner(cn.id, s.now()) }()
+	// so a gateway that dies frees its slots at once; but not its global leases when the
+	// daemon is the one going away (draining): the gateway's requests still hold them.
+	defer func() {
+		if s.draining.Load() {
+			s.lim.ReleaseOwnerAtShutdown(cn.id, s.now())
+			return
+		}
+		s.lim.ReleaseOwner(cn.id, s.now())
+	}()
 	if m := s.cfg.Metrics; m != nil {
 		defer func() { // after wait: a deciding goroutine's write may be the cause
 			if r := closeReason(cn.cut.Load()); r != 0 {

@@ -509,6 +509,18 @@ func (l *Limiter) leaseNow(rule string) (int64, bool) {
 	return 0, false
 }
 
+// ReleaseOwnerAtShutdown is ReleaseOwner for a connection the daemon closes because it
+// is shutting down: the local leases end with the daemon, but the global ones stay held
+// in Redis. The gateway's requests holding them are still running; it releases them
+// through whichever daemon serves it next (a global lease's token works on any daemon),
+// or they expire after their lease. Freeing them here let the other daemons admit past
+// a concurrency rule's max while those requests ran (a blue/green switch: the old
+// daemon's SIGTERM freed every slot its gateway still held). Returns how many local
+// leases it freed.
+func (l *Limiter) ReleaseOwnerAtShutdown(owner uint64, now int64) int {
+	return l.leases.ReleaseOwner(owner, now)
+}
+
 // ReleaseOwner frees every lease owner still holds (its connection closed), local and
 // global (in Redis, batched on one bounded context), counting them as closed, and
 // returns how many leases it freed.

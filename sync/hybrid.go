@@ -2,6 +2,7 @@ package sync
 
 import (
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"hash/maphash"
 	gosync "sync"
@@ -45,7 +46,7 @@ type Hybrid struct {
 	replicas atomic.Int64 // live daemons (from heartbeats; at least 1)
 
 	id       string              // this daemon, in sync records
-	tokens   atomic.Uint64       // sync tokens: each sync of a key carries a fresh one
+	tokens   atomic.Uint64       // sync tokens: each sync of a key carries a fresh one (newToken)
 	perShard int                 // keys a shard holds at most
 	dropped  atomic.Uint64       // admitted units lost to the key cap before they reached Redis
 	evicted  atomic.Uint64       // keys evicted for the cap
@@ -178,6 +179,12 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		maxSync: o.MaxSyncKeys, seed: maphash.MakeSeed(), id: o.ID, clock: o.Clock,
 		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.replicas.Store(1)
+	// Tokens start at a random point, not at 1: a daemon restarted under the same ID finds
+	// its previous run's sync records on the keys, and a token that run recorded must not
+	// come back as this run's (newToken).
+	var tb [4]byte
+	_, _ = rand.Read(tb[:])
+	h.tokens.Store(uint64(binary.LittleEndian.Uint32(tb[:])))
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
 	h.beatTTL = 3 * h.heartbeatEvery()

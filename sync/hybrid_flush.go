@@ -64,6 +64,15 @@ type syncItem struct {
 // check is no earlier than the last admission, so the charge is never earlier than the
 // exact mode's: no refill is credited that the exact mode would not have.
 func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand uint32) syncItem {
+	if e.token == 0 {
+		// The entry's first sync: it names a token of its own, never sent, as the one it
+		// last confirmed. prev_token 0 would match the record that an earlier entry of the
+		// key (forgotten since, or a previous run under this daemon's ID) left after its
+		// first sync, and this sync would be taken for a resend of that one: the units
+		// that one settled would be taken off the count again. Kept on failure, so a
+		// resend of this first sync matches its record as it must.
+		e.token = h.newToken()
+	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
 		age: min(seenMs(now)-e.seen, maxChargeAge)}
@@ -233,6 +242,19 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	return len(items), nil
 }
 
+// newToken returns a sync token: never 0 (an entry's "no sync confirmed yet"), unique
+// among the tokens this process hands out until the 32 bits wrap, and starting at a
+// random point in each process (NewHybrid), so a daemon restarted under the same ID does
+// not repeat the tokens its previous run recorded in Redis: the script takes a sync whose
+// token a key's record holds for a replay, and counts nothing of it.
+func (h *Hybrid) newToken() uint32 {
+	for {
+		if t := uint32(h.tokens.Add(1)); t != 0 {
+			return t
+		}
+	}
+}
+
 // maxChargeAge bounds how far back (ms) a sync dates the units it charges (syncItem.age):
 // a unit admitted longer ago than a sync record lasts (the script's minimum TTL) is
 // charged as of then.
@@ -382,10 +404,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 				keys[i] = it.e.key
 			}
 			if it.token == 0 {
-				it.token = uint32(h.tokens.Add(1))
-				if it.token == 0 {
-					it.token = uint32(h.tokens.Add(1))
-				}
+				it.token = h.newToken()
 			}
 			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)

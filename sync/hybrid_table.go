@@ -34,7 +34,7 @@ type hentry struct {
 	reset       int64              // view: ns until full
 	retry       int64              // view: ns until one more unit fits, by Redis (0: one fits)
 	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
-	token       uint32             // the token of the last sync Redis confirmed
+	token       uint32             // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant       uint32             // the units reserved for this daemon at the last sync
 	demand      uint32             // offered since the last sync was sent
 	short       uint16             // of which refused locally for want of allowance (saturating)
@@ -67,31 +67,37 @@ func (e *hentry) needsSync() bool {
 	return e.pending != uint64(e.grant) || e.short > 0 || e.owed > 0
 }
 
-// holds reports whether forgetting e would lose something: units not yet in Redis, or
-// a grant not yet given back.
-func (e *hentry) holds() bool { return e.pending > 0 || e.grant > 0 }
+// holds reports whether forgetting e would lose something: units not yet in Redis (used
+// beyond the grant), a grant not yet given back (used short of it), or units given back
+// that Redis still counts (owed). A grant used exactly holds nothing: its reservation
+// already counts every unit it admitted (the usual end of an exact sync), and such a key
+// used to stay in memory for good, never swept.
+func (e *hentry) holds() bool { return e.pending != uint64(e.grant) || e.owed > 0 }
+
+// unsynced is what forgetting e loses of what it admitted: the units beyond its grant.
+func (e *hentry) unsynced() uint64 { return e.pending - min(e.pending, uint64(e.grant)) }
 
 // evict makes room in a full shard (its lock held): among a sample of keys it drops one
 // holding nothing if it finds one, else one holding only a grant (left to expire in
-// Redis: a little budget idles, none is lost), else the one with the least pending,
-// whose units are then lost and counted in Dropped. Keys with a sync on its way are
-// left alone.
+// Redis: a little budget idles, none is lost), else the one with the fewest units
+// beyond its grant, which are then lost and counted in Dropped. Keys with a sync on its
+// way are left alone.
 func (h *Hybrid) evict(sh *hshard) {
 	var ve *hentry
 	rank := func(e *hentry) int {
 		switch {
 		case e.flags&flagBusy != 0:
 			return 3
-		case e.pending == 0 && e.grant == 0:
+		case !e.holds():
 			return 0
-		case e.pending == 0:
+		case e.unsynced() == 0:
 			return 1
 		}
 		return 2
 	}
 	n := 0
 	for _, e := range sh.m {
-		if ve == nil || rank(e) < rank(ve) || rank(e) == 2 && rank(ve) == 2 && e.pending < ve.pending {
+		if ve == nil || rank(e) < rank(ve) || rank(e) == 2 && rank(ve) == 2 && e.unsynced() < ve.unsynced() {
 			ve = e
 		}
 		if n++; n == 16 || rank(ve) == 0 {
@@ -101,8 +107,8 @@ func (h *Hybrid) evict(sh *hshard) {
 	if ve == nil || rank(ve) == 3 {
 		return
 	}
-	if ve.pending > 0 {
-		h.dropped.Add(ve.pending)
+	if u := ve.unsynced(); u > 0 {
+		h.dropped.Add(u)
 	}
 	h.evicted.Add(1)
 	delete(sh.m, ve.key)

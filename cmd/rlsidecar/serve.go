@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"flag"
 	"fmt"
@@ -75,7 +76,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call")
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
-	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats (default: hostname-pid)")
+	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
 	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "how long the breaker stays open before one probe is let through")
@@ -139,7 +140,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	id := *daemonID
 	if id == "" {
 		host, _ := os.Hostname()
-		id = fmt.Sprintf("%s-%d", host, os.Getpid())
+		id = defaultDaemonID(host, os.Getpid())
 	}
 	load := func() (*rules.Set, error) {
 		if *config == "" {
@@ -699,4 +700,16 @@ func checkBounds(bs ...bound) error {
 		}
 	}
 	return nil
+}
+
+// defaultDaemonID names a daemon started without --daemon-id: its host, its pid and a
+// random part. Host and pid alone repeat: containers that share the host's network (and
+// so its hostname) each run their daemon as pid 1, and two live daemons under one name
+// count as one in Redis and take each other's use of a key for their own, so each gets
+// credit on keys they share (20 clients rotating over 3 such daemons, a fixed window of
+// 30: 48.75 admitted each).
+func defaultDaemonID(host string, pid int) string {
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%s-%d-%x", host, pid, b)
 }

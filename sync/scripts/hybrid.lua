@@ -293,7 +293,12 @@ for i = 1, nkeys do
         if later < window then
           est2 = math.floor(p * (window - later) / window) + n
         else
-          est2 = math.max(0, math.floor(n * (2 * window - later) / window))
+          -- The interval reaches into the next window, where this window's count weighs
+          -- less; but a grant made now is reserved in this window's count and may be
+          -- spent at once, so it must fit this window: n + grant within the limit. (Sized
+          -- by the next window's estimate, a hot client got limit x (1 + interval ÷
+          -- window) every window: 22 of 20 a second.)
+          est2 = n
         end
         headroom = math.min(requests, math.max(0, requests - est2 - res))
       end

@@ -1,0 +1,128 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// stopDaemon sends SIGTERM and waits for a clean exit.
+func stopDaemon(t *testing.T, d *daemonProc) {
+	t.Helper()
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("daemon did not exit\n%s", d.stderr.String())
+	}
+}
+
+// A daemon restarted under the same --daemon-id (a fixed name per host) counts in Redis
+// every unit each of its runs admitted. Before, every run's sync tokens started at 1, so a key's first sync in the
+// new run carried the token the old run had recorded on the key, and the script took it
+// for a replay: 40 keys checked once per run, three runs, Redis counted 1 of 3 on each.
+func TestE2EHybridRestartSameIDCountsOnce(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 1000, per: 1h }
+`)
+	const keys = 40
+	admitted := make([]int, keys)
+	socket := dir + "/s.sock"
+	for run := 0; run < 3; run++ {
+		d := startDaemonAt(t, socket, "--config", cfg, "--redis", "redis://"+srv.Addr, "--daemon-id", "gw-1")
+		c := dialRaw(t, d.socket)
+		for k := 0; k < keys; k++ {
+			if r := c.check(uint64(k+1), 1, fmt.Sprint("user=u", k)); r.Allowed {
+				admitted[k]++
+			} else {
+				t.Fatalf("run %d, user u%d refused: %+v", run, k, r)
+			}
+		}
+		stopDaemon(t, d) // its last sync settles what it admitted
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	ctx := context.Background()
+	for k := 0; k < keys; k++ {
+		key := fmt.Sprintf("rl:per-user~fw1h:{user=u%d}", k)
+		if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != admitted[k] {
+			t.Errorf("%s: Redis counts %d (%v), the runs admitted %d", key, n, err, admitted[k])
+		}
+	}
+}
+
+// Blue/green: the old daemon's SIGTERM closes its gateways' connections, but their
+// requests holding global leases are still running; the slots stay held in Redis until
+// the gateway releases them through the new daemon (or they expire). Before, the old
+// daemon freed them as it shut down, and the new one admitted a request past the
+// concurrency max while they were still in flight.
+func TestE2EGlobalLeasesOutliveDaemonShutdown(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 60s }
+    mode: global
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "2s", "--redis-timeout", "1s"}
+	blue := startDaemon(t, append(args, "--daemon-id", "blue")...)
+	green := startDaemon(t, append(args, "--daemon-id", "green")...)
+	cb, cg := dialRaw(t, blue.socket), dialRaw(t, green.socket)
+	var leases []string
+	for i := 0; i < 2; i++ {
+		r := cb.check(uint64(1+i), 1, "user=ann")
+		if !r.Allowed || r.Lease == "" || r.Degraded {
+			t.Fatalf("lease %d on blue: %+v", i+1, r)
+		}
+		leases = append(leases, r.Lease)
+	}
+	stopDaemon(t, blue) // its drain closes the gateway's connection; the requests run on
+	if r := cg.check(3, 1, "user=ann"); r.Allowed || r.Degraded {
+		t.Fatalf("green, with blue's 2 requests still in flight: %+v, want refused (max 2)", r)
+	}
+	// The gateway ends its requests and releases their leases through green.
+	for i, l := range leases {
+		if r := cg.leaseOp(uint64(4+i), proto.OpRelease, l, 0); !r.Released || r.IsError() {
+			t.Fatalf("release %d through green: %+v, want released", i+1, r)
+		}
+	}
+	if r := cg.check(6, 1, "user=ann"); !r.Allowed || r.Degraded {
+		t.Fatalf("green after the releases: %+v, want allowed", r)
+	}
+}
+
+// Two daemons on one host name with one pid (containers sharing the host's network, each
+// daemon pid 1) get different default IDs: under one ID they counted as one daemon and
+// each took the other's use of a shared key for its own.
+func TestDefaultDaemonIDsDiffer(t *testing.T) {
+	a, b := defaultDaemonID("gw-node-3", 1), defaultDaemonID("gw-node-3", 1)
+	if a == b {
+		t.Fatalf("two daemons on host gw-node-3 as pid 1 both named %q", a)
+	}
+	for _, id := range []string{a, b} {
+		if !strings.HasPrefix(id, "gw-node-3-1-") {
+			t.Fatalf("default ID %q does not start with the host and pid", id)
+		}
+	}
+}
