@@ -10,7 +10,7 @@
 --   http-response lua.rlsidecar_headers
 --
 -- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
--- client address), method and path with the daemon at SOCKET
+-- client address; an IPv4-mapped IPv6 one as its IPv4 address), method and path with the daemon at SOCKET
 -- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
 -- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
 -- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
@@ -187,7 +187,7 @@ local function action(txn, address, policy, timeout)
     return
   end
   local attrs = {
-    { "ip", txn.f:src() or "" },
+    { "ip", http.peer_ip(txn.f:src()) },
     { "method", txn.f:method() or "" },
     { "path", normalize_path(txn.f:path() or "") },
   }

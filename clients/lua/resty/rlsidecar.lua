@@ -296,11 +296,12 @@ function _M.log(self)
   return ok and true or false
 end
 
--- default_attrs are the attributes of the current request: ip (the client address),
+-- default_attrs are the attributes of the current request: ip (the client address, as
+-- rlsidecar.http.peer_ip gives it: an IPv4-mapped IPv6 address as its IPv4 address),
 -- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
 function _M.default_attrs()
   return {
-    { "ip", ngx.var.remote_addr or "" },
+    { "ip", http.peer_ip(ngx.var.remote_addr) },
     { "method", ngx.req.get_method() },
     { "path", ngx.var.uri or "" },
   }

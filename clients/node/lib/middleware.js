@@ -6,15 +6,30 @@ const { ProtocolError, ClosedError } = require('./proto');
 const { Decision } = require('./decision');
 const { normalizePath } = require('./path');
 
+const MAPPED = /^::ffff:((?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3})$/i;
+
 /**
- * The default attributes: ip (the peer's address), method, and path: normalizePath of the
+ * The ip attribute every rlsidecar client sends for a peer address (without a port): the
+ * address itself, except that an IPv4-mapped IPv6 address ('::ffff:' before a dotted
+ * quad) is sent as the IPv4 address it maps. A server's default listen() is dual-stack,
+ * and there an IPv4 client's remoteAddress is '::ffff:203.0.113.7', which the Go client and
+ * nginx send as '203.0.113.7': one form, one key per client whichever gateway asks
+ * (clients/testdata/ips.json).
+ */
+function peerIP(addr) {
+  const m = MAPPED.exec(addr);
+  return m ? m[1] : addr;
+}
+
+/**
+ * The default attributes: ip (the peer's address, as peerIP gives it), method, and path: normalizePath of the
  * request target (req.originalUrl, which Express keeps whole under a mount point, else
  * req.url), so that /f%61st, //fast and /a/../fast are all /fast, as every rlsidecar
  * client sends them.
  */
 function defaultAttrs(req) {
   return {
-    ip: (req.socket && req.socket.remoteAddress) || '',
+    ip: peerIP((req.socket && req.socket.remoteAddress) || ''),
     method: req.method || '',
     path: normalizePath(req.originalUrl || req.url || ''),
   };
@@ -92,4 +107,4 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
   };
 }
 
-module.exports = { middleware, defaultAttrs };
+module.exports = { middleware, defaultAttrs, peerIP };

@@ -9,8 +9,24 @@ from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
 
+def peer_ip(addr):
+    """The ip attribute every rlsidecar client sends for a peer address (without a port):
+    addr itself, except that an IPv4-mapped IPv6 address ("::ffff:" before a dotted quad)
+    is sent as the IPv4 address it maps. An IPv4 client of a server bound to "::"
+    (dual-stack) has that form, "::ffff:203.0.113.7", which the Go client and nginx send as
+    "203.0.113.7": one form, one key per client whichever gateway asks
+    (clients/testdata/ips.json)."""
+    if addr[:7].lower() == "::ffff:":
+        quad = addr[7:].split(".")
+        if len(quad) == 4 and all(q.isdigit() and q.isascii() and (q == "0" or q[0] != "0") and len(q) <= 3
+                                  and int(q) <= 255 for q in quad):
+            return addr[7:]
+    return addr
+
+
 def wsgi_attrs(environ):
-    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path.
+    """The default attributes of a WSGI request: ip (REMOTE_ADDR, as peer_ip gives it),
+    method, path.
 
     The path is normalized as every rlsidecar client does (normalize_path): from the raw
     request target when the server gives it (RAW_URI: gunicorn; REQUEST_URI: uWSGI,
@@ -23,7 +39,7 @@ def wsgi_attrs(environ):
         path = normalize_path(_wsgi_bytes(raw))
     else:
         path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
-    return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
+    return {"ip": peer_ip(environ.get("REMOTE_ADDR", "")), "method": environ.get("REQUEST_METHOD", ""),
             "path": path_attr(path)}
 
 
@@ -38,8 +54,8 @@ def _wsgi_bytes(s):
 
 
 def asgi_attrs(scope):
-    """The default attributes of an ASGI HTTP request: ip (the client's host), method,
-    path.
+    """The default attributes of an ASGI HTTP request: ip (the client's host, as peer_ip
+    gives it), method, path.
 
     The path is normalized as every rlsidecar client does (normalize_path): from
     scope["raw_path"], the bytes the client sent, when the server gives it; else from
@@ -51,7 +67,7 @@ def asgi_attrs(scope):
         path = normalize_path(bytes(raw))
     else:
         path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
-    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
+    return {"ip": peer_ip(client[0]) if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
 
 
 def _closed(client):
