@@ -260,6 +260,13 @@ function _M.release(self, lease)
   return resp.released == true
 end
 
+-- Releases under way, by client connection ($connection): log() cannot release before
+-- the response has gone (cosockets are not available after the content phase), so a
+-- client that sends its next request on the same connection the moment a response
+-- arrives could be checked before the release reached the daemon, and find the slot
+-- still held. access() waits for its connection's releases first (at most timeout_ms).
+local releasing = {}
+
 -- log releases the lease access() kept for the current request (a concurrency rule's
 -- slot), once the request has ended; call it from log_by_lua_block beside every
 -- access_by_lua_block that calls access():
@@ -275,7 +282,8 @@ end
 -- slot stays held until the lease runs out, or until nginx closes the pooled connection
 -- that took it (pool_size idle connections per worker, keepalive_ms: set them above the
 -- worker's leased requests in flight and their longest duration). It returns true when
--- a release was scheduled.
+-- a release was scheduled. The next request on the same client connection waits in
+-- access() until the release is answered (see releasing).
 function _M.log(self)
   local ctx = ngx.ctx
   local lease = ctx.rlsidecar_lease
@@ -283,17 +291,37 @@ function _M.log(self)
     return false
   end
   ctx.rlsidecar_lease = nil
+  local conn = ngx.var.connection
   local ok, err = ngx.timer.at(0, function(premature)
-    if premature then return end
-    local _, rerr = self:release(lease)
-    if rerr then
-      ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
+    if not premature then
+      local _, rerr = self:release(lease)
+      if rerr then
+        ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
+      end
     end
+    local n = releasing[conn]
+    releasing[conn] = (n and n > 1) and n - 1 or nil
   end)
   if not ok then
     ngx.log(ngx.ERR, "rlsidecar: scheduling a lease release: ", err)
+    return false
   end
-  return ok and true or false
+  releasing[conn] = (releasing[conn] or 0) + 1
+  return true
+end
+
+-- wait_releases waits, at most timeout_ms, until the releases log() scheduled for
+-- earlier requests of the current client connection are answered.
+local function wait_releases(timeout_ms)
+  local conn = ngx.var.connection
+  if not releasing[conn] then
+    return
+  end
+  local deadline = ngx.now() * 1000 + timeout_ms
+  repeat
+    ngx.sleep(0.001)
+    ngx.update_time()
+  until not releasing[conn] or ngx.now() * 1000 >= deadline
 end
 
 -- default_attrs are the attributes of the current request: ip (the client address, as
@@ -427,6 +455,7 @@ function _M.access(self)
       return { allowed = e.allowed, again = true }
     end
   end
+  wait_releases(self.timeout)
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
   local cost = self.cost and self.cost() or nil
   local d, err = self:check(attrs, { cost = cost })

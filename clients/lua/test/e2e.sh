@@ -17,7 +17,10 @@
 # checks a location reached only by one, checks subrequests on their own, and says so
 # when the configuration does not name $request_id; that nginx keeps its connection to
 # the daemon (one open connection after the burst) and gets a decision right after a
-# daemon restart (the pool drops connections the daemon closed). Then it stops the daemon
+# daemon restart (the pool drops connections the daemon closed); that a concurrency
+# rule's slot is held while a proxied request runs, its streamed body included, and freed
+# when it completes or the client aborts it, and that ten leased requests in a row on one
+# keep-alive connection each find the slot free. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
@@ -150,6 +153,8 @@ http {
     listen 127.0.0.1:$backend_port;
     location / { return 200 "backend \$uri\n"; }
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
+    location /slow/quick/ { return 200 "quick\n"; }
+    location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
 }
 EOF
@@ -458,6 +463,53 @@ in_flight() {
 }
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"
+# slot_free_within GATEWAY PORT WHAT: a request to /slow/c passes within 5 s (the lease is
+# 60 s: only the gateway's release, or its connection's close, frees the slot that soon).
+slot_free_within() {
+  local i
+  for i in $(seq 100); do
+    request GET "http://127.0.0.1:$2/slow/c"
+    [ "$status" == 200 ] && break
+    sleep 0.05
+  done
+  expect "$1: $3, the slot is free" "$status" 200
+}
+# streaming GATEWAY PORT: the backend sends the headers and a first line of /slow/stream/
+# at once, the rest 1 s later: the slot stays held while the body is still coming (the
+# request has not ended), then is freed.
+streaming() {
+  local name=$1 port=$2
+  curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/stream/a" >"$tmp/stream-$name" &
+  local slow=$!
+  sleep 0.5
+  request GET "http://127.0.0.1:$port/slow/b"
+  expect "$name: a request while the first's body is still streaming" "$status" 429
+  wait "$slow"
+  expect "$name: the streamed request" "$(cat "$tmp/stream-$name")" 200
+  slot_free_within "$name" "$port" "after the streamed request completed"
+}
+streaming nginx "$nginx_port"
+streaming haproxy "$hap_port"
+# aborted GATEWAY PORT: the client gives up on /slow/a (a 1 s backend) after 0.3 s: the
+# request ends, and its slot is freed.
+aborted() {
+  local name=$1 port=$2
+  curl -s --max-time 0.3 -o /dev/null "http://127.0.0.1:$port/slow/a" || true
+  slot_free_within "$name" "$port" "after the client aborted its request"
+}
+aborted nginx "$nginx_port"
+aborted haproxy "$hap_port"
+# keep_alive GATEWAY PORT: ten leased requests one after the other on one client
+# connection, each sent the moment the previous response arrived: each finds the slot
+# its predecessor held free (freed when that request ended, not when the connection
+# closes, and before the next request on the connection is checked).
+keep_alive() {
+  local codes url="http://127.0.0.1:$2/slow/quick/"
+  codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -o /dev/null $(printf -- "-o /dev/null $url %.0s" $(seq 9)) "$url" | sort | uniq -c | tr -s ' \n' ' ')
+  expect "$1: keep-alive, ten leased requests in a row on one connection (count, status, connects)" "$codes" " 9 200 0 1 200 1 "
+}
+keep_alive nginx "$nginx_port"
+keep_alive haproxy "$hap_port"
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
