@@ -210,13 +210,20 @@ end
 local PENDING = 4096
 local pending, pending_before, n_pending = {}, {}, 0
 
+-- connection_key names the transaction's client connection by its TCP addresses and
+-- frontend (two open connections never share them); nil for HTTP/2 and for a listener
+-- without ports (a Unix socket's clients would all share one name).
 local function connection_key(txn)
   local v = txn.f:req_ver()
   if v ~= "1.1" and v ~= "1.0" then
     return nil
   end
-  return tostring(txn.f:src()) .. "|" .. tostring(txn.f:src_port()) .. "|" .. tostring(txn.f:dst()) .. "|"
-    .. tostring(txn.f:dst_port()) .. "|" .. tostring(txn.f:fe_id())
+  local sport, dport = tonumber(txn.f:src_port()), tonumber(txn.f:dst_port())
+  if not sport or sport == 0 or not dport or dport == 0 then
+    return nil
+  end
+  return tostring(txn.f:src()) .. "|" .. sport .. "|" .. tostring(txn.f:dst()) .. "|" .. dport .. "|"
+    .. tostring(txn.f:fe_id())
 end
 
 local function take_pending(key)

@@ -24,7 +24,7 @@ local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
 
 local ngx = ngx
-local type, tostring, pairs, setmetatable = type, tostring, pairs, setmetatable
+local type, tostring, pairs, setmetatable, next = type, tostring, pairs, setmetatable, next
 
 local _M = { _VERSION = "1.0.0" }
 local mt = { __index = _M }
@@ -313,6 +313,9 @@ end
 -- wait_releases waits, at most timeout_ms, until the releases log() scheduled for
 -- earlier requests of the current client connection are answered.
 local function wait_releases(timeout_ms)
+  if next(releasing) == nil then
+    return -- none under way in this worker: no variable looked up
+  end
   local conn = ngx.var.connection
   if not releasing[conn] then
     return
