@@ -18,7 +18,9 @@
 # when the configuration does not name $request_id; that nginx keeps its connection to
 # the daemon (one open connection after the burst) and gets a decision right after a
 # daemon restart (the pool drops connections the daemon closed); that a concurrency
-# rule's slot is held while a proxied request runs, its streamed body included, and freed
+# rule's slot is held while a proxied request runs, its streamed body included (and for
+# each request of a burst whose checks were in flight together, more than nginx's pool
+# keeps), and freed
 # when it completes or the client aborts it, and that ten leased requests in a row on one
 # keep-alive connection each find the slot free. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
@@ -127,6 +129,10 @@ rules:
     match: { path: "/slow/**" }
     key: ip
     concurrency: { max: 1, lease: 60s }
+  - name: burst-in-flight
+    match: { path: "/burst/**" }
+    key: ip
+    concurrency: { max: 20, lease: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -153,6 +159,7 @@ http {
     listen 127.0.0.1:$backend_port;
     location / { return 200 "backend \$uri\n"; }
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
+    location /burst/ { content_by_lua_block { ngx.sleep(2) ngx.say("burst") } }
     location /slow/quick/ { return 200 "quick\n"; }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
@@ -463,6 +470,36 @@ in_flight() {
 }
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"
+# burst GATEWAY PORT: 30 requests at once to /burst/ (2 s each; at most 20 in flight),
+# their checks all in flight together (the daemon stalled for 0.5 s, as in a pause; the
+# test's timeout is 2 s): 20 pass, and while they run the daemon holds their 20 slots —
+# nginx keeps pool_size = 16 idle connections, and a connection holding leases must not
+# be one it closes when 30 come back at once — and 10 more are refused.
+burst_in_flight() {
+  local name=$1 port=$2 i curls=()
+  kill -STOP "$daemon_pid"
+  for i in $(seq 30); do
+    curl -s --max-time 10 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$port/burst/$i" >"$tmp/burst-$name-$i" &
+    curls+=($!)
+  done
+  sleep 0.5
+  kill -CONT "$daemon_pid"
+  sleep 1
+  local held
+  held=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"burst-in-flight\"}" {print $2}')
+  local more=0
+  for i in $(seq 10); do
+    [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/burst/more")" == 429 ] && more=$((more + 1))
+  done
+  wait "${curls[@]}"
+  local ok
+  ok=$(cat "$tmp"/burst-"$name"-* | grep -c '^200$' || true)
+  expect "$name: a burst of 30 against max 20 in flight: admitted" "$ok" 20
+  expect "$name: slots held while the 20 run" "$held" 20
+  expect "$name: 10 more while they run: refused" "$more" 10
+}
+burst_in_flight nginx "$nginx_port"
+burst_in_flight haproxy "$hap_port"
 # slot_free_within GATEWAY PORT WHAT: a request to /slow/c passes within 5 s (the lease is
 # 60 s: only the gateway's release, or its connection's close, frees the slot that soon).
 slot_free_within() {
