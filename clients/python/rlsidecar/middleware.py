@@ -193,14 +193,29 @@ class ASGIMiddleware:
             return
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
+            pending = [d.lease]
+
+            async def release():
+                if pending:
+                    lease = pending.pop()
+                    try:
+                        await self.client.release(lease)
+                    except Exception:  # the lease then expires on its own
+                        pass
+
+            async def send_releasing(message):
+                # The response's last body message goes out only once the slot is free, so
+                # a client that has the whole response and asks again finds it free (as
+                # the Go middleware, whose release precedes the response's end).
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    await release()
+                await send(message)
+
             try:  # the delay too: a request cancelled while held frees its slot
                 await self._hold(d)
-                return await self._call(scope, receive, send, extra)
+                return await self._call(scope, receive, send_releasing, extra)
             finally:
-                try:
-                    await self.client.release(d.lease)
-                except Exception:  # the lease then expires on its own
-                    pass
+                await release()
         await self._hold(d)
         return await self._call(scope, receive, send, extra)
 

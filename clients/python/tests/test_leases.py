@@ -149,3 +149,28 @@ def test_lease_and_delay_together(make_daemon):
                 await asyncio.sleep(0.01)
             assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
     asyncio.run(run())
+
+
+def test_asgi_frees_the_slot_before_the_response_ends(make_daemon):
+    """The last body message reaches the server only once the lease is released: a
+    client that has the whole response and asks again at once finds the slot free. A
+    streamed body holds the slot until its last part."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            async def app(scope, receive, send):
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"part", "more_body": True})
+                await send({"type": "http.response.body", "body": b"end"})
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+            free_when_sent = []
+
+            async def send(m):
+                if m["type"] == "http.response.body":
+                    free_when_sent.append((await c.check({"user": "ann"}, cost=0)).rules[0].remaining)
+            for _ in range(3):
+                await mw({"type": "http", "method": "GET", "path": "/"}, None, send)
+            assert free_when_sent == [0, 1] * 3  # held while streaming, free before the end
+    asyncio.run(run())
