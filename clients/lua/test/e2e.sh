@@ -12,7 +12,9 @@
 # /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
 # is, and its ACLs use that path); that a request too large to be checked (a 70,000-byte
 # X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
-# the open policy; that nginx's access() decides a request once across internal
+# the open policy; that an IPv4 client of a dual-stack listener (nginx
+# `listen [::]:P ipv6only=off`, HAProxy `bind :::P v4v6`) is sent as its IPv4 address,
+# one key through both; that nginx's access() decides a request once across internal
 # redirects (the daemon asked once, a concurrency slot taken once and freed), still
 # checks a location reached only by one, checks subrequests on their own, and says so
 # when the configuration does not name $request_id; that nginx keeps its connection to
@@ -129,6 +131,10 @@ rules:
     match: { path: "/slow/**" }
     key: ip
     concurrency: { max: 1, lease: 60s }
+  - name: v4-only
+    match: { ip: 127.0.0.1, path: "/v4/**" }
+    key: ip
+    limit: { requests: 1, per: 60s }
   - name: burst-in-flight
     match: { path: "/burst/**" }
     key: ip
@@ -171,11 +177,12 @@ wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
 
 echo "== nginx with clients/lua/examples/nginx.conf"
 nginx_port=$(free_port)
+nginx_dual_port=$(free_port) # a dual-stack listener too: IPv4 clients seen as ::ffff:a.b.c.d
 mkdir -p "$tmp/nginx/logs"
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
+  -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off;#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
@@ -240,10 +247,11 @@ wait_for "nginx" curl -sf "http://127.0.0.1:$nginx_port/static/x"
 
 echo "== HAProxy with clients/lua/examples/haproxy.cfg"
 hap_port=$(free_port)
+hap_dual_port=$(free_port)
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
+  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   -e "s#^global#global\n    tune.bufsize 131072#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
@@ -446,6 +454,15 @@ echo "-- nginx pools its connection to the daemon"
 conns=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_connections" {print $2}')
 expect "open connections at the daemon after both bursts (nginx keeps 1; HAProxy closes each)" "$conns" 1
 
+echo "-- ip: an IPv4 client of a dual-stack listener is sent as its IPv4 address"
+# The rule v4-only applies to ip 127.0.0.1 only, once a minute: through each gateway's
+# dual-stack listener (where the client is ::ffff:127.0.0.1), the second request is
+# refused. Both gateways count the one key.
+request GET "http://127.0.0.1:$nginx_dual_port/v4/a"
+expect "nginx dual-stack: the first request, counted under 127.0.0.1" "$(header ratelimit)" '"v4-only";r=0;t=60'
+request GET "http://127.0.0.1:$hap_dual_port/v4/a"
+expect "haproxy dual-stack: the same key, refused" "$status" 429
+
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
 # in_flight GATEWAY PORT: a 1 s request to /slow/ holds the one slot of slow-in-flight;
 # a second one meanwhile is refused; once the first completed, the slot is free again
@@ -576,7 +593,7 @@ hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
 # Without the example's proxy_set_header X-Request-Id, nothing names $request_id: access()
 # must say that it cannot recognize a request across an internal redirect.
-sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
+sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$hole_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
   -e '/proxy_set_header X-Request-Id \$request_id;/d' \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
 nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
@@ -602,7 +619,7 @@ expect "nginx with \$request_id named (the example): no such error" "$(grep -c '
 hole_hap_port=$(free_port)
 # Its max_frame from the environment (RLSIDECAR_MAX_FRAME, as the daemon's --max-frame):
 # 300 bytes. A value that is no number stops HAProxy at load.
-sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
   -e "s#^global#global\n    setenv RLSIDECAR_MAX_FRAME 300#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
 sed -e "s#RLSIDECAR_MAX_FRAME 300#RLSIDECAR_MAX_FRAME 64k#" "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-bad.cfg"
 expect_re "haproxy, RLSIDECAR_MAX_FRAME=64k: refused at load" "$(haproxy -c -f "$tmp/haproxy-bad.cfg" 2>&1 || true)" \
