@@ -38,8 +38,8 @@ function defaultAttrs(req) {
 /**
  * Returns (req, res, next) middleware that checks every request with client:
  * allowed → rate-limit headers set, next(), and a concurrency lease released when the
- * response finishes or closes; rejected by a rule → 429 with Retry-After and
- * a problem+json body; no answer → the client's onUnavailable ('open': next() without
+ * response ends (res.end() takes effect once the release is answered) or closes;
+ * rejected by a rule → 429 with Retry-After and a problem+json body; no answer → the client's onUnavailable ('open': next() without
  * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
  * refuses) and a closed client follow onUnavailable too, unless onError is given. A request
  * too large to check (RequestTooLargeError, or the sidecar's frame_too_large) gets a 431,
@@ -64,13 +64,28 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       const h = d.headers();
       for (const k in h) res.setHeader(k, h[k]);
       if (d.lease && typeof res.once === 'function') {
-        // The request is over when the response finishes or its connection closes.
-        let done = false;
+        // The request is over when the response ends or its connection closes. The
+        // response's end waits for the release's answer (at most timeoutMs), as the Go
+        // middleware's handler returns only after its release: a client that has the
+        // whole response and asks again at once finds the slot free.
+        let released = null;
         const release = () => {
-          if (done) return;
-          done = true;
-          client.release(d.lease).catch(() => {}); // it then expires on its own
+          if (released === null) released = client.release(d.lease).catch(() => {}); // else it expires
+          return released;
         };
+        const end = res.end;
+        if (typeof end === 'function') {
+          let ending = null;
+          res.end = function endAfterRelease(...args) {
+            if (ending === null) {
+              ending = release().then(() => {
+                res.end = end;
+                end.apply(res, args);
+              });
+            }
+            return res;
+          };
+        }
         res.once('finish', release);
         res.once('close', release);
       }

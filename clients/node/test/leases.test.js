@@ -69,7 +69,7 @@ test('keep-alive: each request on a connection finds the slot its predecessor fr
   t.after(() => { agent.destroy(); return new Promise((resolve) => srv.close(resolve)); });
   const statuses = [];
   const sockets = new Set();
-  for (let i = 0; i < 30; i++) {
+  for (let i = 0; i < 100; i++) {
     statuses.push(await new Promise((resolve, reject) => {
       http.get({ host: '127.0.0.1', port: srv.address().port, path: '/', agent }, (res) => {
         sockets.add(res.socket);
@@ -79,5 +79,5 @@ test('keep-alive: each request on a connection finds the slot its predecessor fr
     }));
   }
   assert.equal(sockets.size, 1, 'one connection');
-  assert.deepEqual(statuses, Array(30).fill(200));
+  assert.deepEqual(statuses, Array(100).fill(200));
 });
