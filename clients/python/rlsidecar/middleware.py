@@ -127,12 +127,19 @@ class WSGIMiddleware:
                 return start_response(status, headers + extra, exc_info) if exc_info else start_response(status, headers + extra)
         if not d.lease:
             return self.app(environ, start)
+        length = []  # the response's Content-Length, when the app gives one
+
+        def start_noting_length(status, headers, exc_info=None):
+            for k, v in headers:
+                if k.lower() == "content-length" and v.strip().isdigit():
+                    length[:] = [int(v)]
+            return start(status, headers, exc_info) if exc_info else start(status, headers)
         try:
-            body = self.app(environ, start)
+            body = self.app(environ, start_noting_length)
         except BaseException:
             self._release(d.lease)
             raise
-        return _Releasing(body, lambda: self._release(d.lease))
+        return _Releasing(body, lambda: self._release(d.lease), length)
 
     def _release(self, lease):
         try:
@@ -143,14 +150,36 @@ class WSGIMiddleware:
 
 class _Releasing:
     """A WSGI response body that releases a concurrency lease when the server closes it
-    (the request is over: PEP 3333)."""
+    (the request is over: PEP 3333), or sooner: before it hands the server the body's last
+    part, when that is known (a list or tuple body; the Content-Length reached). The server
+    may write that part and read the client's next request (on another connection, in
+    another thread) before it calls close(): released first, that request finds the slot
+    free. A streamed body of unknown length is released at close()."""
 
-    def __init__(self, body, release):
+    def __init__(self, body, release, length):
         self._body = body
         self._release = release
+        self._length = length  # [Content-Length] once start_response gave one, else []
 
     def __iter__(self):
-        return iter(self._body)
+        body = self._body
+        if isinstance(body, (list, tuple)):
+            for i, chunk in enumerate(body):
+                if i == len(body) - 1:
+                    self._release_now()
+                yield chunk
+            return
+        sent = 0
+        for chunk in body:
+            sent += len(chunk)
+            if self._length and sent >= self._length[0]:
+                self._release_now()
+            yield chunk
+
+    def _release_now(self):
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def close(self):
         try:
@@ -158,9 +187,7 @@ class _Releasing:
             if close is not None:
                 close()
         finally:
-            release, self._release = self._release, None
-            if release is not None:
-                release()
+            self._release_now()
 
 
 class ASGIMiddleware:

@@ -174,3 +174,71 @@ def test_asgi_frees_the_slot_before_the_response_ends(make_daemon):
                 await mw({"type": "http", "method": "GET", "path": "/"}, None, send)
             assert free_when_sent == [0, 1] * 3  # held while streaming, free before the end
     asyncio.run(run())
+
+
+def test_wsgi_frees_the_slot_before_the_last_part(make_daemon):
+    """The server gets the body's last part only once the lease is released, when the
+    last part is known (a list body, or the Content-Length reached); a streamed body of
+    unknown length holds the slot until the server closes it."""
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def remaining():
+            return c.check({"user": "ann"}, cost=0).rules[0].remaining
+
+        def stream(length):
+            def app(environ, start_response):
+                start_response("200 OK", [("Content-Length", str(length))] if length is not None else [])
+                yield b"ab"
+                yield b"cd"
+            return app
+
+        def listed(environ, start_response):
+            start_response("200 OK", [])
+            return [b"ab", b"cd"]
+        for app, want in ((listed, [0, 1]), (stream(4), [0, 1]), (stream(None), [0, 0])):
+            mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"})
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            free_when_handed = [remaining() for _ in body]
+            body.close()
+            assert free_when_handed == want, app
+            assert remaining() == 1
+
+
+def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
+    """A threaded WSGI server, max 1 in flight, 200 requests one after the other (a new
+    connection each): each finds the slot the previous one freed, though the server reads
+    the next request before it closes the previous response."""
+    import socketserver
+    import threading
+    import urllib.request
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Threaded(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def app(environ, start_response):
+            start_response("200 OK", [("Content-Length", "2")])
+            return [b"ok"]
+        srv = make_server("127.0.0.1", 0, rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"}),
+                          server_class=Threaded, handler_class=Quiet)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        try:
+            codes = []
+            for _ in range(200):
+                try:
+                    with urllib.request.urlopen("http://127.0.0.1:%d/" % srv.server_port, timeout=10) as r:
+                        codes.append(r.status)
+                except urllib.error.HTTPError as e:
+                    codes.append(e.code)
+            assert codes == [200] * 200
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            t.join(10)
