@@ -165,7 +165,7 @@ http {
     listen 127.0.0.1:$backend_port;
     location / { return 200 "backend \$uri\n"; }
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
-    location /burst/ { content_by_lua_block { ngx.sleep(2) ngx.say("burst") } }
+    location /burst/ { content_by_lua_block { ngx.sleep(4) ngx.say("burst") } }
     location /slow/quick/ { return 200 "quick\n"; }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
@@ -487,7 +487,7 @@ in_flight() {
 }
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"
-# burst GATEWAY PORT: 30 requests at once to /burst/ (2 s each; at most 20 in flight),
+# burst GATEWAY PORT: 30 requests at once to /burst/ (4 s each; at most 20 in flight),
 # their checks all in flight together (the daemon stalled for 0.5 s, as in a pause; the
 # test's timeout is 2 s): 20 pass, and while they run the daemon holds their 20 slots —
 # nginx keeps pool_size = 16 idle connections, and a connection holding leases must not
