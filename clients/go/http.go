@@ -4,7 +4,9 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"net/netip"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -131,8 +133,8 @@ type MiddlewareOptions struct {
 	OnError func(w http.ResponseWriter, r *http.Request, err error)
 }
 
-// DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port),
-// method and path, in that order (sorted by name). The path is
+// DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port, as
+// PeerIP gives it), method and path, in that order (sorted by name). The path is
 // NormalizePath(r.URL.EscapedPath()): the target's path as it came, each escape decoded
 // once, slashes merged and dot segments removed, as every rlsidecar client sends it, so
 // that /f%61st, //fast and /a/../fast are all /fast. (r.URL.Path is decoded already;
@@ -142,7 +144,25 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 	if host, _, err := net.SplitHostPort(ip); err == nil {
 		ip = host
 	}
+	ip = PeerIP(ip)
 	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
+}
+
+// PeerIP returns the ip attribute every rlsidecar client sends for the peer address addr
+// (a host, without a port): addr itself, except that an IPv4-mapped IPv6 address,
+// "::ffff:" (any case) before a dotted quad, is sent as the IPv4 address it maps
+// ("::ffff:203.0.113.7" is "203.0.113.7"). An IPv4 client of a dual-stack listener
+// (Node's default, a Python server bound to "::") has that form, which net/http shows as
+// the IPv4 address already; sending one form makes one key per client whichever gateway
+// asks. The cases are clients/testdata/ips.json.
+func PeerIP(addr string) string {
+	const mapped = "::ffff:"
+	if len(addr) > len(mapped) && strings.EqualFold(addr[:len(mapped)], mapped) {
+		if a, err := netip.ParseAddr(addr[len(mapped):]); err == nil && a.Is4() {
+			return addr[len(mapped):]
+		}
+	}
+	return addr
 }
 
 // Middleware returns net/http middleware that checks every request with c:

@@ -1,9 +1,11 @@
 package rlclient
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -292,6 +294,37 @@ func TestDefaultAttrs(t *testing.T) {
 		want := []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: "DELETE"}, {Name: "path", Value: "/a/b/c"}}
 		if got := DefaultAttrs(r); !reflect.DeepEqual(got, want) {
 			t.Errorf("%q: %v", remote, got)
+		}
+	}
+}
+
+// TestPeerIP checks PeerIP, and DefaultAttrs's ip, against clients/testdata/ips.json,
+// the cases every client is tested against.
+func TestPeerIP(t *testing.T) {
+	b, err := os.ReadFile("../testdata/ips.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var f struct {
+		Meaning string `json:"meaning"`
+		Cases   []struct {
+			Peer string `json:"peer"`
+			IP   string `json:"ip"`
+		} `json:"cases"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&f); err != nil || len(f.Cases) < 10 {
+		t.Fatalf("ips.json: %v, %d cases", err, len(f.Cases))
+	}
+	for _, c := range f.Cases {
+		if got := PeerIP(c.Peer); got != c.IP {
+			t.Errorf("PeerIP(%q) = %q, want %q", c.Peer, got, c.IP)
+		}
+		r := httptest.NewRequest("GET", "/", nil)
+		r.RemoteAddr = net.JoinHostPort(c.Peer, "5555")
+		if got := DefaultAttrs(r)[0]; got != (proto.Attr{Name: "ip", Value: c.IP}) {
+			t.Errorf("DefaultAttrs with RemoteAddr %q: %v, want ip %q", r.RemoteAddr, got, c.IP)
 		}
 	}
 }

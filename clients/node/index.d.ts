@@ -160,8 +160,15 @@ export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareReq
   onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
 }
 
-/** ip (the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */
+/** ip (peerIP of the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */
 export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string | Buffer };
+
+/**
+ * The ip attribute of a peer address: the address, except that an IPv4-mapped IPv6 one
+ * ('::ffff:203.0.113.7', an IPv4 client of a dual-stack server) is its IPv4 address
+ * (clients/testdata/ips.json).
+ */
+export declare function peerIP(addr: string): string;
 
 /**
  * The path attribute of a request target, as every rlsidecar client sends it: the query

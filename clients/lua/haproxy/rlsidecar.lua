@@ -10,7 +10,7 @@
 --   http-response lua.rlsidecar_headers
 --
 -- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
--- client address), method and path with the daemon at SOCKET
+-- client address; an IPv4-mapped IPv6 one as its IPv4 address), method and path with the daemon at SOCKET
 -- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
 -- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
 -- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
@@ -38,11 +38,17 @@
 -- Connections: HAProxy's Lua sockets belong to the stream that opened them, so each check
 -- opens a connection to the Unix socket, makes one request and closes it (no pool).
 -- Concurrency leases: when the answer carries a lease (a concurrency rule's slot), that
--- connection stays open, holding the slot, until `lua.rlsidecar_headers` runs as the
--- response starts: it sends the release, then closes the connection. A transaction that
--- ends without a response closes it when HAProxy frees the stream, and the daemon frees
--- the leases of a connection that closes; so `http-response lua.rlsidecar_headers` is
--- what bounds a slot to its request.
+-- connection stays open, holding the slot, for as long as the transaction lasts: the
+-- response body included (a long download holds its slot to the end), whether the
+-- response comes from the server or from HAProxy (a 502, a 504), and whether or not
+-- `lua.rlsidecar_headers` runs. The action keeps the socket in the transaction's private
+-- data; when the transaction ends (completed, or aborted by the client or the server),
+-- HAProxy frees the stream's Lua context and collects its garbage (it forces a collection
+-- for a context that opened sockets), which closes the socket, and the daemon frees the
+-- leases of a connection that closes (counted `closed` in rlsidecar_leases_total). With
+-- keep-alive each request is a transaction of its own, and the next request's check on an
+-- HTTP/1 client connection first releases the lease of the one before (see pending), so
+-- it does not race the daemon's reading of that close.
 -- Frames are encoded and decoded by rlsidecar.codec, in plain Lua: lua-mpack under Lua 5.3
 -- decodes integers as floats, which would print as "5.0" in the headers.
 
@@ -73,7 +79,9 @@ end
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
 -- and an error. With keep, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
-local function roundtrip(address, timeout_ms, frame, id, keep)
+-- With release (a lease), it first releases that lease on the same connection and waits
+-- for the answer (released or not), so that the check sees its slot free.
+local function roundtrip(address, timeout_ms, frame, id, keep, release)
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
   local ok, err = sock:connect(address)
@@ -86,6 +94,29 @@ local function roundtrip(address, timeout_ms, frame, id, keep)
     return nil, what .. " " .. address .. ": " .. tostring(e)
   end
   local sent
+  if release then
+    local rframe = codec.encode_request({ id = next_id(), op = "release", lease = release })
+    if rframe then
+      sent, err = sock:send(rframe)
+      if not sent then
+        return fail("writing to", err)
+      end
+      local rhead
+      rhead, err = sock:receive(4)
+      if not rhead or #rhead < 4 then
+        return fail("reading from", err or "closed")
+      end
+      local rn = codec.frame_length(rhead)
+      if rn > MAX_FRAME then
+        return fail("reading from", "an answer of " .. rn .. " bytes")
+      end
+      local rbody
+      rbody, err = sock:receive(rn)
+      if not rbody or #rbody < rn then
+        return fail("reading from", err or "closed")
+      end
+    end
+  end
   sent, err = sock:send(frame)
   if not sent then
     return fail("writing to", err)
@@ -125,8 +156,9 @@ local function roundtrip(address, timeout_ms, frame, id, keep)
 end
 
 -- check returns the decision for attrs and cost (see rlsidecar.http) and, for an error
--- answer or bad arguments, an error string.
-local function check(address, policy, timeout_ms, attrs, cost)
+-- answer or bad arguments, an error string. release: a lease to release first (see
+-- pending), or nil.
+local function check(address, policy, timeout_ms, attrs, cost, release)
   local id = next_id()
   local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs, cost = cost })
   if not frame then
@@ -137,7 +169,7 @@ local function check(address, policy, timeout_ms, attrs, cost)
       .. max_frame .. "; it was not sent"
     return http.too_large_decision(msg), msg
   end
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id, true)
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id, true, release)
   if not resp then
     return http.policy_decision(policy, rerr)
   end
@@ -155,27 +187,60 @@ local function check(address, policy, timeout_ms, attrs, cost)
   if resp.rules == nil then resp.rules = {} end
   if resp.rule == nil then resp.rule = "" end
   if resp.allowed and resp.lease and resp.lease ~= "" then
-    resp.sock = sock -- holds the lease: released (and closed) when the response starts
+    resp.sock = sock -- holds the lease until the transaction ends (closed with it)
   else
     sock:close()
   end
   return resp
 end
 
--- release frees the lease d holds on the connection that took it, then closes that
--- connection (which would free it too: the daemon frees a connection's leases when it
--- closes).
-local function release(d, timeout_ms)
-  local sock = d.sock
-  if not sock then return end
-  d.sock = nil
-  local id = next_id()
-  local frame = codec.encode_request({ id = id, op = "release", lease = d.lease })
-  if frame and sock:send(frame) then
-    local head = sock:receive(4) -- the answer; released or not, the connection closes
-    if head and #head == 4 then sock:receive(codec.frame_length(head)) end
+-- Leases of ended transactions, by HTTP/1 client connection, that the next request on
+-- that connection releases before its own check. A transaction's lease is held by its
+-- check's connection to the daemon until the transaction ends (HAProxy then closes it,
+-- and the daemon frees the connection's leases); but the daemon may read that close
+-- after the next request's check, which a client sends the moment the previous response
+-- arrives: that check could find the slot still held. HAProxy 2.6 gives Lua no hook at
+-- the end of a transaction (filters may not yield, and a release must wait for its
+-- answer), so the next transaction on the connection sends the release itself. HTTP/1
+-- only: there the next transaction starts once the previous one ended (an HTTP/2
+-- connection carries its streams at once). Two generations of at most PENDING entries
+-- each, as nginx's client remembers decisions: a connection that closes after a leased
+-- request leaves its entry to age out, and a release of a lease already freed is
+-- answered released: false, never an error.
+local PENDING = 4096
+local pending, pending_before, n_pending = {}, {}, 0
+
+-- connection_key names the transaction's client connection by its TCP addresses and
+-- frontend (two open connections never share them); nil for HTTP/2 and for a listener
+-- without ports (a Unix socket's clients would all share one name).
+local function connection_key(txn)
+  local v = txn.f:req_ver()
+  if v ~= "1.1" and v ~= "1.0" then
+    return nil
   end
-  sock:close()
+  local sport, dport = tonumber(txn.f:src_port()), tonumber(txn.f:dst_port())
+  if not sport or sport == 0 or not dport or dport == 0 then
+    return nil
+  end
+  return tostring(txn.f:src()) .. "|" .. sport .. "|" .. tostring(txn.f:dst()) .. "|" .. dport .. "|"
+    .. tostring(txn.f:fe_id())
+end
+
+local function take_pending(key)
+  if not key then return nil end
+  local lease = pending[key] or pending_before[key]
+  if lease then
+    pending[key], pending_before[key] = nil, nil
+  end
+  return lease
+end
+
+local function put_pending(key, lease)
+  if n_pending >= PENDING then
+    pending_before, pending, n_pending = pending, {}, 0
+  end
+  pending[key] = lease
+  n_pending = n_pending + 1
 end
 
 local REASONS = { [429] = "Too Many Requests", [431] = "Request Header Fields Too Large", [503] = "Service Unavailable" }
@@ -187,7 +252,7 @@ local function action(txn, address, policy, timeout)
     return
   end
   local attrs = {
-    { "ip", txn.f:src() or "" },
+    { "ip", http.peer_ip(txn.f:src()) },
     { "method", txn.f:method() or "" },
     { "path", normalize_path(txn.f:path() or "") },
   }
@@ -197,7 +262,10 @@ local function action(txn, address, policy, timeout)
   if key and key ~= "" then attrs[#attrs + 1] = { "api_key", key } end
   local cost = tonumber(txn:get_var("txn.rlsidecar_cost"))
 
-  local d, err = check(address, policy, timeout_ms, attrs, cost)
+  -- A second check of this transaction (another lua.rlsidecar line) finds its private
+  -- data set, and leaves the pending lease alone: it may be this transaction's own.
+  local conn = txn:get_priv() == nil and connection_key(txn) or nil
+  local d, err = check(address, policy, timeout_ms, attrs, cost, take_pending(conn))
   if d.reason == http.REQUEST_TOO_LARGE then
     txn:Info(err) -- the client's doing
   elseif err then
@@ -216,13 +284,12 @@ local function action(txn, address, policy, timeout)
     txn:done(reply)
     return
   end
-  local h = http.headers(d)
-  if d.sock then
-    -- A concurrency rule's slot, held by the open connection until the response.
-    h = { headers = h, lease = d }
-    d.timeout_ms = timeout_ms
+  -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
+  -- rule's slot, the open connection that holds it, until the transaction ends.
+  txn:set_priv({ headers = http.headers(d), lease_sock = d.sock })
+  if d.sock and conn then
+    put_pending(conn, d.lease) -- for the next request on this client connection
   end
-  txn:set_priv(h)
   local delay = tonumber(d.delay_ms)
   if delay and delay > 0 then
     core.msleep(math.floor(delay)) -- a rule's delay: its tokens are reserved, the request waits
@@ -230,15 +297,11 @@ local function action(txn, address, policy, timeout)
 end
 
 local function add_headers(txn)
-  local h = txn:get_priv()
-  if type(h) ~= "table" then
+  local p = txn:get_priv()
+  if type(p) ~= "table" then
     return
   end
-  if h.lease then
-    release(h.lease)
-    h = h.headers
-  end
-  for k, v in pairs(h) do
+  for k, v in pairs(p.headers) do
     txn.http:res_set_header(k, v)
   end
 end

@@ -24,7 +24,7 @@ local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
 
 local ngx = ngx
-local type, tostring, pairs, setmetatable = type, tostring, pairs, setmetatable
+local type, tostring, pairs, setmetatable, next = type, tostring, pairs, setmetatable, next
 
 local _M = { _VERSION = "1.0.0" }
 local mt = { __index = _M }
@@ -137,8 +137,38 @@ local function drop(sock, what, path, err)
   return nil, what .. " " .. path .. ": " .. tostring(err), true
 end
 
+-- Connections holding leases, kept referenced until long after their request ended (two
+-- generations of at most HOLD each): see hold.
+local HOLD = 8192
+local held, held_before, n_held = {}, {}, 0
+
+-- hold keeps sock, whose check took a concurrency lease, out of the keepalive pool for
+-- the rest of the current request. The daemon frees a connection's leases when it
+-- closes, and the pool closes connections: past pool_size idle ones (a burst of checks
+-- in flight together returns more than that), or after keepalive_ms idle; a pooled
+-- connection holding leases would free slots of requests still running. nginx closes
+-- the socket when the request that opened it ends (its cleanup, before the log phase),
+-- which frees the lease even without log(). The references (ngx.ctx, and a table that
+-- survives an internal redirect's new ngx.ctx) keep the garbage collector from closing
+-- it sooner.
+local function hold(sock)
+  local ctx = ngx.ctx
+  local socks = ctx.rlsidecar_lease_socks
+  if socks then
+    socks[#socks + 1] = sock
+  else
+    ctx.rlsidecar_lease_socks = { sock }
+  end
+  if n_held >= HOLD then
+    held_before, held, n_held = held, {}, 0
+  end
+  n_held = n_held + 1
+  held[n_held] = sock
+end
+
 -- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
--- and whether the failure is the transport's (the socket is then closed).
+-- and whether the failure is the transport's (the socket is then closed). A check's
+-- answer that takes a lease leaves its connection held (see hold), not pooled.
 function _M.roundtrip(self, frame, id)
   local sock = ngx.socket.tcp()
   sock:settimeouts(self.timeout, self.timeout, self.timeout)
@@ -176,7 +206,12 @@ function _M.roundtrip(self, frame, id)
     end
     return drop(sock, "reading from", self.path, "an answer to request " .. tostring(resp.id) .. ", not " .. id)
   end
-  sock:setkeepalive(self.keepalive, self.pool_size)
+  local lease = resp.lease
+  if lease ~= nil and lease ~= "" then
+    hold(sock)
+  else
+    sock:setkeepalive(self.keepalive, self.pool_size)
+  end
   return resp
 end
 
@@ -238,9 +273,9 @@ end
 -- when it did, false when the lease was unknown, expired or already released, or nil and
 -- an error when the sidecar did not answer. Cosockets are not available in the log
 -- phase: release from a later phase that has them, or from ngx.timer.at(0, ...) in
--- log_by_lua. The sidecar also frees a lease when the connection that took it closes,
--- and this client's connections go back to nginx's keepalive pool, which may close them:
--- a lease can then be freed before its request ends (see README.md).
+-- log_by_lua. The sidecar also frees a lease when the connection that took it closes:
+-- check() keeps that connection out of the keepalive pool, and nginx closes it when
+-- the request that made the check ends (see hold).
 function _M.release(self, lease)
   if lease == nil or lease == "" then
     return false
@@ -260,6 +295,13 @@ function _M.release(self, lease)
   return resp.released == true
 end
 
+-- Releases under way, by client connection ($connection): log() cannot release before
+-- the response has gone (cosockets are not available after the content phase), so a
+-- client that sends its next request on the same connection the moment a response
+-- arrives could be checked before the release reached the daemon, and find the slot
+-- still held. access() waits for its connection's releases first (at most timeout_ms).
+local releasing = {}
+
 -- log releases the lease access() kept for the current request (a concurrency rule's
 -- slot), once the request has ended; call it from log_by_lua_block beside every
 -- access_by_lua_block that calls access():
@@ -271,11 +313,11 @@ end
 --   }
 --
 -- Cosockets are not available in the log phase, so the release runs in a zero-delay
--- timer (ngx.timer.at), after the response has gone to the client. Without log(), the
--- slot stays held until the lease runs out, or until nginx closes the pooled connection
--- that took it (pool_size idle connections per worker, keepalive_ms: set them above the
--- worker's leased requests in flight and their longest duration). It returns true when
--- a release was scheduled.
+-- timer (ngx.timer.at), after the response has gone to the client. (Without log(), the
+-- slot is freed when nginx closes, as the request ends, the connection that took it: see
+-- hold; log() makes it an explicit release, counted released, that the next request on
+-- the client connection waits for.) It returns true when a release was scheduled. The next request on the same client connection waits in
+-- access() until the release is answered (see releasing).
 function _M.log(self)
   local ctx = ngx.ctx
   local lease = ctx.rlsidecar_lease
@@ -283,24 +325,48 @@ function _M.log(self)
     return false
   end
   ctx.rlsidecar_lease = nil
+  local conn = ngx.var.connection
   local ok, err = ngx.timer.at(0, function(premature)
-    if premature then return end
-    local _, rerr = self:release(lease)
-    if rerr then
-      ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
+    if not premature then
+      local _, rerr = self:release(lease)
+      if rerr then
+        ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
+      end
     end
+    local n = releasing[conn]
+    releasing[conn] = (n and n > 1) and n - 1 or nil
   end)
   if not ok then
     ngx.log(ngx.ERR, "rlsidecar: scheduling a lease release: ", err)
+    return false
   end
-  return ok and true or false
+  releasing[conn] = (releasing[conn] or 0) + 1
+  return true
 end
 
--- default_attrs are the attributes of the current request: ip (the client address),
+-- wait_releases waits, at most timeout_ms, until the releases log() scheduled for
+-- earlier requests of the current client connection are answered.
+local function wait_releases(timeout_ms)
+  if next(releasing) == nil then
+    return -- none under way in this worker: no variable looked up
+  end
+  local conn = ngx.var.connection
+  if not releasing[conn] then
+    return
+  end
+  local deadline = ngx.now() * 1000 + timeout_ms
+  repeat
+    ngx.sleep(0.001)
+    ngx.update_time()
+  until not releasing[conn] or ngx.now() * 1000 >= deadline
+end
+
+-- default_attrs are the attributes of the current request: ip (the client address, as
+-- rlsidecar.http.peer_ip gives it: an IPv4-mapped IPv6 address as its IPv4 address),
 -- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
 function _M.default_attrs()
   return {
-    { "ip", ngx.var.remote_addr or "" },
+    { "ip", http.peer_ip(ngx.var.remote_addr) },
     { "method", ngx.req.get_method() },
     { "path", ngx.var.uri or "" },
   }
@@ -426,6 +492,7 @@ function _M.access(self)
       return { allowed = e.allowed, again = true }
     end
   end
+  wait_releases(self.timeout)
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
   local cost = self.cost and self.cost() or nil
   local d, err = self:check(attrs, { cost = cost })

@@ -261,6 +261,30 @@ function M.rejection(d)
   return 429, h, concat(body)
 end
 
+-- octet: whether s is a dotted quad's part as written canonically (0-255, no leading 0).
+local function octet(s)
+  return #s <= 3 and (s == "0" or s:sub(1, 1) ~= "0") and tonumber(s) <= 255
+end
+
+-- peer_ip returns the ip attribute every client sends for a peer address (without a
+-- port): addr itself, except that an IPv4-mapped IPv6 address ("::ffff:" in any case
+-- before a dotted quad) is sent as the IPv4 address it maps. An IPv4 client of a
+-- dual-stack listener (nginx `listen [::]:80 ipv6only=off`, HAProxy `bind :::80 v4v6`)
+-- may be seen as "::ffff:203.0.113.7", which the Go client sends as "203.0.113.7": one
+-- form, one key per client whichever gateway asks (clients/testdata/ips.json). nil is "".
+function M.peer_ip(addr)
+  if addr == nil then
+    return ""
+  end
+  if #addr > 7 and addr:sub(1, 7):lower() == "::ffff:" then
+    local a, b, c, d = addr:match("^(%d+)%.(%d+)%.(%d+)%.(%d+)$", 8)
+    if a and octet(a) and octet(b) and octet(c) and octet(d) then
+      return addr:sub(8)
+    end
+  end
+  return addr
+end
+
 -- policy_decision is the decision a client returns when the sidecar gave no answer:
 -- allowed under "open", rejected (503) under "closed"; degraded and unreachable either
 -- way, cause saying why.

@@ -12,12 +12,19 @@
 # /./fast ... alike through both gateways (HAProxy normalizes its raw path as nginx's $uri
 # is, and its ACLs use that path); that a request too large to be checked (a 70,000-byte
 # X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
-# the open policy; that nginx's access() decides a request once across internal
+# the open policy; that an IPv4 client of a dual-stack listener (nginx
+# `listen [::]:P ipv6only=off`, HAProxy `bind :::P v4v6`) is sent as its IPv4 address,
+# one key through both; that nginx's access() decides a request once across internal
 # redirects (the daemon asked once, a concurrency slot taken once and freed), still
 # checks a location reached only by one, checks subrequests on their own, and says so
 # when the configuration does not name $request_id; that nginx keeps its connection to
 # the daemon (one open connection after the burst) and gets a decision right after a
-# daemon restart (the pool drops connections the daemon closed). Then it stops the daemon
+# daemon restart (the pool drops connections the daemon closed); that a concurrency
+# rule's slot is held while a proxied request runs, its streamed body included (and for
+# each request of a burst whose checks were in flight together, more than nginx's pool
+# keeps), and freed
+# when it completes or the client aborts it, and that ten leased requests in a row on one
+# keep-alive connection each find the slot free. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
@@ -124,6 +131,14 @@ rules:
     match: { path: "/slow/**" }
     key: ip
     concurrency: { max: 1, lease: 60s }
+  - name: v4-only
+    match: { ip: 127.0.0.1, path: "/v4/**" }
+    key: ip
+    limit: { requests: 1, per: 60s }
+  - name: burst-in-flight
+    match: { path: "/burst/**" }
+    key: ip
+    concurrency: { max: 20, lease: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -150,6 +165,9 @@ http {
     listen 127.0.0.1:$backend_port;
     location / { return 200 "backend \$uri\n"; }
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
+    location /burst/ { content_by_lua_block { ngx.sleep(4) ngx.say("burst") } }
+    location /slow/quick/ { return 200 "quick\n"; }
+    location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
 }
 EOF
@@ -159,11 +177,12 @@ wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
 
 echo "== nginx with clients/lua/examples/nginx.conf"
 nginx_port=$(free_port)
+nginx_dual_port=$(free_port) # a dual-stack listener too: IPv4 clients seen as ::ffff:a.b.c.d
 mkdir -p "$tmp/nginx/logs"
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#listen 127.0.0.1:8080#listen 127.0.0.1:$nginx_port#" \
+  -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off;#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
@@ -228,10 +247,11 @@ wait_for "nginx" curl -sf "http://127.0.0.1:$nginx_port/static/x"
 
 echo "== HAProxy with clients/lua/examples/haproxy.cfg"
 hap_port=$(free_port)
+hap_dual_port=$(free_port)
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port#" \
+  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   -e "s#^global#global\n    tune.bufsize 131072#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
@@ -434,6 +454,15 @@ echo "-- nginx pools its connection to the daemon"
 conns=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_connections" {print $2}')
 expect "open connections at the daemon after both bursts (nginx keeps 1; HAProxy closes each)" "$conns" 1
 
+echo "-- ip: an IPv4 client of a dual-stack listener is sent as its IPv4 address"
+# The rule v4-only applies to ip 127.0.0.1 only, once a minute: through each gateway's
+# dual-stack listener (where the client is ::ffff:127.0.0.1), the second request is
+# refused. Both gateways count the one key.
+request GET "http://127.0.0.1:$nginx_dual_port/v4/a"
+expect "nginx dual-stack: the first request, counted under 127.0.0.1" "$(header ratelimit)" '"v4-only";r=0;t=60'
+request GET "http://127.0.0.1:$hap_dual_port/v4/a"
+expect "haproxy dual-stack: the same key, refused" "$status" 429
+
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
 # in_flight GATEWAY PORT: a 1 s request to /slow/ holds the one slot of slow-in-flight;
 # a second one meanwhile is refused; once the first completed, the slot is free again
@@ -458,6 +487,83 @@ in_flight() {
 }
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"
+# burst GATEWAY PORT: 30 requests at once to /burst/ (4 s each; at most 20 in flight),
+# their checks all in flight together (the daemon stalled for 0.5 s, as in a pause; the
+# test's timeout is 2 s): 20 pass, and while they run the daemon holds their 20 slots —
+# nginx keeps pool_size = 16 idle connections, and a connection holding leases must not
+# be one it closes when 30 come back at once — and 10 more are refused.
+burst_in_flight() {
+  local name=$1 port=$2 i curls=()
+  kill -STOP "$daemon_pid"
+  for i in $(seq 30); do
+    curl -s --max-time 10 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$port/burst/$i" >"$tmp/burst-$name-$i" &
+    curls+=($!)
+  done
+  sleep 0.5
+  kill -CONT "$daemon_pid"
+  sleep 1
+  local held
+  held=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"burst-in-flight\"}" {print $2}')
+  local more=0
+  for i in $(seq 10); do
+    [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/burst/more")" == 429 ] && more=$((more + 1))
+  done
+  wait "${curls[@]}"
+  local ok
+  ok=$(cat "$tmp"/burst-"$name"-* | grep -c '^200$' || true)
+  expect "$name: a burst of 30 against max 20 in flight: admitted" "$ok" 20
+  expect "$name: slots held while the 20 run" "$held" 20
+  expect "$name: 10 more while they run: refused" "$more" 10
+}
+burst_in_flight nginx "$nginx_port"
+burst_in_flight haproxy "$hap_port"
+# slot_free_within GATEWAY PORT WHAT: a request to /slow/c passes within 5 s (the lease is
+# 60 s: only the gateway's release, or its connection's close, frees the slot that soon).
+slot_free_within() {
+  local i
+  for i in $(seq 100); do
+    request GET "http://127.0.0.1:$2/slow/c"
+    [ "$status" == 200 ] && break
+    sleep 0.05
+  done
+  expect "$1: $3, the slot is free" "$status" 200
+}
+# streaming GATEWAY PORT: the backend sends the headers and a first line of /slow/stream/
+# at once, the rest 1 s later: the slot stays held while the body is still coming (the
+# request has not ended), then is freed.
+streaming() {
+  local name=$1 port=$2
+  curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/stream/a" >"$tmp/stream-$name" &
+  local slow=$!
+  sleep 0.5
+  request GET "http://127.0.0.1:$port/slow/b"
+  expect "$name: a request while the first's body is still streaming" "$status" 429
+  wait "$slow"
+  expect "$name: the streamed request" "$(cat "$tmp/stream-$name")" 200
+  slot_free_within "$name" "$port" "after the streamed request completed"
+}
+streaming nginx "$nginx_port"
+streaming haproxy "$hap_port"
+# aborted GATEWAY PORT: the client gives up on /slow/a (a 1 s backend) after 0.3 s: the
+# request ends, and its slot is freed.
+aborted() {
+  local name=$1 port=$2
+  curl -s --max-time 0.3 -o /dev/null "http://127.0.0.1:$port/slow/a" || true
+  slot_free_within "$name" "$port" "after the client aborted its request"
+}
+aborted nginx "$nginx_port"
+aborted haproxy "$hap_port"
+# keep_alive GATEWAY PORT: ten leased requests one after the other on one client
+# connection, each sent the moment the previous response arrived: each finds the slot
+# its predecessor held free (freed when that request ended, not when the connection
+# closes, and before the next request on the connection is checked).
+keep_alive() {
+  local codes url="http://127.0.0.1:$2/slow/quick/"
+  codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -o /dev/null $(printf -- "-o /dev/null $url %.0s" $(seq 9)) "$url" | sort | uniq -c | tr -s ' \n' ' ')
+  expect "$1: keep-alive, ten leased requests in a row on one connection (count, status, connects)" "$codes" " 9 200 0 1 200 1 "
+}
+keep_alive nginx "$nginx_port"
+keep_alive haproxy "$hap_port"
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
@@ -487,7 +593,7 @@ hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
 # Without the example's proxy_set_header X-Request-Id, nothing names $request_id: access()
 # must say that it cannot recognize a request across an internal redirect.
-sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port#listen 127.0.0.1:$hole_port#" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
+sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$hole_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
   -e '/proxy_set_header X-Request-Id \$request_id;/d' \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
 nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
@@ -513,7 +619,7 @@ expect "nginx with \$request_id named (the example): no such error" "$(grep -c '
 hole_hap_port=$(free_port)
 # Its max_frame from the environment (RLSIDECAR_MAX_FRAME, as the daemon's --max-frame):
 # 300 bytes. A value that is no number stops HAProxy at load.
-sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
   -e "s#^global#global\n    setenv RLSIDECAR_MAX_FRAME 300#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
 sed -e "s#RLSIDECAR_MAX_FRAME 300#RLSIDECAR_MAX_FRAME 64k#" "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-bad.cfg"
 expect_re "haproxy, RLSIDECAR_MAX_FRAME=64k: refused at load" "$(haproxy -c -f "$tmp/haproxy-bad.cfg" 2>&1 || true)" \

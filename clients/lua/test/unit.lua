@@ -223,6 +223,17 @@ for _, v in ipairs(read("clients/testdata/problem_bodies.json")) do
   end
 end
 
+-- The ip attribute: every case of the shared table (clients/testdata/ips.json).
+do
+  local t = read("clients/testdata/ips.json")
+  check(#t.cases >= 10, "ips.json: %d cases", #t.cases)
+  for _, c in ipairs(t.cases) do
+    local got = http.peer_ip(c.peer)
+    check(got == c.ip, "peer_ip(%q) = %q, want %q", c.peer, tostring(got), c.ip)
+  end
+  check(http.peer_ip(nil) == "", "peer_ip(nil) is not \"\"")
+end
+
 -- Path normalization (the HAProxy client's `path`): every case of the shared table, and
 -- a result that is normalized already stays as it is.
 do

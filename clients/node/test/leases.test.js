@@ -4,6 +4,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const { EventEmitter } = require('events');
+const http = require('http');
 
 const rl = require('..');
 const { startDaemon } = require('./helpers');
@@ -52,4 +53,31 @@ test('the middleware releases when the response finishes', async (t) => {
     }
     assert.equal((await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining, 1, `request ${i} released`);
   }
+});
+
+test('keep-alive: each request on a connection finds the slot its predecessor freed', async (t) => {
+  // max 1, and a client that sends each request the moment the previous response
+  // arrived, on one connection: the release (after the response) must reach the daemon
+  // before the next request's check.
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  const srv = http.createServer((req, res) => mw(req, res, () => res.end('ok')));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  t.after(() => { agent.destroy(); return new Promise((resolve) => srv.close(resolve)); });
+  const statuses = [];
+  const sockets = new Set();
+  for (let i = 0; i < 100; i++) {
+    statuses.push(await new Promise((resolve, reject) => {
+      http.get({ host: '127.0.0.1', port: srv.address().port, path: '/', agent }, (res) => {
+        sockets.add(res.socket);
+        res.resume();
+        res.on('end', () => resolve(res.statusCode));
+      }).on('error', reject);
+    }));
+  }
+  assert.equal(sockets.size, 1, 'one connection');
+  assert.deepEqual(statuses, Array(100).fill(200));
 });

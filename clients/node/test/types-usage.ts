@@ -1,6 +1,6 @@
 // A use of every declaration in index.d.ts; types.test.js compiles it with tsc --strict.
 import * as http from 'http';
-import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, defaultAttrs, normalizePath, PROTOCOL } from '..';
+import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, defaultAttrs, peerIP, normalizePath, PROTOCOL } from '..';
 
 async function use(): Promise<void> {
   const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2, maxFrame: 65536 });
@@ -31,10 +31,11 @@ async function use(): Promise<void> {
   const mw = middleware<http.IncomingMessage, http.ServerResponse>(c, { cost: () => 1, attrs: (req) => ({ path: req.url || '' }) });
   http.createServer((req, res) => mw(req, res, () => res.end('ok')));
   const a: { ip: string; method: string; path: string | Buffer } = defaultAttrs({ method: 'GET', url: '/' });
+  const ip: string = peerIP('::ffff:203.0.113.7');
   const np: string | Buffer = normalizePath('/a/../b');
   await c.check({ ...a, user: 'alice', raw: Buffer.from([0xff]) });
   await c.close();
-  void allowed, r, h, cause, v, p, a, np;
+  void allowed, r, h, cause, v, p, a, ip, np;
 }
 
 void use;

@@ -9,8 +9,24 @@ from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
 
+def peer_ip(addr):
+    """The ip attribute every rlsidecar client sends for a peer address (without a port):
+    addr itself, except that an IPv4-mapped IPv6 address ("::ffff:" before a dotted quad)
+    is sent as the IPv4 address it maps. An IPv4 client of a server bound to "::"
+    (dual-stack) has that form, "::ffff:203.0.113.7", which the Go client and nginx send as
+    "203.0.113.7": one form, one key per client whichever gateway asks
+    (clients/testdata/ips.json)."""
+    if addr[:7].lower() == "::ffff:":
+        quad = addr[7:].split(".")
+        if len(quad) == 4 and all(q.isdigit() and q.isascii() and (q == "0" or q[0] != "0") and len(q) <= 3
+                                  and int(q) <= 255 for q in quad):
+            return addr[7:]
+    return addr
+
+
 def wsgi_attrs(environ):
-    """The default attributes of a WSGI request: ip (REMOTE_ADDR), method, path.
+    """The default attributes of a WSGI request: ip (REMOTE_ADDR, as peer_ip gives it),
+    method, path.
 
     The path is normalized as every rlsidecar client does (normalize_path): from the raw
     request target when the server gives it (RAW_URI: gunicorn; REQUEST_URI: uWSGI,
@@ -23,7 +39,7 @@ def wsgi_attrs(environ):
         path = normalize_path(_wsgi_bytes(raw))
     else:
         path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
-    return {"ip": environ.get("REMOTE_ADDR", ""), "method": environ.get("REQUEST_METHOD", ""),
+    return {"ip": peer_ip(environ.get("REMOTE_ADDR", "")), "method": environ.get("REQUEST_METHOD", ""),
             "path": path_attr(path)}
 
 
@@ -38,8 +54,8 @@ def _wsgi_bytes(s):
 
 
 def asgi_attrs(scope):
-    """The default attributes of an ASGI HTTP request: ip (the client's host), method,
-    path.
+    """The default attributes of an ASGI HTTP request: ip (the client's host, as peer_ip
+    gives it), method, path.
 
     The path is normalized as every rlsidecar client does (normalize_path): from
     scope["raw_path"], the bytes the client sent, when the server gives it; else from
@@ -51,7 +67,7 @@ def asgi_attrs(scope):
         path = normalize_path(bytes(raw))
     else:
         path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
-    return {"ip": client[0] if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
+    return {"ip": peer_ip(client[0]) if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
 
 
 def _closed(client):
@@ -111,12 +127,19 @@ class WSGIMiddleware:
                 return start_response(status, headers + extra, exc_info) if exc_info else start_response(status, headers + extra)
         if not d.lease:
             return self.app(environ, start)
+        length = []  # the response's Content-Length, when the app gives one
+
+        def start_noting_length(status, headers, exc_info=None):
+            for k, v in headers:
+                if k.lower() == "content-length" and v.strip().isdigit():
+                    length[:] = [int(v)]
+            return start(status, headers, exc_info) if exc_info else start(status, headers)
         try:
-            body = self.app(environ, start)
+            body = self.app(environ, start_noting_length)
         except BaseException:
             self._release(d.lease)
             raise
-        return _Releasing(body, lambda: self._release(d.lease))
+        return _Releasing(body, lambda: self._release(d.lease), length)
 
     def _release(self, lease):
         try:
@@ -127,14 +150,36 @@ class WSGIMiddleware:
 
 class _Releasing:
     """A WSGI response body that releases a concurrency lease when the server closes it
-    (the request is over: PEP 3333)."""
+    (the request is over: PEP 3333), or sooner: before it hands the server the body's last
+    part, when that is known (a list or tuple body; the Content-Length reached). The server
+    may write that part and read the client's next request (on another connection, in
+    another thread) before it calls close(): released first, that request finds the slot
+    free. A streamed body of unknown length is released at close()."""
 
-    def __init__(self, body, release):
+    def __init__(self, body, release, length):
         self._body = body
         self._release = release
+        self._length = length  # [Content-Length] once start_response gave one, else []
 
     def __iter__(self):
-        return iter(self._body)
+        body = self._body
+        if isinstance(body, (list, tuple)):
+            for i, chunk in enumerate(body):
+                if i == len(body) - 1:
+                    self._release_now()
+                yield chunk
+            return
+        sent = 0
+        for chunk in body:
+            sent += len(chunk)
+            if self._length and sent >= self._length[0]:
+                self._release_now()
+            yield chunk
+
+    def _release_now(self):
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def close(self):
         try:
@@ -142,9 +187,7 @@ class _Releasing:
             if close is not None:
                 close()
         finally:
-            release, self._release = self._release, None
-            if release is not None:
-                release()
+            self._release_now()
 
 
 class ASGIMiddleware:
@@ -177,14 +220,29 @@ class ASGIMiddleware:
             return
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
+            pending = [d.lease]
+
+            async def release():
+                if pending:
+                    lease = pending.pop()
+                    try:
+                        await self.client.release(lease)
+                    except Exception:  # the lease then expires on its own
+                        pass
+
+            async def send_releasing(message):
+                # The response's last body message goes out only once the slot is free, so
+                # a client that has the whole response and asks again finds it free (as
+                # the Go middleware, whose release precedes the response's end).
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    await release()
+                await send(message)
+
             try:  # the delay too: a request cancelled while held frees its slot
                 await self._hold(d)
-                return await self._call(scope, receive, send, extra)
+                return await self._call(scope, receive, send_releasing, extra)
             finally:
-                try:
-                    await self.client.release(d.lease)
-                except Exception:  # the lease then expires on its own
-                    pass
+                await release()
         await self._hold(d)
         return await self._call(scope, receive, send, extra)
 

@@ -149,3 +149,96 @@ def test_lease_and_delay_together(make_daemon):
                 await asyncio.sleep(0.01)
             assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
     asyncio.run(run())
+
+
+def test_asgi_frees_the_slot_before_the_response_ends(make_daemon):
+    """The last body message reaches the server only once the lease is released: a
+    client that has the whole response and asks again at once finds the slot free. A
+    streamed body holds the slot until its last part."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            async def app(scope, receive, send):
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"part", "more_body": True})
+                await send({"type": "http.response.body", "body": b"end"})
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+            free_when_sent = []
+
+            async def send(m):
+                if m["type"] == "http.response.body":
+                    free_when_sent.append((await c.check({"user": "ann"}, cost=0)).rules[0].remaining)
+            for _ in range(3):
+                await mw({"type": "http", "method": "GET", "path": "/"}, None, send)
+            assert free_when_sent == [0, 1] * 3  # held while streaming, free before the end
+    asyncio.run(run())
+
+
+def test_wsgi_frees_the_slot_before_the_last_part(make_daemon):
+    """The server gets the body's last part only once the lease is released, when the
+    last part is known (a list body, or the Content-Length reached); a streamed body of
+    unknown length holds the slot until the server closes it."""
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def remaining():
+            return c.check({"user": "ann"}, cost=0).rules[0].remaining
+
+        def stream(length):
+            def app(environ, start_response):
+                start_response("200 OK", [("Content-Length", str(length))] if length is not None else [])
+                yield b"ab"
+                yield b"cd"
+            return app
+
+        def listed(environ, start_response):
+            start_response("200 OK", [])
+            return [b"ab", b"cd"]
+        for app, want in ((listed, [0, 1]), (stream(4), [0, 1]), (stream(None), [0, 0])):
+            mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"})
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            free_when_handed = [remaining() for _ in body]
+            body.close()
+            assert free_when_handed == want, app
+            assert remaining() == 1
+
+
+def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
+    """A threaded WSGI server, max 1 in flight, 200 requests one after the other (a new
+    connection each): each finds the slot the previous one freed, though the server reads
+    the next request before it closes the previous response."""
+    import socketserver
+    import threading
+    import urllib.request
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Threaded(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def app(environ, start_response):
+            start_response("200 OK", [("Content-Length", "2")])
+            return [b"ok"]
+        srv = make_server("127.0.0.1", 0, rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"}),
+                          server_class=Threaded, handler_class=Quiet)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        try:
+            codes = []
+            for _ in range(200):
+                try:
+                    with urllib.request.urlopen("http://127.0.0.1:%d/" % srv.server_port, timeout=10) as r:
+                        codes.append(r.status)
+                except urllib.error.HTTPError as e:
+                    codes.append(e.code)
+            assert codes == [200] * 200
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            t.join(10)
