@@ -118,6 +118,7 @@ func (a *autoPipe) send(batch []*apCall) {
 		for _, c := range cmds {
 			if c, ok := c.(*redis.Cmd); ok {
 				unanswered(err, c)
+				keepAnswered(c) // a master that answered is not failed by another's timeout
 			}
 		}
 	}

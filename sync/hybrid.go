@@ -52,16 +52,16 @@ type Hybrid struct {
 	backlog  atomic.Int64        // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64       // exact syncs made for a waiting request
 	fetchQ   combiner[*fetchReq] // exact syncs waiting for the batch in flight (hybrid_fetch.go)
-	// syncFailed is when a sync last failed (daemon clock, ns): an exact sync that did,
-	// or a periodic one that got no answer at all. Until Redis answers something, no
-	// exact sync is tried and keys only Redis can decide are Unreachable.
-	syncFailed atomic.Int64
-
-	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
-	lastOK   atomic.Int64
-	kick     chan struct{} // a key was seen for the first time: sync soon, not at the next tick
-	breaker  *Breaker      // nil: always call
-	observe  Observer      // nil: none
+	// masters holds, per Redis master (one on a standalone Redis, or without
+	// WithMasters), its breaker, when it last answered a heartbeat, a ping or a sync
+	// (lastOK, daemon clock, ns), and when a sync to it last failed (syncFailed: an exact
+	// sync that did, or a periodic one that got no answer from it). Until a master answers
+	// something, no exact sync of its keys is tried and its keys that only Redis can
+	// decide are Unreachable; past StaleAfter without an answer, or with its breaker open,
+	// every one of its keys is (Take). Never nil.
+	masters *Masters
+	kick    chan struct{} // a key was seen for the first time: sync soon, not at the next tick
+	observe Observer      // nil: none
 	syncDone func(d time.Duration, keys int)
 	clock    func() int64 // HybridOptions.Clock
 
@@ -95,29 +95,59 @@ func (h *Hybrid) observed(op string, start time.Time, err error) {
 }
 
 // WithBreaker makes h skip its syncs while b is open (what was admitted stays pending),
-// count as unhealthy meanwhile, and report to b.
+// count as unhealthy meanwhile, and report to b: one breaker, and one judgement of
+// whether Redis answers, for every key whichever master holds it. Call it before h is
+// used. See WithMasters.
 func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
-	h.breaker = b
+	h.masters = mastersOf(b, h.clock)
 	return h
+}
+
+// WithMasters makes h judge each Redis master on its own (m: one per master of h's
+// cluster, built with h's Clock and refreshed by m.Run): a master's syncs are skipped
+// while its breaker is open, and its keys alone go stale when it stops answering
+// (heartbeats, pings, syncs); the other masters' keys are decided as usual. Call it
+// before h is used.
+func (h *Hybrid) WithMasters(m *Masters) *Hybrid {
+	h.masters = m
+	return h
+}
+
+// masterOf returns the master of e's key in the current slot map.
+func (h *Hybrid) masterOf(e *hentry) *Master {
+	t := h.masters.table.Load()
+	return t.list[t.slot[e.slot]]
 }
 
 // StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
 // Healthy is false and the rules' failure policies decide.
 func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, 2*h.heartbeatEvery()) }
 
-// Healthy reports whether Redis answered recently enough for the allowances to stand.
-// A Hybrid that has never reached Redis counts from its creation.
+// Healthy reports whether Redis answered recently enough for the allowances to stand:
+// on a cluster with a breaker per master (WithMasters), whether some master did (Take
+// then judges each key by its own master); otherwise, whether Redis did. A master that
+// has never answered counts from its creation.
 func (h *Hybrid) Healthy(now int64) bool {
-	return !h.breaker.Open() && now-h.lastOK.Load() <= int64(h.StaleAfter())
-}
-
-func (h *Hybrid) answered(now int64) {
-	for {
-		old := h.lastOK.Load()
-		if now <= old || h.lastOK.CompareAndSwap(old, now) {
-			return
+	stale := h.StaleAfter()
+	for _, m := range h.masters.List() {
+		if m.fresh(now, stale) {
+			return true
 		}
 	}
+	return false
+}
+
+// Reachable reports whether every master answered recently enough for its allowances to
+// stand (on a standalone Redis, Healthy): false while some keys are decided by the
+// rules' failure policies for want of their master.
+func (h *Hybrid) Reachable(now int64) bool {
+	stale := h.StaleAfter()
+	for _, m := range h.masters.List() {
+		if !m.fresh(now, stale) {
+			return false
+		}
+	}
+	return true
 }
 
 // HybridOptions configures a Hybrid.
@@ -181,7 +211,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
 	h.beatTTL = 3 * h.heartbeatEvery()
-	h.lastOK.Store(h.clock())
+	h.masters = mastersOf(nil, h.clock)
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
 	}

@@ -121,35 +121,72 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 }
 
 // applyAll applies items, locking each one's shard, and counts the items that failed
-// (a key whose slot moved is not a failure: it stays pending for the next sync).
-func (h *Hybrid) applyAll(items []syncItem) (failed int, firstErr error) {
+// (a key whose slot moved is not a failure: it stays pending for the next sync). It
+// records, per master, that it answered, or, when it answered none of its items (or,
+// with strict, any one of them failed), that a sync to it failed: no exact sync of its
+// keys is tried until it answers. The outcome per master is returned for its breaker.
+func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr error, by []masterOutcome) {
 	n := h.creditShares()
-	ok := false
+	var buf [4]masterOutcome
+	by = buf[:0]
 	for i := range items {
 		it := &items[i]
 		it.sh.mu.Lock()
 		h.apply(it, n)
+		m := h.masterOf(it.e)
 		it.sh.mu.Unlock()
+		k := len(by) - 1
+		if k < 0 || by[k].m != m { // items come grouped by master, mostly
+			k = 0
+			for k < len(by) && by[k].m != m {
+				k++
+			}
+			if k == len(by) {
+				by = append(by, masterOutcome{m: m})
+			}
+		}
 		switch {
 		case errors.Is(it.err, errNotServed):
-			// Redis answered; the key's slot moved: resent to its new master next time,
-			// not a failure of Redis (the breaker must not open on a reshard).
-			ok = true
+			// The master answered; the key's slot moved: resent to its new master next
+			// time, not a failure (the breaker must not open on a reshard).
+			by[k].ok++
 		case it.err != nil:
+			by[k].failed++
 			failed++
 			if firstErr == nil {
 				firstErr = it.err
 			}
 		default:
-			ok = true
+			by[k].ok++
 		}
 	}
-	if ok {
-		h.answered(h.clock())
-	} else if failed > 0 {
-		h.syncFailed.Store(h.clock()) // nothing answered: no exact sync is tried until Redis answers
+	now := h.clock()
+	for _, o := range by {
+		if o.ok > 0 {
+			o.m.answered(now)
+		}
+		if o.failed > 0 && (o.ok == 0 || strict) {
+			o.m.syncFailed.Store(now)
+		}
 	}
-	return failed, firstErr
+	return failed, firstErr, by
+}
+
+// masterOutcome is how one master's items of a sync went.
+type masterOutcome struct {
+	m          *Master
+	ok, failed int
+}
+
+// report tells each master's breaker how its items went.
+func report(by []masterOutcome) {
+	for _, o := range by {
+		if o.failed > 0 {
+			o.m.breaker.Failure()
+		} else {
+			o.m.breaker.Success()
+		}
+	}
 }
 
 // Flush runs one sync of every key that changed, with no cap on their number: what each
@@ -172,10 +209,26 @@ func (h *Hybrid) Release(ctx context.Context, now int64) error {
 }
 
 // flush syncs at most limit keys that changed (release: every key holding something,
-// asking for nothing), and returns how many it sent.
+// asking for nothing), and returns how many it sent. Except for a release, a key whose
+// master's breaker refuses the call stays dirty for a later sync, and each master's
+// breaker hears how its keys went.
 func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) (int, error) {
 	var items []syncItem
 	backlog := 0
+	// The masters asked, each once per sync (an open breaker gives one probe): a master
+	// a sync does not reach is not asked.
+	var gates []masterGate
+	allowed := func(e *hentry) bool {
+		m := h.masterOf(e)
+		for _, g := range gates {
+			if g.m == m {
+				return g.ok
+			}
+		}
+		ok := m.breaker.Allow()
+		gates = append(gates, masterGate{m, ok})
+		return ok
+	}
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
@@ -198,6 +251,8 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 				keep = append(keep, e) // a request's exact sync has it: next time
 			case !e.needsSync():
 				e.flags &^= flagDirty
+			case !allowed(e):
+				keep = append(keep, e) // its master's breaker is open: later
 			case len(items) >= limit:
 				backlog++
 				keep = append(keep, e)
@@ -223,7 +278,10 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 		return 0, nil
 	}
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
-	failed, firstErr := h.applyAll(items)
+	failed, firstErr, by := h.applyAll(items, false)
+	if !release {
+		report(by)
+	}
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
@@ -231,6 +289,12 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 		return len(items), fmt.Errorf("hybrid sync: %d of %d keys not synced: %w", failed, len(items), firstErr)
 	}
 	return len(items), nil
+}
+
+// masterGate is a master's breaker's answer for one sync.
+type masterGate struct {
+	m  *Master
+	ok bool
 }
 
 // maxChargeAge bounds how far back (ms) a sync dates the units it charges (syncItem.age):

@@ -5,6 +5,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	gosync "sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -44,16 +45,25 @@ func heartbeatKeys(base string, cluster bool) []string {
 // sent a heartbeat within ttl (the most any heartbeat set counts). It also updates the
 // replica count shares are sized by. It fails only if no heartbeat set answered.
 func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	n, _, err := h.heartbeat(ctx, id, ttl, h.heartbeatKs)
+	return n, err
+}
+
+// heartbeat is Heartbeat to keys (some of heartbeatKs), also reporting which answered;
+// each key's master that answered is recorded as answering.
+func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, keys []string) (int, []bool, error) {
 	pipe := h.rdb.Pipeline()
-	cmds := make([]*redis.Cmd, len(h.heartbeatKs))
-	for i, k := range h.heartbeatKs {
+	cmds := make([]*redis.Cmd, len(keys))
+	for i, k := range keys {
 		cmds[i] = heartbeatScript.EvalSha(ctx, pipe, []string{k}, id, ttl.Milliseconds())
 	}
 	_, err := pipe.Exec(ctx)
 	unanswered(err, cmds...)
+	keepAnswered(cmds...)
 	best := 0
 	var errs []error
-	for i, k := range h.heartbeatKs {
+	oks := make([]bool, len(keys))
+	for i, k := range keys {
 		n, err := cmds[i].Int64()
 		if isNoScriptErr(err) {
 			n, err = heartbeatScript.Eval(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
@@ -62,17 +72,103 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 			errs = append(errs, fmt.Errorf("%s: %w", k, err))
 			continue
 		}
+		oks[i] = true
+		h.masters.ForKey(k).answered(h.clock())
 		best = max(best, int(n))
 	}
 	if best == 0 {
-		return 0, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
+		return 0, oks, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
 	}
-	h.answered(h.clock())
 	h.SetReplicas(best)
 	if len(errs) > 0 {
-		return best, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
+		return best, oks, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
 	}
-	return best, nil
+	return best, oks, nil
+}
+
+// beatOnce sends a heartbeat to the sets whose masters' breakers let it (each master
+// asked once) and tells each breaker how its master answered. With a breaker per master
+// of a cluster it also pings, at the same time, each master holding no heartbeat set
+// whose breaker lets it, so a master no key of this daemon is synced to is judged
+// too: its keys go stale only when it stops answering. It returns the heartbeat's
+// count of live daemons (0: none answered, or none was sent) and its error.
+func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	var keys []string
+	var gates []masterGate
+	var keyGate []int
+	for _, k := range h.heartbeatKs {
+		m := h.masters.ForKey(k)
+		g := 0
+		for g < len(gates) && gates[g].m != m {
+			g++
+		}
+		if g == len(gates) {
+			gates = append(gates, masterGate{m, m.breaker.Allow()})
+		}
+		if gates[g].ok {
+			keys = append(keys, k)
+			keyGate = append(keyGate, g)
+		}
+	}
+	var wg gosync.WaitGroup
+	if h.masters.Cluster() {
+		t := h.masters.table.Load()
+		for i, m := range t.list {
+			held := false
+			for _, g := range gates {
+				held = held || g.m == m
+			}
+			if held || m.Addr == "" || !m.breaker.Allow() {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				h.ping(ctx, m, slotKeys()[t.first[i]])
+			}()
+		}
+	}
+	n := 0
+	var err error
+	if len(keys) > 0 {
+		var oks []bool
+		n, oks, err = h.heartbeat(ctx, id, ttl, keys)
+		answered := make([]bool, len(gates))
+		for i, ok := range oks {
+			answered[keyGate[i]] = answered[keyGate[i]] || ok
+		}
+		for g := range gates {
+			switch {
+			case !gates[g].ok:
+			case answered[g]:
+				gates[g].m.breaker.Success()
+			default:
+				gates[g].m.breaker.Failure()
+			}
+		}
+	}
+	wg.Wait()
+	return n, err
+}
+
+// ping asks master m (through key, in one of its slots) whether it answers, and tells
+// its breaker.
+func (h *Hybrid) ping(ctx context.Context, m *Master, key string) {
+	start := time.Now()
+	err := errors.New("no cluster client")
+	if cc, ok := h.rdb.(*redis.ClusterClient); ok {
+		var c *redis.Client
+		if c, err = cc.MasterForKey(ctx, key); err == nil {
+			err = c.Ping(ctx).Err()
+		}
+	}
+	h.observed("heartbeat", start, err)
+	if err != nil {
+		m.breaker.Failure()
+		return
+	}
+	m.answered(h.clock())
+	m.breaker.Success()
 }
 
 // Where the next heartbeat stands (Hybrid.beat), on a standalone Redis.
@@ -86,10 +182,11 @@ const (
 // live daemons it answered (0: the call failed, and Run offers it again).
 func (h *Hybrid) rideBeat(live int64) {
 	if live > 0 {
-		h.answered(h.clock())
+		m := h.masters.List()[0] // standalone: the only one
+		m.answered(h.clock())
 		h.SetReplicas(int(live))
 		h.rodeAt.Store(time.Now().UnixNano())
-		h.breaker.Success()
+		m.breaker.Success()
 	}
 	h.beat.Store(beatIdle)
 }
@@ -123,27 +220,16 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	defer t.Stop()
 	beatEvery := h.heartbeatEvery()
 	beat := func() {
-		if !h.breaker.Allow() {
-			return
-		}
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		start := time.Now()
-		n, err := h.Heartbeat(c, id, 3*beatEvery)
+		_, err := h.beatOnce(c, id, 3*beatEvery)
 		h.observed("heartbeat", start, err)
-		if n == 0 {
-			h.breaker.Failure()
-		} else {
-			h.breaker.Success()
-		}
 		if err != nil {
 			onErr(err)
 		}
 	}
 	flush := func(release bool) {
-		if !release && !h.breaker.Allow() {
-			return
-		}
 		// A sync of many keys takes several pipelines: allow it a few intervals, and the
 		// last one, which settles every key held, up to releaseBudget.
 		budget := max(timeout, 5*h.interval)
@@ -166,10 +252,7 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			h.syncDone(time.Since(start), sent)
 		}
 		if err != nil {
-			h.breaker.Failure()
-			onErr(err)
-		} else {
-			h.breaker.Success()
+			onErr(err) // each master's breaker heard how its keys went (flush)
 		}
 	}
 	beat()

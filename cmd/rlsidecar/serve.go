@@ -194,6 +194,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		recorded = nil
 	}
 	var hybrid *rlsync.Hybrid
+	var syncMasters, checkMasters *rlsync.Masters // a breaker per Redis master, each
 	modeDesc := "local mode"
 	if haveRedis {
 		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
@@ -202,9 +203,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			cfg.Cluster = []string{*redisCluster}
 			where = "cluster " + rlsync.Redact(*redisCluster)
 		}
-		// Two clients (two connection pools) and two breakers: global checks wait
+		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
-		// timeouts close connections, must not make the second look down.
+		// timeouts close connections, must not make the second look down. A breaker per
+		// master (one on a standalone Redis): a Cluster master that fails degrades its
+		// own keys only.
 		rdb, err := rlsync.Open(cfg)
 		if err != nil {
 			return err
@@ -216,15 +219,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer rdbChecks.Close()
 		redis.SetLogger(redisLog{log})
-		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
+		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono)
+		checkMasters = rlsync.NewMasters(rdbChecks, *breakerFailures, *breakerCooldown, clock.Mono)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
 			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
-			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
+			WithMasters(syncMasters).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore), *globalTimeout)
 		// Penalty rules in hybrid and global mode share their bans through Redis.
 		sharedBans, err := rlsync.NewBans(rdbChecks, *redisPrefix)
 		if err != nil {
@@ -232,11 +235,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		lim.WithSharedBans(sharedBans, *globalTimeout)
 		lim.OnSharedBanStarted(metrics.BanStarted)
-		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
-			if syncBreaker.Open() || checkBreaker.Open() {
+		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks, of any master) is open.", func() float64 {
+			if syncMasters.AnyOpen() || checkMasters.AnyOpen() {
 				return 1
 			}
 			return 0
+		})
+		metrics.GaugeFunc("rlsidecar_breaker_open_masters", "Redis masters with a circuit breaker (hybrid syncs or global checks) open: their keys follow their rules' failure policies (standalone Redis: 0 or 1).", func() float64 {
+			return float64(openMasters(syncMasters, checkMasters))
 		})
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
@@ -272,7 +278,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *admin != "" {
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
-			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
+			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
 		}
 		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
 			if adminGiven || !errors.Is(err, syscall.EADDRINUSE) {
@@ -364,6 +370,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		lim.Sweep(clock.Mono())
 		return true
 	})
+	// The breakers follow the Cluster's slot map (failovers, reshards); standalone: no-op.
+	for _, m := range []*rlsync.Masters{syncMasters, checkMasters} {
+		if m.Cluster() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				m.Run(ctx, time.Second)
+			}()
+		}
+	}
 
 	// The hybrid sync: flushes every interval, and once more after the server has drained,
 	// so what was admitted before a shutdown reaches Redis.
@@ -699,4 +715,17 @@ func checkBounds(bs ...bound) error {
 		}
 	}
 	return nil
+}
+
+// openMasters counts the Redis masters (by address) whose breaker is open in any of sets.
+func openMasters(sets ...*rlsync.Masters) int {
+	open := map[string]bool{}
+	for _, s := range sets {
+		for _, m := range s.List() {
+			if m.Breaker().Open() {
+				open[m.Addr] = true
+			}
+		}
+	}
+	return len(open)
 }
