@@ -473,8 +473,8 @@ type call struct {
 	args     []any
 	cmd      *redis.Cmd
 	m        *Master // the master it goes to (Global.admit); nil: not gated
-	failed   bool // the call returned an error
-	rejected bool // a non-shadow op of the call was rejected: nothing was written
+	failed   bool    // the call returned an error
+	rejected bool    // a non-shadow op of the call was rejected: nothing was written
 }
 
 // run sends calls with EVALSHA, all in one pipeline when there are several, and sends

@@ -59,9 +59,9 @@ type Hybrid struct {
 	// something, no exact sync of its keys is tried and its keys that only Redis can
 	// decide are Unreachable; past StaleAfter without an answer, or with its breaker open,
 	// every one of its keys is (Take). Never nil.
-	masters *Masters
-	kick    chan struct{} // a key was seen for the first time: sync soon, not at the next tick
-	observe Observer      // nil: none
+	masters  *Masters
+	kick     chan struct{} // a key was seen for the first time: sync soon, not at the next tick
+	observe  Observer      // nil: none
 	syncDone func(d time.Duration, keys int)
 	clock    func() int64 // HybridOptions.Clock
 
