@@ -125,7 +125,7 @@ type Global struct {
 // the daemon then spend a few syscalls per batch rather than per check. Call it before g
 // is used.
 func (g *Global) WithAutoPipeline() *Global {
-	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot}
+	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot, g: g}
 	return g
 }
 

@@ -55,6 +55,8 @@ type Master struct {
 	// clock, ns); syncFailed when a sync to it last failed with no answer.
 	lastOK     atomic.Int64
 	syncFailed atomic.Int64
+	// calls is the master's queue of global checks (autoPipe), on a cluster.
+	calls combiner[*apCall]
 }
 
 // Breaker returns m's circuit breaker.

@@ -21,19 +21,24 @@ type Cluster struct {
 	Nodes []*Server
 }
 
-// StartCluster starts three cluster-enabled redis-servers (cluster-node-timeout 2000, no
-// persistence) on free loopback ports whose bus ports (port+10000) are free too, joins
-// them with `redis-cli --cluster create … --cluster-replicas 0 --cluster-yes`, and waits
-// until every node reports cluster_state:ok with all 16384 slots served. t.Cleanup stops
-// every node.
-func StartCluster(t testing.TB) *Cluster {
+// StartCluster starts three cluster-enabled redis-servers (cluster-node-timeout 2000
+// unless WithClusterNodeTimeout, no persistence) on free loopback ports whose bus ports
+// (port+10000) are free too, joins them with `redis-cli --cluster create …
+// --cluster-replicas 0 --cluster-yes`, and waits until every node reports
+// cluster_state:ok with all 16384 slots served. t.Cleanup stops every node. Of opts,
+// only WithClusterNodeTimeout applies.
+func StartCluster(t testing.TB, opts ...Option) *Cluster {
 	t.Helper()
 	cli := lookPath(t, "redis-cli")
 	c := &Cluster{}
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
 	for i := 0; i < 3; i++ {
 		// Nodes start one after another, so each probe for a free port pair sees the
 		// earlier nodes' ports and bus ports taken.
-		n := start(t, config{cluster: true})
+		n := start(t, config{cluster: true, nodeTimeout: cfg.nodeTimeout})
 		c.Nodes = append(c.Nodes, n)
 		c.Addrs = append(c.Addrs, n.Addr)
 	}
