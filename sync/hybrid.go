@@ -59,11 +59,14 @@ type Hybrid struct {
 	// something, no exact sync of its keys is tried and its keys that only Redis can
 	// decide are Unreachable; past StaleAfter without an answer, or with its breaker open,
 	// every one of its keys is (Take). Never nil.
-	masters  *Masters
-	kick     chan struct{} // a key was seen for the first time: sync soon, not at the next tick
-	observe  Observer      // nil: none
-	syncDone func(d time.Duration, keys int)
-	clock    func() int64 // HybridOptions.Clock
+	masters    *Masters
+	single     *Master       // the one master of masters, when it is not per master of a cluster
+	health     *Master       // Healthy's: single, or one no breaker guards, answered when any master is
+	staleAfter time.Duration // StaleAfter: 5 intervals, at least 2 heartbeats
+	kick       chan struct{} // a key was seen for the first time: sync soon, not at the next tick
+	observe    Observer      // nil: none
+	syncDone   func(d time.Duration, keys int)
+	clock      func() int64 // HybridOptions.Clock
 
 	daemonsKey string // the live-daemons set, under the configured prefix
 
@@ -74,8 +77,8 @@ type Hybrid struct {
 	beatTTL time.Duration
 }
 
-// WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch and
-// heartbeat).
+// WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch,
+// heartbeat, and ping: a master no heartbeat reaches, with a breaker per master).
 func (h *Hybrid) WithObserver(o Observer) *Hybrid {
 	h.observe = o
 	return h
@@ -99,8 +102,7 @@ func (h *Hybrid) observed(op string, start time.Time, err error) {
 // whether Redis answers, for every key whichever master holds it. Call it before h is
 // used. See WithMasters.
 func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
-	h.masters = mastersOf(b, h.clock)
-	return h
+	return h.WithMasters(mastersOf(b, h.clock))
 }
 
 // WithMasters makes h judge each Redis master on its own (m: one per master of h's
@@ -109,41 +111,51 @@ func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
 // (heartbeats, pings, syncs); the other masters' keys are decided as usual. Call it
 // before h is used.
 func (h *Hybrid) WithMasters(m *Masters) *Hybrid {
-	h.masters = m
+	h.masters, h.single, h.health = m, nil, &Master{}
+	if !m.Cluster() {
+		h.single = m.List()[0]
+		h.health = h.single
+	} else {
+		h.health.lastOK.Store(h.clock())
+	}
 	return h
 }
 
 // masterOf returns the master of e's key in the current slot map.
 func (h *Hybrid) masterOf(e *hentry) *Master {
+	if h.single != nil {
+		return h.single
+	}
 	t := h.masters.table.Load()
 	return t.list[t.slot[e.slot]]
 }
 
 // StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
 // Healthy is false and the rules' failure policies decide.
-func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, 2*h.heartbeatEvery()) }
+func (h *Hybrid) StaleAfter() time.Duration { return h.staleAfter }
 
 // Healthy reports whether Redis answered recently enough for the allowances to stand:
 // on a cluster with a breaker per master (WithMasters), whether some master did (Take
-// then judges each key by its own master); otherwise, whether Redis did. A master that
-// has never answered counts from its creation.
+// then judges each key by its own master, and its breaker); otherwise, whether Redis did
+// and the breaker is closed. A master that has never answered counts from its creation.
 func (h *Hybrid) Healthy(now int64) bool {
-	stale := h.StaleAfter()
-	for _, m := range h.masters.List() {
-		if m.fresh(now, stale) {
-			return true
-		}
+	return h.health.fresh(now, h.staleAfter) // on every check's path: inlined
+}
+
+// answeredBy records that master m answered at now.
+func (h *Hybrid) answeredBy(m *Master, now int64) {
+	m.answered(now)
+	if h.health != m {
+		h.health.answered(now)
 	}
-	return false
 }
 
 // Reachable reports whether every master answered recently enough for its allowances to
 // stand (on a standalone Redis, Healthy): false while some keys are decided by the
 // rules' failure policies for want of their master.
 func (h *Hybrid) Reachable(now int64) bool {
-	stale := h.StaleAfter()
 	for _, m := range h.masters.List() {
-		if !m.fresh(now, stale) {
+		if !m.fresh(now, h.staleAfter) {
 			return false
 		}
 	}
@@ -208,10 +220,11 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		maxSync: o.MaxSyncKeys, seed: maphash.MakeSeed(), id: o.ID, clock: o.Clock,
 		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.replicas.Store(1)
+	h.staleAfter = max(5*h.interval, 2*h.heartbeatEvery())
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
 	h.beatTTL = 3 * h.heartbeatEvery()
-	h.masters = mastersOf(nil, h.clock)
+	h.WithMasters(mastersOf(nil, h.clock))
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
 	}

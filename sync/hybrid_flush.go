@@ -163,7 +163,7 @@ func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr e
 	now := h.clock()
 	for _, o := range by {
 		if o.ok > 0 {
-			o.m.answered(now)
+			h.answeredBy(o.m, now)
 		}
 		if o.failed > 0 && (o.ok == 0 || strict) {
 			o.m.syncFailed.Store(now)

@@ -73,7 +73,7 @@ func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, ke
 			continue
 		}
 		oks[i] = true
-		h.masters.ForKey(k).answered(h.clock())
+		h.answeredBy(h.masters.ForKey(k), h.clock())
 		best = max(best, int(n))
 	}
 	if best == 0 {
@@ -162,12 +162,12 @@ func (h *Hybrid) ping(ctx context.Context, m *Master, key string) {
 			err = c.Ping(ctx).Err()
 		}
 	}
-	h.observed("heartbeat", start, err)
+	h.observed("ping", start, err)
 	if err != nil {
 		m.breaker.Failure()
 		return
 	}
-	m.answered(h.clock())
+	h.answeredBy(m, h.clock())
 	m.breaker.Success()
 }
 
@@ -183,7 +183,7 @@ const (
 func (h *Hybrid) rideBeat(live int64) {
 	if live > 0 {
 		m := h.masters.List()[0] // standalone: the only one
-		m.answered(h.clock())
+		h.answeredBy(m, h.clock())
 		h.SetReplicas(int(live))
 		h.rodeAt.Store(time.Now().UnixNano())
 		m.breaker.Success()

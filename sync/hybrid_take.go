@@ -173,10 +173,6 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 
 	n := h.creditShares()
 	ok, fetch := true, false
-	// With a breaker per master, a key whose master is stale (its breaker open, or no
-	// answer for StaleAfter) is decided by its rule's policy, as every key is on a
-	// standalone Redis (the caller asks Healthy first).
-	perMaster := h.masters.Cluster()
 	for i := range ops {
 		op := &ops[i]
 		sh := &h.shards[op.shard]
@@ -209,7 +205,10 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		ents = append(ents, e)
 		e.seen = seenMs(now)
-		if perMaster && !op.Shadow && !h.masterOf(e).fresh(now, h.StaleAfter()) {
+		// With a breaker per master (no single one), a key whose master is stale (its
+		// breaker open, or no answer for StaleAfter) is decided by its rule's policy, as
+		// every key is on a standalone Redis (the caller asks Healthy first).
+		if h.single == nil && !op.Shadow && !h.masterOf(e).fresh(now, h.staleAfter) {
 			op.Result = localbucket.Result{Limit: e.lim.Requests()}
 			op.fetched, op.room, op.Unreachable = false, false, true
 			ok = false

@@ -206,9 +206,16 @@ func (m *Masters) Refresh(ctx context.Context) error {
 	}
 	t := &masterTable{}
 	index := make(map[string]uint16, len(old.list))
+	var last *redis.Client // slots come in ranges: the previous slot's master, mostly
+	var lastI uint16
 	for s := range Slots {
+		c, err := m.cc.MasterForKey(ctx, keys[s])
+		if err == nil && c == last && s > 0 {
+			t.slot[s] = lastI
+			continue
+		}
 		addr := ""
-		if c, err := m.cc.MasterForKey(ctx, keys[s]); err == nil {
+		if err == nil {
 			addr = c.Options().Addr
 		}
 		i, ok := index[addr]
@@ -224,6 +231,10 @@ func (m *Masters) Refresh(ctx context.Context) error {
 			t.first = append(t.first, uint16(s))
 		}
 		t.slot[s] = i
+		last, lastI = c, i
+		if err != nil {
+			last = nil
+		}
 	}
 	for _, x := range byAddr { // masters that own no slot any more
 		m.retired.Add(x.breaker.Opened())
