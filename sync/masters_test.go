@@ -262,7 +262,8 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	start := time.Now()
 	for a, ks := range keys {
 		for _, k := range ks[:3] {
-			tallies[k] = &tally{}
+			tl := &tally{}
+			tallies[k] = tl
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
@@ -270,7 +271,6 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 					open := m.ForKey(k).Breaker().Open()
 					ok, err, took := check(k)
 					mu.Lock()
-					tl := tallies[k]
 					switch {
 					case err != nil:
 						tl.failed++
