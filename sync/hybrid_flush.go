@@ -251,11 +251,11 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 				keep = append(keep, e) // a request's exact sync has it: next time
 			case !e.needsSync():
 				e.flags &^= flagDirty
-			case !allowed(e):
-				keep = append(keep, e) // its master's breaker is open: later
 			case len(items) >= limit:
 				backlog++
 				keep = append(keep, e)
+			case !allowed(e): // after the limit: a master asked has a key in this sync
+				keep = append(keep, e) // its master's breaker is open: later
 			default:
 				// Ask for a share grant while the key is hot here: its demand outran the
 				// allowance, or it held a share grant and is still in demand.
@@ -281,6 +281,17 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	failed, firstErr, by := h.applyAll(items, false)
 	if !release {
 		report(by)
+		// A probe given to a master whose keys moved away meanwhile (the slot map
+		// changed): not used, handed back.
+		for _, g := range gates {
+			reported := false
+			for _, o := range by {
+				reported = reported || o.m == g.m
+			}
+			if g.ok && !reported && g.m.breaker.Open() {
+				g.m.breaker.unprobe()
+			}
+		}
 	}
 	if failed > 0 {
 		if firstErr == nil {

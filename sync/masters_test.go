@@ -497,3 +497,23 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 		}
 	}
 }
+
+// A periodic sync that takes no key of a master (its cap reached first) leaves that
+// master's breaker's probe alone: a probe taken and not used would keep the breaker
+// open for good, no call ever let through to close it.
+func TestHybridFlushLeavesUnusedProbe(t *testing.T) {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never called
+	defer rdb.Close()
+	b := NewBreaker(1, 10*time.Millisecond)
+	h := NewHybrid(rdb, HybridOptions{}).WithBreaker(b)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	take(h, time.Now().UnixNano(), "rl:probe:{user=1}", lim, 1) // on credit: dirty
+	b.Failure()
+	time.Sleep(30 * time.Millisecond) // open, and due for a probe
+	if n, err := h.flush(context.Background(), time.Now().UnixNano(), 0, false); n != 0 || err != nil {
+		t.Fatalf("a sync capped at 0 keys sent %d (%v)", n, err)
+	}
+	if !b.Allow() {
+		t.Fatal("the sync took the breaker's probe and sent nothing")
+	}
+}
