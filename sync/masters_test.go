@@ -517,3 +517,48 @@ func TestHybridFlushLeavesUnusedProbe(t *testing.T) {
 		t.Fatal("the sync took the breaker's probe and sent nothing")
 	}
 }
+
+// A daemon with no key to sync while Redis is away: its sync breaker opens on the failed
+// heartbeats, and once Redis answers again it closes. Before, the periodic sync took the
+// open breaker's probe each cool-down even with nothing to send, never gave it back, and
+// the heartbeat was refused for good: the breaker stayed open, every hybrid key stale,
+// long after Redis was back.
+func TestHybridIdleBreakerCloses(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(1, 50*time.Millisecond)
+	h := NewHybrid(rdb, HybridOptions{Interval: 20 * time.Millisecond}).WithBreaker(b)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, 200*time.Millisecond, func(error) {})
+	}()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("not %s within 10 s", what)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	srv.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			srv.Thaw()
+		}
+	}()
+	waitFor("open", b.Open)
+	time.Sleep(300 * time.Millisecond) // several cool-downs, and syncs with nothing to send
+	srv.Thaw()
+	thawed = true
+	waitFor("closed after Redis answers again", func() bool { return !b.Open() && h.Healthy(time.Now().UnixNano()) })
+}
