@@ -562,3 +562,81 @@ func TestHybridIdleBreakerCloses(t *testing.T) {
 	thawed = true
 	waitFor("closed after Redis answers again", func() bool { return !b.Open() && h.Healthy(time.Now().UnixNano()) })
 }
+
+// A master of the cluster killed, its replica promoted: global checks of its keys fail,
+// its breaker opens (no call reaches the cluster client, so no redirection makes it
+// reload its slot map), and Masters.Run, reloading the map while a breaker is open, gives
+// those slots their new master and its closed breaker: the checks are decided by Redis
+// again, not left behind the dead node's open breaker.
+func TestMastersClusterFailover(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	replica := cl.AddReplica(t, 0)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	m := NewMasters(rdb, 3, 200*time.Millisecond, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.Run(ctx, 100*time.Millisecond)
+	}()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(m.List()) != 3 { // the first Refresh: the three masters
+		if time.Now().After(deadline) {
+			t.Fatalf("masters %d, want 3", len(m.List()))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var key string
+	for i := 0; key == ""; i++ {
+		if k := fmt.Sprintf("rl:fo:{user=%d}", i); m.ForKey(k).Addr == cl.Addrs[0] {
+			key = k
+		}
+	}
+	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	check := func() error {
+		c, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		ok, err := g.Check(c, []GlobalOp{{Key: key, Limit: lim, Cost: 1}})
+		if err == nil && !ok {
+			err = errors.New("refused")
+		}
+		return err
+	}
+	if err := check(); err != nil {
+		t.Fatal(err)
+	}
+	dead := m.ForKey(key)
+	cl.Nodes[0].Stop()
+	start := time.Now()
+	deadline = time.Now().Add(60 * time.Second)
+	for !dead.Breaker().Open() {
+		_ = check()
+		if time.Now().After(deadline) {
+			t.Fatal("the dead master's breaker did not open")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The failover takes the 2 s node timeout and an election; go-redis alone would
+	// reload its slot map only after a minute.
+	deadline = start.Add(20 * time.Second)
+	var err2 error
+	for {
+		if err2 = check(); err2 == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still failing 20 s after its master died: %v (master %s, breaker open %v)", key, err2, m.ForKey(key).Addr, m.ForKey(key).Breaker().Open())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("decided by Redis again %s after the master died (failover after the 2 s node timeout)", time.Since(start).Round(time.Millisecond))
+	if got := m.ForKey(key); got.Addr != replica.Addr || got == dead || got.Breaker().Open() {
+		t.Fatalf("%s: master %s (open %v), want the promoted replica %s, closed", key, got.Addr, got.Breaker().Open(), replica.Addr)
+	}
+}
