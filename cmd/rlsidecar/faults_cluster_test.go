@@ -161,3 +161,74 @@ rules:
 		}
 	}
 }
+
+// A Redis Cluster master killed under the daemon and its replica promoted: the clients
+// whose keys it held are answered by their policy (a global and a hybrid `closed` rule:
+// rejected, degraded) until the failover, then normally again within seconds of it, the
+// daemon following the new slot map. Before, the daemon's client kept routing them to
+// the dead node until go-redis reloaded its slot map on its own, a minute later.
+func TestFaultClusterFailover(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	replica := cl.AddReplica(t, 0)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: hyb
+    match: { path: /h }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    on_store_failure: closed
+  - name: glob
+    match: { path: /g }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	c := dialFault(t, d.socket)
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	defer cc.Close()
+	ctx := context.Background()
+	var user string
+	for i := 0; user == ""; i++ {
+		u := fmt.Sprintf("u%d", i)
+		m, err := cc.MasterForKey(ctx, "{user="+u+"}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Options().Addr == cl.Addrs[0] {
+			user = u
+		}
+	}
+	waitNormal(t, c, 10*time.Second, "path=/g", "user="+user)
+	waitNormal(t, c, 10*time.Second, "path=/h", "user="+user)
+
+	cl.Nodes[0].Stop()
+	killed := time.Now()
+	// The replica takes over after the node timeout (2 s) and an election.
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	defer rc.Close()
+	promoted := make(chan time.Duration, 1)
+	go func() {
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			if info, err := rc.Info(ctx, "replication").Result(); err == nil && strings.Contains(info, "role:master") {
+				promoted <- time.Since(killed)
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		promoted <- -1
+	}()
+	back := waitNormal(t, c, 30*time.Second, "path=/g", "user="+user)
+	waitNormal(t, c, 10*time.Second, "path=/h", "user="+user)
+	p := <-promoted
+	t.Logf("master killed: replica promoted %s later, the global rule normal again %s after the kill", p.Round(time.Millisecond), back.Round(time.Millisecond))
+	if p < 0 {
+		t.Fatal("the replica was not promoted")
+	}
+	if back-p > 10*time.Second {
+		t.Errorf("normal again %s after the promotion, want within 10 s", back-p)
+	}
+}
