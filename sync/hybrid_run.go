@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	gosync "sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -211,6 +212,10 @@ const kickEvery = 50 * time.Millisecond
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
 //
+// With a breaker per master of a Cluster (WithMasters), each master's periodic sync and
+// each heartbeat after the first run on goroutines of their own, waited for before the
+// last sync: a master that does not answer holds up its own keys, not the others'.
+//
 // On a standalone Redis, when id is the Hybrid's own ID, a heartbeat rides on a sync's
 // script call (a periodic sync or an exact one) that goes in the interval before it is
 // due, and is sent alone when due only if none does: a busy daemon's heartbeats then cost
@@ -219,15 +224,43 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
 	beatEvery := h.heartbeatEvery()
-	beat := func() {
+	// With a breaker per master of a Cluster each master's periodic sync runs on its own
+	// goroutine (flushEach), all counted here and waited for before the last sync; onErr
+	// is then called from them too, one call at a time.
+	var syncs gosync.WaitGroup
+	var errMu gosync.Mutex
+	fail := func(err error) {
+		errMu.Lock()
+		defer errMu.Unlock()
+		onErr(err)
+	}
+	var beating atomic.Bool // a heartbeat on its way (breaker per master: on its own goroutine)
+	beatNow := func() {
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		start := time.Now()
 		_, err := h.beatOnce(c, id, 3*beatEvery)
 		h.observed("heartbeat", start, err)
 		if err != nil {
-			onErr(err)
+			fail(err)
 		}
+	}
+	beat := func() {
+		if h.single != nil {
+			beatNow()
+			return
+		}
+		// A breaker per master: a master that does not answer its heartbeat (or ping)
+		// must not hold up the others' syncs.
+		if !beating.CompareAndSwap(false, true) {
+			return // the last one is still on its way
+		}
+		syncs.Add(1)
+		go func() {
+			defer syncs.Done()
+			defer beating.Store(false)
+			beatNow()
+		}()
 	}
 	flush := func(release bool) {
 		// A sync of many keys takes several pipelines: allow it a few intervals, and the
@@ -235,6 +268,22 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		budget := max(timeout, 5*h.interval)
 		if release {
 			budget = max(timeout, releaseBudget)
+		}
+		if !release && h.single == nil {
+			// A breaker per master: a master that does not answer holds up its own
+			// keys' syncs, not the others'.
+			h.flushEach(clock(), h.maxSync, budget, &syncs, func(sent int, d time.Duration, err error) {
+				if h.observe != nil {
+					h.observe("hybrid_sync", d, err)
+				}
+				if h.syncDone != nil {
+					h.syncDone(d, sent)
+				}
+				if err != nil {
+					fail(err)
+				}
+			})
+			return
 		}
 		c, cancel := context.WithTimeout(context.Background(), budget)
 		defer cancel()
@@ -252,10 +301,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			h.syncDone(time.Since(start), sent)
 		}
 		if err != nil {
-			onErr(err) // each master's breaker heard how its keys went (flush)
+			fail(err) // each master's breaker heard how its keys went (flush)
 		}
 	}
-	beat()
+	beatNow() // the live daemons counted before the first sync sizes its credits
 	lastBeat := time.Now()
 	ride := !h.cluster && id == h.id
 	sweep := 0
@@ -263,7 +312,9 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		select {
 		case <-ctx.Done():
 			// The last sync after a drain is tried even with the breaker open: it is
-			// the daemon's last chance to hand in what it admitted.
+			// the daemon's last chance to hand in what it admitted. The syncs on their
+			// way first: their keys are busy until then.
+			syncs.Wait()
 			flush(true)
 			return
 		case <-t.C:

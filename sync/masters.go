@@ -57,6 +57,8 @@ type Master struct {
 	syncFailed atomic.Int64
 	// calls is the master's queue of global checks (autoPipe), on a cluster.
 	calls combiner[*apCall]
+	// syncing: a periodic sync of its keys is on its way (Hybrid.flushEach).
+	syncing atomic.Bool
 }
 
 // Breaker returns m's circuit breaker.
