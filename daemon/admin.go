@@ -28,8 +28,9 @@ type Admin struct {
 type AdminDeps struct {
 	Metrics *Metrics
 	Limiter *limiter.Limiter
-	// StoreReachable reports whether Redis answers; nil when the daemon has none. It
-	// feeds the gauge rlsidecar_store_unreachable, never /readyz.
+	// StoreReachable reports whether Redis answers (on a Cluster: every master); nil
+	// when the daemon has none. It feeds the gauge rlsidecar_store_unreachable, never
+	// /readyz.
 	StoreReachable func() bool
 	// Now is the limiter's clock (the daemon's monotonic one), for the bans' remaining
 	// times; nil: the wall clock.
@@ -43,7 +44,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		return nil, fmt.Errorf("admin endpoint on %s: %w", addr, err)
 	}
 	if deps.StoreReachable != nil {
-		deps.Metrics.GaugeFunc("rlsidecar_store_unreachable", "1 while Redis does not answer: hybrid and global rules are decided by their failure policies (the daemon stays ready).", func() float64 {
+		deps.Metrics.GaugeFunc("rlsidecar_store_unreachable", "1 while Redis (on a Cluster: one of its masters, or more) does not answer: hybrid and global rules are decided by their failure policies, on a Cluster for the keys of the masters that do not answer (the daemon stays ready).", func() float64 {
 			if deps.StoreReachable() {
 				return 0
 			}

@@ -519,7 +519,7 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
 	m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
 	if m.synced.Load() {
-		m.syncDur.write(w, "rlsidecar_hybrid_sync_duration_seconds", "Duration of a periodic hybrid sync (all its pipelines).")
+		m.syncDur.write(w, "rlsidecar_hybrid_sync_duration_seconds", "Duration of a periodic hybrid sync (all its pipelines; on a Redis Cluster, each master's sync on its own).")
 	}
 	m.mu.Lock()
 	funcs := append([]funcMetric(nil), m.funcs...)

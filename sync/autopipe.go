@@ -25,10 +25,27 @@ import (
 // that order, and answers each; Redis then pays one script call, one TIME and one
 // command parse per batch instead of per check. Each caller still gets its own reply (or the call's error: a
 // NOSCRIPT then makes each caller resend its own call with EVAL, as without merging).
+//
+// On a Redis Cluster with a breaker per master (Global.WithMasters) each master has its
+// own queue (Master.calls): a batch holds the calls of one master, so a frozen master
+// holds up only the checks that need it, not those queued behind its batch for the
+// others.
 type autoPipe struct {
 	rediser
-	merge bool // standalone: merge a batch's global.lua calls into one
+	merge bool    // standalone: merge a batch's global.lua calls into one
+	g     *Global // its masters, read per call; nil: one queue
 	calls combiner[*apCall]
+}
+
+// queue returns the queue of a call on keys: its master's on a cluster with a breaker
+// per master, else the one queue.
+func (a *autoPipe) queue(keys []string) *combiner[*apCall] {
+	if a.g != nil && len(keys) > 0 {
+		if m := a.g.masters; m.Cluster() {
+			return &m.ForKey(keys[0]).calls
+		}
+	}
+	return &a.calls
 }
 
 // processor sends one command: *redis.Client and *redis.ClusterClient.
@@ -49,7 +66,7 @@ type apCall struct {
 // EvalSha queues the call and returns when its batch has been answered.
 func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
 	c := a.newCall(ctx, sha1, keys, args)
-	a.calls.do(c, a.send)
+	a.queue(keys).do(c, a.send)
 	return c.cmd
 }
 
@@ -118,6 +135,7 @@ func (a *autoPipe) send(batch []*apCall) {
 		for _, c := range cmds {
 			if c, ok := c.(*redis.Cmd); ok {
 				unanswered(err, c)
+				keepAnswered(c) // a master that answered is not failed by another's timeout
 			}
 		}
 	}

@@ -42,16 +42,31 @@ func NewBreaker(failures int, cooldown time.Duration) *Breaker {
 // Allow reports whether a call may go to the store now. While open it lets one probe
 // through per cool-down.
 func (b *Breaker) Allow() bool {
+	ok, _ := b.allow()
+	return ok
+}
+
+// allow is Allow, also reporting whether the call let through is the open breaker's
+// probe.
+func (b *Breaker) allow() (ok, probe bool) {
 	if b == nil || !b.open.Load() {
-		return true
+		return true, false
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.probe || time.Now().Before(b.until) {
-		return false
+		return false, false
 	}
 	b.probe = true
-	return true
+	return true, true
+}
+
+// unprobe hands back a probe that allow gave and that was not used (the call did not
+// go): the next call may be the probe.
+func (b *Breaker) unprobe() {
+	b.mu.Lock()
+	b.probe = false
+	b.mu.Unlock()
 }
 
 // Success records a call that worked: the breaker closes.

@@ -113,7 +113,7 @@ type Global struct {
 	// call is atomic with no refund ever needed.
 	bySlot       bool
 	refundErrors atomic.Uint64
-	breaker      *Breaker // nil: always call
+	masters      *Masters // a breaker per master; nil: always call
 	observe      Observer // nil: none
 	// refundWait bounds a refund; 0 means DefaultRefundTimeout.
 	refundWait time.Duration
@@ -125,7 +125,7 @@ type Global struct {
 // the daemon then spend a few syscalls per batch rather than per check. Call it before g
 // is used.
 func (g *Global) WithAutoPipeline() *Global {
-	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot}
+	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot, g: g}
 	return g
 }
 
@@ -187,18 +187,10 @@ func (g *Global) Check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, fmt.Errorf("global check: %w", err)
 	}
-	if !g.breaker.Allow() {
-		return false, ErrBreakerOpen
-	}
 	start := time.Now()
 	ok, err := g.check(ctx, ops)
-	if g.observe != nil {
+	if g.observe != nil && err != ErrBreakerOpen {
 		g.observe("global_check", time.Since(start), err)
-	}
-	if err != nil {
-		g.breaker.Failure()
-	} else {
-		g.breaker.Success()
 	}
 	return ok, err
 }
@@ -209,10 +201,73 @@ func (g *Global) WithObserver(o Observer) *Global {
 	return g
 }
 
-// WithBreaker makes g refuse to call Redis while b is open, and report to b.
+// WithBreaker makes g refuse to call Redis while b is open, and report to b: one
+// breaker for every key, whichever master holds it. See WithMasters.
 func (g *Global) WithBreaker(b *Breaker) *Global {
-	g.breaker = b
+	g.masters = mastersOf(b, nil)
 	return g
+}
+
+// WithMasters gives g a breaker per Redis master: a check (or a lease call) is refused
+// with ErrBreakerOpen, at once, only when a master it needs has its breaker open, and
+// each master's breaker hears how that master's script calls went. On a Redis Cluster,
+// m must be built on g's client (or one on the same cluster), and refreshed (m.Run).
+func (g *Global) WithMasters(m *Masters) *Global {
+	g.masters = m
+	return g
+}
+
+// admit finds each call's master and reports whether every one of them lets the calls
+// go (gate); ms is scratch for the distinct masters, returned.
+func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
+	if g.masters == nil {
+		return ms, true
+	}
+	for i := range calls {
+		x := g.masters.ForKey(calls[i].keys[0])
+		calls[i].m = x
+		seen := false
+		for _, y := range ms {
+			seen = seen || y == x
+		}
+		if !seen {
+			ms = append(ms, x)
+		}
+	}
+	return ms, gate(ms)
+}
+
+// settle tells each master of ms how its calls went: a failure if one of them got no
+// valid answer (an error, a timeout, a reply that is not the script's), a success
+// otherwise.
+func settle(calls []call, ms []*Master) {
+	for _, x := range ms {
+		failed := false
+		for i := range calls {
+			if c := &calls[i]; c.m == x && (c.failed || c.cmd == nil || c.cmd.Err() != nil) {
+				failed = true
+				break
+			}
+		}
+		if failed {
+			x.breaker.Failure()
+		} else {
+			x.breaker.Success()
+		}
+	}
+}
+
+// runGated is run behind the masters' breakers: ErrBreakerOpen, nothing sent, when a
+// master the calls need refuses them; otherwise run, each master told how its calls went.
+func (g *Global) runGated(ctx context.Context, s script, calls []call) error {
+	var buf [inlineOps]*Master
+	ms, ok := g.admit(calls, buf[:0])
+	if !ok {
+		return ErrBreakerOpen
+	}
+	run(ctx, g.rdb, s, calls)
+	settle(calls, ms)
+	return nil
 }
 
 func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
@@ -232,6 +287,11 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 		calls = append(calls, call{keys: keys, args: args})
 	}
 	cs.calls = calls
+	var msBuf [inlineOps]*Master
+	ms, admitted := g.admit(calls, msBuf[:0])
+	if !admitted {
+		return false, ErrBreakerOpen
+	}
 	run(ctx, g.rdb, globalScript, calls)
 
 	ok := true
@@ -265,6 +325,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 			ok = false
 		}
 	}
+	settle(calls, ms)
 	for i := range ops {
 		ops[i].window = cs.window[i]
 	}
@@ -411,8 +472,9 @@ type call struct {
 	keys     []string
 	args     []any
 	cmd      *redis.Cmd
-	failed   bool // the call returned an error
-	rejected bool // a non-shadow op of the call was rejected: nothing was written
+	m        *Master // the master it goes to (Global.admit); nil: not gated
+	failed   bool    // the call returned an error
+	rejected bool    // a non-shadow op of the call was rejected: nothing was written
 }
 
 // run sends calls with EVALSHA, all in one pipeline when there are several, and sends
@@ -427,6 +489,11 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 		}
 		return
 	}
+	defer func() {
+		for i := range calls {
+			keepAnswered(calls[i].cmd)
+		}
+	}()
 	pipe := rdb.Pipeline()
 	for i := range calls {
 		calls[i].cmd = pipe.EvalSha(ctx, s.Hash(), calls[i].keys, calls[i].args...)

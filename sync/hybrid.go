@@ -53,18 +53,21 @@ type Hybrid struct {
 	backlog  atomic.Int64        // keys that needed a sync and waited for the next one
 	fetches  atomic.Uint64       // exact syncs made for a waiting request
 	fetchQ   combiner[*fetchReq] // exact syncs waiting for the batch in flight (hybrid_fetch.go)
-	// syncFailed is when a sync last failed (daemon clock, ns): an exact sync that did,
-	// or a periodic one that got no answer at all. Until Redis answers something, no
-	// exact sync is tried and keys only Redis can decide are Unreachable.
-	syncFailed atomic.Int64
-
-	// lastOK is when Redis last answered a heartbeat or a sync (daemon clock, ns).
-	lastOK   atomic.Int64
-	kick     chan struct{} // a key was seen for the first time: sync soon, not at the next tick
-	breaker  *Breaker      // nil: always call
-	observe  Observer      // nil: none
-	syncDone func(d time.Duration, keys int)
-	clock    func() int64 // HybridOptions.Clock
+	// masters holds, per Redis master (one on a standalone Redis, or without
+	// WithMasters), its breaker, when it last answered a heartbeat, a ping or a sync
+	// (lastOK, daemon clock, ns), and when a sync to it last failed (syncFailed: an exact
+	// sync that did, or a periodic one that got no answer from it). Until a master answers
+	// something, no exact sync of its keys is tried and its keys that only Redis can
+	// decide are Unreachable; past StaleAfter without an answer, or with its breaker open,
+	// every one of its keys is (Take). Never nil.
+	masters    *Masters
+	single     *Master       // the one master of masters, when it is not per master of a cluster
+	health     *Master       // Healthy's: single, or one no breaker guards, answered when any master is
+	staleAfter time.Duration // StaleAfter: 5 intervals, at least 2 heartbeats
+	kick       chan struct{} // a key was seen for the first time: sync soon, not at the next tick
+	observe    Observer      // nil: none
+	syncDone   func(d time.Duration, keys int)
+	clock      func() int64 // HybridOptions.Clock
 
 	daemonsKey string // the live-daemons set, under the configured prefix
 
@@ -75,8 +78,8 @@ type Hybrid struct {
 	beatTTL time.Duration
 }
 
-// WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch and
-// heartbeat).
+// WithObserver makes h report its calls to Redis (ops hybrid_sync, hybrid_fetch,
+// heartbeat, and ping: a master no heartbeat reaches, with a breaker per master).
 func (h *Hybrid) WithObserver(o Observer) *Hybrid {
 	h.observe = o
 	return h
@@ -96,29 +99,68 @@ func (h *Hybrid) observed(op string, start time.Time, err error) {
 }
 
 // WithBreaker makes h skip its syncs while b is open (what was admitted stays pending),
-// count as unhealthy meanwhile, and report to b.
+// count as unhealthy meanwhile, and report to b: one breaker, and one judgement of
+// whether Redis answers, for every key whichever master holds it. Call it before h is
+// used. See WithMasters.
 func (h *Hybrid) WithBreaker(b *Breaker) *Hybrid {
-	h.breaker = b
+	return h.WithMasters(mastersOf(b, h.clock))
+}
+
+// WithMasters makes h judge each Redis master on its own (m: one per master of h's
+// cluster, built with h's Clock and refreshed by m.Run): a master's syncs are skipped
+// while its breaker is open, and its keys alone go stale when it stops answering
+// (heartbeats, pings, syncs); the other masters' keys are decided as usual. Call it
+// before h is used.
+func (h *Hybrid) WithMasters(m *Masters) *Hybrid {
+	h.masters, h.single, h.health = m, nil, &Master{}
+	if !m.Cluster() {
+		h.single = m.List()[0]
+		h.health = h.single
+	} else {
+		h.health.lastOK.Store(h.clock())
+	}
 	return h
+}
+
+// masterOf returns the master of e's key in the current slot map.
+func (h *Hybrid) masterOf(e *hentry) *Master {
+	if h.single != nil {
+		return h.single
+	}
+	t := h.masters.table.Load()
+	return t.list[t.slot[e.slot]]
 }
 
 // StaleAfter is how long the allowances stay trusted after Redis last answered: past it,
 // Healthy is false and the rules' failure policies decide.
-func (h *Hybrid) StaleAfter() time.Duration { return max(5*h.interval, 2*h.heartbeatEvery()) }
+func (h *Hybrid) StaleAfter() time.Duration { return h.staleAfter }
 
-// Healthy reports whether Redis answered recently enough for the allowances to stand.
-// A Hybrid that has never reached Redis counts from its creation.
+// Healthy reports whether Redis answered recently enough for the allowances to stand:
+// on a cluster with a breaker per master (WithMasters), whether some master did (Take
+// then judges each key by its own master, and its breaker); otherwise, whether Redis did
+// and the breaker is closed. A master that has never answered counts from its creation.
 func (h *Hybrid) Healthy(now int64) bool {
-	return !h.breaker.Open() && now-h.lastOK.Load() <= int64(h.StaleAfter())
+	return h.health.fresh(now, h.staleAfter) // on every check's path: inlined
 }
 
-func (h *Hybrid) answered(now int64) {
-	for {
-		old := h.lastOK.Load()
-		if now <= old || h.lastOK.CompareAndSwap(old, now) {
-			return
+// answeredBy records that master m answered at now.
+func (h *Hybrid) answeredBy(m *Master, now int64) {
+	m.answered(now)
+	if h.health != m {
+		h.health.answered(now)
+	}
+}
+
+// Reachable reports whether every master answered recently enough for its allowances to
+// stand (on a standalone Redis, Healthy): false while some keys are decided by the
+// rules' failure policies for want of their master.
+func (h *Hybrid) Reachable(now int64) bool {
+	for _, m := range h.masters.List() {
+		if !m.fresh(now, h.staleAfter) {
+			return false
 		}
 	}
+	return true
 }
 
 // HybridOptions configures a Hybrid.
@@ -185,10 +227,11 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 	var tb [4]byte
 	_, _ = rand.Read(tb[:])
 	h.tokens.Store(uint64(binary.LittleEndian.Uint32(tb[:])))
+	h.staleAfter = max(5*h.interval, 2*h.heartbeatEvery())
 	h.kick = make(chan struct{}, 1)
 	h.heartbeatKs = heartbeatKeys(h.daemonsKey, cluster)
 	h.beatTTL = 3 * h.heartbeatEvery()
-	h.lastOK.Store(h.clock())
+	h.WithMasters(mastersOf(nil, h.clock))
 	for i := range h.shards {
 		h.shards[i].m = make(map[string]*hentry)
 	}

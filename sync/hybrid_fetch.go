@@ -66,9 +66,7 @@ func (h *Hybrid) sendFetches(batch []*fetchReq) {
 	// applied applies items whose replies are in and wakes each request whose items
 	// are all applied.
 	applied := func(its []syncItem) {
-		if failed, _ := h.applyAll(its); failed > 0 {
-			h.syncFailed.Store(h.clock())
-		}
+		h.applyAll(its, true)
 		for i := range its {
 			if r := its[i].req; r.left.Add(-1) == 0 {
 				r.done <- false

@@ -50,6 +50,7 @@ type syncItem struct {
 	mode        uint8
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
+	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
 	vals        [replyInts]int64
 	err         error
 }
@@ -130,35 +131,75 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 }
 
 // applyAll applies items, locking each one's shard, and counts the items that failed
-// (a key whose slot moved is not a failure: it stays pending for the next sync).
-func (h *Hybrid) applyAll(items []syncItem) (failed int, firstErr error) {
+// (a key whose slot moved is not a failure: it stays pending for the next sync). It
+// records, per master, that it answered, or, when it answered none of its items (or,
+// with strict, any one of them failed), that a sync to it failed: no exact sync of its
+// keys is tried until it answers. The outcome per master is returned for its breaker.
+func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr error, by []masterOutcome) {
 	n := h.creditShares()
-	ok := false
+	var buf [4]masterOutcome
+	by = buf[:0]
 	for i := range items {
 		it := &items[i]
 		it.sh.mu.Lock()
 		h.apply(it, n)
+		m := it.m
+		if m == nil {
+			m = h.masterOf(it.e)
+		}
 		it.sh.mu.Unlock()
+		k := len(by) - 1
+		if k < 0 || by[k].m != m { // items come grouped by master, mostly
+			k = 0
+			for k < len(by) && by[k].m != m {
+				k++
+			}
+			if k == len(by) {
+				by = append(by, masterOutcome{m: m})
+			}
+		}
 		switch {
 		case errors.Is(it.err, errNotServed):
-			// Redis answered; the key's slot moved: resent to its new master next time,
-			// not a failure of Redis (the breaker must not open on a reshard).
-			ok = true
+			// The master answered; the key's slot moved: resent to its new master next
+			// time, not a failure (the breaker must not open on a reshard).
+			by[k].ok++
 		case it.err != nil:
+			by[k].failed++
 			failed++
 			if firstErr == nil {
 				firstErr = it.err
 			}
 		default:
-			ok = true
+			by[k].ok++
 		}
 	}
-	if ok {
-		h.answered(h.clock())
-	} else if failed > 0 {
-		h.syncFailed.Store(h.clock()) // nothing answered: no exact sync is tried until Redis answers
+	now := h.clock()
+	for _, o := range by {
+		if o.ok > 0 {
+			h.answeredBy(o.m, now)
+		}
+		if o.failed > 0 && (o.ok == 0 || strict) {
+			o.m.syncFailed.Store(now)
+		}
 	}
-	return failed, firstErr
+	return failed, firstErr, by
+}
+
+// masterOutcome is how one master's items of a sync went.
+type masterOutcome struct {
+	m          *Master
+	ok, failed int
+}
+
+// report tells each master's breaker how its items went.
+func report(by []masterOutcome) {
+	for _, o := range by {
+		if o.failed > 0 {
+			o.m.breaker.Failure()
+		} else {
+			o.m.breaker.Success()
+		}
+	}
 }
 
 // Flush runs one sync of every key that changed, with no cap on their number: what each
@@ -181,10 +222,77 @@ func (h *Hybrid) Release(ctx context.Context, now int64) error {
 }
 
 // flush syncs at most limit keys that changed (release: every key holding something,
-// asking for nothing), and returns how many it sent.
+// asking for nothing), and returns how many it sent. Except for a release, a key whose
+// master's breaker refuses the call stays dirty for a later sync, and each master's
+// breaker hears how its keys went.
 func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) (int, error) {
+	items := h.collect(now, limit, release)
+	if len(items) == 0 {
+		return 0, nil
+	}
+	return len(items), h.settle(ctx, items, release)
+}
+
+// flushEach is flush for Run with a breaker per master of a Cluster: each master's keys
+// go in a sync of their own, on a goroutine of its own (counted in wg), so a master that
+// does not answer holds up its own keys only, not the next syncs of the others. A
+// master whose last sync is still on its way is left for the next call. done hears each
+// master's sync: the keys it sent, how long it took, its error.
+func (h *Hybrid) flushEach(now int64, limit int, budget time.Duration, wg *gosync.WaitGroup, done func(sent int, d time.Duration, err error)) {
+	items := h.collect(now, limit, false)
+	for lo := 0; lo < len(items); {
+		// Each master's items, brought together (collect takes them by shard).
+		m := items[lo].m
+		hi := lo + 1
+		for k := hi; k < len(items); k++ {
+			if items[k].m == m {
+				items[hi], items[k] = items[k], items[hi]
+				hi++
+			}
+		}
+		group := items[lo:hi:hi]
+		lo = hi
+		m.syncing.Store(true)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer m.syncing.Store(false)
+			ctx, cancel := context.WithTimeout(context.Background(), budget)
+			defer cancel()
+			start := time.Now()
+			err := h.settle(ctx, group, false)
+			done(len(group), time.Since(start), err)
+		}()
+	}
+}
+
+// collect takes the keys a sync carries (see flush) out of the dirty lists: at most limit,
+// each marked busy until its reply is applied. Except for a release, a key whose
+// master's breaker refuses, or whose master's last sync is still on its way (flushEach),
+// stays dirty for a later sync; each item then carries the master that let it.
+func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 	var items []syncItem
 	backlog := 0
+	// The masters asked, each once per sync (an open breaker gives one probe): a master
+	// a sync does not reach is not asked.
+	var gates []masterGate
+	allowed := func(e *hentry) *Master {
+		m := h.masterOf(e)
+		for _, g := range gates {
+			if g.m == m {
+				if g.ok {
+					return m
+				}
+				return nil
+			}
+		}
+		ok := !m.syncing.Load() && m.breaker.Allow()
+		gates = append(gates, masterGate{m, ok})
+		if ok {
+			return m
+		}
+		return nil
+	}
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
@@ -211,6 +319,11 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 				backlog++
 				keep = append(keep, e)
 			default:
+				m := allowed(e) // after the limit: a master asked has a key in this sync
+				if m == nil {
+					keep = append(keep, e) // its master's breaker is open, or it is syncing: later
+					continue
+				}
 				// Ask for a share grant while the key is hot here: its demand outran the
 				// allowance, or it held a share grant and is still in demand.
 				demand := uint32(0)
@@ -218,7 +331,9 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 					demand = e.demand
 				}
 				e.flags &^= flagDirty
-				items = append(items, h.snapshot(sh, e, now, modeShare, demand))
+				it := h.snapshot(sh, e, now, modeShare, demand)
+				it.m = m
+				items = append(items, it)
 			}
 		}
 		clear(sh.dirty[len(keep):])
@@ -228,18 +343,30 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 	if !release {
 		h.backlog.Store(int64(backlog))
 	}
-	if len(items) == 0 {
-		return 0, nil
-	}
+	return items
+}
+
+// settle sends items, applies the replies, and (but for a release) tells each master's
+// breaker how its keys went: every master that let items through (item.m) hears back.
+func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) error {
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
-	failed, firstErr := h.applyAll(items)
+	failed, firstErr, by := h.applyAll(items, false)
+	if !release {
+		report(by)
+	}
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
 		}
-		return len(items), fmt.Errorf("hybrid sync: %d of %d keys not synced: %w", failed, len(items), firstErr)
+		return fmt.Errorf("hybrid sync: %d of %d keys not synced: %w", failed, len(items), firstErr)
 	}
-	return len(items), nil
+	return nil
+}
+
+// masterGate is a master's breaker's answer for one sync.
+type masterGate struct {
+	m  *Master
+	ok bool
 }
 
 // newToken returns a sync token: never 0 (an entry's "no sync confirmed yet"), unique

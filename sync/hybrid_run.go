@@ -5,6 +5,8 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	gosync "sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -44,16 +46,25 @@ func heartbeatKeys(base string, cluster bool) []string {
 // sent a heartbeat within ttl (the most any heartbeat set counts). It also updates the
 // replica count shares are sized by. It fails only if no heartbeat set answered.
 func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	n, _, err := h.heartbeat(ctx, id, ttl, h.heartbeatKs)
+	return n, err
+}
+
+// heartbeat is Heartbeat to keys (some of heartbeatKs), also reporting which answered;
+// each key's master that answered is recorded as answering.
+func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, keys []string) (int, []bool, error) {
 	pipe := h.rdb.Pipeline()
-	cmds := make([]*redis.Cmd, len(h.heartbeatKs))
-	for i, k := range h.heartbeatKs {
+	cmds := make([]*redis.Cmd, len(keys))
+	for i, k := range keys {
 		cmds[i] = heartbeatScript.EvalSha(ctx, pipe, []string{k}, id, ttl.Milliseconds())
 	}
 	_, err := pipe.Exec(ctx)
 	unanswered(err, cmds...)
+	keepAnswered(cmds...)
 	best := 0
 	var errs []error
-	for i, k := range h.heartbeatKs {
+	oks := make([]bool, len(keys))
+	for i, k := range keys {
 		n, err := cmds[i].Int64()
 		if isNoScriptErr(err) {
 			n, err = heartbeatScript.Eval(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
@@ -62,17 +73,103 @@ func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (i
 			errs = append(errs, fmt.Errorf("%s: %w", k, err))
 			continue
 		}
+		oks[i] = true
+		h.answeredBy(h.masters.ForKey(k), h.clock())
 		best = max(best, int(n))
 	}
 	if best == 0 {
-		return 0, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
+		return 0, oks, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
 	}
-	h.answered(h.clock())
 	h.SetReplicas(best)
 	if len(errs) > 0 {
-		return best, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
+		return best, oks, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
 	}
-	return best, nil
+	return best, oks, nil
+}
+
+// beatOnce sends a heartbeat to the sets whose masters' breakers let it (each master
+// asked once) and tells each breaker how its master answered. With a breaker per master
+// of a cluster it also pings, at the same time, each master holding no heartbeat set
+// whose breaker lets it, so a master no key of this daemon is synced to is judged
+// too: its keys go stale only when it stops answering. It returns the heartbeat's
+// count of live daemons (0: none answered, or none was sent) and its error.
+func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, error) {
+	var keys []string
+	var gates []masterGate
+	var keyGate []int
+	for _, k := range h.heartbeatKs {
+		m := h.masters.ForKey(k)
+		g := 0
+		for g < len(gates) && gates[g].m != m {
+			g++
+		}
+		if g == len(gates) {
+			gates = append(gates, masterGate{m, m.breaker.Allow()})
+		}
+		if gates[g].ok {
+			keys = append(keys, k)
+			keyGate = append(keyGate, g)
+		}
+	}
+	var wg gosync.WaitGroup
+	if h.masters.Cluster() {
+		t := h.masters.table.Load()
+		for i, m := range t.list {
+			held := false
+			for _, g := range gates {
+				held = held || g.m == m
+			}
+			if held || m.Addr == "" || !m.breaker.Allow() {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				h.ping(ctx, m, slotKeys()[t.first[i]])
+			}()
+		}
+	}
+	n := 0
+	var err error
+	if len(keys) > 0 {
+		var oks []bool
+		n, oks, err = h.heartbeat(ctx, id, ttl, keys)
+		answered := make([]bool, len(gates))
+		for i, ok := range oks {
+			answered[keyGate[i]] = answered[keyGate[i]] || ok
+		}
+		for g := range gates {
+			switch {
+			case !gates[g].ok:
+			case answered[g]:
+				gates[g].m.breaker.Success()
+			default:
+				gates[g].m.breaker.Failure()
+			}
+		}
+	}
+	wg.Wait()
+	return n, err
+}
+
+// ping asks master m (through key, in one of its slots) whether it answers, and tells
+// its breaker.
+func (h *Hybrid) ping(ctx context.Context, m *Master, key string) {
+	start := time.Now()
+	err := errors.New("no cluster client")
+	if cc, ok := h.rdb.(*redis.ClusterClient); ok {
+		var c *redis.Client
+		if c, err = cc.MasterForKey(ctx, key); err == nil {
+			err = c.Ping(ctx).Err()
+		}
+	}
+	h.observed("ping", start, err)
+	if err != nil {
+		m.breaker.Failure()
+		return
+	}
+	h.answeredBy(m, h.clock())
+	m.breaker.Success()
 }
 
 // Where the next heartbeat stands (Hybrid.beat), on a standalone Redis.
@@ -86,10 +183,11 @@ const (
 // live daemons it answered (0: the call failed, and Run offers it again).
 func (h *Hybrid) rideBeat(live int64) {
 	if live > 0 {
-		h.answered(h.clock())
+		m := h.masters.List()[0] // standalone: the only one
+		h.answeredBy(m, h.clock())
 		h.SetReplicas(int(live))
 		h.rodeAt.Store(time.Now().UnixNano())
-		h.breaker.Success()
+		m.breaker.Success()
 	}
 	h.beat.Store(beatIdle)
 }
@@ -114,6 +212,10 @@ const kickEvery = 50 * time.Millisecond
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
 //
+// With a breaker per master of a Cluster (WithMasters), each master's periodic sync and
+// each heartbeat after the first run on goroutines of their own, waited for before the
+// last sync: a master that does not answer holds up its own keys, not the others'.
+//
 // On a standalone Redis, when id is the Hybrid's own ID, a heartbeat rides on a sync's
 // script call (a periodic sync or an exact one) that goes in the interval before it is
 // due, and is sent alone when due only if none does: a busy daemon's heartbeats then cost
@@ -122,33 +224,66 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
 	beatEvery := h.heartbeatEvery()
-	beat := func() {
-		if !h.breaker.Allow() {
-			return
-		}
+	// With a breaker per master of a Cluster each master's periodic sync runs on its own
+	// goroutine (flushEach), all counted here and waited for before the last sync; onErr
+	// is then called from them too, one call at a time.
+	var syncs gosync.WaitGroup
+	var errMu gosync.Mutex
+	fail := func(err error) {
+		errMu.Lock()
+		defer errMu.Unlock()
+		onErr(err)
+	}
+	var beating atomic.Bool // a heartbeat on its way (breaker per master: on its own goroutine)
+	beatNow := func() {
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		start := time.Now()
-		n, err := h.Heartbeat(c, id, 3*beatEvery)
+		_, err := h.beatOnce(c, id, 3*beatEvery)
 		h.observed("heartbeat", start, err)
-		if n == 0 {
-			h.breaker.Failure()
-		} else {
-			h.breaker.Success()
-		}
 		if err != nil {
-			onErr(err)
+			fail(err)
 		}
 	}
-	flush := func(release bool) {
-		if !release && !h.breaker.Allow() {
+	beat := func() {
+		if h.single != nil {
+			beatNow()
 			return
 		}
+		// A breaker per master: a master that does not answer its heartbeat (or ping)
+		// must not hold up the others' syncs.
+		if !beating.CompareAndSwap(false, true) {
+			return // the last one is still on its way
+		}
+		syncs.Add(1)
+		go func() {
+			defer syncs.Done()
+			defer beating.Store(false)
+			beatNow()
+		}()
+	}
+	flush := func(release bool) {
 		// A sync of many keys takes several pipelines: allow it a few intervals, and the
 		// last one, which settles every key held, up to releaseBudget.
 		budget := max(timeout, 5*h.interval)
 		if release {
 			budget = max(timeout, releaseBudget)
+		}
+		if !release && h.single == nil {
+			// A breaker per master: a master that does not answer holds up its own
+			// keys' syncs, not the others'.
+			h.flushEach(clock(), h.maxSync, budget, &syncs, func(sent int, d time.Duration, err error) {
+				if h.observe != nil {
+					h.observe("hybrid_sync", d, err)
+				}
+				if h.syncDone != nil {
+					h.syncDone(d, sent)
+				}
+				if err != nil {
+					fail(err)
+				}
+			})
+			return
 		}
 		c, cancel := context.WithTimeout(context.Background(), budget)
 		defer cancel()
@@ -166,13 +301,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			h.syncDone(time.Since(start), sent)
 		}
 		if err != nil {
-			h.breaker.Failure()
-			onErr(err)
-		} else {
-			h.breaker.Success()
+			fail(err) // each master's breaker heard how its keys went (flush)
 		}
 	}
-	beat()
+	beatNow() // the live daemons counted before the first sync sizes its credits
 	lastBeat := time.Now()
 	ride := !h.cluster && id == h.id
 	sweep := 0
@@ -180,7 +312,9 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		select {
 		case <-ctx.Done():
 			// The last sync after a drain is tried even with the breaker open: it is
-			// the daemon's last chance to hand in what it admitted.
+			// the daemon's last chance to hand in what it admitted. The syncs on their
+			// way first: their keys are busy until then.
+			syncs.Wait()
 			flush(true)
 			return
 		case <-t.C:

@@ -40,6 +40,7 @@ type hentry struct {
 	short       uint16             // of which refused locally for want of allowance (saturating)
 	lastDemand  uint16             // the demand the last sync asked a share grant for
 	flags       uint8
+	slot        uint16 // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
 }
 
 const (

@@ -193,6 +193,9 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			lim := h.limits.intern(op.Limit)
 			c := float64(lim.Capacity())
 			e = &hentry{key: string(op.Key), lim: lim, view: c}
+			if h.cluster {
+				e.slot = Slot(e.key)
+			}
 			if c >= n {
 				e.allowance = 1
 			}
@@ -212,6 +215,15 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		ents = append(ents, e)
 		e.seen = seenMs(now)
+		// With a breaker per master (no single one), a key whose master is stale (its
+		// breaker open, or no answer for StaleAfter) is decided by its rule's policy, as
+		// every key is on a standalone Redis (the caller asks Healthy first).
+		if h.single == nil && !op.Shadow && !h.masterOf(e).fresh(now, h.staleAfter) {
+			op.Result = localbucket.Result{Limit: e.lim.Requests()}
+			op.fetched, op.room, op.Unreachable = false, false, true
+			ok = false
+			continue
+		}
 		var f bool
 		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp)
 		if mayFetch {
@@ -337,12 +349,13 @@ func satAdd32(a uint32, b uint64) uint32 {
 	return math.MaxUint32
 }
 
-// redisAnswering reports whether a request may wait for Redis: the breaker is closed,
-// and Redis has answered since a sync last failed (a frozen Redis costs one request one
-// FetchWait; then keys with an allowance are decided from it, and keys only Redis could
-// decide by the rules' policies, as every key is past StaleAfter).
-func (h *Hybrid) redisAnswering(int64) bool {
-	return !h.breaker.Open() && h.syncFailed.Load() <= h.lastOK.Load()
+// redisAnswering reports whether a request may wait for e's master: its breaker is
+// closed, and it has answered since a sync to it last failed (a frozen master costs one
+// request one FetchWait; then its keys with an allowance are decided from it, and its
+// keys only Redis could decide by the rules' policies, as all its keys are past
+// StaleAfter).
+func (h *Hybrid) redisAnswering(e *hentry) bool {
+	return h.masterOf(e).answering()
 }
 
 // Undo gives back what Take charged, for a request a later (local) check rejected.
@@ -510,7 +523,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// Room for it, on a key not busy here (a hot key waits for its share grant): the
 	// request lost the allowance a sync just brought to a concurrent one.
 	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
-	answering := h.redisAnswering(now)
+	answering := h.redisAnswering(e)
 	fetch = mayFetch && (waited || e.lastDemand < 2 && stale) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,

@@ -68,18 +68,10 @@ func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, e
 	if err := ctx.Err(); err != nil {
 		return false, fmt.Errorf("lease acquire: %w", err)
 	}
-	if !g.breaker.Allow() {
-		return false, ErrBreakerOpen
-	}
 	start := time.Now()
 	ok, err := g.acquire(ctx, id, ops)
-	if g.observe != nil {
+	if g.observe != nil && err != ErrBreakerOpen {
 		g.observe("lease_acquire", time.Since(start), err)
-	}
-	if err != nil {
-		g.breaker.Failure()
-	} else {
-		g.breaker.Success()
 	}
 	return ok, err
 }
@@ -99,31 +91,19 @@ func (g *Global) Release(ctx context.Context, id string, parts []LeasePart) (boo
 	if len(parts) == 0 {
 		return false, nil
 	}
-	if !g.breaker.Allow() {
-		return false, ErrBreakerOpen
-	}
 	start := time.Now()
 	ok, err := g.release(ctx, id, parts)
-	if g.observe != nil {
+	if g.observe != nil && err != ErrBreakerOpen {
 		g.observe("lease_release", time.Since(start), err)
 	}
-	g.report(err)
 	return ok, err
-}
-
-// report tells the breaker how a call it let through went: each call may be the open
-// breaker's one probe, which must come back.
-func (g *Global) report(err error) {
-	if err != nil {
-		g.breaker.Failure()
-	} else {
-		g.breaker.Success()
-	}
 }
 
 func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (bool, error) {
 	calls := g.partCalls("r", id, parts, false)
-	run(ctx, g.rdb, leaseScript, calls)
+	if err := g.runGated(ctx, leaseScript, calls); err != nil {
+		return false, err
+	}
 	freed := false
 	var firstErr error
 	for i := range calls {
@@ -143,9 +123,6 @@ func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (boo
 // and reports for each lease whether it freed a live part of it, with the first error.
 func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) ([]bool, error) {
 	freed := make([]bool, len(ids))
-	if !g.breaker.Allow() {
-		return freed, ErrBreakerOpen
-	}
 	var calls []call
 	var of []int // lease of each call
 	for i, id := range ids {
@@ -155,10 +132,11 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 	}
 	if len(calls) == 0 {
-		g.report(nil)
 		return freed, nil
 	}
-	run(ctx, g.rdb, leaseScript, calls)
+	if err := g.runGated(ctx, leaseScript, calls); err != nil {
+		return freed, err
+	}
 	var firstErr error
 	for k := range calls {
 		n, err := calls[k].cmd.Int64()
@@ -170,7 +148,6 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 		freed[of[k]] = freed[of[k]] || n > 0
 	}
-	g.report(firstErr)
 	return freed, firstErr
 }
 
@@ -180,11 +157,10 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 	if len(parts) == 0 {
 		return false, 0, nil
 	}
-	if !g.breaker.Allow() {
-		return false, 0, ErrBreakerOpen
-	}
 	calls := g.partCalls("n", id, parts, true)
-	run(ctx, g.rdb, leaseScript, calls)
+	if err := g.runGated(ctx, leaseScript, calls); err != nil {
+		return false, 0, err
+	}
 	renewed, first := false, int64(-1)
 	for i := range calls {
 		v, err := calls[i].cmd.Int64Slice()
@@ -192,7 +168,6 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 			err = fmt.Errorf("lease.lua replied %v to a renew, want {parts, ms}", v)
 		}
 		if err != nil {
-			g.breaker.Failure()
 			return false, 0, fmt.Errorf("lease renew: %w", err)
 		}
 		if v[0] > 0 {
@@ -202,7 +177,6 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 			}
 		}
 	}
-	g.breaker.Success()
 	return renewed, time.Duration(max(first, 0)) * time.Millisecond, nil
 }
 
@@ -227,9 +201,6 @@ type PartsState struct {
 // LeaseStates is [Global.LeaseState] for several leases (parts[i] of ids[i]) in one
 // pipeline. The error is the breaker's; each lease's own is in its PartsState.
 func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeasePart) ([]PartsState, error) {
-	if !g.breaker.Allow() {
-		return nil, ErrBreakerOpen
-	}
 	var calls []call
 	first := make([]int, len(ids)+1) // lease i's calls are calls[first[i]:first[i+1]]
 	for i, id := range ids {
@@ -238,7 +209,9 @@ func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeaseP
 	}
 	first[len(ids)] = len(calls)
 	if len(calls) > 0 {
-		run(ctx, g.rdb, leaseScript, calls)
+		if err := g.runGated(ctx, leaseScript, calls); err != nil {
+			return nil, err
+		}
 	}
 	out := make([]PartsState, len(ids))
 	var firstErr error
@@ -248,7 +221,6 @@ func (g *Global) LeaseStates(ctx context.Context, ids []string, parts [][]LeaseP
 			firstErr = out[i].Err
 		}
 	}
-	g.report(firstErr)
 	return out, nil
 }
 

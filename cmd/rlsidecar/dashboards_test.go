@@ -116,6 +116,7 @@ rules:
 		"rlsidecar_evictions_total":              "counter",
 		"rlsidecar_degraded_decisions_total":     "counter",
 		"rlsidecar_breaker_open":                 "gauge",
+		"rlsidecar_breaker_open_masters":         "gauge",
 		"rlsidecar_config_reloads_total":         "counter",
 		"rlsidecar_config_info":                  "gauge",
 		"rlsidecar_connections":                  "gauge",

@@ -78,7 +78,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
 	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
-	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open)")
+	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open; on a Redis Cluster one breaker per master, for its keys)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "how long the breaker stays open before one probe is let through")
 	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
 	envoyTransport := fs.String("envoy-rls-transport", envoyrls.DefaultTransport, "the Envoy listener's transport: native (rlsidecar's own HTTP/2 server for ShouldRateLimit and Health/Check) or grpc-go (google.golang.org/grpc, which also serves Health/Watch)")
@@ -195,6 +195,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		recorded = nil
 	}
 	var hybrid *rlsync.Hybrid
+	var syncMasters, checkMasters *rlsync.Masters // a breaker per Redis master, each
 	modeDesc := "local mode"
 	if haveRedis {
 		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
@@ -203,9 +204,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			cfg.Cluster = []string{*redisCluster}
 			where = "cluster " + rlsync.Redact(*redisCluster)
 		}
-		// Two clients (two connection pools) and two breakers: global checks wait
+		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
-		// timeouts close connections, must not make the second look down.
+		// timeouts close connections, must not make the second look down. A breaker per
+		// master (one on a standalone Redis): a Cluster master that fails degrades its
+		// own keys only.
 		rdb, err := rlsync.Open(cfg)
 		if err != nil {
 			return err
@@ -217,15 +220,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer rdbChecks.Close()
 		redis.SetLogger(redisLog{log})
-		syncBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
-		checkBreaker := rlsync.NewBreaker(*breakerFailures, *breakerCooldown)
+		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono)
+		checkMasters = rlsync.NewMasters(rdbChecks, *breakerFailures, *breakerCooldown, clock.Mono)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
 			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
-			WithBreaker(syncBreaker).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
+			WithMasters(syncMasters).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithBreaker(checkBreaker).WithObserver(metrics.ObserveStore), *globalTimeout)
+		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore), *globalTimeout)
 		// Penalty rules in hybrid and global mode share their bans through Redis.
 		sharedBans, err := rlsync.NewBans(rdbChecks, *redisPrefix)
 		if err != nil {
@@ -233,11 +236,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		lim.WithSharedBans(sharedBans, *globalTimeout)
 		lim.OnSharedBanStarted(metrics.BanStarted)
-		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks) is open.", func() float64 {
-			if syncBreaker.Open() || checkBreaker.Open() {
+		metrics.GaugeFunc("rlsidecar_breaker_open", "1 while a Redis circuit breaker (hybrid syncs or global checks, of any master) is open.", func() float64 {
+			if syncMasters.AnyOpen() || checkMasters.AnyOpen() {
 				return 1
 			}
 			return 0
+		})
+		metrics.GaugeFunc("rlsidecar_breaker_open_masters", "Redis masters with a circuit breaker (hybrid syncs or global checks) open: their keys follow their rules' failure policies (standalone Redis: 0 or 1).", func() float64 {
+			return float64(openMasters(syncMasters, checkMasters))
 		})
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
@@ -273,7 +279,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *admin != "" {
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
-			deps.StoreReachable = func() bool { return hybrid.Healthy(clock.Mono()) }
+			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
 		}
 		if adm, err = daemon.NewAdmin(*admin, deps); err != nil {
 			if adminGiven || !errors.Is(err, syscall.EADDRINUSE) {
@@ -365,6 +371,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		lim.Sweep(clock.Mono())
 		return true
 	})
+	// The breakers follow the Cluster's slot map (failovers, reshards); standalone: no-op.
+	for _, m := range []*rlsync.Masters{syncMasters, checkMasters} {
+		if m.Cluster() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				m.Run(ctx, time.Second)
+			}()
+		}
+	}
 
 	// The hybrid sync: flushes every interval, and once more after the server has drained,
 	// so what was admitted before a shutdown reaches Redis.
@@ -713,3 +729,17 @@ func defaultDaemonID(host string, pid int) string {
 	_, _ = rand.Read(b[:])
 	return fmt.Sprintf("%s-%d-%x", host, pid, b)
 }
+
+// openMasters counts the Redis masters (by address) whose breaker is open in any of sets.
+func openMasters(sets ...*rlsync.Masters) int {
+	open := map[string]bool{}
+	for _, s := range sets {
+		for _, m := range s.List() {
+			if m.Breaker().Open() {
+				open[m.Addr] = true
+			}
+		}
+	}
+	return len(open)
+}
+

@@ -3,6 +3,7 @@ package redistest
 import (
 	"context"
 	"fmt"
+	"net"
 	"os/exec"
 	"strings"
 	"testing"
@@ -19,21 +20,30 @@ type Cluster struct {
 	Addrs []string
 	// Nodes are the node processes, in the order of Addrs, for failure tests.
 	Nodes []*Server
+	// Replicas are the replicas AddReplica started.
+	Replicas []*Server
+
+	cfg config
 }
 
-// StartCluster starts three cluster-enabled redis-servers (cluster-node-timeout 2000, no
-// persistence) on free loopback ports whose bus ports (port+10000) are free too, joins
-// them with `redis-cli --cluster create … --cluster-replicas 0 --cluster-yes`, and waits
-// until every node reports cluster_state:ok with all 16384 slots served. t.Cleanup stops
-// every node.
-func StartCluster(t testing.TB) *Cluster {
+// StartCluster starts three cluster-enabled redis-servers (cluster-node-timeout 2000
+// unless WithClusterNodeTimeout, no persistence) on free loopback ports whose bus ports
+// (port+10000) are free too, joins them with `redis-cli --cluster create …
+// --cluster-replicas 0 --cluster-yes`, and waits until every node reports
+// cluster_state:ok with all 16384 slots served. t.Cleanup stops every node. Of opts,
+// only WithClusterNodeTimeout applies.
+func StartCluster(t testing.TB, opts ...Option) *Cluster {
 	t.Helper()
 	cli := lookPath(t, "redis-cli")
-	c := &Cluster{}
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
+	c := &Cluster{cfg: config{cluster: true, nodeTimeout: cfg.nodeTimeout}}
 	for i := 0; i < 3; i++ {
 		// Nodes start one after another, so each probe for a free port pair sees the
 		// earlier nodes' ports and bus ports taken.
-		n := start(t, config{cluster: true})
+		n := start(t, c.cfg)
 		c.Nodes = append(c.Nodes, n)
 		c.Addrs = append(c.Addrs, n.Addr)
 	}
@@ -80,6 +90,51 @@ func (c *Cluster) check() error {
 		}
 	}
 	return nil
+}
+
+// AddReplica starts one more cluster-enabled redis-server, joins it to the cluster as a
+// replica of the master Nodes[i], and waits until it has synced from it: stopping that
+// master then fails its slots over to the replica (after cluster-node-timeout). It fails
+// t if the replica is not in sync within a minute; t.Cleanup stops it.
+func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
+	t.Helper()
+	master := c.Nodes[i]
+	id, err := command(master.Addr, "CLUSTER", "MYID")
+	if err != nil {
+		t.Fatalf("redistest: CLUSTER MYID on %s: %v", master.Addr, err)
+	}
+	r := start(t, c.cfg)
+	host, port, err := net.SplitHostPort(master.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := command(r.Addr, "CLUSTER", "MEET", host, port); err != nil {
+		t.Fatalf("redistest: CLUSTER MEET from %s: %v", r.Addr, err)
+	}
+	deadline := time.Now().Add(clusterTimeout)
+	for {
+		// REPLICATE is refused until the new node knows the master.
+		_, err := command(r.Addr, "CLUSTER", "REPLICATE", id)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redistest: CLUSTER REPLICATE %s on %s: %v\n%s", id, r.Addr, err, r.logTail())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for {
+		info, err := command(r.Addr, "INFO", "replication")
+		if err == nil && hasLine(info, "master_link_status:up") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redistest: replica %s of %s not in sync: %v\n%s\n%s", r.Addr, master.Addr, err, info, r.logTail())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	c.Replicas = append(c.Replicas, r)
+	return r
 }
 
 func hasLine(text, line string) bool {

@@ -44,12 +44,22 @@ const (
 	maxClusterPort = 55535
 )
 
-// Option configures StartStandalone.
+// Option configures StartStandalone (or StartCluster).
 type Option func(*config)
 
 type config struct {
-	password string
-	cluster  bool
+	password    string
+	cluster     bool
+	nodeTimeout time.Duration // cluster-node-timeout; 0: 2 s
+}
+
+// WithClusterNodeTimeout sets StartCluster's cluster-node-timeout: how long a master
+// may be unreachable before the others mark it failed (and, with no replica to promote,
+// answer CLUSTERDOWN for every key). The default, 2 s, is short for quick tests; a test
+// that freezes a master for longer while the others keep serving needs more (Redis's
+// own default is 15 s).
+func WithClusterNodeTimeout(d time.Duration) Option {
+	return func(c *config) { c.nodeTimeout = d }
 }
 
 // WithPassword makes the server require AUTH with p (requirepass).
@@ -278,7 +288,11 @@ func configFile(dir string, port int, c config) string {
 	if c.cluster {
 		line("cluster-enabled", "yes")
 		line("cluster-config-file", quote(filepath.Join(dir, "nodes.conf")))
-		line("cluster-node-timeout", "2000")
+		ms := int64(2000)
+		if c.nodeTimeout > 0 {
+			ms = c.nodeTimeout.Milliseconds()
+		}
+		line("cluster-node-timeout", strconv.FormatInt(ms, 10))
 	}
 	return b.String()
 }

@@ -1,0 +1,234 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+)
+
+// One master of a 3-master Redis Cluster frozen (SIGSTOP) for 3 s under the daemon, with
+// a hybrid and a global rule, both fail-closed, and clients on every master: the
+// clients whose keys are on the two healthy masters are answered as usual, none
+// degraded; those on the frozen master follow the policy (rejected, degraded) — the
+// global ones at once, the hybrid ones once their allowances are stale. After SIGCONT
+// every client is answered normally again. Before the breaker per master, one breaker
+// per daemon opened on the frozen master's failures and degraded every key.
+func TestFaultClusterMasterFrozen(t *testing.T) {
+	// Redis's default node timeout: a master frozen for 3 s is not marked failed by the
+	// others (which, with no replica, would answer CLUSTERDOWN for every key).
+	cl := redistest.StartCluster(t, redistest.WithClusterNodeTimeout(15*time.Second))
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: hyb
+    match: { path: /h }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    on_store_failure: closed
+  - name: glob
+    match: { path: /g }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	// Generous timeouts: a loaded 2-core machine must not time out the healthy masters.
+	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	c := dialFault(t, d.socket)
+
+	// Two clients per master: a key's hash tag is its client ({user=…}).
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	defer cc.Close()
+	ctx := context.Background()
+	users := map[string][]string{} // by master address
+	for i := 0; len(users) < 3 || len(users[cl.Addrs[0]]) < 2 || len(users[cl.Addrs[1]]) < 2 || len(users[cl.Addrs[2]]) < 2; i++ {
+		u := fmt.Sprintf("u%d", i)
+		m, err := cc.MasterForKey(ctx, "{user="+u+"}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a := m.Options().Addr; len(users[a]) < 2 {
+			users[a] = append(users[a], u)
+		}
+	}
+	for _, us := range users {
+		for _, u := range us {
+			waitNormal(t, c, 10*time.Second, "path=/h", "user="+u)
+			waitNormal(t, c, 10*time.Second, "path=/g", "user="+u)
+		}
+	}
+	// The keys are where the test thinks: on their client's master.
+	deadline := time.Now().Add(10 * time.Second)
+	for a, us := range users {
+		n := redis.NewClient(&redis.Options{Addr: a})
+		for _, u := range us {
+			for {
+				keys, err := n.Keys(ctx, "*{user="+u+"}").Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(keys) >= 2 { // the hybrid and the global rule's
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("user %s: keys %v on %s, want both rules' there", u, keys, a)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+		n.Close()
+	}
+
+	frozenAddr := cl.Addrs[1]
+	var frozen *redistest.Server
+	for _, n := range cl.Nodes {
+		if n.Addr == frozenAddr {
+			frozen = n
+		}
+	}
+	const freeze = 3 * time.Second
+	frozen.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			frozen.Thaw()
+		}
+	}()
+	type tally struct{ checks, degraded, rejected, lateNormal int }
+	var healthy, onFrozen [2]tally // [0] hybrid, [1] global
+	var firstBad string
+	start := time.Now()
+	for time.Since(start) < freeze {
+		for a, us := range users {
+			for _, u := range us {
+				for i, path := range []string{"/h", "/g"} {
+					r, took, err := c.Check("path="+path, "user="+u)
+					if err != nil {
+						t.Fatalf("%s user=%s, %s into the freeze: %v", path, u, time.Since(start), err)
+					}
+					tl := &healthy[i]
+					if a == frozenAddr {
+						tl = &onFrozen[i]
+					}
+					tl.checks++
+					if r.Degraded {
+						tl.degraded++
+					}
+					if !r.Allowed {
+						tl.rejected++
+					}
+					if a != frozenAddr && (r.Degraded || !r.Allowed) && firstBad == "" {
+						firstBad = fmt.Sprintf("%s user=%s %s into the freeze: allowed %v degraded %v (took %s)", path, u, time.Since(start).Round(time.Millisecond), r.Allowed, r.Degraded, took)
+					}
+					// Past the hybrid staleness bound (2 s) with a margin, the frozen
+					// master's clients are the policy's on both rules.
+					if a == frozenAddr && time.Since(start) > 2500*time.Millisecond && (r.Allowed || !r.Degraded) {
+						tl.lateNormal++
+					}
+				}
+			}
+		}
+	}
+	frozen.Thaw()
+	thawed = true
+	backStart := time.Now()
+	for _, us := range users {
+		for _, u := range us {
+			waitNormal(t, c, 10*time.Second, "path=/h", "user="+u)
+			waitNormal(t, c, 10*time.Second, "path=/g", "user="+u)
+		}
+	}
+	back := time.Since(backStart)
+	for i, rule := range []string{"hybrid", "global"} {
+		t.Logf("%s rule, master %s frozen %s: healthy masters' clients %d checks, %d degraded, %d rejected; frozen master's %d checks, %d degraded, %d rejected",
+			rule, frozenAddr, freeze, healthy[i].checks, healthy[i].degraded, healthy[i].rejected, onFrozen[i].checks, onFrozen[i].degraded, onFrozen[i].rejected)
+	}
+	t.Logf("every client normal again %s after SIGCONT", back.Round(time.Millisecond))
+	for i, rule := range []string{"hybrid", "global"} {
+		if healthy[i].degraded != 0 || healthy[i].rejected != 0 {
+			t.Errorf("%s rule: %d of %d checks of the healthy masters' clients degraded, %d rejected; want 0 (first: %s)",
+				rule, healthy[i].degraded, healthy[i].checks, healthy[i].rejected, firstBad)
+		}
+		if onFrozen[i].degraded == 0 || onFrozen[i].lateNormal != 0 {
+			t.Errorf("%s rule: the frozen master's clients had %d degraded answers, %d normal ones past 2.5 s; want some, and 0",
+				rule, onFrozen[i].degraded, onFrozen[i].lateNormal)
+		}
+	}
+}
+
+// A Redis Cluster master killed under the daemon and its replica promoted: the clients
+// whose keys it held are answered by their policy (a global and a hybrid `closed` rule:
+// rejected, degraded) until the failover, then normally again within seconds of it, the
+// daemon following the new slot map. Before, the daemon's client kept routing them to
+// the dead node until go-redis reloaded its slot map on its own, a minute later.
+func TestFaultClusterFailover(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	replica := cl.AddReplica(t, 0)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: hyb
+    match: { path: /h }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    on_store_failure: closed
+  - name: glob
+    match: { path: /g }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	c := dialFault(t, d.socket)
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	defer cc.Close()
+	ctx := context.Background()
+	var user string
+	for i := 0; user == ""; i++ {
+		u := fmt.Sprintf("u%d", i)
+		m, err := cc.MasterForKey(ctx, "{user="+u+"}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Options().Addr == cl.Addrs[0] {
+			user = u
+		}
+	}
+	waitNormal(t, c, 10*time.Second, "path=/g", "user="+user)
+	waitNormal(t, c, 10*time.Second, "path=/h", "user="+user)
+
+	cl.Nodes[0].Stop()
+	killed := time.Now()
+	// The replica takes over after the node timeout (2 s) and an election.
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	defer rc.Close()
+	promoted := make(chan time.Duration, 1)
+	go func() {
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			if info, err := rc.Info(ctx, "replication").Result(); err == nil && strings.Contains(info, "role:master") {
+				promoted <- time.Since(killed)
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		promoted <- -1
+	}()
+	back := waitNormal(t, c, 30*time.Second, "path=/g", "user="+user)
+	waitNormal(t, c, 10*time.Second, "path=/h", "user="+user)
+	p := <-promoted
+	t.Logf("master killed: replica promoted %s later, the global rule normal again %s after the kill", p.Round(time.Millisecond), back.Round(time.Millisecond))
+	if p < 0 {
+		t.Fatal("the replica was not promoted")
+	}
+	if back-p > 10*time.Second {
+		t.Errorf("normal again %s after the promotion, want within 10 s", back-p)
+	}
+}

@@ -1,0 +1,304 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	gosync "sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Masters is a circuit breaker per Redis master, and with it what the hybrid mode knows
+// of each master: when it last answered and when a sync to it last failed. On a Redis
+// Cluster a key's master is its hash slot's owner in the cluster client's slot map
+// (Refresh, Run), so a frozen or dead master opens its own breaker and makes only its own
+// keys follow their failure policies; the other masters' keys are decided as usual. On a
+// standalone Redis there is one master, and so one breaker, for every key.
+//
+// The slot map is an array swapped whole: finding a key's master costs an atomic load and
+// two indexings, no lock. A master keeps its breaker and its times while it owns slots;
+// when a failover or a reshard gives its slots to another node, those slots follow the
+// new owner (a fresh, closed breaker), so no slot stays behind a dead node's open one.
+// Until the first Refresh on a cluster every slot has one shared master (as one breaker
+// per daemon did).
+//
+// Build it with [NewMasters]; a nil *Masters lets every call through. Safe for concurrent
+// use.
+type Masters struct {
+	cc       *redis.ClusterClient // nil: standalone, one master
+	failures int
+	cooldown time.Duration
+	clock    func() int64 // the hybrid mode's clock: a new master has answered "now"
+
+	table   atomic.Pointer[masterTable]
+	mu      gosync.Mutex  // serializes Refresh
+	retired atomic.Uint64 // Opened of the masters dropped from the table
+}
+
+// masterTable is one slot map: slot i's master is list[slot[i]].
+type masterTable struct {
+	slot  [Slots]uint16
+	list  []*Master
+	first []uint16 // per master: a slot it owns
+}
+
+// Master is one Redis master's breaker and health, as [Masters] keeps them.
+type Master struct {
+	// Addr is the master's address in the cluster client's slot map; "" on a standalone
+	// Redis, and on a cluster before the slot map is known.
+	Addr    string
+	breaker *Breaker
+	// lastOK is when the master last answered a heartbeat, a ping or a sync (hybrid
+	// clock, ns); syncFailed when a sync to it last failed with no answer.
+	lastOK     atomic.Int64
+	syncFailed atomic.Int64
+	// calls is the master's queue of global checks (autoPipe), on a cluster.
+	calls combiner[*apCall]
+	// syncing: a periodic sync of its keys is on its way (Hybrid.flushEach).
+	syncing atomic.Bool
+}
+
+// Breaker returns m's circuit breaker.
+func (m *Master) Breaker() *Breaker { return m.breaker }
+
+// answered records that m answered at now.
+func (m *Master) answered(now int64) {
+	for {
+		old := m.lastOK.Load()
+		if now <= old || m.lastOK.CompareAndSwap(old, now) {
+			return
+		}
+	}
+}
+
+// answering reports whether a request may wait for m: its breaker is closed and it has
+// answered since a sync to it last failed.
+func (m *Master) answering() bool {
+	return !m.breaker.Open() && m.syncFailed.Load() <= m.lastOK.Load()
+}
+
+// fresh reports whether m answered within stale of now, with its breaker closed.
+func (m *Master) fresh(now int64, stale time.Duration) bool {
+	return !m.breaker.Open() && now-m.lastOK.Load() <= int64(stale)
+}
+
+// NewMasters returns the masters of c (a *redis.ClusterClient: one per master, once
+// Refresh has read its slot map; any other client: one), each breaker opening after
+// failures consecutive failures for cooldown (see [NewBreaker]). clock is the daemon's
+// clock (ns; nil: the wall clock), on which a master's last answer is kept.
+func NewMasters(c redis.UniversalClient, failures int, cooldown time.Duration, clock func() int64) *Masters {
+	if clock == nil {
+		clock = func() int64 { return time.Now().UnixNano() }
+	}
+	m := &Masters{failures: failures, cooldown: cooldown, clock: clock}
+	m.cc, _ = c.(*redis.ClusterClient)
+	m.table.Store(&masterTable{list: []*Master{m.newMaster("")}, first: []uint16{0}})
+	return m
+}
+
+// mastersOf returns a Masters whose one master uses b, for every key: one breaker for
+// a whole store, as [Global.WithBreaker] and [Hybrid.WithBreaker] ask.
+func mastersOf(b *Breaker, clock func() int64) *Masters {
+	m := NewMasters(nil, 0, 0, clock)
+	m.table.Load().list[0].breaker = b
+	return m
+}
+
+func (m *Masters) newMaster(addr string) *Master {
+	x := &Master{Addr: addr, breaker: NewBreaker(m.failures, m.cooldown)}
+	x.lastOK.Store(m.clock())
+	return x
+}
+
+// Cluster reports whether m keeps one breaker per master of a Redis Cluster.
+func (m *Masters) Cluster() bool { return m != nil && m.cc != nil }
+
+// ForSlot returns the master of hash slot s in the current slot map.
+func (m *Masters) ForSlot(s uint16) *Master {
+	t := m.table.Load()
+	return t.list[t.slot[s%Slots]]
+}
+
+// ForKey returns key's master: on a standalone Redis the only one, without hashing key.
+func (m *Masters) ForKey(key string) *Master {
+	t := m.table.Load()
+	if m.cc == nil {
+		return t.list[0]
+	}
+	return t.list[t.slot[Slot(key)]]
+}
+
+// List returns the masters of the current slot map (on a standalone Redis, one).
+func (m *Masters) List() []*Master {
+	if m == nil {
+		return nil
+	}
+	return m.table.Load().list
+}
+
+// AnyOpen reports whether some master's breaker is open: rlsidecar_breaker_open.
+func (m *Masters) AnyOpen() bool {
+	for _, x := range m.List() {
+		if x.breaker.Open() {
+			return true
+		}
+	}
+	return false
+}
+
+// OpenCount returns how many masters' breakers are open.
+func (m *Masters) OpenCount() int {
+	n := 0
+	for _, x := range m.List() {
+		if x.breaker.Open() {
+			n++
+		}
+	}
+	return n
+}
+
+// Opened returns how many times a breaker of m has opened, over every master ever held.
+func (m *Masters) Opened() uint64 {
+	if m == nil {
+		return 0
+	}
+	n := m.retired.Load()
+	for _, x := range m.List() {
+		n += x.breaker.Opened()
+	}
+	return n
+}
+
+// slotKeys holds, for each hash slot, a short key in it: the keys Refresh asks the
+// cluster client about. Computed once, when a cluster first needs them.
+var slotKeys = gosync.OnceValue(func() *[Slots]string {
+	var keys [Slots]string
+	for i, left := 0, Slots; left > 0; i++ {
+		k := strconv.Itoa(i)
+		if s := Slot(k); keys[s] == "" {
+			keys[s] = k
+			left--
+		}
+	}
+	return &keys
+})
+
+// Refresh reads the cluster client's slot map (no network call once the client holds
+// one) and gives each slot its master: a master still owning slots keeps its breaker and
+// times, one new to the map starts closed, as having answered now. On a standalone Redis
+// it does nothing. The error is the client's, when it has no slot map and cannot load one;
+// the previous map then stays.
+func (m *Masters) Refresh(ctx context.Context) error {
+	if m == nil || m.cc == nil {
+		return nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	keys := slotKeys()
+	if _, err := m.cc.MasterForKey(ctx, keys[0]); err != nil {
+		return fmt.Errorf("reading the cluster's slot map: %w", err)
+	}
+	old := m.table.Load()
+	byAddr := make(map[string]*Master, len(old.list))
+	for _, x := range old.list {
+		byAddr[x.Addr] = x
+	}
+	t := &masterTable{}
+	index := make(map[string]uint16, len(old.list))
+	var last *redis.Client // slots come in ranges: the previous slot's master, mostly
+	var lastI uint16
+	for s := range Slots {
+		c, err := m.cc.MasterForKey(ctx, keys[s])
+		if err == nil && c == last && s > 0 {
+			t.slot[s] = lastI
+			continue
+		}
+		addr := ""
+		if err == nil {
+			addr = c.Options().Addr
+		}
+		i, ok := index[addr]
+		if !ok {
+			x := byAddr[addr]
+			if x == nil {
+				x = m.newMaster(addr)
+			}
+			delete(byAddr, addr)
+			i = uint16(len(t.list))
+			index[addr] = i
+			t.list = append(t.list, x)
+			t.first = append(t.first, uint16(s))
+		}
+		t.slot[s] = i
+		last, lastI = c, i
+		if err != nil {
+			last = nil
+		}
+	}
+	for _, x := range byAddr { // masters that own no slot any more
+		m.retired.Add(x.breaker.Opened())
+	}
+	m.table.Store(t)
+	return nil
+}
+
+// Run refreshes the slot map every d until ctx ends. While a breaker is open it first
+// asks the cluster client to reload its slot map from the cluster (go-redis otherwise
+// reloads it only on a redirection or once a minute), so a failover is followed within
+// about 2d of the cluster promoting a replica. On a standalone Redis it returns at once.
+func (m *Masters) Run(ctx context.Context, d time.Duration) {
+	if m == nil || m.cc == nil {
+		return
+	}
+	_ = m.Refresh(ctx)
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if m.AnyOpen() || len(m.List()) == 1 && m.List()[0].Addr == "" {
+				m.cc.ReloadState(ctx)
+			}
+			_ = m.Refresh(ctx)
+		}
+	}
+}
+
+// gate lets a call go to the masters ms (each once) only if each one's breaker lets it:
+// a master whose breaker is open and not due for a probe refuses, and then the probes
+// taken from the others are handed back (they were not used) and gate returns false.
+func gate(ms []*Master) bool {
+	var probes uint64 // bit i: ms[i] gave its probe (past 64 masters: it is open)
+	for i, x := range ms {
+		ok, probe := x.breaker.allow()
+		if probe && i < 64 {
+			probes |= 1 << i
+		}
+		if !ok {
+			for j, y := range ms[:i] {
+				if j < 64 && probes&(1<<j) != 0 || j >= 64 && y.breaker.Open() {
+					y.breaker.unprobe()
+				}
+			}
+			return false
+		}
+	}
+	return true
+}
+
+// keepAnswered clears the error of each cmd that holds a reply: go-redis's cluster
+// pipeline, when a node fails and its retry runs out of time, sets that error on every
+// command of the pipeline, those other masters answered included. A reply that arrived
+// stands: the script ran.
+func keepAnswered(cmds ...*redis.Cmd) {
+	for _, c := range cmds {
+		if c != nil && c.Err() != nil && c.Val() != nil {
+			c.SetErr(nil)
+		}
+	}
+}

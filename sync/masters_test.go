@@ -1,0 +1,669 @@
+package sync
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	gosync "sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// gate lets a call through only when every master it needs lets it, and hands back the
+// probes it took from the others when one refuses: a probe not used must not stay out,
+// or that breaker would never be probed again.
+func TestGate(t *testing.T) {
+	const cool = 20 * time.Millisecond
+	newMaster := func() *Master { return &Master{breaker: NewBreaker(1, cool)} }
+	closed, due, notDue := newMaster(), newMaster(), newMaster()
+	due.breaker.Failure()
+	time.Sleep(2 * cool) // past its cool-down: it gives one probe
+	notDue.breaker.Failure()
+	notDue.breaker.until = time.Now().Add(time.Hour)
+
+	tests := []struct {
+		name string
+		ms   []*Master
+		want bool
+	}{
+		{"closed alone", []*Master{closed}, true},
+		{"closed and one not due", []*Master{closed, notDue}, false},
+		{"due, then one not due", []*Master{due, notDue}, false},
+		{"due and closed", []*Master{due, closed}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := gate(tt.ms); got != tt.want {
+				t.Fatalf("gate = %v, want %v", got, tt.want)
+			}
+			if !tt.want && !due.breaker.Allow() {
+				t.Fatal("the probe taken from the due breaker was not handed back")
+			}
+			due.breaker.unprobe() // for the next case
+		})
+	}
+	if !closed.breaker.Allow() || notDue.breaker.Allow() {
+		t.Fatal("closed must allow, not-due must refuse")
+	}
+}
+
+// clusterMasters starts a 3-master cluster and returns a client on it, its Masters
+// (refreshed), and keys spread over every master, per master address.
+func clusterMasters(t *testing.T, cooldown time.Duration, prefix string, perMaster int) (*redistest.Cluster, redis.UniversalClient, *Masters, map[string][]string) {
+	t.Helper()
+	// A master frozen for seconds must not be marked failed by the others (which, with
+	// no replica to promote, would answer CLUSTERDOWN for every key): Redis's default
+	// node timeout, not the quick tests' 2 s.
+	cl := redistest.StartCluster(t, redistest.WithClusterNodeTimeout(15*time.Second))
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second}) // each call bounds its own wait
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	m := NewMasters(rdb, 3, cooldown, nil)
+	if err := m.Refresh(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(m.List()); n != len(cl.Addrs) {
+		t.Fatalf("%d masters in the slot map, want %d", n, len(cl.Addrs))
+	}
+	keys := map[string][]string{}
+	for i := 0; len(keys) < len(cl.Addrs) || !full(keys, perMaster); i++ {
+		k := fmt.Sprintf("%s:{user=%d}", prefix, i)
+		a := m.ForKey(k).Addr
+		if len(keys[a]) < perMaster {
+			keys[a] = append(keys[a], k)
+		}
+	}
+	return cl, rdb, m, keys
+}
+
+func full(keys map[string][]string, n int) bool {
+	for _, ks := range keys {
+		if len(ks) < n {
+			return false
+		}
+	}
+	return true
+}
+
+// node returns the process of the cluster node at addr.
+func node(t *testing.T, cl *redistest.Cluster, addr string) *redistest.Server {
+	t.Helper()
+	for _, n := range cl.Nodes {
+		if n.Addr == addr {
+			return n
+		}
+	}
+	t.Fatalf("no node at %s", addr)
+	return nil
+}
+
+// On a cluster each slot has the breaker of its master in the client's slot map;
+// failures on one master open its breaker only; a slot moved to another master follows
+// it, to that master's closed breaker, and is not left behind the open one.
+func TestMastersClusterSlotMap(t *testing.T) {
+	cl, rdb, m, keys := clusterMasters(t, time.Hour, "rl:ms", 2)
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	for i := range 300 {
+		k := fmt.Sprintf("rl:any:{%d}", i)
+		want, err := cc.MasterForKey(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := m.ForKey(k); got.Addr != want.Options().Addr || m.ForSlot(Slot(k)) != got {
+			t.Fatalf("%s (slot %d): master %s, the client routes it to %s", k, Slot(k), got.Addr, want.Options().Addr)
+		}
+	}
+
+	from := cl.Addrs[0]
+	bad := m.ForKey(keys[from][0])
+	for range 3 {
+		bad.Breaker().Failure()
+	}
+	for a, ks := range keys {
+		if open := m.ForKey(ks[0]).Breaker().Open(); open != (a == from) {
+			t.Fatalf("master %s: breaker open %v after 3 failures on %s", a, open, from)
+		}
+	}
+	if !m.AnyOpen() || m.OpenCount() != 1 || m.Opened() != 1 {
+		t.Fatalf("AnyOpen %v, OpenCount %d, Opened %d; want true, 1, 1", m.AnyOpen(), m.OpenCount(), m.Opened())
+	}
+
+	// Reshard one of its slots (empty) to another master, as a failover would hand them
+	// all: once the client's map has it, the slot's breaker is the new master's.
+	moved := keys[from][0]
+	to := cl.Addrs[1]
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		c.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	slot := Slot(moved)
+	for _, a := range append([]string{to, from}, cl.Addrs...) {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		err := c.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", ids[to]).Err()
+		c.Close()
+		if err != nil {
+			t.Fatalf("SETSLOT on %s: %v", a, err)
+		}
+	}
+	// Nothing is sent meanwhile (no MOVED makes go-redis reload its map): Run reloads it
+	// because a breaker is open.
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.Run(runCtx, 50*time.Millisecond)
+	}()
+	defer func() { stop(); <-done }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if m.ForKey(moved).Addr == to {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slot %d still on %s after the reshard", slot, m.ForKey(moved).Addr)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if m.ForKey(moved).Breaker().Open() || !m.ForKey(moved).Breaker().Allow() {
+		t.Fatal("the moved slot stays behind its old master's open breaker")
+	}
+	if m.ForKey(moved) != m.ForKey(keys[to][0]) {
+		t.Fatal("the moved slot did not get its new master's breaker")
+	}
+	if !m.ForKey(keys[from][1]).Breaker().Open() && Slot(keys[from][1]) != slot {
+		t.Fatal("the old master's other slots lost its open breaker")
+	}
+	if m.Opened() != 1 {
+		t.Fatalf("Opened %d after a refresh, want 1", m.Opened())
+	}
+	start := time.Now()
+	if err := m.Refresh(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("a Refresh (16384 slots, from the client's map) took %s", time.Since(start))
+}
+
+// A master of a 3-master cluster frozen (SIGSTOP): global checks of keys on the two
+// others are decided by Redis as usual, exactly (none fails, none waits on the frozen
+// one's queue); checks needing the frozen master fail, at once once its breaker is
+// open; a check spanning a healthy and the frozen master fails as a whole, and one
+// spanning the two healthy ones passes. After SIGCONT every key is decided again, and
+// Redis counts exactly what was admitted.
+func TestGlobalClusterFrozenMaster(t *testing.T) {
+	const cooldown = 300 * time.Millisecond
+	cl, rdb, m, keys := clusterMasters(t, cooldown, "rl:gfm", 4)
+	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m)
+	ctx := context.Background()
+	const limit = 40
+	lim := mustLimit(t, localbucket.FixedWindow, limit, time.Hour)
+	frozenAddr := cl.Addrs[0]
+	var healthyAddrs []string
+	for _, a := range cl.Addrs[1:] {
+		healthyAddrs = append(healthyAddrs, a)
+	}
+	// A check waits up to 200 ms when it needs the frozen master, 2 s otherwise (a
+	// loaded machine must not time out a healthy master).
+	check := func(ks ...string) (bool, error, time.Duration) {
+		ops := make([]GlobalOp, len(ks))
+		wait := 2 * time.Second
+		for i, k := range ks {
+			ops[i] = GlobalOp{Key: k, Limit: lim, Cost: 1}
+			if m.ForKey(k).Addr == frozenAddr {
+				wait = 200 * time.Millisecond
+			}
+		}
+		c, cancel := context.WithTimeout(ctx, wait)
+		defer cancel()
+		start := time.Now()
+		ok, err := g.Check(c, ops)
+		return ok, err, time.Since(start)
+	}
+	for _, ks := range keys { // every master answers before the freeze
+		if ok, err, _ := check(ks[0]); !ok || err != nil {
+			t.Fatalf("%s before the freeze: %v %v", ks[0], ok, err)
+		}
+	}
+	admitted := map[string]int{}
+	for _, ks := range keys {
+		admitted[ks[0]] = 1
+	}
+
+	frozen := node(t, cl, frozenAddr)
+	frozen.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			frozen.Thaw()
+		}
+	}()
+	// Concurrent clients, one per key, each checking its key more times than its limit:
+	// a healthy key admits exactly its limit and refuses the rest, with no error.
+	type tally struct {
+		allowed, refused, failed int
+		openFailed, openSlow     int // failures with the breaker open; of which slow (probes)
+	}
+	var mu gosync.Mutex
+	tallies := map[string]*tally{}
+	var wg gosync.WaitGroup
+	start := time.Now()
+	for a, ks := range keys {
+		for _, k := range ks[:3] {
+			tl := &tally{}
+			tallies[k] = tl
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; i < limit+10 || a == frozenAddr && time.Since(start) < 2*time.Second; i++ {
+					open := m.ForKey(k).Breaker().Open()
+					ok, err, took := check(k)
+					mu.Lock()
+					switch {
+					case err != nil:
+						tl.failed++
+						if open {
+							tl.openFailed++
+							if took > 50*time.Millisecond {
+								tl.openSlow++
+							}
+						}
+					case ok:
+						tl.allowed++
+					default:
+						tl.refused++
+					}
+					mu.Unlock()
+					if a == frozenAddr {
+						time.Sleep(5 * time.Millisecond)
+					}
+				}
+			}()
+		}
+	}
+	// Checks spanning masters, meanwhile.
+	h0, h1 := keys[healthyAddrs[0]][3], keys[healthyAddrs[1]][3]
+	if ok, err, _ := check(h0, h1); !ok || err != nil {
+		t.Errorf("a check on two healthy masters, one frozen elsewhere: allowed %v, %v; want allowed", ok, err)
+	} else {
+		admitted[h0]++
+		admitted[h1]++
+	}
+	if ok, err, _ := check(h0, keys[frozenAddr][3]); ok || err == nil {
+		t.Errorf("a check needing the frozen master: allowed %v, %v; want an error (the caller's policy decides)", ok, err)
+	}
+	wg.Wait()
+	if !m.ForKey(keys[frozenAddr][0]).Breaker().Open() {
+		t.Error("the frozen master's breaker is not open")
+	}
+	for _, a := range healthyAddrs {
+		if m.ForKey(keys[a][0]).Breaker().Open() {
+			t.Errorf("healthy master %s: breaker open", a)
+		}
+	}
+	for a, ks := range keys {
+		for _, k := range ks[:3] {
+			tl := tallies[k]
+			if a == frozenAddr {
+				if tl.allowed != 0 || tl.failed == 0 {
+					t.Errorf("%s (frozen master): %d allowed, %d failed; want 0 allowed, failures", k, tl.allowed, tl.failed)
+				}
+				// With the breaker open a check fails at once, but for the one probe per
+				// cool-down, which waits for its timeout.
+				if tl.openFailed == 0 || tl.openSlow > tl.openFailed/2 {
+					t.Errorf("%s (frozen master): %d of %d checks with the breaker open were slow; want most at once", k, tl.openSlow, tl.openFailed)
+				}
+				continue
+			}
+			t.Logf("%s (healthy master %s): %d allowed, %d refused, %d failed", k, a, tl.allowed, tl.refused, tl.failed)
+			wantAllowed := limit - admitted[k]
+			if tl.failed != 0 || tl.allowed != wantAllowed || tl.refused != limit+10-wantAllowed {
+				t.Errorf("%s (healthy master): %d allowed, %d refused, %d failed; want %d, %d, 0",
+					k, tl.allowed, tl.refused, tl.failed, wantAllowed, limit+10-wantAllowed)
+			}
+			admitted[k] += tl.allowed
+		}
+	}
+	t.Logf("frozen master %s for %s", frozenAddr, time.Since(start).Round(time.Millisecond))
+
+	frozen.Thaw()
+	thawed = true
+	// Normal again: the next probe (within a cool-down) closes the breaker.
+	fk := keys[frozenAddr][1]
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ok, err, _ := check(fk)
+		if err == nil {
+			if !ok {
+				t.Fatalf("%s after SIGCONT: refused", fk)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still failing 10 s after SIGCONT: %v", fk, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for _, a := range healthyAddrs {
+		for _, k := range keys[a] {
+			if n, err := rdb.HGet(ctx, k, "n").Int(); err != nil || n != admitted[k] {
+				t.Errorf("%s: Redis counts %d (%v), admitted %d", k, n, err, admitted[k])
+			}
+		}
+	}
+}
+
+// A master of a 3-master cluster frozen (SIGSTOP) for longer than StaleAfter under the
+// hybrid mode: keys on the two others keep fresh allowances, synced every interval or
+// so (their syncs do not wait for the frozen master), and are decided as usual (none
+// refused, none Unreachable); the frozen master's keys go stale and are refused as
+// Unreachable (the caller's policy decides). After SIGCONT all are decided normally
+// again, and Redis counts exactly what was admitted.
+func TestHybridClusterFrozenMaster(t *testing.T) {
+	cl, rdb, m, keys := clusterMasters(t, 300*time.Millisecond, "rl:hfm", 3)
+	h := NewHybrid(rdb, HybridOptions{Interval: 50 * time.Millisecond}).WithMasters(m)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg gosync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		// A call waits up to 1 s: a sync that waited for the frozen master would leave
+		// the healthy ones' keys unsynced that long.
+		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	go func() {
+		defer wg.Done()
+		m.Run(ctx, 200*time.Millisecond)
+	}()
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			wg.Wait() // Run's last sync settles what each key admitted
+		}
+	}
+	defer stop()
+	lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour)
+	admitted := map[string]int{}
+	// decide is what the limiter does: Healthy first, then Take.
+	decide := func(k string) (ok, unreachable bool) {
+		now := time.Now().UnixNano()
+		if !h.Healthy(now) {
+			return false, true
+		}
+		ops := []HybridOp{{Key: []byte(k), Limit: lim, Cost: 1}}
+		ok = h.Take(now, ops)
+		if ok {
+			admitted[k]++
+		}
+		return ok, !ok && ops[0].Unreachable
+	}
+	// Warm: every key has a fresh view from its master.
+	deadline := time.Now().Add(10 * time.Second)
+	for _, ks := range keys {
+		for _, k := range ks {
+			for {
+				if ok, _ := decide(k); ok {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%s: not admitted before the freeze", k)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // a few syncs
+
+	frozenAddr := cl.Addrs[0]
+	frozen := node(t, cl, frozenAddr)
+	frozen.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			frozen.Thaw()
+		}
+	}()
+	freeze := 2*h.StaleAfter() + 500*time.Millisecond // 4.5 s
+	start := time.Now()
+	var healthyChecks, healthyBad, frozenChecks, frozenLateAllowed int
+	var firstBad string
+	// How long ago a key on a healthy master was last synced, at worst: it is checked
+	// all along, so each interval (50 ms) has a sync of it to make.
+	var worstAge time.Duration
+	syncedAgo := func(k string) time.Duration {
+		sh := &h.shards[h.shardOf([]byte(k))]
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		return time.Duration(time.Now().UnixNano() - sh.m[k].synced)
+	}
+	for time.Since(start) < freeze {
+		for a, ks := range keys {
+			for _, k := range ks {
+				ok, unreachable := decide(k)
+				if a != frozenAddr {
+					worstAge = max(worstAge, syncedAgo(k))
+					healthyChecks++
+					if !ok {
+						healthyBad++
+						if firstBad == "" {
+							firstBad = fmt.Sprintf("%s refused (unreachable %v) %s into the freeze", k, unreachable, time.Since(start).Round(time.Millisecond))
+						}
+					}
+					continue
+				}
+				frozenChecks++
+				// Past StaleAfter (and a margin for the last answer's time), every check of
+				// its keys is the policy's.
+				if time.Since(start) > h.StaleAfter()+time.Second && (ok || !unreachable) {
+					frozenLateAllowed++
+				}
+			}
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Logf("frozen %s: %d checks on the healthy masters' keys, %d refused; %d on the frozen one's, %d decided without Redis past StaleAfter",
+		freeze, healthyChecks, healthyBad, frozenChecks, frozenLateAllowed)
+	if healthyBad != 0 {
+		t.Errorf("%d of %d checks on healthy masters' keys refused; first: %s", healthyBad, healthyChecks, firstBad)
+	}
+	t.Logf("a healthy master's key was last synced at worst %s before a check", worstAge.Round(time.Millisecond))
+	if worstAge > 700*time.Millisecond {
+		t.Errorf("a healthy master's key went %s without a sync (interval 50 ms): its syncs waited for the frozen master", worstAge)
+	}
+	if frozenLateAllowed != 0 {
+		t.Errorf("%d checks of the frozen master's keys decided from a stale allowance (or refused as a limit) past StaleAfter", frozenLateAllowed)
+	}
+	if h.Reachable(time.Now().UnixNano()) || !h.Healthy(time.Now().UnixNano()) {
+		t.Error("want Reachable false (a master is away) and Healthy true (two answer)")
+	}
+
+	frozen.Thaw()
+	thawed = true
+	deadline = time.Now().Add(10 * time.Second)
+	for _, k := range keys[frozenAddr] {
+		for {
+			if ok, _ := decide(k); ok {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not decided normally 10 s after SIGCONT", k)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	stop()
+	for _, ks := range keys {
+		for _, k := range ks {
+			if n, err := rdb.HGet(context.Background(), k, "n").Int(); err != nil && !errors.Is(err, redis.Nil) || n != admitted[k] {
+				t.Errorf("%s: Redis counts %d (%v), admitted %d", k, n, err, admitted[k])
+			}
+		}
+	}
+}
+
+// A periodic sync that takes no key of a master (its cap reached first) leaves that
+// master's breaker's probe alone: a probe taken and not used would keep the breaker
+// open for good, no call ever let through to close it.
+func TestHybridFlushLeavesUnusedProbe(t *testing.T) {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never called
+	defer rdb.Close()
+	b := NewBreaker(1, 10*time.Millisecond)
+	h := NewHybrid(rdb, HybridOptions{}).WithBreaker(b)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	take(h, time.Now().UnixNano(), "rl:probe:{user=1}", lim, 1) // on credit: dirty
+	b.Failure()
+	time.Sleep(30 * time.Millisecond) // open, and due for a probe
+	if n, err := h.flush(context.Background(), time.Now().UnixNano(), 0, false); n != 0 || err != nil {
+		t.Fatalf("a sync capped at 0 keys sent %d (%v)", n, err)
+	}
+	if !b.Allow() {
+		t.Fatal("the sync took the breaker's probe and sent nothing")
+	}
+}
+
+// A daemon with no key to sync while Redis is away: its sync breaker opens on the failed
+// heartbeats, and once Redis answers again it closes. Before, the periodic sync took the
+// open breaker's probe each cool-down even with nothing to send, never gave it back, and
+// the heartbeat was refused for good: the breaker stayed open, every hybrid key stale,
+// long after Redis was back.
+func TestHybridIdleBreakerCloses(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(1, 50*time.Millisecond)
+	h := NewHybrid(rdb, HybridOptions{Interval: 20 * time.Millisecond}).WithBreaker(b)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, 200*time.Millisecond, func(error) {})
+	}()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("not %s within 10 s", what)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	srv.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			srv.Thaw()
+		}
+	}()
+	waitFor("open", b.Open)
+	time.Sleep(300 * time.Millisecond) // several cool-downs, and syncs with nothing to send
+	srv.Thaw()
+	thawed = true
+	waitFor("closed after Redis answers again", func() bool { return !b.Open() && h.Healthy(time.Now().UnixNano()) })
+}
+
+// A master of the cluster killed, its replica promoted: global checks of its keys fail,
+// its breaker opens (no call reaches the cluster client, so no redirection makes it
+// reload its slot map), and Masters.Run, reloading the map while a breaker is open, gives
+// those slots their new master and its closed breaker: the checks are decided by Redis
+// again, not left behind the dead node's open breaker.
+func TestMastersClusterFailover(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	replica := cl.AddReplica(t, 0)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	m := NewMasters(rdb, 3, 200*time.Millisecond, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.Run(ctx, 100*time.Millisecond)
+	}()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(m.List()) != 3 { // the first Refresh: the three masters
+		if time.Now().After(deadline) {
+			t.Fatalf("masters %d, want 3", len(m.List()))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var key string
+	for i := 0; key == ""; i++ {
+		if k := fmt.Sprintf("rl:fo:{user=%d}", i); m.ForKey(k).Addr == cl.Addrs[0] {
+			key = k
+		}
+	}
+	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	check := func() error {
+		c, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		ok, err := g.Check(c, []GlobalOp{{Key: key, Limit: lim, Cost: 1}})
+		if err == nil && !ok {
+			err = errors.New("refused")
+		}
+		return err
+	}
+	if err := check(); err != nil {
+		t.Fatal(err)
+	}
+	dead := m.ForKey(key)
+	cl.Nodes[0].Stop()
+	start := time.Now()
+	deadline = time.Now().Add(60 * time.Second)
+	for !dead.Breaker().Open() {
+		_ = check()
+		if time.Now().After(deadline) {
+			t.Fatal("the dead master's breaker did not open")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The failover takes the 2 s node timeout and an election; go-redis alone would
+	// reload its slot map only after a minute.
+	deadline = start.Add(20 * time.Second)
+	var err2 error
+	for {
+		if err2 = check(); err2 == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still failing 20 s after its master died: %v (master %s, breaker open %v)", key, err2, m.ForKey(key).Addr, m.ForKey(key).Breaker().Open())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("decided by Redis again %s after the master died (failover after the 2 s node timeout)", time.Since(start).Round(time.Millisecond))
+	// The client's map may still be settling (a node's view can lag, and a redirection
+	// answers the check meanwhile): the slot follows the map to the new master.
+	for {
+		got := m.ForKey(key)
+		if got.Addr == replica.Addr && got != dead && !got.Breaker().Open() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: master %s (open %v), want the promoted replica %s, closed", key, got.Addr, got.Breaker().Open(), replica.Addr)
+		}
+		_ = check()
+		time.Sleep(50 * time.Millisecond)
+	}
+}
