@@ -742,4 +742,3 @@ func openMasters(sets ...*rlsync.Masters) int {
 	}
 	return len(open)
 }
-
