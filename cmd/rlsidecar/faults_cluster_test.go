@@ -23,23 +23,7 @@ func TestFaultClusterMasterFrozen(t *testing.T) {
 	// Redis's default node timeout: a master frozen for 3 s is not marked failed by the
 	// others (which, with no replica, would answer CLUSTERDOWN for every key).
 	cl := redistest.StartCluster(t, redistest.WithClusterNodeTimeout(15*time.Second))
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: hyb
-    match: { path: /h }
-    key: user
-    limit: { requests: 1000000, per: 1h }
-    on_store_failure: closed
-  - name: glob
-    match: { path: /g }
-    key: user
-    limit: { requests: 1000000, per: 1h }
-    mode: global
-    on_store_failure: closed
-`)
-	// Generous timeouts: a loaded 2-core machine must not time out the healthy masters.
-	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
-		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	d := startClusterFaultDaemon(t, cl)
 	c := dialFault(t, d.socket)
 
 	// Two clients per master: a key's hash tag is its client ({user=…}).
@@ -170,22 +154,7 @@ rules:
 func TestFaultClusterFailover(t *testing.T) {
 	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
 	replica := cl.AddReplica(t, 0)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: hyb
-    match: { path: /h }
-    key: user
-    limit: { requests: 1000000, per: 1h }
-    on_store_failure: closed
-  - name: glob
-    match: { path: /g }
-    key: user
-    limit: { requests: 1000000, per: 1h }
-    mode: global
-    on_store_failure: closed
-`)
-	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
-		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	d := startClusterFaultDaemon(t, cl)
 	c := dialFault(t, d.socket)
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
 	defer cc.Close()
@@ -231,4 +200,28 @@ rules:
 	if back-p > 10*time.Second {
 		t.Errorf("normal again %s after the promotion, want within 10 s", back-p)
 	}
+}
+
+// startClusterFaultDaemon starts a daemon on cl with the cluster fault tests' two rules,
+// both closed on a store failure: hyb (hybrid, path /h) and glob (global, path /g), a
+// million an hour per user. Generous timeouts: a loaded 2-core machine must not time
+// out the healthy masters.
+func startClusterFaultDaemon(t *testing.T, cl *redistest.Cluster) *daemonProc {
+	t.Helper()
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: hyb
+    match: { path: /h }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    on_store_failure: closed
+  - name: glob
+    match: { path: /g }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	return startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
 }
