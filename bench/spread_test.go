@@ -32,6 +32,9 @@ import (
 // (default "5/10s"; figures "5/10s,5/1m"). With RLSIDECAR_SPREAD_OUT set to a directory,
 // it writes there, per limit, the table spread-<clients>-<limit>.md and the chart
 // spread-<clients>-<limit>.png (docs/accuracy holds the published ones).
+// RLSIDECAR_SPREAD_ALGORITHM (default token_bucket; sliding_window, fixed_window) is the
+// rule's algorithm; RLSIDECAR_SPREAD_ROUTE=random sends each request to a daemon drawn at
+// random (the same draws in both modes) instead of rotating a client over them.
 //
 // A run whose sender fell behind its schedule is not a measurement: the clients' late
 // requests find refill they were not offered (one 5,000-client run gave hybrid 1.111 of
@@ -157,9 +160,9 @@ func BenchmarkSpreadClients(b *testing.B) {
 			if gdeg > 0 {
 				verdict += " (global baseline degraded: not exact)"
 			}
-			b.Logf("spread: %d clients at 3× %s over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
+			b.Logf("spread: %d clients at 3× %s (%s, %s) over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
 				"Redis per check: global %.3f calls %.1f µs of scripts %.1f µs of process CPU, hybrid %.3f calls %.1f µs %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
-				clients, lim.text, daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
+				clients, lim.text, spreadEnv("RLSIDECAR_SPREAD_ALGORITHM", "token_bucket"), spreadEnv("RLSIDECAR_SPREAD_ROUTE", "rotate"), daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
 				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), g.procUsec/float64(g.offered),
 				h.calls/float64(h.offered), h.cpuUsec/float64(h.offered), h.procUsec/float64(h.offered),
 				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
@@ -196,8 +199,8 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 		b.Fatal(err)
 	}
 	cfg := filepath.Join(b.TempDir(), mode+".yaml")
-	rule := fmt.Sprintf("rules:\n  - name: spread\n    key: user\n    limit: { requests: %d, per: %s }\n    mode: %s\n",
-		lim.requests, lim.window, mode)
+	rule := fmt.Sprintf("rules:\n  - name: spread\n    key: user\n    algorithm: %s\n    limit: { requests: %d, per: %s }\n    mode: %s\n",
+		spreadEnv("RLSIDECAR_SPREAD_ALGORITHM", "token_bucket"), lim.requests, lim.window, mode)
 	if err := os.WriteFile(cfg, []byte(rule), 0o644); err != nil {
 		b.Fatal(err)
 	}
@@ -228,6 +231,14 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 		b.Fatalf("RLSIDECAR_SPREAD_JITTER=%q: want a fraction of the period in [0, 1)", os.Getenv("RLSIDECAR_SPREAD_JITTER"))
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
+	random := false
+	switch r := spreadEnv("RLSIDECAR_SPREAD_ROUTE", "rotate"); r {
+	case "rotate":
+	case "random":
+		random = true
+	default:
+		b.Fatalf("RLSIDECAR_SPREAD_ROUTE=%q: want rotate or random", r)
+	}
 	perDaemon := make([][]spreadEvent, daemons)
 	for c := 0; c < clients; c++ {
 		phase := time.Duration(rng.Int64N(int64(period)))
@@ -240,6 +251,9 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 				break
 			}
 			d := (c + k) % daemons
+			if random {
+				d = rng.IntN(daemons)
+			}
 			perDaemon[d] = append(perDaemon[d], spreadEvent{at: at, client: c})
 		}
 	}
@@ -254,6 +268,13 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 	var res spreadResult
 	var wg sync.WaitGroup
 	start := time.Now().Add(10 * time.Millisecond)
+	if alg := spreadEnv("RLSIDECAR_SPREAD_ALGORITHM", "token_bucket"); alg != "token_bucket" && lim.window <= 10*time.Second {
+		// Windows are aligned to the Unix epoch: both modes' runs start 10 ms into a
+		// window, or one run spans a window more than the other (a 10 s run of 1 s
+		// windows: 10 or 11), and the ratio measured the phase, not the limiter.
+		w := int64(lim.window)
+		start = time.Unix(0, (start.UnixNano()/w+1)*w).Add(10 * time.Millisecond)
+	}
 	for d := range ds {
 		for w := 0; w < workers; w++ {
 			conn, err := net.Dial("unix", ds[d].socket)
