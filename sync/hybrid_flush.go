@@ -278,20 +278,10 @@ func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 	var gates []masterGate
 	allowed := func(e *hentry) *Master {
 		m := h.masterOf(e)
-		for _, g := range gates {
-			if g.m == m {
-				if g.ok {
-					return m
-				}
-				return nil
-			}
+		if g := gateOf(&gates, m, func(m *Master) bool { return !m.syncing.Load() && m.breaker.Allow() }); !gates[g].ok {
+			return nil
 		}
-		ok := !m.syncing.Load() && m.breaker.Allow()
-		gates = append(gates, masterGate{m, ok})
-		if ok {
-			return m
-		}
-		return nil
+		return m
 	}
 	for i := range h.shards {
 		sh := &h.shards[i]
@@ -367,6 +357,18 @@ func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) err
 type masterGate struct {
 	m  *Master
 	ok bool
+}
+
+// gateOf returns the index in *gs of m's answer for this sync, asking ask(m) the first
+// time m is seen: each master is asked once (an open breaker gives one probe).
+func gateOf(gs *[]masterGate, m *Master, ask func(*Master) bool) int {
+	for i := range *gs {
+		if (*gs)[i].m == m {
+			return i
+		}
+	}
+	*gs = append(*gs, masterGate{m, ask(m)})
+	return len(*gs) - 1
 }
 
 // newToken returns a sync token: never 0 (an entry's "no sync confirmed yet"), unique

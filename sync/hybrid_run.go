@@ -98,14 +98,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 	var gates []masterGate
 	var keyGate []int
 	for _, k := range h.heartbeatKs {
-		m := h.masters.ForKey(k)
-		g := 0
-		for g < len(gates) && gates[g].m != m {
-			g++
-		}
-		if g == len(gates) {
-			gates = append(gates, masterGate{m, m.breaker.Allow()})
-		}
+		g := gateOf(&gates, h.masters.ForKey(k), func(m *Master) bool { return m.breaker.Allow() })
 		if gates[g].ok {
 			keys = append(keys, k)
 			keyGate = append(keyGate, g)
