@@ -722,8 +722,7 @@ func checkBounds(bs ...bound) error {
 // random part. Host and pid alone repeat: containers that share the host's network (and
 // so its hostname) each run their daemon as pid 1, and two live daemons under one name
 // count as one in Redis and take each other's use of a key for their own, so each gets
-// credit on keys they share (20 clients rotating over 3 such daemons, a fixed window of
-// 30: 48.75 admitted each).
+// credit on keys they share and together they admit past the limit.
 func defaultDaemonID(host string, pid int) string {
 	var b [3]byte
 	_, _ = rand.Read(b[:])
