@@ -93,47 +93,40 @@ local function roundtrip(address, timeout_ms, frame, id, keep, release)
     sock:close()
     return nil, what .. " " .. address .. ": " .. tostring(e)
   end
-  local sent
+  -- exchange sends f and returns the answer's body, or nil and the failure (the
+  -- connection then closed).
+  local function exchange(f)
+    local sent, serr = sock:send(f)
+    if not sent then
+      return fail("writing to", serr)
+    end
+    local head, herr = sock:receive(4)
+    if not head or #head < 4 then
+      return fail("reading from", herr or "closed")
+    end
+    local n = codec.frame_length(head)
+    if n > MAX_FRAME then
+      return fail("reading from", "an answer of " .. n .. " bytes")
+    end
+    local body, berr = sock:receive(n)
+    if not body or #body < n then
+      return fail("reading from", berr or "closed")
+    end
+    return body
+  end
   if release then
     local rframe = codec.encode_request({ id = next_id(), op = "release", lease = release })
     if rframe then
-      sent, err = sock:send(rframe)
-      if not sent then
-        return fail("writing to", err)
-      end
-      local rhead
-      rhead, err = sock:receive(4)
-      if not rhead or #rhead < 4 then
-        return fail("reading from", err or "closed")
-      end
-      local rn = codec.frame_length(rhead)
-      if rn > MAX_FRAME then
-        return fail("reading from", "an answer of " .. rn .. " bytes")
-      end
-      local rbody
-      rbody, err = sock:receive(rn)
-      if not rbody or #rbody < rn then
-        return fail("reading from", err or "closed")
+      local _, rerr = exchange(rframe) -- released or not
+      if rerr then
+        return nil, rerr
       end
     end
   end
-  sent, err = sock:send(frame)
-  if not sent then
-    return fail("writing to", err)
-  end
-  local head
-  head, err = sock:receive(4)
-  if not head or #head < 4 then
-    return fail("reading from", err or "closed")
-  end
-  local n = codec.frame_length(head)
-  if n > MAX_FRAME then
-    return fail("reading from", "an answer of " .. n .. " bytes")
-  end
   local body
-  body, err = sock:receive(n)
-  if not body or #body < n then
-    return fail("reading from", err or "closed")
+  body, err = exchange(frame)
+  if not body then
+    return nil, err
   end
   if not keep then sock:close() end
   local resp
