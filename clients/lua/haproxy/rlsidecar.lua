@@ -257,7 +257,10 @@ local function action(txn, address, policy, timeout)
 
   -- A second check of this transaction (another lua.rlsidecar line) finds its private
   -- data set, and leaves the pending lease alone: it may be this transaction's own.
-  local conn = txn:get_priv() == nil and connection_key(txn) or nil
+  -- The connection's name is looked up only when a lease is pending in this process or
+  -- the check takes one: a request with no concurrency rule in play fetches nothing more.
+  local first = txn:get_priv() == nil
+  local conn = first and (next(pending) ~= nil or next(pending_before) ~= nil) and connection_key(txn) or nil
   local d, err = check(address, policy, timeout_ms, attrs, cost, take_pending(conn))
   if d.reason == http.REQUEST_TOO_LARGE then
     txn:Info(err) -- the client's doing
@@ -280,8 +283,11 @@ local function action(txn, address, policy, timeout)
   -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
   -- rule's slot, the open connection that holds it, until the transaction ends.
   txn:set_priv({ headers = http.headers(d), lease_sock = d.sock })
-  if d.sock and conn then
-    put_pending(conn, d.lease) -- for the next request on this client connection
+  if d.sock and first then
+    conn = conn or connection_key(txn)
+    if conn then
+      put_pending(conn, d.lease) -- for the next request on this client connection
+    end
   end
   local delay = tonumber(d.delay_ms)
   if delay and delay > 0 then
