@@ -77,11 +77,11 @@ local function next_id()
 end
 
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
--- and an error. With keep, the connection stays open and is returned second (the
+-- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
 -- With release (a lease), it first releases that lease on the same connection and waits
 -- for the answer (released or not), so that the check sees its slot free.
-local function roundtrip(address, timeout_ms, frame, id, keep, release)
+local function roundtrip(address, timeout_ms, frame, id, release)
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
   local ok, err = sock:connect(address)
@@ -128,24 +128,22 @@ local function roundtrip(address, timeout_ms, frame, id, keep, release)
   if not body then
     return nil, err
   end
-  if not keep then sock:close() end
   local resp
   resp, err = codec.decode_body(body)
   if not resp then
-    if keep then sock:close() end
+    sock:close()
     return nil, "decoding an answer from " .. address .. ": " .. err
   end
   if type(resp) == "table" and resp.id == 0 and type(resp.error) == "table" then
     -- An error about a request the daemon could not read (frame_too_large: it closes).
-    if keep then sock:close() end
+    sock:close()
     return resp
   end
   if type(resp) ~= "table" or resp.id ~= id then
-    if keep then sock:close() end
+    sock:close()
     return nil, "an answer to another request from " .. address
   end
-  if keep then return resp, sock end
-  return resp
+  return resp, sock
 end
 
 -- check returns the decision for attrs and cost (see rlsidecar.http) and, for an error
@@ -162,7 +160,7 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
       .. max_frame .. "; it was not sent"
     return http.too_large_decision(msg), msg
   end
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id, true, release)
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id, release)
   if not resp then
     return http.policy_decision(policy, rerr)
   end
