@@ -75,10 +75,10 @@ func ConvertWith(files []File, opts ConvertOptions) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("--algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", algorithm)
 	}
-	switch opts.Mode {
-	case "", "local", "hybrid", "global":
-	default:
-		return nil, fmt.Errorf("--mode %q: use local, hybrid or global (or none: the daemon's default)", opts.Mode)
+	if opts.Mode != "" {
+		if _, err := rules.ParseMode(opts.Mode); err != nil {
+			return nil, fmt.Errorf("--mode %q: use local, hybrid or global (or none: the daemon's default)", opts.Mode)
+		}
 	}
 	c := &converter{alg: algorithm, mode: opts.Mode, names: map[string]*outRule{}, domains: map[string]string{}}
 	for _, f := range files {

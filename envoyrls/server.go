@@ -30,7 +30,6 @@ import (
 	"math/bits"
 	"net"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -333,7 +332,7 @@ type scratch struct {
 	cur    []byte
 	warn   []byte
 	best   []int32
-	deny   []int32 // the parts whose override is requests_per_unit 0 (denyOverride)
+	deny   bool // a part's override has requests_per_unit 0 (denyOverride)
 	d      limiter.Decision
 }
 
@@ -429,8 +428,8 @@ func (s *Server) finish(now int64, sc *scratch) {
 		// slot is free, and holds none past the call.
 		s.lim.ReleaseLease(tok, now)
 	}
-	if len(sc.deny) > 0 {
-		denied(now, d, sc.deny)
+	if sc.deny {
+		denied(now, d, sc.call.descs)
 	}
 	if s.cfg.Recorder != nil {
 		s.cfg.Recorder.Record(d)
@@ -438,13 +437,13 @@ func (s *Server) finish(now int64, sc *scratch) {
 	s.response(len(sc.call.descs), sc)
 }
 
-// denied reports the checks of the parts in deny (overrides of requests_per_unit 0) as
-// envoyproxy/ratelimit does: a limit of 0 per the override's window, nothing remaining,
-// reset at the end of the window aligned to the epoch.
-func denied(now int64, d *limiter.Decision, deny []int32) {
+// denied reports the checks of the parts whose descriptor's override has
+// requests_per_unit 0 as envoyproxy/ratelimit does: a limit of 0 per the override's
+// window, nothing remaining, reset at the end of the window aligned to the epoch.
+func denied(now int64, d *limiter.Decision, descs []desc) {
 	for i := range d.Results {
 		r := &d.Results[i]
-		if r.Rule != nil || !slices.Contains(deny, int32(r.Part)) {
+		if r.Rule != nil || !descs[r.Part].hasLimit || descs[r.Part].rpu != 0 {
 			continue
 		}
 		r.Limit, r.Remaining = 0, 0
@@ -471,7 +470,7 @@ func (s *Server) input(c *call, sc *scratch) error {
 	sc.attrs = sc.attrs[:0]
 	sc.limits = sc.limits[:0]
 	sc.keys = sc.keys[:0]
-	sc.deny = sc.deny[:0]
+	sc.deny = false
 	for i := range c.descs {
 		desc := &c.descs[i]
 		entries := c.entries[desc.lo:desc.hi]
@@ -513,7 +512,7 @@ func (s *Server) input(c *call, sc *scratch) error {
 			}
 			if desc.rpu == 0 {
 				p.Cost = denyOverride
-				sc.deny = append(sc.deny, int32(i))
+				sc.deny = true
 			}
 			sc.limits = append(sc.limits, il)
 			p.NoRules = true

@@ -28,10 +28,10 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("%w: --algorithm %q: use fixed_window (Envoy's), sliding_window or token_bucket", errUsage, *alg)
 	}
-	switch *mode {
-	case "", "local", "hybrid", "global":
-	default:
-		return fmt.Errorf("%w: --mode %q: use local, hybrid or global", errUsage, *mode)
+	if *mode != "" {
+		if _, err := rules.ParseMode(*mode); err != nil {
+			return fmt.Errorf("%w: --mode %q: use local, hybrid or global", errUsage, *mode)
+		}
 	}
 	files := make([]envoyrls.File, len(paths))
 	for i, p := range paths {

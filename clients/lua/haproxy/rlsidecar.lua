@@ -77,11 +77,11 @@ local function next_id()
 end
 
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
--- and an error. With keep, the connection stays open and is returned second (the
+-- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
 -- With release (a lease), it first releases that lease on the same connection and waits
 -- for the answer (released or not), so that the check sees its slot free.
-local function roundtrip(address, timeout_ms, frame, id, keep, release)
+local function roundtrip(address, timeout_ms, frame, id, release)
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
   local ok, err = sock:connect(address)
@@ -93,66 +93,57 @@ local function roundtrip(address, timeout_ms, frame, id, keep, release)
     sock:close()
     return nil, what .. " " .. address .. ": " .. tostring(e)
   end
-  local sent
+  -- exchange sends f and returns the answer's body, or nil and the failure (the
+  -- connection then closed).
+  local function exchange(f)
+    local sent, serr = sock:send(f)
+    if not sent then
+      return fail("writing to", serr)
+    end
+    local head, herr = sock:receive(4)
+    if not head or #head < 4 then
+      return fail("reading from", herr or "closed")
+    end
+    local n = codec.frame_length(head)
+    if n > MAX_FRAME then
+      return fail("reading from", "an answer of " .. n .. " bytes")
+    end
+    local body, berr = sock:receive(n)
+    if not body or #body < n then
+      return fail("reading from", berr or "closed")
+    end
+    return body
+  end
   if release then
     local rframe = codec.encode_request({ id = next_id(), op = "release", lease = release })
     if rframe then
-      sent, err = sock:send(rframe)
-      if not sent then
-        return fail("writing to", err)
-      end
-      local rhead
-      rhead, err = sock:receive(4)
-      if not rhead or #rhead < 4 then
-        return fail("reading from", err or "closed")
-      end
-      local rn = codec.frame_length(rhead)
-      if rn > MAX_FRAME then
-        return fail("reading from", "an answer of " .. rn .. " bytes")
-      end
-      local rbody
-      rbody, err = sock:receive(rn)
-      if not rbody or #rbody < rn then
-        return fail("reading from", err or "closed")
+      local _, rerr = exchange(rframe) -- released or not
+      if rerr then
+        return nil, rerr
       end
     end
   end
-  sent, err = sock:send(frame)
-  if not sent then
-    return fail("writing to", err)
-  end
-  local head
-  head, err = sock:receive(4)
-  if not head or #head < 4 then
-    return fail("reading from", err or "closed")
-  end
-  local n = codec.frame_length(head)
-  if n > MAX_FRAME then
-    return fail("reading from", "an answer of " .. n .. " bytes")
-  end
   local body
-  body, err = sock:receive(n)
-  if not body or #body < n then
-    return fail("reading from", err or "closed")
+  body, err = exchange(frame)
+  if not body then
+    return nil, err
   end
-  if not keep then sock:close() end
   local resp
   resp, err = codec.decode_body(body)
   if not resp then
-    if keep then sock:close() end
+    sock:close()
     return nil, "decoding an answer from " .. address .. ": " .. err
   end
   if type(resp) == "table" and resp.id == 0 and type(resp.error) == "table" then
     -- An error about a request the daemon could not read (frame_too_large: it closes).
-    if keep then sock:close() end
+    sock:close()
     return resp
   end
   if type(resp) ~= "table" or resp.id ~= id then
-    if keep then sock:close() end
+    sock:close()
     return nil, "an answer to another request from " .. address
   end
-  if keep then return resp, sock end
-  return resp
+  return resp, sock
 end
 
 -- check returns the decision for attrs and cost (see rlsidecar.http) and, for an error
@@ -169,7 +160,7 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
       .. max_frame .. "; it was not sent"
     return http.too_large_decision(msg), msg
   end
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id, true, release)
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id, release)
   if not resp then
     return http.policy_decision(policy, rerr)
   end
@@ -264,7 +255,10 @@ local function action(txn, address, policy, timeout)
 
   -- A second check of this transaction (another lua.rlsidecar line) finds its private
   -- data set, and leaves the pending lease alone: it may be this transaction's own.
-  local conn = txn:get_priv() == nil and connection_key(txn) or nil
+  -- The connection's name is looked up only when a lease is pending in this process or
+  -- the check takes one: a request with no concurrency rule in play fetches nothing more.
+  local first = txn:get_priv() == nil
+  local conn = first and (next(pending) ~= nil or next(pending_before) ~= nil) and connection_key(txn) or nil
   local d, err = check(address, policy, timeout_ms, attrs, cost, take_pending(conn))
   if d.reason == http.REQUEST_TOO_LARGE then
     txn:Info(err) -- the client's doing
@@ -287,8 +281,11 @@ local function action(txn, address, policy, timeout)
   -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
   -- rule's slot, the open connection that holds it, until the transaction ends.
   txn:set_priv({ headers = http.headers(d), lease_sock = d.sock })
-  if d.sock and conn then
-    put_pending(conn, d.lease) -- for the next request on this client connection
+  if d.sock and first then
+    conn = conn or connection_key(txn)
+    if conn then
+      put_pending(conn, d.lease) -- for the next request on this client connection
+    end
   end
   local delay = tonumber(d.delay_ms)
   if delay and delay > 0 then
