@@ -322,12 +322,29 @@ class Client:
                         raise _NotRead(e) from None
                     raise
                 if n < len(data):
-                    conn.sock.sendall(memoryview(data)[n:])
+                    try:
+                        conn.sock.sendall(memoryview(data)[n:])
+                    except (BrokenPipeError, ConnectionResetError):
+                        refused = self._refused(conn, deadline) if len(frames) == 1 else None
+                        if refused is None:
+                            raise
+                        return [refused]
             else:
                 conn.sock.sendall(data)
             for _ in window:
                 msgs.append(self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1))
         return msgs
+
+    def _refused(self, conn, deadline):
+        """The answer the daemon wrote before it stopped reading a request we were still
+        writing (a frame over its --max-frame: frame_too_large, then it closes), or None.
+        On a Unix socket that answer stays readable after our write fails; without it the
+        request would get the failure policy instead of its 431."""
+        try:
+            msg = self._read(conn, deadline)
+        except (OSError, ValueError):
+            return None
+        return msg if _proto.error_of(msg) is not None else None
 
     def _policy(self, cause):
         return Decision(self.on_unavailable == "open", degraded=True, unreachable=cause is not None, cause=cause)

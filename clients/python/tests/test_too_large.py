@@ -80,6 +80,45 @@ def test_refused_by_the_daemon(daemon):
         assert c.check({"user": "may"}).remaining == 4
 
 
+def test_refused_while_still_writing(short_tmp):
+    """The daemon answers frame_too_large from the header and closes while the client is
+    still writing the body: the write fails (EPIPE), and the answer, already in the
+    client's receive queue, is still the 431, not the failure policy. Here a server that
+    does just that, so that the write always fails (against the daemon it is a race the
+    client sometimes won: test_refused_by_the_daemon)."""
+    import os
+    import socket
+    import struct
+    import threading
+
+    import msgpack
+
+    path = os.path.join(short_tmp, "refuse.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+
+    def refuse():
+        c, _ = srv.accept()
+        c.recv(4)  # the header only
+        body = msgpack.packb({"id": 0, "error": {"code": "frame_too_large",
+                                                 "message": "a frame of 4000000 bytes is over this daemon's 65536"}})
+        c.sendall(struct.pack(">I", len(body)) + body)
+        c.close()
+
+    t = threading.Thread(target=refuse)
+    t.start()
+    try:
+        with rlsidecar.Client(path, timeout=5, max_frame=1 << 22, on_unavailable="open") as c:
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                c.check({"user": "may", "ua": "x" * 4_000_000})
+            check_431(e.value.decision)
+            assert "65536" in e.value.message
+    finally:
+        t.join(5)
+        srv.close()
+
+
 def test_async(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
