@@ -332,7 +332,6 @@ type scratch struct {
 	cur    []byte
 	warn   []byte
 	best   []int32
-	deny   bool // a part's override has requests_per_unit 0 (denyOverride)
 	d      limiter.Decision
 }
 
@@ -428,29 +427,10 @@ func (s *Server) finish(now int64, sc *scratch) {
 		// slot is free, and holds none past the call.
 		s.lim.ReleaseLease(tok, now)
 	}
-	if sc.deny {
-		denied(now, d, sc.call.descs)
-	}
 	if s.cfg.Recorder != nil {
 		s.cfg.Recorder.Record(d)
 	}
 	s.response(len(sc.call.descs), sc)
-}
-
-// denied reports the checks of the parts whose descriptor's override has
-// requests_per_unit 0 as envoyproxy/ratelimit does: a limit of 0 per the override's
-// window, nothing remaining, reset at the end of the window aligned to the epoch.
-func denied(now int64, d *limiter.Decision, descs []desc) {
-	for i := range d.Results {
-		r := &d.Results[i]
-		if r.Rule != nil || !descs[r.Part].hasLimit || descs[r.Part].rpu != 0 {
-			continue
-		}
-		r.Limit, r.Remaining = 0, 0
-		if w := int64(r.Window); w > 0 {
-			r.Reset = time.Duration(w - now%w)
-		}
-	}
 }
 
 // input fills sc.in from c.
@@ -470,7 +450,6 @@ func (s *Server) input(c *call, sc *scratch) error {
 	sc.attrs = sc.attrs[:0]
 	sc.limits = sc.limits[:0]
 	sc.keys = sc.keys[:0]
-	sc.deny = false
 	for i := range c.descs {
 		desc := &c.descs[i]
 		entries := c.entries[desc.lo:desc.hi]
@@ -510,10 +489,6 @@ func (s *Server) input(c *call, sc *scratch) error {
 			if err != nil {
 				return fmt.Errorf("descriptors[%d].limit: %w", i, err)
 			}
-			if desc.rpu == 0 {
-				p.Cost = denyOverride
-				sc.deny = true
-			}
 			sc.limits = append(sc.limits, il)
 			p.NoRules = true
 		}
@@ -538,17 +513,12 @@ func (s *Server) input(c *call, sc *scratch) error {
 	return nil
 }
 
-// denyOverride is the cost of a descriptor whose limit override has requests_per_unit 0:
-// more than any limit holds, so its check is refused as impossible, no retry ever
-// passing, and the call with it (all-or-nothing: the other descriptors consume nothing),
-// without state, as a rule's limit: deny is. envoyproxy/ratelimit answers such a
-// descriptor OVER_LIMIT too (any hit is over 0).
-const denyOverride = ^uint64(0)
-
 // override is a descriptor's limit override as an inline limit: a fixed window (Envoy's),
 // keyed by the domain and the entries. requests_per_unit 0 refuses every call (Envoy's
-// block list): a local token bucket of 1 asked denyOverride, reported as 0 per the unit
-// (finish).
+// block list), as envoyproxy/ratelimit does (any hit is over 0): a deny limit
+// (limiter.Inline.Deny), refused as a rule's limit: deny is, no retry ever passing, the
+// call's other descriptors consuming nothing, nothing kept; reported as 0 per the unit,
+// reset at the end of the unit's window.
 func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratch) (limiter.Inline, error) {
 	unit, ok := unitDuration[typev3.RateLimitUnit(desc.unit)]
 	if !ok {
@@ -563,11 +533,7 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	}
 	windowMs := uint64(unit/time.Millisecond) * mult
 	start := len(sc.keys)
-	if desc.rpu == 0 {
-		sc.keys = append(sc.keys, "envoy-deny:"...)
-	} else {
-		sc.keys = append(sc.keys, "envoy:"...)
-	}
+	sc.keys = append(sc.keys, "envoy:"...)
 	sc.keys = append(sc.keys, domain...)
 	for _, e := range entries {
 		sc.keys = append(sc.keys, 0)
@@ -593,7 +559,7 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	}
 	name.WriteString(".override")
 	if desc.rpu == 0 {
-		return limiter.Inline{Key: key, Name: name.String(), Limit: 1, WindowMs: windowMs, Algorithm: "token_bucket", Mode: "local"}, nil
+		return limiter.Inline{Key: key, Name: name.String(), WindowMs: windowMs, Deny: true}, nil
 	}
 	return limiter.Inline{Key: key, Name: name.String(), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
 }

@@ -184,6 +184,15 @@ type Inline struct {
 	Limit     uint64
 	WindowMs  uint64
 	Burst     uint64
+	// Deny makes the limit refuse every request, as a rule's limit: deny does (no retry
+	// can ever pass; the request with it consumes nothing elsewhere, all-or-nothing;
+	// nothing is stored), decided here whatever Mode says. It keeps its window: the
+	// Result reports Limit and Remaining 0, Window WindowMs, and Reset the time to the
+	// end of the current window aligned to the Unix epoch (wall time), as
+	// envoyproxy/ratelimit reports an override of requests_per_unit 0. Limit, Burst and
+	// Algorithm must be zero. The native protocol cannot set it (its limit 0 is
+	// invalid_limit); the Envoy API sets it for such overrides.
+	Deny bool
 }
 
 // Input is one request: its attributes, its inline limits and its cost.
@@ -478,6 +487,10 @@ func (l *Limiter) report(now int64, d *Decision) {
 		out.Degraded = o.degraded
 		if o.flags&infoDeny != 0 {
 			out.Limit, out.Remaining = 0, 0
+			if out.Rule == nil { // a deny inline limit: the rest of its window (Inline.Deny)
+				w, t := int64(out.Window), now+l.buckets.WallOffset()
+				out.Reset = time.Duration(w - t%w)
+			}
 		}
 		if !d.Allowed || !out.Allowed {
 			out.Delay = 0 // a peek's wait, not a reservation
@@ -689,8 +702,13 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 		name = strings.ToValidUTF8(name, "\uFFFD")
 	}
 	key := d.keys[start:len(d.keys):len(d.keys)]
+	var flags uint16
+	if il.Deny {
+		cost, flags = denyCost, infoDeny // decided by the local store, as a deny rule
+		d.flags |= infoDeny
+	}
 	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost,
-		fb: fallback{rules.FailLocal, &d.limits[n]}, store: id}
+		fb: fallback{rules.FailLocal, &d.limits[n]}, store: id, flags: flags}
 	d.routed |= 1 << id
 	if id == storeLocal {
 		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)
@@ -745,6 +763,9 @@ func deciding(allowed bool, results []Result) int {
 }
 
 func (l *Limiter) inlineLimit(i int, il *Inline, out *localbucket.Limit) (rules.Mode, error) {
+	if il.Deny {
+		return rules.ModeLocal, denyInline(i, il, out)
+	}
 	mode, err := l.inlineMode(i, il)
 	if err != nil {
 		return mode, err
@@ -801,11 +822,38 @@ func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {
 	return nil
 }
 
-// appendInlineKey writes ~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<escaped key>}.
+// denyInline checks a deny inline limit and sets out to a fixed window of 1 per its
+// window: what its Result reports the window of (and its reset from), never what
+// decides it (its cost, denyCost, exceeds any limit).
+func denyInline(i int, il *Inline, out *localbucket.Limit) error {
+	switch {
+	case il.Key == "":
+		return &InvalidLimitError{i, `"key" is required and must not be empty`}
+	case il.Limit != 0 || il.Burst != 0 || il.Algorithm != "":
+		return &InvalidLimitError{i, "a deny limit takes no limit, burst or algorithm"}
+	case il.WindowMs == 0:
+		return &InvalidLimitError{i, `"window_ms" must be at least 1`}
+	case il.WindowMs > uint64(366*24*time.Hour/time.Millisecond):
+		return &InvalidLimitError{i, `"window_ms" must be at most 366 days`}
+	}
+	lim, err := localbucket.NewLimit(localbucket.FixedWindow, 1, time.Duration(il.WindowMs)*time.Millisecond, 0)
+	if err != nil {
+		return &InvalidLimitError{i, err.Error()}
+	}
+	*out = lim
+	return nil
+}
+
+// appendInlineKey writes ~inline/<algorithm>/<limit>/<window_ms>/<burst>:{<escaped key>}
+// (<algorithm> is "deny" for Inline.Deny).
 // Two inline limits share state only when they agree on key and every parameter.
 func appendInlineKey(dst []byte, il *Inline, lim *localbucket.Limit) []byte {
 	dst = append(dst, "~inline/"...)
-	dst = append(dst, lim.Algorithm().String()...)
+	if il.Deny {
+		dst = append(dst, "deny"...) // no state is kept for it; its key stays apart anyway
+	} else {
+		dst = append(dst, lim.Algorithm().String()...)
+	}
 	dst = append(dst, '/')
 	dst = strconv.AppendUint(dst, il.Limit, 10)
 	dst = append(dst, '/')

@@ -1,0 +1,66 @@
+package limiter
+
+import (
+	"errors"
+	"testing"
+	"time"
+)
+
+// A deny inline limit refuses its request as a rule's limit: deny does (impossible, no
+// retry, the other checks consuming nothing, nothing stored), and reports its own window:
+// Limit and Remaining 0, Window its window_ms, Reset the rest of the window aligned to
+// the Unix epoch in wall time (the store's wall offset applied).
+func TestInlineDeny(t *testing.T) {
+	l := newLimiter(t, twoRules)
+	const off = int64(7 * time.Second) // wall = now + off
+	l.Store().SetWallOffset(off)
+	now := t0 - int64(2*time.Second) // wall t0+5s: 25 s into a minute (t0 is 20 s into one)
+	var d Decision
+	ask := Input{Attrs: attrs("ip=1.2.3.4"), Cost: 0}
+	if err := l.Check(now, &ask, &d); err != nil {
+		t.Fatal(err)
+	}
+	keys := l.Store().Len()
+	for _, cost := range []uint64{0, 1, 3} {
+		in := Input{Attrs: attrs("ip=1.2.3.4"), Cost: cost,
+			Limits: []Inline{{Key: "blocked", Name: "block", WindowMs: 60_000, Deny: true, Mode: "global"}}}
+		if err := l.Check(now, &in, &d); err != nil {
+			t.Fatalf("cost %d: %v", cost, err)
+		}
+		if d.Allowed || len(d.Results) != 2 {
+			t.Fatalf("cost %d: %+v", cost, d)
+		}
+		r := d.DecidingResult()
+		if r == nil || r.Name != "block" || r.Allowed || !r.Impossible || r.Limit != 0 || r.Remaining != 0 ||
+			r.RetryAfter != 0 || r.Window != time.Minute || r.Reset != 35*time.Second || r.Rule != nil {
+			t.Fatalf("cost %d: deciding %+v, want block refused, 0 per minute, reset 35s", cost, r)
+		}
+		if ip := d.Results[0]; !ip.Allowed || ip.Remaining != 100 {
+			t.Errorf("cost %d: per-ip %+v, want allowed, 100 left (nothing consumed)", cost, ip)
+		}
+	}
+	if n := l.Store().Len(); n != keys {
+		t.Errorf("%d keys held after refusals, want %d", n, keys)
+	}
+
+	for _, tt := range []struct {
+		name string
+		il   Inline
+	}{
+		{"no key", Inline{WindowMs: 1000, Deny: true}},
+		{"no window", Inline{Key: "k", Deny: true}},
+		{"window past 366 days", Inline{Key: "k", WindowMs: 367 * 24 * 3600 * 1000, Deny: true}},
+		{"a limit", Inline{Key: "k", WindowMs: 1000, Limit: 5, Deny: true}},
+		{"a burst", Inline{Key: "k", WindowMs: 1000, Burst: 5, Deny: true}},
+		{"an algorithm", Inline{Key: "k", WindowMs: 1000, Algorithm: "token_bucket", Deny: true}},
+	} {
+		in := Input{Attrs: attrs("ip=1.2.3.4"), Cost: 1, Limits: []Inline{tt.il}}
+		var ile *InvalidLimitError
+		if err := l.Check(now, &in, &d); !errors.As(err, &ile) || ile.Index != 0 {
+			t.Errorf("%s: err %v, want an InvalidLimitError for limits[0]", tt.name, err)
+		}
+	}
+	if err := l.Check(now, &ask, &d); err != nil || d.Results[0].Remaining != 100 {
+		t.Errorf("per-ip after invalid deny limits: %+v %v, want 100 left", d.Results, err)
+	}
+}
