@@ -243,6 +243,14 @@ type Result struct {
 	// was refused without asking the store) or from this refusal on; RetryAfter is then
 	// the ban's remaining time. BanStarted: this refusal started the ban.
 	Banned, BanStarted bool
+	// Unasked: this rule's store was not asked, because the request was already refused
+	// (by a hybrid rule, whose store comes first, or by a ban) and a Redis round trip is
+	// not spent on a refused request: a global rule, or a global concurrency rule that
+	// the global rules' call did not decide; or a hybrid rule whose key this daemon does
+	// not hold, after a ban. It refused nothing, so Allowed is true and
+	// RetryAfter 0; Limit and Window are the rule's; Remaining and Reset were not read
+	// and are 0 (a statement of nothing: not "none left"). Only on a refused Decision.
+	Unasked bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -465,6 +473,14 @@ func (l *Limiter) report(now int64, d *Decision) {
 		if out.Limit == 0 && o.flags&infoDeny == 0 {
 			out.Limit = o.lim.Requests() // an op no store reported (a global one, unasked)
 		}
+		if out.Unasked && o.bannedUntil == 0 {
+			// Its store was not asked (markUnasked): it refused nothing, and its figures
+			// were not read.
+			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Allowed: true, Unasked: true,
+				Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
+			continue
+		}
+		out.Unasked = false // banned: that is what it says
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
 			// The ban's remaining time, as the protocol defines it for a banned answer

@@ -96,6 +96,16 @@ func (d *Decision) unasked(i int) bool {
 	return d.skipped&(1<<id) != 0 && (id == storeHybrid || id == storeGlobal)
 }
 
+// markUnasked marks the result of each op routed to id as unasked (Result.Unasked): a
+// skipped store that reports nothing of them.
+func (d *Decision) markUnasked(id storeID) {
+	for i := range d.ops {
+		if d.ops[i].store == id {
+			d.Results[i].Unasked = true
+		}
+	}
+}
+
 // routes reports whether any op of d is routed to id.
 func (d *Decision) routes(id storeID) bool { return d.routed&(1<<id) != 0 }
 

@@ -88,8 +88,9 @@ func (s globalStore) giveBack(_ int64, d *Decision) {
 	s.results(d, n)
 }
 
-// skip leaves the results empty: Redis is not asked.
-func (s globalStore) skip(int64, *Decision) {}
+// skip asks Redis nothing (the request is already refused): its ops are reported as
+// unasked (Result.Unasked).
+func (s globalStore) skip(_ int64, d *Decision) { d.markUnasked(storeGlobal) }
 
 // results reports each op's result; a ban check that found a ban in force marks its op
 // banned (Decide reports it as such) instead; a lease slot is left to the lease store.

@@ -64,6 +64,9 @@ func (s hybridStore) giveBack(_ int64, d *Decision) {
 
 // skip reports the ops from the local view, charging and syncing nothing (a check that
 // another store or a ban refused): their rules' entries say what is left, not nothing.
+// A key the local view does not hold, whose Peek reports its limit only (refused, yet
+// possible and with no retry: a result that decided nothing), is reported unasked
+// (Result.Unasked), not refused.
 func (s hybridStore) skip(now int64, d *Decision) {
 	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
 	for i := range d.ops {
@@ -74,6 +77,11 @@ func (s hybridStore) skip(now int64, d *Decision) {
 	}
 	s.h.Peek(now, n.ops)
 	s.results(d, n)
+	for k, i := range n.at {
+		if r := &n.ops[k].Result; !r.Allowed && !r.Impossible && r.RetryAfter == 0 {
+			d.Results[i].Unasked = true
+		}
+	}
 }
 
 func (s hybridStore) results(d *Decision, n *native[rlsync.HybridOp]) {

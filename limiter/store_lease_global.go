@@ -225,18 +225,17 @@ func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
 	_, _ = s.g.Release(ctx, gl.id, gl.parts) // failed: the slots expire after their lease
 }
 
-// skip leaves the results empty (Redis is not asked), unless the global store's call
-// decided the batch with the rate rules that refused the request: then it reports them
-// (nothing is held: that call was all-or-nothing).
+// skip asks Redis nothing (its ops are reported as unasked: Result.Unasked), unless the
+// global store's call decided the batch with the rate rules that refused the request:
+// then it reports them (nothing is held: that call was all-or-nothing).
 func (s *globalLeaseStore) skip(now int64, d *Decision) {
 	lb := leaseBatchOf(d)
-	if !lb.combined {
-		return
+	if lb.combined && lb.err == nil {
+		s.hold(now, d, lb, false)
+	} else {
+		d.markUnasked(storeGlobalLease)
 	}
 	lb.combined = false
-	if lb.err == nil {
-		s.hold(now, d, lb, false)
-	}
 }
 
 // decodeGlobal returns the lease of a global token, its parts rebuilt from the current

@@ -210,7 +210,8 @@ rules:
 	}
 
 	// A hybrid rejection asks nothing of the later stores: the global check is not
-	// taken (its result is empty), the local bucket only reports.
+	// taken (reported unasked: allowed, its figures not read), the local bucket only
+	// reports.
 	if !check(1, "user=w", "account=b", "ip=j").Allowed {
 		t.Fatalf("w's first request: %+v", d.Results)
 	}
@@ -220,8 +221,8 @@ rules:
 	if check(1, "user=w", "account=b", "ip=j2").Allowed || d.DecidingResult().Name != "shared" {
 		t.Fatalf("w past its budget: %+v", d.Results)
 	}
-	if r := byName("exact-user"); r.Allowed || r.Remaining != 0 {
-		t.Fatalf("global result after a hybrid rejection: %+v (want empty: not asked)", r)
+	if r := byName("exact-user"); !r.Allowed || !r.Unasked || r.Remaining != 0 || r.RetryAfter != 0 || r.Limit != 5 || r.Window != time.Hour {
+		t.Fatalf("global result after a hybrid rejection: %+v (want unasked: allowed, 5 per hour, nothing read)", r)
 	}
 	if r := byName("tight"); r.Remaining != 1 || !r.Allowed {
 		t.Fatalf("local result after a hybrid rejection: %+v (want a peek: 1 left)", r)

@@ -4,6 +4,9 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 // A deny inline limit refuses its request as a rule's limit: deny does (impossible, no
@@ -62,5 +65,39 @@ func TestInlineDeny(t *testing.T) {
 	}
 	if err := l.Check(now, &ask, &d); err != nil || d.Results[0].Remaining != 100 {
 		t.Errorf("per-ip after invalid deny limits: %+v %v, want 100 left", d.Results, err)
+	}
+}
+
+// A refused check's global rules that no store asked are reported unasked (allowed,
+// nothing read); one banned under its own penalty is reported banned, not unasked.
+func TestUnaskedKeepsBans(t *testing.T) {
+	rdb := unreachable(t)
+	l := New(mustRules(t, `
+rules:
+  - name: exact
+    mode: global
+    key: user
+    limit: { requests: 5, per: 1h }
+    on_store_failure: closed
+    penalty: { after: 1, within: 1h, ban: 1h }
+  - name: other
+    mode: global
+    key: account
+    limit: { requests: 5, per: 1h }
+    on_store_failure: open
+`), localbucket.NewStore(localbucket.Options{})).WithGlobal(rlsync.NewGlobal(rdb), 50*time.Millisecond)
+	var d Decision
+	in := Input{Attrs: attrs("user=u", "account=a"), Cost: 1}
+	if err := l.Check(t0, &in, &d); err != nil || d.Allowed || !d.Results[0].BanStarted {
+		t.Fatalf("closed with Redis away: %+v %v, want refused, a ban started", d, err)
+	}
+	if err := l.Check(t0+1, &in, &d); err != nil || d.Allowed || !d.Banned {
+		t.Fatalf("banned: %+v %v", d, err)
+	}
+	if r := d.Results[0]; !r.Banned || r.Allowed || r.Unasked || r.RetryAfter <= 0 {
+		t.Errorf("the banned rule: %+v, want banned, not unasked", r)
+	}
+	if r := d.Results[1]; !r.Allowed || !r.Unasked || r.Limit != 5 || r.Window != time.Hour || r.Remaining != 0 || r.RetryAfter != 0 {
+		t.Errorf("the rule not asked: %+v, want unasked: allowed, 5 per hour, nothing read", r)
 	}
 }

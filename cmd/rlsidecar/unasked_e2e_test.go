@@ -1,0 +1,103 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// unaskedRules: a hybrid rule, a global rule and a local penalty rule, so that a request
+// can be refused before its global rule is asked (the hybrid store comes first; a ban
+// refuses before any store).
+const unaskedRules = `
+rules:
+  - name: per-user
+    mode: hybrid
+    key: user
+    limit: { requests: 1, per: 1h }
+  - name: per-account
+    mode: global
+    key: account
+    limit: { requests: 5, per: 1h }
+  - name: login
+    mode: local
+    match: { path: /login }
+    key: ip
+    limit: { requests: 1, per: 1h }
+    penalty: { after: 1, within: 1h, ban: 1h }
+`
+
+// A global rule that a refused request never asked (its refusal came first, from a
+// hybrid rule or a ban, and no Redis call is spent on a refused request) refused
+// nothing: its rules[] entry says allowed: true, as PROTOCOL.md's all-or-nothing says of
+// every rule that would have admitted, not allowed: false with figures it did not read.
+// And it is not charged: the account's 5 per hour stay as they were. The same of a
+// hybrid rule, after a ban, on a key this daemon does not hold.
+func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", unaskedRules)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s")
+	c := dialRaw(t, d.socket)
+	entry := func(r *proto.Response, name string) *proto.RuleResult {
+		t.Helper()
+		for i := range r.Rules {
+			if r.Rules[i].Name == name {
+				return &r.Rules[i]
+			}
+		}
+		t.Fatalf("no rules[] entry %q in %+v", name, r)
+		return nil
+	}
+	id := uint64(0)
+	check := func(cost uint64, attrs ...string) *proto.Response {
+		id++
+		return c.check(id, cost, attrs...)
+	}
+	for _, tt := range []struct {
+		name   string
+		attrs  []string // one request admitted, then the next refused by decider
+		refuse int      // how many more requests until the one whose global rule is unasked
+		want   string   // the deciding rule of that one
+	}{
+		// The hybrid rule refuses the second request: the global store, after it, is
+		// not asked.
+		{"after a hybrid refusal", []string{"user=u1", "account=a1"}, 1, "per-user"},
+		// The local rule refuses the second request (the global rule was asked then, and
+		// given back) and bans the ip: the third is refused by the ban, no store asked.
+		{"after a ban", []string{"path=/login", "ip=192.0.2.1", "account=a2"}, 2, "login"},
+	} {
+		if r := check(1, tt.attrs...); !r.Allowed || entry(r, "per-account").Remaining != 4 {
+			t.Fatalf("%s: first request: %+v", tt.name, r)
+		}
+		var r *proto.Response
+		for range tt.refuse {
+			r = check(1, tt.attrs...)
+		}
+		if r.Allowed || r.Rule != tt.want {
+			t.Fatalf("%s: %+v, want refused by %s", tt.name, r, tt.want)
+		}
+		if g := entry(r, "per-account"); !g.Allowed || g.RetryAfterMs != 0 || g.Limit != 5 || g.WindowMs != 3600_000 {
+			t.Errorf("%s: per-account's entry %+v, want allowed (it refused nothing), 5 per hour, no retry", tt.name, *g)
+		}
+		// Asked now (the account alone), it has its 4 left: the refused requests took
+		// nothing from it.
+		acct := tt.attrs[len(tt.attrs)-1]
+		if r := check(0, acct); !r.Allowed || entry(r, "per-account").Remaining != 4 {
+			t.Errorf("%s: %s afterwards: %+v, want 4 left", tt.name, acct, r)
+		}
+	}
+
+	// A hybrid rule is reported from this daemon's view after a ban (nothing charged);
+	// a key the view does not hold refused nothing either: allowed, not read.
+	r := check(1, "path=/login", "ip=192.0.2.1", "user=fresh")
+	if r.Allowed || r.Rule != "login" || !r.Banned {
+		t.Fatalf("a banned ip: %+v", r)
+	}
+	if h := entry(r, "per-user"); !h.Allowed || h.RetryAfterMs != 0 || h.Limit != 1 {
+		t.Errorf("per-user's entry for a key not held, after a ban: %+v, want allowed", *h)
+	}
+	if r := check(1, "user=fresh"); !r.Allowed {
+		t.Errorf("user fresh after a refusal that did not ask its rule: %+v, want its 1 request", r)
+	}
+}
