@@ -95,6 +95,12 @@ type Config struct {
 	// Recorder, when set, counts every decision.
 	Recorder Recorder
 	Logger   *slog.Logger
+	// Clock is the daemon's clock (daemon.Clock's Now): mono, nanoseconds on a clock that
+	// never steps, and wall, the Unix time. Calls are decided on mono, the clock the
+	// socket server and the hybrid sync decide on with the same limiter, and the store's
+	// wall offset (fixed windows) follows wall - mono, as the socket server keeps it. nil:
+	// the wall clock for both (a server alone with its limiter).
+	Clock func() (mono, wall int64)
 }
 
 // Server is the gRPC server. Build it with New; it is safe for concurrent use.
@@ -108,7 +114,7 @@ type Server struct {
 	health   *health.Server
 	ln       net.Listener
 	scratch  sync.Pool            // *scratch
-	now      func() int64         // the clock, in Unix nanoseconds (tests set one)
+	now      func() int64         // the clock, in Unix nanoseconds: clockNow, or the wall clock (tests set one)
 	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
 	conns    map[*h2conn]struct{} // the native transport's connections, under mu
 	connWG   sync.WaitGroup       // their goroutines
@@ -139,6 +145,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		return nil, fmt.Errorf("envoyrls: transport %q is neither %s nor %s", cfg.Transport, TransportNative, TransportGRPCGo)
 	}
 	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), now: func() int64 { return time.Now().UnixNano() }}
+	if cfg.Clock != nil {
+		s.now = s.clockNow
+	}
 	s.scratch.New = func() any { return new(scratch) }
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
@@ -312,6 +321,18 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		<-done
 		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
 	}
+}
+
+// clockNow reads cfg.Clock: it returns mono, and tells the store when the wall clock has
+// moved from it by more than a millisecond (a step), so fixed windows stay aligned to wall
+// time for calls that arrive here alone (daemon.Server.now does the same).
+func (s *Server) clockNow() int64 {
+	mono, wall := s.cfg.Clock()
+	st := s.lim.Store()
+	if d := wall - mono - st.WallOffset(); d > int64(time.Millisecond) || d < -int64(time.Millisecond) {
+		st.SetWallOffset(wall - mono)
+	}
+	return mono
 }
 
 // scratch is one call's reusable space: its bytes and decoded request, the limiter's

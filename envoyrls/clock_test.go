@@ -1,0 +1,62 @@
+package envoyrls
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// Calls are decided on the daemon's clock (Config.Clock), the one its socket decides on
+// with the same limiter: after the wall clock stepped forward (wall - mono = 2h), a
+// bucket the socket spent at mono is not refilled for an Envoy call a second later, as
+// it would be at wall time. And the store's wall offset follows the step, so fixed
+// windows stay aligned to wall time for calls that arrive only here.
+func TestClockIsTheDaemons(t *testing.T) {
+	set, err := rules.Parse("t.yaml", []byte(`
+rules:
+  - name: per-user
+    match: { domain: api, descriptor: user }
+    key: user
+    limit: { requests: 1, per: 1h }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	const step = int64(2 * time.Hour)
+	start := time.Now()
+	mono0 := start.UnixNano() - step // the daemon's clock, anchored 2h before the wall clock's step
+	clock := func() (int64, int64) {
+		t := time.Now()
+		return mono0 + int64(t.Sub(start)), t.UnixNano()
+	}
+	s, err := New(Config{Addr: "unused:0", Clock: clock}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The socket's request, at mono: per-user's 1 per hour is spent.
+	mono, _ := clock()
+	in := limiter.Input{Attrs: []rules.Attr{{Name: DomainAttribute, Value: "api"}, {Name: DescriptorAttribute, Value: "user"}, {Name: "user", Value: "u"}}, Cost: 1}
+	var d limiter.Decision
+	if err := lim.Check(mono, &in, &d); err != nil || !d.Allowed {
+		t.Fatalf("the socket's request: %+v %v", d, err)
+	}
+	resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
+		Descriptors: []*commonrl.RateLimitDescriptor{{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "u"}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT || resp.Statuses[0].DurationUntilReset.AsDuration() < 59*time.Minute {
+		t.Errorf("an Envoy call right after the socket spent the bucket: %v, want OVER_LIMIT for about an hour", resp)
+	}
+	if off := lim.Store().WallOffset(); off < step-int64(time.Second) || off > step+int64(time.Second) {
+		t.Errorf("store wall offset %v after an Envoy call, want about %v", time.Duration(off), time.Duration(step))
+	}
+}
