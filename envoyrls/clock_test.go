@@ -2,6 +2,7 @@ package envoyrls
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -58,5 +59,28 @@ rules:
 	}
 	if off := lim.Store().WallOffset(); off < step-int64(time.Second) || off > step+int64(time.Second) {
 		t.Errorf("store wall offset %v after an Envoy call, want about %v", time.Duration(off), time.Duration(step))
+	}
+}
+
+// A refused call's rule that no store asked (limiter.Result.Unasked: a global rule after
+// a hybrid refusal) leaves its descriptor OK, and the RateLimit headers without it: its
+// figures were not read.
+func TestUnaskedResponse(t *testing.T) {
+	s := testServer(t)
+	sc := new(scratch)
+	sc.d.Allowed, sc.d.Deciding = false, 0
+	sc.d.Results = []limiter.Result{
+		{Name: "hyb", Limit: 1, Window: time.Hour, Reset: time.Hour, RetryAfter: time.Hour, Part: 0},
+		{Name: "glob", Limit: 5, Window: time.Hour, Allowed: true, Unasked: true, Part: 1},
+	}
+	s.response(2, sc)
+	a := &sc.ans
+	if !a.over || !a.statuses[0].over || a.statuses[1].over {
+		t.Fatalf("statuses %+v, want the first over, the unasked one OK", a.statuses)
+	}
+	for _, h := range a.headers {
+		if (h.key == "RateLimit" || h.key == "RateLimit-Policy") && strings.Contains(string(h.value), "glob") {
+			t.Errorf("%s: %s, want the unasked rule left out", h.key, h.value)
+		}
 	}
 }

@@ -646,7 +646,9 @@ func (s *Server) response(n int, sc *scratch) {
 	if dr := d.DecidingResult(); dr != nil {
 		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, dr.Name, dr.Limit, dr.Window, true, dr.Remaining, dr.Reset)
 		for i := range d.Results {
-			if r := &d.Results[i]; !r.Shadow && i != d.Deciding {
+			// An unasked rule's figures were not read (limiter.Result.Unasked): it says
+			// nothing of its quota.
+			if r := &d.Results[i]; !r.Shadow && !r.Unasked && i != d.Deciding {
 				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
 			}
 		}
