@@ -23,7 +23,9 @@
 //   - take: decide the store's ops at now, all-or-nothing (or fail: the store cannot
 //     decide now);
 //   - giveBack: return what take took, when a later store rejects the request;
-//   - skip: report without taking, when an earlier store rejected.
+//   - skip: report without taking, when an earlier store rejected; a store that asks
+//     Redis nothing then marks its results unasked (Result.Unasked: allowed, figures
+//     not read).
 //
 // apply walks the stores in a fixed order, cheapest to give back first (hybrid
 // allowances in memory, then the global mode's Redis scripts, then the local buckets,
