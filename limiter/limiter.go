@@ -432,7 +432,10 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 		return
 	}
 	banned := (d.flags&infoPenalty != 0 || d.general) && l.checkBans(now, d)
-	d.Allowed = l.apply(now, d, !banned)
+	// A deny limit refuses whatever the stores say: none is asked to take (no Redis round
+	// trip, nor a refund that could fail), each only reports (skip).
+	denied := d.flags&infoDeny != 0 && d.denies()
+	d.Allowed = l.apply(now, d, !banned && !denied)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded
 	}
@@ -538,6 +541,17 @@ func (l *Limiter) DecideInline(now int64, d *Decision) bool {
 		return false
 	}
 	return true
+}
+
+// denies reports whether a non-shadow op of d is a deny limit (a rule's limit: deny, or
+// Inline.Deny).
+func (d *Decision) denies() bool {
+	for i := range d.ops {
+		if o := &d.ops[i]; o.flags&infoDeny != 0 && !o.shadow {
+			return true
+		}
+	}
+	return false
 }
 
 // checkBans marks the ops whose key a penalty rule has banned at now (op.bannedUntil),

@@ -101,3 +101,38 @@ rules:
 		t.Errorf("the rule not asked: %+v, want unasked: allowed, 5 per hour, nothing read", r)
 	}
 }
+
+// A deny limit refuses before any store is asked: a global rule of the same request
+// costs no Redis round trip (here Redis is away: it would time out and its closed
+// policy degrade the answer), and is reported unasked.
+func TestDenyAsksNoStore(t *testing.T) {
+	rdb := unreachable(t)
+	l := New(mustRules(t, `
+rules:
+  - name: exact
+    mode: global
+    key: user
+    limit: { requests: 5, per: 1h }
+    on_store_failure: closed
+  - name: blocked
+    match: { user: bad }
+    key: user
+    limit: deny
+`), localbucket.NewStore(localbucket.Options{})).WithGlobal(rlsync.NewGlobal(rdb), 50*time.Millisecond)
+	var d Decision
+	for _, in := range []Input{
+		{Attrs: attrs("user=bad"), Cost: 1},
+		{Attrs: attrs("user=bad"), Cost: 1, Limits: []Inline{{Key: "k", WindowMs: 1000, Deny: true}}},
+		{Attrs: attrs("user=ok"), Cost: 1, Limits: []Inline{{Key: "k", WindowMs: 1000, Deny: true}}},
+	} {
+		if err := l.Check(t0, &in, &d); err != nil || d.Allowed || d.Degraded {
+			t.Fatalf("%v: %+v %v, want refused, not degraded", in.Attrs, d, err)
+		}
+		if r := d.DecidingResult(); r == nil || !r.Impossible {
+			t.Errorf("%v: deciding %+v, want the deny limit", in.Attrs, r)
+		}
+		if r := d.Results[0]; r.Name != "exact" || !r.Allowed || !r.Unasked || r.Degraded {
+			t.Errorf("%v: exact %+v, want unasked", in.Attrs, r)
+		}
+	}
+}
