@@ -186,9 +186,9 @@ type Inline struct {
 	Burst     uint64
 	// Deny makes the limit refuse every request, as a rule's limit: deny does (no retry
 	// can ever pass; the request with it consumes nothing elsewhere, all-or-nothing;
-	// nothing is stored), decided here whatever Mode says. It keeps its window: the
-	// Result reports Limit and Remaining 0, Window WindowMs, and Reset the time to the
-	// end of the current window aligned to the Unix epoch (wall time), as
+	// nothing is stored; no store is asked), decided here whatever Mode says. It keeps its
+	// window: the Result reports Limit and Remaining 0, Window WindowMs, and Reset the
+	// time to the end of the current window aligned to the Unix epoch (wall time), as
 	// envoyproxy/ratelimit reports an override of requests_per_unit 0. Limit, Burst and
 	// Algorithm must be zero. The native protocol cannot set it (its limit 0 is
 	// invalid_limit); the Envoy API sets it for such overrides.
@@ -244,12 +244,13 @@ type Result struct {
 	// the ban's remaining time. BanStarted: this refusal started the ban.
 	Banned, BanStarted bool
 	// Unasked: this rule's store was not asked, because the request was already refused
-	// (by a hybrid rule, whose store comes first, or by a ban) and a Redis round trip is
-	// not spent on a refused request: a global rule, or a global concurrency rule that
-	// the global rules' call did not decide; or a hybrid rule whose key this daemon does
-	// not hold, after a ban. It refused nothing, so Allowed is true and
-	// RetryAfter 0; Limit and Window are the rule's; Remaining and Reset were not read
-	// and are 0 (a statement of nothing: not "none left"). Only on a refused Decision.
+	// (by a hybrid rule, whose store comes first, a ban or a deny limit) and a Redis
+	// round trip is not spent on a refused request: a global rule, or a global
+	// concurrency rule that the global rules' call did not decide; or a hybrid rule whose
+	// key this daemon does not hold, after such a refusal. It refused nothing, so Allowed
+	// is true and RetryAfter 0; Limit and Window are the rule's; Remaining and Reset were
+	// not read and are 0 (a statement of nothing: not "none left"). Only on a refused
+	// Decision.
 	Unasked bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
