@@ -432,11 +432,11 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if len(d.ops) == 0 {
 		return
 	}
-	banned := (d.flags&infoPenalty != 0 || d.general) && l.checkBans(now, d)
-	// A deny limit refuses whatever the stores say: none is asked to take (no Redis round
-	// trip, nor a refund that could fail), each only reports (skip).
-	denied := d.flags&infoDeny != 0 && d.denies()
-	d.Allowed = l.apply(now, d, !banned && !denied)
+	ok := true
+	if d.flags&(infoPenalty|infoDeny) != 0 || d.general {
+		ok = !l.refusedFirst(now, d)
+	}
+	d.Allowed = l.apply(now, d, ok)
 	if d.wouldWait {
 		return // DecideInline: nothing taken, nothing recorded
 	}
@@ -544,15 +544,21 @@ func (l *Limiter) DecideInline(now int64, d *Decision) bool {
 	return true
 }
 
-// denies reports whether a non-shadow op of d is a deny limit (a rule's limit: deny, or
-// Inline.Deny).
-func (d *Decision) denies() bool {
-	for i := range d.ops {
-		if o := &d.ops[i]; o.flags&infoDeny != 0 && !o.shadow {
-			return true
+// refusedFirst reports whether the request is refused before any store is asked to
+// take: a key of it banned by a penalty rule (checkBans, which marks the banned ops), or
+// a non-shadow deny limit (a rule's limit: deny, or Inline.Deny), which refuses whatever
+// the stores say. Each store then only reports (skip): no Redis round trip, nor a refund
+// that could fail.
+func (l *Limiter) refusedFirst(now int64, d *Decision) bool {
+	refused := (d.flags&infoPenalty != 0 || d.general) && l.checkBans(now, d)
+	if d.flags&infoDeny != 0 {
+		for i := range d.ops {
+			if o := &d.ops[i]; o.flags&infoDeny != 0 && !o.shadow {
+				refused = true
+			}
 		}
 	}
-	return false
+	return refused
 }
 
 // checkBans marks the ops whose key a penalty rule has banned at now (op.bannedUntil),
