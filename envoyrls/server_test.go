@@ -91,6 +91,27 @@ func BenchmarkShouldRateLimit(b *testing.B) {
 	})
 }
 
+// BenchmarkShouldRateLimitOverrideZero is a call with a requests_per_unit 0 override
+// (refused) beside a descriptor its rules decide (which consumes nothing).
+func BenchmarkShouldRateLimitOverrideZero(b *testing.B) {
+	s := benchServer(b)
+	req := &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{
+		{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "blocked"}},
+			Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 0, Unit: typev3.RateLimitUnit_MINUTE}},
+		{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "user", Value: "u1"}}}}}
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			resp, err := s.ShouldRateLimit(ctx, req)
+			if err != nil || resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT {
+				b.Errorf("%v %v", resp, err)
+				return
+			}
+		}
+	})
+}
+
 // BenchmarkCodec is one call with one descriptor in process, from the request's bytes to
 // the response's, as the gRPC server runs it: "wire" through the server's codec and
 // handler, "generated" through google.golang.org/protobuf and the generated types (what
