@@ -339,6 +339,8 @@ type conn struct {
 	in  limiter.Input
 	dcs limiter.Decision
 	big []byte // body of a frame larger than br's buffer
+	// raw is c's descriptor, for the drain's reads (Read); nil in tests without a socket.
+	raw syscall.RawConn
 	// tally counts the allowed checks answered inline, added to the metrics at each flush.
 	tally batchTally
 
@@ -418,7 +420,8 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn.br = bufio.NewReaderSize(cn, s.readBuf) // through Read: rw's, or the drain's
 	cn.wcond.L = &cn.wmu
 	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
@@ -428,7 +431,9 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
 	cn.rw = rawio.New(c, s.spin)
-	cn.br.Reset(cn.rw) // keeps its buffer
+	if rc, err := c.SyscallConn(); err == nil {
+		cn.raw = rc
+	}
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once; but not its global leases when the
 	// daemon is the one going away (draining): the gateway's requests still hold them.
@@ -490,16 +495,64 @@ func (cn *conn) waitIdle() error {
 	} else if err := cn.setDeadline(time.Time{}); err != nil {
 		return err
 	}
-	// Shutdown sets the draining flag before it sets a past deadline: checking after our
-	// own deadline change means one of the two always wins.
-	if s.draining.Load() {
-		return net.ErrClosed
-	}
-	_, err := cn.br.Peek(1)
+	// Draining, Read returns what the socket holds and waits for nothing. Shutdown sets
+	// the draining flag before it sets a past deadline, so a Peek that was waiting ends
+	// with that deadline, and peek reads again through the drain.
+	_, err := cn.peek(1)
 	if err != nil {
 		cn.cutBy(closeIdleTimeout, err)
 	}
 	return err
+}
+
+// peek is br.Peek, but a read that Shutdown's wake-up ended (a past read deadline) is
+// tried once more, through Read's drain: the frames the socket holds when the daemon
+// drains were written before it, and are answered.
+func (cn *conn) peek(n int) ([]byte, error) {
+	b, err := cn.br.Peek(n)
+	if err != nil && cn.s.draining.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
+		b, err = cn.br.Peek(n) // bufio gives an error once: this Peek reads again
+	}
+	return b, err
+}
+
+// Read is what br reads through. While the server serves, it is rw's Read, which waits
+// for the first byte. Once the server drains, it waits for nothing: it reads what the
+// socket already holds, without regard to deadlines, and returns net.ErrClosed when it
+// holds nothing more. So every frame a client wrote before the drain is answered (within
+// DrainTimeout, after which Shutdown closes the connection), a frame it has begun and not
+// finished is not waited for, and a client that stops writing is closed at once.
+func (cn *conn) Read(p []byte) (int, error) {
+	if !cn.s.draining.Load() {
+		return cn.rw.Read(p)
+	}
+	if cn.raw == nil || cn.wfailed.Load() || len(p) == 0 {
+		return 0, net.ErrClosed
+	}
+	var n int
+	var rerr error
+	// Control runs the read on the descriptor without waiting in the netpoller, and
+	// without the read deadline Shutdown set to wake the connection. The socket is
+	// nonblocking: an empty one is EAGAIN.
+	err := cn.raw.Control(func(fd uintptr) {
+		for {
+			n, rerr = syscall.Read(int(fd), p)
+			if rerr != syscall.EINTR {
+				return
+			}
+		}
+	})
+	switch {
+	case err != nil: // closed by Shutdown after DrainTimeout
+		return 0, err
+	case rerr == syscall.EAGAIN:
+		return 0, net.ErrClosed // the socket holds nothing more: the drain is done
+	case rerr != nil:
+		return 0, rerr
+	case n <= 0:
+		return 0, io.EOF
+	}
+	return n, nil
 }
 
 // cutBy records r as why the daemon closes the connection when err is a deadline that
@@ -529,7 +582,7 @@ func (cn *conn) need(n int) ([]byte, error) {
 			return nil, err
 		}
 	}
-	b, err := cn.br.Peek(n)
+	b, err := cn.peek(n)
 	if err != nil {
 		cn.cutBy(closeFrameTimeout, err)
 	}
@@ -552,9 +605,8 @@ func (cn *conn) awaitFrame() error {
 			return err
 		}
 	}
-	if cn.s.draining.Load() {
-		return net.ErrClosed // a half-sent frame is not in flight: do not wait for it
-	}
+	// Draining, the rest of the frame is read if the socket holds it, and not waited
+	// for if it does not (Read): a half-sent frame is not in flight.
 	return nil
 }
 
