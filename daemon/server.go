@@ -120,6 +120,9 @@ type Server struct {
 	mu       sync.Mutex
 	conns    map[*net.UnixConn]struct{}
 	wg       sync.WaitGroup
+	// serving is Serve's accept loop: Shutdown waits for it to return before it waits
+	// for the connections (wg), so the last one it accepted is counted first.
+	serving sync.WaitGroup
 
 	nconns  atomic.Int64
 	connIDs atomic.Uint64 // the last connection id given (conn.id)
@@ -224,6 +227,14 @@ func (s *Server) Serve() error {
 	if s.ln == nil {
 		return errors.New("daemon: Serve before Listen")
 	}
+	s.mu.Lock()
+	if s.draining.Load() {
+		s.mu.Unlock()
+		return nil
+	}
+	s.serving.Add(1) // under mu, before Shutdown sets draining: before its Wait
+	s.mu.Unlock()
+	defer s.serving.Done()
 	var backoff time.Duration
 	var lastRefusal time.Time
 	for {
@@ -254,12 +265,54 @@ func (s *Server) Serve() error {
 			}
 			continue
 		}
-		if !s.track(c) {
-			s.refuse(c, proto.CodeShuttingDown, "the daemon is shutting down")
-			continue
-		}
+		s.track(c)
 		go s.serveConn(c)
 	}
+}
+
+// acceptBacklog takes, without waiting, the connections waiting in the listen backlog of
+// a socket the daemon made (at most MaxConns in all): closing the listener would reset
+// them, and their clients may have written requests already. A socket systemd passed is
+// left alone: systemd keeps it, and its backlog, for the next daemon.
+func (s *Server) acceptBacklog() []*net.UnixConn {
+	if s.ln == nil || s.cfg.Listener != nil {
+		return nil
+	}
+	rc, err := s.ln.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	room := int64(s.cfg.MaxConns) - s.nconns.Load()
+	var fds []int
+	_ = rc.Control(func(fd uintptr) {
+		for int64(len(fds)) < room {
+			// The listener is nonblocking: an empty backlog is EAGAIN.
+			nfd, _, err := syscall.Accept(int(fd))
+			switch {
+			case err == syscall.EINTR || err == syscall.ECONNABORTED:
+				continue
+			case err != nil:
+				return
+			}
+			fds = append(fds, nfd)
+		}
+	})
+	conns := make([]*net.UnixConn, 0, len(fds))
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "backlog")
+		c, err := net.FileConn(f) // a duplicate, nonblocking, in the netpoller
+		f.Close()
+		if err != nil {
+			s.log.Warn("drain: taking a connection from the backlog", "err", err)
+			continue
+		}
+		if uc, ok := c.(*net.UnixConn); ok {
+			conns = append(conns, uc)
+		} else {
+			c.Close()
+		}
+	}
+	return conns
 }
 
 func (s *Server) refuse(c *net.UnixConn, code, msg string) {
@@ -270,16 +323,16 @@ func (s *Server) refuse(c *net.UnixConn, code, msg string) {
 	_ = c.Close()
 }
 
-func (s *Server) track(c *net.UnixConn) bool {
+// track counts c among the connections served. A connection taken while the server
+// drains (from Serve's last accepts or the backlog) is served too, in drain mode: what it
+// holds is answered (Read). Every call happens before Shutdown waits for wg: from Serve,
+// which Shutdown waits for first, or from Shutdown itself.
+func (s *Server) track(c *net.UnixConn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.draining.Load() {
-		return false
-	}
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	s.nconns.Add(1)
-	return true
 }
 
 func (s *Server) untrack(c *net.UnixConn) {
@@ -291,19 +344,29 @@ func (s *Server) untrack(c *net.UnixConn) {
 }
 
 // Shutdown stops accepting, removes the socket file, lets every connection answer the
-// frames it has already received, and closes them. Connections still busy when ctx ends
+// frames it has received (read, or held by its socket: see conn.Read; a connection still
+// in the backlog of a socket of the daemon's own is taken and answered too), and closes
+// them. Connections still busy when ctx ends
 // (or after DrainTimeout) are closed. It returns when every connection goroutine is done.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining.Store(true)
+	s.mu.Unlock()
+	// Clients that connected and wrote just before the drain are answered, not reset.
+	for _, c := range s.acceptBacklog() {
+		s.track(c)
+		go s.serveConn(c)
+	}
+	if s.ln != nil {
+		s.ln.Close() // unlinks the socket file
+	}
+	s.serving.Wait() // Serve has returned: no connection is tracked after this
+	s.mu.Lock()
 	conns := make([]*net.UnixConn, 0, len(s.conns))
 	for c := range s.conns {
 		conns = append(conns, c)
 	}
 	s.mu.Unlock()
-	if s.ln != nil {
-		s.ln.Close() // unlinks the socket file
-	}
 	// Wake readers blocked waiting for a next frame; they answer what they hold and exit.
 	past := time.Unix(1, 0)
 	for _, c := range conns {
@@ -460,6 +523,14 @@ func (s *Server) serveConn(c *net.UnixConn) {
 			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
 		}
 	}()
+	if s.draining.Load() {
+		// Accepted while draining (Serve's last accepts, the backlog): what the client
+		// wrote is answered; a client that has written nothing is told to go elsewhere.
+		if _, err := cn.br.Peek(1); err != nil {
+			s.refuse(c, proto.CodeShuttingDown, "the daemon is shutting down; connect again (to its successor)")
+			return
+		}
+	}
 	if err := cn.loop(); err != nil && !isClosed(err) {
 		s.log.Debug("connection closed", "err", err)
 	}
