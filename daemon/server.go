@@ -175,6 +175,9 @@ func (s *Server) Listen() error {
 		return nil
 	}
 	path := s.cfg.Socket
+	if max := len(syscall.RawSockaddrUnix{}.Path) - 1; len(path) > max { // less its NUL
+		return fmt.Errorf("listening on %s: the path is %d bytes, and a Unix socket's holds at most %d; choose a shorter --socket", path, len(path), max)
+	}
 	gid := -1
 	if s.cfg.SocketGroup != "" {
 		var err error
