@@ -407,6 +407,10 @@ type conn struct {
 	big []byte // body of a frame larger than br's buffer
 	// raw is c's descriptor, for the drain's reads (Read); nil in tests without a socket.
 	raw syscall.RawConn
+	// drainNoted: the drain has noted drainLeft, the bytes the socket held when it began
+	// and not yet read. The connection's goroutine's (Read).
+	drainNoted bool
+	drainLeft  int
 	// tally counts the allowed checks answered inline, added to the metrics at each flush.
 	tally batchTally
 
@@ -591,11 +595,12 @@ func (cn *conn) peek(n int) ([]byte, error) {
 }
 
 // Read is what br reads through. While the server serves, it is rw's Read, which waits
-// for the first byte. Once the server drains, it waits for nothing: it reads what the
-// socket already holds, without regard to deadlines, and returns net.ErrClosed when it
-// holds nothing more. So every frame a client wrote before the drain is answered (within
-// DrainTimeout, after which Shutdown closes the connection), a frame it has begun and not
-// finished is not waited for, and a client that stops writing is closed at once.
+// for the first byte. Once the server drains, it waits for nothing: the first drain Read
+// notes how many bytes the socket holds (what the client wrote before the drain), and
+// the drain reads those and no more, without regard to deadlines, then returns
+// net.ErrClosed. So every frame a client wrote before the drain is answered, a frame it
+// has begun and not finished is not waited for, and a client that keeps writing does not
+// hold the connection, nor the daemon's exit, until DrainTimeout.
 func (cn *conn) Read(p []byte) (int, error) {
 	if !cn.s.draining.Load() {
 		return cn.rw.Read(p)
@@ -605,12 +610,25 @@ func (cn *conn) Read(p []byte) (int, error) {
 	}
 	var n int
 	var rerr error
-	// Control runs the read on the descriptor without waiting in the netpoller, and
-	// without the read deadline Shutdown set to wake the connection. The socket is
-	// nonblocking: an empty one is EAGAIN.
+	// Control runs on the descriptor without waiting in the netpoller, and without the
+	// read deadline Shutdown set to wake the connection. The socket is nonblocking: an
+	// empty one is EAGAIN.
 	err := cn.raw.Control(func(fd uintptr) {
+		if !cn.drainNoted {
+			cn.drainNoted = true
+			held, err := heldBytes(int(fd))
+			if err != nil {
+				held = 0 // unknown: answer what was read already
+			}
+			cn.drainLeft = held
+		}
+		if cn.drainLeft <= 0 {
+			rerr = syscall.EAGAIN
+			return
+		}
+		q := p[:min(len(p), cn.drainLeft)]
 		for {
-			n, rerr = syscall.Read(int(fd), p)
+			n, rerr = syscall.Read(int(fd), q)
 			if rerr != syscall.EINTR {
 				return
 			}
@@ -620,12 +638,13 @@ func (cn *conn) Read(p []byte) (int, error) {
 	case err != nil: // closed by Shutdown after DrainTimeout
 		return 0, err
 	case rerr == syscall.EAGAIN:
-		return 0, net.ErrClosed // the socket holds nothing more: the drain is done
+		return 0, net.ErrClosed // nothing more held: the drain is done
 	case rerr != nil:
 		return 0, rerr
 	case n <= 0:
 		return 0, io.EOF
 	}
+	cn.drainLeft -= n
 	return n, nil
 }
 

@@ -173,3 +173,74 @@ func TestE2ESignalsRightAfterStart(t *testing.T) {
 }
 
 func bufioReader(c net.Conn) *bufio.Reader { return bufio.NewReader(c) }
+
+// A client that keeps writing through the drain does not hold the daemon until
+// --drain-timeout: the drain answers what the connection held when it began (read, or
+// in the socket), not what arrives after, then closes it. Every answer the client got
+// is in order, with no gap. Before the fix, a drain that read the socket until it was
+// empty never ended under a writer that keeps it full.
+func TestE2ESigtermWithAClientStillWriting(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", drainRules), "--drain-timeout", "30s")
+	c := dialRaw(t, d.socket)
+	c.send(&proto.Request{ID: 0, Op: proto.OpPing})
+	if r := c.recv(); r.Err.Code != "" {
+		t.Fatalf("ping: %+v", r.Err)
+	}
+	// The writer sends batches of checks with rising ids until its writes fail.
+	writing := make(chan struct{})
+	go func() {
+		defer close(writing)
+		enc := proto.NewEncoder()
+		id := uint64(1)
+		for {
+			enc.Reset()
+			for range 64 {
+				enc.EncodeRequest(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "writer"}}})
+				id++
+			}
+			if _, err := c.c.Write(enc.Bytes()); err != nil {
+				return
+			}
+		}
+	}()
+	answered := make(chan uint64)
+	go func() { // the reader takes every answer, checking the order
+		next := uint64(1)
+		for {
+			frame, err := c.readFrame()
+			if err != nil {
+				answered <- next - 1
+				return
+			}
+			var r proto.Response
+			if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil || r.ID != next || r.Err.Code != "" {
+				t.Errorf("answer %d: id %d, error %q, decode %v", next, r.ID, r.Err.Code, err)
+			}
+			next++
+		}
+	}()
+	time.Sleep(200 * time.Millisecond) // under way
+	start := time.Now()
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("no exit within 20s of SIGTERM (--drain-timeout 30s): the drain follows a client that keeps writing\n%s", d.stderr.String())
+	}
+	took := time.Since(start)
+	n := <-answered
+	<-writing
+	if n == 0 {
+		t.Fatal("no answer at all")
+	}
+	t.Logf("exit %s after SIGTERM; %d answers in order before the connection closed", took.Round(time.Millisecond), n)
+	if took > time.Second {
+		t.Fatalf("exit %s after SIGTERM, want well under the drain timeout", took)
+	}
+}
