@@ -349,8 +349,8 @@ func (s *Server) untrack(c *net.UnixConn) {
 // Shutdown stops accepting, removes the socket file, lets every connection answer the
 // frames it has received (read, or held by its socket: see conn.Read; a connection still
 // in the backlog of a socket of the daemon's own is taken and answered too), and closes
-// them. Connections still busy when ctx ends
-// (or after DrainTimeout) are closed. It returns when every connection goroutine is done.
+// them. Connections still busy when ctx ends (or after DrainTimeout) are closed. It
+// returns when every connection goroutine is done.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining.Store(true)
