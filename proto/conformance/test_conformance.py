@@ -567,3 +567,8 @@ def test_many_connections_each_in_order(daemon):
     for t in ts:
         t.join(60)
     assert not errors
+
+
+def test_nil_attrs_and_limits_are_none(conn):
+    r = assert_check(conn.rt({"op": "check", "id": 21, "attrs": None, "limits": None}), 21)
+    assert r["allowed"] and r["rule"] == "" and r["rules"] == []
