@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -70,4 +71,22 @@ func TestListenerHandedOver(t *testing.T) {
 		t.Fatalf("a connection after the shutdown was refused: %v", err)
 	}
 	later.Close()
+}
+
+// A socket path longer than a Unix socket address holds is refused with an error that
+// says so and names the flag, not the kernel's "bind: invalid argument".
+func TestListenPathTooLong(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(benchRules))
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), strings.Repeat("x", 120)+".sock")
+	s, err := New(Config{Socket: path}, limiter.New(set, localbucket.NewStore(localbucket.Options{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.Listen()
+	if err == nil || !strings.Contains(err.Error(), "holds at most 107") || !strings.Contains(err.Error(), "--socket") {
+		t.Fatalf("Listen on a %d-byte path: %v", len(path), err)
+	}
 }

@@ -493,14 +493,28 @@ func (m *Metrics) SetLeases(ls *limiter.Leases) {
 	m.mu.Unlock()
 }
 
-// writeLeases writes the lease metrics of ls, by rule name in order.
-func writeLeases(w io.Writer, ls *limiter.Leases) {
+// writeLeases writes the lease metrics of ls, by rule name in order: for the rules ls
+// has seen, and at 0 for the concurrency rules of set (the rules in force; nil: none)
+// that have taken no lease yet, so their series exist from the start.
+func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 	type row struct {
 		rule string
 		s    limiter.LeaseStats
 	}
 	var rows []row
-	ls.Stats(func(rule string, s limiter.LeaseStats) { rows = append(rows, row{rule, s}) })
+	seen := map[string]bool{}
+	ls.Stats(func(rule string, s limiter.LeaseStats) {
+		rows = append(rows, row{rule, s})
+		seen[rule] = true
+	})
+	if set != nil {
+		for _, r := range set.Rules {
+			if r.Concurrency && !seen[r.Name] {
+				rows = append(rows, row{rule: r.Name})
+				seen[r.Name] = true
+			}
+		}
+	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].rule < rows[j].rule })
 	fmt.Fprintf(w, "# HELP rlsidecar_leases_capped_total Checks refused because this daemon held the most live leases it keeps (limiter.DefaultMaxLeases).\n# TYPE rlsidecar_leases_capped_total counter\nrlsidecar_leases_capped_total %d\n", ls.Capped())
 	fmt.Fprint(w, "# HELP rlsidecar_inflight Concurrency leases this daemon holds now, by rule.\n# TYPE rlsidecar_inflight gauge\n")
@@ -544,9 +558,10 @@ func (m *Metrics) writeCustom(w io.Writer) {
 		}
 	}
 	leases := m.leases
+	set := m.config.set
 	m.mu.Unlock()
 	if leases != nil {
-		writeLeases(w, leases)
+		writeLeases(w, leases, set)
 	}
 	for _, f := range funcs {
 		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s %g\n", f.name, f.help, f.name, f.typ, f.name, f.f())
@@ -554,6 +569,13 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	fmt.Fprintf(w, "# HELP rlsidecar_config_info The rule set in force, by version (a hash of its files).\n# TYPE rlsidecar_config_info gauge\nrlsidecar_config_info{version=%q} 1\n", version)
 	if bannedKeys != nil {
 		byRule := bannedKeys()
+		if set != nil { // a penalty rule's series exists before its first ban, at 0
+			for _, r := range set.Rules {
+				if _, ok := byRule[r.Name]; !ok && r.Penalty != nil {
+					byRule[r.Name] = 0
+				}
+			}
+		}
 		rules := make([]string, 0, len(byRule))
 		for r := range byRule {
 			rules = append(rules, r)

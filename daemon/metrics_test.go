@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 )
@@ -239,5 +240,45 @@ func BenchmarkRecordTally(b *testing.B) {
 			cpu := ru1.Utime.Nano() + ru1.Stime.Nano() - ru0.Utime.Nano() - ru0.Stime.Nano()
 			b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/check")
 		})
+	}
+}
+
+// Every rule's series exist from the moment its rule set is in force, at 0, as
+// rlsidecar_checks_total's do: a concurrency rule's rlsidecar_inflight{rule} and
+// rlsidecar_leases_total{rule,result}, a penalty rule's rlsidecar_banned_keys{rule}, so a
+// dashboard or an alert sees the rule before its first lease or ban (an absent series is
+// not a 0 to `rate()` or to `inflight > N`). Before, they appeared only after the first.
+func TestRuleSeriesExistBeforeUse(t *testing.T) {
+	set, err := rules.Parse("m.yaml", []byte(`rules:
+  - { name: exports, key: user, concurrency: { max: 2 } }
+  - { name: login, key: ip, limit: { requests: 5, per: 1m }, penalty: { after: 3, within: 1m, ban: 10m } }
+  - { name: plain, key: user, limit: { requests: 5, per: 1m } }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	m := NewMetrics("test", 10)
+	m.SetRules(set, time.Now())
+	m.SetLeases(lim.Leases())
+	m.SetBannedKeys(func() map[string]int { return lim.BannedKeys(0) })
+	var buf bytes.Buffer
+	m.WritePrometheus(&buf)
+	out := buf.String()
+	for _, want := range []string{
+		`rlsidecar_inflight{rule="exports"} 0`,
+		`rlsidecar_leases_total{rule="exports",result="released"} 0`,
+		`rlsidecar_leases_total{rule="exports",result="expired"} 0`,
+		`rlsidecar_leases_total{rule="exports",result="closed"} 0`,
+		`rlsidecar_banned_keys{rule="login"} 0`,
+	} {
+		if !strings.Contains(out, "\n"+want+"\n") {
+			t.Errorf("no %s in:\n%s", want, out)
+		}
+	}
+	for _, not := range []string{`rlsidecar_inflight{rule="plain"}`, `rlsidecar_banned_keys{rule="plain"}`, `rlsidecar_banned_keys{rule="exports"}`} {
+		if strings.Contains(out, not) {
+			t.Errorf("%s exported for a rule without it", not)
+		}
 	}
 }

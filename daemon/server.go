@@ -120,6 +120,9 @@ type Server struct {
 	mu       sync.Mutex
 	conns    map[*net.UnixConn]struct{}
 	wg       sync.WaitGroup
+	// serving is Serve's accept loop: Shutdown waits for it to return before it waits
+	// for the connections (wg), so the last one it accepted is counted first.
+	serving sync.WaitGroup
 
 	nconns  atomic.Int64
 	connIDs atomic.Uint64 // the last connection id given (conn.id)
@@ -172,6 +175,9 @@ func (s *Server) Listen() error {
 		return nil
 	}
 	path := s.cfg.Socket
+	if max := len(syscall.RawSockaddrUnix{}.Path) - 1; len(path) > max { // less its NUL
+		return fmt.Errorf("listening on %s: the path is %d bytes, and a Unix socket's holds at most %d; choose a shorter --socket", path, len(path), max)
+	}
 	gid := -1
 	if s.cfg.SocketGroup != "" {
 		var err error
@@ -224,6 +230,14 @@ func (s *Server) Serve() error {
 	if s.ln == nil {
 		return errors.New("daemon: Serve before Listen")
 	}
+	s.mu.Lock()
+	if s.draining.Load() {
+		s.mu.Unlock()
+		return nil
+	}
+	s.serving.Add(1) // under mu, before Shutdown sets draining: before its Wait
+	s.mu.Unlock()
+	defer s.serving.Done()
 	var backoff time.Duration
 	var lastRefusal time.Time
 	for {
@@ -254,12 +268,54 @@ func (s *Server) Serve() error {
 			}
 			continue
 		}
-		if !s.track(c) {
-			s.refuse(c, proto.CodeShuttingDown, "the daemon is shutting down")
-			continue
-		}
+		s.track(c)
 		go s.serveConn(c)
 	}
+}
+
+// acceptBacklog takes, without waiting, the connections waiting in the listen backlog of
+// a socket the daemon made (at most MaxConns in all): closing the listener would reset
+// them, and their clients may have written requests already. A socket systemd passed is
+// left alone: systemd keeps it, and its backlog, for the next daemon.
+func (s *Server) acceptBacklog() []*net.UnixConn {
+	if s.ln == nil || s.cfg.Listener != nil {
+		return nil
+	}
+	rc, err := s.ln.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	room := int64(s.cfg.MaxConns) - s.nconns.Load()
+	var fds []int
+	_ = rc.Control(func(fd uintptr) {
+		for int64(len(fds)) < room {
+			// The listener is nonblocking: an empty backlog is EAGAIN.
+			nfd, _, err := syscall.Accept(int(fd))
+			switch {
+			case err == syscall.EINTR || err == syscall.ECONNABORTED:
+				continue
+			case err != nil:
+				return
+			}
+			fds = append(fds, nfd)
+		}
+	})
+	conns := make([]*net.UnixConn, 0, len(fds))
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "backlog")
+		c, err := net.FileConn(f) // a duplicate, nonblocking, in the netpoller
+		f.Close()
+		if err != nil {
+			s.log.Warn("drain: taking a connection from the backlog", "err", err)
+			continue
+		}
+		if uc, ok := c.(*net.UnixConn); ok {
+			conns = append(conns, uc)
+		} else {
+			c.Close()
+		}
+	}
+	return conns
 }
 
 func (s *Server) refuse(c *net.UnixConn, code, msg string) {
@@ -270,16 +326,16 @@ func (s *Server) refuse(c *net.UnixConn, code, msg string) {
 	_ = c.Close()
 }
 
-func (s *Server) track(c *net.UnixConn) bool {
+// track counts c among the connections served. A connection taken while the server
+// drains (from Serve's last accepts or the backlog) is served too, in drain mode: what it
+// holds is answered (Read). Every call happens before Shutdown waits for wg: from Serve,
+// which Shutdown waits for first, or from Shutdown itself.
+func (s *Server) track(c *net.UnixConn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.draining.Load() {
-		return false
-	}
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	s.nconns.Add(1)
-	return true
 }
 
 func (s *Server) untrack(c *net.UnixConn) {
@@ -291,19 +347,29 @@ func (s *Server) untrack(c *net.UnixConn) {
 }
 
 // Shutdown stops accepting, removes the socket file, lets every connection answer the
-// frames it has already received, and closes them. Connections still busy when ctx ends
-// (or after DrainTimeout) are closed. It returns when every connection goroutine is done.
+// frames it has received (read, or held by its socket: see conn.Read; a connection still
+// in the backlog of a socket of the daemon's own is taken and answered too), and closes
+// them. Connections still busy when ctx ends (or after DrainTimeout) are closed. It
+// returns when every connection goroutine is done.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining.Store(true)
+	s.mu.Unlock()
+	// Clients that connected and wrote just before the drain are answered, not reset.
+	for _, c := range s.acceptBacklog() {
+		s.track(c)
+		go s.serveConn(c)
+	}
+	if s.ln != nil {
+		s.ln.Close() // unlinks the socket file
+	}
+	s.serving.Wait() // Serve has returned: no connection is tracked after this
+	s.mu.Lock()
 	conns := make([]*net.UnixConn, 0, len(s.conns))
 	for c := range s.conns {
 		conns = append(conns, c)
 	}
 	s.mu.Unlock()
-	if s.ln != nil {
-		s.ln.Close() // unlinks the socket file
-	}
 	// Wake readers blocked waiting for a next frame; they answer what they hold and exit.
 	past := time.Unix(1, 0)
 	for _, c := range conns {
@@ -339,6 +405,12 @@ type conn struct {
 	in  limiter.Input
 	dcs limiter.Decision
 	big []byte // body of a frame larger than br's buffer
+	// raw is c's descriptor, for the drain's reads (Read); nil in tests without a socket.
+	raw syscall.RawConn
+	// drainNoted: the drain has noted drainLeft, the bytes the socket held when it began
+	// and not yet read. The connection's goroutine's (Read).
+	drainNoted bool
+	drainLeft  int
 	// tally counts the allowed checks answered inline, added to the metrics at each flush.
 	tally batchTally
 
@@ -418,7 +490,8 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	defer c.Close()
-	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), br: bufio.NewReaderSize(c, s.readBuf), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cn.br = bufio.NewReaderSize(cn, s.readBuf) // through Read: rw's, or the drain's
 	cn.wcond.L = &cn.wmu
 	cn.dcs.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
@@ -428,7 +501,9 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
 	cn.rw = rawio.New(c, s.spin)
-	cn.br.Reset(cn.rw) // keeps its buffer
+	if rc, err := c.SyscallConn(); err == nil {
+		cn.raw = rc
+	}
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once; but not its global leases when the
 	// daemon is the one going away (draining): the gateway's requests still hold them.
@@ -455,6 +530,14 @@ func (s *Server) serveConn(c *net.UnixConn) {
 			s.log.Error("BUG: panic serving a connection; closing it", "panic", p)
 		}
 	}()
+	if s.draining.Load() {
+		// Accepted while draining (Serve's last accepts, the backlog): what the client
+		// wrote is answered; a client that has written nothing is told to go elsewhere.
+		if _, err := cn.br.Peek(1); err != nil {
+			s.refuse(c, proto.CodeShuttingDown, "the daemon is shutting down; connect again (to its successor)")
+			return
+		}
+	}
 	if err := cn.loop(); err != nil && !isClosed(err) {
 		s.log.Debug("connection closed", "err", err)
 	}
@@ -490,16 +573,79 @@ func (cn *conn) waitIdle() error {
 	} else if err := cn.setDeadline(time.Time{}); err != nil {
 		return err
 	}
-	// Shutdown sets the draining flag before it sets a past deadline: checking after our
-	// own deadline change means one of the two always wins.
-	if s.draining.Load() {
-		return net.ErrClosed
-	}
-	_, err := cn.br.Peek(1)
+	// Draining, Read returns what the socket holds and waits for nothing. Shutdown sets
+	// the draining flag before it sets a past deadline, so a Peek that was waiting ends
+	// with that deadline, and peek reads again through the drain.
+	_, err := cn.peek(1)
 	if err != nil {
 		cn.cutBy(closeIdleTimeout, err)
 	}
 	return err
+}
+
+// peek is br.Peek, but a read that Shutdown's wake-up ended (a past read deadline) is
+// tried once more, through Read's drain: the frames the socket holds when the daemon
+// drains were written before it, and are answered.
+func (cn *conn) peek(n int) ([]byte, error) {
+	b, err := cn.br.Peek(n)
+	if err != nil && cn.s.draining.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
+		b, err = cn.br.Peek(n) // bufio gives an error once: this Peek reads again
+	}
+	return b, err
+}
+
+// Read is what br reads through. While the server serves, it is rw's Read, which waits
+// for the first byte. Once the server drains, it waits for nothing: the first drain Read
+// notes how many bytes the socket holds (what the client wrote before the drain), and
+// the drain reads those and no more, without regard to deadlines, then returns
+// net.ErrClosed. So every frame a client wrote before the drain is answered, a frame it
+// has begun and not finished is not waited for, and a client that keeps writing does not
+// hold the connection, nor the daemon's exit, until DrainTimeout.
+func (cn *conn) Read(p []byte) (int, error) {
+	if !cn.s.draining.Load() {
+		return cn.rw.Read(p)
+	}
+	if cn.raw == nil || cn.wfailed.Load() || len(p) == 0 {
+		return 0, net.ErrClosed
+	}
+	var n int
+	var rerr error
+	// Control runs on the descriptor without waiting in the netpoller, and without the
+	// read deadline Shutdown set to wake the connection. The socket is nonblocking: an
+	// empty one is EAGAIN.
+	err := cn.raw.Control(func(fd uintptr) {
+		if !cn.drainNoted {
+			cn.drainNoted = true
+			held, err := heldBytes(int(fd))
+			if err != nil {
+				held = 0 // unknown: answer what was read already
+			}
+			cn.drainLeft = held
+		}
+		if cn.drainLeft <= 0 {
+			rerr = syscall.EAGAIN
+			return
+		}
+		q := p[:min(len(p), cn.drainLeft)]
+		for {
+			n, rerr = syscall.Read(int(fd), q)
+			if rerr != syscall.EINTR {
+				return
+			}
+		}
+	})
+	switch {
+	case err != nil: // closed by Shutdown after DrainTimeout
+		return 0, err
+	case rerr == syscall.EAGAIN:
+		return 0, net.ErrClosed // nothing more held: the drain is done
+	case rerr != nil:
+		return 0, rerr
+	case n <= 0:
+		return 0, io.EOF
+	}
+	cn.drainLeft -= n
+	return n, nil
 }
 
 // cutBy records r as why the daemon closes the connection when err is a deadline that
@@ -529,7 +675,7 @@ func (cn *conn) need(n int) ([]byte, error) {
 			return nil, err
 		}
 	}
-	b, err := cn.br.Peek(n)
+	b, err := cn.peek(n)
 	if err != nil {
 		cn.cutBy(closeFrameTimeout, err)
 	}
@@ -552,9 +698,8 @@ func (cn *conn) awaitFrame() error {
 			return err
 		}
 	}
-	if cn.s.draining.Load() {
-		return net.ErrClosed // a half-sent frame is not in flight: do not wait for it
-	}
+	// Draining, the rest of the frame is read if the socket holds it, and not waited
+	// for if it does not (Read): a half-sent frame is not in flight.
 	return nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -345,5 +346,79 @@ func TestLongValuesAreLimited(t *testing.T) {
 	r := check(ipB, "/v1/events/"+long+"/holds")
 	if r.IsError() || !r.Allowed || len(r.Rules) != 2 || r.Rules[1].Name != "holds" {
 		t.Fatalf("a long path: %+v, want per-ip and holds matched", r)
+	}
+}
+
+// Shutdown answers what each client sent before it, in process and under the race
+// detector: a connection with a thousand frames pipelined (most still in its socket),
+// connections that connected and wrote but that Serve may not have accepted yet, and
+// one that connected and wrote nothing. Each gets every answer in order.
+func TestShutdownAnswersWhatWasSent(t *testing.T) {
+	for round := range 5 {
+		s := startServer(t, Config{})
+		enc := proto.NewEncoder()
+		const n = 1000
+		for i := 1; i <= n; i++ {
+			enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "ip", Value: "drain"}}})
+		}
+		dial := func() *net.UnixConn {
+			c, err := net.Dial("unix", s.cfg.Socket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+			return c.(*net.UnixConn)
+		}
+		deep := dial()
+		_ = deep.SetWriteBuffer(1 << 20)
+		late := make([]*net.UnixConn, 8)
+		for i := range late {
+			late[i] = dial()
+		}
+		silent := dial()
+		if _, err := deep.Write(enc.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range late {
+			one := proto.NewEncoder()
+			one.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpPing})
+			if _, err := c.Write(one.Bytes()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		done := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			done <- s.Shutdown(ctx)
+		}()
+		br := bufio.NewReader(deep)
+		for i := 1; i <= n; i++ {
+			if r := readResponse(t, br); r.ID != uint64(i) || r.Err.Code != "" {
+				t.Fatalf("round %d: answer %d: id %d, error %q", round, i, r.ID, r.Err.Code)
+			}
+		}
+		for i, c := range late {
+			if r := readResponse(t, bufio.NewReader(c)); r.ID != uint64(i+1) || r.Err.Code != "" {
+				t.Fatalf("round %d: late client %d: id %d, error %q", round, i, r.ID, r.Err.Code)
+			}
+		}
+		// A client that sent nothing is closed: at once if it was being served, after a
+		// shutting_down error if the drain accepted it.
+		if body, err := proto.ReadFrame(bufio.NewReader(silent), nil, 1<<20); err == nil {
+			var r proto.Response
+			if err := proto.NewDecoder().DecodeResponse(body, &r); err != nil || r.Err.Code != proto.CodeShuttingDown {
+				t.Fatalf("round %d: a client that sent nothing got %+v (%v)", round, r, err)
+			}
+		} else if !errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("round %d: a client that sent nothing: %v", round, err)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		if s.Connections() != 0 {
+			t.Fatalf("round %d: %d connections after shutdown", round, s.Connections())
+		}
 	}
 }

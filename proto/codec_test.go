@@ -235,3 +235,36 @@ func FuzzReadFrame(f *testing.F) {
 		}
 	})
 }
+
+// An op that is present is read as sent, even empty: the server answers an op it does
+// not know unknown_op ("" included, as PROTOCOL.md's error table says); only a request
+// without "op" is a bad_request. Before, "op": "" was reported as missing.
+func TestDecodeRequestOp(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		body []byte
+		op   string
+		code string // "" when it decodes
+	}{
+		{"ping", []byte("\x82\xa2id\x01\xa2op\xa4ping"), OpPing, ""},
+		{"empty op", []byte("\x82\xa2id\x01\xa2op\xa0"), "", ""},
+		{"empty op as bin", []byte("\x82\xa2id\x01\xa2op\xc4\x00"), "", ""},
+		{"unknown op", []byte("\x82\xa2id\x01\xa2op\xa4frob"), "frob", ""},
+		{"no op", []byte("\x81\xa2id\x01"), "", CodeBadRequest},
+		{"empty map", []byte("\x80"), "", CodeBadRequest},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var req Request
+			err := NewDecoder().DecodeRequest(tc.body, &req)
+			var pe *Error
+			switch {
+			case tc.code == "" && err != nil:
+				t.Fatalf("got %v, want op %q", err, tc.op)
+			case tc.code == "" && req.Op != tc.op:
+				t.Fatalf("op %q, want %q", req.Op, tc.op)
+			case tc.code != "" && (!errors.As(err, &pe) || pe.Code != tc.code):
+				t.Fatalf("got %v, want %s", err, tc.code)
+			}
+		})
+	}
+}

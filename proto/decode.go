@@ -161,9 +161,10 @@ func (d *Decoder) decodeFields(body []byte, req *Request) error {
 	if d.r.Len() != 0 {
 		return Errorf(CodeBadRequest, "frame holds %d bytes after the request map; a frame holds exactly one msgpack map", d.r.Len())
 	}
-	if req.Op == "" {
-		return Errorf(CodeBadRequest, `request has no "op"; send "check" or "ping"`)
+	if seen&fieldOp == 0 {
+		return Errorf(CodeBadRequest, `request has no "op"; send "check", "ping", "release" or "renew"`)
 	}
+	// An op that is there but empty is an op the server does not know: unknown_op.
 	return nil
 }
 

@@ -117,6 +117,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	for _, name := range unknownEnv(fs, os.Environ()) {
 		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
 	}
+	// Signals are taken from here on, before the socket exists: a SIGTERM (or SIGHUP)
+	// that arrives while the daemon starts waits in sigs for the serving loop, which
+	// drains (or reloads), instead of killing the process, its socket file left behind,
+	// by the signal's default action.
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	defer signal.Stop(sigs)
 	// Sockets passed by systemd (LISTEN_FDS) replace --socket and, the one named "envoy"
 	// (rlsidecar-envoy.socket), --envoy-rls; read them once, first.
 	activated, err := activatedListeners()
@@ -533,9 +540,6 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		})
 	}
 
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	defer signal.Stop(sigs)
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve() }()
 	rlsErr := make(chan error, 1)

@@ -1,0 +1,246 @@
+package main
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// drainRules make every answer long (four rules in rules[]), so that the answers to a
+// pipelined batch fill the socket's buffer towards the client long before the requests
+// are all read: at SIGTERM most of the batch is still in the socket, written by the
+// client but not yet read by the daemon.
+const drainRules = `rules:
+  - { name: drain-user-a, key: user, limit: { requests: 100000, per: 1h } }
+  - { name: drain-user-b, key: user, limit: { requests: 100000, per: 1m } }
+  - { name: drain-user-c, key: user, limit: { requests: 100000, per: 1s } }
+  - { name: drain-user-d, key: user, algorithm: sliding_window, limit: { requests: 100000, per: 1h } }
+`
+
+// SIGTERM answers every request a client wrote before it, including the frames still
+// in the socket's buffer, not only those the daemon had already read: PROTOCOL.md's
+// "in flight". Before, the drain answered what its 16 KiB read buffer held and closed
+// the connection on the rest (here about 500 of 1,000 answered, then ECONNRESET), so a
+// gateway pipelining at the moment of a restart got an error for requests it had sent.
+func TestE2ESigtermAnswersWhatTheSocketHolds(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", drainRules))
+	c := dialRaw(t, d.socket)
+	// The whole batch fits the client's send buffer whatever the daemon does, so the
+	// write below completes before the signal.
+	if err := c.c.(*net.UnixConn).SetWriteBuffer(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	// One round trip first: the daemon has accepted the connection (a connection still in
+	// the listen backlog at SIGTERM is another case: TestE2ESigtermServesTheBacklog).
+	c.send(&proto.Request{ID: 0, Op: proto.OpPing})
+	if r := c.recv(); r.Err.Code != "" {
+		t.Fatalf("ping: %+v", r.Err)
+	}
+	const n = 1000
+	enc := proto.NewEncoder()
+	for i := 1; i <= n; i++ {
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "drain"}}})
+	}
+	if len(enc.Bytes()) > 100<<10 {
+		t.Fatalf("the batch is %d bytes: it must fit a socket buffer", len(enc.Bytes()))
+	}
+	c.write(enc.Bytes()) // every request is now in the daemon's hands: read or in its socket
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i <= n; i++ {
+		frame, err := c.readFrame()
+		if err != nil {
+			t.Fatalf("answer %d of %d: %v (the drain dropped requests written before SIGTERM)\n%s", i, n, err, d.stderr.String())
+		}
+		var r proto.Response
+		if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.ID != uint64(i) || r.Err.Code != "" || !r.Allowed || len(r.Rules) != 4 {
+			t.Fatalf("answer %d: id %d, error %q, allowed %v, %d rules", i, r.ID, r.Err.Code, r.Allowed, len(r.Rules))
+		}
+	}
+	// Then the connection ends cleanly: nothing more, no reset.
+	if _, err := c.readFrame(); !errors.Is(err, io.EOF) {
+		t.Fatalf("after the last answer: %v, want EOF", err)
+	}
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon did not exit within 10s of SIGTERM")
+	}
+	if _, err := os.Stat(d.socket); !os.IsNotExist(err) {
+		t.Fatalf("socket file left behind: %v", err)
+	}
+}
+
+// SIGTERM answers the clients that connected and wrote just before it: those the
+// daemon had not yet accepted (still in the listen backlog of its own socket) and those
+// it had accepted but not yet read. Before, closing the listener reset the first, and
+// the second were closed unread: of 20 such clients, most got ECONNRESET.
+func TestE2ESigtermServesTheBacklog(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", drainRules))
+	const n = 20
+	cs := make([]*rawConn, n)
+	for i := range cs {
+		cs[i] = dialRaw(t, d.socket)
+		cs[i].send(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "backlog"}}})
+	}
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	lost := 0
+	for i, c := range cs {
+		frame, err := c.readFrame()
+		if err != nil {
+			t.Errorf("client %d: %v", i+1, err)
+			lost++
+			continue
+		}
+		var r proto.Response
+		if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.ID != uint64(i+1) || r.Err.Code != "" || !r.Allowed {
+			t.Errorf("client %d: id %d, error %q, allowed %v", i+1, r.ID, r.Err.Code, r.Allowed)
+		}
+	}
+	if lost > 0 {
+		t.Errorf("%d of %d clients that wrote before SIGTERM got no answer", lost, n)
+	}
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon did not exit within 10s of SIGTERM")
+	}
+}
+
+// A signal sent as soon as the daemon says it listens is handled, never the process
+// killed by its default action: SIGHUP reloads, SIGTERM drains (exit 0, socket file
+// removed). Before, the handlers were installed after the status line, the admin
+// endpoint and the metrics: a SIGHUP or SIGTERM in that window killed the daemon and
+// left its socket file behind.
+func TestE2ESignalsRightAfterStart(t *testing.T) {
+	for i := range 5 {
+		d := startDaemon(t)
+		if err := d.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		c, err := net.Dial("unix", d.socket)
+		if err != nil {
+			t.Fatalf("round %d: dial after SIGHUP: %v\n%s", i, err, d.stderr.String())
+		}
+		rc := &rawConn{t: t, c: c, br: bufioReader(c), dec: proto.NewDecoder()}
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		rc.send(&proto.Request{ID: 7, Op: proto.OpPing})
+		if _, err := rc.readFrame(); err != nil {
+			t.Fatalf("round %d: ping after SIGHUP: %v\n%s", i, err, d.stderr.String())
+		}
+		c.Close()
+
+		d = startDaemon(t)
+		if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-d.done:
+			if err != nil {
+				t.Fatalf("round %d: exit after an early SIGTERM: %v (want 0)\n%s", i, err, d.stderr.String())
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("round %d: no exit within 10s of SIGTERM", i)
+		}
+		if _, err := os.Stat(d.socket); !os.IsNotExist(err) {
+			t.Fatalf("round %d: socket file left behind: %v", i, err)
+		}
+	}
+}
+
+func bufioReader(c net.Conn) *bufio.Reader { return bufio.NewReader(c) }
+
+// A client that keeps writing through the drain does not hold the daemon until
+// --drain-timeout: the drain answers what the connection held when it began (read, or
+// in the socket), not what arrives after, then closes it. Every answer the client got
+// is in order, with no gap. Before the fix, a drain that read the socket until it was
+// empty never ended under a writer that keeps it full.
+func TestE2ESigtermWithAClientStillWriting(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", drainRules), "--drain-timeout", "30s")
+	c := dialRaw(t, d.socket)
+	c.send(&proto.Request{ID: 0, Op: proto.OpPing})
+	if r := c.recv(); r.Err.Code != "" {
+		t.Fatalf("ping: %+v", r.Err)
+	}
+	// The writer sends batches of checks with rising ids until its writes fail.
+	writing := make(chan struct{})
+	go func() {
+		defer close(writing)
+		enc := proto.NewEncoder()
+		id := uint64(1)
+		for {
+			enc.Reset()
+			for range 64 {
+				enc.EncodeRequest(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "writer"}}})
+				id++
+			}
+			if _, err := c.c.Write(enc.Bytes()); err != nil {
+				return
+			}
+		}
+	}()
+	answered := make(chan uint64)
+	go func() { // the reader takes every answer, checking the order
+		next := uint64(1)
+		for {
+			frame, err := c.readFrame()
+			if err != nil {
+				answered <- next - 1
+				return
+			}
+			var r proto.Response
+			if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil || r.ID != next || r.Err.Code != "" {
+				t.Errorf("answer %d: id %d, error %q, decode %v", next, r.ID, r.Err.Code, err)
+			}
+			next++
+		}
+	}()
+	time.Sleep(200 * time.Millisecond) // under way
+	start := time.Now()
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("no exit within 20s of SIGTERM (--drain-timeout 30s): the drain follows a client that keeps writing\n%s", d.stderr.String())
+	}
+	took := time.Since(start)
+	n := <-answered
+	<-writing
+	if n == 0 {
+		t.Fatal("no answer at all")
+	}
+	t.Logf("exit %s after SIGTERM; %d answers in order before the connection closed", took.Round(time.Millisecond), n)
+	if took > 1500*time.Millisecond {
+		t.Fatalf("exit %s after SIGTERM, want well under the drain timeout", took)
+	}
+}

@@ -1,0 +1,574 @@
+"""Wire-protocol conformance of the real daemon, written from shared/PROTOCOL.md (and the
+README's rules format) alone: a raw Unix-socket client and python3-msgpack, none of the
+project's clients or its proto package, so that their assumptions cannot hide a mismatch.
+
+Every answer's fields are checked against the contract: framing edge cases, every field
+with every wrong msgpack type, the id in every integer encoding, each op, the deciding
+rule, all-or-nothing, cost 0 / above capacity / huge, inline limits, leases, and
+pipelining. Run by scripts/test-clients (Debian's /usr/bin/python3 and python3-pytest):
+
+    /usr/bin/python3 -m pytest -q -p no:cacheprovider proto/conformance
+
+The daemon is $RLSIDECAR_BIN, or built from this checkout, in local mode (no Redis).
+$RLSIDECAR_CONFORMANCE_ARGS adds flags to `serve`, to hold another configuration to the
+same contract, e.g. hybrid mode on a running redis-server:
+
+    RLSIDECAR_CONFORMANCE_ARGS="--redis redis://127.0.0.1:6379" \
+        /usr/bin/python3 -m pytest -q -p no:cacheprovider proto/conformance
+"""
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+
+import msgpack
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MAX_FRAME = 65536
+EXTRA_ARGS = shlex.split(os.environ.get("RLSIDECAR_CONFORMANCE_ARGS", ""))
+WITH_REDIS = any(a.lstrip("-").split("=")[0] in ("redis", "redis-cluster") for a in EXTRA_ARGS)
+
+RULES = """
+rules:
+  - name: per-user
+    match: { path: "/api/**" }
+    key: user
+    limit: { requests: 10, per: 60s }
+  - name: per-ip
+    match: { path: "/api/**" }
+    key: ip
+    limit: { requests: 5, per: 60s }
+  - name: shadowy
+    match: { path: "/api/**" }
+    key: user
+    limit: { requests: 2, per: 60s }
+    shadow: true
+  - name: slow
+    match: { path: "/slow" }
+    key: user
+    limit: { requests: 1, per: 1h }
+  - name: fast
+    match: { path: "/slow" }
+    key: ip
+    limit: { requests: 1, per: 1m }
+  - name: exports
+    match: { path: "/exports/**" }
+    key: user
+    concurrency: { max: 2, lease: 1s }
+"""
+
+CHECK_FIELDS = {"id": int, "allowed": bool, "rule": str, "limit": int, "remaining": int,
+                "reset_ms": int, "retry_after_ms": int, "degraded": bool, "rules": list}
+RULE_FIELDS = {"name": str, "limit": int, "window_ms": int, "remaining": int, "reset_ms": int,
+               "retry_after_ms": int, "allowed": bool, "shadow": bool}
+ERROR_CODES = {"bad_request", "unknown_op", "invalid_limit", "frame_too_large", "internal"}
+
+
+@pytest.fixture(scope="module")
+def binary():
+    path = os.environ.get("RLSIDECAR_BIN")
+    if path:
+        yield path
+        return
+    d = tempfile.mkdtemp(prefix="rls-conf-bin")
+    path = os.path.join(d, "rlsidecar")
+    subprocess.run(["go", "build", "-o", path, "./cmd/rlsidecar"], cwd=ROOT, check=True)
+    yield path
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Daemon:
+    """`rlsidecar serve` on a temp socket with RULES."""
+
+    def __init__(self, binary):
+        self.dir = tempfile.mkdtemp(prefix="rls-conf")
+        self.socket = os.path.join(self.dir, "s.sock")
+        rules = os.path.join(self.dir, "rules.yaml")
+        with open(rules, "w") as f:
+            f.write(RULES)
+        self.proc = subprocess.Popen([binary, "serve", "--socket", self.socket, "--admin=", "--config", rules] + EXTRA_ARGS,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))
+        t.start()
+        t.join(10)
+        if not line or "listening on" not in line[0]:
+            self.proc.kill()
+            raise RuntimeError("daemon did not start: %r %s" % (line, self.proc.stderr.read()))
+        for stream in (self.proc.stdout, self.proc.stderr):
+            threading.Thread(target=stream.read, daemon=True).start()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(binary):
+    d = Daemon(binary)
+    yield d
+    d.stop()
+
+
+class Conn:
+    """One connection speaking frames: a 4-byte big-endian length, then one msgpack value."""
+
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(10)
+        self.s.connect(path)
+
+    def close(self):
+        self.s.close()
+
+    def send_body(self, body):
+        self.s.sendall(struct.pack(">I", len(body)) + body)
+
+    def send(self, obj):
+        self.send_body(msgpack.packb(obj, use_bin_type=True))
+
+    def _read(self, n):
+        b = b""
+        while len(b) < n:
+            c = self.s.recv(n - len(b))
+            if not c:
+                raise EOFError("connection closed after %d of %d bytes" % (len(b), n))
+            b += c
+        return b
+
+    def recv(self):
+        n = struct.unpack(">I", self._read(4))[0]
+        v = msgpack.unpackb(self._read(n), raw=False)
+        assert isinstance(v, dict) and all(isinstance(k, str) for k in v), v
+        return v
+
+    def rt(self, obj):
+        self.send(obj)
+        return self.recv()
+
+    def rt_body(self, body):
+        self.send_body(body)
+        return self.recv()
+
+    def closed(self, timeout=5):
+        """True when the server closed the connection (EOF or reset) within timeout."""
+        self.s.settimeout(timeout)
+        try:
+            while True:
+                if self.s.recv(4096) == b"":
+                    return True
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+        finally:
+            self.s.settimeout(10)
+
+
+@pytest.fixture
+def conn(daemon):
+    c = Conn(daemon.socket)
+    yield c
+    c.close()
+
+
+def uniq(prefix="k"):
+    return "%s-%s" % (prefix, uuid.uuid4().hex[:12])
+
+
+def api(**attrs):
+    return dict({"path": "/api/x"}, **attrs)
+
+
+def assert_check(r, rid):
+    """Every field PROTOCOL.md gives a check answer, with its type."""
+    assert "error" not in r, r
+    for f, t in CHECK_FIELDS.items():
+        assert f in r, (f, r)
+        assert isinstance(r[f], t) and not (t is int and isinstance(r[f], bool)), (f, r)
+    assert r["id"] == rid
+    for e in r["rules"]:
+        for f, t in RULE_FIELDS.items():
+            assert f in e and isinstance(e[f], t), (f, e)
+    if r["allowed"]:
+        assert r["retry_after_ms"] == 0, r
+    deciding = [e for e in r["rules"] if not e["shadow"]]
+    if not deciding:
+        assert r["rule"] == "", r
+    else:
+        d = next(e for e in r["rules"] if e["name"] == r["rule"] and not e["shadow"])
+        assert (r["limit"], r["remaining"], r["reset_ms"], r["retry_after_ms"]) == \
+            (d["limit"], d["remaining"], d["reset_ms"], d["retry_after_ms"]), r
+        if r["allowed"]:
+            assert d["remaining"] == min(e["remaining"] for e in deciding), r
+        else:
+            refusing = [e for e in deciding if not e["allowed"]]
+            assert not d["allowed"] and d["retry_after_ms"] == max(e["retry_after_ms"] for e in refusing) \
+                or d.get("reason") == "cost_exceeds_capacity", r
+    return r
+
+
+def assert_error(r, code, rid=0):
+    assert set(r) == {"id", "error"}, r
+    assert r["id"] == rid, r
+    assert r["error"]["code"] == code, r
+    assert code in ERROR_CODES
+    assert isinstance(r["error"]["message"], str) and len(r["error"]["message"]) > 10, r
+
+
+def remaining(conn, attrs):
+    """Each matched rule's remaining, asked with cost 0 (nothing consumed)."""
+    r = assert_check(conn.rt({"op": "check", "id": 1, "attrs": attrs, "cost": 0}), 1)
+    return {e["name"]: e["remaining"] for e in r["rules"]}
+
+
+# -- framing ---------------------------------------------------------------------------
+
+def raw_map(pairs):
+    """A msgpack map with the pairs in this order (repeats allowed)."""
+    b = bytes([0x80 | len(pairs)])
+    for k, v in pairs:
+        b += msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
+    return b
+
+
+@pytest.mark.parametrize("name,body,rid", [
+    ("empty frame", b"", 0),
+    ("nil", b"\xc0", 0),
+    ("array", msgpack.packb([1, 2]), 0),
+    ("int", msgpack.packb(7), 0),
+    ("string", msgpack.packb("ping"), 0),
+    ("reserved byte", b"\xc1", 0),
+    ("integer map key", b"\x81\x01\xa4ping", 0),
+    ("empty map: no op", b"\x80", 0),
+    ("truncated map", b"\x82\xa2id\x09", 9),
+    ("trailing bytes", msgpack.packb({"op": "ping", "id": 8}) + b"\xc0", 8),
+    ("array claiming 4G items", b"\x83\xa2id\x0c\xa2op\xa4ping\xa1z\xdd\xff\xff\xff\xff", 12),
+    ("str claiming 4 GB", b"\x83\xa2id\x0d\xa2op\xa4ping\xa1z\xdb\xff\xff\xff\xff", 13),
+    ("array nested 5,000 deep", b"\x83\xa2id\x0a\xa2op\xa4ping\xa1z" + b"\x91" * 5000 + b"\xc0", 10),
+    ("map nested 5,000 deep", b"\x83\xa2id\x0b\xa2op\xa4ping\xa1z" + b"\x81\xa1a" * 5000 + b"\xc0", 11),
+    ("id twice", raw_map([("id", 1), ("id", 2), ("op", "ping")]), 1),
+    ("op twice", raw_map([("id", 3), ("op", "frob"), ("op", "ping")]), 3),
+    ("attrs twice", raw_map([("id", 4), ("op", "check"), ("attrs", {"user": "a"}), ("attrs", {"ip": "b"})]), 4),
+])
+def test_malformed_body_is_bad_request_and_connection_stays(conn, name, body, rid):
+    assert_error(conn.rt_body(body), "bad_request", rid)
+    assert conn.rt({"op": "ping", "id": 77})["id"] == 77
+
+
+def test_max_frame_exactly_is_served(conn):
+    pad = "x" * (MAX_FRAME - 40)
+    body = msgpack.packb({"op": "ping", "id": 5, "pad": pad})
+    body = msgpack.packb({"op": "ping", "id": 5, "pad": pad + "x" * (MAX_FRAME - len(body))})
+    assert len(body) == MAX_FRAME
+    r = conn.rt_body(body)
+    assert r == {"id": 5, "version": r["version"], "protocol": 1}
+
+
+@pytest.mark.parametrize("length", [MAX_FRAME + 1, 0xFFFFFFFF])
+def test_frame_too_large_answers_then_closes(conn, length):
+    conn.rt({"op": "ping", "id": 1})
+    conn.s.sendall(struct.pack(">I", length) + b"\x80" * 100)
+    assert_error(conn.recv(), "frame_too_large", 0)
+    assert conn.closed()
+
+
+def test_answers_before_a_too_large_frame_are_delivered(conn):
+    conn.s.sendall(b"".join(struct.pack(">I", len(b)) + b for b in
+                            (msgpack.packb({"op": "ping", "id": i}) for i in range(1, 6)))
+                   + struct.pack(">I", MAX_FRAME + 1) + b"x" * 100)
+    assert [conn.recv()["id"] for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert_error(conn.recv(), "frame_too_large", 0)
+    assert conn.closed()
+
+
+def test_frame_split_into_single_bytes(conn):
+    body = msgpack.packb({"op": "ping", "id": 101})
+    for b in struct.pack(">I", len(body)) + body:
+        conn.s.send(bytes([b]))
+        time.sleep(0.001)
+    assert conn.recv()["id"] == 101
+
+
+def test_frames_in_one_write_then_garbage(conn):
+    frames = b"".join(struct.pack(">I", len(b)) + b for b in
+                      (msgpack.packb({"op": "ping", "id": i}) for i in range(200, 210)))
+    conn.s.sendall(frames + b"\x00\x00\x00\x03abc")
+    assert [conn.recv()["id"] for _ in range(10)] == list(range(200, 210))
+    assert_error(conn.recv(), "bad_request", 0)
+    assert conn.rt({"op": "ping", "id": 3})["id"] == 3
+
+
+# -- requests: ids, ops, types ---------------------------------------------------------
+
+@pytest.mark.parametrize("enc", ["05", "cc05", "cd0005", "ce00000005", "cf0000000000000005",
+                                 "d005", "d10005", "d200000005", "d30000000000000005"])
+def test_id_in_every_integer_encoding(conn, enc):
+    r = conn.rt_body(b"\x82\xa2id" + bytes.fromhex(enc) + b"\xa2op\xa4ping")
+    assert r["id"] == 5 and r["protocol"] == 1
+
+
+@pytest.mark.parametrize("rid", [0, 1, 127, 128, 2**16, 2**32, 2**63, 2**64 - 1])
+def test_ids_echoed(conn, rid):
+    assert conn.rt({"op": "ping", "id": rid})["id"] == rid
+    assert_check(conn.rt({"op": "check", "id": rid, "attrs": api(user=uniq())}), rid)
+
+
+def test_ping_and_default_id(conn):
+    r = conn.rt({"op": "ping"})
+    assert set(r) == {"id", "version", "protocol"} and r["id"] == 0 and r["protocol"] == 1
+    assert isinstance(r["version"], str) and r["version"]
+
+
+def test_op_as_bin_and_unknown_fields(conn):
+    assert conn.rt({"op": b"ping", "id": 7, "zzz": {"a": [1, 2, None]}})["id"] == 7
+
+
+@pytest.mark.parametrize("op", ["frob", "", "CHECK", "Ping"])
+def test_unknown_op(conn, op):
+    assert_error(conn.rt({"op": op, "id": 4}), "unknown_op", 4)
+
+
+WRONG = {"nil": None, "bool": True, "float": 1.5, "negative": -3, "str": "x", "bin": b"x",
+         "array": [1], "map": {"a": "b"}}
+EXPECTED_TYPE = {"id": "uint", "op": "str", "attrs": "map", "limits": "array", "cost": "uint"}
+
+
+def wrong_values(field):
+    t = EXPECTED_TYPE[field]
+    for name, v in WRONG.items():
+        if t == "str" and name in ("str", "bin"):
+            continue
+        if t == "map" and name in ("map", "nil"):  # nil: the empty map
+            continue
+        if t == "array" and name in ("nil",):  # nil: no inline limits
+            continue
+        if t == "array" and name == "array":
+            v = [1]  # an array, but not of maps
+        yield name, v
+
+
+@pytest.mark.parametrize("field,kind,value", [(f, n, v) for f in EXPECTED_TYPE for n, v in wrong_values(f)])
+def test_wrong_type_is_bad_request_and_consumes_nothing(conn, field, kind, value):
+    attrs = api(user=uniq(), ip=uniq("ip"))
+    before = remaining(conn, attrs)
+    req = {"id": 9, "op": "check", "attrs": attrs}
+    req[field] = value
+    # the id of the answer: the request's when it could be read
+    assert_error(conn.rt(req), "bad_request", 0 if field == "id" else 9)
+    assert remaining(conn, attrs) == before
+    assert conn.rt({"op": "ping", "id": 10})["id"] == 10
+
+
+@pytest.mark.parametrize("field", ["key", "limit", "window_ms", "burst", "algorithm", "mode", "name"])
+@pytest.mark.parametrize("kind", ["nil", "bool", "float", "negative", "array", "map"])
+def test_inline_limit_wrong_type(conn, field, kind):
+    key = uniq()
+    lim = {"key": key, "limit": 3, "window_ms": 60000}
+    lim[field] = WRONG[kind]
+    assert conn.rt({"id": 12, "op": "check", "limits": [lim]})["error"]["code"] in ("bad_request", "invalid_limit")
+    r = assert_check(conn.rt({"id": 13, "op": "check", "limits": [{"key": key, "limit": 3, "window_ms": 60000}]}), 13)
+    assert r["remaining"] == 2  # the refused request took nothing
+
+
+@pytest.mark.parametrize("lim", [
+    {"limit": 3, "window_ms": 1000},
+    {"key": "", "limit": 3, "window_ms": 1000},
+    {"key": "k", "window_ms": 1000},
+    {"key": "k", "limit": 0, "window_ms": 1000},
+    {"key": "k", "limit": 3},
+    {"key": "k", "limit": 3, "window_ms": 0},
+    {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "leaky"},
+    {"key": "k", "limit": 3, "window_ms": 1000, "mode": "everywhere"},
+] + ([] if WITH_REDIS else [
+    {"key": "k", "limit": 3, "window_ms": 1000, "mode": "global"},  # without Redis
+]))
+def test_invalid_inline_limit_consumes_nothing(conn, lim):
+    attrs = api(user=uniq(), ip=uniq("ip"))
+    before = remaining(conn, attrs)
+    assert_error(conn.rt({"id": 14, "op": "check", "attrs": attrs, "limits": [lim]}), "invalid_limit", 14)
+    assert remaining(conn, attrs) == before
+
+
+# -- check -----------------------------------------------------------------------------
+
+def test_check_fields_and_deciding_rule_when_allowed(conn):
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": api(user=uniq(), ip=uniq("ip"))}), 2)
+    assert r["allowed"] and r["rule"] == "per-ip" and r["limit"] == 5 and r["remaining"] == 4
+    assert [e["name"] for e in r["rules"]] == ["per-user", "per-ip", "shadowy"]
+    assert [e["shadow"] for e in r["rules"]] == [False, False, True]
+    assert r["rules"][0]["window_ms"] == 60000 and r["rules"][0]["remaining"] == 9
+    assert 0 < r["reset_ms"] <= 60000
+
+
+def test_nothing_matched(conn):
+    r = assert_check(conn.rt({"op": "check", "id": 3, "attrs": {"path": "/elsewhere", "user": "u"}}), 3)
+    assert r["allowed"] and r["rule"] == "" and r["rules"] == [] and r["limit"] == 0
+
+
+def test_refusal_consumes_nothing_from_the_others(conn):
+    ip = uniq("ip")
+    for _ in range(5):
+        assert conn.rt({"op": "check", "id": 1, "attrs": api(user=uniq(), ip=ip)})["allowed"]
+    user = uniq()
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": api(user=user, ip=ip)}), 2)
+    assert not r["allowed"] and r["rule"] == "per-ip" and r["retry_after_ms"] > 0
+    assert r["remaining"] == 0 and r["reset_ms"] >= r["retry_after_ms"]
+    per_user = next(e for e in r["rules"] if e["name"] == "per-user")
+    assert per_user["allowed"] and per_user["remaining"] == 10
+    assert remaining(conn, api(user=user, ip=uniq("ip")))["per-user"] == 10
+
+
+def test_deciding_rule_when_refused_is_the_longest_retry(conn):
+    user, ip = uniq(), uniq("ip")
+    assert conn.rt({"op": "check", "id": 1, "attrs": {"path": "/slow", "user": user, "ip": ip}})["allowed"]
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": {"path": "/slow", "user": user, "ip": ip}}), 2)
+    assert not r["allowed"] and r["rule"] == "slow"  # 1 per hour beats 1 per minute
+    assert r["retry_after_ms"] > 60000
+
+
+def test_shadow_never_rejects_nor_decides(conn):
+    user = uniq()
+    for i in range(3):
+        r = assert_check(conn.rt({"op": "check", "id": i, "attrs": api(user=user, ip=uniq("ip"))}), i)
+        assert r["allowed"] and r["rule"] == "per-ip"
+    sh = next(e for e in r["rules"] if e["name"] == "shadowy")
+    assert sh["shadow"] and not sh["allowed"] and sh["retry_after_ms"] > 0
+
+
+def test_cost_zero_asks_without_consuming(conn):
+    attrs = api(user=uniq(), ip=uniq("ip"))
+    for _ in range(3):
+        r = assert_check(conn.rt({"op": "check", "id": 1, "attrs": attrs, "cost": 0}), 1)
+        assert r["allowed"] and r["remaining"] == 5
+    ip = uniq("ip")
+    for _ in range(5):
+        conn.rt({"op": "check", "id": 1, "attrs": api(user=uniq(), ip=ip)})
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": api(user=uniq(), ip=ip), "cost": 0}), 2)
+    assert not r["allowed"] and r["retry_after_ms"] > 0
+
+
+@pytest.mark.parametrize("cost", [6, 2**32, 2**64 - 1])
+def test_cost_above_capacity_never_passes_and_takes_nothing(conn, cost):
+    attrs = api(user=uniq(), ip=uniq("ip"))
+    r = assert_check(conn.rt({"op": "check", "id": 1, "attrs": attrs, "cost": cost}), 1)
+    assert not r["allowed"] and r["retry_after_ms"] == 0 and r.get("reason") == "cost_exceeds_capacity"
+    assert remaining(conn, attrs) == {"per-user": 10, "per-ip": 5, "shadowy": 2}
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": attrs, "cost": 5}), 2)
+    assert r["allowed"] and r["remaining"] == 0
+
+
+def test_inline_limits_with_rules_all_or_nothing(conn):
+    attrs = api(user=uniq(), ip=uniq("ip"))
+    key = uniq()
+    one = {"key": key, "limit": 1, "window_ms": 60000, "name": "one"}
+    r = assert_check(conn.rt({"op": "check", "id": 1, "attrs": attrs, "limits": [one], "cost": 2}), 1)
+    assert not r["allowed"] and r["rule"] == "one" and r["rules"][-1]["name"] == "one"
+    r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": attrs, "limits": [one]}), 2)
+    assert r["allowed"] and r["rule"] == "one" and r["remaining"] == 0
+    assert [e["name"] for e in r["rules"]] == ["per-user", "per-ip", "shadowy", "one"]
+    assert r["rules"][0]["remaining"] == 9  # the refused request took nothing
+    r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [{"key": uniq(), "limit": 2, "window_ms": 1000}]}), 3)
+    assert r["rule"] and r["limit"] == 2 and r["rules"][0]["window_ms"] == 1000  # name: the key
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_window", "fixed_window"])
+def test_inline_algorithms(conn, algorithm):
+    lim = {"key": uniq(), "limit": 2, "window_ms": 60000, "algorithm": algorithm}
+    got = [assert_check(conn.rt({"op": "check", "id": i, "limits": [lim]}), i)["allowed"] for i in range(3)]
+    assert got == [True, True, False]
+
+
+# -- leases ----------------------------------------------------------------------------
+
+def test_leases(conn, daemon):
+    attrs = {"path": "/exports/1", "user": uniq()}
+    a = assert_check(conn.rt({"op": "check", "id": 1, "attrs": attrs}), 1)
+    b = assert_check(conn.rt({"op": "check", "id": 2, "attrs": attrs}), 2)
+    assert isinstance(a["lease"], str) and a["lease"] and a["lease"] != b["lease"]
+    assert a["remaining"] == 1 and b["remaining"] == 0 and a["rules"][0]["window_ms"] == 1000
+    full = assert_check(conn.rt({"op": "check", "id": 3, "attrs": attrs}), 3)
+    assert not full["allowed"] and "lease" not in full and 0 < full["retry_after_ms"] <= 1000
+    assert conn.rt({"op": "release", "id": 4, "lease": a["lease"]}) == {"id": 4, "released": True}
+    assert conn.rt({"op": "release", "id": 5, "lease": a["lease"]}) == {"id": 5, "released": False}
+    assert conn.rt({"op": "release", "id": 6, "lease": "no-such-lease"}) == {"id": 6, "released": False}
+    r = conn.rt({"op": "renew", "id": 7, "lease": b["lease"], "lease_ms": 500})
+    assert r == {"id": 7, "renewed": True, "expires_ms": 500}
+    assert conn.rt({"op": "renew", "id": 8, "lease": "no-such-lease"}) == {"id": 8, "renewed": False, "expires_ms": 0}
+    deadline = time.time() + 10  # b expires 500 ms after its renewal: both slots free
+    while remaining(conn, attrs)["exports"] != 2:
+        assert time.time() < deadline, "a lease renewed for 500 ms never expired"
+        time.sleep(0.05)
+    assert conn.rt({"op": "renew", "id": 9, "lease": b["lease"]}) == {"id": 9, "renewed": False, "expires_ms": 0}
+    assert conn.rt({"op": "release", "id": 10, "lease": b["lease"]}) == {"id": 10, "released": False}
+    # leases of a connection that closes are freed
+    other = Conn(daemon.socket)
+    for i in range(2):
+        assert other.rt({"op": "check", "id": i, "attrs": attrs})["allowed"]
+    assert not conn.rt({"op": "check", "id": 11, "attrs": attrs, "cost": 0})["allowed"]
+    other.close()
+    deadline = time.time() + 10
+    while not conn.rt({"op": "check", "id": 12, "attrs": attrs, "cost": 0})["allowed"]:
+        assert time.time() < deadline, "leases of a closed connection were not freed"
+        time.sleep(0.02)
+
+
+# -- pipelining ------------------------------------------------------------------------
+
+def test_pipelining_1000_deep_in_order(conn):
+    frames, want = [], []
+    for i in range(1, 1001):
+        k = i % 5
+        if k == 0:
+            frames.append({"op": "ping", "id": i}); want.append((i, "version"))
+        elif k == 1:
+            frames.append({"op": "check", "id": i, "attrs": api(user=uniq(), ip=uniq("ip"))}); want.append((i, "allowed"))
+        elif k == 2:
+            frames.append({"op": "frob", "id": i}); want.append((i, "error"))
+        elif k == 3:
+            frames.append([i]); want.append((0, "error"))
+        else:
+            frames.append({"op": "release", "id": i, "lease": "x"}); want.append((i, "released"))
+    conn.s.sendall(b"".join(struct.pack(">I", len(b)) + b for b in (msgpack.packb(f) for f in frames)))
+    for rid, field in want:
+        r = conn.recv()
+        assert r["id"] == rid and field in r, (rid, field, r)
+
+
+def test_many_connections_each_in_order(daemon):
+    errors = []
+
+    def client(n):
+        c = Conn(daemon.socket)
+        try:
+            c.s.sendall(b"".join(struct.pack(">I", len(b)) + b for b in
+                                 (msgpack.packb({"op": "check", "id": i, "attrs": api(user="m%d" % n)}) for i in range(100))))
+            ids = [c.recv()["id"] for _ in range(100)]
+            if ids != list(range(100)):
+                errors.append((n, ids[:5]))
+        except Exception as e:  # reported below
+            errors.append((n, repr(e)))
+        finally:
+            c.close()
+    ts = [threading.Thread(target=client, args=(n,)) for n in range(32)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+
+
+def test_nil_attrs_and_limits_are_none(conn):
+    r = assert_check(conn.rt({"op": "check", "id": 21, "attrs": None, "limits": None}), 21)
+    assert r["allowed"] and r["rule"] == "" and r["rules"] == []
