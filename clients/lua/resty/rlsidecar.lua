@@ -22,6 +22,7 @@
 
 local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
+local semaphore = require "ngx.semaphore" -- lua-resty-core, which lua-nginx-module 0.10.16+ requires
 
 local ngx = ngx
 local type, tostring, pairs, setmetatable, next = type, tostring, pairs, setmetatable, next
@@ -166,6 +167,42 @@ local function hold(sock)
   held[n_held] = sock
 end
 
+-- read_answer reads one answer from sock and decodes it: the answer map, or nil and
+-- {what failed, why}.
+local function read_answer(sock, decode)
+  local head, err = sock:receive(4)
+  if not head then
+    return nil, { "reading from", err }
+  end
+  local n = codec.frame_length(head)
+  if n > MAX_FRAME then
+    return nil, { "reading from", "an answer of " .. n .. " bytes" }
+  end
+  local body
+  body, err = sock:receive(n)
+  if not body then
+    return nil, { "reading from", err }
+  end
+  local resp
+  resp, err = decode(body)
+  if type(resp) ~= "table" then
+    return nil, { "decoding an answer from", err or "not a map" }
+  end
+  return resp
+end
+
+-- refusal returns the answer the daemon wrote before it stopped reading a request still
+-- being written (an error about a request it could not read: id 0, frame_too_large),
+-- closing sock; or nil when there is none.
+local function refusal(sock, decode)
+  local resp = read_answer(sock, decode)
+  if resp and resp.id == 0 and type(resp.error) == "table" then
+    sock:close()
+    return resp
+  end
+  return nil
+end
+
 -- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
 -- and whether the failure is the transport's (the socket is then closed). A check's
 -- answer that takes a lease leaves its connection held (see hold), not pooled.
@@ -178,26 +215,20 @@ function _M.roundtrip(self, frame, id)
   end
   ok, err = sock:send(frame)
   if not ok then
+    -- The daemon refuses a frame over its --max-frame from its header: it answers
+    -- frame_too_large and closes, and the rest of a large frame then fails to go (broken
+    -- pipe, connection reset). Its answer is still readable: that refusal, not the failure
+    -- policy, is the request's answer.
+    local resp = refusal(sock, self.decode)
+    if resp then
+      return resp
+    end
     return drop(sock, "writing to", self.path, err)
   end
-  local head
-  head, err = sock:receive(4)
-  if not head then
-    return drop(sock, "reading from", self.path, err)
-  end
-  local n = codec.frame_length(head)
-  if n > MAX_FRAME then
-    return drop(sock, "reading from", self.path, "an answer of " .. n .. " bytes")
-  end
-  local body
-  body, err = sock:receive(n)
-  if not body then
-    return drop(sock, "reading from", self.path, err)
-  end
   local resp
-  resp, err = self.decode(body)
-  if type(resp) ~= "table" then
-    return drop(sock, "decoding an answer from", self.path, err or "not a map")
+  resp, err = read_answer(sock, self.decode)
+  if not resp then
+    return drop(sock, err[1], self.path, err[2])
   end
   if resp.id ~= id then
     if resp.id == 0 and type(resp.error) == "table" then
@@ -300,7 +331,31 @@ end
 -- client that sends its next request on the same connection the moment a response
 -- arrives could be checked before the release reached the daemon, and find the slot
 -- still held. access() waits for its connection's releases first (at most timeout_ms).
+-- An entry is { n = releases not yet answered, sema = an ngx.semaphore, made by the
+-- first request that waits }; the release that brings n to 0 removes the entry and
+-- wakes every request waiting on sema (HTTP/2 streams share a connection).
 local releasing = {}
+
+-- released counts one release of conn's as answered (or failed), and wakes the requests
+-- waiting for conn's releases when it was the last.
+local function released(conn)
+  local r = releasing[conn]
+  if not r then
+    return
+  end
+  r.n = r.n - 1
+  if r.n > 0 then
+    return
+  end
+  releasing[conn] = nil
+  local sema = r.sema
+  if sema then
+    local waiting = -sema:count()
+    if waiting > 0 then
+      sema:post(waiting)
+    end
+  end
+end
 
 -- log releases the lease access() kept for the current request (a concurrency rule's
 -- slot), once the request has ended; call it from log_by_lua_block beside every
@@ -333,32 +388,43 @@ function _M.log(self)
         ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
       end
     end
-    local n = releasing[conn]
-    releasing[conn] = (n and n > 1) and n - 1 or nil
+    released(conn)
   end)
   if not ok then
     ngx.log(ngx.ERR, "rlsidecar: scheduling a lease release: ", err)
     return false
   end
-  releasing[conn] = (releasing[conn] or 0) + 1
+  local r = releasing[conn]
+  if r then
+    r.n = r.n + 1
+  else
+    releasing[conn] = { n = 1 }
+  end
   return true
 end
 
 -- wait_releases waits, at most timeout_ms, until the releases log() scheduled for
--- earlier requests of the current client connection are answered.
+-- earlier requests of the current client connection are answered: it sleeps on the
+-- connection's semaphore, which the last of them posts (no polling).
 local function wait_releases(timeout_ms)
   if next(releasing) == nil then
     return -- none under way in this worker: no variable looked up
   end
-  local conn = ngx.var.connection
-  if not releasing[conn] then
+  local r = releasing[ngx.var.connection]
+  if not r then
     return
   end
-  local deadline = ngx.now() * 1000 + timeout_ms
-  repeat
-    ngx.sleep(0.001)
-    ngx.update_time()
-  until not releasing[conn] or ngx.now() * 1000 >= deadline
+  local sema = r.sema
+  if not sema then
+    local err
+    sema, err = semaphore.new()
+    if not sema then
+      ngx.log(ngx.ERR, "rlsidecar: waiting for a lease release: ", err)
+      return
+    end
+    r.sema = sema
+  end
+  sema:wait(timeout_ms / 1000) -- woken by released(), or "timeout"
 end
 
 -- default_attrs are the attributes of the current request: ip (the client address, as
@@ -434,6 +500,11 @@ local function request_key()
   return nil
 end
 
+-- abort_held ends a request whose client went away while access() held it (a delay).
+local function abort_held()
+  return ngx.exit(499)
+end
+
 -- apply gives the current request the answer e (from answer). again: e was remembered,
 -- it was given already in an earlier location (no second wait).
 local function apply(e, again)
@@ -456,6 +527,12 @@ local function apply(e, again)
   end
   local delay = e.delay_ms
   if not again and delay and delay > 0 then
+    -- With lua_check_client_abort on, a client that goes away while its request is held
+    -- ends the request (499) at once: nothing is forwarded for it, and its lease is
+    -- freed as the request ends (log(), or the close of the connection that took it).
+    -- ngx.on_abort fails when the directive is off (or a handler is registered already);
+    -- the request is then held to the end of its delay, as nginx cannot see the client go.
+    ngx.on_abort(abort_held)
     ngx.sleep(delay / 1000)
   end
 end
@@ -467,7 +544,9 @@ end
 --   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
 --     goes on (to proxy_pass, ...), after ngx.sleep(delay_ms) when a rule with delay
 --     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
---     by every gateway of the daemon);
+--     by every gateway of the daemon); with `lua_check_client_abort on;` a client that
+--     goes away during that wait ends the request (499, nothing forwarded, its lease
+--     freed), without it the request is held to the end of the wait;
 --   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
 --     answers 503 with Retry-After: 1 and a problem+json body;
 --   - too large to be checked (its frame over max_frame, e.g. a huge header the attrs
