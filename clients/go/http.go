@@ -124,7 +124,9 @@ func WriteRejection(w http.ResponseWriter, d *Decision) {
 type MiddlewareOptions struct {
 	// Attrs returns the attributes to check a request with. Default: DefaultAttrs.
 	Attrs func(*http.Request) []proto.Attr
-	// Cost returns the request's cost; 0 means the default, 1. Default: 1 for every request.
+	// Cost returns the request's cost. 0 asks without consuming (CheckOptions.Peek), as the
+	// protocol's cost 0 and the other clients' middlewares do. Default (nil): 1 for every
+	// request.
 	Cost func(*http.Request) uint64
 	// OnError handles a request whose check returned an error (a *proto.Error, which is a
 	// bug in what Attrs or Cost produced, or ErrClosed): it writes the response itself.
@@ -190,6 +192,7 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 			var co CheckOptions
 			if o.Cost != nil {
 				co.Cost = o.Cost(r)
+				co.Peek = co.Cost == 0
 			}
 			d, err := c.CheckAttrs(r.Context(), attrs(r), &co)
 			if err != nil && o.OnError != nil && !tooLarge(err) {
