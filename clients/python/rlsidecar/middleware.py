@@ -194,7 +194,8 @@ class ASGIMiddleware:
     """ASGI middleware around ``app`` that checks every HTTP request with ``client`` (a
     rlsidecar.AsyncClient); other scopes (lifespan, websocket) pass through. It behaves
     as WSGIMiddleware does; ``attrs(scope) -> dict`` and ``cost(scope) -> int`` default
-    to asgi_attrs and 1."""
+    to asgi_attrs and 1. A request held for a rule's delay whose client disconnects
+    meanwhile is dropped: the app is not called and its lease is released (see _hold)."""
 
     def __init__(self, app, client, attrs=asgi_attrs, cost=None):
         self.app = app
@@ -238,18 +239,17 @@ class ASGIMiddleware:
                     await release()
                 await send(message)
 
-            try:  # the delay too: a request cancelled while held frees its slot
-                await self._hold(d)
+            try:  # the delay too: a request cancelled, or whose client left, while held frees its slot
+                receive, gone = await _hold(d, receive)
+                if gone:
+                    return
                 return await self._call(scope, receive, send_releasing, extra)
             finally:
                 await release()
-        await self._hold(d)
+        receive, gone = await _hold(d, receive)
+        if gone:
+            return
         return await self._call(scope, receive, send, extra)
-
-    @staticmethod
-    async def _hold(d):
-        if d.delay_ms:
-            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
 
     async def _call(self, scope, receive, send, extra):
         if not extra:
@@ -262,3 +262,67 @@ class ASGIMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_with_headers)
+
+
+#: The request body ASGIMiddleware reads ahead, at most, while it holds a request for a
+#: rule's delay (watching for the client's disconnect); past it, it stops watching and
+#: the request is held to the end of its delay.
+HOLD_READ_AHEAD = 65536
+
+
+async def _hold(d, receive):
+    """Hold the request d.delay_ms (a rule's delay: its tokens are reserved, the request
+    waits) while watching for the client going away. Returns the receive callable to give
+    the app (the messages read meanwhile first, in order) and whether the client
+    disconnected: then the app is not called, nothing is sent, and the caller releases the
+    lease.
+
+    Only receive() tells an ASGI app that its client went away (http.disconnect), and it
+    also hands out the request body: the body that arrives during the wait is kept for the
+    app, up to HOLD_READ_AHEAD bytes; past that the wait goes on without watching. Once the
+    body is complete, receive() waits until the client disconnects (the ASGI spec); that
+    last receive() is cancelled when the wait ends (servers' receive() awaits a queue or
+    an event, which loses nothing when cancelled)."""
+    if not d.delay_ms:
+        return receive, False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + d.delay_ms / 1000
+    kept = []  # messages read during the wait, for the app
+    size = 0
+    complete = False  # the body's last message was read
+    watching = True
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        if not watching:
+            await asyncio.sleep(left)
+            break
+        got = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait((got,), timeout=left)
+        finally:
+            if not got.done():  # the wait is over (or cancelled): the app asks again
+                got.cancel()
+        if not got.done() or got.cancelled():
+            break
+        msg = got.result()
+        if msg.get("type") == "http.disconnect":
+            return receive, True
+        kept.append(msg)
+        size += len(msg.get("body", b""))
+        if complete or msg.get("type") != "http.request" or size > HOLD_READ_AHEAD:
+            # Past the read-ahead, or a server whose receive() does not wait after the body
+            # (not as the spec says): the rest of the wait is not watched.
+            watching = False
+        elif not msg.get("more_body", False):
+            complete = True
+    if not kept:
+        return receive, False
+
+    async def receive_kept():
+        if kept:
+            return kept.pop(0)
+        return await receive()
+
+    return receive_kept, False
