@@ -218,8 +218,9 @@ function _M.roundtrip(self, frame, id)
     -- The daemon refuses a frame over its --max-frame from its header: it answers
     -- frame_too_large and closes, and the rest of a large frame then fails to go (broken
     -- pipe, connection reset). Its answer is still readable: that refusal, not the failure
-    -- policy, is the request's answer.
-    local resp = refusal(sock, self.decode)
+    -- policy, is the request's answer. (Not after a send that timed out: the daemon is
+    -- stalled, and the request has had its time.)
+    local resp = err ~= "timeout" and refusal(sock, self.decode)
     if resp then
       return resp
     end
