@@ -195,13 +195,18 @@ class ASGIMiddleware:
     rlsidecar.AsyncClient); other scopes (lifespan, websocket) pass through. It behaves
     as WSGIMiddleware does; ``attrs(scope) -> dict`` and ``cost(scope) -> int`` default
     to asgi_attrs and 1. A request held for a rule's delay whose client disconnects
-    meanwhile is dropped: the app is not called and its lease is released (see _hold)."""
+    meanwhile is dropped: the app is not called and its lease is released (see _hold).
+    Until a request's concurrency lease is released, it is renewed (AsyncClient.renew,
+    each rule's own lease) at about half of what is left of it, so a request longer than
+    its rule's lease (an upload, a stream) keeps its slot; ``renew_leases=False`` turns
+    that off."""
 
-    def __init__(self, app, client, attrs=asgi_attrs, cost=None):
+    def __init__(self, app, client, attrs=asgi_attrs, cost=None, renew_leases=True):
         self.app = app
         self.client = client
         self.attrs = attrs
         self.cost = cost
+        self.renew_leases = renew_leases
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http":
@@ -222,10 +227,15 @@ class ASGIMiddleware:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
             pending = [d.lease]
+            renewal = asyncio.ensure_future(_keep_lease(self.client, d.lease, _first_renewal(d))) \
+                if self.renew_leases else None
 
             async def release():
                 if pending:
                     lease = pending.pop()
+                    if renewal is not None:
+                        renewal.cancel()
+                        await asyncio.wait((renewal,))  # a renewal under way ends before the release
                     try:
                         await self.client.release(lease)
                     except Exception:  # the lease then expires on its own
@@ -326,3 +336,40 @@ async def _hold(d, receive):
         return await receive()
 
     return receive_kept, False
+
+
+#: The shortest wait between two renewals of a lease, in seconds.
+MIN_RENEWAL = 0.01
+
+
+def _first_renewal(d):
+    """When to renew d's lease first, in seconds: half the shortest window among d's rules.
+    A concurrency rule's entry has its lease as its window; a rate rule's may be shorter,
+    which only brings the first renewal forward (its answer says when the lease expires,
+    and the next renewal follows that)."""
+    w = min((r.window_ms for r in d.rules if r.window_ms), default=2000)
+    return max(w / 2000, MIN_RENEWAL)
+
+
+async def _keep_lease(client, lease, first):
+    """Renew lease with client (an AsyncClient), first after ``first`` seconds, then at
+    half of what each renewal answers is left of it, until cancelled. It returns when a
+    renewal answers that the lease is gone, and when the sidecar does not answer until the
+    lease's last known expiry (retrying meanwhile at half of what is left of it)."""
+    loop = asyncio.get_running_loop()
+    expires = loop.time() + 2 * first
+    wait = first
+    while True:
+        await asyncio.sleep(max(wait, MIN_RENEWAL))
+        try:
+            renewed, expires_ms = await client.renew(lease)
+        except (ConnectionError, ProtocolError, ClosedError):
+            left = expires - loop.time()
+            if left <= 0:
+                return
+            wait = left / 2
+            continue
+        if not renewed:
+            return
+        expires = loop.time() + expires_ms / 1000
+        wait = expires_ms / 2000

@@ -322,3 +322,45 @@ def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
             srv.shutdown()
             srv.server_close()
             t.join(10)
+
+
+def test_asgi_renews_a_long_request_lease(make_daemon):
+    """ASGIMiddleware renews a request's lease while the app runs: a request longer than
+    its rule's lease (2 s here) keeps its slot, and frees it when it ends; with
+    renew_leases=False the slot is lost once the lease expires. Both at once."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2, lease: 30s", "max: 1, lease: 2s"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            finish = asyncio.Event()
+
+            async def app(scope, receive, send):
+                await finish.wait()
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+
+            async def send(m):
+                pass
+
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def free(user):
+                return (await c.check({"user": user}, cost=0)).rules[0].remaining
+            runs = [asyncio.ensure_future(rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope, u=u: {"user": u},
+                                                                   renew_leases=renew)(
+                {"type": "http", "method": "PUT", "path": "/upload"}, receive, send))
+                for u, renew in (("ren", True), ("lou", False))]
+            for _ in range(500):
+                if await free("ren") == 0 and await free("lou") == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await free("ren"), await free("lou")) == (0, 0)
+            await asyncio.sleep(4.5)  # more than twice the lease
+            assert await free("ren") == 0, "renewed: still held after 4.5 s of a 2 s lease"
+            assert await free("lou") == 1, "not renewed: expired"
+            finish.set()
+            await asyncio.wait_for(asyncio.gather(*runs), 5)
+            assert await free("ren") == 1
+    asyncio.run(run())
