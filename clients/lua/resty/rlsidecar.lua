@@ -25,7 +25,7 @@ local http = require "rlsidecar.http"
 local semaphore = require "ngx.semaphore" -- lua-resty-core, which lua-nginx-module 0.10.16+ requires
 
 local ngx = ngx
-local type, tostring, pairs, setmetatable, next = type, tostring, pairs, setmetatable, next
+local type, tostring, pairs, ipairs, setmetatable, next = type, tostring, pairs, ipairs, setmetatable, next
 
 local _M = { _VERSION = "1.0.0" }
 local mt = { __index = _M }
@@ -76,6 +76,8 @@ _M.decode_body = decode_body
 --   max_frame       the largest request frame sent, in bytes after the length (default
 --                   65536, the daemon's default --max-frame): a larger request is not
 --                   sent but refused with 431
+--   renew_leases    renew a request's concurrency lease while it runs (default true; see
+--                   keep_lease)
 -- It returns nil and an error for bad options.
 function _M.new(opts)
   if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
@@ -122,6 +124,7 @@ function _M.new(opts)
     attrs = opts.attrs,
     cost = opts.cost,
     max_frame = max_frame,
+    renew_leases = opts.renew_leases ~= false,
   }, mt)
 end
 
@@ -327,6 +330,93 @@ function _M.release(self, lease)
   return resp.released == true
 end
 
+-- renew extends a live lease to lease_ms from now (nil or 0: each of its rules' own
+-- lease): it returns whether it did and the lease's time left in ms (0 when it was
+-- unknown, expired or released), or nil and an error when the sidecar did not answer.
+function _M.renew(self, lease, lease_ms)
+  local id = next_id()
+  local frame, err = codec.encode_request({ id = id, op = "renew", lease = lease, lease_ms = lease_ms })
+  if not frame then
+    return nil, "rlsidecar: " .. err
+  end
+  local resp, rerr = self:roundtrip(frame, id)
+  if not resp then
+    return nil, rerr
+  end
+  if resp.error then
+    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+  end
+  return resp.renewed == true, tonumber(resp.expires_ms) or 0
+end
+
+-- Leases access() renews (see keep_lease), until log() releases them: lease -> true.
+local renewing = {}
+
+-- MIN_RENEWAL is the shortest wait between two renewals of a lease, in seconds.
+local MIN_RENEWAL = 0.01
+
+-- first_renewal is when access() first renews d's lease, in seconds: half the shortest
+-- window among d's rules. A concurrency rule's entry has its lease as its window; a rate
+-- rule's may be shorter, which only brings the first renewal forward (its answer says
+-- when the lease expires, and the next renewal follows that).
+local function first_renewal(d)
+  local w
+  for _, r in ipairs(d.rules or {}) do
+    local rw = tonumber(r.window_ms)
+    if rw and rw > 0 and (not w or rw < w) then
+      w = rw
+    end
+  end
+  local s = (w or 2000) / 2000
+  if s < MIN_RENEWAL then s = MIN_RENEWAL end
+  return s
+end
+
+-- keep_lease renews lease in zero-request timers (ngx.timer.at), first after first
+-- seconds, then at half of what each renewal answers is left of it, until log() releases
+-- it (renewing[lease] cleared). It stops by itself when a renewal answers that the lease
+-- is gone (without log(), nginx closes the connection that took it as the request ends,
+-- and the daemon frees it), and when the sidecar does not answer until the lease's last
+-- known expiry. A timer that cannot be scheduled (lua_max_pending_timers) ends it, logged.
+local function keep_lease(self, lease, first)
+  renewing[lease] = true
+  local expires = ngx.now() + 2 * first
+  local function schedule(wait, fn)
+    if wait < MIN_RENEWAL then wait = MIN_RENEWAL end
+    local ok, err = ngx.timer.at(wait, fn)
+    if not ok then
+      renewing[lease] = nil
+      ngx.log(ngx.ERR, "rlsidecar: scheduling a lease renewal: ", err)
+    end
+  end
+  local function renew(premature)
+    if premature or not renewing[lease] then
+      renewing[lease] = nil
+      return
+    end
+    local renewed, left_ms = self:renew(lease)
+    if not renewing[lease] then
+      return -- released meanwhile
+    end
+    ngx.update_time()
+    if renewed == nil then
+      local left = expires - ngx.now()
+      if left <= 0 then
+        renewing[lease] = nil
+        return
+      end
+      return schedule(left / 2, renew)
+    end
+    if not renewed then
+      renewing[lease] = nil
+      return
+    end
+    expires = ngx.now() + left_ms / 1000
+    schedule(left_ms / 2000, renew)
+  end
+  schedule(first, renew)
+end
+
 -- Releases under way, by client connection ($connection): log() cannot release before
 -- the response has gone (cosockets are not available after the content phase), so a
 -- client that sends its next request on the same connection the moment a response
@@ -381,6 +471,7 @@ function _M.log(self)
     return false
   end
   ctx.rlsidecar_lease = nil
+  renewing[lease] = nil
   local conn = ngx.var.connection
   local ok, err = ngx.timer.at(0, function(premature)
     if not premature then
@@ -468,7 +559,8 @@ local function answer(d)
   end
   local lease = d.lease
   if lease == "" then lease = nil end
-  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms) }
+  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms),
+    renew_in = lease and first_renewal(d) }
 end
 
 -- nil until the first access(); then whether nginx keeps $request_id for the request.
@@ -506,9 +598,10 @@ local function abort_held()
   return ngx.exit(499)
 end
 
--- apply gives the current request the answer e (from answer). again: e was remembered,
--- it was given already in an earlier location (no second wait).
-local function apply(e, again)
+-- apply gives the current request the answer e (from answer), by client self. again: e
+-- was remembered, it was given already in an earlier location (no second wait, and its
+-- lease renewed already).
+local function apply(self, e, again)
   if not e.allowed then
     for k, v in pairs(e.headers) do
       ngx.header[k] = v
@@ -525,6 +618,9 @@ local function apply(e, again)
     -- A concurrency rule's slot: held until log() releases it when the request ends
     -- (after an internal redirect too: ngx.ctx is new there).
     ngx.ctx.rlsidecar_lease = e.lease
+    if not again and self.renew_leases then
+      keep_lease(self, e.lease, e.renew_in)
+    end
   end
   local delay = e.delay_ms
   if not again and delay and delay > 0 then
@@ -568,7 +664,7 @@ function _M.access(self)
   if key then
     local e = decided[key] or decided_before[key]
     if e then
-      apply(e, true)
+      apply(self, e, true)
       return { allowed = e.allowed, again = true }
     end
   end
@@ -587,7 +683,7 @@ function _M.access(self)
   if key and not err and not d.unreachable then
     remember(key, e)
   end
-  apply(e, false)
+  apply(self, e, false)
   return d
 end
 

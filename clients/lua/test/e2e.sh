@@ -24,7 +24,10 @@
 # each request of a burst whose checks were in flight together, more than nginx's pool
 # keeps), and freed
 # when it completes or the client aborts it, and that ten leased requests in a row on one
-# keep-alive connection each find the slot free. Then it stops the daemon
+# keep-alive connection each find the slot free; that nginx renews the lease of a request
+# longer than it. With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
+# release on a semaphore, not by polling, bounded by its timeout, and that a request held
+# for a delay whose client goes away ends then, its lease released. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
@@ -139,6 +142,10 @@ rules:
     match: { path: "/burst/**" }
     key: ip
     concurrency: { max: 20, lease: 60s }
+  - name: long-in-flight
+    match: { path: "/long/**" }
+    key: ip
+    concurrency: { max: 1, lease: 2s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -167,6 +174,7 @@ http {
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
     location /burst/ { content_by_lua_block { ngx.sleep(4) ngx.say("burst") } }
     location /slow/quick/ { return 200 "quick\n"; }
+    location /long/ { content_by_lua_block { ngx.sleep(5) ngx.say("long") } }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
 }
@@ -588,6 +596,23 @@ keep_alive() {
 }
 keep_alive nginx "$nginx_port"
 keep_alive haproxy "$hap_port"
+echo "-- nginx renews the lease of a request longer than it"
+# /long/ takes 5 s at the backend; its rule's lease is 2 s. 4 s in, the first request
+# still holds the one slot (access() renews its lease until log() releases it), and
+# once it completed the slot is free.
+curl -s --max-time 15 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/a" >"$tmp/long-nginx" &
+long=$!
+sleep 4
+status=$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/b" || true)
+expect "nginx: a second request 4 s into a 5 s one (lease 2 s): refused, the slot renewed" "$status" 429
+wait "$long"
+expect "nginx: the long request" "$(cat "$tmp/long-nginx")" 200
+for i in $(seq 50); do
+  inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"long-in-flight\"}" {print $2}')
+  [ "$inflight" == 0 ] && break
+  sleep 0.1
+done
+expect "nginx: the long request's slot freed when it ended" "$inflight" 0
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
