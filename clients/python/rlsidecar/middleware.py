@@ -2,6 +2,7 @@
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
 import asyncio
+import threading
 import time
 
 from ._path import clean_path, normalize_path, path_attr
@@ -98,13 +99,19 @@ class WSGIMiddleware:
 
     ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
     by default wsgi_attrs and 1.
+
+    A request's concurrency lease is renewed (Client.renew, each rule's own lease) at
+    about half of what is left of it until it is released, by a thread of its own, so a
+    request longer than its rule's lease (an upload, a stream) keeps its slot;
+    ``renew_leases=False`` turns that off.
     """
 
-    def __init__(self, app, client, attrs=wsgi_attrs, cost=None):
+    def __init__(self, app, client, attrs=wsgi_attrs, cost=None, renew_leases=True):
         self.app = app
         self.client = client
         self.attrs = attrs
         self.cost = cost
+        self.renew_leases = renew_leases
 
     def __call__(self, environ, start_response):
         cost = self.cost(environ) if self.cost is not None else 1
@@ -118,8 +125,14 @@ class WSGIMiddleware:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
-        if d.delay_ms:
-            time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
+        renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d)) if d.lease and self.renew_leases else None
+        try:
+            if d.delay_ms:
+                time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
+        except BaseException:
+            if d.lease:
+                self._release(d.lease, renewal)
+            raise
         extra = list(d.headers().items())
         start = start_response
         if extra:
@@ -137,15 +150,53 @@ class WSGIMiddleware:
         try:
             body = self.app(environ, start_noting_length)
         except BaseException:
-            self._release(d.lease)
+            self._release(d.lease, renewal)
             raise
-        return _Releasing(body, lambda: self._release(d.lease), length)
+        return _Releasing(body, lambda: self._release(d.lease, renewal), length)
 
-    def _release(self, lease):
+    def _release(self, lease, renewal=None):
+        if renewal is not None:
+            renewal.stop()
         try:
             self.client.release(lease)
         except Exception:  # the lease then expires on its own; the response is not at fault
             pass
+
+
+class _LeaseRenewal:
+    """A thread renewing one lease with a blocking Client, first after ``first`` seconds,
+    then at half of what each renewal answers is left of it, until stop() (which waits for
+    a renewal under way, at most the client's timeout, so that the release follows it).
+    It ends by itself when a renewal answers that the lease is gone, and when the sidecar
+    does not answer until the lease's last known expiry."""
+
+    def __init__(self, client, lease, first):
+        self._client = client
+        self._lease = lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first,), name="rlsidecar-renew", daemon=True)
+        self._thread.start()
+
+    def _run(self, wait):
+        expires = time.monotonic() + 2 * wait
+        while not self._stop.wait(max(wait, MIN_RENEWAL)):
+            try:
+                renewed, expires_ms = self._client.renew(self._lease)
+            except (OSError, ProtocolError, ClosedError):
+                left = expires - time.monotonic()
+                if left <= 0:
+                    return
+                wait = left / 2
+                continue
+            if not renewed:
+                return
+            expires = time.monotonic() + expires_ms / 1000
+            wait = expires_ms / 2000
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class _Releasing:

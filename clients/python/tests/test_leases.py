@@ -364,3 +364,45 @@ def test_asgi_renews_a_long_request_lease(make_daemon):
             await asyncio.wait_for(asyncio.gather(*runs), 5)
             assert await free("ren") == 1
     asyncio.run(run())
+
+
+def test_wsgi_renews_a_long_request_lease(make_daemon):
+    """As test_asgi_renews_a_long_request_lease, for WSGIMiddleware (a thread renews)."""
+    import threading
+    import time
+    d = make_daemon(RULES.replace("max: 2, lease: 30s", "max: 1, lease: 2s"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        finish = threading.Event()
+        started = threading.Semaphore(0)
+
+        def app(environ, start_response):
+            started.release()
+            finish.wait(30)
+            start_response("200 OK", [])
+            return [b"ok"]
+
+        def free(user):
+            return c.check({"user": user}, cost=0).rules[0].remaining
+        results = {}
+
+        def serve(user, renew):
+            mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": user}, renew_leases=renew)
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            results[user] = list(body)
+            body.close()
+        threads = [threading.Thread(target=serve, args=a) for a in (("ren", True), ("lou", False))]
+        for t in threads:
+            t.start()
+        try:
+            assert started.acquire(timeout=10) and started.acquire(timeout=10)
+            assert (free("ren"), free("lou")) == (0, 0)
+            time.sleep(4.5)  # more than twice the lease
+            assert free("ren") == 0, "renewed: still held after 4.5 s of a 2 s lease"
+            assert free("lou") == 1, "not renewed: expired"
+        finally:
+            finish.set()
+            for t in threads:
+                t.join(10)
+        assert results == {"ren": [b"ok"], "lou": [b"ok"]}
+        assert free("ren") == 1
+        assert not [t for t in threading.enumerate() if t.name == "rlsidecar-renew"]
