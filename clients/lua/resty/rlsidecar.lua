@@ -372,7 +372,7 @@ local function first_renewal(d)
   return s
 end
 
--- keep_lease renews lease in zero-request timers (ngx.timer.at), first after first
+-- keep_lease renews lease from timers (ngx.timer.at), first after first
 -- seconds, then at half of what each renewal answers is left of it, until log() releases
 -- it (renewing[lease] cleared). It stops by itself when a renewal answers that the lease
 -- is gone (without log(), nginx closes the connection that took it as the request ends,
