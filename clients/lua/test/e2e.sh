@@ -694,8 +694,8 @@ expect "haproxy, silent sidecar, closed policy: Retry-After" "$(header retry-aft
 
 echo "-- nginx: waiting for a release, and a held request whose client goes away (a stand-in sidecar)"
 # clients/lua/test/held_sidecar.py answers every check allowed with a lease, held for
-# 5 s on /held/ (a delay), and answers releases 300 ms late. nginx runs the example
-# config against it (rl_closed's timeout lowered to 200 ms, below the release's 300),
+# 5 s on /held/ (a delay), and answers releases 1 s late. nginx runs the example
+# config against it (rl_closed's timeout lowered to 200 ms, below the release's 1 s),
 # with ngx.sleep counted.
 held="$tmp/held.sock"
 /usr/bin/python3 "$here/test/held_sidecar.py" "$held" "$tmp/held-events" &
@@ -732,13 +732,13 @@ expect "stand-in: the second waited for the first's release without polling (ngx
 read -r first_lease second_check < <(awk '$1 == "check" && $2 == "/slow/quick/" { n++; if (n == 1) l = $3; if (n == 2) t = $4 } END { print l, t }' "$tmp/held-events")
 release_out=$(release_event "$first_lease" | cut -d' ' -f2)
 expect "stand-in: the second was checked once the first's release was answered" "$((second_check >= ${release_out:-999999}))" 1
-# A waiting bounded by the client's timeout: rl_closed's 200 ms, below the release's 300.
+# A waiting bounded by the client's timeout: rl_closed's 200 ms, below the release's 1 s.
 codes=$(curl -s --max-time 10 -w '%{http_code}\n' -X POST -o /dev/null "http://127.0.0.1:$held_port/login" \
   -o /dev/null "http://127.0.0.1:$held_port/login" | tr -s ' \n' ' ')
 expect "stand-in: two leased /login requests on one connection, rl_closed (200 ms)" "$codes" "200 200 "
 read -r first_lease second_check < <(awk '$1 == "check" && $2 == "/login" { n++; if (n == 1) l = $3; if (n == 2) t = $4 } END { print l, t }' "$tmp/held-events")
 release_out=$(release_event "$first_lease" | cut -d' ' -f2)
-expect "stand-in: the second /login did not wait past its timeout for a release answered 300 ms late" \
+expect "stand-in: the second /login did not wait past its timeout for a release answered 1 s late" \
   "$((second_check < ${release_out:-0}))" 1
 # A request held 5 s (delay_ms) whose client gives up after 0.5 s: the request ends then
 # (lua_check_client_abort on, in the example), and its lease is released at once, not

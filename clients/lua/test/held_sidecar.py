@@ -19,7 +19,7 @@ import time
 
 import msgpack
 
-RELEASE_MS = 300
+RELEASE_MS = 1000
 HELD_DELAY_MS = 5000
 
 start = time.monotonic()
