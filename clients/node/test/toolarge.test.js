@@ -176,3 +176,27 @@ test('refused while still writing: the 431, not the policy', async (t) => {
     });
   }
 });
+
+// Against the real daemon, a client whose maxFrame is above the daemon's --max-frame: a
+// 4 MB request is refused from its header while the client still writes it. libuv may
+// report the failed write (EPIPE) before reading the answer; the client reads it then
+// (Conn.readLeft), so every such check gets the 431: before, about 7 in 100 got the
+// policy ("connection lost: write EPIPE").
+test('refused by the daemon while still writing: the 431 every time', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 5000, conns: 1, maxFrame: 1 << 23, onUnavailable: 'open' });
+  const big = 'x'.repeat(4000000);
+  const got = {};
+  for (let i = 0; i < 100; i++) {
+    let k;
+    try {
+      const x = await c.check({ user: 'may', ua: big });
+      k = `decision: ${x.cause}`;
+    } catch (e) {
+      k = e instanceof rl.ProtocolError && e.decision.status === 431 ? '431' : String(e);
+    }
+    got[k] = (got[k] || 0) + 1;
+  }
+  assert.deepEqual(got, { 431: 100 });
+  assert.equal((await c.check({ user: 'may' })).remaining, 4);
+});
