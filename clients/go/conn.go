@@ -31,7 +31,9 @@ import (
 // the response into it and checks the echoed id. The server answers in request order; a
 // mismatch, an undecodable frame, a frame with no pending call, or any read or write error
 // breaks the connection: every pending call fails (its caller answers by the Policy), the
-// slot forgets the connection, and the next Check on the slot dials again.
+// slot forgets the connection, and the next Check on the slot dials again. (A write error
+// other than a timeout first lets the reader read what the server answered before: see
+// writeFailed.)
 //
 // A caller that stops waiting marks its call abandoned and leaves it in the FIFO, so the
 // next response still lands on the right call; whoever completes an abandoned call (the
@@ -213,9 +215,27 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 		return fail(err)
 	}
 	cl.timer.Reset(wait)
-	cn, err := c.pick(ctx, cl)
-	if err == nil {
-		err = cn.send(cl)
+	var err error
+	for {
+		var cn *conn
+		cn, err = c.pick(ctx, cl)
+		if err == nil {
+			err = cn.send(cl)
+		}
+		if err != errWriteFailed {
+			break
+		}
+		// A write on cn failed, and its reader is reading what the sidecar answered
+		// before; cn breaks once it has: then pick again (its slot redials).
+		select {
+		case <-cn.dead:
+			continue
+		case <-cl.timer.C:
+			err = errTimeout
+		case <-ctx.Done():
+			err = ctxError(ctx)
+		}
+		break
 	}
 	if err != nil {
 		cl.timer.Stop()
@@ -454,7 +474,14 @@ type conn struct {
 	pending  queue
 	broken   bool
 	err      error // why it broke
+	// werr is the write error of a connection about to break: its reader reads what the
+	// sidecar answered before (see writeFailed); no request is sent on it any more.
+	werr error
 }
+
+// errWriteFailed is send's error on a connection whose write failed and which is about
+// to break: the caller waits for it to break and tries again.
+var errWriteFailed = errors.New("rlclient: the connection's write failed")
 
 // send assigns cl.req an id, queues cl and makes sure the frame gets written; the caller
 // has taken a place in cn.room. A request that its id would make longer than
@@ -472,6 +499,10 @@ func (cn *conn) send(cl *call) error {
 		err := cn.err
 		cn.mu.Unlock()
 		return err
+	}
+	if cn.werr != nil {
+		cn.mu.Unlock()
+		return errWriteFailed
 	}
 	if cl.bodyLen > 0 {
 		if n := cl.bodyLen - 1 + uintLen(cn.nextID+1); n > cn.s.c.opts.MaxFrame {
@@ -500,7 +531,7 @@ func (cn *conn) send(cl *call) error {
 		}
 		buf.Reset()
 		if err != nil {
-			cn.fail(&unreachable{what: "writing a request", err: err})
+			cn.writeFailed(&unreachable{what: "writing a request", err: err})
 			return nil
 		}
 		cn.mu.Lock()
@@ -519,7 +550,13 @@ func (cn *conn) readLoop() {
 	for {
 		body, err := proto.ReadFrame(br, buf, maxResponseFrame)
 		if err != nil {
-			cn.fail(&unreachable{what: "reading a response", err: err})
+			cn.mu.Lock()
+			werr := cn.werr
+			cn.mu.Unlock()
+			if werr == nil {
+				werr = &unreachable{what: "reading a response", err: err}
+			}
+			cn.fail(werr)
 			return
 		}
 		buf = body
@@ -570,6 +607,31 @@ func unsolicited(dec *proto.Decoder, body []byte) error {
 		return &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
 	}
 	return &unreachable{what: "response without a pending request"}
+}
+
+// writeFailed handles the failed write of a request frame. A sidecar that refuses a
+// request from its header (a frame over its --max-frame: frame_too_large, then it closes)
+// fails the write of the rest (EPIPE, ECONNRESET), though its answer is already in the
+// receive queue: breaking the connection at once would answer that request by the Policy,
+// not with its 431. So the reader is left to read what came (it breaks the connection, with
+// err, at the end of it), within Options.Timeout; meanwhile nothing more is sent on it.
+// A write that timed out (the sidecar stopped reading) breaks the connection at once.
+func (cn *conn) writeFailed(err *unreachable) {
+	var ne net.Error
+	if errors.As(err.err, &ne) && ne.Timeout() {
+		cn.fail(err)
+		return
+	}
+	cn.mu.Lock()
+	if cn.broken || cn.werr != nil {
+		cn.mu.Unlock()
+		return
+	}
+	cn.werr = err
+	cn.mu.Unlock()
+	if cn.nc.SetReadDeadline(time.Now().Add(cn.s.c.opts.Timeout)) != nil {
+		cn.fail(err)
+	}
 }
 
 // fail breaks the connection once: it closes the socket, fails every pending call with

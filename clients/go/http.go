@@ -124,13 +124,20 @@ func WriteRejection(w http.ResponseWriter, d *Decision) {
 type MiddlewareOptions struct {
 	// Attrs returns the attributes to check a request with. Default: DefaultAttrs.
 	Attrs func(*http.Request) []proto.Attr
-	// Cost returns the request's cost; 0 means the default, 1. Default: 1 for every request.
+	// Cost returns the request's cost. 0 asks without consuming (CheckOptions.Peek), as the
+	// protocol's cost 0 and the other clients' middlewares do. Default (nil): 1 for every
+	// request.
 	Cost func(*http.Request) uint64
 	// OnError handles a request whose check returned an error (a *proto.Error, which is a
 	// bug in what Attrs or Cost produced, or ErrClosed): it writes the response itself.
 	// When nil, such a request follows the Client's Policy, as for an unreachable sidecar.
 	// A request too large to check never reaches OnError: it gets a 431.
 	OnError func(w http.ResponseWriter, r *http.Request, err error)
+	// NoLeaseRenewal turns off the renewal of concurrency leases: by default (false) the
+	// middleware renews a request's lease while its handler runs (see Middleware), so a
+	// request longer than its rule's lease (an upload, a stream) keeps its slot. With it,
+	// such a request loses its slot when the lease expires.
+	NoLeaseRenewal bool
 }
 
 // DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port, as
@@ -172,7 +179,9 @@ func PeerIP(addr string) string {
 //     without nodelay); if the request's context ends first, nothing more is written;
 //     when the decision holds a concurrency lease, it releases it when the handler
 //     returns (or panics), or when the request ends while held, even if the request's
-//     context was canceled;
+//     context was canceled; until then it renews the lease (Client.Renew, each rule's
+//     own lease) at about half of what is left of it, so a handler that runs longer than
+//     the lease keeps its slot (unless NoLeaseRenewal);
 //   - rejected by the sidecar: 429 with Retry-After and a problem+json body (WriteRejection);
 //   - no decision from the sidecar (unreachable, slow): the Client's Policy — FailOpen calls
 //     the next handler without rate-limit headers, FailClosed answers 503 with
@@ -190,6 +199,7 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 			var co CheckOptions
 			if o.Cost != nil {
 				co.Cost = o.Cost(r)
+				co.Peek = co.Cost == 0
 			}
 			d, err := c.CheckAttrs(r.Context(), attrs(r), &co)
 			if err != nil && o.OnError != nil && !tooLarge(err) {
@@ -201,7 +211,14 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 				return
 			}
 			if d.Lease != "" {
-				defer func() { _, _ = d.Release(context.WithoutCancel(r.Context())) }()
+				stop := func() {}
+				if !o.NoLeaseRenewal {
+					stop = keepLease(c, d.Lease, firstRenewal(&d))
+				}
+				defer func() {
+					stop()
+					_, _ = d.Release(context.WithoutCancel(r.Context()))
+				}()
 			}
 			if d.Delay > 0 && !wait(r, d.Delay) {
 				return // the client went away while its request was held
@@ -221,5 +238,69 @@ func wait(r *http.Request, d time.Duration) bool {
 		return true
 	case <-r.Context().Done():
 		return false
+	}
+}
+
+// minRenewal is the shortest wait between two renewals of a lease.
+const minRenewal = 10 * time.Millisecond
+
+// firstRenewal is when the middleware first renews d's lease: half the shortest window
+// among d's rules. A concurrency rule's entry has its lease as its window; a rate rule's
+// window may be shorter, which only brings the first renewal forward (its answer says
+// when the lease expires, and the next renewal follows that).
+func firstRenewal(d *Decision) time.Duration {
+	w := time.Duration(0)
+	for i := range d.Rules {
+		if rw := d.Rules[i].Window; rw > 0 && (w == 0 || rw < w) {
+			w = rw
+		}
+	}
+	if w == 0 {
+		w = 2 * time.Second
+	}
+	return max(w/2, minRenewal)
+}
+
+// keepLease renews lease with c, first after first, then at half of what each renewal
+// answers is left of it, until the returned stop is called; stop ends the renewing and
+// waits for a renewal under way (at most c's timeout), so that the caller's release
+// follows every renewal. It stops by itself when a renewal answers that the lease is
+// gone (expired, released, unknown), and when the sidecar does not answer until the
+// lease's last known expiry (retrying meanwhile at half of what is left of it).
+func keepLease(c *Client, lease string, first time.Duration) (stop func()) {
+	quit := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		expires := time.Now().Add(2 * first)
+		t := time.NewTimer(first)
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-t.C:
+			}
+			renewed, in, err := c.Renew(context.Background(), lease, 0)
+			next := time.Duration(0)
+			switch {
+			case err == nil && !renewed:
+				return
+			case err == nil:
+				expires = time.Now().Add(in)
+				next = in / 2
+			default:
+				left := time.Until(expires)
+				if left <= 0 {
+					return
+				}
+				next = left / 2
+			}
+			t.Reset(max(next, minRenewal))
+		}
+	}()
+	return func() {
+		close(quit)
+		<-done
 	}
 }

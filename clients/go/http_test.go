@@ -357,3 +357,35 @@ type problem struct {
 	Rule       string `json:"rule,omitempty"`
 	RetryAfter int64  `json:"retry_after,omitempty"`
 }
+
+// The cost the middleware sends: its Cost function's, 0 included (it asks without
+// consuming, as the protocol's cost 0 and the other clients' middlewares); 1 without one.
+func TestMiddlewareCost(t *testing.T) {
+	path := socketPath(t)
+	var seen atomic.Uint64
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		seen.Store(req.Cost)
+		*resp = proto.Response{ID: resp.ID, Allowed: true}
+	})
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	for _, tc := range []struct {
+		name string
+		cost func(*http.Request) uint64
+		want uint64
+	}{
+		{"no cost function", nil, 1},
+		{"cost 0", func(*http.Request) uint64 { return 0 }, 0},
+		{"cost 1", func(*http.Request) uint64 { return 1 }, 1},
+		{"cost 7", func(*http.Request) uint64 { return 7 }, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seen.Store(99)
+			h := Middleware(c, MiddlewareOptions{Cost: tc.cost})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, httptest.NewRequest("GET", "/x", nil))
+			if rec.Code != 200 || seen.Load() != tc.want {
+				t.Fatalf("status %d, cost sent %d, want %d", rec.Code, seen.Load(), tc.want)
+			}
+		})
+	}
+}

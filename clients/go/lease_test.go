@@ -134,3 +134,75 @@ func TestMiddlewareReleasesLeaseWhenDelayEnds(t *testing.T) {
 		t.Fatalf("handler called %v, %d leases in flight after the client left during the delay; want false, 0", called, f.inFlight())
 	}
 }
+
+// keepLease renews at half of what each answer says is left, stops by itself when a
+// renewal answers that the lease is gone, and stop waits for it: no renewal follows stop.
+func TestKeepLease(t *testing.T) {
+	path := socketPath(t)
+	var mu sync.Mutex
+	renews := map[string]int{}
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if req.Op != proto.OpRenew {
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		renews[req.Lease]++
+		if req.Lease == "live" {
+			resp.Renewed, resp.ExpiresMs = true, 40 // the next renewal about 20 ms later
+		}
+	})
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	count := func(lease string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return renews[lease]
+	}
+
+	stop := keepLease(c, "live", 10*time.Millisecond)
+	deadline := time.Now().Add(10 * time.Second)
+	for count("live") < 5 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	stop()
+	n := count("live")
+	if n < 5 {
+		t.Fatalf("renewals of a live lease: %d in 10 s", n)
+	}
+	time.Sleep(100 * time.Millisecond) // about 5 renewals' time
+	if got := count("live"); got != n {
+		t.Fatalf("renewals after stop: %d, then %d", n, got)
+	}
+
+	stop = keepLease(c, "gone", 10*time.Millisecond)
+	for count("gone") < 1 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond)
+	stop()
+	if got := count("gone"); got != 1 {
+		t.Fatalf("renewals of a lease the sidecar does not know: %d, want 1 (then it stops)", got)
+	}
+}
+
+// firstRenewal: half the shortest window among the decision's rules (a concurrency
+// rule's window is its lease), at least minRenewal; 1 s without rules.
+func TestFirstRenewal(t *testing.T) {
+	for _, tc := range []struct {
+		windows []time.Duration
+		want    time.Duration
+	}{
+		{nil, time.Second},
+		{[]time.Duration{30 * time.Second}, 15 * time.Second},
+		{[]time.Duration{30 * time.Second, 0, 4 * time.Second}, 2 * time.Second},
+		{[]time.Duration{time.Millisecond}, minRenewal},
+	} {
+		d := Decision{}
+		for _, w := range tc.windows {
+			d.Rules = append(d.Rules, RuleDecision{Window: w})
+		}
+		if got := firstRenewal(&d); got != tc.want {
+			t.Errorf("windows %v: %v, want %v", tc.windows, got, tc.want)
+		}
+	}
+}

@@ -3,8 +3,10 @@ package rlclient
 import (
 	"context"
 	"errors"
+	"io"
 	"math"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -213,5 +215,50 @@ func TestSidecarFrameTooLarge(t *testing.T) {
 	Middleware(c, MiddlewareOptions{})(http.NotFoundHandler()).ServeHTTP(rec, httptest.NewRequest("GET", "/"+strings.Repeat("p", 2000), nil))
 	if rec.Code != http.StatusRequestHeaderFieldsTooLarge {
 		t.Fatalf("middleware: status %d", rec.Code)
+	}
+}
+
+// The sidecar answers frame_too_large from a frame's header and closes, with the rest
+// unread, while the client is still writing it: the write fails (EPIPE or ECONNRESET),
+// though the answer is already in the receive queue. The check gets that answer (a
+// rejecting Decision, and a 431 from the middleware), not the Policy. Here a server that
+// does just that every time (against the daemon it is a race, which the write often
+// lost: 19 of 20 answered by the Policy before).
+func TestRefusedWhileStillWriting(t *testing.T) {
+	path := socketPath(t)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	enc := proto.NewEncoder()
+	enc.EncodeError(0, proto.CodeFrameTooLarge, "a frame of 4000000 bytes is over 65536")
+	answer := append([]byte(nil), enc.Bytes()...)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			var head [proto.HeaderSize]byte
+			_, _ = io.ReadFull(c, head[:])
+			_, _ = c.Write(answer)
+			c.Close()
+		}
+	}()
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 5 * time.Second, MaxFrame: 1 << 23, Policy: FailOpen})
+	big := strings.Repeat("x", 4_000_000)
+	for i := 0; i < 10; i++ {
+		d, err := c.Check(context.Background(), map[string]string{"ua": big}, nil)
+		var pe *proto.Error
+		if !errors.As(err, &pe) || pe.Code != proto.CodeFrameTooLarge || d.Allowed || d.Degraded || d.Unreachable {
+			t.Fatalf("check %d: %+v, %v; want the sidecar's frame_too_large", i, d, err)
+		}
+	}
+	rec := httptest.NewRecorder()
+	Middleware(c, MiddlewareOptions{Attrs: func(*http.Request) []proto.Attr { return []proto.Attr{{Name: "ua", Value: big}} }})(http.NotFoundHandler()).
+		ServeHTTP(rec, httptest.NewRequest("GET", "/", nil))
+	if rec.Code != http.StatusRequestHeaderFieldsTooLarge {
+		t.Fatalf("middleware: status %d, want 431", rec.Code)
 	}
 }

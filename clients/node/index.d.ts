@@ -158,6 +158,8 @@ export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareReq
   attrs?: (req: Req) => Record<string, string | Uint8Array>;
   cost?: (req: Req) => number;
   onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
+  /** Renew a request's concurrency lease until it is released (default true): a request longer than its rule's lease keeps its slot. */
+  renewLeases?: boolean;
 }
 
 /** ip (peerIP of the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */

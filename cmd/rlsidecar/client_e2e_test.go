@@ -174,3 +174,74 @@ func TestE2EGoClientFrameTooLarge(t *testing.T) {
 		}
 	}
 }
+
+// The Go middleware renews a concurrency lease while its handler runs: a request that
+// runs longer than its rule's lease (2 s here) keeps its slot, and frees it when it ends.
+// With NoLeaseRenewal the slot is lost once the lease expires, while the request runs.
+func TestE2EGoMiddlewareRenewsLeases(t *testing.T) {
+	const rules = `
+rules:
+  - name: one-upload
+    key: ip
+    concurrency: { max: 1, lease: 2s }
+`
+	for _, tc := range []struct {
+		name          string
+		noRenewal     bool
+		heldPastLease bool // a second request is refused after the lease's time
+	}{
+		{"renewed", false, true},
+		{"not renewed", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			dir := shortTempDir(t)
+			d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", rules))
+			c, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			started, finish := make(chan struct{}), make(chan struct{})
+			h := rlclient.Middleware(c, rlclient.MiddlewareOptions{NoLeaseRenewal: tc.noRenewal})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				close(started)
+				<-finish
+			}))
+			status := make(chan int, 1)
+			go func() {
+				req := httptest.NewRequest(http.MethodPut, "/upload", nil)
+				req.RemoteAddr = "192.0.2.7:4711"
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, req)
+				status <- rec.Code
+			}()
+			select {
+			case <-started:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the handler did not start")
+			}
+			free := func() bool { // would another request of this ip pass? (asks without taking a slot)
+				t.Helper()
+				dec, err := c.Check(context.Background(), map[string]string{"ip": "192.0.2.7"}, &rlclient.CheckOptions{Peek: true})
+				if err != nil || dec.Degraded {
+					t.Fatalf("check: %+v %v", dec, err)
+				}
+				return dec.Allowed
+			}
+			if free() {
+				t.Fatal("the slot is free while the first request runs")
+			}
+			time.Sleep(4500 * time.Millisecond) // more than twice the lease
+			if got := free(); got == tc.heldPastLease {
+				t.Fatalf("after 4.5 s of a 2 s lease: slot free %v, want %v", got, !tc.heldPastLease)
+			}
+			close(finish)
+			if code := <-status; code != http.StatusOK {
+				t.Fatalf("the long request: %d", code)
+			}
+			if !free() {
+				t.Fatal("the slot is not free once the request ended")
+			}
+		})
+	}
+}

@@ -22,9 +22,10 @@
 
 local codec = require "rlsidecar.codec"
 local http = require "rlsidecar.http"
+local semaphore = require "ngx.semaphore" -- lua-resty-core, which lua-nginx-module 0.10.16+ requires
 
 local ngx = ngx
-local type, tostring, pairs, setmetatable, next = type, tostring, pairs, setmetatable, next
+local type, tostring, pairs, ipairs, setmetatable, next = type, tostring, pairs, ipairs, setmetatable, next
 
 local _M = { _VERSION = "1.0.0" }
 local mt = { __index = _M }
@@ -75,6 +76,8 @@ _M.decode_body = decode_body
 --   max_frame       the largest request frame sent, in bytes after the length (default
 --                   65536, the daemon's default --max-frame): a larger request is not
 --                   sent but refused with 431
+--   renew_leases    renew a request's concurrency lease while it runs (default true; see
+--                   keep_lease)
 -- It returns nil and an error for bad options.
 function _M.new(opts)
   if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
@@ -121,6 +124,7 @@ function _M.new(opts)
     attrs = opts.attrs,
     cost = opts.cost,
     max_frame = max_frame,
+    renew_leases = opts.renew_leases ~= false,
   }, mt)
 end
 
@@ -166,6 +170,42 @@ local function hold(sock)
   held[n_held] = sock
 end
 
+-- read_answer reads one answer from sock and decodes it: the answer map, or nil and
+-- {what failed, why}.
+local function read_answer(sock, decode)
+  local head, err = sock:receive(4)
+  if not head then
+    return nil, { "reading from", err }
+  end
+  local n = codec.frame_length(head)
+  if n > MAX_FRAME then
+    return nil, { "reading from", "an answer of " .. n .. " bytes" }
+  end
+  local body
+  body, err = sock:receive(n)
+  if not body then
+    return nil, { "reading from", err }
+  end
+  local resp
+  resp, err = decode(body)
+  if type(resp) ~= "table" then
+    return nil, { "decoding an answer from", err or "not a map" }
+  end
+  return resp
+end
+
+-- refusal returns the answer the daemon wrote before it stopped reading a request still
+-- being written (an error about a request it could not read: id 0, frame_too_large),
+-- closing sock; or nil when there is none.
+local function refusal(sock, decode)
+  local resp = read_answer(sock, decode)
+  if resp and resp.id == 0 and type(resp.error) == "table" then
+    sock:close()
+    return resp
+  end
+  return nil
+end
+
 -- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
 -- and whether the failure is the transport's (the socket is then closed). A check's
 -- answer that takes a lease leaves its connection held (see hold), not pooled.
@@ -178,26 +218,21 @@ function _M.roundtrip(self, frame, id)
   end
   ok, err = sock:send(frame)
   if not ok then
+    -- The daemon refuses a frame over its --max-frame from its header: it answers
+    -- frame_too_large and closes, and the rest of a large frame then fails to go (broken
+    -- pipe, connection reset). Its answer is still readable: that refusal, not the failure
+    -- policy, is the request's answer. (Not after a send that timed out: the daemon is
+    -- stalled, and the request has had its time.)
+    local resp = err ~= "timeout" and refusal(sock, self.decode)
+    if resp then
+      return resp
+    end
     return drop(sock, "writing to", self.path, err)
   end
-  local head
-  head, err = sock:receive(4)
-  if not head then
-    return drop(sock, "reading from", self.path, err)
-  end
-  local n = codec.frame_length(head)
-  if n > MAX_FRAME then
-    return drop(sock, "reading from", self.path, "an answer of " .. n .. " bytes")
-  end
-  local body
-  body, err = sock:receive(n)
-  if not body then
-    return drop(sock, "reading from", self.path, err)
-  end
   local resp
-  resp, err = self.decode(body)
-  if type(resp) ~= "table" then
-    return drop(sock, "decoding an answer from", self.path, err or "not a map")
+  resp, err = read_answer(sock, self.decode)
+  if not resp then
+    return drop(sock, err[1], self.path, err[2])
   end
   if resp.id ~= id then
     if resp.id == 0 and type(resp.error) == "table" then
@@ -295,12 +330,123 @@ function _M.release(self, lease)
   return resp.released == true
 end
 
+-- renew extends a live lease to lease_ms from now (nil or 0: each of its rules' own
+-- lease): it returns whether it did and the lease's time left in ms (0 when it was
+-- unknown, expired or released), or nil and an error when the sidecar did not answer.
+function _M.renew(self, lease, lease_ms)
+  local id = next_id()
+  local frame, err = codec.encode_request({ id = id, op = "renew", lease = lease, lease_ms = lease_ms })
+  if not frame then
+    return nil, "rlsidecar: " .. err
+  end
+  local resp, rerr = self:roundtrip(frame, id)
+  if not resp then
+    return nil, rerr
+  end
+  if resp.error then
+    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+  end
+  return resp.renewed == true, tonumber(resp.expires_ms) or 0
+end
+
+-- Leases access() renews (see keep_lease), until log() releases them: lease -> true.
+local renewing = {}
+
+-- MIN_RENEWAL is the shortest wait between two renewals of a lease, in seconds.
+local MIN_RENEWAL = 0.01
+
+-- first_renewal is when access() first renews d's lease, in seconds: half the shortest
+-- window among d's rules. A concurrency rule's entry has its lease as its window; a rate
+-- rule's may be shorter, which only brings the first renewal forward (its answer says
+-- when the lease expires, and the next renewal follows that).
+local function first_renewal(d)
+  local w
+  for _, r in ipairs(d.rules or {}) do
+    local rw = tonumber(r.window_ms)
+    if rw and rw > 0 and (not w or rw < w) then
+      w = rw
+    end
+  end
+  local s = (w or 2000) / 2000
+  if s < MIN_RENEWAL then s = MIN_RENEWAL end
+  return s
+end
+
+-- keep_lease renews lease from timers (ngx.timer.at), first after first
+-- seconds, then at half of what each renewal answers is left of it, until log() releases
+-- it (renewing[lease] cleared). It stops by itself when a renewal answers that the lease
+-- is gone (without log(), nginx closes the connection that took it as the request ends,
+-- and the daemon frees it), and when the sidecar does not answer until the lease's last
+-- known expiry. A timer that cannot be scheduled (lua_max_pending_timers) ends it, logged.
+local function keep_lease(self, lease, first)
+  renewing[lease] = true
+  local expires = ngx.now() + 2 * first
+  local function schedule(wait, fn)
+    if wait < MIN_RENEWAL then wait = MIN_RENEWAL end
+    local ok, err = ngx.timer.at(wait, fn)
+    if not ok then
+      renewing[lease] = nil
+      ngx.log(ngx.ERR, "rlsidecar: scheduling a lease renewal: ", err)
+    end
+  end
+  local function renew(premature)
+    if premature or not renewing[lease] then
+      renewing[lease] = nil
+      return
+    end
+    local renewed, left_ms = self:renew(lease)
+    if not renewing[lease] then
+      return -- released meanwhile
+    end
+    ngx.update_time()
+    if renewed == nil then
+      local left = expires - ngx.now()
+      if left <= 0 then
+        renewing[lease] = nil
+        return
+      end
+      return schedule(left / 2, renew)
+    end
+    if not renewed then
+      renewing[lease] = nil
+      return
+    end
+    expires = ngx.now() + left_ms / 1000
+    schedule(left_ms / 2000, renew)
+  end
+  schedule(first, renew)
+end
+
 -- Releases under way, by client connection ($connection): log() cannot release before
 -- the response has gone (cosockets are not available after the content phase), so a
 -- client that sends its next request on the same connection the moment a response
 -- arrives could be checked before the release reached the daemon, and find the slot
 -- still held. access() waits for its connection's releases first (at most timeout_ms).
+-- An entry is { n = releases not yet answered, sema = an ngx.semaphore, made by the
+-- first request that waits }; the release that brings n to 0 removes the entry and
+-- wakes every request waiting on sema (HTTP/2 streams share a connection).
 local releasing = {}
+
+-- released counts one release of conn's as answered (or failed), and wakes the requests
+-- waiting for conn's releases when it was the last.
+local function released(conn)
+  local r = releasing[conn]
+  if not r then
+    return
+  end
+  r.n = r.n - 1
+  if r.n > 0 then
+    return
+  end
+  releasing[conn] = nil
+  local sema = r.sema
+  if sema then
+    local waiting = -sema:count()
+    if waiting > 0 then
+      sema:post(waiting)
+    end
+  end
+end
 
 -- log releases the lease access() kept for the current request (a concurrency rule's
 -- slot), once the request has ended; call it from log_by_lua_block beside every
@@ -325,6 +471,7 @@ function _M.log(self)
     return false
   end
   ctx.rlsidecar_lease = nil
+  renewing[lease] = nil
   local conn = ngx.var.connection
   local ok, err = ngx.timer.at(0, function(premature)
     if not premature then
@@ -333,32 +480,43 @@ function _M.log(self)
         ngx.log(ngx.WARN, "rlsidecar: releasing a lease: ", rerr)
       end
     end
-    local n = releasing[conn]
-    releasing[conn] = (n and n > 1) and n - 1 or nil
+    released(conn)
   end)
   if not ok then
     ngx.log(ngx.ERR, "rlsidecar: scheduling a lease release: ", err)
     return false
   end
-  releasing[conn] = (releasing[conn] or 0) + 1
+  local r = releasing[conn]
+  if r then
+    r.n = r.n + 1
+  else
+    releasing[conn] = { n = 1 }
+  end
   return true
 end
 
 -- wait_releases waits, at most timeout_ms, until the releases log() scheduled for
--- earlier requests of the current client connection are answered.
+-- earlier requests of the current client connection are answered: it sleeps on the
+-- connection's semaphore, which the last of them posts (no polling).
 local function wait_releases(timeout_ms)
   if next(releasing) == nil then
     return -- none under way in this worker: no variable looked up
   end
-  local conn = ngx.var.connection
-  if not releasing[conn] then
+  local r = releasing[ngx.var.connection]
+  if not r then
     return
   end
-  local deadline = ngx.now() * 1000 + timeout_ms
-  repeat
-    ngx.sleep(0.001)
-    ngx.update_time()
-  until not releasing[conn] or ngx.now() * 1000 >= deadline
+  local sema = r.sema
+  if not sema then
+    local err
+    sema, err = semaphore.new()
+    if not sema then
+      ngx.log(ngx.ERR, "rlsidecar: waiting for a lease release: ", err)
+      return
+    end
+    r.sema = sema
+  end
+  sema:wait(timeout_ms / 1000) -- woken by released(), or "timeout"
 end
 
 -- default_attrs are the attributes of the current request: ip (the client address, as
@@ -401,7 +559,8 @@ local function answer(d)
   end
   local lease = d.lease
   if lease == "" then lease = nil end
-  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms) }
+  return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms),
+    renew_in = lease and first_renewal(d) }
 end
 
 -- nil until the first access(); then whether nginx keeps $request_id for the request.
@@ -434,9 +593,15 @@ local function request_key()
   return nil
 end
 
--- apply gives the current request the answer e (from answer). again: e was remembered,
--- it was given already in an earlier location (no second wait).
-local function apply(e, again)
+-- abort_held ends a request whose client went away while access() held it (a delay).
+local function abort_held()
+  return ngx.exit(499)
+end
+
+-- apply gives the current request the answer e (from answer), by client self. again: e
+-- was remembered, it was given already in an earlier location (no second wait, and its
+-- lease renewed already).
+local function apply(self, e, again)
   if not e.allowed then
     for k, v in pairs(e.headers) do
       ngx.header[k] = v
@@ -453,9 +618,18 @@ local function apply(e, again)
     -- A concurrency rule's slot: held until log() releases it when the request ends
     -- (after an internal redirect too: ngx.ctx is new there).
     ngx.ctx.rlsidecar_lease = e.lease
+    if not again and self.renew_leases then
+      keep_lease(self, e.lease, e.renew_in)
+    end
   end
   local delay = e.delay_ms
   if not again and delay and delay > 0 then
+    -- With lua_check_client_abort on, a client that goes away while its request is held
+    -- ends the request (499) at once: nothing is forwarded for it, and its lease is
+    -- freed as the request ends (log(), or the close of the connection that took it).
+    -- ngx.on_abort fails when the directive is off (or a handler is registered already);
+    -- the request is then held to the end of its delay, as nginx cannot see the client go.
+    ngx.on_abort(abort_held)
     ngx.sleep(delay / 1000)
   end
 end
@@ -467,7 +641,9 @@ end
 --   - allowed: RateLimit-Policy and RateLimit are set on the response, and the request
 --     goes on (to proxy_pass, ...), after ngx.sleep(delay_ms) when a rule with delay
 --     asks for a wait (its tokens are reserved: nginx's limit_req without nodelay, shared
---     by every gateway of the daemon);
+--     by every gateway of the daemon); with `lua_check_client_abort on;` a client that
+--     goes away during that wait ends the request (499, nothing forwarded, its lease
+--     freed), without it the request is held to the end of the wait;
 --   - no answer from the sidecar: "open" goes on without rate-limit headers, "closed"
 --     answers 503 with Retry-After: 1 and a problem+json body;
 --   - too large to be checked (its frame over max_frame, e.g. a huge header the attrs
@@ -488,7 +664,7 @@ function _M.access(self)
   if key then
     local e = decided[key] or decided_before[key]
     if e then
-      apply(e, true)
+      apply(self, e, true)
       return { allowed = e.allowed, again = true }
     end
   end
@@ -507,7 +683,7 @@ function _M.access(self)
   if key and not err and not d.unreachable then
     remember(key, e)
   end
-  apply(e, false)
+  apply(self, e, false)
   return d
 end
 

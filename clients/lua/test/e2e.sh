@@ -24,7 +24,10 @@
 # each request of a burst whose checks were in flight together, more than nginx's pool
 # keeps), and freed
 # when it completes or the client aborts it, and that ten leased requests in a row on one
-# keep-alive connection each find the slot free. Then it stops the daemon
+# keep-alive connection each find the slot free; that nginx renews the lease of a request
+# longer than it. With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
+# release on a semaphore, not by polling, bounded by its timeout, and that a request held
+# for a delay whose client goes away ends then, its lease released. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
@@ -139,6 +142,10 @@ rules:
     match: { path: "/burst/**" }
     key: ip
     concurrency: { max: 20, lease: 60s }
+  - name: long-in-flight
+    match: { path: "/long/**" }
+    key: ip
+    concurrency: { max: 1, lease: 2s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -167,6 +174,7 @@ http {
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
     location /burst/ { content_by_lua_block { ngx.sleep(4) ngx.say("burst") } }
     location /slow/quick/ { return 200 "quick\n"; }
+    location /long/ { content_by_lua_block { ngx.sleep(5) ngx.say("long") } }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
 }
@@ -217,7 +225,30 @@ d, err = big:check({ path = "/x", blob = string.rep("x", 70000) })
 line("too large for the daemon: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 d = big:check({ path = "/x" })
 line("after it: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
+-- A server that answers frame_too_large from the header and closes, as the daemon does:
+-- a 4 MB frame is still being written when it closes (broken pipe), and its answer is
+-- still the 431, not the policy.
+local refusing = require("resty.rlsidecar").new({ socket = "@REFUSING@", timeout_ms = 2000, max_frame = 8388608 })
+d, err = refusing:check({ path = "/x", blob = string.rep("x", 4000000) })
+line("refused while still writing: allowed=%s status=%s err=%s", tostring(d.allowed), http.rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 LUA
+# The refusing server of the last case: it reads a request's length, answers
+# frame_too_large (id 0) and closes, unread bytes and all.
+refusing="$tmp/refusing.sock"
+sed -i "s#@REFUSING@#$refusing#" "$tmp/check-cases.lua"
+python3 -c '
+import socket, struct, sys
+body = (b"\x82\xa2id\x00\xa5error\x82\xa4code\xafframe_too_large\xa7message"
+        b"\xd9\x2ca frame of 4000000 bytes is over max 65536 B")
+s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(64)
+while True:
+    c, _ = s.accept()
+    c.recv(4)
+    c.sendall(struct.pack(">I", len(body)) + body)
+    c.close()
+' "$refusing" &
+pids+=($!)
+wait_for "the refusing server" test -S "$refusing"
 sed -i "s#^        location /static/ {#        location = /__rlsidecar_test { content_by_lua_file $tmp/check-cases.lua; }\n        location /static/ {#" "$tmp/nginx/nginx.conf"
 # Test-only locations: a request that passes access() in two locations (an internal
 # redirect), one that reaches access() only through an internal redirect, and
@@ -309,6 +340,7 @@ after the error answer: allowed=true degraded=false
 too large, not sent: allowed=false status=431 err=rlsidecar: frame_too_large
 too large for the daemon: allowed=false status=431 err=rlsidecar: frame_too_large
 after it: allowed=true degraded=false
+refused while still writing: allowed=false status=431 err=rlsidecar: frame_too_large
 WANT
 )"
 
@@ -564,6 +596,23 @@ keep_alive() {
 }
 keep_alive nginx "$nginx_port"
 keep_alive haproxy "$hap_port"
+echo "-- nginx renews the lease of a request longer than it"
+# /long/ takes 5 s at the backend; its rule's lease is 2 s. 4 s in, the first request
+# still holds the one slot (access() renews its lease until log() releases it), and
+# once it completed the slot is free.
+curl -s --max-time 15 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/a" >"$tmp/long-nginx" &
+long=$!
+sleep 4
+status=$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/b" || true)
+expect "nginx: a second request 4 s into a 5 s one (lease 2 s): refused, the slot renewed" "$status" 429
+wait "$long"
+expect "nginx: the long request" "$(cat "$tmp/long-nginx")" 200
+for i in $(seq 50); do
+  inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"long-in-flight\"}" {print $2}')
+  [ "$inflight" == 0 ] && break
+  sleep 0.1
+done
+expect "nginx: the long request's slot freed when it ended" "$inflight" 0
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
@@ -642,6 +691,63 @@ expect "haproxy, RLSIDECAR_MAX_FRAME=300, a 300-byte path: 431 before asking" "$
 request POST "http://127.0.0.1:$hole_hap_port/login"
 expect "haproxy, silent sidecar, closed policy: status" "$status" 503
 expect "haproxy, silent sidecar, closed policy: Retry-After" "$(header retry-after)" 1
+
+echo "-- nginx: waiting for a release, and a held request whose client goes away (a stand-in sidecar)"
+# clients/lua/test/held_sidecar.py answers every check allowed with a lease, held for
+# 5 s on /held/ (a delay), and answers releases 1 s late. nginx runs the example
+# config against it (rl_closed's timeout lowered to 200 ms, below the release's 1 s),
+# with ngx.sleep counted.
+held="$tmp/held.sock"
+/usr/bin/python3 "$here/test/held_sidecar.py" "$held" "$tmp/held-events" &
+pids+=($!)
+wait_for "the stand-in sidecar" test -S "$held"
+held_port=$(free_port)
+mkdir -p "$tmp/nginx-held/logs"
+sed -e "s#$sock#$held#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$held_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" \
+  -e "s#timeout_ms = 2000, on_unavailable = \"closed\"#timeout_ms = 200, on_unavailable = \"closed\"#" \
+  -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-held\1#g" \
+  -e "s#^    init_by_lua_block {#    init_worker_by_lua_block { SLEEPS = 0 local sleep = ngx.sleep ngx.sleep = function(s) SLEEPS = SLEEPS + 1 return sleep(s) end }\n    init_by_lua_block {#" \
+  -e "s#^        location /static/ {#        location = /__sleeps { content_by_lua_block { ngx.print(SLEEPS) } }\n        location /static/ {#" \
+  "$tmp/nginx/nginx.conf" >"$tmp/nginx-held/nginx.conf"
+grep -q 'timeout_ms = 200, on_unavailable = "closed"' "$tmp/nginx-held/nginx.conf" || { echo "e2e: the closed client's timeout not found" >&2; exit 1; }
+nginx -e "$tmp/nginx-held.log" -p "$tmp/nginx-held" -c "$tmp/nginx-held/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-held/nginx.pid;" 2>>"$tmp/nginx-held.log" &
+pids+=($!)
+wait_for "nginx (stand-in sidecar)" curl -sf "http://127.0.0.1:$held_port/__sleeps"
+# The stand-in's events (held-events): check PATH LEASE T, release LEASE IN OUT (ms).
+# release_event LEASE: "IN OUT" of the release of LEASE, once the stand-in has answered
+# it (up to 5 s); "" when it has not.
+release_event() {
+  local i
+  for i in $(seq 50); do
+    awk -v l="$1" '$1 == "release" && $2 == l { print $3, $4; found = 1 } END { exit !found }' "$tmp/held-events" && return 0
+    sleep 0.1
+  done
+}
+sleeps_before=$(curl -s "http://127.0.0.1:$held_port/__sleeps")
+codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -o /dev/null "http://127.0.0.1:$held_port/slow/quick/" \
+  -o /dev/null "http://127.0.0.1:$held_port/slow/quick/" | tr -s ' \n' ' ')
+expect "stand-in: two leased requests on one keep-alive connection (status, connects)" "$codes" "200 1 200 0 "
+expect "stand-in: the second waited for the first's release without polling (ngx.sleep calls)" \
+  "$(($(curl -s "http://127.0.0.1:$held_port/__sleeps") - sleeps_before))" 0
+read -r first_lease second_check < <(awk '$1 == "check" && $2 == "/slow/quick/" { n++; if (n == 1) l = $3; if (n == 2) t = $4 } END { print l, t }' "$tmp/held-events")
+release_out=$(release_event "$first_lease" | cut -d' ' -f2)
+expect "stand-in: the second was checked once the first's release was answered" "$((second_check >= ${release_out:-999999}))" 1
+# A waiting bounded by the client's timeout: rl_closed's 200 ms, below the release's 1 s.
+codes=$(curl -s --max-time 10 -w '%{http_code}\n' -X POST -o /dev/null "http://127.0.0.1:$held_port/login" \
+  -o /dev/null "http://127.0.0.1:$held_port/login" | tr -s ' \n' ' ')
+expect "stand-in: two leased /login requests on one connection, rl_closed (200 ms)" "$codes" "200 200 "
+read -r first_lease second_check < <(awk '$1 == "check" && $2 == "/login" { n++; if (n == 1) l = $3; if (n == 2) t = $4 } END { print l, t }' "$tmp/held-events")
+release_out=$(release_event "$first_lease" | cut -d' ' -f2)
+expect "stand-in: the second /login did not wait past its timeout for a release answered 1 s late" \
+  "$((second_check < ${release_out:-0}))" 1
+# A request held 5 s (delay_ms) whose client gives up after 0.5 s: the request ends then
+# (lua_check_client_abort on, in the example), and its lease is released at once, not
+# when the 5 s are over.
+curl -s --max-time 0.5 -o /dev/null "http://127.0.0.1:$held_port/held/a" || true
+read -r held_lease held_check < <(awk '$1 == "check" && $2 == "/held/a" { print $3, $4 }' "$tmp/held-events")
+held_release=$(release_event "$held_lease" | cut -d' ' -f1)
+expect "stand-in: a held request whose client went away: its lease released within 2 s (of 5 s held; at $((${held_release:-99999} - held_check)) ms)" \
+  "$(( ${held_release:-99999} - held_check < 2000 ))" 1
 
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"

@@ -22,6 +22,7 @@
 // stays bounded: no connection holds more than MAX_PENDING, and the queue holds only checks
 // still within their timeout.
 
+const fs = require('fs');
 const net = require('net');
 const proto = require('./proto');
 const { Decision } = require('./decision');
@@ -34,6 +35,10 @@ const BACKOFF_MAX = 1000;
 // for room, up to its timeout.
 const MAX_PENDING = 4096;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
+// Frames at least this long are written with a callback that, when the write fails, reads
+// what the sidecar answered before (see Conn.readLeft); a shorter one goes out in one
+// system call, whole or not at all.
+const LARGE_FRAME = 8192;
 
 // WaitQueue is a FIFO of the checks waiting for room. A check that gives up leaves it at
 // once (remove): it is only marked, and the marked ones are dropped as the queue is read,
@@ -99,9 +104,37 @@ class Conn {
     this.served = false;
     this.broken = null;
     this.corked = false;
+    this.onLargeWritten = (e) => {
+      if (e) this.readLeft();
+    };
     socket.on('data', (chunk) => this.onData(chunk));
     socket.on('error', (e) => this.fail(`connection lost: ${e.message}`));
     socket.on('close', () => this.fail('the sidecar closed the connection'));
+  }
+
+  // readLeft reads, at once, what the sidecar wrote before a write of a large frame failed,
+  // and hands it to onData. The sidecar refuses a frame over its --max-frame from its
+  // header: it answers frame_too_large and closes, and the write of the rest fails (EPIPE),
+  // though the answer is already in the receive queue. libuv may report that failure
+  // before reading (when the poll said only "writable"), and the socket is then destroyed,
+  // its answer unread: the check would get the policy, not its 431. A write's callback
+  // runs before that destroy, so the answer is read here, from the socket's descriptor
+  // (non-blocking: it stops at EAGAIN, or at the end).
+  readLeft() {
+    const h = this.socket._handle;
+    const fd = h ? h.fd : -1;
+    if (typeof fd !== 'number' || fd < 0) return;
+    const buf = Buffer.allocUnsafe(65536);
+    while (this.broken === null) {
+      let n;
+      try {
+        n = fs.readSync(fd, buf, 0, buf.length, null);
+      } catch {
+        return; // EAGAIN: nothing more; or the connection reset
+      }
+      if (n === 0) return;
+      this.onData(Buffer.from(buf.subarray(0, n)));
+    }
   }
 
   send(entry, frame) {
@@ -116,7 +149,8 @@ class Conn {
         this.socket.uncork();
       });
     }
-    this.socket.write(frame);
+    if (frame.length >= LARGE_FRAME) this.socket.write(frame, this.onLargeWritten);
+    else this.socket.write(frame);
   }
 
   inFlight() {

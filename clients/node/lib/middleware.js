@@ -43,9 +43,12 @@ function defaultAttrs(req) {
  * headers, 'closed': 503 with Retry-After: 1). A ProtocolError (attrs or cost the sidecar
  * refuses) and a closed client follow onUnavailable too, unless onError is given. A request
  * too large to check (RequestTooLargeError, or the sidecar's frame_too_large) gets a 431,
- * whatever onUnavailable and onError.
+ * whatever onUnavailable and onError. Until a lease is released the middleware renews it
+ * (client.renew, each rule's own lease) at about half of what is left of it, so a request
+ * that runs longer than its rule's lease (an upload, a stream) keeps its slot; the option
+ * renewLeases: false turns that off.
  */
-function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
+function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: renewLease = true } = {}) {
   return function rlsidecarMiddleware(req, res, next) {
     let p;
     try {
@@ -69,8 +72,12 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
         // middleware's handler returns only after its release: a client that has the
         // whole response and asks again at once finds the slot free.
         let released = null;
+        const renewal = renewLease ? keepLease(client, d.lease, firstRenewal(d)) : null;
         const release = () => {
-          if (released === null) released = client.release(d.lease).catch(() => {}); // else it expires
+          if (released === null) {
+            if (renewal !== null) renewal.stop();
+            released = client.release(d.lease).catch(() => {}); // else it expires
+          }
           return released;
         };
         const end = res.end;
@@ -119,6 +126,54 @@ function middleware(client, { attrs = defaultAttrs, cost, onError } = {}) {
       if (onError) return onError(e, req, res, next);
       next(e);
     });
+  };
+}
+
+// The shortest wait between two renewals of a lease, in ms.
+const MIN_RENEWAL = 10;
+
+// firstRenewal is when the middleware first renews d's lease, in ms: half the shortest
+// window among d's rules. A concurrency rule's entry has its lease as its window; a rate
+// rule's may be shorter, which only brings the first renewal forward (its answer says
+// when the lease expires, and the next renewal follows that).
+function firstRenewal(d) {
+  let w = 0;
+  for (const r of d.rules) if (r.windowMs > 0 && (w === 0 || r.windowMs < w)) w = r.windowMs;
+  return Math.max((w || 2000) / 2, MIN_RENEWAL);
+}
+
+// keepLease renews lease with client, first after first ms, then at half of what each
+// renewal answers is left of it, until stop() (the release follows it; a renewal under way
+// then is answered renewed or not, harmlessly). It stops by itself when a renewal answers
+// that the lease is gone, and when the sidecar does not answer until the lease's last
+// known expiry (retrying meanwhile at half of what is left of it). Its timer does not keep
+// the process alive.
+function keepLease(client, lease, first) {
+  let timer = null;
+  let stopped = false;
+  let expires = Date.now() + 2 * first;
+  const schedule = (ms) => {
+    timer = setTimeout(renew, Math.max(ms, MIN_RENEWAL));
+    if (typeof timer.unref === 'function') timer.unref();
+  };
+  const renew = () => {
+    timer = null;
+    client.renew(lease, 0).then(({ renewed, expiresMs }) => {
+      if (stopped || !renewed) return;
+      expires = Date.now() + expiresMs;
+      schedule(expiresMs / 2);
+    }, () => {
+      const left = expires - Date.now();
+      if (!stopped && left > 0) schedule(left / 2);
+    });
+  };
+  schedule(first);
+  return {
+    stop() {
+      stopped = true;
+      if (timer !== null) clearTimeout(timer);
+      timer = null;
+    },
   };
 }
 

@@ -81,3 +81,32 @@ test('keep-alive: each request on a connection finds the slot its predecessor fr
   assert.equal(sockets.size, 1, 'one connection');
   assert.deepEqual(statuses, Array(100).fill(200));
 });
+
+// The middleware renews a request's lease until it is released: a request that runs
+// longer than its rule's lease (2 s) keeps its slot; with renewLeases: false it loses it
+// once the lease expires. Both at once, each with its own user.
+test('the middleware renews a long request\'s lease', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2, lease: 30s', 'max: 1, lease: 2s'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const start = (user, opts) => {
+    const mw = rl.middleware(c, { attrs: () => ({ user }), ...opts });
+    const res = new EventEmitter();
+    res.headers = {};
+    res.setHeader = (k, v) => { res.headers[k] = v; };
+    res.end = () => res.emit('finish');
+    return new Promise((resolve) => mw({ method: 'PUT', url: '/upload' }, res, () => resolve(res)));
+  };
+  const free = async (user) => (await c.check({ user }, { cost: 0 })).rules[0].remaining;
+  const [renewed, lost] = await Promise.all([start('ren', {}), start('lou', { renewLeases: false })]);
+  assert.deepEqual([await free('ren'), await free('lou')], [0, 0]);
+  await new Promise((r) => setTimeout(r, 4500)); // more than twice the lease
+  assert.equal(await free('ren'), 0, 'renewed: still held after 4.5 s of a 2 s lease');
+  assert.equal(await free('lou'), 1, 'not renewed: expired');
+  for (const res of [renewed, lost]) {
+    res.end();
+    res.emit('close');
+  }
+  for (let k = 0; k < 200 && (await free('ren')) !== 1; k++) await new Promise((r) => setTimeout(r, 10));
+  assert.equal(await free('ren'), 1, 'released when the response ended');
+});

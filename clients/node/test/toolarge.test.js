@@ -7,6 +7,9 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('http');
 const net = require('net');
+const fs = require('fs');
+const os = require('os');
+const path = require('path');
 
 const rl = require('..');
 const proto = require('../lib/proto');
@@ -145,4 +148,55 @@ test('the sidecar\'s frame_too_large gets a 431 from the middleware too', async 
   const c = client(t, { socket: d.socket, timeoutMs: 2000, onUnavailable: 'open', maxFrame: 1 << 20 });
   const get = await serve(t, rl.middleware(c));
   assert.equal((await get('/' + 'a'.repeat(70000))).status, 431);
+});
+
+// The daemon answers frame_too_large from a frame's header and closes while the client is
+// still writing the rest: the write then fails (EPIPE), but the answer is already in the
+// receive queue, and the check gets it (431), not the policy. A server that does just
+// that, so that the write always fails (against the daemon it is a race).
+test('refused while still writing: the 431, not the policy', async (t) => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'rls'));
+  t.after(() => fs.rmSync(dir, { recursive: true, force: true }));
+  const sock = path.join(dir, 'refuse.sock');
+  const srv = net.createServer((c) => {
+    c.once('readable', () => {
+      c.read(4); // the header only
+      c.end(proto.encode({ id: 0, error: { code: 'frame_too_large', message: 'a frame of 4000000 bytes is over 65536' } }));
+      c.destroy(); // with the rest unread, as the daemon closes
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => srv.close(r)));
+  const c = client(t, { socket: sock, timeoutMs: 5000, conns: 1, maxFrame: 1 << 22, onUnavailable: 'open' });
+  for (let i = 0; i < 5; i++) {
+    await assert.rejects(c.check({ user: 'may', ua: 'x'.repeat(4000000) }), (e) => {
+      assert.ok(e instanceof rl.ProtocolError && e.code === 'frame_too_large', String(e));
+      assert.ok(!e.decision.allowed && e.decision.status === 431);
+      return true;
+    });
+  }
+});
+
+// Against the real daemon, a client whose maxFrame is above the daemon's --max-frame: a
+// 4 MB request is refused from its header while the client still writes it. libuv may
+// report the failed write (EPIPE) before reading the answer; the client reads it then
+// (Conn.readLeft), so every such check gets the 431: before, about 7 in 100 got the
+// policy ("connection lost: write EPIPE").
+test('refused by the daemon while still writing: the 431 every time', async (t) => {
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 5000, conns: 1, maxFrame: 1 << 23, onUnavailable: 'open' });
+  const big = 'x'.repeat(4000000);
+  const got = {};
+  for (let i = 0; i < 100; i++) {
+    let k;
+    try {
+      const x = await c.check({ user: 'may', ua: big });
+      k = `decision: ${x.cause}`;
+    } catch (e) {
+      k = e instanceof rl.ProtocolError && e.decision.status === 431 ? '431' : String(e);
+    }
+    got[k] = (got[k] || 0) + 1;
+  }
+  assert.deepEqual(got, { 431: 100 });
+  assert.equal((await c.check({ user: 'may' })).remaining, 4);
 });

@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import os
 import time
 
 from . import _proto
@@ -72,7 +73,33 @@ class _Protocol(asyncio.Protocol):
                 return
 
     def connection_lost(self, exc):
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self.pending:
+            self.read_left()
         self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection")
+
+    def read_left(self):
+        """Hand data_received what the sidecar wrote before a write failed. The sidecar
+        refuses a frame over its --max-frame from its header: it answers frame_too_large
+        and closes, and the write of the rest fails (EPIPE), though the answer is already
+        in the receive queue. When the loop runs the write before the read, the transport
+        stops reading and the check would get the policy, not its 431; the socket is still
+        open here (the transport closes it after connection_lost), so the answer is read
+        from its descriptor (non-blocking: until nothing more, or the end)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return
+        try:
+            fd = sock.fileno()
+        except OSError:
+            return
+        while self.broken is None and fd >= 0:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # nothing more (EAGAIN), or the connection reset
+                return
+            if not data:
+                return
+            self.data_received(data)
 
     def fail(self, why):
         """Break the connection once: close it and fail every pending check."""

@@ -2,6 +2,7 @@
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
 import asyncio
+import threading
 import time
 
 from ._path import clean_path, normalize_path, path_attr
@@ -98,13 +99,19 @@ class WSGIMiddleware:
 
     ``attrs(environ) -> dict`` and ``cost(environ) -> int`` choose what is checked;
     by default wsgi_attrs and 1.
+
+    A request's concurrency lease is renewed (Client.renew, each rule's own lease) at
+    about half of what is left of it until it is released, by a thread of its own, so a
+    request longer than its rule's lease (an upload, a stream) keeps its slot;
+    ``renew_leases=False`` turns that off.
     """
 
-    def __init__(self, app, client, attrs=wsgi_attrs, cost=None):
+    def __init__(self, app, client, attrs=wsgi_attrs, cost=None, renew_leases=True):
         self.app = app
         self.client = client
         self.attrs = attrs
         self.cost = cost
+        self.renew_leases = renew_leases
 
     def __call__(self, environ, start_response):
         cost = self.cost(environ) if self.cost is not None else 1
@@ -118,8 +125,14 @@ class WSGIMiddleware:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
-        if d.delay_ms:
-            time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
+        renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d)) if d.lease and self.renew_leases else None
+        try:
+            if d.delay_ms:
+                time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
+        except BaseException:
+            if d.lease:
+                self._release(d.lease, renewal)
+            raise
         extra = list(d.headers().items())
         start = start_response
         if extra:
@@ -137,15 +150,53 @@ class WSGIMiddleware:
         try:
             body = self.app(environ, start_noting_length)
         except BaseException:
-            self._release(d.lease)
+            self._release(d.lease, renewal)
             raise
-        return _Releasing(body, lambda: self._release(d.lease), length)
+        return _Releasing(body, lambda: self._release(d.lease, renewal), length)
 
-    def _release(self, lease):
+    def _release(self, lease, renewal=None):
+        if renewal is not None:
+            renewal.stop()
         try:
             self.client.release(lease)
         except Exception:  # the lease then expires on its own; the response is not at fault
             pass
+
+
+class _LeaseRenewal:
+    """A thread renewing one lease with a blocking Client, first after ``first`` seconds,
+    then at half of what each renewal answers is left of it, until stop() (which waits for
+    a renewal under way, at most the client's timeout, so that the release follows it).
+    It ends by itself when a renewal answers that the lease is gone, and when the sidecar
+    does not answer until the lease's last known expiry."""
+
+    def __init__(self, client, lease, first):
+        self._client = client
+        self._lease = lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first,), name="rlsidecar-renew", daemon=True)
+        self._thread.start()
+
+    def _run(self, wait):
+        expires = time.monotonic() + 2 * wait
+        while not self._stop.wait(max(wait, MIN_RENEWAL)):
+            try:
+                renewed, expires_ms = self._client.renew(self._lease)
+            except (OSError, ProtocolError, ClosedError):
+                left = expires - time.monotonic()
+                if left <= 0:
+                    return
+                wait = left / 2
+                continue
+            if not renewed:
+                return
+            expires = time.monotonic() + expires_ms / 1000
+            wait = expires_ms / 2000
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class _Releasing:
@@ -194,13 +245,19 @@ class ASGIMiddleware:
     """ASGI middleware around ``app`` that checks every HTTP request with ``client`` (a
     rlsidecar.AsyncClient); other scopes (lifespan, websocket) pass through. It behaves
     as WSGIMiddleware does; ``attrs(scope) -> dict`` and ``cost(scope) -> int`` default
-    to asgi_attrs and 1."""
+    to asgi_attrs and 1. A request held for a rule's delay whose client disconnects
+    meanwhile is dropped: the app is not called and its lease is released (see _hold).
+    Until a request's concurrency lease is released, it is renewed (AsyncClient.renew,
+    each rule's own lease) at about half of what is left of it, so a request longer than
+    its rule's lease (an upload, a stream) keeps its slot; ``renew_leases=False`` turns
+    that off."""
 
-    def __init__(self, app, client, attrs=asgi_attrs, cost=None):
+    def __init__(self, app, client, attrs=asgi_attrs, cost=None, renew_leases=True):
         self.app = app
         self.client = client
         self.attrs = attrs
         self.cost = cost
+        self.renew_leases = renew_leases
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http":
@@ -221,10 +278,15 @@ class ASGIMiddleware:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
             pending = [d.lease]
+            renewal = asyncio.ensure_future(_keep_lease(self.client, d.lease, _first_renewal(d))) \
+                if self.renew_leases else None
 
             async def release():
                 if pending:
                     lease = pending.pop()
+                    if renewal is not None:
+                        renewal.cancel()
+                        await asyncio.wait((renewal,))  # a renewal under way ends before the release
                     try:
                         await self.client.release(lease)
                     except Exception:  # the lease then expires on its own
@@ -238,18 +300,17 @@ class ASGIMiddleware:
                     await release()
                 await send(message)
 
-            try:  # the delay too: a request cancelled while held frees its slot
-                await self._hold(d)
+            try:  # the delay too: a request cancelled, or whose client left, while held frees its slot
+                receive, gone = await _hold(d, receive)
+                if gone:
+                    return
                 return await self._call(scope, receive, send_releasing, extra)
             finally:
                 await release()
-        await self._hold(d)
+        receive, gone = await _hold(d, receive)
+        if gone:
+            return
         return await self._call(scope, receive, send, extra)
-
-    @staticmethod
-    async def _hold(d):
-        if d.delay_ms:
-            await asyncio.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
 
     async def _call(self, scope, receive, send, extra):
         if not extra:
@@ -262,3 +323,104 @@ class ASGIMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_with_headers)
+
+
+#: The request body ASGIMiddleware reads ahead, at most, while it holds a request for a
+#: rule's delay (watching for the client's disconnect); past it, it stops watching and
+#: the request is held to the end of its delay.
+HOLD_READ_AHEAD = 65536
+
+
+async def _hold(d, receive):
+    """Hold the request d.delay_ms (a rule's delay: its tokens are reserved, the request
+    waits) while watching for the client going away. Returns the receive callable to give
+    the app (the messages read meanwhile first, in order) and whether the client
+    disconnected: then the app is not called, nothing is sent, and the caller releases the
+    lease.
+
+    Only receive() tells an ASGI app that its client went away (http.disconnect), and it
+    also hands out the request body: the body that arrives during the wait is kept for the
+    app, up to HOLD_READ_AHEAD bytes; past that the wait goes on without watching. Once the
+    body is complete, receive() waits until the client disconnects (the ASGI spec); that
+    last receive() is cancelled when the wait ends (servers' receive() awaits a queue or
+    an event, which loses nothing when cancelled)."""
+    if not d.delay_ms:
+        return receive, False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + d.delay_ms / 1000
+    kept = []  # messages read during the wait, for the app
+    size = 0
+    complete = False  # the body's last message was read
+    watching = True
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        if not watching:
+            await asyncio.sleep(left)
+            break
+        got = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait((got,), timeout=left)
+        finally:
+            if not got.done():  # the wait is over (or cancelled): the app asks again
+                got.cancel()
+        if not got.done() or got.cancelled():
+            break
+        msg = got.result()
+        if msg.get("type") == "http.disconnect":
+            return receive, True
+        kept.append(msg)
+        size += len(msg.get("body", b""))
+        if complete or msg.get("type") != "http.request" or size > HOLD_READ_AHEAD:
+            # Past the read-ahead, or a server whose receive() does not wait after the body
+            # (not as the spec says): the rest of the wait is not watched.
+            watching = False
+        elif not msg.get("more_body", False):
+            complete = True
+    if not kept:
+        return receive, False
+
+    async def receive_kept():
+        if kept:
+            return kept.pop(0)
+        return await receive()
+
+    return receive_kept, False
+
+
+#: The shortest wait between two renewals of a lease, in seconds.
+MIN_RENEWAL = 0.01
+
+
+def _first_renewal(d):
+    """When to renew d's lease first, in seconds: half the shortest window among d's rules.
+    A concurrency rule's entry has its lease as its window; a rate rule's may be shorter,
+    which only brings the first renewal forward (its answer says when the lease expires,
+    and the next renewal follows that)."""
+    w = min((r.window_ms for r in d.rules if r.window_ms), default=2000)
+    return max(w / 2000, MIN_RENEWAL)
+
+
+async def _keep_lease(client, lease, first):
+    """Renew lease with client (an AsyncClient), first after ``first`` seconds, then at
+    half of what each renewal answers is left of it, until cancelled. It returns when a
+    renewal answers that the lease is gone, and when the sidecar does not answer until the
+    lease's last known expiry (retrying meanwhile at half of what is left of it)."""
+    loop = asyncio.get_running_loop()
+    expires = loop.time() + 2 * first
+    wait = first
+    while True:
+        await asyncio.sleep(max(wait, MIN_RENEWAL))
+        try:
+            renewed, expires_ms = await client.renew(lease)
+        except (ConnectionError, ProtocolError, ClosedError):
+            left = expires - loop.time()
+            if left <= 0:
+                return
+            wait = left / 2
+            continue
+        if not renewed:
+            return
+        expires = loop.time() + expires_ms / 1000
+        wait = expires_ms / 2000

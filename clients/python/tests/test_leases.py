@@ -137,8 +137,11 @@ def test_lease_and_delay_together(make_daemon):
 
             async def send(m):
                 pass
+
+            async def receive():  # the server's: the client neither sends nor leaves
+                await asyncio.Event().wait()
             try:
-                await asyncio.wait_for(mw({"type": "http", "method": "GET", "path": "/"}, None, send), 0.2)
+                await asyncio.wait_for(mw({"type": "http", "method": "GET", "path": "/"}, receive, send), 0.2)
             except asyncio.TimeoutError:
                 pass
             else:
@@ -148,6 +151,83 @@ def test_lease_and_delay_together(make_daemon):
                     break
                 await asyncio.sleep(0.01)
             assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+    asyncio.run(run())
+
+
+def test_asgi_client_gone_while_held(make_daemon):
+    """A request held for a rule's delay whose client disconnects (receive() gives
+    http.disconnect, as an ASGI server does): the wait ends at once, the app is not
+    called, nothing is sent, and its slot is freed — not 10 s later. A request whose body
+    arrives during the wait gets it whole in the app, in order."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1") + """
+  - name: queue
+    key: user
+    limit: { requests: 1, per: 10s }
+    delay: 30s
+  - name: short-queue
+    key: who
+    limit: { requests: 1, per: 300ms }
+    delay: 5s
+""")
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            first = await c.check({"user": "ann"})
+            assert await c.release(first.lease) is True
+
+            async def app(scope, receive, send):
+                raise AssertionError("reached the app")
+            mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+            sent = []
+
+            async def send(m):
+                sent.append(m)
+            gone = asyncio.Event()
+            body = [{"type": "http.request", "body": b"abc", "more_body": False}]
+
+            async def receive():  # the body, then the disconnect once the client leaves
+                if body:
+                    return body.pop(0)
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, gone.set)
+            start = loop.time()
+            await asyncio.wait_for(mw({"type": "http", "method": "POST", "path": "/"}, receive, send), 5)
+            assert loop.time() - start < 5 and sent == []
+            # The slot is free (released before the middleware returned).
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+
+            # Held about 300 ms with its body arriving meanwhile, in two parts: the app
+            # reads both, then the disconnect as any receive() after the response.
+            got = []
+
+            async def reader(scope, receive, send):
+                while True:
+                    m = await receive()
+                    got.append(m)
+                    if not m.get("more_body", False):
+                        break
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+            mw = rlsidecar.ASGIMiddleware(reader, c, attrs=lambda scope: {"who": "bo"})
+            assert (await c.check({"who": "bo"})).allowed
+            parts = [{"type": "http.request", "body": b"pa", "more_body": True},
+                     {"type": "http.request", "body": b"rt", "more_body": False}]
+            done = asyncio.Event()
+
+            async def receive2():
+                if parts:
+                    await asyncio.sleep(0.05)
+                    return parts.pop(0)
+                await done.wait()
+                return {"type": "http.disconnect"}
+            sent.clear()
+            await asyncio.wait_for(mw({"type": "http", "method": "POST", "path": "/"}, receive2, send), 5)
+            done.set()
+            assert [m["body"] for m in got] == [b"pa", b"rt"]
+            assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     asyncio.run(run())
 
 
@@ -242,3 +322,87 @@ def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
             srv.shutdown()
             srv.server_close()
             t.join(10)
+
+
+def test_asgi_renews_a_long_request_lease(make_daemon):
+    """ASGIMiddleware renews a request's lease while the app runs: a request longer than
+    its rule's lease (2 s here) keeps its slot, and frees it when it ends; with
+    renew_leases=False the slot is lost once the lease expires. Both at once."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2, lease: 30s", "max: 1, lease: 2s"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            finish = asyncio.Event()
+
+            async def app(scope, receive, send):
+                await finish.wait()
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"ok"})
+
+            async def send(m):
+                pass
+
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def free(user):
+                return (await c.check({"user": user}, cost=0)).rules[0].remaining
+            runs = [asyncio.ensure_future(rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope, u=u: {"user": u},
+                                                                   renew_leases=renew)(
+                {"type": "http", "method": "PUT", "path": "/upload"}, receive, send))
+                for u, renew in (("ren", True), ("lou", False))]
+            for _ in range(500):
+                if await free("ren") == 0 and await free("lou") == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await free("ren"), await free("lou")) == (0, 0)
+            await asyncio.sleep(4.5)  # more than twice the lease
+            assert await free("ren") == 0, "renewed: still held after 4.5 s of a 2 s lease"
+            assert await free("lou") == 1, "not renewed: expired"
+            finish.set()
+            await asyncio.wait_for(asyncio.gather(*runs), 5)
+            assert await free("ren") == 1
+    asyncio.run(run())
+
+
+def test_wsgi_renews_a_long_request_lease(make_daemon):
+    """As test_asgi_renews_a_long_request_lease, for WSGIMiddleware (a thread renews)."""
+    import threading
+    import time
+    d = make_daemon(RULES.replace("max: 2, lease: 30s", "max: 1, lease: 2s"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        finish = threading.Event()
+        started = threading.Semaphore(0)
+
+        def app(environ, start_response):
+            started.release()
+            finish.wait(30)
+            start_response("200 OK", [])
+            return [b"ok"]
+
+        def free(user):
+            return c.check({"user": user}, cost=0).rules[0].remaining
+        results = {}
+
+        def serve(user, renew):
+            mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": user}, renew_leases=renew)
+            body = mw({}, lambda status, headers, exc_info=None: None)
+            results[user] = list(body)
+            body.close()
+        threads = [threading.Thread(target=serve, args=a) for a in (("ren", True), ("lou", False))]
+        for t in threads:
+            t.start()
+        try:
+            assert started.acquire(timeout=10) and started.acquire(timeout=10)
+            assert (free("ren"), free("lou")) == (0, 0)
+            time.sleep(4.5)  # more than twice the lease
+            assert free("ren") == 0, "renewed: still held after 4.5 s of a 2 s lease"
+            assert free("lou") == 1, "not renewed: expired"
+        finally:
+            finish.set()
+            for t in threads:
+                t.join(10)
+        assert results == {"ren": [b"ok"], "lou": [b"ok"]}
+        assert free("ren") == 1
+        assert not [t for t in threading.enumerate() if t.name == "rlsidecar-renew"]

@@ -119,6 +119,88 @@ def test_refused_while_still_writing(short_tmp):
         srv.close()
 
 
+def test_async_refused_while_still_writing(short_tmp):
+    """As test_refused_while_still_writing, for AsyncClient: the transport's write of the
+    rest fails once the server closed, and the answer read before it is still the 431."""
+    import os
+    import socket
+    import struct
+    import threading
+
+    import msgpack
+
+    path = os.path.join(short_tmp, "refuse.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)
+
+    def refuse():
+        for _ in range(3):
+            c, _ = srv.accept()
+            c.recv(4)  # the header only
+            body = msgpack.packb({"id": 0, "error": {"code": "frame_too_large",
+                                                     "message": "a frame of 4000000 bytes is over this daemon's 65536"}})
+            c.sendall(struct.pack(">I", len(body)) + body)
+            c.close()
+
+    t = threading.Thread(target=refuse)
+    t.start()
+
+    async def main():
+        for _ in range(3):
+            async with rlsidecar.AsyncClient(path, timeout=5, max_frame=1 << 22, on_unavailable="open") as c:
+                with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                    await c.check({"user": "may", "ua": "x" * 4_000_000})
+                check_431(e.value.decision)
+    try:
+        asyncio.run(main())
+    finally:
+        t.join(5)
+        srv.close()
+
+
+def test_async_write_failed_before_the_answer_was_read():
+    """The loop may run a failed write (EPIPE: the sidecar answered frame_too_large from
+    the header and closed) before it reads that answer; the transport then stops reading
+    and calls connection_lost with the socket still open. The answer is read there: the
+    check gets the 431. Here that order, forced: a socketpair whose other end wrote the
+    answer and closed, and connection_lost called as the transport does."""
+    import socket
+    import struct
+
+    import msgpack
+
+    from rlsidecar.aio import _Protocol
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        body = msgpack.packb({"id": 0, "error": {"code": "frame_too_large", "message": "over 65536"}})
+        theirs.sendall(struct.pack(">I", len(body)) + body)
+        theirs.close()
+
+        class Transport:
+            def get_extra_info(self, name):
+                return ours if name == "socket" else None
+
+            def close(self):
+                pass
+
+        class Client:
+            def _detach(self, conn):
+                pass
+
+        p = _Protocol(Client())
+        p.connection_made(Transport())
+        fut = asyncio.get_running_loop().create_future()
+        p.pending.append((1, fut))
+        p.connection_lost(BrokenPipeError(32, "Broken pipe"))
+        assert fut.done() and not fut.exception(), fut
+        assert _proto.error_of(fut.result())[0] == "frame_too_large"
+        ours.close()
+    asyncio.run(main())
+
+
 def test_async(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:

@@ -1,0 +1,92 @@
+"""A stand-in for the daemon, for clients/lua/test/e2e.sh: it answers every check allowed
+with a lease of its own numbering (L1, L2, ...), held for delay_ms when the check's path
+starts with /held/ (as a rule with `delay` would), and answers every release (released:
+true) only RELEASE_MS after it came, so that a gateway's next request finds it under way.
+It writes one line per event to LOG, with the time in ms since it started:
+
+    check PATH LEASE T          a check came
+    release LEASE T_IN T_OUT    a release came at T_IN and was answered at T_OUT
+
+Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
+"""
+
+import itertools
+import socket
+import struct
+import sys
+import threading
+import time
+
+import msgpack
+
+RELEASE_MS = 1000
+HELD_DELAY_MS = 5000
+
+start = time.monotonic()
+leases = itertools.count(1)
+log_lock = threading.Lock()
+
+
+def now_ms():
+    return int((time.monotonic() - start) * 1000)
+
+
+def log(line):
+    with log_lock:
+        with open(sys.argv[2], "a") as f:
+            f.write(line + "\n")
+
+
+def read_exact(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            return None
+        b += d
+    return b
+
+
+def serve(c):
+    with c:
+        while True:
+            head = read_exact(c, 4)
+            if head is None:
+                return
+            body = read_exact(c, struct.unpack(">I", head)[0])
+            if body is None:
+                return
+            req = msgpack.unpackb(body, raw=False)
+            rid, op = req.get("id", 0), req.get("op")
+            if op == "check":
+                path = dict(req.get("attrs") or {}).get("path", "")
+                lease = "L%d" % next(leases)
+                log("check %s %s %d" % (path, lease, now_ms()))
+                ans = {"id": rid, "allowed": True, "rule": "", "limit": 0, "remaining": 0, "reset_ms": 0,
+                       "retry_after_ms": 0, "rules": [], "lease": lease}
+                if path.startswith("/held/"):
+                    ans["delay_ms"] = HELD_DELAY_MS
+            elif op == "release":
+                t_in = now_ms()
+                time.sleep(RELEASE_MS / 1000)
+                log("release %s %d %d" % (req.get("lease"), t_in, now_ms()))
+                ans = {"id": rid, "released": True}
+            else:
+                ans = {"id": rid, "error": {"code": "unknown_op", "message": "not here"}}
+            out = msgpack.packb(ans)
+            try:
+                c.sendall(struct.pack(">I", len(out)) + out)
+            except OSError:  # the gateway gave up waiting (its timeout) and closed
+                return
+
+
+def main():
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(sys.argv[1])
+    s.listen(64)
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+
+main()
