@@ -492,12 +492,17 @@ func (l *Limiter) report(now int64, d *Decision) {
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked.
-			var until int64
+			// A ban it starts lasts at least until the rule itself would admit the
+			// request again (banEnd): never shorter than this refusal's retry.
+			var until, admit int64
+			if !out.Impossible && out.RetryAfter > 0 {
+				admit = now + int64(out.RetryAfter)
+			}
 			switch {
 			case o.bans == bansLocal:
-				until = l.bans.refused(o.key, out.Rule, now)
+				until = l.bans.refused(o.key, out.Rule, now, admit)
 			case !o.degraded || o.bans == bansHybrid: // a global op degraded: Redis is away
-				until = l.shared.refused(now, d, i, out.Rule)
+				until = l.shared.refused(now, d, i, out.Rule, admit)
 			}
 			if until != 0 {
 				out.Banned, out.BanStarted = true, true
