@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"reflect"
 	"testing"
 	"time"
 )
@@ -49,7 +50,7 @@ rules:
 							i, k, r.Name, r.Remaining, r.Allowed, names[k], want)
 					}
 				}
-				if r := d.Results[3]; r.Window != time.Minute || r.Limit != 10 || r.Reset != d.Results[1].Reset {
+				if r := d.Results[3]; !sameResult(r, d.Results[1]) || !sameResult(d.Results[4], r) || r.Window != time.Minute || r.Limit != 10 {
 					t.Fatalf("request %d: the copy %+v differs from the first %+v", i, r, d.Results[1])
 				}
 				// The deciding rule: the least remaining, the first listed on a tie.
@@ -80,4 +81,33 @@ rules:
 			}
 		})
 	}
+}
+
+// TestInlineDuplicateAcrossRedisModes: a hybrid and a global inline limit that agree on
+// key, algorithm, limit, window and burst share one Redis counter, so listed together
+// they are one limit, decided by the first listed's store and charged once: a limit of 1
+// so listed admits its one request. A local one beside them has its own counter.
+func TestInlineDuplicateAcrossRedisModes(t *testing.T) {
+	l := policyLimiter(t, realRedis(t), "rules: []\n")
+	lim := func(mode string) Inline { return Inline{Key: "x", Limit: 1, WindowMs: 60_000, Mode: mode} }
+	in := Input{Limits: []Inline{lim("global"), lim("hybrid"), lim("local")}, Cost: 1}
+	var d Decision
+	if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if !d.Allowed || len(d.Results) != 3 || d.Results[0].Remaining != 0 || !sameResult(d.Results[1], d.Results[0]) || !d.Results[2].Allowed {
+		t.Fatalf("allowed %v results %+v; want allowed, the Redis counter charged once", d.Allowed, d.Results)
+	}
+	if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Allowed || d.Results[0].Allowed || !sameResult(d.Results[1], d.Results[0]) || d.Deciding != 0 {
+		t.Fatalf("again: allowed %v deciding %d results %+v; want refused by the first", d.Allowed, d.Deciding, d.Results)
+	}
+}
+
+// sameResult reports whether a and b are alike but for their names.
+func sameResult(a, b Result) bool {
+	a.Name, b.Name = "", ""
+	return reflect.DeepEqual(a, b)
 }

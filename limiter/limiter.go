@@ -318,8 +318,8 @@ type Decision struct {
 	// noWait: DecideInline is deciding; a hybrid key that would wait on Redis sets
 	// wouldWait instead, and nothing is taken.
 	noWait, wouldWait bool
-	// dups is the inline limits of Input.Limits identical to an earlier one there (same
-	// store and key), in request order: given no op (one limit, charged once), and
+	// dups is the inline limits of Input.Limits identical to an earlier one there (the
+	// same counter: addInline), in request order: given no op (one limit, charged once), and
 	// reported by Decide as a copy of the earlier one's result (expandDups).
 	dups []inlineDup
 }
@@ -778,9 +778,10 @@ func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 // addInline adds the check of inline limit il (at index i of the error it may return),
 // stored at d.limits[n], costing cost, for part p. With first >= 0 (Input.Limits: the
 // native protocol), an inline limit identical to an earlier one among the ops from first
-// on (the same store and key: algorithm, limit, window, burst and key) is the same limit
-// listed twice: it gets no op of its own, so it is decided, and charged, once, and
-// Decide reports it as a copy of that one (Decision.dups).
+// on (the same counter: algorithm, limit, window, burst and key, both local or both in
+// Redis) is the same limit listed twice: it gets no op of its own, so it is decided, and
+// charged, once (by the earlier one's store), and Decide reports it as a copy of that
+// one (Decision.dups).
 func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, first int) error {
 	mode, err := l.inlineLimit(i, il, &d.limits[n])
 	if err != nil {
@@ -804,7 +805,9 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 	key := d.keys[start:len(d.keys):len(d.keys)]
 	if first >= 0 {
 		for j := first; j < len(d.ops); j++ {
-			if d.ops[j].store == id && string(d.ops[j].key) == string(key) {
+			// The same counter: both local, or both in Redis (a hybrid and a global
+			// inline limit share its key and state there).
+			if (d.ops[j].store == storeLocal) == (id == storeLocal) && string(d.ops[j].key) == string(key) {
 				d.keys = d.keys[:start]
 				d.dups = append(d.dups, inlineDup{at: len(d.Results) + len(d.dups), of: d.finalIndex(j), name: name})
 				return nil
