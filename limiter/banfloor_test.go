@@ -126,3 +126,56 @@ rules:
 		t.Fatalf("bans %+v, want one of about 1h, count 1", bans)
 	}
 }
+
+// TestCostZeroEarnsNoBan: a cost-0 check only asks (PROTOCOL.md: nothing is stored), so
+// its refusal is no refusal for a penalty: any number of them start no ban, and the
+// refusals of real requests still do. While banned, a cost-0 check reads the ban. In
+// local mode and in global mode (shared bans, on a real Redis).
+func TestCostZeroEarnsNoBan(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: MODE
+    penalty: { after: 2, within: 1h, ban: 10m }
+`
+	for _, mode := range []string{"local", "global"} {
+		t.Run(mode, func(t *testing.T) {
+			var l *Limiter
+			if mode == "local" {
+				l = newLimiter(t, strings.Replace(yaml, "MODE", mode, 1))
+			} else {
+				l = sharedLimiter(t, realRedis(t), strings.Replace(yaml, "MODE", mode, 1))
+			}
+			var d Decision
+			check := func(cost uint64) *Decision {
+				t.Helper()
+				if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: cost}, &d); err != nil {
+					t.Fatal(err)
+				}
+				if d.Degraded {
+					t.Fatalf("degraded: %+v", d.Results)
+				}
+				return &d
+			}
+			if !check(1).Allowed {
+				t.Fatal("first request refused")
+			}
+			for i := range 5 {
+				if r := check(0); r.Allowed || r.Banned {
+					t.Fatalf("cost-0 check %d: allowed %v banned %v, want refused, not banned", i+1, r.Allowed, r.Banned)
+				}
+			}
+			if r := check(1); r.Allowed || r.Banned {
+				t.Fatalf("first refusal of a request: banned %v, want not yet (after: 2)", r.Banned)
+			}
+			if r := check(1); !r.Banned || !r.Results[0].BanStarted {
+				t.Fatalf("second refusal: banned %v started %v, want the ban to start", r.Banned, r.Results[0].BanStarted)
+			}
+			if r := check(0); !r.Banned || r.Results[0].BanStarted {
+				t.Fatalf("cost-0 check while banned: banned %v started %v, want the ban read", r.Banned, r.Results[0].BanStarted)
+			}
+		})
+	}
+}

@@ -544,8 +544,9 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// The ban's remaining time, as the protocol defines it for a banned answer
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
-			// Refused by its rule: not an op whose store a rejection skipped unasked.
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !d.unasked(i) {
+			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
+			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban).
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
