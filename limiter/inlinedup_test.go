@@ -59,6 +59,16 @@ rules:
 				}
 			}
 
+			// The deciding result after a copy moves with it: a, a, b with b deciding.
+			two := Inline{Key: "two", Limit: 2, WindowMs: 60_000, Mode: "local"}
+			in = Input{Limits: []Inline{dup, dup, two}, Cost: 1}
+			if err := l.Check(now, &in, &d); err != nil {
+				t.Fatal(err)
+			}
+			if !d.Allowed || len(d.Results) != 3 || d.Deciding != 2 || d.DecidingResult().Name != "two" || d.Results[1].Remaining != 6 {
+				t.Fatalf("dup, dup, two: allowed %v deciding %d results %+v; want two deciding, dup at 6", d.Allowed, d.Deciding, d.Results)
+			}
+
 			// A limit of 1 listed twice: the first request passes, the second is refused,
 			// both entries alike, and the deciding index is the first's.
 			one := Inline{Key: "one", Limit: 1, WindowMs: 60_000, Mode: mode}
