@@ -213,7 +213,8 @@ func (m *Metrics) BanStarted(rule string) {
 }
 
 // Record counts one decision: per rule, allowed, rejected or shadow_rejected (a rule
-// whose store was not asked, limiter.Result.Unasked, is none of them: not counted),
+// whose store was not asked, limiter.Result.Unasked, is none of them: not counted; nor
+// is an inline limit repeated in one request counted again, limiter.Result.Repeat),
 // degraded decisions, and the rejected client in the rule's top-K. (Latency is observed
 // per batch of frames, see Answered.)
 func (m *Metrics) Record(d *limiter.Decision) { m.record(d, nil) }
@@ -244,6 +245,9 @@ func (m *Metrics) record(d *limiter.Decision, t *batchTally) {
 				rm = m.ruleLocked(r.Name)
 				m.mu.Unlock()
 			}
+		}
+		if r.Repeat {
+			continue // a copy of an earlier inline limit's result, counted there
 		}
 		switch {
 		case r.Unasked:

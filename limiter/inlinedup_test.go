@@ -53,6 +53,10 @@ rules:
 				if r := d.Results[3]; !sameResult(r, d.Results[1]) || !sameResult(d.Results[4], r) || r.Window != time.Minute || r.Limit != 10 {
 					t.Fatalf("request %d: the copy %+v differs from the first %+v", i, r, d.Results[1])
 				}
+				if d.Results[1].Repeat || d.Results[2].Repeat || !d.Results[3].Repeat || !d.Results[4].Repeat {
+					t.Fatalf("request %d: Repeat %v %v %v %v, want only the copies (3, 4)", i,
+						d.Results[1].Repeat, d.Results[2].Repeat, d.Results[3].Repeat, d.Results[4].Repeat)
+				}
 				// The deciding rule: the least remaining, the first listed on a tie.
 				if d.Deciding != 1 {
 					t.Fatalf("request %d: deciding %d, want 1", i, d.Deciding)
@@ -116,8 +120,9 @@ func TestInlineDuplicateAcrossRedisModes(t *testing.T) {
 	}
 }
 
-// sameResult reports whether a and b are alike but for their names.
+// sameResult reports whether a and b are alike but for their names (and Repeat).
 func sameResult(a, b Result) bool {
 	a.Name, b.Name = "", ""
+	a.Repeat, b.Repeat = false, false
 	return reflect.DeepEqual(a, b)
 }

@@ -253,6 +253,10 @@ type Result struct {
 	// not read and are 0 (a statement of nothing: not "none left"). Only on a refused
 	// Decision.
 	Unasked bool
+	// Repeat: an inline limit identical to an earlier one of the request (Decision's
+	// dups): this result is a copy of that one's under its own name; it was not decided,
+	// nor charged, on its own (metrics count the earlier one only).
+	Repeat bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -510,7 +514,7 @@ func (d *Decision) expandDups() {
 	}
 	for _, u := range d.dups {
 		d.Results[u.at] = d.Results[u.of]
-		d.Results[u.at].Name = u.name
+		d.Results[u.at].Name, d.Results[u.at].Repeat = u.name, true
 	}
 	if d.Deciding >= 0 {
 		for _, u := range d.dups {

@@ -20,7 +20,7 @@ rules:
     key: ip
     limit: { requests: 1, per: 1s }
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "3s", "--redis-timeout", "3s")
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "3s", "--redis-timeout", "3s")
 	c := dialRaw(t, d.socket)
 	id := uint64(0)
 	check := func(limits ...proto.InlineLimit) *proto.Response {
@@ -50,5 +50,10 @@ rules:
 				t.Fatalf("limit 1 sent twice, again: %+v; want refused, both entries alike", r)
 			}
 		})
+	}
+	// Counted once per check, as decided: 3 modes × (2 + 1) allowed, 3 × 1 rejected.
+	s := scrapeSamples(t, "http://"+adminAddr(t, d))
+	if a, r := s[`rlsidecar_checks_total{rule="~inline",result="allowed"}`], s[`rlsidecar_checks_total{rule="~inline",result="rejected"}`]; a != 9 || r != 3 {
+		t.Errorf("rlsidecar_checks_total{~inline}: allowed %v rejected %v, want 9 and 3 (a repeated limit counted once)", a, r)
 	}
 }
