@@ -212,9 +212,11 @@ func (m *Metrics) BanStarted(rule string) {
 	rm.bans.Inc()
 }
 
-// Record counts one decision: per rule, allowed, rejected or shadow_rejected, degraded
-// decisions, and the rejected client in the rule's top-K. (Latency is observed per batch
-// of frames, see Answered.)
+// Record counts one decision: per rule, allowed, rejected or shadow_rejected (a rule
+// whose store was not asked, limiter.Result.Unasked, is none of them: not counted; nor
+// is an inline limit repeated in one request counted again, limiter.Result.Repeat),
+// degraded decisions, and the rejected client in the rule's top-K. (Latency is observed
+// per batch of frames, see Answered.)
 func (m *Metrics) Record(d *limiter.Decision) { m.record(d, nil) }
 
 // record is Record. With t, a connection's tally, the allowed checks of the active rules
@@ -244,7 +246,14 @@ func (m *Metrics) record(d *limiter.Decision, t *batchTally) {
 				m.mu.Unlock()
 			}
 		}
+		if r.Repeat {
+			continue // a copy of an earlier inline limit's result, counted there
+		}
 		switch {
+		case r.Unasked:
+			// Its store was not asked (the request was refused first): it decided
+			// nothing, so rlsidecar_checks_total does not count it, neither as allowed
+			// nor as rejected, nor /top.
 		case r.Allowed && t != nil && x >= 0:
 			if t.n[x] == 0 {
 				t.touched = append(t.touched, x)

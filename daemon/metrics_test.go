@@ -282,3 +282,49 @@ func TestRuleSeriesExistBeforeUse(t *testing.T) {
 		}
 	}
 }
+
+// A rule whose store was not asked (limiter.Result.Unasked: the request was refused
+// first, by another rule or a ban) decided nothing: rlsidecar_checks_total counts it
+// neither as allowed nor as rejected, and /top does not list its client; the rule that
+// refused is counted as rejected. Recorded directly and through a connection's tally.
+func TestUnaskedRuleNotCounted(t *testing.T) {
+	set, err := rules.Parse("t.yaml", []byte(`
+rules:
+  - { name: first, key: ip, limit: { requests: 1, per: 1m } }
+  - { name: later, key: ip, limit: { requests: 1000, per: 1m } }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &limiter.Decision{Deciding: 0, Allowed: false, Results: []limiter.Result{
+		{Name: "first", Rule: set.Rules[0], RetryAfter: time.Minute, Key: []byte("first:{ip=1.1.1.1}")},
+		{Name: "later", Rule: set.Rules[1], Allowed: true, Unasked: true, Limit: 1000, Window: time.Minute, Key: []byte("later:{ip=1.1.1.1}")},
+	}}
+	for _, tallied := range []bool{false, true} {
+		m := NewMetrics("test", 10)
+		m.SetRules(set, time.Now())
+		var tally batchTally
+		for range 3 {
+			if tallied {
+				m.record(d, &tally)
+			} else {
+				m.Record(d)
+			}
+		}
+		m.flushTally(&tally)
+		var buf bytes.Buffer
+		m.WritePrometheus(&buf)
+		for _, want := range []string{
+			`rlsidecar_checks_total{rule="first",result="rejected"} 3`,
+			`rlsidecar_checks_total{rule="later",result="allowed"} 0`,
+			`rlsidecar_checks_total{rule="later",result="rejected"} 0`,
+		} {
+			if !strings.Contains(buf.String(), want+"\n") {
+				t.Errorf("tallied %v: want %s in:\n%s", tallied, want, buf.String())
+			}
+		}
+		if top := m.Top(); len(top["later"]) != 0 || len(top["first"]) != 1 {
+			t.Errorf("tallied %v: /top %+v, want first's client only", tallied, top)
+		}
+	}
+}

@@ -64,8 +64,11 @@ func (b *bans) bannedUntil(key []byte, now int64) int64 {
 }
 
 // refused records that rule r (with a penalty) refused key at now, and returns when the
-// ban this refusal starts ends (0 when it starts none).
-func (b *bans) refused(key []byte, r *rules.Rule, now int64) int64 {
+// ban this refusal starts ends (0 when it starts none). admit is when r itself would
+// admit the refused request again (0: never, or unknown): a ban lasts at least until then
+// (banEnd), so that obeying a banned answer's retry_after_ms never meets a refusal of the
+// rule, which would count toward the next ban.
+func (b *bans) refused(key []byte, r *rules.Rule, now, admit int64) int64 {
 	p := r.Penalty
 	sh := b.shard(key)
 	sh.mu.Lock()
@@ -91,9 +94,16 @@ func (b *bans) refused(key []byte, r *rules.Rule, now int64) int64 {
 	d := p.BanFor(e.bans)
 	e.bans++
 	e.refusals = 0
-	e.until = now + int64(d)
+	e.until = banEnd(now, d, admit)
 	e.lastEnd = e.until
 	return e.until
+}
+
+// banEnd is when a ban of length d started at now ends: now+d, or admit (when the rule
+// that started it would admit the refused request again) if that is later. The length
+// of the next ban (factor, max) still grows from d, the configured one.
+func banEnd(now int64, d time.Duration, admit int64) int64 {
+	return max(now+int64(d), admit)
 }
 
 // lift ends key's ban (and forgets its refusals and bans); it reports whether the key

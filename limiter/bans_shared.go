@@ -77,6 +77,7 @@ type knownBan struct {
 type pendingRefusal struct {
 	n      uint64
 	policy rlsync.BanPolicy
+	admit  int64 // wall ns: the latest moment the rule would admit one of them again; 0: none
 }
 
 func policyOf(p *rules.Penalty) rlsync.BanPolicy {
@@ -209,7 +210,7 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 	}
 	rs := make([]rlsync.BanRefusal, 0, len(s.pending))
 	for k, p := range s.pending {
-		rs = append(rs, rlsync.BanRefusal{Key: k, N: p.n, Policy: p.policy})
+		rs = append(rs, rlsync.BanRefusal{Key: k, N: p.n, Policy: p.policy, Admit: p.admit})
 	}
 	clear(s.pending)
 	s.mu.Unlock()
@@ -291,9 +292,15 @@ func (s *sharedBans) check(now int64, d *Decision) {
 
 // refused counts op i's refusal by rule r at now (the limiter's clock): at once in Redis
 // for a global op, returning when the ban it started (or found) ends on the limiter's
-// clock, 0 when none; for a hybrid op, added to the next interval's batch (0).
-func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule) int64 {
+// clock, 0 when none; for a hybrid op, added to the next interval's batch (0). admit
+// (the limiter's clock; 0: none) is when r would admit the request again: a ban these
+// refusals start lasts at least until then (rlsync.BanRefusal.Admit).
+func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit int64) int64 {
 	o := &d.ops[i]
+	off := s.wall.WallOffset()
+	if admit != 0 {
+		admit += off
+	}
 	if o.bans == bansHybrid {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -306,10 +313,10 @@ func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule) int64
 			s.pending[string(o.key)] = p
 		}
 		p.n++
+		p.admit = max(p.admit, admit)
 		return 0
 	}
-	off := s.wall.WallOffset()
-	rs := [1]rlsync.BanRefusal{{Key: string(o.key), N: 1, Policy: policyOf(r.Penalty)}}
+	rs := [1]rlsync.BanRefusal{{Key: string(o.key), N: 1, Policy: policyOf(r.Penalty), Admit: admit}}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
 	err := s.b.Refused(ctx, now+off, rs[:])
 	cancel()

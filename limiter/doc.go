@@ -58,7 +58,9 @@
 //     apply by the rule's refusals. Where the ban lives is the op's banScope: this
 //     daemon's table (bans.go) for a local rule, Redis for a hybrid or global one
 //     (bans_shared.go, rlsync.Bans): read at once for global, known within one sync
-//     interval for hybrid. One pre-check, two tables; no list in Decision.
+//     interval for hybrid. One pre-check, two tables; no list in Decision. A ban ends
+//     no earlier than the rule would admit the refusal that started it (banEnd, ban.lua's
+//     admit_ms), and a cost-0 check's refusal starts none.
 //   - Calendar windows (per day/week/month in a time zone): localbucket.NewCalendarLimit,
 //     a fixed window whose bounds come from the zone. In global mode the adapter names
 //     the window's start in the key (store_global.go, calendarKey); hybrid-mode rules

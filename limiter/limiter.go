@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -252,6 +253,10 @@ type Result struct {
 	// not read and are 0 (a statement of nothing: not "none left"). Only on a refused
 	// Decision.
 	Unasked bool
+	// Repeat: an inline limit identical to an earlier one of the request (Decision's
+	// dups): this result is a copy of that one's under its own name; it was not decided,
+	// nor charged, on its own (metrics count the earlier one only).
+	Repeat bool
 	// Rule is the rule this result is for; nil for an inline limit.
 	Rule *rules.Rule
 	// Key is the client key checked; for a hybrid or global check it is the Redis key,
@@ -317,6 +322,17 @@ type Decision struct {
 	// noWait: DecideInline is deciding; a hybrid key that would wait on Redis sets
 	// wouldWait instead, and nothing is taken.
 	noWait, wouldWait bool
+	// dups is the inline limits of Input.Limits identical to an earlier one there (the
+	// same counter: addInline), in request order: given no op (one limit, charged once), and
+	// reported by Decide as a copy of the earlier one's result (expandDups).
+	dups []inlineDup
+}
+
+// inlineDup is an inline limit decided by an earlier identical one: at is its index in
+// the final Results, of the earlier one's (both as Decide reports them), name its own.
+type inlineDup struct {
+	at, of int
+	name   string
 }
 
 // DecidingResult returns the deciding rule's result, or nil when nothing decides.
@@ -372,6 +388,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 	d.keys = d.keys[:0]
 	d.localReady, d.flags = false, 0
 	d.local.ops, d.local.at = d.local.ops[:0], d.local.at[:0]
+	d.dups = d.dups[:0]
 
 	if set.AnyReplaces() {
 		d.findReplaced(set, in)
@@ -401,8 +418,9 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		}
 		d.limits = d.limits[:ninline]
 		n := 0
+		first := len(d.ops) // the first inline limit's op
 		for i := range in.Limits {
-			if err := l.addInline(d, n, i, &in.Limits[i], in.Cost, 0); err != nil {
+			if err := l.addInline(d, n, i, &in.Limits[i], in.Cost, 0, first); err != nil {
 				return false, err
 			}
 			n++
@@ -410,7 +428,9 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		for p := range in.Parts {
 			pt := &in.Parts[p]
 			for i := range pt.Limits {
-				if err := l.addInline(d, n, n, &pt.Limits[i], pt.Cost, p); err != nil {
+				// No dedupe (-1): identical descriptors of one Envoy call are charged once
+				// each, as envoyproxy/ratelimit charges them.
+				if err := l.addInline(d, n, n, &pt.Limits[i], pt.Cost, p, -1); err != nil {
 					return false, err
 				}
 				n++
@@ -459,6 +479,9 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 			}
 		}
 		d.Deciding = best
+		if len(d.dups) != 0 {
+			d.expandDups()
+		}
 		return
 	}
 	l.report(now, d)
@@ -466,6 +489,41 @@ func (l *Limiter) Decide(now int64, d *Decision) {
 	if r := d.DecidingResult(); r != nil && !d.Allowed {
 		d.Banned = r.Banned
 	}
+	if len(d.dups) != 0 {
+		d.expandDups()
+	}
+}
+
+// expandDups inserts into Results, at its place, the result of each inline limit that
+// repeated an earlier one (Decision.dups): a copy of that one's under its own name.
+// Deciding moves with the result it points at (a copy never decides: ties go to the
+// first listed). Results then has more entries than the ops.
+func (d *Decision) expandDups() {
+	n := len(d.Results)
+	total := n + len(d.dups)
+	d.Results = slices.Grow(d.Results, len(d.dups))[:total]
+	// From the end: each result of an op moves up past the copies before it.
+	j, k := n-1, len(d.dups)-1
+	for f := total - 1; k >= 0 && f >= 0; f-- {
+		if f == d.dups[k].at {
+			k--
+			continue
+		}
+		d.Results[f] = d.Results[j]
+		j--
+	}
+	for _, u := range d.dups {
+		d.Results[u.at] = d.Results[u.of]
+		d.Results[u.at].Name, d.Results[u.at].Repeat = u.name, true
+	}
+	if d.Deciding >= 0 {
+		for _, u := range d.dups {
+			if u.at <= d.Deciding {
+				d.Deciding++
+			}
+		}
+	}
+	d.dups = d.dups[:0]
 }
 
 // report completes the results of Decide's ops: windows, bans, deny, warnings, delays.
@@ -490,14 +548,20 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// The ban's remaining time, as the protocol defines it for a banned answer
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && !d.unasked(i) {
-			// Refused by its rule: not an op whose store a rejection skipped unasked.
-			var until int64
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !d.unasked(i) {
+			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
+			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban).
+			// A ban it starts lasts at least until the rule itself would admit the
+			// request again (banEnd): never shorter than this refusal's retry.
+			var until, admit int64
+			if !out.Impossible && out.RetryAfter > 0 {
+				admit = now + int64(out.RetryAfter)
+			}
 			switch {
 			case o.bans == bansLocal:
-				until = l.bans.refused(o.key, out.Rule, now)
+				until = l.bans.refused(o.key, out.Rule, now, admit)
 			case !o.degraded || o.bans == bansHybrid: // a global op degraded: Redis is away
-				until = l.shared.refused(now, d, i, out.Rule)
+				until = l.shared.refused(now, d, i, out.Rule, admit)
 			}
 			if until != 0 {
 				out.Banned, out.BanStarted = true, true
@@ -717,8 +781,13 @@ func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 }
 
 // addInline adds the check of inline limit il (at index i of the error it may return),
-// stored at d.limits[n], costing cost, for part p.
-func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p int) error {
+// stored at d.limits[n], costing cost, for part p. With first >= 0 (Input.Limits: the
+// native protocol), an inline limit identical to an earlier one among the ops from first
+// on (the same counter: algorithm, limit, window, burst and key, both local or both in
+// Redis) is the same limit listed twice: it gets no op of its own, so it is decided, and
+// charged, once (by the earlier one's store), and Decide reports it as a copy of that
+// one (Decision.dups).
+func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, first int) error {
 	mode, err := l.inlineLimit(i, il, &d.limits[n])
 	if err != nil {
 		return err
@@ -739,6 +808,17 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 		name = strings.ToValidUTF8(name, "\uFFFD")
 	}
 	key := d.keys[start:len(d.keys):len(d.keys)]
+	if first >= 0 {
+		for j := first; j < len(d.ops); j++ {
+			// The same counter: both local, or both in Redis (a hybrid and a global
+			// inline limit share its key and state there).
+			if (d.ops[j].store == storeLocal) == (id == storeLocal) && string(d.ops[j].key) == string(key) {
+				d.keys = d.keys[:start]
+				d.dups = append(d.dups, inlineDup{at: len(d.Results) + len(d.dups), of: d.finalIndex(j), name: name})
+				return nil
+			}
+		}
+	}
 	var flags uint16
 	if il.Deny {
 		cost, flags = denyCost, infoDeny // decided by the local store, as a deny rule
@@ -752,6 +832,18 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p in
 	}
 	d.Results = append(d.Results, Result{Name: name, Part: p, Key: key})
 	return nil
+}
+
+// finalIndex returns where the result of op j lands once Decide has inserted the
+// copies of the dups recorded so far (expandDups).
+func (d *Decision) finalIndex(j int) int {
+	f := j
+	for _, u := range d.dups {
+		if u.at <= f {
+			f++
+		}
+	}
+	return f
 }
 
 // storeOf returns the store that decides a mode's checks (m as resolve returns it).

@@ -70,6 +70,9 @@ type BanRefusal struct {
 	Key    string // the rule's client key (not the ban key)
 	N      uint64 // refusals, at least 1
 	Policy BanPolicy
+	// Admit (Unix ns; 0: none) is when the rule would admit the refused requests again:
+	// a ban they start ends no earlier (its length for the escalation stays Policy's).
+	Admit int64
 	// Written by Refused: Until is the end of the client's ban in force (Unix ns), 0 when
 	// none; Count its number since the count decayed; Started: these refusals started it.
 	Until   int64
@@ -91,8 +94,9 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 	for i := range rs {
 		r := &rs[i]
 		p := r.Policy
+		admit := (max(r.Admit, 0) + int64(time.Millisecond) - 1) / int64(time.Millisecond) // rounded up: never early
 		calls[i] = call{keys: []string{BanKey(r.Key)}, args: []any{ms, max(r.N, 1), p.After,
-			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1)}}
+			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1), admit}}
 	}
 	run(ctx, b.rdb, banScript, calls)
 	var firstErr error

@@ -264,3 +264,52 @@ func scrapeSamples(t *testing.T, base string) map[string]float64 {
 	_, samples := scrape(t, base)
 	return samples
 }
+
+// TestE2EBanLastsAsLongAsItsRefusal: through the real daemon in global mode on a real
+// Redis, a penalty whose ban (300ms) is shorter than its rule's retry (1 per 3s) bans for
+// the retry: the answers while banned say the rule's time, not the ban's, and a client
+// that waits what they say passes, instead of meeting the rule's refusal (which would
+// count toward a longer ban).
+func TestE2EBanLastsAsLongAsItsRefusal(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 3s }
+    mode: global
+    penalty: { after: 1, within: 1m, ban: 300ms, factor: 2, max: 10s }
+`)
+	c := dialRaw(t, startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "3s", "--redis-timeout", "3s").socket)
+	id := uint64(0)
+	check := func() (allowed, banned bool, retryMs uint64) {
+		t.Helper()
+		id++
+		r := c.check(id, 1, "ip=1.1.1.1")
+		if r.Degraded {
+			t.Fatalf("degraded: %+v", r)
+		}
+		return r.Allowed, r.Banned, r.RetryAfterMs
+	}
+	if ok, _, _ := check(); !ok {
+		t.Fatal("first request refused")
+	}
+	// The refusal starts the ban, and says so, with the rule's retry (just under 3 s).
+	start := time.Now()
+	ok, banned, retry := check()
+	if ok || !banned || retry < 2000 || retry > 3000 {
+		t.Fatalf("refusal: allowed %v banned %v retry %d ms, want banned for the rule's retry (about 3000)", ok, banned, retry)
+	}
+	// Banned for as long: the old code said the ban's 300 ms here.
+	ok, banned, retry2 := check()
+	if elapsed := uint64(time.Since(start).Milliseconds()); ok || !banned || retry2+elapsed+1 < retry || retry2 > retry {
+		t.Fatalf("banned answer %d ms after: allowed %v banned %v retry %d ms, want what the refusal said less the time since (%d ms)",
+			elapsed, ok, banned, retry2, retry)
+	}
+	// Obeying it passes.
+	time.Sleep(time.Duration(retry2) * time.Millisecond)
+	if ok, banned, retry := check(); !ok {
+		t.Fatalf("after waiting retry_after_ms: refused (banned %v, retry %d ms)", banned, retry)
+	}
+}

@@ -101,3 +101,31 @@ func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
 		t.Errorf("user fresh after a refusal that did not ask its rule: %+v, want its 1 request", r)
 	}
 }
+
+// TestE2EUnaskedRuleNotCounted: through the real daemon, a global rule that refused
+// requests never asked is in neither result of rlsidecar_checks_total: it decided
+// nothing (before, each counted as allowed). The hybrid rule that refused them counts
+// them as rejected.
+func TestE2EUnaskedRuleNotCounted(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", unaskedRules)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s")
+	c := dialRaw(t, d.socket)
+	for i := uint64(1); i <= 3; i++ {
+		r := c.check(i, 1, "user=u9", "account=a9")
+		if r.Allowed != (i == 1) || r.Degraded {
+			t.Fatalf("request %d: %+v, want only the first allowed", i, r)
+		}
+	}
+	s := scrapeSamples(t, "http://"+adminAddr(t, d))
+	for series, want := range map[string]float64{
+		`rlsidecar_checks_total{rule="per-user",result="allowed"}`:     1,
+		`rlsidecar_checks_total{rule="per-user",result="rejected"}`:    2,
+		`rlsidecar_checks_total{rule="per-account",result="allowed"}`:  1, // the refused two: unasked, not counted
+		`rlsidecar_checks_total{rule="per-account",result="rejected"}`: 0,
+	} {
+		if got := s[series]; got != want {
+			t.Errorf("%s = %v, want %v", series, got, want)
+		}
+	}
+}

@@ -490,6 +490,21 @@ def test_inline_algorithms(conn, algorithm):
     assert got == [True, True, False]
 
 
+@pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_window", "fixed_window"])
+def test_inline_limit_listed_twice_is_one_limit(conn, algorithm):
+    """The same inline limit twice in one request: decided and charged once, reported twice."""
+    ten = {"key": uniq(), "limit": 10, "window_ms": 60000, "algorithm": algorithm}
+    for i, left in enumerate([9, 8]):
+        r = assert_check(conn.rt({"op": "check", "id": i, "limits": [ten, ten]}), i)
+        assert r["allowed"] and r["remaining"] == left, r
+        assert r["rules"][0] == r["rules"][1] and r["rules"][0]["remaining"] == left, r
+    one = {"key": uniq(), "limit": 1, "window_ms": 60000, "algorithm": algorithm}
+    r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [one, dict(one, name="again")]}), 3)
+    assert r["allowed"] and r["rule"] == one["key"] and [e["name"] for e in r["rules"]] == [one["key"], "again"], r
+    r = assert_check(conn.rt({"op": "check", "id": 4, "limits": [one, one]}), 4)
+    assert not r["allowed"] and r["rules"][0] == r["rules"][1], r
+
+
 # -- leases ----------------------------------------------------------------------------
 
 def test_leases(conn, daemon):
