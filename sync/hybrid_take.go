@@ -520,11 +520,16 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		r.Allowed = true
 		return r, false, false, false
 	}
-	// Room for it, on a key not busy here (a hot key waits for its share grant): the
-	// request lost the allowance a sync just brought to a concurrent one.
-	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
+	// A hot key (its last sync asked a share grant for two units or more) waits for its
+	// next share grant, while one is coming: its view is fresh, or a sync of it is due.
+	// A view gone stale with nothing to sync means the key has cooled: before, it stayed
+	// hot for good and refused here with units free in Redis.
+	hot := e.lastDemand >= 2 && (!stale || e.flags&flagDirty != 0)
+	// Room for it, on a key not busy here: the request lost the allowance a sync just
+	// brought to a concurrent one.
+	room = e.synced > 0 && !hot && proj-unseen >= need
 	answering := h.redisAnswering(e)
-	fetch = mayFetch && (waited || e.lastDemand < 2 && stale) && answering
+	fetch = mayFetch && (waited || !hot && stale) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,
 	// and for a window by its end at the latest), but not before the next sync brings a
