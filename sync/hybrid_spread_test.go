@@ -177,3 +177,36 @@ func TestHybridStaleHotKeyAsksRedis(t *testing.T) {
 		t.Fatalf("three intervals later, a unit free in Redis: refused from the old view: %+v", r)
 	}
 }
+
+// TryTake counts nothing when it reports a wait for a race lost (the view had room, the
+// allowance did not: Take then syncs the key): the daemon calls Take next, which counts
+// the request. Counted by both, one request was two units of demand and two short, and
+// a client spread over many daemons, back at this one once, looked hot to its next sync,
+// which asked a share grant for it (TestHybridSpreadOneRefusalReservesNothing).
+func TestHybridTryTakeRaceCountsOnce(t *testing.T) {
+	rdb := standalone(t)
+	const key = "rl:spread3:{user=1}"
+	lim := mustLimit(t, localbucket.SlidingWindow, 10, 24*time.Hour)
+	spreadKey(t, rdb, key, 0)
+	a := NewHybrid(rdb, HybridOptions{ID: "a"})
+	a.SetReplicas(10) // no credit: the view has room, the allowance none
+	now := time.Now().UnixNano()
+	if r := take(a, now, key, lim, 1); !r.Allowed { // an exact sync: its grant, spent
+		t.Fatalf("the first request refused: %+v", r)
+	}
+	ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}}
+	if ok, wait := a.TryTake(now, ops); ok || !wait {
+		t.Fatalf("TryTake with room in the view and no allowance: ok %v, wait %v; want a wait", ok, wait)
+	}
+	if !a.Take(now, ops) {
+		t.Fatalf("Take after the wait refused: %+v", ops[0].Result)
+	}
+	sh := &a.shards[a.shardOf([]byte(key))]
+	sh.mu.Lock()
+	e := sh.m[key]
+	demand, short := e.demand, e.short
+	sh.mu.Unlock()
+	if demand != 2 || short > 1 {
+		t.Fatalf("two requests counted as demand %d, short %d; want 2, at most 1", demand, short)
+	}
+}

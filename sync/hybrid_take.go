@@ -141,8 +141,9 @@ const busyPoll = 200 * time.Microsecond
 
 // take decides ops once. With mayFetch, when every refusal is one an exact sync may turn
 // around, it charges nothing and returns the syncs to make (items), or busy when those
-// keys' syncs are already in flight. With probe it starts no sync: where it would, it
-// returns busy, having charged nothing. gaveUp: the request waited FetchWait for Redis
+// keys' syncs are already in flight. With probe it starts no sync: where it would, or
+// where a race was lost (Take would sync again), it returns busy, having charged and
+// counted nothing. gaveUp: the request waited FetchWait for Redis
 // in vain; a refusal only Redis could have turned around is then Unreachable.
 func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp bool) (ok bool, items []syncItem, busy bool) {
 	var lockBuf [8]uint32
@@ -253,6 +254,16 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 		}
 	}
+	if probe && !ok && lostRace(ops) {
+		// TryTake: Take syncs again for a race lost, and counts the request's demand
+		// then. Counted here too, one request counted twice, and a client spread over
+		// many daemons, back here once, looked hot (two units short): its next sync
+		// asked a share grant, reserved for a daemon it rarely comes back to.
+		for i := range ops {
+			ops[i].fetched = false
+		}
+		return false, nil, true
+	}
 	if !ok && fetch {
 		// Worth waiting only if every refusal is one an exact sync may turn around.
 		all := true
@@ -308,10 +319,21 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			ops[i].fetched = false
 		}
 	}
+	// A race lost on a first pass (Take decides the request again, syncing the key):
+	// only the shortfall is counted here, once (two units short in an interval make the
+	// key hot: collect), the demand when the request is decided.
+	again := mayFetch && !waited && !ok && lostRace(ops)
 	for i := range ops {
 		op := &ops[i]
 		e := ents[i]
 		sh := &h.shards[op.shard]
+		if again {
+			if op.room && op.Cost > 0 {
+				e.short = satAdd16(e.short, op.Cost)
+				sh.markDirty(e)
+			}
+			continue
+		}
 		// A question (cost 0) counts no demand: no share grant is asked for it.
 		if cost := op.Cost; cost > 0 {
 			e.demand = satAdd32(e.demand, cost)
