@@ -305,6 +305,12 @@ func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 				keep = append(keep, e) // a request's exact sync has it: next time
 			case !e.needsSync():
 				e.flags &^= flagDirty
+			case e.short < 2 && e.lastDemand < 2 && !e.holds():
+				// A lone unit refused, nothing to settle: no share grant to ask (below),
+				// so nothing to send. The key's next request here is decided by its view,
+				// or by an exact sync once that is stale.
+				e.short = 0
+				e.flags &^= flagDirty
 			case len(items) >= limit:
 				backlog++
 				keep = append(keep, e)

@@ -101,9 +101,10 @@ func spreadKey(t *testing.T, rdb redis.UniversalClient, key string, n int) {
 // 8 clients at 3× 20 per second, each request to one of 20 daemons at random, were
 // admitted 0.94 of what the exact mode admits (BenchmarkSpreadClients). Here daemon a
 // spends the key's last unit, an interval and a half later refuses the client's next
-// request from its view (a lone request, not a hot key), a unit frees (the
-// window slides: here the count is lowered directly), a syncs, and daemon b's request,
-// decided by an exact sync, must get the free unit, as the exact mode would give it.
+// request from its view (a lone request, not a hot key), a unit frees (the window
+// slides: here the count is lowered directly), a syncs (nothing to send: no call), and
+// daemon b's request, decided by an exact sync, must get the free unit, as the exact
+// mode would give it.
 func TestHybridSpreadOneRefusalReservesNothing(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
@@ -130,8 +131,12 @@ func TestHybridSpreadOneRefusalReservesNothing(t *testing.T) {
 	if err := rdb.HIncrBy(ctx, key, "n", -1).Err(); err != nil {
 		t.Fatal(err)
 	}
+	before := evalCalls(t, rdb)
 	if err := a.Flush(ctx, now); err != nil {
 		t.Fatal(err)
+	}
+	if calls := evalCalls(t, rdb) - before; calls != 0 {
+		t.Fatalf("a's sync after a lone refusal, nothing to settle, made %d script calls; want none", calls)
 	}
 	if r := take(b, now, key, lim, 1); !r.Allowed {
 		g, _ := rdb.HGet(ctx, key, "s:a").Result()
