@@ -177,7 +177,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 	}()
 
 	n := h.creditShares()
-	ok, fetch := true, false
+	ok, fetch, raced := true, false, false // raced: a refusal had room (lostRace may hold)
 	for i := range ops {
 		op := &ops[i]
 		sh := &h.shards[op.shard]
@@ -233,6 +233,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 			fetch = fetch || f
+			raced = raced || op.room
 		}
 	}
 	if !ok {
@@ -254,7 +255,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 		}
 	}
-	if probe && !ok && lostRace(ops) {
+	if probe && raced && lostRace(ops) {
 		// TryTake: Take syncs again for a race lost, and counts the request's demand
 		// then. Counted here too, one request counted twice, and a client spread over
 		// many daemons, back here once, looked hot (two units short): its next sync
@@ -319,21 +320,23 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			ops[i].fetched = false
 		}
 	}
-	// A race lost on a first pass (Take decides the request again, syncing the key):
-	// only the shortfall is counted here, once (two units short in an interval make the
-	// key hot: collect), the demand when the request is decided.
-	again := mayFetch && !waited && !ok && lostRace(ops)
+	if raced && mayFetch && !waited && lostRace(ops) {
+		// A race lost on a first pass: Take decides the request again, syncing the key,
+		// and counts its demand then. Only the shortfall is counted here, once (two units
+		// short in an interval make the key hot: collect).
+		for i := range ops {
+			if op := &ops[i]; op.room && op.Cost > 0 {
+				e := ents[i]
+				e.short = satAdd16(e.short, op.Cost)
+				h.shards[op.shard].markDirty(e)
+			}
+		}
+		return false, nil, false
+	}
 	for i := range ops {
 		op := &ops[i]
 		e := ents[i]
 		sh := &h.shards[op.shard]
-		if again {
-			if op.room && op.Cost > 0 {
-				e.short = satAdd16(e.short, op.Cost)
-				sh.markDirty(e)
-			}
-			continue
-		}
 		// A question (cost 0) counts no demand: no share grant is asked for it.
 		if cost := op.Cost; cost > 0 {
 			e.demand = satAdd32(e.demand, cost)
