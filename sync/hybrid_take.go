@@ -546,10 +546,10 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		return r, false, false, false
 	}
 	// A hot key (its last sync asked a share grant for two units or more) waits for its
-	// next share grant, while one is coming: its view is fresh, or a sync of it is due.
-	// A view gone stale with nothing to sync means the key has cooled: before, it stayed
-	// hot for good and refused here with units free in Redis.
-	hot := e.lastDemand >= 2 && (!stale || e.flags&flagDirty != 0)
+	// next share grant, while one is coming: its view is fresh, or a sync of it is due
+	// or on its way. A view gone stale with nothing to sync means the key has cooled:
+	// before, it stayed hot for good and refused here with units free in Redis.
+	hot := e.lastDemand >= 2 && (!stale || e.flags&(flagDirty|flagBusy) != 0)
 	// Room for it, on a key not busy here: the request lost the allowance a sync just
 	// brought to a concurrent one.
 	room = e.synced > 0 && !hot && proj-unseen >= need
