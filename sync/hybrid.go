@@ -27,8 +27,9 @@ import (
 //
 // Every interval Run syncs, many keys per script call (scripts/hybrid.lua), only the keys
 // that changed: those used since their last sync, those whose demand outran their
-// allowance, and those holding an unused grant, which goes back once. A key nobody uses
-// costs Redis nothing; after traffic stops Redis sees only heartbeats.
+// allowance by two units or more (a lone refusal, nothing to settle, sends nothing), and
+// those holding an unused grant, which goes back once. A key nobody uses costs Redis
+// nothing; after traffic stops Redis sees only heartbeats.
 //
 // Safe for concurrent use.
 type Hybrid struct {

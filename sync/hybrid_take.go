@@ -141,8 +141,9 @@ const busyPoll = 200 * time.Microsecond
 
 // take decides ops once. With mayFetch, when every refusal is one an exact sync may turn
 // around, it charges nothing and returns the syncs to make (items), or busy when those
-// keys' syncs are already in flight. With probe it starts no sync: where it would, it
-// returns busy, having charged nothing. gaveUp: the request waited FetchWait for Redis
+// keys' syncs are already in flight. With probe it starts no sync: where it would, or
+// where a race was lost (Take would sync again), it returns busy, having charged and
+// counted nothing. gaveUp: the request waited FetchWait for Redis
 // in vain; a refusal only Redis could have turned around is then Unreachable.
 func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp bool) (ok bool, items []syncItem, busy bool) {
 	var lockBuf [8]uint32
@@ -176,7 +177,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 	}()
 
 	n := h.creditShares()
-	ok, fetch := true, false
+	ok, fetch, raced := true, false, false // raced: a refusal had room (lostRace may hold)
 	for i := range ops {
 		op := &ops[i]
 		sh := &h.shards[op.shard]
@@ -232,6 +233,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 			fetch = fetch || f
+			raced = raced || op.room
 		}
 	}
 	if !ok {
@@ -252,6 +254,16 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				}
 			}
 		}
+	}
+	if probe && raced && lostRace(ops) {
+		// TryTake: Take syncs again for a race lost, and counts the request's demand
+		// then. Counted here too, one request counted twice, and a client spread over
+		// many daemons, back here once, looked hot (two units short): its next sync
+		// asked a share grant, reserved for a daemon it rarely comes back to.
+		for i := range ops {
+			ops[i].fetched = false
+		}
+		return false, nil, true
 	}
 	if !ok && fetch {
 		// Worth waiting only if every refusal is one an exact sync may turn around.
@@ -307,6 +319,19 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		for i := range ops {
 			ops[i].fetched = false
 		}
+	}
+	if raced && mayFetch && !waited && lostRace(ops) {
+		// A race lost on a first pass: Take decides the request again, syncing the key,
+		// and counts its demand then. Only the shortfall is counted here, once (two units
+		// short in an interval make the key hot: collect).
+		for i := range ops {
+			if op := &ops[i]; op.room && op.Cost > 0 {
+				e := ents[i]
+				e.short = satAdd16(e.short, op.Cost)
+				h.shards[op.shard].markDirty(e)
+			}
+		}
+		return false, nil, false
 	}
 	for i := range ops {
 		op := &ops[i]
@@ -520,11 +545,16 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		r.Allowed = true
 		return r, false, false, false
 	}
-	// Room for it, on a key not busy here (a hot key waits for its share grant): the
-	// request lost the allowance a sync just brought to a concurrent one.
-	room = e.synced > 0 && e.lastDemand < 2 && proj-unseen >= need
+	// A hot key (its last sync asked a share grant for two units or more) waits for its
+	// next share grant, while one is coming: its view is fresh, or a sync of it is due
+	// or on its way. A view gone stale with nothing to sync means the key has cooled:
+	// before, it stayed hot for good and refused here with units free in Redis.
+	hot := e.lastDemand >= 2 && (!stale || e.flags&(flagDirty|flagBusy) != 0)
+	// Room for it, on a key not busy here: the request lost the allowance a sync just
+	// brought to a concurrent one.
+	room = e.synced > 0 && !hot && proj-unseen >= need
 	answering := h.redisAnswering(e)
-	fetch = mayFetch && (waited || e.lastDemand < 2 && stale) && answering
+	fetch = mayFetch && (waited || !hot && stale) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (at the limit's rate,
 	// and for a window by its end at the latest), but not before the next sync brings a
