@@ -84,8 +84,13 @@ func (s hybridStore) skip(now int64, d *Decision) {
 	}
 }
 
+// results reports each op's result; one Take left unasked (rlsync.HybridOp.Unasked: no
+// view of its key, and Redis not asked of it) is reported so (Result.Unasked).
 func (s hybridStore) results(d *Decision, n *native[rlsync.HybridOp]) {
 	for k, i := range n.at {
 		d.report(i, &n.ops[k].Result)
+		if n.ops[k].Unasked {
+			d.Results[i].Unasked = true
+		}
 	}
 }

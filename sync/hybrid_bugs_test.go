@@ -626,3 +626,69 @@ func TestHybridSameKeyTwiceInOneCheck(t *testing.T) {
 		}
 	}
 }
+
+// An op refused only because this daemon holds no view of its key, in a check decided
+// without asking Redis of it, decided nothing: Take reports it Unasked. Before, it was
+// reported refused with 0 left and a retry of one sync interval, where the exact mode
+// says allowed with its limit free: a shadow rule on a new key (a shadow never waits for
+// Redis: counted as a shadow refusal), and a rule of a check another rule refused for
+// good (a cost no key of it holds). Peek, for a check another store refused, says the
+// same of a key whose view is stale.
+func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond})
+	lim10 := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim5 := mustLimit(t, localbucket.FixedWindow, 5, time.Hour)
+	now := time.Now().UnixNano()
+	u := fmt.Sprintf("%d", now)
+
+	// A cost of 6: more than per-ip's 5 can ever hold; per-user, new here, has 10.
+	ops := []HybridOp{
+		{Key: []byte("rl:user:{" + u + "}"), Limit: lim10, Cost: 6},
+		{Key: []byte("rl:ip:{" + u + "}"), Limit: lim5, Cost: 6},
+	}
+	if h.Take(now, ops) {
+		t.Fatal("a cost of 6 on a limit of 5 allowed")
+	}
+	if !ops[1].Result.Impossible || ops[1].Unasked {
+		t.Fatalf("per-ip: %+v unasked=%v; want impossible", ops[1].Result, ops[1].Unasked)
+	}
+	if !ops[0].Unasked {
+		t.Fatalf("per-user, new here, in a check per-ip refused for good: %+v; want unasked", ops[0].Result)
+	}
+
+	// A shadow rule on a new key beside a rule that admits: unasked, the check allowed.
+	ops = []HybridOp{
+		{Key: []byte("rl:user:{" + u + "}"), Limit: lim10, Cost: 1},
+		{Key: []byte("rl:shadow:{" + u + "}"), Limit: lim10, Cost: 0, Shadow: true},
+	}
+	if !h.Take(now, ops) || !ops[0].Result.Allowed || ops[0].Unasked {
+		t.Fatalf("per-user: %+v unasked=%v; want allowed", ops[0].Result, ops[0].Unasked)
+	}
+	if !ops[1].Unasked {
+		t.Fatalf("a shadow rule's new key: %+v; want unasked, not refused", ops[1].Result)
+	}
+
+	// A shadow rule's new key in a check that asks Redis anyway (a question on a new
+	// key) goes in the same exact sync: its figures, not "unasked".
+	ops = []HybridOp{
+		{Key: []byte("rl:q:{" + u + "}"), Limit: lim10, Cost: 0},
+		{Key: []byte("rl:shadow2:{" + u + "}"), Limit: lim5, Cost: 0, Shadow: true},
+	}
+	if !h.Take(now, ops) || !ops[0].Result.Allowed || ops[0].Result.Remaining != 10 {
+		t.Fatalf("a question on a new key: %+v; want allowed, 10 left", ops[0].Result)
+	}
+	if r := ops[1].Result; ops[1].Unasked || !r.Allowed || r.Remaining != 5 {
+		t.Fatalf("a shadow rule's new key beside a question: %+v unasked=%v; want allowed, 5 left", r, ops[1].Unasked)
+	}
+
+	// A key held with a view gone stale (synced, then three intervals idle): Peek asks
+	// nothing and reports its limit only.
+	key := []byte("rl:user:{" + u + "}")
+	later := now + int64(time.Hour) // past the view's freshness, not the window's test
+	peek := []HybridOp{{Key: key, Limit: lim10}}
+	h.Peek(later, peek)
+	if r := peek[0].Result; r.Allowed || r.Remaining != 0 || r.RetryAfter != 0 || r.Limit != 10 {
+		t.Fatalf("Peek of a stale view: %+v; want the limit only (no figures read)", r)
+	}
+}

@@ -20,8 +20,14 @@ type HybridOp struct {
 	// allowance. Not a limit reached: when every refused op is Unreachable the caller
 	// decides by the rules' failure policies.
 	Unreachable bool
+	// Unasked (output): refused only for want of a view of the key (one new here, or not
+	// synced lately), in a check decided without asking Redis of it: a shadow rule's op
+	// (it never waits for Redis), or one whose check another rule refused for good. It
+	// decided nothing, and its Result's figures were not read.
+	Unasked bool
 
 	shard   uint32 // set by Take
+	blind   bool   // refused from no fresh view, without Redis's answer
 	fetched bool   // decided by an exact sync, not locally
 	room    bool   // refused, though the view had room for it (another request took it)
 	// upTo: the cost decided for this op, its own plus that of the ops before it in the
@@ -109,7 +115,8 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 
 // Peek reports, in each op's Result, what the local view says of its key for a request
 // of cost 0 (allowed: one more would pass; the remaining, reset and retry), charging,
-// counting and syncing nothing. A key this daemon does not hold reports its limit only.
+// counting and syncing nothing. A key this daemon does not hold, or holds no fresh view
+// of (stale), reports its limit only: what Redis would say of it was not asked.
 // For a check another store refused (or a ban): its hybrid rules are reported, not asked.
 func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 	n := h.creditShares()
@@ -117,7 +124,7 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		op := &ops[i]
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
-		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit {
+		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && !h.stale(e, now) {
 			op.Result, _, _, _ = h.decide(e, now, 0, n, false, false, false)
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
@@ -178,6 +185,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 
 	n := h.creditShares()
 	ok, fetch, raced := true, false, false // raced: a refusal had room (lostRace may hold)
+	blind := false                         // an op was refused for want of a view
 	for i := range ops {
 		op := &ops[i]
 		sh := &h.shards[op.shard]
@@ -219,6 +227,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		// With a breaker per master (no single one), a key whose master is stale (its
 		// breaker open, or no answer for StaleAfter) is decided by its rule's policy, as
 		// every key is on a standalone Redis (the caller asks Healthy first).
+		op.Unasked, op.blind = false, false
 		if h.single == nil && !op.Shadow && !h.masterOf(e).fresh(now, h.staleAfter) {
 			op.Result = localbucket.Result{Limit: e.lim.Requests()}
 			op.fetched, op.room, op.Unreachable = false, false, true
@@ -227,6 +236,9 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		var f bool
 		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp)
+		if !op.Result.Allowed && !op.Result.Impossible && !op.Unreachable && h.stale(e, now) {
+			op.blind, blind = true, true
+		}
 		if mayFetch {
 			op.fetched = f
 		}
@@ -307,6 +319,24 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				}
 			}
 			if items != nil {
+				// A shadow rule's key with no view goes in the same round trip: it waits
+				// for nothing the request does not wait for, and reports what Redis says,
+				// not a refusal no one read (a shadow never syncs for itself).
+			shadows:
+				for i := range ops {
+					op, e := &ops[i], ents[i]
+					if !op.Shadow || !op.blind || e.flags&flagBusy != 0 {
+						continue
+					}
+					for _, later := range ents[i+1:] {
+						if later == e {
+							continue shadows
+						}
+					}
+					need := min(op.upTo, math.MaxUint32) // its whole cost, as above; 0 asks
+					op.fetched = true
+					items = append(items, h.snapshot(&h.shards[op.shard], e, now, modeExact, uint32(need)))
+				}
 				return false, items, false
 			}
 			if busy {
@@ -333,6 +363,24 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		return false, nil, false
 	}
+	// Decided without Redis. An op refused only for want of a view decided nothing when
+	// it is a shadow's (a shadow never waits for Redis), or when the check is allowed or
+	// refused by another op for good (a limit reached, a cost no key holds): reporting it
+	// refused, remaining 0, said what no one read.
+	if blind {
+		decided := ok
+		for i := range ops {
+			if op := &ops[i]; !op.Result.Allowed && !op.Shadow && !op.blind {
+				decided = true
+				break
+			}
+		}
+		for i := range ops {
+			if op := &ops[i]; op.blind && (op.Shadow || decided) {
+				op.Unasked = true
+			}
+		}
+	}
 	for i := range ops {
 		op := &ops[i]
 		e := ents[i]
@@ -347,7 +395,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
 				op.Result.Reset = h.resetOf(e, now)
 			}
-			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched {
+			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched && !op.Unasked {
 				// Demand beyond the allowance: the next sync asks for a share grant.
 				e.short = satAdd16(e.short, cost)
 				sh.markDirty(e)
@@ -516,6 +564,13 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 // waited: the request waited for another's sync of the key; it may make its own exact
 // sync although the view is now fresh. A key whose sync is in flight is still a fetch:
 // take waits for that sync rather than sending a second.
+// stale reports whether e has no fresh view at now: none yet (a key new here), or one
+// last synced more than two intervals ago (a client whose requests rotate over the
+// daemons). Such a key is decided by Redis, not by its view.
+func (h *Hybrid) stale(e *hentry, now int64) bool {
+	return e.synced == 0 || now-e.synced > 2*int64(h.interval)
+}
+
 func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp bool) (r localbucket.Result, fetch, room, unreachable bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
@@ -531,7 +586,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// Without a fresh view (a key new here, or last synced more than two intervals ago:
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
-	stale := e.synced == 0 || now-e.synced > 2*int64(h.interval)
+	stale := h.stale(e, now)
 	if cost == 0 {
 		// A question, not a request: would one pass? By a fresh view, the key's room,
 		// whether or not this daemon holds a unit of it; without one, Redis (an exact
