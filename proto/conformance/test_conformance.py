@@ -11,10 +11,19 @@ pipelining. Run by scripts/test-clients (Debian's /usr/bin/python3 and python3-p
 
 The daemon is $RLSIDECAR_BIN, or built from this checkout, in local mode (no Redis).
 $RLSIDECAR_CONFORMANCE_ARGS adds flags to `serve`, to hold another configuration to the
-same contract, e.g. hybrid mode on a running redis-server:
+same contract, e.g. a running redis-server (or `--redis-cluster HOST:PORT,...`):
 
     RLSIDECAR_CONFORMANCE_ARGS="--redis redis://127.0.0.1:6379" \
+        RLSIDECAR_CONFORMANCE_MODE=global \
         /usr/bin/python3 -m pytest -q -p no:cacheprovider proto/conformance
+
+$RLSIDECAR_CONFORMANCE_MODE (local, hybrid or global) names the mode every rule is decided
+in: each rule of RULES gets `mode:` it, and in global mode each inline limit that names no
+mode gets `"mode": "global"` on the wire (see Conn.send). Unset, rules and inline limits
+name no mode and take the daemon's default: local without Redis, hybrid with it (so
+`RLSIDECAR_CONFORMANCE_MODE=hybrid` makes the rules say so and leaves the inline limits to
+that default). scripts/test-clients runs the suite in local mode, and in global and hybrid
+mode against a standalone redis-server and a 3-master Redis Cluster.
 """
 
 import os
@@ -36,6 +45,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MAX_FRAME = 65536
 EXTRA_ARGS = shlex.split(os.environ.get("RLSIDECAR_CONFORMANCE_ARGS", ""))
 WITH_REDIS = any(a.lstrip("-").split("=")[0] in ("redis", "redis-cluster") for a in EXTRA_ARGS)
+MODE = os.environ.get("RLSIDECAR_CONFORMANCE_MODE", "")
+assert MODE in ("", "local", "hybrid", "global"), "RLSIDECAR_CONFORMANCE_MODE: local, hybrid or global, not %r" % MODE
+assert WITH_REDIS or MODE in ("", "local"), "RLSIDECAR_CONFORMANCE_MODE=%s needs --redis or --redis-cluster" % MODE
 
 RULES = """
 rules:
@@ -65,6 +77,8 @@ rules:
     key: user
     concurrency: { max: 2, lease: 1s }
 """
+if MODE:
+    RULES = RULES.replace("\n  - name: ", "\n  - mode: %s\n    name: " % MODE)
 
 CHECK_FIELDS = {"id": int, "allowed": bool, "rule": str, "limit": int, "remaining": int,
                 "reset_ms": int, "retry_after_ms": int, "degraded": bool, "rules": list}
@@ -136,6 +150,8 @@ class Conn:
         self.s.sendall(struct.pack(">I", len(body)) + body)
 
     def send(self, obj):
+        if MODE == "global":
+            obj = with_mode(obj)
         self.send_body(msgpack.packb(obj, use_bin_type=True))
 
     def _read(self, n):
@@ -181,6 +197,17 @@ def conn(daemon):
     c = Conn(daemon.socket)
     yield c
     c.close()
+
+
+def with_mode(req):
+    """req with "mode": MODE in each inline limit (a map) that has no "mode" field: global mode
+    is no daemon's default, so an inline limit is decided in it only when it says so. Limits
+    that name a mode, and anything that is not a well-formed list of maps, are sent as they
+    are (the wrong-type and invalid-limit cases stay what they were written as)."""
+    if not isinstance(req, dict) or not isinstance(req.get("limits"), list):
+        return req
+    lims = [dict(lim, mode=MODE) if isinstance(lim, dict) and "mode" not in lim else lim for lim in req["limits"]]
+    return dict(req, limits=lims)
 
 
 def uniq(prefix="k"):
