@@ -225,6 +225,7 @@ def assert_check(r, rid):
         assert f in r, (f, r)
         assert isinstance(r[f], t) and not (t is int and isinstance(r[f], bool)), (f, r)
     assert r["id"] == rid
+    assert not r["degraded"], r  # a healthy store (or none needed): never a failure policy
     for e in r["rules"]:
         for f, t in RULE_FIELDS.items():
             assert f in e and isinstance(e[f], t), (f, e)
@@ -494,6 +495,36 @@ def test_cost_above_capacity_never_passes_and_takes_nothing(conn, cost):
     assert remaining(conn, attrs) == {"per-user": 10, "per-ip": 5, "shadowy": 2}
     r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": attrs, "cost": 5}), 2)
     assert r["allowed"] and r["remaining"] == 0
+
+
+def test_refused_for_cost_above_what_is_left(conn):
+    """A request refused because its cost is above what is left (not above the capacity):
+    `remaining` is what is left, unchanged, and a retry after `retry_after_ms` passes (the
+    earliest time a retry can pass: a limit of 5 per 1.5 s, 4 taken, a cost of 2 waits for
+    units to come back by the limit's own algorithm). The three algorithms side by side,
+    each retried 250 ms after its own retry_after_ms: the margin covers a busy machine and
+    hybrid mode's sync interval (100 ms), and is short of the time the sliding window takes,
+    so a retry_after_ms taken from another algorithm's arithmetic fails here."""
+    lims, wrong, waits = [], [], []
+    for algorithm in ("token_bucket", "sliding_window", "fixed_window"):
+        for attempt in range(5):  # a fresh key when units came back between the two checks
+            lim = {"key": uniq(), "limit": 5, "window_ms": 1500, "algorithm": algorithm}
+            r = assert_check(conn.rt({"op": "check", "id": 1, "limits": [lim], "cost": 4}), 1)
+            assert r["allowed"] and r["remaining"] == 1, (lim, r)
+            r = assert_check(conn.rt({"op": "check", "id": 2, "limits": [lim], "cost": 2}), 2)
+            if not r["allowed"]:
+                break
+        assert not r["allowed"] and 0 < r["retry_after_ms"] <= 1500 and "reason" not in r, (lim, r)
+        if r["remaining"] != 1 or r["rules"][0]["remaining"] != 1:
+            wrong.append(("remaining is not what is left (1)", algorithm, r))
+        lims.append(lim)
+        waits.append(time.time() + r["retry_after_ms"] / 1000)
+    for at, lim in sorted(zip(waits, lims), key=lambda p: p[0]):  # each retried at its own time
+        time.sleep(max(0, at + 0.25 - time.time()))
+        r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [lim], "cost": 2}), 3)
+        if not r["allowed"]:
+            wrong.append(("refused %.0f ms after its retry_after_ms" % ((time.time() - at) * 1000), lim["algorithm"], r))
+    assert not wrong, wrong
 
 
 def test_inline_limits_with_rules_all_or_nothing(conn):
