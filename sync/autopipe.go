@@ -2,6 +2,7 @@ package sync
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -54,9 +55,10 @@ type processor interface {
 }
 
 type apCall struct {
-	ctx  context.Context
-	cmd  *redis.Cmd
-	done chan bool // see batchMember; false: cmd holds the reply
+	ctx    context.Context
+	cmd    *redis.Cmd
+	done   chan bool     // see batchMember; false: cmd holds the reply
+	budget time.Duration // from the call to its deadline; 0: none
 	// The call, for merging: set for a global.lua call only.
 	global bool
 	keys   []string
@@ -81,6 +83,9 @@ func (a *autoPipe) newCall(ctx context.Context, sha1 string, keys []string, args
 	}
 	cmdArgs = append(cmdArgs, args...)
 	c := &apCall{ctx: ctx, cmd: redis.NewCmd(ctx, cmdArgs...), done: make(chan bool, 1)}
+	if d, ok := ctx.Deadline(); ok {
+		c.budget = time.Until(d)
+	}
 	if len(keys) > 0 {
 		c.cmd.SetFirstKeyPos(3)
 	}
@@ -90,11 +95,54 @@ func (a *autoPipe) newCall(ctx context.Context, sha1 string, keys []string, args
 	return c
 }
 
-// send sends batch's calls as one pipeline and answers them.
+// errNotSent is the error of a call whose deadline passed while it waited for the calls
+// queued before it: it was not sent, so Redis did nothing for it, and it tells nothing of
+// Redis's health (a master's breaker does not count it; settle).
+var errNotSent = errors.New("global call not sent to Redis: its deadline passed while the calls before it were answered")
+
+// batchMax is the most calls one round trip carries (two merged calls on a standalone
+// Redis: about 4 ms of Redis time, well within a round trip's time, a whole check's
+// timeout; more would save round trips to a distant Redis only to risk that time). The
+// rest of a batch go in the next round trips, each sent when the one before it is
+// answered.
+const batchMax = 2 * mergeMax
+
+// send sends batch's calls, in round trips of at most batchMax, and answers them. A call
+// whose deadline has passed when its round trip is due is answered errNotSent instead of
+// being sent: a burst of more calls than Redis answers within their deadline then costs
+// Redis only the calls still wanted, the calls answered by their policy are not also
+// counted in Redis, and the round trips that go each have time to be answered.
 func (a *autoPipe) send(batch []*apCall) {
-	// The batch's context: the latest deadline among its calls (each caller's own
-	// deadline bounds only its own wait in go-redis; here they share one round trip).
+	for len(batch) > 0 {
+		trip := make([]*apCall, 0, min(len(batch), batchMax))
+		i := 0
+		for ; i < len(batch) && len(trip) < batchMax; i++ {
+			c := batch[i]
+			if err := c.ctx.Err(); err != nil {
+				c.cmd.SetErr(fmt.Errorf("%w (%w)", errNotSent, err))
+				c.done <- false
+				continue
+			}
+			trip = append(trip, c)
+		}
+		batch = batch[i:]
+		if len(trip) > 0 {
+			a.sendTrip(trip)
+		}
+	}
+}
+
+// sendTrip sends batch's calls as one pipeline and answers them.
+func (a *autoPipe) sendTrip(batch []*apCall) {
+	// The round trip's context: the latest deadline among its calls (each caller's own
+	// deadline bounds only its own wait in go-redis; here they share one round trip), and
+	// at least a call's budget (its timeout) from now: calls that waited in the queue to
+	// near their deadline (a burst) still give Redis the time of a whole check, so that a
+	// timeout means a slow Redis, not a long queue here, and the breaker hears of Redis
+	// only. Their callers then wait up to their timeout past their deadline (at most
+	// twice it in all), as a caller queued behind a batch with a later deadline could.
 	var latest time.Time
+	var budget time.Duration
 	bounded := true
 	for _, c := range batch {
 		d, ok := c.ctx.Deadline()
@@ -105,6 +153,10 @@ func (a *autoPipe) send(batch []*apCall) {
 		if d.After(latest) {
 			latest = d
 		}
+		budget = max(budget, c.budget)
+	}
+	if floor := time.Now().Add(budget); bounded && floor.After(latest) {
+		latest = floor
 	}
 	ctx, cancel := context.Background(), context.CancelFunc(func() {})
 	if bounded {

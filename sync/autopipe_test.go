@@ -2,10 +2,13 @@ package sync
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	gosync "sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -50,5 +53,112 @@ func TestGlobalAutoPipeline(t *testing.T) {
 	}
 	if allowed != 500 {
 		t.Errorf("%d of 1600 admitted by a limit of 500", allowed)
+	}
+}
+
+// A batch of more checks than Redis answers within their deadline (a burst: 20,000
+// checks queued at once, each with 100 ms; 64 checks a merged call take about 2 ms of
+// Redis time) goes in round trips of batchMax: the checks still within their deadline
+// are answered, each round trip in time, and the rest fail with errNotSent without
+// reaching Redis, so Redis holds exactly the answered checks. Before, the batch went as
+// one pipeline bounded by the latest deadline: it timed out, every check of it failed
+// (each a Redis failure to the breaker), and Redis still counted the checks it ran.
+func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	lim := globalLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour, 0)
+	// Load the script: no NOSCRIPT in the burst.
+	if ok, err := NewGlobal(rdb).Check(globalCtx(t), []GlobalOp{{Key: "rl:burst:{warm}", Limit: lim, Cost: 1}}); !ok || err != nil {
+		t.Fatalf("first check: %v %v", ok, err)
+	}
+
+	ap := &autoPipe{rediser: rdb, merge: true}
+	const n = 20_000
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	batch := make([]*apCall, n)
+	for i := range batch {
+		op := GlobalOp{Key: fmt.Sprintf("rl:burst:{k%d}", i), Limit: lim, Cost: 1}
+		batch[i] = ap.newCall(ctx, globalScript.Hash(), []string{op.Key}, appendScriptArgs(nil, &op))
+	}
+	ap.send(batch)
+
+	answered, unsent := 0, 0
+	var other []error
+	for _, c := range batch {
+		if len(c.done) != 1 {
+			t.Fatal("a call of the batch was not answered")
+		}
+		switch err := c.cmd.Err(); {
+		case err == nil:
+			answered++
+		case errors.Is(err, errNotSent) && errors.Is(err, context.DeadlineExceeded):
+			unsent++
+		default:
+			other = append(other, err)
+		}
+	}
+	t.Logf("%d checks: %d answered, %d not sent", n, answered, unsent)
+	if len(other) > 0 {
+		t.Errorf("%d checks failed after they were sent (want each round trip answered in time), first: %v", len(other), other[0])
+	}
+	if answered == 0 || unsent == 0 {
+		t.Errorf("%d answered, %d not sent: want both (a burst Redis answers only in part)", answered, unsent)
+	}
+	size, err := rdb.DBSize(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int(size)-1 != answered { // the warm-up key
+		t.Errorf("Redis holds %d of the checks' keys, %d checks were answered: each answered check, and no other, counted", size-1, answered)
+	}
+}
+
+// settle: a call the auto-pipeline did not send (errNotSent) tells its master's breaker
+// nothing, and gives back the probe an open breaker let it take; a call that was sent and
+// failed still counts.
+func TestSettleNotSent(t *testing.T) {
+	b := NewBreaker(1, time.Millisecond)
+	x := mastersOf(b, nil).ForKey("k")
+	cmdErr := func(err error) *redis.Cmd {
+		c := redis.NewCmd(context.Background())
+		c.SetErr(err)
+		return c
+	}
+	notSent := []call{{m: x, failed: true, cmd: cmdErr(fmt.Errorf("%w (%w)", errNotSent, context.DeadlineExceeded))}}
+
+	settle(notSent, []*Master{x})
+	if b.Open() {
+		t.Fatal("a call not sent opened the breaker")
+	}
+
+	b.Failure() // open (1 failure)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ok, probe := b.allow()
+		if ok && probe {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the open breaker gave no probe after its cool-down")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	settle(notSent, []*Master{x}) // the probe's call was not sent: the probe goes back
+	if ok, probe := b.allow(); !ok || !probe {
+		t.Fatalf("after a probe that was not sent: allow() = %v, %v; want the probe again", ok, probe)
+	}
+	sentFailed := []call{{m: x, failed: true, cmd: cmdErr(errors.New("i/o timeout"))}}
+	settle(sentFailed, []*Master{x})
+	if !b.Open() {
+		t.Fatal("a sent call that failed did not keep the breaker open")
+	}
+	settle([]call{{m: x, cmd: cmdErr(nil)}}, []*Master{x})
+	if b.Open() {
+		t.Fatal("a call answered did not close the breaker")
 	}
 }

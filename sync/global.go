@@ -239,20 +239,33 @@ func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
 
 // settle tells each master of ms how its calls went: a failure if one of them got no
 // valid answer (an error, a timeout, a reply that is not the script's), a success
-// otherwise.
+// otherwise. Calls the auto-pipeline did not send (errNotSent: their deadline passed in
+// its queue) tell nothing of Redis: a master none of whose calls went hears nothing, and
+// gets back the probe its open breaker gave them.
 func settle(calls []call, ms []*Master) {
 	for _, x := range ms {
-		failed := false
+		failed, sent := false, false
 		for i := range calls {
-			if c := &calls[i]; c.m == x && (c.failed || c.cmd == nil || c.cmd.Err() != nil) {
+			c := &calls[i]
+			if c.m != x {
+				continue
+			}
+			if c.cmd != nil && errors.Is(c.cmd.Err(), errNotSent) {
+				continue
+			}
+			sent = true
+			if c.failed || c.cmd == nil || c.cmd.Err() != nil {
 				failed = true
 				break
 			}
 		}
-		if failed {
+		switch {
+		case failed:
 			x.breaker.Failure()
-		} else {
+		case sent:
 			x.breaker.Success()
+		case x.breaker.Open():
+			x.breaker.unprobe()
 		}
 	}
 }

@@ -11,10 +11,19 @@ pipelining. Run by scripts/test-clients (Debian's /usr/bin/python3 and python3-p
 
 The daemon is $RLSIDECAR_BIN, or built from this checkout, in local mode (no Redis).
 $RLSIDECAR_CONFORMANCE_ARGS adds flags to `serve`, to hold another configuration to the
-same contract, e.g. hybrid mode on a running redis-server:
+same contract, e.g. a running redis-server (or `--redis-cluster HOST:PORT,...`):
 
     RLSIDECAR_CONFORMANCE_ARGS="--redis redis://127.0.0.1:6379" \
+        RLSIDECAR_CONFORMANCE_MODE=global \
         /usr/bin/python3 -m pytest -q -p no:cacheprovider proto/conformance
+
+$RLSIDECAR_CONFORMANCE_MODE (local, hybrid or global) names the mode every rule is decided
+in: each rule of RULES gets `mode:` it, and in global mode each inline limit that names no
+mode gets `"mode": "global"` on the wire (see Conn.send). Unset, rules and inline limits
+name no mode and take the daemon's default: local without Redis, hybrid with it (so
+`RLSIDECAR_CONFORMANCE_MODE=hybrid` makes the rules say so and leaves the inline limits to
+that default). scripts/test-clients runs the suite in local mode, and in global and hybrid
+mode against a standalone redis-server and a 3-master Redis Cluster.
 """
 
 import os
@@ -36,6 +45,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MAX_FRAME = 65536
 EXTRA_ARGS = shlex.split(os.environ.get("RLSIDECAR_CONFORMANCE_ARGS", ""))
 WITH_REDIS = any(a.lstrip("-").split("=")[0] in ("redis", "redis-cluster") for a in EXTRA_ARGS)
+MODE = os.environ.get("RLSIDECAR_CONFORMANCE_MODE", "")
+assert MODE in ("", "local", "hybrid", "global"), "RLSIDECAR_CONFORMANCE_MODE: local, hybrid or global, not %r" % MODE
+assert WITH_REDIS or MODE in ("", "local"), "RLSIDECAR_CONFORMANCE_MODE=%s needs --redis or --redis-cluster" % MODE
 
 RULES = """
 rules:
@@ -65,6 +77,8 @@ rules:
     key: user
     concurrency: { max: 2, lease: 1s }
 """
+if MODE:
+    RULES = RULES.replace("\n  - name: ", "\n  - mode: %s\n    name: " % MODE)
 
 CHECK_FIELDS = {"id": int, "allowed": bool, "rule": str, "limit": int, "remaining": int,
                 "reset_ms": int, "retry_after_ms": int, "degraded": bool, "rules": list}
@@ -136,6 +150,8 @@ class Conn:
         self.s.sendall(struct.pack(">I", len(body)) + body)
 
     def send(self, obj):
+        if MODE == "global":
+            obj = with_mode(obj)
         self.send_body(msgpack.packb(obj, use_bin_type=True))
 
     def _read(self, n):
@@ -183,6 +199,17 @@ def conn(daemon):
     c.close()
 
 
+def with_mode(req):
+    """req with "mode": MODE in each inline limit (a map) that has no "mode" field: global mode
+    is no daemon's default, so an inline limit is decided in it only when it says so. Limits
+    that name a mode, and anything that is not a well-formed list of maps, are sent as they
+    are (the wrong-type and invalid-limit cases stay what they were written as)."""
+    if not isinstance(req, dict) or not isinstance(req.get("limits"), list):
+        return req
+    lims = [dict(lim, mode=MODE) if isinstance(lim, dict) and "mode" not in lim else lim for lim in req["limits"]]
+    return dict(req, limits=lims)
+
+
 def uniq(prefix="k"):
     return "%s-%s" % (prefix, uuid.uuid4().hex[:12])
 
@@ -198,6 +225,7 @@ def assert_check(r, rid):
         assert f in r, (f, r)
         assert isinstance(r[f], t) and not (t is int and isinstance(r[f], bool)), (f, r)
     assert r["id"] == rid
+    assert not r["degraded"], r  # a healthy store (or none needed): never a failure policy
     for e in r["rules"]:
         for f, t in RULE_FIELDS.items():
             assert f in e and isinstance(e[f], t), (f, e)
@@ -467,6 +495,36 @@ def test_cost_above_capacity_never_passes_and_takes_nothing(conn, cost):
     assert remaining(conn, attrs) == {"per-user": 10, "per-ip": 5, "shadowy": 2}
     r = assert_check(conn.rt({"op": "check", "id": 2, "attrs": attrs, "cost": 5}), 2)
     assert r["allowed"] and r["remaining"] == 0
+
+
+def test_refused_for_cost_above_what_is_left(conn):
+    """A request refused because its cost is above what is left (not above the capacity):
+    `remaining` is what is left, unchanged, and a retry after `retry_after_ms` passes (the
+    earliest time a retry can pass: a limit of 5 per 1.5 s, 4 taken, a cost of 2 waits for
+    units to come back by the limit's own algorithm). The three algorithms side by side,
+    each retried 250 ms after its own retry_after_ms: the margin covers a busy machine and
+    hybrid mode's sync interval (100 ms), and is short of the time the sliding window takes,
+    so a retry_after_ms taken from another algorithm's arithmetic fails here."""
+    lims, wrong, waits = [], [], []
+    for algorithm in ("token_bucket", "sliding_window", "fixed_window"):
+        for attempt in range(5):  # a fresh key when units came back between the two checks
+            lim = {"key": uniq(), "limit": 5, "window_ms": 1500, "algorithm": algorithm}
+            r = assert_check(conn.rt({"op": "check", "id": 1, "limits": [lim], "cost": 4}), 1)
+            assert r["allowed"] and r["remaining"] == 1, (lim, r)
+            r = assert_check(conn.rt({"op": "check", "id": 2, "limits": [lim], "cost": 2}), 2)
+            if not r["allowed"]:
+                break
+        assert not r["allowed"] and 0 < r["retry_after_ms"] <= 1500 and "reason" not in r, (lim, r)
+        if r["remaining"] != 1 or r["rules"][0]["remaining"] != 1:
+            wrong.append(("remaining is not what is left (1)", algorithm, r))
+        lims.append(lim)
+        waits.append(time.time() + r["retry_after_ms"] / 1000)
+    for at, lim in sorted(zip(waits, lims), key=lambda p: p[0]):  # each retried at its own time
+        time.sleep(max(0, at + 0.25 - time.time()))
+        r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [lim], "cost": 2}), 3)
+        if not r["allowed"]:
+            wrong.append(("refused %.0f ms after its retry_after_ms" % ((time.time() - at) * 1000), lim["algorithm"], r))
+    assert not wrong, wrong
 
 
 def test_inline_limits_with_rules_all_or_nothing(conn):
