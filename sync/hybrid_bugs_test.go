@@ -692,3 +692,21 @@ func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
 		t.Fatalf("Peek of a stale view: %+v; want the limit only (no figures read)", r)
 	}
 }
+
+// A refusal reports what is left, as the exact mode does: a cost of 2 refused with 1 left
+// says 1. Before, every refusal from the view said 0.
+func TestHybridRefusalReportsWhatIsLeft(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		h := NewHybrid(rdb, HybridOptions{})
+		lim := mustLimit(t, alg, 5, time.Hour)
+		key := fmt.Sprintf("rl:left:{%v-%d}", alg, time.Now().UnixNano())
+		now := time.Now().UnixNano()
+		if r := take(h, now, key, lim, 4); !r.Allowed || r.Remaining != 1 {
+			t.Fatalf("%v: cost 4 of 5: %+v; want allowed, 1 left", alg, r)
+		}
+		if r := take(h, now, key, lim, 2); r.Allowed || r.Remaining != 1 {
+			t.Fatalf("%v: cost 2 with 1 left: %+v; want refused, 1 left", alg, r)
+		}
+	}
+}

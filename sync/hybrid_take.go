@@ -636,6 +636,8 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		}
 	}
 	r.RetryAfter = max(nextView, retry)
-	r.Remaining = 0
+	// What is left, as the exact mode reports a refusal: less than the cost (a cost of 2
+	// refused with 1 left says 1, not 0), never more than the view holds.
+	r.Remaining = min(r.Remaining, uint64(need)-1)
 	return r, fetch, room, unreachable
 }
