@@ -25,7 +25,7 @@ rules:
   - name: login
     match: { path: /login }
     key: ip
-    limit: { requests: 1, per: 1h }
+    limit: { requests: 1, per: 1m }
     penalty: { after: 2, within: 1m, ban: 10m }
 `;
 
