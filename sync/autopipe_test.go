@@ -78,12 +78,18 @@ func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
 
 	ap := &autoPipe{rediser: rdb, merge: true}
 	const n = 20_000
-	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	// The keys and arguments first: on a busy machine making them took the whole
+	// deadline, and nothing was answered.
+	keys, args := make([][]string, n), make([][]any, n)
+	for i := range keys {
+		op := GlobalOp{Key: fmt.Sprintf("rl:burst:{k%d}", i), Limit: lim, Cost: 1}
+		keys[i], args[i] = []string{op.Key}, appendScriptArgs(nil, &op)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
 	defer cancel()
 	batch := make([]*apCall, n)
 	for i := range batch {
-		op := GlobalOp{Key: fmt.Sprintf("rl:burst:{k%d}", i), Limit: lim, Cost: 1}
-		batch[i] = ap.newCall(ctx, globalScript.Hash(), []string{op.Key}, appendScriptArgs(nil, &op))
+		batch[i] = ap.newCall(ctx, globalScript.Hash(), keys[i], args[i])
 	}
 	ap.send(batch)
 

@@ -257,7 +257,7 @@ func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 	q.mu.Lock()
 	lead := q.queue[0]
 	q.mu.Unlock()
-	leadKey := lead.items[0].e.key // the request that sends the batch waits for all of it
+	leadKey := lead.items[0].e.key() // the request that sends the batch waits for all of it
 	start = time.Now()
 	lead.done <- true // the batch in flight is done: the first queued sends the next
 	wg.Wait()

@@ -79,7 +79,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 		age: min(seenMs(now)-e.seen, maxChargeAge)}
 	e.flags |= flagBusy
 	e.pending = 0
-	it.owed, e.owed = e.owed, 0
+	it.owed, e.owed = uint64(e.owed), 0
 	if mode == modeShare {
 		it.offered, it.short = e.demand, e.short
 		e.demand, e.short = 0, 0
@@ -96,7 +96,7 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 	if it.err != nil {
 		// Not confirmed: keep the counts for the next sync.
 		e.pending += it.used
-		e.owed += it.owed
+		e.addOwed(it.owed)
 		e.demand = satAdd32(e.demand, uint64(it.offered))
 		e.short = satAdd16(e.short, uint64(it.short))
 		if e.flags&flagGone == 0 {
@@ -107,8 +107,8 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
-	e.reset = v[2] * int64(time.Microsecond)
-	e.retry = v[3] * int64(time.Microsecond)
+	e.reset = ceilNs(v[2] * int64(time.Microsecond))
+	e.retry = ceilNs(v[3] * int64(time.Microsecond))
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now
@@ -437,7 +437,7 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 	slots := make([]uint16, len(items))
 	distinct := map[string]bool{}
 	for i := range items {
-		k := items[i].e.key
+		k := items[i].e.key()
 		slots[i] = Slot(k)
 		if cc != nil {
 			if m, err := cc.MasterForKey(ctx, k); err == nil {
@@ -544,7 +544,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		for i := range c.items {
 			it := &c.items[i]
 			if i < declared {
-				keys[i] = it.e.key
+				keys[i] = it.e.key()
 			}
 			if it.token == 0 {
 				it.token = h.newToken()
@@ -555,7 +555,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		args := make([]any, 0, 2+len(c.items)-declared)
 		args = append(args, h.id, nums)
 		for i := declared; i < len(c.items); i++ {
-			args = append(args, c.items[i].e.key)
+			args = append(args, c.items[i].e.key())
 		}
 		if load {
 			c.cmd = hybridScript.Eval(ctx, pipe, keys, args...)

@@ -2,8 +2,10 @@ package sync
 
 import (
 	"hash/maphash"
+	"math"
 	gosync "sync"
 	"time"
+	"unsafe"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
@@ -23,25 +25,55 @@ type hshard struct {
 
 // hentry is one key's local view. Guarded by its shard's mutex.
 type hentry struct {
-	key         string             // the map key
+	// The fields are ordered and sized so that an entry takes 96 bytes, a size class
+	// (TestHentrySize): 112 put a million keys' heap at 209 bytes a key, over 200.
+	kp          *byte              // the map key's bytes (key)
 	lim         *localbucket.Limit // interned (limitTable): never a caller's
 	allowance   float64            // grant left plus credit, at the view (see credit)
 	view        float64            // units the key could admit beyond every reservation, at the last sync
 	grantWindow int64              // the window start (µs) the grant was taken from
 	pending     uint64             // admitted since the last sync was sent
-	owed        uint64             // admitted, sent in a sync, then given back (Undo): the next sync takes them off
 	synced      int64              // when the view was read (ns; 0: never)
-	reset       int64              // view: ns until full
-	retry       int64              // view: ns until one more unit fits, by Redis (0: one fits)
+	kn          uint32             // the map key's length (key)
+	owed        uint32             // admitted, sent in a sync, then given back (Undo): the next sync takes them off (saturating: Redis then keeps the rest, never loses one)
+	reset       float32            // view: ns until full, rounded up (resetNs)
+	retry       float32            // view: ns until one more unit fits, by Redis, rounded up (0: one fits; retryNs)
 	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
 	token       uint32             // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant       uint32             // the units reserved for this daemon at the last sync
 	demand      uint32             // offered since the last sync was sent
 	short       uint16             // of which refused locally for want of allowance (saturating)
 	lastDemand  uint16             // the demand the last sync asked a share grant for
+	slot        uint16             // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
 	flags       uint8
-	slot        uint16 // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
 }
+
+// key is the Redis key e is the entry of (the map's key: one copy of its bytes).
+func (e *hentry) key() string { return unsafe.String(e.kp, e.kn) }
+
+// setKey makes k e's key.
+func (e *hentry) setKey(k string) { e.kp, e.kn = unsafe.StringData(k), uint32(len(k)) }
+
+// resetNs and retryNs are the view's reset and retry (ns).
+func (e *hentry) resetNs() int64 { return int64(e.reset) }
+func (e *hentry) retryNs() int64 { return int64(e.retry) }
+
+// ceilNs is ns (at least 0) as a float32 no smaller: 24 bits of precision, so at most
+// 4 s late for a 732-day reset (a sliding window of the longest, 366 days, empties in
+// two), 60 ns for a second. A view's times are hints of when units come back, never early.
+func ceilNs(ns int64) float32 {
+	if ns <= 0 {
+		return 0
+	}
+	f := float32(ns)
+	if int64(f) < ns {
+		f = math.Nextafter32(f, math.MaxFloat32)
+	}
+	return f
+}
+
+// addOwed adds n to e.owed, saturating.
+func (e *hentry) addOwed(n uint64) { e.owed = uint32(min(uint64(e.owed)+min(n, math.MaxUint32), math.MaxUint32)) }
 
 const (
 	flagDirty  uint8 = 1 << iota // on its shard's dirty list
@@ -112,7 +144,7 @@ func (h *Hybrid) evict(sh *hshard) {
 		h.dropped.Add(u)
 	}
 	h.evicted.Add(1)
-	delete(sh.m, ve.key)
+	delete(sh.m, ve.key())
 	ve.flags |= flagGone // the dirty list may still hold it
 }
 

@@ -201,14 +201,16 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			// more waits for an exact sync.
 			lim := h.limits.intern(op.Limit)
 			c := float64(lim.Capacity())
-			e = &hentry{key: string(op.Key), lim: lim, view: c}
+			k := string(op.Key)
+			e = &hentry{lim: lim, view: c}
+			e.setKey(k)
 			if h.cluster {
-				e.slot = Slot(e.key)
+				e.slot = Slot(k)
 			}
 			if c >= n {
 				e.allowance = 1
 			}
-			sh.m[e.key] = e
+			sh.m[k] = e
 			select { // ask Run for an early sync: the key's first view, within kickEvery
 			case h.kick <- struct{}{}:
 			default:
@@ -448,7 +450,7 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 				// A sync took them since (it is on its way, or Redis counted them): the
 				// next one takes them off, or a request another store refused would stay
 				// charged here (all-or-nothing).
-				e.owed += op.Cost - e.pending
+				e.addOwed(op.Cost - e.pending)
 				e.pending = 0
 				sh.markDirty(e)
 			}
@@ -482,18 +484,18 @@ func project(e *hentry, now int64) float64 {
 	case localbucket.TokenBucket:
 		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
 	case localbucket.SlidingWindow:
-		if e.reset > 0 && age >= e.reset {
+		if r := e.resetNs(); r > 0 && age >= r {
 			return c
 		}
 		// The previous window's share frees at its own pace, which the view does not
 		// tell (the limit's pace overstated it: one daemon admitted an 11th of 10 when
 		// the previous window had been empty). What Redis said of one more unit does:
 		// past it, one may fit, and an exact sync finds out.
-		if e.retry > 0 && age >= e.retry {
+		if r := e.retryNs(); r > 0 && age >= r {
 			v = max(v, 1)
 		}
 	default:
-		if e.reset > 0 && age >= e.reset {
+		if r := e.resetNs(); r > 0 && age >= r {
 			return c
 		}
 	}
@@ -535,7 +537,7 @@ func (h *Hybrid) allowance(e *hentry, now int64, n float64) float64 {
 func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 	base := int64(0)
 	if e.synced > 0 {
-		base = max(0, e.reset-(now-e.synced))
+		base = max(0, e.resetNs()-(now-e.synced))
 	}
 	unseen := int64(e.pending) - int64(e.grant)
 	if unseen <= 0 {
@@ -623,7 +625,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		retry = int64((need - proj) * float64(lim.Window()) / float64(lim.Requests()))
 		if alg := lim.Algorithm(); alg != localbucket.TokenBucket && e.synced > 0 {
 			age := now - e.synced
-			if end := e.reset - age; end > 0 {
+			if end := e.resetNs() - age; end > 0 {
 				if alg == localbucket.FixedWindow {
 					retry = end // a fixed window frees nothing before it ends
 				} else {
@@ -632,7 +634,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 			}
 			// Redis's answer, as of the view, for one more unit: a sliding window frees
 			// units at its previous window's pace, slower than the limit's rate.
-			retry = max(retry, e.retry-age)
+			retry = max(retry, e.retryNs()-age)
 		}
 	}
 	r.RetryAfter = max(nextView, retry)
