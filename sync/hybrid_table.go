@@ -73,7 +73,9 @@ func ceilNs(ns int64) float32 {
 }
 
 // addOwed adds n to e.owed, saturating.
-func (e *hentry) addOwed(n uint64) { e.owed = uint32(min(uint64(e.owed)+min(n, math.MaxUint32), math.MaxUint32)) }
+func (e *hentry) addOwed(n uint64) {
+	e.owed = uint32(min(uint64(e.owed)+min(n, math.MaxUint32), math.MaxUint32))
+}
 
 const (
 	flagDirty  uint8 = 1 << iota // on its shard's dirty list
