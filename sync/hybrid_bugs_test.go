@@ -390,23 +390,46 @@ func TestHybridScriptSlidingMatchesLocal(t *testing.T) {
 					}
 					t.Fatalf("window %v keeps turning", window)
 				}
-				remaining, reset, retry, avail := v[1], time.Duration(v[2])*time.Microsecond, time.Duration(v[3])*time.Microsecond, v[5]
+				// The daemon's view of the reply (Redis's clock as the daemon's: the view's
+				// time is before the script ran, as a snapshot's is).
+				e := &hentry{lim: lim, view: float64(v[5]) / 1000, synced: before * 1000}
+				e.setTimes(v[2], v[3], (after-before)*1000)
+				remaining, reset, retry, avail := v[1], time.Duration(e.resetNs()), time.Duration(e.retryNs()), v[5]
 				ok := false
 				var want []localbucket.Result
+				var costs []string
 				for _, now := range []int64{before, after} {
 					_, r := lim.Take(localbucket.State{T: start * 1000, N: p<<32 | n}, now*1000, 0)
 					want = append(want, r)
 					// avail: what it could grant, in thousandths: whole units, negative in debt.
 					availOK := avail%1000 == 0 && (remaining > 0 && avail == 1000*remaining || remaining == 0 && avail <= 0)
-					if uint64(remaining) == r.Remaining && availOK &&
+					// Every cost the limit can take: when it fits by the view is never
+					// before the local bucket's exact answer, and after it by no more than
+					// the call took (the view cannot tell when, within it, Redis read
+					// the key) and a millisecond.
+					costOK := true
+					costs = costs[:0]
+					for c := uint64(1); c <= requests; c++ {
+						_, rc := lim.Take(localbucket.State{T: start * 1000, N: p<<32 | n}, after*1000, c)
+						if rc.Allowed {
+							continue
+						}
+						exact := after*1000 + rc.RetryAfter
+						got := e.slide().at(float64(c), 0)
+						if d := time.Duration(got - exact); d < 0 || d > time.Duration(after-before)*time.Microsecond+time.Millisecond {
+							costOK = false
+							costs = append(costs, fmt.Sprintf("cost %d: view %v from the call, exact %v", c, time.Duration(got-before*1000), time.Duration(exact-before*1000)))
+						}
+					}
+					if uint64(remaining) == r.Remaining && availOK && costOK &&
 						(reset-time.Duration(r.Reset)).Abs() <= 5*time.Millisecond &&
 						(r.Allowed && retry == 0 || !r.Allowed && (retry-time.Duration(r.RetryAfter)).Abs() <= 5*time.Millisecond) {
 						ok = true
 					}
 				}
 				if !ok {
-					t.Errorf("window %v, p %d, n %d, %.3f of the window gone: script remaining %d, avail %d/1000, reset %v, retry %v; local %+v",
-						window, p, n, float64(before-start)/float64(wus), remaining, avail, reset, retry, want)
+					t.Errorf("window %v, p %d, n %d, %.3f of the window gone: script remaining %d, avail %d/1000, reset %v, retry %v; local %+v; %v",
+						window, p, n, float64(before-start)/float64(wus), remaining, avail, reset, retry, want, costs)
 				}
 				break
 			}

@@ -88,8 +88,9 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 }
 
 // apply applies one sync's outcome to its entry (its shard's lock held), as a view of
-// the key at the snapshot's time.
-func (h *Hybrid) apply(it *syncItem, n float64) {
+// the key at the snapshot's time; arrived is when (daemon clock) the answer came, which
+// bounds when Redis read the key.
+func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	now := it.now
 	e, sh := it.e, it.sh
 	e.flags &^= flagBusy
@@ -107,8 +108,7 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
-	e.reset = ceilNs(v[2] * int64(time.Microsecond))
-	e.retry = ceilNs(v[3] * int64(time.Microsecond))
+	e.setTimes(v[2], v[3], arrived-now)
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now
@@ -137,12 +137,13 @@ func (h *Hybrid) apply(it *syncItem, n float64) {
 // keys is tried until it answers. The outcome per master is returned for its breaker.
 func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr error, by []masterOutcome) {
 	n := h.creditShares()
+	arrived := h.clock()
 	var buf [4]masterOutcome
 	by = buf[:0]
 	for i := range items {
 		it := &items[i]
 		it.sh.mu.Lock()
-		h.apply(it, n)
+		h.apply(it, n, arrived)
 		m := it.m
 		if m == nil {
 			m = h.masterOf(it.e)

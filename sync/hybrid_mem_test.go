@@ -67,3 +67,17 @@ func TestCeilNsNeverEarly(t *testing.T) {
 		t.Error("a negative time is not 0")
 	}
 }
+
+// TestLagCode: a sync's lag in a byte decodes to no less (a view's times are never
+// early) and not much more.
+func TestLagCode(t *testing.T) {
+	for _, lag := range []int64{1, 999, 1000, 1001, 12_345, 100_000, 2_500_000, int64(time.Second) + 7, int64(time.Minute)} {
+		got := lagNs(lagCode(lag))
+		if got < lag || float64(got) > 1.1*float64(lag)+1000 {
+			t.Errorf("lag %d ns decodes to %d", lag, got)
+		}
+	}
+	if lagCode(0) != 0 || lagNs(0) != 0 {
+		t.Error("no lag is not 0")
+	}
+}

@@ -36,8 +36,12 @@ type hentry struct {
 	synced      int64              // when the view was read (ns; 0: never)
 	kn          uint32             // the map key's length (key)
 	owed        uint32             // admitted, sent in a sync, then given back (Undo): the next sync takes them off (saturating: Redis then keeps the rest, never loses one)
-	reset       float32            // view: ns until full, rounded up (resetNs)
-	retry       float32            // view: ns until one more unit fits, by Redis, rounded up (0: one fits; retryNs)
+	// The view's times (resetNs, retryNs). Token bucket and fixed window: vt is the ns
+	// until full, rounded up; vr the bits of a float32, the ns until one more unit fits,
+	// rounded up (0: one fits). Sliding window (slide): vt is the ns gone of its window,
+	// rounded down; vr the previous window's count.
+	vt float32
+	vr uint32
 	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
 	token       uint32             // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant       uint32             // the units reserved for this daemon at the last sync
@@ -46,6 +50,7 @@ type hentry struct {
 	lastDemand  uint16             // the demand the last sync asked a share grant for
 	slot        uint16             // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
 	flags       uint8
+	lag         uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
 }
 
 // key is the Redis key e is the entry of (the map's key: one copy of its bytes).
@@ -54,9 +59,131 @@ func (e *hentry) key() string { return unsafe.String(e.kp, e.kn) }
 // setKey makes k e's key.
 func (e *hentry) setKey(k string) { e.kp, e.kn = unsafe.StringData(k), uint32(len(k)) }
 
-// resetNs and retryNs are the view's reset and retry (ns).
-func (e *hentry) resetNs() int64 { return int64(e.reset) }
-func (e *hentry) retryNs() int64 { return int64(e.retry) }
+// resetNs is the view's reset: ns from it until the key is full (token bucket) or
+// empty (windows), by what Redis counted.
+func (e *hentry) resetNs() int64 {
+	if e.lim.Algorithm() != localbucket.SlidingWindow {
+		return int64(e.vt)
+	}
+	s := e.slide()
+	var at int64
+	switch {
+	case s.q > 0: // until the current window's count weighs less than one
+		at = s.start + 2*s.w - int64(math.Ceil(float64(s.w)/s.q)) + 1
+	case s.p > 0:
+		at = s.start + s.w - int64(math.Ceil(float64(s.w)/s.p)) + 1
+	default:
+		return 0
+	}
+	return max(0, at+slideMargin-e.synced)
+}
+
+// retryNs is the view's retry: ns from it until one more unit fits (0: one fits).
+func (e *hentry) retryNs() int64 {
+	if e.lim.Algorithm() != localbucket.SlidingWindow {
+		return int64(math.Float32frombits(e.vr))
+	}
+	if e.view >= 1 {
+		return 0
+	}
+	return max(1, e.slide().at(1, 0)-e.synced)
+}
+
+// setTimes stores the view's times from the script's reply: reset_us and retry_us, or
+// for a sliding window the previous window's count and the µs gone of the window. Redis
+// read the key up to lag (ns) after the view's time (the sync's round trip and its wait
+// to be sent): its times count from then, so they are stored that much later, never
+// early.
+func (e *hentry) setTimes(a, b, lag int64) {
+	if lag < 0 || lag > int64(time.Minute) {
+		lag = 0 // the answer's time is on another clock than the view's (tests)
+	}
+	if e.lim.Algorithm() == localbucket.SlidingWindow {
+		e.vr = uint32(min(max(0, a), math.MaxUint32))
+		ns := max(0, b) * int64(time.Microsecond)
+		if e.vt = float32(ns); int64(e.vt) > ns {
+			e.vt = math.Nextafter32(e.vt, 0) // rounded down (slide)
+		}
+		e.lag = lagCode(lag)
+		return
+	}
+	e.lag = 0
+	e.vt = ceilNs(a*int64(time.Microsecond) + lag)
+	if b > 0 {
+		b = b*int64(time.Microsecond) + lag
+	}
+	e.vr = math.Float32bits(ceilNs(b))
+}
+
+// lagCode is lag (ns) in a byte, rounded up: 2^(code/8) - 1 µs, about 9% apart, up
+// to 65 minutes (lagNs decodes it).
+func lagCode(lag int64) uint8 {
+	if lag <= 0 {
+		return 0
+	}
+	us := math.Ceil(float64(lag) / 1e3)
+	c := math.Ceil(8 * math.Log2(us+1))
+	for c < 255 && lagNs(uint8(c)) < lag { // the float's rounding, either way
+		c++
+	}
+	return uint8(min(c, 255))
+}
+
+// lagNs decodes lagCode.
+func lagNs(c uint8) int64 { return int64(math.Ceil((math.Exp2(float64(c)/8) - 1) * 1e3)) }
+
+// slideView is a sliding window's view: its previous window's count p; q, the
+// current window's count plus every reservation; and start, when (daemon clock) the
+// window began. The estimate is floor(p·r/w) + q while the window runs (r: the time
+// left of it), then floor(q·r/w) in the next (r: the time left of that one).
+type slideView struct {
+	p, q, r  float64
+	start, w int64
+}
+
+// slideMargin covers the µs Redis counts in, against the ns here.
+const slideMargin = int64(time.Microsecond)
+
+// slide is e's view of a sliding window. Redis gives the µs gone of the window, which
+// the view stores rounded down: the window's start is taken no earlier than Redis's
+// (the view's time, the snapshot's, is before Redis's by up to the sync's round trip,
+// as for every view time), and the previous window's share at the view no larger
+// (its count, q, taken from what the view left: no smaller), so what follows is never
+// early.
+func (e *hentry) slide() slideView {
+	lim := e.lim
+	w := int64(lim.Window())
+	gone := float64(math.Nextafter32(e.vt, math.MaxFloat32)) // no less than Redis's
+	s := slideView{p: float64(e.vr), r: float64(lim.Requests()), w: w, start: e.synced - int64(e.vt) + lagNs(e.lag)}
+	share := math.Floor(s.p * max(0, float64(w)-gone) / float64(w))
+	s.q = max(0, s.r-math.Floor(e.view)-share)
+	return s
+}
+
+// at returns when (daemon clock) cost more units fit, beside extra units counted here
+// and not in Redis: the first time the estimate plus them is at most the limit.
+func (s slideView) at(cost, extra float64) int64 {
+	q := s.q + extra
+	w := float64(s.w)
+	if k := s.r - cost - q; k >= 0 {
+		// In the view's window, as the previous window's share falls.
+		if s.p <= k {
+			return s.start
+		}
+		rmax := int64(math.Ceil((k+1)*w/s.p)) - 1
+		return s.start + s.w - max(0, rmax) + slideMargin
+	}
+	// In the next window, as this window's count (then the previous) falls.
+	x := s.r - cost
+	if q <= 0 || x < 0 {
+		return s.start + s.w + slideMargin // x < 0: a cost above the limit, never asked here
+	}
+	rmax := int64(math.Ceil((x+1)*w/q)) - 1
+	if rmax >= s.w {
+		return s.start + s.w + slideMargin
+	}
+	return s.start + 2*s.w - max(0, rmax) + slideMargin
+}
 
 // ceilNs is ns (at least 0) as a float32 no smaller: 24 bits of precision, so at most
 // 4 s late for a 732-day reset (a sliding window of the longest, 366 days, empties in

@@ -522,11 +522,6 @@ def test_refused_for_cost_above_what_is_left(conn):
     for at, lim in sorted(zip(waits, lims), key=lambda p: p[0]):  # each retried at its own time
         time.sleep(max(0, at + 0.25 - time.time()))
         r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [lim], "cost": 2}), 3)
-        if not r["allowed"] and MODE == "hybrid" and lim["algorithm"] == "sliding_window":
-            # Known (docs/accuracy.md, "Known limits"): hybrid mode's retry_after_ms for a
-            # sliding window refused a cost above 1 comes from the view, which does not
-            # say at what pace the previous window's units free; it may be early.
-            continue
         if not r["allowed"]:
             wrong.append(("refused %.0f ms after its retry_after_ms" % ((time.time() - at) * 1000), lim["algorithm"], r))
     assert not wrong, wrong

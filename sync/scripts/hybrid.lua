@@ -63,7 +63,8 @@
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
 -- answers grant -1: the daemon keeps its units for the next sync.
 -- Returns per key 7 integers (and, after them, the live daemons if the call carries a
--- heartbeat): grant (whole units), remaining, reset_us, retry_us, window
+-- heartbeat): grant (whole units), remaining, reset_us, retry_us (for a sliding window,
+-- in their place: the previous window's count, and the µs gone of the current window), window
 -- start (echo it as grant_window next time), avail_milli: the units the key can admit
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and shared: 1 if another daemon used the key within
@@ -345,33 +346,11 @@ for i = 1, nkeys do
         local elapsed = now - t
         local est = math.floor(p * (window - elapsed) / window) + n + res
         remaining = math.max(0, requests - est)
-        -- Until empty, and until one more unit fits (as localbucket's slidingEarliest):
-        -- in the current window the estimate is floor(p*r/w) + n with r = t+w-time, in
-        -- the next floor(n*r/w) with r = t+2w-time, and floor(c*r/w) <= k while
-        -- r <= ceil((k+1)*w/c) - 1.
-        if n > 0 then
-          reset = t + 2 * window - (math.ceil(window / n) - 1) - now
-        elseif p > 0 then
-          reset = t + window - (math.ceil(window / p) - 1) - now
-        else
-          reset = 0
-        end
-        reset = math.max(0, reset)
-        if remaining >= 1 then
-          retry = 0
-        else
-          local x = requests - 1 - res -- what floor(...) + n may be for one more unit
-          local at
-          if x < 0 then
-            at = now + interval -- others' reserved credit: freed when they sync
-          elseif n <= x then
-            local rmax = math.ceil((x - n + 1) * window / p) - 1
-            if rmax > 0 then at = t + window - rmax else at = t + window end
-          else
-            at = t + 2 * window - (math.ceil((x + 1) * window / n) - 1)
-          end
-          retry = math.max(1, at - now)
-        end
+        -- When units come back depends on the cost asked (a cost of 2 waits for two of
+        -- the previous window's units, at that window's pace): the daemon works reset and
+        -- retry out for any cost from the previous window's count and the window's phase,
+        -- which it gets in their place.
+        reset, retry = p, elapsed
         ttl = 2 * window
       end
     end
