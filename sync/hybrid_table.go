@@ -40,17 +40,17 @@ type hentry struct {
 	// until full, rounded up; vr the bits of a float32, the ns until one more unit fits,
 	// rounded up (0: one fits). Sliding window (slide): vt is the ns gone of its window,
 	// rounded down; vr the previous window's count.
-	vt float32
-	vr uint32
-	seen        uint32             // last check, ms of the daemon clock, wrapping (seenMs)
-	token       uint32             // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
-	grant       uint32             // the units reserved for this daemon at the last sync
-	demand      uint32             // offered since the last sync was sent
-	short       uint16             // of which refused locally for want of allowance (saturating)
-	lastDemand  uint16             // the demand the last sync asked a share grant for
-	slot        uint16             // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
-	flags       uint8
-	lag         uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
+	vt         float32
+	vr         uint32
+	seen       uint32 // last check, ms of the daemon clock, wrapping (seenMs)
+	token      uint32 // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
+	grant      uint32 // the units reserved for this daemon at the last sync
+	demand     uint32 // offered since the last sync was sent
+	short      uint16 // of which refused locally for want of allowance (saturating)
+	lastDemand uint16 // the demand the last sync asked a share grant for
+	slot       uint16 // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
+	flags      uint8
+	lag        uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
 }
 
 // key is the Redis key e is the entry of (the map's key: one copy of its bytes).
