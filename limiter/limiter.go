@@ -251,7 +251,8 @@ type Result struct {
 	// key this daemon does not hold, after such a refusal. It refused nothing, so Allowed
 	// is true and RetryAfter 0; Limit and Window are the rule's; Remaining and Reset were
 	// not read and are 0 (a statement of nothing: not "none left"). Only on a refused
-	// Decision.
+	// Decision. A rule not asked whose cost is above its capacity is not Unasked: it is
+	// reported Impossible, as its store would answer.
 	Unasked bool
 	// Repeat: an inline limit identical to an earlier one of the request (Decision's
 	// dups): this result is a copy of that one's under its own name; it was not decided,
@@ -534,6 +535,15 @@ func (l *Limiter) report(now int64, d *Decision) {
 		out.Window = o.lim.Window()
 		if out.Limit == 0 && o.flags&infoDeny == 0 {
 			out.Limit = o.lim.Requests() // an op no store reported (a global one, unasked)
+		}
+		if out.Unasked && o.bannedUntil == 0 && o.cost > o.lim.Capacity() && o.flags&infoDeny == 0 {
+			// Not asked, but no store need be: a cost above the capacity never passes.
+			// Reported so, it decides the refusal (the client must not retry); before,
+			// it said allowed, and the client retried when the other rule admitted, to be
+			// refused for good then.
+			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Impossible: true,
+				Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
+			continue
 		}
 		if out.Unasked && o.bannedUntil == 0 {
 			// Its store was not asked (markUnasked): it refused nothing, and its figures

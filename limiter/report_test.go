@@ -136,3 +136,49 @@ rules:
 		}
 	}
 }
+
+// A global rule not asked in a refused check (here a ban refuses before any store),
+// whose cost is above its capacity, is reported as the refusal it would be (no store
+// need be asked: it never passes), and it decides: the client is told not to retry.
+// Before, it said allowed, the client retried after the ban, and was refused for good.
+func TestUnaskedCostAboveCapacityRefuses(t *testing.T) {
+	rdb := unreachable(t)
+	l := New(mustRules(t, `
+rules:
+  - name: local
+    key: user
+    limit: { requests: 10, per: 1h }
+    penalty: { after: 1, within: 1h, ban: 1m }
+  - name: exact
+    mode: global
+    key: user
+    limit: { requests: 5, per: 1h }
+    on_store_failure: open
+`), localbucket.NewStore(localbucket.Options{})).WithGlobal(rlsync.NewGlobal(rdb), 50*time.Millisecond)
+	var d Decision
+	for i, cost := range []uint64{5, 5, 1} { // the third is refused, and starts a ban
+		in := Input{Attrs: attrs("user=u"), Cost: cost}
+		if err := l.Check(t0+int64(i), &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	in := Input{Attrs: attrs("user=u")}
+	if !d.Results[0].BanStarted {
+		t.Fatalf("%+v: want a ban started", d.Results[0])
+	}
+	in.Cost = 6
+	if err := l.Check(t0+3, &in, &d); err != nil || d.Allowed || !d.Results[0].Banned {
+		t.Fatalf("%+v %v, want refused by the ban", d, err)
+	}
+	if r := d.Results[1]; r.Name != "exact" || r.Allowed || !r.Impossible || r.Unasked || r.RetryAfter != 0 {
+		t.Errorf("exact: %+v, want refused for good, not unasked", r)
+	}
+	if r := d.DecidingResult(); r == nil || r.Name != "exact" {
+		t.Errorf("deciding %+v, want exact (it never passes)", r)
+	}
+	// A cost the global rule can take: still unasked.
+	in.Cost = 2
+	if err := l.Check(t0+4, &in, &d); err != nil || d.Allowed || !d.Results[1].Unasked || !d.Results[1].Allowed {
+		t.Fatalf("cost 2: %+v %v, want exact unasked", d.Results, err)
+	}
+}
