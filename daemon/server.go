@@ -1167,7 +1167,7 @@ func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 	for i := range d.Results {
 		r := &d.Results[i]
 		head := heads.first(r)
-		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned {
+		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned && !r.Unasked {
 			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
@@ -1180,7 +1180,8 @@ func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 // is looked up, or the entry encoded in full).
 func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.RuleHead) {
 	rr := proto.RuleResult{Remaining: r.Remaining, ResetMs: ceilMs(r.Reset), RetryAfterMs: ceilMs(r.RetryAfter),
-		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay)}
+		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay),
+		Unasked: r.Unasked}
 	if r.Impossible {
 		rr.Reason = proto.ReasonCostExceedsCapacity
 	}

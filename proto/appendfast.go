@@ -89,6 +89,7 @@ const (
 	kWarningTrue   = "\xa7warning\xc3"
 	kDelayMs       = "\xa8delay_ms"
 	kBannedTrue    = "\xa6banned\xc3"
+	kUnaskedTrue   = "\xa7unasked\xc3"
 )
 
 // appendUintField appends the key k and v.

@@ -586,6 +586,8 @@ func (d *Decoder) ruleResults(resp *Response) error {
 				rr.DelayMs, err = d.uint("rules[].delay_ms")
 			case "banned":
 				rr.Banned, err = d.boolean("rules[].banned")
+			case "unasked":
+				rr.Unasked, err = d.boolean("rules[].unasked")
 			default:
 				err = d.skip(key)
 			}

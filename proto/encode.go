@@ -339,13 +339,17 @@ func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
 func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
 	start := len(e.buf.b)
 	e.AppendRuleHeadV1(h, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
-	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned {
+	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned || rr.Unasked {
 		e.buf.b[start] = ruleMapLen(rr)
 		b := e.buf.b
 		if rr.Reason != "" {
 			b = appendStrField(b, kReason, rr.Reason)
 		}
-		e.buf.b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
+		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
+		if rr.Unasked {
+			b = append(b, kUnaskedTrue...)
+		}
+		e.buf.b = b
 	}
 }
 
@@ -412,6 +416,9 @@ func ruleMapLen(rr *RuleResult) byte {
 	if rr.Reason != "" {
 		m++
 	}
+	if rr.Unasked {
+		m++
+	}
 	return 0x80 | byte(m)
 }
 
@@ -430,6 +437,9 @@ func appendRuleTail(b []byte, rr *RuleResult) []byte {
 	}
 	if rr.Warning || rr.DelayMs != 0 || rr.Banned {
 		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
+	}
+	if rr.Unasked {
+		b = append(b, kUnaskedTrue...)
 	}
 	return b
 }

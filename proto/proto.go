@@ -127,6 +127,10 @@ type RuleResult struct {
 	Warning bool   // allowed, and the rule has used at least its warn_at fraction
 	DelayMs uint64 // allowed, but to be held this long first (a rule with delay)
 	Banned  bool   // refused because the key is banned (a rule with penalty)
+	// Unasked (an addition to v1, encoded only when set): the request was refused
+	// before this rule's store was asked (a Redis round trip is not spent on a refused
+	// request); it refused nothing, and its remaining and reset_ms were not read.
+	Unasked bool
 }
 
 // Response is any response: a check answer, a ping answer or an error. A server encodes

@@ -27,6 +27,7 @@ type ruleJSON struct {
 	Warning      bool   `json:"warning,omitempty"`
 	DelayMs      uint64 `json:"delay_ms,omitempty"`
 	Banned       bool   `json:"banned,omitempty"`
+	Unasked      bool   `json:"unasked,omitempty"`
 }
 
 type decisionJSON struct {

@@ -77,13 +77,13 @@ func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
 		if r.Allowed || r.Rule != tt.want {
 			t.Fatalf("%s: %+v, want refused by %s", tt.name, r, tt.want)
 		}
-		if g := entry(r, "per-account"); !g.Allowed || g.RetryAfterMs != 0 || g.Limit != 5 || g.WindowMs != 3600_000 {
-			t.Errorf("%s: per-account's entry %+v, want allowed (it refused nothing), 5 per hour, no retry", tt.name, *g)
+		if g := entry(r, "per-account"); !g.Allowed || !g.Unasked || g.RetryAfterMs != 0 || g.Limit != 5 || g.WindowMs != 3600_000 {
+			t.Errorf("%s: per-account's entry %+v, want allowed and unasked (it refused nothing), 5 per hour, no retry", tt.name, *g)
 		}
 		// Asked now (the account alone), it has its 4 left: the refused requests took
 		// nothing from it.
 		acct := tt.attrs[len(tt.attrs)-1]
-		if r := check(0, acct); !r.Allowed || entry(r, "per-account").Remaining != 4 {
+		if r := check(0, acct); !r.Allowed || entry(r, "per-account").Remaining != 4 || entry(r, "per-account").Unasked {
 			t.Errorf("%s: %s afterwards: %+v, want 4 left", tt.name, acct, r)
 		}
 	}
