@@ -104,6 +104,11 @@ type RuleDecision struct {
 	Warning bool          // allowed, and the rule has used at least its warn_at fraction
 	Delay   time.Duration // allowed, but conforming to this rule only after this wait
 	Banned  bool          // the key is banned by this rule; RetryAfter is the ban's remaining time
+	// Unasked is true when the request was refused (by another rule, a ban or a deny
+	// limit) before this rule's store was asked: it refused nothing (Allowed, no
+	// RetryAfter), and its Remaining and Reset are 0 because they were not read, not
+	// because nothing is left. SetHeaders leaves it out.
+	Unasked bool
 }
 
 // Decision is the answer to a check.
@@ -465,6 +470,7 @@ func decision(r *proto.Response) Decision {
 				Warning:    rr.Warning,
 				Delay:      ms(rr.DelayMs),
 				Banned:     rr.Banned,
+				Unasked:    rr.Unasked,
 			}
 		}
 	}

@@ -32,7 +32,8 @@ func Headers(d *Decision) http.Header {
 //   - when d has a deciding rule: RateLimit-Policy and RateLimit, each a structured-field
 //     list with one item per non-shadow rule of d.Rules, the deciding rule first, then the
 //     others in order: `"per-user";q=5;w=60` (q the limit, w the window in seconds) and
-//     `"per-user";r=0;t=12` (r the remaining, t the reset in seconds);
+//     `"per-user";r=0;t=12` (r the remaining, t the reset in seconds); a rule left
+//     Unasked is left out, since its remaining and reset were not read;
 //   - when d allows and some non-shadow rule of d.Rules warns (warn_at): RateLimit-Warning,
 //     rlsidecar's own header (not in the draft), a structured-field list of those rules'
 //     names in the order of d.Rules, quoted as in RateLimit-Policy: `"per-user", "per-ip"`;
@@ -59,7 +60,8 @@ func SetHeaders(h http.Header, d *Decision) {
 			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rule, d.Limit, 0, false, d.Remaining, d.Reset)
 		}
 		for i := range d.Rules {
-			if r := &d.Rules[i]; !r.Shadow && i != decided {
+			// An unasked rule's figures were not read: it says nothing of its quota.
+			if r := &d.Rules[i]; !r.Shadow && !r.Unasked && i != decided {
 				pol, cur = proto.AppendRateLimitItem(pol, cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
 			}
 		}

@@ -287,6 +287,25 @@ func TestWriteRejectionCostExceedsCapacity(t *testing.T) {
 	}
 }
 
+// A rule the refused request left unasked (its store not asked: its remaining 0 and
+// reset 0 were not read) is exposed as such and left out of RateLimit-Policy and
+// RateLimit, which would otherwise say it has nothing left.
+func TestHeadersLeaveOutUnasked(t *testing.T) {
+	r := proto.Response{Allowed: false, Rule: "per-ip", Limit: 2, Remaining: 0, ResetMs: 30000, RetryAfterMs: 14500,
+		Rules: []proto.RuleResult{
+			{Name: "per-ip", Limit: 2, WindowMs: 60000, ResetMs: 30000, RetryAfterMs: 14500},
+			{Name: "per-account", Limit: 5, WindowMs: 3600_000, Allowed: true, Unasked: true},
+		}}
+	d := decision(&r)
+	if d.Rules[0].Unasked || !d.Rules[1].Unasked {
+		t.Fatalf("rules %+v, want per-account unasked", d.Rules)
+	}
+	want := http.Header{"Ratelimit-Policy": {`"per-ip";q=2;w=60`}, "Ratelimit": {`"per-ip";r=0;t=30`}, "Retry-After": {"15"}}
+	if got := Headers(&d); !reflect.DeepEqual(got, want) {
+		t.Fatalf("headers\n got %q\nwant %q", got, want)
+	}
+}
+
 func TestDefaultAttrs(t *testing.T) {
 	for remote, ip := range map[string]string{"192.0.2.7:1234": "192.0.2.7", "[::1]:80": "::1", "@": "@", "": ""} {
 		r := httptest.NewRequest("DELETE", "http://example.com/a/b%2Fc?x=1", nil)
