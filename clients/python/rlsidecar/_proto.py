@@ -172,7 +172,8 @@ def decision(msg):
         RuleDecision(_str(r.get("name", "")), r.get("limit", 0), r.get("window_ms", 0), r.get("remaining", 0),
                      r.get("reset_ms", 0), r.get("retry_after_ms", 0), r.get("allowed", False),
                      r.get("shadow", False), _str(r.get("reason", "")),
-                     r.get("warning", False), r.get("delay_ms", 0), r.get("banned", False))
+                     r.get("warning", False), r.get("delay_ms", 0), r.get("banned", False),
+                     r.get("unasked", False))
         for r in (g("rules") or ())
     ]
     return Decision(g("allowed", False), _str(g("rule", "")), g("limit", 0), g("remaining", 0), g("reset_ms", 0),

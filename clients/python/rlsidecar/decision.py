@@ -25,10 +25,10 @@ class RuleDecision:
     """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
 
     __slots__ = ("name", "limit", "window_ms", "remaining", "reset_ms", "retry_after_ms", "allowed", "shadow",
-                 "reason", "warning", "delay_ms", "banned")
+                 "reason", "warning", "delay_ms", "banned", "unasked")
 
     def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason="",
-                 warning=False, delay_ms=0, banned=False):
+                 warning=False, delay_ms=0, banned=False, unasked=False):
         self.name = name
         self.limit = limit  # requests per window
         self.window_ms = window_ms
@@ -41,6 +41,10 @@ class RuleDecision:
         self.warning = warning  # allowed, and the rule has used at least its warn_at fraction
         self.delay_ms = delay_ms  # allowed, but conforming to this rule only after this wait
         self.banned = banned  # the key is banned by this rule (its penalty)
+        # The request was refused (by another rule, a ban or a deny limit) before this
+        # rule's store was asked: it refused nothing, and its remaining and reset_ms are
+        # 0 because they were not read. headers() leaves it out.
+        self.unasked = unasked
 
     def __eq__(self, other):
         return isinstance(other, RuleDecision) and all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
@@ -113,6 +117,7 @@ class Decision:
         - when a rule decided: RateLimit-Policy and RateLimit (draft-ietf-httpapi-
           ratelimit-headers), one item per non-shadow rule, the deciding rule first:
           ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up);
+          an unasked rule has none (its remaining and reset were not read);
         - when allowed and some non-shadow rule warns (warn_at): RateLimit-Warning,
           rlsidecar's own header (not in the draft), a structured-field list of those
           rules' names in the order of rules, quoted as in RateLimit-Policy:
@@ -136,7 +141,8 @@ class Decision:
                 # The deciding rule is missing from rules: the top-level fields have no window.
                 _item(pol, cur, self.rule, self.limit, None, self.remaining, self.reset_ms)
             for r in self.rules:
-                if not r.shadow and r is not decided:
+                # An unasked rule's figures were not read: it says nothing of its quota.
+                if not r.shadow and not r.unasked and r is not decided:
                     _item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
             h["RateLimit-Policy"] = ", ".join(pol)
             h["RateLimit"] = ", ".join(cur)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlsidecar import Decision, RuleDecision
+from rlsidecar import Decision, RuleDecision, _proto
 
 from conftest import ROOT
 
@@ -92,3 +92,24 @@ def test_unreachable_closed_is_503():
 def test_unreachable_open_has_no_headers():
     d = Decision(True, degraded=True, unreachable=True, cause="connecting: refused")
     assert d.headers() == {} and d.rejection() is None and d.status == 200
+
+
+# A refused check's answer, as the daemon encodes it (proto.Encoder.EncodeCheck): per-ip
+# refused; per-account left unasked (refused before its store was asked), its remaining 0
+# and reset_ms 0 not read.
+UNASKED_FRAME = bytes.fromhex(
+    "0000011d89a2696401a7616c6c6f776564c2a472756c65a67065722d6970a56c696d697402a972656d61696e696e6700a872657365745f6d73"
+    "cd7530ae72657472795f61667465725f6d73cd38a4a86465677261646564c2a572756c65739288a46e616d65a67065722d6970a56c696d6974"
+    "02a977696e646f775f6d73cdea60a972656d61696e696e6700a872657365745f6d73cd7530ae72657472795f61667465725f6d73cd38a4a761"
+    "6c6c6f776564c2a6736861646f77c289a46e616d65ab7065722d6163636f756e74a56c696d697405a977696e646f775f6d73ce0036ee80a972"
+    "656d61696e696e6700a872657365745f6d7300ae72657472795f61667465725f6d7300a7616c6c6f776564c3a6736861646f77c2a7756e6173"
+    "6b6564c3")
+
+
+def test_unasked_rule_left_out():
+    """An unasked rule is exposed as such, and has no item in RateLimit-Policy and
+    RateLimit: "r=0;t=0" would say it has nothing left."""
+    d = _proto.decision(_proto.decode(UNASKED_FRAME[4:]))
+    assert [(r.name, r.unasked) for r in d.rules] == [("per-ip", False), ("per-account", True)]
+    assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60', "RateLimit": '"per-ip";r=0;t=30',
+                           "Retry-After": "15"}
