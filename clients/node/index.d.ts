@@ -57,6 +57,11 @@ export declare class RuleDecision {
   readonly delayMs: number;
   /** The key is banned by this rule (its penalty). */
   readonly banned: boolean;
+  /**
+   * The request was refused before this rule's store was asked: it refused nothing, and
+   * its remaining and resetMs are 0 because they were not read (headers() leaves it out).
+   */
+  readonly unasked: boolean;
 }
 
 export interface Rejection {

@@ -10,7 +10,7 @@ const COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity';
 /** One matched rule's or inline limit's part of a Decision. Times are milliseconds. */
 class RuleDecision {
   constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '',
-    warning = false, delayMs = 0, banned = false) {
+    warning = false, delayMs = 0, banned = false, unasked = false) {
     this.name = name;
     this.limit = limit; // requests per window
     this.windowMs = windowMs;
@@ -23,6 +23,10 @@ class RuleDecision {
     this.warning = warning; // allowed, and the rule has used at least its warn_at fraction
     this.delayMs = delayMs; // allowed, but conforming to this rule only after this wait
     this.banned = banned; // the key is banned by this rule (its penalty)
+    // The request was refused (by another rule, a ban or a deny limit) before this rule's
+    // store was asked: it refused nothing, and its remaining and resetMs are 0 because they
+    // were not read. headers() leaves it out.
+    this.unasked = unasked;
   }
 }
 
@@ -68,7 +72,8 @@ class Decision {
 
   /**
    * The rate-limit headers: RateLimit-Policy and RateLimit (one item per non-shadow
-   * rule, the deciding rule first) when a rule decided; RateLimit-Warning (rlsidecar's
+   * rule, the deciding rule first; none for an unasked rule, whose remaining and reset
+   * were not read) when a rule decided; RateLimit-Warning (rlsidecar's
    * own header, not in the draft) when allowed and some non-shadow rule warns (warn_at):
    * those rules' names in the order of rules, quoted as in RateLimit-Policy,
    * `"per-user", "per-ip"`; Retry-After (seconds, at least 1) when rejected, except for
@@ -94,7 +99,8 @@ class Decision {
         item(pol, cur, this.rule, this.limit, null, this.remaining, this.resetMs);
       }
       for (const r of this.rules) {
-        if (!r.shadow && r !== decided) item(pol, cur, r.name, r.limit, r.windowMs, r.remaining, r.resetMs);
+        // An unasked rule's figures were not read: it says nothing of its quota.
+        if (!r.shadow && !r.unasked && r !== decided) item(pol, cur, r.name, r.limit, r.windowMs, r.remaining, r.resetMs);
       }
       h['RateLimit-Policy'] = pol.join(', ');
       h['RateLimit'] = cur.join(', ');

@@ -8,6 +8,7 @@ const fs = require('fs');
 const path = require('path');
 
 const { Decision, RuleDecision } = require('..');
+const proto = require('../lib/proto');
 const { ROOT } = require('./helpers');
 
 const CASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'http_headers.json'), 'utf8'));
@@ -91,4 +92,22 @@ test('unreachable, open: no headers', () => {
   assert.deepEqual(d.headers(), {});
   assert.equal(d.rejection(), null);
   assert.equal(d.status, 200);
+});
+
+// A refused check's answer, as the daemon encodes it (proto.Encoder.EncodeCheck): per-ip
+// refused; per-account left unasked (refused before its store was asked), its remaining 0
+// and reset_ms 0 not read.
+const UNASKED_FRAME = Buffer.from(
+  '0000011d89a2696401a7616c6c6f776564c2a472756c65a67065722d6970a56c696d697402a972656d61696e696e6700a872657365745f6d73'
+  + 'cd7530ae72657472795f61667465725f6d73cd38a4a86465677261646564c2a572756c65739288a46e616d65a67065722d6970a56c696d6974'
+  + '02a977696e646f775f6d73cdea60a972656d61696e696e6700a872657365745f6d73cd7530ae72657472795f61667465725f6d73cd38a4a761'
+  + '6c6c6f776564c2a6736861646f77c289a46e616d65ab7065722d6163636f756e74a56c696d697405a977696e646f775f6d73ce0036ee80a972'
+  + '656d61696e696e6700a872657365745f6d7300ae72657472795f61667465725f6d7300a7616c6c6f776564c3a6736861646f77c2a7756e6173'
+  + '6b6564c3', 'hex');
+
+test('an unasked rule is exposed, and left out of RateLimit-Policy and RateLimit', () => {
+  const d = proto.decision(proto.decode(UNASKED_FRAME.subarray(4)));
+  assert.deepEqual(d.rules.map((r) => [r.name, r.unasked]), [['per-ip', false], ['per-account', true]]);
+  // "per-account";r=0;t=0 would say it has nothing left: its figures were not read.
+  assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=30', 'Retry-After': '15' });
 });
