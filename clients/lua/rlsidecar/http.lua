@@ -4,7 +4,7 @@
 --
 -- A decision is the table the clients return: allowed, rule, limit, remaining,
 -- reset_ms, retry_after_ms, reason, degraded, rules = {{name, limit, window_ms,
--- remaining, reset_ms, retry_after_ms, allowed, shadow}, ...}, and unreachable = true
+-- remaining, reset_ms, retry_after_ms, allowed, shadow, unasked}, ...}, and unreachable = true
 -- when the client applied its policy because the sidecar gave no answer. Numbers may be
 -- Lua integers or floats (lua-mpack and cjson give floats); they print the same.
 --
@@ -65,7 +65,8 @@ end
 -- headers returns the rate-limit headers of d as a table name -> value:
 --   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
 --   rule, the deciding rule first (built from the top-level fields, without w, when
---   d.rules lacks it); RateLimit-Warning (rlsidecar's own header, not in the draft) when
+--   d.rules lacks it), none for a rule with unasked = true (the request was refused
+--   before its store was asked: its remaining and reset_ms of 0 were not read); RateLimit-Warning (rlsidecar's own header, not in the draft) when
 --   d allows and some non-shadow rule warns (warn_at): those rules' names in the order of
 --   d.rules, quoted as in RateLimit-Policy, "per-user", "per-ip";
 --   Retry-After (seconds, at least 1) when d rejects, except when
@@ -89,7 +90,8 @@ function M.headers(d)
       append_item(pol, cur, d.rule, d.limit, nil, d.remaining, d.reset_ms)
     end
     for i, r in ipairs(rules) do
-      if not r.shadow and i ~= decided then
+      -- An unasked rule's figures were not read: it says nothing of its quota.
+      if not r.shadow and r.unasked ~= true and i ~= decided then
         append_item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
       end
     end

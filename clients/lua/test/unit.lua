@@ -211,6 +211,32 @@ for _, v in ipairs(read("clients/testdata/http_headers.json")) do
   end
 end
 
+-- A rule the refused request left unasked (refused before its store was asked: its
+-- remaining 0 and reset_ms 0 not read) comes through both decoders with unasked = true,
+-- and has no RateLimit-Policy or RateLimit item, which would say it has nothing left.
+-- The answer as the daemon encodes it (proto.Encoder.EncodeCheck).
+do
+  local frame = unhex("0000011d89a2696401a7616c6c6f776564c2a472756c65a67065722d6970a56c696d697402a972656d61696e696e6700"
+    .. "a872657365745f6d73cd7530ae72657472795f61667465725f6d73cd38a4a86465677261646564c2a572756c65739288a46e616d65a67065"
+    .. "722d6970a56c696d697402a977696e646f775f6d73cdea60a972656d61696e696e6700a872657365745f6d73cd7530ae72657472795f6166"
+    .. "7465725f6d73cd38a4a7616c6c6f776564c2a6736861646f77c289a46e616d65ab7065722d6163636f756e74a56c696d697405a977696e64"
+    .. "6f775f6d73ce0036ee80a972656d61696e696e6700a872657365745f6d7300ae72657472795f61667465725f6d7300a7616c6c6f776564c3"
+    .. "a6736861646f77c2a7756e61736b6564c3")
+  check(codec.frame_length(frame) == #frame - 4, "unasked: frame length")
+  for _, dec in ipairs(decoders) do
+    local d, err = dec[2](frame:sub(5))
+    check(d ~= nil, "%s unasked: decode: %s", dec[1], tostring(err))
+    if d then
+      check(d.rules[1].unasked == nil and d.rules[2].name == "per-account" and d.rules[2].unasked == true,
+        "%s unasked: rules[2].unasked %s", dec[1], tostring(d.rules[2].unasked))
+      local h = http.headers(d)
+      check(h["RateLimit-Policy"] == '"per-ip";q=2;w=60' and h["RateLimit"] == '"per-ip";r=0;t=30'
+        and h["Retry-After"] == "15", "%s unasked: RateLimit-Policy %s, RateLimit %s, Retry-After %s",
+        dec[1], tostring(h["RateLimit-Policy"]), tostring(h["RateLimit"]), tostring(h["Retry-After"]))
+    end
+  end
+end
+
 for _, v in ipairs(read("clients/testdata/problem_bodies.json")) do
   local d = v.decision
   d.unreachable = v.unreachable
