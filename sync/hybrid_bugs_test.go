@@ -733,3 +733,27 @@ func TestHybridRefusalReportsWhatIsLeft(t *testing.T) {
 		}
 	}
 }
+
+// Two ops of one check on the same key (an Envoy call naming the same descriptor twice):
+// the second is decided as if the first were charged, and when it is refused it reports
+// what the first leaves, as the exact mode does: 3 per hour, 2 taken, the same key twice
+// is refused with 0 left for the second (1 was reported, the key's own remaining).
+func TestHybridSameKeyTwiceRefusedReportsLeft(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		h := NewHybrid(rdb, HybridOptions{})
+		lim := mustLimit(t, alg, 3, time.Hour)
+		key := fmt.Sprintf("rl:twice:{%v-%d}", alg, time.Now().UnixNano())
+		now := time.Now().UnixNano()
+		if r := take(h, now, key, lim, 2); !r.Allowed || r.Remaining != 1 {
+			t.Fatalf("%v: cost 2 of 3: %+v; want allowed, 1 left", alg, r)
+		}
+		ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}, {Key: []byte(key), Limit: lim, Cost: 1}}
+		if h.Take(now, ops) {
+			t.Fatalf("%v: the same key twice with 1 left: allowed; want refused", alg)
+		}
+		if r := ops[1].Result; r.Allowed || r.Remaining != 0 {
+			t.Errorf("%v: the second op: %+v; want refused, 0 left after the first", alg, r)
+		}
+	}
+}

@@ -108,11 +108,13 @@ func (e *hentry) setTimes(a, b, lag int64) {
 		return
 	}
 	e.lag = 0
-	e.vt = ceilNs(a*int64(time.Microsecond) + lag)
-	if b > 0 {
+	if a > 0 { // 0: full, or empty (a fixed window with nothing counted), whenever read
+		a = a*int64(time.Microsecond) + lag
+	}
+	if b > 0 { // 0: one fits
 		b = b*int64(time.Microsecond) + lag
 	}
-	e.vr = math.Float32bits(ceilNs(b))
+	e.vt, e.vr = ceilNs(a), math.Float32bits(ceilNs(b))
 }
 
 // lagCode is lag (ns) in a byte, rounded up: 2^(code/8) - 1 µs, about 9% apart, up

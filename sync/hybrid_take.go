@@ -238,6 +238,12 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		var f bool
 		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp)
+		if d := op.upTo - op.Cost; d > 0 && !op.Result.Allowed {
+			// Refused: what is left for it is what the ops before it on its key leave,
+			// as the exact mode reports it (3 per hour, 1 left, the same descriptor twice:
+			// the second is refused with 0 left, not 1).
+			op.Result.Remaining = subFloor(op.Result.Remaining, d)
+		}
 		if !op.Result.Allowed && !op.Result.Impossible && !op.Unreachable && h.stale(e, now) {
 			op.blind, blind = true, true
 		}
