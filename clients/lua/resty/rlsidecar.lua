@@ -304,6 +304,25 @@ function _M.ping(self)
   return resp.version, resp.protocol
 end
 
+-- lease_call sends req (a release or a renew) and returns its answer, or nil and an
+-- error when it could not be encoded, the sidecar did not answer, or it answered an error.
+local function lease_call(self, req)
+  local id = next_id()
+  req.id = id
+  local frame, err = codec.encode_request(req)
+  if not frame then
+    return nil, "rlsidecar: " .. err
+  end
+  local resp, rerr = self:roundtrip(frame, id)
+  if not resp then
+    return nil, rerr
+  end
+  if resp.error then
+    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+  end
+  return resp
+end
+
 -- release frees the slots a concurrency lease (decision.lease) holds: it returns true
 -- when it did, false when the lease was unknown, expired or already released, or nil and
 -- an error when the sidecar did not answer. Cosockets are not available in the log
@@ -315,17 +334,9 @@ function _M.release(self, lease)
   if lease == nil or lease == "" then
     return false
   end
-  local id = next_id()
-  local frame, err = codec.encode_request({ id = id, op = "release", lease = lease })
-  if not frame then
-    return nil, "rlsidecar: " .. err
-  end
-  local resp, rerr = self:roundtrip(frame, id)
+  local resp, err = lease_call(self, { op = "release", lease = lease })
   if not resp then
-    return nil, rerr
-  end
-  if resp.error then
-    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+    return nil, err
   end
   return resp.released == true
 end
@@ -334,17 +345,9 @@ end
 -- lease): it returns whether it did and the lease's time left in ms (0 when it was
 -- unknown, expired or released), or nil and an error when the sidecar did not answer.
 function _M.renew(self, lease, lease_ms)
-  local id = next_id()
-  local frame, err = codec.encode_request({ id = id, op = "renew", lease = lease, lease_ms = lease_ms })
-  if not frame then
-    return nil, "rlsidecar: " .. err
-  end
-  local resp, rerr = self:roundtrip(frame, id)
+  local resp, err = lease_call(self, { op = "renew", lease = lease, lease_ms = lease_ms })
   if not resp then
-    return nil, rerr
-  end
-  if resp.error then
-    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
+    return nil, err
   end
   return resp.renewed == true, tonumber(resp.expires_ms) or 0
 end
