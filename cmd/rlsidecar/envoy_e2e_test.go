@@ -513,6 +513,10 @@ func TestE2EEnvoyRLSMetrics(t *testing.T) {
 func testE2EEnvoyRLSMetrics(t *testing.T, transport string) {
 	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport, "--admin", "127.0.0.1:0")
 	base := "http://" + adminAddr(t, f.d)
+	// user-a is a fixed window of 1 per second, aligned to the second: start just after
+	// a second turns, so that the three calls fall in one window (a fresh-clone CI run
+	// crossed a second and counted 2 allowed).
+	time.Sleep(time.Until(time.Now().Truncate(time.Second).Add(time.Second + 20*time.Millisecond)))
 	for range 3 {
 		f.call(t, "example6", 0, desc("service=auth", "user=user-a"))
 		f.call(t, "edge", 0, desc("remote_address=50.0.0.5"))
