@@ -540,6 +540,16 @@ func TestHybridSlidingGrowsNoCredit(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.SlidingWindow, 10, 2*time.Second)
+	// Start in the first 50 ms of a window (windows are aligned to the epoch), so that
+	// 1.9 s later is still in it: started in its last 100 ms, 1.9 s later is past the end,
+	// where the count weighs less than 9 and an 11th may pass, exactly (a fresh-clone CI
+	// run started there).
+	for deadline := time.Now().Add(5 * time.Second); time.Now().UnixNano()%int64(2*time.Second) > int64(50*time.Millisecond); {
+		if time.Now().After(deadline) {
+			t.Fatal("no window start within 5 s")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	now := time.Now().UnixNano()
 	for i := range 10 {
 		if r := take(h, now, "rl:swc:{u}", lim, 1); !r.Allowed {
