@@ -540,17 +540,10 @@ func TestHybridSlidingGrowsNoCredit(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.SlidingWindow, 10, 2*time.Second)
-	// Start in the first 50 ms of a window (windows are aligned to the epoch), so that
-	// 1.9 s later is still in it: started in its last 100 ms, 1.9 s later is past the end,
-	// where the count weighs less than 9 and an 11th may pass, exactly (a fresh-clone CI
-	// run started there).
-	for deadline := time.Now().Add(5 * time.Second); time.Now().UnixNano()%int64(2*time.Second) > int64(50*time.Millisecond); {
-		if time.Now().After(deadline) {
-			t.Fatal("no window start within 5 s")
-		}
-		time.Sleep(time.Millisecond)
-	}
-	now := time.Now().UnixNano()
+	// Start in the first 50 ms of a window, so that 1.9 s later is still in it: started
+	// in its last 100 ms, 1.9 s later is past the end, where the count weighs less than 9
+	// and an 11th may pass, exactly (a fresh-clone CI run started there).
+	now := atWindowStart(t, 2*time.Second)
 	for i := range 10 {
 		if r := take(h, now, "rl:swc:{u}", lim, 1); !r.Allowed {
 			t.Fatalf("request %d of 10 refused: %+v", i+1, r)
@@ -764,6 +757,22 @@ func TestHybridSameKeyTwiceRefusedReportsLeft(t *testing.T) {
 		}
 		if r := ops[1].Result; r.Allowed || r.Remaining != 0 {
 			t.Errorf("%v: the second op: %+v; want refused, 0 left after the first", alg, r)
+		}
+	}
+}
+
+// atWindowStart waits until the first 50 ms of a window of length w (windows are aligned
+// to the epoch, by Redis's clock, the same machine's) and returns the time then (ns): a
+// test that expects its checks in one window does not straddle two.
+func atWindowStart(t *testing.T, w time.Duration) int64 {
+	t.Helper()
+	for deadline := time.Now().Add(w + 5*time.Second); ; time.Sleep(time.Millisecond) {
+		now := time.Now().UnixNano()
+		if now%int64(w) <= int64(50*time.Millisecond) {
+			return now
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no start of a %v window within %v", w, w+5*time.Second)
 		}
 	}
 }

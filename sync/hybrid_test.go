@@ -198,7 +198,7 @@ func TestHybridNoScript(t *testing.T) {
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.SlidingWindow, 10, time.Second)
-	now := time.Now().UnixNano()
+	now := atWindowStart(t, time.Second) // both units in one window: n counts 2
 	take(h, now, "rl:s:{k=1}", lim, 1)
 	if err := h.Flush(ctx, now); err != nil {
 		t.Fatal(err)
