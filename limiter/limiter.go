@@ -536,20 +536,15 @@ func (l *Limiter) report(now int64, d *Decision) {
 		if out.Limit == 0 && o.flags&infoDeny == 0 {
 			out.Limit = o.lim.Requests() // an op no store reported (a global one, unasked)
 		}
-		if out.Unasked && o.bannedUntil == 0 && o.cost > o.lim.Capacity() && o.flags&infoDeny == 0 {
-			// Not asked, but no store need be: a cost above the capacity never passes.
-			// Reported so, it decides the refusal (the client must not retry); before,
-			// it said allowed, and the client retried when the other rule admitted, to be
-			// refused for good then.
-			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Impossible: true,
-				Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
-			continue
-		}
 		if out.Unasked && o.bannedUntil == 0 {
 			// Its store was not asked (markUnasked): it refused nothing, and its figures
-			// were not read.
-			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Allowed: true, Unasked: true,
-				Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
+			// were not read. Unless its cost is above its capacity: that never passes,
+			// and no store need be asked to say so. Reported so, it decides the refusal
+			// (the client must not retry); before, it said allowed, and the client
+			// retried when the other rule admitted, to be refused for good then.
+			never := o.cost > o.lim.Capacity() && o.flags&infoDeny == 0
+			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Allowed: !never, Impossible: never,
+				Unasked: !never, Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
 			continue
 		}
 		out.Unasked = false // banned: that is what it says

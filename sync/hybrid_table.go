@@ -3,6 +3,7 @@ package sync
 import (
 	"hash/maphash"
 	"math"
+	"sort"
 	gosync "sync"
 	"time"
 	"unsafe"
@@ -117,22 +118,26 @@ func (e *hentry) setTimes(a, b, lag int64) {
 	e.vt, e.vr = ceilNs(a), math.Float32bits(ceilNs(b))
 }
 
-// lagCode is lag (ns) in a byte, rounded up: 2^(code/8) - 1 µs, about 9% apart, up
-// to 65 minutes (lagNs decodes it).
+// lagCode is lag (ns) in a byte, rounded up: the first code whose lagNs is no less
+// (2^(code/8) - 1 µs, about 9% apart, up to 65 minutes).
 func lagCode(lag int64) uint8 {
 	if lag <= 0 {
 		return 0
 	}
-	us := math.Ceil(float64(lag) / 1e3)
-	c := math.Ceil(8 * math.Log2(us+1))
-	for c < 255 && lagNs(uint8(c)) < lag { // the float's rounding, either way
-		c++
-	}
-	return uint8(min(c, 255))
+	return uint8(min(255, sort.Search(len(lagTable), func(c int) bool { return lagTable[c] >= lag })))
 }
 
-// lagNs decodes lagCode.
-func lagNs(c uint8) int64 { return int64(math.Ceil((math.Exp2(float64(c)/8) - 1) * 1e3)) }
+// lagNs decodes lagCode: a table read, as slide does on the check path (an Exp2 per
+// sliding-window check before).
+func lagNs(c uint8) int64 { return lagTable[c] }
+
+// lagTable holds lagNs of every code.
+var lagTable = func() (t [256]int64) {
+	for c := range t {
+		t[c] = int64(math.Ceil((math.Exp2(float64(c)/8) - 1) * 1e3))
+	}
+	return t
+}()
 
 // slideView is a sliding window's view: its previous window's count p; q, the
 // current window's count plus every reservation; and start, when (daemon clock) the
