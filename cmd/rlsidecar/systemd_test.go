@@ -385,11 +385,14 @@ func startActivator(t *testing.T, saArgs, sockets []string, command ...string) *
 			t.Logf("activator output:\n%s", a.out.String())
 		}
 	})
-	// systemd-socket-activate binds before it waits for a first connection.
+	// systemd-socket-activate binds and listens before it waits for a first connection.
+	// The file appears at bind, before listen: a connection between the two is refused (a
+	// fresh-clone CI run's first Envoy call was), so wait for the listening socket, as
+	// /proc/net/unix shows it, without connecting (that would start the daemon).
 	deadline := time.Now().Add(10 * time.Second)
 	for _, socket := range sockets {
 		for {
-			if fi, err := os.Lstat(socket); err == nil && fi.Mode()&os.ModeSocket != 0 {
+			if fi, err := os.Lstat(socket); err == nil && fi.Mode()&os.ModeSocket != 0 && unixListening(socket) {
 				break
 			}
 			if time.Now().After(deadline) {
@@ -769,4 +772,22 @@ func TestPackagedConfiguration(t *testing.T) {
 	if !strings.Contains(out.String(), "4 rules") {
 		t.Errorf("the packaged rules: %s", out.String())
 	}
+}
+
+// unixListening reports whether a Unix socket bound at path is listening, by
+// /proc/net/unix (its flags __SO_ACCEPTCON, 00010000), or is a datagram socket; true
+// where that file cannot be read, so that the check only ever adds a wait.
+func unixListening(path string) bool {
+	b, err := os.ReadFile("/proc/net/unix")
+	if err != nil {
+		return true
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		// Num RefCount Protocol Flags Type St Inode Path
+		if len(f) >= 8 && f[7] == path && (f[3] == "00010000" || f[4] == "0002") {
+			return true // listening, or a datagram socket (which never listens)
+		}
+	}
+	return false
 }
