@@ -104,7 +104,12 @@ rules:
 func TestInlineDuplicateAcrossRedisModes(t *testing.T) {
 	l := policyLimiter(t, realRedis(t), "rules: []\n")
 	lim := func(mode string) Inline { return Inline{Key: "x", Limit: 1, WindowMs: 60_000, Mode: mode} }
-	in := Input{Limits: []Inline{lim("global"), lim("hybrid"), lim("local")}, Cost: 1}
+	// The local one admits two, so that the second check is refused by the Redis limit
+	// alone: with a local limit of 1 too, both refused and the longer retry decided, the
+	// local one's by a few ms at times (its clock is the daemon's, the other's Redis's).
+	local := lim("local")
+	local.Limit = 2
+	in := Input{Limits: []Inline{lim("global"), lim("hybrid"), local}, Cost: 1}
 	var d Decision
 	if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
 		t.Fatal(err)
@@ -115,7 +120,7 @@ func TestInlineDuplicateAcrossRedisModes(t *testing.T) {
 	if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
 		t.Fatal(err)
 	}
-	if d.Allowed || d.Results[0].Allowed || !sameResult(d.Results[1], d.Results[0]) || d.Deciding != 0 {
+	if d.Allowed || d.Results[0].Allowed || !sameResult(d.Results[1], d.Results[0]) || d.Deciding != 0 || !d.Results[2].Allowed {
 		t.Fatalf("again: allowed %v deciding %d results %+v; want refused by the first", d.Allowed, d.Deciding, d.Results)
 	}
 }
