@@ -48,7 +48,10 @@
 -- leases of a connection that closes (counted `closed` in rlsidecar_leases_total). With
 -- keep-alive each request is a transaction of its own, and the next request's check on an
 -- HTTP/1 client connection first releases the lease of the one before (see pending), so
--- it does not race the daemon's reading of that close.
+-- it does not race the daemon's reading of that close. A transaction longer than its
+-- lease keeps its slot: a task renews the lease (see keep_lease) until the daemon answers
+-- that it is gone, which it is once the transaction's connection closed. `setenv
+-- RLSIDECAR_RENEW_LEASES off` in global, before lua-load, turns the renewals off.
 -- Frames are encoded and decoded by rlsidecar.codec, in plain Lua: lua-mpack under Lua 5.3
 -- decodes integers as floats, which would print as "5.0" in the headers.
 
@@ -57,6 +60,10 @@ local http = require "rlsidecar.http"
 local normalize_path = require("rlsidecar.path").normalize
 
 local MAX_FRAME = 1048576 -- the largest answer read
+
+-- HOLD_S is how long, in seconds, a transaction may hold a concurrency lease's connection
+-- idle: a day. The transaction's end closes it long before.
+local HOLD_S = 86400
 
 -- max_frame: the largest request frame sent (bytes after the length).
 local max_frame = 65536
@@ -67,6 +74,17 @@ do
     if not max_frame or max_frame < 1 or max_frame % 1 ~= 0 then
       error("rlsidecar: RLSIDECAR_MAX_FRAME must be a positive integer (bytes), not " .. env, 0)
     end
+  end
+end
+
+-- renew_leases: whether a transaction's lease is renewed while it runs (keep_lease).
+local renew_leases = true
+do
+  local env = os.getenv("RLSIDECAR_RENEW_LEASES")
+  if env == "off" or env == "0" or env == "false" then
+    renew_leases = false
+  elseif env ~= nil and env ~= "" and env ~= "on" and env ~= "1" and env ~= "true" then
+    error("rlsidecar: RLSIDECAR_RENEW_LEASES must be on or off, not " .. env, 0)
   end
 end
 
@@ -178,11 +196,90 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
   if resp.rules == nil then resp.rules = {} end
   if resp.rule == nil then resp.rule = "" end
   if resp.allowed and resp.lease and resp.lease ~= "" then
-    resp.sock = sock -- holds the lease until the transaction ends (closed with it)
+    -- Holds the lease until the transaction ends (closed with it). HAProxy closes a Lua
+    -- socket idle past its timeout, which was the check's (50 ms in the example): the
+    -- daemon then freed the slot while the request still ran. HOLD_S bounds it instead.
+    sock:settimeout(HOLD_S)
+    resp.sock = sock
   else
     sock:close()
   end
   return resp
+end
+
+-- MIN_RENEWAL_MS is the shortest wait between two renewals of a lease.
+local MIN_RENEWAL_MS = 10
+
+local function now_ms()
+  local t = core.now()
+  return t.sec * 1000 + t.usec / 1000
+end
+
+-- first_renewal_ms is when a transaction first renews d's lease: half the shortest
+-- window among d's rules. A concurrency rule's entry has its lease as its window; a rate
+-- rule's may be shorter, which only brings the first renewal forward (its answer says
+-- when the lease expires, and the next renewal follows that).
+local function first_renewal_ms(d)
+  local w
+  for _, r in ipairs(d.rules or {}) do
+    local rw = tonumber(r.window_ms)
+    if rw and rw > 0 and (not w or rw < w) then
+      w = rw
+    end
+  end
+  return math.max(math.floor((w or 2000) / 2), MIN_RENEWAL_MS)
+end
+
+-- renew asks the daemon at address to extend lease by its rules' own lease times, on a
+-- connection of its own: true and the ms left, false when the lease is gone (released,
+-- expired, or freed with the connection that took it), nil when no answer came.
+local function renew(address, timeout_ms, lease)
+  local id = next_id()
+  local frame = codec.encode_request({ id = id, op = "renew", lease = lease })
+  if not frame then
+    return nil
+  end
+  local resp, sock = roundtrip(address, timeout_ms, frame, id)
+  if sock then
+    sock:close()
+  end
+  if not resp or resp.error then
+    return nil
+  end
+  return resp.renewed == true, tonumber(resp.expires_ms) or 0
+end
+
+-- keep_lease renews lease from a task of its own (HAProxy runs it beside the traffic;
+-- an action cannot wait past its transaction), first after first_ms, then at half of
+-- what each renewal answers is left of it. HAProxy gives Lua no hook at the end of a
+-- transaction, so the task learns it from the daemon: when the transaction ends HAProxy
+-- closes the connection that took the lease, the daemon frees the lease, and the next
+-- renewal answers renewed: false (a lease released by the next request on the client
+-- connection, see pending, likewise). The task holds the lease's id only, never the
+-- transaction's socket (which would keep it open). It also stops when the sidecar has not
+-- answered until the lease's last known expiry.
+local function keep_lease(address, timeout_ms, lease, first_ms)
+  core.register_task(function()
+    local wait = first_ms
+    local expires = now_ms() + 2 * first_ms
+    while true do
+      core.msleep(wait)
+      local renewed, left_ms = renew(address, timeout_ms, lease)
+      local now = now_ms()
+      if renewed == nil then
+        local left = expires - now
+        if left <= 0 then
+          return
+        end
+        wait = math.max(math.floor(left / 2), MIN_RENEWAL_MS)
+      elseif not renewed then
+        return
+      else
+        expires = now + left_ms
+        wait = math.max(math.floor(left_ms / 2), MIN_RENEWAL_MS)
+      end
+    end
+  end)
 end
 
 -- Leases of ended transactions, by HTTP/1 client connection, that the next request on
@@ -281,10 +378,15 @@ local function action(txn, address, policy, timeout)
   -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
   -- rule's slot, the open connection that holds it, until the transaction ends.
   txn:set_priv({ headers = http.headers(d), lease_sock = d.sock })
-  if d.sock and first then
-    conn = conn or connection_key(txn)
-    if conn then
-      put_pending(conn, d.lease) -- for the next request on this client connection
+  if d.sock then
+    if first then
+      conn = conn or connection_key(txn)
+      if conn then
+        put_pending(conn, d.lease) -- for the next request on this client connection
+      end
+    end
+    if renew_leases then
+      keep_lease(address, timeout_ms, d.lease, first_renewal_ms(d))
     end
   end
   local delay = tonumber(d.delay_ms)

@@ -24,7 +24,7 @@
 # each request of a burst whose checks were in flight together, more than nginx's pool
 # keeps), and freed
 # when it completes or the client aborts it, and that ten leased requests in a row on one
-# keep-alive connection each find the slot free; that nginx renews the lease of a request
+# keep-alive connection each find the slot free; that nginx and HAProxy renew the lease of a request
 # longer than it. With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
 # release on a semaphore, not by polling, bounded by its timeout, and that a request held
 # for a delay whose client goes away ends then, its lease released. Then it stops the daemon
@@ -39,6 +39,7 @@
 #
 # Needs go, nginx, libnginx-mod-http-lua, lua-mpack, haproxy (with Lua), curl, python3
 # (scripts/test-gateways installs them).
+# E2E_KEEP=1 keeps the temporary directory (configs, gateway and daemon logs) for a look.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)" # clients/lua
 repo="$(cd "$here/../.." && pwd)"
@@ -52,7 +53,7 @@ cleanup() {
   for p in "${pids[@]-}"; do
     [ -n "$p" ] && wait "$p" 2>/dev/null || true
   done
-  rm -rf "$tmp"
+  if [ -n "${E2E_KEEP:-}" ]; then echo "e2e: kept $tmp" >&2; else rm -rf "$tmp"; fi
 }
 trap cleanup EXIT
 
@@ -596,23 +597,30 @@ keep_alive() {
 }
 keep_alive nginx "$nginx_port"
 keep_alive haproxy "$hap_port"
-echo "-- nginx renews the lease of a request longer than it"
+echo "-- nginx and HAProxy renew the lease of a request longer than it"
 # /long/ takes 5 s at the backend; its rule's lease is 2 s. 4 s in, the first request
-# still holds the one slot (access() renews its lease until log() releases it), and
-# once it completed the slot is free.
-curl -s --max-time 15 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/a" >"$tmp/long-nginx" &
-long=$!
-sleep 4
-status=$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$nginx_port/long/b" || true)
-expect "nginx: a second request 4 s into a 5 s one (lease 2 s): refused, the slot renewed" "$status" 429
-wait "$long"
-expect "nginx: the long request" "$(cat "$tmp/long-nginx")" 200
-for i in $(seq 50); do
-  inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"long-in-flight\"}" {print $2}')
-  [ "$inflight" == 0 ] && break
-  sleep 0.1
-done
-expect "nginx: the long request's slot freed when it ended" "$inflight" 0
+# still holds the one slot (nginx: access() renews its lease until log() releases it;
+# HAProxy: a task renews it until the daemon answers it gone, and the check's connection
+# stays open past the check's 2 s timeout, which HAProxy applies to an idle Lua socket),
+# and once it completed the slot is free.
+long_lease() {
+  local name=$1 port=$2 long i
+  curl -s --max-time 15 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/long/a" >"$tmp/long-$name" &
+  long=$!
+  sleep 4
+  status=$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/long/b" || true)
+  expect "$name: a second request 4 s into a 5 s one (lease 2 s): refused, the slot renewed" "$status" 429
+  wait "$long"
+  expect "$name: the long request" "$(cat "$tmp/long-$name")" 200
+  for i in $(seq 50); do
+    inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"long-in-flight\"}" {print $2}')
+    [ "$inflight" == 0 ] && break
+    sleep 0.1
+  done
+  expect "$name: the long request's slot freed when it ended" "$inflight" 0
+}
+long_lease nginx "$nginx_port"
+long_lease haproxy "$hap_port"
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
