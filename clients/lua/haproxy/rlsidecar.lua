@@ -207,27 +207,11 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
   return resp
 end
 
--- MIN_RENEWAL_MS is the shortest wait between two renewals of a lease.
-local MIN_RENEWAL_MS = 10
+local MIN_RENEWAL_MS = http.MIN_RENEWAL_MS
 
 local function now_ms()
   local t = core.now()
   return t.sec * 1000 + t.usec / 1000
-end
-
--- first_renewal_ms is when a transaction first renews d's lease: half the shortest
--- window among d's rules. A concurrency rule's entry has its lease as its window; a rate
--- rule's may be shorter, which only brings the first renewal forward (its answer says
--- when the lease expires, and the next renewal follows that).
-local function first_renewal_ms(d)
-  local w
-  for _, r in ipairs(d.rules or {}) do
-    local rw = tonumber(r.window_ms)
-    if rw and rw > 0 and (not w or rw < w) then
-      w = rw
-    end
-  end
-  return math.max(math.floor((w or 2000) / 2), MIN_RENEWAL_MS)
 end
 
 -- renew asks the daemon at address to extend lease by its rules' own lease times, on a
@@ -386,7 +370,7 @@ local function action(txn, address, policy, timeout)
       end
     end
     if renew_leases then
-      keep_lease(address, timeout_ms, d.lease, first_renewal_ms(d))
+      keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)))
     end
   end
   local delay = tonumber(d.delay_ms)

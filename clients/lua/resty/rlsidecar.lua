@@ -356,23 +356,12 @@ end
 local renewing = {}
 
 -- MIN_RENEWAL is the shortest wait between two renewals of a lease, in seconds.
-local MIN_RENEWAL = 0.01
+local MIN_RENEWAL = http.MIN_RENEWAL_MS / 1000
 
--- first_renewal is when access() first renews d's lease, in seconds: half the shortest
--- window among d's rules. A concurrency rule's entry has its lease as its window; a rate
--- rule's may be shorter, which only brings the first renewal forward (its answer says
--- when the lease expires, and the next renewal follows that).
+-- first_renewal is when access() first renews d's lease, in seconds (see
+-- http.first_renewal_ms).
 local function first_renewal(d)
-  local w
-  for _, r in ipairs(d.rules or {}) do
-    local rw = tonumber(r.window_ms)
-    if rw and rw > 0 and (not w or rw < w) then
-      w = rw
-    end
-  end
-  local s = (w or 2000) / 2000
-  if s < MIN_RENEWAL then s = MIN_RENEWAL end
-  return s
+  return http.first_renewal_ms(d) / 1000
 end
 
 -- keep_lease renews lease from timers (ngx.timer.at), first after first

@@ -309,4 +309,23 @@ function M.too_large_decision(cause)
   }
 end
 
+-- MIN_RENEWAL_MS is the shortest wait, in ms, between two renewals of a lease.
+M.MIN_RENEWAL_MS = 10
+
+-- first_renewal_ms is when a gateway first renews decision d's lease, in ms: half the
+-- shortest window among d's rules, at least MIN_RENEWAL_MS. A concurrency rule's entry
+-- has its lease as its window; a rate rule's may be shorter, which only brings the first
+-- renewal forward (its answer says when the lease expires, and the next renewal follows
+-- that).
+function M.first_renewal_ms(d)
+  local w
+  for _, r in ipairs(d.rules or {}) do
+    local rw = tonumber(r.window_ms)
+    if rw and rw > 0 and (not w or rw < w) then
+      w = rw
+    end
+  end
+  return math.max((w or 2000) / 2, M.MIN_RENEWAL_MS)
+end
+
 return M

@@ -314,6 +314,23 @@ do
     and h["RateLimit"] == nil, "closed policy: 503 with Retry-After 1")
 end
 
+-- A lease's first renewal: half the shortest window of the decision's rules, at least
+-- MIN_RENEWAL_MS; 1 s without a window.
+do
+  local function d(...)
+    local rules = {}
+    for i, w in ipairs({ ... }) do rules[i] = { name = "r" .. i, window_ms = w } end
+    return { rules = rules }
+  end
+  for _, c in ipairs({
+    { d(2000), 1000 }, { d(60000, 2000, 30000), 1000 }, { d(5), http.MIN_RENEWAL_MS },
+    { d(), 1000 }, { { rules = { { name = "x" } } }, 1000 }, { d(0, 3000), 1500 },
+  }) do
+    local got = http.first_renewal_ms(c[1])
+    check(got == c[2], "first_renewal_ms: got %s, want %s", tostring(got), tostring(c[2]))
+  end
+end
+
 local runtime = (jit and jit.version) or _VERSION
 out:write(string.format("%s: %d checks, %d failures\n", runtime, checks, failures))
 out:flush()
