@@ -245,7 +245,7 @@ type Client struct {
 	ctx    context.Context // canceled by Close: stops dials in progress
 	cancel context.CancelFunc
 	closed atomic.Bool
-	wg     sync.WaitGroup // dial and reader goroutines
+	wg     sync.WaitGroup // dial and reader goroutines, and releases of orphaned leases
 }
 
 // New returns a Client for the sidecar listening on o.Socket. It does not dial: the first

@@ -142,13 +142,19 @@ func (cl *call) dropRequest() {
 }
 
 // complete hands the result (in cl.resp, or err) to the caller, or pools an abandoned call.
-func (cl *call) complete(err error) {
+// For an abandoned call whose answer took a concurrency lease, it returns that lease:
+// nobody else knows of it, and it would hold its slots until it expires.
+func (cl *call) complete(err error) (orphan string) {
 	cl.err = err
 	if cl.state.CompareAndSwap(callWaiting, callDone) {
 		cl.done <- struct{}{}
-		return
+		return ""
+	}
+	if err == nil {
+		orphan = cl.resp.Lease
 	}
 	cl.release()
+	return orphan
 }
 
 // wait waits for cl's completion after it was sent. It returns cl when the caller owns it
@@ -596,8 +602,28 @@ func (cn *conn) readLoop() {
 			cl.complete(nil)
 			return
 		}
-		cl.complete(nil)
+		if lease := cl.complete(nil); lease != "" {
+			cn.s.c.releaseOrphan(lease)
+		}
 	}
+}
+
+// releaseOrphan releases, in a goroutine of its own, the lease of an answer that came after
+// its caller stopped waiting (a timeout, a canceled ctx): the caller decided by its Policy
+// without the slot, so nothing else would free it before it expires. Without this, a
+// sidecar slowed past the callers' timeout would leave each late admission's slots held
+// for a whole lease, refusing requests that fit.
+func (c *Client) releaseOrphan(lease string) {
+	if c.closed.Load() {
+		return // Close closes the connections, which frees their leases
+	}
+	c.wg.Add(1) // the reader calling this is counted: Close cannot be waiting on zero
+	go func() {
+		defer c.wg.Done()
+		ctx, cancel := context.WithTimeout(c.ctx, c.opts.Timeout)
+		defer cancel()
+		c.Release(ctx, lease) // released or not (the lease may have ended meanwhile), or unreachable: it then expires
+	}()
 }
 
 // unsolicited describes a frame that arrived with no request pending.

@@ -49,6 +49,13 @@ func (f *leaseFake) answer(req *proto.Request, resp *proto.Response) {
 	}
 }
 
+// handedOut returns how many leases the fake's checks took.
+func (f *leaseFake) handedOut() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.next
+}
+
 func (f *leaseFake) inFlight() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -204,5 +211,42 @@ func TestFirstRenewal(t *testing.T) {
 		if got := firstRenewal(&d); got != tc.want {
 			t.Errorf("windows %v: %v, want %v", tc.windows, got, tc.want)
 		}
+	}
+}
+
+// A check's answer that comes after the caller stopped waiting, and took a lease: the
+// client releases it (the caller decided by its Policy, without the slot), so the slot
+// does not stay held for the whole lease.
+func TestLateLeaseReleased(t *testing.T) {
+	path := socketPath(t)
+	f := &leaseFake{max: 1, held: map[string]bool{}}
+	fk := startFake(t, path, f.answer)
+	c := newClient(t, Options{Socket: path, Timeout: 20 * time.Millisecond})
+	ctx := context.Background()
+	if _, err := c.Ping(ctx); err != nil { // dialed before the fake slows down
+		t.Fatal(err)
+	}
+	fk.delay.Store(int64(100 * time.Millisecond))
+	d, err := c.Check(ctx, map[string]string{"user": "ann"}, nil)
+	if err != nil || !d.Unreachable || d.Lease != "" {
+		t.Fatalf("slow check: %+v %v; want the policy's decision, without a lease", d, err)
+	}
+	fk.delay.Store(0)
+	deadline := time.Now().Add(5 * time.Second)
+	for f.handedOut() == 0 { // the fake sleeps before it answers, and takes the lease then
+		if time.Now().After(deadline) {
+			t.Fatal("the fake never answered the slow check")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for f.inFlight() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the late answer's lease is still held 5 s after the check timed out")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The slot is free again: the next check takes it.
+	if d, err := c.Check(ctx, map[string]string{"user": "ann"}, nil); err != nil || !d.Allowed || d.Lease == "" {
+		t.Fatalf("check after the late lease's release: %+v %v; want allowed with a lease", d, err)
 	}
 }
