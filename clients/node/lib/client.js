@@ -6,7 +6,8 @@
 // its frame at once: many checks are in flight on one connection. The sidecar answers in
 // request order, so each answer goes to the oldest pending check, whose id it must echo.
 // A check that times out resolves with the policy decision and stays in the FIFO,
-// abandoned, so the late answer still lands on the right entry and is dropped. A
+// abandoned, so the late answer still lands on the right entry and is dropped (a lease it
+// took is released: the check was decided without it). A
 // mismatched id, an undecodable frame or a socket error breaks the connection: every
 // pending check resolves with the policy decision, and the next check redials. Failed
 // dials back off per slot from 10 ms, doubling to 1 s, with jitter; a slot that backs
@@ -191,7 +192,9 @@ class Conn {
         return this.fail(`the sidecar closed the connection: ${e[0]}`);
       }
       this.served = true;
+      const late = entry.settled;
       entry.done(msg, null);
+      if (late && typeof msg.lease === 'string' && msg.lease !== '') this.slot.client.releaseOrphan(msg.lease);
       if (e !== null && e[0] === 'frame_too_large') {
         // The sidecar closes the connection after this answer: no check may follow on it.
         return this.fail('the sidecar closed the connection: frame_too_large');
@@ -365,6 +368,15 @@ class Client {
   release(lease) {
     if (!lease) return Promise.resolve(false);
     return this.leaseCall('release', lease, 0).then((m) => m.released === true);
+  }
+
+  // releaseOrphan releases the lease of an answer that came after its check timed out: the
+  // check was decided by the policy, without the slot, and nothing else would free it
+  // before it expires (a sidecar slowed past the timeout would otherwise leave a slot held
+  // for a whole lease per late admission). Unreachable: it then expires.
+  releaseOrphan(lease) {
+    if (this.closed) return; // close() closes the connections, which frees their leases
+    this.release(lease).catch(() => {});
   }
 
   /** Extends a live lease to leaseMs from now (0: each rule's own); resolves to { renewed, expiresMs }. */

@@ -34,6 +34,25 @@ test('leases: two then a refusal, release, renew', async (t) => {
   assert.ok((await c.check({ user: 'ann' })).allowed);
 });
 
+test('a lease taken by an answer that came after the check timed out is released', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 50 });
+  t.after(() => c.close());
+  assert.ok((await c.check({ user: 'bob' }, { cost: 0 })).allowed); // connected
+  await d.pause();
+  const late = await c.check({ user: 'ann' }); // sent to a stalled daemon: times out
+  assert.ok(late.unreachable && late.lease === '', 'the stalled check is the policy\'s decision');
+  d.resume(); // the daemon answers it now, allowed, with a lease nobody holds
+  let remaining = -1;
+  for (let k = 0; k < 200 && remaining !== 1; k++) {
+    await new Promise((r) => setTimeout(r, 10));
+    remaining = (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining;
+  }
+  assert.equal(remaining, 1, 'the late lease is released, its slot free again');
+  const again = await c.check({ user: 'ann' });
+  assert.ok(again.allowed && again.lease !== '');
+});
+
 test('the middleware releases when the response finishes', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
