@@ -58,8 +58,12 @@ class _Protocol(asyncio.Protocol):
             if e is not None and e[0] in ("too_many_connections", "shutting_down"):
                 return self.fail("the sidecar closed the connection: %s" % e[0])
             self.served = True
-            if not fut.done():  # else the caller gave up: the answer is dropped
+            if not fut.done():
                 fut.set_result(msg)
+            else:  # the caller gave up: the answer is dropped, and a lease it took released
+                lease = msg.get("lease")
+                if isinstance(lease, str) and lease:
+                    self.client._release_orphan(lease)
             if e is not None and e[0] == "frame_too_large":
                 # The sidecar closes the connection after this answer: no check may follow on it.
                 return self.fail("the sidecar closed the connection: frame_too_large")
@@ -134,7 +138,8 @@ class AsyncClient:
     ``timeout`` (seconds, default 50 ms) bounds each check; when the sidecar gives no
     answer by then — socket missing, refused, dropped, stalled — check() returns the
     ``on_unavailable`` decision ("open" allows, "closed" rejects; degraded and unreachable
-    are True). A late answer is dropped and the connection stays in use. A broken
+    are True). A late answer is dropped and the connection stays in use; a lease the late
+    answer took is released (the check was decided without its slot). A broken
     connection is redialled by the next check; failed dials back off from 10 ms to 1 s,
     and meanwhile checks answer by the policy at once.
 
@@ -157,6 +162,7 @@ class AsyncClient:
         self._failures = 0
         self._retry_at = 0.0
         self._last_error = None
+        self._orphans = set()  # tasks releasing the leases of late answers
 
     async def __aenter__(self):
         return self
@@ -198,6 +204,23 @@ class AsyncClient:
             return False
         msg = await self._lease_call("release", lease, None)
         return bool(msg.get("released", False))
+
+    def _release_orphan(self, lease):
+        """Release, in a task, the lease of an answer that came after its check gave up
+        (its timeout, or its task cancelled): the check was decided without the slot, and
+        nothing else would free it before it expires (a sidecar slowed past the timeout
+        would otherwise leave a slot held for a whole lease per late admission)."""
+        if self._closed:
+            return  # close() closes the connection, which frees its leases
+        task = asyncio.get_running_loop().create_task(self._quiet_release(lease))
+        self._orphans.add(task)  # a task nobody references may be collected mid-run
+        task.add_done_callback(self._orphans.discard)
+
+    async def _quiet_release(self, lease):
+        try:
+            await self.release(lease)
+        except (ConnectionError, _proto.ProtocolError, _proto.ClosedError):
+            pass  # unreachable or closed: the lease expires, or goes with its connection
 
     async def renew(self, lease, lease_ms=None):
         """Extend a live lease; returns (renewed, expires_ms). See Client.renew."""

@@ -40,7 +40,7 @@ class _NotRead(Exception):
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "next_id", "served", "leases")
+    __slots__ = ("sock", "buf", "next_id", "served", "leases", "hold_until")
 
     def __init__(self, sock):
         self.sock = sock
@@ -48,6 +48,7 @@ class _Conn:
         self.next_id = 0
         self.served = False  # an answer arrived: the sidecar is really there
         self.leases = 0  # leases taken on it and not released through this client
+        self.hold_until = 0.0  # (monotonic) when the last of them expires, unless renewed
 
 
 class Client:
@@ -78,8 +79,10 @@ class Client:
     Concurrency leases: an allowed check that matched a concurrency rule has
     ``decision.lease``; release() it when the request ends (idempotent), renew() it for a
     long one. The sidecar frees a lease when the connection that took it closes, so a
-    connection holding leases stays pooled past ``pool_size`` until they are released;
-    close() frees them all, and so does a connection that times out.
+    connection holding leases is set aside, open and unused, until they are released
+    (or expire: a lease never released is not held past its expiry): a check on it
+    that timed out would close it, and free the slots of requests still running.
+    close() frees them all.
 
     Too large: a request whose frame body is over ``max_frame`` bytes (default 65,536,
     the daemon's default --max-frame) is not sent; check() raises RequestTooLargeError,
@@ -108,6 +111,8 @@ class Client:
         self._retry_at = 0.0
         self._last_error = None
         self._lease_conn = {}  # lease → the _Conn that took it
+        self._holding = set()  # connections holding leases: open, not used for requests
+        self._next_unpark = 0.0  # (monotonic) when _take next looks for expired holds
 
     def __enter__(self):
         return self
@@ -120,6 +125,8 @@ class Client:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            idle.extend(self._holding)
+            self._holding.clear()
         for c in idle:
             c.sock.close()
 
@@ -178,8 +185,10 @@ class Client:
             else:
                 d = _proto.decision(msg)
                 if d.lease:
-                    conn.leases += 1
+                    hold = time.monotonic() + max((r.window_ms for r in d.rules), default=0) / 1000
                     with self._lock:
+                        conn.leases += 1
+                        conn.hold_until = max(conn.hold_until, hold)
                         self._lease_conn[d.lease] = conn
                 out.append(d)
         if keep:
@@ -200,15 +209,27 @@ class Client:
         msg = self._call("release", lease, None)
         with self._lock:
             conn = self._lease_conn.pop(lease, None)
+            if conn is not None:
+                conn.leases -= 1
+                if conn.leases > 0 or conn not in self._holding:
+                    conn = None
+                else:
+                    self._holding.discard(conn)
         if conn is not None:
-            conn.leases -= 1
+            self._put(conn)  # it holds no lease any more: usable again
         return bool(msg.get("released", False))
 
     def renew(self, lease, lease_ms=None):
         """Extend a live lease to ``lease_ms`` from now (None: each rule's own lease; at
         most 3,600,000). Returns (renewed, expires_ms); errors as for release()."""
         msg = self._call("renew", lease, lease_ms)
-        return bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+        renewed, expires_ms = bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+        if renewed:
+            with self._lock:
+                conn = self._lease_conn.get(lease)
+                if conn is not None:
+                    conn.hold_until = max(conn.hold_until, time.monotonic() + expires_ms / 1000)
+        return renewed, expires_ms
 
     def _call(self, op, lease, lease_ms):
         """Send a release or renew and return its answer map."""
@@ -353,6 +374,8 @@ class Client:
         """Return (an idle connection, True), or (a new one, False), or (a str saying why
         there is none, False). pool=False: a new one."""
         now = time.monotonic()
+        if self._holding and now >= self._next_unpark:
+            self._unpark(now)
         with self._lock:
             if pool and self._idle:
                 return self._idle.pop(), True
@@ -379,10 +402,30 @@ class Client:
 
     def _put(self, conn):
         with self._lock:
-            if not self._closed and (len(self._idle) < self.pool_size or conn.leases > 0):
+            if not self._closed and conn.leases > 0:
+                self._holding.add(conn)  # kept open for its leases, not used (see the class doc)
+                return
+            if not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
                 return
         conn.sock.close()
+
+    def _unpark(self, now):
+        """Return to use the connections set aside whose leases have all expired (taken
+        and never released through this client), at most once a second."""
+        freed = []
+        with self._lock:
+            self._next_unpark = now + 1.0
+            for conn in [c for c in self._holding if now >= c.hold_until]:
+                self._holding.discard(conn)
+                conn.leases = 0
+                freed.append(conn)
+            if freed:
+                gone = set(freed)
+                for lease in [k for k, c in self._lease_conn.items() if c in gone]:
+                    del self._lease_conn[lease]
+        for conn in freed:
+            self._put(conn)
 
     @staticmethod
     def _read(conn, deadline, unread_is_stale=False):

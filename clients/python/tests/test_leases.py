@@ -65,6 +65,90 @@ def test_close_frees_leases(make_daemon):
         assert c2.check({"user": "ann"}, cost=0).rules[0].remaining == 2
 
 
+def test_a_timeout_does_not_free_other_requests_leases(make_daemon):
+    # A connection holding a lease is set aside, not used for the next check: that check
+    # times out on a stalled daemon and its connection is closed, which must not free
+    # the slot of the request still running (before, it went on the same connection).
+    import time
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=0.5) as c:
+        held = c.check({"user": "ann"})
+        assert held.allowed and held.lease
+        d.pause()
+        try:
+            assert c.check({"user": "bob"}).unreachable
+        finally:
+            d.resume()
+        time.sleep(0.1)  # time for the daemon to read the timed-out connection's close
+        for _ in range(5):
+            assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 0, "the running request's slot was freed"
+            time.sleep(0.02)
+        assert c.release(held.lease) is True
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+        assert not c._holding  # released: the connection is back in use
+
+
+def test_connection_set_aside_returns_when_its_leases_expire(make_daemon):
+    # A lease never released (a caller's bug) expires at the daemon; the connection set
+    # aside for it is used again after that, not kept open for good.
+    import time
+    d = make_daemon(RULES.replace("lease: 30s", "lease: 1s"))
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1) as c:
+        assert c.check({"user": "ann"}).lease
+        assert len(c._holding) == 1
+        time.sleep(1.2)
+        time.sleep(max(0.0, c._next_unpark - time.monotonic()))
+        assert c.check({"user": "bob"}, cost=0).allowed
+        assert not c._holding and not c._lease_conn
+
+
+def test_late_lease_freed_with_its_connection(make_daemon):
+    # The blocking client closes a connection whose check timed out (a late answer must
+    # not be read as the next one's): the daemon frees the lease the late check took.
+    import time
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=0.05) as c:
+        assert c.check({"user": "bob"}, cost=0).allowed  # connected
+        d.pause()
+        try:
+            late = c.check({"user": "ann"})
+        finally:
+            d.resume()
+        assert late.unreachable and late.lease == ""
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and c.check({"user": "ann"}, cost=0).rules[0].remaining != 1:
+            time.sleep(0.01)
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+
+
+def test_async_late_lease_released(make_daemon):
+    # A check sent to a stalled daemon times out (the policy decides, without a slot);
+    # the daemon then answers it allowed with a lease that nobody holds: the client
+    # releases it, so the slot is free again long before the lease's 30 s.
+    import asyncio
+    import time
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=0.05) as c:
+            assert (await c.check({"user": "bob"}, cost=0)).allowed  # connected
+            d.pause()
+            try:
+                late = await c.check({"user": "ann"})
+            finally:
+                d.resume()
+            assert late.unreachable and late.lease == ""
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                if (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1
+            again = await c.check({"user": "ann"})
+            assert again.allowed and again.lease
+    asyncio.run(main())
+
+
 def test_async_client_and_middlewares_release(make_daemon):
     import asyncio
     d = make_daemon(RULES.replace("max: 2", "max: 1"))
