@@ -577,6 +577,24 @@ func (cn *conn) waitIdle() error {
 	// the draining flag before it sets a past deadline, so a Peek that was waiting ends
 	// with that deadline, and peek reads again through the drain.
 	_, err := cn.peek(1)
+	// Idle, but holding leases: a gateway keeps the connection that took a lease open for
+	// as long as its request runs (a download, a stream), and closing it would free the
+	// slots of requests still running. Such a connection outlives the idle timeout; it is
+	// cut once its leases are released or have run out.
+	for err != nil && s.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) &&
+		!s.draining.Load() && s.lim.HoldsLeases(cn.id, s.now()) {
+		if err = cn.setDeadline(time.Now().Add(s.cfg.IdleTimeout)); err != nil {
+			return err
+		}
+		if s.draining.Load() {
+			// Shutdown may have woken this reader before the deadline above replaced its
+			// wake-up: wake it as Shutdown does.
+			if err = cn.setDeadline(time.Unix(1, 0)); err != nil {
+				return err
+			}
+		}
+		_, err = cn.peek(1)
+	}
 	if err != nil {
 		cn.cutBy(closeIdleTimeout, err)
 	}

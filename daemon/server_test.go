@@ -25,13 +25,19 @@ import (
 
 func startServer(t *testing.T, cfg Config) *Server {
 	t.Helper()
+	return startServerRules(t, cfg, benchRules)
+}
+
+// startServerRules is startServer with the rules in rulesYAML.
+func startServerRules(t *testing.T, cfg Config, rulesYAML string) *Server {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "rlsd")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	cfg.Socket = filepath.Join(dir, "s.sock")
-	set, err := rules.Parse("test.yaml", []byte(benchRules))
+	set, err := rules.Parse("test.yaml", []byte(rulesYAML))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,6 +140,55 @@ func TestIdleTimeout(t *testing.T) {
 		t.Fatal("idle connection got data instead of being closed")
 	}
 	waitClosed(t, m, closeIdleTimeout)
+}
+
+// A connection idle past IdleTimeout but holding a lease stays open (its gateway holds it
+// for a request still running: closing it would free the slot); once the lease has run
+// out, or was released (through another connection), it is closed as idle.
+func TestIdleTimeoutSparesLeaseHolders(t *testing.T) {
+	for _, how := range []string{"expired", "released"} {
+		t.Run(how, func(t *testing.T) {
+			s := startServerRules(t, Config{IdleTimeout: 100 * time.Millisecond},
+				"rules:\n  - { name: exports, key: user, concurrency: { max: 1, lease: 700ms } }\n")
+			defer s.Shutdown(context.Background())
+			dial := func() (net.Conn, *bufio.Reader) {
+				c, err := net.Dial("unix", s.cfg.Socket)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.Close() })
+				return c, bufio.NewReader(c)
+			}
+			c, br := dial()
+			start := time.Now()
+			r := roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
+			if !r.Allowed || r.Lease == "" {
+				t.Fatalf("check: %+v; want allowed with a lease", r)
+			}
+			// 300 ms idle (three idle timeouts): still open, the slot still held.
+			time.Sleep(300 * time.Millisecond)
+			c2, br2 := dial()
+			if r2 := roundTrip(t, c2, br2, &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}}); r2.Allowed {
+				t.Fatalf("300 ms in, under a 700 ms lease, another check was allowed: the idle timeout freed the slot")
+			}
+			if how == "released" {
+				if rr := roundTrip(t, c2, br2, &proto.Request{ID: 2, Op: proto.OpRelease, Lease: r.Lease}); !rr.Released {
+					t.Fatalf("release: %+v", rr)
+				}
+			}
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if _, err := br.ReadByte(); err == nil {
+				t.Fatal("the lease holder's connection got data instead of being closed")
+			}
+			el := time.Since(start)
+			if how == "released" && el > 650*time.Millisecond {
+				t.Errorf("released at ~300 ms, closed after %v: want within an idle timeout or two", el)
+			}
+			if how == "expired" && el < 700*time.Millisecond {
+				t.Errorf("closed after %v, before its 700 ms lease ran out", el)
+			}
+		})
+	}
 }
 
 // waitClosed waits until m has counted one connection closed by the daemon, for r, and

@@ -253,6 +253,29 @@ func (ls *Leases) ReleaseOwner(owner uint64, now int64) int {
 	return n
 }
 
+// Holds reports whether owner holds a lease, local or global, that has not run out by
+// now (as far as this daemon knows: a global lease renewed through another daemon counts
+// until its expiry here).
+func (ls *Leases) Holds(owner uint64, now int64) bool {
+	if owner == 0 {
+		return false
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, l := range ls.owners[owner] {
+		ls.expireLease(l, now)
+		if l.live > 0 {
+			return true
+		}
+	}
+	for _, gl := range ls.globalOwners[owner] {
+		if gl.expires > now {
+			return true
+		}
+	}
+	return false
+}
+
 // Sweep frees every part whose lease ran out by now and returns how many it freed.
 func (ls *Leases) Sweep(now int64) int {
 	ls.mu.Lock()

@@ -520,6 +520,12 @@ func (l *Limiter) ReleaseOwnerAtShutdown(owner uint64, now int64) int {
 	return l.leases.ReleaseOwner(owner, now)
 }
 
+// HoldsLeases reports whether owner holds a lease, local or global, that has not run
+// out by now.
+func (l *Limiter) HoldsLeases(owner uint64, now int64) bool {
+	return l.leases.Holds(owner, now)
+}
+
 // ReleaseOwner frees every lease owner still holds (its connection closed), local and
 // global (in Redis, batched on one bounded context), counting them as closed, and
 // returns how many leases it freed.

@@ -57,7 +57,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxAttrLen := fs.Int("max-attr-len", proto.DefaultMaxAttrLen, "bytes per attribute value; a request with a longer one gets bad_request, and the gateway's client then applies its failure policy (open by default), so keep it above what the gateway lets through. A value over 4,096 bytes is keyed by its SHA-256")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
 	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
-	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never)")
+	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never); one holding a concurrency lease stays open until its leases are released or run out")
 	busyPoll := fs.Duration("busy-poll", 0, "after answering, keep reading a connection this long before sleeping (one connection at a time; costs up to one CPU while checks keep coming; 0: off)")
 	drainTimeout := fs.Duration("drain-timeout", 5*time.Second, "on SIGTERM, time to answer what is in flight")
 	sweepEvery := fs.Duration("sweep-interval", 5*time.Second, "how often state that carries no information is dropped")
