@@ -64,6 +64,14 @@ function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: 
         res.end(r.body);
         return;
       }
+      if (res.destroyed === true || res.closed === true) {
+        // The client went away while its request was being checked: nothing is forwarded
+        // for it (as when it goes during a delay), and a lease it took is released now —
+        // its 'close' has passed, and a handler that never ends a closed response would
+        // otherwise hold the slot, renewed, for good.
+        if (d.lease) client.release(d.lease).catch(() => {});
+        return;
+      }
       const h = d.headers();
       for (const k in h) res.setHeader(k, h[k]);
       if (d.lease && typeof res.once === 'function') {

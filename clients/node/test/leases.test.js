@@ -53,6 +53,36 @@ test('a lease taken by an answer that came after the check timed out is released
   assert.ok(again.allowed && again.lease !== '');
 });
 
+test('the middleware: a client gone while its check was answered is not served, its lease released', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => c.close());
+  let served = 0;
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  // A handler that never ends a response (it would wait on something the gone client
+  // never sends): before the fix, the slot stayed held, renewed, for as long as it ran.
+  const srv = http.createServer((req, res) => mw(req, res, () => { served++; }));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  assert.ok((await c.check({ user: 'bob' }, { cost: 0 })).allowed); // connected
+  await d.pause();
+  const gone = new Promise((resolve) => {
+    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/' });
+    r.on('error', () => resolve());
+    setTimeout(() => { r.destroy(); resolve(); }, 200);
+  });
+  await gone;
+  await new Promise((r) => setTimeout(r, 100)); // the server sees the close
+  d.resume(); // the check is answered now: allowed, with a lease
+  let remaining = -1;
+  for (let k = 0; k < 200 && remaining !== 1; k++) {
+    await new Promise((r) => setTimeout(r, 10));
+    remaining = (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining;
+  }
+  assert.equal(remaining, 1, 'the gone client\'s lease is released');
+  assert.equal(served, 0, 'nothing was forwarded for the gone client');
+});
+
 test('the middleware releases when the response finishes', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
