@@ -191,6 +191,9 @@ func PeerIP(addr string) string {
 //   - attributes too large to check (ErrRequestTooLarge, or the sidecar's frame_too_large):
 //     431 Request Header Fields Too Large (WriteRejection), whatever the Policy and OnError;
 //   - another error (see Client.CheckAttrs): OnError when set, otherwise the Policy as above.
+//
+// A request whose context ended while it was being checked (its client went away) is not
+// passed on, whatever the decision allowed.
 func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler {
 	attrs := o.Attrs
 	if attrs == nil {
@@ -221,6 +224,9 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 					stop()
 					_, _ = d.Release(context.WithoutCancel(r.Context()))
 				}()
+			}
+			if r.Context().Err() != nil {
+				return // the client went away while its request was checked: nothing is forwarded
 			}
 			if d.Delay > 0 && !wait(r, d.Delay) {
 				return // the client went away while its request was held

@@ -250,3 +250,32 @@ func TestLateLeaseReleased(t *testing.T) {
 		t.Fatalf("check after the late lease's release: %+v %v; want allowed with a lease", d, err)
 	}
 }
+
+// A request whose client goes away while it is being checked is not passed on (as when it
+// goes during a delay); the lease the late answer takes is released (releaseOrphan).
+func TestMiddlewareClientGoneDuringCheck(t *testing.T) {
+	path := socketPath(t)
+	f := &leaseFake{max: 1, held: map[string]bool{}}
+	fk := startFake(t, path, f.answer)
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	if _, err := c.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	served := false
+	h := Middleware(c, MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { served = true }))
+	fk.delay.Store(int64(100 * time.Millisecond))
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(20*time.Millisecond, cancel)
+	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest("GET", "/export", nil).WithContext(ctx))
+	fk.delay.Store(0)
+	if served {
+		t.Fatal("the handler ran for a client that went away during the check")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for f.handedOut() == 0 || f.inFlight() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the late answer's lease: handed out %d, in flight %d; want 1, 0", f.handedOut(), f.inFlight())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
