@@ -110,14 +110,7 @@ func TestTallyCountsBeforeAnswers(t *testing.T) {
 		}
 		return allowed
 	}
-	dial := func() (net.Conn, *bufio.Reader) {
-		c, err := net.Dial("unix", s.cfg.Socket)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c, bufio.NewReader(c)
-	}
+	dial := func() (net.Conn, *bufio.Reader) { return dialServer(t, s) }
 	holds := []proto.Attr{{Name: "method", Value: "POST"}, {Name: "path", Value: "/v1/events/7/holds"},
 		{Name: "user", Value: "u1"}, {Name: "ip", Value: "192.0.2.1"}}
 	c1, br1 := dial()

@@ -52,6 +52,17 @@ func startServerRules(t *testing.T, cfg Config, rulesYAML string) *Server {
 	return s
 }
 
+// dialServer connects to s, closing the connection at the test's end.
+func dialServer(t *testing.T, s *Server) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c, bufio.NewReader(c)
+}
+
 func roundTrip(t *testing.T, c net.Conn, br *bufio.Reader, req *proto.Request) *proto.Response {
 	t.Helper()
 	enc := proto.NewEncoder()
@@ -151,14 +162,7 @@ func TestIdleTimeoutSparesLeaseHolders(t *testing.T) {
 			s := startServerRules(t, Config{IdleTimeout: 100 * time.Millisecond},
 				"rules:\n  - { name: exports, key: user, concurrency: { max: 1, lease: 700ms } }\n")
 			defer s.Shutdown(context.Background())
-			dial := func() (net.Conn, *bufio.Reader) {
-				c, err := net.Dial("unix", s.cfg.Socket)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { c.Close() })
-				return c, bufio.NewReader(c)
-			}
+			dial := func() (net.Conn, *bufio.Reader) { return dialServer(t, s) }
 			c, br := dial()
 			start := time.Now()
 			r := roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
