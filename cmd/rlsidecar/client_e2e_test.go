@@ -1,11 +1,14 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -243,5 +246,63 @@ rules:
 				t.Fatal("the slot is not free once the request ended")
 			}
 		})
+	}
+}
+
+// A check sent to a stalled daemon times out (the client's Policy decides, without a
+// slot); the daemon then answers it allowed with a lease nobody holds: the client releases
+// it, so the slot is free again long before the lease's 30 s (releaseOrphan).
+func TestE2EGoClientLateLeaseReleased(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1, lease: 30s }
+`))
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	if _, err := c.Ping(ctx); err != nil { // connected before the stall
+		t.Fatal(err)
+	}
+	ann := map[string]string{"user": "ann"}
+	d.cmd.Process.Signal(syscall.SIGSTOP)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", d.cmd.Process.Pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); len(f) > 0 && f[0] == "T" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the daemon did not stop")
+		}
+	}
+	late, err := c.Check(ctx, ann, nil)
+	d.cmd.Process.Signal(syscall.SIGCONT)
+	if err != nil || !late.Unreachable || late.Lease != "" {
+		t.Fatalf("check to a stalled daemon: %+v %v; want the Policy's decision, without a lease", late, err)
+	}
+	c2, err := rlclient.New(rlclient.Options{Socket: d.socket, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		dec, err := c2.Check(ctx, ann, &rlclient.CheckOptions{Peek: true})
+		if err != nil || dec.Degraded {
+			t.Fatalf("peek: %+v %v", dec, err)
+		}
+		if dec.Allowed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the late answer's lease is still held 5 s after its check timed out")
+		}
 	}
 }
