@@ -289,24 +289,9 @@ function _M.check(self, attrs, opts)
   return resp, nil
 end
 
--- ping asks the daemon for its version: it returns the version string and the protocol
--- number, or nil and an error (health checks; it does not consult the policy).
-function _M.ping(self)
-  local id = next_id()
-  local frame = codec.encode_request({ id = id, op = "ping" })
-  local resp, err = self:roundtrip(frame, id)
-  if not resp then
-    return nil, err
-  end
-  if resp.error then
-    return nil, "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
-  end
-  return resp.version, resp.protocol
-end
-
--- lease_call sends req (a release or a renew) and returns its answer, or nil and an
+-- call sends req (a ping, a release or a renew) and returns its answer, or nil and an
 -- error when it could not be encoded, the sidecar did not answer, or it answered an error.
-local function lease_call(self, req)
+local function call(self, req)
   local id = next_id()
   req.id = id
   local frame, err = codec.encode_request(req)
@@ -323,6 +308,16 @@ local function lease_call(self, req)
   return resp
 end
 
+-- ping asks the daemon for its version: it returns the version string and the protocol
+-- number, or nil and an error (health checks; it does not consult the policy).
+function _M.ping(self)
+  local resp, err = call(self, { op = "ping" })
+  if not resp then
+    return nil, err
+  end
+  return resp.version, resp.protocol
+end
+
 -- release frees the slots a concurrency lease (decision.lease) holds: it returns true
 -- when it did, false when the lease was unknown, expired or already released, or nil and
 -- an error when the sidecar did not answer. Cosockets are not available in the log
@@ -334,7 +329,7 @@ function _M.release(self, lease)
   if lease == nil or lease == "" then
     return false
   end
-  local resp, err = lease_call(self, { op = "release", lease = lease })
+  local resp, err = call(self, { op = "release", lease = lease })
   if not resp then
     return nil, err
   end
@@ -345,7 +340,7 @@ end
 -- lease): it returns whether it did and the lease's time left in ms (0 when it was
 -- unknown, expired or released), or nil and an error when the sidecar did not answer.
 function _M.renew(self, lease, lease_ms)
-  local resp, err = lease_call(self, { op = "renew", lease = lease, lease_ms = lease_ms })
+  local resp, err = call(self, { op = "renew", lease = lease, lease_ms = lease_ms })
   if not resp then
     return nil, err
   end
