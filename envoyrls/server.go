@@ -644,12 +644,12 @@ func (s *Server) response(n int, sc *scratch) {
 	// The HTTP mapping, as the clients write it: the deciding rule first.
 	sc.pol, sc.cur = sc.pol[:0], sc.cur[:0]
 	if dr := d.DecidingResult(); dr != nil {
-		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, dr.Name, dr.Limit, dr.Window, true, dr.Remaining, dr.Reset)
+		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(dr))
 		for i := range d.Results {
 			// An unasked rule's figures were not read (limiter.Result.Unasked): it says
 			// nothing of its quota.
 			if r := &d.Results[i]; !r.Shadow && !r.Unasked && i != d.Deciding {
-				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(r))
 			}
 		}
 		a.headers = append(a.headers, hdr{"RateLimit-Policy", sc.pol}, hdr{"RateLimit", sc.cur})
@@ -765,4 +765,10 @@ func envoyUnit(limit uint64, window time.Duration) (uint32, rlsv3.RateLimitRespo
 	}
 	q, _ := bits.Div64(hi, lo, uint64(window))
 	return uint32(min(max(q, 1), math.MaxUint32)), u.unit
+}
+
+// rateLimitItem is r's figures for the RateLimit fields.
+func rateLimitItem(r *limiter.Result) *proto.RateLimitItem {
+	return &proto.RateLimitItem{Name: r.Name, Limit: r.Limit, Window: r.Window, Remaining: r.Remaining,
+		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter}
 }

@@ -16,28 +16,52 @@ import (
 // members carry the details.
 const ProblemType = "about:blank"
 
+// RateLimitItem is one rule's figures, as AppendRateLimitItem writes them.
+type RateLimitItem struct {
+	Name      string
+	Limit     uint64
+	Window    time.Duration // the rule's window (w: at least 1 s)
+	NoWindow  bool          // the window is not known: no w
+	Remaining uint64
+	Allowed   bool
+	// Reset is until the rule is back to full; RetryAfter, when refused, the earliest time
+	// a retry can pass it (0: none can).
+	Reset, RetryAfter time.Duration
+}
+
 // AppendRateLimitItem appends one rule to the values of the RateLimit-Policy (pol) and
-// RateLimit (cur) headers of draft-ietf-httpapi-ratelimit-headers, separating it from the
+// RateLimit (cur) fields of draft-ietf-httpapi-ratelimit-headers, separating it from the
 // items before with ", ": `"per-user";q=5;w=60` (q the limit, w the window in seconds,
-// left out when hasWindow is false) and `"per-user";r=0;t=12` (r the remaining, t the
-// reset in seconds). Seconds are rounded up; the window is at least 1.
-func AppendRateLimitItem(pol, cur []byte, name string, limit uint64, window time.Duration, hasWindow bool, remaining uint64, reset time.Duration) ([]byte, []byte) {
+// at least 1) and `"per-user";r=0;t=12` (r the remaining, t the seconds until more quota
+// is made available). Seconds are rounded up.
+//
+// t is the draft's "time until additional quota ... is made available", and a response's
+// Retry-After must not be earlier than it: for a rule that refused, its RetryAfter (when
+// it admits the request again), and no t when no retry can pass it (a deny limit, a cost
+// above its capacity); for a rule that allowed, its Reset, when it is back to full.
+func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 	if len(pol) > 0 {
 		pol = append(pol, ", "...)
 		cur = append(cur, ", "...)
 	}
-	pol = appendSFString(pol, name)
+	pol = appendSFString(pol, it.Name)
 	pol = append(pol, ";q="...)
-	pol = strconv.AppendUint(pol, limit, 10)
-	if hasWindow {
+	pol = strconv.AppendUint(pol, it.Limit, 10)
+	if !it.NoWindow {
 		pol = append(pol, ";w="...)
-		pol = strconv.AppendInt(pol, max(CeilSeconds(window), 1), 10)
+		pol = strconv.AppendInt(pol, max(CeilSeconds(it.Window), 1), 10)
 	}
-	cur = appendSFString(cur, name)
+	cur = appendSFString(cur, it.Name)
 	cur = append(cur, ";r="...)
-	cur = strconv.AppendUint(cur, remaining, 10)
-	cur = append(cur, ";t="...)
-	cur = strconv.AppendInt(cur, CeilSeconds(reset), 10)
+	cur = strconv.AppendUint(cur, it.Remaining, 10)
+	switch {
+	case it.Allowed:
+		cur = append(cur, ";t="...)
+		cur = strconv.AppendInt(cur, CeilSeconds(it.Reset), 10)
+	case it.RetryAfter > 0:
+		cur = append(cur, ";t="...)
+		cur = strconv.AppendInt(cur, CeilSeconds(it.RetryAfter), 10)
+	}
 	return pol, cur
 }
 

@@ -32,8 +32,10 @@ func Headers(d *Decision) http.Header {
 //   - when d has a deciding rule: RateLimit-Policy and RateLimit, each a structured-field
 //     list with one item per non-shadow rule of d.Rules, the deciding rule first, then the
 //     others in order: `"per-user";q=5;w=60` (q the limit, w the window in seconds) and
-//     `"per-user";r=0;t=12` (r the remaining, t the reset in seconds); a rule left
-//     Unasked is left out, since its remaining and reset were not read;
+//     `"per-user";r=0;t=12` (r the remaining, t the seconds until more quota is made
+//     available: a refusing rule's retry-after, none when no retry can pass it, an
+//     allowing rule's reset; proto.AppendRateLimitItem); a rule left Unasked is left
+//     out, since its remaining and reset were not read;
 //   - when d allows and some non-shadow rule of d.Rules warns (warn_at): RateLimit-Warning,
 //     rlsidecar's own header (not in the draft), a structured-field list of those rules'
 //     names in the order of d.Rules, quoted as in RateLimit-Policy: `"per-user", "per-ip"`;
@@ -52,17 +54,17 @@ func SetHeaders(h http.Header, d *Decision) {
 			}
 		}
 		if decided >= 0 {
-			r := &d.Rules[decided]
-			pol, cur = proto.AppendRateLimitItem(pol, cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rules[decided].item())
 		} else {
 			// The deciding rule is missing from Rules: describe it from the top-level
 			// fields, which do not carry its window.
-			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rule, d.Limit, 0, false, d.Remaining, d.Reset)
+			pol, cur = proto.AppendRateLimitItem(pol, cur, &proto.RateLimitItem{Name: d.Rule, Limit: d.Limit, NoWindow: true,
+				Remaining: d.Remaining, Allowed: d.Allowed, Reset: d.Reset, RetryAfter: d.RetryAfter})
 		}
 		for i := range d.Rules {
 			// An unasked rule's figures were not read: it says nothing of its quota.
 			if r := &d.Rules[i]; !r.Shadow && !r.Unasked && i != decided {
-				pol, cur = proto.AppendRateLimitItem(pol, cur, r.Name, r.Limit, r.Window, true, r.Remaining, r.Reset)
+				pol, cur = proto.AppendRateLimitItem(pol, cur, r.item())
 			}
 		}
 		h.Set("RateLimit-Policy", string(pol))
@@ -311,4 +313,10 @@ func keepLease(c *Client, lease string, first time.Duration) (stop func()) {
 		close(quit)
 		<-done
 	}
+}
+
+// item is r's figures for the RateLimit fields.
+func (r *RuleDecision) item() *proto.RateLimitItem {
+	return &proto.RateLimitItem{Name: r.Name, Limit: r.Limit, Window: r.Window, Remaining: r.Remaining,
+		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter}
 }

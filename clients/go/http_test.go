@@ -201,7 +201,7 @@ func TestMiddlewareAllowedAndRejected(t *testing.T) {
 	if rec.Code != 429 || called.Load() != 1 {
 		t.Fatalf("rejected: status %d, next called %d times", rec.Code, called.Load())
 	}
-	if rec.Header().Get("Retry-After") != "15" || rec.Header().Get("RateLimit") != `"per-ip";r=0;t=30` {
+	if rec.Header().Get("Retry-After") != "15" || rec.Header().Get("RateLimit") != `"per-ip";r=0;t=15` {
 		t.Fatalf("rejected headers: %v", rec.Header())
 	}
 	p := parseProblem(t, rec)
@@ -300,7 +300,7 @@ func TestHeadersLeaveOutUnasked(t *testing.T) {
 	if d.Rules[0].Unasked || !d.Rules[1].Unasked {
 		t.Fatalf("rules %+v, want per-account unasked", d.Rules)
 	}
-	want := http.Header{"Ratelimit-Policy": {`"per-ip";q=2;w=60`}, "Ratelimit": {`"per-ip";r=0;t=30`}, "Retry-After": {"15"}}
+	want := http.Header{"Ratelimit-Policy": {`"per-ip";q=2;w=60`}, "Ratelimit": {`"per-ip";r=0;t=15`}, "Retry-After": {"15"}}
 	if got := Headers(&d); !reflect.DeepEqual(got, want) {
 		t.Fatalf("headers\n got %q\nwant %q", got, want)
 	}
@@ -363,7 +363,7 @@ func ExampleHeaders() {
 	}
 	// Output:
 	// RateLimit-Policy: "per-user";q=5;w=60, "per-ip";q=100;w=1
-	// RateLimit: "per-user";r=0;t=50, "per-ip";r=100;t=0
+	// RateLimit: "per-user";r=0;t=2, "per-ip";r=100;t=0
 	// Retry-After: 2
 }
 

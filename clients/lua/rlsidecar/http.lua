@@ -51,7 +51,11 @@ local function sf_string(s)
   return '"' .. s:gsub('[\\"]', "\\%0"):gsub("[^\32-\126]", "_") .. '"'
 end
 
-local function append_item(pol, cur, name, limit, window_ms, remaining, reset_ms)
+-- append_item adds the items of a rule named name (window_ms nil: not known, no w) whose
+-- figures (remaining, allowed, reset_ms, retry_after_ms) are f's. t is the draft's time
+-- until more quota is made available, which a Retry-After is never earlier than: a
+-- refusing rule's retry (none when no retry can pass it), an allowing rule's reset.
+local function append_item(pol, cur, name, limit, window_ms, f)
   local q = sf_string(name) .. ";q=" .. int(limit)
   if window_ms then
     local w = ceil_seconds(window_ms)
@@ -59,7 +63,13 @@ local function append_item(pol, cur, name, limit, window_ms, remaining, reset_ms
     q = q .. ";w=" .. int(w)
   end
   pol[#pol + 1] = q
-  cur[#cur + 1] = sf_string(name) .. ";r=" .. int(remaining or 0) .. ";t=" .. int(ceil_seconds(reset_ms))
+  local c = sf_string(name) .. ";r=" .. int(f.remaining or 0)
+  if f.allowed then
+    c = c .. ";t=" .. int(ceil_seconds(f.reset_ms))
+  elseif (f.retry_after_ms or 0) > 0 then
+    c = c .. ";t=" .. int(ceil_seconds(f.retry_after_ms))
+  end
+  cur[#cur + 1] = c
 end
 
 -- headers returns the rate-limit headers of d as a table name -> value:
@@ -85,14 +95,14 @@ function M.headers(d)
     end
     if decided then
       local r = rules[decided]
-      append_item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+      append_item(pol, cur, r.name, r.limit, r.window_ms, r)
     else
-      append_item(pol, cur, d.rule, d.limit, nil, d.remaining, d.reset_ms)
+      append_item(pol, cur, d.rule, d.limit, nil, d)
     end
     for i, r in ipairs(rules) do
       -- An unasked rule's figures were not read: it says nothing of its quota.
       if not r.shadow and r.unasked ~= true and i ~= decided then
-        append_item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+        append_item(pol, cur, r.name, r.limit, r.window_ms, r)
       end
     end
     h["RateLimit-Policy"] = concat(pol, ", ")

@@ -230,7 +230,7 @@ do
       check(d.rules[1].unasked == nil and d.rules[2].name == "per-account" and d.rules[2].unasked == true,
         "%s unasked: rules[2].unasked %s", dec[1], tostring(d.rules[2].unasked))
       local h = http.headers(d)
-      check(h["RateLimit-Policy"] == '"per-ip";q=2;w=60' and h["RateLimit"] == '"per-ip";r=0;t=30'
+      check(h["RateLimit-Policy"] == '"per-ip";q=2;w=60' and h["RateLimit"] == '"per-ip";r=0;t=15'
         and h["Retry-After"] == "15", "%s unasked: RateLimit-Policy %s, RateLimit %s, Retry-After %s",
         dec[1], tostring(h["RateLimit-Policy"]), tostring(h["RateLimit"]), tostring(h["Retry-After"]))
     end

@@ -93,14 +93,14 @@ class Decision {
         }
       }
       if (decided !== null) {
-        item(pol, cur, decided.name, decided.limit, decided.windowMs, decided.remaining, decided.resetMs);
+        item(pol, cur, decided, decided.windowMs);
       } else {
         // The deciding rule is missing from rules: the top-level fields have no window.
-        item(pol, cur, this.rule, this.limit, null, this.remaining, this.resetMs);
+        item(pol, cur, { ...this, name: this.rule }, null);
       }
       for (const r of this.rules) {
         // An unasked rule's figures were not read: it says nothing of its quota.
-        if (!r.shadow && !r.unasked && r !== decided) item(pol, cur, r.name, r.limit, r.windowMs, r.remaining, r.resetMs);
+        if (!r.shadow && !r.unasked && r !== decided) item(pol, cur, r, r.windowMs);
       }
       h['RateLimit-Policy'] = pol.join(', ');
       h['RateLimit'] = cur.join(', ');
@@ -168,10 +168,15 @@ function retryAfterS(d) {
   return Math.max(ceilS(d.retryAfterMs), 1);
 }
 
-function item(pol, cur, name, limit, windowMs, remaining, resetMs) {
-  const n = sfString(name);
-  pol.push(windowMs === null ? `${n};q=${limit}` : `${n};q=${limit};w=${Math.max(ceilS(windowMs), 1)}`);
-  cur.push(`${n};r=${remaining};t=${ceilS(resetMs)}`);
+// item adds rule r's items (windowMs null: not known, no w). t is the draft's time until
+// more quota is made available, which a Retry-After is never earlier than: a refusing
+// rule's retry (none when no retry can pass it), an allowing rule's reset.
+function item(pol, cur, r, windowMs) {
+  const n = sfString(r.name);
+  pol.push(windowMs === null ? `${n};q=${r.limit}` : `${n};q=${r.limit};w=${Math.max(ceilS(windowMs), 1)}`);
+  if (r.allowed) cur.push(`${n};r=${r.remaining};t=${ceilS(r.resetMs)}`);
+  else if (r.retryAfterMs > 0) cur.push(`${n};r=${r.remaining};t=${ceilS(r.retryAfterMs)}`);
+  else cur.push(`${n};r=${r.remaining}`);
 }
 
 // sfString: an RFC 8941 string; backslash and quote escaped, every byte outside printable

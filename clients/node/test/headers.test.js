@@ -109,5 +109,5 @@ test('an unasked rule is exposed, and left out of RateLimit-Policy and RateLimit
   const d = proto.decision(proto.decode(UNASKED_FRAME.subarray(4)));
   assert.deepEqual(d.rules.map((r) => [r.name, r.unasked]), [['per-ip', false], ['per-account', true]]);
   // "per-account";r=0;t=0 would say it has nothing left: its figures were not read.
-  assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=30', 'Retry-After': '15' });
+  assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=15', 'Retry-After': '15' });
 });

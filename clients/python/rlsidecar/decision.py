@@ -116,8 +116,10 @@ class Decision:
 
         - when a rule decided: RateLimit-Policy and RateLimit (draft-ietf-httpapi-
           ratelimit-headers), one item per non-shadow rule, the deciding rule first:
-          ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up);
-          an unasked rule has none (its remaining and reset were not read);
+          ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up;
+          t is the time until more quota is made available: a refusing rule's retry,
+          none when no retry can pass it, an allowing rule's reset); an unasked rule
+          has none (its remaining and reset were not read);
         - when allowed and some non-shadow rule warns (warn_at): RateLimit-Warning,
           rlsidecar's own header (not in the draft), a structured-field list of those
           rules' names in the order of rules, quoted as in RateLimit-Policy:
@@ -136,14 +138,14 @@ class Decision:
                     decided = r
                     break
             if decided is not None:
-                _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided.remaining, decided.reset_ms)
+                _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided)
             else:
                 # The deciding rule is missing from rules: the top-level fields have no window.
-                _item(pol, cur, self.rule, self.limit, None, self.remaining, self.reset_ms)
+                _item(pol, cur, self.rule, self.limit, None, self)
             for r in self.rules:
                 # An unasked rule's figures were not read: it says nothing of its quota.
                 if not r.shadow and not r.unasked and r is not decided:
-                    _item(pol, cur, r.name, r.limit, r.window_ms, r.remaining, r.reset_ms)
+                    _item(pol, cur, r.name, r.limit, r.window_ms, r)
             h["RateLimit-Policy"] = ", ".join(pol)
             h["RateLimit"] = ", ".join(cur)
         if self.allowed:
@@ -207,10 +209,19 @@ def _ceil_s(ms):
     return 0 if ms <= 0 else -(-ms // 1000)
 
 
-def _item(pol, cur, name, limit, window_ms, remaining, reset_ms):
+def _item(pol, cur, name, limit, window_ms, f):
+    """Append the items of a rule named name (window_ms None: not known, no w) whose
+    figures (remaining, allowed, reset_ms, retry_after_ms) are f's. t is the draft's time
+    until more quota is made available, which a Retry-After is never earlier than: a
+    refusing rule's retry (none when no retry can pass it), an allowing rule's reset."""
     n = _sf_string(name)
     pol.append("%s;q=%d" % (n, limit) if window_ms is None else "%s;q=%d;w=%d" % (n, limit, max(_ceil_s(window_ms), 1)))
-    cur.append("%s;r=%d;t=%d" % (n, remaining, _ceil_s(reset_ms)))
+    if f.allowed:
+        cur.append("%s;r=%d;t=%d" % (n, f.remaining, _ceil_s(f.reset_ms)))
+    elif f.retry_after_ms > 0:
+        cur.append("%s;r=%d;t=%d" % (n, f.remaining, _ceil_s(f.retry_after_ms)))
+    else:
+        cur.append("%s;r=%d" % (n, f.remaining))
 
 
 def _sf_string(s):

@@ -24,7 +24,7 @@ def test_allows_then_rejects(daemon):
         status, headers, body = d.rejection()
         assert status == 429
         assert headers["RateLimit-Policy"] == '"per-user";q=5;w=60'
-        assert headers["RateLimit"] == '"per-user";r=0;t=60'
+        assert headers["RateLimit"] == '"per-user";r=0;t=12'
         assert headers["Retry-After"] == "12"
         assert b'"rule":"per-user","retry_after":12}' in body
         # Another user is not affected; cost 0 peeks without consuming.

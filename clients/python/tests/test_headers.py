@@ -111,5 +111,5 @@ def test_unasked_rule_left_out():
     RateLimit: "r=0;t=0" would say it has nothing left."""
     d = _proto.decision(_proto.decode(UNASKED_FRAME[4:]))
     assert [(r.name, r.unasked) for r in d.rules] == [("per-ip", False), ("per-account", True)]
-    assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60', "RateLimit": '"per-ip";r=0;t=30',
+    assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60', "RateLimit": '"per-ip";r=0;t=15',
                            "Retry-After": "15"}
