@@ -156,36 +156,57 @@ func TestGlobalLeasesOwnerClose(t *testing.T) {
 	}
 }
 
-// A global lease taken and then refused by a later store (a local rate rule) is given
-// back: nothing held in Redis. A request refused by a global lease consumes nothing of
-// the local rate rule.
+// A request a local rate rule refuses is refused before Redis is asked: the global lease
+// takes no slot, not even for the round trip a give-back would take (its entry is
+// unasked). One a later store refuses after the global lease took (a local concurrency
+// rule, which only its take decides) is given back: nothing held in Redis either way.
 func TestGlobalLeaseGivenBack(t *testing.T) {
 	rdb := realRedis(t)
 	l := globalLimiter(t, rdb, `
 rules:
   - name: exports
     key: user
+    match: { path: "/x/*" }
     concurrency: { max: 1 }
     mode: global
   - name: rate
     key: user
+    match: { path: /x/rate }
     limit: { requests: 1, per: 1h }
     mode: local
+  - name: slots
+    key: user
+    match: { path: "/*/slots" }
+    concurrency: { max: 1 }
+    mode: local
 `, "rl:")
-	in := &Input{Attrs: attrs("user=dee"), Cost: 1}
-	ok, tok, _ := acquire(t, l, in, 0)
-	if !ok || tok == "" || !l.ReleaseLease(tok, nowNs()) {
-		t.Fatal("first check")
-	}
-	ok, tok, d := acquire(t, l, in, 0) // the rate rule refuses now
-	if ok || tok != "" {
-		t.Fatalf("second: allowed %v token %q", ok, tok)
-	}
-	if n := rdb.ZCard(context.Background(), "rl:exports:{user=dee}").Val(); n != 0 {
-		t.Fatalf("a refused request holds %d slots in Redis", n)
-	}
-	if r := d.Results[0]; !r.Allowed || r.Remaining != 1 {
-		t.Fatalf("exports result %+v, want allowed with 1 free (nothing held)", r)
+	for _, c := range []struct {
+		user, path string
+		asked      bool // the global lease store took, then gave back
+	}{{"dee", "/x/rate", false}, {"eve", "/x/slots", true}} {
+		in := &Input{Attrs: attrs("user="+c.user, "path="+c.path), Cost: 1}
+		if c.asked {
+			// The local slot, held by a request the global rule does not match.
+			if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user="+c.user, "path=/y/slots"), Cost: 1}, 1); !ok {
+				t.Fatalf("%s: holding the local slot", c.path)
+			}
+		} else if ok, tok, _ := acquire(t, l, in, 1); !ok || !l.ReleaseLease(tok, nowNs()) {
+			t.Fatalf("%s: the rate rule's one unit", c.path) // the global slot released, the unit spent
+		}
+		ok, tok, d := acquire(t, l, in, 2) // the local rule refuses now
+		if ok || tok != "" {
+			t.Fatalf("%s: allowed %v token %q", c.path, ok, tok)
+		}
+		if n := rdb.ZCard(context.Background(), "rl:exports:{user="+c.user+"}").Val(); n != 0 {
+			t.Fatalf("%s: a refused request holds %d slots in Redis", c.path, n)
+		}
+		r := d.Results[0]
+		if c.asked && (!r.Allowed || r.Unasked || r.Remaining != 1) {
+			t.Fatalf("%s: exports result %+v, want allowed with 1 free (given back)", c.path, r)
+		}
+		if !c.asked && (!r.Allowed || !r.Unasked) {
+			t.Fatalf("%s: exports result %+v, want unasked (Redis not asked for a refused request)", c.path, r)
+		}
 	}
 	if s := stats(l, "exports"); s.InFlight != 0 {
 		t.Fatalf("in flight %d after a give-back", s.InFlight)
@@ -710,5 +731,59 @@ rules:
 	_, _, d = acquire(t, l, &Input{Attrs: attrs(user, "a="+long, "b="+long), Cost: 0}, 0)
 	if r := d.Results[0].Remaining; r != 10 {
 		t.Fatalf("rate remaining %d, want 10 (given back)", r)
+	}
+}
+
+// A client whose requests a local limit refuses, retrying without pause, holds nothing of
+// a small Redis-backed rule meanwhile: another request for the same key, asking it with
+// cost 0, is never refused while they run (it was, nearly always, when the Redis stores
+// took first and gave back after the local refusal), in either Redis mode.
+func TestRefusedLocallyHoldsNothingInRedis(t *testing.T) {
+	rdb := realRedis(t)
+	for _, mode := range []string{"hybrid", "global"} {
+		l := globalLimiter(t, rdb, `
+rules:
+  - name: small
+    key: user
+    mode: `+mode+`
+    limit: { requests: 1, per: 60s }
+`, "rl:"+mode+":")
+		spent := Inline{Key: "z", Limit: 1, WindowMs: 3_600_000, Mode: "local"}
+		if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user=other"), Limits: []Inline{spent}, Cost: 1}, 0); !ok {
+			t.Fatal("spending the inline limit")
+		}
+		stop := make(chan struct{})
+		var wg gosync.WaitGroup
+		wg.Add(1)
+		go func() { // the refused client
+			defer wg.Done()
+			d := &Decision{}
+			in := &Input{Attrs: attrs("user=u"), Limits: []Inline{spent}, Cost: 1}
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := l.Check(nowNs(), in, d); err != nil || d.Allowed {
+					t.Errorf("%s: the refused client: allowed %v, err %v", mode, d.Allowed, err)
+					return
+				}
+			}
+		}()
+		d, asks, refused := &Decision{}, 0, 0
+		for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); asks++ {
+			if err := l.Check(nowNs(), &Input{Attrs: attrs("user=u"), Cost: 0}, d); err != nil {
+				t.Fatal(err)
+			}
+			if !d.Allowed {
+				refused++
+			}
+		}
+		close(stop)
+		wg.Wait()
+		if refused != 0 {
+			t.Errorf("%s: %d of %d asks refused while another request of the key was being refused", mode, refused, asks)
+		}
 	}
 }

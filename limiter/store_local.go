@@ -43,6 +43,19 @@ func (s localStore) take1(now int64, d *Decision) bool {
 	return ok
 }
 
+// wouldPass reports whether the batch's take would pass now, taking nothing: every
+// non-shadow op fits its bucket on its own (Reject's report).
+func (s localStore) wouldPass(now int64, d *Decision) bool {
+	n := s.batch(d)
+	s.s.Reject(now, n.ops)
+	for k := range n.ops {
+		if o := &n.ops[k]; !o.Result.Allowed && !o.Shadow {
+			return false
+		}
+	}
+	return true
+}
+
 // skip reports the buckets' state without charging them (localbucket.Store.Reject).
 func (s localStore) skip(now int64, d *Decision) {
 	n := s.batch(d)
