@@ -776,3 +776,39 @@ func atWindowStart(t *testing.T, w time.Duration) int64 {
 		}
 	}
 }
+
+// Two daemons start together on a key new to Redis (or on a Redis restarted empty): one
+// still counts itself alone (its count of the live daemons is up to a heartbeat old)
+// and its first share grant must not take the key's whole headroom. It did: the other
+// daemon's view then said the key was full, and it refused its clients, far below the
+// limit, telling them to retry at the window's end (half an hour on this 1-per-hour
+// fixed window, 3.5 s on a 1,000-per-hour token bucket) until the grant came back a sync
+// later.
+func TestHybridColdStartGrantLeavesRoom(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		lim := mustLimit(t, alg, 1_000_000, time.Hour)
+		key := fmt.Sprintf("rl:cold%d:{u}", alg)
+		alone := NewHybrid(rdb, HybridOptions{ID: "alone"}) // counts 1 live daemon
+		other := NewHybrid(rdb, HybridOptions{ID: "other", FetchWait: 2 * time.Second})
+		other.SetReplicas(2)
+		// Both daemons use the key (so neither spends credit on it), the first hot: its
+		// syncs ask a share grant.
+		for range 3 {
+			now := time.Now().UnixNano()
+			take(other, now, key, lim, 1)
+			for range 20 {
+				take(alone, now, key, lim, 1)
+			}
+			for _, h := range []*Hybrid{other, alone} {
+				if err := h.Flush(context.Background(), now); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		if r := take(other, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+			t.Fatalf("alg %d: the second daemon refused a key 60 units into a limit of 10^6 (retry %v, %d left)",
+				alg, time.Duration(r.RetryAfter), r.Remaining)
+		}
+	}
+}

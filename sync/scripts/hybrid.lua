@@ -243,9 +243,17 @@ for i = 1, nkeys do
       dc = share_demand
     end
     local total = math.max(dp, dc)
+    -- How many daemons the headroom is shared by, for the cap below. With no complete
+    -- epoch of demand yet (a key new to Redis, or a Redis restarted empty), at least two:
+    -- a daemon's count of the live daemons is up to a heartbeat old, and one that still
+    -- counted itself alone took the whole headroom of a key another daemon was starting
+    -- to use, which refused it, as full, until the grant came back a sync later, telling
+    -- its clients to retry at the window's end (half an hour on a 1-per-hour window).
+    local sharers = replicas
     if dp == 0 then
+      sharers = math.max(replicas, 2)
       -- no complete epoch yet: assume every live daemon sees as much as this one
-      total = math.max(total, share_demand * replicas)
+      total = math.max(total, share_demand * sharers)
     end
 
     local avail, headroom, wstart
@@ -316,7 +324,7 @@ for i = 1, nkeys do
       -- so a daemon that saw little traffic does not hold budget the others need; at least
       -- one unit when there is one.
       grant = headroom * demand / math.max(total, demand)
-      grant = math.min(grant, math.max(2 * demand, headroom / replicas))
+      grant = math.min(grant, math.max(2 * demand, headroom / sharers))
       grant = math.min(math.max(1, math.floor(grant)), math.floor(headroom))
     end
 
