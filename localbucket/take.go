@@ -262,3 +262,21 @@ func (l *Limit) slidingEarliest(start int64, prev, cur uint64, from int64, x uin
 	rmax := ceilDiv(x+1, w, cur) - 1
 	return start + 2*int64(w) - int64(rmax)
 }
+
+// GiveBack updates r, the result of a take of cost that was allowed, to what the key
+// reads once cost is given back (a later check refused the request): cost more
+// remaining, and for a token bucket a reset sooner by cost's refill time; a window that
+// is empty again resets now.
+func (l *Limit) GiveBack(r *Result, cost uint64) {
+	r.Remaining = min(r.Remaining+cost, l.Capacity())
+	switch {
+	case l.alg == TokenBucket:
+		if cost >= uint64(r.Reset/l.emission)+1 {
+			r.Reset = 0
+		} else {
+			r.Reset = max(0, r.Reset-int64(cost)*l.emission)
+		}
+	case r.Remaining == l.Capacity() && l.alg == FixedWindow:
+		r.Reset = 0
+	}
+}

@@ -218,3 +218,31 @@ func TestLimitChange(t *testing.T) {
 		}
 	}
 }
+
+// GiveBack turns the result of an allowed take into what a question (cost 0) asked of
+// the state before it answers: what the global and hybrid stores report of a rule they
+// gave back (a later check refused the request). Before, only remaining was given back,
+// and the reset still counted the units.
+func TestGiveBackMatchesPeekBefore(t *testing.T) {
+	const now = int64(1_000_000_000_000)
+	for _, alg := range []Algorithm{TokenBucket, FixedWindow} {
+		l, err := NewLimit(alg, 10, time.Minute, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var s State
+		for used := uint64(0); used < 7; used += 2 {
+			_, before := l.Take(s, now, 0)
+			_, took := l.Take(s, now, 3)
+			if !took.Allowed {
+				t.Fatalf("alg %d: %d used, a cost of 3 refused", alg, used)
+			}
+			l.GiveBack(&took, 3)
+			if took.Remaining != before.Remaining || took.Reset != before.Reset {
+				t.Errorf("alg %d, %d used: given back: %d left, reset %v; before the take: %d left, reset %v",
+					alg, used, took.Remaining, time.Duration(took.Reset), before.Remaining, time.Duration(before.Reset))
+			}
+			s, _ = l.Take(s, now, 2)
+		}
+	}
+}

@@ -382,7 +382,7 @@ func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 		}
 		c.keys = append(c.keys, op.Key)
 		c.args = append(c.args, int(l.Algorithm()), l.Window().Microseconds(), emission, op.Cost, op.window)
-		op.Result.Remaining = min(op.Result.Remaining+op.Cost, l.Capacity())
+		l.GiveBack(&op.Result, op.Cost)
 	}
 	if len(order) == 0 {
 		return nil

@@ -461,7 +461,7 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 				sh.markDirty(e)
 			}
 		}
-		op.Result.Remaining += op.Cost
+		op.Limit.GiveBack(&op.Result, op.Cost)
 		sh.mu.Unlock()
 	}
 }
