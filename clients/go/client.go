@@ -19,6 +19,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net"
 	"slices"
@@ -74,6 +75,13 @@ type Options struct {
 	// frame_too_large and closes the connection (failing the other requests on it). A
 	// request that would be larger is not sent: see ErrRequestTooLarge.
 	MaxFrame int
+	// Logger receives the warnings of an unreachable sidecar: a line when a first check
+	// is decided by the Policy because the sidecar gave no answer, then at most one per
+	// OutageLogInterval (10 s) while checks keep being so decided (decided_by_policy:
+	// how many since the line before), and one when it answers again. Default (nil):
+	// slog.Default() at the time of each line. A handler that drops them
+	// (slog.DiscardHandler) silences them.
+	Logger *slog.Logger
 }
 
 // CheckOptions are the optional parts of a check. A nil *CheckOptions and the zero value
@@ -246,6 +254,8 @@ type Client struct {
 	cancel context.CancelFunc
 	closed atomic.Bool
 	wg     sync.WaitGroup // dial and reader goroutines, and releases of orphaned leases
+
+	outage outageLog // warnings of an unreachable sidecar
 }
 
 // New returns a Client for the sidecar listening on o.Socket. It does not dial: the first
@@ -276,6 +286,7 @@ func New(o Options) (*Client, error) {
 		o.MaxFrame = DefaultMaxFrame
 	}
 	c := &Client{opts: o, slots: make([]slot, o.Conns), maxPending: maxPending}
+	c.outage.now = time.Now
 	c.dialer.Timeout = o.DialTimeout
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := range c.slots {
@@ -347,12 +358,16 @@ func (c *Client) check(ctx context.Context, cl *call, o *CheckOptions) (Decision
 		}
 	}
 	cl, err := c.roundTrip(ctx, cl)
+	if err == nil && c.outage.failing.Load() {
+		c.answered()
+	}
 	switch {
 	case errors.Is(err, ErrClosed):
 		return c.policyDecision(err, false), err
 	case errors.Is(err, ErrRequestTooLarge):
 		return Decision{Cause: err}, err
 	case err != nil:
+		c.unreachable(err)
 		return c.policyDecision(err, true), nil
 	case cl.resp.IsError():
 		perr := &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}

@@ -136,6 +136,8 @@ type MiddlewareOptions struct {
 	// bug in what Attrs or Cost produced, or ErrClosed): it writes the response itself.
 	// When nil, such a request follows the Client's Policy, as for an unreachable sidecar.
 	// A request too large to check never reaches OnError: it gets a 431.
+	// An unreachable sidecar never reaches it either (CheckAttrs returns no error): the
+	// Policy decides, and the Client logs the outage (Options.Logger).
 	OnError func(w http.ResponseWriter, r *http.Request, err error)
 	// NoLeaseRenewal turns off the renewal of concurrency leases: by default (false) the
 	// middleware renews a request's lease while its handler runs (see Middleware), so a
