@@ -33,6 +33,12 @@ export interface ClientOptions {
    * --max-frame. A request over it is not sent: check() rejects with a RequestTooLargeError.
    */
   maxFrame?: number;
+  /**
+   * Where the outage log goes: a warning when a first check is decided by onUnavailable
+   * because the sidecar gave no answer, at most one per 10 s while that goes on, one when
+   * it answers again. Default console (console.warn, stderr); null: no outage log.
+   */
+  logger?: { warn(message: string): void } | null;
 }
 
 export interface CheckOptions {

@@ -40,6 +40,9 @@ const NO_ROOM = 'every connection had as many checks in flight as it may until t
 // what the sidecar answered before (see Conn.readLeft); a shorter one goes out in one
 // system call, whole or not at all.
 const LARGE_FRAME = 8192;
+// The least time, in ms, between two lines of the outage log while the sidecar keeps
+// failing (see Client.unreachable).
+const OUTAGE_LOG_INTERVAL = 10000;
 
 // WaitQueue is a FIFO of the checks waiting for room. A check that gives up leaves it at
 // once (remove): it is only marked, and the marked ones are dropped as the queue is read,
@@ -302,7 +305,7 @@ class Slot {
  * the sidecar gives no answer.
  */
 class Client {
-  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME } = {}) {
+  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME, logger = console } = {}) {
     if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
     if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
       throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);
@@ -314,7 +317,13 @@ class Client {
     if (!(Number.isInteger(maxFrame) && maxFrame >= 1 && maxFrame <= 0xffffffff)) {
       throw new RangeError(`maxFrame must be an integer of 1..2^32-1 bytes, not ${maxFrame}`);
     }
+    if (logger !== null && !(logger && typeof logger.warn === 'function')) {
+      throw new TypeError('logger must have a warn(message) method, or be null');
+    }
     this.socket = socket;
+    this.logger = logger; // the outage log's: console (console.warn), or null for none
+    this.failing = false; // a check was decided by onUnavailable since the sidecar last answered
+    this.outage = { logged: false, last: null, decided: 0, now: Date.now };
     this.timeoutMs = timeoutMs;
     this.onUnavailable = onUnavailable;
     this.maxFrame = maxFrame; // the largest request frame body sent: the daemon's --max-frame
@@ -345,7 +354,11 @@ class Client {
       return Promise.reject(e);
     }
     return this.roundTrip(msg).then((m) => {
-      if (typeof m === 'string') return this.policy(m, true);
+      if (typeof m === 'string') {
+        this.unreachable(m);
+        return this.policy(m, true);
+      }
+      if (this.failing) this.answered();
       const e = proto.errorOf(m);
       if (e !== null) {
         const why = `${e[0]}: ${e[1]}`;
@@ -415,6 +428,46 @@ class Client {
     for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) e.done(null, 'client closed');
     for (const s of this.slots) s.close();
     return Promise.resolve();
+  }
+
+  // unreachable records a check decided by onUnavailable because the sidecar gave no
+  // answer (cause), and writes the outage log's line when one is due: the first such check
+  // at once, then at most one line per OUTAGE_LOG_INTERVAL while checks keep being so
+  // decided, each with how many were since the line before. A failure within the interval
+  // after the last failure line is counted in the next line (so a sidecar that fails and
+  // answers by turns writes at most two lines per interval).
+  unreachable(cause) {
+    const o = this.outage;
+    this.failing = true;
+    o.decided++;
+    const now = o.now();
+    if (o.last !== null && now - o.last < OUTAGE_LOG_INTERVAL) return;
+    const still = o.logged;
+    const n = o.decided;
+    o.logged = true;
+    o.last = now;
+    o.decided = 0;
+    if (this.logger === null) return;
+    const p = `onUnavailable '${this.onUnavailable}'`;
+    let what;
+    if (still) what = `rlsidecar: sidecar at ${this.socket} still unreachable; requests are decided by ${p}`;
+    else if (this.onUnavailable === 'open') what = `rlsidecar: sidecar at ${this.socket} unreachable; requests pass without rate limiting (${p}) until it answers`;
+    else what = `rlsidecar: sidecar at ${this.socket} unreachable; requests are refused (${p}, 503) until it answers`;
+    this.logger.warn(`${what}: ${cause} (${n} check${n === 1 ? '' : 's'} decided by the policy since the last line)`);
+  }
+
+  // answered is called when the sidecar answered a check while this.failing: it writes the
+  // recovery line when a failure line is outstanding.
+  answered() {
+    const o = this.outage;
+    this.failing = false;
+    if (!o.logged) return; // failures within the interval of the last line: the next line counts them
+    const n = o.decided;
+    o.logged = false;
+    o.decided = 0;
+    if (this.logger === null) return;
+    this.logger.warn(`rlsidecar: sidecar at ${this.socket} answers again; requests are rate limited ` +
+      `(${n} check${n === 1 ? '' : 's'} decided by onUnavailable '${this.onUnavailable}' since the last line)`);
   }
 
   policy(cause, unreachable) {
@@ -543,4 +596,4 @@ function tooLarge(cause) {
   return new Decision({ allowed: false, tooLarge: true, cause });
 }
 
-module.exports = { Client, backoff, WaitQueue, MAX_PENDING };
+module.exports = { Client, backoff, WaitQueue, MAX_PENDING, OUTAGE_LOG_INTERVAL };

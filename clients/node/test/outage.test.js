@@ -1,0 +1,98 @@
+'use strict';
+// The outage log: a sidecar that gives no answer (a wrong socket path, a socket the
+// gateway may not open, a stopped daemon) is logged, not silently failed open.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const path = require('path');
+
+const rl = require('..');
+const { OUTAGE_LOG_INTERVAL } = require('../lib/client');
+const { RULES, startDaemon, tempDir } = require('./helpers');
+
+function logged(t, opts) {
+  const lines = [];
+  const c = new rl.Client({ ...opts, logger: { warn: (m) => lines.push(m) } });
+  t.after(() => c.close());
+  let now = 1_700_000_000_000;
+  c.outage.now = () => now;
+  return { c, lines, tick: (ms) => { now += ms; } };
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+for (const policy of ['open', 'closed']) {
+  test(`an unreachable sidecar is logged, rate limited, and its return too (${policy})`, async (t) => {
+    const d = await startDaemon(t, RULES);
+    await d.stop();
+    const { c, lines, tick } = logged(t, { socket: d.socket, onUnavailable: policy });
+    for (let i = 0; i < 5; i++) assert.ok((await c.check({ user: 'a' })).unreachable);
+    assert.equal(lines.length, 1, lines.join('\n'));
+    const want = policy === 'open' ? 'requests pass without rate limiting' : 'requests are refused';
+    assert.ok(lines[0].includes(`sidecar at ${d.socket} unreachable`) && lines[0].includes(want) &&
+      lines[0].includes(`onUnavailable '${policy}'`) && lines[0].includes('(1 check decided by the policy'), lines[0]);
+
+    tick(OUTAGE_LOG_INTERVAL - 1);
+    await c.check({ user: 'a' });
+    assert.equal(lines.length, 1, lines.join('\n'));
+    tick(1);
+    await c.check({ user: 'a' });
+    assert.equal(lines.length, 2, lines.join('\n'));
+    assert.ok(lines[1].includes('still unreachable') && lines[1].includes('(6 checks decided by the policy since the last line)'), lines[1]);
+
+    await d.start();
+    const deadline = Date.now() + 5000;
+    while ((await c.check({ user: 'a' })).unreachable && Date.now() < deadline) {
+      tick(1);
+      await sleep(5);
+    }
+    assert.equal(lines.length, 3, lines.join('\n'));
+    assert.ok(lines[2].includes(`sidecar at ${d.socket} answers again`), lines[2]);
+    for (let i = 0; i < 20; i++) assert.ok(!(await c.check({ user: `u${i}` })).unreachable);
+    assert.equal(lines.length, 3, lines.join('\n'));
+  });
+}
+
+test('a sidecar that fails and answers by turns does not flood the log', async (t) => {
+  const d = await startDaemon(t);
+  const { c, lines, tick } = logged(t, { socket: d.socket, timeoutMs: 2000 });
+  for (let i = 0; i < 100; i++) {
+    tick(10);
+    c.unreachable('no answer within the timeout'); // as a check that timed out
+    tick(10);
+    assert.ok(!(await c.check({ user: `u${i}` })).unreachable);
+  }
+  assert.equal(lines.length, 2, lines.join('\n')); // 2 s: one failure line, one recovery line
+  tick(OUTAGE_LOG_INTERVAL);
+  c.unreachable('no answer within the timeout');
+  assert.equal(lines.length, 3, lines.join('\n'));
+  assert.ok(lines[2].includes('(100 checks decided by the policy since the last line)'), lines[2]);
+});
+
+test('the outage log goes to console.warn by default; logger: null silences it', async (t) => {
+  const got = [];
+  const warn = console.warn;
+  console.warn = (...a) => got.push(a.join(' '));
+  try {
+    const sock = path.join(tempDir(t), 'typo.sockk');
+    const c = new rl.Client({ socket: sock });
+    t.after(() => c.close());
+    const mw = rl.middleware(c);
+    let passed = 0;
+    for (let i = 0; i < 3; i++) {
+      // eslint-disable-next-line no-await-in-loop
+      await new Promise((resolve) => mw({ method: 'GET', url: '/', socket: {} }, {}, () => { passed++; resolve(); }));
+    }
+    assert.equal(passed, 3);
+    assert.equal(got.length, 1, got.join('\n'));
+    assert.ok(got[0].includes(`sidecar at ${sock} unreachable; requests pass without rate limiting`), got[0]);
+
+    const quiet = new rl.Client({ socket: sock, logger: null });
+    t.after(() => quiet.close());
+    assert.ok((await quiet.check({ user: 'a' })).unreachable);
+    assert.equal(got.length, 1, got.join('\n'));
+  } finally {
+    console.warn = warn;
+  }
+  assert.throws(() => new rl.Client({ socket: '/x', logger: {} }), TypeError);
+});
