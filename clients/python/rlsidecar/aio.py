@@ -6,6 +6,7 @@ import os
 import time
 
 from . import _proto
+from ._outage import OutageLog
 from .client import _check_options, backoff
 from .decision import Decision
 
@@ -141,7 +142,8 @@ class AsyncClient:
     are True). A late answer is dropped and the connection stays in use; a lease the late
     answer took is released (the check was decided without its slot). A broken
     connection is redialled by the next check; failed dials back off from 10 ms to 1 s,
-    and meanwhile checks answer by the policy at once.
+    and meanwhile checks answer by the policy at once. An unreachable sidecar is logged as
+    by Client (logger "rlsidecar").
 
     A request over ``max_frame`` bytes is not sent: check() raises RequestTooLargeError
     (a 431), as Client.check does.
@@ -163,6 +165,7 @@ class AsyncClient:
         self._retry_at = 0.0
         self._last_error = None
         self._orphans = set()  # tasks releasing the leases of late answers
+        self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
 
     async def __aenter__(self):
         return self
@@ -188,7 +191,10 @@ class AsyncClient:
         """Ask whether a request with these attributes may pass; see Client.check."""
         msg = await self._round_trip(_proto.body(_proto.check_message(0, attrs, cost, limits)))
         if isinstance(msg, str):
+            self._outage.unreachable(msg)
             return Decision(self.on_unavailable == "open", degraded=True, unreachable=True, cause=msg)
+        if self._outage.failing:
+            self._outage.answered()
         e = _proto.error_of(msg)
         if e is not None and e[0] == "frame_too_large":
             raise _proto.RequestTooLargeError(e[1])

@@ -6,6 +6,7 @@ import threading
 import time
 
 from . import _proto
+from ._outage import OutageLog
 from .decision import Decision
 
 #: Failed connection attempts back off from 10 ms, doubling, up to 1 s (with jitter).
@@ -67,7 +68,10 @@ class Client:
     a 503); either way ``degraded`` and ``unreachable`` are True. A connection that timed
     out is closed (a late answer must not be read as the next one's). Failed dials, and
     connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
-    checks answer by the policy at once.
+    checks answer by the policy at once. Such a sidecar is logged (logger "rlsidecar",
+    WARNING): the first check decided by the policy at once, then at most one line per
+    10 s while checks keep being so decided, with their count, and one line when the
+    sidecar answers again.
 
     A pooled connection the daemon has closed since (a restart, serve --idle-timeout) is
     noticed when a request is sent on it; when the daemon certainly did not read the
@@ -113,6 +117,7 @@ class Client:
         self._lease_conn = {}  # lease → the _Conn that took it
         self._holding = set()  # connections holding leases: open, not used for requests
         self._next_unpark = 0.0  # (monotonic) when _take next looks for expired holds
+        self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
 
     def __enter__(self):
         return self
@@ -157,7 +162,7 @@ class Client:
             _proto.check_size(len(b), self.max_frame)
         got = self._exchange(bodies, time.monotonic() + self.timeout)
         if isinstance(got, str):
-            return [self._policy(got) for _ in checks]
+            return self._unreachable(got, len(checks))
         conn, first, msgs = got
         out = []
         err = None
@@ -167,11 +172,11 @@ class Client:
             e = _proto.error_of(msg)
             if mid != first + i and not (e is not None and mid == 0):
                 conn.sock.close()
-                return [self._policy("answer id %r where %d was due" % (mid, first + i)) for _ in checks]
+                return self._unreachable("answer id %r where %d was due" % (mid, first + i), len(checks))
             if e is not None:
                 if e[0] in ("too_many_connections", "shutting_down"):
                     conn.sock.close()
-                    return [self._policy("the sidecar closed the connection: %s" % e[0]) for _ in checks]
+                    return self._unreachable("the sidecar closed the connection: %s" % e[0], len(checks))
                 if e[0] == "frame_too_large":
                     keep = False  # the sidecar closes the connection after this answer
                     pe = _proto.RequestTooLargeError(e[1])
@@ -191,6 +196,8 @@ class Client:
                         conn.hold_until = max(conn.hold_until, hold)
                         self._lease_conn[d.lease] = conn
                 out.append(d)
+        if self._outage.failing:
+            self._outage.answered()
         if keep:
             self._put(conn)
         else:
@@ -366,6 +373,12 @@ class Client:
         except (OSError, ValueError):
             return None
         return msg if _proto.error_of(msg) is not None else None
+
+    def _unreachable(self, why, n):
+        """The policy decisions of n checks the sidecar gave no answer to (why), logged
+        (see the class doc)."""
+        self._outage.unreachable(why, n)
+        return [self._policy(why) for _ in range(n)]
 
     def _policy(self, cause):
         return Decision(self.on_unavailable == "open", degraded=True, unreachable=cause is not None, cause=cause)
