@@ -142,8 +142,11 @@ export declare class Client {
   readonly socket: string;
   readonly timeoutMs: number;
   readonly onUnavailable: 'open' | 'closed';
-  /** attrs: strings, sent in key order; a Uint8Array value (normalizePath's Buffer) is sent as its bytes. */
-  check(attrs: Record<string, string | Uint8Array>, options?: CheckOptions): Promise<Decision>;
+  /**
+   * attrs: strings, sent in key order; a Uint8Array value (normalizePath's Buffer) is sent as its bytes;
+   * an undefined or null value (a header the request lacks) leaves the attribute out.
+   */
+  check(attrs: Record<string, string | Uint8Array | undefined | null>, options?: CheckOptions): Promise<Decision>;
   ping(): Promise<string>;
   /** Frees a concurrency lease: false when it was unknown, expired or already released. */
   release(lease: string): Promise<boolean>;
@@ -166,7 +169,7 @@ export interface MiddlewareResponse {
 }
 
 export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareRequest, Res extends MiddlewareResponse = MiddlewareResponse> {
-  attrs?: (req: Req) => Record<string, string | Uint8Array>;
+  attrs?: (req: Req) => Record<string, string | Uint8Array | undefined | null>;
   cost?: (req: Req) => number;
   onError?: (err: unknown, req: Req, res: Res, next: (err?: unknown) => void) => void;
   /** Renew a request's concurrency lease until it is released (default true): a request longer than its rule's lease keeps its slot. */

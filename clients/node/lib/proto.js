@@ -95,12 +95,21 @@ function checkMessage(id, attrs, cost, limits) {
   if (attrs !== undefined && attrs !== null) {
     if (typeof attrs !== 'object' || Array.isArray(attrs)) throw new TypeError('attrs must be an object of strings');
     let n = 0;
+    let absent = 0;
     for (const k in attrs) {
       const v = attrs[k];
+      if (v === undefined || v === null) {
+        absent++; // an absent value (a header the request does not have): the attribute is left out
+        continue;
+      }
       if (typeof v !== 'string' && !(v instanceof Uint8Array)) throw new TypeError(`attrs.${k} must be a string, not ${typeof v}`);
       n++;
     }
-    if (n > 0) msg.attrs = attrs;
+    if (n > 0 && absent > 0) {
+      const present = {};
+      for (const k in attrs) if (attrs[k] !== undefined && attrs[k] !== null) present[k] = attrs[k];
+      msg.attrs = present;
+    } else if (n > 0) msg.attrs = attrs;
   }
   if (limits !== undefined && limits !== null) {
     if (!Array.isArray(limits)) throw new TypeError('limits must be an array');

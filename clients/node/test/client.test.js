@@ -84,6 +84,20 @@ test('bad input is refused before sending', async (t) => {
   }
 });
 
+test('an undefined or null attribute value is left out', async (t) => {
+  const proto = require('../lib/proto');
+  const frame = (attrs) => Buffer.from(proto.encode(proto.checkMessage(1, attrs, 1))).toString('hex');
+  assert.equal(frame({ ip: '::1', user: undefined, path: '/a' }), frame({ ip: '::1', path: '/a' }));
+  assert.equal(frame({ ip: '::1', user: null }), frame({ ip: '::1' }));
+  assert.equal(frame({ user: null, x: undefined }), frame({}));
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  for (let i = 0; i < 5; i++) assert.ok((await c.check({ user: 'ann', ip: undefined })).allowed);
+  assert.ok(!(await c.check({ user: 'ann', ip: null })).allowed);
+  const x = await c.check({ user: undefined });
+  assert.ok(x.allowed && x.rule === '' && !x.degraded, JSON.stringify(x));
+});
+
 test('concurrent checks are pipelined on the pool, each counted once', async (t) => {
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 5000, conns: 2 });

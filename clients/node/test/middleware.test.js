@@ -114,6 +114,27 @@ test('the real daemon behind the middleware', async (t) => {
   assert.ok(other.status === 200 && other.headers.get('ratelimit') === null);
 });
 
+test('an attrs value of undefined or null leaves the attribute out (a request without that header)', async (t) => {
+  const d = await startDaemon(t);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  for (const absent of [undefined, null]) {
+    const get = await serve(t, rl.middleware(c, {
+      attrs: (req) => ({ ...rl.defaultAttrs(req), user: req.headers['x-user'] === undefined ? absent : req.headers['x-user'] }),
+    }));
+    const user = absent === undefined ? 'undef' : 'null';
+    const rs = [];
+    for (let i = 0; i < 6; i++) rs.push(await get('/api/x', { headers: { 'x-user': user } }));
+    assert.deepEqual(rs.map((r) => r.status), [200, 200, 200, 200, 200, 429]);
+    // Without the header: no user attribute, so the per-user rule does not apply; not a 500.
+    for (let i = 0; i < 6; i++) {
+      const r = await get('/api/x');
+      assert.equal(r.status, 200, r.body.toString());
+      assert.ok(r.body.toString() === 'hello' && r.headers.get('ratelimit') === null);
+    }
+  }
+});
+
 for (const [policy, want] of [['open', 200], ['closed', 503]]) {
   test(`unreachable sidecar, ${policy}`, async (t) => {
     const c = new rl.Client({ socket: path.join(tempDir(t), 'none.sock'), onUnavailable: policy });
