@@ -95,7 +95,8 @@ def check_message(req_id, attrs, cost, limits):
     ``attrs`` is a dict of str to str or bytes, sent in its order: a str value as a
     msgpack str (its UTF-8 bytes), a bytes value as a msgpack bin of exactly its bytes
     (the daemon matches and keys on the bytes either way; bytes carry a value that is not
-    UTF-8, such as a path with %FF in it). ``limits`` a list of dicts with
+    UTF-8, such as a path with %FF in it); a None value (a header the request does not
+    have) leaves the attribute out, as the Lua clients leave out nil. ``limits`` a list of dicts with
     ``key``, ``limit``, ``window_ms`` and optionally ``burst``, ``algorithm``, ``mode``,
     ``name``. Wrong types raise TypeError or ValueError before anything is sent.
     """
@@ -103,10 +104,16 @@ def check_message(req_id, attrs, cost, limits):
     if attrs is not None and not isinstance(attrs, dict):
         raise TypeError("attrs must be a dict of str to str or bytes, not %s" % type(attrs).__name__)
     if attrs:
+        absent = False
         for k, v in attrs.items():
-            if type(k) is not str or (type(v) is not str and type(v) is not bytes):
+            if v is None and type(k) is str:
+                absent = True  # a header the request does not have: the attribute is left out
+            elif type(k) is not str or (type(v) is not str and type(v) is not bytes):
                 raise TypeError("attrs must map str to str or bytes; %r: %r" % (k, v))
-        msg["attrs"] = attrs
+        if absent:
+            attrs = {k: v for k, v in attrs.items() if v is not None}
+        if attrs:
+            msg["attrs"] = attrs
     if limits is not None and not isinstance(limits, (list, tuple)):
         raise TypeError("limits must be a list of dicts, not %s" % type(limits).__name__)
     if limits:

@@ -72,6 +72,21 @@ def test_bad_input_is_refused_before_sending(daemon, bad, exc):
         assert c.check({"user": "x"}).remaining == 4
 
 
+def test_none_attribute_value_is_left_out(daemon):
+    from rlsidecar import _proto
+    frame = lambda attrs: _proto.encode(_proto.check_message(1, attrs, 1, None))  # noqa: E731
+    assert frame({"ip": "::1", "user": None, "path": "/a"}) == frame({"ip": "::1", "path": "/a"})
+    assert frame({"user": None}) == frame({})
+    with pytest.raises(TypeError):
+        frame({None: "x"})
+    with rlsidecar.Client(daemon.socket, timeout=2) as c:
+        for _ in range(5):
+            assert c.check({"user": "ann", "ip": None}).allowed
+        assert not c.check({"user": "ann", "ip": None}).allowed
+        d = c.check({"user": None})
+        assert d.allowed and d.rule == "" and not d.degraded
+
+
 def test_bad_options():
     for kw in ({"timeout": 0}, {"timeout": "1"}, {"on_unavailable": "maybe"}, {"pool_size": 0}):
         with pytest.raises(ValueError):

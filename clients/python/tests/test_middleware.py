@@ -158,6 +158,32 @@ def test_asgi_real_daemon(make_daemon):
     asyncio.run(main())
 
 
+def test_none_attribute_is_left_out(daemon):
+    """An attrs function passing a header the request lacks (None) leaves the attribute
+    out: the rule keyed on it does not apply, and the request is not an exception."""
+    with rlsidecar.Client(daemon.socket, timeout=2) as client:
+        app = rlsidecar.WSGIMiddleware(hello_app, client,
+                                       attrs=lambda env: dict(rlsidecar.wsgi_attrs(env), user=env.get("HTTP_X_USER")))
+        got = [wsgi_get(app, "/api/x", HTTP_X_USER="bob")[0] for _ in range(6)]
+        assert got == [200, 200, 200, 200, 200, 429]
+        for _ in range(6):
+            status, headers, body = wsgi_get(app, "/api/x")
+            assert status == 200 and body == b"hello" and "ratelimit" not in headers
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as client:
+            def attrs(scope):
+                user = dict(scope["headers"]).get(b"x-user")
+                return dict(rlsidecar.asgi_attrs(scope), user=user.decode() if user is not None else None)
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client, attrs=attrs)
+            got = [(await asgi_get(app, "/api/x", headers=[(b"x-user", b"carol")]))[0] for _ in range(6)]
+            assert got == [200, 200, 200, 200, 200, 429]
+            for _ in range(6):
+                status, headers, body = await asgi_get(app, "/api/x")
+                assert status == 200 and body == b"hello" and "ratelimit" not in headers
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("policy, want", [("open", 200), ("closed", 503)])
 def test_unreachable_policies(short_tmp, policy, want):
     path = os.path.join(short_tmp, "none.sock")
