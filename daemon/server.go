@@ -460,6 +460,7 @@ type pending struct {
 	in   limiter.Input
 	dcs  limiter.Decision
 	enc  *proto.Encoder // the answer, written by the deciding goroutine before fin
+	off  int            // the bytes of enc already written (writeBehind's first entry)
 	tail *proto.Encoder // the answers of the frames after it, written by the connection
 	fin  bool           // enc holds the answer (under wmu)
 	// n answers (its own and its tail's), the frames of which arrived at arrived: the
@@ -738,12 +739,65 @@ func (cn *conn) flush() error {
 	if err := cn.setWriteDeadline(); err != nil {
 		return err
 	}
-	_, err := cn.rw.Write(cn.enc.Bytes())
+	b := cn.enc.Bytes()
+	var n int
+	var err error
+	if t, ok := cn.rw.(tryWriter); ok {
+		if n, err = t.TryWrite(b); err == nil && n < len(b) {
+			// The socket is full: the client is not reading yet (it may be writing a long
+			// pipeline first). The rest is written behind, while this goroutine reads on.
+			cn.writeBehind(n)
+			return nil
+		}
+	} else {
+		_, err = cn.rw.Write(b)
+	}
 	cn.enc.Reset()
 	if err != nil {
 		cn.cutBy(closeWriteTimeout, err)
 	}
 	return err
+}
+
+// tryWriter is the hot path's writer when it can write without waiting
+// (rawio.TryWrite): what the socket takes now.
+type tryWriter interface {
+	TryWrite(p []byte) (int, error)
+}
+
+// writeBehind queues the output buffer's answers from byte off on (those before it are
+// written) and has a goroutine of its own write them when the socket has room: a client
+// that writes a long pipeline before it reads its answers (the protocol allows any
+// number) is not left waiting on a daemon that stopped reading because its answers did
+// not fit the socket, until the write timeout cut the connection. Up to maxPending
+// batches wait so (handOver), each up to flushAt bytes: then this goroutine waits too.
+func (cn *conn) writeBehind(off int) {
+	p := cn.take()
+	p.enc, cn.enc = cn.enc, p.enc
+	p.off, p.n, p.fin = off, 0, true // the metrics counted these answers (flush)
+	cn.wmu.Lock()
+	cn.queue = append(cn.queue, p)
+	cn.queued.Store(int32(len(cn.queue)))
+	cn.startWriter()
+	cn.wmu.Unlock()
+}
+
+// startWriter has a goroutine write the queue's decided head (writeReady), unless one
+// writes already. Under wmu. The connection's goroutine calls it instead of writing
+// itself, so that it never waits for a client that is not reading.
+func (cn *conn) startWriter() {
+	if cn.writing || len(cn.queue) == 0 || !cn.queue[0].fin {
+		return
+	}
+	cn.writing = true
+	cn.deciding.Add(1)
+	go func() {
+		defer cn.deciding.Done()
+		cn.wmu.Lock()
+		cn.writing = false
+		cn.writeReady()
+		cn.wmu.Unlock()
+	}()
 }
 
 // handOver queues the answers of this batch behind those already queued (the inline
@@ -768,58 +822,67 @@ func (cn *conn) handOver() error {
 	clear(cn.pending)
 	cn.pending = cn.pending[:0]
 	cn.queued.Store(int32(len(cn.queue)))
-	cn.writeReady()
+	cn.startWriter()
 	for len(cn.queue) >= maxPending && cn.werr == nil {
 		cn.wcond.Wait()
 	}
 	return cn.werr
 }
 
-// writeReady writes, with one writev, the answers at the head of the queue that are
-// decided, and takes them off it. Under wmu.
+// writeReady writes the answers at the head of the queue that are decided, one writev
+// per run of them, and takes them off it, until the head is still deciding. Under wmu,
+// which it releases while it writes, with writing set: nobody else writes meanwhile, and
+// a deciding goroutine that finishes then leaves its answer to this loop. A deciding
+// goroutine calls it, or startWriter's: it waits for the socket's room.
 func (cn *conn) writeReady() {
-	k := 0
-	cn.bufs = cn.bufsArr[:0]
-	for k < len(cn.queue) && cn.queue[k].fin {
-		p := cn.queue[k]
-		cn.bufs = append(cn.bufs, p.enc.Bytes(), p.tail.Bytes())
-		k++
-	}
-	if k == 0 {
-		return
-	}
-	cn.bufsArr = cn.bufs[:0]
-	if m := cn.s.cfg.Metrics; m != nil {
-		now := cn.s.now()
+	for {
+		k := 0
+		cn.bufs = cn.bufsArr[:0]
+		for k < len(cn.queue) && cn.queue[k].fin {
+			p := cn.queue[k]
+			cn.bufs = append(cn.bufs, p.enc.Bytes()[p.off:], p.tail.Bytes())
+			k++
+		}
+		if k == 0 {
+			return
+		}
+		cn.bufsArr = cn.bufs[:0]
+		if m := cn.s.cfg.Metrics; m != nil {
+			now := cn.s.now()
+			for _, p := range cn.queue[:k] {
+				m.Answered(p.n, p.arrived, now)
+			}
+		}
+		if cn.werr == nil {
+			cn.writing = true
+			cn.wmu.Unlock()
+			err := cn.setWriteDeadline()
+			if err == nil {
+				_, err = cn.bufs.WriteTo(cn.c)
+			}
+			cn.wmu.Lock()
+			cn.writing = false
+			if err != nil {
+				cn.cutBy(closeWriteTimeout, err) // before the read deadline below ends the reads
+				cn.werr = err
+				cn.wfailed.Store(true)
+				// Wake the connection's goroutine if it waits for room, and stop its reads:
+				// the connection is done.
+				_ = cn.c.SetReadDeadline(time.Unix(1, 0))
+			}
+		}
 		for _, p := range cn.queue[:k] {
-			m.Answered(p.n, p.arrived, now)
+			p.enc.Reset()
+			p.tail.Reset()
+			p.fin, p.off = false, 0
+			cn.free = append(cn.free, p)
 		}
+		n := copy(cn.queue, cn.queue[k:])
+		clear(cn.queue[n:])
+		cn.queue = cn.queue[:n]
+		cn.queued.Store(int32(n))
+		cn.wcond.Broadcast()
 	}
-	if cn.werr == nil {
-		err := cn.setWriteDeadline()
-		if err == nil {
-			_, err = cn.bufs.WriteTo(cn.c)
-		}
-		if err != nil {
-			cn.cutBy(closeWriteTimeout, err) // before the read deadline below ends the reads
-			cn.werr = err
-			cn.wfailed.Store(true)
-			// Wake the connection's goroutine if it waits for room, and stop its reads:
-			// the connection is done.
-			_ = cn.c.SetReadDeadline(time.Unix(1, 0))
-		}
-	}
-	for _, p := range cn.queue[:k] {
-		p.enc.Reset()
-		p.tail.Reset()
-		p.fin = false
-		cn.free = append(cn.free, p)
-	}
-	n := copy(cn.queue, cn.queue[k:])
-	clear(cn.queue[n:])
-	cn.queue = cn.queue[:n]
-	cn.queued.Store(int32(n))
-	cn.wcond.Broadcast()
 }
 
 // take returns a pending entry to fill: a written one when there is one.

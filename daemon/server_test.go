@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -478,6 +479,32 @@ func TestShutdownAnswersWhatWasSent(t *testing.T) {
 		}
 		if s.Connections() != 0 {
 			t.Fatalf("round %d: %d connections after shutdown", round, s.Connections())
+		}
+	}
+}
+
+// A client may write its whole pipeline before reading any answer: 10,000 checks (far
+// more answers than the socket holds) are all answered, in order. The daemon used to stop
+// reading once the socket was full of answers the client had not read yet, while the
+// client, still writing, had not started to read: each waited on the other until the
+// write timeout cut the connection, about 1,100 answers in.
+func TestLongPipelineWrittenBeforeReading(t *testing.T) {
+	s := startServer(t, Config{WriteTimeout: 2 * time.Second})
+	c, br := dialServer(t, s)
+	const n = 10_000
+	enc := proto.NewEncoder()
+	for i := range n {
+		enc.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1,
+			Attrs: []proto.Attr{{Name: "ip", Value: "10.0.0." + strconv.Itoa(i%256)}}})
+	}
+	c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write(enc.Bytes()); err != nil {
+		t.Fatalf("writing %d checks (%d bytes) before reading: %v", n, len(enc.Bytes()), err)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for i := range n {
+		if r := readResponse(t, br); r.ID != uint64(i+1) || r.Err.Code != "" || !r.Allowed {
+			t.Fatalf("answer %d: %+v", i, r)
 		}
 	}
 }

@@ -34,8 +34,9 @@ type rawIO struct {
 	rerrno syscall.Errno
 	spun   bool // this Read has spun (once per Read)
 
-	// The Write under way, likewise.
+	// The Write under way, likewise; tryFn is TryWrite's callback.
 	writeFn func(fd uintptr) bool
+	tryFn   func(fd uintptr) bool
 	wp      []byte
 	wdone   int
 	werrno  syscall.Errno
@@ -49,7 +50,7 @@ func New(c Conn, spin *Spinner) io.ReadWriter {
 		return c
 	}
 	r := &rawIO{rc: rc, spin: spin}
-	r.readFn, r.writeFn = r.readFd, r.writeFd
+	r.readFn, r.writeFn, r.tryFn = r.readFd, r.writeFd, r.tryWriteFd
 	return r
 }
 
@@ -121,6 +122,25 @@ func (r *rawIO) Write(p []byte) (int, error) {
 		return done, errno
 	}
 	return done, nil
+}
+
+// TryWrite writes what of p the socket's buffer takes now, without waiting for room: n <
+// len(p) without an error when it is full.
+func (r *rawIO) TryWrite(p []byte) (n int, err error) {
+	r.wp, r.wdone, r.werrno = p, 0, 0
+	err = r.rc.Write(r.tryFn)
+	done, errno := r.wdone, r.werrno
+	r.wp = nil
+	if err == nil && errno != 0 {
+		err = errno
+	}
+	return done, err
+}
+
+// tryWriteFd is TryWrite's callback: writeFd, never waiting.
+func (r *rawIO) tryWriteFd(fd uintptr) bool {
+	r.writeFd(fd)
+	return true
 }
 
 // writeFd is Write's callback: it writes what is left of r.wp to fd, and reports false
