@@ -812,3 +812,26 @@ func TestHybridColdStartGrantLeavesRoom(t *testing.T) {
 		}
 	}
 }
+
+// A token bucket whose unit is not a whole number of microseconds (7 per 60 s) counts
+// its units exactly in the script: 3 of 7 taken leave 4, and a request for those 4
+// passes, as in the exact mode and the local buckets. The doubles' rounding left
+// 3.99999997: 3 reported, and the 4 refused until the next sync.
+func TestHybridTokenBucketCountsWholeUnits(t *testing.T) {
+	rdb := standalone(t)
+	for _, c := range []struct {
+		requests uint64
+		window   time.Duration
+	}{{7, time.Minute}, {7, time.Second}, {3, 10 * time.Second}} {
+		lim := mustLimit(t, localbucket.TokenBucket, c.requests, c.window)
+		h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: 2 * time.Second})
+		key := fmt.Sprintf("rl:whole%d-%v:{u}", c.requests, c.window)
+		first := c.requests / 2
+		if r := take(h, time.Now().UnixNano(), key, lim, first); !r.Allowed || r.Remaining != c.requests-first {
+			t.Fatalf("%d per %v: a cost of %d: %+v, want allowed with %d left", c.requests, c.window, first, r, c.requests-first)
+		}
+		if r := take(h, time.Now().UnixNano(), key, lim, c.requests-first); !r.Allowed || r.Remaining != 0 {
+			t.Fatalf("%d per %v: the last %d: %+v, want allowed with 0 left", c.requests, c.window, c.requests-first, r)
+		}
+	}
+}

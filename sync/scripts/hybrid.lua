@@ -75,6 +75,16 @@ local id = ARGV[1]
 local nums = ARGV[2]
 local interval, replicas, min_ttl, share_epochs, extra, nlimits, beat_ttl, pos = struct.unpack('<i8i8i8i8i8i8i8', nums)
 replicas = math.max(1, replicas)
+
+-- tb_eps is what a token bucket's count of units (a quotient by T, window / requests,
+-- of microsecond times near 2^51) is given to make up for the doubles' rounding: up to
+-- 2 us worth of refill, at most a thousandth of a unit. Without it a whole count came out
+-- a hair short when T is not a whole number of microseconds (7 per 60 s: 3.99999997
+-- units left after 3 of 7): remaining one too low, and a request for the last units
+-- refused, where the exact mode and the local buckets admit it.
+local function tb_eps(T)
+  return math.min(1e-3, 2 / T)
+end
 -- The limits, flat (4 values each, limit j from 4(j-1)+1): one table per call, not one
 -- per limit (every table a call makes is garbage the next collection step pays for).
 local limits
@@ -266,7 +276,7 @@ for i = 1, nkeys do
       if settle > 0 then since = now - age end
       t = math.max(t, since) + settle * T
       if t < now then t = now end
-      avail = (now + tau - t) / T - res
+      avail = (now + tau - t) / T - res + tb_eps(T)
       headroom = math.min(burst, math.max(0, avail + interval / T))
       wstart = 0
     else
@@ -336,7 +346,7 @@ for i = 1, nkeys do
       local T = window / requests
       local tau = burst * T
       t = math.max(t, now) + reserve * T
-      local left = (now + tau - t) / T - res
+      local left = (now + tau - t) / T - res + tb_eps(T)
       avail = left
       remaining = math.max(0, math.floor(left))
       reset = math.max(0, t - now)
