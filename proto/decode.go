@@ -3,8 +3,8 @@ package proto
 import (
 	"bytes"
 	"errors"
-	"fmt"
 	"io"
+	"math"
 	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -335,9 +335,12 @@ func (d *Decoder) mapLen(what string) (int, error) {
 	return n, nil
 }
 
-// key reads a map key as a string aliasing the body: fine for a switch.
+// key reads a map key as a string aliasing the body: fine for a switch. A key may be any
+// length the frame holds: the known keys are short, and an unknown field is ignored
+// whatever its name. Nothing is allocated for a key, and no more than a few bytes of an
+// unknown one are quoted in an error message (Quote).
 func (d *Decoder) key() (string, error) {
-	return d.str("map key", 256)
+	return d.str("map key", math.MaxInt)
 }
 
 // str reads a msgpack str (or bin) and returns a string aliasing the body: the decoder
@@ -415,17 +418,17 @@ func (d *Decoder) skip(field string) error {
 
 func (d *Decoder) skipValue(field string, depth int) error {
 	if depth > maxDepth {
-		return Errorf(CodeBadRequest, "field %q nests deeper than %d levels", field, maxDepth)
+		return Errorf(CodeBadRequest, "field %s nests deeper than %d levels", Quote(field), maxDepth)
 	}
 	c, err := d.dec.PeekCode()
 	if err != nil {
-		return d.truncated(fmt.Sprintf("field %q", field))
+		return d.truncated("field " + Quote(field))
 	}
 	switch {
 	case msgpcode.IsString(c) || msgpcode.IsBin(c):
 		n, err := d.dec.DecodeBytesLen()
 		if err != nil || n > d.r.Len() {
-			return d.truncated(fmt.Sprintf("field %q", field))
+			return d.truncated("field " + Quote(field))
 		}
 		if n > 0 {
 			_, _ = d.r.Seek(int64(n), io.SeekCurrent)
@@ -434,7 +437,7 @@ func (d *Decoder) skipValue(field string, depth int) error {
 	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
 		n, err := d.dec.DecodeArrayLen()
 		if err != nil || n > d.r.Len() { // every element takes at least a byte
-			return d.truncated(fmt.Sprintf("field %q", field))
+			return d.truncated("field " + Quote(field))
 		}
 		for i := 0; i < n; i++ {
 			if err := d.skipValue(field, depth+1); err != nil {
@@ -445,7 +448,7 @@ func (d *Decoder) skipValue(field string, depth int) error {
 	case msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
 		n, err := d.dec.DecodeMapLen()
 		if err != nil || n > d.r.Len()/2 {
-			return d.truncated(fmt.Sprintf("field %q", field))
+			return d.truncated("field " + Quote(field))
 		}
 		for i := 0; i < 2*n; i++ {
 			if err := d.skipValue(field, depth+1); err != nil {
@@ -454,10 +457,10 @@ func (d *Decoder) skipValue(field string, depth int) error {
 		}
 		return nil
 	case msgpcode.IsExt(c):
-		return Errorf(CodeBadRequest, "field %q holds a msgpack extension value; the protocol uses none", field)
+		return Errorf(CodeBadRequest, "field %s holds a msgpack extension value; the protocol uses none", Quote(field))
 	}
 	if err := d.dec.Skip(); err != nil { // a scalar of fixed size
-		return d.truncated(fmt.Sprintf("field %q", field))
+		return d.truncated("field " + Quote(field))
 	}
 	return nil
 }

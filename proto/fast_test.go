@@ -70,6 +70,7 @@ func fastSeeds() [][]byte {
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a5 6174747273 81 a1 61 01")                                                                       // attr value int
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a3 78797a 01")                                                                                    // unknown key
 	add("de 0002 a2 6964 01 a2 6f70 a5 636865636b")                                                                                            // map16
+	seeds = append(seeds, []byte("\x83\xa2id\x01\xa2op\xa4ping\xda\x01\x01"+strings.Repeat("k", 257)+"\x01"))                                  // unknown key of 257 bytes
 	add("")
 	add("c0")
 	seeds = append(seeds, checkSeeds()...)

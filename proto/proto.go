@@ -11,7 +11,11 @@
 // steady state. Neither is safe for concurrent use.
 package proto
 
-import "fmt"
+import (
+	"fmt"
+	"strconv"
+	"unicode/utf8"
+)
 
 // Version is the protocol version a server reports in its ping response.
 const Version = 1
@@ -67,6 +71,24 @@ func (e *Error) Error() string { return e.Code + ": " + e.Message }
 // Errorf returns an *Error with the given code and a formatted message.
 func Errorf(code, format string, args ...any) *Error {
 	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// MaxQuoted is how many bytes of a value from a request Quote quotes.
+const MaxQuoted = 64
+
+// Quote is s quoted for an error message (as strconv.Quote, and fmt's %q, quote it), cut
+// to its first MaxQuoted bytes (at a character boundary) followed by "…" and its length
+// when it is longer. A request may send an op, a field name or an algorithm as long as its
+// frame, and an answer quoting it whole would be larger still.
+func Quote(s string) string {
+	if len(s) <= MaxQuoted {
+		return strconv.Quote(s)
+	}
+	n := MaxQuoted
+	for n > MaxQuoted-utf8.UTFMax && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return strconv.Quote(s[:n]) + "… (" + strconv.Itoa(len(s)) + " bytes)"
 }
 
 // Attr is one request attribute (method, path, user, api_key, ip, plan, …).

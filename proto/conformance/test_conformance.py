@@ -363,6 +363,14 @@ def test_op_as_bin_and_unknown_fields(conn):
     assert conn.rt({"op": b"ping", "id": 7, "zzz": {"a": [1, 2, None]}})["id"] == 7
 
 
+@pytest.mark.parametrize("n", [256, 257, 1000, 40000])
+def test_unknown_field_with_a_long_name(conn, n):
+    assert conn.rt({"id": 7, "op": "ping", "z" * n: 1})["id"] == 7
+    lim = {"key": uniq(), "limit": 3, "window_ms": 60000, "z" * n: 1}
+    r = assert_check(conn.rt({"id": 8, "op": "check", "limits": [lim]}), 8)
+    assert r["remaining"] == 2
+
+
 @pytest.mark.parametrize("op", ["frob", "", "CHECK", "Ping"])
 def test_unknown_op(conn, op):
     assert_error(conn.rt({"op": op, "id": 4}), "unknown_op", 4)
