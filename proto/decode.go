@@ -325,6 +325,11 @@ func (d *Decoder) truncated(field string) error {
 }
 
 func (d *Decoder) mapLen(what string) (int, error) {
+	// msgpack/v5's DecodeMapLen reads an extension whose data starts with a map as that
+	// map: an extension value is not a map (a wrong type wherever a map belongs).
+	if p := len(d.body) - d.r.Len(); p < len(d.body) && msgpcode.IsExt(d.body[p]) {
+		return 0, Errorf(CodeBadRequest, "%s must be a msgpack map with string keys", what)
+	}
 	n, err := d.dec.DecodeMapLen()
 	if err != nil || n < 0 {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
@@ -408,10 +413,10 @@ func (d *Decoder) boolean(field string) (bool, error) {
 // maxDepth bounds the nesting of values a decoder skips.
 const maxDepth = 32
 
-// skip passes over an unknown field's value. Unlike msgpack's Skip it never trusts a
-// length the body cannot hold: a str or bin announcing 4 GB in a 12-byte frame is a
-// truncated body, not a reason to grow a buffer. Extension values are not part of the
-// protocol and are refused.
+// skip passes over an unknown field's value, whatever it is: any well-formed msgpack
+// value, extension values (a Timestamp, say) included, is ignored. Unlike msgpack's Skip
+// it never trusts a length the body cannot hold: a str, bin or ext announcing 4 GB in a
+// 12-byte frame is a truncated body, not a reason to grow a buffer.
 func (d *Decoder) skip(field string) error {
 	return d.skipValue(field, 0)
 }
@@ -457,7 +462,15 @@ func (d *Decoder) skipValue(field string, depth int) error {
 		}
 		return nil
 	case msgpcode.IsExt(c):
-		return Errorf(CodeBadRequest, "field %s holds a msgpack extension value; the protocol uses none", Quote(field))
+		// Its length and type, then its data, opaque: passed over, whatever its type.
+		_, n, err := d.dec.DecodeExtHeader()
+		if err != nil || n > d.r.Len() {
+			return d.truncated("field " + Quote(field))
+		}
+		if n > 0 {
+			_, _ = d.r.Seek(int64(n), io.SeekCurrent)
+		}
+		return nil
 	}
 	if err := d.dec.Skip(); err != nil { // a scalar of fixed size
 		return d.truncated("field " + Quote(field))

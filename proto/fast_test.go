@@ -70,6 +70,11 @@ func fastSeeds() [][]byte {
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a5 6174747273 81 a1 61 01")                                                                       // attr value int
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a3 78797a 01")                                                                                    // unknown key
 	add("de 0002 a2 6964 01 a2 6f70 a5 636865636b")                                                                                            // map16
+	add("83 a2 6964 01 a2 6f70 a4 70696e67 a2 7473 d6 ff 00000001")                                                                            // unknown key: a Timestamp
+	add("83 a2 6964 01 a2 6f70 a4 70696e67 a1 78 92 d4 01 02 c7 02 05 c1 c1")                                                                  // unknown key: exts in an array
+	add("83 a2 6964 01 a2 6f70 a4 70696e67 a1 78 c9 ffffffff 01")                                                                              // unknown key: an ext past the body
+	add("83 a2 6964 01 a2 6f70 a5 636865636b a5 6174747273 d4 01 80")                                                                          // attrs: an ext holding a map
+	add("c7 0e 01 82 a2 6964 01 a2 6f70 a4 70696e67")                                                                                          // an ext holding the request
 	seeds = append(seeds, []byte("\x83\xa2id\x01\xa2op\xa4ping\xda\x01\x01"+strings.Repeat("k", 257)+"\x01"))                                  // unknown key of 257 bytes
 	add("")
 	add("c0")

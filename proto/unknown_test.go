@@ -43,6 +43,28 @@ func mpMap(kv ...[]byte) []byte {
 // u is a positive fixint.
 func u(v byte) []byte { return []byte{v} }
 
+// Extension values of every msgpack ext format, including the Timestamp extension (-1)
+// in its three sizes.
+var extValues = map[string][]byte{
+	"fixext1":      {0xd4, 0x01, 0x02},
+	"fixext2":      {0xd5, 0x7f, 0x01, 0x02},
+	"fixext4":      {0xd6, 0x05, 0x01, 0x02, 0x03, 0x04},
+	"fixext8":      {0xd7, 0x80, 1, 2, 3, 4, 5, 6, 7, 8},
+	"fixext16":     append([]byte{0xd8, 0x01}, make([]byte, 16)...),
+	"ext8-empty":   {0xc7, 0x00, 0x01},
+	"ext8":         {0xc7, 0x03, 0x01, 0xc1, 0xc1, 0xc1}, // ext data is opaque: never-used bytes included
+	"ext16":        append([]byte{0xc8, 0x01, 0x00, 0x0a}, make([]byte, 256)...),
+	"ext32":        append([]byte{0xc9, 0x00, 0x00, 0x00, 0x05, 0x22}, 0x90, 0x91, 0x92, 0x80, 0xdf),
+	"timestamp32":  {0xd6, 0xff, 0x00, 0x00, 0x00, 0x01},
+	"timestamp64":  {0xd7, 0xff, 0, 0, 0, 4, 0x65, 0x00, 0x00, 0x00},
+	"timestamp96":  append([]byte{0xc7, 0x0c, 0xff}, make([]byte, 12)...),
+	"ext8-map":     {0xc7, 0x01, 0x01, 0x80}, // an ext whose data looks like a map
+	"fixext1-map":  {0xd4, 0x01, 0x80},
+	"fixext1-nil":  {0xd4, 0x01, 0xc0},
+	"fixext4-str":  {0xd6, 0x01, 0xa3, 'a', 'b', 'c'},
+	"fixext2-uint": {0xd5, 0x01, 0xcc, 0x05},
+}
+
 func decodeReq(t *testing.T, body []byte) (Request, error) {
 	t.Helper()
 	checkDifferential(t, body)
@@ -56,6 +78,102 @@ func wantCode(t *testing.T, err error, code string) {
 	var pe *Error
 	if !errors.As(err, &pe) || pe.Code != code {
 		t.Fatalf("got %v, want %s", err, code)
+	}
+}
+
+// TestUnknownFieldExtensionIgnored: an unknown field holding an extension value, at the
+// top level, nested in an unknown field's array or map (as a value or as a key), or in an
+// inline limit, is skipped like any other value.
+func TestUnknownFieldExtensionIgnored(t *testing.T) {
+	for name, ext := range extValues {
+		for _, tc := range []struct {
+			where string
+			body  []byte
+		}{
+			{"top", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), mpStr("x"), ext)},
+			{"first", mpMap(mpStr("x"), ext, mpStr("id"), u(1), mpStr("op"), mpStr("ping"))},
+			{"in array", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), mpStr("x"), append(append([]byte{0x92}, ext...), ext...))},
+			{"map value", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), mpStr("x"), mpMap(mpStr("t"), ext))},
+			{"map key", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), mpStr("x"), mpMap(ext, u(1)))},
+			{"deep", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), mpStr("x"), append([]byte{0x91, 0x91, 0x81, 0xa1, 'a', 0x91}, ext...))},
+			{"inline limit", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"),
+				append([]byte{0x91}, mpMap(mpStr("key"), mpStr("k"), mpStr("limit"), u(1), mpStr("window_ms"), u(100), mpStr("ts"), ext)...))},
+		} {
+			t.Run(name+"/"+tc.where, func(t *testing.T) {
+				req, err := decodeReq(t, tc.body)
+				if err != nil {
+					t.Fatalf("%x: %v", tc.body, err)
+				}
+				if req.ID != 1 || (req.Op != OpPing && req.Op != OpCheck) {
+					t.Fatalf("%x: decoded %+v", tc.body, req)
+				}
+				if tc.where == "inline limit" && (len(req.Limits) != 1 || req.Limits[0] != (InlineLimit{Key: "k", Limit: 1, WindowMs: 100})) {
+					t.Fatalf("%x: limits %+v", tc.body, req.Limits)
+				}
+			})
+		}
+	}
+}
+
+// TestUnknownFieldExtensionMalformed: an extension that the body cannot hold is a
+// truncated body, however long it claims to be; the id read before it is kept.
+func TestUnknownFieldExtensionMalformed(t *testing.T) {
+	head := mpMap(mpStr("id"), u(3), mpStr("op"), mpStr("ping"), mpStr("x"))
+	for name, ext := range map[string][]byte{
+		"fixext16 short": {0xd8, 0x01, 0x00},
+		"ext8 short":     {0xc7, 0x05, 0x01, 0x00},
+		"ext16 short":    {0xc8, 0xff, 0xff, 0x01},
+		"ext32 4GB":      {0xc9, 0xff, 0xff, 0xff, 0xff, 0x01},
+		"no type":        {0xd4},
+		"no length":      {0xc8, 0x01},
+	} {
+		t.Run(name, func(t *testing.T) {
+			body := append(append([]byte(nil), head...), ext...)
+			req, err := decodeReq(t, body)
+			wantCode(t, err, CodeBadRequest)
+			if req.ID != 3 {
+				t.Fatalf("id %d, want 3", req.ID)
+			}
+		})
+	}
+}
+
+// TestKnownFieldExtensionRefused: an extension value where a known field belongs is a
+// wrong type, whatever its data looks like (msgpack/v5's DecodeMapLen reads an extension
+// holding a map as that map: the decoder must not).
+func TestKnownFieldExtensionRefused(t *testing.T) {
+	lim := func(kv ...[]byte) []byte { return append([]byte{0x91}, mpMap(kv...)...) }
+	for name, ext := range extValues {
+		for _, tc := range []struct {
+			where string
+			body  []byte
+		}{
+			{"id", mpMap(mpStr("id"), ext, mpStr("op"), mpStr("ping"))},
+			{"op", mpMap(mpStr("id"), u(1), mpStr("op"), ext)},
+			{"cost", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("cost"), ext)},
+			{"attrs", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("attrs"), ext)},
+			{"attrs value", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("attrs"), mpMap(mpStr("user"), ext))},
+			{"limits", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"), ext)},
+			{"limits[]", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"), append([]byte{0x91}, ext...))},
+			{"limits[].key", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"), lim(mpStr("key"), ext, mpStr("limit"), u(1), mpStr("window_ms"), u(1)))},
+			{"limits[].limit", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"), lim(mpStr("key"), mpStr("k"), mpStr("limit"), ext, mpStr("window_ms"), u(1)))},
+			{"limits[].algorithm", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("check"), mpStr("limits"), lim(mpStr("key"), mpStr("k"), mpStr("limit"), u(1), mpStr("window_ms"), u(1), mpStr("algorithm"), ext))},
+			{"lease", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("release"), mpStr("lease"), ext)},
+			{"key", mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"), ext, u(1))},
+		} {
+			t.Run(name+"/"+tc.where, func(t *testing.T) {
+				_, err := decodeReq(t, tc.body)
+				wantCode(t, err, CodeBadRequest)
+			})
+		}
+	}
+	// The request itself: an extension wrapping a request map is not a map.
+	for _, body := range [][]byte{
+		append([]byte{0xc7, 0x0e, 0x01}, mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"))...),
+		append([]byte{0xd4, 0x01}, mpMap(mpStr("id"), u(1), mpStr("op"), mpStr("ping"))...),
+	} {
+		_, err := decodeReq(t, body)
+		wantCode(t, err, CodeBadRequest)
 	}
 }
 
@@ -112,12 +230,13 @@ func TestUnknownFieldLongNameIgnored(t *testing.T) {
 }
 
 // TestUnknownFieldsInResponse: a response decoder (the clients') skips the same unknown
-// fields: long names.
+// fields: extension values and long names.
 func TestUnknownFieldsInResponse(t *testing.T) {
 	long := strings.Repeat("r", 300)
 	for name, body := range map[string][]byte{
+		"ext":       mpMap(mpStr("id"), u(1), mpStr("protocol"), u(1), mpStr("x"), extValues["timestamp64"]),
 		"long name": mpMap(mpStr("id"), u(1), mpStr("protocol"), u(1), mpStr(long), u(1)),
-		"rules[]":   mpMap(mpStr("id"), u(1), mpStr("protocol"), u(1), mpStr("rules"), append([]byte{0x91}, mpMap(mpStr(long), u(1), mpStr("name"), mpStr("n"))...)),
+		"rules[]":   mpMap(mpStr("id"), u(1), mpStr("protocol"), u(1), mpStr("rules"), append([]byte{0x91}, mpMap(mpStr(long), extValues["fixext1"], mpStr("name"), mpStr("n"))...)),
 	} {
 		t.Run(name, func(t *testing.T) {
 			var resp Response

@@ -383,6 +383,8 @@ func malformedFrames() []badFrame {
 		{Name: "repeated-id", Meaning: `"id" appears twice; the first is echoed`, Hex: frame("83a26964" + "0d" + "a26f70" + "a470696e67" + "a26964" + "0e"), ErrorCode: CodeBadRequest, ErrorID: 13},
 		{Name: "repeated-attr-name", Meaning: `"attrs" names "user" twice`, Hex: frame("83a26964" + "0f" + "a26f70" + "a5636865636b" + "a56174747273" + "82a475736572" + "a161" + "a475736572" + "a162"), ErrorCode: CodeBadRequest, ErrorID: 15},
 		{Name: "repeated-limit-field", Meaning: `an inline limit holds "limit" twice`, Hex: frame("83a26964" + "10" + "a26f70" + "a5636865636b" + "a66c696d697473" + "91" + "83a36b6579a174" + "a56c696d6974" + "0a" + "a56c696d6974" + "cd03e8"), ErrorCode: CodeBadRequest, ErrorID: 16},
+		{Name: "attrs-extension", Meaning: `"attrs" is a msgpack extension value (type 1) whose data is an empty map: an extension is no field's type`, Hex: frame("83a26964" + "11" + "a26f70" + "a5636865636b" + "a56174747273" + "d40180"), ErrorCode: CodeBadRequest, ErrorID: 17},
+		{Name: "unknown-field-extension-truncated", Meaning: `an unknown field holds an ext32 announcing 4 GB in a short frame: truncated (an unknown field's extension value that the frame holds is ignored)`, Hex: frame("83a26964" + "12" + "a26f70" + "a470696e67" + "a17a" + "c9ffffffff01"), ErrorCode: CodeBadRequest, ErrorID: 18},
 		{Name: "frame-too-large", Meaning: "a header announcing 65,537 bytes: the server answers frame_too_large with id 0 and closes the connection", Hex: "00010001", ErrorCode: CodeFrameTooLarge, Closes: true},
 	}
 }

@@ -363,6 +363,30 @@ def test_op_as_bin_and_unknown_fields(conn):
     assert conn.rt({"op": b"ping", "id": 7, "zzz": {"a": [1, 2, None]}})["id"] == 7
 
 
+# Unknown fields are ignored whatever their value: msgpack extension values (the Timestamp
+# extension, -1, among them) too, nested or not; and whatever their name's length.
+UNKNOWN_VALUES = {
+    "ext": msgpack.ExtType(1, b"\x02"),
+    "ext-empty": msgpack.ExtType(127, b""),
+    "ext-looks-like-a-map": msgpack.ExtType(1, b"\x80"),
+    "ext-large": msgpack.ExtType(0, b"\xc1" * 300),
+    "timestamp": msgpack.Timestamp(1),
+    "timestamp96": msgpack.Timestamp(1 << 40, 5),
+    "ext-in-array": [1, msgpack.ExtType(5, b"abcd")],
+    "ext-in-map": {"t": msgpack.Timestamp(7), "u": [msgpack.ExtType(2, b"")]},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNKNOWN_VALUES))
+def test_unknown_field_holding_any_value(conn, kind):
+    v = UNKNOWN_VALUES[kind]
+    assert conn.rt({"id": 7, "op": "ping", "zzz": v})["id"] == 7
+    key = uniq()
+    lim = {"key": key, "limit": 3, "window_ms": 60000, "zzz": v}
+    r = assert_check(conn.rt({"id": 8, "op": "check", "limits": [lim]}), 8)
+    assert r["remaining"] == 2
+
+
 @pytest.mark.parametrize("n", [256, 257, 1000, 40000])
 def test_unknown_field_with_a_long_name(conn, n):
     assert conn.rt({"id": 7, "op": "ping", "z" * n: 1})["id"] == 7
@@ -377,7 +401,9 @@ def test_unknown_op(conn, op):
 
 
 WRONG = {"nil": None, "bool": True, "float": 1.5, "negative": -3, "str": "x", "bin": b"x",
-         "array": [1], "map": {"a": "b"}}
+         "array": [1], "map": {"a": "b"},
+         # an extension value is no field's type, whatever its data looks like
+         "ext": msgpack.ExtType(1, b"\x80"), "timestamp": msgpack.Timestamp(1)}
 EXPECTED_TYPE = {"id": "uint", "op": "str", "attrs": "map", "limits": "array", "cost": "uint"}
 
 
@@ -408,7 +434,7 @@ def test_wrong_type_is_bad_request_and_consumes_nothing(conn, field, kind, value
 
 
 @pytest.mark.parametrize("field", ["key", "limit", "window_ms", "burst", "algorithm", "mode", "name"])
-@pytest.mark.parametrize("kind", ["nil", "bool", "float", "negative", "array", "map"])
+@pytest.mark.parametrize("kind", ["nil", "bool", "float", "negative", "array", "map", "ext", "timestamp"])
 def test_inline_limit_wrong_type(conn, field, kind):
     key = uniq()
     lim = {"key": key, "limit": 3, "window_ms": 60000}
