@@ -1076,8 +1076,9 @@ func (cn *conn) handle(body []byte, now int64) {
 	case proto.OpRenew:
 		cn.renew(body, now)
 	default:
-		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %q; this server knows %q, %q, %q and %q",
-			req.Op, proto.OpCheck, proto.OpPing, proto.OpRelease, proto.OpRenew))
+		// proto.Quote: an op may be as long as its frame; the answer quotes its start.
+		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %s; this server knows %q, %q, %q and %q",
+			proto.Quote(req.Op), proto.OpCheck, proto.OpPing, proto.OpRelease, proto.OpRenew))
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
@@ -924,7 +925,7 @@ func (l *Limiter) inlineMode(i int, il *Inline) (rules.Mode, error) {
 		}
 		return 0, &InvalidLimitError{i, "mode global needs a Redis store, and this daemon has none; use local or leave mode out"}
 	}
-	return 0, &InvalidLimitError{i, fmt.Sprintf("unknown mode %q; use local, hybrid or global", il.Mode)}
+	return 0, &InvalidLimitError{i, fmt.Sprintf("unknown mode %s; use local, hybrid or global", proto.Quote(il.Mode))}
 }
 
 func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {

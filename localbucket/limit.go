@@ -7,6 +7,7 @@ import (
 	"math/bits"
 	"strconv"
 	"time"
+	"unicode/utf8"
 )
 
 // Algorithm selects how a [Limit] counts.
@@ -38,7 +39,23 @@ func ParseAlgorithm(s string) (Algorithm, error) {
 			return Algorithm(a), nil
 		}
 	}
-	return 0, fmt.Errorf("unknown algorithm %q: valid algorithms are token_bucket, sliding_window and fixed_window", s)
+	return 0, fmt.Errorf("unknown algorithm %s: valid algorithms are token_bucket, sliding_window and fixed_window", quoteName(s))
+}
+
+// quoteName is s quoted as %q quotes it, cut to its first 64 bytes (at a character
+// boundary) followed by "…" and its length when it is longer: an inline limit's algorithm
+// comes from a request, and may be as long as its frame. (proto.Quote, which the daemon
+// uses for the other values a request sends, does the same.)
+func quoteName(s string) string {
+	const max = 64
+	if len(s) <= max {
+		return strconv.Quote(s)
+	}
+	n := max
+	for n > max-utf8.UTFMax && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return strconv.Quote(s[:n]) + "… (" + strconv.Itoa(len(s)) + " bytes)"
 }
 
 // String returns the name ParseAlgorithm accepts, or "Algorithm(n)" for an unknown value.

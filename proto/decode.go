@@ -129,7 +129,9 @@ func (d *Decoder) decodeFields(body []byte, req *Request) error {
 			}
 		case "op":
 			if err = seen.once(fieldOp, "request", key); err == nil {
-				req.Op, err = d.str("op", 64)
+				// Any length the frame holds: an op the server does not know, however
+				// long, is unknown_op (the daemon's answer quotes the start of it).
+				req.Op, err = d.str("op", math.MaxInt)
 			}
 		case "cost":
 			if err = seen.once(fieldCost, "request", key); err == nil {
@@ -247,9 +249,11 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 			case limitBurst:
 				l.Burst, err = d.uint("limits[].burst")
 			case limitAlgorithm:
-				l.Algorithm, err = d.str("limits[].algorithm", 64)
+				// Algorithm and mode: any length the frame holds, as op; one the
+				// limiter does not know, however long, is invalid_limit.
+				l.Algorithm, err = d.str("limits[].algorithm", math.MaxInt)
 			case limitMode:
-				l.Mode, err = d.str("limits[].mode", 64)
+				l.Mode, err = d.str("limits[].mode", math.MaxInt)
 			case limitName:
 				l.Name, err = d.str("limits[].name", d.MaxAttrNameLen)
 			default:

@@ -3,6 +3,7 @@ package proto
 import (
 	"encoding/hex"
 	"fmt"
+	"strings"
 )
 
 // exchanges are request/response pairs that a daemon started with testdata/rules.yaml
@@ -58,6 +59,9 @@ func exchanges() []exchange {
 		{"invalid-inline-limit", "an inline limit with limit 0",
 			Request{ID: 9, Op: OpCheck, Limits: []InlineLimit{{Key: "k", Limit: 0, WindowMs: 1000}}, Cost: 1},
 			Response{ID: 9, Err: Error{Code: CodeInvalidLimit, Message: `limits[0]: "limit" must be at least 1`}}, "error"},
+		{"unknown-op-long", "an op of 65 bytes is an op the server does not know, however long; the message quotes its first 64 bytes",
+			Request{ID: 10, Op: strings.Repeat("x", 65), Cost: 1},
+			Response{ID: 10, Err: Error{Code: CodeUnknownOp, Message: `unknown op "` + strings.Repeat("x", 64) + `"… (65 bytes); this server knows "check", "ping", "release" and "renew"`}}, "error"},
 	}
 	var out []exchange
 	for _, e := range list {

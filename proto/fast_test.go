@@ -76,6 +76,7 @@ func fastSeeds() [][]byte {
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a5 6174747273 d4 01 80")                                                                          // attrs: an ext holding a map
 	add("c7 0e 01 82 a2 6964 01 a2 6f70 a4 70696e67")                                                                                          // an ext holding the request
 	seeds = append(seeds, []byte("\x83\xa2id\x01\xa2op\xa4ping\xda\x01\x01"+strings.Repeat("k", 257)+"\x01"))                                  // unknown key of 257 bytes
+	seeds = append(seeds, []byte("\x82\xa2id\x01\xa2op\xd9\x41"+strings.Repeat("x", 65)))                                                      // op of 65 bytes
 	add("")
 	add("c0")
 	seeds = append(seeds, checkSeeds()...)

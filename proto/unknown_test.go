@@ -229,6 +229,45 @@ func TestUnknownFieldLongNameIgnored(t *testing.T) {
 	}
 }
 
+// TestLongOpAlgorithmMode: op, an inline limit's algorithm and its mode are read whatever
+// their length (bounded by the frame), so the daemon answers unknown_op and
+// invalid_limit for them as it does for short unknown values.
+func TestLongOpAlgorithmMode(t *testing.T) {
+	for _, n := range []int{64, 65, 255, 256, 1000, 1 << 16} {
+		long := strings.Repeat("x", n)
+		req, err := decodeReq(t, mpMap(mpStr("id"), u(6), mpStr("op"), mpStr(long)))
+		if err != nil || req.Op != long || req.ID != 6 {
+			t.Fatalf("op of %d bytes: %v (op of %d bytes)", n, err, len(req.Op))
+		}
+		// as bin
+		bin := append([]byte{0xc5, byte(n >> 8), byte(n)}, long...)
+		if n < 256 {
+			bin = append([]byte{0xc4, byte(n)}, long...)
+		}
+		if n < 1<<16 {
+			req, err = decodeReq(t, mpMap(mpStr("id"), u(6), mpStr("op"), bin))
+			if err != nil || req.Op != long {
+				t.Fatalf("op of %d bytes as bin: %v", n, err)
+			}
+		}
+		for _, field := range []string{"algorithm", "mode"} {
+			body := mpMap(mpStr("id"), u(7), mpStr("op"), mpStr("check"), mpStr("limits"),
+				append([]byte{0x91}, mpMap(mpStr("key"), mpStr("k"), mpStr("limit"), u(1), mpStr("window_ms"), u(100), mpStr(field), mpStr(long))...))
+			req, err := decodeReq(t, body)
+			if err != nil || len(req.Limits) != 1 {
+				t.Fatalf("%s of %d bytes: %v", field, n, err)
+			}
+			got := req.Limits[0].Algorithm
+			if field == "mode" {
+				got = req.Limits[0].Mode
+			}
+			if got != long {
+				t.Fatalf("%s of %d bytes decoded as %d bytes", field, n, len(got))
+			}
+		}
+	}
+}
+
 // TestUnknownFieldsInResponse: a response decoder (the clients') skips the same unknown
 // fields: extension values and long names.
 func TestUnknownFieldsInResponse(t *testing.T) {

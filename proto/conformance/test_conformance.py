@@ -395,7 +395,8 @@ def test_unknown_field_with_a_long_name(conn, n):
     assert r["remaining"] == 2
 
 
-@pytest.mark.parametrize("op", ["frob", "", "CHECK", "Ping"])
+@pytest.mark.parametrize("op", ["frob", "", "CHECK", "Ping", "x" * 64, "x" * 65, "check" * 1000],
+                         ids=lambda op: op if len(op) <= 8 else "%d-bytes" % len(op))
 def test_unknown_op(conn, op):
     assert_error(conn.rt({"op": op, "id": 4}), "unknown_op", 4)
 
@@ -453,6 +454,9 @@ def test_inline_limit_wrong_type(conn, field, kind):
     {"key": "k", "limit": 3, "window_ms": 0},
     {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "leaky"},
     {"key": "k", "limit": 3, "window_ms": 1000, "mode": "everywhere"},
+    {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "a" * 65},
+    {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "token_bucket" * 500},
+    {"key": "k", "limit": 3, "window_ms": 1000, "mode": "m" * 65},
 ] + ([] if WITH_REDIS else [
     {"key": "k", "limit": 3, "window_ms": 1000, "mode": "global"},  # without Redis
 ]))
