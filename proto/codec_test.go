@@ -39,19 +39,24 @@ func TestDecodeRequestBounds(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		mut  func(*Request)
+		code string // bad_request when empty
 	}{
 		{"too many attrs", func(r *Request) {
 			for i := 0; i < DefaultMaxAttrs+1; i++ {
 				r.Attrs = append(r.Attrs, Attr{Name: string(rune('a'+i%26)) + string(rune('A'+i/26)), Value: "v"})
 			}
-		}},
-		{"long value", func(r *Request) { r.Attrs = []Attr{{"user", string(make([]byte, DefaultMaxAttrLen+1))}} }},
-		{"duplicate attr", func(r *Request) { r.Attrs = []Attr{{"user", "a"}, {"user", "b"}} }},
+		}, ""},
+		// A value's length is the gateway's client's choice: a code of its own (431).
+		{"long value", func(r *Request) { r.Attrs = []Attr{{"user", string(make([]byte, DefaultMaxAttrLen+1))}} }, CodeAttrTooLarge},
+		{"long inline key", func(r *Request) {
+			r.Limits = []InlineLimit{{Key: string(make([]byte, DefaultMaxAttrLen+1)), Limit: 1, WindowMs: 1}}
+		}, CodeAttrTooLarge},
+		{"duplicate attr", func(r *Request) { r.Attrs = []Attr{{"user", "a"}, {"user", "b"}} }, ""},
 		{"too many limits", func(r *Request) {
 			for i := 0; i < DefaultMaxLimits+1; i++ {
 				r.Limits = append(r.Limits, InlineLimit{Key: "k", Limit: 1, WindowMs: 1})
 			}
-		}},
+		}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req := Request{ID: 1, Op: OpCheck, Cost: 1}
@@ -61,8 +66,12 @@ func TestDecodeRequestBounds(t *testing.T) {
 			var got Request
 			err := NewDecoder().DecodeRequest(enc.Bytes()[HeaderSize:], &got)
 			var pe *Error
-			if !errors.As(err, &pe) || pe.Code != CodeBadRequest {
-				t.Fatalf("got %v, want bad_request", err)
+			want := tc.code
+			if want == "" {
+				want = CodeBadRequest
+			}
+			if !errors.As(err, &pe) || pe.Code != want {
+				t.Fatalf("got %v, want %s", err, want)
 			}
 		})
 	}

@@ -191,7 +191,7 @@ func (d *Decoder) attrs(attrs []Attr) ([]Attr, error) {
 		if err != nil {
 			return attrs, err
 		}
-		value, err := d.str("attrs value", d.MaxAttrLen)
+		value, err := d.value("attrs value")
 		if err != nil {
 			return attrs, err
 		}
@@ -241,7 +241,7 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 			}
 			switch f {
 			case limitKey:
-				l.Key, err = d.str("limits[].key", d.MaxAttrLen)
+				l.Key, err = d.value("limits[].key")
 			case limitLimit:
 				l.Limit, err = d.uint("limits[].limit")
 			case limitWindow:
@@ -355,6 +355,19 @@ func (d *Decoder) key() (string, error) {
 // str reads a msgpack str (or bin) and returns a string aliasing the body: the decoder
 // reads from a bytes.Reader over the body, so the string's bytes are the body's.
 func (d *Decoder) str(field string, maxLen int) (string, error) {
+	return d.strOr(field, maxLen, CodeBadRequest)
+}
+
+// value is str for an attribute's value or an inline limit's key, whose length a client
+// of the gateway chooses (a path, a header): longer than MaxAttrLen is attr_too_large,
+// which a gateway answers with 431 whatever its failure policy (under bad_request the
+// policy decided, and "open" let such requests past every limit).
+func (d *Decoder) value(field string) (string, error) {
+	return d.strOr(field, d.MaxAttrLen, CodeAttrTooLarge)
+}
+
+// strOr is str, with code for a string longer than maxLen.
+func (d *Decoder) strOr(field string, maxLen int, code string) (string, error) {
 	n, err := d.dec.DecodeBytesLen()
 	if err != nil || n < 0 {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
@@ -363,7 +376,7 @@ func (d *Decoder) str(field string, maxLen int) (string, error) {
 		return "", Errorf(CodeBadRequest, "%s must be a string", field)
 	}
 	if n > maxLen {
-		return "", Errorf(CodeBadRequest, "%s is %d bytes long; the limit is %d", field, n, maxLen)
+		return "", Errorf(code, "%s is %d bytes long; the limit is %d", field, n, maxLen)
 	}
 	rest := d.r.Len()
 	if n > rest {

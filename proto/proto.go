@@ -51,6 +51,10 @@ const (
 	CodeInternal           = "internal"
 	CodeTooManyConnections = "too_many_connections" // the server is at its connection cap and closes this one
 	CodeShuttingDown       = "shutting_down"        // the server is draining and closes this connection
+	// CodeAttrTooLarge: an attribute's value (or an inline limit's key) is longer than
+	// the server's --max-attr-len. The connection stays usable. A gateway answers it as
+	// frame_too_large (431): the request's own fields are too large to check.
+	CodeAttrTooLarge = "attr_too_large"
 )
 
 // Reasons a check rejects without a retry time.

@@ -209,10 +209,17 @@ func (e *RequestTooLargeError) Unwrap() error { return ErrRequestTooLarge }
 
 // tooLarge reports whether err says the request is too large to check: the client did
 // not send it (ErrRequestTooLarge), or the sidecar refused its frame (frame_too_large,
-// when Options.MaxFrame is larger than the daemon's --max-frame).
+// when Options.MaxFrame is larger than the daemon's --max-frame) or one of its values
+// (attr_too_large: longer than the daemon's --max-attr-len).
 func tooLarge(err error) bool {
 	var pe *proto.Error
-	return errors.Is(err, ErrRequestTooLarge) || errors.As(err, &pe) && pe.Code == proto.CodeFrameTooLarge
+	return errors.Is(err, ErrRequestTooLarge) || errors.As(err, &pe) && tooLargeCode(pe.Code)
+}
+
+// tooLargeCode reports whether an error answer's code says the request is too large to
+// check.
+func tooLargeCode(code string) bool {
+	return code == proto.CodeFrameTooLarge || code == proto.CodeAttrTooLarge
 }
 
 // unreachable is a transport failure; errors.Is(err, ErrUnreachable) holds for it.
@@ -334,7 +341,7 @@ func (c *Client) Check(ctx context.Context, attrs map[string]string, o *CheckOpt
 // sent), when the client is closed (ErrClosed), or when the request is too large to check
 // (ErrRequestTooLarge: not sent). Except for the last, the Decision is then the Policy
 // decision, with Cause set to the error and Unreachable false. A request too large to
-// check — ErrRequestTooLarge, or the sidecar's frame_too_large — gets a Decision that
+// check — ErrRequestTooLarge, or the sidecar's frame_too_large or attr_too_large — gets a Decision that
 // rejects whatever the Policy (Allowed false, Cause the error), which WriteRejection answers
 // with 431: under FailOpen, attribute values too long to send must not be a way around
 // every limit.
@@ -372,7 +379,7 @@ func (c *Client) check(ctx context.Context, cl *call, o *CheckOptions) (Decision
 	case cl.resp.IsError():
 		perr := &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
 		cl.release()
-		if perr.Code == proto.CodeFrameTooLarge {
+		if tooLargeCode(perr.Code) {
 			return Decision{Cause: perr}, perr
 		}
 		return c.policyDecision(perr, false), perr

@@ -306,3 +306,35 @@ rules:
 		}
 	}
 }
+
+// A daemon whose --max-attr-len is below what the gateway lets through answers a longer
+// value with attr_too_large, and the Go client's middleware answers 431 under FailOpen:
+// the over-long header is not a way around the limits. It answered bad_request, which
+// the Policy decided, and every such request passed (6 of 6 where the limit refuses the
+// third). The connection stays usable: the next check on it is decided.
+func TestE2EGoClientAttrTooLarge(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", loginRules), "--max-attr-len", "100")
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: time.Second, Policy: rlclient.FailOpen})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	_, err = c.Check(ctx, map[string]string{"ip": "192.0.2.9", "user": strings.Repeat("u", 300)}, nil)
+	var pe *proto.Error
+	if !errors.As(err, &pe) || pe.Code != proto.CodeAttrTooLarge {
+		t.Fatalf("a 300-byte value against --max-attr-len 100: %v; want attr_too_large", err)
+	}
+	h := rlclient.Middleware(c, rlclient.MiddlewareOptions{})(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	for i := range 6 {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("POST", "/login/"+strings.Repeat("p", 300), nil))
+		if rec.Code != http.StatusRequestHeaderFieldsTooLarge {
+			t.Fatalf("request %d with a 300-byte path: status %d; want 431", i, rec.Code)
+		}
+	}
+	if dec, err := c.Check(ctx, map[string]string{"ip": "192.0.2.9"}, nil); err != nil || !dec.Allowed || dec.Rule != "per-ip" {
+		t.Fatalf("a check after the error: %+v %v", dec, err)
+	}
+}

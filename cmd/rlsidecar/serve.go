@@ -54,7 +54,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
-	maxAttrLen := fs.Int("max-attr-len", proto.DefaultMaxAttrLen, "bytes per attribute value; a request with a longer one gets bad_request, and the gateway's client then applies its failure policy (open by default), so keep it above what the gateway lets through. A value over 4,096 bytes is keyed by its SHA-256")
+	maxAttrLen := fs.Int("max-attr-len", proto.DefaultMaxAttrLen, "bytes per attribute value (and inline limit key); a request with a longer one gets attr_too_large, which the gateways' clients answer with 431 whatever their failure policy. A value over 4,096 bytes is keyed by its SHA-256")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
 	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
 	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never); one holding a concurrency lease stays open until its leases are released or run out")

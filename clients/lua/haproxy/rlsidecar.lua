@@ -186,7 +186,7 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
   if resp.error then
     if sock then sock:close() end
     local msg = "rlsidecar: " .. tostring(resp.error.code) .. ": " .. tostring(resp.error.message)
-    if resp.error.code == "frame_too_large" then
+    if http.too_large_code(resp.error.code) then
       return http.too_large_decision(msg), msg
     end
     local d = http.policy_decision(policy, msg)

@@ -257,7 +257,8 @@ end
 -- ...) or the arguments are invalid, the policy decision and the error as a string.
 -- A request whose frame is over max_frame is not sent: the decision refuses it (reason
 -- request_too_large, a 431 by rlsidecar.http.rejection) and the error says so; the same
--- when the daemon answers frame_too_large (its --max-frame is smaller).
+-- when the daemon answers frame_too_large (its --max-frame is smaller) or attr_too_large
+-- (a value longer than its --max-attr-len).
 function _M.check(self, attrs, opts)
   local id = next_id()
   local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs,
@@ -277,7 +278,7 @@ function _M.check(self, attrs, opts)
   if resp.error then
     local e = resp.error
     local msg = "rlsidecar: " .. tostring(e.code) .. ": " .. tostring(e.message)
-    if e.code == "frame_too_large" then
+    if http.too_large_code(e.code) then
       return http.too_large_decision(msg), msg
     end
     local d = http.policy_decision(self.policy, msg)

@@ -27,6 +27,15 @@ local REASON_COST_EXCEEDS_CAPACITY = "cost_exceeds_capacity"
 local REQUEST_TOO_LARGE = "request_too_large"
 M.REQUEST_TOO_LARGE = REQUEST_TOO_LARGE
 
+-- too_large_code reports whether a daemon's error code says the request is too large to
+-- check: its frame (frame_too_large, the daemon's --max-frame is smaller) or one of its
+-- values (attr_too_large, longer than the daemon's --max-attr-len). Both are answered
+-- with 431 whatever the policy: a long path or header is the HTTP client's doing, and
+-- under "open" the policy let such requests past every limit.
+function M.too_large_code(code)
+  return code == "frame_too_large" or code == "attr_too_large"
+end
+
 local function int(n)
   return format("%.0f", n)
 end

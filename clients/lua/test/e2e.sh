@@ -151,8 +151,9 @@ EOF
 
 sock="$tmp/rl.sock"
 admin_port=$(free_port)
+# --max-attr-len below what the gateways let through: a longer value is attr_too_large.
 "$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$sock" --admin "127.0.0.1:$admin_port" \
-  >"$tmp/daemon.log" 2>&1 &
+  --max-attr-len 40000 >"$tmp/daemon.log" 2>&1 &
 daemon_pid=$!
 pids+=("$daemon_pid")
 wait_for "the daemon" "$tmp/rlsidecar" check --socket "$sock" user=probe-nobody-uses path=/probe
@@ -414,6 +415,11 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   expect "$1 too large: no RateLimit" "$(header ratelimit)" ""
   expect "$1 too large: problem body" "$body" \
     '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,"detail":"This request'"'"'s attributes (its path or header fields) are too large for the rate limiter to check."}'
+  # Sent, but longer than the daemon's --max-attr-len: attr_too_large, a 431 too (it was
+  # bad_request, which the open policy let through).
+  request GET "http://127.0.0.1:$2/api/items" "${huge:0:50000}"
+  expect "$1 over --max-attr-len: status" "$status" 431
+  expect "$1 over --max-attr-len: no RateLimit" "$(header ratelimit)" ""
   request GET "http://127.0.0.1:$2/api/items" "$1-ursula"
   expect "$1 after it: checked as usual" "$status/$(header ratelimit | cut -d';' -f1-2)" '200/"per-user";r=2'
 done

@@ -343,8 +343,9 @@ class Client {
    * only with a ProtocolError (the sidecar refused the request), a RequestTooLargeError
    * (its frame would be over maxFrame: not sent), a ClosedError, or a TypeError/RangeError
    * for bad arguments, before anything is sent. The .decision of a ProtocolError is the
-   * onUnavailable decision, except for frame_too_large; that of a RequestTooLargeError or a
-   * frame_too_large rejects whatever onUnavailable (tooLarge, status 431).
+   * onUnavailable decision, except for frame_too_large and attr_too_large; that of a
+   * RequestTooLargeError, a frame_too_large or an attr_too_large (a value longer than the
+   * sidecar's --max-attr-len) rejects whatever onUnavailable (tooLarge, status 431).
    */
   check(attrs, { cost = 1, limits } = {}) {
     let msg;
@@ -362,7 +363,10 @@ class Client {
       const e = proto.errorOf(m);
       if (e !== null) {
         const why = `${e[0]}: ${e[1]}`;
-        throw new proto.ProtocolError(e[0], e[1], e[0] === 'frame_too_large' ? tooLarge(why) : this.policy(why, false));
+        // frame_too_large and attr_too_large: the request's own fields are too large to
+        // check (431), not a sidecar outage for the policy to decide.
+        const big = e[0] === 'frame_too_large' || e[0] === 'attr_too_large';
+        throw new proto.ProtocolError(e[0], e[1], big ? tooLarge(why) : this.policy(why, false));
       }
       return proto.decision(m);
     }, (e) => {

@@ -42,7 +42,8 @@ function tempDir(t) {
 
 /** A running `rlsidecar serve`; stopped when the test ends. */
 class Daemon {
-  constructor(dir, rules) {
+  constructor(dir, rules, args = []) {
+    this.args = args; // more flags for serve
     this.socket = path.join(dir, 's.sock');
     this.rules = path.join(dir, 'rules.yaml');
     fs.writeFileSync(this.rules, rules);
@@ -50,7 +51,7 @@ class Daemon {
   }
 
   start() {
-    this.proc = spawn(binary(), ['serve', '--socket', this.socket, '--admin=', '--config', this.rules],
+    this.proc = spawn(binary(), ['serve', '--socket', this.socket, '--admin=', '--config', this.rules, ...this.args],
       { stdio: ['ignore', 'pipe', 'pipe'] });
     let stderr = '';
     this.proc.stderr.on('data', (b) => { stderr += b; });
@@ -101,8 +102,8 @@ class Daemon {
   }
 }
 
-async function startDaemon(t, rules = RULES) {
-  const d = new Daemon(tempDir(t), rules);
+async function startDaemon(t, rules = RULES, args = []) {
+  const d = new Daemon(tempDir(t), rules, args);
   t.after(() => d.stop());
   return d.start();
 }

@@ -200,3 +200,20 @@ test('refused by the daemon while still writing: the 431 every time', async (t) 
   assert.deepEqual(got, { 431: 100 });
   assert.equal((await c.check({ user: 'may' })).remaining, 4);
 });
+
+// A value longer than the daemon's --max-attr-len (set below what the gateway lets
+// through) is answered attr_too_large, on a connection that stays usable, and the
+// middleware answers 431 under 'open': it answered bad_request, which onUnavailable
+// decided, and every such request passed every limit.
+test('the sidecar\'s attr_too_large gets a 431 from the middleware under open', async (t) => {
+  const d = await startDaemon(t, undefined, ['--max-attr-len', '100']);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000, onUnavailable: 'open', conns: 1 });
+  await assert.rejects(c.check({ user: 'u'.repeat(300) }), (e) => {
+    assert.ok(e instanceof rl.ProtocolError && e.code === 'attr_too_large', String(e));
+    assert.ok(!e.decision.allowed && e.decision.tooLarge && e.decision.status === 431);
+    return true;
+  });
+  assert.ok((await c.check({ user: 'ivy' })).allowed);
+  const get = await serve(t, rl.middleware(c));
+  for (let i = 0; i < 6; i++) assert.equal((await get('/' + 'a'.repeat(300))).status, 431);
+});

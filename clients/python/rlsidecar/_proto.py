@@ -45,13 +45,15 @@ class ProtocolError(Exception):
 class RequestTooLargeError(ProtocolError):
     """A request too large for the daemon: its frame is over the client's max_frame, so
     it was not sent, or the daemon refused it (frame_too_large: its --max-frame is
-    smaller). ``code`` is "frame_too_large"; ``decision`` refuses the request with a 431
-    (Request Header Fields Too Large), whatever on_unavailable says: the failure policy
-    would let "open" clients pass any request unlimited by making it large enough."""
+    smaller), or refused one of its values (attr_too_large: longer than its
+    --max-attr-len). ``code`` is the daemon's, "frame_too_large" for one not sent;
+    ``decision`` refuses the request with a 431 (Request Header Fields Too Large), whatever
+    on_unavailable says: the failure policy would let "open" clients pass any request
+    unlimited by making it large enough."""
 
-    def __init__(self, message):
-        super().__init__("frame_too_large", message,
-                         Decision(False, reason=REQUEST_TOO_LARGE, cause="frame_too_large: %s" % message))
+    def __init__(self, message, code="frame_too_large"):
+        super().__init__(code, message,
+                         Decision(False, reason=REQUEST_TOO_LARGE, cause="%s: %s" % (code, message)))
 
 
 def check_size(body_len, max_frame):

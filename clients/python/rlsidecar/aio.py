@@ -196,8 +196,8 @@ class AsyncClient:
         if self._outage.failing:
             self._outage.answered()
         e = _proto.error_of(msg)
-        if e is not None and e[0] == "frame_too_large":
-            raise _proto.RequestTooLargeError(e[1])
+        if e is not None and e[0] in ("frame_too_large", "attr_too_large"):
+            raise _proto.RequestTooLargeError(e[1], e[0])
         if e is not None:
             d = Decision(self.on_unavailable == "open", degraded=True, cause="%s: %s" % e)
             raise _proto.ProtocolError(e[0], e[1], d)

@@ -180,6 +180,8 @@ class Client:
                 if e[0] == "frame_too_large":
                     keep = False  # the sidecar closes the connection after this answer
                     pe = _proto.RequestTooLargeError(e[1])
+                elif e[0] == "attr_too_large":  # a value over its --max-attr-len
+                    pe = _proto.RequestTooLargeError(e[1], e[0])
                 else:
                     d = self._policy(None)
                     d.unreachable, d.cause = False, "%s: %s" % e

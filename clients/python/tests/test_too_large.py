@@ -245,3 +245,30 @@ def test_middleware_answers_431(daemon, policy):
             assert (await asgi_get(app, "/api/x", headers=[(b"user-agent", b"curl")]))[0] == 200
     asyncio.run(main())
     assert json.loads(BODY_431)["status"] == 431
+
+
+def test_attr_too_large(make_daemon):
+    """A value longer than the daemon's --max-attr-len (set below what the gateway lets
+    through) is refused with attr_too_large on a connection that stays usable: a 431,
+    never the failure policy (under "open" it was bad_request, which the policy decided,
+    and such requests passed every limit)."""
+    from conftest import RULES
+    d = make_daemon(RULES, ("--max-attr-len", "100"))
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1, on_unavailable="open") as c:
+        with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+            c.check({"user": "u" * 300})
+        assert e.value.code == "attr_too_large"
+        check_431(e.value.decision)
+        assert c.check({"user": "kim"}).allowed  # the same connection, still usable
+        app = rlsidecar.WSGIMiddleware(hello_app, c)
+        for _ in range(6):
+            assert wsgi_get(app, "/" + "p" * 300)[0] == 431
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2, on_unavailable="open") as c:
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                await c.check({"user": "u" * 300})
+            assert e.value.code == "attr_too_large"
+            check_431(e.value.decision)
+            assert (await c.check({"user": "kim"})).allowed
+    asyncio.run(main())
