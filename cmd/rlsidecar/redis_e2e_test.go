@@ -90,6 +90,9 @@ rules:
 	}
 	n, err := rdb.HGet(ctx, keys[0], "n").Int()
 	if err != nil || n != admitted {
+		for i, d := range ds { // a last sync that failed says so in its log
+			t.Logf("daemon %d's log:\n%s", i, d.stderr.String())
+		}
 		t.Fatalf("Redis counted %d (%v); the daemons admitted %d", n, err, admitted)
 	}
 	if ttl := rdb.PTTL(ctx, keys[0]).Val(); ttl <= 0 {
