@@ -16,8 +16,8 @@ import (
 )
 
 // Three real daemons share one real Redis in hybrid mode: together they admit the limit
-// (within the one-interval bound), and after SIGTERM every admitted request is counted
-// in Redis exactly once.
+// (within the one-interval bound), and after SIGTERM every request admitted with Redis
+// (not degraded) is counted in Redis exactly once.
 func TestE2EHybridDaemonsShareOneRedis(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	dir := shortTempDir(t)
@@ -38,11 +38,16 @@ rules:
 	}
 	// Let every daemon see the others' heartbeats, so first allowances are limit / 3.
 	time.Sleep(200 * time.Millisecond)
-	admitted := 0
+	// degraded: admitted by the rule's failure policy, without Redis (an exact sync that
+	// took longer than its wait, on a loaded machine): Redis never hears of those.
+	admitted, degraded := 0, 0
 	for i := 0; i < 120; i++ {
 		r := conns[i%3].check(uint64(i+1), 1, "user=shared")
 		if r.Allowed {
 			admitted++
+			if r.Degraded {
+				degraded++
+			}
 		}
 		if i%3 == 2 {
 			time.Sleep(5 * time.Millisecond)
@@ -51,7 +56,7 @@ rules:
 	// At most the limit plus one first unit per other daemon (docs/accuracy.md: a key
 	// changing hands reserves its last user's credit, so no credit adds to it); a daemon
 	// whose burst outruns its grant may refuse until its next sync, so a little below.
-	t.Logf("admitted %d", admitted)
+	t.Logf("admitted %d, %d of them degraded", admitted, degraded)
 	if admitted < 24 || admitted > 30+2 {
 		t.Errorf("three daemons admitted %d against a shared limit of 30", admitted)
 	}
@@ -89,11 +94,11 @@ rules:
 		t.Fatalf("keys %v", all)
 	}
 	n, err := rdb.HGet(ctx, keys[0], "n").Int()
-	if err != nil || n != admitted {
+	if err != nil || n != admitted-degraded {
 		for i, d := range ds { // a last sync that failed says so in its log
 			t.Logf("daemon %d's log:\n%s", i, d.stderr.String())
 		}
-		t.Fatalf("Redis counted %d (%v); the daemons admitted %d", n, err, admitted)
+		t.Fatalf("Redis counted %d (%v); the daemons admitted %d, %d of them degraded", n, err, admitted, degraded)
 	}
 	if ttl := rdb.PTTL(ctx, keys[0]).Val(); ttl <= 0 {
 		t.Fatalf("no TTL on %s", keys[0])
