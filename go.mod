@@ -22,7 +22,7 @@ require (
 	pgregory.net/rapid v1.3.0
 )
 
-require github.com/vmihailenco/msgpack/v5 v5.4.1 // indirect
+require github.com/vmihailenco/msgpack/v5 v5.4.1
 
 require (
 	codeberg.org/go-fonts/liberation v0.5.0 // indirect

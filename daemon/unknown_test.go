@@ -1,39 +1,29 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"strings"
 	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // rawStr is s as a msgpack str in its shortest form.
 func rawStr(s string) []byte {
-	n := len(s)
-	var b []byte
-	switch {
-	case n < 32:
-		b = []byte{0xa0 | byte(n)}
-	case n < 256:
-		b = []byte{0xd9, byte(n)}
-	case n < 1<<16:
-		b = []byte{0xda, byte(n >> 8), byte(n)}
-	default:
-		b = []byte{0xdb, 0, 0, 0, 0}
-		binary.BigEndian.PutUint32(b[1:], uint32(n))
+	b, err := msgpack.Marshal(s)
+	if err != nil {
+		panic(err)
 	}
-	return append(b, s...)
+	return b
 }
 
 // rawMap is a fixmap of the given pairs, each key and value already encoded.
 func rawMap(kv ...[]byte) []byte {
-	b := []byte{0x80 | byte(len(kv)/2)}
-	for _, x := range kv {
-		b = append(b, x...)
-	}
-	return b
+	return append([]byte{0x80 | byte(len(kv)/2)}, bytes.Join(kv, nil)...)
 }
 
 // TestUnknownFieldsAndLongValues is the contract (shared/PROTOCOL.md) on what the server
