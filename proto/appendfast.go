@@ -92,6 +92,9 @@ const (
 	kUnaskedTrue   = "\xa7unasked\xc3"
 )
 
+// kConcurrencyTrue is a concurrency rule's entry's last field (an addition to v1).
+const kConcurrencyTrue = "\xabconcurrency\xc3"
+
 // appendUintField appends the key k and v.
 func appendUintField(b []byte, k string, v uint64) []byte {
 	return appendUintValue(append(b, k...), v)

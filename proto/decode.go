@@ -621,6 +621,8 @@ func (d *Decoder) ruleResults(resp *Response) error {
 				rr.Banned, err = d.boolean("rules[].banned")
 			case "unasked":
 				rr.Unasked, err = d.boolean("rules[].unasked")
+			case "concurrency":
+				rr.Concurrency, err = d.boolean("rules[].concurrency")
 			default:
 				err = d.skip(key)
 			}

@@ -339,7 +339,7 @@ func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
 func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
 	start := len(e.buf.b)
 	e.AppendRuleHeadV1(h, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
-	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned || rr.Unasked {
+	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned || rr.Unasked || rr.Concurrency {
 		e.buf.b[start] = ruleMapLen(rr)
 		b := e.buf.b
 		if rr.Reason != "" {
@@ -348,6 +348,9 @@ func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
 		b = appendPolicies(b, rr.Warning, rr.DelayMs, rr.Banned)
 		if rr.Unasked {
 			b = append(b, kUnaskedTrue...)
+		}
+		if rr.Concurrency {
+			b = append(b, kConcurrencyTrue...)
 		}
 		e.buf.b = b
 	}
@@ -410,13 +413,16 @@ func (e *Encoder) appendRuleHeadV1Grow(h *RuleHead, remaining, resetMs, retryAft
 }
 
 // ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
-// most 12: a fixmap).
+// most 14: a fixmap).
 func ruleMapLen(rr *RuleResult) byte {
 	m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 	if rr.Reason != "" {
 		m++
 	}
 	if rr.Unasked {
+		m++
+	}
+	if rr.Concurrency {
 		m++
 	}
 	return 0x80 | byte(m)
@@ -440,6 +446,9 @@ func appendRuleTail(b []byte, rr *RuleResult) []byte {
 	}
 	if rr.Unasked {
 		b = append(b, kUnaskedTrue...)
+	}
+	if rr.Concurrency {
+		b = append(b, kConcurrencyTrue...)
 	}
 	return b
 }

@@ -66,6 +66,7 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 			if rng.IntN(4) == 0 {
 				rr.DelayMs = num()
 			}
+			rr.Unasked, rr.Concurrency = rng.IntN(4) == 0, rng.IntN(4) == 0
 			r.Rules = append(r.Rules, rr)
 		}
 		enc := NewEncoder()
@@ -102,7 +103,7 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 		for j := range r.Rules {
 			rr := r.Rules[j]
 			head := NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
-			if rr.Reason == "" && !rr.Warning && rr.DelayMs == 0 && !rr.Banned && rng.IntN(2) == 0 {
+			if rr.Reason == "" && !rr.Warning && rr.DelayMs == 0 && !rr.Banned && !rr.Unasked && !rr.Concurrency && rng.IntN(2) == 0 {
 				enc.AppendRuleHeadV1(head, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
 				continue
 			}

@@ -428,6 +428,12 @@ func encodeCheckRef(r *Response) []byte {
 		if rr.Reason != "" {
 			m++
 		}
+		if rr.Unasked {
+			m++
+		}
+		if rr.Concurrency {
+			m++
+		}
 		_ = e.EncodeMapLen(m)
 		kv("name", rr.Name)
 		kv("limit", rr.Limit)
@@ -441,6 +447,12 @@ func encodeCheckRef(r *Response) []byte {
 			kv("reason", rr.Reason)
 		}
 		policies(rr.Warning, rr.DelayMs, rr.Banned)
+		if rr.Unasked {
+			kv("unasked", true)
+		}
+		if rr.Concurrency {
+			kv("concurrency", true)
+		}
 	}
 	if r.Reason != "" {
 		kv("reason", r.Reason)
@@ -485,6 +497,7 @@ func TestEncodeCheckMatchesMsgpack(t *testing.T) {
 			if rng.IntN(3) == 0 {
 				rr.DelayMs = num()
 			}
+			rr.Unasked, rr.Concurrency = rng.IntN(3) == 0, rng.IntN(3) == 0
 			r.Rules = append(r.Rules, rr)
 		}
 		enc.Reset()

@@ -157,6 +157,11 @@ type RuleResult struct {
 	// before this rule's store was asked (a Redis round trip is not spent on a refused
 	// request); it refused nothing, and its remaining and reset_ms were not read.
 	Unasked bool
+	// Concurrency (an addition to v1, encoded only when set): the entry is a concurrency
+	// rule's (PROTOCOL.md, "Leases"): Limit is its max of requests in flight, Remaining
+	// the free slots after this request, WindowMs its lease duration; when refused,
+	// RetryAfterMs is a hint.
+	Concurrency bool
 }
 
 // Response is any response: a check answer, a ping answer or an error. A server encodes

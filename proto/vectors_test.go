@@ -311,6 +311,9 @@ func responseJSON(r *Response, kind string) map[string]any {
 			m["reason"] = rr.Reason
 		}
 		policiesJSON(m, rr.Warning, rr.DelayMs, rr.Banned)
+		if rr.Concurrency {
+			m["concurrency"] = true
+		}
 		rules = append(rules, m)
 	}
 	m := map[string]any{"id": r.ID, "allowed": r.Allowed, "rule": r.Rule, "limit": r.Limit, "remaining": r.Remaining,
@@ -338,10 +341,10 @@ var canonLeaseRequests = []canonRequest{
 var canonLeaseResponses = []canonResponse{
 	{"check-lease", "allowed by a concurrency rule of max 2 with a 30 s lease: one slot left; lease holds the slot",
 		Response{ID: 23, Allowed: true, Rule: "exports", Limit: 2, Remaining: 1, Lease: "3f9a1c07.1k",
-			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 1, Allowed: true}}}, "check"},
+			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 1, Allowed: true, Concurrency: true}}}, "check"},
 	{"check-lease-refused", "refused: both slots held; retry_after_ms is a hint, at most 1 s; no lease",
 		Response{ID: 24, Allowed: false, Rule: "exports", Limit: 2, Remaining: 0, ResetMs: 1000, RetryAfterMs: 1000,
-			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 0, ResetMs: 1000, RetryAfterMs: 1000, Allowed: false}}}, "check"},
+			Rules: []RuleResult{{Name: "exports", Limit: 2, WindowMs: 30000, Remaining: 0, ResetMs: 1000, RetryAfterMs: 1000, Allowed: false, Concurrency: true}}}, "check"},
 	{"released", "the lease freed its slots", Response{ID: 20, Released: true}, "release"},
 	{"not-released", "the lease was unknown, expired or already released: not an error", Response{ID: 25, Released: false}, "release"},
 	{"renewed", "the lease is live and now expires in 60 s", Response{ID: 21, Renewed: true, ExpiresMs: 60000}, "renew"},
@@ -375,6 +378,7 @@ func malformedFrames() []badFrame {
 		{Name: "trailing-bytes", Meaning: "a valid ping map followed by an extra byte", Hex: frame("82a26964" + "01" + "a26f70" + "a470696e67" + "00"), ErrorCode: CodeBadRequest, ErrorID: 1},
 		{Name: "truncated-map", Meaning: "a map announcing 2 entries that holds 1", Hex: frame("82a26964" + "05"), ErrorCode: CodeBadRequest, ErrorID: 5},
 		{Name: "cost-wrong-type", Meaning: `"cost" is a string; the id read before it is echoed`, Hex: frame("83a26964" + "07" + "a26f70" + "a5636865636b" + "a4636f7374" + "a131"), ErrorCode: CodeBadRequest, ErrorID: 7},
+		{Name: "id-after-a-bad-field", Meaning: `"attrs" is an integer and "id" comes after it: the id is echoed all the same (field order does not matter)`, Hex: frame("83a26f70" + "a5636865636b" + "a56174747273" + "05" + "a26964" + "2a"), ErrorCode: CodeBadRequest, ErrorID: 42},
 		{Name: "cost-negative", Meaning: `"cost" is -1`, Hex: frame("83a26964" + "08" + "a26f70" + "a5636865636b" + "a4636f7374" + "ff"), ErrorCode: CodeBadRequest, ErrorID: 8},
 		{Name: "attr-value-not-string", Meaning: `an attribute value is an integer`, Hex: frame("83a26964" + "09" + "a26f70" + "a5636865636b" + "a56174747273" + "81a475736572" + "2a"), ErrorCode: CodeBadRequest, ErrorID: 9},
 		{Name: "no-op", Meaning: `a map without "op"`, Hex: frame("81a26964" + "0a"), ErrorCode: CodeBadRequest, ErrorID: 10},

@@ -28,6 +28,7 @@ type ruleJSON struct {
 	DelayMs      uint64 `json:"delay_ms,omitempty"`
 	Banned       bool   `json:"banned,omitempty"`
 	Unasked      bool   `json:"unasked,omitempty"`
+	Concurrency  bool   `json:"concurrency,omitempty"`
 }
 
 type decisionJSON struct {
