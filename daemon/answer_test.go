@@ -41,7 +41,8 @@ func responseRef(s *Server, req *proto.Request, d *limiter.Decision) proto.Respo
 		r := &d.Results[i]
 		rr := proto.RuleResult{Name: r.Name, Limit: r.Limit, WindowMs: uint64(r.Window / time.Millisecond),
 			Remaining: r.Remaining, ResetMs: ceilMsRef(r.Reset), RetryAfterMs: ceilMsRef(r.RetryAfter),
-			Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMsRef(r.Delay)}
+			Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMsRef(r.Delay),
+			Unasked: r.Unasked, Concurrency: r.Rule != nil && r.Rule.Concurrency}
 		if r.Impossible {
 			rr.Reason = proto.ReasonCostExceedsCapacity
 		}
@@ -88,6 +89,10 @@ rules:
     key: user
     shadow: true
     limit: { requests: 1000000000, per: 1h }
+  - name: uploads
+    match: { path: /upload }
+    key: ip
+    concurrency: { max: 2, lease: 30s }
 `, `
 rules:
   - name: per-ip
@@ -99,6 +104,10 @@ rules:
   - name: a-rule-name-longer-than-thirty-one-bytes
     key: user
     limit: { requests: 3, per: 24h }
+  - name: uploads
+    match: { path: /upload }
+    key: ip
+    concurrency: { max: 3, lease: 1m }
 `}
 
 func parseAnswerRules(t testing.TB) []*rules.Rule {
@@ -239,6 +248,8 @@ func TestAnswerLimiterDecisions(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	zipf := rand.NewZipf(rng, 1.1, 1, 1_000_000)
 	enc := proto.NewEncoder()
+	dec := proto.NewDecoder()
+	conc := map[bool]int{} // the concurrency rule's entries, allowed and refused
 	var d limiter.Decision
 	now := time.Now().UnixNano()
 	for i := range 20_000 {
@@ -252,6 +263,9 @@ func TestAnswerLimiterDecisions(t *testing.T) {
 		attrs := []rules.Attr{{Name: "user", Value: user}, {Name: "ip", Value: fmt.Sprintf("10.0.%d.%d", rng.IntN(4), rng.IntN(256))}}
 		if rng.IntN(3) == 0 {
 			attrs = append(attrs, rules.Attr{Name: "plan", Value: "gold"})
+		}
+		if rng.IntN(10) == 0 { // a concurrency rule too: its leases are held, so it refuses some
+			attrs = append(attrs, rules.Attr{Name: "path", Value: "/upload"})
 		}
 		cost := uint64(1)
 		if rng.IntN(50) == 0 {
@@ -272,6 +286,21 @@ func TestAnswerLimiterDecisions(t *testing.T) {
 		if got, wantBytes := enc.Bytes()[proto.HeaderSize:], encodeRef(&want); !bytes.Equal(got, wantBytes) {
 			t.Fatalf("check %d (%+v): bytes differ from the reference\n got %x\nwant %x", i, d.Results, got, wantBytes)
 		}
+		var got proto.Response
+		if err := dec.DecodeResponse(enc.Bytes()[proto.HeaderSize:], &got); err != nil {
+			t.Fatalf("check %d: decoding: %v", i, err)
+		}
+		for _, rr := range got.Rules {
+			if rr.Concurrency != (rr.Name == "uploads") {
+				t.Fatalf("check %d: entry %+v: concurrency is the concurrency rule's only", i, rr)
+			}
+			if rr.Concurrency {
+				conc[rr.Allowed]++
+			}
+		}
+	}
+	if conc[true] == 0 || conc[false] == 0 {
+		t.Errorf("the concurrency rule allowed %d and refused %d: want some of each", conc[true], conc[false])
 	}
 }
 

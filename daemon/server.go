@@ -1243,13 +1243,15 @@ func (s *Server) answerCheckHead(enc *proto.Encoder, req *proto.Request, d *limi
 
 // answerRules encodes the rules array of the answer to d: each entry's name, limit and
 // window_ms pre-encoded (s.heads), the common entries (their v1 fields only) written from
-// the results' fields.
+// the results' fields. A concurrency rule's entry is not one of those: it says
+// concurrency: true (answerRule).
 func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 	heads := s.heads.table()
 	for i := range d.Results {
 		r := &d.Results[i]
 		head := heads.first(r)
-		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned && !r.Unasked {
+		// head is not nil only for a rule's result (first): r.Rule is not nil then.
+		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned && !r.Unasked && !r.Rule.Concurrency {
 			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
@@ -1263,7 +1265,7 @@ func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.RuleHead) {
 	rr := proto.RuleResult{Remaining: r.Remaining, ResetMs: ceilMs(r.Reset), RetryAfterMs: ceilMs(r.RetryAfter),
 		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay),
-		Unasked: r.Unasked}
+		Unasked: r.Unasked, Concurrency: r.Rule != nil && r.Rule.Concurrency}
 	if r.Impossible {
 		rr.Reason = proto.ReasonCostExceedsCapacity
 	}
