@@ -770,5 +770,5 @@ func envoyUnit(limit uint64, window time.Duration) (uint32, rlsv3.RateLimitRespo
 // rateLimitItem is r's figures for the RateLimit fields.
 func rateLimitItem(r *limiter.Result) *proto.RateLimitItem {
 	return &proto.RateLimitItem{Name: r.Name, Limit: r.Limit, Window: r.Window, Remaining: r.Remaining,
-		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter}
+		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter, Concurrency: r.Rule != nil && r.Rule.Concurrency}
 }

@@ -210,3 +210,57 @@ func TestOverrideZero(t *testing.T) {
 		t.Errorf("%d keys held after refusals, want %d", n, keys)
 	}
 }
+
+// A concurrency rule's items are those the clients write (proto.AppendRateLimitItem): a
+// quota of concurrent requests, with no window, `"jobs";q=1;qu="concurrent-requests"`;
+// allowed, no t (nothing says when a slot frees); refused (its slot held by a lease taken
+// beside Envoy's calls), its retry hint as t and Retry-After.
+func TestConcurrencyHeaders(t *testing.T) {
+	set, err := rules.Parse("c.yaml", []byte(`
+rules:
+  - name: jobs
+    match: { domain: api, descriptor: job }
+    key: job
+    concurrency: { max: 1, lease: 30s }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	s, err := New(Config{Addr: "unused:0"}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const now = 1_700_000_000_000_000_000
+	s.now = func() int64 { return now }
+	call := func() (*rlsv3.RateLimitResponse, map[string]string) {
+		t.Helper()
+		resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
+			Descriptors: []*commonrl.RateLimitDescriptor{{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "job", Value: "j1"}}}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := map[string]string{}
+		for _, hv := range resp.ResponseHeadersToAdd {
+			h[hv.Key] = hv.Value
+		}
+		return resp, h
+	}
+	const policy = `"jobs";q=1;qu="concurrent-requests"`
+	resp, h := call()
+	if resp.OverallCode != rlsv3.RateLimitResponse_OK || h["RateLimit-Policy"] != policy || h["RateLimit"] != `"jobs";r=0` {
+		t.Fatalf("allowed: %v, headers %v", resp.OverallCode, h)
+	}
+	// The slot held by a lease Envoy's calls do not release.
+	var d limiter.Decision
+	in := limiter.Input{Attrs: []rules.Attr{{Name: DomainAttribute, Value: "api"}, {Name: DescriptorAttribute, Value: "job"},
+		{Name: "job", Value: "j1"}}, Cost: 1}
+	if err := lim.Check(now, &in, &d); err != nil || !d.Allowed || lim.LeaseToken(&d) == "" {
+		t.Fatalf("holding the slot: %v, %+v", err, d)
+	}
+	resp, h = call()
+	if resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT || h["RateLimit-Policy"] != policy ||
+		h["RateLimit"] != `"jobs";r=0;t=1` || h["Retry-After"] != "1" {
+		t.Fatalf("refused: %v, headers %v", resp.OverallCode, h)
+	}
+}

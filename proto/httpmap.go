@@ -27,6 +27,10 @@ type RateLimitItem struct {
 	// Reset is until the rule is back to full; RetryAfter, when refused, the earliest time
 	// a retry can pass it (0: none can).
 	Reset, RetryAfter time.Duration
+	// Concurrency: a concurrency rule's (its entry's concurrency: true): Limit is its max
+	// of requests in flight, Remaining its free slots, RetryAfter (when refused) a hint;
+	// Window and Reset are not used.
+	Concurrency bool
 }
 
 // AppendRateLimitItem appends one rule to the values of the RateLimit-Policy (pol) and
@@ -39,6 +43,12 @@ type RateLimitItem struct {
 // Retry-After must not be earlier than it: for a rule that refused, its RetryAfter (when
 // it admits the request again), and no t when no retry can pass it (a deny limit, a cost
 // above its capacity); for a rule that allowed, its Reset, when it is back to full.
+//
+// A concurrency rule's quota is of requests in flight, the draft's quota unit
+// "concurrent-requests", and has no time window: `"conc";q=2;qu="concurrent-requests"`
+// (no w), and `"conc";r=1` with a t only when it refused with a retry hint (its
+// RetryAfter, as for a refusing rate rule); an allowing one has no t, since nothing says
+// when a slot frees.
 func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 	if len(pol) > 0 {
 		pol = append(pol, ", "...)
@@ -47,7 +57,10 @@ func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 	pol = appendSFString(pol, it.Name)
 	pol = append(pol, ";q="...)
 	pol = strconv.AppendUint(pol, it.Limit, 10)
-	if !it.NoWindow {
+	switch {
+	case it.Concurrency:
+		pol = append(pol, `;qu="concurrent-requests"`...)
+	case !it.NoWindow:
 		pol = append(pol, ";w="...)
 		pol = strconv.AppendInt(pol, max(CeilSeconds(it.Window), 1), 10)
 	}
@@ -55,6 +68,8 @@ func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 	cur = append(cur, ";r="...)
 	cur = strconv.AppendUint(cur, it.Remaining, 10)
 	switch {
+	case it.Allowed && it.Concurrency:
+		// No t: nothing says when a slot frees.
 	case it.Allowed:
 		cur = append(cur, ";t="...)
 		cur = strconv.AppendInt(cur, CeilSeconds(it.Reset), 10)

@@ -117,6 +117,11 @@ type RuleDecision struct {
 	// RetryAfter), and its Remaining and Reset are 0 because they were not read, not
 	// because nothing is left. SetHeaders leaves it out.
 	Unasked bool
+	// Concurrency is true for a concurrency rule's entry: Limit is its max of requests in
+	// flight (not per Window), Remaining its free slots after this request, Window its
+	// lease duration, and RetryAfter (when refused) a hint. SetHeaders gives it the quota
+	// unit "concurrent-requests" and no window.
+	Concurrency bool
 }
 
 // Decision is the answer to a check.
@@ -480,19 +485,20 @@ func decision(r *proto.Response) Decision {
 		for i := range r.Rules {
 			rr := &r.Rules[i]
 			d.Rules[i] = RuleDecision{
-				Name:       rr.Name,
-				Limit:      rr.Limit,
-				Window:     ms(rr.WindowMs),
-				Remaining:  rr.Remaining,
-				Reset:      ms(rr.ResetMs),
-				RetryAfter: ms(rr.RetryAfterMs),
-				Allowed:    rr.Allowed,
-				Shadow:     rr.Shadow,
-				Reason:     rr.Reason,
-				Warning:    rr.Warning,
-				Delay:      ms(rr.DelayMs),
-				Banned:     rr.Banned,
-				Unasked:    rr.Unasked,
+				Name:        rr.Name,
+				Limit:       rr.Limit,
+				Window:      ms(rr.WindowMs),
+				Remaining:   rr.Remaining,
+				Reset:       ms(rr.ResetMs),
+				RetryAfter:  ms(rr.RetryAfterMs),
+				Allowed:     rr.Allowed,
+				Shadow:      rr.Shadow,
+				Reason:      rr.Reason,
+				Warning:     rr.Warning,
+				Delay:       ms(rr.DelayMs),
+				Banned:      rr.Banned,
+				Unasked:     rr.Unasked,
+				Concurrency: rr.Concurrency,
 			}
 		}
 	}

@@ -35,7 +35,9 @@ func Headers(d *Decision) http.Header {
 //     `"per-user";r=0;t=12` (r the remaining, t the seconds until more quota is made
 //     available: a refusing rule's retry-after, none when no retry can pass it, an
 //     allowing rule's reset; proto.AppendRateLimitItem); a rule left Unasked is left
-//     out, since its remaining and reset were not read;
+//     out, since its remaining and reset were not read; a Concurrency rule's quota is of
+//     requests in flight, with no window: `"conc";q=2;qu="concurrent-requests"` and
+//     `"conc";r=1`, with a t only when it refused with a retry hint;
 //   - when d allows and some non-shadow rule of d.Rules warns (warn_at): RateLimit-Warning,
 //     rlsidecar's own header (not in the draft), a structured-field list of those rules'
 //     names in the order of d.Rules, quoted as in RateLimit-Policy: `"per-user", "per-ip"`;
@@ -320,5 +322,5 @@ func keepLease(c *Client, lease string, first time.Duration) (stop func()) {
 // item is r's figures for the RateLimit fields.
 func (r *RuleDecision) item() *proto.RateLimitItem {
 	return &proto.RateLimitItem{Name: r.Name, Limit: r.Limit, Window: r.Window, Remaining: r.Remaining,
-		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter}
+		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter, Concurrency: r.Concurrency}
 }

@@ -41,6 +41,7 @@ type headerVector struct {
 			Allowed      bool   `json:"allowed"`
 			Shadow       bool   `json:"shadow"`
 			Warning      bool   `json:"warning"`
+			Concurrency  bool   `json:"concurrency"`
 		} `json:"rules"`
 	} `json:"decision"`
 	Headers map[string]string `json:"headers"`
@@ -54,7 +55,8 @@ func (v *headerVector) response() proto.Response {
 		ResetMs: d.ResetMs, RetryAfterMs: d.RetryAfterMs, Reason: d.Reason, Warning: d.Warning}
 	for _, rr := range d.Rules {
 		r.Rules = append(r.Rules, proto.RuleResult{Name: rr.Name, Limit: rr.Limit, WindowMs: rr.WindowMs,
-			Remaining: rr.Remaining, ResetMs: rr.ResetMs, RetryAfterMs: rr.RetryAfterMs, Allowed: rr.Allowed, Shadow: rr.Shadow, Warning: rr.Warning})
+			Remaining: rr.Remaining, ResetMs: rr.ResetMs, RetryAfterMs: rr.RetryAfterMs, Allowed: rr.Allowed, Shadow: rr.Shadow, Warning: rr.Warning,
+			Concurrency: rr.Concurrency})
 	}
 	return r
 }
