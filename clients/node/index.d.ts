@@ -68,6 +68,11 @@ export declare class RuleDecision {
    * its remaining and resetMs are 0 because they were not read (headers() leaves it out).
    */
   readonly unasked: boolean;
+  /**
+   * A concurrency rule's entry: limit is its max of requests in flight, remaining its
+   * free slots, windowMs its lease (headers(): qu="concurrent-requests", no window).
+   */
+  readonly concurrency: boolean;
 }
 
 export interface Rejection {

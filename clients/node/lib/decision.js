@@ -10,7 +10,7 @@ const COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity';
 /** One matched rule's or inline limit's part of a Decision. Times are milliseconds. */
 class RuleDecision {
   constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '',
-    warning = false, delayMs = 0, banned = false, unasked = false) {
+    warning = false, delayMs = 0, banned = false, unasked = false, concurrency = false) {
     this.name = name;
     this.limit = limit; // requests per window
     this.windowMs = windowMs;
@@ -27,6 +27,10 @@ class RuleDecision {
     // store was asked: it refused nothing, and its remaining and resetMs are 0 because they
     // were not read. headers() leaves it out.
     this.unasked = unasked;
+    // A concurrency rule's entry: limit is its max of requests in flight (not per window),
+    // remaining its free slots, windowMs its lease, retryAfterMs (when refused) a hint.
+    // headers() gives it the quota unit "concurrent-requests" and no window.
+    this.concurrency = concurrency;
   }
 }
 
@@ -73,7 +77,9 @@ class Decision {
   /**
    * The rate-limit headers: RateLimit-Policy and RateLimit (one item per non-shadow
    * rule, the deciding rule first; none for an unasked rule, whose remaining and reset
-   * were not read) when a rule decided; RateLimit-Warning (rlsidecar's
+   * were not read; a concurrency rule's is a quota of "concurrent-requests" with no
+   * window, and a t only when it refused with a retry hint) when a rule decided;
+   * RateLimit-Warning (rlsidecar's
    * own header, not in the draft) when allowed and some non-shadow rule warns (warn_at):
    * those rules' names in the order of rules, quoted as in RateLimit-Policy,
    * `"per-user", "per-ip"`; Retry-After (seconds, at least 1) when rejected, except for
@@ -170,11 +176,15 @@ function retryAfterS(d) {
 
 // item adds rule r's items (windowMs null: not known, no w). t is the draft's time until
 // more quota is made available, which a Retry-After is never earlier than: a refusing
-// rule's retry (none when no retry can pass it), an allowing rule's reset.
+// rule's retry (none when no retry can pass it), an allowing rule's reset. A concurrency
+// rule's quota is of concurrent requests, with no window: qu="concurrent-requests", no w,
+// and, allowing, no t (nothing says when a slot frees).
 function item(pol, cur, r, windowMs) {
   const n = sfString(r.name);
-  pol.push(windowMs === null ? `${n};q=${r.limit}` : `${n};q=${r.limit};w=${Math.max(ceilS(windowMs), 1)}`);
-  if (r.allowed) cur.push(`${n};r=${r.remaining};t=${ceilS(r.resetMs)}`);
+  if (r.concurrency === true) pol.push(`${n};q=${r.limit};qu="concurrent-requests"`);
+  else pol.push(windowMs === null ? `${n};q=${r.limit}` : `${n};q=${r.limit};w=${Math.max(ceilS(windowMs), 1)}`);
+  if (r.allowed && r.concurrency === true) cur.push(`${n};r=${r.remaining}`);
+  else if (r.allowed) cur.push(`${n};r=${r.remaining};t=${ceilS(r.resetMs)}`);
   else if (r.retryAfterMs > 0) cur.push(`${n};r=${r.remaining};t=${ceilS(r.retryAfterMs)}`);
   else cur.push(`${n};r=${r.remaining}`);
 }

@@ -179,7 +179,8 @@ function decision(m) {
     for (const r of m.rules) {
       rules.push(new RuleDecision(str(r.name), r.limit || 0, r.window_ms || 0, r.remaining || 0, r.reset_ms || 0,
         r.retry_after_ms || 0, r.allowed === true, r.shadow === true, str(r.reason),
-        r.warning === true, r.delay_ms || 0, r.banned === true, r.unasked === true));
+        r.warning === true, r.delay_ms || 0, r.banned === true, r.unasked === true,
+        r.concurrency === true));
     }
   }
   return new Decision({

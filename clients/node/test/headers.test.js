@@ -19,7 +19,7 @@ function decisionOf(c) {
     allowed: d.allowed, rule: d.rule, limit: d.limit, remaining: d.remaining, resetMs: d.reset_ms,
     retryAfterMs: d.retry_after_ms, reason: d.reason, warning: d.warning === true,
     rules: d.rules.map((r) => new RuleDecision(r.name, r.limit, r.window_ms, r.remaining, r.reset_ms, r.retry_after_ms, r.allowed, r.shadow,
-      '', r.warning === true)),
+      '', r.warning === true, 0, false, false, r.concurrency === true)),
   });
 }
 
@@ -110,4 +110,24 @@ test('an unasked rule is exposed, and left out of RateLimit-Policy and RateLimit
   assert.deepEqual(d.rules.map((r) => [r.name, r.unasked]), [['per-ip', false], ['per-account', true]]);
   // "per-account";r=0;t=0 would say it has nothing left: its figures were not read.
   assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=15', 'Retry-After': '15' });
+});
+
+// The lease vectors (proto/testdata/vectors.json): a concurrency rule's entry says
+// concurrency: true; its items are a quota of concurrent requests with no window.
+const LEASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'proto', 'testdata', 'vectors.json'), 'utf8')).lease_responses;
+
+test('a concurrency rule is decoded, and its quota is of concurrent-requests', () => {
+  const want = {
+    'check-lease': { 'RateLimit-Policy': '"exports";q=2;qu="concurrent-requests"', 'RateLimit': '"exports";r=1' },
+    'check-lease-refused': { 'RateLimit-Policy': '"exports";q=2;qu="concurrent-requests"', 'RateLimit': '"exports";r=0;t=1', 'Retry-After': '1' },
+  };
+  for (const [name, headers] of Object.entries(want)) {
+    const v = LEASES.find((x) => x.name === name);
+    const d = proto.decision(proto.decode(Buffer.from(v.hex, 'hex').subarray(4)));
+    assert.deepEqual(d.rules.map((r) => [r.name, r.concurrency]), [['exports', true]], name);
+    assert.deepEqual(d.headers(), headers, name);
+  }
+  // A rate rule's entry is not one.
+  const d = proto.decision(proto.decode(UNASKED_FRAME.subarray(4)));
+  assert.deepEqual(d.rules.map((r) => r.concurrency), [false, false]);
 });
