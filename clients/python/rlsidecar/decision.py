@@ -25,10 +25,10 @@ class RuleDecision:
     """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
 
     __slots__ = ("name", "limit", "window_ms", "remaining", "reset_ms", "retry_after_ms", "allowed", "shadow",
-                 "reason", "warning", "delay_ms", "banned", "unasked")
+                 "reason", "warning", "delay_ms", "banned", "unasked", "concurrency")
 
     def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason="",
-                 warning=False, delay_ms=0, banned=False, unasked=False):
+                 warning=False, delay_ms=0, banned=False, unasked=False, concurrency=False):
         self.name = name
         self.limit = limit  # requests per window
         self.window_ms = window_ms
@@ -45,6 +45,11 @@ class RuleDecision:
         # rule's store was asked: it refused nothing, and its remaining and reset_ms are
         # 0 because they were not read. headers() leaves it out.
         self.unasked = unasked
+        # A concurrency rule's entry: limit is its max of requests in flight (not per
+        # window), remaining its free slots, window_ms its lease, retry_after_ms (when
+        # refused) a hint. headers() gives it the quota unit "concurrent-requests" and no
+        # window.
+        self.concurrency = concurrency
 
     def __eq__(self, other):
         return isinstance(other, RuleDecision) and all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
@@ -119,7 +124,10 @@ class Decision:
           ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up;
           t is the time until more quota is made available: a refusing rule's retry,
           none when no retry can pass it, an allowing rule's reset); an unasked rule
-          has none (its remaining and reset were not read);
+          has none (its remaining and reset were not read); a concurrency rule's is a
+          quota of requests in flight with no window,
+          ``"conc";q=2;qu="concurrent-requests"`` and ``"conc";r=1``, with a t only when
+          it refused with a retry hint;
         - when allowed and some non-shadow rule warns (warn_at): RateLimit-Warning,
           rlsidecar's own header (not in the draft), a structured-field list of those
           rules' names in the order of rules, quoted as in RateLimit-Policy:
@@ -138,14 +146,14 @@ class Decision:
                     decided = r
                     break
             if decided is not None:
-                _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided)
+                _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided, decided.concurrency)
             else:
                 # The deciding rule is missing from rules: the top-level fields have no window.
                 _item(pol, cur, self.rule, self.limit, None, self)
             for r in self.rules:
                 # An unasked rule's figures were not read: it says nothing of its quota.
                 if not r.shadow and not r.unasked and r is not decided:
-                    _item(pol, cur, r.name, r.limit, r.window_ms, r)
+                    _item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency)
             h["RateLimit-Policy"] = ", ".join(pol)
             h["RateLimit"] = ", ".join(cur)
         if self.allowed:
@@ -209,14 +217,21 @@ def _ceil_s(ms):
     return 0 if ms <= 0 else -(-ms // 1000)
 
 
-def _item(pol, cur, name, limit, window_ms, f):
+def _item(pol, cur, name, limit, window_ms, f, concurrency=False):
     """Append the items of a rule named name (window_ms None: not known, no w) whose
     figures (remaining, allowed, reset_ms, retry_after_ms) are f's. t is the draft's time
     until more quota is made available, which a Retry-After is never earlier than: a
-    refusing rule's retry (none when no retry can pass it), an allowing rule's reset."""
+    refusing rule's retry (none when no retry can pass it), an allowing rule's reset.
+    A concurrency rule's quota is of concurrent requests, with no window:
+    qu="concurrent-requests", no w, and, allowing, no t (nothing says when a slot frees)."""
     n = _sf_string(name)
-    pol.append("%s;q=%d" % (n, limit) if window_ms is None else "%s;q=%d;w=%d" % (n, limit, max(_ceil_s(window_ms), 1)))
-    if f.allowed:
+    if concurrency:
+        pol.append('%s;q=%d;qu="concurrent-requests"' % (n, limit))
+    else:
+        pol.append("%s;q=%d" % (n, limit) if window_ms is None else "%s;q=%d;w=%d" % (n, limit, max(_ceil_s(window_ms), 1)))
+    if f.allowed and concurrency:
+        cur.append("%s;r=%d" % (n, f.remaining))
+    elif f.allowed:
         cur.append("%s;r=%d;t=%d" % (n, f.remaining, _ceil_s(f.reset_ms)))
     elif f.retry_after_ms > 0:
         cur.append("%s;r=%d;t=%d" % (n, f.remaining, _ceil_s(f.retry_after_ms)))

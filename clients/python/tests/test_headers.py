@@ -17,7 +17,8 @@ with open(os.path.join(ROOT, "clients", "testdata", "http_headers.json")) as f:
 def decision_of(c):
     d = c["decision"]
     rules = [RuleDecision(r["name"], r["limit"], r["window_ms"], r["remaining"], r["reset_ms"], r["retry_after_ms"],
-                          r["allowed"], r["shadow"], warning=r.get("warning", False)) for r in d["rules"]]
+                          r["allowed"], r["shadow"], warning=r.get("warning", False),
+                          concurrency=r.get("concurrency", False)) for r in d["rules"]]
     return Decision(d["allowed"], d["rule"], d["limit"], d["remaining"], d["reset_ms"], d["retry_after_ms"], False,
                     rules, d["reason"], warning=d.get("warning", False))
 
@@ -113,3 +114,22 @@ def test_unasked_rule_left_out():
     assert [(r.name, r.unasked) for r in d.rules] == [("per-ip", False), ("per-account", True)]
     assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60', "RateLimit": '"per-ip";r=0;t=15',
                            "Retry-After": "15"}
+
+
+with open(os.path.join(ROOT, "proto", "testdata", "vectors.json")) as f:
+    LEASES = {v["name"]: v for v in json.load(f)["lease_responses"]}
+
+
+@pytest.mark.parametrize("name,headers", [
+    ("check-lease", {"RateLimit-Policy": '"exports";q=2;qu="concurrent-requests"', "RateLimit": '"exports";r=1'}),
+    ("check-lease-refused", {"RateLimit-Policy": '"exports";q=2;qu="concurrent-requests"',
+                             "RateLimit": '"exports";r=0;t=1', "Retry-After": "1"}),
+])
+def test_concurrency_rule(name, headers):
+    """The lease vectors (proto/testdata/vectors.json): a concurrency rule's entry says
+    concurrency: true; its items are a quota of concurrent requests with no window."""
+    d = _proto.decision(_proto.decode(bytes.fromhex(LEASES[name]["hex"])[4:]))
+    assert [(r.name, r.concurrency) for r in d.rules] == [("exports", True)]
+    assert d.headers() == headers
+    # A rate rule's entry is not one.
+    assert [r.concurrency for r in _proto.decision(_proto.decode(UNASKED_FRAME[4:])).rules] == [False, False]
