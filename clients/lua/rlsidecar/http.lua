@@ -4,7 +4,7 @@
 --
 -- A decision is the table the clients return: allowed, rule, limit, remaining,
 -- reset_ms, retry_after_ms, reason, degraded, rules = {{name, limit, window_ms,
--- remaining, reset_ms, retry_after_ms, allowed, shadow, unasked}, ...}, and unreachable = true
+-- remaining, reset_ms, retry_after_ms, allowed, shadow, unasked, concurrency}, ...}, and unreachable = true
 -- when the client applied its policy because the sidecar gave no answer. Numbers may be
 -- Lua integers or floats (lua-mpack and cjson give floats); they print the same.
 --
@@ -64,16 +64,22 @@ end
 -- figures (remaining, allowed, reset_ms, retry_after_ms) are f's. t is the draft's time
 -- until more quota is made available, which a Retry-After is never earlier than: a
 -- refusing rule's retry (none when no retry can pass it), an allowing rule's reset.
-local function append_item(pol, cur, name, limit, window_ms, f)
+-- A concurrency rule's (concurrency true) quota is of concurrent requests, with no window:
+-- qu="concurrent-requests", no w, and, allowing, no t (nothing says when a slot frees).
+local function append_item(pol, cur, name, limit, window_ms, f, concurrency)
   local q = sf_string(name) .. ";q=" .. int(limit)
-  if window_ms then
+  if concurrency then
+    q = q .. ';qu="concurrent-requests"'
+  elseif window_ms then
     local w = ceil_seconds(window_ms)
     if w < 1 then w = 1 end
     q = q .. ";w=" .. int(w)
   end
   pol[#pol + 1] = q
   local c = sf_string(name) .. ";r=" .. int(f.remaining or 0)
-  if f.allowed then
+  if f.allowed and concurrency then
+    -- no t
+  elseif f.allowed then
     c = c .. ";t=" .. int(ceil_seconds(f.reset_ms))
   elseif (f.retry_after_ms or 0) > 0 then
     c = c .. ";t=" .. int(ceil_seconds(f.retry_after_ms))
@@ -85,7 +91,10 @@ end
 --   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
 --   rule, the deciding rule first (built from the top-level fields, without w, when
 --   d.rules lacks it), none for a rule with unasked = true (the request was refused
---   before its store was asked: its remaining and reset_ms of 0 were not read); RateLimit-Warning (rlsidecar's own header, not in the draft) when
+--   before its store was asked: its remaining and reset_ms of 0 were not read); a rule
+--   with concurrency = true (a concurrency rule: limit is its max in flight) is a quota
+--   of "concurrent-requests" with no w, and a t only when it refused with a retry hint;
+--   RateLimit-Warning (rlsidecar's own header, not in the draft) when
 --   d allows and some non-shadow rule warns (warn_at): those rules' names in the order of
 --   d.rules, quoted as in RateLimit-Policy, "per-user", "per-ip";
 --   Retry-After (seconds, at least 1) when d rejects, except when
@@ -104,14 +113,14 @@ function M.headers(d)
     end
     if decided then
       local r = rules[decided]
-      append_item(pol, cur, r.name, r.limit, r.window_ms, r)
+      append_item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency == true)
     else
       append_item(pol, cur, d.rule, d.limit, nil, d)
     end
     for i, r in ipairs(rules) do
       -- An unasked rule's figures were not read: it says nothing of its quota.
       if not r.shadow and r.unasked ~= true and i ~= decided then
-        append_item(pol, cur, r.name, r.limit, r.window_ms, r)
+        append_item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency == true)
       end
     end
     h["RateLimit-Policy"] = concat(pol, ", ")

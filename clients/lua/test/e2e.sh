@@ -515,6 +515,11 @@ in_flight() {
   request GET "http://127.0.0.1:$port/slow/b"
   expect "$name: a second request while the first is in flight" "$status" 429
   expect "$name: its problem names the concurrency rule" "$(grep -o '"rule":"[^"]*"' <<<"$body")" '"rule":"slow-in-flight"'
+  # A quota of concurrent requests, with no window (not "1 request per 60 s"); refused,
+  # its t is the retry hint (at most 1 s).
+  expect "$name: refused, RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"slow-in-flight";q=1;qu="concurrent-requests"')"
+  expect "$name: refused, RateLimit" "$(header ratelimit)" "$(lc '"slow-in-flight";r=0;t=1')"
+  expect "$name: refused, Retry-After" "$(header retry-after)" 1
   wait "$slow"
   expect "$name: the first (held 1 s by the backend)" "$(cat "$tmp/slow-$name")" 200
   local i
@@ -524,6 +529,9 @@ in_flight() {
     sleep 0.05
   done
   expect "$name: after the first completed, the slot is free" "$status" 200
+  # Allowed: no t (nothing says when a slot frees).
+  expect "$name: allowed, RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"slow-in-flight";q=1;qu="concurrent-requests"')"
+  expect "$name: allowed, RateLimit" "$(header ratelimit)" "$(lc '"slow-in-flight";r=0')"
 }
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"

@@ -237,6 +237,35 @@ do
   end
 end
 
+-- A concurrency rule's entry (the lease vectors of proto/testdata/vectors.json) comes
+-- through both decoders with concurrency = true; its items are a quota of concurrent
+-- requests with no window, and a t only when it refused with a retry hint.
+do
+  local want = {
+    ["check-lease"] = { '"exports";q=2;qu="concurrent-requests"', '"exports";r=1', nil },
+    ["check-lease-refused"] = { '"exports";q=2;qu="concurrent-requests"', '"exports";r=0;t=1', "1" },
+  }
+  local seen = 0
+  for _, v in ipairs(vectors.lease_responses) do
+    local w = want[v.name]
+    if w then
+      seen = seen + 1
+      for _, dec in ipairs(decoders) do
+        local d, err = dec[2](unhex(v.hex):sub(5))
+        check(d ~= nil, "%s %s: decode: %s", dec[1], v.name, tostring(err))
+        if d then
+          check(d.rules[1].concurrency == true, "%s %s: rules[1].concurrency %s", dec[1], v.name, tostring(d.rules[1].concurrency))
+          local h = http.headers(d)
+          check(h["RateLimit-Policy"] == w[1] and h["RateLimit"] == w[2] and h["Retry-After"] == w[3],
+            "%s %s: RateLimit-Policy %s, RateLimit %s, Retry-After %s", dec[1], v.name,
+            tostring(h["RateLimit-Policy"]), tostring(h["RateLimit"]), tostring(h["Retry-After"]))
+        end
+      end
+    end
+  end
+  check(seen == 2, "lease vectors check-lease and check-lease-refused: %d found", seen)
+end
+
 for _, v in ipairs(read("clients/testdata/problem_bodies.json")) do
   local d = v.decision
   d.unreachable = v.unreachable
