@@ -369,6 +369,19 @@ func TestFaultRedisKilledGlobal(t *testing.T) {
 	if mx := lat[len(lat)-1]; mx > stallBound {
 		t.Errorf("slowest check with Redis down %s, want < %s (global timeout 10ms)", mx, stallBound)
 	}
+	// The operator sees the outage in the journal, though no hybrid sync failed: the
+	// breaker's opening, then its closing once Redis answered again.
+	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		logs := d.stderr.String()
+		opened := strings.Index(logs, "redis circuit breaker open")
+		closed := strings.Index(logs, "redis circuit breakers closed")
+		if opened >= 0 && closed > opened {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the daemon's log does not show the breaker opening, then closing:\n%s", logs)
+		}
+	}
 }
 
 // What a hybrid rule admitted during a Redis outage reaches Redis once. The link is cut

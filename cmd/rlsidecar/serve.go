@@ -379,6 +379,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		lim.Sweep(clock.Mono())
 		return true
 	})
+	// The breakers' openings and closings, logged as they happen (checked every 250 ms):
+	// a daemon whose rules are all global has no sync to log a failure, and an operator
+	// reading the journal must see when its rules went to their failure policies.
+	if checkMasters != nil {
+		var w breakerWatch
+		every(250*time.Millisecond, func() bool {
+			w.observe(log, openMasters(syncMasters, checkMasters), checkMasters.Opened()+syncMasters.Opened())
+			return true
+		})
+	}
 	// The breakers follow the Cluster's slot map (failovers, reshards); standalone: no-op.
 	for _, m := range []*rlsync.Masters{syncMasters, checkMasters} {
 		if m.Cluster() {
@@ -745,4 +755,26 @@ func openMasters(sets ...*rlsync.Masters) int {
 		}
 	}
 	return len(open)
+}
+
+// breakerWatch logs the Redis circuit breakers' state changes: a warning when masters'
+// breakers open (their keys' hybrid and global rules then follow their failure
+// policies), and when more open; an info line when all are closed again.
+type breakerWatch struct {
+	open   int    // masters with a breaker open, last seen
+	opened uint64 // openings counted, last seen
+}
+
+func (w *breakerWatch) observe(log *slog.Logger, open int, opened uint64) {
+	switch {
+	case open > 0 && (open > w.open || opened > w.opened && w.open == 0):
+		log.Warn("redis circuit breaker open: calls to Redis keep failing, so hybrid and global rules of the masters concerned follow their failure policies (on_store_failure) until a probe succeeds",
+			"masters_open", open, "openings", opened)
+	case open == 0 && w.open > 0:
+		log.Info("redis circuit breakers closed: Redis answers again", "openings", opened)
+	case open == 0 && opened > w.opened:
+		log.Warn("redis circuit breaker opened and closed again since the last look: calls to Redis failed for a while, and hybrid and global rules followed their failure policies",
+			"openings", opened)
+	}
+	w.open, w.opened = open, opened
 }
