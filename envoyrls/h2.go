@@ -23,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"strconv"
 	"strings"
@@ -633,7 +634,13 @@ func (cn *h2conn) onHeaders() error {
 		if !ok {
 			return cn.refuse(st, 200, codes.Internal, fmt.Sprintf("malformed grpc-timeout %q", timeout))
 		}
-		st.deadline = cn.s.now() + int64(d)
+		// Saturating: the largest timeouts gRPC allows (99999999H) pass int64's range.
+		st.deadline = cn.s.now()
+		if st.deadline <= math.MaxInt64-int64(d) {
+			st.deadline += int64(d)
+		} else {
+			st.deadline = math.MaxInt64
+		}
 	}
 	switch path {
 	case pathShouldRateLimit:

@@ -258,6 +258,13 @@ func TestNativeProtocol(t *testing.T) {
 				t.Fatalf("%+v", rp)
 			}
 		}},
+		{"a value that is not UTF-8 is decided, not refused", func(t *testing.T, r *rawConn) {
+			// Envoy copies request headers into values, obs-text bytes included: an error
+			// would let the request pass unlimited (failure_mode_deny: false).
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, bytes.ReplaceAll(oneCall("u@@@"), []byte("@@@"), []byte("\xff\xfe\x00")))
+			okAnswer(t, r.await(1, nil))
+		}},
 		{"compressed flag, no encoding", func(t *testing.T, r *rawConn) {
 			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
 			msg := oneCall("z")
@@ -292,6 +299,11 @@ func TestNativeProtocol(t *testing.T) {
 			r.headers(3, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "10S")...)
 			r.fr.WriteData(3, true, oneCall("in-time"))
 			okAnswer(t, r.await(3, nil))
+			// The longest timeout gRPC allows, past int64 nanoseconds from now: no deadline
+			// that wrapped into the past.
+			r.headers(5, false, grpcHeaders(pathShouldRateLimit, "grpc-timeout", "99999999H")...)
+			r.fr.WriteData(5, true, oneCall("forever"))
+			okAnswer(t, r.await(5, nil))
 		}},
 		{"malformed header blocks reset their stream only", func(t *testing.T, r *rawConn) {
 			bad := [][]string{

@@ -552,6 +552,11 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	if mult == 0 {
 		return limiter.Inline{}, errors.New("unit_multiplier must be at least 1")
 	}
+	// The limiter's longest window is 366 days; a longer override is refused here, in
+	// the descriptor's terms, and before the product could wrap past 2^64.
+	if maxMult := uint64(maxOverride / unit); mult > maxMult {
+		return limiter.Inline{}, fmt.Errorf("%d × %v is longer than 366 days, the longest window an override can have", mult, typev3.RateLimitUnit(desc.unit))
+	}
 	windowMs := uint64(unit/time.Millisecond) * mult
 	start := len(sc.keys)
 	sc.keys = append(sc.keys, "envoy:"...)
@@ -584,6 +589,9 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	}
 	return limiter.Inline{Key: key, Name: name.String(), Limit: uint64(desc.rpu), WindowMs: windowMs, Algorithm: "fixed_window"}, nil
 }
+
+// maxOverride is the longest window an override can have: the limiter's longest.
+const maxOverride = 366 * 24 * time.Hour
 
 var unitDuration = map[typev3.RateLimitUnit]time.Duration{
 	typev3.RateLimitUnit_SECOND: time.Second,
@@ -633,8 +641,14 @@ func (s *Server) response(n int, sc *scratch) {
 		st.rpu, st.unit = envoyUnit(r.Limit, r.Window)
 		if r.Rule != nil {
 			st.name = r.Rule.Name
-			if calendarMonth(r.Rule) { // 28 to 31 days: Envoy's MONTH, not its nominal length per year
+			switch {
+			case calendarMonth(r.Rule): // 28 to 31 days: Envoy's MONTH, not its nominal length per year
 				st.rpu, st.unit = uint32(min(r.Limit, math.MaxUint32)), rlsv3.RateLimitResponse_RateLimit_MONTH
+			case r.Rule.Concurrency:
+				// Requests in flight, not per a unit of time: max, and the unit UNKNOWN
+				// (Envoy's x-ratelimit headers then give it no window), not max per its
+				// lease's length.
+				st.rpu, st.unit = uint32(min(r.Limit, math.MaxUint32)), rlsv3.RateLimitResponse_RateLimit_UNKNOWN
 			}
 		}
 		st.remaining = uint32(min(r.Remaining, math.MaxUint32))

@@ -10,6 +10,8 @@ import (
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"google.golang.org/grpc/mem"
@@ -251,6 +253,11 @@ rules:
 	if resp.OverallCode != rlsv3.RateLimitResponse_OK || h["RateLimit-Policy"] != policy || h["RateLimit"] != `"jobs";r=0` {
 		t.Fatalf("allowed: %v, headers %v", resp.OverallCode, h)
 	}
+	// Its current_limit: max in flight, in no unit of time (not 1 per its 30 s lease, 2
+	// per minute).
+	if cl := resp.Statuses[0].CurrentLimit; cl == nil || cl.RequestsPerUnit != 1 || cl.Unit != rlsv3.RateLimitResponse_RateLimit_UNKNOWN || cl.Name != "jobs" {
+		t.Fatalf("current_limit %v, want 1 UNKNOWN", cl)
+	}
 	// The slot held by a lease Envoy's calls do not release.
 	var d limiter.Decision
 	in := limiter.Input{Attrs: []rules.Attr{{Name: DomainAttribute, Value: "api"}, {Name: DescriptorAttribute, Value: "job"},
@@ -262,5 +269,38 @@ rules:
 	if resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT || h["RateLimit-Policy"] != policy ||
 		h["RateLimit"] != `"jobs";r=0;t=1` || h["Retry-After"] != "1" {
 		t.Fatalf("refused: %v, headers %v", resp.OverallCode, h)
+	}
+}
+
+// An override longer than 366 days (the limiter's longest window) is refused in the
+// descriptor's terms, also when unit × unit_multiplier would pass 2^64 and wrap to a
+// short window.
+func TestOverrideTooLong(t *testing.T) {
+	s := testServer(t)
+	over := func(unit typev3.RateLimitUnit, mult uint32) *commonrl.RateLimitDescriptor {
+		return &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "path", Value: "/ov"}},
+			Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 1, Unit: unit, UnitMultiplier: wrapperspb.UInt32(mult)}}
+	}
+	for _, tc := range []struct {
+		unit typev3.RateLimitUnit
+		mult uint32
+		ok   bool
+	}{
+		{typev3.RateLimitUnit_DAY, 366, true},
+		{typev3.RateLimitUnit_DAY, 367, false},
+		{typev3.RateLimitUnit_YEAR, 1, true},
+		{typev3.RateLimitUnit_YEAR, 2, false},
+		{typev3.RateLimitUnit_YEAR, 2924712087, false}, // × 31,536,000,000 ms wraps to about 82 days
+		{typev3.RateLimitUnit_SECOND, math.MaxUint32, false},
+	} {
+		_, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
+			Descriptors: []*commonrl.RateLimitDescriptor{desc1("u"), over(tc.unit, tc.mult)}})
+		switch {
+		case tc.ok && err != nil:
+			t.Errorf("%v × %d: %v", tc.unit, tc.mult, err)
+		case !tc.ok && (status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "descriptors[1].limit: ") ||
+			!strings.Contains(err.Error(), "366 days")):
+			t.Errorf("%v × %d: %v, want InvalidArgument naming descriptors[1].limit", tc.unit, tc.mult, err)
+		}
 	}
 }

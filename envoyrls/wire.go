@@ -22,7 +22,8 @@ import (
 // handler's answer is encoded by appendResponse. Both follow protobuf's rules as
 // google.golang.org/protobuf does (unknown fields skipped, a message field seen twice
 // merged, a scalar seen twice: the last wins, proto3 strings valid UTF-8), which
-// wire_test.go checks on random messages. The generated types remain the model:
+// wire_test.go checks on random messages, with one exception: an entry's value is read
+// as the bytes it is, UTF-8 or not (parseEntry says why). The generated types remain the model:
 // fromProto and toProto map between them and call/answer, for Server.ShouldRateLimit.
 
 // call is one ShouldRateLimit request: what the server reads of a RateLimitRequest.
@@ -151,7 +152,12 @@ func (c *call) parseEntry(b []byte) error {
 		if typ != protowire.BytesType || (num != 1 && num != 2) {
 			continue
 		}
-		if !utf8.Valid(val) {
+		// A key must be valid UTF-8, as protobuf requires of a string (keys come from
+		// the gateway's configuration). A value is taken as the bytes it is: Envoy copies
+		// request headers into values, and an HTTP header may carry bytes that are not
+		// UTF-8 (obs-text); refusing the call would let a client whose header holds one
+		// such byte pass unlimited, under Envoy's default failure_mode_deny: false.
+		if num == 1 && !utf8.Valid(val) {
 			return fmt.Errorf("entries: %w", errUTF8)
 		}
 		if num == 1 {

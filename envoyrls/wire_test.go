@@ -1,12 +1,15 @@
 package envoyrls
 
 import (
+	"bytes"
 	"context"
 	"math/rand/v2"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
+	"unsafe"
 
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
@@ -27,7 +30,7 @@ import (
 // scalars to override spliced in; a random answer encoded by appendResponse unmarshals
 // to toProto's message; a malformed request is refused by both or by neither.
 
-var words = []string{"", "a", "user", "api", "héllo", "x,y", strings.Repeat("k", 200), "\x00"}
+var words = []string{"", "a", "user", "api", "héllo", "x,y", strings.Repeat("k", 200), "\x00", "a@@@b"}
 
 func randString(r *rand.Rand) string {
 	if r.IntN(4) == 0 {
@@ -120,15 +123,42 @@ func marshal(m gproto.Message) []byte {
 	if err != nil {
 		panic(err)
 	}
-	return b
+	// The word "a@@@b" becomes bytes that are not UTF-8, of the same length (protobuf
+	// does not marshal such strings): a value of them is read as it is, a domain or a
+	// key is refused (parseEntry).
+	return bytes.ReplaceAll(b, []byte("@@@"), []byte("\xff\xfe\xfd"))
 }
 
 // agree parses b with parseRequest and with google.golang.org/protobuf (then fromProto),
 // and fails unless both refuse it or both read the same call.
+//
+// The one departure: an entry's value need not be valid UTF-8 (parseEntry). When
+// parseRequest reads a call with such values, protobuf reads b with each of them
+// overwritten in place by as many 'x's (its strings alias the copy parseRequest read, so
+// their offsets are known), and the calls must agree with the values put back.
 func agree(t *testing.T, b []byte) {
 	t.Helper()
 	var got call
-	gotErr := parseRequest(append([]byte(nil), b...), &got)
+	buf := append([]byte(nil), b...)
+	gotErr := parseRequest(buf, &got)
+	var patched []int // entries whose values were overwritten
+	if gotErr == nil {
+		var fixed []byte
+		for i, e := range got.entries {
+			if utf8.ValidString(e.value) {
+				continue
+			}
+			if fixed == nil {
+				fixed = append([]byte(nil), b...)
+			}
+			off := int(uintptr(unsafe.Pointer(unsafe.StringData(e.value))) - uintptr(unsafe.Pointer(&buf[0])))
+			copy(fixed[off:], strings.Repeat("x", len(e.value)))
+			patched = append(patched, i)
+		}
+		if fixed != nil {
+			b = fixed
+		}
+	}
 	var ref rlsv3.RateLimitRequest
 	refErr := gproto.Unmarshal(b, &ref)
 	if (gotErr != nil) != (refErr != nil) {
@@ -140,6 +170,12 @@ func agree(t *testing.T, b []byte) {
 	var want call
 	if err := fromProto(&ref, &want); err != nil {
 		t.Fatalf("fromProto: %v", err)
+	}
+	for _, i := range patched {
+		if i >= len(want.entries) || want.entries[i].value != strings.Repeat("x", len(got.entries[i].value)) {
+			t.Fatalf("parseRequest(%x): entry %d's value %q is not where protobuf reads one", b, i, got.entries[i].value)
+		}
+		want.entries[i].value = got.entries[i].value
 	}
 	if !reflect.DeepEqual(norm(got), norm(want)) {
 		t.Fatalf("parseRequest(%x)\n got %+v\nwant %+v", b, got, want)
@@ -368,4 +404,27 @@ func randomRequest(r *rand.Rand, users []string) *rlsv3.RateLimitRequest {
 		req.Descriptors = append(req.Descriptors, d)
 	}
 	return req
+}
+
+// A value is read as the bytes it is (an HTTP header copied by Envoy may hold obs-text);
+// a key that is not UTF-8 is refused, as protobuf refuses it.
+func TestParseRequestValueBytes(t *testing.T) {
+	entry := func(k, v string) []byte {
+		var e []byte
+		e = protowire.AppendString(protowire.AppendTag(e, 1, protowire.BytesType), k)
+		e = protowire.AppendString(protowire.AppendTag(e, 2, protowire.BytesType), v)
+		d := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), e)
+		return protowire.AppendBytes(protowire.AppendTag(nil, 2, protowire.BytesType), d)
+	}
+	var c call
+	if err := parseRequest(entry("path", "/bad\xff\xfe\x00utf8"), &c); err != nil {
+		t.Fatalf("a value that is not UTF-8: %v", err)
+	}
+	if len(c.entries) != 1 || c.entries[0].value != "/bad\xff\xfe\x00utf8" {
+		t.Fatalf("entries %q", c.entries)
+	}
+	agree(t, entry("path", "/bad\xff\xfe\x00utf8"))
+	if err := parseRequest(entry("pa\xffth", "v"), &c); err == nil {
+		t.Fatal("a key that is not UTF-8 accepted")
+	}
 }
