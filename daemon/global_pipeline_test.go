@@ -190,3 +190,48 @@ func TestGlobalPipelineClientGone(t *testing.T) {
 	}
 	waitConns(t, s, 0, 10*time.Second)
 }
+
+// A client may write its whole pipeline before reading any answer, global checks
+// included: 10,000 of them, among local checks, all answered in order. Each check that
+// waits on Redis used to take an entry of the write queue, whose 64 entries stopped the
+// connection's reads with far fewer answers held than the 2 MiB an inline pipeline is
+// allowed (about 1,200 answers in, the write timeout cut the connection); decided
+// entries are now merged, and the bytes bound the queue.
+func TestGlobalLongPipelineWrittenBeforeReading(t *testing.T) {
+	s := startGlobalServer(t)
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const n = 10_000
+	enc := proto.NewEncoder()
+	for i := range n {
+		path := "/g"
+		if i%4 == 3 {
+			path = "/l"
+		}
+		enc.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1,
+			Attrs: []proto.Attr{{Name: "path", Value: path}, {Name: "user", Value: fmt.Sprint("u", i%300)}}})
+	}
+	_ = c.SetWriteDeadline(time.Now().Add(20 * time.Second))
+	if _, err := c.Write(enc.Bytes()); err != nil {
+		t.Fatalf("writing %d checks (%d bytes) before reading: %v", n, len(enc.Bytes()), err)
+	}
+	br := bufio.NewReader(c)
+	dec := proto.NewDecoder()
+	var resp proto.Response
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	for i := range n {
+		body, err := proto.ReadFrame(br, nil, 1<<20)
+		if err != nil {
+			t.Fatalf("answer %d: %v", i, err)
+		}
+		if err := dec.DecodeResponse(body, &resp); err != nil {
+			t.Fatal(err)
+		}
+		if resp.ID != uint64(i+1) || resp.IsError() || !resp.Allowed || resp.Degraded {
+			t.Fatalf("answer %d: %+v", i, resp)
+		}
+	}
+}

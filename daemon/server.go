@@ -445,8 +445,14 @@ type conn struct {
 	bufsArr [][]byte    // bufs' backing array, reused
 	// queued is len(queue), stored once the writes of the entries taken off it are done:
 	// 0 means no other goroutine writes, so the fast path writes without wmu.
-	queued   atomic.Int32
-	wfailed  atomic.Bool    // werr is set
+	queued  atomic.Int32
+	wfailed atomic.Bool // werr is set
+	// undecided counts the checks handed to deciding goroutines and not yet decided
+	// (queued or not): at most about maxPending are in flight on Redis per connection.
+	undecided atomic.Int32
+	// inWrite is how many entries at the queue's head the write in progress holds (its
+	// buffers alias their bytes): compact leaves them alone. Under wmu.
+	inWrite  int
 	deciding sync.WaitGroup // the deciding goroutines
 }
 
@@ -470,8 +476,19 @@ type pending struct {
 }
 
 // maxPending bounds the checks in flight on Redis per connection (handed over or not);
-// past it the connection waits for the oldest before reading further.
+// past it the connection waits for one to be decided before reading further.
 const maxPending = 64
+
+// maxHeld bounds the bytes of answers a connection holds for a client that is not
+// reading them (it may be writing a long pipeline first, as the protocol allows): past
+// it the connection stops reading until the client reads. maxQueued bounds the write
+// queue's entries; past it, runs of decided entries are merged (compact), so that a
+// pipeline of checks that wait on Redis is held to the same bytes as one answered inline,
+// not to a number of entries.
+const (
+	maxHeld   = maxPending * flushAt // 2 MiB
+	maxQueued = 4 * maxPending
+)
 
 // out is the encoder the next inline answer goes to: the output buffer, or after a
 // pending check, that check's tail.
@@ -823,10 +840,61 @@ func (cn *conn) handOver() error {
 	cn.pending = cn.pending[:0]
 	cn.queued.Store(int32(len(cn.queue)))
 	cn.startWriter()
-	for len(cn.queue) >= maxPending && cn.werr == nil {
+	for cn.werr == nil {
+		if cn.undecided.Load() < maxPending {
+			if len(cn.queue) >= maxQueued {
+				cn.compact()
+			}
+			if len(cn.queue) < maxQueued && cn.held() < maxHeld {
+				break
+			}
+		}
 		cn.wcond.Wait()
 	}
 	return cn.werr
+}
+
+// held returns the bytes of the answers queued and not yet written (of a check still
+// deciding, its tail only: its goroutine writes its answer without wmu). Under wmu.
+func (cn *conn) held() int {
+	n := 0
+	for _, p := range cn.queue {
+		if p.fin {
+			n += p.enc.Len() - p.off
+		}
+		n += p.tail.Len()
+	}
+	return n
+}
+
+// compact merges each run of decided entries of the queue into its first (their bytes
+// appended to its tail, in order), past the entries the write in progress holds: a
+// queue then has at most about twice as many entries as checks deciding. Under wmu.
+func (cn *conn) compact() {
+	start := 0
+	if cn.writing {
+		start = cn.inWrite
+	}
+	w := start
+	for r := start; r < len(cn.queue); r++ {
+		p := cn.queue[r]
+		if prev := w - 1; prev >= start && p.fin && cn.queue[prev].fin {
+			into := cn.queue[prev]
+			into.tail.AppendFrames(p.enc.Bytes()[p.off:])
+			into.tail.AppendFrames(p.tail.Bytes())
+			into.n += p.n
+			p.enc.Reset()
+			p.tail.Reset()
+			p.fin, p.off = false, 0
+			cn.free = append(cn.free, p)
+			continue
+		}
+		cn.queue[w] = p
+		w++
+	}
+	clear(cn.queue[w:])
+	cn.queue = cn.queue[:w]
+	cn.queued.Store(int32(w))
 }
 
 // writeReady writes the answers at the head of the queue that are decided, one writev
@@ -854,14 +922,14 @@ func (cn *conn) writeReady() {
 			}
 		}
 		if cn.werr == nil {
-			cn.writing = true
+			cn.writing, cn.inWrite = true, k
 			cn.wmu.Unlock()
 			err := cn.setWriteDeadline()
 			if err == nil {
 				_, err = cn.bufs.WriteTo(cn.c)
 			}
 			cn.wmu.Lock()
-			cn.writing = false
+			cn.writing, cn.inWrite = false, 0
 			if err != nil {
 				cn.cutBy(closeWriteTimeout, err) // before the read deadline below ends the reads
 				cn.werr = err
@@ -1157,6 +1225,7 @@ func (cn *conn) goWait(body []byte, now int64) {
 	p.dcs.Owner = cn.id
 	cn.pending = append(cn.pending, p)
 	lim := cn.s.lim
+	cn.undecided.Add(1)
 	cn.deciding.Add(1)
 	go func() {
 		defer cn.deciding.Done()
@@ -1174,6 +1243,8 @@ func (cn *conn) goWait(body []byte, now int64) {
 		}
 		cn.wmu.Lock()
 		p.fin = true // p may be written (and reused) from here: not touched again below
+		cn.undecided.Add(-1)
+		cn.wcond.Broadcast() // the connection may wait for a check to be decided
 		if cn.writing || len(cn.queue) == 0 || !cn.queue[0].fin {
 			// Someone is about to write, or the oldest answer is not ready.
 			cn.wmu.Unlock()

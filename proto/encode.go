@@ -43,6 +43,9 @@ func (e *Encoder) Len() int { return len(e.buf.b) }
 // Reset empties the buffer, keeping its capacity.
 func (e *Encoder) Reset() { e.buf.b = e.buf.b[:0] }
 
+// AppendFrames appends b, whole frames encoded by an Encoder, to e's.
+func (e *Encoder) AppendFrames(b []byte) { e.buf.b = append(e.buf.b, b...) }
+
 // begin writes a length placeholder and returns where the frame starts.
 func (e *Encoder) begin() int {
 	start := len(e.buf.b)
