@@ -554,6 +554,7 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// The ban's remaining time, as the protocol defines it for a banned answer
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
+			out.Reset = max(out.Reset, out.RetryAfter) // not back to full before the ban ends
 		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
 			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban).
@@ -572,6 +573,7 @@ func (l *Limiter) report(now int64, d *Decision) {
 			if until != 0 {
 				out.Banned, out.BanStarted = true, true
 				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
+				out.Reset = max(out.Reset, out.RetryAfter)
 			}
 		}
 		out.Degraded = o.degraded

@@ -148,7 +148,8 @@ rules:
 				t.Fatalf("at %ds request %d refused", (now-t0)/sec, i)
 			case i > 2 && i < 5 && (r.Allowed || r.Banned):
 				t.Fatalf("at %ds request %d: allowed %v banned %v, want refused, not banned", (now-t0)/sec, i, r.Allowed, r.Banned)
-			case i == 5 && (r.Allowed || !r.Banned || !r.Results[0].BanStarted || r.Results[0].RetryAfter != want || r.DecidingResult().Name != "login"):
+			case i == 5 && (r.Allowed || !r.Banned || !r.Results[0].BanStarted || r.Results[0].RetryAfter != want || r.DecidingResult().Name != "login" ||
+				r.Results[0].Reset < want):
 				t.Fatalf("at %ds request 5: allowed %v banned %v retry %v, want a ban of %v", (now-t0)/sec, r.Allowed, r.Banned, r.Results[0].RetryAfter, want)
 			}
 		}
@@ -158,6 +159,9 @@ rules:
 	now += 30 * sec
 	if r := check(now, "1.1.1.1"); r.Allowed || !r.Banned || r.Results[0].RetryAfter != 30*time.Second || r.Results[0].BanStarted {
 		t.Fatalf("during the ban: allowed %v banned %v retry %v", r.Allowed, r.Banned, r.Results[0].RetryAfter)
+	} else if r.Results[0].Reset < r.Results[0].RetryAfter {
+		// Not back to full before the ban ends: reset_ms never below retry_after_ms.
+		t.Fatalf("during the ban: reset %v before the retry %v", r.Results[0].Reset, r.Results[0].RetryAfter)
 	}
 	if r := check(now, "2.2.2.2"); !r.Allowed || r.Banned {
 		t.Fatal("another key was banned")
