@@ -74,11 +74,17 @@ function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: 
       }
       const h = d.headers();
       for (const k in h) res.setHeader(k, h[k]);
+      let started = false; // the handler runs (next was called)
+      const run = () => {
+        started = true;
+        next();
+      };
       if (d.lease && typeof res.once === 'function') {
-        // The request is over when the response ends or its connection closes. The
-        // response's end waits for the release's answer (at most timeoutMs), as the Go
-        // middleware's handler returns only after its release: a client that has the
-        // whole response and asks again at once finds the slot free.
+        // The request is over when the response ends, or when its connection closes
+        // before the handler started (during a delay). The response's end waits for the
+        // release's answer (at most timeoutMs), as the Go middleware's handler returns
+        // only after its release: a client that has the whole response and asks again
+        // at once finds the slot free.
         let released = null;
         const renewal = renewLease ? keepLease(client, d.lease, firstRenewal(d)) : null;
         const release = () => {
@@ -102,16 +108,28 @@ function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: 
           };
         }
         res.once('finish', release);
-        res.once('close', release);
+        res.once('close', () => {
+          if (!started || res.writableFinished) {
+            release();
+            return;
+          }
+          // The client went away while the handler runs: the work goes on, and so does
+          // the slot it holds, until the handler ends the response (res.end, above) —
+          // released then, not now: a client that sends requests and hangs up at once
+          // must not start more handlers than the rule's max. No more renewals: a
+          // handler that never ends a closed response holds the slot until the lease
+          // runs out, not for good.
+          if (renewal !== null) renewal.stop();
+        });
       }
       if (d.delayMs > 0) {
         // A rule's delay: its tokens are reserved; the request waits, unless the client
         // goes away first.
-        const timer = setTimeout(next, d.delayMs);
+        const timer = setTimeout(run, d.delayMs);
         res.once('close', () => clearTimeout(timer)); // before next ran: the client went away
         return;
       }
-      next();
+      run();
     }, (e) => {
       if (e && e.decision && e.decision.tooLarge) {
         // Attributes too large to check (a long path or header): 431, whatever the policy.

@@ -83,6 +83,49 @@ test('the middleware: a client gone while its check was answered is not served, 
   assert.equal(served, 0, 'nothing was forwarded for the gone client');
 });
 
+test('the middleware: a client gone while its handler runs keeps the slot until the handler ends', async (t) => {
+  // max 1. Before, the slot was released when the client hung up, while its handler
+  // still ran: clients that send a request and hang up at once started any number of
+  // handlers under a max of 1.
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  let running = 0;
+  let finish = null;
+  const done = new Promise((resolve) => { finish = resolve; });
+  const srv = http.createServer((req, res) => mw(req, res, async () => {
+    running++;
+    await done; // the work goes on after the client left
+    res.end('done');
+  }));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  const hangUp = () => new Promise((resolve) => {
+    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/' }, (res) => {
+      res.resume();
+      res.on('end', () => resolve(res.statusCode));
+    });
+    r.on('error', () => resolve('gone'));
+    setTimeout(() => { r.destroy(); }, 300);
+  });
+  assert.equal(await hangUp(), 'gone'); // its handler runs, and waits
+  await new Promise((r) => setTimeout(r, 100)); // the server sees the close
+  assert.equal(running, 1);
+  assert.equal((await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining, 0, 'the slot is still held');
+  const statuses = [];
+  for (let i = 0; i < 5; i++) statuses.push(await hangUp());
+  assert.deepEqual(statuses, Array(5).fill(429), 'no other handler started');
+  assert.equal(running, 1);
+  finish();
+  let remaining = -1;
+  for (let k = 0; k < 200 && remaining !== 1; k++) {
+    await new Promise((r) => setTimeout(r, 10));
+    remaining = (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining;
+  }
+  assert.equal(remaining, 1, 'released when the handler ended the response');
+});
+
 test('the middleware releases when the response finishes', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
