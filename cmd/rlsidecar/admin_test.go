@@ -466,3 +466,88 @@ func TestE2EReloadIgnoresOtherFiles(t *testing.T) {
 	must(t, os.WriteFile(cfg, []byte(rulesWithLimit(2)), 0o644))
 	waitReload(t, base, v)
 }
+
+// Reloads when the rules' directory itself is replaced: reached through a directory link
+// a deploy points elsewhere (current -> releases/r2), for --config FILE and --config
+// DIR; renamed over by a new directory, then edited; deleted and made again. Each kept
+// being watched as the directory it was at the start, so every later change went unseen.
+func TestE2EReloadDirectoryReplaced(t *testing.T) {
+	n := 0
+	id := 0
+	next := func() int { n++; return n }
+	check := func(t *testing.T, d *daemonProc, base string, v *string, want int, what string) {
+		t.Helper()
+		*v = waitReload(t, base, *v)
+		id++
+		if l := limitOf(t, dialRaw(t, d.socket), uint64(id)); l != uint64(want) {
+			t.Fatalf("%s: limit %d, want %d", what, l, want)
+		}
+	}
+	start := func(t *testing.T, config string) (*daemonProc, string, string) {
+		d := startDaemon(t, "--config", config, "--admin", "127.0.0.1:0")
+		base := "http://" + adminAddr(t, d)
+		return d, base, rulesVersion(t, base)
+	}
+
+	t.Run("deploy link", func(t *testing.T) {
+		for _, asDir := range []bool{false, true} {
+			top := shortTempDir(t)
+			r1, r2 := filepath.Join(top, "releases", "r1"), filepath.Join(top, "releases", "r2")
+			must(t, os.MkdirAll(r1, 0o755))
+			must(t, os.MkdirAll(r2, 0o755))
+			writeFile(t, r1, "rules.yaml", rulesWithLimit(next()))
+			must(t, os.Symlink("releases/r1", filepath.Join(top, "current")))
+			config := filepath.Join(top, "current", "rules.yaml")
+			if asDir {
+				config = filepath.Join(top, "current")
+			}
+			d, base, v := start(t, config)
+			want := next()
+			writeFile(t, r2, "rules.yaml", rulesWithLimit(want))
+			must(t, os.Symlink("releases/r2", filepath.Join(top, "current.tmp")))
+			must(t, os.Rename(filepath.Join(top, "current.tmp"), filepath.Join(top, "current")))
+			check(t, d, base, &v, want, "after the deploy link's swap")
+			want = next()
+			must(t, os.WriteFile(filepath.Join(r2, "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
+			check(t, d, base, &v, want, "the new release's file written")
+		}
+	})
+
+	t.Run("renamed over", func(t *testing.T) {
+		top := shortTempDir(t)
+		dir := filepath.Join(top, "rules")
+		must(t, os.Mkdir(dir, 0o755))
+		writeFile(t, dir, "rules.yaml", rulesWithLimit(next()))
+		d, base, v := start(t, filepath.Join(dir, "rules.yaml"))
+		want := next()
+		fresh := filepath.Join(top, "rules.new")
+		must(t, os.Mkdir(fresh, 0o755))
+		writeFile(t, fresh, "rules.yaml", rulesWithLimit(want))
+		must(t, os.Rename(dir, filepath.Join(top, "rules.old")))
+		must(t, os.Rename(fresh, dir))
+		check(t, d, base, &v, want, "the directory renamed over")
+		want = next()
+		must(t, os.Rename(writeFile(t, dir, ".t", rulesWithLimit(want)), filepath.Join(dir, "rules.yaml")))
+		check(t, d, base, &v, want, "then its file replaced by rename")
+		want = next()
+		must(t, os.WriteFile(filepath.Join(dir, "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
+		check(t, d, base, &v, want, "then written in place")
+	})
+
+	t.Run("deleted and made again", func(t *testing.T) {
+		top := shortTempDir(t)
+		dir := filepath.Join(top, "rules")
+		must(t, os.Mkdir(dir, 0o755))
+		writeFile(t, dir, "rules.yaml", rulesWithLimit(next()))
+		d, base, v := start(t, filepath.Join(dir, "rules.yaml"))
+		must(t, os.RemoveAll(dir))
+		time.Sleep(300 * time.Millisecond) // the daemon sees it gone (and keeps its rules)
+		must(t, os.Mkdir(dir, 0o755))
+		want := next()
+		writeFile(t, dir, "rules.yaml", rulesWithLimit(want))
+		check(t, d, base, &v, want, "the directory made again")
+		want = next()
+		must(t, os.WriteFile(filepath.Join(dir, "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
+		check(t, d, base, &v, want, "then written in place")
+	})
+}

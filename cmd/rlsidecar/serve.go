@@ -471,11 +471,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		lim.SetRules(newSet)
 		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
 	}
+	rewatch := func() {}
 	if *watch && *config != "" {
-		if err := watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
-			func(err error) { log.Warn("watching the rules file", "err", err) }); err != nil {
+		kick, err := watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
+			func(err error) { log.Warn("watching the rules file", "err", err) })
+		if err != nil {
 			return err
 		}
+		rewatch = kick
 	}
 
 	ruleSource := set.Source
@@ -600,6 +603,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		case sig := <-sigs:
 			if sig == syscall.SIGHUP {
 				reload("SIGHUP")
+				rewatch() // the watched directories found again, as after a change
 				continue
 			}
 			log.Info("draining", "signal", sig.String())

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -19,28 +20,40 @@ import (
 // symlink on the way to what it names (etc/rules.yaml -> /srv/rules/rules.yaml: /srv/rules
 // too), found again after each change, since a change may point a link elsewhere; for
 // --config DIR, the directory and the targets of its *.yaml links.
-func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) error {
+func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) (kick func(), err error) {
+	if abs, err := filepath.Abs(path); err == nil {
+		path = abs // events name absolute paths, as configDirs does
+	}
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
-		return fmt.Errorf("watching %s: %w", path, err)
+		return nil, fmt.Errorf("watching %s: %w", path, err)
 	}
-	var watched, names []string
+	// watched maps each directory watched to the one it was when its watch was added
+	// (device and inode): a watch follows that directory, so a path that now names
+	// another one (a directory replaced by rename, deleted and made again, reached
+	// through a link pointed elsewhere) is watched again.
+	watched := map[string]dirID{}
+	var names []string
 	// rewatch watches the directories path now depends on, and stops watching the
 	// others; it returns the first directory it could not watch.
 	rewatch := func() error {
 		var want []string
 		want, names = configDirs(path)
-		for _, d := range watched {
+		for d := range watched {
 			if !slices.Contains(want, d) {
 				w.Remove(d)
+				delete(watched, d)
 			}
 		}
 		var first error
-		next := watched[:0:0]
 		for _, d := range want {
-			if slices.Contains(watched, d) {
-				next = append(next, d)
-				continue
+			id, ok := idOf(d)
+			if was, in := watched[d]; in {
+				if ok && was == id {
+					continue
+				}
+				w.Remove(d) // an error: its watch went with the directory
+				delete(watched, d)
 			}
 			if err := w.Add(d); err != nil {
 				if first == nil {
@@ -48,17 +61,23 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				}
 				continue
 			}
-			next = append(next, d)
+			watched[d] = id
 		}
-		watched = next
 		return first
 	}
 	if err := rewatch(); err != nil {
-		if own, _ := configDirs(path); !slices.Contains(watched, own[0]) {
+		if own, _ := configDirs(path); func() bool { _, in := watched[own[0]]; return !in }() {
 			w.Close()
-			return err
+			return nil, err
 		}
-		onErr(err) // a link's target directory: the file's own is watched
+		onErr(err) // a link's target directory, or a parent: the file's own is watched
+	}
+	kicks := make(chan struct{}, 1)
+	kick = func() {
+		select {
+		case kicks <- struct{}{}:
+		default:
+		}
 	}
 	go func() {
 		defer w.Close()
@@ -95,10 +114,27 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 					onErr(err)
 				}
 				onChange()
+			case <-kicks: // a reload from elsewhere (SIGHUP): the directories again
+				if err := rewatch(); err != nil {
+					onErr(err)
+				}
 			}
 		}
 	}()
-	return nil
+	return kick, nil
+}
+
+// dirID identifies a directory: its device and inode.
+type dirID struct{ dev, ino uint64 }
+
+// idOf returns the identity of the directory d names now (links followed, as a watch
+// follows them).
+func idOf(d string) (dirID, bool) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(d, &st); err != nil {
+		return dirID{}, false
+	}
+	return dirID{uint64(st.Dev), st.Ino}, true
 }
 
 // relevant reports whether a change to name, in a watched directory, may change the
@@ -158,15 +194,33 @@ func configDirs(path string) (dirs, names []string) {
 			name(real)
 		}
 	}
+	// The directory the rules are in may itself be replaced (renamed over, deleted and
+	// made again, a link to it pointed elsewhere: a deploy's current -> releases/r2):
+	// the directory holding it is watched, and so is the one holding each link on the
+	// way to it, each with that name on the way.
+	above := func(d string) {
+		for p := filepath.Clean(d); ; p = filepath.Dir(p) {
+			if parent := filepath.Dir(p); parent != p {
+				if fi, err := os.Lstat(p); p == filepath.Clean(d) || (err == nil && fi.Mode()&os.ModeSymlink != 0) {
+					add(parent)
+					name(p)
+				}
+				continue
+			}
+			return
+		}
+	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		add(path) // --config DIR: its files come and go
 		files, _ := filepath.Glob(filepath.Join(path, "*.yaml"))
 		for _, f := range files {
 			follow(f)
 		}
+		above(path)
 		return dirs, names
 	}
 	add(filepath.Dir(path))
 	follow(path)
+	above(filepath.Dir(path))
 	return dirs, names
 }
