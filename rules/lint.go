@@ -43,6 +43,11 @@ import (
 // Warnings come in rule-file order (file, then line).
 func (s *Set) Warnings() Errors {
 	var out Errors
+	if len(s.Rules) == 0 {
+		// Valid (a file may list none on purpose), but a template that emptied the
+		// list turns every limit off: said, not refused.
+		out = append(out, &Error{File: s.Source, Field: "rules", Msg: "no rules: every request is allowed, none limited"})
+	}
 	type earlier struct{ rules []*Rule }
 	bySig := map[string]*earlier{}
 	for _, r := range s.Rules {

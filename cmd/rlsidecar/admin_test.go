@@ -551,3 +551,25 @@ func TestE2EReloadDirectoryReplaced(t *testing.T) {
 		check(t, d, base, &v, want, "then written in place")
 	})
 }
+
+// serve logs what validate warns of, at start and after a reload: an operator who
+// skipped validate still sees a rule set with no rules.
+func TestE2EServeLogsRuleWarnings(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", "rules: []\n")
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	if logs := d.stderr.String(); !strings.Contains(logs, "no rules: every request is allowed") {
+		t.Fatalf("no warning at start:\n%s", logs)
+	}
+	v := rulesVersion(t, base)
+	must(t, os.WriteFile(cfg, []byte("rules:\n  - name: r\n    match: { path: \"/v1/{id}\" }\n    key: user\n    limit: { requests: 1, per: 1s }\n"), 0o644))
+	waitReload(t, base, v)
+	deadline := time.Now().Add(3 * time.Second)
+	for !strings.Contains(d.stderr.String(), "matches no request path") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no warning after the reload:\n%s", d.stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -33,6 +33,20 @@ func TestValidate(t *testing.T) {
 	if _, _, code := runInProcess("validate", "--config", filepath.Join(dir, "missing.yaml")); code != exitFailure {
 		t.Fatalf("missing file: code %d", code)
 	}
+	// A rule that needs Redis: a note (the daemon may have Redis), an error with
+	// --no-redis, as serve without --redis refuses it.
+	global := writeFile(t, dir, "global.yaml", "rules:\n  - name: g\n    key: user\n    limit: { requests: 1, per: 1s }\n    mode: global\n")
+	if _, errOut, code := runInProcess("validate", "--config", global); code != exitOK || !strings.Contains(errOut, "note: ") || !strings.Contains(errOut, "mode global needs a Redis store") {
+		t.Fatalf("global rule: code %d, stderr %q", code, errOut)
+	}
+	if _, errOut, code := runInProcess("validate", "--no-redis", "--config", global); code != exitFailure || !strings.Contains(errOut, "global.yaml:2") {
+		t.Fatalf("global rule, --no-redis: code %d, stderr %q", code, errOut)
+	}
+	// No rules: valid, and warned of (every request allowed).
+	empty := writeFile(t, dir, "none.yaml", "rules: []\n")
+	if out, errOut, code := runInProcess("validate", "--config", empty); code != exitOK || !strings.Contains(errOut, "no rules: every request is allowed") || !strings.Contains(out, "1 warnings") {
+		t.Fatalf("no rules: code %d, stdout %q, stderr %q", code, out, errOut)
+	}
 }
 
 // serve refuses a broken rules file, and a rule whose mode needs Redis, before it listens.
@@ -169,6 +183,17 @@ func TestServeRefusesOutOfRangeFlags(t *testing.T) {
 		}
 		if _, err := os.Lstat(sock); !os.IsNotExist(err) {
 			t.Fatalf("serve %s left its socket (lstat: %v)", strings.Join(c, " "), err)
+		}
+	}
+}
+
+func TestLoopbackAddr(t *testing.T) {
+	for addr, want := range map[string]bool{
+		"127.0.0.1:9464": true, "[::1]:9464": true, "localhost:9464": true, "127.0.0.2:1": true,
+		":9464": false, "0.0.0.0:9464": false, "[::]:9464": false, "10.0.0.1:9464": false, "example.com:9464": false, "nonsense": false,
+	} {
+		if got := loopbackAddr(addr); got != want {
+			t.Errorf("loopbackAddr(%q) = %v, want %v", addr, got, want)
 		}
 	}
 }

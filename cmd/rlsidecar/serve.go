@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
 	"runtime/pprof"
@@ -163,6 +164,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// What validate warns of, in the journal too: an operator who skipped validate sees
+	// a rule that can never decide, or a rule set with no rules.
+	logWarnings := func(set *rules.Set) {
+		for _, w := range set.Warnings() {
+			log.Warn("rules: "+w.Error(), "version", set.Version)
+		}
+	}
+	if *config != "" {
+		logWarnings(set)
+	}
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err != nil {
@@ -284,6 +295,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	var adm *daemon.Admin
 	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
 	if *admin != "" {
+		if !loopbackAddr(*admin) {
+			log.Warn("the admin endpoint listens beyond this host, with no authentication: anyone who reaches it reads /top and /bans and can lift bans (DELETE /bans); bind it to 127.0.0.1, or firewall it to the scrapers", "admin", *admin)
+		}
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
@@ -470,6 +484,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.SetRules(newSet, time.Now())
 		lim.SetRules(newSet)
 		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
+		logWarnings(newSet)
 	}
 	rewatch := func() {}
 	if *watch && *config != "" {
@@ -660,6 +675,7 @@ func newLogger(w io.Writer, format, level string) (*slog.Logger, error) {
 func validate(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("validate", stderr)
 	config := fs.String("config", "", "rules file to check (required)")
+	noRedis := fs.Bool("no-redis", false, "the daemon runs without --redis: a rule that needs Redis (mode hybrid or global, split: auto) is an error")
 	if err := noPositional(fs, args); err != nil {
 		return err
 	}
@@ -669,6 +685,12 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	set, err := rules.Load(*config)
 	if err != nil {
 		return err
+	}
+	if err := limiter.CheckModes(set, false); err != nil {
+		if *noRedis {
+			return err
+		}
+		fmt.Fprintf(stderr, "note: %v (a daemon started without --redis refuses this file; --no-redis makes this an error)\n", err)
 	}
 	ws := set.Warnings() // rules that can never have an effect: reported, not fatal
 	for _, w := range ws {
@@ -781,4 +803,18 @@ func (w *breakerWatch) observe(log *slog.Logger, open int, opened uint64) {
 			"openings", opened)
 	}
 	w.open, w.opened = open, opened
+}
+
+// loopbackAddr reports whether the listen address addr (host:port) binds loopback only:
+// a loopback IP or "localhost"; an empty host (every interface) or any other is not.
+func loopbackAddr(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
