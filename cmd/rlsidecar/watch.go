@@ -83,6 +83,7 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		defer w.Close()
 		var timer *time.Timer
 		var fire <-chan time.Time
+		empties := 0 // looks again at an empty file (fire)
 		for {
 			select {
 			case <-ctx.Done():
@@ -113,6 +114,16 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				if err := rewatch(); err != nil {
 					onErr(err)
 				}
+				// An empty file is most likely one being written in place (truncated,
+				// its bytes not there yet): looked at again a few times before it is
+				// read, and reported broken.
+				if fi, err := os.Stat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == 0 && empties < 5 {
+					empties++
+					timer.Reset(debounce)
+					fire = timer.C
+					continue
+				}
+				empties = 0
 				onChange()
 			case <-kicks: // a reload from elsewhere (SIGHUP): the directories again
 				if err := rewatch(); err != nil {
