@@ -84,6 +84,7 @@ func NewCalendarLimit(requests uint64, unit Calendar, loc *time.Location) (Limit
 	h := fnv.New32a()
 	h.Write([]byte(loc.String()))
 	l.cal = &calendar{unit: unit, loc: loc, kind: 5 | uint64(unit)<<3 | uint64(h.Sum32())<<8}
+	l.kind = l.cal.kind
 	return l, nil
 }
 

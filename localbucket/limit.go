@@ -86,6 +86,7 @@ type Limit struct {
 	perToken divisor   // token bucket: divides by emission
 	delay    int64     // token bucket: how long a request may wait instead of being refused (WithDelay)
 	cal      *calendar // fixed window: its calendar unit and zone (NewCalendarLimit); nil otherwise
+	kind     uint64    // stateKind, computed once
 }
 
 // maxDelay bounds WithDelay, keeping now + 2*tau + delay far from overflowing.
@@ -122,14 +123,21 @@ func (l *Limit) WithRequests(requests, burst uint64) (Limit, error) {
 // Delay returns the delay of l in ns (see WithDelay); 0 when it has none.
 func (l *Limit) Delay() int64 { return l.delay }
 
-// stateKind identifies how a state of this limit is to be read: its algorithm and, for
-// the windows, its window (a token bucket's state, the time it is full from, means the
-// same under any rate). A state written under another kind is not read but reset (see
-// [Store]): a sliding window's two packed counts read as a fixed window's one count
-// would be a huge count. Never 0.
-func (l *Limit) stateKind() uint64 {
+// stateKind identifies how a state of this limit is to be read: its algorithm and its
+// window; for a token bucket, its requests too (its state, the time it is full from,
+// counts the units used in emission intervals, window/requests). A state written under
+// another kind is not read but reset (see [Store]): a sliding window's two packed counts
+// read as a fixed window's one count would be a huge count; except a token bucket's of
+// the same window and other requests (a reload changed the limit), which is rescaled to
+// count the same units used ([Limit.Rescale]). Never 0. A token bucket's kind, alone,
+// ends in the bits 001; then its requests (32 bits), then 29 bits of a hash of its
+// window in ms (tbWindow).
+func (l *Limit) stateKind() uint64 { return l.kind } // set by NewLimit, NewCalendarLimit
+
+// computeKind is stateKind, computed.
+func (l *Limit) computeKind() uint64 {
 	if l.alg == TokenBucket {
-		return 1
+		return 1 | l.requests<<3 | tbWindow(l.window)
 	}
 	if l.cal != nil {
 		return l.cal.kind
@@ -169,6 +177,7 @@ func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 		if burst != 0 {
 			return Limit{}, fmt.Errorf("burst %d given for %s: burst applies only to token_bucket", burst, alg)
 		}
+		l.kind = l.computeKind()
 		return l, nil
 	}
 	if burst > math.MaxUint32 {
@@ -187,6 +196,7 @@ func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	}
 	l.tau = int64(lo)
 	l.perToken = newDivisor(uint64(l.emission))
+	l.kind = l.computeKind()
 	return l, nil
 }
 
@@ -206,3 +216,30 @@ func (l *Limit) Burst() uint64 { return l.burst }
 // Capacity returns the largest cost that can ever pass: the burst for a token bucket,
 // requests for the windows. A larger cost is [Result.Impossible].
 func (l *Limit) Capacity() uint64 { return l.burst }
+
+// tbWindow is the part of a token bucket's stateKind that identifies its window: 29 bits
+// of a multiplicative hash of it in ms (two windows sharing them, one chance in 5e8,
+// would rescale a state where a reset was due).
+func tbWindow(window int64) uint64 {
+	return (uint64(window/int64(time.Millisecond)) * 0x9E3779B97F4A7C15) >> 35 << 35
+}
+
+// Rescale returns the state s of a token bucket written under the emission interval
+// from (ns) as this token bucket (of another rate, after a reload changed its limit)
+// reads it at now: the same units used, at most a whole burst (an empty bucket). So a
+// limit raised from 10 to 20 per hour gives a client that used its 10 another 10 at
+// once, as a window's count does, and one lowered from 20 to 10 after 15 used leaves it
+// an empty bucket refilling at the new rate, not the fraction of a bucket it had left
+// (which admitted 12 in the hour of a limit of 10). A full bucket (T not after now)
+// stays full. s is returned as it is for a limit that is not a token bucket.
+func (l *Limit) Rescale(s State, from, now int64) State {
+	if l.alg != TokenBucket || l.emission == 0 || from <= 0 || from == l.emission || s.T <= now {
+		return s
+	}
+	hi, lo := bits.Mul64(uint64(s.T-now), uint64(l.emission))
+	d := uint64(l.tau)
+	if hi < uint64(from) { // else the quotient passes 2^64, far beyond tau
+		d, _ = bits.Div64(hi, lo, uint64(from))
+	}
+	return State{T: now + int64(min(d, uint64(l.tau)))}
+}

@@ -336,12 +336,34 @@ const inlineOps = 16
 
 // stateFor returns e's state if it was written under l's kind of state, else a fresh one:
 // a reload that changed a rule's algorithm or window (same name) resets its clients
-// rather than misreading their states.
-func stateFor(e *entry, l *Limit) State {
+// rather than misreading their states. A token bucket's state written at another rate
+// (a reload changed the limit) is rescaled to the same units used (Limit.Rescale).
+func stateFor(e *entry, l *Limit, now int64) State {
 	if e.kind != l.stateKind() {
-		return State{}
+		return otherKind(e, l, now)
 	}
 	return e.st
+}
+
+// otherKind is stateFor's state of an entry written under another kind. A token
+// bucket's rescaled state is written back at once (under the shard's lock, as stateFor
+// is called), whether the check then commits or not: it consumes nothing, and read again
+// later from the old rate's state it would drain at the old rate (a client refused
+// under a lowered limit would be refused longer than the new limit says).
+func otherKind(e *entry, l *Limit, now int64) State {
+	if k := l.stateKind(); e.kind&7 == 1 && k&7 == 1 && e.kind>>35 == k>>35 {
+		// Token buckets both, of the same window: another limit. Its emission interval,
+		// as NewLimit rounds it.
+		if requests := int64(e.kind >> 3 & math.MaxUint32); requests > 0 {
+			st := l.Rescale(e.st, l.window/requests, now)
+			e.st, e.kind = st, k
+			if st.T > now {
+				e.expires = st.T // a token bucket's state tells nothing once it is full
+			}
+			return st
+		}
+	}
+	return State{}
 }
 
 // take is l.Take at now, writing the result through r, except that a fixed window is
@@ -438,7 +460,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	e := sh.entry(uint32(h>>32), op.Key)
 	var in State
 	if e != nil {
-		in = stateFor(e, op.Limit)
+		in = stateFor(e, op.Limit, now)
 	} else if sh.n >= sh.cap {
 		sh.mu.Unlock()
 		return s.applyGeneral(now, ops, veto)
@@ -503,13 +525,13 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	}
 	var ina, inb State
 	if ea != nil {
-		ina = stateFor(ea, a.Limit)
+		ina = stateFor(ea, a.Limit, now)
 	} else if sa.n >= sa.cap {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
 	if eb != nil {
-		inb = stateFor(eb, b.Limit)
+		inb = stateFor(eb, b.Limit, now)
 	} else if sb.n >= sb.cap {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
@@ -609,7 +631,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	for i := range ops {
 		sh := shs[i]
 		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
-			ins[i] = stateFor(es[i], ops[i].Limit)
+			ins[i] = stateFor(es[i], ops[i].Limit, now)
 		} else if sh.n >= sh.cap {
 			s.unlock(locks[:nl])
 			return s.applyGeneral(now, ops, veto)
@@ -764,13 +786,13 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
-			x.in = stateFor(x.e, op.Limit)
+			x.in = stateFor(x.e, op.Limit, now)
 		} else if sh.n >= sh.cap && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
 			// fallback state, which every such key shares.
 			x.over = sh.fallbackFor(op.Key)
-			x.in = stateFor(x.over, op.Limit)
+			x.in = stateFor(x.over, op.Limit, now)
 			s.untracked.Add(1)
 		} else {
 			x.in = State{}

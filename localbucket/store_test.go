@@ -340,9 +340,15 @@ func TestStoreStateKindChange(t *testing.T) {
 		{"fixed_to_sliding", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, SlidingWindow, 10, 10*time.Second, 0), 9},
 		{"window_10s_to_1d", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 10, 24*time.Hour, 0), 9},
 		{"token_to_fixed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 10, 10*time.Second, 0), 9},
-		// Same algorithm and window, new limit: the state carries over.
+		{"token_window_changed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 10, 20*time.Second, 0), 9},
+		// Same algorithm and window, new limit: the count carries over. A token bucket's
+		// 4 units (3.4 left after 0.6 s of refill at 1 per second) are 3.4 units at the
+		// new rate too: 20 per 10 s leaves 20 - 4.4 = 15 (not the 6.6 tenths of a bucket
+		// it had, 13 of 20).
 		{"fixed_limit_raised", mustLimit(t, FixedWindow, 10, 10*time.Second, 0), mustLimit(t, FixedWindow, 20, 10*time.Second, 0), 15},
-		{"token_rate_changed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 10, 20*time.Second, 0), 7},
+		{"token_limit_raised", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 20, 10*time.Second, 0), 15},
+		{"token_limit_lowered", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 5, 10*time.Second, 0), 0},
+		{"token_burst_changed", mustLimit(t, TokenBucket, 10, 10*time.Second, 0), mustLimit(t, TokenBucket, 10, 10*time.Second, 20), 15},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewStore(Options{})
@@ -356,6 +362,40 @@ func TestStoreStateKindChange(t *testing.T) {
 				t.Fatalf("after the change: %+v, want allowed with %d remaining", ops[0].Result, tc.want)
 			}
 		})
+	}
+}
+
+// A token bucket's limit lowered below what a client used: its bucket is empty, and
+// refills at the new rate (not the fraction of a bucket it had left, which admitted 12
+// in an hour of a limit of 10).
+func TestStoreTokenLimitLoweredBelowUse(t *testing.T) {
+	s := NewStore(Options{})
+	from, to := mustLimit(t, TokenBucket, 20, time.Hour, 0), mustLimit(t, TokenBucket, 10, time.Hour, 0)
+	for i := range 15 {
+		if !s.Apply(base, []Op{op("rule:{u}", from, 1)}) {
+			t.Fatalf("request %d refused", i)
+		}
+	}
+	ops := []Op{op("rule:{u}", to, 1)}
+	if s.Apply(base, ops) || ops[0].Result.RetryAfter != int64(6*time.Minute) {
+		t.Fatalf("under the lower limit: %+v, want refused for one interval (6 min)", ops[0].Result)
+	}
+	allowed := 0
+	for now := base; now <= base+int64(time.Hour); now += int64(time.Minute) {
+		if s.Apply(now, []Op{op("rule:{u}", to, 1)}) {
+			allowed++
+		}
+	}
+	if allowed != 10 {
+		t.Fatalf("%d allowed in the hour after the change, want 10 (one per 6 min)", allowed)
+	}
+	// Raised again to 20 per hour: the units used count (a full bucket of 10, used over
+	// the last hour), not the time: about 10 remain at once.
+	up := mustLimit(t, TokenBucket, 20, time.Hour, 0)
+	ops = []Op{op("rule:{u}", up, 0)}
+	s.Apply(base+int64(time.Hour), ops)
+	if ops[0].Result.Remaining < 9 {
+		t.Fatalf("raised to 20 per hour: %+v, want about 10 remaining", ops[0].Result)
 	}
 }
 
