@@ -35,6 +35,10 @@ func TestReloadResetsRedisState(t *testing.T) {
 			{"token_to_sliding", "token_bucket", "sliding_window", "1h", 10, 10},
 			{"sliding_window_2h", "sliding_window", "sliding_window", "2h", 10, 10},
 			{"limit_raised_keeps_count", "sliding_window", "sliding_window", "1h", 20, 16},
+			// A token bucket keeps the units used too, not the fraction of its bucket
+			// (before: 4 of 10 used, raised to 20, 12 more; lowered to 5, 3 more).
+			{"token_limit_raised_keeps_count", "token_bucket", "token_bucket", "1h", 20, 16},
+			{"token_limit_lowered_keeps_count", "token_bucket", "token_bucket", "1h", 5, 1},
 		} {
 			t.Run(mode+"/"+tc.name, func(t *testing.T) {
 				rdb := realRedis(t)
@@ -107,5 +111,43 @@ func TestRedisKeyFingerprint(t *testing.T) {
 		if strings.Count(string(d.Results[0].Key), "{") != 1 {
 			t.Errorf("key %q has more than one '{'", d.Results[0].Key)
 		}
+	}
+}
+
+// A token bucket's limit lowered below what a client used, in global mode: the rescaled
+// state (an empty bucket) is written back on the first read, even by a refused check, so
+// the bucket refills at the new rate from the reload on. Read again and again from the
+// old rate's state instead, it drained at the old rate: 15 of 20 per 4 s used, lowered
+// to 10 per 4 s, the first unit came back after 1.2 s, not 0.4 s.
+func TestReloadTokenLoweredRefillsAtNewRate(t *testing.T) {
+	rule := func(requests int) string {
+		return fmt.Sprintf("rules:\n  - name: api\n    key: user\n    limit: { requests: %d, per: 4s }\n    mode: global\n", requests)
+	}
+	rdb := realRedis(t)
+	l := New(mustRules(t, rule(20)), localbucket.NewStore(localbucket.Options{})).WithGlobal(rlsync.NewGlobal(rdb), time.Second)
+	var d Decision
+	in := Input{Attrs: attrs("user=u"), Cost: 1}
+	check := func() bool {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil || d.Degraded {
+			t.Fatalf("%v, degraded %v", err, d.Degraded)
+		}
+		return d.Allowed
+	}
+	for i := range 15 {
+		if !check() {
+			t.Fatalf("request %d refused", i+1)
+		}
+	}
+	l.SetRules(mustRules(t, rule(10)))
+	start := time.Now()
+	for !check() {
+		if time.Since(start) > 3*time.Second {
+			t.Fatal("no unit back within 3 s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if took := time.Since(start); took < 300*time.Millisecond || took > 900*time.Millisecond {
+		t.Fatalf("the first unit came back after %v, want about 400ms (one interval at the new rate)", took)
 	}
 }

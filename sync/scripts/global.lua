@@ -54,7 +54,12 @@
 -- State, a hash per key, mirroring localbucket.State:
 --   token bucket (GCRA): t = theoretical arrival time, integer µs; f = its sub-µs part in
 --     ns (0..999), so the TAT keeps localbucket's nanosecond emission interval exactly
---     instead of drifting by rounding a fractional µs emission on every take.
+--     instead of drifting by rounding a fractional µs emission on every take; er = the
+--     emission interval (ns) t counts in. A check whose emission differs (a reload
+--     changed the limit; the window is in the key) reads the same units used at its own
+--     rate, at most a whole burst (localbucket.Limit.Rescale), and writes that back
+--     whether it commits or not (rescale_token). A key with no er (written before
+--     there was one) is read as it is.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
 --   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;
@@ -145,6 +150,21 @@ end
 -- carries no information any more, relative to now), consumed (boolean); and updates st
 -- when consumed. Multiple values, no table: the script runs per check, and Lua's tables
 -- are its main cost after the commands.
+
+-- rescale_token reads a token bucket's state st, written at emission st.er, at
+-- emission e: the units used kept, at most a whole burst. It returns the new d (tat -
+-- now, ns) when it changed st, else nil.
+local function rescale_token(st, burst, e)
+  local er = st.er
+  st.er = e
+  if not er or er == e or not st.t then return nil end
+  local d = (st.t - now) * 1000 + st.f
+  if d <= 0 then return nil end -- a full bucket is full at any rate
+  d = min(muldiv(d, e, er), burst * e)
+  local us = floor(d / 1000)
+  st.t, st.f = now + us, d - us * 1000
+  return d
+end
 
 -- Token bucket (GCRA). st = {t, f}; works on d = tat - now in ns. delay in ns (algorithm
 -- 4; 0 else).
@@ -292,7 +312,7 @@ local function take(alg, st, requests, w, burst, e, cost)
   return redis.error_reply('rlsidecar global.lua: unknown algorithm ' .. tostring(alg))
 end
 
--- state parses a key's HMGET reply (t, f, n, p, u, gx, o) into a state. x: the TTL's end
+-- state parses a key's HMGET reply (t, f, n, p, u, gx, o, er) into a state. x: the TTL's end
 -- as global.lua last set it, unless a hybrid daemon has written the key since (its field
 -- o: the same rule in hybrid mode on another daemon, or before a reload), whose PEXPIRE
 -- may have shortened the TTL: then x is unknown (nil), and the commit sets the TTL.
@@ -300,7 +320,7 @@ local function state(v)
   local x = nil
   if not v[7] then x = tonumber(v[6]) end
   return {t = tonumber(v[1]), f = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0, p = tonumber(v[4]) or 0,
-    u = tonumber(v[5]), x = x} -- u: a ban key's (algorithm 5)
+    u = tonumber(v[5]), x = x, er = tonumber(v[8]), er0 = tonumber(v[9])} -- u: a ban key's (algorithm 5)
 end
 
 -- states: per key, its state as the requests decided so far left it; order: the keys in
@@ -388,15 +408,25 @@ local function decide(k0, a0, n, res)
       local burst, e, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
       local st = states[key]
       if not st then
-        local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o')
+        local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'u', 'gx', 'o', 'er')
+        v[9] = v[8] -- er as read (state's er0): the commit writes er only when it changes
         st = state(v)
+        if alg == 0 or alg == 4 then
+          local d = rescale_token(st, burst, e)
+          if d then
+            -- Written back whatever this call decides (it consumes nothing), and the
+            -- reply rewritten so that a request that commits nothing goes back to it.
+            v[1], v[2], v[8] = st.t, st.f, e
+            written[key], wrote_at[key] = d, alg
+          end
+        end
         states[key] = st
         order[#order + 1] = key
         before = before or {}
         before[key] = v -- the HMGET reply: parsed again only when nothing commits
       elseif not (before and before[key]) then
         before = before or {}
-        before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x}
+        before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x, er = st.er, er0 = st.er0}
       end
       local allowed, impossible, remaining, reset, retry, window, expires, consumed =
         take(alg, st, requests, w, burst, e, cost)
@@ -431,7 +461,7 @@ local function decide(k0, a0, n, res)
   if before then
     for key, b in pairs(before) do
       if b.copy then
-        states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x}
+        states[key] = {t = b.t, f = b.f, n = b.n, p = b.p, u = b.u, x = b.x, er = b.er, er0 = b.er0}
       else
         states[key] = state(b)
       end
@@ -508,7 +538,9 @@ for _, key in ipairs(order) do
     local ttl = math.ceil(expires / 1000000) + 1000
     local x = st.x
     if x and x >= now_ms + ttl and alg ~= 3 then
-      if alg == 0 or alg == 4 then
+      if (alg == 0 or alg == 4) and st.er ~= st.er0 then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er)
+      elseif alg == 0 or alg == 4 then
         redis.call('HSET', key, 't', st.t, 'f', st.f)
       else
         redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p)
@@ -516,7 +548,9 @@ for _, key in ipairs(order) do
     else
       if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
       st.x = now_ms + ttl
-      if alg == 0 or alg == 4 then
+      if (alg == 0 or alg == 4) and st.er ~= st.er0 then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er)
+      elseif alg == 0 or alg == 4 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x)
       else
         redis.call('HSET', key, 't', st.t, 'n', st.n, 'p', st.p, 'gx', st.x)

@@ -143,12 +143,12 @@ for i = 1, nkeys do
     if win then
       h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp')
     else
-      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp')
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er')
     end
   elseif win then
     h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p')
   else
-    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx')
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er')
   end
   if h.err then
     -- not served here (a slot moved): nothing touched
@@ -173,6 +173,12 @@ for i = 1, nkeys do
     local e = tonumber(h[d]) or 0
     local dc = tonumber(h[d + 1]) or 0
     local dp = tonumber(h[d + 2]) or 0
+    -- A token bucket's emission interval t counts in (ns; global.lua's field too), the
+    -- last in h.
+    local er = nil
+    if not win then
+      if mode == 0 and demand > 0 then er = tonumber(h[11]) else er = tonumber(h[8]) end
+    end
 
     -- What the daemon used beyond (or short of) its last grant. If the key is gone
     -- (expired, or Redis lost its data), so is that grant: everything used counts.
@@ -267,9 +273,18 @@ for i = 1, nkeys do
     end
 
     local avail, headroom, wstart
+    local ern = nil -- a token bucket's emission interval, ns, as global.lua writes it
     if alg == 0 then
       local T = window / requests
       local tau = burst * T
+      -- t written at another rate (a reload changed the limit; the window is in the
+      -- key): the same units used at this rate, at most a whole burst, as the exact mode
+      -- and the local buckets read it (localbucket.Limit.Rescale). Written back with
+      -- the sync.
+      ern = math.floor(window * 1000 / requests)
+      if er and t0 and math.abs(er - ern) > 1 and t > now then
+        t = now + math.min((t - now) * ern / er, tau)
+      end
       -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
       -- started refilling then, not now.
       local since = now
@@ -383,6 +398,8 @@ for i = 1, nkeys do
       f[1] = 't'; f[2] = t
       if alg ~= 0 then
         f[3] = 'n'; f[4] = n; f[5] = 'p'; f[6] = p
+      elseif not er or math.abs(er - ern) > 1 then
+        f[3] = 'er'; f[4] = ern
       end
     end
     if share_demand > 0 then
