@@ -292,23 +292,31 @@ rules:
     limit: { requests: 100, per: 1h }
 `)
 	var d Decision
-	for _, tc := range []struct {
+	for k, tc := range []struct {
 		attr    string
 		allowed bool
 	}{{"user=u", true}, {"ip=i", false}, {"api_key=k", true}} {
 		in := Input{Attrs: attrs(tc.attr), Cost: 1}
-		_ = l.Check(t0, &in, &d) // the key's credit: one request, before any sync
-		if !d.Allowed || d.Degraded {
-			t.Fatalf("%s, first request (on credit): %+v", tc.attr, d.Results)
+		first := 1
+		if k == 0 {
+			// The first key's credit: one request, before any sync, with nothing known
+			// of Redis yet. Its exact sync then fails: the other keys get no credit
+			// (Redis would never count it), their rules' policies decide their first
+			// request too.
+			_ = l.Check(t0, &in, &d)
+			if !d.Allowed || d.Degraded {
+				t.Fatalf("%s, first request (on credit): %+v", tc.attr, d.Results)
+			}
+			first = 2
 		}
 		for i := 0; i < 3; i++ {
 			_ = l.Check(t0, &in, &d)
 			if d.Allowed != tc.allowed || !d.Degraded || !d.Results[0].Degraded {
 				t.Fatalf("%s, request %d with Redis down: allowed %v degraded %v, want allowed %v, degraded: %+v",
-					tc.attr, i+2, d.Allowed, d.Degraded, tc.allowed, d.Results)
+					tc.attr, i+first, d.Allowed, d.Degraded, tc.allowed, d.Results)
 			}
 		}
-		if tc.attr == "api_key=k" && d.Results[0].Remaining != 97 { // the local fallback bucket, limit ÷ 1 daemon
+		if tc.attr == "api_key=k" && d.Results[0].Remaining != 97 { // the local fallback bucket, limit ÷ 1 daemon, 3 taken
 			t.Fatalf("local policy: remaining %d, want 97", d.Results[0].Remaining)
 		}
 	}

@@ -138,6 +138,10 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 				gates[g].m.breaker.Success()
 			default:
 				gates[g].m.breaker.Failure()
+				// Not answering, as a failed sync says: a key new here is then decided by
+				// its rule's policy (degraded), not by a first unit of credit that Redis
+				// never sees. (A daemon started with Redis away has synced nothing yet.)
+				gates[g].m.syncFailed.Store(h.clock())
 			}
 		}
 	}

@@ -207,7 +207,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			if h.cluster {
 				e.slot = Slot(k)
 			}
-			if c >= n {
+			if c >= n && h.redisAnswering(e) { // no credit Redis may never count
 				e.allowance = 1
 			}
 			sh.m[k] = e
