@@ -326,7 +326,7 @@ rules:
 // allowance back, a hybrid rejection consumes nothing locally. (Take and Undo are local;
 // no Redis is reached here, sync's tests cover the flush.)
 func TestHybridAllOrNothing(t *testing.T) {
-	l := withoutRedis(t, `
+	const rules = `
 rules:
   - name: shared
     key: user
@@ -340,7 +340,8 @@ rules:
     key: api_key
     limit: { requests: 1, per: 1h }
     mode: local
-`)
+`
+	l := withoutRedis(t, rules)
 	var d Decision
 	// Before its first sync a daemon admits its credit per hybrid key, 1/2N of the limit
 	// (here one request); the exact sync it then tries finds no Redis, so shared's failure
@@ -358,7 +359,9 @@ rules:
 		t.Fatalf("local rule after hybrid rejections: %+v", d.Results)
 	}
 	// A local rejection gives the hybrid allowance back: api_key k admits once; user v2's
-	// request on k is rejected by tight, and v2 keeps its one credit.
+	// request on k is rejected by tight, and v2 keeps its one credit. (On a daemon whose
+	// Redis has not failed yet: once a sync has failed, no new key gets credit.)
+	l = withoutRedis(t, rules)
 	_ = l.Check(t0, &Input{Attrs: attrs("user=v1", "api_key=k"), Cost: 1}, &d)
 	if !d.Allowed {
 		t.Fatalf("first request on k: %+v", d.Results)
