@@ -1322,7 +1322,7 @@ func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 		r := &d.Results[i]
 		head := heads.first(r)
 		// head is not nil only for a rule's result (first): r.Rule is not nil then.
-		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned && !r.Unasked && !r.Rule.Concurrency {
+		if head != nil && !r.Impossible && !r.Warning && r.Delay <= 0 && !r.Banned && !r.Unasked && !r.Rule.Concurrency && !r.Degraded {
 			enc.AppendRuleHeadV1(head, r.Remaining, ceilMs(r.Reset), ceilMs(r.RetryAfter), r.Allowed, r.Shadow)
 			continue
 		}
@@ -1336,7 +1336,7 @@ func (s *Server) answerRules(enc *proto.Encoder, d *limiter.Decision) {
 func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.RuleHead) {
 	rr := proto.RuleResult{Remaining: r.Remaining, ResetMs: ceilMs(r.Reset), RetryAfterMs: ceilMs(r.RetryAfter),
 		Allowed: r.Allowed, Shadow: r.Shadow, Warning: r.Warning, Banned: r.Banned, DelayMs: ceilMs(r.Delay),
-		Unasked: r.Unasked, Concurrency: r.Rule != nil && r.Rule.Concurrency}
+		Unasked: r.Unasked, Concurrency: r.Rule != nil && r.Rule.Concurrency, Degraded: r.Degraded}
 	if r.Impossible {
 		rr.Reason = proto.ReasonCostExceedsCapacity
 	}

@@ -92,7 +92,7 @@ const (
 	kUnaskedTrue   = "\xa7unasked\xc3"
 )
 
-// kConcurrencyTrue is a concurrency rule's entry's last field (an addition to v1).
+// kConcurrencyTrue is a concurrency rule's entry's field (an addition to v1).
 const kConcurrencyTrue = "\xabconcurrency\xc3"
 
 // appendUintField appends the key k and v.

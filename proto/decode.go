@@ -623,6 +623,8 @@ func (d *Decoder) ruleResults(resp *Response) error {
 				rr.Unasked, err = d.boolean("rules[].unasked")
 			case "concurrency":
 				rr.Concurrency, err = d.boolean("rules[].concurrency")
+			case "degraded":
+				rr.Degraded, err = d.boolean("rules[].degraded")
 			default:
 				err = d.skip(key)
 			}

@@ -342,7 +342,7 @@ func (h *RuleHead) Is(name string, limit, windowMs uint64) bool {
 func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
 	start := len(e.buf.b)
 	e.AppendRuleHeadV1(h, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
-	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned || rr.Unasked || rr.Concurrency {
+	if rr.Reason != "" || rr.Warning || rr.DelayMs != 0 || rr.Banned || rr.Unasked || rr.Concurrency || rr.Degraded {
 		e.buf.b[start] = ruleMapLen(rr)
 		b := e.buf.b
 		if rr.Reason != "" {
@@ -354,6 +354,9 @@ func (e *Encoder) AppendRuleHead(h *RuleHead, rr *RuleResult) {
 		}
 		if rr.Concurrency {
 			b = append(b, kConcurrencyTrue...)
+		}
+		if rr.Degraded {
+			b = append(b, kDegradedTrue...)
 		}
 		e.buf.b = b
 	}
@@ -416,7 +419,7 @@ func (e *Encoder) appendRuleHeadV1Grow(h *RuleHead, remaining, resetMs, retryAft
 }
 
 // ruleMapLen is the map header of rr's entry: 8 fields and those set of the others (at
-// most 14: a fixmap).
+// most 15: a fixmap).
 func ruleMapLen(rr *RuleResult) byte {
 	m := 8 + policyFields(rr.Warning, rr.DelayMs, rr.Banned)
 	if rr.Reason != "" {
@@ -426,6 +429,9 @@ func ruleMapLen(rr *RuleResult) byte {
 		m++
 	}
 	if rr.Concurrency {
+		m++
+	}
+	if rr.Degraded {
 		m++
 	}
 	return 0x80 | byte(m)
@@ -452,6 +458,9 @@ func appendRuleTail(b []byte, rr *RuleResult) []byte {
 	}
 	if rr.Concurrency {
 		b = append(b, kConcurrencyTrue...)
+	}
+	if rr.Degraded {
+		b = append(b, kDegradedTrue...)
 	}
 	return b
 }

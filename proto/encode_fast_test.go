@@ -66,7 +66,7 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 			if rng.IntN(4) == 0 {
 				rr.DelayMs = num()
 			}
-			rr.Unasked, rr.Concurrency = rng.IntN(4) == 0, rng.IntN(4) == 0
+			rr.Unasked, rr.Concurrency, rr.Degraded = rng.IntN(4) == 0, rng.IntN(4) == 0, rng.IntN(4) == 0
 			r.Rules = append(r.Rules, rr)
 		}
 		enc := NewEncoder()
@@ -103,7 +103,7 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 		for j := range r.Rules {
 			rr := r.Rules[j]
 			head := NewRuleHead(rr.Name, rr.Limit, rr.WindowMs)
-			if rr.Reason == "" && !rr.Warning && rr.DelayMs == 0 && !rr.Banned && !rr.Unasked && !rr.Concurrency && rng.IntN(2) == 0 {
+			if rr.Reason == "" && !rr.Warning && rr.DelayMs == 0 && !rr.Banned && !rr.Unasked && !rr.Concurrency && !rr.Degraded && rng.IntN(2) == 0 {
 				enc.AppendRuleHeadV1(head, rr.Remaining, rr.ResetMs, rr.RetryAfterMs, rr.Allowed, rr.Shadow)
 				continue
 			}
@@ -117,7 +117,20 @@ func TestEncodeCheckHeadsMatchesMsgpack(t *testing.T) {
 		}
 		frame := enc.Bytes()[before:]
 		if got, want := frame[HeaderSize:], encodeCheckRef(&r); !bytes.Equal(got, want) {
-			t.Fatalf("response %d: %d bytes unlike msgpack's %d", i, len(got), len(want))
+			k := 0
+			for k < len(got) && got[k] == want[k] {
+				k++
+			}
+			t.Fatalf("response %d: %d bytes unlike msgpack's %d, from byte %d: %q against %q", i, len(got), len(want), k, got[max(0, k-20):min(len(got), k+20)], want[max(0, k-20):min(len(want), k+20)])
+		}
+		var back Response
+		if err := NewDecoder().DecodeResponse(frame[HeaderSize:], &back); err != nil || len(back.Rules) != len(r.Rules) {
+			t.Fatalf("response %d decoded: %v", i, err)
+		}
+		for j := range r.Rules {
+			if g, w := back.Rules[j], r.Rules[j]; g.Degraded != w.Degraded || g.Unasked != w.Unasked || g.Concurrency != w.Concurrency {
+				t.Fatalf("response %d, rule %d decoded %+v, want %+v", i, j, g, w)
+			}
 		}
 		if int(FrameLength(frame)) != len(frame)-HeaderSize {
 			t.Fatalf("response %d: frame length %d for a %d-byte body", i, FrameLength(frame), len(frame)-HeaderSize)

@@ -434,6 +434,9 @@ func encodeCheckRef(r *Response) []byte {
 		if rr.Concurrency {
 			m++
 		}
+		if rr.Degraded {
+			m++
+		}
 		_ = e.EncodeMapLen(m)
 		kv("name", rr.Name)
 		kv("limit", rr.Limit)
@@ -452,6 +455,9 @@ func encodeCheckRef(r *Response) []byte {
 		}
 		if rr.Concurrency {
 			kv("concurrency", true)
+		}
+		if rr.Degraded {
+			kv("degraded", true)
 		}
 	}
 	if r.Reason != "" {

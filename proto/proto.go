@@ -162,6 +162,10 @@ type RuleResult struct {
 	// the free slots after this request, WindowMs its lease duration; when refused,
 	// RetryAfterMs is a hint.
 	Concurrency bool
+	// Degraded (an addition to v1, encoded only when set): this rule was decided without
+	// the store it needed, by its failure policy (on_store_failure); the answer's
+	// top-level degraded is then true too. It tells which of a request's rules fell back.
+	Degraded bool
 }
 
 // Response is any response: a check answer, a ping answer or an error. A server encodes

@@ -314,6 +314,9 @@ func responseJSON(r *Response, kind string) map[string]any {
 		if rr.Concurrency {
 			m["concurrency"] = true
 		}
+		if rr.Degraded {
+			m["degraded"] = true
+		}
 		rules = append(rules, m)
 	}
 	m := map[string]any{"id": r.ID, "allowed": r.Allowed, "rule": r.Rule, "limit": r.Limit, "remaining": r.Remaining,

@@ -122,6 +122,9 @@ type RuleDecision struct {
 	// lease duration, and RetryAfter (when refused) a hint. SetHeaders gives it the quota
 	// unit "concurrent-requests" and no window.
 	Concurrency bool
+	// Degraded is true when this rule was decided by its failure policy (on_store_failure),
+	// without the store it needed: the rule the Decision's Degraded is about.
+	Degraded bool
 }
 
 // Decision is the answer to a check.
@@ -499,6 +502,7 @@ func decision(r *proto.Response) Decision {
 				Banned:      rr.Banned,
 				Unasked:     rr.Unasked,
 				Concurrency: rr.Concurrency,
+				Degraded:    rr.Degraded,
 			}
 		}
 	}

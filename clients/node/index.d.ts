@@ -73,6 +73,8 @@ export declare class RuleDecision {
    * free slots, windowMs its lease (headers(): qu="concurrent-requests", no window).
    */
   readonly concurrency: boolean;
+  /** Decided by its failure policy (on_store_failure), without the store it needed. */
+  readonly degraded: boolean;
 }
 
 export interface Rejection {

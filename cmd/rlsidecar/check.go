@@ -29,6 +29,7 @@ type ruleJSON struct {
 	Banned       bool   `json:"banned,omitempty"`
 	Unasked      bool   `json:"unasked,omitempty"`
 	Concurrency  bool   `json:"concurrency,omitempty"`
+	Degraded     bool   `json:"degraded,omitempty"`
 }
 
 type decisionJSON struct {

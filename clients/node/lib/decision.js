@@ -10,7 +10,7 @@ const COST_EXCEEDS_CAPACITY = 'cost_exceeds_capacity';
 /** One matched rule's or inline limit's part of a Decision. Times are milliseconds. */
 class RuleDecision {
   constructor(name, limit, windowMs, remaining, resetMs, retryAfterMs, allowed, shadow, reason = '',
-    warning = false, delayMs = 0, banned = false, unasked = false, concurrency = false) {
+    warning = false, delayMs = 0, banned = false, unasked = false, concurrency = false, degraded = false) {
     this.name = name;
     this.limit = limit; // requests per window
     this.windowMs = windowMs;
@@ -27,6 +27,9 @@ class RuleDecision {
     // store was asked: it refused nothing, and its remaining and resetMs are 0 because they
     // were not read. headers() leaves it out.
     this.unasked = unasked;
+    // Decided by its failure policy (on_store_failure), without the store it needed: the
+    // rule the Decision's degraded is about.
+    this.degraded = degraded;
     // A concurrency rule's entry: limit is its max of requests in flight (not per window),
     // remaining its free slots, windowMs its lease, retryAfterMs (when refused) a hint.
     // headers() gives it the quota unit "concurrent-requests" and no window.

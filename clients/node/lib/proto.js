@@ -180,7 +180,7 @@ function decision(m) {
       rules.push(new RuleDecision(str(r.name), r.limit || 0, r.window_ms || 0, r.remaining || 0, r.reset_ms || 0,
         r.retry_after_ms || 0, r.allowed === true, r.shadow === true, str(r.reason),
         r.warning === true, r.delay_ms || 0, r.banned === true, r.unasked === true,
-        r.concurrency === true));
+        r.concurrency === true, r.degraded === true));
     }
   }
   return new Decision({

@@ -112,6 +112,22 @@ test('an unasked rule is exposed, and left out of RateLimit-Policy and RateLimit
   assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=15', 'Retry-After': '15' });
 });
 
+// A refused check's answer with Redis away, as the daemon encodes it: otp (global,
+// on_store_failure: closed) refused by its failure policy, its entry degraded; per-ip,
+// a local rule, decided as usual.
+const DEGRADED_FRAME = Buffer.from(
+  '0000010f89a2696402a7616c6c6f776564c2a472756c65a36f7470a56c696d697405a972656d61696e696e6700a872657365745f6d7300ae'
+  + '72657472795f61667465725f6d73cd03e8a86465677261646564c3a572756c65739288a46e616d65a67065722d6970a56c696d697464a977'
+  + '696e646f775f6d73cdea60a972656d61696e696e6763a872657365745f6d73cd0258ae72657472795f61667465725f6d7300a7616c6c6f77'
+  + '6564c3a6736861646f77c289a46e616d65a36f7470a56c696d697405a977696e646f775f6d73cdea60a972656d61696e696e6700a8726573'
+  + '65745f6d7300ae72657472795f61667465725f6d73cd03e8a7616c6c6f776564c2a6736861646f77c2a86465677261646564c3', 'hex');
+
+test('a rule decided by its failure policy is exposed as degraded', () => {
+  const d = proto.decision(proto.decode(DEGRADED_FRAME.subarray(4)));
+  assert.equal(d.degraded, true);
+  assert.deepEqual(d.rules.map((r) => [r.name, r.degraded]), [['per-ip', false], ['otp', true]]);
+});
+
 // The lease vectors (proto/testdata/vectors.json): a concurrency rule's entry says
 // concurrency: true; its items are a quota of concurrent requests with no window.
 const LEASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'proto', 'testdata', 'vectors.json'), 'utf8')).lease_responses;

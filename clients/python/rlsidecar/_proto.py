@@ -182,7 +182,7 @@ def decision(msg):
                      r.get("reset_ms", 0), r.get("retry_after_ms", 0), r.get("allowed", False),
                      r.get("shadow", False), _str(r.get("reason", "")),
                      r.get("warning", False), r.get("delay_ms", 0), r.get("banned", False),
-                     r.get("unasked", False), r.get("concurrency", False))
+                     r.get("unasked", False), r.get("concurrency", False), r.get("degraded", False))
         for r in (g("rules") or ())
     ]
     return Decision(g("allowed", False), _str(g("rule", "")), g("limit", 0), g("remaining", 0), g("reset_ms", 0),

@@ -25,10 +25,10 @@ class RuleDecision:
     """One matched rule's or inline limit's part of a Decision. Times are milliseconds."""
 
     __slots__ = ("name", "limit", "window_ms", "remaining", "reset_ms", "retry_after_ms", "allowed", "shadow",
-                 "reason", "warning", "delay_ms", "banned", "unasked", "concurrency")
+                 "reason", "warning", "delay_ms", "banned", "unasked", "concurrency", "degraded")
 
     def __init__(self, name, limit, window_ms, remaining, reset_ms, retry_after_ms, allowed, shadow, reason="",
-                 warning=False, delay_ms=0, banned=False, unasked=False, concurrency=False):
+                 warning=False, delay_ms=0, banned=False, unasked=False, concurrency=False, degraded=False):
         self.name = name
         self.limit = limit  # requests per window
         self.window_ms = window_ms
@@ -45,6 +45,9 @@ class RuleDecision:
         # rule's store was asked: it refused nothing, and its remaining and reset_ms are
         # 0 because they were not read. headers() leaves it out.
         self.unasked = unasked
+        # Decided by its failure policy (on_store_failure), without the store it needed:
+        # the rule the Decision's degraded is about.
+        self.degraded = degraded
         # A concurrency rule's entry: limit is its max of requests in flight (not per
         # window), remaining its free slots, window_ms its lease, retry_after_ms (when
         # refused) a hint. headers() gives it the quota unit "concurrent-requests" and no

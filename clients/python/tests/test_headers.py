@@ -133,3 +133,21 @@ def test_concurrency_rule(name, headers):
     assert d.headers() == headers
     # A rate rule's entry is not one.
     assert [r.concurrency for r in _proto.decision(_proto.decode(UNASKED_FRAME[4:])).rules] == [False, False]
+
+
+# A refused check's answer with Redis away, as the daemon encodes it: otp (global,
+# on_store_failure: closed) refused by its failure policy, its entry degraded; per-ip,
+# a local rule, decided as usual.
+DEGRADED_FRAME = bytes.fromhex(
+    "0000010f89a2696402a7616c6c6f776564c2a472756c65a36f7470a56c696d697405a972656d61696e696e6700a872657365745f6d7300ae"
+    "72657472795f61667465725f6d73cd03e8a86465677261646564c3a572756c65739288a46e616d65a67065722d6970a56c696d697464a977"
+    "696e646f775f6d73cdea60a972656d61696e696e6763a872657365745f6d73cd0258ae72657472795f61667465725f6d7300a7616c6c6f77"
+    "6564c3a6736861646f77c289a46e616d65a36f7470a56c696d697405a977696e646f775f6d73cdea60a972656d61696e696e6700a8726573"
+    "65745f6d7300ae72657472795f61667465725f6d73cd03e8a7616c6c6f776564c2a6736861646f77c2a86465677261646564c3")
+
+
+def test_degraded_rule_exposed():
+    """A rule decided by its failure policy is exposed as degraded."""
+    d = _proto.decision(_proto.decode(DEGRADED_FRAME[4:]))
+    assert d.degraded
+    assert [(r.name, r.degraded) for r in d.rules] == [("per-ip", False), ("otp", True)]
