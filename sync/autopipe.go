@@ -167,13 +167,13 @@ func (a *autoPipe) sendTrip(batch []*apCall) {
 	if a.merge {
 		merged, groups = mergeGlobal(ctx, batch)
 	}
-	var cmds []redis.Cmder
+	var cmds []redis.Cmder // each sent once (noRetry: see run)
 	for _, m := range merged {
-		cmds = append(cmds, m)
+		cmds = append(cmds, noRetry{m})
 	}
 	for _, c := range batch {
 		if merged == nil || !c.global {
-			cmds = append(cmds, c.cmd)
+			cmds = append(cmds, noRetry{c.cmd})
 		}
 	}
 	if p, ok := a.rediser.(processor); ok && len(cmds) == 1 {
@@ -185,9 +185,9 @@ func (a *autoPipe) sendTrip(batch []*apCall) {
 		}
 		_, err := pipe.Exec(ctx) // every cmd carries its own error, or this one
 		for _, c := range cmds {
-			if c, ok := c.(*redis.Cmd); ok {
-				unanswered(err, c)
-				keepAnswered(c) // a master that answered is not failed by another's timeout
+			if c, ok := c.(noRetry); ok {
+				unanswered(err, c.Cmd)
+				keepAnswered(c.Cmd) // a master that answered is not failed by another's timeout
 			}
 		}
 	}

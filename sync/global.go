@@ -493,12 +493,23 @@ type call struct {
 // run sends calls with EVALSHA, all in one pipeline when there are several, and sends
 // those that failed with NOSCRIPT again with EVAL (which also caches the script on that
 // node for the next EVALSHA). Each call's cmd holds its reply or error.
+//
+// No call is sent twice: these scripts are not idempotent (a check's take, a refund's
+// give-back, a lease), and one whose connection failed after Redis ran it would count
+// twice if sent again. go-redis's cluster client resends a command after a network
+// error or a read timeout (MaxRetries does not turn that off there), so each call goes
+// as a noRetry command; a MOVED or ASK reply, which says the script did not run, is still
+// followed.
 func run(ctx context.Context, rdb rediser, s script, calls []call) {
 	if len(calls) == 1 {
 		c := &calls[0]
-		c.cmd = rdb.EvalSha(ctx, s.Hash(), c.keys, c.args...)
+		if ap, ok := rdb.(*autoPipe); ok {
+			c.cmd = ap.EvalSha(ctx, s.Hash(), c.keys, c.args...) // sent as noRetry by its batch
+		} else {
+			c.cmd = sendOnce(ctx, rdb, scriptCmd(ctx, s, false, c.keys, c.args))
+		}
 		if isNoScript(c.cmd.Err()) {
-			c.cmd = rdb.Eval(ctx, s.src, c.keys, c.args...)
+			c.cmd = sendOnce(ctx, rdb, scriptCmd(ctx, s, true, c.keys, c.args))
 		}
 		return
 	}
@@ -509,7 +520,8 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 	}()
 	pipe := rdb.Pipeline()
 	for i := range calls {
-		calls[i].cmd = pipe.EvalSha(ctx, s.Hash(), calls[i].keys, calls[i].args...)
+		calls[i].cmd = scriptCmd(ctx, s, false, calls[i].keys, calls[i].args)
+		_ = pipe.Process(ctx, noRetry{calls[i].cmd})
 	}
 	_, err := pipe.Exec(ctx) // every cmd carries its own error, or this one
 	for i := range calls {
@@ -522,7 +534,8 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 				pipe = rdb.Pipeline()
 				retry = true
 			}
-			calls[i].cmd = pipe.Eval(ctx, s.src, calls[i].keys, calls[i].args...)
+			calls[i].cmd = scriptCmd(ctx, s, true, calls[i].keys, calls[i].args)
+			_ = pipe.Process(ctx, noRetry{calls[i].cmd})
 		}
 	}
 	if retry {
@@ -531,6 +544,44 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 			unanswered(err, calls[i].cmd)
 		}
 	}
+}
+
+// noRetry is a command go-redis must not send again after a network error or a read
+// timeout (see run): Redis may have run it, and its reply was lost.
+type noRetry struct{ *redis.Cmd }
+
+// NoRetry tells go-redis not to resend the command.
+func (noRetry) NoRetry() bool { return true }
+
+// scriptCmd returns the EVALSHA call of s on keys and args, or with eval its EVAL.
+func scriptCmd(ctx context.Context, s script, eval bool, keys []string, args []any) *redis.Cmd {
+	a := make([]any, 0, 3+len(keys)+len(args))
+	if eval {
+		a = append(a, "eval", s.src, len(keys))
+	} else {
+		a = append(a, "evalsha", s.Hash(), len(keys))
+	}
+	for _, k := range keys {
+		a = append(a, k)
+	}
+	cmd := redis.NewCmd(ctx, append(a, args...)...)
+	if len(keys) > 0 {
+		cmd.SetFirstKeyPos(3) // the cluster client routes it by its first key
+	}
+	return cmd
+}
+
+// sendOnce sends cmd, once (noRetry), and returns it holding its reply or error.
+func sendOnce(ctx context.Context, rdb rediser, cmd *redis.Cmd) *redis.Cmd {
+	if p, ok := rdb.(processor); ok {
+		_ = p.Process(ctx, noRetry{cmd})
+		return cmd
+	}
+	pipe := rdb.Pipeline()
+	_ = pipe.Process(ctx, noRetry{cmd})
+	_, err := pipe.Exec(ctx)
+	unanswered(err, cmd)
+	return cmd
 }
 
 func isNoScript(err error) bool {

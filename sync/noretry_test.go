@@ -1,0 +1,144 @@
+package sync
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// fakeNode is a one-node "cluster" speaking just enough RESP for go-redis's cluster
+// client: it serves every slot, answers OK to set-up commands, and closes the
+// connection on every script call without a reply, as a connection lost after Redis ran
+// the script would. It counts the script calls it received.
+func fakeNode(t *testing.T) (addr string, scripts *atomic.Int32) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	host, port, _ := net.SplitHostPort(ln.Addr().String())
+	scripts = new(atomic.Int32)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					args, err := readRESP(r)
+					if err != nil {
+						return
+					}
+					switch cmd := strings.ToLower(args[0]); {
+					case cmd == "evalsha" || cmd == "eval":
+						// The reply lost, and those of the calls pipelined behind it.
+						scripts.Add(1)
+						for r.Buffered() > 0 {
+							if more, err := readRESP(r); err == nil && strings.HasPrefix(strings.ToLower(more[0]), "eval") {
+								scripts.Add(1)
+							}
+						}
+						return
+					case cmd == "hello":
+						fmt.Fprintf(c, "-ERR unknown command 'HELLO'\r\n")
+					case cmd == "cluster" && len(args) > 1 && strings.EqualFold(args[1], "slots"):
+						fmt.Fprintf(c, "*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$%d\r\n%s\r\n:%s\r\n$40\r\n%s\r\n",
+							len(host), host, port, strings.Repeat("a", 40))
+					case cmd == "ping":
+						fmt.Fprintf(c, "+PONG\r\n")
+					default:
+						fmt.Fprintf(c, "+OK\r\n")
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), scripts
+}
+
+// readRESP reads one command: an array of bulk strings.
+func readRESP(r *bufio.Reader) ([]string, error) {
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return nil, err
+	}
+	if !strings.HasPrefix(line, "*") {
+		return nil, fmt.Errorf("not an array: %q", line)
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(line[1:]))
+	if err != nil {
+		return nil, err
+	}
+	args := make([]string, n)
+	for i := range args {
+		if line, err = r.ReadString('\n'); err != nil {
+			return nil, err
+		}
+		size, err := strconv.Atoi(strings.TrimSpace(line[1:]))
+		if err != nil {
+			return nil, err
+		}
+		b := make([]byte, size+2)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return nil, err
+		}
+		args[i] = string(b[:size])
+	}
+	return args, nil
+}
+
+// A script call whose connection is lost before its reply is not sent again: Redis may
+// have run it (a check's take, a refund, a lease), and a second run would count it
+// twice. go-redis's cluster client resent it after the lost reply (MaxRedirects, 3 by
+// default: up to 4 runs); each call goes as a noRetry command now. Alone and in a
+// pipeline, through the global mode's batching queue and without it.
+func TestClusterScriptNotResentAfterLostReply(t *testing.T) {
+	addr, scripts := fakeNode(t)
+	rdb, err := Open(Config{Cluster: []string{addr}, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	cc := rdb.(*redis.ClusterClient)
+	for _, tc := range []struct {
+		name  string
+		rdb   rediser
+		calls int
+	}{
+		{"one call", cc, 1},
+		{"a pipeline", cc, 3},
+		{"one call, batched", &autoPipe{rediser: cc}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			scripts.Store(0)
+			calls := make([]call, tc.calls)
+			for i := range calls {
+				calls[i] = call{keys: []string{fmt.Sprintf("rl:r~tb1m:{u%d}", i)}, args: []any{"x"}}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			run(ctx, tc.rdb, globalScript, calls)
+			for i := range calls {
+				if calls[i].cmd.Err() == nil {
+					t.Fatalf("call %d: no error, though its reply was lost", i)
+				}
+			}
+			if got := scripts.Load(); got != int32(tc.calls) {
+				t.Fatalf("the node received %d script calls for %d sent", got, tc.calls)
+			}
+		})
+	}
+}
