@@ -161,7 +161,7 @@ func (d *Decoder) decodeFields(body []byte, req *Request) error {
 		}
 	}
 	if d.r.Len() != 0 {
-		return Errorf(CodeBadRequest, "frame holds %d bytes after the request map; a frame holds exactly one msgpack map", d.r.Len())
+		return Errorf(CodeBadRequest, "frame holds %d byte(s) after the request map; a frame holds exactly one msgpack map", d.r.Len())
 	}
 	if seen&fieldOp == 0 {
 		return Errorf(CodeBadRequest, `request has no "op"; send "check", "ping", "release" or "renew"`)

@@ -194,6 +194,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off;#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
+  -e "/^user www-data;/d" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
 grep -q "timeout_ms = 2000" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/nginx.conf no longer has timeout_ms = 50," >&2; exit 1; }
