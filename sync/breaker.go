@@ -12,12 +12,17 @@ var ErrBreakerOpen = errors.New("redis circuit breaker open: not calling a store
 
 // Breaker stops calls to a store that keeps failing: after Failures consecutive failed
 // calls it opens, and every call is refused at once (no request waits on a store known
-// to be down) for Cooldown; then one call at a time is let through as a probe, and the
-// first success closes it again. The zero value is not usable; use NewBreaker. Safe for
-// concurrent use; Allow costs one atomic load while closed.
+// to be down); after a wait one call at a time is let through as a probe, and the first
+// success closes it again. The first wait is an eighth of Cooldown, and each failed probe
+// doubles it, up to Cooldown: a store that paused for a moment (a Redis Cluster's
+// planned failover pauses its clients) costs an eighth of a second of failure policies,
+// not a whole second, and one that is down is probed no more than once a Cooldown after
+// a few tries. The zero value is not usable; use NewBreaker. Safe for concurrent use;
+// Allow costs one atomic load while closed.
 type Breaker struct {
 	failures int
-	cooldown time.Duration
+	cooldown time.Duration // the longest wait between probes
+	wait     time.Duration // while open: the current wait (under mu)
 
 	open   atomic.Bool
 	streak atomic.Int32 // consecutive failures
@@ -96,14 +101,16 @@ func (b *Breaker) Failure() {
 	defer b.mu.Unlock()
 	streak := b.streak.Add(1)
 	if b.open.Load() {
-		// A failed probe: stay open for another cool-down.
+		// A failed probe: stay open, twice as long as before, at most a cool-down.
 		b.probe = false
-		b.until = time.Now().Add(b.cooldown)
+		b.wait = min(2*b.wait, b.cooldown)
+		b.until = time.Now().Add(b.wait)
 		return
 	}
 	if int(streak) >= b.failures {
 		b.open.Store(true)
-		b.until = time.Now().Add(b.cooldown)
+		b.wait = max(b.cooldown/8, min(b.cooldown, time.Millisecond))
+		b.until = time.Now().Add(b.wait)
 		b.opened.Add(1)
 	}
 }

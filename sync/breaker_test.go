@@ -100,3 +100,38 @@ func TestGlobalBreakerFrozenRedis(t *testing.T) {
 		t.Fatal("breaker still open")
 	}
 }
+
+// An open breaker's first probe comes after an eighth of the cool-down, each failed
+// probe doubling the wait up to the cool-down: a store that paused for a moment (a
+// cluster's planned failover) costs an eighth of it in failure policies, not all of it.
+func TestBreakerBackoff(t *testing.T) {
+	b := NewBreaker(1, 800*time.Millisecond)
+	b.Failure()
+	if !b.Open() || b.wait != 100*time.Millisecond {
+		t.Fatalf("opened: wait %v, want 100ms", b.wait)
+	}
+	time.Sleep(150 * time.Millisecond) // past the first wait, well before the cool-down
+	if !b.Allow() {
+		t.Fatal("no probe after the first wait")
+	}
+	for _, want := range []time.Duration{200, 400, 800, 800} {
+		b.Failure() // the probe failed
+		if b.wait != want*time.Millisecond || b.Allow() {
+			t.Fatalf("after a failed probe: wait %v (allowed at once %v), want %v", b.wait, b.Allow(), want*time.Millisecond)
+		}
+		b.mu.Lock()
+		b.until = time.Now() // as if the wait were over
+		b.mu.Unlock()
+		if !b.Allow() {
+			t.Fatal("no probe after the wait")
+		}
+	}
+	b.Success()
+	if b.Open() {
+		t.Fatal("not closed by a successful probe")
+	}
+	b.Failure() // opens again: from the first wait
+	if b.wait != 100*time.Millisecond {
+		t.Fatalf("reopened: wait %v, want 100ms", b.wait)
+	}
+}

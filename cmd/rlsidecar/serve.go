@@ -80,7 +80,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
 	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open; on a Redis Cluster one breaker per master, for its keys)")
-	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "how long the breaker stays open before one probe is let through")
+	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "the longest wait of an open breaker before it lets one probe through (the first after an eighth of it, each failed probe doubling the wait)")
 	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
 	envoyTransport := fs.String("envoy-rls-transport", envoyrls.DefaultTransport, "the Envoy listener's transport: native (rlsidecar's own HTTP/2 server for ShouldRateLimit and Health/Check) or grpc-go (google.golang.org/grpc, which also serves Health/Watch)")
 	if err := noPositional(fs, args); err != nil {
