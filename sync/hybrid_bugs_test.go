@@ -880,3 +880,25 @@ func TestHybridRetryObeyedIsAdmitted(t *testing.T) {
 		}
 	}
 }
+
+// With its breaker open, no heartbeat is sent, and Run counts none as a success (beatOnce
+// says so; the heartbeat success counter rose while a wrong password failed every call).
+func TestHeartbeatNotSentNotCounted(t *testing.T) {
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"}) // nothing listens
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(1, time.Hour)
+	h := NewHybrid(rdb, HybridOptions{}).WithBreaker(b)
+	ctx := context.Background()
+	if _, sent, err := h.beatOnce(ctx, "d", time.Second); !sent || err == nil {
+		t.Fatalf("the first heartbeat: sent %v, err %v; want sent, failed", sent, err)
+	}
+	if !b.Open() {
+		t.Fatal("the breaker did not open")
+	}
+	if _, sent, _ := h.beatOnce(ctx, "d", time.Second); sent {
+		t.Fatal("a heartbeat sent with the breaker open")
+	}
+}

@@ -92,8 +92,9 @@ func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, ke
 // of a cluster it also pings, at the same time, each master holding no heartbeat set
 // whose breaker lets it, so a master no key of this daemon is synced to is judged
 // too: its keys go stale only when it stops answering. It returns the heartbeat's
-// count of live daemons (0: none answered, or none was sent) and its error.
-func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, error) {
+// count of live daemons (0: none answered, or none was sent), whether a heartbeat was
+// sent (with every breaker open, none is: no success to count), and its error.
+func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, bool, error) {
 	var keys []string
 	var gates []masterGate
 	var keyGate []int
@@ -146,7 +147,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 		}
 	}
 	wg.Wait()
-	return n, err
+	return n, len(keys) > 0, err
 }
 
 // ping asks master m (through key, in one of its slots) whether it answers, and tells
@@ -236,8 +237,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
 		start := time.Now()
-		_, err := h.beatOnce(c, id, 3*beatEvery)
-		h.observed("heartbeat", start, err)
+		_, sent, err := h.beatOnce(c, id, 3*beatEvery)
+		if sent {
+			h.observed("heartbeat", start, err)
+		}
 		if err != nil {
 			fail(err)
 		}
