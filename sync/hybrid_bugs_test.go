@@ -874,7 +874,10 @@ func TestHybridRetryObeyedIsAdmitted(t *testing.T) {
 			if r = take(h, time.Now().UnixNano(), key, lim, 1); r.Allowed {
 				break
 			}
-			if refusals++; refusals > 2 {
+			// Once or twice on a quiet machine (a sync on its way makes the key busy);
+			// up to a few more under a loaded CI machine's delayed syncs; 40 to 80
+			// before the fix.
+			if refusals++; refusals > 10 {
 				t.Fatalf("trial %d: refused %d times after waiting each retry (the last said %v)", trial, refusals, time.Duration(r.RetryAfter))
 			}
 		}

@@ -513,12 +513,18 @@ func TestE2EReloadDirectoryReplaced(t *testing.T) {
 		}
 	})
 
-	t.Run("renamed over", func(t *testing.T) {
-		top := shortTempDir(t)
-		dir := filepath.Join(top, "rules")
+	// inDir starts a daemon on top/rules/rules.yaml.
+	inDir := func(t *testing.T) (top, dir string, d *daemonProc, base, v string) {
+		top = shortTempDir(t)
+		dir = filepath.Join(top, "rules")
 		must(t, os.Mkdir(dir, 0o755))
 		writeFile(t, dir, "rules.yaml", rulesWithLimit(next()))
-		d, base, v := start(t, filepath.Join(dir, "rules.yaml"))
+		d, base, v = start(t, filepath.Join(dir, "rules.yaml"))
+		return top, dir, d, base, v
+	}
+
+	t.Run("renamed over", func(t *testing.T) {
+		top, dir, d, base, v := inDir(t)
 		want := next()
 		fresh := filepath.Join(top, "rules.new")
 		must(t, os.Mkdir(fresh, 0o755))
@@ -535,11 +541,7 @@ func TestE2EReloadDirectoryReplaced(t *testing.T) {
 	})
 
 	t.Run("deleted and made again", func(t *testing.T) {
-		top := shortTempDir(t)
-		dir := filepath.Join(top, "rules")
-		must(t, os.Mkdir(dir, 0o755))
-		writeFile(t, dir, "rules.yaml", rulesWithLimit(next()))
-		d, base, v := start(t, filepath.Join(dir, "rules.yaml"))
+		_, dir, d, base, v := inDir(t)
 		must(t, os.RemoveAll(dir))
 		time.Sleep(300 * time.Millisecond) // the daemon sees it gone (and keeps its rules)
 		must(t, os.Mkdir(dir, 0o755))
