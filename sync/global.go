@@ -500,7 +500,56 @@ type call struct {
 // error or a read timeout (MaxRetries does not turn that off there), so each call goes
 // as a noRetry command; a MOVED or ASK reply, which says the script did not run, is still
 // followed.
+//
+// A call Redis refused without running the script (CLUSTERDOWN, TRYAGAIN, LOADING,
+// MASTERDOWN, READONLY: a Cluster converging, a slot migrating, a replica promoted) is
+// sent again, twice at most, 1 then 2 ms later, within ctx: go-redis resent those itself
+// before every call went as noRetry.
 func run(ctx context.Context, rdb rediser, s script, calls []call) {
+	runOnce(ctx, rdb, s, calls)
+	for attempt := 1; attempt <= 2; attempt++ {
+		var again []int
+		for i := range calls {
+			if notRun(calls[i].cmd.Err()) {
+				again = append(again, i)
+			}
+		}
+		if len(again) == 0 {
+			return
+		}
+		t := time.NewTimer(time.Duration(attempt) * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		sub := make([]call, len(again))
+		for j, i := range again {
+			sub[j] = calls[i]
+		}
+		runOnce(ctx, rdb, s, sub)
+		for j, i := range again {
+			calls[i].cmd = sub[j].cmd
+		}
+	}
+}
+
+// notRun reports whether err is a reply by which Redis says it did not run the command.
+func notRun(err error) bool {
+	if err == nil {
+		return false
+	}
+	for _, p := range [...]string{"CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN", "READONLY"} {
+		if redis.HasErrorPrefix(err, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// runOnce is run's one pass: every call sent once.
+func runOnce(ctx context.Context, rdb rediser, s script, calls []call) {
 	if len(calls) == 1 {
 		c := &calls[0]
 		if ap, ok := rdb.(*autoPipe); ok {

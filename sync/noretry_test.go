@@ -20,6 +20,12 @@ import (
 // connection on every script call without a reply, as a connection lost after Redis ran
 // the script would. It counts the script calls it received.
 func fakeNode(t *testing.T) (addr string, scripts *atomic.Int32) {
+	return fakeNodeReplying(t, func(int32) string { return "" })
+}
+
+// fakeNodeReplying is fakeNode answering the n-th script call (from 1) with reply(n), a
+// RESP reply; "" closes the connection without one.
+func fakeNodeReplying(t *testing.T, reply func(n int32) string) (addr string, scripts *atomic.Int32) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -43,6 +49,8 @@ func fakeNode(t *testing.T) (addr string, scripts *atomic.Int32) {
 						return
 					}
 					switch cmd := strings.ToLower(args[0]); {
+					case (cmd == "evalsha" || cmd == "eval") && reply(scripts.Load()+1) != "":
+						fmt.Fprint(c, reply(scripts.Add(1)))
 					case cmd == "evalsha" || cmd == "eval":
 						// The reply lost, and those of the calls pipelined behind it.
 						scripts.Add(1)
@@ -140,5 +148,32 @@ func TestClusterScriptNotResentAfterLostReply(t *testing.T) {
 				t.Fatalf("the node received %d script calls for %d sent", got, tc.calls)
 			}
 		})
+	}
+}
+
+// A call Redis refused without running it (here CLUSTERDOWN, then TRYAGAIN) is sent
+// again: go-redis resent those before each call went as noRetry, and a Cluster converging
+// after its creation or a failover answers them for a moment.
+func TestClusterScriptResentAfterNotRun(t *testing.T) {
+	addr, scripts := fakeNodeReplying(t, func(n int32) string {
+		switch n {
+		case 1:
+			return "-CLUSTERDOWN The cluster is down\r\n"
+		case 2:
+			return "-TRYAGAIN Multiple keys request during rehashing of slot\r\n"
+		}
+		return ":7\r\n"
+	})
+	rdb, err := Open(Config{Cluster: []string{addr}, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	calls := []call{{keys: []string{"rl:r~tb1m:{u}"}, args: []any{"x"}}}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	run(ctx, rdb.(*redis.ClusterClient), globalScript, calls)
+	if v, err := calls[0].cmd.Int64(); err != nil || v != 7 || scripts.Load() != 3 {
+		t.Fatalf("reply %v, %v after %d script calls; want 7 after 3", v, err, scripts.Load())
 	}
 }
