@@ -56,6 +56,11 @@ type Config struct {
 	WriteTimeout time.Duration // time allowed for a client to take its answers; past it the connection is closed; default 5s
 	IdleTimeout  time.Duration // close a connection idle this long; 0 (default) keeps idle connections
 	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
+	// HeldBudget bounds the bytes of answers all connections together hold for clients
+	// not reading them (see maxHeld, the bound per connection): past it, a connection
+	// holding more than minHeld stops reading until its client reads or the others'
+	// clients do. Default 64 MiB.
+	HeldBudget int
 	// BusyPoll, when above zero, lets one connection at a time keep reading its socket for
 	// up to this long after it finds it empty, instead of sleeping in the netpoller at
 	// once: a gateway's next request then finds the daemon awake. It trades CPU (up to
@@ -97,6 +102,9 @@ func (c *Config) setDefaults() {
 	if c.DrainTimeout <= 0 {
 		c.DrainTimeout = 5 * time.Second
 	}
+	if c.HeldBudget <= 0 {
+		c.HeldBudget = 64 << 20
+	}
 	if c.Version == "" {
 		c.Version = "dev"
 	}
@@ -126,6 +134,9 @@ type Server struct {
 
 	nconns  atomic.Int64
 	connIDs atomic.Uint64 // the last connection id given (conn.id)
+	// held is the bytes of answers the connections hold for clients not reading them,
+	// as each last counted its own (conn.report).
+	held atomic.Int64
 	// readBuf is the size of a connection's read buffer: frames that do not fit are read
 	// into a buffer of their own (the fuzz test lowers it to reach that path).
 	readBuf int
@@ -445,8 +456,9 @@ type conn struct {
 	bufsArr [][]byte    // bufs' backing array, reused
 	// queued is len(queue), stored once the writes of the entries taken off it are done:
 	// 0 means no other goroutine writes, so the fast path writes without wmu.
-	queued  atomic.Int32
-	wfailed atomic.Bool // werr is set
+	queued   atomic.Int32
+	wfailed  atomic.Bool // werr is set
+	heldSeen int         // the held bytes this connection last added to Server.held (under wmu)
 	// undecided counts the checks handed to deciding goroutines and not yet decided
 	// (queued or not): at most about maxPending are in flight on Redis per connection.
 	undecided atomic.Int32
@@ -485,8 +497,17 @@ const maxPending = 64
 // queue's entries; past it, runs of decided entries are merged (compact), so that a
 // pipeline of checks that wait on Redis is held to the same bytes as one answered inline,
 // not to a number of entries.
+//
+// Every connection holding that much would come to gigabytes at the default 1,024
+// connections (a local process that writes and never reads, on each of them): together
+// they are held to Config.HeldBudget. Past it, a connection holding more than minHeld
+// stops reading too, and looks again every heldPoll (the others' clients may read, or be
+// cut off by the write timeout), so the total stays under the budget plus minHeld and a
+// batch per connection, and a client reading its answers is never held back.
 const (
 	maxHeld   = maxPending * flushAt // 2 MiB
+	minHeld   = 2 * flushAt          // 64 KiB
+	heldPoll  = 5 * time.Millisecond
 	maxQueued = 4 * maxPending
 )
 
@@ -539,6 +560,11 @@ func (s *Server) serveConn(c *net.UnixConn) {
 			}
 		}()
 	}
+	defer func() { // what it held is freed with it
+		cn.wmu.Lock()
+		cn.report(0)
+		cn.wmu.Unlock()
+	}()
 	defer cn.wait() // no deciding goroutine outlives its connection
 	if m := s.cfg.Metrics; m != nil {
 		defer m.flushTally(&cn.tally) // checks decided whose answers were not written
@@ -795,6 +821,7 @@ func (cn *conn) writeBehind(off int) {
 	cn.wmu.Lock()
 	cn.queue = append(cn.queue, p)
 	cn.queued.Store(int32(len(cn.queue)))
+	cn.report(cn.held())
 	cn.startWriter()
 	cn.wmu.Unlock()
 }
@@ -845,13 +872,31 @@ func (cn *conn) handOver() error {
 			if len(cn.queue) >= maxQueued {
 				cn.compact()
 			}
-			if len(cn.queue) < maxQueued && cn.held() < maxHeld {
-				break
+			h := cn.held()
+			cn.report(h)
+			if len(cn.queue) < maxQueued && h < maxHeld {
+				if h < minHeld || cn.s.held.Load() <= int64(cn.s.cfg.HeldBudget) {
+					break
+				}
+				// Over the daemon's budget: the others' bytes going down wakes nobody
+				// here, so look again in a while.
+				cn.wmu.Unlock()
+				time.Sleep(heldPoll)
+				cn.wmu.Lock()
+				continue
 			}
 		}
 		cn.wcond.Wait()
 	}
 	return cn.werr
+}
+
+// report tells the server the bytes this connection holds now (held). Under wmu.
+func (cn *conn) report(h int) {
+	if d := h - cn.heldSeen; d != 0 {
+		cn.s.held.Add(int64(d))
+		cn.heldSeen = h
+	}
 }
 
 // held returns the bytes of the answers queued and not yet written (of a check still
@@ -949,6 +994,9 @@ func (cn *conn) writeReady() {
 		clear(cn.queue[n:])
 		cn.queue = cn.queue[:n]
 		cn.queued.Store(int32(n))
+		if cn.heldSeen > 0 {
+			cn.report(cn.held())
+		}
 		cn.wcond.Broadcast()
 	}
 }
@@ -1049,6 +1097,28 @@ func (cn *conn) count(now int64) {
 	cn.answered++
 }
 
+// readBig reads an n-byte frame body into cn.big, which grows as the bytes arrive (from
+// 64 KiB, doubling) rather than at the header: a header announcing --max-frame bytes,
+// then nothing, costs what was sent, not a --max-frame buffer per connection.
+func (cn *conn) readBig(n int) ([]byte, error) {
+	b := cn.big[:0]
+	for len(b) < n {
+		if len(b) == cap(b) {
+			nb := make([]byte, len(b), min(n, max(2*cap(b), 64<<10)))
+			copy(nb, b)
+			b = nb
+		}
+		m, err := cn.br.Read(b[len(b):min(cap(b), n)])
+		b = b[:len(b)+m]
+		if err != nil && len(b) < n {
+			cn.big = b[:0]
+			return nil, err
+		}
+	}
+	cn.big = b[:0]
+	return b, nil
+}
+
 // frame reads and answers one frame by the general path: waiting for its bytes under
 // the frame deadline, or reading a frame longer than the read buffer into a buffer of
 // its own, or refusing one longer than the maximum (done: the connection is closed).
@@ -1083,10 +1153,6 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 		if _, err := cn.br.Discard(proto.HeaderSize); err != nil {
 			return false, err
 		}
-		if cap(cn.big) < n {
-			cn.big = make([]byte, n)
-		}
-		cn.big = cn.big[:n]
 		// The frame is longer than the buffer: reading it may wait, under the same
 		// frame deadline as a frame that fits.
 		if cn.br.Buffered() < n {
@@ -1094,11 +1160,12 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 				return false, err
 			}
 		}
-		if _, err := io.ReadFull(cn.br, cn.big); err != nil {
+		b, err := cn.readBig(n)
+		if err != nil {
 			cn.cutBy(closeFrameTimeout, err)
 			return false, err
 		}
-		body = cn.big
+		body = b
 		n = -proto.HeaderSize // already consumed
 	}
 	if cn.waited {

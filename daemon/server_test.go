@@ -10,8 +10,10 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -506,5 +508,110 @@ func TestLongPipelineWrittenBeforeReading(t *testing.T) {
 		if r := readResponse(t, br); r.ID != uint64(i+1) || r.Err.Code != "" || !r.Allowed {
 			t.Fatalf("answer %d: %+v", i, r)
 		}
+	}
+}
+
+// Connections whose clients write and never read each hold their answers up to maxHeld;
+// together they are held to Config.HeldBudget (plus minHeld and a batch each), a client
+// that reads is answered meanwhile, and what they held is freed with them.
+func TestHeldBudget(t *testing.T) {
+	const budget, conns = 1 << 20, 8
+	s := startServer(t, Config{WriteTimeout: 2 * time.Second, HeldBudget: budget})
+	batch := bytes.Repeat(frameOf(proto.Request{ID: 1, Op: proto.OpPing}), 1000)
+	var cs []net.Conn
+	var wg sync.WaitGroup
+	for range conns {
+		c, err := net.Dial("unix", s.cfg.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.(*net.UnixConn).SetReadBuffer(4096)
+		cs = append(cs, c)
+		wg.Add(1)
+		go func() { // writes until the server stops reading, never reads
+			defer wg.Done()
+			_ = c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+			for {
+				if _, err := c.Write(batch); err != nil {
+					return
+				}
+			}
+		}()
+	}
+	waitConns(t, s, conns, time.Second)
+	var peak int64
+	rc, br := dialServer(t, s)
+	for end := time.Now().Add(time.Second); time.Now().Before(end); {
+		peak = max(peak, s.held.Load())
+		if _, err := rc.Write(frameOf(proto.Request{ID: 7, Op: proto.OpPing})); err != nil {
+			t.Fatal(err)
+		}
+		_ = rc.SetReadDeadline(time.Now().Add(time.Second))
+		if r := readResponse(t, br); r.ID != 7 || r.Err.Code != "" {
+			t.Fatalf("a reading client, beside %d that do not read: %+v", conns, r)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if bound := int64(budget + conns*(minHeld+flushAt+len(batch))); peak > bound {
+		t.Fatalf("connections not reading held %d bytes of answers, over the budget's bound %d", peak, bound)
+	}
+	if peak < budget/2 {
+		t.Fatalf("connections not reading held only %d bytes of answers: the test did not reach the budget (%d)", peak, budget)
+	}
+	for _, c := range cs {
+		c.Close()
+	}
+	wg.Wait()
+	rc.Close()
+	waitConns(t, s, 0, 5*time.Second)
+	if h := s.held.Load(); h != 0 {
+		t.Fatalf("%d bytes counted as held after every connection closed", h)
+	}
+}
+
+// A frame longer than the read buffer is read into a buffer that grows as its bytes
+// arrive: a header announcing 64 MiB, then ten bytes, costs the daemon what was sent, not
+// 64 MiB per connection (it used to allocate the whole length at the header). The frame
+// completed is still answered.
+func TestBigFrameGrowsAsItArrives(t *testing.T) {
+	const announced, conns = 64 << 20, 4
+	s := startServer(t, Config{MaxFrame: announced, FrameTimeout: 10 * time.Second})
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	for range conns {
+		c, err := net.Dial("unix", s.cfg.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		head := []byte{announced >> 24, announced >> 16 & 0xff, announced >> 8 & 0xff, announced & 0xff}
+		if _, err := c.Write(append(head, make([]byte, 10)...)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitConns(t, s, conns, time.Second)
+	time.Sleep(100 * time.Millisecond) // the daemon reads the ten bytes
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+	if d := after.TotalAlloc - before.TotalAlloc; d > announced/2 {
+		t.Fatalf("%d connections that sent a %d-byte frame's header and ten bytes: %d bytes allocated", conns, announced, d)
+	}
+
+	// A frame of 200,000 bytes, in pieces: answered.
+	c, br := dialServer(t, s)
+	const pad = 200_000 // an unknown field's string, which the daemon skips
+	msg := append([]byte{0x83, 0xa2, 'i', 'd', 9, 0xa2, 'o', 'p', 0xa4, 'p', 'i', 'n', 'g', 0xa3, 'p', 'a', 'd', 0xdb, 0, pad >> 16, pad >> 8 & 0xff, pad & 0xff}, strings.Repeat("x", pad)...)
+	body := append([]byte{0, byte(len(msg) >> 16), byte(len(msg) >> 8), byte(len(msg))}, msg...)
+	for p := body; len(p) > 0; {
+		n := min(len(p), 30_000)
+		if _, err := c.Write(p[:n]); err != nil {
+			t.Fatal(err)
+		}
+		p = p[n:]
+		time.Sleep(time.Millisecond)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if r := readResponse(t, br); r.ID != 9 || r.Err.Code != "" {
+		t.Fatalf("a 200,000-byte frame sent in pieces: %+v", r)
 	}
 }
