@@ -951,7 +951,11 @@ func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {
 	if il.WindowMs > uint64(366*24*time.Hour/time.Millisecond) {
 		return &InvalidLimitError{i, `"window_ms" must be at most 366 days`}
 	}
-	lim, err := localbucket.NewLimit(alg, il.Limit, time.Duration(il.WindowMs)*time.Millisecond, il.Burst)
+	burst := il.Burst
+	if alg != localbucket.TokenBucket && burst == il.Limit {
+		burst = 0 // a window holds its limit: a client that always sends burst says so
+	}
+	lim, err := localbucket.NewLimit(alg, il.Limit, time.Duration(il.WindowMs)*time.Millisecond, burst)
 	if err != nil {
 		return &InvalidLimitError{i, err.Error()}
 	}

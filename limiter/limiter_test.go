@@ -156,6 +156,21 @@ func TestInlineLimits(t *testing.T) {
 			t.Errorf("%+v: got %v, want InvalidLimitError", bad, err)
 		}
 	}
+	// A window's burst equal to its limit is what the window holds: the same limit, so a
+	// client that always sends burst works with every algorithm; it shares the state of
+	// the limit sent without it.
+	for _, alg := range []string{"fixed_window", "sliding_window"} {
+		with := Input{Limits: []Inline{{Key: "w-" + alg, Limit: 2, WindowMs: 60_000, Burst: 2, Algorithm: alg}}, Cost: 1}
+		without := Input{Limits: []Inline{{Key: "w-" + alg, Limit: 2, WindowMs: 60_000, Algorithm: alg}}, Cost: 1}
+		for i, in := range []*Input{&with, &without, &with} {
+			if err := l.Check(t0, in, &d); err != nil {
+				t.Fatalf("%s, burst = limit: %v", alg, err)
+			}
+			if d.Allowed != (i < 2) {
+				t.Fatalf("%s, check %d: allowed %v (a limit of 2, with and without burst 2)", alg, i, d.Allowed)
+			}
+		}
+	}
 }
 
 func TestCheckModes(t *testing.T) {
