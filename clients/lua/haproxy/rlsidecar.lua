@@ -94,12 +94,21 @@ local function next_id()
   return last_id
 end
 
+local function now_ms()
+  local t = core.now()
+  return t.sec * 1000 + t.usec / 1000
+end
+
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
 -- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
 -- With release (a lease), it first releases that lease on the same connection and waits
--- for the answer (released or not), so that the check sees its slot free.
+-- for the answer (released or not), so that the check sees its slot free. One deadline,
+-- timeout_ms from the start, bounds the whole exchange: each step (connect, write, each
+-- read) waits for what is left of it, where a timeout set once bounded each step by
+-- timeout_ms, several times it in all.
 local function roundtrip(address, timeout_ms, frame, id, release)
+  local deadline = now_ms() + timeout_ms
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
   local ok, err = sock:connect(address)
@@ -107,16 +116,36 @@ local function roundtrip(address, timeout_ms, frame, id, release)
     sock:close()
     return nil, "connecting to " .. address .. ": " .. tostring(err)
   end
+  -- fail closes the connection and names the failure; past the deadline, as the
+  -- timeout it is (HAProxy reports a read that timed out as "connection closed.").
   local function fail(what, e)
     sock:close()
+    if now_ms() >= deadline then
+      e = "no answer within " .. timeout_ms .. " ms"
+    end
     return nil, what .. " " .. address .. ": " .. tostring(e)
+  end
+  -- left sets the socket's timeout to what is left of the deadline; false once it passed.
+  local function left()
+    local ms = deadline - now_ms()
+    if ms < 1 then
+      return false
+    end
+    sock:settimeout(ms / 1000)
+    return true
   end
   -- exchange sends f and returns the answer's body, or nil and the failure (the
   -- connection then closed).
   local function exchange(f)
+    if not left() then
+      return fail("writing to", "timeout")
+    end
     local sent, serr = sock:send(f)
     if not sent then
       return fail("writing to", serr)
+    end
+    if not left() then
+      return fail("reading from", "timeout")
     end
     local head, herr = sock:receive(4)
     if not head or #head < 4 then
@@ -125,6 +154,9 @@ local function roundtrip(address, timeout_ms, frame, id, release)
     local n = codec.frame_length(head)
     if n > MAX_FRAME then
       return fail("reading from", "an answer of " .. n .. " bytes")
+    end
+    if not left() then
+      return fail("reading from", "timeout")
     end
     local body, berr = sock:receive(n)
     if not body or #body < n then
@@ -208,11 +240,6 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
 end
 
 local MIN_RENEWAL_MS = http.MIN_RENEWAL_MS
-
-local function now_ms()
-  local t = core.now()
-  return t.sec * 1000 + t.usec / 1000
-end
 
 -- renew asks the daemon at address to extend lease by its rules' own lease times, on a
 -- connection of its own: true and the ms left, false when the lease is gone (released,

@@ -170,10 +170,50 @@ local function hold(sock)
   held[n_held] = sock
 end
 
--- read_answer reads one answer from sock and decodes it: the answer map, or nil and
--- {what failed, why}.
-local function read_answer(sock, decode)
-  local head, err = sock:receive(4)
+-- left sets sock's timeouts to what is left until deadline (seconds, as ngx.now): one
+-- deadline bounds the whole exchange, where timeouts set once would bound each step
+-- (connect, write, each read) by timeout_ms, several times it in all. False once it has
+-- passed.
+local function left(sock, deadline)
+  local ms = math.floor((deadline - ngx.now()) * 1000)
+  if ms < 1 then
+    return false
+  end
+  sock:settimeouts(ms, ms, ms)
+  return true
+end
+
+-- recv reads n bytes from sock by deadline: nil and the error ("timeout", "closed")
+-- otherwise. nginx re-arms a read's timer whenever bytes arrive, so a peer writing its
+-- answer a byte at a time would hold one receive(n) for as long as it liked; each
+-- receiveany waits for what is left of the deadline only. (A whole answer arrives in one
+-- piece from the daemon, which writes it with one system call.)
+local function recv(sock, n, deadline)
+  local parts, got = nil, 0
+  while true do
+    if not left(sock, deadline) then
+      return nil, "timeout"
+    end
+    local b, err = sock:receiveany(n - got)
+    if not b then
+      return nil, err
+    end
+    if got == 0 and #b == n then
+      return b
+    end
+    parts = parts or {}
+    parts[#parts + 1] = b
+    got = got + #b
+    if got >= n then
+      return table.concat(parts)
+    end
+  end
+end
+
+-- read_answer reads one answer from sock by deadline and decodes it: the answer map, or
+-- nil and {what failed, why}.
+local function read_answer(sock, decode, deadline)
+  local head, err = recv(sock, 4, deadline)
   if not head then
     return nil, { "reading from", err }
   end
@@ -182,7 +222,7 @@ local function read_answer(sock, decode)
     return nil, { "reading from", "an answer of " .. n .. " bytes" }
   end
   local body
-  body, err = sock:receive(n)
+  body, err = recv(sock, n, deadline)
   if not body then
     return nil, { "reading from", err }
   end
@@ -197,8 +237,8 @@ end
 -- refusal returns the answer the daemon wrote before it stopped reading a request still
 -- being written (an error about a request it could not read: id 0, frame_too_large),
 -- closing sock; or nil when there is none.
-local function refusal(sock, decode)
-  local resp = read_answer(sock, decode)
+local function refusal(sock, decode, deadline)
+  local resp = read_answer(sock, decode, deadline)
   if resp and resp.id == 0 and type(resp.error) == "table" then
     sock:close()
     return resp
@@ -210,11 +250,15 @@ end
 -- and whether the failure is the transport's (the socket is then closed). A check's
 -- answer that takes a lease leaves its connection held (see hold), not pooled.
 function _M.roundtrip(self, frame, id)
+  local deadline = ngx.now() + self.timeout / 1000
   local sock = ngx.socket.tcp()
   sock:settimeouts(self.timeout, self.timeout, self.timeout)
   local ok, err = sock:connect(self.path, self.connect_opts)
   if not ok then
     return nil, "connecting to " .. self.path .. ": " .. tostring(err), true
+  end
+  if not left(sock, deadline) then
+    return drop(sock, "writing to", self.path, "timeout")
   end
   ok, err = sock:send(frame)
   if not ok then
@@ -223,14 +267,14 @@ function _M.roundtrip(self, frame, id)
     -- pipe, connection reset). Its answer is still readable: that refusal, not the failure
     -- policy, is the request's answer. (Not after a send that timed out: the daemon is
     -- stalled, and the request has had its time.)
-    local resp = err ~= "timeout" and refusal(sock, self.decode)
+    local resp = err ~= "timeout" and refusal(sock, self.decode, deadline)
     if resp then
       return resp
     end
     return drop(sock, "writing to", self.path, err)
   end
   local resp
-  resp, err = read_answer(sock, self.decode)
+  resp, err = read_answer(sock, self.decode, deadline)
   if not resp then
     return drop(sock, err[1], self.path, err[2])
   end
