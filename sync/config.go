@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"strings"
@@ -90,6 +91,23 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	return redis.NewClusterClient(opt), nil
 }
 
+// Password returns the password Open authenticates with: the URL's, else the file's, else
+// $RLSIDECAR_REDIS_PASSWORD's; "" for none. The daemon keeps it out of its logs.
+func (cfg Config) Password() (string, error) {
+	if cfg.URL != "" {
+		if u, err := url.Parse(cfg.URL); err == nil && u.User != nil {
+			if p, ok := u.User.Password(); ok && p != "" {
+				return p, nil
+			}
+		}
+	} else if len(cfg.Cluster) > 0 {
+		if _, _, p, _, err := parseCluster(cfg.Cluster); err == nil && p != "" {
+			return p, nil
+		}
+	}
+	return readPassword(cfg.PasswordFile)
+}
+
 func readPassword(file string) (string, error) {
 	if file != "" {
 		b, err := os.ReadFile(file)
@@ -127,7 +145,13 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 			if a == "" {
 				continue
 			}
-			if !strings.Contains(a, ":") {
+			if strings.Contains(a, "/") || strings.Contains(a, "@") {
+				// A second URL (redis://:pw@h1:1,redis://:pw@h2:2) would make "redis:" a
+				// node; the error must not quote it, password and all.
+				return nil, "", "", false, errors.New("redis cluster: give host:port nodes, or one URL with every node in its host part: redis://[user:password@]host1:port1,host2:port2")
+			}
+			host, port, err := net.SplitHostPort(a)
+			if err != nil || host == "" || !isPort(port) {
 				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port", a)
 			}
 			addrs = append(addrs, a)
@@ -139,19 +163,50 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 	return addrs, user, pass, useTLS, nil
 }
 
-// redactURL hides a URL's password, for error messages and logs.
+// redactURL hides the passwords of the URLs in s, for error messages and logs: in each
+// scheme://userinfo@host, the password of user:password, and a lone name whole
+// (redis-cli reads redis://secret@host as a password, go-redis as a user name). It works
+// on the text, not on a parse, so that a malformed URL, or several in one flag (a Cluster
+// given as redis://:pw@h1:1,redis://:pw@h2:2), shows none of its passwords either.
 func redactURL(s string) string {
-	u, err := url.Parse(s)
-	if err != nil || u.User == nil {
-		if i := strings.LastIndex(s, "@"); i >= 0 {
-			return "***" + s[i:]
+	var b strings.Builder
+	for {
+		i := strings.Index(s, "://")
+		if i < 0 {
+			b.WriteString(s)
+			return b.String()
 		}
-		return s
+		b.WriteString(s[:i+3])
+		s = s[i+3:]
+		end := len(s) // this URL runs to the next one's scheme
+		if j := strings.Index(s, "://"); j >= 0 {
+			end = j
+		}
+		seg := s[:end]
+		if at := strings.LastIndex(seg, "@"); at >= 0 {
+			if k := strings.Index(seg[:at], ":"); k >= 0 {
+				b.WriteString(seg[:k])
+				b.WriteString(":xxxxx")
+			} else {
+				b.WriteString("xxxxx")
+			}
+			seg = seg[at:]
+		}
+		b.WriteString(seg)
+		s = s[end:]
 	}
-	if _, has := u.User.Password(); has {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+}
+
+func isPort(s string) bool {
+	if s == "" || len(s) > 5 {
+		return false
 	}
-	return u.String()
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // urlErr is err, an error parsing a Redis URL, without the URL it may quote (net/url's

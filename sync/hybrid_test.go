@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -315,10 +317,14 @@ func TestHybridConvergence(t *testing.T) {
 
 func TestRedactURL(t *testing.T) {
 	for in, want := range map[string]string{
-		"redis://:s3cret@host:6379/0":   "redis://:xxxxx@host:6379/0",
-		"rediss://user:pw@h:1":          "rediss://user:xxxxx@h:1",
-		"redis://host:6379":             "redis://host:6379",
-		"not a url:// with@secret@host": "***@host",
+		"redis://:s3cret@host:6379/0":                "redis://:xxxxx@host:6379/0",
+		"rediss://user:pw@h:1":                       "rediss://user:xxxxx@h:1",
+		"redis://host:6379":                          "redis://host:6379",
+		"not a url:// with@s3cret@host":              "not a url://xxxxx@host",
+		"redis://s3cret@host:6379":                   "redis://xxxxx@host:6379",
+		"redis://u:s3cret@h1:1,redis://:s3cret@h2:2": "redis://u:xxxxx@h1:1,redis://:xxxxx@h2:2",
+		"redis://:s3c,ret@h1:1,h2:2":                 "redis://:xxxxx@h1:1,h2:2",
+		"h1:7000,h2:7001":                            "h1:7000,h2:7001",
 	} {
 		if got := Redact(in); got != want || strings.Contains(got, "s3cret") {
 			t.Errorf("Redact(%q) = %q, want %q", in, got, want)
@@ -334,6 +340,9 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{URL: "redis://:S3cr3tPW@127.0.0.1:notaport"},
 		{URL: "rediss://:S3cr3tPW@[::1:6380"},
 		{Cluster: []string{"redis://:S3cr%zzPW@127.0.0.1:7000,127.0.0.1:7001"}},
+		{Cluster: []string{"redis://:S3cr3tPW@127.0.0.1:7000,redis://:S3cr3tPW@127.0.0.1:7001"}},
+		{Cluster: []string{"127.0.0.1:7000,redis:"}},
+		{Cluster: []string{"127.0.0.1:"}},
 	} {
 		rdb, err := Open(c)
 		if err == nil {
@@ -458,5 +467,28 @@ func TestWrongPasswordIsReported(t *testing.T) {
 	h := NewHybrid(rdb, HybridOptions{})
 	if _, err := h.Heartbeat(context.Background(), "d", time.Minute); err == nil || !strings.Contains(err.Error(), "WRONGPASS") {
 		t.Fatalf("heartbeat with a wrong password: %v, want WRONGPASS", err)
+	}
+}
+
+// Password is what Open authenticates with, for the daemon to keep out of its logs.
+func TestConfigPassword(t *testing.T) {
+	t.Setenv(PasswordEnv, "from-env")
+	file := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(file, []byte("from-file\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{URL: "redis://:from-url@h:1"}, "from-url"},
+		{Config{URL: "redis://h:1", PasswordFile: file}, "from-file"},
+		{Config{URL: "redis://h:1"}, "from-env"},
+		{Config{Cluster: []string{"redis://u:from-url@h1:1,h2:2"}}, "from-url"},
+		{Config{Cluster: []string{"h1:1,h2:2"}, PasswordFile: file}, "from-file"},
+	} {
+		if got, err := c.cfg.Password(); err != nil || got != c.want {
+			t.Errorf("%+v: Password() = %q, %v; want %q", c.cfg, got, err, c.want)
+		}
 	}
 }
