@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
+	"strings"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -19,6 +21,12 @@ import (
 // policies while Redis is away), /rules (the active rules, their version and load
 // time), /top (the clients most often rejected, per rule), /bans (the penalty rules'
 // bans in force; DELETE /bans/{rule}/{client} lifts one, from loopback only).
+//
+// Every request must name, in its Host header, an IP address, localhost or the host the
+// endpoint was bound to (see hostAllowed): a web page that rebinds its own DNS name to
+// 127.0.0.1 could otherwise read /top and lift bans through the browser of anyone on the
+// host. When the endpoint is bound beyond loopback, GET /metrics, /healthz and /readyz
+// take any Host, for scrapers that address the host by a DNS name.
 type Admin struct {
 	srv *http.Server
 	ln  net.Listener
@@ -93,8 +101,93 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		}
 		w.WriteHeader(http.StatusNoContent)
 	})
-	a := &Admin{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln: ln}
+	g := hostGuard{next: mux, bound: boundHost(addr), open: !boundLoopback(ln)}
+	a := &Admin{srv: &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second}, ln: ln}
 	return a, nil
+}
+
+// hostGuard refuses requests whose Host header is a name the endpoint was not bound to:
+// the mark of DNS rebinding, where a web page's own name is made to resolve to this host
+// so that the visitor's browser sends it the page's requests (and hands the page the
+// answers, the origin being the page's own). A name cannot be rebound if it is an IP
+// address, localhost (which resolvers answer themselves) or the name the operator bound
+// the endpoint to.
+type hostGuard struct {
+	next http.Handler
+	// bound is the host part of the address the endpoint was given, lower case, when it
+	// is a name rather than an IP address ("" otherwise).
+	bound string
+	// open is true when the endpoint listens beyond loopback. Anyone who reaches it then
+	// reads the scrapers' routes by its IP address anyway, and a scraper may address it
+	// by a DNS name the daemon cannot know (service discovery), so those routes take any
+	// Host. The routes that show client keys or lift bans never do.
+	open bool
+}
+
+func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !g.hostAllowed(r.Host) && !(g.open && scrapeRoute(r)) {
+		names := "an IP address or localhost"
+		if g.bound != "" {
+			names = "an IP address, localhost or " + g.bound
+		}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusMisdirectedRequest)
+		fmt.Fprintf(w, "refused: the admin endpoint answers requests addressed to %s, not to %q (a name that leads here may be a web page rebinding its DNS)\n", names, r.Host)
+		return
+	}
+	g.next.ServeHTTP(w, r)
+}
+
+// hostAllowed reports whether host (a Host header: name or IP, with or without port,
+// an IPv6 address in brackets) names this endpoint in a way no web page can rebind. An
+// empty Host (HTTP/1.0) is allowed: a browser always sends one.
+func (g hostGuard) hostAllowed(host string) bool {
+	if host == "" {
+		return true
+	}
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	} else if len(host) > 1 && host[0] == '[' && host[len(host)-1] == ']' {
+		host = host[1 : len(host)-1] // [::1] without a port
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return true
+	}
+	host = strings.ToLower(host)
+	return host == "localhost" || g.bound != "" && host == g.bound
+}
+
+// scrapeRoute reports whether r asks for what a Prometheus scraper or a health check
+// reads: GET (or HEAD) of /metrics, /healthz or /readyz, exactly as the mux routes them.
+func scrapeRoute(r *http.Request) bool {
+	if r.Method != http.MethodGet && r.Method != http.MethodHead {
+		return false
+	}
+	switch r.URL.Path {
+	case "/metrics", "/healthz", "/readyz":
+		return true
+	}
+	return false
+}
+
+// boundHost returns the host of the listen address addr, lower case, when it is a name
+// (e.g. "gw1.internal" of gw1.internal:9464); "" when it is an IP address or empty.
+func boundHost(addr string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil || host == "" {
+		return ""
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return ""
+	}
+	return strings.ToLower(host)
+}
+
+// boundLoopback reports whether ln listens on a loopback address only (127.0.0.1, ::1;
+// "localhost" binds the first of them).
+func boundLoopback(ln net.Listener) bool {
+	a, ok := ln.Addr().(*net.TCPAddr)
+	return ok && a.IP.IsLoopback()
 }
 
 // banDoc is one ban as /bans lists it: the client named as in the metrics (a keyed hash

@@ -32,6 +32,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -123,7 +124,11 @@ type Server struct {
 	lim *limiter.Limiter
 	log *slog.Logger
 
-	ln       *net.UnixListener
+	ln *net.UnixListener
+	// sock is the socket file Listen created, by device and inode: Shutdown removes the
+	// path only while it still names that file, not one another daemon has put there
+	// since. Zero when the listener came from Config.Listener.
+	sock     fileID
 	draining atomic.Bool
 	mu       sync.Mutex
 	conns    map[*net.UnixConn]struct{}
@@ -177,8 +182,8 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 func (s *Server) Connections() int64 { return s.nconns.Load() }
 
 // Listen creates the socket. A socket file left by a dead daemon is replaced; one a live
-// daemon answers on is refused, and so is a path that is not a socket. With
-// Config.Listener set, it takes that socket as it is.
+// daemon answers on is refused, and so is a path that is not a socket or a file another
+// user (not root) owns. With Config.Listener set, it takes that socket as it is.
 func (s *Server) Listen() error {
 	if s.cfg.Listener != nil {
 		s.cfg.Listener.SetUnlinkOnClose(false)
@@ -196,9 +201,25 @@ func (s *Server) Listen() error {
 			return fmt.Errorf("listening on %s: %w", path, err)
 		}
 	}
+	if dir := filepath.Dir(path); sharedDir(dir) {
+		s.log.Warn("the socket is in a directory every local user can write: another user can take its path first, and then the daemon refuses to start, or that user answers the gateways' checks; set --socket or RLSIDECAR_SOCKET to a directory only the daemon's user and its gateways can write (e.g. /run/rlsidecar)",
+			"socket", path, "dir", dir)
+	}
+	// Two daemons started at once on a stale socket would each find it refusing
+	// connections, each remove it (the second removing the first's new socket) and each
+	// bind: the lock makes the second look only after the first is listening, and so
+	// find it live.
+	unlock, err := lockSocketPath(path)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", path, err)
+	}
+	defer unlock()
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return fmt.Errorf("listening on %s: the path exists and is not a socket; refusing to replace it", path)
+		}
+		if err := ownedByOther(fi); err != nil {
+			return fmt.Errorf("listening on %s: the socket file there %w; refusing to use or remove it (remove it as that user or root if it is stale, and choose a --socket in a directory other users cannot write)", path, err)
 		}
 		c, err := net.DialTimeout("unix", path, time.Second)
 		if err == nil {
@@ -221,6 +242,7 @@ func (s *Server) Listen() error {
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", path, err)
 	}
+	// Until the file is known, closing the listener removes it (as ListenUnix sets up).
 	if gid >= 0 {
 		if err := os.Chown(path, -1, gid); err != nil {
 			ln.Close()
@@ -231,9 +253,105 @@ func (s *Server) Listen() error {
 		ln.Close()
 		return fmt.Errorf("setting mode %#o on %s: %w", s.cfg.SocketMode, path, err)
 	}
-	ln.SetUnlinkOnClose(true)
+	fi, err := os.Lstat(path)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("listening on %s: %w", path, err)
+	}
+	// From here Shutdown removes the file itself, and only while the path still names it.
+	s.sock = idOf(fi)
+	ln.SetUnlinkOnClose(false)
 	s.ln = ln
 	return nil
+}
+
+// fileID names a file whatever path leads to it: its device and inode.
+type fileID struct{ dev, ino uint64 }
+
+// idOf returns fi's device and inode (zero where the system does not give them).
+func idOf(fi os.FileInfo) fileID {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fileID{}
+	}
+	return fileID{dev: uint64(st.Dev), ino: uint64(st.Ino)}
+}
+
+// lockWait bounds how long Listen waits for another daemon starting on the same path:
+// that one holds the lock for a probe (at most a second) and a bind.
+const lockWait = 3 * time.Second
+
+// lockSocketPath takes the lock that serialises, between daemons, looking at the socket
+// path, replacing a stale socket there and binding it (and, at shutdown, removing it):
+// an flock on PATH.lock, created owner-only beside the socket and never removed (a lock
+// file removed while another daemon waits for it locks nothing). The returned func
+// releases it. The lock is held only for those steps, not for the daemon's life: a
+// daemon draining after SIGTERM, its socket already removed, must not keep its successor
+// from starting on the same path.
+func lockSocketPath(path string) (unlock func(), err error) {
+	name := path + ".lock"
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("opening the start lock: %w", err)
+	}
+	fi, err := f.Stat()
+	if err == nil {
+		err = ownedByOther(fi)
+		if err != nil {
+			err = fmt.Errorf("the start lock %s %w; refusing to use it (remove it as that user or root, and choose a --socket in a directory other users cannot write)", name, err)
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	for deadline := time.Now().Add(lockWait); ; {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
+			f.Close()
+			if errors.Is(err, syscall.EWOULDBLOCK) {
+				return nil, fmt.Errorf("another process has held the start lock %s for %s (a daemon starting on this socket, stuck?)", name, lockWait)
+			}
+			return nil, fmt.Errorf("taking the start lock %s: %w", name, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return func() { f.Close() }, nil // closing the last descriptor releases the lock
+}
+
+// removeSocket removes the socket file Listen created, if the path still names it: a
+// daemon started on the same path after this one's file was removed (by hand, or by a
+// cleaner of the temp directory) has its own file there, which stays.
+func (s *Server) removeSocket() {
+	if s.sock == (fileID{}) {
+		return // Config.Listener's file, or none created
+	}
+	path := s.cfg.Socket
+	unlock, err := lockSocketPath(path)
+	if err != nil {
+		// Removing unlocked risks only the race the lock closes (a successor replacing
+		// the file between the look and the removal); leaving the file would refuse the
+		// gateways a fresh start no more than a stale file does, but warn either way.
+		s.log.Warn("removing the socket file without the start lock", "socket", path, "err", err)
+		unlock = func() {}
+	}
+	defer unlock()
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return // already removed
+	}
+	if idOf(fi) != s.sock {
+		s.log.Info("left the socket file in place: another daemon has put its own there since this one started", "socket", path)
+		return
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		s.log.Warn("removing the socket file failed; the next daemon replaces it as stale", "socket", path, "err", err)
+		return
+	}
+	s.sock = fileID{} // removed: a second Shutdown has nothing to look at
 }
 
 // Serve accepts connections until Shutdown. It returns nil after Shutdown.
@@ -372,7 +490,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		go s.serveConn(c)
 	}
 	if s.ln != nil {
-		s.ln.Close() // unlinks the socket file
+		s.removeSocket() // before the close, in the order the listener's own unlinking had
+		s.ln.Close()
 	}
 	s.serving.Wait() // Serve has returned: no connection is tracked after this
 	s.mu.Lock()

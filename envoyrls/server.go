@@ -106,13 +106,18 @@ type Config struct {
 // Server is the gRPC server. Build it with New; it is safe for concurrent use.
 type Server struct {
 	rlsv3.UnimplementedRateLimitServiceServer
-	cfg      Config
-	lim      *limiter.Limiter
-	mu       sync.Mutex
-	grpc     *grpc.Server // built by Serve: its stream workers run until it stops
-	stopped  bool         // Shutdown was called
-	health   *health.Server
-	ln       net.Listener
+	cfg     Config
+	lim     *limiter.Limiter
+	mu      sync.Mutex
+	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
+	stopped bool         // Shutdown was called
+	health  *health.Server
+	ln      net.Listener
+	// sockPath and sock are the Unix socket file Listen created, by device and inode
+	// (zero for Config.Listener and TCP): Shutdown removes the path only while it still
+	// names that file.
+	sockPath string
+	sock     fileID
 	scratch  sync.Pool            // *scratch
 	now      func() int64         // the clock, in Unix nanoseconds: clockNow, or the wall clock (tests set one)
 	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
@@ -224,6 +229,11 @@ func (s *Server) Listen() error {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return fmt.Errorf("envoy rls: listening on %s: the path exists and is not a socket; refusing to replace it", path)
 		}
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Uid != 0 && int(st.Uid) != os.Geteuid() {
+			// Another user's file, in a directory both can write: perhaps a squatter's,
+			// which the gateways must not be sent to, nor the daemon remove.
+			return fmt.Errorf("envoy rls: listening on %s: the socket file there belongs to uid %d, not to this daemon's user (uid %d); refusing to use or remove it (remove it as that user or root if it is stale, and choose a path in a directory other users cannot write)", path, st.Uid, os.Geteuid())
+		}
 		c, err := net.DialTimeout("unix", path, time.Second)
 		if err == nil {
 			c.Close()
@@ -252,9 +262,51 @@ func (s *Server) Listen() error {
 		ln.Close()
 		return fmt.Errorf("envoy rls: setting mode %#o on %s: %w", s.cfg.SocketMode, path, err)
 	}
-	ln.SetUnlinkOnClose(true)
+	fi, err := os.Lstat(path)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+	}
+	// From here Shutdown removes the file itself, and only while the path still names
+	// it: another daemon may have put its own there since (after this one's was removed).
+	s.sockPath, s.sock = path, fileIdentity(fi)
+	ln.SetUnlinkOnClose(false)
 	s.ln = ln
 	return nil
+}
+
+// fileID names a file whatever path leads to it: its device and inode.
+type fileID struct{ dev, ino uint64 }
+
+// fileIdentity returns fi's device and inode (zero where the system does not give them).
+func fileIdentity(fi os.FileInfo) fileID {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fileID{}
+	}
+	return fileID{dev: uint64(st.Dev), ino: uint64(st.Ino)}
+}
+
+// removeSocket removes the socket file Listen created if the path still names it.
+func (s *Server) removeSocket() {
+	s.mu.Lock()
+	path, id := s.sockPath, s.sock
+	s.sock = fileID{}
+	s.mu.Unlock()
+	if id == (fileID{}) {
+		return // Config.Listener's file, a TCP listener, or removed already
+	}
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return
+	}
+	if fileIdentity(fi) != id {
+		s.cfg.Logger.Info("envoy rls: left the socket file in place: another daemon has put its own there since this one started", "socket", path)
+		return
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		s.cfg.Logger.Warn("envoy rls: removing the socket file failed; the next daemon replaces it as stale", "socket", path, "err", err)
+	}
 }
 
 // Addr returns the bound address (after Listen).
@@ -291,6 +343,7 @@ func (s *Server) Serve() error {
 // from Config.Listener.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
+	s.removeSocket() // before the listener closes, as its own unlinking did
 	s.mu.Lock()
 	s.stopped = true
 	g := s.grpc

@@ -1,0 +1,150 @@
+package daemon
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// doHost sends method path to base with the Host header host, and returns the status
+// and body.
+func doHost(t *testing.T, method, base, path, host string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, base+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Host = host
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// A web page that rebinds its DNS name to 127.0.0.1 makes the browser send the admin
+// endpoint requests whose Host is the page's name: they are refused, the ban stays, and
+// nothing is read; requests addressed to an IP address or localhost are served.
+func TestAdminRefusesRebindingHost(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(`
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 1, within: 1m, ban: 10m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	now := time.Now().UnixNano()
+	for i := 0; i < 4; i++ {
+		var d limiter.Decision
+		in := limiter.Input{Attrs: []rules.Attr{{Name: "ip", Value: "10.1.2.3"}}, Cost: 1}
+		if err := lim.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base := startAdmin(t, deps)
+	port := base[strings.LastIndex(base, ":")+1:]
+	if code, body := get(t, base+"/bans"); code != 200 || !strings.Contains(body, `"login"`) {
+		t.Fatalf("no ban to lift: %d %s", code, body)
+	}
+
+	for _, host := range []string{"attacker.example:" + port, "attacker.example", "ATTACKER.example:" + port, "localhost.attacker.example:" + port} {
+		for _, path := range []string{"/top", "/bans", "/rules", "/metrics", "/healthz"} {
+			code, body := doHost(t, "GET", base, path, host)
+			if code != http.StatusMisdirectedRequest || !strings.Contains(body, "rebinding") || strings.Count(body, "\n") != 1 {
+				t.Errorf("GET %s with Host %s: %d %q; want 421 and a line saying why", path, host, code, body)
+			}
+		}
+		if code, body := doHost(t, "DELETE", base, "/bans/login/ip=10.1.2.3", host); code != http.StatusMisdirectedRequest {
+			t.Errorf("DELETE with Host %s: %d %q; want 421", host, code, body)
+		}
+	}
+	if _, body := get(t, base+"/bans"); !strings.Contains(body, `"login"`) {
+		t.Fatalf("a request with a foreign Host lifted the ban: %s", body)
+	}
+
+	for _, host := range []string{"127.0.0.1:" + port, "127.0.0.1", "localhost:" + port, "LocalHost", "[::1]:" + port, "[::1]", "10.0.0.7:" + port} {
+		if code, body := doHost(t, "GET", base, "/top", host); code != 200 {
+			t.Errorf("GET /top with Host %s: %d %q", host, code, body)
+		}
+	}
+	// HTTP/1.0 sends no Host: no browser does that, so it is served.
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	io.WriteString(c, "GET /healthz HTTP/1.0\r\n\r\n")
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Errorf("GET /healthz over HTTP/1.0 without Host: %d", resp.StatusCode)
+	}
+	if code, body := doHost(t, "DELETE", base, "/bans/login/ip=10.1.2.3", "localhost:"+port); code != http.StatusNoContent {
+		t.Fatalf("DELETE with Host localhost: %d %q", code, body)
+	}
+}
+
+// Bound beyond loopback, the endpoint serves the scrapers' routes whatever their Host (a
+// scraper may address the host by a DNS name), and the routes that show client keys or
+// lift bans still only to an IP address, localhost or the name it was bound to.
+func TestAdminHostGuardOpen(t *testing.T) {
+	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})
+	for _, tt := range []struct {
+		g            hostGuard
+		method, path string
+		host         string
+		want         int
+	}{
+		{hostGuard{open: true}, "GET", "/metrics", "gw1.internal:9464", 200},
+		{hostGuard{open: true}, "HEAD", "/healthz", "gw1.internal:9464", 200},
+		{hostGuard{open: true}, "GET", "/readyz", "gw1.internal", 200},
+		{hostGuard{open: true}, "GET", "/top", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "GET", "/bans", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "GET", "/rules", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "DELETE", "/bans/r/c", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "POST", "/metrics", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "GET", "/metrics/", "gw1.internal:9464", 421},
+		{hostGuard{open: true}, "GET", "/top", "192.0.2.1:9464", 200},
+		{hostGuard{open: true, bound: "gw1.internal"}, "GET", "/top", "GW1.internal:9464", 200},
+		{hostGuard{open: true, bound: "gw1.internal"}, "DELETE", "/bans/r/c", "gw1.internal", 200},
+		{hostGuard{open: true, bound: "gw1.internal"}, "GET", "/top", "gw2.internal", 421},
+		{hostGuard{}, "GET", "/metrics", "gw1.internal:9464", 421},
+		{hostGuard{}, "GET", "/metrics", "[fe80::1%25eth0]:9464", 200},
+	} {
+		tt.g.next = ok
+		req := httptest.NewRequest(tt.method, "http://x"+tt.path, nil)
+		req.Host = tt.host
+		w := httptest.NewRecorder()
+		tt.g.ServeHTTP(w, req)
+		if w.Code != tt.want {
+			t.Errorf("%+v %s %s Host %s: %d, want %d", tt.g, tt.method, tt.path, tt.host, w.Code, tt.want)
+		}
+	}
+	if got := boundHost("GW1.Internal:9464"); got != "gw1.internal" {
+		t.Errorf("boundHost: %q", got)
+	}
+	for _, a := range []string{"127.0.0.1:9464", "[::1]:9464", ":9464", "0.0.0.0:9464", "garbage"} {
+		if got := boundHost(a); got != "" {
+			t.Errorf("boundHost(%q) = %q, want \"\"", a, got)
+		}
+	}
+}
