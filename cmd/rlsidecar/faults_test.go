@@ -310,7 +310,7 @@ rules:
 func TestFaultRedisKilledGlobal(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	cfg := writeFile(t, shortTempDir(t), "rules.yaml", globalPolicyRules)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr) // --global-timeout 10ms
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "10ms")
 	c := dialFault(t, d.socket)
 	waitNormal(t, c, 5*time.Second, "path=/otp", "user=u1")
 	waitNormal(t, c, 5*time.Second, "path=/search", "ip=i1")
@@ -508,7 +508,7 @@ func TestFaultToxiproxyLatencyAndResets(t *testing.T) {
     limit: { requests: 1000000, per: 1h }
     mode: hybrid
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--sync-interval", "50ms") // --global-timeout 10ms
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--sync-interval", "50ms", "--global-timeout", "10ms")
 	c := dialFault(t, d.socket)
 	shapes := [][]string{{"otp", "path=/otp", "user=u"}, {"search", "path=/search", "ip=i"}, {"api", "path=/api", "ip=i"}}
 	for _, s := range shapes {

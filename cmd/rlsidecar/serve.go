@@ -39,6 +39,12 @@ func (m *octalMode) Set(s string) error {
 	if err != nil || v > 0o777 {
 		return fmt.Errorf("%q is not an octal permission like 0660", s)
 	}
+	// Connecting to a Unix socket needs write permission on its file: a mode with no
+	// write bit (0 among them, which once meant the default) lets no one but root in,
+	// and is never what was meant.
+	if v&0o222 == 0 {
+		return fmt.Errorf("%q lets no one connect (connecting needs a write bit); give permission bits like 0660, or leave the flag out for 0660", s)
+	}
 	*m = octalMode(v)
 	return nil
 }
@@ -78,7 +84,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
-	globalTimeout := fs.Duration("global-timeout", 10*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
+	globalTimeout := fs.Duration("global-timeout", 20*time.Millisecond, "global mode: how long a check waits for Redis before the rule's on_store_failure decides")
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open; on a Redis Cluster one breaker per master, for its keys)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "the longest wait of an open breaker before it lets one probe through (the first after an eighth of it, each failed probe doubling the wait)")
 	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
@@ -90,7 +96,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// to another daemon on the host (see lateAdmin).
 	adminGiven := false
 	fs.Visit(func(f *flag.Flag) { adminGiven = adminGiven || f.Name == "admin" })
-	log, err := newLogger(stderr, *logFormat, *logLevel)
+	secrets := &scrubber{}
+	log, err := newLogger(stderr, *logFormat, *logLevel, secrets)
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
@@ -222,6 +229,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			cfg.Cluster = []string{*redisCluster}
 			where = "cluster " + rlsync.Redact(*redisCluster)
 		}
+		if pw, err := cfg.Password(); err == nil {
+			secrets.set(pw)
+		}
 		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
 		// timeouts close connections, must not make the second look down. A breaker per
@@ -265,9 +275,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		})
 		modeDesc = "hybrid mode by default, Redis " + where
 	}
-	if mode&0o002 != 0 {
-		log.Warn("the socket mode lets every local user ask the daemon; prefer a group (--socket-group)", "socket_mode", fmt.Sprintf("%#o", uint32(mode)))
-	}
+	warnOpenSockets(log, os.FileMode(mode), *socket, activated.socket != nil, *envoyRLS, activated.envoy != nil)
 	srv, err := daemon.New(daemon.Config{
 		Socket:       *socket,
 		SocketMode:   os.FileMode(mode),
@@ -290,14 +298,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	warnExposed(log, *admin, *envoyRLS)
 	// Bind everything before announcing anything, and undo what a failed start created:
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
 	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
 	if *admin != "" {
-		if !loopbackAddr(*admin) {
-			log.Warn("the admin endpoint listens beyond this host, with no authentication: anyone who reaches it reads /top and /bans and can lift bans (DELETE /bans); bind it to 127.0.0.1, or firewall it to the scrapers", "admin", *admin)
-		}
 		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
@@ -657,12 +663,13 @@ func (l redisLog) Printf(ctx context.Context, format string, v ...any) {
 	l.log.Debug("go-redis: " + fmt.Sprintf(format, v...))
 }
 
-func newLogger(w io.Writer, format, level string) (*slog.Logger, error) {
+// newLogger builds the daemon's logger; what secrets names is kept out of it.
+func newLogger(w io.Writer, format, level string, secrets *scrubber) (*slog.Logger, error) {
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
 		return nil, fmt.Errorf("--log-level %q: use debug, info, warn or error", level)
 	}
-	opts := &slog.HandlerOptions{Level: lv}
+	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: secrets.replace}
 	switch strings.ToLower(format) {
 	case "text":
 		return slog.New(slog.NewTextHandler(w, opts)), nil
@@ -803,6 +810,48 @@ func (w *breakerWatch) observe(log *slog.Logger, open int, opened uint64) {
 			"openings", opened)
 	}
 	w.open, w.opened = open, opened
+}
+
+// warnExposed warns of each TCP listener, the admin endpoint (admin) and the Envoy API
+// (envoyRLS), given an address beyond loopback: neither has authentication. An empty
+// address (off) and a unix: socket (its file's mode and group guard it) are not warned of.
+func warnExposed(log *slog.Logger, admin, envoyRLS string) {
+	if admin != "" && !loopbackAddr(admin) {
+		// What is exposed: every GET route, to anyone who addresses the host by IP (the
+		// Host check stops only browsers led here by DNS rebinding); DELETE /bans is
+		// refused to any peer but loopback, whatever the Host.
+		log.Warn("the admin endpoint listens beyond this host, with no authentication: anyone who reaches it reads /metrics, /rules, /top (the most-rejected clients) and /bans (lifting a ban is refused but from loopback); bind it to 127.0.0.1, or firewall it to the scrapers", "admin", admin)
+	}
+	if envoyRLS != "" && !strings.HasPrefix(envoyRLS, "unix:") && !loopbackAddr(envoyRLS) {
+		log.Warn("the Envoy rate limit service listens beyond this host, with no authentication: anyone who reaches it can spend any client's budget, and so have that client refused; bind it to 127.0.0.1 or a unix: socket, or firewall it to the gateways", "envoy_rls", envoyRLS)
+	}
+}
+
+// warnOpenSockets warns of each Unix socket of the daemon that every local user may
+// connect to: the check socket (socket) and a unix: Envoy listener (envoyRLS). The daemon
+// gives a socket it creates mode (--socket-mode); a socket systemd passed (activated,
+// envoyActivated) keeps its .socket unit's SocketMode=, so its file's own mode is the
+// one looked at, and --socket-mode, which does not apply to it, is not.
+func warnOpenSockets(log *slog.Logger, mode os.FileMode, socket string, activated bool, envoyRLS string, envoyActivated bool) {
+	warn := func(path string, activated bool) {
+		if !activated {
+			if mode&0o002 != 0 {
+				log.Warn("the socket mode lets every local user ask the daemon; prefer a group (--socket-group)", "socket", path, "socket_mode", fmt.Sprintf("%#o", uint32(mode)))
+			}
+			return
+		}
+		fi, err := os.Stat(path)
+		if err != nil {
+			return // not in this mount namespace, or an abstract socket: nothing to look at
+		}
+		if m := fi.Mode().Perm(); m&0o002 != 0 {
+			log.Warn("the socket systemd passed lets every local user ask the daemon; prefer SocketMode=0660 and a SocketGroup= in its .socket unit", "socket", path, "socket_mode", fmt.Sprintf("%#o", uint32(m)))
+		}
+	}
+	warn(socket, activated)
+	if path, ok := strings.CutPrefix(envoyRLS, "unix:"); ok && path != "" {
+		warn(path, envoyActivated)
+	}
 }
 
 // loopbackAddr reports whether the listen address addr (host:port) binds loopback only:
