@@ -84,9 +84,9 @@ func Load(path string) (*Set, error) {
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		return LoadDir(path)
 	}
-	data, err := os.ReadFile(path)
+	data, err := readFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("reading rules: %w", err)
+		return nil, err
 	}
 	return Parse(path, data)
 }
@@ -160,6 +160,9 @@ func (p *parser) parse(data []byte) []*Rule {
 	}
 	if len(doc.Content) != 1 {
 		p.errorf(&doc, "", "no rules: key")
+		return nil
+	}
+	if !p.checkAliases(&doc) {
 		return nil
 	}
 	root := deref(doc.Content[0])
@@ -754,6 +757,78 @@ func checkAttr(s string) string {
 		return fmt.Sprintf("%q is not a valid attribute name (letters, digits, _ . -)", s)
 	}
 	return ""
+}
+
+// maxAliasNodes and maxAliasBytes bound what aliases add to a file: how many more nodes,
+// and bytes of scalar text, it would hold with every alias written out in full. The
+// parser follows aliases itself (deref), so the YAML library's guard against excessive
+// aliasing, which applies only when it decodes into Go values, does not protect it, and
+// the work aliases cause grows with the square of the file: 3,000 rules each saying
+// plans: *p, for a map of 3,000 plans anchored once, made a 274 KB file cost 17 s and
+// 1.8 GB; a 1 MB attribute name aliased 3,000 times in a key list, 41 s and 4.5 GB (an
+// error quotes the name each time). A file without aliases adds nothing; a plans map of
+// 20 entries shared by 1,000 rules adds about 41,000 nodes and 200 KB.
+const (
+	maxAliasNodes = 1_000_000
+	maxAliasBytes = 16 << 20
+)
+
+// expansion is what a node stands for once its aliases are written out.
+type expansion struct{ nodes, bytes int }
+
+// checkAliases refuses a document whose aliases expand past maxAliasNodes or
+// maxAliasBytes, and one with an alias inside the node it names (&a [*a], which no rules
+// file needs), before the parser follows any of them. It walks each node once: the
+// expansion of a node an alias names is remembered.
+func (p *parser) checkAliases(doc *yaml.Node) bool {
+	walking := expansion{-1, -1} // in sizes while the node's children are walked
+	failed := expansion{-2, -2}  // returned once the file is refused
+	sizes := map[*yaml.Node]expansion{}
+	var added expansion
+	var size func(n *yaml.Node) expansion
+	size = func(n *yaml.Node) expansion {
+		if n.Kind == yaml.AliasNode && n.Alias != nil {
+			e, seen := sizes[n.Alias]
+			if !seen {
+				e = size(n.Alias) // not reached in a parsed file: an anchor comes first
+			}
+			switch {
+			case e == failed:
+				return failed
+			case e == walking:
+				p.errorf(n, "", "alias *%s is inside the value it names; write that value out", n.Value)
+				return failed
+			}
+			added.nodes += e.nodes
+			added.bytes += e.bytes
+			switch {
+			case added.nodes > maxAliasNodes:
+				p.errorf(n, "", "aliases expand this file by more than %d nodes (*%s here repeats %d); write fewer aliases, or define shared plans once in the top-level plans:, which apply to every rule", maxAliasNodes, n.Value, e.nodes)
+				return failed
+			case added.bytes > maxAliasBytes:
+				p.errorf(n, "", "aliases expand this file by more than %d bytes of text (*%s here repeats %d); write fewer aliases", maxAliasBytes, n.Value, e.bytes)
+				return failed
+			}
+			return e
+		}
+		if n.Anchor != "" {
+			sizes[n] = walking
+		}
+		total := expansion{1, len(n.Value)}
+		for _, c := range n.Content {
+			e := size(c)
+			if e == failed {
+				return failed
+			}
+			total.nodes += e.nodes
+			total.bytes += e.bytes
+		}
+		if n.Anchor != "" {
+			sizes[n] = total
+		}
+		return total
+	}
+	return size(doc) != failed
 }
 
 // deref follows aliases (*anchor) to the node they name.

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// A rules path that names no regular file is refused as a broken file is: serve does not
+// start with it; on reload the rules in force stay, and the error is logged and counted.
+// A named pipe used to block the reload until something wrote to it, and every reload
+// after it, SIGHUP's too; a link to /dev/zero, to be read until memory ran out.
+func TestE2EReloadRefusesNonRegularFile(t *testing.T) {
+	dir := shortTempDir(t)
+	pipe := filepath.Join(dir, "pipe.yaml")
+	if err := syscall.Mkfifo(pipe, 0o644); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	// Bounded: a daemon that waits on the pipe would never exit.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	outb, err := exec.CommandContext(ctx, binary, "serve", "--config", pipe, "--socket", filepath.Join(dir, "s.sock")).CombinedOutput()
+	if out := string(outb); err == nil || !strings.Contains(out, "pipe.yaml: not a regular file (a named pipe)") {
+		t.Fatalf("serve --config a named pipe: err=%v out=%s", err, out)
+	}
+
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	v := rulesVersion(t, base)
+	reloadErrors := func() float64 {
+		_, samples := scrape(t, base)
+		return samples[`rlsidecar_config_reloads_total{result="error"}`]
+	}
+	waitErrors := func(what string, n float64) {
+		t.Helper()
+		for deadline := time.Now().Add(3 * time.Second); reloadErrors() < n; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %v reload errors counted, want %v\n%s", what, reloadErrors(), n, d.stderr.String())
+			}
+		}
+	}
+
+	// A named pipe renamed over the file, then SIGHUP: both reloads fail, neither waits.
+	tmp := filepath.Join(dir, ".rules.pipe")
+	must(t, syscall.Mkfifo(tmp, 0o644))
+	must(t, syscall.Rename(tmp, cfg))
+	waitErrors("a named pipe", 1)
+	n := reloadErrors()
+	must(t, d.cmd.Process.Signal(syscall.SIGHUP))
+	waitErrors("SIGHUP after a named pipe", n+1)
+
+	// A link to /dev/zero swapped in.
+	n = reloadErrors()
+	must(t, syscall.Symlink("/dev/zero", filepath.Join(dir, ".rules.link")))
+	must(t, syscall.Rename(filepath.Join(dir, ".rules.link"), cfg))
+	waitErrors("a link to /dev/zero", n+1)
+	if l := limitOf(t, c, 1); l != 1 || rulesVersion(t, base) != v {
+		t.Fatalf("a refused file replaced the rules: limit %d", l)
+	}
+	for _, want := range []string{"not a regular file (a named pipe)", "not a regular file (/dev/zero, a character device)"} {
+		if !strings.Contains(d.stderr.String(), want) {
+			t.Errorf("the log does not say %q:\n%s", want, d.stderr.String())
+		}
+	}
+
+	// A rules file again: reloaded.
+	must(t, syscall.Rename(writeFile(t, dir, ".rules.new", rulesWithLimit(2)), cfg))
+	waitReload(t, base, v)
+	if l := limitOf(t, c, 2); l != 2 {
+		t.Fatalf("after the refused files: limit %d", l)
+	}
+}
