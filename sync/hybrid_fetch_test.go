@@ -3,6 +3,8 @@ package sync
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	gosync "sync"
 	"sync/atomic"
 	"testing"
@@ -354,4 +356,96 @@ func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// An exact sync that outlives FetchWait is decided without Redis, but Redis may run it
+// all the same and reserve its units for this daemon. The key's next sync gives them
+// back (the record's token marks it a resend), so that sync must come: Redis then counts
+// nothing for the request no daemon admitted, and another daemon admits the key's one
+// unit. Before, the entry, having nothing else to settle, was never synced again, and
+// Redis counted a unit nobody had admitted until the window ended.
+func TestHybridLateExactSyncGivesBack(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	var slow atomic.Bool
+	addr := delayedReplies(t, srv.Addr, &slow, 300*time.Millisecond)
+	rdb, err := Open(Config{URL: "redis://" + addr, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer node.Close()
+	loadHybridScript(t, node)
+	ctx := context.Background()
+	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	const key = "rl:late:{user=u}"
+	a := NewHybrid(rdb, HybridOptions{ID: "late-a", FetchWait: 100 * time.Millisecond})
+	b := NewHybrid(rdb, HybridOptions{ID: "late-b", FetchWait: 5 * time.Second})
+
+	// Redis runs the exact sync at once; its answer comes 300 ms later, after FetchWait.
+	slow.Store(true)
+	if take(a, time.Now().UnixNano(), key, lim, 1).Allowed {
+		t.Fatal("admitted without an answer from Redis and no view of the key")
+	}
+	slow.Store(false)
+	if n, err := node.HGet(ctx, key, "n").Int(); err != nil || n != 1 {
+		t.Fatalf("Redis counts %d (%v) after the late exact sync, want its reserved unit: the test shows nothing", n, err)
+	}
+	time.Sleep(400 * time.Millisecond) // the late answer is out of the way
+	if err := a.Flush(ctx, time.Now().UnixNano()); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := node.HGet(ctx, key, "n").Int(); n != 0 {
+		t.Fatalf("after the next sync Redis counts %d for a request no daemon admitted, want 0", n)
+	}
+	if !take(b, time.Now().UnixNano(), key, lim, 1).Allowed {
+		t.Fatal("another daemon was refused the key's one unit, which nobody had admitted")
+	}
+}
+
+// delayedReplies proxies TCP connections to target, holding the arrays target answers
+// (a script's answers) for delay while slow is set: requests, and a new connection's
+// handshake, go through at once. It returns its address.
+func delayedReplies(t *testing.T, target string, slow *atomic.Bool, delay time.Duration) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			go func() { _, _ = io.Copy(s, c); s.Close() }()
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := s.Read(buf)
+					if n > 0 {
+						// A script's answer is an array; the handshake's (HELLO, CLIENT
+						// SETINFO) are a map and simple strings.
+						if slow.Load() && buf[0] == '*' {
+							time.Sleep(delay)
+						}
+						if _, werr := c.Write(buf[:n]); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
 }

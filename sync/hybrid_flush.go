@@ -95,16 +95,24 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	e, sh := it.e, it.sh
 	e.flags &^= flagBusy
 	if it.err != nil {
-		// Not confirmed: keep the counts for the next sync.
+		// Not confirmed: keep the counts for the next sync. One that asked for units
+		// may have reserved them all the same (its reply lost or too late, a FetchWait
+		// passed): the key is synced again until a sync is answered, which gives them
+		// back. Before, a key with nothing else to settle was left, and Redis counted
+		// units no daemon admitted until the window ended.
 		e.pending += it.used
 		e.addOwed(it.owed)
 		e.demand = satAdd32(e.demand, uint64(it.offered))
 		e.short = satAdd16(e.short, uint64(it.short))
+		if it.req != nil || it.demand > 0 {
+			e.flags |= flagUnsettled
+		}
 		if e.flags&flagGone == 0 {
 			sh.markDirty(e)
 		}
 		return
 	}
+	e.flags &^= flagUnsettled
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
@@ -289,7 +297,7 @@ func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 		sh.mu.Lock()
 		if release {
 			for _, e := range sh.m {
-				if e.flags&flagBusy == 0 && e.pending != uint64(e.grant) {
+				if e.flags&flagBusy == 0 && (e.pending != uint64(e.grant) || e.flags&flagUnsettled != 0) {
 					e.short = 0
 					items = append(items, h.snapshot(sh, e, now, modeShare, 0))
 				}

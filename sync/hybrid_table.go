@@ -216,6 +216,11 @@ const (
 	flagBusy                     // a sync of it is on its way: no second one meanwhile
 	flagGone                     // evicted: a sync still holding it skips it
 	flagShared                   // another daemon used the key lately: no credit, grants only
+	// flagUnsettled: a sync that asked for units (an exact sync, a share grant) failed
+	// without an answer, so Redis may have run it and reserved them for this daemon. The
+	// next sync of the key (the record's token tells Redis it is a resend) gives them
+	// back, so the key is synced, and kept, until one succeeds.
+	flagUnsettled
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {
@@ -233,7 +238,7 @@ func (sh *hshard) markDirty(e *hentry) {
 // needsSync reports whether e has something to tell Redis: units used beyond (or short
 // of) its grant, or demand that outran its allowance.
 func (e *hentry) needsSync() bool {
-	return e.pending != uint64(e.grant) || e.short > 0 || e.owed > 0
+	return e.pending != uint64(e.grant) || e.short > 0 || e.owed > 0 || e.flags&flagUnsettled != 0
 }
 
 // holds reports whether forgetting e would lose something: units not yet in Redis (used
@@ -241,7 +246,9 @@ func (e *hentry) needsSync() bool {
 // that Redis still counts (owed). A grant used exactly holds nothing: its reservation
 // already counts every unit it admitted (the usual end of an exact sync), and such a key
 // used to stay in memory for good, never swept.
-func (e *hentry) holds() bool { return e.pending != uint64(e.grant) || e.owed > 0 }
+func (e *hentry) holds() bool {
+	return e.pending != uint64(e.grant) || e.owed > 0 || e.flags&flagUnsettled != 0
+}
 
 // unsynced is what forgetting e loses of what it admitted: the units beyond its grant.
 func (e *hentry) unsynced() uint64 { return e.pending - min(e.pending, uint64(e.grant)) }
