@@ -1,8 +1,10 @@
 package rules
 
 import (
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestWarningsShadowed(t *testing.T) {
@@ -90,5 +92,32 @@ func TestWarningsDeadGlobs(t *testing.T) {
 func TestWarningsNoneOnDefault(t *testing.T) {
 	if ws := Default().Warnings(); len(ws) != 0 {
 		t.Errorf("built-in rules: %v", ws)
+	}
+}
+
+// Looking for rules that never decide compares each rule with the earlier ones of its
+// match and key, plan by plan: bounded, and said so when the bound stops it, so that a
+// file of many such rules with many plans does not hold a reload for seconds.
+func TestWarningsShadowCheckBounded(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("plans:\n")
+	for p := range 300 {
+		fmt.Fprintf(&b, "  p%d: 2x\n", p)
+	}
+	b.WriteString("rules:\n")
+	for r := range 300 {
+		fmt.Fprintf(&b, "  - name: r%d\n    key: user\n    limit: { requests: %d, per: 1m }\n", r, 1000-r)
+	}
+	set, err := Parse("many.yaml", []byte(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	ws := set.Warnings()
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("Warnings took %v", d)
+	}
+	if !strings.Contains(ws.Error(), "stopped looking for rules that never decide") {
+		t.Fatalf("no word of the check stopping: %v", ws)
 	}
 }
