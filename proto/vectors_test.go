@@ -1,6 +1,7 @@
 package proto
 
 import (
+	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"flag"
@@ -8,7 +9,11 @@ import (
 	"math"
 	"os"
 	"reflect"
+	"slices"
 	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata/vectors.json from the Go definitions")
@@ -28,10 +33,10 @@ type vectorFile struct {
 }
 
 type vector struct {
-	Name    string         `json:"name"`
-	Meaning string         `json:"meaning"`
-	Hex     string         `json:"hex"`
-	Message map[string]any `json:"message"`
+	Name    string `json:"name"`
+	Meaning string `json:"meaning"`
+	Hex     string `json:"hex"`
+	Message any    `json:"message"` // read: a map; written: wireOrdered
 }
 
 type badFrame struct {
@@ -405,21 +410,23 @@ func writeVectors(t *testing.T, path string) {
 		enc := NewEncoder()
 		enc.EncodeRequest(&c.req)
 		r := c.req
-		f.Requests = append(f.Requests, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(enc.Bytes()), Message: requestJSON(&r)})
+		f.Requests = append(f.Requests, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(enc.Bytes()), Message: inWireOrder(t, requestJSON(&r), enc.Bytes())})
 	}
 	for _, c := range canonResponses {
 		r := c.resp
-		f.Responses = append(f.Responses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(encodeResponse(&r, c.kind)), Message: responseJSON(&r, c.kind)})
+		b := encodeResponse(&r, c.kind)
+		f.Responses = append(f.Responses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(b), Message: inWireOrder(t, responseJSON(&r, c.kind), b)})
 	}
 	for _, c := range canonLeaseRequests {
 		enc := NewEncoder()
 		enc.EncodeRequest(&c.req)
 		r := c.req
-		f.LeaseRequests = append(f.LeaseRequests, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(enc.Bytes()), Message: requestJSON(&r)})
+		f.LeaseRequests = append(f.LeaseRequests, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(enc.Bytes()), Message: inWireOrder(t, requestJSON(&r), enc.Bytes())})
 	}
 	for _, c := range canonLeaseResponses {
 		r := c.resp
-		f.LeaseResponses = append(f.LeaseResponses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(encodeResponse(&r, c.kind)), Message: responseJSON(&r, c.kind)})
+		b := encodeResponse(&r, c.kind)
+		f.LeaseResponses = append(f.LeaseResponses, vector{Name: c.name, Meaning: c.meaning, Hex: hex.EncodeToString(b), Message: inWireOrder(t, responseJSON(&r, c.kind), b)})
 	}
 	f.Malformed = malformedFrames()
 	f.Exchanges = exchanges()
@@ -429,5 +436,184 @@ func writeVectors(t *testing.T, path string) {
 	}
 	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// wireOrdered is a message's JSON meaning written with each map's keys in the order its
+// frame holds them (the encoder's canonical order), so that a client that encodes
+// message in its JSON order gets hex exactly; before, the keys came sorted. A value the
+// frame does not hold as JSON does (attrs, a map on the wire, is [name, value] pairs
+// here) keeps its JSON form.
+type wireOrdered struct {
+	v    any
+	keys *keyTree
+}
+
+// keyTree is a msgpack value's map keys, in order: a map's keys and their values' trees,
+// or an array's elements' trees.
+type keyTree struct {
+	keys  []string
+	sub   map[string]*keyTree
+	elems []*keyTree
+}
+
+// inWireOrder pairs v with the key order of frame's body.
+func inWireOrder(t *testing.T, v any, frame []byte) wireOrdered {
+	t.Helper()
+	tree, err := readKeyTree(msgpack.NewDecoder(bytes.NewReader(frame[HeaderSize:])))
+	if err != nil {
+		t.Fatalf("reading the key order of %x: %v", frame, err)
+	}
+	return wireOrdered{v, tree}
+}
+
+func readKeyTree(d *msgpack.Decoder) (*keyTree, error) {
+	c, err := d.PeekCode()
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
+		n, err := d.DecodeMapLen()
+		if err != nil {
+			return nil, err
+		}
+		t := &keyTree{sub: map[string]*keyTree{}}
+		for range n {
+			k, err := d.DecodeString()
+			if err != nil {
+				return nil, err
+			}
+			sub, err := readKeyTree(d)
+			if err != nil {
+				return nil, err
+			}
+			t.keys = append(t.keys, k)
+			t.sub[k] = sub
+		}
+		return t, nil
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		n, err := d.DecodeArrayLen()
+		if err != nil {
+			return nil, err
+		}
+		t := &keyTree{}
+		for range n {
+			sub, err := readKeyTree(d)
+			if err != nil {
+				return nil, err
+			}
+			t.elems = append(t.elems, sub)
+		}
+		return t, nil
+	}
+	return nil, d.Skip()
+}
+
+func (w wireOrdered) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	if err := writeOrdered(&b, w.v, w.keys); err != nil {
+		return nil, err
+	}
+	return b.Bytes(), nil
+}
+
+func writeOrdered(b *bytes.Buffer, v any, t *keyTree) error {
+	if t == nil {
+		return writeJSON(b, v)
+	}
+	if m, ok := v.(map[string]any); ok && t.sub != nil {
+		keys := slices.Clone(t.keys)
+		var rest []string
+		for k := range m {
+			if !slices.Contains(keys, k) {
+				rest = append(rest, k)
+			}
+		}
+		slices.Sort(rest)
+		b.WriteByte('{')
+		n := 0
+		for _, k := range append(keys, rest...) {
+			val, ok := m[k]
+			if !ok {
+				continue
+			}
+			if n > 0 {
+				b.WriteByte(',')
+			}
+			n++
+			if err := writeJSON(b, k); err != nil {
+				return err
+			}
+			b.WriteByte(':')
+			if err := writeOrdered(b, val, t.sub[k]); err != nil {
+				return err
+			}
+		}
+		b.WriteByte('}')
+		return nil
+	}
+	if rv := reflect.ValueOf(v); rv.Kind() == reflect.Slice && t.elems != nil && rv.Len() == len(t.elems) && rv.Type().Elem().Kind() != reflect.Array {
+		b.WriteByte('[')
+		for i := range rv.Len() {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			if err := writeOrdered(b, rv.Index(i).Interface(), t.elems[i]); err != nil {
+				return err
+			}
+		}
+		b.WriteByte(']')
+		return nil
+	}
+	return writeJSON(b, v)
+}
+
+func writeJSON(b *bytes.Buffer, v any) error {
+	j, err := json.Marshal(v)
+	b.Write(j)
+	return err
+}
+
+// The file's messages list each map's keys in the frame's order.
+func TestVectorsKeysInWireOrder(t *testing.T) {
+	data, err := os.ReadFile("testdata/vectors.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var f struct {
+		Requests, Responses, LeaseRequests, LeaseResponses []struct {
+			Name    string          `json:"name"`
+			Hex     string          `json:"hex"`
+			Message json.RawMessage `json:"message"`
+		}
+	}
+	if err := json.Unmarshal(data, &f); err != nil {
+		t.Fatal(err)
+	}
+	for _, vs := range [][]struct {
+		Name    string          `json:"name"`
+		Hex     string          `json:"hex"`
+		Message json.RawMessage `json:"message"`
+	}{f.Requests, f.Responses, f.LeaseRequests, f.LeaseResponses} {
+		for _, v := range vs {
+			var m any
+			d := json.NewDecoder(bytes.NewReader(v.Message))
+			d.UseNumber() // 2^64-1 as it is written
+			if err := d.Decode(&m); err != nil {
+				t.Fatal(err)
+			}
+			want, err := json.Marshal(inWireOrder(t, m, mustHex(t, v.Hex)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got bytes.Buffer
+			if err := json.Compact(&got, v.Message); err != nil {
+				t.Fatal(err)
+			}
+			if got.String() != string(want) {
+				t.Errorf("%s: message keys not in the frame's order:\n got %s\nwant %s (run go test ./proto -run TestVectors -update)", v.Name, got.String(), want)
+			}
+		}
 	}
 }
