@@ -96,7 +96,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		}
 		rule, client := r.PathValue("rule"), r.PathValue("client")
 		if lifted := liftBan(deps, rule, client); !lifted {
-			http.Error(w, fmt.Sprintf("no ban of %q by rule %q (give the client as /bans names it, or as attr=value)", client, rule), http.StatusNotFound)
+			http.Error(w, fmt.Sprintf("no ban of %q by rule %q (give the client as /bans names it, or as attr=value with the value as the request sent it, URL-escaped)", client, rule), http.StatusNotFound)
 			return
 		}
 		w.WriteHeader(http.StatusNoContent)
@@ -218,12 +218,20 @@ func liftBan(deps AdminDeps, rule, client string) bool {
 		return false
 	}
 	now := deps.Now()
+	// The client as /bans names it (its key's escaped form, or its label), or as
+	// attr=value with the value as it is: user=%7B, the URL's escape of "{", is the user
+	// "{", whose key holds %7B (before, only user=%257B, the key's form escaped again,
+	// found it).
+	escaped := client
+	if attr, value, ok := strings.Cut(client, "="); ok && !strings.Contains(client, "|") {
+		escaped = attr + "=" + string(rules.AppendEscaped(nil, value))
+	}
 	for _, b := range deps.Limiter.Bans(now) {
 		if b.Rule != rule {
 			continue
 		}
 		c := string(clientOf([]byte(b.Key)))
-		if c == client || deps.Metrics.ClientName(c) == client {
+		if c == client || c == escaped || deps.Metrics.ClientName(c) == client {
 			return deps.Limiter.LiftBan(b.Key, now)
 		}
 	}

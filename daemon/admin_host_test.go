@@ -148,3 +148,38 @@ func TestAdminHostGuardOpen(t *testing.T) {
 		}
 	}
 }
+
+// A ban is lifted by attr=value with the value as the request sent it (URL-escaped in
+// the path), not only as the key writes it: the user "{a}" is user=%7Ba%7D in the URL.
+func TestAdminLiftBanByRawValue(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(`
+rules:
+  - name: login
+    key: user
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 1, within: 1m, ban: 10m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	now := time.Now().UnixNano()
+	for i := 0; i < 4; i++ {
+		var d limiter.Decision
+		in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: "{a}"}}, Cost: 1}
+		if err := lim.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base := startAdmin(t, deps)
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=b", "localhost"); code != http.StatusNotFound || !strings.Contains(body, "as the request sent it") {
+		t.Fatalf("lifting the ban of another user: %d %q", code, body)
+	}
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=%7Ba%7D", "localhost"); code != http.StatusNoContent {
+		t.Fatalf("lifting the ban of user {a} by its value: %d %q", code, body)
+	}
+	if _, body := get(t, base+"/bans"); strings.Contains(body, `"login"`) {
+		t.Fatalf("the ban is still there: %s", body)
+	}
+}
