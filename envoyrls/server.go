@@ -218,6 +218,9 @@ func (s *Server) Listen() error {
 	if path == "" {
 		return errors.New("envoy rls: unix: needs a path")
 	}
+	if max := len(syscall.RawSockaddrUnix{}.Path) - 1; len(path) > max { // less its NUL
+		return fmt.Errorf("envoy rls: listening on %s: the path is %d bytes, and a Unix socket's holds at most %d; choose a shorter one", path, len(path), max)
+	}
 	gid := -1
 	if s.cfg.SocketGroup != "" {
 		var err error

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/daemon"
@@ -82,6 +83,9 @@ func check(args []string, stdout, stderr io.Writer) error {
 // roundTrip sends one request on a fresh connection and returns the answer; an error
 // response becomes an error.
 func roundTrip(socket string, req *proto.Request, timeout time.Duration) (*proto.Response, error) {
+	if max := len(syscall.RawSockaddrUnix{}.Path) - 1; len(socket) > max { // less its NUL
+		return nil, fmt.Errorf("connecting to the daemon at %s: the path is %d bytes, and a Unix socket's holds at most %d (connect: invalid argument)", socket, len(socket), max)
+	}
 	c, err := net.DialTimeout("unix", socket, timeout)
 	if err != nil {
 		return nil, fmt.Errorf("connecting to the daemon at %s (is it running? see --socket): %w", socket, err)

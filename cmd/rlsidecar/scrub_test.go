@@ -5,6 +5,9 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // The Redis password is kept out of the logs wherever a record carries it: a server's
@@ -28,5 +31,15 @@ func TestLogScrubsPassword(t *testing.T) {
 		if strings.Count(out, "xxxxx") != 3 || !strings.Contains(out, "nothing secret") {
 			t.Fatalf("%s: want the password replaced three times and the rest kept:\n%s", format, out)
 		}
+	}
+}
+
+// A socket path longer than a Unix address holds is named as the cause, for check as for
+// serve (the system's error was "connect: invalid argument").
+func TestCheckSocketPathTooLong(t *testing.T) {
+	long := "/tmp/" + strings.Repeat("x", 120)
+	_, err := roundTrip(long, &proto.Request{Op: proto.OpPing}, time.Second)
+	if err == nil || !strings.Contains(err.Error(), "holds at most 107") {
+		t.Fatalf("check on a %d-byte socket path: %v", len(long), err)
 	}
 }
