@@ -283,27 +283,27 @@ const lockWait = 3 * time.Second
 
 // lockSocketPath takes the lock that serialises, between daemons, looking at the socket
 // path, replacing a stale socket there and binding it (and, at shutdown, removing it):
-// an flock on PATH.lock, created owner-only beside the socket and never removed (a lock
-// file removed while another daemon waits for it locks nothing). The returned func
-// releases it. The lock is held only for those steps, not for the daemon's life: a
-// daemon draining after SIGTERM, its socket already removed, must not keep its successor
-// from starting on the same path.
+// an flock on PATH.lock, created beside the socket and never removed (a lock file
+// removed while another daemon waits for it locks nothing). The returned func releases
+// it. The lock is held only for those steps, not for the daemon's life: a daemon
+// draining after SIGTERM, its socket already removed, must not keep its successor from
+// starting on the same path.
+//
+// The file is opened read-only (flock needs no more) and created readable by all, so
+// that a daemon of another user, or a non-root one after root, takes the lock a previous
+// daemon left; one it cannot open or that is not a regular file (another user's, made
+// unreadable; a FIFO) is done without: the lock only narrows a race two daemons starting
+// at the same instant run, and a daemon that started before the lock existed must not
+// be kept from starting by it.
 func lockSocketPath(path string) (unlock func(), err error) {
 	name := path + ".lock"
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
+	f, err := os.OpenFile(name, os.O_RDONLY|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0o644)
 	if err != nil {
-		return nil, fmt.Errorf("opening the start lock: %w", err)
+		return func() {}, nil
 	}
-	fi, err := f.Stat()
-	if err == nil {
-		err = ownedByOther(fi)
-		if err != nil {
-			err = fmt.Errorf("the start lock %s %w; refusing to use it (remove it as that user or root, and choose a --socket in a directory other users cannot write)", name, err)
-		}
-	}
-	if err != nil {
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
 		f.Close()
-		return nil, err
+		return func() {}, nil
 	}
 	for deadline := time.Now().Add(lockWait); ; {
 		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)

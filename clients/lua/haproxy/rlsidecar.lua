@@ -125,11 +125,17 @@ local function roundtrip(address, timeout_ms, frame, id, release)
     end
     return nil, what .. " " .. address .. ": " .. tostring(e)
   end
-  -- left sets the socket's timeout to what is left of the deadline; false once it passed.
+  -- left sets the socket's timeout to what is left of the deadline. Once it has passed,
+  -- one more step gets 1 ms, so that an answer already waiting is read rather than
+  -- dropped (HAProxy's clock moves once per turn of its scheduler); after that, false.
+  local late = false
   local function left()
     local ms = deadline - now_ms()
     if ms < 1 then
-      return false
+      if late then
+        return false
+      end
+      late, ms = true, 1
     end
     sock:settimeout(ms / 1000)
     return true

@@ -170,14 +170,20 @@ local function hold(sock)
   held[n_held] = sock
 end
 
--- left sets sock's timeouts to what is left until deadline (seconds, as ngx.now): one
--- deadline bounds the whole exchange, where timeouts set once would bound each step
--- (connect, write, each read) by timeout_ms, several times it in all. False once it has
--- passed.
-local function left(sock, deadline)
-  local ms = math.floor((deadline - ngx.now()) * 1000)
+-- left sets sock's timeouts to what is left until the deadline (dl.at, seconds as
+-- ngx.now): one deadline bounds the whole exchange, where timeouts set once would bound
+-- each step (connect, write, each read) by timeout_ms, several times it in all. Once it
+-- has passed, one more step gets 1 ms, so that an answer already waiting on the socket
+-- is read rather than dropped (nginx's clock moves once per turn of its event loop:
+-- other requests' work in the same turn can pass the deadline without the daemon being
+-- late); after that, false.
+local function left(sock, dl)
+  local ms = math.floor((dl.at - ngx.now()) * 1000)
   if ms < 1 then
-    return false
+    if dl.late then
+      return false
+    end
+    dl.late, ms = true, 1
   end
   sock:settimeouts(ms, ms, ms)
   return true
@@ -250,7 +256,8 @@ end
 -- and whether the failure is the transport's (the socket is then closed). A check's
 -- answer that takes a lease leaves its connection held (see hold), not pooled.
 function _M.roundtrip(self, frame, id)
-  local deadline = ngx.now() + self.timeout / 1000
+  ngx.update_time() -- the cached clock may be a whole event-loop turn old
+  local deadline = { at = ngx.now() + self.timeout / 1000, late = false }
   local sock = ngx.socket.tcp()
   sock:settimeouts(self.timeout, self.timeout, self.timeout)
   local ok, err = sock:connect(self.path, self.connect_opts)
