@@ -449,3 +449,21 @@ func delayedReplies(t *testing.T, target string, slow *atomic.Bool, delay time.D
 	}()
 	return ln.Addr().String()
 }
+
+// A sync Redis answered with an error did not reserve anything, and a resend would fail
+// the same way (counting against the breaker each time): only a sync whose answer was
+// lost is settled again.
+func TestMayHaveRun(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	node := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer node.Close()
+	refused := node.Do(context.Background(), "NOSUCHCOMMAND").Err()
+	if refused == nil || mayHaveRun(refused) {
+		t.Fatalf("an error Redis answered (%v) taken for a lost answer", refused)
+	}
+	for _, err := range []error{context.DeadlineExceeded, io.EOF, fmt.Errorf("sync: %w", context.DeadlineExceeded)} {
+		if !mayHaveRun(err) {
+			t.Fatalf("%v: a lost answer taken for a refusal", err)
+		}
+	}
+}

@@ -104,7 +104,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		e.addOwed(it.owed)
 		e.demand = satAdd32(e.demand, uint64(it.offered))
 		e.short = satAdd16(e.short, uint64(it.short))
-		if it.req != nil || it.demand > 0 {
+		if (it.req != nil || it.demand > 0) && mayHaveRun(it.err) {
 			e.flags |= flagUnsettled
 		}
 		if e.flags&flagGone == 0 {
@@ -136,6 +136,15 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	if e.flags&flagGone == 0 && (e.grant > 0 || e.needsSync()) {
 		sh.markDirty(e)
 	}
+}
+
+// mayHaveRun reports whether a sync that failed with err may have run in Redis all the
+// same: a timeout, a connection lost with the call written. Not an error Redis answered
+// (the script was refused or stopped: a key it cannot read would fail every resend, and
+// each failure would count against its master's breaker).
+func mayHaveRun(err error) bool {
+	var rerr redis.Error
+	return !errors.As(err, &rerr)
 }
 
 // applyAll applies items, locking each one's shard, and counts the items that failed
