@@ -153,8 +153,8 @@ func (g hostGuard) hostAllowed(host string) bool {
 	if _, err := netip.ParseAddr(host); err == nil {
 		return true
 	}
-	host = strings.ToLower(host)
-	return host == "localhost" || g.bound != "" && host == g.bound
+	host = strings.TrimSuffix(strings.ToLower(host), ".") // localhost. is localhost
+	return host == "localhost" || g.bound != "" && host == strings.TrimSuffix(g.bound, ".")
 }
 
 // scrapeRoute reports whether r asks for what a Prometheus scraper or a health check

@@ -78,7 +78,7 @@ rules:
 		t.Fatalf("a request with a foreign Host lifted the ban: %s", body)
 	}
 
-	for _, host := range []string{"127.0.0.1:" + port, "127.0.0.1", "localhost:" + port, "LocalHost", "[::1]:" + port, "[::1]", "10.0.0.7:" + port} {
+	for _, host := range []string{"127.0.0.1:" + port, "127.0.0.1", "localhost:" + port, "LocalHost", "localhost.:" + port, "[::1]:" + port, "[::1]", "10.0.0.7:" + port} {
 		if code, body := doHost(t, "GET", base, "/top", host); code != 200 {
 			t.Errorf("GET /top with Host %s: %d %q", host, code, body)
 		}

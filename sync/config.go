@@ -183,6 +183,8 @@ func redactURL(s string) string {
 			end = j
 		}
 		seg := s[:end]
+		// Up to the last '@', not the authority's end: a password may hold '/', '?' or
+		// '#' unescaped, and a '@' in a query only masks more than it must.
 		if at := strings.LastIndex(seg, "@"); at >= 0 {
 			if k := strings.Index(seg[:at], ":"); k >= 0 {
 				b.WriteString(seg[:k])

@@ -7,6 +7,7 @@ import (
 	"net"
 	gosync "sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -460,6 +461,11 @@ func TestMayHaveRun(t *testing.T) {
 	refused := node.Do(context.Background(), "NOSUCHCOMMAND").Err()
 	if refused == nil || mayHaveRun(refused) {
 		t.Fatalf("an error Redis answered (%v) taken for a lost answer", refused)
+	}
+	for _, err := range []error{errNotServed, &net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}} {
+		if mayHaveRun(err) {
+			t.Fatalf("%v: a sync that never reached Redis taken for a lost answer", err)
+		}
 	}
 	for _, err := range []error{context.DeadlineExceeded, io.EOF, fmt.Errorf("sync: %w", context.DeadlineExceeded)} {
 		if !mayHaveRun(err) {

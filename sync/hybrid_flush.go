@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strings"
 	gosync "sync"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -144,7 +145,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 // each failure would count against its master's breaker).
 func mayHaveRun(err error) bool {
 	var rerr redis.Error
-	return !errors.As(err, &rerr)
+	return !errors.As(err, &rerr) && !errors.Is(err, errNotServed) && !errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // applyAll applies items, locking each one's shard, and counts the items that failed
