@@ -37,25 +37,7 @@ func doHost(t *testing.T, method, base, path, host string) (int, string) {
 // endpoint requests whose Host is the page's name: they are refused, the ban stays, and
 // nothing is read; requests addressed to an IP address or localhost are served.
 func TestAdminRefusesRebindingHost(t *testing.T) {
-	set, err := rules.Parse("test.yaml", []byte(`
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1m }
-    penalty: { after: 1, within: 1m, ban: 10m }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	now := time.Now().UnixNano()
-	for i := 0; i < 4; i++ {
-		var d limiter.Decision
-		in := limiter.Input{Attrs: []rules.Attr{{Name: "ip", Value: "10.1.2.3"}}, Cost: 1}
-		if err := lim.Check(now, &in, &d); err != nil {
-			t.Fatal(err)
-		}
-	}
+	lim, now := bannedBy(t, "ip", "10.1.2.3")
 	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
 	base := startAdmin(t, deps)
 	port := base[strings.LastIndex(base, ":")+1:]
@@ -152,25 +134,7 @@ func TestAdminHostGuardOpen(t *testing.T) {
 // A ban is lifted by attr=value with the value as the request sent it (URL-escaped in
 // the path), not only as the key writes it: the user "{a}" is user=%7Ba%7D in the URL.
 func TestAdminLiftBanByRawValue(t *testing.T) {
-	set, err := rules.Parse("test.yaml", []byte(`
-rules:
-  - name: login
-    key: user
-    limit: { requests: 1, per: 1m }
-    penalty: { after: 1, within: 1m, ban: 10m }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	now := time.Now().UnixNano()
-	for i := 0; i < 4; i++ {
-		var d limiter.Decision
-		in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: "{a}"}}, Cost: 1}
-		if err := lim.Check(now, &in, &d); err != nil {
-			t.Fatal(err)
-		}
-	}
+	lim, now := bannedBy(t, "user", "{a}")
 	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
 	base := startAdmin(t, deps)
 	if code, body := doHost(t, "DELETE", base, "/bans/login/user=b", "localhost"); code != http.StatusNotFound || !strings.Contains(body, "as the request sent it") {
@@ -182,4 +146,30 @@ rules:
 	if _, body := get(t, base+"/bans"); strings.Contains(body, `"login"`) {
 		t.Fatalf("the ban is still there: %s", body)
 	}
+}
+
+// bannedBy returns a limiter whose rule login (keyed on attr, a penalty after one
+// refusal) has banned the client attr=value, and the time it did.
+func bannedBy(t *testing.T, attr, value string) (*limiter.Limiter, int64) {
+	t.Helper()
+	set, err := rules.Parse("test.yaml", []byte(`
+rules:
+  - name: login
+    key: `+attr+`
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 1, within: 1m, ban: 10m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	now := time.Now().UnixNano()
+	for i := 0; i < 4; i++ {
+		var d limiter.Decision
+		in := limiter.Input{Attrs: []rules.Attr{{Name: attr, Value: value}}, Cost: 1}
+		if err := lim.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return lim, now
 }

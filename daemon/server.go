@@ -128,7 +128,7 @@ type Server struct {
 	// sock is the socket file Listen created, by device and inode: Shutdown removes the
 	// path only while it still names that file, not one another daemon has put there
 	// since. Zero when the listener came from Config.Listener.
-	sock     fileID
+	sock     unixsock.FileID
 	draining atomic.Bool
 	mu       sync.Mutex
 	conns    map[*net.UnixConn]struct{}
@@ -209,7 +209,7 @@ func (s *Server) Listen() error {
 	// connections, each remove it (the second removing the first's new socket) and each
 	// bind: the lock makes the second look only after the first is listening, and so
 	// find it live.
-	unlock, err := lockSocketPath(path)
+	unlock, err := unixsock.Lock(path)
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", path, err)
 	}
@@ -259,78 +259,21 @@ func (s *Server) Listen() error {
 		return fmt.Errorf("listening on %s: %w", path, err)
 	}
 	// From here Shutdown removes the file itself, and only while the path still names it.
-	s.sock = idOf(fi)
+	s.sock = unixsock.IDOf(fi)
 	ln.SetUnlinkOnClose(false)
 	s.ln = ln
 	return nil
-}
-
-// fileID names a file whatever path leads to it: its device and inode.
-type fileID struct{ dev, ino uint64 }
-
-// idOf returns fi's device and inode (zero where the system does not give them).
-func idOf(fi os.FileInfo) fileID {
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return fileID{}
-	}
-	return fileID{dev: uint64(st.Dev), ino: uint64(st.Ino)}
-}
-
-// lockWait bounds how long Listen waits for another daemon starting on the same path:
-// that one holds the lock for a probe (at most a second) and a bind.
-const lockWait = 3 * time.Second
-
-// lockSocketPath takes the lock that serialises, between daemons, looking at the socket
-// path, replacing a stale socket there and binding it (and, at shutdown, removing it):
-// an flock on PATH.lock, created beside the socket and never removed (a lock file
-// removed while another daemon waits for it locks nothing). The returned func releases
-// it. The lock is held only for those steps, not for the daemon's life: a daemon
-// draining after SIGTERM, its socket already removed, must not keep its successor from
-// starting on the same path.
-//
-// The file is opened read-only (flock needs no more) and created readable by all, so
-// that a daemon of another user, or a non-root one after root, takes the lock a previous
-// daemon left; one it cannot open or that is not a regular file (another user's, made
-// unreadable; a FIFO) is done without: the lock only narrows a race two daemons starting
-// at the same instant run, and a daemon that started before the lock existed must not
-// be kept from starting by it.
-func lockSocketPath(path string) (unlock func(), err error) {
-	name := path + ".lock"
-	f, err := os.OpenFile(name, os.O_RDONLY|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0o644)
-	if err != nil {
-		return func() {}, nil
-	}
-	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
-		f.Close()
-		return func() {}, nil
-	}
-	for deadline := time.Now().Add(lockWait); ; {
-		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil {
-			break
-		}
-		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
-			f.Close()
-			if errors.Is(err, syscall.EWOULDBLOCK) {
-				return nil, fmt.Errorf("another process has held the start lock %s for %s (a daemon starting on this socket, stuck?)", name, lockWait)
-			}
-			return nil, fmt.Errorf("taking the start lock %s: %w", name, err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return func() { f.Close() }, nil // closing the last descriptor releases the lock
 }
 
 // removeSocket removes the socket file Listen created, if the path still names it: a
 // daemon started on the same path after this one's file was removed (by hand, or by a
 // cleaner of the temp directory) has its own file there, which stays.
 func (s *Server) removeSocket() {
-	if s.sock == (fileID{}) {
+	if s.sock == (unixsock.FileID{}) {
 		return // Config.Listener's file, or none created
 	}
 	path := s.cfg.Socket
-	unlock, err := lockSocketPath(path)
+	unlock, err := unixsock.Lock(path)
 	if err != nil {
 		// Removing unlocked risks only the race the lock closes (a successor replacing
 		// the file between the look and the removal); leaving the file would refuse the
@@ -343,7 +286,7 @@ func (s *Server) removeSocket() {
 	if err != nil {
 		return // already removed
 	}
-	if idOf(fi) != s.sock {
+	if unixsock.IDOf(fi) != s.sock {
 		s.log.Info("left the socket file in place: another daemon has put its own there since this one started", "socket", path)
 		return
 	}
@@ -351,7 +294,7 @@ func (s *Server) removeSocket() {
 		s.log.Warn("removing the socket file failed; the next daemon replaces it as stale", "socket", path, "err", err)
 		return
 	}
-	s.sock = fileID{} // removed: a second Shutdown has nothing to look at
+	s.sock = unixsock.FileID{} // removed: a second Shutdown has nothing to look at
 }
 
 // Serve accepts connections until Shutdown. It returns nil after Shutdown.

@@ -117,7 +117,7 @@ type Server struct {
 	// (zero for Config.Listener and TCP): Shutdown removes the path only while it still
 	// names that file.
 	sockPath string
-	sock     fileID
+	sock     unixsock.FileID
 	scratch  sync.Pool            // *scratch
 	now      func() int64         // the clock, in Unix nanoseconds: clockNow, or the wall clock (tests set one)
 	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
@@ -228,6 +228,14 @@ func (s *Server) Listen() error {
 			return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
 		}
 	}
+	// Two daemons started at once on a stale socket would each find it refusing
+	// connections, each remove it and each bind: the lock makes the second look only
+	// after the first is listening.
+	unlock, err := unixsock.Lock(path)
+	if err != nil {
+		return fmt.Errorf("envoy rls: listening on %s: %w", path, err)
+	}
+	defer unlock()
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return fmt.Errorf("envoy rls: listening on %s: the path exists and is not a socket; refusing to replace it", path)
@@ -272,38 +280,29 @@ func (s *Server) Listen() error {
 	}
 	// From here Shutdown removes the file itself, and only while the path still names
 	// it: another daemon may have put its own there since (after this one's was removed).
-	s.sockPath, s.sock = path, fileIdentity(fi)
+	s.sockPath, s.sock = path, unixsock.IDOf(fi)
 	ln.SetUnlinkOnClose(false)
 	s.ln = ln
 	return nil
-}
-
-// fileID names a file whatever path leads to it: its device and inode.
-type fileID struct{ dev, ino uint64 }
-
-// fileIdentity returns fi's device and inode (zero where the system does not give them).
-func fileIdentity(fi os.FileInfo) fileID {
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return fileID{}
-	}
-	return fileID{dev: uint64(st.Dev), ino: uint64(st.Ino)}
 }
 
 // removeSocket removes the socket file Listen created if the path still names it.
 func (s *Server) removeSocket() {
 	s.mu.Lock()
 	path, id := s.sockPath, s.sock
-	s.sock = fileID{}
+	s.sock = unixsock.FileID{}
 	s.mu.Unlock()
-	if id == (fileID{}) {
+	if id == (unixsock.FileID{}) {
 		return // Config.Listener's file, a TCP listener, or removed already
 	}
+	if unlock, err := unixsock.Lock(path); err == nil {
+		defer unlock()
+	} // else removed unlocked: the race the lock closes, at worst
 	fi, err := os.Lstat(path)
 	if err != nil {
 		return
 	}
-	if fileIdentity(fi) != id {
+	if unixsock.IDOf(fi) != id {
 		s.cfg.Logger.Info("envoy rls: left the socket file in place: another daemon has put its own there since this one started", "socket", path)
 		return
 	}
