@@ -150,6 +150,14 @@ type shardFields struct {
 
 const maxFallbacks = 64
 
+// lowerLimited lowers allLimitedUntil to t if t is lower. It writes only when it does: a
+// store on every check, even of the value already there, dirties the shard's line.
+func (sh *shard) lowerLimited(t int64) {
+	if t < sh.allLimitedUntil {
+		sh.allLimitedUntil = t
+	}
+}
+
 // fallbackFor returns the fallback state of key's rule, creating it if needed.
 func (sh *shard) fallbackFor(key []byte) *entry {
 	name := key
@@ -475,7 +483,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	} else if e != nil {
 		if r.Expires > now {
 			e.set(out, r, op.Limit)
-			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+			sh.lowerLimited(r.LimitedUntil)
 		} else {
 			sh.remove(h, op.Key)
 		}
@@ -563,7 +571,7 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	if ea != nil {
 		if ra.Expires > now {
 			ea.set(outa, ra, a.Limit)
-			sa.allLimitedUntil = min(sa.allLimitedUntil, ra.LimitedUntil)
+			sa.lowerLimited(ra.LimitedUntil)
 		} else {
 			sa.remove(ha, a.Key)
 		}
@@ -571,7 +579,7 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	if eb != nil {
 		if rb.Expires > now {
 			eb.set(outb, rb, b.Limit)
-			sb.allLimitedUntil = min(sb.allLimitedUntil, rb.LimitedUntil)
+			sb.lowerLimited(rb.LimitedUntil)
 		} else {
 			sb.remove(hb, b.Key)
 		}
@@ -663,7 +671,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 			inserts = true
 		case r.Expires > now:
 			e.set(outs[i], r, op.Limit)
-			sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+			sh.lowerLimited(r.LimitedUntil)
 		default:
 			sh.remove(hs[i], op.Key)
 		}
@@ -852,7 +860,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 			continue
 		}
 		*x.e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
-		sh.allLimitedUntil = min(sh.allLimitedUntil, r.LimitedUntil)
+		sh.lowerLimited(r.LimitedUntil)
 	}
 	if !inserts {
 		return
@@ -879,7 +887,7 @@ func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
 		}
 	}
 	sh.add(uint32(h>>32), key, e)
-	sh.allLimitedUntil = min(sh.allLimitedUntil, e.limitedUntil)
+	sh.lowerLimited(e.limitedUntil)
 }
 
 const evictionSample = 16
