@@ -57,3 +57,33 @@ func TestHybridSlidingGrantAtWindowEnd(t *testing.T) {
 		t.Fatalf("a full sliding window's last interval granted %d; its count is %d of %d", v[0], n, requests)
 	}
 }
+
+// A hybrid sliding window's reset is a local one's, counting the units admitted here
+// that Redis has not seen: it said the end of the next window whenever any were (1.82 s
+// for a first unit that a local window resets in 0.82 s; reset_ms and the RateLimit
+// header's reset a window late).
+func TestHybridSlidingResetMatchesLocal(t *testing.T) {
+	rdb := standalone(t)
+	lim := mustLimit(t, localbucket.SlidingWindow, 10, time.Second)
+	h := NewHybrid(rdb, HybridOptions{})
+	s := localbucket.NewStore(localbucket.Options{})
+	// Within one window (Redis's clock is this one): across a window's end the two count
+	// a grant's units in different windows, by design (the share grant's window).
+	for time.Now().UnixNano()%int64(time.Second) > int64(100*time.Millisecond) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i := range 8 {
+		now := time.Now().UnixNano()
+		r := take(h, now, "rl:swreset:{user=1}", lim, 1)
+		ops := []localbucket.Op{{Key: []byte("k"), Limit: lim, Cost: 1}}
+		s.Apply(now, ops)
+		l := ops[0].Result
+		if r.Allowed != l.Allowed || r.Reset < l.Reset-int64(time.Millisecond) || r.Reset > l.Reset+int64(10*time.Millisecond) {
+			t.Fatalf("check %d: hybrid allowed %v reset %v, local allowed %v reset %v", i, r.Allowed, time.Duration(r.Reset), l.Allowed, time.Duration(l.Reset))
+		}
+		if i == 4 {
+			syncAll(t, now, h)
+		}
+		time.Sleep(30 * time.Millisecond)
+	}
+}
