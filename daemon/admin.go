@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -211,31 +212,71 @@ func bansDoc(deps AdminDeps) []banDoc {
 	return out
 }
 
-// liftBan lifts the ban of client by rule; client is the name /bans gives it, or the
-// client part of the key as sent (attr=value|attr=value).
+// liftBan lifts the ban of client by rule. client is the name /bans gives it (a label,
+// or with --top-labels raw its key's escaped form) or, when no ban has that name, the
+// client as the request sent it: attr=value, or attr=value|attr=value for a key of
+// several attributes, with the raw values.
+//
+// The name /bans gives is tried first, over every ban, because the two forms overlap:
+// user=a%0A is the key's form of the user "a\n" and also the raw form of the user "a%0A"
+// (whose key's form is user=a%250A). With both banned, a single pass in list order
+// lifted whichever came first; now the name lifts "a\n", and the raw form reaches "a%0A"
+// as user=a%250A in the key's form, its name.
 func liftBan(deps AdminDeps, rule, client string) bool {
 	if deps.Limiter == nil {
 		return false
 	}
 	now := deps.Now()
-	// The client as /bans names it (its key's escaped form, or its label), or as
-	// attr=value with the value as it is: user=%7B, the URL's escape of "{", is the user
-	// "{", whose key holds %7B (before, only user=%257B, the key's form escaped again,
-	// found it).
-	escaped := client
-	if attr, value, ok := strings.Cut(client, "="); ok && !strings.Contains(client, "|") {
-		escaped = attr + "=" + string(rules.AppendEscaped(nil, value))
-	}
-	for _, b := range deps.Limiter.Bans(now) {
+	bans := deps.Limiter.Bans(now)
+	for _, b := range bans {
 		if b.Rule != rule {
 			continue
 		}
 		c := string(clientOf([]byte(b.Key)))
-		if c == client || c == escaped || deps.Metrics.ClientName(c) == client {
+		if c == client || deps.Metrics.ClientName(c) == client {
+			return deps.Limiter.LiftBan(b.Key, now)
+		}
+	}
+	raw := rawClientForms(client)
+	for _, b := range bans {
+		if b.Rule != rule {
+			continue
+		}
+		if slices.Contains(raw, string(clientOf([]byte(b.Key)))) {
 			return deps.Limiter.LiftBan(b.Key, now)
 		}
 	}
 	return false
+}
+
+// rawClientForms returns the key's forms client may stand for when its values are as
+// the request sent them (user=%7B, the URL's escape of "{", is the user "{", whose key
+// holds %7B): the whole of client after its first "=" as one value (user=a|b, the user
+// "a|b"), and, when client is attr=value parts joined by "|" (a key of several
+// attributes), each part's value escaped.
+func rawClientForms(client string) []string {
+	attr, value, ok := strings.Cut(client, "=")
+	if !ok {
+		return nil
+	}
+	forms := []string{attr + "=" + string(rules.AppendEscaped(nil, value))}
+	if !strings.Contains(value, "|") {
+		return forms
+	}
+	var b []byte
+	for i, part := range strings.Split(client, "|") {
+		a, v, ok := strings.Cut(part, "=")
+		if !ok {
+			return forms
+		}
+		if i > 0 {
+			b = append(b, '|')
+		}
+		b = append(b, a...)
+		b = append(b, '=')
+		b = rules.AppendEscaped(b, v)
+	}
+	return append(forms, string(b))
 }
 
 // fromLoopback reports whether r comes from a loopback address.

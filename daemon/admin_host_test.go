@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -152,10 +153,17 @@ func TestAdminLiftBanByRawValue(t *testing.T) {
 // refusal) has banned the client attr=value, and the time it did.
 func bannedBy(t *testing.T, attr, value string) (*limiter.Limiter, int64) {
 	t.Helper()
+	return bannedAll(t, attr, [][]rules.Attr{{{Name: attr, Value: value}}})
+}
+
+// bannedAll returns a limiter whose rule login (key: key, a penalty after one refusal)
+// has banned each of clients, and the time it did.
+func bannedAll(t *testing.T, key string, clients [][]rules.Attr) (*limiter.Limiter, int64) {
+	t.Helper()
 	set, err := rules.Parse("test.yaml", []byte(`
 rules:
   - name: login
-    key: `+attr+`
+    key: `+key+`
     limit: { requests: 1, per: 1m }
     penalty: { after: 1, within: 1m, ban: 10m }
 `))
@@ -164,12 +172,72 @@ rules:
 	}
 	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
 	now := time.Now().UnixNano()
-	for i := 0; i < 4; i++ {
-		var d limiter.Decision
-		in := limiter.Input{Attrs: []rules.Attr{{Name: attr, Value: value}}, Cost: 1}
-		if err := lim.Check(now, &in, &d); err != nil {
-			t.Fatal(err)
+	for _, attrs := range clients {
+		for i := 0; i < 4; i++ {
+			var d limiter.Decision
+			in := limiter.Input{Attrs: attrs, Cost: 1}
+			if err := lim.Check(now, &in, &d); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
+	if got := len(lim.Bans(now)); got != len(clients) {
+		t.Fatalf("%d bans, want %d", got, len(clients))
+	}
 	return lim, now
+}
+
+// banned returns the clients (their keys' forms) rule login has banned.
+func banned(lim *limiter.Limiter, now int64) []string {
+	var out []string
+	for _, b := range lim.Bans(now) {
+		out = append(out, string(clientOf([]byte(b.Key))))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// The name /bans gives and the raw form overlap: user=%7B is the key's form of the user
+// "{" and the raw form of the user "%7B" (whose key's form, user=%257B, sorts first in
+// /bans). The name wins, and the other user is reached by its own name.
+func TestAdminLiftBanNameBeforeRawValue(t *testing.T) {
+	lim, now := bannedAll(t, "user", [][]rules.Attr{{{Name: "user", Value: "{"}}, {{Name: "user", Value: "%7B"}}})
+	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base := startAdmin(t, deps)
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=%257B", "localhost"); code != http.StatusNoContent {
+		t.Fatalf("lifting user=%%7B: %d %q", code, body)
+	}
+	if got := banned(lim, now); !slices.Equal(got, []string{"user=%257B"}) {
+		t.Fatalf("lifting user=%%7B left %q banned, want the user \"%%7B\" (user=%%257B)", got)
+	}
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=%25257B", "localhost"); code != http.StatusNoContent {
+		t.Fatalf("lifting user=%%257B: %d %q", code, body)
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
+}
+
+// A raw value may hold "|": the user "a|b" is user=a|b as sent, and a key of two
+// attributes is lifted by its raw values joined as the key joins them.
+func TestAdminLiftBanRawValueWithBar(t *testing.T) {
+	lim, now := bannedBy(t, "user", "a|b")
+	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base := startAdmin(t, deps)
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=a%7Cb", "localhost"); code != http.StatusNoContent {
+		t.Fatalf("lifting the user a|b: %d %q", code, body)
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
+
+	lim, now = bannedAll(t, "[user, ip]", [][]rules.Attr{{{Name: "user", Value: "{x}"}, {Name: "ip", Value: "1.2.3.4"}}})
+	deps = AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base = startAdmin(t, deps)
+	if code, body := doHost(t, "DELETE", base, "/bans/login/user=%7Bx%7D%7Cip=1.2.3.4", "localhost"); code != http.StatusNoContent {
+		t.Fatalf("lifting user {x} at 1.2.3.4 by raw values (bans %q): %d %q", banned(lim, now), code, body)
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
 }
