@@ -25,6 +25,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -151,7 +152,8 @@ func (s *Server) shutdownNative(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() {
 		// A connection whose client does not read holds its lock in a write: its GOAWAY
-		// waits, and the deadline below closes it.
+		// (and the later connections') waits until the write timeout or the deadline
+		// below closes it.
 		for _, cn := range conns {
 			cn.goAway()
 		}
@@ -236,7 +238,8 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 	if rc, ok := nc.(rawio.Conn); ok {
 		rw = rawio.New(rc, nil)
 	}
-	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(rw, 32<<10), bw: bufio.NewWriterSize(rw, 32<<10),
+	dw := &deadlineWriter{w: rw, nc: nc, timeout: s.cfg.WriteTimeout}
+	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(rw, 32<<10), bw: bufio.NewWriterSize(dw, 32<<10),
 		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
 		recvConn: h2Window, sc: new(scratch)}
 	cn.rfr = http2.NewFramer(io.Discard, cn.br)
@@ -247,6 +250,30 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 	cn.wfr = http2.NewFramer(cn.bw, nil)
 	cn.henc = hpack.NewEncoder(&cn.hbuf)
 	return cn
+}
+
+// deadlineWriter keeps a write deadline ahead of every write to the connection's socket,
+// so that a client that stops reading its answers is cut off once its socket's buffer has
+// stayed full for timeout: the write fails and the connection closes with it. Without
+// it, the write waited for as long as the client stayed connected, holding the
+// connection's lock, and with it the reading loop, every stream and every deciding
+// goroutine. The deadline moves only once more than half used: one timer update per
+// timeout/2, not per write. Used under the connection's mu.
+type deadlineWriter struct {
+	w        io.Writer
+	nc       net.Conn
+	timeout  time.Duration
+	deadline time.Time
+}
+
+func (d *deadlineWriter) Write(p []byte) (int, error) {
+	if now := time.Now(); d.deadline.Sub(now) < d.timeout/2 {
+		d.deadline = now.Add(d.timeout)
+		if err := d.nc.SetWriteDeadline(d.deadline); err != nil {
+			return 0, err
+		}
+	}
+	return d.w.Write(p)
 }
 
 // serve runs the connection until it closes, then waits for its deciding goroutines.
@@ -340,6 +367,10 @@ func (cn *h2conn) fail(err error) {
 		code = http2.ErrCodeFrameSize
 	case errors.As(err, &he):
 		code, debug = he.code, he.reason
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose client does not take its answers",
+			"write_timeout", cn.s.cfg.WriteTimeout, "streams", len(cn.streams))
 	}
 	if code != 0xff {
 		cn.nc.SetWriteDeadline(time.Now().Add(time.Second))

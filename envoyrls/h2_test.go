@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -543,6 +544,78 @@ func TestNativeHostileClients(t *testing.T) {
 		c.Close()
 	}
 	opener.c.Close()
+	sv.conn.Close()
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Shutdown(sctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-sv.done; err != nil {
+		t.Errorf("Serve: %v", err)
+	}
+}
+
+// A client that sends calls and never reads its answers is cut off once its socket has
+// stayed full for the write timeout: its connection, streams and goroutines are freed, and
+// other clients are answered throughout. Before, the server's write waited for as long as
+// the client stayed connected, holding the connection's lock.
+func TestNativeWriteTimeout(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	s.cfg.WriteTimeout = 300 * time.Millisecond
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	conns := func() int {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.conns)
+	}
+
+	c, err := net.Dial("unix", sv.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fr := http2.NewFramer(c, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
+		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+	}
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	// Windows wide open: the answers are held by the socket, not by flow control.
+	if err := fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteWindowUpdate(0, 1<<31-1-65535); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { return conns() == 1 })
+	msg := oneCall("reader-gone")
+	var sent int
+	var werr error
+	start := time.Now()
+	for id := uint32(1); id < 1<<30; id += 2 {
+		c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		if werr = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true}); werr != nil {
+			break
+		}
+		if werr = fr.WriteData(id, true, msg); werr != nil {
+			break
+		}
+		sent++
+	}
+	if errors.Is(werr, os.ErrDeadlineExceeded) {
+		t.Fatalf("after %d calls in %v the server neither read nor closed the connection for 10s", sent, time.Since(start))
+	}
+	t.Logf("%d calls sent; the server closed the connection after %v (%v)", sent, time.Since(start), werr)
+	waitFor(t, func() bool { return conns() == 0 })
+
+	ctx := ctx10(t)
+	if _, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("good")}}); err != nil {
+		t.Fatalf("a call after the cut: %v", err)
+	}
 	sv.conn.Close()
 	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -92,6 +92,11 @@ type Config struct {
 	// Transport serves the calls: TransportNative (the default, "" too) or
 	// TransportGRPCGo.
 	Transport string
+	// WriteTimeout is the time a client has to take the native transport's answers (its
+	// socket's buffer full that long) before the connection is closed; default 5s, as the
+	// socket server's --write-timeout. A client that stops reading otherwise holds the
+	// connection, its streams and its goroutines for as long as it stays connected.
+	WriteTimeout time.Duration
 	// Recorder, when set, counts every decision.
 	Recorder Recorder
 	Logger   *slog.Logger
@@ -141,6 +146,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = 5 * time.Second
 	}
 	switch cfg.Transport {
 	case "":

@@ -63,7 +63,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", proto.DefaultMaxAttrLen, "bytes per attribute value (and inline limit key); a request with a longer one gets attr_too_large, which the gateways' clients answer with 431 whatever their failure policy. A value over 4,096 bytes is keyed by its SHA-256")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
-	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers; a client that stops reading is then cut off")
+	writeTimeout := fs.Duration("write-timeout", 5*time.Second, "time a client has to take its answers (on the socket and the Envoy API); a client that stops reading is then cut off")
 	idleTimeout := fs.Duration("idle-timeout", 0, "close connections idle this long (0: never); one holding a concurrency lease stays open until its leases are released or run out")
 	busyPoll := fs.Duration("busy-poll", 0, "after answering, keep reading a connection this long before sleeping (one connection at a time; costs up to one CPU while checks keep coming; 0: off)")
 	drainTimeout := fs.Duration("drain-timeout", 5*time.Second, "on SIGTERM, time to answer what is in flight")
@@ -340,7 +340,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}()
 	if *envoyRLS != "" {
 		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), SocketGroup: *socketGroup, Transport: *envoyTransport, Logger: log,
-			Clock: clock.Now} // the socket's clock: one limiter, one clock
+			WriteTimeout: *writeTimeout, Clock: clock.Now} // the socket's clock: one limiter, one clock
 		if activated.envoy != nil {
 			rc.Listener = activated.envoy
 		}
