@@ -70,9 +70,9 @@ func (e *hentry) resetNs() int64 {
 	var at int64
 	switch {
 	case s.q > 0: // until the current window's count weighs less than one
-		at = s.start + 2*s.w - int64(math.Ceil(float64(s.w)/s.q)) + 1
-	case s.p > 0:
-		at = s.start + s.w - int64(math.Ceil(float64(s.w)/s.p)) + 1
+		at = emptyAt(s.start, s.w, s.q)
+	case s.p > 0: // until the previous window's does
+		at = emptyAt(s.start-s.w, s.w, s.p)
 	default:
 		return 0
 	}
@@ -165,6 +165,13 @@ func (e *hentry) slide() slideView {
 	share := math.Floor(s.p * max(0, float64(w)-gone) / float64(w))
 	s.q = max(0, s.r-math.Floor(e.view)-share)
 	return s
+}
+
+// emptyAt returns when (daemon clock) a sliding window that began at start (length w)
+// and counts q units is empty: when its count weighs less than one unit into the next
+// window, from start+2w-ceil(w/q)+1 on, as localbucket's estimate does.
+func emptyAt(start, w int64, q float64) int64 {
+	return start + 2*w - int64(math.Ceil(float64(w)/q)) + 1
 }
 
 // at returns when (daemon clock) cost more units fit, beside extra units counted here

@@ -561,10 +561,10 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 		return w - now%w
 	default:
 		// A sliding window empties when this window's count weighs less than one unit
-		// into the next, from start+2w-ceil(w/q)+1 on, as localbucket's does. In the
-		// view's window, q is its count and the units admitted here since; past it, the
-		// units admitted here, as if all in now's window (later: never early), the view's
-		// count being base's. Without a view, now's window by this clock.
+		// into the next (emptyAt). In the view's window, q is its count and the units
+		// admitted here since; past it, the units admitted here, as if all in now's
+		// window (later: never early), the view's count being base's. Without a view,
+		// now's window by this clock.
 		q, start := float64(unseen), now-now%w
 		if e.synced > 0 {
 			if s := e.slide(); now < s.start+w {
@@ -573,8 +573,7 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 				start = s.start + (now-s.start)/w*w
 			}
 		}
-		at := start + 2*w - int64(math.Ceil(float64(w)/q)) + 1 + slideMargin
-		return max(base, at-now)
+		return max(base, emptyAt(start, w, q)+slideMargin-now)
 	}
 }
 
