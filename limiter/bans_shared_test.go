@@ -111,6 +111,78 @@ rules:
 	}
 }
 
+// TestSharedBansGlobalLease: a global concurrency rule's bans are global as a global rate
+// rule's: each refusal counted in Redis at once, the one that reaches after (on whichever
+// daemon) starts the ban and says so, every daemon enforces it from its next check (the
+// ban read in the lease's own script call), and a banned check holds no slot. Before,
+// they were handled as hybrid bans: the ban started at the next interval's sum and was
+// enforced from each daemon's next read of the index, ~130 ms late. Standalone and a
+// 3-master Cluster.
+func TestSharedBansGlobalLease(t *testing.T) {
+	const yaml = `
+rules:
+  - name: conn
+    key: ip
+    concurrency: { max: 1, lease: 30s }
+    mode: global
+    penalty: { after: 2, within: 1m, ban: 1m }
+`
+	for _, where := range []string{"standalone", "cluster"} {
+		t.Run(where, func(t *testing.T) {
+			rdb := redisFor(t, where)
+			ls := [2]*Limiter{sharedLimiter(t, rdb, yaml), sharedLimiter(t, rdb, yaml)}
+			var d Decision
+			check := func(l *Limiter, d *Decision) *Decision {
+				t.Helper()
+				if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, d); err != nil {
+					t.Fatal(err)
+				}
+				if d.Degraded {
+					t.Fatalf("degraded: %+v", d.Results)
+				}
+				return d
+			}
+			var held Decision
+			if r := check(ls[0], &held); !r.Allowed {
+				t.Fatal("first request refused")
+			}
+			token := ls[0].LeaseToken(&held)
+			if r := check(ls[0], &d); r.Allowed || r.Banned {
+				t.Fatalf("refusal 1: allowed %v banned %v", r.Allowed, r.Banned)
+			}
+			if r := check(ls[1], &d); r.Allowed || !r.Banned || !r.Results[0].BanStarted || r.Results[0].RetryAfter < 59*time.Second {
+				t.Fatalf("refusal 2 (other daemon): allowed %v banned %v started %v retry %v, want a ban of 1m started",
+					r.Allowed, r.Banned, r.Results[0].BanStarted, r.Results[0].RetryAfter)
+			}
+			for i, l := range ls {
+				if r := check(l, &d); r.Allowed || !r.Banned || r.Results[0].BanStarted || r.Results[0].RetryAfter < 59*time.Second {
+					t.Fatalf("daemon %d after the ban started: allowed %v banned %v started %v retry %v, want banned",
+						i, r.Allowed, r.Banned, r.Results[0].BanStarted, r.Results[0].RetryAfter)
+				}
+			}
+			// Released, the slot is free; the ban still refuses, and holds none.
+			if !ls[0].ReleaseLease(token, time.Now().UnixNano()) {
+				t.Fatal("release found no lease")
+			}
+			if r := check(ls[1], &d); r.Allowed || !r.Banned {
+				t.Fatalf("banned client with its slot free: allowed %v banned %v", r.Allowed, r.Banned)
+			}
+			if !ls[1].LiftBan("rl:conn:{ip=1.1.1.1}", time.Now().UnixNano()) {
+				t.Fatalf("LiftBan found no ban (bans: %+v)", ls[1].Bans(time.Now().UnixNano()))
+			}
+			for i, l := range ls {
+				var h Decision
+				if r := check(l, &h); !r.Allowed || r.Banned {
+					t.Fatalf("daemon %d after the lift, the slot free: allowed %v banned %v (a banned check held a slot?)", i, r.Allowed, r.Banned)
+				}
+				if !l.ReleaseLease(l.LeaseToken(&h), time.Now().UnixNano()) {
+					t.Fatalf("daemon %d: release found no lease", i)
+				}
+			}
+		})
+	}
+}
+
 // TestSharedBansHybrid: in hybrid mode each daemon counts its refusals and sums them
 // into Redis once per interval (round); a ban raised there is enforced by the other
 // daemon from its next round on, not before (what it knows is one interval old).

@@ -100,7 +100,9 @@ func (l *Limiter) infoOf(r *rules.Rule, shadowAll bool) ruleInfo {
 		in.flags |= infoPenalty
 		if redis && l.shared != nil {
 			in.bans = bansHybrid
-			if id == storeGlobal {
+			if id == storeGlobal || id == storeGlobalLease {
+				// A global concurrency rule's ban is read in the global store's call
+				// with its lease slots (store_global.go), as a global rate rule's.
 				in.bans = bansGlobal
 			}
 		}

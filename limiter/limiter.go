@@ -746,6 +746,11 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		o.flags, o.bannedUntil = in.flags&opFlags, 0
 		d.flags |= in.flags & opFlags
 		d.routed |= 1 << in.store
+		if in.bans == bansGlobal {
+			// A global concurrency rule's ban is read by the global store's call, which
+			// then takes its lease slots too (store_global.go).
+			d.routed |= 1 << storeGlobal
+		}
 		if in.store == storeLocal {
 			addLocal(&d.local, key, lim, cst, shadow, len(d.ops)-1)
 		}

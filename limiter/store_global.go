@@ -17,7 +17,9 @@ import (
 // one that calls rlsync.Global.
 //
 // A penalty rule's op with shared bans (bansGlobal) brings a ban check of its key into
-// the same script call: a banned client's check commits nothing, in one round trip.
+// the same script call: a banned client's check commits nothing, in one round trip. A
+// global concurrency rule's too: its check is then routed here (matchRules), with no rate
+// op, so that its ban and its lease slots are decided in one call.
 //
 // A calendar window's key names the window: its start, from the daemon's wall clock and
 // the limit's zone, goes before the hash tag (calendarKey), so every daemon counts one
@@ -48,12 +50,12 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 			}
 			n.ops = append(n.ops, op)
 			n.at = append(n.at, i)
-			if o.bans == bansGlobal {
-				// The key's shared ban, checked in the same script call (same slot).
-				n.ops = append(n.ops, rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim,
-					Shadow: o.shadow, Ban: true, BanAt: now + s.wall.WallOffset()})
-				n.at = append(n.at, i)
-			}
+		}
+		if o.bans == bansGlobal && (o.store == storeGlobal || o.store == storeGlobalLease) {
+			// The key's shared ban, checked in the same script call (same slot).
+			n.ops = append(n.ops, rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim,
+				Shadow: o.shadow, Ban: true, BanAt: now + s.wall.WallOffset()})
+			n.at = append(n.at, i)
 		}
 	}
 	var lb *leaseBatch
