@@ -544,15 +544,7 @@ func TestNativeHostileClients(t *testing.T) {
 		c.Close()
 	}
 	opener.c.Close()
-	sv.conn.Close()
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := s.Shutdown(sctx); err != nil {
-		t.Errorf("Shutdown: %v", err)
-	}
-	if err := <-sv.done; err != nil {
-		t.Errorf("Serve: %v", err)
-	}
+	sv.stop(t)
 }
 
 // A client that sends calls and never reads its answers is cut off once its socket has
@@ -616,15 +608,7 @@ func TestNativeWriteTimeout(t *testing.T) {
 	if _, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("good")}}); err != nil {
 		t.Fatalf("a call after the cut: %v", err)
 	}
-	sv.conn.Close()
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := s.Shutdown(sctx); err != nil {
-		t.Errorf("Shutdown: %v", err)
-	}
-	if err := <-sv.done; err != nil {
-		t.Errorf("Serve: %v", err)
-	}
+	sv.stop(t)
 }
 
 // fakeConn is a connection whose client sends in and then hangs up; what the server

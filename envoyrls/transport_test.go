@@ -293,6 +293,21 @@ func serveTestNoCleanup(t *testing.T, s *Server, transport string) *served {
 	return sv
 }
 
+// stop closes sv's client and shuts its server down, for a test that checks what is
+// left running after it (goleak) and so cannot leave that to Cleanup.
+func (sv *served) stop(t *testing.T) {
+	t.Helper()
+	sv.conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := sv.s.Shutdown(ctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-sv.done; err != nil {
+		t.Errorf("Serve: %v", err)
+	}
+}
+
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
