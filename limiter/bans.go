@@ -2,6 +2,8 @@ package limiter
 
 import (
 	"hash/maphash"
+	"maps"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -120,26 +122,34 @@ func (b *bans) lift(key []byte, now int64) bool {
 	return e.until > now
 }
 
-// sweep drops the records that carry nothing at now under set: no ban in force, no
-// refusal in the current window, and a ban count that has decayed (or a rule that no
-// longer has a penalty). It returns how many it dropped.
-func (b *bans) sweep(now int64, set *rules.Set) int {
+// penalties returns set's penalty rules' penalties, by rule name.
+func penalties(set *rules.Set) map[string]*rules.Penalty {
 	pen := map[string]*rules.Penalty{}
+	if set == nil {
+		return pen
+	}
 	for _, r := range set.Rules {
 		if r.Penalty != nil {
 			pen[r.Name] = r.Penalty
 		}
 	}
+	return pen
+}
+
+// sweep drops the records that carry nothing at now under set: those of a rule that no
+// longer has a penalty (a ban in force included: nothing enforces it, and it must not
+// come back with a penalty written again later), and those with no ban in force, no
+// refusal in the current window and a ban count that has decayed. It returns how many
+// it dropped.
+func (b *bans) sweep(now int64, set *rules.Set) int {
+	pen := penalties(set)
 	n := 0
 	for i := range b.shards {
 		sh := &b.shards[i]
 		sh.mu.Lock()
 		for k, e := range sh.m {
 			p := pen[e.rule]
-			if e.until > now {
-				continue
-			}
-			if p != nil && ((e.refusals > 0 && now-e.windowStart < int64(p.Within)) || (e.bans > 0 && now-e.lastEnd < int64(p.Max))) {
+			if p != nil && (e.until > now || (e.refusals > 0 && now-e.windowStart < int64(p.Within)) || (e.bans > 0 && now-e.lastEnd < int64(p.Max))) {
 				continue
 			}
 			delete(sh.m, k)
@@ -148,6 +158,19 @@ func (b *bans) sweep(now int64, set *rules.Set) int {
 		sh.mu.Unlock()
 	}
 	return n
+}
+
+// forgetUnpenalized drops the records of the rules that have no penalty in set, at a
+// reload: a ban of a rule whose penalty was removed must not be enforced again if the
+// penalty is written back before the next sweep.
+func (b *bans) forgetUnpenalized(set *rules.Set) {
+	pen := penalties(set)
+	for i := range b.shards {
+		sh := &b.shards[i]
+		sh.mu.Lock()
+		maps.DeleteFunc(sh.m, func(_ string, e *banEntry) bool { return pen[e.rule] == nil })
+		sh.mu.Unlock()
+	}
 }
 
 // Ban is one ban in force, as Limiter.Bans lists it.
@@ -160,6 +183,11 @@ type Ban struct {
 
 // Bans lists the bans in force at now, by rule then key: this daemon's (local mode) and
 // the shared ones it knows (hybrid and global modes; their keys carry the Redis prefix).
+//
+// Only the bans of rules that have a penalty are listed: a ban of a rule whose penalty
+// a reload removed is not in force (its local record goes at the next sweep; a shared
+// one stays in Redis until it ends, and is enforced again if the penalty comes back
+// before then).
 func (l *Limiter) Bans(now int64) []Ban {
 	var out []Ban
 	if l.shared != nil {
@@ -175,6 +203,8 @@ func (l *Limiter) Bans(now int64) []Ban {
 		}
 		sh.mu.Unlock()
 	}
+	pen := penalties(l.Rules())
+	out = slices.DeleteFunc(out, func(b Ban) bool { return pen[b.Rule] == nil })
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].Rule != out[j].Rule {
 			return out[i].Rule < out[j].Rule
@@ -203,6 +233,8 @@ func (l *Limiter) BannedKeys(now int64) map[string]int {
 		}
 		sh.mu.Unlock()
 	}
+	pen := penalties(l.Rules())
+	maps.DeleteFunc(out, func(rule string, _ int) bool { return pen[rule] == nil }) // as Bans
 	return out
 }
 

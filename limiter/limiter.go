@@ -150,7 +150,10 @@ func (l *Limiter) hybridAsGlobal(r *rules.Rule) bool {
 func (l *Limiter) Rules() *rules.Set { return l.active.Load().set }
 
 // SetRules swaps in a new rule set; checks already running finish with the old one.
-func (l *Limiter) SetRules(set *rules.Set) { l.recompile(set) }
+func (l *Limiter) SetRules(set *rules.Set) {
+	l.recompile(set)
+	l.bans.forgetUnpenalized(set)
+}
 
 // Leases returns the store of the concurrency rules' leases, for releasing and renewing
 // them.

@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -191,6 +192,45 @@ rules:
 	}
 	if r := check(now, "1.1.1.1"); r.Banned {
 		t.Fatal("still banned after LiftBan")
+	}
+}
+
+// TestBansOfARemovedPenalty: a reload that removes a rule's penalty ends its bans: they
+// are no longer listed or counted, and writing the penalty back does not bring them back
+// (they were listed, and enforced again when the penalty returned before a sweep).
+func TestBansOfARemovedPenalty(t *testing.T) {
+	const with = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 2, within: 1m, ban: 2m }
+`
+	l := newLimiter(t, with)
+	var d Decision
+	check := func(now int64) *Decision {
+		t.Helper()
+		if err := l.Check(now, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+	for range 3 {
+		check(t0)
+	}
+	if r := check(t0); !r.Banned {
+		t.Fatal("not banned after two refusals")
+	}
+	l.SetRules(mustRules(t, strings.Replace(with, "    penalty: { after: 2, within: 1m, ban: 2m }\n", "", 1)))
+	if bans, keys := l.Bans(t0), l.BannedKeys(t0); len(bans) != 0 || len(keys) != 0 {
+		t.Fatalf("with the penalty removed: bans %+v, banned keys %v, want none", bans, keys)
+	}
+	if r := check(t0); r.Banned {
+		t.Fatal("banned by a rule without a penalty")
+	}
+	l.SetRules(mustRules(t, with))
+	if r := check(t0 + int64(time.Minute)); r.Banned || !r.Allowed {
+		t.Fatalf("the penalty written back: allowed %v banned %v, want the old ban gone", r.Allowed, r.Banned)
 	}
 }
 
