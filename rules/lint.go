@@ -116,6 +116,21 @@ func shadowSignature(r *Rule) string {
 			cb.WriteByte(' ')
 			cb.WriteString(strconv.Quote(v))
 		}
+		if o := c.ops; o != nil {
+			// The mapping form's operators, each a set: {glob: "ab*"} and {glob: "a*"}
+			// match different requests (they looked alike here, the attribute alone).
+			for _, op := range []struct {
+				name string
+				vals []string
+			}{{"glob", o.globText}, {"not", o.not}, {"not_glob", o.notGlobText}} {
+				vs := slices.Compact(slices.Sorted(slices.Values(op.vals)))
+				cb.WriteString(" " + op.name + ":")
+				for _, v := range vs {
+					cb.WriteByte(' ')
+					cb.WriteString(strconv.Quote(v))
+				}
+			}
+		}
 		conds = append(conds, cb.String())
 	}
 	slices.Sort(conds)

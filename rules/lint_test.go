@@ -58,6 +58,30 @@ func TestWarningsShadowed(t *testing.T) {
 	}
 }
 
+// The mapping form's operators are part of a rule's match: rules that differ in them
+// match different requests, and neither shadows the other (every operator match on one
+// attribute looked alike, and the later rule was said never to decide).
+func TestWarningsShadowedOperators(t *testing.T) {
+	tests := []struct {
+		name, a, b string
+		warn       bool
+	}{
+		{"other glob", `{ glob: "ab*" }`, `{ glob: "a*" }`, false},
+		{"glob, then glob and not_glob", `{ glob: "ab*" }`, `{ glob: "a*", not_glob: "ab*" }`, false},
+		{"other not", `{ not: [y] }`, `{ not: [x] }`, false},
+		{"not and not_glob", `{ not: [x] }`, `{ not_glob: "x" }`, false},
+		{"the same, reordered", `{ glob: ["a*", "b*"], not: [ax, bx] }`, `{ not: [bx, ax], glob: ["b*", "a*", "a*"] }`, true},
+	}
+	for _, tt := range tests {
+		src := "rules:\n  - name: a\n    match: { tenant: " + tt.a + " }\n    key: user\n    limit: { requests: 5, per: 1m }\n" +
+			"  - name: b\n    match: { tenant: " + tt.b + " }\n    key: user\n    limit: { requests: 7, per: 1m }\n"
+		ws := mustParse(t, src).Warnings()
+		if got := len(ws) > 0; got != tt.warn {
+			t.Errorf("%s: warnings %v, want a warning: %v", tt.name, ws, tt.warn)
+		}
+	}
+}
+
 func TestWarningsDeadGlobs(t *testing.T) {
 	dead := []string{"/search?q=*", "/a#top", "/a b", "/a\tb", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
 		"/^v1/**", "/files/[0-9]*"}
