@@ -446,6 +446,9 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 		r.shadow = true
 		r.notes = append(r.notes, fmt.Sprintf("quota_mode (line %d): never refuses, as in envoyproxy/ratelimit; a shadow rule here, its refusals counted in rlsidecar_checks_total{result=\"shadow_rejected\"} (envoyproxy/ratelimit reports them in its dynamic metadata, which rlsidecar does not send)", q.Line))
 	}
+	if r.shadow && len(r.replaces) > 0 {
+		r.notes = append(r.notes, "a shadow rule replaces nothing in rlsidecar (a dry run changes no decision): the limits it names keep deciding the requests it matches until shadow_mode is removed, where envoyproxy/ratelimit stops applying them")
+	}
 	for _, l := range path {
 		r.notes = append(r.notes, l.notes...)
 	}

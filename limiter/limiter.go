@@ -770,7 +770,10 @@ var (
 	denyCost     = ^uint64(0)
 )
 
-// findReplaced marks in d.replaced the rules that a rule matching the input replaces.
+// findReplaced marks in d.replaced the rules that a rule matching the input replaces. A
+// shadow rule replaces nothing: a dry run changes no decision, so the rules it would
+// replace keep deciding until it is enforced (before, shipping a narrower rule in shadow
+// with its replaces written took the broader limit off the requests it matched).
 func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 	if cap(d.replaced) < len(set.Rules) {
 		d.replaced = make([]bool, len(set.Rules))
@@ -787,7 +790,7 @@ func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 			attrs = in.Parts[p].Attrs
 		}
 		for _, r := range set.Rules {
-			if len(r.ReplacesIdx) > 0 && r.Matches(attrs) {
+			if len(r.ReplacesIdx) > 0 && !r.Shadow && r.Matches(attrs) {
 				for _, i := range r.ReplacesIdx {
 					d.replaced[i] = true
 				}

@@ -1,6 +1,10 @@
 package limiter
 
-import "testing"
+import (
+	"slices"
+	"strings"
+	"testing"
+)
 
 const partRules = `
 rules:
@@ -116,5 +120,47 @@ func BenchmarkCheckParts(b *testing.B) {
 	b.ReportAllocs()
 	for i := 0; b.Loop(); i++ {
 		_ = l.Check(t0+int64(i)*int64(1e9), &in, &d)
+	}
+}
+
+// TestShadowReplacesNothing: a shadow rule that replaces another leaves it deciding (a
+// dry run changes no decision); enforced, it replaces it. Before, the narrower rule shipped
+// in shadow with its replaces took the broader limit off the requests it matched.
+func TestShadowReplacesNothing(t *testing.T) {
+	const src = `
+rules:
+  - name: broad
+    match: { path: "/r/**" }
+    key: user
+    limit: { requests: 3, per: 1m }
+  - name: narrow
+    match: { path: /r/special }
+    key: user
+    limit: { requests: 10, per: 1m }
+    replaces: [broad]
+    shadow: true
+`
+	for _, shadow := range []bool{true, false} {
+		yaml := src
+		if !shadow {
+			yaml = strings.Replace(src, "    shadow: true\n", "", 1)
+		}
+		l := newLimiter(t, yaml)
+		var d Decision
+		for i := range 4 {
+			if err := l.Check(t0, &Input{Attrs: attrs("path=/r/special", "user=q"), Cost: 1}, &d); err != nil {
+				t.Fatal(err)
+			}
+			var names []string
+			for _, r := range d.Results {
+				names = append(names, r.Name)
+			}
+			switch {
+			case shadow && (d.Allowed != (i < 3) || !slices.Equal(names, []string{"broad", "narrow"}) || i == 3 && d.DecidingResult().Name != "broad"):
+				t.Fatalf("narrow in shadow, request %d: allowed %v, rules %v, want broad deciding (3 per minute)", i+1, d.Allowed, names)
+			case !shadow && (!d.Allowed || !slices.Equal(names, []string{"narrow"})):
+				t.Fatalf("narrow enforced, request %d: allowed %v, rules %v, want narrow alone (10 per minute)", i+1, d.Allowed, names)
+			}
+		}
 	}
 }
