@@ -45,7 +45,8 @@ func TestDecodeRequestBounds(t *testing.T) {
 			for i := 0; i < DefaultMaxAttrs+1; i++ {
 				r.Attrs = append(r.Attrs, Attr{Name: string(rune('a'+i%26)) + string(rune('A'+i/26)), Value: "v"})
 			}
-		}, ""},
+		}, CodeAttrTooLarge}, // as many as the gateway's client sent headers: 431 too
+		{"long name", func(r *Request) { r.Attrs = []Attr{{string(make([]byte, DefaultMaxAttrNameLen+1)), "v"}} }, CodeAttrTooLarge},
 		// A value's length is the gateway's client's choice: a code of its own (431).
 		{"long value", func(r *Request) { r.Attrs = []Attr{{"user", string(make([]byte, DefaultMaxAttrLen+1))}} }, CodeAttrTooLarge},
 		{"long inline key", func(r *Request) {

@@ -183,11 +183,15 @@ func (d *Decoder) attrs(attrs []Attr) ([]Attr, error) {
 	if err != nil {
 		return attrs, err
 	}
+	// Too many attributes, or a name too long, is attr_too_large as a value too long is:
+	// a gateway may take attributes from its client's headers, whose number and names
+	// that client chooses (under bad_request the failure policy decided, and "open" let
+	// 70 headers past every limit).
 	if n > d.MaxAttrs {
-		return attrs, Errorf(CodeBadRequest, "request has %d attrs; the limit is %d", n, d.MaxAttrs)
+		return attrs, Errorf(CodeAttrTooLarge, "request has %d attrs; the limit is %d", n, d.MaxAttrs)
 	}
 	for i := 0; i < n; i++ {
-		name, err := d.str("attrs key", d.MaxAttrNameLen)
+		name, err := d.strOr("attrs key", d.MaxAttrNameLen, CodeAttrTooLarge)
 		if err != nil {
 			return attrs, err
 		}

@@ -337,7 +337,11 @@ func (c *Client) Check(ctx context.Context, attrs map[string]string, o *CheckOpt
 }
 
 // CheckAttrs asks whether a request with these attributes may pass; they are sent in the
-// given order and must have distinct names. CheckAttrs neither keeps nor changes attrs.
+// given order, and where two have the same name the later one's value is sent, in the
+// earlier one's place (DefaultAttrs with an "ip" appended from a trusted proxy's header
+// sends that ip: the sidecar refuses a repeated name as bad_request, which the Policy
+// decided, and FailOpen let every such request past every limit). CheckAttrs neither keeps
+// nor changes attrs.
 //
 // The wait for the answer ends at ctx's deadline or after Options.Timeout, whichever is
 // earlier. When the sidecar gives no answer by then — or is unreachable, or drops the
@@ -355,7 +359,16 @@ func (c *Client) Check(ctx context.Context, attrs map[string]string, o *CheckOpt
 // every limit.
 func (c *Client) CheckAttrs(ctx context.Context, attrs []proto.Attr, o *CheckOptions) (Decision, error) {
 	cl := getCall()
-	cl.req.Attrs = append(cl.req.Attrs, attrs...)
+outer:
+	for _, a := range attrs {
+		for i := range cl.req.Attrs {
+			if cl.req.Attrs[i].Name == a.Name {
+				cl.req.Attrs[i].Value = a.Value
+				continue outer
+			}
+		}
+		cl.req.Attrs = append(cl.req.Attrs, a)
+	}
 	return c.check(ctx, cl, o)
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -535,5 +536,36 @@ func TestMsSaturates(t *testing.T) {
 	}
 	if got := ms(1500); got != 1500*time.Millisecond {
 		t.Fatalf("ms(1500) = %v", got)
+	}
+}
+
+// A repeated attribute name sends the later value in the earlier one's place: the
+// sidecar refuses a repeated name (bad_request), which the Policy decided, so
+// DefaultAttrs with an "ip" appended from a proxy's header let every request past every
+// limit under FailOpen.
+func TestCheckAttrsLaterNameWins(t *testing.T) {
+	path := socketPath(t)
+	var mu sync.Mutex
+	var got []proto.Attr
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		mu.Lock()
+		got = append([]proto.Attr(nil), req.Attrs...)
+		mu.Unlock()
+		echoUser(req, resp)
+	})
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: time.Second, Policy: FailOpen})
+	attrs := []proto.Attr{{Name: "ip", Value: "10.0.0.1"}, {Name: "method", Value: "GET"}, {Name: "ip", Value: "203.0.113.7"}, {Name: "user", Value: "u"}}
+	d, err := c.CheckAttrs(context.Background(), attrs, nil)
+	if err != nil || !d.Allowed || d.Rule != "u" {
+		t.Fatalf("%+v, %v", d, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	want := []proto.Attr{{Name: "ip", Value: "203.0.113.7"}, {Name: "method", Value: "GET"}, {Name: "user", Value: "u"}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("sent %v, want %v", got, want)
+	}
+	if attrs[0].Value != "10.0.0.1" || len(attrs) != 4 {
+		t.Fatalf("CheckAttrs changed its argument: %v", attrs)
 	}
 }

@@ -338,3 +338,50 @@ func TestE2EGoClientAttrTooLarge(t *testing.T) {
 		t.Fatalf("a check after the error: %+v %v", dec, err)
 	}
 }
+
+// Attributes taken from the HTTP client's headers: more of them than --max-attrs, or a
+// name longer than 128 bytes, is attr_too_large as a long value is, and the middleware
+// answers 431 under FailOpen. They were bad_request, which the Policy decided: a client
+// sending 70 headers passed every limit (6 of 6 where the limit refuses the third).
+func TestE2EGoClientTooManyAttrs(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", loginRules))
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: time.Second, Policy: rlclient.FailOpen})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fromHeaders := func(r *http.Request) []proto.Attr {
+		a := rlclient.DefaultAttrs(r)
+		for name, vs := range r.Header {
+			a = append(a, proto.Attr{Name: strings.ToLower(name), Value: vs[0]})
+		}
+		return a
+	}
+	h := rlclient.Middleware(c, rlclient.MiddlewareOptions{Attrs: fromHeaders})(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	for _, tc := range []struct {
+		name  string
+		setup func(*http.Request)
+	}{
+		{"70 headers", func(r *http.Request) {
+			for i := range 70 {
+				r.Header.Set(fmt.Sprintf("X-Tag-%d", i), "v")
+			}
+		}},
+		{"a 300-byte header name", func(r *http.Request) { r.Header.Set("X-"+strings.Repeat("n", 300), "v") }},
+	} {
+		for i := range 6 {
+			req := httptest.NewRequest("POST", "/login", nil)
+			req.RemoteAddr = "192.0.2.10:1234"
+			tc.setup(req)
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, req)
+			if rec.Code != http.StatusRequestHeaderFieldsTooLarge {
+				t.Fatalf("%s, request %d: status %d; want 431", tc.name, i, rec.Code)
+			}
+		}
+	}
+	if dec, err := c.Check(context.Background(), map[string]string{"ip": "192.0.2.10"}, nil); err != nil || !dec.Allowed || dec.Rule != "per-ip" {
+		t.Fatalf("a check after the errors: %+v %v", dec, err)
+	}
+}
