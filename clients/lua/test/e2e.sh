@@ -213,11 +213,13 @@ d = rl:check({ path = "/inline" }, { limits = { { key = "tenant:big", limit = 2,
 line("cost 3 > capacity 2: allowed=%s reason=%s", tostring(d.allowed), tostring(d.reason))
 d, err = rl:check({ path = "/x" }, { limits = { { key = "k", limit = 0, window_ms = 1000 } } })
 line("bad input: allowed=%s degraded=%s err=%s", tostring(d.allowed), tostring(d.degraded), tostring(err))
+d, err = rl:check({ path = "/x" }, { limits = { { key = "k", limit = 1, window_ms = 1000, algorithm = "leaky" } } })
+line("error answer: allowed=%s degraded=%s unreachable=%s err=%s", tostring(d.allowed), tostring(d.degraded),
+  tostring(d.unreachable), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 local many = {}
 for i = 1, 65 do many["a" .. i] = "v" end -- the daemon takes at most 64 attributes
 d, err = rl:check(many)
-line("error answer: allowed=%s degraded=%s unreachable=%s err=%s", tostring(d.allowed), tostring(d.degraded),
-  tostring(d.unreachable), tostring(err and err:match("^rlsidecar: [a-z_]+")))
+line("too many attributes: allowed=%s status=%s err=%s", tostring(d.allowed), require("rlsidecar.http").rejection(d), tostring(err and err:match("^rlsidecar: [a-z_]+")))
 d = rl:check({ path = "/x" })
 line("after the error answer: allowed=%s degraded=%s", tostring(d.allowed), tostring(d.degraded))
 local http = require "rlsidecar.http"
@@ -339,7 +341,8 @@ inline: allowed=true rule=tenant:acme limit=2 remaining=0 rules=1
 inline again: allowed=false rule=tenant:acme retry_after_ms>0=true
 cost 3 > capacity 2: allowed=false reason=cost_exceeds_capacity
 bad input: allowed=true degraded=true err=rlsidecar: limits[0]: "limit" must be an integer of at least 1
-error answer: allowed=true degraded=true unreachable=false err=rlsidecar: bad_request
+error answer: allowed=true degraded=true unreachable=false err=rlsidecar: invalid_limit
+too many attributes: allowed=false status=431 err=rlsidecar: attr_too_large
 after the error answer: allowed=true degraded=false
 too large, not sent: allowed=false status=431 err=rlsidecar: frame_too_large
 too large for the daemon: allowed=false status=431 err=rlsidecar: frame_too_large

@@ -142,8 +142,32 @@ function frameBound(v) {
   return n;
 }
 
+/**
+ * Returns m, or a copy of it whose numbers above 2^32 - 1 are BigInts: with useBigInt64,
+ * @msgpack/msgpack writes a number that large as a float64, which the sidecar refuses
+ * (bad_request: the failure policy decided, and "open" let a cost of 2^32 bytes or a
+ * 90-day inline window past the limit; a connection's ids pass 2^32 after as many checks).
+ * Integers up to 2^53 are exact as numbers, so the BigInt is exact too.
+ */
+function wide(m) {
+  let out = m;
+  for (const k in m) {
+    const v = m[k];
+    if (typeof v === 'number' && v > 0xffffffff) {
+      if (out === m) out = { ...m }; // the same keys in the same order
+      out[k] = BigInt(v);
+    }
+  }
+  return out;
+}
+
 /** Returns msg as one frame (length prefix included), in a new Buffer. */
 function encode(msg) {
+  msg = wide(msg);
+  if (Array.isArray(msg.limits)) {
+    const limits = msg.limits.map(wide);
+    if (limits.some((l, i) => l !== msg.limits[i])) msg = { ...msg, limits };
+  }
   const body = encoder.encodeSharedRef(msg);
   const frame = Buffer.allocUnsafe(4 + body.length);
   frame.writeUInt32BE(body.length, 0);

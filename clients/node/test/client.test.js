@@ -221,3 +221,23 @@ test('a request over maxFrame is not sent; the sidecar\'s frame_too_large is ali
   x = await big.check({ user: 'ivy' });
   assert.ok(x.allowed && !x.degraded && x.remaining === 2, JSON.stringify(x));
 });
+
+test('numbers above 2^32 - 1 go as integers, not floats', async (t) => {
+  // @msgpack/msgpack writes a number that large as a float64, which the sidecar refuses:
+  // the failure policy decided (a cost of 2^32 bytes passed under "open"), and every
+  // check of a connection whose ids had passed 2^32 failed.
+  const proto = require('../lib/proto');
+  const { Decoder } = require('@msgpack/msgpack');
+  const frame = proto.encode({ id: 2 ** 32, op: 'check', cost: 2 ** 40, limits: [{ key: 'k', limit: 1, window_ms: 90 * 86400000 }] });
+  const body = frame.subarray(4);
+  assert.ok(!body.includes(0xcb), 'a float64 in the frame');
+  const m = new Decoder({ useBigInt64: true }).decode(body);
+  assert.deepEqual([m.id, m.cost, m.limits[0].window_ms], [2n ** 32n, 2n ** 40n, 90n * 86400000n]);
+
+  const d = await startDaemon(t);
+  const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  const x = await c.check({ user: 'erin' }, { cost: 2 ** 32 });
+  assert.ok(!x.allowed && x.reason === rl.COST_EXCEEDS_CAPACITY, JSON.stringify(x));
+  const y = await c.check({}, { limits: [{ key: 'q', limit: 3, windowMs: 90 * 86400000, name: 'quarter' }] });
+  assert.ok(y.allowed && y.rule === 'quarter' && y.remaining === 2, JSON.stringify(y));
+});

@@ -147,18 +147,54 @@ for (const [policy, want] of [['open', 200], ['closed', 503]]) {
 }
 
 test('a protocol error follows the policy, or onError', async (t) => {
-  const d = await startDaemon(t);
-  const many = Object.fromEntries(Array.from({ length: 100 }, (_, i) => [`a${i}`, 'v']));
-  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, onUnavailable: 'closed' });
+  // A sidecar that answers every check bad_request (a bug in what the caller sent).
+  const sock = path.join(tempDir(t), 'bad.sock');
+  const conns = new Set();
+  const srv = net.createServer((s) => {
+    conns.add(s);
+    let buf = Buffer.alloc(0);
+    s.on('data', (b) => {
+      buf = Buffer.concat([buf, b]);
+      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
+        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
+        buf = buf.subarray(4 + buf.readUInt32BE(0));
+        const body = Buffer.from(encode({ id: req.id, error: { code: 'bad_request', message: 'cost must be an unsigned integer' } }));
+        const head = Buffer.alloc(4);
+        head.writeUInt32BE(body.length);
+        s.write(Buffer.concat([head, body]));
+      }
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => {
+    for (const s of conns) s.destroy();
+    srv.close(r);
+  }));
+  const c = new rl.Client({ socket: sock, timeoutMs: 2000, onUnavailable: 'closed' });
   t.after(() => c.close());
-  assert.equal((await (await serve(t, rl.middleware(c, { attrs: () => many })))('/')).status, 503);
+  assert.equal((await (await serve(t, rl.middleware(c)))('/')).status, 503);
   const seen = [];
   const mw = rl.middleware(c, {
-    attrs: () => many,
     onError: (e, req, res) => { seen.push(e.code); res.statusCode = 400; res.end(); },
   });
   assert.equal((await (await serve(t, mw))('/')).status, 400);
   assert.deepEqual(seen, ['bad_request']);
+});
+
+test('too many attributes, or a name too long, is 431 whatever the policy', async (t) => {
+  // Attributes taken from the HTTP client's headers: their number and names are its
+  // choice. The daemon answered bad_request, which the policy decided: "open" let 100
+  // headers past every limit.
+  const d = await startDaemon(t);
+  const many = Object.fromEntries(Array.from({ length: 100 }, (_, i) => [`a${i}`, 'v']));
+  for (const attrs of [many, { ['n'.repeat(300)]: 'v' }]) {
+    const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, onUnavailable: 'open' });
+    t.after(() => c.close());
+    const seen = [];
+    const mw = rl.middleware(c, { attrs: () => attrs, onError: (e, req, res) => { seen.push(e.code); res.end(); } });
+    assert.equal((await (await serve(t, mw))('/')).status, 431);
+    assert.deepEqual(seen, []);
+  }
 });
 
 test('defaultAttrs', () => {

@@ -202,13 +202,47 @@ def test_unreachable_policies(short_tmp, policy, want):
     assert status == want and (want == 200 or headers["retry-after"] == "1")
 
 
-def test_protocol_error_follows_the_policy(daemon):
-    """Attributes the sidecar refuses (too many) are the caller's bug: the request is
-    answered by the policy, as for an unreachable sidecar."""
-    many = {"a%d" % i: "v" for i in range(100)}
-    with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable="closed") as client:
-        status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client, attrs=lambda env: many), "/")
+class _BadRequestHandler(socketserver.StreamRequestHandler):
+    """Answers every request bad_request (a bug in what the caller sent)."""
+
+    def handle(self):
+        while True:
+            head = self.rfile.read(4)
+            if len(head) < 4:
+                return
+            req = _proto.decode(self.rfile.read(_proto.frame_length(head)))
+            body = msgpack.packb({"id": req["id"], "error": {"code": "bad_request", "message": "cost must be an unsigned integer"}})
+            self.wfile.write(len(body).to_bytes(4, "big") + body)
+
+
+def test_protocol_error_follows_the_policy(short_tmp):
+    """An error answer the caller caused is answered by the policy, as for an unreachable
+    sidecar."""
+    path = os.path.join(short_tmp, "bad.sock")
+    srv = socketserver.ThreadingUnixStreamServer(path, _BadRequestHandler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever)
+    t.start()
+    try:
+        with rlsidecar.Client(path, timeout=2, on_unavailable="closed") as client:
+            status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client), "/")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
     assert status == 503
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+def test_too_many_attrs_is_431(daemon, policy):
+    """Attributes taken from the HTTP client's headers: too many of them, or a name too
+    long, is 431 whatever the policy (the daemon answered bad_request, which the policy
+    decided: "open" let 100 headers past every limit)."""
+    many = {"a%d" % i: "v" for i in range(100)}
+    for attrs in (many, {"n" * 300: "v"}):
+        with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable=policy) as client:
+            status, headers, body = wsgi_get(rlsidecar.WSGIMiddleware(hello_app, client, attrs=lambda env: attrs), "/")
+        assert status == 431
 
 
 @pytest.mark.parametrize("policy, want", [("open", 200), ("closed", 503)])
