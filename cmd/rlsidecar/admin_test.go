@@ -552,6 +552,27 @@ func TestE2EReloadDirectoryReplaced(t *testing.T) {
 		must(t, os.WriteFile(filepath.Join(dir, "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
 		check(t, d, base, &v, want, "then written in place")
 	})
+
+	// A deploy that deletes the tree above the rules' directory and copies the new one
+	// in, slower than the watch's debounce: no watched directory could see it come back
+	// (the one holding the rules' directory went with it), and the rules in force stayed
+	// until a SIGHUP, every later edit unseen.
+	t.Run("tree above deleted and made again", func(t *testing.T) {
+		top := shortTempDir(t)
+		dir := filepath.Join(top, "current", "config")
+		must(t, os.MkdirAll(dir, 0o755))
+		writeFile(t, dir, "rules.yaml", rulesWithLimit(next()))
+		d, base, v := start(t, filepath.Join(dir, "rules.yaml"))
+		must(t, os.RemoveAll(filepath.Join(top, "current")))
+		time.Sleep(300 * time.Millisecond) // the daemon sees it gone (and keeps its rules)
+		must(t, os.MkdirAll(dir, 0o755))
+		want := next()
+		writeFile(t, dir, "rules.yaml", rulesWithLimit(want))
+		check(t, d, base, &v, want, "the tree made again")
+		want = next()
+		must(t, os.WriteFile(filepath.Join(dir, "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
+		check(t, d, base, &v, want, "then written in place")
+	})
 }
 
 // serve logs what validate warns of, at start and after a reload: an operator who

@@ -84,6 +84,28 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		var timer *time.Timer
 		var fire <-chan time.Time
 		empties := 0 // looks again at an empty file (fire)
+		// While a directory on the way to the rules cannot be watched (a deploy deleted
+		// the tree above the rules' directory, and makes it again later), no event can
+		// say when it is back: rewatch is tried again every rewatchEvery, and the rules
+		// are read once it succeeds. Before, the rules in force stayed until a SIGHUP,
+		// every later edit unseen. lastErr: the error last reported, not repeated.
+		var retry <-chan time.Time
+		var lastErr string
+		rewatched := func() bool {
+			err := rewatch()
+			if err == nil {
+				lastErr = ""
+				return true
+			}
+			if err.Error() != lastErr {
+				lastErr = err.Error()
+				onErr(err)
+			}
+			if retry == nil {
+				retry = time.After(rewatchEvery)
+			}
+			return false
+		}
 		for {
 			select {
 			case <-ctx.Done():
@@ -91,6 +113,11 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 					timer.Stop()
 				}
 				return
+			case <-retry:
+				retry = nil
+				if rewatched() {
+					onChange() // what changed while nothing watched it
+				}
 			case ev, ok := <-w.Events:
 				if !ok {
 					return
@@ -111,9 +138,7 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				onErr(err)
 			case <-fire:
 				fire = nil
-				if err := rewatch(); err != nil {
-					onErr(err)
-				}
+				rewatched()
 				// An empty file is most likely one being written in place (truncated,
 				// its bytes not there yet): looked at again a few times before it is
 				// read, and reported broken.
@@ -126,14 +151,16 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				empties = 0
 				onChange()
 			case <-kicks: // a reload from elsewhere (SIGHUP): the directories again
-				if err := rewatch(); err != nil {
-					onErr(err)
-				}
+				rewatched()
 			}
 		}
 	}()
 	return kick, nil
 }
+
+// rewatchEvery is how often watchConfig tries again to watch a directory on the way to
+// the rules that is missing.
+var rewatchEvery = time.Second
 
 // dirID identifies a directory: its device and inode.
 type dirID struct{ dev, ino uint64 }
