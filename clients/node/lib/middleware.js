@@ -107,6 +107,19 @@ function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: 
             return res;
           };
         }
+        const destroy = res.destroy;
+        if (typeof destroy === 'function') {
+          // The handler destroys its response (res.destroy(), or a stream.pipeline into
+          // it whose source failed): the request is over, as when it ends. Node does not
+          // call destroy when the client goes away (that is 'close' alone, below), so a
+          // handler still running keeps its slot. Before, the slot stayed held until the
+          // lease ran out (30 s by default).
+          res.destroy = function destroyAfterRelease(...args) {
+            if (started) release();
+            res.destroy = destroy;
+            return destroy.apply(res, args);
+          };
+        }
         res.once('finish', release);
         res.once('close', () => {
           if (!started || res.writableFinished) {

@@ -126,6 +126,45 @@ test('the middleware: a client gone while its handler runs keeps the slot until 
   assert.equal(remaining, 1, 'released when the handler ended the response');
 });
 
+test('the middleware releases when the handler destroys its response', async (t) => {
+  // A handler whose stream fails (stream.pipeline destroys the response) or that calls
+  // res.destroy(): before, the slot stayed held until the lease ran out.
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  const { Readable, pipeline } = require('node:stream');
+  const srv = http.createServer((req, res) => mw(req, res, () => {
+    if (req.url === '/destroy') {
+      res.destroy();
+      return;
+    }
+    const src = new Readable({ read() {} });
+    pipeline(src, res, () => {});
+    src.push('partial');
+    setTimeout(() => src.destroy(new Error('disk error')), 20);
+  }));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  const get = (p) => new Promise((resolve) => {
+    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: p, agent: false }, (res) => {
+      res.resume();
+      res.on('end', () => resolve(res.statusCode));
+      res.on('error', () => resolve('aborted'));
+    });
+    r.on('error', () => resolve('aborted'));
+  });
+  for (const p of ['/destroy', '/pipeline']) {
+    assert.equal(await get(p), 'aborted', p);
+    let remaining = -1;
+    for (let k = 0; k < 100 && remaining !== 1; k++) {
+      await new Promise((r) => setTimeout(r, 10));
+      remaining = (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining;
+    }
+    assert.equal(remaining, 1, `${p}: released when the handler destroyed its response`);
+  }
+});
+
 test('the middleware releases when the response finishes', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
