@@ -159,8 +159,12 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 	if host, _, err := net.SplitHostPort(ip); err == nil {
 		ip = host
 	}
-	ip = PeerIP(ip)
-	return []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
+	if ip == "" {
+		// No peer address (a handler called outside a server, a test): ip is left out,
+		// not sent as "" (every such request would share one per-ip bucket).
+		return []proto.Attr{{Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
+	}
+	return []proto.Attr{{Name: "ip", Value: PeerIP(ip)}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
 }
 
 // PeerIP returns the ip attribute every rlsidecar client sends for the peer address addr

@@ -28,11 +28,12 @@ function peerIP(addr) {
  * client sends them.
  */
 function defaultAttrs(req) {
-  return {
-    ip: peerIP((req.socket && req.socket.remoteAddress) || ''),
-    method: req.method || '',
-    path: normalizePath(req.originalUrl || req.url || ''),
-  };
+  const addr = req.socket && req.socket.remoteAddress;
+  const path = normalizePath(req.originalUrl || req.url || '');
+  // No peer address (the socket closed already): ip is left out, not sent as "" (every
+  // such request would share one per-ip bucket).
+  if (!addr) return { method: req.method || '', path };
+  return { ip: peerIP(addr), method: req.method || '', path };
 }
 
 /**

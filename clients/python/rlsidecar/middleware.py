@@ -40,8 +40,11 @@ def wsgi_attrs(environ):
         path = normalize_path(_wsgi_bytes(raw))
     else:
         path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
-    return {"ip": peer_ip(environ.get("REMOTE_ADDR", "")), "method": environ.get("REQUEST_METHOD", ""),
-            "path": path_attr(path)}
+    attrs = {"method": environ.get("REQUEST_METHOD", ""), "path": path_attr(path)}
+    addr = environ.get("REMOTE_ADDR")
+    if addr:  # else left out, not sent as "": every such request would share one per-ip bucket
+        attrs = {"ip": peer_ip(addr), **attrs}
+    return attrs
 
 
 def _wsgi_bytes(s):
@@ -68,7 +71,10 @@ def asgi_attrs(scope):
         path = normalize_path(bytes(raw))
     else:
         path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
-    return {"ip": peer_ip(client[0]) if client else "", "method": scope.get("method", ""), "path": path_attr(path)}
+    attrs = {"method": scope.get("method", ""), "path": path_attr(path)}
+    if client and client[0]:  # else left out, not sent as "" (as wsgi_attrs)
+        attrs = {"ip": peer_ip(client[0]), **attrs}
+    return attrs
 
 
 def _closed(client):
