@@ -60,6 +60,12 @@ func (s *Set) Warnings() Errors {
 				}
 			}
 		}
+		if r.Split > 1 && !r.Unlimited && !r.Deny && uint64(r.Split) > r.limit.Requests() {
+			// Each daemon enforces ⌈requests ÷ split⌉, at least 1: below split, the
+			// fleet admits split per window, not requests.
+			out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name) + " split",
+				Msg: fmt.Sprintf("split %d is more than its %d requests: each daemon enforces at least 1, so %d daemons admit %d per window", r.Split, r.limit.Requests(), r.Split, r.Split)})
+		}
 		sig := shadowSignature(r)
 		e := bySig[sig]
 		if e == nil {

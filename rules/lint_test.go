@@ -82,6 +82,21 @@ func TestWarningsShadowedOperators(t *testing.T) {
 	}
 }
 
+// A split above the rule's requests cannot divide it: each daemon enforces at least 1.
+func TestWarningsSplitAboveRequests(t *testing.T) {
+	for _, tt := range []struct {
+		limit string
+		split int
+		warn  bool
+	}{{"{ requests: 1, per: 1m }", 5, true}, {"{ requests: 10, per: 1m }", 5, false}, {"{ requests: 5, per: 1m }", 5, false}} {
+		src := fmt.Sprintf("rules:\n  - name: s\n    key: ip\n    limit: %s\n    split: %d\n", tt.limit, tt.split)
+		ws := mustParse(t, src).Warnings()
+		if got := len(ws) > 0 && strings.Contains(ws[0].Error(), "split"); got != tt.warn {
+			t.Errorf("%s split %d: warnings %v, want a split warning: %v", tt.limit, tt.split, ws, tt.warn)
+		}
+	}
+}
+
 func TestWarningsDeadGlobs(t *testing.T) {
 	dead := []string{"/search?q=*", "/a#top", "/a b", "/a\tb", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
 		"/^v1/**", "/files/[0-9]*"}
