@@ -16,6 +16,7 @@ package rules
 //     apply to that check (Envoy's replaces).
 
 import (
+	"cmp"
 	"fmt"
 	"strings"
 
@@ -119,6 +120,7 @@ func (p *parser) condOps(n *yaml.Node, field string) *condOps {
 
 // replaces reads a rule's replaces list: rule names, resolved once the whole set is known.
 func (p *parser) replaces(r *Rule, n *yaml.Node, field string) {
+	r.replacesIn = field
 	p.eachString(n, field, func(s string, at *yaml.Node, sf string) {
 		r.Replaces = append(r.Replaces, s)
 		r.replacesAt = append(r.replacesAt, at.Line)
@@ -136,7 +138,7 @@ func resolveReplaces(all []*Rule) Errors {
 	for _, r := range all {
 		r.ReplacesIdx = r.ReplacesIdx[:0]
 		for i, name := range r.Replaces {
-			field := fmt.Sprintf("replaces[%d]", i)
+			field := fmt.Sprintf("%s[%d]", cmp.Or(r.replacesIn, "replaces"), i)
 			o := byName[name]
 			switch {
 			case o == nil:

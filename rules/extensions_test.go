@@ -93,7 +93,7 @@ rules:
 
 func TestExtensionErrors(t *testing.T) {
 	tests := []struct{ src, want string }{
-		{"rules:\n  - name: a\n    key: u\n    limit: { requests: 1, per: 1s }\n    replaces: [nope]\n", `test.yaml:5: replaces[0]: rule "a" replaces "nope", which no rule is called`},
+		{"rules:\n  - name: a\n    key: u\n    limit: { requests: 1, per: 1s }\n    replaces: [nope]\n", `test.yaml:5: rules[0].replaces[0]: rule "a" replaces "nope", which no rule is called`},
 		{"rules:\n  - name: a\n    key: u\n    limit: { requests: 1, per: 1s }\n    replaces: a\n", `replaces itself`},
 		{"rules:\n  - name: a\n    key: u\n    limit: unlimited\n    plans: { x: 5 }\n", `test.yaml:5: rules[0].plans: a rule whose limit is unlimited or deny has no plans`},
 		{"rules:\n  - name: a\n    key: u\n    match: { u: { nah: x } }\n    limit: { requests: 1, per: 1s }\n", `unknown field "nah"`},

@@ -140,7 +140,8 @@ type Rule struct {
 	// ReplacesIdx are their indexes in the Set.
 	Replaces    []string
 	ReplacesIdx []int
-	replacesAt  []int // line of each name
+	replacesAt  []int  // line of each name
+	replacesIn  string // the field that lists them (rules[i].replaces), for errors
 	// Calendar is per: day, week or month (NoCalendar for a duration): a fixed window
 	// whose boundaries are local midnights in TZ (limit.tz, default UTC). Per is then the
 	// unit's nominal length (1, 7 or 31 days).
