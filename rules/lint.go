@@ -60,6 +60,18 @@ func (s *Set) Warnings() Errors {
 				}
 			}
 		}
+		names := attrNames(r)
+		if slices.Contains(names, "domain") {
+			// Checked over Envoy's API: the names are its descriptors' keys, sent in the
+			// case its configuration writes them.
+			names = nil
+		}
+		for _, name := range names {
+			if lower := strings.ToLower(name); lower != name && wellKnownAttrs[lower] {
+				out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name),
+					Msg: fmt.Sprintf("attribute %q: names are case-sensitive and the clients send %q, so a rule naming %q never applies", name, lower, name)})
+			}
+		}
 		if r.Split > 1 && !r.Unlimited && !r.Deny && uint64(r.Split) > r.limit.Requests() {
 			// Each daemon enforces ⌈requests ÷ split⌉, at least 1: below split, the
 			// fleet admits split per window, not requests.
@@ -94,6 +106,21 @@ func (s *Set) Warnings() Errors {
 		}
 	}
 	return out
+}
+
+// wellKnownAttrs are the attributes the clients' defaults and the protocol name, in the
+// case they are sent.
+var wellKnownAttrs = map[string]bool{"method": true, "path": true, "user": true, "api_key": true, "ip": true, "plan": true}
+
+// attrNames returns the attributes r's match and key name, each once.
+func attrNames(r *Rule) []string {
+	var names []string
+	for ci := range r.conds {
+		names = append(names, r.conds[ci].attr)
+	}
+	names = append(names, r.Key...)
+	slices.Sort(names)
+	return slices.Compact(names)
 }
 
 // shadowBudget bounds the plan limits Warnings compares looking for rules that never

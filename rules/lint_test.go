@@ -97,6 +97,19 @@ func TestWarningsSplitAboveRequests(t *testing.T) {
 	}
 }
 
+// A well-known attribute in another case never matches what the clients send.
+func TestWarningsAttributeCase(t *testing.T) {
+	ws := mustParse(t, "rules:\n  - name: a\n    match: { Method: GET }\n    key: User\n    limit: { requests: 1, per: 1m }\n"+
+		"  - name: b\n    match: { method: GET, X-Tenant: t }\n    key: [user, Tenant]\n    limit: { requests: 1, per: 1m }\n").Warnings()
+	var msgs []string
+	for _, w := range ws {
+		msgs = append(msgs, w.Error())
+	}
+	if len(ws) != 2 || !strings.Contains(msgs[0], `attribute "Method"`) || !strings.Contains(msgs[1], `attribute "User"`) {
+		t.Fatalf("warnings %q, want one for Method and one for User, none for rule b", msgs)
+	}
+}
+
 func TestWarningsDeadGlobs(t *testing.T) {
 	dead := []string{"/search?q=*", "/a#top", "/a b", "/a\tb", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
 		"/^v1/**", "/files/[0-9]*"}
