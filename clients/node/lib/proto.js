@@ -117,7 +117,9 @@ function checkMessage(id, attrs, cost, limits) {
   }
   if (cost !== undefined && cost !== 1) {
     if (!isUint(cost)) throw new RangeError(`cost must be an integer >= 0, not ${cost}`);
-    msg.cost = cost;
+    // A cost past the wire's uint64 exceeds every limit as 2^64 - 1 does (the encoder
+    // threw on it).
+    msg.cost = typeof cost === 'bigint' && cost > 0xffffffffffffffffn ? 0xffffffffffffffffn : cost;
   }
   return msg;
 }

@@ -236,8 +236,10 @@ test('numbers above 2^32 - 1 go as integers, not floats', async (t) => {
 
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 2000 });
-  const x = await c.check({ user: 'erin' }, { cost: 2 ** 32 });
-  assert.ok(!x.allowed && x.reason === rl.COST_EXCEEDS_CAPACITY, JSON.stringify(x));
+  for (const cost of [2 ** 32, 2n ** 64n - 1n, 2n ** 64n, 2n ** 80n]) { // past uint64: as 2^64 - 1
+    const x = await c.check({ user: 'erin' }, { cost });
+    assert.ok(!x.allowed && x.reason === rl.COST_EXCEEDS_CAPACITY, String(cost));
+  }
   const y = await c.check({}, { limits: [{ key: 'q', limit: 3, windowMs: 90 * 86400000, name: 'quarter' }] });
   assert.ok(y.allowed && y.rule === 'quarter' && y.remaining === 2, JSON.stringify(y));
 });

@@ -63,6 +63,9 @@ def check_size(body_len, max_frame):
                                    % (body_len, max_frame))
 
 
+_MAX_UINT64 = (1 << 64) - 1
+
+
 def check_max_frame(max_frame):
     if type(max_frame) is not int or max_frame < 1:
         raise ValueError("max_frame must be an int >= 1 (bytes), not %r" % (max_frame,))
@@ -123,7 +126,9 @@ def check_message(req_id, attrs, cost, limits):
     if cost != 1:
         if type(cost) is not int or cost < 0:
             raise ValueError("cost must be an int >= 0, not %r" % (cost,))
-        msg["cost"] = cost
+        # A cost past the wire's uint64 exceeds every limit as 2^64 - 1 does (it raised
+        # OverflowError from msgpack).
+        msg["cost"] = min(cost, _MAX_UINT64)
     return msg
 
 

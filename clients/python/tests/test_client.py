@@ -40,6 +40,9 @@ def test_two_rules_and_cost(daemon):
         assert d.headers()["RateLimit"] == '"login-per-ip";r=1;t=40, "per-user";r=3;t=24'
         d = c.check({"user": "carol"}, cost=6)
         assert not d.allowed and d.reason == rlsidecar.COST_EXCEEDS_CAPACITY and "Retry-After" not in d.headers()
+        for cost in (2**32, 2**64 - 1, 2**64, 2**80):  # past uint64: as 2^64 - 1 (it raised OverflowError)
+            d = c.check({"user": "carol"}, cost=cost)
+            assert not d.allowed and d.reason == rlsidecar.COST_EXCEEDS_CAPACITY, cost
 
 
 def test_inline_limits(daemon):
