@@ -212,6 +212,9 @@ func TestCompiledFollowsReloads(t *testing.T) {
 			case 0:
 				cur = 1 - cur
 				live.SetRules(sets[cur])
+				// A reload ends the bans of rules without a penalty (TestBansOfARemovedPenalty):
+				// a change of the shared state, not of the compiled data, made here too.
+				refBans.forgetUnpenalized(sets[cur])
 			case 1:
 				shadowAll = !shadowAll
 				live.SetShadowAll(shadowAll)
