@@ -108,4 +108,36 @@ async function startDaemon(t, rules = RULES, args = []) {
   return d.start();
 }
 
-module.exports = { ROOT, RULES, binary, tempDir, startDaemon };
+// standIn serves a stand-in sidecar on a socket named name in a temp directory: each
+// request frame is answered with the map answer(request) returns (its id set to the
+// request's). It returns the socket's path; the server stops with the test.
+async function standIn(t, name, answer) {
+  const net = require('net');
+  const { encode } = require('@msgpack/msgpack');
+  const proto = require('../lib/proto');
+  const sock = path.join(tempDir(t), name);
+  const conns = new Set();
+  const srv = net.createServer((s) => {
+    conns.add(s);
+    let buf = Buffer.alloc(0);
+    s.on('data', (b) => {
+      buf = Buffer.concat([buf, b]);
+      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
+        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
+        buf = buf.subarray(4 + buf.readUInt32BE(0));
+        const body = Buffer.from(encode({ ...answer(req), id: req.id }));
+        const head = Buffer.alloc(4);
+        head.writeUInt32BE(body.length);
+        s.write(Buffer.concat([head, body]));
+      }
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => {
+    for (const s of conns) s.destroy();
+    srv.close(r);
+  }));
+  return sock;
+}
+
+module.exports = { ROOT, RULES, binary, tempDir, startDaemon, standIn };

@@ -6,44 +6,21 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('fs');
 const http = require('http');
-const net = require('net');
 const path = require('path');
-const { encode } = require('@msgpack/msgpack');
 
 const rl = require('..');
-const proto = require('../lib/proto');
-const { ROOT, startDaemon, tempDir } = require('./helpers');
+const { ROOT, startDaemon, standIn, tempDir } = require('./helpers');
 
 const CASES = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'http_headers.json'), 'utf8'));
 
 // fakeSidecar answers a check of path /<case name> with that case's decision.
 async function fakeSidecar(t) {
-  const sock = path.join(tempDir(t), 'fake.sock');
   const byName = Object.fromEntries(CASES.map((c) => [c.name, c]));
-  const conns = new Set();
-  const srv = net.createServer((s) => {
-    conns.add(s);
-    let buf = Buffer.alloc(0);
-    s.on('data', (b) => {
-      buf = Buffer.concat([buf, b]);
-      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
-        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
-        buf = buf.subarray(4 + buf.readUInt32BE(0));
-        const resp = { ...byName[req.attrs.path.slice(1)].decision, id: req.id, degraded: false };
-        if (!resp.reason) delete resp.reason;
-        const body = Buffer.from(encode(resp));
-        const head = Buffer.alloc(4);
-        head.writeUInt32BE(body.length);
-        s.write(Buffer.concat([head, body]));
-      }
-    });
+  return standIn(t, 'fake.sock', (req) => {
+    const resp = { ...byName[req.attrs.path.slice(1)].decision, degraded: false };
+    if (!resp.reason) delete resp.reason;
+    return resp;
   });
-  await new Promise((r) => srv.listen(sock, r));
-  t.after(() => new Promise((r) => {
-    for (const s of conns) s.destroy();
-    srv.close(r);
-  }));
-  return sock;
 }
 
 // serve runs node:http with the middleware in front of a handler that says hello.
@@ -148,28 +125,7 @@ for (const [policy, want] of [['open', 200], ['closed', 503]]) {
 
 test('a protocol error follows the policy, or onError', async (t) => {
   // A sidecar that answers every check bad_request (a bug in what the caller sent).
-  const sock = path.join(tempDir(t), 'bad.sock');
-  const conns = new Set();
-  const srv = net.createServer((s) => {
-    conns.add(s);
-    let buf = Buffer.alloc(0);
-    s.on('data', (b) => {
-      buf = Buffer.concat([buf, b]);
-      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
-        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
-        buf = buf.subarray(4 + buf.readUInt32BE(0));
-        const body = Buffer.from(encode({ id: req.id, error: { code: 'bad_request', message: 'cost must be an unsigned integer' } }));
-        const head = Buffer.alloc(4);
-        head.writeUInt32BE(body.length);
-        s.write(Buffer.concat([head, body]));
-      }
-    });
-  });
-  await new Promise((r) => srv.listen(sock, r));
-  t.after(() => new Promise((r) => {
-    for (const s of conns) s.destroy();
-    srv.close(r);
-  }));
+  const sock = await standIn(t, 'bad.sock', () => ({ error: { code: 'bad_request', message: 'cost must be an unsigned integer' } }));
   const c = new rl.Client({ socket: sock, timeoutMs: 2000, onUnavailable: 'closed' });
   t.after(() => c.close());
   assert.equal((await (await serve(t, rl.middleware(c)))('/')).status, 503);

@@ -8,11 +8,9 @@ const fs = require('fs');
 const http = require('http');
 const net = require('net');
 const path = require('path');
-const { encode } = require('@msgpack/msgpack');
 
 const rl = require('..');
-const proto = require('../lib/proto');
-const { ROOT, startDaemon, tempDir } = require('./helpers');
+const { ROOT, standIn, startDaemon, tempDir } = require('./helpers');
 
 const SPEC = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'paths.json'), 'utf8'));
 
@@ -59,30 +57,11 @@ test('normalizePath: absolute-form targets and look-alikes', () => {
 
 // recordingSidecar answers every check as allowed and keeps the bytes of its path attribute.
 async function recordingSidecar(t) {
-  const sock = path.join(tempDir(t), 'rec.sock');
   const seen = [];
-  const conns = new Set();
-  const srv = net.createServer((s) => {
-    conns.add(s);
-    let buf = Buffer.alloc(0);
-    s.on('data', (b) => {
-      buf = Buffer.concat([buf, b]);
-      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
-        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
-        buf = buf.subarray(4 + buf.readUInt32BE(0));
-        seen.push(attrBytes(req.attrs.path));
-        const body = Buffer.from(encode({ id: req.id, allowed: true, rule: '', limit: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, degraded: false, rules: [] }));
-        const head = Buffer.alloc(4);
-        head.writeUInt32BE(body.length);
-        s.write(Buffer.concat([head, body]));
-      }
-    });
+  const sock = await standIn(t, 'rec.sock', (req) => {
+    seen.push(attrBytes(req.attrs.path));
+    return { allowed: true, rule: '', limit: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, degraded: false, rules: [] };
   });
-  await new Promise((r) => srv.listen(sock, r));
-  t.after(() => new Promise((r) => {
-    for (const s of conns) s.destroy();
-    srv.close(r);
-  }));
   return { sock, seen };
 }
 

@@ -16,28 +16,36 @@ from rlsidecar import _proto
 from test_headers import CASES
 
 
-class _FakeHandler(socketserver.StreamRequestHandler):
+class _StandInHandler(socketserver.StreamRequestHandler):
+    """Answers each request frame with the map self.server.answer(request) returns, its id
+    set to the request's."""
+
     def handle(self):
         while True:
             head = self.rfile.read(4)
             if len(head) < 4:
                 return
             req = _proto.decode(self.rfile.read(_proto.frame_length(head)))
-            case = self.server.cases[req["attrs"]["path"][1:]]
-            resp = dict(case["decision"], id=req["id"], degraded=False)
-            if not resp["reason"]:
-                del resp["reason"]
-            body = msgpack.packb(resp)
+            body = msgpack.packb(dict(self.server.answer(req), id=req["id"]))
             self.wfile.write(len(body).to_bytes(4, "big") + body)
+
+
+def _case_answer(cases):
+    def answer(req):
+        resp = dict(cases[req["attrs"]["path"][1:]]["decision"], degraded=False)
+        if not resp["reason"]:
+            del resp["reason"]
+        return resp
+    return answer
 
 
 @pytest.fixture
 def fake_sidecar(short_tmp):
     """A sidecar that answers a check of path /<case name> with that case's decision."""
     path = os.path.join(short_tmp, "fake.sock")
-    srv = socketserver.ThreadingUnixStreamServer(path, _FakeHandler)
+    srv = socketserver.ThreadingUnixStreamServer(path, _StandInHandler)
     srv.daemon_threads = True
-    srv.cases = {c["name"]: c for c in CASES}
+    srv.answer = _case_answer({c["name"]: c for c in CASES})
     t = threading.Thread(target=srv.serve_forever)
     t.start()
     yield path
@@ -202,25 +210,13 @@ def test_unreachable_policies(short_tmp, policy, want):
     assert status == want and (want == 200 or headers["retry-after"] == "1")
 
 
-class _BadRequestHandler(socketserver.StreamRequestHandler):
-    """Answers every request bad_request (a bug in what the caller sent)."""
-
-    def handle(self):
-        while True:
-            head = self.rfile.read(4)
-            if len(head) < 4:
-                return
-            req = _proto.decode(self.rfile.read(_proto.frame_length(head)))
-            body = msgpack.packb({"id": req["id"], "error": {"code": "bad_request", "message": "cost must be an unsigned integer"}})
-            self.wfile.write(len(body).to_bytes(4, "big") + body)
-
-
 def test_protocol_error_follows_the_policy(short_tmp):
     """An error answer the caller caused is answered by the policy, as for an unreachable
     sidecar."""
     path = os.path.join(short_tmp, "bad.sock")
-    srv = socketserver.ThreadingUnixStreamServer(path, _BadRequestHandler)
+    srv = socketserver.ThreadingUnixStreamServer(path, _StandInHandler)
     srv.daemon_threads = True
+    srv.answer = lambda req: {"error": {"code": "bad_request", "message": "cost must be an unsigned integer"}}
     t = threading.Thread(target=srv.serve_forever)
     t.start()
     try:
