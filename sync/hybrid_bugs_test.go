@@ -242,7 +242,9 @@ func TestHybridSweepForgetsIdleKeys(t *testing.T) {
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
 	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
-	now := time.Now().UnixNano()
+	// Mid-hour, so that the hour's fixed window does not end within the 3 s below (run in
+	// the last 3 s of an hour, the keys were full again and swept).
+	now := time.Now().Truncate(time.Hour).Add(30 * time.Minute).UnixNano()
 	take(h, now, "rl:sweep:{idle}", lim, 1)
 	take(h, now, "rl:sweep:{shared}", lim, 1)
 	if err := h.Flush(ctx, now); err != nil {
@@ -284,7 +286,9 @@ func TestHybridSlowRotatingClient(t *testing.T) {
 		hs[i] = NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
 		hs[i].SetReplicas(len(hs))
 	}
-	now := time.Now().UnixNano()
+	// Mid-hour: the visits span two minutes, which must not cross the end of the hour's
+	// fixed window.
+	now := time.Now().Truncate(time.Hour).Add(30 * time.Minute).UnixNano()
 	admitted := 0
 	for visit := 0; visit < 6; visit++ {
 		for _, h := range hs {

@@ -65,12 +65,13 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		}
 		return first
 	}
-	if err := rewatch(); err != nil {
+	startErr := rewatch()
+	if startErr != nil {
 		if own, _ := configDirs(path); func() bool { _, in := watched[own[0]]; return !in }() {
 			w.Close()
-			return nil, err
+			return nil, startErr
 		}
-		onErr(err) // a link's target directory, or a parent: the file's own is watched
+		onErr(startErr) // a link's target directory, or a parent: the file's own is watched
 	}
 	kicks := make(chan struct{}, 1)
 	kick = func() {
@@ -91,6 +92,9 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		// every later edit unseen. lastErr: the error last reported, not repeated.
 		var retry <-chan time.Time
 		var lastErr string
+		if startErr != nil { // reported above; looked for again as below
+			lastErr, retry = startErr.Error(), time.After(rewatchEvery)
+		}
 		rewatched := func() bool {
 			err := rewatch()
 			if err == nil {
