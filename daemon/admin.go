@@ -218,10 +218,10 @@ func bansDoc(deps AdminDeps) []banDoc {
 // several attributes, with the raw values.
 //
 // The name /bans gives is tried first, over every ban, because the two forms overlap:
-// user=a%0A is the key's form of the user "a\n" and also the raw form of the user "a%0A"
-// (whose key's form is user=a%250A). With both banned, a single pass in list order
-// lifted whichever came first; now the name lifts "a\n", and the raw form reaches "a%0A"
-// as user=a%250A in the key's form, its name.
+// user=%7B is the key's form of the user "{" and also the raw form of the user "%7B"
+// (whose key's form, its name, is user=%257B). With both banned, a single pass in list
+// order lifted whichever sorted first, the user "%7B"; now the name lifts "{", and
+// user=%257B reaches "%7B" (TestAdminLiftBanNameBeforeRawValue).
 func liftBan(deps AdminDeps, rule, client string) bool {
 	if deps.Limiter == nil {
 		return false
