@@ -166,9 +166,8 @@ function wide(m) {
 /** Returns msg as one frame (length prefix included), in a new Buffer. */
 function encode(msg) {
   msg = wide(msg);
-  if (Array.isArray(msg.limits)) {
-    const limits = msg.limits.map(wide);
-    if (limits.some((l, i) => l !== msg.limits[i])) msg = { ...msg, limits };
+  if (Array.isArray(msg.limits) && msg.limits.some((l) => wide(l) !== l)) {
+    msg = { ...msg, limits: msg.limits.map(wide) }; // rare: no copy for the common limits
   }
   const body = encoder.encodeSharedRef(msg);
   const frame = Buffer.allocUnsafe(4 + body.length);
