@@ -134,6 +134,11 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	if it.mode == modeShare {
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
 	}
+	if *it.lim != *e.lim {
+		// A reload changed the key's limit while this sync was on its way: Redis judged
+		// it by the old one (relimit). Its grant and token stand, to be settled.
+		e.forgetView()
+	}
 	if e.flags&flagGone == 0 && (e.grant > 0 || e.needsSync()) {
 		sh.markDirty(e)
 	}

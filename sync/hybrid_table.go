@@ -54,6 +54,28 @@ type hentry struct {
 	lag        uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
 }
 
+// relimit makes lim (interned) e's limit: a reload changed it. What e may admit
+// locally was sized by the old limit (its credit a share of a view of the old capacity,
+// its grant reserved under it), and its view was of the old limit: both are dropped, so
+// the key's next check asks Redis under the new limit (an exact sync, which also gives
+// the unused grant back, as every sync does). Kept, 100 an hour lowered to 5 after 4
+// used admitted 10 more on one daemon. A raised limit is treated alike: one exact sync
+// a key, as after a restart, rather than a second set of rules for what stays safe.
+func (e *hentry) relimit(lim *localbucket.Limit) {
+	e.lim = lim
+	e.forgetView()
+}
+
+// forgetView drops e's view and what it may admit on it: the key's next check makes an
+// exact sync. What e admitted, reserved or owes is kept for the next sync to settle.
+func (e *hentry) forgetView() {
+	e.allowance = min(e.allowance, 0)
+	e.view = min(e.view, float64(e.lim.Capacity()))
+	e.synced = 0
+	e.lastDemand = 0
+	e.flags &^= flagShared
+}
+
 // key is the Redis key e is the entry of (the map's key: one copy of its bytes).
 func (e *hentry) key() string { return unsafe.String(e.kp, e.kn) }
 

@@ -1,0 +1,65 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A reload that lowers a key's limit takes back what this daemon may still admit
+// locally under the old one: its credit and its share grant were sized by the old
+// capacity. Kept, 100 per hour lowered to 5 after 4 used admitted all 10 asked, not 1
+// (limiter:TestReloadResetsRedisState, 10 lowered to 5, saw 2 now and then, as its
+// syncs fell).
+func TestHybridLoweredLimitDropsAllowance(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
+		t.Run(alg.String(), func(t *testing.T) {
+			h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
+			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			old, lowered := mustLimit(t, alg, 100, time.Hour), mustLimit(t, alg, 5, time.Hour)
+			key := fmt.Sprintf("rl:relimit:{%v}", alg)
+			now := time.Now().UnixNano()
+			used := 0
+			for i := 0; i < 4; i++ {
+				now += int64(time.Millisecond)
+				if !take(h, now, key, old, 1).Allowed {
+					t.Fatalf("request %d of 100 refused", i+1)
+				}
+				used++
+				if i == 0 {
+					syncAll(t, now, h) // the key's first view: credit
+				}
+			}
+			syncAll(t, now, h)
+			sh := &h.shards[h.shardOf([]byte(key))]
+			sh.mu.Lock()
+			a := h.allowance(sh.m[key], now, h.creditShares())
+			sh.mu.Unlock()
+			if a < 2 {
+				t.Fatalf("allowance under the old limit %v: the test shows nothing", a)
+			}
+			n := 0
+			for i := 0; i < 10; i++ {
+				if take(h, now, key, lowered, 1).Allowed {
+					n++
+				}
+			}
+			if n != 5-used {
+				t.Fatalf("after the limit was lowered to 5 with %d used: %d admitted, want %d", used, n, 5-used)
+			}
+			// Redis counts the 5 the daemon admitted, no more: another daemon finds none left.
+			syncAll(t, now, h)
+			b := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
+			if r := take(b, now, key, lowered, 0); r.Allowed || r.Remaining != 0 {
+				t.Fatalf("another daemon, asking Redis: %+v; want nothing left", r)
+			}
+		})
+	}
+}
