@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"math"
+	"os"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -204,20 +205,42 @@ func planFor(r *Rule, pv *planValue) (*planLimit, error) {
 	return &planLimit{limit: lim}, nil
 }
 
-// LoadDir reads every *.yaml file of dir, in name order, as one rule set: rules from all
-// files (a name used twice is an error naming both files), plans defined once at the top
-// level of any file and applied to the rules of all of them. A file may hold only plans.
-func LoadDir(dir string) (*Set, error) {
-	paths, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+// IsRulesFile reports whether a directory's file named name (its base name) is one of
+// its rules files: *.yaml or *.yml, not hidden (editors' swap files, a ConfigMap's ..data
+// entries).
+func IsRulesFile(name string) bool {
+	ext := filepath.Ext(name)
+	return (ext == ".yaml" || ext == ".yml") && !strings.HasPrefix(name, ".")
+}
+
+// RulesFiles lists dir's rules files (IsRulesFile), in name order.
+func RulesFiles(dir string) ([]string, error) {
+	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
-	// Skip hidden files: editors' swap files, and a ConfigMap's ..data entries.
-	paths = slices.DeleteFunc(paths, func(p string) bool { return strings.HasPrefix(filepath.Base(p), ".") })
-	if len(paths) == 0 {
-		return nil, fmt.Errorf("%s: no *.yaml rules files", dir)
+	var paths []string
+	for _, e := range ents {
+		if IsRulesFile(e.Name()) {
+			paths = append(paths, filepath.Join(dir, e.Name()))
+		}
 	}
 	sort.Strings(paths)
+	return paths, nil
+}
+
+// LoadDir reads every *.yaml and *.yml file of dir, in name order, as one rule set: rules
+// from all files (a name used twice is an error naming both files), plans defined once at
+// the top level of any file and applied to the rules of all of them. A file may hold only
+// plans. (*.yml was skipped without a word before: a rules file so named never applied.)
+func LoadDir(dir string) (*Set, error) {
+	paths, err := RulesFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	if len(paths) == 0 {
+		return nil, fmt.Errorf("%s: no *.yaml or *.yml rules files", dir)
+	}
 	var errs Errors
 	var all []*Rule
 	plans := map[string]*topPlan{}

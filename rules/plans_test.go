@@ -86,8 +86,14 @@ func TestLoadDir(t *testing.T) {
 	if set, err := Load(dir); err != nil || set.Version != v {
 		t.Fatalf("same files, different version: %v", err)
 	}
-	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "no *.yaml") {
+	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "no *.yaml or *.yml") {
 		t.Fatalf("empty dir: %v", err)
+	}
+	// *.yml files are rules files too, in name order with the others; hidden ones are not.
+	write("c.yml", "rules:\n  - name: c\n    key: api_key\n    limit: { requests: 2, per: 1m }\n")
+	write(".c.yml", "this is not yaml: [")
+	if set, err := Load(dir); err != nil || len(set.Rules) != 3 || set.Rules[2].Name != "c" || set.Version == v {
+		t.Fatalf("with c.yml: %v %+v", err, set)
 	}
 }
 

@@ -372,6 +372,20 @@ func TestE2EConfigDir(t *testing.T) {
 	if r := c.check(2, 0, "ip=1.2.3.4"); r.Rule != "per-ip" || r.Limit != 9 {
 		t.Fatalf("a new file's rule: %+v", r)
 	}
+	// A *.yml file is a rules file too (it was skipped without a word: its rules never
+	// applied), and its edits reload them.
+	v = rulesVersion(t, base)
+	writeFile(t, dir, "keys.yml", "rules:\n  - name: per-key\n    key: api_key\n    limit: { requests: 7, per: 1m }\n")
+	waitReload(t, base, v)
+	if r := c.check(3, 0, "api_key=k"); r.Rule != "per-key" || r.Limit != 7 {
+		t.Fatalf("a *.yml file's rule: %+v", r)
+	}
+	v = rulesVersion(t, base)
+	writeFile(t, dir, "keys.yml", "rules:\n  - name: per-key\n    key: api_key\n    limit: { requests: 6, per: 1m }\n")
+	waitReload(t, base, v)
+	if r := c.check(4, 0, "api_key=k"); r.Limit != 6 {
+		t.Fatalf("a *.yml file's edit: %+v", r)
+	}
 }
 
 // Daemons side by side with the default admin address (blue/green on one host, or a

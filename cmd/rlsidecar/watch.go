@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/fsnotify/fsnotify"
+
+	"github.com/rlsidecar/rlsidecar/rules"
 )
 
 // watchConfig calls onChange, debounced, whenever the rules file at path may have
@@ -19,7 +21,7 @@ import (
 // would lose after the first change. The directories are the file's, and those of every
 // symlink on the way to what it names (etc/rules.yaml -> /srv/rules/rules.yaml: /srv/rules
 // too), found again after each change, since a change may point a link elsewhere; for
-// --config DIR, the directory and the targets of its *.yaml links.
+// --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
 func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) (kick func(), err error) {
 	if abs, err := filepath.Abs(path); err == nil {
 		path = abs // events name absolute paths, as configDirs does
@@ -182,7 +184,7 @@ func idOf(d string) (dirID, bool) {
 // relevant reports whether a change to name, in a watched directory, may change the
 // rules at path: name is on the way from path to the rules (the file, a link, a link's
 // target, or a directory on the way, as a ConfigMap's ..data), or, for --config DIR, one
-// of its *.yaml. Any other file of those directories (a log the daemon writes beside its
+// of its rules files (*.yaml, *.yml). Any other file of those directories (a log the daemon writes beside its
 // rules, an editor's swap file) is not: reloading on it wasted a parse, and a log of
 // reload errors in the rules' directory reloaded itself forever.
 func relevant(name, path string, names []string) bool {
@@ -192,14 +194,14 @@ func relevant(name, path string, names []string) bool {
 		}
 	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
-		return filepath.Dir(name) == filepath.Clean(path) && filepath.Ext(name) == ".yaml"
+		return filepath.Dir(name) == filepath.Clean(path) && rules.IsRulesFile(filepath.Base(name))
 	}
 	return false
 }
 
 // configDirs returns the directories the rules at path depend on: path's own (path
 // itself for a directory), and the directory of each symlink's target on the way from
-// path, or from a directory's *.yaml, to a file; the directory a link chain ends in, its
+// path, or from a directory's rules files, to a file; the directory a link chain ends in, its
 // parents' links resolved, too. Missing files are skipped: the next change finds them.
 // names are the paths on the way: path (or each *.yaml), every link and target.
 func configDirs(path string) (dirs, names []string) {
@@ -254,7 +256,7 @@ func configDirs(path string) (dirs, names []string) {
 	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		add(path) // --config DIR: its files come and go
-		files, _ := filepath.Glob(filepath.Join(path, "*.yaml"))
+		files, _ := rules.RulesFiles(path)
 		for _, f := range files {
 			follow(f)
 		}
