@@ -82,47 +82,60 @@ local function put_header(buf, n, fix, w16)
   end
 end
 
--- put_attrs appends attrs: an array of {name, value} pairs in its order; a map sorted by
--- name, so equal maps give equal bytes. It returns the number of attributes, or nil and
--- an error naming the bad entry (the caller then sends nothing).
+-- put_attrs appends attrs: an array of {name, value} pairs in its order, then its
+-- name = value fields sorted by name (so equal maps give equal bytes). A table may hold
+-- both: default_attrs() returns pairs, and `a.user = x` on it adds a field, which was
+-- dropped without a word before (the rule keyed on user never applied); a field wins
+-- over a pair of the same name. It returns the number of attributes, or nil and an
+-- error naming the bad entry (the caller then sends nothing).
 local function put_attrs(buf, attrs)
   if type(attrs) ~= "table" then
     return nil, "attrs must be a table, not a " .. type(attrs)
   end
-  if attrs[1] ~= nil then
-    local n = #attrs
-    for i = 1, n do
-      local p = attrs[i]
-      if type(p) ~= "table" or type(p[1]) ~= "string" or type(p[2]) ~= "string" then
-        return nil, "attrs[" .. i .. "] must be a {name, value} pair of strings"
+  local npairs = #attrs
+  for i = 1, npairs do
+    local p = attrs[i]
+    if type(p) ~= "table" or type(p[1]) ~= "string" or type(p[2]) ~= "string" then
+      return nil, "attrs[" .. i .. "] must be a {name, value} pair of strings"
+    end
+  end
+  local names
+  for k, v in pairs(attrs) do
+    if type(k) == "number" and k >= 1 and k <= npairs and k % 1 == 0 then
+      -- a pair, checked above
+    elseif type(k) ~= "string" then
+      return nil, "attribute names must be strings, not " .. type(k)
+    elseif type(v) ~= "string" then
+      return nil, "attribute " .. k .. " must be a string, not " .. type(v)
+    else
+      names = names or {}
+      names[#names + 1] = k
+    end
+  end
+  local n = npairs + (names and #names or 0)
+  if names then
+    sort(names)
+    for i = 1, npairs do
+      if attrs[attrs[i][1]] ~= nil then
+        n = n - 1 -- a field of the same name replaces the pair
       end
     end
-    put_str(buf, "attrs")
-    put_header(buf, n, 0x80, "\222")
-    for i = 1, n do
-      put_str(buf, attrs[i][1]); put_str(buf, attrs[i][2])
-    end
-    return n
   end
-  local names = {}
-  for k, v in pairs(attrs) do
-    if type(k) ~= "string" then
-      return nil, "attribute names must be strings, not " .. type(k)
-    end
-    if type(v) ~= "string" then
-      return nil, "attribute " .. k .. " must be a string, not " .. type(v)
-    end
-    names[#names + 1] = k
-  end
-  local n = #names
   if n == 0 then
     return 0
   end
-  sort(names)
   put_str(buf, "attrs")
   put_header(buf, n, 0x80, "\222")
-  for i = 1, n do
-    put_str(buf, names[i]); put_str(buf, attrs[names[i]])
+  for i = 1, npairs do
+    local p = attrs[i]
+    if not names or attrs[p[1]] == nil then
+      put_str(buf, p[1]); put_str(buf, p[2])
+    end
+  end
+  if names then
+    for i = 1, #names do
+      put_str(buf, names[i]); put_str(buf, attrs[names[i]])
+    end
   end
   return n
 end

@@ -169,6 +169,14 @@ do
   local f = codec.encode_request({ id = 70000, op = "check", attrs = many, cost = 300 })
   local r = codec.decode_body(f:sub(5))
   check(r and r.id == 70000 and r.cost == 300 and r.attrs.k40 == string.rep("v", 400), "map16, str16 and uint32 round trip")
+  -- Pairs and fields in one table (default_attrs() with `a.user = ...` added): the pairs
+  -- in order, then the fields by name; a field replaces a pair of its name.
+  local mixed = { { "ip", "1.2.3.4" }, { "method", "GET" }, user = "u", method = "POST" }
+  local c = codec.encode_request({ id = 9, op = "check", attrs = mixed })
+  local want = codec.encode_request({ id = 9, op = "check", attrs = { { "ip", "1.2.3.4" }, { "method", "POST" }, { "user", "u" } } })
+  local mr = codec.decode_body(c:sub(5))
+  check(mr and mr.attrs.user == "u" and mr.attrs.method == "POST" and mr.attrs.ip == "1.2.3.4", "pairs and fields: %s", hex(c))
+  check(c == want, "pairs and fields: three attributes, the pair replaced: %s, want %s", hex(c), hex(want))
 end
 
 -- Bad input: a clear error, nothing encoded.
@@ -176,6 +184,8 @@ for _, c in ipairs({
   { { id = 1, op = "check", attrs = { user = 5 } }, "attribute user must be a string" },
   { { id = 1, op = "check", attrs = { [1] = { "user" } } }, "attrs[1] must be a {name, value} pair" },
   { { id = 1, op = "check", attrs = "user=alice" }, "attrs must be a table" },
+  { { id = 1, op = "check", attrs = { { "ip", "1.2.3.4" }, user = 5 } }, "attribute user must be a string" },
+  { { id = 1, op = "check", attrs = { { "ip", "1.2.3.4" }, [5] = "x" } }, "attribute names must be strings" },
   { { id = 1, op = "check", cost = -1 }, '"cost" must be a non-negative integer' },
   { { id = 1, op = "check", cost = 1.5 }, '"cost" must be a non-negative integer' },
   { { id = 1, op = "" }, '"op" must be a non-empty string' },
