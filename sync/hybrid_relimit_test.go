@@ -3,6 +3,7 @@ package sync
 import (
 	"context"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -61,5 +62,48 @@ func TestHybridLoweredLimitDropsAllowance(t *testing.T) {
 				t.Fatalf("another daemon, asking Redis: %+v; want nothing left", r)
 			}
 		})
+	}
+}
+
+// A reload that changes a key's limit while a sync of it is on its way: the sync's
+// answer, a view of the old limit, gives no allowance under the new one.
+func TestHybridLimitChangedDuringSync(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
+	if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	old, lowered := mustLimit(t, localbucket.TokenBucket, 100, time.Hour), mustLimit(t, localbucket.TokenBucket, 5, time.Hour)
+	const key = "rl:relimit:{in-flight}"
+	now := time.Now().UnixNano()
+	for i := 0; i < 4; i++ {
+		now += int64(time.Millisecond)
+		if !take(h, now, key, old, 1).Allowed {
+			t.Fatalf("request %d of 100 refused", i+1)
+		}
+		if i == 0 {
+			syncAll(t, now, h)
+		}
+	}
+	items := h.collect(now, math.MaxInt, false) // the sync sets out under the old limit
+	if len(items) != 1 {
+		t.Fatalf("%d keys to sync, want 1", len(items))
+	}
+	// The reload's first check of the key finds its sync on the way: it waits.
+	if ok, wait := h.TryTake(now, []HybridOp{{Key: []byte(key), Limit: lowered, Cost: 1}}); ok || !wait {
+		t.Fatalf("TryTake under the new limit, the key's sync on its way: ok %v, wait %v; want a wait", ok, wait)
+	}
+	if err := h.settle(ctx, items, false); err != nil { // the answer arrives
+		t.Fatal(err)
+	}
+	n := 0
+	for i := 0; i < 10; i++ {
+		if take(h, now, key, lowered, 1).Allowed {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("after the limit was lowered to 5 with 4 used: %d admitted, want 1", n)
 	}
 }
