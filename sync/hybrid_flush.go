@@ -121,6 +121,15 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	e.grantWindow = v[4]
 	e.view = float64(v[5]) / 1000
 	e.synced = now
+	over := 0.0 // units reserved beyond the limit now in force (below)
+	relimited := *it.lim != *e.lim
+	if relimited {
+		// A reload (or another plan's request) changed the key's limit while this sync
+		// was on its way: Redis judged it by the old one. The view moves as relimit
+		// moves it.
+		e.view += float64(e.lim.Capacity()) - float64(it.lim.Capacity())
+		over = min(0, e.view)
+	}
 	credit := math.Floor(max(0, e.view) / n)
 	if v[6] != 0 {
 		e.flags |= flagShared
@@ -129,15 +138,13 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		e.flags &^= flagShared
 	}
 	// What was admitted while the sync was on its way counts against the new allowance.
-	e.allowance = float64(e.grant) + credit - float64(e.pending)
+	e.allowance = float64(e.grant) + credit - float64(e.pending) + over
 	e.lastDemand = 0
 	if it.mode == modeShare {
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
 	}
-	if *it.lim != *e.lim {
-		// A reload changed the key's limit while this sync was on its way: Redis judged
-		// it by the old one (relimit). Its grant and token stand, to be settled.
-		e.forgetView()
+	if relimited && (it.lim.Algorithm() != e.lim.Algorithm() || it.lim.Window() != e.lim.Window()) {
+		e.forgetView() // no view of it holds (relimit)
 	}
 	if e.flags&flagGone == 0 && (e.grant > 0 || e.needsSync()) {
 		sh.markDirty(e)

@@ -107,3 +107,54 @@ func TestHybridLimitChangedDuringSync(t *testing.T) {
 		t.Fatalf("after the limit was lowered to 5 with 4 used: %d admitted, want 1", n)
 	}
 }
+
+// One client key under two limits at once (one IP shared by clients of two plans):
+// each request is judged by its own limit against the one count, as the exact mode
+// judges it, and a change of limit between requests costs no exact sync.
+func TestHybridTwoLimitsOneKey(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
+		t.Run(alg.String(), func(t *testing.T) {
+			h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
+			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			small, large := mustLimit(t, alg, 1000, time.Hour), mustLimit(t, alg, 2000, time.Hour)
+			key := fmt.Sprintf("rl:twolimits:{%v}", alg)
+			now := time.Now().UnixNano()
+			take(h, now, key, small, 1)
+			syncAll(t, now, h) // the key's first view
+			calls0 := evalCalls(t, rdb)
+			var n [2]int
+			for i := 0; i < 40; i++ {
+				now += int64(time.Millisecond)
+				if take(h, now, key, []*localbucket.Limit{small, large}[i%2], 1).Allowed {
+					n[i%2]++
+				}
+			}
+			if n != [2]int{20, 20} {
+				t.Fatalf("admitted %v under 1000 and 2000 an hour, 1 used: want all 40", n)
+			}
+			if c := evalCalls(t, rdb) - calls0; c > 0 {
+				t.Fatalf("%d script calls for 40 requests alternating between two limits with room: want none (decided locally)", c)
+			}
+			// Near the limits: the smaller one's requests refused once the count reaches 10,
+			// the larger one's admitted up to 20, as one count judged by each.
+			small, large = mustLimit(t, alg, 10, time.Hour), mustLimit(t, alg, 20, time.Hour)
+			key += "-near"
+			count := 0
+			for i := 0; i < 40; i++ {
+				now += int64(time.Millisecond)
+				lim := []*localbucket.Limit{small, large}[i%2]
+				want := uint64(count) < lim.Requests()
+				if got := take(h, now, key, lim, 1).Allowed; got != want {
+					t.Fatalf("request %d (limit %d, %d admitted before): allowed %v, want %v", i, lim.Requests(), count, got, want)
+				}
+				if want {
+					count++
+				}
+			}
+		})
+	}
+}

@@ -54,16 +54,35 @@ type hentry struct {
 	lag        uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
 }
 
-// relimit makes lim (interned) e's limit: a reload changed it. What e may admit
-// locally was sized by the old limit (its credit a share of a view of the old capacity,
-// its grant reserved under it), and its view was of the old limit: both are dropped, so
-// the key's next check asks Redis under the new limit (an exact sync, which also gives
-// the unused grant back, as every sync does). Kept, 100 an hour lowered to 5 after 4
-// used admitted 10 more on one daemon. A raised limit is treated alike: one exact sync
-// a key, as after a restart, rather than a second set of rules for what stays safe.
-func (e *hentry) relimit(lim *localbucket.Limit) {
+// relimit makes lim (interned) e's limit: a reload changed it, or a plan's (the same
+// client key under another plan: one IP shared by clients of two plans). A key's limit
+// changes only in its requests and burst (its Redis key names its algorithm and window:
+// limiter.AppendFingerprint), and Redis keeps its count under the new limit: the view
+// moves by the change in capacity, and what e may admit locally with it. Its credit
+// was a share of the old view (floor(view/n)): the share of the new one replaces it.
+// A view below zero (more reserved than the new capacity) takes its excess off e's
+// grant. Kept as it was, 100 an hour lowered to 5 after 4 used admitted 10 more on one
+// daemon (its credit of 48). Dropping the view instead (an exact sync at the next
+// check) refused concurrent requests under two plans' limits: each one's change dropped
+// the view the other's sync had just brought.
+func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
+	old := e.lim
 	e.lim = lim
-	e.forgetView()
+	if old.Algorithm() != lim.Algorithm() || old.Window() != lim.Window() {
+		e.forgetView() // not a key's change (see above); if it were, no view of it holds
+		return
+	}
+	d := float64(lim.Capacity()) - float64(old.Capacity())
+	v := e.view + d
+	if e.flags&flagShared == 0 && e.synced > 0 {
+		e.allowance -= math.Floor(max(0, e.view)/n) - math.Floor(max(0, v)/n)
+	}
+	if v < 0 && e.view >= 0 {
+		e.allowance += v
+	} else if v < 0 {
+		e.allowance += min(0, d)
+	}
+	e.view = v
 }
 
 // forgetView drops e's view and what it may admit on it: the key's next check makes an

@@ -216,7 +216,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			default:
 			}
 		} else if *e.lim != *op.Limit {
-			e.relimit(h.limits.intern(op.Limit))
+			e.relimit(h.limits.intern(op.Limit), n)
 		}
 		op.upTo = op.Cost
 		for j, prev := range ents {
