@@ -46,7 +46,7 @@ type syncItem struct {
 	token       uint32 // this sync's
 	demand      uint32 // what the script sizes the grant by
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
-	age         uint32 // ms since the key's last check: what it admitted beyond its grant is charged from then
+	age         uint32 // ms since the key's last admission: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
@@ -60,11 +60,12 @@ type syncItem struct {
 // travels, and no other sync of it starts until this one is applied.
 //
 // The units it admitted beyond its grant (credit) are charged in Redis as of the key's
-// last check (age), not as of the sync: on a full token bucket, charging them when the
-// sync arrives lost the refill of the time in between, and a client whose requests
-// rotate over the daemons lost the request that came just as its refill did. The last
-// check is no earlier than the last admission, so the charge is never earlier than the
-// exact mode's: no refill is credited that the exact mode would not have.
+// last admission (age), not as of the sync: on a full token bucket, charging them when
+// the sync arrives lost the refill of the time in between, and a client whose requests
+// rotate over the daemons lost the request that came just as its refill did; a window
+// counts them in the window they were admitted in. The last admission is no earlier
+// than any unit's, so the charge is never earlier than the exact mode's: no refill is
+// credited that the exact mode would not have.
 func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand uint32) syncItem {
 	if e.token == 0 {
 		// The entry's first sync: it names a token of its own, never sent, as the one it

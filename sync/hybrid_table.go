@@ -43,7 +43,7 @@ type hentry struct {
 	// rounded down; vr the previous window's count.
 	vt         float32
 	vr         uint32
-	seen       uint32 // last check, ms of the daemon clock, wrapping (seenMs)
+	seen       uint32 // last admission while units wait to be synced, else last check; ms of the daemon clock, wrapping (seenMs)
 	token      uint32 // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant      uint32 // the units reserved for this daemon at the last sync
 	demand     uint32 // offered since the last sync was sent
@@ -340,7 +340,7 @@ func (h *Hybrid) evict(sh *hshard) {
 }
 
 // seenMs is the daemon clock now (ns) in milliseconds, wrapping every 49 days, as
-// entries record their last check: 4 bytes a key, fine enough to date what a key
+// entries record their last check or admission (hentry.seen): 4 bytes a key, fine enough to date what a key
 // admitted (syncItem.age), and compared only by differences (seenMs(now)-e.seen), which
 // wrap correctly.
 func seenMs(now int64) uint32 { return uint32(now / int64(time.Millisecond)) }

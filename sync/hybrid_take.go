@@ -225,7 +225,13 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 		}
 		ents = append(ents, e)
-		e.seen = seenMs(now)
+		if e.pending == 0 {
+			// The last check, while nothing waits to be synced; then the last admission
+			// (below): what the key admitted is charged as of then (syncItem.age). A
+			// question or a refusal after an admission moved it before: a unit admitted
+			// just before a fixed window ended was charged to the next one.
+			e.seen = seenMs(now)
+		}
 		// With a breaker per master (no single one), a key whose master is stale (its
 		// breaker open, or no answer for StaleAfter) is decided by its rule's policy, as
 		// every key is on a standalone Redis (the caller asks Healthy first).
@@ -399,6 +405,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			if ok && op.Result.Allowed {
 				e.allowance -= float64(cost)
 				e.pending += cost
+				e.seen = seenMs(now)
 				sh.markDirty(e)
 				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
 				op.Result.Reset = h.resetOf(e, now)

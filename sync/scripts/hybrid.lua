@@ -55,9 +55,9 @@
 -- key 9 values:
 -- limit (its index among the limits, from 1), used, prev_grant, grant_window (the window
 -- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
--- age_us (how long ago, by the daemon's clock, the key was last checked: units used
--- beyond the grant are charged to a token bucket as of then, as the exact mode would
--- have charged them).
+-- age_us (how long ago, by the daemon's clock, the key last admitted a unit not yet
+-- synced: units used beyond the grant are charged to a token bucket as of then, and to
+-- the window of then, as the exact mode would have charged them).
 -- On a cluster one call carries every key of one master, whatever their slots: old-style
 -- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
@@ -304,13 +304,21 @@ for i = 1, nkeys do
         t = start
       end
       -- Settle against the window the grant was taken from; if that window is gone, only
-      -- what exceeded the grant still counts (in the current window).
+      -- what exceeded the grant still counts: in the window it was admitted in, the last
+      -- of it age ago (at the latest), if that window still counts. Charged to the
+      -- current window whenever admitted, a unit admitted 35 ms before a fixed window
+      -- ended and synced after took a unit of the next window.
       if grant_window == t then
         n = math.max(0, n + settle)
       elseif alg == 1 and grant_window == t - window then
         p = math.max(0, p + settle)
       elseif settle > 0 then
-        n = n + settle
+        local at = now - age
+        if at >= t then
+          n = n + settle
+        elseif alg == 1 and at >= t - window then
+          p = p + settle
+        end
       end
       wstart = t
       if alg == 2 then
