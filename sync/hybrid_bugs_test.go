@@ -692,7 +692,9 @@ func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
 		t.Fatalf("per-user, new here, in a check per-ip refused for good: %+v; want unasked", ops[0].Result)
 	}
 
-	// A shadow rule on a new key beside a rule that admits: unasked, the check allowed.
+	// A shadow rule on a new key beside a rule that admits: judged as a fresh key (a
+	// shadow never waits for Redis; what it admits is counted at the next sync), not
+	// unasked, which the protocol keeps for refused checks.
 	ops = []HybridOp{
 		{Key: []byte("rl:user:{" + u + "}"), Limit: lim10, Cost: 1},
 		{Key: []byte("rl:shadow:{" + u + "}"), Limit: lim10, Cost: 0, Shadow: true},
@@ -700,8 +702,8 @@ func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
 	if !h.Take(now, ops) || !ops[0].Result.Allowed || ops[0].Unasked {
 		t.Fatalf("per-user: %+v unasked=%v; want allowed", ops[0].Result, ops[0].Unasked)
 	}
-	if !ops[1].Unasked {
-		t.Fatalf("a shadow rule's new key: %+v; want unasked, not refused", ops[1].Result)
+	if r := ops[1].Result; ops[1].Unasked || !r.Allowed || r.Remaining != 10 {
+		t.Fatalf("a shadow rule's new key: %+v unasked=%v; want allowed, 10 left", r, ops[1].Unasked)
 	}
 
 	// A shadow rule's new key in a check that asks Redis anyway (a question on a new

@@ -125,7 +125,7 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && !h.stale(e, now) {
-			op.Result, _, _, _ = h.decide(e, now, 0, n, false, false, false)
+			op.Result, _, _, _ = h.decide(e, now, 0, n, false, false, false, op.Shadow)
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
 		}
@@ -243,7 +243,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			continue
 		}
 		var f bool
-		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp)
+		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
 		if d := op.upTo - op.Cost; d > 0 && !op.Result.Allowed {
 			// Refused: what is left for it is what the ops before it on its key leave,
 			// as the exact mode reports it (3 per hour, 1 left, the same descriptor twice:
@@ -272,7 +272,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				for _, later := range ents[i+1:] {
 					if later == ents[i] {
 						op.room = false
-						if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false); r.Allowed {
+						if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
 							op.Result, op.fetched, op.Unreachable = r, false, false
 						}
 						break
@@ -390,7 +390,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 		}
 		for i := range ops {
-			if op := &ops[i]; op.blind && (op.Shadow || decided) {
+			if op := &ops[i]; op.blind && !op.Shadow && decided {
 				op.Unasked = true
 			}
 		}
@@ -599,7 +599,7 @@ func (h *Hybrid) stale(e *hentry, now int64) bool {
 	return e.synced == 0 || now-e.synced > 2*int64(h.interval)
 }
 
-func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp bool) (r localbucket.Result, fetch, room, unreachable bool) {
+func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp, shadow bool) (r localbucket.Result, fetch, room, unreachable bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
 	proj := project(e, now)
@@ -615,16 +615,29 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := h.stale(e, now)
-	if cost == 0 {
-		// A question, not a request: would one pass? By a fresh view, the key's room,
-		// whether or not this daemon holds a unit of it; without one, Redis (an exact
-		// sync that reserves nothing). Not this daemon's credit, a key's first unit on
-		// it included: that would answer "room" on a key other daemons have spent.
-		if !stale && proj-unseen >= 1 {
+	switch {
+	case shadow:
+		// A shadow rule's op decides nothing and never waits for Redis: it is judged by
+		// the key's room, whatever this daemon holds of it (what it admits beyond its
+		// grant is counted at the next sync, as credit is), by the view it has, or, on a
+		// key new here, as a fresh one. By the allowance, as a rule that enforces is, a
+		// dry run reported refusals of requests its limit admits (3 per 5 s, its third
+		// request, retry 97 ms), and left a key with no view unasked in an allowed check.
+		if float64(r.Remaining) >= need {
 			r.Allowed = true
 			return r, false, false, false
 		}
-	} else if h.allowance(e, now, n) >= need {
+	case cost == 0:
+		// A question, not a request: would one pass? By a fresh view, the key's room and
+		// what this daemon holds of it (its grant: refused with it held, a question said
+		// no where a request passed); without one, Redis (an exact sync that reserves
+		// nothing). Not this daemon's credit, a key's first unit on it included: that
+		// would answer "room" on a key other daemons have spent.
+		if !stale && r.Remaining >= 1 {
+			r.Allowed = true
+			return r, false, false, false
+		}
+	case h.allowance(e, now, n) >= need:
 		r.Allowed = true
 		return r, false, false, false
 	}
