@@ -132,11 +132,16 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		over = min(0, e.view)
 	}
 	credit := math.Floor(max(0, e.view) / n)
-	if v[6] != 0 {
+	if v[6]&1 != 0 {
 		e.flags |= flagShared
 		credit = 0
 	} else {
 		e.flags &^= flagShared
+	}
+	if v[6]&2 != 0 {
+		e.flags |= flagHeld
+	} else {
+		e.flags &^= flagHeld
 	}
 	// What was admitted while the sync was on its way counts against the new allowance.
 	e.allowance = float64(e.grant) + credit - float64(e.pending) + over

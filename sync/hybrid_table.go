@@ -269,6 +269,10 @@ const (
 	// next sync of the key (the record's token tells Redis it is a resend) gives them
 	// back, so the key is synced, and kept, until one succeeds.
 	flagUnsettled
+	// flagHeld: at the last sync other daemons held units of the key's window reserved
+	// (their grants), which come back at their next syncs unless used: a refusal for
+	// want of room is retried after this daemon's next sync, not at the window's end.
+	flagHeld
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

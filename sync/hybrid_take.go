@@ -672,6 +672,11 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	retry := int64(0)
 	switch alg := lim.Algorithm(); {
 	case proj >= need:
+	case alg != localbucket.TokenBucket && e.flags&flagHeld != 0 && e.synced > 0:
+		// Units of the window are reserved by other daemons, and come back at their
+		// next syncs unless used: after this daemon's next sync (nextView), not at the
+		// window's end. Told the window's end, a client spread over 3 daemons waited 39 s
+		// for units free again within half a second.
 	case alg == localbucket.SlidingWindow && e.synced > 0:
 		// When the estimate leaves room for need more units beside those admitted here
 		// and not in Redis yet: at the previous window's pace, then at this one's. (The
