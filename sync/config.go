@@ -194,9 +194,38 @@ func redactURL(s string) string {
 			}
 			seg = seg[at:]
 		}
-		b.WriteString(seg)
+		b.WriteString(redactQuery(seg))
 		s = s[end:]
 	}
+}
+
+// redactQuery hides the values of the query parameters of seg (the rest of a URL) that
+// name a password or a secret (password=, pass=, pwd=, secret=, token=, any case): a
+// URL given as redis://host/0?password=s3cret is refused (go-redis takes no such
+// option), and the error quoted it whole.
+func redactQuery(seg string) string {
+	q := strings.IndexByte(seg, '?')
+	if q < 0 {
+		return seg
+	}
+	var b strings.Builder
+	b.WriteString(seg[:q+1])
+	for i, part := range strings.Split(seg[q+1:], "&") {
+		if i > 0 {
+			b.WriteByte('&')
+		}
+		name, _, ok := strings.Cut(part, "=")
+		switch strings.ToLower(name) {
+		case "password", "pass", "pwd", "secret", "token", "auth", "requirepass":
+			if ok {
+				b.WriteString(name)
+				b.WriteString("=xxxxx")
+				continue
+			}
+		}
+		b.WriteString(part)
+	}
+	return b.String()
 }
 
 func isPort(s string) bool {

@@ -325,6 +325,9 @@ func TestRedactURL(t *testing.T) {
 		"redis://u:s3cret@h1:1,redis://:s3cret@h2:2": "redis://u:xxxxx@h1:1,redis://:xxxxx@h2:2",
 		"redis://:s3c,ret@h1:1,h2:2":                 "redis://:xxxxx@h1:1,h2:2",
 		"h1:7000,h2:7001":                            "h1:7000,h2:7001",
+		"redis://h:1/0?password=s3cret":              "redis://h:1/0?password=xxxxx",
+		"redis://h:1/0?db=2&Password=s3cret&x=1":     "redis://h:1/0?db=2&Password=xxxxx&x=1",
+		"redis://:s3cret@h:1/0?pwd=s3cret#f":         "redis://:xxxxx@h:1/0?pwd=xxxxx",
 	} {
 		if got := Redact(in); got != want || strings.Contains(got, "s3cret") {
 			t.Errorf("Redact(%q) = %q, want %q", in, got, want)
@@ -343,6 +346,7 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{Cluster: []string{"redis://:S3cr3tPW@127.0.0.1:7000,redis://:S3cr3tPW@127.0.0.1:7001"}},
 		{Cluster: []string{"127.0.0.1:7000,redis:"}},
 		{Cluster: []string{"127.0.0.1:"}},
+		{URL: "redis://127.0.0.1:6380/0?password=S3cr3tPW"}, // go-redis takes no such option
 	} {
 		rdb, err := Open(c)
 		if err == nil {

@@ -132,6 +132,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer signal.Stop(sigs)
+	// A log line written to a pipe whose reader has gone (`serve 2>&1 | logger`, a
+	// supervisor's log process that died) fails with EPIPE instead of killing the daemon
+	// by SIGPIPE, Go's default for standard output and error: before, its next log line
+	// (a reload's, a Redis error's) ended it with status 141, no drain, its socket file
+	// left behind.
+	signal.Ignore(syscall.SIGPIPE)
 	// Sockets passed by systemd (LISTEN_FDS) replace --socket and, the one named "envoy"
 	// (rlsidecar-envoy.socket), --envoy-rls; read them once, first.
 	activated, err := activatedListeners()
