@@ -559,11 +559,20 @@ func (m *Metrics) writeCustom(w io.Writer) {
 			break
 		}
 		for _, it := range m.byName[name].top.list() {
+			// The count the sketch guarantees (Count overstates it by up to Err): a client
+			// refused once, that took the place of another, is 1, not the count it
+			// inherited (10,000 after a flood of clients refused once each). Such a client
+			// (a count of 1 that displaced another) is left out: in a flood of one-off
+			// refusals each scrape found new ones, 10 series a scrape, without bound.
+			n := it.Count - it.Err
+			if it.Err > 0 && n < 2 {
+				continue
+			}
 			client := it.Client
 			if m.topLabels == TopHashed {
 				client = ClientLabel(m.topSalt, client)
 			}
-			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, client, it.Count))
+			tops = append(tops, fmt.Sprintf("rlsidecar_top_rejected{rule=%q,client=%q} %d\n", name, client, n))
 		}
 	}
 	leases := m.leases
@@ -595,7 +604,7 @@ func (m *Metrics) writeCustom(w io.Writer) {
 			fmt.Fprintf(w, "rlsidecar_banned_keys{rule=%q} %d\n", r, byRule[r])
 		}
 	}
-	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
+	fmt.Fprintf(w, "# HELP rlsidecar_top_rejected The clients most often rejected per rule (a bounded sketch: top K only), at least this many times each (a client refused once after the sketch filled is left out); client is a keyed hash unless --top-labels raw, matched to the key on /top.\n# TYPE rlsidecar_top_rejected gauge\n%s", strings.Join(tops, ""))
 }
 
 // closeReason is why the daemon closed a connection itself (a client's own close is not

@@ -4,7 +4,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -319,5 +321,42 @@ rules:
 		if top := m.Top(); len(top["later"]) != 0 || len(top["first"]) != 1 {
 			t.Errorf("tallied %v: /top %+v, want first's client only", tallied, top)
 		}
+	}
+}
+
+// rlsidecar_top_rejected says how often a client was at least refused, not the count
+// the sketch's newcomer inherited: after a flood of clients refused once each, a
+// client refused once was exported as 10,000. Such one-off newcomers are left out, so a
+// flood adds no series per scrape; a client refused again and again is kept, with what
+// it is guaranteed to have.
+func TestTopRejectedGuaranteedCounts(t *testing.T) {
+	m := NewMetrics("test", 3)
+	m.SetTopLabels(TopRaw, nil)
+	m.SetRules(rules.Default(), time.Now())
+	refuse := func(client string, n int) {
+		d := &limiter.Decision{Deciding: 0, Results: []limiter.Result{{Name: "acme", Key: []byte("~inline/token_bucket/1/1000/1:{" + client + "}")}}}
+		for i := 0; i < n; i++ {
+			m.Record(d)
+		}
+	}
+	refuse("user=heavy", 600) // above total/k: always kept
+	for i := 0; i < 1000; i++ {
+		refuse(fmt.Sprintf("user=once%d", i), 1)
+	}
+	refuse("user=late", 1) // takes the smallest's place, inheriting its count
+	var buf bytes.Buffer
+	m.WritePrometheus(&buf)
+	var series []string
+	for _, line := range strings.Split(buf.String(), "\n") {
+		if strings.HasPrefix(line, "rlsidecar_top_rejected{") {
+			series = append(series, line)
+		}
+	}
+	want := []string{`rlsidecar_top_rejected{rule="~inline",client="user=heavy"} 600`}
+	if !slices.Equal(series, want) {
+		t.Fatalf("series %q, want %q", series, want)
+	}
+	if top := m.Top()["~inline"]; len(top) != 3 || top[0].Client != "user=heavy" {
+		t.Fatalf("/top keeps the sketch whole: %+v", top)
 	}
 }
