@@ -395,6 +395,28 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 		}
 	}
+	if !ok {
+		// Refused by an op for good (a limit reached, a cost no key holds, a hot key
+		// waiting for its grant): an op whose view had room, refused only for want of
+		// allowance, fit; it is reported as the exact mode reports an op that fit in a
+		// refused check: allowed, its key's state as a question sees it. Before, it said
+		// refused with a retry of one interval (a rule that admits, beside an inline
+		// limit that refused).
+		decider := false
+		for i := range ops {
+			if op := &ops[i]; !op.Result.Allowed && !op.Shadow && !op.room && !op.blind {
+				decider = true
+				break
+			}
+		}
+		for i := range ops {
+			if op := &ops[i]; decider && op.room && !op.Result.Allowed {
+				if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
+					op.Result, op.room, op.fetched, op.Unreachable = r, false, false, false
+				}
+			}
+		}
+	}
 	for i := range ops {
 		op := &ops[i]
 		e := ents[i]
@@ -500,13 +522,22 @@ func project(e *hentry, now int64) float64 {
 		if r := e.resetNs(); r > 0 && age >= r {
 			return c
 		}
-		// The previous window's share frees at its own pace, which the view does not
-		// tell (the limit's pace overstated it: one daemon admitted an 11th of 10 when
-		// the previous window had been empty). What Redis said of one more unit does:
-		// past it, one may fit, and an exact sync finds out.
-		if r := e.retryNs(); r > 0 && age >= r {
-			v = max(v, 1)
+		// The previous window's share frees at its own pace (the limit's pace overstated
+		// it: one daemon admitted an 11th of 10 when the previous window had been
+		// empty), which the view gives: its count and the window's phase (slide). The
+		// estimate at now, as the exact mode counts it. Before, the view stood still
+		// until Redis's retry for one unit had passed: a cost of 4 that the fallen share
+		// made room for was refused (retry 1 ms) until the next sync, and questions said
+		// 3 left where the exact mode said 4.
+		sv := e.slide()
+		est := 0.0
+		switch end := sv.start + sv.w; {
+		case now < end:
+			est = math.Floor(sv.p*min(1, float64(end-now)/float64(sv.w))) + sv.q
+		case now < end+sv.w:
+			est = math.Floor(sv.q * float64(end+sv.w-now) / float64(sv.w))
 		}
+		v = max(v, sv.r-est)
 	default:
 		if r := e.resetNs(); r > 0 && age >= r {
 			return c
@@ -553,11 +584,18 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 		base = max(0, e.resetNs()-(now-e.synced))
 	}
 	unseen := int64(e.pending) - int64(e.grant)
+	lim := e.lim
+	w := int64(lim.Window())
+	if unseen < 0 && lim.Algorithm() == localbucket.TokenBucket {
+		// The view counts this daemon's grant as spent; what it has not used goes back
+		// at the next sync, and the exact mode never counted it: the bucket is full that
+		// much sooner. (Counted, a key whose request another rule refused, after the
+		// exact sync that reserved its units, said 20 s to full where it was 5.)
+		return max(0, base+unseen*w/int64(lim.Requests()))
+	}
 	if unseen <= 0 {
 		return base
 	}
-	lim := e.lim
-	w := int64(lim.Window())
 	switch lim.Algorithm() {
 	case localbucket.TokenBucket:
 		return base + unseen*w/int64(lim.Requests())
