@@ -60,3 +60,36 @@ func TestHybridShadowJudgedByRoom(t *testing.T) {
 		})
 	}
 }
+
+// An op that fits in a check another op refused for good is reported as the exact mode
+// reports it: allowed, its key's state as a question sees it. Before, an op whose view
+// had room but whose daemon held no allowance for it said refused, retry one interval,
+// beside a cost no key can hold.
+func TestHybridOpThatFitsInRefusedCheck(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
+	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	small := mustLimit(t, localbucket.FixedWindow, 2, time.Hour)
+	key := fmt.Sprintf("rl:fits:{%d}", time.Now().UnixNano())
+	now := time.Now().UnixNano()
+	take(h, now, key, lim, 1) // credit
+	syncAll(t, now, h)        // a view: 9 left, credit 4
+	for i := 0; i < 4; i++ {
+		if !take(h, now, key, lim, 1).Allowed {
+			t.Fatalf("request %d on credit refused", i+2)
+		}
+	}
+	ops := []HybridOp{
+		{Key: []byte(key), Limit: lim, Cost: 1},
+		{Key: []byte(key + "-x"), Limit: small, Cost: 3}, // above its capacity: never
+	}
+	if h.Take(now, ops) {
+		t.Fatal("a cost of 3 on a limit of 2 allowed")
+	}
+	if !ops[1].Result.Impossible {
+		t.Fatalf("the small limit: %+v; want impossible", ops[1].Result)
+	}
+	if r := ops[0].Result; !r.Allowed || r.Remaining != 5 || r.RetryAfter != 0 {
+		t.Fatalf("the op that fits: %+v; want allowed, 5 left", r)
+	}
+}
