@@ -1481,10 +1481,5 @@ func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.R
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms
-// is never early.
-func ceilMs(d time.Duration) uint64 {
-	if d <= 0 {
-		return 0
-	}
-	return (uint64(d) + uint64(time.Millisecond) - 1) / uint64(time.Millisecond) // unsigned: no overflow near the longest duration, and a cheaper division
-}
+// is never early (limiter.CeilMs, which the deciding rule's choice compares by).
+func ceilMs(d time.Duration) uint64 { return limiter.CeilMs(d) }

@@ -878,7 +878,8 @@ func storeOf(m rules.Mode) storeID {
 
 // deciding chooses the deciding rule: when allowed, the non-shadow rule with the least
 // remaining; when rejected, the rejecting non-shadow rule with the longest retry-after
-// (one that can never pass counts as longest). Ties go to the first listed.
+// (one that can never pass counts as longest). Ties go to the first listed (retries
+// compared in whole milliseconds, as answered).
 func deciding(allowed bool, results []Result) int {
 	best := -1
 	for i := range results {
@@ -903,11 +904,23 @@ func deciding(allowed bool, results []Result) int {
 		if b.Impossible {
 			continue
 		}
-		if r.Impossible || r.RetryAfter > b.RetryAfter {
+		// Compared as the answer gives them, in whole milliseconds: a sliding window's
+		// retry a fraction of a millisecond longer than a fixed window's, both answered
+		// 893, decided over the first listed.
+		if r.Impossible || CeilMs(r.RetryAfter) > CeilMs(b.RetryAfter) {
 			best = i
 		}
 	}
 	return best
+}
+
+// CeilMs rounds a duration up to whole milliseconds, as the answers give durations, so
+// a client that waits retry_after_ms is never early.
+func CeilMs(d time.Duration) uint64 {
+	if d <= 0 {
+		return 0
+	}
+	return (uint64(d) + uint64(time.Millisecond) - 1) / uint64(time.Millisecond) // unsigned: no overflow near the longest duration, and a cheaper division
 }
 
 func (l *Limiter) inlineLimit(i int, il *Inline, out *localbucket.Limit) (rules.Mode, error) {

@@ -472,3 +472,22 @@ func TestReloadAlgorithmChangeResets(t *testing.T) {
 		})
 	}
 }
+
+// Refusals whose retries are the same in whole milliseconds, as answered, are decided
+// by the first listed (PROTOCOL.md: ties go to the first), not by a fraction of a
+// millisecond the client never sees: a fixed window's and a sliding window's ending at
+// the same instant both answered 893 ms, and the second decided.
+func TestDecidingTieInWholeMilliseconds(t *testing.T) {
+	results := []Result{
+		{Name: "a-fixed", RetryAfter: 892*time.Millisecond + 400*time.Microsecond},
+		{Name: "b-sliding", RetryAfter: 892*time.Millisecond + 900*time.Microsecond},
+		{Name: "c-shorter", RetryAfter: 500 * time.Millisecond},
+	}
+	if i := deciding(false, results); results[i].Name != "a-fixed" {
+		t.Fatalf("deciding %s; want a-fixed, the first of two answered 893 ms", results[i].Name)
+	}
+	results[1].RetryAfter = 893*time.Millisecond + time.Microsecond // 894 ms answered: longer
+	if i := deciding(false, results); results[i].Name != "b-sliding" {
+		t.Fatalf("deciding %s; want b-sliding, answered 894 ms", results[i].Name)
+	}
+}
