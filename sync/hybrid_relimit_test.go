@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -17,13 +19,9 @@ import (
 // syncs fell).
 func TestHybridLoweredLimitDropsAllowance(t *testing.T) {
 	rdb := standalone(t)
-	ctx := context.Background()
 	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
-			h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
-			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
-				t.Fatal(err)
-			}
+			h := liveHybrid(t, rdb, time.Hour)
 			old, lowered := mustLimit(t, alg, 100, time.Hour), mustLimit(t, alg, 5, time.Hour)
 			key := fmt.Sprintf("rl:relimit:{%v}", alg)
 			now := time.Now().UnixNano()
@@ -70,10 +68,7 @@ func TestHybridLoweredLimitDropsAllowance(t *testing.T) {
 func TestHybridLimitChangedDuringSync(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
-	if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	h := liveHybrid(t, rdb, time.Hour)
 	old, lowered := mustLimit(t, localbucket.TokenBucket, 100, time.Hour), mustLimit(t, localbucket.TokenBucket, 5, time.Hour)
 	const key = "rl:relimit:{in-flight}"
 	now := time.Now().UnixNano()
@@ -113,13 +108,9 @@ func TestHybridLimitChangedDuringSync(t *testing.T) {
 // judges it, and a change of limit between requests costs no exact sync.
 func TestHybridTwoLimitsOneKey(t *testing.T) {
 	rdb := standalone(t)
-	ctx := context.Background()
 	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
-			h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
-			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
-				t.Fatal(err)
-			}
+			h := liveHybrid(t, rdb, time.Hour)
 			small, large := mustLimit(t, alg, 1000, time.Hour), mustLimit(t, alg, 2000, time.Hour)
 			key := fmt.Sprintf("rl:twolimits:{%v}", alg)
 			now := time.Now().UnixNano()
@@ -157,4 +148,15 @@ func TestHybridTwoLimitsOneKey(t *testing.T) {
 			}
 		})
 	}
+}
+
+// liveHybrid is a hybrid store that has told Redis it is live (one heartbeat, no Run:
+// the test syncs it), with interval sizing its grants and views' freshness.
+func liveHybrid(t *testing.T, rdb redis.UniversalClient, interval time.Duration) *Hybrid {
+	t.Helper()
+	h := NewHybrid(rdb, HybridOptions{Interval: interval, FetchWait: time.Second})
+	if _, err := h.Heartbeat(context.Background(), fmt.Sprintf("d-%p", h), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	return h
 }

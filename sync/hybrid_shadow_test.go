@@ -1,7 +1,6 @@
 package sync
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -16,15 +15,11 @@ import (
 // allowed check (found by a cross-mode audit).
 func TestHybridShadowJudgedByRoom(t *testing.T) {
 	rdb := standalone(t)
-	ctx := context.Background()
 	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
-			// No Run: the interval sizes the syncs' grants only (a token bucket reserves
-			// the refill of the next interval).
-			h := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond, FetchWait: time.Second})
-			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
-				t.Fatal(err)
-			}
+			// The interval sizes the syncs' grants (a token bucket reserves the refill of
+			// the next interval): the default, as a daemon runs.
+			h := liveHybrid(t, rdb, 100*time.Millisecond)
 			lim := mustLimit(t, alg, 3, 5*time.Second)
 			key := fmt.Sprintf("rl:shadow:{%v}", alg)
 			shadow := func(now int64, cost uint64) HybridOp {
