@@ -76,3 +76,31 @@ func TestE2EReloadRefusesNonRegularFile(t *testing.T) {
 		t.Fatalf("after the refused files: limit %d", l)
 	}
 }
+
+// A reload that ends a failure (a broken rules file put back as it was) says so, and so
+// does a SIGHUP that finds the rules unchanged: before, nothing was logged, and the log's
+// last word on the rules was the failure's ERROR.
+func TestE2EReloadUnchangedIsLogged(t *testing.T) {
+	dir := shortTempDir(t)
+	good := rulesWithLimit(5)
+	path := writeFile(t, dir, "rules.yaml", good)
+	d := startDaemon(t, "--config", path)
+	waitStderr := func(what string, n int) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for strings.Count(d.stderr.String(), what) < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("no %q (%d) in the log:\n%s", what, n, d.stderr.String())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	if err := d.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitStderr(`msg="rules unchanged" trigger=SIGHUP`, 1)
+	writeFile(t, dir, "rules.yaml", "rules: [")
+	waitStderr("reload failed", 1)
+	writeFile(t, dir, "rules.yaml", good)
+	waitStderr(`msg="rules unchanged"`, 2)
+}

@@ -464,6 +464,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// Reloads, from SIGHUP or the file watcher: the whole new set is validated, then
 	// swapped in one step; a broken file never replaces the rules in force.
 	var reloadMu sync.Mutex
+	reloadFailed := false // the last reload failed: the next that succeeds says so (under reloadMu)
 	reload := func(why string) {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
@@ -484,12 +485,20 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.Reloaded(err)
 		if err != nil {
 			log.Error("reload failed; keeping the rules in force", "trigger", why, "err", err)
-			failed = err
+			failed, reloadFailed = err, true
 			return
 		}
 		if newSet.Version == lim.Rules().Version {
-			return // touched, not changed
+			// Touched, not changed. Said when asked (SIGHUP), or when it ends a failure
+			// (a broken file put back as it was): the log's last word on the rules was
+			// the failure's ERROR, and the rules in force read as in doubt.
+			if reloadFailed || why == "SIGHUP" {
+				log.Info("rules unchanged", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
+			}
+			reloadFailed = false
+			return
 		}
+		reloadFailed = false
 		// Metrics first: their table for the new set is built (under their lock, one
 		// entry per rule) while checks still run on the old set, which never waits for
 		// it; the other order made checks on the new set wait for that lock.
