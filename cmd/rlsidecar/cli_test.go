@@ -134,6 +134,9 @@ func TestUsage(t *testing.T) {
 	if out, _, code := runInProcess("version"); code != exitOK || !strings.HasPrefix(out, "rlsidecar ") {
 		t.Fatal(out)
 	}
+	if out, _, code := runInProcess("version", "--bogus"); code != exitUsage || out != "" {
+		t.Fatalf("version with an argument: exit %d, %q; want a usage error", code, out)
+	}
 	if _, _, code := runInProcess("check", "novalue"); code != exitUsage {
 		t.Fatal(code)
 	}

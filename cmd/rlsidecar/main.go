@@ -83,6 +83,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "import-envoy":
 		err = importEnvoy(args[1:], stdout, stderr)
 	case "version", "--version", "-version":
+		if len(args) > 1 {
+			fmt.Fprintf(stderr, "rlsidecar version: takes no arguments, got %q\n", args[1:])
+			return exitUsage
+		}
 		fmt.Fprintf(stdout, "rlsidecar %s (protocol 1)\n", version)
 	case "help", "--help", "-h", "-help":
 		fmt.Fprint(stdout, usage)
