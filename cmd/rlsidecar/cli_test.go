@@ -44,7 +44,7 @@ func TestValidate(t *testing.T) {
 	}
 	// No rules: valid, and warned of (every request allowed).
 	empty := writeFile(t, dir, "none.yaml", "rules: []\n")
-	if out, errOut, code := runInProcess("validate", "--config", empty); code != exitOK || !strings.Contains(errOut, "no rules: every request is allowed") || !strings.Contains(out, "1 warnings") {
+	if out, errOut, code := runInProcess("validate", "--config", empty); code != exitOK || !strings.Contains(errOut, "no rules: every request is allowed") || !strings.Contains(out, "1 warning\n") {
 		t.Fatalf("no rules: code %d, stdout %q, stderr %q", code, out, errOut)
 	}
 }

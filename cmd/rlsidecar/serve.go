@@ -718,7 +718,7 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	for _, w := range ws {
 		fmt.Fprintf(stderr, "warning: %v\n", w)
 	}
-	fmt.Fprintf(stdout, "%s: %d rules, version %s, %d warnings\n", *config, len(set.Rules), set.Version, len(ws))
+	fmt.Fprintf(stdout, "%s: %s, version %s, %s\n", *config, plural(len(set.Rules), "rule"), set.Version, plural(len(ws), "warning"))
 	return nil
 }
 
@@ -881,4 +881,12 @@ func loopbackAddr(addr string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
+}
+
+// plural is n and noun, with an s unless n is 1.
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
