@@ -55,6 +55,7 @@ type Metrics struct {
 	flushOK, flushErr   *metrics.Counter
 	closed              [nCloseReasons]*metrics.Counter // by closeReason; [0] unused
 	storeByOpResult     sync.Map                        // "op|result" → *metrics.Counter
+	errorsByCode        sync.Map                        // error code → *metrics.Counter (rlsidecar_error_answers_total)
 }
 
 type ruleMetrics struct {
@@ -424,6 +425,7 @@ var setHelp = map[string]string{
 	"rlsidecar_sync_flushes_total":       "Hybrid-mode syncs of admitted counts with Redis, by result.",
 	"rlsidecar_connections_closed_total": "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
 	"rlsidecar_build_info":               "The daemon's version, as a label; always 1.",
+	"rlsidecar_error_answers_total":      "Requests answered with an error, by code (bad_request, unknown_op, invalid_limit, frame_too_large, attr_too_large, internal, ...): a client sending malformed frames shows here.",
 	"rlsidecar_store_requests_total":     "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release) and result.",
 }
 
@@ -626,3 +628,14 @@ func (r closeReason) String() string { return closeReasonNames[r] }
 
 // connClosed counts a connection the daemon closed, by why.
 func (m *Metrics) connClosed(r closeReason) { m.closed[r].Inc() }
+
+// errorAnswered counts one error answer by its code (a bounded set: the protocol's and
+// the project's codes).
+func (m *Metrics) errorAnswered(code string) {
+	c, ok := m.errorsByCode.Load(code)
+	if !ok {
+		c, _ = m.errorsByCode.LoadOrStore(code, m.set.GetOrCreateCounter(
+			fmt.Sprintf(`rlsidecar_error_answers_total{code=%q}`, code)))
+	}
+	c.(*metrics.Counter).Inc()
+}

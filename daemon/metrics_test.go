@@ -360,3 +360,28 @@ func TestTopRejectedGuaranteedCounts(t *testing.T) {
 		t.Fatalf("/top keeps the sketch whole: %+v", top)
 	}
 }
+
+// Error answers are counted by code: a client sending malformed frames shows in the
+// metrics (it was seen nowhere, in no metric nor log).
+func TestErrorAnswersCounted(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{Metrics: m})
+	m.SetRules(s.lim.Rules(), time.Now())
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	c, br := dialServer(t, s)
+	notAMap := []byte{0, 0, 0, 1, 0x01}                                           // a frame whose body is the integer 1
+	unknown := []byte{0, 0, 0, 9, 0x81, 0xa2, 'o', 'p', 0xa4, 'f', 'r', 'o', 'b'} // {op: "frob"}
+	for _, f := range [][]byte{notAMap, notAMap, unknown} {
+		if _, err := c.Write(f); err != nil {
+			t.Fatal(err)
+		}
+		readResponse(t, br)
+	}
+	var buf bytes.Buffer
+	m.WritePrometheus(&buf)
+	for _, want := range []string{`rlsidecar_error_answers_total{code="bad_request"} 2`, `rlsidecar_error_answers_total{code="unknown_op"} 1`} {
+		if !strings.Contains(buf.String(), want+"\n") {
+			t.Errorf("want %s in:\n%s", want, buf.String())
+		}
+	}
+}

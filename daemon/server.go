@@ -1197,7 +1197,7 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 	}
 	l := proto.FrameLength(hdr)
 	if uint64(l) > uint64(maxFrame) {
-		cn.out().EncodeError(0, proto.CodeFrameTooLarge,
+		cn.s.encodeError(cn.out(), 0, proto.CodeFrameTooLarge,
 			fmt.Sprintf("frame of %d bytes exceeds the maximum of %d; this connection is closed", l, maxFrame))
 		_ = cn.flush()
 		cn.cut.CompareAndSwap(0, uint32(closeFrameTooLarge))
@@ -1253,9 +1253,9 @@ func (cn *conn) handle(body []byte, now int64) {
 	if err := cn.dec.DecodeRequest(body, req); err != nil {
 		var pe *proto.Error
 		if errors.As(err, &pe) {
-			cn.out().EncodeError(req.ID, pe.Code, pe.Message)
+			cn.s.encodeError(cn.out(), req.ID, pe.Code, pe.Message)
 		} else {
-			cn.out().EncodeError(req.ID, proto.CodeInternal, err.Error())
+			cn.s.encodeError(cn.out(), req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
@@ -1274,7 +1274,7 @@ func (cn *conn) handle(body []byte, now int64) {
 		cn.renew(body, now)
 	default:
 		// proto.Quote: an op may be as long as its frame; the answer quotes its start.
-		cn.out().EncodeError(req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %s; this server knows %q, %q, %q and %q",
+		cn.s.encodeError(cn.out(), req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %s; this server knows %q, %q, %q and %q",
 			proto.Quote(req.Op), proto.OpCheck, proto.OpPing, proto.OpRelease, proto.OpRenew))
 	}
 }
@@ -1284,7 +1284,7 @@ func (cn *conn) handle(body []byte, now int64) {
 func (cn *conn) renew(body []byte, now int64) {
 	req := &cn.req
 	if req.LeaseMs > uint64(rules.MaxLease/time.Millisecond) {
-		cn.out().EncodeError(req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
+		cn.s.encodeError(cn.out(), req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
 	}
 	if cn.s.lim.LeaseWaits(req.Lease) {
@@ -1398,9 +1398,9 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	if err != nil {
 		var il *limiter.InvalidLimitError
 		if errors.As(err, &il) {
-			enc.EncodeError(req.ID, proto.CodeInvalidLimit, il.Error())
+			s.encodeError(enc, req.ID, proto.CodeInvalidLimit, il.Error())
 		} else {
-			enc.EncodeError(req.ID, proto.CodeInternal, err.Error())
+			s.encodeError(enc, req.ID, proto.CodeInternal, err.Error())
 		}
 		return
 	}
@@ -1478,6 +1478,16 @@ func (s *Server) answerRule(enc *proto.Encoder, r *limiter.Result, head *proto.R
 	}
 	rr.Name, rr.Limit, rr.WindowMs = r.Name, r.Limit, uint64(r.Window/time.Millisecond)
 	enc.AppendRule(&rr)
+}
+
+// encodeError encodes an error answer and counts it by code
+// (rlsidecar_error_answers_total): a client sending malformed frames was seen nowhere, in
+// no metric nor log.
+func (s *Server) encodeError(enc *proto.Encoder, id uint64, code, msg string) {
+	enc.EncodeError(id, code, msg)
+	if m := s.cfg.Metrics; m != nil {
+		m.errorAnswered(code)
+	}
 }
 
 // ceilMs rounds a duration up to whole milliseconds, so a client that waits retry_after_ms
