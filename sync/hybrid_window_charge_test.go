@@ -60,3 +60,47 @@ func TestHybridCreditCountsInItsWindow(t *testing.T) {
 		})
 	}
 }
+
+// Units admitted beyond a grant taken in the previous window of a sliding window count
+// in the window they were admitted in. Put in the previous window whenever admitted
+// (the grant's window), a client at 6 per 3 s with 1 unit before a boundary and 3 just
+// after it saw them weigh as the previous window's, and was admitted 8 (a cross-mode
+// audit; the exact mode refuses the 3 more at 1.73 s).
+func TestHybridSlidingCreditAfterBoundary(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	const window = 3 * time.Second
+	lim := mustLimit(t, localbucket.SlidingWindow, 6, window)
+	key := "rl:slide-edge:{u1}"
+	h := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond, FetchWait: time.Second})
+	tm, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first request 300 ms before a window ends, by Redis's clock; the next 400 ms
+	// after it begins.
+	next := tm.UnixNano() - tm.UnixNano()%int64(window) + int64(window)
+	if next-tm.UnixNano() < int64(400*time.Millisecond) {
+		next += int64(window)
+	}
+	time.Sleep(time.Duration(next-tm.UnixNano()) - 300*time.Millisecond)
+	if !take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+		t.Fatal("the first request refused")
+	}
+	syncAll(t, time.Now().UnixNano(), h)
+	time.Sleep(700 * time.Millisecond)
+	if !take(h, time.Now().UnixNano(), key, lim, 3).Allowed {
+		t.Fatal("3 more of 6, 1 used, refused")
+	}
+	syncAll(t, time.Now().UnixNano(), h)
+	if tm, _ := rdb.Time(ctx).Result(); tm.UnixNano() >= next+int64(window) {
+		t.Skip("the machine was too slow: the sync came a window later")
+	}
+	got, err := rdb.HMGet(ctx, key, "p", "n").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != "[1 3]" {
+		t.Fatalf("previous and current window count %v; want [1 3]: the 3 admitted after the boundary count in the current window", got)
+	}
+}

@@ -319,7 +319,10 @@ for i = 1, nkeys do
       if grant_window == t then
         n = math.max(0, n + settle)
         g = math.max(0, g - settled_grant)
-      elseif alg == 1 and grant_window == t - window then
+      elseif alg == 1 and grant_window == t - window and settle <= 0 then
+        -- The previous window's grant, not all used: the rest goes back to that window.
+        -- (Units beyond it, below, were admitted since: counted by when, not put in the
+        -- previous window whenever admitted, which admitted 8 of 6 a sliding window.)
         p = math.max(0, p + settle)
       elseif settle > 0 then
         local at = now - age
