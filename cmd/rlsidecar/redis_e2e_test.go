@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -130,6 +131,14 @@ func TestE2ERedisPasswordStaysSecret(t *testing.T) {
 	cmdline := strings.Join(d.cmd.Args, " ")
 	if strings.Contains(cmdline, secret) || strings.Contains(d.stderr.String(), secret) {
 		t.Fatal("the password shows in the command line or the logs")
+	}
+	// The file is readable by every local user (0644): said so. Without the warning a
+	// world-readable password file was taken without a word.
+	if fi, err := os.Stat(pw); err != nil || fi.Mode().Perm()&0o004 == 0 {
+		t.Fatalf("the test's password file: %v %v; want one every user can read", fi, err)
+	}
+	if !strings.Contains(d.stderr.String(), "password file can be read by every local user") {
+		t.Fatalf("no warning of a world-readable password file:\n%s", d.stderr.String())
 	}
 	_ = proto.OpCheck
 }

@@ -238,6 +238,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if pw, err := cfg.Password(); err == nil {
 			secrets.set(pw)
 		}
+		if *redisPassFile != "" {
+			// As ssh does of a private key: a password file every local user can read is
+			// no better than the password in the command line.
+			if fi, err := os.Stat(*redisPassFile); err == nil && fi.Mode().Perm()&0o004 != 0 {
+				log.Warn("the Redis password file can be read by every local user; chmod o-r it", "file", *redisPassFile, "mode", fmt.Sprintf("%04o", fi.Mode().Perm()))
+			}
+		}
 		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
 		// timeouts close connections, must not make the second look down. A breaker per
