@@ -140,6 +140,12 @@ func TestUsage(t *testing.T) {
 	if _, _, code := runInProcess("check", "novalue"); code != exitUsage {
 		t.Fatal(code)
 	}
+	// A bad flag value: the usage once, the error once, last (it was printed twice).
+	_, errOut, code := runInProcess("check", "--cost", "abc")
+	if code != exitUsage || strings.Count(errOut, `invalid value "abc"`) != 1 || strings.Count(errOut, "Usage of rlsidecar check") != 1 ||
+		!strings.HasSuffix(errOut, "rlsidecar check: usage: invalid value \"abc\" for flag -cost: parse error\n") {
+		t.Fatalf("check --cost abc: exit %d\n%s", code, errOut)
+	}
 }
 
 // A start that fails leaves nothing behind: with the admin port taken, serve exits

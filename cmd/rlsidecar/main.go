@@ -126,7 +126,15 @@ func newFlags(name string, stderr io.Writer) *flag.FlagSet {
 func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for {
-		if err := fs.Parse(args); err != nil {
+		// The flag package prints a bad value's error, then the usage; run prints the
+		// error again as the last line. Parsed silently, the usage is printed here once,
+		// and the error once, last.
+		out := fs.Output()
+		fs.SetOutput(io.Discard)
+		err := fs.Parse(args)
+		fs.SetOutput(out)
+		if err != nil {
+			fs.Usage()
 			if errors.Is(err, flag.ErrHelp) {
 				return nil, err
 			}
