@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"net/netip"
 	"slices"
+	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -88,7 +90,25 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		deps.Metrics.SetBannedKeys(func() map[string]int { return deps.Limiter.BannedKeys(deps.Now()) })
 	}
 	mux.HandleFunc("GET /bans", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, bansDoc(deps))
+		// At most ?limit= bans (10,000 by default, as many as a read of the shared bans
+		// keeps), those ending last first; X-Total-Count says how many are in force. Unbounded,
+		// 100,000 bans in local mode made a 10 MB answer.
+		limit := defaultBansLimit
+		if v := r.URL.Query().Get("limit"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 {
+				http.Error(w, fmt.Sprintf("limit %q: want a count of bans, at least 1", v), http.StatusBadRequest)
+				return
+			}
+			limit = n
+		}
+		doc := bansDoc(deps)
+		w.Header().Set("X-Total-Count", strconv.Itoa(len(doc)))
+		if len(doc) > limit {
+			sort.SliceStable(doc, func(i, j int) bool { return doc[i].LeftMs > doc[j].LeftMs })
+			doc = doc[:limit]
+		}
+		writeJSON(w, doc)
 	})
 	mux.HandleFunc("DELETE /bans/{rule}/{client}", func(w http.ResponseWriter, r *http.Request) {
 		if !fromLoopback(r) {
@@ -190,6 +210,9 @@ func boundLoopback(ln net.Listener) bool {
 	a, ok := ln.Addr().(*net.TCPAddr)
 	return ok && a.IP.IsLoopback()
 }
+
+// defaultBansLimit is how many bans GET /bans lists unless asked for another count.
+const defaultBansLimit = 10_000
 
 // banDoc is one ban as /bans lists it: the client named as in the metrics (a keyed hash
 // unless --top-labels raw).

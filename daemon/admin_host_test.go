@@ -2,11 +2,13 @@ package daemon
 
 import (
 	"bufio"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -239,5 +241,35 @@ func TestAdminLiftBanRawValueWithBar(t *testing.T) {
 	}
 	if got := banned(lim, now); len(got) != 0 {
 		t.Fatalf("still banned: %q", got)
+	}
+}
+
+// GET /bans lists at most ?limit= bans (10,000 by default), those ending last first, and
+// says in X-Total-Count how many are in force: unbounded, 100,000 local bans made a
+// 10 MB answer.
+func TestAdminBansBounded(t *testing.T) {
+	var clients [][]rules.Attr
+	for i := 0; i < 5; i++ {
+		clients = append(clients, []rules.Attr{{Name: "ip", Value: "10.9.9." + strconv.Itoa(i)}})
+	}
+	lim, now := bannedAll(t, "ip", clients)
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }})
+	resp, err := http.Get(base + "/bans?limit=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var doc []banDoc
+	if err := json.NewDecoder(resp.Body).Decode(&doc); err != nil {
+		t.Fatal(err)
+	}
+	if len(doc) != 2 || resp.Header.Get("X-Total-Count") != "5" {
+		t.Fatalf("limit=2: %d bans, X-Total-Count %q; want 2 of 5", len(doc), resp.Header.Get("X-Total-Count"))
+	}
+	if code, body := get(t, base+"/bans?limit=0"); code != http.StatusBadRequest {
+		t.Fatalf("limit=0: %d %s; want 400", code, body)
+	}
+	if _, body := get(t, base+"/bans"); strings.Count(body, `"rule"`) != 5 {
+		t.Fatalf("the default bound cut 5 bans: %s", body)
 	}
 }
