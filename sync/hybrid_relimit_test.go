@@ -12,12 +12,11 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
-// A reload that lowers a key's limit takes back what this daemon may still admit
-// locally under the old one: its credit and its share grant were sized by the old
-// capacity. Kept, 100 per hour lowered to 5 after 4 used admitted all 10 asked, not 1
+// A reload that lowers a key's limit moves what this daemon may still admit locally
+// with it: its credit and its share grant were sized by the old capacity (relimit). Kept, 100 per hour lowered to 5 after 4 used admitted all 10 asked, not 1
 // (limiter:TestReloadResetsRedisState, 10 lowered to 5, saw 2 now and then, as its
 // syncs fell).
-func TestHybridLoweredLimitDropsAllowance(t *testing.T) {
+func TestHybridLoweredLimitMovesAllowance(t *testing.T) {
 	rdb := standalone(t)
 	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
