@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/tcpaddr"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -50,7 +51,7 @@ type AdminDeps struct {
 
 // NewAdmin listens on addr (e.g. 127.0.0.1:9464).
 func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
-	ln, err := net.Listen("tcp", addr)
+	ln, err := tcpaddr.Listen(addr)
 	if err != nil {
 		return nil, fmt.Errorf("admin endpoint on %s: %w", addr, err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"reflect"
 	"strings"
@@ -173,4 +174,25 @@ rules:
 	if i, j, k := strings.Index(body, `"/login"`), strings.Index(body, `"POST"`), strings.Index(body, `"acme-*"`); !(i < j && j < k) {
 		t.Errorf("login's match is not in the file's order (path, method, tenant):\n%s", body)
 	}
+}
+
+// --admin 0.0.0.0:P listens on IPv4 only: the IPv6 wildcard of its port stays free (Go's
+// "tcp" took both, exposing the endpoint on IPv6 addresses a firewall for IPv4 misses).
+func TestAdminIPv4WildcardIsIPv4Only(t *testing.T) {
+	if ln, err := net.Listen("tcp6", "[::1]:0"); err != nil {
+		t.Skip("no IPv6 on this host:", err)
+	} else {
+		ln.Close()
+	}
+	a, err := NewAdmin("0.0.0.0:0", AdminDeps{Metrics: NewMetrics("test", 10)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Shutdown(context.Background())
+	_, port, _ := net.SplitHostPort(a.Addr())
+	ln6, err := net.Listen("tcp6", net.JoinHostPort("::", port))
+	if err != nil {
+		t.Fatalf("the admin endpoint on 0.0.0.0:%s holds [::]:%s too: %v", port, port, err)
+	}
+	ln6.Close()
 }

@@ -45,6 +45,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/rlsidecar/rlsidecar/internal/tcpaddr"
 	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -216,7 +217,7 @@ func (s *Server) Listen() error {
 	}
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
 	if !ok {
-		ln, err := net.Listen("tcp", s.cfg.Addr)
+		ln, err := tcpaddr.Listen(s.cfg.Addr)
 		if err != nil {
 			return fmt.Errorf("envoy rls: listening on %s: %w", s.cfg.Addr, err)
 		}
