@@ -105,6 +105,27 @@ func TestReplayReportsBadLines(t *testing.T) {
 	}
 }
 
+// A trace merged from several gateways' logs is not quite in order: a line earlier than
+// the one before it is replayed at the latest time seen, as the daemon's clock would have
+// seen it, and counted. Before, it was decided at its own time, in a window the key had
+// left: a fixed window of 1 a second admitted a second request 600 ms after the first.
+func TestReplayOutOfOrderLines(t *testing.T) {
+	dir := t.TempDir()
+	cfg := writeFile(t, dir, "r.yaml", "rules:\n  - name: r\n    key: user\n    algorithm: fixed_window\n    limit: { requests: 1, per: 1s }\n")
+	trace := `{"t_ms": 1500, "attrs": {"user": "u"}}` + "\n" + `{"t_ms": 900, "attrs": {"user": "u"}}` + "\n" + `{"t_ms": 1600, "attrs": {"user": "u"}}` + "\n"
+	out, errOut, code := runInProcess("replay", "--config", cfg, "--trace", writeFile(t, dir, "t.jsonl", trace))
+	if code != exitOK {
+		t.Fatal(errOut)
+	}
+	var sum replaySummary
+	if err := json.Unmarshal([]byte(out), &sum); err != nil {
+		t.Fatal(err)
+	}
+	if sum.Allowed != 1 || sum.Rejected != 2 || sum.OutOfOrder != 1 || sum.MaxLateMs != 600 || sum.DurationMs != 700 {
+		t.Fatalf("%s", out)
+	}
+}
+
 // Shadow rules are counted as shadow rejections in a replay, never as rejections.
 func TestReplayShadow(t *testing.T) {
 	dir := t.TempDir()

@@ -32,11 +32,17 @@ type ruleSummary struct {
 }
 
 type replaySummary struct {
-	Requests   uint64         `json:"requests"`
-	Allowed    uint64         `json:"allowed"`
-	Rejected   uint64         `json:"rejected"`
-	Unmatched  uint64         `json:"unmatched"`
-	DurationMs int64          `json:"duration_ms"`
+	Requests   uint64 `json:"requests"`
+	Allowed    uint64 `json:"allowed"`
+	Rejected   uint64 `json:"rejected"`
+	Unmatched  uint64 `json:"unmatched"`
+	DurationMs int64  `json:"duration_ms"`
+	// OutOfOrder counts the lines whose t_ms is before an earlier line's (a trace merged
+	// from several gateways' logs): each is replayed at the latest time seen, as the
+	// daemon, whose clock only moves forward, would have seen it. MaxLateMs is the most
+	// such a line was moved.
+	OutOfOrder uint64         `json:"out_of_order,omitempty"`
+	MaxLateMs  int64          `json:"max_late_ms,omitempty"`
 	Rules      []*ruleSummary `json:"rules"`
 }
 
@@ -119,6 +125,10 @@ func runReplay(set *rules.Set, in io.Reader, name string) (*replaySummary, error
 		}
 		if first || t > tMax {
 			tMax = t
+		} else if t < tMax {
+			sum.OutOfOrder++
+			sum.MaxLateMs = max(sum.MaxLateMs, tMax-t)
+			t = tMax
 		}
 		first = false
 		attrKeys = attrKeys[:0]
