@@ -4,6 +4,7 @@ import asyncio
 import collections
 import os
 import time
+import weakref
 
 from . import _proto
 from ._outage import OutageLog
@@ -14,6 +15,22 @@ from .decision import Decision
 #: finds it full waits for room, in turn, until its timeout, and only then answers by
 #: the policy (a burst of concurrent checks is answered by the sidecar, not the policy).
 MAX_PENDING = 4096
+
+
+#: The live AsyncClients, for the fork hook below.
+_clients = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A forked child inherits the parent's connection (and its request ids): checks of
+    both processes on it would read each other's answers. The child drops it, unused,
+    and dials its own on its own event loop."""
+    for c in list(_clients):
+        c._forget_connection()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Protocol(asyncio.Protocol):
@@ -166,6 +183,14 @@ class AsyncClient:
         self._last_error = None
         self._orphans = set()  # tasks releasing the leases of late answers
         self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
+        _clients.add(self)
+
+    def _forget_connection(self):
+        """In a forked child: drop the connection inherited from the parent, unused. Its
+        transport belongs to the parent's event loop, which closes this process's copy
+        of the descriptor if it is ever run or collected here; closing it from outside
+        the transport could close another descriptor given the same number since."""
+        self._conn, self._dial, self._orphans = None, None, set()
 
     async def __aenter__(self):
         return self

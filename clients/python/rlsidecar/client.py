@@ -1,9 +1,11 @@
 """The blocking client: a pool of kept-alive connections, one check in flight on each."""
 
+import os
 import random
 import socket
 import threading
 import time
+import weakref
 
 from . import _proto
 from ._outage import OutageLog
@@ -34,6 +36,24 @@ def backoff(failures):
     1 s, then a random half to all of it."""
     d = BACKOFF_MAX if failures >= 8 else min(BACKOFF_MIN * (1 << (failures - 1)), BACKOFF_MAX)
     return d / 2 + random.random() * d / 2
+
+
+#: The live Clients, for the fork hook below.
+_clients = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A forked child (gunicorn --preload, uWSGI, multiprocessing) inherits the parent's
+    pooled sockets: the same connections, and the same request ids on them. Two
+    processes checking on one connection read each other's answers, and the ids match.
+    The child drops them, unused (closing its copies of the descriptors leaves the
+    parent's connections open), and dials its own."""
+    for c in list(_clients):
+        c._forget_connections()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _NotRead(Exception):
@@ -118,6 +138,22 @@ class Client:
         self._holding = set()  # connections holding leases: open, not used for requests
         self._next_unpark = 0.0  # (monotonic) when _take next looks for expired holds
         self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
+        self._pid = os.getpid()
+        _clients.add(self)
+
+    def _forget_connections(self):
+        """In a forked child: drop the connections (and leases) inherited from the
+        parent, unused. The lock is new too: another thread of the parent may have held
+        it at the fork, and it would never be released here."""
+        self._lock = threading.Lock()
+        conns = self._idle + list(self._holding)
+        self._idle, self._holding, self._lease_conn = [], set(), {}
+        self._pid = os.getpid()
+        for c in conns:
+            try:
+                c.sock.close()  # this process's copy of the descriptor only
+            except OSError:
+                pass
 
     def __enter__(self):
         return self
