@@ -309,12 +309,15 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 
 	ok := true
 	var firstErr error
+	var unsure []call // lease slots a failed call may have taken (giveBackUnsure)
 	for gi := range cs.groups {
 		c, gr := &calls[gi], cs.groups[gi]
 		idx := cs.order[gr.lo:gr.hi]
 		err := c.cmd.Err()
 		if err == nil {
 			err = parseReply(c.cmd.Val(), ops, idx, cs.window)
+		} else if mayHaveRun(err) { // hybrid_flush.go
+			unsure = appendLeaseGiveBack(unsure, ops, idx)
 		}
 		if err != nil {
 			for _, i := range idx {
@@ -341,6 +344,9 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	settle(calls, ms)
 	for i := range ops {
 		ops[i].window = cs.window[i]
+	}
+	if len(unsure) > 0 {
+		go g.giveBackUnsure(ctx, unsure)
 	}
 	if ok && firstErr == nil {
 		return true, nil
@@ -531,6 +537,48 @@ func run(ctx context.Context, rdb rediser, s script, calls []call) {
 		runOnce(ctx, rdb, s, sub)
 		for j, i := range again {
 			calls[i].cmd = sub[j].cmd
+		}
+	}
+}
+
+// appendLeaseGiveBack appends to calls the give-back (refund.lua's algorithm 6: remove
+// the member) of the lease slots the ops idx of one failed call would have taken.
+func appendLeaseGiveBack(calls []call, ops []GlobalOp, idx []int) []call {
+	var c call
+	for _, i := range idx {
+		if lo := ops[i].Lease; lo != nil && lo.Take {
+			c.keys = append(c.keys, ops[i].Key)
+			c.args = append(c.args, algLease, ops[i].member, 0, 0, 0)
+		}
+	}
+	if len(c.keys) == 0 {
+		return calls
+	}
+	return append(calls, c)
+}
+
+// giveBackDelay is how long after its first give-back the slots of a lease whose
+// acquire failed unanswered are given back again (see giveBackUnsure).
+var giveBackDelay = time.Second
+
+// giveBackUnsure removes the lease slots of an acquire that failed without an answer (it
+// timed out, or its connection was lost): the request was decided by its failure
+// policy and holds no lease, but the script may have run and taken them, and then no
+// one would release them before they expire (up to an hour), nor see them (the daemon
+// tracks no such lease). Removing a member that is not there changes nothing, so it is
+// safe either way. It runs twice: at once, and again giveBackDelay later, for an
+// acquire still on its way to Redis when the first give-back got there.
+func (g *Global) giveBackUnsure(parent context.Context, calls []call) {
+	for round := 0; ; round++ {
+		ctx, cancel := g.refundContext(parent)
+		run(ctx, g.rdb, refundScript, calls)
+		cancel()
+		if round == 1 {
+			return
+		}
+		time.Sleep(giveBackDelay)
+		for i := range calls {
+			calls[i].cmd = nil
 		}
 	}
 }

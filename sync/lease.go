@@ -59,7 +59,9 @@ type LeasePart struct {
 // refuses or fails, the others' slots are given back (on a bounded context of their
 // own, see [Global.WithRefundTimeout]). An error (ctx done, Redis down, a bad reply)
 // holds nothing, apart from a give-back that failed (counted in RefundErrors: those
-// slots expire after their lease). A request with rate rules too gives its LeaseChecks
+// slots expire after their lease); a call that failed unanswered (a timeout, a lost
+// connection) may have taken its slots all the same, and they are given back, in the
+// background, at once and a second later (giveBackUnsure). A request with rate rules too gives its LeaseChecks
 // to Check with its rate ops instead: one call per slot for both.
 func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
 	if len(ops) == 0 {
