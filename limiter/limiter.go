@@ -418,10 +418,16 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		ninline += len(in.Parts[p].Limits)
 	}
 	if ninline > 0 {
-		if cap(d.limits) < ninline {
-			d.limits = make([]localbucket.Limit, ninline)
+		// With Redis, a second half: each inline limit's share for a local fallback
+		// (addInline). Sized once: ops point into it.
+		nl := ninline
+		if l.hybrid != nil {
+			nl *= 2
 		}
-		d.limits = d.limits[:ninline]
+		if cap(d.limits) < nl {
+			d.limits = make([]localbucket.Limit, nl)
+		}
+		d.limits = d.limits[:nl]
 		n := 0
 		first := len(d.ops) // the first inline limit's op
 		for i := range in.Limits {
@@ -843,8 +849,19 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 		cost, flags = denyCost, infoDeny // decided by the local store, as a deny rule
 		d.flags |= infoDeny
 	}
-	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost,
-		fb: fallback{rules.FailLocal, &d.limits[n]}, store: id, flags: flags}
+	// Without Redis, an inline limit in hybrid or global mode is decided as a rule with
+	// on_store_failure: local: from a local bucket of its limit divided among the live
+	// daemons (it was the whole limit: N daemons admitted N times it while Redis was away).
+	fb := fallback{rules.FailLocal, &d.limits[n]}
+	if id != storeLocal && l.hybrid != nil {
+		if live := l.hybrid.replicas(); live > 1 {
+			share := &d.limits[len(d.limits)/2+n]
+			if *share, err = rules.SplitLimit(&d.limits[n], uint64(live)); err == nil {
+				fb.local = share
+			}
+		}
+	}
+	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags}
 	d.routed |= 1 << id
 	if id == storeLocal {
 		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)

@@ -3,6 +3,7 @@ package limiter
 import (
 	"context"
 	"fmt"
+	"net"
 	"testing"
 	"time"
 
@@ -247,5 +248,64 @@ rules:
 	r := check("/free")
 	if !r.Allowed || r.Results[0].Remaining != 3 || r.Delay > time.Minute || r.Delay < 50*time.Second {
 		t.Fatalf("third: allowed %v daily remaining %d delay %v, want 3 left and a wait of about 1m", r.Allowed, r.Results[0].Remaining, r.Delay)
+	}
+}
+
+// An inline limit in hybrid or global mode that Redis does not answer for is decided as
+// a rule with on_store_failure: local: from a local bucket of its limit divided among
+// the live daemons. It got the whole limit: with 6 daemons live, each admitted all 12
+// of an inline 12 an hour while a master was frozen (found by a cluster audit), where
+// a rule of the same limit admitted 2.
+func TestInlineFallbackSharesTheLimit(t *testing.T) {
+	// Nothing listens there: every call fails at once.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialerRetries: 1, DialerRetryTimeout: time.Millisecond})
+	t.Cleanup(func() { rdb.Close() })
+	h := rlsync.NewHybrid(rdb, rlsync.HybridOptions{})
+	l := New(mustRules(t, `
+rules:
+  - name: r
+    key: user
+    limit: { requests: 12, per: 1h }
+    mode: global
+    on_store_failure: local
+`), localbucket.NewStore(localbucket.Options{})).WithHybrid(h).WithGlobal(rlsync.NewGlobal(rdb), time.Second)
+	h.SetReplicas(4)
+	for _, mode := range []string{"global", "hybrid"} {
+		var d Decision
+		var admitted int
+		for range 15 {
+			in := &Input{Cost: 1, Limits: []Inline{{Key: "tenant-" + mode, Limit: 12, WindowMs: 3_600_000, Mode: mode}}}
+			if err := l.Check(time.Now().UnixNano(), in, &d); err != nil {
+				t.Fatal(err)
+			}
+			if d.Allowed && d.Degraded { // (a hybrid key's first unit may pass on credit)
+				admitted++
+			}
+		}
+		if admitted != 3 {
+			t.Errorf("%s inline limit of 12, Redis away, 4 daemons live: this one admitted %d by its fallback, want 3 (its share)", mode, admitted)
+		}
+		if mode == "hybrid" {
+			continue
+		}
+		// A global rule of the same limit: the same share.
+		admitted = 0
+		for range 15 {
+			if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("user=u-" + mode), Cost: 1}, &d); err != nil {
+				t.Fatal(err)
+			}
+			if d.Allowed {
+				admitted++
+			}
+		}
+		if admitted != 3 {
+			t.Errorf("%s: the rule admitted %d, want 3", mode, admitted)
+		}
 	}
 }

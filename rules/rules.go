@@ -299,14 +299,20 @@ func (r *Rule) SplitLimitFor(plan string, hasPlan bool, n int) (lim *localbucket
 	return full, false
 }
 
+// SplitLimit is l divided among n daemons, as SplitLimitFor divides a rule's: each
+// enforces ceil(requests/n) (and ceil(burst/n)), at least 1.
+func SplitLimit(l *localbucket.Limit, n uint64) (localbucket.Limit, error) {
+	req := max(1, (l.Requests()+n-1)/n)
+	var burst uint64
+	if l.Algorithm() == localbucket.TokenBucket {
+		burst = max(1, (l.Burst()+n-1)/n)
+	}
+	return l.WithRequests(req, burst)
+}
+
 func (r *Rule) buildSplit(n uint64) *splitLimits {
 	div := func(l *localbucket.Limit) localbucket.Limit {
-		req := max(1, (l.Requests()+n-1)/n)
-		var burst uint64
-		if l.Algorithm() == localbucket.TokenBucket {
-			burst = max(1, (l.Burst()+n-1)/n)
-		}
-		d, err := l.WithRequests(req, burst)
+		d, err := SplitLimit(l, n)
 		if err != nil {
 			return *l // a part too small to express: keep the whole (cannot happen for valid limits)
 		}
