@@ -598,6 +598,28 @@ func (s *Server) input(c *call, sc *scratch) error {
 	return nil
 }
 
+// appendKeyPart appends s, a part of an override's key, to dst: as it is, but for NUL,
+// which separates the parts, written 0x01 0x02, and 0x01, written 0x01 0x01. So the
+// parts of two keys are the same exactly when the keys are, whatever bytes the domain,
+// keys and values hold (a value "a\x00b\x00c" of one entry read as the two entries a=b,
+// c: two descriptors shared a counter). A part without those bytes is written as it is:
+// the keys of the counters kept so far are unchanged.
+func appendKeyPart(dst []byte, s string) []byte {
+	for {
+		i := strings.IndexAny(s, "\x00\x01")
+		if i < 0 {
+			return append(dst, s...)
+		}
+		dst = append(dst, s[:i]...)
+		if s[i] == 0 {
+			dst = append(dst, 1, 2)
+		} else {
+			dst = append(dst, 1, 1)
+		}
+		s = s[i+1:]
+	}
+}
+
 // override is a descriptor's limit override as an inline limit: a fixed window (Envoy's),
 // keyed by the domain and the entries. requests_per_unit 0 refuses every call (Envoy's
 // block list), as envoyproxy/ratelimit does (any hit is over 0): a deny limit
@@ -624,12 +646,12 @@ func (s *Server) override(domain string, desc *desc, entries []entry, sc *scratc
 	windowMs := uint64(unit/time.Millisecond) * mult
 	start := len(sc.keys)
 	sc.keys = append(sc.keys, "envoy:"...)
-	sc.keys = append(sc.keys, domain...)
+	sc.keys = appendKeyPart(sc.keys, domain)
 	for _, e := range entries {
 		sc.keys = append(sc.keys, 0)
-		sc.keys = append(sc.keys, e.key...)
+		sc.keys = appendKeyPart(sc.keys, e.key)
 		sc.keys = append(sc.keys, 0)
-		sc.keys = append(sc.keys, e.value...)
+		sc.keys = appendKeyPart(sc.keys, e.value)
 	}
 	key := string(sc.keys[start:])
 	// Its name, in the RateLimit headers and a refusal's body, is the domain and the

@@ -304,3 +304,40 @@ func TestOverrideTooLong(t *testing.T) {
 		}
 	}
 }
+
+// Override counters are one per descriptor, whatever bytes its domain, keys and values
+// hold: a value holding NUL bytes (the parts' separator) named the counter of other
+// entries (found by a cluster audit: [k="a\x00b\x00c"] was over the limit of [k=a, b=c],
+// never used itself). A key without such bytes is the one it was.
+func TestOverrideKeysDoNotCollide(t *testing.T) {
+	s := testServer(t)
+	over := func(domain string, kv ...string) *rlsv3.RateLimitRequest {
+		d := &commonrl.RateLimitDescriptor{Limit: &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 1, Unit: typev3.RateLimitUnit_HOUR}}
+		for i := 0; i < len(kv); i += 2 {
+			d.Entries = append(d.Entries, &commonrl.RateLimitDescriptor_Entry{Key: kv[i], Value: kv[i+1]})
+		}
+		return &rlsv3.RateLimitRequest{Domain: domain, Descriptors: []*commonrl.RateLimitDescriptor{d}}
+	}
+	for i, req := range []*rlsv3.RateLimitRequest{
+		over("n", "k", "a", "b", "c"),
+		over("n", "k", "a\x00b\x00c"),
+		over("n", "k", "a\x01\x02b\x00c"),
+		over("n", "k", "a\x00b\x01\x02c"),
+		over("n\x00k", "zz", "q"),
+		over("n", "k\x00zz", "q"),
+		over("n", "k", "a\x01"),
+		over("n", "k", "a\x01\x01"),
+	} {
+		resp, err := s.ShouldRateLimit(context.Background(), req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.OverallCode != rlsv3.RateLimitResponse_OK {
+			t.Errorf("descriptor %d (%q %q), its first call: %v; it shares another's counter", i, req.Domain, req.Descriptors[0].Entries, resp.OverallCode)
+		}
+	}
+	// Plain keys stay as they were.
+	if got := string(appendKeyPart(nil, "api.example.com/v1")); got != "api.example.com/v1" {
+		t.Errorf("a plain part became %q", got)
+	}
+}
