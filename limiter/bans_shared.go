@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -163,7 +164,7 @@ func (s *sharedBans) round(ctx context.Context, wall int64, read bool) error {
 	s.unindexed = nil
 	s.mu.Unlock()
 	var ierr error
-	if ierr = s.b.Index(ctx, todo); ierr != nil {
+	if ierr = s.b.Index(ctx, wall, todo); ierr != nil {
 		s.started(todo...) // retried next round
 	}
 	if !read {
@@ -284,7 +285,8 @@ func (s *sharedBans) check(now int64, d *Decision) {
 		if o.bans != bansHybrid {
 			continue
 		}
-		if u := s.knownUntil(o.key, wall); u != 0 {
+		var buf [128]byte // the client a ban is of (rlsync.BanIdentity), on the stack when short
+		if u := s.knownUntil(rlsync.AppendBanIdentity(buf[:0], o.key), wall); u != 0 {
 			o.bannedUntil = u - off
 		}
 	}
@@ -301,22 +303,24 @@ func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit
 	if admit != 0 {
 		admit += off
 	}
+	var buf [128]byte // a ban is of the client, under any window of r (rlsync.BanIdentity)
+	key := rlsync.AppendBanIdentity(buf[:0], o.key)
 	if o.bans == bansHybrid {
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		p := s.pending[string(o.key)]
+		p := s.pending[string(key)]
 		if p == nil {
 			if len(s.pending) >= maxPendingRefusals {
 				return 0
 			}
 			p = &pendingRefusal{policy: policyOf(r.Penalty)}
-			s.pending[string(o.key)] = p
+			s.pending[string(key)] = p
 		}
 		p.n++
 		p.admit = max(p.admit, admit)
 		return 0
 	}
-	rs := [1]rlsync.BanRefusal{{Key: string(o.key), N: 1, Policy: policyOf(r.Penalty), Admit: admit}}
+	rs := [1]rlsync.BanRefusal{{Key: string(key), N: 1, Policy: policyOf(r.Penalty), Admit: admit}}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
 	err := s.b.Refused(ctx, now+off, rs[:])
 	cancel()
@@ -343,6 +347,10 @@ func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
 
 // lift lifts key's ban in Redis and here.
 func (s *sharedBans) lift(key string, now int64) bool {
+	if i := strings.IndexByte(key, '{'); i < 1 || key[i-1] != ':' {
+		return false // not a client key
+	}
+	key = rlsync.BanIdentity(key) // as /bans lists it; a key under the rule's fingerprint too
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
 	defer cancel()
 	was, err := s.b.Lift(ctx, s.wallOf(now), key)

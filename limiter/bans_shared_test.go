@@ -94,8 +94,8 @@ rules:
 				}
 			}
 			bans := ls[0].Bans(now)
-			if len(bans) != 1 || bans[0].Rule != "login" || bans[0].Key != "rl:login~tb30s:{ip=1.1.1.1}" || bans[0].Count != 5 || bans[0].Left != last {
-				t.Fatalf("daemon 0 lists %+v, want login's ban of rl:login~tb30s:{ip=1.1.1.1}, count 5, %v left", bans, last)
+			if len(bans) != 1 || bans[0].Rule != "login" || bans[0].Key != "rl:login:{ip=1.1.1.1}" || bans[0].Count != 5 || bans[0].Left != last {
+				t.Fatalf("daemon 0 lists %+v, want login's ban of rl:login:{ip=1.1.1.1}, count 5, %v left", bans, last)
 			}
 			// 5m after the last ban ended without another, the count has decayed: 1m again.
 			now += int64(last) + int64(5*time.Minute)
@@ -386,6 +386,61 @@ func TestSharedBansIdleWithoutPenaltyRules(t *testing.T) {
 			<-done
 			if got := reads() - before; (got > 0) != tc.reads {
 				t.Fatalf("%d reads of the ban index in 150 ms at a 10 ms interval; want reads: %v", got, tc.reads)
+			}
+		})
+	}
+}
+
+// A ban is of a client of a rule: a reload that changes the rule's window or algorithm
+// starts its counts afresh (its clients' Redis keys carry the rule's fingerprint), not
+// its bans. In hybrid and global mode it lifted them, while /bans still listed them
+// (found by a bans audit); the local mode kept them. Standalone Redis, both modes.
+func TestSharedBanOutlivesWindowChange(t *testing.T) {
+	rule := func(mode, per, alg string) string {
+		return "rules:\n  - name: login\n    key: ip\n    algorithm: " + alg + "\n    limit: { requests: 1, per: " + per +
+			" }\n    mode: " + mode + "\n    penalty: { after: 1, within: 1m, ban: 10m }\n"
+	}
+	for _, mode := range []string{"global", "hybrid"} {
+		t.Run(mode, func(t *testing.T) {
+			rdb := realRedis(t)
+			l := sharedLimiter(t, rdb, rule(mode, "1m", "token_bucket"))
+			var d Decision
+			check := func() *Decision {
+				t.Helper()
+				if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.2.3.4"), Cost: 1}, &d); err != nil {
+					t.Fatal(err)
+				}
+				return &d
+			}
+			for i := 0; ; i++ {
+				if i > 50 {
+					t.Fatal("never banned")
+				}
+				check()
+				if mode == "hybrid" {
+					if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if d.Banned {
+					break
+				}
+			}
+			for _, change := range []string{rule(mode, "2m", "token_bucket"), rule(mode, "2m", "sliding_window")} {
+				l.SetRules(mustRules(t, change))
+				if r := check(); !r.Banned || r.Allowed || r.Results[0].RetryAfter < 9*time.Minute {
+					t.Fatalf("after a reload to\n%s: banned %v allowed %v retry %v, want the 10m ban kept",
+						change, r.Banned, r.Allowed, r.Results[0].RetryAfter)
+				}
+			}
+			if bans := l.Bans(time.Now().UnixNano()); len(bans) != 1 || bans[0].Key != "rl:login:{ip=1.2.3.4}" {
+				t.Fatalf("lists %+v, want the one ban", bans)
+			}
+			if !l.LiftBan("rl:login:{ip=1.2.3.4}", time.Now().UnixNano()) {
+				t.Fatal("LiftBan found no ban")
+			}
+			if r := check(); r.Banned {
+				t.Fatal("still banned once lifted")
 			}
 		})
 	}

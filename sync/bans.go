@@ -1,6 +1,7 @@
 package sync
 
 import (
+	"bytes"
 	"context"
 	_ "embed"
 	"fmt"
@@ -43,14 +44,49 @@ func NewBans(c redis.UniversalClient, prefix string) (*Bans, error) {
 	return &Bans{rdb: c, index: prefix + "~bans"}, nil
 }
 
-// BanKey returns the ban key of key, a rule's client key <prefix><rule>:{<client>}:
-// <prefix><rule>@ban:{<client>}. It panics on a key without a hash tag (a bug).
+// BanKey returns the ban key of key, a rule's client key <prefix><rule>[~<fingerprint>]
+// [@<window start>]:{<client>}: <prefix><rule>@ban:{<client>}, the same under any
+// algorithm, window or calendar window of the rule (BanIdentity). It panics on a key
+// without a hash tag (a bug).
 func BanKey(key string) string {
+	key = BanIdentity(key)
+	tag := strings.IndexByte(key, '{') - 1
+	return key[:tag] + "@ban" + key[tag:]
+}
+
+// BanIdentity returns the client a ban is of, given key, a rule's client key: the key
+// without the rule's fingerprint (its algorithm and window) nor a calendar window's
+// start, <prefix><rule>:{<client>}. A ban is of a client of a rule, as the local mode
+// keeps it: a reload that changes the rule's window or algorithm starts its counts
+// afresh, not its bans (it lifted them in hybrid and global mode, while /bans still
+// listed them; found by a bans audit). It panics on a key without a hash tag (a bug).
+func BanIdentity(key string) string {
 	tag := strings.IndexByte(key, '{') - 1
 	if tag < 0 || key[tag] != ':' {
-		panic("BUG: sync: BanKey of a key without a hash tag: " + key)
+		panic("BUG: sync: a ban of a key without a hash tag: " + key)
 	}
-	return key[:tag] + "@ban" + key[tag:]
+	// The prefix ends with ':' and a rule name has none, nor '~' or '@'.
+	name := strings.LastIndexByte(key[:tag], ':') + 1
+	cut := strings.IndexAny(key[name:tag], "~@")
+	if cut < 0 {
+		return key
+	}
+	return key[:name+cut] + key[tag:]
+}
+
+// AppendBanIdentity appends BanIdentity(key) to dst.
+func AppendBanIdentity(dst, key []byte) []byte {
+	tag := bytes.IndexByte(key, '{') - 1
+	if tag < 0 || key[tag] != ':' {
+		panic("BUG: sync: a ban of a key without a hash tag: " + string(key))
+	}
+	name := bytes.LastIndexByte(key[:tag], ':') + 1
+	cut := bytes.IndexAny(key[name:tag], "~@")
+	if cut < 0 {
+		return append(dst, key...)
+	}
+	dst = append(dst, key[:name+cut]...)
+	return append(dst, key[tag:]...)
 }
 
 // BanPolicy is a penalty rule's escalation, as rules.Penalty: After refusals within
@@ -119,17 +155,29 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 }
 
 // Index adds bans (as Refused reported them started) to the index, where every daemon
-// learns them ([Bans.Known]). It is idempotent: the caller retries what failed.
-func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
+// learns them ([Bans.Known]); now (Unix ns) sizes the index's TTL. It is idempotent: the
+// caller retries what failed.
+func (b *Bans) Index(ctx context.Context, now int64, bans []SharedBan) error {
 	if len(bans) == 0 {
 		return nil
 	}
 	zs := make([]redis.Z, len(bans))
+	var last int64
 	for i, sb := range bans {
 		zs[i] = redis.Z{Score: float64(sb.Until / int64(time.Millisecond)), Member: member(int64(sb.Count), sb.Key)}
+		last = max(last, sb.Until)
 	}
-	if err := b.rdb.ZAdd(ctx, b.index, zs...).Err(); err != nil {
-		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, err)
+	// The index lives until its last ban ends (and a minute more): reads drop ended
+	// members, but a deployment that stops reading it (no penalty rule left) would
+	// otherwise keep it for good. A TTL, not a time: the daemons' clocks need not agree
+	// with Redis's. NX gives one to an index without; GT only ever lengthens it.
+	ttl := max(last-now, 0)/int64(time.Millisecond) + time.Minute.Milliseconds()
+	pipe := b.rdb.Pipeline()
+	add := pipe.ZAdd(ctx, b.index, zs...)
+	pipe.Do(ctx, "PEXPIRE", b.index, ttl, "NX")
+	pipe.Do(ctx, "PEXPIRE", b.index, ttl, "GT")
+	if _, err := pipe.Exec(ctx); err != nil && add.Err() != nil {
+		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, add.Err())
 	}
 	return nil
 }
@@ -164,6 +212,10 @@ func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, er
 		if !ok || err != nil {
 			continue // not ours
 		}
+		if i := strings.IndexByte(key, '{'); i < 1 || key[i-1] != ':' {
+			continue // not ours
+		}
+		key = BanIdentity(key) // a member an earlier version indexed under the rule's fingerprint
 		sb := SharedBan{Key: key, Until: int64(z.Score) * int64(time.Millisecond), Count: uint32(n)}
 		if j, seen := latest[key]; seen {
 			if sb.Until > out[j].Until {

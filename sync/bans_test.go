@@ -11,10 +11,18 @@ func TestBanKey(t *testing.T) {
 	tests := []struct{ key, want string }{
 		{"rl:login:{ip=1.1.1.1}", "rl:login@ban:{ip=1.1.1.1}"},
 		{"a:b:login:{user=x:{y}}", "a:b:login@ban:{user=x:{y}}"}, // prefix with ':'; client with braces
+		// The same ban under any fingerprint or calendar window of the rule.
+		{"rl:login~sw1m:{ip=1.1.1.1}", "rl:login@ban:{ip=1.1.1.1}"},
+		{"rl:login~tb30s:{ip=1.1.1.1}", "rl:login@ban:{ip=1.1.1.1}"},
+		{"rl:monthly~cmonth.1a2b3c4d@1767236400:{user=a~b@c}", "rl:monthly@ban:{user=a~b@c}"},
+		{"p~@:login~fw1h:{ip=1}", "p~@:login@ban:{ip=1}"}, // a prefix with '~' and '@'
 	}
 	for _, tt := range tests {
 		if got := BanKey(tt.key); got != tt.want {
 			t.Errorf("BanKey(%q) = %q, want %q", tt.key, got, tt.want)
+		}
+		if got := string(AppendBanIdentity([]byte("x"), []byte(tt.key))); got != "x"+BanIdentity(tt.key) {
+			t.Errorf("AppendBanIdentity(%q) = %q, BanIdentity %q", tt.key, got, BanIdentity(tt.key))
 		}
 		if Slot(BanKey(tt.key)) != Slot(tt.key) {
 			t.Errorf("%q: the ban key is on another slot", tt.key)
@@ -45,7 +53,7 @@ func TestBansEscalateAndDecay(t *testing.T) {
 					t.Fatal(err)
 				}
 				if rs[0].Started {
-					if err := b.Index(ctx, []SharedBan{{Key: key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+					if err := b.Index(ctx, now, []SharedBan{{Key: key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -142,9 +150,14 @@ func TestBansKnownLimit(t *testing.T) {
 		if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started {
 			t.Fatalf("ban %d: %+v %v", i, rs[0], err)
 		}
-		if err := b.Index(ctx, []SharedBan{{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+		if err := b.Index(ctx, now, []SharedBan{{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// The index expires a minute after its last ban ends (3 minutes from now), not
+	// before, nor never (it had no TTL).
+	if ttl, err := be.rdb.PTTL(ctx, "k:~bans").Result(); err != nil || ttl < 3*time.Minute || ttl > 4*time.Minute+time.Second {
+		t.Fatalf("the index's TTL is %v (%v), want about 4m", ttl, err)
 	}
 	list, err := b.Known(ctx, now, 2)
 	if err != nil || len(list) != 2 || list[0].Key != "k:r:{c=b}" || list[1].Key != "k:r:{c=c}" {
