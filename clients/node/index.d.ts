@@ -155,7 +155,7 @@ export declare class Client {
    */
   check(attrs: Record<string, string | Uint8Array | undefined | null>, options?: CheckOptions): Promise<Decision>;
   ping(): Promise<string>;
-  /** Frees a concurrency lease: false when it was unknown, expired or already released. */
+  /** Frees a concurrency lease: false when it was unknown, expired or already released, or when the sidecar is unreachable or slow or the client closed (it then expires, or goes with its connection). Call it in a finally: it rejects only for an error answer. */
   release(lease: string): Promise<boolean>;
   /** Extends a live lease to leaseMs from now (0: each rule's own lease). */
   renew(lease: string, leaseMs?: number): Promise<{ renewed: boolean; expiresMs: number }>;

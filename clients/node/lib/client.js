@@ -384,7 +384,24 @@ class Client {
    */
   release(lease) {
     if (!lease) return Promise.resolve(false);
-    return this.leaseCall('release', lease, 0).then((m) => m.released === true);
+    let msg;
+    try {
+      msg = proto.leaseMessage(0, 'release', lease, 0);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    // It is called in a finally: a sidecar unreachable or slow, or the client closed,
+    // resolves to false rather than turning a request that succeeded into an error. The
+    // lease then expires, or is freed with its connection (close() closes them all).
+    return this.roundTrip(msg).then((m) => {
+      if (typeof m === 'string') return false;
+      const e = proto.errorOf(m);
+      if (e !== null) throw new proto.ProtocolError(e[0], e[1]);
+      return m.released === true;
+    }, (e) => {
+      if (e instanceof proto.ClosedError) return false;
+      throw e;
+    });
   }
 
   // releaseOrphan releases the lease of an answer that came after its check timed out: the

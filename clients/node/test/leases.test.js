@@ -34,6 +34,34 @@ test('leases: two then a refusal, release, renew', async (t) => {
   assert.ok((await c.check({ user: 'ann' })).allowed);
 });
 
+// release() is called in a finally: a sidecar stalled, or the client closed, resolves
+// to false (the lease expires, or goes with its connection) rather than turning a
+// request that succeeded into an error. It rejected ("sidecar unreachable: no answer
+// within the timeout"; found by a client audit).
+test('release resolves to false when the sidecar stalls or the client is closed', async (t) => {
+  const d = await startDaemon(t, RULES);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 100 });
+  t.after(() => c.close());
+  const a = await c.check({ user: 'ann' });
+  assert.ok(a.allowed && a.lease);
+  await d.pause();
+  try {
+    let result;
+    try {
+      result = 'handled';
+    } finally {
+      assert.equal(await c.release(a.lease), false);
+    }
+    assert.equal(result, 'handled');
+  } finally {
+    d.resume();
+  }
+  const b = await c.check({ user: 'ann' });
+  c.close();
+  assert.equal(await c.release(b.lease), false);
+  await assert.rejects(c.check({ user: 'ann' }), rl.ClosedError);
+});
+
 test('a lease taken by an answer that came after the check timed out is released', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 50 });

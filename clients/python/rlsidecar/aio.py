@@ -229,11 +229,15 @@ class AsyncClient:
         return _proto.decision(msg)
 
     async def release(self, lease):
-        """Free the slots ``lease`` holds; see Client.release. Its one connection holds
-        every lease it took: closing the client frees them."""
+        """Free the slots ``lease`` holds; see Client.release (False, too, when the
+        sidecar is unreachable or slow, or the client closed: call it in a finally). Its
+        one connection holds every lease it took: closing the client frees them."""
         if not lease:
             return False
-        msg = await self._lease_call("release", lease, None)
+        try:
+            msg = await self._lease_call("release", lease, None)
+        except (OSError, _proto.ClosedError):
+            return False
         return bool(msg.get("released", False))
 
     def _release_orphan(self, lease):

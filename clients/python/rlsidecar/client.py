@@ -246,12 +246,16 @@ class Client:
 
     def release(self, lease):
         """Free the slots ``lease`` holds; True when it did, False when the lease was
-        unknown, expired or already released (not an error: call it in a finally).
-        Raises OSError when the sidecar is unreachable (the lease then expires, or is freed
-        when its connection closes) and ProtocolError on an error answer."""
+        unknown, expired or already released, and when the sidecar is unreachable or
+        gives no answer within the timeout or the client is closed (the lease then
+        expires, or is freed when its connection closes): call it in a finally, it
+        raises only ProtocolError, on an error answer (a malformed release)."""
         if not lease:
             return False
-        msg = self._call("release", lease, None)
+        try:
+            msg = self._call("release", lease, None)
+        except (OSError, ClosedError):
+            return False
         with self._lock:
             conn = self._lease_conn.pop(lease, None)
             if conn is not None:
@@ -266,7 +270,8 @@ class Client:
 
     def renew(self, lease, lease_ms=None):
         """Extend a live lease to ``lease_ms`` from now (None: each rule's own lease; at
-        most 3,600,000). Returns (renewed, expires_ms); errors as for release()."""
+        most 3,600,000). Returns (renewed, expires_ms). Raises OSError when the sidecar is
+        unreachable, ClosedError once closed, ProtocolError on an error answer."""
         msg = self._call("renew", lease, lease_ms)
         renewed, expires_ms = bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
         if renewed:

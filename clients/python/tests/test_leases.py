@@ -12,6 +12,36 @@ rules:
 """
 
 
+def test_release_in_finally_never_raises_for_an_absent_sidecar(make_daemon):
+    """release() is called in a finally: a sidecar stalled, or the client closed, gives
+    False (the lease expires, or goes with its connection) rather than an exception that
+    would turn a request that succeeded into an error (it raised ConnectionError; found
+    by a client audit). Both clients."""
+    import asyncio
+
+    d = make_daemon(RULES)
+    c = rlsidecar.Client(d.socket, timeout=0.1)
+    ac = rlsidecar.AsyncClient(d.socket, timeout=0.1)
+    loop = asyncio.new_event_loop()
+    try:
+        a = c.check({"user": "ann"})
+        b = loop.run_until_complete(ac.check({"user": "ann"}))
+        assert a.lease and b.lease
+        d.pause()
+        try:
+            assert c.release(a.lease) is False
+            assert loop.run_until_complete(ac.release(b.lease)) is False
+        finally:
+            d.resume()
+        c.close()
+        loop.run_until_complete(ac.close())
+        assert c.release(a.lease) is False
+        assert loop.run_until_complete(ac.release(b.lease)) is False
+    finally:
+        c.close()
+        loop.close()
+
+
 def test_lease_release_renew(make_daemon):
     d = make_daemon(RULES)
     with rlsidecar.Client(d.socket, timeout=2) as c:
