@@ -350,6 +350,28 @@ end
 
 local REASONS = { [429] = "Too Many Requests", [431] = "Request Header Fields Too Large", [503] = "Service Unavailable" }
 
+local BAD_COST_BODY = '{"type":"about:blank","title":"Bad Request","status":400,'
+  .. '"detail":"This request\'s cost is not a non-negative integer."}'
+
+-- cost_of returns the cost in txn.rlsidecar_cost (v, as get_var gives it): 1 when not
+-- set (nil or ""), the integer it holds when it is one (decimal digits; past 2^53, 2^53:
+-- more than any rule's capacity, refused as cost_exceeds_capacity), else nil and why.
+-- A value that is not a cost ("-1", "1.5", "abc") took the failure policy, or cost 1.
+local function cost_of(v)
+  if v == nil or v == "" then
+    return 1
+  end
+  local s = tostring(v)
+  if not s:match("^%d+$") then
+    return nil, "txn.rlsidecar_cost " .. string.format("%q", s:sub(1, 64)) .. " is not a non-negative integer: refused (400)"
+  end
+  s = s:gsub("^0+(%d)", "%1")
+  if #s > 15 then
+    return 9007199254740992
+  end
+  return tonumber(s)
+end
+
 local function action(txn, address, policy, timeout)
   local timeout_ms = tonumber(timeout)
   if (policy ~= "open" and policy ~= "closed") or not timeout_ms or timeout_ms <= 0 then
@@ -365,7 +387,19 @@ local function action(txn, address, policy, timeout)
   if user and user ~= "" then attrs[#attrs + 1] = { "user", user } end
   local key = txn:get_var("txn.rlsidecar_api_key")
   if key and key ~= "" then attrs[#attrs + 1] = { "api_key", key } end
-  local cost = tonumber(txn:get_var("txn.rlsidecar_cost"))
+  local cost, bad = cost_of(txn:get_var("txn.rlsidecar_cost"))
+  if bad then
+    -- Not a cost: answered 400 whatever the policy. Under "open" the policy let such a
+    -- request past every limit (the encoder refused it, the policy decided), and a
+    -- cost set from a request header is the HTTP client's to choose.
+    txn:Info("rlsidecar: " .. bad)
+    local reply = txn:reply()
+    reply:set_status(400, "Bad Request")
+    reply:add_header("Content-Type", "application/problem+json")
+    reply:set_body(BAD_COST_BODY)
+    txn:done(reply)
+    return
+  end
 
   -- A second check of this transaction (another lua.rlsidecar line) finds its private
   -- data set, and leaves the pending lease alone: it may be this transaction's own.

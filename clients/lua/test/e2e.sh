@@ -290,7 +290,9 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   -e "s#^global#global\n    tune.bufsize 131072#" \
+  -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
+grep -q "txn.rlsidecar_cost" "$tmp/haproxy.cfg" || { echo "e2e: no set-var(txn.rlsidecar_user) line in examples/haproxy.cfg to add the cost after" >&2; exit 1; }
 grep -q "rl.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
 haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
 pids+=($!)
@@ -353,6 +355,20 @@ WANT
 
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
+
+echo "-- haproxy: txn.rlsidecar_cost (here from an X-Cost header) that is not a cost is a 400, whatever the policy"
+# It took the policy ("open": allowed, past every limit) or became cost 1.
+cost_status() { # cost_status VALUE: the status of a request as hap-cost with X-Cost: VALUE
+  curl -s --max-time 10 -o "$tmp/b" -D "$tmp/h" -w '%{http_code}' -H "X-User: hap-cost" -H "X-Cost: $1" "http://127.0.0.1:$hap_port/api/items"
+}
+expect "haproxy X-Cost 3: allowed" "$(cost_status 3)" 200
+for v in -1 1.5 abc 0x1; do
+  expect "haproxy X-Cost $v: 400 (per-user is used up, and the policy is open)" "$(cost_status "$v")" 400
+  expect "haproxy X-Cost $v: problem body" "$(cat "$tmp/b")" '{"type":"about:blank","title":"Bad Request","status":400,"detail":"This request'"'"'s cost is not a non-negative integer."}'
+done
+expect "haproxy X-Cost 99999999999999999999: refused, over any capacity" "$(cost_status 99999999999999999999)" 429
+expect "haproxy X-Cost 99999999999999999999: no Retry-After" "$(grep -ci '^retry-after:' "$tmp/h" || true)" 0
+expect "haproxy X-Cost 0: asks without consuming; per-user has nothing left" "$(cost_status 0)" 429
 
 echo "-- path: one rule on /fast limits every spelling of it, whichever gateway asks"
 # nginx sends $uri; HAProxy normalizes its raw path by the same rule (rlsidecar.path,
