@@ -187,6 +187,13 @@ export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareReq
 export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string | Buffer };
 
 /**
+ * The value of request header name ('x-user') for an attribute, undefined when the
+ * request has none: the bytes the client sent (req.headers holds them read as latin-1),
+ * a string when they are UTF-8, else a Buffer of them.
+ */
+export declare function header(req: { headers?: Record<string, string | string[] | undefined> }, name: string): string | Buffer | undefined;
+
+/**
  * The ip attribute of a peer address: the address, except that an IPv4-mapped IPv6 one
  * ('::ffff:203.0.113.7', an IPv4 client of a dual-stack server) is its IPv4 address
  * (clients/testdata/ips.json).

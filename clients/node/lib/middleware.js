@@ -27,6 +27,23 @@ function peerIP(addr) {
  * req.url), so that /f%61st, //fast and /a/../fast are all /fast, as every rlsidecar
  * client sends them.
  */
+/**
+ * header returns the value of request header name (e.g. 'x-user') for an attribute, or
+ * undefined when the request has none: the bytes the client sent, as the Go and Lua
+ * clients send a header. req.headers holds them read as latin-1, so a non-ASCII value
+ * sent as it is (X-User: café) reaches the daemon as other bytes ("cafÃ©"), another key
+ * than through any other gateway.
+ */
+function header(req, name) {
+  const v = req.headers && req.headers[name.toLowerCase()];
+  if (v === undefined || v === null) return undefined;
+  const s = Array.isArray(v) ? v.join(', ') : String(v);
+  if (/^[\x00-\x7f]*$/.test(s)) return s; // ASCII: the same bytes either way
+  const b = Buffer.from(s, 'latin1');
+  const u = b.toString('utf8');
+  return Buffer.byteLength(u) === b.length && Buffer.from(u).equals(b) ? u : b; // a string when UTF-8, else the bytes (a msgpack bin)
+}
+
 function defaultAttrs(req) {
   const addr = req.socket && req.socket.remoteAddress;
   const path = normalizePath(req.originalUrl || req.url || '');
@@ -217,4 +234,4 @@ function keepLease(client, lease, first) {
   };
 }
 
-module.exports = { middleware, defaultAttrs, peerIP };
+module.exports = { middleware, defaultAttrs, peerIP, header };

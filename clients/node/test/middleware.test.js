@@ -168,3 +168,33 @@ for (const [policy, want] of [['open', 200], ['closed', 503]]) {
     assert.equal((await (await serve(t, rl.middleware(c)))('/api/x')).status, want);
   });
 }
+
+// A header value reaches the daemon as the client sent its bytes, as through every other
+// gateway: X-User: café (raw UTF-8 on the wire) through node:http and rl.header is the
+// key of { user: 'café' }. req.headers['x-user'] sent other bytes ("cafÃ©": latin-1
+// encoded again as UTF-8), another key (found by a client audit).
+test('rl.header sends the bytes the client sent', async (t) => {
+  const d = await startDaemon(t, 'rules:\n  - name: per-user\n    key: user\n    limit: { requests: 3, per: 60s }\n');
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: (req) => ({ user: rl.header(req, 'x-user') }) });
+  const srv = http.createServer((req, res) => mw(req, res, () => res.end('hello')));
+  await new Promise((r) => srv.listen(0, '127.0.0.1', r));
+  t.after(() => new Promise((r) => { srv.closeAllConnections(); srv.close(r); }));
+  const port = srv.address().port;
+  const net = require('net');
+  const status = await new Promise((resolve, reject) => {
+    const s = net.connect(port, '127.0.0.1');
+    let got = '';
+    s.on('data', (b) => { got += b.toString('latin1'); });
+    s.on('close', () => resolve(Number(got.split(' ')[1]) || got)); // Connection: close: the server ends it
+    s.on('error', reject);
+    s.write(Buffer.concat([Buffer.from('GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\nX-User: '),
+      Buffer.from('café', 'utf8'), Buffer.from('\r\n\r\n')]));
+  });
+  assert.equal(status, 200);
+  assert.equal((await c.check({ user: 'café' }, { cost: 0 })).rules[0].remaining, 2, 'the header\'s bytes are the key of café');
+  assert.equal(rl.header({ headers: {} }, 'x-user'), undefined);
+  assert.equal(rl.header({ headers: { 'x-user': 'ann' } }, 'X-User'), 'ann');
+  assert.deepEqual(rl.header({ headers: { 'x-key': '\xff' } }, 'x-key'), Buffer.from([0xff]));
+});

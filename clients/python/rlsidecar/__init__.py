@@ -19,11 +19,11 @@ from ._proto import MAX_FRAME, PROTOCOL, ClosedError, ProtocolError, RequestTooL
 from .aio import AsyncClient
 from .client import Client
 from .decision import COST_EXCEEDS_CAPACITY, PROBLEM_TYPE, REQUEST_TOO_LARGE, Decision, RuleDecision
-from .middleware import ASGIMiddleware, WSGIMiddleware, asgi_attrs, peer_ip, wsgi_attrs
+from .middleware import ASGIMiddleware, WSGIMiddleware, asgi_attrs, asgi_header, peer_ip, wsgi_attrs, wsgi_header
 
 __version__ = "0.1.0"
 
 __all__ = ["MAX_FRAME", "PROTOCOL", "ClosedError", "ProtocolError", "RequestTooLargeError", "AsyncClient", "Client",
            "COST_EXCEEDS_CAPACITY", "REQUEST_TOO_LARGE",
-           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "wsgi_attrs",
+           "PROBLEM_TYPE", "Decision", "RuleDecision", "ASGIMiddleware", "WSGIMiddleware", "asgi_attrs", "wsgi_attrs", "asgi_header", "wsgi_header",
            "peer_ip", "normalize_path", "clean_path", "path_attr"]

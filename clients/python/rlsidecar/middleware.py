@@ -47,6 +47,29 @@ def wsgi_attrs(environ):
     return attrs
 
 
+def wsgi_header(environ, name):
+    """The value of request header ``name`` (e.g. "X-User") for an attribute, or None
+    when the request has none: its bytes as the client sent them, a str when they are
+    UTF-8 (else bytes, sent as a msgpack bin), as the Go and Lua clients send a header.
+    ``environ.get("HTTP_X_USER")`` is those bytes read as latin-1 (PEP 3333): sent as
+    it is, a non-ASCII value reaches the daemon as other bytes (X-User: café as
+    "cafÃ©"), another key than through any other gateway."""
+    v = environ.get("HTTP_" + name.upper().replace("-", "_"))
+    if v is None:
+        return None
+    return path_attr(_wsgi_bytes(v))
+
+
+def asgi_header(scope, name):
+    """The value of request header ``name`` in an ASGI scope, for an attribute, or None:
+    as wsgi_header (several lines of it joined with ", ", as a server joins them)."""
+    want = name.lower().encode("latin-1")
+    vals = [v for k, v in scope.get("headers") or () if k.lower() == want]
+    if not vals:
+        return None
+    return path_attr(b", ".join(vals))
+
+
 def _wsgi_bytes(s):
     """The bytes of a WSGI "native string": each character one byte (PEP 3333 decodes them
     as latin-1). A server that broke the rule and put other characters there gets them
