@@ -79,13 +79,20 @@ func (ls *Leases) untrackLocked(gl *globalLease, count func(*LeaseStats)) bool {
 
 // releasedGlobal records the release through this daemon of the global lease id, whose
 // parts are of rules rs: freed says whether Redis freed a live part.
-func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool) {
+func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool, now int64) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	if gl := ls.global[id]; gl != nil {
 		var count func(*LeaseStats)
-		if freed {
+		switch {
+		case freed:
 			count = func(s *LeaseStats) { s.Released++ }
+		case gl.expires <= now:
+			// Released too late: it ran out first (a renewal through another daemon
+			// would have kept it). Counted expired, the leak signal, as the sweep
+			// counts one never released, and as a local lease released late is; it was
+			// counted nowhere when released before the sweep came to it.
+			count = func(s *LeaseStats) { s.Expired++ }
 		}
 		ls.untrackLocked(gl, count)
 		return

@@ -787,3 +787,26 @@ rules:
 		}
 	}
 }
+
+// A global lease released (or its connection closed) after it ran out is counted
+// expired, the leak signal: a request that outlived its lease. It was counted nowhere
+// when the release came before the sweep reached it (found by a lease audit), where a
+// local lease released late is counted expired.
+func TestGlobalLeaseReleasedLateCountsExpired(t *testing.T) {
+	rdb := realRedis(t)
+	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 2, lease: 50ms }\n    mode: global\n"
+	a := globalLimiter(t, rdb, yaml, "rl:")
+	_, tok, _ := acquire(t, a, &Input{Attrs: attrs("user=kim"), Cost: 1}, 0)
+	acquire(t, a, &Input{Attrs: attrs("user=lou"), Cost: 1}, 7) // held by connection 7
+	time.Sleep(80 * time.Millisecond)
+	if a.ReleaseLease(tok, nowNs()) {
+		t.Fatal("a lease that ran out was freed")
+	}
+	if s := stats(a, "short"); s.Expired != 1 || s.Released != 0 || s.InFlight != 1 {
+		t.Fatalf("after a late release: %+v, want 1 expired, 1 in flight", s)
+	}
+	a.ReleaseOwner(7, nowNs()) // its connection closes after the lease ran out
+	if s := stats(a, "short"); s.Expired != 2 || s.Closed != 0 || s.InFlight != 0 {
+		t.Fatalf("after a late close: %+v, want 2 expired", s)
+	}
+}

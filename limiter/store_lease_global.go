@@ -325,7 +325,7 @@ var clientByte = func() (t [256]bool) {
 }()
 
 // release frees the global lease of token through Redis, whichever daemon acquired it.
-func (s *globalLeaseStore) release(token string) bool {
+func (s *globalLeaseStore) release(token string, now int64) bool {
 	id, parts, rs, ok := s.decodeGlobal(token)
 	if !ok {
 		return false
@@ -336,7 +336,7 @@ func (s *globalLeaseStore) release(token string) bool {
 	if err != nil {
 		return false // the lease expires after its lease
 	}
-	s.ls.releasedGlobal(id, rs, freed)
+	s.ls.releasedGlobal(id, rs, freed, now)
 	return freed
 }
 
@@ -362,11 +362,12 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 }
 
 // releaseAll frees the global leases gls (a closed connection's, no longer tracked) in
-// Redis, on one bounded context, counts those it freed as closed (the others were
-// released through another daemon, or expired), and reports how many it freed. When
+// Redis, on one bounded context, counts those it freed as closed, those not freed and
+// past their expiry as expired (the others were released through another daemon), and
+// reports how many it freed. When
 // Redis failed, those it did not free may still hold their slots: they are tracked
 // again, ownerless, so the sweep counts them expired or finds them gone.
-func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
+func (s *globalLeaseStore) releaseAll(gls []*globalLease, now int64) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids := make([]string, len(gls))
@@ -383,6 +384,10 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
 		case err != nil:
 			s.ls.retrack(gls[i])
+		case gls[i].expires <= now:
+			// Not freed, and past its expiry as this daemon knew it: it ran out (a
+			// renewal through another daemon would have kept it, and it would be freed).
+			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Expired++ })
 		}
 	}
 	return n
@@ -469,7 +474,7 @@ func (l *Limiter) ReleaseLease(token string, now int64) bool {
 		freed = l.leases.Release(local, now)
 	}
 	if global != "" && l.global != nil {
-		freed = l.global.release(global) || freed
+		freed = l.global.release(global, now) || freed
 	}
 	return freed
 }
@@ -533,7 +538,7 @@ func (l *Limiter) ReleaseOwner(owner uint64, now int64) int {
 	n := l.leases.ReleaseOwner(owner, now)
 	if l.global != nil {
 		if gls := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
-			n += l.global.releaseAll(gls)
+			n += l.global.releaseAll(gls, now)
 		}
 	}
 	return n
