@@ -36,10 +36,6 @@ const BACKOFF_MAX = 1000;
 // for room, up to its timeout.
 const MAX_PENDING = 4096;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
-// Frames at least this long are written with a callback that, when the write fails, reads
-// what the sidecar answered before (see Conn.readLeft); a shorter one goes out in one
-// system call, whole or not at all.
-const LARGE_FRAME = 8192;
 // The least time, in ms, between two lines of the outage log while the sidecar keeps
 // failing (see Client.unreachable).
 const OUTAGE_LOG_INTERVAL = 10000;
@@ -108,7 +104,10 @@ class Conn {
     this.served = false;
     this.broken = null;
     this.corked = false;
-    this.onLargeWritten = (e) => {
+    // Every write's callback: a write that failed (EPIPE, ECONNRESET) may have failed
+    // because the sidecar answered and closed (frame_too_large, too_many_connections),
+    // its answer still unread; the callback runs before the socket is destroyed.
+    this.onWritten = (e) => {
       if (e) this.readLeft();
     };
     socket.on('data', (chunk) => this.onData(chunk));
@@ -116,10 +115,11 @@ class Conn {
     socket.on('close', () => this.fail('the sidecar closed the connection'));
   }
 
-  // readLeft reads, at once, what the sidecar wrote before a write of a large frame failed,
-  // and hands it to onData. The sidecar refuses a frame over its --max-frame from its
-  // header: it answers frame_too_large and closes, and the write of the rest fails (EPIPE),
-  // though the answer is already in the receive queue. libuv may report that failure
+  // readLeft reads, at once, what the sidecar wrote before a write failed, and hands it to
+  // onData. The sidecar refuses a frame over its --max-frame from its header: it answers
+  // frame_too_large and closes, and the write of the rest fails (EPIPE), though the answer
+  // is already in the receive queue; one over its --max-conns is answered
+  // too_many_connections and closed as it connects, before the first check is read. libuv may report that failure
   // before reading (when the poll said only "writable"), and the socket is then destroyed,
   // its answer unread: the check would get the policy, not its 431. A write's callback
   // runs before that destroy, so the answer is read here, from the socket's descriptor
@@ -153,8 +153,7 @@ class Conn {
         this.socket.uncork();
       });
     }
-    if (frame.length >= LARGE_FRAME) this.socket.write(frame, this.onLargeWritten);
-    else this.socket.write(frame);
+    this.socket.write(frame, this.onWritten);
   }
 
   inFlight() {
@@ -192,7 +191,11 @@ class Conn {
         return this.fail(`answer id ${msg.id} where ${entry.id} was due`);
       }
       if (e !== null && (e[0] === 'too_many_connections' || e[0] === 'shutting_down')) {
-        return this.fail(`the sidecar closed the connection: ${e[0]}`);
+        // entry, taken off pending above, gets the policy with the sidecar's reason (it
+        // waited out its timeout: fail settles only the checks still pending).
+        const why = `the sidecar closed the connection: ${e[0]}`;
+        entry.done(null, why);
+        return this.fail(why);
       }
       this.served = true;
       const late = entry.settled;

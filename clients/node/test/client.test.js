@@ -243,3 +243,23 @@ test('numbers above 2^32 - 1 go as integers, not floats', async (t) => {
   const y = await c.check({}, { limits: [{ key: 'q', limit: 3, windowMs: 90 * 86400000, name: 'quarter' }] });
   assert.ok(y.allowed && y.rule === 'quarter' && y.remaining === 2, JSON.stringify(y));
 });
+
+// A daemon at its --max-conns answers a new connection too_many_connections and closes
+// it: the check's cause says so, as the other clients' do. It said "connection lost:
+// write EPIPE" (the write failed before the answer was read; found by a client audit).
+test('a daemon at --max-conns: the cause names too_many_connections', async (t) => {
+  const net = require('net');
+  const d = await startDaemon(t, undefined, ['--max-conns', '1']);
+  const holder = net.connect(d.socket);
+  await new Promise((r) => holder.once('connect', r));
+  t.after(() => holder.destroy());
+  let causes = [];
+  for (let i = 0; i < 5; i++) {
+    const c = new rl.Client({ socket: d.socket, timeoutMs: 1000 });
+    const dec = await c.check({ user: 'ann' });
+    c.close();
+    assert.ok(dec.unreachable, 'answered by the policy');
+    causes.push(dec.cause);
+  }
+  assert.ok(causes.every((c) => /too_many_connections/.test(c)), causes.join(' | '));
+});

@@ -74,7 +74,10 @@ class _Protocol(asyncio.Protocol):
             if got != want and not (e is not None and got == 0):
                 return self.fail("answer id %r where %d was due" % (got, want))
             if e is not None and e[0] in ("too_many_connections", "shutting_down"):
-                return self.fail("the sidecar closed the connection: %s" % e[0])
+                why = "the sidecar closed the connection: %s" % e[0]
+                if not fut.done():  # taken off pending above: fail would not wake it
+                    fut.set_exception(ConnectionError(why))
+                return self.fail(why)
             self.served = True
             if not fut.done():
                 fut.set_result(msg)

@@ -161,3 +161,39 @@ def test_waiting_for_room_ends_at_the_timeout(daemon, monkeypatch):
             assert sum("no room" in d.cause for d in ds) == 3, [d.cause for d in ds]
             assert 0.19 <= took < 3.0
     run(main())
+
+
+def test_async_max_conns_cause(make_daemon):
+    """A daemon at its --max-conns answers a new connection too_many_connections and
+    closes it: the check answers by the policy at once, its cause naming the reason.
+    (The Node client's check waited out its whole timeout when the refusal came after the
+    check was sent: the answer took it off the pending list, and the connection's failure
+    woke only those still on it. Here the refusal usually arrives first; the same order
+    of events is handled the same way in data_received.)"""
+    import socket as socketmod
+
+    d = make_daemon(RULES_AIO_MC, args=["--max-conns", "1"])
+    holder = socketmod.socket(socketmod.AF_UNIX)
+    holder.connect(d.socket)
+    try:
+        async def main():
+            c = rlsidecar.AsyncClient(d.socket, timeout=2)
+            try:
+                t0 = time.monotonic()
+                dec = await c.check({"user": "ann"})
+                return dec, time.monotonic() - t0
+            finally:
+                await c.close()
+        dec, took = asyncio.run(main())
+        assert dec.unreachable and "too_many_connections" in dec.cause, dec.cause
+        assert took < 1, "waited %.2f s for a refusal the sidecar sent at once" % took
+    finally:
+        holder.close()
+
+
+RULES_AIO_MC = """
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 60s }
+"""
