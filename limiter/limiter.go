@@ -306,8 +306,11 @@ type Decision struct {
 	routed  uint8               // a bit per store (1<<storeID) some op was routed to
 	skipped uint8               // a bit per store apply skipped (an earlier one rejected)
 	keys    []byte              // every op's key, back to back
-	limits  []localbucket.Limit // the inline limits, parsed
-	scratch [numStores]any      // each store's own batch types (scratchOf)
+	limits  []localbucket.Limit // the inline limits, parsed (with Redis, then room for their shares)
+	// live is the live daemons counted when Prepare built the ops: an inline limit in
+	// Redis falls back to its share of them (fallBack).
+	live    int
+	scratch [numStores]any // each store's own batch types (scratchOf)
 	// local is the local store's batch: built by Prepare beside the ops (localReady), in
 	// op order, rebuilt by the local store when a failure policy has rerouted ops to it
 	// since.
@@ -423,6 +426,7 @@ func (l *Limiter) Prepare(in *Input, d *Decision) (waits bool, err error) {
 		nl := ninline
 		if l.hybrid != nil {
 			nl *= 2
+			d.live = l.hybrid.replicas()
 		}
 		if cap(d.limits) < nl {
 			d.limits = make([]localbucket.Limit, nl)
@@ -736,7 +740,7 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 				// rebuilt from a lease token by any daemon, so it has no fingerprint.
 				d.keys = insertFingerprint(d.keys, start+len(l.prefix)+len(r.Name), lim)
 			}
-			fb = fallback{in.fb, lim}
+			fb = fallback{policy: in.fb, local: lim}
 			if in.flags&infoFallbackSplit != 0 {
 				fb.local, _ = r.SplitLimitFor(plan, hasPlan, l.hybrid.replicas())
 			}
@@ -852,14 +856,10 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 	// Without Redis, an inline limit in hybrid or global mode is decided as a rule with
 	// on_store_failure: local: from a local bucket of its limit divided among the live
 	// daemons (it was the whole limit: N daemons admitted N times it while Redis was away).
-	fb := fallback{rules.FailLocal, &d.limits[n]}
+	fb := fallback{policy: rules.FailLocal, local: &d.limits[n]}
 	if id != storeLocal && l.hybrid != nil {
-		if live := l.hybrid.replicas(); live > 1 {
-			share := &d.limits[len(d.limits)/2+n]
-			if *share, err = rules.SplitLimit(&d.limits[n], uint64(live)); err == nil {
-				fb.local = share
-			}
-		}
+		// Its share is worked out by fallBack, when needed, into its room.
+		fb.local, fb.share = &d.limits[len(d.limits)/2+n], true
 	}
 	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags}
 	d.routed |= 1 << id

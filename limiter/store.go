@@ -79,7 +79,10 @@ type op struct {
 // live daemons last counted).
 type fallback struct {
 	policy rules.FailurePolicy
-	local  *localbucket.Limit
+	// share: local is where to put the op's limit divided among the live daemons
+	// (Decision.live), worked out when the fallback is taken (an inline limit's).
+	share bool
+	local *localbucket.Limit
 }
 
 // route sends op i to store id.
@@ -205,7 +208,17 @@ func (d *Decision) fallBack(id storeID) bool {
 			d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second)})
 			ok = ok && o.shadow
 		default:
-			if o.fb.local != nil {
+			switch {
+			case o.fb.share:
+				o.fb.share = false // worked out once: a later fallBack takes local as it is
+				share, err := rules.SplitLimit(o.lim, uint64(max(d.live, 1)))
+				if err != nil {
+					o.fb.local = nil
+					break
+				}
+				*o.fb.local = share
+				o.lim = o.fb.local
+			case o.fb.local != nil:
 				o.lim = o.fb.local
 			}
 			if r := d.Results[i].Rule; r != nil && r.Concurrency {
