@@ -5,7 +5,7 @@ import asyncio
 import threading
 import time
 
-from ._path import clean_path, normalize_path, path_attr
+from ._path import _ABSOLUTE, clean_path, normalize_path, path_attr
 from ._proto import ClosedError, ProtocolError
 from .decision import Decision
 
@@ -39,7 +39,13 @@ def wsgi_attrs(environ):
     if raw:
         path = normalize_path(_wsgi_bytes(raw))
     else:
-        path = clean_path(_wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")))
+        decoded = _wsgi_bytes(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""))
+        # A target in absolute form (http://host/a, as a proxy sends it) that the server
+        # put in PATH_INFO as it came (wsgiref does): counted from its path, as nginx does.
+        m = _ABSOLUTE.match(decoded)
+        if m is not None:
+            decoded = decoded[m.end():]
+        path = clean_path(decoded)
     attrs = {"method": environ.get("REQUEST_METHOD", ""), "path": path_attr(path)}
     addr = environ.get("REMOTE_ADDR")
     if addr:  # else left out, not sent as "": every such request would share one per-ip bucket

@@ -57,6 +57,11 @@ def test_absolute_form_and_bad_types():
                       (b"http://example.com//a/../b", b"/b"), (b"/http://x/a", b"/http:/x/a")]:
         assert rlsidecar.normalize_path(raw) == want, raw
     assert rlsidecar.clean_path(b"//a/%2e%2e/./b/../c?d") == b"/a/%2e%2e/c?d"
+    # A WSGI server without RAW_URI / REQUEST_URI (wsgiref) puts an absolute-form target
+    # in PATH_INFO as it came: counted from its path (it was "/http:/h/abs/p").
+    env = {"REQUEST_METHOD": "GET", "SCRIPT_NAME": "", "PATH_INFO": "http://h/abs/p"}
+    assert rlsidecar.wsgi_attrs(env)["path"] == "/abs/p"
+    assert rlsidecar.wsgi_attrs(dict(env, PATH_INFO="/http://h/abs/p"))["path"] == "/http:/h/abs/p"
     with pytest.raises(TypeError):
         rlsidecar.normalize_path("/fast")
     with pytest.raises(TypeError):
