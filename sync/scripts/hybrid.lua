@@ -277,6 +277,13 @@ for i = 1, nkeys do
       sharers = math.max(replicas, 2)
       -- no complete epoch yet: assume every live daemon sees as much as this one
       total = math.max(total, share_demand * sharers)
+    elseif other then
+      -- Another daemon used the key lately: it is shared, whatever this daemon's count of
+      -- the live ones says (up to a heartbeat old) and whatever demand the epochs hold
+      -- (another daemon's sync may fall in an epoch of its own). A daemon that counted
+      -- itself alone took the whole headroom once an epoch was complete, and the other
+      -- refused its clients until the next sync.
+      sharers = math.max(replicas, 2)
     end
 
     local avail, headroom, wstart
