@@ -800,23 +800,7 @@ func TestHybridColdStartGrantLeavesRoom(t *testing.T) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
 		lim := mustLimit(t, alg, 1_000_000, time.Hour)
 		key := fmt.Sprintf("rl:cold%d:{u}", alg)
-		alone := NewHybrid(rdb, HybridOptions{ID: "alone"}) // counts 1 live daemon
-		other := NewHybrid(rdb, HybridOptions{ID: "other", FetchWait: 2 * time.Second})
-		other.SetReplicas(2)
-		// Both daemons use the key (so neither spends credit on it), the first hot: its
-		// syncs ask a share grant.
-		for range 3 {
-			now := time.Now().UnixNano()
-			take(other, now, key, lim, 1)
-			for range 20 {
-				take(alone, now, key, lim, 1)
-			}
-			for _, h := range []*Hybrid{other, alone} {
-				if err := h.Flush(context.Background(), now); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
+		other := coldStartTwo(t, rdb, key, lim, 0)
 		if r := take(other, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
 			t.Fatalf("alg %d: the second daemon refused a key 60 units into a limit of 10^6 (retry %v, %d left)",
 				alg, time.Duration(r.RetryAfter), r.Remaining)
@@ -839,23 +823,7 @@ func TestHybridSharedKeyGrantLeavesRoom(t *testing.T) {
 			trials++
 			lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour)
 			key := fmt.Sprintf("rl:gap%d-%d:{u}", gap, rep)
-			alone := NewHybrid(rdb, HybridOptions{ID: "alone"}) // counts 1 live daemon
-			other := NewHybrid(rdb, HybridOptions{ID: "other", FetchWait: 2 * time.Second})
-			other.SetReplicas(2)
-			for range 3 {
-				now := time.Now().UnixNano()
-				take(other, now, key, lim, 1)
-				for range 20 {
-					take(alone, now, key, lim, 1)
-				}
-				if err := other.Flush(context.Background(), now); err != nil {
-					t.Fatal(err)
-				}
-				time.Sleep(gap * time.Millisecond)
-				if err := alone.Flush(context.Background(), now); err != nil {
-					t.Fatal(err)
-				}
-			}
+			other := coldStartTwo(t, rdb, key, lim, gap*time.Millisecond)
 			if r := take(other, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
 				refused++
 				t.Logf("syncs %d ms apart: the second daemon refused (retry %v, %d left)", gap, time.Duration(r.RetryAfter), r.Remaining)
@@ -865,6 +833,32 @@ func TestHybridSharedKeyGrantLeavesRoom(t *testing.T) {
 	if refused > 0 {
 		t.Fatalf("the second daemon refused a key 60 units into a limit of 10^6 in %d of %d trials", refused, trials)
 	}
+}
+
+// coldStartTwo starts two daemons on key, new to Redis: "alone" counts 1 live daemon,
+// "other" 2. Both use the key (so neither spends credit on it), alone hot: its syncs ask
+// a share grant. Three rounds, each other's sync then, gap later, alone's. It returns
+// other, for the check that must pass.
+func coldStartTwo(t *testing.T, rdb redis.UniversalClient, key string, lim *localbucket.Limit, gap time.Duration) *Hybrid {
+	t.Helper()
+	alone := NewHybrid(rdb, HybridOptions{ID: "alone"})
+	other := NewHybrid(rdb, HybridOptions{ID: "other", FetchWait: 2 * time.Second})
+	other.SetReplicas(2)
+	for range 3 {
+		now := time.Now().UnixNano()
+		take(other, now, key, lim, 1)
+		for range 20 {
+			take(alone, now, key, lim, 1)
+		}
+		if err := other.Flush(context.Background(), now); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(gap)
+		if err := alone.Flush(context.Background(), now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return other
 }
 
 // A token bucket whose unit is not a whole number of microseconds (7 per 60 s) counts
