@@ -166,10 +166,8 @@ def test_waiting_for_room_ends_at_the_timeout(daemon, monkeypatch):
 def test_async_max_conns_cause(make_daemon):
     """A daemon at its --max-conns answers a new connection too_many_connections and
     closes it: the check answers by the policy at once, its cause naming the reason.
-    (The Node client's check waited out its whole timeout when the refusal came after the
-    check was sent: the answer took it off the pending list, and the connection's failure
-    woke only those still on it. Here the refusal usually arrives first; the same order
-    of events is handled the same way in data_received.)"""
+    (Against the real daemon the refusal usually arrives before the check is sent; the
+    other order is test_async_refusal_after_the_check.)"""
     import socket as socketmod
 
     d = make_daemon(RULES_AIO_MC, args=["--max-conns", "1"])
@@ -197,3 +195,44 @@ rules:
     key: user
     limit: { requests: 5, per: 60s }
 """
+
+
+def test_async_refusal_after_the_check(short_tmp):
+    """A sidecar that reads the check, then answers too_many_connections (id 0) and
+    closes: the check answers by the policy at once, with that cause. It waited out its
+    whole timeout: the answer took it off the pending list, and the connection's failure
+    woke only the checks still on it (as in the Node client; found by a client audit)."""
+    import socket as socketmod
+    import threading
+
+    from rlsidecar import _proto
+
+    path = os.path.join(short_tmp, "mc.sock")
+    srv = socketmod.socket(socketmod.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            head = c.recv(4, socketmod.MSG_WAITALL)
+            c.recv(_proto.frame_length(head), socketmod.MSG_WAITALL)  # the check, read whole
+            c.sendall(_proto.encode({"id": 0, "error": {"code": "too_many_connections", "message": "full"}}))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        async def main():
+            c = rlsidecar.AsyncClient(path, timeout=2)
+            try:
+                t0 = time.monotonic()
+                dec = await c.check({"user": "ann"})
+                return dec, time.monotonic() - t0
+            finally:
+                await c.close()
+        dec, took = asyncio.run(main())
+        assert dec.unreachable and "too_many_connections" in (dec.cause or ""), dec.cause
+        assert took < 1, "waited %.2f s for a refusal the sidecar sent at once" % took
+    finally:
+        srv.close()
+        t.join(2)
