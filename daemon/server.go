@@ -662,9 +662,20 @@ func (cn *conn) setDeadline(t time.Time) error {
 }
 
 // waitIdle flushes the answers so far and waits for the first byte of a next frame.
-func (cn *conn) waitIdle() error {
+//
+// After the answers to a pipelined batch (yield: more than one frame), it first lets the
+// goroutines ready on this P run: other connections whose frames the netpoller has seen.
+// This connection's client is reading the answers just written and has not sent its next
+// batch yet, so a read now would most often find the socket empty and park the goroutine,
+// to be woken again: a system call and a trip through the netpoller for nothing. With
+// nothing else ready, Gosched returns at once. A batch of one (a gateway's one check at a
+// time) goes straight to its read: its round trip is the latency the gateway waits for.
+func (cn *conn) waitIdle(yield bool) error {
 	if err := cn.flush(); err != nil {
 		return err
+	}
+	if yield {
+		runtime.Gosched()
 	}
 	s := cn.s
 	if s.cfg.IdleTimeout > 0 {
@@ -1093,7 +1104,7 @@ func (cn *conn) loop() error {
 	batched := 0  // frames since the clock was read
 	for {
 		if cn.br.Buffered() == 0 {
-			if err := cn.waitIdle(); err != nil {
+			if err := cn.waitIdle(batched > 1); err != nil {
 				return err
 			}
 			batched = 0
