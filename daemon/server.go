@@ -466,13 +466,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 
 // conn is the per-connection state: reused codec, request, decision and response.
 type conn struct {
-	s   *Server
-	id  uint64 // owns the leases taken on this connection (limiter.Decision.Owner)
-	c   *net.UnixConn
-	rw  io.ReadWriter // c's reads and writes, without the scheduler's syscall state (rawio_linux.go)
-	br  *bufio.Reader
-	dec *proto.Decoder
-	enc *proto.Encoder
+	s  *Server
+	id uint64 // owns the leases taken on this connection (limiter.Decision.Owner)
+	c  *net.UnixConn
+	rw io.ReadWriter // c's reads and writes, without the scheduler's syscall state (rawio_linux.go)
+
+	writeWaits func() // moveWriteDeadline, bound once
+	br         *bufio.Reader
+	dec        *proto.Decoder
+	enc        *proto.Encoder
 
 	req proto.Request
 	in  limiter.Input
@@ -602,6 +604,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		cn.dec.MaxAttrLen = s.cfg.MaxAttrLen
 	}
 	cn.rw = rawio.New(c, s.spin)
+	cn.writeWaits = cn.moveWriteDeadline
 	if rc, err := c.SyscallConn(); err == nil {
 		cn.raw = rc
 	}
@@ -875,6 +878,21 @@ func (cn *conn) flush() error {
 	return err
 }
 
+// vecWriter is the write-behind's writer when it can write a run of answers with one
+// writev and call back before each wait for room (rawio.WriteBuffers).
+type vecWriter interface {
+	WriteBuffers(bufs *net.Buffers, waiting func()) (int64, error)
+}
+
+// moveWriteDeadline (writeWaits, bound once) moves the write deadline a whole WriteTimeout past now, as the writer is
+// about to wait for room: for the first time in a write, or after the client took some of
+// its answers. A client is cut off when it takes nothing for WriteTimeout, however many
+// answers it has still to take.
+func (cn *conn) moveWriteDeadline() {
+	cn.wdeadline = time.Now().Add(cn.s.cfg.WriteTimeout)
+	_ = cn.c.SetWriteDeadline(cn.wdeadline)
+}
+
 // tryWriter is the hot path's writer when it can write without waiting
 // (rawio.TryWrite): what the socket takes now.
 type tryWriter interface {
@@ -1042,8 +1060,13 @@ func (cn *conn) writeReady() {
 		if cn.werr == nil {
 			cn.writing, cn.inWrite = true, k
 			cn.wmu.Unlock()
+			// A deadline not past (a past one fails the write before it starts); then,
+			// where the writer can, one counted from each wait for room: a client that
+			// takes its answers slowly but steadily is not cut off (writeWaits).
 			err := cn.setWriteDeadline()
-			if err == nil {
+			if v, ok := cn.rw.(vecWriter); ok && err == nil {
+				_, err = v.WriteBuffers(&cn.bufs, cn.writeWaits)
+			} else if err == nil {
 				_, err = cn.bufs.WriteTo(cn.c)
 			}
 			cn.wmu.Lock()

@@ -302,6 +302,64 @@ func TestWriteTimeoutFreesSlot(t *testing.T) {
 	waitClosed(t, m, closeWriteTimeout)
 }
 
+// A client that takes its answers slowly but steadily is never cut off, however long it
+// takes them all: the write timeout counts from the last bytes it took, not from when the
+// daemon began to write what it holds. It used to cover a whole write of up to maxHeld
+// bytes: a client reading 160 KB/s was cut 5 s into a 2 MB pipeline, its answers lost.
+// And one that stops reading, partway, is still cut off.
+func TestSlowSteadyReaderNotCut(t *testing.T) {
+	const wt = 300 * time.Millisecond
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{WriteTimeout: wt, Metrics: m})
+	defer s.Shutdown(context.Background())
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const n = 60_000
+	enc := proto.NewEncoder()
+	for i := range n {
+		enc.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpPing})
+	}
+	go func() {
+		c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+		c.Write(enc.Bytes())
+	}()
+	// Read 32 KiB each 20 ms (~1.6 MB/s): well over the write timeout for them all.
+	buf := make([]byte, 32<<10)
+	var got []byte
+	start := time.Now()
+	for answers := 0; answers < n; {
+		time.Sleep(20 * time.Millisecond)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		k, err := c.Read(buf)
+		if err != nil {
+			t.Fatalf("after %d answers, %d bytes, %v: %v", answers, len(got), time.Since(start), err)
+		}
+		got = append(got, buf[:k]...)
+		for len(got) >= proto.HeaderSize && len(got) >= proto.HeaderSize+int(proto.FrameLength(got)) {
+			l := proto.HeaderSize + int(proto.FrameLength(got))
+			var r proto.Response
+			if err := proto.NewDecoder().DecodeResponse(got[proto.HeaderSize:l], &r); err != nil || r.ID != uint64(answers+1) {
+				t.Fatalf("answer %d: %+v, %v", answers, r, err)
+			}
+			got = got[l:]
+			answers++
+		}
+	}
+	if d := time.Since(start); d < 2*wt {
+		t.Fatalf("the answers took %v to read: not long enough to test the write timeout", d)
+	}
+	if v := m.closed[closeWriteTimeout].Get(); v != 0 {
+		t.Fatalf("a client reading steadily was cut off: write_timeout %d", v)
+	}
+	// Now the same client stops reading partway through a second pipeline: cut off.
+	go c.Write(enc.Bytes())
+	waitConns(t, s, 0, 5*time.Second)
+	waitClosed(t, m, closeWriteTimeout)
+}
+
 // The daemon counts the connections it refuses past MaxConns and those it closes after
 // answering frame_too_large; a client's own close and a shutdown are not counted.
 func TestConnectionsClosedCounted(t *testing.T) {

@@ -1,7 +1,10 @@
 package rawio
 
 import (
+	"errors"
 	"io"
+	"net"
+	"os"
 	"runtime"
 	"syscall"
 	"unsafe"
@@ -19,8 +22,9 @@ import (
 // state. Errors are those of net.Conn: io.EOF, net.ErrClosed once closed,
 // os.ErrDeadlineExceeded, and the socket's errno (ECONNRESET, EPIPE, ...).
 //
-// A rawIO is used by its connection's goroutine only, as net.Conn's Read and Write are
-// (one goroutine may read while another writes).
+// A rawIO's Read is used by one goroutine at a time, as net.Conn's is, and so are its
+// Write and TryWrite, and its WriteBuffers: one goroutine may read while another writes
+// (the writes are serialized by the socket's write lock; each keeps its own state).
 type rawIO struct {
 	rc   syscall.RawConn
 	spin *Spinner // nil: wait in the netpoller at once
@@ -40,6 +44,18 @@ type rawIO struct {
 	wp      []byte
 	wdone   int
 	werrno  syscall.Errno
+
+	// WriteBuffers's, apart from Write's: the two may run on different goroutines.
+	vecFn   func(fd uintptr) bool
+	vb      *net.Buffers
+	vn      int64
+	verrno  syscall.Errno
+	vprog   func()
+	vwaited bool
+	vq      int // the socket's unread bytes when the deadline last moved (SIOCOUTQ)
+	qFn     func(fd uintptr)
+	q       int32
+	iov     [64]syscall.Iovec
 }
 
 // New returns the reader and writer of c's hot path: a rawIO, or c itself when its raw
@@ -50,7 +66,7 @@ func New(c Conn, spin *Spinner) io.ReadWriter {
 		return c
 	}
 	r := &rawIO{rc: rc, spin: spin}
-	r.readFn, r.writeFn, r.tryFn = r.readFd, r.writeFd, r.tryWriteFd
+	r.readFn, r.writeFn, r.tryFn, r.vecFn, r.qFn = r.readFd, r.writeFd, r.tryWriteFd, r.writeVecFd, r.outqFd
 	return r
 }
 
@@ -161,4 +177,103 @@ func (r *rawIO) writeFd(fd uintptr) bool {
 		}
 	}
 	return true
+}
+
+// WriteBuffers writes bufs in full, consuming them as net.Buffers.WriteTo does, with one
+// writev per attempt. Before it first waits for room, and before each wait that follows
+// bytes going out, it calls waiting (if not nil): where the caller moves its write
+// deadline, so that a peer taking its bytes slowly but steadily is waited for, and one
+// that takes none for the deadline's length is not. A wait the netpoller ends without
+// room (a spurious wake) does not call it again.
+func (r *rawIO) WriteBuffers(bufs *net.Buffers, waiting func()) (int64, error) {
+	r.vb, r.vn, r.verrno, r.vprog, r.vwaited = bufs, 0, 0, waiting, false
+	err := r.rc.Write(r.vecFn)
+	// The netpoller reports room only once the peer has read most of what the socket
+	// holds (a Unix socket is writable again below a quarter of its buffer): a peer
+	// reading slowly but steadily can take bytes for longer than the deadline without a
+	// wake. When the deadline passes, the socket's unread bytes tell whether it did.
+	for waiting != nil && errors.Is(err, os.ErrDeadlineExceeded) && r.peerTook() {
+		waiting()
+		err = r.rc.Write(r.vecFn)
+	}
+	n, errno := r.vn, r.verrno
+	r.vb, r.vprog = nil, nil
+	if err == nil && errno != 0 {
+		err = errno
+	}
+	return n, err
+}
+
+func (r *rawIO) writeVecFd(fd uintptr) bool {
+	moved := false
+	for {
+		iov := r.iov[:0]
+		for _, p := range *r.vb {
+			if len(iov) == cap(iov) {
+				break
+			}
+			if len(p) > 0 {
+				v := syscall.Iovec{Base: &p[0]}
+				v.SetLen(len(p))
+				iov = append(iov, v)
+			}
+		}
+		if len(iov) == 0 {
+			*r.vb = (*r.vb)[:0]
+			return true
+		}
+		r1, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+		switch e {
+		case 0:
+			r.vn += int64(r1)
+			consume(r.vb, int(r1))
+			moved = true
+		case syscall.EINTR:
+		case syscall.EAGAIN:
+			if (moved || !r.vwaited) && r.vprog != nil {
+				r.vprog()
+				r.outqFd(fd)
+				r.vq = int(r.q)
+			}
+			r.vwaited = true
+			return false // wait in the netpoller (under the write deadline), then call again
+		default:
+			r.verrno = e
+			return true
+		}
+	}
+}
+
+// peerTook reports whether the socket holds fewer unread bytes than when the deadline
+// last moved, and notes how many it holds now.
+func (r *rawIO) peerTook() bool {
+	r.q = -1
+	if err := r.rc.Control(r.qFn); err != nil || r.q < 0 {
+		return false
+	}
+	took := int(r.q) < r.vq
+	r.vq = int(r.q)
+	return took
+}
+
+// outqFd reads the bytes the socket holds that its peer has not read (SIOCOUTQ) into
+// r.q; -1 when it cannot tell.
+func (r *rawIO) outqFd(fd uintptr) {
+	r.q = -1
+	if _, _, e := syscall.RawSyscall(syscall.SYS_IOCTL, fd, syscall.TIOCOUTQ, uintptr(unsafe.Pointer(&r.q))); e != 0 {
+		r.q = -1
+	}
+}
+
+// consume drops the first n bytes of v.
+func consume(v *net.Buffers, n int) {
+	for len(*v) > 0 {
+		l := len((*v)[0])
+		if l > n {
+			(*v)[0] = (*v)[0][n:]
+			return
+		}
+		n -= l
+		*v = (*v)[1:]
+	}
 }
