@@ -52,6 +52,9 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		return nil, err
 	}
 	if cfg.URL != "" {
+		if err := checkURL(cfg.URL); err != nil {
+			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), err)
+		}
 		opt, err := redis.ParseURL(cfg.URL)
 		if err != nil {
 			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), urlErr(err))
@@ -163,6 +166,24 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 	return addrs, user, pass, useTLS, nil
 }
 
+// checkURL refuses what go-redis would read as another Redis than the one meant: a
+// redis: or rediss: URL without "//" (redis:pw@host:6380 is an opaque URL, which go-redis
+// dials as localhost:6379) or without a host (redis://:pw@/0, the same). The other
+// malformations are go-redis's to refuse.
+func checkURL(s string) error {
+	u, err := url.Parse(s)
+	if err != nil {
+		return nil // ParseURL refuses it, with its own message
+	}
+	switch u.Scheme {
+	case "redis", "rediss":
+		if u.Opaque != "" || u.Host == "" {
+			return fmt.Errorf("no host: want %s://[[user]:password@]host[:port][/db] (is the \"//\" missing?)", u.Scheme)
+		}
+	}
+	return nil
+}
+
 // redactURL hides the passwords of the URLs in s, for error messages and logs: in each
 // scheme://userinfo@host, the password of user:password, and a lone name whole
 // (redis-cli reads redis://secret@host as a password, go-redis as a user name). It works
@@ -173,7 +194,7 @@ func redactURL(s string) string {
 	for {
 		i := strings.Index(s, "://")
 		if i < 0 {
-			b.WriteString(s)
+			b.WriteString(redactBare(s))
 			return b.String()
 		}
 		b.WriteString(s[:i+3])
@@ -197,6 +218,21 @@ func redactURL(s string) string {
 		b.WriteString(redactQuery(seg))
 		s = s[end:]
 	}
+}
+
+// redactBare hides what could be a password in text with no scheme://: everything from
+// its first ':' (or its start) to its last '@', so that a URL mistyped without its "//"
+// (redis:pw@host:1, :pw@host:1, redis//:pw@host:1) shows none of it either.
+func redactBare(s string) string {
+	at := strings.LastIndex(s, "@")
+	if at < 0 {
+		return redactQuery(s)
+	}
+	k := strings.Index(s[:at], ":")
+	if k < 0 {
+		return "xxxxx" + redactQuery(s[at:])
+	}
+	return s[:k] + ":xxxxx" + redactQuery(s[at:])
 }
 
 // redactQuery hides the values of the query parameters of seg (the rest of a URL) that

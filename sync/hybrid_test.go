@@ -328,6 +328,11 @@ func TestRedactURL(t *testing.T) {
 		"redis://h:1/0?password=s3cret":              "redis://h:1/0?password=xxxxx",
 		"redis://h:1/0?db=2&Password=s3cret&x=1":     "redis://h:1/0?db=2&Password=xxxxx&x=1",
 		"redis://:s3cret@h:1/0?pwd=s3cret#f":         "redis://:xxxxx@h:1/0?pwd=xxxxx",
+		"redis:s3cret@h:1":                           "redis:xxxxx@h:1",
+		"redis:/:s3cret@h:1":                         "redis:xxxxx@h:1",
+		"redis//:s3cret@h:1":                         "redis//:xxxxx@h:1",
+		":s3cret@h:1":                                ":xxxxx@h:1",
+		"s3cret@h:1":                                 "xxxxx@h:1",
 	} {
 		if got := Redact(in); got != want || strings.Contains(got, "s3cret") {
 			t.Errorf("Redact(%q) = %q, want %q", in, got, want)
@@ -347,6 +352,12 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{Cluster: []string{"127.0.0.1:7000,redis:"}},
 		{Cluster: []string{"127.0.0.1:"}},
 		{URL: "redis://127.0.0.1:6380/0?password=S3cr3tPW"}, // go-redis takes no such option
+		{URL: "redis:S3cr3tPW@127.0.0.1:6380"},              // no "//": go-redis would dial localhost:6379
+		{URL: "rediss:S3cr3tPW@127.0.0.1:6380"},             // the same
+		{URL: "redis://:S3cr3tPW@/0"},                       // no host: the same
+		{URL: "redis//:S3cr3tPW@127.0.0.1:6380"},            // no scheme at all
+		{URL: "redis:/:S3cr3tPW@127.0.0.1:6380"},
+		{URL: "bob:S3cr3tPW@127.0.0.1:6380"},
 	} {
 		rdb, err := Open(c)
 		if err == nil {
