@@ -205,7 +205,7 @@ func TestServeRefusesOutOfRangeFlags(t *testing.T) {
 		{"--max-frame", "10"}, {"--max-conns", "-5"}, {"--max-keys", "0"}, {"--max-attrs", "0"},
 		{"--top-k", "-1"}, {"--frame-timeout", "0s"}, {"--sweep-interval", "0s"},
 		{"--sync-interval", "0s", "--redis", "redis://127.0.0.1:1"}, {"--idle-timeout", "-1s"},
-		{"--breaker-failures", "0"},
+		{"--breaker-failures", "0"}, {"--drain-timeout", "0s"}, {"--max-frame", "4294967296"},
 	} {
 		out, err := runCLI(t, append([]string{"serve", "--socket", sock, "--admin="}, c...)...)
 		if err == nil || !strings.Contains(out, c[0]) || strings.Contains(out, "listening on") || strings.Contains(out, "panic") {

@@ -26,6 +26,7 @@ func TestWarnExposed(t *testing.T) {
 		{"", "0.0.0.0:8081", []string{"the Envoy rate limit service listens beyond this host"}},
 		{"", ":8081", []string{"spend any client's budget"}},
 		{":9464", "[::]:8081", []string{"admin endpoint", "Envoy rate limit service"}},
+		{"garbage", "garbage", nil}, // not an address: its listener refuses it, with no warning first
 	} {
 		var buf bytes.Buffer
 		warnExposed(slog.New(slog.NewTextHandler(&buf, nil)), tt.admin, tt.envoy)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"os/signal"
@@ -103,7 +104,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 
 	if err := checkBounds(
-		intAtLeast{"max-frame", *maxFrame, 256}, intAtLeast{"max-conns", *maxConns, 1},
+		intAtLeast{"max-frame", *maxFrame, 256}, intAtMost{"max-frame", *maxFrame, math.MaxUint32},
+		intAtLeast{"max-conns", *maxConns, 1},
 		intAtLeast{"hybrid-max-sync-keys", *maxSyncKeys, 1}, intAtLeast{"max-keys", *maxKeys, 1},
 		intAtLeast{"max-attrs", *maxAttrs, 1}, intAtLeast{"max-attr-len", *maxAttrLen, 1},
 		intAtLeast{"top-k", *topK, 1}, intAtLeast{"breaker-failures", *breakerFailures, 1},
@@ -112,7 +114,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		positive{"redis-timeout", *redisTimeout}, positive{"global-timeout", *globalTimeout},
 		positive{"breaker-cooldown", *breakerCooldown},
 		notNegative{"idle-timeout", *idleTimeout}, notNegative{"busy-poll", *busyPoll},
-		notNegative{"drain-timeout", *drainTimeout},
+		positive{"drain-timeout", *drainTimeout},
 	); err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
@@ -754,6 +756,20 @@ func (b intAtLeast) check() error {
 	return nil
 }
 
+// intAtMost: --max-frame past what a frame's 4-byte length can say would promise frames
+// no client can send.
+type intAtMost struct {
+	name   string
+	v, max int
+}
+
+func (b intAtMost) check() error {
+	if b.v > b.max {
+		return fmt.Errorf("--%s %d: at most %d", b.name, b.v, b.max)
+	}
+	return nil
+}
+
 type positive struct {
 	name string
 	v    time.Duration
@@ -836,17 +852,23 @@ func (w *breakerWatch) observe(log *slog.Logger, open int, opened uint64) {
 
 // warnExposed warns of each TCP listener, the admin endpoint (admin) and the Envoy API
 // (envoyRLS), given an address beyond loopback: neither has authentication. An empty
-// address (off) and a unix: socket (its file's mode and group guard it) are not warned of.
+// address (off), a unix: socket (its file's mode and group guard it) and an address that
+// is not one (its listener's error says so) are not warned of.
 func warnExposed(log *slog.Logger, admin, envoyRLS string) {
-	if admin != "" && !loopbackAddr(admin) {
+	if admin != "" && isHostPort(admin) && !loopbackAddr(admin) {
 		// What is exposed: every GET route, to anyone who addresses the host by IP (the
 		// Host check stops only browsers led here by DNS rebinding); DELETE /bans is
 		// refused to any peer but loopback, whatever the Host.
 		log.Warn("the admin endpoint listens beyond this host, with no authentication: anyone who reaches it reads /metrics, /rules, /top (the most-rejected clients) and /bans (lifting a ban is refused but from loopback); bind it to 127.0.0.1, or firewall it to the scrapers", "admin", admin)
 	}
-	if envoyRLS != "" && !strings.HasPrefix(envoyRLS, "unix:") && !loopbackAddr(envoyRLS) {
+	if envoyRLS != "" && !strings.HasPrefix(envoyRLS, "unix:") && isHostPort(envoyRLS) && !loopbackAddr(envoyRLS) {
 		log.Warn("the Envoy rate limit service listens beyond this host, with no authentication: anyone who reaches it can spend any client's budget, and so have that client refused; bind it to 127.0.0.1 or a unix: socket, or firewall it to the gateways", "envoy_rls", envoyRLS)
 	}
+}
+
+func isHostPort(addr string) bool {
+	_, _, err := net.SplitHostPort(addr)
+	return err == nil
 }
 
 // warnOpenSockets warns of each Unix socket of the daemon that every local user may
