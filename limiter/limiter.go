@@ -817,7 +817,7 @@ func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 // charged, once (by the earlier one's store), and Decide reports it as a copy of that
 // one (Decision.dups).
 func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, first int) error {
-	mode, err := l.inlineLimit(i, il, &d.limits[n])
+	mode, noStore, err := l.inlineLimit(i, il, &d.limits[n])
 	if err != nil {
 		return err
 	}
@@ -861,7 +861,10 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 		// Its share is worked out by fallBack, when needed, into its room.
 		fb.local, fb.share = &d.limits[len(d.limits)/2+n], true
 	}
-	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags}
+	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags, degraded: noStore}
+	if noStore {
+		d.Degraded = true
+	}
 	d.routed |= 1 << id
 	if id == storeLocal {
 		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)
@@ -940,35 +943,40 @@ func CeilMs(d time.Duration) uint64 {
 	return (uint64(d) + uint64(time.Millisecond) - 1) / uint64(time.Millisecond) // unsigned: no overflow near the longest duration, and a cheaper division
 }
 
-func (l *Limiter) inlineLimit(i int, il *Inline, out *localbucket.Limit) (rules.Mode, error) {
+// inlineLimit validates il into out and returns the mode it is decided in; noStore: it
+// asked for hybrid or global of a daemon without Redis (inlineMode).
+func (l *Limiter) inlineLimit(i int, il *Inline, out *localbucket.Limit) (mode rules.Mode, noStore bool, err error) {
 	if il.Deny {
-		return rules.ModeLocal, denyInline(i, il, out)
+		return rules.ModeLocal, false, denyInline(i, il, out)
 	}
-	mode, err := l.inlineMode(i, il)
-	if err != nil {
-		return mode, err
+	if mode, noStore, err = l.inlineMode(i, il); err != nil {
+		return mode, noStore, err
 	}
-	return mode, inlineLimit(i, il, out)
+	return mode, noStore, inlineLimit(i, il, out)
 }
 
-func (l *Limiter) inlineMode(i int, il *Inline) (rules.Mode, error) {
+// inlineMode returns the mode inline limit il is decided in. A daemon without Redis
+// decides one in hybrid or global mode locally (noStore), and its answer says degraded,
+// as a daemon whose Redis does not answer does: a client cannot know whether the daemon
+// it asks has a Redis, and its request is not malformed.
+func (l *Limiter) inlineMode(i int, il *Inline) (mode rules.Mode, noStore bool, err error) {
 	switch il.Mode {
 	case "":
-		return l.defaultMode, nil
+		return l.defaultMode, false, nil
 	case "local":
-		return rules.ModeLocal, nil
+		return rules.ModeLocal, false, nil
 	case "hybrid":
 		if l.stores[storeHybrid] != nil {
-			return rules.ModeHybrid, nil
+			return rules.ModeHybrid, false, nil
 		}
-		return 0, &InvalidLimitError{i, "mode hybrid needs a Redis store, and this daemon has none; use local or leave mode out"}
+		return rules.ModeLocal, true, nil
 	case "global":
 		if l.stores[storeGlobal] != nil {
-			return rules.ModeGlobal, nil
+			return rules.ModeGlobal, false, nil
 		}
-		return 0, &InvalidLimitError{i, "mode global needs a Redis store, and this daemon has none; use local or leave mode out"}
+		return rules.ModeLocal, true, nil
 	}
-	return 0, &InvalidLimitError{i, fmt.Sprintf("unknown mode %s; use local, hybrid or global", proto.Quote(il.Mode))}
+	return 0, false, &InvalidLimitError{i, fmt.Sprintf("unknown mode %s; use local, hybrid or global", proto.Quote(il.Mode))}
 }
 
 func inlineLimit(i int, il *Inline, out *localbucket.Limit) error {

@@ -149,11 +149,25 @@ func TestInlineLimits(t *testing.T) {
 		t.Fatalf("%+v", d)
 	}
 	for _, bad := range []Inline{{Limit: 1, WindowMs: 1}, {Key: "k", WindowMs: 1}, {Key: "k", Limit: 1}, {Key: "k", Limit: 1, WindowMs: 1, Algorithm: "leaky"},
-		{Key: "k", Limit: 1, WindowMs: 1, Mode: "global"}, {Key: "k", Limit: 1, WindowMs: 1, Mode: "nope"}, {Key: "k", Limit: 1, WindowMs: 1000, Burst: 2, Algorithm: "fixed_window"}} {
+		{Key: "k", Limit: 1, WindowMs: 1, Mode: "nope"}, {Key: "k", Limit: 1, WindowMs: 1000, Burst: 2, Algorithm: "fixed_window"}} {
 		in := Input{Limits: []Inline{bad}, Cost: 1}
 		err := l.Check(t0, &in, &d)
 		if _, ok := err.(*InvalidLimitError); !ok {
 			t.Errorf("%+v: got %v, want InvalidLimitError", bad, err)
+		}
+	}
+	// Without Redis, an inline limit in hybrid or global mode is decided from a local
+	// bucket, marked degraded (the client cannot know whether this daemon has a Redis; it
+	// used to be refused as invalid_limit).
+	for _, mode := range []string{"hybrid", "global"} {
+		in := Input{Limits: []Inline{{Key: "m-" + mode, Limit: 2, WindowMs: 60_000, Mode: mode}}, Cost: 1}
+		for i := range 3 {
+			if err := l.Check(t0, &in, &d); err != nil {
+				t.Fatalf("mode %s without Redis: %v", mode, err)
+			}
+			if d.Allowed != (i < 2) || !d.Degraded || !d.Results[0].Degraded || d.Results[0].Limit != 2 {
+				t.Fatalf("mode %s without Redis, check %d: %+v", mode, i, d)
+			}
 		}
 	}
 	// A window's burst equal to its limit is what the window holds: the same limit, so a
