@@ -254,17 +254,77 @@ func configDirs(path string) (dirs, names []string) {
 			return
 		}
 	}
+	// Every link met resolving a path, component by component, those on the way through
+	// a link's target too (etc/rules.yaml -> app/current/rules.yaml, current ->
+	// releases/r1): the directory holding each is watched, with the link's name, so
+	// pointing any of them elsewhere is seen. follow and above miss a directory link
+	// inside a link's target.
+	links := func(p string) {
+		for _, l := range linksOnTheWay(p) {
+			add(filepath.Dir(l))
+			name(l)
+		}
+	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		add(path) // --config DIR: its files come and go
 		files, _ := rules.RulesFiles(path)
 		for _, f := range files {
 			follow(f)
+			links(f)
 		}
 		above(path)
+		links(path)
 		return dirs, names
 	}
 	add(filepath.Dir(path))
 	follow(path)
 	above(filepath.Dir(path))
+	links(path)
 	return dirs, names
+}
+
+// linksOnTheWay returns the symlinks met resolving the absolute path p as the kernel
+// does, one component at a time, a link's target resolved the same way in its place
+// (the links on the way through it included), each link named by the real path of the
+// directory holding it. It stops at the first component missing or unreadable, and
+// after 40 links (the kernel's own bound).
+func linksOnTheWay(p string) []string {
+	var links []string
+	cur := string(filepath.Separator) // no links in it
+	rest := strings.Split(filepath.Clean(p), string(filepath.Separator))
+	for hops := 0; len(rest) > 0; {
+		c := rest[0]
+		rest = rest[1:]
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			cur = filepath.Dir(cur)
+			continue
+		}
+		next := filepath.Join(cur, c)
+		fi, err := os.Lstat(next)
+		if err != nil {
+			return links
+		}
+		if fi.Mode()&os.ModeSymlink == 0 {
+			cur = next
+			continue
+		}
+		if hops++; hops > 40 {
+			return links
+		}
+		if !slices.Contains(links, next) {
+			links = append(links, next)
+		}
+		t, err := os.Readlink(next)
+		if err != nil {
+			return links
+		}
+		if filepath.IsAbs(t) {
+			cur = string(filepath.Separator)
+		}
+		rest = append(strings.Split(t, string(filepath.Separator)), rest...)
+	}
+	return links
 }

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// The rules reached through a file link whose target passes through a directory link
+// (etc/rules.yaml -> app/current/rules.yaml, current -> releases/r1), and the same for
+// --config DIR (etc/rules.d -> app/current/rules.d). A deploy swapping current was never
+// seen: the directory holding current was not watched, since the link is met inside the
+// outer link's target, not on the way to the config path as written; the rules stayed
+// r1 (and then even edits of the new release went unseen) until a SIGHUP, and the next
+// swap was missed again.
+func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
+	for _, asDir := range []bool{false, true} {
+		t.Run(map[bool]string{false: "file", true: "dir"}[asDir], func(t *testing.T) {
+			top := t.TempDir()
+			etc, app := filepath.Join(top, "etc"), filepath.Join(top, "app")
+			write := func(release, name string) {
+				t.Helper()
+				dir := filepath.Join(app, "releases", release)
+				if asDir {
+					dir = filepath.Join(dir, "rules.d")
+				}
+				must(t, os.MkdirAll(dir, 0o755))
+				// by rename, as a deploy or an editor writes
+				tmp := filepath.Join(dir, ".tmp")
+				must(t, os.WriteFile(tmp, fmt.Appendf(nil, "rules:\n  - name: %s\n    key: ip\n    limit: { requests: 100, per: 1m }\n", name), 0o644))
+				must(t, os.Rename(tmp, filepath.Join(dir, "rules.yaml")))
+			}
+			for _, r := range []string{"r1", "r2", "r3"} {
+				write(r, r)
+			}
+			must(t, os.MkdirAll(etc, 0o755))
+			must(t, os.Symlink("releases/r1", filepath.Join(app, "current")))
+			config := filepath.Join(etc, "rules.yaml")
+			must(t, os.Symlink(filepath.Join(app, "current", "rules.yaml"), config))
+			if asDir {
+				config = filepath.Join(etc, "rules.d")
+				must(t, os.Symlink(filepath.Join(app, "current", "rules.d"), config))
+			}
+
+			// loaded: the name of the rule of each load, as the daemon's reload reads it.
+			loaded := make(chan string, 100)
+			load := func() {
+				set, err := rules.Load(config)
+				if err != nil {
+					loaded <- "error: " + err.Error()
+					return
+				}
+				loaded <- set.Rules[0].Name
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if _, err := watchConfig(ctx, config, 20*time.Millisecond, load, func(err error) { t.Logf("watch: %v", err) }); err != nil {
+				t.Fatal(err)
+			}
+			waitLoaded := func(want, what string) {
+				t.Helper()
+				deadline := time.After(10 * time.Second) // a loaded CI machine; ~100 ms here
+				var got []string
+				for {
+					select {
+					case name := <-loaded:
+						if name == want {
+							return
+						}
+						got = append(got, name)
+					case <-deadline:
+						t.Fatalf("%s: %q never loaded within 10 s (loads: %q)", what, want, got)
+					}
+				}
+			}
+			swap := func(release string) {
+				t.Helper()
+				tmp := filepath.Join(app, "current.tmp")
+				must(t, os.Symlink(filepath.Join("releases", release), tmp))
+				must(t, os.Rename(tmp, filepath.Join(app, "current")))
+			}
+
+			swap("r2")
+			waitLoaded("r2", "current -> releases/r2")
+			swap("r3")
+			waitLoaded("r3", "then current -> releases/r3")
+			write("r3", "r3b")
+			waitLoaded("r3b", "then the new release's file replaced")
+			swap("r1")
+			waitLoaded("r1", "then current -> releases/r1 again")
+		})
+	}
+}
