@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -94,5 +95,36 @@ func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
 			swap("r1")
 			waitLoaded("r1", "then current -> releases/r1 again")
 		})
+	}
+}
+
+func TestLinksOnTheWay(t *testing.T) {
+	top := t.TempDir()
+	if real, err := filepath.EvalSymlinks(top); err == nil {
+		top = real // a temp dir reached through a link (macOS /tmp) adds links of its own
+	}
+	p := func(s ...string) string { return filepath.Join(append([]string{top}, s...)...) }
+	must(t, os.MkdirAll(p("app", "releases", "r1", "conf"), 0o755))
+	must(t, os.MkdirAll(p("etc"), 0o755))
+	writeFile(t, p("app", "releases", "r1", "conf"), "rules.yaml", "x")
+	must(t, os.Symlink("releases/r1", p("app", "current")))          // relative directory link
+	must(t, os.Symlink("current/conf", p("app", "conf")))            // through another one
+	must(t, os.Symlink("../app/conf/rules.yaml", p("etc", "inner"))) // .. and a chain
+	must(t, os.Symlink(p("etc", "inner"), p("etc", "rules.yaml")))   // absolute
+	must(t, os.Symlink("loop", p("etc", "loop")))
+
+	for _, tt := range []struct {
+		path string
+		want []string
+	}{
+		{p("etc", "rules.yaml"), []string{p("etc", "rules.yaml"), p("etc", "inner"), p("app", "conf"), p("app", "current")}},
+		{p("app", "current", "conf", "rules.yaml"), []string{p("app", "current")}},
+		{p("app", "releases", "r1", "conf", "rules.yaml"), nil},
+		{p("etc", "missing", "rules.yaml"), nil},
+		{p("etc", "loop"), []string{p("etc", "loop")}},
+	} {
+		if got := linksOnTheWay(tt.path); !slices.Equal(got, tt.want) {
+			t.Errorf("linksOnTheWay(%s):\n got %q\nwant %q", tt.path, got, tt.want)
+		}
 	}
 }
