@@ -30,46 +30,66 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 	if err != nil {
 		return nil, fmt.Errorf("watching %s: %w", path, err)
 	}
-	// watched maps each directory watched to the one it was when its watch was added
-	// (device and inode): a watch follows that directory, so a path that now names
-	// another one (a directory replaced by rename, deleted and made again, reached
-	// through a link pointed elsewhere) is watched again.
-	watched := map[string]dirID{}
+	// watched maps each directory watched, by identity (device and inode: a watch
+	// follows the directory, not its path), to the path its watch was added by, which
+	// names its events. A path that now names another directory (a directory replaced by
+	// rename, deleted and made again, reached through a link pointed elsewhere) is
+	// watched again. One directory reached by two paths (app/current and
+	// app/releases/r1) is watched once: the kernel gives both one watch, and removing it
+	// by the path no longer wanted took it from the other too, unseen.
+	watched := map[dirID]string{}
 	var names []string
 	// rewatch watches the directories path now depends on, and stops watching the
 	// others; it returns the first directory it could not watch.
 	rewatch := func() error {
 		var want []string
 		want, names = configDirs(path)
-		for d := range watched {
-			if !slices.Contains(want, d) {
-				w.Remove(d)
-				delete(watched, d)
+		var first error
+		fail := func(d string, err error) {
+			if first == nil {
+				first = fmt.Errorf("watching %s: %w", d, err)
 			}
 		}
-		var first error
+		type dir struct {
+			path string
+			id   dirID
+		}
+		var dirs []dir // want, each directory once, by the first path to it
+		by := map[dirID]string{}
 		for _, d := range want {
-			id, ok := idOf(d)
-			if was, in := watched[d]; in {
-				if ok && was == id {
-					continue
-				}
-				w.Remove(d) // an error: its watch went with the directory
-				delete(watched, d)
-			}
-			if err := w.Add(d); err != nil {
-				if first == nil {
-					first = fmt.Errorf("watching %s: %w", d, err)
-				}
+			id, err := idOf(d)
+			if err != nil {
+				fail(d, err)
 				continue
 			}
-			watched[d] = id
+			if by[id] == "" {
+				by[id] = d
+				dirs = append(dirs, dir{d, id})
+			}
+		}
+		for id, d := range watched {
+			if now, err := idOf(d); by[id] == d && err == nil && now == id {
+				continue // wanted by that path, which still names it
+			}
+			w.Remove(d) // an error if its watch went with the directory
+			delete(watched, id)
+		}
+		for _, d := range dirs {
+			if _, in := watched[d.id]; in {
+				continue
+			}
+			if err := w.Add(d.path); err != nil {
+				fail(d.path, err)
+				continue
+			}
+			watched[d.id] = d.path
 		}
 		return first
 	}
 	startErr := rewatch()
 	if startErr != nil {
-		if own, _ := configDirs(path); func() bool { _, in := watched[own[0]]; return !in }() {
+		own, _ := configDirs(path)
+		if id, err := idOf(own[0]); err != nil || watched[id] == "" {
 			w.Close()
 			return nil, startErr
 		}
@@ -173,12 +193,12 @@ type dirID struct{ dev, ino uint64 }
 
 // idOf returns the identity of the directory d names now (links followed, as a watch
 // follows them).
-func idOf(d string) (dirID, bool) {
+func idOf(d string) (dirID, error) {
 	var st syscall.Stat_t
 	if err := syscall.Stat(d, &st); err != nil {
-		return dirID{}, false
+		return dirID{}, err
 	}
-	return dirID{uint64(st.Dev), st.Ino}, true
+	return dirID{uint64(st.Dev), st.Ino}, nil
 }
 
 // relevant reports whether a change to name, in a watched directory, may change the

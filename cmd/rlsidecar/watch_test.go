@@ -98,6 +98,58 @@ func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
 	}
 }
 
+// watchLoads watches config with a short debounce and returns the contents read at
+// each change; wait waits (up to 10 s, a loaded CI machine's time) for want among them.
+func watchLoads(t *testing.T, config string) (wait func(want, what string)) {
+	t.Helper()
+	loads := make(chan string, 100)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() {
+		b, _ := os.ReadFile(config)
+		loads <- string(b)
+	}, func(err error) { t.Logf("watch: %v", err) })
+	must(t, err)
+	return func(want, what string) {
+		t.Helper()
+		deadline := time.After(10 * time.Second)
+		var got []string
+		for {
+			select {
+			case s := <-loads:
+				if s == want {
+					return
+				}
+				got = append(got, s)
+			case <-deadline:
+				t.Fatalf("%s: %q never read within 10 s (read: %q)", what, want, got)
+			}
+		}
+	}
+}
+
+// One directory reached by two paths on the way (app/current and app/releases/r1) has
+// one inotify watch: when the outer link was pointed straight at the release, the watch
+// was removed by the path no longer wanted (app/current), which took it from the other
+// too, and every later edit of the rules went unseen.
+func TestWatchConfigOneDirectoryTwoPaths(t *testing.T) {
+	top := t.TempDir()
+	etc, r1 := filepath.Join(top, "etc"), filepath.Join(top, "app", "releases", "r1")
+	must(t, os.MkdirAll(r1, 0o755))
+	must(t, os.MkdirAll(etc, 0o755))
+	writeFile(t, r1, "rules.yaml", "a")
+	must(t, os.Symlink("releases/r1", filepath.Join(top, "app", "current")))
+	config := filepath.Join(etc, "rules.yaml")
+	must(t, os.Symlink(filepath.Join(top, "app", "current", "rules.yaml"), config))
+	wait := watchLoads(t, config)
+
+	must(t, os.Symlink(filepath.Join(r1, "rules.yaml"), filepath.Join(etc, "l.tmp")))
+	must(t, os.Rename(filepath.Join(etc, "l.tmp"), config))
+	wait("a", "the link pointed straight at the release")
+	must(t, os.Rename(writeFile(t, r1, ".t", "b"), filepath.Join(r1, "rules.yaml")))
+	wait("b", "then the release's file replaced")
+}
+
 func TestLinksOnTheWay(t *testing.T) {
 	top := t.TempDir()
 	if real, err := filepath.EvalSymlinks(top); err == nil {
