@@ -208,10 +208,24 @@ func idOf(d string) (dirID, error) {
 // rules, an editor's swap file) is not: reloading on it wasted a parse, and a log of
 // reload errors in the rules' directory reloaded itself forever.
 func relevant(name, path string, names []string) bool {
-	for _, n := range names {
-		if name == n || strings.HasPrefix(n, name+string(filepath.Separator)) {
-			return true
+	on := func(name string) bool {
+		for _, n := range names {
+			if name == n || strings.HasPrefix(n, name+string(filepath.Separator)) {
+				return true
+			}
 		}
+		return false
+	}
+	if on(name) {
+		return true
+	}
+	// An event names the path its directory was watched by, and names hold the paths
+	// the resolution met, which may reach that directory another way (config
+	// top/L/rules.yaml, L -> app, app/rules.yaml -> /top/app/current/rules.yaml: app is
+	// watched as top/L, the link met as top/app/current): the event's directory's real
+	// path too.
+	if dir, err := filepath.EvalSymlinks(filepath.Dir(name)); err == nil && dir != filepath.Dir(name) && on(filepath.Join(dir, filepath.Base(name))) {
+		return true
 	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		return filepath.Dir(name) == filepath.Clean(path) && rules.IsRulesFile(filepath.Base(name))

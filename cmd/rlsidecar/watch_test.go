@@ -150,6 +150,27 @@ func TestWatchConfigOneDirectoryTwoPaths(t *testing.T) {
 	wait("b", "then the release's file replaced")
 }
 
+// An event names the path its directory's watch was added by, which may not be the one
+// the links were met by: config top/L/rules.yaml with L -> app and app/rules.yaml ->
+// an absolute top/app/current/rules.yaml; app is watched as top/L, the swap of current
+// comes as top/L/current, and the link was known as top/app/current.
+func TestWatchConfigEventNamedAnotherWay(t *testing.T) {
+	top := t.TempDir()
+	app := filepath.Join(top, "app")
+	for _, r := range []string{"r1", "r2"} {
+		must(t, os.MkdirAll(filepath.Join(app, "releases", r), 0o755))
+		writeFile(t, filepath.Join(app, "releases", r), "rules.yaml", r)
+	}
+	must(t, os.Symlink("releases/r1", filepath.Join(app, "current")))
+	must(t, os.Symlink(filepath.Join(app, "current", "rules.yaml"), filepath.Join(app, "rules.yaml")))
+	must(t, os.Symlink("app", filepath.Join(top, "L")))
+	wait := watchLoads(t, filepath.Join(top, "L", "rules.yaml"))
+
+	must(t, os.Symlink("releases/r2", filepath.Join(app, "c.tmp")))
+	must(t, os.Rename(filepath.Join(app, "c.tmp"), filepath.Join(app, "current")))
+	wait("r2", "current -> releases/r2")
+}
+
 func TestLinksOnTheWay(t *testing.T) {
 	top := t.TempDir()
 	if real, err := filepath.EvalSymlinks(top); err == nil {
