@@ -20,8 +20,10 @@ import (
 // ConfigMaps replace files by rename and symlink swap, which a watch on the file itself
 // would lose after the first change. The directories are the file's, and those of every
 // symlink on the way to what it names (etc/rules.yaml -> /srv/rules/rules.yaml: /srv/rules
-// too), found again after each change, since a change may point a link elsewhere; for
-// --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
+// too) and the one holding every link met resolving it, links inside a link's target
+// included (etc/rules.yaml -> /srv/app/current/rules.yaml, current -> releases/r1:
+// /srv/app), found again after each change, since a change may point a link elsewhere;
+// for --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
 func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) (kick func(), err error) {
 	if abs, err := filepath.Abs(path); err == nil {
 		path = abs // events name absolute paths, as configDirs does
@@ -236,7 +238,9 @@ func relevant(name, path string, names []string) bool {
 // configDirs returns the directories the rules at path depend on: path's own (path
 // itself for a directory), and the directory of each symlink's target on the way from
 // path, or from a directory's rules files, to a file; the directory a link chain ends in, its
-// parents' links resolved, too. Missing files are skipped: the next change finds them.
+// parents' links resolved, too; and the directory holding every link met resolving path,
+// or a rules file, component by component (linksOnTheWay). Missing files are skipped:
+// the next change finds them.
 // names are the paths on the way: path (or each *.yaml), every link and target.
 func configDirs(path string) (dirs, names []string) {
 	add := func(d string) {
