@@ -527,6 +527,46 @@ func TestE2EReloadDirectoryReplaced(t *testing.T) {
 		}
 	})
 
+	// The same deploy link met inside the target of a link the config path names
+	// (etc/rules.yaml -> app/current/rules.yaml; etc/rules.d -> app/current/rules.d):
+	// the directory holding current was not watched, no swap was seen, and after a
+	// SIGHUP the next was missed again.
+	t.Run("deploy link inside a link's target", func(t *testing.T) {
+		for _, asDir := range []bool{false, true} {
+			top := shortTempDir(t)
+			etc := filepath.Join(top, "etc")
+			must(t, os.MkdirAll(etc, 0o755))
+			rel := func(r string) string {
+				if asDir {
+					return filepath.Join(top, "app", "releases", r, "rules.d")
+				}
+				return filepath.Join(top, "app", "releases", r)
+			}
+			for _, r := range []string{"r1", "r2", "r3"} {
+				must(t, os.MkdirAll(rel(r), 0o755))
+			}
+			writeFile(t, rel("r1"), "rules.yaml", rulesWithLimit(next()))
+			must(t, os.Symlink("releases/r1", filepath.Join(top, "app", "current")))
+			config := filepath.Join(etc, "rules.yaml")
+			must(t, os.Symlink(filepath.Join(top, "app", "current", "rules.yaml"), config))
+			if asDir {
+				config = filepath.Join(etc, "rules.d")
+				must(t, os.Symlink(filepath.Join(top, "app", "current", "rules.d"), config))
+			}
+			d, base, v := start(t, config)
+			for _, r := range []string{"r2", "r3"} {
+				want := next()
+				writeFile(t, rel(r), "rules.yaml", rulesWithLimit(want))
+				must(t, os.Symlink(filepath.Join("releases", r), filepath.Join(top, "app", "current.tmp")))
+				must(t, os.Rename(filepath.Join(top, "app", "current.tmp"), filepath.Join(top, "app", "current")))
+				check(t, d, base, &v, want, "after the swap of current to "+r)
+			}
+			want := next()
+			must(t, os.WriteFile(filepath.Join(rel("r3"), "rules.yaml"), []byte(rulesWithLimit(want)), 0o644))
+			check(t, d, base, &v, want, "the new release's file written")
+		}
+	})
+
 	// inDir starts a daemon on top/rules/rules.yaml.
 	inDir := func(t *testing.T) (top, dir string, d *daemonProc, base, v string) {
 		top = shortTempDir(t)

@@ -20,8 +20,10 @@ import (
 // ConfigMaps replace files by rename and symlink swap, which a watch on the file itself
 // would lose after the first change. The directories are the file's, and those of every
 // symlink on the way to what it names (etc/rules.yaml -> /srv/rules/rules.yaml: /srv/rules
-// too), found again after each change, since a change may point a link elsewhere; for
-// --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
+// too) and the one holding every link met resolving it, links inside a link's target
+// included (etc/rules.yaml -> /srv/app/current/rules.yaml, current -> releases/r1:
+// /srv/app), found again after each change, since a change may point a link elsewhere;
+// for --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
 func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) (kick func(), err error) {
 	if abs, err := filepath.Abs(path); err == nil {
 		path = abs // events name absolute paths, as configDirs does
@@ -30,46 +32,66 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 	if err != nil {
 		return nil, fmt.Errorf("watching %s: %w", path, err)
 	}
-	// watched maps each directory watched to the one it was when its watch was added
-	// (device and inode): a watch follows that directory, so a path that now names
-	// another one (a directory replaced by rename, deleted and made again, reached
-	// through a link pointed elsewhere) is watched again.
-	watched := map[string]dirID{}
+	// watched maps each directory watched, by identity (device and inode: a watch
+	// follows the directory, not its path), to the path its watch was added by, which
+	// names its events. A path that now names another directory (a directory replaced by
+	// rename, deleted and made again, reached through a link pointed elsewhere) is
+	// watched again. One directory reached by two paths (app/current and
+	// app/releases/r1) is watched once: the kernel gives both one watch, and removing it
+	// by the path no longer wanted took it from the other too, unseen.
+	watched := map[dirID]string{}
 	var names []string
 	// rewatch watches the directories path now depends on, and stops watching the
 	// others; it returns the first directory it could not watch.
 	rewatch := func() error {
 		var want []string
 		want, names = configDirs(path)
-		for d := range watched {
-			if !slices.Contains(want, d) {
-				w.Remove(d)
-				delete(watched, d)
+		var first error
+		fail := func(d string, err error) {
+			if first == nil {
+				first = fmt.Errorf("watching %s: %w", d, err)
 			}
 		}
-		var first error
+		type dir struct {
+			path string
+			id   dirID
+		}
+		var dirs []dir // want, each directory once, by the first path to it
+		by := map[dirID]string{}
 		for _, d := range want {
-			id, ok := idOf(d)
-			if was, in := watched[d]; in {
-				if ok && was == id {
-					continue
-				}
-				w.Remove(d) // an error: its watch went with the directory
-				delete(watched, d)
-			}
-			if err := w.Add(d); err != nil {
-				if first == nil {
-					first = fmt.Errorf("watching %s: %w", d, err)
-				}
+			id, err := idOf(d)
+			if err != nil {
+				fail(d, err)
 				continue
 			}
-			watched[d] = id
+			if by[id] == "" {
+				by[id] = d
+				dirs = append(dirs, dir{d, id})
+			}
+		}
+		for id, d := range watched {
+			if now, err := idOf(d); by[id] == d && err == nil && now == id {
+				continue // wanted by that path, which still names it
+			}
+			w.Remove(d) // an error if its watch went with the directory
+			delete(watched, id)
+		}
+		for _, d := range dirs {
+			if _, in := watched[d.id]; in {
+				continue
+			}
+			if err := w.Add(d.path); err != nil {
+				fail(d.path, err)
+				continue
+			}
+			watched[d.id] = d.path
 		}
 		return first
 	}
 	startErr := rewatch()
 	if startErr != nil {
-		if own, _ := configDirs(path); func() bool { _, in := watched[own[0]]; return !in }() {
+		own, _ := configDirs(path)
+		if id, err := idOf(own[0]); err != nil || watched[id] == "" {
 			w.Close()
 			return nil, startErr
 		}
@@ -173,12 +195,12 @@ type dirID struct{ dev, ino uint64 }
 
 // idOf returns the identity of the directory d names now (links followed, as a watch
 // follows them).
-func idOf(d string) (dirID, bool) {
+func idOf(d string) (dirID, error) {
 	var st syscall.Stat_t
 	if err := syscall.Stat(d, &st); err != nil {
-		return dirID{}, false
+		return dirID{}, err
 	}
-	return dirID{uint64(st.Dev), st.Ino}, true
+	return dirID{uint64(st.Dev), st.Ino}, nil
 }
 
 // relevant reports whether a change to name, in a watched directory, may change the
@@ -188,10 +210,24 @@ func idOf(d string) (dirID, bool) {
 // rules, an editor's swap file) is not: reloading on it wasted a parse, and a log of
 // reload errors in the rules' directory reloaded itself forever.
 func relevant(name, path string, names []string) bool {
-	for _, n := range names {
-		if name == n || strings.HasPrefix(n, name+string(filepath.Separator)) {
-			return true
+	on := func(name string) bool {
+		for _, n := range names {
+			if name == n || strings.HasPrefix(n, name+string(filepath.Separator)) {
+				return true
+			}
 		}
+		return false
+	}
+	if on(name) {
+		return true
+	}
+	// An event names the path its directory was watched by, and names hold the paths
+	// the resolution met, which may reach that directory another way (config
+	// top/L/rules.yaml, L -> app, app/rules.yaml -> /top/app/current/rules.yaml: app is
+	// watched as top/L, the link met as top/app/current): the event's directory's real
+	// path too.
+	if dir, err := filepath.EvalSymlinks(filepath.Dir(name)); err == nil && dir != filepath.Dir(name) && on(filepath.Join(dir, filepath.Base(name))) {
+		return true
 	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		return filepath.Dir(name) == filepath.Clean(path) && rules.IsRulesFile(filepath.Base(name))
@@ -202,7 +238,9 @@ func relevant(name, path string, names []string) bool {
 // configDirs returns the directories the rules at path depend on: path's own (path
 // itself for a directory), and the directory of each symlink's target on the way from
 // path, or from a directory's rules files, to a file; the directory a link chain ends in, its
-// parents' links resolved, too. Missing files are skipped: the next change finds them.
+// parents' links resolved, too; and the directory holding every link met resolving path,
+// or a rules file, component by component (linksOnTheWay). Missing files are skipped:
+// the next change finds them.
 // names are the paths on the way: path (or each *.yaml), every link and target.
 func configDirs(path string) (dirs, names []string) {
 	add := func(d string) {
@@ -254,17 +292,77 @@ func configDirs(path string) (dirs, names []string) {
 			return
 		}
 	}
+	// Every link met resolving a path, component by component, those on the way through
+	// a link's target too (etc/rules.yaml -> app/current/rules.yaml, current ->
+	// releases/r1): the directory holding each is watched, with the link's name, so
+	// pointing any of them elsewhere is seen. follow and above miss a directory link
+	// inside a link's target.
+	links := func(p string) {
+		for _, l := range linksOnTheWay(p) {
+			add(filepath.Dir(l))
+			name(l)
+		}
+	}
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		add(path) // --config DIR: its files come and go
 		files, _ := rules.RulesFiles(path)
 		for _, f := range files {
 			follow(f)
+			links(f)
 		}
 		above(path)
+		links(path)
 		return dirs, names
 	}
 	add(filepath.Dir(path))
 	follow(path)
 	above(filepath.Dir(path))
+	links(path)
 	return dirs, names
+}
+
+// linksOnTheWay returns the symlinks met resolving the absolute path p as the kernel
+// does, one component at a time, a link's target resolved the same way in its place
+// (the links on the way through it included), each link named by the real path of the
+// directory holding it. It stops at the first component missing or unreadable, and
+// after 40 links (the kernel's own bound).
+func linksOnTheWay(p string) []string {
+	var links []string
+	cur := string(filepath.Separator) // no links in it
+	rest := strings.Split(filepath.Clean(p), string(filepath.Separator))
+	for hops := 0; len(rest) > 0; {
+		c := rest[0]
+		rest = rest[1:]
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			cur = filepath.Dir(cur)
+			continue
+		}
+		next := filepath.Join(cur, c)
+		fi, err := os.Lstat(next)
+		if err != nil {
+			return links
+		}
+		if fi.Mode()&os.ModeSymlink == 0 {
+			cur = next
+			continue
+		}
+		if hops++; hops > 40 {
+			return links
+		}
+		if !slices.Contains(links, next) {
+			links = append(links, next)
+		}
+		t, err := os.Readlink(next)
+		if err != nil {
+			return links
+		}
+		if filepath.IsAbs(t) {
+			cur = string(filepath.Separator)
+		}
+		rest = append(strings.Split(t, string(filepath.Separator)), rest...)
+	}
+	return links
 }

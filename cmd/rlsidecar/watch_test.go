@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/rules"
+)
+
+// The rules reached through a file link whose target passes through a directory link
+// (etc/rules.yaml -> app/current/rules.yaml, current -> releases/r1), and the same for
+// --config DIR (etc/rules.d -> app/current/rules.d). A deploy swapping current was never
+// seen: the directory holding current was not watched, since the link is met inside the
+// outer link's target, not on the way to the config path as written; the rules stayed
+// r1 (and then even edits of the new release went unseen) until a SIGHUP, and the next
+// swap was missed again.
+func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
+	for _, asDir := range []bool{false, true} {
+		t.Run(map[bool]string{false: "file", true: "dir"}[asDir], func(t *testing.T) {
+			top := t.TempDir()
+			etc, app := filepath.Join(top, "etc"), filepath.Join(top, "app")
+			write := func(release, name string) {
+				t.Helper()
+				dir := filepath.Join(app, "releases", release)
+				if asDir {
+					dir = filepath.Join(dir, "rules.d")
+				}
+				must(t, os.MkdirAll(dir, 0o755))
+				// by rename, as a deploy or an editor writes
+				tmp := filepath.Join(dir, ".tmp")
+				must(t, os.WriteFile(tmp, fmt.Appendf(nil, "rules:\n  - name: %s\n    key: ip\n    limit: { requests: 100, per: 1m }\n", name), 0o644))
+				must(t, os.Rename(tmp, filepath.Join(dir, "rules.yaml")))
+			}
+			for _, r := range []string{"r1", "r2", "r3"} {
+				write(r, r)
+			}
+			must(t, os.MkdirAll(etc, 0o755))
+			must(t, os.Symlink("releases/r1", filepath.Join(app, "current")))
+			config := filepath.Join(etc, "rules.yaml")
+			must(t, os.Symlink(filepath.Join(app, "current", "rules.yaml"), config))
+			if asDir {
+				config = filepath.Join(etc, "rules.d")
+				must(t, os.Symlink(filepath.Join(app, "current", "rules.d"), config))
+			}
+
+			// loaded: the name of the rule of each load, as the daemon's reload reads it.
+			loaded := make(chan string, 100)
+			load := func() {
+				set, err := rules.Load(config)
+				if err != nil {
+					loaded <- "error: " + err.Error()
+					return
+				}
+				loaded <- set.Rules[0].Name
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if _, err := watchConfig(ctx, config, 20*time.Millisecond, load, func(err error) { t.Logf("watch: %v", err) }); err != nil {
+				t.Fatal(err)
+			}
+			waitLoaded := func(want, what string) {
+				t.Helper()
+				deadline := time.After(10 * time.Second) // a loaded CI machine; ~100 ms here
+				var got []string
+				for {
+					select {
+					case name := <-loaded:
+						if name == want {
+							return
+						}
+						got = append(got, name)
+					case <-deadline:
+						t.Fatalf("%s: %q never loaded within 10 s (loads: %q)", what, want, got)
+					}
+				}
+			}
+			swap := func(release string) {
+				t.Helper()
+				tmp := filepath.Join(app, "current.tmp")
+				must(t, os.Symlink(filepath.Join("releases", release), tmp))
+				must(t, os.Rename(tmp, filepath.Join(app, "current")))
+			}
+
+			swap("r2")
+			waitLoaded("r2", "current -> releases/r2")
+			swap("r3")
+			waitLoaded("r3", "then current -> releases/r3")
+			write("r3", "r3b")
+			waitLoaded("r3b", "then the new release's file replaced")
+			swap("r1")
+			waitLoaded("r1", "then current -> releases/r1 again")
+		})
+	}
+}
+
+// watchLoads watches config with a short debounce and returns the contents read at
+// each change; wait waits (up to 10 s, a loaded CI machine's time) for want among them.
+func watchLoads(t *testing.T, config string) (wait func(want, what string)) {
+	t.Helper()
+	loads := make(chan string, 100)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() {
+		b, _ := os.ReadFile(config)
+		loads <- string(b)
+	}, func(err error) { t.Logf("watch: %v", err) })
+	must(t, err)
+	return func(want, what string) {
+		t.Helper()
+		deadline := time.After(10 * time.Second)
+		var got []string
+		for {
+			select {
+			case s := <-loads:
+				if s == want {
+					return
+				}
+				got = append(got, s)
+			case <-deadline:
+				t.Fatalf("%s: %q never read within 10 s (read: %q)", what, want, got)
+			}
+		}
+	}
+}
+
+// One directory reached by two paths on the way (app/current and app/releases/r1) has
+// one inotify watch: when the outer link was pointed straight at the release, the watch
+// was removed by the path no longer wanted (app/current), which took it from the other
+// too, and every later edit of the rules went unseen.
+func TestWatchConfigOneDirectoryTwoPaths(t *testing.T) {
+	top := t.TempDir()
+	etc, r1 := filepath.Join(top, "etc"), filepath.Join(top, "app", "releases", "r1")
+	must(t, os.MkdirAll(r1, 0o755))
+	must(t, os.MkdirAll(etc, 0o755))
+	writeFile(t, r1, "rules.yaml", "a")
+	must(t, os.Symlink("releases/r1", filepath.Join(top, "app", "current")))
+	config := filepath.Join(etc, "rules.yaml")
+	must(t, os.Symlink(filepath.Join(top, "app", "current", "rules.yaml"), config))
+	wait := watchLoads(t, config)
+
+	must(t, os.Symlink(filepath.Join(r1, "rules.yaml"), filepath.Join(etc, "l.tmp")))
+	must(t, os.Rename(filepath.Join(etc, "l.tmp"), config))
+	wait("a", "the link pointed straight at the release")
+	must(t, os.Rename(writeFile(t, r1, ".t", "b"), filepath.Join(r1, "rules.yaml")))
+	wait("b", "then the release's file replaced")
+}
+
+// An event names the path its directory's watch was added by, which may not be the one
+// the links were met by: config top/L/rules.yaml with L -> app and app/rules.yaml ->
+// an absolute top/app/current/rules.yaml; app is watched as top/L, the swap of current
+// comes as top/L/current, and the link was known as top/app/current.
+func TestWatchConfigEventNamedAnotherWay(t *testing.T) {
+	top := t.TempDir()
+	app := filepath.Join(top, "app")
+	for _, r := range []string{"r1", "r2"} {
+		must(t, os.MkdirAll(filepath.Join(app, "releases", r), 0o755))
+		writeFile(t, filepath.Join(app, "releases", r), "rules.yaml", r)
+	}
+	must(t, os.Symlink("releases/r1", filepath.Join(app, "current")))
+	must(t, os.Symlink(filepath.Join(app, "current", "rules.yaml"), filepath.Join(app, "rules.yaml")))
+	must(t, os.Symlink("app", filepath.Join(top, "L")))
+	wait := watchLoads(t, filepath.Join(top, "L", "rules.yaml"))
+
+	must(t, os.Symlink("releases/r2", filepath.Join(app, "c.tmp")))
+	must(t, os.Rename(filepath.Join(app, "c.tmp"), filepath.Join(app, "current")))
+	wait("r2", "current -> releases/r2")
+}
+
+func TestLinksOnTheWay(t *testing.T) {
+	top := t.TempDir()
+	if real, err := filepath.EvalSymlinks(top); err == nil {
+		top = real // a temp dir reached through a link (macOS /tmp) adds links of its own
+	}
+	p := func(s ...string) string { return filepath.Join(append([]string{top}, s...)...) }
+	must(t, os.MkdirAll(p("app", "releases", "r1", "conf"), 0o755))
+	must(t, os.MkdirAll(p("etc"), 0o755))
+	writeFile(t, p("app", "releases", "r1", "conf"), "rules.yaml", "x")
+	must(t, os.Symlink("releases/r1", p("app", "current")))          // relative directory link
+	must(t, os.Symlink("current/conf", p("app", "conf")))            // through another one
+	must(t, os.Symlink("../app/conf/rules.yaml", p("etc", "inner"))) // .. and a chain
+	must(t, os.Symlink(p("etc", "inner"), p("etc", "rules.yaml")))   // absolute
+	must(t, os.Symlink("loop", p("etc", "loop")))
+
+	for _, tt := range []struct {
+		path string
+		want []string
+	}{
+		{p("etc", "rules.yaml"), []string{p("etc", "rules.yaml"), p("etc", "inner"), p("app", "conf"), p("app", "current")}},
+		{p("app", "current", "conf", "rules.yaml"), []string{p("app", "current")}},
+		{p("app", "releases", "r1", "conf", "rules.yaml"), nil},
+		{p("etc", "missing", "rules.yaml"), nil},
+		{p("etc", "loop"), []string{p("etc", "loop")}},
+	} {
+		if got := linksOnTheWay(tt.path); !slices.Equal(got, tt.want) {
+			t.Errorf("linksOnTheWay(%s):\n got %q\nwant %q", tt.path, got, tt.want)
+		}
+	}
+}
