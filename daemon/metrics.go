@@ -61,6 +61,7 @@ type Metrics struct {
 type ruleMetrics struct {
 	rule                                      *rules.Rule // of the active set
 	name                                      string
+	series                                    []string // the names of the counters in Metrics.set, to unregister
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
 	warnings, delayed, bans                   *metrics.Counter
 	top                                       *topK
@@ -97,34 +98,54 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 		return rm
 	}
 	q := fmt.Sprintf("%q", name)
-	rm := &ruleMetrics{
-		name:           name,
-		allowed:        m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="allowed"}`),
-		rejected:       m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`),
-		shadowRejected: m.set.NewCounter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`),
-		degrad:         m.set.NewCounter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`),
-		warnings:       m.set.NewCounter(`rlsidecar_warnings_total{rule=` + q + `}`),
-		delayed:        m.set.NewCounter(`rlsidecar_delayed_total{rule=` + q + `}`),
-		bans:           m.set.NewCounter(`rlsidecar_bans_total{rule=` + q + `}`),
-		top:            newTopK(m.topK),
+	rm := &ruleMetrics{name: name, top: newTopK(m.topK)}
+	counter := func(series string) *metrics.Counter {
+		rm.series = append(rm.series, series)
+		return m.set.NewCounter(series)
 	}
+	rm.allowed = counter(`rlsidecar_checks_total{rule=` + q + `,result="allowed"}`)
+	rm.rejected = counter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`)
+	rm.shadowRejected = counter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`)
+	rm.degrad = counter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`)
+	rm.warnings = counter(`rlsidecar_warnings_total{rule=` + q + `}`)
+	rm.delayed = counter(`rlsidecar_delayed_total{rule=` + q + `}`)
+	rm.bans = counter(`rlsidecar_bans_total{rule=` + q + `}`)
 	m.byName[name] = rm
 	return rm
 }
 
 // SetRules makes the metrics follow a newly active rule set. Counters of rules that
-// keep their name keep counting.
+// keep their name keep counting; the series of the rules it no longer has (by name) are
+// unregistered, with their top-K, and their lease statistics once no lease of theirs is
+// held (pruneLeases). A check decided under the old set that counts for a removed rule
+// after this is dropped: its counter is no longer exported (record, flushTally,
+// BanStarted), so a removed rule's series never comes back unless a rule of its name is
+// in force again, and then it starts at 0.
 func (m *Metrics) SetRules(set *rules.Set, loaded time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	inForce := make(map[string]bool, len(set.Rules))
 	table := make([]*ruleMetrics, len(set.Rules))
 	for i, r := range set.Rules {
+		inForce[r.Name] = true
 		rm := *m.ruleLocked(r.Name) // the same counters, tagged with this set's rule
 		rm.rule = r
 		table[i] = &rm
 	}
+	for name, rm := range m.byName {
+		if rm == m.inline || inForce[name] {
+			continue
+		}
+		for _, series := range rm.series {
+			m.set.UnregisterMetric(series)
+		}
+		delete(m.byName, name)
+	}
 	m.byRule.Store(&table)
 	m.config.version, m.config.source, m.config.loaded, m.config.set = set.Version, set.Source, loaded, set
+	if m.leases != nil {
+		pruneLeases(m.leases, set)
+	}
 }
 
 // Reloaded counts a reload attempt.
@@ -206,11 +227,14 @@ func (m *Metrics) CounterFunc(name, help string, f func() float64) {
 
 // BanStarted counts a ban of rule's that no answer reported starting: a shared ban
 // raised by this daemon's batch of hybrid refusals (limiter.OnSharedBanStarted).
+// A rule no longer in force is not counted (see SetRules).
 func (m *Metrics) BanStarted(rule string) {
 	m.mu.Lock()
-	rm := m.ruleLocked(rule)
+	rm := m.byName[rule]
 	m.mu.Unlock()
-	rm.bans.Inc()
+	if rm != nil {
+		rm.bans.Inc()
+	}
 }
 
 // Record counts one decision: per rule, allowed, rejected or shadow_rejected (a rule
@@ -243,8 +267,11 @@ func (m *Metrics) record(d *limiter.Decision, t *batchTally) {
 				rm, x = table[i], i
 			} else {
 				m.mu.Lock() // a check that started on the previous rule set
-				rm = m.ruleLocked(r.Name)
+				rm = m.byName[r.Name]
 				m.mu.Unlock()
+				if rm == nil {
+					continue // its rule is no longer in force: its series are gone (SetRules)
+				}
 			}
 		}
 		if r.Repeat {
@@ -504,17 +531,42 @@ func (m *Metrics) SetLeases(ls *limiter.Leases) {
 	m.mu.Unlock()
 }
 
-// writeLeases writes the lease metrics of ls, by rule name in order: for the rules ls
-// has seen, and at 0 for the concurrency rules of set (the rules in force; nil: none)
-// that have taken no lease yet, so their series exist from the start.
+// concurrencyRules returns whether name is a concurrency rule of set (nil: none).
+func concurrencyRules(set *rules.Set) func(name string) bool {
+	names := map[string]bool{}
+	if set != nil {
+		for _, r := range set.Rules {
+			if r.Concurrency {
+				names[r.Name] = true
+			}
+		}
+	}
+	return func(name string) bool { return names[name] }
+}
+
+// pruneLeases makes ls forget the lease statistics of the rules that are not
+// concurrency rules of set, the rules in force, once none of their leases is held.
+func pruneLeases(ls *limiter.Leases, set *rules.Set) { ls.PruneStats(concurrencyRules(set)) }
+
+// writeLeases writes the lease metrics of ls, by rule name in order: for the
+// concurrency rules of set (the rules in force; nil: none), at 0 for those that have
+// taken no lease yet, so their series exist from the start; and for a rule no longer
+// in force (a reload removed it, or made it another kind) only while leases taken under
+// it are held, which a reload keeps: its series go at the first scrape after its last
+// lease is freed (released, expired or closed).
 func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 	type row struct {
 		rule string
 		s    limiter.LeaseStats
 	}
 	var rows []row
+	inForce := concurrencyRules(set)
+	ls.PruneStats(inForce)
 	seen := map[string]bool{}
 	ls.Stats(func(rule string, s limiter.LeaseStats) {
+		if !inForce(rule) && s.InFlight <= 0 {
+			return // freed since PruneStats: forgotten at the next
+		}
 		rows = append(rows, row{rule, s})
 		seen[rule] = true
 	})

@@ -8,6 +8,8 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -383,5 +385,200 @@ func TestErrorAnswersCounted(t *testing.T) {
 		if !strings.Contains(buf.String(), want+"\n") {
 			t.Errorf("want %s in:\n%s", want, buf.String())
 		}
+	}
+}
+
+// A reload that removes a rule (by name) removes its series, of every per-rule family
+// (rlsidecar_checks_total, _degraded_decisions_total, _warnings_total, _delayed_total,
+// _bans_total, _top_rejected, _inflight, _leases_total), while a rule that stays keeps
+// its counts. A check decided under the old rules that counts for the removed rule after
+// the reload (directly, through a connection's tally, or a shared ban) does not bring
+// its series back; a lease still held under it keeps its rlsidecar_inflight and
+// rlsidecar_leases_total until freed. Before, the series of every rule ever in force
+// stayed: 40 reloads renaming three rules left 124 rule labels.
+func TestRemovedRuleSeriesGo(t *testing.T) {
+	parse := func(src string) *rules.Set {
+		set, err := rules.Parse("t.yaml", []byte("rules:\n"+src))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return set
+	}
+	set1 := parse(`  - { name: kept, key: ip, limit: { requests: 1000, per: 1m } }
+  - { name: gone, key: ip, limit: { requests: 1, per: 1m } }
+  - { name: gone-c, key: user, concurrency: { max: 5 } }
+`)
+	set2 := parse(`  - { name: kept, key: ip, limit: { requests: 1000, per: 1m } }
+  - { name: new, key: user, limit: { requests: 10, per: 1m } }
+`)
+	ruleOf := func(set *rules.Set, name string) *rules.Rule {
+		for _, r := range set.Rules {
+			if r.Name == name {
+				return r
+			}
+		}
+		t.Fatalf("no rule %s", name)
+		return nil
+	}
+	lim := limiter.New(set1, localbucket.NewStore(localbucket.Options{}))
+	m := NewMetrics("test", 10)
+	m.SetTopLabels(TopRaw, nil)
+	m.SetLeases(lim.Leases())
+	m.SetRules(set1, time.Now())
+	scrape := func() string {
+		var buf bytes.Buffer
+		m.WritePrometheus(&buf)
+		return buf.String()
+	}
+	// Under set1: kept allowed twice; gone refused twice (a top client), one lease of
+	// gone-c held, one tallied allowed check of gone not yet flushed.
+	now := time.Now().UnixNano()
+	var hold limiter.Decision
+	if err := lim.Check(now, &limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: "u1"}}, Cost: 1}, &hold); err != nil || !hold.Allowed {
+		t.Fatalf("lease: %v %+v", err, hold)
+	}
+	token := lim.LeaseToken(&hold)
+	if token == "" {
+		t.Fatal("no lease")
+	}
+	keptOK := &limiter.Decision{Deciding: 0, Allowed: true, Results: []limiter.Result{{Name: "kept", Rule: ruleOf(set1, "kept"), Allowed: true}}}
+	goneNo := &limiter.Decision{Deciding: 0, Results: []limiter.Result{{Name: "gone", Rule: ruleOf(set1, "gone"), Key: []byte("gone:{ip=1.1.1.1}"), Warning: true, Delay: time.Second, BanStarted: true, Degraded: true}}}
+	goneOK := &limiter.Decision{Deciding: 0, Allowed: true, Results: []limiter.Result{{Name: "gone", Rule: ruleOf(set1, "gone"), Allowed: true}}}
+	m.Record(keptOK)
+	m.Record(keptOK)
+	m.Record(goneNo)
+	m.Record(goneNo)
+	var tally batchTally
+	m.record(goneOK, &tally)
+	for _, want := range []string{
+		`rlsidecar_checks_total{rule="gone",result="rejected"} 2`,
+		`rlsidecar_top_rejected{rule="gone",client="ip=1.1.1.1"} 2`,
+		`rlsidecar_inflight{rule="gone-c"} 1`,
+	} {
+		if out := scrape(); !strings.Contains(out, want+"\n") {
+			t.Fatalf("before the reload, want %s in:\n%s", want, out)
+		}
+	}
+
+	m.SetRules(set2, time.Now())
+	lim.SetRules(set2)
+	// In flight across the reload: decided under set1, counted after.
+	m.Record(goneNo)
+	m.record(goneOK, &tally)
+	m.flushTally(&tally)
+	m.BanStarted("gone")
+	m.Record(keptOK) // under the old rule pointer: still kept's
+	out := scrape()
+	for _, want := range []string{
+		`rlsidecar_checks_total{rule="kept",result="allowed"} 3`,
+		`rlsidecar_checks_total{rule="new",result="allowed"} 0`,
+		`rlsidecar_inflight{rule="gone-c"} 1`, // its lease is still held
+		`rlsidecar_leases_total{rule="gone-c",result="released"} 0`,
+	} {
+		if !strings.Contains(out, want+"\n") {
+			t.Errorf("after the reload, want %s in:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, `rule="gone"`) {
+		t.Errorf("series of the removed rule gone:\n%s", out)
+	}
+	if _, ok := m.Top()["gone"]; ok {
+		t.Errorf("/top lists the removed rule gone")
+	}
+
+	if !lim.ReleaseLease(token, time.Now().UnixNano()) {
+		t.Fatal("release failed")
+	}
+	if out := scrape(); strings.Contains(out, `rule="gone`) {
+		t.Errorf("series of removed rules after their last lease was freed:\n%s", out)
+	}
+
+	// Put back, gone starts afresh, at 0.
+	set3 := parse(`  - { name: kept, key: ip, limit: { requests: 1000, per: 1m } }
+  - { name: gone, key: ip, limit: { requests: 1, per: 1m } }
+`)
+	m.SetRules(set3, time.Now())
+	out = scrape()
+	for _, want := range []string{
+		`rlsidecar_checks_total{rule="kept",result="allowed"} 3`,
+		`rlsidecar_checks_total{rule="gone",result="rejected"} 0`,
+		`rlsidecar_bans_total{rule="gone"} 0`,
+	} {
+		if !strings.Contains(out, want+"\n") {
+			t.Errorf("gone put back: want %s in:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, `rule="new"`) {
+		t.Errorf("series of the removed rule new:\n%s", out)
+	}
+}
+
+// Reloads racing with checks: rule a, in every set, loses no count (its counter is one
+// across reloads, monotonic), while x and y, each in every other set, come and go; once
+// the checks have stopped and a last reload removed both, neither has a series. Run
+// with -race.
+func TestReloadWhileRecording(t *testing.T) {
+	parse := func(other string) *rules.Set {
+		set, err := rules.Parse("t.yaml", []byte("rules:\n  - { name: a, key: ip, limit: { requests: 9, per: 1m } }\n"+other))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return set
+	}
+	sets := []*rules.Set{
+		parse("  - { name: x, key: ip, limit: { requests: 9, per: 1m } }\n"),
+		parse("  - { name: y, key: user, limit: { requests: 9, per: 1m } }\n"),
+	}
+	m := NewMetrics("test", 10)
+	m.SetRules(sets[0], time.Now())
+	var current atomic.Pointer[rules.Set]
+	current.Store(sets[0])
+	const workers, checks = 4, 5000
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var tally batchTally
+			for i := range checks {
+				set := current.Load()
+				d := &limiter.Decision{Deciding: 0, Allowed: true, Results: []limiter.Result{
+					{Name: "a", Rule: set.Rules[0], Allowed: true},
+					{Name: set.Rules[1].Name, Rule: set.Rules[1], Allowed: w%2 == 0, Key: []byte("k:{ip=1}")}}}
+				m.record(d, &tally)
+				if i%7 == 0 {
+					m.flushTally(&tally)
+				}
+				if i%50 == 0 {
+					m.BanStarted(set.Rules[1].Name)
+				}
+			}
+			m.flushTally(&tally)
+		}()
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ; i++ {
+			time.Sleep(50 * time.Microsecond)
+			set := sets[i%2]
+			m.SetRules(set, time.Now())
+			current.Store(set)
+			if i > 200 {
+				return
+			}
+		}
+	}()
+	wg.Wait()
+	<-done
+	m.SetRules(parse(""), time.Now())
+	var buf bytes.Buffer
+	m.WritePrometheus(&buf)
+	out := buf.String()
+	if want := fmt.Sprintf(`rlsidecar_checks_total{rule="a",result="allowed"} %d`, workers*checks); !strings.Contains(out, want+"\n") {
+		t.Errorf("want %s in:\n%s", want, out)
+	}
+	if strings.Contains(out, `rule="x"`) || strings.Contains(out, `rule="y"`) {
+		t.Errorf("series of removed rules:\n%s", out)
 	}
 }

@@ -297,6 +297,22 @@ func (ls *Leases) Stats(f func(rule string, s LeaseStats)) {
 	}
 }
 
+// PruneStats forgets the statistics of the rules keep says no (rules no longer in force),
+// except while a lease part of theirs is held: a lease taken under a rule that a reload
+// removed is counted in its rule's InFlight until freed, and the rule's statistics are
+// forgotten at the next PruneStats after that. A rule's statistics forgotten and
+// counted again (a late release of a lease acquired through another daemon) start
+// afresh, at 0.
+func (ls *Leases) PruneStats(keep func(rule string) bool) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for name, s := range ls.stats {
+		if s.InFlight <= 0 && !keep(name) {
+			delete(ls.stats, name)
+		}
+	}
+}
+
 // SetMax bounds the live leases at n (at least 1); see DefaultMaxLeases.
 func (ls *Leases) SetMax(n int) {
 	ls.mu.Lock()

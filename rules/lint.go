@@ -40,9 +40,17 @@ import (
 //     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
 //     starting with '^', a pattern ending in '$'.
 //
+// Rules that replace each other in a cycle ("a" replaces "b" and "b" replaces "a", or
+// a longer loop; a shadow rule replaces nothing, so it breaks a cycle): a request that
+// matches every rule of the cycle is charged to none of them, each being replaced by
+// another it matched. One warning per group of rules in cycles with each other (a
+// strongly connected component of the replaces graph), at its first rule, naming a
+// cycle and the group's other rules.
+//
 // Warnings come in rule-file order (file, then line).
 func (s *Set) Warnings() Errors {
 	var out Errors
+	cycles := replacesCycles(s.Rules)
 	if len(s.Rules) == 0 {
 		// Valid (a file may list none on purpose), but a template that emptied the
 		// list turns every limit off: said, not refused.
@@ -52,6 +60,9 @@ func (s *Set) Warnings() Errors {
 	bySig := map[string]*earlier{}
 	spent, stopped := 0, false // plan limits compared (see shadowBudget)
 	for _, r := range s.Rules {
+		if e := cycles[r]; e != nil {
+			out = append(out, e)
+		}
 		for ci := range r.conds {
 			for gi := range r.conds[ci].globs {
 				if why := deadGlob(r.conds[ci].globs[gi].pattern); why != "" {
@@ -104,6 +115,152 @@ func (s *Set) Warnings() Errors {
 			}
 			e.rules = append(e.rules, r)
 		}
+	}
+	return out
+}
+
+// replacesCycles finds the groups of rules that replace each other in a cycle (the
+// strongly connected components of more than one rule of the graph whose edges are the
+// replaces of the rules that are not shadow), and returns a warning for each, by its
+// first rule in all (rule-file order).
+func replacesCycles(all []*Rule) map[*Rule]*Error {
+	const maxNamed = 8 // rule names a warning lists, of a cycle and of the others
+	edges := func(r *Rule) []int {
+		if r.Shadow {
+			return nil // a shadow rule replaces nothing (limiter: findReplaced)
+		}
+		return r.ReplacesIdx
+	}
+	if !slices.ContainsFunc(all, func(r *Rule) bool { return len(edges(r)) > 0 }) {
+		return nil
+	}
+	// Tarjan's algorithm, iterative: a chain of 50,000 rules each replacing the next
+	// recurses no deeper than a loop.
+	n := len(all)
+	index, low := make([]int, n), make([]int, n)
+	onStack := make([]bool, n)
+	for i := range index {
+		index[i] = -1
+	}
+	var comps [][]int
+	next := 0
+	type frame struct{ v, e int }
+	var calls []frame
+	var sccStack []int
+	for root := range all {
+		if index[root] >= 0 || len(edges(all[root])) == 0 {
+			continue
+		}
+		calls = append(calls[:0], frame{root, 0})
+		index[root], low[root] = next, next
+		next++
+		sccStack = append(sccStack, root)
+		onStack[root] = true
+		for len(calls) > 0 {
+			f := &calls[len(calls)-1]
+			es := edges(all[f.v])
+			if f.e < len(es) {
+				w := es[f.e]
+				f.e++
+				if index[w] < 0 {
+					index[w], low[w] = next, next
+					next++
+					sccStack = append(sccStack, w)
+					onStack[w] = true
+					calls = append(calls, frame{w, 0})
+				} else if onStack[w] {
+					low[f.v] = min(low[f.v], index[w])
+				}
+				continue
+			}
+			v := f.v
+			calls = calls[:len(calls)-1]
+			if len(calls) > 0 {
+				u := calls[len(calls)-1].v
+				low[u] = min(low[u], low[v])
+			}
+			if low[v] == index[v] {
+				var comp []int
+				for {
+					w := sccStack[len(sccStack)-1]
+					sccStack = sccStack[:len(sccStack)-1]
+					onStack[w] = false
+					comp = append(comp, w)
+					if w == v {
+						break
+					}
+				}
+				if len(comp) > 1 {
+					comps = append(comps, comp)
+				}
+			}
+		}
+	}
+	out := map[*Rule]*Error{}
+	for _, comp := range comps {
+		slices.Sort(comp)
+		first := all[comp[0]]
+		// The shortest cycle through first, within comp (breadth first).
+		in := map[int]bool{}
+		for _, i := range comp {
+			in[i] = true
+		}
+		prev := map[int]int{}
+		queue := []int{comp[0]}
+		found := false
+		for len(queue) > 0 && !found {
+			v := queue[0]
+			queue = queue[1:]
+			for _, w := range edges(all[v]) {
+				if !in[w] {
+					continue
+				}
+				if w == comp[0] {
+					prev[w], found = v, true
+					break
+				}
+				if _, seen := prev[w]; !seen {
+					prev[w] = v
+					queue = append(queue, w)
+				}
+			}
+		}
+		cycle := []int{comp[0]}
+		for v := prev[comp[0]]; v != comp[0]; v = prev[v] {
+			cycle = append(cycle, v)
+		}
+		slices.Reverse(cycle[1:])
+		var b strings.Builder
+		fmt.Fprintf(&b, "rules replace each other in a cycle: %q replaces", first.Name)
+		for i, v := range cycle[1:] {
+			if i == maxNamed {
+				fmt.Fprintf(&b, ", and so on through %d more rules", len(cycle)-1-maxNamed)
+				break
+			}
+			if i > 0 {
+				b.WriteString(", which replaces")
+			}
+			fmt.Fprintf(&b, " %q", all[v].Name)
+		}
+		fmt.Fprintf(&b, ", which replaces %q", first.Name)
+		var others []string
+		inCycle := map[int]bool{}
+		for _, v := range cycle {
+			inCycle[v] = true
+		}
+		for _, v := range comp {
+			if !inCycle[v] {
+				others = append(others, strconv.Quote(all[v].Name))
+			}
+		}
+		if len(others) > maxNamed {
+			others = append(others[:maxNamed], fmt.Sprintf("%d more", len(others)-maxNamed))
+		}
+		if len(others) > 0 {
+			fmt.Fprintf(&b, " (and rules %s are in cycles with them)", strings.Join(others, ", "))
+		}
+		b.WriteString(": a request that matches all of them is limited by none, each being replaced by another")
+		out[first] = &Error{File: first.File, Line: first.Line, Field: "rule " + strconv.Quote(first.Name) + " replaces", Msg: b.String()}
 	}
 	return out
 }

@@ -173,3 +173,61 @@ func TestWarningsShadowCheckBounded(t *testing.T) {
 		t.Fatalf("no word of the check stopping: %v", ws)
 	}
 }
+
+// Rules that replace each other in a cycle warn: a request matching them all was charged
+// to none (rules: [], allowed without limit), and validate said nothing. One warning per
+// group, at its first rule, naming a cycle; a chain, or a cycle through a shadow rule
+// (which replaces nothing), does not warn.
+func TestWarningsReplacesCycle(t *testing.T) {
+	rule := func(name, key string, extra string) string {
+		return "  - { name: " + name + ", key: " + key + ", limit: { requests: 3, per: 1h }" + extra + " }\n"
+	}
+	tests := []struct {
+		name, src string
+		want      []string // substrings of the one warning; nil: none
+	}{
+		{"two", rule("a", "ip", ", replaces: [b]") + rule("b", "user", ", replaces: [a]"),
+			[]string{`test.yaml:2: rule "a" replaces: rules replace each other in a cycle: "a" replaces "b", which replaces "a": a request that matches all of them is limited by none`}},
+		{"three", rule("x", "plan", "") + rule("a", "ip", ", replaces: [b]") + rule("b", "user", ", replaces: [c]") + rule("c", "api_key", ", replaces: [a]"),
+			[]string{`test.yaml:3: rule "a" replaces: rules replace each other in a cycle: "a" replaces "b", which replaces "c", which replaces "a":`}},
+		{"group", rule("a", "ip", ", replaces: [b, c]") + rule("b", "user", ", replaces: [a]") + rule("c", "api_key", ", replaces: [a]"),
+			[]string{`"a" replaces "b", which replaces "a" (and rules "c" are in cycles with them)`}},
+		{"chain", rule("a", "ip", ", replaces: [b]") + rule("b", "user", ", replaces: [c]") + rule("c", "api_key", ""), nil},
+		{"through a shadow rule", rule("a", "ip", ", replaces: [b]") + rule("b", "user", ", replaces: [a], shadow: true"), nil},
+	}
+	for _, tt := range tests {
+		ws := mustParse(t, "rules:\n"+tt.src).Warnings()
+		if tt.want == nil {
+			if len(ws) != 0 {
+				t.Errorf("%s: %v, want no warning", tt.name, ws)
+			}
+			continue
+		}
+		if len(ws) != 1 {
+			t.Errorf("%s: %v, want one warning", tt.name, ws)
+			continue
+		}
+		for _, want := range tt.want {
+			if !strings.Contains(ws[0].Error(), want) {
+				t.Errorf("%s: %v, want %s", tt.name, ws[0], want)
+			}
+		}
+	}
+	// Two separate cycles: two warnings, in file order.
+	ws := mustParse(t, "rules:\n"+rule("a", "ip", ", replaces: [b]")+rule("c", "api_key", ", replaces: [d]")+
+		rule("b", "user", ", replaces: [a]")+rule("d", "method", ", replaces: [c]")).Warnings()
+	if len(ws) != 2 || ws[0].Line != 2 || ws[1].Line != 3 || !strings.Contains(ws[1].Error(), `"c" replaces "d", which replaces "c"`) {
+		t.Errorf("two cycles: %v", ws)
+	}
+	// A ring of 5,000 rules: found without deep recursion, and named in a bounded line.
+	var ring strings.Builder
+	const n = 5_000
+	for i := range n {
+		fmt.Fprintf(&ring, "  - { name: r%d, match: { path: /p%d }, key: ip, limit: { requests: 3, per: 1h }, replaces: [r%d] }\n", i, i, (i+1)%n)
+	}
+	ws = mustParse(t, "rules:\n"+ring.String()).Warnings()
+	if len(ws) != 1 || len(ws[0].Error()) > 400 || !strings.Contains(ws[0].Error(), `"r0" replaces "r1", which replaces`) ||
+		!strings.Contains(ws[0].Error(), `and so on through 4991 more rules, which replaces "r0"`) {
+		t.Errorf("ring: %v", ws)
+	}
+}

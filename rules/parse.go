@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"go.yaml.in/yaml/v3"
 
@@ -128,8 +129,18 @@ func (p *parser) errorf(n *yaml.Node, field, format string, args ...any) {
 
 var yamlLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
 
-func (p *parser) yamlError(err error) {
+// yamlError reports err, the YAML library's error about data. Its reader's errors
+// (a control character, bytes that are not UTF-8) name no line: for those, the first
+// such byte of data is found and named, with its line and column.
+func (p *parser) yamlError(err error, data []byte) {
 	msg := err.Error()
+	if strings.Contains(msg, "control characters are not allowed") || strings.Contains(msg, "UTF-8") ||
+		strings.Contains(msg, "invalid Unicode character") {
+		if line, why := notText(data); why != "" {
+			p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + why + "; a rules file is text (YAML, in UTF-8): is this one?"})
+			return
+		}
+	}
 	if m := yamlLine.FindStringSubmatch(msg); m != nil {
 		line, _ := strconv.Atoi(m[1])
 		p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + m[2]})
@@ -138,14 +149,46 @@ func (p *parser) yamlError(err error) {
 	p.errs = append(p.errs, &Error{File: p.file, Msg: "invalid YAML: " + strings.TrimPrefix(msg, "yaml: ")})
 }
 
+// notText finds the first character of data that YAML does not allow in UTF-8 text (a
+// control character other than tab, line feed and carriage return, or bytes that are
+// not UTF-8) and says where it is and what it is; "" when there is none, or when data
+// starts with a UTF-16 byte-order mark (read by the YAML library as UTF-16).
+func notText(data []byte) (line int, why string) {
+	if bytes.HasPrefix(data, []byte{0xff, 0xfe}) || bytes.HasPrefix(data, []byte{0xfe, 0xff}) {
+		return 0, ""
+	}
+	line, col := 1, 1
+	for i := 0; i < len(data); {
+		r, size := utf8.DecodeRune(data[i:])
+		switch {
+		case r == utf8.RuneError && size <= 1:
+			return line, fmt.Sprintf("byte 0x%02x at column %d is not UTF-8", data[i], col)
+		case r == '\n':
+			line, col = line+1, 0
+		case r == '\t' || r == '\r' || r >= 0x20 && r <= 0x7e || r == 0x85 ||
+			r >= 0xa0 && r <= 0xd7ff || r >= 0xe000 && r <= 0xfffd || r >= 0x10000:
+		default:
+			return line, fmt.Sprintf("a control character (U+%04X) at column %d", r, col)
+		}
+		i += size
+		col++
+	}
+	return 0, ""
+}
+
 func (p *parser) parse(data []byte) []*Rule {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil {
-		if errors.Is(err, io.EOF) {
+		switch {
+		case !errors.Is(err, io.EOF):
+			p.yamlError(err, data)
+		case len(data) == 0:
 			p.errorf(nil, "", "no rules: key (the file is empty)")
-		} else {
-			p.yamlError(err)
+		case len(bytes.TrimSpace(data)) == 0:
+			p.errorf(nil, "", "no rules: key (the file holds only blank space)")
+		default: // a byte-order mark alone
+			p.errorf(nil, "", "no rules: key (the file holds no YAML document)")
 		}
 		return nil
 	}
@@ -155,7 +198,7 @@ func (p *parser) parse(data []byte) []*Rule {
 		p.errorf(&next, "", "a second YAML document; put all rules in one document")
 		return nil
 	case !errors.Is(err, io.EOF):
-		p.yamlError(err)
+		p.yamlError(err, data)
 		return nil
 	}
 	if len(doc.Content) != 1 {

@@ -359,3 +359,41 @@ func TestDefault(t *testing.T) {
 		t.Error("Default returns a shared Set")
 	}
 }
+
+// A file that is not text is refused as such, at its first offending byte: binary
+// garbage was refused with "invalid YAML: control characters are not allowed", no line
+// nor byte named (a stray control character in a long file had to be hunted down), and a
+// file of a byte-order mark or blank space alone was said to be empty.
+func TestNotTextFile(t *testing.T) {
+	const rule = "  - { name: a, key: ip, limit: { requests: 3, per: 1h } }\n"
+	tests := []struct {
+		name, data, want string
+	}{
+		{"binary garbage", "\x00\x01\x02\xff\xfe", "g.yaml:1: invalid YAML: a control character (U+0000) at column 1; a rules file is text (YAML, in UTF-8): is this one?"},
+		{"a NUL after the rules", "rules:\n" + rule + "\x00" + rule, "g.yaml:3: invalid YAML: a control character (U+0000) at column 1;"},
+		{"a bell in a name", "rules:\n  - { name: a\x07, key: ip }\n", "g.yaml:2: invalid YAML: a control character (U+0007) at column 14;"},
+		{"Latin-1", "rules:\n  - { name: caf\xe9, key: ip, limit: { requests: 3, per: 1h } }\n", "g.yaml:2: invalid YAML: byte 0xe9 at column 16 is not UTF-8;"},
+		{"empty", "", "g.yaml: no rules: key (the file is empty)"},
+		{"blank space", "\n  \n\n", "g.yaml: no rules: key (the file holds only blank space)"},
+		{"a byte-order mark alone", "\xff\xfe", "g.yaml: no rules: key (the file holds no YAML document)"},
+	}
+	dir := t.TempDir()
+	for _, tt := range tests {
+		path := filepath.Join(dir, "g.yaml")
+		if err := os.WriteFile(path, []byte(tt.data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Load(path)
+		if err == nil || !strings.Contains(err.Error(), filepath.Join(dir, tt.want)) {
+			t.Errorf("%s: %v, want %s", tt.name, err, tt.want)
+		}
+	}
+	// Text in UTF-16, with its byte-order mark, is still read.
+	le := []byte{0xff, 0xfe}
+	for _, c := range "rules:\n" + rule {
+		le = append(le, byte(c), 0)
+	}
+	if set, err := Parse("u16.yaml", le); err != nil || len(set.Rules) != 1 {
+		t.Errorf("UTF-16: %v", err)
+	}
+}
