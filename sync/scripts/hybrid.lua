@@ -192,8 +192,9 @@ for i = 1, nkeys do
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
     local replay, replay_grant, resent = false, 0, false
+    local rp, rt = nil, nil
     if rec then
-      local rp, rt = string.match(rec, '^(%S+) (%S+) ')
+      rp, rt = string.match(rec, '^(%S+) (%S+) ')
       rp, rt = tonumber(rp), tonumber(rt)
       if rt == token then
         -- this very sync was applied already: change nothing, answer the same grant
@@ -210,6 +211,17 @@ for i = 1, nkeys do
         grant_window = tonumber(rw) -- the window that grant was taken from
         resent = true
       end
+    end
+    -- A grant is this key's only if this key reserved it: the sync that did wrote this
+    -- daemon's record with the token the daemon now names as its last confirmed one. A
+    -- key without that record (Redis restarted empty, or failed over to a replica that
+    -- never saw the sync, and another daemon's sync made the key again since) never gave
+    -- the grant: it is forgotten with the state that held it, and everything the daemon
+    -- used counts. Taken off, it was taken off the units of the daemons that synced
+    -- first: after a restart 100 units counted and 125 admitted against a limit of 100.
+    if not replay and not resent and prev_grant > 0 and rt ~= prev_token then
+      settle = math.max(0, used)
+      settled_grant = 0
     end
 
     -- Credit a previous user may still hold (k = "owner units until_us"): set when the
