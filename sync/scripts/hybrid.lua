@@ -8,12 +8,16 @@
 -- its grant (on credit, see sync/hybrid_take.go) are added as they are: what was admitted
 -- is recorded, never lost; if that overdraws the key, the debt delays its refill.
 --
--- Two kinds of grant (ARGV per key: mode):
+-- The modes of a key's sync (ARGV per key: mode), two of them kinds of grant:
 --   0 share: the key's headroom over the next interval (what it can admit now plus the
 --     interval's refill) times this daemon's share of the key's demand (a key hot on this
 --     daemon, whose demand outran its allowance);
 --   1 exact: exactly `demand` units if the key has them now, else none (a request the
---     daemon could not decide locally waits for this answer: the exact mode's decision).
+--     daemon could not decide locally waits for this answer: the exact mode's decision);
+--   2 leave: the daemon's last sync before it stops (demand 0, no grant): it settles as
+--     a share sync does, and the daemon, which holds no credit once it is gone, is no
+--     longer the key's last user (o) nor owed a reservation of credit (k), so the next
+--     daemon to use the key reserves nothing for it.
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -264,6 +268,13 @@ for i = 1, nkeys do
       end
       o = me
     end
+    -- Leaving (mode 2): not the key's last user any more; the record of it as the last
+    -- user is dropped (below), and so is a reservation of its credit (k: kset false).
+    local drop_o = false
+    if mode == 2 then
+      o = nil
+      drop_o = last and string.match(last, '^(%S+) ') == id
+    end
 
     -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
     local share_demand = 0
@@ -488,8 +499,16 @@ for i = 1, nkeys do
     if o and o ~= last and (#f > 0 or not (other and x >= epoch + math.floor(share_epochs / 2))) then
       f[#f + 1] = 'o'; f[#f + 1] = o
     end
+    -- A daemon leaving a key gone from Redis with nothing to count: not made again.
+    if mode == 2 and not t0 and settle <= 0 then f, expire = {}, nil end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
-    if kset == false then redis.call('HDEL', key, 'k') end
+    if kset == false and drop_o then
+      redis.call('HDEL', key, 'k', 'o')
+    elseif kset == false then
+      redis.call('HDEL', key, 'k')
+    elseif drop_o then
+      redis.call('HDEL', key, 'o')
+    end
     if expire then redis.call('PEXPIRE', key, expire) end
     local r = (i - 1) * 7
     out[r + 1] = grant
