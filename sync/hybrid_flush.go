@@ -1,12 +1,14 @@
 package sync
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"strings"
 	gosync "sync"
@@ -30,6 +32,7 @@ var hybridScript = redis.NewScript(hybridLua)
 const (
 	modeShare uint8 = 0 // a share of the key's headroom, by demand
 	modeExact uint8 = 1 // exactly the units asked for, if the key has them now
+	modeLeave uint8 = 2 // the last sync before the daemon stops: settles, asks nothing, and leaves the key (no credit reserved for it)
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -132,7 +135,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		over = min(0, e.view)
 	}
 	credit := math.Floor(max(0, e.view) / n)
-	if v[6]&1 != 0 {
+	if v[6]&1 != 0 || it.mode == modeLeave { // a daemon that left the key holds no credit on it
 		e.flags |= flagShared
 		credit = 0
 	} else {
@@ -251,24 +254,105 @@ func (h *Hybrid) Flush(ctx context.Context, now int64) error {
 }
 
 // Release is the last sync before a daemon stops: it settles what every key admitted
-// and gives back every grant, asking for no new ones, so no budget stays reserved for a
-// daemon that is gone.
+// and gives back every grant, asking for no new ones, and leaves every key synced
+// lately, so no budget or credit stays reserved for a daemon that is gone. The daemon
+// admits nothing on credit after it.
 func (h *Hybrid) Release(ctx context.Context, now int64) error {
 	_, err := h.flush(ctx, now, math.MaxInt, true)
 	return err
 }
 
 // flush syncs at most limit keys that changed (release: every key holding something,
-// asking for nothing), and returns how many it sent. Except for a release, a key whose
-// master's breaker refuses the call stays dirty for a later sync, and each master's
-// breaker hears how its keys went.
+// asking for nothing, and the keys synced lately: Hybrid.release), and returns how many
+// it sent. Except for a release, a key whose master's breaker refuses the call stays
+// dirty for a later sync, and each master's breaker hears how its keys went.
 func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) (int, error) {
-	items := h.collect(now, limit, release)
+	if release {
+		return h.release(ctx, now)
+	}
+	items := h.collect(now, limit)
 	if len(items) == 0 {
 		return 0, nil
 	}
-	return len(items), h.settle(ctx, items, release)
+	return len(items), h.settle(ctx, items, false)
 }
+
+// release is the last sync (flush with release): every key holding something is
+// settled first, its grant given back; then, within leaveBudget, the other keys this
+// daemon synced lately, which Redis may still record it as the last user of, the most
+// recently synced first. Each sync leaves its key (modeLeave): a daemon gone holds no
+// credit, so the next daemon to use the key must not reserve any for it (it did: a
+// client that moved from a daemon stopped with SIGTERM to another was refused part of
+// its remaining budget for 60 s).
+func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
+	// The keys a sync by this daemon within the last share_epochs (KeepAlive) may have
+	// recorded it as the last user of (the script's o), with a second's margin.
+	lately := now - int64(h.keepAlive+time.Second)
+	type leaving struct {
+		sh     *hshard
+		e      *hentry
+		synced int64
+	}
+	var held []syncItem
+	var rest []leaving
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			switch {
+			case e.flags&flagBusy != 0:
+			case e.holds():
+				e.short = 0
+				held = append(held, h.snapshot(sh, e, now, modeLeave, 0))
+			case e.synced > 0 && e.synced >= lately:
+				rest = append(rest, leaving{sh, e, e.synced})
+			}
+		}
+		sh.mu.Unlock()
+	}
+	var errs []error
+	// What was admitted first, with the whole release's time.
+	if len(held) > 0 {
+		errs = append(errs, h.settle(ctx, held, true))
+	}
+	sent := len(held)
+	if len(rest) == 0 {
+		return sent, errors.Join(errs...)
+	}
+	// The others only lift reservations: best effort, within leaveBudget, one pipeline
+	// at a time, so a daemon that held many keys still exits soon.
+	slices.SortFunc(rest, func(a, b leaving) int { return cmp.Compare(b.synced, a.synced) })
+	lctx, cancel := context.WithTimeout(ctx, leaveBudget)
+	defer cancel()
+	const chunk = callKeys * pipeCalls
+	for lo := 0; lo < len(rest) && lctx.Err() == nil; lo += chunk {
+		part := rest[lo:min(lo+chunk, len(rest))]
+		items := make([]syncItem, 0, len(part))
+		for _, l := range part {
+			l.sh.mu.Lock()
+			if l.e.flags&(flagBusy|flagGone) == 0 {
+				items = append(items, h.snapshot(l.sh, l.e, now, modeLeave, 0))
+			}
+			l.sh.mu.Unlock()
+		}
+		if len(items) == 0 {
+			continue
+		}
+		sent += len(items)
+		if err := h.settle(lctx, items, true); err != nil && (ctx.Err() != nil || lctx.Err() == nil) {
+			errs = append(errs, err) // not the leave budget running out: its keys keep the old reservation
+		}
+	}
+	return sent, errors.Join(errs...)
+}
+
+// leaveBudget bounds the part of the last sync that only leaves keys (release): a key
+// it does not reach keeps what happened before, a reservation of the stopped daemon's
+// possible credit by the next daemon to use it (at most 60 s). The keys most recently
+// synced, those a client is likeliest to take to another daemon at once, go first.
+// BenchmarkHybridSIGTERM (400,000 keys held, all synced within the last seconds) is
+// what bounds it: the daemon's exit must stay well within 2 s.
+const leaveBudget = 250 * time.Millisecond
 
 // flushEach is flush for Run with a breaker per master of a Cluster: each master's keys
 // go in a sync of their own, on a goroutine of its own (counted in wg), so a master that
@@ -276,7 +360,7 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 // master whose last sync is still on its way is left for the next call. done hears each
 // master's sync: the keys it sent, how long it took, its error.
 func (h *Hybrid) flushEach(now int64, limit int, budget time.Duration, wg *gosync.WaitGroup, done func(sent int, d time.Duration, err error)) {
-	items := h.collect(now, limit, false)
+	items := h.collect(now, limit)
 	for lo := 0; lo < len(items); {
 		// Each master's items, brought together (collect takes them by shard).
 		m := items[lo].m
@@ -304,10 +388,10 @@ func (h *Hybrid) flushEach(now int64, limit int, budget time.Duration, wg *gosyn
 }
 
 // collect takes the keys a sync carries (see flush) out of the dirty lists: at most limit,
-// each marked busy until its reply is applied. Except for a release, a key whose
-// master's breaker refuses, or whose master's last sync is still on its way (flushEach),
+// each marked busy until its reply is applied (a release takes its own: release). A key
+// whose master's breaker refuses, or whose master's last sync is still on its way (flushEach),
 // stays dirty for a later sync; each item then carries the master that let it.
-func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
+func (h *Hybrid) collect(now int64, limit int) []syncItem {
 	var items []syncItem
 	backlog := 0
 	// The masters asked, each once per sync (an open breaker gives one probe): a master
@@ -323,16 +407,6 @@ func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
-		if release {
-			for _, e := range sh.m {
-				if e.flags&flagBusy == 0 && (e.pending != uint64(e.grant) || e.flags&flagUnsettled != 0) {
-					e.short = 0
-					items = append(items, h.snapshot(sh, e, now, modeShare, 0))
-				}
-			}
-			sh.mu.Unlock()
-			continue
-		}
 		keep := sh.dirty[:0]
 		for _, e := range sh.dirty {
 			switch {
@@ -381,9 +455,7 @@ func (h *Hybrid) collect(now int64, limit int, release bool) []syncItem {
 		sh.dirty = keep
 		sh.mu.Unlock()
 	}
-	if !release {
-		h.backlog.Store(int64(backlog))
-	}
+	h.backlog.Store(int64(backlog))
 	return items
 }
 

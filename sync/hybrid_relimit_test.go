@@ -80,7 +80,7 @@ func TestHybridLimitChangedDuringSync(t *testing.T) {
 			syncAll(t, now, h)
 		}
 	}
-	items := h.collect(now, math.MaxInt, false) // the sync sets out under the old limit
+	items := h.collect(now, math.MaxInt) // the sync sets out under the old limit
 	if len(items) != 1 {
 		t.Fatalf("%d keys to sync, want 1", len(items))
 	}

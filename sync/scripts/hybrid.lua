@@ -8,12 +8,16 @@
 -- its grant (on credit, see sync/hybrid_take.go) are added as they are: what was admitted
 -- is recorded, never lost; if that overdraws the key, the debt delays its refill.
 --
--- Two kinds of grant (ARGV per key: mode):
+-- The modes of a key's sync (ARGV per key: mode), two of them kinds of grant:
 --   0 share: the key's headroom over the next interval (what it can admit now plus the
 --     interval's refill) times this daemon's share of the key's demand (a key hot on this
 --     daemon, whose demand outran its allowance);
 --   1 exact: exactly `demand` units if the key has them now, else none (a request the
---     daemon could not decide locally waits for this answer: the exact mode's decision).
+--     daemon could not decide locally waits for this answer: the exact mode's decision);
+--   2 leave: the daemon's last sync before it stops (demand 0, no grant): it settles as
+--     a share sync does, and the daemon, which holds no credit once it is gone, is no
+--     longer the key's last user (o) nor owed a reservation of credit (k), so the next
+--     daemon to use the key reserves nothing for it.
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -192,8 +196,9 @@ for i = 1, nkeys do
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
     local replay, replay_grant, resent = false, 0, false
+    local rp, rt = nil, nil
     if rec then
-      local rp, rt = string.match(rec, '^(%S+) (%S+) ')
+      rp, rt = string.match(rec, '^(%S+) (%S+) ')
       rp, rt = tonumber(rp), tonumber(rt)
       if rt == token then
         -- this very sync was applied already: change nothing, answer the same grant
@@ -210,6 +215,17 @@ for i = 1, nkeys do
         grant_window = tonumber(rw) -- the window that grant was taken from
         resent = true
       end
+    end
+    -- A grant is this key's only if this key reserved it: the sync that did wrote this
+    -- daemon's record with the token the daemon now names as its last confirmed one. A
+    -- key without that record (Redis restarted empty, or failed over to a replica that
+    -- never saw the sync, and another daemon's sync made the key again since) never gave
+    -- the grant: it is forgotten with the state that held it, and everything the daemon
+    -- used counts. Taken off, it was taken off the units of the daemons that synced
+    -- first: after a restart 100 units counted and 125 admitted against a limit of 100.
+    if not replay and not resent and prev_grant > 0 and rt ~= prev_token then
+      settle = math.max(0, used)
+      settled_grant = 0
     end
 
     -- Credit a previous user may still hold (k = "owner units until_us"): set when the
@@ -251,6 +267,13 @@ for i = 1, nkeys do
         end
       end
       o = me
+    end
+    -- Leaving (mode 2): not the key's last user any more; the record of it as the last
+    -- user is dropped (below), and so is a reservation of its credit (k: kset false).
+    local drop_o = false
+    if mode == 2 then
+      o = nil
+      drop_o = last and string.match(last, '^(%S+) ') == id
     end
 
     -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
@@ -476,8 +499,16 @@ for i = 1, nkeys do
     if o and o ~= last and (#f > 0 or not (other and x >= epoch + math.floor(share_epochs / 2))) then
       f[#f + 1] = 'o'; f[#f + 1] = o
     end
+    -- A daemon leaving a key gone from Redis with nothing to count: not made again.
+    if mode == 2 and not t0 and settle <= 0 then f, expire = {}, nil end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
-    if kset == false then redis.call('HDEL', key, 'k') end
+    if kset == false and drop_o then
+      redis.call('HDEL', key, 'k', 'o')
+    elseif kset == false then
+      redis.call('HDEL', key, 'k')
+    elseif drop_o then
+      redis.call('HDEL', key, 'o')
+    end
     if expire then redis.call('PEXPIRE', key, expire) end
     local r = (i - 1) * 7
     out[r + 1] = grant

@@ -1,0 +1,73 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A daemon stopped cleanly (its last sync, Release) holds no credit: the next daemon to
+// use its keys must not reserve any for it. The last sync settled everything, but the
+// key still named the stopped daemon its last user, so the next daemon's first sync
+// found the key changing hands and reserved the stopped daemon's possible credit (field
+// k) for 60 s: a client that used 10 of 20 on one daemon, then moved to another when
+// the first stopped, was admitted 5 of its remaining 10 there.
+func TestHybridReleaseLeavesNoCreditReserved(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			rdb := standalone(t)
+			ctx := context.Background()
+			lim := mustLimit(t, alg, 20, time.Hour)
+			a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
+			hs := []*Hybrid{a, b}
+			for round := 0; round < 2; round++ {
+				for i, h := range hs {
+					if _, err := h.Heartbeat(ctx, fmt.Sprint("leave-", i), time.Minute); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			now := time.Now().UnixNano()
+			key := "rl:leave:{user=alice}"
+			used := 0
+			for i := 0; i < 40 && used < 10; i++ {
+				if take(a, now, key, lim, 1).Allowed {
+					used++
+				}
+				if i%3 == 2 {
+					syncAll(t, now, a)
+				}
+			}
+			if used != 10 {
+				t.Fatalf("daemon a admitted %d, want 10", used)
+			}
+			syncAll(t, now, a)
+			if err := a.Release(ctx, now); err != nil { // a stops
+				t.Fatal(err)
+			}
+			admitted := 0
+			for i := 0; i < 30; i++ {
+				if take(b, now, key, lim, 1).Allowed {
+					admitted++
+				}
+				if i%3 == 2 {
+					syncAll(t, now, b)
+				}
+			}
+			syncAll(t, now, b)
+			if err := b.Release(ctx, now); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("a admitted %d and stopped; b then admitted %d", used, admitted)
+			if k := rdb.HGet(ctx, key, "k").Val(); k != "" {
+				t.Errorf("credit reserved for a daemon that stopped and settled: k = %q", k)
+			}
+			if admitted != 20-used {
+				t.Fatalf("after a stopped having admitted %d of 20, b admitted %d, want %d", used, admitted, 20-used)
+			}
+		})
+	}
+}
