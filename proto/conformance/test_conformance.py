@@ -457,9 +457,7 @@ def test_inline_limit_wrong_type(conn, field, kind):
     {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "a" * 65},
     {"key": "k", "limit": 3, "window_ms": 1000, "algorithm": "token_bucket" * 500},
     {"key": "k", "limit": 3, "window_ms": 1000, "mode": "m" * 65},
-] + ([] if WITH_REDIS else [
-    {"key": "k", "limit": 3, "window_ms": 1000, "mode": "global"},  # without Redis
-]))
+])
 def test_invalid_inline_limit_consumes_nothing(conn, lim):
     attrs = api(user=uniq(), ip=uniq("ip"))
     before = remaining(conn, attrs)
@@ -577,6 +575,19 @@ def test_inline_limits_with_rules_all_or_nothing(conn):
     assert r["rules"][0]["remaining"] == 9  # the refused request took nothing
     r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [{"key": uniq(), "limit": 2, "window_ms": 1000}]}), 3)
     assert r["rule"] and r["limit"] == 2 and r["rules"][0]["window_ms"] == 1000  # name: the key
+
+
+@pytest.mark.parametrize("mode", ["local", "hybrid", "global"])
+def test_inline_modes(conn, mode):
+    """Every mode the contract lists is a valid inline limit, whatever the daemon: one
+    without Redis decides hybrid and global ones from a local bucket, marked degraded."""
+    lim = {"key": uniq(), "limit": 2, "window_ms": 60000, "mode": mode}
+    got = [conn.rt({"op": "check", "id": i, "limits": [lim]}) for i in range(3)]
+    assert ["error" not in r and r["id"] == i for i, r in enumerate(got)] == [True] * 3, got
+    assert [r["allowed"] for r in got] == [True, True, False], got
+    assert [r["rules"][0]["limit"] for r in got] == [2] * 3, got
+    if not WITH_REDIS:
+        assert [r["degraded"] for r in got] == [mode != "local"] * 3, got
 
 
 @pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_window", "fixed_window"])
