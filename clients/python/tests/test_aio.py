@@ -174,19 +174,26 @@ def test_async_max_conns_cause(make_daemon):
     holder = socketmod.socket(socketmod.AF_UNIX)
     holder.connect(d.socket)
     try:
-        async def main():
-            c = rlsidecar.AsyncClient(d.socket, timeout=2)
-            try:
-                t0 = time.monotonic()
-                dec = await c.check({"user": "ann"})
-                return dec, time.monotonic() - t0
-            finally:
-                await c.close()
-        dec, took = asyncio.run(main())
-        assert dec.unreachable and "too_many_connections" in dec.cause, dec.cause
-        assert took < 1, "waited %.2f s for a refusal the sidecar sent at once" % took
+        refused_at_once(d.socket)
     finally:
         holder.close()
+
+
+def refused_at_once(socket_path):
+    """One check through an AsyncClient (timeout 2 s) on a sidecar that refuses the
+    connection as too_many_connections: answered by the policy, with that cause, at once
+    (not after the timeout)."""
+    async def main():
+        c = rlsidecar.AsyncClient(socket_path, timeout=2)
+        try:
+            t0 = time.monotonic()
+            dec = await c.check({"user": "ann"})
+            return dec, time.monotonic() - t0
+        finally:
+            await c.close()
+    dec, took = asyncio.run(main())
+    assert dec.unreachable and "too_many_connections" in (dec.cause or ""), dec.cause
+    assert took < 1, "waited %.2f s for a refusal the sidecar sent at once" % took
 
 
 RULES_AIO_MC = """
@@ -222,17 +229,7 @@ def test_async_refusal_after_the_check(short_tmp):
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        async def main():
-            c = rlsidecar.AsyncClient(path, timeout=2)
-            try:
-                t0 = time.monotonic()
-                dec = await c.check({"user": "ann"})
-                return dec, time.monotonic() - t0
-            finally:
-                await c.close()
-        dec, took = asyncio.run(main())
-        assert dec.unreachable and "too_many_connections" in (dec.cause or ""), dec.cause
-        assert took < 1, "waited %.2f s for a refusal the sidecar sent at once" % took
+        refused_at_once(path)
     finally:
         srv.close()
         t.join(2)
