@@ -179,6 +179,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	afterFirstLoad()
 	// What validate warns of, in the journal too: an operator who skipped validate sees
 	// a rule that can never decide, or a rule set with no rules.
 	logWarnings := func(set *rules.Set) {
@@ -516,14 +517,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
 		logWarnings(newSet)
 	}
-	rewatch := func() {}
+	rewatch, rewatching := func() {}, false
 	if *watch && *config != "" {
 		kick, err := watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
 			func(err error) { log.Warn("watching the rules file", "err", err) })
 		if err != nil {
 			return err
 		}
-		rewatch = kick
+		rewatch, rewatching = kick, true
 	}
 
 	ruleSource := set.Source
@@ -619,6 +620,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		rls = nil
 	}
 	notify.ready(status())
+	// A change written between the first load and the watches being in place raised no
+	// event: the file is read once more now that they are, and reloaded if it changed.
+	if rewatching && *config != "" {
+		if now, err := load(); err != nil || now.Version != lim.Rules().Version {
+			reload("file change while starting")
+		}
+	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -678,6 +686,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 }
+
+// afterFirstLoad runs between the first load of the rules and the watcher's start: a
+// test's hook, to change the file there.
+var afterFirstLoad = func() {}
 
 // redisLog sends go-redis's own log lines (pool dial failures, …) through slog at debug
 // level: the daemon reports Redis trouble itself, once per 10 s, at warn.
