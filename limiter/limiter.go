@@ -780,10 +780,13 @@ var (
 	denyCost     = ^uint64(0)
 )
 
-// findReplaced marks in d.replaced the rules that a rule matching the input replaces. A
-// shadow rule replaces nothing: a dry run changes no decision, so the rules it would
-// replace keep deciding until it is enforced (before, shipping a narrower rule in shadow
-// with its replaces written took the broader limit off the requests it matched).
+// findReplaced marks in d.replaced the rules that a rule applying to the input replaces:
+// one whose conditions hold and whose key attributes are all there. A rule missing its
+// key attribute does not apply, so it replaces nothing (before, a client that left out
+// the api_key of a per-key rule replacing per-user escaped both). A shadow rule
+// replaces nothing: a dry run changes no decision, so the rules it would replace keep
+// deciding until it is enforced (before, shipping a narrower rule in shadow with its
+// replaces written took the broader limit off the requests it matched).
 func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 	if cap(d.replaced) < len(set.Rules) {
 		d.replaced = make([]bool, len(set.Rules))
@@ -800,7 +803,7 @@ func (d *Decision) findReplaced(set *rules.Set, in *Input) {
 			attrs = in.Parts[p].Attrs
 		}
 		for _, r := range set.Rules {
-			if len(r.ReplacesIdx) > 0 && !r.Shadow && r.Matches(attrs) {
+			if len(r.ReplacesIdx) > 0 && !r.Shadow && r.Applies(attrs) {
 				for _, i := range r.ReplacesIdx {
 					d.replaced[i] = true
 				}

@@ -164,3 +164,48 @@ rules:
 		}
 	}
 }
+
+// TestReplacesOnlyWhenApplying: a rule whose key attribute is missing does not apply,
+// so it replaces nothing. Before, a client that left out the api_key of a per-key rule
+// replacing per-user was limited by neither.
+func TestReplacesOnlyWhenApplying(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 2, per: 1h }
+  - name: x-per-key
+    match: { path: /x }
+    key: [api_key, user]
+    replaces: [per-user]
+    limit: { requests: 100, per: 1h }
+`)
+	var d Decision
+	for _, c := range []struct {
+		attrs []string
+		want  []string // the rules charged
+	}{
+		{[]string{"path=/x", "user=m"}, []string{"per-user"}},               // no api_key: per-user decides
+		{[]string{"path=/x", "api_key=k"}, nil},                             // no user: neither applies
+		{[]string{"path=/x", "user=m", "api_key=k"}, []string{"x-per-key"}}, // both keys: replaced
+		{[]string{"path=/y", "user=m", "api_key=k"}, []string{"per-user"}},  // conditions fail
+	} {
+		if err := l.Check(t0, &Input{Attrs: attrs(c.attrs...), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, r := range d.Results {
+			names = append(names, r.Name)
+		}
+		if !slices.Equal(names, c.want) {
+			t.Errorf("%v: rules %v, want %v", c.attrs, names, c.want)
+		}
+	}
+	// per-user counted the two checks it decided, and refuses the third.
+	if err := l.Check(t0, &Input{Attrs: attrs("path=/x", "user=m"), Cost: 1}, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Allowed || d.DecidingResult().Name != "per-user" {
+		t.Fatalf("the third check of user m without an api_key: allowed %v, want refused by per-user", d.Allowed)
+	}
+}

@@ -19,6 +19,7 @@ import (
 //   - they have the same algorithm, the same per, the same mode, split and
 //     on_store_failure;
 //   - neither is shadow (a shadow B is there to be observed, not to reject);
+//   - every rule that replaces A replaces B too (where A alone is replaced, B decides);
 //   - and A's limit is at least as tight as B's for every plan: for the default limit and
 //     each plan either rule lists, A's requests ≤ B's and A's burst ≤ B's, or B's plan is
 //     unlimited (an unlimited plan on A against a limited one on B is not tighter).
@@ -55,6 +56,26 @@ func (s *Set) Warnings() Errors {
 		// Valid (a file may list none on purpose), but a template that emptied the
 		// list turns every limit off: said, not refused.
 		out = append(out, &Error{File: s.Source, Field: "rules", Msg: "no rules: every request is allowed, none limited"})
+	}
+	// replacers maps each rule to the rules (not shadow) that replace it: A, replaced
+	// where B is not, leaves B deciding alone on those requests.
+	replacers := map[*Rule][]*Rule{}
+	for _, r := range s.Rules {
+		if !r.Shadow {
+			for _, i := range r.ReplacesIdx {
+				if i >= 0 && i < len(s.Rules) {
+					replacers[s.Rules[i]] = append(replacers[s.Rules[i]], r)
+				}
+			}
+		}
+	}
+	replacedAlike := func(a, b *Rule) bool {
+		for _, r := range replacers[a] {
+			if !slices.Contains(r.ReplacesIdx, b.Index) {
+				return false
+			}
+		}
+		return true
 	}
 	type earlier struct{ rules []*Rule }
 	bySig := map[string]*earlier{}
@@ -103,7 +124,7 @@ func (s *Set) Warnings() Errors {
 						Msg: fmt.Sprintf("stopped looking for rules that never decide after comparing %d plan limits, at rule %q: many rules with the same match and key, each with many plans", shadowBudget, r.Name)})
 					break
 				}
-				if atLeastAsTight(a, r) {
+				if atLeastAsTight(a, r) && replacedAlike(a, r) {
 					where := "line " + strconv.Itoa(a.Line)
 					if a.File != r.File {
 						where = a.File + ":" + strconv.Itoa(a.Line)

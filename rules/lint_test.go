@@ -51,6 +51,18 @@ func TestWarningsShadowed(t *testing.T) {
 	if ws := set.Warnings(); len(ws) != 0 {
 		t.Errorf("unlimited plan on a: %v", ws)
 	}
+	// A rule replacing a but not b leaves b deciding alone where it applies; one
+	// replacing both, or a shadow one replacing a, changes nothing.
+	for _, c := range []struct {
+		replaces string
+		warn     bool
+	}{{"[a]", false}, {"[a, b]", true}, {"[a]\n    shadow: true", true}} {
+		set := mustParse(t, "rules:\n"+a+"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n"+
+			"  - name: c\n    match: { path: /v1/x }\n    key: user\n    limit: { requests: 100, per: 1m }\n    replaces: "+c.replaces+"\n")
+		if ws := set.Warnings(); (len(ws) > 0) != c.warn {
+			t.Errorf("c replaces %s: warnings %v, want a warning: %v", c.replaces, ws, c.warn)
+		}
+	}
 	// A shadow rule shadows nothing.
 	set = mustParse(t, "rules:\n"+strings.Replace(a, "key:", "shadow: true\n    key:", 1)+"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
 	if ws := set.Warnings(); len(ws) != 0 {

@@ -239,6 +239,21 @@ func (r *Rule) Matches(attrs []Attr) bool {
 	return true
 }
 
+// Applies reports whether r applies to a request with attrs: its conditions hold and
+// every attribute of its key is there. A rule whose key attribute is missing does not
+// apply: it neither limits the request nor takes it off the rules it replaces.
+func (r *Rule) Applies(attrs []Attr) bool {
+	if !r.Matches(attrs) {
+		return false
+	}
+	for _, name := range r.Key {
+		if _, ok := Lookup(attrs, name); !ok {
+			return false
+		}
+	}
+	return true
+}
+
 // matchesExcept is Matches without testing condition skip (the one a matching index
 // already established); skip -1 tests them all.
 func (r *Rule) matchesExcept(attrs []Attr, skip int) bool {
