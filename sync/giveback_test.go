@@ -195,3 +195,71 @@ func TestGiveBacksClose(t *testing.T) {
 		t.Errorf("%d give-backs dropped after Close, want 1", d)
 	}
 }
+
+// The same with Redis frozen (SIGSTOP) for a second, and no breaker (a Redis slow enough
+// to time acquires out but not to open it): the first rounds time out too, one batch on
+// the wire at a time, and the daemon runs one goroutine for them; the second rounds,
+// once Redis has thawed, free the slots the acquires took (here put there by the test:
+// these acquires never reach Redis).
+func TestGiveBacksBoundedFrozen(t *testing.T) {
+	defer func(d time.Duration) { giveBackDelay = d }(giveBackDelay)
+	giveBackDelay = 1500 * time.Millisecond // past the freeze
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true, MaxRetries: -1})
+	t.Cleanup(func() { rdb.Close() })
+	const wait = 50 * time.Millisecond
+	g := NewGlobal(lostAcquires{Client: rdb}).WithRefundTimeout(wait)
+	defer g.Close()
+	ctx := context.Background()
+	if err := rdb.ScriptLoad(ctx, refundSrc).Err(); err != nil {
+		t.Fatal(err)
+	}
+	key := func(i int) string { return "rl:conc:{user=" + strconv.Itoa(i%100) + "}" }
+	const n, landed = 10000, 100 // the first landed acquires took their slot
+	for i := range landed {
+		if err := rdb.ZAdd(ctx, key(i), redis.Z{Score: float64(time.Now().Add(time.Hour).UnixMilli()), Member: "F" + strconv.Itoa(i) + ":0"}).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := refundCalls(t, rdb)
+	base := runtime.NumGoroutine()
+	srv.Freeze()
+	frozen := time.Now()
+	for i := range n {
+		lo := []LeaseOp{{Key: key(i), Max: 5, Lease: time.Hour, Take: true}}
+		ok, err := g.Acquire(ctx, "F"+strconv.Itoa(i), lo)
+		if ok || err == nil {
+			srv.Thaw()
+			t.Fatalf("acquire %d: %v %v, want an error", i, ok, err)
+		}
+	}
+	time.Sleep(time.Second - time.Since(frozen))
+	extra := runtime.NumGoroutine() - base
+	srv.Thaw()
+	frozenFor := time.Since(frozen)
+	if extra > 10 {
+		t.Errorf("%d goroutines more than before %d failed acquires on a frozen Redis", extra, n)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for heldGiveBacks(g) > 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if h := heldGiveBacks(g); h > 0 {
+		t.Fatalf("%d give-backs still held after Redis thawed", h)
+	}
+	for i := range landed {
+		if err := rdb.ZScore(ctx, key(i), "F"+strconv.Itoa(i)+":0").Err(); err != redis.Nil {
+			t.Fatalf("the slot of acquire %d is still held after Redis thawed (%v)", i, err)
+		}
+	}
+	calls := refundCalls(t, rdb) - before
+	t.Logf("frozen %v: %d script calls, %d give-backs dropped, %d refund errors", frozenFor, calls, g.GiveBacksDropped(), g.RefundErrors())
+	if g.RefundErrors() != 0 {
+		t.Errorf("%d second rounds failed, want none: they come after the thaw", g.RefundErrors())
+	}
+	// While frozen: a batch per refund timeout at most; then the second rounds, in
+	// batches.
+	if limit := int64(frozenFor/wait) + 4*(giveBackCap/giveBackBatch+1); calls > limit {
+		t.Errorf("%d script calls for %d failed acquires, want at most %d", calls, n, limit)
+	}
+}
