@@ -12,11 +12,11 @@ import (
 // give-back is only needed for an acquire that failed unanswered, and the breaker stops
 // sending checks after a few of those, so in an outage the queue holds about the checks
 // that were in flight when Redis froze: 4096 is four times the daemon's default
-// --max-conns, each with a check on its way. It also bounds what a Redis that is slow
-// but not down (timeouts among answers, the breaker closed) receives: each give-back
-// stays held until its second round, giveBackDelay after its first, so at most
-// giveBackCap per giveBackDelay are taken in (two rounds each, merged: see send), and
-// about 1 MB of memory.
+// --max-conns (1024), each with a check on its way. It also bounds what a Redis that is
+// slow but not down (timeouts among answers, the breaker closed) receives: each
+// give-back stays held until its second round, giveBackDelay after its first, so at
+// most giveBackCap per giveBackDelay are taken in (two rounds each, merged into a few
+// calls: see sendGiveBacks); and memory, a few hundred bytes each, about 1 MB.
 const giveBackCap = 4096
 
 // giveBackBatch is the most give-backs one round trip carries, and so the most on the
@@ -55,7 +55,7 @@ type giveBack struct {
 	keys []string
 	args []any
 	due  time.Time // the second round's time; zero while the first is to go
-	m    *Master   // this pass's master (next); nil: not gated
+	m    *Master   // its master in this pass (nextGiveBacks); nil: not gated
 	err  error     // the last round's error
 }
 
