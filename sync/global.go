@@ -117,6 +117,9 @@ type Global struct {
 	observe      Observer // nil: none
 	// refundWait bounds a refund; 0 means DefaultRefundTimeout.
 	refundWait time.Duration
+	// giveBacks gives back, in the background, the lease slots of acquires that failed
+	// unanswered (giveback.go).
+	giveBacks giveBacks
 }
 
 // WithAutoPipeline makes g send the script calls of concurrent checks together: the
@@ -160,7 +163,8 @@ func NewGlobal(c redis.UniversalClient) *Global {
 }
 
 // RefundErrors returns how many refunds failed (see [Global.Check]): each left some
-// capacity consumed by a request that was rejected.
+// capacity consumed by a request that was rejected. A lease give-back whose second
+// round failed is counted too (see [Global.Acquire]): its slots may stay held.
 func (g *Global) RefundErrors() uint64 { return g.refundErrors.Load() }
 
 // Check decides ops together, all-or-nothing, and writes each op's Result. Ops whose keys
@@ -346,7 +350,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 		ops[i].window = cs.window[i]
 	}
 	if len(unsure) > 0 {
-		go g.giveBackUnsure(ctx, unsure)
+		g.giveBackUnsure(unsure) // giveback.go: queued, sent by a worker
 	}
 	if ok && firstErr == nil {
 		return true, nil
@@ -555,32 +559,6 @@ func appendLeaseGiveBack(calls []call, ops []GlobalOp, idx []int) []call {
 		return calls
 	}
 	return append(calls, c)
-}
-
-// giveBackDelay is how long after its first give-back the slots of a lease whose
-// acquire failed unanswered are given back again (see giveBackUnsure).
-var giveBackDelay = time.Second
-
-// giveBackUnsure removes the lease slots of an acquire that failed without an answer (it
-// timed out, or its connection was lost): the request was decided by its failure
-// policy and holds no lease, but the script may have run and taken them, and then no
-// one would release them before they expire (up to an hour), nor see them (the daemon
-// tracks no such lease). Removing a member that is not there changes nothing, so it is
-// safe either way. It runs twice: at once, and again giveBackDelay later, for an
-// acquire still on its way to Redis when the first give-back got there.
-func (g *Global) giveBackUnsure(parent context.Context, calls []call) {
-	for round := 0; ; round++ {
-		ctx, cancel := g.refundContext(parent)
-		run(ctx, g.rdb, refundScript, calls)
-		cancel()
-		if round == 1 {
-			return
-		}
-		time.Sleep(giveBackDelay)
-		for i := range calls {
-			calls[i].cmd = nil
-		}
-	}
 }
 
 // notRun reports whether err is a reply by which Redis says it did not run the command.

@@ -61,8 +61,10 @@ type LeasePart struct {
 // holds nothing, apart from a give-back that failed (counted in RefundErrors: those
 // slots expire after their lease); a call that failed unanswered (a timeout, a lost
 // connection) may have taken its slots all the same, and they are given back, in the
-// background, at once and a second later (giveBackUnsure). A request with rate rules too gives its LeaseChecks
-// to Check with its rate ops instead: one call per slot for both.
+// background, at once and a second later, through a bounded queue behind the masters'
+// breakers (giveback.go; dropped past its cap, counted in [Global.GiveBacksDropped]).
+// A request with rate rules too gives its LeaseChecks to Check with its rate ops
+// instead: one call per slot for both.
 func (g *Global) Acquire(ctx context.Context, id string, ops []LeaseOp) (bool, error) {
 	if len(ops) == 0 {
 		return true, nil

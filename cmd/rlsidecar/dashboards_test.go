@@ -123,6 +123,7 @@ rules:
 		"rlsidecar_build_info":                   "gauge",
 		"rlsidecar_top_rejected":                 "gauge",
 		"rlsidecar_hybrid_dropped_units_total":   "counter",
+		"rlsidecar_lease_giveback_dropped_total": "counter",
 		"rlsidecar_hybrid_sync_backlog":          "gauge",
 		"rlsidecar_hybrid_sync_duration_seconds": "histogram",
 	} {

@@ -272,7 +272,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		lim.WithHybrid(hybrid).WithGlobal(rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore), *globalTimeout)
+		global := rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore)
+		// Deferred after rdbChecks.Close, so run before it: once the server has drained,
+		// the lease give-backs still queued go once more, and their worker ends.
+		defer global.Close()
+		lim.WithHybrid(hybrid).WithGlobal(global, *globalTimeout)
+		metrics.CounterFunc("rlsidecar_lease_giveback_dropped_total", "Give-backs of global lease slots dropped (their queue full, or at shutdown): slots an acquire that failed unanswered may have taken stay held until their lease ends.",
+			func() float64 { return float64(global.GiveBacksDropped()) })
 		// Penalty rules in hybrid and global mode share their bans through Redis.
 		sharedBans, err := rlsync.NewBans(rdbChecks, *redisPrefix)
 		if err != nil {
