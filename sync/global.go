@@ -794,3 +794,67 @@ func (cs *checkScratch) init(ops []GlobalOp, bySlot bool) {
 		cs.groups = append(cs.groups, group{lo, k})
 	}
 }
+
+// ProbeOpen asks each master whose breaker is open, and due for a probe, whether it
+// answers (a PING through g's client, at most timeout), and tells its breaker. An open
+// breaker otherwise closes only when a check's call goes as its probe, so a daemon whose
+// global rules got no traffic after a Redis outage reported the breaker open
+// (rlsidecar_breaker_open, and the critical alert on it) for as long as none came,
+// Redis long back. The hybrid mode's heartbeats do this for its own breakers. With
+// every breaker closed it costs an atomic load per master. The daemon calls it every
+// 100 ms.
+func (g *Global) ProbeOpen(ctx context.Context, timeout time.Duration) {
+	if g.masters == nil {
+		return
+	}
+	rdb := g.rdb
+	if ap, ok := rdb.(*autoPipe); ok {
+		rdb = ap.rediser // not behind the checks' queue
+	}
+	t := g.masters.table.Load()
+	for i, m := range t.list {
+		if !m.breaker.Open() {
+			continue
+		}
+		if ok, probe := m.breaker.allow(); !ok || !probe {
+			continue // not due, another call holds the probe, or closed meanwhile
+		}
+		c, cancel := context.WithTimeout(ctx, timeout)
+		start := time.Now()
+		err := ping(c, rdb, slotKeys()[t.first[i]])
+		cancel()
+		if ctx.Err() != nil { // stopping: no verdict on the master
+			m.breaker.unprobe()
+			return
+		}
+		if g.observe != nil {
+			g.observe("ping", time.Since(start), err)
+		}
+		if err != nil {
+			m.breaker.Failure()
+		} else {
+			m.breaker.Success()
+		}
+	}
+}
+
+// ping sends a PING to the master holding key: on a cluster that key's master, on a
+// standalone Redis the server.
+func ping(ctx context.Context, rdb rediser, key string) error {
+	switch c := rdb.(type) {
+	case *redis.ClusterClient:
+		m, err := c.MasterForKey(ctx, key)
+		if err != nil {
+			return err
+		}
+		return m.Ping(ctx).Err()
+	case interface {
+		Ping(context.Context) *redis.StatusCmd
+	}:
+		return c.Ping(ctx).Err()
+	}
+	p := rdb.Pipeline()
+	cmd := p.Ping(ctx)
+	_, _ = p.Exec(ctx)
+	return cmd.Err()
+}

@@ -661,3 +661,47 @@ func TestMastersClusterFailover(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// Global.ProbeOpen, on a cluster: an open breaker of a master that answers closes, with
+// no check sent; one of a frozen master stays open; a closed one is not pinged.
+func TestGlobalProbeOpenCluster(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	m := NewMasters(rdb, 1, 50*time.Millisecond, nil)
+	if err := m.Refresh(context.Background()); err != nil || len(m.List()) != 3 {
+		t.Fatalf("masters %d (%v), want 3", len(m.List()), err)
+	}
+	var pings int
+	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m).WithObserver(func(op string, _ time.Duration, _ error) {
+		if op == "ping" {
+			pings++
+		}
+	})
+	byAddr := map[string]*Master{}
+	for _, x := range m.List() {
+		byAddr[x.Addr] = x
+	}
+	frozen, back := byAddr[cl.Addrs[0]], byAddr[cl.Addrs[1]]
+	if frozen == nil || back == nil {
+		t.Fatalf("masters %v: want %s and %s among them", m.List(), cl.Addrs[0], cl.Addrs[1])
+	}
+	frozen.Breaker().Failure()
+	back.Breaker().Failure()
+	cl.Nodes[0].Freeze()
+	defer cl.Nodes[0].Thaw()
+	time.Sleep(20 * time.Millisecond) // the first wait: an eighth of the cool-down
+	g.ProbeOpen(context.Background(), 200*time.Millisecond)
+	if back.Breaker().Open() {
+		t.Error("the breaker of a master that answers is still open after ProbeOpen")
+	}
+	if !frozen.Breaker().Open() {
+		t.Error("the breaker of the frozen master closed")
+	}
+	if pings != 2 {
+		t.Errorf("%d pings, want 2: the two open breakers, not the closed one", pings)
+	}
+}

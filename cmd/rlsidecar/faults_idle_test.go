@@ -49,3 +49,50 @@ rules:
 	back := waitNormal(t, c, 10*time.Second, "user=idle")
 	t.Logf("normal again %s after SIGCONT", back.Round(time.Millisecond))
 }
+
+// A global rule's breaker, opened by checks while Redis was frozen, closes once Redis is
+// back with no check coming: the daemon probes it in the background. Before, only a
+// global check could close it, so an idle daemon reported it open
+// (rlsidecar_breaker_open 1, the critical RlsidecarBreakerOpen alert) for as long as
+// its global rules got no traffic, Redis long healthy.
+func TestFaultGlobalBreakerClosesWhileIdle(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: login
+    key: user
+    mode: global
+    limit: { requests: 1000000, per: 1h }
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--admin", "127.0.0.1:0",
+		"--breaker-failures", "1", "--breaker-cooldown", "200ms", "--global-timeout", "50ms")
+	base := "http://" + adminAddr(t, d)
+	c := dialFault(t, d.socket)
+	waitNormal(t, c, 5*time.Second, "user=idle")
+
+	srv.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			srv.Thaw()
+		}
+	}()
+	for range 3 { // timed out: the breaker opens
+		if _, _, err := c.Check("user=idle"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := scrapeSamples(t, base)["rlsidecar_breaker_open"]; got != 1 {
+		t.Fatalf("rlsidecar_breaker_open %v with Redis frozen after 3 global checks; the test cannot tell", got)
+	}
+	srv.Thaw()
+	thawed = true
+	start := time.Now()
+	for scrapeSamples(t, base)["rlsidecar_breaker_open"] != 0 {
+		if time.Since(start) > 10*time.Second {
+			t.Fatal("rlsidecar_breaker_open still 1, 10 s after SIGCONT, with no check sent")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("closed %s after SIGCONT, no check sent", time.Since(start).Round(time.Millisecond))
+}

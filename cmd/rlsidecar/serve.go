@@ -229,6 +229,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		recorded = nil
 	}
 	var hybrid *rlsync.Hybrid
+	var global *rlsync.Global
 	var syncMasters, checkMasters *rlsync.Masters // a breaker per Redis master, each
 	modeDesc := "local mode"
 	if haveRedis {
@@ -272,7 +273,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		global := rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore)
+		global = rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore)
 		// Deferred after rdbChecks.Close, so run before it: once the server has drained,
 		// the lease give-backs still queued go once more, and their worker ends.
 		defer global.Close()
@@ -428,6 +429,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		var w breakerWatch
 		every(250*time.Millisecond, func() bool {
 			w.observe(log, openMasters(syncMasters, checkMasters), checkMasters.Opened()+syncMasters.Opened())
+			return true
+		})
+	}
+	// The global checks' open breakers are probed in the background too, as the hybrid
+	// heartbeats probe theirs: without traffic on a global rule, nothing else would
+	// close them once Redis is back, and the breaker would read open (and alert) for
+	// as long as the daemon stays idle.
+	if global != nil {
+		every(100*time.Millisecond, func() bool {
+			global.ProbeOpen(ctx, max(*globalTimeout, 25*time.Millisecond))
 			return true
 		})
 	}
