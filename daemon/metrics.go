@@ -37,6 +37,7 @@ type Metrics struct {
 	storeDur latencyHist
 	syncDur  latencyHist // periodic hybrid syncs; written once one was observed
 	synced   atomic.Bool
+	redis    atomic.Bool // WithRedis
 
 	byRule atomic.Pointer[[]*ruleMetrics] // by rules.Rule.Index of the active set
 	mu     sync.Mutex                     // guards what follows
@@ -83,8 +84,6 @@ func NewMetrics(version string, topK int) *Metrics {
 	m.inline = m.ruleLocked("~inline")
 	m.reloadOK = m.set.NewCounter(`rlsidecar_config_reloads_total{result="success"}`)
 	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
-	m.flushOK = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="success"}`)
-	m.flushErr = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="error"}`)
 	for r := closeReason(1); r < nCloseReasons; r++ {
 		m.closed[r] = m.set.NewCounter(fmt.Sprintf(`rlsidecar_connections_closed_total{reason=%q}`, r))
 	}
@@ -157,8 +156,20 @@ func (m *Metrics) Reloaded(err error) {
 	}
 }
 
+// WithRedis adds the series of a daemon with Redis (its syncs, its calls' durations):
+// a local-mode daemon does not export them, as zeros that read like a Redis never
+// called. Call it before the daemon serves.
+func (m *Metrics) WithRedis() {
+	m.flushOK = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="success"}`)
+	m.flushErr = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="error"}`)
+	m.redis.Store(true)
+}
+
 // Flushed counts a hybrid sync cycle.
 func (m *Metrics) Flushed(err error) {
+	if m.flushOK == nil { // no Redis (WithRedis)
+		return
+	}
 	if err != nil {
 		m.flushErr.Inc()
 	} else {
@@ -594,7 +605,9 @@ func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 
 func (m *Metrics) writeCustom(w io.Writer) {
 	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
-	m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
+	if m.redis.Load() {
+		m.storeDur.write(w, "rlsidecar_store_duration_seconds", "Duration of calls to Redis.")
+	}
 	if m.synced.Load() {
 		m.syncDur.write(w, "rlsidecar_hybrid_sync_duration_seconds", "Duration of a periodic hybrid sync (all its pipelines; on a Redis Cluster, each master's sync on its own).")
 	}

@@ -145,4 +145,17 @@ rules:
 		}
 	}
 	t.Logf("%d metric families queried, all exported", len(seen))
+
+	// A daemon without Redis exports none of the Redis series: zeros there read as a
+	// Redis never called.
+	localCfg := writeFile(t, dir, "local.yaml", "rules:\n  - name: shared\n    key: user\n    limit: { requests: 2, per: 1h }\n")
+	local := startDaemon(t, "--config", localCfg, "--admin", "127.0.0.1:0")
+	dialRaw(t, local.socket).check(1, 1, "user=u")
+	types, _ = scrape(t, "http://"+adminAddr(t, local))
+	for _, name := range []string{"rlsidecar_store_requests_total", "rlsidecar_store_duration_seconds", "rlsidecar_sync_flushes_total",
+		"rlsidecar_breaker_open", "rlsidecar_hybrid_sync_duration_seconds", "rlsidecar_lease_giveback_dropped_total"} {
+		if types[name] != "" {
+			t.Errorf("without --redis: %s exported", name)
+		}
+	}
 }

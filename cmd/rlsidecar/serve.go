@@ -270,6 +270,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
 			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
 			WithMasters(syncMasters).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
+		metrics.WithRedis()
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
