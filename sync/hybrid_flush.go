@@ -130,9 +130,12 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	if relimited {
 		// A reload (or another plan's request) changed the key's limit while this sync
 		// was on its way: Redis judged it by the old one. The view moves as relimit
-		// moves it.
+		// moves it, and so do its times.
 		e.view += float64(e.lim.Capacity()) - float64(it.lim.Capacity())
 		over = min(0, e.view)
+		if it.lim.Algorithm() == e.lim.Algorithm() && it.lim.Window() == e.lim.Window() {
+			e.rescaleTimes(it.lim)
+		}
 	}
 	credit := math.Floor(max(0, e.view) / n)
 	if v[6]&1 != 0 || it.mode == modeLeave { // a daemon that left the key holds no credit on it
@@ -149,7 +152,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	// What was admitted while the sync was on its way counts against the new allowance.
 	e.allowance = float64(e.grant) + credit - float64(e.pending) + over
 	e.lastDemand = 0
-	if it.mode == modeShare {
+	if it.mode == modeShare && !(relimited && e.lim.Capacity() > it.lim.Capacity()) {
+		// (A share grant sized by the old limit, which a raise came after: not hot, as
+		// relimit says.)
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
 	}
 	if relimited && (it.lim.Algorithm() != e.lim.Algorithm() || it.lim.Window() != e.lim.Window()) {

@@ -65,6 +65,13 @@ type hentry struct {
 // daemon (its credit of 48). Dropping the view instead (an exact sync at the next
 // check) refused concurrent requests under two plans' limits: each one's change dropped
 // the view the other's sync had just brought.
+//
+// A raise adds to the view units that no share grant was sized by: a key hot here (its
+// last share grant asked for two units or more) is no longer, so a request beyond the
+// credit that the raised view has room for is decided by an exact sync at once, as on a
+// key that is not hot, not refused until the next sync's share grant. Kept hot, a client
+// that had used its 10 of 10 per hour, the limit raised to 20, got 5 (its credit, a
+// 2N-th of the view) and was refused the other 5, as if the key were at its limit.
 func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 	old := e.lim
 	e.lim = lim
@@ -83,6 +90,30 @@ func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 		e.allowance += min(0, d)
 	}
 	e.view = v
+	if d > 0 {
+		e.lastDemand = 0
+	}
+	e.rescaleTimes(old)
+}
+
+// rescaleTimes moves a token bucket's view times, read under the limit old, to e's
+// limit, as scripts/hybrid.lua moves the key's state (localbucket.Limit.Rescale): the
+// same units used, at most a whole burst. vt, the time to full, counts units at the
+// emission interval; kept, 10 used of 10 per hour raised to 20 said full in over an
+// hour (the hour of the old rate, plus the units admitted since at the new one), more
+// than a whole bucket of the new limit. A window's times (its end, its phase and previous count)
+// do not depend on the limit; vr is not read for a token bucket (retryNs).
+func (e *hentry) rescaleTimes(old *localbucket.Limit) {
+	lim := e.lim
+	if lim.Algorithm() != localbucket.TokenBucket || e.vt == 0 {
+		return
+	}
+	// Both intervals as window/requests: the window is the same, so their ratio is that
+	// of the requests. The sync's lag, counted in vt (setTimes), moves with it: off by
+	// under a microsecond a millisecond of lag.
+	tau := float64(lim.Window()) * float64(lim.Burst()) / float64(lim.Requests())
+	ns := min(float64(e.vt)*float64(old.Requests())/float64(lim.Requests()), tau)
+	e.vt = ceilNs(int64(math.Ceil(ns)))
 }
 
 // forgetView drops e's view and what it may admit on it: the key's next check makes an
