@@ -33,6 +33,10 @@ const (
 	modeShare uint8 = 0 // a share of the key's headroom, by demand
 	modeExact uint8 = 1 // exactly the units asked for, if the key has them now
 	modeLeave uint8 = 2 // the last sync before the daemon stops: settles, asks nothing, and leaves the key (no credit reserved for it)
+	// modeRelimit, added to a mode: the key's first sync under its limit (flagRelimit),
+	// the one that may cap a token bucket's state written at another rate at a whole
+	// burst of this one.
+	modeRelimit = 4
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -52,6 +56,7 @@ type syncItem struct {
 	age         uint32 // ms since the key's last admission: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
+	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
@@ -81,7 +86,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
-		age: min(seenMs(now)-e.seen, maxChargeAge)}
+		age: min(seenMs(now)-e.seen, maxChargeAge), relimit: e.flags&flagRelimit != 0}
 	e.flags |= flagBusy
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0
@@ -118,6 +123,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		return
 	}
 	e.flags &^= flagUnsettled
+	if it.relimit && *it.lim == *e.lim {
+		e.flags &^= flagRelimit // Redis has the key under this limit (else relimit set it again)
+	}
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
@@ -663,7 +671,11 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			if it.token == 0 {
 				it.token = h.newToken()
 			}
-			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
+			mode := int64(it.mode)
+			if it.relimit {
+				mode += modeRelimit
+			}
+			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), mode,
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)
 		}
 		args := make([]any, 0, 2+len(c.items)-declared)

@@ -146,3 +146,56 @@ func TestHybridLoweredLimitEmptiesTheBucket(t *testing.T) {
 		})
 	}
 }
+
+// Two daemons share a client's key across a raise that reaches their reloads at
+// different times. In between, the daemon still on the old limit finds the key over its
+// limit (the units the other admitted under the new one) and refuses; its syncs then
+// must not forgive those units: every sync of it capped the count at its own (old)
+// limit, so the daemon on the new limit found room again, and the client got 30 of 20
+// an hour once both had reloaded (10 more per sync of the old daemon while it lagged).
+func TestHybridRaiseReachesDaemonsApart(t *testing.T) {
+	rdb := standalone(t)
+	for _, alg := range relimitAlgorithms {
+		t.Run(alg.String(), func(t *testing.T) {
+			a := liveHybrid(t, rdb, 100*time.Millisecond)
+			b := liveHybrid(t, rdb, 100*time.Millisecond)
+			old, raised := mustLimit(t, alg, 10, time.Hour), mustLimit(t, alg, 20, time.Hour)
+			key := fmt.Sprintf("rl:apart:{%v}", alg)
+			now := time.Now().UnixNano()
+			if got := admitted(t, a, now, key, old, 12); got != 10 {
+				t.Fatalf("%d of 10 admitted before the raise", got)
+			}
+			syncAll(t, now, a)
+			// b has seen the client too (a question: its view, nothing reserved).
+			if r := take(b, now, key, old, 0); r.Allowed {
+				t.Fatalf("daemon b, asking, 10 of 10 used: %+v", r)
+			}
+			// a reloads first: the difference at once.
+			if got := admitted(t, a, now, key, raised, 15); got != 10 {
+				t.Fatalf("daemon a, raised to 20 after 10 used: %d admitted, want 10", got)
+			}
+			syncAll(t, now, a)
+			// b has not reloaded: the key is over its limit of 10. Its syncs come and go.
+			for i := 0; i < 3; i++ {
+				now += int64(time.Millisecond)
+				if got := admitted(t, b, now, key, old, 3); got != 0 {
+					t.Fatalf("daemon b, still at 10, 20 used: %d admitted", got)
+				}
+				syncAll(t, now, b, a)
+				if got := admitted(t, a, now, key, raised, 3); got != 0 {
+					t.Fatalf("daemon a, at 20, 20 used, after b's sync %d: %d admitted", i+1, got)
+				}
+				syncAll(t, now, a)
+			}
+			// b reloads: nothing left on either.
+			if got := admitted(t, b, now, key, raised, 5) + admitted(t, a, now, key, raised, 5); got != 0 {
+				t.Fatalf("both at 20, 20 used: %d admitted", got)
+			}
+			syncAll(t, now, a, b)
+			c := liveHybrid(t, rdb, 100*time.Millisecond)
+			if r := take(c, now, key, raised, 0); r.Allowed || r.Remaining != 0 {
+				t.Fatalf("a third daemon, asking Redis: %+v; want nothing left", r)
+			}
+		})
+	}
+}

@@ -90,6 +90,7 @@ func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 		e.allowance += min(0, d)
 	}
 	e.view = v
+	e.flags |= flagRelimit
 	if d > 0 {
 		e.lastDemand = 0
 	}
@@ -304,6 +305,11 @@ const (
 	// (their grants), which come back at their next syncs unless used: a refusal for
 	// want of room is retried after this daemon's next sync, not at the window's end.
 	flagHeld
+	// flagRelimit: the key's limit is not the one its last confirmed sync carried (a
+	// reload changed it since, or the entry has not synced yet). Its next sync tells
+	// scripts/hybrid.lua so (modeRelimit): the one sync that may cap a token bucket's
+	// state at a whole burst of this limit.
+	flagRelimit
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

@@ -18,6 +18,10 @@
 --     a share sync does, and the daemon, which holds no credit once it is gone, is no
 --     longer the key's last user (o) nor owed a reservation of credit (k), so the next
 --     daemon to use the key reserves nothing for it.
+-- Plus 4 (relimit): the daemon's first sync of the key under this limit (a reload
+-- changed it, or the daemon has not synced the key before): the one sync that may cap a
+-- token bucket's state written at another rate at a whole burst of this one (the
+-- rescale of t, below).
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -143,6 +147,8 @@ for i = 1, nkeys do
   local lb = 4 * (li - 1)
   local alg, requests, window, burst = limits[lb + 1], limits[lb + 2], limits[lb + 3], limits[lb + 4]
 
+  local relimit = mode >= 4
+  if relimit then mode = mode - 4 end
   local win = alg ~= 0
   local h
   if mode == 0 and demand > 0 then
@@ -315,12 +321,23 @@ for i = 1, nkeys do
       local T = window / requests
       local tau = burst * T
       -- t written at another rate (a reload changed the limit; the window is in the
-      -- key): the same units used at this rate, at most a whole burst, as the exact mode
-      -- and the local buckets read it (localbucket.Limit.Rescale). Written back with
-      -- the sync.
+      -- key): the same units used at this rate, written back with the sync. At most a
+      -- whole burst, as the exact mode and the local buckets read it
+      -- (localbucket.Limit.Rescale), only at the daemon's first sync under its limit
+      -- (relimit): a reload reaches the daemons at different times, and until the last
+      -- has it, the key's syncs alternate between the two rates. A daemon still on the
+      -- old limit then reads the units the others admitted under the new one as they
+      -- are, over its own limit if they are (it refuses, as that limit says), and they
+      -- read them back unchanged. Capped at each of its syncs, a raise from 10 to 20
+      -- forgave 10 units every time the lagging daemon synced the key, and the client
+      -- got 30 in the hour once both had reloaded. So each daemon caps once, at its own
+      -- change (a lowering leaves the bucket empty, not in debt; a raise never reaches
+      -- the cap), or at its first sync of a key it meets while lagging: at most one
+      -- difference of limits forgiven per daemon and key.
       ern = math.floor(window * 1000 / requests)
       if er and t0 and math.abs(er - ern) > 1 and t > now then
-        t = now + math.min((t - now) * ern / er, tau)
+        t = now + (t - now) * ern / er
+        if relimit then t = math.min(t, now + tau) end
       end
       -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
       -- started refilling then, not now.
