@@ -33,10 +33,11 @@ const (
 	modeShare uint8 = 0 // a share of the key's headroom, by demand
 	modeExact uint8 = 1 // exactly the units asked for, if the key has them now
 	modeLeave uint8 = 2 // the last sync before the daemon stops: settles, asks nothing, and leaves the key (no credit reserved for it)
-	// modeRelimit, added to a mode: the key's first sync under its limit (flagRelimit),
-	// the one that may cap a token bucket's state written at another rate at a whole
-	// burst of this one.
+	// Added to a mode: modeRelimit, the key's first sync since a reload changed its
+	// limit (flagRelimit); modeFirst, the entry has never synced the key. The syncs that
+	// may cut a token bucket's state to a whole burst of the limit (scripts/hybrid.lua).
 	modeRelimit = 4
+	modeFirst   = 8
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -57,6 +58,7 @@ type syncItem struct {
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
+	first       bool      // the entry had no view at the snapshot, never synced: sent as modeFirst
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
@@ -86,7 +88,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
-		age: min(seenMs(now)-e.seen, maxChargeAge), relimit: e.flags&flagRelimit != 0}
+		age: min(seenMs(now)-e.seen, maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
 	e.flags |= flagBusy
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0
@@ -674,6 +676,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			mode := int64(it.mode)
 			if it.relimit {
 				mode += modeRelimit
+			}
+			if it.first {
+				mode += modeFirst
 			}
 			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), mode,
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)

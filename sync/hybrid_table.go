@@ -305,10 +305,9 @@ const (
 	// (their grants), which come back at their next syncs unless used: a refusal for
 	// want of room is retried after this daemon's next sync, not at the window's end.
 	flagHeld
-	// flagRelimit: the key's limit is not the one its last confirmed sync carried (a
-	// reload changed it since, or the entry has not synced yet). Its next sync tells
-	// scripts/hybrid.lua so (modeRelimit): the one sync that may cap a token bucket's
-	// state at a whole burst of this limit.
+	// flagRelimit: the key's limit changed (relimit) since its last confirmed sync,
+	// whose next sync tells scripts/hybrid.lua so (modeRelimit): the one sync of this
+	// change that cuts a token bucket's state to a whole burst of the new limit.
 	flagRelimit
 )
 

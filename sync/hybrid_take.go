@@ -202,7 +202,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			lim := h.limits.intern(op.Limit)
 			c := float64(lim.Capacity())
 			k := string(op.Key)
-			e = &hentry{lim: lim, view: c, flags: flagRelimit}
+			e = &hentry{lim: lim, view: c}
 			e.setKey(k)
 			if h.cluster {
 				e.slot = Slot(k)
