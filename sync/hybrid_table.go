@@ -98,12 +98,13 @@ func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 }
 
 // rescaleTimes moves a token bucket's view times, read under the limit old, to e's
-// limit, as scripts/hybrid.lua moves the key's state (localbucket.Limit.Rescale): the
-// same units used, at most a whole burst. vt, the time to full, counts units at the
-// emission interval; kept, 10 used of 10 per hour raised to 20 said full in over an
-// hour (the hour of the old rate, plus the units admitted since at the new one), more
-// than a whole bucket of the new limit. A window's times (its end, its phase and previous count)
-// do not depend on the limit; vr is not read for a token bucket (retryNs).
+// limit, as the key's next sync moves its state in Redis (scripts/hybrid.lua, after
+// relimit: the same units used, at most a whole burst, localbucket.Limit.Rescale). vt,
+// the time to full, counts units at the emission interval; kept, 10 used of 10 per hour
+// raised to 20 said full in over an hour (the hour of the old rate, plus the units
+// admitted since at the new one), more than a whole bucket of the new limit. A window's
+// times (its end, its phase and previous count) do not depend on the limit; vr is not
+// read for a token bucket (retryNs).
 func (e *hentry) rescaleTimes(old *localbucket.Limit) {
 	lim := e.lim
 	if lim.Algorithm() != localbucket.TokenBucket || e.vt == 0 {
@@ -111,7 +112,7 @@ func (e *hentry) rescaleTimes(old *localbucket.Limit) {
 	}
 	// Both intervals as window/requests: the window is the same, so their ratio is that
 	// of the requests. The sync's lag, counted in vt (setTimes), moves with it: off by
-	// under a microsecond a millisecond of lag.
+	// less than that lag.
 	tau := float64(lim.Window()) * float64(lim.Burst()) / float64(lim.Requests())
 	ns := min(float64(e.vt)*float64(old.Requests())/float64(lim.Requests()), tau)
 	e.vt = ceilNs(int64(math.Ceil(ns)))
