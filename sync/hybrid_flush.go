@@ -33,6 +33,11 @@ const (
 	modeShare uint8 = 0 // a share of the key's headroom, by demand
 	modeExact uint8 = 1 // exactly the units asked for, if the key has them now
 	modeLeave uint8 = 2 // the last sync before the daemon stops: settles, asks nothing, and leaves the key (no credit reserved for it)
+	// Added to a mode: modeRelimit, the key's first sync since a reload changed its
+	// limit (flagRelimit); modeFirst, the entry has never synced the key. The syncs that
+	// may cut a token bucket's state to a whole burst of the limit (scripts/hybrid.lua).
+	modeRelimit = 4
+	modeFirst   = 8
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -52,6 +57,8 @@ type syncItem struct {
 	age         uint32 // ms since the key's last admission: what it admitted beyond its grant is charged from then
 	short       uint16 // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
+	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
+	first       bool      // the entry had no view at the snapshot, never synced: sent as modeFirst
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
@@ -81,7 +88,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
-		age: min(seenMs(now)-e.seen, maxChargeAge)}
+		age: min(seenMs(now)-e.seen, maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
 	e.flags |= flagBusy
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0
@@ -118,6 +125,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		return
 	}
 	e.flags &^= flagUnsettled
+	if it.relimit && *it.lim == *e.lim {
+		e.flags &^= flagRelimit // Redis has the key under this limit (else relimit set it again)
+	}
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
@@ -130,9 +140,12 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	if relimited {
 		// A reload (or another plan's request) changed the key's limit while this sync
 		// was on its way: Redis judged it by the old one. The view moves as relimit
-		// moves it.
+		// moves it, and so do its times.
 		e.view += float64(e.lim.Capacity()) - float64(it.lim.Capacity())
 		over = min(0, e.view)
+		if it.lim.Algorithm() == e.lim.Algorithm() && it.lim.Window() == e.lim.Window() {
+			e.rescaleTimes(it.lim)
+		}
 	}
 	credit := math.Floor(max(0, e.view) / n)
 	if v[6]&1 != 0 || it.mode == modeLeave { // a daemon that left the key holds no credit on it
@@ -149,7 +162,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	// What was admitted while the sync was on its way counts against the new allowance.
 	e.allowance = float64(e.grant) + credit - float64(e.pending) + over
 	e.lastDemand = 0
-	if it.mode == modeShare {
+	if it.mode == modeShare && !(relimited && e.lim.Capacity() > it.lim.Capacity()) {
+		// (A share grant sized by the old limit, which a raise came after: not hot, as
+		// relimit says.)
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
 	}
 	if relimited && (it.lim.Algorithm() != e.lim.Algorithm() || it.lim.Window() != e.lim.Window()) {
@@ -658,7 +673,14 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			if it.token == 0 {
 				it.token = h.newToken()
 			}
-			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), int64(it.mode),
+			mode := int64(it.mode)
+			if it.relimit {
+				mode += modeRelimit
+			}
+			if it.first {
+				mode += modeFirst
+			}
+			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), mode,
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)
 		}
 		args := make([]any, 0, 2+len(c.items)-declared)

@@ -65,6 +65,13 @@ type hentry struct {
 // daemon (its credit of 48). Dropping the view instead (an exact sync at the next
 // check) refused concurrent requests under two plans' limits: each one's change dropped
 // the view the other's sync had just brought.
+//
+// A raise adds to the view units that no share grant was sized by: a key hot here (its
+// last share grant asked for two units or more) is no longer, so a request beyond the
+// credit that the raised view has room for is decided by an exact sync at once, as on a
+// key that is not hot, not refused until the next sync's share grant. Kept hot, a client
+// that had used its 10 of 10 per hour, the limit raised to 20, got 5 (its credit, a
+// 2N-th of the view) and was refused the other 5, as if the key were at its limit.
 func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 	old := e.lim
 	e.lim = lim
@@ -83,6 +90,32 @@ func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 		e.allowance += min(0, d)
 	}
 	e.view = v
+	e.flags |= flagRelimit
+	if d > 0 {
+		e.lastDemand = 0
+	}
+	e.rescaleTimes(old)
+}
+
+// rescaleTimes moves a token bucket's view times, read under the limit old, to e's
+// limit, as the key's next sync moves its state in Redis (scripts/hybrid.lua, after
+// relimit: the same units used, at most a whole burst, localbucket.Limit.Rescale). vt,
+// the time to full, counts units at the emission interval; kept, 10 used of 10 per hour
+// raised to 20 said full in over an hour (the hour of the old rate, plus the units
+// admitted since at the new one), more than a whole bucket of the new limit. A window's
+// times (its end, its phase and previous count) do not depend on the limit; vr is not
+// read for a token bucket (retryNs).
+func (e *hentry) rescaleTimes(old *localbucket.Limit) {
+	lim := e.lim
+	if lim.Algorithm() != localbucket.TokenBucket || e.vt == 0 {
+		return
+	}
+	// Both intervals as window/requests: the window is the same, so their ratio is that
+	// of the requests. The sync's lag, counted in vt (setTimes), moves with it: off by
+	// less than that lag.
+	tau := float64(lim.Window()) * float64(lim.Burst()) / float64(lim.Requests())
+	ns := min(float64(e.vt)*float64(old.Requests())/float64(lim.Requests()), tau)
+	e.vt = ceilNs(int64(math.Ceil(ns)))
 }
 
 // forgetView drops e's view and what it may admit on it: the key's next check makes an
@@ -273,6 +306,10 @@ const (
 	// (their grants), which come back at their next syncs unless used: a refusal for
 	// want of room is retried after this daemon's next sync, not at the window's end.
 	flagHeld
+	// flagRelimit: the key's limit changed (relimit) since its last confirmed sync,
+	// whose next sync tells scripts/hybrid.lua so (modeRelimit): the one sync of this
+	// change that cuts a token bucket's state to a whole burst of the new limit.
+	flagRelimit
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

@@ -18,6 +18,9 @@
 --     a share sync does, and the daemon, which holds no credit once it is gone, is no
 --     longer the key's last user (o) nor owed a reservation of credit (k), so the next
 --     daemon to use the key reserves nothing for it.
+-- Plus 4 (relimit): the daemon's first sync of the key since a reload changed its limit;
+-- plus 8 (first): the daemon has not synced the key before. The syncs that may cut a
+-- token bucket's state to a whole burst of this limit (the rescale of t, below).
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -143,6 +146,9 @@ for i = 1, nkeys do
   local lb = 4 * (li - 1)
   local alg, requests, window, burst = limits[lb + 1], limits[lb + 2], limits[lb + 3], limits[lb + 4]
 
+  local relimit, first = false, false
+  if mode >= 8 then first, mode = true, mode - 8 end
+  if mode >= 4 then relimit, mode = true, mode - 4 end
   local win = alg ~= 0
   local h
   if mode == 0 and demand > 0 then
@@ -315,12 +321,13 @@ for i = 1, nkeys do
       local T = window / requests
       local tau = burst * T
       -- t written at another rate (a reload changed the limit; the window is in the
-      -- key): the same units used at this rate, at most a whole burst, as the exact mode
-      -- and the local buckets read it (localbucket.Limit.Rescale). Written back with
-      -- the sync.
+      -- key): the same units used at this rate, written back with the sync, and cut to
+      -- a whole burst below (cut).
       ern = math.floor(window * 1000 / requests)
+      local rescaled = false
       if er and t0 and math.abs(er - ern) > 1 and t > now then
-        t = now + math.min((t - now) * ern / er, tau)
+        t = now + (t - now) * ern / er
+        rescaled = true
       end
       -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
       -- started refilling then, not now.
@@ -328,6 +335,24 @@ for i = 1, nkeys do
       if settle > 0 then since = now - age end
       t = math.max(t, since) + settle * T
       if t < now then t = now end
+      -- At most a whole burst, as the exact mode and the local buckets read a state
+      -- written at another rate (localbucket.Limit.Rescale): a lowering leaves the
+      -- bucket empty, refilling at the new rate, not in debt. After the settle: what
+      -- the daemon admitted under the old limit and syncs only now counts as used
+      -- before the change (charged on top, 15 of 20 lowered to 10, 4 of them synced
+      -- after the reload, owed 24 minutes more than the local mode). Only at the
+      -- daemon's first sync since its limit changed (relimit), or of a key at another
+      -- rate that it has not synced before (first): a reload reaches the daemons at
+      -- different times, and until the last has it, the key's syncs alternate between
+      -- the two rates. A daemon still on the old limit then reads the units the others
+      -- admitted under the new one as they are, over its own limit if they are (it
+      -- refuses, as that limit says), and they read them back unchanged. Cut at each
+      -- of its syncs, a raise from 10 to 20 forgave 10 units every time the lagging
+      -- daemon synced the key, and the others admitted them again. So each daemon cuts
+      -- once per change: at most one difference of limits forgiven per daemon and key
+      -- (and, at a reload, any debt the key owed; never a debt at the same rate, which
+      -- a key new to a daemon keeps).
+      if relimit or (first and rescaled) then t = math.min(t, now + tau) end
       avail = (now + tau - t) / T - res + tb_eps(T)
       headroom = math.min(burst, math.max(0, avail + interval / T))
       wstart = 0
