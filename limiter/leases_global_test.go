@@ -434,24 +434,20 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 func TestGlobalLeaseTokenTooLong(t *testing.T) {
 	rdb := realRedis(t)
 	l := globalLimiter(t, rdb, "rules:\n  - name: c\n    key: user\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
-	// The longest key a value can make, 4,096 bytes each escaped to three (a longer value
-	// is keyed by its digest), fits (it did not at MaxLeaseLen 2,048: about 1,100 did not).
-	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("%", 4096)), Cost: 1}, 0)
+	// The longest key part a value can make, 4,096 bytes escaped (a value whose escaping
+	// is longer is keyed by its digest), fits (it did not at MaxLeaseLen 2,048).
+	ok, tok, d := acquire(t, l, &Input{Attrs: attrs("user=" + strings.Repeat("%", 1365) + "a"), Cost: 1}, 0)
 	if !ok || len(tok) > proto.MaxLeaseLen || d.Degraded {
-		t.Fatalf("4096-byte user: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
+		t.Fatalf("user escaped to 4,096 bytes: allowed %v degraded %v token of %d bytes", ok, d.Degraded, len(tok))
 	}
 	if !l.ReleaseLease(tok, nowNs()) {
-		t.Fatal("the 4096-byte user's lease did not release")
+		t.Fatal("the long user's lease did not release")
 	}
-	// Three such keys do not fit: the closed policy refuses.
-	l = globalLimiter(t, rdb, "rules:\n"+
-		"  - name: c1\n    key: a\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n"+
-		"  - name: c2\n    key: b\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n"+
-		"  - name: c3\n    key: c\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
-	long := strings.Repeat("%", 4096)
-	ok, tok, d = acquire(t, l, &Input{Attrs: attrs("a="+long, "b="+long, "c="+long), Cost: 1}, 0)
+	// Nine such key parts (one rule, nine attributes) do not fit: the closed policy refuses.
+	l = globalLimiter(t, rdb, "rules:\n  - name: c\n    key: [a, b, c, d, e, f, g, h, i]\n    concurrency: { max: 2 }\n    mode: global\n    on_store_failure: closed\n", "rl:")
+	ok, tok, d = acquire(t, l, &Input{Attrs: attrs(longAttrs("abcdefghi")...), Cost: 1}, 0)
 	if ok || tok != "" || !d.Degraded {
-		t.Fatalf("three 4096-byte keys: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
+		t.Fatalf("nine 4096-byte key parts: allowed %v degraded %v token %d bytes; want refused by the closed policy", ok, d.Degraded, len(tok))
 	}
 }
 
@@ -717,18 +713,17 @@ rules:
     limit: { requests: 10, per: 1h }
     mode: global
   - name: slots
-    key: [user, a, b]
+    key: [user, a, b, c, d, e, f, g, h]
     concurrency: { max: 2 }
     mode: global
     on_store_failure: closed
 `, "rl:")
-	long := strings.Repeat("%", 4096) // each byte escaped: 12 KiB of key per attribute
-	user := "user=" + long
-	ok, tok, d := acquire(t, l, &Input{Attrs: attrs(user, "a="+long, "b="+long), Cost: 1}, 0)
+	in := attrs(append(longAttrs("abcdefgh"), "user="+strings.Repeat("u", 4096))...) // 4 KiB of key per attribute
+	ok, tok, d := acquire(t, l, &Input{Attrs: in, Cost: 1}, 0)
 	if ok || tok != "" || !d.Results[1].Degraded || d.Results[0].Degraded {
 		t.Fatalf("allowed %v token %d bytes %+v; want refused by the lease's closed policy", ok, len(tok), d.Results)
 	}
-	_, _, d = acquire(t, l, &Input{Attrs: attrs(user, "a="+long, "b="+long), Cost: 0}, 0)
+	_, _, d = acquire(t, l, &Input{Attrs: in, Cost: 0}, 0)
 	if r := d.Results[0].Remaining; r != 10 {
 		t.Fatalf("rate remaining %d, want 10 (given back)", r)
 	}
@@ -809,4 +804,14 @@ func TestGlobalLeaseReleasedLateCountsExpired(t *testing.T) {
 	if s := stats(a, "short"); s.Expired != 2 || s.Closed != 0 || s.InFlight != 0 {
 		t.Fatalf("after a late close: %+v, want 2 expired", s)
 	}
+}
+
+// longAttrs returns an attribute named by each letter of names, each valued at 4,096
+// bytes kept as they are: the longest key part a value makes.
+func longAttrs(names string) []string {
+	var out []string
+	for _, n := range names {
+		out = append(out, string(n)+"="+strings.Repeat(string(n), 4096))
+	}
+	return out
 }

@@ -36,15 +36,19 @@ var keep8 = func() (t [256]uint8) {
 
 const upperHex = "0123456789ABCDEF"
 
-// MaxKeyValue is the longest value [AppendEscaped] writes out. A longer one, which a
-// request can carry up to its frame's size (a gateway's path, a header), is written as
-// '=' and the lowercase hex of its SHA-256: keys stay bounded in memory and in Redis,
-// and a long value is still limited, by a key of its own.
+// MaxKeyValue is the longest escaping [AppendEscaped] writes out. A value whose escaping
+// is longer, which a request can carry up to its frame's size (a gateway's path, a
+// header), is written as '=' and the lowercase hex of its SHA-256: keys stay bounded in
+// memory and in Redis, and a long value is still limited, by a key of its own. The bound
+// is on the escaped bytes, not the value's: each byte escaped takes three, and a value of
+// 4,094 bytes of "é" made a key part of 12,282 bytes (a client with a key that size per
+// inline limit held 12 KB of the daemon's memory per key).
 const MaxKeyValue = 4096
 
 // AppendEscaped appends s to dst, keeping the bytes A-Z a-z 0-9 - . _ ~ : @ / + and
 // writing every other byte as %XX (uppercase hex), so "a|b{c}" becomes "a%7Cb%7Bc%7D".
-// A value longer than MaxKeyValue is written as '=' and its SHA-256 in hex instead. The
+// A value whose escaping would be longer than MaxKeyValue is written as '=' and its
+// SHA-256 in hex instead. The
 // encoding is injective (an escaped value never holds '=', so no value's escaping is
 // another's digest; two digests meet only where SHA-256 collides) and its output never
 // contains '{', '}', '|' or '%' other than as the start of an escape, nor '=' other than
@@ -78,6 +82,9 @@ func appendEscapedFrom(dst []byte, s string, i int) []byte {
 	esc := 0
 	for j := i; j < len(s); j++ {
 		esc += int(keep8[s[j]] ^ 1)
+	}
+	if len(s)+2*esc > MaxKeyValue {
+		return appendDigest(dst, s)
 	}
 	k := len(dst)
 	dst = slices.Grow(dst, len(s)+2*esc)[:k+len(s)+2*esc]

@@ -36,18 +36,34 @@ func TestAppendEscaped(t *testing.T) {
 	}
 }
 
-// A value longer than MaxKeyValue is keyed by its digest: a key of bounded length, of its
-// own (no other long value's, no short value's, whose escaping never holds '='), inside
-// its braces whatever bytes the value holds, and built the same by every path of AppendKey.
+// A value whose escaping is longer than MaxKeyValue is keyed by its digest: a key of
+// bounded length, of its own (no other long value's, no short value's, whose escaping
+// never holds '='), inside its braces whatever bytes the value holds, and built the same
+// by every path of AppendKey. The bound is on the escaped bytes: a value of 2,047 "é"
+// (4,094 bytes) escaped to 12,282.
 func TestAppendEscapedLongValue(t *testing.T) {
-	at := strings.Repeat("{|=}%", MaxKeyValue/5) + "{|=}"[:MaxKeyValue%5]
-	if len(at) != MaxKeyValue || string(AppendEscaped(nil, at)) != refEscape(at) {
-		t.Fatalf("a value of MaxKeyValue bytes is not escaped as it is")
+	digest := func(s string) string {
+		sum := sha256.Sum256([]byte(s))
+		return "=" + hex.EncodeToString(sum[:])
+	}
+	at := strings.Repeat("{|=", MaxKeyValue/9) + "x" // escaped: exactly MaxKeyValue bytes
+	if e := refEscapeAll(at); len(e) != MaxKeyValue || string(AppendEscaped(nil, at)) != e {
+		t.Fatalf("a value escaped to MaxKeyValue bytes is not escaped as it is (%d bytes)", len(e))
 	}
 	over := at + "x"
-	sum := sha256.Sum256([]byte(over))
-	if got, want := string(AppendEscaped([]byte("pre:"), over)), "pre:="+hex.EncodeToString(sum[:]); got != want {
-		t.Fatalf("AppendEscaped(MaxKeyValue+1 bytes) = %q, want %q", got, want)
+	if got, want := string(AppendEscaped([]byte("pre:"), over)), "pre:"+digest(over); got != want {
+		t.Fatalf("AppendEscaped(a value escaped to MaxKeyValue+1 bytes) = %q, want %q", got, want)
+	}
+	plain := strings.Repeat("a", MaxKeyValue)
+	if got := string(AppendEscaped(nil, plain)); got != plain {
+		t.Fatalf("a plain value of MaxKeyValue bytes is not written as it is")
+	}
+	if got := string(AppendEscaped(nil, plain+"a")); got != digest(plain+"a") {
+		t.Fatalf("a plain value of MaxKeyValue+1 bytes is not written as its digest: %q", got)
+	}
+	accents := strings.Repeat("é", 2047)
+	if got := string(AppendEscaped(nil, accents)); got != digest(accents) {
+		t.Fatalf("2,047 \"é\" (%d bytes, escaped to %d) written as %d bytes, want its digest", len(accents), len(refEscapeAll(accents)), len(got))
 	}
 	if got := string(AppendEscaped(nil, over[:len(over)-1]+"y")); got == string(AppendEscaped(nil, over)) {
 		t.Fatalf("two long values differing in their last byte share the key %q", got)

@@ -2,6 +2,8 @@ package rules
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"strings"
 	"testing"
@@ -33,6 +35,15 @@ func refLookup(attrs []Attr, name string) (string, bool) {
 
 // refEscape is AppendEscaped byte by byte.
 func refEscape(s string) string {
+	if e := refEscapeAll(s); len(e) <= MaxKeyValue {
+		return e
+	}
+	sum := sha256.Sum256([]byte(s))
+	return "=" + hex.EncodeToString(sum[:])
+}
+
+// refEscapeAll is refEscape without the digest: every byte escaped or kept.
+func refEscapeAll(s string) string {
 	var b strings.Builder
 	for i := 0; i < len(s); i++ {
 		c := s[i]
