@@ -213,6 +213,25 @@ func (p *parser) parse(data []byte) []*Rule {
 		p.errorf(root, "", "no rules: key")
 		return nil
 	}
+	// A file that is not a rules file at all (a link pointed at a password file, a salt,
+	// /etc/shadow) is refused without quoting a byte of it: the error goes to the log and
+	// to validate's output, which other eyes read than the file's (a deployer who may
+	// write the rules directory and not read the daemon's secrets). Past this point the
+	// file is a mapping with rules: or plans:, and errors quote its values.
+	if root.Kind != yaml.MappingNode {
+		p.errorf(root, "", "not a rules file: its top level is %s, not a mapping with rules:", kindOf(root))
+		return nil
+	}
+	if !hasKey(root, "rules") && !hasKey(root, "plans") {
+		// A key a typo away from rules: is named (a misspelt rules file); any other is not.
+		for i := 0; i+1 < len(root.Content); i += 2 {
+			if k := deref(root.Content[i]); k.Kind == yaml.ScalarNode && (typo(k.Value, "rules") || typo(k.Value, "plans")) {
+				p.errorf(k, "", "unknown field %q (valid: rules, plans)", k.Value)
+			}
+		}
+		p.errorf(root, "", "no rules: key (not a rules file? its other keys are not shown)")
+		return nil
+	}
 	top, _ := p.mapping(root, "", []string{"rules", "plans"})
 	if top == nil {
 		return nil
@@ -888,6 +907,63 @@ func isNull(n *yaml.Node) bool {
 }
 
 // describe names a node's type for errors: `a string "abc"`, `a list`.
+// typo reports whether s is within two edits (insertions, deletions, substitutions,
+// or one swap of neighbours) of word, case aside: "ruels", "Rules", "rule".
+func typo(s, word string) bool {
+	s = strings.ToLower(s)
+	if len(s) > len(word)+2 || len(s)+2 < len(word) {
+		return false
+	}
+	// Optimal string alignment distance, rows of len(word)+1.
+	prev2, prev, cur := make([]int, len(word)+1), make([]int, len(word)+1), make([]int, len(word)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(s); i++ {
+		cur[0] = i
+		for j := 1; j <= len(word); j++ {
+			c := 1
+			if s[i-1] == word[j-1] {
+				c = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+c)
+			if i > 1 && j > 1 && s[i-1] == word[j-2] && s[i-2] == word[j-1] {
+				cur[j] = min(cur[j], prev2[j-2]+1)
+			}
+		}
+		prev2, prev, cur = prev, cur, prev2
+	}
+	return prev[len(word)] <= 2
+}
+
+// kindOf is describe without the value: what kind of node n is.
+func kindOf(n *yaml.Node) string {
+	if n.Kind == yaml.ScalarNode {
+		switch n.ShortTag() {
+		case "!!str":
+			return "a string"
+		case "!!int":
+			return "an integer"
+		case "!!float":
+			return "a number"
+		case "!!bool":
+			return "a boolean"
+		}
+		return "a " + n.ShortTag() + " value"
+	}
+	return describe(n)
+}
+
+// hasKey reports whether the mapping n has the plain key k.
+func hasKey(n *yaml.Node, k string) bool {
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		if c := deref(n.Content[i]); c.Kind == yaml.ScalarNode && c.Value == k {
+			return true
+		}
+	}
+	return false
+}
+
 func describe(n *yaml.Node) string {
 	switch n.Kind {
 	case yaml.MappingNode:

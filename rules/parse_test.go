@@ -27,7 +27,7 @@ var badFixtures = map[string][]string{
 	"null_document.yaml":            {"null_document.yaml:2: no rules: key"},
 	"no_rules_key.yaml":             {`no_rules_key.yaml:1: unknown field "ruels" (valid: rules, plans)`, "no_rules_key.yaml:1: no rules: key"},
 	"unknown_top_field.yaml":        {`unknown_top_field.yaml:2: unknown field "version" (valid: rules, plans)`},
-	"top_is_list.yaml":              {"top_is_list.yaml:1: expected a mapping, got a list"},
+	"top_is_list.yaml":              {"top_is_list.yaml:1: not a rules file: its top level is a list, not a mapping with rules:"},
 	"two_documents.yaml":            {"two_documents.yaml:2: a second YAML document; put all rules in one document"},
 	"syntax.yaml":                   {"syntax.yaml:1: invalid YAML: did not find expected '-' indicator"},
 	"rules_not_list.yaml":           {"rules_not_list.yaml:2: rules: expected a list of rules, got a mapping"},
@@ -395,5 +395,42 @@ func TestNotTextFile(t *testing.T) {
 	}
 	if set, err := Parse("u16.yaml", le); err != nil || len(set.Rules) != 1 {
 		t.Errorf("UTF-16: %v", err)
+	}
+}
+
+// A file that is not a rules file (the rules link pointed at a password file, a salt,
+// /etc/shadow) is refused without a byte of it in the error, which goes to the daemon's
+// log and validate's output: readers who may not read the file. Before, the error quoted
+// its first 40 bytes ("got a string ...", "unknown field ...").
+func TestNotRulesFileQuotesNothing(t *testing.T) {
+	dir := t.TempDir()
+	for _, content := range []string{
+		"Pr3fix-S3cret #suffix\n",
+		"SaltS3cretValue0123456789\n",
+		"root:$6$S3cretHash$abc:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+		`{"password": "S3cret", "S3cretKey": 1}`,
+		"- S3cret\n- other\n",
+		"S3cret: [1, 2]\nmore: S3cret\n",
+		"12345678\n",
+	} {
+		path := filepath.Join(dir, "f.yaml")
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Load(path)
+		if err == nil {
+			t.Fatalf("%q loaded as rules", content)
+		}
+		if msg := err.Error(); strings.Contains(msg, "S3cret") || strings.Contains(msg, "password") || strings.Contains(msg, "12345678") {
+			t.Errorf("the error quotes the file: %s", msg)
+		}
+	}
+	// A key a typo away from rules: is still named.
+	path := filepath.Join(dir, "typo.yaml")
+	if err := os.WriteFile(path, []byte("Rules:\n  - name: a\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Load(path); err == nil || !strings.Contains(err.Error(), `unknown field "Rules"`) {
+		t.Errorf("a misspelt rules: key: %v", err)
 	}
 }
