@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"slices"
 	"sort"
 	"strconv"
@@ -111,13 +112,27 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		}
 		writeJSON(w, doc)
 	})
-	mux.HandleFunc("DELETE /bans/{rule}/{client}", func(w http.ResponseWriter, r *http.Request) {
+	// {client...}: a client's name may hold "/" (a value kept as it is: api_key=a/b).
+	mux.HandleFunc("DELETE /bans/{rule}/{client...}", func(w http.ResponseWriter, r *http.Request) {
 		if !fromLoopback(r) {
 			http.Error(w, "lifting a ban is allowed from the loopback interface only", http.StatusForbidden)
 			return
 		}
 		rule, client := r.PathValue("rule"), r.PathValue("client")
-		if lifted := liftBan(deps, rule, client); !lifted {
+		// The client as the URL wrote it, its escapes kept: a name /bans lists holds
+		// escapes of its own (api_key=k%7Cip%3D1|ip=2, the api_key "k|ip=1"), which the
+		// path's decoding turns into the bytes they stand for, and an attr=value form's
+		// parts are split at the "|" the URL wrote, not at one an escape stood for.
+		// The request line's own text: r.URL's escaped path is escaped again from the
+		// decoded one when the client sent a "|" (not a valid escaped-path byte).
+		raw := client
+		if p, ok := strings.CutPrefix(r.RequestURI, "/bans/"); ok {
+			p, _, _ = strings.Cut(p, "?")
+			if _, c, ok := strings.Cut(p, "/"); ok {
+				raw = c
+			}
+		}
+		if lifted := liftBan(deps, rule, client, raw); !lifted {
 			http.Error(w, fmt.Sprintf("no ban of %q by rule %q (give the client as /bans names it, or as attr=value with the value as the request sent it, URL-escaped)", client, rule), http.StatusNotFound)
 			return
 		}
@@ -246,22 +261,25 @@ func bansDoc(deps AdminDeps) []banDoc {
 // (whose key's form, its name, is user=%257B). With both banned, a single pass in list
 // order lifted whichever sorted first, the user "%7B"; now the name lifts "{", and
 // user=%257B reaches "%7B" (TestAdminLiftBanNameBeforeRawValue).
-func liftBan(deps AdminDeps, rule, client string) bool {
+func liftBan(deps AdminDeps, rule, client, escaped string) bool {
 	if deps.Limiter == nil {
 		return false
 	}
 	now := deps.Now()
 	bans := deps.Limiter.Bans(now)
-	for _, b := range bans {
-		if b.Rule != rule {
-			continue
-		}
-		c := string(clientOf([]byte(b.Key)))
-		if c == client || deps.Metrics.ClientName(c) == client {
-			return deps.Limiter.LiftBan(b.Key, now)
+	// The name /bans gives, URL-escaped, then as the URL wrote it; then the forms of
+	// attr=value with values as sent (rawClientForms, escapedClientForm).
+	for _, name := range []string{client, escaped} {
+		for _, b := range bans {
+			if b.Rule != rule {
+				continue
+			}
+			if c := string(clientOf([]byte(b.Key))); c == name || deps.Metrics.ClientName(c) == name {
+				return deps.Limiter.LiftBan(b.Key, now)
+			}
 		}
 	}
-	raw := rawClientForms(client)
+	raw := append(rawClientForms(client), escapedClientForm(escaped)...)
 	for _, b := range bans {
 		if b.Rule != rule {
 			continue
@@ -271,6 +289,30 @@ func liftBan(deps AdminDeps, rule, client string) bool {
 		}
 	}
 	return false
+}
+
+// escapedClientForm is the key's form of a client written in a URL as attr=value parts
+// joined by "|", each value as the request sent it and URL-escaped (api_key=k%7Cip%3D1|ip=2:
+// the api_key "k|ip=1" and the ip "2"); nil when it is not of that form.
+func escapedClientForm(escaped string) []string {
+	var b []byte
+	for i, part := range strings.Split(escaped, "|") {
+		a, v, ok := strings.Cut(part, "=")
+		if !ok {
+			return nil
+		}
+		value, err := url.PathUnescape(v)
+		if err != nil {
+			return nil
+		}
+		if i > 0 {
+			b = append(b, '|')
+		}
+		b = append(b, a...)
+		b = append(b, '=')
+		b = rules.AppendEscaped(b, value)
+	}
+	return []string{string(b)}
 }
 
 // rawClientForms returns the key's forms client may stand for when its values are as

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -272,4 +273,53 @@ func TestAdminBansBounded(t *testing.T) {
 	if _, body := get(t, base+"/bans"); strings.Count(body, `"rule"`) != 5 {
 		t.Fatalf("the default bound cut 5 bans: %s", body)
 	}
+}
+
+// A ban is lifted by the name /bans lists, written in the URL as listed: a key of two
+// attributes whose value holds an escape of its own (api_key=k%7Cip%3D1|ip=2, the
+// api_key "k|ip=1"), and one whose value holds "/". Before, the path's decoding turned
+// the first's escapes into the bytes they stand for, and the route took no "/": both
+// were 404, only a doubly escaped form lifted the first, and nothing the second.
+func TestAdminLiftBanByListedName(t *testing.T) {
+	lim, now := bannedAll(t, "[api_key, ip]", [][]rules.Attr{
+		{{Name: "api_key", Value: "k|ip=1"}, {Name: "ip", Value: "2"}},
+		{{Name: "api_key", Value: "a/b"}, {Name: "ip", Value: "3"}},
+		{{Name: "api_key", Value: "x y"}, {Name: "ip", Value: "4"}},
+	})
+	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
+	base := startAdmin(t, deps)
+	want := []string{"api_key=a/b|ip=3", "api_key=k%7Cip%3D1|ip=2", "api_key=x%20y|ip=4"}
+	if got := banned(lim, now); !slices.Equal(got, want) {
+		t.Fatalf("banned %q, want %q", got, want)
+	}
+	for _, path := range []string{
+		"/bans/login/api_key=k%7Cip%3D1|ip=2", // as listed
+		"/bans/login/api_key=a/b|ip=3",        // as listed, with its "/"
+		"/bans/login/api_key=x%20y|ip=4",      // the value as sent ("x y"), URL-escaped
+	} {
+		if code, body := doRaw(t, "DELETE", base, path); code != http.StatusNoContent {
+			t.Errorf("DELETE %s: %d %q", path, code, body)
+		}
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
+}
+
+// doRaw sends a request whose target is path, byte for byte, as curl sends what it is
+// given (Go's client escapes a "|" in a path again).
+func doRaw(t *testing.T, method, base, path string) (int, string) {
+	t.Helper()
+	u, err := url.Parse(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := &http.Request{Method: method, URL: &url.URL{Scheme: u.Scheme, Host: u.Host, Opaque: path}, Host: "localhost", Header: http.Header{}}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
 }
