@@ -51,6 +51,14 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	if err != nil {
 		return nil, err
 	}
+	// A password in the URL and another source: which one a reader of the unit meant
+	// is a guess (the URL's won, and a rotated file was silently not used).
+	if p, _ := cfg.urlPassword(); p != "" && password != "" {
+		if cfg.PasswordFile != "" {
+			return nil, errors.New("redis: a password in the URL and --redis-password-file: give one")
+		}
+		return nil, fmt.Errorf("redis: a password in the URL and in $%s: give one", PasswordEnv)
+	}
 	if cfg.URL != "" {
 		if err := checkURL(cfg.URL); err != nil {
 			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), err)
@@ -97,27 +105,46 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 // Password returns the password Open authenticates with: the URL's, else the file's, else
 // $RLSIDECAR_REDIS_PASSWORD's; "" for none. The daemon keeps it out of its logs.
 func (cfg Config) Password() (string, error) {
-	if cfg.URL != "" {
-		if u, err := url.Parse(cfg.URL); err == nil && u.User != nil {
-			if p, ok := u.User.Password(); ok && p != "" {
-				return p, nil
-			}
-		}
-	} else if len(cfg.Cluster) > 0 {
-		if _, _, p, _, err := parseCluster(cfg.Cluster); err == nil && p != "" {
-			return p, nil
-		}
+	if p, ok := cfg.urlPassword(); ok {
+		return p, nil
 	}
 	return readPassword(cfg.PasswordFile)
 }
 
+// urlPassword returns the password the URL (or the cluster URL) holds; ok when it holds
+// one.
+func (cfg Config) urlPassword() (string, bool) {
+	if cfg.URL != "" {
+		if u, err := url.Parse(cfg.URL); err == nil && u.User != nil {
+			if p, ok := u.User.Password(); ok && p != "" {
+				return p, true
+			}
+		}
+	} else if len(cfg.Cluster) > 0 {
+		if _, _, p, _, err := parseCluster(cfg.Cluster); err == nil && p != "" {
+			return p, true
+		}
+	}
+	return "", false
+}
+
+// readPassword reads the password from file, else from $RLSIDECAR_REDIS_PASSWORD. Both
+// set, or an empty file, is an error: the one not used, or an empty password, would
+// otherwise show only as Redis refusing the daemon (WRONGPASS, NOAUTH).
 func readPassword(file string) (string, error) {
 	if file != "" {
+		if os.Getenv(PasswordEnv) != "" {
+			return "", fmt.Errorf("redis: --redis-password-file and $%s both set: give one", PasswordEnv)
+		}
 		b, err := os.ReadFile(file)
 		if err != nil {
 			return "", fmt.Errorf("reading the Redis password file: %w", err)
 		}
-		return strings.TrimRight(string(b), "\r\n"), nil
+		p := strings.TrimRight(string(b), "\r\n")
+		if p == "" {
+			return "", fmt.Errorf("the Redis password file %s is empty", file)
+		}
+		return p, nil
 	}
 	return os.Getenv(PasswordEnv), nil
 }

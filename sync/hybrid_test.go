@@ -507,3 +507,50 @@ func TestConfigPassword(t *testing.T) {
 		}
 	}
 }
+
+// Two sources of the Redis password, or an empty password file, are refused at Open,
+// naming the sources and not the password: before, the URL's silently won over the file
+// (a rotated file not used, WRONGPASS at the first call), the file over
+// $RLSIDECAR_REDIS_PASSWORD, and an empty file was NOAUTH.
+func TestOpenPasswordSources(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "pw")
+	if err := os.WriteFile(file, []byte("fromfile\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	empty := filepath.Join(dir, "empty")
+	if err := os.WriteFile(empty, []byte("\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		cfg  Config
+		env  string
+		want string
+	}{
+		{Config{URL: "redis://:fromurl@127.0.0.1:1", PasswordFile: file}, "", "a password in the URL and --redis-password-file"},
+		{Config{URL: "redis://:fromurl@127.0.0.1:1"}, "fromenv", "a password in the URL and in $RLSIDECAR_REDIS_PASSWORD"},
+		{Config{Cluster: []string{"redis://:fromurl@127.0.0.1:1,127.0.0.1:2"}, PasswordFile: file}, "", "a password in the URL and --redis-password-file"},
+		{Config{URL: "redis://127.0.0.1:1", PasswordFile: file}, "fromenv", "--redis-password-file and $RLSIDECAR_REDIS_PASSWORD both set"},
+		{Config{URL: "redis://127.0.0.1:1", PasswordFile: empty}, "", "is empty"},
+	} {
+		t.Setenv(PasswordEnv, c.env)
+		rdb, err := Open(c.cfg)
+		if err == nil {
+			rdb.Close()
+			t.Errorf("%+v, env %q: opened", c.cfg, c.env)
+			continue
+		}
+		if msg := err.Error(); !strings.Contains(msg, c.want) || strings.Contains(msg, "from") {
+			t.Errorf("%+v, env %q: %v; want %q, no password", c.cfg, c.env, err, c.want)
+		}
+	}
+	// One source is fine.
+	t.Setenv(PasswordEnv, "")
+	for _, cfg := range []Config{{URL: "redis://:fromurl@127.0.0.1:1"}, {URL: "redis://127.0.0.1:1", PasswordFile: file}} {
+		rdb, err := Open(cfg)
+		if err != nil {
+			t.Fatalf("%+v: %v", cfg, err)
+		}
+		rdb.Close()
+	}
+}
