@@ -295,24 +295,10 @@ func liftBan(deps AdminDeps, rule, client, escaped string) bool {
 // joined by "|", each value as the request sent it and URL-escaped (api_key=k%7Cip%3D1|ip=2:
 // the api_key "k|ip=1" and the ip "2"); nil when it is not of that form.
 func escapedClientForm(escaped string) []string {
-	var b []byte
-	for i, part := range strings.Split(escaped, "|") {
-		a, v, ok := strings.Cut(part, "=")
-		if !ok {
-			return nil
-		}
-		value, err := url.PathUnescape(v)
-		if err != nil {
-			return nil
-		}
-		if i > 0 {
-			b = append(b, '|')
-		}
-		b = append(b, a...)
-		b = append(b, '=')
-		b = rules.AppendEscaped(b, value)
+	if form, ok := partsEscaped(escaped, url.PathUnescape); ok {
+		return []string{form}
 	}
-	return []string{string(b)}
+	return nil
 }
 
 // rawClientForms returns the key's forms client may stand for when its values are as
@@ -329,11 +315,24 @@ func rawClientForms(client string) []string {
 	if !strings.Contains(value, "|") {
 		return forms
 	}
+	if form, ok := partsEscaped(client, func(v string) (string, error) { return v, nil }); ok {
+		forms = append(forms, form)
+	}
+	return forms
+}
+
+// partsEscaped is the key's form of attr=value parts joined by "|", each value read by
+// value, then escaped as a key escapes it; ok is false when client is not of that form.
+func partsEscaped(client string, value func(string) (string, error)) (string, bool) {
 	var b []byte
 	for i, part := range strings.Split(client, "|") {
 		a, v, ok := strings.Cut(part, "=")
 		if !ok {
-			return forms
+			return "", false
+		}
+		v, err := value(v)
+		if err != nil {
+			return "", false
 		}
 		if i > 0 {
 			b = append(b, '|')
@@ -342,7 +341,7 @@ func rawClientForms(client string) []string {
 		b = append(b, '=')
 		b = rules.AppendEscaped(b, v)
 	}
-	return append(forms, string(b))
+	return string(b), true
 }
 
 // fromLoopback reports whether r comes from a loopback address.

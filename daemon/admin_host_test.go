@@ -28,6 +28,12 @@ func doHost(t *testing.T, method, base, path, host string) (int, string) {
 		t.Fatal(err)
 	}
 	req.Host = host
+	return do(t, req)
+}
+
+// do sends req and returns its status and body.
+func do(t *testing.T, req *http.Request) (int, string) {
+	t.Helper()
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -314,12 +320,5 @@ func doRaw(t *testing.T, method, base, path string) (int, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	req := &http.Request{Method: method, URL: &url.URL{Scheme: u.Scheme, Host: u.Host, Opaque: path}, Host: "localhost", Header: http.Header{}}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
+	return do(t, &http.Request{Method: method, URL: &url.URL{Scheme: u.Scheme, Host: u.Host, Opaque: path}, Host: "localhost", Header: http.Header{}})
 }
