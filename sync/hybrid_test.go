@@ -487,21 +487,23 @@ func TestWrongPasswordIsReported(t *testing.T) {
 
 // Password is what Open authenticates with, for the daemon to keep out of its logs.
 func TestConfigPassword(t *testing.T) {
-	t.Setenv(PasswordEnv, "from-env")
 	file := filepath.Join(t.TempDir(), "pw")
 	if err := os.WriteFile(file, []byte("from-file\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
 		cfg  Config
+		env  string
 		want string
 	}{
-		{Config{URL: "redis://:from-url@h:1"}, "from-url"},
-		{Config{URL: "redis://h:1", PasswordFile: file}, "from-file"},
-		{Config{URL: "redis://h:1"}, "from-env"},
-		{Config{Cluster: []string{"redis://u:from-url@h1:1,h2:2"}}, "from-url"},
-		{Config{Cluster: []string{"h1:1,h2:2"}, PasswordFile: file}, "from-file"},
+		{Config{URL: "redis://:from-url@h:1"}, "", "from-url"},
+		{Config{URL: "redis://h:1", PasswordFile: file}, "", "from-file"},
+		{Config{URL: "redis://h:1"}, "from-env", "from-env"},
+		{Config{Cluster: []string{"redis://u:from-url@h1:1,h2:2"}}, "", "from-url"},
+		{Config{Cluster: []string{"h1:1,h2:2"}, PasswordFile: file}, "", "from-file"},
+		{Config{Cluster: []string{"h1:1,h2:2"}}, "from-env", "from-env"},
 	} {
+		t.Setenv(PasswordEnv, c.env)
 		if got, err := c.cfg.Password(); err != nil || got != c.want {
 			t.Errorf("%+v: Password() = %q, %v; want %q", c.cfg, got, err, c.want)
 		}
