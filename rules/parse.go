@@ -132,6 +132,9 @@ var yamlLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
 // yamlError reports err, the YAML library's error about data. Its reader's errors
 // (a control character, bytes that are not UTF-8) name no line: for those, the first
 // such byte of data is found and named, with its line and column.
+// yamlQuoted matches a quoted run of two or more characters in a YAML library message.
+var yamlQuoted = regexp.MustCompile(`'[^']{2,}'`)
+
 func (p *parser) yamlError(err error, data []byte) {
 	msg := err.Error()
 	if strings.Contains(msg, "control characters are not allowed") || strings.Contains(msg, "UTF-8") ||
@@ -140,6 +143,12 @@ func (p *parser) yamlError(err error, data []byte) {
 			p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + why + "; a rules file is text (YAML, in UTF-8): is this one?"})
 			return
 		}
+	}
+	if !bytes.Contains(data, []byte("rules:")) && !bytes.Contains(data, []byte("plans:")) {
+		// Not a rules file, by the look of it: the YAML library's message may quote it
+		// (an anchor's name: "unknown anchor 'S3cret' referenced"), and the file may be
+		// another's secret (see parse). Quoted runs of more than one character go.
+		msg = yamlQuoted.ReplaceAllString(msg, "'…'")
 	}
 	if m := yamlLine.FindStringSubmatch(msg); m != nil {
 		line, _ := strconv.Atoi(m[1])
@@ -949,7 +958,7 @@ func kindOf(n *yaml.Node) string {
 		case "!!bool":
 			return "a boolean"
 		}
-		return "a " + n.ShortTag() + " value"
+		return "a tagged value" // the tag is the file's text
 	}
 	return describe(n)
 }

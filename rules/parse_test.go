@@ -412,6 +412,7 @@ func TestNotRulesFileQuotesNothing(t *testing.T) {
 		"- S3cret\n- other\n",
 		"S3cret: [1, 2]\nmore: S3cret\n",
 		"12345678\n",
+		"*S3cretPw\n", "!S3cretPw\n", "!S3cret rest\n", "&S3cret x\n", "a: *S3cret\n", "- *S3cret\n", "S3cret: {\n", "\"S3cret\n", "[S3cret\n",
 	} {
 		path := filepath.Join(dir, "f.yaml")
 		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
