@@ -132,7 +132,15 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 				raw = c
 			}
 		}
-		if lifted := liftBan(deps, rule, client, raw); !lifted {
+		lifted, conflict := liftBan(deps, rule, client, raw)
+		if conflict != nil {
+			// A listed name holds no byte that decodes to another listed name's, so the
+			// first, as listed, and the second, URL-escaped, each name one client.
+			http.Error(w, fmt.Sprintf("%q names two banned clients of rule %q, read URL-escaped (%q) or as written (%q): give the first as listed (%s) or the second URL-escaped (%s)",
+				raw, rule, conflict[0], conflict[1], conflict[0], url.PathEscape(conflict[1])), http.StatusConflict)
+			return
+		}
+		if !lifted {
 			http.Error(w, fmt.Sprintf("no ban of %q by rule %q (give the client as /bans names it, or as attr=value with the value as the request sent it, URL-escaped)", client, rule), http.StatusNotFound)
 			return
 		}
@@ -259,25 +267,42 @@ func bansDoc(deps AdminDeps) []banDoc {
 // The name /bans gives is tried first, over every ban, because the two forms overlap:
 // user=%7B is the key's form of the user "{" and also the raw form of the user "%7B"
 // (whose key's form, its name, is user=%257B). With both banned, a single pass in list
-// order lifted whichever sorted first, the user "%7B"; now the name lifts "{", and
-// user=%257B reaches "%7B" (TestAdminLiftBanNameBeforeRawValue).
-func liftBan(deps AdminDeps, rule, client, escaped string) bool {
+// order lifted whichever sorted first, the user "%7B" (TestAdminLiftBanNameBeforeRawValue).
+//
+// A name /bans gives may be read two ways, URL-escaped or as the URL wrote it: with the
+// users "{" and "%7B" both banned (listed as user=%7B and user=%257B), user=%257B is the
+// first escaped and the second as written. When the two readings name two banned
+// clients, nothing is lifted and conflict names both: the caller says which.
+func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflict []string) {
 	if deps.Limiter == nil {
-		return false
+		return false, nil
 	}
 	now := deps.Now()
 	bans := deps.Limiter.Bans(now)
-	// The name /bans gives, URL-escaped, then as the URL wrote it; then the forms of
-	// attr=value with values as sent (rawClientForms, escapedClientForm).
-	for _, name := range []string{client, escaped} {
+	named := func(name string) string { // the key of the ban /bans lists as name
 		for _, b := range bans {
 			if b.Rule != rule {
 				continue
 			}
 			if c := string(clientOf([]byte(b.Key))); c == name || deps.Metrics.ClientName(c) == name {
-				return deps.Limiter.LiftBan(b.Key, now)
+				return b.Key
 			}
 		}
+		return ""
+	}
+	// The name /bans gives, URL-escaped or as the URL wrote it; then the forms of
+	// attr=value with values as sent (rawClientForms, escapedClientForm).
+	a, b := named(client), ""
+	if escaped != client {
+		b = named(escaped)
+	}
+	switch {
+	case a != "" && b != "" && a != b:
+		return false, []string{string(clientOf([]byte(a))), string(clientOf([]byte(b)))}
+	case a != "":
+		return deps.Limiter.LiftBan(a, now), nil
+	case b != "":
+		return deps.Limiter.LiftBan(b, now), nil
 	}
 	raw := append(rawClientForms(client), escapedClientForm(escaped)...)
 	for _, b := range bans {
@@ -285,10 +310,10 @@ func liftBan(deps AdminDeps, rule, client, escaped string) bool {
 			continue
 		}
 		if slices.Contains(raw, string(clientOf([]byte(b.Key)))) {
-			return deps.Limiter.LiftBan(b.Key, now)
+			return deps.Limiter.LiftBan(b.Key, now), nil
 		}
 	}
-	return false
+	return false, nil
 }
 
 // escapedClientForm is the key's form of a client written in a URL as attr=value parts

@@ -208,13 +208,22 @@ func banned(lim *limiter.Limiter, now int64) []string {
 
 // The name /bans gives and the raw form overlap: user=%7B is the key's form of the user
 // "{" and the raw form of the user "%7B" (whose key's form, user=%257B, sorts first in
-// /bans). The name wins, and the other user is reached by its own name.
+// /bans). Sent as user=%257B, the name of "{" URL-escaped is the name of "%7B" as
+// written: 409, naming both, and nothing lifted (before, "{" was, whoever was meant);
+// each is then reached by the form the answer gives.
 func TestAdminLiftBanNameBeforeRawValue(t *testing.T) {
 	lim, now := bannedAll(t, "user", [][]rules.Attr{{{Name: "user", Value: "{"}}, {{Name: "user", Value: "%7B"}}})
 	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
 	base := startAdmin(t, deps)
-	if code, body := doHost(t, "DELETE", base, "/bans/login/user=%257B", "localhost"); code != http.StatusNoContent {
-		t.Fatalf("lifting user=%%7B: %d %q", code, body)
+	code, body := doHost(t, "DELETE", base, "/bans/login/user=%257B", "localhost")
+	if code != http.StatusConflict || !strings.Contains(body, "(user=%7B)") || !strings.Contains(body, "(user=%25257B)") {
+		t.Fatalf("user=%%257B, two clients' name: %d %q; want 409 naming both", code, body)
+	}
+	if got := banned(lim, now); len(got) != 2 {
+		t.Fatalf("a conflict lifted a ban: %q left", got)
+	}
+	if code, body := doRaw(t, "DELETE", base, "/bans/login/user=%7B"); code != http.StatusNoContent {
+		t.Fatalf("lifting user=%%7B as listed: %d %q", code, body)
 	}
 	if got := banned(lim, now); !slices.Equal(got, []string{"user=%257B"}) {
 		t.Fatalf("lifting user=%%7B left %q banned, want the user \"%%7B\" (user=%%257B)", got)
