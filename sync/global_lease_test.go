@@ -226,6 +226,7 @@ func TestAcquireTimedOutGivesSlotBack(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true, MaxRetries: -1})
 	t.Cleanup(func() { rdb.Close() })
 	g := NewGlobal(rdb).WithRefundTimeout(100 * time.Millisecond)
+	defer g.Close() // its give-back worker ends before giveBackDelay is put back
 	ctx := context.Background()
 	key := "rl:conc:{user=u}"
 	lo := LeaseOp{Key: key, Max: 3, Lease: time.Hour, Take: true}

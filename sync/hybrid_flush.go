@@ -181,7 +181,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 // each failure would count against its master's breaker).
 func mayHaveRun(err error) bool {
 	var rerr redis.Error
-	return !errors.As(err, &rerr) && !errors.Is(err, errNotServed) && !errors.Is(err, syscall.ECONNREFUSED)
+	return !errors.As(err, &rerr) && !errors.Is(err, errNotServed) && !errors.Is(err, errNotSent) && !errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // applyAll applies items, locking each one's shard, and counts the items that failed

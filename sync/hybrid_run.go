@@ -154,13 +154,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 // its breaker.
 func (h *Hybrid) ping(ctx context.Context, m *Master, key string) {
 	start := time.Now()
-	err := errors.New("no cluster client")
-	if cc, ok := h.rdb.(*redis.ClusterClient); ok {
-		var c *redis.Client
-		if c, err = cc.MasterForKey(ctx, key); err == nil {
-			err = c.Ping(ctx).Err()
-		}
-	}
+	err := ping(ctx, h.rdb, key) // global.go
 	h.observed("ping", start, err)
 	if err != nil {
 		m.breaker.Failure()
