@@ -112,25 +112,32 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 		}
 		writeJSON(w, doc)
 	})
-	// {client...}: a client's name may hold "/" (a value kept as it is: api_key=a/b).
-	mux.HandleFunc("DELETE /bans/{rule}/{client...}", func(w http.ResponseWriter, r *http.Request) {
+	// DELETE /bans/{rule}/{client}, read from the request line (hostGuard sends it here
+	// before the mux, whose cleaning of the path redirects a client's name holding "//",
+	// a referer's value say).
+	lift := func(w http.ResponseWriter, r *http.Request) {
 		if !fromLoopback(r) {
 			http.Error(w, "lifting a ban is allowed from the loopback interface only", http.StatusForbidden)
 			return
 		}
-		rule, client := r.PathValue("rule"), r.PathValue("client")
-		// The client as the URL wrote it, its escapes kept: a name /bans lists holds
-		// escapes of its own (api_key=k%7Cip%3D1|ip=2, the api_key "k|ip=1"), which the
-		// path's decoding turns into the bytes they stand for, and an attr=value form's
-		// parts are split at the "|" the URL wrote, not at one an escape stood for.
-		// The request line's own text: r.URL's escaped path is escaped again from the
-		// decoded one when the client sent a "|" (not a valid escaped-path byte).
-		raw := client
-		if p, ok := strings.CutPrefix(r.RequestURI, "/bans/"); ok {
-			p, _, _ = strings.Cut(p, "?")
-			if _, c, ok := strings.Cut(p, "/"); ok {
-				raw = c
-			}
+		// The client as the URL wrote it, its escapes kept (raw), and decoded (client): a
+		// name /bans lists holds escapes of its own (api_key=k%7Cip%3D1|ip=2, the api_key
+		// "k|ip=1"), which the path's decoding turns into the bytes they stand for, and an
+		// attr=value form's parts are split at the "|" the URL wrote, not at one an escape
+		// stood for. The request line's own text: r.URL's escaped path is escaped again
+		// from the decoded one when the client sent a "|" (not a valid escaped-path byte).
+		uri := r.RequestURI
+		if !strings.HasPrefix(uri, "/") { // absolute form (http://host/bans/...)
+			uri = r.URL.EscapedPath()
+		}
+		p, _ := strings.CutPrefix(uri, "/bans/")
+		p, _, _ = strings.Cut(p, "?")
+		rawRule, raw, _ := strings.Cut(p, "/")
+		rule, err1 := url.PathUnescape(rawRule)
+		client, err2 := url.PathUnescape(raw)
+		if err1 != nil || err2 != nil || rule == "" || raw == "" {
+			http.Error(w, "use DELETE /bans/{rule}/{client}, URL-escaped", http.StatusBadRequest)
+			return
 		}
 		lifted, conflict := liftBan(deps, rule, client, raw)
 		if conflict != nil {
@@ -145,8 +152,9 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 			return
 		}
 		w.WriteHeader(http.StatusNoContent)
-	})
-	g := hostGuard{next: mux, bound: boundHost(addr), open: !boundLoopback(ln)}
+	}
+	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
+	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
 	a := &Admin{srv: &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second}, ln: ln}
 	return a, nil
 }
@@ -159,6 +167,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 // the endpoint to.
 type hostGuard struct {
 	next http.Handler
+	lift http.HandlerFunc // DELETE /bans/..., taken before next (see New)
 	// bound is the host part of the address the endpoint was given, lower case, when it
 	// is a name rather than an IP address ("" otherwise).
 	bound string
@@ -178,6 +187,10 @@ func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.WriteHeader(http.StatusMisdirectedRequest)
 		fmt.Fprintf(w, "refused: the admin endpoint answers requests addressed to %s, not to %q (a name that leads here may be a web page rebinding its DNS)\n", names, r.Host)
+		return
+	}
+	if r.Method == http.MethodDelete && g.lift != nil && strings.HasPrefix(r.RequestURI, "/bans/") {
+		g.lift(w, r)
 		return
 	}
 	g.next.ServeHTTP(w, r)

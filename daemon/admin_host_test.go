@@ -300,17 +300,19 @@ func TestAdminLiftBanByListedName(t *testing.T) {
 		{{Name: "api_key", Value: "k|ip=1"}, {Name: "ip", Value: "2"}},
 		{{Name: "api_key", Value: "a/b"}, {Name: "ip", Value: "3"}},
 		{{Name: "api_key", Value: "x y"}, {Name: "ip", Value: "4"}},
+		{{Name: "api_key", Value: "https://r.example/"}, {Name: "ip", Value: "5"}},
 	})
 	deps := AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }}
 	base := startAdmin(t, deps)
-	want := []string{"api_key=a/b|ip=3", "api_key=k%7Cip%3D1|ip=2", "api_key=x%20y|ip=4"}
+	want := []string{"api_key=a/b|ip=3", "api_key=https://r.example/|ip=5", "api_key=k%7Cip%3D1|ip=2", "api_key=x%20y|ip=4"}
 	if got := banned(lim, now); !slices.Equal(got, want) {
 		t.Fatalf("banned %q, want %q", got, want)
 	}
 	for _, path := range []string{
-		"/bans/login/api_key=k%7Cip%3D1|ip=2", // as listed
-		"/bans/login/api_key=a/b|ip=3",        // as listed, with its "/"
-		"/bans/login/api_key=x%20y|ip=4",      // the value as sent ("x y"), URL-escaped
+		"/bans/login/api_key=k%7Cip%3D1|ip=2",         // as listed
+		"/bans/login/api_key=a/b|ip=3",                // as listed, with its "/"
+		"/bans/login/api_key=x%20y|ip=4",              // the value as sent ("x y"), URL-escaped
+		"/bans/login/api_key=https://r.example/|ip=5", // as listed, its "//" not cleaned away
 	} {
 		if code, body := doRaw(t, "DELETE", base, path); code != http.StatusNoContent {
 			t.Errorf("DELETE %s: %d %q", path, code, body)
