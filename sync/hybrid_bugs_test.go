@@ -953,3 +953,40 @@ func TestHeartbeatNotSentNotCounted(t *testing.T) {
 		t.Fatal("a heartbeat sent with the breaker open")
 	}
 }
+
+// A window's view with room short of the limit and no reset (what a sync answers for a
+// key with nothing counted in its window and units other daemons' grants reserve) is
+// full again a window later, and its key is swept. Before, project kept it short of the
+// limit for good, and the key stayed in memory for as long as the daemon ran (a soak's
+// hot users, held by an idle daemon for minutes with windows of one).
+func TestHybridSweepWindowViewWithoutReset(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
+		lim := mustLimit(t, alg, 10, time.Minute)
+		key := "rl:noreset:{" + alg.String() + "}"
+		now := time.Now().UnixNano()
+		take(h, now, key, lim, 1)
+		if err := h.Flush(context.Background(), now); err != nil {
+			t.Fatal(err)
+		}
+		sh := &h.shards[h.shardOf([]byte(key))]
+		sh.mu.Lock()
+		e := sh.m[key]
+		if e == nil || e.holds() || e.flags&(flagDirty|flagBusy) != 0 {
+			sh.mu.Unlock()
+			t.Fatalf("%v: after the sync the key holds something; the test cannot tell", alg)
+		}
+		e.view, e.vt = 4, 0 // 6 reserved elsewhere, nothing counted: no reset
+		sh.mu.Unlock()
+		for i := range hybridShards {
+			h.sweep(i, now+int64(2*time.Minute)+1)
+		}
+		sh.mu.Lock()
+		_, held := sh.m[key]
+		sh.mu.Unlock()
+		if held {
+			t.Errorf("%v: the key is held two windows after its view, its view short of the limit with no reset", alg)
+		}
+	}
+}

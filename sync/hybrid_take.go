@@ -539,7 +539,12 @@ func project(e *hentry, now int64) float64 {
 		}
 		v = max(v, sv.r-est)
 	default:
-		if r := e.resetNs(); r > 0 && age >= r {
+		// A view whose reset is 0 with room short of the limit (nothing counted in its
+		// window, units reserved by other daemons' grants) says nothing of when it is
+		// full: the window it was read in has ended a window after, counts and
+		// reservations with it. Kept as it was, such a key was never swept (an idle
+		// daemon held the keys of a soak's hot users for good).
+		if r := e.resetNs(); r > 0 && age >= r || age >= int64(lim.Window()) {
 			return c
 		}
 	}
