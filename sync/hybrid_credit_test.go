@@ -25,13 +25,7 @@ func TestHybridCreditReservedWhenKeyChangesHands(t *testing.T) {
 			ctx := context.Background()
 			lim := mustLimit(t, alg, 30, time.Hour)
 			hs := []*Hybrid{NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})}
-			for round := 0; round < 2; round++ {
-				for i, h := range hs {
-					if _, err := h.Heartbeat(ctx, fmt.Sprint("credit-", i), time.Minute); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
+			seeEachOther(t, "credit", hs...)
 			if n := hs[0].replicaCount(); n != 3 {
 				t.Fatalf("replicas %d, want 3", n)
 			}

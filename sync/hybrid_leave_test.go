@@ -23,13 +23,7 @@ func TestHybridReleaseLeavesNoCreditReserved(t *testing.T) {
 			lim := mustLimit(t, alg, 20, time.Hour)
 			a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
 			hs := []*Hybrid{a, b}
-			for round := 0; round < 2; round++ {
-				for i, h := range hs {
-					if _, err := h.Heartbeat(ctx, fmt.Sprint("leave-", i), time.Minute); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
+			seeEachOther(t, "leave", hs...)
 			now := time.Now().UnixNano()
 			key := "rl:leave:{user=alice}"
 			used := 0

@@ -38,13 +38,7 @@ func TestHybridRedisRestartedEmptyForgetsGrants(t *testing.T) {
 			lim := mustLimit(t, alg, 100, time.Hour)
 			a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
 			hs := []*Hybrid{a, b}
-			for round := 0; round < 2; round++ {
-				for i, h := range hs {
-					if _, err := h.Heartbeat(ctx, fmt.Sprint("restart-", i), time.Minute); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
+			seeEachOther(t, "restart", hs...)
 			now := time.Now().UnixNano()
 			key := "rl:restart:{user=hot}"
 			// The key hot on both: each asks a share grant, and holds one.

@@ -46,6 +46,19 @@ func mustLimit(t testing.TB, alg localbucket.Algorithm, requests uint64, window 
 	return &l
 }
 
+// seeEachOther has each of hs send two rounds of heartbeats as daemon name-i, so that
+// every one counts them all (the second round sees every first).
+func seeEachOther(t testing.TB, name string, hs ...*Hybrid) {
+	t.Helper()
+	for round := 0; round < 2; round++ {
+		for i, h := range hs {
+			if _, err := h.Heartbeat(context.Background(), fmt.Sprint(name, "-", i), time.Minute); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
 func take(h *Hybrid, now int64, key string, lim *localbucket.Limit, cost uint64) localbucket.Result {
 	ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: cost}}
 	h.Take(now, ops)
@@ -70,13 +83,7 @@ func TestHybridTwoDaemonsShareABudget(t *testing.T) {
 	ctx := context.Background()
 	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
 	a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
-	for round := 0; round < 2; round++ { // the second round sees both
-		for _, h := range []*Hybrid{a, b} {
-			if _, err := h.Heartbeat(ctx, fmt.Sprintf("d-%p", h), time.Minute); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	seeEachOther(t, "d", a, b)
 	if n := a.replicaCount(); n != 2 {
 		t.Fatalf("replicas %d, want 2", n)
 	}
@@ -273,14 +280,10 @@ func TestHybridConvergence(t *testing.T) {
 			ctx := context.Background()
 			lim := mustLimit(t, localbucket.TokenBucket, 50, time.Second)
 			hs := make([]*Hybrid, len(perMs))
-			for round := 0; round < 2; round++ {
-				for i := range hs {
-					if hs[i] == nil {
-						hs[i] = NewHybrid(rdb, HybridOptions{})
-					}
-					hs[i].Heartbeat(ctx, fmt.Sprint("conv-", i), time.Minute)
-				}
+			for i := range hs {
+				hs[i] = NewHybrid(rdb, HybridOptions{})
 			}
+			seeEachOther(t, "conv", hs...)
 			key := "rl:conv:{user=hot}"
 			start := time.Now()
 			admitted := 0
