@@ -48,37 +48,14 @@ func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
 				must(t, os.Symlink(filepath.Join(app, "current", "rules.d"), config))
 			}
 
-			// loaded: the name of the rule of each load, as the daemon's reload reads it.
-			loaded := make(chan string, 100)
-			load := func() {
+			// The name of the rule of each load, as the daemon's reload reads it.
+			waitLoaded := watchReads(t, config, func() string {
 				set, err := rules.Load(config)
 				if err != nil {
-					loaded <- "error: " + err.Error()
-					return
+					return "error: " + err.Error()
 				}
-				loaded <- set.Rules[0].Name
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			if _, err := watchConfig(ctx, config, 20*time.Millisecond, load, func(err error) { t.Logf("watch: %v", err) }); err != nil {
-				t.Fatal(err)
-			}
-			waitLoaded := func(want, what string) {
-				t.Helper()
-				deadline := time.After(10 * time.Second) // a loaded CI machine; ~100 ms here
-				var got []string
-				for {
-					select {
-					case name := <-loaded:
-						if name == want {
-							return
-						}
-						got = append(got, name)
-					case <-deadline:
-						t.Fatalf("%s: %q never loaded within 10 s (loads: %q)", what, want, got)
-					}
-				}
-			}
+				return set.Rules[0].Name
+			})
 			swap := func(release string) {
 				t.Helper()
 				tmp := filepath.Join(app, "current.tmp")
@@ -102,13 +79,19 @@ func TestWatchConfigDirLinkInsideLinkTarget(t *testing.T) {
 // each change; wait waits (up to 10 s, a loaded CI machine's time) for want among them.
 func watchLoads(t *testing.T, config string) (wait func(want, what string)) {
 	t.Helper()
+	return watchReads(t, config, func() string {
+		b, _ := os.ReadFile(config)
+		return string(b)
+	})
+}
+
+// watchReads is watchLoads with read telling what each change loaded.
+func watchReads(t *testing.T, config string, read func() string) (wait func(want, what string)) {
+	t.Helper()
 	loads := make(chan string, 100)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() {
-		b, _ := os.ReadFile(config)
-		loads <- string(b)
-	}, func(err error) { t.Logf("watch: %v", err) })
+	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() { loads <- read() }, func(err error) { t.Logf("watch: %v", err) })
 	must(t, err)
 	return func(want, what string) {
 		t.Helper()
