@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"errors"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -339,4 +340,46 @@ func readUnit(t *testing.T, name string) map[string][]string {
 		t.Fatal(err)
 	}
 	return u
+}
+
+// The service's memory bounds hold together: GOMEMLIMIT (where the Go runtime starts
+// collecting harder) sits below MemoryMax (where the kernel stops the daemon), with room
+// for what the runtime does not count (stacks of the goroutines aside, the executable's
+// pages). docs/operations.md, "Memory", gives the figures they are sized on.
+func TestSystemdUnitMemoryBounds(t *testing.T) {
+	svc := readUnit(t, "rlsidecar.service")
+	if len(svc["Service.MemoryMax"]) != 1 {
+		t.Fatalf("rlsidecar.service: MemoryMax set %d times, want once", len(svc["Service.MemoryMax"]))
+	}
+	max := parseSize(t, svc["Service.MemoryMax"][0], map[string]int64{"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
+	var limit int64
+	var limitSet string
+	for _, env := range svc["Service.Environment"] {
+		if v, ok := strings.CutPrefix(env, "GOMEMLIMIT="); ok {
+			limit, limitSet = parseSize(t, v, map[string]int64{"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}), v
+		}
+	}
+	if limit == 0 {
+		t.Fatal("rlsidecar.service: no Environment=GOMEMLIMIT=: the runtime would let the heap grow to twice what it holds before collecting")
+	}
+	if limit > max*9/10 {
+		t.Errorf("GOMEMLIMIT=%d bytes against MemoryMax=%d: want at most 90%%, so that the runtime collects before the kernel stops the daemon", limit, max)
+	}
+	if doc, err := os.ReadFile("../../docs/operations.md"); err != nil || !strings.Contains(string(doc), "GOMEMLIMIT="+limitSet) || !strings.Contains(string(doc), "MemoryMax="+svc["Service.MemoryMax"][0]) {
+		t.Errorf("docs/operations.md does not give the unit's GOMEMLIMIT and MemoryMax (%v)", err)
+	}
+}
+
+// parseSize reads a number with one of units' suffixes.
+func parseSize(t *testing.T, s string, units map[string]int64) int64 {
+	t.Helper()
+	for u, mul := range units {
+		if n, ok := strings.CutSuffix(s, u); ok {
+			if v, err := strconv.ParseInt(n, 10, 64); err == nil && v > 0 {
+				return v * mul
+			}
+		}
+	}
+	t.Fatalf("%q: want a number and one of %v", s, slices.Collect(maps.Keys(units)))
+	return 0
 }
