@@ -815,3 +815,40 @@ func longAttrs(names string) []string {
 	}
 	return out
 }
+
+// A request whose cost is above a rate rule's capacity, on a path that also takes a
+// global concurrency rule's slot: the rate rule decides (it can never pass), and the
+// concurrency rule, which takes one slot whatever the cost and was not asked, reports
+// itself allowed, not "cost exceeds capacity" (which it never is). Found by an audit:
+// with Redis the concurrency rule said cost_exceeds_capacity and decided the refusal,
+// naming the wrong rule and limit to the client; local mode was right.
+func TestGlobalLeaseNotImpossibleByCost(t *testing.T) {
+	rdb := realRedis(t)
+	for _, mode := range []string{"global", "local"} {
+		l := globalLimiter(t, rdb, `
+rules:
+  - name: cr
+    match: { path: "/cr" }
+    key: user
+    concurrency: { max: 3, lease: 10s }
+    mode: `+mode+`
+  - name: rr
+    match: { path: "/cr" }
+    key: user
+    limit: { requests: 5, per: 10s }
+    mode: local
+`, "rl:"+mode+"cost:")
+		ok, _, d := acquire(t, l, &Input{Attrs: attrs("user=u", "path=/cr"), Cost: 6}, 0)
+		if ok {
+			t.Fatalf("%s: cost 6 above rr's capacity 5 allowed", mode)
+		}
+		if dec := d.Results[d.Deciding]; dec.Name != "rr" || !dec.Impossible {
+			t.Errorf("%s: deciding %q (impossible %v), want rr, which can never pass cost 6", mode, dec.Name, dec.Impossible)
+		}
+		for _, r := range d.Results {
+			if r.Name == "cr" && (r.Impossible || !r.Allowed) {
+				t.Errorf("%s: cr: allowed %v, impossible %v: a concurrency rule takes one slot whatever the cost", mode, r.Allowed, r.Impossible)
+			}
+		}
+	}
+}

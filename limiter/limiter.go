@@ -555,8 +555,9 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// were not read. Unless its cost is above its capacity: that never passes,
 			// and no store need be asked to say so. Reported so, it decides the refusal
 			// (the client must not retry); before, it said allowed, and the client
-			// retried when the other rule admitted, to be refused for good then.
-			never := o.cost > o.lim.Capacity() && o.flags&infoDeny == 0
+			// retried when the other rule admitted, to be refused for good then. A
+			// concurrency rule takes one slot whatever the cost: never so.
+			never := o.cost > o.lim.Capacity() && o.flags&infoDeny == 0 && (out.Rule == nil || !out.Rule.Concurrency)
 			*out = Result{Name: out.Name, Limit: out.Limit, Window: out.Window, Allowed: !never, Impossible: never,
 				Unasked: !never, Shadow: out.Shadow, Degraded: o.degraded, Rule: out.Rule, Key: out.Key, Part: out.Part}
 			continue
