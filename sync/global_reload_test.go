@@ -175,8 +175,55 @@ func TestGlobalRescaleCutOncePerWindow(t *testing.T) {
 			if gce != e5 {
 				t.Errorf("the cut at 5 per hour recorded gce %d, want %d", gce, e5)
 			}
+			if gpe, _ := rdb.HGet(globalCtx(t), key, "gpe").Int64(); gpe != e10 {
+				t.Errorf("the cut before it: gpe %d, want %d", gpe, e10)
+			}
 			if ttl := rdb.PTTL(globalCtx(t), key).Val(); ttl < time.Hour {
 				t.Errorf("TTL %v after the cut, want at least the hour owed", ttl)
+			}
+		})
+	}
+}
+
+// A token bucket with a delay (algorithm 4) holds up to its burst plus the delay's units
+// at the rate that wrote it, so during a disagreement both daemons may read the key over
+// their own burst and cut it. With only the last cut recorded they cut in turn, and every
+// check was admitted: 10 per hour on one daemon, 20 on the other, a burst of 10 and a
+// delay of 30 minutes on both, 100 rounds of one check through each: 200 of 200 (alone, a
+// daemon admits 15 or 20). The key keeps its last two cuts at distinct rates.
+func TestGlobalReloadDelayedBucketsApart(t *testing.T) {
+	for _, bk := range globalBackends(t) {
+		t.Run(bk.name, func(t *testing.T) {
+			la := globalLimit(t, localbucket.TokenBucket, 10, time.Hour, 10).WithDelay(30 * time.Minute)
+			lb := globalLimit(t, localbucket.TokenBucket, 20, time.Hour, 10).WithDelay(30 * time.Minute)
+			a, b := bk.g, &Global{rdb: bk.rdb, bySlot: bk.g.bySlot}
+			key := fmt.Sprintf("rl:gdelay:{%s}", bk.name)
+			const rounds = 100
+			total, late := 0, 0
+			for i := range rounds {
+				for _, d := range []struct {
+					g *Global
+					l *localbucket.Limit
+				}{{a, &la}, {b, &lb}} {
+					ops := []GlobalOp{{Key: key, Limit: d.l, Cost: 1}}
+					ok, err := d.g.Check(globalCtx(t), ops)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if ok {
+						total++
+						if i >= rounds-20 {
+							late++
+						}
+					}
+				}
+			}
+			// Alone, 15 at 10 per hour, 20 at 20 per hour: at most the larger and the other
+			// forgiven once.
+			t.Logf("%d admitted in %d rounds, %d in the last 20", total, rounds, late)
+			if total > 35 || late > 0 {
+				t.Errorf("%d admitted in %d rounds alternating daemons at 10 and 20 per hour with a delay, %d in the last 20; want at most 35, none late",
+					total, rounds, late)
 			}
 		})
 	}
