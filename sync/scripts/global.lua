@@ -57,9 +57,15 @@
 --     instead of drifting by rounding a fractional µs emission on every take; er = the
 --     emission interval (ns) t counts in. A check whose emission differs (a reload
 --     changed the limit; the window is in the key) reads the same units used at its own
---     rate, at most a whole burst (localbucket.Limit.Rescale), and writes that back
---     whether it commits or not (rescale_token). A key with no er (written before
---     there was one) is read as it is.
+--     rate, and writes that back whether it commits or not (rescale_token). More than a
+--     whole burst at its rate is cut to a whole burst (localbucket.Limit.Rescale) only
+--     if no cut was made at that emission within the last window: gce = the emission
+--     (ns) of the last cut, gct = when (Redis TIME, µs), gpe and gpt the same of the cut
+--     before it at another emission, written with it (fields hybrid.lua has no use for).
+--     Else the units are kept, over the burst (the client refused): while
+--     a reload has reached some daemons and not others, checks alternate between the
+--     rates, and a cut at each forgave a burst each time. A key with no er (written
+--     before there was one) is read as it is.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
 --   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;
@@ -151,16 +157,46 @@ end
 -- when consumed. Multiple values, no table: the script runs per check, and Lua's tables
 -- are its main cost after the commands.
 
--- rescale_token reads a token bucket's state st, written at emission st.er, at
--- emission e: the units used kept, at most a whole burst. It returns the new d (tat -
--- now, ns) when it changed st, else nil.
-local function rescale_token(st, burst, e)
+-- rescale_token reads a token bucket's state st of key, written at emission st.er, at
+-- emission e: the units used kept. It returns the new d (tat - now, ns) when it changed
+-- st, else nil. More units than a whole burst at e are cut to a whole burst
+-- (localbucket.Limit.Rescale: a lowering leaves the bucket empty, not in debt), but only
+-- if no cut was made at e within the last window (burst * e) before now. A reload
+-- reaches the daemons at different times, and until the last has it the checks of a key
+-- alternate between the two rates; cut at each of them, a raise from 10 to 20 per hour
+-- forgave 10 units at every check through the daemon still at 10, and the other admitted
+-- them again, without bound. Kept, a refused client stays refused at either rate: at
+-- most one burst is forgiven per window and rate. The key records its last two cuts at
+-- distinct emissions (gce, gct: the last one's emission, ns, and time, µs; gpe, gpt: the
+-- one before, at another emission), read only here (the rare path: another rate, and
+-- over its burst): both rates of a disagreement may cut, as a bucket with a delay
+-- (algorithm 4) holds more than its burst at the rate that wrote it, and with the last
+-- cut alone the two cut in turn, admitting every check. cut[key] holds the fields the
+-- commit writes. Kept units are capped at max(a whole burst, 2^52 ns, 52 days), so that t
+-- stays exact.
+local cut = {}
+local function rescale_token(key, st, burst, e)
   local er = st.er
   st.er = e
   if not er or er == e or not st.t then return nil end
   local d = (st.t - now) * 1000 + st.f
   if d <= 0 then return nil end -- a full bucket is full at any rate
-  d = min(muldiv(d, e, er), burst * e)
+  d = muldiv(d, e, er)
+  local tau = burst * e
+  if d > tau then
+    local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt')
+    local ce, ct, pe, pt = tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])
+    if ce == e and ct and (now - ct) * 1000 < tau or pe == e and pt and (now - pt) * 1000 < tau then
+      if d > TWO52 then d = max(tau, TWO52) end
+    else
+      d = tau
+      if ce and ce ~= e and ct then
+        cut[key] = {'gce', e, 'gct', now, 'gpe', ce, 'gpt', ct}
+      else
+        cut[key] = {'gce', e, 'gct', now}
+      end
+    end
+  end
   local us = floor(d / 1000)
   st.t, st.f = now + us, d - us * 1000
   return d
@@ -412,7 +448,7 @@ local function decide(k0, a0, n, res)
         v[9] = v[8] -- er as read (state's er0): the commit writes er only when it changes
         st = state(v)
         if alg == 0 or alg == 4 then
-          local d = rescale_token(st, burst, e)
+          local d = rescale_token(key, st, burst, e)
           if d then
             -- Written back whatever this call decides (it consumes nothing), and the
             -- reply rewritten so that a request that commits nothing goes back to it.
@@ -538,7 +574,9 @@ for _, key in ipairs(order) do
     local ttl = math.ceil(expires / 1000000) + 1000
     local x = st.x
     if x and x >= now_ms + ttl and alg ~= 3 then
-      if (alg == 0 or alg == 4) and st.er ~= st.er0 then
+      if (alg == 0 or alg == 4) and cut[key] then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er, unpack(cut[key]))
+      elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er)
       elseif alg == 0 or alg == 4 then
         redis.call('HSET', key, 't', st.t, 'f', st.f)
@@ -548,7 +586,9 @@ for _, key in ipairs(order) do
     else
       if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
       st.x = now_ms + ttl
-      if (alg == 0 or alg == 4) and st.er ~= st.er0 then
+      if (alg == 0 or alg == 4) and cut[key] then
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er, unpack(cut[key]))
+      elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er)
       elseif alg == 0 or alg == 4 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x)
