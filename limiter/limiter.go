@@ -827,7 +827,10 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 	}
 	id := storeOf(mode)
 	start := len(d.keys)
-	if id != storeLocal {
+	if id != storeLocal || noStore {
+		// A Redis key; or, on a daemon without Redis, the local key one would fall back
+		// on: apart from a local inline limit that is otherwise the same (they do not
+		// share state), shared by hybrid and global.
 		d.keys = append(d.keys, l.prefix...)
 	}
 	d.keys = appendInlineKey(d.keys, il, &d.limits[n])

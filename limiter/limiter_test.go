@@ -170,6 +170,27 @@ func TestInlineLimits(t *testing.T) {
 			}
 		}
 	}
+	// Such a limit keeps its own state, apart from a local one that is otherwise the same
+	// (proto/PROTOCOL.md: two inline limits share state only when both are local, or both
+	// in Redis), as it does on a daemon whose Redis is down; hybrid and global share it.
+	// It shared the local one's bucket (found by an audit): 2, 1, 0 left, then refused.
+	same := func(mode string) Inline { return Inline{Key: "same", Limit: 2, WindowMs: 60_000, Mode: mode} }
+	for i, il := range []Inline{same("local"), same("local"), same("global"), same("hybrid"), same("local")} {
+		in := Input{Limits: []Inline{il}, Cost: 1}
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if want := i != 4; d.Allowed != want {
+			t.Errorf("check %d, mode %s: allowed %v, want %v (remaining %d)", i, il.Mode, d.Allowed, want, d.Results[0].Remaining)
+		}
+	}
+	both := Input{Limits: []Inline{{Key: "both", Limit: 1, WindowMs: 60_000, Mode: "global"}, {Key: "both", Limit: 1, WindowMs: 60_000}}, Cost: 1}
+	if err := l.Check(t0, &both, &d); err != nil || !d.Allowed || len(d.Results) != 2 {
+		t.Fatalf("a global and a local inline limit, one request: %v, %+v", err, d)
+	}
+	if err := l.Check(t0, &both, &d); err != nil || d.Allowed || d.Results[0].Allowed || d.Results[1].Allowed {
+		t.Errorf("the same again: both limits of 1 are spent, each on its own: %v, %+v", err, d)
+	}
 	// A window's burst equal to its limit is what the window holds: the same limit, so a
 	// client that always sends burst works with every algorithm; it shares the state of
 	// the limit sent without it.
