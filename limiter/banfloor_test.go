@@ -179,3 +179,54 @@ rules:
 		})
 	}
 }
+
+// TestImpossibleCostEarnsNoBan: a request whose cost is above the rule's capacity can
+// never pass, and its answer says so (reason cost_exceeds_capacity, retry_after_ms 0:
+// do not retry). Its refusals are no rate abuse and start no ban; a ban they started
+// (found by an audit) made the next answer say both "never" and "banned for 3 s", and
+// showed the rule spent when nothing was. A key banned for real refusals still reads
+// the ban, and a banned answer is a ban's, not "never".
+func TestImpossibleCostEarnsNoBan(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: MODE
+    penalty: { after: 2, within: 1h, ban: 10m }
+`
+	for _, mode := range []string{"local", "global"} {
+		t.Run(mode, func(t *testing.T) {
+			var l *Limiter
+			if mode == "local" {
+				l = newLimiter(t, strings.Replace(yaml, "MODE", mode, 1))
+			} else {
+				l = sharedLimiter(t, realRedis(t), strings.Replace(yaml, "MODE", mode, 1))
+			}
+			var d Decision
+			check := func(cost uint64) *Decision {
+				t.Helper()
+				if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: cost}, &d); err != nil {
+					t.Fatal(err)
+				}
+				return &d
+			}
+			for i := range 5 {
+				r := check(2)
+				if res := r.Results[0]; r.Allowed || r.Banned || !res.Impossible || res.RetryAfter != 0 {
+					t.Fatalf("cost 2 against a capacity of 1, %d: allowed %v banned %v impossible %v retry %v, want never, not banned", i+1, r.Allowed, r.Banned, res.Impossible, res.RetryAfter)
+				}
+			}
+			if r := check(1); !r.Allowed {
+				t.Fatalf("cost 1 after the impossible ones: refused (banned %v), want allowed: nothing was consumed", r.Banned)
+			}
+			check(1)
+			if r := check(1); !r.Banned {
+				t.Fatal("second real refusal: not banned")
+			}
+			if r := check(2); !r.Banned || r.Results[0].Impossible || r.Results[0].RetryAfter < 9*time.Minute {
+				t.Fatalf("cost 2 while banned: banned %v impossible %v retry %v, want the ban's answer", r.Banned, r.Results[0].Impossible, r.Results[0].RetryAfter)
+			}
+		})
+	}
+}

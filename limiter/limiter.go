@@ -565,13 +565,16 @@ func (l *Limiter) report(now int64, d *Decision) {
 		out.Unasked = false // banned: that is what it says
 		if o.bannedUntil != 0 {
 			out.Allowed, out.Banned, out.Remaining, out.Delay = false, true, 0, 0
+			out.Impossible = false // the ban decides: its time, not "never" (reason)
 			// The ban's remaining time, as the protocol defines it for a banned answer
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 			out.Reset = max(out.Reset, out.RetryAfter) // not back to full before the ban ends
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !d.unasked(i) {
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !out.Impossible && !d.unasked(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
-			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban).
+			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban),
+			// nor a cost above its capacity, which can never pass and says so (its
+			// client is told not to retry; a ban would contradict that).
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
