@@ -88,7 +88,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
-		age: min(seenMs(now)-e.seen, maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
+		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
 	e.flags |= flagBusy
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0

@@ -382,9 +382,36 @@ func (h *Hybrid) evict(sh *hshard) {
 
 // seenMs is the daemon clock now (ns) in milliseconds, wrapping every 49 days, as
 // entries record their last check or admission (hentry.seen): 4 bytes a key, fine enough to date what a key
-// admitted (syncItem.age), and compared only by differences (seenMs(now)-e.seen), which
+// admitted (syncItem.age), and compared only by differences (sinceSeen, sweep), which
 // wrap correctly.
 func seenMs(now int64) uint32 { return uint32(now / int64(time.Millisecond)) }
+
+// sinceSeen is how long (ms) before now e.seen is: 0 if it is later. A request reads its
+// clock before it takes its shard's lock, and a sync before it takes its keys (collect;
+// an exact sync's is its request's, which may have waited on another sync meanwhile):
+// under load another request, whose clock was read after, may have set e.seen past the
+// now it is compared with. The unsigned difference then wrapped to 49 days: a key's
+// first sync charged its units as of maxChargeAge (10 s) before Redis's time, before
+// the window they were admitted in (scripts/hybrid.lua's "at"), and a fixed window
+// never counted them (an audit: 4 to 38 units of 48,000 lost, one daemon, Redis
+// healthy; TestHybridSyncClockBeforeAdmission).
+func (e *hentry) sinceSeen(now int64) uint32 {
+	if d := int32(seenMs(now) - e.seen); d > 0 {
+		return uint32(d)
+	}
+	return 0
+}
+
+// admitted records an admission at now (take): e.seen becomes now, unless it records a
+// later admission already, from a request whose clock was read after this one's (see
+// sinceSeen). The sync dates what the key admitted by the last admission; moved back, it
+// dated a unit admitted in a window before that window began, and a fixed window did
+// not count it (TestHybridAdmissionsOutOfOrder).
+func (e *hentry) admitted(now int64) {
+	if s := seenMs(now); e.pending == 0 || int32(s-e.seen) > 0 {
+		e.seen = s
+	}
+}
 
 // sweep forgets the keys of shard i unused for KeepAlive that hold nothing and that are
 // full again by their view: Redis already has everything they admitted, and a key

@@ -426,8 +426,8 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			e.demand = satAdd32(e.demand, cost)
 			if ok && op.Result.Allowed {
 				e.allowance -= float64(cost)
+				e.admitted(now)
 				e.pending += cost
-				e.seen = seenMs(now)
 				sh.markDirty(e)
 				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
 				op.Result.Reset = h.resetOf(e, now)
