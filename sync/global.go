@@ -833,6 +833,12 @@ func (g *Global) ProbeOpen(ctx context.Context, timeout time.Duration) {
 		if err != nil {
 			m.breaker.Failure()
 		} else {
+			// Back: it may have restarted, its script cache empty. The scripts go before
+			// the breaker closes, so that the checks let through then find them
+			// (LoadScripts); a failure leaves them to NOSCRIPT and EVAL, as before.
+			c, cancel := context.WithTimeout(ctx, timeout)
+			_ = loadScriptsFor(c, rdb, slotKeys()[t.first[i]])
+			cancel()
 			m.breaker.Success()
 		}
 	}

@@ -265,6 +265,14 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		defer rdbChecks.Close()
 		redis.SetLogger(redisLog{log})
+		// The scripts into Redis's cache before the first check, which would otherwise
+		// send them itself (rlsync.LoadScripts). Bounded: a Redis that does not answer
+		// delays the start by at most this, and its checks follow their policies anyway.
+		lctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
+		if err := rlsync.LoadScripts(lctx, rdbChecks); err != nil {
+			log.Warn("loading the scripts into Redis failed; the first calls will send them", "err", err)
+		}
+		cancel()
 		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono)
 		checkMasters = rlsync.NewMasters(rdbChecks, *breakerFailures, *breakerCooldown, clock.Mono)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
