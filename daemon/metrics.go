@@ -17,6 +17,7 @@ import (
 	"github.com/VictoriaMetrics/metrics"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/proto"
 	"github.com/rlsidecar/rlsidecar/rules"
 )
 
@@ -86,6 +87,11 @@ func NewMetrics(version string, topK int) *Metrics {
 	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
 	for r := closeReason(1); r < nCloseReasons; r++ {
 		m.closed[r] = m.set.NewCounter(fmt.Sprintf(`rlsidecar_connections_closed_total{reason=%q}`, r))
+	}
+	// The error codes a client's request may earn, at 0 from the start: a query on them
+	// gets 0, not "no data", until the first.
+	for _, code := range []string{proto.CodeBadRequest, proto.CodeUnknownOp, proto.CodeInvalidLimit, proto.CodeFrameTooLarge, proto.CodeAttrTooLarge, proto.CodeInternal} {
+		m.errorCounter(code)
 	}
 	m.set.NewGauge(fmt.Sprintf(`rlsidecar_build_info{version=%q}`, version), func() float64 { return 1 })
 	m.set.RegisterMetricsWriter(m.writeCustom)
@@ -464,7 +470,7 @@ var setHelp = map[string]string{
 	"rlsidecar_connections_closed_total": "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
 	"rlsidecar_build_info":               "The daemon's version, as a label; always 1.",
 	"rlsidecar_error_answers_total":      "Requests answered with an error, by code (bad_request, unknown_op, invalid_limit, frame_too_large, attr_too_large, internal, ...): a client sending malformed frames shows here.",
-	"rlsidecar_store_requests_total":     "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release) and result.",
+	"rlsidecar_store_requests_total":     "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release, ping: a probe of an open breaker, or of a Cluster master no heartbeat reaches) and result.",
 }
 
 // withHelp fills in the bare HELP lines of text from setHelp.
@@ -696,11 +702,14 @@ func (m *Metrics) connClosed(r closeReason) { m.closed[r].Inc() }
 
 // errorAnswered counts one error answer by its code (a bounded set: the protocol's and
 // the project's codes).
-func (m *Metrics) errorAnswered(code string) {
+func (m *Metrics) errorAnswered(code string) { m.errorCounter(code).Inc() }
+
+// errorCounter returns the counter of error answers with code, created at 0 if needed.
+func (m *Metrics) errorCounter(code string) *metrics.Counter {
 	c, ok := m.errorsByCode.Load(code)
 	if !ok {
 		c, _ = m.errorsByCode.LoadOrStore(code, m.set.GetOrCreateCounter(
 			fmt.Sprintf(`rlsidecar_error_answers_total{code=%q}`, code)))
 	}
-	c.(*metrics.Counter).Inc()
+	return c.(*metrics.Counter)
 }

@@ -367,6 +367,15 @@ func TestTopRejectedGuaranteedCounts(t *testing.T) {
 // metrics (it was seen nowhere, in no metric nor log).
 func TestErrorAnswersCounted(t *testing.T) {
 	m := NewMetrics("test", 10)
+	// Every code a request may earn is there at 0 before the first (a query on it gets
+	// 0, not "no data": found by an audit).
+	var fresh bytes.Buffer
+	m.WritePrometheus(&fresh)
+	for _, code := range []string{"bad_request", "unknown_op", "invalid_limit", "frame_too_large", "attr_too_large", "internal"} {
+		if want := `rlsidecar_error_answers_total{code="` + code + `"} 0`; !strings.Contains(fresh.String(), want+"\n") {
+			t.Errorf("want %s before any error, in:\n%s", want, fresh.String())
+		}
+	}
 	s := startServer(t, Config{Metrics: m})
 	m.SetRules(s.lim.Rules(), time.Now())
 	t.Cleanup(func() { s.Shutdown(context.Background()) })
