@@ -569,8 +569,11 @@ func pruneLeases(ls *limiter.Leases, set *rules.Set) { ls.PruneStats(concurrency
 // concurrency rules of set (the rules in force; nil: none), at 0 for those that have
 // taken no lease yet, so their series exist from the start; and for a rule no longer
 // in force (a reload removed it, or made it another kind) only while leases taken under
-// it are held, which a reload keeps: its series go at the first scrape after its last
-// lease is freed (released, expired or closed).
+// it are held, which a reload keeps, and once more after its last lease is freed
+// (released, expired or closed), so that those last frees are seen: its series go at
+// the scrape after that. (They went at the first scrape after the last free, whose
+// counts no scrape then showed: an audit's leases closed, and expired, under a removed
+// rule were never exported, so RlsidecarLeasesExpired could not see such a leak.)
 func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 	type row struct {
 		rule string
@@ -578,15 +581,22 @@ func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 	}
 	var rows []row
 	inForce := concurrencyRules(set)
-	ls.PruneStats(inForce)
 	seen := map[string]bool{}
+	var drained map[string]bool // removed rules shown with no lease held: forgotten now
 	ls.Stats(func(rule string, s limiter.LeaseStats) {
 		if !inForce(rule) && s.InFlight <= 0 {
-			return // freed since PruneStats: forgotten at the next
+			if drained == nil {
+				drained = map[string]bool{}
+			}
+			drained[rule] = true
 		}
 		rows = append(rows, row{rule, s})
 		seen[rule] = true
 	})
+	if drained != nil {
+		// A lease of such a rule freed since Stats keeps it for the next scrape.
+		ls.PruneStats(func(rule string) bool { return !drained[rule] })
+	}
 	if set != nil {
 		for _, r := range set.Rules {
 			if r.Concurrency && !seen[r.Name] {

@@ -498,8 +498,17 @@ func TestRemovedRuleSeriesGo(t *testing.T) {
 	if !lim.ReleaseLease(token, time.Now().UnixNano()) {
 		t.Fatal("release failed")
 	}
+	// The scrape after the last lease is freed shows that free (it showed nothing, so a
+	// lease that expired or closed under a removed rule was never counted anywhere); the
+	// one after it, nothing.
+	out = scrape()
+	for _, want := range []string{`rlsidecar_inflight{rule="gone-c"} 0`, `rlsidecar_leases_total{rule="gone-c",result="released"} 1`} {
+		if !strings.Contains(out, want+"\n") {
+			t.Errorf("the scrape after the last lease was freed: want %s in:\n%s", want, out)
+		}
+	}
 	if out := scrape(); strings.Contains(out, `rule="gone`) {
-		t.Errorf("series of removed rules after their last lease was freed:\n%s", out)
+		t.Errorf("series of removed rules a scrape after their last lease was freed:\n%s", out)
 	}
 
 	// Put back, gone starts afresh, at 0.
