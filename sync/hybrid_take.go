@@ -723,13 +723,16 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// retry said 199. A key in use is dirty or on its way (its next sync is due): without
 	// that condition, 20 hot keys on 2 daemons made 48 times the script calls.
 	//
-	// So is one whose view had no room for it at its sync, which the refill or the
-	// window's turn made since: that sync granted nothing for want of room, and no
-	// other is coming. Refused until the view was an interval old, a client that
-	// waited for the retry (the time the view has room) was refused again: a sliding
-	// window, 4 per 300 ms, 11 of 25 retries, each told the next sync.
+	// So is one no other daemon uses whose view had no room for it at its sync, which
+	// the refill or the window's turn made since: that sync granted nothing for want
+	// of room, and no other is coming. Refused until the view was an interval old, a
+	// client that waited for the retry (the time the view has room) was refused again:
+	// a sliding window, 4 per 300 ms, 11 of 25 retries, each told the next sync. (Not
+	// on a shared key: there the exact sync may find the units taken, leave the key
+	// clean, and the next unit the refill brings make another, many an interval.)
 	overdue := hot && e.flags&(flagDirty|flagBusy) == 0 && e.synced > 0 &&
-		(now-e.synced > int64(h.interval) || e.view-unseen < need) && proj-unseen >= need
+		(now-e.synced > int64(h.interval) || e.flags&flagShared == 0 && e.view-unseen < need) &&
+		proj-unseen >= need
 	fetch = mayFetch && (waited || !hot && stale || overdue) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (a token bucket at
