@@ -182,14 +182,40 @@ func (e *hentry) setTimes(a, b, lag int64) {
 		e.lag = lagCode(lag)
 		return
 	}
-	e.lag = 0
-	if a > 0 { // 0: full, or empty (a fixed window with nothing counted), whenever read
+	e.lag = lagCode(lag) // a token bucket's refill since the view counts from then (decide)
+	if a > 0 {           // 0: full, or empty (a fixed window with nothing counted), whenever read
 		a = a*int64(time.Microsecond) + lag
 	}
 	if b > 0 { // 0: one fits
 		b = b*int64(time.Microsecond) + lag
 	}
 	e.vt, e.vr = ceilNs(a), math.Float32bits(ceilNs(b))
+}
+
+// keepStart moves a sliding window view's start (slide) back to start, a bound from
+// an earlier view of the same window, when that is sooner: the time gone of the window
+// (vt) grows by the difference, rounded down (the start no sooner than start). Only
+// while the previous window's share at the view (its weight by the time gone) stays
+// the same: the current count (slide's q) is what the view leaves of it.
+func (e *hentry) keepStart(start int64) {
+	s := e.slide()
+	if start >= s.start {
+		return
+	}
+	vt := float32(float64(e.vt) + float64(s.start-start))
+	if float64(vt) > float64(e.vt)+float64(s.start-start) {
+		vt = math.Nextafter32(vt, 0)
+	}
+	if vt <= e.vt || float64(vt) >= float64(s.w) {
+		return
+	}
+	share := func(vt float32) float64 {
+		gone := float64(math.Nextafter32(vt, math.MaxFloat32))
+		return math.Floor(s.p * max(0, float64(s.w)-gone) / float64(s.w))
+	}
+	if share(vt) == share(e.vt) {
+		e.vt = vt
+	}
 }
 
 // lagCode is lag (ns) in a byte, rounded up: the first code whose lagNs is no less

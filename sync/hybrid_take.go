@@ -583,7 +583,28 @@ func (h *Hybrid) allowance(e *hentry, now int64, n float64) float64 {
 
 // resetOf is the time until e's key is full again (token bucket) or empty (windows),
 // counting what this daemon admitted that Redis has not seen.
+//
+// The view's times count from when Redis read the key at the latest (the answer's
+// arrival), never early; but no fixed window lasts longer than itself, and a token
+// bucket Redis had at most a whole bucket from full (burst units at the limit's pace)
+// is no further than that: beyond, by no more than the lag and the rounding, the lag
+// is dropped. (Kept, a reset right after an exact sync said 10,001 ms of a 10 s window.)
 func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
+	r := h.resetOfView(e, now)
+	lim := e.lim
+	switch lim.Algorithm() {
+	case localbucket.TokenBucket:
+		tau := int64(math.Ceil(float64(lim.Window()) * float64(lim.Burst()) / float64(lim.Requests())))
+		if r > tau && r-tau <= lagNs(e.lag)+tau>>20+2*int64(time.Microsecond) {
+			return tau
+		}
+	case localbucket.FixedWindow:
+		return min(r, int64(lim.Window()))
+	}
+	return r
+}
+
+func (h *Hybrid) resetOfView(e *hentry, now int64) int64 {
 	base := int64(0)
 	if e.synced > 0 {
 		base = max(0, e.resetNs()-(now-e.synced))
@@ -701,7 +722,16 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// the ~100 ms until the next sync brought a grant: 80 refusals, admitted 300 ms after a
 	// retry said 199. A key in use is dirty or on its way (its next sync is due): without
 	// that condition, 20 hot keys on 2 daemons made 48 times the script calls.
-	overdue := hot && e.flags&(flagDirty|flagBusy) == 0 && e.synced > 0 && now-e.synced > int64(h.interval) &&
+	//
+	// So is one no other daemon uses whose view had no room for it at its sync, which
+	// the refill or the window's turn made since: that sync granted nothing for want
+	// of room, and no other is coming. Refused until the view was an interval old, a
+	// client that waited for the retry (the time the view has room) was refused again:
+	// a sliding window, 4 per 300 ms, 11 of 25 retries, each told the next sync. (Not
+	// on a shared key: there the exact sync may find the units taken, leave the key
+	// clean, and the next unit the refill brings make another, many an interval.)
+	overdue := hot && e.flags&(flagDirty|flagBusy) == 0 && e.synced > 0 &&
+		(now-e.synced > int64(h.interval) || e.flags&flagShared == 0 && e.view-unseen < need) &&
 		proj-unseen >= need
 	fetch = mayFetch && (waited || !hot && stale || overdue) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
@@ -714,7 +744,13 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	}
 	retry := int64(0)
 	switch alg := lim.Algorithm(); {
-	case proj >= need:
+	case proj-unseen >= need:
+		// The view has room for it, beside what this daemon admitted that Redis has not
+		// counted yet: refused for want of allowance, which the next sync brings. (Judged
+		// by the view alone, a refusal for want of room said the next sync where the
+		// units admitted here beyond the grant took the room: 5/s, costs 3, 1 and 3, a
+		// retry of 200 ms where 2 tokens take 400; 4 per 2 s, costs 2, 1 and 2, 100 ms
+		// where the window had to end, or 500 ms for a token bucket.)
 	case alg != localbucket.TokenBucket && e.flags&flagHeld != 0 && e.synced > 0:
 		// Units of the window are reserved by other daemons, and come back at their
 		// next syncs unless used: after this daemon's next sync (nextView), not at the
@@ -727,7 +763,12 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 		// cost of 2 was told 300 ms where the window's end was due.)
 		retry = e.slide().at(need, unseen) - now
 	default:
-		retry = int64((need - proj) * float64(lim.Window()) / float64(lim.Requests()))
+		// The view is Redis's at up to the sync's lag after e.synced (and a token
+		// bucket's count is given up to 2 µs of refill for the doubles' rounding,
+		// tb_eps in scripts/hybrid.lua): the refill counted from e.synced is that much
+		// ahead, and so was the retry.
+		retry = int64(math.Ceil((need-(proj-unseen))*float64(lim.Window())/float64(lim.Requests()))) +
+			lagNs(e.lag) + 2*int64(time.Microsecond)
 		if alg == localbucket.FixedWindow && e.synced > 0 {
 			age := now - e.synced
 			if end := e.resetNs() - age; end > 0 {

@@ -1,0 +1,155 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A refusal's retry is the earliest time a retry can pass (proto/PROTOCOL.md): one daemon
+// alone on a key, a client that waits exactly RetryAfter and asks again with the same
+// cost is admitted, for every algorithm, costs of 1 and above. Nor is the retry
+// needlessly late: at most a sync interval (and a few ms) past the exact mode's (the
+// local limiter's answer to the same requests at the same times).
+//
+// Before: a refusal whose cost the view held, counting the units admitted here beyond
+// the grant (not yet in Redis) as free, said the next sync (token bucket 5/s: 3, 1, then
+// 3 refused with 200 ms, where 2 tokens take 400; 4 per 2 s windows: 2, 1, then 2 refused
+// with 100 ms, where the window's end was due); and a sliding window's refusal of a
+// cost of 1 (4 per 300 ms) was refused again at its retry about half the time.
+func TestHybridRetryAfterIsEarliestPass(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(ctx, "d", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	defer func() { cancel(); <-done }()
+	const slack = 100*time.Millisecond + 5*time.Millisecond // a sync interval and a few ms
+	cases := []struct {
+		alg    localbucket.Algorithm
+		limit  uint64
+		window time.Duration
+		costs  []uint64 // the last one is refused; costs of 0: "until refused", cost 1
+		trials int
+	}{
+		{localbucket.TokenBucket, 5, time.Second, []uint64{3, 1, 3}, 4},
+		{localbucket.TokenBucket, 4, 2 * time.Second, []uint64{2, 1, 2}, 2},
+		{localbucket.TokenBucket, 4, 300 * time.Millisecond, nil, 6},
+		{localbucket.FixedWindow, 4, 600 * time.Millisecond, []uint64{2, 1, 2}, 3},
+		{localbucket.FixedWindow, 4, 300 * time.Millisecond, nil, 6},
+		{localbucket.SlidingWindow, 4, 600 * time.Millisecond, []uint64{2, 1, 2}, 6},
+		{localbucket.SlidingWindow, 4, 300 * time.Millisecond, nil, 16},
+	}
+	rnd := rand.New(rand.NewSource(7))
+	bad := 0
+	for ci, c := range cases {
+		lim := mustLimit(t, c.alg, c.limit, c.window)
+		for trial := range c.trials {
+			key := fmt.Sprintf("rl:retry-pass:{%d-%d-%d}", ci, trial, time.Now().UnixNano())
+			// Any phase of the window.
+			time.Sleep(time.Duration(rnd.Int63n(int64(c.window))))
+			var st localbucket.State // the exact mode's answer to the same requests
+			var r, want localbucket.Result
+			var cost uint64
+			var first, last int64
+			step := func(cost uint64) {
+				now := time.Now().UnixNano()
+				if first == 0 {
+					first = now
+				}
+				last = now
+				r = take(h, now, key, lim, cost)
+				st, want = lim.Take(st, now, cost)
+			}
+			if c.costs == nil {
+				cost = 1
+				for n := 0; ; n++ {
+					if step(1); !r.Allowed {
+						break
+					}
+					if n > 50 {
+						t.Fatal("never refused")
+					}
+				}
+			} else {
+				skip := false
+				for i, x := range c.costs {
+					cost = x
+					step(x)
+					if last := i == len(c.costs)-1; r.Allowed == last || want.Allowed == last {
+						skip = true // the window turned between the requests: not this case
+						break
+					}
+				}
+				if skip {
+					continue
+				}
+			}
+			if r.Allowed || want.Allowed {
+				continue // the window turned between the requests: nothing to judge
+			}
+			if r.RetryAfter <= 0 {
+				t.Errorf("%v %d/%v costs %v: refused with no retry: %+v", c.alg, c.limit, c.window, c.costs, r)
+				bad++
+				continue
+			}
+			// Units a daemon admitted between two syncs are charged as of the last
+			// (docs/accuracy.md): requests over a window's turn may be counted in the
+			// later window, and its retry be later than the exact mode's.
+			w := int64(c.window)
+			oneWindow := c.alg == localbucket.TokenBucket || first/w == last/w
+			if d := time.Duration(r.RetryAfter - want.RetryAfter); oneWindow && d > slack {
+				t.Errorf("%v %d/%v costs %v: retry %v, the exact mode's %v: %v late", c.alg, c.limit, c.window, c.costs,
+					time.Duration(r.RetryAfter), time.Duration(want.RetryAfter), d)
+				bad++
+			}
+			time.Sleep(time.Duration(r.RetryAfter))
+			if again := take(h, time.Now().UnixNano(), key, lim, cost); !again.Allowed {
+				t.Errorf("%v %d/%v costs %v (trial %d): refused with retry %v (exact mode %v), retried after it: refused again %+v",
+					c.alg, c.limit, c.window, c.costs, trial, time.Duration(r.RetryAfter), time.Duration(want.RetryAfter), again)
+				bad++
+			}
+			if bad > 20 {
+				t.FailNow()
+			}
+		}
+	}
+}
+
+// A reset is never more than the limit allows: a fixed window ends within its length,
+// and a token bucket is full within a whole bucket (burst units at the limit's pace).
+// Before, the sync's lag counted in the view's times put it beyond: 10,001 ms of 10 s.
+func TestHybridResetWithinTheLimit(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d"})
+	for _, alg := range []localbucket.Algorithm{localbucket.TokenBucket, localbucket.FixedWindow} {
+		lim := mustLimit(t, alg, 5, 10*time.Second)
+		top := int64(10 * time.Second)
+		worst := int64(0)
+		for i := range 40 {
+			key := fmt.Sprintf("rl:reset-within:{%v-%d-%d}", alg, i, time.Now().UnixNano())
+			for range 6 { // past the limit: the bucket empty, the window full
+				if r := take(h, time.Now().UnixNano(), key, lim, 1); r.Reset > worst {
+					worst = r.Reset
+				}
+			}
+			if err := h.Flush(context.Background(), time.Now().UnixNano()); err != nil {
+				t.Fatal(err)
+			}
+			if r := take(h, time.Now().UnixNano(), key, lim, 0); r.Reset > worst {
+				worst = r.Reset
+			}
+		}
+		if worst > top {
+			t.Errorf("%v 5 per 10 s: a reset of %v, beyond %v", alg, time.Duration(worst), time.Duration(top))
+		}
+	}
+}
