@@ -142,23 +142,7 @@ rules:
 `
 	for _, mode := range []string{"local", "global"} {
 		t.Run(mode, func(t *testing.T) {
-			var l *Limiter
-			if mode == "local" {
-				l = newLimiter(t, strings.Replace(yaml, "MODE", mode, 1))
-			} else {
-				l = sharedLimiter(t, realRedis(t), strings.Replace(yaml, "MODE", mode, 1))
-			}
-			var d Decision
-			check := func(cost uint64) *Decision {
-				t.Helper()
-				if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: cost}, &d); err != nil {
-					t.Fatal(err)
-				}
-				if d.Degraded {
-					t.Fatalf("degraded: %+v", d.Results)
-				}
-				return &d
-			}
+			check := penaltyChecks(t, yaml, mode)
 			if !check(1).Allowed {
 				t.Fatal("first request refused")
 			}
@@ -197,20 +181,7 @@ rules:
 `
 	for _, mode := range []string{"local", "global"} {
 		t.Run(mode, func(t *testing.T) {
-			var l *Limiter
-			if mode == "local" {
-				l = newLimiter(t, strings.Replace(yaml, "MODE", mode, 1))
-			} else {
-				l = sharedLimiter(t, realRedis(t), strings.Replace(yaml, "MODE", mode, 1))
-			}
-			var d Decision
-			check := func(cost uint64) *Decision {
-				t.Helper()
-				if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: cost}, &d); err != nil {
-					t.Fatal(err)
-				}
-				return &d
-			}
+			check := penaltyChecks(t, yaml, mode)
 			for i := range 5 {
 				r := check(2)
 				if res := r.Results[0]; r.Allowed || r.Banned || !res.Impossible || res.RetryAfter != 0 {
@@ -228,5 +199,28 @@ rules:
 				t.Fatalf("cost 2 while banned: banned %v impossible %v retry %v, want the ban's answer", r.Banned, r.Results[0].Impossible, r.Results[0].RetryAfter)
 			}
 		})
+	}
+}
+
+// penaltyChecks returns a check of ip=1.1.1.1 at cost on a limiter of yaml with MODE
+// replaced by mode (local; else shared bans on a real Redis), failing the test on an
+// error or a degraded decision.
+func penaltyChecks(t *testing.T, yaml, mode string) func(cost uint64) *Decision {
+	var l *Limiter
+	if mode == "local" {
+		l = newLimiter(t, strings.Replace(yaml, "MODE", mode, 1))
+	} else {
+		l = sharedLimiter(t, realRedis(t), strings.Replace(yaml, "MODE", mode, 1))
+	}
+	var d Decision
+	return func(cost uint64) *Decision {
+		t.Helper()
+		if err := l.Check(t0, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: cost}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Degraded {
+			t.Fatalf("degraded: %+v", d.Results)
+		}
+		return &d
 	}
 }

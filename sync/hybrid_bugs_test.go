@@ -894,14 +894,7 @@ func TestHybridRetryObeyedIsAdmitted(t *testing.T) {
 	rdb := standalone(t)
 	lim := mustLimit(t, localbucket.TokenBucket, 5, time.Second)
 	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: 2 * time.Second})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		h.Run(ctx, "d", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
-	}()
-	defer func() { cancel(); <-done }()
+	runHybrid(t, h, "d")
 	for trial := range 3 {
 		key := fmt.Sprintf("rl:obey:{k%d}", trial)
 		var r localbucket.Result

@@ -24,14 +24,7 @@ import (
 func TestHybridRetryAfterIsEarliestPass(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		h.Run(ctx, "d", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
-	}()
-	defer func() { cancel(); <-done }()
+	runHybrid(t, h, "d")
 	const slack = 100*time.Millisecond + 5*time.Millisecond // a sync interval and a few ms
 	cases := []struct {
 		alg    localbucket.Algorithm
@@ -152,4 +145,16 @@ func TestHybridResetWithinTheLimit(t *testing.T) {
 			t.Errorf("%v 5 per 10 s: a reset of %v, beyond %v", alg, time.Duration(worst), time.Duration(top))
 		}
 	}
+}
+
+// runHybrid runs h's syncs (Hybrid.Run, as daemon id, on the wall clock) until the test
+// ends.
+func runHybrid(t *testing.T, h *Hybrid, id string) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(ctx, id, func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	t.Cleanup(func() { cancel(); <-done })
 }
