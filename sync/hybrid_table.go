@@ -351,18 +351,33 @@ func (sh *hshard) markDirty(e *hentry) {
 }
 
 // needsSync reports whether e has something to tell Redis: units used beyond (or short
-// of) its grant, or demand that outran its allowance.
+// of) its grant, a window's grant not yet reported (reserved), or demand that outran its
+// allowance.
 func (e *hentry) needsSync() bool {
-	return e.pending != uint64(e.grant) || e.short > 0 || e.owed > 0 || e.flags&flagUnsettled != 0
+	return e.holds() || e.short > 0
 }
 
 // holds reports whether forgetting e would lose something: units not yet in Redis (used
-// beyond the grant), a grant not yet given back (used short of it), or units given back
-// that Redis still counts (owed). A grant used exactly holds nothing: its reservation
-// already counts every unit it admitted (the usual end of an exact sync), and such a key
-// used to stay in memory for good, never swept.
+// beyond the grant), a grant not yet given back (used short of it), a window's grant not
+// yet reported (reserved), or units given back that Redis still counts (owed).
 func (e *hentry) holds() bool {
-	return e.pending != uint64(e.grant) || e.owed > 0 || e.flags&flagUnsettled != 0
+	return e.pending != uint64(e.grant) || e.reserved() || e.owed > 0 || e.flags&flagUnsettled != 0
+}
+
+// reserved reports whether Redis counts e's grant as reserved: a window's grant, until
+// the key's next sync reports it, used or not. Redis keeps the sum of a window's
+// reservations (scripts/hybrid.lua's g), and says "other daemons hold units" while it
+// has any but the asking sync's own new grant, so a refusal at the limit is told to
+// retry after the next sync. A grant used exactly (the usual end of an exact sync) was
+// never reported before: its units counted once in the window's count, as they must,
+// but g kept them until the window ended, and a refusal at the limit, nothing reserved
+// anywhere, was told the next sync over and over (TestHybridUsedGrantReleasesReservation).
+// Reported, the key's next sync leaves it with no grant (a sync with no demand asks
+// none), so it is then swept as any key holding nothing. A token bucket's grant is its
+// units taken from the bucket, used or not: Redis keeps no reservation of it, and a grant
+// used exactly has nothing to report.
+func (e *hentry) reserved() bool {
+	return e.grant > 0 && e.lim.Algorithm() != localbucket.TokenBucket
 }
 
 // unsynced is what forgetting e loses of what it admitted: the units beyond its grant.

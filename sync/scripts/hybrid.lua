@@ -38,8 +38,8 @@
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
 -- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
 -- "prev_token token grant used window", written by a sync that changed the key's count
--- (a sync that settles nothing and reserves nothing leaves the last record: replaying
--- it, or losing its reply, has nothing to count twice).
+-- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
+-- last record: replaying it, or losing its reply, has nothing to count twice).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -490,7 +490,10 @@ for i = 1, nkeys do
     if kset then
       f[#f + 1] = 'k'; f[#f + 1] = kset
     end
-    if not replay and (settle ~= 0 or reserve ~= 0 or resent) then
+    -- A sync that gives a grant's reservation back (g), its units used exactly, is
+    -- recorded too: resent after its reply was lost, it took the grant off g again, and
+    -- with it other daemons' reservations (TestHybridSettleOnlySyncResentOnce).
+    if not replay and (settle ~= 0 or reserve ~= 0 or resent or (win and settled_grant > 0)) then
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
