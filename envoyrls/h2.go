@@ -853,19 +853,26 @@ func (cn *h2conn) requestEnded(st *h2stream, body []byte) error {
 // Redis.
 func (cn *h2conn) shouldRateLimit(st *h2stream, msg []byte) error {
 	s, sc := cn.s, cn.sc
+	arrived := s.arrival()
 	if err := parseRequest(msg, &sc.call); err != nil {
-		return cn.abort(st, 200, codes.Internal, "grpc: error unmarshalling request: "+err.Error())
+		err = cn.abort(st, 200, codes.Internal, "grpc: error unmarshalling request: "+err.Error())
+		s.answered(arrived)
+		return err
 	}
 	done, err := s.decideInline(sc)
 	if err != nil {
-		return cn.abortErr(st, err)
+		err = cn.abortErr(st, err)
+		s.answered(arrived)
+		return err
 	}
 	if !done {
-		cn.decideLater(st, msg)
+		cn.decideLater(st, msg, arrived)
 		return nil
 	}
 	cn.out = appendMessage(cn.out[:0], &sc.ans)
-	return cn.answer(st, cn.out)
+	err = cn.answer(st, cn.out)
+	s.answered(arrived)
+	return err
 }
 
 // appendMessage appends a's response as a gRPC message: the 5-byte prefix, then the
@@ -882,7 +889,8 @@ func appendMessage(b []byte, a *answer) []byte {
 // mu unless the stream was reset or the connection closed meanwhile. A call the client
 // reset, or whose deadline passed, before the goroutine begins is not decided: nothing
 // is taken for it (once decided, a call is charged: a global rule's script is in Redis).
-func (cn *h2conn) decideLater(st *h2stream, msg []byte) {
+// A call answered is observed from arrived (Server.answered).
+func (cn *h2conn) decideLater(st *h2stream, msg []byte, arrived int64) {
 	s := cn.s
 	sc := s.scratch.Get().(*scratch)
 	sc.raw = append(sc.raw[:0], msg...)
@@ -928,6 +936,7 @@ func (cn *h2conn) decideLater(st *h2stream, msg []byte) {
 		if err == nil && !cn.closed {
 			err = cn.bw.Flush()
 		}
+		s.answered(arrived)
 		if err != nil {
 			cn.fail(err)
 		}

@@ -65,9 +65,17 @@ const DomainAttribute = "domain"
 const ServiceName = "envoy.service.ratelimit.v3.RateLimitService"
 
 // Recorder counts decisions (the daemon's metrics). Record must be safe for concurrent
-// use and must not keep d.
+// use and must not keep d. A Recorder that also has the method of [LatencyRecorder]
+// (daemon.Metrics) observes every ShouldRateLimit call answered, from its arrival to its
+// answer, as the socket's checks are (rlsidecar_check_duration_seconds).
 type Recorder interface {
 	Record(d *limiter.Decision)
+}
+
+// LatencyRecorder observes n calls that arrived at arrived and were answered at now, both
+// read from the server's clock (Config.Clock's mono, else the wall clock).
+type LatencyRecorder interface {
+	Answered(n int, arrived, now int64)
 }
 
 // Config configures a Server. Addr is required; the zero value of the others is a
@@ -127,6 +135,7 @@ type Server struct {
 	scratch  sync.Pool            // *scratch
 	now      func() int64         // the clock, in Unix nanoseconds: clockNow, or the wall clock (tests set one)
 	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
+	latency  LatencyRecorder      // Config.Recorder's Answered, when it has one
 	conns    map[*h2conn]struct{} // the native transport's connections, under mu
 	connWG   sync.WaitGroup       // their goroutines
 }
@@ -162,6 +171,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	if cfg.Clock != nil {
 		s.now = s.clockNow
 	}
+	s.latency, _ = cfg.Recorder.(LatencyRecorder)
 	s.scratch.New = func() any { return new(scratch) }
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
@@ -440,16 +450,34 @@ func (s *Server) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitReques
 	return toProto(&sc.ans), nil
 }
 
+// arrival reads the clock for a call that has arrived, when its answer will be observed
+// (answered); else it returns 0, and no clock is read.
+func (s *Server) arrival() int64 {
+	if s.latency == nil {
+		return 0
+	}
+	return s.now()
+}
+
+// answered observes a call that arrived at arrived (arrival) and has been answered.
+func (s *Server) answered(arrived int64) {
+	if s.latency != nil {
+		s.latency.Answered(1, arrived, s.now())
+	}
+}
+
 // wireHandler is ShouldRateLimit's gRPC handler: dec (the codec) parses the request's
 // bytes into a pooled scratch, and the response goes back as its bytes.
 func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
 	s := srv.(*Server)
+	arrived := s.arrival()
 	sc := s.scratch.Get().(*scratch)
 	defer func() {
 		if cap(sc.raw) > maxKeptRequest {
 			sc.raw = nil
 		}
 		s.scratch.Put(sc)
+		s.answered(arrived)
 	}()
 	if err := dec(sc); err != nil {
 		return nil, err

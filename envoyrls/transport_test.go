@@ -452,7 +452,7 @@ func TestGoneBeforeDecidingTakesNothing(t *testing.T) {
 			cn.mu.Lock()
 			st := cn.newStream(1)
 			cn.streams[1] = st
-			cn.decideLater(st, msg)
+			cn.decideLater(st, msg, 0)
 			tc.gone(cn, st)
 			cn.mu.Unlock()
 			cn.deciding.Wait()

@@ -503,7 +503,8 @@ func argAfter(d *daemonProc, flag string) string {
 }
 
 // Decisions asked over gRPC are counted like the socket's: a shadow rule's rejections as
-// shadow_rejected, a real one's as rejected.
+// shadow_rejected, a real one's as rejected; and every call is observed in the check
+// latency histogram.
 func TestE2EEnvoyRLSMetrics(t *testing.T) {
 	for _, tr := range envoyrls.Transports {
 		t.Run(tr, func(t *testing.T) { testE2EEnvoyRLSMetrics(t, tr) })
@@ -526,6 +527,7 @@ func testE2EEnvoyRLSMetrics(t *testing.T, transport string) {
 		`rlsidecar_checks_total{rule="user-a",result="allowed"}`:         1,
 		`rlsidecar_checks_total{rule="user-a",result="shadow_rejected"}`: 2,
 		`rlsidecar_checks_total{rule="blocked",result="rejected"}`:       3,
+		`rlsidecar_check_duration_seconds_count`:                         6,
 	} {
 		if samples[name] != want {
 			t.Errorf("%s = %v, want %v", name, samples[name], want)
