@@ -202,6 +202,14 @@ type h2conn struct {
 	sc       *scratch // the inline path's
 	out      []byte   // the inline path's answer
 
+	// tableMax is the size of henc's dynamic table: hpack's 4,096 until the client's
+	// SETTINGS_HEADER_TABLE_SIZE lowers it. sizeUpdate: the client lowered it, and the
+	// next header block must begin with a dynamic table size update (RFC 7541 §4.2),
+	// which henc writes before its next field but the OK answers' blocks, encoded once
+	// (okHeaders, okTrailers), do not.
+	tableMax   uint32
+	sizeUpdate bool
+
 	buffered    int   // request bytes held in the streams' bodies
 	recvConn    int64 // what the client may still send on the connection
 	recvUnacked int64 // consumed and not yet given back in a WINDOW_UPDATE
@@ -241,7 +249,7 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 	dw := &deadlineWriter{w: rw, nc: nc, timeout: s.cfg.WriteTimeout}
 	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(rw, 32<<10), bw: bufio.NewWriterSize(dw, 32<<10),
 		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
-		recvConn: h2Window, sc: new(scratch)}
+		recvConn: h2Window, sc: new(scratch), tableMax: 4096}
 	cn.rfr = http2.NewFramer(io.Discard, cn.br)
 	cn.hdec = hpack.NewDecoder(4096, cn.emit)
 	cn.hdec.SetMaxStringLength(h2MaxHeaderList)
@@ -491,6 +499,9 @@ func (cn *h2conn) onSetting(s http2.Setting) error {
 		cn.peerMax = int(s.Val)
 	case http2.SettingHeaderTableSize:
 		cn.henc.SetMaxDynamicTableSizeLimit(s.Val)
+		if s.Val < cn.tableMax { // henc shrinks its table to s.Val, and owes the update
+			cn.tableMax, cn.sizeUpdate = s.Val, true
+		}
 	}
 	return nil
 }
@@ -990,6 +1001,7 @@ func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg strin
 	if msg != "" {
 		cn.henc.WriteField(hpack.HeaderField{Name: "grpc-message", Value: encodeGRPCMessage(msg)})
 	}
+	cn.sizeUpdate = false // henc wrote it before its first field
 	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.hbuf.Bytes(), EndHeaders: true, EndStream: true})
 	cn.closeStream(st)
 	return err
@@ -1009,7 +1021,7 @@ func (cn *h2conn) abortRST(st *h2stream, code codes.Code, msg string) error {
 // allow, and the OK trailers once it is all sent; what the windows do not allow waits in
 // st.out for WINDOW_UPDATEs.
 func (cn *h2conn) answer(st *h2stream, msg []byte) error {
-	if err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okHeaders, EndHeaders: true}); err != nil {
+	if err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.okBlock(okHeaders), EndHeaders: true}); err != nil {
 		return err
 	}
 	sent, err := cn.sendData(st, msg)
@@ -1032,6 +1044,36 @@ var (
 	okHeaders  = literalBlock([]byte{0x88}, "content-type", "application/grpc")
 	okTrailers = literalBlock(nil, "grpc-status", "0")
 )
+
+// okBlock is block (okHeaders or okTrailers), after the dynamic table size update the
+// connection owes its client, if it owes one. henc still writes its own before its next
+// field (an error answer's): a second update, at the start of a later block and no larger
+// than the client's setting, which HPACK allows.
+func (cn *h2conn) okBlock(block []byte) []byte {
+	if !cn.sizeUpdate {
+		return block
+	}
+	cn.sizeUpdate = false
+	cn.hbuf.Reset()
+	b := appendTableSizeUpdate(cn.hbuf.AvailableBuffer(), cn.tableMax)
+	return append(b, block...)
+}
+
+// appendTableSizeUpdate appends an HPACK dynamic table size update to n (RFC 7541 §6.3:
+// 001 and n as an integer with a 5-bit prefix).
+func appendTableSizeUpdate(b []byte, n uint32) []byte {
+	const prefix = 1<<5 - 1
+	if n < prefix {
+		return append(b, 0x20|byte(n))
+	}
+	b = append(b, 0x20|prefix)
+	n -= prefix
+	for n >= 128 {
+		b = append(b, byte(n&0x7f)|0x80)
+		n >>= 7
+	}
+	return append(b, byte(n))
+}
 
 // literalBlock appends to b fields (name, value) as HPACK literals without indexing.
 func literalBlock(b []byte, kv ...string) []byte {
@@ -1069,7 +1111,7 @@ func (cn *h2conn) sendData(st *h2stream, b []byte) (int, error) {
 
 // finish sends st's OK trailers and closes it.
 func (cn *h2conn) finish(st *h2stream) error {
-	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: okTrailers, EndHeaders: true, EndStream: true})
+	err := cn.wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: cn.okBlock(okTrailers), EndHeaders: true, EndStream: true})
 	cn.closeStream(st)
 	return err
 }

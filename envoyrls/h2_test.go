@@ -935,3 +935,56 @@ func TestNativeTCP(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A client that lowers SETTINGS_HEADER_TABLE_SIZE (Envoy's hpack_table_size below 4096;
+// nghttp's --header-table-size) gets a dynamic table size update at the start of the
+// first header block after its SETTINGS are acknowledged, as RFC 7541 §4.2 requires:
+// strict decoders (nghttp2's, Envoy's) otherwise fail the connection with
+// COMPRESSION_ERROR, and every call on it with it. The OK answers' header blocks are
+// encoded once for all connections, so they must carry the update themselves.
+func TestNativeHeaderTableSizeUpdate(t *testing.T) {
+	for _, size := range []uint32{0, 256} {
+		sv := serveTest(t, testServer(t), TransportNative)
+		r := dialRaw(t, sv.sock, http2.Setting{ID: http2.SettingHeaderTableSize, Val: size})
+		r.fr.ReadMetaHeaders = nil // the blocks as sent
+		var blocks [][]byte
+		for i, id := range []uint32{1, 3} {
+			r.headers(id, false, grpcHeaders(pathShouldRateLimit)...)
+			if err := r.fr.WriteData(id, true, oneCall("u")); err != nil {
+				t.Fatal(err)
+			}
+			for ended := false; !ended; {
+				switch f := r.next().(type) {
+				case *http2.HeadersFrame:
+					if f.StreamID == id {
+						blocks = append(blocks, append([]byte(nil), f.HeaderBlockFragment()...))
+						ended = f.StreamEnded()
+					}
+				case *http2.GoAwayFrame:
+					t.Fatalf("size %d, call %d: GOAWAY %v", size, i, f.ErrCode)
+				}
+			}
+		}
+		// The first block begins with an update (001xxxxxx) to at most size.
+		first := blocks[0]
+		if len(first) == 0 || first[0]&0xe0 != 0x20 {
+			t.Fatalf("size %d: the first header block after the SETTINGS ACK is % x: no dynamic table size update", size, first)
+		}
+		dec := hpack.NewDecoder(size, nil)
+		dec.SetAllowedMaxDynamicTableSize(size)
+		var fields []string
+		dec.SetEmitFunc(func(hf hpack.HeaderField) { fields = append(fields, hf.Name+": "+hf.Value) })
+		for i, b := range blocks {
+			if _, err := dec.Write(b); err != nil {
+				t.Fatalf("size %d: block %d (% x): %v", size, i, b, err)
+			}
+			if err := dec.Close(); err != nil {
+				t.Fatalf("size %d: block %d: %v", size, i, err)
+			}
+		}
+		want := "[:status: 200 content-type: application/grpc grpc-status: 0 :status: 200 content-type: application/grpc grpc-status: 0]"
+		if got := strings.Join(strings.Fields(strings.Join(fields, " ")), " "); "["+got+"]" != want {
+			t.Errorf("size %d: fields %v", size, fields)
+		}
+	}
+}
