@@ -107,12 +107,23 @@ func (l Limit) WithDelay(d time.Duration) Limit {
 // instead of its own, keeping its algorithm, window, calendar and delay: a plan's or a
 // split's limit. It fails as NewLimit does.
 func (l *Limit) WithRequests(requests, burst uint64) (Limit, error) {
+	return l.withRequests(requests, burst, true)
+}
+
+// WithShare is WithRequests for a share of l (a split among daemons): a token bucket's
+// interval that rounding down would make refill more than 1% fast is kept, not refused
+// (see NewLimit), since refusing the share would leave each daemon the whole limit.
+func (l *Limit) WithShare(requests, burst uint64) (Limit, error) {
+	return l.withRequests(requests, burst, false)
+}
+
+func (l *Limit) withRequests(requests, burst uint64, exact bool) (Limit, error) {
 	var out Limit
 	var err error
 	if l.cal != nil {
 		out, err = NewCalendarLimit(requests, l.cal.unit, l.cal.loc)
 	} else {
-		out, err = NewLimit(l.alg, requests, time.Duration(l.window), burst)
+		out, err = newLimit(l.alg, requests, time.Duration(l.window), burst, exact)
 	}
 	if err != nil {
 		return Limit{}, err
@@ -151,9 +162,17 @@ func (l *Limit) computeKind() uint64 {
 //
 // requests must be in [1, 2^32-1], window a whole number of milliseconds in [1ms, 366
 // days]. A token bucket's emission interval window/requests (integer nanoseconds, rounded
-// down) must be at least 1ns, its burst at most 2^32-1, and burst*window/requests at
-// most 2^60ns (about 36 years).
+// down) must be at least 1ns, and that rounding must not raise its rate by more than 1%
+// (4,294,967,295 per 8,589ms, 1.9998ns a token kept as 1ns, would refill twice as fast as
+// asked); its burst at most 2^32-1, and burst*window/requests at most 2^60ns (about 36
+// years).
 func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64) (Limit, error) {
+	return newLimit(alg, requests, window, burst, true)
+}
+
+// newLimit is NewLimit; exact false skips the 1% bound on the token bucket's rounding
+// (WithShare).
+func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64, exact bool) (Limit, error) {
 	if int(alg) >= len(algorithmNames) {
 		return Limit{}, fmt.Errorf("unknown algorithm %d", alg)
 	}
@@ -189,6 +208,13 @@ func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	l.emission = int64(window) / int64(requests)
 	if l.emission < 1 {
 		return Limit{}, fmt.Errorf("rate of %d per %v is too high: the interval between two tokens would be under 1ns", requests, window)
+	}
+	// The interval is kept in whole nanoseconds, rounded down, which raises the rate by
+	// (window mod requests) / (emission × requests). Beyond 1% the bucket would not keep
+	// its limit (1.9998ns kept as 1ns refills twice as fast as asked): refuse it.
+	if rem := uint64(window) % requests; exact && rem != 0 && rem*100 > uint64(l.emission)*requests {
+		return Limit{}, fmt.Errorf("rate of %d per %v is too high to keep: a token bucket counts the interval between two tokens in whole nanoseconds, and %.5gns rounded down to %dns would refill it %.3f× as fast as asked (at most 1.01×); use a limit that divides the window's nanoseconds exactly, or a lower rate",
+			requests, window, float64(window)/float64(requests), l.emission, float64(window)/float64(l.emission*int64(requests)))
 	}
 	hi, lo := bits.Mul64(l.burst, uint64(l.emission))
 	if hi != 0 || lo > maxTau {

@@ -322,7 +322,7 @@ func SplitLimit(l *localbucket.Limit, n uint64) (localbucket.Limit, error) {
 	if l.Algorithm() == localbucket.TokenBucket {
 		burst = max(1, (l.Burst()+n-1)/n)
 	}
-	return l.WithRequests(req, burst)
+	return l.WithShare(req, burst)
 }
 
 func (r *Rule) buildSplit(n uint64) *splitLimits {

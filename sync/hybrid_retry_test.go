@@ -158,3 +158,55 @@ func runHybrid(t *testing.T, h *Hybrid, id string) {
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 }
+
+// A fixed window's refusal whose view is of a window that has ended since (the key was
+// synced just before the window turned, and this daemon admitted units in the new one):
+// the new window frees nothing before its own end, so that is the retry. Before, the
+// view's end being past, the refusal was judged at the limit's pace and told the next
+// sync: 7 per 360 ms, one unit 5 ms before the turn, three after it, a cost of 5 refused
+// with 82 ms, refused again at it (271 ms to the window's end), every trial.
+func TestHybridFixedWindowRetryAfterTheTurn(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	runHybrid(t, h, "d")
+	const window = 360 * time.Millisecond
+	lim := mustLimit(t, localbucket.FixedWindow, 7, window)
+	w := int64(window)
+	for trial := range 4 {
+		key := fmt.Sprintf("rl:retry-turn:{%d-%d}", trial, time.Now().UnixNano())
+		// 5 ms before a window's turn.
+		now := time.Now().UnixNano()
+		wait := w - now%w - int64(5*time.Millisecond)
+		if wait < int64(5*time.Millisecond) {
+			wait += w
+		}
+		time.Sleep(time.Duration(wait))
+		if r := take(h, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+			t.Fatalf("trial %d: the key's first unit refused: %+v", trial, r)
+		}
+		now = time.Now().UnixNano()
+		time.Sleep(time.Duration(w - now%w + int64(2*time.Millisecond)))
+		start := time.Now().UnixNano()
+		if start%w > int64(30*time.Millisecond) {
+			continue // the machine slept through the turn: not this case
+		}
+		for range 3 {
+			if r := take(h, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+				t.Fatalf("trial %d: a unit of the new window refused: %+v", trial, r)
+			}
+		}
+		now = time.Now().UnixNano()
+		r := take(h, now, key, lim, 5)
+		if r.Allowed {
+			t.Fatalf("trial %d: 3 + 5 of 7 admitted in one window: %+v", trial, r)
+		}
+		if end := w - now%w; r.RetryAfter < end-int64(time.Millisecond) {
+			t.Errorf("trial %d: a cost of 5 with 3 of 7 used told to retry in %v, before the window's end in %v",
+				trial, time.Duration(r.RetryAfter), time.Duration(end))
+		}
+		time.Sleep(time.Duration(r.RetryAfter))
+		if again := take(h, time.Now().UnixNano(), key, lim, 5); !again.Allowed {
+			t.Errorf("trial %d: refused with retry %v, retried after it: refused again %+v", trial, time.Duration(r.RetryAfter), again)
+		}
+	}
+}

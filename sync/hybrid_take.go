@@ -773,6 +773,15 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 			age := now - e.synced
 			if end := e.resetNs() - age; end > 0 {
 				retry = end // a fixed window frees nothing before it ends
+			} else {
+				// The view's window has ended: the units admitted here since are counted
+				// in now's window (as of the sync that carries them), which frees nothing
+				// before its own end either (resetOfView's end of it). Judged at the
+				// limit's pace, 7 per 360 ms, one unit 5 ms before the turn and three
+				// after, a cost of 5 was told the next sync (82 ms) and refused again
+				// there, 271 ms before the window's end.
+				w := int64(lim.Window())
+				retry = max(retry, w-now%w)
 			}
 			retry = max(retry, e.retryNs()-age)
 		}
