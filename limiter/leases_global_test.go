@@ -237,24 +237,25 @@ func TestGlobalLeaseForgedTokens(t *testing.T) {
 		return enc(append(b, client...))
 	}
 	for name, forged := range map[string]string{
-		"empty":        "",
-		"garbage":      "not a lease",
-		"g only":       "g",
-		"bad base64":   "g!!!!",
-		"short":        enc([]byte{1, 2, 3}),
-		"version":      mutate(func(b []byte) []byte { b[0] = 9; return b }),
-		"other id":     mutate(func(b []byte) []byte { b[1] ^= 0xFF; return b }),
-		"zero parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 0; return b[:2+leaseIDBytes] }),
-		"more parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 2; return b }),
-		"trailing":     mutate(func(b []byte) []byte { return append(b, 0) }),
-		"truncated":    mutate(func(b []byte) []byte { return b[:len(b)-2] }),
-		"rate rule":    withPart("per-user", "user=eve"),
-		"local rule":   withPart("here", "user=eve"),
-		"unknown rule": withPart("nope", "user=eve"),
-		"brace":        withPart("exports", "user=eve}{x"),
-		"empty client": withPart("exports", ""),
-		"local nonce":  "00000000.1",
-		"joined junk":  "x~y",
+		"empty":         "",
+		"garbage":       "not a lease",
+		"g only":        "g",
+		"bad base64":    "g!!!!",
+		"short":         enc([]byte{1, 2, 3}),
+		"version":       mutate(func(b []byte) []byte { b[0] = 9; return b }),
+		"v2 unnumbered": mutate(func(b []byte) []byte { b[0] = 2; return b }),
+		"other id":      mutate(func(b []byte) []byte { b[1] ^= 0xFF; return b }),
+		"zero parts":    mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 0; return b[:2+leaseIDBytes] }),
+		"more parts":    mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 2; return b }),
+		"trailing":      mutate(func(b []byte) []byte { return append(b, 0) }),
+		"truncated":     mutate(func(b []byte) []byte { return b[:len(b)-2] }),
+		"rate rule":     withPart("per-user", "user=eve"),
+		"local rule":    withPart("here", "user=eve"),
+		"unknown rule":  withPart("nope", "user=eve"),
+		"brace":         withPart("exports", "user=eve}{x"),
+		"empty client":  withPart("exports", ""),
+		"local nonce":   "00000000.1",
+		"joined junk":   "x~y",
 	} {
 		if l.ReleaseLease(forged, nowNs()) {
 			t.Errorf("%s: released", name)
@@ -849,6 +850,59 @@ rules:
 			if r.Name == "cr" && (r.Impossible || !r.Allowed) {
 				t.Errorf("%s: cr: allowed %v, impossible %v: a concurrency rule takes one slot whatever the cost", mode, r.Allowed, r.Impossible)
 			}
+		}
+	}
+}
+
+// A check whose first global concurrency rule is a shadow one that is full holds a slot
+// of the second only: its member in Redis is "<id>:1", part 1 of the check's ops. Its
+// token must still release and renew it, through any daemon. Before, the token numbered
+// its parts by their place among the parts held (0), so the release looked for "<id>:0"
+// and answered false, and the slot stayed held until its lease ran out.
+func TestGlobalLeaseAfterFullShadowReleases(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: sa
+    key: u
+    concurrency: { max: 1, lease: 60s }
+    shadow: true
+    mode: global
+  - name: b
+    key: v
+    concurrency: { max: 5, lease: 60s }
+    mode: global
+  - name: c
+    key: w
+    concurrency: { max: 5, lease: 60s }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "shfull:")
+	b := globalLimiter(t, rdb, yaml, "shfull:")
+	if ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("u=1"), Cost: 1}, 0); !ok || tok == "" {
+		t.Fatalf("filling the shadow rule: allowed %v token %q", ok, tok)
+	}
+	held := func(key string) int64 { return rdb.ZCard(context.Background(), key).Val() }
+	for _, in := range []*Input{
+		{Attrs: attrs("u=1", "v=1"), Cost: 1},
+		{Attrs: attrs("u=1", "v=1", "w=1"), Cost: 1},
+	} {
+		ok, tok, d := acquire(t, a, in, 0)
+		if !ok || tok == "" || d.Results[0].Allowed {
+			t.Fatalf("%v: allowed %v token %q, shadow allowed %v; want allowed with a lease, the shadow refused",
+				in.Attrs, ok, tok, d.Results[0].Allowed)
+		}
+		if ok, left := b.RenewLease(tok, time.Minute, nowNs()); !ok || left != time.Minute {
+			t.Errorf("%v: renew through the other daemon: %v %v, want true 1m", in.Attrs, ok, left)
+		}
+		if !b.ReleaseLease(tok, nowNs()) {
+			t.Errorf("%v: release through the other daemon: false", in.Attrs)
+		}
+		if a.ReleaseLease(tok, nowNs()) {
+			t.Errorf("%v: second release: true", in.Attrs)
+		}
+		if n, m := held("shfull:b:{v=1}"), held("shfull:c:{w=1}"); n != 0 || m != 0 {
+			t.Fatalf("%v: after the release b holds %d slots and c %d, want 0", in.Attrs, n, m)
 		}
 	}
 }

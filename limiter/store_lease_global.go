@@ -63,6 +63,10 @@ const leaseIDBytes = 12
 // maxLeaseParts bounds the parts a global token may name (a check's concurrency rules).
 const maxLeaseParts = 64
 
+// maxPartNumber bounds a part's number in a version 2 token (the op's place among the
+// check's concurrency ops, some of which hold nothing).
+const maxPartNumber = 1<<16 - 1
+
 // globalTokenPrefix starts a global lease's token; a local token starts with hex digits.
 const globalTokenPrefix = 'g'
 
@@ -154,8 +158,17 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 		return ok
 	}
 	gl := &globalLease{id: lb.id, owner: d.Owner, expires: -1}
+	// Version 1 numbers the parts by their place in the token; when an op held nothing
+	// (a full shadow rule) the parts after it are numbered otherwise in Redis, and the
+	// token is version 2, which writes each part's number.
+	version := byte(tokenV1)
+	for k := range lb.at {
+		if lo := &lb.ops[k]; !lo.Allowed || !lo.Take {
+			version = tokenV2
+		}
+	}
 	var buf []byte
-	buf = append(buf, 1)
+	buf = append(buf, version)
 	buf = append(buf, lb.raw[:]...)
 	buf = append(buf, byte(held))
 	for k, i := range lb.at {
@@ -165,6 +178,9 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 		}
 		rule := d.Results[i].Rule
 		client := s.clientOf(lo.Key, rule)
+		if version == tokenV2 {
+			buf = binary.AppendUvarint(buf, uint64(lo.Part))
+		}
 		buf = binary.AppendUvarint(buf, uint64(len(rule.Name)))
 		buf = append(buf, rule.Name...)
 		buf = binary.AppendUvarint(buf, uint64(len(client)))
@@ -179,6 +195,17 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 	d.globalLease = gl
 	return true
 }
+
+// The versions of a global token (its first byte). Version 1: the lease id, the number
+// of parts, and each part's rule and client, the parts numbered 0, 1, ... in their
+// order (their members in Redis are "<id>:<part>"). Version 2: the same, each part's
+// number written before its rule, for a lease whose parts are not numbered so (a
+// check's op that held no slot, a full shadow rule, has a number too). A daemon writes
+// version 1 whenever it can, so that daemons of before version 2 read its tokens.
+const (
+	tokenV1 = 1
+	tokenV2 = 2
+)
 
 // maxGlobalToken bounds a global lease's token: what a release or renew request may
 // carry (proto.MaxLeaseLen), less room for a local token joined to it.
@@ -195,7 +222,7 @@ func (s *globalLeaseStore) tokenLen(d *Decision, n *native[rlsync.LeaseOp]) int 
 		if lo := &n.ops[k]; lo.Take {
 			name := len(d.Results[i].Rule.Name)
 			client := len(lo.Key) - len(s.lim.prefix) - name - 3
-			raw += 2*binary.MaxVarintLen16 + name + client
+			raw += 3*binary.MaxVarintLen16 + name + client // a part's number (version 2), name and client lengths
 		}
 	}
 	return 1 + base64.RawURLEncoding.EncodedLen(raw)
@@ -248,9 +275,10 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		return "", nil, nil, false
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
-	if err != nil || len(raw) < 2+leaseIDBytes || raw[0] != 1 {
+	if err != nil || len(raw) < 2+leaseIDBytes || (raw[0] != tokenV1 && raw[0] != tokenV2) {
 		return "", nil, nil, false
 	}
+	numbered := raw[0] == tokenV2
 	id = base64.RawURLEncoding.EncodeToString(raw[1 : 1+leaseIDBytes])
 	np := int(raw[1+leaseIDBytes])
 	rest := raw[2+leaseIDBytes:]
@@ -267,7 +295,18 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		return v, true
 	}
 	byName := s.globalRules()
+	part := -1
 	for p := range np {
+		if !numbered {
+			part = p
+		} else {
+			// Numbers rise (each part its own member), within a check's ops.
+			n, w := binary.Uvarint(rest)
+			if w <= 0 || n > maxPartNumber || int(n) <= part {
+				return "", nil, nil, false
+			}
+			part, rest = int(n), rest[w:]
+		}
 		name, ok1 := next()
 		client, ok2 := next()
 		if !ok1 || !ok2 || !validClient(client) {
@@ -277,7 +316,7 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		if r == nil {
 			return "", nil, nil, false
 		}
-		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: p, Lease: r.Per})
+		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: part, Lease: r.Per})
 		rs = append(rs, r)
 	}
 	if len(rest) != 0 {
