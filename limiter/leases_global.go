@@ -177,6 +177,33 @@ func (ls *Leases) dueGlobal(now int64) []*globalLease {
 	return due
 }
 
+// ownerGlobalDue returns owner's tracked global leases whose first part was due to
+// expire by now, at most maxDue of them.
+func (ls *Leases) ownerGlobalDue(owner uint64, now int64) []*globalLease {
+	if owner == 0 {
+		return nil
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var due []*globalLease
+	for _, gl := range ls.globalOwners[owner] {
+		if gl.expires <= now {
+			due = append(due, gl)
+			if len(due) == maxDue {
+				break
+			}
+		}
+	}
+	return due
+}
+
+// tracked reports whether gl is still tracked, expiring after now.
+func (ls *Leases) tracked(gl *globalLease, now int64) bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.global[gl.id] == gl && gl.expires > now
+}
+
 // maxDue bounds the global leases one sweep asks Redis about (one pipeline).
 const maxDue = 10000
 

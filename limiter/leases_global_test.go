@@ -906,3 +906,44 @@ rules:
 		}
 	}
 }
+
+// A global lease renewed through another daemon is still held for the connection that
+// took it: HoldsLeases (which keeps an idle connection open past --idle-timeout) asks
+// Redis once this daemon's own view says the lease ran out. Before, it went by that view
+// alone, so the idle timeout cut the connection at the lease's first expiry and its
+// close released in Redis the lease the other daemon had renewed, its request still
+// running.
+func TestGlobalLeaseRenewedElsewhereStillHeld(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: u
+    concurrency: { max: 1, lease: 1s }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "renewel:")
+	b := globalLimiter(t, rdb, yaml, "renewel:")
+	const owner = 7
+	ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("u=1"), Cost: 1}, owner)
+	if !ok || tok == "" {
+		t.Fatalf("allowed %v token %q", ok, tok)
+	}
+	if ok, _ := b.RenewLease(tok, time.Minute, nowNs()); !ok {
+		t.Fatal("renew through the other daemon: false")
+	}
+	later := nowNs() + int64(2*time.Second) // past the lease as a knew it
+	if !a.HoldsLeases(owner, later) {
+		t.Fatal("HoldsLeases false for a lease renewed through the other daemon for a minute")
+	}
+	if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("u=1"), Cost: 1}, 0); ok {
+		t.Fatal("the renewed lease's slot is free")
+	}
+	// Released through the other daemon: no longer held.
+	if !b.ReleaseLease(tok, nowNs()) {
+		t.Fatal("release through the other daemon: false")
+	}
+	if a.HoldsLeases(owner, later+int64(time.Minute)) {
+		t.Fatal("HoldsLeases true for a lease released through the other daemon")
+	}
+}

@@ -565,9 +565,45 @@ func (l *Limiter) ReleaseOwnerAtShutdown(owner uint64, now int64) int {
 }
 
 // HoldsLeases reports whether owner holds a lease, local or global, that has not run
-// out by now.
+// out by now. A global lease that has run out by this daemon's view is asked of Redis
+// (the sweep's query, on a bounded context) before it counts as run out: it may have
+// been renewed through another daemon.
 func (l *Limiter) HoldsLeases(owner uint64, now int64) bool {
-	return l.leases.Holds(owner, now)
+	if l.leases.Holds(owner, now) {
+		return true
+	}
+	return l.global != nil && l.global.refreshOwner(owner, now)
+}
+
+// refreshOwner settles owner's global leases that have run out by this daemon's view
+// from Redis, as the sweep does (a lease renewed through another daemon gets its new
+// expiry, one run out or released is forgotten), and reports whether one of them is
+// still live. A failed query counts none live.
+func (s *globalLeaseStore) refreshOwner(owner uint64, now int64) bool {
+	due := s.ls.ownerGlobalDue(owner, now)
+	if len(due) == 0 {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
+	defer cancel()
+	ids := make([]string, len(due))
+	parts := make([][]rlsync.LeasePart, len(due))
+	for i, gl := range due {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts)
+	if err != nil {
+		return false
+	}
+	live := false
+	for i, gl := range due {
+		if st[i].Err != nil {
+			continue
+		}
+		s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
+		live = live || s.ls.tracked(gl, now)
+	}
+	return live
 }
 
 // ReleaseOwner frees every lease owner still holds (its connection closed), local and
