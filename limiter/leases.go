@@ -255,7 +255,7 @@ func (ls *Leases) ReleaseOwner(owner uint64, now int64) int {
 
 // Holds reports whether owner holds a lease, local or global, that has not run out by
 // now (as far as this daemon knows: a global lease renewed through another daemon counts
-// until its expiry here).
+// until its expiry here; Limiter.HoldsLeases then asks Redis).
 func (ls *Leases) Holds(owner uint64, now int64) bool {
 	if owner == 0 {
 		return false
