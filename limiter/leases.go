@@ -320,6 +320,23 @@ func (ls *Leases) SetMax(n int) {
 	ls.mu.Unlock()
 }
 
+// full reports whether the daemon holds the most live leases it keeps: its local leases
+// and the global ones it tracks (leases_global.go) together, since each costs it memory.
+func (ls *Leases) full() bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.fullLocked()
+}
+
+func (ls *Leases) fullLocked() bool { return len(ls.leases)+len(ls.global) >= ls.max }
+
+// countCapped counts a check refused at the bound.
+func (ls *Leases) countCapped() {
+	ls.mu.Lock()
+	ls.capped++
+	ls.mu.Unlock()
+}
+
 // Capped returns how many checks were refused because the live leases were at the bound.
 func (ls *Leases) Capped() uint64 {
 	ls.mu.Lock()

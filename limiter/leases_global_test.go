@@ -947,3 +947,65 @@ rules:
 		t.Fatal("HoldsLeases true for a lease released through the other daemon")
 	}
 }
+
+// The bound on live leases holds for global leases too: each is tracked by the daemon
+// that took it (about 550 bytes). Past the bound a check matching a global concurrency
+// rule is refused as if full, takes nothing in Redis (its rate rules in the same call
+// not charged either), and is counted capped; a release makes room. Before, the bound
+// counted local leases only, so a daemon's global leases (a gateway leaking them, with a
+// long lease) grew its memory without bound.
+func TestGlobalLeasesBound(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: global
+  - name: rate
+    match: { path: /rated }
+    key: user
+    limit: { requests: 100, per: 1h }
+    mode: global
+  - name: cl
+    match: { path: /local }
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: local
+`
+	l := globalLimiter(t, rdb, yaml, "bound:")
+	l.Leases().SetMax(2)
+	_, a, _ := acquire(t, l, &Input{Attrs: attrs("user=ann"), Cost: 1}, 0)
+	if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user=bob"), Cost: 1}, 0); !ok || a == "" {
+		t.Fatal("the first two leases refused")
+	}
+	for _, in := range []*Input{
+		{Attrs: attrs("user=cid"), Cost: 1},
+		{Attrs: attrs("user=cid", "path=/rated"), Cost: 1}, // one script call with the rate rule
+		{Attrs: attrs("user=cid", "path=/local"), Cost: 1}, // a local lease counts them too
+	} {
+		ok, tok, d := acquire(t, l, in, 0)
+		if ok || tok != "" || d.Results[0].Allowed || d.Results[0].RetryAfter != time.Second {
+			t.Fatalf("%v past a bound of 2: allowed %v lease %q cg %+v; want refused as full", in.Attrs, ok, tok, d.Results[0])
+		}
+	}
+	if n := l.Leases().Capped(); n != 3 {
+		t.Errorf("capped %d, want 3", n)
+	}
+	if n := rdb.ZCard(context.Background(), "bound:cg:{user=cid}").Val(); n != 0 {
+		t.Fatalf("Redis holds %d slots of the refused checks", n)
+	}
+	var d Decision
+	if err := l.Check(nowNs(), &Input{Attrs: attrs("user=cid", "path=/rated"), Cost: 0}, &d); err != nil {
+		t.Fatal(err)
+	}
+	if r := d.Results[1]; r.Name != "rate" || r.Remaining != 100 {
+		t.Fatalf("the refused check charged the rate rule: %+v", r)
+	}
+	if !l.ReleaseLease(a, nowNs()) {
+		t.Fatal("release: false")
+	}
+	if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); !ok {
+		t.Fatal("refused after a release made room")
+	}
+}

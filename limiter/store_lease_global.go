@@ -78,6 +78,7 @@ type leaseBatch struct {
 	raw      [leaseIDBytes]byte
 	id       string
 	combined bool  // decided by the global store's call: take and skip call no Redis
+	capped   bool  // the daemon holds the most live leases it keeps: refused as full, unasked
 	err      error // prepare's error, or the combined call's
 }
 
@@ -93,9 +94,13 @@ func leaseBatchOf(d *Decision) *leaseBatch {
 
 // prepare builds d's lease batch: one op per op routed here, and a fresh random id. Its
 // err is errTokenTooLong when the lease's token would be too long: nothing to ask Redis.
+// It is capped when the lease would take a slot and the daemon holds the most live
+// leases it keeps (Leases.SetMax, local and global together): nothing to ask Redis
+// either, the ops are refused as full (capped).
 func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
 	lb := leaseBatchOf(d)
-	lb.ops, lb.at, lb.combined, lb.err = lb.ops[:0], lb.at[:0], false, nil
+	lb.ops, lb.at, lb.combined, lb.capped, lb.err = lb.ops[:0], lb.at[:0], false, false, nil
+	takes := false
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store != storeGlobalLease {
@@ -104,6 +109,11 @@ func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
 		lb.ops = append(lb.ops, rlsync.LeaseOp{Key: string(o.key), Part: len(lb.ops), Max: o.lim.Requests(),
 			Lease: o.lim.Window(), Take: o.cost > 0, Shadow: o.shadow})
 		lb.at = append(lb.at, i)
+		takes = takes || o.cost > 0
+	}
+	if takes && s.ls.full() {
+		lb.capped = true
+		return lb
 	}
 	if s.tokenLen(d, &lb.native) > maxGlobalToken {
 		lb.err = errTokenTooLong
@@ -121,12 +131,18 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	lb := leaseBatchOf(d)
 	if lb.combined {
 		lb.combined = false
+		if lb.capped {
+			return s.refuseCapped(d, lb), nil
+		}
 		if lb.err != nil {
 			return false, lb.err
 		}
 		return s.hold(now, d, lb, true), nil
 	}
 	lb = s.prepare(d)
+	if lb.capped {
+		return s.refuseCapped(d, lb), nil
+	}
 	if lb.err != nil {
 		return false, lb.err
 	}
@@ -137,6 +153,20 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 		return false, err
 	}
 	return s.hold(now, d, lb, ok), nil
+}
+
+// refuseCapped reports lb's ops refused as full, as the local store does at the bound on
+// live leases (nothing was asked of Redis, nothing is held), counts the check capped,
+// and reports whether the request may still pass: only when every op is a shadow.
+func (s *globalLeaseStore) refuseCapped(d *Decision, lb *leaseBatch) bool {
+	s.ls.countCapped()
+	ok := true
+	for k, i := range lb.at {
+		lo := &lb.ops[k]
+		d.report(i, &localbucket.Result{Limit: lo.Max, RetryAfter: int64(maxRetryHint), Reset: int64(maxRetryHint)})
+		ok = ok && lo.Shadow
+	}
+	return ok
 }
 
 // hold reports the results of lb, decided with outcome ok, and when ok and it holds a
@@ -257,7 +287,7 @@ func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
 // then it reports them (nothing is held: that call was all-or-nothing).
 func (s *globalLeaseStore) skip(now int64, d *Decision) {
 	lb := leaseBatchOf(d)
-	if lb.combined && lb.err == nil {
+	if lb.combined && lb.err == nil && !lb.capped {
 		s.hold(now, d, lb, false)
 	} else {
 		d.markUnasked(storeGlobalLease)
