@@ -81,9 +81,10 @@ type leasePart struct {
 // maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
 const maxRetryHint = time.Second
 
-// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each), so that a
-// flood of checks on distinct keys cannot grow memory without bound: past it, a check
-// matching a concurrency rule is refused as if its slots were full (Leases.Capped).
+// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each; a global
+// lease it tracks, about 550), local and global together, so that a flood of checks on
+// distinct keys cannot grow memory without bound: past it, a check matching a
+// concurrency rule is refused as if its slots were full (Leases.Capped).
 const DefaultMaxLeases = 1 << 20
 
 func newLeases() *Leases {
