@@ -876,21 +876,40 @@ rules:
     key: w
     concurrency: { max: 5, lease: 60s }
     mode: global
+  - name: sz
+    key: z
+    concurrency: { max: 1, lease: 60s }
+    shadow: true
+    mode: global
 `
 	a := globalLimiter(t, rdb, yaml, "shfull:")
 	b := globalLimiter(t, rdb, yaml, "shfull:")
-	if ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("u=1"), Cost: 1}, 0); !ok || tok == "" {
-		t.Fatalf("filling the shadow rule: allowed %v token %q", ok, tok)
+	for _, in := range []*Input{{Attrs: attrs("u=1"), Cost: 1}, {Attrs: attrs("z=1"), Cost: 1}} {
+		if ok, tok, _ := acquire(t, a, in, 0); !ok || tok == "" {
+			t.Fatalf("filling the shadow rule: allowed %v token %q", ok, tok)
+		}
 	}
 	held := func(key string) int64 { return rdb.ZCard(context.Background(), key).Val() }
-	for _, in := range []*Input{
-		{Attrs: attrs("u=1", "v=1"), Cost: 1},
-		{Attrs: attrs("u=1", "v=1", "w=1"), Cost: 1},
+	for _, tc := range []struct {
+		in      *Input
+		version byte // the token's: 1 while its parts are numbered 0, 1, ...
+	}{
+		{&Input{Attrs: attrs("u=1", "v=1"), Cost: 1}, 2},
+		{&Input{Attrs: attrs("u=1", "v=1", "w=1"), Cost: 1}, 2},
+		{&Input{Attrs: attrs("v=1", "w=1", "z=1"), Cost: 1}, 1}, // the full shadow last
 	} {
+		in := tc.in
 		ok, tok, d := acquire(t, a, in, 0)
-		if !ok || tok == "" || d.Results[0].Allowed {
+		shadow := d.Results[0]
+		if tc.version == 1 {
+			shadow = d.Results[len(d.Results)-1]
+		}
+		if !ok || tok == "" || shadow.Allowed {
 			t.Fatalf("%v: allowed %v token %q, shadow allowed %v; want allowed with a lease, the shadow refused",
-				in.Attrs, ok, tok, d.Results[0].Allowed)
+				in.Attrs, ok, tok, shadow.Allowed)
+		}
+		if raw, err := base64.RawURLEncoding.DecodeString(tok[1:]); err != nil || raw[0] != tc.version {
+			t.Errorf("%v: token %q version %v (%v), want %d", in.Attrs, tok, raw[0], err, tc.version)
 		}
 		if ok, left := b.RenewLease(tok, time.Minute, nowNs()); !ok || left != time.Minute {
 			t.Errorf("%v: renew through the other daemon: %v %v, want true 1m", in.Attrs, ok, left)

@@ -191,10 +191,13 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 	// Version 1 numbers the parts by their place in the token; when an op held nothing
 	// (a full shadow rule) the parts after it are numbered otherwise in Redis, and the
 	// token is version 2, which writes each part's number.
-	version := byte(tokenV1)
+	version, p := byte(tokenV1), 0
 	for k := range lb.at {
-		if lo := &lb.ops[k]; !lo.Allowed || !lo.Take {
-			version = tokenV2
+		if lo := &lb.ops[k]; lo.Allowed && lo.Take {
+			if lo.Part != p {
+				version = tokenV2
+			}
+			p++
 		}
 	}
 	var buf []byte
