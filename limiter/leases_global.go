@@ -197,6 +197,20 @@ func (ls *Leases) ownerGlobalDue(owner uint64, now int64) []*globalLease {
 	return due
 }
 
+// someGlobal returns up to n of the tracked global leases, in no particular order.
+func (ls *Leases) someGlobal(n int) []*globalLease {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	out := make([]*globalLease, 0, min(n, len(ls.global)))
+	for _, gl := range ls.global {
+		if len(out) == n {
+			break
+		}
+		out = append(out, gl)
+	}
+	return out
+}
+
 // tracked reports whether gl is still tracked, expiring after now.
 func (ls *Leases) tracked(gl *globalLease, now int64) bool {
 	ls.mu.Lock()

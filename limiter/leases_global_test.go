@@ -1028,3 +1028,43 @@ rules:
 		t.Fatal("refused after a release made room")
 	}
 }
+
+// Global leases released through another daemon stay tracked by the daemon that took
+// them (it cannot know) until their expiry; at the bound on live leases that daemon asks
+// Redis about the global leases it tracks and forgets those gone, so such releases do not
+// keep it refusing. (With 1h leases released through the other daemons, a daemon taking
+// 300 a second would otherwise hold the bound after an hour, and refuse every check of a
+// concurrency rule.)
+func TestGlobalLeasesBoundReleasedElsewhere(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "boundel:")
+	b := globalLimiter(t, rdb, yaml, "boundel:")
+	a.Leases().SetMax(2)
+	var toks []string
+	for _, u := range []string{"ann", "bob"} {
+		ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("user=" + u), Cost: 1}, 0)
+		if !ok {
+			t.Fatal("the first two leases refused")
+		}
+		toks = append(toks, tok)
+	}
+	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); ok {
+		t.Fatal("a third lease past a bound of 2 allowed")
+	}
+	for _, tok := range toks {
+		if !b.ReleaseLease(tok, nowNs()) {
+			t.Fatal("release through the other daemon: false")
+		}
+	}
+	time.Sleep(relieveEvery + 50*time.Millisecond) // the refusal above asked Redis last
+	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); !ok {
+		t.Fatal("refused at the bound though both leases were released through the other daemon")
+	}
+}

@@ -38,6 +38,10 @@ type globalLeaseStore struct {
 	// names indexes the current rule set's global concurrency rules by name, for
 	// decoding tokens; rebuilt when the set changes.
 	names atomic.Pointer[ruleNames]
+	// relieving and relieved throttle relieve: one at a time, at most one per
+	// relieveEvery (relieved is the limiter's clock at the last).
+	relieving atomic.Bool
+	relieved  atomic.Int64
 }
 
 // ruleNames is the global concurrency rules of one rule set, by name.
@@ -97,7 +101,7 @@ func leaseBatchOf(d *Decision) *leaseBatch {
 // It is capped when the lease would take a slot and the daemon holds the most live
 // leases it keeps (Leases.SetMax, local and global together): nothing to ask Redis
 // either, the ops are refused as full (capped).
-func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
+func (s *globalLeaseStore) prepare(now int64, d *Decision) *leaseBatch {
 	lb := leaseBatchOf(d)
 	lb.ops, lb.at, lb.combined, lb.capped, lb.err = lb.ops[:0], lb.at[:0], false, false, nil
 	takes := false
@@ -111,7 +115,7 @@ func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
 		lb.at = append(lb.at, i)
 		takes = takes || o.cost > 0
 	}
-	if takes && s.ls.full() {
+	if takes && s.ls.full() && !(s.relieve(now) && !s.ls.full()) {
 		lb.capped = true
 		return lb
 	}
@@ -139,7 +143,7 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 		}
 		return s.hold(now, d, lb, true), nil
 	}
-	lb = s.prepare(d)
+	lb = s.prepare(now, d)
 	if lb.capped {
 		return s.refuseCapped(d, lb), nil
 	}
@@ -154,6 +158,46 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	}
 	return s.hold(now, d, lb, ok), nil
 }
+
+// relieve is for a daemon at the bound on live leases: it asks Redis about up to maxDue
+// of the global leases it tracks, whatever their expiry (the sweep asks only about those
+// due), and forgets those gone, released through another daemon, which this daemon
+// cannot otherwise know before they are due: they would hold the bound. At most one at
+// a time and one per relieveEvery; it reports whether it ran.
+func (s *globalLeaseStore) relieve(now int64) bool {
+	if last := s.relieved.Load(); last != 0 && now-last < int64(relieveEvery) {
+		return false
+	}
+	if !s.relieving.CompareAndSwap(false, true) {
+		return false
+	}
+	defer s.relieving.Store(false)
+	s.relieved.Store(now)
+	some := s.ls.someGlobal(maxDue)
+	if len(some) == 0 {
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
+	defer cancel()
+	ids := make([]string, len(some))
+	parts := make([][]rlsync.LeasePart, len(some))
+	for i, gl := range some {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts)
+	if err != nil {
+		return true
+	}
+	for i, gl := range some {
+		if st[i].Err == nil {
+			s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
+		}
+	}
+	return true
+}
+
+// relieveEvery bounds how often relieve asks Redis.
+const relieveEvery = 250 * time.Millisecond
 
 // refuseCapped reports lb's ops refused as full, as the local store does at the bound on
 // live leases (nothing was asked of Redis, nothing is held), counts the check capped,
