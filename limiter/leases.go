@@ -81,9 +81,10 @@ type leasePart struct {
 // maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
 const maxRetryHint = time.Second
 
-// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each), so that a
-// flood of checks on distinct keys cannot grow memory without bound: past it, a check
-// matching a concurrency rule is refused as if its slots were full (Leases.Capped).
+// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each; a global
+// lease it tracks, about 550), local and global together, so that a flood of checks on
+// distinct keys cannot grow memory without bound: past it, a check matching a
+// concurrency rule is refused as if its slots were full (Leases.Capped).
 const DefaultMaxLeases = 1 << 20
 
 func newLeases() *Leases {
@@ -255,7 +256,7 @@ func (ls *Leases) ReleaseOwner(owner uint64, now int64) int {
 
 // Holds reports whether owner holds a lease, local or global, that has not run out by
 // now (as far as this daemon knows: a global lease renewed through another daemon counts
-// until its expiry here).
+// until its expiry here; Limiter.HoldsLeases then asks Redis).
 func (ls *Leases) Holds(owner uint64, now int64) bool {
 	if owner == 0 {
 		return false
@@ -317,6 +318,23 @@ func (ls *Leases) PruneStats(keep func(rule string) bool) {
 func (ls *Leases) SetMax(n int) {
 	ls.mu.Lock()
 	ls.max = max(n, 1)
+	ls.mu.Unlock()
+}
+
+// full reports whether the daemon holds the most live leases it keeps: its local leases
+// and the global ones it tracks (leases_global.go) together, since each costs it memory.
+func (ls *Leases) full() bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.fullLocked()
+}
+
+func (ls *Leases) fullLocked() bool { return len(ls.leases)+len(ls.global) >= ls.max }
+
+// countCapped counts a check refused at the bound.
+func (ls *Leases) countCapped() {
+	ls.mu.Lock()
+	ls.capped++
 	ls.mu.Unlock()
 }
 

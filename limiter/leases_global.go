@@ -177,6 +177,47 @@ func (ls *Leases) dueGlobal(now int64) []*globalLease {
 	return due
 }
 
+// ownerGlobalDue returns owner's tracked global leases whose first part was due to
+// expire by now, at most maxDue of them.
+func (ls *Leases) ownerGlobalDue(owner uint64, now int64) []*globalLease {
+	if owner == 0 {
+		return nil
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var due []*globalLease
+	for _, gl := range ls.globalOwners[owner] {
+		if gl.expires <= now {
+			due = append(due, gl)
+			if len(due) == maxDue {
+				break
+			}
+		}
+	}
+	return due
+}
+
+// someGlobal returns up to n of the tracked global leases, in no particular order.
+func (ls *Leases) someGlobal(n int) []*globalLease {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	out := make([]*globalLease, 0, min(n, len(ls.global)))
+	for _, gl := range ls.global {
+		if len(out) == n {
+			break
+		}
+		out = append(out, gl)
+	}
+	return out
+}
+
+// tracked reports whether gl is still tracked, expiring after now.
+func (ls *Leases) tracked(gl *globalLease, now int64) bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.global[gl.id] == gl && gl.expires > now
+}
+
 // maxDue bounds the global leases one sweep asks Redis about (one pipeline).
 const maxDue = 10000
 

@@ -237,24 +237,25 @@ func TestGlobalLeaseForgedTokens(t *testing.T) {
 		return enc(append(b, client...))
 	}
 	for name, forged := range map[string]string{
-		"empty":        "",
-		"garbage":      "not a lease",
-		"g only":       "g",
-		"bad base64":   "g!!!!",
-		"short":        enc([]byte{1, 2, 3}),
-		"version":      mutate(func(b []byte) []byte { b[0] = 9; return b }),
-		"other id":     mutate(func(b []byte) []byte { b[1] ^= 0xFF; return b }),
-		"zero parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 0; return b[:2+leaseIDBytes] }),
-		"more parts":   mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 2; return b }),
-		"trailing":     mutate(func(b []byte) []byte { return append(b, 0) }),
-		"truncated":    mutate(func(b []byte) []byte { return b[:len(b)-2] }),
-		"rate rule":    withPart("per-user", "user=eve"),
-		"local rule":   withPart("here", "user=eve"),
-		"unknown rule": withPart("nope", "user=eve"),
-		"brace":        withPart("exports", "user=eve}{x"),
-		"empty client": withPart("exports", ""),
-		"local nonce":  "00000000.1",
-		"joined junk":  "x~y",
+		"empty":         "",
+		"garbage":       "not a lease",
+		"g only":        "g",
+		"bad base64":    "g!!!!",
+		"short":         enc([]byte{1, 2, 3}),
+		"version":       mutate(func(b []byte) []byte { b[0] = 9; return b }),
+		"v2 unnumbered": mutate(func(b []byte) []byte { b[0] = 2; return b }),
+		"other id":      mutate(func(b []byte) []byte { b[1] ^= 0xFF; return b }),
+		"zero parts":    mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 0; return b[:2+leaseIDBytes] }),
+		"more parts":    mutate(func(b []byte) []byte { b[1+leaseIDBytes] = 2; return b }),
+		"trailing":      mutate(func(b []byte) []byte { return append(b, 0) }),
+		"truncated":     mutate(func(b []byte) []byte { return b[:len(b)-2] }),
+		"rate rule":     withPart("per-user", "user=eve"),
+		"local rule":    withPart("here", "user=eve"),
+		"unknown rule":  withPart("nope", "user=eve"),
+		"brace":         withPart("exports", "user=eve}{x"),
+		"empty client":  withPart("exports", ""),
+		"local nonce":   "00000000.1",
+		"joined junk":   "x~y",
 	} {
 		if l.ReleaseLease(forged, nowNs()) {
 			t.Errorf("%s: released", name)
@@ -850,5 +851,220 @@ rules:
 				t.Errorf("%s: cr: allowed %v, impossible %v: a concurrency rule takes one slot whatever the cost", mode, r.Allowed, r.Impossible)
 			}
 		}
+	}
+}
+
+// A check whose first global concurrency rule is a shadow one that is full holds a slot
+// of the second only: its member in Redis is "<id>:1", part 1 of the check's ops. Its
+// token must still release and renew it, through any daemon. Before, the token numbered
+// its parts by their place among the parts held (0), so the release looked for "<id>:0"
+// and answered false, and the slot stayed held until its lease ran out.
+func TestGlobalLeaseAfterFullShadowReleases(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: sa
+    key: u
+    concurrency: { max: 1, lease: 60s }
+    shadow: true
+    mode: global
+  - name: b
+    key: v
+    concurrency: { max: 5, lease: 60s }
+    mode: global
+  - name: c
+    key: w
+    concurrency: { max: 5, lease: 60s }
+    mode: global
+  - name: sz
+    key: z
+    concurrency: { max: 1, lease: 60s }
+    shadow: true
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "shfull:")
+	b := globalLimiter(t, rdb, yaml, "shfull:")
+	for _, in := range []*Input{{Attrs: attrs("u=1"), Cost: 1}, {Attrs: attrs("z=1"), Cost: 1}} {
+		if ok, tok, _ := acquire(t, a, in, 0); !ok || tok == "" {
+			t.Fatalf("filling the shadow rule: allowed %v token %q", ok, tok)
+		}
+	}
+	held := func(key string) int64 { return rdb.ZCard(context.Background(), key).Val() }
+	for _, tc := range []struct {
+		in      *Input
+		version byte // the token's: 1 while its parts are numbered 0, 1, ...
+	}{
+		{&Input{Attrs: attrs("u=1", "v=1"), Cost: 1}, 2},
+		{&Input{Attrs: attrs("u=1", "v=1", "w=1"), Cost: 1}, 2},
+		{&Input{Attrs: attrs("v=1", "w=1", "z=1"), Cost: 1}, 1}, // the full shadow last
+	} {
+		in := tc.in
+		ok, tok, d := acquire(t, a, in, 0)
+		shadow := d.Results[0]
+		if tc.version == 1 {
+			shadow = d.Results[len(d.Results)-1]
+		}
+		if !ok || tok == "" || shadow.Allowed {
+			t.Fatalf("%v: allowed %v token %q, shadow allowed %v; want allowed with a lease, the shadow refused",
+				in.Attrs, ok, tok, shadow.Allowed)
+		}
+		if raw, err := base64.RawURLEncoding.DecodeString(tok[1:]); err != nil || raw[0] != tc.version {
+			t.Errorf("%v: token %q version %v (%v), want %d", in.Attrs, tok, raw[0], err, tc.version)
+		}
+		if ok, left := b.RenewLease(tok, time.Minute, nowNs()); !ok || left != time.Minute {
+			t.Errorf("%v: renew through the other daemon: %v %v, want true 1m", in.Attrs, ok, left)
+		}
+		if !b.ReleaseLease(tok, nowNs()) {
+			t.Errorf("%v: release through the other daemon: false", in.Attrs)
+		}
+		if a.ReleaseLease(tok, nowNs()) {
+			t.Errorf("%v: second release: true", in.Attrs)
+		}
+		if n, m := held("shfull:b:{v=1}"), held("shfull:c:{w=1}"); n != 0 || m != 0 {
+			t.Fatalf("%v: after the release b holds %d slots and c %d, want 0", in.Attrs, n, m)
+		}
+	}
+}
+
+// A global lease renewed through another daemon is still held for the connection that
+// took it: HoldsLeases (which keeps an idle connection open past --idle-timeout) asks
+// Redis once this daemon's own view says the lease ran out. Before, it went by that view
+// alone, so the idle timeout cut the connection at the lease's first expiry and its
+// close released in Redis the lease the other daemon had renewed, its request still
+// running.
+func TestGlobalLeaseRenewedElsewhereStillHeld(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: u
+    concurrency: { max: 1, lease: 1s }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "renewel:")
+	b := globalLimiter(t, rdb, yaml, "renewel:")
+	const owner = 7
+	ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("u=1"), Cost: 1}, owner)
+	if !ok || tok == "" {
+		t.Fatalf("allowed %v token %q", ok, tok)
+	}
+	if ok, _ := b.RenewLease(tok, time.Minute, nowNs()); !ok {
+		t.Fatal("renew through the other daemon: false")
+	}
+	later := nowNs() + int64(2*time.Second) // past the lease as a knew it
+	if !a.HoldsLeases(owner, later) {
+		t.Fatal("HoldsLeases false for a lease renewed through the other daemon for a minute")
+	}
+	if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("u=1"), Cost: 1}, 0); ok {
+		t.Fatal("the renewed lease's slot is free")
+	}
+	// Released through the other daemon: no longer held.
+	if !b.ReleaseLease(tok, nowNs()) {
+		t.Fatal("release through the other daemon: false")
+	}
+	if a.HoldsLeases(owner, later+int64(time.Minute)) {
+		t.Fatal("HoldsLeases true for a lease released through the other daemon")
+	}
+}
+
+// The bound on live leases holds for global leases too: each is tracked by the daemon
+// that took it (about 550 bytes). Past the bound a check matching a global concurrency
+// rule is refused as if full, takes nothing in Redis (its rate rules in the same call
+// not charged either), and is counted capped; a release makes room. Before, the bound
+// counted local leases only, so a daemon's global leases (a gateway leaking them, with a
+// long lease) grew its memory without bound.
+func TestGlobalLeasesBound(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: global
+  - name: rate
+    match: { path: /rated }
+    key: user
+    limit: { requests: 100, per: 1h }
+    mode: global
+  - name: cl
+    match: { path: /local }
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: local
+`
+	l := globalLimiter(t, rdb, yaml, "bound:")
+	l.Leases().SetMax(2)
+	_, a, _ := acquire(t, l, &Input{Attrs: attrs("user=ann"), Cost: 1}, 0)
+	if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user=bob"), Cost: 1}, 0); !ok || a == "" {
+		t.Fatal("the first two leases refused")
+	}
+	for _, in := range []*Input{
+		{Attrs: attrs("user=cid"), Cost: 1},
+		{Attrs: attrs("user=cid", "path=/rated"), Cost: 1}, // one script call with the rate rule
+		{Attrs: attrs("user=cid", "path=/local"), Cost: 1}, // a local lease counts them too
+	} {
+		ok, tok, d := acquire(t, l, in, 0)
+		if ok || tok != "" || d.Results[0].Allowed || d.Results[0].RetryAfter != time.Second {
+			t.Fatalf("%v past a bound of 2: allowed %v lease %q cg %+v; want refused as full", in.Attrs, ok, tok, d.Results[0])
+		}
+	}
+	if n := l.Leases().Capped(); n != 3 {
+		t.Errorf("capped %d, want 3", n)
+	}
+	if n := rdb.ZCard(context.Background(), "bound:cg:{user=cid}").Val(); n != 0 {
+		t.Fatalf("Redis holds %d slots of the refused checks", n)
+	}
+	var d Decision
+	if err := l.Check(nowNs(), &Input{Attrs: attrs("user=cid", "path=/rated"), Cost: 0}, &d); err != nil {
+		t.Fatal(err)
+	}
+	if r := d.Results[1]; r.Name != "rate" || r.Remaining != 100 {
+		t.Fatalf("the refused check charged the rate rule: %+v", r)
+	}
+	if !l.ReleaseLease(a, nowNs()) {
+		t.Fatal("release: false")
+	}
+	if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); !ok {
+		t.Fatal("refused after a release made room")
+	}
+}
+
+// Global leases released through another daemon stay tracked by the daemon that took
+// them (it cannot know) until their expiry; at the bound on live leases that daemon asks
+// Redis about the global leases it tracks and forgets those gone, so such releases do not
+// keep it refusing. (With 1h leases released through the other daemons, a daemon taking
+// 300 a second would otherwise hold the bound after an hour, and refuse every check of a
+// concurrency rule.)
+func TestGlobalLeasesBoundReleasedElsewhere(t *testing.T) {
+	rdb := realRedis(t)
+	const yaml = `
+rules:
+  - name: cg
+    key: user
+    concurrency: { max: 5, lease: 1h }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "boundel:")
+	b := globalLimiter(t, rdb, yaml, "boundel:")
+	a.Leases().SetMax(2)
+	var toks []string
+	for _, u := range []string{"ann", "bob"} {
+		ok, tok, _ := acquire(t, a, &Input{Attrs: attrs("user=" + u), Cost: 1}, 0)
+		if !ok {
+			t.Fatal("the first two leases refused")
+		}
+		toks = append(toks, tok)
+	}
+	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); ok {
+		t.Fatal("a third lease past a bound of 2 allowed")
+	}
+	for _, tok := range toks {
+		if !b.ReleaseLease(tok, nowNs()) {
+			t.Fatal("release through the other daemon: false")
+		}
+	}
+	time.Sleep(relieveEvery + 50*time.Millisecond) // the refusal above asked Redis last
+	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=cid"), Cost: 1}, 0); !ok {
+		t.Fatal("refused at the bound though both leases were released through the other daemon")
 	}
 }

@@ -60,9 +60,9 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 	}
 	var lb *leaseBatch
 	if d.routes(storeGlobalLease) {
-		lb = s.leases.prepare(d)
+		lb = s.leases.prepare(now, d)
 		lb.combined = true
-		if lb.err == nil {
+		if lb.err == nil && !lb.capped {
 			for k := range lb.ops {
 				n.ops = append(n.ops, rlsync.LeaseCheck(lb.id, &lb.ops[k]))
 				n.at = append(n.at, lb.at[k])

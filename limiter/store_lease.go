@@ -35,7 +35,7 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 	if !ok || n == 0 {
 		return ok, nil
 	}
-	if len(ls.leases) >= ls.max {
+	if ls.fullLocked() {
 		// At the bound on live leases: every op that would take a slot is refused as if
 		// full (a shadow op too, though it does not refuse the request); nothing is taken.
 		ls.capped++

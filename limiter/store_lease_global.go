@@ -38,6 +38,10 @@ type globalLeaseStore struct {
 	// names indexes the current rule set's global concurrency rules by name, for
 	// decoding tokens; rebuilt when the set changes.
 	names atomic.Pointer[ruleNames]
+	// relieving and relieved throttle relieve: one at a time, at most one per
+	// relieveEvery (relieved is the limiter's clock at the last).
+	relieving atomic.Bool
+	relieved  atomic.Int64
 }
 
 // ruleNames is the global concurrency rules of one rule set, by name.
@@ -63,6 +67,10 @@ const leaseIDBytes = 12
 // maxLeaseParts bounds the parts a global token may name (a check's concurrency rules).
 const maxLeaseParts = 64
 
+// maxPartNumber bounds a part's number in a version 2 token (the op's place among the
+// check's concurrency ops, some of which hold nothing).
+const maxPartNumber = 1<<16 - 1
+
 // globalTokenPrefix starts a global lease's token; a local token starts with hex digits.
 const globalTokenPrefix = 'g'
 
@@ -74,6 +82,7 @@ type leaseBatch struct {
 	raw      [leaseIDBytes]byte
 	id       string
 	combined bool  // decided by the global store's call: take and skip call no Redis
+	capped   bool  // the daemon holds the most live leases it keeps: refused as full, unasked
 	err      error // prepare's error, or the combined call's
 }
 
@@ -89,9 +98,13 @@ func leaseBatchOf(d *Decision) *leaseBatch {
 
 // prepare builds d's lease batch: one op per op routed here, and a fresh random id. Its
 // err is errTokenTooLong when the lease's token would be too long: nothing to ask Redis.
-func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
+// It is capped when the lease would take a slot and the daemon holds the most live
+// leases it keeps (Leases.SetMax, local and global together): nothing to ask Redis
+// either, the ops are refused as full (capped).
+func (s *globalLeaseStore) prepare(now int64, d *Decision) *leaseBatch {
 	lb := leaseBatchOf(d)
-	lb.ops, lb.at, lb.combined, lb.err = lb.ops[:0], lb.at[:0], false, nil
+	lb.ops, lb.at, lb.combined, lb.capped, lb.err = lb.ops[:0], lb.at[:0], false, false, nil
+	takes := false
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.store != storeGlobalLease {
@@ -100,6 +113,11 @@ func (s *globalLeaseStore) prepare(d *Decision) *leaseBatch {
 		lb.ops = append(lb.ops, rlsync.LeaseOp{Key: string(o.key), Part: len(lb.ops), Max: o.lim.Requests(),
 			Lease: o.lim.Window(), Take: o.cost > 0, Shadow: o.shadow})
 		lb.at = append(lb.at, i)
+		takes = takes || o.cost > 0
+	}
+	if takes && s.ls.full() && !(s.relieve(now) && !s.ls.full()) {
+		lb.capped = true
+		return lb
 	}
 	if s.tokenLen(d, &lb.native) > maxGlobalToken {
 		lb.err = errTokenTooLong
@@ -117,12 +135,18 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	lb := leaseBatchOf(d)
 	if lb.combined {
 		lb.combined = false
+		if lb.capped {
+			return s.refuseCapped(d, lb), nil
+		}
 		if lb.err != nil {
 			return false, lb.err
 		}
 		return s.hold(now, d, lb, true), nil
 	}
-	lb = s.prepare(d)
+	lb = s.prepare(now, d)
+	if lb.capped {
+		return s.refuseCapped(d, lb), nil
+	}
 	if lb.err != nil {
 		return false, lb.err
 	}
@@ -133,6 +157,60 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 		return false, err
 	}
 	return s.hold(now, d, lb, ok), nil
+}
+
+// relieve is for a daemon at the bound on live leases: it asks Redis about up to maxDue
+// of the global leases it tracks, whatever their expiry (the sweep asks only about those
+// due), and forgets those gone, released through another daemon, which this daemon
+// cannot otherwise know before they are due: they would hold the bound. At most one at
+// a time and one per relieveEvery; it reports whether it ran.
+func (s *globalLeaseStore) relieve(now int64) bool {
+	if last := s.relieved.Load(); last != 0 && now-last < int64(relieveEvery) {
+		return false
+	}
+	if !s.relieving.CompareAndSwap(false, true) {
+		return false
+	}
+	defer s.relieving.Store(false)
+	s.relieved.Store(now)
+	some := s.ls.someGlobal(maxDue)
+	if len(some) == 0 {
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
+	defer cancel()
+	ids := make([]string, len(some))
+	parts := make([][]rlsync.LeasePart, len(some))
+	for i, gl := range some {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts)
+	if err != nil {
+		return true
+	}
+	for i, gl := range some {
+		if st[i].Err == nil {
+			s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
+		}
+	}
+	return true
+}
+
+// relieveEvery bounds how often relieve asks Redis.
+const relieveEvery = 250 * time.Millisecond
+
+// refuseCapped reports lb's ops refused as full, as the local store does at the bound on
+// live leases (nothing was asked of Redis, nothing is held), counts the check capped,
+// and reports whether the request may still pass: only when every op is a shadow.
+func (s *globalLeaseStore) refuseCapped(d *Decision, lb *leaseBatch) bool {
+	s.ls.countCapped()
+	ok := true
+	for k, i := range lb.at {
+		lo := &lb.ops[k]
+		d.report(i, &localbucket.Result{Limit: lo.Max, RetryAfter: int64(maxRetryHint), Reset: int64(maxRetryHint)})
+		ok = ok && lo.Shadow
+	}
+	return ok
 }
 
 // hold reports the results of lb, decided with outcome ok, and when ok and it holds a
@@ -154,8 +232,20 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 		return ok
 	}
 	gl := &globalLease{id: lb.id, owner: d.Owner, expires: -1}
+	// Version 1 numbers the parts by their place in the token; when an op held nothing
+	// (a full shadow rule) the parts after it are numbered otherwise in Redis, and the
+	// token is version 2, which writes each part's number.
+	version, p := byte(tokenV1), 0
+	for k := range lb.at {
+		if lo := &lb.ops[k]; lo.Allowed && lo.Take {
+			if lo.Part != p {
+				version = tokenV2
+			}
+			p++
+		}
+	}
 	var buf []byte
-	buf = append(buf, 1)
+	buf = append(buf, version)
 	buf = append(buf, lb.raw[:]...)
 	buf = append(buf, byte(held))
 	for k, i := range lb.at {
@@ -165,6 +255,9 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 		}
 		rule := d.Results[i].Rule
 		client := s.clientOf(lo.Key, rule)
+		if version == tokenV2 {
+			buf = binary.AppendUvarint(buf, uint64(lo.Part))
+		}
 		buf = binary.AppendUvarint(buf, uint64(len(rule.Name)))
 		buf = append(buf, rule.Name...)
 		buf = binary.AppendUvarint(buf, uint64(len(client)))
@@ -179,6 +272,17 @@ func (s *globalLeaseStore) hold(now int64, d *Decision, lb *leaseBatch, ok bool)
 	d.globalLease = gl
 	return true
 }
+
+// The versions of a global token (its first byte). Version 1: the lease id, the number
+// of parts, and each part's rule and client, the parts numbered 0, 1, ... in their
+// order (their members in Redis are "<id>:<part>"). Version 2: the same, each part's
+// number written before its rule, for a lease whose parts are not numbered so (a
+// check's op that held no slot, a full shadow rule, has a number too). A daemon writes
+// version 1 whenever it can, so that daemons of before version 2 read its tokens.
+const (
+	tokenV1 = 1
+	tokenV2 = 2
+)
 
 // maxGlobalToken bounds a global lease's token: what a release or renew request may
 // carry (proto.MaxLeaseLen), less room for a local token joined to it.
@@ -195,7 +299,7 @@ func (s *globalLeaseStore) tokenLen(d *Decision, n *native[rlsync.LeaseOp]) int 
 		if lo := &n.ops[k]; lo.Take {
 			name := len(d.Results[i].Rule.Name)
 			client := len(lo.Key) - len(s.lim.prefix) - name - 3
-			raw += 2*binary.MaxVarintLen16 + name + client
+			raw += 3*binary.MaxVarintLen16 + name + client // a part's number (version 2), name and client lengths
 		}
 	}
 	return 1 + base64.RawURLEncoding.EncodedLen(raw)
@@ -230,7 +334,7 @@ func (s *globalLeaseStore) giveBack(now int64, d *Decision) {
 // then it reports them (nothing is held: that call was all-or-nothing).
 func (s *globalLeaseStore) skip(now int64, d *Decision) {
 	lb := leaseBatchOf(d)
-	if lb.combined && lb.err == nil {
+	if lb.combined && lb.err == nil && !lb.capped {
 		s.hold(now, d, lb, false)
 	} else {
 		d.markUnasked(storeGlobalLease)
@@ -248,9 +352,10 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		return "", nil, nil, false
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
-	if err != nil || len(raw) < 2+leaseIDBytes || raw[0] != 1 {
+	if err != nil || len(raw) < 2+leaseIDBytes || (raw[0] != tokenV1 && raw[0] != tokenV2) {
 		return "", nil, nil, false
 	}
+	numbered := raw[0] == tokenV2
 	id = base64.RawURLEncoding.EncodeToString(raw[1 : 1+leaseIDBytes])
 	np := int(raw[1+leaseIDBytes])
 	rest := raw[2+leaseIDBytes:]
@@ -267,7 +372,18 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		return v, true
 	}
 	byName := s.globalRules()
+	part := -1
 	for p := range np {
+		if !numbered {
+			part = p
+		} else {
+			// Numbers rise (each part its own member), within a check's ops.
+			n, w := binary.Uvarint(rest)
+			if w <= 0 || n > maxPartNumber || int(n) <= part {
+				return "", nil, nil, false
+			}
+			part, rest = int(n), rest[w:]
+		}
 		name, ok1 := next()
 		client, ok2 := next()
 		if !ok1 || !ok2 || !validClient(client) {
@@ -277,7 +393,7 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 		if r == nil {
 			return "", nil, nil, false
 		}
-		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: p, Lease: r.Per})
+		parts = append(parts, rlsync.LeasePart{Key: s.lim.prefix + r.Name + ":{" + client + "}", Part: part, Lease: r.Per})
 		rs = append(rs, r)
 	}
 	if len(rest) != 0 {
@@ -526,9 +642,45 @@ func (l *Limiter) ReleaseOwnerAtShutdown(owner uint64, now int64) int {
 }
 
 // HoldsLeases reports whether owner holds a lease, local or global, that has not run
-// out by now.
+// out by now. A global lease that has run out by this daemon's view is asked of Redis
+// (the sweep's query, on a bounded context) before it counts as run out: it may have
+// been renewed through another daemon.
 func (l *Limiter) HoldsLeases(owner uint64, now int64) bool {
-	return l.leases.Holds(owner, now)
+	if l.leases.Holds(owner, now) {
+		return true
+	}
+	return l.global != nil && l.global.refreshOwner(owner, now)
+}
+
+// refreshOwner settles owner's global leases that have run out by this daemon's view
+// from Redis, as the sweep does (a lease renewed through another daemon gets its new
+// expiry, one run out or released is forgotten), and reports whether one of them is
+// still live. A failed query counts none live.
+func (s *globalLeaseStore) refreshOwner(owner uint64, now int64) bool {
+	due := s.ls.ownerGlobalDue(owner, now)
+	if len(due) == 0 {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
+	defer cancel()
+	ids := make([]string, len(due))
+	parts := make([][]rlsync.LeasePart, len(due))
+	for i, gl := range due {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	st, err := s.g.LeaseStates(ctx, ids, parts)
+	if err != nil {
+		return false
+	}
+	live := false
+	for i, gl := range due {
+		if st[i].Err != nil {
+			continue
+		}
+		s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
+		live = live || s.ls.tracked(gl, now)
+	}
+	return live
 }
 
 // ReleaseOwner frees every lease owner still holds (its connection closed), local and
