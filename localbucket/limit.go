@@ -111,7 +111,7 @@ func (l *Limit) WithRequests(requests, burst uint64) (Limit, error) {
 }
 
 // WithShare is WithRequests for a share of l (a split among daemons): a token bucket's
-// interval that rounding down would make refill more than 1% fast is kept, not refused
+// interval that rounding down would make refill more than 10% fast is kept, not refused
 // (see NewLimit), since refusing the share would leave each daemon the whole limit.
 func (l *Limit) WithShare(requests, burst uint64) (Limit, error) {
 	return l.withRequests(requests, burst, false)
@@ -162,7 +162,7 @@ func (l *Limit) computeKind() uint64 {
 //
 // requests must be in [1, 2^32-1], window a whole number of milliseconds in [1ms, 366
 // days]. A token bucket's emission interval window/requests (integer nanoseconds, rounded
-// down) must be at least 1ns, and that rounding must not raise its rate by more than 1%
+// down) must be at least 1ns, and that rounding must not raise its rate by more than 10%
 // (4,294,967,295 per 8,589ms, 1.9998ns a token kept as 1ns, would refill twice as fast as
 // asked); its burst at most 2^32-1, and burst*window/requests at most 2^60ns (about 36
 // years).
@@ -170,7 +170,7 @@ func NewLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	return newLimit(alg, requests, window, burst, true)
 }
 
-// newLimit is NewLimit; exact false skips the 1% bound on the token bucket's rounding
+// newLimit is NewLimit; exact false skips the 10% bound on the token bucket's rounding
 // (WithShare).
 func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64, exact bool) (Limit, error) {
 	if int(alg) >= len(algorithmNames) {
@@ -210,10 +210,10 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 		return Limit{}, fmt.Errorf("rate of %d per %v is too high: the interval between two tokens would be under 1ns", requests, window)
 	}
 	// The interval is kept in whole nanoseconds, rounded down, which raises the rate by
-	// (window mod requests) / (emission × requests). Beyond 1% the bucket would not keep
+	// (window mod requests) / (emission × requests). Beyond 10% the bucket would not keep
 	// its limit (1.9998ns kept as 1ns refills twice as fast as asked): refuse it.
-	if rem := uint64(window) % requests; exact && rem != 0 && rem*100 > uint64(l.emission)*requests {
-		return Limit{}, fmt.Errorf("rate of %d per %v is too high to keep: a token bucket counts the interval between two tokens in whole nanoseconds, and %.5gns rounded down to %dns would refill it %.3f× as fast as asked (at most 1.01×); use a limit that divides the window's nanoseconds exactly, or a lower rate",
+	if rem := uint64(window) % requests; exact && rem != 0 && rem*10 > uint64(l.emission)*requests {
+		return Limit{}, fmt.Errorf("rate of %d per %v is too high to keep: a token bucket counts the interval between two tokens in whole nanoseconds, and %.5gns rounded down to %dns would refill it %.3f× as fast as asked (at most 1.1×); use a limit that divides the window's nanoseconds exactly, or a lower rate",
 			requests, window, float64(window)/float64(requests), l.emission, float64(window)/float64(l.emission*int64(requests)))
 	}
 	hi, lo := bits.Mul64(l.burst, uint64(l.emission))

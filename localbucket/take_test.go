@@ -253,28 +253,37 @@ func TestGiveBackMatchesPeekBefore(t *testing.T) {
 // few nanoseconds the rounding raised the rate itself: 4,294,967,295 per 8,589 ms
 // (1.9998 ns a token, kept as 1 ns) refilled twice as fast as asked, and answered a
 // reset of 4,295 ms for a window of 8,589 (a limit in bytes, with the request's size as
-// its cost, reaches such rates). Every limit NewLimit builds must refill at most 1% above
-// its rate; one it cannot keep so is refused.
+// its cost, reaches such rates). Every limit NewLimit builds must refill at most 10% above
+// its rate; one it cannot keep so is refused. (The bound is 10%, not tighter: a rate that
+// valid configurations and inline limits use, 30,000,000 a second or 123,456,789, runs
+// 1.01× fast and is kept, not refused after an upgrade.)
 func TestTokenBucketRateNotRaisedByRounding(t *testing.T) {
 	for _, tc := range []struct {
 		requests uint64
 		window   time.Duration
+		kept     bool
 	}{
-		{math.MaxUint32, 8589 * time.Millisecond}, // 1.9998 ns a token
-		{math.MaxUint32, 6 * time.Second},         // 1.397 ns
-		{3_000_000_000, 5 * time.Second},          // 1.667 ns
-		{1_000_000_000, 1500 * time.Millisecond},  // 1.5 ns
-		{30_000_000, 1 * time.Second},             // 33.3 ns
-		{math.MaxUint32, 4295 * time.Millisecond}, // 1.0000076 ns: kept
-		{1_000_000_000, time.Second},              // 1 ns exactly: kept
-		{math.MaxUint32, 10000 * time.Second},     // 2328.3 ns: kept
-		{3, time.Second},                          // kept
+		{math.MaxUint32, 8589 * time.Millisecond, false}, // 1.9998 ns a token: 2×
+		{math.MaxUint32, 6 * time.Second, false},         // 1.397 ns
+		{3_000_000_000, 5 * time.Second, false},          // 1.667 ns
+		{1_000_000_000, 1500 * time.Millisecond, false},  // 1.5 ns
+		{700_000_000, 1 * time.Second, false},            // 1.43 ns
+		{30_000_000, 1 * time.Second, true},              // 33.3 ns: 1.010×
+		{123_456_789, 1 * time.Second, true},             // 8.1 ns: 1.0125×
+		{math.MaxUint32, 4295 * time.Millisecond, true},  // 1.0000076 ns
+		{1_000_000_000, time.Second, true},               // 1 ns exactly
+		{math.MaxUint32, 10000 * time.Second, true},      // 2328.3 ns
+		{3, time.Second, true},
 	} {
 		l, err := NewLimit(TokenBucket, tc.requests, tc.window, 0)
-		if err != nil {
-			if !strings.Contains(err.Error(), "whole nanoseconds") {
+		if !tc.kept {
+			if err == nil || !strings.Contains(err.Error(), "whole nanoseconds") {
 				t.Errorf("NewLimit(%d per %v): %v, want an error naming the rounding", tc.requests, tc.window, err)
 			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("NewLimit(%d per %v): %v, want it kept", tc.requests, tc.window, err)
 			continue
 		}
 		// Empty the bucket, then see what one window refills.
@@ -282,15 +291,15 @@ func TestTokenBucketRateNotRaisedByRounding(t *testing.T) {
 		if !r.Allowed {
 			t.Fatalf("%d per %v: a full bucket refused its capacity", tc.requests, tc.window)
 		}
-		if max := tc.window + tc.window/100; time.Duration(r.Reset) < tc.window-tc.window/100 || time.Duration(r.Reset) > max {
+		if max := tc.window + tc.window/100; time.Duration(r.Reset) < tc.window-tc.window/10 || time.Duration(r.Reset) > max {
 			t.Errorf("%d per %v: reset %v after emptying the bucket, want about the window", tc.requests, tc.window, time.Duration(r.Reset))
 		}
 		half := int64(tc.window / 2)
 		_, r = l.Take(s, base+half, 0)
 		want := float64(tc.requests) / 2
-		if float64(r.Remaining) > want*1.01+1 {
-			t.Errorf("%d per %v: %d refilled in half a window, want at most %.0f (1%% over the rate): the bucket refills %.3f× its rate",
-				tc.requests, tc.window, r.Remaining, want*1.01+1, float64(r.Remaining)/want)
+		if float64(r.Remaining) > want*1.1+1 {
+			t.Errorf("%d per %v: %d refilled in half a window, want at most %.0f (10%% over the rate): the bucket refills %.3f× its rate",
+				tc.requests, tc.window, r.Remaining, want*1.1+1, float64(r.Remaining)/want)
 		}
 	}
 }
