@@ -733,7 +733,21 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	overdue := hot && e.flags&(flagDirty|flagBusy) == 0 && e.synced > 0 &&
 		(now-e.synced > int64(h.interval) || e.flags&flagShared == 0 && e.view-unseen < need) &&
 		proj-unseen >= need
-	fetch = mayFetch && (waited || !hot && stale || overdue) && answering
+	// So is a hot key no other daemon uses whose share grant, still held, is part of the
+	// room the request needs: the view leaves the grant out (it is reserved for this
+	// daemon), and with it the view has room, which the credit, a share of the view,
+	// does not cover. The next share grant cannot do better (sized, on a key's first
+	// epoch of demand, for two daemons), and an exact sync gives the grant back and
+	// reserves the request's cost. Before, 5 per 500 ms, a cost of 1, then a cost of 5
+	// refused with retry 100 ms: the sync between took the refusal for demand and
+	// granted 2 units, the key became hot, and the retry was refused again with 4 left
+	// and retry 199 ms (the grant left out), where the exact mode admits it. At most
+	// one such sync per grant: it leaves the key holding exactly the cost, used at once;
+	// a request of one unit is never refused while a grant is held.
+	held := max(0, float64(e.grant)-float64(e.pending))
+	grantRoom := hot && e.flags&flagShared == 0 && e.synced > 0 && held > 0 &&
+		proj-unseen < need && proj-unseen+held >= need
+	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom) && answering
 	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (a token bucket at
 	// the limit's rate, a fixed window at its end, a sliding window as its estimate

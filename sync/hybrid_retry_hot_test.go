@@ -1,0 +1,42 @@
+package sync
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A request refused on a fresh view that has no room for it (one daemon alone on the
+// key) is retried at its retry and passes, whatever syncs come between. An audit: 5 per
+// 500 ms, a cost of 1, then at once a cost of 5: refused, retry 100 ms; the periodic
+// sync in between took the refusal for demand beyond the allowance and asked a share
+// grant (2 units, sized for two daemons), which made the key hot: the retry, at ~102 ms,
+// was refused again (remaining 4, reset 0, retry 199 ms), and passed at ~305 ms. The
+// exact mode admits the whole bucket 100 ms after the first unit.
+func TestHybridRetryPassesAfterASyncBetween(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	lim := mustLimit(t, localbucket.TokenBucket, 5, 500*time.Millisecond)
+	for trial := range 3 {
+		key := fmt.Sprintf("rl:retry-sync-between:{%d-%d}", trial, time.Now().UnixNano())
+		t0 := time.Now().UnixNano()
+		if r := take(h, t0, key, lim, 1); !r.Allowed {
+			t.Fatalf("trial %d: the first unit refused: %+v", trial, r)
+		}
+		syncAll(t, time.Now().UnixNano(), h) // the key's first view (Run's kick)
+		r := take(h, time.Now().UnixNano(), key, lim, 5)
+		if r.Allowed {
+			t.Fatalf("trial %d: 1 + 5 of 5 admitted at once: %+v", trial, r)
+		}
+		time.Sleep(40 * time.Millisecond)
+		syncAll(t, time.Now().UnixNano(), h) // the periodic sync, before the retry
+		time.Sleep(time.Duration(r.RetryAfter) - 40*time.Millisecond)
+		now := time.Now().UnixNano()
+		if again := take(h, now, key, lim, 5); !again.Allowed {
+			t.Errorf("trial %d: refused with retry %v; retried %v after the first unit: refused again %+v",
+				trial, time.Duration(r.RetryAfter), time.Duration(now-t0), again)
+		}
+	}
+}
