@@ -179,11 +179,7 @@ func (s *globalLeaseStore) relieve(now int64) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
 	defer cancel()
-	ids := make([]string, len(some))
-	parts := make([][]rlsync.LeasePart, len(some))
-	for i, gl := range some {
-		ids[i], parts[i] = gl.id, gl.parts
-	}
+	ids, parts := leaseParts(some)
 	st, err := s.g.LeaseStates(ctx, ids, parts)
 	if err != nil {
 		return true
@@ -486,11 +482,7 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 func (s *globalLeaseStore) releaseAll(gls []*globalLease, now int64) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
-	ids := make([]string, len(gls))
-	parts := make([][]rlsync.LeasePart, len(gls))
-	for i, gl := range gls {
-		ids[i], parts[i] = gl.id, gl.parts
-	}
+	ids, parts := leaseParts(gls)
 	freed, err := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
 	n := 0
 	for i, f := range freed {
@@ -509,6 +501,16 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease, now int64) int {
 	return n
 }
 
+// leaseParts lists gls's tokens and parts, as rlsync.Global's lease queries take them.
+func leaseParts(gls []*globalLease) ([]string, [][]rlsync.LeasePart) {
+	ids := make([]string, len(gls))
+	parts := make([][]rlsync.LeasePart, len(gls))
+	for i, gl := range gls {
+		ids[i], parts[i] = gl.id, gl.parts
+	}
+	return ids, parts
+}
+
 // closeReleaseWait bounds the release of a closed connection's global leases.
 const closeReleaseWait = time.Second
 
@@ -522,11 +524,7 @@ func (s *globalLeaseStore) sweep(now int64) int {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
-	ids := make([]string, len(due))
-	parts := make([][]rlsync.LeasePart, len(due))
-	for i, gl := range due {
-		ids[i], parts[i] = gl.id, gl.parts
-	}
+	ids, parts := leaseParts(due)
 	st, err := s.g.LeaseStates(ctx, ids, parts) // one pipeline
 	n := 0
 	for i, gl := range due {
@@ -663,11 +661,7 @@ func (s *globalLeaseStore) refreshOwner(owner uint64, now int64) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
-	ids := make([]string, len(due))
-	parts := make([][]rlsync.LeasePart, len(due))
-	for i, gl := range due {
-		ids[i], parts[i] = gl.id, gl.parts
-	}
+	ids, parts := leaseParts(due)
 	st, err := s.g.LeaseStates(ctx, ids, parts)
 	if err != nil {
 		return false
