@@ -54,10 +54,14 @@ type Metrics struct {
 	bannedKeys          func() map[string]int // the gauge rlsidecar_banned_keys (SetBannedKeys)
 	inline              *ruleMetrics
 	reloadOK, reloadErr *metrics.Counter
-	flushOK, flushErr   *metrics.Counter
-	closed              [nCloseReasons]*metrics.Counter // by closeReason; [0] unused
-	storeByOpResult     sync.Map                        // "op|result" → *metrics.Counter
-	errorsByCode        sync.Map                        // error code → *metrics.Counter (rlsidecar_error_answers_total)
+	// lastReloadFailed and lastReloadOK: whether the last reload attempt failed, and when
+	// one last succeeded (Unix seconds; the start, until a reload does).
+	lastReloadFailed  atomic.Bool
+	lastReloadOK      atomic.Int64
+	flushOK, flushErr *metrics.Counter
+	closed            [nCloseReasons]*metrics.Counter // by closeReason; [0] unused
+	storeByOpResult   sync.Map                        // "op|result" → *metrics.Counter
+	errorsByCode      sync.Map                        // error code → *metrics.Counter (rlsidecar_error_answers_total)
 }
 
 type ruleMetrics struct {
@@ -85,6 +89,14 @@ func NewMetrics(version string, topK int) *Metrics {
 	m.inline = m.ruleLocked("~inline")
 	m.reloadOK = m.set.NewCounter(`rlsidecar_config_reloads_total{result="success"}`)
 	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
+	m.lastReloadOK.Store(m.start.Unix())
+	m.set.NewGauge(`rlsidecar_config_last_reload_successful`, func() float64 {
+		if m.lastReloadFailed.Load() {
+			return 0
+		}
+		return 1
+	})
+	m.set.NewGauge(`rlsidecar_config_last_reload_success_timestamp_seconds`, func() float64 { return float64(m.lastReloadOK.Load()) })
 	for r := closeReason(1); r < nCloseReasons; r++ {
 		m.closed[r] = m.set.NewCounter(fmt.Sprintf(`rlsidecar_connections_closed_total{reason=%q}`, r))
 	}
@@ -153,12 +165,16 @@ func (m *Metrics) SetRules(set *rules.Set, loaded time.Time) {
 	}
 }
 
-// Reloaded counts a reload attempt.
+// Reloaded counts a reload attempt, and records whether it failed: while the file in
+// place is broken, rlsidecar_config_last_reload_successful is 0, and the next reload
+// that succeeds (the file fixed, or put back) sets it to 1.
 func (m *Metrics) Reloaded(err error) {
+	m.lastReloadFailed.Store(err != nil)
 	if err != nil {
 		m.reloadErr.Inc()
 	} else {
 		m.reloadOK.Inc()
+		m.lastReloadOK.Store(time.Now().Unix())
 	}
 }
 
@@ -460,17 +476,19 @@ func (m *Metrics) WritePrometheus(w io.Writer) {
 // setHelp is the HELP text of the families the metrics Set writes, which it writes as a
 // bare "# HELP name" (promtool check metrics: "no help text").
 var setHelp = map[string]string{
-	"rlsidecar_checks_total":             "Checks decided, by rule and result: allowed, rejected, or shadow_rejected (a shadow rule's refusal, not enforced). Inline limits count under rule ~inline.",
-	"rlsidecar_degraded_decisions_total": "Checks a rule's on_store_failure policy decided because the store it needs did not answer, by rule.",
-	"rlsidecar_warnings_total":           "Allowed checks after which a rule had used at least its warn_at fraction, by rule.",
-	"rlsidecar_delayed_total":            "Checks allowed after a wait (delay_ms, a rule with delay), by rule.",
-	"rlsidecar_bans_total":               "Bans this daemon started, by rule (its penalty).",
-	"rlsidecar_config_reloads_total":     "Rule reloads, by result: success, or error (the rules in force were kept).",
-	"rlsidecar_sync_flushes_total":       "Hybrid-mode syncs of admitted counts with Redis, by result.",
-	"rlsidecar_connections_closed_total": "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
-	"rlsidecar_build_info":               "The daemon's version, as a label; always 1.",
-	"rlsidecar_error_answers_total":      "Requests answered with an error, by code (bad_request, unknown_op, invalid_limit, frame_too_large, attr_too_large, internal, ...): a client sending malformed frames shows here.",
-	"rlsidecar_store_requests_total":     "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release, ping: a probe of an open breaker, or of a Cluster master no heartbeat reaches) and result.",
+	"rlsidecar_checks_total":                                 "Checks decided, by rule and result: allowed, rejected, or shadow_rejected (a shadow rule's refusal, not enforced). Inline limits count under rule ~inline.",
+	"rlsidecar_degraded_decisions_total":                     "Checks a rule's on_store_failure policy decided because the store it needs did not answer, by rule.",
+	"rlsidecar_warnings_total":                               "Allowed checks after which a rule had used at least its warn_at fraction, by rule.",
+	"rlsidecar_delayed_total":                                "Checks allowed after a wait (delay_ms, a rule with delay), by rule.",
+	"rlsidecar_bans_total":                                   "Bans this daemon started, by rule (its penalty).",
+	"rlsidecar_config_reloads_total":                         "Rule reloads, by result: success, or error (the rules in force were kept).",
+	"rlsidecar_config_last_reload_successful":                "1 when the last reload of the rules succeeded (or none was tried), 0 while the file in place failed to load and older rules are in force.",
+	"rlsidecar_config_last_reload_success_timestamp_seconds": "When the rules were last loaded successfully (the daemon's start, until a reload succeeds), in Unix seconds.",
+	"rlsidecar_sync_flushes_total":                           "Hybrid-mode syncs of admitted counts with Redis, by result.",
+	"rlsidecar_connections_closed_total":                     "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
+	"rlsidecar_build_info":                                   "The daemon's version, as a label; always 1.",
+	"rlsidecar_error_answers_total":                          "Requests answered with an error, by code (bad_request, unknown_op, invalid_limit, frame_too_large, attr_too_large, internal, ...): a client sending malformed frames shows here.",
+	"rlsidecar_store_requests_total":                         "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release, ping: a probe of an open breaker, or of a Cluster master no heartbeat reaches) and result.",
 }
 
 // withHelp fills in the bare HELP lines of text from setHelp.

@@ -113,17 +113,19 @@ func TestE2EAdminMetrics(t *testing.T) {
 	}
 	types, samples := scrape(t, base)
 	for name, typ := range map[string]string{
-		"rlsidecar_checks_total":              "counter",
-		"rlsidecar_check_duration_seconds":    "histogram",
-		"rlsidecar_keys":                      "gauge",
-		"rlsidecar_evictions_total":           "counter",
-		"rlsidecar_untracked_decisions_total": "counter",
-		"rlsidecar_degraded_decisions_total":  "counter",
-		"rlsidecar_config_reloads_total":      "counter",
-		"rlsidecar_config_info":               "gauge",
-		"rlsidecar_connections":               "gauge",
-		"rlsidecar_build_info":                "gauge",
-		"rlsidecar_top_rejected":              "gauge",
+		"rlsidecar_checks_total":                                 "counter",
+		"rlsidecar_check_duration_seconds":                       "histogram",
+		"rlsidecar_keys":                                         "gauge",
+		"rlsidecar_evictions_total":                              "counter",
+		"rlsidecar_untracked_decisions_total":                    "counter",
+		"rlsidecar_degraded_decisions_total":                     "counter",
+		"rlsidecar_config_reloads_total":                         "counter",
+		"rlsidecar_config_info":                                  "gauge",
+		"rlsidecar_config_last_reload_successful":                "gauge",
+		"rlsidecar_config_last_reload_success_timestamp_seconds": "gauge",
+		"rlsidecar_connections":                                  "gauge",
+		"rlsidecar_build_info":                                   "gauge",
+		"rlsidecar_top_rejected":                                 "gauge",
 	} {
 		if types[name] != typ {
 			t.Errorf("%s: type %q, want %q", name, types[name], typ)

@@ -63,6 +63,11 @@ func TestE2EReloadRefusesNonRegularFile(t *testing.T) {
 	if l := limitOf(t, c, 1); l != 1 || rulesVersion(t, base) != v {
 		t.Fatalf("a refused file replaced the rules: limit %d", l)
 	}
+	_, samples := scrape(t, base)
+	okAt := samples["rlsidecar_config_last_reload_success_timestamp_seconds"]
+	if ok := samples["rlsidecar_config_last_reload_successful"]; ok != 0 || okAt < float64(time.Now().Add(-time.Minute).Unix()) {
+		t.Fatalf("after a refused file: last_reload_successful %v (want 0), last success at %v", ok, okAt)
+	}
 	for _, want := range []string{"not a regular file (a named pipe)", "not a regular file (/dev/zero, a character device)"} {
 		if !strings.Contains(d.stderr.String(), want) {
 			t.Errorf("the log does not say %q:\n%s", want, d.stderr.String())
@@ -74,6 +79,12 @@ func TestE2EReloadRefusesNonRegularFile(t *testing.T) {
 	waitReload(t, base, v)
 	if l := limitOf(t, c, 2); l != 2 {
 		t.Fatalf("after the refused files: limit %d", l)
+	}
+	// The gauge says the file in place loaded: an alert on it stops at the fix.
+	if _, samples := scrape(t, base); samples["rlsidecar_config_last_reload_successful"] != 1 ||
+		samples["rlsidecar_config_last_reload_success_timestamp_seconds"] < okAt {
+		t.Fatalf("after a good file: last_reload_successful %v (want 1), last success at %v (before: %v)",
+			samples["rlsidecar_config_last_reload_successful"], samples["rlsidecar_config_last_reload_success_timestamp_seconds"], okAt)
 	}
 }
 
