@@ -189,6 +189,17 @@ func (c *converter) file(f File) {
 		c.errorf(f.Name, &doc, "", "expected a mapping with domain and descriptors")
 		return
 	}
+	// envoyproxy/ratelimit reads a file's first YAML document and ignores the rest; a
+	// conversion that did the same would drop limits without a word, and one that took
+	// them all would enforce limits Envoy never did. The user decides: one file each.
+	var next yaml.Node
+	if err := dec.Decode(&next); err == nil && len(next.Content) > 0 && next.Content[0].Tag != "!!null" {
+		c.errorf(f.Name, next.Content[0], "", "a second YAML document: envoyproxy/ratelimit reads only a file's first and ignores the rest; put each domain in a file of its own (or delete the ones Envoy never used)")
+		return
+	} else if err != nil && !errors.Is(err, io.EOF) {
+		c.errs = append(c.errs, fmt.Errorf("%s: invalid YAML: %w", f.Name, err))
+		return
+	}
 	top := c.fields(f.Name, doc.Content[0], "", topFields)
 	if top == nil {
 		return

@@ -121,6 +121,8 @@ func TestConvertErrors(t *testing.T) {
 		"repeated_key.yaml":      `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
 		"reserved_key.yaml":      `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
 		"duplicate_name.yaml":    `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
+		// envoyproxy/ratelimit reads only the first document; the converter read only it too, silently.
+		"two_documents.yaml": `two_documents.yaml:6: a second YAML document: envoyproxy/ratelimit reads only a file's first`,
 		// envoyproxy/ratelimit's '*' before the end of a value is a literal character.
 		"path_literal_star.yaml":   `path_literal_star.yaml:4: descriptors[0].value: "/api/*/action": envoyproxy/ratelimit matches only this exact value`,
 		"inner_star_wildcard.yaml": `inner_star_wildcard.yaml:4: descriptors[0].value: "/api/*/v*": envoyproxy/ratelimit matches the values starting with "/api/*/v"`,
