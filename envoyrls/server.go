@@ -716,6 +716,37 @@ var unitDuration = map[typev3.RateLimitUnit]time.Duration{
 	typev3.RateLimitUnit_YEAR:   365 * 24 * time.Hour,
 }
 
+// headerItem reports whether result i of d is written in the RateLimit headers after the
+// deciding one: not shadow, asked, and the item of its name (the headers are keyed by
+// policy name, so a rule that several descriptors hit is written once): no result of
+// that name is the deciding one, or has less remaining (or as much, earlier).
+func headerItem(d *limiter.Decision, i int) bool {
+	r := &d.Results[i]
+	if r.Shadow || r.Unasked || i == d.Deciding {
+		return false
+	}
+	for j := range d.Results {
+		o := &d.Results[j]
+		if j == i || o.Name != r.Name || o.Shadow || o.Unasked {
+			continue
+		}
+		if j == d.Deciding || o.Remaining < r.Remaining || (o.Remaining == r.Remaining && j < i) {
+			return false
+		}
+	}
+	return true
+}
+
+// warnedBefore reports whether a result before i of d warns under i's name.
+func warnedBefore(d *limiter.Decision, i int) bool {
+	for j := range i {
+		if o := &d.Results[j]; o.Warning && !o.Shadow && o.Name == d.Results[i].Name {
+			return true
+		}
+	}
+	return false
+}
+
 // response fills sc.ans, the answer to a call of n descriptors, from sc.d.
 func (s *Server) response(n int, sc *scratch) {
 	d := &sc.d
@@ -775,9 +806,10 @@ func (s *Server) response(n int, sc *scratch) {
 		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(dr))
 		for i := range d.Results {
 			// An unasked rule's figures were not read (limiter.Result.Unasked): it says
-			// nothing of its quota.
-			if r := &d.Results[i]; !r.Shadow && !r.Unasked && i != d.Deciding {
-				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(r))
+			// nothing of its quota. A rule that several descriptors hit (each its own
+			// key) is one policy: one item, the deciding one's or the least remaining.
+			if headerItem(d, i) {
+				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(&d.Results[i]))
 			}
 		}
 		a.headers = append(a.headers, hdr{"RateLimit-Policy", sc.pol}, hdr{"RateLimit", sc.cur})
@@ -785,7 +817,7 @@ func (s *Server) response(n int, sc *scratch) {
 	if d.Allowed {
 		sc.warn = sc.warn[:0]
 		for i := range d.Results {
-			if r := &d.Results[i]; r.Warning && !r.Shadow {
+			if r := &d.Results[i]; r.Warning && !r.Shadow && !warnedBefore(d, i) {
 				sc.warn = proto.AppendWarningItem(sc.warn, r.Name)
 			}
 		}

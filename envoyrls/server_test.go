@@ -341,3 +341,79 @@ func TestOverrideKeysDoNotCollide(t *testing.T) {
 		t.Errorf("a plain part became %q", got)
 	}
 }
+
+// A rule that several descriptors of one call hit (each its own key) is one policy in
+// the RateLimit headers, which are keyed by name: written once, as the deciding
+// descriptor's when it decides, else as the one with the least remaining; and warned
+// once. Before, each descriptor wrote it again, and a client reading the headers by
+// name took whichever it met first.
+func TestHeadersOneItemPerRule(t *testing.T) {
+	set, err := rules.Parse("u.yaml", []byte(`
+rules:
+  - name: per-user
+    match: { domain: api, descriptor: user }
+    key: user
+    limit: { requests: 10, per: 1m }
+    warn_at: 0.5
+  - name: per-route
+    match: { domain: api, descriptor: route }
+    key: route
+    limit: { requests: 100, per: 1m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	s, err := New(Config{Addr: "unused:0"}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const now = 1_700_000_000_000_000_000
+	s.now = func() int64 { return now }
+	desc := func(k, v string) *commonrl.RateLimitDescriptor {
+		return &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: k, Value: v}}}
+	}
+	call := func(ds ...*commonrl.RateLimitDescriptor) (*rlsv3.RateLimitResponse, map[string]string) {
+		t.Helper()
+		resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api", Descriptors: ds})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := map[string]string{}
+		for _, hv := range resp.ResponseHeadersToAdd {
+			if _, dup := h[hv.Key]; dup {
+				t.Fatalf("header %s twice", hv.Key)
+			}
+			h[hv.Key] = hv.Value
+		}
+		return resp, h
+	}
+	for range 7 { // user a: 7 of 10 used
+		call(desc("user", "a"))
+	}
+	// After this call a has 2 left, b 9 and the route 99: a decides, and per-user is
+	// written once, as a's.
+	resp, h := call(desc("user", "b"), desc("route", "r"), desc("user", "a"))
+	if resp.OverallCode != rlsv3.RateLimitResponse_OK {
+		t.Fatalf("call: %v", resp.OverallCode)
+	}
+	if want := `"per-user";q=10;w=60, "per-route";q=100;w=60`; h["RateLimit-Policy"] != want {
+		t.Errorf("RateLimit-Policy %q, want %q", h["RateLimit-Policy"], want)
+	}
+	if want := `"per-user";r=2;t=`; !strings.HasPrefix(h["RateLimit"], want) || strings.Count(h["RateLimit"], "per-user") != 1 {
+		t.Errorf("RateLimit %q, want one per-user item, a's (%s…)", h["RateLimit"], want)
+	}
+	if h["RateLimit-Warning"] != `"per-user"` {
+		t.Errorf("RateLimit-Warning %q, want per-user once", h["RateLimit-Warning"])
+	}
+	// Another rule deciding: per-user's item is its least remaining key's (a, 1 left;
+	// c has 9).
+	for range 99 {
+		call(desc("route", "r2"))
+	}
+	_, h = call(desc("user", "c"), desc("user", "a"), desc("route", "r2"))
+	if !strings.HasPrefix(h["RateLimit"], `"per-route";r=0;t=`) || !strings.Contains(h["RateLimit"], `"per-user";r=1;t=`) ||
+		strings.Count(h["RateLimit"], "per-user") != 1 {
+		t.Errorf("RateLimit %q, want per-route first, then per-user's a (1 left) once", h["RateLimit"])
+	}
+}
