@@ -131,11 +131,14 @@ function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: 
           // it whose source failed): the request is over, as when it ends. Node does not
           // call destroy when the client goes away (that is 'close' alone, below), so a
           // handler still running keeps its slot. Before, the slot stayed held until the
-          // lease ran out (30 s by default).
+          // lease ran out (30 s by default). The destroy takes effect once the release is
+          // answered (at most timeoutMs later), as res.end() does: a client that retries
+          // the moment its request fails finds the slot free.
           res.destroy = function destroyAfterRelease(...args) {
-            if (started) release();
             res.destroy = destroy;
-            return destroy.apply(res, args);
+            if (!started) return destroy.apply(res, args);
+            release().then(() => destroy.apply(res, args));
+            return res;
           };
         }
         res.once('finish', release);

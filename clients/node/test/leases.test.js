@@ -193,6 +193,39 @@ test('the middleware releases when the handler destroys its response', async (t)
   }
 });
 
+test('a destroyed response reaches its client only once its lease is released', async (t) => {
+  // A client that retries the moment its request fails (res.destroy(), or a
+  // stream.pipeline whose source failed) must find the slot free, as after res.end() and
+  // as with the Go and Python middlewares, which release before the failure shows. The
+  // release was sent as the response was destroyed, not waited for: of 30 immediate
+  // retries, a few found the slot still held (a 429 for a slot being freed).
+  const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  const probe = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => Promise.all([c.close(), probe.close()]));
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  const srv = http.createServer((req, res) => mw(req, res, () => res.destroy()));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  const get = () => new Promise((resolve) => {
+    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/', agent: false }, (res) => {
+      res.resume();
+      res.on('end', () => resolve(res.statusCode));
+      res.on('error', () => resolve('aborted'));
+    });
+    r.on('error', () => resolve('aborted'));
+  });
+  let held = 0;
+  for (let i = 0; i < 30; i++) {
+    assert.equal(await get(), 'aborted');
+    if ((await probe.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining !== 1) held++;
+    for (let k = 0; k < 100 && (await probe.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining !== 1; k++) {
+      await new Promise((r) => setTimeout(r, 5));
+    }
+  }
+  assert.equal(held, 0, 'retries that found the slot of a destroyed response still held');
+});
+
 test('the middleware releases when the response finishes', async (t) => {
   const d = await startDaemon(t, RULES.replace('max: 2', 'max: 1'));
   const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
