@@ -213,18 +213,11 @@ func TestOverrideZero(t *testing.T) {
 	}
 }
 
-// A concurrency rule's items are those the clients write (proto.AppendRateLimitItem): a
-// quota of concurrent requests, with no window, `"jobs";q=1;qu="concurrent-requests"`;
-// allowed, no t (nothing says when a slot frees); refused (its slot held by a lease taken
-// beside Envoy's calls), its retry hint as t and Retry-After.
-func TestConcurrencyHeaders(t *testing.T) {
-	set, err := rules.Parse("c.yaml", []byte(`
-rules:
-  - name: jobs
-    match: { domain: api, descriptor: job }
-    key: job
-    concurrency: { max: 1, lease: 30s }
-`))
+// stoppedServer returns a Server (not serving: called directly) on the rules in yaml, a
+// local store, and its limiter, with its clock stopped at now.
+func stoppedServer(t *testing.T, now int64, yaml string) (*Server, *limiter.Limiter) {
+	t.Helper()
+	set, err := rules.Parse("t.yaml", []byte(yaml))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,8 +226,23 @@ rules:
 	if err != nil {
 		t.Fatal(err)
 	}
-	const now = 1_700_000_000_000_000_000
 	s.now = func() int64 { return now }
+	return s, lim
+}
+
+// A concurrency rule's items are those the clients write (proto.AppendRateLimitItem): a
+// quota of concurrent requests, with no window, `"jobs";q=1;qu="concurrent-requests"`;
+// allowed, no t (nothing says when a slot frees); refused (its slot held by a lease taken
+// beside Envoy's calls), its retry hint as t and Retry-After.
+func TestConcurrencyHeaders(t *testing.T) {
+	const now = 1_700_000_000_000_000_000
+	s, lim := stoppedServer(t, now, `
+rules:
+  - name: jobs
+    match: { domain: api, descriptor: job }
+    key: job
+    concurrency: { max: 1, lease: 30s }
+`)
 	call := func() (*rlsv3.RateLimitResponse, map[string]string) {
 		t.Helper()
 		resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
@@ -348,7 +356,8 @@ func TestOverrideKeysDoNotCollide(t *testing.T) {
 // once. Before, each descriptor wrote it again, and a client reading the headers by
 // name took whichever it met first.
 func TestHeadersOneItemPerRule(t *testing.T) {
-	set, err := rules.Parse("u.yaml", []byte(`
+	const now = 1_700_000_000_000_000_000
+	s, _ := stoppedServer(t, now, `
 rules:
   - name: per-user
     match: { domain: api, descriptor: user }
@@ -359,17 +368,7 @@ rules:
     match: { domain: api, descriptor: route }
     key: route
     limit: { requests: 100, per: 1m }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	s, err := New(Config{Addr: "unused:0"}, lim)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const now = 1_700_000_000_000_000_000
-	s.now = func() int64 { return now }
+`)
 	desc := func(k, v string) *commonrl.RateLimitDescriptor {
 		return &commonrl.RateLimitDescriptor{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: k, Value: v}}}
 	}
