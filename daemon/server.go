@@ -28,12 +28,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -151,6 +153,8 @@ type Server struct {
 	heads ruleHeads
 	// spin is the busy-poll budget connections share (Config.BusyPoll); nil when off.
 	spin *rawio.Spinner
+	// orderSeed hashes the keys of a connection's checks that wait (conn.order).
+	orderSeed maphash.Seed
 }
 
 // now reads the clock: it returns the monotonic time decisions are made on, and tells
@@ -171,7 +175,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		return nil, errors.New("daemon: no socket path")
 	}
 	cfg.setDefaults()
-	srv := &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize}
+	srv := &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize, orderSeed: maphash.MakeSeed()}
 	if cfg.BusyPoll > 0 {
 		srv.spin = rawio.NewSpinner(cfg.BusyPoll)
 	}
@@ -530,6 +534,26 @@ type conn struct {
 	// buffers alias their bytes): compact leaves them alone. Under wmu.
 	inWrite  int
 	deciding sync.WaitGroup // the deciding goroutines
+
+	// order is the latest check waiting on Redis (goWait) that takes from a key, by the
+	// key's hash (Server.orderSeed): a later check of the connection that shares a key
+	// with it waits for it to be decided before it is decided itself, so that pipelined
+	// checks of one key are decided in request order, whatever order their goroutines
+	// run in (a lone goroutine spawned last runs first). Checks that share no key still
+	// overlap their Redis round trips. Under omu; turns counts its distinct turns, read
+	// without omu: 0 (nothing waits) leaves the fast path one load.
+	omu    sync.Mutex
+	order  map[uint64]*turn
+	turns  atomic.Int32
+	hashes []uint64 // the connection goroutine's scratch
+}
+
+// turn is a waiting check's place in its connection's order: done is closed once it is
+// decided.
+type turn struct {
+	done  chan struct{}
+	keys  []uint64
+	after []*turn // the waiting checks before it that share a key with it
 }
 
 // pending is one request decided off the connection's goroutine because it waits on
@@ -1300,7 +1324,7 @@ func (cn *conn) handle(body []byte, now int64) {
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
 		if cn.s.lim.LeaseWaits(req.Lease) {
-			cn.goWait(body, now) // a global lease: Redis decides, off the fast path
+			cn.goWait(body, now, nil) // a global lease: Redis decides, off the fast path
 			return
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
@@ -1322,7 +1346,7 @@ func (cn *conn) renew(body []byte, now int64) {
 		return
 	}
 	if cn.s.lim.LeaseWaits(req.Lease) {
-		cn.goWait(body, now)
+		cn.goWait(body, now, nil)
 		return
 	}
 	cn.s.renew(cn.out(), req, now)
@@ -1354,22 +1378,79 @@ func (cn *conn) check(body []byte, now int64) {
 	input(&cn.in, &cn.req)
 	d := &cn.dcs
 	waits, err := cn.s.lim.Prepare(&cn.in, d)
-	if err == nil && waits {
-		cn.goWait(body, now)
+	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(d)) {
+		// Waits on Redis, or shares a key with a check of this connection that does: it
+		// is decided after that one, off the fast path.
+		cn.goWait(body, now, cn.keysOf(d))
 		return
 	}
 	if err == nil && !cn.s.lim.DecideInline(now, d) {
 		// A hybrid key needs Redis (an exact sync): decide off the fast path too.
-		cn.goWait(body, now)
+		cn.goWait(body, now, cn.keysOf(d))
 		return
 	}
 	cn.s.answer(cn.out(), &cn.req, d, err, &cn.tally)
 }
 
+// keysOf returns the hashes of the keys d's prepared check takes from, in cn.hashes.
+func (cn *conn) keysOf(d *limiter.Decision) []uint64 {
+	cn.hashes = d.AppendKeyHashes(cn.hashes[:0], cn.s.orderSeed)
+	return cn.hashes
+}
+
+// behind reports whether the check prepared in d shares a key with a check of this
+// connection still waiting to be decided.
+func (cn *conn) behind(d *limiter.Decision) bool {
+	keys := cn.keysOf(d)
+	cn.omu.Lock()
+	defer cn.omu.Unlock()
+	for _, k := range keys {
+		if cn.order[k] != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// enter gives a check that waits, taking from keys, its turn: after the waiting checks
+// before it that share a key with it. nil keys (a lease's release or renew) take none.
+func (cn *conn) enter(keys []uint64) *turn {
+	if len(keys) == 0 {
+		return nil
+	}
+	t := &turn{done: make(chan struct{}), keys: append([]uint64(nil), keys...)}
+	cn.omu.Lock()
+	if cn.order == nil {
+		cn.order = make(map[uint64]*turn)
+	}
+	for _, k := range t.keys {
+		if prev := cn.order[k]; prev != nil && prev != t && !slices.Contains(t.after, prev) {
+			t.after = append(t.after, prev)
+		}
+		cn.order[k] = t
+	}
+	cn.omu.Unlock()
+	cn.turns.Add(1)
+	return t
+}
+
+// leave ends t's turn once its check is decided: the checks after it may go.
+func (cn *conn) leave(t *turn) {
+	cn.omu.Lock()
+	for _, k := range t.keys {
+		if cn.order[k] == t {
+			delete(cn.order, k)
+		}
+	}
+	cn.omu.Unlock()
+	cn.turns.Add(-1)
+	close(t.done)
+}
+
 // goWait decides the request in body (a check, or the release or renew of a global
 // lease) on a goroutine of its own, answering into a pending slot that the next flush
 // writes in order.
-func (cn *conn) goWait(body []byte, now int64) {
+func (cn *conn) goWait(body []byte, now int64, keys []uint64) {
 	p := cn.take()
 	// This frame was counted as answered inline (into the tail before it, or into enc):
 	// it moves to its own entry.
@@ -1390,8 +1471,14 @@ func (cn *conn) goWait(body []byte, now int64) {
 	lim := cn.s.lim
 	cn.undecided.Add(1)
 	cn.deciding.Add(1)
+	t := cn.enter(keys)
 	go func() {
 		defer cn.deciding.Done()
+		if t != nil {
+			for _, before := range t.after {
+				<-before.done
+			}
+		}
 		switch p.req.Op {
 		case proto.OpRelease:
 			p.enc.EncodeRelease(p.req.ID, lim.ReleaseLease(p.req.Lease, now))
@@ -1403,6 +1490,9 @@ func (cn *conn) goWait(body []byte, now int64) {
 				lim.Decide(now, &p.dcs)
 			}
 			cn.s.answer(p.enc, &p.req, &p.dcs, err, nil)
+		}
+		if t != nil {
+			cn.leave(t)
 		}
 		cn.wmu.Lock()
 		p.fin = true // p may be written (and reused) from here: not touched again below

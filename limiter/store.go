@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"errors"
+	"hash/maphash"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -72,6 +73,17 @@ type op struct {
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64
+}
+
+// AppendKeyHashes appends to dst the hash under seed of each key the check prepared in d
+// takes from (its rules' and inline limits'), and returns it: the daemon orders a
+// connection's pipelined checks that share a key by them (a collision only orders two
+// checks that need not be).
+func (d *Decision) AppendKeyHashes(dst []uint64, seed maphash.Seed) []uint64 {
+	for i := range d.ops {
+		dst = append(dst, maphash.Bytes(seed, d.ops[i].key))
+	}
+	return dst
 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,

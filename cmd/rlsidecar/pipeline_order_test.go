@@ -1,0 +1,102 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// Pipelined checks of one key on one connection are decided in request order, in every
+// mode: with a limit of 5, ten written at once are allowed, allowed, allowed, allowed,
+// allowed, then refused five times. A check that waits on Redis (a global rule, a hybrid
+// key new to the daemon) is decided on a goroutine of its own; before, the checks behind
+// it that shared its key were decided as their goroutines happened to run (the last one
+// spawned first), or inline ahead of it, so some of the first five were refused and later
+// ones allowed (AAAArrrrrA, AAArArrrAr), the counts right and the order not.
+func TestE2EPipelinedChecksOfOneKeyInOrder(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: global-rate
+    match: { path: /g }
+    key: user
+    limit: { requests: 5, per: 1h }
+    mode: global
+  - name: global-concurrency
+    match: { path: /c }
+    key: user
+    concurrency: { max: 5, lease: 1m }
+    mode: global
+  - name: hybrid-rate
+    match: { path: /h }
+    key: user
+    limit: { requests: 5, per: 1h }
+    mode: hybrid
+  - name: wide
+    match: { path: /m }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+  - name: tight
+    match: { path: "/m*" }
+    key: user
+    limit: { requests: 5, per: 1h }
+    mode: local
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	// pipeline writes the checks of user on paths in one write and returns the
+	// decisions in request order: A allowed, r refused.
+	pipeline := func(user string, paths ...string) string {
+		enc := proto.NewEncoder()
+		first := id + 1
+		for _, p := range paths {
+			id++
+			enc.EncodeRequest(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1,
+				Attrs: []proto.Attr{{Name: "path", Value: p}, {Name: "user", Value: user}}})
+		}
+		c.write(enc.Bytes())
+		var got strings.Builder
+		for i := range paths {
+			r := c.recv()
+			if r.ID != first+uint64(i) || r.IsError() || r.Degraded {
+				t.Fatalf("answer %d: %+v, want id %d, a decision, not degraded", i, r, first+uint64(i))
+			}
+			if r.Allowed {
+				got.WriteByte('A')
+			} else {
+				got.WriteByte('r')
+			}
+		}
+		return got.String()
+	}
+	ten := func(p string) []string {
+		out := make([]string, 10)
+		for i := range out {
+			out[i] = p
+		}
+		return out
+	}
+	for trial := range 5 {
+		for _, tc := range []struct {
+			name  string
+			paths []string
+		}{
+			{"global rate", ten("/g")},
+			{"global concurrency", ten("/c")},
+			{"hybrid rate, a key new to the daemon", ten("/h")},
+			// The first waits on Redis for its global rule; the nine behind it take from
+			// its local rule's key alone, and are decided after it, not inline before it.
+			{"global and local, then local alone", append([]string{"/m"}, ten("/ml")[:9]...)},
+		} {
+			user := fmt.Sprintf("u%d-%s", trial, strings.ReplaceAll(tc.name, " ", "-"))
+			if got := pipeline(user, tc.paths...); got != "AAAAArrrrr" {
+				t.Errorf("trial %d, %s: decided %s, want AAAAArrrrr", trial, tc.name, got)
+			}
+		}
+	}
+}
