@@ -812,6 +812,40 @@ rules:
 	}
 }
 
+// A --global-timeout above --redis-timeout is the wait a global check gets: a Redis
+// 80 ms away answers global checks given 300 ms. Before, the checks' client kept the
+// 50 ms --redis-timeout as its read deadline, which go-redis takes when it is sooner
+// than the check's: every global check failed after 50 ms and followed its policy
+// (degraded; a closed rule refused every client), whatever --global-timeout said.
+func TestFaultGlobalTimeoutAboveRedisTimeout(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	proxy := startToxiproxy(t, srv.Addr)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: otp
+    match: { path: /otp }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--global-timeout", "300ms")
+	c := dialFault(t, d.socket)
+	waitNormal(t, c, 5*time.Second, "path=/otp", "user=a")
+	addToxic(t, proxy, "slow", "latency", "downstream", `{"latency":80}`)
+	for i := 0; i < 5; i++ {
+		start := time.Now()
+		r, _, err := c.Check("path=/otp", "user=a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !r.Allowed || r.Degraded {
+			t.Fatalf("check %d, Redis 80 ms away, --global-timeout 300ms: allowed %v, degraded %v after %s (want decided by Redis)",
+				i+1, r.Allowed, r.Degraded, time.Since(start).Round(time.Millisecond))
+		}
+	}
+}
+
 // New clients while Redis is down, or while the daemon is still finding out that it is:
 // a hybrid key the daemon cannot decide without Redis is decided by its rule's failure
 // policy, marked degraded, never refused as if it were over its limit. Before, a new
