@@ -812,6 +812,83 @@ rules:
 	}
 }
 
+// A --global-timeout above --redis-timeout is the wait a global check gets: a Redis
+// 80 ms away answers global checks given 300 ms. Before, the checks' client kept the
+// 50 ms --redis-timeout as its read deadline, which go-redis takes when it is sooner
+// than the check's: every global check failed after 50 ms and followed its policy
+// (degraded; a closed rule refused every client), whatever --global-timeout said.
+func TestFaultGlobalTimeoutAboveRedisTimeout(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	proxy := startToxiproxy(t, srv.Addr)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: otp
+    match: { path: /otp }
+    key: user
+    limit: { requests: 1000000, per: 1h }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--global-timeout", "300ms")
+	c := dialFault(t, d.socket)
+	waitNormal(t, c, 5*time.Second, "path=/otp", "user=a")
+	addToxic(t, proxy, "slow", "latency", "downstream", `{"latency":80}`)
+	for i := 0; i < 5; i++ {
+		start := time.Now()
+		r, _, err := c.Check("path=/otp", "user=a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !r.Allowed || r.Degraded {
+			t.Fatalf("check %d, Redis 80 ms away, --global-timeout 300ms: allowed %v, degraded %v after %s (want decided by Redis)",
+				i+1, r.Allowed, r.Degraded, time.Since(start).Round(time.Millisecond))
+		}
+	}
+}
+
+// A hybrid sync (and heartbeat) call is bounded by max(--redis-timeout, --sync-interval),
+// as docs/reliability.md says: a Redis 100 ms away answers a daemon syncing every 500 ms
+// (a call on a new connection takes three round trips: go-redis's HELLO, CLIENT SETINFO,
+// then the call).
+// Before, the syncs' client kept the 50 ms --redis-timeout as its read deadline, which
+// go-redis takes when it is sooner than the call's: every sync and heartbeat failed, the
+// breaker opened, and the closed rule refused every check, degraded (541 of 541).
+func TestFaultHybridSyncBoundIsTheInterval(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	proxy := startToxiproxy(t, srv.Addr)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 1000000, per: 1h }
+    mode: hybrid
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--sync-interval", "500ms")
+	c := dialFault(t, d.socket)
+	waitNormal(t, c, 5*time.Second, "path=/login", "ip=a")
+	addToxic(t, proxy, "slow", "latency", "downstream", `{"latency":100}`)
+	degraded, total := 0, 0
+	for start := time.Now(); time.Since(start) < 3*time.Second; total++ {
+		r, _, err := c.Check("path=/login", "ip=a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Degraded {
+			degraded++
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// Some checks may still follow the policy: a check that needs an exact sync waits
+	// for it at most FetchWait (25 ms here), less than the round trip. The syncs must not
+	// fail.
+	t.Logf("Redis 100 ms away, --sync-interval 500ms: %d of %d checks degraded", degraded, total)
+	if log := d.stderr.String(); strings.Contains(log, "redis sync failed") || strings.Contains(log, "circuit breaker open") {
+		t.Errorf("Redis 100 ms away, syncs bounded by 500 ms: syncs failed (%d of %d checks degraded):\n%s", degraded, total, log)
+	}
+}
+
 // New clients while Redis is down, or while the daemon is still finding out that it is:
 // a hybrid key the daemon cannot decide without Redis is decided by its rule's failure
 // policy, marked degraded, never refused as if it were over its limit. Before, a new

@@ -84,7 +84,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
 	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
-	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call")
+	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks': --global-timeout, when that is longer)")
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
@@ -257,12 +257,23 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		// timeouts close connections, must not make the second look down. A breaker per
 		// master (one on a standalone Redis): a Cluster master that fails degrades its
 		// own keys only.
-		rdb, err := rlsync.Open(cfg)
+		// The syncs' client likewise: a sync or heartbeat call is bounded by
+		// max(--redis-timeout, --sync-interval) (hybrid.Run's timeout below), which the
+		// client's own read timeout cut to --redis-timeout before.
+		cfgSync := cfg
+		cfgSync.Timeout = max(*redisTimeout, *syncInterval)
+		rdb, err := rlsync.Open(cfgSync)
 		if err != nil {
 			return err
 		}
 		defer rdb.Close()
-		rdbChecks, err := rlsync.Open(cfg)
+		// The checks' client times its calls out no sooner than --global-timeout: go-redis
+		// takes the sooner of its own timeout and the call's deadline, so a
+		// --global-timeout above --redis-timeout was cut to it (a round trip of the
+		// auto-pipeline is given at most --global-timeout from when it is sent).
+		cfgChecks := cfg
+		cfgChecks.Timeout = max(*redisTimeout, *globalTimeout)
+		rdbChecks, err := rlsync.Open(cfgChecks)
 		if err != nil {
 			return err
 		}
