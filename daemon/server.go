@@ -1324,7 +1324,7 @@ func (cn *conn) handle(body []byte, now int64) {
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
 		if cn.s.lim.LeaseWaits(req.Lease) {
-			cn.goWait(body, now, nil) // a global lease: Redis decides, off the fast path
+			cn.goWait(body, now, cn.leaseKeys(req.Lease)) // a global lease: Redis decides, off the fast path
 			return
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
@@ -1346,7 +1346,7 @@ func (cn *conn) renew(body []byte, now int64) {
 		return
 	}
 	if cn.s.lim.LeaseWaits(req.Lease) {
-		cn.goWait(body, now, nil)
+		cn.goWait(body, now, cn.leaseKeys(req.Lease))
 		return
 	}
 	cn.s.renew(cn.out(), req, now)
@@ -1398,6 +1398,13 @@ func (cn *conn) keysOf(d *limiter.Decision) []uint64 {
 	return cn.hashes
 }
 
+// leaseKeys returns the hashes of the keys whose slots the global lease of token holds,
+// in cn.hashes: its release or renew is ordered with the checks of those keys.
+func (cn *conn) leaseKeys(token string) []uint64 {
+	cn.hashes = cn.s.lim.AppendLeaseKeyHashes(cn.hashes[:0], token, cn.s.orderSeed)
+	return cn.hashes
+}
+
 // behind reports whether the check prepared in d shares a key with a check of this
 // connection still waiting to be decided.
 func (cn *conn) behind(d *limiter.Decision) bool {
@@ -1412,8 +1419,9 @@ func (cn *conn) behind(d *limiter.Decision) bool {
 	return false
 }
 
-// enter gives a check that waits, taking from keys, its turn: after the waiting checks
-// before it that share a key with it. nil keys (a lease's release or renew) take none.
+// enter gives a request that waits, taking from keys (a check's, or the slots of a lease
+// it releases or renews), its turn: after the waiting requests before it that share a key
+// with it. No keys take no turn.
 func (cn *conn) enter(keys []uint64) *turn {
 	if len(keys) == 0 {
 		return nil

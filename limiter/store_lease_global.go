@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"errors"
+	"hash/maphash"
 	"sync/atomic"
 	"time"
 
@@ -575,6 +576,23 @@ func splitToken(token string) (local, global string) {
 func (l *Limiter) LeaseWaits(token string) bool {
 	_, global := splitToken(token)
 	return global != "" && l.global != nil
+}
+
+// AppendLeaseKeyHashes appends to dst the hash under seed of each key the global part of
+// the lease of token holds a slot of, as Decision.AppendKeyHashes hashes a check's keys,
+// and returns it (nothing for a local lease or a token that does not decode): the daemon
+// orders a pipelined release or renew with the checks of those keys around it.
+func (l *Limiter) AppendLeaseKeyHashes(dst []uint64, token string, seed maphash.Seed) []uint64 {
+	_, global := splitToken(token)
+	if global == "" || l.global == nil {
+		return dst
+	}
+	if _, parts, _, ok := l.global.decodeGlobal(global); ok {
+		for i := range parts {
+			dst = append(dst, maphash.String(seed, parts[i].Key))
+		}
+	}
+	return dst
 }
 
 // ReleaseLease frees the lease of token (Limiter.LeaseToken) and reports whether it
