@@ -39,6 +39,8 @@ import (
 //   - '?' or '#': they start the query and the fragment, which are not part of the path
 //     (and a glob has no '?' wildcard); a path holds them only where it sent %3F or %23,
 //     and a glob holding them is far more often a query or a fragment written by mistake;
+//   - "//", or a segment "." or "..": the path arrives with runs of '/' merged and dot
+//     segments resolved;
 //   - route-template or regular-expression syntax that a glob takes literally: a segment
 //     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
 //     starting with '^', a pattern ending in '$'.
@@ -399,6 +401,16 @@ func deadGlob(pattern string) string {
 			return "'#' starts the fragment, which clients never send"
 		case c == '\\':
 			return "a backslash looks like a regular expression; globs have * (within a segment) and ** (any depth)"
+		}
+	}
+	// The path arrives normalized (clients/testdata/paths.json): runs of '/' merged into
+	// one, '.' and '..' segments removed.
+	if strings.Contains(pattern, "//") {
+		return "\"//\": a request path arrives with runs of '/' merged into one"
+	}
+	for seg := range strings.SplitSeq(pattern, "/") {
+		if seg == "." || seg == ".." {
+			return "segment " + strconv.Quote(seg) + ": a request path arrives with its '.' and '..' segments resolved"
 		}
 	}
 	if strings.Contains(pattern, ".*") {

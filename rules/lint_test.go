@@ -126,11 +126,13 @@ func TestWarningsAttributeCase(t *testing.T) {
 
 func TestWarningsDeadGlobs(t *testing.T) {
 	dead := []string{"/search?q=*", "/a#top", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
-		"/^v1/**", "/files/[0-9]*"}
+		"/^v1/**", "/files/[0-9]*",
+		// A path arrives with runs of '/' merged and '.' and '..' segments removed.
+		"/api//v1/*", "//login", "/a/**//b", "/static/../admin", "/a/./b", "/a/..", "/.", "/v1/**/./x"}
 	// A path arrives with each %XX decoded once (clients/testdata/paths.json), so a space,
 	// or any other byte, can be in it: /my%20files/a is /my files/a.
 	live := []string{"/", "/**", "/v1/*/holds", "/files/*.png", "/$metadata", "/v1/projects/p:run", "/a+b", "/{", "/a.b", "/:", "/a(b)",
-		"/my files/*", "/a b", "/a\tb", "/a\x00b"}
+		"/my files/*", "/a b", "/a\tb", "/a\x00b", "/.hidden/*", "/a..b/...", "/a/", "/v1/**/", "/...", "/a./.b"}
 	for _, g := range dead {
 		if deadGlob(g) == "" {
 			t.Errorf("%q: no warning", g)
