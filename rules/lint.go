@@ -31,12 +31,16 @@ import (
 // hybrid mode up to the sync's approximation). Remove B, or loosen A.
 //
 // A path glob that no request path can match. Every glob matches some string, so this
-// looks at what gateways send: a request path, as written by the client, before the
-// query. A glob warns when it holds
+// looks at what gateways send: a request path, before the query, with each %XX decoded
+// once (clients/testdata/paths.json), so that a space or a control character can be in
+// it (/my%20files/a arrives as /my files/a) and is not warned of. A glob warns when it
+// holds
 //
 //   - '?' or '#': they start the query and the fragment, which are not part of the path
-//     (and a glob has no '?' wildcard);
-//   - a space or control character, which a request path never carries unescaped;
+//     (and a glob has no '?' wildcard); a path holds them only where it sent %3F or %23,
+//     and a glob holding them is far more often a query or a fragment written by mistake;
+//   - "//", or a segment "." or "..": the path arrives with runs of '/' merged and dot
+//     segments resolved;
 //   - route-template or regular-expression syntax that a glob takes literally: a segment
 //     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
 //     starting with '^', a pattern ending in '$'.
@@ -395,10 +399,18 @@ func deadGlob(pattern string) string {
 			return "'?' starts the query string, which is not part of the path (for any characters within a segment, use *)"
 		case c == '#':
 			return "'#' starts the fragment, which clients never send"
-		case c <= ' ' || c == 0x7f:
-			return "a request path never holds a space or control character unescaped"
 		case c == '\\':
 			return "a backslash looks like a regular expression; globs have * (within a segment) and ** (any depth)"
+		}
+	}
+	// The path arrives normalized (clients/testdata/paths.json): runs of '/' merged into
+	// one, '.' and '..' segments removed.
+	if strings.Contains(pattern, "//") {
+		return "\"//\": a request path arrives with runs of '/' merged into one"
+	}
+	for seg := range strings.SplitSeq(pattern, "/") {
+		if seg == "." || seg == ".." {
+			return "segment " + strconv.Quote(seg) + ": a request path arrives with its '.' and '..' segments resolved"
 		}
 	}
 	if strings.Contains(pattern, ".*") {

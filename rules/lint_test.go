@@ -1,7 +1,9 @@
 package rules
 
 import (
+	"encoding/json"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -123,9 +125,14 @@ func TestWarningsAttributeCase(t *testing.T) {
 }
 
 func TestWarningsDeadGlobs(t *testing.T) {
-	dead := []string{"/search?q=*", "/a#top", "/a b", "/a\tb", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
-		"/^v1/**", "/files/[0-9]*"}
-	live := []string{"/", "/**", "/v1/*/holds", "/files/*.png", "/$metadata", "/v1/projects/p:run", "/a+b", "/{", "/a.b", "/:", "/a(b)"}
+	dead := []string{"/search?q=*", "/a#top", "/v1/.*", `/v1/\d+`, "/items$", "/users/{id}", "/users/:id/posts",
+		"/^v1/**", "/files/[0-9]*",
+		// A path arrives with runs of '/' merged and '.' and '..' segments removed.
+		"/api//v1/*", "//login", "/a/**//b", "/static/../admin", "/a/./b", "/a/..", "/.", "/v1/**/./x"}
+	// A path arrives with each %XX decoded once (clients/testdata/paths.json), so a space,
+	// or any other byte, can be in it: /my%20files/a is /my files/a.
+	live := []string{"/", "/**", "/v1/*/holds", "/files/*.png", "/$metadata", "/v1/projects/p:run", "/a+b", "/{", "/a.b", "/:", "/a(b)",
+		"/my files/*", "/a b", "/a\tb", "/a\x00b", "/.hidden/*", "/a..b/...", "/a/", "/v1/**/", "/...", "/a./.b"}
 	for _, g := range dead {
 		if deadGlob(g) == "" {
 			t.Errorf("%q: no warning", g)
@@ -149,6 +156,49 @@ func TestWarningsDeadGlobs(t *testing.T) {
 	ws := set.Warnings()
 	if len(ws) != 1 || ws[0].Line != 6 || !strings.Contains(ws[0].Error(), `"/users/{id}" matches no request path: segment "{id}" looks like a route template`) {
 		t.Errorf("warnings %v", ws)
+	}
+}
+
+// Every path the clients send in the canonical cases (clients/testdata/paths.json) is
+// matched by itself as a glob, so validate must not say such a glob matches no request
+// path: it said so of a space ("/my files/*" for /my%20files/...), which the clients
+// decode, and a user who escaped it as %20 to quiet the warning wrote a rule that then
+// matched nothing. '?' and '#' stay warned of: though %3F and %23 decode to them, a glob
+// holding them is a query string or a fragment written by mistake far more often.
+func TestWarningsDeadGlobsDecodedPaths(t *testing.T) {
+	b, err := os.ReadFile("../clients/testdata/paths.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Cases []struct{ Raw, Path string }
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	// paths.json writes each byte of a path as one rune (\u00c3 is the byte C3).
+	bytesOf := func(s string) string {
+		out := make([]byte, 0, len(s))
+		for _, r := range s {
+			out = append(out, byte(r))
+		}
+		return string(out)
+	}
+	for _, c := range append(doc.Cases, struct{ Raw, Path string }{"/my%20files/a", "/my files/a"}) {
+		p := bytesOf(c.Path)
+		if strings.ContainsAny(p, "?#*") {
+			continue
+		}
+		g, err := compileGlob(p)
+		if err != nil {
+			t.Fatalf("%q: %v", p, err)
+		}
+		if !g.match(p) {
+			t.Fatalf("glob %q does not match the path %q", p, p)
+		}
+		if why := deadGlob(p); why != "" {
+			t.Errorf("glob %q (the path of request %q) said to match no request path: %s", p, c.Raw, why)
+		}
 	}
 }
 

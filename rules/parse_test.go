@@ -17,9 +17,14 @@ import (
 // badFixtures maps each file in testdata/bad to the errors Load must report for it, as
 // substrings of the error text (every one must appear).
 var badFixtures = map[string][]string{
-	"empty.yaml":                    {"empty.yaml: no rules: key (the file is empty)"},
-	"plan_unknown_rule.yaml":        {`plan_unknown_rule.yaml:2: plans.gold.nosuch: plan "gold" names rule "nosuch", which no rules file defines`},
-	"plan_bad_multiplier.yaml":      {`plan_bad_multiplier.yaml:2: plans.partner: expected a multiplier like 10x or 0.5x, a number of requests, or unlimited; got a string "tenx"`},
+	"empty.yaml":               {"empty.yaml: no rules: key (the file is empty)"},
+	"plan_unknown_rule.yaml":   {`plan_unknown_rule.yaml:2: plans.gold.nosuch: plan "gold" names rule "nosuch", which no rules file defines`},
+	"plan_bad_multiplier.yaml": {`plan_bad_multiplier.yaml:2: plans.partner: expected a multiplier like 10x or 0.5x, a number of requests, or unlimited; got a string "tenx"`},
+	"plan_multiplier_range.yaml": {
+		`plan_multiplier_range.yaml:2: plans.huge: multiplier "3000000x" is out of range: above 0x and at most 1000000x`,
+		`plan_multiplier_range.yaml:3: plans.zero: multiplier "0x" is out of range: above 0x and at most 1000000x`,
+		`plan_multiplier_range.yaml:4: plans.negative: multiplier "-2x" is out of range: above 0x and at most 1000000x`,
+	},
 	"split_with_hybrid.yaml":        {"split_with_hybrid.yaml:6: rules[0].split: split divides a local limit among daemons; mode hybrid shares one budget already"},
 	"split_zero.yaml":               {"split_zero.yaml:5: rules[0].split: must be at least 1, got 0 (a number of daemons, or auto)"},
 	"split_word.yaml":               {`split_word.yaml:5: rules[0].split: expected a whole number, got a string "many"`},

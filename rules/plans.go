@@ -3,6 +3,7 @@ package rules
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -32,6 +33,9 @@ type topPlan struct {
 	perRule map[string]*planValue // rule name → value
 	nodes   map[string]*yaml.Node // rule name → where it was written (errors)
 }
+
+// maxMultiplier is the largest multiplier a top-level plan may give (1000000x).
+const maxMultiplier = 1e6
 
 // planValue is unlimited, a multiplier of the rule's requests, or a number of requests.
 type planValue struct {
@@ -91,8 +95,14 @@ func (p *parser) planValue(v *yaml.Node, field string) *planValue {
 		}
 		if m, ok := strings.CutSuffix(v.Value, "x"); ok {
 			f, err := strconv.ParseFloat(m, 64)
-			if err == nil && f > 0 && f <= 1e6 && !math.IsInf(f, 0) {
+			if err == nil && f > 0 && f <= maxMultiplier {
 				return &planValue{mult: f}
+			}
+			if err == nil || errors.Is(err, strconv.ErrRange) {
+				// A number, but not one a multiplier may be (0x, -2x, 3000000x): say so,
+				// rather than ask for the multiplier it is written as.
+				p.errorf(v, field, "multiplier %s is out of range: above 0x and at most %dx", quote(v.Value), int(maxMultiplier))
+				return nil
 			}
 		}
 		p.errorf(v, field, "expected a multiplier like 10x or 0.5x, a number of requests, or unlimited; got %s", describe(v))
