@@ -535,9 +535,9 @@ func describeRule(l *limiter.Limiter, r *rules.Rule) ruleDoc {
 	case r.Deny:
 		d.Limit = "deny"
 	case r.Concurrency:
-		d.Concurrency = &concurrencyDoc{Max: r.Requests, Lease: r.Per.String()}
+		d.Concurrency = &concurrencyDoc{Max: r.Requests, Lease: rules.FormatPer(r.Per)}
 	default:
-		d.Algorithm, d.Requests, d.Per, d.Burst = r.Algorithm.String(), r.Requests, r.Per.String(), r.Burst
+		d.Algorithm, d.Requests, d.Per, d.Burst = r.Algorithm.String(), r.Requests, rules.FormatPer(r.Per), r.Burst
 		if r.Calendar != localbucket.NoCalendar {
 			d.Per = r.Calendar.String()
 			if r.TZ != nil {
@@ -556,10 +556,10 @@ func describeRule(l *limiter.Limiter, r *rules.Rule) ruleDoc {
 		}
 	}
 	if r.Delay > 0 {
-		d.Delay = r.Delay.String()
+		d.Delay = rules.FormatPer(r.Delay)
 	}
 	if p := r.Penalty; p != nil {
-		d.Penalty = &penaltyDoc{After: p.After, Within: p.Within.String(), Ban: p.Ban.String(), Factor: p.Factor, Max: p.Max.String()}
+		d.Penalty = &penaltyDoc{After: p.After, Within: rules.FormatPer(p.Within), Ban: rules.FormatPer(p.Ban), Factor: p.Factor, Max: rules.FormatPer(p.Max)}
 	}
 	if r.SplitAuto {
 		d.Split = "auto"

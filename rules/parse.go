@@ -793,6 +793,27 @@ func parsePer(s string) (d time.Duration, msg string) {
 	return checkPer(s, d+r)
 }
 
+// FormatPer writes a duration as a rules file does: whole days as "Nd", then hours,
+// minutes and seconds without the zero ones ("1m", not "1m0s"; "1d12h", not "36h0m0s";
+// "1m40s"); a part of a second as Go writes it. parsePer reads it back to d.
+func FormatPer(d time.Duration) string {
+	if d <= 0 || d%time.Second != 0 {
+		return d.String()
+	}
+	var b []byte
+	for _, u := range [...]struct {
+		unit time.Duration
+		name byte
+	}{{24 * time.Hour, 'd'}, {time.Hour, 'h'}, {time.Minute, 'm'}, {time.Second, 's'}} {
+		if n := d / u.unit; n > 0 {
+			b = strconv.AppendInt(b, int64(n), 10)
+			b = append(b, u.name)
+			d -= n * u.unit
+		}
+	}
+	return string(b)
+}
+
 func checkPer(s string, d time.Duration) (time.Duration, string) {
 	if d < time.Millisecond {
 		return 0, fmt.Sprintf("%q is too short: at least 1ms", s)

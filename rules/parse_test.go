@@ -440,3 +440,20 @@ func TestNotRulesFileQuotesNothing(t *testing.T) {
 		t.Errorf("a misspelt rules: key: %v", err)
 	}
 }
+
+// FormatPer writes what a rules file would, and parsePer reads it back.
+func TestFormatPer(t *testing.T) {
+	for d, want := range map[time.Duration]string{
+		time.Minute: "1m", 100 * time.Second: "1m40s", 24 * time.Hour: "1d", 36 * time.Hour: "1d12h",
+		2*time.Hour + 30*time.Second: "2h30s", 7 * 24 * time.Hour: "7d", 1500 * time.Millisecond: "1.5s",
+		250 * time.Millisecond: "250ms", 160 * time.Minute: "2h40m",
+	} {
+		got := FormatPer(d)
+		if got != want {
+			t.Errorf("FormatPer(%v) = %q, want %q", d, got, want)
+		}
+		if back, msg := parsePer(got); msg != "" || back != d {
+			t.Errorf("parsePer(%q) = %v %q, want %v", got, back, msg, d)
+		}
+	}
+}
