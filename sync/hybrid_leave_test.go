@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -63,5 +65,40 @@ func TestHybridReleaseLeavesNoCreditReserved(t *testing.T) {
 				t.Fatalf("after a stopped having admitted %d of 20, b admitted %d, want %d", used, admitted, 20-used)
 			}
 		})
+	}
+}
+
+// A daemon whose Run ends (a clean stop) leaves the live-daemons set after its last
+// sync: the others count it gone at their next heartbeat, a second, not three seconds
+// after its last one. Before, its entry stayed until it was stale, and in a blue/green
+// switch the daemons that stayed sized their shares (and their local failure policies'
+// buckets) by one daemon too many meanwhile.
+func TestHybridRunLeavesTheLiveDaemons(t *testing.T) {
+	rdb := standalone(t)
+	a := NewHybrid(rdb, HybridOptions{ID: "a"})
+	b := NewHybrid(rdb, HybridOptions{ID: "b"})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		a.Run(ctx, "a", func() int64 { return time.Now().UnixNano() }, time.Second, func(error) {})
+	}()
+	runHybrid(t, b, "b")
+	for deadline := time.Now().Add(5 * time.Second); b.Replicas() != 2; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("b counts %d live daemons, want 2", b.Replicas())
+		}
+	}
+	cancel()
+	<-done
+	if err := rdb.ZScore(context.Background(), DaemonsKey, "a").Err(); err != redis.Nil {
+		t.Fatalf("a stopped cleanly and is still in %s (ZSCORE: %v)", DaemonsKey, err)
+	}
+	stopped := time.Now()
+	for b.Replicas() != 1 {
+		if time.Since(stopped) > 2*time.Second {
+			t.Fatalf("b still counts %d live daemons %v after a stopped, want 1 within its next heartbeat", b.Replicas(), time.Since(stopped))
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -87,6 +87,21 @@ func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, ke
 	return best, oks, nil
 }
 
+// leave takes id out of the live-daemons sets, as a daemon that stops cleanly does after
+// its last sync: the others count it gone at their next heartbeat (a second), not once
+// its last heartbeat is three seconds old, so in a blue/green switch their shares (and
+// their local failure policies' buckets) are not cut by a daemon that has stopped.
+func (h *Hybrid) leave(ctx context.Context, id string) error {
+	pipe := h.rdb.Pipeline()
+	for _, k := range h.heartbeatKs {
+		pipe.ZRem(ctx, k, id)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return fmt.Errorf("leaving the live daemons: %w", err)
+	}
+	return nil
+}
+
 // beatOnce sends a heartbeat to the sets whose masters' breakers let it (each master
 // asked once) and tells each breaker how its master answered. With a breaker per master
 // of a cluster it also pings, at the same time, each master holding no heartbeat set
@@ -310,6 +325,11 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			// way first: their keys are busy until then.
 			syncs.Wait()
 			flush(true)
+			c, cancel := context.WithTimeout(context.Background(), timeout)
+			if err := h.leave(c, id); err != nil {
+				fail(err)
+			}
+			cancel()
 			return
 		case <-t.C:
 			if r := h.rodeAt.Load(); r > lastBeat.UnixNano() {
