@@ -553,12 +553,7 @@ type conn struct {
 type turn struct {
 	done  chan struct{}
 	keys  []uint64
-	after []*turn // the waiting requests before it that share a key with it
-	// free: a release or renew of a lease, decided at once (two releases or renews of
-	// one key need no order, and a check before it can only gain from a slot freed
-	// early); its turn ends once it and those before it are decided, so that a check
-	// after it waits for them all.
-	free bool
+	after []*turn // the waiting checks before it that share a key with it
 }
 
 // pending is one request decided off the connection's goroutine because it waits on
@@ -1329,7 +1324,7 @@ func (cn *conn) handle(body []byte, now int64) {
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
 		if cn.s.lim.LeaseWaits(req.Lease) {
-			cn.goWait(body, now, cn.leaseKeys(req.Lease), true) // a global lease: Redis decides, off the fast path
+			cn.goWait(body, now, cn.leaseKeys(req.Lease)) // a global lease: Redis decides, off the fast path
 			return
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
@@ -1351,7 +1346,7 @@ func (cn *conn) renew(body []byte, now int64) {
 		return
 	}
 	if cn.s.lim.LeaseWaits(req.Lease) {
-		cn.goWait(body, now, cn.leaseKeys(req.Lease), true)
+		cn.goWait(body, now, cn.leaseKeys(req.Lease))
 		return
 	}
 	cn.s.renew(cn.out(), req, now)
@@ -1386,12 +1381,12 @@ func (cn *conn) check(body []byte, now int64) {
 	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(d)) {
 		// Waits on Redis, or shares a key with a check of this connection that does: it
 		// is decided after that one, off the fast path.
-		cn.goWait(body, now, cn.keysOf(d), false)
+		cn.goWait(body, now, cn.keysOf(d))
 		return
 	}
 	if err == nil && !cn.s.lim.DecideInline(now, d) {
 		// A hybrid key needs Redis (an exact sync): decide off the fast path too.
-		cn.goWait(body, now, cn.keysOf(d), false)
+		cn.goWait(body, now, cn.keysOf(d))
 		return
 	}
 	cn.s.answer(cn.out(), &cn.req, d, err, &cn.tally)
@@ -1427,11 +1422,11 @@ func (cn *conn) behind(d *limiter.Decision) bool {
 // enter gives a request that waits, taking from keys (a check's, or the slots of a lease
 // it releases or renews), its turn: after the waiting requests before it that share a key
 // with it. No keys take no turn.
-func (cn *conn) enter(keys []uint64, free bool) *turn {
+func (cn *conn) enter(keys []uint64) *turn {
 	if len(keys) == 0 {
 		return nil
 	}
-	t := &turn{done: make(chan struct{}), keys: append([]uint64(nil), keys...), free: free}
+	t := &turn{done: make(chan struct{}), keys: append([]uint64(nil), keys...)}
 	cn.omu.Lock()
 	if cn.order == nil {
 		cn.order = make(map[uint64]*turn)
@@ -1463,7 +1458,7 @@ func (cn *conn) leave(t *turn) {
 // goWait decides the request in body (a check, or the release or renew of a global
 // lease) on a goroutine of its own, answering into a pending slot that the next flush
 // writes in order.
-func (cn *conn) goWait(body []byte, now int64, keys []uint64, free bool) {
+func (cn *conn) goWait(body []byte, now int64, keys []uint64) {
 	p := cn.take()
 	// This frame was counted as answered inline (into the tail before it, or into enc):
 	// it moves to its own entry.
@@ -1484,10 +1479,10 @@ func (cn *conn) goWait(body []byte, now int64, keys []uint64, free bool) {
 	lim := cn.s.lim
 	cn.undecided.Add(1)
 	cn.deciding.Add(1)
-	t := cn.enter(keys, free)
+	t := cn.enter(keys)
 	go func() {
 		defer cn.deciding.Done()
-		if t != nil && !t.free {
+		if t != nil {
 			for _, before := range t.after {
 				<-before.done
 			}
@@ -1505,11 +1500,6 @@ func (cn *conn) goWait(body []byte, now int64, keys []uint64, free bool) {
 			cn.s.answer(p.enc, &p.req, &p.dcs, err, nil)
 		}
 		if t != nil {
-			if t.free {
-				for _, before := range t.after {
-					<-before.done
-				}
-			}
 			cn.leave(t)
 		}
 		cn.wmu.Lock()
