@@ -1323,8 +1323,10 @@ func (cn *conn) handle(body []byte, now int64) {
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
-		if cn.s.lim.LeaseWaits(req.Lease) {
-			cn.goWait(body, now, cn.leaseKeys(req.Lease)) // a global lease: Redis decides, off the fast path
+		if cn.s.lim.LeaseWaits(req.Lease) || cn.turns.Load() > 0 && cn.behind(cn.leaseKeys(req.Lease)) {
+			// A global lease: Redis decides, off the fast path; or a local one whose slot
+			// a waiting check before it takes from: released after it is decided.
+			cn.goWait(body, now, cn.leaseKeys(req.Lease))
 			return
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
@@ -1345,7 +1347,7 @@ func (cn *conn) renew(body []byte, now int64) {
 		cn.s.encodeError(cn.out(), req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
 	}
-	if cn.s.lim.LeaseWaits(req.Lease) {
+	if cn.s.lim.LeaseWaits(req.Lease) || cn.turns.Load() > 0 && cn.behind(cn.leaseKeys(req.Lease)) {
 		cn.goWait(body, now, cn.leaseKeys(req.Lease))
 		return
 	}
@@ -1378,7 +1380,7 @@ func (cn *conn) check(body []byte, now int64) {
 	input(&cn.in, &cn.req)
 	d := &cn.dcs
 	waits, err := cn.s.lim.Prepare(&cn.in, d)
-	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(d)) {
+	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(cn.keysOf(d))) {
 		// Waits on Redis, or shares a key with a check of this connection that does: it
 		// is decided after that one, off the fast path.
 		cn.goWait(body, now, cn.keysOf(d))
@@ -1398,17 +1400,17 @@ func (cn *conn) keysOf(d *limiter.Decision) []uint64 {
 	return cn.hashes
 }
 
-// leaseKeys returns the hashes of the keys whose slots the global lease of token holds,
-// in cn.hashes: its release or renew is ordered with the checks of those keys.
+// leaseKeys returns the hashes of the keys whose slots the lease of token holds (local
+// and global), in cn.hashes: its release or renew is ordered with the checks of those
+// keys.
 func (cn *conn) leaseKeys(token string) []uint64 {
 	cn.hashes = cn.s.lim.AppendLeaseKeyHashes(cn.hashes[:0], token, cn.s.orderSeed)
 	return cn.hashes
 }
 
-// behind reports whether the check prepared in d shares a key with a check of this
-// connection still waiting to be decided.
-func (cn *conn) behind(d *limiter.Decision) bool {
-	keys := cn.keysOf(d)
+// behind reports whether a request taking from keys (a check's, or a lease's slots)
+// shares a key with a request of this connection still waiting to be decided.
+func (cn *conn) behind(keys []uint64) bool {
 	cn.omu.Lock()
 	defer cn.omu.Unlock()
 	for _, k := range keys {
