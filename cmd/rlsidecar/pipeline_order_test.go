@@ -225,3 +225,39 @@ rules:
 		}
 	}
 }
+
+// The releases and renews of different global leases of one key overlap their Redis round
+// trips (TestE2EGlobalLeaseOpsOverlap), but those of one lease stay in request order: a
+// renew pipelined after the lease's release finds it released.
+func TestE2EPipelinedReleaseAndRenewOfOneLeaseInOrder(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: slots
+    key: user
+    concurrency: { max: 100, lease: 1m }
+    mode: global
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	for trial := range 20 {
+		id++
+		c.send(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
+		r := c.recv()
+		if !r.Allowed || r.Lease == "" {
+			t.Fatalf("trial %d: check: %+v, want allowed with a lease", trial, r)
+		}
+		enc := proto.NewEncoder()
+		enc.EncodeRequest(&proto.Request{ID: id + 1, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
+		enc.EncodeRequest(&proto.Request{ID: id + 2, Op: proto.OpRelease, Lease: r.Lease})
+		enc.EncodeRequest(&proto.Request{ID: id + 3, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
+		id += 3
+		c.write(enc.Bytes())
+		renewed, released, late := c.recv(), c.recv(), c.recv()
+		if !renewed.Renewed || !released.Released || late.Renewed {
+			t.Errorf("trial %d: renew, release, renew of one lease pipelined: renewed %v, released %v, renewed %v; want true, true, false",
+				trial, renewed.Renewed, released.Released, late.Renewed)
+		}
+	}
+}
