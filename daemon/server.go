@@ -540,20 +540,27 @@ type conn struct {
 	// with it waits for it to be decided before it is decided itself, so that pipelined
 	// checks of one key are decided in request order, whatever order their goroutines
 	// run in (a lone goroutine spawned last runs first). Checks that share no key still
-	// overlap their Redis round trips. Under omu; turns counts its distinct turns, read
-	// without omu: 0 (nothing waits) leaves the fast path one load.
+	// overlap their Redis round trips. shared is the releases and renews waiting since
+	// the key's latest check, which free or hold slots of the key: they wait for that
+	// check, the next check waits for them all, but they do not wait for one another (one
+	// lease's release and renew are ordered by the lease's own token, in order). Under
+	// omu; turns counts the distinct turns, read without omu: 0 (nothing waits) leaves the
+	// fast path one load.
 	omu    sync.Mutex
 	order  map[uint64]*turn
+	shared map[uint64][]*turn
 	turns  atomic.Int32
-	hashes []uint64 // the connection goroutine's scratch
+	hashes []uint64  // the connection goroutine's scratch
+	token  [1]uint64 // the connection goroutine's scratch: a lease token's hash
 }
 
-// turn is a waiting check's place in its connection's order: done is closed once it is
+// turn is a waiting request's place in its connection's order: done is closed once it is
 // decided.
 type turn struct {
-	done  chan struct{}
-	keys  []uint64
-	after []*turn // the waiting checks before it that share a key with it
+	done   chan struct{}
+	keys   []uint64 // the keys it takes from (a check's), or a lease's token
+	shared []uint64 // the keys of the slots of a lease it releases or renews
+	after  []*turn  // the waiting requests before it that it waits for
 }
 
 // pending is one request decided off the connection's goroutine because it waits on
@@ -1323,8 +1330,10 @@ func (cn *conn) handle(body []byte, now int64) {
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
-		if cn.s.lim.LeaseWaits(req.Lease) {
-			cn.goWait(body, now, cn.leaseKeys(req.Lease)) // a global lease: Redis decides, off the fast path
+		if cn.s.lim.LeaseWaits(req.Lease) || cn.turns.Load() > 0 && cn.leaseBehind(req.Lease) {
+			// A global lease: Redis decides, off the fast path; or a local one whose slot
+			// a waiting check before it takes from: released after it is decided.
+			cn.goWait(body, now, cn.tokenKey(req.Lease), cn.leaseKeys(req.Lease))
 			return
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
@@ -1345,8 +1354,8 @@ func (cn *conn) renew(body []byte, now int64) {
 		cn.s.encodeError(cn.out(), req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
 	}
-	if cn.s.lim.LeaseWaits(req.Lease) {
-		cn.goWait(body, now, cn.leaseKeys(req.Lease))
+	if cn.s.lim.LeaseWaits(req.Lease) || cn.turns.Load() > 0 && cn.leaseBehind(req.Lease) {
+		cn.goWait(body, now, cn.tokenKey(req.Lease), cn.leaseKeys(req.Lease))
 		return
 	}
 	cn.s.renew(cn.out(), req, now)
@@ -1378,15 +1387,15 @@ func (cn *conn) check(body []byte, now int64) {
 	input(&cn.in, &cn.req)
 	d := &cn.dcs
 	waits, err := cn.s.lim.Prepare(&cn.in, d)
-	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(d)) {
+	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(cn.keysOf(d), true)) {
 		// Waits on Redis, or shares a key with a check of this connection that does: it
 		// is decided after that one, off the fast path.
-		cn.goWait(body, now, cn.keysOf(d))
+		cn.goWait(body, now, cn.keysOf(d), nil)
 		return
 	}
 	if err == nil && !cn.s.lim.DecideInline(now, d) {
 		// A hybrid key needs Redis (an exact sync): decide off the fast path too.
-		cn.goWait(body, now, cn.keysOf(d))
+		cn.goWait(body, now, cn.keysOf(d), nil)
 		return
 	}
 	cn.s.answer(cn.out(), &cn.req, d, err, &cn.tally)
@@ -1398,44 +1407,78 @@ func (cn *conn) keysOf(d *limiter.Decision) []uint64 {
 	return cn.hashes
 }
 
-// leaseKeys returns the hashes of the keys whose slots the global lease of token holds,
-// in cn.hashes: its release or renew is ordered with the checks of those keys.
+// leaseKeys returns the hashes of the keys whose slots the lease of token holds (local
+// and global), in cn.hashes: its release or renew is ordered with the checks of those
+// keys.
 func (cn *conn) leaseKeys(token string) []uint64 {
 	cn.hashes = cn.s.lim.AppendLeaseKeyHashes(cn.hashes[:0], token, cn.s.orderSeed)
 	return cn.hashes
 }
 
-// behind reports whether the check prepared in d shares a key with a check of this
-// connection still waiting to be decided.
-func (cn *conn) behind(d *limiter.Decision) bool {
-	keys := cn.keysOf(d)
+// tokenKey returns the hash of a lease's token, in cn.token: a release or renew of the
+// lease waits for the waiting ones before it (enter's keys).
+func (cn *conn) tokenKey(token string) []uint64 {
+	cn.token[0] = maphash.String(cn.s.orderSeed, token)
+	return cn.token[:]
+}
+
+// leaseBehind reports whether a release or renew of the lease of token must wait for a
+// request of this connection still waiting: a check that takes from its slots' keys, or
+// another release or renew of it.
+func (cn *conn) leaseBehind(token string) bool {
+	return cn.behind(cn.tokenKey(token), true) || cn.behind(cn.leaseKeys(token), false)
+}
+
+// behind reports whether a request with keys must wait for a request of this connection
+// still waiting to be decided: one with a key of keys, or with shared (a check), one
+// that releases or renews a lease of a key of keys too.
+func (cn *conn) behind(keys []uint64, shared bool) bool {
 	cn.omu.Lock()
 	defer cn.omu.Unlock()
 	for _, k := range keys {
-		if cn.order[k] != nil {
+		if cn.order[k] != nil || shared && len(cn.shared[k]) > 0 {
 			return true
 		}
 	}
 	return false
 }
 
-// enter gives a request that waits, taking from keys (a check's, or the slots of a lease
-// it releases or renews), its turn: after the waiting requests before it that share a key
-// with it. No keys take no turn.
-func (cn *conn) enter(keys []uint64) *turn {
-	if len(keys) == 0 {
+// enter gives a request that waits its turn: a check taking from keys, after the waiting
+// requests before it that share a key with it; a release or renew of a lease (keys its
+// token, shared its slots' keys), after the waiting checks of those keys and the waiting
+// releases and renews of the same lease, not after those of other leases of its keys
+// (they do not change what it does). No keys take no turn.
+func (cn *conn) enter(keys, shared []uint64) *turn {
+	if len(keys) == 0 && len(shared) == 0 {
 		return nil
 	}
 	t := &turn{done: make(chan struct{}), keys: append([]uint64(nil), keys...)}
+	if len(shared) > 0 {
+		t.shared = append([]uint64(nil), shared...)
+	}
+	wait := func(prev *turn) {
+		if prev != nil && prev != t && !slices.Contains(t.after, prev) {
+			t.after = append(t.after, prev)
+		}
+	}
 	cn.omu.Lock()
 	if cn.order == nil {
 		cn.order = make(map[uint64]*turn)
+		cn.shared = make(map[uint64][]*turn)
 	}
 	for _, k := range t.keys {
-		if prev := cn.order[k]; prev != nil && prev != t && !slices.Contains(t.after, prev) {
-			t.after = append(t.after, prev)
+		wait(cn.order[k])
+		for _, s := range cn.shared[k] {
+			wait(s)
 		}
+		delete(cn.shared, k) // t waits for them: so does whoever waits for t
 		cn.order[k] = t
+	}
+	for _, k := range t.shared {
+		wait(cn.order[k])
+		if !slices.Contains(cn.shared[k], t) {
+			cn.shared[k] = append(cn.shared[k], t)
+		}
 	}
 	cn.omu.Unlock()
 	cn.turns.Add(1)
@@ -1450,6 +1493,15 @@ func (cn *conn) leave(t *turn) {
 			delete(cn.order, k)
 		}
 	}
+	for _, k := range t.shared {
+		if ts := cn.shared[k]; len(ts) > 0 {
+			if ts = slices.DeleteFunc(ts, func(s *turn) bool { return s == t }); len(ts) == 0 {
+				delete(cn.shared, k)
+			} else {
+				cn.shared[k] = ts
+			}
+		}
+	}
 	cn.omu.Unlock()
 	cn.turns.Add(-1)
 	close(t.done)
@@ -1458,7 +1510,7 @@ func (cn *conn) leave(t *turn) {
 // goWait decides the request in body (a check, or the release or renew of a global
 // lease) on a goroutine of its own, answering into a pending slot that the next flush
 // writes in order.
-func (cn *conn) goWait(body []byte, now int64, keys []uint64) {
+func (cn *conn) goWait(body []byte, now int64, keys, shared []uint64) {
 	p := cn.take()
 	// This frame was counted as answered inline (into the tail before it, or into enc):
 	// it moves to its own entry.
@@ -1479,7 +1531,7 @@ func (cn *conn) goWait(body []byte, now int64, keys []uint64) {
 	lim := cn.s.lim
 	cn.undecided.Add(1)
 	cn.deciding.Add(1)
-	t := cn.enter(keys)
+	t := cn.enter(keys, shared)
 	go func() {
 		defer cn.deciding.Done()
 		if t != nil {

@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
+	"hash/maphash"
 	"math/bits"
 	"strconv"
 	"strings"
@@ -190,6 +191,25 @@ func (ls *Leases) Release(token string, now int64) bool {
 	}
 	ls.freeLease(l, func(s *LeaseStats) { s.Released++ })
 	return true
+}
+
+// appendKeyHashes appends to dst the hash under seed of the key of each slot the lease
+// token holds a part of still (Limiter.AppendLeaseKeyHashes), and returns it.
+func (ls *Leases) appendKeyHashes(dst []uint64, token string, seed maphash.Seed) []uint64 {
+	id := ls.parse(token)
+	if id == 0 {
+		return dst
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if l := ls.leases[id]; l != nil {
+		for i := range l.parts {
+			if s := l.parts[i].s; s != nil {
+				dst = append(dst, maphash.String(seed, s.key))
+			}
+		}
+	}
+	return dst
 }
 
 // Renew extends the live lease token to now+d in each of its parts (d 0: each rule's own

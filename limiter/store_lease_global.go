@@ -578,12 +578,16 @@ func (l *Limiter) LeaseWaits(token string) bool {
 	return global != "" && l.global != nil
 }
 
-// AppendLeaseKeyHashes appends to dst the hash under seed of each key the global part of
-// the lease of token holds a slot of, as Decision.AppendKeyHashes hashes a check's keys,
-// and returns it (nothing for a local lease or a token that does not decode): the daemon
-// orders a pipelined release or renew with the checks of those keys around it.
+// AppendLeaseKeyHashes appends to dst the hash under seed of each key the lease of token
+// holds a slot of (its local part's live slots, its global part's keys), as
+// Decision.AppendKeyHashes hashes a check's keys, and returns it (nothing for a token that
+// does not decode): the daemon orders a pipelined release or renew with the checks of
+// those keys around it.
 func (l *Limiter) AppendLeaseKeyHashes(dst []uint64, token string, seed maphash.Seed) []uint64 {
-	_, global := splitToken(token)
+	local, global := splitToken(token)
+	if local != "" {
+		dst = l.leases.appendKeyHashes(dst, local, seed)
+	}
 	if global == "" || l.global == nil {
 		return dst
 	}

@@ -143,3 +143,121 @@ rules:
 		}
 	}
 }
+
+// A lease's local slots are ordered with the waiting checks of their keys too, both ways:
+// a release pipelined before a check of its local rule's key frees the slot first, also
+// when the lease has a global part (its release waits on Redis); a release pipelined after
+// a check that waits on Redis and takes from its local rule's key frees the slot after
+// that check is decided. Before, the release of a lease with a global part was ordered by
+// its global keys alone, so a check of its local key alone went inline ahead of it and
+// was refused; and the release of a local lease went inline ahead of the waiting check
+// before it, which then found the slot free.
+func TestE2EPipelinedLocalLeaseSlotsInOrder(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: local-one
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: local
+  - name: global-many
+    match: { path: /g }
+    key: user
+    concurrency: { max: 100, lease: 1m }
+    mode: global
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	check := func(user, path string) *proto.Request {
+		id++
+		return &proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "path", Value: path}, {Name: "user", Value: user}}}
+	}
+	release := func(lease string) *proto.Request {
+		id++
+		return &proto.Request{ID: id, Op: proto.OpRelease, Lease: lease}
+	}
+	pipeline := func(reqs ...*proto.Request) {
+		enc := proto.NewEncoder()
+		for _, r := range reqs {
+			enc.EncodeRequest(r)
+		}
+		c.write(enc.Bytes())
+	}
+	for trial := range 10 {
+		// A lease with a local and a global part, released, then a check of the local key.
+		user := fmt.Sprint("a", trial)
+		c.send(check(user, "/g"))
+		first := c.recv()
+		if !first.Allowed || first.Lease == "" {
+			t.Fatalf("trial %d: the first check: %+v, want allowed with a lease", trial, first)
+		}
+		pipeline(release(first.Lease), check(user, "/l"))
+		if r := c.recv(); !r.Released {
+			t.Fatalf("trial %d: release: %+v, want released", trial, r)
+		}
+		if r := c.recv(); !r.Allowed || r.Lease == "" {
+			t.Errorf("trial %d: a check of the local key pipelined after the release of a local and global lease: %+v, want allowed (the slot freed)", trial, r)
+		} else {
+			c.send(release(r.Lease))
+			c.recv()
+		}
+
+		// A local lease; a check that waits on Redis and takes from its key, then the
+		// release: the check finds the slot held.
+		user = fmt.Sprint("b", trial)
+		c.send(check(user, "/l"))
+		local := c.recv()
+		if !local.Allowed || local.Lease == "" {
+			t.Fatalf("trial %d: the local check: %+v, want allowed with a lease", trial, local)
+		}
+		pipeline(check(user, "/g"), release(local.Lease))
+		r := c.recv()
+		if r.Allowed {
+			t.Errorf("trial %d: a waiting check pipelined before the release of the local lease of its key: allowed, want refused (the slot still held)", trial)
+		}
+		if rel := c.recv(); !rel.Released {
+			t.Fatalf("trial %d: release: %+v, want released", trial, rel)
+		}
+		if r.Lease != "" {
+			c.send(release(r.Lease))
+			c.recv()
+		}
+	}
+}
+
+// The releases and renews of different global leases of one key overlap their Redis round
+// trips (TestE2EGlobalLeaseOpsOverlap), but those of one lease stay in request order: a
+// renew pipelined after the lease's release finds it released.
+func TestE2EPipelinedReleaseAndRenewOfOneLeaseInOrder(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: slots
+    key: user
+    concurrency: { max: 100, lease: 1m }
+    mode: global
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	for trial := range 20 {
+		id++
+		c.send(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
+		r := c.recv()
+		if !r.Allowed || r.Lease == "" {
+			t.Fatalf("trial %d: check: %+v, want allowed with a lease", trial, r)
+		}
+		enc := proto.NewEncoder()
+		enc.EncodeRequest(&proto.Request{ID: id + 1, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
+		enc.EncodeRequest(&proto.Request{ID: id + 2, Op: proto.OpRelease, Lease: r.Lease})
+		enc.EncodeRequest(&proto.Request{ID: id + 3, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
+		id += 3
+		c.write(enc.Bytes())
+		renewed, released, late := c.recv(), c.recv(), c.recv()
+		if !renewed.Renewed || !released.Released || late.Renewed {
+			t.Errorf("trial %d: renew, release, renew of one lease pipelined: renewed %v, released %v, renewed %v; want true, true, false",
+				trial, renewed.Renewed, released.Released, late.Renewed)
+		}
+	}
+}
