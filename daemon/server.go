@@ -557,7 +557,15 @@ type conn struct {
 // turn is a waiting request's place in its connection's order: done is closed once it is
 // decided.
 type turn struct {
-	done   chan struct{}
+	done chan struct{}
+	// queued is closed once the request's global script call is queued for Redis
+	// (limiter.Decision.Queued), or else once it is decided: a later check that shares
+	// only keys in Redis with it (limiter.KeyInRedis) waits for that alone, as Redis
+	// decides the calls of a key in the order they are queued, and so shares its round
+	// trip rather than taking one after it.
+	queued chan struct{}
+	qonce  sync.Once
+	afterQ []*turn  // the waiting requests before it whose queued it waits for
 	keys   []uint64 // the keys it takes from (a check's), or a lease's token
 	shared []uint64 // the keys of the slots of a lease it releases or renews
 	after  []*turn  // the waiting requests before it that it waits for
@@ -1418,7 +1426,7 @@ func (cn *conn) leaseKeys(token string) []uint64 {
 // tokenKey returns the hash of a lease's token, in cn.token: a release or renew of the
 // lease waits for the waiting ones before it (enter's keys).
 func (cn *conn) tokenKey(token string) []uint64 {
-	cn.token[0] = maphash.String(cn.s.orderSeed, token)
+	cn.token[0] = maphash.String(cn.s.orderSeed, token) &^ 1 // not a key in Redis
 	return cn.token[:]
 }
 
@@ -1452,30 +1460,41 @@ func (cn *conn) enter(keys, shared []uint64) *turn {
 	if len(keys) == 0 && len(shared) == 0 {
 		return nil
 	}
-	t := &turn{done: make(chan struct{}), keys: append([]uint64(nil), keys...)}
+	t := &turn{done: make(chan struct{}), queued: make(chan struct{}), keys: append([]uint64(nil), keys...)}
 	if len(shared) > 0 {
 		t.shared = append([]uint64(nil), shared...)
 	}
-	wait := func(prev *turn) {
-		if prev != nil && prev != t && !slices.Contains(t.after, prev) {
-			t.after = append(t.after, prev)
+	// wait makes t wait for prev: for prev's queued alone (queuedOnly) if no other key
+	// makes it wait for prev's done.
+	wait := func(prev *turn, queuedOnly bool) {
+		if prev == nil || prev == t || slices.Contains(t.after, prev) {
+			return
 		}
+		if queuedOnly {
+			if !slices.Contains(t.afterQ, prev) {
+				t.afterQ = append(t.afterQ, prev)
+			}
+			return
+		}
+		t.afterQ = slices.DeleteFunc(t.afterQ, func(q *turn) bool { return q == prev })
+		t.after = append(t.after, prev)
 	}
+	check := len(shared) == 0 // a check, not a lease's release or renew
 	cn.omu.Lock()
 	if cn.order == nil {
 		cn.order = make(map[uint64]*turn)
 		cn.shared = make(map[uint64][]*turn)
 	}
 	for _, k := range t.keys {
-		wait(cn.order[k])
+		wait(cn.order[k], check && limiter.KeyInRedis(k))
 		for _, s := range cn.shared[k] {
-			wait(s)
+			wait(s, false)
 		}
 		delete(cn.shared, k) // t waits for them: so does whoever waits for t
 		cn.order[k] = t
 	}
 	for _, k := range t.shared {
-		wait(cn.order[k])
+		wait(cn.order[k], false)
 		if !slices.Contains(cn.shared[k], t) {
 			cn.shared[k] = append(cn.shared[k], t)
 		}
@@ -1504,8 +1523,12 @@ func (cn *conn) leave(t *turn) {
 	}
 	cn.omu.Unlock()
 	cn.turns.Add(-1)
+	t.markQueued()
 	close(t.done)
 }
+
+// markQueued closes t.queued, once.
+func (t *turn) markQueued() { t.qonce.Do(func() { close(t.queued) }) }
 
 // goWait decides the request in body (a check, or the release or renew of a global
 // lease) on a goroutine of its own, answering into a pending slot that the next flush
@@ -1538,6 +1561,9 @@ func (cn *conn) goWait(body []byte, now int64, keys, shared []uint64) {
 			for _, before := range t.after {
 				<-before.done
 			}
+			for _, before := range t.afterQ {
+				<-before.queued
+			}
 		}
 		switch p.req.Op {
 		case proto.OpRelease:
@@ -1547,7 +1573,11 @@ func (cn *conn) goWait(body []byte, now int64, keys, shared []uint64) {
 		default:
 			_, err := lim.Prepare(&p.in, &p.dcs)
 			if err == nil {
+				if t != nil {
+					p.dcs.Queued = t.markQueued
+				}
 				lim.Decide(now, &p.dcs)
+				p.dcs.Queued = nil
 			}
 			cn.s.answer(p.enc, &p.req, &p.dcs, err, nil)
 		}

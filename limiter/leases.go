@@ -205,7 +205,7 @@ func (ls *Leases) appendKeyHashes(dst []uint64, token string, seed maphash.Seed)
 	if l := ls.leases[id]; l != nil {
 		for i := range l.parts {
 			if s := l.parts[i].s; s != nil {
-				dst = append(dst, maphash.String(seed, s.key))
+				dst = append(dst, maphash.String(seed, s.key)&^1) // here (KeyInRedis)
 			}
 		}
 	}

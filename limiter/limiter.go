@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strconv"
@@ -298,6 +299,11 @@ type Decision struct {
 	// Owner is set by the caller before Decide: the connection a lease taken belongs to,
 	// so that Leases.ReleaseOwner frees it when that closes. 0: no owner.
 	Owner uint64
+	// Queued, when set by the caller before Decide, is called once the check's global
+	// script call is queued for Redis, where the calls of one key go in the order they
+	// are queued (rlsync.WithQueued): the daemon lets the next pipelined check of the key
+	// go then. Not called for a check that is not queued so (none, or several calls).
+	Queued func()
 	// Unlimited lists, in order, the parts (0 without Input.Parts) that matched a rule
 	// unlimited for them: such a rule gives no Result.
 	Unlimited []int
@@ -614,6 +620,14 @@ func (l *Limiter) report(now int64, d *Decision) {
 			d.Delay = max(d.Delay, out.Delay)
 		}
 	}
+}
+
+// queuedCtx is the parent context of d's global script calls: carrying d.Queued.
+func (d *Decision) queuedCtx() context.Context {
+	if d.Queued == nil {
+		return context.Background()
+	}
+	return rlsync.WithQueued(context.Background(), d.Queued)
 }
 
 // DecideInline is Decide for a caller that must not wait on Redis (a connection's loop,

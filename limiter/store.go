@@ -79,12 +79,24 @@ type op struct {
 // takes from (its rules' and inline limits'), and returns it: the daemon orders a
 // connection's pipelined checks that share a key by them (a collision only orders two
 // checks that need not be).
+//
+// A hash's low bit says where the key's state is: 1 in Redis, taken by a global script
+// call (KeyInRedis), 0 here.
 func (d *Decision) AppendKeyHashes(dst []uint64, seed maphash.Seed) []uint64 {
 	for i := range d.ops {
-		dst = append(dst, maphash.Bytes(seed, d.ops[i].key))
+		h := maphash.Bytes(seed, d.ops[i].key) &^ 1
+		if s := d.ops[i].store; s == storeGlobal || s == storeGlobalLease {
+			h |= 1
+		}
+		dst = append(dst, h)
 	}
 	return dst
 }
+
+// KeyInRedis reports whether a hash of AppendKeyHashes or Limiter.AppendLeaseKeyHashes is
+// of a key whose state is in Redis, taken by a global script call: the calls of two
+// checks of such a key are decided by Redis in the order they are queued for it.
+func KeyInRedis(h uint64) bool { return h&1 != 0 }
 
 // fallback is what decides a Redis-backed check when Redis cannot: the rule's policy,
 // and for policy local the limit of the local bucket (the rule's limit divided among the

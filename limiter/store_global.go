@@ -69,7 +69,7 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 			}
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	ctx, cancel := context.WithTimeout(d.queuedCtx(), s.wait)
 	ok, err := s.g.Check(ctx, n.ops)
 	cancel()
 	if lb != nil && lb.err == nil {

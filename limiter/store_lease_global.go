@@ -151,7 +151,7 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	if lb.err != nil {
 		return false, lb.err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
+	ctx, cancel := context.WithTimeout(d.queuedCtx(), s.wait)
 	ok, err := s.g.Acquire(ctx, lb.id, lb.ops)
 	cancel()
 	if err != nil {
@@ -593,7 +593,7 @@ func (l *Limiter) AppendLeaseKeyHashes(dst []uint64, token string, seed maphash.
 	}
 	if _, parts, _, ok := l.global.decodeGlobal(global); ok {
 		for i := range parts {
-			dst = append(dst, maphash.String(seed, parts[i].Key))
+			dst = append(dst, maphash.String(seed, parts[i].Key)|1) // in Redis (KeyInRedis)
 		}
 	}
 	return dst

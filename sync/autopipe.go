@@ -65,11 +65,25 @@ type apCall struct {
 	args   []any
 }
 
-// EvalSha queues the call and returns when its batch has been answered.
+// EvalSha queues the call and returns when its batch has been answered. A hook ctx
+// carries (WithQueued) is called once the call is queued.
 func (a *autoPipe) EvalSha(ctx context.Context, sha1 string, keys []string, args ...any) *redis.Cmd {
 	c := a.newCall(ctx, sha1, keys, args)
-	a.queue(keys).do(c, a.send)
+	queued, _ := ctx.Value(queuedKey{}).(func())
+	a.queue(keys).do(c, a.send, queued)
 	return c.cmd
+}
+
+type queuedKey struct{}
+
+// WithQueued returns ctx carrying f, which a global check's script call made with it
+// calls once the call is queued for Redis (auto-pipelined calls, which go in the order
+// they are queued, per master): a caller that must have a later check of the same key
+// decided after this one can let it go from then on, rather than once this one is
+// answered, so that the two share a round trip. A check that is not queued (refused
+// before Redis, or sent in a pipeline of its own: several hash slots) never calls f.
+func WithQueued(ctx context.Context, f func()) context.Context {
+	return context.WithValue(ctx, queuedKey{}, f)
 }
 
 func (c *apCall) wake() chan bool { return c.done }

@@ -29,12 +29,18 @@ type batchMember interface {
 // do queues m and returns once a batch holding it has answered it: the batch is sent by
 // the caller of do, or by another's. send sends a batch and tells each member false
 // once its answer is in (any time during send, before it returns).
-func (c *combiner[T]) do(m T, send func(batch []T)) {
+//
+// queued, when not nil, is called once m is queued: whatever is queued after it goes in
+// its batch, behind it, or in a later batch.
+func (c *combiner[T]) do(m T, send func(batch []T), queued func()) {
 	c.mu.Lock()
 	c.queue = append(c.queue, m)
 	lead := !c.busy
 	c.busy = true
 	c.mu.Unlock()
+	if queued != nil {
+		queued()
+	}
 	for {
 		if lead {
 			c.sendNext(send)

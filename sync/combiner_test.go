@@ -45,7 +45,7 @@ func TestCombiner(t *testing.T) {
 	answered := make([]bool, n+1)
 	run := func(id int) {
 		defer wg.Done()
-		c.do(&testMember{id: id, done: make(chan bool, 1)}, send)
+		c.do(&testMember{id: id, done: make(chan bool, 1)}, send, nil)
 		mu.Lock()
 		answered[id] = sent[id] == 1
 		mu.Unlock()

@@ -42,7 +42,7 @@ const fetchPipe = 1 << 16
 // A request waits at most for the batch in flight and then its own, each bounded by
 // FetchWait.
 func (h *Hybrid) fetch(items []syncItem) {
-	h.fetchQ.do(&fetchReq{items: items, done: make(chan bool, 1)}, h.sendFetches)
+	h.fetchQ.do(&fetchReq{items: items, done: make(chan bool, 1)}, h.sendFetches, nil)
 }
 
 // sendFetches sends batch's exact syncs in one send, applies the replies, and wakes
