@@ -10,6 +10,66 @@ import (
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
+// orderConn is a connection to a daemon on a real Redis (5 s timeouts: no answer here is
+// left to a failure policy), numbering the requests it makes.
+type orderConn struct {
+	*rawConn
+	id uint64
+}
+
+// startOrderDaemon starts a daemon on rules with the Redis at addr and connects to it.
+func startOrderDaemon(t *testing.T, addr, rules string) *orderConn {
+	t.Helper()
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", rules)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+addr, "--global-timeout", "5s", "--redis-timeout", "5s")
+	return &orderConn{rawConn: dialRaw(t, d.socket)}
+}
+
+// checkOf returns the next check, of cost 1, with the attributes attrs ("name=value").
+func (c *orderConn) checkOf(attrs ...string) *proto.Request {
+	c.id++
+	req := &proto.Request{ID: c.id, Op: proto.OpCheck, Cost: 1}
+	for _, a := range attrs {
+		k, v, _ := strings.Cut(a, "=")
+		req.Attrs = append(req.Attrs, proto.Attr{Name: k, Value: v})
+	}
+	return req
+}
+
+// releaseOf returns the next request: the release of lease.
+func (c *orderConn) releaseOf(lease string) *proto.Request {
+	c.id++
+	return &proto.Request{ID: c.id, Op: proto.OpRelease, Lease: lease}
+}
+
+// pipeline writes reqs in one write.
+func (c *orderConn) pipeline(reqs ...*proto.Request) {
+	enc := proto.NewEncoder()
+	for _, r := range reqs {
+		enc.EncodeRequest(r)
+	}
+	c.write(enc.Bytes())
+}
+
+// decisions reads n answers to checks and returns them in order, A allowed, r refused;
+// each must be one, not degraded.
+func (c *orderConn) decisions(t *testing.T, n int) string {
+	t.Helper()
+	var got strings.Builder
+	for i := range n {
+		r := c.recv()
+		if r.IsError() || r.Degraded {
+			t.Fatalf("answer %d: %+v, want a decision, not degraded", i, r)
+		}
+		if r.Allowed {
+			got.WriteByte('A')
+		} else {
+			got.WriteByte('r')
+		}
+	}
+	return got.String()
+}
+
 // Pipelined checks of one key on one connection are decided in request order, in every
 // mode: with a limit of 5, ten written at once are allowed, allowed, allowed, allowed,
 // allowed, then refused five times. A check that waits on Redis (a global rule, a hybrid
@@ -19,7 +79,7 @@ import (
 // ones allowed (AAAArrrrrA, AAArArrrAr), the counts right and the order not.
 func TestE2EPipelinedChecksOfOneKeyInOrder(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+	c := startOrderDaemon(t, srv.Addr, `
 rules:
   - name: global-rate
     match: { path: /g }
@@ -47,34 +107,6 @@ rules:
     limit: { requests: 5, per: 1h }
     mode: local
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
-	c := dialRaw(t, d.socket)
-	id := uint64(0)
-	// pipeline writes the checks of user on paths in one write and returns the
-	// decisions in request order: A allowed, r refused.
-	pipeline := func(user string, paths ...string) string {
-		enc := proto.NewEncoder()
-		first := id + 1
-		for _, p := range paths {
-			id++
-			enc.EncodeRequest(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1,
-				Attrs: []proto.Attr{{Name: "path", Value: p}, {Name: "user", Value: user}}})
-		}
-		c.write(enc.Bytes())
-		var got strings.Builder
-		for i := range paths {
-			r := c.recv()
-			if r.ID != first+uint64(i) || r.IsError() || r.Degraded {
-				t.Fatalf("answer %d: %+v, want id %d, a decision, not degraded", i, r, first+uint64(i))
-			}
-			if r.Allowed {
-				got.WriteByte('A')
-			} else {
-				got.WriteByte('r')
-			}
-		}
-		return got.String()
-	}
 	ten := func(p string) []string {
 		out := make([]string, 10)
 		for i := range out {
@@ -94,8 +126,13 @@ rules:
 			// its local rule's key alone, and are decided after it, not inline before it.
 			{"global and local, then local alone", append([]string{"/m"}, ten("/ml")[:9]...)},
 		} {
-			user := fmt.Sprintf("u%d-%s", trial, strings.ReplaceAll(tc.name, " ", "-"))
-			if got := pipeline(user, tc.paths...); got != "AAAAArrrrr" {
+			user := fmt.Sprintf("user=u%d-%s", trial, strings.ReplaceAll(tc.name, " ", "-"))
+			var reqs []*proto.Request
+			for _, p := range tc.paths {
+				reqs = append(reqs, c.checkOf("path="+p, user))
+			}
+			c.pipeline(reqs...)
+			if got := c.decisions(t, len(reqs)); got != "AAAAArrrrr" {
 				t.Errorf("trial %d, %s: decided %s, want AAAAArrrrr", trial, tc.name, got)
 			}
 		}
@@ -107,39 +144,28 @@ rules:
 // their own, in any order, and the check was refused about one time in two.
 func TestE2EPipelinedReleaseThenCheckInOrder(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+	c := startOrderDaemon(t, srv.Addr, `
 rules:
   - name: one-at-a-time
     key: user
     concurrency: { max: 1, lease: 1m }
     mode: global
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
-	c := dialRaw(t, d.socket)
-	id := uint64(0)
-	check := func(user string) *proto.Request {
-		id++
-		return &proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: user}}}
-	}
 	for trial := range 20 {
-		user := fmt.Sprint("u", trial)
-		c.send(check(user))
+		user := fmt.Sprint("user=u", trial)
+		c.send(c.checkOf(user))
 		first := c.recv()
 		if !first.Allowed || first.Lease == "" {
 			t.Fatalf("trial %d: the first check: %+v, want allowed with a lease", trial, first)
 		}
-		enc := proto.NewEncoder()
-		id++
-		enc.EncodeRequest(&proto.Request{ID: id, Op: proto.OpRelease, Lease: first.Lease})
-		enc.EncodeRequest(check(user))
-		c.write(enc.Bytes())
+		c.pipeline(c.releaseOf(first.Lease), c.checkOf(user))
 		if r := c.recv(); !r.Released {
 			t.Fatalf("trial %d: release: %+v, want released", trial, r)
 		}
 		if r := c.recv(); !r.Allowed || r.Lease == "" {
 			t.Errorf("trial %d: the check pipelined after the release: %+v, want allowed (the slot freed)", trial, r)
 		} else {
-			c.send(&proto.Request{ID: 1 << 40, Op: proto.OpRelease, Lease: r.Lease})
+			c.send(c.releaseOf(r.Lease))
 			c.recv()
 		}
 	}
@@ -155,7 +181,7 @@ rules:
 // before it, which then found the slot free.
 func TestE2EPipelinedLocalLeaseSlotsInOrder(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+	c := startOrderDaemon(t, srv.Addr, `
 rules:
   - name: local-one
     key: user
@@ -167,24 +193,8 @@ rules:
     concurrency: { max: 100, lease: 1m }
     mode: global
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
-	c := dialRaw(t, d.socket)
-	id := uint64(0)
-	check := func(user, path string) *proto.Request {
-		id++
-		return &proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "path", Value: path}, {Name: "user", Value: user}}}
-	}
-	release := func(lease string) *proto.Request {
-		id++
-		return &proto.Request{ID: id, Op: proto.OpRelease, Lease: lease}
-	}
-	pipeline := func(reqs ...*proto.Request) {
-		enc := proto.NewEncoder()
-		for _, r := range reqs {
-			enc.EncodeRequest(r)
-		}
-		c.write(enc.Bytes())
-	}
+	check := func(user, path string) *proto.Request { return c.checkOf("user="+user, "path="+path) }
+	release, pipeline := c.releaseOf, c.pipeline
 	for trial := range 10 {
 		// A lease with a local and a global part, released, then a check of the local key.
 		user := fmt.Sprint("a", trial)
@@ -232,29 +242,24 @@ rules:
 // renew pipelined after the lease's release finds it released.
 func TestE2EPipelinedReleaseAndRenewOfOneLeaseInOrder(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+	c := startOrderDaemon(t, srv.Addr, `
 rules:
   - name: slots
     key: user
     concurrency: { max: 100, lease: 1m }
     mode: global
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--global-timeout", "5s", "--redis-timeout", "5s")
-	c := dialRaw(t, d.socket)
-	id := uint64(0)
+	renew := func(lease string) *proto.Request {
+		c.id++
+		return &proto.Request{ID: c.id, Op: proto.OpRenew, Lease: lease, LeaseMs: 60000}
+	}
 	for trial := range 20 {
-		id++
-		c.send(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
+		c.send(c.checkOf("user=ann"))
 		r := c.recv()
 		if !r.Allowed || r.Lease == "" {
 			t.Fatalf("trial %d: check: %+v, want allowed with a lease", trial, r)
 		}
-		enc := proto.NewEncoder()
-		enc.EncodeRequest(&proto.Request{ID: id + 1, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
-		enc.EncodeRequest(&proto.Request{ID: id + 2, Op: proto.OpRelease, Lease: r.Lease})
-		enc.EncodeRequest(&proto.Request{ID: id + 3, Op: proto.OpRenew, Lease: r.Lease, LeaseMs: 60000})
-		id += 3
-		c.write(enc.Bytes())
+		c.pipeline(renew(r.Lease), c.releaseOf(r.Lease), renew(r.Lease))
 		renewed, released, late := c.recv(), c.recv(), c.recv()
 		if !renewed.Renewed || !released.Released || late.Renewed {
 			t.Errorf("trial %d: renew, release, renew of one lease pipelined: renewed %v, released %v, renewed %v; want true, true, false",
@@ -274,37 +279,24 @@ func TestE2EPipelinedChecksOfOneKeyShareRoundTrips(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	proxy := startToxiproxy(t, srv.Addr)
 	addToxic(t, proxy, "latency", "latency", "downstream", fmt.Sprintf(`{"latency":%d}`, latency.Milliseconds()))
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+	c := startOrderDaemon(t, proxy.Listen, `
 rules:
   - name: global-rate
     key: user
     limit: { requests: 5, per: 1h }
     mode: global
 `)
-	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--global-timeout", "5s", "--redis-timeout", "5s")
-	c := dialRaw(t, d.socket)
 	c.check(1000, 1, "user=warm") // opens the pool's connections to Redis
-	enc := proto.NewEncoder()
-	for i := range uint64(12) {
-		enc.EncodeRequest(&proto.Request{ID: i + 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "hot"}}})
+	var reqs []*proto.Request
+	for range 12 {
+		reqs = append(reqs, c.checkOf("user=hot"))
 	}
 	start := time.Now()
-	c.write(enc.Bytes())
-	var got strings.Builder
-	for i := range 12 {
-		r := c.recv()
-		if r.ID != uint64(i+1) || r.IsError() || r.Degraded {
-			t.Fatalf("answer %d: %+v", i, r)
-		}
-		if r.Allowed {
-			got.WriteByte('A')
-		} else {
-			got.WriteByte('r')
-		}
-	}
+	c.pipeline(reqs...)
+	got := c.decisions(t, len(reqs))
 	el := time.Since(start)
-	if got.String() != "AAAAArrrrrrr" {
-		t.Errorf("decided %s, want AAAAArrrrrrr", got.String())
+	if got != "AAAAArrrrrrr" {
+		t.Errorf("decided %s, want AAAAArrrrrrr", got)
 	}
 	if el >= 700*time.Millisecond {
 		t.Fatalf("12 pipelined checks of one client on a %v Redis took %v: decided one after another", latency, el)
