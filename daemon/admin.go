@@ -13,6 +13,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/tcpaddr"
@@ -155,8 +157,56 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	}
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
-	a := &Admin{srv: &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second}, ln: ln}
+	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: adminIdleTimeout}
+	a := &Admin{srv: srv, ln: &capListener{Listener: ln, max: maxAdminConns}}
 	return a, nil
+}
+
+// maxAdminConns bounds the admin endpoint's connections at once; past it a connection
+// is closed as soon as it is accepted. Any local user can connect (the endpoint has no
+// group, unlike the socket), and each connection holds one of the daemon's descriptors,
+// which the gateways' socket needs too: unbounded, a process holding idle keep-alive
+// connections up to the descriptor limit made every accept fail (EMFILE), the msgpack
+// socket's as well. A scraper or an operator's curl needs one or two.
+const maxAdminConns = 64
+
+// adminIdleTimeout closes an admin connection idle between requests this long (a
+// Prometheus scrape every 15 s to 1 m keeps its connection).
+const adminIdleTimeout = 2 * time.Minute
+
+// capListener accepts at most max connections open at once, closing any beyond.
+type capListener struct {
+	net.Listener
+	max  int64
+	open atomic.Int64
+}
+
+func (l *capListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		if l.open.Add(1) > l.max {
+			l.open.Add(-1)
+			c.Close()
+			continue
+		}
+		return &capConn{Conn: c, l: l}, nil
+	}
+}
+
+// capConn gives its place back to its capListener when closed (once).
+type capConn struct {
+	net.Conn
+	l    *capListener
+	once sync.Once
+}
+
+func (c *capConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { c.l.open.Add(-1) })
+	return err
 }
 
 // hostGuard refuses requests whose Host header is a name the endpoint was not bound to:

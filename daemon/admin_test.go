@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -195,4 +197,59 @@ func TestAdminIPv4WildcardIsIPv4Only(t *testing.T) {
 		t.Fatalf("the admin endpoint on 0.0.0.0:%s holds [::]:%s too: %v", port, port, err)
 	}
 	ln6.Close()
+}
+
+// The admin endpoint answers any local user (it has no group, unlike the socket), so its
+// connections are capped: each holds one of the daemon's descriptors, which the
+// gateways' socket needs too. Before, idle keep-alive connections were held without
+// bound and forever (no IdleTimeout): a local process holding as many as the daemon's
+// descriptor limit made every accept fail with EMFILE, on the msgpack socket as well,
+// and the gateways' connections waited in the backlog unanswered.
+func TestAdminConnectionsCapped(t *testing.T) {
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
+	addr := strings.TrimPrefix(base, "http://")
+	const tries = 200
+	answered := 0
+	var conns []net.Conn
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for range tries {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		c.SetDeadline(time.Now().Add(2 * time.Second))
+		if _, err := io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"); err != nil {
+			continue
+		}
+		if resp, err := http.ReadResponse(bufio.NewReader(c), nil); err == nil {
+			resp.Body.Close()
+			answered++ // and held open, idle, by the server (keep-alive)
+		}
+	}
+	if answered > 64 {
+		t.Fatalf("%d of %d connections held open at once; want at most 64", answered, tries)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	conns = nil
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		resp, err := http.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no answer once the held connections closed: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

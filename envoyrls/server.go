@@ -222,7 +222,7 @@ func (s *Server) Listen() error {
 		if ul, ok := s.cfg.Listener.(*net.UnixListener); ok {
 			ul.SetUnlinkOnClose(false)
 		}
-		s.ln = s.cfg.Listener
+		s.ln = capped(s.cfg.Listener)
 		return nil
 	}
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
@@ -231,7 +231,7 @@ func (s *Server) Listen() error {
 		if err != nil {
 			return fmt.Errorf("envoy rls: listening on %s: %w", s.cfg.Addr, err)
 		}
-		s.ln = ln
+		s.ln = capped(ln)
 		return nil
 	}
 	if path == "" {
@@ -301,7 +301,7 @@ func (s *Server) Listen() error {
 	// it: another daemon may have put its own there since (after this one's was removed).
 	s.sockPath, s.sock = path, unixsock.IDOf(fi)
 	ln.SetUnlinkOnClose(false)
-	s.ln = ln
+	s.ln = capped(ln)
 	return nil
 }
 
@@ -931,4 +931,49 @@ func envoyUnit(limit uint64, window time.Duration) (uint32, rlsv3.RateLimitRespo
 func rateLimitItem(r *limiter.Result) *proto.RateLimitItem {
 	return &proto.RateLimitItem{Name: r.Name, Limit: r.Limit, Window: r.Window, Remaining: r.Remaining,
 		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter, Concurrency: r.Rule != nil && r.Rule.Concurrency}
+}
+
+// maxConns bounds the listener's connections at once; past it a connection is closed as
+// soon as it is accepted. Each holds one of the daemon's descriptors, which its msgpack
+// socket needs too, and a HOST:PORT listener answers any local user: unbounded, a
+// process holding idle connections up to the descriptor limit made every accept fail
+// (EMFILE), the msgpack socket's as well. Envoy opens a few per worker thread.
+const maxConns = 1024
+
+// capped returns ln accepting at most maxConns connections open at once.
+func capped(ln net.Listener) net.Listener { return &capListener{Listener: ln, max: maxConns} }
+
+// capListener accepts at most max connections open at once, closing any beyond.
+type capListener struct {
+	net.Listener
+	max  int64
+	open atomic.Int64
+}
+
+func (l *capListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		if l.open.Add(1) > l.max {
+			l.open.Add(-1)
+			c.Close()
+			continue
+		}
+		return &capConn{Conn: c, l: l}, nil
+	}
+}
+
+// capConn gives its place back to its capListener when closed (once).
+type capConn struct {
+	net.Conn
+	l    *capListener
+	once sync.Once
+}
+
+func (c *capConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { c.l.open.Add(-1) })
+	return err
 }

@@ -14,9 +14,12 @@ const envPrefix = "RLSIDECAR_"
 const envUsage = `Every flag can also be set in the environment as RLSIDECAR_<FLAG>, upper-case with
 dashes turned into underscores (--redis-timeout: RLSIDECAR_REDIS_TIMEOUT=20ms). A flag on
 the command line wins over the environment. A malformed value in the environment is an
-error, never silently replaced by the default. The Redis password is read from
---redis-password-file or $RLSIDECAR_REDIS_PASSWORD (one of them, or the URL: two is an
-error); it never appears in ps or logs.`
+error, never silently replaced by the default.`
+
+// passwordUsage follows envUsage in the --help of serve, the one command that talks to
+// Redis.
+const passwordUsage = `The Redis password is read from --redis-password-file or $RLSIDECAR_REDIS_PASSWORD
+(one of them, or the URL: two is an error); it never appears in ps or logs.`
 
 // envName returns the environment variable that sets the flag called name:
 // "redis-timeout" → "RLSIDECAR_REDIS_TIMEOUT".

@@ -117,6 +117,9 @@ func newFlags(name string, stderr io.Writer) *flag.FlagSet {
 		fmt.Fprintf(fs.Output(), "Usage of rlsidecar %s:\n", name)
 		fs.PrintDefaults()
 		fmt.Fprintf(fs.Output(), "\n%s\n", envUsage)
+		if name == "serve" {
+			fmt.Fprintln(fs.Output(), passwordUsage)
+		}
 	}
 	return fs
 }

@@ -126,3 +126,47 @@ func TestDefaultDaemonIDsDiffer(t *testing.T) {
 		}
 	}
 }
+
+// A daemon stopped while Redis is away cannot hand in what it admitted since its last
+// sync: its last sync fails, and those units are never counted in Redis. That must show
+// in the log whatever else was logged before. Before, the failure went through the same
+// one-line-per-10-s limit as the periodic syncs' failures, so a daemon stopped within
+// 10 s of the outage's first warning (a restart to "fix" Redis trouble, say) logged
+// "stopped" and nothing about the units it dropped.
+func TestE2ELastSyncFailureIsLogged(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 1000, per: 1h }
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms")
+	c := dialRaw(t, d.socket)
+	for i := range 3 {
+		if r := c.check(uint64(i+1), 1, "user=u"); !r.Allowed {
+			t.Fatalf("refused: %+v", r)
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // synced: the key holds a grant
+	srv.Stop()
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(d.stderr.String(), "redis sync failed") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no sync failure logged 5s after Redis stopped\n%s", d.stderr.String())
+		}
+		c.check(9, 1, "user=u")
+		time.Sleep(20 * time.Millisecond)
+	}
+	for i := range 3 { // admitted, pending: the last sync's to hand in
+		c.check(uint64(10+i), 1, "user=u")
+	}
+	stopDaemon(t, d)
+	log := d.stderr.String()
+	_, after, _ := strings.Cut(log, "msg=draining")
+	if !strings.Contains(after, "level=WARN") || !strings.Contains(after, "last sync") {
+		t.Fatalf("the last sync failed (Redis stopped) and nothing said so after the drain began:\n%s", log)
+	}
+}

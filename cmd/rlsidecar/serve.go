@@ -487,6 +487,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		go func() {
 			defer syncWG.Done()
 			hybrid.Run(syncCtx, id, clock.Mono, max(*redisTimeout, *syncInterval), func(err error) {
+				if syncCtx.Err() != nil {
+					// The last sync, after the drain (or a sync still on its way then):
+					// always said, as what it failed to hand in is lost with the process.
+					log.Warn("the last sync before stopping failed: what this daemon admitted since its last sync that reached Redis is not counted there", "err", err)
+					return
+				}
 				if time.Since(lastLog) > 10*time.Second { // one line per 10 s while Redis is away
 					lastLog = time.Now()
 					log.Warn("redis sync failed; deciding from local allowances, and by the failure policies where only Redis could decide", "err", err)

@@ -126,6 +126,24 @@ func TestServeHelpNamesTheEnvironment(t *testing.T) {
 	}
 }
 
+// The Redis password's sentence ends the help of serve only: validate, check, replay and
+// import-envoy have no Redis flag, and their --help told of a --redis-password-file none
+// of them takes.
+func TestOnlyServeHelpNamesTheRedisPassword(t *testing.T) {
+	for _, cmd := range []string{"validate", "check", "replay", "import-envoy"} {
+		var out bytes.Buffer
+		if code := run([]string{cmd, "--help"}, io.Discard, &out); code != exitOK {
+			t.Fatalf("%s --help: exit %d", cmd, code)
+		}
+		if !strings.Contains(out.String(), "RLSIDECAR_<FLAG>") {
+			t.Errorf("%s --help does not name the environment:\n%s", cmd, out.String())
+		}
+		if strings.Contains(out.String(), "redis-password-file") {
+			t.Errorf("%s --help speaks of a Redis password it takes no flag for:\n%s", cmd, out.String())
+		}
+	}
+}
+
 // The real binary refuses a malformed environment value with exit 2 before creating
 // anything, rather than starting with a default.
 func TestE2EMalformedEnvironmentRefused(t *testing.T) {
