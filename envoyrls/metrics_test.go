@@ -66,7 +66,13 @@ func TestTransportCallsObserveLatency(t *testing.T) {
 			if _, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "g", Descriptors: []*commonrl.RateLimitDescriptor{desc1("x")}}); err != nil {
 				t.Fatal(err)
 			}
+			// A call is observed once its answer is written, which its client may read
+			// first: wait a little for the last one.
 			recorded, answered, durs := rec.counts()
+			for deadline := time.Now().Add(2 * time.Second); (recorded != 2 || answered != 3) && time.Now().Before(deadline); {
+				time.Sleep(5 * time.Millisecond)
+				recorded, answered, durs = rec.counts()
+			}
 			if recorded != 2 || answered != 3 {
 				t.Fatalf("recorded %d decisions and observed %d answers, want 2 and 3 (durations %v)", recorded, answered, durs)
 			}
