@@ -13,10 +13,9 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/connlimit"
 	"github.com/rlsidecar/rlsidecar/internal/tcpaddr"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
@@ -158,7 +157,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
 	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: adminIdleTimeout}
-	a := &Admin{srv: srv, ln: &capListener{Listener: ln, max: maxAdminConns}}
+	a := &Admin{srv: srv, ln: connlimit.Listener(ln, maxAdminConns)}
 	return a, nil
 }
 
@@ -173,41 +172,6 @@ const maxAdminConns = 64
 // adminIdleTimeout closes an admin connection idle between requests this long (a
 // Prometheus scrape every 15 s to 1 m keeps its connection).
 const adminIdleTimeout = 2 * time.Minute
-
-// capListener accepts at most max connections open at once, closing any beyond.
-type capListener struct {
-	net.Listener
-	max  int64
-	open atomic.Int64
-}
-
-func (l *capListener) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
-		if err != nil {
-			return nil, err
-		}
-		if l.open.Add(1) > l.max {
-			l.open.Add(-1)
-			c.Close()
-			continue
-		}
-		return &capConn{Conn: c, l: l}, nil
-	}
-}
-
-// capConn gives its place back to its capListener when closed (once).
-type capConn struct {
-	net.Conn
-	l    *capListener
-	once sync.Once
-}
-
-func (c *capConn) Close() error {
-	err := c.Conn.Close()
-	c.once.Do(func() { c.l.open.Add(-1) })
-	return err
-}
 
 // hostGuard refuses requests whose Host header is a name the endpoint was not bound to:
 // the mark of DNS rebinding, where a web page's own name is made to resolve to this host

@@ -45,6 +45,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/rlsidecar/rlsidecar/internal/connlimit"
 	"github.com/rlsidecar/rlsidecar/internal/tcpaddr"
 	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -941,39 +942,4 @@ func rateLimitItem(r *limiter.Result) *proto.RateLimitItem {
 const maxConns = 1024
 
 // capped returns ln accepting at most maxConns connections open at once.
-func capped(ln net.Listener) net.Listener { return &capListener{Listener: ln, max: maxConns} }
-
-// capListener accepts at most max connections open at once, closing any beyond.
-type capListener struct {
-	net.Listener
-	max  int64
-	open atomic.Int64
-}
-
-func (l *capListener) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
-		if err != nil {
-			return nil, err
-		}
-		if l.open.Add(1) > l.max {
-			l.open.Add(-1)
-			c.Close()
-			continue
-		}
-		return &capConn{Conn: c, l: l}, nil
-	}
-}
-
-// capConn gives its place back to its capListener when closed (once).
-type capConn struct {
-	net.Conn
-	l    *capListener
-	once sync.Once
-}
-
-func (c *capConn) Close() error {
-	err := c.Conn.Close()
-	c.once.Do(func() { c.l.open.Add(-1) })
-	return err
-}
+func capped(ln net.Listener) net.Listener { return connlimit.Listener(ln, maxConns) }
