@@ -207,6 +207,39 @@ func (h *Hybrid) heartbeatEvery() time.Duration { return max(h.interval, time.Se
 // nothing then; this is for units admitted and not yet synced, and grants not yet used.
 const releaseBudget = 10 * time.Second
 
+// lastSyncRetry bounds how long the last sync before a daemon stops is tried again
+// when Redis does not answer it: a Redis out of reach for less (a network blip, a
+// restart, a proxy's reconnection) still counts what the daemon admitted; past it the
+// daemon exits, logging what it could not hand in, rather than hold up a restart (the
+// next daemon, socket-activated, waits for it) for an outage that goes on.
+const lastSyncRetry = 2 * time.Second
+
+// lastSync runs the last sync (Release), tried again after a pause, the pause
+// doubling from 20 ms up to 250 ms, until it succeeds or lastSyncRetry has passed since
+// the first try; each try may take up to max(timeout, releaseBudget). A try whose reply
+// was lost after Redis applied it counts nothing twice: every sync carries a token
+// Redis records with the key (newToken). fail hears the last try's error.
+func (h *Hybrid) lastSync(clock func() int64, timeout time.Duration, fail func(error)) {
+	until := time.Now().Add(lastSyncRetry)
+	for pause := 20 * time.Millisecond; ; pause = min(2*pause, 250*time.Millisecond) {
+		c, cancel := context.WithTimeout(context.Background(), max(timeout, releaseBudget))
+		start := time.Now()
+		sent, err := h.flush(c, clock(), 0, true)
+		cancel()
+		if sent > 0 || err != nil {
+			h.observed("hybrid_sync", start, err)
+		}
+		if err == nil {
+			return
+		}
+		if time.Now().Add(pause).After(until) {
+			fail(err)
+			return
+		}
+		time.Sleep(pause)
+	}
+}
+
 // kickEvery is how often at most Run syncs early because keys were seen for the first
 // time: new clients get their first view within it, and a flood of new keys costs Redis
 // one sync per kickEvery, many keys per script call, not one per key.
@@ -214,8 +247,8 @@ const kickEvery = 50 * time.Millisecond
 
 // Run syncs every interval and sends a heartbeat every second until ctx ends, then
 // releases (a last sync that gives every grant back and takes none), with a fresh
-// context bounded by timeout, so what was admitted before a shutdown reaches Redis and
-// no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
+// context, tried again while Redis does not answer for up to lastSyncRetry (lastSync),
+// so what was admitted before a shutdown reaches Redis and no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
 // key's sync goes to the node that holds it. clock returns the daemon's time (ns);
 // onErr sees every failure.
 //
@@ -271,14 +304,10 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			beatNow()
 		}()
 	}
-	flush := func(release bool) {
-		// A sync of many keys takes several pipelines: allow it a few intervals, and the
-		// last one, which settles every key held, up to releaseBudget.
+	flush := func() {
+		// A sync of many keys takes several pipelines: allow it a few intervals.
 		budget := max(timeout, 5*h.interval)
-		if release {
-			budget = max(timeout, releaseBudget)
-		}
-		if !release && h.single == nil {
+		if h.single == nil {
 			// A breaker per master: a master that does not answer holds up its own
 			// keys' syncs, not the others'.
 			h.flushEach(clock(), h.maxSync, budget, &syncs, func(sent int, d time.Duration, err error) {
@@ -297,16 +326,12 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		c, cancel := context.WithTimeout(context.Background(), budget)
 		defer cancel()
 		start := time.Now()
-		limit := h.maxSync
-		if release {
-			limit = 0
-		}
-		sent, err := h.flush(c, clock(), limit, release)
+		sent, err := h.flush(c, clock(), h.maxSync, false)
 		if sent == 0 && err == nil {
 			return
 		}
 		h.observed("hybrid_sync", start, err)
-		if h.syncDone != nil && !release {
+		if h.syncDone != nil {
 			h.syncDone(time.Since(start), sent)
 		}
 		if err != nil {
@@ -324,7 +349,7 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			// the daemon's last chance to hand in what it admitted. The syncs on their
 			// way first: their keys are busy until then.
 			syncs.Wait()
-			flush(true)
+			h.lastSync(clock, timeout, fail)
 			c, cancel := context.WithTimeout(context.Background(), timeout)
 			if err := h.leave(c, id); err != nil {
 				fail(err)
@@ -349,11 +374,11 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 				lastBeat = time.Now() // no sync took it: alone
 				beat()
 			}
-			flush(false)
+			flush()
 			h.sweep(sweep, clock())
 			sweep = (sweep + 1) % hybridShards
 		case <-h.kick:
-			flush(false)
+			flush()
 			select {
 			case <-ctx.Done():
 			case <-time.After(kickEvery):

@@ -170,3 +170,61 @@ rules:
 		t.Fatalf("the last sync failed (Redis stopped) and nothing said so after the drain began:\n%s", log)
 	}
 }
+
+// A Redis out of reach across a daemon's stop (a failover, a restart with persistence, a
+// network blip longer than the sync's timeout) costs nothing admitted if it is back
+// within the last sync's budget: the last sync is tried again until Redis answers.
+// Before, its one try was cut at the sync client's timeout (here 50 ms) and every unit
+// admitted since the last sync that reached Redis was lost, as with a SIGKILL. The link
+// is cut cleanly, as in TestFaultOutageDeltasReachRedisOnce (a command reaches Redis
+// whole with its reply, or not at all).
+func TestE2ELastSyncOutlastsARedisBlip(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	proxy := startToxiproxy(t, srv.Addr)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: orders
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 1000000000, per: 366d }
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+proxy.Listen, "--sync-interval", "50ms")
+	c := dialRaw(t, d.socket)
+	admitted := 0
+	check := func(id uint64) {
+		if r := c.check(id, 1, "user=shopper"); !r.Allowed || r.Degraded {
+			t.Fatalf("check %d: %+v", id, r)
+		}
+		admitted++
+	}
+	for i := range 5 {
+		check(uint64(i + 1))
+	}
+	time.Sleep(300 * time.Millisecond) // synced: the key holds a grant
+	addToxic(t, proxy, "blackhole", "timeout", "upstream", `{"timeout":0}`)
+	proxy.Stop()
+	removeToxic(t, proxy, "blackhole")
+	for i := range 20 { // admitted on the grant, pending: the last sync's to hand in
+		check(uint64(10 + i))
+	}
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if err := proxy.Start(); err != nil {
+		t.Fatalf("restarting toxiproxy on %s: %v", proxy.Listen, err)
+	}
+	start := time.Now()
+	select {
+	case err := <-d.done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("daemon did not exit\n%s", d.stderr.String())
+	}
+	t.Logf("exit %s after Redis was back", time.Since(start).Round(time.Millisecond))
+	if got := redisCount(t, srv.Addr, "rl:orders~fw366d:{user=shopper}"); got != admitted {
+		t.Fatalf("Redis counts %d after a stop across a 0.5 s outage, the client was told %d were admitted\n%s", got, admitted, d.stderr.String())
+	}
+}
