@@ -182,7 +182,7 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 			}
 			host, port, err := net.SplitHostPort(a)
 			if err != nil || host == "" || !isPort(port) {
-				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port", a)
+				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port, the port 1 to 65535", a)
 			}
 			addrs = append(addrs, a)
 		}
@@ -206,6 +206,9 @@ func checkURL(s string) error {
 	case "redis", "rediss":
 		if u.Opaque != "" || u.Host == "" {
 			return fmt.Errorf("no host: want %s://[[user]:password@]host[:port][/db] (is the \"//\" missing?)", u.Scheme)
+		}
+		if p := u.Port(); p != "" && !isPort(p) {
+			return fmt.Errorf("port %q: want 1 to 65535", p) // else refused only at the first dial
 		}
 	}
 	return nil
@@ -295,12 +298,14 @@ func isPort(s string) bool {
 	if s == "" || len(s) > 5 {
 		return false
 	}
+	n := 0
 	for _, c := range s {
 		if c < '0' || c > '9' {
 			return false
 		}
+		n = n*10 + int(c-'0')
 	}
-	return true
+	return n >= 1 && n <= 65535
 }
 
 // urlErr is err, an error parsing a Redis URL, without the URL it may quote (net/url's

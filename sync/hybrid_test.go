@@ -361,6 +361,10 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{URL: "redis//:S3cr3tPW@127.0.0.1:6380"},            // no scheme at all
 		{URL: "redis:/:S3cr3tPW@127.0.0.1:6380"},
 		{URL: "bob:S3cr3tPW@127.0.0.1:6380"},
+		{URL: "redis://:S3cr3tPW@127.0.0.1:99999"}, // no such port: refused here, not at the first dial
+		{URL: "redis://:S3cr3tPW@127.0.0.1:0"},
+		{Cluster: []string{"127.0.0.1:7000,127.0.0.1:70001"}},
+		{Cluster: []string{"redis://:S3cr3tPW@127.0.0.1:7000,127.0.0.1:65536"}},
 	} {
 		rdb, err := Open(c)
 		if err == nil {
