@@ -45,6 +45,10 @@ import (
 //     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
 //     starting with '^', a pattern ending in '$'.
 //
+// A match with no condition (`match:` followed by nothing, or `match: {}`): it applies the
+// rule to every request, as leaving match out does, which is seldom what a file that
+// writes match meant: its conditions were commented out, or indented wrongly.
+//
 // Rules that replace each other in a cycle ("a" replaces "b" and "b" replaces "a", or
 // a longer loop; a shadow rule replaces nothing, so it breaks a cycle): a request that
 // matches every rule of the cycle is charged to none of them, each being replaced by
@@ -87,6 +91,10 @@ func (s *Set) Warnings() Errors {
 	for _, r := range s.Rules {
 		if e := cycles[r]; e != nil {
 			out = append(out, e)
+		}
+		if r.emptyMatch {
+			out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name) + " match",
+				Msg: "empty: the rule applies to every request (are its conditions commented out?); leave match out to say so"})
 		}
 		for ci := range r.conds {
 			for gi := range r.conds[ci].globs {

@@ -293,3 +293,24 @@ func TestWarningsReplacesCycle(t *testing.T) {
 		t.Errorf("ring: %v", ws)
 	}
 }
+
+// A match written with no condition applies the rule to every request: said, as its
+// conditions were likely commented out. No match at all is every request, on purpose.
+func TestWarningsEmptyMatch(t *testing.T) {
+	for _, tt := range []struct {
+		match string
+		warn  bool
+	}{
+		{"    match:\n    #  path: /v1/orders/*\n", true},
+		{"    match: ~\n", true},
+		{"    match: {}\n", true},
+		{"", false},
+		{"    match: { method: GET }\n", false},
+	} {
+		src := "rules:\n  - name: m\n" + tt.match + "    key: ip\n    limit: { requests: 1, per: 1m }\n"
+		ws := mustParse(t, src).Warnings()
+		if got := len(ws) == 1 && strings.Contains(ws[0].Error(), "every request"); got != tt.warn || len(ws) > 1 {
+			t.Errorf("%q: warnings %v, want one saying it applies to every request: %v", tt.match, ws, tt.warn)
+		}
+	}
+}

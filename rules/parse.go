@@ -305,8 +305,11 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 		r.Name = s
 	}
 
-	if v := f["match"]; !isNull(v) {
+	if v, ok := f["match"]; ok && !isNull(v) {
 		r.conds, r.Match = p.match(v, field+".match")
+		r.emptyMatch = len(r.conds) == 0 && v.Kind == yaml.MappingNode && len(v.Content) == 0
+	} else if ok {
+		r.emptyMatch = true // match: with nothing after it (its conditions commented out?)
 	}
 
 	if v := f["key"]; isNull(v) {

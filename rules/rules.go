@@ -160,8 +160,11 @@ type Rule struct {
 	// slice instead of a map.
 	Index int
 
-	conds   []cond   // all must hold
-	keyLits []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	conds []cond // all must hold
+	// emptyMatch: the file wrote match with no condition (null or {}), which matches
+	// every request as no match does, but reads as a rule meant to match some (lint.go).
+	emptyMatch bool
+	keyLits    []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
 	// keyWords are the shortWord of each key attribute name (set with keyLits): AppendKey
 	// finds a name of at most 8 bytes by its length and word.
 	keyWords []uint64
