@@ -123,8 +123,11 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 			// The last round sends the pending refusals and indexes the bans they start:
 			// a ban only this daemon knew would otherwise never reach the others.
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(interval, time.Second))
-			_ = s.round(fctx, s.wallOf(now()), false)
+			err := s.round(fctx, s.wallOf(now()), false)
 			cancel()
+			if err != nil && onErr != nil {
+				onErr(err) // ctx is done: the caller can tell the last round's failure
+			}
 			return
 		case <-t.C:
 		}

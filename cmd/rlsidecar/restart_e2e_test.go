@@ -228,3 +228,34 @@ rules:
 		t.Fatalf("Redis counts %d after a stop across a 0.5 s outage, the client was told %d were admitted\n%s", got, admitted, d.stderr.String())
 	}
 }
+
+// The refusals a hybrid penalty rule counted since the last round of sharing them are
+// sent once more at stop; when Redis is away, that failure is logged at warn whatever
+// was logged before (the refusals, and the bans they start, never reach the other
+// daemons). Before, the last round's error was dropped without a word.
+func TestE2ELastBanRoundFailureIsLogged(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    penalty: { after: 100, within: 1h, ban: 1m }
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms")
+	c := dialRaw(t, d.socket)
+	if r := c.check(1, 1, "ip=10.0.0.9"); !r.Allowed {
+		t.Fatalf("first check refused: %+v", r)
+	}
+	time.Sleep(300 * time.Millisecond) // synced
+	srv.Stop()
+	for i := range 5 { // refused: counted here, for the last round to send
+		c.check(uint64(10+i), 1, "ip=10.0.0.9")
+	}
+	stopDaemon(t, d)
+	log := d.stderr.String()
+	_, after, _ := strings.Cut(log, "msg=draining")
+	if !strings.Contains(after, "sharing the penalty bans before stopping failed") {
+		t.Fatalf("the last round of sharing bans failed (Redis stopped) and nothing said so:\n%s", log)
+	}
+}

@@ -509,6 +509,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		go func() {
 			defer syncWG.Done()
 			lim.RunSharedBans(syncCtx, *syncInterval, clock.Mono, func(err error) {
+				if syncCtx.Err() != nil {
+					// The last round, at stop: always said, as the refusals it failed
+					// to send (and the bans they start) are lost with the process.
+					log.Warn("sharing the penalty bans before stopping failed: the refusals counted since the last round, and the bans they start, do not reach the other daemons", "err", err)
+					return
+				}
 				if time.Since(lastLog) > 10*time.Second {
 					lastLog = time.Now()
 					log.Warn("redis: sharing the penalty bans failed; enforcing those known", "err", err)
