@@ -248,9 +248,9 @@ const kickEvery = 50 * time.Millisecond
 // Run syncs every interval and sends a heartbeat every second until ctx ends, then
 // releases (a last sync that gives every grant back and takes none), with a fresh
 // context, tried again while Redis does not answer for up to lastSyncRetry (lastSync),
-// so what was admitted before a shutdown reaches Redis and no budget stays reserved. A heartbeat that fails does not hold the syncs back: each
-// key's sync goes to the node that holds it. clock returns the daemon's time (ns);
-// onErr sees every failure.
+// so what was admitted before a shutdown reaches Redis and no budget stays reserved. A
+// heartbeat that fails does not hold the syncs back: each key's sync goes to the node
+// that holds it. clock returns the daemon's time (ns); onErr sees every failure.
 //
 // With a breaker per master of a Cluster (WithMasters), each master's periodic sync and
 // each heartbeat after the first run on goroutines of their own, waited for before the
