@@ -139,8 +139,11 @@ type Server struct {
 	// for the connections (wg), so the last one it accepted is counted first.
 	serving sync.WaitGroup
 
-	nconns  atomic.Int64
-	connIDs atomic.Uint64 // the last connection id given (conn.id)
+	nconns atomic.Int64
+	// lingering counts the connections refused (too_many_connections, shutting_down)
+	// whose close waits for their client to take the error answer (lingerClose).
+	lingering atomic.Int32
+	connIDs   atomic.Uint64 // the last connection id given (conn.id)
 	// held is the bytes of answers the connections hold for clients not reading them,
 	// as each last counted its own (conn.report).
 	held atomic.Int64
@@ -399,7 +402,47 @@ func (s *Server) refuse(c *net.UnixConn, code, msg string) {
 	enc.EncodeError(0, code, msg)
 	_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
 	_, _ = c.Write(enc.Bytes())
-	_ = c.Close()
+	if s.lingering.Add(1) > maxLingering {
+		s.lingering.Add(-1)
+		_ = c.Close() // a flood of refusals: no more goroutines for it
+		return
+	}
+	go func() {
+		defer s.lingering.Add(-1)
+		lingerClose(c)
+	}()
+}
+
+// A connection closed after an error answer (too_many_connections, frame_too_large,
+// shutting_down) is first half-closed and drained, for up to lingerFor and lingerBytes:
+// closed at once, with the client's request unread in it (a client writes before it
+// reads), the client's write failed (EPIPE) or its read did (ECONNRESET) before it
+// could read the answer, so the error code the protocol promises never reached it (0
+// of 300 refused clients read too_many_connections, 0 of 100 read frame_too_large).
+// At most maxLingering refused connections linger at once; past that they are closed
+// at once, as before.
+const (
+	lingerFor    = time.Second
+	lingerBytes  = 64 << 20
+	maxLingering = 64
+)
+
+// lingerClose closes c once its client has read what was written to it: it shuts c's
+// write side (the client reads the answer, then end of file) and reads and discards
+// what the client sends until it closes, lingerFor passes or lingerBytes are read.
+func lingerClose(c *net.UnixConn) {
+	defer c.Close()
+	if c.CloseWrite() != nil || c.SetReadDeadline(time.Now().Add(lingerFor)) != nil {
+		return
+	}
+	buf := make([]byte, 16<<10)
+	for n := 0; n < lingerBytes; {
+		k, err := c.Read(buf)
+		if err != nil {
+			return
+		}
+		n += k
+	}
 }
 
 // track counts c among the connections served. A connection taken while the server
@@ -631,8 +674,16 @@ const readBufSize = 16 << 10
 
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
-	defer c.Close()
+	var cut *atomic.Uint32
+	defer func() {
+		if cut != nil && closeReason(cut.Load()) == closeFrameTooLarge {
+			lingerClose(c) // its answer written: the client must be able to read it
+			return
+		}
+		_ = c.Close()
+	}()
 	cn := &conn{s: s, c: c, id: s.connIDs.Add(1), dec: proto.NewDecoder(), enc: proto.NewEncoder()}
+	cut = &cn.cut
 	cn.br = bufio.NewReaderSize(cn, s.readBuf) // through Read: rw's, or the drain's
 	cn.wcond.L = &cn.wmu
 	cn.dcs.Owner = cn.id

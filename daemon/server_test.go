@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -671,5 +672,87 @@ func TestBigFrameGrowsAsItArrives(t *testing.T) {
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if r := readResponse(t, br); r.ID != 9 || r.Err.Code != "" {
 		t.Fatalf("a 200,000-byte frame sent in pieces: %+v", r)
+	}
+}
+
+// readError reads, from a connection the server closes after an error answer, that
+// answer and then end of file, and returns the answer's code; a client that wrote
+// before it reads, as every client does, must get it. Before, the server closed at once
+// with the client's request unread: the client's write failed (EPIPE) or its read did
+// (ECONNRESET), and no code arrived (0 of 300 past MaxConns, 0 of 100 frames too large).
+func readError(c net.Conn) (string, error) {
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	all, err := io.ReadAll(c)
+	if err != nil {
+		return "", fmt.Errorf("after %d bytes: %w", len(all), err)
+	}
+	if len(all) < proto.HeaderSize {
+		return "", fmt.Errorf("%d bytes, no answer", len(all))
+	}
+	var r proto.Response
+	if err := proto.NewDecoder().DecodeResponse(all[proto.HeaderSize:], &r); err != nil {
+		return "", err
+	}
+	return r.Err.Code, nil
+}
+
+// Past MaxConns, a client that writes its request and then reads gets
+// too_many_connections, however soon after connecting it writes.
+func TestRefusedClientReadsTheError(t *testing.T) {
+	s := startServer(t, Config{MaxConns: 1})
+	a, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	waitConns(t, s, 1, time.Second)
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&proto.Request{ID: 9, Op: proto.OpPing})
+	for i := range 60 {
+		c, err := net.Dial("unix", s.cfg.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%2 == 1 {
+			time.Sleep(time.Millisecond) // the refusal is written first
+		}
+		if _, err := c.Write(enc.Bytes()); err != nil {
+			t.Fatalf("round %d: writing a request to a refused connection: %v", i, err)
+		}
+		code, err := readError(c)
+		c.Close()
+		if err != nil || code != proto.CodeTooManyConnections {
+			t.Fatalf("round %d: got %q, %v; want %s", i, code, err, proto.CodeTooManyConnections)
+		}
+	}
+}
+
+// A frame too large, sent whole, is answered frame_too_large, which its client reads
+// before end of file: the frame's body, unread, does not reset the connection.
+func TestFrameTooLargeReadByTheClient(t *testing.T) {
+	s := startServer(t, Config{})
+	for _, n := range []int{proto.DefaultMaxFrame + 1, 1 << 20} {
+		frame := make([]byte, proto.HeaderSize+n)
+		binary.BigEndian.PutUint32(frame, uint32(n))
+		frame[proto.HeaderSize] = 0x80
+		for i := range 10 {
+			c, err := net.Dial("unix", s.cfg.Socket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wrote := make(chan error, 1)
+			go func() { // a body larger than the socket's buffers waits for the server
+				_, err := c.Write(frame)
+				wrote <- err
+			}()
+			code, err := readError(c)
+			if werr := <-wrote; werr != nil {
+				t.Fatalf("%d bytes, round %d: writing the frame: %v", n, i, werr)
+			}
+			c.Close()
+			if err != nil || code != proto.CodeFrameTooLarge {
+				t.Fatalf("%d bytes, round %d: got %q, %v; want %s", n, i, code, err, proto.CodeFrameTooLarge)
+			}
+		}
 	}
 }
