@@ -90,6 +90,12 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
 		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
 	e.flags |= flagBusy
+	if e.pending > 0 {
+		if sh.onWay == nil {
+			sh.onWay = map[*hentry]uint64{}
+		}
+		sh.onWay[e] = e.pending
+	}
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0
 	if mode == modeShare {
@@ -106,6 +112,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	now := it.now
 	e, sh := it.e, it.sh
 	e.flags &^= flagBusy
+	if it.used > 0 {
+		delete(sh.onWay, e)
+	}
 	if it.err != nil {
 		// Not confirmed: keep the counts for the next sync. One that asked for units
 		// may have reserved them all the same (its reply lost or too late, a FetchWait

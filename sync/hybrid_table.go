@@ -21,7 +21,21 @@ type hshard struct {
 	mu    gosync.Mutex
 	m     map[string]*hentry
 	dirty []*hentry // entries with flagDirty, to consider at the next sync
-	_     [24]byte
+	// onWay holds, for each entry whose sync is on its way (flagBusy) and carries units,
+	// those units: sent, so no longer pending, and not yet in a view (pendingOf).
+	onWay map[*hentry]uint64
+	_     [16]byte
+}
+
+// pendingOf is what e admitted that its view does not count: its pending units and
+// those a sync of it has on their way to Redis. Counted only as pending, the units
+// on their way counted nowhere while the sync was out: a shadow rule of 2 per minute,
+// its key new here, reported its second request with 1 left and admitted a third.
+func (sh *hshard) pendingOf(e *hentry) uint64 {
+	if e.flags&flagBusy != 0 && len(sh.onWay) > 0 {
+		return e.pending + sh.onWay[e]
+	}
+	return e.pending
 }
 
 // hentry is one key's local view. Guarded by its shard's mutex.

@@ -125,7 +125,7 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && !h.stale(e, now) {
-			op.Result, _, _, _ = h.decide(e, now, 0, n, false, false, false, op.Shadow)
+			op.Result, _, _, _ = h.decide(sh, e, now, 0, n, false, false, false, op.Shadow)
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
 		}
@@ -243,7 +243,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			continue
 		}
 		var f bool
-		op.Result, f, op.room, op.Unreachable = h.decide(e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
+		op.Result, f, op.room, op.Unreachable = h.decide(sh, e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
 		if d := op.upTo - op.Cost; d > 0 && !op.Result.Allowed {
 			// Refused: what is left for it is what the ops before it on its key leave,
 			// as the exact mode reports it (3 per hour, 1 left, the same descriptor twice:
@@ -272,7 +272,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				for _, later := range ents[i+1:] {
 					if later == ents[i] {
 						op.room = false
-						if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
+						if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
 							op.Result, op.fetched, op.Unreachable = r, false, false
 						}
 						break
@@ -411,7 +411,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		for i := range ops {
 			if op := &ops[i]; decider && op.room && !op.Result.Allowed {
-				if r, _, _, _ := h.decide(ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
+				if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
 					op.Result, op.room, op.fetched, op.Unreachable = r, false, false, false
 				}
 			}
@@ -430,7 +430,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				e.pending += cost
 				sh.markDirty(e)
 				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
-				op.Result.Reset = h.resetOf(e, now)
+				op.Result.Reset = h.resetOf(e, now, sh.pendingOf(e))
 			}
 			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched && !op.Unasked {
 				// Demand beyond the allowance: the next sync asks for a share grant.
@@ -589,8 +589,8 @@ func (h *Hybrid) allowance(e *hentry, now int64, n float64) float64 {
 // bucket Redis had at most a whole bucket from full (burst units at the limit's pace)
 // is no further than that: beyond, by no more than the lag and the rounding, the lag
 // is dropped. (Kept, a reset right after an exact sync said 10,001 ms of a 10 s window.)
-func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
-	r := h.resetOfView(e, now)
+func (h *Hybrid) resetOf(e *hentry, now int64, pending uint64) int64 {
+	r := h.resetOfView(e, now, pending)
 	lim := e.lim
 	switch lim.Algorithm() {
 	case localbucket.TokenBucket:
@@ -604,12 +604,12 @@ func (h *Hybrid) resetOf(e *hentry, now int64) int64 {
 	return r
 }
 
-func (h *Hybrid) resetOfView(e *hentry, now int64) int64 {
+func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
 	base := int64(0)
 	if e.synced > 0 {
 		base = max(0, e.resetNs()-(now-e.synced))
 	}
-	unseen := int64(e.pending) - int64(e.grant)
+	unseen := int64(pending) - int64(e.grant)
 	lim := e.lim
 	w := int64(lim.Window())
 	if unseen < 0 && lim.Algorithm() == localbucket.TokenBucket {
@@ -663,13 +663,14 @@ func (h *Hybrid) stale(e *hentry, now int64) bool {
 	return e.synced == 0 || now-e.synced > 2*int64(h.interval)
 }
 
-func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp, shadow bool) (r localbucket.Result, fetch, room, unreachable bool) {
+func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp, shadow bool) (r localbucket.Result, fetch, room, unreachable bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
 	proj := project(e, now)
-	unseen := max(0, float64(e.pending)-float64(e.grant))
-	r.Remaining = uint64(max(0, math.Floor(proj-unseen))) + subFloor(uint64(e.grant), e.pending)
-	r.Reset = h.resetOf(e, now)
+	pending := sh.pendingOf(e)
+	unseen := max(0, float64(pending)-float64(e.grant))
+	r.Remaining = uint64(max(0, math.Floor(proj-unseen))) + subFloor(uint64(e.grant), pending)
+	r.Reset = h.resetOf(e, now, pending)
 	if cost > lim.Capacity() {
 		r.Impossible = true
 		return r, false, false, false
@@ -744,7 +745,7 @@ func (h *Hybrid) decide(e *hentry, now int64, cost uint64, n float64, mayFetch, 
 	// and retry 199 ms (the grant left out), where the exact mode admits it. At most
 	// one such sync per grant: it leaves the key holding exactly the cost, used at once;
 	// a request of one unit is never refused while a grant is held.
-	held := max(0, float64(e.grant)-float64(e.pending))
+	held := max(0, float64(e.grant)-float64(pending))
 	grantRoom := hot && e.flags&flagShared == 0 && e.synced > 0 && held > 0 &&
 		proj-unseen < need && proj-unseen+held >= need
 	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom) && answering
