@@ -222,8 +222,8 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	}
 	cl.timer.Reset(wait)
 	var err error
+	var cn *conn
 	for {
-		var cn *conn
 		cn, err = c.pick(ctx, cl)
 		if err == nil {
 			err = cn.send(cl)
@@ -248,14 +248,33 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 		return fail(err)
 	}
 	cl.dropRequest() // encoded; the caller still owns cl until wait
-	return cl.wait(ctx)
+	res, err := cl.wait(ctx)
+	if err == errTimeout && wait == c.opts.Timeout {
+		cn.timedOut(time.Now()) // the whole Timeout, not a caller's shorter deadline
+	}
+	return res, err
 }
 
-// sizeUp refuses a request whose frame body would be larger than Options.MaxFrame, before
-// anything is sent or waited for. Nearly every request is far below: its length bound says
-// so without encoding it. Otherwise it is encoded, with id 0, to learn its length: over
-// MaxFrame, it is refused; at most MaxFrame, cl.bodyLen keeps it for send, which checks it
-// again with the request's own id (a longer integer than 0).
+// A connection that answers no check for stallFor while checks are pending on it is given
+// up and redialed: a sidecar that stopped answering on it (frozen; or an old sidecar
+// stopped with SIGSTOP while a new one took the socket, in a blue/green switch) would
+// otherwise keep it, every check on it answered by the failure policy, until that
+// process ended (systemd's watchdog: 30 s). A shorter stall keeps it (its late answers
+// are dropped as they come).
+func (c *Client) stallFor() time.Duration { return max(time.Second, 4*c.opts.Timeout) }
+
+// timedOut notes, at now, a check that cn left unanswered for the whole Timeout: the first
+// since an answer starts cn's quiet spell; one that ends a spell of stallFor gives cn up.
+func (cn *conn) timedOut(now time.Time) {
+	if cn.heard.Swap(false) {
+		cn.quietFrom.Store(now.UnixNano())
+		return
+	}
+	if quiet := time.Duration(now.UnixNano() - cn.quietFrom.Load()); quiet >= cn.s.c.stallFor() {
+		cn.fail(&unreachable{what: fmt.Sprintf("no answer on this connection for %v (the sidecar stalled?): it is closed, the next check redials", quiet.Round(time.Millisecond))})
+	}
+}
+
 func (c *Client) sizeUp(cl *call) error {
 	cl.bodyLen = 0
 	if requestBound(&cl.req) <= c.opts.MaxFrame {
@@ -422,6 +441,7 @@ func (s *slot) dial(done chan struct{}) {
 	}
 	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
 		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
+	cn.quietFrom.Store(time.Now().UnixNano()) // quiet since it was dialed, until an answer
 	s.cn = cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
@@ -466,6 +486,10 @@ type conn struct {
 	s      *slot
 	nc     net.Conn
 	served atomic.Bool // a response arrived: the sidecar is really there
+	// heard: an answer arrived since the last check that timed out; quietFrom: when the
+	// connection's quiet spell began, in Unix ns (timedOut).
+	heard     atomic.Bool
+	quietFrom atomic.Int64
 	// room holds one element per call in flight (abandoned ones included), at most
 	// Client.maxPending: a sender puts one in before queuing, the reader takes one out
 	// when it pops a call.
@@ -595,6 +619,9 @@ func (cn *conn) readLoop() {
 			return
 		}
 		cn.served.Store(true)
+		if !cn.heard.Load() {
+			cn.heard.Store(true)
+		}
 		if r.Err.Code == proto.CodeFrameTooLarge {
 			// The sidecar closes the connection after this answer: detach it before the
 			// caller can send its next check on it.
