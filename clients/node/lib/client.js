@@ -36,6 +36,11 @@ const BACKOFF_MAX = 1000;
 // for room, up to its timeout.
 const MAX_PENDING = 4096;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
+// A connection that answers no check for max(STALL_MIN, 4 × timeoutMs) while checks time
+// out on it is given up and redialed: a sidecar that stopped answering on it (frozen; or
+// an old sidecar stopped while its successor took the socket, in a blue/green switch)
+// would otherwise keep it until that process ended. A shorter stall keeps it.
+const STALL_MIN = 1000;
 // The least time, in ms, between two lines of the outage log while the sidecar keeps
 // failing (see Client.unreachable).
 const OUTAGE_LOG_INTERVAL = 10000;
@@ -102,6 +107,8 @@ class Conn {
     this.nextId = 0;
     this.buf = null; // bytes read beyond the last whole frame
     this.served = false;
+    this.heard = false; // an answer arrived since the last check that timed out (timedOut)
+    this.quietFrom = Date.now(); // when its quiet spell began: quiet since it was dialed
     this.broken = null;
     this.corked = false;
     // Every write's callback: a write that failed (EPIPE, ECONNRESET) may have failed
@@ -143,6 +150,7 @@ class Conn {
 
   send(entry, frame) {
     entry.id = ++this.nextId;
+    entry.conn = this;
     this.pending.push(entry);
     // Frames written in the same tick go out in one write.
     if (!this.corked) {
@@ -154,6 +162,22 @@ class Conn {
       });
     }
     this.socket.write(frame, this.onWritten);
+  }
+
+  // timedOut notes a check this connection left unanswered for the whole timeout: the
+  // first since an answer starts its quiet spell; one that ends a spell of
+  // max(STALL_MIN, 4 × timeoutMs) gives the connection up.
+  timedOut() {
+    const now = Date.now();
+    if (this.heard) {
+      this.heard = false;
+      this.quietFrom = now;
+      return;
+    }
+    const quiet = now - this.quietFrom;
+    if (this.broken === null && quiet >= Math.max(STALL_MIN, 4 * this.slot.client.timeoutMs)) {
+      this.fail(`no answer on this connection for ${quiet} ms (the sidecar stalled?): it is closed, the next check redials`);
+    }
   }
 
   inFlight() {
@@ -198,6 +222,7 @@ class Conn {
         return this.fail(why);
       }
       this.served = true;
+      this.heard = true;
       const late = entry.settled;
       entry.done(msg, null);
       if (late && typeof msg.lease === 'string' && msg.lease !== '') this.slot.client.releaseOrphan(msg.lease);
@@ -520,6 +545,7 @@ class Client {
         settled: false,
         queued: false, // waiting for room (in this.waiting)
         timer: null,
+        conn: null, // the connection it was sent on
         done: (m, why) => {
           if (entry.settled) return; // abandoned after a timeout: the late answer is dropped
           entry.settled = true;
@@ -531,7 +557,12 @@ class Client {
           else resolve(m !== null ? m : why);
         },
       };
-      entry.timer = setTimeout(() => entry.done(null, entry.queued ? NO_ROOM : 'no answer within the timeout'), this.timeoutMs);
+      entry.timer = setTimeout(() => {
+        if (entry.queued) return entry.done(null, NO_ROOM);
+        const conn = entry.conn;
+        entry.done(null, 'no answer within the timeout');
+        if (conn !== null) conn.timedOut();
+      }, this.timeoutMs);
       this.route(entry);
     });
   }

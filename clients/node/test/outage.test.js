@@ -96,3 +96,30 @@ test('the outage log goes to console.warn by default; logger: null silences it',
   }
   assert.throws(() => new rl.Client({ socket: '/x', logger: {} }), TypeError);
 });
+
+// A sidecar that stops answering on its connections (frozen; or an old one stopped while
+// its successor took the socket, in a blue/green switch) loses them: a connection that
+// answers nothing for max(1 s, 4 × timeoutMs) while checks time out on it is closed, and
+// the next check redials, reaching whoever serves the socket now. Before, the client kept sending on the
+// silent connections until the old process ended (systemd's watchdog: 30 s).
+test('a connection the sidecar stopped answering on is given up and redialed', async (t) => {
+  const fs = require('fs');
+  const net = require('net');
+  const p = path.join(tempDir(t), 's.sock');
+  const held = [];
+  const frozen = net.createServer((s) => { held.push(s); s.on('data', () => {}); }); // reads, never answers
+  await new Promise((r) => frozen.listen(p, r));
+  t.after(() => { for (const s of held) s.destroy(); frozen.close(); });
+  const c = new rl.Client({ socket: p, timeoutMs: 20, conns: 2, logger: { warn() {} } });
+  t.after(() => c.close());
+  for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable);
+  const d = await startDaemon(t, RULES);
+  fs.renameSync(d.socket, p); // the successor takes the path
+  const switched = Date.now();
+  for (;;) {
+    const dec = await c.check({ user: 'a' });
+    if (!dec.unreachable) break;
+    const after = Date.now() - switched;
+    assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's connections`);
+  }
+});
