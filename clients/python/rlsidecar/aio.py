@@ -16,6 +16,10 @@ from .decision import Decision
 #: the policy (a burst of concurrent checks is answered by the sidecar, not the policy).
 MAX_PENDING = 4096
 
+#: Seconds a connection may answer no check while checks time out on it (or 4 timeouts,
+#: if longer) before it is closed and the next check redials (_Protocol.timed_out).
+STALL_FOR = 1.0
+
 
 #: The live AsyncClients, for the fork hook below.
 _clients = weakref.WeakSet()
@@ -43,6 +47,8 @@ class _Protocol(asyncio.Protocol):
         self.pending = collections.deque()  # (id, future), in request order
         self.next_id = 0
         self.served = False
+        self.heard = False  # an answer arrived since the last check that timed out (timed_out)
+        self.quiet_from = time.monotonic()  # when its quiet spell began: since it was dialed
         self.broken = None  # why the connection broke; None while usable
         self.room = collections.deque()  # futures of checks waiting for room, in turn
 
@@ -79,6 +85,7 @@ class _Protocol(asyncio.Protocol):
                     fut.set_exception(ConnectionError(why))
                 return self.fail(why)
             self.served = True
+            self.heard = True
             if not fut.done():
                 fut.set_result(msg)
             else:  # the caller gave up: the answer is dropped, and a lease it took released
@@ -88,6 +95,22 @@ class _Protocol(asyncio.Protocol):
             if e is not None and e[0] == "frame_too_large":
                 # The sidecar closes the connection after this answer: no check may follow on it.
                 return self.fail("the sidecar closed the connection: frame_too_large")
+
+    def timed_out(self):
+        """Note a check this connection left unanswered for the whole timeout: the first
+        since an answer starts its quiet spell; one that ends a spell of STALL_FOR (or 4
+        timeouts, if longer) gives the connection up. A sidecar that stopped answering on
+        it (frozen; or an old one stopped while its successor took the socket, in a
+        blue/green switch) would otherwise keep it until that process ended."""
+        now = time.monotonic()
+        if self.heard:
+            self.heard = False
+            self.quiet_from = now
+            return
+        quiet = now - self.quiet_from
+        if quiet >= max(STALL_FOR, 4 * self.client.timeout):
+            self.fail("no answer on this connection for %d ms (the sidecar stalled?): it is closed, "
+                      "the next check redials" % (quiet * 1000))
 
     def wake_one(self):
         """Give the place just freed to the first check still waiting for room."""
@@ -325,6 +348,7 @@ class AsyncClient:
         try:
             return await fut
         except TimeoutError:
+            conn.timed_out()
             return "no answer within the timeout"
         except ConnectionError as e:
             if self._closed:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import rlsidecar
+from conftest import RULES
 
 
 def run(coro):
@@ -79,6 +80,34 @@ def test_stalled_sidecar_late_answers_dropped(daemon):
             d = await c.check({"user": "frank"})
             assert c._conn is conn
             assert d.allowed and not d.degraded and d.remaining == 0
+    run(main())
+
+
+def test_stalled_connection_redials(daemon, make_daemon):
+    """A sidecar that stops answering on its connection (frozen; or an old one stopped
+    while its successor took the socket, in a blue/green switch) loses it: a connection
+    that answers nothing for max(1 s, 4 timeouts) while checks time out on it is closed,
+    and the next check redials, reaching whoever serves the socket now. Before, the
+    client kept sending on it until the old process ended."""
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.02) as c:
+            assert (await c.check({"user": "hal"})).allowed
+            daemon.pause()
+            try:
+                assert (await c.check({"user": "hal"})).unreachable
+                successor = make_daemon(RULES)
+                os.rename(successor.socket, daemon.socket)  # the successor takes the path
+                switched = time.monotonic()
+                while True:
+                    d = await c.check({"user": "hal"})
+                    if not d.unreachable:
+                        break
+                    assert time.monotonic() - switched < 3, \
+                        "still unanswered 3 s after the switch (%s): the client keeps the frozen sidecar's connection" % d.cause
+                # The successor's own count: its first request of hal.
+                assert d.allowed and d.remaining == 4, d
+            finally:
+                daemon.resume()
     run(main())
 
 
