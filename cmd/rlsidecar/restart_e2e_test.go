@@ -20,6 +20,12 @@ func stopDaemon(t *testing.T, d *daemonProc) {
 	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
+	waitExit(t, d)
+}
+
+// waitExit waits up to 15 s for d, stopped, to exit 0.
+func waitExit(t *testing.T, d *daemonProc) {
+	t.Helper()
 	select {
 	case err := <-d.done:
 		if err != nil {
@@ -215,14 +221,7 @@ rules:
 		t.Fatalf("restarting toxiproxy on %s: %v", proxy.Listen, err)
 	}
 	start := time.Now()
-	select {
-	case err := <-d.done:
-		if err != nil {
-			t.Fatalf("exit: %v\n%s", err, d.stderr.String())
-		}
-	case <-time.After(15 * time.Second):
-		t.Fatalf("daemon did not exit\n%s", d.stderr.String())
-	}
+	waitExit(t, d)
 	t.Logf("exit %s after Redis was back", time.Since(start).Round(time.Millisecond))
 	if got := redisCount(t, srv.Addr, "rl:orders~fw366d:{user=shopper}"); got != admitted {
 		t.Fatalf("Redis counts %d after a stop across a 0.5 s outage, the client was told %d were admitted\n%s", got, admitted, d.stderr.String())
