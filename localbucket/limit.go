@@ -251,21 +251,39 @@ func tbWindow(window int64) uint64 {
 }
 
 // Rescale returns the state s of a token bucket written under the emission interval
-// from (ns) as this token bucket (of another rate, after a reload changed its limit)
-// reads it at now: the same units used, at most a whole burst (an empty bucket). So a
-// limit raised from 10 to 20 per hour gives a client that used its 10 another 10 at
-// once, as a window's count does, and one lowered from 20 to 10 after 15 used leaves it
-// an empty bucket refilling at the new rate, not the fraction of a bucket it had left
-// (which admitted 12 in the hour of a limit of 10). A full bucket (T not after now)
-// stays full. s is returned as it is for a limit that is not a token bucket.
+// from (ns) as this token bucket (of another rate, after a reload changed its limit, or
+// a request of another plan) reads it at now: the same units used, at most a whole burst
+// (an empty bucket). So a limit raised from 10 to 20 per hour gives a client that used
+// its 10 another 10 at once, as a window's count does, and one lowered from 20 to 10
+// after 15 used leaves it an empty bucket refilling at the new rate, not the fraction of
+// a bucket it had left (which admitted 12 in the hour of a limit of 10). A full bucket
+// (T not after now) stays full. s is returned as it is for a limit that is not a token
+// bucket.
+//
+// What the cut to a whole burst leaves out is kept in the state's N (unused otherwise by
+// a token bucket): the time the bucket would be full from uncut, read instead of T by the
+// next rescale. Without it, a client whose requests alternate between two plans of one
+// rule (2 and 1 per hour) had its 2 units cut to the 1 of the lower plan's burst at each
+// refused request, read back as 1 of 2 at the higher plan's: one more admitted, 201 of
+// 400 requests in a second. Units are rounded up, never down, by the same token.
 func (l *Limit) Rescale(s State, from, now int64) State {
-	if l.alg != TokenBucket || l.emission == 0 || from <= 0 || from == l.emission || s.T <= now {
+	t := s.T
+	if s.N != 0 {
+		t = max(t, int64(s.N)) // uncut, at from's rate
+	}
+	if l.alg != TokenBucket || l.emission == 0 || from <= 0 || from == l.emission || t <= now {
 		return s
 	}
-	hi, lo := bits.Mul64(uint64(s.T-now), uint64(l.emission))
-	d := uint64(l.tau)
-	if hi < uint64(from) { // else the quotient passes 2^64, far beyond tau
-		d, _ = bits.Div64(hi, lo, uint64(from))
+	hi, lo := bits.Mul64(uint64(t-now), uint64(l.emission))
+	d := uint64(1 << 62) // when the quotient passes 2^64: far beyond any bucket
+	if hi < uint64(from) {
+		var rem uint64
+		if d, rem = bits.Div64(hi, lo, uint64(from)); rem != 0 {
+			d++
+		}
 	}
-	return State{T: now + int64(min(d, uint64(l.tau)))}
+	if d <= uint64(l.tau) {
+		return State{T: now + int64(d)}
+	}
+	return State{T: now + l.tau, N: uint64(now + int64(min(d, 1<<62)))}
 }

@@ -365,8 +365,8 @@ func otherKind(e *entry, l *Limit, now int64) State {
 		if requests := int64(e.kind >> 3 & math.MaxUint32); requests > 0 {
 			st := l.Rescale(e.st, l.window/requests, now)
 			e.st, e.kind = st, k
-			if st.T > now {
-				e.expires = st.T // a token bucket's state tells nothing once it is full
+			if t := max(st.T, int64(st.N)); t > now {
+				e.expires = t // a token bucket's state tells nothing once it is full (uncut)
 			}
 			return st
 		}

@@ -555,3 +555,39 @@ func TestShardSize(t *testing.T) {
 		t.Fatalf("a shard is %d bytes, not a multiple of %d", size, shardAlign)
 	}
 }
+
+// A client whose requests alternate between two plans of one token-bucket rule (2 and 1
+// per hour) gets no more than the higher plan gives: the units used beyond the lower
+// plan's burst, cut to it at each refused request, are not forgiven when read back at
+// the higher plan's rate (Limit.Rescale keeps them). Before, each round trip forgave one:
+// 201 of 400 requests admitted in a second.
+func TestStoreTokenPlanFlapping(t *testing.T) {
+	pro, free := mustLimit(t, TokenBucket, 2, time.Hour, 0), mustLimit(t, TokenBucket, 1, time.Hour, 0)
+	for _, first := range []*Limit{free, pro} {
+		s := NewStore(Options{})
+		lims := []*Limit{first, pro}
+		if first == pro {
+			lims[1] = free
+		}
+		admitted := 0
+		for i := range 400 {
+			if s.Apply(base+int64(i)*int64(time.Millisecond), []Op{op("rule:{u}", lims[i%2], 1)}) {
+				admitted++
+			}
+		}
+		if admitted != 2 {
+			t.Errorf("first plan %d per hour: %d of 400 admitted in 0.4 s, want 2", first.Requests(), admitted)
+		}
+		// Over the next 3 hours, one request a minute alternating: never more than the
+		// higher plan's rate (2 per hour), and the client is not locked out either.
+		admitted = 0
+		for m := 1; m <= 180; m++ {
+			if s.Apply(base+int64(m)*int64(time.Minute), []Op{op("rule:{u}", lims[m%2], 1)}) {
+				admitted++
+			}
+		}
+		if admitted > 6 || admitted < 3 {
+			t.Errorf("first plan %d per hour: %d admitted in the 3 hours after, want 3 to 6", first.Requests(), admitted)
+		}
+	}
+}

@@ -107,7 +107,7 @@ func (l *Limit) takeToken(s State, now int64, cost uint64, r *Result) State {
 func (l *Limit) takeTokenAll(s State, now int64, cost uint64, r *Result) State {
 	tat := max(s.T, now)
 	*r = Result{Limit: l.requests}
-	out := State{T: s.T}
+	out := s // N: what a cut left out (Limit.Rescale), kept until a request is admitted
 	switch {
 	case cost > l.burst:
 		r.Impossible = true
@@ -119,7 +119,7 @@ func (l *Limit) takeTokenAll(s State, now int64, cost uint64, r *Result) State {
 			r.Delay = max(wait, 0)
 			if cost > 0 {
 				tat = newTat
-				out.T = newTat
+				out = State{T: newTat}
 			}
 		} else {
 			r.RetryAfter = wait - l.delay

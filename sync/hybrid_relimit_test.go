@@ -159,3 +159,35 @@ func liveHybrid(t *testing.T, rdb redis.UniversalClient, interval time.Duration)
 	}
 	return h
 }
+
+// A client whose requests alternate between two plans of one token-bucket rule (2 and 1
+// per hour) moves its key between the two limits at every request, and each move's sync
+// is a relimit. Redis cuts the key to a whole burst of the lower limit at most once per
+// window and rate (scripts/hybrid.lua, as global.lua): before, a cut at every such sync
+// forgave a unit each time: 52 of these 300 admitted (16 of 300 in 3 s through the
+// daemon, syncing every 100 ms).
+func TestHybridPlanFlappingForgivesOnce(t *testing.T) {
+	rdb := standalone(t)
+	h := liveHybrid(t, rdb, time.Hour)
+	pro, free := mustLimit(t, localbucket.TokenBucket, 2, time.Hour), mustLimit(t, localbucket.TokenBucket, 1, time.Hour)
+	const key = "rl:flap:{u}"
+	now := time.Now().UnixNano()
+	admitted := 0
+	for i := range 300 {
+		now += int64(time.Millisecond)
+		lim := pro
+		if i%2 == 0 {
+			lim = free
+		}
+		if take(h, now, key, lim, 1).Allowed {
+			admitted++
+		}
+		if i%3 == 2 { // an odd number of checks per sync: the syncs alternate limits too
+			syncAll(t, now, h)
+		}
+	}
+	// 2 under the higher plan, and the one difference of bursts the first cut forgives.
+	if admitted > 3 {
+		t.Fatalf("%d of 300 admitted alternating plans of 2 and 1 per hour, want at most 3", admitted)
+	}
+}
