@@ -61,11 +61,11 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	}
 	if cfg.URL != "" {
 		if err := checkURL(cfg.URL); err != nil {
-			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), err)
+			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), quoteless(cfg.URL, err))
 		}
 		opt, err := redis.ParseURL(cfg.URL)
 		if err != nil {
-			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), urlErr(err))
+			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), quoteless(cfg.URL, urlErr(err)))
 		}
 		if opt.Password == "" {
 			opt.Password = password
@@ -154,7 +154,7 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 	if len(nodes) == 1 && strings.Contains(nodes[0], "://") {
 		u, perr := url.Parse(nodes[0])
 		if perr != nil {
-			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: %w", redactURL(nodes[0]), urlErr(perr))
+			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: %w", redactURL(nodes[0]), quoteless(nodes[0], urlErr(perr)))
 		}
 		switch u.Scheme {
 		case "redis":
@@ -321,6 +321,23 @@ func urlErr(err error) error {
 		return errors.New("invalid %-escape (a '%' in a password is written %25)")
 	}
 	return err
+}
+
+// quoteless returns err, about the URL s, unless s has a password that a parser may
+// have read as something else, which err may then quote: a '/', '?' or '#' in it,
+// unescaped, ends the authority before the '@', and go-redis's error about the
+// database number ("MyS3cret@127.0.0.1:6390") or the port (":Hunter2") showed the
+// password, or part of it, that redactURL hid in the URL beside. Then a hint instead.
+func quoteless(s string, err error) error {
+	i := strings.Index(s, "://")
+	if i < 0 {
+		return err
+	}
+	at := strings.LastIndex(s[i+3:], "@")
+	if at < 0 || !strings.ContainsAny(s[i+3:i+3+at], "/?#") {
+		return err
+	}
+	return errors.New("malformed; is there a '/', '?' or '#' in the password? write them %2F, %3F and %23 (and '%' as %25)")
 }
 
 // Redact returns the URL with its password hidden, for logs.

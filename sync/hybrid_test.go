@@ -365,6 +365,16 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{URL: "redis://:S3cr3tPW@127.0.0.1:0"},
 		{Cluster: []string{"127.0.0.1:7000,127.0.0.1:70001"}},
 		{Cluster: []string{"redis://:S3cr3tPW@127.0.0.1:7000,127.0.0.1:65536"}},
+		// A '/', '?' or '#' in the password, unescaped, ends the authority before the
+		// '@': go-redis's errors quoted the rest (an invalid database number
+		// "S3crPW@127.0.0.1:6390", an invalid port ":S3cr" after host).
+		{URL: "redis://:S3cr/S3crPW@127.0.0.1:6390"},
+		{URL: "redis://:99/S3crPW@127.0.0.1:6390"},
+		{URL: "redis://:99999/S3crPW@127.0.0.1:6390"},
+		{URL: "redis://u:S3cr#S3crPW@127.0.0.1:6390"},
+		{URL: "redis://:S3cr?S3crPW@127.0.0.1:6390"},
+		{URL: "rediss://:S3cr/S3crPW@127.0.0.1:6390/0"},
+		{Cluster: []string{"redis://:S3cr#S3crPW@127.0.0.1:7000,127.0.0.1:7001"}},
 	} {
 		rdb, err := Open(c)
 		if err == nil {
@@ -372,7 +382,8 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 			t.Errorf("%+v: no error", c)
 			continue
 		}
-		if msg := err.Error(); strings.Contains(msg, "S3cr") || strings.Contains(msg, "zzPW") {
+		if msg := err.Error(); strings.Contains(msg, "S3cr") || strings.Contains(msg, "zzPW") ||
+			strings.Contains(c.URL, ":99999/") && strings.Contains(msg, "99999") {
 			t.Errorf("%+v: the error shows the password: %s", c, msg)
 		}
 	}
