@@ -231,6 +231,7 @@ type h2stream struct {
 	sendWin     int64
 	out         []byte // answer bytes waiting for send window
 	outOff      int
+	queued      bool // in cn.blocked, waiting for send window
 	// refused: the call is answered with this error once its request ends (refuse).
 	refused     bool
 	refusedHTTP int
@@ -1031,6 +1032,7 @@ func (cn *h2conn) answer(st *h2stream, msg []byte) error {
 	if sent < len(msg) {
 		st.out = append(st.out[:0], msg[sent:]...)
 		st.outOff = 0
+		st.queued = true
 		cn.blocked = append(cn.blocked, st)
 		return nil
 	}
@@ -1133,6 +1135,7 @@ func (cn *h2conn) pump() error {
 			kept = append(kept, st)
 			continue
 		}
+		st.queued = false // off the list as it is rebuilt: finish's closeStream leaves it be
 		if err := cn.finish(st); err != nil {
 			cn.blocked = append(kept, cn.blocked[i+1:]...)
 			return err
@@ -1164,6 +1167,18 @@ func (cn *h2conn) closeStream(st *h2stream) {
 	}
 	st.done = true
 	delete(cn.streams, st.id)
+	if st.queued {
+		// Reset while its answer waited for window: off the list before its struct is
+		// reused, else the next pump took the new stream for this one and "finished" it
+		// (bare OK trailers, before its request was read).
+		st.queued = false
+		for i, b := range cn.blocked {
+			if b == st {
+				cn.blocked = append(cn.blocked[:i], cn.blocked[i+1:]...)
+				break
+			}
+		}
+	}
 	cn.buffered -= len(st.body)
 	st.body = st.body[:0]
 	if cap(st.body) > maxKeptRequest {

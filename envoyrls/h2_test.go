@@ -390,6 +390,27 @@ func TestNativeProtocol(t *testing.T) {
 				t.Fatalf("%+v", rp)
 			}
 		}},
+		{"a stream reset while its answer waits for window leaves the next stream its own answer", func(t *testing.T, r *rawConn) {
+			// Envoy cancels a call past its timeout. The cancelled stream's struct, reused
+			// for the next stream while still queued for window, was "finished" by the
+			// next pump: stream 3 got bare OK trailers (no :status, no message) before
+			// its request was read, and its request went unanswered.
+			r.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 3})
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, true, oneCall("blocked"))
+			for { // its headers and 3 bytes come; the rest waits for window
+				if d, ok := r.next().(*http2.DataFrame); ok && d.StreamID == 1 {
+					break
+				}
+			}
+			r.fr.WriteRSTStream(1, http2.ErrCodeCancel)
+			r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteSettings() // the server pumps its blocked streams on SETTINGS
+			r.fr.WriteWindowUpdate(0, 1<<20)
+			r.fr.WriteData(3, true, oneCall("next"))
+			r.fr.WriteWindowUpdate(3, 1<<20)
+			okAnswer(t, r.await(3, nil))
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
