@@ -372,6 +372,10 @@ local function cost_of(v)
   return tonumber(s)
 end
 
+-- log_gate holds the log lines about requests without a decision to one a second a
+-- process, each saying how many it stands for (http.gate).
+local log_gate = http.gate(1)
+
 local function action(txn, address, policy, timeout)
   local timeout_ms = tonumber(timeout)
   if (policy ~= "open" and policy ~= "closed") or not timeout_ms or timeout_ms <= 0 then
@@ -410,10 +414,18 @@ local function action(txn, address, policy, timeout)
   local d, err = check(address, policy, timeout_ms, attrs, cost, take_pending(conn))
   if d.reason == http.REQUEST_TOO_LARGE then
     txn:Info(err) -- the client's doing
-  elseif err then
-    txn:Alert(err)
-  elseif d.unreachable then
-    txn:Warning("rlsidecar: no decision, policy " .. policy .. ": " .. tostring(d.cause))
+  elseif err or d.unreachable then
+    local t = core.now()
+    local held = log_gate(t.sec + t.usec / 1e6)
+    if held == nil then
+      -- held back: at most one line a second a process (http.gate)
+    elseif d.unreachable then
+      txn:Warning("rlsidecar: no decision, policy " .. policy .. ": " .. tostring(d.cause) .. http.held_note(held))
+    elseif http.busy_error(err) then
+      txn:Warning(err .. http.held_note(held)) -- too_many_connections, shutting_down
+    else
+      txn:Alert(err .. http.held_note(held))
+    end
   end
   if not d.allowed then
     local status, headers, body = http.rejection(d)

@@ -189,20 +189,20 @@ local function left(sock, dl)
   return true
 end
 
--- recv reads n bytes from sock by deadline: nil and the error ("timeout", "closed")
--- otherwise. nginx re-arms a read's timer whenever bytes arrive, so a peer writing its
--- answer a byte at a time would hold one receive(n) for as long as it liked; each
--- receiveany waits for what is left of the deadline only. (A whole answer arrives in one
--- piece from the daemon, which writes it with one system call.)
+-- recv reads n bytes from sock by deadline: nil, the error ("timeout", "closed") and how
+-- many bytes came otherwise. nginx re-arms a read's timer whenever bytes arrive, so a
+-- peer writing its answer a byte at a time would hold one receive(n) for as long as it
+-- liked; each receiveany waits for what is left of the deadline only. (A whole answer
+-- arrives in one piece from the daemon, which writes it with one system call.)
 local function recv(sock, n, deadline)
   local parts, got = nil, 0
   while true do
     if not left(sock, deadline) then
-      return nil, "timeout"
+      return nil, "timeout", got
     end
     local b, err = sock:receiveany(n - got)
     if not b then
-      return nil, err
+      return nil, err, got
     end
     if got == 0 and #b == n then
       return b
@@ -219,9 +219,9 @@ end
 -- read_answer reads one answer from sock by deadline and decodes it: the answer map, or
 -- nil and {what failed, why}.
 local function read_answer(sock, decode, deadline)
-  local head, err = recv(sock, 4, deadline)
+  local head, err, got = recv(sock, 4, deadline)
   if not head then
-    return nil, { "reading from", err }
+    return nil, { "reading from", err, first = got == 0 }
   end
   local n = codec.frame_length(head)
   if n > MAX_FRAME then
@@ -252,14 +252,26 @@ local function refusal(sock, decode, deadline)
   return nil
 end
 
--- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
--- and whether the failure is the transport's (the socket is then closed). A check's
--- answer that takes a lease leaves its connection held (see hold), not pooled.
-function _M.roundtrip(self, frame, id)
-  ngx.update_time() -- the cached clock may be a whole event-loop turn old
-  local deadline = { at = ngx.now() + self.timeout / 1000, late = false }
+-- stale reports whether err, a failure to write a request on sock or to read the first
+-- byte of its answer, says the daemon had closed the connection: one taken from the
+-- pool (reused) whose close nginx had not seen yet. The daemon read nothing of the
+-- request then (it answers whatever it read before it closes: a graceful restart, or
+-- --idle-timeout), so the request is sent again on another connection.
+local function stale(sock, err)
+  if err ~= "closed" and err ~= "broken pipe" and err ~= "connection reset by peer" then
+    return false
+  end
+  local n = sock:getreusedtimes()
+  return n ~= nil and n > 0
+end
+
+-- attempt is one try of roundtrip on a connection from the pool or a new one; retry
+-- (its fourth value) says the connection was a stale pooled one (see stale).
+local function attempt(self, frame, id, deadline)
   local sock = ngx.socket.tcp()
-  sock:settimeouts(self.timeout, self.timeout, self.timeout)
+  if not left(sock, deadline) then
+    return nil, "connecting to " .. self.path .. ": timeout", true
+  end
   local ok, err = sock:connect(self.path, self.connect_opts)
   if not ok then
     return nil, "connecting to " .. self.path .. ": " .. tostring(err), true
@@ -278,12 +290,16 @@ function _M.roundtrip(self, frame, id)
     if resp then
       return resp
     end
-    return drop(sock, "writing to", self.path, err)
+    local retry = stale(sock, err)
+    local r1, r2, r3 = drop(sock, "writing to", self.path, err)
+    return r1, r2, r3, retry
   end
   local resp
   resp, err = read_answer(sock, self.decode, deadline)
   if not resp then
-    return drop(sock, err[1], self.path, err[2])
+    local retry = err.first and stale(sock, err[2])
+    local r1, r2, r3 = drop(sock, err[1], self.path, err[2])
+    return r1, r2, r3, retry
   end
   if resp.id ~= id then
     if resp.id == 0 and type(resp.error) == "table" then
@@ -299,6 +315,26 @@ function _M.roundtrip(self, frame, id)
     sock:setkeepalive(self.keepalive, self.pool_size)
   end
   return resp
+end
+
+-- roundtrip sends one encoded frame and returns the decoded answer, or nil, an error
+-- and whether the failure is the transport's (the socket is then closed). A check's
+-- answer that takes a lease leaves its connection held (see hold), not pooled. A request
+-- that found its pooled connection closed by the daemon (a restart, --idle-timeout) is
+-- sent again on the next one, a new one once the pool is empty, all within the one
+-- deadline: before, it went to the failure policy (a closed rule's 503) while the
+-- daemon was up.
+function _M.roundtrip(self, frame, id)
+  ngx.update_time() -- the cached clock may be a whole event-loop turn old
+  local deadline = { at = ngx.now() + self.timeout / 1000, late = false }
+  local tries = 0
+  while true do
+    local resp, err, transport, retry = attempt(self, frame, id, deadline)
+    tries = tries + 1
+    if not retry or tries > self.pool_size then
+      return resp, err, transport
+    end
+  end
 end
 
 -- check asks the sidecar whether a request with attrs (a map, or a list of {name, value}
@@ -697,7 +733,10 @@ end
 -- headers and body, the lease kept for log(), no second wait — without asking the
 -- daemon, and returns { allowed = ..., again = true }. The policy's answer when the daemon gave none is not remembered: the next
 -- location asks again and follows its own client's policy. A subrequest is checked on
--- its own, each time.
+-- its own, each time. Its log lines about a request without a decision are at most one
+-- a second a worker, each saying how many it stands for.
+local log_gate = http.gate(1)
+
 function _M.access(self)
   local key = request_key()
   if key then
@@ -713,10 +752,17 @@ function _M.access(self)
   local d, err = self:check(attrs, { cost = cost })
   if d.reason == http.REQUEST_TOO_LARGE then
     ngx.log(ngx.INFO, err)
-  elseif err then
-    ngx.log(ngx.ERR, err)
-  elseif d.unreachable then
-    ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause)
+  elseif err or d.unreachable then
+    local held = log_gate(ngx.now())
+    if held == nil then
+      -- held back: at most one line a second a worker (http.gate)
+    elseif d.unreachable then
+      ngx.log(ngx.WARN, "rlsidecar: no decision, policy ", self.policy, ": ", d.cause, http.held_note(held))
+    elseif http.busy_error(err) then
+      ngx.log(ngx.WARN, err, http.held_note(held))
+    else
+      ngx.log(ngx.ERR, err, http.held_note(held))
+    end
   end
   local e = answer(d)
   if key and not err and not d.unreachable then

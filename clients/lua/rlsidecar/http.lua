@@ -36,6 +36,45 @@ function M.too_large_code(code)
   return code == "frame_too_large" or code == "attr_too_large"
 end
 
+-- busy_code reports whether a daemon's error code says it cannot serve the request now
+-- (too_many_connections, shutting_down): the daemon's state, like an unreachable one, not
+-- a fault in what was sent; logged at warn, not as an error.
+function M.busy_code(code)
+  return code == "too_many_connections" or code == "shutting_down"
+end
+
+-- busy_error reports whether msg, a client's error string for an error answer
+-- ("rlsidecar: CODE: message"), has a busy_code.
+function M.busy_error(msg)
+  return type(msg) == "string" and M.busy_code(msg:match("^rlsidecar: ([%w_]+):"))
+end
+
+-- gate returns a log gate: gate(now), now in seconds, returns nil when a line was let
+-- through less than every seconds ago (the line is not to be written), else how many were
+-- held back since the last one. A daemon away, or past its connection cap, fails every
+-- request: one line each was about 48,000 lines in 6 s at 8,000 requests/s.
+function M.gate(every)
+  local last, held = -math.huge, 0
+  return function(now)
+    if now - last < every then
+      held = held + 1
+      return nil
+    end
+    last = now
+    local n = held
+    held = 0
+    return n
+  end
+end
+
+-- held_note is what a gated line adds for the n lines held back before it.
+function M.held_note(n)
+  if n == 0 then
+    return ""
+  end
+  return " (and " .. n .. " more like it in the last second, not logged)"
+end
+
 local function int(n)
   return format("%.0f", n)
 end

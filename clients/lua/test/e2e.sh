@@ -792,6 +792,18 @@ held_release=$(release_event "$held_lease" | cut -d' ' -f1)
 expect "stand-in: a held request whose client went away: its lease released within 2 s (of 5 s held; at $((${held_release:-99999} - held_check)) ms)" \
   "$(( ${held_release:-99999} - held_check < 2000 ))" 1
 
+# A pooled connection the sidecar closed before nginx saw the close (a restart,
+# --idle-timeout): the stand-in answers a stale-pool user's check without a lease (its
+# connection goes back to the pool) and closes that connection unanswered at its next
+# check. The check is sent again on another connection, within its timeout; before, it
+# went to the failure policy: /login's 503, with the sidecar up.
+codes=""
+for i in $(seq 10); do
+  codes+=$(curl -s --max-time 5 -o /dev/null -w '%{http_code} ' -X POST -H 'X-User: stale-pool' "http://127.0.0.1:$held_port/login")
+done
+expect "stand-in: /login checks meeting pooled connections the sidecar closed: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
+expect "stand-in: some met a closed pooled connection (the case was exercised)" "$(($(grep -c '^stale stale-pool' "$tmp/held-events" || true) > 0))" 1
+
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"
 wait "$daemon_pid" 2>/dev/null || true

@@ -7,6 +7,13 @@ It writes one line per event to LOG, with the time in ms since it started:
     check PATH LEASE T          a check came
     release LEASE T_IN T_OUT    a release came at T_IN and was answered at T_OUT
 
+A check whose user is "stale-pool" is answered allowed without a lease (its connection
+goes back to the gateway's pool), and the next check that comes on that connection is not
+read: the stand-in closes it, as the daemon closes a connection (a restart,
+--idle-timeout) that the gateway takes from its pool before it sees the close:
+
+    stale USER T                a check came on a connection closed unanswered
+
 Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
 """
 
@@ -48,6 +55,7 @@ def read_exact(c, n):
 
 
 def serve(c):
+    stale = False  # the connection answered a stale-pool check: the next is not read
     with c:
         while True:
             head = read_exact(c, 4)
@@ -58,7 +66,16 @@ def serve(c):
                 return
             req = msgpack.unpackb(body, raw=False)
             rid, op = req.get("id", 0), req.get("op")
-            if op == "check":
+            user = dict(req.get("attrs") or {}).get("user", "")
+            if stale:
+                log("stale %s %d" % (user, now_ms()))
+                return
+            if op == "check" and user == "stale-pool":
+                stale = True
+                log("check stale-pool - %d" % now_ms())
+                ans = {"id": rid, "allowed": True, "rule": "", "limit": 0, "remaining": 0, "reset_ms": 0,
+                       "retry_after_ms": 0, "rules": []}
+            elif op == "check":
                 path = dict(req.get("attrs") or {}).get("path", "")
                 lease = "L%d" % next(leases)
                 log("check %s %s %d" % (path, lease, now_ms()))

@@ -370,6 +370,21 @@ do
   end
 end
 
+-- The log gate: one line a second, the next saying how many were held back; the busy
+-- error codes (the daemon's state, logged at warn).
+do
+  local gate = http.gate(1)
+  local got = {}
+  for _, t in ipairs({ 10, 10.2, 10.9, 11.0, 11.5, 13 }) do
+    got[#got + 1] = tostring(gate(t))
+  end
+  check(table.concat(got, " ") == "0 nil nil 2 nil 1", "gate: got %s", table.concat(got, " "))
+  check(http.held_note(0) == "" and http.held_note(2):find("2 more", 1, true) ~= nil, "held_note")
+  check(http.busy_error("rlsidecar: too_many_connections: 1024 connections") and
+    http.busy_error("rlsidecar: shutting_down: bye") and
+    not http.busy_error("rlsidecar: bad_request: attrs") and not http.busy_error(nil), "busy_error")
+end
+
 local runtime = (jit and jit.version) or _VERSION
 out:write(string.format("%s: %d checks, %d failures\n", runtime, checks, failures))
 out:flush()
