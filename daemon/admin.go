@@ -140,7 +140,13 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 			http.Error(w, "use DELETE /bans/{rule}/{client}, URL-escaped", http.StatusBadRequest)
 			return
 		}
-		lifted, conflict := liftBan(deps, rule, client, raw)
+		lifted, conflict, err := liftBan(deps, rule, client, raw)
+		if err != nil {
+			// Redis did not answer: the ban may well be in force (it is, on every daemon
+			// that knows it), and "no ban" would send the operator looking for a typo.
+			http.Error(w, fmt.Sprintf("the ban of %q by rule %q is not lifted: Redis did not answer (%v); try again", client, rule, err), http.StatusServiceUnavailable)
+			return
+		}
 		if conflict != nil {
 			// A listed name holds no byte that decodes to another listed name's, so the
 			// first, as listed, and the second, URL-escaped, each name one client.
@@ -300,9 +306,9 @@ func bansDoc(deps AdminDeps) []banDoc {
 // users "{" and "%7B" both banned (listed as user=%7B and user=%257B), user=%257B is the
 // first escaped and the second as written. When the two readings name two banned
 // clients, nothing is lifted and conflict names both: the caller says which.
-func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflict []string) {
+func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflict []string, err error) {
 	if deps.Limiter == nil {
-		return false, nil
+		return false, nil, nil
 	}
 	now := deps.Now()
 	bans := deps.Limiter.Bans(now)
@@ -325,11 +331,13 @@ func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflic
 	}
 	switch {
 	case a != "" && b != "" && a != b:
-		return false, []string{string(clientOf([]byte(a))), string(clientOf([]byte(b)))}
+		return false, []string{string(clientOf([]byte(a))), string(clientOf([]byte(b)))}, nil
 	case a != "":
-		return deps.Limiter.LiftBan(a, now), nil
+		lifted, err = deps.Limiter.LiftBanErr(a, now)
+		return lifted, nil, err
 	case b != "":
-		return deps.Limiter.LiftBan(b, now), nil
+		lifted, err = deps.Limiter.LiftBanErr(b, now)
+		return lifted, nil, err
 	}
 	raw := append(rawClientForms(client), escapedClientForm(escaped)...)
 	for _, b := range bans {
@@ -337,10 +345,11 @@ func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflic
 			continue
 		}
 		if slices.Contains(raw, string(clientOf([]byte(b.Key)))) {
-			return deps.Limiter.LiftBan(b.Key, now), nil
+			lifted, err = deps.Limiter.LiftBanErr(b.Key, now)
+			return lifted, nil, err
 		}
 	}
-	return false, nil
+	return false, nil, nil
 }
 
 // escapedClientForm is the key's form of a client written in a URL as attr=value parts

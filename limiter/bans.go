@@ -241,9 +241,21 @@ func (l *Limiter) BannedKeys(now int64) map[string]int {
 // LiftBan ends the ban of key (a client key as Bans lists it, rule name included) and
 // reports whether it was banned at now. A shared ban is lifted in Redis too: global
 // checks stop enforcing it at once, the other daemons' hybrid checks within an interval.
+// A shared ban that Redis did not answer for is not lifted: false (LiftBanErr says why).
 func (l *Limiter) LiftBan(key string, now int64) bool {
+	lifted, _ := l.LiftBanErr(key, now)
+	return lifted
+}
+
+// LiftBanErr is LiftBan, with the error of Redis when a shared ban could not be lifted
+// for want of it: the ban may well be in force, and a caller must not report it gone
+// (the admin endpoint said 404 "no ban", during an outage, of a ban still enforced).
+func (l *Limiter) LiftBanErr(key string, now int64) (bool, error) {
 	if l.bans.lift([]byte(key), now) {
-		return true
+		return true, nil
 	}
-	return l.shared != nil && l.shared.lift(key, now)
+	if l.shared == nil {
+		return false, nil
+	}
+	return l.shared.lift(key, now)
 }

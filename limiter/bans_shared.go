@@ -219,6 +219,7 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 	clear(s.pending)
 	s.mu.Unlock()
 	err := s.b.Refused(ctx, wall, rs)
+	s.putBack(rs)
 	for i := range rs {
 		if rs[i].Until > wall {
 			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
@@ -231,6 +232,31 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 		}
 	}
 	return err
+}
+
+// putBack makes the refusals of rs that did not reach Redis (Unsent: Redis down, its
+// connection refused) pending again, for the next round, beside any counted since. Before,
+// a round that failed dropped them: five refusals made while Redis was away never counted
+// toward a ban. At most maxPendingRefusals keys wait, as always.
+func (s *sharedBans) putBack(rs []rlsync.BanRefusal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := range rs {
+		r := &rs[i]
+		if !r.Unsent {
+			continue
+		}
+		p := s.pending[r.Key]
+		if p == nil {
+			if len(s.pending) >= maxPendingRefusals {
+				continue
+			}
+			p = &pendingRefusal{policy: r.Policy}
+			s.pending[r.Key] = p
+		}
+		p.n += r.N
+		p.admit = max(p.admit, r.Admit)
+	}
 }
 
 // learn adds one ban to known.
@@ -349,23 +375,23 @@ func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
 }
 
 // lift lifts key's ban in Redis and here.
-func (s *sharedBans) lift(key string, now int64) bool {
+func (s *sharedBans) lift(key string, now int64) (bool, error) {
 	if i := strings.IndexByte(key, '{'); i < 1 || key[i-1] != ':' {
-		return false // not a client key
+		return false, nil // not a client key
 	}
 	key = rlsync.BanIdentity(key) // as /bans lists it; a key under the rule's fingerprint too
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
 	defer cancel()
 	was, err := s.b.Lift(ctx, s.wallOf(now), key)
 	if err != nil {
-		return false
+		return false, err
 	}
 	was = was || s.knownUntil([]byte(key), s.wallOf(now)) != 0
 	s.forget(key)
 	s.mu.Lock()
 	s.unindexed = slices.DeleteFunc(s.unindexed, func(b rlsync.SharedBan) bool { return b.Key == key }) // not to index it again
 	s.mu.Unlock()
-	return was
+	return was, nil
 }
 
 // ruleOfKey returns the rule name in a Redis client key <prefix><rule>~<fp>:{<client>}

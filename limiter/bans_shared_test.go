@@ -9,6 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
@@ -443,5 +444,69 @@ func TestSharedBanOutlivesWindowChange(t *testing.T) {
 				t.Fatal("still banned once lifted")
 			}
 		})
+	}
+}
+
+// Hybrid refusals whose round finds Redis down (its connection refused) are counted at
+// the next round, not dropped: before, a round that failed cleared them, and refusals
+// made while Redis was away never counted toward a ban. And a ban that Redis does not
+// answer for is not lifted, with Redis's error (the admin endpoint's 503), not reported
+// as no ban (its 404, with the ban still in force).
+func TestSharedBansRedisAway(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: hybrid
+    penalty: { after: 3, within: 1m, ban: 10m }
+`
+	srv := redistest.StartStandalone(t)
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	l := sharedLimiter(t, rdb, yaml)
+	var d Decision
+	check := func() *Decision {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+	refused := 0
+	for i := 0; refused < 3; i++ {
+		if i > 50 {
+			t.Fatal("never refused 3 times")
+		}
+		if r := check(); !r.Allowed && !r.Degraded {
+			refused++
+		}
+	}
+	srv.Stop()
+	if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err == nil {
+		t.Fatal("a round with Redis stopped: no error")
+	}
+	srv.Restart(t)
+	if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
+		t.Fatal(err)
+	}
+	if r := check(); !r.Banned {
+		t.Fatalf("after the round Redis missed and the next: %+v, want banned (3 refusals of after: 3)", r)
+	}
+	const key = "rl:login~tb1h:{ip=1.1.1.1}"
+	srv.Freeze()
+	lifted, err := l.LiftBanErr(key, time.Now().UnixNano())
+	srv.Thaw()
+	if lifted || err == nil {
+		t.Fatalf("lifting with Redis frozen: lifted %v, err %v; want not lifted, an error", lifted, err)
+	}
+	if r := check(); !r.Banned {
+		t.Fatal("the ban Redis did not lift is no longer enforced")
+	}
+	if lifted, err := l.LiftBanErr(key, time.Now().UnixNano()); !lifted || err != nil {
+		t.Fatalf("lifting with Redis back: lifted %v, err %v", lifted, err)
 	}
 }

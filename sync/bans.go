@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -114,6 +116,11 @@ type BanRefusal struct {
 	Until   int64
 	Count   uint32
 	Started bool
+	// Unsent (written by Refused): the refusals did not reach Redis, for sure (no
+	// connection to it, or a reply saying the script did not run): the caller may send
+	// them again. Not after a timeout, which may have come after the script ran: sent
+	// again, they could count twice.
+	Unsent bool
 }
 
 // Refused adds each refusal batch to its client's count at now (Unix ns), starting a ban
@@ -138,12 +145,14 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 	var firstErr error
 	for i := range rs {
 		r := &rs[i]
-		r.Until, r.Count, r.Started = 0, 0, false
+		r.Until, r.Count, r.Started, r.Unsent = 0, 0, false, false
 		v, err := calls[i].cmd.Int64Slice()
 		if err == nil && len(v) != 3 {
 			err = fmt.Errorf("ban.lua replied %d values, want 3", len(v))
 		}
 		if err != nil {
+			r.Unsent = notRun(err) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) ||
+				errors.Is(err, errNotSent)
 			if firstErr == nil {
 				firstErr = fmt.Errorf("ban refusals of %d keys: %w", len(rs), err)
 			}
