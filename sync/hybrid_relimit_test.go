@@ -191,3 +191,29 @@ func TestHybridPlanFlappingForgivesOnce(t *testing.T) {
 		t.Fatalf("%d of 300 admitted alternating plans of 2 and 1 per hour, want at most 3", admitted)
 	}
 }
+
+// A refusal's retry is never past the key's reset (the time it is full again): a client
+// whose requests alternate between two daemons, 1 per minute, was told retry 60,002 ms
+// with reset 59,950 by the second, the refill of a unit counted from now on a view whose
+// unit the first daemon admitted 50 ms before.
+func TestHybridRetryNotPastReset(t *testing.T) {
+	rdb := standalone(t)
+	a, b := liveHybrid(t, rdb, 100*time.Millisecond), liveHybrid(t, rdb, 100*time.Millisecond)
+	lim := mustLimit(t, localbucket.TokenBucket, 1, time.Minute)
+	for i := range 4 {
+		key := fmt.Sprintf("rl:retry:{u%d}", i)
+		if r := take(a, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+			t.Fatalf("the first request: %+v", r)
+		}
+		syncAll(t, time.Now().UnixNano(), a)
+		time.Sleep(50 * time.Millisecond)
+		r := take(b, time.Now().UnixNano(), key, lim, 1)
+		if r.Allowed {
+			t.Fatalf("the second, through the other daemon: allowed")
+		}
+		if r.RetryAfter > r.Reset || r.RetryAfter > int64(time.Minute) {
+			t.Fatalf("the second, through the other daemon: retry %v, reset %v; want retry <= reset <= 1m",
+				time.Duration(r.RetryAfter), time.Duration(r.Reset))
+		}
+	}
+}

@@ -801,6 +801,12 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 			retry = max(retry, e.retryNs()-age)
 		}
 	}
+	// Never past the time the key is full again (r.Reset): the refill of a unit counted
+	// from now, on a view whose last unit another daemon admitted 50 ms before, said
+	// retry 60,002 ms with reset 59,950 on a limit of 1 per minute.
+	if r.Reset > 0 && retry > r.Reset {
+		retry = r.Reset
+	}
 	r.RetryAfter = max(nextView, retry)
 	// What is left, as the exact mode reports a refusal: less than the cost (a cost of 2
 	// refused with 1 left says 1, not 0), never more than the view holds.
