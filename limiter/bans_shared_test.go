@@ -510,3 +510,46 @@ rules:
 		t.Fatalf("lifting with Redis back: lifted %v, err %v", lifted, err)
 	}
 }
+
+// A banned hybrid key's answers report the bucket's reset (the time it is full again),
+// not only the ban's remaining time, however long the ban has kept its view from being
+// synced: local and global mode report the bucket's. Before, two intervals into the ban
+// its view was stale and reset said the ban's 5 s where the bucket needed 10.
+func TestSharedBansHybridResetIsTheBucket(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 2, per: 10s }
+    mode: hybrid
+    penalty: { after: 1, within: 1m, ban: 5s }
+`
+	l := sharedLimiter(t, realRedis(t), yaml)
+	var d Decision
+	check := func() *Decision {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+	for i := 0; ; i++ {
+		if i > 50 {
+			t.Fatal("never refused")
+		}
+		if r := check(); !r.Allowed && !r.Degraded {
+			break
+		}
+	}
+	if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // three sync intervals: the key's view is stale
+	r := check()
+	if !r.Banned {
+		t.Fatalf("not banned: %+v", r)
+	}
+	if res := r.Results[0]; res.Reset < 8*time.Second || res.RetryAfter > 5*time.Second {
+		t.Fatalf("banned: reset %v, retry %v; want the bucket's reset (about 9.5 s of 10) and the ban's retry (under 5 s)", res.Reset, res.RetryAfter)
+	}
+}

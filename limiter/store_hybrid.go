@@ -71,7 +71,7 @@ func (s hybridStore) skip(now int64, d *Decision) {
 	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
 	for i := range d.ops {
 		if o := &d.ops[i]; o.store == storeHybrid {
-			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Shadow: o.shadow})
+			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Shadow: o.shadow, Banned: o.bannedUntil != 0})
 			n.at = append(n.at, i)
 		}
 	}

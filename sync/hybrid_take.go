@@ -25,6 +25,12 @@ type HybridOp struct {
 	// (it never waits for Redis), or one whose check another rule refused for good. It
 	// decided nothing, and its Result's figures were not read.
 	Unasked bool
+	// Banned (input to Peek): a shared ban refuses the key, so nothing it takes keeps its
+	// view fresh, and Peek reads the last view however old, for what it says of the
+	// key's reset (the time it is full again). Before, a banned key's view was stale two
+	// intervals into the ban, and its answers said reset = the ban's remaining time, not
+	// the bucket's, which local and global mode report.
+	Banned bool
 
 	shard   uint32 // set by Take
 	blind   bool   // refused from no fresh view, without Redis's answer
@@ -116,15 +122,16 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 // Peek reports, in each op's Result, what the local view says of its key for a request
 // of cost 0 (allowed: one more would pass; the remaining, reset and retry), charging,
 // counting and syncing nothing. A key this daemon does not hold, or holds no fresh view
-// of (stale), reports its limit only: what Redis would say of it was not asked.
-// For a check another store refused (or a ban): its hybrid rules are reported, not asked.
+// of (stale; except a Banned op's), reports its limit only: what Redis would say of it
+// was not asked. For a check another store refused (or a ban): its hybrid rules are
+// reported, not asked.
 func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 	n := h.creditShares()
 	for i := range ops {
 		op := &ops[i]
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
-		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && !h.stale(e, now) {
+		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
 			op.Result, _, _, _ = h.decide(sh, e, now, 0, n, false, false, false, op.Shadow)
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
