@@ -443,9 +443,6 @@ func (d *Decoder) skip(field string) error {
 }
 
 func (d *Decoder) skipValue(field string, depth int) error {
-	if depth > maxDepth {
-		return Errorf(CodeBadRequest, "field %s nests deeper than %d levels", Quote(field), maxDepth)
-	}
 	c, err := d.dec.PeekCode()
 	if err != nil {
 		return d.truncated("field " + Quote(field))
@@ -460,6 +457,11 @@ func (d *Decoder) skipValue(field string, depth int) error {
 			_, _ = d.r.Seek(int64(n), io.SeekCurrent)
 		}
 		return nil
+	case (msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32 ||
+		msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32) && depth >= maxDepth:
+		// The 33rd array or map, counting the value itself: up to 32 levels (before,
+		// the bound counted the scalars inside too, and let 33 arrays through).
+		return Errorf(CodeBadRequest, "field %s nests deeper than %d levels", Quote(field), maxDepth)
 	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
 		n, err := d.dec.DecodeArrayLen()
 		if err != nil || n > d.r.Len() { // every element takes at least a byte

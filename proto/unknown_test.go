@@ -303,3 +303,53 @@ func TestQuote(t *testing.T) {
 		}
 	}
 }
+
+// TestUnknownFieldNestingBound: an unknown field's value nests up to 32 levels of arrays
+// and maps, as proto/PROTOCOL.md says; 33 is bad_request (before, 33 passed and 34 did
+// not). In an inline limit the same.
+func TestUnknownFieldNestingBound(t *testing.T) {
+	// levels arrays (or maps), each holding the next; the innermost holds nil, or is
+	// empty (then the scalars inside no longer counted: 33 empty-ended levels passed).
+	value := func(maps, empty bool, levels int) []byte {
+		var b []byte
+		for range levels - 1 {
+			if maps {
+				b = append(b, 0x81, 0xc0) // {nil: the next level}
+			} else {
+				b = append(b, 0x91) // [the next level]
+			}
+		}
+		switch {
+		case empty && maps:
+			return append(b, 0x80)
+		case empty:
+			return append(b, 0x90)
+		case maps:
+			return append(b, 0x81, 0xc0, 0xc0)
+		}
+		return append(b, 0x91, 0xc0)
+	}
+	for _, c := range []struct{ maps, empty bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		maps := c.maps
+		for _, levels := range []int{32, 33} {
+			v := value(maps, c.empty, levels)
+			for _, where := range []string{"top", "inline limit"} {
+				body := mpMap(mpStr("id"), u(4), mpStr("op"), mpStr("ping"), mpStr("x"), v)
+				if where == "inline limit" {
+					limit := mpMap(mpStr("key"), mpStr("k"), mpStr("x"), v, mpStr("limit"), u(1), mpStr("window_ms"), u(100))
+					body = mpMap(mpStr("id"), u(4), mpStr("op"), mpStr("check"), mpStr("limits"), append([]byte{0x91}, limit...))
+				}
+				_, err := decodeReq(t, body)
+				if levels <= 32 && err != nil {
+					t.Errorf("maps %v, empty %v, %d levels, %s: %v", maps, c.empty, levels, where, err)
+				}
+				if levels > 32 && err == nil {
+					t.Errorf("maps %v, empty %v, %d levels, %s: no error", maps, c.empty, levels, where)
+				}
+				if levels > 32 {
+					wantCode(t, err, CodeBadRequest)
+				}
+			}
+		}
+	}
+}
