@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bufio"
 	"bytes"
 	"crypto/hmac"
 	"crypto/rand"
@@ -9,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -67,10 +69,16 @@ type Metrics struct {
 type ruleMetrics struct {
 	rule                                      *rules.Rule // of the active set
 	name                                      string
-	series                                    []string // the names of the counters in Metrics.set, to unregister
+	series                                    []ruleSeries // the counters below, as writeRules writes them
 	allowed, rejected, shadowRejected, degrad *metrics.Counter
 	warnings, delayed, bans                   *metrics.Counter
 	top                                       *topK
+}
+
+// ruleSeries is one of a rule's counters and its series name (family and labels).
+type ruleSeries struct {
+	family, labels string
+	c              *metrics.Counter
 }
 
 type funcMetric struct {
@@ -116,17 +124,22 @@ func (m *Metrics) ruleLocked(name string) *ruleMetrics {
 	}
 	q := fmt.Sprintf("%q", name)
 	rm := &ruleMetrics{name: name, top: newTopK(m.topK)}
-	counter := func(series string) *metrics.Counter {
-		rm.series = append(rm.series, series)
-		return m.set.NewCounter(series)
+	// Not registered in m.set: writeRules writes them from byName, so that a reload
+	// removing rules drops their series by deleting them from the map. Unregistered one
+	// by one, each a linear search of the set's list and a copy of it, taking 50,000
+	// rules away took minutes, the set's lock held, and every scrape waited.
+	counter := func(family, labels string) *metrics.Counter {
+		c := new(metrics.Counter)
+		rm.series = append(rm.series, ruleSeries{family: family, labels: labels, c: c})
+		return c
 	}
-	rm.allowed = counter(`rlsidecar_checks_total{rule=` + q + `,result="allowed"}`)
-	rm.rejected = counter(`rlsidecar_checks_total{rule=` + q + `,result="rejected"}`)
-	rm.shadowRejected = counter(`rlsidecar_checks_total{rule=` + q + `,result="shadow_rejected"}`)
-	rm.degrad = counter(`rlsidecar_degraded_decisions_total{rule=` + q + `}`)
-	rm.warnings = counter(`rlsidecar_warnings_total{rule=` + q + `}`)
-	rm.delayed = counter(`rlsidecar_delayed_total{rule=` + q + `}`)
-	rm.bans = counter(`rlsidecar_bans_total{rule=` + q + `}`)
+	rm.allowed = counter("rlsidecar_checks_total", `{rule=`+q+`,result="allowed"}`)
+	rm.rejected = counter("rlsidecar_checks_total", `{rule=`+q+`,result="rejected"}`)
+	rm.shadowRejected = counter("rlsidecar_checks_total", `{rule=`+q+`,result="shadow_rejected"}`)
+	rm.degrad = counter("rlsidecar_degraded_decisions_total", `{rule=`+q+`}`)
+	rm.warnings = counter("rlsidecar_warnings_total", `{rule=`+q+`}`)
+	rm.delayed = counter("rlsidecar_delayed_total", `{rule=`+q+`}`)
+	rm.bans = counter("rlsidecar_bans_total", `{rule=`+q+`}`)
 	m.byName[name] = rm
 	return rm
 }
@@ -153,10 +166,7 @@ func (m *Metrics) SetRules(set *rules.Set, loaded time.Time) {
 		if rm == m.inline || inForce[name] {
 			continue
 		}
-		for _, series := range rm.series {
-			m.set.UnregisterMetric(series)
-		}
-		delete(m.byName, name)
+		delete(m.byName, name) // its series with it (writeRules)
 	}
 	m.byRule.Store(&table)
 	m.config.version, m.config.source, m.config.loaded, m.config.set = set.Version, set.Source, loaded, set
@@ -637,6 +647,42 @@ func writeLeases(w io.Writer, ls *limiter.Leases, set *rules.Set) {
 	}
 }
 
+// ruleFamilies are the families of the rules' counters (ruleSeries), in the order
+// writeRules writes them.
+var ruleFamilies = []string{"rlsidecar_checks_total", "rlsidecar_degraded_decisions_total",
+	"rlsidecar_warnings_total", "rlsidecar_delayed_total", "rlsidecar_bans_total"}
+
+// writeRules writes the rules' counters, each family whole (HELP, TYPE, then its series
+// by rule name), as the set writes its own.
+func (m *Metrics) writeRules(w io.Writer) {
+	m.mu.Lock()
+	rms := make([]*ruleMetrics, 0, len(m.byName))
+	for _, rm := range m.byName {
+		rms = append(rms, rm)
+	}
+	m.mu.Unlock()
+	sort.Slice(rms, func(i, j int) bool { return rms[i].name < rms[j].name })
+	bw := bufio.NewWriterSize(w, 64<<10)
+	var num []byte
+	for _, family := range ruleFamilies {
+		fmt.Fprintf(bw, "# HELP %s %s\n# TYPE %s counter\n", family, setHelp[family], family)
+		for _, rm := range rms {
+			for _, sr := range rm.series {
+				if sr.family != family {
+					continue
+				}
+				bw.WriteString(family)
+				bw.WriteString(sr.labels)
+				bw.WriteByte(' ')
+				num = strconv.AppendUint(num[:0], sr.c.Get(), 10)
+				bw.Write(num)
+				bw.WriteByte('\n')
+			}
+		}
+	}
+	bw.Flush()
+}
+
 func (m *Metrics) writeCustom(w io.Writer) {
 	m.checkDur.write(w, "rlsidecar_check_duration_seconds", "Time from a request's arrival to its answer, in the daemon.")
 	if m.redis.Load() {
@@ -645,6 +691,7 @@ func (m *Metrics) writeCustom(w io.Writer) {
 	if m.synced.Load() {
 		m.syncDur.write(w, "rlsidecar_hybrid_sync_duration_seconds", "Duration of a periodic hybrid sync (all its pipelines; on a Redis Cluster, each master's sync on its own).")
 	}
+	m.writeRules(w)
 	m.mu.Lock()
 	funcs := append([]funcMetric(nil), m.funcs...)
 	version := m.config.version
