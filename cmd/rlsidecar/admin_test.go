@@ -656,23 +656,33 @@ func TestE2EServeLogsRuleWarnings(t *testing.T) {
 // A file written in place is empty for a moment (truncated, its bytes not there yet):
 // that moment is looked at again, not reported as a broken file (a reload error, and
 // the alert on it for ten minutes), as long as the bytes come within half a second.
+// The same for a file of a --config directory (before, the look again applied to a
+// --config file only: a directory's file written in place counted a failed reload).
 func TestE2EReloadEmptyWhileWritten(t *testing.T) {
-	dir := shortTempDir(t)
-	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
-	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
-	base := "http://" + adminAddr(t, d)
-	v := rulesVersion(t, base)
-	f, err := os.OpenFile(cfg, os.O_WRONLY|os.O_TRUNC, 0)
-	must(t, err)
-	time.Sleep(250 * time.Millisecond) // the writer paused: the watcher fired on the truncation
-	_, err = f.WriteString(rulesWithLimit(2))
-	must(t, err)
-	must(t, f.Close())
-	waitReload(t, base, v)
-	if l := limitOf(t, dialRaw(t, d.socket), 1); l != 2 {
-		t.Fatalf("limit %d", l)
-	}
-	if _, samples := scrape(t, base); samples[`rlsidecar_config_reloads_total{result="error"}`] != 0 {
-		t.Fatalf("the empty moment counted as a reload error:\n%s", d.stderr.String())
+	for _, asDir := range []bool{false, true} {
+		t.Run(map[bool]string{false: "file", true: "directory"}[asDir], func(t *testing.T) {
+			dir := shortTempDir(t)
+			file := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+			cfg := file
+			if asDir {
+				cfg = dir
+			}
+			d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+			base := "http://" + adminAddr(t, d)
+			v := rulesVersion(t, base)
+			f, err := os.OpenFile(file, os.O_WRONLY|os.O_TRUNC, 0)
+			must(t, err)
+			time.Sleep(250 * time.Millisecond) // the writer paused: the watcher fired on the truncation
+			_, err = f.WriteString(rulesWithLimit(2))
+			must(t, err)
+			must(t, f.Close())
+			waitReload(t, base, v)
+			if l := limitOf(t, dialRaw(t, d.socket), 1); l != 2 {
+				t.Fatalf("limit %d", l)
+			}
+			if _, samples := scrape(t, base); samples[`rlsidecar_config_reloads_total{result="error"}`] != 0 {
+				t.Fatalf("the empty moment counted as a reload error:\n%s", d.stderr.String())
+			}
+		})
 	}
 }

@@ -170,7 +170,7 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				// An empty file is most likely one being written in place (truncated,
 				// its bytes not there yet): looked at again a few times before it is
 				// read, and reported broken.
-				if fi, err := os.Stat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == 0 && empties < 5 {
+				if hasEmpty(path) && empties < 5 {
 					empties++
 					timer.Reset(debounce)
 					fire = timer.C
@@ -184,6 +184,35 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		}
 	}()
 	return kick, nil
+}
+
+// hasEmpty reports whether path, the rules file, is empty; or, a directory of rules
+// files, whether one of them is (one written in place there, its bytes not there yet,
+// was reported broken at once and counted as a failed reload).
+func hasEmpty(path string) bool {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return false
+	}
+	if fi.Mode().IsRegular() {
+		return fi.Size() == 0
+	}
+	if !fi.IsDir() {
+		return false
+	}
+	ents, err := os.ReadDir(path)
+	if err != nil {
+		return false
+	}
+	for _, e := range ents {
+		if !rules.IsRulesFile(e.Name()) {
+			continue
+		}
+		if fi, err := os.Stat(filepath.Join(path, e.Name())); err == nil && fi.Mode().IsRegular() && fi.Size() == 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // rewatchEvery is how often watchConfig tries again to watch a directory on the way to
