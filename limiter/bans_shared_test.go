@@ -468,23 +468,8 @@ rules:
 	}
 	t.Cleanup(func() { rdb.Close() })
 	l := sharedLimiter(t, rdb, yaml)
-	var d Decision
-	check := func() *Decision {
-		t.Helper()
-		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
-			t.Fatal(err)
-		}
-		return &d
-	}
-	refused := 0
-	for i := 0; refused < 3; i++ {
-		if i > 50 {
-			t.Fatal("never refused 3 times")
-		}
-		if r := check(); !r.Allowed && !r.Degraded {
-			refused++
-		}
-	}
+	check := ipChecker(t, l, "ip=1.1.1.1")
+	refuse(t, check, 3)
 	srv.Stop()
 	if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err == nil {
 		t.Fatal("a round with Redis stopped: no error")
@@ -525,22 +510,8 @@ rules:
     penalty: { after: 1, within: 1m, ban: 5s }
 `
 	l := sharedLimiter(t, realRedis(t), yaml)
-	var d Decision
-	check := func() *Decision {
-		t.Helper()
-		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
-			t.Fatal(err)
-		}
-		return &d
-	}
-	for i := 0; ; i++ {
-		if i > 50 {
-			t.Fatal("never refused")
-		}
-		if r := check(); !r.Allowed && !r.Degraded {
-			break
-		}
-	}
+	check := ipChecker(t, l, "ip=1.1.1.1")
+	refuse(t, check, 1)
 	if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
 		t.Fatal(err)
 	}
@@ -551,5 +522,32 @@ rules:
 	}
 	if res := r.Results[0]; res.Reset < 8*time.Second || res.RetryAfter > 5*time.Second {
 		t.Fatalf("banned: reset %v, retry %v; want the bucket's reset (about 9.5 s of 10) and the ban's retry (under 5 s)", res.Reset, res.RetryAfter)
+	}
+}
+
+// ipChecker returns a check of one request of the client attrs (ip=...) at time.Now
+// through l, its decision reused from call to call.
+func ipChecker(t *testing.T, l *Limiter, client string) func() *Decision {
+	var d Decision
+	return func() *Decision {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), &Input{Attrs: attrs(client), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		return &d
+	}
+}
+
+// refuse checks until n checks were refused by their limit (not degraded), at most 50.
+func refuse(t *testing.T, check func() *Decision, n int) {
+	t.Helper()
+	refused := 0
+	for i := 0; refused < n; i++ {
+		if i > 50 {
+			t.Fatalf("refused %d times in 50 checks, want %d", refused, n)
+		}
+		if r := check(); !r.Allowed && !r.Degraded {
+			refused++
+		}
 	}
 }
