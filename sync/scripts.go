@@ -33,8 +33,16 @@ func loadScripts(ctx context.Context, c redis.Cmdable) error {
 	for _, src := range scriptSources() {
 		p.ScriptLoad(ctx, src)
 	}
-	_, err := p.Exec(ctx)
-	return err
+	if _, err := p.Exec(ctx); err != nil {
+		// A connection that has not authenticated may not send a bulk string as long
+		// as a script: Redis closes it, and the pipeline reads only EOF. What the
+		// connection may not do is what a PING is told (NOAUTH, WRONGPASS).
+		if perr := c.Ping(ctx).Err(); perr != nil {
+			return perr
+		}
+		return err
+	}
+	return nil
 }
 
 // loadScriptsFor loads the scripts into the master of key (the one Redis when rdb is not

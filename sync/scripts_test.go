@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha1"
 	"encoding/hex"
+	"strings"
 	"testing"
 	"time"
 
@@ -91,5 +92,23 @@ func TestGlobalProbeOpenLoadsScripts(t *testing.T) {
 	}
 	if n, want := scriptsKnown(t, rdb), len(scriptSources()); n != want {
 		t.Errorf("%d of %d scripts cached after the probe closed the breaker", n, want)
+	}
+}
+
+// A Redis that requires a password the daemon was not given closes the connection that
+// sends it the scripts unauthenticated; LoadScripts says why (NOAUTH), not EOF.
+func TestLoadScriptsWithoutPasswordSaysWhy(t *testing.T) {
+	srv := redistest.StartStandalone(t, redistest.WithPassword("s3cret"))
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	err := LoadScripts(context.Background(), rdb)
+	if err == nil || !strings.Contains(err.Error(), "NOAUTH") {
+		t.Fatalf("LoadScripts without the password: %v, want NOAUTH", err)
+	}
+	rdb = redis.NewClient(&redis.Options{Addr: srv.Addr, Password: "wrong"})
+	defer rdb.Close()
+	err = LoadScripts(context.Background(), rdb)
+	if err == nil || !strings.Contains(err.Error(), "WRONGPASS") {
+		t.Fatalf("LoadScripts with a wrong password: %v, want WRONGPASS", err)
 	}
 }
