@@ -6,7 +6,6 @@ import (
 	"hash/fnv"
 	"sync/atomic"
 	"time"
-	_ "time/tzdata" // every host computes the same boundaries, whatever its zoneinfo
 )
 
 // Calendar is the unit of a calendar window: a fixed window whose boundaries are local
@@ -66,7 +65,7 @@ type calendar struct {
 type calWindow struct{ start, end int64 }
 
 // NewCalendarLimit builds a fixed-window limit of requests per calendar unit in loc (nil
-// means UTC): windows start at local midnight (on Mondays for a week, on the 1st for a
+// means UTC; load it with LoadZone, so that every host agrees on it): windows start at local midnight (on Mondays for a week, on the 1st for a
 // month). Where a midnight does not exist (a DST gap) the window starts at the first
 // instant after it; where it happens twice, at the first. requests must be in
 // [1, 2^32-1].

@@ -55,7 +55,7 @@ func TestCalendarBoundaries(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			loc, err := time.LoadLocation(tt.zone)
+			loc, err := LoadZone(tt.zone)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -101,7 +101,7 @@ func TestCalendarLimit(t *testing.T) {
 	if u, loc := utc.Calendar(); u != Day || loc != time.UTC {
 		t.Fatalf("Calendar() = %v %v", u, loc)
 	}
-	paris, _ := time.LoadLocation("Europe/Paris")
+	paris, _ := LoadZone("Europe/Paris")
 	p, _ := NewCalendarLimit(10, Day, paris)
 	fixed, _ := NewLimit(FixedWindow, 10, 24*time.Hour, 0)
 	if utc.stateKind() == p.stateKind() || utc.stateKind() == fixed.stateKind() {
@@ -128,7 +128,7 @@ func TestCalendarLimit(t *testing.T) {
 // clock's offset from it; a calendar window still ends at the zone's wall midnight, and
 // the instants the store keeps are on the monotonic clock.
 func TestCalendarOnMonotonicClock(t *testing.T) {
-	paris, err := time.LoadLocation("Europe/Paris")
+	paris, err := LoadZone("Europe/Paris")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -150,5 +150,25 @@ func TestCalendarOnMonotonicClock(t *testing.T) {
 	}
 	if !s.Apply(mono+int64(time.Hour), ops) || ops[0].Result.Remaining != 1 {
 		t.Fatalf("at midnight: %+v, want allowed in a new day", ops[0].Result)
+	}
+}
+
+// TestLoadZone: zones come from the database built in; "UTC" is time.UTC; "", "Local",
+// paths and unknown names are errors.
+func TestLoadZone(t *testing.T) {
+	if l, err := LoadZone("UTC"); err != nil || l != time.UTC {
+		t.Fatalf("UTC: %v %v", l, err)
+	}
+	l, err := LoadZone("America/Sao_Paulo")
+	if err != nil || l.String() != "America/Sao_Paulo" {
+		t.Fatalf("America/Sao_Paulo: %v %v", l, err)
+	}
+	if _, off := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC).In(l).Zone(); off != -3*3600 {
+		t.Fatalf("America/Sao_Paulo offset %d in December 2026", off)
+	}
+	for _, bad := range []string{"", "Local", "Mars/Olympus", "/etc/localtime", "../zoneinfo.zip", "America", "America/"} {
+		if l, err := LoadZone(bad); err == nil {
+			t.Errorf("%q loaded as %v", bad, l)
+		}
 	}
 }

@@ -83,13 +83,13 @@ func (r *Rule) WarnThreshold(capacity uint64) uint64 {
 	return max(uint64(f), 1)
 }
 
-// loadZone loads an IANA time zone from the embedded database (localbucket imports
-// time/tzdata), so every host agrees; msg is empty on success.
+// loadZone loads an IANA time zone from the database built into the binary
+// (localbucket.LoadZone), not the host's, so every host agrees; msg is empty on success.
 func loadZone(name string) (*time.Location, string) {
 	if name == "" || name == "Local" {
 		return nil, fmt.Sprintf("%q is not an IANA time zone (e.g. UTC, Europe/Paris, America/Sao_Paulo)", name)
 	}
-	loc, err := time.LoadLocation(name)
+	loc, err := localbucket.LoadZone(name)
 	if err != nil {
 		return nil, fmt.Sprintf("unknown time zone %q (an IANA name, e.g. Europe/Paris, America/Sao_Paulo)", name)
 	}

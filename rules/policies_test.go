@@ -1,6 +1,10 @@
 package rules
 
 import (
+	"encoding/binary"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -236,5 +240,50 @@ func TestPoliciesAreNotShadowed(t *testing.T) {
 	}
 	if len(set.Warnings()) != 1 {
 		t.Error("two identical calendar rules: no warning")
+	}
+}
+
+// TestCalendarZoneIgnoresHostZoneinfo: a rule's tz comes from the zone database built
+// into the binary, not the host's ($ZONEINFO, /usr/share/zoneinfo), so daemons on hosts
+// with different tzdata count one calendar window (time.LoadLocation read the host's
+// first: a host whose America/Sao_Paulo said UTC-2 keyed December 2026 an hour apart
+// from one whose said UTC-3, and each admitted the whole limit). The parse runs in a
+// child process whose $ZONEINFO holds a forged America/Sao_Paulo at UTC+5.
+func TestCalendarZoneIgnoresHostZoneinfo(t *testing.T) {
+	if os.Getenv("RLSIDECAR_TEST_ZONE_CHILD") == "1" {
+		set, err := Parse("c.yaml", []byte("rules:\n  - name: r\n    key: ip\n    limit: { requests: 10, per: day, tz: America/Sao_Paulo }\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lim, _ := set.Rules[0].LimitFor("", false)
+		_, loc := lim.Calendar()
+		if _, off := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC).In(loc).Zone(); off != -3*3600 {
+			t.Fatalf("America/Sao_Paulo is UTC-3 in December 2026, got an offset of %d s: the host's zoneinfo was read", off)
+		}
+		return
+	}
+	dir := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(dir, "America"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// A TZif file, version 0, of one zone type (UTC+5, "XYZ") and no transitions.
+	tzif := append([]byte("TZif"), make([]byte, 16)...)
+	for _, n := range []uint32{0, 0, 0, 0, 1, 4} { // isut, isstd, leap, time, type, char counts
+		tzif = binary.BigEndian.AppendUint32(tzif, n)
+	}
+	tzif = binary.BigEndian.AppendUint32(tzif, 5*3600)
+	tzif = append(tzif, 0, 0, 'X', 'Y', 'Z', 0)
+	if err := os.WriteFile(filepath.Join(dir, "America", "Sao_Paulo"), tzif, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if l, err := time.LoadLocationFromTZData("x", tzif); err != nil {
+		t.Fatalf("the forged zone does not load: %v", err)
+	} else if _, off := time.Unix(0, 0).In(l).Zone(); off != 5*3600 {
+		t.Fatalf("the forged zone's offset is %d", off)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCalendarZoneIgnoresHostZoneinfo$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "RLSIDECAR_TEST_ZONE_CHILD=1", "ZONEINFO="+dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%v\n%s", err, out)
 	}
 }
