@@ -19,7 +19,9 @@ import (
 //   - they have the same algorithm, the same per, the same mode, split and
 //     on_store_failure;
 //   - neither is shadow (a shadow B is there to be observed, not to reject);
-//   - every rule that replaces A replaces B too (where A alone is replaced, B decides);
+//   - every rule that replaces A replaces B too (where A alone is replaced, B decides),
+//     and A replaces every rule B replaces (B exempts the requests it applies to from
+//     those, an effect of its own);
 //   - and A's limit is at least as tight as B's for every plan: for the default limit and
 //     each plan either rule lists, A's requests ≤ B's and A's burst ≤ B's, or B's plan is
 //     unlimited (an unlimited plan on A against a limited one on B is not tighter).
@@ -80,6 +82,14 @@ func (s *Set) Warnings() Errors {
 	replacedAlike := func(a, b *Rule) bool {
 		for _, r := range replacers[a] {
 			if !slices.Contains(r.ReplacesIdx, b.Index) {
+				return false
+			}
+		}
+		// What b replaces, a must replace too: where b applies, the rules it replaces
+		// are not charged, so b has that effect even when it never rejects, and removing
+		// it would put them back in force.
+		for _, i := range b.ReplacesIdx {
+			if !slices.Contains(a.ReplacesIdx, i) {
 				return false
 			}
 		}

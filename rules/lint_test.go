@@ -314,3 +314,30 @@ func TestWarningsEmptyMatch(t *testing.T) {
 		}
 	}
 }
+
+// TestWarningsShadowedReplacer: a later rule that replaces another has an effect even when
+// an earlier, tighter rule rejects whatever it would: where it applies, the rule it
+// replaces is not charged. validate said it "never decides" (remove it), and removing it
+// put that rule back in force. An earlier rule replacing the same rules covers it.
+func TestWarningsShadowedReplacer(t *testing.T) {
+	const zz = "  - name: zz\n    key: ip\n    limit: { requests: 1, per: 1m }\n"
+	for _, c := range []struct {
+		aReplaces string
+		warn      bool
+	}{
+		{"", false},
+		{"    replaces: [zz]\n", true},
+	} {
+		set := mustParse(t, "rules:\n  - name: a\n    key: user\n    limit: { requests: 5, per: 1m }\n"+c.aReplaces+
+			"  - name: b\n    key: user\n    limit: { requests: 10, per: 1m }\n    replaces: [zz]\n"+zz)
+		var never []string
+		for _, w := range set.Warnings() {
+			if strings.Contains(w.Error(), "never decides") {
+				never = append(never, w.Error())
+			}
+		}
+		if got := len(never) > 0; got != c.warn {
+			t.Errorf("a replaces %q: never-decides warnings %v, want one: %v", strings.TrimSpace(c.aReplaces), never, c.warn)
+		}
+	}
+}
