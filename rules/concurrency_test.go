@@ -70,6 +70,7 @@ func TestConcurrencyRuleErrors(t *testing.T) {
 		{"not mapping", "    concurrency: 3\n", "c.yaml:4: rules[0].concurrency: expected a mapping"},
 		{"algorithm", "    algorithm: fixed_window\n    concurrency: { max: 1 }\n", "c.yaml:4: rules[0].algorithm: a concurrency rule counts leases in flight; it has no algorithm"},
 		{"global split", "    concurrency: { max: 4 }\n    mode: global\n    split: 2\n", "rules[0].split: split divides a local limit among daemons; mode global shares one budget already"},
+		{"max too large", "    concurrency: { max: 4294967296 }\n", "c.yaml:4: rules[0].concurrency.max: requests 4294967296 exceed the maximum of 4294967295"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Parse("c.yaml", []byte(head+tc.rule))
@@ -77,5 +78,30 @@ func TestConcurrencyRuleErrors(t *testing.T) {
 				t.Fatalf("error %v; want it to contain %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestConcurrencyRuleLargeMax: max is a count of slots, not a rate: any max up to
+// 4,294,967,295 is taken whatever the lease, with its plans. Built as a token bucket of
+// max per lease, 4,294,967,295 with the default 30s lease (or 200,000,000 for 1s) was
+// refused as a rate "too high to keep", and named rules[0].limit, a field the rule has not.
+func TestConcurrencyRuleLargeMax(t *testing.T) {
+	for _, rule := range []string{
+		"    concurrency: { max: 4294967295 }\n",
+		"    concurrency: { max: 1000000000, lease: 1ms }\n",
+		"    concurrency: { max: 200000000, lease: 1s }\n    plans: { gold: 4000000000 }\n",
+	} {
+		set, err := Parse("c.yaml", []byte("rules:\n  - name: c\n    key: user\n"+rule))
+		if err != nil {
+			t.Fatalf("%q: %v", rule, err)
+		}
+		r := set.Rules[0]
+		lim, _ := r.LimitFor("", false)
+		if lim.Requests() != r.Requests || lim.Window() != r.Per {
+			t.Fatalf("%q: limit %d per %v, want %d per %v", rule, lim.Requests(), lim.Window(), r.Requests, r.Per)
+		}
+		if gold, _ := r.LimitFor("gold", true); strings.Contains(rule, "gold") && gold.Requests() != 4000000000 {
+			t.Fatalf("gold plan: %d", gold.Requests())
+		}
 	}
 }

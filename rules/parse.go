@@ -373,13 +373,22 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if limitOK && algOK {
 		var lim localbucket.Limit
 		var err error
-		if r.Calendar != localbucket.NoCalendar {
+		limField := field + ".limit"
+		switch {
+		case r.Concurrency:
+			// max slots, each held for a lease: the lease store reads its requests and
+			// window, never a rate, so it is built as a window. As a token bucket, a max
+			// above about 143,000,000 a second of lease (4,294,967,295 for the default
+			// 30s) was refused as a rate "too high to keep", named rules[i].limit.
+			limField = field + ".concurrency.max"
+			lim, err = localbucket.NewLimit(localbucket.FixedWindow, r.Requests, r.Per, 0)
+		case r.Calendar != localbucket.NoCalendar:
 			lim, err = localbucket.NewCalendarLimit(r.Requests, r.Calendar, r.TZ)
-		} else {
+		default:
 			lim, err = localbucket.NewLimit(r.Algorithm, r.Requests, r.Per, r.Burst)
 		}
 		if err != nil {
-			p.errorf(limitNode, field+".limit", "%v", err)
+			p.errorf(limitNode, limField, "%v", err)
 			limitOK = false
 		}
 		r.limit = lim
