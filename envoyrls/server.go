@@ -127,7 +127,11 @@ type Server struct {
 	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
 	stopped bool         // Shutdown was called
 	health  *health.Server
-	ln      net.Listener
+	// draining is closed when Shutdown begins: it ends the grpc-go transport's
+	// Health/Watch calls (drainingHealth).
+	draining  chan struct{}
+	drainOnce sync.Once
+	ln        net.Listener
 	// sockPath and sock are the Unix socket file Listen created, by device and inode
 	// (zero for Config.Listener and TCP): Shutdown removes the path only while it still
 	// names that file.
@@ -168,7 +172,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	default:
 		return nil, fmt.Errorf("envoyrls: transport %q is neither %s nor %s", cfg.Transport, TransportNative, TransportGRPCGo)
 	}
-	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), now: func() int64 { return time.Now().UnixNano() }}
+	s := &Server{cfg: cfg, lim: lim, health: health.NewServer(), draining: make(chan struct{}), now: func() int64 { return time.Now().UnixNano() }}
 	if cfg.Clock != nil {
 		s.now = s.clockNow
 	}
@@ -186,7 +190,7 @@ func (s *Server) newGRPC() *grpc.Server {
 	desc := rlsv3.RateLimitService_ServiceDesc
 	desc.Methods = []grpc.MethodDesc{{MethodName: "ShouldRateLimit", Handler: wireHandler}}
 	g.RegisterService(&desc, s)
-	healthpb.RegisterHealthServer(g, s.health)
+	healthpb.RegisterHealthServer(g, drainingHealth{Server: s.health, draining: s.draining})
 	return g
 }
 
@@ -361,10 +365,12 @@ func (s *Server) Serve() error {
 }
 
 // Shutdown reports NOT_SERVING, stops accepting, and waits for the calls in flight until
-// ctx ends, then closes every connection. The socket file is removed, unless it came
-// from Config.Listener.
+// ctx ends, then closes every connection. Health/Watch calls end at once, after their
+// NOT_SERVING (they would otherwise last until ctx ends). The socket file is removed,
+// unless it came from Config.Listener.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.health.Shutdown()
+	s.drainOnce.Do(func() { close(s.draining) })
 	s.removeSocket() // before the listener closes, as its own unlinking did
 	s.mu.Lock()
 	s.stopped = true
