@@ -151,7 +151,21 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	defer activated.close() // when the daemon fails before serving; Shutdown closes them otherwise
 	if activated.socket != nil {
-		*socket = activated.socket.Addr().String()
+		// The socket unit sets the path, mode and group (ListenStream=, SocketMode=,
+		// SocketGroup=): one set here too (RLSIDECAR_SOCKET_GROUP in the settings file) is
+		// ignored, said so as --envoy-rls is below, not silently.
+		passed := activated.socket.Addr().String()
+		var ignored []string
+		fs.Visit(func(f *flag.Flag) {
+			switch {
+			case f.Name == "socket" && f.Value.String() != passed, f.Name == "socket-mode", f.Name == "socket-group":
+				ignored = append(ignored, "--"+f.Name+"="+f.Value.String())
+			}
+		})
+		if len(ignored) > 0 {
+			log.Warn("ignoring "+strings.Join(ignored, " ")+": systemd passed the socket, whose path, mode and group are its .socket unit's (ListenStream=, SocketMode=, SocketGroup=; systemctl edit rlsidecar.socket)", "socket", passed)
+		}
+		*socket = passed
 	}
 	if activated.envoy != nil {
 		addr := "unix:" + activated.envoy.Addr().String()

@@ -809,3 +809,55 @@ func unixListening(path string) bool {
 	}
 	return false
 }
+
+// Under socket activation the socket unit sets the socket's path, mode and group: a
+// --socket-group or --socket-mode given anyway (RLSIDECAR_SOCKET_GROUP in
+// /etc/default/rlsidecar), or a --socket naming another path, is said to be ignored, as
+// --envoy-rls is; a --socket naming the passed socket is not. Before, each was ignored
+// without a word: the gateways of the group set there could not connect, and nothing
+// said why.
+func TestE2ESocketActivationWarnsOfIgnoredSocketFlags(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		args []string
+		env  string
+		want []string
+	}{
+		{"environment", []string{"--socket-mode", "0600"}, "nogroup", []string{"ignoring --socket-group=nogroup --socket-mode=0600: systemd passed the socket"}},
+		{"other path", []string{"--socket", "/nonexistent/other.sock"}, "", []string{"ignoring --socket=/nonexistent/other.sock: systemd passed the socket"}},
+		{"same path", []string{"--socket", "SOCKET"}, "", nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := shortTempDir(t)
+			socket := filepath.Join(dir, "s.sock")
+			var env []string
+			if tt.env != "" {
+				t.Setenv("RLSIDECAR_SOCKET_GROUP", tt.env)
+				env = append(env, "RLSIDECAR_SOCKET_GROUP")
+			}
+			args := []string{binary, "serve", "--admin=", "--watch=false"}
+			for _, a := range tt.args {
+				args = append(args, strings.ReplaceAll(a, "SOCKET", socket))
+			}
+			saArgs := []string{"-l", socket, "--fdname=rlsidecar"}
+			for _, e := range env {
+				saArgs = append(saArgs, "-E", e)
+			}
+			a := startActivator(t, saArgs, []string{socket}, args...)
+			c := dialRaw(t, socket)
+			if r := c.check(1, 1, "ip=192.0.2.1"); !r.Allowed {
+				t.Fatalf("check: %+v", r)
+			}
+			a.sigterm(t)
+			out := a.out.String()
+			for _, w := range tt.want {
+				if !strings.Contains(out, w) {
+					t.Errorf("no %q in the log:\n%s", w, out)
+				}
+			}
+			if tt.want == nil && strings.Contains(out, "ignoring") {
+				t.Errorf("a warning for a --socket naming the passed socket:\n%s", out)
+			}
+		})
+	}
+}
