@@ -259,13 +259,6 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if pw, err := cfg.Password(); err == nil {
 			secrets.set(pw)
 		}
-		if *redisPassFile != "" {
-			// As ssh does of a private key: a password file every local user can read is
-			// no better than the password in the command line.
-			if fi, err := os.Stat(*redisPassFile); err == nil && fi.Mode().Perm()&0o004 != 0 {
-				log.Warn("the Redis password file can be read by every local user; chmod o-r it", "file", *redisPassFile, "mode", fmt.Sprintf("%04o", fi.Mode().Perm()))
-			}
-		}
 		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
 		// timeouts close connections, must not make the second look down. A breaker per
@@ -384,6 +377,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		return err
 	}
+	secretFiles := [][2]string{{"top-labels-salt-file", *topSaltFile}}
+	if haveRedis {
+		secretFiles = append(secretFiles, [2]string{"redis-password-file", *redisPassFile})
+	}
+	warnReadableSecrets(log, *socket, secretFiles...)
 	var rls *envoyrls.Server
 	envoyDesc := "" // where the Envoy API is served, for the status line
 	started := false
@@ -996,4 +994,43 @@ func plural(n int, noun string) string {
 		return "1 " + noun
 	}
 	return fmt.Sprintf("%d %ss", n, noun)
+}
+
+// warnReadableSecrets warns of each secret file (flag name, path) that every local user
+// can read, as ssh does of a private key, or that the socket file's group can, unless
+// that is root: the gateways join that group to reach the socket, and a gateway holding
+// the Redis password could rewrite any client's counters or lift bans in Redis directly,
+// one holding the labels' salt could hash every IPv4 address and name the clients in
+// rlsidecar_top_rejected (docs/operations.md). Before, only a world-readable password
+// file was warned of: not the salt file, nor a password file root:rlsidecar 0640, the
+// group every gateway of the package joins.
+func warnReadableSecrets(log *slog.Logger, socket string, files ...[2]string) {
+	sockGid := -1
+	if fi, err := os.Stat(socket); err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Gid != 0 {
+			sockGid = int(st.Gid)
+		}
+	}
+	for _, f := range files {
+		flagName, path := f[0], f[1]
+		if path == "" {
+			continue
+		}
+		fi, err := os.Stat(path)
+		if err != nil {
+			continue
+		}
+		perm := fi.Mode().Perm()
+		what := "the Redis password file"
+		if flagName != "redis-password-file" {
+			what = "the --" + flagName
+		}
+		st, _ := fi.Sys().(*syscall.Stat_t)
+		switch {
+		case perm&0o004 != 0:
+			log.Warn(what+" can be read by every local user; chmod o-r it", "file", path, "mode", fmt.Sprintf("%04o", perm))
+		case perm&0o040 != 0 && st != nil && sockGid >= 0 && int(st.Gid) == sockGid:
+			log.Warn(what+" can be read by the socket's group, which the gateways join to reach the socket; make it the daemon's user's alone (chown that user, chmod 0400)", "file", path, "mode", fmt.Sprintf("%04o", perm), "gid", sockGid)
+		}
+	}
 }
