@@ -49,6 +49,9 @@ type AdminDeps struct {
 	// Now is the limiter's clock (the daemon's monotonic one), for the bans' remaining
 	// times; nil: the wall clock.
 	Now func() int64
+	// Draining reports whether the daemon has begun to drain (SIGTERM): it accepts no
+	// more connections, and /readyz says so. nil: never.
+	Draining func() bool
 }
 
 // NewAdmin listens on addr (e.g. 127.0.0.1:9464).
@@ -438,10 +441,13 @@ func (a *Admin) Shutdown(ctx context.Context) error {
 // a reason: every check is then decided by its rule's failure policy (open, closed or
 // local), which is an answer. Were it a reason, losing Redis would mark every gateway's
 // daemon unready at once; degradation is the gauge rlsidecar_store_unreachable and its
-// alert instead.
+// alert instead. A daemon that drains is not ready: it accepts no more connections.
 func notReady(deps AdminDeps) string {
 	if deps.Limiter.Rules() == nil {
 		return "no rules loaded"
+	}
+	if deps.Draining != nil && deps.Draining() {
+		return "draining: stopping, accepting no more connections"
 	}
 	return ""
 }

@@ -188,6 +188,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 // Connections returns the number of connections being served.
 func (s *Server) Connections() int64 { return s.nconns.Load() }
 
+// Draining reports whether Shutdown has begun: no connection is accepted any more.
+func (s *Server) Draining() bool { return s.draining.Load() }
+
 // Listen creates the socket. A socket file left by a dead daemon is replaced; one a live
 // daemon answers on is refused, and so is a path that is not a socket or a file another
 // user (not root) owns. With Config.Listener set, it takes that socket as it is.

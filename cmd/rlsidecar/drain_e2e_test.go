@@ -5,7 +5,9 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -242,5 +244,51 @@ func TestE2ESigtermWithAClientStillWriting(t *testing.T) {
 	t.Logf("exit %s after SIGTERM; %d answers in order before the connection closed", took.Round(time.Millisecond), n)
 	if took > 1500*time.Millisecond {
 		t.Fatalf("exit %s after SIGTERM, want well under the drain timeout", took)
+	}
+}
+
+// While the daemon drains (SIGTERM; held here by a client that does not read its
+// answers) /readyz answers 503: the daemon accepts no more connections (it has removed
+// its socket file). /healthz still answers 200: the process does. Before, /readyz said
+// 200, ready, until the process exited.
+func TestE2EReadyzDuringDrain(t *testing.T) {
+	d := startDaemon(t, "--admin", "127.0.0.1:0", "--drain-timeout", "3s")
+	base := "http://" + adminAddr(t, d)
+	if code, body := httpGet(t, base+"/readyz"); code != 200 {
+		t.Fatalf("/readyz before the drain: %d %s", code, body)
+	}
+	// A client that writes and never reads: its answers fill the socket, and the drain
+	// waits for it.
+	c, err := net.Dial("unix", d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	enc := proto.NewEncoder()
+	for i := range 2000 {
+		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "x"}}})
+	}
+	_ = c.SetWriteDeadline(time.Now().Add(500 * time.Millisecond))
+	for {
+		if _, err := c.Write(enc.Bytes()); err != nil {
+			break // the buffers are full both ways
+		}
+	}
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		code, body := httpGet(t, base+"/readyz")
+		if code == http.StatusServiceUnavailable && strings.Contains(body, "draining") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz while draining: %d %s\n%s", code, body, d.stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, _ := httpGet(t, base+"/healthz"); code != 200 {
+		t.Errorf("/healthz while draining: %d", code)
 	}
 }

@@ -357,7 +357,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	var adm *daemon.Admin
 	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
 	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono}
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono, Draining: srv.Draining}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
 		}
