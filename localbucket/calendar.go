@@ -65,8 +65,8 @@ type calendar struct {
 type calWindow struct{ start, end int64 }
 
 // NewCalendarLimit builds a fixed-window limit of requests per calendar unit in loc (nil
-// means UTC; load it with LoadZone, so that every host agrees on it): windows start at local midnight (on Mondays for a week, on the 1st for a
-// month). Where a midnight does not exist (a DST gap) the window starts at the first
+// means UTC; load it with LoadZone, so that every host agrees on it): windows start at
+// local midnight (on Mondays for a week, on the 1st for a month). Where a midnight does not exist (a DST gap) the window starts at the first
 // instant after it; where it happens twice, at the first. requests must be in
 // [1, 2^32-1].
 func NewCalendarLimit(requests uint64, unit Calendar, loc *time.Location) (Limit, error) {
