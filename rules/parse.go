@@ -524,6 +524,10 @@ func (p *parser) plans(r *Rule, n *yaml.Node, field string, build bool) map[stri
 			p.errorf(kv.keyNode, field, "a plan name must not be empty")
 			continue
 		}
+		if kv.key == "*" {
+			p.errorf(kv.keyNode, field, starPlan)
+			continue
+		}
 		v := kv.val
 		if v.Kind == yaml.ScalarNode && v.ShortTag() == "!!str" {
 			if v.Value != "unlimited" {

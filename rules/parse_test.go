@@ -84,6 +84,8 @@ var badFixtures = map[string][]string{
 	"plan_fraction.yaml":            {"plan_fraction.yaml:5: rules[0].plans.partner: expected a whole number, got a number 1.5", "plan_fraction.yaml:5: rules[0].plans.big: 99999999999999999999 is too large"},
 	"plan_over_max.yaml":            {"plan_over_max.yaml:6: rules[0].plans.partner: requests 5000000000 exceed the maximum of 4294967295"},
 	"plan_empty_name.yaml":          {"plan_empty_name.yaml:6: rules[0].plans: a plan name must not be empty"},
+	"plan_star_name.yaml":           {`plan_star_name.yaml:6: rules[0].plans: "*" is not a plan name: it stands for "every other rule" inside a top-level plan's map of rules (gold: { holds-per-account: 500, "*": 5x })`},
+	"top_plan_star_name.yaml":       {`top_plan_star_name.yaml:2: plans: "*" is not a plan name: it stands for "every other rule" inside a top-level plan's map of rules (gold: { holds-per-account: 500, "*": 5x })`},
 	"plan_duplicate.yaml":           {`plan_duplicate.yaml:7: rules[0].plans: "partner" given twice (first at line 6)`},
 	"shadow_not_bool.yaml":          {`shadow_not_bool.yaml:5: rules[0].shadow: expected true or false, got a string "yes"`},
 	"unknown_mode.yaml":             {`unknown_mode.yaml:5: rules[0].mode: unknown mode "distributed" (valid: local, hybrid, global)`},

@@ -34,6 +34,11 @@ type topPlan struct {
 	nodes   map[string]*yaml.Node // rule name → where it was written (errors)
 }
 
+// starPlan is the error of a plan named "*", which would apply only to requests whose
+// plan attribute is "*": in a top-level plan's map of rules, "*" stands for the rules it
+// does not name, and a plan of that name was taken without a word.
+const starPlan = `"*" is not a plan name: it stands for "every other rule" inside a top-level plan's map of rules (gold: { holds-per-account: 500, "*": 5x })`
+
 // maxMultiplier is the largest multiplier a top-level plan may give (1000000x).
 const maxMultiplier = 1e6
 
@@ -56,6 +61,10 @@ func (p *parser) topPlans(n *yaml.Node) {
 		field := "plans." + kv.key
 		if kv.key == "" {
 			p.errorf(kv.keyNode, "plans", "a plan name must not be empty")
+			continue
+		}
+		if kv.key == "*" {
+			p.errorf(kv.keyNode, "plans", starPlan)
 			continue
 		}
 		tp := &topPlan{name: kv.key, file: p.file, line: kv.keyNode.Line}
