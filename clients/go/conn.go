@@ -9,6 +9,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -181,6 +182,9 @@ func (cl *call) wait(ctx context.Context) (*call, error) {
 
 func (cl *call) result() (*call, error) {
 	if err := cl.err; err != nil {
+		if _, ok := err.(*notSent); ok {
+			return cl, err // the caller sends it again, or releases it
+		}
 		cl.release()
 		return nil, err
 	}
@@ -220,9 +224,12 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	if err := c.sizeUp(cl); err != nil {
 		return fail(err)
 	}
+	deadline := now.Add(wait)
 	cl.timer.Reset(wait)
+	resent := false
 	var err error
 	var cn *conn
+send:
 	for {
 		cn, err = c.pick(ctx, cl)
 		if err == nil {
@@ -247,13 +254,38 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 		cl.timer.Stop()
 		return fail(err)
 	}
-	cl.dropRequest() // encoded; the caller still owns cl until wait
 	res, err := cl.wait(ctx)
 	if err == errTimeout && wait == c.opts.Timeout {
 		cn.timedOut(time.Now()) // the whole Timeout, not a caller's shorter deadline
 	}
+	if ns, ok := err.(*notSent); ok {
+		// The sidecar never read it (see notSent): send it again, once, on another
+		// connection, within the same deadline.
+		if left := time.Until(deadline); !resent && left > 0 && ctx.Err() == nil {
+			resent = true
+			cl.state.Store(callWaiting)
+			cl.timer.Reset(left)
+			goto send
+		}
+		cl.release()
+		return nil, ns.err
+	}
+	if res != nil {
+		res.dropRequest()
+	}
 	return res, err
 }
+
+// notSent is the error of a call whose frame the sidecar certainly did not read, on a
+// connection that broke (err): its write failed before any byte of it was written (EPIPE:
+// a connection the sidecar closed, a graceful restart's drain, before the reader saw the
+// close), or it was the last call pending when the connection was reset (ECONNRESET) with
+// no byte of an answer come: the sidecar closed it with bytes unread, the end of the
+// stream, its frame among them. It was not decided, so roundTrip sends it again.
+type notSent struct{ err error }
+
+func (e *notSent) Error() string { return e.err.Error() }
+func (e *notSent) Unwrap() error { return e.err }
 
 // A connection that answers no check for stallFor while checks are pending on it is given
 // up and redialed: a sidecar that stopped answering on it (frozen; or an old sidecar
@@ -501,9 +533,15 @@ type conn struct {
 	spare    *proto.Encoder // the buffer the flusher is writing
 	flushing bool
 	nextID   uint64
-	pending  queue
-	broken   bool
-	err      error // why it broke
+	// flushedID is the id of the last call whose frame was handed to a write; unsentFrom,
+	// when not 0, the first id whose frame no write delivered (its write failed: see
+	// notSent). resetLast: the connection was reset with no byte of an answer come.
+	flushedID  uint64
+	unsentFrom uint64
+	resetLast  bool
+	pending    queue
+	broken     bool
+	err        error // why it broke
 	// werr is the write error of a connection about to break: its reader reads what the
 	// sidecar answered before (see writeFailed); no request is sent on it any more.
 	werr error
@@ -525,12 +563,9 @@ var errWriteFailed = errors.New("rlclient: the connection's write failed")
 // when the sidecar has stalled; the connection then breaks.
 func (cn *conn) send(cl *call) error {
 	cn.mu.Lock()
-	if cn.broken {
-		err := cn.err
-		cn.mu.Unlock()
-		return err
-	}
-	if cn.werr != nil {
+	if cn.broken || cn.werr != nil {
+		// cn broke (or its write failed) after pick took it: cl was not sent; the caller
+		// waits for cn to break and picks again (its slot redials).
 		cn.mu.Unlock()
 		return errWriteFailed
 	}
@@ -553,14 +588,26 @@ func (cn *conn) send(cl *call) error {
 	cn.flushing = true
 	for cn.enc.Len() > 0 {
 		buf := cn.enc
+		first, last := cn.flushedID+1, cn.nextID
+		cn.flushedID = last
 		cn.enc, cn.spare = cn.spare, buf
 		cn.mu.Unlock()
+		n := 0
 		err := cn.nc.SetWriteDeadline(time.Now().Add(cn.s.c.opts.Timeout))
 		if err == nil {
-			_, err = cn.nc.Write(buf.Bytes())
+			n, err = cn.nc.Write(buf.Bytes())
 		}
 		buf.Reset()
 		if err != nil {
+			// No frame from first on reached the sidecar when nothing of this write did;
+			// else none after last (the frames encoded meanwhile are never written).
+			cn.mu.Lock()
+			if n == 0 {
+				cn.unsentFrom = first
+			} else {
+				cn.unsentFrom = last + 1
+			}
+			cn.mu.Unlock()
 			cn.writeFailed(&unreachable{what: "writing a request", err: err})
 			return nil
 		}
@@ -578,10 +625,18 @@ func (cn *conn) readLoop() {
 	dec := proto.NewDecoder()
 	var buf []byte
 	for {
-		body, err := proto.ReadFrame(br, buf, maxResponseFrame)
+		// Reset with no byte of an answer read: the sidecar closed with bytes unread, the
+		// last pending call's among them (notSent).
+		_, err := br.Peek(1)
+		reset := err != nil && errors.Is(err, syscall.ECONNRESET)
+		var body []byte
+		if err == nil {
+			body, err = proto.ReadFrame(br, buf, maxResponseFrame)
+		}
 		if err != nil {
 			cn.mu.Lock()
 			werr := cn.werr
+			cn.resetLast = reset
 			cn.mu.Unlock()
 			if werr == nil {
 				werr = &unreachable{what: "reading a response", err: err}
@@ -698,12 +753,17 @@ func (cn *conn) fail(err error) {
 	cn.broken = true
 	cn.err = err
 	pending := cn.pending.drain()
+	unsentFrom, resetLast := cn.unsentFrom, cn.resetLast
 	cn.mu.Unlock()
 	cn.nc.Close()
 	cn.s.detach(cn) // first, so that the failed callers' next checks redial
 	close(cn.dead)  // and the callers waiting for room on it try again
-	for _, cl := range pending {
-		cl.complete(err)
+	for i, cl := range pending {
+		if (unsentFrom != 0 && cl.id >= unsentFrom) || (resetLast && i == len(pending)-1) {
+			cl.complete(&notSent{err: err})
+		} else {
+			cl.complete(err)
+		}
 	}
 }
 
