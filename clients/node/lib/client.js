@@ -115,10 +115,22 @@ class Conn {
     // because the sidecar answered and closed (frame_too_large, too_many_connections),
     // its answer still unread; the callback runs before the socket is destroyed.
     this.onWritten = (e) => {
-      if (e) this.readLeft();
+      if (e) {
+        this.writeFailed = true;
+        this.readLeft();
+      }
     };
+    // A write failed, or the connection was reset with no byte of an answer come: the
+    // last pending check's frame was not all read by the sidecar (a graceful restart's
+    // drain answers what a connection held, then closes it; a check written meanwhile is
+    // unread), so it was not decided: fail sends it again (see resendable).
+    this.writeFailed = false;
+    this.resetUnread = false;
     socket.on('data', (chunk) => this.onData(chunk));
-    socket.on('error', (e) => this.fail(`connection lost: ${e.message}`));
+    socket.on('error', (e) => {
+      if (e.code === 'ECONNRESET' && e.syscall === 'read' && this.buf === null) this.resetUnread = true;
+      this.fail(`connection lost: ${e.message}`);
+    });
     socket.on('close', () => this.fail('the sidecar closed the connection'));
   }
 
@@ -245,7 +257,18 @@ class Conn {
     const head = this.head;
     this.pending = [];
     this.head = 0;
-    for (let i = head; i < pending.length; i++) pending[i].done(null, why);
+    // The last pending check, when its frame certainly was not all read (writeFailed,
+    // resetUnread: the unread bytes are the end of the stream), is sent again, once, on
+    // another connection within its timeout; a check before it may have been read and
+    // decided, and answers by the policy, as every check does after end-of-file.
+    let last = pending.length - 1;
+    if (last < head || !(this.writeFailed || this.resetUnread) || pending[last].resent || pending[last].msg === null) last = -1;
+    for (let i = head; i < pending.length; i++) if (i !== last) pending[i].done(null, why);
+    if (last >= 0 && !pending[last].settled && !this.slot.client.closed) {
+      pending[last].resent = true;
+      pending[last].conn = null;
+      this.slot.client.route(pending[last]);
+    }
     this.slot.client.reroute();
   }
 }
@@ -541,7 +564,8 @@ class Client {
     return new Promise((resolve, reject) => {
       const entry = {
         id: 0,
-        msg, // until it is sent
+        msg, // until it is answered (sent again when a connection lost it unread)
+        resent: false,
         settled: false,
         queued: false, // waiting for room (in this.waiting)
         timer: null,
@@ -641,7 +665,6 @@ class Client {
       entry.done(null, new RequestTooLargeError(frame.length - 4, this.maxFrame));
       return;
     }
-    entry.msg = null;
     conn.send(entry, frame);
   }
 }
