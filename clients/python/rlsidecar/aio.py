@@ -37,6 +37,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _NotRead(ConnectionError):
+    """The connection broke with this check's frame certainly unread by the sidecar: a
+    write failed (EPIPE), or it was reset (ECONNRESET) with no byte of an answer come, and
+    this check was the last pending, whose frame the unread bytes (the end of the stream)
+    hold. A graceful restart's drain (or --idle-timeout) closes a connection a check was
+    just written on. It was not decided: _round_trip sends it again, once."""
+
+
 class _Protocol(asyncio.Protocol):
     """One connection: frames out in the transport's buffer, answers matched in order."""
 
@@ -121,9 +129,11 @@ class _Protocol(asyncio.Protocol):
                 return
 
     def connection_lost(self, exc):
+        unread = False
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self.pending:
             self.read_left()
-        self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection")
+            unread = not self.buf  # no byte of an answer came: the last check's frame is unread
+        self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection", unread)
 
     def read_left(self):
         """Hand data_received what the sidecar wrote before a write failed. The sidecar
@@ -149,8 +159,9 @@ class _Protocol(asyncio.Protocol):
                 return
             self.data_received(data)
 
-    def fail(self, why):
-        """Break the connection once: close it and fail every pending check."""
+    def fail(self, why, unread_last=False):
+        """Break the connection once: close it and fail every pending check (the last
+        with _NotRead when unread_last)."""
         if self.broken is not None:
             return
         self.broken = why
@@ -161,7 +172,7 @@ class _Protocol(asyncio.Protocol):
         while self.pending:
             _, fut = self.pending.popleft()
             if not fut.done():
-                fut.set_exception(err)
+                fut.set_exception(_NotRead(why) if unread_last and not self.pending else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():
@@ -316,6 +327,20 @@ class AsyncClient:
         _proto.check_size(len(body), self.max_frame)  # with the shortest id: before dialing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
+        resent = False
+        while True:
+            msg = await self._send_once(loop, body, deadline)
+            if not isinstance(msg, _NotRead):
+                return msg
+            if self._closed:
+                raise _proto.ClosedError("rlsidecar: client closed") from None
+            if resent or loop.time() >= deadline:
+                return str(msg)
+            resent = True  # not read by the sidecar: sent again, once, within the deadline
+
+    async def _send_once(self, loop, body, deadline):
+        """One attempt of _round_trip: the answer map, a str saying why there is none, or
+        a _NotRead (the sidecar certainly did not read it)."""
         woken = False
         while True:
             conn = self._conn
@@ -350,6 +375,8 @@ class AsyncClient:
         except TimeoutError:
             conn.timed_out()
             return "no answer within the timeout"
+        except _NotRead as e:
+            return e
         except ConnectionError as e:
             if self._closed:
                 raise _proto.ClosedError("rlsidecar: client closed") from None

@@ -1,0 +1,84 @@
+"""A check the asyncio client wrote on a connection the sidecar then closed without reading
+it (a graceful restart's drain answers what a connection held, then closes it; so does
+--idle-timeout with an idle one) was not decided: it is sent again on a new connection
+within its timeout, not answered by on_unavailable (a 503 under "closed")."""
+
+import asyncio
+import os
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import pytest
+
+import rlsidecar
+
+
+def one_check_per_conn(path, mode, stop):
+    """Serve a stand-in that answers the first check of each connection, then stops reading
+    it: "shut-read" shuts its read side (the client's next write fails: EPIPE) and closes
+    5 ms later; "reset" closes once the next check is in, unread (the client reads a reset)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def serve(c):
+        with c:
+            head = c.recv(4, socket.MSG_WAITALL)
+            if len(head) < 4:
+                return
+            req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+            body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+            c.sendall(struct.pack(">I", len(body)) + body)
+            if mode == "shut-read":
+                c.shutdown(socket.SHUT_RD)
+                time.sleep(0.005)
+                return
+            while not stop.is_set():
+                try:
+                    if c.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        return
+                except BlockingIOError:
+                    pass
+                time.sleep(0.001)
+
+    def accept():
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("mode", ["shut-read", "reset"])
+def test_check_the_sidecar_never_read_is_sent_again(short_tmp, mode):
+    path = os.path.join(short_tmp, "s.sock")
+    stop = threading.Event()
+    t = one_check_per_conn(path, mode, stop)
+
+    async def main():
+        causes = []
+        async with rlsidecar.AsyncClient(path, timeout=1, on_unavailable="closed") as c:
+            for _ in range(30):
+                d = await c.check({"user": "u"})
+                if d.unreachable:
+                    causes.append(d.cause)
+                else:
+                    assert d.rule == "u"
+        return causes
+
+    try:
+        causes = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    assert causes == [], "%d of 30 checks answered by on_unavailable" % len(causes)
