@@ -355,8 +355,16 @@ class Slot {
  * kept-alive connections, checks pipelined on each. See the README for the policy when
  * the sidecar gives no answer.
  */
+const CLIENT_OPTIONS = ['socket', 'timeoutMs', 'onUnavailable', 'conns', 'connectTimeoutMs', 'maxFrame', 'logger'];
+
 class Client {
-  constructor({ socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME, logger = console } = {}) {
+  constructor(opts = {}) {
+    // A misspelled option (timeout for timeoutMs) would leave its default in force
+    // without a word: every option is named.
+    for (const k of Object.keys(opts ?? {})) {
+      if (!CLIENT_OPTIONS.includes(k)) throw new TypeError(`unknown option ${JSON.stringify(k)} (options: ${CLIENT_OPTIONS.join(', ')})`);
+    }
+    const { socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME, logger = console } = opts ?? {};
     if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
     if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
       throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);

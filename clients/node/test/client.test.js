@@ -82,6 +82,9 @@ test('bad input is refused before sending', async (t) => {
   for (const o of [{}, { socket: 's', timeoutMs: 0 }, { socket: 's', onUnavailable: 'maybe' }, { socket: 's', conns: 0 }, { socket: 's', maxFrame: 0 }, { socket: 's', maxFrame: 1.5 }]) {
     assert.throws(() => new rl.Client(o));
   }
+  // A misspelled option is an error, not its default in force.
+  assert.throws(() => new rl.Client({ socket: 's', timeout: 500 }), /unknown option "timeout"/);
+  assert.throws(() => new rl.Client({ socket: 's', on_unavailable: 'closed' }), TypeError);
 });
 
 test('an undefined or null attribute value is left out', async (t) => {
