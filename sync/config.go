@@ -163,6 +163,15 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 		default:
 			return nil, "", "", false, fmt.Errorf("redis cluster URL: scheme %q: use redis:// or rediss://", u.Scheme)
 		}
+		// A query or a database the cluster client would not read: refused, as the
+		// standalone URL's are, rather than dropped (?password=… silently left the daemon
+		// unauthenticated, NOAUTH at every call; a Cluster has database 0 only).
+		if u.RawQuery != "" || u.ForceQuery {
+			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: options after '?' are not read: give the password as redis://[user]:password@host1:port1,host2:port2, --redis-password-file or $%s", redactURL(nodes[0]), PasswordEnv)
+		}
+		if u.Path != "" && u.Path != "/" && u.Path != "/0" {
+			return nil, "", "", false, fmt.Errorf("redis cluster URL %s: a Redis Cluster has database 0 only", redactURL(nodes[0]))
+		}
 		if u.User != nil {
 			user = u.User.Username()
 			pass, _ = u.User.Password()
@@ -182,7 +191,8 @@ func parseCluster(nodes []string) (addrs []string, user, pass string, useTLS boo
 			}
 			host, port, err := net.SplitHostPort(a)
 			if err != nil || host == "" || !isPort(port) {
-				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port, the port 1 to 65535", a)
+				// Quoted redacted: a node written host:port?password=… must not show it.
+				return nil, "", "", false, fmt.Errorf("redis cluster node %q: want host:port, the port 1 to 65535", redactBare(a))
 			}
 			addrs = append(addrs, a)
 		}

@@ -375,6 +375,14 @@ func TestOpenBadURLHidesPassword(t *testing.T) {
 		{URL: "redis://:S3cr?S3crPW@127.0.0.1:6390"},
 		{URL: "rediss://:S3cr/S3crPW@127.0.0.1:6390/0"},
 		{Cluster: []string{"redis://:S3cr#S3crPW@127.0.0.1:7000,127.0.0.1:7001"}},
+		// A node written with a query: the error quoted it whole (helper audit).
+		{Cluster: []string{"127.0.0.1:7000?password=S3cr3tPW"}},
+		{Cluster: []string{"127.0.0.1:7000,127.0.0.1:7001?password=S3cr3tPW"}},
+		// A cluster URL's query was dropped, the password in it with it: the daemon
+		// started unauthenticated (NOAUTH at every call) instead of being refused.
+		{Cluster: []string{"redis://127.0.0.1:7000,127.0.0.1:7001?password=S3cr3tPW"}},
+		{Cluster: []string{"redis://127.0.0.1:7000,127.0.0.1:7001/0?dial_timeout=1s"}},
+		{Cluster: []string{"redis://:S3cr3tPW@127.0.0.1:7000,127.0.0.1:7001/3"}},
 	} {
 		rdb, err := Open(c)
 		if err == nil {
