@@ -124,6 +124,7 @@ rules:
 		"rlsidecar_top_rejected":                 "gauge",
 		"rlsidecar_hybrid_dropped_units_total":   "counter",
 		"rlsidecar_lease_giveback_dropped_total": "counter",
+		"rlsidecar_global_refund_errors_total":   "counter",
 		"rlsidecar_hybrid_sync_backlog":          "gauge",
 		"rlsidecar_hybrid_sync_duration_seconds": "histogram",
 	} {
@@ -153,7 +154,8 @@ rules:
 	dialRaw(t, local.socket).check(1, 1, "user=u")
 	types, _ = scrape(t, "http://"+adminAddr(t, local))
 	for _, name := range []string{"rlsidecar_store_requests_total", "rlsidecar_store_duration_seconds", "rlsidecar_sync_flushes_total",
-		"rlsidecar_breaker_open", "rlsidecar_hybrid_sync_duration_seconds", "rlsidecar_lease_giveback_dropped_total"} {
+		"rlsidecar_breaker_open", "rlsidecar_hybrid_sync_duration_seconds", "rlsidecar_lease_giveback_dropped_total",
+		"rlsidecar_global_refund_errors_total"} {
 		if types[name] != "" {
 			t.Errorf("without --redis: %s exported", name)
 		}
