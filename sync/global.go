@@ -120,6 +120,77 @@ type Global struct {
 	// giveBacks gives back, in the background, the lease slots of acquires that failed
 	// unanswered (giveback.go).
 	giveBacks giveBacks
+	// refundRetries counts the background retries of refunds in flight (retryRefunds).
+	refundRetries atomic.Int32
+	// refundRetryEvery and refundRetryFor pace and bound those retries; 0: the defaults.
+	refundRetryEvery, refundRetryFor time.Duration
+}
+
+// A refund Redis refused without running it (CLUSTERDOWN while a Cluster fails over a
+// dead master, TRYAGAIN, LOADING, MASTERDOWN, READONLY) is sent again in the background,
+// every refundRetryEvery for up to refundRetryFor, at most maxRefundRetries batches at
+// once: a refund that did not run is safe to resend (one that may have run is not).
+const (
+	defaultRefundRetryEvery = 100 * time.Millisecond
+	defaultRefundRetryFor   = 30 * time.Second
+	maxRefundRetries        = 256
+)
+
+// settleRefunds counts the refunds of calls that failed, after handing those Redis did
+// not run to a background retry (they count only if that gives up).
+func (g *Global) settleRefunds(calls []call) {
+	var again []call
+	for i := range calls {
+		err := calls[i].cmd.Err()
+		switch {
+		case err == nil:
+		case notRun(err):
+			again = append(again, call{keys: calls[i].keys, args: calls[i].args})
+		default:
+			g.refundErrors.Add(1)
+		}
+	}
+	if len(again) == 0 {
+		return
+	}
+	if g.refundRetries.Add(1) > maxRefundRetries {
+		g.refundRetries.Add(-1)
+		g.refundErrors.Add(uint64(len(again)))
+		return
+	}
+	go g.retryRefunds(again)
+}
+
+// retryRefunds resends calls, refunds Redis did not run, until each has run or failed
+// otherwise, or refundRetryFor has passed.
+func (g *Global) retryRefunds(calls []call) {
+	defer g.refundRetries.Add(-1)
+	every, total := g.refundRetryEvery, g.refundRetryFor
+	if every <= 0 {
+		every = defaultRefundRetryEvery
+	}
+	if total <= 0 {
+		total = defaultRefundRetryFor
+	}
+	end := time.Now().Add(total)
+	for len(calls) > 0 && time.Now().Before(end) {
+		time.Sleep(every)
+		ctx, cancel := g.refundContext(context.Background())
+		run(ctx, g.rdb, refundScript, calls)
+		cancel()
+		left := calls[:0]
+		for _, c := range calls {
+			switch err := c.cmd.Err(); {
+			case err == nil:
+			case notRun(err):
+				left = append(left, call{keys: c.keys, args: c.args})
+			default:
+				g.refundErrors.Add(1)
+			}
+		}
+		calls = left
+	}
+	g.refundErrors.Add(uint64(len(calls)))
 }
 
 // WithAutoPipeline makes g send the script calls of concurrent checks together: the
@@ -406,13 +477,11 @@ func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 	run(ctx, g.rdb, refundScript, calls)
 	var err error
 	for i := range calls {
-		if e := calls[i].cmd.Err(); e != nil {
-			g.refundErrors.Add(1)
-			if err == nil {
-				err = fmt.Errorf("global undo: %w", e)
-			}
+		if e := calls[i].cmd.Err(); e != nil && err == nil {
+			err = fmt.Errorf("global undo: %w", e)
 		}
 	}
+	g.settleRefunds(calls)
 	return err
 }
 
@@ -483,11 +552,7 @@ func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
 	ctx, cancel := g.refundContext(ctx)
 	defer cancel()
 	run(ctx, g.rdb, refundScript, refunds)
-	for i := range refunds {
-		if refunds[i].cmd.Err() != nil {
-			g.refundErrors.Add(1)
-		}
-	}
+	g.settleRefunds(refunds)
 }
 
 // call is one script call: its keys, its ARGV, and after run its reply.

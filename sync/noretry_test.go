@@ -177,3 +177,34 @@ func TestClusterScriptResentAfterNotRun(t *testing.T) {
 		t.Fatalf("reply %v, %v after %d script calls; want 7 after 3", v, err, scripts.Load())
 	}
 }
+
+// A refund Redis refused without running it, past run's own two resends, is sent again
+// in the background until it runs: a Cluster master killed under load made the other
+// masters answer CLUSTERDOWN for a second or two, and the refunds of requests refused
+// in that moment were lost, their units charged for nothing (helper audit: a shared
+// per-IP key charged 2–8 units for refused requests).
+func TestRefundResentAfterClusterDown(t *testing.T) {
+	addr, scripts := fakeNodeReplying(t, func(n int32) string {
+		if n <= 6 {
+			return "-CLUSTERDOWN The cluster is down\r\n"
+		}
+		return ":1\r\n"
+	})
+	rdb, err := Open(Config{Cluster: []string{addr}, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	g := NewGlobal(rdb)
+	ops := []GlobalOp{{Key: "rl:ip~fw1h:{ip=1}", Limit: mustLimit(t, 2, 100, time.Hour), Cost: 1}}
+	ops[0].Result.Allowed = true
+	_ = g.Undo(context.Background(), ops)
+	deadline := time.Now().Add(3 * time.Second)
+	for scripts.Load() < 7 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if n, e := scripts.Load(), g.RefundErrors(); n != 7 || e != 0 {
+		t.Fatalf("%d refund calls, %d refund errors; want 7 calls (the 7th answered) and 0 errors", n, e)
+	}
+}
