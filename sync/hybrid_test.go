@@ -582,3 +582,49 @@ func TestOpenPasswordSources(t *testing.T) {
 		rdb.Close()
 	}
 }
+
+// A flood of one-off keys does not evict a client over its limit before keys holding
+// nothing: forgotten, its next request is a key new here, admitted on credit. Before,
+// a synced limited key ranked with the idle ones, and each eviction admitted it again.
+func TestHybridKeyCapKeepsLimitedKeys(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 640})
+	lim := mustLimit(t, localbucket.TokenBucket, 5, time.Hour)
+	now := time.Now().UnixNano()
+	const hot = "rl:hot:{user=hot}"
+	admitted := 0
+	for i := 0; i < 20; i++ {
+		if take(h, now, hot, lim, 1).Allowed {
+			admitted++
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if admitted != 5 {
+		t.Fatalf("hot client admitted %d of a limit of 5 before the flood", admitted)
+	}
+	flood := 0
+	for round := 0; round < 10; round++ {
+		for i := 0; i < 2000; i++ {
+			take(h, now, fmt.Sprintf("rl:flood:{k=%d}", flood), lim, 1)
+			flood++
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatal(err)
+		}
+		if take(h, now, hot, lim, 1).Allowed {
+			admitted++
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if h.Evicted() == 0 {
+		t.Fatal("the flood evicted nothing")
+	}
+	if admitted != 5 {
+		t.Fatalf("hot client admitted %d under a limit of 5 an hour through a flood of %d one-off keys (%d evicted)", admitted, flood, h.Evicted())
+	}
+}
