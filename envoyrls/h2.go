@@ -77,6 +77,10 @@ const (
 	// call that would pass it is answered RESOURCE_EXHAUSTED (1,024 streams of 4 MiB
 	// messages would otherwise be 4 GiB).
 	h2MaxBuffered = 16 << 20
+	// h2MaxBufferedAll bounds the request bytes every connection together holds (Envoy's
+	// calls are a few hundred bytes, whole in one frame, and never held): 1,024
+	// connections of 16 MiB would otherwise be 16 GiB.
+	h2MaxBufferedAll = 64 << 20
 	// h2MaxHeaderList is SETTINGS_MAX_HEADER_LIST_SIZE.
 	h2MaxHeaderList = 16 << 10
 	// h2PrefaceTimeout bounds the wait for a new connection's client preface.
@@ -211,6 +215,7 @@ type h2conn struct {
 	sizeUpdate bool
 
 	buffered    int   // request bytes held in the streams' bodies
+	readDL      bool  // a read deadline is set: a request begun is not finished (bodyDeadline)
 	recvConn    int64 // what the client may still send on the connection
 	recvUnacked int64 // consumed and not yet given back in a WINDOW_UPDATE
 	deciding    sync.WaitGroup
@@ -226,6 +231,7 @@ type h2stream struct {
 	deadline    int64 // from grpc-timeout, Unix nanoseconds; 0: none
 	encoding    string
 	body        []byte
+	since       time.Time // when body's first bytes came (bodyDeadline)
 	recvAvail   int64
 	recvUnacked int64
 	sendWin     int64
@@ -326,8 +332,18 @@ func (cn *h2conn) serve() {
 			}
 			cn.mu.Unlock()
 		}
+		cn.mu.Lock()
+		cn.bodyDeadline()
+		cn.mu.Unlock()
 		f, err := cn.rfr.ReadFrame()
 		cn.mu.Lock()
+		if err != nil && cn.readDL && errors.Is(err, os.ErrDeadlineExceeded) {
+			cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose call's request was begun and not finished in time",
+				"frame_timeout", cn.s.cfg.FrameTimeout, "buffered", cn.buffered)
+			cn.closeLocked()
+			cn.mu.Unlock()
+			return
+		}
 		if err == nil {
 			err = cn.handle(f)
 		}
@@ -345,6 +361,32 @@ func (cn *h2conn) serve() {
 		}
 		cn.mu.Unlock()
 	}
+}
+
+// bodyDeadline sets the connection's read deadline to FrameTimeout after the oldest
+// request body begun and not finished, or clears it when none is. A call's request held
+// unfinished was held for as long as the client stayed connected: 16 MiB a connection
+// (h2MaxBuffered), and 200 connections each sending four 4 MiB messages but their last
+// byte held 2.7 GB, past the unit's MemoryMax. Called with mu held, before each read.
+func (cn *h2conn) bodyDeadline() {
+	if cn.buffered == 0 {
+		if cn.readDL {
+			cn.nc.SetReadDeadline(time.Time{})
+			cn.readDL = false
+		}
+		return
+	}
+	var oldest time.Time
+	for _, st := range cn.streams {
+		if len(st.body) > 0 && !st.ended && (oldest.IsZero() || st.since.Before(oldest)) {
+			oldest = st.since
+		}
+	}
+	if oldest.IsZero() {
+		return
+	}
+	cn.nc.SetReadDeadline(oldest.Add(cn.s.cfg.FrameTimeout))
+	cn.readDL = true
 }
 
 // streamError resets the stream when err is a stream's fault only (a StreamError), and
@@ -409,7 +451,9 @@ func (cn *h2conn) closeLocked() {
 	for id, st := range cn.streams {
 		st.done = true
 		delete(cn.streams, id)
+		cn.s.buffered.Add(-int64(len(st.body)))
 	}
+	cn.buffered = 0
 	cn.blocked = cn.blocked[:0]
 	cn.nc.Close()
 }
@@ -801,6 +845,13 @@ func (cn *h2conn) onData(f *http2.DataFrame) error {
 	if cn.buffered+len(data) > h2MaxBuffered {
 		return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("the connection's calls hold more than %d request bytes", h2MaxBuffered))
 	}
+	if cn.s.buffered.Load()+int64(len(data)) > h2MaxBufferedAll {
+		return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("the server's calls hold more than %d request bytes", h2MaxBufferedAll))
+	}
+	cn.s.buffered.Add(int64(len(data)))
+	if len(st.body) == 0 {
+		st.since = time.Now()
+	}
 	st.body = append(st.body, data...)
 	cn.buffered += len(data)
 	if len(st.body) >= 5 {
@@ -1180,6 +1231,7 @@ func (cn *h2conn) closeStream(st *h2stream) {
 		}
 	}
 	cn.buffered -= len(st.body)
+	cn.s.buffered.Add(-int64(len(st.body)))
 	st.body = st.body[:0]
 	if cap(st.body) > maxKeptRequest {
 		st.body = nil

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1008,4 +1009,130 @@ func TestNativeHeaderTableSizeUpdate(t *testing.T) {
 			t.Errorf("size %d: fields %v", size, fields)
 		}
 	}
+}
+
+// A call whose request body has begun and does not end within FrameTimeout closes its
+// connection, freeing what it held; before, the body was held as long as the client
+// stayed connected (16 MiB a connection: 200 such connections held 2.7 GB).
+func TestNativeUnfinishedBodyTimeout(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	s.cfg.FrameTimeout = 300 * time.Millisecond
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	conns := func() int {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.conns)
+	}
+	c, err := net.Dial("unix", sv.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	go io.Copy(io.Discard, c)
+	fr := http2.NewFramer(c, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
+		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+	}
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	msg := oneCall("half")
+	if err := fr.WriteData(1, false, msg[:len(msg)-1]); err != nil { // its last byte never comes
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { return conns() == 1 })
+	start := time.Now()
+	for conns() != 0 {
+		if time.Since(start) > 3*time.Second {
+			t.Fatalf("a call's unfinished request still held after %v (frame timeout 300ms)", time.Since(start))
+		}
+		// Other frames keep coming: they do not move the deadline.
+		fr.WritePing(false, [8]byte{})
+		time.Sleep(20 * time.Millisecond)
+	}
+	ctx := ctx10(t)
+	if _, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("good")}}); err != nil {
+		t.Fatalf("a call after the cut: %v", err)
+	}
+	sv.stop(t)
+}
+
+// The request bytes every connection holds together are bounded, not only each
+// connection's: five connections each holding 15.6 MiB of unfinished calls (under the
+// 16 MiB a connection) pass 64 MiB, and calls past it are refused RESOURCE_EXHAUSTED.
+// Before, each was held: 200 such connections held 2.7 GB.
+func TestNativeBufferedBoundAllConns(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	s.cfg.FrameTimeout = time.Minute
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	var exhausted atomic.Int64
+	var wg sync.WaitGroup
+	var cs []net.Conn
+	for c := 0; c < 5; c++ {
+		nc, err := net.Dial("unix", sv.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs = append(cs, nc)
+		wg.Add(1)
+		go func() { // counts the refusals: a reset stream or grpc-status 8
+			defer wg.Done()
+			fr := http2.NewFramer(nil, nc)
+			fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					return
+				}
+				switch f := f.(type) {
+				case *http2.RSTStreamFrame:
+					exhausted.Add(1)
+				case *http2.MetaHeadersFrame:
+					for _, hf := range f.Fields {
+						if hf.Name == "grpc-status" && hf.Value == "8" {
+							exhausted.Add(1)
+						}
+					}
+				}
+			}
+		}()
+		fr := http2.NewFramer(nc, nil)
+		var hb bytes.Buffer
+		enc := hpack.NewEncoder(&hb)
+		io.WriteString(nc, http2.ClientPreface)
+		fr.WriteSettings()
+		const size = 3900 << 10
+		kv := grpcHeaders(pathShouldRateLimit)
+		for id := uint32(1); id <= 7; id += 2 {
+			hb.Reset()
+			for j := 0; j < len(kv); j += 2 {
+				enc.WriteField(hpack.HeaderField{Name: kv[j], Value: kv[j+1]})
+			}
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+			chunk := make([]byte, 16<<10)
+			binary.BigEndian.PutUint32(chunk[1:5], size-5)
+			for off := 0; off < size-1; off += len(chunk) {
+				if err := fr.WriteData(id, false, chunk[:min(len(chunk), size-1-off)]); err != nil {
+					t.Fatal(err)
+				}
+				chunk = make([]byte, 16<<10)
+			}
+		}
+	}
+	waitFor(t, func() bool { return exhausted.Load() > 0 })
+	for _, nc := range cs {
+		nc.Close()
+	}
+	wg.Wait()
+	sv.stop(t)
 }

@@ -107,6 +107,10 @@ type Config struct {
 	// socket server's --write-timeout. A client that stops reading otherwise holds the
 	// connection, its streams and its goroutines for as long as it stays connected.
 	WriteTimeout time.Duration
+	// FrameTimeout is the time the native transport gives a call's request, once its
+	// body has begun, to end (default 5s, as the socket server's --frame-timeout): past
+	// it the connection is closed and what it held freed.
+	FrameTimeout time.Duration
 	// Recorder, when set, counts every decision.
 	Recorder Recorder
 	Logger   *slog.Logger
@@ -126,7 +130,10 @@ type Server struct {
 	mu      sync.Mutex
 	grpc    *grpc.Server // built by Serve: its stream workers run until it stops
 	stopped bool         // Shutdown was called
-	health  *health.Server
+	// buffered is the request bytes the native transport's connections hold together
+	// (h2MaxBufferedAll).
+	buffered atomic.Int64
+	health   *health.Server
 	// draining is closed when Shutdown begins: it ends the grpc-go transport's
 	// Health/Watch calls (drainingHealth).
 	draining  chan struct{}
@@ -164,6 +171,9 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	}
 	if cfg.WriteTimeout <= 0 {
 		cfg.WriteTimeout = 5 * time.Second
+	}
+	if cfg.FrameTimeout <= 0 {
+		cfg.FrameTimeout = 5 * time.Second
 	}
 	switch cfg.Transport {
 	case "":

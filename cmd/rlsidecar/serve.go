@@ -400,7 +400,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}()
 	if *envoyRLS != "" {
 		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), SocketGroup: *socketGroup, Transport: *envoyTransport, Logger: log,
-			WriteTimeout: *writeTimeout, Clock: clock.Now} // the socket's clock: one limiter, one clock
+			WriteTimeout: *writeTimeout, FrameTimeout: *frameTimeout, Clock: clock.Now} // the socket's clock: one limiter, one clock
 		if activated.envoy != nil {
 			rc.Listener = activated.envoy
 		}
