@@ -369,20 +369,22 @@ func (cn *h2conn) serve() {
 // (h2MaxBuffered), and 200 connections each sending four 4 MiB messages but their last
 // byte held 2.7 GB, past the unit's MemoryMax. Called with mu held, before each read.
 func (cn *h2conn) bodyDeadline() {
-	if cn.buffered == 0 {
+	var oldest time.Time
+	if cn.buffered > 0 {
+		for _, st := range cn.streams {
+			if len(st.body) > 0 && !st.ended && (oldest.IsZero() || st.since.Before(oldest)) {
+				oldest = st.since
+			}
+		}
+	}
+	if oldest.IsZero() {
+		// No body unfinished: the bytes held, if any, are ended calls' waiting for their
+		// decision (a global rule's) or their answer's window, and the connection may
+		// idle as long as its client likes.
 		if cn.readDL {
 			cn.nc.SetReadDeadline(time.Time{})
 			cn.readDL = false
 		}
-		return
-	}
-	var oldest time.Time
-	for _, st := range cn.streams {
-		if len(st.body) > 0 && !st.ended && (oldest.IsZero() || st.since.Before(oldest)) {
-			oldest = st.since
-		}
-	}
-	if oldest.IsZero() {
 		return
 	}
 	cn.nc.SetReadDeadline(oldest.Add(cn.s.cfg.FrameTimeout))

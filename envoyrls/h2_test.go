@@ -1066,6 +1066,38 @@ func TestNativeUnfinishedBodyTimeout(t *testing.T) {
 	sv.stop(t)
 }
 
+// A call whose request came in two DATA frames leaves no read deadline behind once it has
+// ended, though its decision still waits (a global rule, Redis frozen): the connection,
+// idle meanwhile (as Envoy keeps its connections), stays open past the frame timeout, and
+// the call is answered when Redis is back. Before, the deadline set for the unfinished
+// body outlived it, and the connection was closed at the frame timeout with the call.
+func TestNativeFinishedBodyLeavesNoDeadline(t *testing.T) {
+	s, frozen := globalServer(t)
+	s.cfg.FrameTimeout = 200 * time.Millisecond
+	sv := serveTest(t, s, TransportNative)
+	if _, err := sv.rls.ShouldRateLimit(ctx10(t), &rlsv3.RateLimitRequest{Domain: "g", Descriptors: []*commonrl.RateLimitDescriptor{desc1("warm")}}); err != nil {
+		t.Fatal(err)
+	}
+	frozen.Freeze()
+	defer frozen.Thaw()
+	b, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "g",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("split")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	binary.BigEndian.PutUint32(b[1:], uint32(len(b)-5))
+	r := dialRaw(t, sv.sock)
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	r.fr.WriteData(1, false, b[:len(b)/2])
+	r.fr.WriteData(1, true, b[len(b)/2:])
+	waitFor(t, func() bool { return inFlight(s) > 0 })
+	time.Sleep(3 * s.cfg.FrameTimeout)
+	frozen.Thaw()
+	if rp := r.await(1, nil); rp.grpcStatus != "0" {
+		t.Fatalf("the call whose request had ended, on a connection idle past the frame timeout: %+v, want answered OK", rp)
+	}
+}
+
 // The request bytes every connection holds together are bounded, not only each
 // connection's: five connections each holding 15.6 MiB of unfinished calls (under the
 // 16 MiB a connection) pass 64 MiB, and calls past it are refused RESOURCE_EXHAUSTED.
