@@ -628,7 +628,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if hybrid != nil {
 		metrics.GaugeFunc("rlsidecar_hybrid_sync_backlog", "Hybrid keys that needed a sync and were left for the next one (a sync carries at most --hybrid-max-sync-keys).",
 			func() float64 { return float64(hybrid.Backlog()) })
-		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key while Redis was away.",
+		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key before a sync had carried them: while Redis was away, or syncs fell behind a flood of new keys.",
 			func() float64 { return float64(hybrid.Dropped()) })
 	}
 	serveAdmin := func(adm *daemon.Admin) {
