@@ -98,6 +98,25 @@ func (r *rawConn) headers(id uint32, end bool, kv ...string) {
 	}
 }
 
+// openConns returns a function counting s's open connections.
+func openConns(s *Server) func() int {
+	return func() int {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.conns)
+	}
+}
+
+// callHeaderBlock is a ShouldRateLimit call's request headers, HPACK-encoded afresh.
+func callHeaderBlock() []byte {
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
+		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+	}
+	return hb.Bytes()
+}
+
 // oneCall is a ShouldRateLimit request message with its 5-byte prefix.
 func oneCall(user string) []byte {
 	b, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "api",
@@ -578,11 +597,7 @@ func TestNativeWriteTimeout(t *testing.T) {
 	s := testServer(t)
 	s.cfg.WriteTimeout = 300 * time.Millisecond
 	sv := serveTestNoCleanup(t, s, TransportNative)
-	conns := func() int {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return len(s.conns)
-	}
+	conns := openConns(s)
 
 	c, err := net.Dial("unix", sv.sock)
 	if err != nil {
@@ -590,11 +605,7 @@ func TestNativeWriteTimeout(t *testing.T) {
 	}
 	defer c.Close()
 	fr := http2.NewFramer(c, nil)
-	var hb bytes.Buffer
-	enc := hpack.NewEncoder(&hb)
-	for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
-		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
-	}
+	block := callHeaderBlock()
 	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
 		t.Fatal(err)
 	}
@@ -612,7 +623,7 @@ func TestNativeWriteTimeout(t *testing.T) {
 	start := time.Now()
 	for id := uint32(1); id < 1<<30; id += 2 {
 		c.SetWriteDeadline(time.Now().Add(10 * time.Second))
-		if werr = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true}); werr != nil {
+		if werr = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block, EndHeaders: true}); werr != nil {
 			break
 		}
 		if werr = fr.WriteData(id, true, msg); werr != nil {
@@ -1019,11 +1030,7 @@ func TestNativeUnfinishedBodyTimeout(t *testing.T) {
 	s := testServer(t)
 	s.cfg.FrameTimeout = 300 * time.Millisecond
 	sv := serveTestNoCleanup(t, s, TransportNative)
-	conns := func() int {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return len(s.conns)
-	}
+	conns := openConns(s)
 	c, err := net.Dial("unix", sv.sock)
 	if err != nil {
 		t.Fatal(err)
@@ -1031,18 +1038,14 @@ func TestNativeUnfinishedBodyTimeout(t *testing.T) {
 	defer c.Close()
 	go io.Copy(io.Discard, c)
 	fr := http2.NewFramer(c, nil)
-	var hb bytes.Buffer
-	enc := hpack.NewEncoder(&hb)
-	for i, kv := 0, grpcHeaders(pathShouldRateLimit); i < len(kv); i += 2 {
-		enc.WriteField(hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
-	}
+	block := callHeaderBlock()
 	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
 		t.Fatal(err)
 	}
 	if err := fr.WriteSettings(); err != nil {
 		t.Fatal(err)
 	}
-	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true}); err != nil {
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block, EndHeaders: true}); err != nil {
 		t.Fatal(err)
 	}
 	msg := oneCall("half")
