@@ -397,6 +397,7 @@ func TestConnectionsClosedCounted(t *testing.T) {
 		t.Fatalf("a frame too large: %+v", r)
 	}
 	waitClosed(t, m, closeFrameTooLarge)
+	c.Close() // the code read: the server's linger for it (up to 1 s) ends at once
 
 	m.closed[closeFrameTooLarge].Set(0)
 	waitConns(t, s, 0, time.Second)
