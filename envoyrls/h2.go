@@ -332,9 +332,6 @@ func (cn *h2conn) serve() {
 			}
 			cn.mu.Unlock()
 		}
-		cn.mu.Lock()
-		cn.bodyDeadline()
-		cn.mu.Unlock()
 		f, err := cn.rfr.ReadFrame()
 		cn.mu.Lock()
 		if err != nil && cn.readDL && errors.Is(err, os.ErrDeadlineExceeded) {
@@ -359,6 +356,7 @@ func (cn *h2conn) serve() {
 			cn.mu.Unlock()
 			return
 		}
+		cn.bodyDeadline() // for the next read, under the lock this frame already took
 		cn.mu.Unlock()
 	}
 }
@@ -367,7 +365,7 @@ func (cn *h2conn) serve() {
 // request body begun and not finished, or clears it when none is. A call's request held
 // unfinished was held for as long as the client stayed connected: 16 MiB a connection
 // (h2MaxBuffered), and 200 connections each sending four 4 MiB messages but their last
-// byte held 2.7 GB, past the unit's MemoryMax. Called with mu held, before each read.
+// byte held 2.7 GB, past the unit's MemoryMax. Called with mu held, after each frame.
 func (cn *h2conn) bodyDeadline() {
 	var oldest time.Time
 	if cn.buffered > 0 {
