@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/hostile"
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -36,16 +37,36 @@ import (
 //
 // RLSIDECAR_HOSTILE_PHASE=garbage (or alone, halfopen, flood, all) runs one phase only;
 // with RLSIDECAR_BENCH_CPUPROFILE=file the daemon writes a CPU profile of it.
+//
+// RLSIDECAR_HOSTILE_MODE=hybrid runs both rules in hybrid mode against a real
+// redis-server on the same machine: the flood's keys then each need a sync, and the good
+// client's answers marked degraded (decided by the failure policy because syncs did not
+// get through) are reported as good-degraded, beside the errors (a degraded answer that
+// admits a fourth login is one).
+//
+//	RLSIDECAR_HOSTILE_MODE=hybrid RLSIDECAR_HOSTILE_PHASE=flood go test ./bench -run '^$' -bench 'Hostile$' -benchtime 1x
 func BenchmarkHostile(b *testing.B) {
 	dir := b.TempDir()
 	cfg := filepath.Join(dir, "rules.yaml")
-	if err := os.WriteFile(cfg, []byte(hostile.Rules), 0o644); err != nil {
+	rules := hostile.Rules
+	var redisArgs []string
+	switch mode := os.Getenv("RLSIDECAR_HOSTILE_MODE"); mode {
+	case "", "local":
+	case "hybrid":
+		rules = strings.ReplaceAll(rules, "    key: user\n", "    key: user\n    mode: hybrid\n")
+		srv := redistest.StartStandalone(b)
+		redisArgs = []string{"--redis", "redis://" + srv.Addr}
+	default:
+		b.Fatalf("RLSIDECAR_HOSTILE_MODE=%s: use local or hybrid", mode)
+	}
+	if err := os.WriteFile(cfg, []byte(rules), 0o644); err != nil {
 		b.Fatal(err)
 	}
+	degraded := 0
 	const frameTimeout = 500 * time.Millisecond
 	full := os.Getenv("RLSIDECAR_HOSTILE_FULL") != ""
 	phase := func(name string, garbage, half, flood int) *hostile.Result {
-		rls := startServer(b, "rlsidecar", "--config", cfg, "--frame-timeout", frameTimeout.String(), "--max-conns", "512", "--max-keys", "100000")
+		rls := startServer(b, "rlsidecar", append([]string{"--config", cfg, "--frame-timeout", frameTimeout.String(), "--max-conns", "512", "--max-keys", "100000"}, redisArgs...)...)
 		defer rls.stop()
 		s := &hostile.Scenario{Socket: rls.socket, PID: rls.cmd.Process.Pid, FrameTimeout: frameTimeout, MaxFrame: proto.DefaultMaxFrame,
 			GarbageConns: garbage, HalfOpen: half, FloodKeys: flood, FloodConns: 2, MinDuration: 10 * time.Second, GoodInterval: 2 * time.Millisecond,
@@ -64,6 +85,10 @@ func BenchmarkHostile(b *testing.B) {
 			b.Logf("%s: the good client's errors: %s", name, strings.Join(res.GoodErrs, "; "))
 		}
 		b.ReportMetric(float64(hostile.Percentile(res.Lat, 0.99).Nanoseconds())/1e3, "p99-"+name+"-µs")
+		if res.Degraded > 0 {
+			b.Logf("%s: %d of the good client's %d answers degraded", name, res.Degraded, len(res.Lat))
+		}
+		degraded = res.Degraded
 		return res
 	}
 	b.ResetTimer()
@@ -74,7 +99,10 @@ func BenchmarkHostile(b *testing.B) {
 		if !ok {
 			b.Fatalf("RLSIDECAR_HOSTILE_PHASE=%s: use alone, garbage, halfopen, flood or all", only)
 		}
-		phase(only, sh[0], sh[1], sh[2])
+		res := phase(only, sh[0], sh[1], sh[2])
+		b.ReportMetric(float64(res.NGoodErrs), "good-errors")
+		b.ReportMetric(float64(degraded), "good-degraded")
+		b.ReportMetric(float64(res.FloodN)/res.FloodTime.Seconds(), "flood-keys/s")
 		return
 	}
 	for range b.N {
@@ -100,6 +128,7 @@ func BenchmarkHostile(b *testing.B) {
 	b.ReportMetric(float64(hostile.Percentile(res.Lat, 1).Nanoseconds())/1e3, "good-max-µs")
 	b.ReportMetric(float64(len(res.Lat)), "good-requests")
 	b.ReportMetric(float64(res.NGoodErrs), "good-errors")
+	b.ReportMetric(float64(degraded), "good-degraded")
 	b.ReportMetric(res.PeakRSSMB, "peak-RSS-MB")
 	b.ReportMetric(float64(res.FloodN)/res.FloodTime.Seconds(), "flood-keys/s")
 	b.ReportMetric(float64(res.GarbageOut.Load()), "garbage-frames")

@@ -52,6 +52,7 @@ type Hybrid struct {
 	dropped  atomic.Uint64       // admitted units lost to the key cap before they reached Redis
 	evicted  atomic.Uint64       // keys evicted for the cap
 	backlog  atomic.Int64        // keys that needed a sync and waited for the next one
+	nextFrom atomic.Uint32       // the shard the next periodic sync collects from first (collect)
 	fetches  atomic.Uint64       // exact syncs made for a waiting request
 	fetchQ   combiner[*fetchReq] // exact syncs waiting for the batch in flight (hybrid_fetch.go)
 	// masters holds, per Redis master (one on a standalone Redis, or without

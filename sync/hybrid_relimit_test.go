@@ -88,7 +88,7 @@ func TestHybridLimitChangedDuringSync(t *testing.T) {
 	if ok, wait := h.TryTake(now, []HybridOp{{Key: []byte(key), Limit: lowered, Cost: 1}}); ok || !wait {
 		t.Fatalf("TryTake under the new limit, the key's sync on its way: ok %v, wait %v; want a wait", ok, wait)
 	}
-	if err := h.settle(ctx, items, false); err != nil { // the answer arrives
+	if _, err := h.settle(ctx, items, false); err != nil { // the answer arrives
 		t.Fatal(err)
 	}
 	n := 0

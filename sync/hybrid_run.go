@@ -323,13 +323,17 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			})
 			return
 		}
-		c, cancel := context.WithTimeout(context.Background(), budget)
-		defer cancel()
 		start := time.Now()
-		sent, err := h.flush(c, clock(), h.maxSync, false)
-		if sent == 0 && err == nil {
+		items := h.collect(clock(), h.maxSync)
+		if len(items) == 0 {
 			return
 		}
+		// The budget from here, once the keys are collected: collecting 100,000 on a
+		// starved host took so long that the sync ran out of time before its first
+		// pipeline, and every key of it counted as a failure of Redis.
+		c, cancel := context.WithTimeout(context.Background(), budget)
+		defer cancel()
+		sent, err := h.settle(c, items, false)
 		h.observed("hybrid_sync", start, err)
 		if h.syncDone != nil {
 			h.syncDone(time.Since(start), sent)

@@ -126,7 +126,7 @@ func TestHybridShadowCountsUnitsOnTheirWay(t *testing.T) {
 				if r := shadow(now); r.Allowed {
 					t.Fatalf("round %d, third request, a sync on its way: %+v; want refused", round, r)
 				}
-				if err := h.settle(context.Background(), items, false); err != nil {
+				if _, err := h.settle(context.Background(), items, false); err != nil {
 					t.Fatal(err)
 				}
 				syncAll(t, now, h)

@@ -626,7 +626,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	metrics.CounterFunc("rlsidecar_untracked_decisions_total", "Decisions for client keys the local store could not hold (--max-keys reached with every held client limited): made on their rule's shared fallback state, not their own.",
 		func() float64 { return float64(lim.Store().Untracked()) })
 	if hybrid != nil {
-		metrics.GaugeFunc("rlsidecar_hybrid_sync_backlog", "Hybrid keys that needed a sync and were left for the next one (a sync carries at most --hybrid-max-sync-keys).",
+		metrics.GaugeFunc("rlsidecar_hybrid_sync_backlog", "Hybrid keys that needed a sync and were left for the next one (a sync carries at most --hybrid-max-sync-keys, and sends no more once its time runs short: Redis slower than the keys that change).",
 			func() float64 { return float64(hybrid.Backlog()) })
 		metrics.CounterFunc("rlsidecar_hybrid_dropped_units_total", "Admitted units lost before they reached Redis because the key cap evicted their key before a sync had carried them: while Redis was away, or syncs fell behind a flood of new keys.",
 			func() float64 { return float64(hybrid.Dropped()) })

@@ -65,6 +65,9 @@ type GoodResult struct {
 	Lat   []time.Duration // round trips
 	Errs  []string        // first few errors
 	NErrs int
+	// Degraded counts the answers marked degraded: decided by a rule's failure policy,
+	// not by its mode (hybrid or global: Redis did not answer in time).
+	Degraded int
 }
 
 // RunGoodClient runs the good client until stop is closed: the body of a good client
@@ -72,7 +75,7 @@ type GoodResult struct {
 func (s *Scenario) RunGoodClient(stop <-chan struct{}) GoodResult {
 	var r GoodResult
 	errs := &errList{list: &r.Errs}
-	r.Lat = s.goodClient(stop, errs)
+	r.Lat, r.Degraded = s.goodClient(stop, errs)
 	r.NErrs = errs.n
 	return r
 }
@@ -81,6 +84,7 @@ type Result struct {
 	Lat        []time.Duration // the good client's round trips
 	GoodErrs   []string        // what went wrong for the good client (first few)
 	NGoodErrs  int
+	Degraded   int             // the good client's answers marked degraded (GoodResult.Degraded)
 	HalfClose  []time.Duration // per half-open connection: from its half header to EOF
 	HalfErrs   []string
 	FloodN     int // flood answers received
@@ -164,7 +168,7 @@ func (s *Scenario) Run() *Result {
 			run = s.Good
 		}
 		r := run(stop)
-		res.Lat, res.GoodErrs, res.NGoodErrs = r.Lat, r.Errs, r.NErrs
+		res.Lat, res.GoodErrs, res.NGoodErrs, res.Degraded = r.Lat, r.Errs, r.NErrs, r.Degraded
 	}()
 
 	// Garbage frames on garbageConns connections, each reconnecting when the daemon
@@ -239,12 +243,13 @@ func (s *Scenario) Run() *Result {
 
 // goodClient checks sequentially on its own key until stop: /api checks are allowed by
 // per-user (limit 1,000,000), /login checks are allowed three times and then rejected
-// by login (limit 3) for the rest of the hour, and every tenth request is a ping.
-func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Duration {
+// by login (limit 3) for the rest of the hour, and every tenth request is a ping. It
+// returns its round trips and how many answers were marked degraded.
+func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) (lat []time.Duration, degraded int) {
 	c, err := net.Dial("unix", s.Socket)
 	if err != nil {
 		errs.add("dial: %v", err)
-		return nil
+		return nil, 0
 	}
 	defer c.Close()
 	br := bufio.NewReader(c)
@@ -252,7 +257,7 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 	dec := proto.NewDecoder()
 	var body []byte
 	var resp proto.Response
-	lat := make([]time.Duration, 0, 1<<16)
+	lat = make([]time.Duration, 0, 1<<16)
 	logins := 0
 	interval := s.GoodInterval
 	if interval <= 0 {
@@ -261,7 +266,7 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 	for id := uint64(1); ; id++ {
 		select {
 		case <-stop:
-			return lat
+			return lat, degraded
 		default:
 		}
 		req := proto.Request{ID: id, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "path", Value: "/api"}, {Name: "user", Value: "good-client"}}}
@@ -276,17 +281,20 @@ func (s *Scenario) goodClient(stop <-chan struct{}, errs *errList) []time.Durati
 		start := time.Now()
 		if _, err := c.Write(frame); err != nil {
 			errs.add("request %d: write: %v", id, err)
-			return lat
+			return lat, degraded
 		}
 		body, err = proto.ReadFrame(br, body, 1<<20)
 		if err != nil {
 			errs.add("request %d: read: %v", id, err)
-			return lat
+			return lat, degraded
 		}
 		lat = append(lat, time.Since(start))
 		if err := dec.DecodeResponse(body, &resp); err != nil {
 			errs.add("request %d: %v", id, err)
 			continue
+		}
+		if resp.Degraded {
+			degraded++
 		}
 		switch {
 		case resp.ID != id:
