@@ -26,8 +26,10 @@ import (
 //     joined by "," (so a descriptor longer or shorter than the path, or with other keys,
 //     does not match, as in Envoy);
 //   - for each level, the entry's value: a value given is matched exactly; a wildcard
-//     value (ending with '*': a prefix; a '*' elsewhere is a literal character, as in
-//     envoyproxy/ratelimit) as a glob that none of the level's exact values (and no
+//     value (one holding '*', each matching any run of bytes, as envoyproxy/ratelimit
+//     matches it since #1085; with ConvertOptions.Wildcards "trailing", as its earlier
+//     builds did, only a value ending with '*', a prefix, a '*' elsewhere a literal
+//     character) as a glob that none of the level's exact values (and no
 //     earlier wildcard) takes first; a key without value as any value that none of the level's
 //     exact values or wildcards takes — Envoy tries key and value first, then the
 //     wildcards in order, then the key alone, and never backtracks;
@@ -63,7 +65,19 @@ type ConvertOptions struct {
 	// daemon's default applies (hybrid with Redis). envoyproxy/ratelimit counts every
 	// hit in Redis, exactly across its replicas: global does too.
 	Mode string
+	// Wildcards is how a '*' in a descriptor value matches: WildcardsAnywhere (the
+	// default, "" too) as envoyproxy/ratelimit matches it since commit 6bcd4d2 (#1085,
+	// March 2026): each '*' matches any run of bytes, wherever it is in the value;
+	// WildcardsTrailing as its earlier builds did: only a '*' that ends the value is a
+	// wildcard (a prefix), a '*' before the end is a literal character.
+	Wildcards string
 }
+
+// The values of ConvertOptions.Wildcards.
+const (
+	WildcardsAnywhere = "anywhere"
+	WildcardsTrailing = "trailing"
+)
 
 // ConvertWith is Convert with options.
 func ConvertWith(files []File, opts ConvertOptions) ([]byte, error) {
@@ -80,7 +94,15 @@ func ConvertWith(files []File, opts ConvertOptions) ([]byte, error) {
 			return nil, fmt.Errorf("--mode %q: use local, hybrid or global (or none: the daemon's default)", opts.Mode)
 		}
 	}
-	c := &converter{alg: algorithm, mode: opts.Mode, names: map[string]*outRule{}, domains: map[string]string{}}
+	var trailing bool
+	switch opts.Wildcards {
+	case "", WildcardsAnywhere:
+	case WildcardsTrailing:
+		trailing = true
+	default:
+		return nil, fmt.Errorf("--wildcards %q: use anywhere (envoyproxy/ratelimit since #1085) or trailing (its builds before)", opts.Wildcards)
+	}
+	c := &converter{alg: algorithm, mode: opts.Mode, trailing: trailing, names: map[string]*outRule{}, domains: map[string]string{}}
 	for _, f := range files {
 		c.file(f)
 	}
@@ -117,13 +139,14 @@ type File struct {
 }
 
 type converter struct {
-	alg     string
-	mode    string
-	errs    []error
-	rules   []*outRule
-	names   map[string]*outRule
-	domains map[string]string // domain → file:line of first definition
-	notes   []string          // about the whole output, written at its top
+	alg      string
+	mode     string
+	trailing bool // only a '*' ending a value is a wildcard (ConvertOptions.Wildcards)
+	errs     []error
+	rules    []*outRule
+	names    map[string]*outRule
+	domains  map[string]string // domain → file:line of first definition
+	notes    []string          // about the whole output, written at its top
 }
 
 // level is one entry of a descriptor path, as matched.
@@ -317,8 +340,12 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			c.errorf(file, s.f["key"], s.field+".key", "key %q appears twice in one descriptor path; rlsidecar attributes are looked up by name", s.key)
 			continue
 		}
-		lv.glob = isWildcard(s.value)
+		lv.glob = c.isWildcard(s.value)
 		switch {
+		case !c.trailing:
+			if lv.glob && !strings.HasSuffix(s.value, "*") || strings.Count(s.value, "*") > 1 {
+				lv.notes = append(lv.notes, fmt.Sprintf("value %q (line %d): each '*' matches any run of characters, as in envoyproxy/ratelimit since #1085 (March 2026); its builds before matched a '*' before the end literally (import-envoy --wildcards trailing converts as they decide)", s.value, s.f["value"].Line))
+			}
 		case lv.glob && strings.Contains(s.value[:len(s.value)-1], "*"):
 			c.errorf(file, s.f["value"], s.field+".value", "%q: envoyproxy/ratelimit matches the values starting with %q, its '*' before the end a literal character; rlsidecar's glob cannot match a literal '*'", s.value, s.value[:len(s.value)-1])
 			continue
@@ -334,7 +361,7 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			}
 			switch {
 			case o.value == "":
-			case !isWildcard(o.value):
+			case !c.isWildcard(o.value):
 				if s.value == "" || lv.glob {
 					lv.not = append(lv.not, o.value)
 				}
@@ -344,7 +371,7 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		}
 		if sh := s.f["share_threshold"]; sh != nil && c.boolean(file, sh, s.field+".share_threshold") {
 			if !lv.glob {
-				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (ending with *), as in Envoy")
+				c.errorf(file, sh, s.field+".share_threshold", "share_threshold needs a wildcard value (%s), as in Envoy", c.wildcardText())
 				continue
 			}
 			lv.shared = true
@@ -534,9 +561,24 @@ func fitName(base, suffix string) string {
 }
 
 // isWildcard reports whether an envoyproxy/ratelimit descriptor value is a wildcard: it
-// ends with '*' and matches the values starting with what comes before (envoyproxy/ratelimit
-// trims that one '*' and compares prefixes; a '*' anywhere else is a literal character).
-func isWildcard(v string) bool { return strings.HasSuffix(v, "*") }
+// holds a '*', each matching any run of bytes (envoyproxy/ratelimit since #1085); with
+// c.trailing, it ends with '*' and matches the values starting with what comes before (its
+// builds before trimmed that one '*' and compared prefixes, a '*' anywhere else a literal
+// character).
+func (c *converter) isWildcard(v string) bool {
+	if c.trailing {
+		return strings.HasSuffix(v, "*")
+	}
+	return strings.Contains(v, "*")
+}
+
+// wildcardText says what makes a value a wildcard, for errors.
+func (c *converter) wildcardText() string {
+	if c.trailing {
+		return "ending with *"
+	}
+	return "holding a *"
+}
 
 func q(s string) string {
 	b, _ := json.Marshal(s) // a JSON string is a YAML double-quoted scalar

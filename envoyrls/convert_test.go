@@ -123,7 +123,8 @@ func TestConvertErrors(t *testing.T) {
 		"duplicate_name.yaml":    `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
 		// envoyproxy/ratelimit reads only the first document; the converter read only it too, silently.
 		"two_documents.yaml": `two_documents.yaml:6: a second YAML document: envoyproxy/ratelimit reads only a file's first`,
-		// envoyproxy/ratelimit's '*' before the end of a value is a literal character.
+		// Under --wildcards trailing (envoyproxy/ratelimit before #1085), a '*' before the
+		// end of a value is a literal character.
 		"path_literal_star.yaml":   `path_literal_star.yaml:4: descriptors[0].value: "/api/*/action": envoyproxy/ratelimit matches only this exact value`,
 		"inner_star_wildcard.yaml": `inner_star_wildcard.yaml:4: descriptors[0].value: "/api/*/v*": envoyproxy/ratelimit matches the values starting with "/api/*/v"`,
 	}
@@ -137,7 +138,15 @@ func TestConvertErrors(t *testing.T) {
 			t.Fatal(err)
 		}
 		w := want[filepath.Base(path)]
-		_, err = Convert([]File{{Name: filepath.Base(path), Data: data}}, "")
+		opts := ConvertOptions{}
+		if strings.Contains(path, "star") {
+			// By default each '*' is a wildcard, as envoyproxy/ratelimit since #1085.
+			if _, err := ConvertWith([]File{{Name: filepath.Base(path), Data: data}}, opts); err != nil {
+				t.Errorf("%s: %v\nwant no error by default", path, err)
+			}
+			opts.Wildcards = WildcardsTrailing
+		}
+		_, err = ConvertWith([]File{{Name: filepath.Base(path), Data: data}}, opts)
 		if err == nil || w == "" || !strings.Contains(err.Error(), w) {
 			t.Errorf("%s: %v\nwant an error containing %s", path, err, w)
 		}
@@ -303,6 +312,11 @@ func TestConvertedSemantics(t *testing.T) {
 			want             uint32
 		}{
 			{"ex9a.yaml", "key1", "valueXYZ", 20}, {"ex9a.yaml", "key1", "valu", none},
+			// The README's middle and multiple wildcards (envoyproxy/ratelimit#1085).
+			{"ex9b.yaml", "path", "/api/123/action", 20}, {"ex9b.yaml", "path", "/api/user-id/action", 20},
+			{"ex9b.yaml", "path", "/api/123/other", none},
+			{"ex9c.yaml", "route", "/api/v1/resource/123/action", 20}, {"ex9c.yaml", "route", "/api/v2/resource/456/action", 20},
+			{"ex9c.yaml", "route", "/api/v1/resource/123", none},
 		} {
 			if l := limitOf(serverFor(t, c.file).ask(t, envoyCall{"example9", [][]string{{c.key + "=" + c.value}}}), 0); l != c.want {
 				t.Errorf("%s %s=%s: %d, want %d", c.file, c.key, c.value, l, c.want)
@@ -371,13 +385,16 @@ descriptors:
 	}
 }
 
-// Values match as envoyproxy/ratelimit matches them (checked against its binary): a value
-// ending with '*' is a prefix, with any bytes after it, '/' included; a '*' anywhere else
-// is a literal character, so that value matches only itself; an exact value is itself
-// whatever the key, path included (whose plain rule values are path globs, starting
-// with '/'); an exact value is tried before the wildcards, and they in order.
+// Values match as envoyproxy/ratelimit matches them. By default as it has since #1085
+// (March 2026; its Example 9): each '*' matches any run of bytes, '/' included, wherever it
+// is in the value. Under --wildcards trailing as its builds before (checked against the
+// binary the differential phase runs): a value ending with '*' is a prefix, with any bytes
+// after it, '/' included; a '*' anywhere else is a literal character, so that value
+// matches only itself. Both: an exact value is itself whatever the key, path included
+// (whose plain rule values are path globs, starting with '/'); an exact value is tried
+// before the wildcards, and they in order.
 func TestConvertWildcardsAsEnvoy(t *testing.T) {
-	cfg := []byte(`domain: w
+	cfg := `domain: w
 descriptors:
   - key: route
     value: /api/*/resource/*/action
@@ -399,32 +416,63 @@ descriptors:
   - key: path
     value: /exact
     rate_limit: { unit: minute, requests_per_unit: 7 }
-`)
-	out, err := Convert([]File{{Name: "w.yaml", Data: cfg}}, "")
-	if err != nil {
-		t.Fatalf("Convert: %v", err)
-	}
-	s := serverOf(t, out)
-	for _, c := range []struct {
+`
+	type want struct {
 		kv   string
 		want uint32
+	}
+	for _, m := range []struct {
+		wildcards string
+		extra     string // configuration only this way converts
+		cases     []want
 	}{
-		{"route=/api/*/resource/*/action", 1},
-		{"route=/api/v1/resource/123/action", none},
-		{"k=a*b", 2},
-		{"k=axb", 3},
-		{"k=a", 3},
-		{"k=b", 4},
-		{"path=api/v1", 5},
-		{"path=api/v1/x", none},
-		{"path=/files/a/b.pdf", 6},
-		{"path=/files", none},
-		{"path=/exact", 7},
-		{"path=/exact/", none},
+		{"", `  - key: path
+    value: /v2/*/users
+    rate_limit: { unit: minute, requests_per_unit: 8 }
+`, []want{
+			{"route=/api/*/resource/*/action", 1},
+			{"route=/api/v1/resource/123/action", 1},
+			{"route=/api/v1/resource/123/other", none},
+			{"k=a*b", 2},
+			{"k=axb", 2},
+			{"k=ab", 2},
+			{"k=axbx", 3},
+			{"k=a", 3},
+			{"k=b", 4},
+			{"path=api/v1", 5},
+			{"path=/files/a/b.pdf", 6},
+			{"path=/exact", 7},
+			{"path=/v2/a/b/users", 8},
+			{"path=/v2/users", none},
+		}},
+		{WildcardsTrailing, "", []want{
+			{"route=/api/*/resource/*/action", 1},
+			{"route=/api/v1/resource/123/action", none},
+			{"k=a*b", 2},
+			{"k=axb", 3},
+			{"k=a", 3},
+			{"k=b", 4},
+			{"path=api/v1", 5},
+			{"path=api/v1/x", none},
+			{"path=/files/a/b.pdf", 6},
+			{"path=/files", none},
+			{"path=/exact", 7},
+			{"path=/exact/", none},
+		}},
 	} {
-		if l := limitOf(s.ask(t, envoyCall{"w", [][]string{{c.kv}}}), 0); l != c.want {
-			t.Errorf("%s: limit %d, want %d\n%s", c.kv, l, c.want, out)
+		out, err := ConvertWith([]File{{Name: "w.yaml", Data: []byte(cfg + m.extra)}}, ConvertOptions{Wildcards: m.wildcards})
+		if err != nil {
+			t.Fatalf("Convert (wildcards %q): %v", m.wildcards, err)
 		}
+		s := serverOf(t, out)
+		for _, c := range m.cases {
+			if l := limitOf(s.ask(t, envoyCall{"w", [][]string{{c.kv}}}), 0); l != c.want {
+				t.Errorf("wildcards %q: %s: limit %d, want %d\n%s", m.wildcards, c.kv, l, c.want, out)
+			}
+		}
+	}
+	if _, err := ConvertWith([]File{{Name: "w.yaml", Data: []byte(cfg)}}, ConvertOptions{Wildcards: "middle"}); err == nil || !strings.Contains(err.Error(), `--wildcards "middle"`) {
+		t.Errorf("--wildcards middle: %v", err)
 	}
 }
 

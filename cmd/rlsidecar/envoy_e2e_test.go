@@ -408,7 +408,7 @@ func TestImportEnvoyCLI(t *testing.T) {
 	examples, _ := filepath.Glob("../../envoyrls/testdata/readme/ex*.yaml")
 	var inputs []string
 	for _, p := range examples {
-		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") {
+		if !strings.HasSuffix(p, ".rules.yaml") && !strings.Contains(p, "ex4a") && !strings.Contains(p, "ex9b") && !strings.Contains(p, "ex9c") {
 			inputs = append(inputs, p) // one file per domain, as Envoy requires
 		}
 	}
@@ -441,6 +441,19 @@ func TestImportEnvoyCLI(t *testing.T) {
 	}
 	if _, _, code := runInProcess("import-envoy", "--mode", "exact", inputs[0]); code != exitUsage {
 		t.Fatalf("bad --mode: code %d", code)
+	}
+	// A '*' inside a value: a wildcard by default (envoyproxy/ratelimit since #1085); under
+	// --wildcards trailing a literal character, which rlsidecar cannot match in path.
+	mid := "../../envoyrls/testdata/readme/ex9b.yaml"
+	out, errOut, code = runInProcess("import-envoy", mid)
+	if code != exitOK || !strings.Contains(out, `path: { glob: "/api/*/action" }`) {
+		t.Fatalf("middle wildcard: code %d %s\n%s", code, errOut, out)
+	}
+	if _, errOut, code := runInProcess("import-envoy", "--wildcards", "trailing", mid); code != exitFailure || !strings.Contains(errOut, "matches only this exact value") {
+		t.Fatalf("--wildcards trailing: code %d %s", code, errOut)
+	}
+	if _, _, code := runInProcess("import-envoy", "--wildcards", "middle", mid); code != exitUsage {
+		t.Fatalf("bad --wildcards: code %d", code)
 	}
 }
 

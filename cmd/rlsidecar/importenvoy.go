@@ -16,6 +16,7 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("import-envoy", stderr)
 	alg := fs.String("algorithm", "fixed_window", "algorithm of the rules written: fixed_window (Envoy's windows, aligned to the epoch), sliding_window or token_bucket")
 	mode := fs.String("mode", "", "mode of the rules written: local, hybrid or global (exact across daemons, as envoyproxy/ratelimit's Redis counters are); empty: none, the daemon's default (hybrid with Redis)")
+	wild := fs.String("wildcards", envoyrls.WildcardsAnywhere, "how a '*' in a descriptor value matches: anywhere (each '*' any run of characters, wherever it is: envoyproxy/ratelimit since #1085, March 2026) or trailing (only a '*' ending the value, a prefix; one before the end a literal character: its builds before)")
 	paths, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -33,6 +34,11 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("%w: --mode %q: use local, hybrid or global", errUsage, *mode)
 		}
 	}
+	switch *wild {
+	case envoyrls.WildcardsAnywhere, envoyrls.WildcardsTrailing:
+	default:
+		return fmt.Errorf("%w: --wildcards %q: use anywhere (envoyproxy/ratelimit since #1085) or trailing (its builds before)", errUsage, *wild)
+	}
 	files := make([]envoyrls.File, len(paths))
 	for i, p := range paths {
 		data, err := os.ReadFile(p)
@@ -41,7 +47,7 @@ func importEnvoy(args []string, stdout, stderr io.Writer) error {
 		}
 		files[i] = envoyrls.File{Name: p, Data: data}
 	}
-	out, err := envoyrls.ConvertWith(files, envoyrls.ConvertOptions{Algorithm: *alg, Mode: *mode})
+	out, err := envoyrls.ConvertWith(files, envoyrls.ConvertOptions{Algorithm: *alg, Mode: *mode, Wildcards: *wild})
 	if err != nil {
 		return err
 	}
