@@ -482,7 +482,7 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 		// envoyproxy/ratelimit answers a quota-mode limit OK past it, and names the
 		// descriptor in its dynamic metadata: a shadow rule decides the same.
 		r.shadow = true
-		r.notes = append(r.notes, fmt.Sprintf("quota_mode (line %d): never refuses, as in envoyproxy/ratelimit; a shadow rule here, its refusals counted in rlsidecar_checks_total{result=\"shadow_rejected\"} (envoyproxy/ratelimit reports them in its dynamic metadata, which rlsidecar does not send)", q.Line))
+		r.notes = append(r.notes, fmt.Sprintf("quota_mode (line %d): never refuses, as in envoyproxy/ratelimit before #1059 (March 2026); a shadow rule here, its refusals counted in rlsidecar_checks_total{result=\"shadow_rejected\"} (envoyproxy/ratelimit reports them in its dynamic metadata, which rlsidecar does not send). envoyproxy/ratelimit since #1059 refuses a call whose quota_mode descriptors are all past their limits (one alone: like a plain limit), which no rlsidecar rule can say: remove quota_mode where that refusal is wanted", q.Line))
 	}
 	if r.shadow && len(r.replaces) > 0 {
 		r.notes = append(r.notes, "a shadow rule replaces nothing in rlsidecar (a dry run changes no decision): the limits it names keep deciding the requests it matches until shadow_mode is removed, where envoyproxy/ratelimit stops applying them")
