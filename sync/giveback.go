@@ -321,7 +321,7 @@ func (g *Global) sendGiveBacks(ctx context.Context, batch []giveBack) {
 		c.args = append(c.args, gb.args...)
 		of[i] = at
 	}
-	rdb := g.rdb
+	rdb := g.longRdb()
 	if ap, ok := rdb.(*autoPipe); ok {
 		rdb = ap.rediser
 	}

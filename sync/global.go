@@ -108,6 +108,10 @@ func limitOf(op *GlobalOp) uint64 {
 // A Global is safe for concurrent use.
 type Global struct {
 	rdb rediser
+	// long, when set, carries the calls bounded by a longer context than a check's (a
+	// lease's release, renewal and state query, background refund retries and lease
+	// give-backs): a client whose own timeout does not cut them short. nil: rdb.
+	long rediser
 	// bySlot splits a check into one script call per hash slot. It is needed on a
 	// cluster only: on a standalone Redis every key is on the one server, and a single
 	// call is atomic with no refund ever needed.
@@ -176,7 +180,7 @@ func (g *Global) retryRefunds(calls []call) {
 	for len(calls) > 0 && time.Now().Before(end) {
 		time.Sleep(every)
 		ctx, cancel := g.refundContext(context.Background())
-		run(ctx, g.rdb, refundScript, calls)
+		run(ctx, g.longRdb(), refundScript, calls)
 		cancel()
 		left := calls[:0]
 		for _, c := range calls {
@@ -201,6 +205,28 @@ func (g *Global) retryRefunds(calls []call) {
 func (g *Global) WithAutoPipeline() *Global {
 	g.rdb = &autoPipe{rediser: g.rdb, merge: !g.bySlot, g: g}
 	return g
+}
+
+// WithLongClient makes g send the calls bounded by a longer context than a check's
+// (see [Global.Release], [Global.Renew], [Global.ReleaseAll], [Global.LeaseStates], and
+// the background refund retries and lease give-backs) on c, a client whose own read and
+// write timeouts are at least those contexts' (1 s): go-redis takes the sooner of its
+// client's timeout and a call's deadline, so on the checks' client (timeout
+// --redis-timeout, 50 ms) a release that should wait 250 ms answered false after 50 ms.
+// Those calls then skip the checks' auto-pipeline too: a check does not wait on them.
+// Call it before g is used.
+func (g *Global) WithLongClient(c redis.UniversalClient) *Global {
+	g.long = c
+	return g
+}
+
+// longRdb returns the client of the calls WithLongClient names: the long client, else
+// the checks' own.
+func (g *Global) longRdb() rediser {
+	if g.long != nil {
+		return g.long
+	}
+	return g.rdb
 }
 
 // DefaultRefundTimeout bounds a refund (see [Global.WithRefundTimeout]).
@@ -353,7 +379,7 @@ func (g *Global) runGated(ctx context.Context, s script, calls []call) error {
 	if !ok {
 		return ErrBreakerOpen
 	}
-	run(ctx, g.rdb, s, calls)
+	run(ctx, g.longRdb(), s, calls)
 	settle(calls, ms)
 	return nil
 }

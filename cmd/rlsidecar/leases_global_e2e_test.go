@@ -235,3 +235,58 @@ func TestE2EGlobalLeasesCluster(t *testing.T) {
 		}
 	}
 }
+
+// A release or renewal of a global lease waits for Redis at least 250 ms (README,
+// "Redis down"; proto/PROTOCOL.md), whatever --redis-timeout (50 ms by default) bounds a
+// check's calls (20 ms here, leaving the 80 ms pause below 170 ms of headroom on a busy
+// host): with Redis paused 80 ms, both answer true. Before, they went on the checks'
+// client, whose own timeout cut them: released: false and renewed: false after 20 ms
+// (50 ms with the default), though Redis did free or extend the lease once it resumed (so
+// the Go middleware, told the lease was gone, stopped renewing a lease still held).
+func TestE2EGlobalLeaseReleaseOutlastsRedisTimeout(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", fmt.Sprintf(globalLeaseYAML, "closed"))
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--redis-prefix", "e2e:", "--redis-timeout", "20ms", "--global-timeout", "20ms")
+	c := dialRaw(t, d.socket)
+	exp := []string{"path=/v1/exports/1", "user=ann"}
+	var lease string
+	for id := uint64(1); lease == ""; id++ { // a cold start may degrade the first checks
+		if r := c.check(id, 1, exp...); r.Allowed && !r.Degraded && r.Lease != "" {
+			lease = r.Lease
+		} else if id > 250 {
+			t.Fatalf("no lease from a live Redis: %+v", r)
+		} else {
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	// pause freezes Redis for 80 ms; the returned channel closes once it is thawed (the
+	// test waits for it before it may fail, so no thaw outlives it).
+	pause := func() chan struct{} {
+		thawed := make(chan struct{})
+		srv.Freeze()
+		go func() {
+			defer close(thawed)
+			time.Sleep(80 * time.Millisecond)
+			srv.Thaw()
+		}()
+		return thawed
+	}
+	thawed := pause()
+	start := time.Now()
+	r := c.leaseOp(100, proto.OpRenew, lease, 60000)
+	took := time.Since(start)
+	<-thawed
+	if !r.Renewed || r.ExpiresMs != 60000 || r.IsError() {
+		t.Fatalf("renew while Redis paused 80 ms: %+v after %v; want renewed, expires_ms 60000", r, took)
+	}
+	time.Sleep(50 * time.Millisecond)
+	thawed = pause()
+	start = time.Now()
+	r = c.leaseOp(101, proto.OpRelease, lease, 0)
+	took = time.Since(start)
+	<-thawed
+	if !r.Released || r.IsError() {
+		t.Fatalf("release while Redis paused 80 ms: %+v after %v; want released", r, took)
+	}
+}

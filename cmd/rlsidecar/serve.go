@@ -53,6 +53,11 @@ func (m *octalMode) Set(s string) error {
 // The daemon's metrics observe the Envoy API's calls in the check latency histogram.
 var _ envoyrls.LatencyRecorder = (*daemon.Metrics)(nil)
 
+// longCallTimeout is the Redis timeout of the client of the calls bounded by more than a
+// check's wait (see rlsync.Global.WithLongClient): the longest of their bounds, a closing
+// connection's releases and a ban's lift (1 s).
+const longCallTimeout = time.Second
+
 func serve(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("serve", stderr)
 	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
@@ -84,7 +89,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
 	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
-	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks': --global-timeout, when that is longer)")
+	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks': --global-timeout, when that is longer; a lease's release or renewal: 250 ms, a ban's lift: 1 s)")
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
@@ -285,6 +290,21 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		defer rdbChecks.Close()
+		// A third client for the calls bounded by more than a check's wait: a lease's
+		// release and renewal (at least 250 ms), a closing connection's releases (1 s),
+		// refund retries and give-backs (250 ms), the shared bans' rounds and lifts (1 s).
+		// On the checks' client they were cut to --redis-timeout (go-redis takes the
+		// sooner of its own timeout and the call's deadline): a Redis that paused 150 ms
+		// made a release or renewal answer false after 50 ms, and the Go middleware,
+		// told its lease was gone, stopped renewing it. Each of these calls carries its
+		// own deadline, which this client's timeout does not cut.
+		cfgLong := cfg
+		cfgLong.Timeout = max(*redisTimeout, *globalTimeout, longCallTimeout)
+		rdbLong, err := rlsync.Open(cfgLong)
+		if err != nil {
+			return err
+		}
+		defer rdbLong.Close()
 		redis.SetLogger(redisLog{log})
 		// The scripts into Redis's cache before the first check, which would otherwise
 		// send them itself (rlsync.LoadScripts). Bounded: a Redis that does not answer
@@ -303,7 +323,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
 		}
-		global = rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithMasters(checkMasters).WithObserver(metrics.ObserveStore)
+		global = rlsync.NewGlobal(rdbChecks).WithAutoPipeline().WithLongClient(rdbLong).WithMasters(checkMasters).WithObserver(metrics.ObserveStore)
 		// Deferred after rdbChecks.Close, so run before it: once the server has drained,
 		// the lease give-backs still queued go once more, and their worker ends.
 		defer global.Close()
@@ -313,7 +333,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		metrics.CounterFunc("rlsidecar_global_refund_errors_total", "Refunds of global rules' units that failed (a check refused, or failed, after another hash slot's keys had taken their units, and Redis did not take them back: a timeout, or a refusal still answered after 30 s of resending): those units stay used until they refill.",
 			func() float64 { return float64(global.RefundErrors()) })
 		// Penalty rules in hybrid and global mode share their bans through Redis.
-		sharedBans, err := rlsync.NewBans(rdbChecks, *redisPrefix)
+		sharedBans, err := rlsync.NewBans(rdbLong, *redisPrefix) // its calls carry their own deadlines
 		if err != nil {
 			return err
 		}
