@@ -58,9 +58,12 @@ import (
 // strongly connected component of the replaces graph), at its first rule, naming a
 // cycle and the group's other rules.
 //
+// A --config DIR's rules file that is a symlink to a missing file: skipped by LoadDir, as
+// a deleted file is, and said first.
+//
 // Warnings come in rule-file order (file, then line).
 func (s *Set) Warnings() Errors {
-	var out Errors
+	out := slices.Clone(s.skipped) // a directory's dangling links, skipped
 	cycles := replacesCycles(s.Rules)
 	if len(s.Rules) == 0 {
 		// Valid (a file may list none on purpose), but a template that emptied the

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -265,11 +266,30 @@ func LoadDir(dir string) (*Set, error) {
 	plans := map[string]*topPlan{}
 	firstRule := map[string]*Rule{}
 	h := sha256.New()
+	var skipped Errors // dangling links, said in Warnings
+	read := 0
 	for _, path := range paths {
 		data, err := readFile(path)
 		if err != nil {
+			// A file gone since the directory was listed is not one of the set; nor is
+			// a symlink whose target does not exist (a link left behind when its file
+			// was deleted, a ConfigMap key removed while the links are being swapped):
+			// skipped, as a deleted file is, and said. Before, it failed every reload
+			// (the rules in force kept, every later edit of the other files refused)
+			// and the daemon's start.
+			var dl *danglingLink
+			if errors.As(err, &dl) {
+				skipped = append(skipped, &Error{File: path, Msg: fmt.Sprintf("a symlink to %s, which does not exist: skipped, as a deleted file would be (restore its target, or remove the link)", dl.target)})
+				continue
+			}
+			if errors.Is(err, fs.ErrNotExist) {
+				if _, lerr := os.Lstat(path); errors.Is(lerr, fs.ErrNotExist) {
+					continue
+				}
+			}
 			return nil, err
 		}
+		read++
 		h.Write([]byte(filepath.Base(path)))
 		h.Write([]byte{0})
 		h.Write(data)
@@ -296,6 +316,9 @@ func LoadDir(dir string) (*Set, error) {
 			plans[name] = tp
 		}
 	}
+	if read == 0 {
+		return nil, append(Errors{{File: dir, Msg: "no *.yaml or *.yml rules files to read: every one is a symlink to a missing file, or gone"}}, skipped...)
+	}
 	if len(errs) == 0 {
 		p := &parser{}
 		p.applyPlans(all, plans)
@@ -311,5 +334,7 @@ func LoadDir(dir string) (*Set, error) {
 		})
 		return nil, errs
 	}
-	return newSet(all, dir, hex.EncodeToString(h.Sum(nil))[:12]), nil
+	set := newSet(all, dir, hex.EncodeToString(h.Sum(nil))[:12])
+	set.skipped = skipped
+	return set, nil
 }

@@ -129,3 +129,52 @@ rules:
 		}
 	}
 }
+
+// A --config DIR's rules file that is a symlink to a missing file (a link left behind when
+// its file was deleted) is skipped, as a deleted file is, and said in Warnings: the other
+// files still load. Before, the whole directory failed to load ("open b.yaml: no such file
+// or directory"): the daemon did not start, and every reload kept the old rules.
+func TestLoadDirDanglingLink(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "a.yaml"), []byte("rules:\n  - name: a\n    key: user\n    limit: { requests: 10, per: 1m }\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	withoutLink, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := filepath.Join(dir, "gone", "b.yaml")
+	link := filepath.Join(dir, "b.yaml")
+	if err := os.Symlink(gone, link); err != nil {
+		t.Fatal(err)
+	}
+	set, err := Load(dir)
+	if err != nil {
+		t.Fatalf("a dangling link failed the directory: %v", err)
+	}
+	if len(set.Rules) != 1 || set.Rules[0].Name != "a" || set.Version != withoutLink.Version {
+		t.Fatalf("rules %d, version %s (without the link: %s)", len(set.Rules), set.Version, withoutLink.Version)
+	}
+	ws := set.Warnings()
+	if len(ws) != 1 || !strings.Contains(ws[0].Error(), link+": a symlink to "+gone+", which does not exist: skipped") {
+		t.Fatalf("warnings: %v", ws)
+	}
+	// Its target back: read.
+	os.Mkdir(filepath.Dir(gone), 0o755)
+	if err := os.WriteFile(gone, []byte("rules:\n  - name: b\n    key: ip\n    limit: { requests: 1, per: 1m }\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if set, err := Load(dir); err != nil || len(set.Rules) != 2 || len(set.Warnings()) != 0 {
+		t.Fatalf("target restored: %v %+v", err, set)
+	}
+	os.Remove(gone)
+	// Nothing else to read: an error, naming the link.
+	os.Remove(filepath.Join(dir, "a.yaml"))
+	if _, err := Load(dir); err == nil || !strings.Contains(err.Error(), "no *.yaml or *.yml rules files to read") || !strings.Contains(err.Error(), link+": a symlink to "+gone) {
+		t.Fatalf("only a dangling link: %v", err)
+	}
+	// A rules file named directly that is a dangling link: an error that says so.
+	if _, err := Load(link); err == nil || !strings.Contains(err.Error(), link+" is a symlink to "+gone+", which does not exist") {
+		t.Fatalf("--config a dangling link: %v", err)
+	}
+}

@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -30,6 +31,12 @@ func readFile(path string) ([]byte, error) {
 	// meanwhile.
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			if fi, lerr := os.Lstat(path); lerr == nil && fi.Mode()&fs.ModeSymlink != 0 {
+				target, _ := os.Readlink(path)
+				return nil, &danglingLink{path: path, target: target, err: err}
+			}
+		}
 		return nil, fmt.Errorf("reading rules: %w", err)
 	}
 	defer f.Close()
@@ -85,3 +92,17 @@ func describeMode(m fs.FileMode) string {
 		return "an irregular file"
 	}
 }
+
+// danglingLink is the error of reading a rules file that is a symlink whose target does
+// not exist (it unwraps to fs.ErrNotExist). Before, it said only "open x.yaml: no such
+// file or directory", the file being plainly there in ls.
+type danglingLink struct {
+	path, target string
+	err          error
+}
+
+func (e *danglingLink) Error() string {
+	return fmt.Sprintf("reading rules: %s is a symlink to %s, which does not exist", e.path, e.target)
+}
+
+func (e *danglingLink) Unwrap() error { return e.err }

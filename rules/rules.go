@@ -475,6 +475,7 @@ type Set struct {
 	Source  string // file name, or "built-in"
 	Version string // hex sha256 of the source bytes, first 12 characters
 
+	skipped   Errors                // LoadDir: dangling links skipped, for Warnings
 	idx       atomic.Pointer[index] // built with the Set; see AppendMatching
 	replacing bool                  // a rule replaces others
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -114,4 +115,48 @@ func TestE2EReloadUnchangedIsLogged(t *testing.T) {
 	waitStderr("reload failed", 1)
 	writeFile(t, dir, "rules.yaml", good)
 	waitStderr(`msg="rules unchanged"`, 2)
+}
+
+// A --config DIR holding a symlink to a missing file (left behind when its file was
+// deleted): the daemon starts with the other files and warns, edits of the other files
+// reload, and the link's target, when it appears, is read. Before, serve refused to start
+// ("open b.yaml: no such file or directory") and, with the link added under a running
+// daemon, every reload failed and kept the rules in force.
+func TestE2EReloadDanglingLinkInDir(t *testing.T) {
+	dir := shortTempDir(t)
+	conf := filepath.Join(dir, "rules.d")
+	must(t, os.Mkdir(conf, 0o755))
+	writeFile(t, conf, "a.yaml", rulesWithLimit(1))
+	target := filepath.Join(dir, "elsewhere", "b.yaml")
+	must(t, os.Symlink(target, filepath.Join(conf, "b.yaml")))
+
+	if out, errOut, code := runInProcess("validate", "--config", conf); code != exitOK || !strings.Contains(out, "1 rule,") ||
+		!strings.Contains(errOut, "warning: "+filepath.Join(conf, "b.yaml")+": a symlink to "+target+", which does not exist: skipped") {
+		t.Fatalf("validate: code %d out %q err %q", code, out, errOut)
+	}
+	d := startDaemon(t, "--config", conf, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	if l := limitOf(t, c, 1); l != 1 {
+		t.Fatalf("limit %d", l)
+	}
+	if !strings.Contains(d.stderr.String(), "which does not exist: skipped") {
+		t.Fatalf("no warning of the dangling link:\n%s", d.stderr.String())
+	}
+	v := rulesVersion(t, base)
+	must(t, os.Rename(writeFile(t, conf, ".a.new", rulesWithLimit(2)), filepath.Join(conf, "a.yaml")))
+	v = waitReload(t, base, v)
+	if l := limitOf(t, c, 2); l != 2 {
+		t.Fatalf("after an edit beside a dangling link: limit %d", l)
+	}
+	// The target appears: its rule is read.
+	must(t, os.Mkdir(filepath.Dir(target), 0o755))
+	writeFile(t, filepath.Dir(target), "b.yaml", "rules:\n  - name: per-ip\n    key: ip\n    limit: { requests: 3, per: 1h }\n")
+	waitReload(t, base, v)
+	if _, body := httpGet(t, base+"/rules"); !strings.Contains(body, `"per-ip"`) {
+		t.Fatalf("the link's target not read:\n%s", body)
+	}
+	if _, samples := scrape(t, base); samples[`rlsidecar_config_reloads_total{result="error"}`] != 0 || samples["rlsidecar_config_last_reload_successful"] != 1 {
+		t.Fatalf("reload errors %v, last_reload_successful %v\n%s", samples[`rlsidecar_config_reloads_total{result="error"}`], samples["rlsidecar_config_last_reload_successful"], d.stderr.String())
+	}
 }
