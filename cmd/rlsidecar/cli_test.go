@@ -2,13 +2,16 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func runInProcess(args ...string) (stdout, stderr string, code int) {
@@ -225,5 +228,17 @@ func TestLoopbackAddr(t *testing.T) {
 		if got := loopbackAddr(addr); got != want {
 			t.Errorf("loopbackAddr(%q) = %v, want %v", addr, got, want)
 		}
+	}
+}
+
+// --top-k has a ceiling: before, --top-k 1000000000 started a daemon that took 23 GB
+// before it listened (and ignored SIGTERM meanwhile).
+func TestServeRefusesHugeTopK(t *testing.T) {
+	sock := filepath.Join(shortTempDir(t), "s.sock")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binary, "serve", "--socket", sock, "--admin=", "--top-k", "10001").CombinedOutput()
+	if err == nil || ctx.Err() != nil || !strings.Contains(string(out), "--top-k 10001: at most 10000") {
+		t.Fatalf("serve --top-k 10001: %v (%v)\n%s", err, ctx.Err(), out)
 	}
 }

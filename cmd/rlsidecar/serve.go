@@ -81,7 +81,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile to this file until exit (a debugging aid)")
 	admin := fs.String("admin", "127.0.0.1:9464", "admin HTTP endpoint (/metrics /healthz /readyz /rules /top /bans); empty: off")
-	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected)")
+	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected); at most 10000")
 	topLabels := fs.String("top-labels", "hashed", "how rlsidecar_top_rejected names a client: hashed (a keyed 48-bit hash, matched to the key on /top), raw (the key itself: API keys and IPs reach your metrics store) or off")
 	topSaltFile := fs.String("top-labels-salt-file", "", "file holding the secret that keys the hashed labels, so they agree across restarts and daemons (default: a random one per process)")
 	shadowAll := fs.Bool("shadow", false, "make every rule a shadow rule: counted and reported, never rejecting")
@@ -116,7 +116,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		intAtLeast{"max-conns", *maxConns, 1},
 		intAtLeast{"hybrid-max-sync-keys", *maxSyncKeys, 1}, intAtLeast{"max-keys", *maxKeys, 1},
 		intAtLeast{"max-attrs", *maxAttrs, 1}, intAtLeast{"max-attr-len", *maxAttrLen, 1},
-		intAtLeast{"top-k", *topK, 1}, intAtLeast{"breaker-failures", *breakerFailures, 1},
+		intAtLeast{"top-k", *topK, 1}, intAtMost{"top-k", *topK, maxTopK}, intAtLeast{"breaker-failures", *breakerFailures, 1},
 		positive{"frame-timeout", *frameTimeout}, positive{"write-timeout", *writeTimeout},
 		positive{"sweep-interval", *sweepEvery}, positive{"sync-interval", *syncInterval},
 		positive{"redis-timeout", *redisTimeout}, positive{"global-timeout", *globalTimeout},
@@ -856,6 +856,12 @@ func (b intAtLeast) check() error {
 
 // intAtMost: --max-frame past what a frame's 4-byte length can say would promise frames
 // no client can send.
+// maxTopK bounds --top-k: each rule's sketch holds up to K clients, each a series of
+// rlsidecar_top_rejected, and once full a refused newcomer is a scan of all K under the
+// rule's lock. Before, any value was taken: --top-k 1000000000 (a typo) took 23 GB before
+// the daemon said it was listening, ignoring SIGTERM meanwhile.
+const maxTopK = 10000
+
 type intAtMost struct {
 	name   string
 	v, max int
