@@ -280,6 +280,13 @@ func LoadDir(dir string) (*Set, error) {
 			var dl *danglingLink
 			if errors.As(err, &dl) {
 				skipped = append(skipped, &Error{File: path, Msg: fmt.Sprintf("a symlink to %s, which does not exist: skipped, as a deleted file would be (restore its target, or remove the link)", dl.target)})
+				// In the version too: a link added (or pointed elsewhere) while nothing
+				// else changed is a new version, so the reload logs its warning rather
+				// than taking the rules as unchanged, saying nothing.
+				h.Write([]byte(filepath.Base(path)))
+				h.Write([]byte{0, 0xff})
+				h.Write([]byte(dl.target))
+				h.Write([]byte{0})
 				continue
 			}
 			if errors.Is(err, fs.ErrNotExist) {

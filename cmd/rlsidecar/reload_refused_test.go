@@ -149,6 +149,14 @@ func TestE2EReloadDanglingLinkInDir(t *testing.T) {
 	if l := limitOf(t, c, 2); l != 2 {
 		t.Fatalf("after an edit beside a dangling link: limit %d", l)
 	}
+	// Another dangling link added, nothing else changed: the reload says so.
+	must(t, os.Symlink(filepath.Join(dir, "nowhere.yaml"), filepath.Join(conf, "c.yaml")))
+	v = waitReload(t, base, v)
+	for deadline := time.Now().Add(3 * time.Second); !strings.Contains(d.stderr.String(), "c.yaml: a symlink to "); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("a dangling link added under a running daemon, not said:\n%s", d.stderr.String())
+		}
+	}
 	// The target appears: its rule is read.
 	must(t, os.Mkdir(filepath.Dir(target), 0o755))
 	writeFile(t, filepath.Dir(target), "b.yaml", "rules:\n  - name: per-ip\n    key: ip\n    limit: { requests: 3, per: 1h }\n")
