@@ -48,7 +48,7 @@ type replaySummary struct {
 
 func replay(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("replay", stderr)
-	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
+	config := fs.String("config", "", "rules file (YAML), or a directory whose *.yaml and *.yml files are one rule set; empty: the built-in example rules")
 	trace := fs.String("trace", "", `JSON-lines trace, one request a line: {"t_ms": 990, "attrs": {...}, "cost": 1} ("-": stdin)`)
 	if err := noPositional(fs, args); err != nil {
 		return err

@@ -60,7 +60,7 @@ const longCallTimeout = time.Second
 
 func serve(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("serve", stderr)
-	config := fs.String("config", "", "rules file (YAML); empty: the built-in example rules")
+	config := fs.String("config", "", "rules file (YAML), or a directory whose *.yaml and *.yml files are one rule set; empty: the built-in example rules")
 	socket := fs.String("socket", daemon.DefaultSocketPath(), "Unix socket path")
 	mode := octalMode(0o660)
 	fs.Var(&mode, "socket-mode", "permission bits (octal) of the socket file and of an --envoy-rls unix: socket file; a socket systemd passes has its .socket unit's SocketMode=")
@@ -803,7 +803,7 @@ func newLogger(w io.Writer, format, level string, secrets *scrubber) (*slog.Logg
 
 func validate(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("validate", stderr)
-	config := fs.String("config", "", "rules file to check (required)")
+	config := fs.String("config", "", "rules file, or directory of rules files, to check (required)")
 	noRedis := fs.Bool("no-redis", false, "the daemon runs without --redis: a rule that needs Redis (mode hybrid or global, split: auto) is an error")
 	if err := noPositional(fs, args); err != nil {
 		return err
