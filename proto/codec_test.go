@@ -35,6 +35,49 @@ func TestRequestRoundTrip(t *testing.T) {
 	}
 }
 
+// TestEchoedKeysBound: inline limits without a name, which the answer names by their keys,
+// may hold MaxEchoedKeys bytes of keys together and no more; named ones are not counted.
+// Before, a daemon whose --max-frame and --max-attr-len allowed it answered a 600,000-byte
+// key with a 1,200,180-byte frame, over every client's 1 MiB: the client dropped the
+// connection and its failure policy decided that request and the ones after it.
+func TestEchoedKeysBound(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		keys  []int
+		named bool
+		ok    bool
+	}{
+		{"at the bound", []int{MaxEchoedKeys / 2, MaxEchoedKeys / 2}, false, true},
+		{"one byte past", []int{MaxEchoedKeys / 2, MaxEchoedKeys/2 + 1}, false, false},
+		{"one long key", []int{600000}, false, false},
+		{"named", []int{600000}, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := Request{ID: 7, Op: OpCheck, Cost: 1}
+			for i, n := range tc.keys {
+				l := InlineLimit{Key: string(rune('a'+i)) + string(make([]byte, n-1)), Limit: 1, WindowMs: 1}
+				if tc.named {
+					l.Name = "n"
+				}
+				req.Limits = append(req.Limits, l)
+			}
+			enc := NewEncoder()
+			enc.EncodeRequest(&req)
+			d := NewDecoder()
+			d.MaxAttrLen = 1 << 22
+			var got Request
+			err := d.DecodeRequest(enc.Bytes()[HeaderSize:], &got)
+			var pe *Error
+			if tc.ok && err != nil || !tc.ok && (!errors.As(err, &pe) || pe.Code != CodeAttrTooLarge) {
+				t.Fatalf("got %v, want ok %v (else attr_too_large)", err, tc.ok)
+			}
+			if !tc.ok && got.ID != 7 {
+				t.Fatalf("id %d, want 7", got.ID)
+			}
+		})
+	}
+}
+
 func TestDecodeRequestBounds(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -53,6 +96,12 @@ func TestDecodeRequestBounds(t *testing.T) {
 			r.Limits = []InlineLimit{{Key: string(make([]byte, DefaultMaxAttrLen+1)), Limit: 1, WindowMs: 1}}
 		}, CodeAttrTooLarge},
 		{"duplicate attr", func(r *Request) { r.Attrs = []Attr{{"user", "a"}, {"user", "b"}} }, ""},
+		// Keys an answer would echo as names past the 1 MiB the clients read.
+		{"echoed keys", func(r *Request) {
+			for i := 0; i < 5; i++ {
+				r.Limits = append(r.Limits, InlineLimit{Key: string(rune('a'+i)) + string(make([]byte, MaxEchoedKeys/4)), Limit: 1, WindowMs: 1})
+			}
+		}, CodeAttrTooLarge},
 		{"too many limits", func(r *Request) {
 			for i := 0; i < DefaultMaxLimits+1; i++ {
 				r.Limits = append(r.Limits, InlineLimit{Key: "k", Limit: 1, WindowMs: 1})
@@ -65,7 +114,11 @@ func TestDecodeRequestBounds(t *testing.T) {
 			enc := NewEncoder()
 			enc.EncodeRequest(&req)
 			var got Request
-			err := NewDecoder().DecodeRequest(enc.Bytes()[HeaderSize:], &got)
+			d := NewDecoder()
+			if tc.name == "echoed keys" {
+				d.MaxAttrLen = 1 << 22 // as --max-attr-len may: only the echo bound applies
+			}
+			err := d.DecodeRequest(enc.Bytes()[HeaderSize:], &got)
 			var pe *Error
 			want := tc.code
 			if want == "" {

@@ -19,6 +19,17 @@ const (
 	DefaultMaxLimits      = 16
 )
 
+// MaxAnswerFrame is the largest answer frame every client reads (Go, Python, Node and
+// the Lua clients: 1 MiB); a longer one breaks their connection, and their failure
+// policy then decides that request and the others on it. An answer names each inline
+// limit, by its key when it has no name (the deciding one twice), so the keys of the
+// inline limits without a name may hold at most MaxEchoedKeys bytes together: past it a
+// request is attr_too_large, whatever --max-frame and --max-attr-len allow.
+const (
+	MaxAnswerFrame = 1 << 20
+	MaxEchoedKeys  = MaxAnswerFrame / 4
+)
+
 // Decoder decodes request and response frame bodies. It wraps one msgpack.Decoder that
 // is reset per body, so a connection reuses it for every frame. Not safe for concurrent use.
 //
@@ -225,6 +236,7 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 	if n > d.MaxLimits {
 		return limits, Errorf(CodeBadRequest, "request has %d inline limits; the limit is %d", n, d.MaxLimits)
 	}
+	echoed := 0 // bytes of the keys the answer names inline limits by (MaxEchoedKeys)
 	for i := 0; i < n; i++ {
 		var l InlineLimit
 		m, err := d.mapLen("limits[]")
@@ -267,7 +279,13 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 				return limits, err
 			}
 		}
+		if l.Name == "" {
+			echoed += len(l.Key)
+		}
 		limits = append(limits, l)
+	}
+	if echoed > MaxEchoedKeys {
+		return limits, Errorf(CodeAttrTooLarge, "the inline limits without a name have keys of %d bytes, which the answer names them by; at most %d (an answer over %d bytes is more than the clients read): give them a name", echoed, MaxEchoedKeys, MaxAnswerFrame)
 	}
 	return limits, nil
 }
