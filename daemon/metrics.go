@@ -64,6 +64,7 @@ type Metrics struct {
 	closed            [nCloseReasons]*metrics.Counter // by closeReason; [0] unused
 	storeByOpResult   sync.Map                        // "op|result" → *metrics.Counter
 	errorsByCode      sync.Map                        // error code → *metrics.Counter (rlsidecar_error_answers_total)
+	envoyErrsByCode   sync.Map                        // gRPC code → *metrics.Counter (rlsidecar_envoy_error_answers_total)
 }
 
 type ruleMetrics struct {
@@ -498,6 +499,7 @@ var setHelp = map[string]string{
 	"rlsidecar_connections_closed_total":                     "Connections the daemon refused or cut off, by reason; a client's own close and a shutdown are not counted.",
 	"rlsidecar_build_info":                                   "The daemon's version, as a label; always 1.",
 	"rlsidecar_error_answers_total":                          "Requests answered with an error, by code (bad_request, unknown_op, invalid_limit, frame_too_large, attr_too_large, internal, ...): a client sending malformed frames shows here.",
+	"rlsidecar_envoy_error_answers_total":                    "Calls of Envoy's rate limit API answered with an error status, by gRPC code (InvalidArgument, DeadlineExceeded, ResourceExhausted, ...): unless Envoy's filter sets failure_mode_deny, each is a request no limit was applied to.",
 	"rlsidecar_store_requests_total":                         "Calls to Redis, by op (global_check, hybrid_sync, hybrid_fetch, heartbeat, lease_acquire, lease_release, ping: a probe of an open breaker, or of a Cluster master no heartbeat reaches) and result.",
 }
 
@@ -778,6 +780,18 @@ func (m *Metrics) connClosed(r closeReason) { m.closed[r].Inc() }
 // errorAnswered counts one error answer by its code (a bounded set: the protocol's and
 // the project's codes).
 func (m *Metrics) errorAnswered(code string) { m.errorCounter(code).Inc() }
+
+// EnvoyErrorAnswered counts one call of Envoy's rate limit API answered with an error
+// status, by its gRPC code's name (envoyrls.ErrorRecorder; a bounded set: gRPC's 17
+// codes).
+func (m *Metrics) EnvoyErrorAnswered(code string) {
+	c, ok := m.envoyErrsByCode.Load(code)
+	if !ok {
+		c, _ = m.envoyErrsByCode.LoadOrStore(code, m.set.GetOrCreateCounter(
+			fmt.Sprintf(`rlsidecar_envoy_error_answers_total{code=%q}`, code)))
+	}
+	c.(*metrics.Counter).Inc()
+}
 
 // errorCounter returns the counter of error answers with code, created at 0 if needed.
 func (m *Metrics) errorCounter(code string) *metrics.Counter {

@@ -1046,6 +1046,9 @@ func (cn *h2conn) refuse(st *h2stream, httpStatus int, code codes.Code, msg stri
 // status httpStatus). Called before the request ended (abortRST), what the client still
 // sends on the stream is dropped.
 func (cn *h2conn) abort(st *h2stream, httpStatus int, code codes.Code, msg string) error {
+	if st.method != methodHealthCheck && st.method != methodHealthWatch {
+		cn.s.erred(code) // a rate limit call, or one refused before its method was known
+	}
 	cn.hbuf.Reset()
 	cn.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(httpStatus)})
 	cn.henc.WriteField(hpack.HeaderField{Name: "content-type", Value: "application/grpc"})

@@ -79,6 +79,18 @@ type LatencyRecorder interface {
 	Answered(n int, arrived, now int64)
 }
 
+// ErrorRecorder counts the rate limit calls answered with an error status, by its gRPC
+// code's name (codes.Code's String: "InvalidArgument", "DeadlineExceeded", ...). A
+// Recorder that also has this method (daemon.Metrics: rlsidecar_envoy_error_answers_total)
+// counts every such call the daemon answers: a malformed call (65 descriptors, an empty
+// domain), one past its deadline, one too large. Envoy lets the request through on an
+// error unless its filter sets failure_mode_deny, so each is a request no limit was
+// applied to. On the grpc-go transport, the errors grpc-go answers itself before a call
+// reaches the daemon (a message over 4 MiB, an unknown method) are not counted.
+type ErrorRecorder interface {
+	EnvoyErrorAnswered(code string)
+}
+
 // Config configures a Server. Addr is required; the zero value of the others is a
 // sensible default.
 type Config struct {
@@ -148,6 +160,7 @@ type Server struct {
 	now      func() int64         // the clock, in Unix nanoseconds: clockNow, or the wall clock (tests set one)
 	deciding atomic.Int64         // calls in decide (which may wait on Redis): for tests
 	latency  LatencyRecorder      // Config.Recorder's Answered, when it has one
+	errs     ErrorRecorder        // Config.Recorder's EnvoyErrorAnswered, when it has one
 	conns    map[*h2conn]struct{} // the native transport's connections, under mu
 	connWG   sync.WaitGroup       // their goroutines
 }
@@ -187,6 +200,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		s.now = s.clockNow
 	}
 	s.latency, _ = cfg.Recorder.(LatencyRecorder)
+	s.errs, _ = cfg.Recorder.(ErrorRecorder)
 	s.scratch.New = func() any { return new(scratch) }
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
@@ -476,6 +490,13 @@ func (s *Server) arrival() int64 {
 	return s.now()
 }
 
+// erred counts a rate limit call answered with an error status of code (ErrorRecorder).
+func (s *Server) erred(code codes.Code) {
+	if s.errs != nil {
+		s.errs.EnvoyErrorAnswered(code.String())
+	}
+}
+
 // answered observes a call that arrived at arrived (arrival) and has been answered.
 func (s *Server) answered(arrived int64) {
 	if s.latency != nil {
@@ -485,7 +506,7 @@ func (s *Server) answered(arrived int64) {
 
 // wireHandler is ShouldRateLimit's gRPC handler: dec (the codec) parses the request's
 // bytes into a pooled scratch, and the response goes back as its bytes.
-func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (_ any, err error) {
 	s := srv.(*Server)
 	arrived := s.arrival()
 	sc := s.scratch.Get().(*scratch)
@@ -495,6 +516,9 @@ func wireHandler(srv any, ctx context.Context, dec func(any) error, _ grpc.Unary
 		}
 		s.scratch.Put(sc)
 		s.answered(arrived)
+		if err != nil {
+			s.erred(status.Code(err))
+		}
 	}()
 	if err := dec(sc); err != nil {
 		return nil, err

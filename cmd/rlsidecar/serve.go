@@ -50,8 +50,10 @@ func (m *octalMode) Set(s string) error {
 	return nil
 }
 
-// The daemon's metrics observe the Envoy API's calls in the check latency histogram.
+// The daemon's metrics observe the Envoy API's calls in the check latency histogram,
+// and count its error answers by gRPC code.
 var _ envoyrls.LatencyRecorder = (*daemon.Metrics)(nil)
+var _ envoyrls.ErrorRecorder = (*daemon.Metrics)(nil)
 
 // longCallTimeout is the Redis timeout of the client of the calls bounded by more than a
 // check's wait (see rlsync.Global.WithLongClient): the longest of their bounds, a closing
