@@ -885,15 +885,18 @@ func (l *Limiter) addInline(d *Decision, n, i int, il *Inline, cost uint64, p, f
 		// Its share is worked out by fallBack, when needed, into its room.
 		fb.local, fb.share = &d.limits[len(d.limits)/2+n], true
 	}
-	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags, degraded: noStore}
+	// --shadow (SetShadowAll) makes inline limits shadows too: a dark launch refuses
+	// nothing. Before, a check's inline limit still refused under it.
+	shadow := l.shadowAll.Load()
+	*push(&d.ops) = op{key: key, lim: &d.limits[n], cost: cost, fb: fb, store: id, flags: flags, degraded: noStore, shadow: shadow}
 	if noStore {
 		d.Degraded = true
 	}
 	d.routed |= 1 << id
 	if id == storeLocal {
-		addLocal(&d.local, key, &d.limits[n], cost, false, len(d.ops)-1)
+		addLocal(&d.local, key, &d.limits[n], cost, shadow, len(d.ops)-1)
 	}
-	d.Results = append(d.Results, Result{Name: name, Part: p, Key: key})
+	d.Results = append(d.Results, Result{Name: name, Part: p, Key: key, Shadow: shadow})
 	return nil
 }
 

@@ -475,6 +475,33 @@ func TestShadowAll(t *testing.T) {
 	}
 }
 
+// --shadow covers a check's inline limits too: a dark launch refuses nothing. Before,
+// the second check with an inline limit of 1 was refused under --shadow.
+func TestShadowAllInlineLimits(t *testing.T) {
+	l := newLimiter(t, "rules:\n  - name: r\n    key: user\n    limit: { requests: 100, per: 1h }\n")
+	l.SetShadowAll(true)
+	var d Decision
+	in := Input{Attrs: attrs("user=u"), Limits: []Inline{{Key: "route=/a", Limit: 1, WindowMs: 60_000}}, Cost: 1}
+	for i := 0; i < 3; i++ {
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if !d.Allowed {
+			t.Fatalf("check %d refused under --shadow: %+v", i+1, d.Results)
+		}
+	}
+	if r := d.Results[len(d.Results)-1]; !r.Shadow || r.Allowed || r.Remaining != 0 {
+		t.Fatalf("the inline limit should report a shadow refusal: %+v", r)
+	}
+	l.SetShadowAll(false)
+	if err := l.Check(t0, &in, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Allowed {
+		t.Fatal("the inline limit allowed a check after --shadow was turned off")
+	}
+}
+
 // A reload that changes a rule's algorithm or window but keeps its name resets its
 // clients' states instead of misreading them (the case from issue 9: a client at 4 of 10
 // in a 10 s sliding window, reloaded to a fixed window, was refused for the rest of the

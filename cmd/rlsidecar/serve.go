@@ -86,7 +86,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	topK := fs.Int("top-k", 10, "clients kept per rule in the most-rejected sketch (/top, rlsidecar_top_rejected); at most 10000")
 	topLabels := fs.String("top-labels", "hashed", "how rlsidecar_top_rejected names a client: hashed (a keyed 48-bit hash, matched to the key on /top), raw (the key itself: API keys and IPs reach your metrics store) or off")
 	topSaltFile := fs.String("top-labels-salt-file", "", "file holding the secret that keys the hashed labels, so they agree across restarts and daemons (default: a random one per process)")
-	shadowAll := fs.Bool("shadow", false, "make every rule a shadow rule: counted and reported, never rejecting")
+	shadowAll := fs.Bool("shadow", false, "make every rule, and every inline limit a check carries, a shadow: counted and reported, never rejecting (a dark launch)")
 	watch := fs.Bool("watch", true, "reload the rules file when it changes (SIGHUP reloads too)")
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
