@@ -110,8 +110,9 @@ func (l *Limiter) resolve(m rules.Mode) rules.Mode {
 	return m
 }
 
-// SetShadowAll makes every rule a shadow rule (counted and reported, never rejecting)
-// while on: the --shadow switch, for dark-launching a whole rule set.
+// SetShadowAll makes every rule, and every inline limit a check carries, a shadow
+// (counted and reported, never rejecting) while on: the --shadow switch, for
+// dark-launching a whole rule set.
 func (l *Limiter) SetShadowAll(on bool) {
 	l.mu.Lock()
 	l.shadowAll.Store(on)
