@@ -5,16 +5,15 @@ import rlsync "github.com/rlsidecar/rlsidecar/sync"
 // hybridStore is the hybrid mode's store: this daemon's allowances, synced to Redis in
 // the background by rlsync.Hybrid. Take and give back are in memory; while Redis has not
 // answered for a while (Healthy is false) the allowances are stale and take fails, so
-// the rules' failure policies decide. This file is the only one that calls rlsync.Hybrid.
+// the rules' failure policies decide, unless a key's last view still refuses the request
+// (rlsync.Hybrid.RefusedByView). This file is the only one that calls rlsync.Hybrid.
 type hybridStore struct{ h *rlsync.Hybrid }
 
 // replicas returns the number of live daemons last counted (at least 1).
 func (s hybridStore) replicas() int { return s.h.Replicas() }
 
 func (s hybridStore) take(now int64, d *Decision) (bool, error) {
-	if !s.h.Healthy(now) {
-		return false, errStale
-	}
+	healthy := s.h.Healthy(now)
 	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
 	for i := range d.ops {
 		o := &d.ops[i]
@@ -22,6 +21,15 @@ func (s hybridStore) take(now int64, d *Decision) (bool, error) {
 			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow})
 			n.at = append(n.at, i)
 		}
+	}
+	if !healthy {
+		// Redis away: the failure policies decide, but for a client this daemon's last
+		// view of it still refuses (other daemons can only have used more since).
+		if s.h.RefusedByView(now, n.ops) {
+			s.results(d, n)
+			return false, nil
+		}
+		return false, errStale
 	}
 	var ok bool
 	if d.noWait {

@@ -140,6 +140,45 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 	}
 }
 
+// RefusedByView is for a check while Redis is not answering (Healthy false), before
+// the rules' failure policies decide it: it reports whether a non-shadow op's key has a
+// view that, projected to now (its refill, or its window's end), has no room for the op.
+// Other daemons can only have used more since that view, so the exact mode would refuse
+// it too: the check is refused by it, not by a policy (local decided it from a bucket of
+// its own, fresh: a client over its limit was admitted again each time Redis went away).
+// Each op's Result is then set: the refused ones' by their view, the others reported
+// Unasked. Nothing is charged, counted or synced.
+func (h *Hybrid) RefusedByView(now int64, ops []HybridOp) bool {
+	n := h.creditShares()
+	refused := false
+	for i := range ops {
+		op := &ops[i]
+		op.Unasked, op.Unreachable = false, false
+		op.Result = localbucket.Result{Limit: op.Limit.Requests()}
+		if op.Shadow || op.Cost == 0 {
+			continue
+		}
+		sh := &h.shards[h.shardOf(op.Key)]
+		sh.mu.Lock()
+		if e := sh.m[string(op.Key)]; e != nil && e.synced > 0 && *e.lim == *op.Limit {
+			r, _, _, unreachable := h.decide(sh, e, now, op.Cost, n, false, false, true, false)
+			if !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
+				op.Result = r
+				refused = true
+			}
+		}
+		sh.mu.Unlock()
+	}
+	if refused {
+		for i := range ops {
+			if op := &ops[i]; op.Result.RetryAfter == 0 {
+				op.Unasked = true
+			}
+		}
+	}
+	return refused
+}
+
 // lostRace reports whether a refused op's view had room for it.
 func lostRace(ops []HybridOp) bool {
 	for i := range ops {
@@ -756,7 +795,14 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	grantRoom := hot && e.flags&flagShared == 0 && e.synced > 0 && held > 0 &&
 		proj-unseen < need && proj-unseen+held >= need
 	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom) && answering
-	unreachable = (gaveUp || !answering) && (stale || proj-unseen >= need)
+	// Without Redis, a key is decided by its rule's policy when only Redis could decide
+	// it: one with no view, or whose view (projected to now: its refill, its window's
+	// end) has room for it, which other daemons may have taken. A view with no room
+	// refuses it, stale or not: other daemons can only have used more since. Before, a
+	// stale one went to the policy too, and local decided it from a bucket of its own,
+	// fresh: a client over its limit was admitted again each time Redis went away
+	// (TestHybridStaleLimitedKeyRefusedWhileRedisAway).
+	unreachable = (gaveUp || !answering) && (e.synced == 0 || proj-unseen >= need)
 	// Out of allowance: retry when the view says the units free up (a token bucket at
 	// the limit's rate, a fixed window at its end, a sliding window as its estimate
 	// falls), but not before the next sync brings a new allowance.
