@@ -374,9 +374,14 @@ func (h *Hybrid) flush(ctx context.Context, now int64, limit int, release bool) 
 // client that moved from a daemon stopped with SIGTERM to another was refused part of
 // its remaining budget for 60 s).
 func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
-	// The keys a sync by this daemon within the last share_epochs (KeepAlive) may have
-	// recorded it as the last user of (the script's o), with a second's margin.
-	lately := now - int64(h.keepAlive+time.Second)
+	// The keys Redis may record this daemon as the last user of (the script's o: a sync
+	// by it within the last share_epochs, KeepAlive), or hold a reservation of its credit
+	// on (k: made by another daemon's sync within share_epochs of this daemon's last
+	// sync of the key, and kept for creditReserved), with a second's margin. Before, only
+	// the first: a key this daemon last synced 15 s before it stopped kept a reservation
+	// for it, withheld from the next daemon for the rest of the minute
+	// (TestHybridReleaseLiftsOlderReservation).
+	lately := now - int64(h.keepAlive+creditReserved+time.Second)
 	type leaving struct {
 		sh     *hshard
 		e      *hentry
@@ -445,6 +450,11 @@ func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
 // BenchmarkHybridSIGTERM (400,000 keys held, all synced within the last seconds) is
 // what bounds it: the daemon's exit must stay well within 2 s.
 const leaveBudget = 250 * time.Millisecond
+
+// creditReserved is how long Redis reserves a previous user's possible credit on a key
+// that changed hands (credit_life in scripts/hybrid.lua), unless that daemon syncs the
+// key again first.
+const creditReserved = 60 * time.Second
 
 // flushEach is flush for Run with a breaker per master of a Cluster: each master's keys
 // go in a sync of their own, on a goroutine of its own (counted in wg), so a master that

@@ -102,3 +102,53 @@ func TestHybridRunLeavesTheLiveDaemons(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// A reservation of a daemon's credit (k) is made by another daemon's sync up to
+// share_epochs after the daemon's own last sync of the key, and lasts a minute: so a
+// daemon stopping cleanly leaves the keys it synced within that minute too, not only
+// those of the last 11 s. Before, a key it last synced 15 s before it stopped kept a
+// reservation for it, and the daemon using the key next was refused those units for up
+// to the rest of the minute.
+func TestHybridReleaseLiftsOlderReservation(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			rdb := standalone(t)
+			ctx := context.Background()
+			lim := mustLimit(t, alg, 20, time.Hour)
+			a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
+			seeEachOther(t, "older", a, b)
+			now := time.Now().UnixNano()
+			key := "rl:older:{user=alice}"
+			if !take(a, now, key, lim, 1).Allowed {
+				t.Fatal("a's first request refused")
+			}
+			syncAll(t, now, a)
+			if !take(b, now, key, lim, 1).Allowed {
+				t.Fatal("b's first request refused")
+			}
+			syncAll(t, now, b) // the key changes hands: a's possible credit reserved
+			if k := rdb.HGet(ctx, key, "k").Val(); k == "" {
+				t.Fatal("no credit reserved for a when b took the key: the test sets up nothing")
+			}
+			// a stops 15 s (by its clock) after its last sync of the key.
+			if err := a.Release(ctx, now+int64(15*time.Second)); err != nil {
+				t.Fatal(err)
+			}
+			if k := rdb.HGet(ctx, key, "k").Val(); k != "" {
+				t.Errorf("credit still reserved for a daemon that stopped and settled: k = %q", k)
+			}
+			admitted := 1
+			for i := 0; i < 40; i++ {
+				if take(b, now, key, lim, 1).Allowed {
+					admitted++
+				}
+				if i%3 == 2 {
+					syncAll(t, now, b)
+				}
+			}
+			if admitted != 19 {
+				t.Fatalf("a admitted 1 and stopped; b then admitted %d of the 19 left", admitted)
+			}
+		})
+	}
+}
