@@ -152,3 +152,71 @@ func TestHybridReleaseLiftsOlderReservation(t *testing.T) {
 		})
 	}
 }
+
+// A daemon stopped cleanly drops its sync record (field s:<id>) from the keys it leaves,
+// those it held units of included, once they are settled: no sync of it reads the record
+// again. Before, every daemon that ever synced a key left its record there for as long
+// as steady use kept the key, one more at each restart under the default --daemon-id.
+// What it admitted is counted once all the same, and another daemon's record stays.
+func TestHybridReleaseDropsSyncRecord(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			rdb := standalone(t)
+			ctx := context.Background()
+			lim := mustLimit(t, alg, 100, time.Hour)
+			a, b := NewHybrid(rdb, HybridOptions{ID: "rec-a"}), NewHybrid(rdb, HybridOptions{ID: "rec-b"})
+			seeEachOther(t, "rec", a, b)
+			now := time.Now().UnixNano()
+			held, quiet := "rl:rec:{user=held}", "rl:rec:{user=quiet}"
+			admitted := 0
+			for i := 0; i < 6; i++ {
+				for _, k := range []string{held, quiet} {
+					if take(a, now, k, lim, 1).Allowed {
+						admitted++
+					}
+				}
+				if take(b, now, held, lim, 1).Allowed {
+					admitted++
+				}
+				syncAll(t, now, a, b)
+			}
+			for i := 0; i < 3; i++ { // units a holds, not yet synced, when it stops
+				if take(a, now, held, lim, 1).Allowed {
+					admitted++
+				}
+			}
+			for _, k := range []string{held, quiet} {
+				if rdb.HExists(ctx, k, "s:rec-a").Val() == false {
+					t.Fatalf("%s: no record of a's syncs before it stops: the test sets up nothing", k)
+				}
+			}
+			if err := a.Release(ctx, now); err != nil {
+				t.Fatal(err)
+			}
+			if !rdb.HExists(ctx, held, "s:rec-b").Val() {
+				t.Error("a's release dropped b's record")
+			}
+			if err := b.Release(ctx, now); err != nil {
+				t.Fatal(err)
+			}
+			for _, k := range []string{held, quiet} {
+				if v := rdb.HGet(ctx, k, "s:rec-a").Val(); v != "" {
+					t.Errorf("%s: the record of a daemon stopped cleanly is still there: %q", k, v)
+				}
+			}
+			if admitted != 21 {
+				t.Fatalf("admitted %d, want 21", admitted)
+			}
+			if alg == localbucket.FixedWindow {
+				total := 0
+				for _, k := range []string{held, quiet} {
+					n, _ := rdb.HGet(ctx, k, "n").Int()
+					total += n
+				}
+				if total != admitted {
+					t.Fatalf("Redis counts %d of the %d admitted", total, admitted)
+				}
+			}
+		})
+	}
+}
