@@ -435,11 +435,17 @@ function _M.renew(self, lease, lease_ms)
   return resp.renewed == true, tonumber(resp.expires_ms) or 0
 end
 
--- Leases access() renews (see keep_lease), until log() releases them: lease -> true.
+-- Leases access() renews (see keep_lease), until log() releases them: lease -> { self =
+-- the client, due = when it is to be renewed at the latest, from = when it may be renewed
+-- at the earliest, expires = its last known expiry (ngx.now seconds), busy = a renewal is
+-- under way }.
 local renewing = {}
 
 -- MIN_RENEWAL is the shortest wait between two renewals of a lease, in seconds.
 local MIN_RENEWAL = http.MIN_RENEWAL_MS / 1000
+
+-- RENEW_PARALLEL is how many renewals one tick has under way at once.
+local RENEW_PARALLEL = 32
 
 -- first_renewal is when access() first renews d's lease, in seconds (see
 -- http.first_renewal_ms).
@@ -447,49 +453,133 @@ local function first_renewal(d)
   return http.first_renewal_ms(d) / 1000
 end
 
--- keep_lease renews lease from timers (ngx.timer.at), first after first
--- seconds, then at half of what each renewal answers is left of it, until log() releases
--- it (renewing[lease] cleared). It stops by itself when a renewal answers that the lease
--- is gone (without log(), nginx closes the connection that took it as the request ends,
--- and the daemon frees it), and when the sidecar does not answer until the lease's last
--- known expiry. A timer that cannot be scheduled (lua_max_pending_timers) ends it, logged.
-local function keep_lease(self, lease, first)
-  renewing[lease] = true
-  local expires = ngx.now() + 2 * first
-  local function schedule(wait, fn)
-    if wait < MIN_RENEWAL then wait = MIN_RENEWAL end
-    local ok, err = ngx.timer.at(wait, fn)
-    if not ok then
-      renewing[lease] = nil
-      ngx.log(ngx.ERR, "rlsidecar: scheduling a lease renewal: ", err)
-    end
+-- set_due schedules e's next renewal wait seconds after now: due then, from a quarter of
+-- the wait earlier (a tick renews every lease past its from, so that leases due close
+-- together share one tick).
+local function set_due(e, now, wait)
+  if wait < MIN_RENEWAL then wait = MIN_RENEWAL end
+  e.due = now + wait
+  e.from = now + wait * 0.75
+end
+
+-- The renewals of a worker are woken by one timer, the tick, at the earliest due among
+-- them: before, each leased request scheduled a timer of its own at its first renewal
+-- (half its shortest window), still pending after the request ended (a timer cannot be
+-- cancelled). A leased request of 20 ms under a 60 s lease held a pending timer for 30 s,
+-- so about 34 leased requests a second took a worker's lua_max_pending_timers (1,024),
+-- and then every access() and log() of the worker failed to schedule its renewal and
+-- its release ("too many pending timers", logged each time) and a request longer than
+-- its lease lost its slot while it ran. Now the timers pending are the ticks (one, or a
+-- few when a nearer due arrives), and renewing holds only the leases of requests still
+-- running (log() removes its own).
+local tick_at -- when the nearest pending tick fires (ngx.now seconds), or nil
+local tick_log_gate = http.gate(1)
+local tick
+
+local function wake_by(at)
+  if tick_at and tick_at <= at then
+    return
   end
-  local function renew(premature)
-    if premature or not renewing[lease] then
+  local wait = at - ngx.now()
+  if wait < 0 then wait = 0 end
+  local ok, err = ngx.timer.at(wait, tick, at)
+  if not ok then
+    local held = tick_log_gate(ngx.now())
+    if held then
+      ngx.log(ngx.ERR, "rlsidecar: scheduling lease renewals: ", err, http.held_note(held))
+    end
+    return
+  end
+  tick_at = at
+end
+
+-- renew_one renews lease (its entry e) and sets its next due, as the sidecar answered:
+-- renewed, at half of what is left; gone (released, expired, or freed with the
+-- connection that took it: without log(), nginx closes it as the request ends), no more;
+-- no answer, at half of what is left of its last known expiry, none once that has passed.
+local function renew_one(lease, e)
+  local renewed, left_ms = e.self:renew(lease)
+  if renewing[lease] ~= e then
+    return -- released meanwhile
+  end
+  e.busy = false
+  ngx.update_time()
+  local now = ngx.now()
+  if renewed == nil then
+    local left = e.expires - now
+    if left <= 0 then
       renewing[lease] = nil
       return
     end
-    local renewed, left_ms = self:renew(lease)
-    if not renewing[lease] then
-      return -- released meanwhile
-    end
-    ngx.update_time()
-    if renewed == nil then
-      local left = expires - ngx.now()
-      if left <= 0 then
-        renewing[lease] = nil
-        return
+    set_due(e, now, left / 2)
+  elseif not renewed then
+    renewing[lease] = nil
+    return
+  else
+    e.expires = now + left_ms / 1000
+    set_due(e, now, left_ms / 2000)
+  end
+  wake_by(e.due)
+end
+
+tick = function(premature, at)
+  if tick_at == at then
+    tick_at = nil
+  end
+  if premature then
+    return -- the worker is exiting
+  end
+  ngx.update_time()
+  local now = ngx.now()
+  local due, nearest = {}, nil
+  for lease, e in pairs(renewing) do
+    if not e.busy then
+      if e.from <= now then
+        e.busy = true
+        due[#due + 1] = lease
+      elseif not nearest or e.due < nearest then
+        nearest = e.due
       end
-      return schedule(left / 2, renew)
     end
-    if not renewed then
-      renewing[lease] = nil
-      return
-    end
-    expires = ngx.now() + left_ms / 1000
-    schedule(left_ms / 2000, renew)
   end
-  schedule(first, renew)
+  if nearest then
+    wake_by(nearest)
+  end
+  -- The due renewals, RENEW_PARALLEL at a time, in light threads of this timer.
+  local i = 1
+  while i <= #due do
+    local threads = {}
+    for k = i, math.min(i + RENEW_PARALLEL - 1, #due) do
+      local lease = due[k]
+      local e = renewing[lease]
+      if e then
+        local th, err = ngx.thread.spawn(renew_one, lease, e)
+        if th then
+          threads[#threads + 1] = th
+        else
+          e.busy = false
+          ngx.log(ngx.ERR, "rlsidecar: renewing a lease: ", err)
+        end
+      end
+    end
+    for _, th in ipairs(threads) do
+      ngx.thread.wait(th)
+    end
+    i = i + RENEW_PARALLEL
+  end
+end
+
+-- keep_lease renews lease, first after first seconds, then at half of what each renewal
+-- answers is left of it, until log() releases it (renewing[lease] cleared). It stops by
+-- itself when a renewal answers that the lease is gone (without log(), nginx closes the
+-- connection that took it as the request ends, and the daemon frees it), and when the
+-- sidecar does not answer until the lease's last known expiry. See tick.
+local function keep_lease(self, lease, first)
+  local now = ngx.now()
+  local e = { self = self, expires = now + 2 * first, busy = false }
+  set_due(e, now, first)
+  renewing[lease] = e
+  wake_by(e.due)
 end
 
 -- Releases under way, by client connection ($connection): log() cannot release before

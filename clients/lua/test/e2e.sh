@@ -25,7 +25,8 @@
 # keeps), and freed
 # when it completes or the client aborts it, and that ten leased requests in a row on one
 # keep-alive connection each find the slot free; that nginx and HAProxy renew the lease of a request
-# longer than it. With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
+# longer than it, nginx also after a flood of 1,100 short leased requests (which took its
+# pending timers). With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
 # release on a semaphore, not by polling, bounded by its timeout, and that a request held
 # for a delay whose client goes away ends then, its lease released. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
@@ -147,6 +148,10 @@ rules:
     match: { path: "/long/**" }
     key: ip
     concurrency: { max: 1, lease: 2s }
+  - name: many-in-flight
+    match: { path: "/many/**" }
+    key: ip
+    concurrency: { max: 5000, lease: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -656,6 +661,28 @@ long_lease() {
 }
 long_lease nginx "$nginx_port"
 long_lease haproxy "$hap_port"
+echo "-- nginx: a flood of short leased requests leaves the worker its timers"
+# 1,100 requests of a few ms under a 60 s lease, then the long request again. Each leased
+# request scheduled its own renewal timer at half the lease, 30 s on, pending after the
+# request ended: past lua_max_pending_timers (1,024) every access() and log() failed to
+# schedule its renewal and release ("too many pending timers"), and the long request's
+# 2 s lease ran out while it ran (a second request 4 s in was let through). One tick a
+# worker wakes the renewals of the requests still running.
+python3 - "$nginx_port" <<'PY'
+import http.client, sys, threading
+def run(n):
+    c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+    for _ in range(n):
+        c.request("GET", "/many/x")
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200, r.status
+ts = [threading.Thread(target=run, args=(275,)) for _ in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+PY
+long_lease nginx "$nginx_port"
+expect "nginx: no 'too many pending timers' after the flood" "$(grep -c 'too many pending timers' "$tmp/nginx.log" || true)" 0
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
