@@ -352,8 +352,7 @@ end
 
 local REASONS = { [429] = "Too Many Requests", [431] = "Request Header Fields Too Large", [503] = "Service Unavailable" }
 
-local BAD_COST_BODY = '{"type":"about:blank","title":"Bad Request","status":400,'
-  .. '"detail":"This request\'s cost is not a non-negative integer."}'
+local BAD_COST_BODY = http.BAD_COST_BODY
 
 -- cost_of returns the cost in txn.rlsidecar_cost (v, as get_var gives it): 1 when not
 -- set (nil or ""), the integer it holds when it is one (decimal digits; past 2^53, 2^53:

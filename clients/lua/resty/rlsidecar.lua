@@ -839,6 +839,17 @@ function _M.access(self)
   wait_releases(self.timeout)
   local attrs = self.attrs and self.attrs() or _M.default_attrs()
   local cost = self.cost and self.cost() or nil
+  if http.bad_cost(cost) then
+    -- Not a cost (a cost function reading a header: "-1", "1.5", "nan"): 400 whatever the
+    -- policy, as HAProxy's action answers. Before, the encoder refused it and the policy
+    -- decided: under "open", such a request passed every limit.
+    ngx.log(ngx.INFO, "rlsidecar: the cost function's ", tostring(cost), " is not a non-negative integer: refused (400)")
+    ngx.header["Content-Type"] = "application/problem+json"
+    ngx.header["Content-Length"] = #http.BAD_COST_BODY
+    ngx.status = 400
+    ngx.print(http.BAD_COST_BODY)
+    return ngx.exit(400)
+  end
   local d, err = self:check(attrs, { cost = cost })
   if d.reason == http.REQUEST_TOO_LARGE then
     ngx.log(ngx.INFO, err)

@@ -182,10 +182,17 @@ end
 -- encode_request returns the whole frame (length prefix included) of req =
 -- {id = uint, op = "check"|"ping"|..., attrs = map or {{name, value}, ...},
 -- limits = {{key=, limit=, window_ms=, burst=, algorithm=, mode=, name=}, ...},
--- cost = uint (default 1)}; or nil and an error naming the bad field.
+-- cost = uint (default 1; past 2^53, 2^53)}; or nil and an error naming the bad field.
 function M.encode_request(req)
   local id, cost = req.id or 0, req.cost
   if cost == nil then cost = 1 end
+  if type(cost) == "number" and cost > M.MAX_SAFE and cost < math.huge then
+    -- Past 2^53 (every such number is an integer): 2^53, more than any rule's capacity,
+    -- refused as cost_exceeds_capacity, as HAProxy's action and the other clients do with
+    -- a cost past what they send. Refused here, the request went to the failure policy,
+    -- which under "open" let it past every limit.
+    cost = M.MAX_SAFE
+  end
   if not is_uint(id) then
     return nil, '"id" must be an integer from 0 to 2^53'
   end

@@ -289,6 +289,23 @@ local UNAVAILABLE_BODY = '{"type":"about:blank","title":"Service Unavailable","s
 local TOO_LARGE_BODY = '{"type":"about:blank","title":"Request Header Fields Too Large","status":431,'
   .. '"detail":"This request\'s attributes (its path or header fields) are too large for the rate limiter to check."}'
 
+-- BAD_COST_BODY is the problem+json body of the 400 the gateways answer for a request whose
+-- cost (a cost function's result, HAProxy's txn.rlsidecar_cost) is not a non-negative
+-- integer: whatever the policy, since under "open" the policy would let such a request
+-- past every limit, and a cost taken from a header is the HTTP client's to choose.
+M.BAD_COST_BODY = '{"type":"about:blank","title":"Bad Request","status":400,'
+  .. '"detail":"This request\'s cost is not a non-negative integer."}'
+
+-- bad_cost reports whether cost, a request's cost as a gateway computed it, is not one
+-- the client can send: nil (the default, 1) and integers from 0 are (past 2^53 too:
+-- sent as 2^53); negative, fractional, NaN, infinite and non-numbers are not.
+function M.bad_cost(cost)
+  if cost == nil then
+    return false
+  end
+  return type(cost) ~= "number" or cost ~= cost or cost < 0 or cost == math.huge or floor(cost) ~= cost
+end
+
 -- rejection returns the response for a decision that does not allow the request:
 -- status, headers (a table name -> value, Content-Type included) and body:
 --   - rejected by the sidecar: 429, the headers of M.headers, and a problem+json body

@@ -148,6 +148,10 @@ rules:
     match: { path: "/long/**" }
     key: ip
     concurrency: { max: 1, lease: 2s }
+  - name: costly
+    match: { path: "/costly/**" }
+    key: ip
+    limit: { requests: 5, per: 60s }
   - name: many-in-flight
     match: { path: "/many/**" }
     key: ip
@@ -278,6 +282,16 @@ cat >"$tmp/once.conf" <<'CONF'
             content_by_lua_block { local r = ngx.location.capture("/once/sub/x") ngx.say("sub ", r.status) }
         }
         location /once/sub/ { internal; rewrite_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /costly/ {
+            access_by_lua_block {
+                rl_costly = rl_costly or assert(require("resty.rlsidecar").new {
+                    socket = rl_open.path, timeout_ms = 2000, on_unavailable = "open",
+                    cost = function() return tonumber(ngx.var.http_x_cost) end,
+                })
+                rl_costly:access()
+            }
+            proxy_pass http://app;
+        }
 CONF
 awk -v f="$tmp/once.conf" '/^        location \/static\/ \{/ { while ((getline l < f) > 0) print l } { print }' "$tmp/nginx/nginx.conf" >"$tmp/nginx/nginx.conf.new"
 mv "$tmp/nginx/nginx.conf.new" "$tmp/nginx/nginx.conf"
@@ -374,6 +388,19 @@ done
 expect "haproxy X-Cost 99999999999999999999: refused, over any capacity" "$(cost_status 99999999999999999999)" 429
 expect "haproxy X-Cost 99999999999999999999: no Retry-After" "$(grep -ci '^retry-after:' "$tmp/h" || true)" 0
 expect "haproxy X-Cost 0: asks without consuming; per-user has nothing left" "$(cost_status 0)" 429
+
+echo "-- nginx: a cost function's result that is not a cost is a 400, whatever the policy"
+# It went to the policy ("open": allowed, past every limit), as did a cost past 2^53.
+ngx_cost_status() { # ngx_cost_status VALUE: the status of /costly/x with X-Cost: VALUE
+  curl -s --max-time 10 -o "$tmp/b" -D "$tmp/h" -w '%{http_code}' -H "X-Cost: $1" "http://127.0.0.1:$nginx_port/costly/x"
+}
+expect "nginx X-Cost 3: allowed" "$(ngx_cost_status 3)" 200
+for v in -1 1.5 nan inf; do
+  expect "nginx X-Cost $v: 400 (the policy is open)" "$(ngx_cost_status "$v")" 400
+  expect "nginx X-Cost $v: problem body" "$(cat "$tmp/b")" '{"type":"about:blank","title":"Bad Request","status":400,"detail":"This request'"'"'s cost is not a non-negative integer."}'
+done
+expect "nginx X-Cost 99999999999999999999: refused, over any capacity" "$(ngx_cost_status 99999999999999999999)" 429
+expect "nginx X-Cost 99999999999999999999: no Retry-After" "$(grep -ci '^retry-after:' "$tmp/h" || true)" 0
 
 echo "-- path: one rule on /fast limits every spelling of it, whichever gateway asks"
 # nginx sends $uri; HAProxy normalizes its raw path by the same rule (rlsidecar.path,

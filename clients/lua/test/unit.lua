@@ -197,6 +197,20 @@ for _, c in ipairs({
   check(frame == nil and err and err:find(c[2], 1, true), "bad input: got %s, %s; want error %q", tostring(frame), tostring(err), c[2])
 end
 
+-- A cost past 2^53 is sent as 2^53 (over every capacity: cost_exceeds_capacity), as the
+-- other clients and HAProxy's action send a cost past what they can: refused by the
+-- encoder, the request went to the failure policy, which under "open" let it through.
+for _, big in ipairs({ 2 ^ 53 + 2, 1e20, 1e300 }) do
+  local f, err = codec.encode_request({ id = 1, op = "check", cost = big })
+  local r = f and codec.decode_body(f:sub(5))
+  check(r and r.cost == codec.MAX_SAFE, "cost %.17g: sent as 2^53, got %s %s", big, tostring(r and r.cost), tostring(err))
+end
+-- What a gateway refuses as a cost (400, whatever the policy) and what it sends.
+for _, c in ipairs({ { -1, true }, { 1.5, true }, { 0 / 0, true }, { math.huge, true }, { -math.huge, true },
+  { "3", true }, { nil, false }, { 0, false }, { 3, false }, { 1e20, false } }) do
+  check(http.bad_cost(c[1]) == c[2], "bad_cost(%s): got %s, want %s", tostring(c[1]), tostring(http.bad_cost(c[1])), tostring(c[2]))
+end
+
 -- The HTTP mapping: every case of the shared table.
 local function lower_keys(t)
   local l = {}
