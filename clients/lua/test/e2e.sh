@@ -204,8 +204,10 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off;#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
   -e "/^user www-data;/d" \
+  -e "s#^error_log /var/log/nginx/error.log warn;#error_log $tmp/nginx.log warn;#" \
   -e "s#^http {#http {\n    client_body_temp_path $tmp/nginx; proxy_temp_path $tmp/nginx; fastcgi_temp_path $tmp/nginx; uwsgi_temp_path $tmp/nginx; scgi_temp_path $tmp/nginx;\n    large_client_header_buffers 4 128k;#" \
   "$here/examples/nginx.conf" >"$tmp/nginx/nginx.conf"
+grep -q "^error_log $tmp/nginx.log warn;" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/nginx.conf no longer has error_log ... warn;" >&2; exit 1; }
 grep -q "timeout_ms = 2000" "$tmp/nginx/nginx.conf" || { echo "e2e: examples/nginx.conf no longer has timeout_ms = 50," >&2; exit 1; }
 # A test-only location beside the example's: client:check() cases against the real daemon.
 cat >"$tmp/check-cases.lua" <<'LUA'
@@ -741,6 +743,7 @@ mkdir -p "$tmp/nginx-hole/logs"
 # must say that it cannot recognize a request across an internal redirect.
 sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$hole_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
   -e '/proxy_set_header X-Request-Id \$request_id;/d' \
+  -e "s#^error_log $tmp/nginx.log#error_log $tmp/nginx-hole.log#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
 nginx -e "$tmp/nginx-hole.log" -p "$tmp/nginx-hole" -c "$tmp/nginx-hole/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-hole/nginx.pid;" 2>>"$tmp/nginx-hole.log" &
 pids+=($!)
@@ -877,6 +880,10 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   request POST "http://127.0.0.1:$2/log%69n"
   expect "$1 closed policy, /log%69n: status" "$status" 503
 done
+# The example's error_log level (warn) lets the client's line about them through: with
+# nginx's default (error), a daemon away left no trace in the log.
+expect "nginx: the policy's decisions logged (warn)" "$(($(grep -c 'rlsidecar: no decision, policy' "$tmp/nginx.log" || true) > 0))" 1
+expect "haproxy: the policy's decisions logged" "$(($(grep -c 'rlsidecar: no decision, policy' "$tmp/haproxy.log" || true) > 0))" 1
 
 if [ "$failures" -ne 0 ]; then
   echo "== $failures checks FAILED"
