@@ -44,15 +44,7 @@ func TestHybridReleaseLeavesNoCreditReserved(t *testing.T) {
 			if err := a.Release(ctx, now); err != nil { // a stops
 				t.Fatal(err)
 			}
-			admitted := 0
-			for i := 0; i < 30; i++ {
-				if take(b, now, key, lim, 1).Allowed {
-					admitted++
-				}
-				if i%3 == 2 {
-					syncAll(t, now, b)
-				}
-			}
+			admitted := takeSyncing(t, b, now, key, lim, 30)
 			syncAll(t, now, b)
 			if err := b.Release(ctx, now); err != nil {
 				t.Fatal(err)
@@ -137,15 +129,7 @@ func TestHybridReleaseLiftsOlderReservation(t *testing.T) {
 			if k := rdb.HGet(ctx, key, "k").Val(); k != "" {
 				t.Errorf("credit still reserved for a daemon that stopped and settled: k = %q", k)
 			}
-			admitted := 1
-			for i := 0; i < 40; i++ {
-				if take(b, now, key, lim, 1).Allowed {
-					admitted++
-				}
-				if i%3 == 2 {
-					syncAll(t, now, b)
-				}
-			}
+			admitted := 1 + takeSyncing(t, b, now, key, lim, 40)
 			if admitted != 19 {
 				t.Fatalf("a admitted 1 and stopped; b then admitted %d of the 19 left", admitted)
 			}
@@ -219,4 +203,20 @@ func TestHybridReleaseDropsSyncRecord(t *testing.T) {
 			}
 		})
 	}
+}
+
+// takeSyncing makes n requests of one unit on key under lim at h, syncing h after every
+// third as a daemon's run loop would, and returns how many were admitted.
+func takeSyncing(t *testing.T, h *Hybrid, now int64, key string, lim *localbucket.Limit, n int) int {
+	t.Helper()
+	admitted := 0
+	for i := range n {
+		if take(h, now, key, lim, 1).Allowed {
+			admitted++
+		}
+		if i%3 == 2 {
+			syncAll(t, now, h)
+		}
+	}
+	return admitted
 }
