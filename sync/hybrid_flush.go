@@ -388,13 +388,18 @@ func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
 		synced int64
 	}
 	var held []syncItem
+	var rest []leaving
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
 		for _, e := range sh.m {
-			if e.flags&flagBusy == 0 && e.holds() {
+			switch {
+			case e.flags&flagBusy != 0:
+			case e.holds():
 				e.short = 0
 				held = append(held, h.snapshot(sh, e, now, modeLeave, 0))
+			case e.synced > 0 && e.synced >= lately:
+				rest = append(rest, leaving{sh, e, e.synced})
 			}
 		}
 		sh.mu.Unlock()
@@ -406,21 +411,6 @@ func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
 		n, err := h.settle(ctx, held, true)
 		sent += n
 		errs = append(errs, err)
-	}
-	// Then the keys holding nothing, those just settled among them: a leave that settles
-	// nothing also drops this daemon's record of its last sync of the key (hybrid.lua),
-	// which a key kept alive by steady use otherwise held for good, one per daemon that
-	// ever synced it.
-	var rest []leaving
-	for i := range h.shards {
-		sh := &h.shards[i]
-		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.flags&flagBusy == 0 && !e.holds() && e.synced > 0 && e.synced >= lately {
-				rest = append(rest, leaving{sh, e, e.synced})
-			}
-		}
-		sh.mu.Unlock()
 	}
 	if len(rest) == 0 {
 		return sent, errors.Join(errs...)

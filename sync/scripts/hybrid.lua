@@ -39,8 +39,7 @@
 -- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
 -- "prev_token token grant used window", written by a sync that changed the key's count
 -- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
--- last record: replaying it, or losing its reply, has nothing to count twice; a leave
--- that settles nothing drops it: the daemon is gone).
+-- last record: replaying it, or losing its reply, has nothing to count twice).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -525,13 +524,6 @@ for i = 1, nkeys do
       -- below 10^14, so a record reads the same to a daemon running the previous script.
       f[#f + 1] = string.format('%d %d %d %d %s', prev_token, token, grant, used, ws)
     end
-    -- A daemon leaving a key it holds nothing of (its last sync confirmed, nothing to
-    -- settle: a resend of this sync would count nothing either) drops its record, which
-    -- no sync of it will read again. Kept, the records of every daemon that ever synced
-    -- a key stayed for as long as steady use kept the key (one per restart under the
-    -- default --daemon-id).
-    local droprec = rec and mode == 2 and not replay and not resent and settle == 0 and
-      reserve == 0 and not (win and settled_grant > 0)
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
     -- records must last: need ms from now. The TTL grows only when it ends sooner, and
     -- then by up to 10 s more, so a key synced often is given a TTL every 10 s, not at
@@ -567,7 +559,6 @@ for i = 1, nkeys do
     elseif drop_o then
       redis.call('HDEL', key, 'o')
     end
-    if droprec then redis.call('HDEL', key, rfield) end
     if expire then redis.call('PEXPIRE', key, expire) end
     local r = (i - 1) * 7
     out[r + 1] = grant
