@@ -37,9 +37,10 @@
 -- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
 -- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
--- "prev_token token grant used window", written by a sync that changed the key's count
+-- "prev_token token grant used window written_s", written by a sync that changed the key's count
 -- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
--- last record: replaying it, or losing its reply, has nothing to count twice).
+-- last record: replaying it, or losing its reply, has nothing to count twice); sn, sp =
+-- the bookkeeping of pruning old records (prune_records).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -131,6 +132,55 @@ local function num(x) return string.format('%.17g', x) end
 local credit_life = 60000000
 local me = string.format('%s %d', id, epoch) -- the last user, as this sync records it (%d: see the record)
 local now_ms = math.floor(now / 1000)
+local now_s = math.floor(now / 1000000)
+
+-- A key's sync records (s:<daemon id>) are read only by their own daemon, at its next sync
+-- of the key, to tell a resent sync from a new one and a grant the key gave from one it
+-- never did. They live with the key, and a key kept alive by steady use would keep one
+-- for every daemon id that ever synced it: one per restart under the default
+-- --daemon-id, 60-80 bytes each, for as long as the key is used. So every prune_every-th
+-- record of a daemon new to a live key (field sn counts them), the sync that writes it
+-- drops the records not written for record_life s. A daemon syncs every key it holds
+-- anything of at every interval, and retries a lost reply within seconds: a record that
+-- old is one its daemon has no more use for, unless that daemon kept a grant through ten
+-- minutes without Redis; then its next sync counts everything it used since its last
+-- confirmed sync, on top of the grant still reserved: too much, never too little. A record without its time (written by a script before this one): dropped
+-- once a prune has seen such records for record_life s (field sp: since when); the
+-- daemon that wrote it may still be running that script, which would not read a record
+-- rewritten with a time.
+local record_life = 600
+local prune_every = 16
+local function prune_records(key)
+  local all = redis.call('HGETALL', key)
+  local stale, untimed, sp = {}, {}, nil
+  for j = 1, #all - 1, 2 do
+    local name = all[j]
+    if name == 'sp' then
+      sp = tonumber(all[j + 1])
+    elseif string.sub(name, 1, 2) == 's:' and name ~= rfield then
+      local at = tonumber(string.match(all[j + 1], '^%S+ %S+ %S+ %S+ %S+ (%d+)$'))
+      if not at then
+        untimed[#untimed + 1] = name
+      elseif now_s - at > record_life then
+        stale[#stale + 1] = name
+      end
+    end
+  end
+  if #untimed > 0 then
+    if not sp then
+      redis.call('HSET', key, 'sp', now_s)
+    elseif now_s - sp > record_life then
+      for j = 1, #untimed do stale[#stale + 1] = untimed[j] end
+      stale[#stale + 1] = 'sp'
+    end
+  elseif sp then
+    stale[#stale + 1] = 'sp'
+  end
+  -- In chunks: unpack of a long list overflows Lua's stack.
+  for j = 1, #stale, 1000 do
+    redis.call('HDEL', key, unpack(stale, j, math.min(j + 999, #stale)))
+  end
+end
 
 local out
 if nkeys == 1 then out = {0, 0, 0, 0, 0, 0, 0} else out = {} end -- one key: made at its size
@@ -153,14 +203,14 @@ for i = 1, nkeys do
   local h
   if mode == 0 and demand > 0 then
     if win then
-      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp', 'g')
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp', 'g', 'sn')
     else
-      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er')
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er', 'sn')
     end
   elseif win then
-    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'g')
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'g', 'sn')
   else
-    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er')
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er', 'sn')
   end
   if h.err then
     -- not served here (a slot moved): nothing touched
@@ -213,7 +263,7 @@ for i = 1, nkeys do
         settle, demand = 0, 0
         settled_grant = 0
       elseif rp == prev_token and rt ~= prev_token then
-        local _, _, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+        local _, _, rg, ru, rw = string.match(rec, '^(%S+) (%S+) (%S+) (%S+) (%S+)')
         -- our previous sync was applied but we never got its answer: it settled ru against
         -- prev_grant and reserved rg. Count only what was used since, against rg.
         settle = (used - tonumber(ru)) - tonumber(rg)
@@ -522,7 +572,18 @@ for i = 1, nkeys do
       -- Integers formatted as integers (%d): Lua's own number-to-string (%.14g, what a
       -- concatenation uses) costs several times as much. The same text for every value
       -- below 10^14, so a record reads the same to a daemon running the previous script.
-      f[#f + 1] = string.format('%d %d %d %d %s', prev_token, token, grant, used, ws)
+      -- Then when it was written (s of Redis TIME), for prune_records.
+      f[#f + 1] = string.format('%d %d %d %d %s %d', prev_token, token, grant, used, ws, now_s)
+      -- A record of a daemon new to a key that lives on: counted, and every 16th such
+      -- record the key's stale ones go (see prune_records).
+      if not rec and t0 then
+        local sn = (tonumber(h[#h]) or 0) + 1
+        if sn >= prune_every then
+          prune_records(key)
+          sn = 0
+        end
+        f[#f + 1] = 'sn'; f[#f + 1] = sn
+      end
     end
     -- Keep the key while it carries state, for the epochs, and for as long as the sync
     -- records must last: need ms from now. The TTL grows only when it ends sooner, and

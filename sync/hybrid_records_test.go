@@ -1,0 +1,161 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// records returns the names of key's sync records.
+func records(t *testing.T, rdb redis.UniversalClient, key string) map[string]string {
+	t.Helper()
+	all, err := rdb.HGetAll(context.Background(), key).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs := map[string]string{}
+	for k, v := range all {
+		if strings.HasPrefix(k, "s:") {
+			recs[k] = v
+		}
+	}
+	return recs
+}
+
+// A key kept alive by steady use kept a sync record for every daemon id that ever synced
+// it, one per restart under the default --daemon-id, for as long as it was used. Every
+// 16th daemon new to a live key now drops the records not written for ten minutes
+// (records of the previous script, which carry no time, ten minutes after a prune first
+// saw them); the others stay, and the counts stay exact.
+func TestHybridPrunesStaleSyncRecords(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			srv := redistest.StartStandalone(t)
+			rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { rdb.Close() })
+			ctx := context.Background()
+			lim := mustLimit(t, alg, 1000, 1000*time.Hour) // a token bucket refills a unit an hour: none in the test
+			key := "rl:records:{user=steady}"
+			now := time.Now().UnixNano()
+			admitted := 0
+			steady := NewHybrid(rdb, HybridOptions{ID: "steady"})
+			use := func(h *Hybrid) {
+				t.Helper()
+				if r := take(h, now, key, lim, 1); !r.Allowed {
+					t.Fatalf("refused: %+v", r)
+				}
+				admitted++
+				syncAll(t, now, h)
+			}
+			use(steady)
+
+			tm, err := rdb.Time(ctx).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := tm.Unix()
+			// Records of gone daemons: 40 written 11 minutes ago, 3 a minute ago, and 5 by
+			// the previous script (no time).
+			for i := 0; i < 40; i++ {
+				rdb.HSet(ctx, key, fmt.Sprint("s:old-", i), fmt.Sprintf("7 8 0 1 0 %d", s-660))
+			}
+			for i := 0; i < 3; i++ {
+				rdb.HSet(ctx, key, fmt.Sprint("s:recent-", i), fmt.Sprintf("7 8 0 1 0 %d", s-60))
+			}
+			for i := 0; i < 5; i++ {
+				rdb.HSet(ctx, key, fmt.Sprint("s:untimed-", i), "7 8 0 1 0")
+			}
+
+			var ds []*Hybrid
+			newcomers := func(name string, n int) {
+				for i := 0; i < n; i++ {
+					h := NewHybrid(rdb, HybridOptions{ID: fmt.Sprint(name, "-", i)})
+					ds = append(ds, h)
+					use(h)
+					use(steady)
+				}
+			}
+			newcomers("a", 15)
+			if n := len(records(t, rdb, key)); n != 1+40+3+5+15 {
+				t.Fatalf("%d records after 15 daemons new to the key, want every one kept until the 16th", n)
+			}
+			newcomers("b", 1)
+			recs := records(t, rdb, key)
+			for name := range recs {
+				if strings.HasPrefix(name, "s:old-") {
+					t.Fatalf("record %s, 11 minutes old, kept by the 16th daemon new to the key", name)
+				}
+			}
+			if n := len(recs); n != 1+3+5+16 {
+				t.Fatalf("%d records after the prune, want %d: the steady daemon's, the recent ones, the untimed ones and the 16 new daemons'", n, 1+3+5+16)
+			}
+			if v := recs["s:a-0"]; len(strings.Fields(v)) != 6 {
+				t.Fatalf("record %q: want six fields, the last the time it was written", v)
+			}
+			// The untimed records go at the first prune ten minutes after one saw them.
+			sp, err := rdb.HGet(ctx, key, "sp").Int64()
+			if err != nil {
+				t.Fatalf("no sp after a prune saw untimed records: %v", err)
+			}
+			rdb.HSet(ctx, key, "sp", sp-601)
+			newcomers("c", 16)
+			recs = records(t, rdb, key)
+			for name := range recs {
+				if strings.HasPrefix(name, "s:untimed-") {
+					t.Fatalf("record %s kept ten minutes after a prune first saw it", name)
+				}
+			}
+			if n := len(recs); n != 1+3+32 {
+				t.Fatalf("%d records after the second prune, want %d", n, 1+3+32)
+			}
+			if ex, _ := rdb.HExists(ctx, key, "sp").Result(); ex {
+				t.Fatal("sp kept with no untimed record left")
+			}
+
+			// Every daemon still syncs exactly: each admits more, then they all leave.
+			for _, h := range append(ds, steady) {
+				for i := 0; i < 3; i++ {
+					if r := take(h, now, key, lim, 1); !r.Allowed {
+						t.Fatalf("refused: %+v", r)
+					}
+					admitted++
+				}
+			}
+			syncAll(t, now, append(ds, steady)...)
+			for _, h := range append(ds, steady) {
+				if err := h.Release(ctx, now); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var counted float64
+			if alg == localbucket.TokenBucket {
+				tt, err := rdb.HGet(ctx, key, "t").Float64()
+				if err != nil {
+					t.Fatal(err)
+				}
+				tm, err := rdb.Time(ctx).Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				counted = (tt - float64(tm.UnixMicro())) / float64(time.Hour.Microseconds())
+			} else {
+				counted, err = rdb.HGet(ctx, key, "n").Float64()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			if counted < float64(admitted)-0.01 || counted > float64(admitted)+0.01 {
+				t.Fatalf("Redis counts %.3f units; the daemons admitted %d", counted, admitted)
+			}
+		})
+	}
+}
