@@ -4,16 +4,21 @@
 --     lua-prepend-path /usr/share/rlsidecar/lua/?.lua
 --     lua-load /usr/share/rlsidecar/lua/haproxy/rlsidecar.lua
 --
--- and use its two actions in an HTTP frontend (examples/haproxy.cfg):
+-- and use its action in an HTTP frontend, with rules that add its headers to the
+-- response (examples/haproxy.cfg):
 --
 --   http-request  lua.rlsidecar unix@/run/rlsidecar/rlsidecar.sock open 50
---   http-response lua.rlsidecar_headers
+--   http-after-response set-header RateLimit-Policy %[var(txn.rlsidecar_ratelimit_policy)] if { var(txn.rlsidecar_ratelimit_policy) -m found }
+--   http-after-response set-header RateLimit %[var(txn.rlsidecar_ratelimit)] if { var(txn.rlsidecar_ratelimit) -m found }
+--   http-after-response set-header RateLimit-Warning %[var(txn.rlsidecar_ratelimit_warning)] if { var(txn.rlsidecar_ratelimit_warning) -m found }
 --
+-- (or `http-response lua.rlsidecar_headers`, the action that adds them to the server's
+-- responses only, not to HAProxy's own: a 502, a 503, a 504).
 -- `lua.rlsidecar SOCKET POLICY TIMEOUT_MS` checks the request's attributes ip (the
 -- client address; an IPv4-mapped IPv6 one as its IPv4 address), method and path with the daemon at SOCKET
 -- (unix@/path). A rejection is answered at once: 429 with Retry-After, RateLimit-Policy,
 -- RateLimit and a problem+json body, exactly as the Go client. An allowed request goes on,
--- and `lua.rlsidecar_headers` adds RateLimit-Policy and RateLimit to its response. When
+-- and the rules above add RateLimit-Policy and RateLimit to its response. When
 -- the sidecar gives no answer within TIMEOUT_MS (or the socket is missing), POLICY
 -- decides: `open` lets the request through without rate-limit headers, `closed` answers
 -- 503 with Retry-After: 1; the decision is degraded either way and the cause is logged.
@@ -353,6 +358,12 @@ end
 local REASONS = { [429] = "Too Many Requests", [431] = "Request Header Fields Too Large", [503] = "Service Unavailable" }
 
 local BAD_COST_BODY = http.BAD_COST_BODY
+-- The transaction variables an allowed check's headers are set in (see action).
+local HEADER_VARS = {
+  ["RateLimit-Policy"] = "txn.rlsidecar_ratelimit_policy",
+  ["RateLimit"] = "txn.rlsidecar_ratelimit",
+  ["RateLimit-Warning"] = "txn.rlsidecar_ratelimit_warning",
+}
 
 -- cost_of returns the cost in txn.rlsidecar_cost (v, as get_var gives it): 1 when not
 -- set (nil or ""), the integer it holds when it is one (decimal digits; past 2^53, 2^53:
@@ -441,7 +452,16 @@ local function action(txn, address, policy, timeout)
   end
   -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
   -- rule's slot, the open connection that holds it, until the transaction ends.
-  txn:set_priv({ headers = http.headers(d), lease_sock = d.sock })
+  local headers = http.headers(d)
+  txn:set_priv({ headers = headers, lease_sock = d.sock })
+  -- And in transaction variables, for http-after-response set-header: those rules run
+  -- for every response, HAProxy's own too (a 502, a 503, a 504), where http-response
+  -- rules, lua.rlsidecar_headers among them, do not, and HAProxy 2.6 runs no Lua action
+  -- there.
+  for name, var in pairs(HEADER_VARS) do
+    local v = headers[name]
+    if v then txn:set_var(var, v) end
+  end
   if d.sock then
     if first then
       conn = conn or connection_key(txn)

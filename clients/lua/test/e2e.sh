@@ -314,6 +314,15 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
 grep -q "txn.rlsidecar_cost" "$tmp/haproxy.cfg" || { echo "e2e: no set-var(txn.rlsidecar_user) line in examples/haproxy.cfg to add the cost after" >&2; exit 1; }
+# /gone/ goes to a server that is down: HAProxy answers 503 itself.
+sed -i -e "s#^    default_backend app#    use_backend gone if { path_beg /gone/ }\n&#" "$tmp/haproxy.cfg"
+grep -q "use_backend gone" "$tmp/haproxy.cfg" || { echo "e2e: no default_backend line in examples/haproxy.cfg" >&2; exit 1; }
+cat >>"$tmp/haproxy.cfg" <<EOF
+
+backend gone
+    retries 0
+    server down 127.0.0.1:$(free_port)
+EOF
 grep -q "rl.sock open 2000" "$tmp/haproxy.cfg" || { echo "e2e: examples/haproxy.cfg no longer has 'open 50'" >&2; exit 1; }
 haproxy -db -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
 pids+=($!)
@@ -376,6 +385,17 @@ WANT
 
 burst nginx "$nginx_port" ngx-alice
 burst haproxy "$hap_port" hap-alice
+
+echo "-- haproxy: its own answer for an allowed request (503, the server down) carries the headers"
+# http-response rules, lua.rlsidecar_headers among them, do not run for HAProxy's own
+# answers; the example's http-after-response rules do.
+for i in 1 2; do
+  request GET "http://127.0.0.1:$hap_port/gone/x" hap-gone
+  expect "haproxy, server down, request $i: HAProxy's 503" "$status" 503
+  expect "haproxy, server down, request $i: RateLimit-Policy" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60')"
+  expect_re "haproxy, server down, request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=[0-9]+$"
+  expect "haproxy, server down, request $i: RateLimit-Warning" "$(header ratelimit-warning)" "$( ((i >= 2)) && lc '"per-user"')"
+done
 
 echo "-- haproxy: txn.rlsidecar_cost (here from an X-Cost header) that is not a cost is a 400, whatever the policy"
 # It took the policy ("open": allowed, past every limit) or became cost 1.
