@@ -43,7 +43,20 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			}
 			t.Cleanup(func() { rdb.Close() })
 			ctx := context.Background()
-			lim := mustLimit(t, alg, 1000, 1000*time.Hour) // a token bucket refills a unit an hour: none in the test
+			// Limits whose state holds a reservation for less than ten minutes (a token
+			// bucket's burst, a window or two), so that records go ten minutes after
+			// they were written.
+			lim := mustLimit(t, alg, 1000, 5*time.Minute)
+			if alg == localbucket.SlidingWindow {
+				lim = mustLimit(t, alg, 1000, 4*time.Minute)
+			}
+			if alg == localbucket.TokenBucket {
+				l, err := localbucket.NewLimit(alg, 100, 270*time.Second, 200) // a unit every 2.7 s
+				if err != nil {
+					t.Fatal(err)
+				}
+				lim = &l
+			}
 			key := "rl:records:{user=steady}"
 			now := time.Now().UnixNano()
 			admitted := 0
@@ -66,7 +79,7 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			// Records of gone daemons: 40 written 11 minutes ago, 3 a minute ago, and 5 by
 			// the previous script (no time).
 			for i := 0; i < 40; i++ {
-				rdb.HSet(ctx, key, fmt.Sprint("s:old-", i), fmt.Sprintf("7 8 0 1 0 %d", s-660))
+				rdb.HSet(ctx, key, fmt.Sprint("s:old-", i), fmt.Sprintf("7 8 0 1 0 %d", s-700))
 			}
 			for i := 0; i < 3; i++ {
 				rdb.HSet(ctx, key, fmt.Sprint("s:recent-", i), fmt.Sprintf("7 8 0 1 0 %d", s-60))
@@ -136,26 +149,84 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			var counted float64
-			if alg == localbucket.TokenBucket {
+			end, err := rdb.Time(ctx).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var counted, slack float64
+			switch alg {
+			case localbucket.TokenBucket:
 				tt, err := rdb.HGet(ctx, key, "t").Float64()
 				if err != nil {
 					t.Fatal(err)
 				}
-				tm, err := rdb.Time(ctx).Result()
-				if err != nil {
-					t.Fatal(err)
+				T := 2.7e6 // µs a unit
+				counted = (tt - float64(end.UnixMicro())) / T
+				slack = float64(end.Sub(tm).Microseconds()) / T // refilled since the first unit
+			case localbucket.FixedWindow:
+				if w := int64(lim.Window()); tm.UnixNano()/w != end.UnixNano()/w {
+					t.Skip("the window turned during the test")
 				}
-				counted = (tt - float64(tm.UnixMicro())) / float64(time.Hour.Microseconds())
-			} else {
 				counted, err = rdb.HGet(ctx, key, "n").Float64()
-				if err != nil {
-					t.Fatal(err)
-				}
+			default:
+				var np []float64
+				np, err = hfloats(rdb, key, "n", "p")
+				counted = np[0] + np[1]
 			}
-			if counted < float64(admitted)-0.01 || counted > float64(admitted)+0.01 {
-				t.Fatalf("Redis counts %.3f units; the daemons admitted %d", counted, admitted)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if counted < float64(admitted)-slack-0.01 || counted > float64(admitted)+0.01 {
+				t.Fatalf("Redis counts %.3f units (%.3f refilled); the daemons admitted %d", counted, slack, admitted)
 			}
 		})
+	}
+}
+
+// hfloats reads fields of key as numbers (0 when missing).
+func hfloats(rdb redis.UniversalClient, key string, fields ...string) ([]float64, error) {
+	vs, err := rdb.HMGet(context.Background(), key, fields...).Result()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float64, len(vs))
+	for i, v := range vs {
+		if v != nil {
+			fmt.Sscan(v.(string), &out[i])
+		}
+	}
+	return out, nil
+}
+
+// A record lasts at least as long as its key's state can hold a reservation (a window,
+// two sliding ones, a token bucket's burst), plus a minute: a daemon keeps its view of a
+// key, grant included, until the key is full again, and its next sync needs the record
+// to tell that grant for the key's. An hour's window keeps records 20 minutes old.
+func TestHybridKeepsRecordsAsLongAsAReservation(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	key := "rl:records:{user=hourly}"
+	now := time.Now().UnixNano()
+	steady := NewHybrid(rdb, HybridOptions{ID: "steady"})
+	take(steady, now, key, lim, 1)
+	syncAll(t, now, steady)
+	tm, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rdb.HSet(ctx, key, "s:twenty-minutes", fmt.Sprintf("7 8 3 1 0 %d", tm.Unix()-1200))
+	rdb.HSet(ctx, key, "s:two-hours", fmt.Sprintf("7 8 3 1 0 %d", tm.Unix()-7200))
+	for i := 0; i < 16; i++ {
+		h := NewHybrid(rdb, HybridOptions{ID: fmt.Sprint("new-", i)})
+		take(h, now, key, lim, 1)
+		syncAll(t, now, h)
+	}
+	recs := records(t, rdb, key)
+	if _, ok := recs["s:twenty-minutes"]; !ok {
+		t.Error("a record 20 minutes old dropped from a key whose window is an hour")
+	}
+	if _, ok := recs["s:two-hours"]; ok {
+		t.Error("a record two hours old kept on a key whose window is an hour")
 	}
 }

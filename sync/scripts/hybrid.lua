@@ -140,17 +140,21 @@ local now_s = math.floor(now / 1000000)
 -- for every daemon id that ever synced it: one per restart under the default
 -- --daemon-id, 60-80 bytes each, for as long as the key is used. So every prune_every-th
 -- record of a daemon new to a live key (field sn counts them), the sync that writes it
--- drops the records not written for record_life s. A daemon syncs every key it holds
--- anything of at every interval, and retries a lost reply within seconds: a record that
--- old is one its daemon has no more use for, unless that daemon kept a grant through ten
--- minutes without Redis; then its next sync counts everything it used since its last
--- confirmed sync, on top of the grant still reserved: too much, never too little. A record without its time (written by a script before this one): dropped
--- once a prune has seen such records for record_life s (field sp: since when); the
--- daemon that wrote it may still be running that script, which would not read a record
--- rewritten with a time.
+-- drops the records not written for record_life s, or for as long as the key's state can
+-- hold a reservation (a token bucket's burst, a window or two), plus a minute, if that
+-- is longer. A daemon retries a lost reply within seconds; a grant is its key's only
+-- while its record lasts, and a daemon keeps its view of a key, grant included, until
+-- the key is full again. So a record that old is one its daemon has no more use for,
+-- unless that daemon kept a grant through that long without Redis; then its next sync
+-- counts everything it used since its last confirmed sync, on top of the grant still
+-- reserved: too much, never too little. A record without its time (written by a script
+-- before this one): dropped once a prune has seen such records for as long (field sp:
+-- since when); the daemon that wrote it may still be running that script, which would
+-- not read a record rewritten with a time.
 local record_life = 600
 local prune_every = 16
-local function prune_records(key)
+local function prune_records(key, life)
+  life = math.max(record_life, life)
   local all = redis.call('HGETALL', key)
   local stale, untimed, sp = {}, {}, nil
   for j = 1, #all - 1, 2 do
@@ -161,7 +165,7 @@ local function prune_records(key)
       local at = tonumber(string.match(all[j + 1], '^%S+ %S+ %S+ %S+ %S+ (%d+)$'))
       if not at then
         untimed[#untimed + 1] = name
-      elseif now_s - at > record_life then
+      elseif now_s - at > life then
         stale[#stale + 1] = name
       end
     end
@@ -169,7 +173,7 @@ local function prune_records(key)
   if #untimed > 0 then
     if not sp then
       redis.call('HSET', key, 'sp', now_s)
-    elseif now_s - sp > record_life then
+    elseif now_s - sp > life then
       for j = 1, #untimed do stale[#stale + 1] = untimed[j] end
       stale[#stale + 1] = 'sp'
     end
@@ -579,7 +583,9 @@ for i = 1, nkeys do
       if not rec and t0 then
         local sn = (tonumber(h[#h]) or 0) + 1
         if sn >= prune_every then
-          prune_records(key)
+          local span = window -- a fixed window's; a token bucket's burst; two sliding windows
+          if alg == 0 then span = burst * window / requests elseif alg == 1 then span = 2 * window end
+          prune_records(key, math.ceil(span / 1000000) + 60)
           sn = 0
         end
         f[#f + 1] = 'sn'; f[#f + 1] = sn
