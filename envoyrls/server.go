@@ -123,6 +123,13 @@ type Config struct {
 	// body has begun, to end (default 5s, as the socket server's --frame-timeout): past
 	// it the connection is closed and what it held freed.
 	FrameTimeout time.Duration
+	// ChargeRefused: a refused call still consumes, on each of its descriptors, what
+	// that descriptor's rules have left, up to its hits (--envoy-charge-refused). For
+	// the costs Envoy sends once a response is done (apply_on_stream_done: a response's
+	// tokens, its bytes), in a call whose answer it ignores: refused, such a cost
+	// charged nothing, so a budget of them never ran out. envoyproxy/ratelimit counts
+	// every hit, over the limit or not. The answer is the same either way.
+	ChargeRefused bool
 	// Recorder, when set, counts every decision.
 	Recorder Recorder
 	Logger   *slog.Logger
@@ -163,6 +170,7 @@ type Server struct {
 	errs     ErrorRecorder        // Config.Recorder's EnvoyErrorAnswered, when it has one
 	conns    map[*h2conn]struct{} // the native transport's connections, under mu
 	connWG   sync.WaitGroup       // their goroutines
+	charging sync.WaitGroup       // charges of refused calls that wait on Redis (chargeRefused)
 }
 
 // New returns a server deciding with lim. Call Listen, then Serve.
@@ -404,7 +412,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		if s.ln != nil {
 			_ = s.ln.Close()
 		}
-		return s.shutdownNative(ctx)
+		err := s.shutdownNative(ctx)
+		if e := s.waitCharges(ctx); err == nil {
+			err = e
+		}
+		return err
 	}
 	done := make(chan struct{})
 	go func() {
@@ -418,13 +430,29 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}()
 	select {
 	case <-done:
-		return nil
+		return s.waitCharges(ctx)
 	case <-ctx.Done():
 		if g != nil {
 			g.Stop()
 		}
 		<-done
 		return fmt.Errorf("envoy rls: calls still in flight at the deadline were cut: %w", ctx.Err())
+	}
+}
+
+// waitCharges waits, within ctx, for the charges of refused calls that went on
+// goroutines of their own (chargeRefused).
+func (s *Server) waitCharges(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		s.charging.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("envoy rls: charges of refused calls still waiting on Redis at the deadline: %w", ctx.Err())
 	}
 }
 
@@ -553,6 +581,7 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 		return false, nil
 	}
 	s.finish(now, sc)
+	s.chargeRefused(now, sc, false)
 	return true, nil
 }
 
@@ -569,7 +598,118 @@ func (s *Server) decide(sc *scratch) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	s.finish(now, sc)
+	s.chargeRefused(now, sc, true)
 	return nil
+}
+
+// chargeRefused charges a refused call (Config.ChargeRefused; sc.d decided and answered)
+// on each of its descriptors: what the descriptor's rules have left, up to its hits, in
+// one check of those descriptors alone. A descriptor whose rules were not asked (another
+// refused first) is charged its hits if they fit, what is left if not. A banned call,
+// shadow and concurrency rules, and descriptors with nothing left, are not charged. If
+// another call takes units meanwhile, the check is refused and made again on what is
+// left then, at most three times. mayWait false (a transport's connection loop): a charge
+// that would wait on Redis goes on a goroutine of its own, with copies of the call's
+// strings, and the answer does not wait for it.
+func (s *Server) chargeRefused(now int64, sc *scratch, mayWait bool) {
+	d := &sc.d
+	if !s.cfg.ChargeRefused || d.Allowed || d.Banned {
+		return
+	}
+	parts := chargeParts(d, sc.parts, nil)
+	if len(parts) == 0 {
+		return
+	}
+	if !mayWait {
+		var c limiter.Decision
+		in := limiter.Input{Parts: parts}
+		if waits, err := s.lim.Prepare(&in, &c); err == nil && !waits && s.lim.DecideInline(now, &c) {
+			s.charged(now, &c)
+			if c.Allowed {
+				return
+			}
+		}
+		for i := range parts {
+			parts[i] = ownPart(parts[i])
+		}
+		s.charging.Add(1)
+		go func() {
+			defer s.charging.Done()
+			s.charge(parts)
+		}()
+		return
+	}
+	s.charge(parts)
+}
+
+// charge checks parts until they pass or three tries are refused, each try on what the
+// one before found left.
+func (s *Server) charge(parts []limiter.Part) {
+	var d limiter.Decision
+	for range 3 {
+		now := s.now()
+		if err := s.lim.Check(now, &limiter.Input{Parts: parts}, &d); err != nil {
+			return
+		}
+		s.charged(now, &d)
+		if d.Allowed || d.Banned {
+			return
+		}
+		if parts = chargeParts(&d, parts, parts[:0:0]); len(parts) == 0 {
+			return
+		}
+	}
+}
+
+// charged gives back a lease a charge took (a concurrency rule matching a charged
+// descriptor asks a slot; Envoy's protocol holds none).
+func (s *Server) charged(now int64, d *limiter.Decision) {
+	if tok := s.lim.LeaseToken(d); tok != "" {
+		s.lim.ReleaseLease(tok, now)
+	}
+}
+
+// chargeParts returns, appended to dst, the parts of refused decision d to charge, each
+// with its cost cut to what its rules have left (see chargeRefused).
+func chargeParts(d *limiter.Decision, parts []limiter.Part, dst []limiter.Part) []limiter.Part {
+	for p := range parts {
+		cost, matched := parts[p].Cost, false
+		for i := range d.Results {
+			r := &d.Results[i]
+			if r.Part != p || r.Shadow || r.Rule != nil && r.Rule.Concurrency {
+				continue
+			}
+			matched = true
+			if !r.Unasked { // an unasked rule's Remaining was not read
+				cost = min(cost, r.Remaining)
+			}
+		}
+		if matched && cost > 0 {
+			q := parts[p]
+			q.Cost = cost
+			dst = append(dst, q)
+		}
+	}
+	return dst
+}
+
+// ownPart returns p with copies of the strings it refers to (a call's strings are its
+// request's bytes, which the next call reuses).
+func ownPart(p limiter.Part) limiter.Part {
+	attrs := make([]rules.Attr, len(p.Attrs))
+	for i, a := range p.Attrs {
+		attrs[i] = rules.Attr{Name: strings.Clone(a.Name), Value: strings.Clone(a.Value)}
+	}
+	p.Attrs = attrs
+	if p.Limits != nil {
+		lims := make([]limiter.Inline, len(p.Limits))
+		for i, l := range p.Limits {
+			l.Key, l.Name, l.Algorithm, l.Mode = strings.Clone(l.Key), strings.Clone(l.Name), strings.Clone(l.Algorithm), strings.Clone(l.Mode)
+			lims[i] = l
+		}
+		p.Limits = lims
+	}
+	return p
 }
 
 // finish completes a decision in sc: a lease it took is given back, the decision is

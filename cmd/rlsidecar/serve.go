@@ -99,6 +99,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	breakerFailures := fs.Int("breaker-failures", 3, "consecutive failed Redis calls that open the circuit breaker (no call waits on Redis while it is open; on a Redis Cluster one breaker per master, for its keys)")
 	breakerCooldown := fs.Duration("breaker-cooldown", time.Second, "the longest wait of an open breaker before it lets one probe through (the first after an eighth of it, each failed probe doubling the wait)")
 	envoyRLS := fs.String("envoy-rls", "", "also serve Envoy's rate limit service API (gRPC) on unix:PATH or HOST:PORT; empty: off")
+	envoyChargeRefused := fs.Bool("envoy-charge-refused", false, "a refused Envoy call still consumes, on each descriptor, what its rules have left, up to its hits_addend, as envoyproxy/ratelimit counts every hit: for the costs Envoy sends once a response is done (apply_on_stream_done), whose answer it ignores")
 	envoyTransport := fs.String("envoy-rls-transport", envoyrls.DefaultTransport, "the Envoy listener's transport: native (rlsidecar's own HTTP/2 server for ShouldRateLimit and Health/Check) or grpc-go (google.golang.org/grpc, which also serves Health/Watch)")
 	if err := noPositional(fs, args); err != nil {
 		return err
@@ -422,7 +423,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}()
 	if *envoyRLS != "" {
 		rc := envoyrls.Config{Addr: *envoyRLS, SocketMode: os.FileMode(mode), SocketGroup: *socketGroup, Transport: *envoyTransport, Logger: log,
-			WriteTimeout: *writeTimeout, FrameTimeout: *frameTimeout, Clock: clock.Now} // the socket's clock: one limiter, one clock
+			WriteTimeout: *writeTimeout, FrameTimeout: *frameTimeout, Clock: clock.Now, // the socket's clock: one limiter, one clock
+			ChargeRefused: *envoyChargeRefused}
 		if activated.envoy != nil {
 			rc.Listener = activated.envoy
 		}
