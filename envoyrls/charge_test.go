@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"testing"
 
-	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -99,4 +98,3 @@ func sv(t *testing.T, s *Server, tr string) *served {
 	return x
 }
 
-var _ = commonrl.RateLimitDescriptor{}
