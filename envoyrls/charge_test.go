@@ -97,4 +97,3 @@ func sv(t *testing.T, s *Server, tr string) *served {
 	t.Cleanup(func() { delete(servedBy, s) })
 	return x
 }
-
