@@ -342,6 +342,7 @@ class AsyncClient:
         """One attempt of _round_trip: the answer map, a str saying why there is none, or
         a _NotRead (the sidecar certainly did not read it)."""
         woken = False
+        closing = False  # this check waited for a closing connection to be given up
         while True:
             conn = self._conn
             if conn is None:
@@ -350,6 +351,16 @@ class AsyncClient:
                     return conn
             if conn.broken is not None:
                 return conn.broken
+            if conn.transport.is_closing():
+                # A write failed (EPIPE: a restart's drain closed the connection) or the
+                # sidecar closed it, and the connection_lost that gives it up is due: the
+                # transport would drop this frame unsent, and the check get the policy.
+                # Nothing was sent: wait for that, then go to a new connection.
+                if loop.time() >= deadline:
+                    return "no answer within the timeout"
+                await asyncio.sleep(0.001 if closing else 0)  # connection_lost runs first
+                closing = True
+                continue
             # Room, and no earlier check waiting for it (one just woken goes first).
             if len(conn.pending) < MAX_PENDING and (woken or not conn.room):
                 break
