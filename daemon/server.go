@@ -405,15 +405,7 @@ func (s *Server) refuse(c *net.UnixConn, code, msg string) {
 	enc.EncodeError(0, code, msg)
 	_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
 	_, _ = c.Write(enc.Bytes())
-	if s.lingering.Add(1) > maxLingering {
-		s.lingering.Add(-1)
-		_ = c.Close() // a flood of refusals: no more goroutines for it
-		return
-	}
-	go func() {
-		defer s.lingering.Add(-1)
-		lingerClose(c)
-	}()
+	s.lingerLater(c) // past maxLingering, a flood of refusals: closed at once
 }
 
 // A connection closed after an error answer (too_many_connections, frame_too_large,
@@ -678,9 +670,14 @@ const readBufSize = 16 << 10
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer s.untrack(c)
 	var cut *atomic.Uint32
+	farewelled := false // ended by farewell: closed as after an error answer
 	defer func() {
 		if cut != nil && closeReason(cut.Load()) == closeFrameTooLarge {
 			lingerClose(c) // its answer written: the client must be able to read it
+			return
+		}
+		if farewelled {
+			s.lingerLater(c)
 			return
 		}
 		_ = c.Close()
@@ -740,9 +737,52 @@ func (s *Server) serveConn(c *net.UnixConn) {
 			return
 		}
 	}
-	if err := cn.loop(); err != nil && !isClosed(err) {
+	err := cn.loop()
+	if err != nil && !isClosed(err) {
 		s.log.Debug("connection closed", "err", err)
 	}
+	if s.draining.Load() && cn.drainNoted && errors.Is(err, net.ErrClosed) {
+		farewelled = cn.farewell()
+	}
+}
+
+// farewell ends a connection the drain has read to its end (every frame its client wrote
+// before the drain: conn.Read): once every answer is written, an error frame with id 0
+// and code shutting_down tells the client that whatever it sent without an answer before
+// it was not read, so not decided, and can be sent again (to the daemon's successor).
+// Without it a client could not tell those requests from ones a daemon that died had
+// decided, and gave them its failure policy: about 20 checks of 32 in flight on every
+// restart. It reports whether the frame was written (the connection is then closed as
+// after an error answer: lingerLater).
+func (cn *conn) farewell() bool {
+	if cn.flush() != nil {
+		return false
+	}
+	cn.wait() // every answer handed over written
+	if cn.wfailed.Load() || cn.queued.Load() > 0 {
+		return false
+	}
+	enc := proto.NewEncoder()
+	enc.EncodeError(0, proto.CodeShuttingDown, "the daemon is shutting down: requests without an answer before this one were not read; send them again (to its successor)")
+	if cn.c.SetWriteDeadline(time.Now().Add(100*time.Millisecond)) != nil {
+		return false
+	}
+	_, err := cn.c.Write(enc.Bytes())
+	return err == nil
+}
+
+// lingerLater closes c as refuse does after its error answer: on a goroutine of its own
+// (lingerClose), or at once past maxLingering.
+func (s *Server) lingerLater(c *net.UnixConn) {
+	if s.lingering.Add(1) > maxLingering {
+		s.lingering.Add(-1)
+		_ = c.Close()
+		return
+	}
+	go func() {
+		defer s.lingering.Add(-1)
+		lingerClose(c)
+	}()
 }
 
 func isClosed(err error) bool {
