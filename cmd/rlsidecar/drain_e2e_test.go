@@ -71,9 +71,18 @@ func TestE2ESigtermAnswersWhatTheSocketHolds(t *testing.T) {
 			t.Fatalf("answer %d: id %d, error %q, allowed %v, %d rules", i, r.ID, r.Err.Code, r.Allowed, len(r.Rules))
 		}
 	}
-	// Then the connection ends cleanly: nothing more, no reset.
+	// Then the drain's farewell (id 0, shutting_down: nothing more was read), and the
+	// connection ends cleanly: nothing more, no reset.
+	if frame, err := c.readFrame(); err != nil {
+		t.Fatalf("after the last answer: %v, want the farewell", err)
+	} else {
+		var r proto.Response
+		if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil || r.ID != 0 || r.Err.Code != proto.CodeShuttingDown {
+			t.Fatalf("after the last answer: %+v (%v), want id 0 shutting_down", r, err)
+		}
+	}
 	if _, err := c.readFrame(); !errors.Is(err, io.EOF) {
-		t.Fatalf("after the last answer: %v, want EOF", err)
+		t.Fatalf("after the farewell: %v, want EOF", err)
 	}
 	select {
 	case err := <-d.done:
@@ -207,16 +216,27 @@ func TestE2ESigtermWithAClientStillWriting(t *testing.T) {
 		}
 	}()
 	answered := make(chan uint64)
-	go func() { // the reader takes every answer, checking the order
+	go func() { // the reader takes every answer, checking the order, then the farewell
 		next := uint64(1)
+		farewell := false
 		for {
 			frame, err := c.readFrame()
 			if err != nil {
+				if !farewell {
+					t.Errorf("the connection ended after answer %d without the drain's farewell: %v", next-1, err)
+				}
 				answered <- next - 1
 				return
 			}
 			var r proto.Response
-			if err := c.dec.DecodeResponse(frame[proto.HeaderSize:], &r); err != nil || r.ID != next || r.Err.Code != "" {
+			err = c.dec.DecodeResponse(frame[proto.HeaderSize:], &r)
+			switch {
+			case farewell:
+				t.Errorf("a frame after the farewell: %+v", r)
+			case err == nil && r.ID == 0 && r.Err.Code == proto.CodeShuttingDown:
+				farewell = true // the requests from next on were not read
+				continue
+			case err != nil || r.ID != next || r.Err.Code != "":
 				t.Errorf("answer %d: id %d, error %q, decode %v", next, r.ID, r.Err.Code, err)
 			}
 			next++
