@@ -669,6 +669,18 @@ func (cn *conn) readLoop() {
 		if r.Err.Code == proto.CodeTooManyConnections || r.Err.Code == proto.CodeShuttingDown {
 			// The sidecar closes this connection; this is no fault of the request.
 			err := &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
+			if r.Err.Code == proto.CodeShuttingDown {
+				// The drain's last word (or a connection it accepted and does not serve):
+				// this call and every one after it on the connection were not read, not
+				// decided. Each is sent again, once, on another connection (notSent), to
+				// the sidecar's successor: not answered by the Policy at every restart.
+				cn.mu.Lock()
+				cn.unsentFrom = cl.id
+				cn.mu.Unlock()
+				cl.complete(&notSent{err: err})
+				cn.fail(err)
+				return
+			}
 			cl.complete(err)
 			cn.fail(err)
 			return

@@ -3,6 +3,8 @@ package rlclient
 import (
 	"bufio"
 	"context"
+	"fmt"
+	"io"
 	"net"
 	"sync"
 	"syscall"
@@ -101,5 +103,102 @@ func TestResendsCheckTheSidecarNeverRead(t *testing.T) {
 				t.Errorf("%d of %d checks answered by the Policy", policy, n)
 			}
 		})
+	}
+}
+
+// A draining sidecar ends a connection it has read to its end with an error frame of id
+// 0, shutting_down, after its last answer: the checks pending on it without an answer
+// were not read. Each is sent again on a new connection, not answered by the Policy (a
+// 503 under FailClosed for most checks in flight at every restart). The fake sidecar
+// answers the first 5 checks of its first connection, reads 5 more without deciding
+// them, then says farewell; later connections answer everything. Every one of 40
+// concurrent checks is decided, exactly once.
+func TestResendsChecksAfterTheDrainsFarewell(t *testing.T) {
+	path := socketPath(t)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	decided := map[string]int{}
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for conns := 0; ; conns++ {
+			nc, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func(first bool) {
+				defer wg.Done()
+				defer nc.Close()
+				br := bufio.NewReader(nc)
+				enc := proto.NewEncoder()
+				for read := 0; ; read++ {
+					if first && read == 10 {
+						enc.Reset()
+						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
+						nc.Write(enc.Bytes())
+						nc.CloseWrite()
+						io.Copy(io.Discard, br) // as the daemon lingers
+						return
+					}
+					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+					if err != nil {
+						return
+					}
+					var req proto.Request
+					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+						return
+					}
+					if first && read >= 5 {
+						continue // read, not decided: the drain's last frames are never these
+					}
+					mu.Lock()
+					decided[attr(&req, "user")]++
+					mu.Unlock()
+					enc.Reset()
+					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+					if _, err := nc.Write(enc.Bytes()); err != nil {
+						return
+					}
+				}
+			}(conns == 0)
+		}
+	}()
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 2 * time.Second, Policy: FailClosed})
+	const n = 40
+	var cw sync.WaitGroup
+	errs := make(chan string, n)
+	start := make(chan struct{})
+	for i := 0; i < n; i++ {
+		cw.Add(1)
+		go func(i int) {
+			defer cw.Done()
+			<-start
+			u := fmt.Sprint("u", i)
+			d, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+			if err != nil {
+				errs <- err.Error()
+			} else if d.Unreachable || d.Rule != u {
+				errs <- fmt.Sprintf("check %d: %+v", i, d)
+			}
+		}(i)
+	}
+	close(start)
+	cw.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i := 0; i < n; i++ {
+		if k := decided[fmt.Sprint("u", i)]; k != 1 {
+			t.Errorf("u%d decided %d times", i, k)
+		}
 	}
 }
