@@ -751,12 +751,27 @@ func (s *Store) applyGeneral(now int64, ops []Op, veto bool) bool {
 
 // applyWith is apply with its scratch: sc one per op, locks empty with room for one per op.
 func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks []uint32) bool {
-
+	// A batch past inlineOps (a request matching hundreds of rules) finds each key's
+	// previous op through a map of the last op of each hash, not by scanning back over
+	// every op before it: the scan made such a batch quadratic (8,000 rules matching one
+	// request: 150 ms a check).
+	var lastOf map[uint64]int32
+	if len(ops) > inlineOps {
+		lastOf = make(map[uint64]int32, len(ops))
+	}
 	for i := range ops {
 		h := maphash.Bytes(s.seed, ops[i].Key)
 		x := &sc[i]
 		x.hash, x.shard, x.prev, x.idx, x.last = h, uint32(h)&s.mask, -1, -1, true
-		for j := i - 1; j >= 0; j-- {
+		from := i - 1
+		if lastOf != nil {
+			from = -1
+			if j, seen := lastOf[h]; seen {
+				from = int(j) // the last op of this hash; an earlier one only on a collision
+			}
+			lastOf[h] = int32(i)
+		}
+		for j := from; j >= 0; j-- {
 			if sc[j].hash == h && bytes.Equal(ops[j].Key, ops[i].Key) {
 				x.prev = int32(j)
 				sc[j].last = false

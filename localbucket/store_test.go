@@ -591,3 +591,37 @@ func TestStoreTokenPlanFlapping(t *testing.T) {
 		}
 	}
 }
+
+// TestStoreLargeBatchLinear: a batch of many ops (a request matching thousands of rules)
+// costs about linear time, and repeated keys in it are still one state. Before, each op
+// scanned back over every op before it for its key: 80,000 ops took 3.2 billion
+// comparisons, over 3 s (8,000 rules matching one request: 150 ms a check).
+func TestStoreLargeBatchLinear(t *testing.T) {
+	s := NewStore(Options{})
+	l := mustLimit(t, FixedWindow, 3, time.Second, 0)
+	const n = 80_000
+	ops := make([]Op, n)
+	for i := range ops {
+		ops[i] = op("k"+strconv.Itoa(i), l, 1)
+	}
+	// One key three times, far apart: charged three times, on one state.
+	ops[5], ops[n/2], ops[n-1] = op("dup", l, 1), op("dup", l, 1), op("dup", l, 1)
+	start := time.Now()
+	if !s.Apply(base, ops) {
+		t.Fatal("batch refused")
+	}
+	took := time.Since(start)
+	if r := ops[n-1].Result; r.Remaining != 0 {
+		t.Errorf("dup's third op: remaining %d, want 0 (one state charged three times)", r.Remaining)
+	}
+	if r := peekStore(t, s, base, "dup", l); r.Allowed {
+		t.Errorf("dup after three of three: %+v, want refused", r)
+	}
+	ops[0] = op("dup", l, 1)
+	if s.Apply(base, ops[:1]) {
+		t.Error("a fourth op on dup admitted")
+	}
+	if took > time.Second { // about 20 ms linear; seconds quadratic
+		t.Errorf("a batch of %d ops took %v: quadratic in the batch", n, took)
+	}
+}
