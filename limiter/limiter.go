@@ -577,11 +577,14 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 			out.Reset = max(out.Reset, out.RetryAfter) // not back to full before the ban ends
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !out.Impossible && !d.unasked(i) {
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !out.Impossible && !d.unasked(i) && !o.shared {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
 			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban),
 			// nor a cost above its capacity, which can never pass and says so (its
-			// client is told not to retry; a ban would contradict that).
+			// client is told not to retry; a ban would contradict that), nor one decided
+			// on the fallback state a full store's new keys share (its refusal says the
+			// shared state is spent, by a flood of other keys, not that this client went
+			// over its limit: before, every new client was banned after `after` requests).
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
@@ -775,7 +778,7 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		o := push(&d.ops) // every field written in place (see op): no op built aside and copied
 		o.key, o.lim, o.cost, o.fb = key, lim, cst, fb
 		o.shadow, o.store, o.degraded, o.bans = shadow, in.store, false, in.bans
-		o.flags, o.bannedUntil = in.flags&opFlags, 0
+		o.flags, o.bannedUntil, o.shared = in.flags&opFlags, 0, false
 		d.flags |= in.flags & opFlags
 		d.routed |= 1 << in.store
 		if in.bans == bansGlobal {

@@ -73,6 +73,9 @@ type op struct {
 	// bannedUntil is when the ban of key by the op's rule (its penalty) ends; 0 when not
 	// banned (Decide, checkBans).
 	bannedUntil int64
+	// shared: the local store decided it on its rule's fallback state, shared by the
+	// keys it could not store (localbucket.Op.Shared): a refusal of it earns no ban.
+	shared bool
 }
 
 // AppendKeyHashes appends to dst the hash under seed of each key the check prepared in d

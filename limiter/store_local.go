@@ -28,6 +28,7 @@ func (s localStore) batch(d *Decision) *native[localbucket.Op] {
 func (s localStore) results(d *Decision, n *native[localbucket.Op]) {
 	for k, i := range n.at {
 		d.report(i, &n.ops[k].Result)
+		d.ops[i].shared = n.ops[k].Shared
 	}
 }
 

@@ -324,6 +324,11 @@ type Op struct {
 	// Shadow marks a dry run: a shadow op never makes the batch fail, and if it would
 	// reject it consumes nothing. Its Result still says whether it would have passed.
 	Shadow bool
+	// Shared is written by Apply and Reject: the key was not stored (its shard is full of
+	// limited clients) and was decided on its rule's fallback state, which every such key
+	// of the shard shares ([Store.Untracked]). A refusal then says that the shared state
+	// is spent, not that this client went over its limit.
+	Shared bool
 	// Result is written by Apply.
 	Result Result
 }
@@ -462,6 +467,7 @@ func (sh *shard) entry(hi uint32, key []byte) *entry {
 // hands the batch, unchanged, to the general path (evictions, the rule's fallback state).
 func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	op := &ops[0]
+	op.Shared = false
 	h := maphash.Bytes(s.seed, op.Key)
 	sh := &s.shards[uint32(h)&s.mask]
 	sh.mu.Lock()
@@ -499,6 +505,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 // batch, unchanged, to the general path.
 func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	a, b := &ops[0], &ops[1]
+	a.Shared, b.Shared = false, false
 	ha, hb := maphash.Bytes(s.seed, a.Key), maphash.Bytes(s.seed, b.Key)
 	if ha == hb {
 		return s.applyGeneral(now, ops, veto)
@@ -611,6 +618,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	)
 	nl := 0
 	for i := range ops {
+		ops[i].Shared = false
 		h := maphash.Bytes(s.seed, ops[i].Key)
 		for j := range i {
 			if hs[j] == h {
@@ -820,6 +828,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else {
 			x.in = State{}
 		}
+		op.Shared = x.over != nil
 		x.out = take(op.Limit, x.in, now, off, op.Cost, &op.Result)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false

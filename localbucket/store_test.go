@@ -431,6 +431,27 @@ func TestStoreFullOfLimitedSharesFallback(t *testing.T) {
 	if s.Len() != 8 {
 		t.Errorf("Len %d, want 8 (the cap)", s.Len())
 	}
+	// Op.Shared says which ops were decided on a fallback state, in every path (one op,
+	// two, a few, many), and is cleared on an op reused for a stored key.
+	for _, n := range []int{1, 2, 3, 20} {
+		ops := make([]Op, n)
+		for i := range ops {
+			ops[i] = op(fmt.Sprintf("login:{shared%d-%d}", n, i), one, 1)
+		}
+		s.Reject(base+3000, ops)
+		for i := range ops {
+			if !ops[i].Shared {
+				t.Errorf("%d ops: op %d of a new key in a full shard: Shared false", n, i)
+			}
+			ops[i].Key = []byte(fmt.Sprintf("login:{held%d}", i%8))
+		}
+		s.Reject(base+3000, ops)
+		for i := range ops {
+			if ops[i].Shared {
+				t.Errorf("%d ops: op %d of a stored key: Shared left true", n, i)
+			}
+		}
+	}
 }
 
 // With a wall offset, fixed windows align to wall time (now+offset) while the other
