@@ -146,6 +146,11 @@ type shardFields struct {
 	// it, so a flood of limited keys cannot make every new key unlimited. At most
 	// maxFallbacks rules; past them, one shared by the rest.
 	fallback map[string]*entry
+	// limits holds, by stateKind, a limit of each kind the shard has stored a key of:
+	// evict reads an entry's state through it, to rank entries by the share of their own
+	// limit they have used (a kind is an algorithm, window and rate: a token bucket's
+	// burst may differ between limits of one kind, which only makes the ranking rougher).
+	limits map[uint64]Limit
 }
 
 const maxFallbacks = 64
@@ -494,7 +499,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 			sh.remove(h, op.Key)
 		}
 	} else if r.Expires > now {
-		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now)
+		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now, op.Limit)
 	}
 	sh.mu.Unlock()
 	return ok
@@ -592,10 +597,10 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		}
 	}
 	if ea == nil && ra.Expires > now {
-		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: ra.LimitedUntil, kind: a.Limit.stateKind()}, now)
+		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: ra.LimitedUntil, kind: a.Limit.stateKind()}, now, a.Limit)
 	}
 	if eb == nil && rb.Expires > now {
-		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: rb.LimitedUntil, kind: b.Limit.stateKind()}, now)
+		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: rb.LimitedUntil, kind: b.Limit.stateKind()}, now, b.Limit)
 	}
 	sa.mu.Unlock()
 	if sb != sa {
@@ -687,7 +692,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	if inserts {
 		for i := range ops {
 			if r := &ops[i].Result; es[i] == nil && r.Expires > now {
-				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now)
+				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now, ops[i].Limit)
 			}
 		}
 	}
@@ -895,11 +900,17 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 		if !x.last || x.idx >= 0 || x.over != nil || r.Expires <= now {
 			continue
 		}
-		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now)
+		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now, ops[i].Limit)
 	}
 }
 
-func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
+func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64, l *Limit) {
+	if _, ok := sh.limits[e.kind]; !ok {
+		if sh.limits == nil {
+			sh.limits = map[uint64]Limit{}
+		}
+		sh.limits[e.kind] = *l
+	}
 	if sh.n >= sh.cap {
 		evicted, live := s.evict(sh, h, now)
 		if !evicted {
@@ -916,16 +927,26 @@ func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
 
 const evictionSample = 16
 
-// evict removes one entry of a full shard to make room: an expired one if seen, else the
-// entry that is not limited with the smallest expires among a sample of 16 (from a
-// position picked by the new key's hash h), else among the whole shard. It never removes
-// a limited entry. live reports that the removed entry had not expired.
+// evict removes one entry of a full shard to make room: an expired one if seen, else,
+// among a sample of 16 (from a position picked by the new key's hash h), else among the
+// whole shard, the entry that is not limited and has used the least of its own limit
+// (what is left of it for a request now, as a share of its capacity), the one that
+// expires first among equals. It never removes a limited entry. live reports that the
+// removed entry had not expired.
+//
+// Ranked by when they expire alone, entries of a rule with a short window or a fast
+// refill went first: a client that had used 99 of its 100 a minute was evicted before
+// a one-off key of a rule of 1,000 a day, and came back with all 100, so a flood of new
+// keys on such a rule handed it a fresh budget again and again (936-1,135 admitted in
+// 30 s where at most 151 pass: an audit). An entry whose limit the shard has not seen
+// (none: each insert records its limit's kind) ranks as fully used.
 func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 	if sh.allLimitedUntil > now || sh.used == 0 {
 		return false, false
 	}
 	best, found := uint32(0), false
-	bestExp := int64(math.MaxInt64)
+	bestExp, bestUsed := int64(math.MaxInt64), 2.0
+	off := s.wallOffset.Load()
 	consider := func(i uint32) (expired bool) {
 		e := &sh.rec(i).e
 		if e.expires == freeMark {
@@ -934,8 +955,19 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 		if e.expires <= now {
 			return true
 		}
-		if e.limitedUntil <= now && e.expires < bestExp {
-			best, bestExp, found = i, e.expires, true
+		if e.limitedUntil > now {
+			return false
+		}
+		used := 1.0
+		if l, ok := sh.limits[e.kind]; ok {
+			var r Result
+			take(&l, e.st, now, off, 0, &r) // cost 0: asks, takes nothing
+			if c := l.Capacity(); c > 0 {
+				used = 1 - float64(min(r.Remaining, c))/float64(c)
+			}
+		}
+		if used < bestUsed || used == bestUsed && e.expires < bestExp {
+			best, bestExp, bestUsed, found = i, e.expires, used, true
 		}
 		return false
 	}

@@ -646,3 +646,43 @@ func TestStoreLargeBatchLinear(t *testing.T) {
 		t.Errorf("a batch of %d ops took %v: quadratic in the batch", n, took)
 	}
 }
+
+// A full shard evicts, of the entries not limited, the one that has used the least of its
+// own limit, not the one that expires first: a client that has used 99 of its 100 a
+// minute, beside a flood of one-off keys of a rule of 1,000 a day (each expiring later,
+// having used a thousandth of its limit), keeps its state, and so the one unit it has
+// left. Ranked by expiry it was evicted by the flood's first key and came back with 100.
+// For each algorithm of the client's rule, and of the flood's.
+func TestStoreEvictsTheLeastUsedShare(t *testing.T) {
+	for _, alg := range []Algorithm{TokenBucket, FixedWindow, SlidingWindow} {
+		for _, falg := range []Algorithm{TokenBucket, FixedWindow} {
+			t.Run(fmt.Sprint(alg, "/flood=", falg), func(t *testing.T) {
+				s := NewStore(Options{Shards: 1, MaxKeys: 64})
+				client := mustLimit(t, alg, 100, time.Minute, 0)
+				daily := mustLimit(t, falg, 1000, 24*time.Hour, 0)
+				now := base + int64(30*time.Second) // windows aligned: 30 s left of the minute
+				for i := 0; i < 99; i++ {
+					if !s.Apply(now, []Op{op("api:{victim}", client, 1)}) {
+						t.Fatalf("request %d refused", i+1)
+					}
+				}
+				for i := 0; i < 1000; i++ {
+					s.Apply(now+int64(i)*int64(time.Millisecond), []Op{op(fmt.Sprintf("x:{flood%d}", i), daily, 1)})
+				}
+				now += int64(time.Second)
+				allowed := 0
+				for i := 0; i < 5; i++ {
+					if s.Apply(now, []Op{op("api:{victim}", client, 1)}) {
+						allowed++
+					}
+				}
+				if allowed > 2 { // 1 left, and a token bucket's refill of a second or so
+					t.Errorf("%d of 5 admitted after a flood of new keys of another rule, with 1 of 100 left: the client's state was evicted", allowed)
+				}
+				if s.Len() > 64 {
+					t.Errorf("Len %d, past the cap of 64", s.Len())
+				}
+			})
+		}
+	}
+}
