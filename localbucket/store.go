@@ -44,7 +44,17 @@ type Store struct {
 	untracked atomic.Uint64
 	// wallOffset is wall time minus the time Apply is given (see SetWallOffset).
 	wallOffset atomic.Int64
+	// limits holds, by stateKind, a limit of each kind a key was stored under (at most
+	// maxKinds, nlimits of them: inline limits are the clients' to choose): evict reads an
+	// entry's state through it, to rank entries by the share of their own limit they have
+	// used. A kind is an algorithm, window and rate; a token bucket's burst may differ
+	// between limits of one kind, which only makes the ranking rougher.
+	limits  sync.Map // uint64 → *Limit
+	nlimits atomic.Int32
 }
+
+// maxKinds bounds Store.limits.
+const maxKinds = 4096
 
 // entry is what is stored for one key: 40 bytes.
 type entry struct {
@@ -146,11 +156,6 @@ type shardFields struct {
 	// it, so a flood of limited keys cannot make every new key unlimited. At most
 	// maxFallbacks rules; past them, one shared by the rest.
 	fallback map[string]*entry
-	// limits holds, by stateKind, a limit of each kind the shard has stored a key of:
-	// evict reads an entry's state through it, to rank entries by the share of their own
-	// limit they have used (a kind is an algorithm, window and rate: a token bucket's
-	// burst may differ between limits of one kind, which only makes the ranking rougher).
-	limits map[uint64]Limit
 }
 
 const maxFallbacks = 64
@@ -905,11 +910,11 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 }
 
 func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64, l *Limit) {
-	if _, ok := sh.limits[e.kind]; !ok {
-		if sh.limits == nil {
-			sh.limits = map[uint64]Limit{}
+	if _, ok := s.limits.Load(e.kind); !ok && s.nlimits.Load() < maxKinds {
+		lc := *l
+		if _, had := s.limits.LoadOrStore(e.kind, &lc); !had {
+			s.nlimits.Add(1)
 		}
-		sh.limits[e.kind] = *l
 	}
 	if sh.n >= sh.cap {
 		evicted, live := s.evict(sh, h, now)
@@ -938,8 +943,8 @@ const evictionSample = 16
 // refill went first: a client that had used 99 of its 100 a minute was evicted before
 // a one-off key of a rule of 1,000 a day, and came back with all 100, so a flood of new
 // keys on such a rule handed it a fresh budget again and again (936-1,135 admitted in
-// 30 s where at most 151 pass: an audit). An entry whose limit the shard has not seen
-// (none: each insert records its limit's kind) ranks as fully used.
+// 30 s where at most 151 pass: an audit). An entry whose limit's kind is not known
+// (past maxKinds) ranks as having used nothing.
 func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 	if sh.allLimitedUntil > now || sh.used == 0 {
 		return false, false
@@ -958,10 +963,11 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 		if e.limitedUntil > now {
 			return false
 		}
-		used := 1.0
-		if l, ok := sh.limits[e.kind]; ok {
+		used := 0.0
+		if v, ok := s.limits.Load(e.kind); ok {
+			l := v.(*Limit)
 			var r Result
-			take(&l, e.st, now, off, 0, &r) // cost 0: asks, takes nothing
+			take(l, e.st, now, off, 0, &r) // cost 0: asks, takes nothing
 			if c := l.Capacity(); c > 0 {
 				used = 1 - float64(min(r.Remaining, c))/float64(c)
 			}

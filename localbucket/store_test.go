@@ -686,3 +686,18 @@ func TestStoreEvictsTheLeastUsedShare(t *testing.T) {
 		}
 	}
 }
+
+// The limits kept for ranking evictions, one per kind, are bounded: inline limits are the
+// clients' to choose, and each distinct rate is a kind.
+func TestStoreLimitsKeptBounded(t *testing.T) {
+	s := NewStore(Options{Shards: 1, MaxKeys: 16})
+	for i := 1; i <= maxKinds+500; i++ {
+		l := mustLimit(t, FixedWindow, uint64(i), time.Hour, 0)
+		s.Apply(base, []Op{op(fmt.Sprintf("k:{%d}", i), l, 1)})
+	}
+	n := 0
+	s.limits.Range(func(any, any) bool { n++; return true })
+	if n > maxKinds || int(s.nlimits.Load()) != n {
+		t.Errorf("%d limits kept (counted %d), want at most %d", n, s.nlimits.Load(), maxKinds)
+	}
+}
