@@ -3,6 +3,7 @@ package sync
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -192,5 +193,122 @@ func TestHybridClusterSlotMoved(t *testing.T) {
 	}
 	if n, err := cc.HGet(ctx, stay, "n").Int(); err != nil || n != 1 {
 		t.Fatalf("the other key counts %d (%v), want 1", n, err)
+	}
+}
+
+// A slot being resharded (MIGRATING on its master, IMPORTING on the target) whose key
+// has already moved: the sync that reaches the source, which still serves the slot,
+// must not count the key as one with no state nor create it again there (MIGRATE would
+// then refuse to finish the slot); Redis refuses the script's read of a key of a
+// migrating slot that is not on the node, so the key answers grant -1, its units stay
+// pending, and once the slot is handed over they are counted on the target, once.
+func TestHybridClusterSlotMigrating(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	master := func(k string) string {
+		m, err := cc.MasterForKey(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Options().Addr
+	}
+	// Two keys on one master, the migrating one in the higher slot (not the key the call
+	// declares, which routes it).
+	var stay, moving string
+	for i := 0; moving == ""; i++ {
+		a, b := fmt.Sprintf("rl:mig:{user=%d}", i), fmt.Sprintf("rl:mig:{user=%d}", i+1)
+		if master(a) == master(b) && Slot(a) < Slot(b) {
+			stay, moving = a, b
+		}
+	}
+	from := master(moving)
+	var to string
+	for _, a := range cl.Addrs {
+		if a != from {
+			to = a
+			break
+		}
+	}
+	nodes := map[string]*redis.Client{}
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		defer c.Close()
+		nodes[a] = c
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	now := time.Now().UnixNano()
+	take(h, now, stay, lim, 1)
+	take(h, now, moving, lim, 1)
+	if err := h.Flush(ctx, now); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := nodes[from].HGet(ctx, moving, "n").Int(); err != nil || n != 1 {
+		t.Fatalf("before the reshard the key counts %d (%v), want 1", n, err)
+	}
+
+	slot := Slot(moving)
+	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	host, port, _ := strings.Cut(to, ":")
+	if err := nodes[from].Do(ctx, "MIGRATE", host, port, moving, 0, 5000).Err(); err != nil {
+		t.Fatalf("MIGRATE: %v", err)
+	}
+	for i := 0; i < 3; i++ { // three syncs while the slot migrates
+		now = time.Now().UnixNano()
+		take(h, now, stay, lim, 1)
+		take(h, now, moving, lim, 1)
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatalf("a sync meeting a migrating slot failed: %v", err)
+		}
+	}
+	if n, err := nodes[from].Do(ctx, "CLUSTER", "COUNTKEYSINSLOT", slot).Int(); err != nil || n != 0 {
+		t.Fatalf("the source holds %d keys (%v) of the migrating slot: the moved key was created again there", n, err)
+	}
+	for _, a := range append([]string{to, from}, cl.Addrs...) {
+		if err := nodes[a].Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", ids[to]).Err(); err != nil {
+			t.Fatalf("SETSLOT NODE on %s: %v", a, err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+			t.Fatal(err)
+		}
+		n, err := nodes[to].HGet(ctx, moving, "n").Int()
+		if err == nil && n == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the moved key counts %d (%v) on its new master, want 4", n, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for i := 0; i < 3; i++ {
+		if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := nodes[to].HGet(ctx, moving, "n").Int(); err != nil || n != 4 {
+		t.Fatalf("the moved key counts %d (%v) after more syncs, want 4", n, err)
+	}
+	if n, err := cc.HGet(ctx, stay, "n").Int(); err != nil || n != 4 {
+		t.Fatalf("the other key counts %d (%v), want 4", n, err)
 	}
 }
