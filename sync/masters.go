@@ -36,6 +36,53 @@ type Masters struct {
 	table   atomic.Pointer[masterTable]
 	mu      gosync.Mutex  // serializes Refresh
 	retired atomic.Uint64 // Opened of the masters dropped from the table
+
+	// followers are other clients of the same Cluster whose slot maps Run keeps in step
+	// with this one's (see [Masters.Follow]). Set before Run.
+	followers []*redis.ClusterClient
+}
+
+// Follow makes Run reload c's slot map whenever it disagrees with the one m keeps: c is
+// another client of the same Cluster, one no breaker watches (the daemon's client for
+// releases, renewals, refund retries and bans). go-redis reloads a client's map only on
+// a redirection or once a minute, and a call to a dead master gets no redirection: such
+// a client went on sending to a failed-over master for up to a minute, after the checks
+// had moved to the promoted replica (a global lease taken there could not be released
+// and stayed held for its whole lease). A client that is not a Cluster's is ignored.
+func (m *Masters) Follow(c redis.UniversalClient) *Masters {
+	if cc, ok := c.(*redis.ClusterClient); ok && m != nil && m.cc != nil && cc != m.cc {
+		m.followers = append(m.followers, cc)
+	}
+	return m
+}
+
+// syncFollowers asks each follower whose slot map gives the first slot of one of m's
+// slot ranges another master than m's map does to reload its map from the cluster (at
+// most one reload in flight and one every 200 ms: go-redis's LazyReload). A failover
+// moves whole ranges; a follower that missed a reshard's finer change is redirected,
+// and go-redis reloads it then.
+func (m *Masters) syncFollowers(ctx context.Context) {
+	if len(m.followers) == 0 {
+		return
+	}
+	t := m.table.Load()
+	keys := slotKeys()
+	for _, f := range m.followers {
+		for s := range Slots {
+			if s > 0 && t.slot[s] == t.slot[s-1] {
+				continue
+			}
+			want := t.list[t.slot[s]].Addr
+			if want == "" {
+				continue // m has no master for it: nothing to follow
+			}
+			c, err := f.MasterForKey(ctx, keys[s])
+			if err != nil || c.Options().Addr != want {
+				f.ReloadState(ctx)
+				break
+			}
+		}
+	}
 }
 
 // masterTable is one slot map: slot i's master is list[slot[i]].
@@ -265,6 +312,7 @@ func (m *Masters) Run(ctx context.Context, d time.Duration) {
 				m.cc.ReloadState(ctx)
 			}
 			_ = m.Refresh(ctx)
+			m.syncFollowers(ctx)
 		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // One master of a 3-master Redis Cluster frozen (SIGSTOP) for 3 s under the daemon, with
@@ -224,4 +225,77 @@ rules:
 `)
 	return startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
 		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+}
+
+// A master killed and its replica promoted, under a global concurrency rule: once checks
+// take leases on the promoted replica again, releasing them must work too. The releases
+// (and renewals, refund retries, bans) go through a client of their own, which no
+// breaker watched: go-redis reloads its slot map only on a redirection or once a minute,
+// and calls to the dead master get no redirection, so every lease taken in that minute
+// answered released: false and stayed held for its whole lease (a rule of 5 in flight:
+// its clients refused, not degraded, for a minute after the failover).
+func TestFaultClusterFailoverLeaseRelease(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	cl.AddReplica(t, 0)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: inflight
+    match: { path: /l }
+    key: user
+    concurrency: { max: 100000, lease: 60s }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	defer cc.Close()
+	ctx := context.Background()
+	var user string
+	for i := 0; user == ""; i++ {
+		u := fmt.Sprintf("u%d", i)
+		m, err := cc.MasterForKey(ctx, "{user="+u+"}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Options().Addr == cl.Addrs[0] {
+			user = u
+		}
+	}
+	attrs := []string{"path=/l", "user=" + user}
+	// acquireRelease takes a lease on a fresh connection and releases it on another, so
+	// that only the release, not a closing connection, can free it.
+	acquireRelease := func() (allowed, degraded, released bool) {
+		a, b := dialRaw(t, d.socket), dialRaw(t, d.socket)
+		r := a.check(1, 1, attrs...)
+		if !r.Allowed || r.Lease == "" {
+			return false, r.Degraded, false
+		}
+		return true, r.Degraded, b.leaseOp(2, proto.OpRelease, r.Lease, 0).Released
+	}
+	if ok, deg, rel := acquireRelease(); !ok || deg || !rel {
+		t.Fatalf("before the failover: allowed %v, degraded %v, released %v; want a lease taken and released", ok, deg, rel)
+	}
+
+	cl.Nodes[0].Stop()
+	killed := time.Now()
+	c := dialFault(t, d.socket)
+	normal := waitNormal(t, c, 30*time.Second, attrs...)
+	c.Close() // frees the leases its checks took
+	var failed int
+	for {
+		ok, deg, rel := acquireRelease()
+		if ok && !deg && rel {
+			break
+		}
+		if ok && !deg {
+			failed++ // a lease taken on the promoted replica, not released
+		}
+		if since := time.Since(killed) - normal; since > 10*time.Second {
+			t.Fatalf("%s after checks were normal again, a lease taken is still not released (%d taken and not released); want released within 10 s", since.Round(time.Millisecond), failed)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("checks normal %s after the kill; releases normal %s after that (%d leases taken and not released meanwhile)",
+		normal.Round(time.Millisecond), (time.Since(killed) - normal).Round(time.Millisecond), failed)
 }

@@ -317,8 +317,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			log.Warn("loading the scripts into Redis failed; the first calls will send them", "err", err)
 		}
 		cancel()
-		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono)
-		checkMasters = rlsync.NewMasters(rdbChecks, *breakerFailures, *breakerCooldown, clock.Mono)
+		// The long calls' client has no breaker to reload its slot map on a failover:
+		// both maps that do keep it in step (Masters.Follow).
+		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono).Follow(rdbLong)
+		checkMasters = rlsync.NewMasters(rdbChecks, *breakerFailures, *breakerCooldown, clock.Mono).Follow(rdbLong)
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
 			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
 			WithMasters(syncMasters).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
