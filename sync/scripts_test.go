@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha1"
 	"encoding/hex"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
 // scriptsKnown reports how many of the daemon's scripts c's Redis has cached.
@@ -110,5 +112,49 @@ func TestLoadScriptsWithoutPasswordSaysWhy(t *testing.T) {
 	err = LoadScripts(context.Background(), rdb)
 	if err == nil || !strings.Contains(err.Error(), "WRONGPASS") {
 		t.Fatalf("LoadScripts with a wrong password: %v, want WRONGPASS", err)
+	}
+}
+
+// On a Cluster, LoadScripts also has go-redis fetch Redis's command table (COMMAND),
+// which the cluster client fetches on its first command not sent in a pipeline: the
+// first global check decided alone then sends no COMMAND and waits for none.
+func TestLoadScriptsClusterFetchesCommandTable(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	ctx := context.Background()
+	commands := func() int {
+		n := 0
+		for _, addr := range cl.Addrs {
+			node := redis.NewClient(&redis.Options{Addr: addr})
+			info, err := node.Info(ctx, "commandstats").Result()
+			node.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, l := range strings.Split(info, "\n") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(l), "cmdstat_command:calls="); ok {
+					c, _, _ := strings.Cut(v, ",")
+					k, _ := strconv.Atoi(c)
+					n += k
+				}
+			}
+		}
+		return n
+	}
+	if err := LoadScripts(ctx, rdb); err != nil {
+		t.Fatal(err)
+	}
+	before := commands()
+	g := NewGlobal(rdb)
+	ops := []GlobalOp{{Key: "rl:cmdtable:{user=a}", Limit: mustLimit(t, localbucket.FixedWindow, 10, time.Hour), Cost: 1}}
+	if ok, err := g.Check(ctx, ops); err != nil || !ok {
+		t.Fatalf("global check: %v, %v", ok, err)
+	}
+	if after := commands(); after != before {
+		t.Fatalf("the first global check sent COMMAND %d times after LoadScripts; want 0 (fetched by LoadScripts)", after-before)
 	}
 }
