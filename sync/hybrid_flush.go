@@ -320,6 +320,14 @@ type masterOutcome struct {
 // 158,000 new keys a second had 1,374 of 3,553 answers degraded (BenchmarkHostile,
 // RLSIDECAR_HOSTILE_MODE=hybrid). A Redis that stops answering fails the next sync's
 // first pipeline, so the breaker still opens within a few syncs.
+//
+// An open breaker let this sync through as its probe (collect), and a probe must be
+// settled, or the breaker refuses every later call, probes included, for good: a master
+// that answered some of it answered, and closes it; one whose items all went unsent
+// (errNoTime) hands the probe back for the next call. Before, such a probe was left
+// taken: after a failover under load, the keys of a healthy master whose breaker had
+// opened on CLUSTERDOWN stayed decided by their policy (degraded) until the daemon
+// restarted, no sync, heartbeat or ping being let through to close it.
 func report(by []masterOutcome) {
 	for _, o := range by {
 		switch {
@@ -327,6 +335,10 @@ func report(by []masterOutcome) {
 			o.m.breaker.Success()
 		case o.failed > 0 && o.ok == 0:
 			o.m.breaker.Failure()
+		case o.m.breaker.Open() && o.ok > 0:
+			o.m.breaker.Success()
+		case o.m.breaker.Open():
+			o.m.breaker.unprobe()
 		}
 	}
 }
