@@ -89,9 +89,13 @@ class _Protocol(asyncio.Protocol):
                 return self.fail("answer id %r where %d was due" % (got, want))
             if e is not None and e[0] in ("too_many_connections", "shutting_down"):
                 why = "the sidecar closed the connection: %s" % e[0]
+                # shutting_down: a drain's last word (or a connection it accepted and does
+                # not serve): this check and every one after it were not read, not decided,
+                # and each is sent again, once, on a new connection (to the successor).
+                unread = e[0] == "shutting_down"
                 if not fut.done():  # taken off pending above: fail would not wake it
-                    fut.set_exception(ConnectionError(why))
-                return self.fail(why)
+                    fut.set_exception(_NotRead(why) if unread else ConnectionError(why))
+                return self.fail(why, unread_all=unread)
             self.served = True
             self.heard = True
             if not fut.done():
@@ -159,9 +163,9 @@ class _Protocol(asyncio.Protocol):
                 return
             self.data_received(data)
 
-    def fail(self, why, unread_last=False):
-        """Break the connection once: close it and fail every pending check (the last
-        with _NotRead when unread_last)."""
+    def fail(self, why, unread_last=False, unread_all=False):
+        """Break the connection once: close it and fail every pending check (with
+        _NotRead: the last when unread_last, every one when unread_all)."""
         if self.broken is not None:
             return
         self.broken = why
@@ -172,7 +176,7 @@ class _Protocol(asyncio.Protocol):
         while self.pending:
             _, fut = self.pending.popleft()
             if not fut.done():
-                fut.set_exception(_NotRead(why) if unread_last and not self.pending else err)
+                fut.set_exception(_NotRead(why) if unread_all or unread_last and not self.pending else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():

@@ -328,6 +328,9 @@ class Client:
           byte of the answer: on a Unix socket that is the daemon closing the connection
           with bytes of ours unread in it, and it reads a request whole before deciding it.
 
+        - the daemon's first word is the drain's farewell (an error shutting_down with id
+          0, after its last answer on the connection): nothing after that answer was read.
+
         Never after end-of-file with no answer: on a Unix socket that means the daemon took
         every byte sent (a daemon closing with bytes unread resets the connection instead),
         then closed without answering: it died, or a drain timed out, while deciding a
@@ -335,6 +338,7 @@ class Client:
         daemon may have decided its first requests before closing unread the rest.
         """
         conn, pooled = self._take(deadline)
+        resent = False
         while True:
             if isinstance(conn, str):
                 return conn
@@ -351,8 +355,11 @@ class Client:
                 raise
             try:
                 msgs = self._send_read(conn, frames, deadline, pooled)
-            except _NotRead:
+            except _NotRead as e:
                 conn.sock.close()
+                if resent:
+                    return "connection lost: %s" % e
+                resent = True  # not read by the sidecar: sent again, once, within the deadline
                 conn, pooled = self._take(deadline, pool=False)  # a fresh one: the others may be stale too
                 continue
             except (OSError, ValueError) as e:
@@ -403,7 +410,14 @@ class Client:
             else:
                 conn.sock.sendall(data)
             for _ in window:
-                msgs.append(self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1))
+                msg = self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1)
+                if not msgs and msg.get("id") == 0 and _proto.error_of(msg) is not None and \
+                        _proto.error_of(msg)[0] == "shutting_down":
+                    # A drain's last word before any answer (or a connection it accepted
+                    # and does not serve): none of these frames was read, so none decided:
+                    # they are sent again on a new connection (to the successor).
+                    raise _NotRead("the sidecar closed the connection: shutting_down")
+                msgs.append(msg)
         return msgs
 
     def _refused(self, conn, deadline):
