@@ -271,6 +271,13 @@ type Client struct {
 	wg     sync.WaitGroup // dial and reader goroutines, and releases of orphaned leases
 
 	outage outageLog // warnings of an unreachable sidecar
+
+	// The leases taken and not yet released, and the connections retired for a stall
+	// while holding some (leaseconn.go).
+	leaseMu    sync.Mutex
+	leases     map[string]leaseEntry
+	leasePrune int
+	retired    map[*conn]struct{}
 }
 
 // New returns a Client for the sidecar listening on o.Socket. It does not dial: the first
@@ -321,6 +328,7 @@ func (c *Client) Close() error {
 	for i := range c.slots {
 		c.slots[i].close()
 	}
+	c.closeRetired()
 	c.wg.Wait()
 	return nil
 }
@@ -445,6 +453,7 @@ func (c *Client) Release(ctx context.Context, lease string) (released bool, err 
 		return false, fmt.Errorf("rlclient: release: %w", err)
 	}
 	defer cl.release()
+	c.leaseEnded(lease)
 	if cl.resp.IsError() {
 		return false, &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
 	}
@@ -470,6 +479,9 @@ func (c *Client) Renew(ctx context.Context, lease string, d time.Duration) (rene
 	defer cl.release()
 	if cl.resp.IsError() {
 		return false, 0, &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
+	}
+	if cl.resp.Renewed {
+		c.leaseRenewed(lease, ms(cl.resp.ExpiresMs))
 	}
 	return cl.resp.Renewed, ms(cl.resp.ExpiresMs), nil
 }

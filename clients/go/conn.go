@@ -303,7 +303,7 @@ func (cn *conn) timedOut(now time.Time) {
 		return
 	}
 	if quiet := time.Duration(now.UnixNano() - cn.quietFrom.Load()); quiet >= cn.s.c.stallFor() {
-		cn.fail(&unreachable{what: fmt.Sprintf("no answer on this connection for %v (the sidecar stalled?): it is closed, the next check redials", quiet.Round(time.Millisecond))})
+		cn.giveUp(&unreachable{what: fmt.Sprintf("no answer on this connection for %v (the sidecar stalled?): it is given up, the next check redials", quiet.Round(time.Millisecond))})
 	}
 }
 
@@ -545,7 +545,17 @@ type conn struct {
 	// werr is the write error of a connection about to break: its reader reads what the
 	// sidecar answered before (see writeFailed); no request is sent on it any more.
 	werr error
+	// closeDead closes dead once (a retired connection closes it before it breaks).
+	deadOnce sync.Once
+	// Under Client.leaseMu (leaseconn.go): the leases taken on it and not yet released,
+	// when the last of them expires, and, once retired, the timer that closes it then.
+	leases    int
+	holdUntil time.Time
+	expiry    *time.Timer
+	retiredAt bool // given up for a stall while holding leases (under mu)
 }
+
+func (cn *conn) closeDead() { cn.deadOnce.Do(func() { close(cn.dead) }) }
 
 // errWriteFailed is send's error on a connection whose write failed and which is about
 // to break: the caller waits for it to break and tries again.
@@ -696,6 +706,14 @@ func (cn *conn) readLoop() {
 			cl.complete(nil)
 			return
 		}
+		if lease := r.Lease; lease != "" && !r.IsError() {
+			// Tracked before the caller can release it (leaseconn.go).
+			w := time.Duration(0)
+			for i := range r.Rules {
+				w = max(w, ms(r.Rules[i].WindowMs))
+			}
+			cn.s.c.trackLease(cn, lease, w)
+		}
 		if lease := cl.complete(nil); lease != "" {
 			cn.s.c.releaseOrphan(lease)
 		}
@@ -768,8 +786,9 @@ func (cn *conn) fail(err error) {
 	unsentFrom, resetLast := cn.unsentFrom, cn.resetLast
 	cn.mu.Unlock()
 	cn.nc.Close()
+	cn.forgetRetired()
 	cn.s.detach(cn) // first, so that the failed callers' next checks redial
-	close(cn.dead)  // and the callers waiting for room on it try again
+	cn.closeDead()  // and the callers waiting for room on it try again
 	for i, cl := range pending {
 		if (unsentFrom != 0 && cl.id >= unsentFrom) || (resetLast && i == len(pending)-1) {
 			cl.complete(&notSent{err: err})

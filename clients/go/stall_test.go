@@ -3,6 +3,7 @@ package rlclient
 import (
 	"context"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,4 +57,69 @@ func TestStalledConnectionRedials(t *testing.T) {
 			t.Fatalf("%s after the switch still unanswered (%v): the client keeps the frozen sidecar's connections", time.Since(switched).Round(time.Millisecond), d.Cause)
 		}
 	}
+}
+
+// The sidecar frees a lease when the connection that took it closes. A connection given up
+// for a stall that holds the leases of requests still running is retired, not closed:
+// the next check redials, but the connection stays open until those leases are released
+// (through the new connection), so the slots stay held. Before, it was closed, and after
+// any stall of stallFor the sidecar freed the slots of the requests still running: with a
+// concurrency max of 1, a second request was admitted beside the first (the real daemon,
+// SIGSTOPped 2 s under the Go middleware: 3 of 3 admitted after the stall, now 0).
+func TestStalledConnectionKeepsLeases(t *testing.T) {
+	path := socketPath(t)
+	var frozen atomic.Bool
+	thaw := make(chan struct{})
+	f := startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if frozen.Load() {
+			<-thaw
+		}
+		switch req.Op {
+		case proto.OpRelease:
+			resp.Released = req.Lease == "t.1"
+		case proto.OpRenew:
+		default:
+			echoUser(req, resp)
+			if attr(req, "user") == "leased" {
+				resp.Lease = "t.1"
+				resp.Rules[0].WindowMs = 30000
+			}
+		}
+	})
+	open := func() int {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.conns)
+	}
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
+	if d.Lease != "t.1" {
+		t.Fatalf("no lease: %+v", d)
+	}
+	frozen.Store(true)
+	start := time.Now()
+	for open() < 2 {
+		c.Check(ctx, map[string]string{"user": "x"}, nil)
+		if time.Since(start) > 3*c.stallFor() {
+			t.Fatal("the client never gave up the stalled connection")
+		}
+	}
+	frozen.Store(false)
+	close(thaw)
+	time.Sleep(200 * time.Millisecond)
+	if n := open(); n != 2 {
+		t.Fatalf("%d connections open after the stall; want 2: the one holding the lease was closed, freeing its slot", n)
+	}
+	if d, _ := c.Check(ctx, map[string]string{"user": "y"}, nil); d.Unreachable {
+		t.Fatalf("the new connection does not answer: %v", d.Cause)
+	}
+	if ok, err := d.Release(ctx); !ok || err != nil {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
 }

@@ -1,0 +1,159 @@
+package rlclient
+
+import (
+	"errors"
+	"time"
+)
+
+// Connections holding leases
+//
+// The sidecar frees a lease when the connection that took it closes. A connection given up
+// for a stall (timedOut: no answer for stallFor while checks timed out on it) may hold the
+// leases of requests still running: closing it would free their slots, and after the
+// stall the sidecar would admit past a concurrency rule's max (max 1: a second request
+// admitted while the first still runs). So such a connection is retired instead: detached
+// from its slot (the next check redials, as for a closed one) and no longer sent on, but
+// kept open, its reader dropping late answers, until the leases it took are released
+// through this Client (on any connection), or have all expired, or the Client is closed.
+// Leases are tracked from the answer that took them to the answer of their release; a
+// lease never released is forgotten once it has expired.
+
+// leaseEntry is a lease taken on cn, which holds it at least until until.
+type leaseEntry struct {
+	cn    *conn
+	until time.Time
+}
+
+// errLeasesDone closes a retired connection whose leases were released or expired.
+var errLeasesDone = errors.New("rlclient: a connection given up for a stall closed once its leases ended")
+
+// trackLease notes that lease was taken on cn and lasts window (at least) from now.
+func (c *Client) trackLease(cn *conn, lease string, window time.Duration) {
+	now := time.Now()
+	until := now.Add(window)
+	c.leaseMu.Lock()
+	defer c.leaseMu.Unlock()
+	if c.leases == nil {
+		c.leases = make(map[string]leaseEntry)
+		c.retired = make(map[*conn]struct{})
+	}
+	if len(c.leases) >= max(c.leasePrune, 1024) {
+		// Forget the leases never released that have expired (bounded memory).
+		for k, e := range c.leases {
+			if now.After(e.until) {
+				delete(c.leases, k)
+				e.cn.leases--
+			}
+		}
+		c.leasePrune = 2 * len(c.leases)
+	}
+	if _, ok := c.leases[lease]; ok {
+		return
+	}
+	c.leases[lease] = leaseEntry{cn: cn, until: until}
+	cn.leases++
+	if until.After(cn.holdUntil) {
+		cn.holdUntil = until
+	}
+}
+
+// leaseRenewed notes that lease now lasts at least in from now.
+func (c *Client) leaseRenewed(lease string, in time.Duration) {
+	until := time.Now().Add(in)
+	c.leaseMu.Lock()
+	defer c.leaseMu.Unlock()
+	e, ok := c.leases[lease]
+	if !ok {
+		return
+	}
+	if until.After(e.until) {
+		e.until = until
+		c.leases[lease] = e
+	}
+	if until.After(e.cn.holdUntil) {
+		e.cn.holdUntil = until
+	}
+}
+
+// leaseEnded forgets lease (the sidecar answered its release); a retired connection that
+// held it closes once it holds no other.
+func (c *Client) leaseEnded(lease string) {
+	c.leaseMu.Lock()
+	e, ok := c.leases[lease]
+	if !ok {
+		c.leaseMu.Unlock()
+		return
+	}
+	delete(c.leases, lease)
+	e.cn.leases--
+	_, retired := c.retired[e.cn]
+	done := retired && e.cn.leases <= 0
+	c.leaseMu.Unlock()
+	if done {
+		e.cn.fail(errLeasesDone)
+	}
+}
+
+// giveUp ends cn after a stall (see timedOut): closed, or retired while it holds leases.
+func (cn *conn) giveUp(err error) {
+	c := cn.s.c
+	c.leaseMu.Lock()
+	if cn.leases <= 0 || !time.Now().Before(cn.holdUntil) || c.closed.Load() {
+		c.leaseMu.Unlock()
+		cn.fail(err)
+		return
+	}
+	cn.mu.Lock()
+	if cn.broken || cn.retiredAt {
+		cn.mu.Unlock()
+		c.leaseMu.Unlock()
+		return
+	}
+	cn.retiredAt = true
+	if cn.werr == nil {
+		cn.werr = err // nothing more is sent on it
+	}
+	cn.mu.Unlock()
+	c.retired[cn] = struct{}{}
+	cn.expiry = time.AfterFunc(time.Until(cn.holdUntil), cn.expire)
+	c.leaseMu.Unlock()
+	cn.s.detach(cn) // the next check on its slot redials
+	cn.closeDead()  // callers waiting for room on it, or to send on it, pick again
+}
+
+// expire closes a retired connection once every lease it holds has expired.
+func (cn *conn) expire() {
+	c := cn.s.c
+	c.leaseMu.Lock()
+	if left := time.Until(cn.holdUntil); cn.leases > 0 && left > 0 {
+		cn.expiry.Reset(left)
+		c.leaseMu.Unlock()
+		return
+	}
+	c.leaseMu.Unlock()
+	cn.fail(errLeasesDone)
+}
+
+// forgetRetired drops cn, which is breaking, from the retired connections.
+func (cn *conn) forgetRetired() {
+	c := cn.s.c
+	c.leaseMu.Lock()
+	defer c.leaseMu.Unlock()
+	if _, ok := c.retired[cn]; ok {
+		delete(c.retired, cn)
+		cn.expiry.Stop()
+	}
+}
+
+// closeRetired closes the retired connections (Close; c.closed is set, so no more come).
+func (c *Client) closeRetired() {
+	c.leaseMu.Lock()
+	cns := make([]*conn, 0, len(c.retired))
+	for cn := range c.retired {
+		cns = append(cns, cn)
+	}
+	c.leaseMu.Unlock()
+	for _, cn := range cns {
+		cn.fail(ErrClosed)
+	}
+}
