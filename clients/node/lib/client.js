@@ -111,6 +111,13 @@ class Conn {
     this.quietFrom = Date.now(); // when its quiet spell began: quiet since it was dialed
     this.broken = null;
     this.corked = false;
+    // The leases taken on it and not yet released, and when the last of them expires: a
+    // connection given up for a stall while it holds some is retired, not closed (see
+    // giveUp), until they end; expiry is then the timer that closes it.
+    this.leases = 0;
+    this.holdUntil = 0;
+    this.retired = false;
+    this.expiry = null;
     // Every write's callback: a write that failed (EPIPE, ECONNRESET) may have failed
     // because the sidecar answered and closed (frame_too_large, too_many_connections),
     // its answer still unread; the callback runs before the socket is destroyed.
@@ -188,8 +195,40 @@ class Conn {
     }
     const quiet = now - this.quietFrom;
     if (this.broken === null && quiet >= Math.max(STALL_MIN, 4 * this.slot.client.timeoutMs)) {
-      this.fail(`no answer on this connection for ${quiet} ms (the sidecar stalled?): it is closed, the next check redials`);
+      this.giveUp(`no answer on this connection for ${quiet} ms (the sidecar stalled?): it is given up, the next check redials`);
     }
+  }
+
+  // giveUp ends a connection that stalled: it is closed, unless it holds leases of
+  // requests still running. The sidecar frees a lease when the connection that took it
+  // closes, so closing it would free their slots and, after any stall, admit past a
+  // concurrency rule's max. It is retired instead: detached from its slot (the next check
+  // redials) and sent nothing more, but kept open, its late answers dropped, until its
+  // leases are released through this client (on any connection), or have expired, or
+  // the client is closed.
+  giveUp(why) {
+    if (this.retired || this.broken !== null) return;
+    const c = this.slot.client;
+    if (this.leases <= 0 || Date.now() >= this.holdUntil || c.closed) {
+      this.fail(why);
+      return;
+    }
+    this.retired = true;
+    c.retired.add(this);
+    this.slot.detach(this);
+    this.expire();
+    c.reroute();
+  }
+
+  // expire closes a retired connection once every lease it holds has expired.
+  expire() {
+    const left = this.holdUntil - Date.now();
+    if (this.leases > 0 && left > 0) {
+      this.expiry = setTimeout(() => this.expire(), left);
+      if (typeof this.expiry.unref === 'function') this.expiry.unref();
+      return;
+    }
+    this.fail('a connection given up for a stall closed once its leases ended');
   }
 
   inFlight() {
@@ -236,6 +275,8 @@ class Conn {
       this.served = true;
       this.heard = true;
       const late = entry.settled;
+      // A lease is tracked before its check's caller can release it (see giveUp).
+      if (e === null && typeof msg.lease === 'string' && msg.lease !== '') this.slot.client.trackLease(this, msg.lease, msg.rules);
       entry.done(msg, null);
       if (late && typeof msg.lease === 'string' && msg.lease !== '') this.slot.client.releaseOrphan(msg.lease);
       if (e !== null && e[0] === 'frame_too_large') {
@@ -244,7 +285,7 @@ class Conn {
       }
     }
     this.buf = off === buf.length ? null : buf.subarray(off);
-    this.slot.client.admit(this);
+    if (!this.retired) this.slot.client.admit(this);
   }
 
   // fail breaks the connection once: every pending check gets the policy decision.
@@ -253,6 +294,10 @@ class Conn {
     this.broken = why;
     this.socket.destroy();
     this.slot.detach(this);
+    if (this.retired) {
+      this.slot.client.retired.delete(this);
+      clearTimeout(this.expiry);
+    }
     const pending = this.pending;
     const head = this.head;
     this.pending = [];
@@ -389,6 +434,9 @@ class Client {
     this.connectTimeoutMs = connectTimeoutMs === undefined ? Math.max(timeoutMs, 100) : connectTimeoutMs;
     this.closed = false;
     this.slots = [];
+    this.leases = new Map(); // lease → { conn, until }: leases taken and not yet released (trackLease)
+    this.leasePrune = 0;
+    this.retired = new Set(); // connections given up for a stall while holding leases (Conn.giveUp)
     for (let i = 0; i < conns; i++) this.slots.push(new Slot(this));
     this.next = 0;
     this.waiting = new WaitQueue(); // checks waiting for room on a connection
@@ -454,6 +502,7 @@ class Client {
     // lease then expires, or is freed with its connection (close() closes them all).
     return this.roundTrip(msg).then((m) => {
       if (typeof m === 'string') return false;
+      this.leaseEnded(lease);
       const e = proto.errorOf(m);
       if (e !== null) throw new proto.ProtocolError(e[0], e[1]);
       return m.released === true;
@@ -474,7 +523,53 @@ class Client {
 
   /** Extends a live lease to leaseMs from now (0: each rule's own); resolves to { renewed, expiresMs }. */
   renew(lease, leaseMs = 0) {
-    return this.leaseCall('renew', lease, leaseMs).then((m) => ({ renewed: m.renewed === true, expiresMs: m.expires_ms || 0 }));
+    return this.leaseCall('renew', lease, leaseMs).then((m) => {
+      const renewed = m.renewed === true;
+      const expiresMs = m.expires_ms || 0;
+      if (renewed) this.leaseRenewed(lease, expiresMs);
+      return { renewed, expiresMs };
+    });
+  }
+
+  // trackLease notes a lease taken on conn (its answer's rules say how long it lasts at
+  // least: a concurrency rule's window is its lease), until it is released (leaseEnded);
+  // one never released is forgotten once it has expired.
+  trackLease(conn, lease, rules) {
+    const now = Date.now();
+    let w = 0;
+    if (Array.isArray(rules)) for (const r of rules) if (r && Number(r.window_ms) > w) w = Number(r.window_ms);
+    const until = now + w;
+    if (this.leases.size >= Math.max(this.leasePrune, 1024)) {
+      for (const [k, v] of this.leases) {
+        if (now > v.until) {
+          this.leases.delete(k);
+          v.conn.leases--;
+        }
+      }
+      this.leasePrune = 2 * this.leases.size;
+    }
+    if (this.leases.has(lease)) return;
+    this.leases.set(lease, { conn, until });
+    conn.leases++;
+    if (until > conn.holdUntil) conn.holdUntil = until;
+  }
+
+  leaseRenewed(lease, expiresMs) {
+    const v = this.leases.get(lease);
+    if (v === undefined) return;
+    const until = Date.now() + expiresMs;
+    if (until > v.until) v.until = until;
+    if (until > v.conn.holdUntil) v.conn.holdUntil = until;
+  }
+
+  // leaseEnded forgets a lease the sidecar answered a release of; a retired connection
+  // that held it closes once it holds no other.
+  leaseEnded(lease) {
+    const v = this.leases.get(lease);
+    if (v === undefined) return;
+    this.leases.delete(lease);
+    v.conn.leases--;
+    if (v.conn.retired && v.conn.leases <= 0) v.conn.fail('a connection given up for a stall closed once its leases ended');
   }
 
   leaseCall(op, lease, leaseMs) {
@@ -507,6 +602,7 @@ class Client {
     this.closed = true;
     for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) e.done(null, 'client closed');
     for (const s of this.slots) s.close();
+    for (const conn of [...this.retired]) conn.fail('client closed');
     return Promise.resolve();
   }
 
@@ -626,6 +722,7 @@ class Client {
     if (entry.settled) return;
     if (typeof conn === 'string') return entry.done(null, conn);
     if (conn.broken !== null) return entry.done(null, conn.broken);
+    if (conn.retired) return this.route(entry); // given up meanwhile: its slot redials
     if (this.waiting.size === 0 && conn.inFlight() < MAX_PENDING) {
       this.write(entry, conn);
       return;

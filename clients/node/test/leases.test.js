@@ -302,3 +302,40 @@ test('the middleware renews a long request\'s lease', async (t) => {
   for (let k = 0; k < 200 && (await free('ren')) !== 1; k++) await new Promise((r) => setTimeout(r, 10));
   assert.equal(await free('ren'), 1, 'released when the response ended');
 });
+
+// The sidecar frees a lease when the connection that took it closes. A connection given
+// up for a stall (no answer for max(1 s, 4 × timeoutMs) while checks time out on it) that
+// holds the lease of a request still running is retired, not closed: the next check
+// redials, and the slot stays held until the lease is released. Before, it was closed, and
+// once the daemon resumed it freed the slot: with max 1, a second request was admitted
+// beside the first (the real daemon, SIGSTOPped 2 s under the middleware: 3 of 3
+// admitted after the stall, now 0).
+test('a stall does not free the leases of requests still running', async (t) => {
+  const d = await startDaemon(t, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1, lease: 30s }
+`);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 20, conns: 1, logger: null });
+  t.after(() => c.close());
+  const a = await c.check({ user: 'ann' });
+  assert.ok(a.allowed && a.lease);
+  await d.pause();
+  const start = Date.now();
+  while (Date.now() - start < 1500) assert.ok((await c.check({ user: 'bob' })).unreachable);
+  d.resume();
+  let second;
+  for (let i = 0; i < 100; i++) {
+    second = await c.check({ user: 'ann' });
+    if (!second.unreachable) break;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  assert.ok(!second.unreachable, `no answer after the stall: ${second.cause}`);
+  assert.equal(second.allowed, false, 'a second request admitted beside the first: the stall freed its slot');
+  assert.equal(await c.release(a.lease), true);
+  assert.equal(c.retired.size, 0, 'the retired connection is closed once its lease is released');
+  for (let i = 0; i < 100 && !(second = await c.check({ user: 'ann' })).allowed; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.ok(second.allowed);
+  await c.release(second.lease);
+});
