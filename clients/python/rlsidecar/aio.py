@@ -59,6 +59,13 @@ class _Protocol(asyncio.Protocol):
         self.quiet_from = time.monotonic()  # when its quiet spell began: since it was dialed
         self.broken = None  # why the connection broke; None while usable
         self.room = collections.deque()  # futures of checks waiting for room, in turn
+        # The leases taken on it and not yet released, and (monotonic) when the last of
+        # them expires: given up for a stall while it holds some, it is retired, not
+        # closed (give_up), and expiry is then the timer that closes it.
+        self.leases = 0
+        self.hold_until = 0.0
+        self.retired = False
+        self.expiry = None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -98,6 +105,9 @@ class _Protocol(asyncio.Protocol):
                 return self.fail(why, unread_all=unread)
             self.served = True
             self.heard = True
+            lease = msg.get("lease") if e is None else None
+            if isinstance(lease, str) and lease:
+                self.client._track_lease(self, lease, msg)  # before its caller can release it
             if not fut.done():
                 fut.set_result(msg)
             else:  # the caller gave up: the answer is dropped, and a lease it took released
@@ -121,8 +131,37 @@ class _Protocol(asyncio.Protocol):
             return
         quiet = now - self.quiet_from
         if quiet >= max(STALL_FOR, 4 * self.client.timeout):
-            self.fail("no answer on this connection for %d ms (the sidecar stalled?): it is closed, "
-                      "the next check redials" % (quiet * 1000))
+            self.give_up("no answer on this connection for %d ms (the sidecar stalled?): it is given up, "
+                         "the next check redials" % (quiet * 1000))
+
+    def give_up(self, why):
+        """End a connection that stalled: close it, unless it holds leases of requests
+        still running. The sidecar frees a lease when the connection that took it closes,
+        so closing it would free their slots and, after any stall, admit past a
+        concurrency rule's max. It is retired instead: detached (the next check redials)
+        and sent nothing more, but kept open, its late answers dropped, until its leases
+        are released through this client, or have expired, or the client is closed."""
+        if self.retired or self.broken is not None:
+            return
+        client = self.client
+        if self.leases <= 0 or time.monotonic() >= self.hold_until or client._closed:
+            return self.fail(why)
+        self.retired = True
+        client._retired.add(self)
+        client._detach(self)
+        while self.room:  # the checks waiting for room try again, on a new connection
+            w = self.room.popleft()
+            if not w.done():
+                w.set_result(None)
+        self.expire()
+
+    def expire(self):
+        """Close a retired connection once every lease it holds has expired."""
+        left = self.hold_until - time.monotonic()
+        if self.leases > 0 and left > 0:
+            self.expiry = asyncio.get_running_loop().call_later(left, self.expire)
+            return
+        self.fail("a connection given up for a stall closed once its leases ended")
 
     def wake_one(self):
         """Give the place just freed to the first check still waiting for room."""
@@ -172,6 +211,10 @@ class _Protocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self.client._detach(self)
+        if self.retired:
+            self.client._retired.discard(self)
+            if self.expiry is not None:
+                self.expiry.cancel()
         err = ConnectionError(why)
         while self.pending:
             _, fut = self.pending.popleft()
@@ -223,6 +266,9 @@ class AsyncClient:
         self._retry_at = 0.0
         self._last_error = None
         self._orphans = set()  # tasks releasing the leases of late answers
+        self._leases = {}  # lease -> [connection that took it, (monotonic) expiry]: not yet released
+        self._lease_prune = 0
+        self._retired = set()  # connections given up for a stall while holding leases (give_up)
         self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
         _clients.add(self)
 
@@ -232,6 +278,7 @@ class AsyncClient:
         of the descriptor if it is ever run or collected here; closing it from outside
         the transport could close another descriptor given the same number since."""
         self._conn, self._dial, self._orphans = None, None, set()
+        self._leases, self._retired = {}, set()
 
     async def __aenter__(self):
         return self
@@ -252,6 +299,44 @@ class AsyncClient:
             self._dial = None
         if self._conn is not None:
             self._conn.fail("client closed")
+        for conn in list(self._retired):
+            conn.fail("client closed")
+
+    def _track_lease(self, conn, lease, msg):
+        """Note a lease taken on conn; its answer's rules say how long it lasts at least
+        (a concurrency rule's window is its lease). Forgotten at its release, or once
+        expired if never released."""
+        now = time.monotonic()
+        rules = msg.get("rules")
+        w = max((r.get("window_ms", 0) for r in rules if isinstance(r, dict)), default=0) if isinstance(rules, list) else 0
+        until = now + (w if isinstance(w, int) else 0) / 1000
+        if len(self._leases) >= max(self._lease_prune, 1024):
+            for k, v in list(self._leases.items()):
+                if now > v[1]:
+                    del self._leases[k]
+                    v[0].leases -= 1
+            self._lease_prune = 2 * len(self._leases)
+        if lease in self._leases:
+            return
+        self._leases[lease] = [conn, until]
+        conn.leases += 1
+        conn.hold_until = max(conn.hold_until, until)
+
+    def _lease_renewed(self, lease, expires_ms):
+        v = self._leases.get(lease)
+        if v is not None:
+            until = time.monotonic() + expires_ms / 1000
+            v[1] = max(v[1], until)
+            v[0].hold_until = max(v[0].hold_until, until)
+
+    def _lease_ended(self, lease):
+        """Forget a lease whose release was answered; a retired connection that held it
+        closes once it holds no other."""
+        v = self._leases.pop(lease, None)
+        if v is not None:
+            v[0].leases -= 1
+            if v[0].retired and v[0].leases <= 0:
+                v[0].fail("a connection given up for a stall closed once its leases ended")
 
     async def check(self, attrs, cost=1, limits=None):
         """Ask whether a request with these attributes may pass; see Client.check."""
@@ -277,8 +362,12 @@ class AsyncClient:
             return False
         try:
             msg = await self._lease_call("release", lease, None)
+        except _proto.ProtocolError:
+            self._lease_ended(lease)
+            raise
         except (OSError, _proto.ClosedError):
             return False
+        self._lease_ended(lease)
         return bool(msg.get("released", False))
 
     def _release_orphan(self, lease):
@@ -301,7 +390,10 @@ class AsyncClient:
     async def renew(self, lease, lease_ms=None):
         """Extend a live lease; returns (renewed, expires_ms). See Client.renew."""
         msg = await self._lease_call("renew", lease, lease_ms)
-        return bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+        renewed, expires_ms = bool(msg.get("renewed", False)), msg.get("expires_ms", 0)
+        if renewed:
+            self._lease_renewed(lease, expires_ms)
+        return renewed, expires_ms
 
     async def _lease_call(self, op, lease, lease_ms):
         msg = await self._round_trip(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))

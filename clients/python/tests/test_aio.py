@@ -111,6 +111,53 @@ def test_stalled_connection_redials(daemon, make_daemon):
     run(main())
 
 
+RULES_ONE_SLOT = """
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1, lease: 30s }
+"""
+
+
+def test_stall_keeps_leases_of_running_requests(make_daemon):
+    """The sidecar frees a lease when the connection that took it closes. A connection
+    given up for a stall that holds the lease of a request still running is retired, not
+    closed: the next check redials, and the slot stays held until the lease is released.
+    Before, it was closed, and once the daemon resumed it freed the slot: with max 1, a
+    second request was admitted beside the first."""
+    daemon = make_daemon(RULES_ONE_SLOT)
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.02) as c:
+            first = await c.check({"user": "ann"})
+            assert first.allowed and first.lease
+            daemon.pause()
+            try:
+                start = time.monotonic()
+                while time.monotonic() - start < 1.5:
+                    assert (await c.check({"user": "bob"})).unreachable
+                    await asyncio.sleep(0)
+            finally:
+                daemon.resume()
+            for _ in range(100):
+                second = await c.check({"user": "ann"})
+                if not second.unreachable:
+                    break
+                await asyncio.sleep(0.02)
+            assert not second.unreachable, second.cause
+            assert not second.allowed, "a second request admitted beside the first: the stall freed its slot"
+            assert await c.release(first.lease)
+            assert not c._retired, "the retired connection is closed once its lease is released"
+            for _ in range(100):
+                second = await c.check({"user": "ann"})
+                if second.allowed:
+                    break
+                await asyncio.sleep(0.02)
+            assert second.allowed
+            await c.release(second.lease)
+    run(main())
+
+
 def test_restarted_sidecar(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=0.5) as c:
