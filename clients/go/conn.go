@@ -607,6 +607,10 @@ func (cn *conn) send(cl *call) error {
 		if err == nil {
 			n, err = cn.nc.Write(buf.Bytes())
 		}
+		var rest []byte // the unwritten end of the frame the write stopped in
+		if err != nil && n > 0 {
+			rest = frameRest(buf.Bytes(), n)
+		}
 		buf.Reset()
 		if err != nil {
 			// No frame from first on reached the sidecar when nothing of this write did;
@@ -618,7 +622,7 @@ func (cn *conn) send(cl *call) error {
 				cn.unsentFrom = last + 1
 			}
 			cn.mu.Unlock()
-			cn.writeFailed(&unreachable{what: "writing a request", err: err})
+			cn.writeFailed(&unreachable{what: "writing a request", err: err}, rest)
 			return nil
 		}
 		cn.mu.Lock()
@@ -753,11 +757,14 @@ func unsolicited(dec *proto.Decoder, body []byte) error {
 // receive queue: breaking the connection at once would answer that request by the Policy,
 // not with its 431. So the reader is left to read what came (it breaks the connection, with
 // err, at the end of it), within Options.Timeout; meanwhile nothing more is sent on it.
-// A write that timed out (the sidecar stopped reading) breaks the connection at once.
-func (cn *conn) writeFailed(err *unreachable) {
+// A write that timed out (the sidecar stopped reading) breaks the connection at once,
+// or retires it when it holds leases (rest: see retire).
+func (cn *conn) writeFailed(err *unreachable, rest []byte) {
 	var ne net.Error
 	if errors.As(err.err, &ne) && ne.Timeout() {
-		cn.fail(err)
+		if !cn.retire(err, rest) {
+			cn.fail(err)
+		}
 		return
 	}
 	cn.mu.Lock()

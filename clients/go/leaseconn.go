@@ -1,8 +1,11 @@
 package rlclient
 
 import (
+	"encoding/binary"
 	"errors"
 	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // Connections holding leases
@@ -96,18 +99,31 @@ func (c *Client) leaseEnded(lease string) {
 
 // giveUp ends cn after a stall (see timedOut): closed, or retired while it holds leases.
 func (cn *conn) giveUp(err error) {
+	if !cn.retire(err, nil) {
+		cn.fail(err)
+	}
+}
+
+// retire detaches cn from its slot and keeps it open for the leases it holds (see the top
+// of this file); false, doing nothing, when it holds none that are live, or the Client is
+// closed. It is called after a stall (giveUp), and after a write that timed out (a
+// sidecar that stopped reading while many checks were sent: the socket's buffer is full),
+// which may have stopped inside a frame: rest, the rest of that frame, is then written in
+// a goroutine of the Client's (until the leases' expiry); else the sidecar, once it reads
+// again, would wait --frame-timeout for it and then close the connection, freeing the
+// leases all the same.
+func (cn *conn) retire(err error, rest []byte) bool {
 	c := cn.s.c
 	c.leaseMu.Lock()
 	if cn.leases <= 0 || !time.Now().Before(cn.holdUntil) || c.closed.Load() {
 		c.leaseMu.Unlock()
-		cn.fail(err)
-		return
+		return false
 	}
 	cn.mu.Lock()
 	if cn.broken || cn.retiredAt {
 		cn.mu.Unlock()
 		c.leaseMu.Unlock()
-		return
+		return true
 	}
 	cn.retiredAt = true
 	if cn.werr == nil {
@@ -116,9 +132,40 @@ func (cn *conn) giveUp(err error) {
 	cn.mu.Unlock()
 	c.retired[cn] = struct{}{}
 	cn.expiry = time.AfterFunc(time.Until(cn.holdUntil), cn.expire)
+	if len(rest) > 0 {
+		// Added under leaseMu with c not closed: Close, which closes the retired
+		// connections before it waits, has not begun waiting.
+		c.wg.Add(1)
+		go func(deadline time.Time) {
+			defer c.wg.Done()
+			if cn.nc.SetWriteDeadline(deadline) == nil {
+				if _, err := cn.nc.Write(rest); err == nil {
+					return
+				}
+			}
+			cn.fail(errLeasesDone)
+		}(cn.holdUntil)
+	}
 	c.leaseMu.Unlock()
 	cn.s.detach(cn) // the next check on its slot redials
 	cn.closeDead()  // callers waiting for room on it, or to send on it, pick again
+	return true
+}
+
+// frameRest returns a copy of the rest of the frame that byte n of b (frames, each a
+// 4-byte big-endian length and its body) falls in; nil when n ends a frame.
+func frameRest(b []byte, n int) []byte {
+	for off := 0; off < n && off+proto.HeaderSize <= len(b); {
+		end := off + proto.HeaderSize + int(binary.BigEndian.Uint32(b[off:]))
+		if n < end {
+			if end > len(b) {
+				end = len(b)
+			}
+			return append([]byte(nil), b[n:end]...)
+		}
+		off = end
+	}
+	return nil
 }
 
 // expire closes a retired connection once every lease it holds has expired.

@@ -2,7 +2,13 @@ package rlclient
 
 import (
 	"context"
+	"encoding/binary"
+	"log/slog"
+	"net"
 	"os"
+	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -122,4 +128,108 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 		t.Fatalf("release: %v %v", ok, err)
 	}
 	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
+}
+
+// A sidecar that stops reading while many checks are sent fills the socket's buffer, and
+// a write times out: that connection too is retired, not closed, while it holds leases.
+// Before, the write timeout closed it: 200 goroutines checking through a 1.5 s SIGSTOP of
+// the real daemon freed the lease of a request still running (max 1: a second admitted).
+func TestStalledWriteKeepsLeases(t *testing.T) {
+	path := socketPath(t)
+	var frozen atomic.Bool
+	thaw := make(chan struct{})
+	f := startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if frozen.Load() {
+			<-thaw
+		}
+		switch req.Op {
+		case proto.OpRelease:
+			resp.Released = req.Lease == "t.1"
+		case proto.OpRenew:
+		default:
+			echoUser(req, resp)
+			if attr(req, "user") == "leased" {
+				resp.Lease = "t.1"
+				resp.Rules[0].WindowMs = 30000
+			}
+		}
+	})
+	open := func() int {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.conns)
+	}
+	var leased net.Conn // the fake's end of the connection that took the lease
+	isOpen := func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		_, ok := f.conns[leased]
+		return ok
+	}
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
+	if d.Lease != "t.1" {
+		t.Fatalf("no lease: %+v", d)
+	}
+	f.mu.Lock()
+	for nc := range f.conns {
+		leased = nc
+	}
+	f.mu.Unlock()
+	frozen.Store(true)
+	big := strings.Repeat("x", 2000) // frames that fill the socket's buffer soon
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for i := range 200 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c.Check(ctx, map[string]string{"user": "x", "pad": big + strconv.Itoa(i)}, nil)
+			}
+		}()
+	}
+	start := time.Now()
+	for open() < 2 && time.Since(start) < 3*time.Second {
+		time.Sleep(10 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	frozen.Store(false)
+	close(thaw)
+	time.Sleep(300 * time.Millisecond)
+	if !isOpen() {
+		t.Fatal("the connection holding the lease was closed after the stall, freeing its slot")
+	}
+	if ok, err := d.Release(ctx); !ok || err != nil {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	eventually(t, "the retired connection to close once its lease is released", func() bool { return !isOpen() })
+}
+
+func TestFrameRest(t *testing.T) {
+	frame := func(n int) []byte {
+		b := make([]byte, proto.HeaderSize+n)
+		binary.BigEndian.PutUint32(b, uint32(n))
+		for i := proto.HeaderSize; i < len(b); i++ {
+			b[i] = byte(len(b))
+		}
+		return b
+	}
+	b := append(frame(3), frame(5)...) // 7 bytes, then 9
+	for _, tc := range []struct{ n, want int }{{1, 6}, {6, 1}, {7, 0}, {8, 8}, {15, 1}, {16, 0}} {
+		if got := frameRest(b, tc.n); len(got) != tc.want {
+			t.Errorf("frameRest after %d bytes: %d bytes; want %d", tc.n, len(got), tc.want)
+		}
+	}
 }
