@@ -128,7 +128,7 @@ def test_stall_keeps_leases_of_running_requests(make_daemon):
     daemon = make_daemon(RULES_ONE_SLOT)
 
     async def main():
-        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.02) as c:
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.1) as c:
             first = await c.check({"user": "ann"})
             assert first.allowed and first.lease
             daemon.pause()
