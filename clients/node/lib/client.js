@@ -265,7 +265,13 @@ class Conn {
       if (msg.id !== entry.id && !(e !== null && msg.id === 0)) {
         return this.fail(`answer id ${msg.id} where ${entry.id} was due`);
       }
-      if (e !== null && (e[0] === 'too_many_connections' || e[0] === 'shutting_down')) {
+      if (e !== null && e[0] === 'shutting_down') {
+        // A drain's last word (or a connection it accepted and does not serve): entry and
+        // every check after it on this connection were not read, not decided: each is
+        // sent again, once, on another connection (to the sidecar's successor).
+        return this.fail(`the sidecar closed the connection: ${e[0]}`, entry);
+      }
+      if (e !== null && e[0] === 'too_many_connections') {
         // entry, taken off pending above, gets the policy with the sidecar's reason (it
         // waited out its timeout: fail settles only the checks still pending).
         const why = `the sidecar closed the connection: ${e[0]}`;
@@ -288,8 +294,11 @@ class Conn {
     if (!this.retired) this.slot.client.admit(this);
   }
 
-  // fail breaks the connection once: every pending check gets the policy decision.
-  fail(why) {
+  // fail breaks the connection once: every pending check gets the policy decision, but
+  // those the sidecar certainly did not read, sent again once (see below). unreadFrom: the
+  // check the drain's farewell came in place of, taken off pending: it and every check
+  // still pending were not read.
+  fail(why, unreadFrom) {
     if (this.broken !== null) return;
     this.broken = why;
     this.socket.destroy();
@@ -302,6 +311,21 @@ class Conn {
     const head = this.head;
     this.pending = [];
     this.head = 0;
+    if (unreadFrom !== undefined) {
+      const client = this.slot.client;
+      for (const en of [unreadFrom, ...pending.slice(head)]) {
+        if (en.settled) continue;
+        if (en.resent || en.msg === null || client.closed) {
+          en.done(null, why);
+          continue;
+        }
+        en.resent = true;
+        en.conn = null;
+        client.route(en);
+      }
+      client.reroute();
+      return;
+    }
     // The last pending check, when its frame certainly was not all read (writeFailed,
     // resetUnread: the unread bytes are the end of the stream), is sent again, once, on
     // another connection within its timeout; a check before it may have been read and

@@ -60,3 +60,64 @@ test('a check the sidecar closed its connection on, unread, is sent again', asyn
   }
   assert.deepEqual(causes, [], `${causes.length} of 20 checks answered by the policy`);
 });
+
+// A draining sidecar ends a connection it has read to its end with an error of id 0,
+// shutting_down, after its last answer: every check still pending on it was not read,
+// and each is sent again, once, on a new connection. The stand-in answers the first 5
+// checks of its first connection, reads 5 more without deciding them, then says
+// farewell; later connections answer everything. Every one of 40 concurrent checks is
+// decided exactly once, none answered by the policy.
+test("the drain's farewell sends every pending check again", async (t) => {
+  const sock = path.join(tempDir(t), 's.sock');
+  const conns = new Set();
+  const decided = new Map();
+  let first = true;
+  const frame = (obj) => {
+    const body = Buffer.from(encode(obj));
+    const head = Buffer.alloc(4);
+    head.writeUInt32BE(body.length);
+    return Buffer.concat([head, body]);
+  };
+  const srv = net.createServer((s) => {
+    conns.add(s);
+    s.on('close', () => conns.delete(s));
+    s.on('error', () => {});
+    const drains = first;
+    first = false;
+    let read = 0;
+    let buf = Buffer.alloc(0);
+    s.on('data', (b) => {
+      buf = Buffer.concat([buf, b]);
+      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
+        const n = buf.readUInt32BE(0);
+        const req = proto.decode(buf.subarray(4, 4 + n));
+        buf = buf.subarray(4 + n);
+        read++;
+        if (drains && read > 10) continue; // past the farewell: discarded, as the daemon lingers
+        if (drains && read > 5) {
+          if (read === 10) {
+            s.write(frame({ id: 0, error: { code: 'shutting_down', message: 'farewell' } }));
+            s.end();
+          }
+          continue; // read, not decided
+        }
+        decided.set(req.attrs.user, (decided.get(req.attrs.user) || 0) + 1);
+        s.write(frame({ id: req.id, allowed: true, rule: req.attrs.user }));
+      }
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => {
+    for (const s of conns) s.destroy();
+    srv.close(r);
+  }));
+  const c = new rl.Client({ socket: sock, timeoutMs: 2000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  await c.check({ user: 'warm' }); // the first connection, dialed
+  const ds = await Promise.all(Array.from({ length: 40 }, (_, i) => c.check({ user: `u${i}` })));
+  ds.forEach((d, i) => {
+    assert.ok(!d.unreachable, `check ${i}: ${d.cause}`);
+    assert.equal(d.rule, `u${i}`);
+  });
+  for (let i = 0; i < 40; i++) assert.equal(decided.get(`u${i}`), 1, `u${i} decided ${decided.get(`u${i}`)} times`);
+});
