@@ -173,8 +173,11 @@ func TestWaitersMoveOnWhenTheConnectionBreaks(t *testing.T) {
 			answered++
 		}
 	}
-	if answered != 3 {
-		t.Fatalf("%d of 5 checks answered by the sidecar after the drop, want the 3 that waited: %+v", answered, ds)
+	// The 3 that waited; and the second in flight when the drop reset the connection
+	// with its frame still unread (the fake had not read it yet: a loaded machine), which
+	// is then certainly not decided and sent again (notSent).
+	if answered != 3 && answered != 4 {
+		t.Fatalf("%d of 5 checks answered by the sidecar after the drop, want the 3 that waited (4 if the last in flight was unread): %+v", answered, ds)
 	}
 }
 
