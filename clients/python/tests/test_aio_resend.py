@@ -147,3 +147,79 @@ def test_checks_written_after_a_failed_write_are_sent_again(short_tmp):
         t.join()
     assert causes == [], "%d of 10 checks answered by on_unavailable: %s" % (len(causes), causes[:1])
     assert rules == ["u%d" % i for i in range(10)]
+
+
+def farewell_sidecar(path, stop, decided, lock):
+    """Serve a stand-in whose first connection answers 5 checks, reads 5 more without
+    deciding them, then says the drain's farewell (id 0, shutting_down) and discards the
+    rest; later connections answer every check."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def frame(obj):
+        body = msgpack.packb(obj)
+        return struct.pack(">I", len(body)) + body
+
+    def serve(c, drains):
+        with c:
+            read = 0
+            while not stop.is_set():
+                head = c.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    return
+                req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+                read += 1
+                if drains and read > 10:
+                    continue
+                if drains and read > 5:
+                    if read == 10:
+                        c.sendall(frame({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}}))
+                        c.shutdown(socket.SHUT_WR)
+                    continue
+                with lock:
+                    u = req["attrs"]["user"]
+                    decided[u] = decided.get(u, 0) + 1
+                c.sendall(frame({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]}))
+
+    def accept():
+        first = True
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c, first), daemon=True).start()
+                first = False
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    return t
+
+
+def test_checks_pending_at_the_drains_farewell_are_sent_again(short_tmp):
+    """After the drain's farewell every check pending on the connection is sent again,
+    once, on a new connection: each of 40 concurrent checks decided exactly once, none
+    answered by on_unavailable."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop = threading.Event()
+    decided, lock = {}, threading.Lock()
+    t = farewell_sidecar(path, stop, decided, lock)
+
+    async def main():
+        async with rlsidecar.AsyncClient(path, timeout=2, on_unavailable="closed") as c:
+            await c.check({"user": "warm"})
+            return await asyncio.gather(*(c.check({"user": "u%d" % i}) for i in range(40)))
+
+    try:
+        ds = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    for i, d in enumerate(ds):
+        assert not d.unreachable, (i, d.cause)
+        assert d.rule == "u%d" % i
+    for i in range(40):
+        assert decided.get("u%d" % i) == 1, ("u%d" % i, decided.get("u%d" % i))
