@@ -223,3 +223,59 @@ def test_checks_pending_at_the_drains_farewell_are_sent_again(short_tmp):
         assert d.rule == "u%d" % i
     for i in range(40):
         assert decided.get("u%d" % i) == 1, ("u%d" % i, decided.get("u%d" % i))
+
+
+def test_blocking_client_sends_again_after_the_drains_farewell(short_tmp):
+    """Client: a drain's farewell as the first answer to a request (its connection, kept
+    in the pool, was drained since the last answer) means the request was not read: it is
+    sent again on a new connection, not answered by on_unavailable."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop = threading.Event()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+    decided = []
+
+    def frame(obj):
+        body = msgpack.packb(obj)
+        return struct.pack(">I", len(body)) + body
+
+    def serve(c):
+        with c:
+            for n in range(1, 1000):
+                head = c.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    return
+                req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+                if n == 2:  # every connection drains after its first check
+                    c.sendall(frame({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}}))
+                    c.shutdown(socket.SHUT_WR)
+                    return
+                decided.append(req["attrs"]["user"])
+                c.sendall(frame({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]}))
+
+    def accept():
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        c = rlsidecar.Client(path, timeout=1, on_unavailable="closed")
+        try:
+            for i in range(10):
+                d = c.check({"user": "u%d" % i})
+                assert not d.unreachable, (i, d.cause)
+                assert d.rule == "u%d" % i
+        finally:
+            c.close()
+    finally:
+        stop.set()
+        t.join()
+    assert decided == ["u%d" % i for i in range(10)]
