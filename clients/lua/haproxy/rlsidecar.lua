@@ -223,7 +223,18 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
       .. max_frame .. "; it was not sent"
     return http.too_large_decision(msg), msg
   end
+  local started = now_ms()
   local resp, rerr = roundtrip(address, timeout_ms, frame, id, release)
+  if resp and resp.id == 0 and type(resp.error) == "table" and resp.error.code == "shutting_down" then
+    -- The daemon drains and did not read this check (its connection was accepted during
+    -- the drain, or the drain's farewell came first): sent once more, within what is left
+    -- of the timeout, to its successor (systemd's socket keeps the waiting connections
+    -- for it; a daemon that made its own socket hands its path over).
+    local rest = timeout_ms - (now_ms() - started)
+    if rest >= 1 then
+      resp, rerr = roundtrip(address, rest, frame, id, release)
+    end
+  end
   if not resp then
     return http.policy_decision(policy, rerr)
   end

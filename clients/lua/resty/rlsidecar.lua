@@ -304,6 +304,11 @@ local function attempt(self, frame, id, deadline)
   if resp.id ~= id then
     if resp.id == 0 and type(resp.error) == "table" then
       sock:close() -- an error about a request the daemon could not read (frame_too_large: it closes)
+      if resp.error.code == "shutting_down" then
+        -- The drain's farewell (or a connection it accepted and does not serve): the
+        -- request was not read, so not decided: sent again on another connection.
+        return nil, "reading from " .. self.path .. ": shutting_down", true, true
+      end
       return resp
     end
     return drop(sock, "reading from", self.path, "an answer to request " .. tostring(resp.id) .. ", not " .. id)

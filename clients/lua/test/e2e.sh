@@ -880,6 +880,30 @@ for i in $(seq 10); do
 done
 expect "stand-in: /login checks meeting pooled connections the sidecar closed: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
 expect "stand-in: some met a closed pooled connection (the case was exercised)" "$(($(grep -c '^stale stale-pool' "$tmp/held-events" || true) > 0))" 1
+# The same, with the drain's farewell (an error shutting_down, id 0) as the answer: the
+# check was not read, and is sent again on another connection; before, the error went to
+# the failure policy (/login's 503).
+codes=""
+for i in $(seq 10); do
+  codes+=$(curl -s --max-time 5 -o /dev/null -w '%{http_code} ' -X POST -H 'X-User: farewell-pool' "http://127.0.0.1:$held_port/login")
+done
+expect "stand-in: /login checks answered by a drain's farewell: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
+expect "stand-in: some met the farewell (the case was exercised)" "$(($(grep -c '^farewell farewell-pool' "$tmp/held-events" || true) > 0))" 1
+# HAProxy connects per check: the stand-in answers every other check of farewell-alt with
+# the farewell at once (a connection a draining daemon accepted); the check is sent once
+# more, and decided.
+held_hap_port=$(free_port)
+sed -e "s#$sock#$held#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$held_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" \
+  "$tmp/haproxy.cfg" >"$tmp/haproxy-held.cfg"
+haproxy -db -f "$tmp/haproxy-held.cfg" >"$tmp/haproxy-held.log" 2>&1 &
+pids+=($!)
+wait_for "haproxy (stand-in sidecar)" curl -sf "http://127.0.0.1:$held_hap_port/static/x"
+codes=""
+for i in $(seq 6); do
+  codes+=$(curl -s --max-time 5 -o /dev/null -w '%{http_code} ' -X POST -H 'X-User: farewell-alt' "http://127.0.0.1:$held_hap_port/login")
+done
+expect "stand-in: haproxy /login checks answered by a drain's farewell: sent once more, decided" "$codes" "200 200 200 200 200 200 "
+expect "stand-in: haproxy met the farewell 6 times (the case was exercised)" "$(grep -c '^farewell farewell-alt' "$tmp/held-events" || true)" 6
 
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"

@@ -14,6 +14,16 @@ read: the stand-in closes it, as the daemon closes a connection (a restart,
 
     stale USER T                a check came on a connection closed unanswered
 
+A check whose user is "farewell-pool" is answered the same way, and the next check on that
+connection is read and answered with the drain's farewell (an error shutting_down, id 0),
+then the connection closed, as a draining daemon ends a connection it has read to its end:
+
+    farewell USER T             a check came on a connection the farewell ended
+
+Every other check whose user is "farewell-alt" (the 1st, 3rd, ...) is answered with the
+farewell at once, as a draining daemon answers a connection it accepted during the drain:
+a gateway that connects per check (HAProxy) meets it on its first connection.
+
 Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
 """
 
@@ -31,6 +41,7 @@ HELD_DELAY_MS = 5000
 
 start = time.monotonic()
 leases = itertools.count(1)
+alt = itertools.count(1)
 log_lock = threading.Lock()
 
 
@@ -56,6 +67,7 @@ def read_exact(c, n):
 
 def serve(c):
     stale = False  # the connection answered a stale-pool check: the next is not read
+    farewell = False  # the connection answered a farewell-pool check: the next gets the farewell
     with c:
         while True:
             head = read_exact(c, 4)
@@ -70,9 +82,21 @@ def serve(c):
             if stale:
                 log("stale %s %d" % (user, now_ms()))
                 return
-            if op == "check" and user == "stale-pool":
-                stale = True
-                log("check stale-pool - %d" % now_ms())
+            if farewell:
+                log("farewell %s %d" % (user, now_ms()))
+                out = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "draining"}})
+                c.sendall(struct.pack(">I", len(out)) + out)
+                c.shutdown(socket.SHUT_WR)
+                return
+            if op == "check" and user == "farewell-alt" and next(alt) % 2 == 1:
+                log("farewell %s %d" % (user, now_ms()))
+                out = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "draining"}})
+                c.sendall(struct.pack(">I", len(out)) + out)
+                c.shutdown(socket.SHUT_WR)
+                return
+            if op == "check" and user in ("stale-pool", "farewell-pool"):
+                stale, farewell = user == "stale-pool", user == "farewell-pool"
+                log("check %s - %d" % (user, now_ms()))
                 ans = {"id": rid, "allowed": True, "rule": "", "limit": 0, "remaining": 0, "reset_ms": 0,
                        "retry_after_ms": 0, "rules": []}
             elif op == "check":
