@@ -37,7 +37,8 @@
 -- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
 -- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
--- "prev_token token grant used window written_s", written by a sync that changed the key's count
+-- "prev_token token grant used window written_s" (written_s not when the sync made the
+-- key), written by a sync that changed the key's count
 -- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
 -- last record: replaying it, or losing its reply, has nothing to count twice); sn, sp =
 -- the bookkeeping of pruning old records (prune_records).
@@ -576,8 +577,16 @@ for i = 1, nkeys do
       -- Integers formatted as integers (%d): Lua's own number-to-string (%.14g, what a
       -- concatenation uses) costs several times as much. The same text for every value
       -- below 10^14, so a record reads the same to a daemon running the previous script.
-      -- Then when it was written (s of Redis TIME), for prune_records.
-      f[#f + 1] = string.format('%d %d %d %d %s %d', prev_token, token, grant, used, ws, now_s)
+      -- Then when it was written (s of Redis TIME), for prune_records; not by the sync that
+      -- makes the key (most keys of a sparse load are synced once: 14 bytes a key in
+      -- Redis): such a record is pruned as one without its time, once a prune has seen
+      -- it for as long, later than if it had one, and its daemon's next sync that writes
+      -- the record gives it its time.
+      if t0 then
+        f[#f + 1] = string.format('%d %d %d %d %s %d', prev_token, token, grant, used, ws, now_s)
+      else
+        f[#f + 1] = string.format('%d %d %d %d %s', prev_token, token, grant, used, ws)
+      end
       -- A record of a daemon new to a key that lives on: counted, and every 16th such
       -- record the key's stale ones go (see prune_records).
       if not rec and t0 then
