@@ -27,7 +27,7 @@ func TestHybridUsedGrantReleasesReservation(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
-			lim := mustLimit(t, alg, 4, time.Hour)
+			lim := mustLimit(t, alg, 4, hourWindow())
 			const interval = 100 * time.Millisecond
 			g := func(key string) string {
 				t.Helper()

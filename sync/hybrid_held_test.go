@@ -20,7 +20,8 @@ func TestHybridRefusalForHeldUnitsRetriesSoon(t *testing.T) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
 		t.Run(alg.String(), func(t *testing.T) {
 			key := "rl:held:{" + alg.String() + "}"
-			lim := mustLimit(t, alg, 10, time.Hour)
+			w := hourWindow()
+			lim := mustLimit(t, alg, 10, w)
 			salg := int64(2) // the script's fixed_window
 			if alg == localbucket.SlidingWindow {
 				salg = 1
@@ -30,7 +31,7 @@ func TestHybridRefusalForHeldUnitsRetriesSoon(t *testing.T) {
 				t.Helper()
 				v, err := int64s(hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("b",
 					int64(100*time.Millisecond/time.Microsecond), 2, 10000, 100, 0, 1, 0,
-					salg, 10, int64(time.Hour/time.Microsecond), 0,
+					salg, 10, int64(w/time.Microsecond), 0,
 					1, used, prevGrant, window, demand, int64(modeShare), prevToken, token, 0)...))
 				if err != nil {
 					t.Fatal(err)

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -36,12 +35,7 @@ func records(t *testing.T, rdb redis.UniversalClient, key string) map[string]str
 func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
 		t.Run(fmt.Sprint(alg), func(t *testing.T) {
-			srv := redistest.StartStandalone(t)
-			rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { rdb.Close() })
+			rdb := standalone(t)
 			ctx := context.Background()
 			// Limits whose state holds a reservation for less than ten minutes (a token
 			// bucket's burst, a window or two), so that records go ten minutes after

@@ -46,6 +46,19 @@ func mustLimit(t testing.TB, alg localbucket.Algorithm, requests uint64, window 
 	return &l
 }
 
+// hourWindow returns a window of about an hour (60, 59 or 61 minutes) whose current end,
+// aligned to the Unix epoch as windows are, is at least 10 minutes away: a test that
+// tells a refusal "until the window's end" from a short retry met that end at the turn
+// of an hour (retry 2.2 s at 18:59:58, taken for a short one).
+func hourWindow() time.Duration {
+	for _, w := range []time.Duration{time.Hour, 59 * time.Minute, 61 * time.Minute} {
+		if w-time.Duration(time.Now().UnixNano()%int64(w)) > 10*time.Minute {
+			return w
+		}
+	}
+	return time.Hour
+}
+
 // seeEachOther has each of hs send two rounds of heartbeats as daemon name-i, so that
 // every one counts them all (the second round sees every first).
 func seeEachOther(t testing.TB, name string, hs ...*Hybrid) {
