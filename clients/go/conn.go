@@ -260,8 +260,10 @@ send:
 	}
 	if ns, ok := err.(*notSent); ok {
 		// The sidecar never read it (see notSent): send it again, once, on another
-		// connection, within the same deadline.
-		if left := time.Until(deadline); !resent && left > 0 && ctx.Err() == nil {
+		// connection, within the same deadline. After a drain's farewell as often as one
+		// comes: the pool's other connections may be the draining sidecar's too, each
+		// saying farewell in turn, and the sidecar's word is that it read none of them.
+		if left := time.Until(deadline); (!resent || ns.farewell()) && left > 0 && ctx.Err() == nil {
 			resent = true
 			cl.state.Store(callWaiting)
 			cl.timer.Reset(left)
@@ -285,6 +287,13 @@ send:
 type notSent struct{ err error }
 
 func (e *notSent) Error() string { return e.err.Error() }
+
+// farewell reports whether the sidecar said so itself (a drain's shutting_down), rather
+// than the client inferring it from a failed write or a reset.
+func (e *notSent) farewell() bool {
+	var pe *proto.Error
+	return errors.As(e.err, &pe) && pe.Code == proto.CodeShuttingDown
+}
 func (e *notSent) Unwrap() error { return e.err }
 
 // A connection that answers no check for stallFor while checks are pending on it is given
@@ -688,6 +697,9 @@ func (cn *conn) readLoop() {
 				// this call and every one after it on the connection were not read, not
 				// decided. Each is sent again, once, on another connection (notSent), to
 				// the sidecar's successor: not answered by the Policy at every restart.
+				// The sidecar answered: its slot redials at once (no backoff), to the
+				// successor.
+				cn.served.Store(true)
 				cn.mu.Lock()
 				cn.unsentFrom = cl.id
 				cn.mu.Unlock()

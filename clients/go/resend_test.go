@@ -202,3 +202,79 @@ func TestResendsChecksAfterTheDrainsFarewell(t *testing.T) {
 		}
 	}
 }
+
+// A drain says farewell on each of the pool's connections in turn, and a check sent
+// again after the first farewell can land on another connection to the same draining
+// sidecar, which then says farewell too: that check was not read either time. It is
+// sent again as long as the deadline allows, not answered by the Policy. Before, the
+// second farewell gave it the Policy: an audit's restarts under pipelined load (4
+// connections, 64 callers) still answered 7 to 10 checks a restart by the Policy, every
+// one after a farewell.
+func TestResendsAgainAfterASecondFarewell(t *testing.T) {
+	path := socketPath(t)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	decided := map[string]int{}
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	const draining = 3 // the first connections: the draining sidecar's
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for conns := 0; ; conns++ {
+			nc, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func(old bool) {
+				defer wg.Done()
+				defer nc.Close()
+				br := bufio.NewReader(nc)
+				enc := proto.NewEncoder()
+				for {
+					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+					if err != nil {
+						return
+					}
+					var req proto.Request
+					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+						return
+					}
+					if old {
+						// Read after the drain began: not decided, farewell.
+						enc.Reset()
+						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
+						nc.Write(enc.Bytes())
+						nc.CloseWrite()
+						io.Copy(io.Discard, br)
+						return
+					}
+					mu.Lock()
+					decided[attr(&req, "user")]++
+					mu.Unlock()
+					enc.Reset()
+					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+					if _, err := nc.Write(enc.Bytes()); err != nil {
+						return
+					}
+				}
+			}(conns < draining)
+		}
+	}()
+	c := newClient(t, Options{Socket: path, Conns: draining, Timeout: 2 * time.Second, Policy: FailClosed})
+	// The check's first send and its resends go round the pool, each dialing a
+	// connection the draining sidecar accepted, until the pool's first slot redials.
+	d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
+	if err != nil || d.Unreachable || d.Rule != "u" {
+		t.Fatalf("decided %+v, %v: want the successor's answer", d, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if decided["u"] != 1 {
+		t.Errorf("decided %d times", decided["u"])
+	}
+}
