@@ -108,12 +108,11 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			if v := recs["s:a-0"]; len(strings.Fields(v)) != 6 {
 				t.Fatalf("record %q: want six fields, the last the time it was written", v)
 			}
-			// The untimed records go at the first prune ten minutes after one saw them.
-			sp, err := rdb.HGet(ctx, key, "sp").Int64()
-			if err != nil {
-				t.Fatalf("no sp after a prune saw untimed records: %v", err)
+			// The untimed records go at the first prune ten minutes after one saw them
+			// unchanged (their marks, w:<daemon id>, say when).
+			if n := ageMarks(t, rdb, key, 601); n != 5 {
+				t.Fatalf("%d marks after a prune saw 5 untimed records", n)
 			}
-			rdb.HSet(ctx, key, "sp", sp-601)
 			newcomers("c", 16)
 			recs = records(t, rdb, key)
 			for name := range recs {
@@ -124,8 +123,8 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			if n := len(recs); n != 1+3+32 {
 				t.Fatalf("%d records after the second prune, want %d", n, 1+3+32)
 			}
-			if ex, _ := rdb.HExists(ctx, key, "sp").Result(); ex {
-				t.Fatal("sp kept with no untimed record left")
+			if n := ageMarks(t, rdb, key, 0); n != 0 {
+				t.Fatalf("%d marks kept with no untimed record left", n)
 			}
 
 			// Every daemon still syncs exactly: each admits more, then they all leave.
@@ -174,6 +173,117 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 				t.Fatalf("Redis counts %.3f units (%.3f refilled); the daemons admitted %d", counted, slack, admitted)
 			}
 		})
+	}
+}
+
+// ageMarks moves the marks of key's untimed records (w:<daemon id> = "token s") by
+// secs into the past, and returns how many there are.
+func ageMarks(t *testing.T, rdb redis.UniversalClient, key string, secs int64) int {
+	t.Helper()
+	ctx := context.Background()
+	all, err := rdb.HGetAll(ctx, key).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for f, v := range all {
+		if !strings.HasPrefix(f, "w:") {
+			continue
+		}
+		var tok string
+		var at int64
+		if _, err := fmt.Sscan(v, &tok, &at); err != nil {
+			t.Fatalf("mark %s = %q: %v", f, v, err)
+		}
+		rdb.HSet(ctx, key, f, fmt.Sprint(tok, " ", at-secs))
+		n++
+	}
+	// An earlier build's single mark: when a prune first saw untimed records.
+	if sp, err := rdb.HGet(ctx, key, "sp").Int64(); err == nil {
+		rdb.HSet(ctx, key, "sp", sp-secs)
+		n++
+	}
+	return n
+}
+
+// A daemon still running the previous script (its records carry no time) beside daemons
+// running this one, for longer than a record lives (a canary, a slow rolling upgrade):
+// its record is rewritten at each of its syncs that changes the key, and must not be
+// pruned. Before, every untimed record went once a prune had seen untimed records for
+// that long, the live daemon's too: its grant then stayed reserved in the key, units
+// nobody held (an audit, a rule of 1,000,000 an hour over an old and a new daemon: 337,112
+// units reserved after both had stopped, against 0).
+func TestHybridKeepsLiveRecordsOfThePreviousScript(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	ctx := context.Background()
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	key := "rl:records:{user=canary}"
+	now := time.Now().UnixNano()
+	admitted := 0
+	old := NewHybrid(rdb, HybridOptions{ID: "old"})
+	// untime rewrites old's record as the previous script writes it: without its time.
+	untime := func() {
+		t.Helper()
+		v, err := rdb.HGet(ctx, key, "s:old").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f := strings.Fields(v); len(f) == 6 {
+			rdb.HSet(ctx, key, "s:old", strings.Join(f[:5], " "))
+		}
+	}
+	use := func(h *Hybrid) {
+		t.Helper()
+		if r := take(h, now, key, lim, 1); !r.Allowed {
+			t.Fatalf("refused: %+v", r)
+		}
+		admitted++
+		syncAll(t, now, h)
+		if h == old {
+			untime()
+		}
+	}
+	use(old)
+	var ds []*Hybrid
+	newcomers := func(name string, n int) {
+		for i := 0; i < n; i++ {
+			h := NewHybrid(rdb, HybridOptions{ID: fmt.Sprint(name, "-", i)})
+			ds = append(ds, h)
+			use(h)
+		}
+	}
+	newcomers("a", 16) // a prune sees old's record
+	use(old)           // old syncs on: its record rewritten
+	ageMarks(t, rdb, key, 4000)
+	newcomers("b", 16) // a prune an hour later
+	if _, err := rdb.HGet(ctx, key, "s:old").Result(); err != nil {
+		t.Fatalf("the record of a daemon still running the previous script was pruned: %v", err)
+	}
+	use(old)
+	all := append(ds, old)
+	for _, h := range all {
+		if err := h.Release(ctx, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tm, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := int64(lim.Window()); now/w != tm.UnixNano()/w {
+		t.Skip("the window turned during the test")
+	}
+	ng, err := hfloats(rdb, key, "n", "g")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ng[0] != float64(admitted) || ng[1] != 0 {
+		t.Fatalf("Redis counts %v units, %v of them reserved, after every daemon gave its grant back; the daemons admitted %d", ng[0], ng[1], admitted)
 	}
 }
 

@@ -40,7 +40,7 @@
 -- "prev_token token grant used window written_s" (written_s not when the sync made the
 -- key), written by a sync that changed the key's count
 -- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
--- last record: replaying it, or losing its reply, has nothing to count twice); sn, sp =
+-- last record: replaying it, or losing its reply, has nothing to count twice); sn, w:* =
 -- the bookkeeping of pruning old records (prune_records).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
@@ -149,39 +149,57 @@ local now_s = math.floor(now / 1000000)
 -- unless that daemon kept a grant through that long without Redis; then its next sync
 -- counts everything it used since its last confirmed sync, on top of the grant still
 -- reserved: too much, never too little. A record without its time (written by a script
--- before this one): dropped once a prune has seen such records for as long (field sp:
--- since when); the daemon that wrote it may still be running that script, which would
--- not read a record rewritten with a time.
+-- before this one, whose daemon may still be running it, and would not read a record
+-- rewritten with a time) gets a mark, w:<daemon id> = "token s", its token and when a
+-- prune first saw it with that token; it is dropped, with its mark, once a prune finds
+-- it unchanged for as long. A daemon still running that script rewrites its record with
+-- a new token at each sync that changes the key, and keeps it. (Before, one mark, sp,
+-- dated when untimed records were first seen, and every one went once it was that old:
+-- the records of daemons still running the previous script too, whose grants then stayed
+-- reserved in the key, units nobody held, until the key's state let them go.)
 local record_life = 600
 local prune_every = 16
 local function prune_records(key, life)
   life = math.max(record_life, life)
   local all = redis.call('HGETALL', key)
-  local stale, untimed, sp = {}, {}, nil
+  local stale, marks, untimed, untok, mark = {}, {}, {}, {}, {}
   for j = 1, #all - 1, 2 do
     local name = all[j]
-    if name == 'sp' then
-      sp = tonumber(all[j + 1])
-    elseif string.sub(name, 1, 2) == 's:' and name ~= rfield then
+    local pre = string.sub(name, 1, 2)
+    if pre == 's:' and name ~= rfield then
       local at = tonumber(string.match(all[j + 1], '^%S+ %S+ %S+ %S+ %S+ (%d+)$'))
       if not at then
         untimed[#untimed + 1] = name
+        untok[#untok + 1] = string.match(all[j + 1], '^%S+ (%S+)') or all[j + 1]
       elseif now_s - at > life then
         stale[#stale + 1] = name
       end
+    elseif pre == 'w:' then
+      marks[name] = all[j + 1]
+    elseif name == 'sp' then
+      stale[#stale + 1] = name -- an earlier build's one mark for every untimed record
     end
   end
-  if #untimed > 0 then
-    if not sp then
-      redis.call('HSET', key, 'sp', now_s)
-    elseif now_s - sp > life then
-      for j = 1, #untimed do stale[#stale + 1] = untimed[j] end
-      stale[#stale + 1] = 'sp'
+  for k = 1, #untimed do
+    local m = 'w:' .. string.sub(untimed[k], 3)
+    local mt, mat = nil, nil
+    if marks[m] then mt, mat = string.match(marks[m], '^(%S+) (%d+)$') end
+    if mt ~= untok[k] or not mat then
+      mark[#mark + 1] = m
+      mark[#mark + 1] = untok[k] .. ' ' .. now_s
+    elseif now_s - tonumber(mat) > life then
+      stale[#stale + 1] = untimed[k]
+      stale[#stale + 1] = m
     end
-  elseif sp then
-    stale[#stale + 1] = 'sp'
+    marks[m] = nil
+  end
+  for j = 1, #all - 1, 2 do -- marks of records gone, or written with a time since
+    if marks[all[j]] then stale[#stale + 1] = all[j] end
   end
   -- In chunks: unpack of a long list overflows Lua's stack.
+  for j = 1, #mark, 1000 do
+    redis.call('HSET', key, unpack(mark, j, math.min(j + 999, #mark)))
+  end
   for j = 1, #stale, 1000 do
     redis.call('HDEL', key, unpack(stale, j, math.min(j + 999, #stale)))
   end
