@@ -1,0 +1,173 @@
+"""A draining sidecar ends a connection it has read to its end with an error of id 0,
+shutting_down, after its last answer, and then lingers (reads and discards what comes,
+up to 1 s, so that the client reads that word): the requests without an answer before it
+were not read. A pooled connection left idle across a drain holds that word, and the
+next check on it reads it as its answer: it must be sent again on a new connection, not
+answered by on_unavailable (a 503 under "closed"). Before, the daemon closed such a
+connection, the check's write failed (EPIPE) and it was sent again; with the farewell
+the sync client gave it the policy whenever the drain outlasted the check's arrival (2 of
+10 restarts whose drain a slow client held)."""
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+
+import rlsidecar
+
+
+def farewell_after_first(path, stop, decided):
+    """A stand-in: the first connection answers one check, then says farewell and lingers;
+    later connections answer everything."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def read(c):
+        head = c.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+
+    def answer(c, req):
+        decided.append(req["attrs"]["user"])
+        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+        c.sendall(struct.pack(">I", len(body)) + body)
+
+    def serve(c, first):
+        with c:
+            if first:
+                req = read(c)
+                if req is None:
+                    return
+                answer(c, req)
+                time.sleep(0.05)  # the drain begins: nothing more is read
+                body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
+                c.sendall(struct.pack(">I", len(body)) + body)
+                c.shutdown(socket.SHUT_WR)
+                c.settimeout(1)
+                try:
+                    while c.recv(65536):  # lingers: reads and discards
+                        pass
+                except OSError:
+                    pass
+                return
+            while not stop.is_set():
+                req = read(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    def accept():
+        with srv:
+            n = 0
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c, n == 0), daemon=True).start()
+                n += 1
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    return t
+
+
+def test_check_on_a_connection_the_drain_said_farewell_on_is_sent_again(tmp_path):
+    path = os.path.join(str(tmp_path), "s.sock")
+    stop = threading.Event()
+    decided = []
+    t = farewell_after_first(path, stop, decided)
+    try:
+        c = rlsidecar.Client(path, timeout=1.0, on_unavailable="closed", pool_size=1)
+        d = c.check({"user": "a"})
+        assert d.allowed and not d.unreachable
+        time.sleep(0.2)  # the farewell is in the idle pooled connection
+        d = c.check({"user": "b"})
+        assert not d.unreachable, d.cause
+        assert d.allowed and d.rule == "b"
+        assert decided == ["a", "b"]
+        c.close()
+    finally:
+        stop.set()
+        t.join()
+
+
+def pipelined_farewell(path, stop, decided):
+    """A stand-in: the first connection answers 5 checks, reads 5 more without deciding
+    them (the drain's end), then says farewell and lingers; later connections answer
+    everything."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def serve(c, first):
+        with c:
+            n = 0
+            while not stop.is_set():
+                if first and n == 10:
+                    body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
+                    c.sendall(struct.pack(">I", len(body)) + body)
+                    c.shutdown(socket.SHUT_WR)
+                    c.settimeout(1)
+                    try:
+                        while c.recv(65536):
+                            pass
+                    except OSError:
+                        pass
+                    return
+                head = c.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    return
+                req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+                n += 1
+                if first and n > 5:
+                    continue  # read after the drain began: not decided
+                decided.append(req["attrs"]["user"])
+                body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+                c.sendall(struct.pack(">I", len(body)) + body)
+
+    def accept():
+        with srv:
+            n = 0
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c, n == 0), daemon=True).start()
+                n += 1
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    return t
+
+
+def test_aio_checks_pending_at_the_farewell_are_sent_again(tmp_path):
+    import asyncio
+
+    path = os.path.join(str(tmp_path), "s.sock")
+    stop = threading.Event()
+    decided = []
+    t = pipelined_farewell(path, stop, decided)
+
+    async def run():
+        c = rlsidecar.AsyncClient(path, timeout=2.0, on_unavailable="closed")
+        ds = await asyncio.gather(*[c.check({"user": "u%d" % i}) for i in range(40)])
+        await c.close()
+        return ds
+
+    try:
+        ds = asyncio.run(run())
+        bad = [(i, d.cause) for i, d in enumerate(ds) if d.unreachable or d.rule != "u%d" % i]
+        assert not bad
+        assert sorted(decided) == sorted("u%d" % i for i in range(40))
+    finally:
+        stop.set()
+        t.join()
