@@ -268,7 +268,10 @@ class Conn {
       if (e !== null && e[0] === 'shutting_down') {
         // A drain's last word (or a connection it accepted and does not serve): entry and
         // every check after it on this connection were not read, not decided: each is
-        // sent again, once, on another connection (to the sidecar's successor).
+        // sent again on another connection (to the sidecar's successor), as often as a
+        // farewell gives it back within its timeout (a resend may meet another
+        // connection to the same draining sidecar). It answered: the slot redials at once.
+        this.served = true;
         return this.fail(`the sidecar closed the connection: ${e[0]}`, entry);
       }
       if (e !== null && e[0] === 'too_many_connections') {
@@ -315,7 +318,7 @@ class Conn {
       const client = this.slot.client;
       for (const en of [unreadFrom, ...pending.slice(head)]) {
         if (en.settled) continue;
-        if (en.resent || en.msg === null || client.closed) {
+        if (en.msg === null || client.closed) {
           en.done(null, why);
           continue;
         }

@@ -42,7 +42,14 @@ class _NotRead(ConnectionError):
     write failed (EPIPE), or it was reset (ECONNRESET) with no byte of an answer come, and
     this check was the last pending, whose frame the unread bytes (the end of the stream)
     hold. A graceful restart's drain (or --idle-timeout) closes a connection a check was
-    just written on. It was not decided: _round_trip sends it again, once."""
+    just written on. It was not decided: _round_trip sends it again, once. Or the sidecar
+    said so itself (farewell: a drain's error of id 0, shutting_down, after its last
+    answer): sent again as often as such a word comes, within the deadline (a resend may
+    meet another connection to the same draining sidecar)."""
+
+    def __init__(self, why, farewell=False):
+        super().__init__(why)
+        self.farewell = farewell
 
 
 class _Protocol(asyncio.Protocol):
@@ -98,10 +105,12 @@ class _Protocol(asyncio.Protocol):
                 why = "the sidecar closed the connection: %s" % e[0]
                 # shutting_down: a drain's last word (or a connection it accepted and does
                 # not serve): this check and every one after it were not read, not decided,
-                # and each is sent again, once, on a new connection (to the successor).
+                # and each is sent again on a new connection (to the successor).
                 unread = e[0] == "shutting_down"
+                if unread:
+                    self.served = True  # it answered: no backoff before the redial
                 if not fut.done():  # taken off pending above: fail would not wake it
-                    fut.set_exception(_NotRead(why) if unread else ConnectionError(why))
+                    fut.set_exception(_NotRead(why, True) if unread else ConnectionError(why))
                 return self.fail(why, unread_all=unread)
             self.served = True
             self.heard = True
@@ -219,7 +228,7 @@ class _Protocol(asyncio.Protocol):
         while self.pending:
             _, fut = self.pending.popleft()
             if not fut.done():
-                fut.set_exception(_NotRead(why) if unread_all or unread_last and not self.pending else err)
+                fut.set_exception(_NotRead(why, unread_all) if unread_all or unread_last and not self.pending else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():
@@ -430,7 +439,7 @@ class AsyncClient:
                 return msg
             if self._closed:
                 raise _proto.ClosedError("rlsidecar: client closed") from None
-            if resent or loop.time() >= deadline:
+            if (resent and not msg.farewell) or loop.time() >= deadline:
                 return str(msg)
             resent = True  # not read by the sidecar: sent again, once, within the deadline
 

@@ -357,9 +357,12 @@ class Client:
                 msgs = self._send_read(conn, frames, deadline, pooled)
             except _NotRead as e:
                 conn.sock.close()
-                if resent:
+                farewell = "shutting_down" in str(e)
+                if resent and not farewell:
                     return "connection lost: %s" % e
-                resent = True  # not read by the sidecar: sent again, once, within the deadline
+                # not read by the sidecar: sent again, once, within the deadline; as often as
+                # a drain's farewell says so (a resend may meet another draining connection)
+                resent = True
                 conn, pooled = self._take(deadline, pool=False)  # a fresh one: the others may be stale too
                 continue
             except (OSError, ValueError) as e:
