@@ -87,6 +87,9 @@ type Limit struct {
 	delay    int64     // token bucket: how long a request may wait instead of being refused (WithDelay)
 	cal      *calendar // fixed window: its calendar unit and zone (NewCalendarLimit); nil otherwise
 	kind     uint64    // stateKind, computed once
+	// markScale is 2^40 / burst: a remaining count times it is the share of the capacity
+	// left, scaled as the store marks its entries for eviction (markOf).
+	markScale float64
 }
 
 // maxDelay bounds WithDelay, keeping now + 2*tau + delay far from overflowing.
@@ -197,6 +200,7 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 			return Limit{}, fmt.Errorf("burst %d given for %s: burst applies only to token_bucket", burst, alg)
 		}
 		l.kind = l.computeKind()
+		l.markScale = float64(1<<40) / float64(l.burst)
 		return l, nil
 	}
 	if burst > math.MaxUint32 {
@@ -223,6 +227,7 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	l.tau = int64(lo)
 	l.perToken = newDivisor(uint64(l.emission))
 	l.kind = l.computeKind()
+	l.markScale = float64(1<<40) / float64(l.burst)
 	return l, nil
 }
 

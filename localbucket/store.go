@@ -44,24 +44,36 @@ type Store struct {
 	untracked atomic.Uint64
 	// wallOffset is wall time minus the time Apply is given (see SetWallOffset).
 	wallOffset atomic.Int64
-	// limits holds, by stateKind, a limit of each kind a key was stored under (at most
-	// maxKinds, nlimits of them: inline limits are the clients' to choose): evict reads an
-	// entry's state through it, to rank entries by the share of their own limit they have
-	// used. A kind is an algorithm, window and rate; a token bucket's burst may differ
-	// between limits of one kind, which only makes the ranking rougher.
-	limits  sync.Map // uint64 → *Limit
-	nlimits atomic.Int32
 }
-
-// maxKinds bounds Store.limits.
-const maxKinds = 4096
 
 // entry is what is stored for one key: 40 bytes.
 type entry struct {
-	st           State
-	expires      int64
+	st      State
+	expires int64
+	// limitedUntil is, for a key limited when it was written, the Result's LimitedUntil;
+	// else (any value <= now says not limited) a negative mark of the share of its
+	// capacity it had left (markOf): evict removes the entry that has used the least.
 	limitedUntil int64
 	kind         uint64 // Limit.stateKind of the limit that wrote st
+}
+
+// markOf is what an entry written with r by l keeps as its limitedUntil: r.LimitedUntil
+// when r says limited, else -1 - (the share of l's capacity left) × 2^40, from -1 (none
+// left) to -2^40-1 (all of it). Negative, so at or before any now: not limited.
+func markOf(r *Result, l *Limit) int64 {
+	if r.LimitedUntil != 0 {
+		return r.LimitedUntil
+	}
+	return -1 - int64(float64(min(r.Remaining, l.burst))*l.markScale)
+}
+
+// leftShare is the share of its capacity an entry not limited had left when it was
+// written (markOf), or 0 for one that was limited then.
+func leftShare(limitedUntil int64) float64 {
+	if limitedUntil >= 0 {
+		return 0
+	}
+	return float64(-1-limitedUntil) / (1 << 40)
 }
 
 // record is one slot of a shard's record arena: 96 bytes (two adjacent cache lines), with
@@ -504,7 +516,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 			sh.remove(h, op.Key)
 		}
 	} else if r.Expires > now {
-		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: op.Limit.stateKind()}, now, op.Limit)
+		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: markOf(r, op.Limit), kind: op.Limit.stateKind()}, now)
 	}
 	sh.mu.Unlock()
 	return ok
@@ -602,10 +614,10 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		}
 	}
 	if ea == nil && ra.Expires > now {
-		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: ra.LimitedUntil, kind: a.Limit.stateKind()}, now, a.Limit)
+		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: markOf(ra, a.Limit), kind: a.Limit.stateKind()}, now)
 	}
 	if eb == nil && rb.Expires > now {
-		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: rb.LimitedUntil, kind: b.Limit.stateKind()}, now, b.Limit)
+		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: markOf(rb, b.Limit), kind: b.Limit.stateKind()}, now)
 	}
 	sa.mu.Unlock()
 	if sb != sa {
@@ -697,7 +709,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	if inserts {
 		for i := range ops {
 			if r := &ops[i].Result; es[i] == nil && r.Expires > now {
-				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now, ops[i].Limit)
+				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now)
 			}
 		}
 	}
@@ -738,7 +750,7 @@ func peekPassed(l *Limit, in State, now, off int64, r *Result) {
 
 // set stores in e the state out that l's take left with result r.
 func (e *entry) set(out State, r *Result, l *Limit) {
-	e.st, e.expires, e.limitedUntil, e.kind = out, r.Expires, r.LimitedUntil, l.stateKind()
+	e.st, e.expires, e.limitedUntil, e.kind = out, r.Expires, markOf(r, l), l.stateKind()
 }
 
 // remove deletes key (hash h), which is stored.
@@ -880,7 +892,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 		}
 		r := &ops[i].Result
 		if x.over != nil {
-			*x.over = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
+			*x.over = entry{st: x.out, expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}
 			continue
 		}
 		if x.idx < 0 {
@@ -893,7 +905,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 			sh.removeAt(p, uint32(x.idx))
 			continue
 		}
-		*x.e = entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}
+		*x.e = entry{st: x.out, expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}
 		sh.lowerLimited(r.LimitedUntil)
 	}
 	if !inserts {
@@ -905,17 +917,11 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 		if !x.last || x.idx >= 0 || x.over != nil || r.Expires <= now {
 			continue
 		}
-		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: r.LimitedUntil, kind: ops[i].Limit.stateKind()}, now, ops[i].Limit)
+		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now)
 	}
 }
 
-func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64, l *Limit) {
-	if _, ok := s.limits.Load(e.kind); !ok && s.nlimits.Load() < maxKinds {
-		lc := *l
-		if _, had := s.limits.LoadOrStore(e.kind, &lc); !had {
-			s.nlimits.Add(1)
-		}
-	}
+func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
 	if sh.n >= sh.cap {
 		evicted, live := s.evict(sh, h, now)
 		if !evicted {
@@ -943,15 +949,15 @@ const evictionSample = 16
 // refill went first: a client that had used 99 of its 100 a minute was evicted before
 // a one-off key of a rule of 1,000 a day, and came back with all 100, so a flood of new
 // keys on such a rule handed it a fresh budget again and again (936-1,135 admitted in
-// 30 s where at most 151 pass: an audit). An entry whose limit's kind is not known
-// (past maxKinds) ranks as having used nothing.
+// 30 s where at most 151 pass: an audit). The share is the one the entry had left when it
+// was last written (markOf): a key that has refilled since ranks as it was, until it
+// expires.
 func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 	if sh.allLimitedUntil > now || sh.used == 0 {
 		return false, false
 	}
 	best, found := uint32(0), false
 	bestExp, bestUsed := int64(math.MaxInt64), 2.0
-	off := s.wallOffset.Load()
 	consider := func(i uint32) (expired bool) {
 		e := &sh.rec(i).e
 		if e.expires == freeMark {
@@ -963,15 +969,7 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 		if e.limitedUntil > now {
 			return false
 		}
-		used := 0.0
-		if v, ok := s.limits.Load(e.kind); ok {
-			l := v.(*Limit)
-			var r Result
-			take(l, e.st, now, off, 0, &r) // cost 0: asks, takes nothing
-			if c := l.Capacity(); c > 0 {
-				used = 1 - float64(min(r.Remaining, c))/float64(c)
-			}
-		}
+		used := 1 - leftShare(e.limitedUntil)
 		if used < bestUsed || used == bestUsed && e.expires < bestExp {
 			best, bestExp, bestUsed, found = i, e.expires, used, true
 		}
