@@ -121,3 +121,35 @@ test("the drain's farewell sends every pending check again", async (t) => {
   });
   for (let i = 0; i < 40; i++) assert.equal(decided.get(`u${i}`), 1, `u${i} decided ${decided.get(`u${i}`)} times`);
 });
+
+// A sidecar that says farewell to every connection, new ones too (a drain whose
+// successor is not up yet, or a stand-in): a check a new connection's farewell gave back
+// is sent again at most once per slot, after a pause, then answered by the policy. Before,
+// it redialed in a loop for its whole timeout (thousands of connections for one check).
+test('a farewell on every connection is not redialed in a loop', async (t) => {
+  const sock = path.join(tempDir(t), 's.sock');
+  const conns = new Set();
+  let dialed = 0;
+  const srv = net.createServer((s) => {
+    dialed++;
+    conns.add(s);
+    s.on('close', () => conns.delete(s));
+    s.on('error', () => {});
+    s.once('data', () => {
+      const body = Buffer.from(encode({ id: 0, error: { code: 'shutting_down', message: 'farewell' } }));
+      const head = Buffer.alloc(4);
+      head.writeUInt32BE(body.length);
+      s.end(Buffer.concat([head, body]));
+    });
+  });
+  await new Promise((r) => srv.listen(sock, r));
+  t.after(() => new Promise((r) => {
+    for (const s of conns) s.destroy();
+    srv.close(r);
+  }));
+  const c = new rl.Client({ socket: sock, timeoutMs: 300, onUnavailable: 'closed', conns: 2, logger: null });
+  t.after(() => c.close());
+  const d = await c.check({ user: 'u' });
+  assert.equal(d.unreachable, true);
+  assert.ok(dialed <= 4, `one check dialed ${dialed} connections: want at most 4`);
+});
