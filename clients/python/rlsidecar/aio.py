@@ -47,9 +47,17 @@ class _NotRead(ConnectionError):
     answer): sent again as often as such a word comes, within the deadline (a resend may
     meet another connection to the same draining sidecar)."""
 
-    def __init__(self, why, farewell=False):
+    def __init__(self, why, farewell=False, fresh=False):
         super().__init__(why)
         self.farewell = farewell
+        # fresh: the farewell came on a connection that had answered nothing: it may be a
+        # sidecar that says it to every connection (a drain whose successor is not up, a
+        # stand-in), so _round_trip resends after it once, after a pause, not in a loop.
+        self.fresh = fresh
+
+
+# The pause before a check a fresh connection's farewell gave back is sent again (s).
+FRESH_FAREWELL_PAUSE = 0.01
 
 
 class _Protocol(asyncio.Protocol):
@@ -66,6 +74,7 @@ class _Protocol(asyncio.Protocol):
         self.quiet_from = time.monotonic()  # when its quiet spell began: since it was dialed
         self.broken = None  # why the connection broke; None while usable
         self.room = collections.deque()  # futures of checks waiting for room, in turn
+        self.fresh_farewell = False  # a farewell came before any answer (_NotRead.fresh)
         # The leases taken on it and not yet released, and (monotonic) when the last of
         # them expires: given up for a stall while it holds some, it is retired, not
         # closed (give_up), and expiry is then the timer that closes it.
@@ -108,9 +117,10 @@ class _Protocol(asyncio.Protocol):
                 # and each is sent again on a new connection (to the successor).
                 unread = e[0] == "shutting_down"
                 if unread:
+                    self.fresh_farewell = not self.served
                     self.served = True  # it answered: no backoff before the redial
                 if not fut.done():  # taken off pending above: fail would not wake it
-                    fut.set_exception(_NotRead(why, True) if unread else ConnectionError(why))
+                    fut.set_exception(_NotRead(why, True, self.fresh_farewell) if unread else ConnectionError(why))
                 return self.fail(why, unread_all=unread)
             self.served = True
             self.heard = True
@@ -228,7 +238,8 @@ class _Protocol(asyncio.Protocol):
         while self.pending:
             _, fut = self.pending.popleft()
             if not fut.done():
-                fut.set_exception(_NotRead(why, unread_all) if unread_all or unread_last and not self.pending else err)
+                fut.set_exception(_NotRead(why, unread_all, unread_all and self.fresh_farewell)
+                                  if unread_all or unread_last and not self.pending else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():
@@ -433,6 +444,7 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         resent = False
+        fresh_farewells = 0
         while True:
             msg = await self._send_once(loop, body, deadline)
             if not isinstance(msg, _NotRead):
@@ -441,6 +453,14 @@ class AsyncClient:
                 raise _proto.ClosedError("rlsidecar: client closed") from None
             if (resent and not msg.farewell) or loop.time() >= deadline:
                 return str(msg)
+            if msg.farewell and msg.fresh:
+                # A farewell on a connection that had answered nothing: once, after a
+                # pause. Before, a sidecar that says farewell to every connection was
+                # redialed in a loop for the check's whole timeout (2,800 a second).
+                fresh_farewells += 1
+                if fresh_farewells > 1 or loop.time() + FRESH_FAREWELL_PAUSE >= deadline:
+                    return str(msg)
+                await asyncio.sleep(FRESH_FAREWELL_PAUSE)
             resent = True  # not read by the sidecar: sent again, once, within the deadline
 
     async def _send_once(self, loop, body, deadline):

@@ -339,6 +339,7 @@ class Client:
         """
         conn, pooled = self._take(deadline)
         resent = False
+        fresh_farewells = 0
         while True:
             if isinstance(conn, str):
                 return conn
@@ -360,6 +361,15 @@ class Client:
                 farewell = "shutting_down" in str(e)
                 if resent and not farewell:
                     return "connection lost: %s" % e
+                if farewell and not pooled:
+                    # A farewell on a new connection, before any answer: the sidecar may say
+                    # it to every connection (a drain whose successor is not up, a stand-in).
+                    # Sent again after it at most pool_size times, each after a pause: before,
+                    # a check redialed in a loop for its whole timeout (12,000 a second).
+                    fresh_farewells += 1
+                    if fresh_farewells > self.pool_size or time.monotonic() + 0.01 >= deadline:
+                        return "connection lost: %s" % e
+                    time.sleep(0.01)
                 # not read by the sidecar: sent again, once, within the deadline; as often as
                 # a drain's farewell says so (a resend may meet another draining connection)
                 resent = True

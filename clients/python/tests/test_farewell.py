@@ -171,3 +171,72 @@ def test_aio_checks_pending_at_the_farewell_are_sent_again(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def farewell_to_all(path, stop, dialed):
+    """A stand-in that says farewell to every connection, once it has read something (a
+    drain whose successor is not up yet)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(256)
+    srv.settimeout(0.05)
+    body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
+
+    def serve(c):
+        with c:
+            try:
+                c.settimeout(1)
+                if c.recv(65536):
+                    c.sendall(struct.pack(">I", len(body)) + body)
+                    c.shutdown(socket.SHUT_WR)
+                    while c.recv(65536):
+                        pass
+            except OSError:
+                pass
+
+    def loop():
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                dialed.append(1)
+                threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def test_farewell_on_every_connection_is_not_redialed_in_a_loop(tmp_path):
+    """A check a new connection's farewell gave back is sent again a bounded number of
+    times, then answered by on_unavailable: before, it redialed in a loop for its whole
+    timeout (thousands of connections for one check), in both clients."""
+    import asyncio
+    from rlsidecar.aio import AsyncClient
+
+    path = str(tmp_path / "s.sock")
+    stop, dialed = threading.Event(), []
+    t = farewell_to_all(path, stop, dialed)
+    try:
+        c = rlsidecar.Client(path, timeout=0.3, on_unavailable="closed", pool_size=2)
+        d = c.check({"user": "u"})
+        assert d.unreachable
+        assert len(dialed) <= 4, "one check dialed %d connections" % len(dialed)
+        c.close()
+        del dialed[:]
+
+        async def one():
+            ac = AsyncClient(path, timeout=0.3, on_unavailable="closed")
+            try:
+                return await ac.check({"user": "u"})
+            finally:
+                await ac.close()
+
+        d = asyncio.run(one())
+        assert d.unreachable
+        assert len(dialed) <= 3, "one async check dialed %d connections" % len(dialed)
+    finally:
+        stop.set()
+        t.join()
