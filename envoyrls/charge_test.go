@@ -4,9 +4,16 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/limiter"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+	"github.com/rlsidecar/rlsidecar/rules"
+	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 // With --envoy-charge-refused, a refused call consumes what its descriptors' rules have
@@ -16,8 +23,8 @@ import (
 // the 400 left, so the next request is refused (before: still 400 left, for ever). A
 // descriptor that fits in a call another descriptor refused is charged its hits, as
 // envoyproxy/ratelimit counts every descriptor's hits. Off (the default), a refused call
-// charges nothing. Local (decided on the transports' connection loop) and global (on a
-// goroutine, waiting on Redis) rules, over both transports and in process.
+// charges nothing. Local (decided on the transports' connection loop), global (on a
+// goroutine, waiting on Redis) and hybrid rules, over both transports and in process.
 func TestChargeRefused(t *testing.T) {
 	for _, charge := range []bool{true, false} {
 		for _, tr := range append([]string{"in-process"}, Transports...) {
@@ -96,4 +103,68 @@ func sv(t *testing.T, s *Server, tr string) *served {
 	servedBy[s] = x
 	t.Cleanup(func() { delete(servedBy, s) })
 	return x
+}
+
+// The same in hybrid mode: a refused call's charge is taken as any hybrid check is,
+// from the daemon's view (its exact sync when it has none).
+func TestChargeRefusedHybrid(t *testing.T) {
+	for _, alg := range []string{"fixed_window", "sliding_window", "token_bucket"} {
+		t.Run(alg, func(t *testing.T) { chargeRefusedHybrid(t, alg) })
+	}
+}
+
+func chargeRefusedHybrid(t *testing.T, alg string) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	set, err := rules.Parse("h.yaml", []byte(`
+rules:
+  - name: h
+    match: { domain: h }
+    key: user
+    mode: hybrid
+    algorithm: `+alg+`
+    limit: { requests: 1000, per: 1h }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{})).
+		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{FetchWait: time.Second}))
+	s, err := New(Config{Addr: "unused:0", ChargeRefused: true}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	call := func(hits uint64, users ...string) *rlsv3.RateLimitResponse {
+		t.Helper()
+		req := &rlsv3.RateLimitRequest{Domain: "h", HitsAddend: uint32(hits)}
+		for _, u := range users {
+			d := desc1(u)
+			d.HitsAddend = wrapperspb.UInt64(hits)
+			req.Descriptors = append(req.Descriptors, d)
+		}
+		resp, err := s.ShouldRateLimit(context.Background(), req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp
+	}
+	for i, step := range []struct {
+		hits      uint64
+		code      rlsv3.RateLimitResponse_Code
+		remaining uint32
+	}{
+		{0, rlsv3.RateLimitResponse_OK, 1000},
+		{600, rlsv3.RateLimitResponse_OK, 400},
+		{600, rlsv3.RateLimitResponse_OVER_LIMIT, 400},
+		{0, rlsv3.RateLimitResponse_OVER_LIMIT, 0},
+	} {
+		r := call(step.hits, "llm")
+		if r.OverallCode != step.code || r.Statuses[0].LimitRemaining != step.remaining {
+			t.Fatalf("step %d, hits %d: %v, want %v with %d remaining", i, step.hits, r, step.code, step.remaining)
+		}
+	}
 }
