@@ -9,7 +9,6 @@ import (
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/rules"
@@ -114,12 +113,7 @@ func TestChargeRefusedHybrid(t *testing.T) {
 }
 
 func chargeRefusedHybrid(t *testing.T, alg string) {
-	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 30 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
+	_, rdb := standaloneRedis(t)
 	set, err := rules.Parse("h.yaml", []byte(`
 rules:
   - name: h

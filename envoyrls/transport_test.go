@@ -14,6 +14,7 @@ import (
 
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -319,9 +320,8 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-// globalServer is a server (not listening) whose domain "g" is decided by a global rule on
-// a real redis-server, returned too (to freeze), and domain "api" locally.
-func globalServer(t *testing.T) (*Server, *redistest.Server) {
+// standaloneRedis starts a redis-server for t and opens the daemon's client to it.
+func standaloneRedis(t *testing.T) (*redistest.Server, redis.UniversalClient) {
 	t.Helper()
 	srv := redistest.StartStandalone(t)
 	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 30 * time.Second})
@@ -329,6 +329,14 @@ func globalServer(t *testing.T) (*Server, *redistest.Server) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rdb.Close() })
+	return srv, rdb
+}
+
+// globalServer is a server (not listening) whose domain "g" is decided by a global rule on
+// a real redis-server, returned too (to freeze), and domain "api" locally.
+func globalServer(t *testing.T) (*Server, *redistest.Server) {
+	t.Helper()
+	srv, rdb := standaloneRedis(t)
 	set, err := rules.Parse("g.yaml", []byte(`
 rules:
   - name: g

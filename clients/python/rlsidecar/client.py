@@ -57,7 +57,12 @@ if hasattr(os, "register_at_fork"):
 
 
 class _NotRead(Exception):
-    """The daemon closed a pooled connection without reading the request sent on it."""
+    """The daemon closed a pooled connection without reading the request sent on it;
+    farewell: it said so itself (the drain's error shutting_down, id 0)."""
+
+    def __init__(self, why, farewell=False):
+        super().__init__(why)
+        self.farewell = farewell
 
 
 class _Conn:
@@ -358,7 +363,7 @@ class Client:
                 msgs = self._send_read(conn, frames, deadline, pooled)
             except _NotRead as e:
                 conn.sock.close()
-                farewell = "shutting_down" in str(e)
+                farewell = e.farewell
                 if resent and not farewell:
                     return "connection lost: %s" % e
                 if farewell and not pooled:
@@ -424,12 +429,12 @@ class Client:
                 conn.sock.sendall(data)
             for _ in window:
                 msg = self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1)
-                if not msgs and msg.get("id") == 0 and _proto.error_of(msg) is not None and \
-                        _proto.error_of(msg)[0] == "shutting_down":
+                e = _proto.error_of(msg) if not msgs and msg.get("id") == 0 else None
+                if e is not None and e[0] == "shutting_down":
                     # A drain's last word before any answer (or a connection it accepted
                     # and does not serve): none of these frames was read, so none decided:
                     # they are sent again on a new connection (to the successor).
-                    raise _NotRead("the sidecar closed the connection: shutting_down")
+                    raise _NotRead("the sidecar closed the connection: shutting_down", farewell=True)
                 msgs.append(msg)
         return msgs
 
