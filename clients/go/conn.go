@@ -779,6 +779,11 @@ func (cn *conn) readLoop() {
 // sidecar slowed past the callers' timeout would leave each late admission's slots held
 // for a whole lease, refusing requests that fit.
 func (c *Client) releaseOrphan(lease string) {
+	// No request runs under it: a connection retired for a stall need not stay open for it
+	// (closing frees it as the release does), whether or not the release is answered.
+	// Before, it was tracked until its release was answered, and a retired connection
+	// stayed open for it, for a whole lease when that release failed.
+	c.leaseEnded(lease)
 	if c.closed.Load() {
 		return // Close closes the connections, which frees their leases
 	}

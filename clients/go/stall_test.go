@@ -130,6 +130,72 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
 }
 
+// A late answer's lease (its check timed out: releaseOrphan) does not keep a retired
+// connection open: no request runs under it, and closing frees it as the release does.
+// Before, it was tracked until its release was answered, and a retired connection that had
+// taken it stayed open (for the whole lease when that release was not answered in time),
+// the other slots it held with it.
+func TestLateLeaseDoesNotKeepRetiredConnection(t *testing.T) {
+	path := socketPath(t)
+	var frozen atomic.Bool
+	thaw := make(chan struct{})
+	f := startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if frozen.Load() {
+			<-thaw
+		}
+		switch req.Op {
+		case proto.OpRelease:
+			if req.Lease == "t.2" {
+				time.Sleep(150 * time.Millisecond) // past the release's timeout
+			}
+			resp.Released = true
+		case proto.OpRenew:
+		default:
+			echoUser(req, resp)
+			if u := attr(req, "user"); u == "leased" || u == "late" {
+				resp.Lease = map[string]string{"leased": "t.1", "late": "t.2"}[u]
+				resp.Rules[0].WindowMs = 30000
+			}
+		}
+	})
+	open := func() int {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.conns)
+	}
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
+	if d.Lease != "t.1" {
+		t.Fatalf("no lease: %+v", d)
+	}
+	frozen.Store(true)
+	if late, _ := c.Check(ctx, map[string]string{"user": "late"}, nil); !late.Unreachable {
+		t.Fatalf("the stalled check was answered: %+v", late)
+	}
+	start := time.Now()
+	for open() < 2 {
+		c.Check(ctx, map[string]string{"user": "x"}, nil)
+		if time.Since(start) > 3*c.stallFor() {
+			t.Fatal("the client never gave up the stalled connection")
+		}
+	}
+	frozen.Store(false)
+	close(thaw) // "late" is answered now, with a lease: released by the client, too late
+	time.Sleep(400 * time.Millisecond)
+	if n := open(); n != 2 {
+		t.Fatalf("%d connections open after the stall; want 2 (the retired one holds t.1)", n)
+	}
+	if ok, err := d.Release(ctx); !ok || err != nil {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	eventually(t, "the retired connection to close once the running request's lease is released", func() bool { return open() == 1 })
+}
+
 // A sidecar that stops reading while many checks are sent fills the socket's buffer, and
 // a write times out: that connection too is retired, not closed, while it holds leases.
 // Before, the write timeout closed it: 200 goroutines checking through a 1.5 s SIGSTOP of

@@ -567,6 +567,11 @@ class Client {
   // before it expires (a sidecar slowed past the timeout would otherwise leave a slot held
   // for a whole lease per late admission). Unreachable: it then expires.
   releaseOrphan(lease) {
+    // No request runs under it: a connection retired for a stall need not stay open for
+    // it (closing frees it as the release does), whether or not the release is answered.
+    // Before, it was tracked until its release was answered, and a retired connection
+    // stayed open for it, for a whole lease when that release failed.
+    this.leaseEnded(lease);
     if (this.closed) return; // close() closes the connections, which frees their leases
     this.release(lease).catch(() => {});
   }

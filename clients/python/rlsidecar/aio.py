@@ -132,7 +132,9 @@ class _Protocol(asyncio.Protocol):
             else:  # the caller gave up: the answer is dropped, and a lease it took released
                 lease = msg.get("lease")
                 if isinstance(lease, str) and lease:
-                    self.client._release_orphan(lease)
+                    self.client._release_orphan(lease)  # may close this connection (retired)
+                    if self.broken is not None:
+                        return
             if e is not None and e[0] == "frame_too_large":
                 # The sidecar closes the connection after this answer: no check may follow on it.
                 return self.fail("the sidecar closed the connection: frame_too_large")
@@ -395,6 +397,11 @@ class AsyncClient:
         (its timeout, or its task cancelled): the check was decided without the slot, and
         nothing else would free it before it expires (a sidecar slowed past the timeout
         would otherwise leave a slot held for a whole lease per late admission)."""
+        # No request runs under it: a connection retired for a stall need not stay open
+        # for it (closing frees it as the release does), whether or not the release is
+        # answered. Before, it was tracked until its release was answered, and a retired
+        # connection stayed open for it, for a whole lease when that release failed.
+        self._lease_ended(lease)
         if self._closed:
             return  # close() closes the connection, which frees its leases
         task = asyncio.get_running_loop().create_task(self._quiet_release(lease))

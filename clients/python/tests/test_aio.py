@@ -158,6 +158,80 @@ def test_stall_keeps_leases_of_running_requests(make_daemon):
     run(main())
 
 
+def test_late_lease_does_not_keep_a_retired_connection(short_tmp):
+    """A late answer's lease (its check timed out: _release_orphan) does not keep a retired
+    connection open: no request runs under it, and closing frees it as the release does.
+    Before, it was tracked until its release was answered, and a retired connection that
+    had taken it stayed open (for the whole lease when that release was not answered in
+    time), the other slots it held with it. A scripted stand-in: the first connection
+    answers ann's check with a lease, then stalls; once it is retired it answers a held
+    check late, with a lease; the second connection answers that lease's release only
+    after its timeout."""
+    import msgpack
+    from rlsidecar import _proto
+
+    path = os.path.join(short_tmp, "script.sock")
+    rule = {"name": "exports", "limit": 1, "remaining": 0, "reset_ms": 0, "window_ms": 30000}
+    writers, held = [], []
+    orphan_asked = asyncio.Event()
+
+    def send(w, m):
+        body = msgpack.packb(m)
+        w.write(len(body).to_bytes(4, "big") + body)
+
+    async def serve(reader, writer):
+        writers.append(writer)
+        n = len(writers)
+        try:
+            while True:
+                head = await reader.readexactly(4)
+                req = _proto.decode(await reader.readexactly(_proto.frame_length(head)))
+                if req.get("op") == "ping":
+                    send(writer, {"id": req["id"], "version": "script"})
+                elif n == 1 and req.get("attrs", {}).get("user") == "ann":
+                    send(writer, {"id": req["id"], "allowed": True, "lease": "A", "rules": [rule]})
+                elif n == 1:
+                    held.append(req)  # the stall
+                elif req.get("op") == "release":
+                    if req["lease"] == "B":
+                        orphan_asked.set()
+                        await asyncio.sleep(0.15)  # past the release's timeout
+                    send(writer, {"id": req["id"], "released": True})
+                else:
+                    send(writer, {"id": req["id"], "allowed": False, "lease": "", "retry_after_ms": 1000,
+                                  "rules": [rule]})
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def main():
+        srv = await asyncio.start_unix_server(serve, path)
+        try:
+            async with rlsidecar.AsyncClient(path, timeout=0.05) as c:
+                for _ in range(50):  # connected (the first dial may take longer than the timeout)
+                    try:
+                        await c.ping()
+                        break
+                    except Exception:
+                        pass
+                a = await c.check({"user": "ann"})
+                assert a.allowed and a.lease == "A", a
+                start = time.monotonic()
+                while not c._retired and time.monotonic() - start < 5:
+                    assert (await c.check({"user": "bob"})).unreachable
+                assert len(c._retired) == 1, "the stalled connection holding a lease is retired"
+                send(writers[0], {"id": held[0]["id"], "allowed": True, "lease": "B", "rules": [rule]})  # late
+                await asyncio.wait_for(orphan_asked.wait(), 2)
+                await asyncio.sleep(0.3)  # that release timed out, then came late
+                assert await c.release(a.lease)
+                assert not c._retired, "the retired connection closed once the running request's lease was released"
+        finally:
+            for w in writers:
+                w.close()
+            srv.close()
+            await srv.wait_closed()
+    run(main())
+
+
 def test_restarted_sidecar(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=0.5) as c:
