@@ -9,10 +9,12 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"os"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/connlimit"
@@ -52,6 +54,44 @@ type AdminDeps struct {
 	// Draining reports whether the daemon has begun to drain (SIGTERM): it accepts no
 	// more connections, and /readyz says so. nil: never.
 	Draining func() bool
+	// Reloads counts the reloads of the rules, which /rules shows (`rlsidecar reload`
+	// waits on them); nil: /rules shows none.
+	Reloads *ReloadState
+}
+
+// ReloadState counts the daemon's reloads of its rules (SIGHUP, the watched file): how
+// many have begun, how many have ended, and why the last to end failed. Reloads run one
+// at a time, so once Ended reaches a count Begun had, every reload begun by then has
+// ended: `rlsidecar reload` reads Begun, sends SIGHUP, and waits for Ended to pass it.
+type ReloadState struct {
+	mu           sync.Mutex
+	begun, ended uint64
+	lastError    string
+}
+
+// Begin notes a reload begun.
+func (r *ReloadState) Begin() {
+	r.mu.Lock()
+	r.begun++
+	r.mu.Unlock()
+}
+
+// End notes a reload ended, with its error (nil: the rules in force are the file's).
+func (r *ReloadState) End(err error) {
+	r.mu.Lock()
+	r.ended++
+	r.lastError = ""
+	if err != nil {
+		r.lastError = err.Error()
+	}
+	r.mu.Unlock()
+}
+
+// Get returns the reloads begun and ended, and the last ended one's error ("": none).
+func (r *ReloadState) Get() (begun, ended uint64, lastError string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.begun, r.ended, r.lastError
 }
 
 // NewAdmin listens on addr (e.g. 127.0.0.1:9464).
@@ -542,8 +582,17 @@ func rulesDoc(deps AdminDeps) any {
 		Source  string    `json:"source"`
 		Loaded  time.Time `json:"loaded_at"`
 		Shadow  bool      `json:"shadow_all"`
-		Rules   []ruleDoc `json:"rules"`
-	}{Version: set.Version, Source: set.Source, Shadow: deps.Limiter.ShadowAll(), Rules: []ruleDoc{}}
+		// The daemon's process, and its reloads (see ReloadState): `rlsidecar reload`
+		// makes sure it reads the daemon it signalled, and waits for the reload's end.
+		PID          int       `json:"pid"`
+		ReloadsBegun uint64    `json:"reloads_begun"`
+		Reloads      uint64    `json:"reloads"`
+		ReloadError  string    `json:"reload_error"`
+		Rules        []ruleDoc `json:"rules"`
+	}{Version: set.Version, Source: set.Source, Shadow: deps.Limiter.ShadowAll(), PID: os.Getpid(), Rules: []ruleDoc{}}
+	if deps.Reloads != nil {
+		out.ReloadsBegun, out.Reloads, out.ReloadError = deps.Reloads.Get()
+	}
 	deps.Metrics.mu.Lock()
 	out.Loaded = deps.Metrics.config.loaded
 	deps.Metrics.mu.Unlock()

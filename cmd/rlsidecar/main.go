@@ -4,6 +4,7 @@
 //	rlsidecar serve    [--config F] [--socket P] [flags]   run the daemon
 //	rlsidecar check    [--socket P] attr=value… [--cost N]  ask a running daemon; prints JSON
 //	rlsidecar validate --config F                           check a rules file
+//	rlsidecar reload   [--pid N] [--admin A]                reload a running daemon's rules; wait for the outcome
 //	rlsidecar replay   --config F --trace T                 run a recorded trace through rules
 //	rlsidecar import-envoy [--algorithm A] [--mode M] FILE… convert envoyproxy/ratelimit configs to rules
 //	rlsidecar version
@@ -54,6 +55,7 @@ Usage:
   rlsidecar serve    [--config FILE] [--socket PATH] [flags]   run the daemon (built-in example rules without --config)
   rlsidecar check    [--socket PATH] attr=value... [--cost N]   ask a running daemon; prints the decision as JSON
   rlsidecar validate --config FILE                             check a rules file; exit 1 with file:line errors
+  rlsidecar reload   [--pid N] [--admin ADDR]                  reload a running daemon's rules (SIGHUP) and wait: exit 1 if they failed
   rlsidecar replay   --config FILE --trace FILE                run a JSON-lines trace through the rules in local mode
   rlsidecar import-envoy [--algorithm A] [--mode M] FILE...    convert envoyproxy/ratelimit config files to rules YAML on stdout
   rlsidecar version
@@ -78,6 +80,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = check(args[1:], stdout, stderr)
 	case "validate":
 		err = validate(args[1:], stdout, stderr)
+	case "reload":
+		err = reload(args[1:], stdout, stderr)
 	case "replay":
 		err = replay(args[1:], stdout, stderr)
 	case "import-envoy":

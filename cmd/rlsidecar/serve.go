@@ -383,8 +383,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
 	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
+	reloads := new(daemon.ReloadState)          // /rules shows them; `rlsidecar reload` waits on them
 	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono, Draining: srv.Draining}
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono, Draining: srv.Draining, Reloads: reloads}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
 		}
@@ -571,8 +572,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		reloadMu.Lock()
 		defer reloadMu.Unlock()
 		notify.reloading("reloading the rules (" + why + ")")
+		reloads.Begin()
 		var failed error
 		defer func() { // READY=1 ends the reload, whatever its outcome
+			reloads.End(failed)
 			st := status()
 			if failed != nil {
 				st = "reload failed, keeping the rules in force (" + oneLine(failed) + "); " + st

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"syscall"
+	"time"
+)
+
+// reload asks a running daemon to reload its rules and waits for the outcome: it sends
+// SIGHUP, then reads the daemon's admin endpoint (/rules) until a reload begun after it
+// started has ended. It exits 0 once the file's rules are in force (or were already),
+// 1 when the reload failed (the rules in force stay; the error is printed) or did not end
+// in time. systemd runs it as the unit's ExecReload=, so that `systemctl reload
+// rlsidecar` returns once the rules are in force and fails when the file is broken,
+// where `kill -HUP` returned at once, and succeeded, either way.
+//
+// Without an admin endpoint to read (--admin empty, unreachable, or held by another
+// daemon, as in a blue/green switch on the default address), it sends SIGHUP, says on
+// stderr that it could not wait, and exits 0, as kill -HUP did.
+func reload(args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("reload", stderr)
+	pid := fs.Int("pid", 0, "the daemon's process id (default: $MAINPID, which systemd sets for ExecReload=)")
+	admin := fs.String("admin", "127.0.0.1:9464", "the daemon's admin endpoint, as its serve --admin (both read RLSIDECAR_ADMIN); empty: send SIGHUP without waiting")
+	timeout := fs.Duration("timeout", 30*time.Second, "how long to wait for the reload to end")
+	if err := noPositional(fs, args); err != nil {
+		return err
+	}
+	if *pid == 0 {
+		if v := os.Getenv("MAINPID"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil {
+				return fmt.Errorf("%w: MAINPID=%q is not a process id", errUsage, v)
+			}
+			*pid = n
+		}
+	}
+	if *pid <= 0 {
+		return fmt.Errorf("%w: --pid (or MAINPID) is required", errUsage)
+	}
+	if *timeout <= 0 {
+		return fmt.Errorf("%w: --timeout must be positive", errUsage)
+	}
+	hc := &http.Client{Timeout: 2 * time.Second}
+	var before reloadDoc
+	why := ""
+	if *admin == "" {
+		why = "no --admin"
+	} else if err := before.read(hc, *admin); err != nil {
+		why = err.Error()
+	} else if before.PID != *pid {
+		why = fmt.Sprintf("the admin endpoint %s is process %d's, not %d's (another daemon on the default address? give each its own --admin)", *admin, before.PID, *pid)
+	} else if before.ReloadsBegun == nil {
+		why = fmt.Sprintf("the daemon at %s does not count its reloads (an older version)", *admin)
+	}
+	if err := syscall.Kill(*pid, syscall.SIGHUP); err != nil {
+		return fmt.Errorf("SIGHUP to process %d: %w", *pid, err)
+	}
+	if why != "" {
+		fmt.Fprintf(stderr, "rlsidecar reload: sent SIGHUP to process %d; not waiting for the reload's outcome: %s\n", *pid, why)
+		return nil
+	}
+	want := *before.ReloadsBegun + 1
+	deadline := time.Now().Add(*timeout)
+	var now reloadDoc
+	for {
+		err := now.read(hc, *admin)
+		switch {
+		case err == nil && now.PID != *pid:
+			return fmt.Errorf("sent SIGHUP to process %d; its admin endpoint %s is now process %d's (it restarted?)", *pid, *admin, now.PID)
+		case err == nil && now.Reloads >= want:
+			if now.ReloadError != "" {
+				return fmt.Errorf("reload failed, keeping the rules in force (version %s): %s", now.Version, now.ReloadError)
+			}
+			fmt.Fprintf(stdout, "rules in force: %s, version %s\n", now.Source, now.Version)
+			return nil
+		case time.Now().After(deadline):
+			if err != nil {
+				return fmt.Errorf("sent SIGHUP to process %d; no reload's end seen within %v: %w", *pid, *timeout, err)
+			}
+			return fmt.Errorf("sent SIGHUP to process %d; no reload's end seen within %v", *pid, *timeout)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// reloadDoc is what reload reads of /rules.
+type reloadDoc struct {
+	Version      string  `json:"version"`
+	Source       string  `json:"source"`
+	PID          int     `json:"pid"`
+	ReloadsBegun *uint64 `json:"reloads_begun"` // nil: a daemon that does not count them
+	Reloads      uint64  `json:"reloads"`
+	ReloadError  string  `json:"reload_error"`
+}
+
+func (d *reloadDoc) read(hc *http.Client, admin string) error {
+	*d = reloadDoc{}
+	resp, err := hc.Get("http://" + admin + "/rules")
+	if err != nil {
+		return fmt.Errorf("reading the admin endpoint: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("reading the admin endpoint: GET /rules: %s", resp.Status)
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 64<<20)).Decode(d); err != nil {
+		return fmt.Errorf("reading the admin endpoint: GET /rules: %w", err)
+	}
+	if d.PID == 0 {
+		return errors.New("reading the admin endpoint: GET /rules names no pid (an older daemon)")
+	}
+	return nil
+}
