@@ -72,70 +72,13 @@ func TestStalledConnectionRedials(t *testing.T) {
 // any stall of stallFor the sidecar freed the slots of the requests still running: with a
 // concurrency max of 1, a second request was admitted beside the first (the real daemon,
 // SIGSTOPped 2 s under the Go middleware: 3 of 3 admitted after the stall, now 0).
-func TestStalledConnectionKeepsLeases(t *testing.T) {
-	path := socketPath(t)
-	var frozen atomic.Bool
-	thaw := make(chan struct{})
-	f := startFake(t, path, func(req *proto.Request, resp *proto.Response) {
-		if frozen.Load() {
-			<-thaw
-		}
-		switch req.Op {
-		case proto.OpRelease:
-			resp.Released = req.Lease == "t.1"
-		case proto.OpRenew:
-		default:
-			echoUser(req, resp)
-			if attr(req, "user") == "leased" {
-				resp.Lease = "t.1"
-				resp.Rules[0].WindowMs = 30000
-			}
-		}
-	})
-	open := func() int {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		return len(f.conns)
-	}
-	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	ctx := context.Background()
-	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
-	if d.Lease != "t.1" {
-		t.Fatalf("no lease: %+v", d)
-	}
-	frozen.Store(true)
-	start := time.Now()
-	for open() < 2 {
-		c.Check(ctx, map[string]string{"user": "x"}, nil)
-		if time.Since(start) > 3*c.stallFor() {
-			t.Fatal("the client never gave up the stalled connection")
-		}
-	}
-	frozen.Store(false)
-	close(thaw)
-	time.Sleep(200 * time.Millisecond)
-	if n := open(); n != 2 {
-		t.Fatalf("%d connections open after the stall; want 2: the one holding the lease was closed, freeing its slot", n)
-	}
-	if d, _ := c.Check(ctx, map[string]string{"user": "y"}, nil); d.Unreachable {
-		t.Fatalf("the new connection does not answer: %v", d.Cause)
-	}
-	if ok, err := d.Release(ctx); !ok || err != nil {
-		t.Fatalf("release: %v %v", ok, err)
-	}
-	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
-}
-
-// A late answer's lease (its check timed out: releaseOrphan) does not keep a retired
+//
+// A late answer's lease (its check timed out: releaseOrphan) does not keep the retired
 // connection open: no request runs under it, and closing frees it as the release does.
-// Before, it was tracked until its release was answered, and a retired connection that had
-// taken it stayed open (for the whole lease when that release was not answered in time),
-// the other slots it held with it.
-func TestLateLeaseDoesNotKeepRetiredConnection(t *testing.T) {
+// Before, it was tracked until its release was answered, and the retired connection that
+// had taken it stayed open (for the whole lease when that release was not answered in
+// time), the other slots it held with it.
+func TestStalledConnectionKeepsLeases(t *testing.T) {
 	path := socketPath(t)
 	var frozen atomic.Bool
 	thaw := make(chan struct{})
@@ -148,7 +91,7 @@ func TestLateLeaseDoesNotKeepRetiredConnection(t *testing.T) {
 			if req.Lease == "t.2" {
 				time.Sleep(150 * time.Millisecond) // past the release's timeout
 			}
-			resp.Released = true
+			resp.Released = req.Lease == "t.1" || req.Lease == "t.2"
 		case proto.OpRenew:
 		default:
 			echoUser(req, resp)
@@ -163,7 +106,7 @@ func TestLateLeaseDoesNotKeepRetiredConnection(t *testing.T) {
 		defer f.mu.Unlock()
 		return len(f.conns)
 	}
-	c, err := New(Options{Socket: path, Conns: 1, Timeout: 50 * time.Millisecond})
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,15 +128,18 @@ func TestLateLeaseDoesNotKeepRetiredConnection(t *testing.T) {
 		}
 	}
 	frozen.Store(false)
-	close(thaw) // "late" is answered now, with a lease: released by the client, too late
+	close(thaw) // "late" is answered now, with a lease t.2: released by the client, too late
 	time.Sleep(400 * time.Millisecond)
 	if n := open(); n != 2 {
-		t.Fatalf("%d connections open after the stall; want 2 (the retired one holds t.1)", n)
+		t.Fatalf("%d connections open after the stall; want 2: the one holding the lease was closed, freeing its slot", n)
+	}
+	if d, _ := c.Check(ctx, map[string]string{"user": "y"}, nil); d.Unreachable {
+		t.Fatalf("the new connection does not answer: %v", d.Cause)
 	}
 	if ok, err := d.Release(ctx); !ok || err != nil {
 		t.Fatalf("release: %v %v", ok, err)
 	}
-	eventually(t, "the retired connection to close once the running request's lease is released", func() bool { return open() == 1 })
+	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
 }
 
 // A sidecar that stops reading while many checks are sent fills the socket's buffer, and
@@ -210,12 +156,15 @@ func TestStalledWriteKeepsLeases(t *testing.T) {
 		}
 		switch req.Op {
 		case proto.OpRelease:
-			resp.Released = req.Lease == "t.1"
+			if req.Lease == "t.2" {
+				time.Sleep(150 * time.Millisecond) // past the release's timeout
+			}
+			resp.Released = req.Lease == "t.1" || req.Lease == "t.2"
 		case proto.OpRenew:
 		default:
 			echoUser(req, resp)
-			if attr(req, "user") == "leased" {
-				resp.Lease = "t.1"
+			if u := attr(req, "user"); u == "leased" || u == "late" {
+				resp.Lease = map[string]string{"leased": "t.1", "late": "t.2"}[u]
 				resp.Rules[0].WindowMs = 30000
 			}
 		}

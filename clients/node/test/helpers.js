@@ -109,26 +109,36 @@ async function startDaemon(t, rules = RULES, args = []) {
 }
 
 // standIn serves a stand-in sidecar on a socket named name in a temp directory: each
-// request frame is answered with the map answer(request) returns (its id set to the
-// request's). It returns the socket's path; the server stops with the test.
+// request frame is answered with the map answer(request, conn) returns (its id set to the
+// request's); undefined sends nothing, and a script may answer later with conn.send(map)
+// (conn.index: 1 for the first connection accepted, 2 for the next…). It returns the
+// socket's path; the server stops with the test.
 async function standIn(t, name, answer) {
   const net = require('net');
   const { encode } = require('@msgpack/msgpack');
   const proto = require('../lib/proto');
   const sock = path.join(tempDir(t), name);
   const conns = new Set();
+  let accepted = 0;
   const srv = net.createServer((s) => {
     conns.add(s);
+    const conn = {
+      index: ++accepted,
+      send: (m) => {
+        const body = Buffer.from(encode(m));
+        const head = Buffer.alloc(4);
+        head.writeUInt32BE(body.length);
+        s.write(Buffer.concat([head, body]));
+      },
+    };
     let buf = Buffer.alloc(0);
     s.on('data', (b) => {
       buf = Buffer.concat([buf, b]);
       while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
         const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
         buf = buf.subarray(4 + buf.readUInt32BE(0));
-        const body = Buffer.from(encode({ ...answer(req), id: req.id }));
-        const head = Buffer.alloc(4);
-        head.writeUInt32BE(body.length);
-        s.write(Buffer.concat([head, body]));
+        const m = answer(req, conn);
+        if (m !== undefined) conn.send({ ...m, id: req.id });
       }
     });
   });

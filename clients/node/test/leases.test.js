@@ -7,7 +7,7 @@ const { EventEmitter } = require('events');
 const http = require('http');
 
 const rl = require('..');
-const { startDaemon } = require('./helpers');
+const { startDaemon, standIn } = require('./helpers');
 
 const RULES = `
 rules:
@@ -348,52 +348,26 @@ rules:
 // with a lease, then stalls; once it is retired it answers a held check late, with a
 // lease; the second connection answers that lease's release only after its timeout.
 test('a late answer\'s lease does not keep a retired connection open', async (t) => {
-  const net = require('net');
-  const path = require('path');
-  const { encode } = require('@msgpack/msgpack');
-  const proto = require('../lib/proto');
-  const { tempDir } = require('./helpers');
-  const sock = path.join(tempDir(t), 'script.sock');
-  const conns = [];
-  const held = [];
   const rule = { name: 'exports', limit: 1, remaining: 0, reset_ms: 0, window_ms: 30000 };
-  const send = (s, m) => {
-    const body = Buffer.from(encode(m));
-    const head = Buffer.alloc(4);
-    head.writeUInt32BE(body.length);
-    s.write(Buffer.concat([head, body]));
-  };
+  let first = null; // the first connection, and the checks it holds in its stall
+  const held = [];
   let orphanAsked = false;
-  const srv = net.createServer((s) => {
-    const n = conns.push(s);
-    let buf = Buffer.alloc(0);
-    s.on('data', (b) => {
-      buf = Buffer.concat([buf, b]);
-      while (buf.length >= 4 && buf.length >= 4 + buf.readUInt32BE(0)) {
-        const req = proto.decode(buf.subarray(4, 4 + buf.readUInt32BE(0)));
-        buf = buf.subarray(4 + buf.readUInt32BE(0));
-        if (req.op === 'ping') {
-          send(s, { id: req.id, version: 'script' });
-        } else if (n === 1 && req.attrs && req.attrs.user === 'ann') {
-          send(s, { id: req.id, allowed: true, lease: 'A', rules: [rule] });
-        } else if (n === 1) {
-          held.push(req); // the stall
-        } else if (req.op === 'release' && req.lease === 'B') {
-          orphanAsked = true; // answered after its timeout: the client never hears it
-          setTimeout(() => send(s, { id: req.id, released: true }), 100);
-        } else if (req.op === 'release') {
-          send(s, { id: req.id, released: true });
-        } else {
-          send(s, { id: req.id, allowed: false, lease: '', retry_after_ms: 1000, rules: [rule] });
-        }
-      }
-    });
+  const sock = await standIn(t, 'script.sock', (req, conn) => {
+    if (req.op === 'ping') return { version: 'script' };
+    if (conn.index === 1) {
+      first = conn;
+      if (req.attrs && req.attrs.user === 'ann') return { allowed: true, lease: 'A', rules: [rule] };
+      held.push(req); // the stall
+      return undefined;
+    }
+    if (req.op === 'release' && req.lease === 'B') {
+      orphanAsked = true; // answered after its timeout: the client never hears it
+      setTimeout(() => conn.send({ id: req.id, released: true }), 100);
+      return undefined;
+    }
+    if (req.op === 'release') return { released: true };
+    return { allowed: false, lease: '', retry_after_ms: 1000, rules: [rule] };
   });
-  await new Promise((r) => srv.listen(sock, r));
-  t.after(() => new Promise((r) => {
-    for (const s of conns) s.destroy();
-    srv.close(r);
-  }));
   const c = new rl.Client({ socket: sock, timeoutMs: 50, conns: 1, logger: null });
   t.after(() => c.close());
   for (let i = 0; i < 50; i++) { // connected (the first dial may take longer than 50 ms)
@@ -404,7 +378,7 @@ test('a late answer\'s lease does not keep a retired connection open', async (t)
   const start = Date.now();
   while (c.retired.size === 0 && Date.now() - start < 5000) assert.ok((await c.check({ user: 'bob' })).unreachable);
   assert.equal(c.retired.size, 1, 'the stalled connection holding a lease is retired');
-  send(conns[0], { id: held[0].id, allowed: true, lease: 'B', rules: [rule] }); // late
+  first.send({ id: held[0].id, allowed: true, lease: 'B', rules: [rule] }); // late
   for (let i = 0; i < 200 && !orphanAsked; i++) await new Promise((r) => setTimeout(r, 5));
   assert.ok(orphanAsked, 'the late answer\'s lease is released');
   await new Promise((r) => setTimeout(r, 200)); // that release timed out, then came late
