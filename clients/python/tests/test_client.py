@@ -151,8 +151,9 @@ def test_missing_socket(short_tmp, policy):
 
 
 def test_stalled_sidecar_times_out_then_recovers(daemon):
-    with rlsidecar.Client(daemon.socket, timeout=0.1, on_unavailable="closed") as c:
+    with rlsidecar.Client(daemon.socket, timeout=2, on_unavailable="closed") as c:
         assert c.check({"user": "frank"}).remaining == 4
+        c.timeout = 0.1  # for the stalled check only: the answer after it is awaited 2 s
         daemon.pause()
         try:
             t = time.monotonic()
@@ -160,6 +161,7 @@ def test_stalled_sidecar_times_out_then_recovers(daemon):
             took = time.monotonic() - t
         finally:
             daemon.resume()
+        c.timeout = 2
         assert not d.allowed and d.unreachable and d.degraded and "timeout" in d.cause
         assert 0.09 <= took < 3.0  # bounded by the timeout, not the daemon: it never answers while stopped
         # The stalled request did reach the daemon (it consumed one when the daemon woke);

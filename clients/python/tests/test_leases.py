@@ -20,13 +20,14 @@ def test_release_in_finally_never_raises_for_an_absent_sidecar(make_daemon):
     import asyncio
 
     d = make_daemon(RULES)
-    c = rlsidecar.Client(d.socket, timeout=0.1)
-    ac = rlsidecar.AsyncClient(d.socket, timeout=0.1)
+    c = rlsidecar.Client(d.socket, timeout=2)
+    ac = rlsidecar.AsyncClient(d.socket, timeout=2)
     loop = asyncio.new_event_loop()
     try:
         a = c.check({"user": "ann"})
         b = loop.run_until_complete(ac.check({"user": "ann"}))
         assert a.lease and b.lease
+        c.timeout = ac.timeout = 0.1  # the stall: the releases time out
         d.pause()
         try:
             assert c.release(a.lease) is False
@@ -137,18 +138,25 @@ def test_late_lease_freed_with_its_connection(make_daemon):
     # not be read as the next one's): the daemon frees the lease the late check took.
     import time
     d = make_daemon(RULES.replace("max: 2", "max: 1"))
-    with rlsidecar.Client(d.socket, timeout=0.05) as c:
-        assert c.check({"user": "bob"}, cost=0).allowed  # connected
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        assert not c.check({"user": "bob"}, cost=0).unreachable  # connected
+        c.timeout = 0.05  # for the stalled check only: the probes below are awaited 2 s
         d.pause()
         try:
             late = c.check({"user": "ann"})
         finally:
             d.resume()
+        c.timeout = 2
         assert late.unreachable and late.lease == ""
+        # The probes go on other connections than the late check's: one decided before it
+        # may see the slot free, an instant before the late check takes it and its closed
+        # connection frees it. So the slot is seen free within 3 s, not probed once more.
         deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and c.check({"user": "ann"}, cost=0).rules[0].remaining != 1:
+        remaining = -1
+        while time.monotonic() < deadline and remaining != 1:
             time.sleep(0.01)
-        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+            remaining = c.check({"user": "ann"}, cost=0).rules[0].remaining
+        assert remaining == 1
 
 
 def test_async_late_lease_released(make_daemon):
@@ -160,13 +168,15 @@ def test_async_late_lease_released(make_daemon):
     d = make_daemon(RULES.replace("max: 2", "max: 1"))
 
     async def main():
-        async with rlsidecar.AsyncClient(d.socket, timeout=0.05) as c:
-            assert (await c.check({"user": "bob"}, cost=0)).allowed  # connected
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            assert not (await c.check({"user": "bob"}, cost=0)).unreachable  # connected
+            c.timeout = 0.05  # for the stalled check only: every answer after it is awaited 2 s
             d.pause()
             try:
                 late = await c.check({"user": "ann"})
             finally:
                 d.resume()
+            c.timeout = 2
             assert late.unreachable and late.lease == ""
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline:

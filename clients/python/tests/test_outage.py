@@ -35,7 +35,9 @@ def wait_until_answered(check):
 def test_unreachable_sidecar_is_logged(daemon, caplog, policy):
     caplog.set_level(logging.WARNING, logger="rlsidecar")
     daemon.stop()
-    c = rlsidecar.Client(daemon.socket, on_unavailable=policy)
+    # 2 s: the 20 checks after the restart must be answered, not timed out on a loaded
+    # machine (the default, 50 ms); with the daemon stopped, they fail at once either way.
+    c = rlsidecar.Client(daemon.socket, timeout=2, on_unavailable=policy)
     clock = c._outage.now = Clock()
     try:
         for _ in range(5):
