@@ -9,6 +9,15 @@ const http = require('http');
 const rl = require('..');
 const { startDaemon, standIn } = require('./helpers');
 
+// until resolves once cond() holds, polled every 5 ms; rejects after ms.
+async function until(cond, what, ms = 5000) {
+  const deadline = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error(`not within ${ms} ms: ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 const RULES = `
 rules:
   - name: exports
@@ -95,21 +104,28 @@ test('the middleware: a client gone while its check was answered is not served, 
   const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
   t.after(() => c.close());
   let served = 0;
+  let arrived = 0;
+  let closed = 0;
   const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
   // A handler that never ends a response (it would wait on something the gone client
   // never sends): before the fix, the slot stayed held, renewed, for as long as it ran.
-  const srv = http.createServer((req, res) => mw(req, res, () => { served++; }));
+  const srv = http.createServer((req, res) => {
+    arrived++;
+    res.once('close', () => { closed++; });
+    mw(req, res, () => { served++; });
+  });
   await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
   t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
   assert.ok((await c.check({ user: 'bob' }, { cost: 0 })).allowed); // connected
   await d.pause();
-  const gone = new Promise((resolve) => {
-    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/' });
-    r.on('error', () => resolve());
-    setTimeout(() => { r.destroy(); resolve(); }, 200);
-  });
-  await gone;
-  await new Promise((r) => setTimeout(r, 100)); // the server sees the close
+  // The client goes once its request reached the middleware (its check is with the stalled
+  // daemon), and the daemon resumes once the server has seen it go. Fixed waits (200 ms,
+  // then 100 ms) let a loaded machine do these in the other order.
+  const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/' });
+  r.on('error', () => {});
+  await until(() => arrived === 1, 'the request reached the middleware');
+  r.destroy();
+  await until(() => closed === 1, 'the server saw the client go');
   d.resume(); // the check is answered now: allowed, with a lease
   let remaining = -1;
   for (let k = 0; k < 200 && remaining !== 1; k++) {
@@ -129,25 +145,36 @@ test('the middleware: a client gone while its handler runs keeps the slot until 
   t.after(() => c.close());
   const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
   let running = 0;
+  let closed = 0;
   let finish = null;
   const done = new Promise((resolve) => { finish = resolve; });
-  const srv = http.createServer((req, res) => mw(req, res, async () => {
-    running++;
-    await done; // the work goes on after the client left
-    res.end('done');
-  }));
+  const srv = http.createServer((req, res) => {
+    res.once('close', () => { closed++; });
+    mw(req, res, async () => {
+      running++;
+      await done; // the work goes on after the client left
+      res.end('done');
+    });
+  });
   await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
   t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  // hangUp sends a request and hangs up as soon as a handler starts for it; a request
+  // refused is answered first. (It hung up after a fixed 300 ms, which a loaded machine
+  // may take to check the request, or to answer the refusal.)
   const hangUp = () => new Promise((resolve) => {
+    const before = running;
     const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/' }, (res) => {
       res.resume();
       res.on('end', () => resolve(res.statusCode));
     });
     r.on('error', () => resolve('gone'));
-    setTimeout(() => { r.destroy(); }, 300);
+    const poll = setInterval(() => {
+      if (running > before) r.destroy();
+    }, 5);
+    r.on('close', () => clearInterval(poll));
   });
   assert.equal(await hangUp(), 'gone'); // its handler runs, and waits
-  await new Promise((r) => setTimeout(r, 100)); // the server sees the close
+  await until(() => closed === 1, 'the server saw the client go');
   assert.equal(running, 1);
   assert.equal((await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining, 0, 'the slot is still held');
   const statuses = [];
