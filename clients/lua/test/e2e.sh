@@ -578,14 +578,35 @@ request GET "http://127.0.0.1:$hap_dual_port/v4/a"
 expect "haproxy dual-stack: the same key, refused" "$status" 429
 
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
+# held RULE: how many slots of RULE the daemon holds now (0 before its first check).
+held() {
+  local n
+  n=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk -v m="rlsidecar_inflight{rule=\"$1\"}" '$1 == m {print $2}')
+  echo "${n:-0}"
+}
+# wait_held RULE N: waits until RULE holds N slots, up to 5 s; fails when it never does.
+# In place of fixed sleeps: a request started in the background may take longer than
+# them to be checked on a loaded machine, and a release follows its response (another
+# gateway's request right after it may find the slot still held).
+wait_held() {
+  local i n
+  for i in $(seq 100); do
+    n=$(held "$1")
+    [ "$n" == "$2" ] && return 0
+    sleep 0.05
+  done
+  echo "e2e: $1 held $n slots for 5 s, want $2" >&2
+  return 1
+}
 # in_flight GATEWAY PORT: a 1 s request to /slow/ holds the one slot of slow-in-flight;
 # a second one meanwhile is refused; once the first completed, the slot is free again
 # (the lease is 60 s: only the gateway's release frees it that soon).
 in_flight() {
   local name=$1 port=$2
+  wait_held slow-in-flight 0 || fail "$name: the slot is free before the first request"
   curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/a" >"$tmp/slow-$name" &
   local slow=$!
-  sleep 0.4
+  wait_held slow-in-flight 1 || fail "$name: the first request holds the slot"
   request GET "http://127.0.0.1:$port/slow/b"
   expect "$name: a second request while the first is in flight" "$status" 429
   expect "$name: its problem names the concurrency rule" "$(grep -o '"rule":"[^"]*"' <<<"$body")" '"rule":"slow-in-flight"'
@@ -616,6 +637,7 @@ in_flight haproxy "$hap_port"
 # be one it closes when 30 come back at once — and 10 more are refused.
 burst_in_flight() {
   local name=$1 port=$2 i curls=()
+  wait_held burst-in-flight 0 || fail "$name: the burst's slots are free before it"
   kill -STOP "$daemon_pid"
   for i in $(seq 30); do
     curl -s --max-time 10 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$port/burst/$i" >"$tmp/burst-$name-$i" &
@@ -623,9 +645,9 @@ burst_in_flight() {
   done
   sleep 0.5
   kill -CONT "$daemon_pid"
-  sleep 1
-  local held
-  held=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"burst-in-flight\"}" {print $2}')
+  wait_held burst-in-flight 20 || true # (the 4 s requests hold their slots meanwhile)
+  local slots
+  slots=$(held burst-in-flight)
   local more=0
   for i in $(seq 10); do
     [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/burst/more")" == 429 ] && more=$((more + 1))
@@ -634,7 +656,7 @@ burst_in_flight() {
   local ok
   ok=$(cat "$tmp"/burst-"$name"-* | grep -c '^200$' || true)
   expect "$name: a burst of 30 against max 20 in flight: admitted" "$ok" 20
-  expect "$name: slots held while the 20 run" "$held" 20
+  expect "$name: slots held while the 20 run" "$slots" 20
   expect "$name: 10 more while they run: refused" "$more" 10
 }
 burst_in_flight nginx "$nginx_port"
@@ -655,9 +677,10 @@ slot_free_within() {
 # request has not ended), then is freed.
 streaming() {
   local name=$1 port=$2
+  wait_held slow-in-flight 0 || fail "$name: the slot is free before the streamed request"
   curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/stream/a" >"$tmp/stream-$name" &
   local slow=$!
-  sleep 0.5
+  wait_held slow-in-flight 1 || fail "$name: the streamed request holds the slot"
   request GET "http://127.0.0.1:$port/slow/b"
   expect "$name: a request while the first's body is still streaming" "$status" 429
   wait "$slow"
@@ -670,6 +693,7 @@ streaming haproxy "$hap_port"
 # request ends, and its slot is freed.
 aborted() {
   local name=$1 port=$2
+  wait_held slow-in-flight 0 || fail "$name: the slot is free before the aborted request"
   curl -s --max-time 0.3 -o /dev/null "http://127.0.0.1:$port/slow/a" || true
   slot_free_within "$name" "$port" "after the client aborted its request"
 }
@@ -681,6 +705,7 @@ aborted haproxy "$hap_port"
 # closes, and before the next request on the connection is checked).
 keep_alive() {
   local codes url="http://127.0.0.1:$2/slow/quick/"
+  wait_held slow-in-flight 0 || fail "$1: the slot is free before the keep-alive requests"
   codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -o /dev/null $(printf -- "-o /dev/null $url %.0s" $(seq 9)) "$url" | sort | uniq -c | tr -s ' \n' ' ')
   expect "$1: keep-alive, ten leased requests in a row on one connection (count, status, connects)" "$codes" " 9 200 0 1 200 1 "
 }
