@@ -9,6 +9,7 @@ import pytest
 
 import rlsidecar
 from conftest import RULES
+from fixedwindow import in_one_window_async
 
 
 def run(coro):
@@ -20,8 +21,11 @@ def test_pipelined_checks_on_one_connection(daemon):
         async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
             assert await c.ping()
             conn = c._conn
-            lim = [{"key": "shared", "limit": 150, "window_ms": 3600000, "algorithm": "fixed_window"}]
-            ds = await asyncio.gather(*(c.check({}, limits=lim) for _ in range(200)))
+
+            def burst(n):
+                lim = [{"key": "shared%d" % n, "limit": 150, "window_ms": 3600000, "algorithm": "fixed_window"}]
+                return asyncio.gather(*(c.check({}, limits=lim) for _ in range(200)))
+            ds = await in_one_window_async(3600000, burst)
             assert c._conn is conn  # one connection carried them all
             assert sum(d.allowed for d in ds) == 150
             # Pipelined in order: the answers' remaining count down with the request order.
@@ -283,8 +287,10 @@ def test_burst_beyond_the_cap_waits_for_room(daemon, monkeypatch):
 
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=2, on_unavailable="open") as c:
-            lim = [{"key": "burst", "limit": 100, "window_ms": 3600000, "algorithm": "fixed_window"}]
-            ds = await asyncio.gather(*(c.check({}, limits=lim) for _ in range(300)))
+            def burst(n):
+                lim = [{"key": "burst%d" % n, "limit": 100, "window_ms": 3600000, "algorithm": "fixed_window"}]
+                return asyncio.gather(*(c.check({}, limits=lim) for _ in range(300)))
+            ds = await in_one_window_async(3600000, burst)
             assert not any(d.degraded for d in ds), [d.cause for d in ds if d.degraded][:3]
             assert sum(d.allowed for d in ds) == 100
             assert max(len(c._conn.pending), 0) == 0 and not c._conn.room

@@ -10,6 +10,7 @@ import pytest
 import rlsidecar
 
 from conftest import RULES
+from fixedwindow import in_one_window
 
 
 def test_allows_then_rejects(daemon):
@@ -47,8 +48,11 @@ def test_two_rules_and_cost(daemon):
 
 def test_inline_limits(daemon):
     with rlsidecar.Client(daemon.socket, timeout=2) as c:
-        lim = [{"key": "tenant:acme", "limit": 2, "window_ms": 60000, "algorithm": "fixed_window", "name": "acme"}]
-        assert [c.check({}, limits=lim).allowed for _ in range(3)] == [True, True, False]
+        def three(n):
+            lim = [{"key": "tenant:acme%d" % n, "limit": 2, "window_ms": 60000, "algorithm": "fixed_window",
+                    "name": "acme"}]
+            return [c.check({}, limits=lim).allowed for _ in range(3)]
+        assert in_one_window(60000, three) == [True, True, False]
         with pytest.raises(rlsidecar.ProtocolError) as e:
             c.check({}, limits=[{"key": "k", "limit": 0, "window_ms": 1000}])
         assert e.value.code == "invalid_limit" and "limit" in e.value.message
@@ -106,31 +110,36 @@ def test_check_many_pipelines_on_one_connection(daemon):
         assert len(c._idle) == 1
         assert c.check_many([]) == []
         # A batch larger than the socket buffers both ways (4,000 checks with 2 KB attributes).
-        lim = [{"key": "big", "limit": 3000, "window_ms": 3600000, "algorithm": "fixed_window"}]
-        ds = c.check_many([({"pad": "x" * 2048}, 1, lim)] * 4000)
+        ds = in_one_window(3600000, lambda n: c.check_many(
+            [({"pad": "x" * 2048}, 1, [{"key": "big%d" % n, "limit": 3000, "window_ms": 3600000,
+                                         "algorithm": "fixed_window"}])] * 4000))
         assert sum(d.allowed for d in ds) == 3000 and not any(d.degraded for d in ds)
 
 
 def test_threads_share_the_pool_and_nothing_is_lost(daemon):
     """8 threads × 100 checks against one inline limit of 10,000: each is counted once."""
-    lim = [{"key": "shared", "limit": 10000, "window_ms": 3600000, "algorithm": "fixed_window"}]
-    errors = []
     with rlsidecar.Client(daemon.socket, timeout=2, pool_size=8) as c:
-        def run():
-            try:
-                for _ in range(100):
-                    d = c.check({}, limits=lim)
-                    assert d.allowed and not d.degraded
-            except BaseException as e:
-                errors.append(e)
+        def burst(n):
+            lim = [{"key": "shared%d" % n, "limit": 10000, "window_ms": 3600000, "algorithm": "fixed_window"}]
+            errors = []
 
-        ts = [threading.Thread(target=run) for _ in range(8)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+            def run():
+                try:
+                    for _ in range(100):
+                        d = c.check({}, limits=lim)
+                        assert d.allowed and not d.degraded
+                except BaseException as e:
+                    errors.append(e)
+
+            ts = [threading.Thread(target=run) for _ in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            return errors, c.check({}, cost=0, limits=lim).remaining
+        errors, left = in_one_window(3600000, burst)
         assert not errors
-        assert c.check({}, cost=0, limits=lim).remaining == 10000 - 800
+        assert left == 10000 - 800
         assert 1 <= len(c._idle) <= 8
 
 
