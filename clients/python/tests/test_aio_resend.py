@@ -84,10 +84,10 @@ def test_check_the_sidecar_never_read_is_sent_again(short_tmp, mode):
     assert causes == [], "%d of 30 checks answered by on_unavailable" % len(causes)
 
 
-def drains_first_conn(path, stop):
+def drains_first_conn(path, stop, shut):
     """Serve a stand-in whose first connection answers one check, then shuts its read side,
     as a restart's drain closes a connection between the client's writes (the client's
-    next write fails: EPIPE); every later connection answers every check."""
+    next write fails: EPIPE), and sets shut; every later connection answers every check."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(64)
@@ -104,6 +104,7 @@ def drains_first_conn(path, stop):
                 c.sendall(struct.pack(">I", len(body)) + body)
                 if first:
                     c.shutdown(socket.SHUT_RD)  # kept open: the client sees no end of file
+                    shut.set()
                     stop.wait()
                     return
 
@@ -130,13 +131,16 @@ def test_checks_written_after_a_failed_write_are_sent_again(short_tmp):
     all but the last were answered by on_unavailable (9 of 10 here; 27 of 32 in flight
     through each restart of the real daemon under systemd-socket-activate)."""
     path = os.path.join(short_tmp, "s.sock")
-    stop = threading.Event()
-    t = drains_first_conn(path, stop)
+    stop, shut = threading.Event(), threading.Event()
+    t = drains_first_conn(path, stop, shut)
 
     async def main():
         async with rlsidecar.AsyncClient(path, timeout=1, on_unavailable="closed") as c:
             assert (await c.check({"user": "first"})).rule == "first"
-            await asyncio.sleep(0.05)  # the stand-in has shut its read side
+            # The stand-in has shut its read side: waited for, not slept on (50 ms was not
+            # always enough for its thread on a loaded machine: the checks then went in
+            # before the shutdown, were never read, and timed out).
+            assert await asyncio.get_running_loop().run_in_executor(None, shut.wait, 5)
             ds = await asyncio.gather(*(c.check({"user": "u%d" % i}) for i in range(10)))
             return [d.cause for d in ds if d.unreachable], [d.rule for d in ds]
 
