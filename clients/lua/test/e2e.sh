@@ -578,8 +578,8 @@ request GET "http://127.0.0.1:$hap_dual_port/v4/a"
 expect "haproxy dual-stack: the same key, refused" "$status" 429
 
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
-# held RULE: how many slots of RULE the daemon holds now (0 before its first check).
-held() {
+# slots_held RULE: how many slots of RULE the daemon holds now (0 before its first check).
+slots_held() {
   local n
   n=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk -v m="rlsidecar_inflight{rule=\"$1\"}" '$1 == m {print $2}')
   echo "${n:-0}"
@@ -591,7 +591,7 @@ held() {
 wait_held() {
   local i n
   for i in $(seq 100); do
-    n=$(held "$1")
+    n=$(slots_held "$1")
     [ "$n" == "$2" ] && return 0
     sleep 0.05
   done
@@ -647,7 +647,7 @@ burst_in_flight() {
   kill -CONT "$daemon_pid"
   wait_held burst-in-flight 20 || true # (the 4 s requests hold their slots meanwhile)
   local slots
-  slots=$(held burst-in-flight)
+  slots=$(slots_held burst-in-flight)
   local more=0
   for i in $(seq 10); do
     [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/burst/more")" == 429 ] && more=$((more + 1))
