@@ -532,6 +532,7 @@ type conn struct {
 	tally batchTally
 
 	deadline  time.Time // the read deadline currently set (zero: none)
+	idleSince time.Time // when waitIdle began to wait for a next frame (with an IdleTimeout)
 	wdeadline time.Time // the write deadline currently set (zero: none)
 	waited    bool      // the frame being read was not all there: its time is when it completes
 	// frameTimed: the frame being read has its deadline set.
@@ -816,8 +817,10 @@ func (cn *conn) waitIdle(yield bool) error {
 	s := cn.s
 	if s.cfg.IdleTimeout > 0 {
 		now := time.Now()
+		cn.idleSince = now
 		// Move the deadline only when it is more than half used: one syscall-free check
-		// per request, one timer update per IdleTimeout/2.
+		// per request, one timer update per IdleTimeout/2. It can then fire before the
+		// connection has been idle for IdleTimeout (after half of it, at worst): see below.
 		if cn.deadline.IsZero() || cn.deadline.Sub(now) < s.cfg.IdleTimeout/2 {
 			if err := cn.setDeadline(now.Add(s.cfg.IdleTimeout)); err != nil {
 				return err
@@ -830,13 +833,22 @@ func (cn *conn) waitIdle(yield bool) error {
 	// the draining flag before it sets a past deadline, so a Peek that was waiting ends
 	// with that deadline, and peek reads again through the drain.
 	_, err := cn.peek(1)
+	// A deadline that fires before the connection has been idle for IdleTimeout (one set
+	// by an earlier request, not moved since) waits for the rest of it: a connection is
+	// cut only once idle for IdleTimeout. Before, one idle for just over half of it was.
 	// Idle, but holding leases: a gateway keeps the connection that took a lease open for
 	// as long as its request runs (a download, a stream), and closing it would free the
 	// slots of requests still running. Such a connection outlives the idle timeout; it is
 	// cut once its leases are released or have run out.
-	for err != nil && s.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) &&
-		!s.draining.Load() && s.lim.HoldsLeases(cn.id, s.now()) {
-		if err = cn.setDeadline(time.Now().Add(s.cfg.IdleTimeout)); err != nil {
+	for err != nil && s.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) && !s.draining.Load() {
+		next := cn.idleSince.Add(s.cfg.IdleTimeout)
+		if now := time.Now(); !now.Before(next) {
+			if !s.lim.HoldsLeases(cn.id, s.now()) {
+				break
+			}
+			next = now.Add(s.cfg.IdleTimeout)
+		}
+		if err = cn.setDeadline(next); err != nil {
 			return err
 		}
 		if s.draining.Load() {

@@ -94,7 +94,9 @@ func readResponse(t *testing.T, br *bufio.Reader) *proto.Response {
 // Shutdown answers, closes idle and half-sent connections, removes the socket and leaves
 // no goroutine behind.
 func TestShutdownLeavesNothing(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	// Only this test's goroutines: with -count above 1, the servers of the tests after
+	// it in the previous round may still be serving.
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	s := startServer(t, Config{IdleTimeout: time.Minute})
 	idle, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
@@ -138,7 +140,7 @@ func TestShutdownLeavesNothing(t *testing.T) {
 // An idle connection is closed after IdleTimeout; an active one is not.
 func TestIdleTimeout(t *testing.T) {
 	m := NewMetrics("test", 10)
-	s := startServer(t, Config{IdleTimeout: 150 * time.Millisecond, Metrics: m})
+	s := startServer(t, Config{IdleTimeout: 200 * time.Millisecond, Metrics: m})
 	defer s.Shutdown(context.Background())
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
@@ -153,6 +155,32 @@ func TestIdleTimeout(t *testing.T) {
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := br.ReadByte(); err == nil {
 		t.Fatal("idle connection got data instead of being closed")
+	}
+	waitClosed(t, m, closeIdleTimeout)
+}
+
+// A connection is cut once it has been idle for IdleTimeout since its last request, not
+// before: the daemon moves the read deadline only when more than half of it is used, so a
+// deadline set for an earlier request can come while the connection has been idle for
+// less. Before, one whose request came a quarter of IdleTimeout after the previous one
+// was cut three quarters of IdleTimeout after it (a CI run of TestIdleTimeout, whose
+// requests come 50 ms apart, saw its connection cut at 150 ms with a 150 ms timeout).
+func TestIdleTimeoutCountsFromLastRequest(t *testing.T) {
+	const idle = 400 * time.Millisecond
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{IdleTimeout: idle, Metrics: m})
+	defer s.Shutdown(context.Background())
+	c, br := dialServer(t, s)
+	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
+	time.Sleep(idle / 4) // the deadline set for the first request is more than half left
+	last := time.Now()
+	roundTrip(t, c, br, &proto.Request{ID: 2, Op: proto.OpPing})
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("idle connection got data instead of being closed")
+	}
+	if el := time.Since(last); el < idle {
+		t.Fatalf("cut %v after its last request; the idle timeout is %v", el.Round(time.Millisecond), idle)
 	}
 	waitClosed(t, m, closeIdleTimeout)
 }
