@@ -59,7 +59,10 @@ func TestGlobalBreakerFrozenRedis(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer rdb.Close()
-	b := NewBreaker(3, 200*time.Millisecond)
+	// The open breaker's first probe comes after an eighth of the cool-down: 500 ms, far
+	// past a loaded machine's pause between two checks (with a 200 ms cool-down, a pause
+	// of 25 ms made the check after the third failure the probe, timing out).
+	b := NewBreaker(3, 4*time.Second)
 	g := NewGlobal(rdb).WithBreaker(b)
 	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
 	wait := 20 * time.Millisecond
@@ -85,13 +88,15 @@ func TestGlobalBreakerFrozenRedis(t *testing.T) {
 			t.Fatalf("check %d against a frozen Redis: %v after %s", i, err, el)
 		}
 	}
+	// Open: refused at once, not after the client's 1 s timeout on the frozen Redis (the
+	// check's own deadline is 2 s now).
+	wait = 2 * time.Second
 	el, err := check()
-	if !errors.Is(err, ErrBreakerOpen) || el > 5*time.Millisecond {
+	if !errors.Is(err, ErrBreakerOpen) || el > 500*time.Millisecond {
 		t.Fatalf("with the breaker open: %v after %s", err, el)
 	}
 	srv.Thaw()
-	time.Sleep(250 * time.Millisecond)
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := check(); err == nil {
 			break
