@@ -11,7 +11,10 @@ import (
 )
 
 func TestBreaker(t *testing.T) {
-	b := NewBreaker(3, 50*time.Millisecond)
+	// An open breaker waits an eighth of the cool-down (100 ms) for its first probe, twice
+	// that after a failed one: far past a loaded machine's pause between two of the
+	// checks below that expect a refusal (a 50 ms cool-down gave 6 and 12 ms).
+	b := NewBreaker(3, 800*time.Millisecond)
 	for i := 0; i < 2; i++ {
 		b.Failure()
 		if !b.Allow() || b.Open() {
@@ -25,7 +28,7 @@ func TestBreaker(t *testing.T) {
 	if !b.Open() || b.Allow() || b.Opened() != 1 {
 		t.Fatal("not open after 3 consecutive failures")
 	}
-	time.Sleep(60 * time.Millisecond)
+	time.Sleep(150 * time.Millisecond)
 	if !b.Allow() {
 		t.Fatal("no probe after the cool-down")
 	}
@@ -36,7 +39,7 @@ func TestBreaker(t *testing.T) {
 	if b.Allow() {
 		t.Fatal("allowed right after a failed probe")
 	}
-	time.Sleep(60 * time.Millisecond)
+	time.Sleep(250 * time.Millisecond)
 	if !b.Allow() {
 		t.Fatal("no probe after the second cool-down")
 	}
