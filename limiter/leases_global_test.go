@@ -3,6 +3,7 @@ package limiter
 import (
 	"context"
 	"encoding/base64"
+	"fmt"
 	"strings"
 	gosync "sync"
 	"sync/atomic"
@@ -392,7 +393,11 @@ rules:
 // expired (the leak signal); one released through another daemon is not.
 func TestGlobalLeaseExpirySweep(t *testing.T) {
 	rdb := realRedis(t)
-	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 1, lease: 50ms }\n    mode: global\n"
+	// The lease is long enough for the refusal and the renewal below to come before it
+	// runs out on a loaded machine (each is one Redis round trip after an acquire; 50 ms
+	// was not always).
+	const lease = 250 * time.Millisecond
+	yaml := fmt.Sprintf("rules:\n  - name: short\n    key: user\n    concurrency: { max: 1, lease: %v }\n    mode: global\n", lease)
 	a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
 	in := &Input{Attrs: attrs("user=hal"), Cost: 1}
 	if ok, _, _ := acquire(t, a, in, 0); !ok {
@@ -401,7 +406,7 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 	if ok, _, _ := acquire(t, b, in, 0); ok {
 		t.Fatal("allowed over max")
 	}
-	time.Sleep(80 * time.Millisecond)
+	time.Sleep(lease + 50*time.Millisecond)
 	ok, tok, _ := acquire(t, b, &Input{Attrs: attrs("user=hal"), Cost: 1}, 0)
 	if !ok {
 		t.Fatal("an expired lease still holds its slot")
@@ -416,7 +421,7 @@ func TestGlobalLeaseExpirySweep(t *testing.T) {
 	if ok, _ := b.RenewLease(tok3, time.Minute, nowNs()); !ok {
 		t.Fatal("renew of jo's lease through b")
 	}
-	time.Sleep(80 * time.Millisecond)
+	time.Sleep(lease + 50*time.Millisecond)
 	a.Sweep(nowNs() + int64(time.Second))
 	if s := stats(a, "short"); s.Expired != 1 || s.InFlight != 1 {
 		t.Fatalf("a's stats after its sweep: %+v, want 1 expired (hal), 1 in flight (jo, renewed through b)", s)
