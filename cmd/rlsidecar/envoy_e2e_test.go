@@ -165,6 +165,9 @@ func TestE2EEnvoyRLS(t *testing.T) {
 
 func testE2EEnvoyRLS(t *testing.T, transport string) {
 	f := startEnvoyDaemon(t, envoyRules, "--envoy-rls-transport", transport)
+	// The subtests count against fixed windows of a minute (an override), an hour, a day
+	// and a calendar month: none may turn while they run.
+	clearOfWindowEnd(t, time.Minute, 5*time.Second)
 
 	t.Run("health", func(t *testing.T) {
 		for _, svc := range []string{"", "envoy.service.ratelimit.v3.RateLimitService"} {

@@ -211,3 +211,23 @@ func writeFile(t *testing.T, dir, name, content string) string {
 	}
 	return p
 }
+
+// clearOfWindowEnd returns once the fixed windows of length w (aligned to the Unix
+// epoch, as the daemon aligns them) have at least need left before the next one begins,
+// waiting for it to begin if not. A test that counts a fixed window's requests (or their
+// sum in Redis) assumes that the window does not turn while it runs: one that takes
+// seconds against hourly windows crosses an hour now and then. Every hour, day, and
+// calendar day or month of a whole-hour time zone begins with a minute: need against
+// time.Minute keeps all of them away.
+func clearOfWindowEnd(t *testing.T, w, need time.Duration) {
+	t.Helper()
+	if need >= w/2 {
+		t.Fatalf("clearOfWindowEnd: need %v of a %v window", need, w)
+	}
+	now := time.Now().UnixNano()
+	end := (now/int64(w) + 1) * int64(w)
+	if left := time.Duration(end - now); left < need {
+		t.Logf("%v to the end of a %v window: waiting for the next one", left, w)
+		time.Sleep(left + 10*time.Millisecond)
+	}
+}

@@ -61,6 +61,7 @@ func TestE2ERedisPrefix(t *testing.T) {
 
 func testPrefixes(t *testing.T, rdb redis.UniversalClient, redisArgs []string) {
 	ctx := context.Background()
+	clearOfWindowEnd(t, time.Hour, 30*time.Second) // budgets and Redis's counts are the window's
 	cfg := writeFile(t, shortTempDir(t), "rules.yaml", prefixRules)
 	names := []string{"a1", "b", "a2"}
 	prefix := map[string]string{"a1": "a:", "a2": "a:", "b": "b:"}

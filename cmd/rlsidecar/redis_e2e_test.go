@@ -32,6 +32,7 @@ rules:
     algorithm: fixed_window
     limit: { requests: 30, per: 1h }
 `)
+	clearOfWindowEnd(t, time.Hour, 30*time.Second) // Redis's count is the window's
 	var ds []*daemonProc
 	for i := 0; i < 3; i++ {
 		ds = append(ds, startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--daemon-id", fmt.Sprint("e2e-", i)))
@@ -233,6 +234,7 @@ rules:
     limit: { requests: 3, per: 1h }
     mode: global
 `)
+	clearOfWindowEnd(t, time.Hour, 30*time.Second) // Redis's counts are the window's
 	nodes := strings.Join(cl.Addrs, ",")
 	d1 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--sync-interval", "50ms", "--global-timeout", "500ms")
 	d2 := startDaemon(t, "--config", cfg, "--redis-cluster", nodes, "--sync-interval", "50ms", "--global-timeout", "500ms")
