@@ -551,3 +551,52 @@ func refuse(t *testing.T, check func() *Decision, n int) {
 		}
 	}
 }
+
+// A refusal decided by on_store_failure: closed, Redis away, says nothing of the client:
+// it counts toward no ban, in hybrid mode as in global. Before, a hybrid daemon counted
+// each such refusal and sent them once Redis was back, so every client that had sent
+// `after` requests during an outage was banned when it ended (through the real daemon:
+// 15 checks while redis-server was down, then banned for the ban's length).
+func TestSharedBansClosedFallbackEarnsNone(t *testing.T) {
+	for _, mode := range []string{"hybrid", "global"} {
+		t.Run(mode, func(t *testing.T) {
+			yaml := `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 100, per: 1h }
+    mode: ` + mode + `
+    on_store_failure: closed
+    penalty: { after: 3, within: 1m, ban: 10m }
+`
+			srv := redistest.StartStandalone(t)
+			rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 500 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { rdb.Close() })
+			l := sharedLimiter(t, rdb, yaml)
+			check := ipChecker(t, l, "ip=1.1.1.1")
+			if r := check(); !r.Allowed || r.Degraded {
+				t.Fatalf("Redis up: %+v, want allowed", r)
+			}
+			srv.Stop()
+			for i := 0; i < 5; i++ {
+				if r := check(); r.Allowed || !r.Degraded || r.Banned {
+					t.Fatalf("Redis down, check %d: %+v, want refused by the closed policy (degraded), not banned", i, r)
+				}
+			}
+			_ = l.shared.round(context.Background(), time.Now().UnixNano(), true) // Redis down: fails
+			srv.Restart(t)
+			if err := l.shared.round(context.Background(), time.Now().UnixNano(), true); err != nil {
+				t.Fatal(err)
+			}
+			if bans := l.Bans(time.Now().UnixNano()); len(bans) != 0 {
+				t.Fatalf("Redis back: bans %+v; want none: the refusals were the closed policy's", bans)
+			}
+			if r := check(); r.Banned {
+				t.Fatalf("Redis back: %+v; banned by refusals the closed policy made while Redis was away", r)
+			}
+		})
+	}
+}

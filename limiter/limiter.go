@@ -585,6 +585,10 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// on the fallback state a full store's new keys share (its refusal says the
 			// shared state is spent, by a flood of other keys, not that this client went
 			// over its limit: before, every new client was banned after `after` requests).
+			// Nor one its failure policy `closed` made, Redis away: that refuses every
+			// client, whatever it sent (before, a hybrid daemon counted them and sent them
+			// once Redis was back: every client that had sent `after` requests during
+			// the outage was banned as it ended).
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
@@ -594,7 +598,7 @@ func (l *Limiter) report(now int64, d *Decision) {
 			switch {
 			case o.bans == bansLocal:
 				until = l.bans.refused(o.key, out.Rule, now, admit)
-			case !o.degraded || o.bans == bansHybrid: // a global op degraded: Redis is away
+			case !o.degraded || (o.bans == bansHybrid && o.fb.policy != rules.FailClosed): // a global op degraded: Redis is away
 				until = l.shared.refused(now, d, i, out.Rule, admit)
 			}
 			if until != 0 {
