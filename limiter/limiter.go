@@ -631,9 +631,25 @@ func (l *Limiter) report(now int64, d *Decision) {
 }
 
 // queuedCtx is the parent context of d's global script calls: carrying d.Queued.
+//
+// Not for a check of a global penalty rule (shared bans, bansGlobal): its refusal is
+// counted in Redis by a second call, after the script's (sharedBans.refused), and a
+// ban that count starts must be seen by the next check of the key, which reads it in
+// its own script call. So the next pipelined check of the key waits until this one is
+// decided, its refusal counted, not only queued. Before, it went once this one's script
+// was queued: five checks pipelined past a limit of 1 with `after: 3` could be answered
+// banned on the first refusal and not on the third, and a check decided after the ban
+// had started was refused unbanned (and counted toward the next ban).
 func (d *Decision) queuedCtx() context.Context {
 	if d.Queued == nil {
 		return context.Background()
+	}
+	if d.flags&infoPenalty != 0 {
+		for i := range d.ops {
+			if d.ops[i].bans == bansGlobal {
+				return context.Background()
+			}
+		}
 	}
 	return rlsync.WithQueued(context.Background(), d.Queued)
 }
