@@ -2,20 +2,12 @@ package daemon
 
 import (
 	"bufio"
-	"context"
 	"fmt"
 	"net"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
-	"github.com/rlsidecar/rlsidecar/limiter"
-	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
-	"github.com/rlsidecar/rlsidecar/rules"
-	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 // Checks of a global penalty rule's key pipelined on one connection are decided in
@@ -36,43 +28,7 @@ rules:
     mode: global
     penalty: { after: 3, within: 1h, ban: 1h }
 `
-	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
-	set, err := rules.Parse("test.yaml", []byte(yaml))
-	if err != nil {
-		t.Fatal(err)
-	}
-	bans, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{})).
-		WithGlobal(rlsync.NewGlobal(rdb).WithAutoPipeline(), 5*time.Second).
-		WithSharedBans(bans, 5*time.Second)
-	dir, err := os.MkdirTemp("", "rlsd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	s, err := New(Config{Socket: filepath.Join(dir, "s.sock")}, lim)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); s.Serve() }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		s.Shutdown(ctx)
-		<-done
-	})
+	s := startGlobalServerWith(t, yaml, true)
 
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {

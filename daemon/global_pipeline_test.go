@@ -34,6 +34,12 @@ rules:
 // startGlobalServer serves globalPipelineRules with a real redis-server behind the
 // global rule (its script calls auto-pipelined, as the daemon runs it).
 func startGlobalServer(t *testing.T) *Server {
+	return startGlobalServerWith(t, globalPipelineRules, false)
+}
+
+// startGlobalServerWith serves yaml with a real redis-server behind its global rules (as
+// startGlobalServer); sharedBans: the penalty rules' bans are shared in Redis too.
+func startGlobalServerWith(t *testing.T, yaml string, sharedBans bool) *Server {
 	t.Helper()
 	srv := redistest.StartStandalone(t)
 	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
@@ -41,12 +47,19 @@ func startGlobalServer(t *testing.T) *Server {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rdb.Close() })
-	set, err := rules.Parse("test.yaml", []byte(globalPipelineRules))
+	set, err := rules.Parse("test.yaml", []byte(yaml))
 	if err != nil {
 		t.Fatal(err)
 	}
 	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{})).
 		WithGlobal(rlsync.NewGlobal(rdb).WithAutoPipeline(), 5*time.Second)
+	if sharedBans {
+		bans, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lim = lim.WithSharedBans(bans, 5*time.Second)
+	}
 	dir, err := os.MkdirTemp("", "rlsd")
 	if err != nil {
 		t.Fatal(err)
