@@ -54,17 +54,27 @@ rules:
 	admitted := make([]int, keys)
 	clearOfWindowEnd(t, time.Hour, 30*time.Second) // Redis's counts are the window's
 	socket := dir + "/s.sock"
+	var logs []string  // each run's log, shown if Redis's counts are not the runs'
+	var degraded []int // per run: admissions decided without Redis (logged if counts differ)
 	for run := 0; run < 3; run++ {
 		d := startDaemonAt(t, socket, "--config", cfg, "--redis", "redis://"+srv.Addr, "--daemon-id", "gw-1")
 		c := dialRaw(t, d.socket)
+		degraded = append(degraded, 0)
+		start := time.Now()
 		for k := 0; k < keys; k++ {
 			if r := c.check(uint64(k+1), 1, fmt.Sprint("user=u", k)); r.Allowed {
 				admitted[k]++
+				if r.Degraded {
+					degraded[run]++
+				}
 			} else {
 				t.Fatalf("run %d, user u%d refused: %+v", run, k, r)
 			}
 		}
+		took := time.Since(start)
 		stopDaemon(t, d) // its last sync settles what it admitted
+		logs = append(logs, fmt.Sprintf("run %d: %d checks in %v, %d degraded, stopped %v after; its log:\n%s",
+			run, keys, took.Round(time.Millisecond), degraded[run], (time.Since(start)-took).Round(time.Millisecond), d.stderr.String()))
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
@@ -73,6 +83,13 @@ rules:
 		key := fmt.Sprintf("rl:per-user~fw1h:{user=u%d}", k)
 		if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != admitted[k] {
 			t.Errorf("%s: Redis counts %d (%v), the runs admitted %d", key, n, err, admitted[k])
+		}
+	}
+	if t.Failed() {
+		// One CI-like run (load 6 to 9) counted 2 of 3 on every key, the test taking 1 s
+		// more than usual, and its cause is not known: say what each run saw.
+		for _, l := range logs {
+			t.Log(l)
 		}
 	}
 }
