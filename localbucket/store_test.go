@@ -2,6 +2,7 @@ package localbucket
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -617,21 +618,34 @@ func TestStoreTokenPlanFlapping(t *testing.T) {
 // costs about linear time, and repeated keys in it are still one state. Before, each op
 // scanned back over every op before it for its key: 80,000 ops took 3.2 billion
 // comparisons, over 3 s (8,000 rules matching one request: 150 ms a check).
+//
+// Linear is judged against a batch of an eighth of the size, each the best of up to
+// three fresh stores: eight times the ops take about eight times as long, sixty-four if
+// quadratic. A bound in absolute time (1 s, for about 20 ms linear) did not hold under
+// -race on a loaded machine (1.06 s in a CI-like run at load 6 to 9).
 func TestStoreLargeBatchLinear(t *testing.T) {
-	s := NewStore(Options{})
 	l := mustLimit(t, FixedWindow, 3, time.Second, 0)
+	batch := func(n int) (*Store, []Op, time.Duration) {
+		s := NewStore(Options{})
+		ops := make([]Op, n)
+		for i := range ops {
+			ops[i] = op("k"+strconv.Itoa(i), l, 1)
+		}
+		// One key three times, far apart: charged three times, on one state.
+		ops[5], ops[n/2], ops[n-1] = op("dup", l, 1), op("dup", l, 1), op("dup", l, 1)
+		start := time.Now()
+		if !s.Apply(base, ops) {
+			t.Fatal("batch refused")
+		}
+		return s, ops, time.Since(start)
+	}
 	const n = 80_000
-	ops := make([]Op, n)
-	for i := range ops {
-		ops[i] = op("k"+strconv.Itoa(i), l, 1)
+	small := time.Duration(math.MaxInt64)
+	for range 3 {
+		_, _, took := batch(n / 8)
+		small = min(small, took)
 	}
-	// One key three times, far apart: charged three times, on one state.
-	ops[5], ops[n/2], ops[n-1] = op("dup", l, 1), op("dup", l, 1), op("dup", l, 1)
-	start := time.Now()
-	if !s.Apply(base, ops) {
-		t.Fatal("batch refused")
-	}
-	took := time.Since(start)
+	s, ops, large := batch(n)
 	if r := ops[n-1].Result; r.Remaining != 0 {
 		t.Errorf("dup's third op: remaining %d, want 0 (one state charged three times)", r.Remaining)
 	}
@@ -642,9 +656,17 @@ func TestStoreLargeBatchLinear(t *testing.T) {
 	if s.Apply(base, ops[:1]) {
 		t.Error("a fourth op on dup admitted")
 	}
-	if took > time.Second { // about 20 ms linear; seconds quadratic
-		t.Errorf("a batch of %d ops took %v: quadratic in the batch", n, took)
+	for range 2 { // best of three, when the first is over the bound
+		if large <= 24*small {
+			break
+		}
+		_, _, took := batch(n)
+		large = min(large, took)
 	}
+	if large > 24*small { // about 8 linear; 64 quadratic
+		t.Errorf("a batch of %d ops took %v, one of %d %v: %.0f times as long, quadratic in the batch", n, large, n/8, small, float64(large)/float64(small))
+	}
+	t.Logf("%d ops: %v; %d ops: %v (%.1f times)", n/8, small, n, large, float64(large)/float64(small))
 }
 
 // A full shard evicts, of the entries not limited, the one that has used the least of its
