@@ -115,60 +115,15 @@ func TestResendsCheckTheSidecarNeverRead(t *testing.T) {
 // concurrent checks is decided, exactly once.
 func TestResendsChecksAfterTheDrainsFarewell(t *testing.T) {
 	path := socketPath(t)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	decided := map[string]int{}
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for conns := 0; ; conns++ {
-			nc, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func(first bool) {
-				defer wg.Done()
-				defer nc.Close()
-				br := bufio.NewReader(nc)
-				enc := proto.NewEncoder()
-				for read := 0; ; read++ {
-					if first && read == 10 {
-						enc.Reset()
-						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
-						nc.Write(enc.Bytes())
-						nc.CloseWrite()
-						io.Copy(io.Discard, br) // as the daemon lingers
-						return
-					}
-					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
-					if err != nil {
-						return
-					}
-					var req proto.Request
-					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
-						return
-					}
-					if first && read >= 5 {
-						continue // read, not decided: the drain's last frames are never these
-					}
-					mu.Lock()
-					decided[attr(&req, "user")]++
-					mu.Unlock()
-					enc.Reset()
-					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
-					if _, err := nc.Write(enc.Bytes()); err != nil {
-						return
-					}
-				}
-			}(conns == 0)
+	decided, _ := drainStandIn(t, path, func(conn, read int) drainAct {
+		switch {
+		case conn > 0 || read < 5:
+			return drainAnswer
+		case read < 10:
+			return drainSkip // read, not decided: the drain's last frames are never these
 		}
-	}()
+		return drainFarewell
+	})
 	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 2 * time.Second, Policy: FailClosed})
 	const n = 40
 	var cw sync.WaitGroup
@@ -194,10 +149,8 @@ func TestResendsChecksAfterTheDrainsFarewell(t *testing.T) {
 	for e := range errs {
 		t.Error(e)
 	}
-	mu.Lock()
-	defer mu.Unlock()
 	for i := 0; i < n; i++ {
-		if k := decided[fmt.Sprint("u", i)]; k != 1 {
+		if k := decided(fmt.Sprint("u", i)); k != 1 {
 			t.Errorf("u%d decided %d times", i, k)
 		}
 	}
@@ -212,59 +165,16 @@ func TestResendsChecksAfterTheDrainsFarewell(t *testing.T) {
 // one after a farewell.
 func TestResendsAgainAfterASecondFarewell(t *testing.T) {
 	path := socketPath(t)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	decided := map[string]int{}
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
 	const draining = 3 // the first connections: the draining sidecar's
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for conns := 0; ; conns++ {
-			nc, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func(old bool) {
-				defer wg.Done()
-				defer nc.Close()
-				br := bufio.NewReader(nc)
-				enc := proto.NewEncoder()
-				for {
-					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
-					if err != nil {
-						return
-					}
-					var req proto.Request
-					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
-						return
-					}
-					if old {
-						// Read after the drain began: not decided, farewell.
-						enc.Reset()
-						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
-						nc.Write(enc.Bytes())
-						nc.CloseWrite()
-						io.Copy(io.Discard, br)
-						return
-					}
-					mu.Lock()
-					decided[attr(&req, "user")]++
-					mu.Unlock()
-					enc.Reset()
-					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
-					if _, err := nc.Write(enc.Bytes()); err != nil {
-						return
-					}
-				}
-			}(conns < draining)
+	decided, _ := drainStandIn(t, path, func(conn, read int) drainAct {
+		switch {
+		case conn >= draining:
+			return drainAnswer
+		case read == 0:
+			return drainSkip // read after the drain began: not decided
 		}
-	}()
+		return drainFarewell
+	})
 	c := newClient(t, Options{Socket: path, Conns: draining, Timeout: 2 * time.Second, Policy: FailClosed})
 	// The check's first send and its resends go round the pool, each dialing a
 	// connection the draining sidecar accepted, until the pool's first slot redials.
@@ -272,10 +182,8 @@ func TestResendsAgainAfterASecondFarewell(t *testing.T) {
 	if err != nil || d.Unreachable || d.Rule != "u" {
 		t.Fatalf("decided %+v, %v: want the successor's answer", d, err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if decided["u"] != 1 {
-		t.Errorf("decided %d times", decided["u"])
+	if k := decided("u"); k != 1 {
+		t.Errorf("decided %d times", k)
 	}
 }
 
@@ -286,12 +194,45 @@ func TestResendsAgainAfterASecondFarewell(t *testing.T) {
 // 1,000 connections for one check of 300 ms; 9,000 a second from 4 callers).
 func TestFarewellOnEveryConnectionDoesNotLoop(t *testing.T) {
 	path := socketPath(t)
+	_, accepted := drainStandIn(t, path, func(conn, read int) drainAct {
+		if read == 0 {
+			return drainSkip
+		}
+		return drainFarewell
+	})
+	const pool = 4
+	c := newClient(t, Options{Socket: path, Conns: pool, Timeout: 300 * time.Millisecond, Policy: FailClosed})
+	d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
+	if err != nil || !d.Unreachable {
+		t.Fatalf("decided %+v, %v: want the Policy", d, err)
+	}
+	if conns := accepted(); conns > pool+2 {
+		t.Errorf("one check dialed %d connections to a sidecar that says farewell on each: want at most %d", conns, pool+2)
+	}
+}
+
+// drainAct is what drainStandIn does at a connection's next request.
+type drainAct int
+
+const (
+	drainAnswer   drainAct = iota // read it and answer it allowed, its rule the user's
+	drainSkip                     // read it and leave it undecided (read after the drain began)
+	drainFarewell                 // read no more: the drain's farewell (shutting_down, id 0), then linger
+)
+
+// drainStandIn serves path as a sidecar in a drain: act(conn, read) says what to do at the
+// next request of the conn-th connection accepted (from 0), read of them having been
+// read on it. It returns how many times a user's checks were decided, and how many
+// connections were accepted.
+func drainStandIn(t *testing.T, path string, act func(conn, read int) drainAct) (decided func(user string) int, accepted func() int) {
+	t.Helper()
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
+	users := map[string]int{}
 	conns := 0
 	t.Cleanup(func() { ln.Close(); wg.Wait() })
 	wg.Add(1)
@@ -303,6 +244,7 @@ func TestFarewellOnEveryConnectionDoesNotLoop(t *testing.T) {
 				return
 			}
 			mu.Lock()
+			conn := conns
 			conns++
 			mu.Unlock()
 			wg.Add(1)
@@ -310,26 +252,49 @@ func TestFarewellOnEveryConnectionDoesNotLoop(t *testing.T) {
 				defer wg.Done()
 				defer nc.Close()
 				br := bufio.NewReader(nc)
-				if _, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame); err != nil {
-					return
-				}
 				enc := proto.NewEncoder()
-				enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
-				nc.Write(enc.Bytes())
-				nc.CloseWrite()
-				io.Copy(io.Discard, br)
+				for read := 0; ; read++ {
+					a := act(conn, read)
+					if a == drainFarewell {
+						enc.Reset()
+						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
+						nc.Write(enc.Bytes())
+						nc.CloseWrite()
+						io.Copy(io.Discard, br) // as the daemon lingers
+						return
+					}
+					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+					if err != nil {
+						return
+					}
+					var req proto.Request
+					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+						return
+					}
+					if a == drainSkip {
+						continue
+					}
+					mu.Lock()
+					users[attr(&req, "user")]++
+					mu.Unlock()
+					enc.Reset()
+					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+					if _, err := nc.Write(enc.Bytes()); err != nil {
+						return
+					}
+				}
 			}()
 		}
 	}()
-	const pool = 4
-	c := newClient(t, Options{Socket: path, Conns: pool, Timeout: 300 * time.Millisecond, Policy: FailClosed})
-	d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
-	if err != nil || !d.Unreachable {
-		t.Fatalf("decided %+v, %v: want the Policy", d, err)
+	decided = func(user string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return users[user]
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if conns > pool+2 {
-		t.Errorf("one check dialed %d connections to a sidecar that says farewell on each: want at most %d", conns, pool+2)
+	accepted = func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return conns
 	}
+	return decided, accepted
 }
