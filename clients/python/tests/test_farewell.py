@@ -19,48 +19,48 @@ import msgpack
 import rlsidecar
 
 
-def farewell_after_first(path, stop, decided):
-    """A stand-in: the first connection answers one check, then says farewell and lingers;
-    later connections answer everything."""
+ANSWER, SKIP, FAREWELL = "answer", "skip", "farewell"
+
+
+def drain_stand_in(path, stop, act, decided=None, dialed=None, farewell_pause=0.0):
+    """A stand-in sidecar in a drain. act(conn, read) says what to do at the next request
+    of the conn-th connection accepted (from 0), read of them having been read on it:
+    ANSWER (read it, answer it allowed, its rule the user's, and note the user in
+    decided), SKIP (read it, leave it undecided: read after the drain began) or FAREWELL
+    (read no more: after farewell_pause, the drain's shutting_down of id 0, then linger,
+    reading and discarding up to 1 s). Each connection accepted is noted in dialed."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
-    srv.listen(64)
+    srv.listen(256)
     srv.settimeout(0.05)
+    farewell = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
 
-    def read(c):
-        head = c.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            return None
-        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
-
-    def answer(c, req):
-        decided.append(req["attrs"]["user"])
-        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
-        c.sendall(struct.pack(">I", len(body)) + body)
-
-    def serve(c, first):
+    def serve(c, conn):
         with c:
-            if first:
-                req = read(c)
-                if req is None:
-                    return
-                answer(c, req)
-                time.sleep(0.05)  # the drain begins: nothing more is read
-                body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
-                c.sendall(struct.pack(">I", len(body)) + body)
-                c.shutdown(socket.SHUT_WR)
-                c.settimeout(1)
-                try:
-                    while c.recv(65536):  # lingers: reads and discards
-                        pass
-                except OSError:
-                    pass
-                return
-            while not stop.is_set():
-                req = read(c)
-                if req is None:
-                    return
-                answer(c, req)
+            try:
+                read = 0
+                while not stop.is_set():
+                    a = act(conn, read)
+                    if a == FAREWELL:
+                        time.sleep(farewell_pause)
+                        c.sendall(struct.pack(">I", len(farewell)) + farewell)
+                        c.shutdown(socket.SHUT_WR)
+                        c.settimeout(1)
+                        while c.recv(65536):
+                            pass
+                        return
+                    head = c.recv(4, socket.MSG_WAITALL)
+                    if len(head) < 4:
+                        return
+                    req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+                    read += 1
+                    if a == SKIP:
+                        continue
+                    decided.append(req["attrs"]["user"])
+                    body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+                    c.sendall(struct.pack(">I", len(body)) + body)
+            except OSError:
+                pass
 
     def accept():
         with srv:
@@ -70,7 +70,9 @@ def farewell_after_first(path, stop, decided):
                     c, _ = srv.accept()
                 except socket.timeout:
                     continue
-                threading.Thread(target=serve, args=(c, n == 0), daemon=True).start()
+                if dialed is not None:
+                    dialed.append(1)
+                threading.Thread(target=serve, args=(c, n), daemon=True).start()
                 n += 1
 
     t = threading.Thread(target=accept, daemon=True)
@@ -82,7 +84,10 @@ def test_check_on_a_connection_the_drain_said_farewell_on_is_sent_again(tmp_path
     path = os.path.join(str(tmp_path), "s.sock")
     stop = threading.Event()
     decided = []
-    t = farewell_after_first(path, stop, decided)
+    # The first connection answers one check, then says farewell (the drain begins:
+    # nothing more is read); later connections answer everything.
+    t = drain_stand_in(path, stop, lambda conn, read: FAREWELL if conn == 0 and read == 1 else ANSWER,
+                       decided=decided, farewell_pause=0.05)
     try:
         c = rlsidecar.Client(path, timeout=1.0, on_unavailable="closed", pool_size=1)
         d = c.check({"user": "a"})
@@ -98,64 +103,16 @@ def test_check_on_a_connection_the_drain_said_farewell_on_is_sent_again(tmp_path
         t.join()
 
 
-def pipelined_farewell(path, stop, decided):
-    """A stand-in: the first connection answers 5 checks, reads 5 more without deciding
-    them (the drain's end), then says farewell and lingers; later connections answer
-    everything."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
-
-    def serve(c, first):
-        with c:
-            n = 0
-            while not stop.is_set():
-                if first and n == 10:
-                    body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
-                    c.sendall(struct.pack(">I", len(body)) + body)
-                    c.shutdown(socket.SHUT_WR)
-                    c.settimeout(1)
-                    try:
-                        while c.recv(65536):
-                            pass
-                    except OSError:
-                        pass
-                    return
-                head = c.recv(4, socket.MSG_WAITALL)
-                if len(head) < 4:
-                    return
-                req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
-                n += 1
-                if first and n > 5:
-                    continue  # read after the drain began: not decided
-                decided.append(req["attrs"]["user"])
-                body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
-                c.sendall(struct.pack(">I", len(body)) + body)
-
-    def accept():
-        with srv:
-            n = 0
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c, n == 0), daemon=True).start()
-                n += 1
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    return t
-
-
 def test_aio_checks_pending_at_the_farewell_are_sent_again(tmp_path):
     import asyncio
 
     path = os.path.join(str(tmp_path), "s.sock")
     stop = threading.Event()
     decided = []
-    t = pipelined_farewell(path, stop, decided)
+    # The first connection answers 5 checks, reads 5 more without deciding them (the
+    # drain's end), then says farewell; later connections answer everything.
+    t = drain_stand_in(path, stop, lambda conn, read: ANSWER if conn > 0 or read < 5 else SKIP if read < 10 else FAREWELL,
+                       decided=decided)
 
     async def run():
         c = rlsidecar.AsyncClient(path, timeout=2.0, on_unavailable="closed")
@@ -173,42 +130,6 @@ def test_aio_checks_pending_at_the_farewell_are_sent_again(tmp_path):
         t.join()
 
 
-def farewell_to_all(path, stop, dialed):
-    """A stand-in that says farewell to every connection, once it has read something (a
-    drain whose successor is not up yet)."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(256)
-    srv.settimeout(0.05)
-    body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
-
-    def serve(c):
-        with c:
-            try:
-                c.settimeout(1)
-                if c.recv(65536):
-                    c.sendall(struct.pack(">I", len(body)) + body)
-                    c.shutdown(socket.SHUT_WR)
-                    while c.recv(65536):
-                        pass
-            except OSError:
-                pass
-
-    def loop():
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                dialed.append(1)
-                threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    return t
-
-
 def test_farewell_on_every_connection_is_not_redialed_in_a_loop(tmp_path):
     """A check a new connection's farewell gave back is sent again a bounded number of
     times, then answered by on_unavailable: before, it redialed in a loop for its whole
@@ -218,7 +139,9 @@ def test_farewell_on_every_connection_is_not_redialed_in_a_loop(tmp_path):
 
     path = str(tmp_path / "s.sock")
     stop, dialed = threading.Event(), []
-    t = farewell_to_all(path, stop, dialed)
+    # Farewell to every connection, once it has read something (a drain whose
+    # successor is not up yet).
+    t = drain_stand_in(path, stop, lambda conn, read: SKIP if read == 0 else FAREWELL, dialed=dialed)
     try:
         c = rlsidecar.Client(path, timeout=0.3, on_unavailable="closed", pool_size=2)
         d = c.check({"user": "u"})
