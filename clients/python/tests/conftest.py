@@ -65,9 +65,29 @@ class Daemon:
         if not line or "listening on" not in line[0]:
             self.proc.kill()
             raise RuntimeError("daemon did not start: %r %s" % (line, self.proc.stderr.read()))
-        # Drain the pipes so the daemon never blocks on them.
-        for stream in (self.proc.stdout, self.proc.stderr):
-            threading.Thread(target=stream.read, daemon=True).start()
+        # Drain the pipes so the daemon never blocks on them; its log is kept for admin().
+        self.log = []
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        threading.Thread(target=lambda: self.log.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+
+    def admin(self):
+        """The admin endpoint's base URL, from the log of a daemon started with --admin."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for line in list(self.log):
+                if 'msg="admin endpoint"' in line:
+                    return "http://" + line.split(" addr=", 1)[1].split()[0]
+            time.sleep(0.01)
+        raise RuntimeError("no admin endpoint in the log: %s" % "".join(self.log))
+
+    def metric(self, sample):
+        """The value of one sample of the admin endpoint's /metrics, 0 when absent."""
+        import urllib.request
+        with urllib.request.urlopen(self.admin() + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(sample + " "):
+                    return float(line.split()[-1])
+        return 0.0
 
     def stop(self):
         if self.proc and self.proc.poll() is None:

@@ -137,7 +137,8 @@ def test_late_lease_freed_with_its_connection(make_daemon):
     # The blocking client closes a connection whose check timed out (a late answer must
     # not be read as the next one's): the daemon frees the lease the late check took.
     import time
-    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    d = make_daemon(RULES.replace("max: 2", "max: 1"), args=("--admin", "127.0.0.1:0"))
+    closed = 'rlsidecar_leases_total{rule="exports",result="closed"}'
     with rlsidecar.Client(d.socket, timeout=2) as c:
         assert not c.check({"user": "bob"}, cost=0).unreachable  # connected
         c.timeout = 0.05  # for the stalled check only: the probes below are awaited 2 s
@@ -148,15 +149,14 @@ def test_late_lease_freed_with_its_connection(make_daemon):
             d.resume()
         c.timeout = 2
         assert late.unreachable and late.lease == ""
-        # The probes go on other connections than the late check's: one decided before it
-        # may see the slot free, an instant before the late check takes it and its closed
-        # connection frees it. So the slot is seen free within 3 s, not probed once more.
-        deadline = time.monotonic() + 3
-        remaining = -1
-        while time.monotonic() < deadline and remaining != 1:
+        # A probe decided before the late check would see the slot free whether or not
+        # the daemon frees it: so wait until the daemon counts the late check's lease
+        # freed by its closed connection, and only then see the slot free.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and d.metric(closed) < 1:
             time.sleep(0.01)
-            remaining = c.check({"user": "ann"}, cost=0).rules[0].remaining
-        assert remaining == 1
+        assert d.metric(closed) == 1, "the late check's lease was not freed with its connection"
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
 
 
 def test_async_late_lease_released(make_daemon):
