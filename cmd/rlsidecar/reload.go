@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -20,13 +22,18 @@ import (
 // rlsidecar` returns once the rules are in force and fails when the file is broken,
 // where `kill -HUP` returned at once, and succeeded, either way.
 //
-// Without an admin endpoint to read (--admin empty, unreachable, or held by another
-// daemon, as in a blue/green switch on the default address), it sends SIGHUP, says on
-// stderr that it could not wait, and exits 0, as kill -HUP did.
+// The admin endpoint is the one the daemon itself was given: without --admin, reload
+// reads the daemon's command line and environment (/proc/PID/cmdline and environ), so a
+// drop-in that adds --admin to ExecStart= or a second daemon with its own address needs
+// nothing more.
+//
+// Without an admin endpoint to read (--admin empty, a port the daemon picked itself,
+// unreachable, or held by another daemon), it sends SIGHUP, says on stderr that it could
+// not wait, and exits 0, as kill -HUP did.
 func reload(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("reload", stderr)
 	pid := fs.Int("pid", 0, "the daemon's process id (default: $MAINPID, which systemd sets for ExecReload=)")
-	admin := fs.String("admin", "127.0.0.1:9464", "the daemon's admin endpoint, as its serve --admin (both read RLSIDECAR_ADMIN); empty: send SIGHUP without waiting")
+	admin := fs.String("admin", "127.0.0.1:9464", "the daemon's admin endpoint (default: the daemon's own --admin or RLSIDECAR_ADMIN, read from /proc/PID; else this flag's RLSIDECAR_ADMIN or default); empty: send SIGHUP without waiting")
 	timeout := fs.Duration("timeout", 30*time.Second, "how long to wait for the reload to end")
 	if err := noPositional(fs, args); err != nil {
 		return err
@@ -46,11 +53,18 @@ func reload(args []string, stdout, stderr io.Writer) error {
 	if *timeout <= 0 {
 		return fmt.Errorf("%w: --timeout must be positive", errUsage)
 	}
+	if _, given := flagValue(args, "admin"); !given {
+		if a, ok := daemonAdmin(*pid); ok {
+			*admin = a
+		}
+	}
 	hc := &http.Client{Timeout: 2 * time.Second}
 	var before reloadDoc
 	why := ""
 	if *admin == "" {
 		why = "no --admin"
+	} else if _, port, err := net.SplitHostPort(*admin); err == nil && port == "0" {
+		why = fmt.Sprintf("the admin endpoint %s has a port the daemon picked itself (give it a fixed port, or give reload the one it logged)", *admin)
 	} else if err := before.read(hc, *admin); err != nil {
 		why = err.Error()
 	} else if before.PID != *pid {
@@ -116,4 +130,50 @@ func (d *reloadDoc) read(hc *http.Client, admin string) error {
 		return errors.New("reading the admin endpoint: GET /rules names no pid (an older daemon)")
 	}
 	return nil
+}
+
+// daemonAdmin returns the admin address process pid was given, as its serve reads it:
+// --admin on its command line, else RLSIDECAR_ADMIN in its environment, else the
+// default. ok is false when /proc does not show them (another user's process, no /proc).
+func daemonAdmin(pid int) (addr string, ok bool) {
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil || len(cmdline) == 0 {
+		return "", false
+	}
+	if v, given := flagValue(strings.Split(strings.TrimSuffix(string(cmdline), "\x00"), "\x00")[1:], "admin"); given {
+		return v, true
+	}
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+	if err != nil {
+		return "", false
+	}
+	for _, kv := range strings.Split(string(environ), "\x00") {
+		if v, found := strings.CutPrefix(kv, envName("admin")+"="); found {
+			return v, true
+		}
+	}
+	return "127.0.0.1:9464", true
+}
+
+// flagValue returns the last value args give the string flag name, in any form the flag
+// package takes (-name v, --name v, -name=v, --name=v), up to a "--" that ends the flags.
+func flagValue(args []string, name string) (value string, given bool) {
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if a == "--" {
+			break
+		}
+		a, dashed := strings.CutPrefix(a, "-")
+		if !dashed {
+			continue
+		}
+		a = strings.TrimPrefix(a, "-")
+		if v, found := strings.CutPrefix(a, name+"="); found {
+			value, given = v, true
+		} else if a == name && i+1 < len(args) {
+			value, given = args[i+1], true
+			i++
+		}
+	}
+	return value, given
 }

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -107,5 +109,76 @@ func TestE2EReloadCommandReportsWatchedBrokenFile(t *testing.T) {
 	out, err := runCLI(t, "reload", "--pid", strconv.Itoa(d.cmd.Process.Pid), "--admin", addr)
 	if err == nil || !strings.Contains(out, "reload failed") {
 		t.Fatalf("reload of a broken watched file: err=%v\n%s", err, out)
+	}
+}
+
+// Without --admin, reload waits on the endpoint the daemon itself was given, read from
+// its command line (a drop-in's ExecStart= flag, the last one winning) or its
+// environment; before, it read the default address, found no daemon there and only
+// signalled. A port the daemon picked itself (:0) cannot be read that way: it says so.
+func TestE2EReloadCommandFindsTheDaemonsAdmin(t *testing.T) {
+	freeAddr := func() string {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		return l.Addr().String()
+	}
+	// reload runs with no RLSIDECAR_ADMIN of its own, so only the daemon's can name it.
+	reloadOf := func(d *daemonProc) (string, error) {
+		cmd := execCommand(binary, "reload", "--pid", strconv.Itoa(d.cmd.Process.Pid))
+		for _, kv := range os.Environ() {
+			if !strings.HasPrefix(kv, "RLSIDECAR_ADMIN=") && !strings.HasPrefix(kv, "MAINPID=") {
+				cmd.Env = append(cmd.Env, kv)
+			}
+		}
+		b, err := cmd.CombinedOutput()
+		return string(b), err
+	}
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+
+	flagged := startDaemon(t, "--config", cfg, "--watch=false", "-admin", freeAddr()) // after startDaemon's --admin=
+	adminAddr(t, flagged)
+	writeFile(t, dir, "rules.yaml", rulesWithLimit(2))
+	if out, err := reloadOf(flagged); err != nil || !strings.Contains(out, "rules in force") {
+		t.Fatalf("reload of a daemon given --admin on its command line: err=%v\n%s", err, out)
+	}
+	if l := limitOf(t, dialRaw(t, flagged.socket), 1); l != 2 {
+		t.Fatalf("after reload: limit %d, want 2", l)
+	}
+
+	t.Setenv("RLSIDECAR_ADMIN", freeAddr())
+	fromEnv := startServe(t, filepath.Join(shortTempDir(t), "s.sock"), "--config", cfg, "--watch=false")
+	adminAddr(t, fromEnv)
+	writeFile(t, dir, "rules.yaml", "rules:\n  - name: per-user\n    key: user\n    limit: { requests: many, per: 1h }\n")
+	if out, err := reloadOf(fromEnv); err == nil || !strings.Contains(out, "reload failed") || !strings.Contains(out, "rules.yaml:4") {
+		t.Fatalf("reload of a broken file, daemon given RLSIDECAR_ADMIN: err=%v\n%s", err, out)
+	}
+
+	picked := startDaemon(t, "--admin", "127.0.0.1:0")
+	if out, err := reloadOf(picked); err != nil || !strings.Contains(out, "has a port the daemon picked itself") {
+		t.Fatalf("reload of a daemon on --admin 127.0.0.1:0: err=%v\n%s", err, out)
+	}
+}
+
+func TestFlagValue(t *testing.T) {
+	for _, c := range []struct {
+		args  []string
+		value string
+		given bool
+	}{
+		{[]string{"serve", "--config", "x"}, "", false},
+		{[]string{"serve", "--admin", "a:1"}, "a:1", true},
+		{[]string{"serve", "-admin=a:2", "--config", "x"}, "a:2", true},
+		{[]string{"serve", "--admin=", "--admin", "a:3"}, "a:3", true},
+		{[]string{"serve", "--admin", "a:4", "--admin="}, "", true},
+		{[]string{"serve", "--administrator=x", "--admin"}, "", false},
+		{[]string{"serve", "--", "--admin=a:5"}, "", false},
+	} {
+		if v, given := flagValue(c.args, "admin"); v != c.value || given != c.given {
+			t.Errorf("flagValue(%q) = %q, %v; want %q, %v", c.args, v, given, c.value, c.given)
+		}
 	}
 }
