@@ -213,7 +213,7 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 }
 
 // fallBack decides the ops routed to id without that store, each by its failure policy:
-// open allows, closed rejects (retry in a second), local reroutes the op to the local
+// open allows, closed rejects (retry, and reset, in a second), local reroutes the op to the local
 // store with the rule's limit divided among the live daemons (decided later in apply,
 // since storeLocal comes last). Every such op, and the decision, is marked degraded. It
 // reports whether the request may still pass: false when closed refused a non-shadow op.
@@ -232,7 +232,9 @@ func (d *Decision) fallBack(id storeID) bool {
 			d.report(i, &localbucket.Result{Allowed: true, Limit: o.lim.Requests(), Remaining: o.lim.Capacity()})
 		case rules.FailClosed:
 			o.store = decided
-			d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second)})
+			// Reset as far off as the retry: 0 would say "full again now" beside a
+			// retry-after of a second (a gateway's RateLimit t=0 with Retry-After: 1).
+			d.report(i, &localbucket.Result{Limit: o.lim.Requests(), RetryAfter: int64(time.Second), Reset: int64(time.Second)})
 			ok = ok && o.shadow
 		default:
 			switch {

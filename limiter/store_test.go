@@ -99,6 +99,9 @@ rules:
 					r.RetryAfter != tc.want.retry || r.Limit != 3 || r.Window != time.Hour {
 					t.Errorf("remote: %+v, want allowed %v remaining %d retry %v", r, tc.want.ruleOK, tc.want.remaining, tc.want.retry)
 				}
+				if !r.Allowed && r.Reset < r.RetryAfter { // a closed refusal said reset 0: "full again now"
+					t.Errorf("remote: reset %v before its retry-after %v", r.Reset, r.RetryAfter)
+				}
 				if string(r.Key) != "t1:remote~tb1h:{user=u}" {
 					t.Errorf("remote key %q", r.Key)
 				}
