@@ -3,8 +3,12 @@ package proto
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"math"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -329,5 +333,72 @@ func TestDecodeRequestOp(t *testing.T) {
 				t.Fatalf("got %v, want %s", err, tc.code)
 			}
 		})
+	}
+}
+
+// A whole number written as a float is that number wherever an unsigned integer belongs:
+// msgpack-lite (JavaScript) writes every number outside the int32 range as a float64 — a
+// window of 30 days, an id past 2^31 — so a gateway using it had every such request
+// refused bad_request (an id so written came back 0, matching no request). A fraction, a
+// negative, NaN, an infinity or 2^64 and above stay a wrong type.
+func TestDecodeRequestWholeFloats(t *testing.T) {
+	f32 := func(v float32) string {
+		return "\xca" + string(binary.BigEndian.AppendUint32(nil, math.Float32bits(v)))
+	}
+	f64 := func(v float64) string {
+		return "\xcb" + string(binary.BigEndian.AppendUint64(nil, math.Float64bits(v)))
+	}
+	// body is a check (id 9) with the inline limit {key: "k", limit, window_ms, burst},
+	// then cost and lease_ms, each field's value given as its msgpack bytes.
+	body := func(id, limit, window, burst, cost, leaseMs string) []byte {
+		return []byte("\x85\xa2id" + id + "\xa2op\xa5check" +
+			"\xa6limits\x91\x84\xa3key\xa1k\xa5limit" + limit + "\xa9window_ms" + window + "\xa5burst" + burst +
+			"\xa4cost" + cost + "\xa8lease_ms" + leaseMs)
+	}
+	for _, tc := range []struct {
+		name                                 string
+		id, limit, window, burst, cost, ms   string
+		wantID, wantLimit, wantWindow, wantB uint64
+		wantCost, wantMs                     uint64
+	}{
+		{"float64 ones", f64(1), f64(1), f64(1), f64(1), f64(1), f64(1), 1, 1, 1, 1, 1, 1},
+		{"float32 ones", f32(1), f32(1), f32(1), f32(1), f32(1), f32(1), 1, 1, 1, 1, 1, 1},
+		{"msgpack-lite past int32", f64(3e9), f64(5), f64(2592e6), f64(7), f64(0), f64(1e6), 3e9, 5, 2592e6, 7, 0, 1e6},
+		{"negative zero", "\x09", "\x05", "\x05", f64(math.Copysign(0, -1)), "\x01", "\x00", 9, 5, 5, 0, 1, 0},
+		{"largest whole float64", f64(math.Nextafter(1<<64, 0)), "\x05", "\x05", "\x00", "\x01", "\x00", 1<<64 - 2048, 5, 5, 0, 1, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var req Request
+			if err := NewDecoder().DecodeRequest(body(tc.id, tc.limit, tc.window, tc.burst, tc.cost, tc.ms), &req); err != nil {
+				t.Fatal(err)
+			}
+			l := req.Limits[0]
+			if req.ID != tc.wantID || l.Limit != tc.wantLimit || l.WindowMs != tc.wantWindow || l.Burst != tc.wantB || req.Cost != tc.wantCost || req.LeaseMs != tc.wantMs {
+				t.Fatalf("got id %d limit %d window_ms %d burst %d cost %d lease_ms %d", req.ID, l.Limit, l.WindowMs, l.Burst, req.Cost, req.LeaseMs)
+			}
+		})
+	}
+	names := []string{"id", "limits[].limit", "limits[].window_ms", "limits[].burst", "cost", "lease_ms"}
+	ints := []string{"\x09", "\x05", "\x05", "\x00", "\x01", "\x00"}
+	var req Request
+	if err := NewDecoder().DecodeRequest(body(ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]), &req); err != nil {
+		t.Fatalf("with integers: %v", err)
+	}
+	for _, v := range []string{f64(1.5), f32(0.5), f64(-1), f32(-3), f64(math.NaN()), f64(math.Inf(1)), f64(math.Inf(-1)), f64(1 << 64), f64(1e30)} {
+		for field := 0; field < 6; field++ {
+			vals := slices.Clone(ints)
+			vals[field] = v
+			t.Run("", func(t *testing.T) {
+				var req Request
+				err := NewDecoder().DecodeRequest(body(vals[0], vals[1], vals[2], vals[3], vals[4], vals[5]), &req)
+				var pe *Error
+				if !errors.As(err, &pe) || pe.Code != CodeBadRequest || !strings.HasPrefix(pe.Message, names[field]+" must be an unsigned integer") && !strings.HasSuffix(pe.Message, "inside "+names[field]+": the body is not one complete msgpack map") {
+					t.Fatalf("field %d as % x: got %v, want bad_request", field, v, err)
+				}
+				if field > 0 && req.ID != 9 {
+					t.Fatalf("field %d as % x: id %d, want 9", field, v, req.ID)
+				}
+			})
+		}
 	}
 }

@@ -412,7 +412,11 @@ func (d *Decoder) strOr(field string, maxLen int, code string) (string, error) {
 	return unsafe.String(&d.body[pos], n), nil
 }
 
-// uint reads a non-negative integer of any msgpack integer width.
+// uint reads a non-negative integer of any msgpack integer width, or a float32 or
+// float64 holding a whole number: msgpack-lite, a JavaScript encoder, writes every number
+// outside the int32 range as a float64 (a window of 30 days, 2,592,000,000 ms; an id past
+// 2^31), and other encoders write a JavaScript or Lua number as a float when asked to. A
+// float with a fraction, a NaN, an infinity or one of 2^64 or more is a wrong type.
 func (d *Decoder) uint(field string) (uint64, error) {
 	c, err := d.dec.PeekCode()
 	if err != nil {
@@ -434,6 +438,16 @@ func (d *Decoder) uint(field string) (uint64, error) {
 			return 0, Errorf(CodeBadRequest, "%s must be an unsigned integer, not %d", field, v)
 		}
 		return uint64(v), nil
+	case c == msgpcode.Float, c == msgpcode.Double:
+		f, err := d.dec.DecodeFloat64()
+		if err != nil {
+			return 0, d.truncated(field)
+		}
+		// -0 is 0; NaN fails f >= 0.
+		if f >= 0 && f < 1<<64 && f == math.Trunc(f) {
+			return uint64(f), nil
+		}
+		return 0, Errorf(CodeBadRequest, "%s must be an unsigned integer, not %v", field, f)
 	}
 	return 0, Errorf(CodeBadRequest, "%s must be an unsigned integer", field)
 }

@@ -361,6 +361,26 @@ def test_id_in_every_integer_encoding(conn, enc):
     assert r["id"] == 5 and r["protocol"] == 1
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["float64", "float32"])
+def test_whole_floats_are_integers(conn, single):
+    """A whole number written as a float is that number: msgpack-lite (JavaScript) writes
+    every number outside the int32 range as a float64 (a window of 30 days, an id past
+    2^31). A fraction, a negative or a NaN stays a wrong type (WRONG["float"] above)."""
+    def rt(obj):
+        conn.send_body(msgpack.packb(with_mode(obj) if MODE == "global" else obj, use_single_float=single))
+        return conn.recv()
+    rid = 5.0 if single else 3e9  # a float32 holds every whole number up to 2^24 exactly
+    assert rt({"op": "ping", "id": rid})["id"] == rid
+    lim = {"key": uniq(), "limit": 5.0, "window_ms": 2592e6 if not single else 60000.0, "burst": 5.0}
+    r = assert_check(rt({"op": "check", "id": rid, "limits": [lim], "cost": 2.0}), rid)
+    assert r["allowed"] and r["limit"] == 5 and r["remaining"] == 3
+    assert r["rules"][0]["window_ms"] == lim["window_ms"]
+    assert rt({"op": "renew", "id": rid, "lease": "x", "lease_ms": 1000.0}) == {"id": rid, "renewed": False, "expires_ms": 0}
+    for v in (2.5, -1.0, float("nan"), float("inf"), 2.0**64):
+        assert_error(rt({"op": "check", "id": 6, "limits": [dict(lim, limit=v)]}), "bad_request", 6)
+        assert_error(rt({"op": "check", "id": 7, "cost": v}), "bad_request", 7)
+
+
 @pytest.mark.parametrize("rid", [0, 1, 127, 128, 2**16, 2**32, 2**63, 2**64 - 1])
 def test_ids_echoed(conn, rid):
     assert conn.rt({"op": "ping", "id": rid})["id"] == rid
