@@ -106,6 +106,10 @@ func TestDecodeRequestBounds(t *testing.T) {
 				r.Limits = append(r.Limits, InlineLimit{Key: string(rune('a'+i)) + string(make([]byte, MaxEchoedKeys/4)), Limit: 1, WindowMs: 1})
 			}
 		}, CodeAttrTooLarge},
+		// A name is the gateway's choice, not its client's: bad_request.
+		{"long inline name", func(r *Request) {
+			r.Limits = []InlineLimit{{Key: "k", Limit: 1, WindowMs: 1, Name: string(make([]byte, DefaultMaxAttrNameLen+1))}}
+		}, ""},
 		{"too many limits", func(r *Request) {
 			for i := 0; i < DefaultMaxLimits+1; i++ {
 				r.Limits = append(r.Limits, InlineLimit{Key: "k", Limit: 1, WindowMs: 1})
