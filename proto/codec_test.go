@@ -406,3 +406,38 @@ func TestDecodeRequestWholeFloats(t *testing.T) {
 		}
 	}
 }
+
+// An inline limit's optional fields (burst, algorithm, mode, name) given as nil are left
+// out, as a JavaScript encoder writes a property set to undefined ({burst: opts.burst});
+// before, each was bad_request. A required field as nil, and nil anywhere else the table
+// does not allow it, stays a wrong type.
+func TestDecodeRequestNilOptionalLimitFields(t *testing.T) {
+	body := func(extra string, n byte) []byte {
+		return []byte("\x83\xa2id\x07\xa2op\xa5check\xa6limits\x91" + string([]byte{0x80 + n}) +
+			"\xa3key\xa1k\xa5limit\x05\xa9window_ms\xcd\x03\xe8" + extra)
+	}
+	all := "\xa5burst\xc0\xa9algorithm\xc0\xa4mode\xc0\xa4name\xc0"
+	var req Request
+	if err := NewDecoder().DecodeRequest(body(all, 7), &req); err != nil {
+		t.Fatal(err)
+	}
+	if l := req.Limits[0]; l != (InlineLimit{Key: "k", Limit: 5, WindowMs: 1000}) {
+		t.Fatalf("got %+v", l)
+	}
+	// Left out once is still once: a second burst after the nil is a repeated field.
+	if err := NewDecoder().DecodeRequest(body("\xa5burst\xc0\xa5burst\x03", 5), &req); err == nil || !strings.Contains(err.Error(), "burst") {
+		t.Fatalf("burst nil then 3: %v, want a repeated field's bad_request", err)
+	}
+	for _, tc := range []struct{ name, body string }{
+		{"key", "\x83\xa2id\x07\xa2op\xa5check\xa6limits\x91\x83\xa3key\xc0\xa5limit\x05\xa9window_ms\x05"},
+		{"limit", "\x83\xa2id\x07\xa2op\xa5check\xa6limits\x91\x83\xa3key\xa1k\xa5limit\xc0\xa9window_ms\x05"},
+		{"window_ms", "\x83\xa2id\x07\xa2op\xa5check\xa6limits\x91\x83\xa3key\xa1k\xa5limit\x05\xa9window_ms\xc0"},
+		{"cost", "\x83\xa2id\x07\xa2op\xa5check\xa4cost\xc0"},
+	} {
+		err := NewDecoder().DecodeRequest([]byte(tc.body), &req)
+		var pe *Error
+		if !errors.As(err, &pe) || pe.Code != CodeBadRequest || !strings.Contains(pe.Message, tc.name) {
+			t.Errorf("%s as nil: %v, want bad_request naming it", tc.name, err)
+		}
+	}
+}

@@ -255,6 +255,9 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 					return limits, err
 				}
 			}
+			if f >= limitBurst && d.skipNil() {
+				continue // an optional field left out, as a JavaScript encoder writes undefined
+			}
 			switch f {
 			case limitKey:
 				l.Key, err = d.value("limits[].key")
@@ -288,6 +291,14 @@ func (d *Decoder) limits(limits []InlineLimit) ([]InlineLimit, error) {
 		return limits, Errorf(CodeAttrTooLarge, "the inline limits without a name have keys of %d bytes, which the answer names them by; at most %d (an answer over %d bytes is more than the clients read): give them a name", echoed, MaxEchoedKeys, MaxAnswerFrame)
 	}
 	return limits, nil
+}
+
+// skipNil reads a nil, if one is next, and reports whether it did.
+func (d *Decoder) skipNil() bool {
+	if c, err := d.dec.PeekCode(); err != nil || c != msgpcode.Nil {
+		return false
+	}
+	return d.dec.Skip() == nil
 }
 
 // fieldSet records which known fields of one map were read: a map that repeats a known

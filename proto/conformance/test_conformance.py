@@ -381,6 +381,21 @@ def test_whole_floats_are_integers(conn, single):
         assert_error(rt({"op": "check", "id": 7, "cost": v}), "bad_request", 7)
 
 
+def test_nil_optional_limit_fields_left_out(conn):
+    """An inline limit's burst, algorithm, mode and name given as nil are left out, as a
+    JavaScript encoder writes a property set to undefined; a required field as nil is a
+    wrong type."""
+    def rt(obj):
+        conn.send_body(msgpack.packb(obj))
+        return conn.recv()
+    key = uniq()
+    lim = {"key": key, "limit": 3, "window_ms": 60000, "burst": None, "algorithm": None, "mode": None, "name": None}
+    r = assert_check(rt({"op": "check", "id": 4, "limits": [lim]}), 4)
+    assert r["allowed"] and r["limit"] == 3 and r["remaining"] == 2 and r["rules"][0]["name"] == key
+    for field in ("key", "limit", "window_ms"):
+        assert_error(rt({"op": "check", "id": 5, "limits": [dict(lim, **{field: None})]}), "bad_request", 5)
+
+
 @pytest.mark.parametrize("rid", [0, 1, 127, 128, 2**16, 2**32, 2**63, 2**64 - 1])
 def test_ids_echoed(conn, rid):
     assert conn.rt({"op": "ping", "id": rid})["id"] == rid
