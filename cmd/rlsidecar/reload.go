@@ -33,7 +33,7 @@ import (
 func reload(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("reload", stderr)
 	pid := fs.Int("pid", 0, "the daemon's process id (default: $MAINPID, which systemd sets for ExecReload=)")
-	admin := fs.String("admin", "127.0.0.1:9464", "the daemon's admin endpoint (default: the daemon's own --admin or RLSIDECAR_ADMIN, read from /proc/PID; else this flag's RLSIDECAR_ADMIN or default); empty: send SIGHUP without waiting")
+	admin := fs.String("admin", defaultAdmin, "the daemon's admin endpoint (default: the daemon's own --admin or RLSIDECAR_ADMIN, read from /proc/PID; else this flag's RLSIDECAR_ADMIN or default); empty: send SIGHUP without waiting")
 	timeout := fs.Duration("timeout", 30*time.Second, "how long to wait for the reload to end")
 	if err := noPositional(fs, args); err != nil {
 		return err
@@ -132,6 +132,9 @@ func (d *reloadDoc) read(hc *http.Client, admin string) error {
 	return nil
 }
 
+// defaultAdmin is serve's --admin when neither the flag nor RLSIDECAR_ADMIN sets it.
+const defaultAdmin = "127.0.0.1:9464"
+
 // daemonAdmin returns the admin address process pid was given, as its serve reads it:
 // --admin on its command line, else RLSIDECAR_ADMIN in its environment, else the
 // default. ok is false when /proc does not show them (another user's process, no /proc).
@@ -152,7 +155,7 @@ func daemonAdmin(pid int) (addr string, ok bool) {
 			return v, true
 		}
 	}
-	return "127.0.0.1:9464", true
+	return defaultAdmin, true
 }
 
 // flagValue returns the last value args give the string flag name, in any form the flag
