@@ -212,6 +212,17 @@ func (c *converter) file(f File) {
 		c.errorf(f.Name, &doc, "", "expected a mapping with domain and descriptors")
 		return
 	}
+	if hasAlias(&doc) {
+		// Aliases are followed where they stand (node); decoding the document first
+		// refuses, as envoyproxy/ratelimit's YAML decoder does, an alias that contains
+		// itself (which would be followed forever) and aliasing that expands a small
+		// file past what the decoder allows.
+		var v any
+		if err := doc.Decode(&v); err != nil {
+			c.errs = append(c.errs, fmt.Errorf("%s: invalid YAML: %w", f.Name, err))
+			return
+		}
+	}
 	// envoyproxy/ratelimit reads a file's first YAML document and ignores the rest; a
 	// conversion that did the same would drop limits without a word, and one that took
 	// them all would enforce limits Envoy never did. The user decides: one file each.
@@ -244,34 +255,86 @@ func (c *converter) file(f File) {
 }
 
 // fields checks that n is a mapping whose keys are among valid; it returns the values.
+// A merge key ("<<: *anchor", or a list of them) gives the keys of the mappings it names
+// that n does not give itself, the first mapping of a list before the later ones, as
+// YAML's merge keys do in envoyproxy/ratelimit's decoder.
 func (c *converter) fields(file string, n *yaml.Node, field string, valid []string) map[string]*yaml.Node {
+	n = node(n)
 	if n.Kind != yaml.MappingNode {
 		c.errorf(file, n, field, "expected a mapping")
 		return nil
 	}
 	out := map[string]*yaml.Node{}
+	given := map[string]bool{} // keys n gives itself, null values included
+	var merged []*yaml.Node
 	for i := 0; i+1 < len(n.Content); i += 2 {
-		k, v := n.Content[i], n.Content[i+1]
+		k, v := node(n.Content[i]), n.Content[i+1]
+		if isMergeKey(k) {
+			merged = append(merged, v)
+			continue
+		}
 		if !slices.Contains(valid, k.Value) {
 			c.errorf(file, k, field, "unknown field %q (valid: %s)", k.Value, strings.Join(valid, ", "))
 			continue
 		}
-		if _, dup := out[k.Value]; dup {
+		if given[k.Value] {
 			c.errorf(file, k, field, "%q given twice", k.Value)
 			continue
 		}
-		if v.Kind == yaml.ScalarNode && v.ShortTag() == "!!null" {
+		given[k.Value] = true
+		if vn := node(v); vn.Kind == yaml.ScalarNode && vn.ShortTag() == "!!null" {
 			continue
 		}
 		out[k.Value] = v
 	}
+	for _, m := range merged {
+		m = node(m)
+		sources := []*yaml.Node{m}
+		if m.Kind == yaml.SequenceNode {
+			sources = m.Content
+		}
+		for _, src := range sources {
+			if node(src).Kind != yaml.MappingNode {
+				c.errorf(file, src, field+".<<", "a merge key takes a mapping or a list of mappings")
+				continue
+			}
+			for k, v := range c.fields(file, src, field, valid) {
+				if !given[k] {
+					given[k] = true
+					out[k] = v
+				}
+			}
+		}
+	}
 	return out
+}
+
+// node is n, or for an alias (*name) the node its anchor (&name) marks.
+func node(n *yaml.Node) *yaml.Node {
+	for n != nil && n.Kind == yaml.AliasNode {
+		n = n.Alias
+	}
+	return n
+}
+
+// isMergeKey reports whether k is YAML's merge key, an untagged <<.
+func isMergeKey(k *yaml.Node) bool {
+	return k.Kind == yaml.ScalarNode && k.Value == "<<" && (k.Tag == "" || k.Tag == "!" || k.ShortTag() == "!!merge")
+}
+
+// hasAlias reports whether the tree under n holds an alias.
+func hasAlias(n *yaml.Node) bool {
+	if n.Kind == yaml.AliasNode {
+		return true
+	}
+	return slices.ContainsFunc(n.Content, hasAlias)
 }
 
 func (c *converter) str(file string, n *yaml.Node, field string) (string, bool) {
 	if n == nil {
 		return "", false
 	}
+	n = node(n)
 	if n.Kind == yaml.ScalarNode && n.ShortTag() != "!!null" && n.ShortTag() != "!!map" {
 		return n.Value, true
 	}
@@ -284,6 +347,7 @@ func (c *converter) boolean(file string, n *yaml.Node, field string) bool {
 		return false
 	}
 	var v bool
+	n = node(n)
 	if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!bool" || n.Decode(&v) != nil {
 		c.errorf(file, n, field, "expected true or false")
 	}
@@ -292,6 +356,7 @@ func (c *converter) boolean(file string, n *yaml.Node, field string) bool {
 
 // descriptors converts one descriptor list whose parent path is parent.
 func (c *converter) descriptors(file, domain string, n *yaml.Node, field string, parent []level) {
+	n = node(n)
 	if n.Kind != yaml.SequenceNode {
 		c.errorf(file, n, field, "expected a list of descriptors")
 		return
@@ -435,6 +500,7 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 			c.errorf(file, n, field+".requests_per_unit", "missing (required unless unlimited)")
 			return
 		}
+		rpu = node(rpu)
 		v, err := strconv.ParseUint(rpu.Value, 10, 32)
 		if rpu.Kind != yaml.ScalarNode || rpu.ShortTag() != "!!int" || err != nil {
 			c.errorf(file, rpu, field+".requests_per_unit", "expected a whole number from 0 to 4294967295, got %q", rpu.Value)
@@ -457,7 +523,7 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 		}
 		r.name, r.named = name, true
 	}
-	if rp := f["replaces"]; rp != nil {
+	if rp := node(f["replaces"]); rp != nil {
 		if rp.Kind != yaml.SequenceNode {
 			c.errorf(file, rp, field+".replaces", "expected a list of {name: ...}")
 			return

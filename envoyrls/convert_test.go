@@ -3,6 +3,7 @@ package envoyrls
 import (
 	"context"
 	"flag"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -513,6 +514,127 @@ descriptors:
 	}{{"k=a", 3}, {"f=a", 1}, {"p=x,u=a", 1}} {
 		if got := s.admitted(t, envoyCall{"q", [][]string{strings.Split(c.kv, ",")}}, 3); got != c.want {
 			t.Errorf("%s: %d of 3 admitted, want %d", c.kv, got, c.want)
+		}
+	}
+}
+
+// YAML anchors, aliases and merge keys ("<<") are read as envoyproxy/ratelimit's YAML
+// decoder reads them: a configuration that uses them converts to the rules of the same
+// configuration written out in full. They were refused ("expected a mapping", "unknown
+// field \"<<\"", "expected a string"). An alias that contains itself, or aliasing that
+// would expand past what the decoder allows, is an error, not a hang.
+func TestConvertYAMLAliases(t *testing.T) {
+	aliased := `domain: anchors
+descriptors:
+  - key: user
+    rate_limit: &per_minute
+      unit: minute
+      requests_per_unit: 10
+  - key: tenant
+    value: &acme acme
+    descriptors: &users
+      - key: user
+        rate_limit: *per_minute
+        shadow_mode: &yes true
+      - key: ip
+        rate_limit:
+          <<: *per_minute
+          requests_per_unit: 20
+  - <<: &globex
+      key: tenant
+      value: globex
+    descriptors: *users
+  - key: plan
+    value: *acme
+    detailed_metric: *yes
+    rate_limit:
+      <<: [*per_minute, {unit: hour, name: plan_acme}]
+      unlimited: false
+`
+	// As gopkg.in/yaml.v2 (envoyproxy/ratelimit's) decodes it: explicit keys over merged
+	// ones, the first of a list of merged mappings over the later ones.
+	expanded := `domain: anchors
+descriptors:
+  - key: user
+    rate_limit:
+      unit: minute
+      requests_per_unit: 10
+  - key: tenant
+    value: acme
+    descriptors:
+      - key: user
+        rate_limit:
+          unit: minute
+          requests_per_unit: 10
+        shadow_mode: true
+      - key: ip
+        rate_limit:
+          unit: minute
+          requests_per_unit: 20
+  - key: tenant
+    value: globex
+    descriptors:
+      - key: user
+        rate_limit:
+          unit: minute
+          requests_per_unit: 10
+        shadow_mode: true
+      - key: ip
+        rate_limit:
+          unit: minute
+          requests_per_unit: 20
+  - key: plan
+    value: acme
+    detailed_metric: true
+    rate_limit:
+      unit: minute
+      requests_per_unit: 10
+      name: plan_acme
+      unlimited: false
+`
+	// The rules alone: the comments name the lines of each file.
+	rulesOf := func(src string) string {
+		t.Helper()
+		out, err := Convert([]File{{Name: "c.yaml", Data: []byte(src)}}, "")
+		if err != nil {
+			t.Fatalf("Convert: %v", err)
+		}
+		var kept []string
+		for _, l := range strings.Split(string(out), "\n") {
+			if !strings.HasPrefix(strings.TrimSpace(l), "#") {
+				kept = append(kept, l)
+			}
+		}
+		return strings.Join(kept, "\n")
+	}
+	got, want := rulesOf(aliased), rulesOf(expanded)
+	if got != want {
+		t.Errorf("with aliases:\n%s\nwritten out:\n%s", got, want)
+	}
+	if !strings.Contains(want, `name: "plan_acme"`) || strings.Count(want, "- name:") != 6 {
+		t.Errorf("the expanded configuration's rules are not the six expected:\n%s", want)
+	}
+
+	for name, src := range map[string]string{
+		"contains itself": "domain: d\ndescriptors:\n  - &m\n    key: a\n    <<: *m\n",
+		"excessive": func() string {
+			// Eight lists of ten descriptors, each nesting the one before: 10^8 paths.
+			var b strings.Builder
+			b.WriteString("domain: d\ndescriptors:\n  - key: d0\n    descriptors: &l0\n")
+			for j := range 10 {
+				fmt.Fprintf(&b, "      - { key: k0_%d, rate_limit: { unit: second, requests_per_unit: 1 } }\n", j)
+			}
+			for i := 1; i < 8; i++ {
+				fmt.Fprintf(&b, "  - key: d%d\n    descriptors: &l%d\n", i, i)
+				for j := range 10 {
+					fmt.Fprintf(&b, "      - { key: k%d_%d, descriptors: *l%d }\n", i, j, i-1)
+				}
+			}
+			return b.String()
+		}(),
+	} {
+		if _, err := Convert([]File{{Name: "c.yaml", Data: []byte(src)}}, ""); err == nil || !strings.Contains(err.Error(), "c.yaml") {
+			t.Errorf("%s: %v, want an error naming the file", name, err)
 		}
 	}
 }
