@@ -506,6 +506,13 @@ func (c *converter) rateLimit(file, domain string, n *yaml.Node, field string, p
 			c.errorf(file, rpu, field+".requests_per_unit", "expected a whole number from 0 to 4294967295, got %q", rpu.Value)
 			return
 		}
+		// envoyproxy/ratelimit's YAML decoder (gopkg.in/yaml.v2, YAML 1.1) reads digits
+		// after a leading 0 as octal: 010 is 8 requests there. Converted as 10, the rule
+		// would admit more than Envoy did; as 8, less than the file seems to say.
+		if oct, err := strconv.ParseUint(rpu.Value, 8, 32); err == nil && rpu.Value[0] == '0' && oct != v {
+			c.errorf(file, rpu, field+".requests_per_unit", "%q is octal to envoyproxy/ratelimit, whose YAML 1.1 decoder reads a leading 0 so: %d requests; write the number meant without the leading 0", rpu.Value, oct)
+			return
+		}
 		r.requests = v
 	}
 	if nn := f["name"]; nn != nil {

@@ -117,11 +117,13 @@ func TestConvertErrors(t *testing.T) {
 		"bad_key.yaml":           `bad_key.yaml:3: descriptors[0].key: "a b" cannot be an rlsidecar attribute name`,
 		"share_no_wildcard.yaml": `share_no_wildcard.yaml:5: descriptors[0].share_threshold: share_threshold needs a wildcard value`,
 		"negative.yaml":          `negative.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, got "-1"`,
-		"no_domain.yaml":         `no_domain.yaml:1: domain: missing (required)`,
-		"duplicate.yaml":         `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
-		"repeated_key.yaml":      `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
-		"reserved_key.yaml":      `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
-		"duplicate_name.yaml":    `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
+		// envoyproxy/ratelimit's YAML decoder (YAML 1.1) reads 010 as octal: 8, not 10.
+		"octal.yaml":          `octal.yaml:6: descriptors[0].rate_limit.requests_per_unit: "010" is octal to envoyproxy/ratelimit, whose YAML 1.1 decoder reads a leading 0 so: 8 requests`,
+		"no_domain.yaml":      `no_domain.yaml:1: domain: missing (required)`,
+		"duplicate.yaml":      `duplicate.yaml:5: descriptors[1]: key "k" value "v" is already described at line 3`,
+		"repeated_key.yaml":   `repeated_key.yaml:5: descriptors[0].descriptors[0].key: key "k" appears twice in one descriptor path`,
+		"reserved_key.yaml":   `reserved_key.yaml:3: descriptors[0].key: "domain" is the attribute rlsidecar gives the call's domain`,
+		"duplicate_name.yaml": `duplicate_name.yaml:10: descriptors[1].rate_limit.name: name "same" is already used at duplicate_name.yaml:5`,
 		// envoyproxy/ratelimit reads only the first document; the converter read only it too, silently.
 		"two_documents.yaml": `two_documents.yaml:6: a second YAML document: envoyproxy/ratelimit reads only a file's first`,
 		// Under --wildcards trailing (envoyproxy/ratelimit before #1085), a '*' before the
