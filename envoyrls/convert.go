@@ -255,9 +255,10 @@ func (c *converter) file(f File) {
 }
 
 // fields checks that n is a mapping whose keys are among valid; it returns the values.
-// A merge key ("<<: *anchor", or a list of them) gives the keys of the mappings it names
-// that n does not give itself, the first mapping of a list before the later ones, as
-// YAML's merge keys do in envoyproxy/ratelimit's decoder.
+// A merge key ("<<: *anchor", or a list of them) gives the keys of the mappings it names,
+// read in document order as envoyproxy/ratelimit's decoder (gopkg.in/yaml.v2) reads
+// them: over the keys before it, under those after it, the first mapping of a list over
+// the later ones.
 func (c *converter) fields(file string, n *yaml.Node, field string, valid []string) map[string]*yaml.Node {
 	n = node(n)
 	if n.Kind != yaml.MappingNode {
@@ -265,12 +266,13 @@ func (c *converter) fields(file string, n *yaml.Node, field string, valid []stri
 		return nil
 	}
 	out := map[string]*yaml.Node{}
-	given := map[string]bool{} // keys n gives itself, null values included
-	var merged []*yaml.Node
+	given := map[string]bool{} // the keys n gives itself, null values included
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, v := node(n.Content[i]), n.Content[i+1]
 		if isMergeKey(k) {
-			merged = append(merged, v)
+			for mk, mv := range c.merged(file, v, field, valid) {
+				out[mk] = mv
+			}
 			continue
 		}
 		if !slices.Contains(valid, k.Value) {
@@ -283,26 +285,31 @@ func (c *converter) fields(file string, n *yaml.Node, field string, valid []stri
 		}
 		given[k.Value] = true
 		if vn := node(v); vn.Kind == yaml.ScalarNode && vn.ShortTag() == "!!null" {
+			delete(out, k.Value)
 			continue
 		}
 		out[k.Value] = v
 	}
-	for _, m := range merged {
-		m = node(m)
-		sources := []*yaml.Node{m}
-		if m.Kind == yaml.SequenceNode {
-			sources = m.Content
+	return out
+}
+
+// merged is the fields of a merge key's value: a mapping, or a list of them, the first
+// of a list over the later ones.
+func (c *converter) merged(file string, v *yaml.Node, field string, valid []string) map[string]*yaml.Node {
+	v = node(v)
+	sources := []*yaml.Node{v}
+	if v.Kind == yaml.SequenceNode {
+		sources = v.Content
+	}
+	out := map[string]*yaml.Node{}
+	for _, src := range sources {
+		if node(src).Kind != yaml.MappingNode {
+			c.errorf(file, src, field+".<<", "a merge key takes a mapping or a list of mappings")
+			continue
 		}
-		for _, src := range sources {
-			if node(src).Kind != yaml.MappingNode {
-				c.errorf(file, src, field+".<<", "a merge key takes a mapping or a list of mappings")
-				continue
-			}
-			for k, v := range c.fields(file, src, field, valid) {
-				if !given[k] {
-					given[k] = true
-					out[k] = v
-				}
+		for k, fv := range c.fields(file, src, field, valid) {
+			if _, ok := out[k]; !ok {
+				out[k] = fv
 			}
 		}
 	}

@@ -552,9 +552,13 @@ descriptors:
     rate_limit:
       <<: [*per_minute, {unit: hour, name: plan_acme}]
       unlimited: false
+  - key: x
+    <<: [{key: region}, {key: other, value: eu}]
+    rate_limit: *per_minute
 `
-	// As gopkg.in/yaml.v2 (envoyproxy/ratelimit's) decodes it: explicit keys over merged
-	// ones, the first of a list of merged mappings over the later ones.
+	// As gopkg.in/yaml.v2 (envoyproxy/ratelimit's) decodes it: in document order, a merge
+	// key's mappings over the keys before it and under those after it, the first of a
+	// list over the later ones.
 	expanded := `domain: anchors
 descriptors:
   - key: user
@@ -593,6 +597,11 @@ descriptors:
       requests_per_unit: 10
       name: plan_acme
       unlimited: false
+  - key: region
+    value: eu
+    rate_limit:
+      unit: minute
+      requests_per_unit: 10
 `
 	// The rules alone: the comments name the lines of each file.
 	rulesOf := func(src string) string {
@@ -613,8 +622,8 @@ descriptors:
 	if got != want {
 		t.Errorf("with aliases:\n%s\nwritten out:\n%s", got, want)
 	}
-	if !strings.Contains(want, `name: "plan_acme"`) || strings.Count(want, "- name:") != 6 {
-		t.Errorf("the expanded configuration's rules are not the six expected:\n%s", want)
+	if !strings.Contains(want, `name: "plan_acme"`) || strings.Count(want, "- name:") != 7 {
+		t.Errorf("the expanded configuration's rules are not the seven expected:\n%s", want)
 	}
 
 	for name, src := range map[string]string{
