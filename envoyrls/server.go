@@ -43,6 +43,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
 	"github.com/rlsidecar/rlsidecar/internal/connlimit"
@@ -239,10 +240,19 @@ func (s *Server) newGRPC() *grpc.Server {
 // SharedWriteBuffer, larger read and write buffers and larger windows made no difference
 // that the noise of a shared 2-core machine could show, and are left at grpc-go's
 // defaults.
+//
+// One more is not about cost: keepalive pings are answered however often they come, with
+// or without a call in flight, as the native transport answers them. grpc-go's default
+// policy closes a connection (GOAWAY ENHANCE_YOUR_CALM, "too_many_pings") at the third
+// ping that comes within 5 minutes of the one before, or within two hours when no call is
+// in flight: Envoy's HTTP/2 connection_keepalive on the rate limit cluster (a ping every
+// 30 s, say) had its idle connections torn down.
 func TransportOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
 		grpc.NumStreamWorkers(streamWorkers),
+		// MinTime 0 means grpc-go's default, 5 minutes: the shortest time there is.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: time.Nanosecond, PermitWithoutStream: true}),
 	}
 }
 

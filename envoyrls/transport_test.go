@@ -16,6 +16,7 @@ import (
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -486,4 +487,32 @@ func TestGoneBeforeDecidingTakesNothing(t *testing.T) {
 			t.Errorf("%d of 5 remain: the call was charged", got)
 		}
 	})
+}
+
+// A connection whose client pings it, idle or not (Envoy's HTTP/2 connection_keepalive
+// on the rate limit cluster), stays open on both transports. grpc-go's server by default
+// counts a ping on a connection with no call in flight, sent within two hours of the one
+// before, as a strike, and at the third closes the connection: GOAWAY ENHANCE_YOUR_CALM,
+// "too_many_pings". An Envoy pinging every 30 s lost its idle connections to the
+// grpc-go transport every minute and a half; the native transport kept them.
+func TestTransportKeepalivePings(t *testing.T) {
+	for _, tr := range Transports {
+		t.Run(tr, func(t *testing.T) {
+			sv := serveTest(t, testServer(t), tr)
+			r := dialRaw(t, sv.sock)
+			for i := range 6 {
+				if err := r.fr.WritePing(false, [8]byte{byte(i + 1)}); err != nil {
+					t.Fatalf("ping %d: %v", i, err)
+				}
+				for acked := false; !acked; {
+					switch f := r.next().(type) {
+					case *http2.GoAwayFrame:
+						t.Fatalf("ping %d: GOAWAY %v %q", i, f.ErrCode, f.DebugData())
+					case *http2.PingFrame:
+						acked = f.IsAck() && f.Data[0] == byte(i+1)
+					}
+				}
+			}
+		})
+	}
 }
