@@ -426,9 +426,10 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 			continue
 		}
 		// What Envoy tries before this entry at this level: the exact values, then the
-		// wildcards in order.
+		// wildcards in order. Nothing comes before an exact value: only an empty value
+		// and a wildcard look (20,000 exact values at one level took 6 s looking).
 		for oi, o := range sibs {
-			if o.key != s.key || oi == si {
+			if o.key != s.key || oi == si || s.value != "" && !lv.glob {
 				continue
 			}
 			switch {
