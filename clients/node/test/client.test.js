@@ -20,19 +20,28 @@ function client(t, opts) {
 test('allows then rejects', async (t) => {
   const d = await startDaemon(t);
   const c = client(t, { socket: d.socket, timeoutMs: 2000 });
+  const sent = performance.now();
   for (let i = 0; i < 5; i++) {
     const x = await c.check({ user: 'alice' });
     assert.deepEqual([x.allowed, x.rule, x.limit, x.remaining, x.degraded, x.unreachable], [true, 'per-user', 5, 4 - i, false, false]);
+    if (i === 0) await sleep(10); // so the retry is not whole seconds: rounding down would show
   }
   const x = await c.check({ user: 'alice' });
+  const gapMs = performance.now() - sent;
   assert.ok(!x.allowed && x.rule === 'per-user' && x.remaining === 0);
-  assert.ok(x.retryAfterMs > 11000 && x.retryAfterMs <= 12000, String(x.retryAfterMs));
+  // The next token comes 12 s after the first check, less the time between the first
+  // decision and this one, which is at most gapMs (1 ms for rounding). It was
+  // 11000 < retryAfterMs and Retry-After 12: checks spread over more than 1 s on a loaded
+  // machine failed the test.
+  assert.ok(x.retryAfterMs >= 12000 - gapMs - 1 && x.retryAfterMs <= 12000, `${x.retryAfterMs} ${gapMs}`);
+  // Whole seconds, rounded up: 12 unless the checks took more than a second.
+  const s = Math.ceil(x.retryAfterMs / 1000);
   const r = x.rejection();
   assert.equal(r.status, 429);
   assert.equal(r.headers['RateLimit-Policy'], '"per-user";q=5;w=60');
-  assert.equal(r.headers.RateLimit, '"per-user";r=0;t=12');
-  assert.equal(r.headers['Retry-After'], '12');
-  assert.ok(r.body.toString().endsWith('"rule":"per-user","retry_after":12}'));
+  assert.equal(r.headers.RateLimit, `"per-user";r=0;t=${s}`);
+  assert.equal(r.headers['Retry-After'], String(s));
+  assert.ok(r.body.toString().endsWith(`"rule":"per-user","retry_after":${s}}`));
   assert.equal((await c.check({ user: 'bob' }, { cost: 0 })).remaining, 5);
   assert.equal((await c.check({ user: 'bob' })).remaining, 4);
   assert.ok(await c.ping());
