@@ -37,9 +37,18 @@ def test_pipelined_checks_on_one_connection(daemon):
 def test_decisions_and_errors(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
-            ds = [await c.check({"user": "alice"}) for _ in range(6)]
+            sent = time.monotonic()
+            ds = [await c.check({"user": "alice"})]
+            await asyncio.sleep(0.01)  # so the retry is not whole seconds: rounding down would show
+            ds += [await c.check({"user": "alice"}) for _ in range(5)]
+            gap_ms = (time.monotonic() - sent) * 1000
             assert [d.allowed for d in ds] == [True] * 5 + [False]
-            assert ds[-1].headers()["Retry-After"] == "12"
+            # 12 s after the first decision, less the time until the last (at most gap_ms),
+            # rounded up to whole seconds: 12 unless the checks took over 1 s (it was "12":
+            # a loaded machine failed the test).
+            retry = ds[-1].retry_after_ms
+            assert 12000 - gap_ms - 1 <= retry <= 12000, (retry, gap_ms)
+            assert ds[-1].headers()["Retry-After"] == str(-(-retry // 1000))
             with pytest.raises(rlsidecar.ProtocolError) as e:
                 await c.check({}, limits=[{"key": "k", "limit": 0, "window_ms": 1}])
             assert e.value.code == "invalid_limit" and e.value.decision.degraded

@@ -15,19 +15,28 @@ from fixedwindow import in_one_window
 
 def test_allows_then_rejects(daemon):
     with rlsidecar.Client(daemon.socket, timeout=2) as c:
+        sent = time.monotonic()
         for i in range(5):
             d = c.check({"user": "alice"})
             assert (d.allowed, d.rule, d.limit, d.remaining, d.degraded, d.unreachable) == (
                 True, "per-user", 5, 4 - i, False, False)
+            if i == 0:
+                time.sleep(0.01)  # so the retry is not whole seconds: rounding down would show
         d = c.check({"user": "alice"})
+        gap_ms = (time.monotonic() - sent) * 1000
         assert not d.allowed and d.rule == "per-user" and d.remaining == 0
-        assert 11000 < d.retry_after_ms <= 12000
+        # The next token comes 12 s after the first check, less the time between the first
+        # decision and this one, at most gap_ms (1 ms for rounding). It was
+        # 11000 < retry_after_ms and Retry-After 12: checks spread over more than 1 s on a
+        # loaded machine failed the test.
+        assert 12000 - gap_ms - 1 <= d.retry_after_ms <= 12000, (d.retry_after_ms, gap_ms)
+        s = -(-d.retry_after_ms // 1000)  # whole seconds, rounded up: 12 unless the checks took over 1 s
         status, headers, body = d.rejection()
         assert status == 429
         assert headers["RateLimit-Policy"] == '"per-user";q=5;w=60'
-        assert headers["RateLimit"] == '"per-user";r=0;t=12'
-        assert headers["Retry-After"] == "12"
-        assert b'"rule":"per-user","retry_after":12}' in body
+        assert headers["RateLimit"] == '"per-user";r=0;t=%d' % s
+        assert headers["Retry-After"] == str(s)
+        assert b'"rule":"per-user","retry_after":%d}' % s in body
         # Another user is not affected; cost 0 peeks without consuming.
         assert c.check({"user": "bob"}, cost=0).remaining == 5
         assert c.check({"user": "bob"}).remaining == 4

@@ -6,6 +6,7 @@ import json
 import os
 import socketserver
 import threading
+import time
 
 import msgpack
 import pytest
@@ -131,14 +132,31 @@ rules:
 """
 
 
+def assert_retry_after(got, full_ms, gap_ms):
+    """got (status, headers, body) is per-ip's refusal of the third request, full_ms after
+    the first took the token it waits for, less the time between their decisions (at most
+    gap_ms, 1 ms for rounding): whole seconds, rounded up, in Retry-After, RateLimit's t and
+    the body's retry_after. It was exactly 30: requests spread over more than a second on a
+    loaded machine failed the test."""
+    ra = int(got[1]["retry-after"])
+    assert -(-(full_ms - gap_ms - 1) // 1000) <= ra <= full_ms // 1000, (ra, gap_ms)
+    assert got[1]["ratelimit"] == '"per-ip";r=0;t=%d' % ra
+    p = json.loads(got[2])
+    assert (p["rule"], p["retry_after"]) == ("per-ip", ra)
+
+
 def test_wsgi_real_daemon(make_daemon):
     d = make_daemon(RULES_IP)
     with rlsidecar.Client(d.socket, timeout=2) as client:
         app = rlsidecar.WSGIMiddleware(hello_app, client, cost=lambda env: 1)
-        got = [wsgi_get(app, "/api/x") for _ in range(3)]
+        sent = time.monotonic()
+        got = [wsgi_get(app, "/api/x")]
+        time.sleep(0.01)  # so the retry is not whole seconds: rounding down would show
+        got += [wsgi_get(app, "/api/x") for _ in range(2)]
+        gap_ms = (time.monotonic() - sent) * 1000
         assert [g[0] for g in got] == [200, 200, 429]
         assert got[0][1]["ratelimit"] == '"per-ip";r=1;t=30' and got[0][1]["x-next"] == "1"
-        assert got[2][1]["retry-after"] == "30" and json.loads(got[2][2])["rule"] == "per-ip"
+        assert_retry_after(got[2], 30000, gap_ms)
         # The key is ip and method: another method, another IP, an unmatched path pass.
         assert wsgi_get(app, "/api/x", method="POST")[0] == 200
         assert wsgi_get(app, "/api/x", ip="192.0.2.2")[0] == 200
@@ -152,10 +170,18 @@ def test_asgi_real_daemon(make_daemon):
     async def main():
         async with rlsidecar.AsyncClient(d.socket, timeout=2) as client:
             app = rlsidecar.ASGIMiddleware(hello_asgi, client)
-            got = [await asgi_get(app, "/api/x") for _ in range(3)]
+            sent = time.monotonic()
+            got = [await asgi_get(app, "/api/x")]
+            await asyncio.sleep(0.01)  # so the figures are not whole seconds: rounding down would show
+            got += [await asgi_get(app, "/api/x") for _ in range(2)]
+            gap_ms = (time.monotonic() - sent) * 1000
             assert [g[0] for g in got] == [200, 200, 429]
-            assert got[1][1]["ratelimit"] == '"per-ip";r=0;t=60'
-            assert json.loads(got[2][2])["retry_after"] == 30
+            # Full again 60 s after the first request was decided, less the time until the
+            # second's decision (at most gap_ms), rounded up (it was t=60: a loaded machine
+            # failed the test).
+            t = int(got[1][1]["ratelimit"].rpartition(";t=")[2])
+            assert got[1][1]["ratelimit"] == '"per-ip";r=0;t=%d' % t and -(-(60000 - gap_ms - 1) // 1000) <= t <= 60, gap_ms
+            assert_retry_after(got[2], 30000, gap_ms)
             # Lifespan and other scopes pass through unchecked.
             seen = []
 
