@@ -332,12 +332,21 @@ wait_for "haproxy" curl -sf "http://127.0.0.1:$hap_port/static/x"
 burst() {
   local name=$1 port=$2 user=$3 i
   echo "-- $name: a burst of 5 as $user (per-user: 3 per 60 s)"
+  local sent t lo
+  sent=$(date +%s%N)
   for i in 1 2 3; do
     request GET "http://127.0.0.1:$port/api/items" "$user"
     expect "$name request $i: status" "$status" 200
     expect "$name request $i: body from the backend" "$body" "backend /api/items"
     expect "$name request $i: RateLimit-Policy (deciding rule first)" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "per-ip";q=1000;w=60')"
-    expect_re "$name request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=($((20 * i - 1))|$((20 * i))), \"per-ip\";r=[0-9]+;t=[0-9]+$"
+    expect_re "$name request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=[0-9]+, \"per-ip\";r=[0-9]+;t=[0-9]+$"
+    # t, per-user's reset: full again 20 s a request after the first was decided, less
+    # the time until this one's decision (at most the time since the first was sent; 1 ms
+    # for rounding), in whole seconds rounded up. It allowed 20i - 1 at least: a burst
+    # spread over more than a second on a loaded machine failed the test.
+    t=$(header ratelimit | sed -n 's/^"per-user";r=[0-9]*;t=\([0-9]*\),.*/\1/p')
+    lo=$(((20000 * i - ($(date +%s%N) - sent) / 1000000 - 1 + 999) / 1000))
+    expect "$name request $i: per-user's t, $lo to $((20 * i))" "$((${t:-0} >= lo && ${t:-0} <= 20 * i))" 1
     expect "$name request $i: no Retry-After" "$(header retry-after)" ""
     # warn_at 0.6 of 3: the 2nd and 3rd requests warn.
     expect "$name request $i: RateLimit-Warning" "$(header ratelimit-warning)" "$( ((i >= 2)) && lc '"per-user"')"
