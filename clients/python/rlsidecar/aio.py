@@ -554,6 +554,13 @@ class AsyncClient:
         if self._closed:
             conn.fail("client closed")
             return "client closed"
+        if conn.broken is not None:
+            # It ended before this dial took it (a farewell or a too_many_connections
+            # refusal the moment it was accepted, read while the dial was resuming): its
+            # fail() had no connection to detach. Kept, it answered every later check with
+            # this cause at once, never redialing. A failed attempt, as one detached.
+            self._failed(conn.broken)
+            return conn.broken
         self._conn = conn
         return conn
 
