@@ -34,7 +34,8 @@
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
 # capacity, bad input (refused before sending), an error answer (policy decision and
 # error; the connection stays usable), and a request over max_frame (not sent, or
-# refused by the daemon: 431 either way); and HAProxy's RLSIDECAR_MAX_FRAME.
+# refused by the daemon: 431 either way); HAProxy's RLSIDECAR_MAX_FRAME; and that a
+# second lua.rlsidecar line that refuses answers with its own rate-limit headers.
 # Free loopback ports, a temp dir, every process
 # stopped on exit. Exits 0 only if everything holds.
 #
@@ -156,6 +157,10 @@ rules:
     match: { path: "/many/**" }
     key: ip
     concurrency: { max: 5000, lease: 60s }
+  - name: twice
+    match: { path: "/twice/**" }
+    key: ip
+    limit: { requests: 1000, per: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -317,6 +322,9 @@ grep -q "txn.rlsidecar_cost" "$tmp/haproxy.cfg" || { echo "e2e: no set-var(txn.r
 # /gone/ goes to a server that is down: HAProxy answers 503 itself.
 sed -i -e "s#^    default_backend app#    use_backend gone if { path_beg /gone/ }\n&#" "$tmp/haproxy.cfg"
 grep -q "use_backend gone" "$tmp/haproxy.cfg" || { echo "e2e: no default_backend line in examples/haproxy.cfg" >&2; exit 1; }
+# /twice/ is checked a second time, with a user, after the example's check (see below).
+sed -i -e "s#^    http-request lua.rlsidecar .* open 2000 unless .*#&\n    http-request set-var(txn.rlsidecar_user) str(hap-twice) if { path_beg /twice/ }\n    http-request lua.rlsidecar unix@$sock open 2000 if { path_beg /twice/ }#" "$tmp/haproxy.cfg"
+grep -q "str(hap-twice)" "$tmp/haproxy.cfg" || { echo "e2e: no 'open 2000 unless' line in examples/haproxy.cfg to add the second check after" >&2; exit 1; }
 cat >>"$tmp/haproxy.cfg" <<EOF
 
 backend gone
@@ -405,6 +413,19 @@ for i in 1 2; do
   expect_re "haproxy, server down, request $i: RateLimit" "$(header ratelimit)" "^\"per-user\";r=$((3 - i));t=[0-9]+$"
   expect "haproxy, server down, request $i: RateLimit-Warning" "$(header ratelimit-warning)" "$( ((i >= 2)) && lc '"per-user"')"
 done
+
+echo "-- haproxy: a second lua.rlsidecar line that refuses answers with its own headers, not the first's"
+# The example's check of /twice/ allows (rule twice); a second line checks it again with a
+# user, and per-user (3 a minute) refuses the 4th. The http-after-response rules put the
+# first check's figures, left in the header variables, on that 429: RateLimit-Policy
+# "twice";q=1000;w=60 under a body naming per-user.
+for i in 1 2 3 4; do
+  request GET "http://127.0.0.1:$hap_port/twice/x"
+done
+expect "haproxy second check: status" "$status" 429
+expect "haproxy second check: the problem names per-user" "$(grep -o '"rule":"[^"]*"' <<<"$body")" '"rule":"per-user"'
+expect "haproxy second check: RateLimit-Policy, the refusing rule first" "$(header ratelimit-policy)" "$(lc '"per-user";q=3;w=60, "twice";q=1000;w=60')"
+expect_re "haproxy second check: RateLimit" "$(header ratelimit)" '^"per-user";r=0;t=[0-9]+, "twice";r=[0-9]+;t=[0-9]+$'
 
 echo "-- haproxy: txn.rlsidecar_cost (here from an X-Cost header) that is not a cost is a 400, whatever the policy"
 # It took the policy ("open": allowed, past every limit) or became cost 1.
