@@ -450,12 +450,14 @@ local function action(txn, address, policy, timeout)
       txn:Alert(err .. http.held_note(held))
     end
   end
-  -- The header variables describe this decision only: an earlier check of the
-  -- transaction (another lua.rlsidecar line) may have set them, and the
-  -- http-after-response rules would put its figures on this answer (a 429 whose
-  -- RateLimit-Policy named the rule that allowed, not the one that refused).
-  for _, var in pairs(HEADER_VARS) do
-    txn:unset_var(var)
+  if not first then
+    -- The header variables describe this decision only: an earlier check of the
+    -- transaction (another lua.rlsidecar line, which allowed: it set the private data)
+    -- set them, and the http-after-response rules would put its figures on this answer
+    -- (a 429 whose RateLimit-Policy named the rule that allowed, not the one that refused).
+    for _, var in pairs(HEADER_VARS) do
+      txn:unset_var(var)
+    end
   end
   if not d.allowed then
     local status, headers, body = http.rejection(d)
