@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -560,5 +561,33 @@ func TestEnvoyRLSTransportFlag(t *testing.T) {
 	t.Setenv("RLSIDECAR_ENVOY_RLS_TRANSPORT", "quic")
 	if _, errOut, code := runInProcess("serve", "--admin="); code != exitUsage || !strings.Contains(errOut, "quic") {
 		t.Fatalf("from the environment: code %d err %q", code, errOut)
+	}
+}
+
+// The log names the port the Envoy API bound where --envoy-rls asked for one (:0), as it
+// names the admin endpoint's: before, it said 127.0.0.1:0, which no one can dial.
+func TestE2EEnvoyLogsTheBoundPort(t *testing.T) {
+	d := startDaemon(t, "--envoy-rls", "127.0.0.1:0")
+	re := regexp.MustCompile(`msg="envoy rate limit service" addr=(\S+)`)
+	var addr string
+	for deadline := time.Now().Add(10 * time.Second); addr == ""; time.Sleep(10 * time.Millisecond) {
+		if m := re.FindStringSubmatch(d.stderr.String()); m != nil {
+			addr = m[1]
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no Envoy API address in the log:\n%s", d.stderr.String())
+		}
+	}
+	if strings.HasSuffix(addr, ":0") {
+		t.Fatalf("the log names %s, not the port bound", addr)
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if r, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || r.Status != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health check at the logged %s: %v %v", addr, r, err)
 	}
 }

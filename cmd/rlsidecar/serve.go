@@ -448,7 +448,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		rls, envoyDesc = r, *envoyRLS
-		log.Info("envoy rate limit service", "addr", *envoyRLS, "activated", activated.envoy != nil, "transport", *envoyTransport)
+		if a := r.Addr(); a.Network() == "tcp" {
+			envoyDesc = a.String() // the port bound, where --envoy-rls asked for :0
+		}
+		log.Info("envoy rate limit service", "addr", envoyDesc, "activated", activated.envoy != nil, "transport", *envoyTransport)
 	}
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {
