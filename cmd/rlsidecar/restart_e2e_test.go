@@ -40,6 +40,16 @@ func waitExit(t *testing.T, d *daemonProc) {
 // every unit each of its runs admitted. Before, every run's sync tokens started at 1, so a key's first sync in the
 // new run carried the token the old run had recorded on the key, and the script took it
 // for a replay: 40 keys checked once per run, three runs, Redis counted 1 of 3 on each.
+//
+// Each run admits one unit per key from Redis's allowances (not degraded). A check
+// answered degraded was decided by the rule's failure policy (local: a bucket in the
+// daemon's memory) and never reaches Redis, so the key is checked again until an answer
+// is not. On a loaded machine the daemon's first heartbeat missed its 100 ms
+// (max(--redis-timeout, --sync-interval)) now and then, and the keys new to the run that
+// came before the next answer from Redis went to the policy: Redis then counted 2 of 3 on
+// them, which the test took for lost units (load 12 or more: 11 runs of 60 failed, every
+// missing unit a degraded one). --redis-timeout 5s makes that rare; the retry makes it
+// harmless.
 func TestE2EHybridRestartSameIDCountsOnce(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	dir := shortTempDir(t)
@@ -50,44 +60,47 @@ rules:
     algorithm: fixed_window
     limit: { requests: 1000, per: 1h }
 `)
-	const keys = 40
-	admitted := make([]int, keys)
-	clearOfWindowEnd(t, time.Hour, 30*time.Second) // Redis's counts are the window's
+	const keys, runs = 40, 3
+	clearOfWindowEnd(t, time.Hour, 60*time.Second) // Redis's counts are the window's
 	socket := dir + "/s.sock"
-	var logs []string  // each run's log, shown if Redis's counts are not the runs'
-	var degraded []int // per run: admissions decided without Redis (logged if counts differ)
-	for run := 0; run < 3; run++ {
-		d := startDaemonAt(t, socket, "--config", cfg, "--redis", "redis://"+srv.Addr, "--daemon-id", "gw-1")
+	var logs []string // each run's log, shown if Redis's counts are not the runs'
+	id := uint64(0)
+	for run := 0; run < runs; run++ {
+		d := startDaemonAt(t, socket, "--config", cfg, "--redis", "redis://"+srv.Addr, "--daemon-id", "gw-1", "--redis-timeout", "5s")
 		c := dialRaw(t, d.socket)
-		degraded = append(degraded, 0)
+		degraded := 0 // answers by the failure policy, checked again
 		start := time.Now()
 		for k := 0; k < keys; k++ {
-			if r := c.check(uint64(k+1), 1, fmt.Sprint("user=u", k)); r.Allowed {
-				admitted[k]++
-				if r.Degraded {
-					degraded[run]++
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+				id++
+				r := c.check(id, 1, fmt.Sprint("user=u", k))
+				if !r.Allowed {
+					t.Fatalf("run %d, user u%d refused: %+v", run, k, r)
 				}
-			} else {
-				t.Fatalf("run %d, user u%d refused: %+v", run, k, r)
+				if !r.Degraded {
+					break
+				}
+				degraded++
+				if time.Now().After(deadline) {
+					t.Fatalf("run %d, user u%d: still decided without Redis after 10 s: %+v\n%s", run, k, r, d.stderr.String())
+				}
 			}
 		}
 		took := time.Since(start)
 		stopDaemon(t, d) // its last sync settles what it admitted
-		logs = append(logs, fmt.Sprintf("run %d: %d checks in %v, %d degraded, stopped %v after; its log:\n%s",
-			run, keys, took.Round(time.Millisecond), degraded[run], (time.Since(start)-took).Round(time.Millisecond), d.stderr.String()))
+		logs = append(logs, fmt.Sprintf("run %d: %d keys in %v, %d answers degraded (checked again), stopped %v after; its log:\n%s",
+			run, keys, took.Round(time.Millisecond), degraded, (time.Since(start)-took).Round(time.Millisecond), d.stderr.String()))
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	ctx := context.Background()
 	for k := 0; k < keys; k++ {
 		key := fmt.Sprintf("rl:per-user~fw1h:{user=u%d}", k)
-		if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != admitted[k] {
-			t.Errorf("%s: Redis counts %d (%v), the runs admitted %d", key, n, err, admitted[k])
+		if n, err := rdb.HGet(ctx, key, "n").Int(); err != nil || n != runs {
+			t.Errorf("%s: Redis counts %d (%v), the runs admitted %d from Redis's allowances", key, n, err, runs)
 		}
 	}
 	if t.Failed() {
-		// One CI-like run (load 6 to 9) counted 2 of 3 on every key, the test taking 1 s
-		// more than usual, and its cause is not known: say what each run saw.
 		for _, l := range logs {
 			t.Log(l)
 		}
