@@ -150,7 +150,10 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				if !ok {
 					return
 				}
-				if ev.Op == fsnotify.Chmod || !relevant(filepath.Clean(ev.Name), path, names) {
+				// A chmod or chown counts (an attribute event): a file put in place
+				// unreadable and then made readable, or a directory on the way opened
+				// again, changes what a reload reads, and nothing else says so.
+				if !relevant(filepath.Clean(ev.Name), path, names) {
 					continue // another file of a watched directory: the daemon's own log, say
 				}
 				if timer == nil {

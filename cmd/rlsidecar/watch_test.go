@@ -184,3 +184,34 @@ func TestLinksOnTheWay(t *testing.T) {
 		}
 	}
 }
+
+// A change of permissions (or owner) on the way to the rules is a change: a rules file
+// put in place unreadable to the daemon (installed 0600 by root, by rename) failed to
+// load, and the chmod that fixed it raised only an attribute event, which the watcher
+// dropped: the daemon kept the old rules, rlsidecar_config_last_reload_successful at 0
+// and its alert firing, until a SIGHUP or another write; a file or its directory made
+// unreadable was not reported until then either. Each chmod here must be followed by a
+// read; the read tells the mode it found, so that a read before the chmod does not count.
+func TestWatchConfigPermissionsChanged(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "etc")
+	must(t, os.Mkdir(dir, 0o755))
+	config := writeFile(t, dir, "rules.yaml", "rules: []\n")
+	must(t, os.Chmod(config, 0o644))
+	wait := watchReads(t, config, func() string {
+		f, errF := os.Stat(config)
+		d, errD := os.Stat(dir)
+		if errF != nil || errD != nil {
+			return fmt.Sprint(errF, errD)
+		}
+		return f.Mode().String() + " in " + d.Mode().String()
+	})
+
+	must(t, os.Chmod(config, 0o600))
+	wait("-rw------- in drwxr-xr-x", "the file made unreadable to others")
+	must(t, os.Chmod(config, 0o644))
+	wait("-rw-r--r-- in drwxr-xr-x", "then readable again")
+	must(t, os.Chmod(dir, 0o700))
+	wait("-rw-r--r-- in drwx------", "then its directory closed to others")
+	must(t, os.Chmod(dir, 0o755))
+	wait("-rw-r--r-- in drwxr-xr-x", "then opened again")
+}
