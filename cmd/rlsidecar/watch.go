@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -108,6 +109,14 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 		defer w.Close()
 		var timer *time.Timer
 		var fire <-chan time.Time
+		arm := func() { // onChange after debounce, unless another change comes first
+			if timer == nil {
+				timer = time.NewTimer(debounce)
+			} else {
+				timer.Reset(debounce)
+			}
+			fire = timer.C
+		}
 		empties := 0 // looks again at an empty file (fire)
 		// While a directory on the way to the rules cannot be watched (a deploy deleted
 		// the tree above the rules' directory, and makes it again later), no event can
@@ -156,17 +165,17 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				if !relevant(filepath.Clean(ev.Name), path, names) {
 					continue // another file of a watched directory: the daemon's own log, say
 				}
-				if timer == nil {
-					timer = time.NewTimer(debounce)
-				} else {
-					timer.Reset(debounce)
-				}
-				fire = timer.C
+				arm()
 			case err, ok := <-w.Errors:
 				if !ok {
 					return
 				}
 				onErr(err)
+				if errors.Is(err, fsnotify.ErrEventOverflow) {
+					// The kernel's queue was full: events were lost, the rules file's
+					// among them maybe. Read it as after a change.
+					arm()
+				}
 			case <-fire:
 				fire = nil
 				rewatched()

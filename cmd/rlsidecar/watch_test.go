@@ -215,3 +215,59 @@ func TestWatchConfigPermissionsChanged(t *testing.T) {
 	must(t, os.Chmod(dir, 0o755))
 	wait("-rw-r--r-- in drwxr-xr-x", "then opened again")
 }
+
+// Events lost to a full inotify queue (IN_Q_OVERFLOW: a busy watched directory, /etc
+// above the rules' own, while a reload of a large file ran) may include the rules file's:
+// the overflow was only logged, and the rules written meanwhile stayed unread until the
+// next change or a SIGHUP. An overflow must be taken as a change. Here the watcher's
+// loop is held in a reload while more events than the kernel queues are raised beside
+// the rules file, then the rules are written; the write's events are lost.
+func TestWatchConfigQueueOverflowReads(t *testing.T) {
+	b, err := os.ReadFile("/proc/sys/fs/inotify/max_queued_events")
+	if err != nil {
+		t.Skipf("no inotify queue limit to fill: %v", err)
+	}
+	var max int
+	if _, err := fmt.Sscan(string(b), &max); err != nil || max > 1<<20 {
+		t.Skipf("inotify max_queued_events %q: too many to raise here", b)
+	}
+	dir := t.TempDir()
+	config := writeFile(t, dir, "rules.yaml", "a")
+	noise := []string{writeFile(t, dir, "noise1", ""), writeFile(t, dir, "noise2", "")}
+	loads, gate := make(chan string, 100), make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	_, err = watchConfig(ctx, config, 20*time.Millisecond, func() {
+		b, _ := os.ReadFile(config)
+		loads <- string(b)
+		<-gate // the first reload holds the loop until the queue has overflowed
+	}, func(err error) { t.Logf("watch: %v", err) })
+	must(t, err)
+	wait := func(want, what string) {
+		t.Helper()
+		deadline := time.After(10 * time.Second)
+		var got []string
+		for {
+			select {
+			case s := <-loads:
+				if s == want {
+					return
+				}
+				got = append(got, s)
+			case <-deadline:
+				t.Fatalf("%s: %q never read within 10 s (read: %q)", what, want, got)
+			}
+		}
+	}
+
+	must(t, os.Rename(writeFile(t, dir, ".t", "b"), config))
+	wait("b", "the first write")
+	// fsnotify holds up to 4,096 events read from the queue; the two files alternate, as
+	// the kernel merges an event equal to the last queued.
+	for i := range max + 4096 + 1000 {
+		must(t, os.Chmod(noise[i%2], 0o600))
+	}
+	must(t, os.Rename(writeFile(t, dir, ".t", "c"), config))
+	close(gate)
+	wait("c", "the write whose events the full queue lost")
+}
