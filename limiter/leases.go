@@ -215,7 +215,11 @@ func (ls *Leases) appendKeyHashes(dst []uint64, token string, seed maphash.Seed)
 // Renew extends the live lease token to now+d in each of its parts (d 0: each rule's own
 // lease: as own gives it for the rule's name now, a reload having changed it, or as it
 // was when the lease was taken when own is nil or knows no such rule). It reports whether
-// the lease was live, and then how long until its first part expires.
+// the lease was live, and then how long until its first part expires. A lease one of
+// whose parts ran out (its rule's lease shorter than the others') holds no longer all the
+// slots it was given: it is not renewed (false), and its other parts keep their expiry;
+// before, it was renewed, and the gateway believed it held a slot another request had
+// taken.
 func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool)) (renewed bool, expiresIn time.Duration) {
 	id := ls.parse(token)
 	if id == 0 {
@@ -228,7 +232,7 @@ func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule 
 		return false, 0
 	}
 	ls.expireLease(l, now)
-	if l.live == 0 {
+	if l.live < len(l.parts) {
 		return false, 0
 	}
 	first := int64(-1)

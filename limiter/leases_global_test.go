@@ -1073,3 +1073,54 @@ rules:
 		t.Fatal("refused at the bound though both leases were released through the other daemon")
 	}
 }
+
+// A global lease over two rules of different leases, renewed (through another daemon)
+// after its shorter part ran out by Redis's clock, is not renewed, on a real redis-server
+// and a real 3-master Cluster; before, lease.lua renewed the part still live and the
+// answer was renewed: true. Its live part keeps its slot until released.
+func TestGlobalLeaseRenewAfterAPartRanOut(t *testing.T) {
+	yaml := `
+rules:
+  - name: quick
+    key: user
+    concurrency: { max: 1, lease: 200ms }
+    mode: global
+  - name: slow
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: global
+`
+	cl := redistest.StartCluster(t)
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	t.Cleanup(func() { cc.Close() })
+	for _, tc := range []struct {
+		name string
+		rdb  redis.UniversalClient
+	}{{"standalone", realRedis(t)}, {"cluster", cc}} {
+		t.Run(tc.name, func(t *testing.T) {
+			rdb := tc.rdb
+			a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
+			in := &Input{Attrs: attrs("user=ren"), Cost: 1}
+			ok, tok, _ := acquire(t, a, in, 1)
+			if !ok || tok == "" {
+				t.Fatal("refused")
+			}
+			if renewed, _ := b.RenewLease(tok, 0, nowNs()); !renewed {
+				t.Fatal("renew while both parts are live said false")
+			}
+			time.Sleep(400 * time.Millisecond) // quick's part runs out (200 ms)
+			if renewed, in := b.RenewLease(tok, 0, nowNs()); renewed {
+				t.Fatalf("renew after quick's part ran out: renewed, first part in %v; want false", in)
+			}
+			if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); ok {
+				t.Fatal("a second request took the slot slow's live part holds")
+			}
+			if !b.ReleaseLease(tok, nowNs()) {
+				t.Fatal("release of the live part said false")
+			}
+			if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); !ok {
+				t.Fatal("refused after the release")
+			}
+		})
+	}
+}

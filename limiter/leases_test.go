@@ -360,3 +360,44 @@ func TestLeaseRenewAfterReload(t *testing.T) {
 		t.Fatalf("renewed %v for %v once its rule is gone, want its lease when taken, 10s", renewed, in)
 	}
 }
+
+// A lease over two concurrency rules of different leases, renewed after its shorter part
+// ran out, is not renewed: it no longer holds that rule's slot (another request may have
+// taken it). Before, the answer was renewed: true, its other part extended, and the
+// gateway believed it held both. Its other part keeps its expiry and is released as usual.
+func TestLeaseRenewAfterAPartRanOut(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: quick
+    key: user
+    concurrency: { max: 1, lease: 1s }
+  - name: exports
+    key: user
+    concurrency: { max: 1, lease: 1m }
+`)
+	in := &Input{Attrs: attrs("user=ann"), Cost: 1}
+	ok, tok, _ := checkLease(t, l, t0, in, 0)
+	if !ok || tok == "" {
+		t.Fatal("first check refused")
+	}
+	ls := l.Leases()
+	if renewed, _ := ls.Renew(tok, 0, t0+int64(500*time.Millisecond), nil); !renewed {
+		t.Fatal("renew while both parts are live said false")
+	}
+	at := t0 + int64(2*time.Second) // quick's part ran out at t0+1.5s
+	if renewed, in := ls.Renew(tok, 0, at, nil); renewed {
+		t.Fatalf("renew after quick's part ran out: renewed, first part expires in %v; want false", in)
+	}
+	if renewed, _ := l.RenewLease(tok, 0, at); renewed {
+		t.Fatal("RenewLease after quick's part ran out said true")
+	}
+	if s := stats(l, "exports"); s.InFlight != 1 {
+		t.Fatalf("exports after the refused renew: %+v; want its slot still held", s)
+	}
+	if !ls.Release(tok, at) {
+		t.Fatal("release of the lease's live part said false")
+	}
+	if s := stats(l, "exports"); s.InFlight != 0 || s.Released != 1 {
+		t.Fatalf("exports after the release: %+v; want freed", s)
+	}
+}

@@ -617,24 +617,35 @@ func (l *Limiter) ReleaseLease(token string, now int64) bool {
 
 // RenewLease extends the live lease of token to now+d in each of its parts (d 0: each
 // rule's own lease), through any daemon for a global lease. It reports whether the lease
-// was live, and then how long until its first part expires.
+// was live, every part of it, and then how long until its first part expires: a lease
+// that lost a slot (a part run out, its local or its global half) is not renewed, or the
+// gateway would believe it held what another request took.
 func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, time.Duration) {
 	local, global := splitToken(token)
-	renewed, in := false, time.Duration(-1)
+	if local == "" && (global == "" || l.global == nil) {
+		return false, 0
+	}
+	in := time.Duration(-1)
 	if local != "" {
-		if ok, t := l.leases.Renew(local, d, now, l.leaseNow); ok {
-			renewed, in = true, t
+		ok, t := l.leases.Renew(local, d, now, l.leaseNow)
+		if !ok {
+			return false, 0
+		}
+		in = t
+	}
+	if global != "" {
+		if l.global == nil {
+			return false, 0
+		}
+		ok, t := l.global.renew(global, d, now)
+		if !ok {
+			return false, 0
+		}
+		if in < 0 || t < in {
+			in = t
 		}
 	}
-	if global != "" && l.global != nil {
-		if ok, t := l.global.renew(global, d, now); ok {
-			if !renewed || t < in {
-				in = t
-			}
-			renewed = true
-		}
-	}
-	return renewed, max(in, 0)
+	return true, max(in, 0)
 }
 
 // leaseNow returns the lease of the concurrency rule named rule in the rule set in force.

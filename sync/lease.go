@@ -155,8 +155,10 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 	return freed, firstErr
 }
 
-// Renew extends each live part of lease id to its Lease from now (Redis time) and
-// reports whether any part was live, and the shortest lease it set.
+// Renew extends each part of lease id to its Lease from now (Redis time) and reports
+// whether it did, and the shortest lease it set: only when every part was live (a lease
+// one of whose parts ran out no longer holds its slots; each hash slot's parts are
+// renewed all or none, so on a Cluster the parts of other slots may have been).
 func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool, time.Duration, error) {
 	if len(parts) == 0 {
 		return false, 0, nil
@@ -165,7 +167,7 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 	if err := g.runGated(ctx, leaseScript, calls); err != nil {
 		return false, 0, err
 	}
-	renewed, first := false, int64(-1)
+	renewed, first := true, int64(-1)
 	for i := range calls {
 		v, err := calls[i].cmd.Int64Slice()
 		if err == nil && (len(v) != 2 || v[0] < 0 || v[1] < 0) {
@@ -174,14 +176,16 @@ func (g *Global) Renew(ctx context.Context, id string, parts []LeasePart) (bool,
 		if err != nil {
 			return false, 0, fmt.Errorf("lease renew: %w", err)
 		}
-		if v[0] > 0 {
-			renewed = true
-			if first < 0 || v[1] < first {
-				first = v[1]
-			}
+		if v[0] != int64(len(calls[i].keys)) {
+			renewed = false
+		} else if first < 0 || v[1] < first {
+			first = v[1]
 		}
 	}
-	return renewed, time.Duration(max(first, 0)) * time.Millisecond, nil
+	if !renewed {
+		return false, 0, nil
+	}
+	return true, time.Duration(max(first, 0)) * time.Millisecond, nil
 }
 
 // LeaseState reports, for each part of lease id, how long until it expires by Redis's

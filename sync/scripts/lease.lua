@@ -18,7 +18,8 @@
 -- KEYS order:
 --   'r' release: part. Reply: the number of parts removed (0: unknown, expired or
 --       already released).
---   'n' renew: part, lease_ms. Reply: {parts renewed, the shortest new lease in ms}.
+--   'n' renew: part, lease_ms. Reply: {parts renewed, the shortest new lease in ms}: all
+--       of them, or none (0) when one is no longer live.
 --   'q' query: part. Reply: per key, the part's score (its expiry, ms) or -1 when absent;
 --       then Redis TIME in ms. Changes nothing.
 -- A key may repeat (two rules' parts of one lease cannot share a key, but two parts of an
@@ -68,19 +69,22 @@ if op == 'r' then
 end
 
 if op == 'n' then
-  local n, first = 0, -1
+  -- All or none: a lease one of whose parts ran out (or was released) no longer holds
+  -- every slot it was given, and renewing the others would tell the gateway it does.
+  for i = 1, #KEYS do
+    local key = KEYS[i]
+    prune(key)
+    local s = tonumber(redis.call('ZSCORE', key, id .. ':' .. arg(i, 1)))
+    if not s or s <= now then return {0, 0} end
+  end
+  local first = -1
   for i = 1, #KEYS do
     local key, m, lease = KEYS[i], id .. ':' .. arg(i, 1), tonumber(arg(i, 2))
-    prune(key)
-    local s = tonumber(redis.call('ZSCORE', key, m))
-    if s and s > now then
-      redis.call('ZADD', key, 'XX', fmt(now + lease), m)
-      keep(key, now + lease)
-      n = n + 1
-      if first < 0 or lease < first then first = lease end
-    end
+    redis.call('ZADD', key, 'XX', fmt(now + lease), m)
+    keep(key, now + lease)
+    if first < 0 or lease < first then first = lease end
   end
-  return {n, math.max(first, 0)}
+  return {#KEYS, math.max(first, 0)}
 end
 
 -- Query.
