@@ -2,6 +2,7 @@
 rate-limit headers — the same behaviour as the Go client's Middleware."""
 
 import asyncio
+import collections.abc
 import threading
 import time
 
@@ -187,7 +188,8 @@ class WSGIMiddleware:
         except BaseException:
             self._release(d.lease, renewal)
             raise
-        return _Releasing(body, lambda: self._release(d.lease, renewal), length)
+        releasing = _SizedReleasing if isinstance(body, collections.abc.Sized) else _Releasing
+        return releasing(body, lambda: self._release(d.lease, renewal), length)
 
     def _release(self, lease, renewal=None):
         if renewal is not None:
@@ -274,6 +276,16 @@ class _Releasing:
                 close()
         finally:
             self._release_now()
+
+
+class _SizedReleasing(_Releasing):
+    """A _Releasing around a body that has a len() (a list, a tuple): len() is the
+    body's, as PEP 3333 lets a server use it. A server that finds a body of one part
+    (wsgiref) sends its Content-Length, where it could not with a _Releasing (no
+    __len__). A body without len() gets a _Releasing, which has none either."""
+
+    def __len__(self):
+        return len(self._body)
 
 
 class ASGIMiddleware:

@@ -448,6 +448,56 @@ def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
             t.join(10)
 
 
+def test_wsgi_leased_one_part_body_gets_its_content_length(make_daemon):
+    """A leased response whose body is a list of one part, without a Content-Length from
+    the app: a real WSGI server (wsgiref, which takes len() of the body as PEP 3333 lets
+    it) sends its Content-Length, as it does for the same response without a lease (the
+    body the middleware returned had no len(), so the leased one went without). The
+    slot is freed all the same; a generator body is not given a len()."""
+    import http.client
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def app(environ, start_response):
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"hello"]
+
+        def user(environ):
+            return {"user": environ.get("HTTP_X_USER", "")} if environ.get("HTTP_X_USER") else {}
+        srv = make_server("127.0.0.1", 0, rlsidecar.WSGIMiddleware(app, c, attrs=user), handler_class=Quiet)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        try:
+            for who in ("", "ann", "ann"):  # no rule (no lease), then leased twice
+                conn = http.client.HTTPConnection("127.0.0.1", srv.server_port, timeout=10)
+                conn.request("GET", "/", headers={"X-User": who} if who else {})
+                r = conn.getresponse()
+                assert (r.status, r.read(), r.getheader("Content-Length")) == (200, b"hello", "5"), who
+                conn.close()
+                if who:
+                    assert r.getheader("RateLimit") is not None  # the check took a lease
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            t.join(10)
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+
+        def streamed(environ, start_response):
+            start_response("200 OK", [])
+            yield b"hello"
+        body = rlsidecar.WSGIMiddleware(streamed, c, attrs=lambda environ: {"user": "ann"})({}, lambda *a: None)
+        assert not hasattr(body, "__len__")
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 0
+        body.close()
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
+
+
 def test_asgi_renews_a_long_request_lease(make_daemon):
     """ASGIMiddleware renews a request's lease while the app runs: a request longer than
     its rule's lease (2 s here) keeps its slot, and frees it when it ends; with
