@@ -52,7 +52,7 @@
 -- for a context that opened sockets), which closes the socket, and the daemon frees the
 -- leases of a connection that closes (counted `closed` in rlsidecar_leases_total). With
 -- keep-alive each request is a transaction of its own, and the next request's check on an
--- HTTP/1 client connection first releases the lease of the one before (see pending), so
+-- HTTP/1 client connection first releases the leases of the one before (see pending), so
 -- it does not race the daemon's reading of that close. A transaction longer than its
 -- lease keeps its slot: a task renews the lease (see keep_lease) until the daemon answers
 -- that it is gone, which it is once the transaction's connection closed. `setenv
@@ -107,12 +107,12 @@ end
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
 -- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
--- With release (a lease), it first releases that lease on the same connection and waits
--- for the answer (released or not), so that the check sees its slot free. One deadline,
+-- With releases (a list of leases), it first releases each on the same connection and
+-- waits for its answer (released or not), so that the check sees their slots free. One deadline,
 -- timeout_ms from the start, bounds the whole exchange: each step (connect, write, each
 -- read) waits for what is left of it, where a timeout set once bounded each step by
 -- timeout_ms, several times it in all.
-local function roundtrip(address, timeout_ms, frame, id, release)
+local function roundtrip(address, timeout_ms, frame, id, releases)
   local deadline = now_ms() + timeout_ms
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
@@ -177,8 +177,8 @@ local function roundtrip(address, timeout_ms, frame, id, release)
     end
     return body
   end
-  if release then
-    local rframe = codec.encode_request({ id = next_id(), op = "release", lease = release })
+  for _, lease in ipairs(releases or {}) do
+    local rframe = codec.encode_request({ id = next_id(), op = "release", lease = lease })
     if rframe then
       local _, rerr = exchange(rframe) -- released or not
       if rerr then
@@ -210,9 +210,9 @@ local function roundtrip(address, timeout_ms, frame, id, release)
 end
 
 -- check returns the decision for attrs and cost (see rlsidecar.http) and, for an error
--- answer or bad arguments, an error string. release: a lease to release first (see
+-- answer or bad arguments, an error string. releases: the leases to release first (see
 -- pending), or nil.
-local function check(address, policy, timeout_ms, attrs, cost, release)
+local function check(address, policy, timeout_ms, attrs, cost, releases)
   local id = next_id()
   local frame, err = codec.encode_request({ id = id, op = "check", attrs = attrs, cost = cost })
   if not frame then
@@ -224,7 +224,7 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
     return http.too_large_decision(msg), msg
   end
   local started = now_ms()
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id, release)
+  local resp, rerr = roundtrip(address, timeout_ms, frame, id, releases)
   if resp and resp.id == 0 and type(resp.error) == "table" and resp.error.code == "shutting_down" then
     -- The daemon drains and did not read this check (its connection was accepted during
     -- the drain, or the drain's farewell came first): sent once more, within what is left
@@ -232,7 +232,7 @@ local function check(address, policy, timeout_ms, attrs, cost, release)
     -- for it; a daemon that made its own socket hands its path over).
     local rest = timeout_ms - (now_ms() - started)
     if rest >= 1 then
-      resp, rerr = roundtrip(address, rest, frame, id, release)
+      resp, rerr = roundtrip(address, rest, frame, id, releases)
     end
   end
   if not resp then
@@ -329,7 +329,9 @@ end
 -- connection carries its streams at once). Two generations of at most PENDING entries
 -- each, as nginx's client remembers decisions: a connection that closes after a leased
 -- request leaves its entry to age out, and a release of a lease already freed is
--- answered released: false, never an error.
+-- answered released: false, never an error. An entry is the list of the transaction's
+-- leases: each lua.rlsidecar line that took one added it (a second line's too: a lease
+-- taken only by it was left out, and the next request raced the close).
 local PENDING = 4096
 local pending, pending_before, n_pending = {}, {}, 0
 
@@ -349,20 +351,35 @@ local function connection_key(txn)
     .. tostring(txn.f:fe_id())
 end
 
+-- take_pending removes and returns key's list of leases, or nil.
 local function take_pending(key)
   if not key then return nil end
-  local lease = pending[key] or pending_before[key]
-  if lease then
+  local leases = pending[key] or pending_before[key]
+  if leases then
     pending[key], pending_before[key] = nil, nil
   end
-  return lease
+  return leases
 end
 
+-- put_pending adds lease to key's list (the current transaction's: its first check took
+-- what the one before left).
 local function put_pending(key, lease)
+  local leases = pending[key]
+  if leases then
+    leases[#leases + 1] = lease
+    return
+  end
+  leases = pending_before[key]
+  if leases then
+    pending_before[key] = nil
+    leases[#leases + 1] = lease
+  else
+    leases = { lease }
+  end
   if n_pending >= PENDING then
     pending_before, pending, n_pending = pending, {}, 0
   end
-  pending[key] = lease
+  pending[key] = leases
   n_pending = n_pending + 1
 end
 
@@ -429,7 +446,7 @@ local function action(txn, address, policy, timeout)
   end
 
   -- A second check of this transaction (another lua.rlsidecar line) finds its private
-  -- data set, and leaves the pending lease alone: it may be this transaction's own.
+  -- data set, and leaves the pending leases alone: they are this transaction's own.
   -- The connection's name is looked up only when a lease is pending in this process or
   -- the check takes one: a request with no concurrency rule in play fetches nothing more.
   local first = txn:get_priv() == nil
@@ -471,9 +488,16 @@ local function action(txn, address, policy, timeout)
     return
   end
   -- The private data holds the headers for lua.rlsidecar_headers and, for a concurrency
-  -- rule's slot, the open connection that holds it, until the transaction ends.
+  -- rule's slot, the open connection that holds it, until the transaction ends: every
+  -- such connection of the transaction's checks (a second line's set_priv dropped the
+  -- first's, which the garbage collector could then close, freeing its slot early).
   local headers = http.headers(d)
-  txn:set_priv({ headers = headers, lease_sock = d.sock })
+  local p = txn:get_priv()
+  local lease_socks = type(p) == "table" and p.lease_socks or {}
+  if d.sock then
+    lease_socks[#lease_socks + 1] = d.sock
+  end
+  txn:set_priv({ headers = headers, lease_socks = lease_socks })
   -- And in transaction variables, for http-after-response set-header: those rules run
   -- for every response, HAProxy's own too (a 502, a 503, a 504), where http-response
   -- rules, lua.rlsidecar_headers among them, do not, and HAProxy 2.6 runs no Lua action
@@ -483,11 +507,9 @@ local function action(txn, address, policy, timeout)
     if v then txn:set_var(var, v) end
   end
   if d.sock then
-    if first then
-      conn = conn or connection_key(txn)
-      if conn then
-        put_pending(conn, d.lease) -- for the next request on this client connection
-      end
+    conn = conn or connection_key(txn)
+    if conn then
+      put_pending(conn, d.lease) -- for the next request on this client connection
     end
     if renew_leases then
       keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)))

@@ -28,7 +28,9 @@
 # longer than it, nginx also after a flood of 1,100 short leased requests (which took its
 # pending timers). With a stand-in sidecar (test/held_sidecar.py): that nginx waits for a
 # release on a semaphore, not by polling, bounded by its timeout, and that a request held
-# for a delay whose client goes away ends then, its lease released. Then it stops the daemon
+# for a delay whose client goes away ends then, its lease released; that HAProxy releases
+# both leases of a request checked by two lua.rlsidecar lines before the next request on
+# its keep-alive connection is checked. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
@@ -959,6 +961,20 @@ for i in $(seq 6); do
 done
 expect "stand-in: haproxy /login checks answered by a drain's farewell: sent once more, decided" "$codes" "200 200 200 200 200 200 "
 expect "stand-in: haproxy met the farewell 6 times (the case was exercised)" "$(grep -c '^farewell farewell-alt' "$tmp/held-events" || true)" 6
+# A transaction checked by two lua.rlsidecar lines (/twice/; the stand-in leases every
+# check, so each line takes a lease): the next request on the keep-alive connection
+# releases both before its own checks. The second line's lease was not noted for
+# release, and that request raced the daemon's reading of the close of the connection
+# that held it.
+codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -o /dev/null "http://127.0.0.1:$held_hap_port/twice/a" \
+  -o /dev/null "http://127.0.0.1:$held_hap_port/twice/b" | tr -s ' \n' ' ')
+expect "stand-in: haproxy, two requests to /twice/ on one keep-alive connection (status, connects)" "$codes" "200 1 200 0 "
+twice_leases=$(awk '$1 == "check" && $2 == "/twice/a" { print $3 }' "$tmp/held-events" | tr '\n' ' ')
+expect_re "stand-in: haproxy, the first /twice/ request's two checks each took a lease" "$twice_leases" '^L[0-9]+ L[0-9]+ $'
+for lease in $twice_leases; do
+  expect "stand-in: haproxy, the next request on the connection released the first's lease $lease" \
+    "$([ -n "$(release_event "$lease")" ] && echo released)" released
+done
 
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"

@@ -1,7 +1,9 @@
 """A stand-in for the daemon, for clients/lua/test/e2e.sh: it answers every check allowed
 with a lease of its own numbering (L1, L2, ...), held for delay_ms when the check's path
 starts with /held/ (as a rule with `delay` would), and answers every release (released:
-true) only RELEASE_MS after it came, so that a gateway's next request finds it under way.
+true) only RELEASE_MS after it came, so that a gateway's next request finds it under way
+(at once for the leases of checks whose path starts with /twice/, which HAProxy checks
+twice: their two releases would take longer than the check's timeout).
 It writes one line per event to LOG, with the time in ms since it started:
 
     check PATH LEASE T          a check came
@@ -42,6 +44,7 @@ HELD_DELAY_MS = 5000
 start = time.monotonic()
 leases = itertools.count(1)
 alt = itertools.count(1)
+quick = set()  # leases whose release is answered at once (their checks' paths start with /twice/)
 log_lock = threading.Lock()
 
 
@@ -107,9 +110,12 @@ def serve(c):
                        "retry_after_ms": 0, "rules": [], "lease": lease}
                 if path.startswith("/held/"):
                     ans["delay_ms"] = HELD_DELAY_MS
+                if path.startswith("/twice/"):
+                    quick.add(lease)
             elif op == "release":
                 t_in = now_ms()
-                time.sleep(RELEASE_MS / 1000)
+                if req.get("lease") not in quick:
+                    time.sleep(RELEASE_MS / 1000)
                 log("release %s %d %d" % (req.get("lease"), t_in, now_ms()))
                 ans = {"id": rid, "released": True}
             else:
