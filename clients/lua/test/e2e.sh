@@ -4,7 +4,8 @@
 # nginx (Debian nginx + libnginx-mod-http-lua) and real HAProxy running the example
 # configs of clients/lua/examples (paths and ports substituted, and the 50 ms timeout
 # raised to 2 s so that a loaded CI machine does not turn decisions into policy ones; the
-# silent-sidecar part keeps the example's 50 ms). For each gateway it
+# silent-sidecar part keeps the example's 50 ms; /burst/ is checked closed, within 10 s).
+# For each gateway it
 # sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit (and
 # RateLimit-Warning once per-user reaches its warn_at), then 429s with Retry-After, the same
 # headers (no RateLimit-Warning) and the problem+json body the Go client writes; that
@@ -291,6 +292,16 @@ cat >"$tmp/once.conf" <<'CONF'
             content_by_lua_block { local r = ngx.location.capture("/once/sub/x") ngx.say("sub ", r.status) }
         }
         location /once/sub/ { internal; rewrite_by_lua_block { rl_open:access() } proxy_pass http://app; }
+        location /burst/ {
+            access_by_lua_block {
+                rl_burst = rl_burst or assert(require("resty.rlsidecar").new {
+                    socket = rl_open.path, timeout_ms = 10000, on_unavailable = "closed", pool_size = 16,
+                })
+                rl_burst:access()
+            }
+            log_by_lua_block { rl_burst:log() }
+            proxy_pass http://app;
+        }
         location /costly/ {
             access_by_lua_block {
                 rl_costly = rl_costly or assert(require("resty.rlsidecar").new {
@@ -327,6 +338,10 @@ grep -q "use_backend gone" "$tmp/haproxy.cfg" || { echo "e2e: no default_backend
 # /twice/ is checked a second time, with a user, after the example's check (see below).
 sed -i -e "s#^    http-request lua.rlsidecar .* open 2000 unless .*#&\n    http-request set-var(txn.rlsidecar_user) str(hap-twice) if { path_beg /twice/ }\n    http-request lua.rlsidecar unix@$sock open 2000 if { path_beg /twice/ }#" "$tmp/haproxy.cfg"
 grep -q "str(hap-twice)" "$tmp/haproxy.cfg" || { echo "e2e: no 'open 2000 unless' line in examples/haproxy.cfg to add the second check after" >&2; exit 1; }
+# /burst/ is checked by a line of its own, closed and with a 10 s timeout, in place of the
+# example's (see burst_in_flight).
+sed -i -e "s#^    http-request lua.rlsidecar \(.* open 2000 unless .*\)#    http-request lua.rlsidecar unix@$sock closed 10000 if { lua.rlsidecar_path -m beg /burst/ }\n    http-request lua.rlsidecar \1 || { lua.rlsidecar_path -m beg /burst/ }#" "$tmp/haproxy.cfg"
+grep -q "closed 10000 if { lua.rlsidecar_path -m beg /burst/ }" "$tmp/haproxy.cfg" || { echo "e2e: the check of /burst/ not added" >&2; exit 1; }
 cat >>"$tmp/haproxy.cfg" <<EOF
 
 backend gone
@@ -663,16 +678,21 @@ in_flight() {
 in_flight nginx "$nginx_port"
 in_flight haproxy "$hap_port"
 # burst GATEWAY PORT: 30 requests at once to /burst/ (4 s each; at most 20 in flight),
-# their checks all in flight together (the daemon stalled for 0.5 s, as in a pause; the
-# test's timeout is 2 s): 20 pass, and while they run the daemon holds their 20 slots —
-# nginx keeps pool_size = 16 idle connections, and a connection holding leases must not
-# be one it closes when 30 come back at once — and 10 more are refused.
+# their checks all in flight together (the daemon stalled while the 30 curls start, and
+# 0.5 s more, as in a pause): 20 pass, and while they run the daemon holds their 20
+# slots — nginx keeps pool_size = 16 idle connections, and a connection holding leases
+# must not be one it closes when 30 come back at once — and 10 more are refused. /burst/
+# is checked with the closed policy and a 10 s timeout (a location, a line of its own):
+# with the example's open policy and the test's 2 s, a loaded machine that took 1.5 s to
+# start the curls had the first checks time out, and the policy let them through without
+# a lease (admitted: 22); closed, a check without an answer is a 503, never counted
+# admitted, and any 200 is a request the daemon gave a slot.
 burst_in_flight() {
   local name=$1 port=$2 i curls=()
   wait_held burst-in-flight 0 || fail "$name: the burst's slots are free before it"
   kill -STOP "$daemon_pid"
   for i in $(seq 30); do
-    curl -s --max-time 10 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$port/burst/$i" >"$tmp/burst-$name-$i" &
+    curl -s --max-time 20 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$port/burst/$i" >"$tmp/burst-$name-$i" &
     curls+=($!)
   done
   sleep 0.5
@@ -685,9 +705,11 @@ burst_in_flight() {
     [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/burst/more")" == 429 ] && more=$((more + 1))
   done
   wait "${curls[@]}"
-  local ok
+  local ok refused
   ok=$(cat "$tmp"/burst-"$name"-* | grep -c '^200$' || true)
+  refused=$(cat "$tmp"/burst-"$name"-* | grep -c '^429$' || true)
   expect "$name: a burst of 30 against max 20 in flight: admitted" "$ok" 20
+  expect "$name: a burst of 30 against max 20 in flight: refused (429; not 503, no answer in 10 s)" "$refused" 10
   expect "$name: slots held while the 20 run" "$slots" 20
   expect "$name: 10 more while they run: refused" "$more" 10
 }
