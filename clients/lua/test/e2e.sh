@@ -683,7 +683,7 @@ in_flight haproxy "$hap_port"
 # slots — nginx keeps pool_size = 16 idle connections, and a connection holding leases
 # must not be one it closes when 30 come back at once — and 10 more are refused. /burst/
 # is checked with the closed policy and a 10 s timeout (a location, a line of its own):
-# with the example's open policy and the test's 2 s, a loaded machine that took 1.5 s to
+# with the example's open policy and the test's 2 s, a loaded machine that took over 1.5 s to
 # start the curls had the first checks time out, and the policy let them through without
 # a lease (admitted: 22); closed, a check without an answer is a 503, never counted
 # admitted, and any 200 is a request the daemon gave a slot.
