@@ -193,6 +193,7 @@ http {
     location /slow/ { content_by_lua_block { ngx.sleep(1) ngx.say("slow") } }
     location /burst/ { content_by_lua_block { ngx.sleep(4) ngx.say("burst") } }
     location /slow/quick/ { return 200 "quick\n"; }
+    location /slow/held/ { content_by_lua_block { ngx.sleep(3) ngx.say("held") } }
     location /long/ { content_by_lua_block { ngx.sleep(5) ngx.say("long") } }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
@@ -645,13 +646,15 @@ wait_held() {
   echo "e2e: $1 held $n slots for 5 s, want $2" >&2
   return 1
 }
-# in_flight GATEWAY PORT: a 1 s request to /slow/ holds the one slot of slow-in-flight;
+# in_flight GATEWAY PORT: a 3 s request to /slow/held/ holds the one slot of slow-in-flight;
 # a second one meanwhile is refused; once the first completed, the slot is free again
 # (the lease is 60 s: only the gateway's release frees it that soon).
 in_flight() {
   local name=$1 port=$2
   wait_held slow-in-flight 0 || fail "$name: the slot is free before the first request"
-  curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/a" >"$tmp/slow-$name" &
+  # 3 s: the checks of /slow/b below come while it runs, on a loaded machine too (with the
+  # 1 s of /slow/, one run of many had it done first, and /slow/b passed).
+  curl -s --max-time 10 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/slow/held/a" >"$tmp/slow-$name" &
   local slow=$!
   wait_held slow-in-flight 1 || fail "$name: the first request holds the slot"
   request GET "http://127.0.0.1:$port/slow/b"
@@ -663,7 +666,7 @@ in_flight() {
   expect "$name: refused, RateLimit" "$(header ratelimit)" "$(lc '"slow-in-flight";r=0;t=1')"
   expect "$name: refused, Retry-After" "$(header retry-after)" 1
   wait "$slow"
-  expect "$name: the first (held 1 s by the backend)" "$(cat "$tmp/slow-$name")" 200
+  expect "$name: the first (held 3 s by the backend)" "$(cat "$tmp/slow-$name")" 200
   local i
   for i in $(seq 20); do # the release follows the response; give it a moment
     request GET "http://127.0.0.1:$port/slow/c"
