@@ -588,78 +588,68 @@ rules:
     concurrency: { max: 1, lease: 1m }
     mode: global
 `
-	cl := redistest.StartCluster(t)
-	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
-	t.Cleanup(func() { cc.Close() })
-	for _, tc := range []struct {
-		name string
-		rdb  redis.UniversalClient
-	}{{"standalone", realRedis(t)}, {"cluster", cc}} {
-		t.Run(tc.name, func(t *testing.T) {
-			rdb := tc.rdb
-			a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
-			ctx := context.Background()
-			in := func(cost uint64) *Input { return &Input{Attrs: attrs("user=lu-" + tc.name), Cost: cost} }
-			slots := "rl:slots:{user=lu-" + tc.name + "}"
-			rateLeft := func() uint64 {
-				t.Helper()
-				_, _, d := acquire(t, a, in(0), 0) // a peek, holding nothing
-				return d.Results[0].Remaining
-			}
-			if rateLeft() != 2 { // and the script is loaded on the client's node
-				t.Fatal("fresh rate rule")
-			}
-			calls := func(f func()) int64 {
-				t.Helper()
-				before := scriptCalls(t, rdb)
-				f()
-				return scriptCalls(t, rdb) - before
-			}
+	onRealRedises(t, yaml, func(t *testing.T, name string, rdb redis.UniversalClient, a, b *Limiter) {
+		ctx := context.Background()
+		in := func(cost uint64) *Input { return &Input{Attrs: attrs("user=lu-" + name), Cost: cost} }
+		slots := "rl:slots:{user=lu-" + name + "}"
+		rateLeft := func() uint64 {
+			t.Helper()
+			_, _, d := acquire(t, a, in(0), 0) // a peek, holding nothing
+			return d.Results[0].Remaining
+		}
+		if rateLeft() != 2 { // and the script is loaded on the client's node
+			t.Fatal("fresh rate rule")
+		}
+		calls := func(f func()) int64 {
+			t.Helper()
+			before := scriptCalls(t, rdb)
+			f()
+			return scriptCalls(t, rdb) - before
+		}
 
-			var tok string
-			if n := calls(func() {
-				var ok bool
-				var d *Decision
-				ok, tok, d = acquire(t, a, in(1), 0)
-				if !ok || tok == "" || d.Degraded || d.Results[1].Remaining != 0 || d.Results[0].Remaining != 1 {
-					t.Fatalf("first: allowed %v token %q %+v", ok, tok, d.Results)
-				}
-			}); n != 1 {
-				t.Fatalf("a rate rule and a lease on one client made %d script calls, want 1", n)
+		var tok string
+		if n := calls(func() {
+			var ok bool
+			var d *Decision
+			ok, tok, d = acquire(t, a, in(1), 0)
+			if !ok || tok == "" || d.Degraded || d.Results[1].Remaining != 0 || d.Results[0].Remaining != 1 {
+				t.Fatalf("first: allowed %v token %q %+v", ok, tok, d.Results)
 			}
-			if n := calls(func() {
-				ok, tok2, d := acquire(t, b, in(1), 0)
-				if ok || tok2 != "" || d.Results[1].Allowed || d.Results[1].RetryAfter <= 0 || d.Results[1].RetryAfter > time.Second {
-					t.Fatalf("full lease: allowed %v token %q %+v", ok, tok2, d.Results)
-				}
-			}); n != 1 {
-				t.Fatalf("a refusal made %d script calls, want 1", n)
+		}); n != 1 {
+			t.Fatalf("a rate rule and a lease on one client made %d script calls, want 1", n)
+		}
+		if n := calls(func() {
+			ok, tok2, d := acquire(t, b, in(1), 0)
+			if ok || tok2 != "" || d.Results[1].Allowed || d.Results[1].RetryAfter <= 0 || d.Results[1].RetryAfter > time.Second {
+				t.Fatalf("full lease: allowed %v token %q %+v", ok, tok2, d.Results)
 			}
-			if rateLeft() != 1 {
-				t.Fatal("a request refused by its lease consumed the rate rule")
-			}
-			if ok, in := b.RenewLease(tok, 2*time.Minute, nowNs()); !ok || in != 2*time.Minute {
-				t.Fatalf("renew through the other daemon: %v %v", ok, in)
-			}
-			if !b.ReleaseLease(tok, nowNs()) || a.ReleaseLease(tok, nowNs()) {
-				t.Fatal("release through the other daemon, then again")
-			}
-			ok, tok, _ := acquire(t, b, in(1), 0) // the rate rule's last unit
-			if !ok || !b.ReleaseLease(tok, nowNs()) || rateLeft() != 0 {
-				t.Fatal("second lease")
-			}
-			ok, tok, d := acquire(t, a, in(1), 0)
-			if ok || tok != "" || d.Results[0].Allowed || !d.Results[1].Allowed || d.Results[1].Remaining != 1 {
-				t.Fatalf("rate refused: allowed %v token %q %+v; want the free slot reported", ok, tok, d.Results)
-			}
-			if n := rdb.ZCard(ctx, slots).Val(); n != 0 {
-				t.Fatalf("a request refused by its rate rule holds %d slots", n)
-			}
-			if s := stats(a, "slots"); s.InFlight != 0 { // the refused request tracks no lease
-				t.Fatalf("a's stats %+v, want nothing in flight", s)
-			}
-		})
-	}
+		}); n != 1 {
+			t.Fatalf("a refusal made %d script calls, want 1", n)
+		}
+		if rateLeft() != 1 {
+			t.Fatal("a request refused by its lease consumed the rate rule")
+		}
+		if ok, in := b.RenewLease(tok, 2*time.Minute, nowNs()); !ok || in != 2*time.Minute {
+			t.Fatalf("renew through the other daemon: %v %v", ok, in)
+		}
+		if !b.ReleaseLease(tok, nowNs()) || a.ReleaseLease(tok, nowNs()) {
+			t.Fatal("release through the other daemon, then again")
+		}
+		ok, tok, _ := acquire(t, b, in(1), 0) // the rate rule's last unit
+		if !ok || !b.ReleaseLease(tok, nowNs()) || rateLeft() != 0 {
+			t.Fatal("second lease")
+		}
+		ok, tok, d := acquire(t, a, in(1), 0)
+		if ok || tok != "" || d.Results[0].Allowed || !d.Results[1].Allowed || d.Results[1].Remaining != 1 {
+			t.Fatalf("rate refused: allowed %v token %q %+v; want the free slot reported", ok, tok, d.Results)
+		}
+		if n := rdb.ZCard(ctx, slots).Val(); n != 0 {
+			t.Fatalf("a request refused by its rate rule holds %d slots", n)
+		}
+		if s := stats(a, "slots"); s.InFlight != 0 { // the refused request tracks no lease
+			t.Fatalf("a's stats %+v, want nothing in flight", s)
+		}
+	})
 }
 
 // With Redis down, a check with a global rate rule and a global concurrency rule (one
@@ -1090,6 +1080,34 @@ rules:
     concurrency: { max: 1, lease: 1m }
     mode: global
 `
+	onRealRedises(t, yaml, func(t *testing.T, _ string, _ redis.UniversalClient, a, b *Limiter) {
+		in := &Input{Attrs: attrs("user=ren"), Cost: 1}
+		ok, tok, _ := acquire(t, a, in, 1)
+		if !ok || tok == "" {
+			t.Fatal("refused")
+		}
+		if renewed, _ := b.RenewLease(tok, 0, nowNs()); !renewed {
+			t.Fatal("renew while both parts are live said false")
+		}
+		time.Sleep(400 * time.Millisecond) // quick's part runs out (200 ms)
+		if renewed, in := b.RenewLease(tok, 0, nowNs()); renewed {
+			t.Fatalf("renew after quick's part ran out: renewed, first part in %v; want false", in)
+		}
+		if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); ok {
+			t.Fatal("a second request took the slot slow's live part holds")
+		}
+		if !b.ReleaseLease(tok, nowNs()) {
+			t.Fatal("release of the live part said false")
+		}
+		if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); !ok {
+			t.Fatal("refused after the release")
+		}
+	})
+}
+
+// onRealRedises runs f on two limiters (two daemons) with the rules yaml, sharing a real
+// redis-server, then a real 3-master Cluster: name is "standalone" or "cluster".
+func onRealRedises(t *testing.T, yaml string, f func(t *testing.T, name string, rdb redis.UniversalClient, a, b *Limiter)) {
 	cl := redistest.StartCluster(t)
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
 	t.Cleanup(func() { cc.Close() })
@@ -1098,29 +1116,7 @@ rules:
 		rdb  redis.UniversalClient
 	}{{"standalone", realRedis(t)}, {"cluster", cc}} {
 		t.Run(tc.name, func(t *testing.T) {
-			rdb := tc.rdb
-			a, b := globalLimiter(t, rdb, yaml, "rl:"), globalLimiter(t, rdb, yaml, "rl:")
-			in := &Input{Attrs: attrs("user=ren"), Cost: 1}
-			ok, tok, _ := acquire(t, a, in, 1)
-			if !ok || tok == "" {
-				t.Fatal("refused")
-			}
-			if renewed, _ := b.RenewLease(tok, 0, nowNs()); !renewed {
-				t.Fatal("renew while both parts are live said false")
-			}
-			time.Sleep(400 * time.Millisecond) // quick's part runs out (200 ms)
-			if renewed, in := b.RenewLease(tok, 0, nowNs()); renewed {
-				t.Fatalf("renew after quick's part ran out: renewed, first part in %v; want false", in)
-			}
-			if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); ok {
-				t.Fatal("a second request took the slot slow's live part holds")
-			}
-			if !b.ReleaseLease(tok, nowNs()) {
-				t.Fatal("release of the live part said false")
-			}
-			if ok, _, _ := acquire(t, b, &Input{Attrs: attrs("user=ren"), Cost: 1}, 2); !ok {
-				t.Fatal("refused after the release")
-			}
+			f(t, tc.name, tc.rdb, globalLimiter(t, tc.rdb, yaml, "rl:"), globalLimiter(t, tc.rdb, yaml, "rl:"))
 		})
 	}
 }
