@@ -93,6 +93,12 @@ func watchReads(t *testing.T, config string, read func() string) (wait func(want
 	t.Cleanup(cancel)
 	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() { loads <- read() }, func(err error) { t.Logf("watch: %v", err) })
 	must(t, err)
+	return awaitLoad(t, loads)
+}
+
+// awaitLoad returns a wait for a load of want among loads, failing the test (naming
+// what) when none comes within 10 s.
+func awaitLoad(t *testing.T, loads <-chan string) (wait func(want, what string)) {
 	return func(want, what string) {
 		t.Helper()
 		deadline := time.After(10 * time.Second)
@@ -243,22 +249,7 @@ func TestWatchConfigQueueOverflowReads(t *testing.T) {
 		<-gate // the first reload holds the loop until the queue has overflowed
 	}, func(err error) { t.Logf("watch: %v", err) })
 	must(t, err)
-	wait := func(want, what string) {
-		t.Helper()
-		deadline := time.After(10 * time.Second)
-		var got []string
-		for {
-			select {
-			case s := <-loads:
-				if s == want {
-					return
-				}
-				got = append(got, s)
-			case <-deadline:
-				t.Fatalf("%s: %q never read within 10 s (read: %q)", what, want, got)
-			}
-		}
-	}
+	wait := awaitLoad(t, loads)
 
 	must(t, os.Rename(writeFile(t, dir, ".t", "b"), config))
 	wait("b", "the first write")
