@@ -152,10 +152,31 @@ func (p *parser) yamlError(err error, data []byte) {
 	}
 	if m := yamlLine.FindStringSubmatch(msg); m != nil {
 		line, _ := strconv.Atoi(m[1])
-		p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + m[2]})
+		why := m[2]
+		if strings.Contains(why, "tab character") {
+			// The library names the line before the tab's, at times: name the tab's.
+			if l := tabIndented(data, line); l > 0 {
+				line, why = l, "a tab in the indentation (YAML indents with spaces only)"
+			}
+		}
+		p.errs = append(p.errs, &Error{File: p.file, Line: line, Msg: "invalid YAML: " + why})
 		return
 	}
 	p.errs = append(p.errs, &Error{File: p.file, Msg: "invalid YAML: " + strings.TrimPrefix(msg, "yaml: ")})
+}
+
+// tabIndented returns the number of the first line of data, from line from on, whose
+// indentation holds a tab; 0 when none does.
+func tabIndented(data []byte, from int) int {
+	for i, l := range bytes.Split(data, []byte("\n")) {
+		if i+1 < from {
+			continue
+		}
+		if indent := l[:len(l)-len(bytes.TrimLeft(l, " \t"))]; bytes.IndexByte(indent, '\t') >= 0 {
+			return i + 1
+		}
+	}
+	return 0
 }
 
 // notText finds the first character of data that YAML does not allow in UTF-8 text (a

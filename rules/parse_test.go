@@ -367,6 +367,17 @@ func TestDefault(t *testing.T) {
 	}
 }
 
+// A tab in a line's indentation is named on its line: the YAML library named the line
+// before it ("g.yaml:6: invalid YAML: found a tab character that violates indentation"
+// for a tab on line 7), an editor's jump to the error landing on a line with none.
+func TestTabIndentationLine(t *testing.T) {
+	data := "rules:\n  - name: a\n    key: user\n    limit: { requests: 5, per: 1m }\n  - name: b\n    key: ip\n\tlimit: { requests: 5, per: 1m }\n"
+	_, err := Parse("g.yaml", []byte(data))
+	if want := "g.yaml:7: invalid YAML: a tab in the indentation (YAML indents with spaces only)"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("got %v, want %s", err, want)
+	}
+}
+
 // A file that is not text is refused as such, at its first offending byte: binary
 // garbage was refused with "invalid YAML: control characters are not allowed", no line
 // nor byte named (a stray control character in a long file had to be hunted down), and a
