@@ -462,7 +462,8 @@ func (c *Client) Release(ctx context.Context, lease string) (released bool, err 
 
 // Renew extends the live lease to d from now (0: each of its rules' own lease; at most
 // an hour), for a request that runs long. renewed is false when the lease was unknown,
-// expired or released; expiresIn is then 0. Errors are as for Release.
+// expired or released, or one of its slots ran out (a rule of a shorter lease); expiresIn
+// is then 0. Errors are as for Release.
 func (c *Client) Renew(ctx context.Context, lease string, d time.Duration) (renewed bool, expiresIn time.Duration, err error) {
 	if d < 0 {
 		return false, 0, fmt.Errorf("rlclient: renew: negative duration %v", d)
