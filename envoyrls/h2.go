@@ -690,6 +690,12 @@ func (cn *h2conn) onHeaders() error {
 		return cn.requestEnded(st, st.body)
 	}
 	if id <= cn.lastID {
+		if h.end {
+			// Trailers of a call answered and reset before its request ended (too
+			// large), sent before the client read the reset: ignored, as RFC 9113 5.1
+			// says of frames on a stream the server reset (its header block decoded).
+			return nil
+		}
 		return connErr(http2.ErrCodeStreamClosed, "HEADERS on a closed stream")
 	}
 	cn.lastID = id

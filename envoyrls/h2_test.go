@@ -232,6 +232,17 @@ func TestNativeProtocol(t *testing.T) {
 			r.headers(1, true, "x-trailer", "1")
 			okAnswer(t, r.await(1, nil))
 		}},
+		{"trailers on a stream the server reset are ignored (RFC 9113 5.1), not a connection error", func(t *testing.T, r *rawConn) {
+			r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(1, false, []byte{0, 0xff, 0xff, 0xff, 0xff}) // a message too large: answered and reset
+			if rp := r.await(1, nil); rp.grpcStatus != "8" {
+				t.Fatalf("%+v", rp)
+			}
+			r.headers(1, true, "x-trailer", "1") // sent before the client read the reset
+			r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
+			r.fr.WriteData(3, true, oneCall("after"))
+			okAnswer(t, r.await(3, nil))
+		}},
 		{"content-type", func(t *testing.T, r *rawConn) {
 			kv := grpcHeaders(pathShouldRateLimit)
 			kv[9] = "text/plain"
