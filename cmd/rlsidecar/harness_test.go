@@ -91,7 +91,17 @@ func startDaemonAt(t *testing.T, socket string, args ...string) *daemonProc {
 // startServe runs `rlsidecar serve --socket socket args...`, with no flag added.
 func startServe(t *testing.T, socket string, args ...string) *daemonProc {
 	t.Helper()
+	return startServeVia(t, nil, socket, args...)
+}
+
+// startServeVia is startServe with the command run by the program via names, which gets
+// the daemon's command line as its arguments (nil: none).
+func startServeVia(t *testing.T, via []string, socket string, args ...string) *daemonProc {
+	t.Helper()
 	cmd := exec.Command(binary, append([]string{"serve", "--socket", socket}, args...)...)
+	if len(via) > 0 {
+		cmd = exec.Command(via[0], append(via[1:], cmd.Args...)...)
+	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -617,12 +617,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	rewatch, rewatching := func() {}, false
 	if *watch && *config != "" {
-		kick, err := watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
-			func(err error) { log.Warn("watching the rules file", "err", err) })
-		if err != nil {
-			return err
-		}
-		rewatch, rewatching = kick, true
+		rewatch, rewatching = startWatching(log, func() (func(), error) {
+			return watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
+				func(err error) { log.Warn("watching the rules file", "err", err) })
+		})
 	}
 
 	ruleSource := set.Source
@@ -1073,4 +1071,18 @@ func warnReadableSecrets(log *slog.Logger, socket string, files ...[2]string) {
 			log.Warn(what+" can be read by the socket's group, which the gateways join to reach the socket; make it the daemon's user's alone (chown that user, chmod 0400)", "file", path, "mode", fmt.Sprintf("%04o", perm), "gid", sockGid)
 		}
 	}
+}
+
+// startWatching starts the rules file's watcher (watch) and returns its kick, or, when
+// it cannot start (the inotify instances of the daemon's user used up on a crowded
+// host), logs why and serves without it: the rules in force are good, and SIGHUP
+// (systemctl reload) still reloads them. Before, the daemon refused to start, so a
+// rate limiter went down over a convenience.
+func startWatching(log *slog.Logger, watch func() (func(), error)) (kick func(), watching bool) {
+	kick, err := watch()
+	if err != nil {
+		log.Error("not watching the rules file: changes are read on SIGHUP (systemctl reload) only", "err", err)
+		return func() {}, false
+	}
+	return kick, true
 }

@@ -4,8 +4,11 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -261,4 +264,37 @@ func TestWatchConfigQueueOverflowReads(t *testing.T) {
 	must(t, os.Rename(writeFile(t, dir, ".t", "c"), config))
 	close(gate)
 	wait("c", "the write whose events the full queue lost")
+}
+
+// A daemon whose rules watcher cannot start (the inotify instances of its user used up,
+// as on a crowded host) serves all the same, says so, and reloads on SIGHUP; before, it
+// refused to start. The daemon runs in a user namespace of its own whose inotify limit
+// is 0, so no other process is short of them.
+func TestE2EServesWithoutAWatcher(t *testing.T) {
+	if _, err := exec.LookPath("unshare"); err != nil {
+		t.Skip("no unshare (util-linux) to give the daemon a user namespace with no inotify instances")
+	}
+	if err := exec.Command("unshare", "-U", "-r", "true").Run(); err != nil {
+		t.Skipf("user namespaces are not available here: %v", err)
+	}
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+	d := startServeVia(t, []string{"unshare", "-U", "-r", "sh", "-c", `echo 0 > /proc/sys/user/max_inotify_instances && exec "$@"`, "sh"},
+		filepath.Join(dir, "s.sock"), "--admin=", "--config", cfg)
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(d.stderr.String(), "not watching the rules file"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) { // the log is copied from a pipe: it may come after stdout's line
+			t.Fatalf("no word of the watcher that could not start:\n%s", d.stderr.String())
+		}
+	}
+	c := dialRaw(t, d.socket)
+	if l := limitOf(t, c, 1); l != 1 {
+		t.Fatalf("limit %d, want 1", l)
+	}
+	writeFile(t, dir, "rules.yaml", rulesWithLimit(2))
+	must(t, d.cmd.Process.Signal(syscall.SIGHUP))
+	for deadline := time.Now().Add(5 * time.Second); limitOf(t, c, 2) != 2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("SIGHUP did not reload the rules:\n%s", d.stderr.String())
+		}
+	}
 }
