@@ -37,7 +37,7 @@ const BACKOFF_MAX = 1000;
 const MAX_PENDING = 4096;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
 // A connection that answers no check for max(STALL_MIN, 4 × timeoutMs) while checks time
-// out on it is given up and redialed: a sidecar that stopped answering on it (frozen; or
+// out on it (or waiting for room on it: noRoom) is given up and redialed: a sidecar that stopped answering on it (frozen; or
 // an old sidecar stopped while its successor took the socket, in a blue/green switch)
 // would otherwise keep it until that process ended. A shorter stall keeps it.
 const STALL_MIN = 1000;
@@ -741,7 +741,11 @@ class Client {
         },
       };
       entry.timer = setTimeout(() => {
-        if (entry.queued) return entry.done(null, NO_ROOM);
+        if (entry.queued) {
+          entry.done(null, NO_ROOM);
+          this.noRoom();
+          return;
+        }
         const conn = entry.conn;
         entry.done(null, 'no answer within the timeout');
         if (conn !== null) conn.timedOut();
@@ -784,6 +788,18 @@ class Client {
     }
     this.waiting.push(entry);
     for (let c = this.roomy(); c !== null && this.waiting.size > 0; c = this.roomy()) this.admit(c);
+  }
+
+  // noRoom notes a check that waited for room for its whole timeout: every full connection
+  // left it unanswered, as if it had timed out on it (Conn.timedOut). Else a connection
+  // filled with checks a stalled sidecar never answers would never be given up: no check
+  // is sent on it, so none times out on it, and every check is decided by the policy
+  // until that process ends.
+  noRoom() {
+    for (const s of this.slots) {
+      const c = s.conn;
+      if (c !== null && c.broken === null && !c.retired && c.inFlight() >= MAX_PENDING) c.timedOut();
+    }
   }
 
   // roomy returns a live connection with room, or null.

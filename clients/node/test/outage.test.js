@@ -125,3 +125,35 @@ test('a connection the sidecar stopped answering on is given up and redialed', a
     assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's connections`);
   }
 });
+
+// The same when the frozen sidecar's connections are full: a burst (or a load of more
+// than MAX_PENDING checks within the stall time) fills each with checks it never answers,
+// and every later check waits for room and times out there, never sent on one. Such a
+// timeout is a check the connection left unanswered too: it counts toward the stall.
+// Before, only a check that timed out on a connection counted, so a full connection was
+// never given up: every check was decided by the policy until the old process ended.
+test('a full connection the sidecar stopped answering on is given up and redialed', async (t) => {
+  const fs = require('fs');
+  const net = require('net');
+  const { MAX_PENDING } = require('../lib/client');
+  const p = path.join(tempDir(t), 's.sock');
+  const held = [];
+  const frozen = net.createServer((s) => { held.push(s); s.on('data', () => {}); }); // reads, never answers
+  await new Promise((r) => frozen.listen(p, r));
+  t.after(() => { for (const s of held) s.destroy(); frozen.close(); });
+  const c = new rl.Client({ socket: p, timeoutMs: 20, conns: 2, logger: { warn() {} } });
+  t.after(() => c.close());
+  for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable); // dials both
+  const burst = await Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
+  assert.ok(burst.every((d) => d.unreachable));
+  assert.deepEqual(c.slots.map((s) => s.conn && s.conn.inFlight()), [MAX_PENDING, MAX_PENDING], 'both connections full');
+  const d = await startDaemon(t, RULES);
+  fs.renameSync(d.socket, p); // the successor takes the path
+  const switched = Date.now();
+  for (;;) {
+    const dec = await c.check({ user: 'a' });
+    if (!dec.unreachable) break;
+    const after = Date.now() - switched;
+    assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's full connections`);
+  }
+});
