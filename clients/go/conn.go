@@ -253,6 +253,14 @@ send:
 	}
 	if err != nil {
 		cl.timer.Stop()
+		if err == errNoRoom && wait == c.opts.Timeout {
+			// The full connection it waited on left it unanswered for the whole Timeout,
+			// as if it had timed out on it. Else a connection filled with checks a
+			// stalled sidecar never answers would never be given up: none is sent on it,
+			// so none times out on it, and every check is answered by the Policy until
+			// that process ends.
+			cn.timedOut(time.Now())
+		}
 		return fail(err)
 	}
 	res, err := cl.wait(ctx)
@@ -406,7 +414,8 @@ func uintLen(v uint64) int {
 // round-robin over the slots: one that is backing off, or whose connection is full,
 // passes to the next. When every connection it got is full, it waits for a place on the
 // first of them until cl's deadline or ctx; if that connection breaks meanwhile, it
-// starts over (its slot redials).
+// starts over (its slot redials). When the deadline passes first, it returns errNoRoom
+// and that connection.
 func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
 	n := len(c.slots)
 	start := int(c.next.Add(1) % uint32(n))
@@ -439,7 +448,7 @@ func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
 			return full, nil
 		case <-full.dead:
 		case <-cl.timer.C:
-			return nil, errNoRoom
+			return full, errNoRoom // the connection it waited on, for timedOut
 		case <-ctx.Done():
 			return nil, ctxError(ctx)
 		}

@@ -65,6 +65,59 @@ func TestStalledConnectionRedials(t *testing.T) {
 	}
 }
 
+// The same when the frozen sidecar's connections are full: a burst (or a load of more than
+// maxPending checks within stallFor) fills each with checks it never answers, and every
+// later check waits for room and times out there, never sent on one. Such a timeout is a
+// check the connection left unanswered too: it counts toward the stall. Before, only a
+// check that timed out after it was sent counted, so a full connection was never given
+// up: every check was answered by the Policy until the old process ended.
+func TestStalledFullConnectionRedials(t *testing.T) {
+	path := socketPath(t)
+	frozen := make(chan struct{})
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		<-frozen // never answers once frozen
+	})
+	defer close(frozen)
+	c, err := New(Options{Socket: path, Conns: 2, Timeout: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.maxPending = 4
+	ctx := context.Background()
+	attrs := map[string]string{"user": "blue"}
+	// Both connections fill with checks the frozen sidecar never answers.
+	for range 2 * c.maxPending {
+		if d, _ := c.Check(ctx, attrs, nil); !d.Unreachable {
+			t.Fatalf("the frozen sidecar answered: %+v", d)
+		}
+	}
+	if got := pendingOn(c); len(got) != 2 || got[0] != c.maxPending || got[1] != c.maxPending {
+		t.Fatalf("calls in flight per connection: %v, want both full (%d)", got, c.maxPending)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	startFake(t, path, nil)
+	switched := time.Now()
+	for i := 1; ; i++ {
+		d, err := c.Check(ctx, attrs, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !d.Unreachable {
+			if d.Rule != "blue" {
+				t.Fatalf("answer %+v; want the successor's echo", d)
+			}
+			t.Logf("the successor answered %s (%d checks) after the switch", time.Since(switched).Round(time.Millisecond), i)
+			break
+		}
+		if time.Since(switched) > 3*c.stallFor() {
+			t.Fatalf("%s after the switch still unanswered (%v): the client keeps the frozen sidecar's full connections", time.Since(switched).Round(time.Millisecond), d.Cause)
+		}
+	}
+}
+
 // The sidecar frees a lease when the connection that took it closes. A connection given up
 // for a stall that holds the leases of requests still running is retired, not closed:
 // the next check redials, but the connection stays open until those leases are released
