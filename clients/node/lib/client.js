@@ -652,7 +652,7 @@ class Client {
     });
   }
 
-  /** Closes every connection; checks in flight resolve with the policy decision, later ones reject. */
+  /** Closes every connection; checks in flight or waiting for room, and later ones, reject with a ClosedError. */
   close() {
     this.closed = true;
     for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) e.done(null, 'client closed');
