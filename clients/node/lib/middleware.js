@@ -205,9 +205,9 @@ function firstRenewal(d) {
 // keepLease renews lease with client, first after first ms, then at half of what each
 // renewal answers is left of it, until stop() (the release follows it; a renewal under way
 // then is answered renewed or not, harmlessly). It stops by itself when a renewal answers
-// that the lease is gone, and when the sidecar does not answer until the lease's last
-// known expiry (retrying meanwhile at half of what is left of it). Its timer does not keep
-// the process alive.
+// that the lease is gone, when the client is closed, and when the sidecar does not answer
+// until the lease's last known expiry (retrying meanwhile at half of what is left of it).
+// Its timer does not keep the process alive.
 function keepLease(client, lease, first) {
   let timer = null;
   let stopped = false;
@@ -222,7 +222,10 @@ function keepLease(client, lease, first) {
       if (stopped || !renewed) return;
       expires = Date.now() + expiresMs;
       schedule(expiresMs / 2);
-    }, () => {
+    }, (e) => {
+      // A closed client answers every renewal at once: retrying it down to every 10 ms
+      // until the lease's expiry was work for nothing.
+      if (e instanceof ClosedError) return;
       const left = expires - Date.now();
       if (!stopped && left > 0) schedule(left / 2);
     });

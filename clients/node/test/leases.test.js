@@ -339,6 +339,27 @@ test('the middleware renews a long request\'s lease', async (t) => {
   assert.equal(await free('ren'), 1, 'released when the response ended');
 });
 
+// A lease held by a request when its client is closed is not renewed again and again:
+// every renewal of a closed client fails at once, and was retried at half of what was left
+// of the lease, down to every 10 ms, until its expiry.
+test('the middleware stops renewing once its client is closed', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2, lease: 30s', 'max: 1, lease: 2s'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000 });
+  let renewals = 0;
+  const renew = c.renew.bind(c);
+  c.renew = (...args) => { renewals++; return renew(...args); };
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'cleo' }) });
+  const res = new EventEmitter();
+  res.setHeader = () => {};
+  res.end = () => res.emit('finish');
+  await new Promise((resolve) => mw({ method: 'PUT', url: '/upload' }, res, resolve));
+  await c.close();
+  await new Promise((r) => setTimeout(r, 4500)); // past the first renewal and the lease
+  assert.ok(renewals <= 1, `${renewals} renewals of a closed client's lease, want at most 1`);
+  res.end();
+  res.emit('close');
+});
+
 // The sidecar frees a lease when the connection that took it closes. A connection given
 // up for a stall (no answer for max(1 s, 4 × timeoutMs) while checks time out on it) that
 // holds the lease of a request still running is retired, not closed: the next check
