@@ -147,6 +147,38 @@ func TestE2ERedisPasswordStaysSecret(t *testing.T) {
 	_ = proto.OpCheck
 }
 
+// A password in the --redis URL on the command line shows in ps, whatever the daemon
+// does: it says so, once, without the password, and points at the ways that do not.
+// The same URL from $RLSIDECAR_REDIS (not in ps) draws no warning.
+func TestE2ERedisPasswordOnTheCommandLineWarned(t *testing.T) {
+	const secret = "s3cret-pw-5120"
+	srv := redistest.StartStandalone(t, redistest.WithPassword(secret))
+	u := "redis://:" + secret + "@" + srv.Addr
+	d := startDaemon(t, "--redis", u)
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(d.stderr.String(), "holds a password, which ps shows"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no warning of a password on the command line:\n%s", d.stderr.String())
+		}
+	}
+	if r := dialRaw(t, d.socket).check(1, 1, "user=pw-cli"); !r.Allowed {
+		t.Fatalf("%+v", r)
+	}
+	t.Setenv("RLSIDECAR_REDIS", u)
+	e := startDaemon(t)
+	if r := dialRaw(t, e.socket).check(1, 1, "user=pw-env"); !r.Allowed {
+		t.Fatalf("%+v", r)
+	}
+	for _, p := range []*daemonProc{d, e} {
+		stopDaemon(t, p)
+		if strings.Contains(p.stderr.String(), secret) {
+			t.Fatalf("the password shows in the log:\n%s", p.stderr.String())
+		}
+	}
+	if strings.Contains(e.stderr.String(), "which ps shows") {
+		t.Fatalf("a password from the environment warned of as on the command line:\n%s", e.stderr.String())
+	}
+}
+
 const globalRules = `
 rules:
   - name: otp

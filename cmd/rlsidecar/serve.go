@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"net/url"
 	"os"
 	"os/signal"
 	"runtime/pprof"
@@ -266,6 +267,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		if pw, err := cfg.Password(); err == nil {
 			secrets.set(pw)
+		}
+		for _, name := range []string{"redis", "redis-cluster"} {
+			if v, given := flagValue(args, name); given && urlHasPassword(v) {
+				log.Warn("the --"+name+" URL on the command line holds a password, which ps shows to every user of this host: give it in $RLSIDECAR_REDIS_PASSWORD or --redis-password-file", "redis", rlsync.Redact(v))
+			}
 		}
 		// Two clients (two connection pools) and two sets of breakers: global checks wait
 		// milliseconds, hybrid syncs longer; a Redis too slow for the first, whose
@@ -1085,4 +1091,14 @@ func startWatching(log *slog.Logger, watch func() (func(), error)) (kick func(),
 		return func() {}, false
 	}
 	return kick, true
+}
+
+// urlHasPassword reports whether the URL s names a password (redis://:pw@host).
+func urlHasPassword(s string) bool {
+	u, err := url.Parse(s)
+	if err != nil || u.User == nil {
+		return false
+	}
+	_, ok := u.User.Password()
+	return ok
 }
