@@ -42,27 +42,7 @@ func TestStalledConnectionRedials(t *testing.T) {
 			t.Fatalf("the frozen sidecar answered: %+v", d)
 		}
 	}
-	if err := os.Remove(path); err != nil {
-		t.Fatal(err)
-	}
-	startFake(t, path, nil)
-	switched := time.Now()
-	for i := 1; ; i++ {
-		d, err := c.Check(ctx, attrs, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !d.Unreachable {
-			if d.Rule != "blue" {
-				t.Fatalf("answer %+v; want the successor's echo", d)
-			}
-			t.Logf("the successor answered %s (%d checks) after the switch", time.Since(switched).Round(time.Millisecond), i)
-			break
-		}
-		if time.Since(switched) > 3*c.stallFor() {
-			t.Fatalf("%s after the switch still unanswered (%v): the client keeps the frozen sidecar's connections", time.Since(switched).Round(time.Millisecond), d.Cause)
-		}
-	}
+	switchSidecar(t, c, path, attrs, "connections")
 }
 
 // The same when the frozen sidecar's connections are full: a burst (or a load of more than
@@ -95,27 +75,7 @@ func TestStalledFullConnectionRedials(t *testing.T) {
 	if got := pendingOn(c); len(got) != 2 || got[0] != c.maxPending || got[1] != c.maxPending {
 		t.Fatalf("calls in flight per connection: %v, want both full (%d)", got, c.maxPending)
 	}
-	if err := os.Remove(path); err != nil {
-		t.Fatal(err)
-	}
-	startFake(t, path, nil)
-	switched := time.Now()
-	for i := 1; ; i++ {
-		d, err := c.Check(ctx, attrs, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !d.Unreachable {
-			if d.Rule != "blue" {
-				t.Fatalf("answer %+v; want the successor's echo", d)
-			}
-			t.Logf("the successor answered %s (%d checks) after the switch", time.Since(switched).Round(time.Millisecond), i)
-			break
-		}
-		if time.Since(switched) > 3*c.stallFor() {
-			t.Fatalf("%s after the switch still unanswered (%v): the client keeps the frozen sidecar's full connections", time.Since(switched).Round(time.Millisecond), d.Cause)
-		}
-	}
+	switchSidecar(t, c, path, attrs, "full connections")
 }
 
 // The sidecar frees a lease when the connection that took it closes. A connection given up
@@ -298,6 +258,35 @@ func TestFrameRest(t *testing.T) {
 	for _, tc := range []struct{ n, want int }{{1, 6}, {6, 1}, {7, 0}, {8, 8}, {15, 1}, {16, 0}} {
 		if got := frameRest(b, tc.n); len(got) != tc.want {
 			t.Errorf("frameRest after %d bytes: %d bytes; want %d", tc.n, len(got), tc.want)
+		}
+	}
+}
+
+// switchSidecar starts a successor on path in place of the frozen sidecar holding c's
+// connections (a blue/green switch), and checks attrs until the successor answers them,
+// failing the test when the client still keeps the frozen sidecar's (what) after three
+// times its stall time.
+func switchSidecar(t *testing.T, c *Client, path string, attrs map[string]string, what string) {
+	t.Helper()
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	startFake(t, path, nil)
+	switched := time.Now()
+	for i := 1; ; i++ {
+		d, err := c.Check(context.Background(), attrs, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !d.Unreachable {
+			if d.Rule != attrs["user"] {
+				t.Fatalf("answer %+v; want the successor's echo", d)
+			}
+			t.Logf("the successor answered %s (%d checks) after the switch", time.Since(switched).Round(time.Millisecond), i)
+			return
+		}
+		if time.Since(switched) > 3*c.stallFor() {
+			t.Fatalf("%s after the switch still unanswered (%v): the client keeps the frozen sidecar's %s", time.Since(switched).Round(time.Millisecond), d.Cause, what)
 		}
 	}
 }
