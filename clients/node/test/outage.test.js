@@ -105,25 +105,9 @@ test('the outage log goes to console.warn by default; logger: null silences it',
 // the next check redials, reaching whoever serves the socket now. Before, the client kept sending on the
 // silent connections until the old process ended (systemd's watchdog: 30 s).
 test('a connection the sidecar stopped answering on is given up and redialed', async (t) => {
-  const fs = require('fs');
-  const net = require('net');
-  const p = path.join(tempDir(t), 's.sock');
-  const held = [];
-  const frozen = net.createServer((s) => { held.push(s); s.on('data', () => {}); }); // reads, never answers
-  await new Promise((r) => frozen.listen(p, r));
-  t.after(() => { for (const s of held) s.destroy(); frozen.close(); });
-  const c = new rl.Client({ socket: p, timeoutMs: 20, conns: 2, logger: { warn() {} } });
-  t.after(() => c.close());
+  const { p, c } = await frozenSidecar(t);
   for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable);
-  const d = await startDaemon(t, RULES);
-  fs.renameSync(d.socket, p); // the successor takes the path
-  const switched = Date.now();
-  for (;;) {
-    const dec = await c.check({ user: 'a' });
-    if (!dec.unreachable) break;
-    const after = Date.now() - switched;
-    assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's connections`);
-  }
+  await switchSidecar(t, c, p, 'connections');
 });
 
 // The same when the frozen sidecar's connections are full: a burst (or a load of more
@@ -133,9 +117,19 @@ test('a connection the sidecar stopped answering on is given up and redialed', a
 // Before, only a check that timed out on a connection counted, so a full connection was
 // never given up: every check was decided by the policy until the old process ended.
 test('a full connection the sidecar stopped answering on is given up and redialed', async (t) => {
-  const fs = require('fs');
-  const net = require('net');
   const { MAX_PENDING } = require('../lib/client');
+  const { p, c } = await frozenSidecar(t);
+  for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable); // dials both
+  const burst = await Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
+  assert.ok(burst.every((d) => d.unreachable));
+  assert.deepEqual(c.slots.map((s) => s.conn && s.conn.inFlight()), [MAX_PENDING, MAX_PENDING], 'both connections full');
+  await switchSidecar(t, c, p, 'full connections');
+});
+
+// frozenSidecar listens on a new socket path p as a sidecar that reads its checks and
+// never answers, and returns p and a client c of it (timeoutMs 20, two connections).
+async function frozenSidecar(t) {
+  const net = require('net');
   const p = path.join(tempDir(t), 's.sock');
   const held = [];
   const frozen = net.createServer((s) => { held.push(s); s.on('data', () => {}); }); // reads, never answers
@@ -143,17 +137,20 @@ test('a full connection the sidecar stopped answering on is given up and rediale
   t.after(() => { for (const s of held) s.destroy(); frozen.close(); });
   const c = new rl.Client({ socket: p, timeoutMs: 20, conns: 2, logger: { warn() {} } });
   t.after(() => c.close());
-  for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable); // dials both
-  const burst = await Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
-  assert.ok(burst.every((d) => d.unreachable));
-  assert.deepEqual(c.slots.map((s) => s.conn && s.conn.inFlight()), [MAX_PENDING, MAX_PENDING], 'both connections full');
+  return { p, c };
+}
+
+// switchSidecar has a real daemon take the frozen sidecar's path p (a blue/green switch)
+// and checks with c until it answers, failing when c still keeps the frozen sidecar's
+// connections (what) 3 s after the switch.
+async function switchSidecar(t, c, p, what) {
   const d = await startDaemon(t, RULES);
-  fs.renameSync(d.socket, p); // the successor takes the path
+  require('fs').renameSync(d.socket, p); // the successor takes the path
   const switched = Date.now();
   for (;;) {
     const dec = await c.check({ user: 'a' });
-    if (!dec.unreachable) break;
+    if (!dec.unreachable) return;
     const after = Date.now() - switched;
-    assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's full connections`);
+    assert.ok(after < 3000, `${after} ms after the switch still unanswered (${dec.cause}): the client keeps the frozen sidecar's ${what}`);
   }
-});
+}
