@@ -37,9 +37,10 @@ const BACKOFF_MAX = 1000;
 const MAX_PENDING = 4096;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
 // A connection that answers no check for max(STALL_MIN, 4 × timeoutMs) while checks time
-// out on it (or waiting for room on it: noRoom) is given up and redialed: a sidecar that stopped answering on it (frozen; or
-// an old sidecar stopped while its successor took the socket, in a blue/green switch)
-// would otherwise keep it until that process ended. A shorter stall keeps it.
+// out on it (or waiting for room on it: noRoom) is given up and redialed: a sidecar that
+// stopped answering on it (frozen; or an old sidecar stopped while its successor took the
+// socket, in a blue/green switch) would otherwise keep it until that process ended. A
+// shorter stall keeps it.
 const STALL_MIN = 1000;
 // The least time, in ms, between two lines of the outage log while the sidecar keeps
 // failing (see Client.unreachable).
