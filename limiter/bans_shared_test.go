@@ -9,7 +9,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
@@ -461,12 +460,7 @@ rules:
     mode: hybrid
     penalty: { after: 3, within: 1m, ban: 10m }
 `
-	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 500 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
+	srv, rdb := realRedisServer(t, 500*time.Millisecond)
 	l := sharedLimiter(t, rdb, yaml)
 	check := ipChecker(t, l, "ip=1.1.1.1")
 	refuse(t, check, 3)
@@ -569,12 +563,7 @@ rules:
     on_store_failure: closed
     penalty: { after: 3, within: 1m, ban: 10m }
 `
-			srv := redistest.StartStandalone(t)
-			rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 500 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { rdb.Close() })
+			srv, rdb := realRedisServer(t, 500*time.Millisecond)
 			l := sharedLimiter(t, rdb, yaml)
 			check := ipChecker(t, l, "ip=1.1.1.1")
 			if r := check(); !r.Allowed || r.Degraded {

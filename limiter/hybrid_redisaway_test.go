@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
@@ -17,12 +16,7 @@ import (
 // its whole limit again from a fresh bucket: a login rule of 3 an hour gave a client
 // that had used its 3 three more while Redis was away.
 func TestHybridLimitedClientRefusedWhileRedisAway(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
+	rdb := realRedis(t)
 	h := rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: 100 * time.Millisecond})
 	if _, err := h.Heartbeat(context.Background(), "d1", time.Minute); err != nil {
 		t.Fatal(err)

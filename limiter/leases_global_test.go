@@ -528,12 +528,7 @@ func TestLeaseWaits(t *testing.T) {
 // ownerless, and in flight: Redis still holds their slots. The sweep then counts them
 // expired (the leak signal) once they have run out, as for any lease never released.
 func TestGlobalLeasesOwnerCloseRedisFrozen(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
+	srv, rdb := realRedisServer(t, time.Second)
 	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 5, lease: 200ms }\n    mode: global\n"
 	a := globalLimiter(t, rdb, yaml, "rl:")
 	for range 2 {

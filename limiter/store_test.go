@@ -27,13 +27,21 @@ func unreachable(t *testing.T) redis.UniversalClient {
 // realRedis starts a real redis-server and returns a client of it.
 func realRedis(t testing.TB) redis.UniversalClient {
 	t.Helper()
+	_, rdb := realRedisServer(t, time.Second)
+	return rdb
+}
+
+// realRedisServer starts a real redis-server (to stop or freeze) and returns it and a
+// client of it whose calls time out after timeout.
+func realRedisServer(t testing.TB, timeout time.Duration) (*redistest.Server, redis.UniversalClient) {
+	t.Helper()
 	srv := redistest.StartStandalone(t)
-	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rdb.Close() })
-	return rdb
+	return srv, rdb
 }
 
 // When the store a rule needs cannot decide (hybrid allowances gone stale, global Redis
