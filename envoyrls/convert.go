@@ -427,7 +427,8 @@ func (c *converter) descriptors(file, domain string, n *yaml.Node, field string,
 		}
 		// What Envoy tries before this entry at this level: the exact values, then the
 		// wildcards in order. Nothing comes before an exact value: only an empty value
-		// and a wildcard look (20,000 exact values at one level took 6 s looking).
+		// and a wildcard look (each exact value looking at every sibling made a level of
+		// many exact values quadratic).
 		for oi, o := range sibs {
 			if o.key != s.key || oi == si || s.value != "" && !lv.glob {
 				continue
