@@ -2,9 +2,11 @@
 package connlimit
 
 import (
+	"errors"
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 )
 
 // Listener returns ln accepting at most max connections open at once: past it, a
@@ -48,4 +50,23 @@ func (c *conn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(func() { c.l.open.Add(-1) })
 	return err
+}
+
+// SyscallConn and CloseWrite reach the socket under the wrapper, as they would without
+// it: the Envoy transport reads and writes its connections with raw system calls
+// (internal/rawio) and shuts a connection's write side first when it closes it
+// gracefully. Hidden by the wrapper, the first fell back to net.Conn's reads and the
+// second to an immediate close.
+func (c *conn) SyscallConn() (syscall.RawConn, error) {
+	if sc, ok := c.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
+	}
+	return nil, errors.New("connlimit: the connection has no descriptor")
+}
+
+func (c *conn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errors.New("connlimit: the connection cannot close only its write side")
 }

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -64,4 +65,50 @@ func TestListener(t *testing.T) {
 	}
 	second.Close()
 	got.Close()
+}
+
+// A connection held reaches its socket's descriptor and can close its write side alone,
+// as the socket itself can.
+func TestConnReachesTheSocket(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := Listener(inner, 2)
+	defer ln.Close()
+	client, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		t.Fatal("the connection does not offer SyscallConn")
+	}
+	if _, err := sc.SyscallConn(); err != nil {
+		t.Fatalf("SyscallConn: %v", err)
+	}
+	cw, ok := c.(interface{ CloseWrite() error })
+	if !ok {
+		t.Fatal("the connection does not offer CloseWrite")
+	}
+	if err := cw.CloseWrite(); err != nil {
+		t.Fatalf("CloseWrite: %v", err)
+	}
+	client.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := client.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("the client read %v after CloseWrite, want EOF", err)
+	}
+	if _, err := client.Write([]byte("x")); err != nil { // the read side is still open
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); n != 1 || err != nil {
+		t.Fatalf("the server read %d, %v after CloseWrite", n, err)
+	}
 }
