@@ -89,6 +89,11 @@ const (
 	h2MaxGRPCMessage = 1024
 )
 
+// h2Linger bounds how long a connection closed gracefully (GOAWAY sent and its last call
+// answered) still reads, and drops, what its client sends, waiting for the client to close
+// (x/net's HTTP/2 server waits the same second). A variable for tests.
+var h2Linger = time.Second
+
 // method is what a stream calls.
 type method uint8
 
@@ -199,6 +204,7 @@ type h2conn struct {
 	lastID   uint32 // the highest stream the client opened
 	goneAway bool   // GOAWAY sent: no stream is opened past lastID
 	closed   bool   // the connection is closed or closing: nothing more is written
+	linger   bool   // closed gracefully: only the write side is shut, serve drains the read side
 	sendConn int64  // what the connection's send window still allows
 	peerInit int64  // the peer's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMax  int    // the peer's SETTINGS_MAX_FRAME_SIZE
@@ -296,7 +302,17 @@ func (cn *h2conn) serve() {
 	defer func() {
 		cn.mu.Lock()
 		cn.closeLocked()
+		linger := cn.linger
 		cn.mu.Unlock()
+		if linger {
+			// The answers and a FIN are on their way; what the client still sends (a
+			// WINDOW_UPDATE, a PING, a stream it opened before it read the GOAWAY) is read
+			// and dropped. Closed with those bytes unread, a TCP socket would answer them
+			// with a reset, and the client's kernel drops the answers it has not read yet.
+			cn.nc.SetReadDeadline(time.Now().Add(h2Linger))
+			io.Copy(io.Discard, cn.br)
+			cn.nc.Close()
+		}
 		cn.deciding.Wait()
 	}()
 	cn.nc.SetReadDeadline(time.Now().Add(h2PrefaceTimeout))
@@ -334,6 +350,12 @@ func (cn *h2conn) serve() {
 		}
 		f, err := cn.rfr.ReadFrame()
 		cn.mu.Lock()
+		if cn.closed {
+			// Closed while this read waited (a graceful close by the last answer or by
+			// Shutdown): what was read is not handled.
+			cn.mu.Unlock()
+			return
+		}
 		if err != nil && cn.readDL && errors.Is(err, os.ErrDeadlineExceeded) {
 			cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose call's request was begun and not finished in time",
 				"frame_timeout", cn.s.cfg.FrameTimeout, "buffered", cn.buffered)
@@ -447,6 +469,32 @@ func (cn *h2conn) closeLocked() {
 	if cn.closed {
 		return
 	}
+	cn.endLocked()
+	cn.nc.Close()
+}
+
+// closeGracefullyLocked ends a connection that sent GOAWAY and has no call left: it
+// writes what is buffered and shuts the write side down, so the client reads every
+// answer and then the end; serve reads on until the client closes (h2Linger at most), and
+// then closes. A connection that cannot shut only its write side is closed.
+func (cn *h2conn) closeGracefullyLocked() {
+	if cn.closed {
+		return
+	}
+	cw, ok := cn.nc.(interface{ CloseWrite() error })
+	if !ok || cn.bw.Flush() != nil || cw.CloseWrite() != nil {
+		cn.closeLocked()
+		return
+	}
+	cn.endLocked()
+	cn.linger = true
+	// Wake serve if it waits in a read that no more bytes may end: its deferred drain
+	// sets the linger's own deadline.
+	cn.nc.SetReadDeadline(time.Now())
+}
+
+// endLocked marks the connection closed: every stream is done, nothing more is written.
+func (cn *h2conn) endLocked() {
 	cn.closed = true
 	for id, st := range cn.streams {
 		st.done = true
@@ -455,7 +503,6 @@ func (cn *h2conn) closeLocked() {
 	}
 	cn.buffered = 0
 	cn.blocked = cn.blocked[:0]
-	cn.nc.Close()
 }
 
 // goAway starts a graceful close: GOAWAY names the last stream the client opened, those
@@ -471,7 +518,7 @@ func (cn *h2conn) goAway() {
 		cn.bw.Flush()
 	}
 	if len(cn.streams) == 0 {
-		cn.closeLocked()
+		cn.closeGracefullyLocked()
 	}
 }
 
@@ -516,7 +563,7 @@ func (cn *h2conn) handle(f http2.Frame) error {
 		// The client opens no more streams: close once those it opened are answered.
 		cn.goneAway = true
 		if len(cn.streams) == 0 {
-			cn.closeLocked()
+			cn.closeGracefullyLocked()
 		}
 		return nil
 	case *http2.PushPromiseFrame:
@@ -1250,8 +1297,7 @@ func (cn *h2conn) closeStream(st *h2stream) {
 		cn.free = append(cn.free, st)
 	}
 	if cn.goneAway && len(cn.streams) == 0 && !cn.closed {
-		cn.bw.Flush() // the last answer; the connection closes either way
-		cn.closeLocked()
+		cn.closeGracefullyLocked() // after the last answer
 	}
 }
 

@@ -41,7 +41,13 @@ type rawConn struct {
 // SETTINGS, which it acknowledges.
 func dialRaw(t *testing.T, sock string, settings ...http2.Setting) *rawConn {
 	t.Helper()
-	c, err := net.Dial("unix", sock)
+	return dialRawNet(t, "unix", sock, settings...)
+}
+
+// dialRawNet is dialRaw on any network.
+func dialRawNet(t *testing.T, network, addr string, settings ...http2.Setting) *rawConn {
+	t.Helper()
+	c, err := net.Dial(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -949,6 +955,65 @@ func TestNativeGoAway(t *testing.T) {
 		t.Fatalf("Shutdown: %v", err)
 	}
 	if err := <-sv.done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// A connection closed gracefully (GOAWAY, its last call answered) shuts its write side
+// and reads on until the client closes: a client whose frames still arrive after the
+// server's end (a PING, a WINDOW_UPDATE, a stream opened before it read the GOAWAY) is
+// not answered with a TCP reset, which on a real link makes the client's kernel drop the
+// answers it has not read yet. Before, the socket was closed at once, and on TCP the
+// client's next write met a reset.
+func TestNativeGoAwayLingers(t *testing.T) {
+	defer func(d time.Duration) { h2Linger = d }(h2Linger)
+	h2Linger = time.Minute // the client closes first; Shutdown waits for it
+	s := testServer(t)
+	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve() }()
+	r := dialRawNet(t, "tcp", s.Addr().String())
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	if err := r.fr.WriteData(1, true, oneCall("linger")); err != nil {
+		t.Fatal(err)
+	}
+	okAnswer(t, r.await(1, nil))
+
+	shut := make(chan error, 1)
+	go func() { shut <- s.Shutdown(ctx10(t)) }()
+	for {
+		if g, ok := r.next().(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1 {
+				t.Fatalf("GOAWAY %v last %d", g.ErrCode, g.LastStreamID)
+			}
+			break
+		}
+	}
+	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if f, err := r.fr.ReadFrame(); err != io.EOF {
+		t.Fatalf("after GOAWAY: %v %v, want the end of the stream", f, err)
+	}
+	// The client has not seen the end yet: it goes on writing, as a client whose frames
+	// were in flight does. A reset would fail the writes after the first.
+	for i := range 20 {
+		if err := r.fr.WritePing(false, [8]byte{byte(i)}); err != nil {
+			t.Fatalf("ping %d after the server's end: %v", i, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case err := <-shut:
+		t.Fatalf("Shutdown returned before the client closed: %v", err)
+	default:
+	}
+	r.c.Close()
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-done; err != nil {
 		t.Fatalf("Serve: %v", err)
 	}
 }
