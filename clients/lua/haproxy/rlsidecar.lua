@@ -265,56 +265,183 @@ end
 
 local MIN_RENEWAL_MS = http.MIN_RENEWAL_MS
 
--- renew asks the daemon at address to extend lease by its rules' own lease times, on a
--- connection of its own: true and the ms left, false when the lease is gone (released,
--- expired, or freed with the connection that took it), nil when no answer came.
-local function renew(address, timeout_ms, lease)
-  local id = next_id()
-  local frame = codec.encode_request({ id = id, op = "renew", lease = lease })
-  if not frame then
-    return nil
+-- Renewals of the leases of transactions still running: one task a Lua state (a thread's,
+-- with lua-load-per-thread) renews every lease that keep_lease gave it, from a heap
+-- ordered by when each renewal is due. A task a lease held a coroutine until the lease's
+-- first renewal found its transaction ended: at 60 s leases and a few thousand leased
+-- requests a second, hundreds of thousands of them at once (165-190 MB, and a third of
+-- HAProxy's throughput).
+--
+-- A lease is renewed first after first_ms, then at half of what each renewal answers is
+-- left of it. HAProxy gives Lua no hook at the end of a transaction, so the task learns
+-- it from the daemon: when the transaction ends HAProxy closes the connection that took
+-- the lease, the daemon frees the lease, and the next renewal answers renewed: false (a
+-- lease released by the next request on the client connection, see pending, likewise).
+-- An entry holds the lease's id only, never the transaction's socket (which would keep it
+-- open). A lease whose renewals go unanswered is dropped at its last known expiry.
+local due = {} -- a binary min-heap of entries { due, expires, lease, address, timeout_ms }
+local renewing = false -- this Lua state's renewal task runs
+-- shortest_first_ms: the shortest first renewal any lease was given, which bounds how
+-- long the task sleeps (a lease added during a sleep is due after that at the earliest).
+local shortest_first_ms = math.huge
+-- RENEW_BATCH bounds the renewals sent on one connection at once.
+local RENEW_BATCH = 256
+
+local function due_push(e)
+  local i = #due + 1
+  due[i] = e
+  while i > 1 do
+    local up = math.floor(i / 2)
+    if due[up].due <= e.due then break end
+    due[i], due[up] = due[up], e
+    i = up
   end
-  local resp, sock = roundtrip(address, timeout_ms, frame, id)
-  if sock then
-    sock:close()
-  end
-  if not resp or resp.error then
-    return nil
-  end
-  return resp.renewed == true, tonumber(resp.expires_ms) or 0
 end
 
--- keep_lease renews lease from a task of its own (HAProxy runs it beside the traffic;
--- an action cannot wait past its transaction), first after first_ms, then at half of
--- what each renewal answers is left of it. HAProxy gives Lua no hook at the end of a
--- transaction, so the task learns it from the daemon: when the transaction ends HAProxy
--- closes the connection that took the lease, the daemon frees the lease, and the next
--- renewal answers renewed: false (a lease released by the next request on the client
--- connection, see pending, likewise). The task holds the lease's id only, never the
--- transaction's socket (which would keep it open). It also stops when the sidecar has not
--- answered until the lease's last known expiry.
-local function keep_lease(address, timeout_ms, lease, first_ms)
-  core.register_task(function()
-    local wait = first_ms
-    local expires = now_ms() + 2 * first_ms
+local function due_pop()
+  local top, n = due[1], #due
+  local last = due[n]
+  due[n] = nil
+  n = n - 1
+  if n > 0 then
+    local i = 1
+    due[1] = last
     while true do
-      core.msleep(wait)
-      local renewed, left_ms = renew(address, timeout_ms, lease)
-      local now = now_ms()
-      if renewed == nil then
-        local left = expires - now
-        if left <= 0 then
-          return
+      local l, r, m = 2 * i, 2 * i + 1, i
+      if l <= n and due[l].due < due[m].due then m = l end
+      if r <= n and due[r].due < due[m].due then m = r end
+      if m == i then break end
+      due[i], due[m] = due[m], due[i]
+      i = m
+    end
+  end
+  return top
+end
+
+-- renew_all asks the daemon at address to extend each entry's lease by its rules' own
+-- lease times, pipelined on one connection within one timeout_ms. Each entry answered
+-- gets renewed (true or false) and left_ms; an entry without an answer (no connection,
+-- the timeout, an error answer) keeps renewed nil.
+local function renew_all(address, timeout_ms, entries)
+  local deadline = now_ms() + timeout_ms
+  local by_id, frames, waiting = {}, {}, 0
+  for _, e in ipairs(entries) do
+    e.renewed, e.left_ms = nil, nil
+    local id = next_id()
+    local frame = codec.encode_request({ id = id, op = "renew", lease = e.lease })
+    if frame then
+      by_id[id] = e
+      frames[#frames + 1] = frame
+      waiting = waiting + 1
+    end
+  end
+  if waiting == 0 then
+    return
+  end
+  local sock = core.tcp()
+  sock:settimeout(timeout_ms / 1000)
+  if not sock:connect(address) then
+    sock:close()
+    return
+  end
+  -- left sets the socket's timeout to what is left of the deadline; once past it, one
+  -- more step gets 1 ms (an answer already waiting is read, see roundtrip), then false.
+  local late = false
+  local function left()
+    local ms = deadline - now_ms()
+    if ms < 1 then
+      if late then return false end
+      late, ms = true, 1
+    end
+    sock:settimeout(ms / 1000)
+    return true
+  end
+  if left() and sock:send(table.concat(frames)) then
+    while waiting > 0 and left() do
+      local head = sock:receive(4)
+      if not head or #head < 4 then break end
+      local n = codec.frame_length(head)
+      if n > MAX_FRAME or not left() then break end
+      local body = sock:receive(n)
+      if not body or #body < n then break end
+      local resp = codec.decode_body(body)
+      if type(resp) ~= "table" or resp.id == 0 then break end -- an error about the connection
+      local e = by_id[resp.id]
+      if e then
+        by_id[resp.id] = nil
+        waiting = waiting - 1
+        if not resp.error then
+          e.renewed, e.left_ms = resp.renewed == true, tonumber(resp.expires_ms) or 0
         end
-        wait = math.max(math.floor(left / 2), MIN_RENEWAL_MS)
-      elseif not renewed then
-        return
-      else
-        expires = now + left_ms
-        wait = math.max(math.floor(left_ms / 2), MIN_RENEWAL_MS)
       end
     end
-  end)
+  end
+  sock:close()
+end
+
+-- renew_due renews the entries due by now, a batch at a time per daemon address, and
+-- puts back those still held.
+local function renew_due()
+  local now = now_ms()
+  local batches, order = {}, {}
+  local n = 0
+  while due[1] and due[1].due <= now and n < RENEW_BATCH do
+    local e = due_pop()
+    local b = batches[e.address]
+    if not b then
+      b = { timeout_ms = 0 }
+      batches[e.address] = b
+      order[#order + 1] = e.address
+    end
+    b[#b + 1] = e
+    b.timeout_ms = math.max(b.timeout_ms, e.timeout_ms)
+    n = n + 1
+  end
+  for _, address in ipairs(order) do
+    local b = batches[address]
+    renew_all(address, b.timeout_ms, b)
+    now = now_ms()
+    for _, e in ipairs(b) do
+      if e.renewed == nil then
+        local rest = e.expires - now
+        if rest > 0 then
+          e.due = now + math.max(math.floor(rest / 2), MIN_RENEWAL_MS)
+          due_push(e)
+        end
+      elseif e.renewed then
+        e.expires = now + e.left_ms
+        e.due = now + math.max(math.floor(e.left_ms / 2), MIN_RENEWAL_MS)
+        due_push(e)
+      end
+    end
+  end
+end
+
+local function renewal_task()
+  while due[1] do
+    -- At most half the shortest first renewal: a lease added meanwhile is renewed by
+    -- three quarters of its lease at the latest.
+    local wait = math.min(due[1].due - now_ms(), math.floor(shortest_first_ms / 2), 1000)
+    if wait >= 1 then
+      core.msleep(math.floor(wait))
+    end
+    local ok, err = pcall(renew_due)
+    if not ok then
+      core.Alert("rlsidecar: renewing leases: " .. tostring(err))
+    end
+  end
+  renewing = false
+end
+
+-- keep_lease has lease renewed while its transaction runs, first after first_ms.
+local function keep_lease(address, timeout_ms, lease, first_ms)
+  local now = now_ms()
+  due_push({ due = now + first_ms, expires = now + 2 * first_ms, lease = lease, address = address, timeout_ms = timeout_ms })
+  shortest_first_ms = math.min(shortest_first_ms, first_ms)
+  if not renewing then
+    renewing = true
+    core.register_task(renewal_task)
+  end
 end
 
 -- Leases of ended transactions, by HTTP/1 client connection, that the next request on

@@ -329,7 +329,7 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
-  -e "s#^global#global\n    tune.bufsize 131072#" \
+  -e "s#^global#global\n    tune.bufsize 131072\n    stats socket $tmp/haproxy-stats.sock#" \
   -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
 grep -q "txn.rlsidecar_cost" "$tmp/haproxy.cfg" || { echo "e2e: no set-var(txn.rlsidecar_user) line in examples/haproxy.cfg to add the cost after" >&2; exit 1; }
@@ -799,7 +799,10 @@ echo "-- nginx: a flood of short leased requests leaves the worker its timers"
 # schedule its renewal and release ("too many pending timers"), and the long request's
 # 2 s lease ran out while it ran (a second request 4 s in was let through). One tick a
 # worker wakes the renewals of the requests still running.
-python3 - "$nginx_port" <<'PY'
+# flood PORT: 1,100 leased requests of a few ms (/many/, a 60 s lease) on 4 keep-alive
+# connections.
+flood() {
+  python3 - "$1" <<'PY'
 import http.client, sys, threading
 def run(n):
     c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
@@ -812,8 +815,34 @@ ts = [threading.Thread(target=run, args=(275,)) for _ in range(4)]
 [t.start() for t in ts]
 [t.join() for t in ts]
 PY
+}
+flood "$nginx_port"
 long_lease nginx "$nginx_port"
 expect "nginx: no 'too many pending timers' after the flood" "$(grep -c 'too many pending timers' "$tmp/nginx.log" || true)" 0
+echo "-- HAProxy: a flood of short leased requests leaves one renewal task a thread"
+# Each leased request had a task of its own, sleeping until its first renewal 30 s on
+# (which finds the request ended): 1,100 requests, 1,100 tasks (and their coroutines) at
+# once. One task a thread now renews every lease from a heap, and the long request's
+# lease is still renewed among the 1,100 waiting.
+hap_tasks() {
+  python3 - "$tmp/haproxy-stats.sock" <<'PY'
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b"show info\n")
+out = b""
+while chunk := s.recv(65536):
+    out += chunk
+for line in out.decode().splitlines():
+    if line.startswith("Tasks:"):
+        print(line.split(":", 1)[1].strip())
+PY
+}
+tasks_before=$(hap_tasks)
+flood "$hap_port"
+tasks_after=$(hap_tasks)
+expect "haproxy: tasks after 1,100 leased requests, at most 100 more than the $tasks_before before" "$(( tasks_after - tasks_before <= 100 ))" 1
+long_lease haproxy "$hap_port"
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
 
