@@ -968,13 +968,7 @@ func TestNativeGoAway(t *testing.T) {
 func TestNativeGoAwayLingers(t *testing.T) {
 	defer func(d time.Duration) { h2Linger = d }(h2Linger)
 	h2Linger = time.Minute // the client closes first; Shutdown waits for it
-	s := testServer(t)
-	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
-	if err := s.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- s.Serve() }()
+	s, done := serveNativeTCP(t)
 	r := dialRawNet(t, "tcp", s.Addr().String())
 	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
 	if err := r.fr.WriteData(1, true, oneCall("linger")); err != nil {
@@ -1018,8 +1012,10 @@ func TestNativeGoAwayLingers(t *testing.T) {
 	}
 }
 
-// The native transport on TCP, as on a Unix socket.
-func TestNativeTCP(t *testing.T) {
+// serveNativeTCP serves a test server with the native transport on a loopback TCP port;
+// done gives what Serve returned.
+func serveNativeTCP(t *testing.T) (*Server, chan error) {
+	t.Helper()
 	s := testServer(t)
 	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
 	if err := s.Listen(); err != nil {
@@ -1027,6 +1023,12 @@ func TestNativeTCP(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() { done <- s.Serve() }()
+	return s, done
+}
+
+// The native transport on TCP, as on a Unix socket.
+func TestNativeTCP(t *testing.T) {
+	s, done := serveNativeTCP(t)
 	conn, err := grpc.NewClient(s.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)

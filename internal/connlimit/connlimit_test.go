@@ -10,15 +10,22 @@ import (
 	"time"
 )
 
-// At most max connections are held at once; one past it is closed as it is accepted,
-// and a place freed by a close is taken by the next connection.
-func TestListener(t *testing.T) {
+// listen returns a loopback TCP listener and it capped at max, closed when t ends.
+func listen(t *testing.T, max int) (inner, capped net.Listener) {
+	t.Helper()
 	inner, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln := Listener(inner, 2)
-	defer ln.Close()
+	capped = Listener(inner, max)
+	t.Cleanup(func() { capped.Close() })
+	return inner, capped
+}
+
+// At most max connections are held at once; one past it is closed as it is accepted,
+// and a place freed by a close is taken by the next connection.
+func TestListener(t *testing.T) {
+	inner, ln := listen(t, 2)
 	accepted := make(chan net.Conn, 10)
 	go func() {
 		for {
@@ -70,12 +77,7 @@ func TestListener(t *testing.T) {
 // A connection held reaches its socket's descriptor and can close its write side alone,
 // as the socket itself can.
 func TestConnReachesTheSocket(t *testing.T) {
-	inner, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln := Listener(inner, 2)
-	defer ln.Close()
+	inner, ln := listen(t, 2)
 	client, err := net.Dial("tcp", inner.Addr().String())
 	if err != nil {
 		t.Fatal(err)
