@@ -518,6 +518,15 @@ class AsyncClient:
         except TimeoutError:
             conn.timed_out()
             return "no answer within the timeout"
+        except asyncio.CancelledError:
+            # Cancelled in the loop iteration its answer came in: the answer is set, so
+            # data_received did not take it for a late one, and nobody will see its lease.
+            # Released here, as a late answer's is (it held the slot for a whole lease).
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                lease = fut.result().get("lease")
+                if isinstance(lease, str) and lease:
+                    self._release_orphan(lease)
+            raise
         except _NotRead as e:
             return e
         except ConnectionError as e:

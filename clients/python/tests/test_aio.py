@@ -244,6 +244,44 @@ def test_late_lease_does_not_keep_a_retired_connection(short_tmp):
     run(main())
 
 
+def test_check_cancelled_as_its_answer_came_releases_its_lease(make_daemon, monkeypatch):
+    """A check whose task is cancelled in the loop iteration its answer came in (an ASGI
+    server cancelling the request as its client goes, asyncio.wait_for timing out): the
+    answer is set on the check's future, not dropped as a late one, but the task raises
+    CancelledError and nobody sees its lease. The client releases it, as a late answer's.
+    Before, the slot stayed held for the whole lease (30 s; max 1: every later request of
+    the user refused). The wrapper below only times the cancellation: it cancels the task
+    right after the client has read the answer."""
+    from rlsidecar import aio
+
+    daemon = make_daemon(RULES_ONE_SLOT)
+    victims = []
+    read = aio._Protocol.data_received
+
+    def data_received(self, data):
+        read(self, data)
+        while victims:
+            victims.pop().cancel()
+    monkeypatch.setattr(aio._Protocol, "data_received", data_received)
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            await c.ping()  # connected: the next data_received is the check's answer
+            task = asyncio.ensure_future(c.check({"user": "ann"}))
+            victims.append(task)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.check({"user": "ann"}, cost=0)).rules[0].remaining == 1, \
+                "the cancelled check's lease still holds the slot"
+            assert not c._leases
+    run(main())
+
+
 def test_restarted_sidecar(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=0.5) as c:
