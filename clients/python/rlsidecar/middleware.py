@@ -329,15 +329,21 @@ class ASGIMiddleware:
                 if self.renew_leases else None
 
             async def release():
+                # Nothing is awaited before the release is written (AsyncClient writes it
+                # before its first await, on a connection that is up): a request cancelled
+                # again meanwhile (as an anyio cancel scope does at every await) still
+                # frees its slot. A renewal cancelled sends nothing more; one it sent is
+                # ahead of the release on the connection. The lease stays pending until
+                # the release is answered (or fails): cancelled before, it is sent again
+                # from the finally below (a second release of it answers False).
                 if pending:
-                    lease = pending.pop()
                     if renewal is not None:
                         renewal.cancel()
-                        await asyncio.wait((renewal,))  # a renewal under way ends before the release
                     try:
-                        await self.client.release(lease)
+                        await self.client.release(pending[0])
                     except Exception:  # the lease then expires on its own
                         pass
+                    pending.clear()
 
             async def send_releasing(message):
                 # The response's last body message goes out only once the slot is free, so

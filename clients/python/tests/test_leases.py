@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 import rlsidecar
 
 RULES = """
@@ -580,3 +582,60 @@ def test_wsgi_renews_a_long_request_lease(make_daemon):
         assert results == {"ren": [b"ok"], "lou": [b"ok"]}
         assert free("ren") == 1
         assert not [t for t in threading.enumerate() if t.name == "rlsidecar-renew"]
+
+
+def test_asgi_request_cancelled_while_releasing_frees_its_slot(make_daemon):
+    """An ASGI request task cancelled while the middleware releases its lease still frees
+    the slot: cancelled as its last body message goes out (a server cancelling the
+    request as its client goes), and cancelled in the app and again in the release
+    (an anyio cancel scope, as Starlette's and FastAPI's task groups use, cancels at
+    every await until the scope is left). Before, the release first awaited the end of
+    the lease's renewal task, the cancellation came there, and the release was never
+    sent: the slot stayed held for the whole lease (30 s)."""
+    import asyncio
+    import time
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            loop = asyncio.get_running_loop()
+
+            async def free():
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    n = (await c.check({"user": "ann"}, cost=0)).rules[0].remaining
+                    if n == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                return n
+
+            async def send(m):
+                pass
+
+            async def cancelled_at_the_end(scope, receive, send):
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                loop.call_soon(asyncio.current_task().cancel)  # runs once the next send awaits
+                await send({"type": "http.response.body", "body": b"ok"})
+
+            in_app = asyncio.Event()
+
+            async def cancelled_in_the_app(scope, receive, send):
+                in_app.set()
+                await asyncio.Event().wait()
+
+            scope = {"type": "http", "method": "GET", "path": "/"}
+            mw = rlsidecar.ASGIMiddleware(cancelled_at_the_end, c, attrs=lambda scope: {"user": "ann"})
+            task = asyncio.ensure_future(mw(scope, None, send))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await free() == 1, "cancelled as the response ended: the slot is still held"
+
+            mw = rlsidecar.ASGIMiddleware(cancelled_in_the_app, c, attrs=lambda scope: {"user": "ann"})
+            task = asyncio.ensure_future(mw(scope, None, send))
+            await asyncio.wait_for(in_app.wait(), 5)
+            task.cancel()
+            loop.call_soon(task.cancel)  # again, once the release awaits
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await free() == 1, "cancelled twice: the slot is still held"
+    asyncio.run(run())
