@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import os
+import socket
 import time
 import weakref
 
@@ -65,6 +66,7 @@ class _Protocol(asyncio.Protocol):
 
     def __init__(self, client):
         self.client = client
+        self.loop = asyncio.get_running_loop()  # the event loop it was dialed on, which reads it
         self.transport = None
         self.buf = bytearray()
         self.pending = collections.deque()  # (id, future), in request order
@@ -172,7 +174,7 @@ class _Protocol(asyncio.Protocol):
         client._detach(self)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
-            if not w.done():
+            if not w.done() and not self.loop.is_closed():
                 w.set_result(None)
         self.expire()
 
@@ -230,7 +232,19 @@ class _Protocol(asyncio.Protocol):
             return
         self.broken = why
         if self.transport is not None:
-            self.transport.close()
+            if not self.loop.is_closed():
+                self.transport.close()
+            else:
+                # Its loop was closed (asyncio.run returned): the transport cannot close
+                # through it, nor can any check still wait on it. The socket is shut down,
+                # so the sidecar sees the end (and frees its leases); its descriptor is
+                # closed when the transport is collected.
+                self.pending.clear()
+                self.room.clear()
+                try:
+                    self.transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+                except (AttributeError, OSError):
+                    pass
         self.client._detach(self)
         if self.retired:
             self.client._retired.discard(self)
@@ -257,7 +271,9 @@ class AsyncClient:
     """Asks one sidecar for decisions from asyncio code, pipelining every check over one
     kept-alive connection: concurrent checks each write their frame at once (no waiting
     for the previous answer) and the answers, which come back in order, are matched to
-    them. Use it from one event loop.
+    them. Use it from one event loop at a time (it is not thread-safe): a check on
+    another loop than its connection's (asyncio.run called again) dials a connection of
+    its own, and the old one is closed once its loop is.
 
     ``timeout`` (seconds, default 50 ms) bounds each check; when the sidecar gives no
     answer by then — socket missing, refused, dropped, stalled — check() returns the
@@ -312,13 +328,13 @@ class AsyncClient:
         """Close the connection, failing checks in flight (they answer by the policy);
         later checks raise ClosedError. Idempotent."""
         self._closed = True
-        if self._dial is not None:
+        if self._dial is not None and self._dial.get_loop() is asyncio.get_running_loop():
             self._dial.cancel()
             try:
                 await self._dial
             except BaseException:
                 pass
-            self._dial = None
+        self._dial = None
         if self._conn is not None:
             self._conn.fail("client closed")
         for conn in list(self._retired):
@@ -477,6 +493,9 @@ class AsyncClient:
         closing = False  # this check waited for a closing connection to be given up
         while True:
             conn = self._conn
+            if conn is not None and conn.loop is not loop:
+                self._moved(conn)
+                conn = None
             if conn is None:
                 conn = await self._connect(loop, deadline)
                 if isinstance(conn, str):
@@ -536,7 +555,23 @@ class AsyncClient:
         finally:
             timer.cancel()
 
+    def _moved(self, conn):
+        """This check runs on another event loop than the one conn was dialed on: a
+        client kept across asyncio.run calls (one per job or per request), or across a
+        test framework's loop per test. Only its own loop reads conn: a check sent on
+        it here would never see its answer. Before, every check timed out on it, then
+        one raised RuntimeError ("Event loop is closed"), and every later one answered
+        by the policy at once, for good. conn is detached, and this check dials its
+        own. When its loop is closed, nothing can use conn again: it is closed, or
+        retired while it holds leases not yet expired (they may be released from this
+        loop). A loop still open keeps its connection (it may run again)."""
+        self._conn = None
+        if conn.loop.is_closed():
+            conn.give_up("its event loop is closed")
+
     async def _connect(self, loop, deadline):
+        if self._dial is not None and self._dial.get_loop() is not loop:
+            self._dial = None  # another loop's (see _moved): this one dials its own
         if self._dial is None:
             if self._failures and time.monotonic() < self._retry_at:
                 return "backing off after %d failed attempt(s): %s" % (self._failures, self._last_error)
@@ -559,7 +594,8 @@ class AsyncClient:
             self._failed("connecting to %s: %s" % (self.socket_path, e or "timed out"))
             return self._last_error
         finally:
-            self._dial = None
+            if self._dial is asyncio.current_task():
+                self._dial = None
         if self._closed:
             conn.fail("client closed")
             return "client closed"

@@ -282,6 +282,34 @@ def test_check_cancelled_as_its_answer_came_releases_its_lease(make_daemon, monk
     run(main())
 
 
+def test_client_kept_across_event_loops(make_daemon):
+    """One AsyncClient used by one asyncio.run after another (a job runner, a test
+    framework's loop per test): each loop's checks are answered by the sidecar on a
+    connection of that loop. Before, the second loop's checks were sent on the first
+    loop's connection, which nothing read any more: each timed out (counted by the
+    daemon all the same), one then raised RuntimeError ("Event loop is closed"), and
+    every later one answered by the policy at once, for good. A lease taken on a loop
+    since closed still holds its slot until it is released from the next loop."""
+    daemon = make_daemon(RULES + RULES_ONE_SLOT.replace("rules:\n", "").replace("key: user", "key: job"))
+    c = rlsidecar.AsyncClient(daemon.socket, timeout=2)
+
+    async def check(attrs, cost=1):
+        return await c.check(attrs, cost)
+    try:
+        ds = [asyncio.run(check({"user": "ann"})) for _ in range(3)]
+        assert [(d.unreachable, d.remaining) for d in ds] == [(False, 4), (False, 3), (False, 2)], ds
+        held = asyncio.run(check({"job": "nightly"}))
+        assert held.allowed and held.lease
+        free = asyncio.run(check({"job": "nightly"}, cost=0))
+        assert not free.unreachable and [r.remaining for r in free.rules] == [0], \
+            "the lease's slot was freed when its loop ended"
+        assert asyncio.run(c.release(held.lease)) is True
+        assert not c._retired, "the closed loop's connection is closed once its lease is released"
+        assert [r.remaining for r in asyncio.run(check({"job": "nightly"}, cost=0)).rules] == [1]
+    finally:
+        asyncio.run(c.close())
+
+
 def test_restarted_sidecar(daemon):
     async def main():
         async with rlsidecar.AsyncClient(daemon.socket, timeout=0.5) as c:
