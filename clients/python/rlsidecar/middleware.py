@@ -349,7 +349,7 @@ class ASGIMiddleware:
                 # The response's last body message goes out only once the slot is free, so
                 # a client that has the whole response and asks again finds it free (as
                 # the Go middleware, whose release precedes the response's end).
-                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                if _ends_response(message):
                     await release()
                 await send(message)
 
@@ -376,6 +376,17 @@ class ASGIMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_with_headers)
+
+
+def _ends_response(message):
+    """Whether an ASGI send message is a response's last: a body message without
+    more_body, or one of the extensions that send a file (http.response.pathsend, always
+    the last; http.response.zerocopysend, the last without more_body). Starlette's
+    FileResponse sends a pathsend where the server offers it (Hypercorn does)."""
+    t = message["type"]
+    if t == "http.response.body" or t == "http.response.zerocopysend":
+        return not message.get("more_body", False)
+    return t == "http.response.pathsend"
 
 
 #: The request body ASGIMiddleware reads ahead, at most, while it holds a request for a

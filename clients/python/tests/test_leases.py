@@ -639,3 +639,35 @@ def test_asgi_request_cancelled_while_releasing_frees_its_slot(make_daemon):
                 await task
             assert await free() == 1, "cancelled twice: the slot is still held"
     asyncio.run(run())
+
+
+def test_asgi_frees_the_slot_before_a_file_is_sent(make_daemon):
+    """A response whose last message is a file sent through an extension (Starlette's
+    FileResponse sends http.response.pathsend where the server offers it; a last
+    http.response.zerocopysend likewise) goes out only once the slot is free, as a last
+    body message does. Before, only http.response.body counted as the last message: the
+    slot was freed after the server had the whole file, and a client asking again at once
+    was refused (max 1)."""
+    import asyncio
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+
+    async def run():
+        async with rlsidecar.AsyncClient(d.socket, timeout=2) as c:
+            free_when_sent = []
+
+            async def send(m):
+                if m["type"] != "http.response.start":
+                    free_when_sent.append((m["type"], (await c.check({"user": "ann"}, cost=0)).rules[0].remaining))
+            ends = ({"type": "http.response.pathsend", "path": "/srv/report.pdf"},
+                    {"type": "http.response.zerocopysend", "file": 0, "more_body": True},
+                    {"type": "http.response.zerocopysend", "file": 0})
+            for last in ends:
+                async def app(scope, receive, send):
+                    await send({"type": "http.response.start", "status": 200, "headers": []})
+                    await send(last)
+                mw = rlsidecar.ASGIMiddleware(app, c, attrs=lambda scope: {"user": "ann"})
+                await mw({"type": "http", "method": "GET", "path": "/report",
+                          "extensions": {"http.response.pathsend": {}, "http.response.zerocopysend": {}}}, None, send)
+            assert free_when_sent == [("http.response.pathsend", 1), ("http.response.zerocopysend", 0),
+                                      ("http.response.zerocopysend", 1)]
+    asyncio.run(run())
