@@ -17,8 +17,9 @@ from .decision import Decision
 #: the policy (a burst of concurrent checks is answered by the sidecar, not the policy).
 MAX_PENDING = 4096
 
-#: Seconds a connection may answer no check while checks time out on it (or 4 timeouts,
-#: if longer) before it is closed and the next check redials (_Protocol.timed_out).
+#: Seconds a connection may answer no check while checks time out on it, or waiting for
+#: room on it (or 4 timeouts, if longer), before it is closed and the next check redials
+#: (_Protocol.timed_out).
 STALL_FOR = 1.0
 
 
@@ -521,6 +522,12 @@ class AsyncClient:
             try:
                 await w
             except TimeoutError:
+                # The full connection left this check unanswered for its whole timeout, as
+                # if it had timed out on it: that counts toward its stall (timed_out). Else
+                # a connection a stalled sidecar filled (a burst of MAX_PENDING) was never
+                # given up: no check was sent on it, so none timed out on it, and every
+                # check answered by the policy until that process ended.
+                conn.timed_out()
                 return "no room on the connection within the timeout (%d checks in flight)" % MAX_PENDING
             finally:
                 timer.cancel()

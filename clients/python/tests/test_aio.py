@@ -126,6 +126,39 @@ def test_stalled_connection_redials(daemon, make_daemon):
     run(main())
 
 
+def test_full_stalled_connection_redials(daemon, make_daemon):
+    """As test_stalled_connection_redials, when the frozen sidecar's connection is full:
+    a burst fills it with MAX_PENDING checks it never answers, and every later check waits
+    for room and times out there, never sent on it. Such a timeout is a check the
+    connection left unanswered too: it counts toward the stall. Before, only a check that
+    timed out after it was sent counted, so a full connection was never given up: every
+    check answered by the policy until the old process ended."""
+    from rlsidecar import aio
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=0.02) as c:
+            await c.ping()
+            daemon.pause()
+            try:
+                burst = await asyncio.gather(*(c.check({"user": "ida"}) for _ in range(aio.MAX_PENDING + 100)))
+                assert all(d.unreachable for d in burst)
+                assert c._conn is not None and len(c._conn.pending) == aio.MAX_PENDING, "the connection is full"
+                successor = make_daemon(RULES)
+                os.rename(successor.socket, daemon.socket)  # the successor takes the path
+                switched = time.monotonic()
+                while True:
+                    d = await c.check({"user": "ida"})
+                    if not d.unreachable:
+                        break
+                    assert time.monotonic() - switched < 10, \
+                        "still unanswered 10 s after the switch (%s): the client keeps the frozen sidecar's full " \
+                        "connection" % d.cause
+                assert d.allowed and d.remaining == 4, d  # the successor's first request of ida
+            finally:
+                daemon.resume()
+    run(main())
+
+
 RULES_ONE_SLOT = """
 rules:
   - name: exports
