@@ -204,8 +204,8 @@ class _LeaseRenewal:
     """A thread renewing one lease with a blocking Client, first after ``first`` seconds,
     then at half of what each renewal answers is left of it, until stop() (which waits for
     a renewal under way, at most the client's timeout, so that the release follows it).
-    It ends by itself when a renewal answers that the lease is gone, and when the sidecar
-    does not answer until the lease's last known expiry."""
+    It ends by itself when a renewal answers that the lease is gone, when the client is
+    closed, and when the sidecar does not answer until the lease's last known expiry."""
 
     def __init__(self, client, lease, first):
         self._client = client
@@ -219,7 +219,9 @@ class _LeaseRenewal:
         while not self._stop.wait(max(wait, MIN_RENEWAL)):
             try:
                 renewed, expires_ms = self._client.renew(self._lease)
-            except (OSError, ProtocolError, ClosedError):
+            except ClosedError:
+                return  # every later renewal would fail at once too, down to every 10 ms
+            except (OSError, ProtocolError):
                 left = expires - time.monotonic()
                 if left <= 0:
                     return
@@ -469,8 +471,9 @@ def _first_renewal(d):
 async def _keep_lease(client, lease, first):
     """Renew lease with client (an AsyncClient), first after ``first`` seconds, then at
     half of what each renewal answers is left of it, until cancelled. It returns when a
-    renewal answers that the lease is gone, and when the sidecar does not answer until the
-    lease's last known expiry (retrying meanwhile at half of what is left of it)."""
+    renewal answers that the lease is gone, when the client is closed, and when the
+    sidecar does not answer until the lease's last known expiry (retrying meanwhile at
+    half of what is left of it)."""
     loop = asyncio.get_running_loop()
     expires = loop.time() + 2 * first
     wait = first
@@ -478,7 +481,9 @@ async def _keep_lease(client, lease, first):
         await asyncio.sleep(max(wait, MIN_RENEWAL))
         try:
             renewed, expires_ms = await client.renew(lease)
-        except (ConnectionError, ProtocolError, ClosedError):
+        except ClosedError:
+            return  # every later renewal would fail at once too, down to every 10 ms
+        except (ConnectionError, ProtocolError):
             left = expires - loop.time()
             if left <= 0:
                 return

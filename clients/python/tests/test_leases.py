@@ -671,3 +671,81 @@ def test_asgi_frees_the_slot_before_a_file_is_sent(make_daemon):
             assert free_when_sent == [("http.response.pathsend", 1), ("http.response.zerocopysend", 0),
                                       ("http.response.zerocopysend", 1)]
     asyncio.run(run())
+
+
+def test_renewals_stop_once_the_client_is_closed(make_daemon):
+    """A request's lease is not renewed again and again once its client is closed: every
+    renewal of a closed client fails at once, and was retried at half of what was left of
+    the lease, down to every 10 ms, until its expiry (8 renewals over a 2 s lease). Now
+    the first that finds the client closed is the last. Both middlewares."""
+    import asyncio
+    import threading
+    import time
+    d = make_daemon(RULES.replace("max: 2, lease: 30s", "max: 1, lease: 2s"))
+
+    def counting(client):
+        calls = []
+        renew = client.renew
+
+        def count(*args):
+            calls.append(time.monotonic())
+            return renew(*args)
+        client.renew = count
+        return calls
+
+    def wait_past(calls):
+        """Until a renewal was tried, then past the lease's expiry, when the old middleware
+        had stopped retrying too."""
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls, "no renewal tried"
+        time.sleep(max(0.0, calls[0] + 1.5 - time.monotonic()))
+
+    c = rlsidecar.Client(d.socket, timeout=2)
+    calls = counting(c)
+    finish, started = threading.Event(), threading.Event()
+
+    def app(environ, start_response):
+        started.set()
+        finish.wait(30)
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    def serve():
+        body = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "wes"})({}, lambda *a: None)
+        list(body)
+        body.close()
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        assert started.wait(10)
+        c.close()
+        wait_past(calls)
+        assert len(calls) == 1, "WSGI: %d renewals of a closed client" % len(calls)
+    finally:
+        finish.set()
+        t.join(10)
+
+    async def run():
+        ac = rlsidecar.AsyncClient(d.socket, timeout=2)
+        calls = counting(ac)
+        finish, started = asyncio.Event(), asyncio.Event()
+
+        async def app(scope, receive, send):
+            started.set()
+            await finish.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        async def send(m):
+            pass
+        mw = rlsidecar.ASGIMiddleware(app, ac, attrs=lambda scope: {"user": "ada"})
+        task = asyncio.ensure_future(mw({"type": "http", "method": "GET", "path": "/"}, None, send))
+        await asyncio.wait_for(started.wait(), 10)
+        await ac.close()
+        await asyncio.get_running_loop().run_in_executor(None, wait_past, calls)
+        finish.set()
+        await asyncio.wait_for(task, 10)
+        assert len(calls) == 1, "ASGI: %d renewals of a closed client" % len(calls)
+    asyncio.run(run())
