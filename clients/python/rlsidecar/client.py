@@ -191,7 +191,8 @@ class Client:
         """Check several requests at once, pipelined on one connection: ``checks`` is a
         list of ``(attrs, cost, limits)`` tuples; returns their Decisions in order. The
         timeout covers the whole batch. Raises ProtocolError for the first check the
-        sidecar refused (its ``decision`` is the policy one; use check() to isolate it)."""
+        sidecar refused (its ``decision`` is the policy one; use check() to isolate it),
+        after releasing the leases the others took."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
         if not checks:
@@ -246,6 +247,14 @@ class Client:
         else:
             conn.sock.close()
         if err is not None:
+            # The caller gets the error, not the decisions: the leases the batch's allowed
+            # checks took are released here, or they held their slots for a whole lease.
+            for d in out:
+                if d.lease:
+                    try:
+                        self.release(d.lease)
+                    except _proto.ProtocolError:
+                        pass  # it expires on its own
             raise err
         return out
 

@@ -749,3 +749,18 @@ def test_renewals_stop_once_the_client_is_closed(make_daemon):
         await asyncio.wait_for(task, 10)
         assert len(calls) == 1, "ASGI: %d renewals of a closed client" % len(calls)
     asyncio.run(run())
+
+
+def test_check_many_refused_releases_the_batch_leases(make_daemon):
+    """A batch one of whose checks the sidecar refuses (invalid_limit) raises
+    ProtocolError, and its caller never sees the other checks' decisions: the leases they
+    took are released before it raises. Before, each held its slot (and its connection,
+    set aside) for the whole lease: with max 1, the user's next request was refused for
+    30 s."""
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        with pytest.raises(rlsidecar.ProtocolError) as e:
+            c.check_many([({"user": "ann"}, 1, None), ({}, 1, [{"key": "k", "limit": 0, "window_ms": 1}])])
+        assert e.value.code == "invalid_limit"
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the batch's lease still holds the slot"
+        assert not c._holding and not c._lease_conn
