@@ -161,8 +161,10 @@ class WSGIMiddleware:
             status, headers, body = d.rejection()
             start_response("%d %s" % (status, _reason(status)), list(headers.items()))
             return [body]
-        renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d)) if d.lease and self.renew_leases else None
-        try:
+        renewal = None
+        try:  # a renewal thread that cannot start (RuntimeError at a process's thread limit) too
+            if d.lease and self.renew_leases:
+                renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d))
             if d.delay_ms:
                 time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         except BaseException:

@@ -764,3 +764,25 @@ def test_check_many_refused_releases_the_batch_leases(make_daemon):
         assert e.value.code == "invalid_limit"
         assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the batch's lease still holds the slot"
         assert not c._holding and not c._lease_conn
+
+
+def test_wsgi_renewal_thread_that_cannot_start_frees_the_slot(make_daemon, monkeypatch):
+    """A process at its thread limit (ulimit -u, a container's pids limit) cannot start a
+    leased request's renewal thread: Thread.start raises RuntimeError, the request fails,
+    and its lease is released. Before, the thread was started before the part that
+    releases on an error: each such request left its slot held for the whole lease (30 s),
+    so under that load a concurrency rule soon refused everyone."""
+    import threading
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2) as c:
+        def app(environ, start_response):
+            raise AssertionError("reached the app")
+        mw = rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"})
+
+        def cannot_start(self):
+            raise RuntimeError("can't start new thread")
+        with monkeypatch.context() as m:
+            m.setattr(threading.Thread, "start", cannot_start)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                mw({}, lambda status, headers, exc_info=None: None)
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the failed request's lease holds the slot"
