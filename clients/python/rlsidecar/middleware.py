@@ -337,9 +337,11 @@ class ASGIMiddleware:
                 # before its first await, on a connection that is up): a request cancelled
                 # again meanwhile (as an anyio cancel scope does at every await) still
                 # frees its slot. A renewal cancelled sends nothing more; one it sent is
-                # ahead of the release on the connection. The lease stays pending until
-                # the release is answered (or fails): cancelled before, it is sent again
-                # from the finally below (a second release of it answers False).
+                # ahead of the release on the connection (and a renew that came after
+                # the release would answer renewed: false, taking no slot). The lease
+                # stays pending until the release is answered (or fails): cancelled
+                # before, it is sent again from the finally below (a second release of it
+                # answers False).
                 if pending:
                     if renewal is not None:
                         renewal.cancel()
