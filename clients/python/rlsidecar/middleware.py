@@ -60,8 +60,11 @@ def wsgi_header(environ, name):
     UTF-8 (else bytes, sent as a msgpack bin), as the Go and Lua clients send a header.
     ``environ.get("HTTP_X_USER")`` is those bytes read as latin-1 (PEP 3333): sent as
     it is, a non-ASCII value reaches the daemon as other bytes (X-User: café as
-    "cafÃ©"), another key than through any other gateway."""
-    v = environ.get("HTTP_" + name.upper().replace("-", "_"))
+    "cafÃ©"), another key than through any other gateway. Content-Type and
+    Content-Length are CONTENT_TYPE and CONTENT_LENGTH in the environ (PEP 3333), without
+    HTTP_."""
+    key = name.upper().replace("-", "_")
+    v = environ.get(key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key)
     if v is None:
         return None
     return path_attr(_wsgi_bytes(v))

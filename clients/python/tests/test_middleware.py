@@ -374,6 +374,9 @@ def test_header_helpers_send_the_headers_bytes(make_daemon):
         assert client.check({"user": "café"}, cost=0).remaining == 2, "the header's bytes are not the key of café"
         assert rlsidecar.wsgi_header({}, "X-User") is None
         assert rlsidecar.wsgi_header({"HTTP_X_API_KEY": "\xff"}, "x-api-key") == b"\xff"
+        # PEP 3333 keeps these two without HTTP_ (before, they were never found).
+        assert rlsidecar.wsgi_header({"CONTENT_TYPE": "application/json"}, "Content-Type") == "application/json"
+        assert rlsidecar.wsgi_header({"CONTENT_LENGTH": "12"}, "content-length") == "12"
 
     scope = {"headers": [(b"x-user", "café".encode("utf-8")), (b"host", b"h")]}
     assert rlsidecar.asgi_header(scope, "X-User") == "café"
