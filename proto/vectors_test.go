@@ -133,7 +133,7 @@ func TestVectors(t *testing.T) {
 	}
 	if len(f.Requests) != len(canonRequests) || len(f.Responses) != len(canonResponses) ||
 		len(f.LeaseRequests) != len(canonLeaseRequests) || len(f.LeaseResponses) != len(canonLeaseResponses) {
-		t.Fatalf("%s is stale: run go test ./proto -run TestVectors -update", path)
+		t.Fatalf("%s is stale: run go test -run TestVectors -update . in proto/", path)
 	}
 	dec := NewDecoder()
 	checkRequests(t, dec, f.Requests, canonRequests)
@@ -403,7 +403,7 @@ func malformedFrames() []badFrame {
 
 func writeVectors(t *testing.T, path string) {
 	f := vectorFile{
-		Comment:  "rlsidecar protocol v1 test vectors; see proto/PROTOCOL.md. Regenerate with: go test ./proto -run TestVectors -update",
+		Comment:  "rlsidecar protocol v1 test vectors; see proto/PROTOCOL.md. Regenerate in proto/ with: go test -run TestVectors -update .",
 		Protocol: Version,
 	}
 	for _, c := range canonRequests {
@@ -612,7 +612,7 @@ func TestVectorsKeysInWireOrder(t *testing.T) {
 				t.Fatal(err)
 			}
 			if got.String() != string(want) {
-				t.Errorf("%s: message keys not in the frame's order:\n got %s\nwant %s (run go test ./proto -run TestVectors -update)", v.Name, got.String(), want)
+				t.Errorf("%s: message keys not in the frame's order:\n got %s\nwant %s (run go test -run TestVectors -update . in proto/)", v.Name, got.String(), want)
 			}
 		}
 	}
