@@ -71,6 +71,12 @@ func (r *Run) Target() (target string, ok bool) {
 	return "", true
 }
 
+// HotKeysTarget is the README's target for BenchmarkHybridHotKeys, at most 0.001 Redis
+// calls (scripts run) per check, and whether calls per check meets it.
+func HotKeysTarget(calls float64) (target string, ok bool) {
+	return "≤ 0.001 Redis calls per check", calls <= 0.001
+}
+
 // PerSecond returns admitted per second in the whole buckets of width bucket that fit in
 // [0, span): element i counts the admissions in [i·bucket, (i+1)·bucket). A partial last
 // bucket is left out, as its rate would read low.
