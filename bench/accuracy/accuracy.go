@@ -71,6 +71,13 @@ func (r *Run) Target() (target string, ok bool) {
 	return "", true
 }
 
+// HybridCostTarget is the README's target for BenchmarkHybridCost's sparse and Zipf
+// loads, at most 0.1 script calls per check and Redis process CPU (INFO cpu) per check
+// at most 0.5× global's, and whether calls and procRatio meet it.
+func HybridCostTarget(calls, procRatio float64) (target string, ok bool) {
+	return "≤ 0.1 calls, Redis process CPU ≤ 0.5× global's", calls <= 0.1 && procRatio <= 0.5
+}
+
 // HotKeysTarget is the README's target for BenchmarkHybridHotKeys, at most 0.001 Redis
 // calls (scripts run) per check, and whether calls per check meets it.
 func HotKeysTarget(calls float64) (target string, ok bool) {

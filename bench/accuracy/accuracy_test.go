@@ -125,3 +125,21 @@ func TestHotKeysTarget(t *testing.T) {
 		}
 	}
 }
+
+func TestHybridCostTarget(t *testing.T) {
+	// The README's targets for BenchmarkHybridCost: at most 0.1 script calls per check and
+	// Redis process CPU (INFO cpu) at most 0.5× global's, the figure the README gives.
+	for _, tc := range []struct {
+		calls, procRatio float64
+		ok               bool
+	}{
+		{0.011, 0.25, true},
+		{0.1, 0.5, true},
+		{0.11, 0.25, false},
+		{0.011, 0.6, false}, // process CPU over the target: met before, on script time alone
+	} {
+		if _, ok := HybridCostTarget(tc.calls, tc.procRatio); ok != tc.ok {
+			t.Errorf("%g calls, process CPU %g× global's: target met %v, want %v", tc.calls, tc.procRatio, ok, tc.ok)
+		}
+	}
+}
