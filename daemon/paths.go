@@ -15,7 +15,8 @@ import (
 // rlsidecar-<uid>.sock in the temp directory. That last one is in a directory every
 // local user can write, where another user can create the path first: the daemon warns
 // when it serves there (sharedDir) and refuses a file another user owns (ownedByOther).
-// Clients in other languages compute the same default (proto/PROTOCOL.md), so it stays.
+// `rlsidecar check` computes the same default, and proto/PROTOCOL.md states it, so it
+// stays (the Go, Python, Node and Lua clients take the path as a required option).
 func DefaultSocketPath() string {
 	if p := os.Getenv("RLSIDECAR_SOCKET"); p != "" {
 		return p
