@@ -58,6 +58,7 @@ func reload(args []string, stdout, stderr io.Writer) error {
 			*admin = a
 		}
 	}
+	*admin = dialAddr(*admin)
 	hc := &http.Client{Timeout: 2 * time.Second}
 	var before reloadDoc
 	why := ""
@@ -130,6 +131,19 @@ func (d *reloadDoc) read(hc *http.Client, admin string) error {
 		return errors.New("reading the admin endpoint: GET /rules names no pid (an older daemon)")
 	}
 	return nil
+}
+
+// dialAddr returns the address to ask the admin endpoint listening on addr at: addr
+// itself, but localhost for a listen address that names no host (":9464", every
+// interface, as exporters are often bound for a scraper on another host). Asked at
+// ":9464", the endpoint saw the Host ":9464", which names no IP address or localhost, and
+// refused it (421, its guard against DNS rebinding): reload then only signalled, and
+// `systemctl reload` succeeded on a broken rules file.
+func dialAddr(addr string) string {
+	if host, port, err := net.SplitHostPort(addr); err == nil && host == "" {
+		return net.JoinHostPort("localhost", port)
+	}
+	return addr
 }
 
 // defaultAdmin is serve's --admin when neither the flag nor RLSIDECAR_ADMIN sets it.

@@ -182,3 +182,35 @@ func TestFlagValue(t *testing.T) {
 		}
 	}
 }
+
+// A daemon whose admin endpoint listens on every interface (--admin :PORT, as exporters
+// are often bound for a scraper on another host): reload reads it at localhost, and so
+// fails on a broken file and names the error. Before, it asked http://:PORT/rules, whose
+// Host (":PORT") the endpoint refused (421 Misdirected Request), and only signalled:
+// exit 0, so `systemctl reload` succeeded whatever the file held.
+func TestE2EReloadCommandAdminOnEveryInterface(t *testing.T) {
+	l, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	l.Close()
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", rulesWithLimit(1))
+	d := startDaemon(t, "--config", cfg, "--watch=false", "-admin", ":"+port) // after startDaemon's --admin=
+	adminAddr(t, d)
+	pid := strconv.Itoa(d.cmd.Process.Pid)
+	writeFile(t, dir, "rules.yaml", "rules:\n  - name: per-user\n    key: user\n    limit: { requests: many, per: 1h }\n")
+	// As ExecReload= runs it: the daemon's own --admin, read from its command line.
+	out, err := runCLI(t, "reload", "--pid", pid)
+	if err == nil || !strings.Contains(out, "reload failed") || !strings.Contains(out, "rules.yaml:4") {
+		t.Fatalf("reload of a broken file, daemon on --admin :%s: err=%v\n%s", port, err, out)
+	}
+	writeFile(t, dir, "rules.yaml", rulesWithLimit(2))
+	if out, err := runCLI(t, "reload", "--pid", pid, "--admin", ":"+port); err != nil || !strings.Contains(out, "rules in force") {
+		t.Fatalf("reload --admin :%s: err=%v\n%s", port, err, out)
+	}
+	if l := limitOf(t, dialRaw(t, d.socket), 1); l != 2 {
+		t.Fatalf("after reload: limit %d, want 2", l)
+	}
+}
