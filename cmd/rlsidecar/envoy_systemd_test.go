@@ -75,11 +75,20 @@ func testE2ESocketActivationEnvoy(t *testing.T, transport string) {
 }
 
 // Passed sockets the daemon cannot tell apart are refused at start, before READY=1: two
-// that are not named envoy, or two that are.
+// that are not named envoy, or two that are. Two named rlsidecar are what a drop-in
+// makes that sets ListenStream= to move the socket, as docs/operations.md said to
+// (`systemctl edit rlsidecar.socket` to change ListenStream=): it adds a socket to the
+// unit's, and the daemon refused to start. The error names both paths and the fix (an
+// empty ListenStream= first); before, it said only that 2 sockets were passed.
 func TestE2ESocketActivationNames(t *testing.T) {
-	for _, tt := range []struct{ names, want string }{
-		{"rlsidecar:other", "2 sockets passed (LISTEN_FDS) besides any named \"envoy\""},
-		{"envoy:envoy", "two sockets named \"envoy\" passed"},
+	for _, tt := range []struct {
+		names string
+		want  []string // "" stands for the sockets' paths, "1.sock, 2.sock" in full
+	}{
+		{"rlsidecar:other", []string{"2 sockets passed (LISTEN_FDS) besides any named \"envoy\""}},
+		{"rlsidecar:rlsidecar", []string{"2 sockets passed (LISTEN_FDS) besides any named \"envoy\"", "",
+			"begin the drop-in with an empty ListenStream= line"}},
+		{"envoy:envoy", []string{"two sockets named \"envoy\" passed"}},
 	} {
 		t.Run(tt.names, func(t *testing.T) {
 			dir := shortTempDir(t)
@@ -89,8 +98,16 @@ func TestE2ESocketActivationNames(t *testing.T) {
 			a := startActivator(t, []string{"-l", s1, "-l", s2, "--fdname=" + tt.names, "-E", "NOTIFY_SOCKET"}, []string{s1, s2},
 				binary, "serve", "--admin=", "--watch=false")
 			a.connectThenExit(t, s1)
-			if code := a.cmd.ProcessState.ExitCode(); code != exitFailure || !strings.Contains(a.out.String(), tt.want) {
-				t.Fatalf("exit %d, want %d and %q:\n%s", code, exitFailure, tt.want, a.out.String())
+			if code := a.cmd.ProcessState.ExitCode(); code != exitFailure {
+				t.Fatalf("exit %d, want %d:\n%s", code, exitFailure, a.out.String())
+			}
+			for _, want := range tt.want {
+				if want == "" {
+					want = s1 + ", " + s2
+				}
+				if !strings.Contains(a.out.String(), want) {
+					t.Errorf("the error does not say %q:\n%s", want, a.out.String())
+				}
 			}
 			select {
 			case m := <-n.msgs:

@@ -58,14 +58,18 @@ func activatedListeners() (activatedSockets, error) {
 			f.Close() // each listener holds its own descriptor
 		}
 	}()
-	others := 0
+	var others []string // where each socket not named envoyFDName listens
 	for _, f := range files {
 		if f.Name() != envoyFDName {
-			others++
+			others = append(others, socketAddr(f))
 		}
 	}
-	if others > 1 {
-		return got, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS) besides any named %q; rlsidecar takes one Unix stream socket, and one for Envoy's API named %q (FileDescriptorName=%s)", others, envoyFDName, envoyFDName, envoyFDName)
+	if len(others) > 1 {
+		// The likely cause: a drop-in (systemctl edit rlsidecar.socket) whose ListenStream=
+		// was meant to move the socket. It adds one: the unit's stays, and both are passed
+		// under the unit's FileDescriptorName=.
+		return got, fmt.Errorf("socket activation: %d sockets passed (LISTEN_FDS) besides any named %q (%s); rlsidecar takes one Unix stream socket, and one for Envoy's API named %q (FileDescriptorName=%s). A drop-in's ListenStream= adds a socket to the unit's: to move the socket, begin the drop-in with an empty ListenStream= line, which clears the unit's, then give the new path",
+			len(others), envoyFDName, strings.Join(others, ", "), envoyFDName, envoyFDName)
 	}
 	for _, f := range files {
 		if f.Name() == envoyFDName && got.envoy != nil {
@@ -84,6 +88,29 @@ func activatedListeners() (activatedSockets, error) {
 		}
 	}
 	return got, nil
+}
+
+// socketAddr returns where the passed socket f listens (its path, for a Unix socket), or
+// its descriptor's name when that cannot be read.
+func socketAddr(f *os.File) string {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return f.Name()
+	}
+	var sa unix.Sockaddr
+	var saErr error
+	if err := rc.Control(func(fd uintptr) { sa, saErr = unix.Getsockname(int(fd)) }); err != nil || saErr != nil {
+		return f.Name()
+	}
+	switch a := sa.(type) {
+	case *unix.SockaddrUnix:
+		return a.Name
+	case *unix.SockaddrInet4:
+		return net.JoinHostPort(net.IP(a.Addr[:]).String(), fmt.Sprint(a.Port))
+	case *unix.SockaddrInet6:
+		return net.JoinHostPort(net.IP(a.Addr[:]).String(), fmt.Sprint(a.Port))
+	}
+	return f.Name()
 }
 
 // unixStreamListener returns a listener on a copy of f's descriptor when f is a listening
