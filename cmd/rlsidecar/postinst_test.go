@@ -4,6 +4,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -11,8 +12,8 @@ import (
 // runPostinst runs deploy/debian/postinst with args as if systemd ran (its
 // /run/systemd/system test pointed at a directory that exists), with systemctl,
 // deb-systemd-helper and getent replaced by stubs, and returns the systemctl calls it
-// made, one a line. socketEnabled is what `systemctl is-enabled rlsidecar.socket` says.
-func runPostinst(t *testing.T, socketEnabled bool, args ...string) []string {
+// made, one a line. `systemctl is-enabled UNIT` says yes for the units in enabled only.
+func runPostinst(t *testing.T, enabled []string, args ...string) []string {
 	t.Helper()
 	sh, err := exec.LookPath("sh")
 	if err != nil {
@@ -37,13 +38,13 @@ func runPostinst(t *testing.T, socketEnabled bool, args ...string) []string {
 		t.Fatal(err)
 	}
 	log := filepath.Join(dir, "systemctl.log")
-	enabled := "0"
-	if !socketEnabled {
-		enabled = "1"
+	isEnabled := "exit 1"
+	for _, u := range enabled {
+		isEnabled = "case \"$*\" in *\" " + u + "\") exit 0 ;; esac; " + isEnabled
 	}
 	stubs := map[string]string{
 		"systemctl": "#!/bin/sh\necho \"$*\" >>" + log + "\n" +
-			"case \"$*\" in *is-enabled*) exit " + enabled + " ;; esac\nexit 0\n",
+			"case \"$*\" in *is-enabled*) " + isEnabled + " ;; esac\nexit 0\n",
 		"deb-systemd-helper": "#!/bin/sh\nexit 0\n",
 		"getent":             "#!/bin/sh\nexit 0\n", // the user and group exist
 	}
@@ -80,17 +81,39 @@ func TestPostinstStartsTheSocket(t *testing.T) {
 		}
 		return false
 	}
-	if calls := runPostinst(t, true, "configure", ""); !has(calls, "start rlsidecar.socket") {
+	if calls := runPostinst(t, []string{"rlsidecar.socket"}, "configure", ""); !has(calls, "start rlsidecar.socket") {
 		t.Errorf("fresh install: the socket is not started; systemctl calls: %q", calls)
 	}
-	calls := runPostinst(t, true, "configure", "0.1.0")
+	calls := runPostinst(t, []string{"rlsidecar.socket"}, "configure", "0.1.0")
 	if !has(calls, "start rlsidecar.socket") {
 		t.Errorf("installed again after a remove (configure 0.1.0): the stopped socket is not started; systemctl calls: %q", calls)
 	}
 	if !has(calls, "try-restart rlsidecar.service") {
 		t.Errorf("upgrade: the service is not restarted; systemctl calls: %q", calls)
 	}
-	if calls := runPostinst(t, false, "configure", "0.1.0"); has(calls, "start rlsidecar.socket") {
+	if calls := runPostinst(t, nil, "configure", "0.1.0"); has(calls, "start rlsidecar.socket") {
 		t.Errorf("upgrade with the socket disabled by the operator: it is started anyway; systemctl calls: %q", calls)
+	}
+}
+
+// Envoy's socket, enabled by the operator (docs/operations.md), is started again too when
+// the package is installed again after `dpkg -r`, whose prerm stopped it. Before, only
+// rlsidecar.socket was: the Envoy socket stayed down, its file removed (RemoveOnStop=),
+// and on a host whose only gateway is Envoy nothing started the service, whose Wants=
+// would have started it: every rate limit call Envoy made failed until a reboot or a
+// `systemctl start rlsidecar-envoy.socket` by hand. Left stopped when not enabled.
+func TestPostinstStartsTheEnvoySocket(t *testing.T) {
+	has := func(calls []string, want string) bool {
+		return slices.ContainsFunc(calls, func(c string) bool { return strings.HasSuffix(c, want) })
+	}
+	calls := runPostinst(t, []string{"rlsidecar.socket", "rlsidecar-envoy.socket"}, "configure", "0.1.0")
+	if !has(calls, "start rlsidecar-envoy.socket") {
+		t.Errorf("installed again after a remove, Envoy's socket enabled: it is not started; systemctl calls: %q", calls)
+	}
+	if !has(calls, "start rlsidecar.socket") {
+		t.Errorf("installed again after a remove: rlsidecar.socket is not started; systemctl calls: %q", calls)
+	}
+	if calls := runPostinst(t, []string{"rlsidecar.socket"}, "configure", "0.1.0"); has(calls, "start rlsidecar-envoy.socket") {
+		t.Errorf("Envoy's socket not enabled: it is started anyway; systemctl calls: %q", calls)
 	}
 }
