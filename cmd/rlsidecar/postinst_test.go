@@ -15,6 +15,15 @@ import (
 // made, one a line. `systemctl is-enabled UNIT` says yes for the units in enabled only.
 func runPostinst(t *testing.T, enabled []string, args ...string) []string {
 	t.Helper()
+	calls, _ := runPostinstWith(t, "", enabled, args...)
+	return calls
+}
+
+// runPostinstWith is runPostinst with settings as /etc/default/rlsidecar (none when
+// empty) and the daemon built for these tests as /usr/bin/rlsidecar; it also returns
+// what the script printed.
+func runPostinstWith(t *testing.T, settings string, enabled []string, args ...string) (calls []string, out string) {
+	t.Helper()
 	sh, err := exec.LookPath("sh")
 	if err != nil {
 		t.Skip("needs sh")
@@ -30,6 +39,12 @@ func runPostinst(t *testing.T, enabled []string, args ...string) []string {
 	}
 	s := strings.ReplaceAll(string(script), "/run/systemd/system", run)
 	s = strings.ReplaceAll(s, "/etc/rlsidecar/redis-password", filepath.Join(dir, "no-such-password-file"))
+	defaults := filepath.Join(dir, "no-such-settings-file")
+	if settings != "" {
+		defaults = writeFile(t, dir, "settings", settings)
+	}
+	s = strings.ReplaceAll(s, "/etc/default/rlsidecar", defaults)
+	s = strings.ReplaceAll(s, "/usr/bin/rlsidecar", binary)
 	if err := os.WriteFile(filepath.Join(dir, "postinst"), []byte(s), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -55,14 +70,15 @@ func runPostinst(t *testing.T, enabled []string, args ...string) []string {
 	}
 	cmd := exec.Command(sh, append([]string{filepath.Join(dir, "postinst")}, args...)...)
 	cmd.Env = append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"))
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("postinst %v: %v\n%s", args, err, out)
+	o, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("postinst %v: %v\n%s", args, err, o)
 	}
 	b, err := os.ReadFile(log)
 	if err != nil && !os.IsNotExist(err) {
 		t.Fatal(err)
 	}
-	return strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Split(strings.TrimSpace(string(b)), "\n"), string(o)
 }
 
 // The package installed again after `dpkg -r` (not a purge) is configured as an upgrade
@@ -115,5 +131,36 @@ func TestPostinstStartsTheEnvoySocket(t *testing.T) {
 	}
 	if calls := runPostinst(t, []string{"rlsidecar.socket"}, "configure", "0.1.0"); has(calls, "start rlsidecar-envoy.socket") {
 		t.Errorf("Envoy's socket not enabled: it is started anyway; systemctl calls: %q", calls)
+	}
+}
+
+// An upgrade does not restart the daemon onto a rules file it would refuse: a running
+// daemon keeps the rules in force through a broken edit (RlsidecarConfigReloadErrors),
+// but a new one refuses the file and stops, so systemd restarts it until it gives up, and
+// every gateway decides by its failure policy meanwhile. Before, postinst ran `systemctl
+// try-restart rlsidecar.service` whatever the file held, so `apt upgrade` turned a broken
+// edit into an outage. The operator is told why, and a file the daemon takes (quoted or
+// not, as EnvironmentFile= allows) or no file named still restarts it.
+func TestPostinstRestartsOnlyOntoRulesItTakes(t *testing.T) {
+	dir := shortTempDir(t)
+	broken := writeFile(t, dir, "broken.yaml", "rules:\n  - name: per-user\n    key: user\n    limit: { requests: many, per: 1h }\n")
+	good := writeFile(t, dir, "good.yaml", rulesWithLimit(5))
+	restarted := func(calls []string) bool { return slices.Contains(calls, "try-restart rlsidecar.service") }
+	socket := []string{"rlsidecar.socket"}
+
+	calls, out := runPostinstWith(t, "# settings\n#RLSIDECAR_CONFIG=/nowhere\nRLSIDECAR_CONFIG="+broken+"\n", socket, "configure", "0.1.0")
+	if restarted(calls) {
+		t.Errorf("upgrade with a rules file the daemon refuses: restarted anyway; systemctl calls: %q\n%s", calls, out)
+	}
+	if !strings.Contains(out, "not restarting rlsidecar.service") || !strings.Contains(out, "broken.yaml:4") {
+		t.Errorf("upgrade with a broken rules file: the output does not say why it did not restart:\n%s", out)
+	}
+	if !slices.Contains(calls, "start rlsidecar.socket") {
+		t.Errorf("upgrade with a broken rules file: the socket is not started; systemctl calls: %q", calls)
+	}
+	for _, settings := range []string{"RLSIDECAR_CONFIG=" + good + "\n", "  RLSIDECAR_CONFIG=\"" + good + "\"\n", "RLSIDECAR_LOG_LEVEL=info\n", ""} {
+		if calls, out := runPostinstWith(t, settings, socket, "configure", "0.1.0"); !restarted(calls) {
+			t.Errorf("upgrade with settings %q: not restarted; systemctl calls: %q\n%s", settings, calls, out)
+		}
 	}
 }
