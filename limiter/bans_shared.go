@@ -131,10 +131,16 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 			return
 		case <-t.C:
 		}
+		if ctx.Err() != nil {
+			continue // a tick that raced the stop: the last round follows
+		}
 		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
 		err := s.round(rctx, s.wallOf(now()), anyPenalty(l.Rules()))
 		cancel()
-		if err != nil && onErr != nil {
+		// A round the stop cut is not reported: once ctx is done, onErr hears only the
+		// last round's outcome, which the caller reports as what the stop failed to
+		// send (refusals the cut round surely did not send are pending for it: putBack).
+		if err != nil && onErr != nil && ctx.Err() == nil {
 			onErr(err)
 		}
 	}

@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -587,5 +588,79 @@ rules:
 				t.Fatalf("Redis back: %+v; banned by refusals the closed policy made while Redis was away", r)
 			}
 		})
+	}
+}
+
+// Stopping RunSharedBans while a periodic round waits on Redis does not report that
+// round, cut by the stop, as failed: onErr hears, once ctx is done, only the last round's
+// outcome, which the daemon logs as "sharing the penalty bans before stopping failed: the
+// refusals counted since the last round ... do not reach the other daemons". Before, the
+// cut round was reported (and, when the loop's select then took a pending tick over the
+// stop, a second round started on the ended ctx was too): every stop during a slow
+// Redis logged that warning once or twice with "context canceled", though the last round
+// had nothing to send, or had sent it.
+func TestSharedBansStopReportsOnlyTheLastRound(t *testing.T) {
+	const yaml = `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: hybrid
+    penalty: { after: 1, within: 1m, ban: 10m }
+`
+	// A Redis that accepts connections and reads commands but never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	asked := make(chan struct{}, 1)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					select {
+					case asked <- struct{}{}:
+					default:
+					}
+				}
+			}()
+		}
+	}()
+	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ContextTimeoutEnabled: true, MaxRetries: -1,
+		ReadTimeout: time.Minute, WriteTimeout: time.Minute, DialTimeout: 10 * time.Second})
+	defer rdb.Close()
+	l := sharedLimiter(t, rdb, yaml)
+	ctx, cancel := context.WithCancel(context.Background())
+	var errs []error // the loop's goroutine's until done
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		l.RunSharedBans(ctx, 10*time.Millisecond, func() int64 { return time.Now().UnixNano() }, func(err error) {
+			errs = append(errs, err)
+		})
+	}()
+	select {
+	case <-asked: // a periodic round reads the ban index, and waits
+	case <-time.After(30 * time.Second):
+		t.Fatal("no round asked Redis within 30s")
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("RunSharedBans did not return within 30s of the stop")
+	}
+	if len(errs) != 0 {
+		t.Fatalf("the stop reported %d failures of rounds it cut, with nothing for the last round to send: %v", len(errs), errs)
 	}
 }
