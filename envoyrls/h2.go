@@ -89,6 +89,15 @@ const (
 	h2MaxGRPCMessage = 1024
 )
 
+// h2GoAwayWait bounds the wait, in a graceful close, between the first GOAWAY (which
+// names the highest stream ID possible) and the one naming the last stream the client
+// opened: the client's acknowledgement of the PING sent with the first ends it sooner. A
+// variable for tests.
+var h2GoAwayWait = time.Second
+
+// goAwayPing is the PING sent with a graceful close's first GOAWAY.
+var goAwayPing = [8]byte{'r', 'l', 's', '-', 'g', 'o', 'n', 'e'}
+
 // h2Linger bounds how long a connection closed gracefully (GOAWAY sent and its last call
 // answered) still reads, and drops, what its client sends, waiting for the client to close
 // (x/net's HTTP/2 server waits the same second). A variable for tests.
@@ -201,13 +210,15 @@ type h2conn struct {
 	hbuf     bytes.Buffer
 	streams  map[uint32]*h2stream
 	free     []*h2stream
-	lastID   uint32 // the highest stream the client opened
-	goneAway bool   // GOAWAY sent: no stream is opened past lastID
-	closed   bool   // the connection is closed or closing: nothing more is written
-	linger   bool   // closed gracefully: only the write side is shut, serve drains the read side
-	sendConn int64  // what the connection's send window still allows
-	peerInit int64  // the peer's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMax  int    // the peer's SETTINGS_MAX_FRAME_SIZE
+	lastID   uint32      // the highest stream the client opened
+	goneAway bool        // GOAWAY sent: no stream is opened past lastID
+	draining bool        // the first GOAWAY of a graceful close sent (goAway), the final one not yet
+	goAwayT  *time.Timer // sends the final GOAWAY if the PING is not acknowledged first
+	closed   bool        // the connection is closed or closing: nothing more is written
+	linger   bool        // closed gracefully: only the write side is shut, serve drains the read side
+	sendConn int64       // what the connection's send window still allows
+	peerInit int64       // the peer's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMax  int         // the peer's SETTINGS_MAX_FRAME_SIZE
 	blocked  []*h2stream
 	sc       *scratch // the inline path's
 	out      []byte   // the inline path's answer
@@ -496,6 +507,9 @@ func (cn *h2conn) closeGracefullyLocked() {
 // endLocked marks the connection closed: every stream is done, nothing more is written.
 func (cn *h2conn) endLocked() {
 	cn.closed = true
+	if cn.goAwayT != nil {
+		cn.goAwayT.Stop()
+	}
 	for id, st := range cn.streams {
 		st.done = true
 		delete(cn.streams, id)
@@ -505,15 +519,49 @@ func (cn *h2conn) endLocked() {
 	cn.blocked = cn.blocked[:0]
 }
 
-// goAway starts a graceful close: GOAWAY names the last stream the client opened, those
-// streams are answered, and the connection closes once none is left.
+// goAway starts a graceful close in two steps, as RFC 9113 6.8 advises: a first GOAWAY
+// names the highest stream ID possible, with a PING; the client opens no stream once it
+// reads it, and those it opened meanwhile are served. Once the PING's acknowledgement
+// comes (every frame the client sent before it was read), or after h2GoAwayWait, the
+// final GOAWAY names the last stream the client opened (finalGoAwayLocked). A single
+// GOAWAY naming the last stream read refused the calls already on their way
+// (REFUSED_STREAM), which Envoy's rate limit filter does not retry: its failure mode
+// decided them, at every restart of the daemon.
 func (cn *h2conn) goAway() {
 	cn.mu.Lock()
 	defer cn.mu.Unlock()
+	if cn.goneAway || cn.draining || cn.closed {
+		return
+	}
+	cn.draining = true
+	err := cn.wfr.WriteGoAway(1<<31-1, http2.ErrCodeNo, nil)
+	if err == nil {
+		err = cn.wfr.WritePing(false, goAwayPing)
+	}
+	if err == nil {
+		err = cn.bw.Flush()
+	}
+	if err != nil {
+		cn.finalGoAwayLocked()
+		return
+	}
+	cn.goAwayT = time.AfterFunc(h2GoAwayWait, func() {
+		cn.mu.Lock()
+		defer cn.mu.Unlock()
+		cn.finalGoAwayLocked()
+	})
+}
+
+// finalGoAwayLocked ends a graceful close: GOAWAY names the last stream the client
+// opened, those streams are answered, and the connection closes once none is left.
+func (cn *h2conn) finalGoAwayLocked() {
 	if cn.goneAway || cn.closed {
 		return
 	}
 	cn.goneAway = true
+	if cn.goAwayT != nil {
+		cn.goAwayT.Stop()
+	}
 	if cn.wfr.WriteGoAway(cn.lastID, http2.ErrCodeNo, nil) == nil {
 		cn.bw.Flush()
 	}
@@ -546,6 +594,9 @@ func (cn *h2conn) handle(f http2.Frame) error {
 		return cn.pump()
 	case *http2.PingFrame:
 		if f.IsAck() {
+			if cn.draining && f.Data == goAwayPing {
+				cn.finalGoAwayLocked()
+			}
 			return nil
 		}
 		return cn.wfr.WritePing(true, f.Data)

@@ -907,9 +907,49 @@ func TestNativeBufferedBound(t *testing.T) {
 	}
 }
 
-// Shutdown sends GOAWAY naming the last stream opened; a stream opened after it is
-// refused, the call in flight is answered, then the connection closes.
+// firstGoAway reads frames up to a graceful close's first GOAWAY, which must name the
+// highest stream ID, and the PING sent with it, whose data it returns.
+func (r *rawConn) firstGoAway() [8]byte {
+	r.t.Helper()
+	for {
+		if g, ok := r.next().(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1<<31-1 {
+				r.t.Fatalf("first GOAWAY %v last %d, want NO_ERROR and 2^31-1", g.ErrCode, g.LastStreamID)
+			}
+			break
+		}
+	}
+	f := r.next()
+	if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+		return p.Data
+	}
+	r.t.Fatalf("after the first GOAWAY: %v, want a PING", f)
+	return [8]byte{}
+}
+
+// finalGoAway reads frames up to the final GOAWAY of a graceful close and returns the
+// last stream it names.
+func (r *rawConn) finalGoAway() uint32 {
+	r.t.Helper()
+	for {
+		if g, ok := r.next().(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeNo {
+				r.t.Fatalf("final GOAWAY %v", g.ErrCode)
+			}
+			return g.LastStreamID
+		}
+	}
+}
+
+// Shutdown closes in two steps (RFC 9113 6.8): a first GOAWAY naming the highest stream
+// ID, with a PING; a stream the client opened before it read them is served; once the
+// PING is acknowledged, the final GOAWAY names the last stream opened, and a stream
+// opened after it is refused. The call in flight is answered, then the connection
+// closes. Before, one GOAWAY named the last stream read, and a call already on its way
+// was refused (REFUSED_STREAM), which Envoy's filter does not retry.
 func TestNativeGoAway(t *testing.T) {
+	defer func(d time.Duration) { h2GoAwayWait = d }(h2GoAwayWait)
+	h2GoAwayWait = time.Minute // only the PING's acknowledgement ends the first step
 	s, frozen := globalServer(t)
 	sv := serveTestNoCleanup(t, s, TransportNative)
 	defer sv.conn.Close()
@@ -931,17 +971,19 @@ func TestNativeGoAway(t *testing.T) {
 		defer cancel()
 		shut <- s.Shutdown(ctx)
 	}()
-	for {
-		if g, ok := r.next().(*http2.GoAwayFrame); ok {
-			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1 {
-				t.Fatalf("GOAWAY %v last %d", g.ErrCode, g.LastStreamID)
-			}
-			break
-		}
-	}
+	ping := r.firstGoAway()
 	r.headers(3, false, grpcHeaders(pathShouldRateLimit)...)
-	if rp := r.await(3, nil); !rp.reset || rp.rst != http2.ErrCodeRefusedStream {
-		t.Fatalf("a stream after GOAWAY: %+v", rp)
+	r.fr.WriteData(3, true, oneCall("on-its-way"))
+	okAnswer(t, r.await(3, nil))
+	if err := r.fr.WritePing(true, ping); err != nil {
+		t.Fatal(err)
+	}
+	if last := r.finalGoAway(); last != 3 {
+		t.Fatalf("the final GOAWAY names stream %d, want 3", last)
+	}
+	r.headers(5, false, grpcHeaders(pathShouldRateLimit)...)
+	if rp := r.await(5, nil); !rp.reset || rp.rst != http2.ErrCodeRefusedStream {
+		t.Fatalf("a stream after the final GOAWAY: %+v", rp)
 	}
 	frozen.Thaw()
 	if rp := r.await(1, nil); rp.grpcStatus != "0" || len(rp.data) < 5 {
@@ -966,8 +1008,9 @@ func TestNativeGoAway(t *testing.T) {
 // answers it has not read yet. Before, the socket was closed at once, and on TCP the
 // client's next write met a reset.
 func TestNativeGoAwayLingers(t *testing.T) {
-	defer func(d time.Duration) { h2Linger = d }(h2Linger)
+	defer func(d, w time.Duration) { h2Linger, h2GoAwayWait = d, w }(h2Linger, h2GoAwayWait)
 	h2Linger = time.Minute // the client closes first; Shutdown waits for it
+	h2GoAwayWait = 10 * time.Millisecond
 	s, done := serveNativeTCP(t)
 	r := dialRawNet(t, "tcp", s.Addr().String())
 	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
@@ -978,13 +1021,9 @@ func TestNativeGoAwayLingers(t *testing.T) {
 
 	shut := make(chan error, 1)
 	go func() { shut <- s.Shutdown(ctx10(t)) }()
-	for {
-		if g, ok := r.next().(*http2.GoAwayFrame); ok {
-			if g.ErrCode != http2.ErrCodeNo || g.LastStreamID != 1 {
-				t.Fatalf("GOAWAY %v last %d", g.ErrCode, g.LastStreamID)
-			}
-			break
-		}
+	r.firstGoAway() // not acknowledged: the final GOAWAY comes after h2GoAwayWait
+	if last := r.finalGoAway(); last != 1 {
+		t.Fatalf("the final GOAWAY names stream %d, want 1", last)
 	}
 	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if f, err := r.fr.ReadFrame(); err != io.EOF {
