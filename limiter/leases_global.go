@@ -1,7 +1,10 @@
 package limiter
 
 import (
+	"encoding/base64"
 	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
 
 	"github.com/rlsidecar/rlsidecar/rules"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
@@ -102,6 +105,26 @@ func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool, now in
 			ls.statsOf(r.Name).Released++ // acquired through another daemon
 		}
 	}
+}
+
+// trackedGlobal returns the global lease of token if this daemon tracks it (it
+// acquired it and has not seen it freed), else nil. The whole token must match: its id
+// alone (random, but written in the token in the clear) is not taken as proof.
+func (ls *Leases) trackedGlobal(token string) *globalLease {
+	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > proto.MaxLeaseLen {
+		return nil
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
+	if err != nil || len(raw) < 1+leaseIDBytes {
+		return nil
+	}
+	id := base64.RawURLEncoding.EncodeToString(raw[1 : 1+leaseIDBytes])
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if gl := ls.global[id]; gl != nil && gl.token == token {
+		return gl
+	}
+	return nil
 }
 
 // renewedGlobal notes that the global lease id, if tracked here, now first expires at

@@ -438,10 +438,19 @@ var clientByte = func() (t [256]bool) {
 }()
 
 // release frees the global lease of token through Redis, whichever daemon acquired it.
+// A lease this daemon acquired and still tracks is released by the parts it was taken
+// with when its token no longer decodes: a reload has since removed its rule, renamed it
+// or made it local, and its slots are still held in Redis. Refused, the release left
+// them held until their lease ran out (and counted expired), in the rule's sorted set
+// that a reload putting the rule back reads again.
 func (s *globalLeaseStore) release(token string, now int64) bool {
 	id, parts, rs, ok := s.decodeGlobal(token)
 	if !ok {
-		return false
+		gl := s.ls.trackedGlobal(token)
+		if gl == nil {
+			return false
+		}
+		id, parts = gl.id, gl.parts
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, rlsync.DefaultRefundTimeout))
 	defer cancel()
