@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A global lease whose rule a reload removes, or makes local, is still released by the
@@ -56,6 +57,41 @@ func TestGlobalLeaseReleasedAfterItsRuleIsReloadedAway(t *testing.T) {
 				if ok, _, d := acquire(t, l, in, 9); !ok {
 					t.Fatalf("lease %d with the rule back: refused (%+v)", i, d.Results[0])
 				}
+			}
+		})
+	}
+}
+
+// A global lease whose rule a reload made local, or renamed, is renewed by the daemon
+// that took it, with the lease it was taken for unless the renew names one: its request
+// still runs, and holds its slot should the rule come back. Before, the renew answered
+// false and the slot ran out under a request still running.
+func TestGlobalLeaseRenewedAfterItsRuleIsReloadedAway(t *testing.T) {
+	rdb := realRedis(t)
+	for _, c := range []struct{ name, from, to string }{
+		{"made-local", "    mode: global\n", "    mode: local\n"},
+		{"renamed", "  - name: exports\n", "  - name: exports2\n"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			prefix := "lrn-" + c.name + ":"
+			l := globalLimiter(t, rdb, globalLeaseRules, prefix)
+			ok, tok, _ := acquire(t, l, exportInput("ann"), 1)
+			if !ok {
+				t.Fatal("refused")
+			}
+			l.SetRules(mustRules(t, strings.Replace(globalLeaseRules, c.from, c.to, 1)))
+			if ok, in := l.RenewLease(tok, 0, nowNs()); !ok || in != 10*time.Second {
+				t.Errorf("renew after the reload: %v %v, want true 10s", ok, in)
+			}
+			if ok, in := l.RenewLease(tok, time.Minute, nowNs()); !ok || in != time.Minute {
+				t.Errorf("renew for a minute after the reload: %v %v, want true 1m0s", ok, in)
+			}
+			key := prefix + "exports:{user=ann}"
+			if ttl := rdb.PTTL(context.Background(), key).Val(); ttl < 50*time.Second {
+				t.Errorf("%s expires in %v after a renew for a minute", key, ttl)
+			}
+			if !l.ReleaseLease(tok, nowNs()) {
+				t.Error("release: false")
 			}
 		})
 	}

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"hash/maphash"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -462,11 +463,18 @@ func (s *globalLeaseStore) release(token string, now int64) bool {
 	return freed
 }
 
-// renew extends the global lease of token (d 0: each rule's own lease).
+// renew extends the global lease of token (d 0: each rule's own lease). A lease this
+// daemon tracks whose token no longer decodes (release says when) is renewed by the
+// parts it was taken with, d 0 giving each the lease it was taken for: while its request
+// runs it holds its slots, in case a reload puts its rule back.
 func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool, time.Duration) {
 	id, parts, _, ok := s.decodeGlobal(token)
 	if !ok {
-		return false, 0
+		gl := s.ls.trackedGlobal(token)
+		if gl == nil {
+			return false, 0
+		}
+		id, parts = gl.id, slices.Clone(gl.parts) // the copy's Lease may change below
 	}
 	if d > 0 {
 		for i := range parts {
