@@ -188,6 +188,54 @@ func (b *Bans) Index(ctx context.Context, now int64, bans []SharedBan) error {
 	if _, err := pipe.Exec(ctx); err != nil && add.Err() != nil {
 		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, add.Err())
 	}
+	return b.recheck(ctx, bans)
+}
+
+// recheck reads the ban key of each of bans, just added to the index, and drops again
+// the member of a ban its key no longer holds: one lifted (Lift) after it started. A
+// daemon indexes the bans it started at its next round, and a lift in between deleted
+// the ban key and the index's member before Index wrote the member back: every daemon
+// then learned the ban from the index and enforced it, lifted, until its end. Lift
+// deletes the key before the member and recheck reads the key after writing the member,
+// so whichever goes first, the member is gone after both. A key banned again since
+// with the same count (the count decayed) has the same member: it gets that ban's end
+// back (XX: unless a lift has dropped it meanwhile).
+func (b *Bans) recheck(ctx context.Context, bans []SharedBan) error {
+	pipe := b.rdb.Pipeline()
+	held := make([]*redis.SliceCmd, len(bans))
+	for i, sb := range bans {
+		held[i] = pipe.HMGet(ctx, BanKey(sb.Key), "u", "c")
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return fmt.Errorf("checking %d bans added to the index %s: %w", len(bans), b.index, err)
+	}
+	fix := b.rdb.Pipeline()
+	for i, sb := range bans {
+		v := held[i].Val()
+		var u, c int64
+		if len(v) == 2 {
+			if s, ok := v[0].(string); ok {
+				u, _ = strconv.ParseInt(s, 10, 64)
+			}
+			if s, ok := v[1].(string); ok {
+				c, _ = strconv.ParseInt(s, 10, 64)
+			}
+		}
+		switch until := sb.Until / int64(time.Millisecond); {
+		case c == int64(sb.Count) && u == until:
+			// still the ban indexed
+		case c == int64(sb.Count) && u > until:
+			fix.ZAddXX(ctx, b.index, redis.Z{Score: float64(u), Member: member(c, sb.Key)})
+		default:
+			fix.ZRem(ctx, b.index, member(int64(sb.Count), sb.Key))
+		}
+	}
+	if fix.Len() == 0 {
+		return nil
+	}
+	if _, err := fix.Exec(ctx); err != nil {
+		return fmt.Errorf("dropping lifted bans from the index %s: %w", b.index, err)
+	}
 	return nil
 }
 

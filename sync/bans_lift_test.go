@@ -1,0 +1,64 @@
+package sync
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+// A ban lifted after it started and before its daemon indexed it stays lifted. The
+// daemon that started it adds it to the index at its next round (a global check's, or a
+// batch of hybrid refusals'), from its list of bans started and not yet indexed; a lift
+// through the admin endpoint in between (the round had taken that list already, or the
+// refusal that started it had not yet put it there) deleted the ban key and the index's
+// member, and the round's Index then wrote the member back: every daemon read it from
+// the index and its hybrid checks refused the client for the whole ban, lifted and
+// answered 204. Now Index drops again a member whose ban key no longer holds that ban,
+// and writes a re-banned key's member (the same count after a decay) at that ban's end.
+func TestBansIndexAfterLift(t *testing.T) {
+	for _, be := range globalBackends(t)[1:] { // standalone and cluster
+		t.Run(be.name, func(t *testing.T) {
+			ctx := context.Background()
+			b, err := NewBans(be.rdb, "lift:")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pol := BanPolicy{After: 1, Within: time.Minute, Ban: 10 * time.Minute, Factor: 1, Max: 10 * time.Minute}
+			const key = "lift:login:{ip=1.1.1.1}"
+			now := time.Now().UnixNano()
+			rs := []BanRefusal{{Key: key, N: 1, Policy: pol}}
+			if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started {
+				t.Fatalf("Refused: %+v %v, want a ban started", rs[0], err)
+			}
+			started := SharedBan{Key: key, Until: rs[0].Until, Count: rs[0].Count}
+			if was, err := b.Lift(ctx, now, key); err != nil || !was {
+				t.Fatalf("Lift: %v %v", was, err)
+			}
+			if err := b.Index(ctx, now, []SharedBan{started}); err != nil { // the round's, late
+				t.Fatal(err)
+			}
+			if list, err := b.Known(ctx, now, 10); err != nil || len(list) != 0 {
+				t.Fatalf("Known after a lift and a late Index: %+v (%v), want none", list, err)
+			}
+
+			// Banned again after the lift (count 1 again: the lift forgot the count), a
+			// minute later: a late Index of the lifted ban, also count 1, leaves the new
+			// ban's end in the index, not the old one's.
+			later := now + int64(time.Minute)
+			rs = []BanRefusal{{Key: key, N: 1, Policy: pol}}
+			if err := b.Refused(ctx, later, rs); err != nil || !rs[0].Started || rs[0].Count != started.Count {
+				t.Fatalf("Refused again: %+v %v", rs[0], err)
+			}
+			again := SharedBan{Key: key, Until: rs[0].Until, Count: rs[0].Count}
+			if err := b.Index(ctx, later, []SharedBan{again}); err != nil {
+				t.Fatal(err)
+			}
+			if err := b.Index(ctx, later, []SharedBan{started}); err != nil {
+				t.Fatal(err)
+			}
+			if list, err := b.Known(ctx, later, 10); err != nil || len(list) != 1 || list[0] != again {
+				t.Fatalf("Known after a late Index of the lifted ban: %+v (%v), want only %+v", list, err, again)
+			}
+		})
+	}
+}
