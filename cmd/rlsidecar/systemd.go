@@ -194,9 +194,10 @@ func socketKind(sa unix.Sockaddr, typ int) string {
 // NOTIFY_SOCKET it does nothing, so it is always safe to call. Its zero value is not
 // usable; use newNotifier. Safe for concurrent use.
 type notifier struct {
-	log    *slog.Logger
-	mu     sync.Mutex
-	warned bool
+	log     *slog.Logger
+	mu      sync.Mutex
+	warned  bool
+	stopped bool // STOPPING=1 sent: READY=1 and RELOADING=1 are not sent after it
 }
 
 func newNotifier(log *slog.Logger) *notifier { return &notifier{log: log} }
@@ -212,17 +213,37 @@ func (n *notifier) send(lines ...string) {
 	}
 }
 
-// ready says the daemon serves: the rules are loaded and the socket listens.
-func (n *notifier) ready(status string) { n.send("READY=1", "STATUS="+status) }
+// ready says the daemon serves: the rules are loaded and the socket listens. Not once
+// it drains: a reload the file watcher began then (it runs until the drain ends) would
+// have said READY=1 after STOPPING=1, and `systemctl status` showed a draining daemon as
+// serving.
+func (n *notifier) ready(status string) {
+	if !n.draining() {
+		n.send("READY=1", "STATUS="+status)
+	}
+}
 
 // reloading says a reload began, stamped with CLOCK_MONOTONIC as systemd requires;
-// ready must follow when it is over, whatever its outcome.
+// ready must follow when it is over, whatever its outcome. Not once it drains (ready).
 func (n *notifier) reloading(status string) {
-	n.send("RELOADING=1", "MONOTONIC_USEC="+fmt.Sprint(monotonicUsec()), "STATUS="+status)
+	if !n.draining() {
+		n.send("RELOADING=1", "MONOTONIC_USEC="+fmt.Sprint(monotonicUsec()), "STATUS="+status)
+	}
 }
 
 // stopping says the daemon is draining.
-func (n *notifier) stopping(status string) { n.send("STOPPING=1", "STATUS="+status) }
+func (n *notifier) stopping(status string) {
+	n.mu.Lock()
+	n.stopped = true
+	n.mu.Unlock()
+	n.send("STOPPING=1", "STATUS="+status)
+}
+
+func (n *notifier) draining() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.stopped
+}
 
 // watchdog pings the service manager every half WATCHDOG_USEC until ctx ends, when the
 // unit sets WatchdogSec= (and WATCHDOG_PID, if set, names this process). A ping proves

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -859,5 +860,29 @@ func TestE2ESocketActivationWarnsOfIgnoredSocketFlags(t *testing.T) {
 				t.Errorf("a warning for a --socket naming the passed socket:\n%s", out)
 			}
 		})
+	}
+}
+
+// Once STOPPING=1 is sent, a reload (the file watcher runs until the drain ends) says
+// neither RELOADING=1 nor READY=1: a draining daemon is not shown as serving again.
+func TestNotifierQuietAfterStopping(t *testing.T) {
+	n := listenNotify(t)
+	t.Setenv("NOTIFY_SOCKET", n.path)
+	nt := newNotifier(slog.New(slog.DiscardHandler))
+	nt.ready("serving")
+	n.waitFor(t, "READY", 10*time.Second)
+	nt.stopping("draining")
+	n.waitFor(t, "STOPPING", 10*time.Second)
+	nt.reloading("reloading the rules (file changed)")
+	nt.ready("serving again")
+	nt.stopping("the last word") // datagrams arrive in order: whatever came between is seen first
+	m := n.waitFor(t, "STOPPING", 10*time.Second)
+	if m.fields["STATUS"] != "the last word" {
+		t.Fatalf("STOPPING with STATUS=%q, want the last word; seen %q", m.fields["STATUS"], n.seen)
+	}
+	for _, s := range n.seen[2:] {
+		if strings.Contains(s, "READY") || strings.Contains(s, "RELOADING") {
+			t.Fatalf("after STOPPING=1: %s; seen %q", s, n.seen)
+		}
 	}
 }
