@@ -70,8 +70,9 @@ func (s hybridStore) giveBack(_ int64, d *Decision) {
 	s.results(d, n)
 }
 
-// skip reports the ops from the local view, charging and syncing nothing (a check that
-// another store or a ban refused): their rules' entries say what is left, not nothing.
+// skip reports the ops from the local view, for their cost, charging and syncing nothing
+// (a check that another store or a ban refused): their rules' entries say what is left,
+// not nothing, and whether the cost would pass.
 // A key the local view does not hold, whose Peek reports its limit only (refused, yet
 // possible and with no retry: a result that decided nothing), is reported unasked
 // (Result.Unasked), not refused.
@@ -79,7 +80,7 @@ func (s hybridStore) skip(now int64, d *Decision) {
 	n := scratchOf[rlsync.HybridOp](d, storeHybrid)
 	for i := range d.ops {
 		if o := &d.ops[i]; o.store == storeHybrid {
-			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Shadow: o.shadow, Banned: o.bannedUntil != 0})
+			n.ops = append(n.ops, rlsync.HybridOp{Key: o.key, Limit: o.lim, Cost: o.cost, Shadow: o.shadow, Banned: o.bannedUntil != 0})
 			n.at = append(n.at, i)
 		}
 	}

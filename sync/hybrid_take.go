@@ -1,6 +1,7 @@
 package sync
 
 import (
+	"bytes"
 	"math"
 	"time"
 
@@ -120,19 +121,41 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 }
 
 // Peek reports, in each op's Result, what the local view says of its key for a request
-// of cost 0 (allowed: one more would pass; the remaining, reset and retry), charging,
-// counting and syncing nothing. A key this daemon does not hold, or holds no fresh view
-// of (stale; except a Banned op's), reports its limit only: what Redis would say of it
-// was not asked. For a check another store refused (or a ban): its hybrid rules are
-// reported, not asked.
+// of the op's cost, with the costs of the ops before it on its key (as Take decides
+// them), charging, counting and syncing nothing: allowed when the view has room for it
+// (the remaining, reset); else refused, with when it would pass, or Impossible when the
+// cost is above the key's capacity. Cost 0 asks whether one more would pass. A key this
+// daemon does not hold, or holds no fresh view of (stale; except a Banned op's), reports
+// its limit only: what Redis would say of it was not asked. For a check another store
+// refused (or a ban): its hybrid rules are reported, not asked.
+//
+// Before, every op was judged as a question (cost 0), whatever its cost: a request of
+// cost 3 that a local rule refused, on a hybrid key with 1 unit left, was told the
+// hybrid rule admitted it, or on a full key retry when one unit frees (330 s where three
+// take 990 s), and a cost above the key's capacity was a plain refusal with a retry, not
+// cost_exceeds_capacity.
 func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 	n := h.creditShares()
 	for i := range ops {
 		op := &ops[i]
+		upTo := op.Cost
+		for j := range i {
+			if bytes.Equal(ops[j].Key, op.Key) {
+				upTo += ops[j].Cost
+			}
+		}
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
 			op.Result, _, _, _ = h.decide(sh, e, now, 0, n, false, false, false, op.Shadow)
+			if upTo > 0 && (!op.Result.Allowed || op.Result.Remaining < upTo) {
+				// No room for the cost (or above the capacity): judged as Take judges it
+				// from the view, without a sync.
+				op.Result, _, _, _ = h.decide(sh, e, now, upTo, n, false, false, false, op.Shadow)
+				if d := upTo - op.Cost; d > 0 && !op.Result.Allowed {
+					op.Result.Remaining = subFloor(op.Result.Remaining, d)
+				}
+			}
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
 		}
