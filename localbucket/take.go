@@ -265,18 +265,25 @@ func (l *Limit) slidingEarliest(start int64, prev, cur uint64, from int64, x uin
 
 // GiveBack updates r, the result of a take of cost that was allowed, to what the key
 // reads once cost is given back (a later check refused the request): cost more
-// remaining, and for a token bucket a reset sooner by cost's refill time; a window that
-// is empty again resets now.
+// remaining, and for a token bucket a reset sooner by cost's refill time; a key that is
+// full again (a window empty again) resets now, whatever its algorithm. (A sliding
+// window that is not empty again keeps the reset its take gave: the result does not
+// hold the counts to work out an earlier one.)
+//
+// Before, only a fixed window was reset: a sliding window's fresh key, given back,
+// answered its whole capacity left with the reset of the units given back (7 left of 7,
+// reset_ms 570348 of a 600 s window), and a hybrid token bucket, whose reset counts from
+// its view and so holds the sync's lag, the whole burst left with reset_ms 1.
 func (l *Limit) GiveBack(r *Result, cost uint64) {
 	r.Remaining = min(r.Remaining+cost, l.Capacity())
 	switch {
+	case r.Remaining == l.Capacity():
+		r.Reset = 0
 	case l.alg == TokenBucket:
 		if cost >= uint64(r.Reset/l.emission)+1 {
 			r.Reset = 0
 		} else {
 			r.Reset = max(0, r.Reset-int64(cost)*l.emission)
 		}
-	case r.Remaining == l.Capacity() && l.alg == FixedWindow:
-		r.Reset = 0
 	}
 }

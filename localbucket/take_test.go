@@ -248,6 +248,29 @@ func TestGiveBackMatchesPeekBefore(t *testing.T) {
 	}
 }
 
+// A give back that leaves the key full again reports it full now: the whole capacity
+// left and reset 0, as a question asked of the state before the take answers, for every
+// algorithm (a global or hybrid rule whose request a later rule refused). Before, a
+// sliding window kept the reset of its take: 10 left of 10, reset of most of two minutes.
+func TestGiveBackToFullResetsNow(t *testing.T) {
+	const now = int64(1_000_000_000_000)
+	for _, alg := range []Algorithm{TokenBucket, SlidingWindow, FixedWindow} {
+		l, err := NewLimit(alg, 10, time.Minute, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, took := l.Take(State{}, now, 3)
+		if !took.Allowed || took.Reset == 0 {
+			t.Fatalf("alg %d: a cost of 3 on a fresh key: %+v", alg, took)
+		}
+		l.GiveBack(&took, 3)
+		if took.Remaining != 10 || took.Reset != 0 {
+			t.Errorf("alg %d: given back to full: %d left, reset %v; want 10 left, reset 0",
+				alg, took.Remaining, time.Duration(took.Reset))
+		}
+	}
+}
+
 // TestTokenBucketRateNotRaisedByRounding: a token bucket keeps its interval between two
 // tokens (window/requests) in whole nanoseconds, rounded down. Where that interval is a
 // few nanoseconds the rounding raised the rate itself: 4,294,967,295 per 8,589 ms
