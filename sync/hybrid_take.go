@@ -780,9 +780,18 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// or on its way. A view gone stale with nothing to sync means the key has cooled:
 	// before, it stayed hot for good and refused here with units free in Redis.
 	hot := e.lastDemand >= 2 && (!stale || e.flags&(flagDirty|flagBusy) != 0)
-	// Room for it, on a key not busy here: the request lost the allowance a sync just
-	// brought to a concurrent one.
-	room = e.synced > 0 && !hot && proj-unseen >= need
+	// What this daemon's grant still holds: reserved for it in Redis, and so left out of
+	// the view.
+	held := max(0, float64(e.grant)-float64(pending))
+	// Room for it, on a key not busy here, the grant held counted: the request lost the
+	// allowance a sync just brought to a concurrent one, or needs more than the
+	// allowance (the grant held and a share of the view) holds; Take then decides it by
+	// an exact sync, which gives the grant back and reserves the request's cost. (Without
+	// the grant held, a key whose room was partly that grant was refused from the view,
+	// told to wait for units that were free: 5 per 10 min, burst 7, 4 left, a cost of 3
+	// refused with retry 120 s; a fixed window of 8 with 2 left, a cost of 2 told the
+	// window's end. The exact mode admits both.)
+	room = e.synced > 0 && !hot && proj-unseen+held >= need
 	answering := h.redisAnswering(e)
 	// A hot key whose view is over an interval old and that nothing has made dirty since
 	// has no share grant coming by itself: its last sync emptied the demand that made it
@@ -814,7 +823,6 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// and retry 199 ms (the grant left out), where the exact mode admits it. At most
 	// one such sync per grant: it leaves the key holding exactly the cost, used at once;
 	// a request of one unit is never refused while a grant is held.
-	held := max(0, float64(e.grant)-float64(pending))
 	grantRoom := hot && e.flags&flagShared == 0 && e.synced > 0 && held > 0 &&
 		proj-unseen < need && proj-unseen+held >= need
 	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom) && answering
@@ -835,9 +843,10 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	}
 	retry := int64(0)
 	switch alg := lim.Algorithm(); {
-	case proj-unseen >= need:
-		// The view has room for it, beside what this daemon admitted that Redis has not
-		// counted yet: refused for want of allowance, which the next sync brings. (Judged
+	case proj-unseen+held >= need:
+		// The view has room for it (with the grant this daemon holds), beside what this
+		// daemon admitted that Redis has not counted yet: refused for want of allowance,
+		// which the next sync brings. (Judged
 		// by the view alone, a refusal for want of room said the next sync where the
 		// units admitted here beyond the grant took the room: 5/s, costs 3, 1 and 3, a
 		// retry of 200 ms where 2 tokens take 400; 4 per 2 s, costs 2, 1 and 2, 100 ms
