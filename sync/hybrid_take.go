@@ -740,6 +740,13 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	unseen := max(0, float64(pending)-float64(e.grant))
 	r.Remaining = uint64(max(0, math.Floor(proj-unseen))) + subFloor(uint64(e.grant), pending)
 	r.Reset = h.resetOf(e, now, pending)
+	if r.Remaining >= lim.Capacity() {
+		// Full: nothing counted, reserved by another daemon or admitted here. The view's
+		// reset counts this daemon's grant as spent (and the sync's lag): a question on
+		// a key whose only units were a grant held here answered its whole capacity left
+		// and a reset of most of a window (or 1 ms).
+		r.Reset = 0
+	}
 	if cost > lim.Capacity() {
 		r.Impossible = true
 		return r, false, false, false
