@@ -618,6 +618,32 @@ def test_refused_for_cost_above_what_is_left(conn):
     assert not wrong, wrong
 
 
+def test_refused_request_reports_each_limit_for_its_cost(conn):
+    """A request one limit refuses reports each other limit for the request's cost, not for a
+    cost of 1: a bucket of 5 an hour, emptied, asked for 3 beside a spent local limit says
+    refused with a retry_after_ms of three tokens (36 minutes), never one (12); asked for 6, it
+    says cost_exceeds_capacity and decides the answer (no retry can pass). A limit whose figures
+    were not read (`unasked`, a Redis-backed one the refusal skipped) says so instead. With
+    Redis, a roomy global limit rides along: a request that waits on Redis is the one whose
+    spent local limit refuses it before the others are asked."""
+    spent = {"key": uniq("spent"), "limit": 10, "window_ms": 60000, "algorithm": "fixed_window",
+             "mode": "local"}
+    bucket = {"key": uniq("bucket"), "limit": 5, "window_ms": 3600000}
+    roomy = [{"key": uniq("roomy"), "limit": 100, "window_ms": 60000, "mode": "global"}] if WITH_REDIS else []
+    assert assert_check(conn.rt({"op": "check", "id": 1, "limits": [spent], "cost": 10}), 1)["allowed"]
+    assert assert_check(conn.rt({"op": "check", "id": 2, "limits": [bucket], "cost": 5}), 2)["allowed"]
+    r = assert_check(conn.rt({"op": "check", "id": 3, "limits": [spent, bucket] + roomy, "cost": 3}), 3)
+    e = r["rules"][1]
+    assert not r["allowed"] and r["rules"][0]["retry_after_ms"] <= 60000, r
+    if not e.get("unasked"):
+        assert not e["allowed"] and e["retry_after_ms"] > 35 * 60000 and "reason" not in e, r
+        assert r["rule"] == bucket["key"] and r["retry_after_ms"] == e["retry_after_ms"], r
+    r = assert_check(conn.rt({"op": "check", "id": 4, "limits": [spent, bucket] + roomy, "cost": 6}), 4)
+    e = r["rules"][1]
+    assert not e["allowed"] and e["retry_after_ms"] == 0 and e.get("reason") == "cost_exceeds_capacity", r
+    assert r["rule"] == bucket["key"] and r["retry_after_ms"] == 0 and r.get("reason") == "cost_exceeds_capacity", r
+
+
 def test_inline_limits_with_rules_all_or_nothing(conn):
     attrs = api(user=uniq(), ip=uniq("ip"))
     key = uniq()
