@@ -14,7 +14,8 @@ type Options struct {
 	// Shards is the number of independently locked shards, a power of two; default 256.
 	Shards int
 	// MaxKeys caps the keys stored over all shards; default 4,000,000. Each shard holds at
-	// most ceil(MaxKeys/Shards) keys.
+	// most ceil(MaxKeys/Shards) keys, a key longer than 55 bytes counting as one more per
+	// 96 bytes of it, started (so that the cap bounds memory whatever the keys' lengths).
 	MaxKeys int
 }
 
@@ -150,9 +151,12 @@ const shardAlign = 128
 
 // shardFields is a shard's state; shard pads it.
 type shardFields struct {
-	mu     sync.Mutex
-	slots  []uint64
-	n      int // live records
+	mu    sync.Mutex
+	slots []uint64
+	n     int // live records
+	// load is what the live records take of cap: one unit each, and a key longer than
+	// inlineKey its units besides (units).
+	load   int
 	chunks []*[chunkSize]record
 	free   []uint32 // indexes of free records
 	// long holds, by record index, the keys longer than inlineKey.
@@ -259,7 +263,28 @@ func (sh *shard) add(hi uint32, key []byte, e entry) {
 	p, _, _ := find(sh, hi, key)
 	sh.slots[p] = uint64(hi)<<32 | uint64(i+1)
 	sh.n++
+	sh.load += sh.units(len(key))
 }
+
+// recordSize is the size of a record, the unit of a shard's cap.
+const recordSize = int(unsafe.Sizeof(record{}))
+
+// units is what a key of n bytes takes of its shard's cap: one record, and for a key
+// longer than inlineKey (held in the long map, beside its record) one more per
+// recordSize bytes of it, started, so that the cap bounds the shard's memory, not only
+// its keys: counted as one, keys of 4 KB (a client's own API key or path, up to
+// rules.MaxKeyValue an attribute) held 4.2 KB each, and a flood of them under the default
+// cap of 4,000,000 would have held 17 GB. Never more than the whole cap, so that a key
+// longer than it can still be held (alone).
+func (sh *shard) units(n int) int {
+	if n <= inlineKey {
+		return 1
+	}
+	return min(1+(n+recordSize-1)/recordSize, sh.cap)
+}
+
+// full reports that a key of n bytes, not stored, does not fit in the shard's cap.
+func (sh *shard) full(n int) bool { return sh.load+sh.units(n) > sh.cap }
 
 func (sh *shard) resize(size int) {
 	old := sh.slots
@@ -280,7 +305,10 @@ func (sh *shard) resize(size int) {
 // removeAt deletes the key in slot p, whose record is i.
 func (sh *shard) removeAt(p int, i uint32) {
 	if r := sh.rec(i); r.klen == longKey {
+		sh.load -= sh.units(len(sh.long[i]))
 		delete(sh.long, i)
+	} else {
+		sh.load--
 	}
 	*sh.rec(i) = record{e: entry{expires: freeMark}}
 	sh.free = append(sh.free, i)
@@ -497,7 +525,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	var in State
 	if e != nil {
 		in = stateFor(e, op.Limit, now)
-	} else if sh.n >= sh.cap {
+	} else if sh.full(len(op.Key)) {
 		sh.mu.Unlock()
 		return s.applyGeneral(now, ops, veto)
 	}
@@ -563,13 +591,13 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	var ina, inb State
 	if ea != nil {
 		ina = stateFor(ea, a.Limit, now)
-	} else if sa.n >= sa.cap {
+	} else if sa.full(len(a.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
 	if eb != nil {
 		inb = stateFor(eb, b.Limit, now)
-	} else if sb.n >= sb.cap {
+	} else if sb.full(len(b.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
@@ -670,7 +698,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 		sh := shs[i]
 		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
 			ins[i] = stateFor(es[i], ops[i].Limit, now)
-		} else if sh.n >= sh.cap {
+		} else if sh.full(len(ops[i].Key)) {
 			s.unlock(locks[:nl])
 			return s.applyGeneral(now, ops, veto)
 		}
@@ -840,7 +868,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
 			x.in = stateFor(x.e, op.Limit, now)
-		} else if sh.n >= sh.cap && sh.allLimitedUntil > now {
+		} else if sh.full(len(op.Key)) && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
 			// fallback state, which every such key shares.
@@ -922,7 +950,7 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 }
 
 func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
-	if sh.n >= sh.cap {
+	for sh.full(len(key)) {
 		evicted, live := s.evict(sh, h, now)
 		if !evicted {
 			s.untracked.Add(1)

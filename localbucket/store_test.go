@@ -531,6 +531,51 @@ func TestStoreKeyLengths(t *testing.T) {
 	}
 }
 
+// The key cap bounds the memory the keys hold, not only their number: a flood of
+// distinct 4,000-byte keys (a client's own API key, up to rules.MaxKeyValue escaped)
+// holds no more of them than fit in the records the cap allows. Before, each counted as
+// one key whatever its length: 1,024 such keys held 4 MB against the 98 KB of 1,024
+// records, and the default cap of 4,000,000 let one client's flood take 17 GB.
+func TestStoreKeyCapCountsKeyBytes(t *testing.T) {
+	const maxKeys = 1024
+	s := NewStore(Options{Shards: 4, MaxKeys: maxKeys})
+	l := mustLimit(t, TokenBucket, 100, time.Hour, 0)
+	for i := range 4 * maxKeys {
+		k := fmt.Sprintf("%08d", i) + strings.Repeat("k", 3992)
+		s.Apply(base, []Op{op(k, l, 1)})
+	}
+	checkTable(t, s)
+	held := 0
+	for si := range s.shards {
+		for _, k := range s.shards[si].long {
+			held += len(k)
+		}
+	}
+	if limit := maxKeys * recordSize; held > limit {
+		t.Errorf("%d keys of 4,000 bytes held, %d bytes: more than the %d bytes of the %d records the cap allows", s.Len(), held, limit, maxKeys)
+	}
+	if s.Len() == 0 {
+		t.Error("no key held")
+	}
+	// A short key still takes one record: the cap holds as many as before.
+	s = NewStore(Options{Shards: 1, MaxKeys: 100})
+	for i := range 100 {
+		s.Apply(base, []Op{op(strconv.Itoa(i), l, 1)})
+	}
+	if s.Len() != 100 || s.Evictions() != 0 {
+		t.Errorf("100 short keys under a cap of 100: %d held, %d evicted", s.Len(), s.Evictions())
+	}
+	// A key longer than a shard's whole cap is held, alone.
+	s = NewStore(Options{Shards: 1, MaxKeys: 2})
+	one := mustLimit(t, FixedWindow, 1, time.Minute, 0)
+	s.Apply(base, []Op{op("a", l, 1)})
+	long := strings.Repeat("x", 1000)
+	if !s.Apply(base, []Op{op(long, one, 1)}) || s.Apply(base, []Op{op(long, one, 1)}) {
+		t.Error("a key longer than the cap was not held")
+	}
+	checkTable(t, s)
+}
+
 // checkTable checks every shard's table: each slot leads to a live record holding a key
 // whose hash matches the slot, the counts agree, and the long keys kept aside are those
 // of live records.
@@ -564,6 +609,13 @@ func checkTable(t *testing.T, s *Store) {
 		}
 		if live != sh.n || long != len(sh.long) || sh.n > sh.cap {
 			t.Fatalf("shard %d: %d slots, n %d (cap %d); %d long records, %d long keys", si, live, sh.n, sh.cap, long, len(sh.long))
+		}
+		load := sh.n - len(sh.long)
+		for _, k := range sh.long {
+			load += sh.units(len(k))
+		}
+		if load != sh.load || sh.load > sh.cap {
+			t.Fatalf("shard %d: load %d, its keys take %d (cap %d)", si, sh.load, load, sh.cap)
 		}
 		sh.mu.Unlock()
 	}
