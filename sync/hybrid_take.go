@@ -260,8 +260,10 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		sh := &h.shards[op.shard]
 		e := sh.m[string(op.Key)]
 		if e == nil {
-			if len(sh.m) >= h.perShard {
-				h.evict(sh)
+			for w := units(len(op.Key), h.perShard); sh.load+w > h.perShard; {
+				if !h.evict(sh) {
+					break // every key sampled has a sync on its way: held past the cap
+				}
 			}
 			// A key new here: before its first sync a daemon may admit one request on
 			// credit, if the key's capacity leaves two for every live daemon (a small
@@ -280,6 +282,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				e.allowance = 1
 			}
 			sh.m[k] = e
+			sh.load += units(len(k), h.perShard)
 			select { // ask Run for an early sync: the key's first view, within kickEvery
 			case h.kick <- struct{}{}:
 			default:

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -428,6 +429,51 @@ func TestHybridKeyCap(t *testing.T) {
 	}
 	if h.Evicted() == 0 || h.Dropped() != 0 {
 		t.Fatalf("evicted %d, dropped %d: idle keys should go, nothing admitted lost", h.Evicted(), h.Dropped())
+	}
+}
+
+// The key cap bounds the bytes the keys hold, not only their number: a flood of distinct
+// 4,000-byte keys (a client's own API key) holds no more of them than the cap's entries
+// would take. Before, each counted as one key whatever its length: 6,400 such keys, 26 MB
+// against the 614 KB of 6,400 entries.
+func TestHybridKeyCapCountsKeyBytes(t *testing.T) {
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	const maxKeys = 6400
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: maxKeys})
+	lim := mustLimit(t, localbucket.TokenBucket, 10, time.Second)
+	now := time.Now().UnixNano()
+	for i := range 2 * maxKeys {
+		take(h, now, fmt.Sprintf("rl:flood:{k=%08d%s}", i, strings.Repeat("k", 3980)), lim, 0)
+	}
+	held := 0
+	for i := range h.shards {
+		sh := &h.shards[i]
+		load := 0
+		for k := range sh.m {
+			held += len(k)
+			load += units(len(k), h.perShard)
+		}
+		if load != sh.load {
+			t.Fatalf("shard %d: load %d, its keys take %d", i, sh.load, load)
+		}
+	}
+	if limit := maxKeys * int(unsafe.Sizeof(hentry{})); held > limit {
+		t.Errorf("%d keys of 4,000 bytes held, %d bytes: more than the %d bytes of the %d entries the cap allows", h.Len(), held, limit, maxKeys)
+	}
+	if h.Len() == 0 {
+		t.Error("no key held")
+	}
+	// Short keys still count one each: the cap holds as many as before.
+	h = NewHybrid(rdb, HybridOptions{MaxKeys: maxKeys})
+	for i := range 10 * maxKeys {
+		take(h, now, fmt.Sprintf("rl:flood:{k=%d}", i), lim, 0)
+	}
+	if n := h.Len(); n < maxKeys*9/10 || n > maxKeys {
+		t.Errorf("%d short keys held under a cap of %d", n, maxKeys)
 	}
 }
 
