@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -269,5 +270,66 @@ rules:
 	}
 	if r := check("first"); !r.Banned {
 		t.Fatal("a key recorded before the flood earned no ban")
+	}
+}
+
+// TestBansBoundedInBytes: the ban table's bound counts a key's bytes, not only its
+// records, so banned clients with 4,000-byte keys (their own API keys) hold no more
+// memory than the bound's short keys would. Before, each took one record of the bound
+// whatever its length: against the real binary, 100,000 such banned clients held 0.99
+// GB of RSS, and the bound of 4,194,304 records allowed about 17 GB.
+func TestBansBoundedInBytes(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: login
+    key: api_key
+    limit: { requests: 1, per: 1h }
+    penalty: { after: 1, within: 1h, ban: 1h }
+`)
+	const perShard = 100
+	l.bans.maxPerShard = perShard
+	var d Decision
+	for i := range 2 * perShard * len(l.bans.shards) {
+		in := Input{Attrs: attrs(fmt.Sprintf("api_key=%08d%s", i, strings.Repeat("k", 3992))), Cost: 1}
+		for range 2 {
+			if err := l.Check(t0, &in, &d); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	held, records := 0, 0
+	for i := range l.bans.shards {
+		sh := &l.bans.shards[i]
+		load := 0
+		for k := range sh.m {
+			held += len(k)
+			load += banUnits(len(k), perShard)
+		}
+		records += len(sh.m)
+		if load != sh.load {
+			t.Fatalf("shard %d: load %d, its keys take %d", i, sh.load, load)
+		}
+	}
+	// A short key's record takes about 130 bytes: the bound's records hold 128 bytes of
+	// key each, at most.
+	if limit := perShard * len(l.bans.shards) * 128; held > limit {
+		t.Errorf("%d records of 4,000-byte keys, %d bytes of keys: more than the %d the bound's %d records allow", records, held, limit, perShard*len(l.bans.shards))
+	}
+	if records == 0 {
+		t.Error("no ban recorded")
+	}
+	// Lifted, swept or forgotten at a reload, a record gives its units back.
+	for i := range l.bans.shards {
+		sh := &l.bans.shards[i]
+		for k := range sh.m {
+			l.bans.lift([]byte(k), t0)
+			break
+		}
+	}
+	l.bans.sweep(t0+int64(24*time.Hour), l.Rules()) // past the bans and their 16 h max
+	for i := range l.bans.shards {
+		if sh := &l.bans.shards[i]; sh.load != 0 || len(sh.m) != 0 {
+			t.Fatalf("shard %d: load %d, %d records after all went", i, sh.load, len(sh.m))
+		}
 	}
 }
