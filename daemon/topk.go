@@ -10,10 +10,17 @@ import (
 // overestimates the true one by at most its err. Bounded memory whatever the stream:
 // this is how "who is being limited" is answered without a client key ever becoming a
 // metric label beyond these k. Safe for concurrent use.
+//
+// The counters are a binary min-heap on Count, index giving each client's position, so
+// that counting a client, kept or new, is O(log k). Before, a newcomer to a full sketch
+// was a scan of all k for the smallest, under the rule's lock, at each refusal: at
+// --top-k 10000 a flood of never-repeating refused keys ran at 163,000 checks/s
+// against 1,240,000 at --top-k 10 (one connection, the real binary), and every refusal
+// of the rule on any connection waited for the scans.
 type topK struct {
 	mu    sync.Mutex
 	k     int
-	items []topItem
+	items []topItem // a min-heap on Count
 	index map[string]int
 }
 
@@ -38,24 +45,56 @@ func (t *topK) add(client []byte) {
 	defer t.mu.Unlock()
 	if i, ok := t.index[string(client)]; ok {
 		t.items[i].Count++
+		t.down(i)
 		return
 	}
 	if len(t.items) < t.k {
 		t.index[string(client)] = len(t.items)
 		t.items = append(t.items, topItem{Client: string(client), Count: 1})
+		t.up(len(t.items) - 1)
 		return
 	}
-	// Replace the smallest: the newcomer inherits its count as the error bound.
-	m := 0
-	for i := range t.items {
-		if t.items[i].Count < t.items[m].Count {
-			m = i
+	// Replace the smallest, the root: the newcomer inherits its count as the error bound.
+	delete(t.index, t.items[0].Client)
+	min := t.items[0].Count
+	t.items[0] = topItem{Client: string(client), Count: min + 1, Err: min}
+	t.index[t.items[0].Client] = 0
+	t.down(0)
+}
+
+// up moves item i, new, up the heap to its place.
+func (t *topK) up(i int) {
+	for i > 0 {
+		p := (i - 1) / 2
+		if t.items[p].Count <= t.items[i].Count {
+			break
 		}
+		t.items[i], t.items[p] = t.items[p], t.items[i]
+		t.index[t.items[i].Client] = i
+		t.index[t.items[p].Client] = p
+		i = p
 	}
-	delete(t.index, t.items[m].Client)
-	min := t.items[m].Count
-	t.items[m] = topItem{Client: string(client), Count: min + 1, Err: min}
-	t.index[t.items[m].Client] = m
+}
+
+// down moves item i, whose count grew, down the heap to its place.
+func (t *topK) down(i int) {
+	n := len(t.items)
+	for {
+		c := 2*i + 1
+		if c >= n {
+			break
+		}
+		if r := c + 1; r < n && t.items[r].Count < t.items[c].Count {
+			c = r
+		}
+		if t.items[i].Count <= t.items[c].Count {
+			break
+		}
+		t.items[i], t.items[c] = t.items[c], t.items[i]
+		t.index[t.items[i].Client] = i
+		t.index[t.items[c].Client] = c
+		i = c
+	}
 }
 
 // list returns the kept clients, most frequent first.

@@ -873,7 +873,7 @@ func (b intAtLeast) check() error {
 // intAtMost: --max-frame past what a frame's 4-byte length can say would promise frames
 // no client can send.
 // maxTopK bounds --top-k: each rule's sketch holds up to K clients, each a series of
-// rlsidecar_top_rejected, and once full a refused newcomer is a scan of all K under the
+// rlsidecar_top_rejected, and once full a refused newcomer is O(log K) under the
 // rule's lock. Before, any value was taken: --top-k 1000000000 (a typo) took 23 GB before
 // the daemon said it was listening, ignoring SIGTERM meanwhile.
 const maxTopK = 10000
