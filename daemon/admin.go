@@ -205,18 +205,63 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	}
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
-	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: adminIdleTimeout}
-	a := &Admin{srv: srv, ln: connlimit.Listener(ln, maxAdminConns)}
+	idle := &idleConns{m: map[net.Conn]time.Time{}}
+	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
+	a := &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 	return a, nil
 }
 
-// maxAdminConns bounds the admin endpoint's connections at once; past it a connection
-// is closed as soon as it is accepted. Any local user can connect (the endpoint has no
+// maxAdminConns bounds the admin endpoint's connections at once; past it the one idle
+// longest between requests is closed to make room, and when none is idle the new one is
+// closed as soon as it is accepted. Any local user can connect (the endpoint has no
 // group, unlike the socket), and each connection holds one of the daemon's descriptors,
 // which the gateways' socket needs too: unbounded, a process holding idle keep-alive
 // connections up to the descriptor limit made every accept fail (EMFILE), the msgpack
 // socket's as well. A scraper or an operator's curl needs one or two.
 const maxAdminConns = 64
+
+// idleConns is the admin connections idle between requests (keep-alive), and since
+// when. Before, the connection cap refused every new connection while 64 were held
+// idle: one process keeping 64 connections alive (a request on each every 2 minutes,
+// the idle timeout) kept the scraper out for as long as it liked. Safe for concurrent
+// use.
+type idleConns struct {
+	mu sync.Mutex
+	m  map[net.Conn]time.Time
+}
+
+// track is the server's ConnState hook.
+func (ic *idleConns) track(c net.Conn, s http.ConnState) {
+	ic.mu.Lock()
+	defer ic.mu.Unlock()
+	if s == http.StateIdle {
+		ic.m[c] = time.Now()
+		return
+	}
+	delete(ic.m, c)
+}
+
+// closeOldest closes the connection idle the longest, if any, and reports whether it
+// did. A client that sends its next request as it is closed sees the connection close
+// before any answer, as at the idle timeout, and sends it again (Go's and curl's
+// clients do, for a GET).
+func (ic *idleConns) closeOldest() bool {
+	ic.mu.Lock()
+	var oldest net.Conn
+	var since time.Time
+	for c, t := range ic.m {
+		if oldest == nil || t.Before(since) {
+			oldest, since = c, t
+		}
+	}
+	delete(ic.m, oldest)
+	ic.mu.Unlock()
+	if oldest == nil {
+		return false
+	}
+	_ = oldest.Close()
+	return true
+}
 
 // adminIdleTimeout closes an admin connection idle between requests this long (a
 // Prometheus scrape every 15 s to 1 m keeps its connection).

@@ -18,10 +18,20 @@ func Listener(ln net.Listener, max int) net.Listener {
 	return &listener{Listener: ln, max: int64(max)}
 }
 
+// Evicting is Listener, but a connection accepted past max first asks evict to close
+// one of those held (an idle one, that the server would close anyway later): when it
+// reports it did, the new connection takes its place. Without it, connections held
+// idle by one process (keep-alive, a request every minute or so) kept every other
+// client out for as long as that process liked.
+func Evicting(ln net.Listener, max int, evict func() bool) net.Listener {
+	return &listener{Listener: ln, max: int64(max), evict: evict}
+}
+
 type listener struct {
 	net.Listener
-	max  int64
-	open atomic.Int64
+	max   int64
+	open  atomic.Int64
+	evict func() bool // nil: none
 }
 
 func (l *listener) Accept() (net.Conn, error) {
@@ -30,13 +40,25 @@ func (l *listener) Accept() (net.Conn, error) {
 		if err != nil {
 			return nil, err
 		}
-		if l.open.Add(1) > l.max {
-			l.open.Add(-1)
+		if l.open.Add(1) > l.max && !l.makeRoom() {
 			c.Close()
 			continue
 		}
 		return &conn{Conn: c, l: l}, nil
 	}
+}
+
+// makeRoom gives back the place Accept took past max, and has evict close a held
+// connection (which gives back its own) to take another; it reports whether it did.
+func (l *listener) makeRoom() bool {
+	l.open.Add(-1)
+	for l.evict != nil && l.evict() {
+		if l.open.Add(1) <= l.max {
+			return true
+		}
+		l.open.Add(-1)
+	}
+	return false
 }
 
 // conn gives its place back to its listener when closed (once).
