@@ -41,6 +41,11 @@ type Leases struct {
 	free   []*lease                     // released leases, for reuse
 	spare  []*slot                      // emptied slots, for reuse
 
+	// keyUnits is what the keys of the held slots and of the tracked global leases'
+	// parts take of max beyond their leases: a key counts one lease more per whole
+	// slotKeyUnit bytes (slotUnits).
+	keyUnits int
+
 	// The global leases this daemon acquired (leases_global.go), by id and by owner;
 	// nil until the first.
 	global       map[string]*globalLease
@@ -85,7 +90,9 @@ const maxRetryHint = time.Second
 // DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each; a global
 // lease it tracks, about 550), local and global together, so that a flood of checks on
 // distinct keys cannot grow memory without bound: past it, a check matching a
-// concurrency rule is refused as if its slots were full (Leases.Capped).
+// concurrency rule is refused as if its slots were full (Leases.Capped). A local slot's
+// key, and each global lease part's, counts one lease more per whole 200 bytes of it
+// (slotUnits).
 const DefaultMaxLeases = 1 << 20
 
 func newLeases() *Leases {
@@ -353,7 +360,17 @@ func (ls *Leases) full() bool {
 	return ls.fullLocked()
 }
 
-func (ls *Leases) fullLocked() bool { return len(ls.leases)+len(ls.global) >= ls.max }
+func (ls *Leases) fullLocked() bool {
+	return len(ls.leases)+len(ls.global)+ls.keyUnits >= ls.max
+}
+
+// slotKeyUnit is the bytes of a slot's key that count as one lease toward the bound
+// (about 200 bytes each): counted as nothing, leases held on keys of 4 KB (a client's
+// own API key) took 4.3 KB each, and the bound of 1,048,576 leases about 4.5 GB.
+const slotKeyUnit = 200
+
+// slotUnits is what a slot's key of n bytes counts toward the bound beyond its leases.
+func slotUnits(n int) int { return n / slotKeyUnit }
 
 // countCapped counts a check refused at the bound.
 func (ls *Leases) countCapped() {
@@ -440,6 +457,7 @@ func (ls *Leases) freePart(p *leasePart) {
 	p.l.live--
 	if len(s.held) == 0 {
 		delete(ls.slots, s.key)
+		ls.keyUnits -= slotUnits(len(s.key))
 		s.key = ""
 		ls.spare = append(ls.spare, s)
 	}

@@ -32,6 +32,7 @@ func (ls *Leases) track(gl *globalLease, nameOf func(p int) string, ops []rlsync
 		gl.stats = append(gl.stats, st)
 	}
 	ls.global[gl.id] = gl
+	ls.keyUnits += gl.keyUnits()
 	if gl.owner != 0 {
 		m := ls.globalOwners[gl.owner]
 		if m == nil {
@@ -65,6 +66,7 @@ func (ls *Leases) untrackLocked(gl *globalLease, count func(*LeaseStats)) bool {
 		return false
 	}
 	delete(ls.global, gl.id)
+	ls.keyUnits -= gl.keyUnits()
 	if m := ls.globalOwners[gl.owner]; m != nil {
 		delete(m, gl.id)
 		if len(m) == 0 {
@@ -181,6 +183,17 @@ func (ls *Leases) retrack(gl *globalLease) {
 		st.InFlight++
 	}
 	ls.global[gl.id] = gl
+	ls.keyUnits += gl.keyUnits()
+}
+
+// keyUnits is what gl's token and its parts' keys (each holding its clients' keys)
+// count toward the bound on live leases beyond gl itself (slotUnits).
+func (gl *globalLease) keyUnits() int {
+	n := slotUnits(len(gl.token))
+	for _, p := range gl.parts {
+		n += slotUnits(len(p.Key))
+	}
+	return n
 }
 
 // dueGlobal returns the tracked global leases whose first part was due to expire by now,

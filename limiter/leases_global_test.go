@@ -1019,6 +1019,60 @@ rules:
 	}
 }
 
+// The bound on live leases counts the bytes of a global lease's keys too: leases on
+// distinct 4,000-byte keys (a client's own API key), each tracked with its keys and its
+// token until it is seen freed, stop at the bound's worth of memory. Before, each
+// counted as one lease: 200 of them under a bound of 200 held 1.9 MB of keys and tokens.
+func TestGlobalLeasesBoundCountsKeyBytes(t *testing.T) {
+	rdb := realRedis(t)
+	l := globalLimiter(t, rdb, `
+rules:
+  - name: cg
+    key: api_key
+    concurrency: { max: 1, lease: 1h }
+    mode: global
+`, "bytes:")
+	const bound = 200
+	l.Leases().SetMax(bound)
+	var toks []string
+	for i := range bound {
+		if ok, tok, _ := acquire(t, l, &Input{Attrs: attrs(fmt.Sprintf("api_key=%08d%s", i, strings.Repeat("k", 3992))), Cost: 1}, 0); ok {
+			toks = append(toks, tok)
+		}
+	}
+	ls := l.Leases()
+	ls.mu.Lock()
+	held, units := 0, 0
+	for _, gl := range ls.global {
+		held += len(gl.token)
+		for _, p := range gl.parts {
+			held += len(p.Key)
+		}
+		units += gl.keyUnits()
+	}
+	ku := ls.keyUnits
+	ls.mu.Unlock()
+	if units != ku {
+		t.Fatalf("keyUnits %d, the tracked leases' keys take %d", ku, units)
+	}
+	// The bound is checked before a lease is taken: the last one may pass it by its own
+	// keys (about 9 KB here).
+	if limit := 2 * bound * slotKeyUnit; held > limit || len(toks) == 0 {
+		t.Fatalf("%d global leases tracked with %d bytes of keys and tokens; want some, with at most %d", len(toks), held, limit)
+	}
+	for _, tok := range toks {
+		if !l.ReleaseLease(tok, nowNs()) {
+			t.Fatal("release: false")
+		}
+	}
+	ls.mu.Lock()
+	ku, n := ls.keyUnits, len(ls.global)
+	ls.mu.Unlock()
+	if ku != 0 || n != 0 {
+		t.Fatalf("keyUnits %d with %d global leases tracked, after every one was released", ku, n)
+	}
+}
+
 // Global leases released through another daemon stay tracked by the daemon that took
 // them (it cannot know) until their expiry; at the bound on live leases that daemon asks
 // Redis about the global leases it tracks and forgets those gone, so such releases do not

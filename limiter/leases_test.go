@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math/bits"
 	"strconv"
 	"strings"
@@ -281,6 +282,52 @@ func TestLeasesBound(t *testing.T) {
 	l.Leases().Release(a, t0)
 	if ok, _, _ := checkLease(t, l, t0, exportInput("cid"), 0); !ok {
 		t.Fatal("refused after a release made room")
+	}
+}
+
+// The bound on live leases counts their slots' keys' bytes: leases never released on
+// distinct 4,000-byte keys (a concurrency rule keyed by a client's own API key) hold no
+// more memory than the bound's leases on short keys would. Before, each counted as one
+// lease whatever its key: 1,000 of them under a bound of 1,000 held 4 MB of keys, and
+// the default bound of 1,048,576 about 4.5 GB.
+func TestLeasesBoundCountsKeyBytes(t *testing.T) {
+	l := newLimiter(t, `
+rules:
+  - name: per-key
+    key: api_key
+    concurrency: { max: 1, lease: 1h }
+`)
+	const bound = 1000
+	l.Leases().SetMax(bound)
+	var d Decision
+	for i := range 2 * bound {
+		in := Input{Attrs: attrs(fmt.Sprintf("api_key=%08d%s", i, strings.Repeat("k", 3992))), Cost: 1}
+		if err := l.Check(t0, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ls := l.Leases()
+	ls.mu.Lock()
+	held, units := 0, 0
+	for k := range ls.slots {
+		held += len(k)
+		units += slotUnits(len(k))
+	}
+	n, ku := len(ls.leases), ls.keyUnits
+	ls.mu.Unlock()
+	if units != ku {
+		t.Fatalf("keyUnits %d, the slots' keys take %d", ku, units)
+	}
+	if limit := bound * slotKeyUnit; held > limit || n == 0 {
+		t.Fatalf("%d leases held on keys of %d bytes in all; want some, on at most %d", n, held, limit)
+	}
+	// Leases that run out give their units back.
+	ls.Sweep(t0 + int64(2*time.Hour))
+	ls.mu.Lock()
+	ku, slots := ls.keyUnits, len(ls.slots)
+	ls.mu.Unlock()
+	if ku != 0 || slots != 0 {
+		t.Fatalf("keyUnits %d with %d slots held, after every lease ran out", ku, slots)
 	}
 }
 

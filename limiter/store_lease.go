@@ -160,6 +160,7 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 		}
 		sl.key = string(key)
 		ls.slots[sl.key] = sl
+		ls.keyUnits += slotUnits(len(key))
 	}
 	st := ls.stats[rule]
 	if st == nil {
