@@ -261,7 +261,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		e := sh.m[string(op.Key)]
 		if e == nil {
 			for w := units(len(op.Key), h.perShard); sh.load+w > h.perShard; {
-				if !h.evict(sh) {
+				if !h.evict(sh, now) {
 					break // every key sampled has a sync on its way: held past the cap
 				}
 			}
@@ -278,7 +278,8 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			if h.cluster {
 				e.slot = Slot(k)
 			}
-			if c >= n && h.redisAnswering(e) { // no credit Redis may never count
+			// Not in a shard that forgot a key not yet full (evict): this may be that key.
+			if c >= n && now >= sh.noFirstUntil && h.redisAnswering(e) { // no credit Redis may never count
 				e.allowance = 1
 			}
 			sh.m[k] = e
