@@ -275,6 +275,7 @@ for i = 1, nkeys do
 
     -- Idempotency: what did this daemon's last applied sync of this key do?
     local replay, replay_grant, resent = false, 0, false
+    local since_lost = 0 -- a resend: the units used since the sync whose reply was lost
     local rp, rt = nil, nil
     if rec then
       rp, rt = string.match(rec, '^(%S+) (%S+) ')
@@ -293,6 +294,7 @@ for i = 1, nkeys do
         settled_grant = tonumber(rg)
         grant_window = tonumber(rw) -- the window that grant was taken from
         resent = true
+        since_lost = used - tonumber(ru)
       end
     end
     -- A grant is this key's only if this key reserved it: the sync that did wrote this
@@ -463,7 +465,24 @@ for i = 1, nkeys do
       -- of it age ago (at the latest), if that window still counts. Charged to the
       -- current window whenever admitted, a unit admitted 35 ms before a fixed window
       -- ended and synced after took a unit of the next window.
-      if grant_window == t then
+      if resent and grant_window ~= t then
+        -- A resend in a later window than the lost sync's grant: the daemon never had
+        -- that grant (its reply was lost), so what it used since was not drawn from it.
+        -- The grant goes back to its window if that still counts; the units count in
+        -- the window they were admitted in. Netted against the grant as a grant used
+        -- across a boundary is, they were lost with the grant's window: 3 units admitted
+        -- in a window of 1 s, resent after a lost sync of the window before that had
+        -- reserved 49, counted 0 (TestHybridLostReplyAcrossWindowCountsUnits).
+        if alg == 1 and grant_window == t - window then p = math.max(0, p - settled_grant) end
+        if since_lost > 0 then
+          local at = now - age
+          if at >= t then
+            n = n + since_lost
+          elseif alg == 1 and at >= t - window then
+            p = p + since_lost
+          end
+        end
+      elseif grant_window == t then
         n = math.max(0, n + settle)
         g = math.max(0, g - settled_grant)
       elseif alg == 1 and grant_window == t - window and settle <= 0 then
