@@ -25,7 +25,8 @@ import (
 // spreads it: clients drawn from Zipf (s = 1.1) over RLSIDECAR_ZIPF_KEYS clients (default
 // 100,000; the figures 1,000,000), beside RLSIDECAR_ZIPF_HOT hot clients (default 10)
 // taking a tenth of the checks, RLSIDECAR_ZIPF_RATE checks a second in all (default
-// 2,000), paced, for RLSIDECAR_ZIPF_SECONDS (default 10), each check sent to a daemon
+// 2,000), paced, for RLSIDECAR_ZIPF_SECONDS (default 3, for scripts/test's one pass; the
+// figures 10), each check sent to a daemon
 // drawn at random among RLSIDECAR_ZIPF_DAEMONS (comma list, default "4"). The rule:
 // RLSIDECAR_ZIPF_LIMIT (default 600/60s; the rule's algorithm RLSIDECAR_ZIPF_ALGORITHM,
 // default token_bucket), key user. The global (exact) and hybrid modes run the same
@@ -41,7 +42,7 @@ func BenchmarkSpreadZipf(b *testing.B) {
 	keys, _ := strconv.Atoi(spreadEnv("RLSIDECAR_ZIPF_KEYS", "100000"))
 	hot, _ := strconv.Atoi(spreadEnv("RLSIDECAR_ZIPF_HOT", "10"))
 	rate, _ := strconv.ParseFloat(spreadEnv("RLSIDECAR_ZIPF_RATE", "2000"), 64)
-	secs, _ := strconv.ParseFloat(spreadEnv("RLSIDECAR_ZIPF_SECONDS", "10"), 64)
+	secs, _ := strconv.ParseFloat(spreadEnv("RLSIDECAR_ZIPF_SECONDS", "3"), 64)
 	lim := parseSpreadLimit(b, spreadEnv("RLSIDECAR_ZIPF_LIMIT", "600/60s"))
 	alg := spreadEnv("RLSIDECAR_ZIPF_ALGORITHM", "token_bucket")
 	if keys < 2 || hot < 0 || rate <= 0 || secs <= 0 {
