@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -50,19 +51,24 @@ rules:
 		}
 	}()
 	admitted := 0
-	end := time.Now().Add(4 * time.Second) // four window ends, each one a chance to overshoot
+	start := time.Now()
+	end := start.Add(4 * time.Second) // four window ends, each one a chance to overshoot
 	for id := uint64(1); time.Now().Before(end); id++ {
 		if r := c.check(id, 1, "user=hot"); r.Allowed {
 			admitted++
 		}
 	}
+	// The checks spanned this long: the last one may end well past the 4 s on a busy
+	// machine (one ran 104 in a 4 s loop at load 10, its last check late).
+	took := time.Since(start)
 	close(stop)
 	m := <-maxN
-	t.Logf("admitted %d in 4 s; the largest window count Redis held: %d", admitted, m)
+	t.Logf("admitted %d in %s; the largest window count Redis held: %d", admitted, took, m)
 	if m > 20 {
 		t.Fatalf("a window of a sliding limit of 20 counted %d", m)
 	}
-	if admitted > 20*5+2 { // the first window's 20, at most 20 a second after, a margin
-		t.Fatalf("admitted %d in 4 s against 20 a second", admitted)
+	// The first window's 20, at most 20 a second after, a margin.
+	if most := int(math.Ceil(20*(1+took.Seconds()))) + 2; admitted > most {
+		t.Fatalf("admitted %d in %s against 20 a second (at most %d)", admitted, took, most)
 	}
 }
