@@ -266,8 +266,12 @@ func accRun(b *testing.B, redisAddr string, rdb *redis.Client, m accMode, cfg st
 
 	target, ok := r.Target()
 	verdict := ""
-	if target != "" {
+	if target != "" && size.full {
 		verdict = fmt.Sprintf(" — target %s: %v", target, map[bool]string{true: "met", false: "NOT MET"}[ok])
+	} else if target != "" {
+		// The smoke pass: 5 daemons for 2 s, an ideal of a few hundred, where a handful of
+		// units moves the ratio by 2%; the target is judged on the full run.
+		verdict = fmt.Sprintf(" — target %s, judged on the full run (RLSIDECAR_ACCURACY_FULL=1)", target)
 	}
 	b.Logf("%-11s %-6s admitted %5d of %5d offered in %v, ideal %.0f: ratio %.3f; Redis %.3f calls, %.3f commands per check; send lag max %v%s",
 		m.name, r.Dist, len(r.Admitted), r.Offered, r.Elapsed.Round(time.Millisecond), r.Ideal(), r.Ratio(),
