@@ -319,10 +319,7 @@ func accLoad(b *testing.B, ds []*accDaemon, rates []float64, user string, d time
 		go func() {
 			defer wg.Done()
 			res := &results[i]
-			br := bufio.NewReader(conns[i])
-			dec := proto.NewDecoder()
-			var body []byte
-			var resp proto.Response
+			a := newAsker(conns[i])
 			if rates[i] == 0 {
 				return // this daemon gets no traffic
 			}
@@ -336,22 +333,13 @@ func accLoad(b *testing.B, ds []*accDaemon, rates []float64, user string, d time
 				time.Sleep(time.Until(start.Add(at)))
 				sent := time.Since(start)
 				res.maxLag = max(res.maxLag, sent-at)
-				if _, err := conns[i].Write(frame); err != nil {
-					b.Error(err)
-					return
-				}
-				var err error
-				if body, err = proto.ReadFrame(br, body, 1<<20); err != nil {
-					b.Error(err)
-					return
-				}
-				if err := dec.DecodeResponse(body, &resp); err != nil || resp.IsError() {
-					b.Errorf("daemon %s: %v %+v", ds[i].id, err, resp.Err)
+				if err := a.ask(frame); err != nil {
+					b.Errorf("daemon %s: %v", ds[i].id, err)
 					return
 				}
 				res.offered++
 				res.last = max(res.last, sent)
-				if resp.Allowed {
+				if a.resp.Allowed {
 					res.admitted = append(res.admitted, sent)
 				}
 			}
@@ -590,4 +578,36 @@ func BenchmarkHybridHotKeys(b *testing.B) {
 	b.Logf("%d hot keys on %d daemons: %d checks in %v (%.0f/s); Redis: %.0f calls (%.5f per check), %.0f commands (%.5f per check, inside scripts included); target %s: %s",
 		keys, daemons, n, el.Round(time.Millisecond), float64(n)/el.Seconds(), after.calls-before.calls, calls, after.cmds-before.cmds, cmds,
 		target, map[bool]string{true: "met", false: "NOT MET"}[ok])
+}
+
+// asker asks a daemon one check at a time on a connection of its own.
+type asker struct {
+	conn net.Conn
+	br   *bufio.Reader
+	dec  *proto.Decoder
+	body []byte
+	resp proto.Response // the last answer
+}
+
+func newAsker(c net.Conn) *asker {
+	return &asker{conn: c, br: bufio.NewReader(c), dec: proto.NewDecoder()}
+}
+
+// ask sends frame, an encoded check, and reads its answer into a.resp; an error answer
+// is an error.
+func (a *asker) ask(frame []byte) error {
+	if _, err := a.conn.Write(frame); err != nil {
+		return err
+	}
+	var err error
+	if a.body, err = proto.ReadFrame(a.br, a.body, 1<<20); err != nil {
+		return err
+	}
+	if err := a.dec.DecodeResponse(a.body, &a.resp); err != nil {
+		return err
+	}
+	if a.resp.IsError() {
+		return fmt.Errorf("answered %+v", a.resp.Err)
+	}
+	return nil
 }

@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -135,10 +134,8 @@ func BenchmarkSpreadZipf(b *testing.B) {
 				go func() {
 					defer wg.Done()
 					defer conn.Close()
-					br := bufio.NewReader(conn)
-					enc, dec := proto.NewEncoder(), proto.NewDecoder()
-					var body []byte
-					var resp proto.Response
+					a := newAsker(conn)
+					enc := proto.NewEncoder()
 					var lag time.Duration
 					var offered, admitted, degraded int
 					mine, mineW := map[string]int{}, map[string]int{}
@@ -150,28 +147,19 @@ func BenchmarkSpreadZipf(b *testing.B) {
 						enc.Reset()
 						enc.EncodeRequest(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1,
 							Attrs: []proto.Attr{{Name: "user", Value: e.client}}})
-						if _, err := conn.Write(enc.Bytes()); err != nil {
-							b.Error(err)
-							return
-						}
-						var err error
-						if body, err = proto.ReadFrame(br, body, 1<<20); err != nil {
-							b.Error(err)
-							return
-						}
-						if err := dec.DecodeResponse(body, &resp); err != nil || resp.IsError() {
-							b.Errorf("daemon %s: %v %+v", ds[d].id, err, resp.Err)
+						if err := a.ask(enc.Bytes()); err != nil {
+							b.Errorf("daemon %s: %v", ds[d].id, err)
 							return
 						}
 						offered++
-						if resp.Allowed {
+						if a.resp.Allowed {
 							admitted++
 							mine[e.client]++
 							if aligned {
 								mineW[e.client+"@"+strconv.Itoa(int((sent+10*time.Millisecond)/lim.window))]++
 							}
 						}
-						if resp.Degraded {
+						if a.resp.Degraded {
 							degraded++
 						}
 					}
