@@ -261,10 +261,8 @@ rules:
 	}
 }
 
-// TestSharedBansRun: RunSharedBans learns a ban raised elsewhere within an interval or so
-// and sends pending refusals when stopped.
-func TestSharedBansRun(t *testing.T) {
-	const yaml = `
+// hybridLoginBans is a hybrid rule whose one refusal bans the client for 10 minutes.
+const hybridLoginBans = `
 rules:
   - name: login
     key: ip
@@ -272,8 +270,12 @@ rules:
     mode: hybrid
     penalty: { after: 1, within: 1m, ban: 10m }
 `
+
+// TestSharedBansRun: RunSharedBans learns a ban raised elsewhere within an interval or so
+// and sends pending refusals when stopped.
+func TestSharedBansRun(t *testing.T) {
 	rdb := realRedis(t)
-	l1, l2 := sharedLimiter(t, rdb, yaml), sharedLimiter(t, rdb, yaml)
+	l1, l2 := sharedLimiter(t, rdb, hybridLoginBans), sharedLimiter(t, rdb, hybridLoginBans)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -600,14 +602,6 @@ rules:
 // Redis logged that warning once or twice with "context canceled", though the last round
 // had nothing to send, or had sent it.
 func TestSharedBansStopReportsOnlyTheLastRound(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: hybrid
-    penalty: { after: 1, within: 1m, ban: 10m }
-`
 	// A Redis that accepts connections and reads commands but never answers.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -639,7 +633,7 @@ rules:
 	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ContextTimeoutEnabled: true, MaxRetries: -1,
 		ReadTimeout: time.Minute, WriteTimeout: time.Minute, DialTimeout: 10 * time.Second})
 	defer rdb.Close()
-	l := sharedLimiter(t, rdb, yaml)
+	l := sharedLimiter(t, rdb, hybridLoginBans)
 	ctx, cancel := context.WithCancel(context.Background())
 	var errs []error // the loop's goroutine's until done
 	done := make(chan struct{})
