@@ -98,6 +98,22 @@ def test_stalled_sidecar_late_answers_dropped(daemon):
     run(main())
 
 
+async def _switch_to_successor(c, daemon, make_daemon, user, within):
+    """Starts a successor to the frozen daemon on its socket's path (as in a blue/green
+    switch) and checks user with c until an answer comes, failing after ``within``
+    seconds; returns that answer."""
+    successor = make_daemon(RULES)
+    os.rename(successor.socket, daemon.socket)  # the successor takes the path
+    switched = time.monotonic()
+    while True:
+        d = await c.check({"user": user})
+        if not d.unreachable:
+            return d
+        assert time.monotonic() - switched < within, \
+            "still unanswered %d s after the switch (%s): the client keeps the frozen sidecar's connection" % (
+                within, d.cause)
+
+
 def test_stalled_connection_redials(daemon, make_daemon):
     """A sidecar that stops answering on its connection (frozen; or an old one stopped
     while its successor took the socket, in a blue/green switch) loses it: a connection
@@ -110,15 +126,7 @@ def test_stalled_connection_redials(daemon, make_daemon):
             daemon.pause()
             try:
                 assert (await c.check({"user": "hal"})).unreachable
-                successor = make_daemon(RULES)
-                os.rename(successor.socket, daemon.socket)  # the successor takes the path
-                switched = time.monotonic()
-                while True:
-                    d = await c.check({"user": "hal"})
-                    if not d.unreachable:
-                        break
-                    assert time.monotonic() - switched < 3, \
-                        "still unanswered 3 s after the switch (%s): the client keeps the frozen sidecar's connection" % d.cause
+                d = await _switch_to_successor(c, daemon, make_daemon, "hal", 3)
                 # The successor's own count: its first request of hal.
                 assert d.allowed and d.remaining == 4, d
             finally:
@@ -143,16 +151,7 @@ def test_full_stalled_connection_redials(daemon, make_daemon):
                 burst = await asyncio.gather(*(c.check({"user": "ida"}) for _ in range(aio.MAX_PENDING + 100)))
                 assert all(d.unreachable for d in burst)
                 assert c._conn is not None and len(c._conn.pending) == aio.MAX_PENDING, "the connection is full"
-                successor = make_daemon(RULES)
-                os.rename(successor.socket, daemon.socket)  # the successor takes the path
-                switched = time.monotonic()
-                while True:
-                    d = await c.check({"user": "ida"})
-                    if not d.unreachable:
-                        break
-                    assert time.monotonic() - switched < 10, \
-                        "still unanswered 10 s after the switch (%s): the client keeps the frozen sidecar's full " \
-                        "connection" % d.cause
+                d = await _switch_to_successor(c, daemon, make_daemon, "ida", 10)
                 assert d.allowed and d.remaining == 4, d  # the successor's first request of ida
             finally:
                 daemon.resume()
