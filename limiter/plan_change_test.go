@@ -3,6 +3,7 @@ package limiter
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/rlsidecar/rlsidecar/rules"
 )
@@ -64,5 +65,32 @@ rules:
 				t.Fatalf("after unlimited requests, free: %d admitted, want 3 (unlimited uses nothing)", got)
 			}
 		})
+	}
+}
+
+// TestReloadBurstOnlyKeepsUnitsUsed pins what the README says of a reload that changes
+// a token bucket's burst alone in local mode: the units used are not cut to a whole
+// bucket, as they are when requests changes (Limit.Rescale: the state's kind holds the
+// rate, not the burst). 10 per hour, burst 20, 15 used, burst lowered to 5: the next
+// request waits for 11 tokens (66 minutes), not 1. A change that makes the cut here too
+// must change the README with this test.
+func TestReloadBurstOnlyKeepsUnitsUsed(t *testing.T) {
+	rule := func(burst int) string {
+		return fmt.Sprintf("rules:\n  - name: api\n    key: user\n    limit: { requests: 10, per: 1h, burst: %d }\n", burst)
+	}
+	l := newLimiter(t, rule(20))
+	var d Decision
+	in := Input{Attrs: attrs("user=u"), Cost: 1}
+	for i := 0; i < 15; i++ {
+		if err := l.Check(t0, &in, &d); err != nil || !d.Allowed {
+			t.Fatalf("request %d: %v %+v", i, err, d.Results)
+		}
+	}
+	l.SetRules(mustRules(t, rule(5)))
+	if err := l.Check(t0, &in, &d); err != nil || d.Allowed {
+		t.Fatalf("after the reload: %v %+v, want refused", err, d.Results)
+	}
+	if got, want := d.Results[0].RetryAfter, 11*6*time.Minute; got != want {
+		t.Fatalf("after the reload: retry after %v, want %v (the units used kept, not cut)", got, want)
 	}
 }
