@@ -146,6 +146,21 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 	}
 }
 
+// LearnSharedBans reads the shared bans in force once, at now (the limiter's clock), so
+// that a daemon starting enforces them from its first check: its first round of
+// RunSharedBans comes one interval after the start, and a hybrid rule's check until then
+// did not see the bans Redis held (a banned client's first request after a restart was
+// admitted, on the credit a key new on a daemon gets). A no-op without WithSharedBans or
+// without a penalty rule. Call it before serving; an error (Redis away) leaves the bans
+// to the rounds.
+func (l *Limiter) LearnSharedBans(ctx context.Context, now int64) error {
+	s := l.shared
+	if s == nil || !anyPenalty(l.Rules()) {
+		return nil
+	}
+	return s.round(ctx, s.wallOf(now), true)
+}
+
 func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
 
 // anyPenalty reports whether set has a penalty rule: without one nothing consults the

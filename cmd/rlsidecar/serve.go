@@ -551,9 +551,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}()
 	}
 
-	// The shared bans: refusals summed and bans learned every sync interval, and the
-	// refusals counted since the last round sent once more at shutdown.
+	// The shared bans: learned once before the first check is served, then refusals
+	// summed and bans learned every sync interval, and the refusals counted since the
+	// last round sent once more at shutdown.
 	if hybrid != nil {
+		lctx, cancel := context.WithTimeout(ctx, *syncInterval)
+		if err := lim.LearnSharedBans(lctx, clock.Mono()); err != nil {
+			log.Warn("redis: reading the penalty bans in force at start failed; enforcing them from the next sync interval", "err", err)
+		}
+		cancel()
 		var lastLog time.Time
 		syncWG.Add(1)
 		go func() {
