@@ -3,6 +3,7 @@ package sync
 import (
 	"hash/maphash"
 	"math"
+	"slices"
 	"sort"
 	gosync "sync"
 	"time"
@@ -427,12 +428,19 @@ func (e *hentry) unsynced() uint64 { return e.pending - min(e.pending, uint64(e.
 // that key from a key new to it when it comes back. Before, a client over its limit,
 // evicted by other limited clients, got a unit at every visit: 2,000 clients of a
 // limit of 4 an hour, 10 requests each, through 640 keys, 19,169 admitted
-// (TestHybridEvictedLimitedKeyGetsNoFirstUnit). It reports whether it dropped a key.
-func (h *Hybrid) evict(sh *hshard, now int64) bool {
+// (TestHybridEvictedLimitedKeyGetsNoFirstUnit). The keys of keep (the entries of the
+// request making room, which it is about to charge) are left alone, as keys with a sync
+// on their way are: a key the request had just added holds nothing yet and went first,
+// and what the request then admitted on it, or the grant its exact sync reserved, was
+// charged to a forgotten entry and never counted or given back (a request on two new
+// keys of a full shard, a limit of 2 an hour: refused at every try, and the key's
+// units gone in Redis; TestHybridKeyCapKeepsTheRequestsOwnKeys). It reports whether it
+// dropped a key.
+func (h *Hybrid) evict(sh *hshard, now int64, keep []*hentry) bool {
 	var ve *hentry
 	rank := func(e *hentry) int {
 		switch {
-		case e.flags&flagBusy != 0:
+		case e.flags&flagBusy != 0 || slices.Contains(keep, e):
 			return 4
 		case !e.holds():
 			if e.synced > 0 && e.view < 1 {

@@ -261,8 +261,8 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		e := sh.m[string(op.Key)]
 		if e == nil {
 			for w := units(len(op.Key), h.perShard); sh.load+w > h.perShard; {
-				if !h.evict(sh, now) {
-					break // every key sampled has a sync on its way: held past the cap
+				if !h.evict(sh, now, ents) {
+					break // every key sampled has a sync on its way, or is this request's: held past the cap
 				}
 			}
 			// A key new here: before its first sync a daemon may admit one request on
