@@ -207,6 +207,11 @@ func newNotifier(log *slog.Logger) *notifier { return &notifier{log: log} }
 func (n *notifier) send(lines ...string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	n.sendLocked(lines...)
+}
+
+// sendLocked is send with n.mu held.
+func (n *notifier) sendLocked(lines ...string) {
 	if _, err := sdaemon.SdNotify(false, strings.Join(lines, "\n")); err != nil && !n.warned {
 		n.warned = true
 		n.log.Warn("sd_notify failed; the service manager may not see the daemon's state", "err", err)
@@ -216,33 +221,32 @@ func (n *notifier) send(lines ...string) {
 // ready says the daemon serves: the rules are loaded and the socket listens. Not once
 // it drains: a reload the file watcher began then (it runs until the drain ends) would
 // have said READY=1 after STOPPING=1, and `systemctl status` showed a draining daemon as
-// serving.
+// serving. Whether it drains is read under the lock the message is sent under: read
+// before, a STOPPING=1 sent in between went first (TestNotifierNothingAfterStopping).
 func (n *notifier) ready(status string) {
-	if !n.draining() {
-		n.send("READY=1", "STATUS="+status)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.stopped {
+		n.sendLocked("READY=1", "STATUS="+status)
 	}
 }
 
 // reloading says a reload began, stamped with CLOCK_MONOTONIC as systemd requires;
 // ready must follow when it is over, whatever its outcome. Not once it drains (ready).
 func (n *notifier) reloading(status string) {
-	if !n.draining() {
-		n.send("RELOADING=1", "MONOTONIC_USEC="+fmt.Sprint(monotonicUsec()), "STATUS="+status)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.stopped {
+		n.sendLocked("RELOADING=1", "MONOTONIC_USEC="+fmt.Sprint(monotonicUsec()), "STATUS="+status)
 	}
 }
 
 // stopping says the daemon is draining.
 func (n *notifier) stopping(status string) {
 	n.mu.Lock()
-	n.stopped = true
-	n.mu.Unlock()
-	n.send("STOPPING=1", "STATUS="+status)
-}
-
-func (n *notifier) draining() bool {
-	n.mu.Lock()
 	defer n.mu.Unlock()
-	return n.stopped
+	n.stopped = true
+	n.sendLocked("STOPPING=1", "STATUS="+status)
 }
 
 // watchdog pings the service manager every half WATCHDOG_USEC until ctx ends, when the
