@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"hash/maphash"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -15,7 +16,8 @@ type Options struct {
 	Shards int
 	// MaxKeys caps the keys stored over all shards; default 4,000,000. Each shard holds at
 	// most ceil(MaxKeys/Shards) keys, a key longer than 55 bytes counting as one more per
-	// 96 bytes of it, started (so that the cap bounds memory whatever the keys' lengths).
+	// 96 bytes of it, started (so that the cap bounds memory whatever the keys' lengths);
+	// past it by at most one batch's keys while the others are all limited (insert).
 	MaxKeys int
 }
 
@@ -241,8 +243,8 @@ func (sh *shard) lookup(hi uint32, key []byte) (idx uint32, found bool) {
 	}
 }
 
-// add stores a key known to be absent.
-func (sh *shard) add(hi uint32, key []byte, e entry) {
+// add stores a key known to be absent, in the record it returns.
+func (sh *shard) add(hi uint32, key []byte, e entry) uint32 {
 	if (sh.n+1)*4 > len(sh.slots)*3 {
 		sh.resize(max(2*len(sh.slots), minSlots))
 	}
@@ -264,6 +266,7 @@ func (sh *shard) add(hi uint32, key []byte, e entry) {
 	sh.slots[p] = uint64(hi)<<32 | uint64(i+1)
 	sh.n++
 	sh.load += sh.units(len(key))
+	return i
 }
 
 // recordSize is the size of a record, the unit of a shard's cap.
@@ -544,7 +547,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 			sh.remove(h, op.Key)
 		}
 	} else if r.Expires > now {
-		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: markOf(r, op.Limit), kind: op.Limit.stateKind()}, now)
+		s.insert(sh, h, op.Key, entry{st: out, expires: r.Expires, limitedUntil: markOf(r, op.Limit), kind: op.Limit.stateKind()}, now, nil)
 	}
 	sh.mu.Unlock()
 	return ok
@@ -641,11 +644,12 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 			sb.remove(hb, b.Key)
 		}
 	}
+	own := func(e *entry) bool { return e == ea || e == eb } // the batch's: not evicted for it
 	if ea == nil && ra.Expires > now {
-		s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: markOf(ra, a.Limit), kind: a.Limit.stateKind()}, now)
+		ea = s.insert(sa, ha, a.Key, entry{st: outa, expires: ra.Expires, limitedUntil: markOf(ra, a.Limit), kind: a.Limit.stateKind()}, now, own)
 	}
 	if eb == nil && rb.Expires > now {
-		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: markOf(rb, b.Limit), kind: b.Limit.stateKind()}, now)
+		s.insert(sb, hb, b.Key, entry{st: outb, expires: rb.Expires, limitedUntil: markOf(rb, b.Limit), kind: b.Limit.stateKind()}, now, own)
 	}
 	sa.mu.Unlock()
 	if sb != sa {
@@ -735,9 +739,10 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 		}
 	}
 	if inserts {
+		own := func(e *entry) bool { return slices.Contains(es[:len(ops)], e) } // the batch's: not evicted for it
 		for i := range ops {
 			if r := &ops[i].Result; es[i] == nil && r.Expires > now {
-				s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now)
+				es[i] = s.insert(shs[i], hs[i], ops[i].Key, entry{st: outs[i], expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now, own)
 			}
 		}
 	}
@@ -939,29 +944,50 @@ func (s *Store) commit(now int64, ops []Op, sc []opScratch) {
 	if !inserts {
 		return
 	}
+	own := func(e *entry) bool { // the batch's entries: not evicted for it (insert)
+		for j := range sc {
+			if sc[j].e == e && sc[j].over == nil {
+				return true
+			}
+		}
+		return false
+	}
 	for i := range ops {
 		x := &sc[i]
 		r := &ops[i].Result
 		if !x.last || x.idx >= 0 || x.over != nil || r.Expires <= now {
 			continue
 		}
-		s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now)
+		x.e = s.insert(&s.shards[x.shard], x.hash, ops[i].Key, entry{st: x.out, expires: r.Expires, limitedUntil: markOf(r, ops[i].Limit), kind: ops[i].Limit.stateKind()}, now, own)
 	}
 }
 
-func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64) {
+// insert stores key, absent, with e, evicting others to make room, and returns its
+// entry (nil: not stored, the shard is full of limited keys). own reports the entries of
+// the batch being committed (nil: none), which are not evicted for it: a key the batch
+// has just stored, or updated, is not limited, and when the shard held only limited keys
+// besides, it went first; a client whose check has two keys in such a shard then came
+// back fresh on one of them at each request, and never reached its limit (20 admitted
+// of 20 under a limit of 5; TestStoreKeyCapKeepsTheBatchsOwnKeys). When nothing else
+// can go, the key is stored past the cap, by at most the batch's keys, which the next
+// insert into the shard evicts back under it.
+func (s *Store) insert(sh *shard, h uint64, key []byte, e entry, now int64, own func(*entry) bool) *entry {
 	for sh.full(len(key)) {
-		evicted, live := s.evict(sh, h, now)
+		evicted, live, kept := s.evict(sh, h, now, own)
 		if !evicted {
+			if kept {
+				break
+			}
 			s.untracked.Add(1)
-			return
+			return nil
 		}
 		if live {
 			s.evictions.Add(1)
 		}
 	}
-	sh.add(uint32(h>>32), key, e)
+	i := sh.add(uint32(h>>32), key, e)
 	sh.lowerLimited(e.limitedUntil)
+	return &sh.rec(i).e
 }
 
 const evictionSample = 16
@@ -980,15 +1006,19 @@ const evictionSample = 16
 // 30 s where at most 151 pass: an audit). The share is the one the entry had left when it
 // was last written (markOf): a key that has refilled since ranks as it was, until it
 // expires.
-func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
+func (s *Store) evict(sh *shard, h uint64, now int64, own func(*entry) bool) (evicted, live, kept bool) {
 	if sh.allLimitedUntil > now || sh.used == 0 {
-		return false, false
+		return false, false, false
 	}
 	best, found := uint32(0), false
 	bestExp, bestUsed := int64(math.MaxInt64), 2.0
 	consider := func(i uint32) (expired bool) {
 		e := &sh.rec(i).e
 		if e.expires == freeMark {
+			return false
+		}
+		if own != nil && own(e) {
+			kept = kept || e.limitedUntil <= now // it would have gone
 			return false
 		}
 		if e.expires <= now {
@@ -1012,7 +1042,7 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 		seen++
 		if consider(i) {
 			s.removeRecord(sh, i)
-			return true, false
+			return true, false, false
 		}
 	}
 	if !found {
@@ -1020,19 +1050,21 @@ func (s *Store) evict(sh *shard, h uint64, now int64) (evicted, live bool) {
 		for i := range sh.used {
 			if consider(i) {
 				s.removeRecord(sh, i)
-				return true, false
+				return true, false, false
 			}
 			if e := &sh.rec(i).e; e.expires != freeMark {
 				lowest = min(lowest, e.limitedUntil)
 			}
 		}
 		if !found {
-			sh.allLimitedUntil = lowest
-			return false, false
+			if !kept {
+				sh.allLimitedUntil = lowest
+			}
+			return false, false, kept
 		}
 	}
 	s.removeRecord(sh, best)
-	return true, true
+	return true, true, false
 }
 
 // removeRecord removes record i, which is live.
