@@ -399,7 +399,14 @@ local function renew_due()
   end
   for _, address in ipairs(order) do
     local b = batches[address]
-    renew_all(address, b.timeout_ms, b)
+    -- A Lua error (core.tcp out of memory, under tune.lua.maxmem) leaves the batch
+    -- unanswered, so that its entries are put back: they were out of the heap, and
+    -- renewal_task's pcall dropped them, their leases never renewed again.
+    local ok, err = pcall(renew_all, address, b.timeout_ms, b)
+    if not ok then
+      for _, e in ipairs(b) do e.renewed = nil end
+      core.Alert("rlsidecar: renewing leases at " .. address .. ": " .. tostring(err))
+    end
     now = now_ms()
     for _, e in ipairs(b) do
       if e.renewed == nil then

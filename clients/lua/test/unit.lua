@@ -399,6 +399,229 @@ do
     not http.busy_error("rlsidecar: bad_request: attrs") and not http.busy_error(nil), "busy_error")
 end
 
+-- The HAProxy client's lease renewals (haproxy/rlsidecar.lua), against a stand-in for
+-- HAProxy's core: a clock in microseconds that moves only when a task sleeps, a task
+-- scheduler, and sockets to a stand-in daemon that answers checks with a lease and
+-- renewals as each case says. Lua 5.3 only (HAProxy's runtime; nginx has no core).
+if not jit and not ngx then
+  -- enc encodes a Lua value as msgpack: the daemon's answers.
+  local function enc(v)
+    local t = type(v)
+    if t == "boolean" then return v and "\xc3" or "\xc2" end
+    if t == "number" then return "\xce" .. string.pack(">I4", v) end
+    if t == "string" then return string.char(0xd9, #v) .. v end
+    local n, parts = 0, {}
+    if v[1] ~= nil then
+      for _, x in ipairs(v) do parts[#parts + 1] = enc(x) end
+      return string.char(0x90 + #v) .. table.concat(parts)
+    end
+    for k, x in pairs(v) do
+      n = n + 1
+      parts[#parts + 1] = enc(k) .. enc(x)
+    end
+    return string.char(0x80 + n) .. table.concat(parts)
+  end
+  local function frame(v)
+    local b = enc(v)
+    return string.pack(">I4", #b) .. b
+  end
+
+  -- sim loads a fresh copy of the client with a stand-in core. opts.renew(reqs) answers
+  -- a connection's renewals (a list of { id, lease }) with a list of answer maps, in the
+  -- order they are written; by default each is renewed for opts.lease_ms.
+  local function sim(opts)
+    local S = { clock = 1000000000300, tasks = {}, alerts = {}, renewals = {}, conns = 0, spins = 0, lease_n = 0 }
+    local calls = 0 -- core.now calls since the running task last yielded
+    local sock_mt = {}
+    sock_mt.__index = sock_mt
+    function sock_mt:settimeout() end
+    function sock_mt:connect() S.conns = S.conns + 1; return true end
+    function sock_mt:close() end
+    function sock_mt:send(data)
+      local reqs = {}
+      local pos = 1
+      while pos <= #data do
+        local n = codec.frame_length(data:sub(pos, pos + 3))
+        reqs[#reqs + 1] = codec.decode_body(data:sub(pos + 4, pos + 3 + n))
+        pos = pos + 4 + n
+      end
+      local renews = {}
+      for _, r in ipairs(reqs) do
+        if r.op == "check" then
+          S.lease_n = S.lease_n + 1
+          self.out = self.out .. frame({ id = r.id, allowed = true, lease = "L" .. S.lease_n,
+            rules = { { name = "c", limit = 10, remaining = 9, window_ms = opts.lease_ms } } })
+        elseif r.op == "renew" then
+          renews[#renews + 1] = r
+          local l = S.renewals[r.lease] or {}
+          l[#l + 1] = S.clock
+          S.renewals[r.lease] = l
+        end
+      end
+      if #renews > 0 then
+        local answers = opts.renew and opts.renew(renews, S) or nil
+        if not answers then
+          answers = {}
+          for i, r in ipairs(renews) do answers[i] = { id = r.id, renewed = true, expires_ms = opts.lease_ms } end
+        end
+        for _, a in ipairs(answers) do self.out = self.out .. frame(a) end
+      end
+      return #data
+    end
+    function sock_mt:receive(n)
+      if #self.out < n then return nil, "timeout" end
+      local s = self.out:sub(1, n)
+      self.out = self.out:sub(n + 1)
+      return s
+    end
+    core = {
+      now = function()
+        calls = calls + 1
+        if calls > 10000 and coroutine.isyieldable() then
+          coroutine.yield("spin") -- HAProxy's forced yield (tune.lua.forced-yield)
+        end
+        return { sec = math.floor(S.clock / 1000000), usec = S.clock % 1000000 }
+      end,
+      tcp = function()
+        if S.tcp_error then
+          S.tcp_error = false
+          error("socket: out of memory")
+        end
+        return setmetatable({ out = "" }, sock_mt)
+      end,
+      msleep = function(ms) coroutine.yield(ms) end,
+      register_task = function(f)
+        if S.task_error then
+          S.task_error = false
+          error("Lua out of memory error.")
+        end
+        S.tasks[#S.tasks + 1] = coroutine.create(f)
+      end,
+      register_action = function(name, _, f) if name == "rlsidecar" then S.action = f end end,
+      register_fetches = function() end,
+      Alert = function(m) S.alerts[#S.alerts + 1] = m end,
+    }
+    package.loaded["haproxy.rlsidecar"] = nil
+    dofile(root .. "/clients/lua/haproxy/rlsidecar.lua")
+    -- request runs the action for one HTTP/2 request (no pending releases), which takes a
+    -- lease; it returns the lease's name.
+    function S.request()
+      local priv
+      local txn = {
+        f = {
+          src = function() return "127.0.0.1" end, method = function() return "GET" end,
+          path = function() return "/" end, req_ver = function() return "2.0" end,
+        },
+        get_var = function() return nil end, set_var = function() end, unset_var = function() end,
+        get_priv = function() return priv end, set_priv = function(_, p) priv = p end,
+        Info = function() end, Warning = function() end, Alert = function(_, m) S.alerts[#S.alerts + 1] = m end,
+      }
+      local ok, err = pcall(S.action, txn, "unix@/x", "open", "50")
+      if not ok then S.alerts[#S.alerts + 1] = tostring(err) end
+      return "L" .. S.lease_n
+    end
+    -- run runs the tasks until the clock has moved by ms: a sleeping task wakes when its
+    -- tick comes; a task that spins (does not yield within 10,000 reads of the clock)
+    -- is counted in S.spins and resumed 100 us later, as HAProxy would.
+    function S.run(ms)
+      local stop = S.clock + ms * 1000
+      local wake = {}
+      while S.clock < stop do
+        local next_at = stop
+        for i, co in ipairs(S.tasks) do
+          if coroutine.status(co) == "suspended" and (wake[co] or 0) <= S.clock then
+            calls = 0
+            local ok, v = coroutine.resume(co)
+            if not ok then
+              S.alerts[#S.alerts + 1] = "task died: " .. tostring(v)
+            elseif v == "spin" then
+              S.spins = S.spins + 1
+              wake[co] = S.clock + 100
+            elseif type(v) == "number" then
+              -- HAProxy's timers count whole ms: a sleep ends at the start of the ms
+              -- tick it names, run a little later (50 us)
+              wake[co] = (math.floor(S.clock / 1000) + math.floor(v)) * 1000 + 50
+            end
+          end
+          if coroutine.status(co) == "suspended" then next_at = math.min(next_at, wake[co] or S.clock) end
+        end
+        S.clock = math.max(next_at, S.clock + 1)
+      end
+    end
+    return S
+  end
+
+  -- renewed_every: whether lease was renewed throughout [from, to] us, never more than
+  -- gap_ms apart.
+  local function renewed_every(S, lease, gap_ms, from, to)
+    local last = from
+    for _, t in ipairs(S.renewals[lease] or {}) do
+      if t > last + gap_ms * 1000 then return false end
+      last = t
+    end
+    return to - last <= gap_ms * 1000
+  end
+
+  -- Answers out of order, an error with id 0 mid-batch: every lease is still renewed.
+  do
+    local S = sim({ lease_ms = 1000, renew = function(reqs)
+      local a = {}
+      for i = #reqs, 1, -1 do a[#a + 1] = { id = reqs[i].id, renewed = true, expires_ms = 1000 } end
+      return a
+    end })
+    local t0 = S.clock
+    local leases = { S.request(), S.request(), S.request() }
+    S.run(5000)
+    for _, l in ipairs(leases) do
+      check(renewed_every(S, l, 600, t0, S.clock), "haproxy renewals out of order: %s not renewed every 600 ms", l)
+    end
+    local flaky = true
+    S = sim({ lease_ms = 1000, renew = function(reqs)
+      flaky = not flaky
+      if flaky or #reqs < 2 then return nil end
+      return { { id = reqs[1].id, renewed = true, expires_ms = 1000 }, { id = 0, error = { code = "shutting_down", message = "bye" } } }
+    end })
+    t0 = S.clock
+    leases = { S.request(), S.request() }
+    S.run(5000)
+    for _, l in ipairs(leases) do
+      check(renewed_every(S, l, 800, t0, S.clock), "haproxy renewals after an id 0 error: %s not renewed every 800 ms", l)
+    end
+  end
+
+  -- Many leases due at once: batches of 256 on a connection each, all renewed, in order
+  -- of their due times (the heap).
+  do
+    local S = sim({ lease_ms = 2000 })
+    local t0 = S.clock
+    for _ = 1, 1000 do S.request() end
+    S.run(1001)
+    local all = true
+    for i = 1, 1000 do
+      if #(S.renewals["L" .. i] or {}) ~= 1 then all = false end
+    end
+    check(all, "haproxy: 1000 leases due at once: each renewed once in the first second")
+    check(S.conns == 1000 + 4, "haproxy: 1000 renewals on %d connections, want 4", S.conns - 1000)
+    S.run(10000)
+    check(renewed_every(S, "L1", 1100, t0, S.clock) and renewed_every(S, "L1000", 1100, t0, S.clock),
+      "haproxy: 1000 leases kept renewed")
+  end
+
+  -- A Lua error while renewing (core.tcp out of memory) loses no lease.
+  do
+    local S = sim({ lease_ms = 1000 })
+    local t0 = S.clock
+    local l = S.request()
+    S.tcp_error = true
+    S.run(1000)
+    S.tcp_error = false
+    S.run(3000)
+    check(#(S.renewals[l] or {}) > 3, "haproxy: after an error while renewing, %s was renewed %d times in 4 s", l, #(S.renewals[l] or {}))
+  end
+
+  core = nil
+end
+
 local runtime = (jit and jit.version) or _VERSION
 out:write(string.format("%s: %d checks, %d failures\n", runtime, checks, failures))
 out:flush()
