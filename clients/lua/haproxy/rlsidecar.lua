@@ -446,8 +446,11 @@ local function keep_lease(address, timeout_ms, lease, first_ms)
   due_push({ due = now + first_ms, expires = now + 2 * first_ms, lease = lease, address = address, timeout_ms = timeout_ms })
   shortest_first_ms = math.min(shortest_first_ms, first_ms)
   if not renewing then
-    renewing = true
+    -- Registered before the flag is set: register_task raises when HAProxy cannot
+    -- allocate the task, and a flag set first stayed set with no task, every later
+    -- lease of this Lua state never renewed.
     core.register_task(renewal_task)
+    renewing = true
   end
 end
 

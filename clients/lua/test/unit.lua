@@ -619,6 +619,15 @@ if not jit and not ngx then
     check(#(S.renewals[l] or {}) > 3, "haproxy: after an error while renewing, %s was renewed %d times in 4 s", l, #(S.renewals[l] or {}))
   end
 
+  -- A task that could not be registered is registered by the next lease.
+  do
+    local S = sim({ lease_ms = 1000 })
+    S.task_error = true
+    S.request()
+    local l = S.request()
+    S.run(2000)
+    check(#(S.renewals[l] or {}) > 0, "haproxy: once register_task failed, no lease was renewed (%s)", table.concat(S.alerts, "; "))
+  end
   core = nil
 end
 
