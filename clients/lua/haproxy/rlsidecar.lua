@@ -424,19 +424,38 @@ local function renew_due()
   end
 end
 
-local function renewal_task()
-  while due[1] do
-    -- At most half the shortest first renewal: a lease added meanwhile is renewed by
-    -- three quarters of its lease at the latest.
-    local wait = math.min(due[1].due - now_ms(), math.floor(shortest_first_ms / 2), 1000)
-    if wait >= 1 then
-      core.msleep(math.floor(wait))
-    end
-    local ok, err = pcall(renew_due)
-    if not ok then
-      core.Alert("rlsidecar: renewing leases: " .. tostring(err))
-    end
+-- sleeping: when each renewal task asleep wakes, by task (a table each). A task that
+-- renews is not in it: it looks at the heap again before it sleeps.
+local sleeping = {}
+local main_task -- the renewal task's key in sleeping
+
+local function renew_due_logged()
+  local ok, err = pcall(renew_due)
+  if not ok then
+    core.Alert("rlsidecar: renewing leases: " .. tostring(err))
   end
+end
+
+-- renew_until renews the entries as they come due until the heap is empty or stop_at
+-- (ms). A sleep lasts at most half the shortest first renewal: a lease added meanwhile
+-- is renewed by three quarters of its lease at the latest (one due sooner than that,
+-- shorter than any before, has keep_lease start a task for it).
+local function renew_until(me, stop_at)
+  while due[1] and now_ms() + 1 <= stop_at do
+    local now = now_ms()
+    local wait = math.min(due[1].due - now, math.floor(shortest_first_ms / 2), 1000, stop_at - now)
+    if wait >= 1 then
+      sleeping[me] = now + math.floor(wait)
+      core.msleep(math.floor(wait))
+      sleeping[me] = nil
+    end
+    renew_due_logged()
+  end
+  sleeping[me] = nil -- keep_lease's mark of a task not yet run
+end
+
+local function renewal_task()
+  renew_until(main_task, math.huge)
   renewing = false
 end
 
@@ -449,8 +468,28 @@ local function keep_lease(address, timeout_ms, lease, first_ms)
     -- Registered before the flag is set: register_task raises when HAProxy cannot
     -- allocate the task, and a flag set first stayed set with no task, every later
     -- lease of this Lua state never renewed.
+    main_task = {}
     core.register_task(renewal_task)
     renewing = true
+    return
+  end
+  local soonest = math.huge
+  for _, at in pairs(sleeping) do
+    soonest = math.min(soonest, at)
+  end
+  local main_wakes = sleeping[main_task]
+  if main_wakes and now + first_ms < soonest then
+    -- Every task sleeps past this lease's first renewal: its lease is shorter than any
+    -- before (their sleeps were bounded by those, up to 1 s), and a 400 ms lease taken
+    -- during a 1 s sleep expired before it was first renewed. A task renews beside the
+    -- renewal task until that wakes, whose later sleeps are bounded by this lease
+    -- (renew_due takes the entries it renews off the heap: two tasks renew different
+    -- ones).
+    local me = {}
+    core.register_task(function()
+      renew_until(me, main_wakes)
+    end)
+    sleeping[me] = now + first_ms -- until it runs: the leases taken meanwhile need no other
   end
 end
 

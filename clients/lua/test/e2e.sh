@@ -156,6 +156,10 @@ rules:
     match: { path: "/costly/**" }
     key: ip
     limit: { requests: 5, per: 60s }
+  - name: short-in-flight
+    match: { path: "/short/**" }
+    key: ip
+    concurrency: { max: 1, lease: 400ms }
   - name: many-in-flight
     match: { path: "/many/**" }
     key: ip
@@ -195,6 +199,7 @@ http {
     location /slow/quick/ { return 200 "quick\n"; }
     location /slow/held/ { content_by_lua_block { ngx.sleep(3) ngx.say("held") } }
     location /long/ { content_by_lua_block { ngx.sleep(5) ngx.say("long") } }
+    location /short/ { content_by_lua_block { ngx.sleep(2) ngx.say("short") } }
     location /slow/stream/ { content_by_lua_block { ngx.say("start") ngx.flush(true) ngx.sleep(1) ngx.say("end") } }
   }
 }
@@ -845,6 +850,43 @@ expect "haproxy: tasks after 1,100 leased requests, at most 100 more than the $t
 long_lease haproxy "$hap_port"
 inflight=$(curl -s "http://127.0.0.1:$admin_port/metrics" | awk '$1 == "rlsidecar_inflight{rule=\"slow-in-flight\"}" {print $2}')
 expect "no slot held after both gateways' requests" "$inflight" 0
+
+echo "-- HAProxy: a lease shorter than any before, taken while the renewal task sleeps, is renewed"
+# A fresh HAProxy of one Lua state: a /many/ request (a 60 s lease) starts its renewal
+# task, which then sleeps 1 s; a /short/ request (2 s, a 400 ms lease) comes at once.
+# The task renewed nothing until it woke, and the daemon had freed the slot by then: a
+# second /short/ request 1.2 s in was let through (200), past the rule's max of 1.
+short_port=$(free_port)
+cat >"$tmp/haproxy-short.cfg" <<EOF
+global
+    nbthread 1
+    lua-prepend-path $here/?.lua
+    lua-load $here/haproxy/rlsidecar.lua
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend web
+    bind 127.0.0.1:$short_port
+    http-request lua.rlsidecar unix@$sock open 2000
+    default_backend app
+backend app
+    server s1 127.0.0.1:$backend_port
+EOF
+haproxy -f "$tmp/haproxy-short.cfg" -db >"$tmp/haproxy-short.log" 2>&1 &
+short_pid=$!
+pids+=("$short_pid")
+wait_for "the one-state HAProxy" curl -sf -o /dev/null "http://127.0.0.1:$short_port/many/start"
+curl -s --max-time 15 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$short_port/short/a" >"$tmp/short-a" &
+short_a=$!
+sleep 1.2
+status=$(curl -s --max-time 5 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$short_port/short/b" || true)
+expect "haproxy: a second /short/ request 1.2 s into a 2 s one (lease 400 ms): refused, the slot renewed" "$status" 429
+wait "$short_a"
+expect "haproxy: the first /short/ request" "$(cat "$tmp/short-a")" 200
+kill "$short_pid"
+wait "$short_pid" 2>/dev/null || true
 
 echo "-- the daemon restarts: nginx's pooled connection is stale, the next check still gets a decision"
 kill "$daemon_pid"

@@ -428,9 +428,10 @@ if not jit and not ngx then
 
   -- sim loads a fresh copy of the client with a stand-in core. opts.renew(reqs) answers
   -- a connection's renewals (a list of { id, lease }) with a list of answer maps, in the
-  -- order they are written; by default each is renewed for opts.lease_ms.
+  -- order they are written; by default each is renewed for its lease: S.lease_ms when the
+  -- check took it, else opts.lease_ms.
   local function sim(opts)
-    local S = { clock = 1000000000300, tasks = {}, alerts = {}, renewals = {}, conns = 0, spins = 0, lease_n = 0 }
+    local S = { clock = 1000000000300, tasks = {}, alerts = {}, renewals = {}, conns = 0, spins = 0, lease_n = 0, lease_of = {}, expiry = {}, wake = {} }
     local calls = 0 -- core.now calls since the running task last yielded
     local sock_mt = {}
     sock_mt.__index = sock_mt
@@ -449,8 +450,11 @@ if not jit and not ngx then
       for _, r in ipairs(reqs) do
         if r.op == "check" then
           S.lease_n = S.lease_n + 1
+          local ms = S.lease_ms or opts.lease_ms
+          S.lease_of["L" .. S.lease_n] = ms
+          S.expiry["L" .. S.lease_n] = S.clock + ms * 1000
           self.out = self.out .. frame({ id = r.id, allowed = true, lease = "L" .. S.lease_n,
-            rules = { { name = "c", limit = 10, remaining = 9, window_ms = opts.lease_ms } } })
+            rules = { { name = "c", limit = 10, remaining = 9, window_ms = ms } } })
         elseif r.op == "renew" then
           renews[#renews + 1] = r
           local l = S.renewals[r.lease] or {}
@@ -462,11 +466,19 @@ if not jit and not ngx then
         local answers = opts.renew and opts.renew(renews, S) or nil
         if not answers then
           answers = {}
-          for i, r in ipairs(renews) do answers[i] = { id = r.id, renewed = true, expires_ms = opts.lease_ms } end
+          for i, r in ipairs(renews) do answers[i] = S.answer(r) end
         end
         for _, a in ipairs(answers) do self.out = self.out .. frame(a) end
       end
       return #data
+    end
+    -- answer is the daemon's answer to renewal r: a lease past its expiry is gone (the
+    -- daemon freed its slot), renewed false.
+    function S.answer(r)
+      local ms = S.lease_of[r.lease]
+      local live = ms and S.clock <= S.expiry[r.lease]
+      if live then S.expiry[r.lease] = S.clock + ms * 1000 else S.lease_of[r.lease] = nil end
+      return { id = r.id, renewed = live and true or false, expires_ms = live and ms or 0 }
     end
     function sock_mt:receive(n)
       if #self.out < n then return nil, "timeout" end
@@ -525,7 +537,7 @@ if not jit and not ngx then
     -- is counted in S.spins and resumed 100 us later, as HAProxy would.
     function S.run(ms)
       local stop = S.clock + ms * 1000
-      local wake = {}
+      local wake = S.wake
       while S.clock < stop do
         local next_at = stop
         for i, co in ipairs(S.tasks) do
@@ -564,28 +576,28 @@ if not jit and not ngx then
 
   -- Answers out of order, an error with id 0 mid-batch: every lease is still renewed.
   do
-    local S = sim({ lease_ms = 1000, renew = function(reqs)
+    local S = sim({ lease_ms = 1000, renew = function(reqs, S)
       local a = {}
-      for i = #reqs, 1, -1 do a[#a + 1] = { id = reqs[i].id, renewed = true, expires_ms = 1000 } end
+      for i = #reqs, 1, -1 do a[#a + 1] = S.answer(reqs[i]) end
       return a
     end })
     local t0 = S.clock
     local leases = { S.request(), S.request(), S.request() }
     S.run(5000)
     for _, l in ipairs(leases) do
-      check(renewed_every(S, l, 600, t0, S.clock), "haproxy renewals out of order: %s not renewed every 600 ms", l)
+      check(S.lease_of[l] and renewed_every(S, l, 600, t0, S.clock), "haproxy renewals out of order: %s not renewed every 600 ms", l)
     end
     local flaky = true
-    S = sim({ lease_ms = 1000, renew = function(reqs)
+    S = sim({ lease_ms = 1000, renew = function(reqs, S)
       flaky = not flaky
       if flaky or #reqs < 2 then return nil end
-      return { { id = reqs[1].id, renewed = true, expires_ms = 1000 }, { id = 0, error = { code = "shutting_down", message = "bye" } } }
+      return { S.answer(reqs[1]), { id = 0, error = { code = "shutting_down", message = "bye" } } }
     end })
     t0 = S.clock
     leases = { S.request(), S.request() }
     S.run(5000)
     for _, l in ipairs(leases) do
-      check(renewed_every(S, l, 800, t0, S.clock), "haproxy renewals after an id 0 error: %s not renewed every 800 ms", l)
+      check(S.lease_of[l] and renewed_every(S, l, 800, t0, S.clock), "haproxy renewals after an id 0 error: %s not renewed every 800 ms", l)
     end
   end
 
@@ -628,6 +640,26 @@ if not jit and not ngx then
     S.run(2000)
     check(#(S.renewals[l] or {}) > 0, "haproxy: once register_task failed, no lease was renewed (%s)", table.concat(S.alerts, "; "))
   end
+  -- A lease shorter than any before, taken while the task sleeps for the longer ones
+  -- (up to 1 s), is renewed before it expires.
+  do
+    local S = sim({ lease_ms = 60000 })
+    S.request()
+    S.run(100)
+    S.lease_ms = 400
+    local t0 = S.clock
+    local l = S.request()
+    S.request() -- a second one in the same turn: no third task
+    S.run(3000)
+    check(#S.tasks == 2, "haproxy: two 400 ms leases during a sleep: %d tasks, want 2", #S.tasks)
+    local first = (S.renewals[l] or {})[1]
+    check(first and first - t0 < 400000, "haproxy: a 400 ms lease taken while the task slept was first renewed %s ms on",
+      first and tostring((first - t0) / 1000) or "never")
+    check(S.lease_of[l] and renewed_every(S, l, 400, t0, S.clock),
+      "haproxy: a 400 ms lease taken while the task slept kept renewed (renewals at %s)",
+      table.concat(S.renewals[l] or {}, " "))
+  end
+
   core = nil
 end
 
