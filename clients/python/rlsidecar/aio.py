@@ -571,10 +571,17 @@ class AsyncClient:
         by the policy at once, for good. conn is detached, and this check dials its
         own. When its loop is closed, nothing can use conn again: it is closed, or
         retired while it holds leases not yet expired (they may be released from this
-        loop). A loop still open keeps its connection (it may run again)."""
+        loop). A loop still open gives conn up when it next runs (closed, or retired
+        while it holds leases): dropped unclosed, a client used from two loops in turn
+        kept a socket open for every switch, out of reach of close()."""
         self._conn = None
         if conn.loop.is_closed():
             conn.give_up("its event loop is closed")
+        else:
+            try:
+                conn.loop.call_soon_threadsafe(conn.give_up, "the client went on to another event loop")
+            except RuntimeError:  # closed meanwhile (by another thread)
+                conn.give_up("its event loop is closed")
 
     async def _connect(self, loop, deadline):
         if self._dial is not None and self._dial.get_loop() is not loop:
