@@ -1,9 +1,11 @@
 """Fixtures: the real rlsidecar daemon, built once per session (or taken from
 $RLSIDECAR_BIN), started per test on a temp socket with a temp rules file."""
 
+import contextlib
 import os
 import shutil
 import signal
+import socketserver
 import subprocess
 import sys
 import tempfile
@@ -138,3 +140,29 @@ def make_daemon(binary):
     for d, tmp in made:
         d.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def wsgi_server(app, threaded=False):
+    """Serves the WSGI app with wsgiref on a free loopback port, a thread per request when
+    threaded, without request logs; yields the port, and stops the server on exit."""
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server_class = WSGIServer
+    if threaded:
+        class Threaded(socketserver.ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+        server_class = Threaded
+    srv = make_server("127.0.0.1", 0, app, server_class=server_class, handler_class=Quiet)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv.server_port
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(10)

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 import rlsidecar
+from conftest import wsgi_server
 
 RULES = """
 rules:
@@ -414,40 +415,22 @@ def test_wsgi_threaded_server_requests_in_a_row(make_daemon):
     """A threaded WSGI server, max 1 in flight, 200 requests one after the other (a new
     connection each): each finds the slot the previous one freed, though the server reads
     the next request before it closes the previous response."""
-    import socketserver
-    import threading
     import urllib.request
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-    class Threaded(socketserver.ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *args):
-            pass
 
     d = make_daemon(RULES.replace("max: 2", "max: 1"))
     with rlsidecar.Client(d.socket, timeout=2) as c:
         def app(environ, start_response):
             start_response("200 OK", [("Content-Length", "2")])
             return [b"ok"]
-        srv = make_server("127.0.0.1", 0, rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"}),
-                          server_class=Threaded, handler_class=Quiet)
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        try:
+        with wsgi_server(rlsidecar.WSGIMiddleware(app, c, attrs=lambda environ: {"user": "ann"}), threaded=True) as port:
             codes = []
             for _ in range(200):
                 try:
-                    with urllib.request.urlopen("http://127.0.0.1:%d/" % srv.server_port, timeout=10) as r:
+                    with urllib.request.urlopen("http://127.0.0.1:%d/" % port, timeout=10) as r:
                         codes.append(r.status)
                 except urllib.error.HTTPError as e:
                     codes.append(e.code)
             assert codes == [200] * 200
-        finally:
-            srv.shutdown()
-            srv.server_close()
-            t.join(10)
 
 
 def test_wsgi_leased_one_part_body_gets_its_content_length(make_daemon):
@@ -457,12 +440,6 @@ def test_wsgi_leased_one_part_body_gets_its_content_length(make_daemon):
     body the middleware returned had no len(), so the leased one went without). The
     slot is freed all the same; a generator body is not given a len()."""
     import http.client
-    import threading
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *args):
-            pass
 
     d = make_daemon(RULES.replace("max: 2", "max: 1"))
     with rlsidecar.Client(d.socket, timeout=2) as c:
@@ -472,22 +449,15 @@ def test_wsgi_leased_one_part_body_gets_its_content_length(make_daemon):
 
         def user(environ):
             return {"user": environ.get("HTTP_X_USER", "")} if environ.get("HTTP_X_USER") else {}
-        srv = make_server("127.0.0.1", 0, rlsidecar.WSGIMiddleware(app, c, attrs=user), handler_class=Quiet)
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        try:
+        with wsgi_server(rlsidecar.WSGIMiddleware(app, c, attrs=user)) as port:
             for who in ("", "ann", "ann"):  # no rule (no lease), then leased twice
-                conn = http.client.HTTPConnection("127.0.0.1", srv.server_port, timeout=10)
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
                 conn.request("GET", "/", headers={"X-User": who} if who else {})
                 r = conn.getresponse()
                 assert (r.status, r.read(), r.getheader("Content-Length")) == (200, b"hello", "5"), who
                 conn.close()
                 if who:
                     assert r.getheader("RateLimit") is not None  # the check took a lease
-        finally:
-            srv.shutdown()
-            srv.server_close()
-            t.join(10)
         assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1
 
         def streamed(environ, start_response):

@@ -13,6 +13,7 @@ import pytest
 
 import rlsidecar
 from rlsidecar import _proto
+from conftest import wsgi_server
 
 from test_headers import CASES
 
@@ -346,31 +347,19 @@ def test_header_helpers_send_the_headers_bytes(make_daemon):
     other bytes ("cafÃ©": latin-1 read back as UTF-8), another key (found by a client
     audit)."""
     import http.client
-    import threading
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *a):
-            pass
 
     d = make_daemon(RULES_USER)
     with rlsidecar.Client(d.socket, timeout=2) as client:
         app = rlsidecar.WSGIMiddleware(hello_app, client,
                                        attrs=lambda env: {"user": rlsidecar.wsgi_header(env, "X-User")})
-        srv = make_server("127.0.0.1", 0, app, handler_class=Quiet)
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", srv.server_port, timeout=5)
+        with wsgi_server(app) as port:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.putrequest("GET", "/x")
             conn.putheader("X-User", "café".encode("utf-8"))  # raw UTF-8 bytes on the wire
             conn.endheaders()
             resp = conn.getresponse()
             resp.read()
             assert resp.status == 200
-        finally:
-            srv.shutdown()
-            srv.server_close()
         assert client.check({"user": "café"}, cost=0).remaining == 2, "the header's bytes are not the key of café"
         assert rlsidecar.wsgi_header({}, "X-User") is None
         assert rlsidecar.wsgi_header({"HTTP_X_API_KEY": "\xff"}, "x-api-key") == b"\xff"
