@@ -23,17 +23,7 @@ import (
 // client kept sending on the silent connections, every check answered by the policy,
 // until the old process ended (systemd's watchdog: 30 s).
 func TestStalledConnectionRedials(t *testing.T) {
-	path := socketPath(t)
-	frozen := make(chan struct{})
-	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
-		<-frozen // never answers once frozen
-	})
-	defer close(frozen)
-	c, err := New(Options{Socket: path, Conns: 2, Timeout: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	path, c := frozenSidecar(t)
 	ctx := context.Background()
 	attrs := map[string]string{"user": "blue"}
 	// The old sidecar holds the client's connections; its successor takes the path.
@@ -52,17 +42,7 @@ func TestStalledConnectionRedials(t *testing.T) {
 // check that timed out after it was sent counted, so a full connection was never given
 // up: every check was answered by the Policy until the old process ended.
 func TestStalledFullConnectionRedials(t *testing.T) {
-	path := socketPath(t)
-	frozen := make(chan struct{})
-	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
-		<-frozen // never answers once frozen
-	})
-	defer close(frozen)
-	c, err := New(Options{Socket: path, Conns: 2, Timeout: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	path, c := frozenSidecar(t)
 	c.maxPending = 4
 	ctx := context.Background()
 	attrs := map[string]string{"user": "blue"}
@@ -266,6 +246,24 @@ func TestFrameRest(t *testing.T) {
 // connections (a blue/green switch), and checks attrs until the successor answers them,
 // failing the test when the client still keeps the frozen sidecar's (what) after three
 // times its stall time.
+// frozenSidecar starts a stand-in sidecar that never answers, and a client of it with
+// two connections and a 20 ms timeout; both end with the test.
+func frozenSidecar(t *testing.T) (string, *Client) {
+	t.Helper()
+	path := socketPath(t)
+	frozen := make(chan struct{})
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		<-frozen // never answers
+	})
+	t.Cleanup(func() { close(frozen) })
+	c, err := New(Options{Socket: path, Conns: 2, Timeout: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return path, c
+}
+
 func switchSidecar(t *testing.T, c *Client, path string, attrs map[string]string, what string) {
 	t.Helper()
 	if err := os.Remove(path); err != nil {
