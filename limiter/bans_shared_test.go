@@ -2,7 +2,6 @@ package limiter
 
 import (
 	"context"
-	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -602,38 +601,13 @@ rules:
 // Redis logged that warning once or twice with "context canceled", though the last round
 // had nothing to send, or had sent it.
 func TestSharedBansStopReportsOnlyTheLastRound(t *testing.T) {
-	// A Redis that accepts connections and reads commands but never answers.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	asked := make(chan struct{}, 1)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				buf := make([]byte, 4096)
-				for {
-					if _, err := c.Read(buf); err != nil {
-						return
-					}
-					select {
-					case asked <- struct{}{}:
-					default:
-					}
-				}
-			}()
-		}
-	}()
-	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ContextTimeoutEnabled: true, MaxRetries: -1,
-		ReadTimeout: time.Minute, WriteTimeout: time.Minute, DialTimeout: 10 * time.Second})
-	defer rdb.Close()
+	// A real redis-server, frozen (SIGSTOP): it accepts connections and answers nothing.
+	srv, rdb := realRedisServer(t, time.Minute)
 	l := sharedLimiter(t, rdb, hybridLoginBans)
+	asked := make(chan struct{}, 1)
+	rdb.AddHook(askedHook{asked})
+	srv.Freeze()
+	defer srv.Thaw()
 	ctx, cancel := context.WithCancel(context.Background())
 	var errs []error // the loop's goroutine's until done
 	done := make(chan struct{})
@@ -657,4 +631,24 @@ func TestSharedBansStopReportsOnlyTheLastRound(t *testing.T) {
 	if len(errs) != 0 {
 		t.Fatalf("the stop reported %d failures of rounds it cut, with nothing for the last round to send: %v", len(errs), errs)
 	}
+}
+
+// askedHook tells asked (without waiting) each time its client sends Redis a command.
+type askedHook struct{ asked chan struct{} }
+
+func (h askedHook) tell() {
+	select {
+	case h.asked <- struct{}{}:
+	default:
+	}
+}
+
+func (h askedHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h askedHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h.tell(); return next(ctx, cmd) }
+}
+
+func (h askedHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error { h.tell(); return next(ctx, cmds) }
 }
