@@ -206,7 +206,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
 	idle := &idleConns{m: map[net.Conn]time.Time{}}
-	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
+	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
 	a := &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 	return a, nil
 }
@@ -262,6 +262,15 @@ func (ic *idleConns) closeOldest() bool {
 	_ = oldest.Close()
 	return true
 }
+
+// adminWriteTimeout closes an admin connection whose client has not taken a whole
+// answer this long after sending its request. Before, a client that sent requests and
+// read none of the answers held its connection for good (the server's write blocked on
+// a full socket), and one local process doing so on 64 connections, which are not
+// idle and so not closed to make room, kept every scraper and `rlsidecar reload` out.
+// Prometheus gives a scrape 10 s by default; /metrics of thousands of rules is a few
+// megabytes, written in milliseconds to a client that reads. A variable for the tests.
+var adminWriteTimeout = 30 * time.Second
 
 // adminIdleTimeout closes an admin connection idle between requests this long (a
 // Prometheus scrape every 15 s to 1 m keeps its connection).

@@ -11,6 +11,7 @@ import (
 	"os"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -304,5 +305,58 @@ func TestAdminConnectionsCapped(t *testing.T) {
 			t.Fatalf("no answer once the held connections closed: %v", err)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Connections whose clients send requests and read none of the answers do not keep a
+// new client out for good: once an answer has not been taken for adminWriteTimeout, the
+// connection is closed. Before, each such connection's write blocked on its full socket
+// forever, and as they were busy (not idle) none was closed to make room: 64 of them
+// kept every scraper and `rlsidecar reload` out for as long as their process lived.
+func TestAdminStalledReadersYield(t *testing.T) {
+	old := adminWriteTimeout
+	adminWriteTimeout = 300 * time.Millisecond
+	defer func() { adminWriteTimeout = old }()
+	m := NewMetrics("test", 10)
+	// An answer larger than the two sockets' buffers hold (a few MB on loopback, the
+	// client's receive buffer made small): the server's first write blocks.
+	m.GaugeFunc("rlsidecar_test_big", strings.Repeat("x", 16<<20), func() float64 { return 1 })
+	base := startAdmin(t, AdminDeps{Metrics: m})
+	addr := strings.TrimPrefix(base, "http://")
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) {
+			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+	}}
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for range maxAdminConns {
+		c, err := d.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		if _, err := io.WriteString(c, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
+		resp, err := client.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a new client beside %d connections that read no answers: %v", maxAdminConns, err)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
