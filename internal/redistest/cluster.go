@@ -31,7 +31,7 @@ type Cluster struct {
 // (port+10000) are free too, joins them with `redis-cli --cluster create …
 // --cluster-replicas 0 --cluster-yes`, and waits until every node reports
 // cluster_state:ok with all 16384 slots served. t.Cleanup stops every node. Of opts,
-// only WithClusterNodeTimeout applies.
+// only WithClusterNodeTimeout and WithTLS apply.
 func StartCluster(t testing.TB, opts ...Option) *Cluster {
 	t.Helper()
 	cli := lookPath(t, "redis-cli")
@@ -39,7 +39,10 @@ func StartCluster(t testing.TB, opts ...Option) *Cluster {
 	for _, o := range opts {
 		o(&cfg)
 	}
-	c := &Cluster{cfg: config{cluster: true, nodeTimeout: cfg.nodeTimeout}}
+	c := &Cluster{cfg: config{cluster: true, nodeTimeout: cfg.nodeTimeout, tls: cfg.tls}}
+	if cfg.tls != nil {
+		c.cfg.files = serverTLS(t, cfg.tls) // one certificate for every node
+	}
 	for i := 0; i < 3; i++ {
 		// Nodes start one after another, so each probe for a free port pair sees the
 		// earlier nodes' ports and bus ports taken.
@@ -50,7 +53,12 @@ func StartCluster(t testing.TB, opts ...Option) *Cluster {
 
 	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
 	defer cancel()
-	args := append([]string{"--cluster", "create"}, c.Addrs...)
+	var args []string
+	if f := c.cfg.files; f != nil {
+		args = []string{"--tls", "--cacert", c.cfg.tls.CA.CertFile, "--cert", f.cert, "--key", f.key}
+	}
+	args = append(args, "--cluster", "create")
+	args = append(args, c.Addrs...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
 	out, err := exec.CommandContext(ctx, cli, args...).CombinedOutput()
 	if err != nil {
@@ -74,7 +82,7 @@ func StartCluster(t testing.TB, opts ...Option) *Cluster {
 // every node known.
 func (c *Cluster) check() error {
 	for _, n := range c.Nodes {
-		info, err := command(n.Addr, "CLUSTER", "INFO")
+		info, err := n.command("CLUSTER", "INFO")
 		if err != nil {
 			return fmt.Errorf("%s: %w", n.Addr, err)
 		}
@@ -99,7 +107,7 @@ func (c *Cluster) check() error {
 func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 	t.Helper()
 	master := c.Nodes[i]
-	id, err := command(master.Addr, "CLUSTER", "MYID")
+	id, err := master.command("CLUSTER", "MYID")
 	if err != nil {
 		t.Fatalf("redistest: CLUSTER MYID on %s: %v", master.Addr, err)
 	}
@@ -108,13 +116,13 @@ func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := command(r.Addr, "CLUSTER", "MEET", host, port); err != nil {
+	if _, err := r.command("CLUSTER", "MEET", host, port); err != nil {
 		t.Fatalf("redistest: CLUSTER MEET from %s: %v", r.Addr, err)
 	}
 	deadline := time.Now().Add(clusterTimeout)
 	for {
 		// REPLICATE is refused until the new node knows the master.
-		_, err := command(r.Addr, "CLUSTER", "REPLICATE", id)
+		_, err := r.command("CLUSTER", "REPLICATE", id)
 		if err == nil {
 			break
 		}
@@ -124,7 +132,7 @@ func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 		time.Sleep(50 * time.Millisecond)
 	}
 	for {
-		info, err := command(r.Addr, "INFO", "replication")
+		info, err := r.command("INFO", "replication")
 		if err == nil && hasLine(info, "master_link_status:up") {
 			break
 		}

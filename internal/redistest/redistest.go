@@ -16,6 +16,7 @@ package redistest
 
 import (
 	"bufio"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -51,6 +52,8 @@ type config struct {
 	password    string
 	cluster     bool
 	nodeTimeout time.Duration // cluster-node-timeout; 0: 2 s
+	tls         *TLS          // WithTLS; nil: plain TCP
+	files       *tlsFiles     // the server's certificate, issued for tls
 }
 
 // WithClusterNodeTimeout sets StartCluster's cluster-node-timeout: how long a master
@@ -74,6 +77,9 @@ type Server struct {
 	Addr string
 	// Password is the requirepass value, "" for none.
 	Password string
+	// TLS is how this package reaches a server started WithTLS (trusting its CA,
+	// presenting the server's own certificate); nil for a plain one.
+	TLS *tls.Config
 
 	dir  string // temp dir holding redis.conf, redis.log and (for cluster nodes) nodes.conf
 	conf string // path of redis.conf
@@ -99,6 +105,9 @@ func StartStandalone(t testing.TB, opts ...Option) *Server {
 	for _, o := range opts {
 		o(&c)
 	}
+	if c.tls != nil {
+		c.files = serverTLS(t, c.tls)
+	}
 	return start(t, c)
 }
 
@@ -112,6 +121,9 @@ func start(t testing.TB, c config) *Server {
 		dir:      dir,
 		conf:     filepath.Join(dir, "redis.conf"),
 		log:      filepath.Join(dir, "redis.log"),
+	}
+	if c.files != nil {
+		s.TLS = c.files.client
 	}
 	t.Cleanup(s.Stop)
 
@@ -169,7 +181,7 @@ func (s *Server) run(bin string) error {
 
 	deadline := time.Now().Add(readyTimeout)
 	for {
-		if err := ping(s.Addr, s.Password); err == nil {
+		if err := ping(s.Addr, s.Password, s.TLS); err == nil {
 			return nil
 		}
 		select {
@@ -275,7 +287,12 @@ func configFile(dir string, port int, c config) string {
 	var b strings.Builder
 	line := func(args ...string) { b.WriteString(strings.Join(args, " ") + "\n") }
 	line("bind", "127.0.0.1")
-	line("port", strconv.Itoa(port))
+	if c.files != nil {
+		line("port", "0") // TLS only, as a managed Redis
+		line("tls-port", strconv.Itoa(port))
+	} else {
+		line("port", strconv.Itoa(port))
+	}
 	line("protected-mode", "no")
 	line("daemonize", "no")
 	line("dir", quote(dir))
@@ -284,6 +301,19 @@ func configFile(dir string, port int, c config) string {
 	line("appendonly", "no")
 	if c.password != "" {
 		line("requirepass", quote(c.password))
+	}
+	if c.files != nil {
+		line("tls-cert-file", quote(c.files.cert))
+		line("tls-key-file", quote(c.files.key))
+		line("tls-ca-cert-file", quote(c.tls.CA.CertFile))
+		if c.tls.AuthClients {
+			line("tls-auth-clients", "yes")
+		} else {
+			line("tls-auth-clients", "no")
+		}
+		if c.cluster {
+			line("tls-cluster", "yes") // the bus too; its port is tls-port+10000
+		}
 	}
 	if c.cluster {
 		line("cluster-enabled", "yes")
@@ -345,9 +375,18 @@ func freePort(cluster bool) (int, error) {
 	return 0, errors.New("no free port pair below 55535 after 100 tries")
 }
 
+// dial connects to addr, over TLS with tlsCfg unless it is nil.
+func dial(addr string, tlsCfg *tls.Config, timeout time.Duration) (net.Conn, error) {
+	d := &net.Dialer{Timeout: timeout}
+	if tlsCfg == nil {
+		return d.Dial("tcp", addr)
+	}
+	return tls.DialWithDialer(d, "tcp", addr, tlsCfg)
+}
+
 // ping sends AUTH (if password is set) and PING on a new connection and wants PONG.
-func ping(addr, password string) error {
-	conn, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+func ping(addr, password string, tlsCfg *tls.Config) error {
+	conn, err := dial(addr, tlsCfg, 200*time.Millisecond)
 	if err != nil {
 		return err
 	}
@@ -369,9 +408,9 @@ func ping(addr, password string) error {
 	return nil
 }
 
-// command runs one command on a new connection to addr and returns its string reply.
-func command(addr string, args ...string) (string, error) {
-	conn, err := net.DialTimeout("tcp", addr, time.Second)
+// command runs one command on a new connection to s and returns its string reply.
+func (s *Server) command(args ...string) (string, error) {
+	conn, err := dial(s.Addr, s.TLS, time.Second)
 	if err != nil {
 		return "", err
 	}

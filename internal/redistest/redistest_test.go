@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -237,5 +238,38 @@ func TestRestartWaitsForPort(t *testing.T) {
 	srv.Restart(t)
 	if err := client(t, srv.Addr, "", 0).Ping(context.Background()).Err(); err != nil {
 		t.Fatalf("PING after Restart: %v", err)
+	}
+}
+
+// WithTLS: a server and a cluster that speak TLS only, with a private CA, and, with
+// AuthClients, only to clients that present a certificate it issued.
+func TestTLS(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	ca := redistest.NewCA(t, "test CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca, AuthClients: true}))
+	plain := client(t, srv.Addr, "", time.Second)
+	if err := plain.Ping(ctx).Err(); err == nil {
+		t.Fatal("a plain client reached a TLS-only server")
+	}
+	cert, key := ca.Issue(t, "client")
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr, TLSConfig: ca.ClientConfig(t, cert, key), MaintNotificationsConfig: noMaint})
+	defer c.Close()
+	if err := c.Ping(ctx).Err(); err != nil {
+		t.Fatalf("a client with a certificate: %v", err)
+	}
+	noCert := redis.NewClient(&redis.Options{Addr: srv.Addr, TLSConfig: ca.ClientConfig(t, "", ""), MaxRetries: -1, MaintNotificationsConfig: noMaint})
+	defer noCert.Close()
+	if err := noCert.Ping(ctx).Err(); err == nil {
+		t.Fatal("a client without a certificate reached a server that asks for one")
+	}
+
+	cl := redistest.StartCluster(t, redistest.WithTLS(redistest.TLS{CA: ca}))
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs, TLSConfig: ca.ClientConfig(t, "", ""), MaintNotificationsConfig: noMaint})
+	defer cc.Close()
+	for i := range 30 { // keys over every master
+		if err := cc.Set(ctx, "k"+strconv.Itoa(i), "v", 0).Err(); err != nil {
+			t.Fatalf("cluster over TLS: %v", err)
+		}
 	}
 }

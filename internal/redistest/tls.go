@@ -1,0 +1,167 @@
+package redistest
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// CA is a private certificate authority for TLS tests: no system trusts it, so a client
+// reaches a server whose certificate it issued only when told to trust CertFile.
+type CA struct {
+	// CertFile is the CA certificate, PEM: what a client or server is told to trust.
+	CertFile string
+
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	dir  string
+}
+
+// NewCA makes a CA named name, its files in a temp dir of t.
+func NewCA(t testing.TB, name string) *CA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial(t),
+		Subject:               pkix.Name{CommonName: name},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := &CA{cert: cert, key: key, dir: t.TempDir()}
+	ca.CertFile = filepath.Join(ca.dir, "ca.crt")
+	writePEM(t, ca.CertFile, "CERTIFICATE", der)
+	return ca
+}
+
+// Issue makes a certificate and key for cn, signed by the CA, good for a server at
+// 127.0.0.1 or localhost and for a client (both extended key usages: a cluster node is
+// both), and returns their PEM files.
+func (ca *CA) Issue(t testing.TB, cn string) (certFile, keyFile string) {
+	t.Helper()
+	certFile = filepath.Join(ca.dir, cn+".crt")
+	keyFile = filepath.Join(ca.dir, cn+".key")
+	ca.IssueTo(t, cn, certFile, keyFile)
+	return certFile, keyFile
+}
+
+// IssueTo is Issue writing the files at certFile and keyFile, replacing what they hold
+// (as a rotation does), each by a rename so that no reader sees half a file.
+func (ca *CA) IssueTo(t testing.TB, cn, certFile, keyFile string) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial(t),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		DNSNames:     []string{"localhost"},
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writePEM(t, certFile, "CERTIFICATE", der)
+	writePEM(t, keyFile, "PRIVATE KEY", keyDER)
+}
+
+// ClientConfig returns a tls.Config that trusts the CA and presents the certificate in
+// certFile and keyFile ("" for none).
+func (ca *CA) ClientConfig(t testing.TB, certFile, keyFile string) *tls.Config {
+	t.Helper()
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.cert)
+	c := &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	if certFile != "" {
+		pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Certificates = []tls.Certificate{pair}
+	}
+	return c
+}
+
+func serial(t testing.TB) *big.Int {
+	n, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func writePEM(t testing.TB, path, typ string, der []byte) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TLS makes a server (or every node of a cluster) serve TLS only (port 0, tls-port) with
+// a certificate the CA issued; see WithTLS.
+type TLS struct {
+	// CA issues the server's certificate and is the one it trusts for clients'.
+	CA *CA
+	// AuthClients makes the server refuse a client that presents no certificate the CA
+	// issued (tls-auth-clients yes: mutual TLS); else it asks for none.
+	AuthClients bool
+}
+
+// WithTLS makes StartStandalone's server, or StartCluster's nodes (tls-cluster yes: the
+// cluster bus too), serve TLS only, on Addr, with a certificate for 127.0.0.1 that
+// c.CA issued.
+func WithTLS(c TLS) Option {
+	return func(cfg *config) { cfg.tls = &c }
+}
+
+// tlsFiles are the files of a TLS server: its certificate and key, which it presents
+// to clients and, on a cluster, to the other nodes; and the client configuration this
+// package reaches it with.
+type tlsFiles struct {
+	cert, key string
+	client    *tls.Config
+}
+
+// serverTLS issues the certificate of a TLS server (or of every node of a cluster).
+func serverTLS(t testing.TB, c *TLS) *tlsFiles {
+	t.Helper()
+	cert, key := c.CA.Issue(t, "redis-server")
+	return &tlsFiles{cert: cert, key: key, client: c.CA.ClientConfig(t, cert, key)}
+}
