@@ -32,6 +32,9 @@ type Config struct {
 	Timeout time.Duration
 	// PoolSize is the connection pool size per node; default 16.
 	PoolSize int
+	// TLS is the CA and client certificate of a rediss:// URL (LoadTLS); nil: the
+	// system's CAs and no client certificate. Set with a redis:// URL, an error.
+	TLS *TLSFiles
 }
 
 // Open connects (lazily) to the Redis the config names.
@@ -70,6 +73,12 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		if opt.Password == "" {
 			opt.Password = password
 		}
+		if err := cfg.checkTLS(opt.TLSConfig); err != nil {
+			return nil, err
+		}
+		if opt.TLSConfig != nil {
+			opt.Dialer = cfg.TLS.dialer(opt.TLSConfig, timeout)
+		}
 		opt.DialTimeout, opt.ReadTimeout, opt.WriteTimeout = timeout, timeout, timeout
 		opt.PoolSize = pool
 		opt.MaxRetries = -1   // the caller's failure policy decides, not a retry loop
@@ -97,9 +106,30 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		ContextTimeoutEnabled: true,
 	}
 	if useTLS {
+		// No ServerName: each node's certificate is checked against the host of the
+		// node's address, or TLSOptions.ServerName.
 		opt.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+		opt.Dialer = cfg.TLS.dialer(opt.TLSConfig, timeout)
+	}
+	if err := cfg.checkTLS(opt.TLSConfig); err != nil {
+		return nil, err
 	}
 	return redis.NewClusterClient(opt), nil
+}
+
+// checkTLS refuses TLS files without TLS (a redis:// URL: the daemon would talk to
+// Redis in the clear, its operator believing otherwise), and a CA file beside a
+// rediss:// URL's skip_verify=true, which would not check the server against it.
+func (cfg Config) checkTLS(base *tls.Config) error {
+	switch {
+	case cfg.TLS == nil:
+		return nil
+	case base == nil:
+		return errors.New("redis: TLS options (--redis-tls-*) need a rediss:// URL; this one is redis://, in the clear")
+	case base.InsecureSkipVerify && cfg.TLS.opts.CAFile != "":
+		return errors.New("redis: the URL's skip_verify=true checks no certificate: drop it, or --redis-tls-ca-file")
+	}
+	return nil
 }
 
 // Password returns the password Open authenticates with: the URL's, else the file's, else

@@ -82,7 +82,7 @@ func StartCluster(t testing.TB, opts ...Option) *Cluster {
 // every node known.
 func (c *Cluster) check() error {
 	for _, n := range c.Nodes {
-		info, err := n.command("CLUSTER", "INFO")
+		info, err := n.Command("CLUSTER", "INFO")
 		if err != nil {
 			return fmt.Errorf("%s: %w", n.Addr, err)
 		}
@@ -107,7 +107,7 @@ func (c *Cluster) check() error {
 func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 	t.Helper()
 	master := c.Nodes[i]
-	id, err := master.command("CLUSTER", "MYID")
+	id, err := master.Command("CLUSTER", "MYID")
 	if err != nil {
 		t.Fatalf("redistest: CLUSTER MYID on %s: %v", master.Addr, err)
 	}
@@ -116,13 +116,13 @@ func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.command("CLUSTER", "MEET", host, port); err != nil {
+	if _, err := r.Command("CLUSTER", "MEET", host, port); err != nil {
 		t.Fatalf("redistest: CLUSTER MEET from %s: %v", r.Addr, err)
 	}
 	deadline := time.Now().Add(clusterTimeout)
 	for {
 		// REPLICATE is refused until the new node knows the master.
-		_, err := r.command("CLUSTER", "REPLICATE", id)
+		_, err := r.Command("CLUSTER", "REPLICATE", id)
 		if err == nil {
 			break
 		}
@@ -132,7 +132,7 @@ func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 		time.Sleep(50 * time.Millisecond)
 	}
 	for {
-		info, err := r.command("INFO", "replication")
+		info, err := r.Command("INFO", "replication")
 		if err == nil && hasLine(info, "master_link_status:up") {
 			break
 		}

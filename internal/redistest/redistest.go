@@ -408,8 +408,9 @@ func ping(addr, password string, tlsCfg *tls.Config) error {
 	return nil
 }
 
-// command runs one command on a new connection to s and returns its string reply.
-func (s *Server) command(args ...string) (string, error) {
+// Command runs one command on a new connection to s and returns its reply: a
+// simple string, an integer or a bulk string (an error reply is an error).
+func (s *Server) Command(args ...string) (string, error) {
 	conn, err := dial(s.Addr, s.TLS, time.Second)
 	if err != nil {
 		return "", err
