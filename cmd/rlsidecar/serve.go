@@ -92,6 +92,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
 	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
+	redisTLSCA := fs.String("redis-tls-ca-file", "", "rediss://: PEM file of the CAs the Redis server's certificate must chain to, in place of the system's (a private CA); re-read at each new connection")
+	redisTLSCert := fs.String("redis-tls-cert-file", "", "rediss://: PEM client certificate presented to a Redis that asks for one (mutual TLS), with --redis-tls-key-file; re-read at each new connection")
+	redisTLSKey := fs.String("redis-tls-key-file", "", "rediss://: PEM private key of --redis-tls-cert-file, readable by the daemon's user only; re-read at each new connection")
+	redisTLSServerName := fs.String("redis-tls-server-name", "", "rediss://: the name the Redis server's certificate must carry, in place of the host dialed (on a Cluster, of every node's address)")
 	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks': --global-timeout, when that is longer; a lease's release or renewal: 250 ms, a ban's lift: 1 s)")
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
@@ -186,6 +190,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	notify := newNotifier(log)
 
 	haveRedis := *redisURL != "" || *redisCluster != ""
+	redisTLS := rlsync.TLSOptions{CAFile: *redisTLSCA, CertFile: *redisTLSCert, KeyFile: *redisTLSKey, ServerName: *redisTLSServerName}
+	useTLSFiles := *redisTLSCA != "" || *redisTLSCert != "" || *redisTLSKey != "" || *redisTLSServerName != ""
+	if useTLSFiles && !haveRedis {
+		return fmt.Errorf("%w: --redis-tls-* options need --redis or --redis-cluster (rediss://)", errUsage)
+	}
 	id := *daemonID
 	if id == "" {
 		host, _ := os.Hostname()
@@ -260,6 +269,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	modeDesc := "local mode"
 	if haveRedis {
 		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
+		if useTLSFiles {
+			// One set of files for the three clients below: a bad change is logged once.
+			redisTLS.OnReloadError = func(err error) {
+				log.Warn("redis TLS: a certificate file changed and cannot be used", "err", err)
+			}
+			if cfg.TLS, err = rlsync.LoadTLS(redisTLS); err != nil {
+				return err
+			}
+		}
 		where := rlsync.Redact(*redisURL)
 		if *redisCluster != "" {
 			cfg.Cluster = []string{*redisCluster}
@@ -413,7 +431,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 	secretFiles := [][2]string{{"top-labels-salt-file", *topSaltFile}}
 	if haveRedis {
-		secretFiles = append(secretFiles, [2]string{"redis-password-file", *redisPassFile})
+		secretFiles = append(secretFiles, [2]string{"redis-password-file", *redisPassFile}, [2]string{"redis-tls-key-file", *redisTLSKey})
 	}
 	warnReadableSecrets(log, *socket, secretFiles...)
 	var rls *envoyrls.Server

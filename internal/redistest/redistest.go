@@ -408,8 +408,9 @@ func ping(addr, password string, tlsCfg *tls.Config) error {
 	return nil
 }
 
-// Command runs one command on a new connection to s and returns its reply: a
-// simple string, an integer or a bulk string (an error reply is an error).
+// Command runs one command on a new connection to s (authenticated with Password, over
+// TLS for a server started WithTLS) and returns its reply: a simple string, an integer
+// or a bulk string (an error reply is an error).
 func (s *Server) Command(args ...string) (string, error) {
 	conn, err := dial(s.Addr, s.TLS, time.Second)
 	if err != nil {
@@ -417,7 +418,13 @@ func (s *Server) Command(args ...string) (string, error) {
 	}
 	defer conn.Close()
 	_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
-	return do(conn, bufio.NewReader(conn), args...)
+	r := bufio.NewReader(conn)
+	if s.Password != "" {
+		if _, err := do(conn, r, "AUTH", s.Password); err != nil {
+			return "", err
+		}
+	}
+	return do(conn, r, args...)
 }
 
 // do writes args as a RESP array and reads one simple-string, error, integer or bulk

@@ -17,14 +17,14 @@ import (
 )
 
 // CA is a private certificate authority for TLS tests: no system trusts it, so a client
-// reaches a server whose certificate it issued only when told to trust CertFile.
+// reaches a server whose certificate it issued only when told to trust CertFile. Its
+// methods are safe for concurrent use.
 type CA struct {
 	// CertFile is the CA certificate, PEM: what a client or server is told to trust.
 	CertFile string
 
 	cert *x509.Certificate
 	key  *ecdsa.PrivateKey
-	dir  string
 }
 
 // NewCA makes a CA named name, its files in a temp dir of t.
@@ -51,19 +51,19 @@ func NewCA(t testing.TB, name string) *CA {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ca := &CA{cert: cert, key: key, dir: t.TempDir()}
-	ca.CertFile = filepath.Join(ca.dir, "ca.crt")
+	ca := &CA{cert: cert, key: key, CertFile: filepath.Join(t.TempDir(), "ca.crt")}
 	writePEM(t, ca.CertFile, "CERTIFICATE", der)
 	return ca
 }
 
 // Issue makes a certificate and key for cn, signed by the CA, good for a server at
 // 127.0.0.1 or localhost and for a client (both extended key usages: a cluster node is
-// both), and returns their PEM files.
+// both), and returns their PEM files, in a temp dir of t of their own.
 func (ca *CA) Issue(t testing.TB, cn string) (certFile, keyFile string) {
 	t.Helper()
-	certFile = filepath.Join(ca.dir, cn+".crt")
-	keyFile = filepath.Join(ca.dir, cn+".key")
+	dir := t.TempDir()
+	certFile = filepath.Join(dir, cn+".crt")
+	keyFile = filepath.Join(dir, cn+".key")
 	ca.IssueTo(t, cn, certFile, keyFile)
 	return certFile, keyFile
 }
