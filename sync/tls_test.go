@@ -59,12 +59,21 @@ func TestTLSPrivateCA(t *testing.T) {
 	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca}))
 	url := "rediss://" + srv.Addr
 
-	rdb := openTLS(t, url, false, TLSOptions{})
-	err := rdb.Ping(context.Background()).Err()
-	if err == nil || !strings.Contains(err.Error(), "unknown authority") || !strings.Contains(err.Error(), "--redis-tls-ca-file") {
-		t.Fatalf("without the CA: %v; want unknown authority, and the flag named", err)
+	// No TLS options (a nil TLSFiles, as the daemon without --redis-tls-*): the
+	// system's CAs.
+	for _, cfg := range []Config{{URL: url}, {Cluster: []string{url}}} {
+		cfg.Timeout = 2 * time.Second
+		rdb, err := Open(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = rdb.Ping(context.Background()).Err()
+		rdb.Close()
+		if err == nil || !strings.Contains(err.Error(), "unknown authority") || !strings.Contains(err.Error(), "--redis-tls-ca-file") {
+			t.Fatalf("%+v, without the CA: %v; want unknown authority, and the flag named", cfg, err)
+		}
 	}
-	rdb = openTLS(t, url, false, TLSOptions{CAFile: ca.CertFile})
+	rdb := openTLS(t, url, false, TLSOptions{CAFile: ca.CertFile})
 	if err := rdb.Set(context.Background(), "k", "v", 0).Err(); err != nil {
 		t.Fatalf("with the CA: %v", err)
 	}

@@ -11,7 +11,8 @@
 //	srv := redistest.StartStandalone(t)
 //	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 //
-// Failure tests use Stop, Restart, Freeze and Thaw on a Server.
+// Failure tests use Stop, Restart, Freeze and Thaw on a Server. WithTLS makes a server
+// or cluster speak TLS only, with certificates of a CA the test makes (NewCA).
 package redistest
 
 import (
