@@ -379,6 +379,9 @@ func shadowSignature(r *Rule) string {
 	fmt.Fprintf(&b, "|%q|%d|%d|%d|%d|%d|%v|%v", key, r.Algorithm, r.limit.Window(), r.Mode, r.OnStoreFailure, r.Split, r.SplitAuto, r.Concurrency)
 	// A calendar's zone changes its windows; a policy is an effect of its own.
 	fmt.Fprintf(&b, "|%d|%v|%d|%v|%p", r.Calendar, r.TZ, r.Delay, r.WarnAt, r.Penalty)
+	if p := r.IPPrefix; p != nil {
+		fmt.Fprintf(&b, "|%q/%d/%d", p.Attr, p.IPv4, p.IPv6) // keys of other clients
+	}
 	return b.String()
 }
 

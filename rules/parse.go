@@ -303,7 +303,7 @@ func (p *parser) parse(data []byte) []*Rule {
 }
 
 var (
-	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "concurrency", "warn_at", "delay", "penalty"}
+	ruleFields  = []string{"name", "match", "key", "algorithm", "limit", "plans", "shadow", "mode", "on_store_failure", "split", "replaces", "concurrency", "warn_at", "delay", "penalty", "ip_prefix"}
 	limitFields = []string{"requests", "per", "burst", "tz"}
 )
 
@@ -472,6 +472,10 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	}
 
 	p.policies(r, f, field)
+
+	if v := f["ip_prefix"]; !isNull(v) {
+		r.IPPrefix = p.ipPrefix(v, field+".ip_prefix", r.Key)
+	}
 
 	if len(p.errs) > before {
 		return nil

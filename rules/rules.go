@@ -156,6 +156,9 @@ type Rule struct {
 	// Penalty is penalty: escalating bans of a key this rule keeps refusing; nil when
 	// the rule has none (policies.go).
 	Penalty *Penalty
+	// IPPrefix is ip_prefix: a key attribute whose addresses are keyed by their network;
+	// nil when the rule has none (ipprefix.go).
+	IPPrefix *IPPrefix
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -426,7 +429,8 @@ func (r *Rule) appendKeyN(dst []byte, attrs []Attr) ([]byte, bool) {
 	return dst, true
 }
 
-// appendKeySlow is AppendKey for a rule without key attributes or keyLits.
+// appendKeySlow is AppendKey for a rule without key attributes or keyLits, as a rule
+// with ip_prefix is.
 func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 	n := len(dst)
 	dst = append(dst, r.Name...)
@@ -439,6 +443,10 @@ func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 		if i > 0 {
 			dst = append(dst, '|')
 		}
+		if p := r.IPPrefix; p != nil && name == p.Attr {
+			dst = appendIPPart(dst, p, name, v)
+			continue
+		}
 		dst = append(dst, name...) // attribute names are validated to need no escaping
 		dst = append(dst, '=')
 		dst = AppendEscaped(dst, v)
@@ -447,8 +455,13 @@ func (r *Rule) appendKeySlow(dst []byte, attrs []Attr) ([]byte, bool) {
 }
 
 // setKeyLits computes keyLits and keyWords from the rule's name and key (parse.go, once
-// valid).
+// valid). A rule with ip_prefix has none: its keys are built by appendKeySlow, so that
+// the other rules' paths test nothing more.
 func (r *Rule) setKeyLits() {
+	if r.IPPrefix != nil {
+		r.keyLits, r.keyWords, r.key1 = nil, nil, false
+		return
+	}
 	r.keyLits = make([]string, len(r.Key))
 	r.keyWords = make([]uint64, len(r.Key))
 	for i, name := range r.Key {
