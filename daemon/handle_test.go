@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -26,8 +27,15 @@ rules:
     limit: { requests: 10, per: 1m }
 `
 
+// benchRulesIPPrefix is benchRules with per-ip keyed by the client's network.
+var benchRulesIPPrefix = strings.Replace(benchRules, "    key: ip\n", "    key: ip\n    ip_prefix: { ipv4: 24, ipv6: 64 }\n", 1)
+
 func newTestConn(tb testing.TB, withMetrics ...bool) *conn {
-	set, err := rules.Parse("bench.yaml", []byte(benchRules))
+	return newTestConnRules(tb, benchRules, withMetrics...)
+}
+
+func newTestConnRules(tb testing.TB, src string, withMetrics ...bool) *conn {
+	set, err := rules.Parse("bench.yaml", []byte(src))
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -43,11 +51,13 @@ func newTestConn(tb testing.TB, withMetrics ...bool) *conn {
 	return &conn{s: s, dec: proto.NewDecoder(), enc: proto.NewEncoder()}
 }
 
-func checkFrame() []byte {
+func checkFrame() []byte { return checkFrameIP("203.0.113.9") }
+
+func checkFrameIP(ip string) []byte {
 	enc := proto.NewEncoder()
 	enc.EncodeRequest(&proto.Request{ID: 7, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
 		{Name: "method", Value: "POST"}, {Name: "path", Value: "/v1/events/42/holds"},
-		{Name: "user", Value: "user-12345"}, {Name: "ip", Value: "203.0.113.9"}}})
+		{Name: "user", Value: "user-12345"}, {Name: "ip", Value: ip}}})
 	return append([]byte(nil), enc.Bytes()[proto.HeaderSize:]...)
 }
 
@@ -84,6 +94,39 @@ func BenchmarkHandle(b *testing.B) {
 	for b.Loop() {
 		cn.enc.Reset()
 		cn.handle(body, now)
+	}
+}
+
+// BenchmarkHandleIPPrefix is BenchmarkHandle with the per-ip rule keyed by the client's
+// network (ip_prefix) and an IPv6 client: what parsing and masking the address costs.
+func BenchmarkHandleIPPrefix(b *testing.B) {
+	cn := newTestConnRules(b, benchRulesIPPrefix)
+	body := checkFrameIP("2001:db8:1:2:aaaa:bbbb:cccc:dddd")
+	now := time.Now().UnixNano()
+	b.ReportAllocs()
+	for b.Loop() {
+		cn.enc.Reset()
+		cn.handle(body, now)
+	}
+}
+
+// TestHandleIPPrefixAllocs: a rule with ip_prefix allocates nothing per request either,
+// for an address or a value that is not one.
+func TestHandleIPPrefixAllocs(t *testing.T) {
+	if !strings.Contains(benchRulesIPPrefix, "ip_prefix") {
+		t.Fatal("benchRulesIPPrefix has no ip_prefix")
+	}
+	for _, ip := range []string{"2001:db8:1:2::9", "203.0.113.9", "::ffff:203.0.113.9", "unknown"} {
+		cn := newTestConnRules(t, benchRulesIPPrefix, true)
+		body := checkFrameIP(ip)
+		now := time.Now().UnixNano()
+		cn.handle(body, now)
+		if allocs := testing.AllocsPerRun(1000, func() {
+			cn.enc.Reset()
+			cn.handle(body, now)
+		}); allocs != 0 {
+			t.Errorf("ip %q: %v allocs per request", ip, allocs)
+		}
 	}
 }
 

@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+)
+
+// ipPrefixRules limits per /64 (IPv6) and per /24 (IPv4): 2 an hour each.
+const ipPrefixRules = `
+rules:
+  - name: per-net
+    key: ip
+    ip_prefix: { ipv4: 24, ipv6: 64 }
+    limit: { requests: 2, per: 1h }
+`
+
+// ipPrefixSteps: two addresses of one network, spelt differently, take its 2 requests;
+// a third address of it is refused; another network has its own 2.
+var ipPrefixSteps = []struct {
+	ip      string
+	allowed bool
+}{
+	{"2001:db8:1:2::1", true},
+	{"2001:0DB8:0001:0002:ffff:ffff:ffff:9", true},
+	{"2001:db8:1:2::abcd", false},
+	{"2001:db8:1:3::1", true},
+	{"192.0.2.1", true},
+	{"::ffff:192.0.2.200", true},
+	{"192.0.2.77", false},
+	{"192.0.3.1", true},
+}
+
+// The real daemon keys ip by its network in local mode and in the Redis modes (one
+// daemon hybrid; two daemons global, taking turns, so the count is Redis's), whose
+// state is on the network's key.
+func TestE2EIPPrefix(t *testing.T) {
+	run := func(t *testing.T, socks []string) {
+		var c []*rawConn
+		for _, s := range socks {
+			c = append(c, dialRaw(t, s))
+		}
+		for i, st := range ipPrefixSteps {
+			r := c[i%len(c)].check(uint64(i+1), 1, "ip="+st.ip)
+			if r.Allowed != st.allowed || r.Degraded {
+				t.Fatalf("step %d, ip %s: allowed %v (degraded %v), want %v", i, st.ip, r.Allowed, r.Degraded, st.allowed)
+			}
+		}
+	}
+	t.Run("local", func(t *testing.T) {
+		d := startDaemon(t, "--config", writeFile(t, shortTempDir(t), "rules.yaml", ipPrefixRules))
+		run(t, []string{d.socket})
+	})
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	for _, mode := range []string{"hybrid", "global"} {
+		t.Run(mode, func(t *testing.T) {
+			prefix := "ipp-" + mode + ":"
+			cfg := writeFile(t, shortTempDir(t), "rules.yaml", ipPrefixRules+"    mode: "+mode+"\n")
+			args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--redis-prefix", prefix,
+				"--sync-interval", "50ms", "--global-timeout", "3s", "--redis-timeout", "3s"}
+			socks := []string{startDaemon(t, args...).socket}
+			if mode == "global" {
+				socks = append(socks, startDaemon(t, args...).socket)
+			}
+			run(t, socks)
+			want := []string{
+				prefix + "per-net~tb1h:{ip/64=2001:db8:1:2::}", prefix + "per-net~tb1h:{ip/64=2001:db8:1:3::}",
+				prefix + "per-net~tb1h:{ip/24=192.0.2.0}", prefix + "per-net~tb1h:{ip/24=192.0.3.0}",
+			}
+			var keys []string
+			for deadline := time.Now().Add(20 * time.Second); ; { // hybrid syncs in the background
+				var err error
+				keys, err = rdb.Keys(context.Background(), prefix+"per-net*").Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				slices.Sort(keys)
+				slices.Sort(want)
+				if slices.Equal(keys, want) || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			if !slices.Equal(keys, want) {
+				t.Fatalf("Redis keys %q, want %q", keys, want)
+			}
+		})
+	}
+}
+
+// Through the Envoy API, a descriptor entry is an attribute: ip_prefix on
+// remote_address keys Envoy's client address by its network.
+func TestE2EIPPrefixEnvoy(t *testing.T) {
+	f := startEnvoyDaemon(t, `
+rules:
+  - name: per-net
+    match: { domain: edge, descriptor: remote_address }
+    key: [domain, remote_address]
+    ip_prefix: { attr: remote_address, ipv6: 64 }
+    limit: { requests: 2, per: 1h }
+`)
+	for i, st := range ipPrefixSteps[:4] {
+		resp := f.call(t, "edge", 1, desc("remote_address="+st.ip))
+		if got := resp.OverallCode == rlsv3.RateLimitResponse_OK; got != st.allowed {
+			t.Fatalf("step %d, remote_address %s: %v, want allowed %v", i, st.ip, resp.OverallCode, st.allowed)
+		}
+	}
+}
