@@ -573,6 +573,7 @@ type ruleDoc struct {
 	WarnAt         float64        `json:"warn_at,omitempty"`
 	Delay          string         `json:"delay,omitempty"`
 	Penalty        *penaltyDoc    `json:"penalty,omitempty"`
+	IPPrefix       *ipPrefixDoc   `json:"ip_prefix,omitempty"`
 	Mode           string         `json:"mode"`
 	OnStoreFailure string         `json:"on_store_failure"`
 	Shadow         bool           `json:"shadow"`
@@ -587,6 +588,13 @@ type concurrencyDoc struct {
 }
 
 // penaltyDoc is a rule's penalty, factor and max given their defaults when not written.
+// ipPrefixDoc is a rule's ip_prefix, defaults filled in.
+type ipPrefixDoc struct {
+	Attr string `json:"attr"`
+	IPv4 int    `json:"ipv4"`
+	IPv6 int    `json:"ipv6"`
+}
+
 type penaltyDoc struct {
 	After  uint64  `json:"after"`
 	Within string  `json:"within"`
@@ -692,6 +700,9 @@ func describeRule(l *limiter.Limiter, r *rules.Rule) ruleDoc {
 	}
 	if p := r.Penalty; p != nil {
 		d.Penalty = &penaltyDoc{After: p.After, Within: rules.FormatPer(p.Within), Ban: rules.FormatPer(p.Ban), Factor: p.Factor, Max: rules.FormatPer(p.Max)}
+	}
+	if p := r.IPPrefix; p != nil {
+		d.IPPrefix = &ipPrefixDoc{Attr: p.Attr, IPv4: p.IPv4, IPv6: p.IPv6}
 	}
 	if r.SplitAuto {
 		d.Split = "auto"

@@ -104,6 +104,7 @@ rules:
     limit: { requests: 5, per: 1m, burst: 10 }
     plans: { internal: unlimited, partner: 50 }
     penalty: { after: 10, within: 1m, ban: 10m }
+    ip_prefix: { attr: ip, ipv6: 56 }
     delay: 2s
     replaces: [daily-sp]
     shadow: true
@@ -150,14 +151,15 @@ rules:
 		  "plans": {"gold": 10, "internal": "unlimited", "partner": 50},
 		  "replaces": ["daily-sp"], "delay": "2s",
 		  "penalty": {"after": 10, "within": "1m", "ban": "10m", "factor": 2, "max": "2h40m"},
+		  "ip_prefix": {"attr": "ip", "ipv4": 32, "ipv6": 56},
 		  "mode": "local", "on_store_failure": "closed", "shadow": true, "split": 4, "file": "test.yaml", "line": 15}`,
 		`{"name": "weekly", "key": ["user"], "algorithm": "fixed_window", "requests": 7, "per": "week", "tz": "UTC",
 		  "plans": {"gold": 14},
-		  "mode": "local", "on_store_failure": "local", "shadow": false, "split": "auto", "file": "test.yaml", "line": 27}`,
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "split": "auto", "file": "test.yaml", "line": 28}`,
 		`{"name": "open", "key": ["ip"], "limit": "unlimited",
-		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 31}`,
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 32}`,
 		`{"name": "blocked", "match": {"ip": ["10.0.0.1"]}, "key": ["ip"], "limit": "deny",
-		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 34}`,
+		  "mode": "local", "on_store_failure": "local", "shadow": false, "file": "test.yaml", "line": 35}`,
 	}
 	if len(doc.Rules) != len(want) {
 		t.Fatalf("/rules has %d rules; want %d:\n%s", len(doc.Rules), len(want), body)
