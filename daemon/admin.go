@@ -437,6 +437,7 @@ func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflic
 		return lifted, nil, err
 	}
 	raw := append(rawClientForms(client), escapedClientForm(escaped)...)
+	raw = append(raw, prefixedClientForms(deps.Limiter.Rules(), rule, client)...)
 	for _, b := range bans {
 		if b.Rule != rule {
 			continue
@@ -477,6 +478,37 @@ func rawClientForms(client string) []string {
 		forms = append(forms, form)
 	}
 	return forms
+}
+
+// prefixedClientForms returns the key's form of client, attr=value parts joined by "|"
+// with values as the request sent them, for a rule named rule that has ip_prefix: an
+// address's part names its network (ip=2001:db8:1:2::5 is ip/64=2001:db8:1:2::); nil
+// for another rule or a client not of that form.
+func prefixedClientForms(set *rules.Set, rule, client string) []string {
+	if set == nil {
+		return nil
+	}
+	for _, r := range set.Rules {
+		if r.Name != rule || r.IPPrefix == nil {
+			continue
+		}
+		parts := []string{client}
+		if len(r.Key) > 1 {
+			parts = strings.Split(client, "|")
+		}
+		attrs := make([]rules.Attr, 0, len(parts))
+		for _, part := range parts {
+			a, v, ok := strings.Cut(part, "=")
+			if !ok {
+				return nil
+			}
+			attrs = append(attrs, rules.Attr{Name: a, Value: v})
+		}
+		if key, ok := r.AppendKey(nil, attrs); ok {
+			return []string{string(clientOf(key))}
+		}
+	}
+	return nil
 }
 
 // partsEscaped is the key's form of attr=value parts joined by "|", each value read by

@@ -323,6 +323,54 @@ func TestAdminLiftBanByListedName(t *testing.T) {
 	}
 }
 
+// A rule with ip_prefix bans a network: two addresses of one /64 are one client, listed
+// by its key's form and lifted by it, or by any of its addresses as the request sent it.
+func TestAdminLiftBanOfNetwork(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(`
+rules:
+  - name: login
+    key: [user, ip]
+    ip_prefix: { attr: ip, ipv6: 64 }
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 1, within: 1m, ban: 10m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	now := time.Now().UnixNano()
+	ban := func(user string) {
+		for i, ip := range []string{"2001:db8:1:2::1", "2001:db8:1:2::2", "2001:DB8:1:2::3", "2001:db8:1:2:ffff::4"} {
+			var d limiter.Decision
+			in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: user}, {Name: "ip", Value: ip}}, Cost: 1}
+			if err := lim.Check(now, &in, &d); err != nil {
+				t.Fatal(err)
+			}
+			if d.Allowed != (i == 0) {
+				t.Fatalf("user %s, request %d from %s: allowed %v", user, i, ip, d.Allowed)
+			}
+		}
+	}
+	ban("ann")
+	ban("bob")
+	if got, want := banned(lim, now), []string{"user=ann|ip/64=2001:db8:1:2::", "user=bob|ip/64=2001:db8:1:2::"}; !slices.Equal(got, want) {
+		t.Fatalf("banned %q, want %q", got, want)
+	}
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }})
+	if code, body := doRaw(t, "DELETE", base, "/bans/login/user=ann|ip=2001:db8:1:3::1"); code != http.StatusNotFound {
+		t.Fatalf("lifting another network's ban: %d %q", code, body)
+	}
+	if code, body := doRaw(t, "DELETE", base, "/bans/login/user=ann|ip/64=2001:db8:1:2::"); code != http.StatusNoContent {
+		t.Fatalf("lifting ann's ban as listed: %d %q", code, body)
+	}
+	if code, body := doRaw(t, "DELETE", base, "/bans/login/user=bob|ip=2001:0db8:1:2::77"); code != http.StatusNoContent {
+		t.Fatalf("lifting bob's ban by an address of the network: %d %q", code, body)
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
+}
+
 // doRaw sends a request whose target is path, byte for byte, as curl sends what it is
 // given (Go's client escapes a "|" in a path again).
 func doRaw(t *testing.T, method, base, path string) (int, string) {
