@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // ipPrefixRules limits per /64 (IPv6) and per /24 (IPv4): 2 an hour each.
@@ -93,6 +95,55 @@ func TestE2EIPPrefix(t *testing.T) {
 				t.Fatalf("Redis keys %q, want %q", keys, want)
 			}
 		})
+	}
+}
+
+// On a Redis Cluster, each network's key is in its own hash slot (the hash tag is the
+// network): two daemons taking turns in global mode count as one.
+func TestE2EIPPrefixCluster(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", ipPrefixRules+"    mode: global\n")
+	args := []string{"--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","), "--global-timeout", "3s", "--redis-timeout", "3s"}
+	c := []*rawConn{dialRaw(t, startDaemon(t, args...).socket), dialRaw(t, startDaemon(t, args...).socket)}
+	for i, st := range ipPrefixSteps {
+		r := c[i%2].check(uint64(i+1), 1, "ip="+st.ip)
+		if r.Allowed != st.allowed || r.Degraded {
+			t.Fatalf("step %d, ip %s: allowed %v (degraded %v), want %v", i, st.ip, r.Allowed, r.Degraded, st.allowed)
+		}
+	}
+}
+
+// A global concurrency rule with ip_prefix holds one network's leases in Redis: an
+// address of the /64 is refused on the other daemon while another holds the slot, and
+// the lease, released through that other daemon (its token carries the network's key),
+// frees it.
+func TestE2EIPPrefixGlobalLeases(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: exports
+    key: ip
+    ip_prefix: { ipv6: 64 }
+    concurrency: { max: 1, lease: 30s }
+    mode: global
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "3s", "--redis-timeout", "3s"}
+	c1, c2 := dialRaw(t, startDaemon(t, args...).socket), dialRaw(t, startDaemon(t, args...).socket)
+	r := c1.check(1, 1, "ip=2001:db8:1:2::1")
+	if !r.Allowed || r.Lease == "" || r.Degraded {
+		t.Fatalf("first: %+v", r)
+	}
+	if r2 := c2.check(2, 1, "ip=2001:db8:1:2:ffff::2"); r2.Allowed || r2.Degraded {
+		t.Fatalf("same /64 on the other daemon: %+v; want refused", r2)
+	}
+	if r2 := c2.check(3, 1, "ip=2001:db8:1:3::1"); !r2.Allowed || r2.Degraded {
+		t.Fatalf("another /64: %+v; want allowed", r2)
+	}
+	if rr := c2.leaseOp(4, proto.OpRelease, r.Lease, 0); !rr.Released || rr.IsError() {
+		t.Fatalf("release through the other daemon: %+v", rr)
+	}
+	if r2 := c2.check(5, 1, "ip=2001:db8:1:2::3"); !r2.Allowed || r2.Degraded {
+		t.Fatalf("after the release: %+v; want allowed", r2)
 	}
 }
 
