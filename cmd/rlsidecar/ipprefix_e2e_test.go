@@ -98,6 +98,37 @@ func TestE2EIPPrefix(t *testing.T) {
 	}
 }
 
+// A reload whose ip_prefix is invalid is refused, logged with its line and counted, and
+// the rules in force stay: the /64 still shares one limit.
+func TestE2EIPPrefixBadReload(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", ipPrefixRules)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0")
+	base := "http://" + adminAddr(t, d)
+	c := dialRaw(t, d.socket)
+	if r := c.check(1, 1, "ip=2001:db8:1:2::1"); !r.Allowed {
+		t.Fatalf("first: %+v", r)
+	}
+	writeFile(t, dir, "rules.yaml", strings.Replace(ipPrefixRules, "ipv6: 64", "ipv6: 640", 1))
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, samples := scrape(t, base); samples[`rlsidecar_config_reloads_total{result="error"}`] >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no reload error counted\n%s", d.stderr.String())
+		}
+	}
+	if log := d.stderr.String(); !strings.Contains(log, "rules.yaml:5: rules[0].ip_prefix.ipv6: 640 is not a prefix length from 0 to 128") {
+		t.Fatalf("log does not name the error:\n%s", log)
+	}
+	if r := c.check(2, 1, "ip=2001:db8:1:2::2"); !r.Allowed {
+		t.Fatalf("second of the /64: %+v", r)
+	}
+	if r := c.check(3, 1, "ip=2001:db8:1:2::3"); r.Allowed {
+		t.Fatalf("third of the /64 after the refused reload: %+v; want refused", r)
+	}
+}
+
 // On a Redis Cluster, each network's key is in its own hash slot (the hash tag is the
 // network): two daemons taking turns in global mode count as one.
 func TestE2EIPPrefixCluster(t *testing.T) {
