@@ -97,20 +97,20 @@ const maxIPText = 45
 // is not an address. It does not allocate for a value of bytes an address is not written
 // with (see ipChar), nor for an address.
 func parseIP(v string) (a netip.Addr, ok bool) {
-	s, zoned := v, false
-	if i := strings.IndexByte(v, '%'); i >= 0 {
-		if i == len(v)-1 {
-			return a, false // an empty zone: netip refuses it
+	// One pass over the address's bytes, stopping at a zone's '%' or at any other byte
+	// an address is not written with, or past the longest address.
+	i := 0
+	for n := min(len(v), maxIPText+1); i < n && ipChar[v[i]]; i++ {
+	}
+	s, zoned := v[:i], false
+	if i < len(v) {
+		if v[i] != '%' || i == len(v)-1 { // not an address byte, or an empty zone
+			return a, false
 		}
-		s, zoned = v[:i], true
+		zoned = true
 	}
 	if len(s) < 2 || len(s) > maxIPText {
 		return a, false
-	}
-	for i := 0; i < len(s); i++ {
-		if !ipChar[s[i]] {
-			return a, false
-		}
 	}
 	a, err := netip.ParseAddr(s)
 	if err != nil || zoned && !a.Is6() { // netip takes a zone on IPv6 only
