@@ -6,6 +6,7 @@ package rules
 const DefaultYAML = `# rlsidecar built-in rules (used when no --config is given).
 rules:
   # Every request, per client IP: 20 per 10 seconds, bursts of up to 20.
+  # (Add ip_prefix: { ipv6: 64 } to count each IPv6 /64 as one client.)
   - name: per-ip
     key: ip
     limit: { requests: 20, per: 10s }
