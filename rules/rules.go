@@ -156,9 +156,6 @@ type Rule struct {
 	// Penalty is penalty: escalating bans of a key this rule keeps refusing; nil when
 	// the rule has none (policies.go).
 	Penalty *Penalty
-	// IPPrefix is ip_prefix: a key attribute whose addresses are keyed by their network;
-	// nil when the rule has none (ipprefix.go).
-	IPPrefix *IPPrefix
 	// Index is the rule's position in its Set, so callers can keep per-rule data in a
 	// slice instead of a map.
 	Index int
@@ -180,6 +177,11 @@ type Rule struct {
 	limit    localbucket.Limit // the default limit
 	plans    map[string]*planLimit
 	split    atomic.Pointer[splitLimits] // limits divided for the last daemon count asked
+
+	// IPPrefix is ip_prefix: a key attribute whose addresses are keyed by their network;
+	// nil when the rule has none (ipprefix.go). Last, so that the fields checks read
+	// keep the offsets they had without it.
+	IPPrefix *IPPrefix
 }
 
 // MatchCond is one match condition as the rules file wrote it: on attribute Attr, either
