@@ -94,13 +94,19 @@ const maxIPText = 45
 
 // parseIP parses v as an IP address, as netip.ParseAddr does, dropping an IPv6 zone
 // (fe80::1%eth0 is fe80::1) and unmapping an IPv4-mapped IPv6 address. ok is false when v
-// is not an address. It does not allocate for a value of bytes an address is not written
-// with (see ipChar), nor for an address.
+// is not an address. It does not allocate for an address, nor for a value that has a
+// byte an address is not written with (see ipChar) or not the colons or dots of one.
 func parseIP(v string) (a netip.Addr, ok bool) {
 	// One pass over the address's bytes, stopping at a zone's '%' or at any other byte
 	// an address is not written with, or past the longest address.
-	i := 0
+	i, colons, dots := 0, 0, 0
 	for n := min(len(v), maxIPText+1); i < n && ipChar[v[i]]; i++ {
+		switch v[i] {
+		case ':':
+			colons++
+		case '.':
+			dots++
+		}
 	}
 	s, zoned := v[:i], false
 	if i < len(v) {
@@ -109,7 +115,9 @@ func parseIP(v string) (a netip.Addr, ok bool) {
 		}
 		zoned = true
 	}
-	if len(s) < 2 || len(s) > maxIPText {
+	// An IPv6 address has two colons or more, an IPv4 one three dots and none: a
+	// number or a hex id (12345, cafe) is not parsed.
+	if len(s) < 2 || len(s) > maxIPText || colons < 2 && (colons > 0 || dots != 3) {
 		return a, false
 	}
 	a, err := netip.ParseAddr(s)

@@ -245,6 +245,14 @@ func TestParseIPMatchesNetip(t *testing.T) {
 			rapid.StringMatching(`[0-9a-fA-F:.]{0,46}(%[a-z0-9]{0,3})?`),
 			rapid.StringMatching(`(::)?[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}(%[a-z0-9]{0,3})?`),
 			rapid.String(),
+			rapid.SampledFrom([]string{"::", "::1", "1::", "::1.2.3.4", "1:2:3:4:5:6:1.2.3.4", "::ffff:1.2.3.4", "1:2:3:4:5:6:7::", "1:2:3:4:5:6:7:8:9", ":::", "1.2.3.4:"}),
+			rapid.Map(rapid.SliceOfN(rapid.Byte(), 16, 16), func(b []byte) string {
+				a := netip.AddrFrom16([16]byte(b))
+				if b[0]&1 == 0 {
+					return a.StringExpanded()
+				}
+				return a.String()
+			}),
 		).Draw(t, "s")
 		got, ok := parseIP(s)
 		want, err := netip.ParseAddr(s)
@@ -263,7 +271,7 @@ func TestIPPrefixKeyAllocs(t *testing.T) {
 `)
 	r := set.Rules[0]
 	buf := make([]byte, 0, 128)
-	for _, v := range []string{"2001:db8:1:2::1", "192.0.2.7", "::ffff:192.0.2.7", "fe80::1%eth0", "unknown", "2001:db8::/64"} {
+	for _, v := range []string{"2001:db8:1:2::1", "192.0.2.7", "::ffff:192.0.2.7", "fe80::1%eth0", "unknown", "2001:db8::/64", "12345", "cafe", "1.2.3", "1.2.3.4.5", "10:1", ""} {
 		attrs := []Attr{{"method", "GET"}, {"ip", v}}
 		if n := testing.AllocsPerRun(100, func() { buf, _ = r.AppendKey(buf[:0], attrs) }); n != 0 {
 			t.Errorf("AppendKey with ip %q: %v allocations, want 0", v, n)
