@@ -99,14 +99,8 @@ const maxIPText = 45
 func parseIP(v string) (a netip.Addr, ok bool) {
 	// One pass over the address's bytes, stopping at a zone's '%' or at any other byte
 	// an address is not written with, or past the longest address.
-	i, colons, dots := 0, 0, 0
+	i := 0
 	for n := min(len(v), maxIPText+1); i < n && ipChar[v[i]]; i++ {
-		switch v[i] {
-		case ':':
-			colons++
-		case '.':
-			dots++
-		}
 	}
 	s, zoned := v[:i], false
 	if i < len(v) {
@@ -117,7 +111,10 @@ func parseIP(v string) (a netip.Addr, ok bool) {
 	}
 	// An IPv6 address has two colons or more, an IPv4 one three dots and none: a
 	// number or a hex id (12345, cafe) is not parsed.
-	if len(s) < 2 || len(s) > maxIPText || colons < 2 && (colons > 0 || dots != 3) {
+	if len(s) < 2 || len(s) > maxIPText {
+		return a, false
+	}
+	if c := strings.Count(s, ":"); c < 2 && (c > 0 || strings.Count(s, ".") != 3) {
 		return a, false
 	}
 	a, err := netip.ParseAddr(s)
