@@ -351,7 +351,8 @@ end
 -- state parses a key's HMGET reply (t, f, n, p, u, gx, o, er) into a state. x: the TTL's end
 -- as global.lua last set it, unless a hybrid daemon has written the key since (its field
 -- o: the same rule in hybrid mode on another daemon, or before a reload), whose PEXPIRE
--- may have shortened the TTL: then x is unknown (nil), and the commit sets the TTL.
+-- may have shortened the TTL: then x is unknown (nil), and the commit sets the TTL. (A
+-- hybrid sync that sets the TTL also drops gx: a daemon leaving the key drops o.)
 local function state(v)
   local x = nil
   if not v[7] then x = tonumber(v[6]) end

@@ -36,7 +36,7 @@
 -- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
 -- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
--- also wrote, field gx); s:<daemon> = that daemon's last sync of the key,
+-- also wrote, field gx, which a sync that sets the TTL drops); s:<daemon> = that daemon's last sync of the key,
 -- "prev_token token grant used window written_s" (written_s not when the sync made the
 -- key), written by a sync that changed the key's count
 -- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
@@ -672,7 +672,14 @@ for i = 1, nkeys do
     elseif drop_o then
       redis.call('HDEL', key, 'o')
     end
-    if expire then redis.call('PEXPIRE', key, expire) end
+    if expire then
+      redis.call('PEXPIRE', key, expire)
+      -- The global mode's gx no longer tells this TTL, which may be shorter: dropped, so
+      -- global.lua sets the TTL again at its next take (field o said so too, but a leave
+      -- drops o, and the global mode then trusted gx and left the key to expire with its
+      -- state in force: TestGlobalTTLAfterHybridLeave).
+      if h[7] then redis.call('HDEL', key, 'gx') end
+    end
     local r = (i - 1) * 7
     out[r + 1] = grant
     out[r + 2] = remaining
