@@ -3,8 +3,9 @@ paths; not part of CI: it runs for minutes).
 
 Load, for DUR seconds: checks of every rule kind and mode in rules.yaml over a key space
 that keeps growing (local, hybrid, global; bans; delay; a calendar quota; inline limits
-in every algorithm and mode), concurrency leases acquired then released, renewed or
-abandoned on connections closed, connections opened and closed abruptly (half frames,
+in every algorithm and mode), on the socket and on the Envoy rate limit API (envoyload/,
+gRPC calls, some cancelled, and raw connections reset), concurrency leases acquired then
+released, renewed or abandoned on connections closed, connections opened and closed abruptly (half frames,
 garbage, RST), the rules reloaded every second (windows, limits, an algorithm and a mode
 changed, a rule removed, one renamed at every reload, now and then a broken file), and
 Redis frozen (SIGSTOP for 3 s) or restarted every 20 s. Then IDLE seconds of nothing.
@@ -27,7 +28,7 @@ D = os.environ.get('DIR') or tempfile.mkdtemp(prefix='rlsidecar-soak-')
 os.makedirs(D, exist_ok=True)
 BIN = os.environ['RLSIDECAR_BIN']
 DUR = int(os.environ.get('DUR', '180')); IDLE = int(os.environ.get('IDLE', '60'))
-rport = free_port(); aport = free_port(); pport = free_port()
+rport = free_port(); aport = free_port(); pport = free_port(); eport = free_port()
 sock = D + '/rl.sock'; cfg = D + '/rules.yaml'
 base = open(os.path.join(HERE, 'rules.yaml')).read()
 
@@ -54,7 +55,7 @@ def variant(i):
 open(cfg, 'w').write(variant(0))
 env = dict(os.environ, SOAK_PPROF='127.0.0.1:%d' % pport)
 dm = subprocess.Popen([BIN, 'serve', '--config', cfg, '--socket', sock, '--redis', 'redis://127.0.0.1:%d' % rport,
-                       '--admin', '127.0.0.1:%d' % aport, '--sweep-interval', '1s', '--envoy-rls', '127.0.0.1:%d' % free_port()],
+                       '--admin', '127.0.0.1:%d' % aport, '--sweep-interval', '1s', '--envoy-rls', '127.0.0.1:%d' % eport],
                       stdout=open(D + '/daemon.log', 'w'), stderr=subprocess.STDOUT, env=env)
 for _ in range(100):
     if os.path.exists(sock): break
@@ -168,8 +169,12 @@ base_s = sample(); print('BASE', base_s, flush=True)
 ths = [threading.Thread(target=f, args=a) for f, a in [(checker, (1,)), (checker, (2,)), (leaser, (3,)), (rude, (4,)), (reloader, ()), (chaos, ())] if f.__name__ not in os.environ.get('SKIP', '').split(',')]
 st = threading.Thread(target=sampler); st.start()
 for t in ths: t.start()
+envoy = None
+if os.environ.get('SOAK_ENVOY_LOAD') and 'envoy' not in os.environ.get('SKIP', '').split(','):
+    envoy = subprocess.Popen([os.environ['SOAK_ENVOY_LOAD'], '127.0.0.1:%d' % eport, str(DUR)])
 time.sleep(DUR); stop.set()
 for t in ths: t.join()
+if envoy: envoy.wait()
 print('load stopped; errors', errs['n'], flush=True)
 st.join()
 end = sample(); print('END', end, flush=True)
