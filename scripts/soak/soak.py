@@ -5,12 +5,12 @@ Load, for DUR seconds: checks of every rule kind and mode in rules.yaml over a k
 that keeps growing (local, hybrid, global; bans; delay; a calendar quota; inline limits
 in every algorithm and mode), on the socket and on the Envoy rate limit API (envoyload/,
 gRPC calls, some cancelled, and raw connections reset), concurrency leases acquired then
-released, renewed or abandoned on connections closed, connections opened and closed abruptly (half frames,
-garbage, RST), the rules reloaded every second (windows, limits, an algorithm and a mode
-changed, a rule removed, one renamed at every reload, now and then a broken file), and
-Redis frozen (SIGSTOP for 3 s) or restarted every 20 s. Then IDLE seconds of nothing.
-Every 5 s it samples the daemon's goroutines (pprof), open FDs, RSS, its gauges, the
-series on /metrics, Redis's key count and the keys without a TTL.
+released, renewed or abandoned on connections closed, connections opened and closed
+abruptly (half frames, garbage, RST), the rules reloaded every second (windows, limits,
+an algorithm and a mode changed, a rule removed, one renamed at every reload, now and
+then a broken file), and Redis frozen (SIGSTOP for 3 s) or restarted every 20 s. Then
+IDLE seconds of nothing. Every 5 s it samples the daemon's goroutines (pprof), open FDs,
+RSS, its gauges, the series on /metrics, Redis's key count and the keys without a TTL.
 
 It fails when a Redis key has no TTL at any sample, or when, after the idle time, the
 goroutines, connections, leases in flight or the sync backlog are not back to their
