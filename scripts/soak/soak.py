@@ -1,5 +1,5 @@
-"""Soak of one rlsidecar daemon on a real redis-server (scripts/soak/run builds both
-paths; not part of CI: it runs for minutes).
+"""Soak of one rlsidecar daemon on a real redis-server, or a 3-master Redis Cluster with
+CLUSTER=1 (scripts/soak/run builds both paths; not part of CI: it runs for minutes).
 
 Load, for DUR seconds: checks of every rule kind and mode in rules.yaml over a key space
 that keeps growing (local, hybrid, global; bans; delay; a calendar quota; inline limits
@@ -32,12 +32,44 @@ rport = free_port(); aport = free_port(); pport = free_port(); eport = free_port
 sock = D + '/rl.sock'; cfg = D + '/rules.yaml'
 base = open(os.path.join(HERE, 'rules.yaml')).read()
 
-def start_redis():
-    return subprocess.Popen(['redis-server', '--port', str(rport), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'],
-                            stdout=open(D + '/redis.log', 'a'))
-redis = start_redis(); time.sleep(0.5)
+# CLUSTER=1: a 3-master Redis Cluster instead (each node's port + 10000, its bus port,
+# free too); the chaos then freezes or restarts one master at a time.
+CLUSTER = os.environ.get('CLUSTER') == '1'
+def cluster_port():
+    while True:
+        p = free_port()
+        if p < 50000:
+            b = socket.socket()
+            try:
+                b.bind(('127.0.0.1', p + 10000))
+                return p
+            except OSError:
+                pass
+            finally:
+                b.close()
+ports = [cluster_port() for _ in range(3)] if CLUSTER else [rport]
+def start_redis(p):
+    args = ['redis-server', '--port', str(p), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no']
+    if CLUSTER:
+        os.makedirs('%s/n%d' % (D, p), exist_ok=True)
+        args += ['--cluster-enabled', 'yes', '--cluster-node-timeout', '60000', '--dir', '%s/n%d' % (D, p)]
+    return subprocess.Popen(args, stdout=open('%s/redis%d.log' % (D, p), 'a'))
+nodes = {p: start_redis(p) for p in ports}
+time.sleep(0.7)
+if CLUSTER:
+    subprocess.run(['redis-cli', '--cluster', 'create'] + ['127.0.0.1:%d' % p for p in ports] + ['--cluster-yes'],
+                   capture_output=True, check=True, timeout=30)
+    time.sleep(2)
 def rc(*a):
-    return subprocess.run(['redis-cli', '-p', str(rport)] + list(a), capture_output=True, text=True, timeout=10).stdout.strip()
+    """A Redis command on every node: the sum of their integer replies ('' if one failed)."""
+    tot = 0
+    for p in ports:
+        out = subprocess.run(['redis-cli', '-p', str(p)] + list(a), capture_output=True, text=True, timeout=10).stdout.strip()
+        try:
+            tot += int(out)
+        except ValueError:
+            return ''
+    return str(tot)
 
 def variant(i):
     r = base
@@ -54,7 +86,8 @@ def variant(i):
     return r
 open(cfg, 'w').write(variant(0))
 env = dict(os.environ, SOAK_PPROF='127.0.0.1:%d' % pport)
-dm = subprocess.Popen([BIN, 'serve', '--config', cfg, '--socket', sock, '--redis', 'redis://127.0.0.1:%d' % rport,
+dm = subprocess.Popen([BIN, 'serve', '--config', cfg, '--socket', sock, *(['--redis-cluster', ','.join('127.0.0.1:%d' % p for p in ports)] if CLUSTER else
+                         ['--redis', 'redis://127.0.0.1:%d' % rport]),
                        '--admin', '127.0.0.1:%d' % aport, '--sweep-interval', '1s', '--envoy-rls', '127.0.0.1:%d' % eport],
                       stdout=open(D + '/daemon.log', 'w'), stderr=subprocess.STDOUT, env=env)
 for _ in range(100):
@@ -156,14 +189,16 @@ def reloader():
         time.sleep(1)
     open(cfg + '.tmp', 'w').write(variant(0)); os.rename(cfg + '.tmp', cfg)
 def chaos():
-    global redis
     i = 0
     while not stop.wait(20):
         i += 1
+        p = ports[i % len(ports)]
         if i % 2 == 1:
-            print('C freeze redis', flush=True); redis.send_signal(signal.SIGSTOP); time.sleep(3); redis.send_signal(signal.SIGCONT)
+            print('C freeze redis', p, flush=True)
+            nodes[p].send_signal(signal.SIGSTOP); time.sleep(3); nodes[p].send_signal(signal.SIGCONT)
         else:
-            print('C restart redis', flush=True); redis.kill(); redis.wait(); time.sleep(2); redis = start_redis()
+            print('C restart redis', p, flush=True)
+            nodes[p].kill(); nodes[p].wait(); time.sleep(2); nodes[p] = start_redis(p)
 
 base_s = sample(); print('BASE', base_s, flush=True)
 ths = [threading.Thread(target=f, args=a) for f, a in [(checker, (1,)), (checker, (2,)), (leaser, (3,)), (rude, (4,)), (reloader, ()), (chaos, ())] if f.__name__ not in os.environ.get('SKIP', '').split(',')]
@@ -191,7 +226,9 @@ g = get('http://127.0.0.1:%d/debug/pprof/goroutine?debug=1' % pport)
 open(D + '/goroutines-end.txt', 'w').write(g)
 open(D + '/metrics-end.txt', 'w').write(get('http://127.0.0.1:%d/metrics' % aport))
 if os.environ.get('HOLD'):
-    print('HOLD pid', dm.pid, 'admin', aport, 'pprof', pport, 'redis', rport, flush=True); time.sleep(int(os.environ['HOLD']))
-dm.send_signal(signal.SIGTERM); dm.wait(timeout=30); redis.terminate(); redis.wait()
+    print('HOLD pid', dm.pid, 'admin', aport, 'pprof', pport, 'redis', ports, flush=True); time.sleep(int(os.environ['HOLD']))
+dm.send_signal(signal.SIGTERM); dm.wait(timeout=30)
+for n in nodes.values():
+    n.terminate(); n.wait()
 print('soak: ' + ('FAIL: ' + '; '.join(fails) if fails else 'ok') + ' (files in %s)' % D)
 sys.exit(1 if fails else 0)
