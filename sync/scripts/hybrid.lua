@@ -36,12 +36,12 @@
 -- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
 -- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
--- also wrote, field gx, which a sync that sets the TTL drops); s:<daemon> = that daemon's last sync of the key,
--- "prev_token token grant used window written_s" (written_s not when the sync made the
--- key), written by a sync that changed the key's count
--- or a window's reservations (a sync that settles nothing and reserves nothing leaves the
--- last record: replaying it, or losing its reply, has nothing to count twice); sn, w:* =
--- the bookkeeping of pruning old records (prune_records).
+-- also wrote, field gx, which a sync that sets the TTL drops); s:<daemon> = that
+-- daemon's last sync of the key, "prev_token token grant used window written_s"
+-- (written_s not when the sync made the key), written by a sync that changed the key's
+-- count or a window's reservations (a sync that settles nothing and reserves nothing
+-- leaves the last record: replaying it, or losing its reply, has nothing to count
+-- twice); sn, w:* = the bookkeeping of pruning old records (prune_records).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
