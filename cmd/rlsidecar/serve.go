@@ -341,6 +341,15 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			log.Warn("loading the scripts into Redis failed; the first calls will send them", "err", err)
 		}
 		cancel()
+		// A Redis too old for some commands says so at the start, not in a ban that
+		// fails or a key without a TTL later (rlsync.MinRedisVersion).
+		vctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
+		if old, err := rlsync.CheckVersion(vctx, rdbChecks); err == nil {
+			for _, why := range old {
+				log.Warn(why)
+			}
+		}
+		cancel()
 		// The long calls' client has no breaker to reload its slot map on a failover:
 		// both maps that do keep it in step (Masters.Follow).
 		syncMasters = rlsync.NewMasters(rdb, *breakerFailures, *breakerCooldown, clock.Mono).Follow(rdbLong)
