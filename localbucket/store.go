@@ -404,12 +404,27 @@ const inlineOps = 16
 // a reload that changed a rule's algorithm or window (same name) resets its clients
 // rather than misreading their states. A token bucket's state written at another rate
 // (a reload changed the limit) is rescaled to the same units used (Limit.Rescale).
-func stateFor(e *entry, l *Limit, now int64) State {
+//
+// A fixed window's state whose window starts after wall time now+off by more than
+// max(its window, wallStepBack) is moved to now+off's window, its count kept, and written
+// back at once (whether the check then commits or not): the wall clock went back (NTP, a
+// VM resumed), and the state's window would otherwise hold the count, and refuse the
+// client, for as long as the step (an hour for a 1 s window after a step of an hour).
+// Kept, the count refuses for at most a window; a step shorter than that bound leaves
+// the count in its window, so out-of-order clock reads and small steps forgive nothing.
+func stateFor(e *entry, l *Limit, now, off int64) State {
 	if e.kind != l.stateKind() {
 		return otherKind(e, l, now)
 	}
+	if l.alg == FixedWindow && e.st.T-(now+off) > max(l.window, wallStepBack) {
+		e.st.T, _ = l.fixedBounds(now + off)
+	}
 	return e.st
 }
+
+// wallStepBack is the least backward step of the wall clock that moves a fixed window's
+// count to the earlier window (stateFor): far beyond a batch's clock read arriving late.
+const wallStepBack = int64(1e9) // 1 s
 
 // otherKind is stateFor's state of an entry written under another kind. A token
 // bucket's rescaled state is written back at once (under the shard's lock, as stateFor
@@ -526,13 +541,14 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	sh.mu.Lock()
 	e := sh.entry(uint32(h>>32), op.Key)
 	var in State
+	off := s.wallOffset.Load()
 	if e != nil {
-		in = stateFor(e, op.Limit, now)
+		in = stateFor(e, op.Limit, now, off)
 	} else if sh.full(len(op.Key)) {
 		sh.mu.Unlock()
 		return s.applyGeneral(now, ops, veto)
 	}
-	r, off := &op.Result, s.wallOffset.Load()
+	r := &op.Result
 	out := takeFast(op.Limit, in, now, off, op.Cost, r)
 	ok := !veto && (r.Allowed || op.Shadow)
 	if !ok {
@@ -592,19 +608,20 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		eb = sb.entry(hib, b.Key)
 	}
 	var ina, inb State
+	off := s.wallOffset.Load()
 	if ea != nil {
-		ina = stateFor(ea, a.Limit, now)
+		ina = stateFor(ea, a.Limit, now, off)
 	} else if sa.full(len(a.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
 	if eb != nil {
-		inb = stateFor(eb, b.Limit, now)
+		inb = stateFor(eb, b.Limit, now, off)
 	} else if sb.full(len(b.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
-	ra, rb, off := &a.Result, &b.Result, s.wallOffset.Load()
+	ra, rb := &a.Result, &b.Result
 	// takeFast, inlined (the compiler does not).
 	var outa, outb State
 	if l := a.Limit; l.alg == TokenBucket && l.emission != 0 {
@@ -698,16 +715,17 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	for _, li := range locks[:nl] {
 		s.shards[li].mu.Lock()
 	}
+	off := s.wallOffset.Load()
 	for i := range ops {
 		sh := shs[i]
 		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
-			ins[i] = stateFor(es[i], ops[i].Limit, now)
+			ins[i] = stateFor(es[i], ops[i].Limit, now, off)
 		} else if sh.full(len(ops[i].Key)) {
 			s.unlock(locks[:nl])
 			return s.applyGeneral(now, ops, veto)
 		}
 	}
-	ok, off := !veto, s.wallOffset.Load()
+	ok := !veto
 	for i := range ops {
 		op := &ops[i]
 		outs[i] = takeFast(op.Limit, ins[i], now, off, op.Cost, &op.Result)
@@ -872,13 +890,13 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
-			x.in = stateFor(x.e, op.Limit, now)
+			x.in = stateFor(x.e, op.Limit, now, off)
 		} else if sh.full(len(op.Key)) && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
 			// fallback state, which every such key shares.
 			x.over = sh.fallbackFor(op.Key)
-			x.in = stateFor(x.over, op.Limit, now)
+			x.in = stateFor(x.over, op.Limit, now, off)
 			s.untracked.Add(1)
 		} else {
 			x.in = State{}

@@ -1,0 +1,55 @@
+package localbucket
+
+import (
+	"testing"
+	"time"
+)
+
+// TestStoreFixedWindowWallStepBack: the daemon decides on a monotonic clock and aligns
+// fixed windows to wall time (SetWallOffset). A wall clock stepped back (NTP, a VM
+// resumed) puts a client's window in the future: its count must not be forgotten (no
+// fresh window at the step), and it must not refuse the client for as long as the step
+// either, only until the end of a window. Before, a client that had used a 10 per 1 s
+// window was refused for the whole step: an hour and a second.
+func TestStoreFixedWindowWallStepBack(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		window   time.Duration
+		step     time.Duration
+		maxRetry time.Duration // at most
+	}{
+		{"1s back 1h", time.Second, -time.Hour, time.Second},
+		{"1m back 1h", time.Minute, -time.Hour, time.Minute},
+		{"1s back 5s", time.Second, -5 * time.Second, time.Second},
+		// Back by less than max(a window, 1 s): the count stays in its window (wait at most
+		// the step plus a window), so a step of a few ms across an edge forgives nothing.
+		{"1s back 2s", time.Second, -2 * time.Second, 2 * time.Second},
+		{"1m back 50ms", time.Minute, -50 * time.Millisecond, time.Minute + 50*time.Millisecond},
+		{"1s back 1s", time.Second, -time.Second, 2 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewStore(Options{})
+			l := mustLimit(t, FixedWindow, 10, tc.window, 0)
+			now := base + int64(tc.window) - int64(time.Millisecond) // 1 ms before a window's end
+			for i := range 10 {
+				if ops := []Op{op("f:{u}", l, 1)}; !s.Apply(now, ops) {
+					t.Fatalf("take %d refused: %+v", i+1, ops[0].Result)
+				}
+			}
+			s.SetWallOffset(int64(tc.step))
+			now += int64(time.Millisecond)
+			ops := []Op{op("f:{u}", l, 1)}
+			if s.Apply(now, ops) {
+				t.Fatalf("after a wall step of %v: the used window's count was forgotten: %+v", tc.step, ops[0].Result)
+			}
+			if r := ops[0].Result; r.RetryAfter <= 0 || r.RetryAfter > int64(tc.maxRetry) {
+				t.Fatalf("after a wall step of %v: retry after %v, want (0, %v]", tc.step, time.Duration(r.RetryAfter), tc.maxRetry)
+			}
+			// And it is admitted again once that wait has passed, on the monotonic clock.
+			later := now + ops[0].Result.RetryAfter
+			if ops := []Op{op("f:{u}", l, 1)}; !s.Apply(later, ops) {
+				t.Fatalf("refused after its retry: %+v", ops[0].Result)
+			}
+		})
+	}
+}
