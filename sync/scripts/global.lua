@@ -104,6 +104,10 @@ local TWO52 = 4503599627370496
 local tm = redis.call('TIME')
 local now = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
 
+-- How long a calendar window's key outlives the window's end by the clock of the daemon
+-- that last grew its TTL: the daemons' clock skew it tolerates (see the commit below).
+local CALENDAR_GRACE_MS = 60000
+
 -- muldiv returns q = floor(a*b/c) and r = a*b - q*c, exactly, for non-negative integers
 -- a, b and c >= 1 with c < 2^52 and q < 2^53 (a*b itself may exceed 2^53).
 local function muldiv(a, b, c)
@@ -565,16 +569,23 @@ end
 --     grown by 1 s + 1/8 more than needed, so a key taken from again and again pays
 --     PEXPIRE about once a second (or per eighth of its lifetime), not on every take.
 --     An idle key lives at most 1 s + 1/8 of its TTL longer than it must;
---   - a calendar window's end is the daemon's (left, on its clock): PEXPIRE on every
---     take, exact, as before.
+--   - a calendar window's end is the daemon's (left, on its wall clock), and daemons'
+--     clocks differ: the TTL covers the window's end by this daemon's clock plus
+--     CALENDAR_GRACE_MS (not 1 s), so that a daemon whose clock is behind by up to that
+--     much still finds the window's count, and, like every other TTL, it only grows.
+--     Before, every take set it to its own daemon's end + 1 s: a take on a daemon ahead
+--     cut the TTL a daemon behind had set, and the key vanished while the daemon behind
+--     still counted that window, which then admitted the whole quota again
+--     (limiter/calendar_skew_test.go:TestCalendarGlobalSkewedDaemons).
 -- Numbers go to Redis as they are (integers below 2^53 print exactly).
 for _, key in ipairs(order) do
   local expires = written[key]
   if expires then
     local st, alg = states[key], wrote_at[key]
     local ttl = math.ceil(expires / 1000000) + 1000
+    if alg == 3 then ttl = ttl - 1000 + CALENDAR_GRACE_MS end
     local x = st.x
-    if x and x >= now_ms + ttl and alg ~= 3 then
+    if x and x >= now_ms + ttl then
       if (alg == 0 or alg == 4) and cut[key] then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er, unpack(cut[key]))
       elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
