@@ -76,7 +76,7 @@ type Hybrid struct {
 	// On a standalone Redis a heartbeat rides on a sync's script call when one goes
 	// while it is due (hybrid_run.go): Run offers it, send takes it.
 	beat    atomic.Int32 // beatIdle, beatOffered or beatTaken
-	rodeAt  atomic.Int64 // when a heartbeat riding on a sync last succeeded (wall clock, ns)
+	rodeAt  atomic.Int64 // when a heartbeat riding on a sync last succeeded (monoNow)
 	beatTTL time.Duration
 }
 

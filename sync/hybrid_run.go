@@ -193,11 +193,21 @@ func (h *Hybrid) rideBeat(live int64) {
 		m := h.masters.List()[0] // standalone: the only one
 		h.answeredBy(m, h.clock())
 		h.SetReplicas(int(live))
-		h.rodeAt.Store(time.Now().UnixNano())
+		h.rodeAt.Store(monoNow())
 		m.breaker.Success()
 	}
 	h.beat.Store(beatIdle)
 }
+
+// monoEpoch and monoNow time the heartbeats on Go's monotonic clock (ns since the
+// package started), which no step of the wall clock moves. rodeAt was a wall clock
+// reading: after a step back (NTP, a VM resumed) the last ride lay in the future, the
+// time since it was negative, and a daemon on a standalone Redis sent no heartbeat until
+// the wall clock caught up, for as long as the step; after 3 s every daemon counted one
+// less (TestHybridHeartbeatAfterWallStepBack).
+var monoEpoch = time.Now()
+
+func monoNow() int64 { return int64(time.Since(monoEpoch)) }
 
 // heartbeatEvery is the period of heartbeats: the count of daemons changes slowly, and a
 // heartbeat costs Redis a few commands, so at most one per second.
@@ -343,7 +353,8 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		}
 	}
 	beatNow() // the live daemons counted before the first sync sizes its credits
-	lastBeat := time.Now()
+	// When the last heartbeat went (monoNow).
+	lastBeat := monoNow()
 	ride := !h.cluster && id == h.id
 	sweep := 0
 	for {
@@ -361,21 +372,22 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			cancel()
 			return
 		case <-t.C:
-			if r := h.rodeAt.Load(); r > lastBeat.UnixNano() {
-				lastBeat = time.Unix(0, r)
+			now := monoNow()
+			if r := h.rodeAt.Load(); r > lastBeat && r <= now { // never later, on this clock
+				lastBeat = r
 			}
 			// Riding, a heartbeat is offered to the syncs an interval before it is due,
 			// and goes alone when due if none took it: one a second either way.
-			switch since := time.Since(lastBeat); {
+			switch since := time.Duration(now - lastBeat); {
 			case !ride:
 				if since >= beatEvery {
-					lastBeat = time.Now()
+					lastBeat = now
 					beat()
 				}
 			case since >= beatEvery-h.interval && h.beat.CompareAndSwap(beatIdle, beatOffered):
 				// the next sync's first call carries it
 			case since >= beatEvery && h.beat.CompareAndSwap(beatOffered, beatIdle):
-				lastBeat = time.Now() // no sync took it: alone
+				lastBeat = now // no sync took it: alone
 				beat()
 			}
 			flush()
