@@ -87,6 +87,10 @@ type Limit struct {
 	delay    int64     // token bucket: how long a request may wait instead of being refused (WithDelay)
 	cal      *calendar // fixed window: its calendar unit and zone (NewCalendarLimit); nil otherwise
 	kind     uint64    // stateKind, computed once
+	// stepBack is how far a stored state's time may lie after the wall time before the
+	// store looks at it again (stateFor): max(window, 1 s) for a fixed window, whose
+	// state a backward step of the wall clock leaves in the future; never otherwise.
+	stepBack int64
 	// markScale is 2^40 / burst: a remaining count times it is the share of the capacity
 	// left, scaled as the store marks its entries for eviction (markOf).
 	markScale float64
@@ -194,7 +198,10 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	if window > maxWindow {
 		return Limit{}, fmt.Errorf("window %v is longer than 366 days", window)
 	}
-	l := Limit{alg: alg, requests: requests, burst: requests, window: int64(window)}
+	l := Limit{alg: alg, requests: requests, burst: requests, window: int64(window), stepBack: math.MaxInt64}
+	if alg == FixedWindow {
+		l.stepBack = max(l.window, wallStepBack)
+	}
 	if alg != TokenBucket {
 		if burst != 0 {
 			return Limit{}, fmt.Errorf("burst %d given for %s: burst applies only to token_bucket", burst, alg)

@@ -405,19 +405,38 @@ const inlineOps = 16
 // rather than misreading their states. A token bucket's state written at another rate
 // (a reload changed the limit) is rescaled to the same units used (Limit.Rescale).
 //
-// A fixed window's state whose window starts after wall time now+off by more than
-// max(its window, wallStepBack) is moved to now+off's window, its count kept, and written
+// A fixed window's state whose window starts after wall time by more than
+// max(its window, wallStepBack) is moved to the wall time's window, its count kept, and written
 // back at once (whether the check then commits or not): the wall clock went back (NTP, a
 // VM resumed), and the state's window would otherwise hold the count, and refuse the
 // client, for as long as the step (an hour for a 1 s window after a step of an hour).
 // Kept, the count refuses for at most a window; a step shorter than that bound leaves
 // the count in its window, so out-of-order clock reads and small steps forgive nothing.
-func stateFor(e *entry, l *Limit, now, off int64) State {
+//
+// wall is now plus the store's wall offset. The fast paths test fresh and call
+// stateSlow themselves: stateFor is over the compiler's budget for inlining.
+func stateFor(e *entry, l *Limit, now, wall int64) State {
+	if fresh(e, l, wall) {
+		return e.st
+	}
+	return stateSlow(e, l, now, wall)
+}
+
+// fresh reports whether e's state is l's to read as it is (stateFor): written under l's
+// kind of state, and not a fixed window's left in the future by the wall clock.
+func fresh(e *entry, l *Limit, wall int64) bool {
+	return e.kind == l.kind && e.st.T-wall <= l.stepBack
+}
+
+// stateSlow is stateFor's state of an entry written under another kind, or of a fixed
+// window's state the wall time has fallen behind (stateFor). A Limit not built by
+// NewLimit (stepBack 0) comes here more often, and is decided the same.
+func stateSlow(e *entry, l *Limit, now, wall int64) State {
 	if e.kind != l.stateKind() {
 		return otherKind(e, l, now)
 	}
-	if l.alg == FixedWindow && e.st.T-(now+off) > max(l.window, wallStepBack) {
-		e.st.T, _ = l.fixedBounds(now + off)
+	if l.alg == FixedWindow && e.st.T-wall > max(l.window, wallStepBack) {
+		e.st.T, _ = l.fixedBounds(wall)
 	}
 	return e.st
 }
@@ -543,7 +562,9 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	var in State
 	off := s.wallOffset.Load()
 	if e != nil {
-		in = stateFor(e, op.Limit, now, off)
+		if in = e.st; !fresh(e, op.Limit, now+off) {
+			in = stateSlow(e, op.Limit, now, now+off)
+		}
 	} else if sh.full(len(op.Key)) {
 		sh.mu.Unlock()
 		return s.applyGeneral(now, ops, veto)
@@ -610,13 +631,17 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 	var ina, inb State
 	off := s.wallOffset.Load()
 	if ea != nil {
-		ina = stateFor(ea, a.Limit, now, off)
+		if ina = ea.st; !fresh(ea, a.Limit, now+off) {
+			ina = stateSlow(ea, a.Limit, now, now+off)
+		}
 	} else if sa.full(len(a.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
 	}
 	if eb != nil {
-		inb = stateFor(eb, b.Limit, now, off)
+		if inb = eb.st; !fresh(eb, b.Limit, now+off) {
+			inb = stateSlow(eb, b.Limit, now, now+off)
+		}
 	} else if sb.full(len(b.Key)) {
 		unlock2(sa, sb)
 		return s.applyGeneral(now, ops, veto)
@@ -719,7 +744,9 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	for i := range ops {
 		sh := shs[i]
 		if es[i] = sh.entry(uint32(hs[i]>>32), ops[i].Key); es[i] != nil {
-			ins[i] = stateFor(es[i], ops[i].Limit, now, off)
+			if ins[i] = es[i].st; !fresh(es[i], ops[i].Limit, now+off) {
+				ins[i] = stateSlow(es[i], ops[i].Limit, now, now+off)
+			}
 		} else if sh.full(len(ops[i].Key)) {
 			s.unlock(locks[:nl])
 			return s.applyGeneral(now, ops, veto)
@@ -890,13 +917,13 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
-			x.in = stateFor(x.e, op.Limit, now, off)
+			x.in = stateFor(x.e, op.Limit, now, now+off)
 		} else if sh.full(len(op.Key)) && sh.allLimitedUntil > now {
 			// The shard is full of limited clients: the key cannot be stored, and a
 			// fresh state would let it pass every time. It is decided on its rule's
 			// fallback state, which every such key shares.
 			x.over = sh.fallbackFor(op.Key)
-			x.in = stateFor(x.over, op.Limit, now, off)
+			x.in = stateFor(x.over, op.Limit, now, now+off)
 			s.untracked.Add(1)
 		} else {
 			x.in = State{}
