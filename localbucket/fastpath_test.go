@@ -19,8 +19,9 @@ import (
 // arenas, free lists, fallback states, counters. The batches mix repeated keys (within
 // a batch too), keys of one shard, shards too small for their keys (evictions, untracked
 // keys on fallback states), expiries, clock steps back, shadow ops, refusals, costs over
-// capacity, limits of every algorithm (a reload that changes a key's algorithm), delays
-// and a wall offset.
+// capacity, limits of every algorithm (a reload that changes a key's algorithm), delays,
+// a wall offset, and steps of it (back by 2 s or an hour, which move a fixed window's
+// count to the wall time's window in stateFor, and forward by 1.5 s).
 func TestFastPathMatchesGeneral(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
 		o := Options{
@@ -53,6 +54,10 @@ func TestFastPathMatchesGeneral(t *testing.T) {
 		now := base
 		for range rapid.IntRange(1, 200).Draw(t, "steps") {
 			now += rapid.Int64Range(-ms, 6*ms).Draw(t, "dt")
+			if st := rapid.SampledFrom([]int64{0, 0, 0, 0, 0, 0, 0, 0, -2000 * ms, -3600000 * ms, 1500 * ms}).Draw(t, "wallStep"); st != 0 {
+				fast.SetWallOffset(fast.WallOffset() + st)
+				general.SetWallOffset(general.WallOffset() + st)
+			}
 			n := rapid.SampledFrom([]int{1, 1, 2, 2, 2, 3, 4, 5}).Draw(t, "ops")
 			a, b := make([]Op, n), make([]Op, n)
 			for i := range a {

@@ -411,7 +411,13 @@ const inlineOps = 16
 // VM resumed), and the state's window would otherwise hold the count, and refuse the
 // client, for as long as the step (an hour for a 1 s window after a step of an hour).
 // Kept, the count refuses for at most a window; a step shorter than that bound leaves
-// the count in its window, so out-of-order clock reads and small steps forgive nothing.
+// the count in its window, so small steps forgive nothing. Only a step moves it: the
+// wall clock must have gone back by more than the bound since the state was written
+// (its expiry, e.expires, is its window's end less the offset then), so that a check
+// whose clock was read long before it got here (the daemon decides a check that waits
+// on Redis at its arrival time) keeps the clamp. Moved on such a late read alone, the
+// count went to an earlier window, and the next check on time found its own window
+// empty (TestStoreFixedWindowLateClockRead).
 //
 // wall is now plus the store's wall offset. The fast paths test fresh and call
 // stateSlow themselves: stateFor is over the compiler's budget for inlining.
@@ -435,8 +441,13 @@ func stateSlow(e *entry, l *Limit, now, wall int64) State {
 	if e.kind != l.stateKind() {
 		return otherKind(e, l, now)
 	}
-	if l.alg == FixedWindow && e.st.T-wall > max(l.window, wallStepBack) {
-		e.st.T, _ = l.fixedBounds(wall)
+	if bound := max(l.window, wallStepBack); l.alg == FixedWindow && e.st.T-wall > bound {
+		// How far the wall clock went back since the state was written: its expiry is
+		// its window's end less the offset then (wall-now is the offset now).
+		if _, end := l.fixedBounds(e.st.T); end-(wall-now)-e.expires > bound {
+			e.st.T, end = l.fixedBounds(wall)
+			e.expires = end - (wall - now)
+		}
 	}
 	return e.st
 }

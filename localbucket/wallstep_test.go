@@ -1,6 +1,7 @@
 package localbucket
 
 import (
+	"fmt"
 	"testing"
 	"time"
 )
@@ -51,5 +52,47 @@ func TestStoreFixedWindowWallStepBack(t *testing.T) {
 				t.Fatalf("refused after its retry: %+v", ops[0].Result)
 			}
 		})
+	}
+}
+
+// TestStoreFixedWindowLateClockRead: a check whose clock was read well before it reached
+// the store (the daemon decides a check that waits on Redis at its arrival time, after
+// the checks queued before it on its connection) is not a wall clock step: the offset is
+// the same. Before, such a read more than max(the window, 1 s) late moved the window's
+// state back to its own, earlier window, and the next check on time found a fresh window
+// there: a client that had used a 10 per 1 s window was admitted 10 more in it. Every
+// path (one op, two, up to four, more; Reject) keeps the window's count.
+func TestStoreFixedWindowLateClockRead(t *testing.T) {
+	l := mustLimit(t, FixedWindow, 10, time.Second, 0)
+	other := mustLimit(t, TokenBucket, 1000, time.Second, 0)
+	for _, n := range []int{1, 2, 3, 5} {
+		for _, reject := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%d ops reject=%v", n, reject), func(t *testing.T) {
+				s := NewStore(Options{})
+				batch := func() []Op {
+					ops := []Op{op("f:{u}", l, 1)}
+					for i := 1; i < n; i++ {
+						ops = append(ops, op(fmt.Sprintf("o%d:{u}", i), other, 1))
+					}
+					return ops
+				}
+				now := base + 3*int64(time.Second) + int64(100*time.Millisecond)
+				for i := range 10 {
+					if ops := batch(); !s.Apply(now, ops) {
+						t.Fatalf("take %d refused: %+v", i+1, ops[0].Result)
+					}
+				}
+				late := now - int64(2500*time.Millisecond) // read 2.5 s before it is applied
+				if reject {
+					s.Reject(late, batch())
+				} else {
+					s.Apply(late, batch())
+				}
+				ops := batch()
+				if s.Apply(now+int64(time.Millisecond), ops) {
+					t.Fatalf("after a check whose clock read was 2.5 s late: admitted an 11th take in a window of 10: %+v", ops[0].Result)
+				}
+			})
+		}
 	}
 }
