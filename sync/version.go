@@ -18,7 +18,8 @@ var MinRedisVersion = [2]int{7, 0}
 
 // CheckVersion asks each Redis the client reaches (every master of a Cluster) for its
 // version, and returns a sentence for each one older than MinRedisVersion, naming it
-// and what fails there; none when all are recent enough. Valkey reports in
+// and what fails there; none when all are recent enough. The error is the first of
+// those that did not answer; the sentences are of those that did. Valkey reports in
 // redis_version the Redis version it is compatible with, which is what counts here.
 func CheckVersion(ctx context.Context, rdb redis.UniversalClient) ([]string, error) {
 	var (

@@ -344,10 +344,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		// A Redis too old for some commands says so at the start, not in a ban that
 		// fails or a key without a TTL later (rlsync.MinRedisVersion).
 		vctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
-		if old, err := rlsync.CheckVersion(vctx, rdbChecks); err == nil {
-			for _, why := range old {
-				log.Warn(why)
-			}
+		// Those that answered: a Cluster master that did not (it is away, which the
+		// scripts' load above has logged) does not hide another that is too old.
+		old, _ := rlsync.CheckVersion(vctx, rdbChecks)
+		for _, why := range old {
+			log.Warn(why)
 		}
 		cancel()
 		// The long calls' client has no breaker to reload its slot map on a failover:
