@@ -186,7 +186,7 @@ func (f *TLSFiles) dialer(base *tls.Config, timeout time.Duration) func(ctx cont
 		if err != nil {
 			return nil, tlsHint(err)
 		}
-		return conn, nil
+		return checkable(conn.(*tls.Conn)), nil
 	}
 }
 

@@ -161,6 +161,44 @@ func copyFile(t *testing.T, from, to string) {
 	}
 }
 
+// A Redis restart leaves the pool's idle TLS connections closed by the server; they are
+// dropped and dialed anew before use, as plain ones are. Before, go-redis's pool checked
+// only connections that are a socket (a *tls.Conn is not), so each of the 16 answered
+// its next call with EOF: 16 of the next 40 PINGs failed, and in the daemon the failures
+// opened the breaker after Redis was back (TestE2ERedisTLSRestart).
+func TestTLSRestartIdleConns(t *testing.T) {
+	t.Parallel()
+	ca := redistest.NewCA(t, "private CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca}))
+	rdb := openTLS(t, "rediss://"+srv.Addr, false, TLSOptions{CAFile: ca.CertFile})
+	ctx := context.Background()
+	// 16 calls at once, each holding its connection 200 ms: the pool holds 16.
+	var wg gosync.WaitGroup
+	for i := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := rdb.BLPop(ctx, 200*time.Millisecond, "none"+strconv.Itoa(i)).Err(); err != nil && err != redis.Nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := rdb.PoolStats().TotalConns; n != 16 {
+		t.Fatalf("%d connections in the pool, want 16", n)
+	}
+	srv.Restart(t)
+	failed := 0
+	for range 40 {
+		if rdb.Ping(ctx).Err() != nil {
+			failed++
+		}
+	}
+	if failed > 0 {
+		t.Fatalf("%d of 40 PINGs failed after a restart, with Redis up", failed)
+	}
+}
+
 // A Redis Cluster over TLS, given one seed node: every master it discovers is reached
 // over TLS, with the CA and the client certificate.
 func TestTLSCluster(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	gosync "sync"
 	"testing"
 	"time"
 
@@ -153,5 +154,61 @@ func TestE2ERedisTLSRefused(t *testing.T) {
 		if err == nil || !strings.Contains(out, c.want) {
 			t.Errorf("%v: %v\n%s\nwant %q", c.args, err, out, c.want)
 		}
+	}
+}
+
+// A Redis restart, the daemon busy on it over TLS: once Redis answers again, every
+// global check is decided by it. Before, the checks' idle TLS connections, which the
+// restart had closed, were used as they were (go-redis checks plain ones only), and
+// their failures opened the breaker with Redis up: 142,981 of 177,029 answers in the 4 s
+// after the restart were degraded (refused: on_store_failure closed), the last 2.1 s in;
+// over redis:// none was.
+func TestE2ERedisTLSRestart(t *testing.T) {
+	ca := redistest.NewCA(t, "private CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca}))
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: g
+    key: ip
+    mode: global
+    limit: { requests: 1000000, per: 1h }
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "rediss://"+srv.Addr, "--redis-tls-ca-file", ca.CertFile,
+		"--redis-timeout", "3s", "--global-timeout", "3s")
+	conns := make([]*rawConn, 32)
+	for i := range conns {
+		conns[i] = dialRaw(t, d.socket)
+	}
+	// Checks from 32 connections at once, as many Redis connections as they keep busy.
+	run := func(conns []*rawConn, round int, until func(i int) bool) (degraded, total int) {
+		var wg gosync.WaitGroup
+		var mu gosync.Mutex
+		for g, c := range conns {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; !until(i); i++ {
+					r := c.check(uint64(i+1), 1, "ip=10."+strconv.Itoa(round)+"."+strconv.Itoa(g)+"."+strconv.Itoa(i%250))
+					mu.Lock()
+					total++
+					if r.Degraded {
+						degraded++
+					}
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		return degraded, total
+	}
+	if degraded, _ := run(conns, 1, func(i int) bool { return i == 200 }); degraded > 0 {
+		t.Fatalf("%d answers degraded before the restart\n%s", degraded, d.stderr.String())
+	}
+	srv.Restart(t)
+	end := time.Now().Add(2 * time.Second)
+	degraded, total := run(conns[:16], 2, func(int) bool { return time.Now().After(end) })
+	if degraded > 0 {
+		t.Fatalf("%d of %d answers degraded after the restart, Redis up\n%s", degraded, total, d.stderr.String())
 	}
 }
