@@ -437,7 +437,7 @@ func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflic
 		return lifted, nil, err
 	}
 	raw := append(rawClientForms(client), escapedClientForm(escaped)...)
-	raw = append(raw, prefixedClientForms(deps.Limiter.Rules(), rule, client)...)
+	raw = append(raw, prefixedClientForms(deps.Limiter.Rules(), rule, client, escaped)...)
 	for _, b := range bans {
 		if b.Rule != rule {
 			continue
@@ -480,11 +480,13 @@ func rawClientForms(client string) []string {
 	return forms
 }
 
-// prefixedClientForms returns the key's form of client, attr=value parts joined by "|"
+// prefixedClientForms returns the key's forms of client, attr=value parts joined by "|"
 // with values as the request sent them, for a rule named rule that has ip_prefix: an
 // address's part names its network (ip=2001:db8:1:2::5 is ip/64=2001:db8:1:2::); nil
-// for another rule or a client not of that form.
-func prefixedClientForms(set *rules.Set, rule, client string) []string {
+// for another rule or a client not of that form. With several attributes, the parts are
+// those of escaped, the URL's text, split at the "|" it wrote and each value
+// URL-decoded (user=a%7Cb|ip=…: the user "a|b"), or those of client split at every "|".
+func prefixedClientForms(set *rules.Set, rule, client, escaped string) []string {
 	if set == nil {
 		return nil
 	}
@@ -492,21 +494,35 @@ func prefixedClientForms(set *rules.Set, rule, client string) []string {
 		if r.Name != rule || r.IPPrefix == nil {
 			continue
 		}
-		parts := []string{client}
+		readings := [][]string{{client}}
 		if len(r.Key) > 1 {
-			parts = strings.Split(client, "|")
-		}
-		attrs := make([]rules.Attr, 0, len(parts))
-		for _, part := range parts {
-			a, v, ok := strings.Cut(part, "=")
-			if !ok {
-				return nil
+			readings = [][]string{nil, strings.Split(client, "|")}
+			for _, part := range strings.Split(escaped, "|") {
+				a, v, ok := strings.Cut(part, "=")
+				v, err := url.PathUnescape(v)
+				if !ok || err != nil {
+					readings[0] = nil
+					break
+				}
+				readings[0] = append(readings[0], a+"="+v)
 			}
-			attrs = append(attrs, rules.Attr{Name: a, Value: v})
 		}
-		if key, ok := r.AppendKey(nil, attrs); ok {
-			return []string{string(clientOf(key))}
+		var forms []string
+	reading:
+		for _, parts := range readings {
+			attrs := make([]rules.Attr, 0, len(parts))
+			for _, part := range parts {
+				a, v, ok := strings.Cut(part, "=")
+				if !ok {
+					continue reading
+				}
+				attrs = append(attrs, rules.Attr{Name: a, Value: v})
+			}
+			if key, ok := r.AppendKey(nil, attrs); ok {
+				forms = append(forms, string(clientOf(key)))
+			}
 		}
+		return forms
 	}
 	return nil
 }

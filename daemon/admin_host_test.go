@@ -371,6 +371,46 @@ rules:
 	}
 }
 
+// With ip_prefix on a composite key, another attribute's value holding a "|" (listed
+// escaped, user=a%7Cb) names its network's ban by an address, the value URL-escaped as
+// for a rule without ip_prefix. Before, the client was split at every "|" once
+// URL-decoded, "b" was no attr=value part, and the lift answered 404.
+func TestAdminLiftBanOfNetworkEscapedBar(t *testing.T) {
+	set, err := rules.Parse("test.yaml", []byte(`
+rules:
+  - name: login
+    key: [user, ip]
+    ip_prefix: { attr: ip, ipv6: 64 }
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 1, within: 1m, ban: 10m }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	now := time.Now().UnixNano()
+	for i, ip := range []string{"2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2::3"} {
+		var d limiter.Decision
+		in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: "a|b"}, {Name: "ip", Value: ip}}, Cost: 1}
+		if err := lim.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != (i == 0) {
+			t.Fatalf("request %d from %s: allowed %v", i, ip, d.Allowed)
+		}
+	}
+	if got, want := banned(lim, now), []string{"user=a%7Cb|ip/64=2001:db8:1:2::"}; !slices.Equal(got, want) {
+		t.Fatalf("banned %q, want %q", got, want)
+	}
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10), Limiter: lim, Now: func() int64 { return now }})
+	if code, body := doRaw(t, "DELETE", base, "/bans/login/user=a%7Cb|ip=2001:db8:1:2::9"); code != http.StatusNoContent {
+		t.Fatalf("lifting the ban by an address of the network: %d %q", code, body)
+	}
+	if got := banned(lim, now); len(got) != 0 {
+		t.Fatalf("still banned: %q", got)
+	}
+}
+
 // doRaw sends a request whose target is path, byte for byte, as curl sends what it is
 // given (Go's client escapes a "|" in a path again).
 func doRaw(t *testing.T, method, base, path string) (int, string) {
