@@ -93,7 +93,8 @@ var ipChar = func() (t [256]bool) {
 const maxIPText = 45
 
 // parseIP parses v as an IP address, as netip.ParseAddr does, dropping an IPv6 zone
-// (fe80::1%eth0 is fe80::1) and unmapping an IPv4-mapped IPv6 address. ok is false when v
+// (fe80::1%eth0 is fe80::1) and unmapping an IPv4-mapped IPv6 address or one of NAT64's
+// well-known prefix (unmap64). ok is false when v
 // is not an address. It does not allocate for an address, nor for a value that has a
 // byte an address is not written with (see ipChar) or not the colons or dots of one.
 func parseIP(v string) (a netip.Addr, ok bool) {
@@ -121,8 +122,28 @@ func parseIP(v string) (a netip.Addr, ok bool) {
 	if err != nil || zoned && !a.Is6() { // netip takes a zone on IPv6 only
 		return netip.Addr{}, false
 	}
-	return a.Unmap(), true
+	return unmap64(a.Unmap()), true
 }
+
+// unmap64 returns the IPv4 address an address of NAT64's well-known prefix,
+// 64:ff9b::/96 (RFC 6052), carries in its last 32 bits, else a. Behind a NAT64 or
+// SIIT-DC translator every IPv4 client reaches the gateway as such an address: keyed
+// as IPv6, ipv6: 64 put all of them in one bucket (64:ff9b::/64), and keyed whole,
+// each IPv4 client had its own only by chance of the translator keeping its address.
+// Network-specific prefixes are the operator's own and cannot be told apart: they
+// are keyed as IPv6.
+func unmap64(a netip.Addr) netip.Addr {
+	if !a.Is6() {
+		return a
+	}
+	b := a.As16()
+	if [12]byte(b[:12]) != wellKnown64 {
+		return a
+	}
+	return netip.AddrFrom4([4]byte(b[12:]))
+}
+
+var wellKnown64 = [12]byte{0x00, 0x64, 0xff, 0x9b}
 
 // appendIPPart appends the key part of attribute name with value v for ip_prefix p:
 // name/bits=network when v is an address (ip/64=2001:db8:1:2::, ip/24=192.0.2.0: the
