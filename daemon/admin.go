@@ -635,7 +635,6 @@ type concurrencyDoc struct {
 	Lease string `json:"lease"`
 }
 
-// penaltyDoc is a rule's penalty, factor and max given their defaults when not written.
 // ipPrefixDoc is a rule's ip_prefix, defaults filled in.
 type ipPrefixDoc struct {
 	Attr string `json:"attr"`
@@ -643,6 +642,7 @@ type ipPrefixDoc struct {
 	IPv6 int    `json:"ipv6"`
 }
 
+// penaltyDoc is a rule's penalty, factor and max given their defaults when not written.
 type penaltyDoc struct {
 	After  uint64  `json:"after"`
 	Within string  `json:"within"`

@@ -125,7 +125,7 @@ func (cfg Config) checkTLS(base *tls.Config) error {
 	case cfg.TLS == nil:
 		return nil
 	case base == nil:
-		return errors.New("redis: TLS options (--redis-tls-*) need a rediss:// URL; this one is redis://, in the clear")
+		return errors.New("redis: TLS options (--redis-tls-*) need a rediss:// URL (on a Cluster, rediss://host:port,host:port); this one is in the clear")
 	case base.InsecureSkipVerify && cfg.TLS.opts.CAFile != "":
 		return errors.New("redis: the URL's skip_verify=true checks no certificate: drop it, or --redis-tls-ca-file")
 	}
