@@ -323,9 +323,10 @@ func TestAdminLiftBanByListedName(t *testing.T) {
 	}
 }
 
-// A rule with ip_prefix bans a network: two addresses of one /64 are one client, listed
-// by its key's form and lifted by it, or by any of its addresses as the request sent it.
-func TestAdminLiftBanOfNetwork(t *testing.T) {
+// networkBans is a limiter whose rule login keys [user, ip] with ip_prefix /64 for
+// IPv6, banning a client at its first refusal.
+func networkBans(t *testing.T) *limiter.Limiter {
+	t.Helper()
 	set, err := rules.Parse("test.yaml", []byte(`
 rules:
   - name: login
@@ -337,22 +338,33 @@ rules:
 	if err != nil {
 		t.Fatal(err)
 	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	now := time.Now().UnixNano()
-	ban := func(user string) {
-		for i, ip := range []string{"2001:db8:1:2::1", "2001:db8:1:2::2", "2001:DB8:1:2::3", "2001:db8:1:2:ffff::4"} {
-			var d limiter.Decision
-			in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: user}, {Name: "ip", Value: ip}}, Cost: 1}
-			if err := lim.Check(now, &in, &d); err != nil {
-				t.Fatal(err)
-			}
-			if d.Allowed != (i == 0) {
-				t.Fatalf("user %s, request %d from %s: allowed %v", user, i, ip, d.Allowed)
-			}
+	return limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+}
+
+// banFrom checks one request of user from each of ips at now: the first is allowed, the
+// rest refused (the first refusal bans the client).
+func banFrom(t *testing.T, lim *limiter.Limiter, now int64, user string, ips ...string) {
+	t.Helper()
+	for i, ip := range ips {
+		var d limiter.Decision
+		in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: user}, {Name: "ip", Value: ip}}, Cost: 1}
+		if err := lim.Check(now, &in, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed != (i == 0) {
+			t.Fatalf("user %s, request %d from %s: allowed %v", user, i, ip, d.Allowed)
 		}
 	}
-	ban("ann")
-	ban("bob")
+}
+
+// A rule with ip_prefix bans a network: two addresses of one /64 are one client, listed
+// by its key's form and lifted by it, or by any of its addresses as the request sent it.
+func TestAdminLiftBanOfNetwork(t *testing.T) {
+	lim := networkBans(t)
+	now := time.Now().UnixNano()
+	for _, user := range []string{"ann", "bob"} {
+		banFrom(t, lim, now, user, "2001:db8:1:2::1", "2001:db8:1:2::2", "2001:DB8:1:2::3", "2001:db8:1:2:ffff::4")
+	}
 	if got, want := banned(lim, now), []string{"user=ann|ip/64=2001:db8:1:2::", "user=bob|ip/64=2001:db8:1:2::"}; !slices.Equal(got, want) {
 		t.Fatalf("banned %q, want %q", got, want)
 	}
@@ -376,29 +388,9 @@ rules:
 // for a rule without ip_prefix. Before, the client was split at every "|" once
 // URL-decoded, "b" was no attr=value part, and the lift answered 404.
 func TestAdminLiftBanOfNetworkEscapedBar(t *testing.T) {
-	set, err := rules.Parse("test.yaml", []byte(`
-rules:
-  - name: login
-    key: [user, ip]
-    ip_prefix: { attr: ip, ipv6: 64 }
-    limit: { requests: 1, per: 1m }
-    penalty: { after: 1, within: 1m, ban: 10m }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	lim := networkBans(t)
 	now := time.Now().UnixNano()
-	for i, ip := range []string{"2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2::3"} {
-		var d limiter.Decision
-		in := limiter.Input{Attrs: []rules.Attr{{Name: "user", Value: "a|b"}, {Name: "ip", Value: ip}}, Cost: 1}
-		if err := lim.Check(now, &in, &d); err != nil {
-			t.Fatal(err)
-		}
-		if d.Allowed != (i == 0) {
-			t.Fatalf("request %d from %s: allowed %v", i, ip, d.Allowed)
-		}
-	}
+	banFrom(t, lim, now, "a|b", "2001:db8:1:2::1", "2001:db8:1:2::2", "2001:db8:1:2::3")
 	if got, want := banned(lim, now), []string{"user=a%7Cb|ip/64=2001:db8:1:2::"}; !slices.Equal(got, want) {
 		t.Fatalf("banned %q, want %q", got, want)
 	}
