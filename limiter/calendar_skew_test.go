@@ -38,17 +38,7 @@ func TestCalendarGlobalSkewedDaemons(t *testing.T) {
 			clock := func(aheadBy time.Duration) int64 {
 				return end - int64(300*time.Millisecond) - int64(tc.skew) + int64(aheadBy) + int64(time.Since(t0))
 			}
-			var d Decision
-			check := func(l *Limiter, now int64) *Result {
-				t.Helper()
-				if err := l.Check(now, &Input{Attrs: attrs("user=ann"), Cost: 1}, &d); err != nil {
-					t.Fatal(err)
-				}
-				if d.Degraded || len(d.Results) != 1 {
-					t.Fatalf("degraded or no result: %+v", d)
-				}
-				return &d.Results[0]
-			}
+			check := annChecker(t)
 			// One take on the daemon behind, then the rest of the day's quota on the one
 			// ahead, at the end of the day by its clock.
 			if r := check(behind, clock(0)); !r.Allowed {
@@ -73,6 +63,7 @@ func TestCalendarGlobalSkewedDaemons(t *testing.T) {
 			// the key must outlive that end by at least the skew, for the daemon behind
 			// still counts that day. Wait until the key, had it kept the daemon ahead's TTL,
 			// would be gone, within the day by the daemon behind.
+			var d Decision
 			bob := func(l *Limiter, now int64) *Result {
 				t.Helper()
 				if err := l.Check(now, &Input{Attrs: attrs("user=bob"), Cost: 1}, &d); err != nil {

@@ -76,17 +76,7 @@ func TestCalendarGlobalBoundaries(t *testing.T) {
 					yaml := fmt.Sprintf("rules:\n  - name: cal%d\n    key: user\n    limit: { requests: 3, per: %s, tz: %s }\n", i, tt.unit, tt.zone)
 					l1, l2 := policyLimiter(t, rdb, yaml), policyLimiter(t, rdb, yaml)
 					at, start, end := parse(tt.at), parse(tt.start), parse(tt.end)
-					var d Decision
-					check := func(l *Limiter, now int64) *Result {
-						t.Helper()
-						if err := l.Check(now, &Input{Attrs: attrs("user=ann"), Cost: 1}, &d); err != nil {
-							t.Fatal(err)
-						}
-						if d.Degraded || len(d.Results) != 1 {
-							t.Fatalf("degraded or no result: %+v", d)
-						}
-						return &d.Results[0]
-					}
+					check := annChecker(t)
 					for k := range 3 {
 						r := check([]*Limiter{l1, l2}[k%2], at)
 						if !r.Allowed || r.Remaining != uint64(2-k) || r.Reset != time.Duration(end-at) {
@@ -308,5 +298,22 @@ rules:
 		if admitted != 3 {
 			t.Errorf("%s: the rule admitted %d, want 3", mode, admitted)
 		}
+	}
+}
+
+// annChecker returns a check of one request of user=ann through a limiter at a time
+// given, which fails the test unless Redis decided it on one rule, and returns that
+// rule's result (valid until the next check).
+func annChecker(t *testing.T) func(l *Limiter, now int64) *Result {
+	var d Decision
+	return func(l *Limiter, now int64) *Result {
+		t.Helper()
+		if err := l.Check(now, &Input{Attrs: attrs("user=ann"), Cost: 1}, &d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Degraded || len(d.Results) != 1 {
+			t.Fatalf("degraded or no result: %+v", d)
+		}
+		return &d.Results[0]
 	}
 }
