@@ -272,6 +272,14 @@ func (ic *idleConns) closeOldest() bool {
 // megabytes, written in milliseconds to a client that reads. A variable for the tests.
 var adminWriteTimeout = 30 * time.Second
 
+// adminBodyTimeout closes an admin connection whose client has announced a request
+// body (Content-Length, chunked) and not sent all of it this long after the request's
+// headers. No route takes a body; without it the server waited for one for ever after
+// answering, and a local process doing so on 64 connections, which are never idle and
+// so never closed to make room, kept every scraper and `rlsidecar reload` out. A
+// variable for the tests.
+var adminBodyTimeout = 5 * time.Second
+
 // adminIdleTimeout closes an admin connection idle between requests this long (a
 // Prometheus scrape every 15 s to 1 m keeps its connection).
 const adminIdleTimeout = 2 * time.Minute
@@ -305,6 +313,11 @@ func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusMisdirectedRequest)
 		fmt.Fprintf(w, "refused: the admin endpoint answers requests addressed to %s, not to %q (a name that leads here may be a web page rebinding its DNS)\n", names, r.Host)
 		return
+	}
+	if r.ContentLength != 0 {
+		// No route reads a body, but the server reads what is announced before it takes
+		// the connection's next request, and with no deadline of its own.
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(adminBodyTimeout))
 	}
 	if r.Method == http.MethodDelete && g.lift != nil && strings.HasPrefix(r.RequestURI, "/bans/") {
 		g.lift(w, r)

@@ -362,3 +362,47 @@ func TestAdminStalledReadersYield(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// A client that sends requests announcing a body and never sends the body holds no
+// admin connection for long. Before, the server waited for the body without a deadline
+// (ReadHeaderTimeout covers the headers only, the write timeout only writes): one local
+// process doing so on 64 connections, which are never idle and so never closed to make
+// room, kept every scraper and `rlsidecar reload` out for as long as it liked.
+func TestAdminUnfinishedBodiesYield(t *testing.T) {
+	old := adminBodyTimeout
+	adminBodyTimeout = 300 * time.Millisecond
+	defer func() { adminBodyTimeout = old }()
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
+	addr := strings.TrimPrefix(base, "http://")
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for range maxAdminConns {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		if _, err := io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
+		resp, err := client.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a new client beside %d connections that never sent their requests' bodies: %v", maxAdminConns, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
