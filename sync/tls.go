@@ -184,7 +184,11 @@ func (f *TLSFiles) dialer(base *tls.Config, timeout time.Duration) func(ctx cont
 		d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout, KeepAliveConfig: keepAlive}, Config: c}
 		conn, err := d.DialContext(ctx, network, addr)
 		if err != nil {
-			return nil, tlsHint(err)
+			caFile := ""
+			if f != nil {
+				caFile = f.opts.CAFile
+			}
+			return nil, tlsHint(err, caFile)
 		}
 		return checkable(conn.(*tls.Conn)), nil
 	}
@@ -194,10 +198,15 @@ func (f *TLSFiles) dialer(base *tls.Config, timeout time.Duration) func(ctx cont
 // peer dead after 3 unanswered 5 s apart), which a client with its own dialer loses.
 var keepAlive = net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: 5 * time.Second, Count: 3}
 
-// tlsHint adds to a certificate the client does not trust what to do about it.
-func tlsHint(err error) error {
+// tlsHint adds to a certificate the client does not trust what to do about it. caFile
+// is --redis-tls-ca-file ("" when not given): when it was, the hint to give one would
+// send the operator looking for a mistake in the flag rather than in the file.
+func tlsHint(err error, caFile string) error {
 	var unknown x509.UnknownAuthorityError
 	if errors.As(err, &unknown) {
+		if caFile != "" {
+			return fmt.Errorf("%w (the CA file %s holds no certificate of the CA that issued the server's)", err, caFile)
+		}
 		return fmt.Errorf("%w (a private CA? give its certificate in --redis-tls-ca-file)", err)
 	}
 	var name x509.HostnameError

@@ -86,6 +86,23 @@ func TestTLSPrivateCA(t *testing.T) {
 	}
 }
 
+// A CA file that holds another CA than the server's is named in the error. Before,
+// the error said "a private CA? give its certificate in --redis-tls-ca-file" to an
+// operator who had given one: the hint sent them to the flag, not to the file.
+func TestTLSWrongCANamesTheFile(t *testing.T) {
+	t.Parallel()
+	ca := redistest.NewCA(t, "private CA")
+	other := redistest.NewCA(t, "another CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca}))
+	for _, cluster := range []bool{false, true} {
+		err := openTLS(t, "rediss://"+srv.Addr, cluster, TLSOptions{CAFile: other.CertFile}).Ping(context.Background()).Err()
+		if err == nil || !strings.Contains(err.Error(), "unknown authority") || !strings.Contains(err.Error(), other.CertFile) ||
+			strings.Contains(err.Error(), "give its certificate") {
+			t.Fatalf("cluster %v, a CA file of another CA: %v; want unknown authority and the file named", cluster, err)
+		}
+	}
+}
+
 // A Redis that wants a client certificate (tls-auth-clients yes) is reached with
 // --redis-tls-cert-file and --redis-tls-key-file, and refuses the daemon without.
 func TestTLSClientCertificate(t *testing.T) {
