@@ -106,7 +106,7 @@ func startServeVia(t *testing.T, via []string, socket string, args ...string) *d
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &daemonProc{t: t, cmd: cmd, socket: socket, stderr: &syncBuffer{}, done: make(chan error, 1)}
+	d := &daemonProc{t: t, cmd: cmd, socket: socket, stderr: &syncBuffer{}}
 	cmd.Stderr = d.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -118,13 +118,7 @@ func startServeVia(t *testing.T, via []string, socket string, args ...string) *d
 		ready <- line
 		io.Copy(io.Discard, br)
 	}()
-	go func() { d.done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			<-d.done
-		}
-	})
+	d.done = waitInBackground(t, cmd)
 	select {
 	case line := <-ready:
 		if !strings.Contains(line, "listening on") {
@@ -134,6 +128,31 @@ func startServeVia(t *testing.T, via []string, socket string, args ...string) *d
 		t.Fatalf("daemon did not start in 10s\n%s", d.stderr.String())
 	}
 	return d
+}
+
+// waitInBackground waits for cmd (started) on a goroutine of its own and returns the
+// channel its Wait's error is sent on, and has t's cleanup kill the process if it has
+// not exited by then, and wait for it. Whether it exited is told by a channel closed
+// once Wait has returned: the cleanups read cmd.ProcessState instead, which Wait
+// writes, and a daemon exiting as the test ended was a data race (-race failed
+// TestE2EReadyzDuringDrain once in CI).
+func waitInBackground(t *testing.T, cmd *exec.Cmd) chan error {
+	done := make(chan error, 1)
+	exited := make(chan struct{})
+	go func() {
+		err := cmd.Wait()
+		close(exited)
+		done <- err
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-exited:
+		default:
+			cmd.Process.Kill()
+			<-exited
+		}
+	})
+	return done
 }
 
 // rawConn speaks frames directly.

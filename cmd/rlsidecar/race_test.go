@@ -57,14 +57,7 @@ rules:
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			<-done
-		}
-	})
+	done := waitInBackground(t, cmd)
 	d := &daemonProc{t: t, cmd: cmd, socket: socket, stderr: stderr, done: done}
 	base := "http://" + adminAddr(t, d)
 

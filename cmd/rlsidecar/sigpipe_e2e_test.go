@@ -31,14 +31,7 @@ func TestE2ELogReaderGoneKeepsServing(t *testing.T) {
 		t.Fatal(err)
 	}
 	logW.Close()
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			<-done
-		}
-	})
+	done := waitInBackground(t, cmd)
 	line, _ := bufio.NewReader(stdout).ReadString('\n')
 	if !strings.Contains(line, "listening on") {
 		t.Fatalf("daemon did not start: %q", line)
