@@ -324,12 +324,20 @@ func TestAdminStalledReadersYield(t *testing.T) {
 	// client's receive buffer made small): the server's first write blocks.
 	m.GaugeFunc("rlsidecar_test_big", strings.Repeat("x", 16<<20), func() float64 { return 1 })
 	base := startAdmin(t, AdminDeps{Metrics: m})
-	addr := strings.TrimPrefix(base, "http://")
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+	d := &net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
 		return rc.Control(func(fd uintptr) {
 			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
 		})
 	}}
+	crowdAdmin(t, base, d, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "read no answers")
+}
+
+// crowdAdmin holds maxAdminConns connections to the admin endpoint at base, dialed by d,
+// each having sent request, and fails t unless a new client's GET /healthz is answered
+// within 20 s beside them (what says what the held connections do, for the failure).
+func crowdAdmin(t *testing.T, base string, d *net.Dialer, request, what string) {
+	t.Helper()
+	addr := strings.TrimPrefix(base, "http://")
 	var held []net.Conn
 	defer func() {
 		for _, c := range held {
@@ -342,7 +350,7 @@ func TestAdminStalledReadersYield(t *testing.T) {
 			t.Fatal(err)
 		}
 		held = append(held, c)
-		if _, err := io.WriteString(c, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"); err != nil {
+		if _, err := io.WriteString(c, request); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -357,7 +365,7 @@ func TestAdminStalledReadersYield(t *testing.T) {
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("a new client beside %d connections that read no answers: %v", maxAdminConns, err)
+			t.Fatalf("a new client beside %d connections that %s: %v", maxAdminConns, what, err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -373,36 +381,5 @@ func TestAdminUnfinishedBodiesYield(t *testing.T) {
 	adminBodyTimeout = 300 * time.Millisecond
 	defer func() { adminBodyTimeout = old }()
 	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
-	addr := strings.TrimPrefix(base, "http://")
-	var held []net.Conn
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
-	for range maxAdminConns {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, c)
-		if _, err := io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
-		resp, err := client.Get(base + "/healthz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("a new client beside %d connections that never sent their requests' bodies: %v", maxAdminConns, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	crowdAdmin(t, base, &net.Dialer{}, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n", "never sent their requests' bodies")
 }
