@@ -100,6 +100,11 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	if err != nil {
 		return nil, fmt.Errorf("admin endpoint on %s: %w", addr, err)
 	}
+	return newAdmin(ln, addr, deps), nil
+}
+
+// newAdmin serves the endpoint on ln, bound to addr.
+func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 	if deps.StoreReachable != nil {
 		deps.Metrics.GaugeFunc("rlsidecar_store_unreachable", "1 while Redis (on a Cluster: one of its masters, or more) does not answer: hybrid and global rules are decided by their failure policies, on a Cluster for the keys of the masters that do not answer (the daemon stays ready).", func() float64 {
 			if deps.StoreReachable() {
@@ -207,8 +212,7 @@ func NewAdmin(addr string, deps AdminDeps) (*Admin, error) {
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
 	idle := &idleConns{m: map[net.Conn]time.Time{}}
 	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
-	a := &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
-	return a, nil
+	return &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 }
 
 // maxAdminConns bounds the admin endpoint's connections at once; past it the one idle

@@ -320,16 +320,34 @@ func TestAdminStalledReadersYield(t *testing.T) {
 	adminWriteTimeout = 300 * time.Millisecond
 	defer func() { adminWriteTimeout = old }()
 	m := NewMetrics("test", 10)
-	// An answer larger than the two sockets' buffers hold (a few MB on loopback, the
-	// client's receive buffer made small): the server's first write blocks.
-	m.GaugeFunc("rlsidecar_test_big", strings.Repeat("x", 16<<20), func() float64 { return 1 })
-	base := startAdmin(t, AdminDeps{Metrics: m})
-	d := &net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		return rc.Control(func(fd uintptr) {
-			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		})
-	}}
-	crowdAdmin(t, base, d, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "read no answers")
+	// An answer larger than the two sockets' buffers hold, both made small (the server's
+	// on its listening socket, which its connections inherit): the server's first write
+	// blocks. Small buffers keep the answer small, which 64 handlers render at once
+	// (16 MB each took 20-40 s under -race on a busy machine).
+	m.GaugeFunc("rlsidecar_test_big", strings.Repeat("x", 1<<20), func() float64 { return 1 })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	setBuf := func(opt int) func(syscall.RawConn) error {
+		return func(rc syscall.RawConn) error {
+			return rc.Control(func(fd uintptr) {
+				_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, opt, 4096)
+			})
+		}
+	}
+	rc, err := ln.(*net.TCPListener).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := setBuf(syscall.SO_SNDBUF)(rc); err != nil {
+		t.Fatal(err)
+	}
+	a := newAdmin(ln, ln.Addr().String(), AdminDeps{Metrics: m})
+	go a.Serve()
+	t.Cleanup(func() { _ = a.Shutdown(context.Background()) })
+	d := &net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error { return setBuf(syscall.SO_RCVBUF)(rc) }}
+	crowdAdmin(t, "http://"+a.Addr(), d, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "read no answers")
 }
 
 // crowdAdmin holds maxAdminConns connections to the admin endpoint at base, dialed by d,
