@@ -308,6 +308,12 @@ type hostGuard struct {
 }
 
 func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.ContentLength != 0 {
+		// No route reads a body, but the server reads what is announced before it takes
+		// the connection's next request, and with no deadline of its own: also after a
+		// refusal below.
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(adminBodyTimeout))
+	}
 	if !g.hostAllowed(r.Host) && !(g.open && scrapeRoute(r)) {
 		names := "an IP address or localhost"
 		if g.bound != "" {
@@ -317,11 +323,6 @@ func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusMisdirectedRequest)
 		fmt.Fprintf(w, "refused: the admin endpoint answers requests addressed to %s, not to %q (a name that leads here may be a web page rebinding its DNS)\n", names, r.Host)
 		return
-	}
-	if r.ContentLength != 0 {
-		// No route reads a body, but the server reads what is announced before it takes
-		// the connection's next request, and with no deadline of its own.
-		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(adminBodyTimeout))
 	}
 	if r.Method == http.MethodDelete && g.lift != nil && strings.HasPrefix(r.RequestURI, "/bans/") {
 		g.lift(w, r)

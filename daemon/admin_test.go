@@ -401,3 +401,15 @@ func TestAdminUnfinishedBodiesYield(t *testing.T) {
 	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
 	crowdAdmin(t, base, &net.Dialer{}, "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n", "never sent their requests' bodies")
 }
+
+// Likewise for requests the host guard refuses (a Host naming no address of the
+// endpoint): the refusal is answered, and the server then waits for the announced body
+// as for any other. Before, the guard refused before the body's deadline was set, and
+// 64 such connections, never idle, kept every other client out for good.
+func TestAdminRefusedUnfinishedBodiesYield(t *testing.T) {
+	old := adminBodyTimeout
+	adminBodyTimeout = 300 * time.Millisecond
+	defer func() { adminBodyTimeout = old }()
+	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
+	crowdAdmin(t, base, &net.Dialer{}, "GET /bans HTTP/1.1\r\nHost: rebound.example\r\nContent-Length: 10\r\n\r\n", "were refused and never sent their requests' bodies")
+}
