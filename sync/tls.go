@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/asn1"
 	"errors"
 	"fmt"
 	"net"
@@ -211,7 +212,24 @@ func tlsHint(err error, caFile string) error {
 	}
 	var name x509.HostnameError
 	if errors.As(err, &name) {
+		if name.Certificate != nil && !hasSANs(name.Certificate) {
+			return fmt.Errorf("%w (the certificate has no subject alternative names, and its Common Name is not checked, so no name matches it: reissue it with the server's names or IPs as subject alternative names)", err)
+		}
 		return fmt.Errorf("%w (the name the certificate carries can be given in --redis-tls-server-name)", err)
 	}
 	return err
 }
+
+// hasSANs reports whether c has the subject alternative name extension, without which
+// crypto/x509 matches c to no host (its Common Name is not read): Redis's own
+// utils/gen-test-certs.sh makes such certificates.
+func hasSANs(c *x509.Certificate) bool {
+	for _, e := range c.Extensions {
+		if e.Id.Equal(oidSAN) {
+			return true
+		}
+	}
+	return false
+}
+
+var oidSAN = asn1.ObjectIdentifier{2, 5, 29, 17}

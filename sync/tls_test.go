@@ -119,6 +119,28 @@ func TestTLSClientCertificate(t *testing.T) {
 	}
 }
 
+// A server certificate with no subject alternative names (its name in its Common Name
+// only, as Redis's utils/gen-test-certs.sh makes them) is accepted by no name: the error
+// says to reissue it, and does not send the operator to --redis-tls-server-name, which
+// cannot help. Before, both the error dialing 127.0.0.1 and the one with the Common Name
+// as --redis-tls-server-name said "the name the certificate carries can be given in
+// --redis-tls-server-name".
+func TestTLSCommonNameOnly(t *testing.T) {
+	t.Parallel()
+	ca := redistest.NewCA(t, "private CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca, CommonNameOnly: true}))
+	for _, name := range []string{"", "redis-server"} {
+		rdb := openTLS(t, "rediss://"+srv.Addr, false, TLSOptions{CAFile: ca.CertFile, ServerName: name})
+		err := rdb.Ping(context.Background()).Err()
+		if err == nil {
+			t.Fatalf("server name %q: a certificate without subject alternative names was accepted", name)
+		}
+		if msg := err.Error(); strings.Contains(msg, "can be given in --redis-tls-server-name") || !strings.Contains(msg, "subject alternative names") {
+			t.Errorf("server name %q: %v; want the certificate's missing subject alternative names named, and no --redis-tls-server-name hint", name, err)
+		}
+	}
+}
+
 // A client certificate, and a CA, replaced on disk (cert-manager renewing them) are
 // used by the next connection, with no new client; files that changed to something
 // unusable are reported once and the previous contents kept.

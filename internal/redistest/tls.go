@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"math/big"
 	"net"
 	"os"
@@ -61,13 +62,22 @@ func (ca *CA) Issue(t testing.TB, cn string) (certFile, keyFile string) {
 // (as a rotation does), each by a rename so that no reader sees half a file.
 func (ca *CA) IssueTo(t testing.TB, cn, certFile, keyFile string) {
 	t.Helper()
-	der, key := makeCert(t, &x509.Certificate{
+	ca.issueTo(t, cn, certFile, keyFile, true)
+}
+
+// issueTo is IssueTo; without sans, the certificate names cn in its Common Name only.
+func (ca *CA) issueTo(t testing.TB, cn, certFile, keyFile string, sans bool) {
+	t.Helper()
+	tmpl := &x509.Certificate{
 		Subject:     pkix.Name{CommonName: cn},
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		DNSNames:    []string{"localhost"},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-	}, ca.cert, ca.key)
+	}
+	if sans {
+		tmpl.DNSNames = []string{"localhost"}
+		tmpl.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1)}
+	}
+	der, key := makeCert(t, tmpl, ca.cert, ca.key)
 	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
 	if err != nil {
 		t.Fatal(err)
@@ -141,6 +151,11 @@ type TLS struct {
 	// AuthClients makes the server refuse a client that presents no certificate the CA
 	// issued (tls-auth-clients yes: mutual TLS); else it asks for none.
 	AuthClients bool
+	// CommonNameOnly gives the server a certificate that names it ("redis-server") in
+	// its Common Name only, with no subject alternative names, as Redis's
+	// utils/gen-test-certs.sh makes them: Go's TLS clients accept it by no name. This
+	// package then checks the certificate's chain, not its name.
+	CommonNameOnly bool
 }
 
 // WithTLS makes StartStandalone's server, or StartCluster's nodes (tls-cluster yes: the
@@ -161,6 +176,22 @@ type tlsFiles struct {
 // serverTLS issues the certificate of a TLS server (or of every node of a cluster).
 func serverTLS(t testing.TB, c *TLS) *tlsFiles {
 	t.Helper()
-	cert, key := c.CA.Issue(t, "redis-server")
-	return &tlsFiles{cert: cert, key: key, client: c.CA.ClientConfig(t, cert, key)}
+	if !c.CommonNameOnly {
+		cert, key := c.CA.Issue(t, "redis-server")
+		return &tlsFiles{cert: cert, key: key, client: c.CA.ClientConfig(t, cert, key)}
+	}
+	dir := t.TempDir()
+	cert, key := filepath.Join(dir, "redis-server.crt"), filepath.Join(dir, "redis-server.key")
+	c.CA.issueTo(t, "redis-server", cert, key, false)
+	client := c.CA.ClientConfig(t, cert, key)
+	roots := client.RootCAs
+	client.InsecureSkipVerify = true // the name: checked below, the chain only
+	client.VerifyConnection = func(cs tls.ConnectionState) error {
+		if len(cs.PeerCertificates) == 0 {
+			return errors.New("redistest: no server certificate")
+		}
+		_, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: roots})
+		return err
+	}
+	return &tlsFiles{cert: cert, key: key, client: client}
 }
