@@ -73,7 +73,7 @@ rules:
 	}
 	ctx := context.Background()
 	done := make(chan error, 1)
-	go func() { done <- a.shared.round(ctx, a.shared.wallOf(now), true) }()
+	go func() { done <- a.shared.round(ctx, now, true) }()
 	select {
 	case <-gate.reached:
 	case <-time.After(30 * time.Second):
@@ -87,7 +87,7 @@ rules:
 		t.Fatal(err)
 	}
 	for _, l := range []*Limiter{a, b} {
-		if err := l.shared.round(ctx, l.shared.wallOf(now), true); err != nil {
+		if err := l.shared.round(ctx, now, true); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -14,9 +14,9 @@ import (
 // toward the next, longer ban. The answer that starts the ban says banned with that same
 // time; the next ban's length still grows from the configured one (20s × 2 = 40s, now
 // longer than the retry). In local mode, and in global mode on a standalone Redis and a
-// 3-master Cluster (ban.lua). The bans are on the injected clock, but a global rule's
-// bucket is on Redis's: there, only the steps while the bucket stays empty (its first
-// 30 s of real time) are taken.
+// 3-master Cluster (ban.lua). The bans are on the injected clock (global: Redis's clock
+// moved with it, Bans.Shift), but a global rule's bucket is on Redis's real one: there,
+// only the steps while the bucket stays empty (its first 30 s of real time) are taken.
 func TestBanLastsAsLongAsItsRefusal(t *testing.T) {
 	const yaml = `
 rules:
@@ -38,6 +38,7 @@ rules:
 			sec := int64(time.Second)
 			check := func(at int64) *Decision {
 				t.Helper()
+				shiftBans(time.Duration(at*sec), l)
 				if err := l.Check(t0+at*sec, &Input{Attrs: attrs("ip=1.1.1.1"), Cost: 1}, &d); err != nil {
 					t.Fatal(err)
 				}

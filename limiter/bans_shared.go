@@ -48,8 +48,10 @@ const maxKnownBans = 10_000
 //     refusals may pass unbanned, and refusals near the end of a `within` window may be
 //     counted in the next).
 //
-// Times in Redis are wall times; the limiter decides on its own clock (monotonic in the
-// daemon), converted with the local store's wall offset. Safe for concurrent use.
+// Times in Redis are Redis's clock (rlsync.Bans: Redis TIME decides the bans, so daemons
+// with skewed wall clocks agree on them); the limiter decides on its own clock
+// (monotonic in the daemon), which rlsync.Bans is given and measures Redis's clock
+// against (redisOf). Safe for concurrent use.
 type sharedBans struct {
 	b    *rlsync.Bans
 	wait time.Duration      // bounds a check's ban read and refusal count
@@ -71,14 +73,14 @@ type sharedBans struct {
 }
 
 type knownBan struct {
-	until int64 // wall ns
+	until int64 // Unix ns by Redis's clock
 	count uint32
 }
 
 type pendingRefusal struct {
 	n      uint64
 	policy rlsync.BanPolicy
-	admit  int64 // wall ns: the latest moment the rule would admit one of them again; 0: none
+	admit  int64 // the limiter's clock: the latest moment the rule would admit one of them again; 0: none
 }
 
 func policyOf(p *rules.Penalty) rlsync.BanPolicy {
@@ -93,6 +95,10 @@ func (l *Limiter) WithSharedBans(b *rlsync.Bans, wait time.Duration) *Limiter {
 	s := &sharedBans{b: b, wait: wait, wall: l.buckets, pending: map[string]*pendingRefusal{}}
 	s.known.Store(&map[string]knownBan{})
 	l.shared = s
+	if g, ok := l.stores[storeGlobal].(globalStore); ok {
+		g.bans = b // its ban checks' BanShift (tests)
+		l.stores[storeGlobal] = g
+	}
 	l.recompile(nil)
 	return l
 }
@@ -123,7 +129,7 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 			// The last round sends the pending refusals and indexes the bans they start:
 			// a ban only this daemon knew would otherwise never reach the others.
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(interval, time.Second))
-			err := s.round(fctx, s.wallOf(now()), false)
+			err := s.round(fctx, now(), false)
 			cancel()
 			if err != nil && onErr != nil {
 				onErr(err) // ctx is done: the caller can tell the last round's failure
@@ -135,7 +141,7 @@ func (l *Limiter) RunSharedBans(ctx context.Context, interval time.Duration, now
 			continue // a tick that raced the stop: the last round follows
 		}
 		rctx, cancel := context.WithTimeout(ctx, max(interval, time.Second))
-		err := s.round(rctx, s.wallOf(now()), anyPenalty(l.Rules()))
+		err := s.round(rctx, now(), anyPenalty(l.Rules()))
 		cancel()
 		// A round the stop cut is not reported: once ctx is done, onErr hears only the
 		// last round's outcome, which the caller reports as what the stop failed to
@@ -158,10 +164,18 @@ func (l *Limiter) LearnSharedBans(ctx context.Context, now int64) error {
 	if s == nil || !anyPenalty(l.Rules()) {
 		return nil
 	}
-	return s.round(ctx, s.wallOf(now), true)
+	return s.round(ctx, now, true)
 }
 
-func (s *sharedBans) wallOf(now int64) int64 { return now + s.wall.WallOffset() }
+// redisOf returns now (the limiter's clock) on Redis's clock, as this daemon last
+// measured the offset between them (rlsync.Bans.Offset: the limiter's clock is what it is
+// given, so a step of the wall clock does not move it); before it has, the wall clock.
+func (s *sharedBans) redisOf(now int64) int64 {
+	if off, ok := s.b.Offset(); ok {
+		return now + off
+	}
+	return now + s.wall.WallOffset()
+}
 
 // anyPenalty reports whether set has a penalty rule: without one nothing consults the
 // bans, so a round does not read the index (two Redis commands per interval, every
@@ -181,20 +195,24 @@ func anyPenalty(set *rules.Set) bool {
 // round sends the pending refusals, indexes the bans started here, then, if read (the
 // rules have a penalty rule), reads the index: what this daemon knows is the index, and
 // its own bans not yet indexed.
-func (s *sharedBans) round(ctx context.Context, wall int64, read bool) error {
-	ferr := s.flush(ctx, wall)
+func (s *sharedBans) round(ctx context.Context, now int64, read bool) error {
+	began := time.Now()
+	ferr := s.flush(ctx, now)
 	s.mu.Lock()
 	todo := s.unindexed
 	s.unindexed = nil
 	s.mu.Unlock()
 	var ierr error
-	if ierr = s.b.Index(ctx, wall, todo); ierr != nil {
+	if ierr = s.b.Index(ctx, todo); ierr != nil {
 		s.started(todo...) // retried next round
 	}
 	if !read {
 		return errors.Join(ferr, ierr)
 	}
-	list, err := s.b.Known(ctx, wall, maxKnownBans)
+	// The limiter's clock when Known is sent, which it measures Redis's clock against:
+	// the round's start plus what the flush and the index took.
+	now += int64(time.Since(began))
+	list, err := s.b.Known(ctx, now, maxKnownBans)
 	if err != nil {
 		return err
 	}
@@ -202,9 +220,10 @@ func (s *sharedBans) round(ctx context.Context, wall int64, read bool) error {
 	for _, b := range list {
 		m[b.Key] = knownBan{until: b.Until, count: b.Count}
 	}
+	rnow := s.redisOf(now) // as Known just measured it
 	s.mu.Lock()
 	for _, b := range s.unindexed {
-		if o, ok := m[b.Key]; b.Until > wall && (!ok || o.until < b.Until) {
+		if o, ok := m[b.Key]; b.Until > rnow && (!ok || o.until < b.Until) {
 			m[b.Key] = knownBan{until: b.Until, count: b.Count}
 		}
 	}
@@ -227,7 +246,7 @@ func (s *sharedBans) started(bans ...rlsync.SharedBan) {
 }
 
 // flush sends the pending refusals in one pipeline and learns the bans they started.
-func (s *sharedBans) flush(ctx context.Context, wall int64) error {
+func (s *sharedBans) flush(ctx context.Context, now int64) error {
 	s.mu.Lock()
 	if len(s.pending) == 0 {
 		s.mu.Unlock()
@@ -239,10 +258,10 @@ func (s *sharedBans) flush(ctx context.Context, wall int64) error {
 	}
 	clear(s.pending)
 	s.mu.Unlock()
-	err := s.b.Refused(ctx, wall, rs)
+	err := s.b.Refused(ctx, now, rs)
 	s.putBack(rs)
 	for i := range rs {
-		if rs[i].Until > wall {
+		if rs[i].Until > rs[i].At {
 			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
 		}
 		if rs[i].Started {
@@ -316,9 +335,10 @@ func (s *sharedBans) forget(key string) {
 	s.known.Store(&m)
 }
 
-// knownUntil returns when the ban of key this daemon knows ends (wall ns), or 0.
-func (s *sharedBans) knownUntil(key []byte, wall int64) int64 {
-	if b, ok := (*s.known.Load())[string(key)]; ok && b.until > wall {
+// knownUntil returns when the ban of key this daemon knows ends (Unix ns by Redis's
+// clock), or 0 when it is not in force at rnow (Redis's clock).
+func (s *sharedBans) knownUntil(key []byte, rnow int64) int64 {
+	if b, ok := (*s.known.Load())[string(key)]; ok && b.until > rnow {
 		return b.until
 	}
 	return 0
@@ -328,15 +348,15 @@ func (s *sharedBans) knownUntil(key []byte, wall int64) int64 {
 // from what this daemon knows. A global op's ban is checked in its store's script call
 // instead (store_global.go), so that Redis, not what a daemon last heard, decides it.
 func (s *sharedBans) check(now int64, d *Decision) {
-	off := s.wall.WallOffset()
-	wall := now + off
+	rnow := s.redisOf(now)
+	off := rnow - now
 	for i := range d.ops {
 		o := &d.ops[i]
 		if o.bans != bansHybrid {
 			continue
 		}
 		var buf [128]byte // the client a ban is of (rlsync.BanIdentity), on the stack when short
-		if u := s.knownUntil(rlsync.AppendBanIdentity(buf[:0], o.key), wall); u != 0 {
+		if u := s.knownUntil(rlsync.AppendBanIdentity(buf[:0], o.key), rnow); u != 0 {
 			o.bannedUntil = u - off
 		}
 	}
@@ -344,15 +364,12 @@ func (s *sharedBans) check(now int64, d *Decision) {
 
 // refused counts op i's refusal by rule r at now (the limiter's clock): at once in Redis
 // for a global op, returning when the ban it started (or found) ends on the limiter's
-// clock, 0 when none; for a hybrid op, added to the next interval's batch (0). admit
-// (the limiter's clock; 0: none) is when r would admit the request again: a ban these
-// refusals start lasts at least until then (rlsync.BanRefusal.Admit).
+// clock (now plus the time it had left by Redis's clock), 0 when none; for a hybrid op,
+// added to the next interval's batch (0). admit (the limiter's clock; 0: none) is when r
+// would admit the request again: a ban these refusals start lasts at least until then
+// (rlsync.BanRefusal.Admit).
 func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit int64) int64 {
 	o := &d.ops[i]
-	off := s.wall.WallOffset()
-	if admit != 0 {
-		admit += off
-	}
 	var buf [128]byte // a ban is of the client, under any window of r (rlsync.BanIdentity)
 	key := rlsync.AppendBanIdentity(buf[:0], o.key)
 	if o.bans == bansHybrid {
@@ -372,24 +389,24 @@ func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit
 	}
 	rs := [1]rlsync.BanRefusal{{Key: string(key), N: 1, Policy: policyOf(r.Penalty), Admit: admit}}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
-	err := s.b.Refused(ctx, now+off, rs[:])
+	err := s.b.Refused(ctx, now, rs[:])
 	cancel()
-	if err != nil || rs[0].Until == 0 {
+	if err != nil || rs[0].Until <= rs[0].At {
 		return 0
 	}
 	s.learn(rs[0].Key, knownBan{until: rs[0].Until, count: rs[0].Count})
 	if rs[0].Started {
 		s.started(rlsync.SharedBan{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count})
 	}
-	return rs[0].Until - off
+	return now + (rs[0].Until - rs[0].At)
 }
 
 // list appends the bans in force this daemon knows at now (the limiter's clock).
 func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
-	wall := s.wallOf(now)
+	rnow := s.redisOf(now)
 	for k, b := range *s.known.Load() {
-		if b.until > wall {
-			out = append(out, Ban{Rule: ruleOfKey(k, prefix), Key: k, Left: time.Duration(b.until - wall), Count: b.count})
+		if b.until > rnow {
+			out = append(out, Ban{Rule: ruleOfKey(k, prefix), Key: k, Left: time.Duration(b.until - rnow), Count: b.count})
 		}
 	}
 	return out
@@ -403,11 +420,11 @@ func (s *sharedBans) lift(key string, now int64) (bool, error) {
 	key = rlsync.BanIdentity(key) // as /bans lists it; a key under the rule's fingerprint too
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
 	defer cancel()
-	was, err := s.b.Lift(ctx, s.wallOf(now), key)
+	was, err := s.b.Lift(ctx, now, key)
 	if err != nil {
 		return false, err
 	}
-	was = was || s.knownUntil([]byte(key), s.wallOf(now)) != 0
+	was = was || s.knownUntil([]byte(key), s.redisOf(now)) != 0
 	s.forget(key)
 	s.mu.Lock()
 	s.unindexed = slices.DeleteFunc(s.unindexed, func(b rlsync.SharedBan) bool { return b.Key == key }) // not to index it again

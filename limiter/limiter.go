@@ -63,7 +63,7 @@ func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
 // (store_lease_global.go).
 func (l *Limiter) WithGlobal(g *rlsync.Global, timeout time.Duration) *Limiter {
 	l.global = &globalLeaseStore{g: g, wait: timeout, ls: l.leases, lim: l}
-	l.stores[storeGlobal] = globalStore{g, timeout, l.buckets, l.global}
+	l.stores[storeGlobal] = globalStore{g: g, wait: timeout, wall: l.buckets, leases: l.global}
 	l.stores[storeGlobalLease] = l.global
 	l.recompile(nil)
 	return l

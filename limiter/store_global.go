@@ -35,6 +35,7 @@ type globalStore struct {
 	wait   time.Duration
 	wall   *localbucket.Store // its WallOffset turns the limiter's clock into wall time
 	leases *globalLeaseStore
+	bans   *rlsync.Bans // the shared bans (WithSharedBans), for their Shift; nil: none
 }
 
 func (s globalStore) take(now int64, d *Decision) (bool, error) {
@@ -53,8 +54,11 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 		}
 		if o.bans == bansGlobal && (o.store == storeGlobal || o.store == storeGlobalLease) {
 			// The key's shared ban, checked in the same script call (same slot).
-			n.ops = append(n.ops, rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim,
-				Shadow: o.shadow, Ban: true, BanAt: now + s.wall.WallOffset()})
+			op := rlsync.GlobalOp{Key: rlsync.BanKey(string(o.key)), Limit: o.lim, Shadow: o.shadow, Ban: true}
+			if s.bans != nil {
+				op.BanShift = s.bans.ShiftOf()
+			}
+			n.ops = append(n.ops, op)
 			n.at = append(n.at, i)
 		}
 	}
@@ -78,16 +82,16 @@ func (s globalStore) take(now int64, d *Decision) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	s.results(d, n)
+	s.results(now, d, n)
 	return ok, nil
 }
 
-func (s globalStore) giveBack(_ int64, d *Decision) {
+func (s globalStore) giveBack(now int64, d *Decision) {
 	n := lastBatch[rlsync.GlobalOp](d, storeGlobal)
 	// Undo bounds itself (not by wait: the decision is made, only capacity is at stake).
 	// A failed refund, counted in RefundErrors, leaves capacity used until it refills.
 	_ = s.g.Undo(context.Background(), n.ops)
-	s.results(d, n)
+	s.results(now, d, n)
 }
 
 // skip asks Redis nothing (the request is already refused): its ops are reported as
@@ -95,15 +99,16 @@ func (s globalStore) giveBack(_ int64, d *Decision) {
 func (s globalStore) skip(_ int64, d *Decision) { d.markUnasked(storeGlobal) }
 
 // results reports each op's result; a ban check that found a ban in force marks its op
-// banned (Decide reports it as such) instead; a lease slot is left to the lease store.
-func (s globalStore) results(d *Decision, n *native[rlsync.GlobalOp]) {
-	off := s.wall.WallOffset()
+// banned (Decide reports it as such) instead, until now (the limiter's clock) plus the
+// time the ban had left by Redis's clock, which decided it; a lease slot is left to the
+// lease store.
+func (s globalStore) results(now int64, d *Decision, n *native[rlsync.GlobalOp]) {
 	for k, i := range n.at {
 		switch g := &n.ops[k]; {
 		case g.Lease != nil: // the lease store reports it
 		case g.Ban:
 			if g.BannedUntil != 0 {
-				d.ops[i].bannedUntil = g.BannedUntil - off
+				d.ops[i].bannedUntil = now + max(g.Result.RetryAfter, 1)
 			}
 		default:
 			d.report(i, &g.Result)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -17,7 +18,22 @@ import (
 //go:embed scripts/ban.lua
 var banSrc string
 
-var banScript = script{redis.NewScript(banSrc), banSrc}
+//go:embed scripts/ban_known.lua
+var banKnownSrc string
+
+//go:embed scripts/ban_lift.lua
+var banLiftSrc string
+
+var (
+	banScript      = script{redis.NewScript(banSrc), banSrc}
+	banKnownScript = script{redis.NewScript(banKnownSrc), banKnownSrc}
+	banLiftScript  = script{redis.NewScript(banLiftSrc), banLiftSrc}
+)
+
+// maxOffsetRTT bounds the round trip of a reply that measures the offset of Redis's
+// clock from the caller's ([Bans.Offset]) once one is known: a reply's Redis time is
+// placed in the middle of its round trip, so the estimate is off by at most half of it.
+const maxOffsetRTT = 250 * time.Millisecond
 
 // Bans is the penalty rules' escalating bans in hybrid and global modes, shared by every
 // daemon on one Redis under one prefix. Per client of a penalty rule, one hash
@@ -29,12 +45,63 @@ var banScript = script{redis.NewScript(banSrc), banSrc}
 // the bans raised elsewhere ([Bans.Known]). No rule name contains '@' or starts with '~',
 // so neither key is any rule's key under any prefix.
 //
-// Times are the daemons' wall clocks in Unix ns (ms in Redis), given by the caller, so a
-// ban ends at the same instant on every daemon (to their clocks' agreement) and tests can
-// inject a clock. Safe for concurrent use.
+// Clock: Redis TIME decides, in the scripts, the window of refusals, a ban's start and
+// end, what Known lists as in force and what Lift finds, so daemons whose wall clocks
+// differ (by minutes: NTP broken on one host) agree on who is banned and until when.
+// The ends Bans reports (BanRefusal.Until, SharedBan.Until) are Unix ns by Redis's
+// clock; a daemon that enforces a ban itself turns them into its own clock with the
+// offset Bans learns from Known's and Lift's replies ([Bans.Offset]), or with the time
+// left that a reply carries (BanRefusal.At). The now the methods take is the caller's
+// clock (Unix ns: its wall clock, or a clock that does not step, anchored to it; the
+// same in every call), used only to measure that offset and to turn a refusal's Admit,
+// on the same clock, into a delay. On a Cluster, the nodes' clocks are taken to agree (servers' clocks;
+// the daemons' may not).
+//
+// A daemon of a version before this wrote the ends by its own wall clock, in the same
+// fields and index: where its clock is right, the two agree; where it is not, its bans
+// are as wrong as they were before, and it reads the bans others raise no worse.
+//
+// Safe for concurrent use.
 type Bans struct {
 	rdb   redis.UniversalClient
 	index string
+	// off is the offset of Redis's clock from the caller's (ns), as last measured, at
+	// offAt (ns since offEpoch; 0: never); shift is added to Redis TIME (Shift).
+	off   atomic.Int64
+	offAt atomic.Int64
+	shift atomic.Int64
+}
+
+// offEpoch is what Bans.offAt counts from (a monotonic reading).
+var offEpoch = time.Now()
+
+// Offset returns Redis's clock minus the caller's, in ns, as the last reply of Known or
+// Lift measured it, and whether one has: Redis's time is the caller's now + Offset. It is
+// off by at most half a round trip: a reply slower than maxOffsetRTT is used only when
+// the estimate is a minute old (or there is none).
+func (b *Bans) Offset() (int64, bool) { return b.off.Load(), b.offAt.Load() != 0 }
+
+// Shift moves the clock the bans are decided on, Redis TIME, by d for every later call
+// of b (and of the global ban checks given BanShift = b.ShiftOf()): a testing aid, for
+// tests in which a ban's minutes must pass. The daemon never calls it.
+func (b *Bans) Shift(d time.Duration) { b.shift.Add(int64(d)) }
+
+// ShiftOf returns the sum of the shifts given to Shift (0 in the daemon).
+func (b *Bans) ShiftOf() time.Duration { return time.Duration(b.shift.Load()) }
+
+func (b *Bans) shiftMs() int64 { return b.shift.Load() / int64(time.Millisecond) }
+
+// measure learns the offset of Redis's clock from the caller's, given the caller's now
+// when the call began, the call's start (for its round trip) and Redis's time in the
+// reply (µs): Redis read it about halfway through the round trip.
+func (b *Bans) measure(now int64, start time.Time, redisUs int64) {
+	rtt := time.Since(start)
+	at := int64(time.Since(offEpoch)) + 1 // never 0
+	if last := b.offAt.Load(); rtt > maxOffsetRTT && last != 0 && at-last < int64(time.Minute) {
+		return // a slow reply: keep the estimate of a quicker one, while recent
+	}
+	b.off.Store(redisUs*int64(time.Microsecond) + int64(time.Microsecond)/2 - (now + int64(rtt)/2))
+	b.offAt.Store(at)
 }
 
 // NewBans returns the shared bans under prefix (checked by [CheckPrefix]) on c, a
@@ -111,11 +178,15 @@ type BanRefusal struct {
 	// Admit (Unix ns; 0: none) is when the rule would admit the refused requests again:
 	// a ban they start ends no earlier (its length for the escalation stays Policy's).
 	Admit int64
-	// Written by Refused: Until is the end of the client's ban in force (Unix ns), 0 when
-	// none; Count its number since the count decayed; Started: these refusals started it.
+	// Written by Refused: Until is the end of the client's ban in force (Unix ns by
+	// Redis's clock), 0 when none; Count its number since the count decayed; Started:
+	// these refusals started it; At: when they were counted (Unix ns by Redis's clock,
+	// in whole ms as the script judged it), so that Until-At is the time the ban had
+	// left then, no less (a ban they started: its length).
 	Until   int64
 	Count   uint32
 	Started bool
+	At      int64
 	// Unsent (written by Refused): the refusals did not reach Redis, for sure (no
 	// connection to it, or a reply saying the script did not run): the caller may send
 	// them again. Not after a timeout, which may have come after the script ran: sent
@@ -123,8 +194,9 @@ type BanRefusal struct {
 	Unsent bool
 }
 
-// Refused adds each refusal batch to its client's count at now (Unix ns), starting a ban
-// where the count reaches the policy's After, and writes what happened into rs. The
+// Refused adds each refusal batch to its client's count by Redis's clock, starting a ban
+// where the count reaches the policy's After, and writes what happened into rs. now is
+// the caller's wall clock (Unix ns): a refusal's Admit is taken as a delay from it. The
 // calls go in one pipeline. An error leaves the failed batches' results zero. The caller
 // adds the bans started to the index ([Bans.Index]): on a Cluster the index is on
 // another node, so it cannot be in the same script.
@@ -139,16 +211,16 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 		p := r.Policy
 		admit := (max(r.Admit, 0) + int64(time.Millisecond) - 1) / int64(time.Millisecond) // rounded up: never early
 		calls[i] = call{keys: []string{BanKey(r.Key)}, args: []any{ms, max(r.N, 1), p.After,
-			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1), admit}}
+			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1), admit, b.shiftMs()}}
 	}
 	run(ctx, b.rdb, banScript, calls)
 	var firstErr error
 	for i := range rs {
 		r := &rs[i]
-		r.Until, r.Count, r.Started, r.Unsent = 0, 0, false, false
+		r.Until, r.Count, r.Started, r.At, r.Unsent = 0, 0, false, 0, false
 		v, err := calls[i].cmd.Int64Slice()
-		if err == nil && len(v) != 3 {
-			err = fmt.Errorf("ban.lua replied %d values, want 3", len(v))
+		if err == nil && len(v) != 4 {
+			err = fmt.Errorf("ban.lua replied %d values, want 4", len(v))
 		}
 		if err != nil {
 			r.Unsent = notRun(err) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) ||
@@ -158,15 +230,14 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 			}
 			continue
 		}
-		r.Until, r.Count, r.Started = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1
+		r.Until, r.Count, r.Started, r.At = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1, v[3]/1000*int64(time.Millisecond)
 	}
 	return firstErr
 }
 
 // Index adds bans (as Refused reported them started) to the index, where every daemon
-// learns them ([Bans.Known]); now (Unix ns) sizes the index's TTL. It is idempotent: the
-// caller retries what failed.
-func (b *Bans) Index(ctx context.Context, now int64, bans []SharedBan) error {
+// learns them ([Bans.Known]). It is idempotent: the caller retries what failed.
+func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
 	if len(bans) == 0 {
 		return nil
 	}
@@ -178,13 +249,14 @@ func (b *Bans) Index(ctx context.Context, now int64, bans []SharedBan) error {
 	}
 	// The index lives until its last ban ends (and a minute more): reads drop ended
 	// members, but a deployment that stops reading it (no penalty rule left) would
-	// otherwise keep it for good. A TTL, not a time: the daemons' clocks need not agree
-	// with Redis's. NX gives one to an index without; GT only ever lengthens it.
-	ttl := max(last-now, 0)/int64(time.Millisecond) + time.Minute.Milliseconds()
+	// otherwise keep it for good. The ends are by Redis's clock (less any Shift), so the
+	// expiry is a time, PEXPIREAT, whatever the daemon's clock says. NX gives one to an
+	// index without; GT only ever lengthens it.
+	at := (last-int64(b.ShiftOf()))/int64(time.Millisecond) + time.Minute.Milliseconds()
 	pipe := b.rdb.Pipeline()
 	add := pipe.ZAdd(ctx, b.index, zs...)
-	pipe.Do(ctx, "PEXPIRE", b.index, ttl, "NX")
-	pipe.Do(ctx, "PEXPIRE", b.index, ttl, "GT")
+	pipe.Do(ctx, "PEXPIREAT", b.index, at, "NX")
+	pipe.Do(ctx, "PEXPIREAT", b.index, at, "GT")
 	if _, err := pipe.Exec(ctx); err != nil && add.Err() != nil {
 		return fmt.Errorf("adding %d bans to the index %s: %w", len(bans), b.index, add.Err())
 	}
@@ -244,26 +316,46 @@ func member(count int64, key string) string { return strconv.FormatInt(count, 10
 // SharedBan is a ban in force, as [Bans.Known] lists it.
 type SharedBan struct {
 	Key   string // the rule's client key: <prefix><rule>:{<client>}
-	Until int64  // Unix ns
+	Until int64  // Unix ns by Redis's clock
 	Count uint32
 }
 
-// Known lists at most limit bans in force at now (Unix ns) from the index, latest to end
+// Known lists at most limit bans in force by Redis's clock from the index, latest to end
 // first (past limit, the bans ending soonest are left out), and drops the index's ended
-// ones. A key banned again appears once, with its latest ban.
+// ones. A key banned again appears once, with its latest ban. now is the caller's wall
+// clock (Unix ns) when it calls: the reply's Redis time measures the offset ([Bans.Offset]).
 func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, error) {
-	ms := now / int64(time.Millisecond)
-	pipe := b.rdb.Pipeline()
-	pipe.ZRemRangeByScore(ctx, b.index, "-inf", strconv.FormatInt(ms, 10))
-	zs := pipe.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{Key: b.index, ByScore: true, Rev: true,
-		Start: "+inf", Stop: "(" + strconv.FormatInt(ms, 10), Count: int64(limit)})
-	if _, err := pipe.Exec(ctx); err != nil {
+	start := time.Now()
+	calls := []call{{keys: []string{b.index}, args: []any{max(limit, 1), b.shiftMs()}}}
+	run(ctx, b.rdb, banKnownScript, calls)
+	v, err := calls[0].cmd.Slice()
+	if err != nil {
 		return nil, fmt.Errorf("reading the ban index %s: %w", b.index, err)
 	}
+	var (
+		at int64
+		zs []any
+		ok = len(v) == 2
+	)
+	if ok {
+		at, ok = v[0].(int64)
+	}
+	if ok {
+		zs, ok = v[1].([]any)
+	}
+	if !ok || len(zs)%2 != 0 {
+		return nil, fmt.Errorf("reading the ban index %s: ban_known.lua replied %v", b.index, v)
+	}
+	b.measure(now, start, at)
 	latest := map[string]int{}
 	var out []SharedBan
-	for _, z := range zs.Val() {
-		m, _ := z.Member.(string)
+	for i := 0; i < len(zs); i += 2 {
+		m, _ := zs[i].(string)
+		sc, _ := zs[i+1].(string)
+		score, err := strconv.ParseFloat(sc, 64)
+		if err != nil {
+			continue // not a score
+		}
 		cs, key, ok := strings.Cut(m, "|")
 		n, err := strconv.ParseUint(cs, 10, 32)
 		if !ok || err != nil {
@@ -273,7 +365,7 @@ func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, er
 			continue // not ours
 		}
 		key = BanIdentity(key) // a member an earlier version indexed under the rule's fingerprint
-		sb := SharedBan{Key: key, Until: int64(z.Score) * int64(time.Millisecond), Count: uint32(n)}
+		sb := SharedBan{Key: key, Until: int64(score) * int64(time.Millisecond), Count: uint32(n)}
 		if j, seen := latest[key]; seen {
 			if sb.Until > out[j].Until {
 				out[j] = sb
@@ -288,27 +380,24 @@ func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, er
 
 // Lift ends the ban of key (a rule's client key) and forgets its refusals and bans, in
 // Redis: every daemon stops enforcing it at its next read of the index (global checks at
-// once). It reports whether key was banned at now.
+// once). It reports whether key was banned, by Redis's clock. now is the caller's wall
+// clock (Unix ns) when it calls: the reply's Redis time measures the offset.
 func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
-	bk := BanKey(key)
-	v, err := b.rdb.HMGet(ctx, bk, "u", "c").Result()
+	start := time.Now()
+	calls := []call{{keys: []string{BanKey(key)}, args: []any{b.shiftMs()}}}
+	run(ctx, b.rdb, banLiftScript, calls)
+	v, err := calls[0].cmd.Int64Slice()
+	if err == nil && len(v) != 3 {
+		err = fmt.Errorf("ban_lift.lua replied %d values, want 3", len(v))
+	}
 	if err != nil {
 		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
 	}
-	var u, c int64
-	if s, ok := v[0].(string); ok {
-		u, _ = strconv.ParseInt(s, 10, 64)
-	}
-	if s, ok := v[1].(string); ok {
-		c, _ = strconv.ParseInt(s, 10, 64)
-	}
-	if err := b.rdb.Del(ctx, bk).Err(); err != nil {
-		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
-	}
-	if c > 0 {
+	b.measure(now, start, v[2])
+	if c := v[1]; c > 0 {
 		if err := b.rdb.ZRem(ctx, b.index, member(c, key)).Err(); err != nil {
 			return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
 		}
 	}
-	return u*int64(time.Millisecond) > now, nil
+	return v[0] > v[2]/int64(time.Millisecond/time.Microsecond), nil
 }

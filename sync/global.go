@@ -66,12 +66,13 @@ type GlobalOp struct {
 	// its start in Key, and the key expires this long after its last take (+1 s).
 	WindowLeft time.Duration
 	// Ban makes the op a ban check, not a limit: Key is a ban key (BanKey, on the slot
-	// of the client's other keys), BanAt the daemon's wall clock (Unix ns), Cost 0, and
-	// Limit any non-nil limit (reported, not applied). It is refused, and with it the
-	// check, while the ban is in force; Check then writes the ban's end (Unix ns) in
-	// BannedUntil. See global_policies.go.
+	// of the client's other keys), Cost 0, and Limit any non-nil limit (reported, not
+	// applied). It is refused, and with it the check, while the ban is in force by Redis
+	// TIME (plus BanShift, [Bans.Shift]: 0 but in tests); Check then writes the ban's end
+	// (Unix ns by Redis's clock) in BannedUntil, and the time left until it in
+	// Result.RetryAfter. See global_policies.go.
 	Ban         bool
-	BanAt       int64
+	BanShift    time.Duration
 	BannedUntil int64
 	// Lease, set by [LeaseCheck], makes the op a concurrency lease's slot instead of a
 	// limit: decided in the script call of its hash slot with the request's other ops,

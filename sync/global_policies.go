@@ -24,7 +24,7 @@ const (
 //   - a calendar window (algorithm 3): requests, its length in µs, requests, the time
 //     left in it at the daemon's clock in µs (GlobalOp.WindowLeft; at least 1), cost,
 //     shadow. Its key names the window, so the script needs no clock for it;
-//   - a ban check (algorithm 5): 1, 1, 1, the daemon's wall clock in ms, 0, shadow;
+//   - a ban check (algorithm 5): 1, 1, 1, the shift of Redis TIME in ms (tests), 0, shadow;
 //   - a lease slot (algorithm 6): max, the lease in ms (at least 1), the member,
 //     LeaseGrace in ms, take (0/1), shadow;
 //   - a token bucket with a delay (algorithm 4): as a token bucket, with the delay in µs
@@ -37,7 +37,7 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 		shadow = 1
 	}
 	if op.Ban {
-		return append(args, algBan, 1, 1, 1, op.BanAt/int64(time.Millisecond), 0, shadow)
+		return append(args, algBan, 1, 1, 1, op.BanShift.Milliseconds(), 0, shadow)
 	}
 	if lo := op.Lease; lo != nil {
 		return append(args, algLease, lo.Max, max(lo.Lease.Milliseconds(), 1), op.member,

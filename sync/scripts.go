@@ -8,7 +8,7 @@ import (
 
 // scriptSources are the sources of every script the daemon runs.
 func scriptSources() []string {
-	return []string{globalSrc, refundSrc, hybridLua, heartbeatLua, banSrc, leaseSrc}
+	return []string{globalSrc, refundSrc, hybridLua, heartbeatLua, banSrc, banKnownSrc, banLiftSrc, leaseSrc}
 }
 
 // LoadScripts loads every script the daemon runs into Redis's script cache (SCRIPT

@@ -32,10 +32,10 @@
 --     slot: a take that would pass within the delay passes now (its tokens reserved) and
 --     the reply's last value (window_us for the others) is how long to wait, in ns.
 --   5 ban check: the key is a penalty rule's ban key (sync.BanKey: the client's slot, so
---     in the call of the client's other keys), the emission_ns slot the daemon's wall
---     clock in ms, cost 0. Refused while the ban it holds (field u, its end in ms, written
---     by ban.lua) is in force, with retry_after_ns to its end and the ban's end (ms) as
---     the last value; never written. A banned client's checks so commit nothing, in the
+--     in the call of the client's other keys), the emission_ns slot a shift in ms added
+--     to Redis TIME (0 but in tests), cost 0. Refused while the ban it holds (field u, its
+--     end in Unix ms by Redis's clock, written by ban.lua) is in force by Redis TIME, with
+--     retry_after_ns to its end and the ban's end (ms) as the last value; never written. A banned client's checks so commit nothing, in the
 --     same round trip as the checks themselves.
 --   6 concurrency lease slot (sync.LeaseCheck): the key is a concurrency rule's sorted
 --     set, exactly as lease.lua keeps it (its header: members "<lease id>:<part>" scored
@@ -333,9 +333,11 @@ local function take_calendar(st, requests, left, cost)
   return allowed, impossible, remaining, reset, retry, 0, left * 1000, consumed
 end
 
--- Ban check (algorithm 5). st.u = the ban's end, ms; now_ms: the daemon's clock.
-local function take_ban(st, now_ms)
+-- Ban check (algorithm 5). st.u = the ban's end, ms of Redis's clock; shift: ms added to
+-- it (tests).
+local function take_ban(st, shift)
   local u = st.u or 0
+  local now_ms = floor(now / 1000) + shift
   if u > now_ms then
     return 0, 0, 0, 0, (u - now_ms) * 1000000, u, 0, false
   end
