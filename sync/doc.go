@@ -5,10 +5,11 @@
 // Every key carries a hash tag holding exactly one client's identity (see the rules
 // package's key encoding), so one client's counters share a slot and a script can touch
 // them atomically. Every key has a TTL, so idle clients vanish. Redis TIME is the only
-// clock a limit's script uses: daemons whose clocks disagree still agree on the windows.
-// Two exceptions take the daemon's wall clock, because their bounds are the daemon's to
-// compute: a calendar window (its key names the window, from the rule's time zone) and
-// a ban (its end and decay, in ban.lua).
+// clock a limit's script and the shared bans' scripts use: daemons whose clocks disagree
+// still agree on the windows and on who is banned until when (a daemon converts a ban's
+// end to its own clock with the offset it measures, see Bans). One exception takes the
+// daemon's wall clock, because its bounds are the daemon's to compute: a calendar window
+// (its key names the window, from the rule's time zone).
 //
 // Import it as rlsync; the name mirrors the design's layout, not the standard library.
 package sync
