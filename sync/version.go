@@ -11,7 +11,7 @@ import (
 )
 
 // MinRedisVersion is the oldest Redis all of the daemon's commands run on: the shared
-// bans' index takes its TTL with PEXPIRE NX and GT (Redis 7.0) and is read with ZRANGE
+// bans' index takes its expiry with PEXPIREAT NX and GT (Redis 7.0) and is read with ZRANGE
 // BYSCORE REV (6.2). On an older Redis these fail, and the first failure is not seen
 // where it happens (the ZADD beside it succeeds): the index kept no TTL.
 var MinRedisVersion = [2]int{7, 0}
