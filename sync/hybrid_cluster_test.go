@@ -312,3 +312,133 @@ func TestHybridClusterSlotMigrating(t *testing.T) {
 		t.Fatalf("the other key counts %d (%v), want 4", n, err)
 	}
 }
+
+// A slot migrating with two keys of one client in it (two rules, one hash tag), one of
+// them already moved, and a key of another slot of the same master: a sync call leads
+// with the slot's keys. Its declared keys are now every key of that slot, so Redis runs
+// it only where all of them are, and answers TRYAGAIN while they are split: the slot's
+// keys wait for the next sync, untouched, and the call's other key goes again on its
+// own, synced at once. Before, only the first key was declared: led by the moved key,
+// the call went by ASK to the target, which read the other key of the slot, not yet
+// moved, as absent and wrote it afresh (MIGRATE then refused it: BUSYKEY), and the key
+// of the other slot was not served there, its units left pending for the whole
+// migration. Each of the two keys is the moved one in turn (which leads the call is
+// the daemon's order, not the test's).
+func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	master := func(k string) string {
+		m, err := cc.MasterForKey(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Options().Addr
+	}
+	// Two clients whose slots are on one master, low and high below another client's
+	// slot on it, which does not move.
+	var tags []string
+	for i := 0; len(tags) < 3; i++ {
+		k := fmt.Sprintf("{user=%d}", i)
+		if len(tags) == 0 || master(k) == master(tags[0]) && Slot(k) > Slot(tags[len(tags)-1]) {
+			tags = append(tags, k)
+		}
+	}
+	from := master(tags[0])
+	var to string
+	for _, a := range cl.Addrs {
+		if a != from {
+			to = a
+			break
+		}
+	}
+	nodes := map[string]*redis.Client{}
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		defer c.Close()
+		nodes[a] = c
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	other := "rl:c:" + tags[2]
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	host, port, _ := strings.Cut(to, ":")
+	for phase, tag := range tags[:2] {
+		keys := []string{"rl:a:" + tag, "rl:b:" + tag}
+		moved, left := keys[phase], keys[1-phase]
+		all := append(keys, other)
+		use := func() {
+			now := time.Now().UnixNano()
+			for _, k := range all {
+				take(h, now, k, lim, 1)
+			}
+			if err := h.Flush(ctx, now); err != nil {
+				t.Fatalf("phase %d: a sync meeting a migrating slot failed: %v", phase, err)
+			}
+		}
+		count := func(c *redis.Client, k string) int {
+			n, err := c.HGet(ctx, k, "n").Int()
+			if err != nil && err != redis.Nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		use()
+		base := count(nodes[from], other)
+		slot := Slot(tag)
+		if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := nodes[from].Do(ctx, "MIGRATE", host, port, moved, 0, 5000).Err(); err != nil {
+			t.Fatalf("phase %d: MIGRATE %s: %v", phase, moved, err)
+		}
+		for range 3 { // three syncs while the slot is split
+			use()
+		}
+		// The key not yet moved is on the source only.
+		pipe := nodes[to].Pipeline()
+		pipe.Do(ctx, "ASKING")
+		ex := pipe.Exists(ctx, left)
+		if _, err := pipe.Exec(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if ex.Val() != 0 {
+			t.Errorf("phase %d: %s, not moved yet, was written on the target while its slot migrated", phase, left)
+		}
+		if got := count(nodes[from], other); got != base+3 {
+			t.Errorf("phase %d: the key of the other slot counts %d on its master after three syncs, want %d", phase, got, base+3)
+		}
+		if err := nodes[from].Do(ctx, "MIGRATE", host, port, left, 0, 5000).Err(); err != nil {
+			t.Fatalf("phase %d: MIGRATE %s: %v", phase, left, err)
+		}
+		for _, a := range append([]string{to, from}, cl.Addrs...) {
+			if err := nodes[a].Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", ids[to]).Err(); err != nil {
+				t.Fatalf("SETSLOT NODE on %s: %v", a, err)
+			}
+		}
+		// Once the slot is handed over, its keys count every unit, once: 4 each.
+		deadline := time.Now().Add(10 * time.Second)
+		for count(nodes[to], keys[0]) != 4 || count(nodes[to], keys[1]) != 4 {
+			if time.Now().After(deadline) {
+				t.Fatalf("phase %d: the slot's keys count %d and %d on the target, want 4 each", phase, count(nodes[to], keys[0]), count(nodes[to], keys[1]))
+			}
+			time.Sleep(50 * time.Millisecond)
+			if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}

@@ -728,9 +728,10 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 // With applied, send hands it each call's items once their replies (or errors) are in,
 // as each pipeline comes back: on a cluster, one master's before another's.
 //
-// On a cluster a call carries keys of one master and declares only its first key (which
-// routes it): the script reaches the others, in other slots of the same node, from ARGV.
-// One sync is then one pipeline per master, however many slots its keys span.
+// On a cluster a call carries keys of one master and declares only the keys of its
+// first key's slot (which route it: firstSlotKeys): the script reaches the others, in
+// other slots of the same node, from ARGV. One sync is then one pipeline per master,
+// however many slots its keys span.
 func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, perPipe int, applied func([]syncItem)) error {
 	var nodes, callNode []string
 	if h.cluster {
@@ -764,7 +765,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 	run := func(pipe redis.Pipeliner, c *syncCall, load bool) {
 		declared := len(c.items)
 		if h.cluster {
-			declared = 1
+			declared = firstSlotKeys(c.items)
 		}
 		keys := make([]string, declared, declared+1)
 		beatTTL := int64(0)
@@ -821,6 +822,30 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			c.cmd = hybridScript.EvalSha(ctx, pipe, keys, args...)
 		}
 	}
+	// exec sends calls in one pipeline, and those that come back NOSCRIPT again with EVAL.
+	exec := func(calls []syncCall) error {
+		pipe := h.rdb.Pipeline()
+		for i := range calls {
+			run(pipe, &calls[i], false)
+		}
+		_, err := pipe.Exec(ctx)
+		if err != nil {
+			var again []*syncCall
+			for i := range calls {
+				if isNoScriptErr(calls[i].cmd.Err()) {
+					again = append(again, &calls[i])
+				}
+			}
+			if len(again) > 0 {
+				pipe = h.rdb.Pipeline()
+				for _, c := range again {
+					run(pipe, c, true)
+				}
+				_, err = pipe.Exec(ctx)
+			}
+		}
+		return err
+	}
 	// pipeline sends calls, perPipe a pipeline, one pipeline after another. Once the
 	// time left before ctx's deadline is less than twice the slowest pipeline's so far, it
 	// sends no more: the rest carry errNoTime, left for the next sync, rather than go in a
@@ -852,32 +877,27 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 				continue
 			}
 			sentAt := time.Now()
-			pipe := h.rdb.Pipeline()
+			err := exec(batch)
 			for i := range batch {
-				run(pipe, &batch[i], false)
+				moved = parseSyncReply(&batch[i]) || moved
 			}
-			_, err := pipe.Exec(ctx)
-			if err != nil {
-				var again []*syncCall
-				for i := range batch {
-					if isNoScriptErr(batch[i].cmd.Err()) {
-						again = append(again, &batch[i])
-					}
+			// A call refused with TRYAGAIN (its first slot migrating, its keys there split
+			// between the two nodes) ran nothing: the keys of that slot wait for the next
+			// sync, and the call's other keys go again at once, led by their own first key.
+			for rest := splitTryAgain(batch); len(rest) > 0 && ctx.Err() == nil; rest = splitTryAgain(rest) {
+				if err2 := exec(rest); err == nil || redis.HasErrorPrefix(err, "TRYAGAIN") {
+					err = err2
 				}
-				if len(again) > 0 {
-					pipe = h.rdb.Pipeline()
-					for _, c := range again {
-						run(pipe, c, true)
-					}
-					_, err = pipe.Exec(ctx)
+				for i := range rest {
+					moved = parseSyncReply(&rest[i]) || moved
 				}
+			}
+			if err != nil && redis.HasErrorPrefix(err, "TRYAGAIN") {
+				err = nil // its keys wait for the next sync (errNotServed)
 			}
 			slowest = max(slowest, time.Since(sentAt))
 			if err != nil && firstErr == nil {
 				firstErr = err
-			}
-			for i := range batch {
-				moved = parseSyncReply(&batch[i]) || moved
 			}
 			if applied != nil {
 				for i := range batch {
@@ -924,6 +944,51 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		}
 	}
 	return firstErr
+}
+
+// firstSlotKeys returns how many of items, from the first, are in the first one's hash
+// slot: the keys a cluster sync call declares (items come sorted by master, then slot).
+// The call's other keys, of other slots of the same master, are named in ARGV.
+//
+// Every key of the first slot is declared, not the first alone: while that slot
+// migrates, Redis then runs the call only where all of them are (on the source, or, by
+// ASK, on the target), and answers TRYAGAIN while they are split. With only the first
+// declared, a call led by a key that had moved went by ASK to the target, where a key
+// of the same slot not yet moved read as absent (the slot importing, the call ASKING)
+// and was written afresh: its client had a whole new budget there, and the slot's
+// migration then failed on that key (BUSYKEY).
+func firstSlotKeys(items []syncItem) int {
+	s := Slot(items[0].e.key())
+	n := 1
+	for n < len(items) && Slot(items[n].e.key()) == s {
+		n++
+	}
+	return n
+}
+
+// splitTryAgain returns, for each of calls that Redis refused with TRYAGAIN (it ran
+// nothing), a call of its keys past its first slot's, and marks the first slot's keys
+// not served (errNotServed: they stay pending for the next sync, no failure). A call of
+// one slot's keys alone gives none.
+func splitTryAgain(calls []syncCall) []syncCall {
+	var rest []syncCall
+	for i := range calls {
+		c := &calls[i]
+		if c.cmd == nil || !redis.HasErrorPrefix(c.cmd.Err(), "TRYAGAIN") {
+			continue
+		}
+		n := firstSlotKeys(c.items)
+		for k := range c.items[:n] {
+			c.items[k].err = errNotServed
+		}
+		if n < len(c.items) {
+			for k := range c.items[n:] {
+				c.items[n+k].err = nil // sent again: its own reply or error will tell
+			}
+			rest = append(rest, syncCall{items: c.items[n:]})
+		}
+	}
+	return rest
 }
 
 // callNums and syncArgs are how many numbers scripts/hybrid.lua takes per call (before

@@ -50,8 +50,9 @@
 -- it reserved is given back. A sync whose token was already applied changes nothing and
 -- answers the same grant.
 --
--- KEYS: the keys, declared (on a cluster: the first key only, which routes the call to
--- its master; the others follow in ARGV).
+-- KEYS: the keys, declared (on a cluster: the keys of the first key's slot, which
+-- route the call to its master, all of them so that Redis runs the call only where all
+-- are while that slot migrates; the others follow in ARGV).
 -- ARGV[1] daemon id; ARGV[2] every number of the call, each a little-endian 64-bit
 -- integer (struct.unpack: one string for Redis to hand over, not one per number, which
 -- cost a single-key call about a sixth of its time); ARGV[3..] the names of the keys not
