@@ -394,10 +394,61 @@ func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
 		return false, fmt.Errorf("lifting the ban of %s: %w", key, err)
 	}
 	b.measure(now, start, v[2])
+	was := v[0] > v[2]/int64(time.Millisecond/time.Microsecond)
 	if c := v[1]; c > 0 {
 		if err := b.rdb.ZRem(ctx, b.index, member(c, key)).Err(); err != nil {
 			return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
 		}
+		return was, nil
 	}
-	return v[0] > v[2]/int64(time.Millisecond/time.Microsecond), nil
+	// No ban key: no ban, or a lift whose removal from the index failed after it deleted
+	// the key (the index is on another slot, on a Cluster another master, which may be
+	// down or failing over). The member's name holds the ban's count, which went with the
+	// key: find the index's members of key by scanning. Before, a lift tried again after
+	// such a failure left the member, answered as done, and every daemon read the ban
+	// back from the index at its next round and enforced it until its end.
+	if err := b.unindex(ctx, key); err != nil {
+		return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
+	}
+	return was, nil
+}
+
+// unindex removes from the index every member of key, whatever its count.
+func (b *Bans) unindex(ctx context.Context, key string) error {
+	var stale []any
+	var cursor uint64
+	match := "*|" + globEscape(key)
+	for {
+		ms, next, err := b.rdb.ZScan(ctx, b.index, cursor, match, 1000).Result()
+		if err != nil {
+			return err
+		}
+		for i := 0; i < len(ms); i += 2 { // member, score
+			if cs, k, ok := strings.Cut(ms[i], "|"); ok && k == key {
+				if _, err := strconv.ParseUint(cs, 10, 32); err == nil {
+					stale = append(stale, ms[i])
+				}
+			}
+		}
+		if cursor = next; cursor == 0 {
+			break
+		}
+	}
+	if len(stale) == 0 {
+		return nil
+	}
+	return b.rdb.ZRem(ctx, b.index, stale...).Err()
+}
+
+// globEscape escapes s for a Redis MATCH pattern: every byte taken literally.
+func globEscape(s string) string {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '*', '?', '[', ']', '\\':
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
