@@ -442,3 +442,96 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 		}
 	}
 }
+
+// A slot left migrating with all its keys moved (a reshard stopped before it handed the
+// slot over: redis-cli interrupted, or an error, until `redis-cli --cluster fix`): a
+// sync call led by the slot's keys goes by ASK to the target, which serves them but not
+// the call's keys of other slots. Those must still be synced, each sync, not left
+// pending for as long as the slot stays so.
+func TestHybridClusterSlotMigratingStuck(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	master := func(k string) string {
+		m, err := cc.MasterForKey(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Options().Addr
+	}
+	var tags []string
+	for i := 0; len(tags) < 2; i++ {
+		k := fmt.Sprintf("{user=%d}", i)
+		if len(tags) == 0 || master(k) == master(tags[0]) && Slot(k) > Slot(tags[0]) {
+			tags = append(tags, k)
+		}
+	}
+	from := master(tags[0])
+	var to string
+	for _, a := range cl.Addrs {
+		if a != from {
+			to = a
+			break
+		}
+	}
+	nodes := map[string]*redis.Client{}
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		defer c.Close()
+		nodes[a] = c
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	keys := []string{"rl:a:" + tags[0], "rl:b:" + tags[0]}
+	other := "rl:c:" + tags[1]
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	use := func() {
+		now := time.Now().UnixNano()
+		for _, k := range append(keys, other) {
+			take(h, now, k, lim, 1)
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatalf("a sync meeting a migrating slot failed: %v", err)
+		}
+	}
+	use()
+	base, _ := nodes[from].HGet(ctx, other, "n").Int()
+	slot := Slot(tags[0])
+	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	host, port, _ := strings.Cut(to, ":")
+	if err := nodes[from].Do(ctx, "MIGRATE", host, port, "", 0, 5000, "KEYS", keys[0], keys[1]).Err(); err != nil {
+		t.Fatalf("MIGRATE: %v", err)
+	}
+	for range 3 {
+		use()
+	}
+	if got, _ := nodes[from].HGet(ctx, other, "n").Int(); got != base+3 {
+		t.Errorf("the key of the other slot counts %d on its master after three syncs, want %d", got, base+3)
+	}
+	for _, k := range keys {
+		pipe := nodes[to].Pipeline()
+		pipe.Do(ctx, "ASKING")
+		n := pipe.HGet(ctx, k, "n")
+		if _, err := pipe.Exec(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := n.Int(); got != 4 {
+			t.Errorf("%s counts %d on the target, want 4", k, got)
+		}
+	}
+}

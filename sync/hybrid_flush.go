@@ -881,10 +881,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			for i := range batch {
 				moved = parseSyncReply(&batch[i]) || moved
 			}
-			// A call refused with TRYAGAIN (its first slot migrating, its keys there split
-			// between the two nodes) ran nothing: the keys of that slot wait for the next
-			// sync, and the call's other keys go again at once, led by their own first key.
-			for rest := splitTryAgain(batch); len(rest) > 0 && ctx.Err() == nil; rest = splitTryAgain(rest) {
+			// A call whose first slot migrates (TRYAGAIN, or served by ASK on the target):
+			// its other keys go again at once, led by their own first key (splitAgain).
+			for rest := splitAgain(batch); len(rest) > 0 && ctx.Err() == nil; rest = splitAgain(rest) {
 				if err2 := exec(rest); err == nil || redis.HasErrorPrefix(err, "TRYAGAIN") {
 					err = err2
 				}
@@ -966,29 +965,61 @@ func firstSlotKeys(items []syncItem) int {
 	return n
 }
 
-// splitTryAgain returns, for each of calls that Redis refused with TRYAGAIN (it ran
-// nothing), a call of its keys past its first slot's, and marks the first slot's keys
-// not served (errNotServed: they stay pending for the next sync, no failure). A call of
-// one slot's keys alone gives none.
-func splitTryAgain(calls []syncCall) []syncCall {
+// splitAgain returns the calls to send again at once, of the keys of calls past their
+// first slot's:
+//
+//   - of a call Redis refused with TRYAGAIN (it ran nothing: its first slot migrating,
+//     that slot's keys split between the two nodes), whose first slot's keys it marks
+//     not served (errNotServed: pending for the next sync, no failure);
+//   - of a call whose first slot's keys were served and every other key not: it went by
+//     ASK to the node importing that slot, which serves no other slot of the call. That
+//     lasts while the slot migrates, and for good when a reshard stopped before it
+//     handed the slot over: the other keys would never be synced. Sent again, led by
+//     their own first key, they reach their master. (Were the slot map stale instead,
+//     the call sent again is not served either, and is not sent a third time.)
+//
+// A call of one slot's keys alone gives none.
+func splitAgain(calls []syncCall) []syncCall {
 	var rest []syncCall
 	for i := range calls {
 		c := &calls[i]
-		if c.cmd == nil || !redis.HasErrorPrefix(c.cmd.Err(), "TRYAGAIN") {
+		if c.cmd == nil {
 			continue
 		}
 		n := firstSlotKeys(c.items)
-		for k := range c.items[:n] {
-			c.items[k].err = errNotServed
+		if n == len(c.items) {
+			continue
 		}
-		if n < len(c.items) {
-			for k := range c.items[n:] {
-				c.items[n+k].err = nil // sent again: its own reply or error will tell
+		switch err := c.cmd.Err(); {
+		case err != nil && redis.HasErrorPrefix(err, "TRYAGAIN"):
+			for k := range c.items[:n] {
+				c.items[k].err = errNotServed
 			}
-			rest = append(rest, syncCall{items: c.items[n:]})
+		case err == nil && servedAll(c.items[:n]) && notServedAll(c.items[n:]):
+		default:
+			continue
 		}
+		rest = append(rest, syncCall{items: c.items[n:]}) // their replies replace their errors
 	}
 	return rest
+}
+
+func servedAll(items []syncItem) bool {
+	for i := range items {
+		if items[i].err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+func notServedAll(items []syncItem) bool {
+	for i := range items {
+		if !errors.Is(items[i].err, errNotServed) {
+			return false
+		}
+	}
+	return true
 }
 
 // callNums and syncArgs are how many numbers scripts/hybrid.lua takes per call (before
@@ -1027,6 +1058,7 @@ func parseSyncReply(c *syncCall) (moved bool) {
 			continue
 		}
 		copy(it.vals[:], vals[replyInts*i:replyInts*i+replyInts])
+		it.err = nil // a call sent again (splitAgain): its first error is gone
 	}
 	return moved
 }
