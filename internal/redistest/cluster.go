@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -143,6 +144,109 @@ func (c *Cluster) AddReplica(t testing.TB, i int) *Server {
 	}
 	c.Replicas = append(c.Replicas, r)
 	return r
+}
+
+// AddMaster starts one more cluster-enabled redis-server and joins it to the cluster as a
+// master owning no slot (as `redis-cli --cluster add-node` does), waiting until every
+// node knows it and it reports the cluster ok. It is appended to Nodes and Addrs; MoveSlot gives it slots. It fails t
+// if the node is not known within a minute; t.Cleanup stops it.
+func (c *Cluster) AddMaster(t testing.TB) *Server {
+	t.Helper()
+	n := start(t, c.cfg)
+	host, port, err := net.SplitHostPort(c.Nodes[0].Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Command("CLUSTER", "MEET", host, port); err != nil {
+		t.Fatalf("redistest: CLUSTER MEET from %s: %v", n.Addr, err)
+	}
+	c.Nodes = append(c.Nodes, n)
+	c.Addrs = append(c.Addrs, n.Addr)
+	deadline := time.Now().Add(clusterTimeout)
+	for {
+		err := c.known()
+		if err == nil {
+			return n
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redistest: new master %s not known: %v\n%s", n.Addr, err, c.logTails())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// known returns nil once every node of Nodes and Replicas knows all of them and reports
+// the cluster ok (a node that has just met the others answers CLUSTERDOWN until it has
+// learned the slot map).
+func (c *Cluster) known() error {
+	want := fmt.Sprintf("cluster_known_nodes:%d", len(c.Nodes)+len(c.Replicas))
+	for _, n := range append(append([]*Server{}, c.Nodes...), c.Replicas...) {
+		info, err := n.Command("CLUSTER", "INFO")
+		if err != nil {
+			return fmt.Errorf("%s: %w", n.Addr, err)
+		}
+		for _, w := range []string{want, "cluster_state:ok"} {
+			if !hasLine(info, w) {
+				return fmt.Errorf("%s: CLUSTER INFO lacks %s", n.Addr, w)
+			}
+		}
+	}
+	return nil
+}
+
+// MoveSlot moves hash slot slot from the master from to the master to as `redis-cli
+// --cluster reshard` does: IMPORTING on to, MIGRATING on from, its keys moved with
+// MIGRATE … KEYS batch keys a call (between calls, each key moved is answered by ASK
+// and a script over keys split between the two by TRYAGAIN), then the slot given to to
+// on every master. between, if not nil, runs after each MIGRATE call, the slot still
+// migrating. It fails t on any error, BUSYKEY included (a key written on the target
+// while its slot migrated).
+func (c *Cluster) MoveSlot(t testing.TB, slot int, from, to *Server, batch int, between func()) {
+	t.Helper()
+	fromID, err := from.Command("CLUSTER", "MYID")
+	if err != nil {
+		t.Fatal(err)
+	}
+	toID, err := to.Command("CLUSTER", "MYID")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := strconv.Itoa(slot)
+	if _, err := to.Command("CLUSTER", "SETSLOT", s, "IMPORTING", fromID); err != nil {
+		t.Fatalf("redistest: SETSLOT IMPORTING on %s: %v", to.Addr, err)
+	}
+	if _, err := from.Command("CLUSTER", "SETSLOT", s, "MIGRATING", toID); err != nil {
+		t.Fatalf("redistest: SETSLOT MIGRATING on %s: %v", from.Addr, err)
+	}
+	host, port, err := net.SplitHostPort(to.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		keys, err := from.Strings("CLUSTER", "GETKEYSINSLOT", s, strconv.Itoa(batch))
+		if err != nil {
+			t.Fatalf("redistest: GETKEYSINSLOT on %s: %v", from.Addr, err)
+		}
+		if len(keys) == 0 {
+			break
+		}
+		args := append([]string{"MIGRATE", host, port, "", "0", "5000", "KEYS"}, keys...)
+		if _, err := from.Command(args...); err != nil {
+			t.Fatalf("redistest: %s on %s: %v", strings.Join(args, " "), from.Addr, err)
+		}
+		if between != nil {
+			between()
+		}
+	}
+	// The target first, as redis-cli does: it then answers for the slot.
+	for _, n := range append([]*Server{to, from}, c.Nodes...) {
+		if n.Addr == "" || !n.running() {
+			continue
+		}
+		if _, err := n.Command("CLUSTER", "SETSLOT", s, "NODE", toID); err != nil {
+			t.Fatalf("redistest: SETSLOT NODE on %s: %v", n.Addr, err)
+		}
+	}
 }
 
 func hasLine(text, line string) bool {

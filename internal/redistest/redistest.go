@@ -465,3 +465,68 @@ func do(conn net.Conn, r *bufio.Reader, args ...string) (string, error) {
 	}
 	return "", fmt.Errorf("%s: unexpected reply %q", args[0], line)
 }
+
+// Strings runs one command on a new connection to s, as Command does, whose reply is an
+// array of bulk strings (KEYS, CLUSTER GETKEYSINSLOT), and returns them.
+func (s *Server) Strings(args ...string) ([]string, error) {
+	conn, err := dial(s.Addr, s.TLS, time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
+	r := bufio.NewReader(conn)
+	if s.Password != "" {
+		if _, err := do(conn, r, "AUTH", s.Password); err != nil {
+			return nil, err
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "*%d\r\n", len(args))
+	for _, a := range args {
+		fmt.Fprintf(&b, "$%d\r\n%s\r\n", len(a), a)
+	}
+	if _, err := conn.Write([]byte(b.String())); err != nil {
+		return nil, err
+	}
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return nil, err
+	}
+	line = strings.TrimSuffix(line, "\r\n")
+	if strings.HasPrefix(line, "-") {
+		return nil, fmt.Errorf("%s: %s", args[0], line[1:])
+	}
+	if !strings.HasPrefix(line, "*") {
+		return nil, fmt.Errorf("%s: not an array: %q", args[0], line)
+	}
+	n, err := strconv.Atoi(line[1:])
+	if err != nil {
+		return nil, fmt.Errorf("%s: bad array reply %q", args[0], line)
+	}
+	out := make([]string, 0, max(n, 0))
+	for range n {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return nil, err
+		}
+		line = strings.TrimSuffix(line, "\r\n")
+		k, err := strconv.Atoi(strings.TrimPrefix(line, "$"))
+		if !strings.HasPrefix(line, "$") || err != nil || k < 0 {
+			return nil, fmt.Errorf("%s: bad element %q", args[0], line)
+		}
+		buf := make([]byte, k+2)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return nil, err
+		}
+		out = append(out, string(buf[:k]))
+	}
+	return out, nil
+}
+
+// running reports whether s has a redis-server running (not Stopped).
+func (s *Server) running() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.proc != nil
+}
