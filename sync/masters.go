@@ -249,6 +249,8 @@ func (m *Masters) Refresh(ctx context.Context) error {
 		return fmt.Errorf("reading the cluster's slot map: %w", err)
 	}
 	old := m.table.Load()
+	initial := len(old.list) == 1 && old.list[0].Addr == "" // LoadScripts ran at start
+	var joined []*redis.Client
 	byAddr := make(map[string]*Master, len(old.list))
 	for _, x := range old.list {
 		byAddr[x.Addr] = x
@@ -272,6 +274,9 @@ func (m *Masters) Refresh(ctx context.Context) error {
 			x := byAddr[addr]
 			if x == nil {
 				x = m.newMaster(addr)
+				if err == nil && !initial {
+					joined = append(joined, c)
+				}
 			}
 			delete(byAddr, addr)
 			i = uint16(len(t.list))
@@ -288,8 +293,38 @@ func (m *Masters) Refresh(ctx context.Context) error {
 	for _, x := range byAddr { // masters that own no slot any more
 		m.retired.Add(x.breaker.Opened())
 	}
+	loadJoined(ctx, joined)
 	m.table.Store(t)
 	return nil
+}
+
+// joinedLoadTimeout bounds loading the scripts into the masters new to a slot map.
+const joinedLoadTimeout = time.Second
+
+// loadJoined loads the daemon's scripts into each of masters (new to the slot map: a
+// replica promoted by a failover, a master added and given slots), at once, before the
+// new map sends them any call: Redis does not replicate SCRIPT LOAD, so a promoted
+// replica's script cache is empty, as an added master's is. Without it the first calls
+// to such a master come back NOSCRIPT and go again with EVAL and the script's body:
+// two round trips and a compile per script and connection, the cost LoadScripts spares
+// a daemon's start and ProbeOpen a restarted master, here right after a failover, when
+// the failed-over master's global checks resume at once. Bounded by joinedLoadTimeout;
+// a failure leaves them to NOSCRIPT and EVAL, as before.
+func loadJoined(ctx context.Context, masters []*redis.Client) {
+	if len(masters) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, joinedLoadTimeout)
+	defer cancel()
+	var wg gosync.WaitGroup
+	for _, c := range masters {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = loadScripts(ctx, c)
+		}()
+	}
+	wg.Wait()
 }
 
 // Run refreshes the slot map every d until ctx ends. While a breaker is open it first

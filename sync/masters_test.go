@@ -705,3 +705,75 @@ func TestGlobalProbeOpenCluster(t *testing.T) {
 		t.Errorf("%d pings, want 2: the two open breakers, not the closed one", pings)
 	}
 }
+
+// A replica promoted by a failover (CLUSTER FAILOVER here) and a master added and given a
+// slot have an empty script cache: Redis does not replicate SCRIPT LOAD. The daemon's
+// slot map loads its scripts into each master new to it before the map sends it calls,
+// so the first checks there are not answered NOSCRIPT (and sent again with EVAL, two
+// round trips). Before, nothing loaded them.
+func TestMastersLoadScriptsIntoNewMasters(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	r := cl.AddReplica(t, 0)
+	a := cl.AddMaster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	if err := LoadScripts(ctx, rdb); err != nil { // as the daemon does at its start
+		t.Fatal(err)
+	}
+	m := NewMasters(rdb, 3, time.Second, nil)
+	if err := m.Refresh(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The added master takes an empty slot of master 1; master 0's replica takes over.
+	var slot int
+	for s := range Slots {
+		if m.ForSlot(uint16(s)).Addr == cl.Addrs[1] {
+			slot = s
+			break
+		}
+	}
+	cl.MoveSlot(t, slot, cl.Nodes[1], a, 10, nil)
+	if _, err := r.Command("CLUSTER", "FAILOVER"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		cc.ReloadState(ctx)
+		if err := m.Refresh(ctx); err != nil {
+			t.Fatal(err)
+		}
+		addrs := map[string]bool{}
+		for _, x := range m.List() {
+			addrs[x.Addr] = true
+		}
+		if addrs[r.Addr] && addrs[a.Addr] {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the slot map's masters %v lack the promoted replica %s or the added master %s", addrs, r.Addr, a.Addr)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for _, n := range []*redistest.Server{r, a} {
+		c := redis.NewClient(&redis.Options{Addr: n.Addr})
+		defer c.Close()
+		var shas []string
+		for _, src := range scriptSources() {
+			shas = append(shas, redis.NewScript(src).Hash())
+		}
+		has, err := c.ScriptExists(ctx, shas...).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, ok := range has {
+			if !ok {
+				t.Errorf("master %s, new to the slot map, lacks script %d of %d", n.Addr, i+1, len(has))
+			}
+		}
+	}
+}
