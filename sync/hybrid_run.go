@@ -87,6 +87,29 @@ func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, ke
 	return best, oks, nil
 }
 
+//go:embed scripts/beat_age.lua
+var beatAgeLua string
+
+var beatAgeScript = redis.NewScript(beatAgeLua)
+
+// LastBeat reports whether the live-daemons set counts id as live now (its last
+// heartbeat, by Redis's clock, is within the heartbeat TTL) and how long ago that
+// heartbeat was. A daemon asks before its first heartbeat: live then means another
+// daemon runs under its id (two live daemons must not share one: each takes the other's
+// syncs of a key for its own), or one that stopped without leaving the set (killed)
+// within the TTL.
+func (h *Hybrid) LastBeat(ctx context.Context, id string) (age time.Duration, live bool, err error) {
+	ms, err := beatAgeScript.Run(ctx, h.rdb, []string{h.heartbeatKs[0]}, id).Int64()
+	if err != nil {
+		return 0, false, fmt.Errorf("reading the live daemons: %w", err)
+	}
+	if ms < 0 {
+		return 0, false, nil
+	}
+	age = time.Duration(ms) * time.Millisecond
+	return age, age < h.beatTTL, nil
+}
+
 // leave takes id out of the live-daemons sets, as a daemon that stops cleanly does after
 // its last sync: the others count it gone at their next heartbeat (a second), not once
 // its last heartbeat is three seconds old, so in a blue/green switch their shares (and

@@ -289,3 +289,58 @@ rules:
 		t.Fatalf("the last round of sharing bans failed (Redis stopped) and nothing said so:\n%s", log)
 	}
 }
+
+// A daemon started under a --daemon-id another live daemon uses says so at start. Two
+// live daemons under one ID each take the other's syncs of a key for their own and admit
+// past the limit (docs/reliability.md), and a blue/green pair on one host that both read
+// RLSIDECAR_DAEMON_ID from /etc/default/rlsidecar is such a pair: before, nothing said
+// so (two daemons under one ID alternating on a key of 100 per hour admitted 104; under
+// two IDs, 100). A daemon whose predecessor under the ID left the live-daemons set
+// (SIGTERM) says nothing, and neither does one under an ID of its own.
+func TestE2EDaemonIDInUseWarned(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 100, per: 1h }
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--redis-timeout", "5s"}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	// live waits until the live-daemons set holds id (the daemon's first heartbeat).
+	live := func(id string) {
+		t.Helper()
+		for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if err := rdb.ZScore(context.Background(), "rl:daemons", id).Err(); err == nil {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no heartbeat of %s in 15 s", id)
+			}
+		}
+	}
+	const warning = "another live daemon uses this daemon id"
+	blue := startDaemon(t, append(args, "--daemon-id", "gw-1")...)
+	live("gw-1")
+	green := startDaemon(t, append(args, "--daemon-id", "gw-1")...)
+	other := startDaemon(t, append(args, "--daemon-id", "gw-2")...)
+	// Logs are read once each daemon has exited: all of its stderr is in then.
+	stopDaemon(t, green)
+	stopDaemon(t, other)
+	stopDaemon(t, blue) // leaves the live-daemons set
+	if !strings.Contains(green.stderr.String(), warning) || !strings.Contains(green.stderr.String(), "daemon_id=gw-1") {
+		t.Errorf("a daemon started under the ID of a live one does not say so:\n%s", green.stderr.String())
+	}
+	for name, d := range map[string]*daemonProc{"the first under gw-1": blue, "the one under gw-2": other} {
+		if strings.Contains(d.stderr.String(), warning) {
+			t.Errorf("%s warns of its ID in use:\n%s", name, d.stderr.String())
+		}
+	}
+	next := startDaemon(t, append(args, "--daemon-id", "gw-1")...)
+	stopDaemon(t, next)
+	if strings.Contains(next.stderr.String(), warning) {
+		t.Errorf("a daemon started under the ID of one stopped with SIGTERM warns of it in use:\n%s", next.stderr.String())
+	}
+}

@@ -358,6 +358,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		hybrid = rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: *syncInterval, MaxKeys: *maxKeys, MaxSyncKeys: *maxSyncKeys, ID: id,
 			Prefix: *redisPrefix, Clock: clock.Mono, FetchWait: max(*globalTimeout, 25*time.Millisecond)}).
 			WithMasters(syncMasters).WithObserver(metrics.ObserveStore).WithSyncObserver(metrics.HybridSynced)
+		// Two live daemons under one --daemon-id each take the other's syncs of a key for
+		// their own and admit past the limit, silently; a blue/green pair on one host
+		// that both read RLSIDECAR_DAEMON_ID from /etc/default/rlsidecar is one. Asked
+		// before this daemon's first heartbeat, so a live entry is another daemon's.
+		bctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
+		if age, live, err := hybrid.LastBeat(bctx, id); err == nil && live {
+			log.Warn("another live daemon uses this daemon id: two live daemons must not share one, or both admit past the shared limits; give each its own --daemon-id (RLSIDECAR_DAEMON_ID), or leave it unset for a unique default (a run of this daemon stopped without leaving, killed, looks the same until its heartbeats expire)",
+				"daemon_id", id, "last_heartbeat_ago", age.Round(time.Millisecond))
+		}
+		cancel()
 		metrics.WithRedis()
 		if err := lim.SetRedisPrefix(*redisPrefix); err != nil {
 			return err
