@@ -110,6 +110,16 @@ func (h *Hybrid) LastBeat(ctx context.Context, id string) (age time.Duration, li
 	return age, age < h.beatTTL, nil
 }
 
+// Join sends this daemon's first heartbeat and counts the live daemons, before it
+// serves: what their count sizes (a split: auto rule's share, a local failure policy's
+// bucket) is then right from the first check, where until Run's first heartbeat had
+// answered the count was 1 and a daemon just started, or restarted, held each such
+// rule's whole limit. Run sends its own first heartbeat all the same.
+func (h *Hybrid) Join(ctx context.Context, id string) error {
+	_, _, err := h.beatOnce(ctx, id, h.beatTTL)
+	return err
+}
+
 // leave takes id out of the live-daemons sets, as a daemon that stops cleanly does after
 // its last sync: the others count it gone at their next heartbeat (a second), not once
 // its last heartbeat is three seconds old, so in a blue/green switch their shares (and

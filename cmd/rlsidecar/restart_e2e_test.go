@@ -344,3 +344,57 @@ rules:
 		t.Errorf("a daemon started under the ID of one stopped with SIGTERM warns of it in use:\n%s", next.stderr.String())
 	}
 }
+
+// A daemon (re)started beside others counts the live daemons before its first check: a
+// split: auto rule holds ⌈limit ÷ live daemons⌉ on it from the start. Before, the count
+// was 1 until its first heartbeat answered, which went on its own goroutine as the
+// daemon began serving, and the checks that came first (under socket activation, the
+// gateways' connections waiting in the backlog through a restart) had the whole limit:
+// a third daemon beside two, 30 checks of one client pipelined as it started, admitted
+// 30 of a limit of 30 split three ways.
+func TestE2ESplitAutoCountsDaemonsFromTheStart(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    algorithm: fixed_window
+    limit: { requests: 30, per: 1h }
+    mode: local
+    split: auto
+`)
+	// A generous Redis timeout: on a loaded machine a heartbeat cut at 100 ms would
+	// leave the count at 1, which is what the test looks for.
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--redis-timeout", "5s"}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	startDaemon(t, args...)
+	startDaemon(t, args...)
+	for deadline := time.Now().Add(15 * time.Second); rdb.ZCard(context.Background(), "rl:daemons").Val() != 2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("two daemons not both in the live-daemons set after 15 s")
+		}
+	}
+	clearOfWindowEnd(t, time.Hour, 60*time.Second) // the 30 checks count in one window
+	// The old code lost the race to its heartbeat now and then: six runs, where one
+	// losing is enough.
+	for run := range 6 {
+		d := startDaemon(t, args...)
+		c := dialRaw(t, d.socket)
+		const checks = 30
+		for i := range checks {
+			c.send(&proto.Request{ID: uint64(i + 1), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: fmt.Sprint("fresh-", run)}}})
+		}
+		admitted := 0
+		for range checks {
+			if c.recv().Allowed {
+				admitted++
+			}
+		}
+		stopDaemon(t, d) // leaves the live-daemons set: the next run is the third again
+		if admitted != 10 {
+			t.Fatalf("run %d: a daemon started beside two admitted %d of %d checks of one client pipelined at its start, want 10 (⌈30 ÷ 3⌉)\n%s", run, admitted, checks, d.stderr.String())
+		}
+	}
+}

@@ -570,6 +570,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	defer stopSync()
 	var syncWG sync.WaitGroup
 	if hybrid != nil {
+		// The live daemons counted before the first check (Hybrid.Join), once the socket
+		// is this daemon's (one that fails to start must not count among them), bounded
+		// as the heartbeats are; one that fails is Run's to report, which beats at once.
+		jctx, cancel := context.WithTimeout(context.Background(), max(*redisTimeout, *syncInterval))
+		_ = hybrid.Join(jctx, id)
+		cancel()
 		var lastLog time.Time
 		syncWG.Add(1)
 		go func() {
