@@ -66,9 +66,12 @@ type Bans struct {
 	rdb   redis.UniversalClient
 	index string
 	// off is the offset of Redis's clock from the caller's (ns), as last measured, at
-	// offAt (ns since offEpoch; 0: never); shift is added to Redis TIME (Shift).
+	// offAt (ns since offEpoch; 0: never); rmono is Redis's clock less the time since
+	// offEpoch, as the same reply measured it (redisNow); shift is added to Redis TIME
+	// (Shift).
 	off   atomic.Int64
 	offAt atomic.Int64
+	rmono atomic.Int64
 	shift atomic.Int64
 }
 
@@ -100,8 +103,16 @@ func (b *Bans) measure(now int64, start time.Time, redisUs int64) {
 	if last := b.offAt.Load(); rtt > maxOffsetRTT && last != 0 && at-last < int64(time.Minute) {
 		return // a slow reply: keep the estimate of a quicker one, while recent
 	}
-	b.off.Store(redisUs*int64(time.Microsecond) + int64(time.Microsecond)/2 - (now + int64(rtt)/2))
+	redisNs := redisUs*int64(time.Microsecond) + int64(time.Microsecond)/2
+	b.off.Store(redisNs - (now + int64(rtt)/2))
+	b.rmono.Store(redisNs - (int64(start.Sub(offEpoch)) + int64(rtt)/2))
 	b.offAt.Store(at)
+}
+
+// redisNow returns Redis's time now (Unix ns, plus any Shift) as the last reply that
+// measured the offset places it, and whether one has; it needs no clock of the caller.
+func (b *Bans) redisNow() (int64, bool) {
+	return int64(time.Since(offEpoch)) + b.rmono.Load(), b.offAt.Load() != 0
 }
 
 // NewBans returns the shared bans under prefix (checked by [CheckPrefix]) on c, a
@@ -251,8 +262,16 @@ func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
 	// members, but a deployment that stops reading it (no penalty rule left) would
 	// otherwise keep it for good. The ends are by Redis's clock (less any Shift), so the
 	// expiry is a time, PEXPIREAT, whatever the daemon's clock says. NX gives one to an
-	// index without; GT only ever lengthens it.
-	at := (last-int64(b.ShiftOf()))/int64(time.Millisecond) + time.Minute.Milliseconds()
+	// index without; GT only ever lengthens it. It is never less than a minute from
+	// Redis's time (as Known last measured it; before, the wall clock): bans indexed
+	// late (the round retries them after an outage) may all have ended more than a minute
+	// ago, and an expiry in the past deletes the index, with the live bans another
+	// daemon added between the ZADD that created it and the PEXPIREAT NX.
+	floor := time.Now().UnixNano() + int64(b.ShiftOf())
+	if r, ok := b.redisNow(); ok {
+		floor = r
+	}
+	at := (max(last, floor)-int64(b.ShiftOf()))/int64(time.Millisecond) + time.Minute.Milliseconds()
 	pipe := b.rdb.Pipeline()
 	add := pipe.ZAdd(ctx, b.index, zs...)
 	pipe.Do(ctx, "PEXPIREAT", b.index, at, "NX")
