@@ -207,7 +207,9 @@ type BanRefusal struct {
 
 // Refused adds each refusal batch to its client's count by Redis's clock, starting a ban
 // where the count reaches the policy's After, and writes what happened into rs. now is
-// the caller's wall clock (Unix ns): a refusal's Admit is taken as a delay from it. The
+// the caller's clock (Unix ns) when it calls: a refusal's Admit is taken as a delay from
+// it, and while no reply has measured the offset ([Bans.Offset]), the first reply's Redis
+// time does. The
 // calls go in one pipeline. An error leaves the failed batches' results zero. The caller
 // adds the bans started to the index ([Bans.Index]): on a Cluster the index is on
 // another node, so it cannot be in the same script.
@@ -224,8 +226,10 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 		calls[i] = call{keys: []string{BanKey(r.Key)}, args: []any{ms, max(r.N, 1), p.After,
 			p.Within.Milliseconds(), max(p.Ban.Milliseconds(), 1), p.Factor, max(p.Max.Milliseconds(), 1), admit, b.shiftMs()}}
 	}
+	start := time.Now()
 	run(ctx, b.rdb, banScript, calls)
 	var firstErr error
+	measured := false
 	for i := range rs {
 		r := &rs[i]
 		r.Until, r.Count, r.Started, r.At, r.Unsent = 0, 0, false, 0, false
@@ -242,6 +246,14 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 			continue
 		}
 		r.Until, r.Count, r.Started, r.At = v[0]*int64(time.Millisecond), uint32(v[1]), v[2] == 1, v[3]/1000*int64(time.Millisecond)
+		if !measured {
+			// Until Known or Lift has measured the offset, the first reply does: a caller
+			// that enforces the bans these start needs it (its clock may be minutes off).
+			measured = true
+			if _, ok := b.Offset(); !ok {
+				b.measure(now, start, v[3])
+			}
+		}
 	}
 	return firstErr
 }
