@@ -15,6 +15,11 @@ import (
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 )
 
+// tlsTimeout is the clients' timeout here: long, since no test waits for it to run out,
+// and a TLS handshake under -race on a busy machine took more than 2 s (TestTLSPrivateCA
+// then saw "context deadline exceeded" where it wants the certificate's error).
+const tlsTimeout = 20 * time.Second
+
 // openTLS opens url with the TLS options o (files loaded as the daemon does).
 func openTLS(t *testing.T, url string, cluster bool, o TLSOptions) redis.UniversalClient {
 	t.Helper()
@@ -22,9 +27,9 @@ func openTLS(t *testing.T, url string, cluster bool, o TLSOptions) redis.Univers
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := Config{URL: url, Timeout: 2 * time.Second, TLS: files}
+	cfg := Config{URL: url, Timeout: tlsTimeout, TLS: files}
 	if cluster {
-		cfg = Config{Cluster: []string{url}, Timeout: 2 * time.Second, TLS: files}
+		cfg = Config{Cluster: []string{url}, Timeout: tlsTimeout, TLS: files}
 	}
 	rdb, err := Open(cfg)
 	if err != nil {
@@ -62,7 +67,7 @@ func TestTLSPrivateCA(t *testing.T) {
 	// No TLS options (a nil TLSFiles, as the daemon without --redis-tls-*): the
 	// system's CAs.
 	for _, cfg := range []Config{{URL: url}, {Cluster: []string{url}}} {
-		cfg.Timeout = 2 * time.Second
+		cfg.Timeout = tlsTimeout
 		rdb, err := Open(cfg)
 		if err != nil {
 			t.Fatal(err)
