@@ -55,8 +55,10 @@ func TestE2EHostileClients(t *testing.T) {
 		t.Errorf("half-open connections: %s", strings.Join(res.HalfErrs, "; "))
 	}
 	for i, d := range res.HalfClose {
-		// Closed after the frame timeout, not before, and not much later (a loaded machine).
-		if d < frameTimeout-50*time.Millisecond || d > frameTimeout+2*time.Second {
+		// Closed after the frame timeout, not before, and before the default one (5 s):
+		// the flag's is the one applied. Not sooner: under the flood, on a loaded 2-core
+		// machine, one was closed 2.27 s late (the bound was 2 s late).
+		if d < frameTimeout-50*time.Millisecond || d > 4500*time.Millisecond {
 			t.Errorf("half-open connection %d closed after %s; the frame timeout is %s", i, d, frameTimeout)
 			break
 		}
