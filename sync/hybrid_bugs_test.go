@@ -737,7 +737,9 @@ func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
 func TestHybridRefusalReportsWhatIsLeft(t *testing.T) {
 	rdb := standalone(t)
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
-		h := NewHybrid(rdb, HybridOptions{})
+		// A fresh key's first take waits for its exact sync: FetchWait's default (25 ms)
+		// ran out on a loaded machine, and the take was refused unsynced.
+		h := NewHybrid(rdb, HybridOptions{FetchWait: 5 * time.Second})
 		lim := mustLimit(t, alg, 5, time.Hour)
 		key := fmt.Sprintf("rl:left:{%v-%d}", alg, time.Now().UnixNano())
 		now := time.Now().UnixNano()
