@@ -59,7 +59,9 @@ func TestHybridEvictedLimitedKeyGetsNoFirstUnit(t *testing.T) {
 func TestHybridKeyCapKeepsTheRequestsOwnKeys(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	h := NewHybrid(rdb, HybridOptions{MaxKeys: 2 * hybridShards}) // 2 keys a shard
+	// 2 keys a shard. The new keys' takes wait for their exact syncs: FetchWait's default
+	// (25 ms) ran out on a loaded machine, and each of the six was refused unsynced.
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 2 * hybridShards, FetchWait: 5 * time.Second})
 	lim := mustLimit(t, localbucket.FixedWindow, 2, hourWindow())
 	now := time.Now().UnixNano()
 	// Four keys of one shard: two to fill it, holding units not yet synced, and the
