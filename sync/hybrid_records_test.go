@@ -55,7 +55,10 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			key := "rl:records:{user=steady}"
 			now := time.Now().UnixNano()
 			admitted := 0
-			steady := NewHybrid(rdb, HybridOptions{ID: "steady"})
+			// Each daemon's first take of the key waits for its exact sync: FetchWait's
+			// default (25 ms) ran out on a loaded machine, and the take was refused.
+			const wait = 5 * time.Second
+			steady := NewHybrid(rdb, HybridOptions{ID: "steady", FetchWait: wait})
 			use := func(h *Hybrid) {
 				t.Helper()
 				if r := take(h, now, key, lim, 1); !r.Allowed {
@@ -86,7 +89,7 @@ func TestHybridPrunesStaleSyncRecords(t *testing.T) {
 			var ds []*Hybrid
 			newcomers := func(name string, n int) {
 				for i := 0; i < n; i++ {
-					h := NewHybrid(rdb, HybridOptions{ID: fmt.Sprint(name, "-", i)})
+					h := NewHybrid(rdb, HybridOptions{ID: fmt.Sprint(name, "-", i), FetchWait: wait})
 					ds = append(ds, h)
 					use(h)
 					use(steady)
