@@ -88,7 +88,9 @@ func TestHybridForgottenKeyCountsEveryUnit(t *testing.T) {
 func TestHybridSweepForgetsUsedGrant(t *testing.T) {
 	rdb := standalone(t)
 	lim := mustLimit(t, localbucket.TokenBucket, 1, time.Second) // capacity 1: no first unit on credit
-	h := NewHybrid(rdb, HybridOptions{ID: "gw-1"})
+	// The first take waits for its exact sync: FetchWait's default (25 ms) ran out on a
+	// loaded machine, and it was refused.
+	h := NewHybrid(rdb, HybridOptions{ID: "gw-1", FetchWait: 5 * time.Second})
 	const key = "rl:sweep:{user=1}"
 	now := time.Now().UnixNano()
 	if r := take(h, now, key, lim, 1); !r.Allowed {
