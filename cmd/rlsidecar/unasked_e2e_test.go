@@ -113,7 +113,9 @@ func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
 func TestE2EUnaskedRuleNotCounted(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	cfg := writeFile(t, shortTempDir(t), "rules.yaml", unaskedRules)
-	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s")
+	// Long timeouts, as in TestE2EUnaskedGlobalRuleNotRefused: a hybrid exact sync cut at
+	// the syncs' client timeout (50 ms) makes the hybrid rule fall back, degraded.
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s", "--redis-timeout", "2s")
 	c := dialRaw(t, d.socket)
 	for i := uint64(1); i <= 3; i++ {
 		r := c.check(i, 1, "user=u9", "account=a9")
