@@ -57,7 +57,8 @@ rules:
 	}
 	paths := []string{"/h", "/l", "/g"}
 
-	type tally struct{ normal, degraded int } // admitted: from Redis, by the policy
+	// admitted: from Redis, by the policy, and by the policy from the freeze on
+	type tally struct{ normal, degraded, degradedAtLimit int }
 	var mu sync.Mutex
 	admitted := map[string]*tally{} // by path and user
 	var firstBad error
@@ -68,6 +69,7 @@ rules:
 		}
 		mu.Unlock()
 	}
+	var frozen bool                  // set under mu as Redis is frozen: every client at cart's limit
 	var thawedAt time.Time           // set under mu once Redis is thawed
 	normalSince := map[string]bool{} // daemon, path: an answer from Redis after the thaw
 	full := map[string]bool{}        // daemon, user: refused on cart till the window's end
@@ -114,6 +116,9 @@ rules:
 					return
 				case r.Allowed && r.Degraded:
 					a.degraded++
+					if frozen {
+						a.degradedAtLimit++
+					}
 				case r.Allowed:
 					a.normal++
 				}
@@ -156,6 +161,9 @@ rules:
 			t.Fatalf("30 s into the load only %d of the %d daemon and client pairs refused at cart's limit", n, daemons*clients)
 		}
 	}
+	mu.Lock()
+	frozen = true
+	mu.Unlock()
 	srv.Freeze()
 	time.Sleep(2500 * time.Millisecond)
 	srv.Thaw()
@@ -202,8 +210,12 @@ rules:
 		if nl != l.normal {
 			t.Errorf("%s: Redis counts %d on cart, the daemons admitted %d from its allowances", user, nl, l.normal)
 		}
-		if l.degraded != 0 {
-			t.Errorf("%s: at cart's limit on every daemon, then %d admitted by the local policy while Redis was frozen; want 0 (refused by the daemons' last view)", user, l.degraded)
+		// Before the freeze, with Redis up, a daemon short of CPU may still decide a cart
+		// check by the local policy (its exact sync outlived its wait; a loaded run saw
+		// one): such a unit is not in Redis, and the counts above hold. From the freeze
+		// on, every client is at its limit on every daemon.
+		if l.degradedAtLimit != 0 {
+			t.Errorf("%s: at cart's limit on every daemon, then %d admitted by the local policy from the freeze on; want 0 (refused by the daemons' last view)", user, l.degradedAtLimit)
 		}
 		if l.normal > limit+daemons-1 {
 			t.Errorf("%s: the daemons admitted %d on cart, past the bound %d (limit %d, %d daemons)", user, l.normal, limit+daemons-1, limit, daemons)
