@@ -209,7 +209,7 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 		w.WriteHeader(http.StatusNoContent)
 	}
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
-	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln)}
+	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln), bodyTimeout: adminBodyTimeout}
 	idle := &idleConns{m: map[net.Conn]time.Time{}}
 	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
 	return &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
@@ -305,6 +305,9 @@ type hostGuard struct {
 	// by a DNS name the daemon cannot know (service discovery), so those routes take any
 	// Host. The routes that show client keys or lift bans never do.
 	open bool
+	// bodyTimeout bounds the wait for an announced body (adminBodyTimeout, read once
+	// when the endpoint is made).
+	bodyTimeout time.Duration
 }
 
 func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -312,7 +315,7 @@ func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// No route reads a body, but the server reads what is announced before it takes
 		// the connection's next request, and with no deadline of its own: also after a
 		// refusal below.
-		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(adminBodyTimeout))
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(g.bodyTimeout))
 	}
 	if !g.hostAllowed(r.Host) && !(g.open && scrapeRoute(r)) {
 		names := "an IP address or localhost"
