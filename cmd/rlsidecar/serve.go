@@ -96,7 +96,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	redisTLSCert := fs.String("redis-tls-cert-file", "", "rediss://: PEM client certificate presented to a Redis that asks for one (mutual TLS), with --redis-tls-key-file; re-read at each new connection")
 	redisTLSKey := fs.String("redis-tls-key-file", "", "rediss://: PEM private key of --redis-tls-cert-file, readable by the daemon's user only; re-read at each new connection")
 	redisTLSServerName := fs.String("redis-tls-server-name", "", "rediss://: the name the Redis server's certificate must carry, in place of the host dialed (on a Cluster, of every node's address)")
-	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks': --global-timeout, when that is longer; a lease's release or renewal: 250 ms, a ban's lift: 1 s)")
+	redisTimeout := fs.Duration("redis-timeout", 50*time.Millisecond, "bound on every Redis call (hybrid syncs' calls: --sync-interval, global checks' and a new hybrid key's exact sync: --global-timeout, when that is longer; a lease's release or renewal: 250 ms, a ban's lift: 1 s)")
 	redisPrefix := fs.String("redis-prefix", rlsync.DefaultPrefix, "starts every Redis key of this daemon (limits, sync records, the live-daemons set): deployments sharing one Redis under different prefixes share no budget and count no daemon of the other; ends with ':', no braces")
 	syncInterval := fs.Duration("sync-interval", 100*time.Millisecond, "hybrid mode: how often admitted counts are flushed to Redis and the global view read back")
 	daemonID := fs.String("daemon-id", "", "this daemon's name in Redis heartbeats and sync records; two live daemons must not share one (default: hostname-pid-random)")
@@ -298,9 +298,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		// own keys only.
 		// The syncs' client likewise: a sync or heartbeat call is bounded by
 		// max(--redis-timeout, --sync-interval) (hybrid.Run's timeout below), which the
-		// client's own read timeout cut to --redis-timeout before.
+		// client's own read timeout cut to --redis-timeout before; a new key's exact sync
+		// by --global-timeout (FetchWait), which it cut to the longer of those two (each
+		// call carries its own deadline, which this timeout does not lengthen).
 		cfgSync := cfg
-		cfgSync.Timeout = max(*redisTimeout, *syncInterval)
+		cfgSync.Timeout = max(*redisTimeout, *syncInterval, *globalTimeout)
 		rdb, err := rlsync.Open(cfgSync)
 		if err != nil {
 			return err
