@@ -110,6 +110,8 @@ rules:
 								t.Fatalf("ban raised on daemon %d (clock %v): the accurate daemon let it go %v after its start, before its end (%v)",
 									raiser, skews[raiser], at, ban)
 							}
+							t.Logf("ban of %v raised on daemon %d (clock %v): the accurate daemon let it go %v after its start",
+								ban, raiser, skews[raiser], at.Round(time.Millisecond))
 							break
 						}
 						if at > ban+10*time.Second {
