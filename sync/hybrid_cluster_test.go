@@ -535,3 +535,80 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 		}
 	}
 }
+
+// A client new to a slot that migrates (or that a stopped reshard left migrating) has
+// its keys, of that slot, synced all the same: Redis answers TRYAGAIN to a call
+// declaring several keys of a migrating slot some of which are missing, however long
+// the slot migrates, and a call of one key goes where that key is (ASK to the target
+// for a key the source lacks).
+func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	cc := rdb.(*redis.ClusterClient)
+	ctx := context.Background()
+	tag := "{user=7}"
+	m, err := cc.MasterForKey(ctx, tag)
+	if err != nil {
+		t.Fatal(err)
+	}
+	from := m.Options().Addr
+	var to string
+	for _, a := range cl.Addrs {
+		if a != from {
+			to = a
+			break
+		}
+	}
+	nodes := map[string]*redis.Client{}
+	ids := map[string]string{}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		defer c.Close()
+		nodes[a] = c
+		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[a] = id
+	}
+	slot := Slot(tag)
+	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{"rl:a:" + tag, "rl:b:" + tag}
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	for range 3 {
+		now := time.Now().UnixNano()
+		for _, k := range keys {
+			take(h, now, k, lim, 1)
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatalf("a sync meeting a migrating slot failed: %v", err)
+		}
+	}
+	for _, k := range keys {
+		got := 0
+		for _, a := range []string{from, to} {
+			pipe := nodes[a].Pipeline()
+			pipe.Do(ctx, "ASKING")
+			n := pipe.HGet(ctx, k, "n")
+			_, err := pipe.Exec(ctx)
+			if err != nil && err != redis.Nil && !redis.HasErrorPrefix(err, "ASK") { // ASK: not on the source
+				t.Fatal(err)
+			}
+			v, _ := n.Int()
+			got += v
+		}
+		if got != 3 {
+			t.Errorf("%s counts %d in Redis after three syncs, want 3", k, got)
+		}
+	}
+}

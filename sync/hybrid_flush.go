@@ -969,8 +969,13 @@ func firstSlotKeys(items []syncItem) int {
 // first slot's:
 //
 //   - of a call Redis refused with TRYAGAIN (it ran nothing: its first slot migrating,
-//     that slot's keys split between the two nodes), whose first slot's keys it marks
-//     not served (errNotServed: pending for the next sync, no failure);
+//     that slot's keys split between the two nodes, or some of them in neither, as a new
+//     client's are), and each of its first slot's keys in a call of its own: Redis
+//     answers TRYAGAIN to a call of several keys of a migrating slot until the slot is
+//     handed over (for good when a reshard stopped before that), and runs a call of one
+//     key where the key is (by ASK on the target for a key the source lacks). Until
+//     their replies come, those keys are marked not served (errNotServed: pending for the
+//     next sync, no failure), as they stay if the sync's time runs out first;
 //   - of a call whose first slot's keys were served and every other key not: it went by
 //     ASK to the node importing that slot, which serves no other slot of the call. That
 //     lasts while the slot migrates, and for good when a reshard stopped before it
@@ -978,24 +983,25 @@ func firstSlotKeys(items []syncItem) int {
 //     their own first key, they reach their master. (Were the slot map stale instead,
 //     the call sent again is not served either, and is not sent a third time.)
 //
-// A call of one slot's keys alone gives none.
+// A call of one key gives none; a call of one slot's keys alone, served, none.
 func splitAgain(calls []syncCall) []syncCall {
 	var rest []syncCall
 	for i := range calls {
 		c := &calls[i]
-		if c.cmd == nil {
+		if c.cmd == nil || len(c.items) == 1 {
 			continue
 		}
 		n := firstSlotKeys(c.items)
-		if n == len(c.items) {
-			continue
-		}
 		switch err := c.cmd.Err(); {
 		case err != nil && redis.HasErrorPrefix(err, "TRYAGAIN"):
 			for k := range c.items[:n] {
 				c.items[k].err = errNotServed
+				rest = append(rest, syncCall{items: c.items[k : k+1]})
 			}
-		case err == nil && servedAll(c.items[:n]) && notServedAll(c.items[n:]):
+			if n == len(c.items) {
+				continue
+			}
+		case n < len(c.items) && err == nil && servedAll(c.items[:n]) && notServedAll(c.items[n:]):
 		default:
 			continue
 		}
