@@ -21,6 +21,13 @@ import (
 // and Lift on the daemon ahead found no ban in force.
 func TestSharedBansClockSkew(t *testing.T) {
 	const ban = 2 * time.Second
+	// slack is what a daemon's view of Redis's clock may be off by: its offset estimate
+	// places Redis's time in the middle of the reply's round trip, so it is off by up to
+	// half of it (at most 125 ms once an estimate is known, and unbounded for the first
+	// one), and Redis, starved of CPU on a loaded machine, reads its clock late in the
+	// round trip. The clocks here are 2 minutes off: a ban decided on a daemon's clock
+	// misses by far more.
+	const slack = 500 * time.Millisecond
 	for _, mode := range []string{"global", "hybrid"} {
 		for _, where := range []string{"standalone", "cluster"} {
 			t.Run(mode+"/"+where, func(t *testing.T) {
@@ -88,25 +95,27 @@ rules:
 					for i := range ls {
 						round(i)
 					}
-					// Every daemon enforces it now, for about its whole length, and lists it so.
+					// Every daemon enforces it now, for its whole length less the time since it
+					// started (after start), and lists it so.
 					for i := range ls {
 						d := check(i, client, 0)
-						if !d.Banned || d.Results[0].RetryAfter > ban || d.Results[0].RetryAfter < ban-time.Second {
+						if !d.Banned || d.Results[0].RetryAfter > ban+slack || d.Results[0].RetryAfter < ban-time.Since(start)-slack {
 							t.Fatalf("ban raised on daemon %d (clock %v), daemon %d (clock %v): banned %v retry %v, want about %v",
 								raiser, skews[raiser], i, skews[i], d.Banned, d.Results[0].RetryAfter, ban)
 						}
 						bans := ls[i].Bans(clock(i))
-						if len(bans) != 1 || bans[0].Key != key || bans[0].Left > ban || bans[0].Left < ban-time.Second {
+						if len(bans) != 1 || bans[0].Key != key || bans[0].Left > ban+slack || bans[0].Left < ban-time.Since(start)-slack {
 							t.Fatalf("ban raised on daemon %d (clock %v), daemon %d (clock %v) lists %+v, want %s with about %v left",
 								raiser, skews[raiser], i, skews[i], bans, key, ban)
 						}
 					}
-					// The accurate daemon enforces it until its end, and not for long after.
+					// The accurate daemon enforces it until its end (by its view of Redis's
+					// clock), and not for long after.
 					for {
 						d := check(1, client, 0)
 						at := time.Since(start)
 						if !d.Banned {
-							if at < ban-5*time.Millisecond {
+							if at < ban-slack {
 								t.Fatalf("ban raised on daemon %d (clock %v): the accurate daemon let it go %v after its start, before its end (%v)",
 									raiser, skews[raiser], at, ban)
 							}
