@@ -268,10 +268,11 @@ rules:
 `)
 	clearOfWindowEnd(t, time.Hour, 30*time.Second) // Redis's counts are the window's
 	nodes := strings.Join(cl.Addrs, ",")
-	// The bound below holds for decisions taken with Redis answering. An exact sync is
-	// cut at the syncs' client timeout, max(--redis-timeout, --sync-interval), whatever
-	// --global-timeout says: 50 ms can run out on a loaded machine, and the rule's
-	// local fallback (10 ÷ 2 daemons each) then decides, degraded.
+	// The bound below holds for decisions taken with Redis answering. An exact sync waits
+	// up to --global-timeout; the periodic syncs and heartbeats, bounded by
+	// max(--redis-timeout, --sync-interval), mark Redis not answering when they fail, and
+	// 50 ms can run out on a loaded machine: the rule's local fallback (10 ÷ 2 daemons
+	// each) then decides, degraded. So both are long.
 	args := []string{"--config", cfg, "--redis-cluster", nodes, "--sync-interval", "50ms", "--global-timeout", "500ms", "--redis-timeout", "2s"}
 	d1, d2 := startDaemon(t, args...), startDaemon(t, args...)
 	c1, c2 := dialRaw(t, d1.socket), dialRaw(t, d2.socket)

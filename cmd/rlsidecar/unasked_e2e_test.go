@@ -37,10 +37,12 @@ rules:
 func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	cfg := writeFile(t, shortTempDir(t), "rules.yaml", unaskedRules)
-	// A hybrid key's exact sync waits for max(--global-timeout, 25 ms) but is cut at the
-	// syncs' client timeout, max(--redis-timeout, --sync-interval): 50 ms ran out on a
-	// loaded machine, the hybrid rule fell back to its local bucket, and the global rule
-	// was asked. Both are long here: Redis answers, and the test is not about when.
+	// A hybrid key's exact sync waits for max(--global-timeout, 25 ms) (before d54c3d1 it
+	// was cut at the syncs' client timeout, max(--redis-timeout, --sync-interval)), and a
+	// failed periodic sync or heartbeat, bounded by the latter, marks Redis not answering:
+	// 50 ms ran out on a loaded machine, the hybrid rule fell back to its local bucket,
+	// and the global rule was asked. Both are long here: Redis answers, and the test is
+	// not about when.
 	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s", "--redis-timeout", "2s")
 	c := dialRaw(t, d.socket)
 	entry := func(r *proto.Response, name string) *proto.RuleResult {
@@ -113,8 +115,8 @@ func TestE2EUnaskedGlobalRuleNotRefused(t *testing.T) {
 func TestE2EUnaskedRuleNotCounted(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	cfg := writeFile(t, shortTempDir(t), "rules.yaml", unaskedRules)
-	// Long timeouts, as in TestE2EUnaskedGlobalRuleNotRefused: a hybrid exact sync cut at
-	// the syncs' client timeout (50 ms) makes the hybrid rule fall back, degraded.
+	// Long timeouts, as in TestE2EUnaskedGlobalRuleNotRefused: a hybrid exact sync or a
+	// periodic sync that runs out of time makes the hybrid rule fall back, degraded.
 	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--sync-interval", "50ms", "--global-timeout", "2s", "--redis-timeout", "2s")
 	c := dialRaw(t, d.socket)
 	for i := uint64(1); i <= 3; i++ {
