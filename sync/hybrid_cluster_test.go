@@ -107,21 +107,10 @@ func TestHybridScriptSkipsKeysNotServed(t *testing.T) {
 // counting a failure (the breaker must not open on a reshard), and a later sync, with
 // the map reloaded, counts them on the new master, once.
 func TestHybridClusterSlotMoved(t *testing.T) {
-	cl := redistest.StartCluster(t)
-	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	cc := rdb.(*redis.ClusterClient)
+	sm := newSlotMover(t)
+	cl, rdb, cc, ids := sm.cl, sm.rdb, sm.cc, sm.ids
 	ctx := context.Background()
-	master := func(k string) string {
-		m, err := cc.MasterForKey(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m.Options().Addr
-	}
+	master := func(k string) string { return sm.master(t, k) }
 	// Two keys on one master, the moved one in the higher slot (so it is not the key
 	// declared, which routes the call).
 	var stay, moved string
@@ -132,23 +121,7 @@ func TestHybridClusterSlotMoved(t *testing.T) {
 		}
 	}
 	from := master(moved)
-	var to string
-	for _, a := range cl.Addrs {
-		if a != from {
-			to = a
-			break
-		}
-	}
-	ids := map[string]string{}
-	for _, a := range cl.Addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		defer c.Close()
-		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[a] = id
-	}
+	to := sm.otherThan(from)
 	// The slot is empty: hand it to the other master on every node (target first).
 	slot := Slot(moved)
 	for _, a := range append([]string{to, from}, cl.Addrs...) {
@@ -203,21 +176,10 @@ func TestHybridClusterSlotMoved(t *testing.T) {
 // migrating slot that is not on the node, so the key answers grant -1, its units stay
 // pending, and once the slot is handed over they are counted on the target, once.
 func TestHybridClusterSlotMigrating(t *testing.T) {
-	cl := redistest.StartCluster(t)
-	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	cc := rdb.(*redis.ClusterClient)
+	sm := newSlotMover(t)
+	cl, rdb, cc, nodes, ids := sm.cl, sm.rdb, sm.cc, sm.nodes, sm.ids
 	ctx := context.Background()
-	master := func(k string) string {
-		m, err := cc.MasterForKey(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m.Options().Addr
-	}
+	master := func(k string) string { return sm.master(t, k) }
 	// Two keys on one master, the migrating one in the higher slot (not the key the call
 	// declares, which routes it).
 	var stay, moving string
@@ -228,25 +190,7 @@ func TestHybridClusterSlotMigrating(t *testing.T) {
 		}
 	}
 	from := master(moving)
-	var to string
-	for _, a := range cl.Addrs {
-		if a != from {
-			to = a
-			break
-		}
-	}
-	nodes := map[string]*redis.Client{}
-	ids := map[string]string{}
-	for _, a := range cl.Addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		defer c.Close()
-		nodes[a] = c
-		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[a] = id
-	}
+	to := sm.otherThan(from)
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
 	now := time.Now().UnixNano()
@@ -325,21 +269,10 @@ func TestHybridClusterSlotMigrating(t *testing.T) {
 // migration. Each of the two keys is the moved one in turn (which leads the call is
 // the daemon's order, not the test's).
 func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
-	cl := redistest.StartCluster(t)
-	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	cc := rdb.(*redis.ClusterClient)
+	sm := newSlotMover(t)
+	cl, rdb, nodes, ids := sm.cl, sm.rdb, sm.nodes, sm.ids
 	ctx := context.Background()
-	master := func(k string) string {
-		m, err := cc.MasterForKey(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m.Options().Addr
-	}
+	master := func(k string) string { return sm.master(t, k) }
 	// Two clients whose slots are on one master, low and high below another client's
 	// slot on it, which does not move.
 	var tags []string
@@ -350,25 +283,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 		}
 	}
 	from := master(tags[0])
-	var to string
-	for _, a := range cl.Addrs {
-		if a != from {
-			to = a
-			break
-		}
-	}
-	nodes := map[string]*redis.Client{}
-	ids := map[string]string{}
-	for _, a := range cl.Addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		defer c.Close()
-		nodes[a] = c
-		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[a] = id
-	}
+	to := sm.otherThan(from)
 	other := "rl:c:" + tags[2]
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
@@ -449,21 +364,10 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 // the call's keys of other slots. Those must still be synced, each sync, not left
 // pending for as long as the slot stays so.
 func TestHybridClusterSlotMigratingStuck(t *testing.T) {
-	cl := redistest.StartCluster(t)
-	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	cc := rdb.(*redis.ClusterClient)
+	sm := newSlotMover(t)
+	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
 	ctx := context.Background()
-	master := func(k string) string {
-		m, err := cc.MasterForKey(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m.Options().Addr
-	}
+	master := func(k string) string { return sm.master(t, k) }
 	var tags []string
 	for i := 0; len(tags) < 2; i++ {
 		k := fmt.Sprintf("{user=%d}", i)
@@ -472,25 +376,7 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 		}
 	}
 	from := master(tags[0])
-	var to string
-	for _, a := range cl.Addrs {
-		if a != from {
-			to = a
-			break
-		}
-	}
-	nodes := map[string]*redis.Client{}
-	ids := map[string]string{}
-	for _, a := range cl.Addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		defer c.Close()
-		nodes[a] = c
-		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[a] = id
-	}
+	to := sm.otherThan(from)
 	keys := []string{"rl:a:" + tags[0], "rl:b:" + tags[0]}
 	other := "rl:c:" + tags[1]
 	h := NewHybrid(rdb, HybridOptions{})
@@ -542,39 +428,12 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 // the slot migrates, and a call of one key goes where that key is (ASK to the target
 // for a key the source lacks).
 func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
-	cl := redistest.StartCluster(t)
-	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	cc := rdb.(*redis.ClusterClient)
+	sm := newSlotMover(t)
+	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
 	ctx := context.Background()
 	tag := "{user=7}"
-	m, err := cc.MasterForKey(ctx, tag)
-	if err != nil {
-		t.Fatal(err)
-	}
-	from := m.Options().Addr
-	var to string
-	for _, a := range cl.Addrs {
-		if a != from {
-			to = a
-			break
-		}
-	}
-	nodes := map[string]*redis.Client{}
-	ids := map[string]string{}
-	for _, a := range cl.Addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		defer c.Close()
-		nodes[a] = c
-		id, err := c.Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids[a] = id
-	}
+	from := sm.master(t, tag)
+	to := sm.otherThan(from)
 	slot := Slot(tag)
 	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
 		t.Fatal(err)
@@ -611,4 +470,56 @@ func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
 			t.Errorf("%s counts %d in Redis after three syncs, want 3", k, got)
 		}
 	}
+}
+
+// slotMover is a 3-master Cluster and a client of it, for tests that move a slot by hand
+// as redis-cli does: a client and the node ID of each master, by address.
+type slotMover struct {
+	cl    *redistest.Cluster
+	rdb   redis.UniversalClient
+	cc    *redis.ClusterClient
+	nodes map[string]*redis.Client
+	ids   map[string]string
+}
+
+func newSlotMover(t *testing.T) *slotMover {
+	t.Helper()
+	cl := redistest.StartCluster(t)
+	rdb, err := Open(Config{Cluster: cl.Addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	sm := &slotMover{cl: cl, rdb: rdb, cc: rdb.(*redis.ClusterClient), nodes: map[string]*redis.Client{}, ids: map[string]string{}}
+	for _, a := range cl.Addrs {
+		c := redis.NewClient(&redis.Options{Addr: a})
+		t.Cleanup(func() { c.Close() })
+		sm.nodes[a] = c
+		id, err := c.Do(context.Background(), "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		sm.ids[a] = id
+	}
+	return sm
+}
+
+// master returns the address of the master that serves key k.
+func (sm *slotMover) master(t *testing.T, k string) string {
+	t.Helper()
+	m, err := sm.cc.MasterForKey(context.Background(), k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m.Options().Addr
+}
+
+// otherThan returns a master's address other than from.
+func (sm *slotMover) otherThan(from string) string {
+	for _, a := range sm.cl.Addrs {
+		if a != from {
+			return a
+		}
+	}
+	return ""
 }
