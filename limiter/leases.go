@@ -228,25 +228,39 @@ func (ls *Leases) appendKeyHashes(dst []uint64, token string, seed maphash.Seed)
 // before, it was renewed, and the gateway believed it held a slot another request had
 // taken.
 func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool)) (renewed bool, expiresIn time.Duration) {
+	renewed, expiresIn, _ = ls.renew(token, d, now, own, false)
+	return renewed, expiresIn
+}
+
+// renew is Renew; with keep, it also returns the parts' expiries before the renewal
+// (when renewed), for restore.
+func (ls *Leases) renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool), keep bool) (bool, time.Duration, []int64) {
 	id := ls.parse(token)
 	if id == 0 {
-		return false, 0
+		return false, 0, nil
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	l := ls.leases[id]
 	if l == nil {
-		return false, 0
+		return false, 0, nil
 	}
 	ls.expireLease(l, now)
 	if l.live < len(l.parts) {
-		return false, 0
+		return false, 0, nil
+	}
+	var was []int64
+	if keep {
+		was = make([]int64, len(l.parts))
 	}
 	first := int64(-1)
 	for i := range l.parts {
 		p := &l.parts[i]
 		if p.s == nil {
 			continue
+		}
+		if keep {
+			was[i] = p.expires
 		}
 		dur := p.dur
 		if own != nil {
@@ -262,7 +276,28 @@ func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule 
 			first = p.expires
 		}
 	}
-	return true, time.Duration(first - now)
+	return true, time.Duration(first - now), was
+}
+
+// restore gives the parts of the lease token still held the expiries was (renew's),
+// undoing a renewal of its local half whose global half was not renewed. A lease
+// released meanwhile is left alone.
+func (ls *Leases) restore(token string, was []int64) {
+	id := ls.parse(token)
+	if id == 0 {
+		return
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	l := ls.leases[id]
+	if l == nil {
+		return
+	}
+	for i := range l.parts {
+		if p := &l.parts[i]; p.s != nil && i < len(was) {
+			p.expires = was[i]
+		}
+	}
 }
 
 // ReleaseOwner frees every lease owner still holds (its connection closed), counting

@@ -1169,3 +1169,51 @@ func onRealRedises(t *testing.T, yaml string, f func(t *testing.T, name string, 
 		})
 	}
 }
+
+// A lease over a local and a global concurrency rule whose global part ran out is not
+// renewed, and its local part keeps its expiry (proto/PROTOCOL.md: "its other slots left
+// as they were"), whether the renewal asks each rule's own lease or an hour. Before, the
+// local part was extended before the global part was refused: renewed: false, and the
+// local slot held a whole lease longer (an hour with lease_ms 3,600,000) by a request the
+// gateway had been told had lost its lease.
+func TestMixedLeaseRenewRefusedKeepsLocalExpiry(t *testing.T) {
+	yaml := `
+rules:
+  - name: quick
+    key: user
+    concurrency: { max: 5, lease: 200ms }
+    mode: global
+  - name: here
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: local
+`
+	for _, d := range []time.Duration{0, time.Hour} {
+		t.Run(fmt.Sprint(d), func(t *testing.T) {
+			l := globalLimiter(t, realRedis(t), yaml, fmt.Sprintf("mixren%d:", d))
+			user := attrs("user=mix")
+			t0 := nowNs()
+			dec := &Decision{Owner: 1}
+			if err := l.Check(t0, &Input{Attrs: user, Cost: 1}, dec); err != nil || !dec.Allowed {
+				t.Fatalf("acquire: %v %+v", err, dec.Results)
+			}
+			tok := l.LeaseToken(dec)
+			if !strings.Contains(tok, tokenJoin) {
+				t.Fatalf("token %q: want a local and a global half", tok)
+			}
+			time.Sleep(400 * time.Millisecond) // quick's part runs out in Redis (200 ms)
+			if renewed, in := l.RenewLease(tok, d, nowNs()); renewed {
+				t.Fatalf("renew after the global part ran out: renewed, first part in %v; want false", in)
+			}
+			// Just past the local part's own lease, its slot is free again.
+			later := t0 + int64(time.Minute) + int64(100*time.Millisecond)
+			dec = &Decision{Owner: 2}
+			if err := l.Check(later, &Input{Attrs: user, Cost: 1}, dec); err != nil {
+				t.Fatal(err)
+			}
+			if !dec.Allowed {
+				t.Fatalf("refused just past the local part's lease: %+v; the refused renewal extended it", dec.Results)
+			}
+		})
+	}
+}

@@ -636,26 +636,32 @@ func (l *Limiter) ReleaseLease(token string, now int64) bool {
 // rule's own lease), through any daemon for a global lease. It reports whether the lease
 // was live, every part of it, and then how long until its first part expires: a lease
 // that lost a slot (a part run out, its local or its global half) is not renewed, or the
-// gateway would believe it held what another request took.
+// gateway would believe it held what another request took, and its other parts keep
+// their expiries (a local half renewed before its global half was refused is put back).
 func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, time.Duration) {
 	local, global := splitToken(token)
 	if local == "" && (global == "" || l.global == nil) {
 		return false, 0
 	}
 	in := time.Duration(-1)
+	var was []int64
 	if local != "" {
-		ok, t := l.leases.Renew(local, d, now, l.leaseNow)
+		ok, t, w := l.leases.renew(local, d, now, l.leaseNow, global != "")
 		if !ok {
 			return false, 0
 		}
-		in = t
+		in, was = t, w
 	}
 	if global != "" {
-		if l.global == nil {
-			return false, 0
+		ok := false
+		var t time.Duration
+		if l.global != nil {
+			ok, t = l.global.renew(global, d, now)
 		}
-		ok, t := l.global.renew(global, d, now)
 		if !ok {
+			if local != "" {
+				l.leases.restore(local, was)
+			}
 			return false, 0
 		}
 		if in < 0 || t < in {
