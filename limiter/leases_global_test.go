@@ -157,10 +157,11 @@ func TestGlobalLeasesOwnerClose(t *testing.T) {
 	}
 }
 
-// A request a local rate rule refuses is refused before Redis is asked: the global lease
-// takes no slot, not even for the round trip a give-back would take (its entry is
-// unasked). One a later store refuses after the global lease took (a local concurrency
-// rule, which only its take decides) is given back: nothing held in Redis either way.
+// A request a local rate rule or a local concurrency rule refuses is refused before
+// Redis is asked: the global lease takes no slot, not even for the round trip a
+// give-back would take (its entry is unasked); nothing is held in Redis. Before, a local
+// concurrency rule was decided only by its take, after the global lease had taken its
+// slot, which was given back a round trip later.
 func TestGlobalLeaseGivenBack(t *testing.T) {
 	rdb := realRedis(t)
 	l := globalLimiter(t, rdb, `
@@ -183,10 +184,10 @@ rules:
 `, "rl:")
 	for _, c := range []struct {
 		user, path string
-		asked      bool // the global lease store took, then gave back
+		slots      bool // the local concurrency rule refuses, not the rate rule
 	}{{"dee", "/x/rate", false}, {"eve", "/x/slots", true}} {
 		in := &Input{Attrs: attrs("user="+c.user, "path="+c.path), Cost: 1}
-		if c.asked {
+		if c.slots {
 			// The local slot, held by a request the global rule does not match.
 			if ok, _, _ := acquire(t, l, &Input{Attrs: attrs("user="+c.user, "path=/y/slots"), Cost: 1}, 1); !ok {
 				t.Fatalf("%s: holding the local slot", c.path)
@@ -201,16 +202,12 @@ rules:
 		if n := rdb.ZCard(context.Background(), "rl:exports:{user="+c.user+"}").Val(); n != 0 {
 			t.Fatalf("%s: a refused request holds %d slots in Redis", c.path, n)
 		}
-		r := d.Results[0]
-		if c.asked && (!r.Allowed || r.Unasked || r.Remaining != 1) {
-			t.Fatalf("%s: exports result %+v, want allowed with 1 free (given back)", c.path, r)
-		}
-		if !c.asked && (!r.Allowed || !r.Unasked) {
+		if r := d.Results[0]; !r.Allowed || !r.Unasked {
 			t.Fatalf("%s: exports result %+v, want unasked (Redis not asked for a refused request)", c.path, r)
 		}
 	}
 	if s := stats(l, "exports"); s.InFlight != 0 {
-		t.Fatalf("in flight %d after a give-back", s.InFlight)
+		t.Fatalf("in flight %d after the refusals", s.InFlight)
 	}
 }
 
@@ -1213,6 +1210,73 @@ rules:
 			}
 			if !dec.Allowed {
 				t.Fatalf("refused just past the local part's lease: %+v; the refused renewal extended it", dec.Results)
+			}
+		})
+	}
+}
+
+// A client whose requests a local concurrency rule refuses (its one slot held), retrying
+// without pause, holds nothing of a Redis-backed rule of the tenant meanwhile: another
+// user's ask (cost 0) is never refused while they run, the tenant's rule having room for
+// it, whether that rule is a global concurrency rule or a rate rule in global or hybrid
+// mode. Before, the local concurrency rule was decided only by its own take, after the
+// Redis store had taken for the request; the slot or unit was given back a round trip
+// later and held meanwhile: on the real daemon, with two daemons on one Redis, 5,129 of
+// 7,238 asks on the other daemon were refused in 2 s.
+func TestRefusedByLocalLeaseHoldsNothingInRedis(t *testing.T) {
+	rdb := realRedis(t)
+	for _, tc := range []struct{ name, rule string }{
+		{"global-lease", "concurrency: { max: 2, lease: 1m }\n    mode: global"},
+		{"global-rate", "limit: { requests: 2, per: 1h }\n    mode: global"},
+		{"hybrid-rate", "limit: { requests: 2, per: 1h }\n    mode: hybrid"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := globalLimiter(t, rdb, `
+rules:
+  - name: tenant
+    key: tenant
+    `+tc.rule+`
+  - name: peruser
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: local
+`, "rl:"+tc.name+":")
+			ann := &Input{Attrs: attrs("tenant=acme", "user=ann"), Cost: 1}
+			if ok, _, _ := acquire(t, l, ann, 1); !ok {
+				t.Fatal("ann's first request")
+			}
+			stop := make(chan struct{})
+			var wg gosync.WaitGroup
+			wg.Add(1)
+			go func() { // ann, refused by her local slot
+				defer wg.Done()
+				d := &Decision{Owner: 2}
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					if err := l.Check(nowNs(), ann, d); err != nil || d.Allowed {
+						t.Errorf("ann: allowed %v, err %v", d.Allowed, err)
+						return
+					}
+				}
+			}()
+			bob := &Input{Attrs: attrs("tenant=acme", "user=bob"), Cost: 0}
+			d, asks, refused := &Decision{Owner: 3}, 0, 0
+			for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); asks++ {
+				if err := l.Check(nowNs(), bob, d); err != nil {
+					t.Fatal(err)
+				}
+				if !d.Allowed {
+					refused++
+				}
+			}
+			close(stop)
+			wg.Wait()
+			if refused != 0 {
+				t.Errorf("%d of %d asks refused while ann's requests were being refused by her local slot", refused, asks)
 			}
 		})
 	}

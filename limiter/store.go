@@ -162,15 +162,15 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 		// before it can have taken.
 		return localStore{l.buckets}.take1(now, d)
 	}
-	if ok && !d.noWait && d.routes(storeLocal) && d.routed&(1<<storeHybrid|1<<storeGlobal|1<<storeGlobalLease) != 0 &&
-		!(localStore{l.buckets}).wouldPass(now, d) {
+	if ok && !d.noWait && d.routed&(1<<storeLocal|1<<storeLease) != 0 && d.routed&(1<<storeHybrid|1<<storeGlobal|1<<storeGlobalLease) != 0 &&
+		!l.localWouldPass(now, d) {
 		// A local rule refuses: the request is refused before a store that waits on Redis
 		// takes for it. Taken, its Redis charge would be given back only after the local
 		// refusal, a round trip later, and held meanwhile: a client retrying a request a
 		// local rule refuses would keep a small Redis-backed budget held on every daemon
-		// against everyone's requests. (A local bucket emptied by another request between
-		// this peek and the take below still refuses there, and the Redis stores give
-		// back, as before: rare.)
+		// against everyone's requests. (A local bucket emptied, or a local concurrency
+		// slot taken, by another request between this peek and the take below still
+		// refuses there, and the Redis stores give back, as before: rare.)
 		ok = false
 	}
 	var took [numStores]bool
@@ -210,6 +210,15 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 		}
 	}
 	return ok
+}
+
+// localWouldPass reports whether d's local rate rules and local concurrency rules (the
+// stores after the Redis ones) would allow it, taking nothing.
+func (l *Limiter) localWouldPass(now int64, d *Decision) bool {
+	if d.routes(storeLocal) && !(localStore{l.buckets}).wouldPass(now, d) {
+		return false
+	}
+	return !d.routes(storeLease) || (leaseStore{l.leases}).wouldPass(now, d)
 }
 
 // fallBack decides the ops routed to id without that store, each by its failure policy:

@@ -14,24 +14,7 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 	ls := s.ls
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	ok, n := true, 0
-	for i := range d.ops {
-		o := &d.ops[i]
-		if o.store != storeLease {
-			continue
-		}
-		sl := ls.slots[string(o.key)]
-		if sl != nil {
-			ls.expireSlot(sl, now)
-			sl = ls.slots[string(o.key)] // gone when every part expired
-		}
-		if !s.report(d, i, o, sl, now, s.earlier(d, i)) && !o.shadow {
-			ok = false
-		}
-		if d.Results[i].Allowed && o.cost > 0 {
-			n++
-		}
-	}
+	ok, n := s.peekLocked(now, d, false)
 	if !ok || n == 0 {
 		return ok, nil
 	}
@@ -57,6 +40,47 @@ func (s leaseStore) take(now int64, d *Decision) (bool, error) {
 	}
 	d.Lease = l.id
 	return true, nil
+}
+
+// peekLocked writes each concurrency op's result from a peek at its slot, taking
+// nothing, and reports whether the check fits (every op that is not a shadow has a free
+// slot) and how many slots it would take. With first, it stops at the first op that does
+// not fit. ls.mu must be held.
+func (s leaseStore) peekLocked(now int64, d *Decision, first bool) (ok bool, n int) {
+	ls := s.ls
+	ok = true
+	for i := range d.ops {
+		o := &d.ops[i]
+		if o.store != storeLease {
+			continue
+		}
+		sl := ls.slots[string(o.key)]
+		if sl != nil {
+			ls.expireSlot(sl, now)
+			sl = ls.slots[string(o.key)] // gone when every part expired
+		}
+		if !s.report(d, i, o, sl, now, s.earlier(d, i)) && !o.shadow {
+			ok = false
+			if first {
+				return false, n
+			}
+		}
+		if d.Results[i].Allowed && o.cost > 0 {
+			n++
+		}
+	}
+	return ok, n
+}
+
+// wouldPass reports whether take would find a free slot for every concurrency op of the
+// check, taking nothing (the results it writes are written again by take or skip): the
+// peek apply makes, with localStore.wouldPass, before a store that waits on Redis takes
+// for the request.
+func (s leaseStore) wouldPass(now int64, d *Decision) bool {
+	s.ls.mu.Lock()
+	defer s.ls.mu.Unlock()
+	ok, _ := s.peekLocked(now, d, true)
+	return ok
 }
 
 // earlier counts the slots that ops of d before op i, on the same key, are to take in
