@@ -422,6 +422,73 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 	}
 }
 
+// A slot left migrating with its keys moved (a reshard stopped before it handed the
+// slot over), the slot not the first of its master's sync call: a call led by a key of
+// a lower slot of the same master runs on the source, which serves that slot, and
+// answers "not served" for the moved keys (they are on the target). Those keys must
+// still be synced, each sync, not left pending for as long as the slot stays so.
+func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
+	sm := newSlotMover(t)
+	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
+	ctx := context.Background()
+	master := func(k string) string { return sm.master(t, k) }
+	// tags[0], which stays, in a lower slot than tags[1], whose slot migrates; tags[2],
+	// higher still, stays too.
+	var tags []string
+	for i := 0; len(tags) < 3; i++ {
+		k := fmt.Sprintf("{user=%d}", i)
+		if len(tags) == 0 || master(k) == master(tags[0]) && Slot(k) > Slot(tags[len(tags)-1]) {
+			tags = append(tags, k)
+		}
+	}
+	from := master(tags[0])
+	to := sm.otherThan(from)
+	first, last := "rl:c:"+tags[0], "rl:c:"+tags[2]
+	keys := []string{"rl:a:" + tags[1], "rl:b:" + tags[1]}
+	h := NewHybrid(rdb, HybridOptions{})
+	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	use := func() {
+		now := time.Now().UnixNano()
+		for _, k := range append([]string{first, last}, keys...) {
+			take(h, now, k, lim, 1)
+		}
+		if err := h.Flush(ctx, now); err != nil {
+			t.Fatalf("a sync meeting a migrating slot failed: %v", err)
+		}
+	}
+	use()
+	slot := Slot(tags[1])
+	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	host, port, _ := strings.Cut(to, ":")
+	if err := nodes[from].Do(ctx, "MIGRATE", host, port, "", 0, 5000, "KEYS", keys[0], keys[1]).Err(); err != nil {
+		t.Fatalf("MIGRATE: %v", err)
+	}
+	for range 3 {
+		use()
+	}
+	for _, k := range []string{first, last} {
+		if got, _ := nodes[from].HGet(ctx, k, "n").Int(); got != 4 {
+			t.Errorf("%s, of a slot that stays, counts %d on its master after four syncs, want 4", k, got)
+		}
+	}
+	for _, k := range keys {
+		pipe := nodes[to].Pipeline()
+		pipe.Do(ctx, "ASKING")
+		n := pipe.HGet(ctx, k, "n")
+		if _, err := pipe.Exec(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := n.Int(); got != 4 {
+			t.Errorf("%s, of the slot left migrating, counts %d on the target after four syncs, want 4 (its units left pending for as long as the slot stays so)", k, got)
+		}
+	}
+}
+
 // A client new to a slot that migrates (or that a stopped reshard left migrating) has
 // its keys, of that slot, synced all the same: Redis answers TRYAGAIN to a call
 // declaring several keys of a migrating slot some of which are missing, however long

@@ -881,9 +881,16 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			for i := range batch {
 				moved = parseSyncReply(&batch[i]) || moved
 			}
-			// A call whose first slot migrates (TRYAGAIN, or served by ASK on the target):
-			// its other keys go again at once, led by their own first key (splitAgain).
-			for rest := splitAgain(batch); len(rest) > 0 && ctx.Err() == nil; rest = splitAgain(rest) {
+			// On a cluster, a call that meets a migrating slot (TRYAGAIN, served by ASK on
+			// the target, or keys of a later slot not served): its keys not served go
+			// again at once, led by their own first key (splitAgain). A standalone Redis
+			// moves no slot: a key it does not serve there is one it cannot read (of
+			// another type), which a resend would not serve either.
+			var rest []syncCall
+			if h.cluster {
+				rest = splitAgain(batch)
+			}
+			for ; len(rest) > 0 && ctx.Err() == nil; rest = splitAgain(rest) {
 				if err2 := exec(rest); err == nil || redis.HasErrorPrefix(err, "TRYAGAIN") {
 					err = err2
 				}
@@ -976,12 +983,18 @@ func firstSlotKeys(items []syncItem) int {
 //     key where the key is (by ASK on the target for a key the source lacks). Until
 //     their replies come, those keys are marked not served (errNotServed: pending for the
 //     next sync, no failure), as they stay if the sync's time runs out first;
-//   - of a call whose first slot's keys were served and every other key not: it went by
-//     ASK to the node importing that slot, which serves no other slot of the call. That
-//     lasts while the slot migrates, and for good when a reshard stopped before it
-//     handed the slot over: the other keys would never be synced. Sent again, led by
-//     their own first key, they reach their master. (Were the slot map stale instead,
-//     the call sent again is not served either, and is not sent a third time.)
+//   - of a call whose first slot's keys were served and some other keys not, those
+//     keys (moved to the end of the call's items, in their order): either the call went
+//     by ASK to the node importing its first slot, which serves no other slot of the
+//     call, or it ran on its master and some of its other keys are in a slot that
+//     migrates from there and are not there (moved already, or new: Redis sends them to
+//     the target, and a script's read of them fails). Either lasts while the slot
+//     migrates, and for good when a reshard stopped before it handed the slot over:
+//     those keys would never be synced. (Before, only the first case was sent again:
+//     a key of a slot left migrating, not its call's first slot, had its units left
+//     pending for good, uncounted in Redis.) Sent again, led by their own first key,
+//     which the call declares, Redis sends them where that key is (ASK, or MOVED on a
+//     stale slot map), so each resend serves at least that key's slot.
 //
 // A call of one key gives none; a call of one slot's keys alone, served, none.
 func splitAgain(calls []syncCall) []syncCall {
@@ -1001,7 +1014,11 @@ func splitAgain(calls []syncCall) []syncCall {
 			if n == len(c.items) {
 				continue
 			}
-		case n < len(c.items) && err == nil && servedAll(c.items[:n]) && notServedAll(c.items[n:]):
+		case n < len(c.items) && err == nil && servedAll(c.items[:n]):
+			if k := notServedLast(c.items[n:]); k > 0 {
+				rest = append(rest, syncCall{items: c.items[len(c.items)-k:]})
+			}
+			continue
 		default:
 			continue
 		}
@@ -1010,18 +1027,28 @@ func splitAgain(calls []syncCall) []syncCall {
 	return rest
 }
 
+// notServedLast moves the items whose keys were not served (errNotServed) to the end
+// of items, each part in its order (so by slot), and returns how many they are.
+func notServedLast(items []syncItem) int {
+	var not []syncItem
+	k := 0
+	for i := range items {
+		if errors.Is(items[i].err, errNotServed) {
+			not = append(not, items[i])
+			continue
+		}
+		if k != i {
+			items[k] = items[i]
+		}
+		k++
+	}
+	copy(items[k:], not)
+	return len(not)
+}
+
 func servedAll(items []syncItem) bool {
 	for i := range items {
 		if items[i].err != nil {
-			return false
-		}
-	}
-	return true
-}
-
-func notServedAll(items []syncItem) bool {
-	for i := range items {
-		if !errors.Is(items[i].err, errNotServed) {
 			return false
 		}
 	}
