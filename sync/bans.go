@@ -375,7 +375,9 @@ func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, er
 		zs, ok = v[1].([]any)
 	}
 	if !ok || len(zs)%2 != 0 {
-		return nil, fmt.Errorf("reading the ban index %s: ban_known.lua replied %v", b.index, v)
+		// Its shape only: the reply holds the client key of every ban in force, and this
+		// error is logged.
+		return nil, fmt.Errorf("reading the ban index %s: ban_known.lua replied %s, want {now_us, {member, score, ...}}", b.index, replyShape(v))
 	}
 	b.measure(now, start, at)
 	latest := map[string]int{}
@@ -442,6 +444,20 @@ func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
 		return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
 	}
 	return was, nil
+}
+
+// replyShape describes a script's reply by its types and lengths, naming none of its
+// values (members of the bans' index are client keys).
+func replyShape(v []any) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		if a, ok := x.([]any); ok {
+			parts[i] = fmt.Sprintf("array of %d", len(a))
+		} else {
+			parts[i] = fmt.Sprintf("%T", x)
+		}
+	}
+	return "{" + strings.Join(parts, ", ") + "}"
 }
 
 // unindex removes from the index every member of key, whatever its count.
