@@ -981,8 +981,10 @@ func firstSlotKeys(items []syncItem) int {
 //     answers TRYAGAIN to a call of several keys of a migrating slot until the slot is
 //     handed over (for good when a reshard stopped before that), and runs a call of one
 //     key where the key is (by ASK on the target for a key the source lacks). Until
-//     their replies come, those keys are marked not served (errNotServed: pending for the
-//     next sync, no failure), as they stay if the sync's time runs out first;
+//     their replies come, the call's keys are all marked not served (errNotServed:
+//     pending for the next sync, no failure), as they stay if the sync's time runs out
+//     first (before, the keys past its first slot kept the TRYAGAIN, a failure that
+//     counted against the master's breaker during a reshard);
 //   - of a call whose first slot's keys were served and some other keys not, those
 //     keys (moved to the end of the call's items, in their order): either the call went
 //     by ASK to the node importing its first slot, which serves no other slot of the
@@ -1007,8 +1009,10 @@ func splitAgain(calls []syncCall) []syncCall {
 		n := firstSlotKeys(c.items)
 		switch err := c.cmd.Err(); {
 		case err != nil && redis.HasErrorPrefix(err, "TRYAGAIN"):
+			for k := range c.items {
+				c.items[k].err = errNotServed // Redis ran nothing of the call
+			}
 			for k := range c.items[:n] {
-				c.items[k].err = errNotServed
 				rest = append(rest, syncCall{items: c.items[k : k+1]})
 			}
 			if n == len(c.items) {
