@@ -48,13 +48,7 @@ func Headers(d *Decision) http.Header {
 func SetHeaders(h http.Header, d *Decision) {
 	if d.Rule != "" {
 		var pol, cur []byte
-		decided := -1
-		for i := range d.Rules {
-			if r := &d.Rules[i]; !r.Shadow && r.Name == d.Rule {
-				decided = i
-				break
-			}
-		}
+		decided := decidingRule(d)
 		if decided >= 0 {
 			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rules[decided].item())
 		} else {
@@ -86,6 +80,30 @@ func SetHeaders(h http.Header, d *Decision) {
 	if !d.Allowed && d.Reason != proto.ReasonCostExceedsCapacity {
 		h.Set("Retry-After", strconv.FormatInt(proto.RetryAfterSeconds(d.RetryAfter), 10))
 	}
+}
+
+// decidingRule returns the index in d.Rules of the deciding rule, -1 when none carries its
+// name: the first non-shadow entry named d.Rule whose figures are the top-level ones (the
+// deciding rule's), else the first non-shadow entry of that name. Names need not be
+// unique: inline limits without a name are named by their key, so two limits on one key
+// (10 per second and 3 per minute) share a name, and the first of them is not always
+// the one that decided.
+func decidingRule(d *Decision) int {
+	first := -1
+	for i := range d.Rules {
+		r := &d.Rules[i]
+		if r.Shadow || r.Name != d.Rule {
+			continue
+		}
+		if r.Allowed == d.Allowed && r.Limit == d.Limit && r.Remaining == d.Remaining && r.Reset == d.Reset &&
+			r.RetryAfter == d.RetryAfter {
+			return i
+		}
+		if first < 0 {
+			first = i
+		}
+	}
+	return first
 }
 
 // tooLargeBody is the problem+json body of a 431: the request's attributes were too large

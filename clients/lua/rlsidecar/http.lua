@@ -126,6 +126,27 @@ local function append_item(pol, cur, name, limit, window_ms, f, concurrency)
   cur[#cur + 1] = c
 end
 
+-- deciding_rule returns the index in rules of the deciding rule of d, nil when none carries
+-- its name: the first non-shadow entry named d.rule whose figures are the top-level ones
+-- (the deciding rule's), else the first non-shadow entry of that name. Names need not be
+-- unique: inline limits without a name are named by their key, so two limits on one key
+-- (10 per second and 3 per minute) share a name, and the first is not always the one
+-- that decided.
+local function deciding_rule(d, rules)
+  local first
+  for i, r in ipairs(rules) do
+    if not r.shadow and r.name == d.rule then
+      if (r.allowed == true) == (d.allowed == true) and (r.limit or 0) == (d.limit or 0)
+          and (r.remaining or 0) == (d.remaining or 0) and (r.reset_ms or 0) == (d.reset_ms or 0)
+          and (r.retry_after_ms or 0) == (d.retry_after_ms or 0) then
+        return i
+      end
+      first = first or i
+    end
+  end
+  return first
+end
+
 -- headers returns the rate-limit headers of d as a table name -> value:
 --   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
 --   rule, the deciding rule first (built from the top-level fields, without w, when
@@ -143,13 +164,7 @@ function M.headers(d)
   local h = {}
   local rules = d.rules or {}
   if d.rule ~= nil and d.rule ~= "" then
-    local pol, cur, decided = {}, {}, nil
-    for i, r in ipairs(rules) do
-      if not r.shadow and r.name == d.rule then
-        decided = i
-        break
-      end
-    end
+    local pol, cur, decided = {}, {}, deciding_rule(d, rules)
     if decided then
       local r = rules[decided]
       append_item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency == true)

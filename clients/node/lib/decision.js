@@ -94,13 +94,7 @@ class Decision {
     if (this.rule !== '') {
       const pol = [];
       const cur = [];
-      let decided = null;
-      for (const r of this.rules) {
-        if (!r.shadow && r.name === this.rule) {
-          decided = r;
-          break;
-        }
-      }
+      const decided = decidingRule(this);
       if (decided !== null) {
         item(pol, cur, decided, decided.windowMs);
       } else {
@@ -182,6 +176,26 @@ function retryAfterS(d) {
 // rule's retry (none when no retry can pass it), an allowing rule's reset. A concurrency
 // rule's quota is of concurrent requests, with no window: qu="concurrent-requests", no w,
 // and, allowing, no t (nothing says when a slot frees).
+/**
+ * The deciding rule's entry of d.rules, null when none carries its name: the first
+ * non-shadow entry named d.rule whose figures are the top-level ones (the deciding
+ * rule's), else the first non-shadow entry of that name. Names need not be unique: inline
+ * limits without a name are named by their key, so two limits on one key (10 per second
+ * and 3 per minute) share a name, and the first is not always the one that decided.
+ */
+function decidingRule(d) {
+  let first = null;
+  for (const r of d.rules) {
+    if (r.shadow || r.name !== d.rule) continue;
+    if (r.allowed === d.allowed && r.limit === d.limit && r.remaining === d.remaining &&
+        r.resetMs === d.resetMs && r.retryAfterMs === d.retryAfterMs) {
+      return r;
+    }
+    if (first === null) first = r;
+  }
+  return first;
+}
+
 function item(pol, cur, r, windowMs) {
   const n = sfString(r.name);
   if (r.concurrency === true) pol.push(`${n};q=${r.limit};qu="concurrent-requests"`);

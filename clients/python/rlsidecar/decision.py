@@ -143,11 +143,7 @@ class Decision:
         h = {}
         if self.rule:
             pol, cur = [], []
-            decided = None
-            for r in self.rules:
-                if not r.shadow and r.name == self.rule:
-                    decided = r
-                    break
+            decided = self._deciding_rule()
             if decided is not None:
                 _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided, decided.concurrency)
             else:
@@ -166,6 +162,24 @@ class Decision:
         if not self.allowed and self.reason != COST_EXCEEDS_CAPACITY and self.reason != REQUEST_TOO_LARGE:
             h["Retry-After"] = str(self._retry_after_s())
         return h
+
+    def _deciding_rule(self):
+        """The deciding rule's entry of rules, None when none carries its name: the first
+        non-shadow entry named rule whose figures are the top-level ones (the deciding
+        rule's), else the first non-shadow entry of that name. Names need not be unique:
+        inline limits without a name are named by their key, so two limits on one key (10
+        per second and 3 per minute) share a name, and the first is not always the one
+        that decided."""
+        first = None
+        for r in self.rules:
+            if r.shadow or r.name != self.rule:
+                continue
+            if (r.allowed == self.allowed and r.limit == self.limit and r.remaining == self.remaining
+                    and r.reset_ms == self.reset_ms and r.retry_after_ms == self.retry_after_ms):
+                return r
+            if first is None:
+                first = r
+        return first
 
     def _retry_after_s(self):
         return max(_ceil_s(self.retry_after_ms), 1)
