@@ -228,3 +228,45 @@ func TestGlobalReloadDelayedBucketsApart(t *testing.T) {
 		})
 	}
 }
+
+// A client whose checks alternate between two plans of one token-bucket rule far apart (30
+// and 3 per hour, the README's `partner: 10x`): its 30 units used at 30 per hour, read at 3
+// (a check of the other plan, refused, or a peek) are cut to the lower plan's whole burst,
+// 3. Read back at 30 per hour, that cut said 3 used, and 27 more were admitted within the
+// hour: 57 of a limit of 30, where the local mode admits 0 more (the state's N keeps the
+// uncut time) and the bound documented for global mode is one smaller burst, 33. The cut
+// now keeps what it left out in the key (fields gu, gue), read by the next read at
+// another rate, as the local store does.
+func TestGlobalPlanFlappingKeepsUnits(t *testing.T) {
+	for _, bk := range globalBackends(t) {
+		for _, cost := range []uint64{1, 0} {
+			t.Run(fmt.Sprintf("%s/lower-plan-cost-%d", bk.name, cost), func(t *testing.T) {
+				partner := globalLimit(t, localbucket.TokenBucket, 30, time.Hour, 30)
+				free := globalLimit(t, localbucket.TokenBucket, 3, time.Hour, 3)
+				key := fmt.Sprintf("rl:gflap:{%s-%d}", bk.name, cost)
+				admitted := func(l *localbucket.Limit, n int) int {
+					t.Helper()
+					k := 0
+					for range n {
+						if _, ok, _, _ := globalCheckOne(t, bk, key, l, 1); ok {
+							k++
+						}
+					}
+					return k
+				}
+				if got := admitted(partner, 30); got != 30 {
+					t.Fatalf("%d of 30 admitted at 30 per hour on a fresh key", got)
+				}
+				if r, _, _, _ := globalCheckOne(t, bk, key, free, cost); r.Allowed {
+					t.Fatalf("a check of cost %d at 3 per hour after 30 used: allowed", cost)
+				}
+				if got := admitted(partner, 30); got != 0 {
+					t.Errorf("back at 30 per hour after 30 used: %d more admitted, want 0", got)
+				}
+				if got := admitted(free, 3); got != 0 {
+					t.Errorf("at 3 per hour again: %d admitted, want 0", got)
+				}
+			})
+		}
+	}
+}

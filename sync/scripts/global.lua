@@ -64,8 +64,11 @@
 --     before it at another emission, written with it (fields hybrid.lua has no use for).
 --     Else the units are kept, over the burst (the client refused): while
 --     a reload has reached some daemons and not others, checks alternate between the
---     rates, and a cut at each forgave a burst each time. A key with no er (written
---     before there was one) is read as it is.
+--     rates, and a cut at each forgave a burst each time. A cut keeps what it left out:
+--     gu = when the bucket would be full uncut (µs), counted at emission gue (ns), read
+--     by the next read at another rate (the later of t and gu) and then dropped, so a
+--     rate lowered and raised back (a request of another plan) reads the units used
+--     before the cut. A key with no er (written before there was one) is read as it is.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
 --   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;
@@ -178,29 +181,51 @@ end
 -- cut alone the two cut in turn, admitting every check. cut[key] holds the fields the
 -- commit writes. Kept units are capped at max(a whole burst, 2^52 ns, 52 days), so that t
 -- stays exact.
-local cut = {}
+--
+-- What a cut leaves out is kept in the key, as the local store keeps it in the state's N:
+-- gu, the time (µs) the bucket would be full uncut, counted at emission gue (ns). The
+-- next read at another rate reads the later of t and gu, each at its own emission, then
+-- drops gu (or writes the new one, if it cuts again). Without it, 30 units used at 30 per
+-- hour, read at 3 per hour (one check of a lower plan, refused, or a peek), were cut to
+-- 3 and read back at 30 per hour as 3 used: 27 more admitted within the hour, where the
+-- local mode admits none. Read only here (another rate), with the cut fields.
+-- gu_ttl[key]: the uncut time owed (ns), which the key's TTL covers.
+local cut, gu_ttl = {}, {}
 local function rescale_token(key, st, burst, e)
   local er = st.er
   st.er = e
   if not er or er == e or not st.t then return nil end
   local d = (st.t - now) * 1000 + st.f
-  if d <= 0 then return nil end -- a full bucket is full at any rate
-  d = muldiv(d, e, er)
+  local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt', 'gu', 'gue')
+  local gu, gue = tonumber(c[5]), tonumber(c[6])
+  local dgu = 0
+  if gu and gue and gue > 0 and gu > now then dgu = muldiv(min((gu - now) * 1000, TWO52), e, gue) end
+  if d <= 0 and dgu == 0 then return nil end -- a full bucket is full at any rate (a gu run out says nothing)
+  d = max(muldiv(max(d, 0), e, er), dgu)
   local tau = burst * e
+  local fields
   if d > tau then
-    local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt')
     local ce, ct, pe, pt = tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])
     if ce == e and ct and (now - ct) * 1000 < tau or pe == e and pt and (now - pt) * 1000 < tau then
       if d > TWO52 then d = max(tau, TWO52) end
+      fields = {}
     else
-      d = tau
+      local uncut = min(d, max(tau, TWO52))
       if ce and ce ~= e and ct then
-        cut[key] = {'gce', e, 'gct', now, 'gpe', ce, 'gpt', ct}
+        fields = {'gce', e, 'gct', now, 'gpe', ce, 'gpt', ct}
       else
-        cut[key] = {'gce', e, 'gct', now}
+        fields = {'gce', e, 'gct', now}
       end
+      fields[#fields + 1], fields[#fields + 2] = 'gu', now + math.ceil(uncut / 1000)
+      fields[#fields + 1], fields[#fields + 2] = 'gue', e
+      gu_ttl[key] = uncut
+      d = tau
     end
+  else
+    fields = {}
   end
+  if gu and not gu_ttl[key] then fields.drop = true end
+  if #fields > 0 or fields.drop then cut[key] = fields end
   local us = floor(d / 1000)
   st.t, st.f = now + us, d - us * 1000
   return d
@@ -584,12 +609,14 @@ for _, key in ipairs(order) do
   local expires = written[key]
   if expires then
     local st, alg = states[key], wrote_at[key]
+    if gu_ttl[key] then expires = max(expires, gu_ttl[key]) end
     local ttl = math.ceil(expires / 1000000) + 1000
     if alg == 3 then ttl = ttl - 1000 + CALENDAR_GRACE_MS end
     local x = st.x
     if x and x >= now_ms + ttl then
       if (alg == 0 or alg == 4) and cut[key] then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er, unpack(cut[key]))
+        if cut[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
       elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er)
       elseif alg == 0 or alg == 4 then
@@ -602,6 +629,7 @@ for _, key in ipairs(order) do
       st.x = now_ms + ttl
       if (alg == 0 or alg == 4) and cut[key] then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er, unpack(cut[key]))
+        if cut[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
       elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er)
       elseif alg == 0 or alg == 4 then
