@@ -550,6 +550,17 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 				// or by an exact sync once that is stale.
 				e.short = 0
 				e.flags &^= flagDirty
+			case e.lastDemand >= 2 && e.short < 2 && e.unsynced() == 0 && e.owed == 0 &&
+				e.flags&(flagUnsettled|flagRelimit) == 0 && e.synced > 0 && now-e.synced < int64(h.interval)/2:
+				// A hot key whose share grant, asked less than half an interval ago, still
+				// covers its demand: it waits for a later sync. Synced again at once (a sync
+				// made early for a new key, just after the periodic one), it asked a share
+				// grant for the demand of those few milliseconds, none: the grant went back
+				// and the key cooled, and each of its requests was an exact sync until a
+				// shortfall made it hot again (a per-plan key beside per-user keys of new
+				// clients, 4 daemons: 0.43 script calls per check, 0.03 without the user
+				// rule; TestHybridEarlySyncKeepsShareGrant).
+				keep = append(keep, e)
 			case len(items) >= limit:
 				backlog++
 				keep = append(keep, e)
