@@ -1281,3 +1281,68 @@ rules:
 		})
 	}
 }
+
+// A lease over a local and a global concurrency rule, released while Redis cannot be
+// reached, answers released: false (PROTOCOL.md: false when a global release cannot reach
+// Redis), its local slot freed all the same; released again once Redis is back, it frees
+// the global slot and answers true; a third time, false. Before, the first release
+// answered true, its global slot still held in Redis, and a client had no cause to
+// release it again.
+func TestMixedLeaseReleaseRedisFrozen(t *testing.T) {
+	srv, rdb := realRedisServer(t, time.Second)
+	yaml := `
+rules:
+  - name: shared
+    key: user
+    concurrency: { max: 5, lease: 1m }
+    mode: global
+  - name: here
+    key: user
+    concurrency: { max: 1, lease: 1m }
+    mode: local
+`
+	l := globalLimiter(t, rdb, yaml, "mixrel:")
+	user := attrs("user=mia")
+	dec := &Decision{Owner: 1}
+	if err := l.Check(nowNs(), &Input{Attrs: user, Cost: 1}, dec); err != nil || !dec.Allowed {
+		t.Fatalf("acquire: %v %+v", err, dec.Results)
+	}
+	tok := l.LeaseToken(dec)
+	if !strings.Contains(tok, tokenJoin) {
+		t.Fatalf("token %q: want a local and a global half", tok)
+	}
+	held := func() int64 {
+		t.Helper()
+		keys, err := rdb.Keys(context.Background(), "mixrel:*").Result()
+		if err != nil || len(keys) != 1 {
+			t.Fatalf("keys %v, %v; want the global rule's one", keys, err)
+		}
+		return rdb.ZCard(context.Background(), keys[0]).Val()
+	}
+	if n := held(); n != 1 {
+		t.Fatalf("%d global slots held after the acquire, want 1", n)
+	}
+	srv.Freeze()
+	released := l.ReleaseLease(tok, nowNs())
+	srv.Thaw()
+	if released {
+		t.Fatal("release with Redis frozen: released true, its global slot still held")
+	}
+	if n := held(); n != 1 {
+		t.Fatalf("%d global slots held after the failed release, want 1", n)
+	}
+	// The local slot is free: another request of the user takes it (its global part too).
+	dec2 := &Decision{Owner: 2}
+	if err := l.Check(nowNs(), &Input{Attrs: user, Cost: 1}, dec2); err != nil || !dec2.Allowed {
+		t.Fatalf("a second request after the local part's release: %v %+v", err, dec2.Results)
+	}
+	if !l.ReleaseLease(tok, nowNs()) {
+		t.Fatal("released again with Redis back: false, want true (its global slot freed)")
+	}
+	if n := held(); n != 1 { // the second request's
+		t.Fatalf("%d global slots held after the second release, want 1", n)
+	}
+	if l.ReleaseLease(tok, nowNs()) {
+		t.Fatal("released a third time: true, want false")
+	}
+}

@@ -444,12 +444,12 @@ var clientByte = func() (t [256]bool) {
 // or made it local, and its slots are still held in Redis. Refused, the release left
 // them held until their lease ran out (and counted expired), in the rule's sorted set
 // that a reload putting the rule back reads again.
-func (s *globalLeaseStore) release(token string, now int64) bool {
+func (s *globalLeaseStore) release(token string, now int64) (bool, error) {
 	id, parts, rs, ok := s.decodeGlobal(token)
 	if !ok {
 		gl := s.ls.trackedGlobal(token)
 		if gl == nil {
-			return false
+			return false, nil
 		}
 		id, parts = gl.id, gl.parts
 	}
@@ -457,10 +457,10 @@ func (s *globalLeaseStore) release(token string, now int64) bool {
 	defer cancel()
 	freed, err := s.g.Release(ctx, id, parts)
 	if err != nil {
-		return false // the lease expires after its lease
+		return false, err // the lease expires after its lease
 	}
 	s.ls.releasedGlobal(id, rs, freed, now)
-	return freed
+	return freed, nil
 }
 
 // renew extends the global lease of token (d 0: each rule's own lease). A lease this
@@ -617,9 +617,13 @@ func (l *Limiter) AppendLeaseKeyHashes(dst []uint64, token string, seed maphash.
 }
 
 // ReleaseLease frees the lease of token (Limiter.LeaseToken) and reports whether it
-// freed any slot: false when it is unknown, expired, already released, forged, or its
-// global part could not reach Redis (it then expires after its lease). A global lease is
-// released through any daemon on the same Redis.
+// freed its slots: false when it is unknown, expired, already released, forged, or its
+// global part could not reach Redis (it then expires after its lease, or goes when its
+// connection closes). A global lease is released through any daemon on the same Redis.
+// A lease with a local and a global part whose global part could not reach Redis
+// answers false, its local part freed all the same, so that the client may release it
+// again (which frees the global part alone); before, it answered true, its global slot
+// still held.
 func (l *Limiter) ReleaseLease(token string, now int64) bool {
 	local, global := splitToken(token)
 	freed := false
@@ -627,7 +631,11 @@ func (l *Limiter) ReleaseLease(token string, now int64) bool {
 		freed = l.leases.Release(local, now)
 	}
 	if global != "" && l.global != nil {
-		freed = l.global.release(global, now) || freed
+		ok, err := l.global.release(global, now)
+		if err != nil {
+			return false
+		}
+		freed = ok || freed
 	}
 	return freed
 }
