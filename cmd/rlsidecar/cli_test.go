@@ -161,6 +161,13 @@ func TestUsage(t *testing.T) {
 	if out, _, code := runInProcess("version", "--bogus"); code != exitUsage || out != "" {
 		t.Fatalf("version with an argument: exit %d, %q; want a usage error", code, out)
 	}
+	// The usage says `Run "rlsidecar COMMAND --help" for a command's flags`: version's
+	// --help answers too, rather than a usage error.
+	for _, h := range []string{"--help", "-h"} {
+		if out, errOut, code := runInProcess("version", h); code != exitOK || !strings.Contains(out, "Usage of rlsidecar version") {
+			t.Errorf("version %s: exit %d, %q %q; want its usage, exit 0", h, code, out, errOut)
+		}
+	}
 	if _, _, code := runInProcess("check", "novalue"); code != exitUsage {
 		t.Fatal(code)
 	}

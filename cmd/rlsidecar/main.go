@@ -87,6 +87,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "import-envoy":
 		err = importEnvoy(args[1:], stdout, stderr)
 	case "version", "--version", "-version":
+		if len(args) == 2 && (args[1] == "--help" || args[1] == "-h" || args[1] == "-help") {
+			// The usage says to run "rlsidecar COMMAND --help": version has no flags.
+			fmt.Fprint(stdout, "Usage of rlsidecar version:\n  rlsidecar version\tprints the version and the protocol version; takes no flags\n")
+			return exitOK
+		}
 		if len(args) > 1 {
 			fmt.Fprintf(stderr, "rlsidecar version: takes no arguments, got %q\n", args[1:])
 			return exitUsage
