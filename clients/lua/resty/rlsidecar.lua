@@ -78,8 +78,26 @@ _M.decode_body = decode_body
 --                   sent but refused with 431
 --   renew_leases    renew a request's concurrency lease while it runs (default true; see
 --                   keep_lease)
--- It returns nil and an error for bad options.
+-- It returns nil and an error for bad options, an unknown one included.
+local OPTIONS = { "socket", "timeout_ms", "on_unavailable", "pool_size", "keepalive_ms", "attrs", "cost",
+  "decoder", "max_frame", "renew_leases" }
+local is_option = {}
+for _, k in ipairs(OPTIONS) do
+  is_option[k] = true
+end
+
 function _M.new(opts)
+  if type(opts) == "table" then
+    -- A misspelled option (timeout for timeout_ms, the Node client's onUnavailable)
+    -- would leave its default in force without a word: a location meant to fail closed
+    -- would fail open. Every option is named, as the Node client's are.
+    for k in pairs(opts) do
+      if not is_option[k] then
+        return nil, "rlsidecar.new: unknown option " .. string.format("%q", tostring(k)) ..
+          " (options: " .. table.concat(OPTIONS, ", ") .. ")"
+      end
+    end
+  end
   if type(opts) ~= "table" or type(opts.socket) ~= "string" or opts.socket == "" then
     return nil, "rlsidecar.new: opts.socket (the daemon's socket path) is required"
   end

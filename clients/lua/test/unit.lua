@@ -130,6 +130,17 @@ if ngx then
   check(c == nil and err:find("on_unavailable"), "nginx: a bad policy is refused")
   c, err = resty.new({})
   check(c == nil and err:find("socket"), "nginx: a missing socket is refused")
+  -- A misspelled option is refused, not ignored: with on_unavailable misspelled, a
+  -- location meant to fail closed failed open.
+  for _, bad in ipairs({ "timeout", "onUnavailable", "on_unavailble", "pool" }) do
+    c, err = resty.new({ socket = "/x.sock", [bad] = "closed" })
+    check(c == nil and err and err:find("unknown option \"" .. bad .. "\"", 1, true) and err:find("on_unavailable", 1, true),
+      "nginx: the unknown option %s is refused: %s", bad, tostring(err))
+  end
+  c, err = resty.new({ socket = "/x.sock", timeout_ms = 50, on_unavailable = "closed", pool_size = 8,
+    keepalive_ms = 1000, attrs = function() return {} end, cost = function() return 1 end, decoder = "lua",
+    max_frame = 65536, renew_leases = false })
+  check(c ~= nil and c.policy == "closed" and c.renew_leases == false, "nginx: every documented option is taken: %s", tostring(err))
   check(resty.new({ socket = "/x.sock" }).max_frame == 65536, "nginx: max_frame defaults to 65536")
   for _, bad in ipairs({ 0, -1, 1.5, "64k" }) do
     c, err = resty.new({ socket = "/x.sock", max_frame = bad })
