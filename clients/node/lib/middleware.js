@@ -66,7 +66,15 @@ function defaultAttrs(req) {
  * that runs longer than its rule's lease (an upload, a stream) keeps its slot; the option
  * renewLeases: false turns that off.
  */
-function middleware(client, { attrs = defaultAttrs, cost, onError, renewLeases: renewLease = true } = {}) {
+const MIDDLEWARE_OPTIONS = ['attrs', 'cost', 'onError', 'renewLeases'];
+
+function middleware(client, opts = {}) {
+  // A misspelled option (renewLease for renewLeases, costFn for cost) would leave its
+  // default in force without a word, as the Client's options would: every option is named.
+  for (const k of Object.keys(opts ?? {})) {
+    if (!MIDDLEWARE_OPTIONS.includes(k)) throw new TypeError(`unknown middleware option ${JSON.stringify(k)} (options: ${MIDDLEWARE_OPTIONS.join(', ')})`);
+  }
+  const { attrs = defaultAttrs, cost, onError, renewLeases: renewLease = true } = opts ?? {};
   return function rlsidecarMiddleware(req, res, next) {
     let p;
     try {

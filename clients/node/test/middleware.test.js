@@ -208,3 +208,17 @@ test('rl.header sends the bytes the client sent', async (t) => {
   assert.equal(rl.header({ headers: { 'x-user': 'ann' } }, 'X-User'), 'ann');
   assert.deepEqual(rl.header({ headers: { 'x-key': '\xff' } }, 'x-key'), Buffer.from([0xff]));
 });
+
+test('a misspelled middleware option is refused, not ignored', () => {
+  const client = new rl.Client({ socket: '/nonexistent.sock' });
+  try {
+    // renewLease (for renewLeases) used to leave renewal on without a word.
+    for (const bad of ['renewLease', 'costFn', 'onUnavailable']) {
+      assert.throws(() => rl.middleware(client, { [bad]: false }), new RegExp(`unknown middleware option "${bad}".*renewLeases`));
+    }
+    assert.equal(typeof rl.middleware(client, { attrs: rl.defaultAttrs, cost: () => 1, onError: () => {}, renewLeases: false }), 'function');
+    assert.equal(typeof rl.middleware(client), 'function');
+  } finally {
+    client.close();
+  }
+});
