@@ -122,6 +122,19 @@ function _M.new(opts)
   if type(max_frame) ~= "number" or max_frame < 1 or max_frame % 1 ~= 0 then
     return nil, "rlsidecar.new: max_frame must be a positive integer (bytes)"
   end
+  -- Each option of the wrong type is refused here, not taken: pool_size = "16" failed a
+  -- comparison, a Lua error, on a check's retry, and renew_leases = "false" renewed.
+  local pool_size = opts.pool_size or 16
+  if type(pool_size) ~= "number" or pool_size < 1 or pool_size % 1 ~= 0 then
+    return nil, "rlsidecar.new: pool_size must be a positive integer"
+  end
+  local keepalive = opts.keepalive_ms or 60000
+  if type(keepalive) ~= "number" or keepalive < 0 or keepalive % 1 ~= 0 then
+    return nil, "rlsidecar.new: keepalive_ms must be a whole number of milliseconds"
+  end
+  if opts.renew_leases ~= nil and type(opts.renew_leases) ~= "boolean" then
+    return nil, "rlsidecar.new: renew_leases must be true or false"
+  end
   local decode = decode_body
   if opts.decoder == "lua-mpack" then
     if not unpacker then
@@ -137,8 +150,8 @@ function _M.new(opts)
     connect_opts = { pool = "rlsidecar:" .. path },
     timeout = timeout,
     policy = policy,
-    pool_size = opts.pool_size or 16,
-    keepalive = opts.keepalive_ms or 60000,
+    pool_size = pool_size,
+    keepalive = keepalive,
     attrs = opts.attrs,
     cost = opts.cost,
     max_frame = max_frame,

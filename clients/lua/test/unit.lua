@@ -137,6 +137,13 @@ if ngx then
     check(c == nil and err and err:find("unknown option \"" .. bad .. "\"", 1, true) and err:find("on_unavailable", 1, true),
       "nginx: the unknown option %s is refused: %s", bad, tostring(err))
   end
+  for _, bad in ipairs({ { pool_size = "16" }, { pool_size = 0 }, { pool_size = 1.5 }, { keepalive_ms = "60s" },
+    { keepalive_ms = -1 }, { renew_leases = "false" }, { renew_leases = 0 } }) do
+    local name, v = next(bad)
+    bad.socket = "/x.sock"
+    c, err = resty.new(bad)
+    check(c == nil and err and err:find(name, 1, true), "nginx: %s = %s is refused: %s", name, tostring(v), tostring(err))
+  end
   c, err = resty.new({ socket = "/x.sock", timeout_ms = 50, on_unavailable = "closed", pool_size = 8,
     keepalive_ms = 1000, attrs = function() return {} end, cost = function() return 1 end, decoder = "lua",
     max_frame = 65536, renew_leases = false })
