@@ -781,16 +781,36 @@ func (m *Metrics) connClosed(r closeReason) { m.closed[r].Inc() }
 // the project's codes).
 func (m *Metrics) errorAnswered(code string) { m.errorCounter(code).Inc() }
 
+// envoyErrorCodes are the gRPC codes a call of Envoy's rate limit API may be answered
+// with, by their names (codes.Code.String): a malformed call, a deadline passed, a
+// message or a connection's unfinished requests too large, a compressed message or an
+// unknown method, a failure of the daemon's own.
+var envoyErrorCodes = []string{"InvalidArgument", "DeadlineExceeded", "ResourceExhausted", "Unimplemented", "Internal"}
+
+// WithEnvoy adds, at 0, the series of a daemon serving Envoy's rate limit API: its error
+// answers by code, so that a query on them gets 0, not "no data", and rate() and
+// increase() count the first errors (a series born at 1 shows no increase). A daemon
+// without that API does not export them. Call it before the daemon serves.
+func (m *Metrics) WithEnvoy() {
+	for _, code := range envoyErrorCodes {
+		m.envoyErrorCounter(code)
+	}
+}
+
 // EnvoyErrorAnswered counts one call of Envoy's rate limit API answered with an error
 // status, by its gRPC code's name (envoyrls.ErrorRecorder; a bounded set: gRPC's 17
 // codes).
-func (m *Metrics) EnvoyErrorAnswered(code string) {
+func (m *Metrics) EnvoyErrorAnswered(code string) { m.envoyErrorCounter(code).Inc() }
+
+// envoyErrorCounter returns the counter of Envoy error answers with code, created at 0
+// if needed.
+func (m *Metrics) envoyErrorCounter(code string) *metrics.Counter {
 	c, ok := m.envoyErrsByCode.Load(code)
 	if !ok {
 		c, _ = m.envoyErrsByCode.LoadOrStore(code, m.set.GetOrCreateCounter(
 			fmt.Sprintf(`rlsidecar_envoy_error_answers_total{code=%q}`, code)))
 	}
-	c.(*metrics.Counter).Inc()
+	return c.(*metrics.Counter)
 }
 
 // errorCounter returns the counter of error answers with code, created at 0 if needed.

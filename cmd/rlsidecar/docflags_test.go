@@ -1,10 +1,15 @@
 package main
 
 import (
+	"fmt"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
 )
 
 // commandFlags returns the flags of every rlsidecar command, as their --help lists them.
@@ -79,5 +84,85 @@ func TestDocsNameOnlyRealFlags(t *testing.T) {
 	}
 	if n < 10 {
 		t.Errorf("found %d settings in deploy/debian/default; the test reads it wrong", n)
+	}
+}
+
+// Every metric the README and docs/operations.md name (`rlsidecar_...` in backticks; a
+// family such as rlsidecar_hybrid_* by its prefix) is exported by a daemon with Redis,
+// Envoy's API and rules of every kind: a metric renamed must take its documentation,
+// which operators' dashboards and alerts are written from, with it.
+func TestDocsNameOnlyRealMetrics(t *testing.T) {
+	named := map[string]string{} // metric → where
+	ref := regexp.MustCompile("`(rlsidecar_[a-z_]+)")
+	for _, doc := range []string{"../../README.md", "../../docs/operations.md"} {
+		b, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, l := range strings.Split(string(b), "\n") {
+			for _, m := range ref.FindAllStringSubmatch(l, -1) {
+				if _, ok := named[m[1]]; !ok {
+					named[m[1]] = fmt.Sprintf("%s:%d", doc, i+1)
+				}
+			}
+		}
+	}
+	if len(named) < 25 {
+		t.Fatalf("found %d metrics named in the documents; the test reads them wrong", len(named))
+	}
+
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: rate
+    key: user
+    limit: { requests: 2, per: 1h }
+    warn_at: 0.5
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 30s }
+  - name: login
+    match: { path: /login }
+    key: ip
+    limit: { requests: 1, per: 1m }
+    penalty: { after: 2, within: 1m, ban: 10m }
+  - name: smooth
+    key: ip
+    mode: local
+    limit: { requests: 1, per: 1s }
+    delay: 5s
+`)
+	d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--admin", "127.0.0.1:0",
+		"--envoy-rls", "unix:"+filepath.Join(dir, "envoy.sock"))
+	// A check, so that a hybrid sync has something to carry: the histogram of hybrid
+	// syncs has its first sample then.
+	dialRaw(t, d.socket).check(1, 1, "user=u", "ip=192.0.2.1", "path=/login")
+	base := "http://" + adminAddr(t, d)
+	missing := func() []string {
+		types, _ := scrape(t, base)
+		var out []string
+		for name, where := range named {
+			found := types[name] != ""
+			if strings.HasSuffix(name, "_") { // a family: rlsidecar_hybrid_*
+				for f := range types {
+					found = found || strings.HasPrefix(f, name)
+				}
+			}
+			if !found {
+				out = append(out, where+": "+name)
+			}
+		}
+		return out
+	}
+	// The first sync is due 100 ms after the check: wait for it, generously, before judging.
+	deadline := time.Now().Add(10 * time.Second)
+	m := missing()
+	for len(m) > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		m = missing()
+	}
+	for _, w := range m {
+		t.Errorf("%s is not exported by a running daemon", w)
 	}
 }

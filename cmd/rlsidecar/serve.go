@@ -479,6 +479,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 		if recorded != nil {
 			rc.Recorder = recorded // with Answered: Envoy's calls are in rlsidecar_check_duration_seconds
+			recorded.WithEnvoy()   // its error answers' series, at 0
 		}
 		r, err := envoyrls.New(rc, lim)
 		if err == nil {
