@@ -22,6 +22,9 @@
 -- the sidecar gives no answer within TIMEOUT_MS (or the socket is missing), POLICY
 -- decides: `open` lets the request through without rate-limit headers, `closed` answers
 -- 503 with Retry-After: 1; the decision is degraded either way and the cause is logged.
+-- A POLICY that is neither decides as `closed`, and a TIMEOUT_MS that is not a positive
+-- number is 50, with an alert (at most one a second): HAProxy gives an action its
+-- arguments only when it runs, too late to refuse the configuration.
 --
 -- The path is HAProxy's raw path normalized by rlsidecar.path as nginx's $uri is (query
 -- dropped, %XX decoded once, slashes merged, dot segments removed: /log%69n, //login and
@@ -592,11 +595,27 @@ end
 -- process, each saying how many it stands for (http.gate).
 local log_gate = http.gate(1)
 
+-- usage_gate holds the alerts about an action's arguments to one a second a process.
+local usage_gate = http.gate(1)
+
 local function action(txn, address, policy, timeout)
   local timeout_ms = tonumber(timeout)
   if (policy ~= "open" and policy ~= "closed") or not timeout_ms or timeout_ms <= 0 then
-    core.Alert("rlsidecar: usage: http-request lua.rlsidecar unix@/path open|closed TIMEOUT_MS")
-    return
+    -- HAProxy hands a Lua action its arguments only when it runs, so a mistake in them
+    -- (clsoed, 50ms) cannot stop the configuration from loading. The request is still
+    -- checked: a POLICY that is neither open nor closed decides as closed (the sidecar
+    -- away refuses, where a /login meant to fail closed would otherwise fail open), a
+    -- TIMEOUT_MS that is not a positive number is 50. Before, every such request went
+    -- through unchecked, past every limit, with an alert each.
+    local got = string.format("%q %q", tostring(policy), tostring(timeout))
+    if policy ~= "open" and policy ~= "closed" then policy = "closed" end
+    if not timeout_ms or timeout_ms <= 0 then timeout_ms = 50 end
+    local t = core.now()
+    local held = usage_gate(t.sec + t.usec / 1e6)
+    if held ~= nil then
+      core.Alert("rlsidecar: usage: http-request lua.rlsidecar unix@/path open|closed TIMEOUT_MS; got " .. got ..
+        ", checked as " .. policy .. " " .. timeout_ms .. http.held_note(held))
+    end
   end
   local attrs = {
     { "ip", http.peer_ip(txn.f:src()) },
