@@ -583,7 +583,7 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 		return true, status.Error(codes.InvalidArgument, err.Error())
 	}
 	d := &sc.d
-	waits, err := s.lim.Prepare(&sc.in, d)
+	waits, err := s.prepare(&sc.in, d)
 	if err != nil {
 		return true, status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -595,6 +595,27 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 	return true, nil
 }
 
+// prepare is the limiter's Prepare for a call: its concurrency rules then ask whether a
+// slot is free and take none (Decision.AskLeases), Envoy's protocol having no release.
+// Before, a call took a slot and gave it back as it was answered (for a global rule, a
+// second Redis call), and other checks counted it meanwhile.
+func (s *Server) prepare(in *limiter.Input, d *limiter.Decision) (waits bool, err error) {
+	waits, err = s.lim.Prepare(in, d)
+	if err == nil {
+		d.AskLeases()
+	}
+	return waits, err
+}
+
+// check is the limiter's Check for a call (prepare, then Decide).
+func (s *Server) check(now int64, in *limiter.Input, d *limiter.Decision) error {
+	if _, err := s.prepare(in, d); err != nil {
+		return err
+	}
+	s.lim.Decide(now, d)
+	return nil
+}
+
 // decide answers sc.call into sc.ans.
 func (s *Server) decide(sc *scratch) error {
 	s.deciding.Add(1)
@@ -604,7 +625,7 @@ func (s *Server) decide(sc *scratch) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	d := &sc.d
-	if err := s.lim.Check(now, &sc.in, d); err != nil {
+	if err := s.check(now, &sc.in, d); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	s.finish(now, sc)
@@ -633,7 +654,7 @@ func (s *Server) chargeRefused(now int64, sc *scratch, mayWait bool) {
 	if !mayWait {
 		var c limiter.Decision
 		in := limiter.Input{Parts: parts}
-		if waits, err := s.lim.Prepare(&in, &c); err == nil && !waits && s.lim.DecideInline(now, &c) {
+		if waits, err := s.prepare(&in, &c); err == nil && !waits && s.lim.DecideInline(now, &c) {
 			s.charged(now, &c)
 			if c.Allowed {
 				return
@@ -658,7 +679,7 @@ func (s *Server) charge(parts []limiter.Part) {
 	var d limiter.Decision
 	for range 3 {
 		now := s.now()
-		if err := s.lim.Check(now, &limiter.Input{Parts: parts}, &d); err != nil {
+		if err := s.check(now, &limiter.Input{Parts: parts}, &d); err != nil {
 			return
 		}
 		s.charged(now, &d)
@@ -728,7 +749,8 @@ func (s *Server) finish(now int64, sc *scratch) {
 	d := &sc.d
 	if tok := s.lim.LeaseToken(d); tok != "" {
 		// Envoy's protocol has no release: a concurrency rule here only asks whether a
-		// slot is free, and holds none past the call.
+		// slot is free (prepare), and holds none past the call; were one taken, it is
+		// given back.
 		s.lim.ReleaseLease(tok, now)
 	}
 	if s.cfg.Recorder != nil {

@@ -258,7 +258,8 @@ rules:
 	}
 	const policy = `"jobs";q=1;qu="concurrent-requests"`
 	resp, h := call()
-	if resp.OverallCode != rlsv3.RateLimitResponse_OK || h["RateLimit-Policy"] != policy || h["RateLimit"] != `"jobs";r=0` {
+	// r=1: the call asks, and takes no slot (TestConcurrencyAsksTakesNoSlot).
+	if resp.OverallCode != rlsv3.RateLimitResponse_OK || h["RateLimit-Policy"] != policy || h["RateLimit"] != `"jobs";r=1` {
 		t.Fatalf("allowed: %v, headers %v", resp.OverallCode, h)
 	}
 	// Its current_limit: max in flight, in no unit of time (not 1 per its 30 s lease, 2

@@ -201,3 +201,17 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 	st.InFlight++
 	l.live++
 }
+
+// AskLeases makes the concurrency rules of d, prepared (Limiter.Prepare) and not yet
+// decided, ask whether a slot is free and take none, whatever the cost: for a protocol
+// with no release (Envoy's), whose calls would otherwise take a slot and give it back as
+// they are answered, holding it meanwhile against every other check. A rule asked so
+// answers as a check of cost 0 does: allowed while a slot is free, its free slots as the
+// remaining, no lease.
+func (d *Decision) AskLeases() {
+	for i := range d.ops {
+		if s := d.ops[i].store; s == storeLease || s == storeGlobalLease {
+			d.ops[i].cost = 0
+		}
+	}
+}
