@@ -3,16 +3,11 @@ package envoyrls
 import (
 	"context"
 	"testing"
-	"time"
 
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
-	"github.com/rlsidecar/rlsidecar/limiter"
-	"github.com/rlsidecar/rlsidecar/localbucket"
-	"github.com/rlsidecar/rlsidecar/rules"
-	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
 
 // Envoy's protocol has no release, so a concurrency rule there asks whether a slot is
@@ -23,22 +18,14 @@ import (
 // client, four Envoy callers: 1,394 of 4,209 of the socket's asks refused).
 func TestConcurrencyAsksTakesNoSlot(t *testing.T) {
 	_, rdb := standaloneRedis(t)
-	set, err := rules.Parse("c.yaml", []byte(`
+	s := redisServer(t, rdb, `
 rules:
   - name: jobs
     match: { domain: api, descriptor: job }
     key: job
     mode: global
     concurrency: { max: 2, lease: 30s }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{})).WithGlobal(rlsync.NewGlobal(rdb), 30*time.Second)
-	s, err := New(Config{Addr: "unused:0"}, lim)
-	if err != nil {
-		t.Fatal(err)
-	}
+`)
 	ctx := context.Background()
 	call := func(job string) *rlsv3.RateLimitResponse {
 		t.Helper()

@@ -338,7 +338,7 @@ func standaloneRedis(t *testing.T) (*redistest.Server, redis.UniversalClient) {
 func globalServer(t *testing.T) (*Server, *redistest.Server) {
 	t.Helper()
 	srv, rdb := standaloneRedis(t)
-	set, err := rules.Parse("g.yaml", []byte(`
+	return redisServer(t, rdb, `
 rules:
   - name: g
     match: { domain: g }
@@ -349,7 +349,13 @@ rules:
     match: { domain: api, descriptor: user }
     key: user
     limit: { requests: 1000, per: 1h }
-`))
+`), srv
+}
+
+// redisServer is a server (not listening) of the rules src, its global ones on rdb.
+func redisServer(t *testing.T, rdb redis.UniversalClient, src string) *Server {
+	t.Helper()
+	set, err := rules.Parse("g.yaml", []byte(src))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -358,7 +364,7 @@ rules:
 	if err != nil {
 		t.Fatal(err)
 	}
-	return s, srv
+	return s
 }
 
 func inFlight(s *Server) int64 { return s.deciding.Load() }

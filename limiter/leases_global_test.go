@@ -754,15 +754,7 @@ rules:
 				}
 			}
 		}()
-		d, asks, refused := &Decision{}, 0, 0
-		for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); asks++ {
-			if err := l.Check(nowNs(), &Input{Attrs: attrs("user=u"), Cost: 0}, d); err != nil {
-				t.Fatal(err)
-			}
-			if !d.Allowed {
-				refused++
-			}
-		}
+		asks, refused := asksFor(t, l, &Input{Attrs: attrs("user=u"), Cost: 0}, &Decision{}, 500*time.Millisecond)
 		close(stop)
 		wg.Wait()
 		if refused != 0 {
@@ -1264,15 +1256,7 @@ rules:
 				}
 			}()
 			bob := &Input{Attrs: attrs("tenant=acme", "user=bob"), Cost: 0}
-			d, asks, refused := &Decision{Owner: 3}, 0, 0
-			for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); asks++ {
-				if err := l.Check(nowNs(), bob, d); err != nil {
-					t.Fatal(err)
-				}
-				if !d.Allowed {
-					refused++
-				}
-			}
+			asks, refused := asksFor(t, l, bob, &Decision{Owner: 3}, 500*time.Millisecond)
 			close(stop)
 			wg.Wait()
 			if refused != 0 {
@@ -1345,4 +1329,19 @@ rules:
 	if l.ReleaseLease(tok, nowNs()) {
 		t.Fatal("released a third time: true, want false")
 	}
+}
+
+// asksFor checks in with l, into d, again and again for dur, and returns how many checks
+// it made and how many of them were refused.
+func asksFor(t *testing.T, l *Limiter, in *Input, d *Decision, dur time.Duration) (asks, refused int) {
+	t.Helper()
+	for deadline := time.Now().Add(dur); time.Now().Before(deadline); asks++ {
+		if err := l.Check(nowNs(), in, d); err != nil {
+			t.Fatal(err)
+		}
+		if !d.Allowed {
+			refused++
+		}
+	}
+	return asks, refused
 }

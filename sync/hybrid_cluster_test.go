@@ -275,13 +275,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 	master := func(k string) string { return sm.master(t, k) }
 	// Two clients whose slots are on one master, low and high below another client's
 	// slot on it, which does not move.
-	var tags []string
-	for i := 0; len(tags) < 3; i++ {
-		k := fmt.Sprintf("{user=%d}", i)
-		if len(tags) == 0 || master(k) == master(tags[0]) && Slot(k) > Slot(tags[len(tags)-1]) {
-			tags = append(tags, k)
-		}
-	}
+	tags := sm.risingTags(t, 3)
 	from := master(tags[0])
 	to := sm.otherThan(from)
 	other := "rl:c:" + tags[2]
@@ -434,13 +428,7 @@ func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 	master := func(k string) string { return sm.master(t, k) }
 	// tags[0], which stays, in a lower slot than tags[1], whose slot migrates; tags[2],
 	// higher still, stays too.
-	var tags []string
-	for i := 0; len(tags) < 3; i++ {
-		k := fmt.Sprintf("{user=%d}", i)
-		if len(tags) == 0 || master(k) == master(tags[0]) && Slot(k) > Slot(tags[len(tags)-1]) {
-			tags = append(tags, k)
-		}
-	}
+	tags := sm.risingTags(t, 3)
 	from := master(tags[0])
 	to := sm.otherThan(from)
 	first, last := "rl:c:"+tags[0], "rl:c:"+tags[2]
@@ -579,6 +567,19 @@ func (sm *slotMover) master(t *testing.T, k string) string {
 		t.Fatal(err)
 	}
 	return m.Options().Addr
+}
+
+// risingTags returns n hash tags {user=i} of one master, in rising slot order.
+func (sm *slotMover) risingTags(t *testing.T, n int) []string {
+	t.Helper()
+	var tags []string
+	for i := 0; len(tags) < n; i++ {
+		k := fmt.Sprintf("{user=%d}", i)
+		if len(tags) == 0 || sm.master(t, k) == sm.master(t, tags[0]) && Slot(k) > Slot(tags[len(tags)-1]) {
+			tags = append(tags, k)
+		}
+	}
+	return tags
 }
 
 // otherThan returns a master's address other than from.
