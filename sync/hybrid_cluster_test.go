@@ -204,16 +204,8 @@ func TestHybridClusterSlotMigrating(t *testing.T) {
 	}
 
 	slot := Slot(moving)
-	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	host, port, _ := strings.Cut(to, ":")
-	if err := nodes[from].Do(ctx, "MIGRATE", host, port, moving, 0, 5000).Err(); err != nil {
-		t.Fatalf("MIGRATE: %v", err)
-	}
+	sm.setMigrating(t, slot, from, to)
+	sm.migrate(t, from, to, moving)
 	for i := 0; i < 3; i++ { // three syncs while the slot migrates
 		now = time.Now().UnixNano()
 		take(h, now, stay, lim, 1)
@@ -305,12 +297,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 		use()
 		base := count(nodes[from], other)
 		slot := Slot(tag)
-		if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
-			t.Fatal(err)
-		}
-		if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
-			t.Fatal(err)
-		}
+		sm.setMigrating(t, slot, from, to)
 		if err := nodes[from].Do(ctx, "MIGRATE", host, port, moved, 0, 5000).Err(); err != nil {
 			t.Fatalf("phase %d: MIGRATE %s: %v", phase, moved, err)
 		}
@@ -359,7 +346,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 // pending for as long as the slot stays so.
 func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 	sm := newSlotMover(t)
-	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
+	rdb, nodes := sm.rdb, sm.nodes
 	ctx := context.Background()
 	master := func(k string) string { return sm.master(t, k) }
 	var tags []string
@@ -387,16 +374,8 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 	use()
 	base, _ := nodes[from].HGet(ctx, other, "n").Int()
 	slot := Slot(tags[0])
-	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	host, port, _ := strings.Cut(to, ":")
-	if err := nodes[from].Do(ctx, "MIGRATE", host, port, "", 0, 5000, "KEYS", keys[0], keys[1]).Err(); err != nil {
-		t.Fatalf("MIGRATE: %v", err)
-	}
+	sm.setMigrating(t, slot, from, to)
+	sm.migrate(t, from, to, keys...)
 	for range 3 {
 		use()
 	}
@@ -423,7 +402,7 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 // still be synced, each sync, not left pending for as long as the slot stays so.
 func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 	sm := newSlotMover(t)
-	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
+	rdb, nodes := sm.rdb, sm.nodes
 	ctx := context.Background()
 	master := func(k string) string { return sm.master(t, k) }
 	// tags[0], which stays, in a lower slot than tags[1], whose slot migrates; tags[2],
@@ -446,16 +425,8 @@ func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 	}
 	use()
 	slot := Slot(tags[1])
-	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	host, port, _ := strings.Cut(to, ":")
-	if err := nodes[from].Do(ctx, "MIGRATE", host, port, "", 0, 5000, "KEYS", keys[0], keys[1]).Err(); err != nil {
-		t.Fatalf("MIGRATE: %v", err)
-	}
+	sm.setMigrating(t, slot, from, to)
+	sm.migrate(t, from, to, keys...)
 	for range 3 {
 		use()
 	}
@@ -484,18 +455,13 @@ func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 // for a key the source lacks).
 func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
 	sm := newSlotMover(t)
-	rdb, nodes, ids := sm.rdb, sm.nodes, sm.ids
+	rdb, nodes := sm.rdb, sm.nodes
 	ctx := context.Background()
 	tag := "{user=7}"
 	from := sm.master(t, tag)
 	to := sm.otherThan(from)
 	slot := Slot(tag)
-	if err := nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[from]).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to]).Err(); err != nil {
-		t.Fatal(err)
-	}
+	sm.setMigrating(t, slot, from, to)
 	keys := []string{"rl:a:" + tag, "rl:b:" + tag}
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
@@ -567,6 +533,33 @@ func (sm *slotMover) master(t *testing.T, k string) string {
 		t.Fatal(err)
 	}
 	return m.Options().Addr
+}
+
+// setMigrating marks slot as moving from the master at from to the one at to (IMPORTING
+// on to, MIGRATING on from), as redis-cli's reshard does before it moves the keys.
+func (sm *slotMover) setMigrating(t *testing.T, slot uint16, from, to string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := sm.nodes[to].Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", sm.ids[from]).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := sm.nodes[from].Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", sm.ids[to]).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// migrate moves keys, of a slot setMigrating marked, from the master at from to the one
+// at to.
+func (sm *slotMover) migrate(t *testing.T, from, to string, keys ...string) {
+	t.Helper()
+	host, port, _ := strings.Cut(to, ":")
+	args := []any{"MIGRATE", host, port, "", 0, 5000, "KEYS"}
+	for _, k := range keys {
+		args = append(args, k)
+	}
+	if err := sm.nodes[from].Do(context.Background(), args...).Err(); err != nil {
+		t.Fatalf("MIGRATE %v: %v", keys, err)
+	}
 }
 
 // risingTags returns n hash tags {user=i} of one master, in rising slot order.
