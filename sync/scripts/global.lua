@@ -190,45 +190,57 @@ end
 -- 3 and read back at 30 per hour as 3 used: 27 more admitted within the hour, where the
 -- local mode admits none. Read only here (another rate), with the cut fields.
 -- gu_ttl[key]: the uncut time owed (ns), which the key's TTL covers.
-local cut, gu_ttl = {}, {}
+local cut, gu_ttl, gf = {}, {}, {}
 local function rescale_token(key, st, burst, e)
   local er = st.er
   st.er = e
   if not er or er == e or not st.t then return nil end
   local d = (st.t - now) * 1000 + st.f
-  local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt', 'gu', 'gue')
-  local gu, gue = tonumber(c[5]), tonumber(c[6])
+  -- gf[key]: the key's cut fields as this call leaves them so far (a batch may read a key
+  -- at two rates: two plans, or calls from before and after a reload).
+  local g = gf[key]
+  if not g then
+    local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt', 'gu', 'gue')
+    g = {ce = tonumber(c[1]), ct = tonumber(c[2]), pe = tonumber(c[3]), pt = tonumber(c[4]),
+      gu = tonumber(c[5]), gue = tonumber(c[6])}
+    gf[key] = g
+  end
+  local gu, gue = g.gu, g.gue
   local dgu = 0
   if gu and gue and gue > 0 and gu > now then dgu = muldiv(min((gu - now) * 1000, TWO52), e, gue) end
   if d <= 0 and dgu == 0 then return nil end -- a full bucket is full at any rate (a gu run out says nothing)
   d = max(muldiv(max(d, 0), e, er), dgu)
   local tau = burst * e
-  local fields
+  local cutnow = false
   if d > tau then
-    local ce, ct, pe, pt = tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])
+    local ce, ct, pe, pt = g.ce, g.ct, g.pe, g.pt
     if ce == e and ct and (now - ct) * 1000 < tau or pe == e and pt and (now - pt) * 1000 < tau then
       if d > TWO52 then d = max(tau, TWO52) end
-      fields = {}
     else
       local uncut = min(d, max(tau, TWO52))
-      if ce and ce ~= e and ct then
-        fields = {'gce', e, 'gct', now, 'gpe', ce, 'gpt', ct}
-      else
-        fields = {'gce', e, 'gct', now}
-      end
-      fields[#fields + 1], fields[#fields + 2] = 'gu', now + math.ceil(uncut / 1000)
-      fields[#fields + 1], fields[#fields + 2] = 'gue', e
-      gu_ttl[key] = uncut
+      if ce and ce ~= e and ct then g.pe, g.pt = ce, ct end
+      g.ce, g.ct = e, now
+      g.gu, g.gue = now + math.ceil(uncut / 1000), e
+      gu_ttl[key] = max(gu_ttl[key] or 0, uncut)
+      cutnow = true
       d = tau
     end
-  else
-    fields = {}
   end
-  if gu and not gu_ttl[key] then fields.drop = true end
-  if #fields > 0 or fields.drop then cut[key] = fields end
+  if gu and not cutnow then g.gu, g.gue, g.drop = nil, nil, true end
+  if cutnow or g.drop then cut[key] = true end
   local us = floor(d / 1000)
   st.t, st.f = now + us, d - us * 1000
   return d
+end
+
+-- cut_fields returns the cut fields the commit writes for key (cut[key] set): those
+-- gf[key] holds, as HSET arguments.
+local function cut_fields(key)
+  local g, f = gf[key], {}
+  if g.ce and g.ct then f[#f + 1], f[#f + 2], f[#f + 3], f[#f + 4] = 'gce', g.ce, 'gct', g.ct end
+  if g.pe and g.pt then f[#f + 1], f[#f + 2], f[#f + 3], f[#f + 4] = 'gpe', g.pe, 'gpt', g.pt end
+  if g.gu and g.gue then f[#f + 1], f[#f + 2], f[#f + 3], f[#f + 4] = 'gu', g.gu, 'gue', g.gue end
+  return f
 end
 
 -- Token bucket (GCRA). st = {t, f}; works on d = tat - now in ns. delay in ns (algorithm
@@ -492,9 +504,22 @@ local function decide(k0, a0, n, res)
         order[#order + 1] = key
         before = before or {}
         before[key] = v -- the HMGET reply: parsed again only when nothing commits
-      elseif not (before and before[key]) then
-        before = before or {}
-        before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x, er = st.er, er0 = st.er0}
+      else
+        if (alg == 0 or alg == 4) and st.er and st.er ~= e then
+          -- Read before in this call at another rate (an earlier request of a batch, or
+          -- an earlier check: two plans, or calls from before and after a reload):
+          -- rescaled as a first read is, and so written back whatever this call decides.
+          -- Before, it was read as written at its own rate (the same time, not the same
+          -- units: TestGlobalBatchReadsEachRate).
+          local d = rescale_token(key, st, burst, e)
+          if d then
+            written[key], wrote_at[key] = max(written[key] or 0, d), alg
+          end
+        end
+        if not (before and before[key]) then
+          before = before or {}
+          before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x, er = st.er, er0 = st.er0}
+        end
       end
       local allowed, impossible, remaining, reset, retry, window, expires, consumed =
         take(alg, st, requests, w, burst, e, cost)
@@ -615,8 +640,8 @@ for _, key in ipairs(order) do
     local x = st.x
     if x and x >= now_ms + ttl then
       if (alg == 0 or alg == 4) and cut[key] then
-        redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er, unpack(cut[key]))
-        if cut[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er, unpack(cut_fields(key)))
+        if not gf[key].gu and gf[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
       elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'er', st.er)
       elseif alg == 0 or alg == 4 then
@@ -628,8 +653,8 @@ for _, key in ipairs(order) do
       if alg ~= 2 and alg ~= 3 then ttl = ttl + 1000 + floor(ttl / 8) end
       st.x = now_ms + ttl
       if (alg == 0 or alg == 4) and cut[key] then
-        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er, unpack(cut[key]))
-        if cut[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
+        redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er, unpack(cut_fields(key)))
+        if not gf[key].gu and gf[key].drop then redis.call('HDEL', key, 'gu', 'gue') end
       elseif (alg == 0 or alg == 4) and st.er ~= st.er0 then
         redis.call('HSET', key, 't', st.t, 'f', st.f, 'gx', st.x, 'er', st.er)
       elseif alg == 0 or alg == 4 then

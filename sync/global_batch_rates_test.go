@@ -1,0 +1,104 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// globalBatchArgs returns the KEYS and ARGV of global.lua's batch form deciding one
+// token bucket check of key per request, as mergeCall sends them.
+func globalBatchArgs(key string, checks []struct {
+	l    *localbucket.Limit
+	cost uint64
+}) ([]string, []any) {
+	keys := make([]string, len(checks))
+	args := []any{"batch", len(checks)}
+	for i := range checks {
+		keys[i] = key
+		args = append(args, 1)
+	}
+	for _, c := range checks {
+		l := c.l
+		args = append(args, int(l.Algorithm()), l.Requests(), l.Window().Microseconds(), l.Burst(),
+			int64(l.Window())/int64(l.Requests()), c.cost, 0)
+	}
+	return keys, args
+}
+
+// Two requests of one client on two plans of a rule (30 and 3 per hour: one key, two
+// rates) queued together on a daemon go to Redis in one call of global.lua's batch form
+// (the auto-pipeline merges them), as do the calls before and after a reload. Each reads
+// the key's units used at its own rate, as it would in a call of its own. Before, only
+// the call's first read of a key rescaled it: a later request at the other rate read its
+// state as if written at its own rate (the same time, not the same units), so 3 used at
+// 3 per hour read at 30 per hour as 30 used (a partner request refused, 27 free), and
+// 10 used at 30 per hour read at 3 per hour as 1 used (2 requests of the lower plan
+// admitted where a call of their own refuses them). So in one request of two checks of
+// the key at the two rates.
+func TestGlobalBatchReadsEachRate(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	bk := globalBackend{name: "standalone", g: NewGlobal(rdb), rdb: rdb}
+	partner := globalLimit(t, localbucket.TokenBucket, 30, time.Hour, 30)
+	free := globalLimit(t, localbucket.TokenBucket, 3, time.Hour, 3)
+	type check = struct {
+		l    *localbucket.Limit
+		cost uint64
+	}
+	batch := func(key string, checks ...check) []bool {
+		t.Helper()
+		keys, args := globalBatchArgs(key, checks)
+		v, err := rdb.Eval(context.Background(), globalSrc, keys, args...).Slice()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := make([]bool, len(v))
+		for i, r := range v {
+			out[i] = r.([]any)[0].(int64) == 1
+		}
+		return out
+	}
+	use := func(key string, l *localbucket.Limit, n int) {
+		t.Helper()
+		for range n {
+			if _, ok, _, _ := globalCheckOne(t, bk, key, l, 1); !ok {
+				t.Fatalf("%s: refused while using %d", key, n)
+			}
+		}
+	}
+	for _, first := range []uint64{0, 1} {
+		t.Run(fmt.Sprintf("first-cost-%d", first), func(t *testing.T) {
+			// 3 used at 3 per hour: 27 of 30 left at 30 per hour.
+			key := fmt.Sprintf("rl:gbatch:{low-%d}", first)
+			use(key, free, 3)
+			if got := batch(key, check{free, first}, check{partner, 1}); got[1] != true {
+				t.Errorf("3 used at 3 per hour, then in one batch a check at 3 per hour and one at 30 per hour: %v; the second refused, want allowed", got)
+			}
+			// The same in one request of two checks of the key (two parts of an Envoy
+			// call on the two plans).
+			key = fmt.Sprintf("rl:gbatch:{one-%d}", first)
+			use(key, free, 3)
+			ops := []GlobalOp{{Key: key, Limit: free, Cost: first, Shadow: true}, {Key: key, Limit: partner, Cost: 1}}
+			if _, err := bk.g.Check(context.Background(), ops); err != nil {
+				t.Fatal(err)
+			}
+			if !ops[1].Result.Allowed {
+				t.Errorf("3 used at 3 per hour, then one request of a shadow check at 3 per hour and one at 30 per hour: the second refused, want allowed")
+			}
+			// 10 used at 30 per hour: none left at 3 per hour.
+			key = fmt.Sprintf("rl:gbatch:{high-%d}", first)
+			use(key, partner, 10)
+			if got := batch(key, check{partner, first}, check{free, 1}, check{free, 1}); got[1] || got[2] {
+				t.Errorf("10 used at 30 per hour, then in one batch a check at 30 per hour and two at 3 per hour: %v; want both at 3 per hour refused", got)
+			}
+		})
+	}
+}
