@@ -171,11 +171,6 @@ function retryAfterS(d) {
   return Math.max(ceilS(d.retryAfterMs), 1);
 }
 
-// item adds rule r's items (windowMs null: not known, no w). t is the draft's time until
-// more quota is made available, which a Retry-After is never earlier than: a refusing
-// rule's retry (none when no retry can pass it), an allowing rule's reset. A concurrency
-// rule's quota is of concurrent requests, with no window: qu="concurrent-requests", no w,
-// and, allowing, no t (nothing says when a slot frees).
 /**
  * The deciding rule's entry of d.rules, null when none carries its name: the first
  * non-shadow entry named d.rule whose figures are the top-level ones (the deciding
@@ -196,6 +191,11 @@ function decidingRule(d) {
   return first;
 }
 
+// item adds rule r's items (windowMs null: not known, no w). t is the draft's time until
+// more quota is made available, which a Retry-After is never earlier than: a refusing
+// rule's retry (none when no retry can pass it), an allowing rule's reset. A concurrency
+// rule's quota is of concurrent requests, with no window: qu="concurrent-requests", no w,
+// and, allowing, no t (nothing says when a slot frees).
 function item(pol, cur, r, windowMs) {
   const n = sfString(r.name);
   if (r.concurrency === true) pol.push(`${n};q=${r.limit};qu="concurrent-requests"`);
