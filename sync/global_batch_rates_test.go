@@ -102,3 +102,40 @@ func TestGlobalBatchReadsEachRate(t *testing.T) {
 		})
 	}
 }
+
+// A take refunded (refund.lua: a later slot group of its request refused) after a check
+// of another plan read the key at its rate gives back the units taken, at the key's rate
+// now. Before, it took cost × the take's emission off the TAT whatever rate the TAT
+// counted in: a unit taken at 3 per hour (20 min) refunded from a key read since at 30
+// per hour (2 min a unit) gave back 10 units there, so 9 requests more were admitted.
+func TestGlobalRefundAtTheKeysRate(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	bk := globalBackend{name: "standalone", g: NewGlobal(rdb), rdb: rdb}
+	partner := globalLimit(t, localbucket.TokenBucket, 30, time.Hour, 30)
+	free := globalLimit(t, localbucket.TokenBucket, 3, time.Hour, 3)
+	key := "rl:grefund:{u}"
+	if _, ok, _, _ := globalCheckOne(t, bk, key, free, 1); !ok { // the take to be refunded
+		t.Fatal("the first take at 3 per hour refused")
+	}
+	for i := range 10 { // read at 30 per hour: 1 used, then 11
+		if _, ok, _, _ := globalCheckOne(t, bk, key, partner, 1); !ok {
+			t.Fatalf("take %d at 30 per hour refused", i+1)
+		}
+	}
+	if err := rdb.Eval(context.Background(), refundSrc, []string{key},
+		int(free.Algorithm()), free.Window().Microseconds(), int64(free.Window())/int64(free.Requests()), 1, 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// 10 used at 30 per hour: 20 left.
+	admitted := 0
+	for range 30 {
+		if _, ok, _, _ := globalCheckOne(t, bk, key, partner, 1); ok {
+			admitted++
+		}
+	}
+	if admitted != 20 {
+		t.Errorf("after the refund of a unit taken at 3 per hour, with 10 more used at 30 per hour: %d admitted at 30 per hour, want 20", admitted)
+	}
+}

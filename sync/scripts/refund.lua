@@ -15,7 +15,8 @@
 --   cost in, from its reply; 0 for a token bucket).
 --
 -- State layout as in global.lua (t, f for a token bucket; t, n, p for the windows).
---   token bucket: TAT -= cost * emission, in exact µs + ns parts.
+--   token bucket: TAT -= cost * emission, in exact µs + ns parts; the emission the
+--   key's TAT counts at (its er) when it has one, else the take's.
 --   windows: if the key is still in the same window, n -= cost; for a sliding window
 --   that has since rolled once, that count is now p, so p -= cost; never below 0. A
 --   window that has rolled further no longer counts the cost: nothing to undo.
@@ -44,10 +45,15 @@ for i = 1, #KEYS do
   if alg == 6 then
     done = done + redis.call('ZREM', key, ARGV[a + 2]) -- a lease slot: its member
   else
-    local v = redis.call('HMGET', key, 't', 'f', 'n', 'p')
+    local v = redis.call('HMGET', key, 't', 'f', 'n', 'p', 'er')
     local t = tonumber(v[1])
     if t and cost > 0 then
       if alg == 0 then
+        -- The TAT counts at the emission of the key's last read (global.lua's er): a
+        -- check of another plan, or after a reload, since the take read it at its own
+        -- rate. The units taken are given back at that rate (TestGlobalRefundAtTheKeysRate).
+        local er = tonumber(v[5])
+        if er and er > 0 then e = er end
         local eus = floor(e / 1000)
         local f = (tonumber(v[2]) or 0) - cost * (e - eus * 1000)
         t = t - cost * eus
