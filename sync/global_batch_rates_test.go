@@ -139,3 +139,52 @@ func TestGlobalRefundAtTheKeysRate(t *testing.T) {
 		t.Errorf("after the refund of a unit taken at 3 per hour, with 10 more used at 30 per hour: %d admitted at 30 per hour, want 20", admitted)
 	}
 }
+
+// The units a cut leaves out (gu) are kept in full however long they take to refill:
+// 30 used of 30 per 30 days, one check of the lower plan (3 per 30 days: 300 days of
+// its refill used, cut to its burst of 30 days), and back at 30 per 30 days none is
+// admitted, as in the local mode (localbucket.Limit.Rescale keeps the uncut time
+// whole). Before, what a cut kept was capped at 52 days (2^52 ns) of the lower plan's
+// refill, 5.2 of its units: read back as 5.2 used, 24 more were admitted; and so at a
+// second check of the lower plan, whose units were kept (not cut) to 52 days.
+func TestGlobalPlanFlappingKeepsLongUnits(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	bk := globalBackend{name: "standalone", g: NewGlobal(rdb), rdb: rdb}
+	for _, cost := range []uint64{1, 0} {
+		t.Run(fmt.Sprintf("lower-plan-cost-%d", cost), func(t *testing.T) {
+			month := 30 * 24 * time.Hour
+			partner := globalLimit(t, localbucket.TokenBucket, 30, month, 30)
+			free := globalLimit(t, localbucket.TokenBucket, 3, month, 3)
+			key := fmt.Sprintf("rl:glongflap:{%d}", cost)
+			admitted := func(l *localbucket.Limit, n int) int {
+				t.Helper()
+				k := 0
+				for range n {
+					if _, ok, _, _ := globalCheckOne(t, bk, key, l, 1); ok {
+						k++
+					}
+				}
+				return k
+			}
+			if got := admitted(partner, 30); got != 30 {
+				t.Fatalf("%d of 30 admitted at 30 per 30 days on a fresh key", got)
+			}
+			if r, _, _, _ := globalCheckOne(t, bk, key, free, cost); r.Allowed {
+				t.Fatalf("a check of cost %d at 3 per 30 days after 30 used: allowed", cost)
+			}
+			if got := admitted(partner, 30); got != 0 {
+				t.Errorf("back at 30 per 30 days after 30 used: %d more admitted, want 0", got)
+			}
+			// Read at 3 per 30 days again within its window: its units are kept, not cut
+			// (a cut at that rate was made), and kept whole past 52 days as well.
+			if r, _, _, _ := globalCheckOne(t, bk, key, free, cost); r.Allowed {
+				t.Fatalf("a second check of cost %d at 3 per 30 days: allowed", cost)
+			}
+			if got := admitted(partner, 30); got != 0 {
+				t.Errorf("back at 30 per 30 days a second time: %d more admitted, want 0", got)
+			}
+		})
+	}
+}

@@ -103,6 +103,9 @@
 
 local floor, max, min = math.floor, math.max, math.min
 local TWO52 = 4503599627370496
+-- The most a token bucket's uncut units (gu, see rescale_token) count for, ns: 2^62, as
+-- localbucket.Limit.Rescale keeps them (about 146 years).
+local GU_MAX = 4611686018427387904
 
 local tm = redis.call('TIME')
 local now = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
@@ -180,7 +183,7 @@ end
 -- (algorithm 4) holds more than its burst at the rate that wrote it, and with the last
 -- cut alone the two cut in turn, admitting every check. cut[key] holds the fields the
 -- commit writes. Kept units are capped at max(a whole burst, 2^52 ns, 52 days), so that t
--- stays exact.
+-- stays exact; what the cap leaves out is kept in gu (below), as a cut's is.
 --
 -- What a cut leaves out is kept in the key, as the local store keeps it in the state's N:
 -- gu, the time (µs) the bucket would be full uncut, counted at emission gue (ns). The
@@ -207,27 +210,37 @@ local function rescale_token(key, st, burst, e)
   end
   local gu, gue = g.gu, g.gue
   local dgu = 0
-  if gu and gue and gue > 0 and gu > now then dgu = muldiv(min((gu - now) * 1000, TWO52), e, gue) end
+  if gu and gue and gue > 0 and gu > now then dgu = muldiv(min((gu - now) * 1000, GU_MAX), e, gue) end
   if d <= 0 and dgu == 0 then return nil end -- a full bucket is full at any rate (a gu run out says nothing)
   d = max(muldiv(max(d, 0), e, er), dgu)
   local tau = burst * e
-  local cutnow = false
+  -- keep_gu: what t does not hold of d is kept in gu, at most GU_MAX (as the local store
+  -- keeps it, to 2^62 ns), not only 2^52 ns as t: 30 used of 30 per 30 days, read at 3
+  -- per 30 days, are 300 days of that rate, and kept as 52 days they read back as 5.2
+  -- used (TestGlobalPlanFlappingKeepsLongUnits).
+  local kept_gu = false
+  local function keep_gu(x)
+    x = min(x, GU_MAX)
+    g.gu, g.gue = now + math.ceil(x / 1000), e
+    gu_ttl[key] = max(gu_ttl[key] or 0, x)
+    kept_gu = true
+  end
   if d > tau then
     local ce, ct, pe, pt = g.ce, g.ct, g.pe, g.pt
     if ce == e and ct and (now - ct) * 1000 < tau or pe == e and pt and (now - pt) * 1000 < tau then
-      if d > TWO52 then d = max(tau, TWO52) end
+      if d > TWO52 then
+        if d > max(tau, TWO52) then keep_gu(d) end
+        d = max(tau, TWO52)
+      end
     else
-      local uncut = min(d, max(tau, TWO52))
       if ce and ce ~= e and ct then g.pe, g.pt = ce, ct end
-      g.ce, g.ct = e, now
-      g.gu, g.gue = now + math.ceil(uncut / 1000), e
-      gu_ttl[key] = max(gu_ttl[key] or 0, uncut)
-      cutnow = true
+      g.ce, g.ct, g.cut = e, now, true
+      keep_gu(d)
       d = tau
     end
   end
-  if gu and not cutnow then g.gu, g.gue, g.drop = nil, nil, true end
-  if cutnow or g.drop then cut[key] = true end
+  if gu and not kept_gu then g.gu, g.gue, g.drop = nil, nil, true end
+  if kept_gu or g.drop or g.cut then cut[key] = true end
   local us = floor(d / 1000)
   st.t, st.f = now + us, d - us * 1000
   return d
