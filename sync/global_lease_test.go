@@ -174,7 +174,7 @@ func TestCheckRateAndLeaseBatched(t *testing.T) {
 	t.Cleanup(func() { rdb.Close() })
 	g := NewGlobal(rdb).WithAutoPipeline()
 	ctx := globalCtx(t)
-	lim := globalLimit(t, localbucket.FixedWindow, 1000, time.Hour, 0)
+	lim := globalLimit(t, localbucket.FixedWindow, 1000, hourWindow(), 0) // no window ends while its count is taken
 	const n, mx = 200, 7
 	var admitted atomic.Int64
 	var wg gosync.WaitGroup
