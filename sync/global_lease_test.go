@@ -170,25 +170,33 @@ func TestCheckRateAndLeaseAcrossSlots(t *testing.T) {
 // and the merged calls are fewer than the requests.
 func TestCheckRateAndLeaseBatched(t *testing.T) {
 	srv := redistest.StartStandalone(t)
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	// Redis is frozen while the requests queue: its client and the checks wait for it.
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: time.Minute})
 	t.Cleanup(func() { rdb.Close() })
 	g := NewGlobal(rdb).WithAutoPipeline()
-	ctx := globalCtx(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	lim := globalLimit(t, localbucket.FixedWindow, 1000, hourWindow(), 0) // no window ends while its count is taken
+	if _, err := g.Check(ctx, []GlobalOp{{Key: "rl:rate:{user=warm}", Limit: lim, Cost: 1}}); err != nil {
+		t.Fatal(err) // loads the script: no NOSCRIPT below
+	}
 	const n, mx = 200, 7
-	var admitted atomic.Int64
+	var admitted, queued atomic.Int64
+	qctx := WithQueued(ctx, func() { queued.Add(1) })
 	var wg gosync.WaitGroup
 	base := evalCalls(t, rdb)
-	// The requests are let go together, as a busy gateway's arrive: started one by one,
-	// on a loaded machine each could finish before the next began, with nothing to merge
-	// (205 calls for 200 requests in one run beside other tests).
+	// The requests queue together, as a busy gateway's do: let go together, on a loaded
+	// machine each could still finish before the next began, with nothing to merge (205
+	// calls for 200 requests in one run beside other tests, 135 beside four busy loops).
+	// So Redis is frozen until every request has queued: the first batch waits for it,
+	// and the others for the first.
 	start := make(chan struct{})
 	for i := range n {
 		wg.Go(func() {
 			lo := LeaseOp{Key: "rl:slots:{user=z}", Max: mx, Lease: time.Minute, Take: true}
 			ops := []GlobalOp{{Key: "rl:rate:{user=z}", Limit: lim, Cost: 1}, LeaseCheck("L"+strconv.Itoa(i), &lo)}
 			<-start
-			ok, err := g.Check(ctx, ops)
+			ok, err := g.Check(qctx, ops)
 			if err != nil {
 				t.Error(err)
 				return
@@ -201,8 +209,16 @@ func TestCheckRateAndLeaseBatched(t *testing.T) {
 			}
 		})
 	}
+	srv.Freeze()
 	close(start)
+	for deadline := time.Now().Add(30 * time.Second); queued.Load() < n && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	srv.Thaw()
 	wg.Wait()
+	if q := queued.Load(); q != n {
+		t.Fatalf("%d of %d requests queued for Redis", q, n)
+	}
 	calls := evalCalls(t, rdb) - base
 	if admitted.Load() != mx {
 		t.Fatalf("%d admitted, want %d", admitted.Load(), mx)
