@@ -212,7 +212,7 @@ func TestGlobalBatchNoScript(t *testing.T) {
 	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	lim := globalLimit(t, localbucket.FixedWindow, 10, time.Hour, 0)
+	lim := globalLimit(t, localbucket.FixedWindow, 10, hourWindow(), 0)
 	const n = 8
 	opsOf := make([][]GlobalOp, n)
 	calls := make([]*apCall, n)

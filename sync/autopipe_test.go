@@ -24,7 +24,7 @@ func TestGlobalAutoPipeline(t *testing.T) {
 	}
 	t.Cleanup(func() { rdb.Close() })
 	g := NewGlobal(rdb).WithAutoPipeline()
-	lim := globalLimit(t, localbucket.FixedWindow, 500, time.Hour, 0)
+	lim := globalLimit(t, localbucket.FixedWindow, 500, hourWindow(), 0)
 	var mu gosync.Mutex
 	allowed, errs := 0, []error{}
 	var wg gosync.WaitGroup
@@ -70,7 +70,7 @@ func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rdb.Close() })
-	lim := globalLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour, 0)
+	lim := globalLimit(t, localbucket.FixedWindow, 1_000_000, hourWindow(), 0)
 	// Load the script: no NOSCRIPT in the burst.
 	if ok, err := NewGlobal(rdb).Check(globalCtx(t), []GlobalOp{{Key: "rl:burst:{warm}", Limit: lim, Cost: 1}}); !ok || err != nil {
 		t.Fatalf("first check: %v %v", ok, err)

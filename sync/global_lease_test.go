@@ -120,7 +120,7 @@ func TestCheckRateAndLeaseAcrossSlots(t *testing.T) {
 			if Slot(rateKey) == Slot(slotKey) {
 				t.Fatal("the test needs two hash slots")
 			}
-			lim := globalLimit(t, localbucket.FixedWindow, 1, time.Hour, 0)
+			lim := globalLimit(t, localbucket.FixedWindow, 1, hourWindow(), 0)
 			var lo LeaseOp
 			check := func(id string) (bool, []GlobalOp) {
 				t.Helper()

@@ -190,9 +190,9 @@ func testGlobalSequences(t *testing.T, b globalBackend) {
 		{"token_10_per_hour", globalLimit(t, localbucket.TokenBucket, 10, time.Hour, 0), []uint64{1, 3, 0, 5, 2, 1, 11, 0, 1, 10}},
 		{"token_3_per_second_burst_5", globalLimit(t, localbucket.TokenBucket, 3, time.Second, 5), []uint64{2, 2, 1, 1, 0, 6, 1, 2}},
 		{"token_7_per_ms", globalLimit(t, localbucket.TokenBucket, 7, time.Millisecond, 0), []uint64{7, 1, 3, 0, 4, 8, 1}},
-		{"sliding_10_per_hour", globalLimit(t, localbucket.SlidingWindow, 10, time.Hour, 0), []uint64{1, 3, 0, 5, 2, 1, 11, 0, 1}},
+		{"sliding_10_per_hour", globalLimit(t, localbucket.SlidingWindow, 10, hourWindow(), 0), []uint64{1, 3, 0, 5, 2, 1, 11, 0, 1}},
 		{"sliding_3_per_7ms", globalLimit(t, localbucket.SlidingWindow, 3, 7*time.Millisecond, 0), []uint64{3, 1, 1, 2, 0, 3, 1, 1, 1}},
-		{"fixed_10_per_hour", globalLimit(t, localbucket.FixedWindow, 10, time.Hour, 0), []uint64{1, 3, 0, 5, 2, 1, 11, 0, 1}},
+		{"fixed_10_per_hour", globalLimit(t, localbucket.FixedWindow, 10, hourWindow(), 0), []uint64{1, 3, 0, 5, 2, 1, 11, 0, 1}},
 		{"fixed_3_per_3ms", globalLimit(t, localbucket.FixedWindow, 3, 3*time.Millisecond, 0), []uint64{3, 1, 2, 0, 1, 1, 3}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -22,7 +22,7 @@ func TestHybridInlineLimitIsCopied(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{})
-	hourly := *mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	hourly := *mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	perSecond := *mustLimit(t, localbucket.TokenBucket, 1000, time.Second)
 	var scratch localbucket.Limit // one connection's scratch, reused by every request
 	now := time.Now().UnixNano()
@@ -157,7 +157,7 @@ func TestHybridReleaseIsBatched(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	const keys = 20000
 	now := time.Now().UnixNano()
 	admitted := make([]int, keys)
@@ -217,7 +217,7 @@ func TestHybridSyncBacklog(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	now := time.Now().UnixNano()
 	for i := range 50 {
 		take(h, now, fmt.Sprintf("rl:backlog:{k%d}", i), lim, 1)
@@ -241,7 +241,7 @@ func TestHybridSweepForgetsIdleKeys(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	// Mid-hour, so that the hour's fixed window does not end within the 3 s below (run in
 	// the last 3 s of an hour, the keys were full again and swept).
 	now := time.Now().Truncate(time.Hour).Add(30 * time.Minute).UnixNano()
@@ -280,7 +280,7 @@ func TestHybridSweepForgetsIdleKeys(t *testing.T) {
 // a daemon keeps the view of a key that is not full, and decides by an exact sync.
 func TestHybridSlowRotatingClient(t *testing.T) {
 	rdb := standalone(t)
-	lim := mustLimit(t, localbucket.FixedWindow, 5, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 5, hourWindow())
 	hs := make([]*Hybrid, 5)
 	for i := range hs {
 		hs[i] = NewHybrid(rdb, HybridOptions{KeepAlive: time.Second})
@@ -507,7 +507,7 @@ func TestHybridCostZeroAsks(t *testing.T) {
 			}
 		}
 	}
-	lim := mustLimit(t, localbucket.FixedWindow, 3, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 3, hourWindow())
 	now := time.Now().UnixNano()
 	for i := range 3 {
 		if r := take(a, now, "rl:ask:{u}", lim, 0); !r.Allowed || r.Remaining != 3 {
@@ -524,7 +524,7 @@ func TestHybridCostZeroAsks(t *testing.T) {
 	}
 	// A larger limit gives a key new on a daemon a first unit of credit: a question must
 	// not answer from it. b spends 10 of 10; a, which never saw the key, is asked.
-	big := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	big := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	for i := range 10 {
 		if r := take(b, now, "rl:ask:{v}", big, 1); !r.Allowed {
 			t.Fatalf("request %d of 10: %+v", i+1, r)
@@ -674,8 +674,8 @@ func TestHybridSameKeyTwiceInOneCheck(t *testing.T) {
 func TestHybridUnviewedKeyIsUnasked(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond})
-	lim10 := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
-	lim5 := mustLimit(t, localbucket.FixedWindow, 5, time.Hour)
+	lim10 := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
+	lim5 := mustLimit(t, localbucket.FixedWindow, 5, hourWindow())
 	now := time.Now().UnixNano()
 	u := fmt.Sprintf("%d", now)
 
@@ -825,7 +825,7 @@ func TestHybridSharedKeyGrantLeavesRoom(t *testing.T) {
 	for _, gap := range []time.Duration{45, 60, 75, 90, 105} {
 		for rep := range 2 {
 			trials++
-			lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour)
+			lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, hourWindow())
 			key := fmt.Sprintf("rl:gap%d-%d:{u}", gap, rep)
 			other := coldStartTwo(t, rdb, key, lim, gap*time.Millisecond)
 			if r := take(other, time.Now().UnixNano(), key, lim, 1); !r.Allowed {

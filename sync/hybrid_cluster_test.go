@@ -37,7 +37,7 @@ func TestHybridClusterOneCallPerNode(t *testing.T) {
 		return n
 	}
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow())
 	now := time.Now().UnixNano()
 	const keys = 300 // about 300 slots, on all three masters
 	for i := range keys {
@@ -136,7 +136,7 @@ func TestHybridClusterSlotMoved(t *testing.T) {
 	}
 
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow())
 	now := time.Now().UnixNano()
 	take(h, now, stay, lim, 1) // on credit
 	take(h, now, moved, lim, 1)
@@ -192,7 +192,7 @@ func TestHybridClusterSlotMigrating(t *testing.T) {
 	from := master(moving)
 	to := sm.otherThan(from)
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow())
 	now := time.Now().UnixNano()
 	take(h, now, stay, lim, 1)
 	take(h, now, moving, lim, 1)
@@ -464,7 +464,7 @@ func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
 	sm.setMigrating(t, slot, from, to)
 	keys := []string{"rl:a:" + tag, "rl:b:" + tag}
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow())
 	for range 3 {
 		now := time.Now().UnixNano()
 		for _, k := range keys {

@@ -37,7 +37,7 @@ func loadHybridScript(t *testing.T, nodes ...*redis.Client) {
 func exactSyncsBatched(t *testing.T, rdb redis.UniversalClient, freeze, thaw func(), calls func() int, prefix string, n int) (int, int) {
 	t.Helper()
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1, hourWindow())
 	var batches atomic.Int64
 	h := NewHybrid(rdb, HybridOptions{ID: "batch", FetchWait: 10 * time.Second}).WithObserver(func(op string, _ time.Duration, _ error) {
 		if op == "hybrid_fetch" {
@@ -152,7 +152,7 @@ func TestHybridExactSyncsBatchedExact(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
 	const daemons, keys, perKey, limit = 3, 40, 12, 5
-	lim := mustLimit(t, localbucket.FixedWindow, limit, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, limit, hourWindow())
 	hs := make([]*Hybrid, daemons)
 	for i := range hs {
 		hs[i] = NewHybrid(rdb, HybridOptions{ID: fmt.Sprint("d", i), FetchWait: 5 * time.Second})
@@ -214,7 +214,7 @@ func TestHybridExactSyncsBatchFailureIsPerCall(t *testing.T) {
 		defer nodes[i].Close()
 	}
 	loadHybridScript(t, nodes...)
-	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1, hourWindow())
 	const n = 60
 	keys := make([]string, n)
 	onFrozen := make([]bool, n)
@@ -331,7 +331,7 @@ func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	first := score()
-	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1, hourWindow())
 	fetches := h.Fetches()
 	for i, end := 0, time.Now().Add(2500*time.Millisecond); time.Now().Before(end); i++ {
 		take(h, time.Now().UnixNano(), fmt.Sprintf("rl:ride:{user=%d}", i), lim, 1) // an exact sync each
@@ -378,7 +378,7 @@ func TestHybridLateExactSyncGivesBack(t *testing.T) {
 	defer node.Close()
 	loadHybridScript(t, node)
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1, hourWindow())
 	const key = "rl:late:{user=u}"
 	a := NewHybrid(rdb, HybridOptions{ID: "late-a", FetchWait: 100 * time.Millisecond})
 	b := NewHybrid(rdb, HybridOptions{ID: "late-b", FetchWait: 5 * time.Second})

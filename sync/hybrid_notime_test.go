@@ -96,7 +96,7 @@ func TestHybridSyncOutOfTimeIsNoFailure(t *testing.T) {
 	}
 	masters := NewMasters(rdb, 3, time.Minute, nil)
 	h := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond, MaxKeys: 100_000, MaxSyncKeys: 100_000, ID: "d1"}).WithMasters(masters)
-	lim := mustLimit(t, localbucket.FixedWindow, 100, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 100, hourWindow())
 	// 24 pipelines of 4 calls of 128 keys: each round trip at least 50 ms.
 	const keys = 24 * pipeCalls * callKeys
 	now := time.Now().UnixNano()

@@ -225,7 +225,7 @@ func TestHybridKeepsLiveRecordsOfThePreviousScript(t *testing.T) {
 	}
 	t.Cleanup(func() { rdb.Close() })
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, hourWindow())
 	key := "rl:records:{user=canary}"
 	now := time.Now().UnixNano()
 	admitted := 0
@@ -313,7 +313,7 @@ func hfloats(rdb redis.UniversalClient, key string, fields ...string) ([]float64
 func TestHybridKeepsRecordsAsLongAsAReservation(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, hourWindow())
 	key := "rl:records:{user=hourly}"
 	now := time.Now().UnixNano()
 	steady := NewHybrid(rdb, HybridOptions{ID: "steady"})

@@ -65,8 +65,8 @@ func TestHybridShadowJudgedByRoom(t *testing.T) {
 func TestHybridOpThatFitsInRefusedCheck(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{Interval: time.Hour, FetchWait: time.Second})
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
-	small := mustLimit(t, localbucket.FixedWindow, 2, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
+	small := mustLimit(t, localbucket.FixedWindow, 2, hourWindow())
 	key := fmt.Sprintf("rl:fits:{%d}", time.Now().UnixNano())
 	now := time.Now().UnixNano()
 	take(h, now, key, lim, 1) // credit

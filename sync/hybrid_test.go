@@ -95,7 +95,7 @@ func syncAll(t *testing.T, now int64, hs ...*Hybrid) {
 func TestHybridTwoDaemonsShareABudget(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
 	seeEachOther(t, "d", a, b)
 	if n := a.replicaCount(); n != 2 {
@@ -140,7 +140,7 @@ func TestHybridTwoDaemonsShareABudget(t *testing.T) {
 // uses Redis time only.
 func TestHybridClockSkew(t *testing.T) {
 	rdb := standalone(t)
-	lim := mustLimit(t, localbucket.FixedWindow, 10, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, hourWindow())
 	a, b := NewHybrid(rdb, HybridOptions{}), NewHybrid(rdb, HybridOptions{})
 	for round := 0; round < 2; round++ {
 		for i, h := range []*Hybrid{a, b} {
@@ -180,7 +180,7 @@ func TestHybridFlushFailureKeepsDeltas(t *testing.T) {
 	defer rdb.Close()
 	ctx := context.Background()
 	h := NewHybrid(rdb, HybridOptions{})
-	lim := mustLimit(t, localbucket.FixedWindow, 100, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 100, hourWindow())
 	now := time.Now().UnixNano()
 	key := "rl:t:{ip=1}"
 	take(h, now, key, lim, 1) // on credit
@@ -527,7 +527,7 @@ func TestHybridRunStops(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := NewHybrid(rdb, HybridOptions{Interval: 20 * time.Millisecond, ID: "stopper"})
-	lim := mustLimit(t, localbucket.FixedWindow, 100, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 100, hourWindow())
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {

@@ -17,7 +17,7 @@ import (
 func TestHybridSameIDRestartCountsEveryUnit(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, hourWindow())
 	keys := []string{"rl:restart:{user=1}", "rl:restart:{user=2}", "rl:restart:{user=3}"}
 	now := time.Now().UnixNano()
 	admitted := map[string]int{}
@@ -48,7 +48,7 @@ func TestHybridSameIDRestartCountsEveryUnit(t *testing.T) {
 func TestHybridForgottenKeyCountsEveryUnit(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, hourWindow())
 	h := NewHybrid(rdb, HybridOptions{ID: "gw-1"})
 	const key = "rl:forget:{user=1}"
 	now := time.Now().UnixNano()

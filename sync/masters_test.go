@@ -209,7 +209,7 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m)
 	ctx := context.Background()
 	const limit = 40
-	lim := mustLimit(t, localbucket.FixedWindow, limit, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, limit, hourWindow())
 	frozenAddr := cl.Addrs[0]
 	var healthyAddrs []string
 	for _, a := range cl.Addrs[1:] {
@@ -396,7 +396,7 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 		}
 	}
 	defer stop()
-	lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1_000_000, hourWindow())
 	admitted := map[string]int{}
 	// decide is what the limiter does: Healthy first, then Take.
 	decide := func(k string) (ok, unreachable bool) {
@@ -517,7 +517,7 @@ func TestHybridFlushLeavesUnusedProbe(t *testing.T) {
 	defer rdb.Close()
 	b := NewBreaker(1, 10*time.Millisecond)
 	h := NewHybrid(rdb, HybridOptions{}).WithBreaker(b)
-	lim := mustLimit(t, localbucket.FixedWindow, 50, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow())
 	take(h, time.Now().UnixNano(), "rl:probe:{user=1}", lim, 1) // on credit: dirty
 	b.Failure()
 	time.Sleep(30 * time.Millisecond) // open, and due for a probe
@@ -609,7 +609,7 @@ func TestMastersClusterFailover(t *testing.T) {
 		}
 	}
 	g := NewGlobal(rdb).WithAutoPipeline().WithMasters(m)
-	lim := mustLimit(t, localbucket.FixedWindow, 1000, time.Hour)
+	lim := mustLimit(t, localbucket.FixedWindow, 1000, hourWindow())
 	check := func() error {
 		c, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()

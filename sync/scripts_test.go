@@ -150,7 +150,7 @@ func TestLoadScriptsClusterFetchesCommandTable(t *testing.T) {
 	}
 	before := commands()
 	g := NewGlobal(rdb)
-	ops := []GlobalOp{{Key: "rl:cmdtable:{user=a}", Limit: mustLimit(t, localbucket.FixedWindow, 10, time.Hour), Cost: 1}}
+	ops := []GlobalOp{{Key: "rl:cmdtable:{user=a}", Limit: mustLimit(t, localbucket.FixedWindow, 10, hourWindow()), Cost: 1}}
 	if ok, err := g.Check(ctx, ops); err != nil || !ok {
 		t.Fatalf("global check: %v, %v", ok, err)
 	}
