@@ -583,7 +583,7 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 		return true, status.Error(codes.InvalidArgument, err.Error())
 	}
 	d := &sc.d
-	waits, err := s.prepare(&sc.in, d)
+	waits, err := s.prepare(&sc.in, d, false)
 	if err != nil {
 		return true, status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -598,18 +598,20 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 // prepare is the limiter's Prepare for a call: its concurrency rules then ask whether a
 // slot is free and take none (Decision.AskLeases), Envoy's protocol having no release.
 // Before, a call took a slot and gave it back as it was answered (for a global rule, a
-// second Redis call), and other checks counted it meanwhile.
-func (s *Server) prepare(in *limiter.Input, d *limiter.Decision) (waits bool, err error) {
+// second Redis call), and other checks counted it meanwhile. A call's refusal by a
+// concurrency rule counts toward the rule's penalty; a charge's (charge true: a check
+// chargeRefused makes of its own for a call already refused and counted) does not.
+func (s *Server) prepare(in *limiter.Input, d *limiter.Decision, charge bool) (waits bool, err error) {
 	waits, err = s.lim.Prepare(in, d)
 	if err == nil {
-		d.AskLeases()
+		d.AskLeases(!charge)
 	}
 	return waits, err
 }
 
-// check is the limiter's Check for a call (prepare, then Decide).
-func (s *Server) check(now int64, in *limiter.Input, d *limiter.Decision) error {
-	if _, err := s.prepare(in, d); err != nil {
+// check is the limiter's Check for a call, or a charge (prepare, then Decide).
+func (s *Server) check(now int64, in *limiter.Input, d *limiter.Decision, charge bool) error {
+	if _, err := s.prepare(in, d, charge); err != nil {
 		return err
 	}
 	s.lim.Decide(now, d)
@@ -625,7 +627,7 @@ func (s *Server) decide(sc *scratch) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	d := &sc.d
-	if err := s.check(now, &sc.in, d); err != nil {
+	if err := s.check(now, &sc.in, d, false); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	s.finish(now, sc)
@@ -654,7 +656,7 @@ func (s *Server) chargeRefused(now int64, sc *scratch, mayWait bool) {
 	if !mayWait {
 		var c limiter.Decision
 		in := limiter.Input{Parts: parts}
-		if waits, err := s.prepare(&in, &c); err == nil && !waits && s.lim.DecideInline(now, &c) {
+		if waits, err := s.prepare(&in, &c, true); err == nil && !waits && s.lim.DecideInline(now, &c) {
 			s.charged(now, &c)
 			if c.Allowed {
 				return
@@ -679,7 +681,7 @@ func (s *Server) charge(parts []limiter.Part) {
 	var d limiter.Decision
 	for range 3 {
 		now := s.now()
-		if err := s.check(now, &limiter.Input{Parts: parts}, &d); err != nil {
+		if err := s.check(now, &limiter.Input{Parts: parts}, &d, true); err != nil {
 			return
 		}
 		s.charged(now, &d)

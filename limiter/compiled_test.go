@@ -284,7 +284,7 @@ func TestOpFieldsWrittenByMatchRules(t *testing.T) {
 	for i := range ty.NumField() {
 		names = append(names, ty.Field(i).Name)
 	}
-	want := "key lim cost fb shadow store degraded bans flags bannedUntil shared"
+	want := "key lim cost fb shadow store degraded bans flags bannedUntil shared asked"
 	if got := strings.Join(names, " "); got != want {
 		t.Fatalf("op's fields are %q, matchRules writes %q: write the new ones there and update this list", got, want)
 	}

@@ -577,9 +577,11 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 			out.Reset = max(out.Reset, out.RetryAfter) // not back to full before the ban ends
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && o.cost != 0 && !out.Impossible && !d.unasked(i) && !o.shared {
+		} else if o.flags&infoPenalty != 0 && !out.Allowed && (o.cost != 0 || o.asked) && !out.Impossible && !d.unasked(i) && !o.shared {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
 			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban),
+			// unless AskLeases made it ask (an Envoy call's concurrency rule: the
+			// client's request, refused),
 			// nor a cost above its capacity, which can never pass and says so (its
 			// client is told not to retry; a ban would contradict that), nor one decided
 			// on the fallback state a full store's new keys share (its refusal says the
@@ -798,7 +800,7 @@ func (l *Limiter) matchRules(d *Decision, c *compiled, attrs []rules.Attr, cost 
 		o := push(&d.ops) // every field written in place (see op): no op built aside and copied
 		o.key, o.lim, o.cost, o.fb = key, lim, cst, fb
 		o.shadow, o.store, o.degraded, o.bans = shadow, in.store, false, in.bans
-		o.flags, o.bannedUntil, o.shared = in.flags&opFlags, 0, false
+		o.flags, o.bannedUntil, o.shared, o.asked = in.flags&opFlags, 0, false, false
 		d.flags |= in.flags & opFlags
 		d.routed |= 1 << in.store
 		if in.bans == bansGlobal {

@@ -76,6 +76,9 @@ type op struct {
 	// shared: the local store decided it on its rule's fallback state, shared by the
 	// keys it could not store (localbucket.Op.Shared): a refusal of it earns no ban.
 	shared bool
+	// asked: a concurrency op AskLeases made ask (cost 0) for a protocol with no release:
+	// unlike a cost-0 check its client sent, its refusal counts toward its rule's ban.
+	asked bool
 }
 
 // AppendKeyHashes appends to dst the hash under seed of each key the check prepared in d

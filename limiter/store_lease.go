@@ -207,11 +207,14 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 // with no release (Envoy's), whose calls would otherwise take a slot and give it back as
 // they are answered, holding it meanwhile against every other check. A rule asked so
 // answers as a check of cost 0 does: allowed while a slot is free, its free slots as the
-// remaining, no lease.
-func (d *Decision) AskLeases() {
+// remaining, no lease. With counted, a refusal of one that had a cost counts toward its
+// rule's penalty, as the refusal of the client's request it is (a cost-0 check a client
+// sends only asks: not counted); without, it counts toward none (a check the server
+// makes of its own, such as Envoy's charge of a refused call).
+func (d *Decision) AskLeases(counted bool) {
 	for i := range d.ops {
-		if s := d.ops[i].store; s == storeLease || s == storeGlobalLease {
-			d.ops[i].cost = 0
+		if o := &d.ops[i]; o.store == storeLease || o.store == storeGlobalLease {
+			o.cost, o.asked = 0, counted && o.cost != 0
 		}
 	}
 }
