@@ -161,3 +161,66 @@ rules:
 		t.Fatalf("global: not banned: %v", r.OverallCode)
 	}
 }
+
+// With ChargeRefused, a call refused by a full concurrency rule is charged on the rate
+// rules of its descriptors, what they have left up to its hits (README: a refused call
+// consumes, on each of its descriptors, what that descriptor's rules have left; a
+// concurrency rule is not charged). Before, the charge's check was refused by the same
+// full concurrency rule, and charged nothing.
+func TestChargeRefusedPastFullConcurrency(t *testing.T) {
+	for _, mode := range []string{"local", "global"} {
+		t.Run(mode, func(t *testing.T) { chargeRefusedPastFullConcurrency(t, mode) })
+	}
+}
+
+func chargeRefusedPastFullConcurrency(t *testing.T, mode string) {
+	set, err := rules.Parse("c.yaml", []byte(`
+rules:
+  - name: jobs
+    match: { domain: api, descriptor: job }
+    key: job
+    mode: `+mode+`
+    concurrency: { max: 1, lease: 30s }
+  - name: perjob
+    match: { domain: api, descriptor: job }
+    key: job
+    mode: `+mode+`
+    limit: { requests: 100, per: 1h }
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
+	if mode == "global" {
+		_, rdb := standaloneRedis(t)
+		lim = lim.WithGlobal(rlsync.NewGlobal(rdb), 30*time.Second)
+	}
+	s, err := New(Config{Addr: "unused:0", ChargeRefused: true}, lim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	attrs := []rules.Attr{{Name: DomainAttribute, Value: "api"}, {Name: DescriptorAttribute, Value: "job"}, {Name: "job", Value: "j1"}}
+	var held limiter.Decision
+	held.Owner = 1
+	if err := lim.Check(s.now(), &limiter.Input{Attrs: attrs, Cost: 1}, &held); err != nil || !held.Allowed {
+		t.Fatalf("socket acquire: %v allowed=%v", err, held.Allowed)
+	}
+	resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api", HitsAddend: 10,
+		Descriptors: []*commonrl.RateLimitDescriptor{{Entries: []*commonrl.RateLimitDescriptor_Entry{{Key: "job", Value: "j1"}}}}})
+	if err != nil || resp.OverallCode != rlsv3.RateLimitResponse_OVER_LIMIT {
+		t.Fatalf("call with the slot held: %v %v, want OVER_LIMIT", resp.GetOverallCode(), err)
+	}
+	s.charging.Wait()
+	var d limiter.Decision
+	if err := lim.Check(s.now(), &limiter.Input{Attrs: attrs, Cost: 0}, &d); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range d.Results {
+		if r.Name == "perjob" && r.Remaining != 89 {
+			t.Errorf("perjob: %d remaining after the socket's 1 and a refused call of 10 charged, want 89", r.Remaining)
+		}
+		if r.Name == "jobs" && r.Remaining != 0 {
+			t.Errorf("jobs: %d free slots, want 0 (the socket's lease; the charge takes none)", r.Remaining)
+		}
+	}
+}

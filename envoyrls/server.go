@@ -599,12 +599,18 @@ func (s *Server) decideInline(sc *scratch) (done bool, err error) {
 // slot is free and take none (Decision.AskLeases), Envoy's protocol having no release.
 // Before, a call took a slot and gave it back as it was answered (for a global rule, a
 // second Redis call), and other checks counted it meanwhile. A call's refusal by a
-// concurrency rule counts toward the rule's penalty; a charge's (charge true: a check
-// chargeRefused makes of its own for a call already refused and counted) does not.
+// concurrency rule counts toward the rule's penalty. A charge (charge true: a check
+// chargeRefused makes of its own for a call already refused) leaves them out
+// (Decision.SkipLeases): it charges the rate rules, and a full concurrency rule of the
+// descriptor, which refused the call, would refuse it too and charge nothing.
 func (s *Server) prepare(in *limiter.Input, d *limiter.Decision, charge bool) (waits bool, err error) {
 	waits, err = s.lim.Prepare(in, d)
 	if err == nil {
-		d.AskLeases(!charge)
+		if charge {
+			d.SkipLeases()
+		} else {
+			d.AskLeases()
+		}
 	}
 	return waits, err
 }

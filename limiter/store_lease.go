@@ -207,14 +207,28 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 // with no release (Envoy's), whose calls would otherwise take a slot and give it back as
 // they are answered, holding it meanwhile against every other check. A rule asked so
 // answers as a check of cost 0 does: allowed while a slot is free, its free slots as the
-// remaining, no lease. With counted, a refusal of one that had a cost counts toward its
-// rule's penalty, as the refusal of the client's request it is (a cost-0 check a client
-// sends only asks: not counted); without, it counts toward none (a check the server
-// makes of its own, such as Envoy's charge of a refused call).
-func (d *Decision) AskLeases(counted bool) {
+// remaining, no lease; but a refusal of one that had a cost counts toward its rule's
+// penalty, as the refusal of the client's request it is (a cost-0 check a client sends
+// only asks: not counted).
+func (d *Decision) AskLeases() {
 	for i := range d.ops {
 		if o := &d.ops[i]; o.store == storeLease || o.store == storeGlobalLease {
-			o.cost, o.asked = 0, counted && o.cost != 0
+			o.cost, o.asked = 0, o.cost != 0
 		}
 	}
+}
+
+// SkipLeases leaves the concurrency rules of d, prepared (Limiter.Prepare) and not yet
+// decided, out of its decision: each is reported allowed with its max, takes and asks
+// nothing, and refuses nothing; the rest of d is decided as it would be. For a check
+// that charges rate rules alone, such as Envoy's charge of a refused call, which a full
+// concurrency rule of the same descriptor would otherwise refuse, charging nothing.
+func (d *Decision) SkipLeases() {
+	for i := range d.ops {
+		if o := &d.ops[i]; o.store == storeLease || o.store == storeGlobalLease {
+			o.store, o.cost = decided, 0
+			d.report(i, &localbucket.Result{Allowed: true, Limit: o.lim.Requests(), Remaining: o.lim.Requests()})
+		}
+	}
+	d.routed &^= 1<<storeLease | 1<<storeGlobalLease
 }
