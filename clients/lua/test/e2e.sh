@@ -1114,7 +1114,7 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
 done
 # /misconf/'s line misspells its POLICY (clsoed): it decides as closed, the daemon away.
 request GET "http://127.0.0.1:$hap_port/misconf/x" hap-misconf-away
-expect "haproxy misspelled arguments, the daemon away: status (decided as closed)" "$status" 503
+expect "haproxy misspelled POLICY, the daemon away: status (decided as closed)" "$status" 503
 # The example's error_log level (warn) lets the client's line about them through: with
 # nginx's default (error), a daemon away left no trace in the log.
 expect "nginx: the policy's decisions logged (warn)" "$(($(grep -c 'rlsidecar: no decision, policy' "$tmp/nginx.log" || true) > 0))" 1
