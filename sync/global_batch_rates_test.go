@@ -158,16 +158,7 @@ func TestGlobalPlanFlappingKeepsLongUnits(t *testing.T) {
 			partner := globalLimit(t, localbucket.TokenBucket, 30, month, 30)
 			free := globalLimit(t, localbucket.TokenBucket, 3, month, 3)
 			key := fmt.Sprintf("rl:glongflap:{%d}", cost)
-			admitted := func(l *localbucket.Limit, n int) int {
-				t.Helper()
-				k := 0
-				for range n {
-					if _, ok, _, _ := globalCheckOne(t, bk, key, l, 1); ok {
-						k++
-					}
-				}
-				return k
-			}
+			admitted := func(l *localbucket.Limit, n int) int { return globalAdmitted(t, bk, key, l, n) }
 			if got := admitted(partner, 30); got != 30 {
 				t.Fatalf("%d of 30 admitted at 30 per 30 days on a fresh key", got)
 			}

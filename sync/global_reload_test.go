@@ -244,16 +244,7 @@ func TestGlobalPlanFlappingKeepsUnits(t *testing.T) {
 				partner := globalLimit(t, localbucket.TokenBucket, 30, time.Hour, 30)
 				free := globalLimit(t, localbucket.TokenBucket, 3, time.Hour, 3)
 				key := fmt.Sprintf("rl:gflap:{%s-%d}", bk.name, cost)
-				admitted := func(l *localbucket.Limit, n int) int {
-					t.Helper()
-					k := 0
-					for range n {
-						if _, ok, _, _ := globalCheckOne(t, bk, key, l, 1); ok {
-							k++
-						}
-					}
-					return k
-				}
+				admitted := func(l *localbucket.Limit, n int) int { return globalAdmitted(t, bk, key, l, n) }
 				if got := admitted(partner, 30); got != 30 {
 					t.Fatalf("%d of 30 admitted at 30 per hour on a fresh key", got)
 				}
@@ -269,4 +260,16 @@ func TestGlobalPlanFlappingKeepsUnits(t *testing.T) {
 			})
 		}
 	}
+}
+
+// globalAdmitted makes n checks of cost 1 of key at l and returns how many were allowed.
+func globalAdmitted(t testing.TB, b globalBackend, key string, l *localbucket.Limit, n int) int {
+	t.Helper()
+	k := 0
+	for range n {
+		if _, ok, _, _ := globalCheckOne(t, b, key, l, 1); ok {
+			k++
+		}
+	}
+	return k
 }

@@ -273,7 +273,6 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 	other := "rl:c:" + tags[2]
 	h := NewHybrid(rdb, HybridOptions{})
 	lim := mustLimit(t, localbucket.FixedWindow, 50, hourWindow()) // counted across syncs: no window ends meanwhile
-	host, port, _ := strings.Cut(to, ":")
 	for phase, tag := range tags[:2] {
 		keys := []string{"rl:a:" + tag, "rl:b:" + tag}
 		moved, left := keys[phase], keys[1-phase]
@@ -298,9 +297,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 		base := count(nodes[from], other)
 		slot := Slot(tag)
 		sm.setMigrating(t, slot, from, to)
-		if err := nodes[from].Do(ctx, "MIGRATE", host, port, moved, 0, 5000).Err(); err != nil {
-			t.Fatalf("phase %d: MIGRATE %s: %v", phase, moved, err)
-		}
+		sm.migrate(t, from, to, moved)
 		for range 3 { // three syncs while the slot is split
 			use()
 		}
@@ -317,9 +314,7 @@ func TestHybridClusterSlotMigratingSplitKeys(t *testing.T) {
 		if got := count(nodes[from], other); got != base+3 {
 			t.Errorf("phase %d: the key of the other slot counts %d on its master after three syncs, want %d", phase, got, base+3)
 		}
-		if err := nodes[from].Do(ctx, "MIGRATE", host, port, left, 0, 5000).Err(); err != nil {
-			t.Fatalf("phase %d: MIGRATE %s: %v", phase, left, err)
-		}
+		sm.migrate(t, from, to, left)
 		for _, a := range append([]string{to, from}, cl.Addrs...) {
 			if err := nodes[a].Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", ids[to]).Err(); err != nil {
 				t.Fatalf("SETSLOT NODE on %s: %v", a, err)
@@ -383,13 +378,7 @@ func TestHybridClusterSlotMigratingStuck(t *testing.T) {
 		t.Errorf("the key of the other slot counts %d on its master after three syncs, want %d", got, base+3)
 	}
 	for _, k := range keys {
-		pipe := nodes[to].Pipeline()
-		pipe.Do(ctx, "ASKING")
-		n := pipe.HGet(ctx, k, "n")
-		if _, err := pipe.Exec(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if got, _ := n.Int(); got != 4 {
+		if got := sm.askingCount(t, to, k); got != 4 {
 			t.Errorf("%s counts %d on the target, want 4", k, got)
 		}
 	}
@@ -436,13 +425,7 @@ func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 		}
 	}
 	for _, k := range keys {
-		pipe := nodes[to].Pipeline()
-		pipe.Do(ctx, "ASKING")
-		n := pipe.HGet(ctx, k, "n")
-		if _, err := pipe.Exec(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if got, _ := n.Int(); got != 4 {
+		if got := sm.askingCount(t, to, k); got != 4 {
 			t.Errorf("%s, of the slot left migrating, counts %d on the target after four syncs, want 4 (its units left pending for as long as the slot stays so)", k, got)
 		}
 	}
@@ -455,7 +438,7 @@ func TestHybridClusterSlotMigratingStuckNotFirst(t *testing.T) {
 // for a key the source lacks).
 func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
 	sm := newSlotMover(t)
-	rdb, nodes := sm.rdb, sm.nodes
+	rdb := sm.rdb
 	ctx := context.Background()
 	tag := "{user=7}"
 	from := sm.master(t, tag)
@@ -477,15 +460,7 @@ func TestHybridClusterSlotMigratingNewKeys(t *testing.T) {
 	for _, k := range keys {
 		got := 0
 		for _, a := range []string{from, to} {
-			pipe := nodes[a].Pipeline()
-			pipe.Do(ctx, "ASKING")
-			n := pipe.HGet(ctx, k, "n")
-			_, err := pipe.Exec(ctx)
-			if err != nil && err != redis.Nil && !redis.HasErrorPrefix(err, "ASK") { // ASK: not on the source
-				t.Fatal(err)
-			}
-			v, _ := n.Int()
-			got += v
+			got += sm.askingCount(t, a, k)
 		}
 		if got != 3 {
 			t.Errorf("%s counts %d in Redis after three syncs, want 3", k, got)
@@ -560,6 +535,20 @@ func (sm *slotMover) migrate(t *testing.T, from, to string, keys ...string) {
 	if err := sm.nodes[from].Do(context.Background(), args...).Err(); err != nil {
 		t.Fatalf("MIGRATE %v: %v", keys, err)
 	}
+}
+
+// askingCount returns key k's count (field n) on the master at addr, asked with ASKING
+// (a slot it imports): 0 when the key is not there (missing, or ASK: on the target).
+func (sm *slotMover) askingCount(t *testing.T, addr, k string) int {
+	t.Helper()
+	pipe := sm.nodes[addr].Pipeline()
+	pipe.Do(context.Background(), "ASKING")
+	n := pipe.HGet(context.Background(), k, "n")
+	if _, err := pipe.Exec(context.Background()); err != nil && err != redis.Nil && !redis.HasErrorPrefix(err, "ASK") {
+		t.Fatal(err)
+	}
+	v, _ := n.Int()
+	return v
 }
 
 // risingTags returns n hash tags {user=i} of one master, in rising slot order.
