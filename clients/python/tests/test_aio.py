@@ -101,8 +101,9 @@ def test_stalled_sidecar_late_answers_dropped(daemon):
 async def _switch_to_successor(c, daemon, make_daemon, user, within):
     """Starts a successor to the frozen daemon on its socket's path (as in a blue/green
     switch) and checks user with c until an answer comes, failing after ``within``
-    seconds; returns that answer."""
-    successor = make_daemon(RULES)
+    seconds; returns that answer. The successor allows 7 a user where the frozen daemon
+    allows 5, so an answer's limit tells which one gave it."""
+    successor = make_daemon(RULES.replace("requests: 5,", "requests: 7,"))
     os.rename(successor.socket, daemon.socket)  # the successor takes the path
     switched = time.monotonic()
     while True:
@@ -127,8 +128,9 @@ def test_stalled_connection_redials(daemon, make_daemon):
             try:
                 assert (await c.check({"user": "hal"})).unreachable
                 d = await _switch_to_successor(c, daemon, make_daemon, "hal", 3)
-                # The successor's own count: its first request of hal.
-                assert d.allowed and d.remaining == 4, d
+                # The successor's answer, from its own count. Its first check of hal may have
+                # timed out on a slow machine and still have been counted.
+                assert d.allowed and d.limit == 7 and d.remaining <= 6, d
             finally:
                 daemon.resume()
     run(main())
@@ -152,7 +154,8 @@ def test_full_stalled_connection_redials(daemon, make_daemon):
                 assert all(d.unreachable for d in burst)
                 assert c._conn is not None and len(c._conn.pending) == aio.MAX_PENDING, "the connection is full"
                 d = await _switch_to_successor(c, daemon, make_daemon, "ida", 10)
-                assert d.allowed and d.remaining == 4, d  # the successor's first request of ida
+                # The successor's own count (its first check of ida may have timed out).
+                assert d.allowed and d.limit == 7 and d.remaining <= 6, d
             finally:
                 daemon.resume()
     run(main())
