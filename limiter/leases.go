@@ -246,7 +246,8 @@ func (ls *Leases) renew(token string, d time.Duration, now int64, own func(rule 
 		return false, 0, nil
 	}
 	ls.expireLease(l, now)
-	if l.live < len(l.parts) {
+	if l.live == 0 || l.live < len(l.parts) {
+		// Run out: in part, or whole (expireLease then dropped it, its parts emptied).
 		return false, 0, nil
 	}
 	var was []int64

@@ -448,3 +448,22 @@ rules:
 		t.Fatalf("exports after the release: %+v; want freed", s)
 	}
 }
+
+// A lease renewed after it ran out, before any sweep or check of its slot noticed, is not
+// renewed. Before, the renewal freed it (expireLease dropped the lease and emptied its
+// parts) and then answered renewed: true, expires_ms 0: the gateway believed it held a
+// slot that the next check took.
+func TestLeaseRenewAfterItRanOut(t *testing.T) {
+	l := newLimiter(t, strings.Replace(leaseRules, "max: 2", "max: 1", 1))
+	ok, tok, _ := checkLease(t, l, t0, exportInput("ann"), 0)
+	if !ok {
+		t.Fatal("refused")
+	}
+	at := t0 + int64(11*time.Second) // the lease (10s) ran out at t0+10s
+	if renewed, in := l.RenewLease(tok, 0, at); renewed {
+		t.Fatalf("renewed a lease run out 1s ago, expiring in %v; want renewed: false", in)
+	}
+	if ok, _, _ := checkLease(t, l, at, exportInput("ann"), 0); !ok {
+		t.Fatal("the slot of the expired lease was not free")
+	}
+}
