@@ -72,6 +72,8 @@ type lease struct {
 	owner uint64
 	parts []leasePart
 	live  int // parts not yet freed
+	// renewals counts the lease's renewals, so that restore undoes only the last one.
+	renewals uint64
 }
 
 // leasePart is one slot a lease holds, in one rule.
@@ -232,24 +234,31 @@ func (ls *Leases) Renew(token string, d time.Duration, now int64, own func(rule 
 	return renewed, expiresIn
 }
 
-// renew is Renew; with keep, it also returns the parts' expiries before the renewal
-// (when renewed), for restore.
-func (ls *Leases) renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool), keep bool) (bool, time.Duration, []int64) {
+// renewal is what restore needs to undo a renewal: the parts' expiries before it, and
+// which of the lease's renewals it was.
+type renewal struct {
+	was []int64
+	n   uint64
+}
+
+// renew is Renew; with keep, it also returns the renewal (when renewed), for restore.
+func (ls *Leases) renew(token string, d time.Duration, now int64, own func(rule string) (int64, bool), keep bool) (bool, time.Duration, renewal) {
 	id := ls.parse(token)
 	if id == 0 {
-		return false, 0, nil
+		return false, 0, renewal{}
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	l := ls.leases[id]
 	if l == nil {
-		return false, 0, nil
+		return false, 0, renewal{}
 	}
 	ls.expireLease(l, now)
 	if l.live == 0 || l.live < len(l.parts) {
 		// Run out: in part, or whole (expireLease then dropped it, its parts emptied).
-		return false, 0, nil
+		return false, 0, renewal{}
 	}
+	l.renewals++
 	var was []int64
 	if keep {
 		was = make([]int64, len(l.parts))
@@ -277,13 +286,14 @@ func (ls *Leases) renew(token string, d time.Duration, now int64, own func(rule 
 			first = p.expires
 		}
 	}
-	return true, time.Duration(first - now), was
+	return true, time.Duration(first - now), renewal{was, l.renewals}
 }
 
-// restore gives the parts of the lease token still held the expiries was (renew's),
-// undoing a renewal of its local half whose global half was not renewed. A lease
-// released meanwhile is left alone.
-func (ls *Leases) restore(token string, was []int64) {
+// restore gives the parts of the lease token still held the expiries they had before
+// the renewal r, undoing a renewal of its local half whose global half was not renewed.
+// A lease released meanwhile is left alone, and so is one renewed again since r: undoing
+// r then would take back the later renewal, which its caller was told succeeded.
+func (ls *Leases) restore(token string, r renewal) {
 	id := ls.parse(token)
 	if id == 0 {
 		return
@@ -291,12 +301,12 @@ func (ls *Leases) restore(token string, was []int64) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	l := ls.leases[id]
-	if l == nil {
+	if l == nil || l.renewals != r.n {
 		return
 	}
 	for i := range l.parts {
-		if p := &l.parts[i]; p.s != nil && i < len(was) {
-			p.expires = was[i]
+		if p := &l.parts[i]; p.s != nil && i < len(r.was) {
+			p.expires = r.was[i]
 		}
 	}
 }

@@ -449,6 +449,39 @@ rules:
 	}
 }
 
+// A renewal whose global half failed puts its local half's expiry back (restore), unless
+// the lease was renewed again since: two renewals of one mixed lease at once, the later
+// one renewed in full and the earlier one refused by Redis. Before, the earlier one's
+// restore took back the later renewal: the lease ran out at its first expiry, though its
+// gateway had been told it was renewed for 10 s more.
+func TestLeaseRestoreKeepsALaterRenewal(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	ok, tok, _ := checkLease(t, l, t0, exportInput("ann"), 0)
+	if !ok {
+		t.Fatal("refused")
+	}
+	sec := int64(time.Second)
+	ls := l.Leases()
+	ok1, _, first := ls.renew(tok, 0, t0+sec, nil, true) // to t0+11s
+	ok2, _, _ := ls.renew(tok, 0, t0+2*sec, nil, true)   // to t0+12s
+	if !ok1 || !ok2 {
+		t.Fatal("renewals refused")
+	}
+	ls.restore(tok, first) // the first renewal's global half failed; the second's did not
+	if renewed, _ := ls.Renew(tok, 0, t0+10*sec+sec/2, nil); !renewed {
+		t.Fatal("the lease ran out at t0+10s: the failed renewal's restore took back the later one (renewed to t0+12s)")
+	}
+	// The last renewal undone puts back the expiry it replaced.
+	ok3, _, third := ls.renew(tok, 0, t0+11*sec, nil, true) // to t0+21s, from t0+20.5s
+	if !ok3 {
+		t.Fatal("third renewal refused")
+	}
+	ls.restore(tok, third)
+	if renewed, _ := ls.Renew(tok, 0, t0+20*sec+3*sec/4, nil); renewed {
+		t.Fatal("the restored renewal still holds the lease past the expiry it replaced (t0+20.5s)")
+	}
+}
+
 // A lease renewed after it ran out, before any sweep or check of its slot noticed, is not
 // renewed. Before, the renewal freed it (expireLease dropped the lease and emptied its
 // parts) and then answered renewed: true, expires_ms 0: the gateway believed it held a

@@ -652,7 +652,7 @@ func (l *Limiter) RenewLease(token string, d time.Duration, now int64) (bool, ti
 		return false, 0
 	}
 	in := time.Duration(-1)
-	var was []int64
+	var was renewal
 	if local != "" {
 		ok, t, w := l.leases.renew(local, d, now, l.leaseNow, global != "")
 		if !ok {
