@@ -127,8 +127,44 @@ func (l *Limiter) infoOf(r *rules.Rule, shadowAll bool) ruleInfo {
 func (l *Limiter) recompile(set *rules.Set) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	old := l.active.Load()
 	if set == nil {
-		set = l.active.Load().set
+		set = old.set
 	}
-	l.active.Store(l.compile(set, l.shadowAll.Load()))
+	c := l.compile(set, l.shadowAll.Load())
+	if old != nil && l.hybrid != nil {
+		// Before the swap: no check of the new set may spend a view from before.
+		if names := hybridAgain(old, c); names != nil {
+			l.hybrid.forgetViews(l.prefix, names)
+		}
+	}
+	l.active.Store(c)
+}
+
+// hybridAgain returns the names of the rules that c decides in hybrid mode and old
+// decided in another (global: mode global, or a delay; local), whose hybrid views on
+// this daemon are older than what it decided of their keys meanwhile
+// (rlsync.Hybrid.ForgetRuleViews).
+func hybridAgain(old, c *compiled) map[string]struct{} {
+	var other map[string]struct{} // old's rules in another mode
+	for i := range old.rules {
+		if o := &old.rules[i]; o.rule != nil && o.store != storeHybrid {
+			if other == nil {
+				other = map[string]struct{}{}
+			}
+			other[o.rule.Name] = struct{}{}
+		}
+	}
+	var names map[string]struct{}
+	for i := range c.rules {
+		if in := &c.rules[i]; in.rule != nil && in.store == storeHybrid {
+			if _, ok := other[in.rule.Name]; ok {
+				if names == nil {
+					names = map[string]struct{}{}
+				}
+				names[in.rule.Name] = struct{}{}
+			}
+		}
+	}
+	return names
 }

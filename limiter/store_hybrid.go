@@ -12,6 +12,13 @@ type hybridStore struct{ h *rlsync.Hybrid }
 // replicas returns the number of live daemons last counted (at least 1).
 func (s hybridStore) replicas() int { return s.h.Replicas() }
 
+// forgetViews drops the views of the keys of the rules named (rlsync.Hybrid.ForgetRuleViews).
+func (s hybridStore) forgetViews(prefix string, names map[string]struct{}) {
+	if s.h != nil {
+		s.h.ForgetRuleViews(prefix, names)
+	}
+}
+
 func (s hybridStore) take(now int64, d *Decision) (bool, error) {
 	healthy := s.h.Healthy(now)
 	n := scratchOf[rlsync.HybridOp](d, storeHybrid)

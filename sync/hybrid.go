@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"hash/maphash"
+	"strings"
 	gosync "sync"
 	"sync/atomic"
 	"time"
@@ -299,4 +300,42 @@ func (t *limitTable) intern(l *localbucket.Limit) *localbucket.Limit {
 		t.m[*l] = p
 	}
 	return p
+}
+
+// ForgetRuleViews drops the view, and the credit it gave, of every key held of the
+// rules named in names: keys prefix + name + "~" (a rule's name, then its fingerprint:
+// limiter.AppendFingerprint). Each such key's next check makes an exact sync, as a key
+// new here does; what it admitted, reserved or owes is kept for its next sync to
+// settle. For a reload that makes a rule hybrid again here after this daemon decided
+// it in another mode: its views are older than what this daemon's global checks of the
+// key spent in Redis meanwhile, which no view here counts and which global mode does
+// not reserve against this daemon's credit. Kept, one daemon, 1,000 an hour, 100 used
+// in hybrid mode, the other 900 in global mode, then hybrid again: 450 more admitted
+// at once on credit from the view before (TestReloadHybridGlobalHybridKeepsTheLimit).
+// It returns how many keys it found.
+func (h *Hybrid) ForgetRuleViews(prefix string, names map[string]struct{}) int {
+	if len(names) == 0 {
+		return 0
+	}
+	n := 0
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			rest, ok := strings.CutPrefix(k, prefix)
+			if !ok {
+				continue
+			}
+			name, _, ok := strings.Cut(rest, "~")
+			if !ok {
+				continue
+			}
+			if _, in := names[name]; in {
+				e.forgetView()
+				n++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return n
 }
