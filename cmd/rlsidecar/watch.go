@@ -41,6 +41,13 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 	// app/releases/r1) is watched once: the kernel gives both one watch, and removing it
 	// by the path no longer wanted took it from the other too, unseen.
 	watched := map[dirID]string{}
+	// files maps each rules file watched (the file itself, links followed) by identity
+	// to the path its watch was added by. A write in place is told to the watchers of
+	// the file and of the directory of the name it was written through, and that name
+	// may be in no directory watched here: a file bind-mounted into a container
+	// (written on the host, or through the mount) or a hard link. Watched by their
+	// directories only, such writes were never seen.
+	files := map[dirID]string{}
 	var names []string
 	// rewatch watches the directories path now depends on, and stops watching the
 	// others; it returns the first directory it could not watch.
@@ -86,6 +93,40 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				continue
 			}
 			watched[d.id] = d.path
+		}
+		// The files, as the directories; and one whose watch fsnotify dropped on its
+		// own (the file moved away, IN_MOVE_SELF, and back) is watched again.
+		live := map[string]bool{}
+		for _, p := range w.WatchList() {
+			live[p] = true
+		}
+		var fs []dir
+		fby := map[dirID]string{}
+		for _, f := range rulesFilesOf(path) {
+			if fi, err := os.Stat(f); err != nil || !fi.Mode().IsRegular() {
+				continue // missing (the next change finds it), or refused by the reload
+			}
+			if id, err := idOf(f); err == nil && fby[id] == "" {
+				fby[id] = f
+				fs = append(fs, dir{f, id})
+			}
+		}
+		for id, f := range files {
+			if now, err := idOf(f); fby[id] == f && err == nil && now == id && live[f] {
+				continue
+			}
+			w.Remove(f) // an error if fsnotify dropped it already
+			delete(files, id)
+		}
+		for _, f := range fs {
+			if _, in := files[f.id]; in {
+				continue
+			}
+			if err := w.Add(f.path); err != nil {
+				fail(f.path, err)
+				continue
+			}
+			files[f.id] = f.path
 		}
 		return first
 	}
@@ -225,6 +266,16 @@ func hasEmpty(path string) bool {
 		}
 	}
 	return false
+}
+
+// rulesFilesOf returns the rules files at path: path itself, or the rules files of the
+// directory path names (--config DIR).
+func rulesFilesOf(path string) []string {
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		files, _ := rules.RulesFiles(path)
+		return files
+	}
+	return []string{path}
 }
 
 // rewatchEvery is how often watchConfig tries again to watch a directory on the way to
