@@ -211,6 +211,15 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				if !ok {
 					return
 				}
+				if errors.Is(err, syscall.EINVAL) {
+					// fsnotify drops the watch of a directory moved away (IN_MOVE_SELF)
+					// with inotify_rm_watch, which fails so when the kernel dropped it
+					// first: the directory was deleted since (a deploy's rename over
+					// the rules' directory, the old one removed). Nothing is lost: that
+					// directory's name is watched again at the change's read (rewatch).
+					// Reported, every such deploy logged a warning "invalid argument".
+					continue
+				}
 				onErr(err)
 				if errors.Is(err, fsnotify.ErrEventOverflow) {
 					// The kernel's queue was full: events were lost, the rules file's
