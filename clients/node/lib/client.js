@@ -30,6 +30,12 @@ const { Decision } = require('./decision');
 
 const { RequestTooLargeError } = proto;
 
+// monoNow is the client's clock for every wait it times (backoff, a stall, a lease's hold,
+// the outage log): ms on a clock that never steps. Date.now is the wall clock, which NTP or
+// a resumed VM may step by hours: an end of backoff read on it, after a step back, kept a
+// slot from redialing for as long as the step.
+const monoNow = () => performance.now();
+
 const BACKOFF_MIN = 10;
 const BACKOFF_MAX = 1000;
 // Checks in flight on one connection (abandoned ones included) beyond which a check waits
@@ -113,7 +119,7 @@ class Conn {
     this.buf = null; // bytes read beyond the last whole frame
     this.served = false;
     this.heard = false; // an answer arrived since the last check that timed out (timedOut)
-    this.quietFrom = Date.now(); // when its quiet spell began: quiet since it was dialed
+    this.quietFrom = monoNow(); // when its quiet spell began: quiet since it was dialed
     this.broken = null;
     this.corked = false;
     // The leases taken on it and not yet released, and when the last of them expires: a
@@ -192,7 +198,7 @@ class Conn {
   // first since an answer starts its quiet spell; one that ends a spell of
   // max(STALL_MIN, 4 × timeoutMs) gives the connection up.
   timedOut() {
-    const now = Date.now();
+    const now = monoNow();
     if (this.heard) {
       this.heard = false;
       this.quietFrom = now;
@@ -214,7 +220,7 @@ class Conn {
   giveUp(why) {
     if (this.retired || this.broken !== null) return;
     const c = this.slot.client;
-    if (this.leases <= 0 || Date.now() >= this.holdUntil || c.closed) {
+    if (this.leases <= 0 || monoNow() >= this.holdUntil || c.closed) {
       this.fail(why);
       return;
     }
@@ -227,7 +233,7 @@ class Conn {
 
   // expire closes a retired connection once every lease it holds has expired.
   expire() {
-    const left = this.holdUntil - Date.now();
+    const left = this.holdUntil - monoNow();
     if (this.leases > 0 && left > 0) {
       this.expiry = setTimeout(() => this.expire(), left);
       if (typeof this.expiry.unref === 'function') this.expiry.unref();
@@ -387,7 +393,7 @@ class Slot {
   get() {
     if (this.conn !== null) return this.conn;
     if (this.dialing === null) {
-      if (this.failures > 0 && Date.now() < this.retryAt) {
+      if (this.failures > 0 && monoNow() < this.retryAt) {
         return `backing off after ${this.failures} failed attempt(s): ${this.lastError}`;
       }
       this.dialing = this.dial();
@@ -430,7 +436,7 @@ class Slot {
 
   failed(why) {
     this.failures++;
-    this.retryAt = Date.now() + backoff(this.failures);
+    this.retryAt = monoNow() + backoff(this.failures);
     this.lastError = why;
   }
 
@@ -478,7 +484,7 @@ class Client {
     this.socket = socket;
     this.logger = logger; // the outage log's: console (console.warn), or null for none
     this.failing = false; // a check was decided by onUnavailable since the sidecar last answered
-    this.outage = { logged: false, last: null, decided: 0, now: Date.now };
+    this.outage = { logged: false, last: null, decided: 0, now: monoNow };
     this.timeoutMs = timeoutMs;
     this.onUnavailable = onUnavailable;
     this.maxFrame = maxFrame; // the largest request frame body sent: the daemon's --max-frame
@@ -591,7 +597,7 @@ class Client {
   // least: a concurrency rule's window is its lease), until it is released (leaseEnded);
   // one never released is forgotten once it has expired.
   trackLease(conn, lease, rules) {
-    const now = Date.now();
+    const now = monoNow();
     let w = 0;
     if (Array.isArray(rules)) for (const r of rules) if (r && Number(r.window_ms) > w) w = Number(r.window_ms);
     const until = now + w;
@@ -613,7 +619,7 @@ class Client {
   leaseRenewed(lease, expiresMs) {
     const v = this.leases.get(lease);
     if (v === undefined) return;
-    const until = Date.now() + expiresMs;
+    const until = monoNow() + expiresMs;
     if (until > v.until) v.until = until;
     if (until > v.conn.holdUntil) v.conn.holdUntil = until;
   }
@@ -759,7 +765,7 @@ class Client {
   // dialing it if needed.
   route(entry) {
     const n = this.slots.length;
-    const now = Date.now();
+    const now = monoNow();
     let slot = null;
     for (let i = 0; i < n; i++) {
       const s = this.slots[(this.next + i) % n];
@@ -851,4 +857,4 @@ function tooLarge(cause) {
   return new Decision({ allowed: false, tooLarge: true, cause });
 }
 
-module.exports = { Client, backoff, WaitQueue, MAX_PENDING, OUTAGE_LOG_INTERVAL };
+module.exports = { Client, backoff, monoNow, WaitQueue, MAX_PENDING, OUTAGE_LOG_INTERVAL };

@@ -5,6 +5,7 @@
 const { ProtocolError, ClosedError } = require('./proto');
 const { Decision } = require('./decision');
 const { normalizePath } = require('./path');
+const { monoNow } = require('./client'); // the monotonic clock: a lease's renewals ignore wall clock steps
 
 const MAPPED = /^::ffff:((?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3})$/i;
 
@@ -219,7 +220,7 @@ function firstRenewal(d) {
 function keepLease(client, lease, first) {
   let timer = null;
   let stopped = false;
-  let expires = Date.now() + 2 * first;
+  let expires = monoNow() + 2 * first;
   const schedule = (ms) => {
     timer = setTimeout(renew, Math.max(ms, MIN_RENEWAL));
     if (typeof timer.unref === 'function') timer.unref();
@@ -228,13 +229,13 @@ function keepLease(client, lease, first) {
     timer = null;
     client.renew(lease, 0).then(({ renewed, expiresMs }) => {
       if (stopped || !renewed) return;
-      expires = Date.now() + expiresMs;
+      expires = monoNow() + expiresMs;
       schedule(expiresMs / 2);
     }, (e) => {
       // A closed client answers every renewal at once: retrying it down to every 10 ms
       // until the lease's expiry was work for nothing.
       if (e instanceof ClosedError) return;
-      const left = expires - Date.now();
+      const left = expires - monoNow();
       if (!stopped && left > 0) schedule(left / 2);
     });
   };
