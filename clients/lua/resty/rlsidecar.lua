@@ -27,6 +27,21 @@ local semaphore = require "ngx.semaphore" -- lua-resty-core, which lua-nginx-mod
 local ngx = ngx
 local type, tostring, pairs, ipairs, setmetatable, next = type, tostring, pairs, ipairs, setmetatable, next
 
+-- clock is the client's clock for every time it measures (a check's deadline, when a lease
+-- is renewed, the log gates), in seconds: nginx's monotonic clock (resty.core.time's
+-- monotonic_time, lua-resty-core 0.1.22 and later), which a step of the wall clock does
+-- not move; ngx.now, the wall clock, only where that is missing. Timed on ngx.now, a step
+-- back of an hour put every lease's next renewal an hour away: each lease then ran out
+-- while its request still ran, and the slot was given to another request past the rule's
+-- max (test/wallstep.sh).
+local clock = ngx.now
+do
+  local ok, t = pcall(require, "resty.core.time")
+  if ok and type(t) == "table" and type(t.monotonic_time) == "function" then
+    clock = t.monotonic_time
+  end
+end
+
 local _M = { _VERSION = "1.0.0" }
 local mt = { __index = _M }
 
@@ -201,15 +216,15 @@ local function hold(sock)
   held[n_held] = sock
 end
 
--- left sets sock's timeouts to what is left until the deadline (dl.at, seconds as
--- ngx.now): one deadline bounds the whole exchange, where timeouts set once would bound
--- each step (connect, write, each read) by timeout_ms, several times it in all. Once it
+-- left sets sock's timeouts to what is left until the deadline (dl.at, seconds as clock
+-- gives them): one deadline bounds the whole exchange, where timeouts set once would
+-- bound each step (connect, write, each read) by timeout_ms, several times it in all. Once it
 -- has passed, one more step gets 1 ms, so that an answer already waiting on the socket
 -- is read rather than dropped (nginx's clock moves once per turn of its event loop:
 -- other requests' work in the same turn can pass the deadline without the daemon being
 -- late); after that, false.
 local function left(sock, dl)
-  local ms = math.floor((dl.at - ngx.now()) * 1000)
+  local ms = math.floor((dl.at - clock()) * 1000)
   if ms < 1 then
     if dl.late then
       return false
@@ -362,7 +377,7 @@ end
 -- daemon was up.
 function _M.roundtrip(self, frame, id)
   ngx.update_time() -- the cached clock may be a whole event-loop turn old
-  local deadline = { at = ngx.now() + self.timeout / 1000, late = false }
+  local deadline = { at = clock() + self.timeout / 1000, late = false }
   local tries = 0
   while true do
     local resp, err, transport, retry = attempt(self, frame, id, deadline)
@@ -473,7 +488,7 @@ end
 
 -- Leases access() renews (see keep_lease), until log() releases them: lease -> { self =
 -- the client, due = when it is to be renewed at the latest, from = when it may be renewed
--- at the earliest, expires = its last known expiry (ngx.now seconds), busy = a renewal is
+-- at the earliest, expires = its last known expiry (clock() seconds), busy = a renewal is
 -- under way }.
 local renewing = {}
 
@@ -508,7 +523,7 @@ end
 -- its lease lost its slot while it ran. Now the timers pending are the ticks (one, or a
 -- few when a nearer due arrives), and renewing holds only the leases of requests still
 -- running (log() removes its own).
-local tick_at -- when the nearest pending tick fires (ngx.now seconds), or nil
+local tick_at -- when the nearest pending tick fires (clock() seconds), or nil
 local tick_log_gate = http.gate(1)
 local tick
 
@@ -516,11 +531,11 @@ local function wake_by(at)
   if tick_at and tick_at <= at then
     return
   end
-  local wait = at - ngx.now()
+  local wait = at - clock()
   if wait < 0 then wait = 0 end
   local ok, err = ngx.timer.at(wait, tick, at)
   if not ok then
-    local held = tick_log_gate(ngx.now())
+    local held = tick_log_gate(clock())
     if held then
       ngx.log(ngx.ERR, "rlsidecar: scheduling lease renewals: ", err, http.held_note(held))
     end
@@ -540,7 +555,7 @@ local function renew_one(lease, e)
   end
   e.busy = false
   ngx.update_time()
-  local now = ngx.now()
+  local now = clock()
   if renewed == nil then
     local left = e.expires - now
     if left <= 0 then
@@ -566,7 +581,7 @@ tick = function(premature, at)
     return -- the worker is exiting
   end
   ngx.update_time()
-  local now = ngx.now()
+  local now = clock()
   local due, nearest = {}, nil
   for lease, e in pairs(renewing) do
     if not e.busy then
@@ -611,7 +626,7 @@ end
 -- connection that took it as the request ends, and the daemon frees it), and when the
 -- sidecar does not answer until the lease's last known expiry. See tick.
 local function keep_lease(self, lease, first)
-  local now = ngx.now()
+  local now = clock()
   local e = { self = self, expires = now + 2 * first, busy = false }
   set_due(e, now, first)
   renewing[lease] = e
@@ -890,7 +905,7 @@ function _M.access(self)
   if d.reason == http.REQUEST_TOO_LARGE then
     ngx.log(ngx.INFO, err)
   elseif err or d.unreachable then
-    local held = log_gate(ngx.now())
+    local held = log_gate(clock())
     if held == nil then
       -- held back: at most one line a second a worker (http.gate)
     elseif d.unreachable then
