@@ -50,6 +50,7 @@ func New(set *rules.Set, store *localbucket.Store) *Limiter {
 // name a mode in hybrid mode too: the default when the daemon has Redis. Call it before
 // the limiter is used.
 func (l *Limiter) WithHybrid(h *rlsync.Hybrid) *Limiter {
+	h.SetWall(l.buckets) // windows without a view align on wall time, as the local ones
 	l.hybrid = &hybridStore{h}
 	l.stores[storeHybrid] = l.hybrid
 	l.defaultMode = rules.ModeHybrid

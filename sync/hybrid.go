@@ -70,7 +70,8 @@ type Hybrid struct {
 	kick       chan struct{} // a key was seen for the first time: sync soon, not at the next tick
 	observe    Observer      // nil: none
 	syncDone   func(d time.Duration, keys int)
-	clock      func() int64 // HybridOptions.Clock
+	clock      func() int64                      // HybridOptions.Clock
+	wall       atomic.Pointer[localbucket.Store] // SetWall: its WallOffset turns the clock given into wall time
 
 	daemonsKey string // the live-daemons set, under the configured prefix
 
@@ -250,6 +251,20 @@ func (h *Hybrid) SetReplicas(n int) { h.replicas.Store(int64(max(1, n))) }
 
 // Replicas returns the number of live daemons last counted (at least 1).
 func (h *Hybrid) Replicas() int { return h.replicaCount() }
+
+// SetWall gives h the store whose WallOffset (the wall clock minus the clock h is given,
+// which the daemon keeps it told) places a fixed window's end where h's view of the key
+// does not: on wall time, as the local mode aligns fixed windows (fixedLeft). Without it,
+// on the clock h is given. Safe for concurrent use.
+func (h *Hybrid) SetWall(s *localbucket.Store) { h.wall.Store(s) }
+
+// wallOf returns now, on the clock h is given, in wall time (SetWall).
+func (h *Hybrid) wallOf(now int64) int64 {
+	if s := h.wall.Load(); s != nil {
+		return now + s.WallOffset()
+	}
+	return now
+}
 
 func (h *Hybrid) replicaCount() int { return int(h.replicas.Load()) }
 

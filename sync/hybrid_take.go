@@ -637,6 +637,28 @@ func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
 	return math.Floor(max(0, project(e, now))/n) - math.Floor(max(0, e.view)/n)
 }
 
+// fixedLeft is the time from now until the end of now's window of e's fixed window
+// limit, aligned on wall time (SetWall), as the local mode aligns fixed windows: NTP
+// keeps it near Redis's clock, on which Redis's windows turn. Before, it was aligned on
+// the clock h is given, the daemon's monotonic one, which is off the wall clock by as
+// much as the wall clock was off when the daemon started and has stepped since (NTP
+// setting it at boot, after the daemon started): with it 400 ms ahead, a 1 s window's
+// reset said 124 ms at a new key's first request, where Redis's window ended in 524 ms,
+// and 573 ms right after a turn, where it ended in 973 ms.
+func (h *Hybrid) fixedLeft(e *hentry, now int64) int64 {
+	w := int64(e.lim.Window())
+	return w - mod(h.wallOf(now), w)
+}
+
+// mod returns a mod w in [0, w), for w > 0.
+func mod(a, w int64) int64 {
+	r := a % w
+	if r < 0 {
+		r += w
+	}
+	return r
+}
+
 // creditLife is how long a view's credit may be spent. When another daemon starts
 // using the key, Redis reserves what this daemon may still admit on credit until this
 // daemon syncs the key again, or for at most a minute (credit_life in
@@ -702,7 +724,7 @@ func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
 		if base > 0 {
 			return base
 		}
-		return w - now%w
+		return h.fixedLeft(e, now)
 	default:
 		// A sliding window empties when this window's count weighs less than one unit
 		// into the next (emptyAt). In the view's window, q is its count and the units
@@ -891,8 +913,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 				// limit's pace, 7 per 360 ms, one unit 5 ms before the turn and three
 				// after, a cost of 5 was told the next sync (82 ms) and refused again
 				// there, 271 ms before the window's end.
-				w := int64(lim.Window())
-				retry = max(retry, w-now%w)
+				retry = max(retry, h.fixedLeft(e, now))
 			}
 			retry = max(retry, e.retryNs()-age)
 		}
