@@ -137,6 +137,11 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	if it.relimit && *it.lim == *e.lim {
 		e.flags &^= flagRelimit // Redis has the key under this limit (else relimit set it again)
 	}
+	if it.vals[6]&4 != 0 {
+		e.flags |= flagCut
+	} else if it.relimit && *it.lim == *e.lim {
+		e.flags &^= flagCut // read at the key's rate, or read back at another (scripts/hybrid.lua)
+	}
 	v := it.vals
 	e.grant = uint32(min(max(0, v[0]), math.MaxUint32))
 	e.token = it.token
@@ -220,7 +225,8 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		// relimit says.)
 		e.lastDemand = uint16(min(it.demand, math.MaxUint16))
 	}
-	if relimited && (it.lim.Algorithm() != e.lim.Algorithm() || it.lim.Window() != e.lim.Window()) {
+	if relimited && (it.lim.Algorithm() != e.lim.Algorithm() || it.lim.Window() != e.lim.Window() ||
+		e.flags&flagCut != 0 && e.lim.Capacity() > it.lim.Capacity()) {
 		e.forgetView() // no view of it holds (relimit)
 	}
 	if e.flags&flagGone == 0 && (e.grant > 0 || e.needsSync()) {

@@ -100,6 +100,15 @@ type hentry struct {
 // key that is not hot, not refused until the next sync's share grant. Kept hot, a client
 // that had used its 10 of 10 per hour, the limit raised to 20, got 5 (its credit, a
 // 2N-th of the view) and was refused the other 5, as if the key were at its limit.
+//
+// A raise of a token bucket that Redis cut to a whole burst of the lower limit (flagCut)
+// drops the view (forgetView): the view says the cut state, and the units the cut left
+// out count again under the raised limit (read back at the key's next sync), so the
+// capacity's change is more room than the key has. Moved by it, a client that used 30 of
+// 30 per hour, then sent one check of a plan of 3 per hour, had 13 units of credit back
+// (⌊27 ÷ 2N⌋, one daemon) to spend before the next sync read the units (9 more admitted
+// with a sync every 10 checks: TestHybridPlanFlappingKeepsUnits). Dropped, the key's
+// next check is an exact sync, which reads them.
 func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 	old := e.lim
 	e.lim = lim
@@ -108,6 +117,11 @@ func (e *hentry) relimit(lim *localbucket.Limit, n float64) {
 		return
 	}
 	d := float64(lim.Capacity()) - float64(old.Capacity())
+	if d > 0 && e.flags&flagCut != 0 {
+		e.forgetView()
+		e.flags |= flagRelimit
+		return
+	}
 	v := e.view + d
 	if e.flags&flagShared == 0 && e.synced > 0 {
 		e.allowance -= math.Floor(max(0, e.view)/n) - math.Floor(max(0, v)/n)
@@ -364,6 +378,12 @@ const (
 	// whose next sync tells scripts/hybrid.lua so (modeRelimit): the one sync of this
 	// change that cuts a token bucket's state to a whole burst of the new limit.
 	flagRelimit
+	// flagCut: the key's token bucket holds units a cut to a whole burst left out
+	// (scripts/hybrid.lua's gu; the reply's flag 4), which the view, at this limit, does
+	// not count. Redis reads them back at the key's next sync at another rate; until then
+	// a raise of the limit moves the view by more room than the key has, and drops it
+	// instead (relimit). Cleared by a relimit sync that finds none.
+	flagCut
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

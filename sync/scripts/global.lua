@@ -61,14 +61,15 @@
 --     whole burst at its rate is cut to a whole burst (localbucket.Limit.Rescale) only
 --     if no cut was made at that emission within the last window: gce = the emission
 --     (ns) of the last cut, gct = when (Redis TIME, µs), gpe and gpt the same of the cut
---     before it at another emission, written with it (fields hybrid.lua has no use for).
+--     before it at another emission, written with it (hybrid.lua's cuts use them too).
 --     Else the units are kept, over the burst (the client refused): while
 --     a reload has reached some daemons and not others, checks alternate between the
 --     rates, and a cut at each forgave a burst each time. A cut keeps what it left out:
 --     gu = when the bucket would be full uncut (µs), counted at emission gue (ns), read
 --     by the next read at another rate (the later of t and gu) and then dropped, so a
 --     rate lowered and raised back (a request of another plan) reads the units used
---     before the cut. A key with no er (written before there was one) is read as it is.
+--     before the cut (hybrid.lua keeps and reads gu the same way). A key with no er
+--     (written before there was one) is read as it is.
 --   windows: t = start of the current window (µs, aligned to absolute time: now - now %
 --     window); n = count in it; p = count of the previous window (sliding only, 0 else).
 --   every written key: gx = when the TTL it was last given ends (Redis TIME, integer ms;

@@ -36,12 +36,13 @@
 -- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
 -- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
 -- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
--- also wrote, field gx, which a sync that sets the TTL drops); s:<daemon> = that
--- daemon's last sync of the key, "prev_token token grant used window written_s"
--- (written_s not when the sync made the key), written by a sync that changed the key's
--- count or a window's reservations (a sync that settles nothing and reserves nothing
--- leaves the last record: replaying it, or losing its reply, has nothing to count
--- twice); sn, w:* = the bookkeeping of pruning old records (prune_records).
+-- also wrote, field gx, which a sync that sets the TTL drops); a token bucket's cut
+-- fields, gce, gct, gpe, gpt, gu and gue, as global.lua's (see the cut below);
+-- s:<daemon> = that daemon's last sync of the key, "prev_token token grant used window
+-- written_s" (written_s not when the sync made the key), written by a sync that changed
+-- the key's count or a window's reservations (a sync that settles nothing and reserves
+-- nothing leaves the last record: replaying it, or losing its reply, has nothing to
+-- count twice); sn, w:* = the bookkeeping of pruning old records (prune_records).
 --
 -- Syncs are idempotent. Each carries the token of the daemon's last confirmed sync of
 -- the key (prev_token) and a fresh one (token). If the record shows the daemon's previous
@@ -80,7 +81,10 @@
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and flags: 1 if another daemon used the key within
 -- share_epochs (its daemons then admit on grants only, no credit), plus 2 if other
--- daemons hold units of a window reserved (they come back unless used).
+-- daemons hold units of a window reserved (they come back unless used), plus 4 if a
+-- token bucket holds units a cut left out (gu) that the answer at this rate does not
+-- count: reported by the syncs that read gu (a cut, a relimit), read back into t at the
+-- next read at another rate.
 -- The libraries as locals: one lookup each per call, not one per use.
 local math, string, struct, redis, tonumber = math, string, struct, redis, tonumber
 local id = ARGV[1]
@@ -132,6 +136,9 @@ local function num(x) return string.format('%.17g', x) end
 -- daemon may spend credit from one view (creditLife in sync/hybrid_take.go, 50 s), so
 -- the credit lapses on the daemon before its reservation lapses here.
 local credit_life = 60000000
+-- The most a token bucket's uncut units (gu, see the cut below) count for, µs: 2^62 ns,
+-- as global.lua and localbucket.Limit.Rescale keep them (about 146 years).
+local GU_MAX = 4611686018427387
 local me = string.format('%s %d', id, epoch) -- the last user, as this sync records it (%d: see the record)
 local now_ms = math.floor(now / 1000)
 local now_s = math.floor(now / 1000000)
@@ -394,6 +401,11 @@ for i = 1, nkeys do
     local avail, headroom, wstart
     local ern = nil -- a token bucket's emission interval, ns, as global.lua writes it
     local cutf = nil -- the fields of a cut to a whole burst, written with the rest
+    -- A token bucket read at another rate or cut (the rare paths): its cut fields (c),
+    -- read at another rate (atother), the gu the commit drops (gudrop) or writes (gukept).
+    -- gukept: the key's gu after this sync (µs), a cut's: the key holds units beyond its
+    -- state at this rate, which the daemon's view of it does not count (flag 4).
+    local c, atother, gudrop, gukept = nil, false, false, nil
     if alg == 0 then
       local T = window / requests
       local tau = burst * T
@@ -402,9 +414,28 @@ for i = 1, nkeys do
       -- a whole burst below (cut).
       ern = math.floor(window * 1000 / requests)
       local rescaled = false
-      if er and t0 and math.abs(er - ern) > 1 and t > now then
-        t = now + (t - now) * ern / er
-        rescaled = true
+      atother = er and t0 and math.abs(er - ern) > 1
+      if atother or relimit and t0 then
+        -- Read at another rate, or the daemon's first sync since its limit changed (the
+        -- rare paths): the cut fields too, and what the key's last cut left out (gu,
+        -- below): read back into t at another rate, else only reported (flag 4).
+        c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt', 'gu', 'gue')
+        local gu, gue = tonumber(c[5]), tonumber(c[6])
+        if atother then
+          if t > now then
+            t = now + (t - now) * ern / er
+            rescaled = true
+          end
+          if gu then
+            gudrop = true
+            if gue and gue > 0 and gu > now then
+              local tu = now + math.min(gu - now, GU_MAX) * ern / gue
+              if tu > t then t, rescaled = tu, true end
+            end
+          end
+        elseif gu and gue and gue > 0 and gu > now then
+          gukept = gu -- kept as it is: a cut's, at this rate
+        end
       end
       -- Units used beyond the grant were admitted (at the latest) age ago: a full bucket
       -- started refilling then, not now.
@@ -436,16 +467,31 @@ for i = 1, nkeys do
       -- its key between two limits at each request, each move a relimit, and a cut at
       -- each sync forgave the difference of the bursts every time (16 of 300 requests
       -- admitted in 3 s under plans of 2 and 1 per hour).
+      --
+      -- A cut keeps what it leaves out, as global.lua's does (same fields): gu, when
+      -- the bucket would be full uncut (µs), counted at emission gue (ns), read by the
+      -- next read at another rate (above: the later of t and gu, each at its own
+      -- emission) and then dropped. Without it, 30 used of 30 per hour, read at 3 per
+      -- hour (a check of a lower plan) and cut to 3, read back at 30 per hour as 3
+      -- used: 27 more admitted within the hour (TestHybridPlanFlappingKeepsUnits).
       if (relimit or (first and rescaled)) and t > now + tau then
-        local c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt')
+        if not c then c = redis.call('HMGET', key, 'gce', 'gct', 'gpe', 'gpt', 'gu', 'gue') end
         local ce, ct, pe, pt = tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])
         if not (ce == ern and ct and now - ct < tau or pe == ern and pt and now - pt < tau) then
+          local uncut = t
+          local gu, gue = tonumber(c[5]), tonumber(c[6])
+          if gukept then
+            -- A gu at this rate, kept by an earlier cut and not read back since
+            uncut = math.max(uncut, now + math.min(gu - now, GU_MAX) * ern / gue)
+          end
+          uncut = math.ceil(now + math.min(uncut - now, GU_MAX))
           t = now + tau
           if ce and ce ~= ern and ct then
-            cutf = {'gce', ern, 'gct', now, 'gpe', ce, 'gpt', ct}
+            cutf = {'gce', ern, 'gct', now, 'gpe', ce, 'gpt', ct, 'gu', uncut, 'gue', ern}
           else
-            cutf = {'gce', ern, 'gct', now}
+            cutf = {'gce', ern, 'gct', now, 'gu', uncut, 'gue', ern}
           end
+          gukept, gudrop = uncut, false
         end
       end
       avail = (now + tau - t) / T - res + tb_eps(T)
@@ -554,6 +600,7 @@ for i = 1, nkeys do
       reset = math.max(0, t - now)
       if left >= 1 then retry = 0 else retry = t - now - tau + T end
       ttl = reset
+      if gukept then ttl = math.max(ttl, gukept - now) end -- the key outlives its gu
     else
       n = n + reserve
       g = g + reserve
@@ -589,6 +636,10 @@ for i = 1, nkeys do
       elseif not er or math.abs(er - ern) > 1 then
         f[3] = 'er'; f[4] = ern
       end
+    elseif atother then
+      -- Read at another rate, t unchanged (a full bucket): now at this one, so that the
+      -- key's next syncs at this rate read no cut fields.
+      f[1] = 'er'; f[2] = ern
     end
     if g ~= g0 then
       f[#f + 1] = 'g'; f[#f + 1] = g
@@ -666,6 +717,7 @@ for i = 1, nkeys do
     -- A daemon leaving a key gone from Redis with nothing to count: not made again.
     if mode == 2 and not t0 and settle <= 0 then f, expire = {}, nil end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
+    if gudrop then redis.call('HDEL', key, 'gu', 'gue') end -- read back into t (atother)
     if kset == false and drop_o then
       redis.call('HDEL', key, 'k', 'o')
     elseif kset == false then
@@ -698,6 +750,9 @@ for i = 1, nkeys do
     -- over 3 daemons, at its 84th of 100 a minute, was told 39 s while its units were
     -- reserved, free again within half a second).
     if win and math.min(n, g - grant + res) >= 1 then flags = flags + 2 end
+    -- The key holds units a cut left out (gu): the view, at this rate, does not count
+    -- them, and a raise of the daemon's limit must not give them as room.
+    if gukept then flags = flags + 4 end
     out[r + 7] = flags
   end
 end
