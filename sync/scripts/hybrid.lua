@@ -636,10 +636,6 @@ for i = 1, nkeys do
       elseif not er or math.abs(er - ern) > 1 then
         f[3] = 'er'; f[4] = ern
       end
-    elseif atother then
-      -- Read at another rate, t unchanged (a full bucket): now at this one, so that the
-      -- key's next syncs at this rate read no cut fields.
-      f[1] = 'er'; f[2] = ern
     end
     if g ~= g0 then
       f[#f + 1] = 'g'; f[#f + 1] = g
