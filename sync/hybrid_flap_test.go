@@ -140,3 +140,55 @@ func flapDaemons(t *testing.T, rdb redis.UniversalClient, prefix string, n int) 
 	}
 	return hs
 }
+
+// A rolling upgrade: a key a new daemon cut (its gu at 3 per hour, 27 units left out of
+// 30 used) that a daemon with the previous hybrid.lua then read at 30 per hour, which
+// ignores gu: it rescaled t alone, 3 units, and admitted 12 more (as before: what it
+// forgives, it forgives), and left gu in the key. A new daemon reads the key at the
+// key's own rate as the previous script wrote it (5 more admitted), and at another rate
+// as the later of t and gu, each at its own rate: 27 used, never their sum (47), no unit
+// counted twice.
+func TestHybridCutUnitsBesidePreviousScript(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	partner := mustLimit(t, localbucket.TokenBucket, 30, time.Hour)
+	free := mustLimit(t, localbucket.TokenBucket, 3, time.Hour)
+	const key = "rl:hflap-mixed:{k}"
+	tm, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := tm.UnixMicro()
+	ep, ef := int64(2*time.Minute), int64(20*time.Minute)    // the emission intervals, ns
+	unit := int64(2 * time.Minute / time.Microsecond)        // a unit at 30 per hour, µs
+	if err := rdb.HSet(ctx, key, "t", now+15*unit, "er", ep, // 3 + 12 at 30 per hour
+		"gce", ef, "gct", now, "gu", now+27*10*unit, "gue", ef).Err(); err != nil { // 27 at 3 per hour
+		t.Fatal(err)
+	}
+	rdb.Expire(ctx, key, time.Hour)
+	c := flapDaemons(t, rdb, "rl:hflap-mixed-c:", 1)[0]
+	clock := time.Now().UnixNano()
+	more := 0
+	for range 5 { // fewer than the gu holds: read back, gu decides
+		clock += int64(time.Millisecond)
+		more += admitted(t, c, clock, key, partner, 1)
+	}
+	syncAll(t, clock, c)
+	syncAll(t, clock, c)
+	if more != 5 {
+		t.Fatalf("a new daemon at 30 per hour, 15 used by the key's t: %d of 5 more admitted", more)
+	}
+	// Another new daemon asks at 3 per hour: the key read at another rate.
+	if r := take(flapDaemons(t, rdb, "rl:hflap-mixed-d:", 1)[0], clock, key, free, 0); r.Allowed {
+		t.Fatalf("a question at 3 per hour: %+v, want refused", r)
+	}
+	r := take(flapDaemons(t, rdb, "rl:hflap-mixed-e:", 1)[0], clock, key, partner, 0)
+	want := time.Duration(max(15+more, 27)) * 2 * time.Minute
+	if got := time.Duration(r.Reset); got > want+time.Second || got < want-time.Minute {
+		t.Fatalf("read back at 30 per hour: reset %v, want %v (the later of %d used and the 27 cut; their sum %v)",
+			got, want, 15+more, time.Duration(15+more+27)*2*time.Minute)
+	}
+	if n, err := rdb.HExists(ctx, key, "gu").Result(); err != nil || n {
+		t.Fatalf("gu kept after a read at another rate (%v)", err)
+	}
+}
