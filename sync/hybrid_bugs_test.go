@@ -37,8 +37,8 @@ func TestHybridInlineLimitIsCopied(t *testing.T) {
 		t.Fatalf("key a (fixed window of 1h) expires in %v: it was synced with another request's limit", ttl)
 	}
 	start, err := rdb.HGet(ctx, "rl:inline:{a}", "t").Float64()
-	if err != nil || int64(start)%int64(time.Hour/time.Microsecond) != 0 {
-		t.Fatalf("key a's state t = %v (%v), want the start of an hour window", start, err)
+	if err != nil || int64(start)%int64(hourly.Window()/time.Microsecond) != 0 {
+		t.Fatalf("key a's state t = %v (%v), want the start of a %v window", start, err, hourly.Window())
 	}
 
 	done := make(chan error, 1)
