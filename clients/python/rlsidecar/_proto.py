@@ -196,6 +196,28 @@ def decision(msg):
                     banned=g("banned", False))
 
 
+def lease_ms(rules):
+    """How long, in ms, the lease of a check answer's ``rules`` (dicts as decoded, or
+    RuleDecisions) lasts at least: the longest window of its concurrency entries (a
+    concurrency rule's window is its lease). A rate rule's window says nothing of it:
+    before, it counted too, and a check that also matched a rule of 1 per day held its
+    connection open for a day when its release went unanswered (a restart, an outage),
+    where the lease itself ended in seconds. From a daemon that does not flag its
+    concurrency entries (an earlier version), the longest window of all."""
+    conc, every = 0, 0
+    for r in rules or ():
+        if isinstance(r, dict):
+            w, c = r.get("window_ms", 0), r.get("concurrency", False)
+        else:
+            w, c = r.window_ms, r.concurrency
+        if not isinstance(w, int):
+            continue
+        every = max(every, w)
+        if c is True:
+            conc = max(conc, w)
+    return conc if conc else every
+
+
 def lease_message(req_id, op, lease, lease_ms=None):
     """Return the request map of a release or renew (canonical field order)."""
     if not isinstance(lease, str):

@@ -347,8 +347,7 @@ class AsyncClient:
         expired if never released."""
         now = time.monotonic()
         rules = msg.get("rules")
-        w = max((r.get("window_ms", 0) for r in rules if isinstance(r, dict)), default=0) if isinstance(rules, list) else 0
-        until = now + (w if isinstance(w, int) else 0) / 1000
+        until = now + _proto.lease_ms([r for r in rules if isinstance(r, dict)] if isinstance(rules, list) else ()) / 1000
         if len(self._leases) >= max(self._lease_prune, 1024):
             for k, v in list(self._leases.items()):
                 if now > v[1]:

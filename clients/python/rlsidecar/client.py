@@ -234,7 +234,7 @@ class Client:
             else:
                 d = _proto.decision(msg)
                 if d.lease:
-                    hold = time.monotonic() + max((r.window_ms for r in d.rules), default=0) / 1000
+                    hold = time.monotonic() + _proto.lease_ms(d.rules) / 1000
                     with self._lock:
                         conn.leases += 1
                         conn.hold_until = max(conn.hold_until, hold)

@@ -206,6 +206,37 @@ def test_stall_keeps_leases_of_running_requests(make_daemon):
     run(main())
 
 
+def test_retired_connection_held_for_the_lease_not_a_rate_window(make_daemon):
+    """A connection retired for a stall while it holds a lease whose release went
+    unanswered is closed once that lease has expired: its lease is the concurrency
+    rule's window, not the longest window of the answer's rules. Before, a check that
+    also matched a rule of 1 per day kept the retired connection open for a day, for
+    each stall."""
+    daemon = make_daemon(RULES_ONE_SLOT.replace("lease: 30s", "lease: 3s")
+                         + "  - name: per-day\n    key: user\n    limit: { requests: 1000, per: 1d }\n")
+
+    async def main():
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=2) as c:
+            first = await c.check({"user": "ann"})
+            assert first.allowed and first.lease
+            c.timeout = 0.1
+            daemon.pause()
+            try:
+                start = time.monotonic()
+                while not c._retired and time.monotonic() - start < 5:
+                    assert (await c.check({"user": "bob"})).unreachable
+                    await asyncio.sleep(0)
+                assert len(c._retired) == 1, "the stalled connection holding a lease is retired"
+                assert await c.release(first.lease) is False  # unanswered: the daemon is stopped
+                start = time.monotonic()
+                while c._retired and time.monotonic() - start < 5:
+                    await asyncio.sleep(0.05)
+                assert not c._retired, "the retired connection was held past its lease, for the day rule's window"
+            finally:
+                daemon.resume()
+    run(main())
+
+
 def test_late_lease_does_not_keep_a_retired_connection(short_tmp):
     """A late answer's lease (its check timed out: _release_orphan) does not keep a retired
     connection open: no request runs under it, and closing frees it as the release does.

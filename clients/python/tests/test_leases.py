@@ -136,6 +136,44 @@ def test_connection_set_aside_returns_when_its_leases_expire(make_daemon):
         assert not c._holding and not c._lease_conn
 
 
+RULES_WITH_A_DAY = """
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 2, lease: 1s }
+  - name: per-day
+    key: user
+    limit: { requests: 1000, per: 1d }
+"""
+
+
+def test_connection_set_aside_is_held_for_the_lease_not_a_rate_window(make_daemon):
+    """A connection set aside for a lease whose release went unanswered (the daemon
+    restarted meanwhile) is used again once the lease has expired: its lease, the
+    concurrency rule's window, not the longest window of the answer's rules. Before, a
+    check that also matched a rule of 1 per day kept its connection open for a day:
+    every restart under load left one descriptor open a day for each request that
+    finished during it (40 threads, 3 restarts: 120 of them)."""
+    import time
+    d = make_daemon(RULES_WITH_A_DAY)
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1) as c:
+        held = c.check({"user": "ann"})
+        assert held.lease
+        assert len(c._holding) == 1
+        d.stop()
+        c.timeout = 0.1
+        assert c.release(held.lease) is False  # the daemon is away: unanswered
+        d.start()
+        c.timeout = 2
+        time.sleep(1.2)  # the lease has expired
+        time.sleep(max(0.0, c._next_unpark - time.monotonic()))
+        deadline = time.monotonic() + 5
+        while c._holding and time.monotonic() < deadline:
+            c.check({"user": "bob"}, cost=0)  # a check on a fresh connection (backoff past)
+            time.sleep(0.05)
+        assert not c._holding and not c._lease_conn, "held past its lease, for the day rule's window"
+
+
 def test_late_lease_freed_with_its_connection(make_daemon):
     # The blocking client closes a connection whose check timed out (a late answer must
     # not be read as the next one's): the daemon frees the lease the late check took.
