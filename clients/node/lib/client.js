@@ -598,9 +598,7 @@ class Client {
   // one never released is forgotten once it has expired.
   trackLease(conn, lease, rules) {
     const now = monoNow();
-    let w = 0;
-    if (Array.isArray(rules)) for (const r of rules) if (r && Number(r.window_ms) > w) w = Number(r.window_ms);
-    const until = now + w;
+    const until = now + leaseMs(rules);
     if (this.leases.size >= Math.max(this.leasePrune, 1024)) {
       for (const [k, v] of this.leases) {
         if (now > v.until) {
@@ -850,6 +848,27 @@ class Client {
     }
     conn.send(entry, frame);
   }
+}
+
+// leaseMs is how long, in ms, the lease of a check answer's rules lasts at least: the
+// longest window of its concurrency entries (a concurrency rule's window is its lease). A
+// rate rule's window says nothing of it: before, it counted too, and a connection retired
+// for a stall while it held a lease whose release went unanswered stayed open for a day
+// when the check also matched a rule of 1 per day, where the lease ended in seconds. From
+// a daemon that does not flag its concurrency entries (an earlier version), the longest
+// window of all.
+function leaseMs(rules) {
+  let conc = 0;
+  let every = 0;
+  if (Array.isArray(rules)) {
+    for (const r of rules) {
+      const w = r ? Number(r.window_ms) : 0;
+      if (!(w > 0)) continue;
+      if (w > every) every = w;
+      if (r.concurrency === true && w > conc) conc = w;
+    }
+  }
+  return conc > 0 ? conc : every;
 }
 
 // tooLarge is the decision of a check too large to check: rejected, whatever onUnavailable.

@@ -398,6 +398,40 @@ rules:
   assert.equal(await c.release(third.lease), true);
 });
 
+// A connection retired for a stall while it holds a lease whose release went unanswered
+// is closed once that lease has expired: its lease is the concurrency rule's window, not
+// the longest window of the answer's rules. Before, a check that also matched a rule of 1
+// per day kept the retired connection open for a day, for each stall.
+test('a retired connection is held for its lease, not a rate rule\'s window', async (t) => {
+  const d = await startDaemon(t, `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 1, lease: 3s }
+  - name: per-day
+    key: user
+    limit: { requests: 1000, per: 1d }
+`);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 2000, conns: 1, logger: null });
+  t.after(() => c.close());
+  const a = await c.check({ user: 'ann' });
+  assert.ok(a.allowed && a.lease);
+  c.timeoutMs = 20;
+  await d.pause();
+  try {
+    let start = Date.now();
+    while (c.retired.size === 0 && Date.now() - start < 5000) assert.ok((await c.check({ user: 'bob' })).unreachable);
+    assert.equal(c.retired.size, 1, 'the stalled connection holding a lease is retired');
+    c.timeoutMs = 100;
+    assert.equal(await c.release(a.lease), false); // unanswered: the daemon is stopped
+    start = Date.now();
+    while (c.retired.size > 0 && Date.now() - start < 5000) await new Promise((r) => setTimeout(r, 50));
+    assert.equal(c.retired.size, 0, 'the retired connection was held past its lease, for the day rule\'s window');
+  } finally {
+    d.resume();
+  }
+});
+
 // A late answer's lease (its check timed out: releaseOrphan) does not keep a retired
 // connection open: no request runs under it, and closing frees it as the release does.
 // Before, it was tracked until its release was answered, and a retired connection that
