@@ -780,11 +780,7 @@ func (cn *conn) readLoop() {
 		}
 		if lease := r.Lease; lease != "" && !r.IsError() {
 			// Tracked before the caller can release it (leaseconn.go).
-			w := time.Duration(0)
-			for i := range r.Rules {
-				w = max(w, ms(r.Rules[i].WindowMs))
-			}
-			cn.s.c.trackLease(cn, lease, w)
+			cn.s.c.trackLease(cn, lease, leaseWindow(r.Rules))
 		}
 		if lease := cl.complete(nil); lease != "" {
 			cn.s.c.releaseOrphan(lease)

@@ -30,6 +30,28 @@ type leaseEntry struct {
 // errLeasesDone closes a retired connection whose leases were released or expired.
 var errLeasesDone = errors.New("rlclient: a connection given up for a stall closed once its leases ended")
 
+// leaseWindow returns how long the lease of a check answer with these rules lasts at
+// least: the longest window of its concurrency entries (a concurrency rule's window is
+// its lease). A rate rule's window says nothing of it: before, it counted too, and a
+// connection retired for a stall while it held a lease whose release went unanswered
+// stayed open for a day when the check also matched a rule of 1 per day, where the lease
+// ended in seconds. From a daemon that does not flag its concurrency entries (an earlier
+// version), the longest window of all.
+func leaseWindow(rules []proto.RuleResult) time.Duration {
+	var conc, every uint64
+	for i := range rules {
+		w := rules[i].WindowMs
+		every = max(every, w)
+		if rules[i].Concurrency {
+			conc = max(conc, w)
+		}
+	}
+	if conc == 0 {
+		conc = every
+	}
+	return ms(conc)
+}
+
 // trackLease notes that lease was taken on cn and lasts window (at least) from now.
 func (c *Client) trackLease(cn *conn, lease string, window time.Duration) {
 	now := time.Now()

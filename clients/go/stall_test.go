@@ -135,6 +135,58 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
 }
 
+// A connection retired for a stall while it holds a lease whose release goes unanswered
+// is closed once that lease has expired: its lease is the concurrency rule's window, not
+// the longest window of the answer's rules. Before, a check that also matched a rule of 1
+// per day kept the retired connection open for a day, for each stall.
+func TestRetiredConnectionHeldForTheLeaseNotARateWindow(t *testing.T) {
+	path := socketPath(t)
+	var frozen atomic.Bool
+	thaw := make(chan struct{})
+	defer close(thaw)
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if frozen.Load() {
+			<-thaw
+		}
+		echoUser(req, resp)
+		if attr(req, "user") == "leased" {
+			resp.Lease = "t.1"
+			resp.Rules = []proto.RuleResult{
+				{Name: "exports", Limit: 1, WindowMs: 3000, Allowed: true, Concurrency: true},
+				{Name: "per-day", Limit: 1000, WindowMs: 86_400_000, Remaining: 999, Allowed: true},
+			}
+		}
+	})
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
+	if d.Lease != "t.1" {
+		t.Fatalf("no lease: %+v", d)
+	}
+	frozen.Store(true)
+	retired := func() int {
+		c.leaseMu.Lock()
+		defer c.leaseMu.Unlock()
+		return len(c.retired)
+	}
+	start := time.Now()
+	for retired() == 0 {
+		c.Check(ctx, map[string]string{"user": "x"}, nil)
+		if time.Since(start) > 3*c.stallFor() {
+			t.Fatal("the client never retired the stalled connection holding a lease")
+		}
+	}
+	if ok, _ := d.Release(ctx); ok {
+		t.Fatal("the frozen sidecar answered the release")
+	}
+	eventually(t, "the retired connection to close once its lease has expired (not the day rule's window)",
+		func() bool { return retired() == 0 })
+}
+
 // A sidecar that stops reading while many checks are sent fills the socket's buffer, and
 // a write times out: that connection too is retired, not closed, while it holds leases.
 // Before, the write timeout closed it: 200 goroutines checking through a 1.5 s SIGSTOP of
