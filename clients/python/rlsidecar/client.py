@@ -109,9 +109,10 @@ class Client:
     ``decision.lease``; release() it when the request ends (idempotent), renew() it for a
     long one. The sidecar frees a lease when the connection that took it closes, so a
     connection holding leases is set aside, open and unused, until they are released
-    (or expire: a lease never released is not held past its expiry): a check on it
-    that timed out would close it, and free the slots of requests still running.
-    close() frees them all.
+    (a release the sidecar does not answer closes it, which frees them) or expire (a
+    lease never released is not held past its expiry): a check on it that timed out
+    would close it, and free the slots of requests still running. close() frees them
+    all.
 
     Too large: a request whose frame body is over ``max_frame`` bytes (default 65,536,
     the daemon's default --max-frame) is not sent; check() raises RequestTooLargeError,
@@ -261,26 +262,41 @@ class Client:
     def release(self, lease):
         """Free the slots ``lease`` holds; True when it did, False when the lease was
         unknown, expired or already released, and when the sidecar is unreachable or
-        gives no answer within the timeout or the client is closed (the lease then
-        expires, or is freed when its connection closes): call it in a finally, it
-        raises only ProtocolError, on an error answer (a malformed release)."""
+        gives no answer within the timeout or the client is closed (the connection that
+        took the lease is then closed, once it holds no other, which frees it; else it
+        expires): call it in a finally, it raises only ProtocolError, on an error answer
+        (a malformed release)."""
         if not lease:
             return False
         try:
             msg = self._call("release", lease, None)
         except (OSError, ClosedError):
-            return False
-        with self._lock:
-            conn = self._lease_conn.pop(lease, None)
+            # No answer: the connection that took the lease, set aside for it, is closed
+            # once it holds no other, and the sidecar frees the lease with it (at once, or
+            # when a stalled sidecar runs again). Before, it was kept open until the lease
+            # expired (up to an hour): a sidecar restarted under load left one descriptor
+            # open, on a dead connection, per leased request that ended meanwhile.
+            conn = self._forget_lease(lease)
             if conn is not None:
-                conn.leases -= 1
-                if conn.leases > 0 or conn not in self._holding:
-                    conn = None
-                else:
-                    self._holding.discard(conn)
+                conn.sock.close()
+            return False
+        conn = self._forget_lease(lease)
         if conn is not None:
             self._put(conn)  # it holds no lease any more: usable again
         return bool(msg.get("released", False))
+
+    def _forget_lease(self, lease):
+        """Forget lease (released, or its release unanswered); return the connection set
+        aside for it when it holds no other lease now, taken out of the set-aside ones."""
+        with self._lock:
+            conn = self._lease_conn.pop(lease, None)
+            if conn is None:
+                return None
+            conn.leases -= 1
+            if conn.leases > 0 or conn not in self._holding:
+                return None
+            self._holding.discard(conn)
+            return conn
 
     def renew(self, lease, lease_ms=None):
         """Extend a live lease to ``lease_ms`` from now (None: each rule's own lease; at

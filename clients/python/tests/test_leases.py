@@ -136,6 +136,32 @@ def test_connection_set_aside_returns_when_its_leases_expire(make_daemon):
         assert not c._holding and not c._lease_conn
 
 
+def test_unanswered_release_closes_the_set_aside_connection(make_daemon):
+    """A release the sidecar does not answer (restarting, or stalled past the timeout)
+    closes the connection set aside for the lease, once it holds no other: the sidecar
+    frees a lease when its connection closes, so closing it is the release. Before, the
+    connection was kept open until the lease expired (30 s here, up to an hour): a
+    sidecar restarted under load left one descriptor open per request that ended while
+    it was away. The slot is free afterwards either way."""
+    import time
+    d = make_daemon(RULES.replace("max: 2", "max: 1"))
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1) as c:
+        held = c.check({"user": "ann"})
+        assert held.allowed and held.lease
+        (conn,) = c._holding
+        d.stop()  # killed: the release finds no sidecar
+        c.timeout = 0.1
+        assert c.release(held.lease) is False
+        assert not c._holding and not c._lease_conn, "the connection set aside is kept for the whole lease"
+        assert conn.sock.fileno() == -1, "its descriptor is still open"
+        d.start()
+        c.timeout = 2
+        deadline = time.monotonic() + 5
+        while c.check({"user": "ann"}, cost=0).rules[0].remaining == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the ended request's slot still held"
+
+
 RULES_WITH_A_DAY = """
 rules:
   - name: exports
