@@ -21,6 +21,13 @@ _POLICIES = ("open", "closed")
 BATCH_WINDOW = 256
 
 
+def _lost(why, ids, answered):
+    """What _exchange returns when it gives up (why): why, or, when the first requests
+    were answered before a drain's farewell, (None, their ids, their answers, their
+    count, why)."""
+    return (None, ids, answered, len(answered), why) if answered else why
+
+
 def _check_options(socket_path, timeout, on_unavailable, max_frame):
     if not socket_path or not isinstance(socket_path, str):
         raise ValueError("socket_path must be a non-empty str")
@@ -58,11 +65,14 @@ if hasattr(os, "register_at_fork"):
 
 class _NotRead(Exception):
     """The daemon closed a pooled connection without reading the request sent on it;
-    farewell: it said so itself (the drain's error shutting_down, id 0)."""
+    farewell: it said so itself (the drain's error shutting_down, id 0). answered: the
+    answers that came before the farewell (a batch), to the first of the requests; the
+    others were not read."""
 
-    def __init__(self, why, farewell=False):
+    def __init__(self, why, farewell=False, answered=()):
         super().__init__(why)
         self.farewell = farewell
+        self.answered = answered
 
 
 class _Conn:
@@ -206,19 +216,22 @@ class Client:
         got = self._exchange(bodies, time.monotonic() + self.timeout)
         if isinstance(got, str):
             return self._unreachable(got, len(checks))
-        conn, first, msgs = got
+        conn, ids, msgs, own = got[:4]
+        lost = got[4] if len(got) > 4 else None  # why the requests after msgs have no answer
         out = []
         err = None
-        keep = True
+        keep = conn is not None
         for i, msg in enumerate(msgs):
             mid = msg.get("id")
             e = _proto.error_of(msg)
-            if mid != first + i and not (e is not None and mid == 0):
-                conn.sock.close()
-                return self._unreachable("answer id %r where %d was due" % (mid, first + i), len(checks))
+            if mid != ids[i] and not (e is not None and mid == 0):
+                if conn is not None:
+                    conn.sock.close()
+                return self._unreachable("answer id %r where %d was due" % (mid, ids[i]), len(checks))
             if e is not None:
                 if e[0] in ("too_many_connections", "shutting_down"):
-                    conn.sock.close()
+                    if conn is not None:
+                        conn.sock.close()
                     return self._unreachable("the sidecar closed the connection: %s" % e[0], len(checks))
                 if e[0] == "frame_too_large":
                     keep = False  # the sidecar closes the connection after this answer
@@ -234,18 +247,20 @@ class Client:
                 out.append(pe.decision)
             else:
                 d = _proto.decision(msg)
-                if d.lease:
+                if d.lease and i >= own:  # (before own: taken on a connection its drain closed, which freed it)
                     hold = time.monotonic() + _proto.lease_ms(d.rules) / 1000
                     with self._lock:
                         conn.leases += 1
                         conn.hold_until = max(conn.hold_until, hold)
                         self._lease_conn[d.lease] = conn
                 out.append(d)
-        if self._outage.failing:
+        if lost is not None:
+            out.extend(self._unreachable(lost, len(checks) - len(msgs)))
+        elif self._outage.failing:
             self._outage.answered()
         if keep:
             self._put(conn)
-        else:
+        elif conn is not None:
             conn.sock.close()
         if err is not None:
             # The caller gets the error, not the decisions: the leases the batch's allowed
@@ -335,7 +350,7 @@ class Client:
         got = self._exchange([body], time.monotonic() + self.timeout)
         if isinstance(got, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
-        conn, first, (msg,) = got
+        conn, (first,), (msg,), _ = got
         if msg.get("id") != first and _proto.error_of(msg) is None:
             conn.sock.close()
             raise ConnectionError("rlsidecar: answer id %r where %d was due" % (msg.get("id"), first))
@@ -344,9 +359,11 @@ class Client:
 
     def _exchange(self, bodies, deadline):
         """Send the requests (bodies from _proto.body, numbered here, in order, on the
-        connection they go out on) pipelined on one connection and read their answers. Returns (conn, the first
-        id, the answer maps), conn not yet back in the pool; or a str saying why there is no
-        answer (the connection is then closed).
+        connection they go out on) pipelined on one connection and read their answers. Returns (conn,
+        the ids they were sent with, the answer maps, the index of the first answered on
+        conn), conn not yet back in the pool; or a str saying why there is no answer (the
+        connection is then closed), or, when requests were answered before a farewell and
+        the rest got none, (None, their ids, their answers, their count, why).
 
         A pooled connection may be one the daemon has closed since its last answer (a
         restart, --idle-timeout). Sent on such a connection, a request is sent again, once,
@@ -360,6 +377,9 @@ class Client:
 
         - the daemon's first word is the drain's farewell (an error shutting_down with id
           0, after its last answer on the connection): nothing after that answer was read.
+          In a batch, the farewell may come after the answers to its first requests (a
+          window of BATCH_WINDOW sent after the drain began): those answers stand, and
+          only the requests after them are sent again.
 
         Never after end-of-file with no answer: on a Unix socket that means the daemon took
         every byte sent (a daemon closing with bytes unread resets the connection instead),
@@ -370,9 +390,10 @@ class Client:
         conn, pooled = self._take(deadline)
         resent = False
         fresh_farewells = 0
+        ids, answered = [], []  # of the requests answered before a farewell, on other connections
         while True:
             if isinstance(conn, str):
-                return conn
+                return _lost(conn, ids, answered)
             first = conn.next_id + 1
             frames = []
             for b in bodies:
@@ -389,16 +410,24 @@ class Client:
             except _NotRead as e:
                 conn.sock.close()
                 farewell = e.farewell
+                if e.answered:
+                    # The first requests were answered before the farewell: kept, and only
+                    # the rest sent again. Before, the whole batch got the policy, the
+                    # answers the daemon had given (its refusals too) thrown away.
+                    n = len(e.answered)
+                    ids.extend(range(first, first + n))
+                    answered.extend(e.answered)
+                    bodies = bodies[n:]
                 if resent and not farewell:
-                    return "connection lost: %s" % e
-                if farewell and not pooled:
+                    return _lost("connection lost: %s" % e, ids, answered)
+                if farewell and not pooled and not e.answered:
                     # A farewell on a new connection, before any answer: the sidecar may say
                     # it to every connection (a drain whose successor is not up, a stand-in).
                     # Sent again after it at most pool_size times, each after a pause: before,
                     # a check redialed in a loop for its whole timeout (12,000 a second).
                     fresh_farewells += 1
                     if fresh_farewells > self.pool_size or time.monotonic() + 0.01 >= deadline:
-                        return "connection lost: %s" % e
+                        return _lost("connection lost: %s" % e, ids, answered)
                     time.sleep(0.01)
                 # not read by the sidecar: sent again, once, within the deadline; as often as
                 # a drain's farewell says so (a resend may meet another draining connection)
@@ -408,19 +437,19 @@ class Client:
             except (OSError, ValueError) as e:
                 conn.sock.close()
                 if isinstance(e, socket.timeout):
-                    return "no answer within the timeout"
+                    return _lost("no answer within the timeout", ids, answered)
                 why = "connection lost: %s" % e
                 if not conn.served:
                     # A sidecar that accepts and then drops is not hammered either: back off.
                     self._failed(why)
-                return why
+                return _lost(why, ids, answered)
             except BaseException:  # interrupted: the connection is out of step
                 conn.sock.close()
                 raise
             conn.served = True
             with self._lock:
                 self._failures = 0
-            return conn, first, msgs
+            return conn, ids + list(range(first, first + len(msgs))), answered + msgs, len(answered)
 
     def _send_read(self, conn, frames, deadline, pooled):
         """Write frames on conn and read as many answers; raises _NotRead (see _exchange)
@@ -454,12 +483,12 @@ class Client:
                 conn.sock.sendall(data)
             for _ in window:
                 msg = self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1)
-                e = _proto.error_of(msg) if not msgs and msg.get("id") == 0 else None
+                e = _proto.error_of(msg) if msg.get("id") == 0 else None
                 if e is not None and e[0] == "shutting_down":
-                    # A drain's last word before any answer (or a connection it accepted
-                    # and does not serve): none of these frames was read, so none decided:
-                    # they are sent again on a new connection (to the successor).
-                    raise _NotRead("the sidecar closed the connection: shutting_down", farewell=True)
+                    # A drain's last word (or a connection it accepted and does not serve):
+                    # no frame after the answers before it was read, so none decided: they
+                    # are sent again on a new connection (to the successor).
+                    raise _NotRead("the sidecar closed the connection: shutting_down", farewell=True, answered=msgs)
                 msgs.append(msg)
         return msgs
 

@@ -103,6 +103,62 @@ def test_check_on_a_connection_the_drain_said_farewell_on_is_sent_again(tmp_path
         t.join()
 
 
+def test_batch_answered_in_part_before_the_farewell_keeps_those_answers(tmp_path):
+    """check_many sends a batch in windows of BATCH_WINDOW, each after the answers to the
+    one before. A drain that begins between two windows answers the first, then says
+    farewell: the first window's answers are the sidecar's decisions, and only the
+    requests after them, not read, are sent again (to the successor). Before, the whole
+    batch got the policy: under "open" the sidecar's refusals of the first window were
+    let through, under "closed" its admissions refused, and the rest never sent again."""
+    from rlsidecar import client as client_mod
+
+    path = os.path.join(str(tmp_path), "s.sock")
+    stop = threading.Event()
+    decided = []
+    window = client_mod.BATCH_WINDOW
+    # The first connection answers the first window, then says farewell; later ones
+    # answer everything.
+    t = drain_stand_in(path, stop, lambda conn, read: FAREWELL if conn == 0 and read == window else ANSWER,
+                       decided=decided)
+    try:
+        c = rlsidecar.Client(path, timeout=5.0, on_unavailable="closed", pool_size=1)
+        n = window + 44
+        ds = c.check_many([({"user": "u%d" % i}, 1, None) for i in range(n)])
+        assert [d.cause for d in ds if d.unreachable] == [], "decided by the policy"
+        assert [d.rule for d in ds] == ["u%d" % i for i in range(n)]
+        assert decided == ["u%d" % i for i in range(n)], "a request decided twice, or not at all"
+        c.close()
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_batch_answered_in_part_keeps_those_answers_when_the_rest_gets_none(tmp_path):
+    """As above, with no successor to take the rest (every new connection is said
+    farewell): the first window keeps the sidecar's answers, and only the requests
+    after them get the policy."""
+    from rlsidecar import client as client_mod
+
+    path = os.path.join(str(tmp_path), "s.sock")
+    stop = threading.Event()
+    decided = []
+    window = client_mod.BATCH_WINDOW
+    t = drain_stand_in(path, stop, lambda conn, read: FAREWELL if conn > 0 or read == window else ANSWER,
+                       decided=decided)
+    try:
+        c = rlsidecar.Client(path, timeout=2.0, on_unavailable="closed", pool_size=1)
+        n = window + 44
+        ds = c.check_many([({"user": "u%d" % i}, 1, None) for i in range(n)])
+        assert [d.rule for d in ds[:window]] == ["u%d" % i for i in range(window)]
+        assert not any(d.unreachable for d in ds[:window]), "the answers before the farewell thrown away"
+        assert all(d.unreachable and not d.allowed for d in ds[window:])
+        assert decided == ["u%d" % i for i in range(window)]
+        c.close()
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_aio_checks_pending_at_the_farewell_are_sent_again(tmp_path):
     import asyncio
 
