@@ -183,9 +183,19 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
   for _, lease in ipairs(releases or {}) do
     local rframe = codec.encode_request({ id = next_id(), op = "release", lease = lease })
     if rframe then
-      local _, rerr = exchange(rframe) -- released or not
-      if rerr then
+      local rbody, rerr = exchange(rframe) -- released or not
+      if not rbody then
         return nil, rerr
+      end
+      local r = codec.decode_body(rbody)
+      if type(r) == "table" and r.id == 0 and type(r.error) == "table" then
+        -- An error about the connection, not the release: the drain's farewell (a
+        -- connection a draining daemon accepted: nothing more is read on it), or
+        -- too_many_connections. It is the check's answer: check() sends it again after
+        -- the farewell. Before, the check was sent on after it, unread, and met the
+        -- close: the policy decided (a 503 under closed) instead of the successor.
+        sock:close()
+        return r
       end
     end
   end

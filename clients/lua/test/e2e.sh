@@ -1078,6 +1078,15 @@ for i in $(seq 6); do
 done
 expect "stand-in: haproxy /login checks answered by a drain's farewell: sent once more, decided" "$codes" "200 200 200 200 200 200 "
 expect "stand-in: haproxy met the farewell 6 times (the case was exercised)" "$(grep -c '^farewell farewell-alt' "$tmp/held-events" || true)" 6
+# The next request on a keep-alive connection first releases the leases of the one before,
+# on its check's connection; a draining daemon that accepted that connection answers its
+# first frame, the release, with the farewell and reads no more. The check is sent once
+# more (to the successor), and decided; before, it was sent on after the farewell, unread,
+# and /login (closed) answered 503.
+codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -X POST -H 'X-User: farewell-release' -o /dev/null \
+  "http://127.0.0.1:$held_hap_port/login" -o /dev/null "http://127.0.0.1:$held_hap_port/login" | tr -s ' \n' ' ')
+expect "stand-in: haproxy, a check whose release met a drain's farewell: sent once more, decided (status, connects)" "$codes" "200 1 200 0 "
+expect "stand-in: haproxy, the release met the farewell (the case was exercised)" "$(grep -c '^farewell-release ' "$tmp/held-events" || true)" 1
 # A transaction checked by two lua.rlsidecar lines (/twice/; the stand-in leases every
 # check, so each line takes a lease): the next request on the keep-alive connection
 # releases both before its own checks. The second line's lease was not noted for

@@ -26,6 +26,13 @@ Every other check whose user is "farewell-alt" (the 1st, 3rd, ...) is answered w
 farewell at once, as a draining daemon answers a connection it accepted during the drain:
 a gateway that connects per check (HAProxy) meets it on its first connection.
 
+A check whose user is "farewell-release" is leased as any other, and the first release of
+its lease is answered with the farewell at once, as a draining daemon answers a
+connection it accepted during the drain (HAProxy sends the releases of a keep-alive
+connection's previous transaction first, on the next check's connection):
+
+    farewell-release LEASE T    the release of LEASE came on a connection the farewell ended
+
 Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
 """
 
@@ -45,6 +52,7 @@ start = time.monotonic()
 leases = itertools.count(1)
 alt = itertools.count(1)
 quick = set()  # leases whose release is answered at once (their checks' paths start with /twice/)
+farewell_release = set()  # leases whose first release gets the farewell (farewell-release's)
 log_lock = threading.Lock()
 
 
@@ -91,6 +99,13 @@ def serve(c):
                 c.sendall(struct.pack(">I", len(out)) + out)
                 c.shutdown(socket.SHUT_WR)
                 return
+            if op == "release" and req.get("lease") in farewell_release:
+                farewell_release.discard(req.get("lease"))
+                log("farewell-release %s %d" % (req.get("lease"), now_ms()))
+                out = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "draining"}})
+                c.sendall(struct.pack(">I", len(out)) + out)
+                c.shutdown(socket.SHUT_WR)
+                return
             if op == "check" and user == "farewell-alt" and next(alt) % 2 == 1:
                 log("farewell %s %d" % (user, now_ms()))
                 out = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "draining"}})
@@ -111,6 +126,9 @@ def serve(c):
                 if path.startswith("/held/"):
                     ans["delay_ms"] = HELD_DELAY_MS
                 if path.startswith("/twice/"):
+                    quick.add(lease)
+                if user == "farewell-release":
+                    farewell_release.add(lease)
                     quick.add(lease)
             elif op == "release":
                 t_in = now_ms()
