@@ -351,9 +351,19 @@ class Client:
         if isinstance(got, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
         conn, (first,), (msg,), _ = got
-        if msg.get("id") != first and _proto.error_of(msg) is None:
+        if msg.get("id") != first:
+            # An error of id 0 is about the connection, which the sidecar closes after it:
+            # not pooled again. too_many_connections is an unreachable sidecar (release()
+            # returns False, renew() and ping() raise OSError, as documented); before, it
+            # was raised as a ProtocolError, from a release called in a finally too, and
+            # the closed connection went back to the pool.
             conn.sock.close()
-            raise ConnectionError("rlsidecar: answer id %r where %d was due" % (msg.get("id"), first))
+            e = _proto.error_of(msg)
+            if e is None:
+                raise ConnectionError("rlsidecar: answer id %r where %d was due" % (msg.get("id"), first))
+            if e[0] == "too_many_connections":
+                raise ConnectionError("rlsidecar: sidecar unreachable: the sidecar closed the connection: %s" % e[0])
+            return msg
         self._put(conn)
         return msg
 

@@ -162,6 +162,25 @@ def test_unanswered_release_closes_the_set_aside_connection(make_daemon):
         assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the ended request's slot still held"
 
 
+def test_release_refused_too_many_connections_returns_false(make_daemon):
+    """A release the daemon answers too_many_connections (it is at --max-conns, the
+    connection closed unread) is a sidecar that gives no answer: release() returns False,
+    as documented, and renew() and ping() raise OSError. Before, each raised a
+    ProtocolError, from a release called in a finally too (a request that succeeded
+    turned into an error), and the connection the daemon had closed went back to the
+    pool."""
+    d = make_daemon(RULES, args=["--max-conns", "1"])
+    with rlsidecar.Client(d.socket, timeout=2, pool_size=1) as c:
+        held = c.check({"user": "ann"})  # its connection, set aside for the lease, is the one allowed
+        assert held.allowed and held.lease
+        with pytest.raises(OSError):
+            c.renew(held.lease)
+        with pytest.raises(OSError):
+            c.ping()
+        assert not c._idle, "a connection the daemon closed went back to the pool"
+        assert c.release(held.lease) is False
+
+
 RULES_WITH_A_DAY = """
 rules:
   - name: exports
