@@ -1121,6 +1121,14 @@ for gw in "nginx $nginx_port" "haproxy $hap_port"; do
   request POST "http://127.0.0.1:$2/log%69n"
   expect "$1 closed policy, /log%69n: status" "$status" 503
 done
+# nginx logs each connect() that fails itself (the socket file gone: crit), whatever
+# lua_socket_log_errors says: the client backs off its connects (10 ms doubling to 1 s),
+# so a burst of 100 requests with the daemon away costs a few such lines, not 100.
+before=$(grep -c "connect() to unix:$sock failed" "$tmp/nginx.log" || true)
+codes=$(curl -s -w '%{http_code} ' $(for i in $(seq 100); do printf -- '-o /dev/null http://127.0.0.1:%s/api/items ' "$nginx_port"; done) | tr -s ' ' '\n' | sort | uniq -c | tr -s ' \n' ' ')
+expect "nginx, the daemon away, 100 requests: all by the open policy" "$codes" " 100 200 "
+after=$(grep -c "connect() to unix:$sock failed" "$tmp/nginx.log" || true)
+expect "nginx, the daemon away, 100 requests: nginx's own connect() lines at most 20 ($((after - before)))" "$((after - before <= 20))" 1
 # /misconf/'s line misspells its POLICY (clsoed): it decides as closed, the daemon away.
 request GET "http://127.0.0.1:$hap_port/misconf/x" hap-misconf-away
 expect "haproxy misspelled POLICY, the daemon away: status (decided as closed)" "$status" 503
