@@ -246,7 +246,7 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 			if d.Lease != "" {
 				stop := func() {}
 				if !o.NoLeaseRenewal {
-					stop = keepLease(c, d.Lease, firstRenewal(&d))
+					stop = keepLease(c, d.Lease, firstRenewal(&d), leaseLife(&d))
 				}
 				defer func() {
 					stop()
@@ -297,18 +297,39 @@ func firstRenewal(d *Decision) time.Duration {
 	return max(w/2, minRenewal)
 }
 
+// leaseLife is how long d's lease lasts unless renewed: the shortest window of its
+// concurrency entries (a concurrency rule's window is its lease; a renewal of a lease one
+// of whose slots ran out answers renewed: false). 0 when d flags none (an earlier daemon).
+func leaseLife(d *Decision) time.Duration {
+	w := time.Duration(0)
+	for i := range d.Rules {
+		if rw := d.Rules[i].Window; d.Rules[i].Concurrency && rw > 0 && (w == 0 || rw < w) {
+			w = rw
+		}
+	}
+	return w
+}
+
 // keepLease renews lease with c, first after first, then at half of what each renewal
 // answers is left of it, until the returned stop is called; stop ends the renewing and
 // waits for a renewal under way (at most c's timeout), so that the caller's release
 // follows every renewal. It stops by itself when a renewal answers that the lease is
 // gone (expired, released, unknown), and when the sidecar does not answer until the
-// lease's last known expiry (retrying meanwhile at half of what is left of it).
-func keepLease(c *Client, lease string, first time.Duration) (stop func()) {
+// lease's last known expiry (retrying meanwhile at half of what is left of it). life is
+// the lease's duration (leaseLife), its expiry until a renewal answers; 0: 2 × first.
+// Before, that first expiry was always 2 × first, the shortest window of all the rules: a
+// rate rule of 10 per second beside a lease of a minute made it one second, and a sidecar
+// that did not answer the renewals of that second (stalled, restarting) ended them for
+// good, the lease left to expire under a request still running.
+func keepLease(c *Client, lease string, first, life time.Duration) (stop func()) {
+	if life <= 0 {
+		life = 2 * first
+	}
 	quit := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		expires := time.Now().Add(2 * first)
+		expires := time.Now().Add(life)
 		t := time.NewTimer(first)
 		defer t.Stop()
 		for {

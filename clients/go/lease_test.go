@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -166,7 +167,7 @@ func TestKeepLease(t *testing.T) {
 		return renews[lease]
 	}
 
-	stop := keepLease(c, "live", 10*time.Millisecond)
+	stop := keepLease(c, "live", 10*time.Millisecond, 0)
 	deadline := time.Now().Add(10 * time.Second)
 	for count("live") < 5 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
@@ -181,7 +182,7 @@ func TestKeepLease(t *testing.T) {
 		t.Fatalf("renewals after stop: %d, then %d", n, got)
 	}
 
-	stop = keepLease(c, "gone", 10*time.Millisecond)
+	stop = keepLease(c, "gone", 10*time.Millisecond, 0)
 	for count("gone") < 1 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -189,6 +190,47 @@ func TestKeepLease(t *testing.T) {
 	stop()
 	if got := count("gone"); got != 1 {
 		t.Fatalf("renewals of a lease the sidecar does not know: %d, want 1 (then it stops)", got)
+	}
+}
+
+// The middleware keeps renewing through a sidecar that does not answer for longer than
+// the shortest rate window, as long as the lease itself lasts: its expiry is the
+// concurrency rule's window (3 s), not twice the first renewal's wait (half the rate
+// rule's 1 s window). Before, renewals that failed for a second (a sidecar stalled or
+// restarting) stopped for good, and the lease expired under the running request.
+func TestMiddlewareRenewsThroughAnOutageShorterThanTheLease(t *testing.T) {
+	path := socketPath(t)
+	var answering atomic.Bool
+	var renewed atomic.Int32
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		switch req.Op {
+		case proto.OpRenew:
+			if !answering.Load() {
+				resp.Err = proto.Error{Code: proto.CodeInternal, Message: "the sidecar is away"}
+				return
+			}
+			renewed.Add(1)
+			resp.Renewed, resp.ExpiresMs = true, 3000
+		case proto.OpRelease:
+			resp.Released = true
+		default:
+			resp.Allowed, resp.Rule, resp.Limit, resp.Lease = true, "exports", 1, "t.1"
+			resp.Rules = []proto.RuleResult{
+				{Name: "exports", Limit: 1, WindowMs: 3000, Allowed: true, Concurrency: true},
+				{Name: "per-second", Limit: 100, WindowMs: 1000, Remaining: 99, Allowed: true},
+			}
+		}
+	})
+	c := newClient(t, Options{Socket: path, Timeout: time.Second})
+	time.AfterFunc(1500*time.Millisecond, func() { answering.Store(true) })
+	h := Middleware(c, MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for deadline := time.Now().Add(5 * time.Second); renewed.Load() == 0 && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}))
+	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest("GET", "/export", nil))
+	if renewed.Load() == 0 {
+		t.Fatal("no renewal after the sidecar answered again 1.5 s in: the renewals stopped at the rate rule's window, not the lease's")
 	}
 }
 
