@@ -113,7 +113,7 @@ function middleware(client, opts = {}) {
         // only after its release: a client that has the whole response and asks again
         // at once finds the slot free.
         let released = null;
-        const renewal = renewLease ? keepLease(client, d.lease, firstRenewal(d)) : null;
+        const renewal = renewLease ? keepLease(client, d.lease, firstRenewal(d), leaseLife(d)) : null;
         const release = () => {
           if (released === null) {
             if (renewal !== null) renewal.stop();
@@ -211,16 +211,30 @@ function firstRenewal(d) {
   return Math.max((w || 2000) / 2, MIN_RENEWAL);
 }
 
+// leaseLife is how long d's lease lasts unless renewed, in ms: the shortest window of its
+// concurrency entries (a concurrency rule's window is its lease; a renewal of a lease one
+// of whose slots ran out answers renewed: false). 0 when d flags none (an earlier daemon).
+function leaseLife(d) {
+  let w = 0;
+  for (const r of d.rules) if (r.concurrency && r.windowMs > 0 && (w === 0 || r.windowMs < w)) w = r.windowMs;
+  return w;
+}
+
 // keepLease renews lease with client, first after first ms, then at half of what each
 // renewal answers is left of it, until stop() (the release follows it; a renewal under way
 // then is answered renewed or not, harmlessly). It stops by itself when a renewal answers
 // that the lease is gone, when the client is closed, and when the sidecar does not answer
 // until the lease's last known expiry (retrying meanwhile at half of what is left of it).
-// Its timer does not keep the process alive.
-function keepLease(client, lease, first) {
+// Its timer does not keep the process alive. life is the lease's duration (leaseLife), its
+// expiry until a renewal answers; 0: 2 × first. Before, that first expiry was always
+// 2 × first, the shortest window of all the rules: a rate rule of 10 per second beside a
+// lease of a minute made it one second, and a sidecar that did not answer the renewals of
+// that second (stalled, restarting) ended them for good, the lease left to expire under
+// a request still running.
+function keepLease(client, lease, first, life = 0) {
   let timer = null;
   let stopped = false;
-  let expires = monoNow() + 2 * first;
+  let expires = monoNow() + (life > 0 ? life : 2 * first);
   const schedule = (ms) => {
     timer = setTimeout(renew, Math.max(ms, MIN_RENEWAL));
     if (typeof timer.unref === 'function') timer.unref();

@@ -339,6 +339,44 @@ test('the middleware renews a long request\'s lease', async (t) => {
   assert.equal(await free('ren'), 1, 'released when the response ended');
 });
 
+// The middleware keeps renewing through a sidecar that does not answer for longer than the
+// shortest rate window, as long as the lease itself lasts: its expiry is the concurrency
+// rule's window (3 s), not twice the first renewal's wait (half the rate rule's 1 s
+// window). Before, renewals that got no answer for a second (a sidecar stalled or
+// restarting) stopped for good, and the lease expired under the running request.
+test('the middleware renews through an outage shorter than the lease', async (t) => {
+  let answering = false;
+  let renewed = 0;
+  const sock = await standIn(t, 'renew.sock', (req) => {
+    if (req.op === 'renew') {
+      if (!answering) return undefined; // no answer: the renewal times out
+      renewed++;
+      return { renewed: true, expires_ms: 3000 };
+    }
+    if (req.op === 'release') return { released: true };
+    return {
+      allowed: true, rule: 'exports', limit: 1, remaining: 0, reset_ms: 0, retry_after_ms: 0, lease: 'L1',
+      rules: [
+        { name: 'exports', limit: 1, window_ms: 3000, remaining: 0, reset_ms: 0, retry_after_ms: 0, allowed: true, shadow: false, concurrency: true },
+        { name: 'per-second', limit: 100, window_ms: 1000, remaining: 99, reset_ms: 10, retry_after_ms: 0, allowed: true, shadow: false },
+      ],
+    };
+  });
+  const c = new rl.Client({ socket: sock, timeoutMs: 100, logger: null });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  const res = new EventEmitter();
+  res.headers = {};
+  res.setHeader = (k, v) => { res.headers[k] = v; };
+  res.end = () => res.emit('finish');
+  await new Promise((resolve) => mw({ method: 'PUT', url: '/upload' }, res, resolve));
+  setTimeout(() => { answering = true; }, 1500);
+  for (let k = 0; k < 500 && renewed === 0; k++) await new Promise((r) => setTimeout(r, 10));
+  res.end();
+  res.emit('close');
+  assert.ok(renewed > 0, 'no renewal after the sidecar answered again 1.5 s in: the renewals stopped at the rate rule\'s window');
+});
+
 // A lease held by a request when its client is closed is not renewed again and again:
 // every renewal of a closed client fails at once, and was retried at half of what was left
 // of the lease, down to every 10 ms, until its expiry.
