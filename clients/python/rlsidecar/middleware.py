@@ -167,7 +167,7 @@ class WSGIMiddleware:
         renewal = None
         try:  # a renewal thread that cannot start (RuntimeError at a process's thread limit) too
             if d.lease and self.renew_leases:
-                renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d))
+                renewal = _LeaseRenewal(self.client, d.lease, _first_renewal(d), _lease_life(d))
             if d.delay_ms:
                 time.sleep(d.delay_ms / 1000)  # a rule's delay: its tokens are reserved, the request waits
         except BaseException:
@@ -212,15 +212,15 @@ class _LeaseRenewal:
     It ends by itself when a renewal answers that the lease is gone, when the client is
     closed, and when the sidecar does not answer until the lease's last known expiry."""
 
-    def __init__(self, client, lease, first):
+    def __init__(self, client, lease, first, life=0):
         self._client = client
         self._lease = lease
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(first,), name="rlsidecar-renew", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(first, life), name="rlsidecar-renew", daemon=True)
         self._thread.start()
 
-    def _run(self, wait):
-        expires = time.monotonic() + 2 * wait
+    def _run(self, wait, life):
+        expires = time.monotonic() + (life if life > 0 else 2 * wait)  # see _lease_life
         while not self._stop.wait(max(wait, MIN_RENEWAL)):
             try:
                 renewed, expires_ms = self._client.renew(self._lease)
@@ -332,7 +332,7 @@ class ASGIMiddleware:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
             pending = [d.lease]
-            renewal = asyncio.ensure_future(_keep_lease(self.client, d.lease, _first_renewal(d))) \
+            renewal = asyncio.ensure_future(_keep_lease(self.client, d.lease, _first_renewal(d), _lease_life(d))) \
                 if self.renew_leases else None
 
             async def release():
@@ -475,14 +475,27 @@ def _first_renewal(d):
     return max(w / 2000, MIN_RENEWAL)
 
 
-async def _keep_lease(client, lease, first):
+def _lease_life(d):
+    """How long d's lease lasts unless renewed, in seconds: the shortest window of its
+    concurrency entries (a concurrency rule's window is its lease; a renewal of a lease
+    one of whose slots ran out answers renewed: false); 0 when d flags none (an earlier
+    daemon), and the renewals then take twice the first wait. It is the lease's expiry
+    until a renewal answers. Before, that was always twice the first wait, the shortest
+    window of all the rules: a rate rule of 10 per second beside a lease of a minute
+    made it one second, and a sidecar that did not answer the renewals of that second
+    (stalled, restarting) ended them for good, the lease left to expire under a request
+    still running."""
+    return min((r.window_ms for r in d.rules if r.concurrency and r.window_ms), default=0) / 1000
+
+
+async def _keep_lease(client, lease, first, life=0):
     """Renew lease with client (an AsyncClient), first after ``first`` seconds, then at
     half of what each renewal answers is left of it, until cancelled. It returns when a
     renewal answers that the lease is gone, when the client is closed, and when the
     sidecar does not answer until the lease's last known expiry (retrying meanwhile at
     half of what is left of it)."""
     loop = asyncio.get_running_loop()
-    expires = loop.time() + 2 * first
+    expires = loop.time() + (life if life > 0 else 2 * first)  # see _lease_life
     wait = first
     while True:
         await asyncio.sleep(max(wait, MIN_RENEWAL))
