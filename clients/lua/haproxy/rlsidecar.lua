@@ -472,10 +472,13 @@ local function renewal_task()
   renewing = false
 end
 
--- keep_lease has lease renewed while its transaction runs, first after first_ms.
-local function keep_lease(address, timeout_ms, lease, first_ms)
+-- keep_lease has lease renewed while its transaction runs, first after first_ms; until a
+-- renewal answers, it expires after life_ms (the lease's duration, http.lease_life_ms),
+-- 2 × first_ms when 0.
+local function keep_lease(address, timeout_ms, lease, first_ms, life_ms)
   local now = now_ms()
-  due_push({ due = now + first_ms, expires = now + 2 * first_ms, lease = lease, address = address, timeout_ms = timeout_ms })
+  local life = life_ms and life_ms > 0 and life_ms or 2 * first_ms
+  due_push({ due = now + first_ms, expires = now + life, lease = lease, address = address, timeout_ms = timeout_ms })
   shortest_first_ms = math.min(shortest_first_ms, first_ms)
   if not renewing then
     -- Registered before the flag is set: register_task raises when HAProxy cannot
@@ -717,7 +720,7 @@ local function action(txn, address, policy, timeout)
       put_pending(conn, d.lease) -- for the next request on this client connection
     end
     if renew_leases then
-      keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)))
+      keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)), http.lease_life_ms(d))
     end
   end
   local delay = tonumber(d.delay_ms)

@@ -652,10 +652,11 @@ end
 -- answers is left of it, until log() releases it (renewing[lease] cleared). It stops by
 -- itself when a renewal answers that the lease is gone (without log(), nginx closes the
 -- connection that took it as the request ends, and the daemon frees it), and when the
--- sidecar does not answer until the lease's last known expiry. See tick.
-local function keep_lease(self, lease, first)
+-- sidecar does not answer until the lease's last known expiry: life seconds (the lease's
+-- duration, http.lease_life_ms) until a renewal answers, 2 × first when 0. See tick.
+local function keep_lease(self, lease, first, life)
   local now = clock()
-  local e = { self = self, expires = now + 2 * first, busy = false }
+  local e = { self = self, expires = now + (life and life > 0 and life or 2 * first), busy = false }
   set_due(e, now, first)
   renewing[lease] = e
   wake_by(e.due)
@@ -804,7 +805,7 @@ local function answer(d)
   local lease = d.lease
   if lease == "" then lease = nil end
   return { allowed = true, headers = http.headers(d), lease = lease, delay_ms = tonumber(d.delay_ms),
-    renew_in = lease and first_renewal(d) }
+    renew_in = lease and first_renewal(d), life = lease and http.lease_life_ms(d) / 1000 }
 end
 
 -- nil until the first access(); then whether nginx keeps $request_id for the request.
@@ -863,7 +864,7 @@ local function apply(self, e, again)
     -- (after an internal redirect too: ngx.ctx is new there).
     ngx.ctx.rlsidecar_lease = e.lease
     if not again and self.renew_leases then
-      keep_lease(self, e.lease, e.renew_in)
+      keep_lease(self, e.lease, e.renew_in, e.life)
     end
   end
   local delay = e.delay_ms

@@ -427,4 +427,24 @@ function M.first_renewal_ms(d)
   return math.max((w or 2000) / 2, M.MIN_RENEWAL_MS)
 end
 
+-- lease_life_ms is how long decision d's lease lasts unless renewed, in ms: the shortest
+-- window of its concurrency entries (a concurrency rule's window is its lease; a renewal
+-- of a lease one of whose slots ran out answers renewed: false); 0 when d flags none (an
+-- earlier daemon: a gateway then takes twice its first renewal's wait). It is the lease's
+-- expiry until a renewal answers. Before, that was always twice the first wait, the
+-- shortest window of all the rules: a rate rule of 10 per second beside a lease of a
+-- minute made it one second, and a daemon that did not answer the renewals of that
+-- second (stalled, restarting) ended them for good, the lease left to expire under a
+-- request still running.
+function M.lease_life_ms(d)
+  local w = 0
+  for _, r in ipairs(d.rules or {}) do
+    local rw = tonumber(r.window_ms)
+    if r.concurrency == true and rw and rw > 0 and (w == 0 or rw < w) then
+      w = rw
+    end
+  end
+  return w
+end
+
 return M

@@ -1087,6 +1087,18 @@ codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -X POST -H 'X-
   "http://127.0.0.1:$held_hap_port/login" -o /dev/null "http://127.0.0.1:$held_hap_port/login" | tr -s ' \n' ' ')
 expect "stand-in: haproxy, a check whose release met a drain's farewell: sent once more, decided (status, connects)" "$codes" "200 1 200 0 "
 expect "stand-in: haproxy, the release met the farewell (the case was exercised)" "$(grep -c '^farewell-release ' "$tmp/held-events" || true)" 1
+# A lease of 3 s beside a rate rule of 1 s, its renewals unanswered for the first 1.5 s (a
+# daemon stalled or restarting), on a 5 s request: the gateway keeps renewing until the
+# lease's own expiry, and the renewal after the outage is answered. Before, the renewals
+# stopped once twice the first wait (the rate rule's window, 1 s) had passed unanswered,
+# and the lease expired under the running request.
+for gw in "nginx $held_port" "haproxy $held_hap_port"; do
+  set -- $gw
+  curl -s --max-time 10 -o /dev/null -H 'X-User: renew-outage' "http://127.0.0.1:$2/long/$1"
+  lease=$(awk -v p="/long/$1" '$1 == "check" && $2 == p { print $3 }' "$tmp/held-events" | tail -1)
+  expect "stand-in: $1, a lease renewed after an outage shorter than the lease (longer than the rate window)" \
+    "$(($(grep -c "^renewed $lease " "$tmp/held-events" || true) >= 1))" 1
+done
 # A transaction checked by two lua.rlsidecar lines (/twice/; the stand-in leases every
 # check, so each line takes a lease): the next request on the keep-alive connection
 # releases both before its own checks. The second line's lease was not noted for

@@ -33,6 +33,13 @@ connection's previous transaction first, on the next check's connection):
 
     farewell-release LEASE T    the release of LEASE came on a connection the farewell ended
 
+A check whose user is "renew-outage" is leased with the rules of a lease of 3 s (a
+concurrency entry) beside a rate rule of 1 s, and the renewals of its lease are left
+unanswered for the first 1.5 s after the check (a daemon stalled or restarting), then
+answered renewed for 3 s:
+
+    renewed LEASE T             a renewal of such a lease answered
+
 Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
 """
 
@@ -53,6 +60,7 @@ leases = itertools.count(1)
 alt = itertools.count(1)
 quick = set()  # leases whose release is answered at once (their checks' paths start with /twice/)
 farewell_release = set()  # leases whose first release gets the farewell (farewell-release's)
+renew_outage = {}  # lease -> when its check came (ms): renewals unanswered for 1.5 s after
 log_lock = threading.Lock()
 
 
@@ -127,9 +135,21 @@ def serve(c):
                     ans["delay_ms"] = HELD_DELAY_MS
                 if path.startswith("/twice/"):
                     quick.add(lease)
+                if user == "renew-outage":
+                    renew_outage[lease] = now_ms()
+                    ans["rules"] = [
+                        {"name": "exports", "limit": 1, "window_ms": 3000, "remaining": 0, "reset_ms": 0,
+                         "retry_after_ms": 0, "allowed": True, "shadow": False, "concurrency": True},
+                        {"name": "per-second", "limit": 100, "window_ms": 1000, "remaining": 99, "reset_ms": 10,
+                         "retry_after_ms": 0, "allowed": True, "shadow": False}]
                 if user == "farewell-release":
                     farewell_release.add(lease)
                     quick.add(lease)
+            elif op == "renew" and req.get("lease") in renew_outage:
+                if now_ms() - renew_outage[req.get("lease")] < 1500:
+                    continue  # no answer: the daemon is away
+                log("renewed %s %d" % (req.get("lease"), now_ms()))
+                ans = {"id": rid, "renewed": True, "expires_ms": 3000}
             elif op == "release":
                 t_in = now_ms()
                 if req.get("lease") not in quick:

@@ -385,6 +385,21 @@ do
     and h["RateLimit"] == nil, "closed policy: 503 with Retry-After 1")
 end
 
+-- A lease's life until a renewal answers: the shortest window of the concurrency entries
+-- (a rate rule's window is not the lease); 0 when none is flagged (an earlier daemon).
+do
+  local conc = { name = "c", window_ms = 3000, concurrency = true }
+  local conc2 = { name = "c2", window_ms = 60000, concurrency = true }
+  local rate = { name = "r", window_ms = 1000 }
+  for _, c in ipairs({
+    { { rules = { conc, rate } }, 3000 }, { { rules = { rate, conc2, conc } }, 3000 },
+    { { rules = { rate } }, 0 }, { { rules = {} }, 0 }, { {}, 0 },
+  }) do
+    local got = http.lease_life_ms(c[1])
+    check(got == c[2], "lease_life_ms: got %s, want %s", tostring(got), tostring(c[2]))
+  end
+end
+
 -- A lease's first renewal: half the shortest window of the decision's rules, at least
 -- MIN_RENEWAL_MS; 1 s without a window.
 do
