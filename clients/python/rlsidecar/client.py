@@ -456,6 +456,12 @@ class Client:
             except BaseException:  # interrupted: the connection is out of step
                 conn.sock.close()
                 raise
+            e = _proto.error_of(msgs[0]) if msgs and msgs[0].get("id") == 0 else None
+            if e is not None and e[0] == "too_many_connections" and not conn.served:
+                # Refused as it was accepted (--max-conns), before any answer: a failed dial,
+                # backed off. Before, every check dialed a daemon at its cap again at once.
+                conn.sock.close()
+                return _lost(self._failed("the sidecar closed the connection: %s" % e[0]), ids, answered)
             conn.served = True
             with self._lock:
                 self._failures = 0

@@ -394,3 +394,28 @@ def test_closed_after_reading_is_not_retried(short_tmp):
             assert c.check({"user": "x"}).remaining == 6 and fake.conns == 2
     finally:
         fake.close()
+
+
+def test_too_many_connections_backs_off(make_daemon):
+    """A connection the daemon refuses as it accepts it (too_many_connections, at
+    --max-conns) is a failed dial: the client backs off, and the checks meanwhile are
+    decided by the policy at once, without dialing, as the asyncio, Go and Node clients
+    do. Before, every check dialed the daemon at its cap again."""
+    import socket
+    d = make_daemon(RULES, args=["--max-conns", "1"])
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    holder.connect(d.socket)
+    try:
+        import time
+        deadline = time.monotonic() + 5
+        with rlsidecar.Client(d.socket, timeout=2) as c:
+            while True:  # the daemon counts the holder once it has accepted it
+                first = c.check({"user": "ann"})
+                if first.unreachable and "too_many_connections" in first.cause:
+                    break
+                assert time.monotonic() < deadline, first
+                time.sleep(0.01)
+            second = c.check({"user": "ann"})
+            assert second.unreachable and second.cause.startswith("backing off"), second.cause
+    finally:
+        holder.close()
