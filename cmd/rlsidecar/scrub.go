@@ -11,7 +11,9 @@ import (
 // message and attributes are searched for it, whatever quotes it. The daemon never logs
 // the password itself, but a Redis server, or a proxy in front of one, may quote a
 // command's arguments in an error ("ERR unknown command 'auth', with args beginning
-// with: ..."), and such errors are logged as they come. Logging is not on the hot path.
+// with: ..."), and such errors are logged as they come. Redis quotes at most 128 bytes
+// of them, so a longer password is quoted cut short: the scrubber hides any beginning of
+// it of at least scrubMinPrefix bytes too. Logging is not on the hot path.
 type scrubber struct {
 	secret atomic.Pointer[string]
 }
@@ -46,8 +48,38 @@ func (s *scrubber) replace(_ []string, a slog.Attr) slog.Attr {
 	default:
 		return a
 	}
-	if strings.Contains(text, *p) {
-		a.Value = slog.StringValue(strings.ReplaceAll(text, *p, "xxxxx"))
+	if out, ok := scrub(text, *p); ok {
+		a.Value = slog.StringValue(out)
 	}
 	return a
+}
+
+// scrubMinPrefix is the shortest beginning of a longer secret that scrub hides: Redis
+// cuts a quoted password at 128 bytes (less when other arguments come before it), and
+// before, a password of 151 bytes had its first 128 logged, as no whole copy was there
+// to hide. Eight bytes of a long secret leave it as hard to guess.
+const scrubMinPrefix = 8
+
+// scrub replaces each copy of secret in text, and each beginning of it of at least
+// scrubMinPrefix bytes (a copy cut short), with "xxxxx", and reports whether it found
+// any.
+func scrub(text, secret string) (string, bool) {
+	head := secret[:min(len(secret), scrubMinPrefix)]
+	i := strings.Index(text, head)
+	if i < 0 {
+		return text, false
+	}
+	var b strings.Builder
+	for i >= 0 {
+		n := len(head)
+		for n < len(secret) && i+n < len(text) && text[i+n] == secret[n] {
+			n++
+		}
+		b.WriteString(text[:i])
+		b.WriteString("xxxxx")
+		text = text[i+n:]
+		i = strings.Index(text, head)
+	}
+	b.WriteString(text)
+	return b.String(), true
 }

@@ -34,6 +34,41 @@ func TestLogScrubsPassword(t *testing.T) {
 	}
 }
 
+// Redis quotes at most 128 bytes of a command's arguments in an error, so a longer
+// password reaches the log cut short, and is hidden all the same; a short secret is
+// hidden only whole (a few bytes that begin it are not it).
+func TestLogScrubsPasswordCutShort(t *testing.T) {
+	long := "K" + strings.Repeat("x7Q", 50) // 151 bytes
+	for _, tc := range []struct{ secret, logged, leak string }{
+		{long, "ERR unknown command 'auth', with args beginning with: '" + long[:128] + "' ", long[:8]},
+		{long, "ERR unknown command 'hello', with args beginning with: '3' 'AUTH' 'default' '" + long[:106] + "' ", long[:8]},
+		{long, "twice: " + long + " and " + long[:20], long[:8]},
+	} {
+		var buf bytes.Buffer
+		secrets := &scrubber{}
+		log, err := newLogger(&buf, "text", "info", secrets)
+		if err != nil {
+			t.Fatal(err)
+		}
+		secrets.set(tc.secret)
+		log.Warn("redis sync failed", "err", errors.New(tc.logged))
+		if out := buf.String(); strings.Contains(out, tc.leak) || !strings.Contains(out, "xxxxx") {
+			t.Fatalf("the password, cut short, is in the log:\n%s", out)
+		}
+	}
+	var buf bytes.Buffer
+	secrets := &scrubber{}
+	log, err := newLogger(&buf, "text", "info", secrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secrets.set("Hunter22")
+	log.Info("kept", "a", "Hunter2 is not Hunter22")
+	if out := buf.String(); !strings.Contains(out, "Hunter2 is not xxxxx") {
+		t.Fatalf("want only the whole short secret hidden:\n%s", out)
+	}
+}
+
 // A socket path longer than a Unix address holds is named as the cause, for check as for
 // serve (the system's error was "connect: invalid argument").
 func TestCheckSocketPathTooLong(t *testing.T) {
