@@ -1164,10 +1164,7 @@ func (cn *conn) compact() {
 			into.tail.AppendFrames(p.enc.Bytes()[p.off:])
 			into.tail.AppendFrames(p.tail.Bytes())
 			into.n += p.n
-			p.enc.Reset()
-			p.tail.Reset()
-			p.fin, p.off = false, 0
-			cn.free = append(cn.free, p)
+			cn.recycle(p)
 			continue
 		}
 		cn.queue[w] = p
@@ -1225,11 +1222,11 @@ func (cn *conn) writeReady() {
 				_ = cn.c.SetReadDeadline(time.Unix(1, 0))
 			}
 		}
+		// The buffers written go with their entries: the backing array, kept for the
+		// next write, must not hold them (a merged run of answers can be megabytes).
+		clear(cn.bufsArr[:2*k])
 		for _, p := range cn.queue[:k] {
-			p.enc.Reset()
-			p.tail.Reset()
-			p.fin, p.off = false, 0
-			cn.free = append(cn.free, p)
+			cn.recycle(p)
 		}
 		n := copy(cn.queue, cn.queue[k:])
 		clear(cn.queue[n:])
@@ -1240,6 +1237,31 @@ func (cn *conn) writeReady() {
 		}
 		cn.wcond.Broadcast()
 	}
+}
+
+// maxKeptBody and maxKeptEnc bound the buffers of a written pending entry kept for
+// reuse (recycle): a check's request copy, and each of its answer encoders. A check of a
+// global rule fits them many times over; a batch written behind (writeBehind, about
+// flushAt), the answers compaction merged into one entry, or the copy of a long request
+// do not, and their entry is left to the garbage collector. Before, every entry was
+// kept with its buffers for the connection's life: 100 connections, each of which had
+// once pipelined 12,000 checks before reading their answers (as the protocol allows),
+// then stayed open and idle (a gateway's pool), held 397 MB for good.
+const (
+	maxKeptBody = 1 << 10
+	maxKeptEnc  = 2 << 10
+)
+
+// recycle empties p, written, and keeps it for reuse (take), unless its buffers are
+// larger than a next use needs or maxPending entries are kept already. Under wmu.
+func (cn *conn) recycle(p *pending) {
+	p.enc.Reset()
+	p.tail.Reset()
+	p.fin, p.off = false, 0
+	if cap(p.body) > maxKeptBody || cap(p.enc.Bytes()) > maxKeptEnc || cap(p.tail.Bytes()) > maxKeptEnc || len(cn.free) >= maxPending {
+		return
+	}
+	cn.free = append(cn.free, p)
 }
 
 // take returns a pending entry to fill: a written one when there is one.
