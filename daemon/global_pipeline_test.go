@@ -41,6 +41,12 @@ func startGlobalServer(t *testing.T) *Server {
 // startGlobalServer); sharedBans: the penalty rules' bans are shared in Redis too.
 func startGlobalServerWith(t *testing.T, yaml string, sharedBans bool) *Server {
 	t.Helper()
+	return startGlobalServerConfig(t, yaml, sharedBans, Config{})
+}
+
+// startGlobalServerConfig is startGlobalServerWith with cfg (its Socket set here).
+func startGlobalServerConfig(t *testing.T, yaml string, sharedBans bool, cfg Config) *Server {
+	t.Helper()
 	srv := redistest.StartStandalone(t)
 	rdb, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
 	if err != nil {
@@ -65,7 +71,8 @@ func startGlobalServerWith(t *testing.T, yaml string, sharedBans bool) *Server {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	s, err := New(Config{Socket: filepath.Join(dir, "s.sock")}, lim)
+	cfg.Socket = filepath.Join(dir, "s.sock")
+	s, err := New(cfg, lim)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -81,4 +83,48 @@ func TestIdleConnectionKeepsNoBurstBuffers(t *testing.T) {
 			conns, checks, kept, kept/conns, bound)
 	}
 	t.Logf("%d idle connections keep %d bytes of heap (%d each)", conns, kept, kept/int64(len(cs)))
+}
+
+// A client that never reads, pipelining checks of a global rule that each carry a long
+// attribute, costs the daemon what it holds for it (maxHeld, about 2 MiB), request
+// copies included: the daemon stops reading it once the copies waiting for their answers
+// to be written reach that. Before, they were not counted, and the daemon read on while
+// its answers alone stayed under 2 MiB: about 20 MB per such connection (a few hundred
+// entries of the write queue, each with its 60 KB copy).
+func TestHeldCountsRequestCopies(t *testing.T) {
+	const conns, frames = 2, 6000
+	s := startGlobalServerConfig(t, globalPipelineRules, false, Config{WriteTimeout: time.Minute})
+	frame := frameOf(proto.Request{ID: 7, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+		{Name: "path", Value: "/g"}, {Name: "user", Value: strings.Repeat("u", 60_000)}}})
+	base := heapAfterGC()
+	var wg sync.WaitGroup
+	for range conns {
+		c, err := net.Dial("unix", s.cfg.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		_ = c.(*net.UnixConn).SetReadBuffer(4096)
+		wg.Add(1)
+		go func() { // writes until it has written frames or the daemon stops reading; never reads
+			defer wg.Done()
+			for range frames {
+				_ = c.SetWriteDeadline(time.Now().Add(2 * time.Second))
+				if _, err := c.Write(frame); err != nil {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	kept := int64(heapAfterGC()) - int64(base)
+	if n := s.nconns.Load(); n != conns {
+		t.Fatalf("%d connections open, want %d: the heap was not measured with them", n, conns)
+	}
+	const bound = conns * 8 << 20 // maxHeld, up to maxPending copies deciding, the read buffer, with room
+	if kept > bound {
+		t.Fatalf("%d connections that never read, pipelining 60 KB checks of a global rule, cost %d bytes of heap (%d each); want at most %d",
+			conns, kept, kept/conns, bound)
+	}
+	t.Logf("%d connections that never read cost %d bytes of heap (%d each)", conns, kept, kept/conns)
 }

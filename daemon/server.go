@@ -1136,14 +1136,19 @@ func (cn *conn) report(h int) {
 }
 
 // held returns the bytes of the answers queued and not yet written (of a check still
-// deciding, its tail only: its goroutine writes its answer without wmu). Under wmu.
+// deciding, its tail only: its goroutine writes its answer without wmu), and of the
+// copies of the requests they answer, which an entry keeps until it is written. Under
+// wmu. Before, the copies were not counted: a client that never read, pipelining checks
+// of a global rule with a 60,000-byte attribute, had the daemon hold about 20 MB for it
+// (a few hundred entries waiting to be written, each with its copy), 637 MB for 40 such
+// connections, where their answers alone came to a few hundred KB.
 func (cn *conn) held() int {
 	n := 0
 	for _, p := range cn.queue {
 		if p.fin {
 			n += p.enc.Len() - p.off
 		}
-		n += p.tail.Len()
+		n += p.tail.Len() + cap(p.body)
 	}
 	return n
 }
