@@ -210,7 +210,7 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 	}
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln), bodyTimeout: adminBodyTimeout}
-	idle := &idleConns{m: map[net.Conn]time.Time{}}
+	idle := &idleConns{m: map[net.Conn]time.Time{}, fresh: map[net.Conn]time.Time{}}
 	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
 	return &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 }
@@ -225,46 +225,66 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 const maxAdminConns = 64
 
 // idleConns is the admin connections idle between requests (keep-alive), and since
-// when. Before, the connection cap refused every new connection while 64 were held
-// idle: one process keeping 64 connections alive (a request on each every 2 minutes,
-// the idle timeout) kept the scraper out for as long as it liked. Safe for concurrent
-// use.
+// when; and those that have not yet sent a whole first request (fresh), and since when.
+// Before, the connection cap refused every new connection while 64 were held idle: one
+// process keeping 64 connections alive (a request on each every 2 minutes, the idle
+// timeout) kept the scraper out for as long as it liked. Safe for concurrent use.
 type idleConns struct {
-	mu sync.Mutex
-	m  map[net.Conn]time.Time
+	mu    sync.Mutex
+	m     map[net.Conn]time.Time
+	fresh map[net.Conn]time.Time
 }
 
 // track is the server's ConnState hook.
 func (ic *idleConns) track(c net.Conn, s http.ConnState) {
 	ic.mu.Lock()
 	defer ic.mu.Unlock()
-	if s == http.StateIdle {
+	switch s {
+	case http.StateIdle:
 		ic.m[c] = time.Now()
-		return
+	case http.StateNew:
+		ic.fresh[c] = time.Now()
+	default:
+		delete(ic.m, c)
+		delete(ic.fresh, c)
 	}
-	delete(ic.m, c)
 }
 
-// closeOldest closes the connection idle the longest, if any, and reports whether it
-// did. A client that sends its next request as it is closed sees the connection close
+// closeOldest closes the connection idle the longest, if any, else the one that has
+// waited longest for its first request's headers (a client sends them as it connects:
+// they take it well under a millisecond on this host), and reports whether it closed
+// one. A client that sends its next request as it is closed sees the connection close
 // before any answer, as at the idle timeout, and sends it again (Go's and curl's
-// clients do, for a GET).
+// clients do, for a GET). Before, a connection still reading its headers was never
+// closed to make room: a process that held 64 of them, sending a byte a second and
+// connecting again whenever the header timeout (5 s) closed one, kept every scraper,
+// health check and `rlsidecar reload` out (no answer to 25 tries in 15 s).
 func (ic *idleConns) closeOldest() bool {
 	ic.mu.Lock()
-	var oldest net.Conn
-	var since time.Time
-	for c, t := range ic.m {
-		if oldest == nil || t.Before(since) {
-			oldest, since = c, t
-		}
+	oldest := oldestOf(ic.m)
+	if oldest != nil {
+		delete(ic.m, oldest)
+	} else if oldest = oldestOf(ic.fresh); oldest != nil {
+		delete(ic.fresh, oldest)
 	}
-	delete(ic.m, oldest)
 	ic.mu.Unlock()
 	if oldest == nil {
 		return false
 	}
 	_ = oldest.Close()
 	return true
+}
+
+// oldestOf returns the connection of m with the earliest time, nil if m is empty.
+func oldestOf(m map[net.Conn]time.Time) net.Conn {
+	var oldest net.Conn
+	var since time.Time
+	for c, t := range m {
+		if oldest == nil || t.Before(since) {
+			oldest, since = c, t
+		}
+	}
+	return oldest
 }
 
 // adminWriteTimeout closes an admin connection whose client has not taken a whole
