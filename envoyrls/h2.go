@@ -192,6 +192,39 @@ func (s *Server) shutdownNative(ctx context.Context) error {
 	}
 }
 
+// closeIdlest closes the native transport's connection that has had no call in flight
+// for longest (or has not yet sent its preface for longest), if any, and reports whether
+// it did: a new connection past maxConns takes its place. A connection busy writing (its
+// lock held) is passed over. Before, a new connection past maxConns was always closed:
+// a process holding 1,024 connections idle after their preface (which no timeout
+// closes) kept Envoy out for as long as it liked, every new connection reset. Envoy
+// opens a new connection when it finds one closed.
+func (s *Server) closeIdlest() bool {
+	var oldest *h2conn
+	var since time.Time
+	s.mu.Lock()
+	for cn := range s.conns {
+		if !cn.mu.TryLock() {
+			continue
+		}
+		if !cn.closed && len(cn.streams) == 0 && (oldest == nil || cn.idleSince.Before(since)) {
+			oldest, since = cn, cn.idleSince
+		}
+		cn.mu.Unlock()
+	}
+	s.mu.Unlock()
+	if oldest == nil {
+		return false
+	}
+	oldest.mu.Lock()
+	defer oldest.mu.Unlock()
+	if oldest.closed || len(oldest.streams) > 0 {
+		return false // a call came meanwhile; the new connection is refused this time
+	}
+	oldest.closeLocked()
+	return true
+}
+
 // h2conn is one client connection. Its read loop (serve) is the only reader; mu guards
 // the writer and every stream's state, shared with the goroutines deciding calls that
 // wait on Redis.
@@ -220,8 +253,11 @@ type h2conn struct {
 	peerInit int64       // the peer's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMax  int         // the peer's SETTINGS_MAX_FRAME_SIZE
 	blocked  []*h2stream
-	sc       *scratch // the inline path's
-	out      []byte   // the inline path's answer
+	// idleSince is when the connection was accepted, or when its last call in flight
+	// ended (closeIdlest).
+	idleSince time.Time
+	sc        *scratch // the inline path's
+	out       []byte   // the inline path's answer
 
 	// tableMax is the size of henc's dynamic table: hpack's 4,096 until the client's
 	// SETTINGS_HEADER_TABLE_SIZE lowers it. sizeUpdate: the client lowered it, and the
@@ -273,7 +309,7 @@ func newH2Conn(s *Server, nc net.Conn) *h2conn {
 	dw := &deadlineWriter{w: rw, nc: nc, timeout: s.cfg.WriteTimeout}
 	cn := &h2conn{s: s, nc: nc, br: bufio.NewReaderSize(rw, 32<<10), bw: bufio.NewWriterSize(dw, 32<<10),
 		streams: make(map[uint32]*h2stream), sendConn: 65535, peerInit: 65535, peerMax: 16384,
-		recvConn: h2Window, sc: new(scratch), tableMax: 4096}
+		recvConn: h2Window, sc: new(scratch), tableMax: 4096, idleSince: time.Now()}
 	cn.rfr = http2.NewFramer(io.Discard, cn.br)
 	cn.hdec = hpack.NewDecoder(4096, cn.emit)
 	cn.hdec.SetMaxStringLength(h2MaxHeaderList)
@@ -1325,6 +1361,9 @@ func (cn *h2conn) closeStream(st *h2stream) {
 	}
 	st.done = true
 	delete(cn.streams, st.id)
+	if len(cn.streams) == 0 {
+		cn.idleSince = time.Now()
+	}
 	if st.queued {
 		// Reset while its answer waited for window: off the list before its struct is
 		// reused, else the next pump took the new stream for this one and "finished" it

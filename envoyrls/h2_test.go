@@ -1288,3 +1288,70 @@ func TestNativeBufferedBoundAllConns(t *testing.T) {
 	wg.Wait()
 	sv.stop(t)
 }
+
+// Connections idle after their preface (no timeout closes them, as Envoy's own idle
+// ones must stay) do not keep a new connection out past maxConns: the one idle longest
+// is closed to make room. Before, every new connection was closed as it was accepted,
+// for as long as the idle ones were held.
+func TestNativeIdleConnsYield(t *testing.T) {
+	s, done := serveNativeTCP(t)
+	defer func() { // after the connections' closes below
+		if err := s.Shutdown(ctx10(t)); err != nil {
+			t.Error(err)
+		}
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	addr := s.Addr().String()
+	first := dialRawNet(t, "tcp", addr) // idle longest: the one closed
+	for range maxConns - 1 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The new connection is served, whatever the order the held ones were accepted in.
+	var r *rawConn
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		fr := http2.NewFramer(c, c)
+		if _, err = io.WriteString(c, http2.ClientPreface); err == nil {
+			err = fr.WriteSettings()
+		}
+		if err == nil {
+			_, err = fr.ReadFrame()
+		}
+		c.Close()
+		if err == nil {
+			r = dialRawNet(t, "tcp", addr)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a new connection beside %d idle ones: %v", maxConns, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	defer r.c.Close()
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	r.fr.WriteData(1, true, oneCall("new"))
+	okAnswer(t, r.await(1, nil))
+	// The first connection, idle longest, was closed.
+	_ = first.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for {
+		if _, err := first.fr.ReadFrame(); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatal("the connection idle longest is still open")
+			}
+			break
+		}
+	}
+}

@@ -269,7 +269,7 @@ func (s *Server) Listen() error {
 		if ul, ok := s.cfg.Listener.(*net.UnixListener); ok {
 			ul.SetUnlinkOnClose(false)
 		}
-		s.ln = capped(s.cfg.Listener)
+		s.ln = s.capped(s.cfg.Listener)
 		return nil
 	}
 	path, ok := strings.CutPrefix(s.cfg.Addr, "unix:")
@@ -278,7 +278,7 @@ func (s *Server) Listen() error {
 		if err != nil {
 			return fmt.Errorf("envoy rls: listening on %s: %w", s.cfg.Addr, err)
 		}
-		s.ln = capped(ln)
+		s.ln = s.capped(ln)
 		return nil
 	}
 	if path == "" {
@@ -348,7 +348,7 @@ func (s *Server) Listen() error {
 	// it: another daemon may have put its own there since (after this one's was removed).
 	s.sockPath, s.sock = path, unixsock.IDOf(fi)
 	ln.SetUnlinkOnClose(false)
-	s.ln = capped(ln)
+	s.ln = s.capped(ln)
 	return nil
 }
 
@@ -1154,12 +1154,16 @@ func rateLimitItem(r *limiter.Result) *proto.RateLimitItem {
 		Allowed: r.Allowed, Reset: r.Reset, RetryAfter: r.RetryAfter, Concurrency: r.Rule != nil && r.Rule.Concurrency}
 }
 
-// maxConns bounds the listener's connections at once; past it a connection is closed as
-// soon as it is accepted. Each holds one of the daemon's descriptors, which its msgpack
-// socket needs too, and a HOST:PORT listener answers any local user: unbounded, a
-// process holding idle connections up to the descriptor limit made every accept fail
-// (EMFILE), the msgpack socket's as well. Envoy opens a few per worker thread.
+// maxConns bounds the listener's connections at once; past it a new connection closes
+// the native transport's connection idle longest (closeIdlest), or is closed as soon as
+// it is accepted when none is idle. Each holds one of the daemon's descriptors, which
+// its msgpack socket needs too, and a HOST:PORT listener answers any local user:
+// unbounded, a process holding idle connections up to the descriptor limit made every
+// accept fail (EMFILE), the msgpack socket's as well. Envoy opens a few per worker
+// thread.
 const maxConns = 1024
 
 // capped returns ln accepting at most maxConns connections open at once.
-func capped(ln net.Listener) net.Listener { return connlimit.Listener(ln, maxConns) }
+func (s *Server) capped(ln net.Listener) net.Listener {
+	return connlimit.Evicting(ln, maxConns, s.closeIdlest)
+}
