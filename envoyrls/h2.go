@@ -431,15 +431,30 @@ func (cn *h2conn) serve() {
 }
 
 // bodyDeadline sets the connection's read deadline to FrameTimeout after the oldest
-// request body begun and not finished, or clears it when none is. A call's request held
+// request begun and not finished, or clears it when none is. A call's request held
 // unfinished was held for as long as the client stayed connected: 16 MiB a connection
 // (h2MaxBuffered), and 200 connections each sending four 4 MiB messages but their last
-// byte held 2.7 GB, past the unit's MemoryMax. Called with mu held, after each frame.
+// byte held 2.7 GB, past the unit's MemoryMax. A request whose headers came and no byte
+// of its body is timed too, from when the connection is first about to wait with it
+// (its read buffer empty), so that a call whose headers and body arrive together costs
+// no clock reading: before, it had no deadline, and 1,024 connections each holding such
+// a call (never idle, so never closed to make room) kept every Envoy out. Called with mu
+// held, after each frame.
 func (cn *h2conn) bodyDeadline() {
 	var oldest time.Time
-	if cn.buffered > 0 {
+	if cn.buffered > 0 || (len(cn.streams) > 0 && cn.br.Buffered() == 0) {
+		var now time.Time
 		for _, st := range cn.streams {
-			if len(st.body) > 0 && !st.ended && (oldest.IsZero() || st.since.Before(oldest)) {
+			if st.ended {
+				continue
+			}
+			if st.since.IsZero() { // headers only so far
+				if now.IsZero() {
+					now = time.Now()
+				}
+				st.since = now
+			}
+			if oldest.IsZero() || st.since.Before(oldest) {
 				oldest = st.since
 			}
 		}
@@ -989,7 +1004,7 @@ func (cn *h2conn) onData(f *http2.DataFrame) error {
 		return cn.abortRST(st, codes.ResourceExhausted, fmt.Sprintf("the server's calls hold more than %d request bytes", h2MaxBufferedAll))
 	}
 	cn.s.buffered.Add(int64(len(data)))
-	if len(st.body) == 0 {
+	if st.since.IsZero() {
 		st.since = time.Now()
 	}
 	st.body = append(st.body, data...)

@@ -1143,6 +1143,29 @@ func TestNativeHeaderTableSizeUpdate(t *testing.T) {
 // connection, freeing what it held; before, the body was held as long as the client
 // stayed connected (16 MiB a connection: 200 such connections held 2.7 GB).
 func TestNativeUnfinishedBodyTimeout(t *testing.T) {
+	testUnfinishedRequestTimeout(t, func(fr *http2.Framer) error {
+		msg := oneCall("half")
+		return fr.WriteData(1, false, msg[:len(msg)-1]) // its last byte never comes
+	})
+}
+
+// Likewise a call whose headers came and no byte of its body, with or without empty DATA
+// frames. Before, no deadline was set for it: held for as long as the client liked, and
+// 1,024 connections each holding one kept every Envoy out (the listener's cap; such a
+// connection is not idle, so none was closed to make room).
+func TestNativeHeadersOnlyTimeout(t *testing.T) {
+	t.Run("no DATA", func(t *testing.T) {
+		testUnfinishedRequestTimeout(t, func(*http2.Framer) error { return nil })
+	})
+	t.Run("empty DATA", func(t *testing.T) {
+		testUnfinishedRequestTimeout(t, func(fr *http2.Framer) error { return fr.WriteData(1, false, nil) })
+	})
+}
+
+// testUnfinishedRequestTimeout opens a call (its headers), has more write what else of it
+// comes, and fails t unless the connection is closed soon after the frame timeout, while
+// other frames keep coming, and a call after it is answered.
+func testUnfinishedRequestTimeout(t *testing.T, more func(fr *http2.Framer) error) {
 	defer goleak.VerifyNone(t)
 	s := testServer(t)
 	s.cfg.FrameTimeout = 300 * time.Millisecond
@@ -1165,8 +1188,7 @@ func TestNativeUnfinishedBodyTimeout(t *testing.T) {
 	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block, EndHeaders: true}); err != nil {
 		t.Fatal(err)
 	}
-	msg := oneCall("half")
-	if err := fr.WriteData(1, false, msg[:len(msg)-1]); err != nil { // its last byte never comes
+	if err := more(fr); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, func() bool { return conns() == 1 })
