@@ -425,6 +425,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	warnExposed(log, *admin, *envoyRLS)
+	warnFileLimit(log, *maxConns, *admin != "", *envoyRLS != "" || activated.envoy != nil)
 	// Bind everything before announcing anything, and undo what a failed start created:
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
@@ -1068,6 +1069,35 @@ func warnOpenSockets(log *slog.Logger, mode os.FileMode, socket string, activate
 	warn(socket, activated)
 	if path, ok := strings.CutPrefix(envoyRLS, "unix:"); ok && path != "" {
 		warn(path, envoyActivated)
+	}
+}
+
+// fileLimitSpare is the descriptors a daemon uses besides its clients' connections: Redis
+// connections (one pool per master), the rules' files and their watches, the listeners.
+const fileLimitSpare = 64
+
+// warnFileLimit warns when the open-file limit (its soft limit, which Go raises to the
+// hard one at start) is below what the connection caps take: --max-conns on the socket,
+// 64 on the admin endpoint, 1,024 on the Envoy listener, and fileLimitSpare. Past the
+// limit a connection cannot be accepted at all, so instead of being answered
+// too_many_connections a client waits in the listen backlog, unanswered (with `ulimit -n
+// 200` and the default --max-conns, seen by the hostile-client audit), and the daemon only
+// logs that accept failed. The systemd unit sets LimitNOFILE=65536.
+func warnFileLimit(log *slog.Logger, maxConns int, admin, envoy bool) {
+	var r syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &r) != nil {
+		return
+	}
+	need := uint64(maxConns) + fileLimitSpare
+	if admin {
+		need += 64
+	}
+	if envoy {
+		need += 1024
+	}
+	if r.Cur < need {
+		log.Warn("the open-file limit is below what the connection caps take: clients past it wait unanswered, not told too_many_connections; raise it (LimitNOFILE=, ulimit -n) or lower --max-conns",
+			"limit", r.Cur, "needed", need, "max_conns", maxConns)
 	}
 }
 
