@@ -298,13 +298,20 @@ local function refusal(sock, decode, deadline)
   return nil
 end
 
--- stale reports whether err, a failure to write a request on sock or to read the first
--- byte of its answer, says the daemon had closed the connection: one taken from the
--- pool (reused) whose close nginx had not seen yet. The daemon read nothing of the
--- request then (it answers whatever it read before it closes: a graceful restart, or
--- --idle-timeout), so the request is sent again on another connection.
-local function stale(sock, err)
-  if err ~= "closed" and err ~= "broken pipe" and err ~= "connection reset by peer" then
+-- stale reports whether err, a failure to write a request on sock (writing true) or to
+-- read the first byte of its answer, says the daemon had closed the connection without
+-- reading the request: one taken from the pool (reused) whose close nginx had not seen
+-- yet (a graceful restart, --idle-timeout). The request was not decided then, so it is
+-- sent again on another connection. That is so when the write fails (nothing of the
+-- frame was taken), and when the read is reset: on a Unix socket a peer that closes
+-- with bytes unread resets the connection, and the daemon reads a frame whole before
+-- deciding it. Not after end-of-file ("closed") on the read: the daemon then took every
+-- byte sent and closed without answering (it died, or a drain timed out, while deciding
+-- a request it may have counted), and a resend could count the check twice
+-- (proto/PROTOCOL.md: only what the drain's farewell leaves unanswered is unread). Before,
+-- that end-of-file was sent again too, as the Go, Python, Node and HAProxy clients never do.
+local function stale(sock, err, writing)
+  if err ~= "connection reset by peer" and not (writing and (err == "broken pipe" or err == "closed")) then
     return false
   end
   local n = sock:getreusedtimes()
@@ -356,7 +363,7 @@ local function attempt(self, frame, id, deadline)
     if resp then
       return resp
     end
-    local retry = stale(sock, err)
+    local retry = stale(sock, err, true)
     local r1, r2, r3 = drop(sock, "writing to", self.path, err)
     return r1, r2, r3, retry
   end

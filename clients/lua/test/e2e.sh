@@ -1053,7 +1053,20 @@ for i in $(seq 10); do
   codes+=$(curl -s --max-time 5 -o /dev/null -w '%{http_code} ' -X POST -H 'X-User: stale-pool' "http://127.0.0.1:$held_port/login")
 done
 expect "stand-in: /login checks meeting pooled connections the sidecar closed: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
-expect "stand-in: some met a closed pooled connection (the case was exercised)" "$(($(grep -c '^stale stale-pool' "$tmp/held-events" || true) > 0))" 1
+expect "stand-in: some met a closed pooled connection (the case was exercised)" "$(($(grep -c '^stale ' "$tmp/held-events" || true) > 0))" 1
+# A pooled connection on which the sidecar read the check whole and closed without an
+# answer (end-of-file: a daemon that died, or whose drain timed out, while deciding it):
+# the check may have been counted, so it is not sent again; the policy decides it
+# (/login's 503). Before, nginx sent it again on another connection: counted twice.
+codes=""
+for i in $(seq 10); do
+  codes+=$(curl -s --max-time 5 -o /dev/null -w '%{http_code} ' -X POST -H 'X-User: eof-pool' "http://127.0.0.1:$held_port/login")
+done
+eof_checks=$(awk '($1 == "check" && $2 == "eof-pool") || ($1 == "eof" && $2 == "eof-pool") { n++ } END { print n + 0 }' "$tmp/held-events")
+eofs=$(grep -c '^eof eof-pool' "$tmp/held-events" || true)
+expect "stand-in: 10 /login checks, some met end-of-file unanswered: each sent once (checks the sidecar read)" "$eof_checks" 10
+expect "stand-in: some met end-of-file unanswered (the case was exercised)" "$((eofs > 0))" 1
+expect "stand-in: each check that met end-of-file was decided by the policy (503s)" "$(grep -o 503 <<<"$codes" | wc -l)" "$eofs"
 # The same, with the drain's farewell (an error shutting_down, id 0) as the answer: the
 # check was not read, and is sent again on another connection; before, the error went to
 # the failure policy (/login's 503).

@@ -11,10 +11,18 @@ It writes one line per event to LOG, with the time in ms since it started:
 
 A check whose user is "stale-pool" is answered allowed without a lease (its connection
 goes back to the gateway's pool), and the next check that comes on that connection is not
-read: the stand-in closes it, as the daemon closes a connection (a restart,
---idle-timeout) that the gateway takes from its pool before it sees the close:
+read: once it is there the stand-in closes the connection with it unread (the gateway's
+read is reset), as the daemon closes a connection (a restart, --idle-timeout) that the
+gateway takes from its pool before it sees the close:
 
-    stale USER T                a check came on a connection closed unanswered
+    stale T                     a check came on a connection closed with it unread
+
+A check whose user is "eof-pool" is answered the same way, and the next check on that
+connection is read whole and the connection closed without an answer (the gateway reads
+end-of-file), as a daemon that dies, or whose drain times out, while deciding it: the
+check may have been counted, and is not to be sent again:
+
+    eof USER T                  a check read, its connection closed unanswered
 
 A check whose user is "farewell-pool" is answered the same way, and the next check on that
 connection is read and answered with the drain's farewell (an error shutting_down, id 0),
@@ -44,6 +52,7 @@ Usage: /usr/bin/python3 held_sidecar.py SOCKET LOG (Debian's python3-msgpack).
 """
 
 import itertools
+import select
 import socket
 import struct
 import sys
@@ -86,9 +95,15 @@ def read_exact(c, n):
 
 def serve(c):
     stale = False  # the connection answered a stale-pool check: the next is not read
+    eof = False  # the connection answered an eof-pool check: the next is read, not answered
     farewell = False  # the connection answered a farewell-pool check: the next gets the farewell
     with c:
         while True:
+            if stale:
+                select.select([c], [], [])
+                if c.recv(1, socket.MSG_PEEK):  # the next check is there: closed unread
+                    log("stale %d" % now_ms())
+                return
             head = read_exact(c, 4)
             if head is None:
                 return
@@ -98,8 +113,8 @@ def serve(c):
             req = msgpack.unpackb(body, raw=False)
             rid, op = req.get("id", 0), req.get("op")
             user = dict(req.get("attrs") or {}).get("user", "")
-            if stale:
-                log("stale %s %d" % (user, now_ms()))
+            if eof:
+                log("eof %s %d" % (user, now_ms()))
                 return
             if farewell:
                 log("farewell %s %d" % (user, now_ms()))
@@ -120,8 +135,8 @@ def serve(c):
                 c.sendall(struct.pack(">I", len(out)) + out)
                 c.shutdown(socket.SHUT_WR)
                 return
-            if op == "check" and user in ("stale-pool", "farewell-pool"):
-                stale, farewell = user == "stale-pool", user == "farewell-pool"
+            if op == "check" and user in ("stale-pool", "eof-pool", "farewell-pool"):
+                stale, eof, farewell = user == "stale-pool", user == "eof-pool", user == "farewell-pool"
                 log("check %s - %d" % (user, now_ms()))
                 ans = {"id": rid, "allowed": True, "rule": "", "limit": 0, "remaining": 0, "reset_ms": 0,
                        "retry_after_ms": 0, "rules": []}
