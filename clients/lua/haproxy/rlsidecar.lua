@@ -107,6 +107,25 @@ local function now_ms()
   return t.sec * 1000 + t.usec / 1000
 end
 
+-- A connection the daemon refuses as it accepts it (too_many_connections: it is at its
+-- --max-conns) backs off, per Lua state and address: from 10 ms, doubling up to 1 s, a
+-- random half to all of each wait, as the Go, Python and Node clients' dials and nginx's.
+-- Meanwhile checks are decided by the policy at once, without a connect; the first
+-- answer after the wait ends it. Before, every check connected again to a daemon at its
+-- cap (one more connection it had to accept, answer and close) and was refused again.
+local BACKOFF_MIN_MS, BACKOFF_MAX_MS = 10, 1000
+local refusals = {} -- address -> { n = refusals in a row, retry_at = now_ms(), err = the last }
+
+local function refused(address, e)
+  local f = refusals[address] or { n = 0 }
+  f.n = f.n + 1
+  f.err = "reading from " .. address .. ": too_many_connections: " .. tostring(e.message)
+  local d = f.n >= 8 and BACKOFF_MAX_MS or math.min(BACKOFF_MIN_MS * 2 ^ (f.n - 1), BACKOFF_MAX_MS)
+  f.retry_at = now_ms() + d / 2 + math.random() * d / 2
+  refusals[address] = f
+  return nil, f.err
+end
+
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
 -- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
@@ -116,6 +135,10 @@ end
 -- read) waits for what is left of it, where a timeout set once bounded each step by
 -- timeout_ms, several times it in all.
 local function roundtrip(address, timeout_ms, frame, id, releases)
+  local f = refusals[address]
+  if f and now_ms() < f.retry_at then
+    return nil, "backing off after " .. f.n .. " refused connection(s): " .. f.err
+  end
   local deadline = now_ms() + timeout_ms
   local sock = core.tcp()
   sock:settimeout(timeout_ms / 1000)
@@ -195,6 +218,9 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
         -- the farewell. Before, the check was sent on after it, unread, and met the
         -- close: the policy decided (a 503 under closed) instead of the successor.
         sock:close()
+        if r.error.code == "too_many_connections" then
+          return refused(address, r.error)
+        end
         return r
       end
     end
@@ -213,12 +239,16 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
   if type(resp) == "table" and resp.id == 0 and type(resp.error) == "table" then
     -- An error about a request the daemon could not read (frame_too_large: it closes).
     sock:close()
+    if resp.error.code == "too_many_connections" then
+      return refused(address, resp.error)
+    end
     return resp
   end
   if type(resp) ~= "table" or resp.id ~= id then
     sock:close()
     return nil, "an answer to another request from " .. address
   end
+  refusals[address] = nil -- it answers again
   return resp, sock
 end
 

@@ -324,13 +324,37 @@ end
 -- logs each connect() that fails itself, whatever lua_socket_log_errors says (at error
 -- for a refused one, at crit for a missing socket file): before, a daemon away logged
 -- one line a request (5,800 in a second's restart under 20 clients), now about one a
--- second a worker. The first answer after a failure ends the backoff.
+-- second a worker. The first answer after a failure ends the backoff. A connection the
+-- daemon refuses as it accepts it (too_many_connections: it is at its --max-conns) is a
+-- failed connect too, as in the Go, Python and Node clients: before, every check connected
+-- again to a daemon at its cap, and was refused again.
 local BACKOFF_MIN, BACKOFF_MAX = 0.010, 1.0
 local dial_failures = {} -- path -> { n = failed connects in a row, retry_at = clock() seconds, err = the last }
 
 local function backoff(n)
   local d = n >= 8 and BACKOFF_MAX or math.min(BACKOFF_MIN * 2 ^ (n - 1), BACKOFF_MAX)
   return d / 2 + math.random() * d / 2
+end
+
+-- dial_failed counts a failed connect to self's socket (why) and sets when the next may be.
+local function dial_failed(self, why)
+  local f = dial_failures[self.path] or { n = 0 }
+  f.n, f.err = f.n + 1, why
+  f.retry_at = clock() + backoff(f.n)
+  dial_failures[self.path] = f
+end
+
+-- refused returns attempt's failure when resp, an error with id 0, is the daemon's
+-- too_many_connections: the connection (closed) refused as it was accepted, a failed
+-- connect, backed off and decided by the policy (unreachable). Else nil.
+local function refused(self, resp)
+  local e = resp.error
+  if e.code ~= "too_many_connections" then
+    return nil
+  end
+  local why = "reading from " .. self.path .. ": too_many_connections: " .. tostring(e.message)
+  dial_failed(self, why)
+  return why
 end
 
 -- attempt is one try of roundtrip on a connection from the pool or a new one; retry
@@ -343,10 +367,7 @@ local function attempt(self, frame, id, deadline)
   local ok, err = sock:connect(self.path, self.connect_opts)
   if not ok then
     local why = "connecting to " .. self.path .. ": " .. tostring(err)
-    local f = dial_failures[self.path] or { n = 0 }
-    f.n, f.err = f.n + 1, why
-    f.retry_at = clock() + backoff(f.n)
-    dial_failures[self.path] = f
+    dial_failed(self, why)
     return nil, why, true
   end
   if not left(sock, deadline) then
@@ -361,6 +382,10 @@ local function attempt(self, frame, id, deadline)
     -- stalled, and the request has had its time.)
     local resp = err ~= "timeout" and refusal(sock, self.decode, deadline)
     if resp then
+      local why = refused(self, resp)
+      if why then
+        return nil, why, true
+      end
       return resp
     end
     local retry = stale(sock, err, true)
@@ -381,6 +406,10 @@ local function attempt(self, frame, id, deadline)
         -- The drain's farewell (or a connection it accepted and does not serve): the
         -- request was not read, so not decided: sent again on another connection.
         return nil, "reading from " .. self.path .. ": shutting_down", true, true
+      end
+      local why = refused(self, resp)
+      if why then
+        return nil, why, true
       end
       return resp
     end

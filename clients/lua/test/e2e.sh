@@ -1127,6 +1127,55 @@ for lease in $twice_leases; do
     "$([ -n "$(release_event "$lease")" ] && echo released)" released
 done
 
+echo "-- nginx and HAProxy back off from a daemon at its --max-conns (too_many_connections)"
+# A second real daemon, --max-conns 1, its one connection held by a client that sends
+# nothing: every connection past it is answered too_many_connections and closed
+# (rlsidecar_connections_closed_total{reason="too_many_connections"} counts them). 100
+# requests through each gateway (the open policy: 200s) must not be 100 refused
+# connections: the first refusal backs off (10 ms doubling to 1 s), and checks meanwhile
+# are decided by the policy without a connect. Before, each check connected and was
+# refused again.
+capped="$tmp/capped.sock"
+capped_admin=$(free_port)
+"$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$capped" --admin "127.0.0.1:$capped_admin" --max-conns 1 \
+  >"$tmp/capped.log" 2>&1 &
+pids+=($!)
+wait_for "the capped daemon" "$tmp/rlsidecar" check --socket "$capped" user=probe-nobody-uses path=/probe
+/usr/bin/python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); time.sleep(3600)' "$capped" &
+pids+=($!)
+capped_metric() { # capped_metric NAME: its value on the capped daemon's /metrics
+  curl -s "http://127.0.0.1:$capped_admin/metrics" | awk -v n="$1" '$1 == n { print $2 }'
+}
+capped_refused() { capped_metric 'rlsidecar_connections_closed_total{reason="too_many_connections"}'; }
+capped_held() { [ "$(capped_metric rlsidecar_connections)" = 1 ]; }
+wait_for "the capped daemon's one connection held" capped_held
+capped_port=$(free_port)
+mkdir -p "$tmp/nginx-capped/logs"
+sed -e "s#$held#$capped#g" -e "s#listen 127.0.0.1:$held_port;#listen 127.0.0.1:$capped_port;#" \
+  -e "s#$tmp/nginx-held\([;/]\)#$tmp/nginx-capped\1#g" \
+  "$tmp/nginx-held/nginx.conf" >"$tmp/nginx-capped/nginx.conf"
+nginx -e "$tmp/nginx-capped.log" -p "$tmp/nginx-capped" -c "$tmp/nginx-capped/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-capped/nginx.pid;" 2>>"$tmp/nginx-capped.log" &
+pids+=($!)
+wait_for "nginx (capped daemon)" curl -sf "http://127.0.0.1:$capped_port/__sleeps"
+capped_hap_port=$(free_port)
+sed -e "s#$held#$capped#g" -e "s#bind 127.0.0.1:$held_hap_port#bind 127.0.0.1:$capped_hap_port#" \
+  "$tmp/haproxy-held.cfg" >"$tmp/haproxy-capped.cfg"
+haproxy -db -f "$tmp/haproxy-capped.cfg" >"$tmp/haproxy-capped.log" 2>&1 &
+pids+=($!)
+wait_for "haproxy (capped daemon)" curl -sf "http://127.0.0.1:$capped_hap_port/static/x"
+for gw in "nginx $capped_port" "haproxy $capped_hap_port"; do
+  set -- $gw
+  args=()
+  for i in $(seq 100); do args+=(-o /dev/null "http://127.0.0.1:$2/api/items"); done
+  before=$(capped_refused)
+  codes=$(curl -s --max-time 60 -w '%{http_code}\n' "${args[@]}" | sort | uniq -c | awk '{ print $2 "x" $1 }' | tr '\n' ' ')
+  after=$(capped_refused)
+  refused=$((after - before))
+  expect "capped daemon: $1, 100 requests decided by the open policy" "$codes" "200x100 "
+  expect "capped daemon: $1, some connections refused (the case was exercised)" "$((refused > 0))" 1
+  expect "capped daemon: $1, backs off: at most 50 of 100 checks connected and were refused (refused $refused)" "$((refused <= 50))" 1
+done
+
 echo "-- the daemon stops: the unreachable policies"
 kill "$daemon_pid"
 wait "$daemon_pid" 2>/dev/null || true
