@@ -31,7 +31,10 @@
 # release on a semaphore, not by polling, bounded by its timeout, and that a request held
 # for a delay whose client goes away ends then, its lease released; that HAProxy releases
 # both leases of a request checked by two lua.rlsidecar lines before the next request on
-# its keep-alive connection is checked. Then it stops the daemon
+# its keep-alive connection is checked; that nginx sends a check again after a pooled
+# connection's reset (closed unread) but not after end-of-file with no answer (it may have
+# been counted). With a second daemon at --max-conns 1: that nginx and HAProxy back off
+# after too_many_connections. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
