@@ -159,6 +159,16 @@ func (c *calendar) midnight(y int, m time.Month, d int) int64 {
 		lt := time.Unix(0, x).In(c.loc)
 		_, off := lt.Zone()
 		_, e := lt.ZoneBounds()
+		if !e.IsZero() && e.UnixNano() <= x {
+			// Go's ZoneBounds (golang/go#81583): where a zone's POSIX TZ rule serves a
+			// leap year (past its last written transition: since 2007 in New York), the
+			// year's last period ends 365 days after the year began, at 00:00 UTC on
+			// December 31, before x. It ends at the next year's start, with no change
+			// of offset. Before, the search stalled there and returned wall read as
+			// UTC: in New York December 30 ended at 19:00, and so did December 31
+			// and December, in every leap year; in Paris December 31 ended at 01:00.
+			e = time.Date(time.Unix(0, x).UTC().Year()+1, 1, 1, 0, 0, 0, 0, time.UTC)
+		}
 		cand := max(x, wall-int64(off)*int64(time.Second))
 		if e.IsZero() || cand < e.UnixNano() {
 			return cand

@@ -38,6 +38,18 @@ func TestCalendarBoundaries(t *testing.T) {
 		{"leap february", "UTC", Month, "2028-02-29T23:59:59Z", "2028-02-01T00:00:00Z", "2028-03-01T00:00:00Z"},
 		{"plain february", "Europe/Paris", Month, "2027-02-15T00:00:00+01:00", "2027-02-01T00:00:00+01:00", "2027-03-01T00:00:00+01:00"},
 		{"leap week", "UTC", Week, "2028-02-29T00:00:00Z", "2028-02-28T00:00:00Z", "2028-03-06T00:00:00Z"},
+		// The end of a leap year in zones whose rules Go's zoneinfo.zip gives as a POSIX TZ
+		// string (golang/go#81583: ZoneBounds ends that year's last period on December
+		// 31 at 00:00 UTC). Before, in New York December 30 ended at 19:00, December 31
+		// ran from then to 19:00 on the 31st, when December ended too; Paris's December
+		// 31 lasted until 01:00, Sydney's January 1 began at 11:00.
+		{"new york, the day before a leap year's last", "America/New_York", Day, "2028-12-30T12:00:00-05:00", "2028-12-30T00:00:00-05:00", "2028-12-31T00:00:00-05:00"},
+		{"new york, a leap year's last day", "America/New_York", Day, "2028-12-31T12:00:00-05:00", "2028-12-31T00:00:00-05:00", "2029-01-01T00:00:00-05:00"},
+		{"new york, a leap year's december", "America/New_York", Month, "2028-12-31T20:00:00-05:00", "2028-12-01T00:00:00-05:00", "2029-01-01T00:00:00-05:00"},
+		{"new york, january after a leap year", "America/New_York", Month, "2029-01-01T00:00:00-05:00", "2029-01-01T00:00:00-05:00", "2029-02-01T00:00:00-05:00"},
+		{"paris, a leap year's last day", "Europe/Paris", Day, "2024-12-31T12:00:00+01:00", "2024-12-31T00:00:00+01:00", "2025-01-01T00:00:00+01:00"},
+		{"sydney, the first day after a leap year", "Australia/Sydney", Day, "2029-01-01T05:00:00+11:00", "2029-01-01T00:00:00+11:00", "2029-01-02T00:00:00+11:00"},
+		{"santiago, a leap year's last week", "America/Santiago", Week, "2024-12-31T12:00:00-03:00", "2024-12-30T00:00:00-03:00", "2025-01-06T00:00:00-03:00"},
 		// Weeks start on Monday, across a year end.
 		{"week across a year end, thursday", "Europe/Berlin", Week, "2026-12-31T10:00:00+01:00", "2026-12-28T00:00:00+01:00", "2027-01-04T00:00:00+01:00"},
 		{"week across a year end, sunday night", "Europe/Berlin", Week, "2027-01-03T23:59:59+01:00", "2026-12-28T00:00:00+01:00", "2027-01-04T00:00:00+01:00"},
