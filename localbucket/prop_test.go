@@ -53,7 +53,11 @@ func checkTake(t *rapid.T, l *Limit, s State, now int64, cost uint64) (State, Re
 
 	// Against a peek on the same state: consuming is exact, rejecting consumes nothing.
 	p := peek(l, s, now)
-	if r.Allowed && cost > 0 {
+	if r.Delay > 0 { // a delayed request (WithDelay) reserves what was not there yet
+		if r.Remaining != 0 || max(cost, 1) <= p.Remaining {
+			t.Fatalf("cost %d delayed %d with remaining %d, peek said %d", cost, r.Delay, r.Remaining, p.Remaining)
+		}
+	} else if r.Allowed && cost > 0 {
 		if r.Remaining != p.Remaining-cost {
 			t.Fatalf("remaining %d after cost %d, peek said %d", r.Remaining, cost, p.Remaining)
 		}
