@@ -58,10 +58,10 @@ type modelBanKey struct {
 	until           int64 // the current (or last) ban ends; 0: never banned
 }
 
-// TestBansAgainstAModel runs random checks (costs 0 to 3 against a capacity of 2),
-// sweeps, reloads (changing the factor, removing the penalty, putting it back) and steps
-// of the clock against a local penalty rule and a model of the rule's fixed window and
-// of the penalty as README states it: a key the rule refuses `after` times within
+// TestBansAgainstAModel runs random checks (costs 0 to 3 against a capacity of 2), lifts
+// (the admin endpoint's DELETE), sweeps, reloads (changing the factor, removing the
+// penalty, putting it back) and steps of the clock against a local penalty rule and a
+// model of the rule's fixed window and of the penalty as README states it: a key the rule refuses `after` times within
 // `within` (a fixed window started by its first refusal; cost-0 checks and costs above
 // the capacity not counted) is banned for ban × factor^n (n: its earlier bans since the
 // count decayed, at most max), the count decaying after max without a ban; a ban lasts
@@ -93,7 +93,7 @@ func TestBansAgainstAModel(t *testing.T) {
 			return min(int64(d), maxBan)
 		}
 		for step := rapid.IntRange(1, 80).Draw(rt, "steps"); step > 0; step-- {
-			switch rapid.IntRange(0, 7).Draw(rt, "op") {
+			switch rapid.IntRange(0, 8).Draw(rt, "op") {
 			case 0, 1, 2, 3: // check
 				user := rapid.SampledFrom([]string{"ann", "bob"}).Draw(rt, "user")
 				cost := rapid.SampledFrom([]uint64{0, 1, 1, 1, 2, 3}).Draw(rt, "cost")
@@ -177,6 +177,16 @@ func TestBansAgainstAModel(t *testing.T) {
 				now += int64(rapid.IntRange(1, 6000).Draw(rt, "ms")) * int64(time.Millisecond)
 			case 7:
 				now += int64(rapid.IntRange(1, 30).Draw(rt, "s")) * int64(time.Second)
+			case 8: // DELETE /bans/r/user=…: ends the ban, forgets the refusals and bans
+				user := rapid.SampledFrom([]string{"ann", "bob"}).Draw(rt, "lift")
+				want := false
+				if k := keys[user]; k != nil {
+					want = k.until > now
+					k.within, k.refusals, k.bans, k.until = 0, 0, 0, 0
+				}
+				if got := l.LiftBan("r:{user="+user+"}", now); got != want {
+					rt.Fatalf("lift of %s at +%v: %v, model %v", user, time.Duration(now-t0), got, want)
+				}
 			}
 			// The listing: the bans in force, their time left and count.
 			listed := map[string]Ban{}
