@@ -107,6 +107,30 @@ func TestCalendarGlobalBoundaries(t *testing.T) {
 	}
 }
 
+// TestCalendarGlobalRetryNotEarly: a global calendar window's retry-after and reset,
+// once rounded up to ms as the wire has them, are never before the window's end. The
+// daemon sends the script the time left in the window in µs; it rounded it down, so with
+// 1 s and 1 ns left the answer said retry after 1000 ms, and a client that waited that
+// long was refused again, 1 ns before the end (and, under a penalty, would have had that
+// refusal counted toward a ban).
+func TestCalendarGlobalRetryNotEarly(t *testing.T) {
+	rdb := realRedis(t)
+	l := policyLimiter(t, rdb, "rules:\n  - name: calretry\n    key: user\n    limit: { requests: 1, per: day }\n")
+	end := time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC).UnixNano()
+	now := end - int64(time.Second) - 1 // 1 s and 1 ns before the day ends
+	check := annChecker(t)
+	if r := check(l, now); !r.Allowed || CeilMs(r.Reset) != 1001 {
+		t.Fatalf("first take: %+v, want allowed, reset 1001 ms", r)
+	}
+	r := check(l, now)
+	if r.Allowed || CeilMs(r.RetryAfter) != 1001 {
+		t.Fatalf("second take: %+v, want refused, retry after 1001 ms", r)
+	}
+	if r := check(l, now+int64(CeilMs(r.RetryAfter))*int64(time.Millisecond)); !r.Allowed {
+		t.Fatalf("refused again after waiting the retry-after: %+v", r)
+	}
+}
+
 // TestDelayGlobalNginxBurst is nginx's documented limit_req example (rate=1r/s burst=5,
 // no nodelay) in global mode across two limiters on one Redis (standalone and Cluster):
 // six requests at once pass with waits of 0, 1, ..., 5 s, whichever daemon they reach;

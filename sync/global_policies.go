@@ -22,7 +22,8 @@ const (
 // appendScriptArgs appends op's 7 global.lua ARGV values to args.
 //
 //   - a calendar window (algorithm 3): requests, its length in µs, requests, the time
-//     left in it at the daemon's clock in µs (GlobalOp.WindowLeft; at least 1), cost,
+//     left in it at the daemon's clock in µs (GlobalOp.WindowLeft, rounded up; at
+//     least 1), cost,
 //     shadow. Its key names the window, so the script needs no clock for it;
 //   - a ban check (algorithm 5): 1, 1, 1, the shift of Redis TIME in ms (tests), 0, shadow;
 //   - a lease slot (algorithm 6): max, the lease in ms (at least 1), the member,
@@ -44,7 +45,9 @@ func appendScriptArgs(args []any, op *GlobalOp) []any {
 			LeaseGrace.Milliseconds(), b01(lo.Take), shadow)
 	}
 	if unit, _ := l.Calendar(); unit != localbucket.NoCalendar {
-		left := max(op.WindowLeft.Microseconds(), 1)
+		// Rounded up: the script answers reset and retry-after as left µs, and a retry
+		// must never be early (rounded down, 1 s and 1 ns left said retry in 1000 ms).
+		left := max(int64((op.WindowLeft+time.Microsecond-1)/time.Microsecond), 1)
 		return append(args, algCalendar, l.Requests(), l.Window().Microseconds(), l.Requests(), left, op.Cost, shadow)
 	}
 	alg, w := int(l.Algorithm()), l.Window().Microseconds()
