@@ -1,21 +1,23 @@
 package limiter
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	"pgregory.net/rapid"
 )
 
-// banModelRules are the rule sets the bans model reloads between: the same fixed window
-// (2 per 4s, aligned to the epoch) with a penalty, with a penalty of another factor, and
+// banModelRules are the rule sets the bans model reloads between: the same limit of 2
+// per 4s (of the algorithm drawn, the format's argument) with a penalty, with a penalty of another factor, and
 // without one; each with a rule of 3 per 4s, without a penalty, on the IP every user
 // shares.
 var banModelRules = []string{`
 rules:
   - name: r
     key: user
-    algorithm: fixed_window
+    algorithm: %[1]s
     limit: { requests: 2, per: 4s }
     penalty: { after: 3, within: 20s, ban: 3s, factor: 2, max: 10s }
   - name: ip
@@ -26,7 +28,7 @@ rules:
 rules:
   - name: r
     key: user
-    algorithm: fixed_window
+    algorithm: %[1]s
     limit: { requests: 2, per: 4s }
     penalty: { after: 3, within: 20s, ban: 3s, factor: 3, max: 10s }
   - name: ip
@@ -37,7 +39,7 @@ rules:
 rules:
   - name: r
     key: user
-    algorithm: fixed_window
+    algorithm: %[1]s
     limit: { requests: 2, per: 4s }
   - name: ip
     key: ip
@@ -48,27 +50,29 @@ rules:
 // banModelFactor is each of banModelRules' penalty factor; 0: no penalty.
 var banModelFactor = []float64{2, 3, 0}
 
-// modelBanKey is one key's state in the bans model: its fixed window's count, and its
-// penalty record as README's "penalty" paragraph defines it.
+// modelBanKey is one key's state in the bans model: its bucket, and its penalty record
+// as README's "penalty" paragraph defines it.
 type modelBanKey struct {
-	winStart, count int64 // the rule's fixed window and what it holds
-	within          int64 // start of the current `within` window of refusals
-	refusals        int   // in it; 0: no window
-	bans            int   // bans since the count last decayed
-	until           int64 // the current (or last) ban ends; 0: never banned
+	st       localbucket.State // the rule's bucket (localbucket's Take decides it)
+	within   int64             // start of the current `within` window of refusals
+	refusals int               // in it; 0: no window
+	bans     int               // bans since the count last decayed
+	until    int64             // the current (or last) ban ends; 0: never banned
 }
 
-// TestBansAgainstAModel runs random checks (costs 0 to 3 against a capacity of 2), lifts
-// (the admin endpoint's DELETE), sweeps, reloads (changing the factor, removing the
-// penalty, putting it back) and steps of the clock against a local penalty rule and a
-// model of the rule's fixed window and of the penalty as README states it: a key the rule refuses `after` times within
-// `within` (a fixed window started by its first refusal; cost-0 checks and costs above
-// the capacity not counted) is banned for ban × factor^n (n: its earlier bans since the
-// count decayed, at most max), the count decaying after max without a ban; a ban lasts
-// at least until the rule would admit the refused request; while banned every check is
-// refused with the ban's remaining time and takes nothing; a reload that removes the
-// penalty ends and forgets the bans. Every answer's allowed, banned and retry_after, and
-// the listing of bans, must be the model's.
+// TestBansAgainstAModel runs random checks (costs 0 to 3 against a capacity of 2),
+// lifts (the admin endpoint's DELETE), sweeps, reloads (changing the factor, removing
+// the penalty, putting it back) and steps of the clock against a local penalty rule (a
+// fixed window, sliding window or token bucket) and a model: the rule decided by
+// localbucket's Take (TestTakeProperties checks it alone), the penalty as README states
+// it: a key the rule refuses `after` times within `within` (a fixed window started by
+// its first refusal; cost-0 checks and costs above the capacity not counted) is banned
+// for ban × factor^n (n: its earlier bans since the count decayed, at most max), the
+// count decaying after max without a ban; a ban lasts at least until the rule would
+// admit the refused request; while banned every check is refused with the ban's
+// remaining time and takes nothing; a reload that removes the penalty ends and forgets
+// the bans. Every answer's allowed, banned and retry_after, and the listing of bans,
+// must be the model's.
 func TestBansAgainstAModel(t *testing.T) {
 	const (
 		after   = 3
@@ -76,12 +80,19 @@ func TestBansAgainstAModel(t *testing.T) {
 		ban     = int64(3 * time.Second)
 		maxBan  = int64(10 * time.Second)
 		window  = int64(4 * time.Second)
-		limit   = 2
+		limit   = 2 // the rule's requests per window, its capacity
 		ipLimit = 3
 	)
 	rapid.Check(t, func(rt *rapid.T) {
+		alg := rapid.SampledFrom([]localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket}).Draw(rt, "algorithm")
+		algName := map[localbucket.Algorithm]string{localbucket.FixedWindow: "fixed_window", localbucket.SlidingWindow: "sliding_window", localbucket.TokenBucket: "token_bucket"}[alg]
+		rlim, err := localbucket.NewLimit(alg, limit, time.Duration(window), 0)
+		if err != nil {
+			rt.Fatal(err)
+		}
+		rules := func(set int) string { return fmt.Sprintf(banModelRules[set], algName) }
 		set := 0
-		l := newLimiter(t, banModelRules[set])
+		l := newLimiter(t, rules(set))
 		keys := map[string]*modelBanKey{}
 		var ipStart, ipCount int64 // the ip rule's window
 		now := t0
@@ -105,28 +116,26 @@ func TestBansAgainstAModel(t *testing.T) {
 				var wantAllowed, wantBanned, wantStarted, ipAllowed bool
 				var wantRetry, ipRetry int64
 				start := now - now%window
-				if k.winStart != start {
-					k.winStart, k.count = start, 0
-				}
 				if ipStart != start {
 					ipStart, ipCount = start, 0
 				}
 				if ipAllowed = int64(max(cost, 1)) <= ipLimit-ipCount; !ipAllowed && cost <= ipLimit {
 					ipRetry = start + window - now
 				}
+				next, res := rlim.Take(k.st, now, cost)
 				switch {
 				case banModelFactor[set] != 0 && k.until > now:
 					wantBanned, wantRetry = true, k.until-now
-				case cost > limit:
+				case res.Impossible:
 					// never passes: not counted
-				case int64(max(cost, 1)) <= limit-k.count:
+				case res.Allowed:
 					wantAllowed = true
 					if ipAllowed { // all or nothing
-						k.count += int64(cost)
+						k.st = next
 						ipCount += int64(cost)
 					}
 				default:
-					wantRetry = start + window - now
+					wantRetry = res.RetryAfter
 					if banModelFactor[set] == 0 || cost == 0 {
 						break
 					}
@@ -167,7 +176,7 @@ func TestBansAgainstAModel(t *testing.T) {
 				l.Sweep(now)
 			case 5: // reload
 				set = rapid.IntRange(0, len(banModelRules)-1).Draw(rt, "rules")
-				l.SetRules(mustRules(t, banModelRules[set]))
+				l.SetRules(mustRules(t, rules(set)))
 				if banModelFactor[set] == 0 {
 					for _, k := range keys {
 						k.within, k.refusals, k.bans, k.until = 0, 0, 0, 0
