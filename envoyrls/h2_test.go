@@ -1377,3 +1377,30 @@ func TestNativeIdleConnsYield(t *testing.T) {
 		}
 	}
 }
+
+// After each frame, the read deadline is set by the calls whose requests have not ended;
+// calls ended and waiting on Redis (a global rule) are not walked for it. Before, every
+// frame read with the buffer empty walked every call in flight: 4.5 µs a frame with 512
+// waiting, against 2.5 ns with none, so a connection cost more per frame the slower
+// Redis answered. The cost with 512 ended calls is compared with none's, a wide margin
+// apart (a ratio of about 1,800 before, about 1 now).
+func TestNativeBodyDeadlineSkipsEndedCalls(t *testing.T) {
+	s := testServer(t)
+	cost := func(calls uint32) float64 {
+		cn := newH2Conn(s, &fakeConn{in: bytes.NewReader(nil), closed: make(chan struct{})})
+		for id := uint32(1); id <= calls; id++ {
+			cn.streams[2*id-1] = &h2stream{id: 2*id - 1, ended: true}
+		}
+		r := testing.Benchmark(func(b *testing.B) {
+			for range b.N {
+				cn.bodyDeadline()
+			}
+		})
+		return float64(r.T.Nanoseconds()) / float64(r.N)
+	}
+	none, many := cost(0), cost(512)
+	if many > 50*none+20 {
+		t.Fatalf("bodyDeadline takes %.1f ns with 512 ended calls in flight, %.1f ns with none: it walks the ended calls", many, none)
+	}
+	t.Logf("bodyDeadline: %.1f ns with 512 ended calls in flight, %.1f ns with none", many, none)
+}
