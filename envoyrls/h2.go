@@ -287,7 +287,7 @@ type h2stream struct {
 	deadline    int64 // from grpc-timeout, Unix nanoseconds; 0: none
 	encoding    string
 	body        []byte
-	since       time.Time // when body's first bytes came (bodyDeadline)
+	since       time.Time // when its body began, or its headers-only wait did (bodyDeadline)
 	recvAvail   int64
 	recvUnacked int64
 	sendWin     int64
