@@ -51,44 +51,9 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)" # clients/lua
 repo="$(cd "$here/../.." && pwd)"
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  local p
-  for p in "${pids[@]-}"; do
-    [ -n "$p" ] && kill "$p" 2>/dev/null || true
-  done
-  for p in "${pids[@]-}"; do
-    [ -n "$p" ] && wait "$p" 2>/dev/null || true
-  done
-  if [ -n "${E2E_KEEP:-}" ]; then echo "e2e: kept $tmp" >&2; else rm -rf "$tmp"; fi
-}
-trap cleanup EXIT
+keep_var=E2E_KEEP
+. "$here/test/harness.sh"
 
-failures=0
-pass() { echo "  ok   $*"; }
-fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
-expect() { # expect WHAT GOT WANT
-  if [ "$2" == "$3" ]; then pass "$1"; else fail "$1: got [$2], want [$3]"; fi
-}
-expect_re() { # expect_re WHAT GOT REGEX
-  if [[ "$2" =~ $3 ]]; then pass "$1"; else fail "$1: got [$2], want /$3/"; fi
-}
-
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
-
-wait_for() { # wait_for WHAT COMMAND...: up to 10 s
-  local i
-  for i in $(seq 100); do
-    if "${@:2}" >/dev/null 2>&1; then return 0; fi
-    sleep 0.1
-  done
-  echo "timed out waiting for $1" >&2
-  for f in "$tmp"/*.log; do echo "--- $f" >&2; tail -20 "$f" >&2; done
-  exit 1
-}
 
 # request METHOD URL [USER]: sets status, headers (lower-case names) and body. The URL's
 # path is sent as it is (no dot segments removed by curl).

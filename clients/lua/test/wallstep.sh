@@ -17,37 +17,8 @@ if [ -z "$faketime_lib" ]; then
   echo "wallstep: libfaketime not found (apt-get install faketime)" >&2
   exit 1
 fi
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  local p
-  for p in "${pids[@]-}"; do
-    [ -n "$p" ] && kill "$p" 2>/dev/null || true
-  done
-  for p in "${pids[@]-}"; do
-    [ -n "$p" ] && wait "$p" 2>/dev/null || true
-  done
-  if [ -n "${WALLSTEP_KEEP:-}" ]; then echo "wallstep: kept $tmp" >&2; else rm -rf "$tmp"; fi
-}
-trap cleanup EXIT
-
-failures=0
-expect() { # expect WHAT GOT WANT
-  if [ "$2" == "$3" ]; then echo "  ok   $1"; else echo "  FAIL $1: got [$2], want [$3]"; failures=$((failures + 1)); fi
-}
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
-wait_for() { # wait_for WHAT COMMAND...: up to 10 s
-  local i
-  for i in $(seq 100); do
-    if "${@:2}" >/dev/null 2>&1; then return 0; fi
-    sleep 0.1
-  done
-  echo "timed out waiting for $1" >&2
-  for f in "$tmp"/*.log; do echo "--- $f" >&2; tail -20 "$f" >&2; done
-  exit 1
-}
+keep_var=WALLSTEP_KEEP
+. "$here/test/harness.sh"
 
 (cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
 cat >"$tmp/rules.yaml" <<'EOF'
