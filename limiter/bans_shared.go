@@ -364,11 +364,13 @@ func (s *sharedBans) check(now int64, d *Decision) {
 
 // refused counts op i's refusal by rule r at now (the limiter's clock): at once in Redis
 // for a global op, returning when the ban it started (or found) ends on the limiter's
-// clock (now plus the time it had left by Redis's clock), 0 when none; for a hybrid op,
-// added to the next interval's batch (0). admit (the limiter's clock; 0: none) is when r
+// clock (now plus the time it had left by Redis's clock), 0 when none, and whether this
+// refusal started it (not when another daemon's refusal started it after this check read
+// the ban: before, both answers said started, and rlsidecar_bans_total counted the ban
+// once per racing refusal); for a hybrid op, added to the next interval's batch (0). admit (the limiter's clock; 0: none) is when r
 // would admit the request again: a ban these refusals start lasts at least until then
 // (rlsync.BanRefusal.Admit).
-func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit int64) int64 {
+func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit int64) (until int64, started bool) {
 	o := &d.ops[i]
 	var buf [128]byte // a ban is of the client, under any window of r (rlsync.BanIdentity)
 	key := rlsync.AppendBanIdentity(buf[:0], o.key)
@@ -378,27 +380,27 @@ func (s *sharedBans) refused(now int64, d *Decision, i int, r *rules.Rule, admit
 		p := s.pending[string(key)]
 		if p == nil {
 			if len(s.pending) >= maxPendingRefusals {
-				return 0
+				return 0, false
 			}
 			p = &pendingRefusal{policy: policyOf(r.Penalty)}
 			s.pending[string(key)] = p
 		}
 		p.n++
 		p.admit = max(p.admit, admit)
-		return 0
+		return 0, false
 	}
 	rs := [1]rlsync.BanRefusal{{Key: string(key), N: 1, Policy: policyOf(r.Penalty), Admit: admit}}
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
 	err := s.b.Refused(ctx, now, rs[:])
 	cancel()
 	if err != nil || rs[0].Until <= rs[0].At {
-		return 0
+		return 0, false
 	}
 	s.learn(rs[0].Key, knownBan{until: rs[0].Until, count: rs[0].Count})
 	if rs[0].Started {
 		s.started(rlsync.SharedBan{Key: rs[0].Key, Until: rs[0].Until, Count: rs[0].Count})
 	}
-	return now + (rs[0].Until - rs[0].At)
+	return now + (rs[0].Until - rs[0].At), rs[0].Started
 }
 
 // list appends the bans in force this daemon knows at now (the limiter's clock).

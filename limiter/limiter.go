@@ -595,6 +595,7 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
+			started := true // a local ban is this refusal's (bans.refused)
 			if !out.Impossible && out.RetryAfter > 0 {
 				admit = now + int64(out.RetryAfter)
 			}
@@ -602,10 +603,12 @@ func (l *Limiter) report(now int64, d *Decision) {
 			case o.bans == bansLocal:
 				until = l.bans.refused(o.key, out.Rule, now, admit)
 			case !o.degraded || (o.bans == bansHybrid && o.fb.policy != rules.FailClosed): // a global op degraded: Redis is away
-				until = l.shared.refused(now, d, i, out.Rule, admit)
+				// A global refusal may find a ban another daemon's refusal started since
+				// this check read it: banned, not started here.
+				until, started = l.shared.refused(now, d, i, out.Rule, admit)
 			}
 			if until != 0 {
-				out.Banned, out.BanStarted = true, true
+				out.Banned, out.BanStarted = true, started
 				out.RetryAfter = max(out.RetryAfter, time.Duration(until-now))
 				out.Reset = max(out.Reset, out.RetryAfter)
 			}
