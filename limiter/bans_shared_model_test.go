@@ -320,3 +320,216 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 	t.Logf("checks: ban read sure %d, near a boundary %d; bans started %d (longer than the first %d, after a decay %d); model restarts %d",
 		sure.Load(), ambiguous.Load(), started.Load(), grown.Load(), decays.Load(), resyncs.Load())
 }
+
+// TestSharedBansHybridAgainstAModel is TestSharedBansGlobalAgainstAModel's model in
+// hybrid mode, where README bounds a ban by one sync interval: each daemon's refusals
+// wait for its next round (sharedBans.round, run here as RunSharedBans would at each
+// interval), which adds them to Redis at once (ban.lua's n: a batch that reaches `after`
+// starts the ban, its excess not counted) and then reads the bans in force; a check is
+// banned by what its daemon learned at its last round; a lift ends the ban in Redis and
+// on the lifting daemon, and on the other at its next round. The clock's tolerances are
+// the global test's, plus, for a banned answer's retry_after, the time the round that
+// measured the daemon's offset to Redis's clock took. Where the model cannot tell an
+// outcome at a round (near a window's, a ban's or the decay's boundary), it starts
+// afresh: every daemon's round, a lift, the rounds again.
+func TestSharedBansHybridAgainstAModel(t *testing.T) {
+	const (
+		after  = 3
+		within = int64(120)
+		ban    = int64(60)
+		maxBan = int64(150)
+		limit  = 2
+		tol    = int64(2)
+		yaml   = `
+rules:
+  - name: r
+    key: user
+    algorithm: %s
+    limit: { requests: 2, per: 40ms }
+    mode: hybrid
+    penalty: { after: 3, within: 120ms, ban: 60ms, factor: 2, max: 150ms }
+`
+	)
+	_, rdb := realRedisServer(t, 10*time.Second)
+	algs := []string{"fixed_window", "sliding_window", "token_bucket"}
+	ls := make([][2]*Limiter, len(algs))
+	for i, alg := range algs {
+		for j := range ls[i] {
+			b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ls[i][j] = policyLimiter(t, rdb, fmt.Sprintf(yaml, alg)).WithSharedBans(b, 5*time.Second)
+		}
+	}
+	banFor := func(c int) int64 {
+		d := float64(ban)
+		for range c {
+			d *= 2
+		}
+		return min(int64(d), maxBan)
+	}
+	msSpan := func(before, after int64) span {
+		return span{before/int64(time.Millisecond) - tol, (after+int64(time.Millisecond)-1)/int64(time.Millisecond) + tol}
+	}
+	type known struct {
+		u      span // the ban's end; banned false: none known
+		banned bool
+		off    int64 // how far off the daemon's measured offset to Redis's clock may be, ms
+	}
+	var runs, started, bannedSure, restarts atomic.Int64
+	rapid.Check(t, func(rt *rapid.T) {
+		ai := rapid.IntRange(0, len(algs)-1).Draw(rt, "algorithm")
+		daemons := ls[ai]
+		user := fmt.Sprintf("h%d", runs.Add(1))
+		key := "rl:r:{user=" + user + "}"
+		k := &modelSharedBan{}
+		var pending [2]int
+		// admit is, per daemon, when the rule would admit the pending refusals again (the
+		// latest): a ban they start lasts at least until then (README: in hybrid mode the
+		// bound is the latest of the batch). A hybrid rule's refusal may say retry later
+		// than its window (its allowance from Redis spent), so unlike the global test's,
+		// this bound is met.
+		var admit [2]span
+		var kn [2]known
+		// round runs daemon i's round: its pending refusals added to Redis, then the bans
+		// in force read. It reports false where the model cannot tell the outcome.
+		round := func(i int) bool {
+			before := time.Now().UnixNano()
+			if err := daemons[i].shared.round(context.Background(), before, true); err != nil {
+				rt.Fatal(err)
+			}
+			now := msSpan(before, time.Now().UnixNano())
+			sure := true
+			if n := pending[i]; n > 0 {
+				pending[i] = 0
+				adm := admit[i]
+				admit[i] = span{}
+				switch {
+				case k.banned && k.u.lo > now.hi: // in force: not counted
+				case k.banned && k.u.hi > now.lo:
+					sure = false
+				default:
+					switch {
+					case k.r == 0 || now.lo-k.w.hi >= within:
+						k.w, k.r = now, 0
+					case now.hi-k.w.lo < within:
+					default:
+						sure = false
+					}
+					k.r += n
+					if sure && k.r >= after {
+						switch {
+						case k.c > 0 && now.lo-k.u.hi >= maxBan:
+							k.c = 0
+						case k.c == 0 || now.hi-k.u.lo < maxBan:
+						default:
+							sure = false
+						}
+						d := banFor(k.c)
+						k.u, k.banned, k.r = span{max(now.lo+d, adm.lo), max(now.hi+d, adm.hi)}, true, 0
+						k.c++
+						started.Add(1)
+					}
+				}
+			}
+			if !sure {
+				return false
+			}
+			kn[i] = known{u: k.u, banned: k.banned, off: now.hi - now.lo}
+			if k.banned && k.u.lo > now.hi+tol { // surely in force: listed, with its count
+				var found bool
+				for _, b := range daemons[i].Bans(time.Now().UnixNano()) {
+					if b.Key == key {
+						found = int(b.Count) == k.c
+					}
+				}
+				if !found {
+					rt.Fatalf("daemon %d after its round lists %+v, want %s with count %d (model %+v)", i, daemons[i].Bans(time.Now().UnixNano()), key, k.c, *k)
+				}
+			}
+			return true
+		}
+		restart := func() {
+			restarts.Add(1)
+			round(0)
+			round(1)
+			if _, err := daemons[0].LiftBanErr(key, time.Now().UnixNano()); err != nil {
+				rt.Fatal(err)
+			}
+			*k = modelSharedBan{}
+			round(0)
+			round(1)
+		}
+		restart() // the daemons' earlier runs' state (their known bans of other clients) aside
+		restarts.Add(-1)
+		begin := time.Now()
+		for step := rapid.IntRange(1, 80).Draw(rt, "steps"); step > 0 && time.Since(begin) < 300*time.Millisecond; step-- {
+			switch rapid.IntRange(0, 9).Draw(rt, "op") {
+			case 0, 1, 2, 3, 4:
+				di := rapid.IntRange(0, 1).Draw(rt, "daemon")
+				cost := rapid.SampledFrom([]uint64{0, 1, 1, 1, 1, 1, 2, 3}).Draw(rt, "cost")
+				var d Decision
+				before := time.Now().UnixNano()
+				if err := daemons[di].Check(before, &Input{Attrs: attrs("user=" + user), Cost: cost}, &d); err != nil {
+					rt.Fatal(err)
+				}
+				now := msSpan(before, time.Now().UnixNano())
+				res := d.Results[0]
+				retry := res.RetryAfter.Milliseconds()
+				kd := kn[di]
+				where := fmt.Sprintf("%s check cost %d on daemon %d (model %+v, knows %+v, now %v)", algs[ai], cost, di, *k, kd, now)
+				if res.BanStarted {
+					rt.Fatalf("%s: a hybrid answer says it started a ban", where)
+				}
+				sureBanned := kd.banned && kd.u.lo > now.hi+kd.off
+				sureFree := !kd.banned || kd.u.hi+kd.off <= now.lo
+				if sureBanned && !res.Banned || sureFree && res.Banned {
+					rt.Fatalf("%s: banned %v allowed %v retry %v", where, res.Banned, res.Allowed, res.RetryAfter)
+				}
+				if res.Banned {
+					if sureBanned {
+						bannedSure.Add(1)
+					}
+					if res.Allowed || retry < kd.u.lo-now.hi-kd.off || retry > kd.u.hi-now.lo+kd.off {
+						rt.Fatalf("%s: banned, allowed %v, retry %dms, want between %d and %d", where, res.Allowed, retry, kd.u.lo-now.hi-kd.off, kd.u.hi-now.lo+kd.off)
+					}
+					break
+				}
+				if res.Impossible != (cost > limit) {
+					rt.Fatalf("%s: impossible %v", where, res.Impossible)
+				}
+				if !res.Allowed && !res.Impossible && cost != 0 {
+					pending[di]++
+					admit[di] = span{max(admit[di].lo, now.lo+retry), max(admit[di].hi, now.hi+retry+1)}
+				}
+			case 5, 6: // daemon i's sync interval ends
+				if !round(rapid.IntRange(0, 1).Draw(rt, "round")) {
+					restart()
+				}
+			case 7:
+				ms := rapid.SampledFrom([]int{1, 5, 20, 45}).Draw(rt, "wait")
+				time.Sleep(time.Duration(ms) * time.Millisecond)
+			case 8:
+				if k.banned {
+					more := rapid.SampledFrom([]int64{0, 0, maxBan + 2*tol}).Draw(rt, "decay")
+					time.Sleep(time.Until(time.UnixMilli(k.u.hi + more + 1)))
+				}
+			case 9: // lift on daemon i: gone from Redis and from i; the other learns at its round
+				di := rapid.IntRange(0, 1).Draw(rt, "lifter")
+				before := time.Now().UnixNano()
+				got, err := daemons[di].LiftBanErr(key, before)
+				if err != nil {
+					rt.Fatal(err)
+				}
+				now := msSpan(before, time.Now().UnixNano())
+				if k.banned && k.u.lo > now.hi && !got {
+					rt.Fatalf("lift on daemon %d found no ban (model %+v, now %v)", di, *k, now)
+				}
+				*k = modelSharedBan{}
+				kn[di] = known{}
+			}
+		}
+	})
+	t.Logf("bans started %d, checks banned for sure %d, model restarts %d", started.Load(), bannedSure.Load(), restarts.Load())
+}
