@@ -75,11 +75,14 @@ func (b *bans) bannedUntil(key []byte, now int64) int64 {
 }
 
 // refused records that rule r (with a penalty) refused key at now, and returns when the
-// ban this refusal starts ends (0 when it starts none). admit is when r itself would
-// admit the refused request again (0: never, or unknown): a ban lasts at least until then
-// (banEnd), so that obeying a banned answer's retry_after_ms never meets a refusal of the
-// rule, which would count toward the next ban.
-func (b *bans) refused(key []byte, r *rules.Rule, now, admit int64) int64 {
+// ban this refusal starts ends (0 when it starts none), started true. admit is when r
+// itself would admit the refused request again (0: never, or unknown): a ban lasts at
+// least until then (banEnd), so that obeying a banned answer's retry_after_ms never meets
+// a refusal of the rule, which would count toward the next ban. A refusal counted while
+// key is banned (a check that read no ban, racing one whose refusal started it) does not
+// count: it returns the ban in force, started false (as ban.lua; before, with after: 1 it
+// started a second ban at once, factor times as long, and each was counted as started).
+func (b *bans) refused(key []byte, r *rules.Rule, now, admit int64) (until int64, started bool) {
 	p := r.Penalty
 	sh := b.shard(key)
 	sh.mu.Lock()
@@ -88,18 +91,21 @@ func (b *bans) refused(key []byte, r *rules.Rule, now, admit int64) int64 {
 	if e == nil {
 		w := banUnits(len(key), b.maxPerShard)
 		if sh.load+w > b.maxPerShard {
-			return 0
+			return 0, false
 		}
 		e = &banEntry{rule: r.Name}
 		sh.m[string(key)] = e
 		sh.load += w
+	}
+	if e.until > now {
+		return e.until, false
 	}
 	if e.refusals == 0 || now-e.windowStart >= int64(p.Within) {
 		e.windowStart, e.refusals = now, 0
 	}
 	e.refusals++
 	if e.refusals < p.After {
-		return 0
+		return 0, false
 	}
 	if e.bans > 0 && now-e.lastEnd >= int64(p.Max) {
 		e.bans = 0 // max without a ban: the count decays
@@ -109,7 +115,7 @@ func (b *bans) refused(key []byte, r *rules.Rule, now, admit int64) int64 {
 	e.refusals = 0
 	e.until = banEnd(now, d, admit)
 	e.lastEnd = e.until
-	return e.until
+	return e.until, true
 }
 
 // banEnd is when a ban of length d started at now ends: now+d, or admit (when the rule

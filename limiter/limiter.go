@@ -595,16 +595,16 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// A ban it starts lasts at least until the rule itself would admit the
 			// request again (banEnd): never shorter than this refusal's retry.
 			var until, admit int64
-			started := true // a local ban is this refusal's (bans.refused)
+			var started bool
 			if !out.Impossible && out.RetryAfter > 0 {
 				admit = now + int64(out.RetryAfter)
 			}
 			switch {
 			case o.bans == bansLocal:
-				until = l.bans.refused(o.key, out.Rule, now, admit)
+				until, started = l.bans.refused(o.key, out.Rule, now, admit)
 			case !o.degraded || (o.bans == bansHybrid && o.fb.policy != rules.FailClosed): // a global op degraded: Redis is away
 				// A global refusal may find a ban another daemon's refusal started since
-				// this check read it: banned, not started here.
+				// this check read it: banned, not started here (so may a local one).
 				until, started = l.shared.refused(now, d, i, out.Rule, admit)
 			}
 			if until != 0 {
