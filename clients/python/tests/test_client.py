@@ -396,12 +396,15 @@ def test_closed_after_reading_is_not_retried(short_tmp):
         fake.close()
 
 
-def test_too_many_connections_backs_off(make_daemon):
+def test_too_many_connections_backs_off(make_daemon, monkeypatch):
     """A connection the daemon refuses as it accepts it (too_many_connections, at
     --max-conns) is a failed dial: the client backs off, and the checks meanwhile are
     decided by the policy at once, without dialing, as the asyncio, Go and Node clients
     do. Before, every check dialed the daemon at its cap again."""
     import socket
+    # The first backoff is 5 to 10 ms: a loaded machine may pause this test that long
+    # between the two checks below. Half a second at least here.
+    monkeypatch.setattr(rlsidecar.client, "BACKOFF_MIN", 1.0)
     d = make_daemon(RULES, args=["--max-conns", "1"])
     holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     holder.connect(d.socket)
