@@ -140,6 +140,12 @@ func TestHeldCountsRequestCopies(t *testing.T) {
 // garbage collector, so each round grew new ones (about 1.8 MB allocated a round of
 // 4,000 checks, where cf359d1 allocated about 8 KB).
 func TestPipelineBurstReusesBuffers(t *testing.T) {
+	if raceEnabled {
+		// Under -race sync.Pool drops a random quarter of its Puts: the old code passed
+		// then (0-79 KB a round) and the fixed one allocated 2.8-3.1 MB at 12,000 checks.
+		// scripts/test runs this test once without -race.
+		t.Skip("allocation bound relies on sync.Pool, which the race detector thins out")
+	}
 	const n, rounds = 4000, 10
 	s := startServer(t, Config{})
 	c, err := net.Dial("unix", s.cfg.Socket)
