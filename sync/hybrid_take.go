@@ -729,9 +729,12 @@ func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
 		// A sliding window empties when this window's count weighs less than one unit
 		// into the next (emptyAt). In the view's window, q is its count and the units
 		// admitted here since; past it, the units admitted here, as if all in now's
-		// window (later: never early), the view's count being base's. Without a view,
-		// now's window by this clock.
-		q, start := float64(unseen), now-now%w
+		// window (later: never early), the view's count being base's. Without a view
+		// (units admitted here before the key's first sync: a shadow rule's, or a
+		// degraded one's), now's window aligned on wall time, as Redis's turn on its
+		// TIME (fixedLeft). Before, aligned on the daemon's monotonic clock: 200 ms off
+		// the wall clock, 500 ms windows, the reset was 200 or 300 ms off.
+		q, start := float64(unseen), now+h.fixedLeft(e, now)-w
 		if e.synced > 0 {
 			if s := e.slide(); now < s.start+w {
 				q, start = q+s.q, s.start
