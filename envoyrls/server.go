@@ -247,12 +247,19 @@ func (s *Server) newGRPC() *grpc.Server {
 // ping that comes within 5 minutes of the one before, or within two hours when no call is
 // in flight: Envoy's HTTP/2 connection_keepalive on the rate limit cluster (a ping every
 // 30 s, say) had its idle connections torn down.
+//
+// Nor is the stream cap: h2MaxStreams calls of a connection at once, as the native
+// transport advertises and enforces (REFUSED_STREAM past it). grpc-go's default is no
+// limit: one connection could open stream after stream with HEADERS and no body, each a
+// goroutine waiting for a request that never comes (a call without grpc-timeout has no
+// deadline), until the daemon ran out of memory.
 func TransportOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.StaticStreamWindowSize(1 << 20), grpc.StaticConnWindowSize(1 << 20),
 		grpc.NumStreamWorkers(streamWorkers),
 		// MinTime 0 means grpc-go's default, 5 minutes: the shortest time there is.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: time.Nanosecond, PermitWithoutStream: true}),
+		grpc.MaxConcurrentStreams(h2MaxStreams),
 	}
 }
 
