@@ -103,8 +103,10 @@ func TestGiveBacksBounded(t *testing.T) {
 	sent := int64(n) - int64(g.GiveBacksDropped())
 	t.Logf("%d give-backs sent twice in %d script calls", sent, calls)
 	// Two rounds of batches of at most giveBackBatch, each one refund.lua call; batches
-	// go as soon as the one before is answered, so they may be smaller: allow 4×.
-	if limit := 4 * 2 * (sent/giveBackBatch + 1); calls > limit || calls > n/10 {
+	// go as soon as the one before is answered, so they may be smaller: allow 8× (4×
+	// failed once in CI under -race on a loaded machine: 75 calls against 72). One call a
+	// give-back would be 2 × sent.
+	if limit := 8 * 2 * (sent/giveBackBatch + 1); calls > limit || calls > n/10 {
 		t.Errorf("%d script calls for %d give-backs, want at most %d", calls, sent, min(limit, n/10))
 	}
 	if g.RefundErrors() != 0 {
