@@ -11,39 +11,30 @@ import (
 	"pgregory.net/rapid"
 )
 
-// sharedBanModelRules are the rule sets TestSharedBansGlobalAgainstAModel reloads
-// between: a global rule of 2 per 40ms (of the algorithm drawn) with a penalty, the same
-// with a penalty of another factor, and without one. Its refusals say retry in at most
-// 40ms, less than the shortest ban, so a ban's length is the penalty's alone (README: a
-// ban lasts at least until the rule would admit the refused request; that bound is
-// tested by BanLastsAsLong).
-var sharedBanModelRules = []string{`
-rules:
-  - name: r
-    key: user
-    algorithm: %[1]s
-    limit: { requests: 2, per: 40ms }
-    mode: global
-    penalty: { after: 3, within: 120ms, ban: 60ms, factor: 2, max: 150ms }
-`, `
-rules:
-  - name: r
-    key: user
-    algorithm: %[1]s
-    limit: { requests: 2, per: 40ms }
-    mode: global
-    penalty: { after: 3, within: 120ms, ban: 60ms, factor: 3, max: 150ms }
-`, `
-rules:
-  - name: r
-    key: user
-    algorithm: %[1]s
-    limit: { requests: 2, per: 40ms }
-    mode: global
-`}
-
-// sharedBanModelFactor is each of sharedBanModelRules' penalty factor; 0: no penalty.
+// sharedBanModelFactor is each of the shared bans models' rule sets' penalty factor; 0:
+// no penalty.
 var sharedBanModelFactor = []float64{2, 3, 0}
+
+// sharedBanModelRules returns the rule set (set, an index of sharedBanModelFactor) the
+// shared bans models reload between: a rule of 2 per 40ms of the algorithm alg in mode
+// (global or hybrid), with a penalty of that factor (none for 0). Its refusals say retry
+// in at most 40ms, less than the shortest ban, so a ban's length is the penalty's alone
+// (README: a ban lasts at least until the rule would admit the refused request; that
+// bound is tested by BanLastsAsLong).
+func sharedBanModelRules(set int, alg, mode string) string {
+	penalty := ""
+	if f := sharedBanModelFactor[set]; f > 0 {
+		penalty = fmt.Sprintf("\n    penalty: { after: 3, within: 120ms, ban: 60ms, factor: %g, max: 150ms }", f)
+	}
+	return fmt.Sprintf(`
+rules:
+  - name: r
+    key: user
+    algorithm: %s
+    limit: { requests: 2, per: 40ms }
+    mode: %s%s
+`, alg, mode, penalty)
+}
 
 // span is a moment of Redis's clock (Unix ms) the model knows only to lie in [lo, hi].
 type span struct{ lo, hi int64 }
@@ -105,7 +96,7 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ls[i][j] = policyLimiter(t, rdb, fmt.Sprintf(sharedBanModelRules[0], alg)).WithSharedBans(b, 5*time.Second)
+			ls[i][j] = policyLimiter(t, rdb, sharedBanModelRules(0, alg, "global")).WithSharedBans(b, 5*time.Second)
 		}
 	}
 	var runs atomic.Int64
@@ -113,7 +104,7 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 	rapid.Check(t, func(rt *rapid.T) {
 		ai := rapid.IntRange(0, len(algs)-1).Draw(rt, "algorithm")
 		daemons := ls[ai]
-		rulesOf := func(set int) string { return fmt.Sprintf(sharedBanModelRules[set], algs[ai]) }
+		rulesOf := func(set int) string { return sharedBanModelRules(set, algs[ai], "global") }
 		set := 0
 		for _, l := range daemons {
 			l.SetRules(mustRules(t, rulesOf(set)))
@@ -300,7 +291,7 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 					rt.Fatal(err)
 				}
 			case 10: // reload both daemons
-				set = rapid.IntRange(0, len(sharedBanModelRules)-1).Draw(rt, "rules")
+				set = rapid.IntRange(0, len(sharedBanModelFactor)-1).Draw(rt, "rules")
 				for _, l := range daemons {
 					l.SetRules(mustRules(t, rulesOf(set)))
 				}
@@ -340,15 +331,6 @@ func TestSharedBansHybridAgainstAModel(t *testing.T) {
 		maxBan = int64(150)
 		limit  = 2
 		tol    = int64(2)
-		yaml   = `
-rules:
-  - name: r
-    key: user
-    algorithm: %s
-    limit: { requests: 2, per: 40ms }
-    mode: hybrid
-    penalty: { after: 3, within: 120ms, ban: 60ms, factor: 2, max: 150ms }
-`
 	)
 	_, rdb := realRedisServer(t, 10*time.Second)
 	algs := []string{"fixed_window", "sliding_window", "token_bucket"}
@@ -359,7 +341,7 @@ rules:
 			if err != nil {
 				t.Fatal(err)
 			}
-			ls[i][j] = policyLimiter(t, rdb, fmt.Sprintf(yaml, alg)).WithSharedBans(b, 5*time.Second)
+			ls[i][j] = policyLimiter(t, rdb, sharedBanModelRules(0, alg, "hybrid")).WithSharedBans(b, 5*time.Second)
 		}
 	}
 	banFor := func(c int) int64 {
