@@ -36,6 +36,35 @@ rules:
 `, alg, mode, penalty)
 }
 
+// The penalty and limit of sharedBanModelRules, in ms, and the models' tolerance on
+// Redis's clock (the ms truncation of Redis TIME and of ban.lua's arithmetic, 1ms each).
+const (
+	sharedBanAfter  = 3
+	sharedBanWithin = int64(120)
+	sharedBanBan    = int64(60)
+	sharedBanMax    = int64(150)
+	sharedBanLimit  = 2
+	sharedBanTol    = int64(2)
+)
+
+// sharedBanModelLimiters starts a real Redis and, for each algorithm (algs), two
+// limiters (daemons) sharing it and its bans, on sharedBanModelRules' first set in mode.
+func sharedBanModelLimiters(t *testing.T, mode string) (algs []string, ls [][2]*Limiter) {
+	_, rdb := realRedisServer(t, 10*time.Second)
+	algs = []string{"fixed_window", "sliding_window", "token_bucket"}
+	ls = make([][2]*Limiter, len(algs))
+	for i, alg := range algs {
+		for j := range ls[i] {
+			b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ls[i][j] = policyLimiter(t, rdb, sharedBanModelRules(0, alg, mode)).WithSharedBans(b, 5*time.Second)
+		}
+	}
+	return algs, ls
+}
+
 // span is a moment of Redis's clock (Unix ms) the model knows only to lie in [lo, hi].
 type span struct{ lo, hi int64 }
 
@@ -79,26 +108,8 @@ type modelSharedBan struct {
 // ~300ms of real time, to keep the test under ~15s at rapid's default 100 runs (10-14s
 // with four copies running at once on two cores).
 func TestSharedBansGlobalAgainstAModel(t *testing.T) {
-	const (
-		after  = 3
-		within = int64(120)
-		ban    = int64(60)
-		maxBan = int64(150)
-		limit  = 2
-		tol    = int64(2)
-	)
-	_, rdb := realRedisServer(t, 10*time.Second)
-	algs := []string{"fixed_window", "sliding_window", "token_bucket"}
-	ls := make([][2]*Limiter, len(algs))
-	for i, alg := range algs {
-		for j := range ls[i] {
-			b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ls[i][j] = policyLimiter(t, rdb, sharedBanModelRules(0, alg, "global")).WithSharedBans(b, 5*time.Second)
-		}
-	}
+	const after, within, ban, maxBan, limit, tol = sharedBanAfter, sharedBanWithin, sharedBanBan, sharedBanMax, sharedBanLimit, sharedBanTol
+	algs, ls := sharedBanModelLimiters(t, "global")
 	var runs atomic.Int64
 	var sure, ambiguous, resyncs, started, grown, decays atomic.Int64
 	rapid.Check(t, func(rt *rapid.T) {
@@ -324,26 +335,8 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 // outcome at a round (near a window's, a ban's or the decay's boundary), it starts
 // afresh: every daemon's round, a lift, the rounds again.
 func TestSharedBansHybridAgainstAModel(t *testing.T) {
-	const (
-		after  = 3
-		within = int64(120)
-		ban    = int64(60)
-		maxBan = int64(150)
-		limit  = 2
-		tol    = int64(2)
-	)
-	_, rdb := realRedisServer(t, 10*time.Second)
-	algs := []string{"fixed_window", "sliding_window", "token_bucket"}
-	ls := make([][2]*Limiter, len(algs))
-	for i, alg := range algs {
-		for j := range ls[i] {
-			b, err := rlsync.NewBans(rdb, rlsync.DefaultPrefix)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ls[i][j] = policyLimiter(t, rdb, sharedBanModelRules(0, alg, "hybrid")).WithSharedBans(b, 5*time.Second)
-		}
-	}
+	const after, within, ban, maxBan, limit, tol = sharedBanAfter, sharedBanWithin, sharedBanBan, sharedBanMax, sharedBanLimit, sharedBanTol
+	algs, ls := sharedBanModelLimiters(t, "hybrid")
 	banFor := func(c int) int64 {
 		d := float64(ban)
 		for range c {
