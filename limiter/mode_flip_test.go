@@ -1,7 +1,6 @@
 package limiter
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -30,28 +29,12 @@ func TestReloadHybridGlobalHybridKeepsTheLimit(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rdb := realRedis(t)
-			h := rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: 10 * time.Millisecond, FetchWait: time.Second})
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				h.Run(ctx, "test", func() int64 { return time.Now().UnixNano() }, time.Second, func(err error) { t.Log(err) })
-			}()
-			t.Cleanup(func() { cancel(); <-done })
+			h := runHybrid(t, rdb)
 			l := New(mustRules(t, rule(tc.alg, "hybrid", "")), localbucket.NewStore(localbucket.Options{})).
 				WithGlobal(rlsync.NewGlobal(rdb), time.Second).WithHybrid(h)
 			var d Decision
 			in := Input{Attrs: attrs("user=u"), Cost: 1}
-			check := func() bool {
-				t.Helper()
-				if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
-					t.Fatal(err)
-				}
-				if d.Degraded {
-					t.Fatalf("degraded with Redis up: %+v", d.Results)
-				}
-				return d.Allowed
-			}
+			check := upCheck(t, l, &in, &d)
 			// admit checks until one is refused for longer than a sync interval (a
 			// hybrid refusal of a few ms waits for the next share grant, as a client
 			// told to retry would), at most max; it returns how many were allowed.

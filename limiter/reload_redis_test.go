@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	rlsync "github.com/rlsidecar/rlsidecar/sync"
 )
@@ -45,28 +46,11 @@ func TestReloadResetsRedisState(t *testing.T) {
 				l := New(mustRules(t, rule(mode, tc.fromAlg, 10, "1h")), localbucket.NewStore(localbucket.Options{})).
 					WithGlobal(rlsync.NewGlobal(rdb), time.Second)
 				if mode == "hybrid" {
-					h := rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: 10 * time.Millisecond, FetchWait: time.Second})
-					ctx, cancel := context.WithCancel(context.Background())
-					done := make(chan struct{})
-					go func() {
-						defer close(done)
-						h.Run(ctx, "test", func() int64 { return time.Now().UnixNano() }, time.Second, func(err error) { t.Log(err) })
-					}()
-					t.Cleanup(func() { cancel(); <-done })
+					h := runHybrid(t, rdb)
 					l = l.WithHybrid(h)
 				}
 				var d Decision
-				in := Input{Attrs: attrs("user=u"), Cost: 1}
-				check := func() bool {
-					t.Helper()
-					if err := l.Check(time.Now().UnixNano(), &in, &d); err != nil {
-						t.Fatal(err)
-					}
-					if d.Degraded {
-						t.Fatalf("degraded with Redis up: %+v", d.Results)
-					}
-					return d.Allowed
-				}
+				check := upCheck(t, l, &Input{Attrs: attrs("user=u"), Cost: 1}, &d)
 				for i := 0; i < 4; i++ {
 					if !check() {
 						t.Fatalf("request %d before the reload refused: %+v", i+1, d.Results)
@@ -160,5 +144,33 @@ func TestReloadTokenLoweredRefillsAtNewRate(t *testing.T) {
 	}
 	if took := time.Since(start); took < 300*time.Millisecond || took > 1000*time.Millisecond {
 		t.Fatalf("the first unit came back after %v, want about 400ms (one interval at the new rate)", took)
+	}
+}
+
+// runHybrid returns a hybrid store on rdb syncing every 10ms until the test ends.
+func runHybrid(t *testing.T, rdb redis.UniversalClient) *rlsync.Hybrid {
+	h := rlsync.NewHybrid(rdb, rlsync.HybridOptions{Interval: 10 * time.Millisecond, FetchWait: time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.Run(ctx, "test", func() int64 { return time.Now().UnixNano() }, time.Second, func(err error) { t.Log(err) })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return h
+}
+
+// upCheck returns a check of in on l, with Redis up, that says whether it was allowed,
+// leaving the decision in d; an error or a degraded answer fails the test.
+func upCheck(t *testing.T, l *Limiter, in *Input, d *Decision) func() bool {
+	return func() bool {
+		t.Helper()
+		if err := l.Check(time.Now().UnixNano(), in, d); err != nil {
+			t.Fatal(err)
+		}
+		if d.Degraded {
+			t.Fatalf("degraded with Redis up: %+v", d.Results)
+		}
+		return d.Allowed
 	}
 }
