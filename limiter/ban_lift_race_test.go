@@ -44,14 +44,7 @@ func (g *indexGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 // again at its next read of the index and enforced it for its whole 10 minutes, though
 // the lift had answered that it was lifted.
 func TestSharedBanLiftedWhileIndexed(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 30s }
-    mode: global
-    penalty: { after: 1, within: 1m, ban: 10m }
-`
+	yaml := loginRule(1, "30s", "global", "after: 1, within: 1m, ban: 10m")
 	rdb := realRedis(t)
 	gate := &indexGate{index: "rl:~bans", reached: make(chan struct{}), release: make(chan struct{})}
 	rdb.AddHook(gate)

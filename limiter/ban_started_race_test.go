@@ -56,14 +56,7 @@ func (g *banCountGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis
 // rlsidecar_bans_total (a client flooding several daemons at once counted once per
 // racing refusal).
 func TestSharedBanGlobalStartedOnce(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 30s }
-    mode: global
-    penalty: { after: 2, within: 1m, ban: 10m }
-`
+	yaml := loginRule(1, "30s", "global", "after: 2, within: 1m, ban: 10m")
 	srv, rdbA := realRedisServer(t, 5*time.Second)
 	rdbB, err := rlsync.Open(rlsync.Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
 	if err != nil {

@@ -18,14 +18,7 @@ import (
 // moved with it, Bans.Shift), but a global rule's bucket is on Redis's real one: there,
 // only the steps while the bucket stays empty (its first 30 s of real time) are taken.
 func TestBanLastsAsLongAsItsRefusal(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 2, per: 1m }
-    mode: MODE
-    penalty: { after: 1, within: 1m, ban: 20s, factor: 2, max: 5m }
-`
+	yaml := loginRule(2, "1m", "MODE", "after: 1, within: 1m, ban: 20s, factor: 2, max: 5m")
 	for _, where := range []string{"local", "global standalone", "global cluster"} {
 		t.Run(where, func(t *testing.T) {
 			var l *Limiter
@@ -89,14 +82,7 @@ rules:
 // ban (at the next interval) bans until the rule would admit the latest of them again:
 // 1 per hour with a 10s ban bans for about an hour, not 10s.
 func TestHybridBanLastsAsLongAsItsRefusal(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: hybrid
-    penalty: { after: 1, within: 1m, ban: 10s }
-`
+	yaml := loginRule(1, "1h", "hybrid", "after: 1, within: 1m, ban: 10s")
 	l := sharedLimiter(t, realRedis(t), yaml)
 	var d Decision
 	for i := 0; ; i++ {
@@ -133,14 +119,7 @@ rules:
 // refusals of real requests still do. While banned, a cost-0 check reads the ban. In
 // local mode and in global mode (shared bans, on a real Redis).
 func TestCostZeroEarnsNoBan(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: MODE
-    penalty: { after: 2, within: 1h, ban: 10m }
-`
+	yaml := loginRule(1, "1h", "MODE", "after: 2, within: 1h, ban: 10m")
 	for _, mode := range []string{"local", "global"} {
 		t.Run(mode, func(t *testing.T) {
 			check := penaltyChecks(t, yaml, mode)
@@ -172,14 +151,7 @@ rules:
 // showed the rule spent when nothing was. A key banned for real refusals still reads
 // the ban, and a banned answer is a ban's, not "never".
 func TestImpossibleCostEarnsNoBan(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: MODE
-    penalty: { after: 2, within: 1h, ban: 10m }
-`
+	yaml := loginRule(1, "1h", "MODE", "after: 2, within: 1h, ban: 10m")
 	for _, mode := range []string{"local", "global"} {
 		t.Run(mode, func(t *testing.T) {
 			check := penaltyChecks(t, yaml, mode)

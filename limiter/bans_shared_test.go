@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -47,14 +48,7 @@ func redisFor(t *testing.T, where string) redis.UniversalClient {
 // injected clock (and Redis's, which decides the bans, moved with it); lifting one on a daemon lifts it for every daemon at once. Standalone
 // and a 3-master Cluster.
 func TestSharedBansGlobal(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 30s }
-    mode: global
-    penalty: { after: 2, within: 1m, ban: 1m, factor: 2, max: 5m }
-`
+	yaml := loginRule(1, "30s", "global", "after: 2, within: 1m, ban: 1m, factor: 2, max: 5m")
 	for _, where := range []string{"standalone", "cluster"} {
 		t.Run(where, func(t *testing.T) {
 			rdb := redisFor(t, where)
@@ -203,14 +197,7 @@ rules:
 // into Redis once per interval (round); a ban raised there is enforced by the other
 // daemon from its next round on, not before (what it knows is one interval old).
 func TestSharedBansHybrid(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: hybrid
-    penalty: { after: 3, within: 1m, ban: 10m }
-`
+	yaml := loginRule(1, "1h", "hybrid", "after: 3, within: 1m, ban: 10m")
 	for _, where := range []string{"standalone", "cluster"} {
 		t.Run(where, func(t *testing.T) {
 			rdb := redisFor(t, where)
@@ -470,14 +457,7 @@ func TestSharedBanOutlivesWindowChange(t *testing.T) {
 // answer for is not lifted, with Redis's error (the admin endpoint's 503), not reported
 // as no ban (its 404, with the ban still in force).
 func TestSharedBansRedisAway(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: hybrid
-    penalty: { after: 3, within: 1m, ban: 10m }
-`
+	yaml := loginRule(1, "1h", "hybrid", "after: 3, within: 1m, ban: 10m")
 	srv, rdb := realRedisServer(t, 500*time.Millisecond)
 	l := sharedLimiter(t, rdb, yaml)
 	check := ipChecker(t, l, "ip=1.1.1.1")
@@ -513,14 +493,7 @@ rules:
 // synced: local and global mode report the bucket's. Before, two intervals into the ban
 // its view was stale and reset said the ban's 5 s where the bucket needed 10.
 func TestSharedBansHybridResetIsTheBucket(t *testing.T) {
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 2, per: 10s }
-    mode: hybrid
-    penalty: { after: 1, within: 1m, ban: 5s }
-`
+	yaml := loginRule(2, "10s", "hybrid", "after: 1, within: 1m, ban: 5s")
 	l := sharedLimiter(t, realRedis(t), yaml)
 	check := ipChecker(t, l, "ip=1.1.1.1")
 	refuse(t, check, 1)
@@ -678,4 +651,17 @@ func (h askedHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (h askedHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error { h.tell(); return next(ctx, cmds) }
+}
+
+// loginRule is a rule set of one rule, login, of requests per per on the client's IP, in
+// mode, with the penalty given (its fields, as in YAML's flow map).
+func loginRule(requests int, per, mode, penalty string) string {
+	return fmt.Sprintf(`
+rules:
+  - name: login
+    key: ip
+    limit: { requests: %d, per: %s }
+    mode: %s
+    penalty: { %s }
+`, requests, per, mode, penalty)
 }

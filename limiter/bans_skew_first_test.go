@@ -17,14 +17,7 @@ import (
 // the offset when none is known yet. Standalone and a 3-master Cluster.
 func TestSharedBansClockSkewBeforeKnown(t *testing.T) {
 	const ban = 30 * time.Second
-	const yaml = `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1s }
-    mode: hybrid
-    penalty: { after: 2, within: 1m, ban: 30s }
-`
+	yaml := loginRule(1, "1s", "hybrid", "after: 2, within: 1m, ban: 30s")
 	for _, where := range []string{"standalone", "cluster"} {
 		for _, skew := range []time.Duration{2 * time.Minute, -2 * time.Minute} {
 			t.Run(fmt.Sprintf("%s/%v", where, skew), func(t *testing.T) {
