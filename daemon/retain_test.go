@@ -63,14 +63,7 @@ func TestIdleConnectionKeepsNoBurstBuffers(t *testing.T) {
 	var cs []net.Conn
 	base := heapAfterGC()
 	for range conns {
-		c, err := net.Dial("unix", s.cfg.Socket)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		// A small socket buffer, so that the daemon holds the answers the client has
-		// not read yet, as it does for any client that writes enough before reading.
-		_ = c.(*net.UnixConn).SetReadBuffer(4096)
+		c := dialSlowReader(t, s.cfg.Socket)
 		pipelineThenRead(t, c, checks)
 		cs = append(cs, c)
 	}
@@ -104,12 +97,7 @@ func TestHeldCountsRequestCopies(t *testing.T) {
 	base := heapAfterGC()
 	var wg sync.WaitGroup
 	for range conns {
-		c, err := net.Dial("unix", s.cfg.Socket)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		_ = c.(*net.UnixConn).SetReadBuffer(4096)
+		c := dialSlowReader(t, s.cfg.Socket)
 		wg.Add(1)
 		go func() { // writes until it has written frames or the daemon stops reading; never reads
 			defer wg.Done()
@@ -148,12 +136,7 @@ func TestPipelineBurstReusesBuffers(t *testing.T) {
 	}
 	const n, rounds = 4000, 10
 	s := startServer(t, Config{})
-	c, err := net.Dial("unix", s.cfg.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	_ = c.(*net.UnixConn).SetReadBuffer(4096)
+	c := dialSlowReader(t, s.cfg.Socket)
 	batch := bytes.Repeat(frameOf(proto.Request{ID: 7, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "ip", Value: "192.0.2.1"}}}), n)
 	buf := make([]byte, 64<<10)
 	round := func() { writeAllThenRead(t, c, batch, n, buf) }
@@ -170,4 +153,18 @@ func TestPipelineBurstReusesBuffers(t *testing.T) {
 		t.Fatalf("%d bytes allocated a round of %d pipelined checks; want at most %d", per, n, bound)
 	}
 	t.Logf("%d bytes allocated a round of %d pipelined checks", per, n)
+}
+
+// dialSlowReader connects to the daemon's socket with a small socket buffer, so that the
+// daemon holds the answers the client has not read yet, as it does for any client that
+// writes enough before reading; the connection closes when the test ends.
+func dialSlowReader(t *testing.T, socket string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.(*net.UnixConn).SetReadBuffer(4096)
+	return c
 }
