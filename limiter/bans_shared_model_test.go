@@ -68,6 +68,24 @@ func sharedBanModelLimiters(t *testing.T, mode string) (algs []string, ls [][2]*
 // span is a moment of Redis's clock (Unix ms) the model knows only to lie in [lo, hi].
 type span struct{ lo, hi int64 }
 
+// msSpan is the span of Redis's clock, in ms, between before and after (Unix ns).
+func msSpan(before, after int64) span {
+	return span{before/int64(time.Millisecond) - sharedBanTol, (after+int64(time.Millisecond)-1)/int64(time.Millisecond) + sharedBanTol}
+}
+
+// sharedModelCheck checks user on one of the daemons, at a cost, both drawn, and returns
+// them, the decision, the check's start (Unix ns) and the span of Redis's clock its
+// script calls lie in.
+func sharedModelCheck(rt *rapid.T, daemons [2]*Limiter, user string) (di int, cost uint64, d Decision, before int64, now span) {
+	di = rapid.IntRange(0, 1).Draw(rt, "daemon")
+	cost = rapid.SampledFrom([]uint64{0, 1, 1, 1, 1, 1, 2, 3}).Draw(rt, "cost")
+	before = time.Now().UnixNano()
+	if err := daemons[di].Check(before, &Input{Attrs: attrs("user=" + user), Cost: cost}, &d); err != nil {
+		rt.Fatal(err)
+	}
+	return di, cost, d, before, msSpan(before, time.Now().UnixNano())
+}
+
 // modelSharedBan is one client's ban hash (ban.lua: u, c, w, r) as the model knows it:
 // the times as spans, the counts exactly.
 type modelSharedBan struct {
@@ -141,22 +159,11 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 			}
 			*k = modelSharedBan{}
 		}
-		// msSpan is the span of Redis's clock between before and after (Unix ns).
-		msSpan := func(before, after int64) span {
-			return span{before/int64(time.Millisecond) - tol, (after+int64(time.Millisecond)-1)/int64(time.Millisecond) + tol}
-		}
 		begin := time.Now()
 		for step := rapid.IntRange(1, 80).Draw(rt, "steps"); step > 0 && time.Since(begin) < 300*time.Millisecond; step-- {
 			switch rapid.IntRange(0, 10).Draw(rt, "op") {
 			case 0, 1, 2, 3, 4, 5: // a check, on either daemon
-				di := rapid.IntRange(0, 1).Draw(rt, "daemon")
-				cost := rapid.SampledFrom([]uint64{0, 1, 1, 1, 1, 1, 2, 3}).Draw(rt, "cost")
-				var d Decision
-				before := time.Now().UnixNano()
-				if err := daemons[di].Check(before, &Input{Attrs: attrs("user=" + user), Cost: cost}, &d); err != nil {
-					rt.Fatal(err)
-				}
-				now := msSpan(before, time.Now().UnixNano())
+				di, cost, d, before, now := sharedModelCheck(rt, daemons, user)
 				res := d.Results[0]
 				retry := res.RetryAfter.Milliseconds()
 				where := fmt.Sprintf("%s check cost %d on daemon %d (rules %d, model %+v, now %v)", algs[ai], cost, di, set, *k, now)
@@ -344,9 +351,6 @@ func TestSharedBansHybridAgainstAModel(t *testing.T) {
 		}
 		return min(int64(d), maxBan)
 	}
-	msSpan := func(before, after int64) span {
-		return span{before/int64(time.Millisecond) - tol, (after+int64(time.Millisecond)-1)/int64(time.Millisecond) + tol}
-	}
 	type known struct {
 		u      span // the ban's end; banned false: none known
 		banned bool
@@ -442,14 +446,7 @@ func TestSharedBansHybridAgainstAModel(t *testing.T) {
 		for step := rapid.IntRange(1, 80).Draw(rt, "steps"); step > 0 && time.Since(begin) < 300*time.Millisecond; step-- {
 			switch rapid.IntRange(0, 9).Draw(rt, "op") {
 			case 0, 1, 2, 3, 4:
-				di := rapid.IntRange(0, 1).Draw(rt, "daemon")
-				cost := rapid.SampledFrom([]uint64{0, 1, 1, 1, 1, 1, 2, 3}).Draw(rt, "cost")
-				var d Decision
-				before := time.Now().UnixNano()
-				if err := daemons[di].Check(before, &Input{Attrs: attrs("user=" + user), Cost: cost}, &d); err != nil {
-					rt.Fatal(err)
-				}
-				now := msSpan(before, time.Now().UnixNano())
+				di, cost, d, _, now := sharedModelCheck(rt, daemons, user)
 				res := d.Results[0]
 				retry := res.RetryAfter.Milliseconds()
 				kd := kn[di]
