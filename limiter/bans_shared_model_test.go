@@ -86,6 +86,23 @@ func sharedModelCheck(rt *rapid.T, daemons [2]*Limiter, user string) (di int, co
 	return di, cost, d, before, msSpan(before, time.Now().UnixNano())
 }
 
+// sharedModelLift lifts key's ban on one of the daemons, drawn, and returns which; the
+// lift must find the ban where the model is sure of one, and the model starts afresh.
+func sharedModelLift(rt *rapid.T, daemons [2]*Limiter, key string, k *modelSharedBan) int {
+	di := rapid.IntRange(0, 1).Draw(rt, "lifter")
+	before := time.Now().UnixNano()
+	got, err := daemons[di].LiftBanErr(key, before)
+	if err != nil {
+		rt.Fatal(err)
+	}
+	now := msSpan(before, time.Now().UnixNano())
+	if k.banned && k.u.lo > now.hi && !got {
+		rt.Fatalf("lift on daemon %d found no ban (model %+v, now %v)", di, *k, now)
+	}
+	*k = modelSharedBan{}
+	return di
+}
+
 // modelSharedBan is one client's ban hash (ban.lua: u, c, w, r) as the model knows it:
 // the times as spans, the counts exactly.
 type modelSharedBan struct {
@@ -289,17 +306,7 @@ func TestSharedBansGlobalAgainstAModel(t *testing.T) {
 				if sharedBanModelFactor[set] == 0 {
 					break // no penalty: the limiter has no shared ban of r to lift
 				}
-				di := rapid.IntRange(0, 1).Draw(rt, "lifter")
-				before := time.Now().UnixNano()
-				got, err := daemons[di].LiftBanErr(key, before)
-				if err != nil {
-					rt.Fatal(err)
-				}
-				now := msSpan(before, time.Now().UnixNano())
-				if k.banned && k.u.lo > now.hi && !got {
-					rt.Fatalf("lift on daemon %d found no ban (model %+v, now %v)", di, *k, now)
-				}
-				*k = modelSharedBan{}
+				di := sharedModelLift(rt, daemons, key, k)
 				// Lifted: the next check of either daemon finds no ban (its script call
 				// reads the ban key). The other daemon's listing drops it at its next
 				// round, within one sync interval: run that round here, as RunSharedBans
@@ -488,17 +495,7 @@ func TestSharedBansHybridAgainstAModel(t *testing.T) {
 					time.Sleep(time.Until(time.UnixMilli(k.u.hi + more + 1)))
 				}
 			case 9: // lift on daemon i: gone from Redis and from i; the other learns at its round
-				di := rapid.IntRange(0, 1).Draw(rt, "lifter")
-				before := time.Now().UnixNano()
-				got, err := daemons[di].LiftBanErr(key, before)
-				if err != nil {
-					rt.Fatal(err)
-				}
-				now := msSpan(before, time.Now().UnixNano())
-				if k.banned && k.u.lo > now.hi && !got {
-					rt.Fatalf("lift on daemon %d found no ban (model %+v, now %v)", di, *k, now)
-				}
-				*k = modelSharedBan{}
+				di := sharedModelLift(rt, daemons, key, k)
 				kn[di] = known{}
 			}
 		}
