@@ -62,8 +62,20 @@ const scrubMinPrefix = 8
 
 // scrub replaces each copy of secret in text, and each beginning of it of at least
 // scrubMinPrefix bytes (a copy cut short), with "xxxxx", and reports whether it found
-// any.
+// any. A secret holding '\r' or '\n' is looked for with them as spaces too: Redis maps
+// both to spaces in the errors that quote a command's arguments.
 func scrub(text, secret string) (string, bool) {
+	out, found := scrubCopies(text, secret)
+	if spaced := strings.NewReplacer("\r", " ", "\n", " ").Replace(secret); spaced != secret {
+		var again bool
+		out, again = scrubCopies(out, spaced)
+		found = found || again
+	}
+	return out, found
+}
+
+// scrubCopies is scrub for the secret as it is.
+func scrubCopies(text, secret string) (string, bool) {
 	head := secret[:min(len(secret), scrubMinPrefix)]
 	i := strings.Index(text, head)
 	if i < 0 {

@@ -43,6 +43,10 @@ func TestLogScrubsPasswordCutShort(t *testing.T) {
 		{long, "ERR unknown command 'auth', with args beginning with: '" + long[:128] + "' ", long[:8]},
 		{long, "ERR unknown command 'hello', with args beginning with: '3' 'AUTH' 'default' '" + long[:106] + "' ", long[:8]},
 		{long, "twice: " + long + " and " + long[:20], long[:8]},
+		// Redis maps '\r' and '\n' to spaces in such errors: before, a password
+		// holding them reached the log with spaces for them, unhidden.
+		{"pa\r\nss\nword-9", "ERR unknown command 'auth', with args beginning with: 'pa  ss word-9' ", "ss word"},
+		{"line1\nline2-long-enough", "... with args beginning with: 'line1 line2-lo' ", "line2"},
 	} {
 		var buf bytes.Buffer
 		secrets := &scrubber{}
