@@ -96,3 +96,49 @@ func TestStoreFixedWindowLateClockRead(t *testing.T) {
 		}
 	}
 }
+
+// TestStoreCalendarWallStepBack: a calendar window is a fixed window to a backward step
+// of the wall clock (docs/reliability.md): the count is never forgotten, and refuses for
+// at most the step plus a window, and never more than two windows (a count whose window
+// starts more than a window after the wall time moves to the wall time's window). A
+// client at 3 of 3 per day at 23:00 UTC.
+func TestStoreCalendarWallStepBack(t *testing.T) {
+	const day = 24 * time.Hour
+	for _, tc := range []struct {
+		step     time.Duration
+		maxRetry time.Duration // at most
+	}{
+		{-time.Hour, 2 * time.Hour},       // the count stays in its day, which ends 2 h away
+		{-25 * time.Hour, 26 * time.Hour}, // still in its day: the step plus what is left of it
+		{-49 * time.Hour, 2 * time.Hour},  // moved to the wall time's day, which ends 2 h away
+		{-30 * 24 * time.Hour, day},       // moved, whatever the step
+	} {
+		t.Run(tc.step.String(), func(t *testing.T) {
+			lv, err := NewCalendarLimit(3, Day, time.UTC)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := &lv
+			s := NewStore(Options{})
+			now := time.Date(2026, 3, 10, 23, 0, 0, 0, time.UTC).UnixNano()
+			for i := range 3 {
+				if ops := []Op{op("c:{u}", l, 1)}; !s.Apply(now, ops) {
+					t.Fatalf("take %d refused: %+v", i+1, ops[0].Result)
+				}
+			}
+			s.SetWallOffset(int64(tc.step))
+			now += int64(time.Millisecond)
+			ops := []Op{op("c:{u}", l, 1)}
+			if s.Apply(now, ops) {
+				t.Fatalf("after a wall step of %v: the day's count was forgotten: %+v", tc.step, ops[0].Result)
+			}
+			if r := ops[0].Result; r.RetryAfter <= 0 || r.RetryAfter > int64(tc.maxRetry) || r.RetryAfter > int64(2*day) {
+				t.Fatalf("after a wall step of %v: retry after %v, want (0, %v]", tc.step, time.Duration(r.RetryAfter), tc.maxRetry)
+			}
+			later := now + ops[0].Result.RetryAfter
+			if ops := []Op{op("c:{u}", l, 1)}; !s.Apply(later, ops) {
+				t.Fatalf("refused after its retry: %+v", ops[0].Result)
+			}
+		})
+	}
+}
