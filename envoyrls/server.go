@@ -991,7 +991,7 @@ func (s *Server) response(n int, sc *scratch) {
 	}
 	// Each descriptor reports its own deciding result, chosen as the limiter chooses the
 	// request's: a rejecting one (the longest retry-after) before the least remaining,
-	// non-shadow before shadow.
+	// non-shadow before shadow, asked before not asked (better).
 	best := sc.best[:0] // index+1 in d.Results; 0 for none
 	for range n {
 		best = append(best, 0)
@@ -1009,6 +1009,15 @@ func (s *Server) response(n int, sc *scratch) {
 		}
 		r := &d.Results[b-1]
 		st := &a.statuses[p]
+		if r.Unasked {
+			// Its figures were not read (limiter.Result.Unasked): no current_limit, as a
+			// descriptor no rule limits. With one, its 0 remaining and 0 to the reset
+			// read as "none left, resetting now": Envoy's x-ratelimit headers (the
+			// status of least remaining, the first of equals) then named this rule, and
+			// X-RateLimit-Reset: 0, on a refusal another rule decided.
+			st.remaining = 0
+			continue
+		}
 		st.over = !r.Allowed && !r.Shadow
 		st.hasLimit = true
 		st.rpu, st.unit = envoyUnit(r.Limit, r.Window)
@@ -1070,8 +1079,12 @@ func (s *Server) response(n int, sc *scratch) {
 
 var problemJSON = []byte("application/problem+json")
 
-// better reports whether result a describes its descriptor better than b.
+// better reports whether result a describes its descriptor better than b. A result whose
+// rule was not asked (limiter.Result.Unasked) says nothing, and comes last.
 func better(a, b *limiter.Result) bool {
+	if a.Unasked != b.Unasked {
+		return !a.Unasked
+	}
 	if a.Shadow != b.Shadow {
 		return !a.Shadow
 	}
