@@ -1034,7 +1034,10 @@ func (s *Server) response(n int, sc *scratch) {
 			}
 		}
 		st.remaining = uint32(min(r.Remaining, math.MaxUint32))
-		st.reset = r.Reset
+		// Whole seconds, rounded up, as envoyproxy/ratelimit answers: Envoy's own
+		// X-RateLimit-Reset takes the seconds of it, rounded down, which made it up to a
+		// second early, and 0 on a refusal in a window's last second.
+		st.reset = time.Duration(proto.CeilSeconds(r.Reset)) * time.Second
 	}
 
 	// The HTTP mapping, as the clients write it: the deciding rule first.
