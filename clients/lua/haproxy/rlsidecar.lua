@@ -107,23 +107,44 @@ local function now_ms()
   return t.sec * 1000 + t.usec / 1000
 end
 
--- A connection the daemon refuses as it accepts it (too_many_connections: it is at its
--- --max-conns) backs off, per Lua state and address: from 10 ms, doubling up to 1 s, a
+-- A failed connect to the daemon (socket missing, refused, its accept queue full) and a
+-- connection it refuses as it accepts it (too_many_connections: it is at its
+-- --max-conns) back off, per Lua state and address: from 10 ms, doubling up to 1 s, a
 -- random half to all of each wait, as the Go, Python and Node clients' dials and nginx's.
 -- Meanwhile checks are decided by the policy at once, without a connect; the first
--- answer after the wait ends it. Before, every check connected again to a daemon at its
--- cap (one more connection it had to accept, answer and close) and was refused again.
+-- answer after the wait ends it. Before, every check connected again: to a daemon at its
+-- cap (one more connection it had to accept, answer and close, and refused again), and
+-- to one whose accept queue was full (a stalled or overloaded daemon), where HAProxy
+-- writes a line of its own for each connect that fails ("Connect() failed for backend
+-- LUA-SOCKET: can't connect to destination unix socket, check backlog size on the
+-- server."): one a request, with no gate.
 local BACKOFF_MIN_MS, BACKOFF_MAX_MS = 10, 1000
-local refusals = {} -- address -> { n = refusals in a row, retry_at = now_ms(), err = the last }
+local dial_failures = {} -- address -> { n = failures in a row, retry_at = now_ms(), err = the last }
 
-local function refused(address, e)
-  local f = refusals[address] or { n = 0 }
-  f.n = f.n + 1
-  f.err = "reading from " .. address .. ": too_many_connections: " .. tostring(e.message)
+-- dial_failed counts a failed connect to address (why) and sets when the next may be; it
+-- returns nil and why.
+local function dial_failed(address, why)
+  local f = dial_failures[address] or { n = 0 }
+  f.n, f.err = f.n + 1, why
   local d = f.n >= 8 and BACKOFF_MAX_MS or math.min(BACKOFF_MIN_MS * 2 ^ (f.n - 1), BACKOFF_MAX_MS)
   f.retry_at = now_ms() + d / 2 + math.random() * d / 2
-  refusals[address] = f
-  return nil, f.err
+  dial_failures[address] = f
+  return nil, why
+end
+
+-- refused counts the daemon's too_many_connections answer e (an error with id 0) as a
+-- failed connect; it returns nil and the failure.
+local function refused(address, e)
+  return dial_failed(address, "reading from " .. address .. ": too_many_connections: " .. tostring(e.message))
+end
+
+-- backing_off returns why address is not to be connected to now, or nil.
+local function backing_off(address)
+  local f = dial_failures[address]
+  if f and now_ms() < f.retry_at then
+    return "backing off after " .. f.n .. " failed connect(s): " .. f.err
+  end
+  return nil
 end
 
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
@@ -135,9 +156,9 @@ end
 -- read) waits for what is left of it, where a timeout set once bounded each step by
 -- timeout_ms, several times it in all.
 local function roundtrip(address, timeout_ms, frame, id, releases)
-  local f = refusals[address]
-  if f and now_ms() < f.retry_at then
-    return nil, "backing off after " .. f.n .. " refused connection(s): " .. f.err
+  local wait = backing_off(address)
+  if wait then
+    return nil, wait
   end
   local deadline = now_ms() + timeout_ms
   local sock = core.tcp()
@@ -145,7 +166,7 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
   local ok, err = sock:connect(address)
   if not ok then
     sock:close()
-    return nil, "connecting to " .. address .. ": " .. tostring(err)
+    return dial_failed(address, "connecting to " .. address .. ": " .. tostring(err))
   end
   -- fail closes the connection and names the failure; at the deadline, as the timeout
   -- it is (HAProxy reports a read that timed out as "connection closed."). Within 2 ms
@@ -248,7 +269,7 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
     sock:close()
     return nil, "an answer to another request from " .. address
   end
-  refusals[address] = nil -- it answers again
+  dial_failures[address] = nil -- it answers again
   return resp, sock
 end
 

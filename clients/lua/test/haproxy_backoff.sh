@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# HAProxy's action when it cannot connect to the daemon, through real HAProxy (one thread,
+# one Lua state) and the real daemon:
+#
+# - A daemon whose accept queue is full (a stand-in: a socket listening with a backlog of
+#   0, its one place taken by a connection never accepted). HAProxy writes a line of its
+#   own for each connect that fails there ("Connect() failed for backend LUA-SOCKET: ...
+#   check backlog size on the server."). 100 requests must not be 100 connects, 100 such
+#   lines: the first failure backs off (10 ms doubling to 1 s) and checks meanwhile are
+#   decided by the policy without a connect. Once a real daemon serves that path, a check
+#   gets its decision again within a few seconds (the backoff ends).
+#
+# Needs go, haproxy (with Lua), curl and python3. Exits 0 only if everything holds.
+# HAPROXY_BACKOFF_KEEP=1 keeps the temporary directory.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)" # clients/lua
+repo="$(cd "$here/../.." && pwd)"
+keep_var=HAPROXY_BACKOFF_KEEP
+. "$here/test/harness.sh"
+
+(cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
+cat >"$tmp/rules.yaml" <<'EOF'
+rules:
+  - name: per-path
+    match: { path: "/api/**" }
+    key: path
+    limit: { requests: 1000, per: 60s }
+EOF
+
+# The backend: answers at once.
+backend_port=$(free_port)
+python3 - "$backend_port" >"$tmp/backend.log" 2>&1 <<'PY' &
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"backend " + self.path.encode() + b"\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+PY
+pids+=($!)
+wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
+
+# haproxy_for NAME SOCKET: starts HAProxy checking every request with the daemon at SOCKET
+# (open policy, 2 s), on a port it sets in hap_port; its log is $tmp/haproxy-NAME.log.
+haproxy_for() {
+  hap_port=$(free_port)
+  cat >"$tmp/haproxy-$1.cfg" <<EOF
+global
+    nbthread 1
+    lua-prepend-path $here/?.lua
+    lua-load $here/haproxy/rlsidecar.lua
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend web
+    bind 127.0.0.1:$hap_port
+    http-request lua.rlsidecar unix@$2 open 2000
+    http-after-response set-header RateLimit %[var(txn.rlsidecar_ratelimit)] if { var(txn.rlsidecar_ratelimit) -m found }
+    default_backend app
+backend app
+    server s1 127.0.0.1:$backend_port
+EOF
+  haproxy -db -f "$tmp/haproxy-$1.cfg" >"$tmp/haproxy-$1.log" 2>&1 &
+  pids+=($!)
+  wait_for "haproxy ($1)" curl -sf -o /dev/null "http://127.0.0.1:$hap_port/api/up"
+}
+
+# hundred PORT: the statuses of 100 requests in a row, as "200x100 ".
+hundred() {
+  local args=() i
+  for i in $(seq 100); do args+=(-o /dev/null "http://127.0.0.1:$1/api/items"); done
+  curl -s --max-time 60 -w '%{http_code}\n' "${args[@]}" | sort | uniq -c | awk '{ print $2 "x" $1 }' | tr '\n' ' '
+}
+
+# decided PORT PATH: whether a request got the daemon's decision (a RateLimit header).
+decided() {
+  curl -s -D - -o /dev/null --max-time 5 "http://127.0.0.1:$1$2" | grep -qi '^ratelimit:'
+}
+
+echo "-- a daemon whose accept queue is full: HAProxy's failed connects back off"
+full="$tmp/full.sock"
+python3 - "$full" >"$tmp/full.log" 2>&1 <<'PY' &
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(0)
+c = socket.socket(socket.AF_UNIX)
+c.connect(sys.argv[1])  # takes the queue's one place; never accepted
+print("full", flush=True)
+time.sleep(3600)
+PY
+full_pid=$!
+pids+=("$full_pid")
+wait_for "the full stand-in" grep -q full "$tmp/full.log"
+haproxy_for full "$full"
+codes=$(hundred "$hap_port")
+expect "full queue: 100 requests decided by the open policy" "$codes" "200x100 "
+lines=$(grep -c "Connect() failed for backend LUA-SOCKET" "$tmp/haproxy-full.log" || true)
+expect "full queue: HAProxy's own connect failure lines, some (the case was exercised)" "$((lines > 0))" 1
+expect "full queue: at most 20 of 100 checks connected and failed ($lines lines)" "$((lines <= 20))" 1
+kill "$full_pid"
+wait "$full_pid" 2>/dev/null || true
+rm -f "$full"
+"$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$full" --admin= >"$tmp/daemon-full.log" 2>&1 &
+pids+=($!)
+wait_for "a daemon on the full stand-in's path" "$tmp/rlsidecar" check --socket "$full" path=/probe
+wait_for "haproxy's check decided again once a daemon serves the path" decided "$hap_port" /api/again
+pass "full queue: decided again once a daemon serves the path"
+
+if [ "$failures" -ne 0 ]; then
+  echo "== $failures checks FAILED"
+  for f in "$tmp"/*.log; do echo "--- $f"; tail -20 "$f"; done
+  exit 1
+fi
+echo "== HAProxy backoff: ok"
