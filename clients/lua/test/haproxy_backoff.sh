@@ -9,6 +9,11 @@
 #   lines: the first failure backs off (10 ms doubling to 1 s) and checks meanwhile are
 #   decided by the policy without a connect. Once a real daemon serves that path, a check
 #   gets its decision again within a few seconds (the backoff ends).
+# - A real daemon at its --max-conns while HAProxy renews the leases of requests in
+#   flight: their renewals, refused too_many_connections, must back off as checks do, not
+#   connect again for each batch (each unanswered renewal comes again at half what is left
+#   of its lease, about ten a lease before it expires). Once the daemon has room again, a
+#   check gets its decision.
 #
 # Needs go, haproxy (with Lua), curl and python3. Exits 0 only if everything holds.
 # HAPROXY_BACKOFF_KEEP=1 keeps the temporary directory.
@@ -25,14 +30,20 @@ rules:
     match: { path: "/api/**" }
     key: path
     limit: { requests: 1000, per: 60s }
+  - name: held
+    match: { path: "/hold/**" }
+    key: path
+    concurrency: { max: 100, lease: 4s }
 EOF
 
-# The backend: answers at once.
+# The backend: /hold/ answers after 10 s, anything else at once.
 backend_port=$(free_port)
 python3 - "$backend_port" >"$tmp/backend.log" 2>&1 <<'PY' &
-import http.server, sys
+import http.server, sys, time
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith("/hold/"):
+            time.sleep(10)
         body = b"backend " + self.path.encode() + b"\n"
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -113,6 +124,57 @@ pids+=($!)
 wait_for "a daemon on the full stand-in's path" "$tmp/rlsidecar" check --socket "$full" path=/probe
 wait_for "haproxy's check decided again once a daemon serves the path" decided "$hap_port" /api/again
 pass "full queue: decided again once a daemon serves the path"
+
+echo "-- a daemon at its --max-conns: lease renewals back off from too_many_connections"
+# 16 requests hold a 4 s lease each (the backend answers /hold/ after 10 s), taken 30 ms
+# apart: their renewals are due apart, from 2 s on. Their 16 connections and 4 idle ones
+# fill the daemon's 20; each renewal's connection is then refused until the leases expire.
+capped="$tmp/capped.sock"
+capped_admin=$(free_port)
+"$tmp/rlsidecar" serve --config "$tmp/rules.yaml" --socket "$capped" --admin "127.0.0.1:$capped_admin" --max-conns 20 \
+  >"$tmp/daemon-capped.log" 2>&1 &
+pids+=($!)
+wait_for "the capped daemon" "$tmp/rlsidecar" check --socket "$capped" path=/probe
+capped_metric() { # capped_metric NAME: its value on the capped daemon's /metrics
+  curl -s "http://127.0.0.1:$capped_admin/metrics" | awk -v n="$1" '$1 == n { print $2 }'
+}
+capped_refused() { capped_metric 'rlsidecar_connections_closed_total{reason="too_many_connections"}'; }
+capped_at() { [ "$(capped_metric rlsidecar_connections)" = "$1" ]; }
+capped_held() { [ "$(capped_metric 'rlsidecar_inflight{rule="held"}')" = "$1" ]; }
+haproxy_for capped "$capped"
+python3 - "$capped" 4 >"$tmp/idle.log" 2>&1 <<'PY' &
+import socket, sys, time
+cs = []
+for _ in range(int(sys.argv[2])):
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(sys.argv[1])
+    cs.append(c)
+time.sleep(3600)
+PY
+idle_pid=$!
+pids+=("$idle_pid")
+wait_for "4 idle connections" capped_at 4
+holds=()
+for i in $(seq 16); do
+  curl -s --max-time 30 -o /dev/null "http://127.0.0.1:$hap_port/hold/$i" &
+  holds+=($!)
+  pids+=($!)
+  sleep 0.03
+done
+wait_for "16 leases held" capped_held 16
+wait_for "the daemon at its 20 connections" capped_at 20
+before=$(capped_refused)
+# Past every lease's expiry (4 s after it was taken): every renewal has been tried.
+sleep 5
+after=$(capped_refused)
+refused=$((after - before))
+expect "capped daemon: renewals refused (the case was exercised)" "$((refused > 0))" 1
+expect "capped daemon: renewals back off: at most 40 refused connections for 16 leases (refused $refused)" "$((refused <= 40))" 1
+kill "$idle_pid"
+wait "$idle_pid" 2>/dev/null || true
+wait_for "haproxy's check decided again once the daemon has room" decided "$hap_port" /api/room
+pass "capped daemon: decided again once it has room"
+for p in "${holds[@]}"; do wait "$p" 2>/dev/null || true; done
 
 if [ "$failures" -ne 0 ]; then
   echo "== $failures checks FAILED"
