@@ -707,10 +707,13 @@ local function action(txn, address, policy, timeout)
     { "method", txn.f:method() or "" },
     { "path", normalize_path(txn.f:path() or "") },
   }
+  -- A variable set from an integer sample (a converter such as crc32, a JWT claim read
+  -- as 'int') reaches Lua as a number: sent as its decimal string. Before, the encoder
+  -- refused it, and every request went to the policy (under open, past every limit).
   local user = txn:get_var("txn.rlsidecar_user")
-  if user and user ~= "" then attrs[#attrs + 1] = { "user", user } end
+  if user and user ~= "" then attrs[#attrs + 1] = { "user", tostring(user) } end
   local key = txn:get_var("txn.rlsidecar_api_key")
-  if key and key ~= "" then attrs[#attrs + 1] = { "api_key", key } end
+  if key and key ~= "" then attrs[#attrs + 1] = { "api_key", tostring(key) } end
   local cost, bad = cost_of(txn:get_var("txn.rlsidecar_cost"))
   if bad then
     -- Not a cost: answered 400 whatever the policy. Under "open" the policy let such a

@@ -40,8 +40,9 @@
 # Also client:check() itself from a test-only location: inline limits, cost, cost above
 # capacity, bad input (refused before sending), an error answer (policy decision and
 # error; the connection stays usable), and a request over max_frame (not sent, or
-# refused by the daemon: 431 either way); HAProxy's RLSIDECAR_MAX_FRAME; and that a
-# second lua.rlsidecar line that refuses answers with its own rate-limit headers.
+# refused by the daemon: 431 either way); HAProxy's RLSIDECAR_MAX_FRAME; that a
+# second lua.rlsidecar line that refuses answers with its own rate-limit headers; and that
+# a txn.rlsidecar_user HAProxy holds as an integer is sent as the user.
 # Free loopback ports, a temp dir, every process
 # stopped on exit. Exits 0 only if everything holds.
 #
@@ -303,8 +304,9 @@ sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   -e "s#^global#global\n    tune.bufsize 131072\n    stats socket $tmp/haproxy-stats.sock#" \
-  -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }#" \
+  -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }\n    http-request set-var(txn.rlsidecar_user) req.fhdr(x-uid),crc32 if { req.fhdr(x-uid) -m found }#" \
   "$here/examples/haproxy.cfg" >"$tmp/haproxy.cfg"
+grep -q "x-uid),crc32" "$tmp/haproxy.cfg" || { echo "e2e: the X-Uid line not added" >&2; exit 1; }
 grep -q "txn.rlsidecar_cost" "$tmp/haproxy.cfg" || { echo "e2e: no set-var(txn.rlsidecar_user) line in examples/haproxy.cfg to add the cost after" >&2; exit 1; }
 # /gone/ goes to a server that is down: HAProxy answers 503 itself.
 sed -i -e "s#^    default_backend app#    use_backend gone if { path_beg /gone/ }\n&#" "$tmp/haproxy.cfg"
@@ -452,6 +454,19 @@ done
 expect "haproxy X-Cost 99999999999999999999: refused, over any capacity" "$(cost_status 99999999999999999999)" 429
 expect "haproxy X-Cost 99999999999999999999: no Retry-After" "$(grep -ci '^retry-after:' "$tmp/h" || true)" 0
 expect "haproxy X-Cost 0: asks without consuming; per-user has nothing left" "$(cost_status 0)" 429
+
+echo "-- haproxy: txn.rlsidecar_user set from an integer sample (X-Uid,crc32) is the user"
+# HAProxy hands Lua an integer variable as a number, which the encoder refused: every
+# such request went to the policy ("open": 200s past per-user's 3 a minute).
+for i in 1 2 3 4 5; do
+  status=$(curl -s --max-time 10 -o /dev/null -D "$tmp/h" -w '%{http_code}' -H "X-Uid: hap-uid" "http://127.0.0.1:$hap_port/api/items")
+  if ((i <= 3)); then
+    expect "haproxy integer user, request $i: allowed" "$status" 200
+    expect_re "haproxy integer user, request $i: per-user's RateLimit" "$(grep -i '^ratelimit:' "$tmp/h" | tr -d '\r')" "\"per-user\";r=$((3 - i));t=[0-9]+"
+  else
+    expect "haproxy integer user, request $i: per-user refuses" "$status" 429
+  fi
+done
 
 echo "-- nginx: a cost function's result that is not a cost is a 400, whatever the policy"
 # It went to the policy ("open": allowed, past every limit), as did a cost past 2^53.
