@@ -147,6 +147,27 @@ local function backing_off(address)
   return nil
 end
 
+-- An answer longer than HAProxy's buffer (tune.bufsize, 16,384 bytes by default: about
+-- 140 rules deciding one request) reaches a Lua socket one buffer per timeout in HAProxy
+-- 2.6: its read waits for the socket's timeout to fire, takes the next bufferful, and
+-- waits again. A check whose answer is longer takes its whole TIMEOUT_MS and more (a
+-- 228 KB answer under a 300 ms timeout took 3.6 s; with tune.bufsize 262144, 44 ms), or
+-- goes to the policy. big_answer says so, at most once a minute a Lua state, naming the
+-- fix: before, nothing said why such checks were slow.
+local BIG_ANSWER = 8192
+local big_gate = http.gate(60)
+
+local function big_answer(address, n, timeout_ms)
+  local t = core.now()
+  local held = big_gate(t.sec + t.usec / 1e6)
+  if held ~= nil then
+    core.Warning("rlsidecar: an answer of " .. n .. " bytes from " .. address .. " took the check's whole " ..
+      timeout_ms .. " ms or more: HAProxy reads a Lua socket one buffer (tune.bufsize, 16384 bytes by default) " ..
+      "per timeout; set tune.bufsize in global above " .. n ..
+      (held > 0 and " (and " .. held .. " more such answers since the last line)" or ""))
+  end
+end
+
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
 -- and an error. With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
@@ -219,6 +240,9 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
       return fail("reading from", "timeout")
     end
     local body, berr = sock:receive(n)
+    if n > BIG_ANSWER and now_ms() + 2 >= deadline then
+      big_answer(address, n, timeout_ms)
+    end
     if not body or #body < n then
       return fail("reading from", berr or "closed")
     end

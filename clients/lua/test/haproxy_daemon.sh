@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# HAProxy's action when it cannot connect to the daemon, through real HAProxy (one thread,
-# one Lua state) and the real daemon:
+# HAProxy's action against a daemon it cannot connect to, or whose answers are longer than
+# HAProxy's buffer, through real HAProxy (one thread, one Lua state) and the real daemon:
 #
 # - A daemon whose accept queue is full (a stand-in: a socket listening with a backlog of
 #   0, its one place taken by a connection never accepted). HAProxy writes a line of its
@@ -14,13 +14,16 @@
 #   connect again for each batch (each unanswered renewal comes again at half what is left
 #   of its lease, about ten a lease before it expires). Once the daemon has room again, a
 #   check gets its decision.
+# - An answer longer than HAProxy's default buffer (tune.bufsize, 16 KB: 200 rules decide
+#   the request): HAProxy 2.6 reads it one buffer per socket timeout, so the check takes
+#   its whole TIMEOUT_MS. The action must say so in HAProxy's log, naming tune.bufsize.
 #
 # Needs go, haproxy (with Lua), curl and python3. Exits 0 only if everything holds.
-# HAPROXY_BACKOFF_KEEP=1 keeps the temporary directory.
+# HAPROXY_DAEMON_KEEP=1 keeps the temporary directory.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)" # clients/lua
 repo="$(cd "$here/../.." && pwd)"
-keep_var=HAPROXY_BACKOFF_KEEP
+keep_var=HAPROXY_DAEMON_KEEP
 . "$here/test/harness.sh"
 
 (cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
@@ -176,9 +179,27 @@ wait_for "haproxy's check decided again once the daemon has room" decided "$hap_
 pass "capped daemon: decided again once it has room"
 for p in "${holds[@]}"; do wait "$p" 2>/dev/null || true; done
 
+echo "-- an answer longer than HAProxy's buffer: the action names tune.bufsize"
+python3 - "$tmp/big.yaml" <<'PY'
+import sys
+with open(sys.argv[1], "w") as f:
+    f.write("rules:\n")
+    for i in range(200):
+        f.write("  - name: big-%04d-a-rule-name-of-some-length\n    match: { path: \"/big/**\" }\n    key: ip\n"
+                "    limit: { requests: 1000, per: 60s }\n" % i)
+PY
+big="$tmp/big.sock"
+"$tmp/rlsidecar" serve --config "$tmp/big.yaml" --socket "$big" --admin= >"$tmp/daemon-big.log" 2>&1 &
+pids+=($!)
+wait_for "the daemon of 200 rules" "$tmp/rlsidecar" check --socket "$big" path=/probe
+haproxy_for big "$big"
+wait_for "a check of /big/ decided (its answer read, late)" decided "$hap_port" /big/x
+expect "big answer: HAProxy's log names tune.bufsize" \
+  "$(grep -c 'set tune.bufsize in global above' "$tmp/haproxy-big.log" || true)" 1
+
 if [ "$failures" -ne 0 ]; then
   echo "== $failures checks FAILED"
   for f in "$tmp"/*.log; do echo "--- $f"; tail -20 "$f"; done
   exit 1
 fi
-echo "== HAProxy backoff: ok"
+echo "== HAProxy against a daemon it cannot reach or whose answers are long: ok"
