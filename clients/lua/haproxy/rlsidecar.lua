@@ -112,12 +112,12 @@ end
 -- --max-conns) back off, per Lua state and address: from 10 ms, doubling up to 1 s, a
 -- random half to all of each wait, as the Go, Python and Node clients' dials and nginx's.
 -- Meanwhile checks are decided by the policy at once, and renewals wait, without a
--- connect; the first answer after the wait ends it. Before, every check connected again: to a daemon at its
--- cap (one more connection it had to accept, answer and close, and refused again), and
--- to one whose accept queue was full (a stalled or overloaded daemon), where HAProxy
--- writes a line of its own for each connect that fails ("Connect() failed for backend
--- LUA-SOCKET: can't connect to destination unix socket, check backlog size on the
--- server."): one a request, with no gate.
+-- connect; the first answer after the wait ends it. Before, every check connected
+-- again: to a daemon at its cap (one more connection it had to accept, answer and
+-- close, and refused again), and to one whose accept queue was full (a stalled or
+-- overloaded daemon), where HAProxy writes a line of its own for each connect that
+-- fails ("Connect() failed for backend LUA-SOCKET: can't connect to destination unix
+-- socket, check backlog size on the server."): one a request, with no gate.
 local BACKOFF_MIN_MS, BACKOFF_MAX_MS = 10, 1000
 local dial_failures = {} -- address -> { n = failures in a row, retry_at = now_ms(), err = the last }
 
