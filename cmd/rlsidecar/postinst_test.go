@@ -58,8 +58,9 @@ func runPostinstWith(t *testing.T, settings string, enabled []string, args ...st
 		isEnabled = "case \"$*\" in *\" " + u + "\") exit 0 ;; esac; " + isEnabled
 	}
 	stubs := map[string]string{
+		// `systemctl show` prints $POSTINST_TEST_SHOW: the unit's properties a test gives.
 		"systemctl": "#!/bin/sh\necho \"$*\" >>" + log + "\n" +
-			"case \"$*\" in *is-enabled*) " + isEnabled + " ;; esac\nexit 0\n",
+			"case \"$*\" in *is-enabled*) " + isEnabled + " ;; show*) printf '%s\\n' \"$POSTINST_TEST_SHOW\" ;; esac\nexit 0\n",
 		"deb-systemd-helper": "#!/bin/sh\nexit 0\n",
 		"getent":             "#!/bin/sh\nexit 0\n", // the user and group exist
 	}
@@ -161,6 +162,42 @@ func TestPostinstRestartsOnlyOntoRulesItTakes(t *testing.T) {
 	for _, settings := range []string{"RLSIDECAR_CONFIG=" + good + "\n", "  RLSIDECAR_CONFIG=\"" + good + "\"\n", "RLSIDECAR_LOG_LEVEL=info\n", ""} {
 		if calls, out := runPostinstWith(t, settings, socket, "configure", "0.1.0"); !restarted(calls) {
 			t.Errorf("upgrade with settings %q: not restarted; systemctl calls: %q\n%s", settings, calls, out)
+		}
+	}
+}
+
+// A daemon given no Redis refuses at start a rule that needs one (mode: global), where
+// `rlsidecar validate` alone only notes it and exits 0: before, postinst asked validate
+// without --no-redis, so on a host with no Redis whose running daemon had refused such an
+// edit (RlsidecarConfigReloadErrors), an upgrade restarted it onto the file, and the new
+// daemon stopped at start. Redis is counted as given when the settings file sets it, or
+// the unit does (a drop-in's Environment= or ExecStart=, as `systemctl show` prints
+// them); the rules that need it then restart the daemon as before.
+func TestPostinstRestartsOnlyOntoRulesItTakesWithoutRedis(t *testing.T) {
+	dir := shortTempDir(t)
+	global := writeFile(t, dir, "global.yaml", "rules:\n  - name: login\n    key: ip\n    limit: { requests: 5, per: 1m }\n    mode: global\n")
+	restarted := func(calls []string) bool { return slices.Contains(calls, "try-restart rlsidecar.service") }
+	socket := []string{"rlsidecar.socket"}
+
+	t.Setenv("POSTINST_TEST_SHOW", "Environment=GOMEMLIMIT=2560MiB\nExecStart={ path=/usr/bin/rlsidecar ; argv[]=/usr/bin/rlsidecar serve --redis-timeout 50ms ; ignore_errors=no }")
+	calls, out := runPostinstWith(t, "RLSIDECAR_CONFIG="+global+"\n#RLSIDECAR_REDIS=redis://redis.internal:6379/0\nRLSIDECAR_REDIS_CLUSTER=\n", socket, "configure", "0.1.0")
+	if restarted(calls) {
+		t.Errorf("upgrade with a mode: global rule and no Redis: restarted anyway; systemctl calls: %q\n%s", calls, out)
+	}
+	if !strings.Contains(out, "not restarting rlsidecar.service") || !strings.Contains(out, "needs a Redis store") {
+		t.Errorf("upgrade with a mode: global rule and no Redis: the output does not say why it did not restart:\n%s", out)
+	}
+
+	for _, c := range []struct{ settings, show string }{
+		{"RLSIDECAR_CONFIG=" + global + "\nRLSIDECAR_REDIS=redis://redis.internal:6379/0\n", ""},
+		{"RLSIDECAR_CONFIG=" + global + "\nRLSIDECAR_REDIS_CLUSTER='10.0.0.5:6379,10.0.0.6:6379'\n", ""},
+		{"RLSIDECAR_CONFIG=" + global + "\n", "Environment=GOMEMLIMIT=2560MiB RLSIDECAR_REDIS=redis://redis.internal:6379/0"},
+		{"RLSIDECAR_CONFIG=" + global + "\n", "ExecStart={ path=/usr/bin/rlsidecar ; argv[]=/usr/bin/rlsidecar serve --redis redis://redis.internal:6379/0 ; ignore_errors=no }"},
+		{"RLSIDECAR_CONFIG=" + global + "\n", "ExecStart={ path=/usr/bin/rlsidecar ; argv[]=/usr/bin/rlsidecar serve --redis-cluster=10.0.0.5:6379 ; ignore_errors=no }"},
+	} {
+		t.Setenv("POSTINST_TEST_SHOW", c.show)
+		if calls, out := runPostinstWith(t, c.settings, socket, "configure", "0.1.0"); !restarted(calls) {
+			t.Errorf("upgrade with Redis given (settings %q, unit %q): not restarted; systemctl calls: %q\n%s", c.settings, c.show, calls, out)
 		}
 	}
 }
