@@ -33,6 +33,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strings"
 )
@@ -109,12 +110,24 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case errors.Is(err, flag.ErrHelp):
 		return exitOK
 	case errors.Is(err, errUsage):
-		fmt.Fprintf(stderr, "rlsidecar %s: %v\n", args[0], err)
+		printErr(stderr, args[0], err)
 		return exitUsage
 	default:
-		fmt.Fprintf(stderr, "rlsidecar %s: %v\n", args[0], err)
+		printErr(stderr, args[0], err)
 		return exitFailure
 	}
+}
+
+// printErr prints the error a command ended with. In the journal (a daemon that could
+// not start, a failed ExecReload=), each of its lines is filed at priority err, where
+// `journalctl -p err` finds it (a rules file's errors are one a line).
+func printErr(stderr io.Writer, command string, err error) {
+	msg := fmt.Sprintf("rlsidecar %s: %v", command, err)
+	if toJournal(stderr) {
+		prio := journalPriority(slog.LevelError)
+		msg = prio + strings.ReplaceAll(msg, "\n", "\n"+prio)
+	}
+	fmt.Fprintln(stderr, msg)
 }
 
 // newFlags returns a FlagSet that reports errors instead of exiting. Its flags also read

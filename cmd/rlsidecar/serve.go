@@ -855,20 +855,32 @@ func (l redisLog) Printf(ctx context.Context, format string, v ...any) {
 	l.log.Debug("go-redis: " + fmt.Sprintf(format, v...))
 }
 
-// newLogger builds the daemon's logger; what secrets names is kept out of it.
+// newLogger builds the daemon's logger; what secrets names is kept out of it. Written
+// to the journal (toJournal), each line starts with its level's syslog priority.
 func newLogger(w io.Writer, format, level string, secrets *scrubber) (*slog.Logger, error) {
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
 		return nil, fmt.Errorf("--log-level %q: use debug, info, warn or error", level)
 	}
 	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: secrets.replace}
+	var out *prefixWriter
+	if toJournal(w) {
+		out = &prefixWriter{w: w}
+		w = out
+	}
+	var h slog.Handler
 	switch strings.ToLower(format) {
 	case "text":
-		return slog.New(slog.NewTextHandler(w, opts)), nil
+		h = slog.NewTextHandler(w, opts)
 	case "json":
-		return slog.New(slog.NewJSONHandler(w, opts)), nil
+		h = slog.NewJSONHandler(w, opts)
+	default:
+		return nil, fmt.Errorf("--log-format %q: use text or json", format)
 	}
-	return nil, fmt.Errorf("--log-format %q: use text or json", format)
+	if out != nil {
+		h = journalHandler{h, out}
+	}
+	return slog.New(h), nil
 }
 
 func validate(args []string, stdout, stderr io.Writer) error {
