@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -127,5 +128,52 @@ func TestE2ELogPrioritiesInTheJournal(t *testing.T) {
 	cmd.Run()
 	if b, _ := os.ReadFile(other.Name()); !strings.HasPrefix(string(b), "rlsidecar serve: ") {
 		t.Errorf("stderr not the journal's stream, yet prefixed:\n%s", b)
+	}
+}
+
+// With --log-format json under systemd, stdout and stderr go to the journal, where a
+// log shipper parses each of the unit's lines as JSON: the start line for a terminal
+// ("rlsidecar … listening on …", on stdout) was the one line of the daemon that was not
+// JSON. There it is left out (the "serving" record says the same); in text, or on a
+// stdout that is not the journal, it is written as before.
+func TestE2EJournalJSONHasOnlyJSON(t *testing.T) {
+	dir := shortTempDir(t)
+	for _, format := range []string{"json", "text"} {
+		journal, stream := journalFile(t)
+		cmd := exec.Command(binary, "serve", "--socket", filepath.Join(dir, format+".sock"), "--admin=", "--log-format", format)
+		cmd.Env = append(os.Environ(), "JOURNAL_STREAM="+stream)
+		cmd.Stdout, cmd.Stderr = journal, journal
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		done := waitInBackground(t, cmd)
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if b, _ := os.ReadFile(journal.Name()); strings.Contains(string(b), "serving") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the daemon did not log serving within 30 s", format)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		cmd.Process.Signal(syscall.SIGTERM)
+		if err := <-done; err != nil {
+			t.Fatalf("%s: drain: %v", format, err)
+		}
+		b, _ := os.ReadFile(journal.Name())
+		banner := strings.Contains(string(b), "listening on")
+		if format == "json" {
+			if banner {
+				t.Errorf("json: the start line for a terminal is in the journal:\n%s", b)
+			}
+			for _, line := range strings.Split(strings.TrimSuffix(string(b), "\n"), "\n") {
+				if _, rest, ok := strings.Cut(line, ">"); !ok || !json.Valid([]byte(rest)) {
+					t.Errorf("json: a line that is not a priority and JSON: %q", line)
+				}
+			}
+		} else if !banner {
+			t.Errorf("text: no start line:\n%s", b)
+		}
 	}
 }

@@ -692,7 +692,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		how = "listening (socket activation) on"
 	}
 	started = true
-	fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	// The line for a terminal. In the journal with --log-format json, where a log shipper
+	// parses every line of the unit as JSON, the "serving" record below says the same.
+	if !(toJournal(stdout) && strings.EqualFold(*logFormat, "json")) {
+		fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+	}
 	if limiter.NoStore {
 		log.Error("this daemon was built with -tags rlsidecar_nostore, for measurement: it admits every local check without counting it; never run it for traffic")
 	}
