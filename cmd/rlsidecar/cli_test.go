@@ -227,6 +227,18 @@ func TestServeRefusesOutOfRangeFlags(t *testing.T) {
 	}
 }
 
+// A CPU profile that cannot be written stops the start with an error naming the flag:
+// before, it said only "open /nonexistent/cpu.prof: no such file or directory", which
+// under the unit (RLSIDECAR_CPUPROFILE in /etc/default/rlsidecar, a path the sandbox
+// cannot write) named no setting to look at.
+func TestServeNamesAnUnwritableCPUProfile(t *testing.T) {
+	dir := shortTempDir(t)
+	out, err := runCLI(t, "serve", "--socket", filepath.Join(dir, "s.sock"), "--admin=", "--cpuprofile", filepath.Join(dir, "no-such-dir", "cpu.prof"))
+	if err == nil || !strings.Contains(out, "--cpuprofile: open ") || strings.Contains(out, "listening on") {
+		t.Fatalf("serve --cpuprofile in a missing directory: %v\n%s", err, out)
+	}
+}
+
 func TestLoopbackAddr(t *testing.T) {
 	for addr, want := range map[string]bool{
 		"127.0.0.1:9464": true, "[::1]:9464": true, "localhost:9464": true, "127.0.0.2:1": true,

@@ -228,10 +228,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err != nil {
-			return err
+			return fmt.Errorf("--cpuprofile: %w", err)
 		}
 		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
+			f.Close()
+			return fmt.Errorf("--cpuprofile: %w", err)
 		}
 		defer func() { pprof.StopCPUProfile(); f.Close() }()
 	}
