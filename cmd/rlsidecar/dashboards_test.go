@@ -161,3 +161,47 @@ rules:
 		}
 	}
 }
+
+// rangeWindow matches a PromQL range selector's window: [1m], [$__rate_interval].
+var rangeWindow = regexp.MustCompile(`\[([^\]:]+)\]`)
+
+// The dashboard's rates hold two scrapes at any scrape interval up to 1m (Prometheus's
+// own default, for which the alerts are written too): each window is Grafana's
+// $__rate_interval (four scrape intervals at least) or 2m and more. Its panels used
+// rate(...[1m]), which a Prometheus scraping every minute answers with nothing: a 1m
+// window holds one sample (promtool: `rate(rlsidecar_checks_total[1m])` over series 1m
+// apart is empty), so the checks, latency, Redis and sync panels were blank.
+func TestDashboardRateWindows(t *testing.T) {
+	data, err := os.ReadFile("../../deploy/grafana/rlsidecar.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatal(err)
+	}
+	windows := 0
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			for _, m := range rangeWindow.FindAllStringSubmatch(tg.Expr, -1) {
+				windows++
+				if m[1] == "$__rate_interval" {
+					continue
+				}
+				d, err := time.ParseDuration(m[1])
+				if err != nil || d < 2*time.Minute {
+					t.Errorf("%q: window %s holds a single scrape at 1m scrape intervals; use $__rate_interval", tg.Expr, m[1])
+				}
+			}
+		}
+	}
+	if windows == 0 {
+		t.Fatal("no range windows found in the dashboard")
+	}
+}
