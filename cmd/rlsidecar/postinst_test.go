@@ -201,3 +201,82 @@ func TestPostinstRestartsOnlyOntoRulesItTakesWithoutRedis(t *testing.T) {
 		}
 	}
 }
+
+// runPostrm runs deploy/debian/postrm with args, /etc/rlsidecar pointed at etc, as if
+// systemd did not run (the purge of the files does not depend on it), with
+// deb-systemd-helper and systemctl replaced by stubs that do nothing.
+func runPostrm(t *testing.T, etc string, args ...string) {
+	t.Helper()
+	sh, err := exec.LookPath("sh")
+	if err != nil {
+		t.Skip("needs sh")
+	}
+	script, err := os.ReadFile("../../deploy/debian/postrm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	s := strings.ReplaceAll(string(script), "/etc/rlsidecar", etc)
+	s = strings.ReplaceAll(s, "/run/systemd/system", filepath.Join(dir, "no-systemd"))
+	path := filepath.Join(dir, "postrm")
+	if err := os.WriteFile(path, []byte(s), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "bin")
+	if err := os.Mkdir(bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"deb-systemd-helper", "systemctl"} {
+		if err := os.WriteFile(filepath.Join(bin, name), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(sh, append([]string{path}, args...)...)
+	cmd.Env = append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("postrm %v: %v\n%s", args, err, out)
+	}
+}
+
+// `dpkg --purge rlsidecar` removes everything but the user (docs/operations.md), but the
+// Redis password file the operator made as the docs say (/etc/rlsidecar/redis-password,
+// kept the service user's by postinst) is no file of the package's: dpkg left it, a
+// credential, and /etc/rlsidecar with it. postrm removes it on purge, and the directory
+// when nothing else is in it; a remove (not a purge) keeps it, and other files an
+// operator put there (a TLS key) stay, as dpkg says.
+func TestPostrmPurgeRemovesThePassword(t *testing.T) {
+	for _, c := range []struct {
+		action  string
+		others  []string
+		keepPW  bool
+		keepDir bool
+	}{
+		{"purge", nil, false, false},
+		{"purge", []string{"redis-tls.key"}, false, true},
+		{"remove", nil, true, true},
+	} {
+		etc := filepath.Join(t.TempDir(), "rlsidecar")
+		if err := os.Mkdir(etc, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range append([]string{"redis-password"}, c.others...) {
+			if err := os.WriteFile(filepath.Join(etc, f), []byte("secret"), 0o400); err != nil {
+				t.Fatal(err)
+			}
+		}
+		runPostrm(t, etc, c.action)
+		_, err := os.Stat(filepath.Join(etc, "redis-password"))
+		if kept := err == nil; kept != c.keepPW {
+			t.Errorf("postrm %s with %q beside it: the password file kept: %v, want %v", c.action, c.others, kept, c.keepPW)
+		}
+		_, err = os.Stat(etc)
+		if kept := err == nil; kept != c.keepDir {
+			t.Errorf("postrm %s with %q beside it: the directory kept: %v, want %v", c.action, c.others, kept, c.keepDir)
+		}
+		for _, f := range c.others {
+			if _, err := os.Stat(filepath.Join(etc, f)); err != nil {
+				t.Errorf("postrm %s removed the operator's %s: %v", c.action, f, err)
+			}
+		}
+	}
+}
