@@ -22,11 +22,13 @@ func toJournal(w io.Writer) bool {
 	if want == "" {
 		return false
 	}
-	var st syscall.Stat_t
-	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+	// Stat, not Fd and Fstat: Fd would put the file into blocking mode.
+	fi, err := f.Stat()
+	if err != nil {
 		return false
 	}
-	return want == fmt.Sprintf("%d:%d", uint64(st.Dev), uint64(st.Ino))
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && want == fmt.Sprintf("%d:%d", uint64(st.Dev), uint64(st.Ino))
 }
 
 // journalPriority is the syslog priority prefix ("<N>", sd-daemon(3)) of a record of
