@@ -441,9 +441,15 @@ func (c *Client) Ping(ctx context.Context) (version string, err error) {
 // Release frees the slots lease holds. released is false when the lease was unknown,
 // expired or already released, which is not an error: releasing is idempotent. Like Ping,
 // it reports an unreachable sidecar as an error wrapping ErrUnreachable (the lease then
-// expires on its own, or is freed when its connection closes); an error response is a
-// *proto.Error.
+// expires on its own, or is freed when its connection closes: a connection given up for
+// a stall and kept open for its leases is closed once none it holds is live or unreleased);
+// an error response is a *proto.Error.
 func (c *Client) Release(ctx context.Context, lease string) (released bool, err error) {
+	// Answered or not, the caller is done with the lease. A connection retired for a stall
+	// (leaseconn.go) that holds no other closes now, which frees it on the sidecar. Before,
+	// an unanswered release (the sidecar still stalled) kept that connection open, its
+	// descriptor held, until the lease expired (up to an hour).
+	defer c.leaseEnded(lease)
 	cl := getCall()
 	cl.req.Op = proto.OpRelease
 	cl.req.Cost = 1
@@ -453,7 +459,6 @@ func (c *Client) Release(ctx context.Context, lease string) (released bool, err 
 		return false, fmt.Errorf("rlclient: release: %w", err)
 	}
 	defer cl.release()
-	c.leaseEnded(lease)
 	if cl.resp.IsError() {
 		return false, &proto.Error{Code: cl.resp.Err.Code, Message: cl.resp.Err.Message}
 	}

@@ -18,8 +18,9 @@ import (
 // from its slot (the next check redials, as for a closed one) and no longer sent on, but
 // kept open, its reader dropping late answers, until the leases it took are released
 // through this Client (on any connection), or have all expired, or the Client is closed.
-// Leases are tracked from the answer that took them to the answer of their release; a
-// lease never released is forgotten once it has expired.
+// Leases are tracked from the answer that took them to their release, answered or not (an
+// unanswered one ends the lease too: closing its retired connection frees it); a lease
+// never released is forgotten once it has expired.
 
 // leaseEntry is a lease taken on cn, which holds it at least until until.
 type leaseEntry struct {
@@ -100,8 +101,8 @@ func (c *Client) leaseRenewed(lease string, in time.Duration) {
 	}
 }
 
-// leaseEnded forgets lease (the sidecar answered its release); a retired connection that
-// held it closes once it holds no other.
+// leaseEnded forgets lease (its release ended, answered or not, or its check's caller had
+// left); a retired connection that held it closes once it holds no other.
 func (c *Client) leaseEnded(lease string) {
 	c.leaseMu.Lock()
 	e, ok := c.leases[lease]

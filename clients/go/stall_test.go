@@ -3,6 +3,7 @@ package rlclient
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"log/slog"
 	"net"
 	"os"
@@ -135,15 +136,44 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 	eventually(t, "the retired connection to close once its lease is released", func() bool { return open() == 1 })
 }
 
-// A connection retired for a stall while it holds a lease whose release goes unanswered
-// is closed once that lease has expired: its lease is the concurrency rule's window, not
-// the longest window of the answer's rules. Before, a check that also matched a rule of 1
-// per day kept the retired connection open for a day, for each stall.
+// A connection retired for a stall while it holds a lease never released is closed once
+// that lease has expired: its lease is the concurrency rule's window, not the longest
+// window of the answer's rules. Before, a check that also matched a rule of 1 per day kept
+// the retired connection open for a day, for each stall.
 func TestRetiredConnectionHeldForTheLeaseNotARateWindow(t *testing.T) {
+	_, _, retired := retiredWithLease(t, 3000)
+	eventually(t, "the retired connection to close once its lease has expired (not the day rule's window)",
+		func() bool { return retired() == 0 })
+}
+
+// A release the stalled sidecar does not answer ends the lease all the same: the retired
+// connection holding it, holding no other, is closed at once, which frees the lease on the
+// sidecar (as soon as it runs again). Before, it stayed open, its descriptor held, until
+// the lease expired (30 s here, up to an hour): one per leased request that ended during
+// the stall.
+func TestUnansweredReleaseClosesTheRetiredConnection(t *testing.T) {
+	c, d, retired := retiredWithLease(t, 30000)
+	if ok, err := d.Release(context.Background()); ok || !errors.Is(err, ErrUnreachable) {
+		t.Fatalf("the frozen sidecar answered the release: %v %v", ok, err)
+	}
+	eventually(t, "the retired connection to close once its lease's release went unanswered",
+		func() bool { return retired() == 0 })
+	c.leaseMu.Lock()
+	defer c.leaseMu.Unlock()
+	if len(c.leases) != 0 {
+		t.Fatalf("leases still tracked: %v", c.leases)
+	}
+}
+
+// retiredWithLease starts a stand-in sidecar and a client of it (one connection, a 20 ms
+// timeout), takes a lease of a concurrency rule whose lease is leaseMs (beside a rule of 1
+// per day), freezes the sidecar and checks until the connection is retired for the stall.
+// It returns the client, the leased decision and the count of retired connections.
+func retiredWithLease(t *testing.T, leaseMs uint64) (*Client, Decision, func() int) {
+	t.Helper()
 	path := socketPath(t)
 	var frozen atomic.Bool
 	thaw := make(chan struct{})
-	defer close(thaw)
 	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
 		if frozen.Load() {
 			<-thaw
@@ -152,16 +182,13 @@ func TestRetiredConnectionHeldForTheLeaseNotARateWindow(t *testing.T) {
 		if attr(req, "user") == "leased" {
 			resp.Lease = "t.1"
 			resp.Rules = []proto.RuleResult{
-				{Name: "exports", Limit: 1, WindowMs: 3000, Allowed: true, Concurrency: true},
+				{Name: "exports", Limit: 1, WindowMs: leaseMs, Allowed: true, Concurrency: true},
 				{Name: "per-day", Limit: 1000, WindowMs: 86_400_000, Remaining: 999, Allowed: true},
 			}
 		}
 	})
-	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	t.Cleanup(func() { close(thaw) }) // before the stand-in stops (cleanups run last first)
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
 	ctx := context.Background()
 	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
 	if d.Lease != "t.1" {
@@ -180,11 +207,7 @@ func TestRetiredConnectionHeldForTheLeaseNotARateWindow(t *testing.T) {
 			t.Fatal("the client never retired the stalled connection holding a lease")
 		}
 	}
-	if ok, _ := d.Release(ctx); ok {
-		t.Fatal("the frozen sidecar answered the release")
-	}
-	eventually(t, "the retired connection to close once its lease has expired (not the day rule's window)",
-		func() bool { return retired() == 0 })
+	return c, d, retired
 }
 
 // A sidecar that stops reading while many checks are sent fills the socket's buffer, and
