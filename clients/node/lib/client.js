@@ -542,9 +542,10 @@ class Client {
   /**
    * Frees the slots a concurrency lease holds: resolves to true when it did, false when
    * the lease was unknown, expired or already released (not an error: call it in a
-   * finally). Rejects when the sidecar is unreachable (the lease then expires, or is freed
-   * when the connection that took it closes: the pool keeps its connections open until
-   * close()) and with a ProtocolError on an error answer.
+   * finally). Resolves to false too when the sidecar is unreachable or gives no answer in
+   * time (the lease then expires, or is freed when the connection that took it closes: a
+   * connection retired for a stall closes once it holds no other lease); rejects with a
+   * ProtocolError on an error answer.
    */
   release(lease) {
     if (!lease) return Promise.resolve(false);
@@ -557,13 +558,19 @@ class Client {
     // It is called in a finally: a sidecar unreachable or slow, or the client closed,
     // resolves to false rather than turning a request that succeeded into an error. The
     // lease then expires, or is freed with its connection (close() closes them all).
+    //
+    // Answered or not, the caller is done with the lease: a connection retired for a stall
+    // that holds no other closes now, which frees it on the sidecar. Before, an unanswered
+    // release (the sidecar still stalled) kept that connection open, its descriptor held,
+    // until the lease expired (up to an hour).
     return this.roundTrip(msg).then((m) => {
-      if (typeof m === 'string') return false;
       this.leaseEnded(lease);
+      if (typeof m === 'string') return false;
       const e = proto.errorOf(m);
       if (e !== null) throw new proto.ProtocolError(e[0], e[1]);
       return m.released === true;
     }, (e) => {
+      this.leaseEnded(lease);
       if (e instanceof proto.ClosedError) return false;
       throw e;
     });
@@ -622,8 +629,8 @@ class Client {
     if (until > v.conn.holdUntil) v.conn.holdUntil = until;
   }
 
-  // leaseEnded forgets a lease the sidecar answered a release of; a retired connection
-  // that held it closes once it holds no other.
+  // leaseEnded forgets a lease whose release ended, answered or not (or whose check's
+  // caller had left); a retired connection that held it closes once it holds no other.
   leaseEnded(lease) {
     const v = this.leases.get(lease);
     if (v === undefined) return;

@@ -436,16 +436,56 @@ rules:
   assert.equal(await c.release(third.lease), true);
 });
 
-// A connection retired for a stall while it holds a lease whose release went unanswered
-// is closed once that lease has expired: its lease is the concurrency rule's window, not
-// the longest window of the answer's rules. Before, a check that also matched a rule of 1
-// per day kept the retired connection open for a day, for each stall.
+// A connection retired for a stall while it holds a lease never released is closed once
+// that lease has expired: its lease is the concurrency rule's window, not the longest
+// window of the answer's rules. Before, a check that also matched a rule of 1 per day kept
+// the retired connection open for a day, for each stall.
 test('a retired connection is held for its lease, not a rate rule\'s window', async (t) => {
+  const { c, d } = await retiredWithLease(t, '3s');
+  try {
+    await until(() => c.retired.size === 0, 'the retired connection was held past its lease, for the day rule\'s window');
+  } finally {
+    d.resume();
+  }
+});
+
+// A release the stalled daemon does not answer ends the lease all the same: the retired
+// connection holding it, holding no other, is closed at once, which frees the lease on the
+// daemon (once it runs again). Before, it stayed open, its descriptor held, until the
+// lease expired (30 s here, up to an hour): one per leased request that ended during the
+// stall.
+test('an unanswered release closes the retired connection that holds its lease', async (t) => {
+  const { c, d, a } = await retiredWithLease(t, '30s');
+  try {
+    c.timeoutMs = 100;
+    assert.equal(await c.release(a.lease), false); // unanswered: the daemon is stopped
+    await until(() => c.retired.size === 0, 'the retired connection closed after its lease\'s release went unanswered');
+    assert.equal(c.leases.size, 0, 'the lease is still tracked');
+  } finally {
+    d.resume();
+  }
+  // Closing it was the release: the slot is free once the daemon runs again.
+  c.timeoutMs = 2000;
+  let again;
+  for (const deadline = Date.now() + 5000; Date.now() < deadline;) {
+    again = await c.check({ user: 'ann' });
+    if (again.allowed && !again.degraded) break;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.ok(again.allowed && again.lease, `the ended request's slot still held: ${JSON.stringify(again)}`);
+  assert.equal(await c.release(again.lease), true);
+});
+
+// retiredWithLease starts the real daemon with a concurrency rule of max 1 and the given
+// lease (beside a rule of 1,000 a day), and a client of it with one connection; takes a
+// lease (a), then stops the daemon (SIGSTOP) and checks until the connection holding the
+// lease is retired for the stall. The caller resumes the daemon (d.resume()).
+async function retiredWithLease(t, lease) {
   const d = await startDaemon(t, `
 rules:
   - name: exports
     key: user
-    concurrency: { max: 1, lease: 3s }
+    concurrency: { max: 1, lease: ${lease} }
   - name: per-day
     key: user
     limit: { requests: 1000, per: 1d }
@@ -456,19 +496,12 @@ rules:
   assert.ok(a.allowed && a.lease);
   c.timeoutMs = 20;
   await d.pause();
-  try {
-    let start = Date.now();
-    while (c.retired.size === 0 && Date.now() - start < 5000) assert.ok((await c.check({ user: 'bob' })).unreachable);
-    assert.equal(c.retired.size, 1, 'the stalled connection holding a lease is retired');
-    c.timeoutMs = 100;
-    assert.equal(await c.release(a.lease), false); // unanswered: the daemon is stopped
-    start = Date.now();
-    while (c.retired.size > 0 && Date.now() - start < 5000) await new Promise((r) => setTimeout(r, 50));
-    assert.equal(c.retired.size, 0, 'the retired connection was held past its lease, for the day rule\'s window');
-  } finally {
-    d.resume();
-  }
-});
+  const start = Date.now();
+  while (c.retired.size === 0 && Date.now() - start < 5000) assert.ok((await c.check({ user: 'bob' })).unreachable);
+  if (c.retired.size !== 1) d.resume();
+  assert.equal(c.retired.size, 1, 'the stalled connection holding a lease is retired');
+  return { c, d, a };
+}
 
 // A late answer's lease (its check timed out: releaseOrphan) does not keep a retired
 // connection open: no request runs under it, and closing frees it as the release does.
