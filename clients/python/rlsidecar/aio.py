@@ -368,8 +368,8 @@ class AsyncClient:
             v[0].hold_until = max(v[0].hold_until, until)
 
     def _lease_ended(self, lease):
-        """Forget a lease whose release was answered; a retired connection that held it
-        closes once it holds no other."""
+        """Forget a lease whose release ended, answered or not (or whose check's caller
+        had left); a retired connection that held it closes once it holds no other."""
         v = self._leases.pop(lease, None)
         if v is not None:
             v[0].leases -= 1
@@ -400,12 +400,14 @@ class AsyncClient:
             return False
         try:
             msg = await self._lease_call("release", lease, None)
-        except _proto.ProtocolError:
-            self._lease_ended(lease)
-            raise
         except (OSError, _proto.ClosedError):
             return False
-        self._lease_ended(lease)
+        finally:
+            # Answered or not, the caller is done with the lease: a connection retired for
+            # a stall that holds no other closes now, which frees it on the sidecar.
+            # Before, an unanswered release (the sidecar still stalled) kept that
+            # connection open, its descriptor held, until the lease expired (up to an hour).
+            self._lease_ended(lease)
         return bool(msg.get("released", False))
 
     def _release_orphan(self, lease):

@@ -206,13 +206,18 @@ def test_stall_keeps_leases_of_running_requests(make_daemon):
     run(main())
 
 
-def test_retired_connection_held_for_the_lease_not_a_rate_window(make_daemon):
-    """A connection retired for a stall while it holds a lease whose release went
-    unanswered is closed once that lease has expired: its lease is the concurrency
-    rule's window, not the longest window of the answer's rules. Before, a check that
-    also matched a rule of 1 per day kept the retired connection open for a day, for
-    each stall."""
-    daemon = make_daemon(RULES_ONE_SLOT.replace("lease: 30s", "lease: 3s")
+@pytest.mark.parametrize("lease,release", [("3s", False), ("30s", True)], ids=["never-released", "release-unanswered"])
+def test_retired_connection_held_for_the_lease_not_a_rate_window(make_daemon, lease, release):
+    """A connection retired for a stall while it holds a lease never released is closed
+    once that lease has expired: its lease is the concurrency rule's window, not the
+    longest window of the answer's rules. Before, a check that also matched a rule of 1
+    per day kept the retired connection open for a day, for each stall.
+
+    A release the stalled daemon does not answer ends the lease all the same: the retired
+    connection holding it, holding no other, is closed at once, which frees the lease on
+    the daemon once it runs again. Before, it stayed open, its descriptor held, until the
+    lease expired (30 s here, up to an hour)."""
+    daemon = make_daemon(RULES_ONE_SLOT.replace("lease: 30s", "lease: " + lease)
                          + "  - name: per-day\n    key: user\n    limit: { requests: 1000, per: 1d }\n")
 
     async def main():
@@ -227,13 +232,24 @@ def test_retired_connection_held_for_the_lease_not_a_rate_window(make_daemon):
                     assert (await c.check({"user": "bob"})).unreachable
                     await asyncio.sleep(0)
                 assert len(c._retired) == 1, "the stalled connection holding a lease is retired"
-                assert await c.release(first.lease) is False  # unanswered: the daemon is stopped
+                if release:
+                    assert await c.release(first.lease) is False  # unanswered: the daemon is stopped
                 start = time.monotonic()
                 while c._retired and time.monotonic() - start < 5:
                     await asyncio.sleep(0.05)
-                assert not c._retired, "the retired connection was held past its lease, for the day rule's window"
+                assert not c._retired, "the retired connection was held past its lease's end"
+                assert not c._leases or not release, "the released lease is still tracked"
             finally:
                 daemon.resume()
+            if release:  # closing it was the release: the slot is free once the daemon runs
+                c.timeout = 2
+                deadline = time.monotonic() + 5
+                again = await c.check({"user": "ann"})
+                while not again.allowed and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    again = await c.check({"user": "ann"})
+                assert again.allowed and again.lease, again
+                assert await c.release(again.lease)
     run(main())
 
 
