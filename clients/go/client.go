@@ -264,6 +264,9 @@ type Client struct {
 	slots      []slot
 	next       atomic.Uint32 // round-robin counter
 	maxPending int           // calls in flight per connection: maxPending (tests lower it)
+	// mono is the stall timer's clock (conn.timedOut): the time since New on the monotonic
+	// clock, which a step of the wall clock does not move (tests replace it).
+	mono func() time.Duration
 
 	ctx    context.Context // canceled by Close: stops dials in progress
 	cancel context.CancelFunc
@@ -309,6 +312,8 @@ func New(o Options) (*Client, error) {
 	}
 	c := &Client{opts: o, slots: make([]slot, o.Conns), maxPending: maxPending}
 	c.outage.now = time.Now
+	start := time.Now() // with its monotonic reading: time.Since uses it
+	c.mono = func() time.Duration { return time.Since(start) }
 	c.dialer.Timeout = o.DialTimeout
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := range c.slots {

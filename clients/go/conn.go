@@ -259,13 +259,13 @@ send:
 			// stalled sidecar never answers would never be given up: none is sent on it,
 			// so none times out on it, and every check is answered by the Policy until
 			// that process ends.
-			cn.timedOut(time.Now())
+			cn.timedOut()
 		}
 		return fail(err)
 	}
 	res, err := cl.wait(ctx)
 	if err == errTimeout && wait == c.opts.Timeout {
-		cn.timedOut(time.Now()) // the whole Timeout, not a caller's shorter deadline
+		cn.timedOut() // the whole Timeout, not a caller's shorter deadline
 	}
 	if ns, ok := err.(*notSent); ok {
 		// The sidecar never read it (see notSent): send it again, once, on another
@@ -345,24 +345,19 @@ func (e *notSent) Unwrap() error { return e.err }
 // are dropped as they come).
 func (c *Client) stallFor() time.Duration { return max(time.Second, 4*c.opts.Timeout) }
 
-// monoEpoch is the origin of monoNanos.
-var monoEpoch = time.Now()
-
-// monoNanos returns t in nanoseconds since monoEpoch on the monotonic clock (t from
-// time.Now), so that a step of the wall clock does not move it: a quiet spell measured in
-// Unix ns lasted as long as a step back of the wall clock besides, and a stalled
-// connection was kept that much longer (an hour's step: an hour's checks decided by the
-// policy).
-func monoNanos(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }
-
-// timedOut notes, at now, a check that cn left unanswered for the whole Timeout: the first
-// since an answer starts cn's quiet spell; one that ends a spell of stallFor gives cn up.
-func (cn *conn) timedOut(now time.Time) {
+// timedOut notes a check that cn left unanswered for the whole Timeout: the first since an
+// answer starts cn's quiet spell; one that ends a spell of stallFor gives cn up. The spell
+// is timed on the Client's monotonic clock (Client.mono), so that a step of the wall clock
+// does not move it: measured in Unix ns, it lasted as long as a step back of the wall
+// clock besides, and a stalled connection was kept that much longer (an hour's step: an
+// hour's checks decided by the policy).
+func (cn *conn) timedOut() {
+	now := int64(cn.s.c.mono())
 	if cn.heard.Swap(false) {
-		cn.quietFrom.Store(monoNanos(now))
+		cn.quietFrom.Store(now)
 		return
 	}
-	if quiet := time.Duration(monoNanos(now) - cn.quietFrom.Load()); quiet >= cn.s.c.stallFor() {
+	if quiet := time.Duration(now - cn.quietFrom.Load()); quiet >= cn.s.c.stallFor() {
 		cn.giveUp(&unreachable{what: fmt.Sprintf("no answer on this connection for %v (the sidecar stalled?): it is given up, the next check redials", quiet.Round(time.Millisecond))})
 	}
 }
@@ -534,7 +529,7 @@ func (s *slot) dial(done chan struct{}) {
 	}
 	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
 		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
-	cn.quietFrom.Store(monoNanos(time.Now())) // quiet since it was dialed, until an answer
+	cn.quietFrom.Store(int64(s.c.mono())) // quiet since it was dialed, until an answer
 	s.cn = cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
@@ -580,7 +575,7 @@ type conn struct {
 	nc     net.Conn
 	served atomic.Bool // a response arrived: the sidecar is really there
 	// heard: an answer arrived since the last check that timed out; quietFrom: when the
-	// connection's quiet spell began, in monoNanos (timedOut).
+	// connection's quiet spell began, on Client.mono (timedOut).
 	heard     atomic.Bool
 	quietFrom atomic.Int64
 	// room holds one element per call in flight (abandoned ones included), at most

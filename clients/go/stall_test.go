@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,6 +35,61 @@ func TestStalledConnectionRedials(t *testing.T) {
 		}
 	}
 	switchSidecar(t, c, path, attrs, "connections")
+}
+
+// A stall is timed on the Client's monotonic clock (Client.mono), not the wall clock: a
+// step of the wall clock neither gives a connection up early nor keeps a stalled one
+// longer (measured in Unix ns, the quiet spell lasted as long as a step back besides: an
+// hour's step, an hour's checks decided by the policy). Go cannot be given a faked wall
+// clock, so the test stops the Client's clock instead: checks time out on the frozen
+// sidecar for twice stallFor in real time, and neither connection is given up; once the
+// clock moves stallFor on, the next timeouts give both up.
+func TestStallTimedOnTheClientsClock(t *testing.T) {
+	_, c := frozenSidecar(t)
+	var clock atomic.Int64
+	c.mono = func() time.Duration { return time.Duration(clock.Load()) }
+	ctx := context.Background()
+	attrs := map[string]string{"user": "blue"}
+	conns := func() []*conn {
+		out := make([]*conn, len(c.slots))
+		for i := range c.slots {
+			s := &c.slots[i]
+			s.mu.Lock()
+			out[i] = s.cn
+			s.mu.Unlock()
+		}
+		return out
+	}
+	check := func() {
+		if d, _ := c.Check(ctx, attrs, nil); !d.Unreachable {
+			t.Fatalf("the frozen sidecar answered: %+v", d)
+		}
+	}
+	for range 2 {
+		check() // dials both
+	}
+	first := conns()
+	if first[0] == nil || first[1] == nil {
+		t.Fatalf("connections not dialed: %v", first)
+	}
+	checks := 0
+	for start := time.Now(); time.Since(start) < 2*c.stallFor(); checks++ {
+		check()
+	}
+	if got := conns(); !slices.Equal(got, first) {
+		t.Fatalf("a connection was given up after %d timed-out checks while the client's clock stood still: the stall was timed on another clock", checks)
+	}
+	clock.Store(int64(c.stallFor()))
+	for i := 0; ; i++ {
+		now := conns()
+		if now[0] != first[0] && now[1] != first[1] {
+			break
+		}
+		if i == 100 {
+			t.Fatalf("the connections were not given up %d checks after the client's clock passed stallFor", i)
+		}
+		check()
+	}
 }
 
 // The same when the frozen sidecar's connections are full: a burst (or a load of more than
