@@ -120,9 +120,14 @@ test('a full connection the sidecar stopped answering on is given up and rediale
   const { MAX_PENDING } = require('../lib/client');
   const { p, c } = await frozenSidecar(t);
   for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable); // dials both
+  // The burst's checks wait 2 s, so its stall time is 8 s: building it takes over a second
+  // on a loaded machine, and with 20 ms (a stall time of 1 s from the dial) its first
+  // timeouts gave the connections up before they were full (3 runs of 4 under load).
+  c.timeoutMs = 2000;
   const burst = await Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
   assert.ok(burst.every((d) => d.unreachable));
   assert.deepEqual(c.slots.map((s) => s.conn && s.conn.inFlight()), [MAX_PENDING, MAX_PENDING], 'both connections full');
+  c.timeoutMs = 20; // from here every check waits for room, and times out there
   await switchSidecar(t, c, p, 'full connections');
 });
 
