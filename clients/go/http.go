@@ -167,7 +167,9 @@ type MiddlewareOptions struct {
 }
 
 // DefaultAttrs returns the attributes ip (the host of r.RemoteAddr, without the port, as
-// PeerIP gives it), method and path, in that order (sorted by name). The path is
+// PeerIP gives it), method and path, in that order (sorted by name). ip is left out when
+// there is no peer address: r.RemoteAddr empty, or a Unix socket's peer, which net/http
+// shows as "@" (or the peer's socket path), not an address. The path is
 // NormalizePath(r.URL.EscapedPath()): the target's path as it came, each escape decoded
 // once, slashes merged and dot segments removed, as every rlsidecar client sends it, so
 // that /f%61st, //fast and /a/../fast are all /fast. (r.URL.Path is decoded already;
@@ -177,9 +179,12 @@ func DefaultAttrs(r *http.Request) []proto.Attr {
 	if host, _, err := net.SplitHostPort(ip); err == nil {
 		ip = host
 	}
-	if ip == "" {
-		// No peer address (a handler called outside a server, a test): ip is left out,
-		// not sent as "" (every such request would share one per-ip bucket).
+	if ip == "" || ip[0] == '@' || ip[0] == '/' {
+		// No peer address (a handler called outside a server, a test; a server on a Unix
+		// socket, whose peer net/http shows as "@", or as its socket's path when it has
+		// one): ip is left out, not sent as "" or "@" (every such request would share
+		// one per-ip bucket), as the Python and Node middlewares leave it out for a Unix
+		// socket's peer, which their servers give as none.
 		return []proto.Attr{{Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}
 	}
 	return []proto.Attr{{Name: "ip", Value: PeerIP(ip)}, {Name: "method", Value: r.Method}, {Name: "path", Value: NormalizePath(r.URL.EscapedPath())}}

@@ -2,6 +2,7 @@ package rlclient
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -309,7 +310,10 @@ func TestHeadersLeaveOutUnasked(t *testing.T) {
 }
 
 func TestDefaultAttrs(t *testing.T) {
-	for remote, ip := range map[string]string{"192.0.2.7:1234": "192.0.2.7", "[::1]:80": "::1", "@": "@", "": ""} {
+	// "@" is a Unix socket's unnamed peer as net/http shows it, "@abstract" and
+	// "/run/peer.sock" named ones: no address, ip left out (TestDefaultAttrsUnixSocket).
+	for remote, ip := range map[string]string{"192.0.2.7:1234": "192.0.2.7", "[::1]:80": "::1", "@": "", "@abstract": "",
+		"/run/peer.sock": "", "": ""} {
 		r := httptest.NewRequest("DELETE", "http://example.com/a/b%2Fc?x=1", nil)
 		r.RemoteAddr = remote
 		want := []proto.Attr{{Name: "ip", Value: ip}, {Name: "method", Value: "DELETE"}, {Name: "path", Value: "/a/b/c"}}
@@ -319,6 +323,39 @@ func TestDefaultAttrs(t *testing.T) {
 		if got := DefaultAttrs(r); !reflect.DeepEqual(got, want) {
 			t.Errorf("%q: %v", remote, got)
 		}
+	}
+}
+
+// TestDefaultAttrsUnixSocket: a server listening on a Unix socket (behind a local proxy)
+// has no peer address; net/http gives r.RemoteAddr "@". DefaultAttrs leaves ip out, as
+// the Python and Node middlewares do behind a Unix socket (gunicorn's REMOTE_ADDR "",
+// uvicorn's client None, Node's remoteAddress undefined). Before, it sent ip "@": every
+// request one per-ip bucket, so that a per-ip rule limited all clients together.
+func TestDefaultAttrsUnixSocket(t *testing.T) {
+	path := socketPath(t)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan []proto.Attr, 1)
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- DefaultAttrs(r)
+	})}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}}}
+	t.Cleanup(hc.CloseIdleConnections)
+	resp, err := hc.Get("http://gateway/login")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	want := []proto.Attr{{Name: "method", Value: "GET"}, {Name: "path", Value: "/login"}}
+	if a := <-got; !reflect.DeepEqual(a, want) {
+		t.Fatalf("DefaultAttrs of a request through a Unix socket: %v, want %v (no ip)", a, want)
 	}
 }
 
