@@ -861,23 +861,7 @@ echo "-- HAProxy: a lease shorter than any before, taken while the renewal task 
 # The task renewed nothing until it woke, and the daemon had freed the slot by then: a
 # second /short/ request 1.2 s in was let through (200), past the rule's max of 1.
 short_port=$(free_port)
-cat >"$tmp/haproxy-short.cfg" <<EOF
-global
-    nbthread 1
-    lua-prepend-path $here/?.lua
-    lua-load $here/haproxy/rlsidecar.lua
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 30s
-    timeout server 30s
-frontend web
-    bind 127.0.0.1:$short_port
-    http-request lua.rlsidecar unix@$sock open 2000
-    default_backend app
-backend app
-    server s1 127.0.0.1:$backend_port
-EOF
+haproxy_cfg "$tmp/haproxy-short.cfg" "$short_port" "$sock"
 haproxy -f "$tmp/haproxy-short.cfg" -db >"$tmp/haproxy-short.log" 2>&1 &
 short_pid=$!
 pids+=("$short_pid")

@@ -63,24 +63,8 @@ wait_for "the backend" curl -sf "http://127.0.0.1:$backend_port/"
 # (open policy, 2 s), on a port it sets in hap_port; its log is $tmp/haproxy-NAME.log.
 haproxy_for() {
   hap_port=$(free_port)
-  cat >"$tmp/haproxy-$1.cfg" <<EOF
-global
-    nbthread 1
-    lua-prepend-path $here/?.lua
-    lua-load $here/haproxy/rlsidecar.lua
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 30s
-    timeout server 30s
-frontend web
-    bind 127.0.0.1:$hap_port
-    http-request lua.rlsidecar unix@$2 open 2000
-    http-after-response set-header RateLimit %[var(txn.rlsidecar_ratelimit)] if { var(txn.rlsidecar_ratelimit) -m found }
-    default_backend app
-backend app
-    server s1 127.0.0.1:$backend_port
-EOF
+  haproxy_cfg "$tmp/haproxy-$1.cfg" "$hap_port" "$2" \
+    'http-after-response set-header RateLimit %[var(txn.rlsidecar_ratelimit)] if { var(txn.rlsidecar_ratelimit) -m found }'
   haproxy -db -f "$tmp/haproxy-$1.cfg" >"$tmp/haproxy-$1.log" 2>&1 &
   pids+=($!)
   wait_for "haproxy ($1)" curl -sf -o /dev/null "http://127.0.0.1:$hap_port/api/up"

@@ -41,3 +41,33 @@ wait_for() { # wait_for WHAT COMMAND...: up to 10 s
   for f in "$tmp"/*.log; do echo "--- $f" >&2; tail -20 "$f" >&2; done
   exit 1
 }
+
+# haproxy_cfg FILE PORT SOCKET [LINE...]: writes to FILE the config of a one-thread HAProxy
+# listening on PORT that checks every request with the daemon at SOCKET (open policy,
+# 2 s), each LINE added to its frontend, its backend the one at $backend_port.
+haproxy_cfg() {
+  local file=$1 port=$2 socket=$3 line
+  shift 3
+  {
+    cat <<EOF
+global
+    nbthread 1
+    lua-prepend-path $here/?.lua
+    lua-load $here/haproxy/rlsidecar.lua
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend web
+    bind 127.0.0.1:$port
+    http-request lua.rlsidecar unix@$socket open 2000
+EOF
+    for line in "$@"; do echo "    $line"; done
+    cat <<EOF
+    default_backend app
+backend app
+    server s1 127.0.0.1:$backend_port
+EOF
+  } >"$file"
+}
