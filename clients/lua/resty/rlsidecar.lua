@@ -800,12 +800,31 @@ local function wait_releases(timeout_ms)
   sema:wait(timeout_ms / 1000) -- woken by released(), or "timeout"
 end
 
--- default_attrs are the attributes of the current request: ip (the client address, as
--- rlsidecar.http.peer_ip gives it: an IPv4-mapped IPv6 address as its IPv4 address),
--- method and path (without the query), sorted by name, as the Go client's DefaultAttrs.
+-- client_ip returns the ip attribute of the current request: $remote_addr as
+-- rlsidecar.http.peer_ip gives it (an IPv4-mapped IPv6 address as its IPv4 address), or
+-- nil when the client has no address: a request to a `listen unix:...` server, whose
+-- $remote_addr is "unix:" (unless real_ip set it from the proxy's header). nil leaves
+-- the attribute out of a check, as the other clients leave out a Unix socket's peer
+-- (clients/testdata/ips.json): sent as "unix:", every request behind the local proxy
+-- shared one per-ip bucket, and a per-ip rule limited all clients together.
+function _M.client_ip()
+  local addr = ngx.var.remote_addr
+  if addr == nil or addr == "" or addr:sub(1, 5) == "unix:" then
+    return nil
+  end
+  return http.peer_ip(addr)
+end
+
+-- default_attrs are the attributes of the current request: ip (client_ip; left out when
+-- the client has no address), method and path (without the query), sorted by name, as
+-- the Go client's DefaultAttrs.
 function _M.default_attrs()
+  local ip = _M.client_ip()
+  if ip == nil then
+    return { { "method", ngx.req.get_method() }, { "path", ngx.var.uri or "" } }
+  end
   return {
-    { "ip", http.peer_ip(ngx.var.remote_addr) },
+    { "ip", ip },
     { "method", ngx.req.get_method() },
     { "path", ngx.var.uri or "" },
   }

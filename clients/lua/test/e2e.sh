@@ -15,7 +15,8 @@
 # X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
 # the open policy; that an IPv4 client of a dual-stack listener (nginx
 # `listen [::]:P ipv6only=off`, HAProxy `bind :::P v4v6`) is sent as its IPv4 address,
-# one key through both; that nginx's access() decides a request once across internal
+# one key through both; that a client of nginx's `listen unix:` server (no address) is
+# checked without ip, not as one shared "unix:" key; that nginx's access() decides a request once across internal
 # redirects (the daemon asked once, a concurrency slot taken once and freed), still
 # checks a location reached only by one, checks subrequests on their own, and says so
 # when the configuration does not name $request_id; that nginx keeps its connection to
@@ -137,6 +138,10 @@ rules:
     match: { path: "/twice/**" }
     key: ip
     limit: { requests: 1000, per: 60s }
+  - name: per-peer
+    match: { path: "/peer/**" }
+    key: ip
+    limit: { requests: 1, per: 60s }
 EOF
 
 sock="$tmp/rl.sock"
@@ -184,7 +189,7 @@ mkdir -p "$tmp/nginx/logs"
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off;#" \
+  -e "s#listen 127.0.0.1:8080;#listen 127.0.0.1:$nginx_port; listen [::]:$nginx_dual_port ipv6only=off; listen unix:$tmp/nginx-unix.sock;#" \
   -e "s#timeout_ms = 50,#timeout_ms = 2000,#" \
   -e "/^user www-data;/d" \
   -e "s#^error_log /var/log/nginx/error.log warn;#error_log $tmp/nginx.log warn;#" \
@@ -634,6 +639,20 @@ expect "nginx dual-stack: the first request, counted under 127.0.0.1" "$(header 
 request GET "http://127.0.0.1:$hap_dual_port/v4/a"
 expect "haproxy dual-stack: the same key, refused" "$status" 429
 
+echo "-- ip: a client with no address (a Unix socket listener's) is left out, not one bucket"
+# nginx's \$remote_addr for a `listen unix:` server is "unix:". Sent as ip, every request
+# through the local proxy in front shared one per-ip bucket: per-peer (1 a minute, key ip)
+# refused the second. Left out, a rule keyed on ip does not apply (no rate-limit fields),
+# as the Python and Node middlewares leave out such a peer; over TCP it still counts.
+for i in 1 2; do
+  status=$(curl -s --max-time 10 --unix-socket "$tmp/nginx-unix.sock" -D "$tmp/h" -o /dev/null -w '%{http_code}' "http://gateway/peer/a")
+  headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
+  expect "nginx unix listener: request $i passes" "$status" 200
+  expect "nginx unix listener: request $i has no per-peer fields (ip left out)" "$(header ratelimit)" ""
+done
+request GET "http://127.0.0.1:$nginx_port/peer/a"
+expect "nginx over TCP: per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
+
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
 # slots_held RULE: how many slots of RULE the daemon holds now (0 before its first check).
 slots_held() {
@@ -902,7 +921,7 @@ hole_port=$(free_port)
 mkdir -p "$tmp/nginx-hole/logs"
 # Without the example's proxy_set_header X-Request-Id, nothing names $request_id: access()
 # must say that it cannot recognize a request across an internal redirect.
-sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$hole_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
+sed -e "s#$sock#$hole#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$hole_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s# listen unix:$tmp/nginx-unix.sock;##" -e "s#timeout_ms = 2000,#timeout_ms = 50,#" \
   -e '/proxy_set_header X-Request-Id \$request_id;/d' \
   -e "s#^error_log $tmp/nginx.log#error_log $tmp/nginx-hole.log#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-hole\1#g" "$tmp/nginx/nginx.conf" >"$tmp/nginx-hole/nginx.conf"
@@ -964,7 +983,7 @@ pids+=($!)
 wait_for "the stand-in sidecar" test -S "$held"
 held_port=$(free_port)
 mkdir -p "$tmp/nginx-held/logs"
-sed -e "s#$sock#$held#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$held_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" \
+sed -e "s#$sock#$held#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$held_port;#" -e "s# listen \[::\]:$nginx_dual_port ipv6only=off;##" -e "s# listen unix:$tmp/nginx-unix.sock;##" \
   -e "s#timeout_ms = 2000, on_unavailable = \"closed\"#timeout_ms = 200, on_unavailable = \"closed\"#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-held\1#g" \
   -e "s#^    init_by_lua_block {#    init_worker_by_lua_block { SLEEPS = 0 local sleep = ngx.sleep ngx.sleep = function(s) SLEEPS = SLEEPS + 1 return sleep(s) end }\n    init_by_lua_block {#" \
