@@ -726,11 +726,14 @@ local function action(txn, address, policy, timeout)
         ", checked as " .. policy .. " " .. timeout_ms .. http.held_note(held))
     end
   end
-  local attrs = {
-    { "ip", http.peer_ip(txn.f:src()) },
-    { "method", txn.f:method() or "" },
-    { "path", normalize_path(txn.f:path() or "") },
-  }
+  -- A client of a `bind unix@` listener has no address (src is nil): ip is left out, as
+  -- every client leaves out a peer with no address (clients/testdata/ips.json). Before,
+  -- it was sent as "", and every such client shared that one per-ip bucket.
+  local attrs = {}
+  local ip = http.peer_ip(txn.f:src())
+  if ip ~= "" then attrs[1] = { "ip", ip } end
+  attrs[#attrs + 1] = { "method", txn.f:method() or "" }
+  attrs[#attrs + 1] = { "path", normalize_path(txn.f:path() or "") }
   -- A variable set from an integer sample (a converter such as crc32, a JWT claim read
   -- as 'int') reaches Lua as a number: sent as its decimal string. Before, the encoder
   -- refused it, and every request went to the policy (under open, past every limit).

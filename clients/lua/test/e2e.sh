@@ -15,7 +15,8 @@
 # X-User, an attribute; the header buffers raised) is answered 431 by both, not passed by
 # the open policy; that an IPv4 client of a dual-stack listener (nginx
 # `listen [::]:P ipv6only=off`, HAProxy `bind :::P v4v6`) is sent as its IPv4 address,
-# one key through both; that a client of nginx's `listen unix:` server (no address) is
+# one key through both; that a client of nginx's `listen unix:` server or HAProxy's
+# `bind unix@` (no address) is
 # checked without ip, not as one shared "unix:" key; that nginx's access() decides a request once across internal
 # redirects (the daemon asked once, a concurrency slot taken once and freed), still
 # checks a location reached only by one, checks subrequests on their own, and says so
@@ -306,7 +307,7 @@ hap_dual_port=$(free_port)
 sed -e "s#/usr/share/rlsidecar/lua/#$here/#g" \
   -e "s#/run/rlsidecar/rlsidecar.sock#$sock#g" \
   -e "s#127.0.0.1:9000#127.0.0.1:$backend_port#g" \
-  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6#" \
+  -e "s#bind 127.0.0.1:8081#bind 127.0.0.1:$hap_port\n    bind :::$hap_dual_port v4v6\n    bind unix@$tmp/haproxy-unix.sock#" \
   -e "s#\(\.sock [a-z]*\) 50\$#\1 2000#" -e "s#\(\.sock [a-z]*\) 50 #\1 2000 #" \
   -e "s#^global#global\n    tune.bufsize 131072\n    stats socket $tmp/haproxy-stats.sock#" \
   -e "s#^    http-request set-var(txn.rlsidecar_user).*#&\n    http-request set-var(txn.rlsidecar_cost) req.fhdr(x-cost) if { req.fhdr(x-cost) -m found }\n    http-request set-var(txn.rlsidecar_user) req.fhdr(x-uid),crc32 if { req.fhdr(x-uid) -m found }#" \
@@ -652,6 +653,16 @@ for i in 1 2; do
 done
 request GET "http://127.0.0.1:$nginx_port/peer/a"
 expect "nginx over TCP: per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
+# HAProxy's src for a `bind unix@` listener is nil: sent as ip "", every request shared
+# that one bucket (the second refused).
+for i in 1 2; do
+  status=$(curl -s --max-time 10 --unix-socket "$tmp/haproxy-unix.sock" -D "$tmp/h" -o /dev/null -w '%{http_code}' "http://gateway/peer/a")
+  headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
+  expect "haproxy unix listener: request $i passes" "$status" 200
+  expect "haproxy unix listener: request $i has no per-peer fields (ip left out)" "$(header ratelimit)" ""
+done
+request GET "http://127.0.0.1:$hap_port/peer/a"
+expect "haproxy over TCP: per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
 
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
 # slots_held RULE: how many slots of RULE the daemon holds now (0 before its first check).
