@@ -1208,6 +1208,49 @@ func testUnfinishedRequestTimeout(t *testing.T, more func(fr *http2.Framer) erro
 	sv.stop(t)
 }
 
+// Likewise when the headers come with the first bytes of a next frame, and its rest never:
+// the connection waits inside a frame with the call's request unfinished. Before, the
+// deadline was set only while the read buffer was empty, so those few bytes left the
+// connection without one: held for as long as the client liked, and not idle either, so
+// never closed to make room (1,024 such connections kept every Envoy out, as 3 bytes
+// after each one's HEADERS).
+func TestNativeHeadersThenPartialFrameTimeout(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	s.cfg.FrameTimeout = 300 * time.Millisecond
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	conns := openConns(s)
+	c, err := net.Dial("unix", sv.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	go io.Copy(io.Discard, c)
+	var b bytes.Buffer
+	b.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&b, nil)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: callHeaderBlock(), EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	b.Write([]byte{0, 0, 8}) // a PING's header begun, its rest never sent
+	// In one write: read together.
+	if _, err := c.Write(b.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { return conns() == 1 })
+	start := time.Now()
+	for conns() != 0 {
+		if time.Since(start) > 3*time.Second {
+			t.Fatalf("a call's unfinished request still held after %v (frame timeout 300ms)", time.Since(start))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	sv.stop(t)
+}
+
 // A call whose request came in two DATA frames leaves no read deadline behind once it has
 // ended, though its decision still waits (a global rule, Redis frozen): the connection,
 // idle meanwhile (as Envoy keeps its connections), stays open past the frame timeout, and
