@@ -270,8 +270,14 @@ type h2conn struct {
 	tableMax   uint32
 	sizeUpdate bool
 
-	buffered    int   // request bytes held in the streams' bodies
-	readDL      bool  // a read deadline is set: a request begun is not finished (bodyDeadline)
+	buffered int       // request bytes held in the streams' bodies
+	readDL   bool      // a read deadline is set: a request begun is not finished, or an answer stalled (setDeadline)
+	dlAt     time.Time // the read deadline set, while readDL
+	reqDL    time.Time // FrameTimeout after the oldest request begun and not finished (bodyDeadline); zero: none
+	// stalled is when the answers waiting for send window (blocked) last moved: when the
+	// first of them began waiting, or a window the client opened last sent some of their
+	// bytes; zero while none waits. WriteTimeout after it the connection is closed.
+	stalled     time.Time
 	recvConn    int64 // what the client may still send on the connection
 	recvUnacked int64 // consumed and not yet given back in a WINDOW_UPDATE
 	deciding    sync.WaitGroup
@@ -407,8 +413,13 @@ func (cn *h2conn) serve() {
 			return
 		}
 		if err != nil && cn.readDL && errors.Is(err, os.ErrDeadlineExceeded) {
-			cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose call's request was begun and not finished in time",
-				"frame_timeout", cn.s.cfg.FrameTimeout, "buffered", cn.buffered)
+			if !cn.stalled.IsZero() && time.Since(cn.stalled) >= cn.s.cfg.WriteTimeout {
+				cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose client gives its answers no window",
+					"write_timeout", cn.s.cfg.WriteTimeout, "waiting", len(cn.blocked))
+			} else {
+				cn.s.cfg.Logger.Warn("envoy rls: closing a connection whose call's request was begun and not finished in time",
+					"frame_timeout", cn.s.cfg.FrameTimeout, "buffered", cn.buffered)
+			}
 			cn.closeLocked()
 			cn.mu.Unlock()
 			return
@@ -466,18 +477,37 @@ func (cn *h2conn) bodyDeadline() {
 			}
 		}
 	}
-	if oldest.IsZero() {
-		// No body unfinished: the bytes held, if any, are ended calls' waiting for their
-		// decision (a global rule's) or their answer's window, and the connection may
-		// idle as long as its client likes.
+	// No body unfinished: the bytes held, if any, are ended calls' waiting for their
+	// decision (a global rule's) or their answer's window (stalled), and but for the
+	// latter the connection may idle as long as its client likes.
+	cn.reqDL = time.Time{}
+	if !oldest.IsZero() {
+		cn.reqDL = oldest.Add(cn.s.cfg.FrameTimeout)
+	}
+	cn.setDeadline()
+}
+
+// setDeadline sets the connection's read deadline to the earlier of reqDL and
+// WriteTimeout after stalled, or clears it when neither is set. It does not read br: a
+// deciding goroutine calls it (answer) while serve reads. Called with mu held.
+func (cn *h2conn) setDeadline() {
+	at := cn.reqDL
+	if !cn.stalled.IsZero() {
+		if w := cn.stalled.Add(cn.s.cfg.WriteTimeout); at.IsZero() || w.Before(at) {
+			at = w
+		}
+	}
+	if at.IsZero() {
 		if cn.readDL {
 			cn.nc.SetReadDeadline(time.Time{})
 			cn.readDL = false
 		}
 		return
 	}
-	cn.nc.SetReadDeadline(oldest.Add(cn.s.cfg.FrameTimeout))
-	cn.readDL = true
+	if !cn.readDL || !at.Equal(cn.dlAt) {
+		cn.nc.SetReadDeadline(at)
+		cn.readDL, cn.dlAt = true, at
+	}
 }
 
 // waits reports whether the next frame's read waits on the socket: the read buffer does
@@ -589,6 +619,7 @@ func (cn *h2conn) endLocked() {
 	cn.buffered = 0
 	cn.unended = 0
 	cn.blocked = cn.blocked[:0]
+	cn.stalled = time.Time{}
 }
 
 // goAway starts a graceful close in two steps, as RFC 9113 6.8 advises: a first GOAWAY
@@ -1270,6 +1301,16 @@ func (cn *h2conn) answer(st *h2stream, msg []byte) error {
 		st.out = append(st.out[:0], msg[sent:]...)
 		st.outOff = 0
 		st.queued = true
+		if len(cn.blocked) == 0 {
+			// The client has WriteTimeout to open its window to it, as a client whose
+			// socket does not take its answers has to take them. Before, the answer
+			// waited for as long as the client stayed connected, and the connection,
+			// holding a call, was never idle, so never closed to make room either:
+			// 1,024 connections each with an answer held so (SETTINGS_INITIAL_WINDOW_SIZE
+			// 0) kept every Envoy out.
+			cn.stalled = time.Now()
+			cn.setDeadline()
+		}
 		cn.blocked = append(cn.blocked, st)
 		return nil
 	}
@@ -1355,8 +1396,13 @@ func (cn *h2conn) finish(st *h2stream) error {
 	return err
 }
 
-// pump sends what blocked streams can now send.
+// pump sends what blocked streams can now send. The serve loop calls it, and sets the
+// read deadline after (bodyDeadline): one that moved an answer on restarts stalled.
 func (cn *h2conn) pump() error {
+	if len(cn.blocked) == 0 {
+		return nil
+	}
+	defer cn.moved()
 	kept := cn.blocked[:0]
 	for i, st := range cn.blocked {
 		if st.done {
@@ -1366,6 +1412,9 @@ func (cn *h2conn) pump() error {
 		if err != nil {
 			cn.blocked = append(kept, cn.blocked[i:]...)
 			return err
+		}
+		if sent > 0 {
+			cn.stalled = time.Time{} // moved on (see moved)
 		}
 		st.outOff += sent
 		if st.outOff < len(st.out) {
@@ -1380,6 +1429,18 @@ func (cn *h2conn) pump() error {
 	}
 	cn.blocked = kept
 	return nil
+}
+
+// moved updates stalled after pump, which cleared it if it sent any bytes of the answers
+// waiting for window: none waits now, or those left wait from now on. A client taking its
+// answers slowly but steadily is not cut off.
+func (cn *h2conn) moved() {
+	switch {
+	case len(cn.blocked) == 0:
+		cn.stalled = time.Time{}
+	case cn.stalled.IsZero():
+		cn.stalled = time.Now()
+	}
 }
 
 // resetStream answers a stream error: RST_STREAM, and the stream is closed.
@@ -1420,6 +1481,10 @@ func (cn *h2conn) closeStream(st *h2stream) {
 				cn.blocked = append(cn.blocked[:i], cn.blocked[i+1:]...)
 				break
 			}
+		}
+		if len(cn.blocked) == 0 {
+			cn.stalled = time.Time{}
+			cn.setDeadline()
 		}
 	}
 	cn.buffered -= len(st.body)

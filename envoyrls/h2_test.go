@@ -1251,6 +1251,80 @@ func TestNativeHeadersThenPartialFrameTimeout(t *testing.T) {
 	sv.stop(t)
 }
 
+// A client that never opens its window to a call's answer holds it past the write
+// timeout no longer: the connection is closed, as one whose socket does not take its
+// answers is. Before, the answer waited for window as long as the client stayed
+// connected, and the connection, holding a call, was never idle either, so never closed
+// to make room: 1,024 such connections (SETTINGS_INITIAL_WINDOW_SIZE 0, one call each)
+// kept every Envoy out. A client that opens it in time is answered (TestNativeProtocol).
+func TestNativeWindowStallTimeout(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	s := testServer(t)
+	s.cfg.WriteTimeout = time.Second
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	conns := openConns(s)
+	windowStallCut(t, sv.sock, conns, oneCall("stalled"))
+
+	// A client that opens its window a few bytes at a time, each step well within the
+	// write timeout and all of them well past it, is answered.
+	slow := dialRaw(t, sv.sock, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 7})
+	slow.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	slow.fr.WriteData(1, true, oneCall("slow"))
+	steps := 0
+	rp := slow.await(1, func(n int) {
+		steps++
+		time.Sleep(200 * time.Millisecond)
+		slow.fr.WriteWindowUpdate(1, uint32(n))
+	})
+	okAnswer(t, rp)
+	if steps < 10 {
+		t.Fatalf("answered in %d steps of 200 ms: not past the write timeout (1s)", steps)
+	}
+	slow.c.Close()
+	sv.stop(t)
+}
+
+// Likewise for an answer that waits on Redis (a global rule), which its deciding goroutine
+// writes while the connection waits in a read.
+func TestNativeWindowStallTimeoutGlobal(t *testing.T) {
+	s, _ := globalServer(t)
+	s.cfg.WriteTimeout = time.Second
+	sv := serveTest(t, s, TransportNative)
+	b, err := gproto.MarshalOptions{}.MarshalAppend([]byte{0, 0, 0, 0, 0}, &rlsv3.RateLimitRequest{Domain: "g",
+		Descriptors: []*commonrl.RateLimitDescriptor{desc1("stalled")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	binary.BigEndian.PutUint32(b[1:], uint32(len(b)-5))
+	windowStallCut(t, sv.sock, openConns(s), b)
+}
+
+// windowStallCut sends msg, a call's request, on a connection that gives its answer no
+// window, and fails t unless the connection is closed within 5 s (conns: the native
+// transport's connections open).
+func windowStallCut(t *testing.T, sock string, conns func() int, msg []byte) {
+	t.Helper()
+	r := dialRaw(t, sock, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	go func() { // it reads all it is sent: only its window holds the answer
+		for {
+			if _, err := r.fr.ReadFrame(); err != nil {
+				return
+			}
+		}
+	}()
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	r.fr.WriteData(1, true, msg)
+	waitFor(t, func() bool { return conns() == 1 })
+	start := time.Now()
+	for conns() != 0 {
+		if time.Since(start) > 5*time.Second {
+			t.Fatalf("an answer the client gives no window to still held after %v (write timeout 1s)", time.Since(start))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	r.c.Close()
+}
+
 // A call whose request came in two DATA frames leaves no read deadline behind once it has
 // ended, though its decision still waits (a global rule, Redis frozen): the connection,
 // idle meanwhile (as Envoy keeps its connections), stays open past the frame timeout, and

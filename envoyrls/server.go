@@ -116,7 +116,8 @@ type Config struct {
 	// TransportGRPCGo.
 	Transport string
 	// WriteTimeout is the time a client has to take the native transport's answers (its
-	// socket's buffer full that long) before the connection is closed; default 5s, as the
+	// socket's buffer full that long, or an answer waiting that long for the HTTP/2 window
+	// it gives, none of it sent) before the connection is closed; default 5s, as the
 	// socket server's --write-timeout. A client that stops reading otherwise holds the
 	// connection, its streams and its goroutines for as long as it stays connected.
 	WriteTimeout time.Duration
