@@ -209,15 +209,17 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 		w.WriteHeader(http.StatusNoContent)
 	}
 	mux.HandleFunc("DELETE /bans/{rule}/{client...}", lift) // a request line in absolute form
-	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln), bodyTimeout: adminBodyTimeout}
 	idle := &idleConns{m: map[net.Conn]time.Time{}, fresh: map[net.Conn]time.Time{}}
-	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout, ConnState: idle.track}
+	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln), bodyTimeout: adminBodyTimeout, idle: idle}
+	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout,
+		ConnState: idle.track, ConnContext: withAdminConn}
 	return &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 }
 
 // maxAdminConns bounds the admin endpoint's connections at once; past it the one idle
-// longest between requests is closed to make room, and when none is idle the new one is
-// closed as soon as it is accepted. Any local user can connect (the endpoint has no
+// longest between requests is closed to make room, else the one waiting longest for its
+// first request's headers or a body (idleConns.closeOldest), and when there is none the
+// new one is closed as soon as it is accepted. Any local user can connect (the endpoint has no
 // group, unlike the socket), and each connection holds one of the daemon's descriptors,
 // which the gateways' socket needs too: unbounded, a process holding idle keep-alive
 // connections up to the descriptor limit made every accept fail (EMFILE), the msgpack
@@ -225,7 +227,8 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 const maxAdminConns = 64
 
 // idleConns is the admin connections idle between requests (keep-alive), and since
-// when; and those that have not yet sent a whole first request (fresh), and since when.
+// when; and those that have not yet sent a whole first request, or whose request
+// announced a body (fresh: bodied), and since when.
 // Before, the connection cap refused every new connection while 64 were held idle: one
 // process keeping 64 connections alive (a request on each every 2 minutes, the idle
 // timeout) kept the scraper out for as long as it liked. Safe for concurrent use.
@@ -242,6 +245,7 @@ func (ic *idleConns) track(c net.Conn, s http.ConnState) {
 	switch s {
 	case http.StateIdle:
 		ic.m[c] = time.Now()
+		delete(ic.fresh, c) // bodied
 	case http.StateNew:
 		ic.fresh[c] = time.Now()
 	default:
@@ -250,10 +254,32 @@ func (ic *idleConns) track(c net.Conn, s http.ConnState) {
 	}
 }
 
+// bodied notes that c's request announced a body (Content-Length, chunked), which no
+// route takes: c is closed to make room as a fresh one is, until its request ends. A
+// client that writes its body as it sends its headers never waits on it. Before, such
+// a connection was closed only by the body timeout (adminBodyTimeout): a process that
+// held 64 of them, sending a byte of each body a second and connecting again whenever
+// that timeout closed one, kept every scraper out (0 of 30 GET /healthz answered in
+// 15 s), as the header timeout's slowloris did before f0d9fa7.
+func (ic *idleConns) bodied(c net.Conn) {
+	ic.mu.Lock()
+	ic.fresh[c] = time.Now()
+	ic.mu.Unlock()
+}
+
+// adminConnKey keys the request context's connection (withAdminConn).
+type adminConnKey struct{}
+
+// withAdminConn is the admin server's ConnContext: a request's context carries its
+// connection, for hostGuard to tell idleConns (bodied).
+func withAdminConn(ctx context.Context, c net.Conn) context.Context {
+	return context.WithValue(ctx, adminConnKey{}, c)
+}
+
 // closeOldest closes the connection idle the longest, if any, else the one that has
 // waited longest for its first request's headers (a client sends them as it connects:
-// they take it well under a millisecond on this host), and reports whether it closed
-// one. A client that sends its next request as it is closed sees the connection close
+// they take it well under a millisecond on this host) or for a body (bodied), and
+// reports whether it closed one. A client that sends its next request as it is closed sees the connection close
 // before any answer, as at the idle timeout, and sends it again (Go's and curl's
 // clients do, for a GET). Before, a connection still reading its headers was never
 // closed to make room: a process that held 64 of them, sending a byte a second and
@@ -328,6 +354,8 @@ type hostGuard struct {
 	// bodyTimeout bounds the wait for an announced body (adminBodyTimeout, read once
 	// when the endpoint is made).
 	bodyTimeout time.Duration
+	// idle is told of the connections whose request announced a body (bodied); nil: none.
+	idle *idleConns
 }
 
 func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -336,6 +364,9 @@ func (g hostGuard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// the connection's next request, and with no deadline of its own: also after a
 		// refusal below.
 		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(g.bodyTimeout))
+		if c, ok := r.Context().Value(adminConnKey{}).(net.Conn); ok && g.idle != nil {
+			g.idle.bodied(c)
+		}
 	}
 	if !g.hostAllowed(r.Host) && !(g.open && scrapeRoute(r)) {
 		names := "an IP address or localhost"
