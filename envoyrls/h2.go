@@ -193,36 +193,63 @@ func (s *Server) shutdownNative(ctx context.Context) error {
 }
 
 // closeIdlest closes the native transport's connection that has had no call in flight
-// for longest (or has not yet sent its preface for longest), if any, and reports whether
-// it did: a new connection past maxConns takes its place. A connection busy writing (its
-// lock held) is passed over. Before, a new connection past maxConns was always closed:
-// a process holding 1,024 connections idle after their preface (which no timeout
-// closes) kept Envoy out for as long as it liked, every new connection reset. Envoy
-// opens a new connection when it finds one closed.
+// for longest (or has not yet sent its preface for longest), if any, else the one whose
+// client has held up a call longest (late), and reports whether it did: a new connection
+// past maxConns takes its place. A connection busy (its lock held) is passed over.
+// Before, a new connection past maxConns was always closed: a process holding 1,024
+// connections idle after their preface (which no timeout closes) kept Envoy out for as
+// long as it liked, every new connection reset; and until the frame timeout, so did one
+// holding 1,024 each with a call whose request never ended, dialing again at each close.
+// Envoy opens a new connection when it finds one closed.
 func (s *Server) closeIdlest() bool {
-	var oldest *h2conn
-	var since time.Time
+	var idle, late *h2conn
+	var idleAt, lateAt time.Time
 	s.mu.Lock()
 	for cn := range s.conns {
 		if !cn.mu.TryLock() {
 			continue
 		}
-		if !cn.closed && len(cn.streams) == 0 && (oldest == nil || cn.idleSince.Before(since)) {
-			oldest, since = cn, cn.idleSince
+		if !cn.closed {
+			if len(cn.streams) == 0 {
+				if idle == nil || cn.idleSince.Before(idleAt) {
+					idle, idleAt = cn, cn.idleSince
+				}
+			} else if t, ok := cn.late(); ok && (late == nil || t.Before(lateAt)) {
+				late, lateAt = cn, t
+			}
 		}
 		cn.mu.Unlock()
 	}
 	s.mu.Unlock()
-	if oldest == nil {
+	cn := idle
+	if cn == nil {
+		cn = late
+	}
+	if cn == nil {
 		return false
 	}
-	oldest.mu.Lock()
-	defer oldest.mu.Unlock()
-	if oldest.closed || len(oldest.streams) > 0 {
-		return false // a call came meanwhile; the new connection is refused this time
+	cn.mu.Lock()
+	defer cn.mu.Unlock()
+	if _, ok := cn.late(); cn.closed || cn == idle && len(cn.streams) > 0 || cn == late && !ok {
+		return false // a call came, or ended, meanwhile; the new connection is refused this time
 	}
-	oldest.closeLocked()
+	cn.closeLocked()
 	return true
+}
+
+// late returns since when cn's client has held up a call: the oldest request begun and
+// not finished while the connection waited for more of it (reqDL), or the oldest answer
+// waiting for its window (stalled); ok false when neither. The timeouts close such a
+// connection (FrameTimeout, WriteTimeout), but a process dialing again at each close
+// keeps the connections it holds so. Called with mu held.
+func (cn *h2conn) late() (since time.Time, ok bool) {
+	since, ok = cn.stalled, !cn.stalled.IsZero()
+	if !cn.reqDL.IsZero() {
+		if t := cn.reqDL.Add(-cn.s.cfg.FrameTimeout); !ok || t.Before(since) {
+			since, ok = t, true
+		}
+	}
+	return since, ok
 }
 
 // h2conn is one client connection. Its read loop (serve) is the only reader; mu guards

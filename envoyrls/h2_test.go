@@ -1495,6 +1495,77 @@ func TestNativeIdleConnsYield(t *testing.T) {
 	}
 }
 
+// Likewise connections each holding a call whose request has not ended (its headers
+// only), when none is idle: the one whose request waited longest is closed to make
+// room, before the frame timeout could close any. Before, none was: a process holding
+// 1,024 of them and dialing again as the frame timeout closed each kept Envoy out.
+func TestNativeUnfinishedCallsYield(t *testing.T) {
+	start := time.Now()
+	s, done := serveNativeTCP(t)
+	defer func() { // after the connections' closes below
+		if err := s.Shutdown(ctx10(t)); err != nil {
+			t.Error(err)
+		}
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	addr := s.Addr().String()
+	var b bytes.Buffer
+	b.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&b, nil)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: callHeaderBlock(), EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	for range maxConns {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		go io.Copy(io.Discard, c)
+		if _, err := c.Write(b.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(time.Second) // the server reads them all
+	var err error
+	for time.Since(start) < 4*time.Second { // their calls are not yet 5 s late (the frame timeout)
+		var c net.Conn
+		if c, err = net.Dial("tcp", addr); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(time.Second))
+		r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+		r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+		r.henc = hpack.NewEncoder(&r.hbuf)
+		if _, err = io.WriteString(c, http2.ClientPreface); err == nil {
+			err = r.fr.WriteSettings()
+		}
+		if err == nil {
+			err = r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: r.block(grpcHeaders(pathShouldRateLimit)...), EndHeaders: true})
+		}
+		if err == nil {
+			err = r.fr.WriteData(1, true, oneCall("new"))
+		}
+		for err == nil {
+			var f http2.Frame
+			if f, err = r.fr.ReadFrame(); err == nil {
+				if h, ok := f.(*http2.MetaHeadersFrame); ok && h.StreamID == 1 && h.StreamEnded() {
+					c.Close()
+					return
+				}
+			}
+		}
+		c.Close()
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("a new connection beside %d holding unfinished calls: %v", maxConns, err)
+}
+
 // After each frame, the read deadline is set by the calls whose requests have not ended;
 // calls ended and waiting on Redis (a global rule) are not walked for it. Before, every
 // frame read with the buffer empty walked every call in flight: 4.5 µs a frame with 512
