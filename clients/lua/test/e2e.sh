@@ -959,7 +959,7 @@ expect "nginx with \$request_id named (the example): no such error" "$(grep -c '
 hole_hap_port=$(free_port)
 # Its max_frame from the environment (RLSIDECAR_MAX_FRAME, as the daemon's --max-frame):
 # 300 bytes. A value that is no number stops HAProxy at load.
-sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
+sed -e "s#$sock#$hole#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$hole_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" -e "\#bind unix@$tmp/haproxy-unix.sock#d" -e "s#\(hole.sock [a-z]*\) 2000#\1 50#" \
   -e "s#^global#global\n    setenv RLSIDECAR_MAX_FRAME 300#" "$tmp/haproxy.cfg" >"$tmp/haproxy-hole.cfg"
 sed -e "s#RLSIDECAR_MAX_FRAME 300#RLSIDECAR_MAX_FRAME 64k#" "$tmp/haproxy-hole.cfg" >"$tmp/haproxy-bad.cfg"
 expect_re "haproxy, RLSIDECAR_MAX_FRAME=64k: refused at load" "$(haproxy -c -f "$tmp/haproxy-bad.cfg" 2>&1 || true)" \
@@ -1077,7 +1077,7 @@ expect "stand-in: some met the farewell (the case was exercised)" "$(($(grep -c 
 # the farewell at once (a connection a draining daemon accepted); the check is sent once
 # more, and decided.
 held_hap_port=$(free_port)
-sed -e "s#$sock#$held#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$held_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" \
+sed -e "s#$sock#$held#g" -e "s#bind 127.0.0.1:$hap_port#bind 127.0.0.1:$held_hap_port#" -e "/bind :::$hap_dual_port v4v6/d" -e "\#bind unix@$tmp/haproxy-unix.sock#d" \
   "$tmp/haproxy.cfg" >"$tmp/haproxy-held.cfg"
 haproxy -db -f "$tmp/haproxy-held.cfg" >"$tmp/haproxy-held.log" 2>&1 &
 pids+=($!)
