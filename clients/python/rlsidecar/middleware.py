@@ -91,8 +91,9 @@ def _wsgi_bytes(s):
 
 
 def asgi_attrs(scope):
-    """The default attributes of an ASGI HTTP request: ip (the client's host, as peer_ip
-    gives it), method, path.
+    """The default attributes of an ASGI HTTP request or WebSocket handshake: ip (the
+    client's host, as peer_ip gives it), method (GET for a WebSocket scope, which has
+    none: the handshake is a GET), path.
 
     The path is normalized as every rlsidecar client does (normalize_path): from
     scope["raw_path"], the bytes the client sent, when the server gives it; else from
@@ -101,10 +102,15 @@ def asgi_attrs(scope):
     client = scope.get("client")
     raw = scope.get("raw_path")
     if raw:
-        path = normalize_path(bytes(raw))
+        # A str where the spec says bytes: Uvicorn's WebSocket scopes (to 0.2x) have the
+        # target, read as latin-1, there.
+        path = normalize_path(_wsgi_bytes(raw) if isinstance(raw, str) else bytes(raw))
     else:
         path = clean_path(scope.get("path", "").encode("utf-8", "surrogateescape"))
-    attrs = {"method": scope.get("method", ""), "path": path_attr(path)}
+    # A WebSocket scope has no method: its handshake is a GET, as the Go middleware and
+    # nginx see it (a rule on GET /chat applies to it).
+    method = scope.get("method") or ("GET" if scope.get("type") == "websocket" else "")
+    attrs = {"method": method, "path": path_attr(path)}
     if client and client[0]:  # else left out, not sent as "" (as wsgi_attrs)
         attrs = {"ip": peer_ip(client[0]), **attrs}
     return attrs
@@ -296,10 +302,19 @@ class _SizedReleasing(_Releasing):
 
 
 class ASGIMiddleware:
-    """ASGI middleware around ``app`` that checks every HTTP request with ``client`` (a
-    rlsidecar.AsyncClient); other scopes (lifespan, websocket) pass through. It behaves
-    as WSGIMiddleware does; ``attrs(scope) -> dict`` and ``cost(scope) -> int`` default
-    to asgi_attrs and 1. A request held for a rule's delay whose client disconnects
+    """ASGI middleware around ``app`` that checks every HTTP request and every WebSocket
+    handshake with ``client`` (a rlsidecar.AsyncClient); other scopes (lifespan) pass
+    through. It behaves as WSGIMiddleware does; ``attrs(scope) -> dict`` and
+    ``cost(scope) -> int`` default to asgi_attrs and 1.
+
+    A WebSocket handshake is checked as the GET it is (asgi_attrs). Allowed, the
+    rate-limit headers are added to the app's websocket.accept (its 101). Refused, it is
+    answered with the 429 (503, 431) an HTTP request gets, through the ASGI
+    "websocket.http.response" extension when the server offers it in
+    scope["extensions"] (Hypercorn does; Uvicorn from 0.30); else with a websocket.close
+    before the accept, which the server answers with a 403 without those headers. A
+    WebSocket's concurrency lease is held (and renewed) for the session: released when
+    the app sends websocket.close or returns. A request held for a rule's delay whose client disconnects
     meanwhile is dropped: the app is not called and its lease is released (see _hold).
     Until a request's concurrency lease is released, it is renewed (AsyncClient.renew,
     each rule's own lease) at about half of what is left of it, so a request longer than
@@ -314,7 +329,8 @@ class ASGIMiddleware:
         self.renew_leases = renew_leases
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http":
+        kind = scope.get("type")
+        if kind != "http" and kind != "websocket":
             return await self.app(scope, receive, send)
         cost = self.cost(scope) if self.cost is not None else 1
         try:
@@ -325,9 +341,19 @@ class ASGIMiddleware:
             d = _closed(self.client)
         if not d.allowed:
             status, headers, body = d.rejection()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
-            await send({"type": "http.response.body", "body": body})
+            headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+            if kind == "http":
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+            elif "websocket.http.response" in (scope.get("extensions") or {}):
+                # The server lets the app answer the handshake with an HTTP response
+                # (Hypercorn; Uvicorn from 0.30): the same 429 (503, 431) as for HTTP.
+                await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+                await send({"type": "websocket.http.response.body", "body": body})
+            else:
+                # Else the only refusal ASGI has: a close before the accept, which the
+                # server answers with a 403, without the rate-limit headers.
+                await send({"type": "websocket.close", "code": 1008})
             return
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in d.headers().items()]
         if d.lease:
@@ -379,7 +405,7 @@ class ASGIMiddleware:
             return await self.app(scope, receive, send)
 
         async def send_with_headers(message):
-            if message["type"] == "http.response.start":
+            if message["type"] in _HEADED:
                 message = dict(message)
                 message["headers"] = list(message.get("headers", ())) + extra
             await send(message)
@@ -387,15 +413,24 @@ class ASGIMiddleware:
         return await self.app(scope, receive, send_with_headers)
 
 
+#: The send messages that carry the response's headers, to which the rate-limit headers
+#: are added: an HTTP response's start, a WebSocket's accept (its 101), and the start of
+#: the HTTP response an app gives a WebSocket handshake it refuses itself.
+_HEADED = ("http.response.start", "websocket.accept", "websocket.http.response.start")
+
+
 def _ends_response(message):
     """Whether an ASGI send message is a response's last: a body message without
     more_body, or one of the extensions that send a file (http.response.pathsend, always
     the last; http.response.zerocopysend, the last without more_body). Starlette's
-    FileResponse sends a pathsend where the server offers it (Hypercorn does)."""
+    FileResponse sends a pathsend where the server offers it (Hypercorn does). For a
+    WebSocket: its close, or the last body of the HTTP response the app refused its
+    handshake with (the session is over; an app that goes on running after it, as after
+    an HTTP response's end, no longer holds the slot)."""
     t = message["type"]
-    if t == "http.response.body" or t == "http.response.zerocopysend":
+    if t == "http.response.body" or t == "http.response.zerocopysend" or t == "websocket.http.response.body":
         return not message.get("more_body", False)
-    return t == "http.response.pathsend"
+    return t == "http.response.pathsend" or t == "websocket.close"
 
 
 #: The request body ASGIMiddleware reads ahead, at most, while it holds a request for a
@@ -441,7 +476,7 @@ async def _hold(d, receive):
         if not got.done() or got.cancelled():
             break
         msg = got.result()
-        if msg.get("type") == "http.disconnect":
+        if msg.get("type") in ("http.disconnect", "websocket.disconnect"):
             return receive, True
         kept.append(msg)
         size += len(msg.get("body", b""))
