@@ -211,3 +211,22 @@ export declare function middleware<Req extends MiddlewareRequest = MiddlewareReq
   client: Client,
   options?: MiddlewareOptions<Req, Res>,
 ): (req: Req, res: Res, next: (err?: unknown) => void) => void;
+
+export interface UpgradeOptions<Req extends MiddlewareRequest = MiddlewareRequest> {
+  attrs?: (req: Req) => Record<string, string | Uint8Array | undefined | null>;
+  cost?: (req: Req) => number;
+  /** Renew a session's concurrency lease until its socket closes (default true). */
+  renewLeases?: boolean;
+}
+
+/**
+ * A listener for an http.Server's 'upgrade' event (WebSocket handshakes, which the
+ * middleware never sees): checks the handshake as a request; refused, writes the 429
+ * (503, 431) on the socket and closes it; allowed, calls handler with the decision (its
+ * headers() for the 101). A concurrency lease is held, renewed, until the socket closes.
+ */
+export declare function upgrade<Req extends MiddlewareRequest = MiddlewareRequest, Sock extends import('net').Socket = import('net').Socket>(
+  client: Client,
+  handler: (req: Req, socket: Sock, head: Buffer, decision: Decision) => void,
+  options?: UpgradeOptions<Req>,
+): (req: Req, socket: Sock, head: Buffer) => void;

@@ -5,6 +5,7 @@
 const { ProtocolError, ClosedError } = require('./proto');
 const { Decision } = require('./decision');
 const { normalizePath } = require('./path');
+const { STATUS_CODES } = require('http');
 const { monoNow } = require('./client'); // the monotonic clock: a lease's renewals ignore wall clock steps
 
 const MAPPED = /^::ffff:((?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3})$/i;
@@ -263,4 +264,88 @@ function keepLease(client, lease, first, life = 0) {
   };
 }
 
-module.exports = { middleware, defaultAttrs, peerIP, header };
+const UPGRADE_OPTIONS = ['attrs', 'cost', 'renewLeases'];
+
+// rawResponse is an HTTP/1.1 response written on a socket taken over for an upgrade:
+// status, headers, Connection: close, then body.
+function rawResponse(status, headers, body) {
+  let head = `HTTP/1.1 ${status} ${STATUS_CODES[status] || ''}\r\n`;
+  for (const k in headers) head += `${k}: ${headers[k]}\r\n`;
+  return Buffer.concat([Buffer.from(head + 'Connection: close\r\n\r\n', 'latin1'), body]);
+}
+
+function refuse(socket, r) {
+  if (!socket.destroyed) socket.end(rawResponse(r.status, r.headers, r.body));
+}
+
+/**
+ * Returns a listener for an http.Server's 'upgrade' event (a WebSocket handshake, which
+ * Node hands to that event and never to the request handler, so the middleware never
+ * sees it) that checks the request with client as the middleware checks a request, and
+ * then calls handler(req, socket, head, decision) — e.g. ws's wss.handleUpgrade —
+ * when it is allowed. Refused, it writes the 429 (503, 431) with Retry-After, the
+ * rate-limit headers and the problem+json body on the socket and closes it; the handler
+ * is not called. Allowed, decision.headers() are the rate-limit headers, for the handler
+ * to add to its 101 (ws: its 'headers' event). A concurrency lease is held, and renewed,
+ * for as long as the socket is open (the session), and released when it closes. A rule's
+ * delay holds the handshake, unless the socket closes first. No answer from the sidecar,
+ * a ProtocolError or a closed client: the client's onUnavailable ('open': the handler
+ * is called, 'closed': 503). Options: attrs (default defaultAttrs: the handshake is a
+ * GET to its path), cost, renewLeases.
+ */
+function upgrade(client, handler, opts = {}) {
+  for (const k of Object.keys(opts ?? {})) {
+    if (!UPGRADE_OPTIONS.includes(k)) throw new TypeError(`unknown upgrade option ${JSON.stringify(k)} (options: ${UPGRADE_OPTIONS.join(', ')})`);
+  }
+  const { attrs = defaultAttrs, cost, renewLeases = true } = opts ?? {};
+  return function rlsidecarUpgrade(req, socket, head) {
+    let p;
+    try {
+      p = client.check(attrs(req), { cost: cost ? cost(req) : 1 });
+    } catch (e) {
+      p = Promise.reject(e);
+    }
+    p.then((d) => {
+      if (!d.allowed) {
+        refuse(socket, d.rejection());
+        return;
+      }
+      if (socket.destroyed) {
+        // Gone while its handshake was checked: nothing is forwarded, the lease released.
+        if (d.lease) client.release(d.lease).catch(() => {});
+        return;
+      }
+      let timer = null;
+      if (d.lease) {
+        const renewal = renewLeases ? keepLease(client, d.lease, firstRenewal(d), leaseLife(d)) : null;
+        socket.once('close', () => {
+          if (renewal !== null) renewal.stop();
+          client.release(d.lease).catch(() => {}); // else it expires
+        });
+      }
+      const run = () => handler(req, socket, head, d);
+      if (d.delayMs > 0) {
+        timer = setTimeout(run, d.delayMs);
+        socket.once('close', () => clearTimeout(timer));
+        return;
+      }
+      run();
+    }, (e) => {
+      let d = null;
+      if (e && e.decision) d = e.decision; // RequestTooLargeError: 431; another ProtocolError: the policy's
+      else if (e instanceof ClosedError) d = new Decision({ allowed: client.onUnavailable === 'open', degraded: true, cause: 'client closed' });
+      if (d === null) {
+        // attrs or cost threw: an error of the application's, a 500 as Express gives one.
+        refuse(socket, { status: 500, headers: { 'Content-Length': '0' }, body: Buffer.alloc(0) });
+        return;
+      }
+      if (d.allowed) {
+        if (!socket.destroyed) handler(req, socket, head, d);
+        return;
+      }
+      refuse(socket, d.rejection());
+    });
+  };
+}
+
+module.exports = { middleware, upgrade, defaultAttrs, peerIP, header };

@@ -1,6 +1,6 @@
 // A use of every declaration in index.d.ts; types.test.js compiles it with tsc --strict.
 import * as http from 'http';
-import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, defaultAttrs, peerIP, normalizePath, PROTOCOL } from '..';
+import { Client, Decision, RuleDecision, ProtocolError, RequestTooLargeError, ClosedError, middleware, upgrade, defaultAttrs, peerIP, normalizePath, PROTOCOL } from '..';
 
 async function use(): Promise<void> {
   const c = new Client({ socket: '/run/rlsidecar/rlsidecar.sock', timeoutMs: 50, onUnavailable: 'closed', conns: 2, maxFrame: 65536 });
@@ -29,7 +29,11 @@ async function use(): Promise<void> {
   }
   const p: 1 = PROTOCOL;
   const mw = middleware<http.IncomingMessage, http.ServerResponse>(c, { cost: () => 1, attrs: (req) => ({ path: req.url || '' }) });
-  http.createServer((req, res) => mw(req, res, () => res.end('ok')));
+  http.createServer((req, res) => mw(req, res, () => res.end('ok')))
+    .on('upgrade', upgrade<http.IncomingMessage>(c, (req, socket, head, d) => {
+      socket.write(`HTTP/1.1 101 Switching Protocols\r\nRateLimit: ${d.headers().RateLimit ?? ''}\r\n\r\n`);
+      void req, head;
+    }, { cost: () => 1, renewLeases: true }));
   const a: { ip: string; method: string; path: string | Buffer } = defaultAttrs({ method: 'GET', url: '/' });
   const ip: string = peerIP('::ffff:203.0.113.7');
   const np: string | Buffer = normalizePath('/a/../b');
