@@ -120,8 +120,8 @@ func TestShadowedRuleNeverDecides(t *testing.T) {
 			limB = fmt.Sprintf("{ requests: %d, per: %s, burst: %d }", reqB, per, burstB)
 		}
 		src := fmt.Sprintf(`rules:
-  - { name: a, match: { method: GET }, key: user, algorithm: %s, limit: %s }
-  - { name: b, match: { method: GET }, key: user, algorithm: %s, limit: %s }
+  - { name: a, match: { method: [GET, HEAD] }, key: user, algorithm: %s, limit: %s }
+  - { name: b, match: { method: [GET, HEAD] }, key: user, algorithm: %s, limit: %s }
 `, alg, limA, alg, limB)
 		set, err := rules.Parse("shadow.yaml", []byte(src))
 		if err != nil {

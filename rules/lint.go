@@ -47,6 +47,13 @@ import (
 //     "{name}" or ":name", a character class "[...]", ".*", a backslash, a segment
 //     starting with '^', a pattern ending in '$'.
 //
+// A method list with GET and without HEAD: net/http, Express, Starlette and Flask answer
+// a HEAD with the GET handler (its work done, its body dropped), so HEAD requests run the
+// limited handler unlimited. (A path without its trailing-slash form, "/login" beside
+// "/login/", is not warned of: net/http, Flask and Starlette answer "/login/" with a 404
+// or a redirect to "/login", which is checked; only some servers (Express) run the same
+// handler for both. The README says to list both where they do.)
+//
 // A match with no condition (`match:` followed by nothing, or `match: {}`): it applies the
 // rule to every request, as leaving match out does, which is seldom what a file that
 // writes match meant: its conditions were commented out, or indented wrongly.
@@ -117,6 +124,7 @@ func (s *Set) Warnings() Errors {
 				}
 			}
 		}
+		out = append(out, holes(r)...)
 		names := attrNames(r)
 		if slices.Contains(names, "domain") {
 			// Checked over Envoy's API: the names are its descriptors' keys, sent in the
@@ -466,4 +474,22 @@ func isIdent(s string) bool {
 		}
 	}
 	return s != ""
+}
+
+// holes returns r's warnings for the requests its match leaves out that the same handler
+// serves (see Warnings): a GET without HEAD. Only the list form is looked at; an operator
+// mapping (not: POST) says what it means.
+func holes(r *Rule) Errors {
+	var out Errors
+	field := "rule " + strconv.Quote(r.Name) + " match."
+	for _, m := range r.Match {
+		switch m.Attr {
+		case "method":
+			if slices.Contains(m.Values, "GET") && !slices.Contains(m.Values, "HEAD") {
+				out = append(out, &Error{File: r.File, Line: r.Line, Field: field + "method",
+					Msg: "GET without HEAD: net/http, Express, Starlette and Flask run the GET handler for a HEAD request, which this rule does not match; list both (method: [GET, HEAD])"})
+			}
+		}
+	}
+	return out
 }

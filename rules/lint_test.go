@@ -11,7 +11,7 @@ import (
 
 func TestWarningsShadowed(t *testing.T) {
 	const a = `  - name: a
-    match: { method: [GET, POST], path: "/v1/**" }
+    match: { method: [GET, HEAD, POST], path: "/v1/**" }
     key: [user, ip]
     limit: { requests: 10, per: 1m }
 `
@@ -20,20 +20,20 @@ func TestWarningsShadowed(t *testing.T) {
 		b    string // the later rule
 		warn bool
 	}{
-		{"identical", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 10, per: 1m }", true},
-		{"looser, values reordered and repeated, key reordered", "match: { path: \"/v1/**\", method: [POST, GET, GET] }\n    key: [ip, user]\n    limit: { requests: 20, per: 1m, burst: 30 }", true},
-		{"tighter", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 5, per: 1m }", false},
-		{"smaller burst", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m, burst: 5 }", false},
-		{"other per", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1h }", false},
-		{"other key", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: user\n    limit: { requests: 20, per: 1m }", false},
-		{"narrower match", "match: { method: GET, path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
-		{"other glob", "match: { method: [GET, POST], path: \"/v1/*\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
-		{"other algorithm", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    algorithm: fixed_window\n    limit: { requests: 20, per: 1m }", false},
-		{"other failure policy", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    on_store_failure: closed\n    limit: { requests: 20, per: 1m }", false},
-		{"shadow", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    shadow: true\n    limit: { requests: 20, per: 1m }", false},
-		{"a plan only b raises", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { partner: 100 }", true},
-		{"a plan b makes unlimited", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { internal: unlimited }", true},
-		{"a plan b lowers", "match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { free: 5 }", false},
+		{"identical", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 10, per: 1m }", true},
+		{"looser, values reordered and repeated, key reordered", "match: { path: \"/v1/**\", method: [POST, GET, HEAD, GET] }\n    key: [ip, user]\n    limit: { requests: 20, per: 1m, burst: 30 }", true},
+		{"tighter", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 5, per: 1m }", false},
+		{"smaller burst", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m, burst: 5 }", false},
+		{"other per", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1h }", false},
+		{"other key", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: user\n    limit: { requests: 20, per: 1m }", false},
+		{"narrower match", "match: { method: [GET, HEAD], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
+		{"other glob", "match: { method: [GET, HEAD, POST], path: \"/v1/*\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }", false},
+		{"other algorithm", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    algorithm: fixed_window\n    limit: { requests: 20, per: 1m }", false},
+		{"other failure policy", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    on_store_failure: closed\n    limit: { requests: 20, per: 1m }", false},
+		{"shadow", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    shadow: true\n    limit: { requests: 20, per: 1m }", false},
+		{"a plan only b raises", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { partner: 100 }", true},
+		{"a plan b makes unlimited", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { internal: unlimited }", true},
+		{"a plan b lowers", "match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n    plans: { free: 5 }", false},
 	}
 	for _, tt := range tests {
 		src := "rules:\n" + a + "  - name: b\n    " + tt.b + "\n"
@@ -49,7 +49,7 @@ func TestWarningsShadowed(t *testing.T) {
 	}
 	// An unlimited plan on the earlier rule is not tighter than a limit on the later one.
 	set := mustParse(t, "rules:\n"+strings.Replace(a, "per: 1m }", "per: 1m }\n    plans: { internal: unlimited }", 1)+
-		"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
+		"  - name: b\n    match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
 	if ws := set.Warnings(); len(ws) != 0 {
 		t.Errorf("unlimited plan on a: %v", ws)
 	}
@@ -59,14 +59,14 @@ func TestWarningsShadowed(t *testing.T) {
 		replaces string
 		warn     bool
 	}{{"[a]", false}, {"[a, b]", true}, {"[a]\n    shadow: true", true}} {
-		set := mustParse(t, "rules:\n"+a+"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n"+
+		set := mustParse(t, "rules:\n"+a+"  - name: b\n    match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n"+
 			"  - name: c\n    match: { path: /v1/x }\n    key: user\n    limit: { requests: 100, per: 1m }\n    replaces: "+c.replaces+"\n")
 		if ws := set.Warnings(); (len(ws) > 0) != c.warn {
 			t.Errorf("c replaces %s: warnings %v, want a warning: %v", c.replaces, ws, c.warn)
 		}
 	}
 	// A shadow rule shadows nothing.
-	set = mustParse(t, "rules:\n"+strings.Replace(a, "key:", "shadow: true\n    key:", 1)+"  - name: b\n    match: { method: [GET, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
+	set = mustParse(t, "rules:\n"+strings.Replace(a, "key:", "shadow: true\n    key:", 1)+"  - name: b\n    match: { method: [GET, HEAD, POST], path: \"/v1/**\" }\n    key: [user, ip]\n    limit: { requests: 20, per: 1m }\n")
 	if ws := set.Warnings(); len(ws) != 0 {
 		t.Errorf("shadow a: %v", ws)
 	}
@@ -114,7 +114,7 @@ func TestWarningsSplitAboveRequests(t *testing.T) {
 // A well-known attribute in another case never matches what the clients send.
 func TestWarningsAttributeCase(t *testing.T) {
 	ws := mustParse(t, "rules:\n  - name: a\n    match: { Method: GET }\n    key: User\n    limit: { requests: 1, per: 1m }\n"+
-		"  - name: b\n    match: { method: GET, X-Tenant: t }\n    key: [user, Tenant]\n    limit: { requests: 1, per: 1m }\n").Warnings()
+		"  - name: b\n    match: { method: [GET, HEAD], X-Tenant: t }\n    key: [user, Tenant]\n    limit: { requests: 1, per: 1m }\n").Warnings()
 	var msgs []string
 	for _, w := range ws {
 		msgs = append(msgs, w.Error())
@@ -305,7 +305,7 @@ func TestWarningsEmptyMatch(t *testing.T) {
 		{"    match: ~\n", true},
 		{"    match: {}\n", true},
 		{"", false},
-		{"    match: { method: GET }\n", false},
+		{"    match: { method: [GET, HEAD] }\n", false},
 	} {
 		src := "rules:\n  - name: m\n" + tt.match + "    key: ip\n    limit: { requests: 1, per: 1m }\n"
 		ws := mustParse(t, src).Warnings()
@@ -338,6 +338,31 @@ func TestWarningsShadowedReplacer(t *testing.T) {
 		}
 		if got := len(never) > 0; got != c.warn {
 			t.Errorf("a replaces %q: never-decides warnings %v, want one: %v", strings.TrimSpace(c.aReplaces), never, c.warn)
+		}
+	}
+}
+
+// A method list with GET and not HEAD: net/http, Express, Starlette and Flask run the GET
+// handler for a HEAD, which the rule does not match, so HEAD requests ran the limited
+// handler unlimited, without a word from validate.
+func TestWarningsGetWithoutHead(t *testing.T) {
+	for _, tt := range []struct {
+		match string
+		warn  bool
+	}{
+		{"{ method: GET, path: /export }", true},
+		{"{ method: [GET, POST] }", true},
+		{"{ method: [GET, HEAD] }", false},
+		{"{ method: [HEAD, GET, POST] }", false},
+		{"{ method: POST, path: /login }", false},
+		{"{ method: { not: POST } }", false},
+		{"{ path: /export }", false},
+	} {
+		src := "rules:\n  - name: m\n    match: " + tt.match + "\n    key: ip\n    limit: { requests: 1, per: 1m }\n"
+		ws := mustParse(t, src).Warnings()
+		got := len(ws) == 1 && strings.Contains(ws[0].Error(), `test.yaml:2: rule "m" match.method: GET without HEAD`)
+		if got != tt.warn || len(ws) > 1 {
+			t.Errorf("%s: warnings %v, want one for GET without HEAD: %v", tt.match, ws, tt.warn)
 		}
 	}
 }
