@@ -2,7 +2,7 @@ package rules
 
 // DefaultYAML is the built-in rule set that `rlsidecar serve` uses without --config. It is
 // a small demonstration of the schema: try `rlsidecar check ip=1.2.3.4` (per-ip applies),
-// then add method=POST path=/login, user=ann plan=partner or api_key=k1.
+// then add method=POST path=/login (or /login/), user=ann plan=partner or api_key=k1.
 const DefaultYAML = `# rlsidecar built-in rules (used when no --config is given).
 rules:
   # Every request, per client IP: 20 per 10 seconds, bursts of up to 20.
@@ -12,8 +12,9 @@ rules:
     limit: { requests: 20, per: 10s }
 
   # Logins, per IP: 5 per minute; when the store is unreachable, refuse rather than allow.
+  # /login/ too: some servers (Express) run the /login handler for it.
   - name: login
-    match: { method: POST, path: /login }
+    match: { method: POST, path: [/login, /login/] }
     key: ip
     limit: { requests: 5, per: 1m }
     on_store_failure: closed

@@ -366,3 +366,29 @@ func TestWarningsGetWithoutHead(t *testing.T) {
 		}
 	}
 }
+
+// The shipped rules (built in, and the Debian package's rules.yaml) limit a login
+// whichever path a server runs the /login handler for: before, POST /login/, which
+// Express serves with the /login handler, was not limited.
+func TestShippedLoginRuleCoversTrailingSlash(t *testing.T) {
+	data, err := os.ReadFile("../deploy/debian/rules.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, set := range map[string]*Set{"built-in": Default(), "deploy/debian/rules.yaml": mustParse(t, string(data))} {
+		var login *Rule
+		for _, r := range set.Rules {
+			if r.Name == "login" {
+				login = r
+			}
+		}
+		if login == nil {
+			t.Fatalf("%s: no login rule", name)
+		}
+		for _, p := range []string{"/login", "/login/"} {
+			if !login.Matches([]Attr{{"ip", "192.0.2.1"}, {"method", "POST"}, {"path", p}}) {
+				t.Errorf("%s: the login rule does not match POST %s", name, p)
+			}
+		}
+	}
+}
