@@ -190,6 +190,44 @@ test('the middleware: a client gone while its handler runs keeps the slot until 
   assert.equal(remaining, 1, 'released when the handler ended the response');
 });
 
+// Node tells the middleware when a response ends (res.end, res.destroy), never when its
+// handler is done: a handler that stops at its client's hang-up without ending the
+// response — the usual server-sent-events handler, which clears its timer on 'close' —
+// is done, but looks like one still running. So after a hang-up the lease is kept, not
+// renewed: a handler that ends the response later releases it then (test above); one
+// that never does frees it when the lease runs out. Renewed for as long as the response
+// is not ended (as Go and Python renew until the handler returns, which they can see),
+// each such hang-up would hold a slot for the life of the process, and max of them would
+// refuse the route for good.
+test('the middleware: a handler that stops at the hang-up without ending the response frees the slot at the lease\'s expiry', async (t) => {
+  const d = await startDaemon(t, RULES.replace('max: 2, lease: 30s', 'max: 1, lease: 2s'));
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => c.close());
+  const mw = rl.middleware(c, { attrs: () => ({ user: 'ann' }) });
+  let closed = 0;
+  const srv = http.createServer((req, res) => mw(req, res, () => {
+    res.writeHead(200, { 'Content-Type': 'text/event-stream' });
+    const timer = setInterval(() => res.write('data: tick\n\n'), 100);
+    res.write('data: hello\n\n');
+    req.on('close', () => { clearInterval(timer); closed++; }); // no res.end(): the client is gone
+  }));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  await new Promise((resolve) => {
+    const r = http.get({ host: '127.0.0.1', port: srv.address().port, path: '/events', agent: false }, (res) => {
+      res.once('data', () => { r.destroy(); resolve(); });
+    });
+    r.on('error', () => {});
+  });
+  await until(() => closed === 1, 'the server saw the client go');
+  let remaining = -1;
+  for (let k = 0; k < 300 && remaining !== 1; k++) {
+    await new Promise((r) => setTimeout(r, 50));
+    remaining = (await c.check({ user: 'ann' }, { cost: 0 })).rules[0].remaining;
+  }
+  assert.equal(remaining, 1, 'the slot is free once the 2 s lease ran out');
+});
+
 test('the middleware releases when the handler destroys its response', async (t) => {
   // A handler whose stream fails (stream.pipeline destroys the response) or that calls
   // res.destroy(): before, the slot stayed held until the lease ran out.
