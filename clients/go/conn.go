@@ -321,6 +321,8 @@ send:
 // close), or it was the last call pending when the connection was reset (ECONNRESET) with
 // no byte of an answer come: the sidecar closed it with bytes unread, the end of the
 // stream, its frame among them. It was not decided, so roundTrip sends it again.
+// A release pending on a connection that broke gets it too, read or not: releasing is
+// idempotent (see fail).
 type notSent struct {
 	err error
 	// fresh: the farewell came on a connection that had answered nothing (see farewell).
@@ -863,6 +865,12 @@ func (cn *conn) fail(err error) {
 	for i, cl := range pending {
 		if (unsentFrom != 0 && cl.id >= unsentFrom) || (resetLast && i == len(pending)-1) {
 			cl.complete(&notSent{err: err, fresh: fresh})
+		} else if cl.req.Op == proto.OpRelease {
+			// The sidecar may have read it, but a release is idempotent: sent again, to
+			// the sidecar's successor when this one died (SIGKILL), it frees a global
+			// lease's slots in Redis, or answers false. Failed, its slots stayed held
+			// for the whole lease with no request running.
+			cl.complete(&notSent{err: err})
 		} else {
 			cl.complete(err)
 		}
