@@ -363,13 +363,28 @@ class Conn {
     // resetUnread: the unread bytes are the end of the stream), is sent again, once, on
     // another connection within its timeout; a check before it may have been read and
     // decided, and answers by the policy, as every check does after end-of-file.
+    // A release may have been read, but releasing is idempotent: it is sent again too,
+    // once, to the sidecar's successor when this one died (SIGKILL), which frees a global
+    // lease's slots in Redis. Failed, they stayed held for the whole lease with no
+    // request running.
+    const client = this.slot.client;
     let last = pending.length - 1;
     if (last < head || !(this.writeFailed || this.resetUnread) || pending[last].resent || pending[last].msg === null) last = -1;
-    for (let i = head; i < pending.length; i++) if (i !== last) pending[i].done(null, why);
-    if (last >= 0 && !pending[last].settled && !this.slot.client.closed) {
-      pending[last].resent = true;
-      pending[last].conn = null;
-      this.slot.client.route(pending[last]);
+    const again = [];
+    for (let i = head; i < pending.length; i++) {
+      const en = pending[i];
+      if (i === last || (en.msg !== null && en.msg.op === 'release' && !en.resent)) again.push(en);
+      else en.done(null, why);
+    }
+    for (const en of again) {
+      if (en.settled) continue;
+      if (client.closed) {
+        en.done(null, why);
+        continue;
+      }
+      en.resent = true;
+      en.conn = null;
+      client.route(en);
     }
     this.slot.client.reroute();
   }

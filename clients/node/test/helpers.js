@@ -164,4 +164,4 @@ async function inOneWindow(windowMs, run) {
   }
 }
 
-module.exports = { ROOT, RULES, binary, tempDir, startDaemon, standIn, inOneWindow };
+module.exports = { ROOT, RULES, Daemon, binary, tempDir, startDaemon, standIn, inOneWindow };

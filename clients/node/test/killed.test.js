@@ -1,0 +1,82 @@
+'use strict';
+// A sidecar killed (SIGKILL) while the gateway's releases of global leases were written
+// to it and not yet answered: they go to its successor, which frees the slots in Redis.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { spawn, spawnSync, execFileSync } = require('child_process');
+const fs = require('fs');
+const path = require('path');
+
+const rl = require('..');
+const proto = require('../lib/proto');
+const { Daemon, tempDir } = require('./helpers');
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// waitFor polls cond every 10 ms until it holds, failing after ms.
+async function waitFor(what, ms, cond) {
+  const deadline = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms} ms`);
+    await sleep(10);
+  }
+}
+
+// unreadOn returns the bytes the connections accepted on the Unix socket path hold unread
+// (ss's Recv-Q).
+function unreadOn(sock) {
+  let sum = 0;
+  for (const line of execFileSync('ss', ['-xHn', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
+    const f = line.trim().split(/\s+/);
+    if (f.length >= 4 && f[3] === sock) sum += Number(f[1]);
+  }
+  return sum;
+}
+
+const hasTools = spawnSync('redis-server', ['--version']).status === 0 && spawnSync('ss', ['-V']).status === 0;
+
+test('releases pending on a killed sidecar are sent to its successor', { skip: !hasTools && 'needs redis-server and ss' }, async (t) => {
+  const dir = tempDir(t);
+  const redisSock = path.join(dir, 'r.sock');
+  const redis = spawn('redis-server', ['--port', '0', '--unixsocket', redisSock, '--save', '', '--appendonly', 'no'], { stdio: 'ignore' });
+  t.after(() => redis.kill('SIGKILL'));
+  await waitFor('redis-server', 10000, () => fs.existsSync(redisSock));
+  const rules = `
+rules:
+  - name: exports
+    key: user
+    concurrency: { max: 3, lease: 1h }
+    mode: global
+`;
+  const args = ['--redis', `unix://${redisSock}`, '--global-timeout', '2s', '--redis-timeout', '1s'];
+  const blue = new Daemon(tempDir(t), rules, args);
+  t.after(() => blue.stop());
+  await blue.start();
+  const c = new rl.Client({ socket: blue.socket, conns: 1, timeoutMs: 60000 });
+  t.after(() => c.close());
+  const leases = [];
+  for (let i = 0; i < 3; i++) {
+    const d = await c.check({ user: 'ann' });
+    assert.ok(d.allowed && !d.degraded && d.lease, `check ${i + 1}: ${JSON.stringify(d)}`);
+    leases.push(d.lease);
+  }
+  // Blue/green: green takes the socket's path; blue, frozen, is then killed with the
+  // releases of the gateway's ended requests unread in its socket.
+  const green = new Daemon(tempDir(t), rules, args);
+  t.after(() => green.stop());
+  await green.start();
+  fs.renameSync(green.socket, blue.socket);
+  await blue.pause();
+  const size = leases.reduce((n, l) => n + proto.encode(proto.leaseMessage(1, 'release', l, 0)).length, 0);
+  const released = leases.map((l) => c.release(l));
+  await waitFor('the releases in the frozen daemon\'s socket', 30000, () => unreadOn(blue.socket) >= size);
+  const exited = new Promise((r) => blue.proc.once('exit', r));
+  blue.proc.kill('SIGKILL');
+  await exited;
+  assert.deepEqual(await Promise.all(released), [true, true, true]);
+  for (let i = 0; i < 3; i++) {
+    const d = await c.check({ user: 'ann' });
+    assert.ok(d.allowed && !d.degraded, `check ${i + 1} after the releases: ${JSON.stringify(d)} (slots held with no request)`);
+  }
+});
