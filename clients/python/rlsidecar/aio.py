@@ -441,7 +441,12 @@ class AsyncClient:
         return renewed, expires_ms
 
     async def _lease_call(self, op, lease, lease_ms):
-        msg = await self._round_trip(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))
+        # A release is sent again after any break of its connection, read or not: it is
+        # idempotent, and sent to the sidecar's successor when this one died (SIGKILL)
+        # it frees a global lease's slots in Redis. Failed, they stayed held for the
+        # whole lease with no request running.
+        msg = await self._round_trip(_proto.body(_proto.lease_message(0, op, lease, lease_ms)),
+                                     repeatable=op == "release")
         if isinstance(msg, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: " + msg)
         e = _proto.error_of(msg)
@@ -459,10 +464,11 @@ class AsyncClient:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
-    async def _round_trip(self, body):
+    async def _round_trip(self, body, repeatable=False):
         """Send the request body (from _proto.body) and return the answer map, or a str
         saying why there is none. RequestTooLargeError, before anything is sent, when it
-        is over max_frame."""
+        is over max_frame. repeatable: the request may be sent twice (a release), so it
+        is sent again, once, when its connection breaks, whether or not it was read."""
         if self._closed:
             raise _proto.ClosedError("rlsidecar: client closed")
         _proto.check_size(len(body), self.max_frame)  # with the shortest id: before dialing
@@ -471,7 +477,7 @@ class AsyncClient:
         resent = False
         fresh_farewells = 0
         while True:
-            msg = await self._send_once(loop, body, deadline)
+            msg = await self._send_once(loop, body, deadline, repeatable)
             if not isinstance(msg, _NotRead):
                 return msg
             if self._closed:
@@ -488,7 +494,7 @@ class AsyncClient:
                 await asyncio.sleep(FRESH_FAREWELL_PAUSE)
             resent = True  # not read by the sidecar: sent again, once, within the deadline
 
-    async def _send_once(self, loop, body, deadline):
+    async def _send_once(self, loop, body, deadline, repeatable=False):
         """One attempt of _round_trip: the answer map, a str saying why there is none, or
         a _NotRead (the sidecar certainly did not read it)."""
         woken = False
@@ -559,6 +565,8 @@ class AsyncClient:
         except ConnectionError as e:
             if self._closed:
                 raise _proto.ClosedError("rlsidecar: client closed") from None
+            if repeatable:
+                return _NotRead(str(e))
             return str(e)
         finally:
             timer.cancel()
