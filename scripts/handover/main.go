@@ -4,11 +4,16 @@
 // errored, leases lost (more than max in flight) or leaked, and units of a hybrid and a
 // global rule admitted beyond (or short of) their limits.
 //
-//	go run ./scripts/handover -bin /tmp/rls -scenario bluegreen
+//	go run ./scripts/handover -bin /tmp/rls -scenario bluegreen -clients node,aio,blocking
+//
+// Run from the repository's root (the other clients' drivers, load.js and load_aio.py,
+// are found from there; clients/node needs its node_modules: npm ci there). Each client
+// has its own keys, so each one's figures stand alone; a rule's limit is per client.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"net"
@@ -28,10 +33,12 @@ import (
 var (
 	bin      = flag.String("bin", "", "the rlsidecar binary")
 	scenario = flag.String("scenario", "bluegreen", "none | bluegreen | restart | kill")
-	hybLimit = flag.Int("hybrid", 3000, "the hybrid rule's limit per hour")
-	globLim  = flag.Int("global", 3000, "the global rule's limit per hour")
+	after    = flag.Duration("after", 12*time.Second, "how long the load goes on after the handover")
+	hybLimit = flag.Int("hybrid", 2000, "the hybrid rule's limit per hour")
+	globLim  = flag.Int("global", 2000, "the global rule's limit per hour")
 	conc     = flag.Int("max", 4, "the global concurrency rule's max")
 	timeout  = flag.Duration("timeout", time.Second, "the client's timeout")
+	others   = flag.String("clients", "", "other clients to drive beside Go, comma-separated: node, aio (Python AsyncClient), blocking (Python Client); run from the repository's root")
 	redisTO  = flag.Duration("redis-timeout", 500*time.Millisecond, "the daemon's --redis-timeout and --global-timeout (a busy host needs more than the defaults)")
 )
 
@@ -163,6 +170,36 @@ func main() {
 		must(fmt.Errorf("unknown scenario %q", *scenario))
 	}
 
+	type other struct {
+		name  string
+		cmd   *exec.Cmd
+		stdin interface{ Close() error }
+		out   strings.Builder
+	}
+	var extras []*other
+	for _, name := range strings.Split(*others, ",") {
+		var cmd *exec.Cmd
+		switch name {
+		case "":
+			continue
+		case "node":
+			cmd = exec.Command("node", "scripts/handover/load.js")
+		case "aio", "blocking":
+			cmd = exec.Command("/usr/bin/python3", "scripts/handover/load_aio.py")
+		default:
+			must(fmt.Errorf("unknown client %q", name))
+		}
+		o := &other{name: name, cmd: cmd}
+		cmd.Env = append(os.Environ(), "SOCKET="+sock, "CLIENT="+name, "KIND="+name, "MAX="+strconv.Itoa(*conc),
+			"TIMEOUT_MS="+strconv.FormatInt(timeout.Milliseconds(), 10), "TIMEOUT="+strconv.FormatFloat(timeout.Seconds(), 'f', -1, 64))
+		cmd.Stdout, cmd.Stderr = &o.out, os.Stderr
+		in, err := cmd.StdinPipe()
+		must(err)
+		o.stdin = in
+		must(cmd.Start())
+		extras = append(extras, o)
+	}
+
 	cl, err := rlclient.New(rlclient.Options{Socket: sock, Timeout: *timeout})
 	must(err)
 	var n counts
@@ -264,9 +301,12 @@ func main() {
 		waitFor("the next daemon", 20*time.Second, func() bool { p := readPid(); return p > 0 && p != old })
 	}
 	fmt.Printf("handover took %v\n", time.Since(began).Round(time.Millisecond))
-	time.Sleep(7 * time.Second)
+	time.Sleep(*after)
 	close(stop)
 	wg.Wait()
+	for _, o := range extras {
+		o.stdin.Close()
+	}
 
 	// Leaked: slots still held with every request ended.
 	free := 0
@@ -287,6 +327,23 @@ func main() {
 		n.hybAllowed.Load(), *hybLimit, n.hybDegraded.Load(), n.globAllowed.Load(), *globLim, n.globDegraded.Load())
 	fmt.Printf("  leases: %d taken, lost %d (max in flight seen %d of %d), release failures %d, leaked %d (free after: %d of %d)\n",
 		n.leases.Load(), n.lost.Load(), n.maxInflight.Load(), *conc, n.relFails.Load(), max(0, *conc-free), free, *conc)
+
+	for _, o := range extras {
+		if err := o.cmd.Wait(); err != nil {
+			fmt.Printf("client=%s: %v\n", o.name, err)
+			continue
+		}
+		var m map[string]int64
+		if err := json.Unmarshal([]byte(o.out.String()), &m); err != nil {
+			fmt.Printf("client=%s: %q: %v\n", o.name, o.out.String(), err)
+			continue
+		}
+		fmt.Printf("scenario=%s client=%s checks=%d policy=%d errors=%d\n", *scenario, o.name, m["checks"], m["policy"], m["errors"])
+		fmt.Printf("  hybrid: admitted %d of %d (+%d degraded)   global: admitted %d of %d (+%d degraded)\n",
+			m["hyb"], *hybLimit, m["hybDegraded"], m["glob"], *globLim, m["globDegraded"])
+		fmt.Printf("  leases: %d taken, lost %d (max in flight seen %d of %d), release failures %d, leaked %d (free after: %d of %d)\n",
+			m["leases"], m["lost"], m["maxInflight"], *conc, m["relFails"], max(0, int64(*conc)-m["free"]), m["free"], *conc)
+	}
 
 	switch *scenario {
 	case "restart", "kill":
