@@ -33,6 +33,7 @@ import (
 var (
 	bin      = flag.String("bin", "", "the rlsidecar binary")
 	scenario = flag.String("scenario", "bluegreen", "none | bluegreen | restart | kill")
+	overlap  = flag.Duration("overlap", 0, "bluegreen: how long both daemons serve before blue gets SIGTERM")
 	after    = flag.Duration("after", 12*time.Second, "how long the load goes on after the handover")
 	hybLimit = flag.Int("hybrid", 2000, "the hybrid rule's limit per hour")
 	globLim  = flag.Int("global", 2000, "the global rule's limit per hour")
@@ -288,6 +289,7 @@ func main() {
 		green := sock + ".green"
 		g := start(green)
 		must(os.Rename(green, sock))
+		time.Sleep(*overlap) // blue serves its open connections meanwhile, green the new ones
 		must(blue.Process.Signal(syscall.SIGTERM))
 		must(blue.Wait())
 		blue = g
