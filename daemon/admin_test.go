@@ -390,80 +390,52 @@ func crowdAdmin(t *testing.T, base string, d *net.Dialer, request, what string) 
 	}
 }
 
-// Connections whose clients have begun their first request and not finished its
-// headers (slowloris: a byte a second) do not keep a new client out: the one waiting
-// longest is closed to make room, as an idle one is. Before, none was, and the new
-// client's connection was closed as it was accepted until the header timeout (5 s)
-// closed one; a process dialing again at each close kept the endpoint for itself. The
-// new client must be answered before that timeout could have closed any of them.
-func TestAdminUnfinishedHeadersYield(t *testing.T) {
-	start := time.Now()
-	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
-	addr := strings.TrimPrefix(base, "http://")
-	for range maxAdminConns {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		if _, err := io.WriteString(c, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Let the endpoint accept them all (were one left in the listen queue, the client
-	// below would take the last place and pass without any being closed).
-	time.Sleep(time.Second)
-	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: time.Second}
-	var err error
-	for time.Since(start) < 4*time.Second { // the held connections' headers are not yet 5 s late
-		var resp *http.Response
-		if resp, err = client.Get(base + "/healthz"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
+// Connections whose clients have begun their first request and not finished it do not
+// keep a new client out: the one waiting longest is closed to make room, as an idle one
+// is. Either its headers come a byte a second (slowloris), or its request announced a
+// body that comes a byte at a time (no route takes one). Before, none was, and the new
+// client's connection was closed as it was accepted until the header or body timeout
+// (5 s) closed one; a process dialing again at each close kept the endpoint for itself
+// (bodies: 0 of 30 GET /healthz answered in 15 s against the real daemon). The new
+// client must be answered before that timeout could have closed any of them.
+func TestAdminUnfinishedRequestsYield(t *testing.T) {
+	for _, tc := range []struct{ name, held string }{
+		{"headers", "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "},
+		{"bodies", "POST /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\nx"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start := time.Now()
+			base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
+			addr := strings.TrimPrefix(base, "http://")
+			for range maxAdminConns {
+				c, err := net.Dial("tcp", addr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				if _, err := io.WriteString(c, tc.held); err != nil {
+					t.Fatal(err)
+				}
 			}
-			err = fmt.Errorf("status %d", resp.StatusCode)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("a new client beside %d connections that have not finished their headers: %v", maxAdminConns, err)
-}
-
-// Likewise connections whose request announced a body that comes a byte at a time (no
-// route takes one): the one waiting longest is closed to make room. Before, none was
-// until the body timeout (5 s) closed it, and a process dialing again at each close kept
-// the endpoint for itself (0 of 30 GET /healthz answered in 15 s against the real
-// daemon). The new client must be answered before that timeout could have closed any.
-func TestAdminTricklingBodiesYield(t *testing.T) {
-	start := time.Now()
-	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
-	addr := strings.TrimPrefix(base, "http://")
-	for range maxAdminConns {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		if _, err := io.WriteString(c, "POST /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\nx"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Let the endpoint accept them all and read their headers.
-	time.Sleep(time.Second)
-	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: time.Second}
-	var err error
-	for time.Since(start) < 4*time.Second { // the held connections' bodies are not yet 5 s late
-		var resp *http.Response
-		if resp, err = client.Get(base + "/healthz"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
+			// Let the endpoint accept them all (were one left in the listen queue, the
+			// client below would take the last place and pass without any being closed).
+			time.Sleep(time.Second)
+			client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: time.Second}
+			var err error
+			for time.Since(start) < 4*time.Second { // the held requests are not yet 5 s late
+				var resp *http.Response
+				if resp, err = client.Get(base + "/healthz"); err == nil {
+					resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						return
+					}
+					err = fmt.Errorf("status %d", resp.StatusCode)
+				}
+				time.Sleep(100 * time.Millisecond)
 			}
-			err = fmt.Errorf("status %d", resp.StatusCode)
-		}
-		time.Sleep(100 * time.Millisecond)
+			t.Fatalf("a new client beside %d connections that have not finished their %s: %v", maxAdminConns, tc.name, err)
+		})
 	}
-	t.Fatalf("a new client beside %d connections that have not finished their bodies: %v", maxAdminConns, err)
 }
 
 // A client that sends requests announcing a body and never sends the body holds no
