@@ -611,15 +611,7 @@ func TestNativeHostileClients(t *testing.T) {
 // the client stayed connected, holding the connection's lock.
 func TestNativeWriteTimeout(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	s := testServer(t)
-	s.cfg.WriteTimeout = 300 * time.Millisecond
-	sv := serveTestNoCleanup(t, s, TransportNative)
-	conns := openConns(s)
-
-	c, err := net.Dial("unix", sv.sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sv, conns, c := rawNative(t, func(s *Server) { s.cfg.WriteTimeout = 300 * time.Millisecond })
 	defer c.Close()
 	fr := http2.NewFramer(c, nil)
 	block := callHeaderBlock()
@@ -1167,14 +1159,7 @@ func TestNativeHeadersOnlyTimeout(t *testing.T) {
 // other frames keep coming, and a call after it is answered.
 func testUnfinishedRequestTimeout(t *testing.T, more func(fr *http2.Framer) error) {
 	defer goleak.VerifyNone(t)
-	s := testServer(t)
-	s.cfg.FrameTimeout = 300 * time.Millisecond
-	sv := serveTestNoCleanup(t, s, TransportNative)
-	conns := openConns(s)
-	c, err := net.Dial("unix", sv.sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sv, conns, c := rawNative(t, func(s *Server) { s.cfg.FrameTimeout = 300 * time.Millisecond })
 	defer c.Close()
 	go io.Copy(io.Discard, c)
 	fr := http2.NewFramer(c, nil)
@@ -1216,14 +1201,7 @@ func testUnfinishedRequestTimeout(t *testing.T, more func(fr *http2.Framer) erro
 // after each one's HEADERS).
 func TestNativeHeadersThenPartialFrameTimeout(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	s := testServer(t)
-	s.cfg.FrameTimeout = 300 * time.Millisecond
-	sv := serveTestNoCleanup(t, s, TransportNative)
-	conns := openConns(s)
-	c, err := net.Dial("unix", sv.sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sv, conns, c := rawNative(t, func(s *Server) { s.cfg.FrameTimeout = 300 * time.Millisecond })
 	defer c.Close()
 	go io.Copy(io.Discard, c)
 	var b bytes.Buffer
@@ -1591,4 +1569,19 @@ func TestNativeBodyDeadlineSkipsEndedCalls(t *testing.T) {
 		t.Fatalf("bodyDeadline takes %.1f ns with 512 ended calls in flight, %.1f ns with none: it walks the ended calls", many, none)
 	}
 	t.Logf("bodyDeadline: %.1f ns with 512 ended calls in flight, %.1f ns with none", many, none)
+}
+
+// rawNative serves a test server, first set as the test needs, on the native transport,
+// and dials it: the served listener, its count of open connections (openConns) and the
+// raw connection, which the caller closes (before goleak looks).
+func rawNative(t *testing.T, set func(*Server)) (*served, func() int, net.Conn) {
+	s := testServer(t)
+	set(s)
+	sv := serveTestNoCleanup(t, s, TransportNative)
+	conns := openConns(s)
+	c, err := net.Dial("unix", sv.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sv, conns, c
 }
