@@ -344,6 +344,15 @@ func (m *Masters) Run(ctx context.Context, d time.Duration) {
 			return
 		case <-t.C:
 			if m.AnyOpen() || len(m.List()) == 1 && m.List()[0].Addr == "" {
+				// The followers too, and first: a call no breaker watches (a lease's
+				// release) must not go to a dead master once a check has gone to its
+				// promoted replica. Left to syncFollowers, they learned the new map a
+				// tick after the checks did, a second in which every global lease
+				// taken on the promoted replica failed to be released and stayed held
+				// for its whole lease.
+				for _, f := range m.followers {
+					f.ReloadState(ctx)
+				}
 				m.cc.ReloadState(ctx)
 			}
 			_ = m.Refresh(ctx)

@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/internal/checker"
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
@@ -298,4 +300,118 @@ rules:
 	}
 	t.Logf("checks normal %s after the kill; releases normal %s after that (%d leases taken and not released meanwhile)",
 		normal.Round(time.Millisecond), (time.Since(killed) - normal).Round(time.Millisecond), failed)
+}
+
+// A master killed under steady lease traffic (clients acquiring and releasing a global
+// concurrency rule's leases on its slots, on connections they keep): once a check has
+// taken a lease on the promoted replica, its release must free it. The daemon reloaded
+// the checks' slot map while a breaker was open, but its client for releases only a
+// tick (a second) after the checks' map had changed: in that second every release went
+// to the dead master, answered released: false, and left its slot held for the whole
+// lease (10 minutes here), its client refused, not degraded, meanwhile: 23 of the 23
+// leases taken on the promoted replica not released (3 runs of 3; 12 users, 2 in flight
+// each: every client locked out) before; 0 of 11,715–17,350 after (4 runs).
+func TestFaultClusterFailoverReleasesFollowChecks(t *testing.T) {
+	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
+	replica := cl.AddReplica(t, 0)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: inflight
+    match: { path: /l }
+    key: user
+    concurrency: { max: 2, lease: 10m }
+    mode: global
+    on_store_failure: closed
+`)
+	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
+	defer cc.Close()
+	var users []string // on the master to be killed
+	for i := 0; len(users) < 12; i++ {
+		u := fmt.Sprintf("u%d", i)
+		if masterOf(t, cc, cl, "{user="+u+"}") == 0 {
+			users = append(users, u)
+		}
+	}
+	c := dialFault(t, d.socket)
+	for _, u := range users {
+		waitNormal(t, c, 10*time.Second, "path=/l", "user="+u)
+	}
+	c.Close() // frees the leases its checks took
+
+	type result struct{ stuck, taken int }
+	var killed atomic.Bool
+	var normalAgain atomic.Bool // a lease taken after the kill
+	stop := make(chan struct{})
+	results := make(chan result, 3)
+	for w := range 3 {
+		go func() {
+			var r result
+			defer func() { results <- r }()
+			a, err := checker.Dial(d.socket)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer a.Close()
+			b, err := checker.Dial(d.socket)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer b.Close()
+			for i := w; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				after := killed.Load()
+				resp, _, err := a.Check("path=/l", "user="+users[i%len(users)])
+				if err != nil {
+					t.Errorf("check: %v", err)
+					return
+				}
+				if !resp.Allowed || resp.Degraded || resp.Lease == "" {
+					continue
+				}
+				if after {
+					normalAgain.Store(true)
+					r.taken++
+				}
+				rel, _, err := b.Release(resp.Lease)
+				if err != nil {
+					t.Errorf("release: %v", err)
+					return
+				}
+				if after && !rel.Released {
+					r.stuck++
+				}
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond) // leases taken and released on the old master
+	cl.Nodes[0].Stop()
+	killed.Store(true)
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	defer rc.Close()
+	waitFor(t, time.Minute, "the replica promoted", func() bool {
+		info, err := rc.Info(context.Background(), "replication").Result()
+		return err == nil && strings.Contains(info, "role:master")
+	})
+	waitFor(t, 30*time.Second, "a lease taken on the promoted replica", normalAgain.Load)
+	// Three ticks of the slot maps' refresh (a second each) past the first lease taken.
+	time.Sleep(3 * time.Second)
+	close(stop)
+	var sum result
+	for range 3 {
+		r := <-results
+		sum.stuck += r.stuck
+		sum.taken += r.taken
+	}
+	t.Logf("after the kill: %d leases taken on the promoted replica, %d of them not released", sum.taken, sum.stuck)
+	if sum.stuck != 0 {
+		t.Errorf("%d leases taken on the promoted replica answered released: false (held for their 10-minute lease); want 0", sum.stuck)
+	}
 }

@@ -38,14 +38,25 @@ func (f *Conn) Close() error { return f.c.Close() }
 // Check sends one check of cost 1 with attrs ("name=value" each) and waits at most 5 s
 // for its answer. It returns the answer and the round trip; an error response is an error.
 func (f *Conn) Check(attrs ...string) (proto.Response, time.Duration, error) {
-	f.id++
-	req := proto.Request{ID: f.id, Op: proto.OpCheck, Cost: 1}
+	req := proto.Request{Op: proto.OpCheck, Cost: 1}
 	for _, a := range attrs {
 		k, v, _ := strings.Cut(a, "=")
 		req.Attrs = append(req.Attrs, proto.Attr{Name: k, Value: v})
 	}
+	return f.do(&req)
+}
+
+// Release releases lease, as Check sends a check.
+func (f *Conn) Release(lease string) (proto.Response, time.Duration, error) {
+	return f.do(&proto.Request{Op: proto.OpRelease, Lease: lease})
+}
+
+// do sends req with the next id and waits at most 5 s for its answer.
+func (f *Conn) do(req *proto.Request) (proto.Response, time.Duration, error) {
+	f.id++
+	req.ID = f.id
 	f.enc.Reset()
-	f.enc.EncodeRequest(&req)
+	f.enc.EncodeRequest(req)
 	_ = f.c.SetDeadline(time.Now().Add(5 * time.Second))
 	start := time.Now()
 	var resp proto.Response
