@@ -344,14 +344,14 @@ func (m *Masters) Run(ctx context.Context, d time.Duration) {
 			return
 		case <-t.C:
 			if m.AnyOpen() || len(m.List()) == 1 && m.List()[0].Addr == "" {
-				// The followers too, and first: a call no breaker watches (a lease's
-				// release) must not go to a dead master once a check has gone to its
-				// promoted replica. Left to syncFollowers, they learned the new map a
-				// tick after the checks did, a second in which every global lease
+				// The followers too, and first, at once: a call no breaker watches (a
+				// lease's release) must not go to a dead master once a check has gone
+				// to its promoted replica. Left to syncFollowers, they learned the new
+				// map a tick after the checks did, a second in which every global lease
 				// taken on the promoted replica failed to be released and stayed held
 				// for its whole lease.
 				for _, f := range m.followers {
-					f.ReloadState(ctx)
+					reloadNow(ctx, f)
 				}
 				m.cc.ReloadState(ctx)
 			}
@@ -359,6 +359,19 @@ func (m *Masters) Run(ctx context.Context, d time.Duration) {
 			m.syncFollowers(ctx)
 		}
 	}
+}
+
+// followReloadTimeout bounds reloadNow.
+const followReloadTimeout = time.Second
+
+// reloadNow reloads c's slot map from the cluster before it returns, within
+// followReloadTimeout: ForEachMaster reloads the map first and waits for it, where
+// ReloadState only has a goroutine do it (and does nothing while an earlier reload is
+// in progress or in its 200 ms wait after).
+func reloadNow(ctx context.Context, c *redis.ClusterClient) {
+	ctx, cancel := context.WithTimeout(ctx, followReloadTimeout)
+	defer cancel()
+	_ = c.ForEachMaster(ctx, func(context.Context, *redis.Client) error { return nil })
 }
 
 // gate lets a call go to the masters ms (each once) only if each one's breaker lets it:
