@@ -1,6 +1,7 @@
 package sync
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -114,7 +115,38 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	if err := cfg.checkTLS(opt.TLSConfig); err != nil {
 		return nil, err
 	}
-	return redis.NewClusterClient(opt), nil
+	cc := redis.NewClusterClient(opt)
+	cc.OnNewNode(func(c *redis.Client) { c.AddHook(noEmptySlotMap{}) })
+	return cc, nil
+}
+
+// errEmptySlotMap is what noEmptySlotMap makes of a CLUSTER SLOTS reply listing no slot.
+var errEmptySlotMap = errors.New("redis: CLUSTER SLOTS listed no slot (a node removed from the cluster, or not yet in it)")
+
+// noEmptySlotMap makes a CLUSTER SLOTS reply that lists no slot an error, on each node
+// of a Cluster client, so that go-redis reads the slot map from another node. It reads
+// the map from a node it picks at random among those it knows, and a node removed with
+// `redis-cli --cluster del-node` is reset and keeps running until stopped: it lists no
+// slot, and go-redis took that for the Cluster's map, sending each command to a random
+// node, the removed one among them, which refuses every key (CLUSTERDOWN Hash slot not
+// served). Until the next reload the daemon's calls failed or took a redirection.
+type noEmptySlotMap struct{}
+
+func (noEmptySlotMap) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (noEmptySlotMap) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if c, ok := cmd.(*redis.ClusterSlotsCmd); ok && err == nil && len(c.Val()) == 0 {
+			err = errEmptySlotMap
+			c.SetErr(err)
+		}
+		return err
+	}
+}
+
+func (noEmptySlotMap) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
 
 // checkTLS refuses TLS files without TLS (a redis:// URL: the daemon would talk to
