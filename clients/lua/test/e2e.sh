@@ -645,24 +645,19 @@ echo "-- ip: a client with no address (a Unix socket listener's) is left out, no
 # through the local proxy in front shared one per-ip bucket: per-peer (1 a minute, key ip)
 # refused the second. Left out, a rule keyed on ip does not apply (no rate-limit fields),
 # as the Python and Node middlewares leave out such a peer; over TCP it still counts.
-for i in 1 2; do
-  status=$(curl -s --max-time 10 --unix-socket "$tmp/nginx-unix.sock" -D "$tmp/h" -o /dev/null -w '%{http_code}' "http://gateway/peer/a")
-  headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
-  expect "nginx unix listener: request $i passes" "$status" 200
-  expect "nginx unix listener: request $i has no per-peer fields (ip left out)" "$(header ratelimit)" ""
+# HAProxy's src for a `bind unix@` listener is nil: sent as ip "", likewise one bucket.
+for gw in nginx haproxy; do
+  for i in 1 2; do
+    status=$(curl -s --max-time 10 --unix-socket "$tmp/$gw-unix.sock" -D "$tmp/h" -o /dev/null -w '%{http_code}' "http://gateway/peer/a")
+    headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
+    expect "$gw unix listener: request $i passes" "$status" 200
+    expect "$gw unix listener: request $i has no per-peer fields (ip left out)" "$(header ratelimit)" ""
+  done
 done
-request GET "http://127.0.0.1:$nginx_port/peer/a"
-expect "nginx over TCP: per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
-# HAProxy's src for a `bind unix@` listener is nil: sent as ip "", every request shared
-# that one bucket (the second refused).
-for i in 1 2; do
-  status=$(curl -s --max-time 10 --unix-socket "$tmp/haproxy-unix.sock" -D "$tmp/h" -o /dev/null -w '%{http_code}' "http://gateway/peer/a")
-  headers=$(tr -d '\r' <"$tmp/h" | tr 'A-Z' 'a-z')
-  expect "haproxy unix listener: request $i passes" "$status" 200
-  expect "haproxy unix listener: request $i has no per-peer fields (ip left out)" "$(header ratelimit)" ""
+for port in "$nginx_port" "$hap_port"; do
+  request GET "http://127.0.0.1:$port/peer/a"
+  expect "over TCP (port $port): per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
 done
-request GET "http://127.0.0.1:$hap_port/peer/a"
-expect "haproxy over TCP: per-peer counts 127.0.0.1" "$(header ratelimit)" '"per-peer";r=0;t=60'
 
 echo "-- concurrency: a lease is held while the proxied request runs, and freed when it completes"
 # slots_held RULE: how many slots of RULE the daemon holds now (0 before its first check).
