@@ -712,6 +712,14 @@ for i = 1, nkeys do
     end
     -- A daemon leaving a key gone from Redis with nothing to count: not made again.
     if mode == 2 and not t0 and settle <= 0 then f, expire = {}, nil end
+    -- A question (cost 0: an exact sync asking for no unit) of a key Redis holds
+    -- nothing of, with nothing to count: answered from the empty state, not made. Made,
+    -- every question on a new key left a hash for 11 s, so a client asking of random
+    -- keys filled Redis as a key flood does, where the protocol stores nothing for a
+    -- question (TestHybridQuestionOnANewKeyStoresNothing).
+    if mode == 1 and demand == 0 and settle == 0 and not h[1] and not rec and not last and not shared and not kres then
+      f, expire = {}, nil
+    end
     if #f > 0 then redis.call('HSET', key, unpack(f)) end
     if gudrop then redis.call('HDEL', key, 'gu', 'gue') end -- read back into t (atother)
     if kset == false and drop_o then
