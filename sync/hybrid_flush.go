@@ -38,6 +38,10 @@ const (
 	// may cut a token bucket's state to a whole burst of the limit (scripts/hybrid.lua).
 	modeRelimit = 4
 	modeFirst   = 8
+	// modeGone: the entry was evicted by the key cap (flagGone), and this sync carries
+	// its units once (collect): it writes no sync record, which may be the new entry's
+	// of the key (written by that one, whose grant it names).
+	modeGone = 16
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -59,6 +63,7 @@ type syncItem struct {
 	mode        uint8
 	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
 	first       bool      // the entry had no view at the snapshot, never synced: sent as modeFirst
+	gone        bool      // the entry was evicted (flagGone) at the snapshot: sent as modeGone
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
@@ -88,7 +93,8 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	}
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
-		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0}
+		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0,
+		gone: e.flags&flagGone != 0}
 	e.flags |= flagBusy
 	if e.pending > 0 {
 		if sh.onWay == nil {
@@ -130,6 +136,8 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		}
 		if e.flags&flagGone == 0 {
 			sh.markDirty(e)
+		} else {
+			h.dropped.Add(e.unsynced()) // evicted: no second sync (collect)
 		}
 		return
 	}
@@ -420,6 +428,12 @@ func (h *Hybrid) release(ctx context.Context, now int64) (int, error) {
 				rest = append(rest, leaving{sh, e, e.synced})
 			}
 		}
+		for _, e := range sh.dirty { // evicted holding units no sync has carried yet (collect)
+			if e.flags&(flagGone|flagBusy) == flagGone && e.unsynced() > 0 {
+				e.short = 0
+				held = append(held, h.snapshot(sh, e, now, modeLeave, 0))
+			}
+		}
 		sh.mu.Unlock()
 	}
 	var errs []error
@@ -545,7 +559,27 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 		for _, e := range sh.dirty {
 			switch {
 			case e.flags&flagGone != 0:
+				// Evicted by the key cap holding units beyond its grant: they go now,
+				// once, or are lost (Dropped). Forgotten with the entry, they were lost
+				// at every eviction of such a key, and its client could spend them
+				// again: a flood of new keys past the cap, 64 units of 600
+				// (TestHybridEvictedKeySyncsItsUnits). A sync of it costs Redis what the
+				// key kept would have cost; it is never kept for a later one, so the
+				// evicted entries held stay those of one interval, as before.
 				e.flags &^= flagDirty
+				if u := e.unsynced(); u > 0 {
+					var m *Master
+					if len(items) < limit {
+						m = allowed(e)
+					}
+					if m == nil {
+						h.dropped.Add(u)
+						continue
+					}
+					it := h.snapshot(sh, e, now, modeShare, 0)
+					it.m = m
+					items = append(items, it)
+				}
 			case e.flags&flagBusy != 0:
 				keep = append(keep, e) // a request's exact sync has it: next time
 			case !e.needsSync():
@@ -824,6 +858,9 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			}
 			if it.first {
 				mode += modeFirst
+			}
+			if it.gone {
+				mode += modeGone
 			}
 			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), mode,
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)

@@ -434,8 +434,8 @@ func (e *hentry) unsynced() uint64 { return e.pending - min(e.pending, uint64(e.
 // evict makes room in a full shard (its lock held): among a sample of keys it drops one
 // holding nothing if it finds one, else one holding only a grant (left to expire in
 // Redis: a little budget idles, none is lost), else the one with the fewest units
-// beyond its grant, which are then lost and counted in Dropped, else a limited one (its
-// last view had no room for a unit). Keys with a sync on its way are left alone. A
+// beyond its grant, which the next sync still carries (collect), else a limited one
+// (its last view had no room for a unit). Keys with a sync on its way are left alone. A
 // limited key holds nothing once its units are synced, yet forgetting it is not free:
 // seen again it is a key new here, admitted a unit on credit (take) with a view of its
 // whole capacity, and a limited client is kept before any that is not, as the local
@@ -484,16 +484,15 @@ func (h *Hybrid) evict(sh *hshard, now int64, keep []*hentry) bool {
 	if ve == nil || rank(ve) == 4 {
 		return false
 	}
-	if u := ve.unsynced(); u > 0 {
-		h.dropped.Add(u)
-	}
 	if ve.holds() || project(ve, now) < float64(ve.lim.Capacity()) {
 		sh.noFirstUntil = max(sh.noFirstUntil, now+fullSpan(ve.lim))
 	}
 	h.evicted.Add(1)
 	sh.load -= units(len(ve.key()), h.perShard)
 	delete(sh.m, ve.key())
-	ve.flags |= flagGone // the dirty list may still hold it
+	// The dirty list holds it while it holds units beyond its grant: the next sync
+	// carries them (collect), as it would have, kept.
+	ve.flags |= flagGone
 	return true
 }
 

@@ -21,6 +21,9 @@
 -- Plus 4 (relimit): the daemon's first sync of the key since a reload changed its limit;
 -- plus 8 (first): the daemon has not synced the key before. The syncs that may cut a
 -- token bucket's state to a whole burst of this limit (the rescale of t, below).
+-- Plus 16 (gone): the entry was evicted by the daemon's key cap, and this sync carries
+-- its units once, never sent again: it writes no record, which is the daemon's new entry
+-- of the key's, if it has one (its grant is settled against it).
 --
 -- Redis TIME (microseconds) is the only clock, so daemons with skewed clocks agree.
 -- Lua numbers are doubles, exact for integers below 2^53: times stay in microseconds.
@@ -227,7 +230,8 @@ for i = 1, nkeys do
   local lb = 4 * (li - 1)
   local alg, requests, window, burst = limits[lb + 1], limits[lb + 2], limits[lb + 3], limits[lb + 4]
 
-  local relimit, first = false, false
+  local relimit, first, gone = false, false, false
+  if mode >= 16 then gone, mode = true, mode - 16 end
   if mode >= 8 then first, mode = true, mode - 8 end
   if mode >= 4 then relimit, mode = true, mode - 4 end
   local win = alg ~= 0
@@ -655,7 +659,7 @@ for i = 1, nkeys do
     -- A sync that gives a grant's reservation back (g), its units used exactly, is
     -- recorded too: resent after its reply was lost, it took the grant off g again, and
     -- with it other daemons' reservations (TestHybridSettleOnlySyncResentOnce).
-    if not replay and (settle ~= 0 or reserve ~= 0 or resent or (win and settled_grant > 0)) then
+    if not replay and not gone and (settle ~= 0 or reserve ~= 0 or resent or (win and settled_grant > 0)) then
       local ws = '0'
       if wstart ~= 0 then ws = num(wstart) end
       f[#f + 1] = rfield
