@@ -91,9 +91,6 @@ type Limit struct {
 	// store looks at it again (stateFor): max(window, 1 s) for a fixed window, whose
 	// state a backward step of the wall clock leaves in the future; never otherwise.
 	stepBack int64
-	// markScale is 2^40 / burst: a remaining count times it is the share of the capacity
-	// left, scaled as the store marks its entries for eviction (markOf).
-	markScale float64
 }
 
 // maxDelay bounds WithDelay, keeping now + 2*tau + delay far from overflowing.
@@ -207,7 +204,6 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 			return Limit{}, fmt.Errorf("burst %d given for %s: burst applies only to token_bucket", burst, alg)
 		}
 		l.kind = l.computeKind()
-		l.markScale = float64(1<<40) / float64(l.burst)
 		return l, nil
 	}
 	if burst > math.MaxUint32 {
@@ -234,7 +230,6 @@ func newLimit(alg Algorithm, requests uint64, window time.Duration, burst uint64
 	l.tau = int64(lo)
 	l.perToken = newDivisor(uint64(l.emission))
 	l.kind = l.computeKind()
-	l.markScale = float64(1<<40) / float64(l.burst)
 	return l, nil
 }
 

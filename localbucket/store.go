@@ -54,30 +54,25 @@ type entry struct {
 	st      State
 	expires int64
 	// limitedUntil is, for a key limited when it was written, the Result's LimitedUntil;
-	// else (any value <= now says not limited) a negative mark of the share of its
-	// capacity it had left (markOf): evict removes the entry that has used the least.
+	// else (any value <= now says not limited) a negative mark of the units of its
+	// capacity it had used (markOf): evict removes the entry that has used the fewest.
 	limitedUntil int64
 	kind         uint64 // Limit.stateKind of the limit that wrote st
 }
 
 // markOf is what an entry written with r by l keeps as its limitedUntil: r.LimitedUntil
-// when r says limited, else -1 - (the share of l's capacity left) × 2^40, from -1 (none
-// left) to -2^40-1 (all of it). Negative, so at or before any now: not limited.
+// when r says limited, else -1 - (the units of l's capacity used), from -1 (none used)
+// down. Negative, so at or before any now: not limited.
 func markOf(r *Result, l *Limit) int64 {
 	if r.LimitedUntil != 0 {
 		return r.LimitedUntil
 	}
-	return -1 - int64(float64(min(r.Remaining, l.burst))*l.markScale)
+	return -1 - int64(l.burst-min(r.Remaining, l.burst)) // burst < 2^32 (NewLimit)
 }
 
-// leftShare is the share of its capacity an entry not limited had left when it was
-// written (markOf), or 0 for one that was limited then.
-func leftShare(limitedUntil int64) float64 {
-	if limitedUntil >= 0 {
-		return 0
-	}
-	return float64(-1-limitedUntil) / (1 << 40)
-}
+// usedUnits is the units of its capacity an entry not limited had used when it was
+// written (markOf).
+func usedUnits(limitedUntil int64) int64 { return -1 - limitedUntil }
 
 // record is one slot of a shard's record arena: 96 bytes (two adjacent cache lines), with
 // the key's bytes in it when the key is short (inlineKey bytes or fewer: most keys), so
@@ -1050,24 +1045,28 @@ const evictionSample = 16
 
 // evict removes one entry of a full shard to make room: an expired one if seen, else,
 // among a sample of 16 (from a position picked by the new key's hash h), else among the
-// whole shard, the entry that is not limited and has used the least of its own limit
-// (what is left of it for a request now, as a share of its capacity), the one that
-// expires first among equals. It never removes a limited entry. live reports that the
-// removed entry had not expired.
+// whole shard, the entry that is not limited and has used the fewest units of its own
+// limit (what an evicted client could be admitted again past its limit, coming back
+// with a fresh state), the one that expires first among equals. It never removes a
+// limited entry. live reports that the removed entry had not expired.
 //
 // Ranked by when they expire alone, entries of a rule with a short window or a fast
 // refill went first: a client that had used 99 of its 100 a minute was evicted before
 // a one-off key of a rule of 1,000 a day, and came back with all 100, so a flood of new
 // keys on such a rule handed it a fresh budget again and again (936-1,135 admitted in
-// 30 s where at most 151 pass: an audit). The share is the one the entry had left when it
-// was last written (markOf): a key that has refilled since ranks as it was, until it
-// expires.
+// 30 s where at most 151 pass: an audit). Ranked by the share of its capacity used, a
+// client of a generous rule went first the other way: at 1 of 100 a day (1%) it ranked
+// below a one-off key of 1 of 10 a minute (10%), was evicted, came back fresh at 1%, and
+// again: one request per 10,000 such keys was admitted 2,000 times of 2,000 against its
+// 100 a day (an audit). By units used, it ties with the flood's keys, which expire first.
+// The units are those used when the entry was last written (markOf): a key that has
+// refilled since ranks as it was, until it expires.
 func (s *Store) evict(sh *shard, h uint64, now int64, own func(*entry) bool) (evicted, live, kept bool) {
 	if sh.allLimitedUntil > now || sh.used == 0 {
 		return false, false, false
 	}
 	best, found := uint32(0), false
-	bestExp, bestUsed := int64(math.MaxInt64), 2.0
+	bestExp, bestUsed := int64(math.MaxInt64), int64(math.MaxInt64)
 	consider := func(i uint32) (expired bool) {
 		e := &sh.rec(i).e
 		if e.expires == freeMark {
@@ -1083,7 +1082,7 @@ func (s *Store) evict(sh *shard, h uint64, now int64, own func(*entry) bool) (ev
 		if e.limitedUntil > now {
 			return false
 		}
-		used := 1 - leftShare(e.limitedUntil)
+		used := usedUnits(e.limitedUntil)
 		if used < bestUsed || used == bestUsed && e.expires < bestExp {
 			best, bestExp, bestUsed, found = i, e.expires, used, true
 		}

@@ -727,7 +727,7 @@ func TestStoreLargeBatchLinear(t *testing.T) {
 // having used a thousandth of its limit), keeps its state, and so the one unit it has
 // left. Ranked by expiry it was evicted by the flood's first key and came back with 100.
 // For each algorithm of the client's rule, and of the flood's.
-func TestStoreEvictsTheLeastUsedShare(t *testing.T) {
+func TestStoreEvictsTheLeastUsed(t *testing.T) {
 	for _, alg := range []Algorithm{TokenBucket, FixedWindow, SlidingWindow} {
 		for _, falg := range []Algorithm{TokenBucket, FixedWindow} {
 			t.Run(fmt.Sprint(alg, "/flood=", falg), func(t *testing.T) {
@@ -756,6 +756,43 @@ func TestStoreEvictsTheLeastUsedShare(t *testing.T) {
 				}
 				if allowed > 2 { // 1 left, and a token bucket's refill of a second or so
 					t.Errorf("%d of 5 admitted after a flood of new keys of another rule, with 1 of 100 left: the client's state was evicted", allowed)
+				}
+				if s.Len() > 64 {
+					t.Errorf("Len %d, past the cap of 64", s.Len())
+				}
+			})
+		}
+	}
+}
+
+// A full shard keeps a client of a generous rule that has used little of it beside a
+// flood of one-off keys of a tighter rule: ranked by the share of its capacity used, a
+// client at 1 of 100 a day (1%) went before a flood key at 1 of 10 a minute (10%), came
+// back with a fresh state, still at 1%, and went again: one request per 200 flood keys
+// (the cap 64) was admitted 400 times of 400 against its 100 a day (an audit saw 2,000 of
+// 2,000 through a cap of 20,000). By the units used it ties with the flood's keys, which
+// expire first. For each algorithm of the client's rule, and of the flood's.
+func TestStoreKeepsALittleUsedGenerousClient(t *testing.T) {
+	for _, alg := range []Algorithm{TokenBucket, FixedWindow, SlidingWindow} {
+		for _, falg := range []Algorithm{TokenBucket, FixedWindow} {
+			t.Run(fmt.Sprint(alg, "/flood=", falg), func(t *testing.T) {
+				s := NewStore(Options{Shards: 1, MaxKeys: 64})
+				daily := mustLimit(t, alg, 100, 24*time.Hour, 0)
+				tight := mustLimit(t, falg, 10, time.Minute, 0)
+				now := base
+				allowed, flood := 0, 0
+				for range 400 {
+					if s.Apply(now, []Op{op("api:{client}", daily, 1)}) {
+						allowed++
+					}
+					for range 200 {
+						flood++
+						s.Apply(now, []Op{op(fmt.Sprintf("x:{flood%d}", flood), tight, 1)})
+						now += int64(time.Millisecond)
+					}
+				}
+				if allowed > 101 { // 100 a day, and a token bucket's refill over 80 s
+					t.Errorf("%d of 400 admitted against 100 a day, one request per 200 new keys of a rule of 10 a minute: the client's state was evicted", allowed)
 				}
 				if s.Len() > 64 {
 					t.Errorf("Len %d, past the cap of 64", s.Len())
