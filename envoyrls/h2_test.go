@@ -1057,6 +1057,21 @@ func serveNativeTCP(t *testing.T) (*Server, chan error) {
 	return s, done
 }
 
+// serveNativeTCPStopping is serveNativeTCP with a stop, to defer, that shuts the server
+// down and checks what Shutdown and Serve returned.
+func serveNativeTCPStopping(t *testing.T) (*Server, func()) {
+	t.Helper()
+	s, done := serveNativeTCP(t)
+	return s, func() {
+		if err := s.Shutdown(ctx10(t)); err != nil {
+			t.Error(err)
+		}
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}
+}
+
 // The native transport on TCP, as on a Unix socket.
 func TestNativeTCP(t *testing.T) {
 	s, done := serveNativeTCP(t)
@@ -1411,15 +1426,8 @@ func TestNativeBufferedBoundAllConns(t *testing.T) {
 // is closed to make room. Before, every new connection was closed as it was accepted,
 // for as long as the idle ones were held.
 func TestNativeIdleConnsYield(t *testing.T) {
-	s, done := serveNativeTCP(t)
-	defer func() { // after the connections' closes below
-		if err := s.Shutdown(ctx10(t)); err != nil {
-			t.Error(err)
-		}
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
+	s, stop := serveNativeTCPStopping(t)
+	defer stop() // after the connections' closes below
 	addr := s.Addr().String()
 	first := dialRawNet(t, "tcp", addr) // idle longest: the one closed
 	for range maxConns - 1 {
@@ -1479,15 +1487,8 @@ func TestNativeIdleConnsYield(t *testing.T) {
 // 1,024 of them and dialing again as the frame timeout closed each kept Envoy out.
 func TestNativeUnfinishedCallsYield(t *testing.T) {
 	start := time.Now()
-	s, done := serveNativeTCP(t)
-	defer func() { // after the connections' closes below
-		if err := s.Shutdown(ctx10(t)); err != nil {
-			t.Error(err)
-		}
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
+	s, stop := serveNativeTCPStopping(t)
+	defer stop() // after the connections' closes below
 	addr := s.Addr().String()
 	var b bytes.Buffer
 	b.WriteString(http2.ClientPreface)
