@@ -229,6 +229,24 @@ rules:
 		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
 }
 
+// startClusterLeaseDaemon starts a daemon on cl with one global concurrency rule,
+// inflight (path /l, per user, concurrency as given), closed on a store failure, with the
+// timeouts of startClusterFaultDaemon.
+func startClusterLeaseDaemon(t *testing.T, cl *redistest.Cluster, concurrency string) *daemonProc {
+	t.Helper()
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: inflight
+    match: { path: /l }
+    key: user
+    concurrency: `+concurrency+`
+    mode: global
+    on_store_failure: closed
+`)
+	return startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
+		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+}
+
 // A master killed and its replica promoted, under a global concurrency rule: once checks
 // take leases on the promoted replica again, releasing them must work too. The releases
 // (and renewals, refund retries, bans) go through a client of their own, which no
@@ -239,17 +257,7 @@ rules:
 func TestFaultClusterFailoverLeaseRelease(t *testing.T) {
 	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
 	cl.AddReplica(t, 0)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: inflight
-    match: { path: /l }
-    key: user
-    concurrency: { max: 100000, lease: 60s }
-    mode: global
-    on_store_failure: closed
-`)
-	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
-		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	d := startClusterLeaseDaemon(t, cl, "{ max: 100000, lease: 60s }")
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
 	defer cc.Close()
 	ctx := context.Background()
@@ -314,17 +322,7 @@ rules:
 func TestFaultClusterFailoverReleasesFollowChecks(t *testing.T) {
 	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
 	replica := cl.AddReplica(t, 0)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: inflight
-    match: { path: /l }
-    key: user
-    concurrency: { max: 2, lease: 10m }
-    mode: global
-    on_store_failure: closed
-`)
-	d := startDaemon(t, "--config", cfg, "--redis-cluster", strings.Join(cl.Addrs, ","),
-		"--sync-interval", "50ms", "--global-timeout", "250ms", "--redis-timeout", "250ms")
+	d := startClusterLeaseDaemon(t, cl, "{ max: 2, lease: 10m }")
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs})
 	defer cc.Close()
 	var users []string // on the master to be killed
