@@ -274,6 +274,10 @@ function rawResponse(status, headers, body) {
   return Buffer.concat([Buffer.from(head + 'Connection: close\r\n\r\n', 'latin1'), body]);
 }
 
+function destroyOnError() {
+  this.destroy();
+}
+
 function refuse(socket, r) {
   if (!socket.destroyed) socket.end(rawResponse(r.status, r.headers, r.body));
 }
@@ -290,8 +294,9 @@ function refuse(socket, r) {
  * for as long as the socket is open (the session), and released when it closes. A rule's
  * delay holds the handshake, unless the socket closes first. No answer from the sidecar,
  * a ProtocolError or a closed client: the client's onUnavailable ('open': the handler
- * is called, 'closed': 503). Options: attrs (default defaultAttrs: the handshake is a
- * GET to its path), cost, renewLeases.
+ * is called, 'closed': 503). Until the handler is called, an error on the socket (the
+ * client reset it) destroys it. Options: attrs (default defaultAttrs: the handshake is
+ * a GET to its path), cost, renewLeases.
  */
 function upgrade(client, handler, opts = {}) {
   for (const k of Object.keys(opts ?? {})) {
@@ -299,6 +304,15 @@ function upgrade(client, handler, opts = {}) {
   }
   const { attrs = defaultAttrs, cost, renewLeases = true } = opts ?? {};
   return function rlsidecarUpgrade(req, socket, head) {
+    // Node takes its own 'error' listener off a socket it hands to 'upgrade': a client
+    // that reset its connection while its handshake was checked, held for a rule's delay
+    // or refused was an unhandled 'error' event, which ended the process. Until the
+    // handler has the socket (it listens itself: ws does), an error destroys it.
+    socket.on('error', destroyOnError);
+    const hand = (d) => {
+      socket.off('error', destroyOnError);
+      handler(req, socket, head, d);
+    };
     let p;
     try {
       p = client.check(attrs(req), { cost: cost ? cost(req) : 1 });
@@ -323,7 +337,7 @@ function upgrade(client, handler, opts = {}) {
           client.release(d.lease).catch(() => {}); // else it expires
         });
       }
-      const run = () => handler(req, socket, head, d);
+      const run = () => hand(d);
       if (d.delayMs > 0) {
         timer = setTimeout(run, d.delayMs);
         socket.once('close', () => clearTimeout(timer));
@@ -340,7 +354,7 @@ function upgrade(client, handler, opts = {}) {
         return;
       }
       if (d.allowed) {
-        if (!socket.destroyed) handler(req, socket, head, d);
+        if (!socket.destroyed) hand(d);
         return;
       }
       refuse(socket, d.rejection());

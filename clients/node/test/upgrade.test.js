@@ -102,3 +102,49 @@ test('upgrade: handshakes are checked, a lease held for the session', async (t) 
 test('upgrade: unknown options are refused', () => {
   assert.throws(() => rl.upgrade({}, () => {}, { renewLease: false }), /unknown upgrade option "renewLease"/);
 });
+
+test('upgrade: a client that resets its handshake while it is held does not crash the server', async (t) => {
+  // Node takes its 'error' listener off a socket it hands to 'upgrade': a reset while the
+  // handshake was checked or held for a rule's delay was an unhandled 'error' event.
+  const d = await startDaemon(t, `
+rules:
+  - name: queue
+    match: { path: /queue }
+    key: ip
+    limit: { requests: 1, per: 20s }
+    delay: 60s
+`);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 3000 });
+  t.after(() => c.close());
+  const check = c.check.bind(c);
+  let held = null;
+  const answered = new Promise((resolve) => { held = resolve; });
+  c.check = (...a) => check(...a).then((dec) => { if (dec.delayMs > 0) held(dec); return dec; });
+  const srv = http.createServer((req, res) => res.end('ok'));
+  const serverSockets = [];
+  srv.on('connection', (s) => serverSockets.push(s));
+  let handled = 0;
+  srv.on('upgrade', rl.upgrade(c, (req, socket) => {
+    handled++;
+    socket.end('HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n');
+  }));
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  t.after(() => { srv.closeAllConnections(); return new Promise((resolve) => srv.close(resolve)); });
+  const port = srv.address().port;
+
+  const first = await handshake(port, '/queue'); // takes the one unit: the next is held
+  first.socket.destroy();
+  const client = net.connect(port, '127.0.0.1');
+  client.on('error', () => {});
+  await new Promise((resolve) => client.once('connect', resolve));
+  client.write(`GET /queue HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n`
+    + `Sec-WebSocket-Key: ${crypto.randomBytes(16).toString('base64')}\r\nSec-WebSocket-Version: 13\r\n\r\n`);
+  await answered; // held for the delay
+  await new Promise((resolve) => setImmediate(resolve)); // the listener has the decision
+  const server = serverSockets[serverSockets.length - 1];
+  const closed = new Promise((resolve) => server.once('close', resolve));
+  client.resetAndDestroy(); // RST
+  await closed;
+  await new Promise((resolve) => setTimeout(resolve, 100)); // an unhandled 'error' would fail the test
+  assert.equal(handled, 1, 'the handshake reset while held is not handed to the handler');
+});
