@@ -330,7 +330,7 @@ class Client:
         """Send a release or renew and return its answer map."""
         if self._closed:
             raise ClosedError("rlsidecar: client closed")
-        msg = self._ask(_proto.body(_proto.lease_message(0, op, lease, lease_ms)))
+        msg = self._ask(_proto.body(_proto.lease_message(0, op, lease, lease_ms)), idempotent=op == "release")
         e = _proto.error_of(msg)
         if e is not None:
             raise _proto.ProtocolError(*e)
@@ -344,10 +344,11 @@ class Client:
             raise _proto.ProtocolError(*e)
         return msg.get("version", "")
 
-    def _ask(self, body):
+    def _ask(self, body, idempotent=False):
         """Send one request (a body from _proto.body) and return its answer map (the
-        connection is pooled again); raises ConnectionError when there is none."""
-        got = self._exchange([body], time.monotonic() + self.timeout)
+        connection is pooled again); raises ConnectionError when there is none.
+        idempotent: see _exchange."""
+        got = self._exchange([body], time.monotonic() + self.timeout, idempotent)
         if isinstance(got, str):
             raise ConnectionError("rlsidecar: sidecar unreachable: %s" % got)
         conn, (first,), (msg,), _ = got
@@ -367,7 +368,7 @@ class Client:
         self._put(conn)
         return msg
 
-    def _exchange(self, bodies, deadline):
+    def _exchange(self, bodies, deadline, idempotent=False):
         """Send the requests (bodies from _proto.body, numbered here, in order, on the
         connection they go out on) pipelined on one connection and read their answers. Returns (conn,
         the ids they were sent with, the answer maps, the index of the first answered on
@@ -395,7 +396,11 @@ class Client:
         every byte sent (a daemon closing with bytes unread resets the connection instead),
         then closed without answering: it died, or a drain timed out, while deciding a
         request it may have counted. Nor for a batch whose first write went through: the
-        daemon may have decided its first requests before closing unread the rest.
+        daemon may have decided its first requests before closing unread the rest. Except
+        for an idempotent request (a release: releasing twice frees nothing more), sent
+        again once after such an end too: to the daemon's successor on the socket, which
+        frees a global lease the dead daemon may not have (the Go, Node and asyncio clients
+        send a release again after any broken connection).
         """
         conn, pooled = self._take(deadline)
         resent = False
@@ -449,6 +454,10 @@ class Client:
                 if isinstance(e, socket.timeout):
                     return _lost("no answer within the timeout", ids, answered)
                 why = "connection lost: %s" % e
+                if idempotent and conn.served and not resent and time.monotonic() < deadline:
+                    resent = True
+                    conn, pooled = self._take(deadline, pool=False)
+                    continue
                 if not conn.served:
                     # A sidecar that accepts and then drops is not hammered either: back off.
                     self._failed(why)

@@ -357,6 +357,9 @@ class _FakeDaemon:
                 self.read.append(req["id"])
                 if len(self.read) == self.at and self.then == "close-read":
                     return
+                if req.get("op") == "release":
+                    c.sendall(_proto.encode({"id": req["id"], "released": True}))
+                    continue
                 c.sendall(_proto.encode({"id": req["id"], "allowed": True, "rule": "r", "limit": 9,
                                          "remaining": 9 - len(self.read)}))
 
@@ -392,6 +395,22 @@ def test_closed_after_reading_is_not_retried(short_tmp):
             assert fake.read == [1, 2] and fake.conns == 1
             # Not a failed attempt: the connection had served; the next check dials at once.
             assert c.check({"user": "x"}).remaining == 6 and fake.conns == 2
+    finally:
+        fake.close()
+
+
+def test_release_read_then_closed_is_sent_again(short_tmp):
+    """A release the daemon read and then closed on without answering (it died, SIGKILL):
+    a release is idempotent, so it is sent again, once, on a fresh connection, to whoever
+    serves the socket (the successor frees a global lease the dead daemon may not have).
+    Before, release() returned False and the slot stayed held until the lease expired;
+    the Go, Node and asyncio clients already sent it again."""
+    fake = _FakeDaemon(os.path.join(short_tmp, "f.sock"), at=2, then="close-read")
+    try:
+        with rlsidecar.Client(os.path.join(short_tmp, "f.sock"), timeout=2, on_unavailable="closed") as c:
+            assert c.check({"user": "x"}).remaining == 8
+            assert c.release("lease-token") is True
+            assert fake.read == [1, 2, 1] and fake.conns == 2
     finally:
         fake.close()
 
