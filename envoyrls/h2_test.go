@@ -1219,15 +1219,7 @@ func TestNativeHeadersThenPartialFrameTimeout(t *testing.T) {
 	sv, conns, c := rawNative(t, func(s *Server) { s.cfg.FrameTimeout = 300 * time.Millisecond })
 	defer c.Close()
 	go io.Copy(io.Discard, c)
-	var b bytes.Buffer
-	b.WriteString(http2.ClientPreface)
-	fr := http2.NewFramer(&b, nil)
-	if err := fr.WriteSettings(); err != nil {
-		t.Fatal(err)
-	}
-	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: callHeaderBlock(), EndHeaders: true}); err != nil {
-		t.Fatal(err)
-	}
+	b := openingWithCall(t)
 	b.Write([]byte{0, 0, 8}) // a PING's header begun, its rest never sent
 	// In one write: read together.
 	if _, err := c.Write(b.Bytes()); err != nil {
@@ -1490,15 +1482,7 @@ func TestNativeUnfinishedCallsYield(t *testing.T) {
 	s, stop := serveNativeTCPStopping(t)
 	defer stop() // after the connections' closes below
 	addr := s.Addr().String()
-	var b bytes.Buffer
-	b.WriteString(http2.ClientPreface)
-	fr := http2.NewFramer(&b, nil)
-	if err := fr.WriteSettings(); err != nil {
-		t.Fatal(err)
-	}
-	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: callHeaderBlock(), EndHeaders: true}); err != nil {
-		t.Fatal(err)
-	}
+	b := openingWithCall(t)
 	for range maxConns {
 		c, err := net.Dial("tcp", addr)
 		if err != nil {
@@ -1585,4 +1569,20 @@ func rawNative(t *testing.T, set func(*Server)) (*served, func() int, net.Conn) 
 		t.Fatal(err)
 	}
 	return sv, conns, c
+}
+
+// openingWithCall returns a connection's opening bytes (the preface, SETTINGS) followed
+// by the HEADERS of a call on stream 1, its request not ended.
+func openingWithCall(t *testing.T) *bytes.Buffer {
+	t.Helper()
+	var b bytes.Buffer
+	b.WriteString(http2.ClientPreface)
+	fr := http2.NewFramer(&b, nil)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: callHeaderBlock(), EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	return &b
 }
