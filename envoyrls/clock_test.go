@@ -90,24 +90,16 @@ func TestUnaskedResponse(t *testing.T) {
 // refused 59.7 s into a minute's window answered 300 ms, and Envoy sent
 // X-RateLimit-Reset: 0 on the 429, where Retry-After said 1.
 func TestDurationUntilResetWholeSeconds(t *testing.T) {
-	set, err := rules.Parse("t.yaml", []byte(`
+	for _, into := range []time.Duration{59700 * time.Millisecond, 20 * time.Second, 30*time.Second + time.Nanosecond} {
+		now := time.Date(2026, 12, 5, 10, 0, 0, 0, time.UTC).Add(into).UnixNano()
+		s, _ := stoppedServer(t, now, `
 rules:
   - name: per-user
     match: { domain: api, descriptor: user }
     key: user
     algorithm: fixed_window
     limit: { requests: 1, per: 1m }
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := limiter.New(set, localbucket.NewStore(localbucket.Options{}))
-	for _, into := range []time.Duration{59700 * time.Millisecond, 20 * time.Second, 30*time.Second + time.Nanosecond} {
-		now := time.Date(2026, 12, 5, 10, 0, 0, 0, time.UTC).Add(into).UnixNano()
-		s, err := New(Config{Addr: "unused:0", Clock: func() (int64, int64) { return now, now }}, lim)
-		if err != nil {
-			t.Fatal(err)
-		}
+`)
 		user := into.String()
 		for call, want := range []rlsv3.RateLimitResponse_Code{rlsv3.RateLimitResponse_OK, rlsv3.RateLimitResponse_OVER_LIMIT} {
 			resp, err := s.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "api",
