@@ -6,23 +6,15 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const crypto = require('crypto');
+const fs = require('fs');
 const http = require('http');
 const net = require('net');
+const path = require('path');
 
 const rl = require('..');
-const { startDaemon } = require('./helpers');
+const { ROOT, startDaemon } = require('./helpers');
 
-const RULES = `
-rules:
-  - name: login
-    match: { method: [GET, HEAD], path: /login }
-    key: ip
-    limit: { requests: 2, per: 60s }
-  - name: chat
-    match: { path: /chat }
-    key: ip
-    concurrency: { max: 1, lease: 2s }
-`;
+const RULES = fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'websocket_rules.yaml'), 'utf8');
 
 // handshake opens a WebSocket handshake to path; resolves to { status, headers, socket }
 // once the response's head arrived (the socket left open: a session when 101).

@@ -12,19 +12,12 @@ import time
 
 import pytest
 
+from conftest import ROOT
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-RULES = """
-rules:
-  - name: login
-    match: { method: [GET, HEAD], path: /login }
-    key: ip
-    limit: { requests: 2, per: 60s }
-  - name: chat
-    match: { path: /chat }
-    key: ip
-    concurrency: { max: 1, lease: 2s }
-"""
+with open(os.path.join(ROOT, "clients", "testdata", "websocket_rules.yaml")) as f:
+    RULES = f.read()
 
 SERVERS = {
     "uvicorn": ["-m", "uvicorn", "ws_app:app", "--ws", "wsproto", "--host", "127.0.0.1", "--port"],
