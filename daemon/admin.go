@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -57,6 +58,10 @@ type AdminDeps struct {
 	// Reloads counts the reloads of the rules, which /rules shows (`rlsidecar reload`
 	// waits on them); nil: /rules shows none.
 	Reloads *ReloadState
+	// Logger takes the HTTP server's own error lines (a client's query with ';', a failed
+	// accept), at warning level, so they reach the journal with a priority and stay JSON
+	// under --log-format json; nil: net/http's default, plain text on stderr.
+	Logger *slog.Logger
 }
 
 // ReloadState counts the daemon's reloads of its rules (SIGHUP, the watched file): how
@@ -213,6 +218,9 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 	g := hostGuard{next: mux, lift: lift, bound: boundHost(addr), open: !boundLoopback(ln), bodyTimeout: adminBodyTimeout, idle: idle}
 	srv := &http.Server{Handler: g, ReadHeaderTimeout: 5 * time.Second, WriteTimeout: adminWriteTimeout, IdleTimeout: adminIdleTimeout,
 		ConnState: idle.track, ConnContext: withAdminConn}
+	if deps.Logger != nil {
+		srv.ErrorLog = slog.NewLogLogger(deps.Logger.Handler(), slog.LevelWarn)
+	}
 	return &Admin{srv: srv, ln: connlimit.Evicting(ln, maxAdminConns, idle.closeOldest)}
 }
 

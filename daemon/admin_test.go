@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -461,4 +462,48 @@ func TestAdminRefusedUnfinishedBodiesYield(t *testing.T) {
 	defer func() { adminBodyTimeout = old }()
 	base := startAdmin(t, AdminDeps{Metrics: NewMetrics("test", 10)})
 	crowdAdmin(t, base, &net.Dialer{}, "GET /bans HTTP/1.1\r\nHost: rebound.example\r\nContent-Length: 10\r\n\r\n", "were refused and never sent their requests' bodies")
+}
+
+// recordsTo is a slog.Handler sending each record it takes to a channel.
+type recordsTo chan slog.Record
+
+func (c recordsTo) Enabled(context.Context, slog.Level) bool      { return true }
+func (c recordsTo) Handle(_ context.Context, r slog.Record) error { c <- r; return nil }
+func (c recordsTo) WithAttrs([]slog.Attr) slog.Handler            { return c }
+func (c recordsTo) WithGroup(string) slog.Handler                 { return c }
+
+// emfileOnce is a listener whose first Accept fails as at the descriptor limit.
+type emfileOnce struct {
+	net.Listener
+	failed bool
+}
+
+func (l *emfileOnce) Accept() (net.Conn, error) {
+	if !l.failed {
+		l.failed = true
+		return nil, &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", syscall.EMFILE)}
+	}
+	return l.Listener.Accept()
+}
+
+// TestAdminServerErrorsGoToTheLogger: net/http's own lines (here its accept loop's, out
+// of descriptors) go to the daemon's logger at warning level. They went in plain text to
+// stderr, where the journal gave them no priority and they broke --log-format json.
+func TestAdminServerErrorsGoToTheLogger(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	records := make(recordsTo, 16)
+	a := newAdmin(&emfileOnce{Listener: ln}, ln.Addr().String(), AdminDeps{Metrics: NewMetrics("test", 10), Logger: slog.New(records)})
+	go a.Serve()
+	t.Cleanup(func() { _ = a.Shutdown(context.Background()) })
+	select {
+	case r := <-records:
+		if r.Level != slog.LevelWarn || !strings.Contains(r.Message, "too many open files") {
+			t.Fatalf("logged %v %q, want a warning naming the failed accept", r.Level, r.Message)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the HTTP server's line about its failed accept never reached the logger")
+	}
 }

@@ -433,7 +433,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	var lateAdmin func() (*daemon.Admin, error) // set when the default address was taken
 	reloads := new(daemon.ReloadState)          // /rules shows them; `rlsidecar reload` waits on them
 	if *admin != "" {
-		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono, Draining: srv.Draining, Reloads: reloads}
+		deps := daemon.AdminDeps{Metrics: metrics, Limiter: lim, Now: clock.Mono, Draining: srv.Draining, Reloads: reloads, Logger: log}
 		if hybrid != nil {
 			deps.StoreReachable = func() bool { return hybrid.Reachable(clock.Mono()) }
 		}
