@@ -192,10 +192,36 @@ func (m *Metrics) Reloaded(err error) {
 // WithRedis adds the series of a daemon with Redis (its syncs, its calls' durations):
 // a local-mode daemon does not export them, as zeros that read like a Redis never
 // called. Call it before the daemon serves.
+//
+// Its calls' counters, rlsidecar_store_requests_total, are there at 0 for every op and
+// result from the start: a series born at its first error showed no increase, so rate()
+// and increase() missed the errors of an outage the breaker cut short (a global
+// check's breaker opens on its third failure: a Redis stopped for seconds added a
+// global_check error series born at 8 and staying there, which the dashboard's panel of
+// Redis calls showed as no error at all).
 func (m *Metrics) WithRedis() {
 	m.flushOK = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="success"}`)
 	m.flushErr = m.set.NewCounter(`rlsidecar_sync_flushes_total{result="error"}`)
+	for _, op := range storeOps {
+		m.storeCounter(op, "success")
+		m.storeCounter(op, "error")
+	}
 	m.redis.Store(true)
+}
+
+// storeOps are the ops of rlsidecar_store_requests_total (ObserveStore).
+var storeOps = []string{"global_check", "hybrid_sync", "hybrid_fetch", "heartbeat", "ping", "lease_acquire", "lease_release"}
+
+// storeCounter returns the counter of calls to Redis of op with result, created at 0 if
+// needed.
+func (m *Metrics) storeCounter(op, result string) *metrics.Counter {
+	key := op + "|" + result
+	c, ok := m.storeByOpResult.Load(key)
+	if !ok {
+		c, _ = m.storeByOpResult.LoadOrStore(key, m.set.GetOrCreateCounter(
+			fmt.Sprintf(`rlsidecar_store_requests_total{op=%q,result=%q}`, op, result)))
+	}
+	return c.(*metrics.Counter)
 }
 
 // Flushed counts a hybrid sync cycle.
@@ -211,19 +237,14 @@ func (m *Metrics) Flushed(err error) {
 }
 
 // ObserveStore records one call to Redis: op is global_check, hybrid_sync, hybrid_fetch
-// (an exact sync a request waits for) or heartbeat.
+// (an exact sync a request waits for), heartbeat, ping, lease_acquire or lease_release
+// (storeOps).
 func (m *Metrics) ObserveStore(op string, d time.Duration, err error) {
 	result := "success"
 	if err != nil {
 		result = "error"
 	}
-	key := op + "|" + result
-	c, ok := m.storeByOpResult.Load(key)
-	if !ok {
-		c, _ = m.storeByOpResult.LoadOrStore(key, m.set.GetOrCreateCounter(
-			fmt.Sprintf(`rlsidecar_store_requests_total{op=%q,result=%q}`, op, result)))
-	}
-	c.(*metrics.Counter).Inc()
+	m.storeCounter(op, result).Inc()
 	m.storeDur.observe(d)
 	if op == "hybrid_sync" {
 		m.Flushed(err)
