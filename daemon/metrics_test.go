@@ -397,6 +397,36 @@ func TestErrorAnswersCounted(t *testing.T) {
 	}
 }
 
+// A daemon with Redis has rlsidecar_store_requests_total at 0 for every op and result
+// before its first call (WithRedis), so that rate() and increase() count the first
+// failures of an outage; a daemon without Redis has none of them. The real daemon and
+// redis-server: cmd/rlsidecar TestStoreRequestSeriesExistBeforeTheFirstCall.
+func TestStoreRequestSeriesAtZero(t *testing.T) {
+	local := NewMetrics("test", 10)
+	var buf bytes.Buffer
+	local.WritePrometheus(&buf)
+	if strings.Contains(buf.String(), "rlsidecar_store_requests_total") {
+		t.Errorf("without Redis, rlsidecar_store_requests_total exported:\n%s", buf.String())
+	}
+	m := NewMetrics("test", 10)
+	m.WithRedis()
+	buf.Reset()
+	m.WritePrometheus(&buf)
+	for _, op := range []string{"global_check", "hybrid_sync", "hybrid_fetch", "heartbeat", "ping", "lease_acquire", "lease_release"} {
+		for _, result := range []string{"success", "error"} {
+			if want := `rlsidecar_store_requests_total{op="` + op + `",result="` + result + `"} 0`; !strings.Contains(buf.String(), want+"\n") {
+				t.Errorf("want %s before any call, in:\n%s", want, buf.String())
+			}
+		}
+	}
+	m.ObserveStore("global_check", time.Millisecond, fmt.Errorf("refused"))
+	buf.Reset()
+	m.WritePrometheus(&buf)
+	if want := `rlsidecar_store_requests_total{op="global_check",result="error"} 1`; !strings.Contains(buf.String(), want+"\n") {
+		t.Errorf("want %s after one failed call, in:\n%s", want, buf.String())
+	}
+}
+
 // A reload that removes a rule (by name) removes its series, of every per-rule family
 // (rlsidecar_checks_total, _degraded_decisions_total, _warnings_total, _delayed_total,
 // _bans_total, _top_rejected, _inflight, _leases_total), while a rule that stays keeps
