@@ -144,12 +144,21 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		log.Warn("ignoring an environment variable that sets no flag (a typo?)", "name", name)
 	}
 	// Signals are taken from here on, before the socket exists: a SIGTERM (or SIGHUP)
-	// that arrives while the daemon starts waits in sigs for the serving loop, which
+	// that arrives while the daemon starts waits in sigs (hups) for the serving loop, which
 	// drains (or reloads), instead of killing the process, its socket file left behind,
 	// by the signal's default action.
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	// SIGHUP has a channel of its own, of one: a reload runs on the serving loop, and
+	// os/signal drops a signal whose channel is full. Sharing one channel of 4, a burst
+	// of SIGHUPs during a slow reload (a config manager, `systemctl reload` run in a
+	// loop) filled it, and a SIGTERM sent then was dropped: the daemon never drained,
+	// and systemd killed it at TimeoutStopSec, its last sync not run. One SIGHUP waiting
+	// stands for any number: the reload it brings reads the file as it is then.
+	sigs := make(chan os.Signal, 4) // SIGTERM, SIGINT
+	hups := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	signal.Notify(hups, syscall.SIGHUP)
 	defer signal.Stop(sigs)
+	defer signal.Stop(hups)
 	// A log line written to a pipe whose reader has gone (`serve 2>&1 | logger`, a
 	// supervisor's log process that died) fails with EPIPE instead of killing the daemon
 	// by SIGPIPE, Go's default for standard output and error: before, its next log line
@@ -794,6 +803,34 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		notify.watchdog(ctx)
 	}()
 
+	// drain stops the daemon on the signal sig (SIGTERM, SIGINT).
+	drain := func(sig os.Signal) error {
+		log.Info("draining", "signal", sig.String())
+		notify.stopping("draining (" + sig.String() + ")")
+		go func() {
+			for s := range sigs {
+				if s == syscall.SIGINT {
+					log.Warn("second SIGINT: exiting now")
+					os.Exit(exitFailure)
+				}
+			}
+		}()
+		var rlsDone sync.WaitGroup
+		rlsDone.Go(stopRLS)
+		err := srv.Shutdown(context.Background())
+		<-serveErr
+		rlsDone.Wait()
+		stop()
+		wg.Wait()
+		stopSync() // the last flush: nothing the drained connections admitted is lost
+		syncWG.Wait()
+		if err != nil {
+			log.Warn("drain incomplete", "err", err)
+		}
+		log.Info("stopped")
+		return nil
+	}
+
 	for {
 		select {
 		case err := <-rlsErr: // the Envoy listener failed: stop the daemon too
@@ -814,36 +851,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			stopSync()
 			syncWG.Wait()
 			return err
+		case <-hups:
+			select {
+			case sig := <-sigs: // a stop waiting too goes first
+				return drain(sig)
+			default:
+			}
+			reload("SIGHUP")
+			rewatch() // the watched directories found again, as after a change
 		case sig := <-sigs:
-			if sig == syscall.SIGHUP {
-				reload("SIGHUP")
-				rewatch() // the watched directories found again, as after a change
-				continue
-			}
-			log.Info("draining", "signal", sig.String())
-			notify.stopping("draining (" + sig.String() + ")")
-			go func() {
-				for s := range sigs {
-					if s == syscall.SIGINT {
-						log.Warn("second SIGINT: exiting now")
-						os.Exit(exitFailure)
-					}
-				}
-			}()
-			var rlsDone sync.WaitGroup
-			rlsDone.Go(stopRLS)
-			err := srv.Shutdown(context.Background())
-			<-serveErr
-			rlsDone.Wait()
-			stop()
-			wg.Wait()
-			stopSync() // the last flush: nothing the drained connections admitted is lost
-			syncWG.Wait()
-			if err != nil {
-				log.Warn("drain incomplete", "err", err)
-			}
-			log.Info("stopped")
-			return nil
+			return drain(sig)
 		}
 	}
 }
