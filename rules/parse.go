@@ -789,6 +789,14 @@ func (p *parser) count(n *yaml.Node, field, hint string) (uint64, bool) {
 		p.errorf(n, field, "must be at least 1, got %s%s", n.Value, hint)
 		return 0, false
 	}
+	if leadingZero.MatchString(n.Value) {
+		// YAML reads a plain 010 as octal: 8, not the 10 written (0900, not octal, is a
+		// string). Taken as it came, a limit of "010" per hour admitted 8.
+		var octal uint64
+		_ = n.Decode(&octal)
+		p.errorf(n, field, "%s has a leading zero, which YAML reads as octal (%d): write %s, or 0o%s for %d", n.Value, octal, strings.TrimLeft(n.Value, "0+"), strings.TrimLeft(n.Value, "0+"), octal)
+		return 0, false
+	}
 	var v uint64
 	if err := n.Decode(&v); err != nil {
 		p.errorf(n, field, "%s is too large", n.Value)
@@ -863,6 +871,10 @@ func checkPer(s string, d time.Duration) (time.Duration, string) {
 }
 
 var digits = regexp.MustCompile(`^[0-9_]+$`)
+
+// leadingZero matches a plain integer written with a leading zero (010, +07), which YAML
+// reads as octal.
+var leadingZero = regexp.MustCompile(`^\+?0[0-9_]+$`)
 
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
 

@@ -64,6 +64,7 @@ var badFixtures = map[string][]string{
 	"missing_per.yaml":              {"missing_per.yaml:5: rules[0].limit.per: missing (required): the window, e.g. 1s, 1m, 1h, 1d"},
 	"requests_zero.yaml":            {"requests_zero.yaml:4: rules[0].limit.requests: must be at least 1, got 0"},
 	"requests_negative.yaml":        {"requests_negative.yaml:4: rules[0].limit.requests: must be at least 1, got -5"},
+	"requests_leading_zero.yaml":    {"requests_leading_zero.yaml:4: rules[0].limit.requests: 010 has a leading zero, which YAML reads as octal (8): write 10, or 0o10 for 8"},
 	"requests_string.yaml":          {`requests_string.yaml:4: rules[0].limit.requests: expected a whole number, got a string "10"`},
 	"requests_fraction.yaml":        {"requests_fraction.yaml:4: rules[0].limit.requests: expected a whole number, got a number 1.5"},
 	"requests_too_large.yaml":       {"requests_too_large.yaml:4: rules[0].limit.requests: 99999999999999999999 is too large"},
