@@ -477,8 +477,9 @@ func isIdent(s string) bool {
 }
 
 // holes returns r's warnings for the requests its match leaves out that the same handler
-// serves (see Warnings): a GET without HEAD. Only the list form is looked at; an operator
-// mapping (not: POST) says what it means.
+// serves (see Warnings): a GET without HEAD (only the list form is looked at; an operator
+// mapping, not: POST, says what it means), and a method written in lower case (get), in
+// a list or after not:, which a request with the method GET does not match.
 func holes(r *Rule) Errors {
 	var out Errors
 	field := "rule " + strconv.Quote(r.Name) + " match."
@@ -488,6 +489,12 @@ func holes(r *Rule) Errors {
 			if slices.Contains(m.Values, "GET") && !slices.Contains(m.Values, "HEAD") {
 				out = append(out, &Error{File: r.File, Line: r.Line, Field: field + "method",
 					Msg: "GET without HEAD: net/http, Express, Starlette and Flask run the GET handler for a HEAD request, which this rule does not match; list both (method: [GET, HEAD])"})
+			}
+			for _, v := range slices.Concat(m.Values, m.Not) {
+				if v != strings.ToUpper(v) {
+					out = append(out, &Error{File: r.File, Line: r.Line, Field: field + "method",
+						Msg: fmt.Sprintf("%q: methods are case-sensitive (RFC 9110) and the clients send them as the request has them; this matches only a request whose method is %q, which servers do not take for %s: write %s", v, v, strings.ToUpper(v), strings.ToUpper(v))})
+				}
 			}
 		}
 	}

@@ -367,6 +367,32 @@ func TestWarningsGetWithoutHead(t *testing.T) {
 	}
 }
 
+// A method in lower case: the clients send the request's method as it came (GET), and
+// matching is exact, so a rule on "get" never applied and validate said nothing.
+func TestWarningsLowerCaseMethod(t *testing.T) {
+	for _, tt := range []struct {
+		match string
+		warn  string // "" for none
+	}{
+		{"{ method: post, path: /login }", `"post": methods are case-sensitive`},
+		{"{ method: [GET, HEAD, Post] }", `"Post": methods are case-sensitive`},
+		{"{ method: { not: options } }", `"options": methods are case-sensitive`},
+		{"{ method: [POST, PUT] }", ""},
+		{"{ method: { not: OPTIONS } }", ""},
+	} {
+		src := "rules:\n  - name: m\n    match: " + tt.match + "\n    key: ip\n    limit: { requests: 1, per: 1m }\n"
+		var got []string
+		for _, w := range mustParse(t, src).Warnings() {
+			if strings.Contains(w.Error(), "case-sensitive") {
+				got = append(got, w.Error())
+			}
+		}
+		if tt.warn == "" && len(got) > 0 || tt.warn != "" && (len(got) != 1 || !strings.Contains(got[0], `test.yaml:2: rule "m" match.method: `+tt.warn)) {
+			t.Errorf("%s: warnings %q, want %q", tt.match, got, tt.warn)
+		}
+	}
+}
+
 // The shipped rules (built in, and the Debian package's rules.yaml) limit a login
 // whichever path a server runs the /login handler for: before, POST /login/, which
 // Express serves with the /login handler, was not limited.
