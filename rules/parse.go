@@ -206,6 +206,25 @@ func notText(data []byte) (line int, why string) {
 	return 0, ""
 }
 
+// emptyFileMsg refuses a file of no bytes (IsEmptyFile).
+const emptyFileMsg = "no rules: key (the file is empty)"
+
+// IsEmptyFile reports whether err, from Load or LoadDir, refused a file because it holds
+// no bytes at all: most likely one being written in place, truncated and its bytes not
+// there yet, which a watcher reads again before it reports it.
+func IsEmptyFile(err error) bool {
+	var es Errors
+	if !errors.As(err, &es) {
+		return false
+	}
+	for _, e := range es {
+		if e.Msg == emptyFileMsg {
+			return true
+		}
+	}
+	return false
+}
+
 func (p *parser) parse(data []byte) []*Rule {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
@@ -214,7 +233,7 @@ func (p *parser) parse(data []byte) []*Rule {
 		case !errors.Is(err, io.EOF):
 			p.yamlError(err, data)
 		case len(data) == 0:
-			p.errorf(nil, "", "no rules: key (the file is empty)")
+			p.errorf(nil, "", emptyFileMsg)
 		case len(bytes.TrimSpace(data)) == 0:
 			p.errorf(nil, "", "no rules: key (the file holds only blank space)")
 		default: // a byte-order mark alone

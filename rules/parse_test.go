@@ -475,3 +475,24 @@ func TestFormatPer(t *testing.T) {
 		}
 	}
 }
+
+// IsEmptyFile tells a file of no bytes (a writer's truncation, read before its bytes)
+// from every other refusal, a file of blank space or comments only included.
+func TestIsEmptyFile(t *testing.T) {
+	for _, tt := range []struct {
+		file string
+		want bool
+	}{
+		{"testdata/bad/empty.yaml", true},
+		{"testdata/bad/comments_only.yaml", false},
+		{"testdata/bad/requests_zero.yaml", false},
+	} {
+		_, err := Load(tt.file)
+		if got := IsEmptyFile(err); got != tt.want {
+			t.Errorf("IsEmptyFile(Load(%s)) = %v, want %v (%v)", tt.file, got, tt.want, err)
+		}
+	}
+	if IsEmptyFile(nil) {
+		t.Error("IsEmptyFile(nil)")
+	}
+}

@@ -641,9 +641,13 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// swapped in one step; a broken file never replaces the rules in force.
 	var reloadMu sync.Mutex
 	reloadFailed := false // the last reload failed: the next that succeeds says so (under reloadMu)
-	reload := func(why string) {
-		reloadMu.Lock()
-		defer reloadMu.Unlock()
+	// apply reloads the rules (under reloadMu): from got, the file as read already, or
+	// read now when got is nil.
+	type loaded struct {
+		set *rules.Set
+		err error
+	}
+	apply := func(why string, got *loaded) {
 		notify.reloading("reloading the rules (" + why + ")")
 		reloads.Begin()
 		var failed error
@@ -659,7 +663,11 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			log.Info("built-in rules: nothing to reload", "trigger", why)
 			return
 		}
-		newSet, err := load()
+		if got == nil {
+			set, err := load()
+			got = &loaded{set, err}
+		}
+		newSet, err := got.set, got.err
 		metrics.Reloaded(err)
 		if err != nil {
 			log.Error("reload failed; keeping the rules in force", "trigger", why, "err", err)
@@ -685,10 +693,33 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		log.Info("rules reloaded", "trigger", why, "rules", len(newSet.Rules), "version", newSet.Version)
 		logWarnings(newSet)
 	}
+	reload := func(why string) {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		apply(why, nil)
+	}
+	// fileChanged is the watcher's reload. A file read empty is most likely one a writer
+	// truncated in place, its bytes not there yet (the watcher looks for an empty file
+	// before it calls, but the truncation may come between that look and this read): it
+	// is read again (again) rather than reported, unless final. Before, such a read was
+	// a failed reload: logged at error level, counted, the alert fired, for a file that
+	// was good 2 ms later.
+	fileChanged := func(final bool) (again bool) {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		beforeFileRead()
+		set, err := load()
+		if err != nil && !final && rules.IsEmptyFile(err) {
+			log.Debug("rules file read empty: looking again", "err", err)
+			return true
+		}
+		apply("file change", &loaded{set, err})
+		return false
+	}
 	rewatch, rewatching := func() {}, false
 	if *watch && *config != "" {
 		rewatch, rewatching = startWatching(log, func() (func(), error) {
-			return watchConfig(ctx, *config, 100*time.Millisecond, func() { reload("file change") },
+			return watchConfig(ctx, *config, 100*time.Millisecond, fileChanged,
 				func(err error) { log.Warn("watching the rules file", "err", err) })
 		})
 	}
@@ -864,6 +895,10 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 }
+
+// beforeFileRead runs before the watcher's reload reads the rules: a test's hook, to
+// change the file there.
+var beforeFileRead = func() {}
 
 // afterFirstLoad runs between the first load of the rules and the watcher's start: a
 // test's hook, to change the file there.

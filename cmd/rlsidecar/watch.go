@@ -25,7 +25,11 @@ import (
 // included (etc/rules.yaml -> /srv/app/current/rules.yaml, current -> releases/r1:
 // /srv/app), found again after each change, since a change may point a link elsewhere;
 // for --config DIR, the directory and the targets of its rules files' links (*.yaml, *.yml).
-func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(), onErr func(error)) (kick func(), err error) {
+//
+// onChange returns again when the file it read was empty, most likely truncated by a
+// writer in place whose bytes are not there yet: it is called again after debounce, up
+// to 5 times, the last with final set, when it reads what it finds.
+func watchConfig(ctx context.Context, path string, debounce time.Duration, onChange func(final bool) (again bool), onErr func(error)) (kick func(), err error) {
 	if abs, err := filepath.Abs(path); err == nil {
 		path = abs // events name absolute paths, as configDirs does
 	}
@@ -194,7 +198,7 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 			case <-retry:
 				retry = nil
 				if rewatched() {
-					onChange() // what changed while nothing watched it
+					onChange(true) // what changed while nothing watched it
 				}
 			case ev, ok := <-w.Events:
 				if !ok {
@@ -232,14 +236,15 @@ func watchConfig(ctx context.Context, path string, debounce time.Duration, onCha
 				// An empty file is most likely one being written in place (truncated,
 				// its bytes not there yet): looked at again a few times before it is
 				// read, and reported broken.
-				if hasEmpty(path) && empties < 5 {
+				// The file may also be truncated between that look and the read:
+				// onChange says so (again), and it is looked at again the same way.
+				if hasEmpty(path) && empties < 5 || onChange(empties >= 5) {
 					empties++
 					timer.Reset(debounce)
 					fire = timer.C
 					continue
 				}
 				empties = 0
-				onChange()
 			case <-kicks: // a reload from elsewhere (SIGHUP): the directories again
 				rewatched()
 			}

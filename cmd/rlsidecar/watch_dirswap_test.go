@@ -25,9 +25,10 @@ func TestWatchConfigDirSwappedReportsNoError(t *testing.T) {
 	var errs []error
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() {
+	_, err := watchConfig(ctx, config, 20*time.Millisecond, func(bool) bool {
 		b, _ := os.ReadFile(config)
 		loads <- string(b)
+		return false
 	}, func(err error) {
 		mu.Lock()
 		errs = append(errs, err)

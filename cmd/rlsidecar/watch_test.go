@@ -94,7 +94,7 @@ func watchReads(t *testing.T, config string, read func() string) (wait func(want
 	loads := make(chan string, 100)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	_, err := watchConfig(ctx, config, 20*time.Millisecond, func() { loads <- read() }, func(err error) { t.Logf("watch: %v", err) })
+	_, err := watchConfig(ctx, config, 20*time.Millisecond, func(bool) bool { loads <- read(); return false }, func(err error) { t.Logf("watch: %v", err) })
 	must(t, err)
 	return awaitLoad(t, loads)
 }
@@ -246,10 +246,11 @@ func TestWatchConfigQueueOverflowReads(t *testing.T) {
 	loads, gate := make(chan string, 100), make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	_, err = watchConfig(ctx, config, 20*time.Millisecond, func() {
+	_, err = watchConfig(ctx, config, 20*time.Millisecond, func(bool) bool {
 		b, _ := os.ReadFile(config)
 		loads <- string(b)
 		<-gate // the first reload holds the loop until the queue has overflowed
+		return false
 	}, func(err error) { t.Logf("watch: %v", err) })
 	must(t, err)
 	wait := awaitLoad(t, loads)
