@@ -70,9 +70,18 @@ func markOf(r *Result, l *Limit) int64 {
 	return -1 - int64(l.burst-min(r.Remaining, l.burst)) // burst < 2^32 (NewLimit)
 }
 
-// usedUnits is the units of its capacity an entry not limited had used when it was
-// written (markOf).
-func usedUnits(limitedUntil int64) int64 { return -1 - limitedUntil }
+// usedUnits is the units of its capacity an entry not limited now had used when it was
+// written (markOf); for one that was limited then (its mark, when, has passed), 2^32,
+// above any capacity (NewLimit): it had used all of it, and goes last. Read as units,
+// the mark ranked such a client below every other entry: a client over its limit was
+// evicted at each new key and came back with its capacity whole
+// (TestStoreKeepsAClientOnceLimited).
+func usedUnits(limitedUntil int64) int64 {
+	if limitedUntil >= 0 {
+		return 1 << 32
+	}
+	return -1 - limitedUntil
+}
 
 // record is one slot of a shard's record arena: 96 bytes (two adjacent cache lines), with
 // the key's bytes in it when the key is short (inlineKey bytes or fewer: most keys), so
