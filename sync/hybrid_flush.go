@@ -959,6 +959,7 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			if err != nil && firstErr == nil {
 				firstErr = err
 			}
+			h.answeredCalls(batch)
 			if applied != nil {
 				for i := range batch {
 					applied(batch[i].items)
@@ -1004,6 +1005,33 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 		}
 	}
 	return firstErr
+}
+
+// answeredCalls records that the masters of calls answered, now, for those whose items
+// have a reply (a key whose slot moved is answered too: applyAll), as each pipeline of a
+// sync comes back. applyAll records it too, once the whole sync is applied: a sync of
+// many keys (a flood of new ones) takes many pipelines, and recorded only at its end, a
+// sync longer than StaleAfter made the daemon unhealthy, every check going to the rules'
+// failure policies, while Redis answered every pipeline (TestHybridLongSyncAnswersAsItGoes).
+// A master's breaker still hears how the sync went from applyAll's outcome alone.
+func (h *Hybrid) answeredCalls(calls []syncCall) {
+	var last *Master
+	for i := range calls {
+		for k := range calls[i].items {
+			it := &calls[i].items[k]
+			if it.err != nil && !errors.Is(it.err, errNotServed) {
+				continue
+			}
+			m := it.m
+			if m == nil {
+				m = h.masterOf(it.e)
+			}
+			if m != last {
+				h.answeredBy(m, h.clock())
+				last = m
+			}
+		}
+	}
 }
 
 // firstSlotKeys returns how many of items, from the first, are in the first one's hash
