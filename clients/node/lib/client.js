@@ -144,6 +144,12 @@ class Conn {
     // unread), so it was not decided: fail sends it again (see resendable).
     this.writeFailed = false;
     this.resetUnread = false;
+    // The id of the first check whose frame certainly never reached the sidecar (0: none
+    // known): its write failed as it was made, before the kernel took a byte of it (a
+    // connection the sidecar had closed: --idle-timeout, a daemon that died), or it was
+    // written on a socket that could no longer write. Every check from it on was not
+    // read, so not decided: fail sends each again (the Go client's unsentFrom).
+    this.unsentFrom = 0;
     socket.on('data', (chunk) => this.onData(chunk));
     socket.on('error', (e) => {
       if (e.code === 'ECONNRESET' && e.syscall === 'read' && this.buf === null) this.resetUnread = true;
@@ -182,13 +188,24 @@ class Conn {
     entry.id = ++this.nextId;
     entry.conn = this;
     this.pending.push(entry);
+    // A socket that can no longer write (its write failed, or it is ending) sends nothing
+    // more: this frame never goes out.
+    if (this.unsentFrom === 0 && !this.socket.writable) this.unsentFrom = entry.id;
     // Frames written in the same tick go out in one write.
     if (!this.corked) {
       this.corked = true;
+      const first = entry.id;
       this.socket.cork();
       process.nextTick(() => {
         this.corked = false;
+        const before = this.socket.errored;
         this.socket.uncork();
+        // The write failed within uncork: the kernel refused its first byte (a write that
+        // took some bytes fails later, from the event loop), so none of this tick's
+        // frames, nor any after them, reached the sidecar. Before, only the last check
+        // pending was sent again: under --idle-timeout, every check but one of those
+        // written together on a connection the daemon had just closed got the policy.
+        if (!before && this.socket.errored && this.unsentFrom === 0) this.unsentFrom = first;
       });
     }
     this.socket.write(frame, this.onWritten);
@@ -360,8 +377,9 @@ class Conn {
       return;
     }
     // The last pending check, when its frame certainly was not all read (writeFailed,
-    // resetUnread: the unread bytes are the end of the stream), is sent again, once, on
-    // another connection within its timeout; a check before it may have been read and
+    // resetUnread: the unread bytes are the end of the stream), and every check from
+    // unsentFrom on (their frames never reached the sidecar), is sent again, once, on
+    // another connection within its timeout; a check before them may have been read and
     // decided, and answers by the policy, as every check does after end-of-file.
     // A release may have been read, but releasing is idempotent: it is sent again too,
     // once, to the sidecar's successor when this one died (SIGKILL), which frees a global
@@ -373,7 +391,8 @@ class Conn {
     const again = [];
     for (let i = head; i < pending.length; i++) {
       const en = pending[i];
-      if (i === last || (en.msg !== null && en.msg.op === 'release' && !en.resent)) again.push(en);
+      const unsent = this.unsentFrom > 0 && en.id >= this.unsentFrom && en.msg !== null && !en.resent;
+      if (i === last || unsent || (en.msg !== null && en.msg.op === 'release' && !en.resent)) again.push(en);
       else en.done(null, why);
     }
     for (const en of again) {
