@@ -20,13 +20,13 @@ export interface InlineLimit {
 export interface ClientOptions {
   /** Path of the sidecar's Unix socket. */
   socket: string;
-  /** Longest wait for one check, in milliseconds; default 50. */
+  /** Longest wait for one check, in milliseconds (> 0, at most 2^31 - 1); default 50. */
   timeoutMs?: number;
   /** The decision when the sidecar gives no answer in time; default 'open'. */
   onUnavailable?: 'open' | 'closed';
   /** Connections in the pool, each pipelined; default 2. */
   conns?: number;
-  /** Longest wait for one connection attempt, in milliseconds; default max(timeoutMs, 100). */
+  /** Longest wait for one connection attempt, in milliseconds (> 0, at most 2^31 - 1); default max(timeoutMs, 100). */
   connectTimeoutMs?: number;
   /**
    * The largest request frame body sent, in bytes; default 65536. Set it to the daemon's

@@ -41,6 +41,8 @@ const BACKOFF_MAX = 1000;
 // Checks in flight on one connection (abandoned ones included) beyond which a check waits
 // for room, up to its timeout.
 const MAX_PENDING = 4096;
+// The longest wait a timer holds, in ms.
+const MAX_TIMER = 2 ** 31 - 1;
 const NO_ROOM = 'every connection had as many checks in flight as it may until the timeout';
 // A connection that answers no check for max(STALL_MIN, 4 × timeoutMs) while checks time
 // out on it (or waiting for room on it: noRoom) is given up and redialed: a sidecar that
@@ -502,8 +504,13 @@ class Client {
     }
     const { socket, timeoutMs = 50, onUnavailable = 'open', conns = 2, connectTimeoutMs, maxFrame = proto.DEFAULT_MAX_FRAME, logger = console } = opts ?? {};
     if (typeof socket !== 'string' || socket === '') throw new TypeError('socket must be a non-empty string');
-    if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
-      throw new RangeError(`timeoutMs must be a number > 0, not ${timeoutMs}`);
+    // A timer holds at most 2^31 - 1 ms: Node runs a longer one after 1 ms, so a larger
+    // timeout (a "no timeout") would give up every check, or dial, at once.
+    for (const [k, v] of [['timeoutMs', timeoutMs], ['connectTimeoutMs', connectTimeoutMs]]) {
+      if (k === 'connectTimeoutMs' && v === undefined) continue;
+      if (!(typeof v === 'number' && v > 0 && v <= MAX_TIMER)) {
+        throw new RangeError(`${k} must be a number of ms > 0 and at most 2^31 - 1, not ${String(v)}`);
+      }
     }
     if (onUnavailable !== 'open' && onUnavailable !== 'closed') {
       throw new RangeError(`onUnavailable must be 'open' or 'closed', not ${JSON.stringify(onUnavailable)}`);
