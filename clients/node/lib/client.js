@@ -309,11 +309,13 @@ class Conn {
         return this.fail(`the sidecar closed the connection: ${e[0]}`, entry, fresh);
       }
       if (e !== null && e[0] === 'too_many_connections') {
-        // entry, taken off pending above, gets the policy with the sidecar's reason (it
-        // waited out its timeout: fail settles only the checks still pending).
-        const why = `the sidecar closed the connection: ${e[0]}`;
-        entry.done(null, why);
-        return this.fail(why);
+        // The sidecar refused this connection as it accepted it (past its --max-conns)
+        // and reads none of it: entry, taken off pending above, and every check after it
+        // were not read, not decided. Each goes again on another connection of the pool
+        // (this slot backs off: it answered nothing), as a fresh farewell's checks do: at
+        // most once per slot, after a pause, then the policy, with the sidecar's reason.
+        // Before, entry got the policy though another connection of the pool was served.
+        return this.fail(`the sidecar closed the connection: ${e[0]}`, entry, true);
       }
       this.served = true;
       this.heard = true;

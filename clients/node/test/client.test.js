@@ -298,3 +298,24 @@ test('a daemon at --max-conns: the cause names too_many_connections', async (t) 
   }
   assert.ok(causes.every((c) => /too_many_connections/.test(c)), causes.join(' | '));
 });
+
+// The daemon refuses a connection past its --max-conns as it accepts it, reading none of
+// it: a check refused so was not decided, and goes on another connection of the pool.
+// Before, it got the policy (a 503 under 'closed') though the pool's other connection
+// was served, each time the refused slot's backoff ended: 6 of 20 checks here.
+test('a check on a connection refused at --max-conns goes on the pool\'s live one', async (t) => {
+  const net = require('net');
+  const d = await startDaemon(t, undefined, ['--max-conns', '2']);
+  const holder = net.connect(d.socket);
+  await new Promise((r) => holder.once('connect', r));
+  t.after(() => holder.destroy());
+  const c = client(t, { socket: d.socket, timeoutMs: 5000, onUnavailable: 'closed', conns: 2 });
+  const causes = [];
+  for (let i = 0; i < 20; i++) {
+    const dec = await c.check({ user: `u${i}` });
+    if (dec.unreachable) causes.push(dec.cause);
+    else assert.equal(dec.remaining, 4, `u${i} counted once`);
+    await new Promise((r) => setTimeout(r, 25)); // past the refused slot's backoff, at first
+  }
+  assert.deepEqual(causes, [], `${causes.length} of 20 checks answered by the policy`);
+});
