@@ -93,7 +93,11 @@ function normLimit(i, lim) {
 function checkMessage(id, attrs, cost, limits) {
   const msg = { id, op: 'check' };
   if (attrs !== undefined && attrs !== null) {
-    if (typeof attrs !== 'object' || Array.isArray(attrs)) throw new TypeError('attrs must be an object of strings');
+    // A Map, a fetch Headers or another iterable has no enumerable keys: sent as no
+    // attributes, no rule keyed on them would apply.
+    if (typeof attrs !== 'object' || Array.isArray(attrs) || typeof attrs[Symbol.iterator] === 'function') {
+      throw new TypeError('attrs must be an object of strings (for a Map or Headers: Object.fromEntries(it))');
+    }
     let n = 0;
     let absent = 0;
     for (const k in attrs) {

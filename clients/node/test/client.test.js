@@ -88,6 +88,10 @@ test('bad input is refused before sending', async (t) => {
     [{}, { limits: ['k'] }, TypeError],
     [{}, { limits: [{ key: 'k', limit: 1, window_ms: 1000 }] }, RangeError], // the wire's name, not the client's
     [['user', 'x'], {}, TypeError],
+    // A Map or a fetch Headers has no enumerable keys: it was sent as no attributes at
+    // all, and no rule keyed on them applied (allowed, whatever the limits).
+    [new Map([['user', 'x']]), {}, TypeError],
+    [new Headers({ user: 'x' }), {}, TypeError],
   ];
   for (const [attrs, opts, E] of bad) await assert.rejects(c.check(attrs, opts), E);
   assert.equal((await c.check({ user: 'x' })).remaining, 4);
