@@ -183,8 +183,11 @@ export interface MiddlewareOptions<Req extends MiddlewareRequest = MiddlewareReq
   renewLeases?: boolean;
 }
 
-/** ip (peerIP of the peer's address), method, and path: normalizePath(req.originalUrl || req.url). */
-export declare function defaultAttrs(req: MiddlewareRequest): { ip: string; method: string; path: string | Buffer };
+/**
+ * ip (peerIP of the peer's address; left out when the request has none, as on a server
+ * listening on a Unix socket), method, and path: normalizePath(req.originalUrl || req.url).
+ */
+export declare function defaultAttrs(req: MiddlewareRequest): { ip?: string; method: string; path: string | Buffer };
 
 /**
  * The value of request header name ('x-user') for an attribute, undefined when the
