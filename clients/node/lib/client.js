@@ -149,8 +149,9 @@ class Conn {
     // The id of the first check whose frame certainly never reached the sidecar (0: none
     // known): its write failed as it was made, before the kernel took a byte of it (a
     // connection the sidecar had closed: --idle-timeout, a daemon that died), or it was
-    // written on a socket that could no longer write. Every check from it on was not
-    // read, so not decided: fail sends each again (the Go client's unsentFrom).
+    // written on a socket that could no longer write, or it came after a frame the
+    // sidecar refused as too large (it reads nothing more). Every check from it on was
+    // not read, so not decided: fail sends each again (the Go client's unsentFrom).
     this.unsentFrom = 0;
     socket.on('data', (chunk) => this.onData(chunk));
     socket.on('error', (e) => {
@@ -326,6 +327,11 @@ class Conn {
       if (late && typeof msg.lease === 'string' && msg.lease !== '') this.slot.client.releaseOrphan(msg.lease);
       if (e !== null && e[0] === 'frame_too_large') {
         // The sidecar closes the connection after this answer: no check may follow on it.
+        // It answered from the frame's header and reads nothing more of the connection:
+        // every check pending after entry was not read, not decided, and goes again on
+        // a new connection (before, each got the policy: one oversized request refused
+        // the concurrent ones pipelined behind it, under 'closed').
+        if (this.unsentFrom === 0 || this.unsentFrom > entry.id + 1) this.unsentFrom = entry.id + 1;
         return this.fail('the sidecar closed the connection: frame_too_large');
       }
     }

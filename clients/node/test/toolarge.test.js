@@ -217,3 +217,24 @@ test('the sidecar\'s attr_too_large gets a 431 from the middleware under open', 
   const get = await serve(t, rl.middleware(c));
   for (let i = 0; i < 6; i++) assert.equal((await get('/' + 'a'.repeat(300))).status, 431);
 });
+
+// The daemon answers frame_too_large from a frame's header and reads nothing more of the
+// connection: the checks pipelined after that frame on it were not read, not decided, and
+// go again on a new connection. Before, each got the policy (40 503s here, under
+// 'closed': one oversized request among concurrent ones refused the others).
+test('checks pipelined after a frame the sidecar refused as too large are sent again', async (t) => {
+  const d = await startDaemon(t, undefined, ['--max-frame', '1024']);
+  const c = client(t, { socket: d.socket, timeoutMs: 5000, onUnavailable: 'closed', conns: 1, logger: null });
+  await c.check({ user: 'warm' }); // the connection, dialed
+  const small = (i) => c.check({ user: `u${i}` });
+  const ps = [];
+  for (let i = 0; i < 10; i++) ps.push(small(i));
+  const big = c.check({ user: 'big', path: '/' + 'x'.repeat(2000) });
+  for (let i = 10; i < 50; i++) ps.push(small(i));
+  await assert.rejects(big, (e) => e instanceof rl.ProtocolError && e.code === 'frame_too_large' && e.decision.status === 431);
+  const ds = await Promise.all(ps);
+  ds.forEach((x, i) => {
+    assert.ok(!x.unreachable, `check ${i}: ${x.cause}`);
+    assert.equal(x.remaining, 4, `u${i} counted once`);
+  });
+});
