@@ -831,3 +831,44 @@ func TestStoreKeepsAClientOnceLimited(t *testing.T) {
 		t.Errorf("%d of 100 admitted at once, a second after the client emptied its bucket of 100 a minute: its state was evicted by one-off keys", allowed)
 	}
 }
+
+// A client evicted comes back with the state it left with (its ghost), not a fresh one:
+// a brute-forcer trying once a second against 5 a minute, between whose tries a one-off
+// key of a generous rule arrives at cost 10 (10 of 1,000 a day), used fewer units (at
+// most 4) than any of them, so it went first by the eviction rank (here every time: the
+// shard of 16 is sampled whole) and came back with its 5 again: 300 of 300 admitted. No
+// rank keeps it beside keeping TestStoreKeepsALittleUsedGenerousClient's client:
+// remembered, it keeps its count. For each algorithm of the client's rule, and of the
+// flood's; through one op and through two (apply2, with a key of its own beside).
+func TestStoreEvictedClientComesBackWithItsState(t *testing.T) {
+	for _, alg := range []Algorithm{TokenBucket, FixedWindow, SlidingWindow} {
+		for _, falg := range []Algorithm{TokenBucket, FixedWindow} {
+			for _, pair := range []bool{false, true} {
+				t.Run(fmt.Sprint(alg, "/flood=", falg, "/pair=", pair), func(t *testing.T) {
+					s := NewStore(Options{Shards: 1, MaxKeys: 16})
+					login := mustLimit(t, alg, 5, time.Minute, 0)
+					bulk := mustLimit(t, falg, 1000, 24*time.Hour, 0)
+					now := base
+					allowed := 0
+					for i := range 300 {
+						ops := []Op{op("login:{victim}", login, 1)}
+						if pair {
+							ops = append(ops, op("ip:{victim}", bulk, 1))
+						}
+						if s.Apply(now, ops) {
+							allowed++
+						}
+						s.Apply(now, []Op{op(fmt.Sprintf("bulk:{flood%d}", i), bulk, 10)})
+						now += int64(time.Second)
+					}
+					if allowed > 30 { // 5 a minute for 5 minutes, and a token bucket's refill
+						t.Errorf("%d of 300 admitted against 5 a minute for 5 minutes (%d evictions): evicted, the client came back fresh", allowed, s.Evictions())
+					}
+					if s.Len() > 16 {
+						t.Errorf("Len %d, past the cap of 16", s.Len())
+					}
+				})
+			}
+		}
+	}
+}
