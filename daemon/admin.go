@@ -527,6 +527,20 @@ func liftBan(deps AdminDeps, rule, client, escaped string) (lifted bool, conflic
 			return lifted, nil, err
 		}
 	}
+	// A ban this daemon does not list may still be in force in Redis, for every daemon:
+	// one another daemon just started (listed here after its next round and this
+	// daemon's next read, about two intervals), or one past the 10,000 a read keeps.
+	// Before, its lift answered 404 "no ban" while every global check refused the
+	// client as banned. Each form the request may mean is lifted only where Redis holds
+	// a ban of it in force, the first such form.
+	for i, form := range raw {
+		if slices.Contains(raw[:i], form) {
+			continue
+		}
+		if lifted, err = deps.Limiter.LiftSharedBan(rule, form, now); lifted || err != nil {
+			return lifted, nil, err
+		}
+	}
 	return false, nil, nil
 }
 

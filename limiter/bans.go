@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -282,5 +283,31 @@ func (l *Limiter) LiftBanErr(key string, now int64) (bool, error) {
 	if l.shared == nil {
 		return false, nil
 	}
-	return l.shared.lift(key, now)
+	return l.shared.lift(key, now, false)
+}
+
+// LiftSharedBan lifts, in Redis, the shared ban of client (its key's form, as between
+// the braces of its Redis keys: ip=1.2.3.4, user=%7Ba%7D|ip=1.2.3.4) by the rule named
+// rule, when that rule has a penalty in a shared mode (hybrid, global) and Redis holds
+// the client banned at now: whether or not this daemon knows the ban. Bans lists only
+// the bans a read of the index returned (at most 10,000, those ending last), and a ban
+// another daemon just started is not among them until the next reads; such a ban is
+// enforced all the same (every global check reads it). It reports whether it lifted
+// one; a client Redis holds no ban of is left as it is (its refusals and count kept).
+// The error is Redis's, when it did not answer.
+func (l *Limiter) LiftSharedBan(rule, client string, now int64) (bool, error) {
+	if l.shared == nil || client == "" || strings.ContainsAny(client, "{}") {
+		return false, nil
+	}
+	c := l.active.Load()
+	for i, r := range c.set.Rules {
+		if r.Name != rule || r.Index != i {
+			continue
+		}
+		if r.Penalty == nil || c.rules[i].bans == bansLocal {
+			return false, nil
+		}
+		return l.shared.lift(l.prefix+rule+":{"+client+"}", now, true)
+	}
+	return false, nil
 }

@@ -414,17 +414,25 @@ func (s *sharedBans) list(now int64, prefix string, out []Ban) []Ban {
 	return out
 }
 
-// lift lifts key's ban in Redis and here.
-func (s *sharedBans) lift(key string, now int64) (bool, error) {
+// lift lifts key's ban in Redis and here; with onlyBanned, only a ban Redis holds in
+// force (rlsync.Bans.LiftBanned).
+func (s *sharedBans) lift(key string, now int64, onlyBanned bool) (bool, error) {
 	if i := strings.IndexByte(key, '{'); i < 1 || key[i-1] != ':' {
 		return false, nil // not a client key
 	}
 	key = rlsync.BanIdentity(key) // as /bans lists it; a key under the rule's fingerprint too
 	ctx, cancel := context.WithTimeout(context.Background(), max(s.wait, time.Second))
 	defer cancel()
-	was, err := s.b.Lift(ctx, now, key)
+	lift := s.b.Lift
+	if onlyBanned {
+		lift = s.b.LiftBanned
+	}
+	was, err := lift(ctx, now, key)
 	if err != nil {
 		return false, err
+	}
+	if onlyBanned && !was {
+		return false, nil
 	}
 	was = was || s.knownUntil([]byte(key), s.redisOf(now)) != 0
 	s.forget(key)

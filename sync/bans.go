@@ -416,8 +416,20 @@ func (b *Bans) Known(ctx context.Context, now int64, limit int) ([]SharedBan, er
 // once). It reports whether key was banned, by Redis's clock. now is the caller's wall
 // clock (Unix ns) when it calls: the reply's Redis time measures the offset.
 func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
+	return b.lift(ctx, now, key, false)
+}
+
+// LiftBanned is Lift of a ban in force only: a key that holds none, by Redis's clock, is
+// left as it is (its refusals and count kept) and LiftBanned reports false. For a lift
+// asked of a client the caller does not know to be banned (no read of the index listed
+// it), which may name another client than the one meant.
+func (b *Bans) LiftBanned(ctx context.Context, now int64, key string) (bool, error) {
+	return b.lift(ctx, now, key, true)
+}
+
+func (b *Bans) lift(ctx context.Context, now int64, key string, onlyBanned bool) (bool, error) {
 	start := time.Now()
-	calls := []call{{keys: []string{BanKey(key)}, args: []any{b.shiftMs()}}}
+	calls := []call{{keys: []string{BanKey(key)}, args: []any{b.shiftMs(), b01(onlyBanned)}}}
 	run(ctx, b.rdb, banLiftScript, calls)
 	v, err := calls[0].cmd.Int64Slice()
 	if err == nil && len(v) != 3 {
@@ -428,6 +440,9 @@ func (b *Bans) Lift(ctx context.Context, now int64, key string) (bool, error) {
 	}
 	b.measure(now, start, v[2])
 	was := v[0] > v[2]/int64(time.Millisecond/time.Microsecond)
+	if onlyBanned && !was {
+		return false, nil // nothing deleted
+	}
 	if c := v[1]; c > 0 {
 		if err := b.rdb.ZRem(ctx, b.index, member(c, key)).Err(); err != nil {
 			return false, fmt.Errorf("lifting the ban of %s from the index: %w", key, err)
