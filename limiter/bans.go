@@ -229,8 +229,7 @@ func (l *Limiter) Bans(now int64) []Ban {
 		}
 		sh.mu.Unlock()
 	}
-	pen := penalties(l.Rules())
-	out = slices.DeleteFunc(out, func(b Ban) bool { return pen[b.Rule] == nil })
+	out = slices.DeleteFunc(out, l.unenforced())
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].Rule != out[j].Rule {
 			return out[i].Rule < out[j].Rule
@@ -244,24 +243,49 @@ func (l *Limiter) Bans(now int64) []Ban {
 // knows them).
 func (l *Limiter) BannedKeys(now int64) map[string]int {
 	out := map[string]int{}
+	unenforced := l.unenforced()
 	if l.shared != nil {
 		for _, b := range l.shared.list(now, l.prefix, nil) {
-			out[b.Rule]++
+			if !unenforced(b) {
+				out[b.Rule]++
+			}
 		}
 	}
 	for i := range l.bans.shards {
 		sh := &l.bans.shards[i]
 		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.until > now {
+		for k, e := range sh.m {
+			if e.until > now && !unenforced(Ban{Rule: e.rule, Key: k}) {
 				out[e.rule]++
 			}
 		}
 		sh.mu.Unlock()
 	}
-	pen := penalties(l.Rules())
-	maps.DeleteFunc(out, func(rule string, _ int) bool { return pen[rule] == nil }) // as Bans
 	return out
+}
+
+// unenforced returns a test of a ban (its Rule and Key) that the active rules do not
+// enforce: its rule has no penalty, or keeps its bans in the other table, this daemon's
+// (local mode) where the ban is a shared one (its key has the Redis prefix), or Redis
+// (hybrid, global) where it is this daemon's. A reload moving a rule between local and
+// a shared mode does not carry its bans across; before, /bans still listed the other
+// table's bans, and rlsidecar_banned_keys counted them, while no check refused them.
+// A shared ban's key is <prefix><rule>:{<client>}, a local one's <rule>:{<client>}: the
+// prefix ends with ':' and holds no '{', so neither can be read as the other.
+func (l *Limiter) unenforced() func(Ban) bool {
+	c := l.active.Load()
+	shared := map[string]bool{} // by penalty rule: whether its bans are Redis's
+	for i, r := range c.set.Rules {
+		if r.Penalty != nil && r.Index == i {
+			shared[r.Name] = c.rules[i].bans != bansLocal
+		}
+	}
+	return func(b Ban) bool {
+		s, ok := shared[b.Rule]
+		inRedis := len(b.Key) > len(l.prefix)+len(b.Rule)+1 && strings.HasPrefix(b.Key, l.prefix) &&
+			strings.HasPrefix(b.Key[len(l.prefix):], b.Rule+":{")
+		return !ok || s != inRedis
+	}
 }
 
 // LiftBan ends the ban of key (a client key as Bans lists it, rule name included) and
