@@ -94,7 +94,8 @@
 // expiry in ms on Redis's clock).
 // A calendar window's key names the window's start (Unix seconds) after the rule and its
 // fingerprint: rl:monthly~cmonth.1a2b3c4d@1767236400:{user=alice}; a penalty rule's
-// shared bans are rl:login~sw1m@ban:{ip=1.2.3.4}, indexed in the sorted set rl:~bans.
+// shared bans are rl:login@ban:{ip=1.2.3.4} (no fingerprint: a ban is of the client under any
+// window of the rule, rlsync.BanIdentity), indexed in the sorted set rl:~bans.
 // Rule names have no '@' or '~' and do not start with '~', so none of these is a rule
 // key under any prefix, and each keeps its client's hash tag (same slot).
 package limiter
