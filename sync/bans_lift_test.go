@@ -104,3 +104,47 @@ func TestBansLiftAgainAfterPartialLift(t *testing.T) {
 		})
 	}
 }
+
+// LiftBanned lifts a ban in force, its key and its index member, as Lift does, and leaves
+// a key holding no ban as it is: its refusals count toward the next ban (the admin
+// endpoint asks it of a client no daemon lists, which may be another client than meant).
+func TestBansLiftBanned(t *testing.T) {
+	for _, be := range globalBackends(t)[1:] { // standalone and cluster
+		t.Run(be.name, func(t *testing.T) {
+			ctx := context.Background()
+			b, err := NewBans(be.rdb, "liftb:")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pol := BanPolicy{After: 2, Within: time.Hour, Ban: 10 * time.Minute, Factor: 1, Max: 10 * time.Minute}
+			const banned, refused = "liftb:login:{ip=1.1.1.1}", "liftb:login:{ip=2.2.2.2}"
+			now := time.Now().UnixNano()
+			rs := []BanRefusal{{Key: banned, N: 2, Policy: pol}, {Key: refused, N: 1, Policy: pol}}
+			if err := b.Refused(ctx, now, rs); err != nil || !rs[0].Started || rs[1].Until != 0 {
+				t.Fatalf("Refused: %+v %v, want the first banned, the second not", rs, err)
+			}
+			if err := b.Index(ctx, []SharedBan{{Key: banned, Until: rs[0].Until, Count: rs[0].Count}}); err != nil {
+				t.Fatal(err)
+			}
+			if was, err := b.LiftBanned(ctx, now, refused); err != nil || was {
+				t.Fatalf("LiftBanned of a key with no ban: %v %v, want false", was, err)
+			}
+			if was, err := b.LiftBanned(ctx, now, banned); err != nil || !was {
+				t.Fatalf("LiftBanned of a ban in force: %v %v, want true", was, err)
+			}
+			if list, err := b.Known(ctx, now, 10); err != nil || len(list) != 0 {
+				t.Fatalf("Known after the lift: %+v (%v), want none", list, err)
+			}
+			rs = []BanRefusal{{Key: refused, N: 1, Policy: pol}, {Key: banned, N: 1, Policy: pol}}
+			if err := b.Refused(ctx, now, rs); err != nil {
+				t.Fatal(err)
+			}
+			if !rs[0].Started {
+				t.Errorf("the unbanned key's second refusal started no ban: its first was forgotten (%+v)", rs[0])
+			}
+			if rs[1].Started {
+				t.Errorf("the lifted key's count was kept: one refusal banned it again (%+v)", rs[1])
+			}
+		})
+	}
+}
