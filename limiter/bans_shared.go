@@ -70,6 +70,10 @@ type sharedBans struct {
 	// unindexed is the bans this daemon started and has not yet added to the index
 	// (rlsync.Bans.Index); each round retries them, and keeps them known meanwhile.
 	unindexed []rlsync.SharedBan
+	// found is the clients whose ban a global check found in force, this daemon not
+	// knowing it (Redis's index may lack it): the next round reads each ban and indexes
+	// it (saw).
+	found map[string]struct{}
 }
 
 type knownBan struct {
@@ -199,6 +203,18 @@ func (s *sharedBans) round(ctx context.Context, now int64, read bool) error {
 	began := time.Now()
 	ferr := s.flush(ctx, now)
 	s.mu.Lock()
+	var found []string
+	for k := range s.found {
+		found = append(found, k)
+	}
+	clear(s.found)
+	s.mu.Unlock()
+	if len(found) > 0 {
+		held, err := s.b.Held(ctx, found)
+		ferr = errors.Join(ferr, err)
+		s.started(held...) // indexed below, as the bans started here
+	}
+	s.mu.Lock()
 	todo := s.unindexed
 	s.unindexed = nil
 	s.mu.Unlock()
@@ -263,12 +279,18 @@ func (s *sharedBans) flush(ctx context.Context, now int64) error {
 	for i := range rs {
 		if rs[i].Until > rs[i].At {
 			s.learn(rs[i].Key, knownBan{until: rs[i].Until, count: rs[i].Count})
-		}
-		if rs[i].Started {
+			// Started here, or found in force: indexed (again) either way. A refusal
+			// reaches Redis during a ban only from a daemon that does not know it: one
+			// just started elsewhere (indexed already: the same member and score), or one
+			// the index lacks (its daemon killed before indexing it, or the reply that
+			// started it lost to a timeout). Before, the daemon learned such a ban here
+			// and forgot it at this round's read of the index: no hybrid daemon enforced
+			// it, /bans never listed it, and Redis ignored the client's refusals (made
+			// while banned) for the ban's whole length.
 			s.started(rlsync.SharedBan{Key: rs[i].Key, Until: rs[i].Until, Count: rs[i].Count})
-			if s.onStarted != nil {
-				s.onStarted(rs[i].Key)
-			}
+		}
+		if rs[i].Started && s.onStarted != nil {
+			s.onStarted(rs[i].Key)
 		}
 	}
 	return err
@@ -359,6 +381,29 @@ func (s *sharedBans) check(now int64, d *Decision) {
 		if u := s.knownUntil(rlsync.AppendBanIdentity(buf[:0], o.key), rnow); u != 0 {
 			o.bannedUntil = u - off
 		}
+	}
+}
+
+// saw notes that a global check of op i found its client banned until bannedUntil (the
+// limiter's clock at now). A ban this daemon does not know is one the index may lack:
+// the daemon that started it was killed before its round indexed it, or the reply of
+// the refusal that started it came after the call's timeout (--global-timeout), and no
+// daemon knew it had started. Global checks enforced it, but no /bans listed it and no
+// hybrid check of the rule enforced it. The next round reads it and indexes it.
+func (s *sharedBans) saw(now int64, d *Decision, i int) {
+	o := &d.ops[i]
+	var buf [128]byte
+	key := rlsync.AppendBanIdentity(buf[:0], o.key)
+	if s.knownUntil(key, s.redisOf(now)) != 0 {
+		return // the common case, without the lock
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.found == nil {
+		s.found = map[string]struct{}{}
+	}
+	if len(s.found) < maxPendingRefusals {
+		s.found[string(key)] = struct{}{}
 	}
 }
 

@@ -578,6 +578,9 @@ func (l *Limiter) report(now int64, d *Decision) {
 			// (even where the rule itself would refuse for longer).
 			out.RetryAfter = time.Duration(o.bannedUntil - now)
 			out.Reset = max(out.Reset, out.RetryAfter) // not back to full before the ban ends
+			if o.bans == bansGlobal {
+				l.shared.saw(now, d, i)
+			}
 		} else if o.flags&infoPenalty != 0 && !out.Allowed && (o.cost != 0 || o.asked) && !out.Impossible && !d.unasked(i) && !o.shared {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
 			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban),

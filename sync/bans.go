@@ -344,6 +344,35 @@ func (b *Bans) recheck(ctx context.Context, bans []SharedBan) error {
 
 func member(count int64, key string) string { return strconv.FormatInt(count, 10) + "|" + key }
 
+// Held reads the ban of each of keys (rule client keys) from its ban key: those that
+// hold one (ended or not; Known drops the ended), for [Bans.Index]. One pipeline.
+func (b *Bans) Held(ctx context.Context, keys []string) ([]SharedBan, error) {
+	pipe := b.rdb.Pipeline()
+	held := make([]*redis.SliceCmd, len(keys))
+	for i, k := range keys {
+		held[i] = pipe.HMGet(ctx, BanKey(k), "u", "c")
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, fmt.Errorf("reading %d bans: %w", len(keys), err)
+	}
+	var out []SharedBan
+	for i, k := range keys {
+		v := held[i].Val()
+		if len(v) != 2 {
+			continue
+		}
+		us, _ := v[0].(string)
+		cs, _ := v[1].(string)
+		u, err1 := strconv.ParseInt(us, 10, 64)
+		c, err2 := strconv.ParseUint(cs, 10, 32)
+		if err1 != nil || err2 != nil || u <= 0 || c == 0 {
+			continue
+		}
+		out = append(out, SharedBan{Key: k, Until: u * int64(time.Millisecond), Count: uint32(c)})
+	}
+	return out, nil
+}
+
 // SharedBan is a ban in force, as [Bans.Known] lists it.
 type SharedBan struct {
 	Key   string // the rule's client key: <prefix><rule>:{<client>}
