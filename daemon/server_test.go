@@ -788,3 +788,40 @@ func TestFrameTooLargeReadByTheClient(t *testing.T) {
 		}
 	}
 }
+
+// A request the client writes as the idle timeout fires is answered before the
+// connection ends, not closed unread (a Unix socket closed with bytes unread resets the
+// connection, and a client that had pipelined several could not tell which were read).
+func TestIdleTimeoutAnswersWhatCameAsItFired(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{IdleTimeout: 100 * time.Millisecond, Metrics: m})
+	defer s.Shutdown(context.Background())
+	c, br := dialServer(t, s)
+	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&proto.Request{ID: 2, Op: proto.OpPing})
+	enc.EncodeRequest(&proto.Request{ID: 3, Op: proto.OpPing})
+	wrote := make(chan error, 1)
+	beforeIdleShut = func() { // the client's pipelined requests arrive as the timeout fires
+		_, err := c.Write(enc.Bytes())
+		wrote <- err
+	}
+	defer func() { beforeIdleShut = nil }()
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	for _, id := range []uint64{2, 3} {
+		if r := readResponse(t, br); r.ID != id {
+			t.Fatalf("answer id %d, want %d", r.ID, id)
+		}
+	}
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Fatalf("after the answers: %v, want the end of the connection", err)
+	}
+	// Written after the shut, a request fails at once: the client knows it was not read.
+	if _, err := c.Write(enc.Bytes()); !errors.Is(err, syscall.EPIPE) {
+		t.Fatalf("a write after the idle cut: %v, want EPIPE", err)
+	}
+	waitClosed(t, m, closeIdleTimeout)
+}
