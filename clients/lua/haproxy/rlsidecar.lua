@@ -169,7 +169,8 @@ local function big_answer(address, n, timeout_ms)
 end
 
 -- roundtrip sends frame to the daemon at address and returns the decoded answer, or nil
--- and an error. With an answer, the connection stays open and is returned second (the
+-- and an error (and true when the connection broke on a release, before frame was sent:
+-- see check). With an answer, the connection stays open and is returned second (the
 -- caller closes it): a lease the answer carries is held while its connection is open.
 -- With releases (a list of leases), it first releases each on the same connection and
 -- waits for its answer (released or not), so that the check sees their slots free. One deadline,
@@ -253,7 +254,8 @@ local function roundtrip(address, timeout_ms, frame, id, releases)
     if rframe then
       local rbody, rerr = exchange(rframe) -- released or not
       if not rbody then
-        return nil, rerr
+        -- The connection broke (not the deadline): the check was not sent.
+        return nil, rerr, now_ms() + 2 < deadline
       end
       local r = codec.decode_body(rbody)
       if type(r) == "table" and r.id == 0 and type(r.error) == "table" then
@@ -312,7 +314,18 @@ local function check(address, policy, timeout_ms, attrs, cost, releases)
     return http.too_large_decision(msg), msg
   end
   local started = now_ms()
-  local resp, rerr = roundtrip(address, timeout_ms, frame, id, releases)
+  local resp, rerr, unsent = roundtrip(address, timeout_ms, frame, id, releases)
+  if not resp and unsent then
+    -- A release sent first met a connection that broke: the daemon closed it, read or
+    -- not (SIGKILLed, or its drain timed out, while deciding it). A release is idempotent
+    -- and the check was not sent: both are sent once more, within what is left of the
+    -- timeout, to its successor. Before, the check went to the policy (a 503 under
+    -- closed) with the daemon's successor up.
+    local rest = timeout_ms - (now_ms() - started)
+    if rest >= 1 then
+      resp, rerr = roundtrip(address, rest, frame, id, releases)
+    end
+  end
   if resp and resp.id == 0 and type(resp.error) == "table" and resp.error.code == "shutting_down" then
     -- The daemon drains and did not read this check (its connection was accepted during
     -- the drain, or the drain's farewell came first): sent once more, within what is left

@@ -318,6 +318,19 @@ local function stale(sock, err, writing)
   return n ~= nil and n > 0
 end
 
+-- resendable reports whether a release (idempotent: a second one answers released: false)
+-- is sent again after err, a failure to write it or to read its answer: the connection
+-- broke (the daemon closed it, died or was restarted), whether or not the daemon had read
+-- the release, on a pooled connection or a new one; not after a timeout (the deadline has
+-- passed). As the Go, Python and Node clients do: a release the daemon read and then
+-- closed on unanswered (SIGKILL while deciding it, a drain that timed out), not sent
+-- again, left a global lease's slots held in Redis for the whole lease, with no request
+-- running (a SIGKILL under load left one of a rule's four slots held: one request in four
+-- refused until the lease ran out).
+local function resendable(err)
+  return err == "closed" or err == "connection reset by peer" or err == "broken pipe"
+end
+
 -- Failed connects back off, per worker and socket path: from 10 ms, doubling up to 1 s,
 -- a random half to all of each wait (as the Go, Python and Node clients' dials). While a
 -- path backs off, its checks are decided by the policy at once, without a connect. nginx
@@ -358,8 +371,9 @@ local function refused(self, resp)
 end
 
 -- attempt is one try of roundtrip on a connection from the pool or a new one; retry
--- (its fourth value) says the connection was a stale pooled one (see stale).
-local function attempt(self, frame, id, deadline)
+-- (its fourth value) says the connection was a stale pooled one (see stale), or, for a
+-- release (idem), that it broke (see resendable).
+local function attempt(self, frame, id, deadline, idem)
   local sock = ngx.socket.tcp()
   if not left(sock, deadline) then
     return nil, "connecting to " .. self.path .. ": timeout", true
@@ -388,14 +402,14 @@ local function attempt(self, frame, id, deadline)
       end
       return resp
     end
-    local retry = stale(sock, err, true)
+    local retry = stale(sock, err, true) or (idem and resendable(err))
     local r1, r2, r3 = drop(sock, "writing to", self.path, err)
     return r1, r2, r3, retry
   end
   local resp
   resp, err = read_answer(sock, self.decode, deadline)
   if not resp then
-    local retry = err.first and stale(sock, err[2])
+    local retry = (err.first and stale(sock, err[2])) or (idem and resendable(err[2]))
     local r1, r2, r3 = drop(sock, err[1], self.path, err[2])
     return r1, r2, r3, retry
   end
@@ -430,8 +444,9 @@ end
 -- that found its pooled connection closed by the daemon (a restart, --idle-timeout) is
 -- sent again on the next one, a new one once the pool is empty, all within the one
 -- deadline: before, it went to the failure policy (a closed rule's 503) while the
--- daemon was up.
-function _M.roundtrip(self, frame, id)
+-- daemon was up. idem: the frame is a release, sent again whenever its connection broke
+-- (see resendable).
+function _M.roundtrip(self, frame, id, idem)
   ngx.update_time() -- the cached clock may be a whole event-loop turn old
   local now = clock()
   local f = dial_failures[self.path]
@@ -441,7 +456,7 @@ function _M.roundtrip(self, frame, id)
   local deadline = { at = now + self.timeout / 1000, late = false }
   local tries = 0
   while true do
-    local resp, err, transport, retry = attempt(self, frame, id, deadline)
+    local resp, err, transport, retry = attempt(self, frame, id, deadline, idem)
     tries = tries + 1
     if resp and dial_failures[self.path] then
       dial_failures[self.path] = nil -- it answers again
@@ -501,7 +516,7 @@ local function call(self, req)
   if not frame then
     return nil, "rlsidecar: " .. err
   end
-  local resp, rerr = self:roundtrip(frame, id)
+  local resp, rerr = self:roundtrip(frame, id, req.op == "release")
   if not resp then
     return nil, rerr
   end

@@ -35,7 +35,8 @@
 # both leases of a request checked by two lua.rlsidecar lines before the next request on
 # its keep-alive connection is checked; that nginx sends a check again after a pooled
 # connection's reset (closed unread) but not after end-of-file with no answer (it may have
-# been counted). With a second daemon at --max-conns 1: that nginx and HAProxy back off
+# been counted), and that a release read and closed on unanswered is sent again (nginx;
+# HAProxy with the check it preceded). With a second daemon at --max-conns 1: that nginx and HAProxy back off
 # after too_many_connections. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
@@ -1068,6 +1069,16 @@ for i in $(seq 10); do
 done
 expect "stand-in: /login checks answered by a drain's farewell: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
 expect "stand-in: some met the farewell (the case was exercised)" "$(($(grep -c '^farewell farewell-pool' "$tmp/held-events" || true) > 0))" 1
+# A release the sidecar read whole and closed on without an answer (a daemon SIGKILLed, or
+# whose drain timed out, while deciding it): a release is idempotent, so nginx sends it
+# again on another connection, and that one frees the slot. Before, it was logged
+# ("releasing a lease: ... closed") and dropped: a global lease's slots stayed held in
+# Redis for the whole lease with no request running.
+curl -s --max-time 5 -o /dev/null -X POST -H 'X-User: eof-release' "http://127.0.0.1:$held_port/login"
+eof_lease=$(awk '$1 == "check" && $2 == "/login" { l = $3 } END { print l }' "$tmp/held-events")
+release_event "$eof_lease" >/dev/null || true
+expect "stand-in: nginx, a release read and closed on unanswered: sent again and answered" \
+  "$(grep -c "^eof-release $eof_lease \|^release $eof_lease " "$tmp/held-events" || true)" 2
 # HAProxy connects per check: the stand-in answers every other check of farewell-alt with
 # the farewell at once (a connection a draining daemon accepted); the check is sent once
 # more, and decided.
@@ -1092,6 +1103,15 @@ codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -X POST -H 'X-
   "http://127.0.0.1:$held_hap_port/login" -o /dev/null "http://127.0.0.1:$held_hap_port/login" | tr -s ' \n' ' ')
 expect "stand-in: haproxy, a check whose release met a drain's farewell: sent once more, decided (status, connects)" "$codes" "200 1 200 0 "
 expect "stand-in: haproxy, the release met the farewell (the case was exercised)" "$(grep -c '^farewell-release ' "$tmp/held-events" || true)" 1
+# The same when the release sent first is read and its connection closed without an
+# answer (a daemon SIGKILLed, or whose drain timed out, while deciding it): a release is
+# idempotent and the check was not sent, so both are sent once more (to the successor),
+# and the check decided. Before, /login (closed) answered 503.
+codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -X POST -H 'X-User: eof-release' -o /dev/null \
+  "http://127.0.0.1:$held_hap_port/login" -o /dev/null "http://127.0.0.1:$held_hap_port/login" | tr -s ' \n' ' ')
+expect "stand-in: haproxy, a check whose release was read and closed on unanswered: sent once more, decided (status, connects)" "$codes" "200 1 200 0 "
+eof_lease=$(awk '$1 == "eof-release" { l = $2 } END { print l }' "$tmp/held-events")
+expect "stand-in: haproxy, that release sent again and answered" "$(grep -c "^release $eof_lease " "$tmp/held-events" || true)" 1
 # A lease of 3 s beside a rate rule of 1 s, its renewals unanswered for the first 1.5 s (a
 # daemon stalled or restarting), on a 5 s request: the gateway keeps renewing until the
 # lease's own expiry, and the renewal after the outage is answered. Before, the renewals

@@ -41,6 +41,13 @@ connection's previous transaction first, on the next check's connection):
 
     farewell-release LEASE T    the release of LEASE came on a connection the farewell ended
 
+A check whose user is "eof-release" is leased as any other, and the first release of its
+lease is read whole and its connection closed without an answer, as a daemon that dies
+(SIGKILL), or whose drain times out, while deciding it; a release is idempotent, so the
+gateway sends it again, and that one is answered at once:
+
+    eof-release LEASE T         the release of LEASE read, its connection closed unanswered
+
 A check whose user is "renew-outage" is leased with the rules of a lease of 3 s (a
 concurrency entry) beside a rate rule of 1 s, and the renewals of its lease are left
 unanswered for the first 1.5 s after the check (a daemon stalled or restarting), then
@@ -69,6 +76,7 @@ leases = itertools.count(1)
 alt = itertools.count(1)
 quick = set()  # leases whose release is answered at once (their checks' paths start with /twice/)
 farewell_release = set()  # leases whose first release gets the farewell (farewell-release's)
+eof_release = set()  # leases whose first release is read and not answered (eof-release's)
 renew_outage = {}  # lease -> when its check came (ms): renewals unanswered for 1.5 s after
 log_lock = threading.Lock()
 
@@ -129,6 +137,10 @@ def serve(c):
                 c.sendall(struct.pack(">I", len(out)) + out)
                 c.shutdown(socket.SHUT_WR)
                 return
+            if op == "release" and req.get("lease") in eof_release:
+                eof_release.discard(req.get("lease"))
+                log("eof-release %s %d" % (req.get("lease"), now_ms()))
+                return
             if op == "check" and user == "farewell-alt" and next(alt) % 2 == 1:
                 log("farewell %s %d" % (user, now_ms()))
                 out = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "draining"}})
@@ -159,6 +171,9 @@ def serve(c):
                          "retry_after_ms": 0, "allowed": True, "shadow": False}]
                 if user == "farewell-release":
                     farewell_release.add(lease)
+                    quick.add(lease)
+                if user == "eof-release":
+                    eof_release.add(lease)
                     quick.add(lease)
             elif op == "renew" and req.get("lease") in renew_outage:
                 if now_ms() - renew_outage[req.get("lease")] < 1500:
