@@ -58,7 +58,8 @@
 -- HTTP/1 client connection first releases the leases of the one before (see pending), so
 -- it does not race the daemon's reading of that close. A transaction longer than its
 -- lease keeps its slot: a task renews the lease (see keep_lease) until the daemon answers
--- that it is gone, which it is once the transaction's connection closed. `setenv
+-- that it is gone, which it is once the transaction's connection closed, or until it
+-- finds that connection collected (the transaction ended), and then releases it. `setenv
 -- RLSIDECAR_RENEW_LEASES off` in global, before lua-load, turns the renewals off.
 -- Frames are encoded and decoded by rlsidecar.codec, in plain Lua: lua-mpack under Lua 5.3
 -- decodes integers as floats, which would print as "5.0" in the headers.
@@ -378,9 +379,17 @@ local MIN_RENEWAL_MS = http.MIN_RENEWAL_MS
 -- it from the daemon: when the transaction ends HAProxy closes the connection that took
 -- the lease, the daemon frees the lease, and the next renewal answers renewed: false (a
 -- lease released by the next request on the client connection, see pending, likewise).
--- An entry holds the lease's id only, never the transaction's socket (which would keep it
--- open). A lease whose renewals go unanswered is dropped at its last known expiry.
-local due = {} -- a binary min-heap of entries { due, expires, lease, address, timeout_ms }
+-- An entry holds the lease's id, and the transaction's socket only weakly (a strong
+-- reference would keep it open): once the transaction ended and HAProxy collected that
+-- socket, the entry's next turn sends a release instead of a renewal, and the entry is
+-- dropped. The daemon that took the lease may not be the one that answers: one SIGKILLed
+-- (or crashed) never read the close, and its successor (systemd's socket, a blue/green
+-- handover) renewed a global lease it found in Redis for as long as it was asked, so a
+-- request that ended after the kill held its slot for as long as HAProxy ran (before,
+-- a 3 s lease was still held 12 s after its request ended; a keep-alive client's next
+-- request released it, see pending, a client that closed its connection never did).
+-- A lease whose renewals (or release) go unanswered is dropped at its last known expiry.
+local due = {} -- a binary min-heap of entries { due, expires, lease, address, timeout_ms, held }
 local renewing = false -- this Lua state's renewal task runs
 -- shortest_first_ms: the shortest first renewal any lease was given, which bounds how
 -- long the task sleeps (a lease added during a sleep is due after that at the earliest).
@@ -440,7 +449,9 @@ local function renew_all(address, timeout_ms, entries)
   local by_id, frames, waiting = {}, {}, 0
   for _, e in ipairs(entries) do
     local id = next_id()
-    local frame = codec.encode_request({ id = id, op = "renew", lease = e.lease })
+    -- The transaction ended (its socket collected): released, not renewed (see due).
+    e.ended = e.held ~= nil and e.held[1] == nil
+    local frame = codec.encode_request({ id = id, op = e.ended and "release" or "renew", lease = e.lease })
     if frame then
       by_id[id] = e
       frames[#frames + 1] = frame
@@ -492,7 +503,9 @@ local function renew_all(address, timeout_ms, entries)
       if e then
         by_id[resp.id] = nil
         waiting = waiting - 1
-        if not resp.error then
+        if e.ended and not resp.error then
+          e.renewed, e.left_ms = false, 0 -- released (or already gone): dropped
+        elseif not resp.error then
           e.renewed, e.left_ms = resp.renewed == true, tonumber(resp.expires_ms) or 0
         end
       end
@@ -583,11 +596,14 @@ end
 
 -- keep_lease has lease renewed while its transaction runs, first after first_ms; until a
 -- renewal answers, it expires after life_ms (the lease's duration, http.lease_life_ms),
--- 2 × first_ms when 0.
-local function keep_lease(address, timeout_ms, lease, first_ms, life_ms)
+-- 2 × first_ms when 0. sock is the transaction's connection that holds the lease, kept
+-- weakly: once it is collected, the lease is released (see due).
+local function keep_lease(address, timeout_ms, lease, first_ms, life_ms, sock)
   local now = now_ms()
   local life = life_ms and life_ms > 0 and life_ms or 2 * first_ms
-  due_push({ due = now + first_ms, expires = now + life, lease = lease, address = address, timeout_ms = timeout_ms })
+  local held = setmetatable({ sock }, { __mode = "v" }) -- emptied once the transaction's socket is collected
+  due_push({ due = now + first_ms, expires = now + life, lease = lease, address = address, timeout_ms = timeout_ms,
+    held = held })
   shortest_first_ms = math.min(shortest_first_ms, first_ms)
   if not renewing then
     -- Registered before the flag is set: register_task raises when HAProxy cannot
@@ -835,7 +851,7 @@ local function action(txn, address, policy, timeout)
       put_pending(conn, d.lease) -- for the next request on this client connection
     end
     if renew_leases then
-      keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)), http.lease_life_ms(d))
+      keep_lease(address, timeout_ms, d.lease, math.floor(http.first_renewal_ms(d)), http.lease_life_ms(d), d.sock)
     end
   end
   local delay = tonumber(d.delay_ms)

@@ -36,7 +36,8 @@
 # its keep-alive connection is checked; that nginx sends a check again after a pooled
 # connection's reset (closed unread) but not after end-of-file with no answer (it may have
 # been counted), and that a release read and closed on unanswered is sent again (nginx;
-# HAProxy with the check it preceded). With a second daemon at --max-conns 1: that nginx and HAProxy back off
+# HAProxy with the check it preceded); that HAProxy releases, not renews, the lease of a
+# transaction that ended, whoever answers its renewals. With a second daemon at --max-conns 1: that nginx and HAProxy back off
 # after too_many_connections. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
@@ -1112,6 +1113,22 @@ codes=$(curl -s --max-time 10 -w '%{http_code} %{num_connects}\n' -X POST -H 'X-
 expect "stand-in: haproxy, a check whose release was read and closed on unanswered: sent once more, decided (status, connects)" "$codes" "200 1 200 0 "
 eof_lease=$(awk '$1 == "eof-release" { l = $2 } END { print l }' "$tmp/held-events")
 expect "stand-in: haproxy, that release sent again and answered" "$(grep -c "^release $eof_lease " "$tmp/held-events" || true)" 1
+# A lease whose every renewal is answered renewed, whether or not the connection that
+# took it is still open (a successor daemon renewing a global lease it finds in Redis,
+# taken from a daemon SIGKILLed, which never read that connection's close): once the
+# transaction has ended (its connection collected), HAProxy releases it instead of
+# renewing it. Before, it renewed it for as long as HAProxy ran: a slot held with no
+# request running. (A HAProxy of its own: the held one's renewal task is busy with the
+# leases of the requests above, whose releases the stand-in answers 1 s late.)
+any_hap_port=$(free_port)
+sed -e "s#bind 127.0.0.1:$held_hap_port#bind 127.0.0.1:$any_hap_port#" -e "s#haproxy-stats.sock#haproxy-any-stats.sock#" "$tmp/haproxy-held.cfg" >"$tmp/haproxy-any.cfg"
+haproxy -db -f "$tmp/haproxy-any.cfg" >"$tmp/haproxy-any.log" 2>&1 &
+pids+=($!)
+wait_for "haproxy (stand-in sidecar, renewals)" curl -sf "http://127.0.0.1:$any_hap_port/static/x"
+curl -s --max-time 5 -o /dev/null -H 'X-User: renew-any' "http://127.0.0.1:$any_hap_port/api/renew-any"
+any_lease=$(awk '$1 == "check" && $2 == "/api/renew-any" { l = $3 } END { print l }' "$tmp/held-events")
+expect_re "stand-in: haproxy, the lease of an ended transaction released, not renewed on (release IN OUT)" \
+  "$(release_event "$any_lease")" '^[0-9]+ [0-9]+$'
 # A lease of 3 s beside a rate rule of 1 s, its renewals unanswered for the first 1.5 s (a
 # daemon stalled or restarting), on a 5 s request: the gateway keeps renewing until the
 # lease's own expiry, and the renewal after the outage is answered. Before, the renewals

@@ -48,6 +48,14 @@ gateway sends it again, and that one is answered at once:
 
     eof-release LEASE T         the release of LEASE read, its connection closed unanswered
 
+A check whose user is "renew-any" is leased with the rules of a lease of 1 s, and every
+renewal of its lease is answered renewed, whether or not the connection that took it is
+still open, as a successor daemon answers for a global lease it finds in Redis, taken
+from a daemon that was SIGKILLed (which never read that connection's close); its
+release is answered at once:
+
+    renewed LEASE T             a renewal of such a lease answered
+
 A check whose user is "renew-outage" is leased with the rules of a lease of 3 s (a
 concurrency entry) beside a rate rule of 1 s, and the renewals of its lease are left
 unanswered for the first 1.5 s after the check (a daemon stalled or restarting), then
@@ -78,6 +86,7 @@ quick = set()  # leases whose release is answered at once (their checks' paths s
 farewell_release = set()  # leases whose first release gets the farewell (farewell-release's)
 eof_release = set()  # leases whose first release is read and not answered (eof-release's)
 renew_outage = {}  # lease -> when its check came (ms): renewals unanswered for 1.5 s after
+renew_any = set()  # leases whose every renewal is answered renewed (renew-any's)
 log_lock = threading.Lock()
 
 
@@ -172,9 +181,18 @@ def serve(c):
                 if user == "farewell-release":
                     farewell_release.add(lease)
                     quick.add(lease)
+                if user == "renew-any":
+                    renew_any.add(lease)
+                    quick.add(lease)
+                    ans["rules"] = [
+                        {"name": "exports", "limit": 1, "window_ms": 1000, "remaining": 0, "reset_ms": 0,
+                         "retry_after_ms": 0, "allowed": True, "shadow": False, "concurrency": True}]
                 if user == "eof-release":
                     eof_release.add(lease)
                     quick.add(lease)
+            elif op == "renew" and req.get("lease") in renew_any:
+                log("renewed %s %d" % (req.get("lease"), now_ms()))
+                ans = {"id": rid, "renewed": True, "expires_ms": 1000}
             elif op == "renew" and req.get("lease") in renew_outage:
                 if now_ms() - renew_outage[req.get("lease")] < 1500:
                     continue  # no answer: the daemon is away

@@ -464,7 +464,8 @@ if not jit and not ngx then
   -- order they are written; by default each is renewed for its lease: S.lease_ms when the
   -- check took it, else opts.lease_ms.
   local function sim(opts)
-    local S = { clock = 1000000000300, tasks = {}, alerts = {}, renewals = {}, conns = 0, spins = 0, lease_n = 0, lease_of = {}, expiry = {}, wake = {} }
+    local S = { clock = 1000000000300, tasks = {}, alerts = {}, renewals = {}, releases = {}, running = {}, conns = 0,
+      spins = 0, lease_n = 0, lease_of = {}, expiry = {}, wake = {} }
     local calls = 0 -- core.now calls since the running task last yielded
     local sock_mt = {}
     sock_mt.__index = sock_mt
@@ -488,6 +489,13 @@ if not jit and not ngx then
           S.expiry["L" .. S.lease_n] = S.clock + ms * 1000
           self.out = self.out .. frame({ id = r.id, allowed = true, lease = "L" .. S.lease_n,
             rules = { { name = "c", limit = 10, remaining = 9, window_ms = ms } } })
+        elseif r.op == "release" then
+          -- answered at once, in the order written (renewals are answered after all
+          -- of a connection's frames: none here, the task sends one kind per entry)
+          S.releases[r.lease] = S.clock
+          local live = S.lease_of[r.lease] ~= nil
+          S.lease_of[r.lease] = nil
+          self.out = self.out .. frame({ id = r.id, released = live })
         elseif r.op == "renew" then
           renews[#renews + 1] = r
           local l = S.renewals[r.lease] or {}
@@ -549,7 +557,9 @@ if not jit and not ngx then
     package.loaded["haproxy.rlsidecar"] = nil
     dofile(root .. "/clients/lua/haproxy/rlsidecar.lua")
     -- request runs the action for one HTTP/2 request (no pending releases), which takes a
-    -- lease; it returns the lease's name.
+    -- lease; it returns the lease's name. The transaction runs until S.finish(lease): its
+    -- private data (the lease's socket) is kept in S.running until then, as HAProxy
+    -- keeps a running transaction's.
     function S.request()
       local priv
       local txn = {
@@ -563,7 +573,15 @@ if not jit and not ngx then
       }
       local ok, err = pcall(S.action, txn, "unix@/x", "open", "50")
       if not ok then S.alerts[#S.alerts + 1] = tostring(err) end
+      S.running["L" .. S.lease_n] = priv
       return "L" .. S.lease_n
+    end
+    -- finish ends lease's transaction: HAProxy frees its Lua context and collects its
+    -- garbage, the lease's socket with it.
+    function S.finish(lease)
+      S.running[lease] = nil
+      collectgarbage()
+      collectgarbage()
     end
     -- run runs the tasks until the clock has moved by ms: a sleeping task wakes when its
     -- tick comes; a task that spins (does not yield within 10,000 reads of the clock)
@@ -632,6 +650,28 @@ if not jit and not ngx then
     for _, l in ipairs(leases) do
       check(S.lease_of[l] and renewed_every(S, l, 800, t0, S.clock), "haproxy renewals after an id 0 error: %s not renewed every 800 ms", l)
     end
+  end
+
+  -- A transaction that ended (its socket collected) has its lease released at its next
+  -- turn, not renewed: the daemon that answers may renew it however long it is asked (a
+  -- successor renewing a global lease from Redis, taken from a daemon SIGKILLed, which
+  -- never read the close). Before, such a lease was renewed for as long as HAProxy ran.
+  do
+    local S = sim({ lease_ms = 1000 })
+    local t0 = S.clock
+    local ended, running = S.request(), S.request()
+    S.run(200)
+    S.finish(ended)
+    S.run(3000)
+    check(S.releases[ended] ~= nil, "haproxy: the lease of an ended transaction was not released (renewed %d times)",
+      #(S.renewals[ended] or {}))
+    local after = 0
+    for _, t in ipairs(S.renewals[ended] or {}) do
+      if t > (S.releases[ended] or 0) then after = after + 1 end
+    end
+    check(after == 0, "haproxy: the lease of an ended transaction renewed %d times after its release", after)
+    check(S.releases[running] == nil and renewed_every(S, running, 600, t0, S.clock),
+      "haproxy: the lease of a running transaction kept renewed beside one that ended")
   end
 
   -- Many leases due at once: batches of 256 on a connection each, all renewed, in order
