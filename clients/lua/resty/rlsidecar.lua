@@ -627,7 +627,31 @@ end
 -- renewed, at half of what is left; gone (released, expired, or freed with the
 -- connection that took it: without log(), nginx closes it as the request ends), no more;
 -- no answer, at half of what is left of its last known expiry, none once that has passed.
+-- A lease whose request has ended (without log(): nginx closed the connection that took
+-- it, e.sock) is released instead, and dropped once that is answered: the daemon that
+-- answers may not be the one that took it. One SIGKILLed never read the close, and its
+-- successor (systemd's socket, a blue/green handover) renews a global lease it finds in
+-- Redis for as long as it is asked: before, such a lease was renewed for as long as the
+-- worker ran (scratch probe: a 2 s request under a 3 s global lease, the daemon
+-- SIGKILLed 1 s in, the slot still held in Redis 12 s after the request ended).
 local function renew_one(lease, e)
+  if e.sock and e.sock:getreusedtimes() == nil then -- closed: nil, "closed"
+    local released = e.self:release(lease)
+    if renewing[lease] ~= e then
+      return
+    end
+    e.busy = false
+    ngx.update_time()
+    local now = clock()
+    local left = e.expires - now
+    if released ~= nil or left <= 0 then
+      renewing[lease] = nil
+      return
+    end
+    set_due(e, now, left / 2)
+    wake_by(e.due)
+    return
+  end
   local renewed, left_ms = e.self:renew(lease)
   if renewing[lease] ~= e then
     return -- released meanwhile
@@ -704,10 +728,11 @@ end
 -- itself when a renewal answers that the lease is gone (without log(), nginx closes the
 -- connection that took it as the request ends, and the daemon frees it), and when the
 -- sidecar does not answer until the lease's last known expiry: life seconds (the lease's
--- duration, http.lease_life_ms) until a renewal answers, 2 × first when 0. See tick.
-local function keep_lease(self, lease, first, life)
+-- duration, http.lease_life_ms) until a renewal answers, 2 × first when 0. sock: the
+-- connection that took it (see renew_one). See tick.
+local function keep_lease(self, lease, first, life, sock)
   local now = clock()
-  local e = { self = self, expires = now + (life and life > 0 and life or 2 * first), busy = false }
+  local e = { self = self, expires = now + (life and life > 0 and life or 2 * first), busy = false, sock = sock }
   set_due(e, now, first)
   renewing[lease] = e
   wake_by(e.due)
@@ -934,7 +959,8 @@ local function apply(self, e, again)
     -- (after an internal redirect too: ngx.ctx is new there).
     ngx.ctx.rlsidecar_lease = e.lease
     if not again and self.renew_leases then
-      keep_lease(self, e.lease, e.renew_in, e.life)
+      local socks = ngx.ctx.rlsidecar_lease_socks -- the last is this check's (hold)
+      keep_lease(self, e.lease, e.renew_in, e.life, socks and socks[#socks])
     end
   end
   local delay = e.delay_ms

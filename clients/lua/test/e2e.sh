@@ -37,7 +37,8 @@
 # connection's reset (closed unread) but not after end-of-file with no answer (it may have
 # been counted), and that a release read and closed on unanswered is sent again (nginx;
 # HAProxy with the check it preceded); that HAProxy releases, not renews, the lease of a
-# transaction that ended, whoever answers its renewals. With a second daemon at --max-conns 1: that nginx and HAProxy back off
+# transaction that ended, whoever answers its renewals, and nginx that of a request that
+# ended in a location without log(). With a second daemon at --max-conns 1: that nginx and HAProxy back off
 # after too_many_connections. Then it stops the daemon
 # and asserts the unreachable policies: `open` serves without rate-limit headers,
 # `closed` (/login, however spelt) answers 503 with Retry-After: 1 and its problem body.
@@ -995,7 +996,7 @@ sed -e "s#$sock#$held#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$h
   -e "s#timeout_ms = 2000, on_unavailable = \"closed\"#timeout_ms = 200, on_unavailable = \"closed\"#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-held\1#g" \
   -e "s#^    init_by_lua_block {#    init_worker_by_lua_block { SLEEPS = 0 local sleep = ngx.sleep ngx.sleep = function(s) SLEEPS = SLEEPS + 1 return sleep(s) end }\n    init_by_lua_block {#" \
-  -e "s#^        location /static/ {#        location = /__sleeps { content_by_lua_block { ngx.print(SLEEPS) } }\n        location /static/ {#" \
+  -e "s#^        location /static/ {#        location = /__sleeps { content_by_lua_block { ngx.print(SLEEPS) } }\n        location /nolog/ { access_by_lua_block { rl_open:access() } proxy_pass http://app; }\n        location /static/ {#" \
   "$tmp/nginx/nginx.conf" >"$tmp/nginx-held/nginx.conf"
 grep -q 'timeout_ms = 200, on_unavailable = "closed"' "$tmp/nginx-held/nginx.conf" || { echo "e2e: the closed client's timeout not found" >&2; exit 1; }
 nginx -e "$tmp/nginx-held.log" -p "$tmp/nginx-held" -c "$tmp/nginx-held/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-held/nginx.pid;" 2>>"$tmp/nginx-held.log" &
@@ -1115,10 +1116,17 @@ eof_lease=$(awk '$1 == "eof-release" { l = $2 } END { print l }' "$tmp/held-even
 expect "stand-in: haproxy, that release sent again and answered" "$(grep -c "^release $eof_lease " "$tmp/held-events" || true)" 1
 # A lease whose every renewal is answered renewed, whether or not the connection that
 # took it is still open (a successor daemon renewing a global lease it finds in Redis,
-# taken from a daemon SIGKILLed, which never read that connection's close): once the
-# transaction has ended (its connection collected), HAProxy releases it instead of
-# renewing it. Before, it renewed it for as long as HAProxy ran: a slot held with no
-# request running. (A HAProxy of its own: the held one's renewal task is busy with the
+# taken from a daemon SIGKILLed, which never read that connection's close), taken in a
+# location without log(): once the request has ended (nginx closed that connection),
+# nginx releases it instead of renewing it. Before, it renewed it for as long as the
+# worker ran: a slot held with no request running.
+curl -s --max-time 5 -o /dev/null -H 'X-User: renew-any' "http://127.0.0.1:$held_port/nolog/renew-any"
+any_lease=$(awk '$1 == "check" && $2 == "/nolog/renew-any" { l = $3 } END { print l }' "$tmp/held-events")
+expect_re "stand-in: nginx without log(), the lease of an ended request released, not renewed on (release IN OUT)" \
+  "$(release_event "$any_lease")" '^[0-9]+ [0-9]+$'
+# The same through HAProxy: once the transaction has ended (its connection collected),
+# HAProxy releases it instead of renewing it. Before, it renewed it for as long as
+# HAProxy ran. (A HAProxy of its own: the held one's renewal task is busy with the
 # leases of the requests above, whose releases the stand-in answers 1 s late.)
 any_hap_port=$(free_port)
 sed -e "s#bind 127.0.0.1:$held_hap_port#bind 127.0.0.1:$any_hap_port#" -e "s#haproxy-stats.sock#haproxy-any-stats.sock#" "$tmp/haproxy-held.cfg" >"$tmp/haproxy-any.cfg"
