@@ -310,11 +310,21 @@ end
 -- a request it may have counted), and a resend could count the check twice
 -- (proto/PROTOCOL.md: only what the drain's farewell leaves unanswered is unread). Before,
 -- that end-of-file was sent again too, as the Go, Python, Node and HAProxy clients never do.
+-- A new connection whose write fails or whose read is reset was closed unread as well:
+-- by a daemon that died (SIGKILL) or stopped having accepted it. stale returns "new"
+-- for it, and roundtrip sends the request again once (a daemon that closes every
+-- connection it accepts is not connected to again and again). Before, such a request
+-- went to the policy: a SIGKILL of a socket-activated daemon under load answered three
+-- /glob/ and /lease/ checks of a closed client 503 ("writing to ...: broken pipe") that
+-- its successor, up at once on the same socket, would have decided (scratch probe).
 local function stale(sock, err, writing)
   if err ~= "connection reset by peer" and not (writing and (err == "broken pipe" or err == "closed")) then
     return false
   end
   local n = sock:getreusedtimes()
+  if n == 0 then
+    return "new"
+  end
   return n ~= nil and n > 0
 end
 
@@ -454,10 +464,16 @@ function _M.roundtrip(self, frame, id, idem)
     return nil, "backing off after " .. f.n .. " failed attempt(s): " .. f.err, true
   end
   local deadline = { at = now + self.timeout / 1000, late = false }
-  local tries = 0
+  local tries, new_retried = 0, false
   while true do
     local resp, err, transport, retry = attempt(self, frame, id, deadline, idem)
     tries = tries + 1
+    if retry == "new" then
+      if new_retried and not idem then
+        retry = false
+      end
+      new_retried = true
+    end
     if resp and dial_failures[self.path] then
       dial_failures[self.path] = nil -- it answers again
     end

@@ -996,7 +996,7 @@ sed -e "s#$sock#$held#g" -e "s#listen 127.0.0.1:$nginx_port;#listen 127.0.0.1:$h
   -e "s#timeout_ms = 2000, on_unavailable = \"closed\"#timeout_ms = 200, on_unavailable = \"closed\"#" \
   -e "s#$tmp/nginx\([;/]\)#$tmp/nginx-held\1#g" \
   -e "s#^    init_by_lua_block {#    init_worker_by_lua_block { SLEEPS = 0 local sleep = ngx.sleep ngx.sleep = function(s) SLEEPS = SLEEPS + 1 return sleep(s) end }\n    init_by_lua_block {#" \
-  -e "s#^        location /static/ {#        location = /__sleeps { content_by_lua_block { ngx.print(SLEEPS) } }\n        location /nolog/ { access_by_lua_block { rl_open:access() } proxy_pass http://app; }\n        location /static/ {#" \
+  -e "s#^        location /static/ {#        location = /__sleeps { content_by_lua_block { ngx.print(SLEEPS) } }\n        location /nolog/ { access_by_lua_block { rl_open:access() } proxy_pass http://app; }\n        location /fresh/ { access_by_lua_block { local c = package.loaded.rl_fresh if not c then c = assert(require(\"resty.rlsidecar\").new { socket = \"$tmp/held-link.sock\", timeout_ms = 2000, on_unavailable = \"closed\", attrs = function() return { path = ngx.var.uri, user = ngx.var.http_x_user } end }) package.loaded.rl_fresh = c end c:access() } proxy_pass http://app; }\n        location /static/ {#" \
   "$tmp/nginx/nginx.conf" >"$tmp/nginx-held/nginx.conf"
 grep -q 'timeout_ms = 200, on_unavailable = "closed"' "$tmp/nginx-held/nginx.conf" || { echo "e2e: the closed client's timeout not found" >&2; exit 1; }
 nginx -e "$tmp/nginx-held.log" -p "$tmp/nginx-held" -c "$tmp/nginx-held/nginx.conf" -g "daemon off; master_process off; pid $tmp/nginx-held/nginx.pid;" 2>>"$tmp/nginx-held.log" &
@@ -1049,6 +1049,14 @@ for i in $(seq 10); do
 done
 expect "stand-in: /login checks meeting pooled connections the sidecar closed: sent again, decided" "$codes" "200 200 200 200 200 200 200 200 200 200 "
 expect "stand-in: some met a closed pooled connection (the case was exercised)" "$(($(grep -c '^stale ' "$tmp/held-events" || true) > 0))" 1
+# A new connection closed with its check unread (a daemon SIGKILLed, or stopped, having
+# accepted it): the check was not read, so it is sent again, once, on another new
+# connection (a client of its own, on a link to the stand-in's socket: its pool is
+# empty). Before, only a pooled connection's was, and this one went to the policy (503).
+ln -s "$held" "$tmp/held-link.sock"
+request GET "http://127.0.0.1:$held_port/fresh/a" fresh-reset
+expect "stand-in: nginx, a check whose new connection was closed unread: sent again, decided" "$status" 200
+expect "stand-in: nginx, a new connection closed unread (the case was exercised)" "$(grep -c '^fresh-reset ' "$tmp/held-events" || true)" 1
 # A pooled connection on which the sidecar read the check whole and closed without an
 # answer (end-of-file: a daemon that died, or whose drain timed out, while deciding it):
 # the check may have been counted, so it is not sent again; the policy decides it

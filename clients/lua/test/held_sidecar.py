@@ -56,6 +56,12 @@ release is answered at once:
 
     renewed LEASE T             a renewal of such a lease answered
 
+The first check whose user is "fresh-reset", if it is the first frame of its connection,
+is not read: the stand-in closes that connection with it unread (the gateway's read is
+reset), as a daemon SIGKILLed (or stopped) having accepted a new connection:
+
+    fresh-reset T               that check came, its new connection closed unread
+
 A check whose user is "renew-outage" is leased with the rules of a lease of 3 s (a
 concurrency entry) beside a rate rule of 1 s, and the renewals of its lease are left
 unanswered for the first 1.5 s after the check (a daemon stalled or restarting), then
@@ -87,6 +93,7 @@ farewell_release = set()  # leases whose first release gets the farewell (farewe
 eof_release = set()  # leases whose first release is read and not answered (eof-release's)
 renew_outage = {}  # lease -> when its check came (ms): renewals unanswered for 1.5 s after
 renew_any = set()  # leases whose every renewal is answered renewed (renew-any's)
+fresh_reset = []  # one element once the first fresh-reset check was closed unread
 log_lock = threading.Lock()
 
 
@@ -115,6 +122,18 @@ def serve(c):
     eof = False  # the connection answered an eof-pool check: the next is read, not answered
     farewell = False  # the connection answered a farewell-pool check: the next gets the farewell
     with c:
+        # The first frame of the connection, peeked: a fresh-reset check is closed unread.
+        select.select([c], [], [])
+        peek = c.recv(65536, socket.MSG_PEEK)
+        if len(peek) >= 4 and len(peek) >= 4 + struct.unpack(">I", peek[:4])[0] and not fresh_reset:
+            try:
+                first = msgpack.unpackb(peek[4:4 + struct.unpack(">I", peek[:4])[0]], raw=False)
+            except Exception:
+                first = None
+            if isinstance(first, dict) and dict(first.get("attrs") or {}).get("user") == "fresh-reset":
+                fresh_reset.append(1)
+                log("fresh-reset %d" % now_ms())
+                return
         while True:
             if stale:
                 select.select([c], [], [])
