@@ -290,3 +290,49 @@ func TestE2EGlobalLeaseReleaseOutlastsRedisTimeout(t *testing.T) {
 		t.Fatalf("release while Redis paused 80 ms: %+v after %v; want released", r, took)
 	}
 }
+
+// A lease holding a global and a local slot (its request matched a global and a local
+// concurrency rule), as README and proto/PROTOCOL.md say: released through the other
+// daemon, its global slot is freed (released: true) and its local one stays held on
+// the daemon that answered; renewed there, renewed: false; released on the daemon that
+// answered, its local slot is freed too.
+func TestE2EMixedLeaseThroughOtherDaemon(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: shared
+    key: user
+    concurrency: { max: 1, lease: 30s }
+    mode: global
+  - name: here
+    key: user
+    concurrency: { max: 1, lease: 30s }
+    mode: local
+`)
+	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "2s", "--redis-timeout", "1s"}
+	d1, d2 := startDaemon(t, args...), startDaemon(t, args...)
+	c1, c2 := dialRaw(t, d1.socket), dialRaw(t, d2.socket)
+	r := c1.check(1, 1, "user=ann")
+	if !r.Allowed || r.Lease == "" {
+		t.Fatalf("check: %+v", r)
+	}
+	if rr := c2.leaseOp(2, proto.OpRenew, r.Lease, 5000); rr.Renewed || rr.IsError() {
+		t.Fatalf("renew through the other daemon: %+v; want renewed false, no error", rr)
+	}
+	if rr := c2.leaseOp(3, proto.OpRelease, r.Lease, 0); !rr.Released || rr.IsError() {
+		t.Fatalf("release through the other daemon: %+v; want released (its global slot)", rr)
+	}
+	if rr := c2.check(4, 0, "user=ann"); !rr.Allowed {
+		t.Fatalf("the other daemon after the release: %+v; want its global slot free", rr)
+	}
+	if rr := c1.check(5, 0, "user=ann"); rr.Allowed || rr.Rule != "here" {
+		t.Fatalf("the answering daemon after a release elsewhere: %+v; want refused by its local slot", rr)
+	}
+	if rr := c1.leaseOp(6, proto.OpRelease, r.Lease, 0); !rr.Released {
+		t.Fatalf("release on the answering daemon: %+v; want released (its local slot)", rr)
+	}
+	if rr := c1.check(7, 0, "user=ann"); !rr.Allowed {
+		t.Fatalf("after both releases: %+v", rr)
+	}
+}
