@@ -872,7 +872,7 @@ func (cn *conn) waitIdle(yield bool) error {
 
 // beforeIdleShut, when set (tests), runs as an idle connection's read side is about to be
 // shut.
-var beforeIdleShut func()
+var beforeIdleShut atomic.Pointer[func()]
 
 // shutIdle ends a connection found idle for IdleTimeout (err, its read's deadline) by
 // shutting its read side first; it reports whether the client had written a frame before
@@ -889,8 +889,8 @@ func (cn *conn) shutIdle(err error) bool {
 		return false
 	}
 	cn.idleShut = true
-	if beforeIdleShut != nil {
-		beforeIdleShut()
+	if f := beforeIdleShut.Load(); f != nil {
+		(*f)()
 	}
 	var serr error
 	if cerr := cn.raw.Control(func(fd uintptr) { serr = syscall.Shutdown(int(fd), syscall.SHUT_RD) }); cerr != nil || serr != nil {

@@ -802,11 +802,12 @@ func TestIdleTimeoutAnswersWhatCameAsItFired(t *testing.T) {
 	enc.EncodeRequest(&proto.Request{ID: 2, Op: proto.OpPing})
 	enc.EncodeRequest(&proto.Request{ID: 3, Op: proto.OpPing})
 	wrote := make(chan error, 1)
-	beforeIdleShut = func() { // the client's pipelined requests arrive as the timeout fires
+	hook := func() { // the client's pipelined requests arrive as the timeout fires
 		_, err := c.Write(enc.Bytes())
 		wrote <- err
 	}
-	defer func() { beforeIdleShut = nil }()
+	beforeIdleShut.Store(&hook)
+	defer beforeIdleShut.Store(nil)
 	if err := <-wrote; err != nil {
 		t.Fatal(err)
 	}
