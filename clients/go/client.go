@@ -317,7 +317,7 @@ func New(o Options) (*Client, error) {
 	c.dialer.Timeout = o.DialTimeout
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := range c.slots {
-		c.slots[i].c = c
+		c.slots[i].c, c.slots[i].i = c, i
 	}
 	return c, nil
 }

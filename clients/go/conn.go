@@ -228,11 +228,12 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	cl.timer.Reset(wait)
 	resent := false
 	freshFarewells := 0 // farewells on connections that had answered nothing (below)
+	var refusedBy *slot // the slot whose connection the sidecar refused (below)
 	var err error
 	var cn *conn
 send:
 	for {
-		cn, err = c.pick(ctx, cl)
+		cn, err = c.pick(ctx, cl, refusedBy)
 		if err == nil {
 			err = cn.send(cl)
 		}
@@ -243,6 +244,18 @@ send:
 		// before; cn breaks once it has: then pick again (its slot redials).
 		select {
 		case <-cn.dead:
+			if rerr := cn.refusal(); rerr != nil {
+				// The sidecar refused cn as it accepted it (too_many_connections), and
+				// its reader read that before cl was written on it: paced and bounded
+				// as a refusal of cl itself (below), else a sidecar that refuses every
+				// connection was redialed once per slot on top of them.
+				if freshFarewells >= c.opts.Conns || !pauseBeforeResend(ctx, deadline) {
+					err = rerr
+					break send
+				}
+				freshFarewells++
+				refusedBy = cn.s
+			}
 			continue
 		case <-cl.timer.C:
 			err = errTimeout
@@ -278,27 +291,24 @@ send:
 		// up yet, a stand-in): each check redialed it in a loop, with no pause, for its
 		// whole timeout (9,000 connections a second from 4 callers). Such farewells give
 		// a check back at most once per pooled connection, each after a pause.
+		//
+		// A too_many_connections refusal is such a farewell: the sidecar refused the
+		// connection as it accepted it (past its --max-conns) and read none of it.
 		again := !resent
-		pause := time.Duration(0)
 		if ns.farewell() {
 			if !ns.fresh {
 				again = true
 			} else if freshFarewells < c.opts.Conns {
 				freshFarewells++
-				again, pause = true, backoffMin
+				again = pauseBeforeResend(ctx, deadline)
 			}
 		}
-		if again && pause > 0 && ctx.Err() == nil {
-			if left := time.Until(deadline); left > pause {
-				t := time.NewTimer(pause)
-				select {
-				case <-t.C:
-				case <-ctx.Done():
-				}
-				t.Stop()
-			} else {
-				again = false // no time left for another try
-			}
+		refusedBy = nil
+		if ns.refused() {
+			// Sent again on another connection of the pool first: the refused slot's
+			// backoff (5 to 10 ms after its first refusal) may have ended with the pause,
+			// and its redial, to a sidecar still at --max-conns, be refused again.
+			refusedBy = cn.s
 		}
 		if left := time.Until(deadline); again && left > 0 && ctx.Err() == nil {
 			resent = true
@@ -315,12 +325,31 @@ send:
 	return res, err
 }
 
+// pauseBeforeResend waits backoffMin before a check that a fresh farewell or a refused
+// connection gave back is sent again. It returns false, at once, when the deadline leaves
+// no time for that pause, or when ctx ended.
+func pauseBeforeResend(ctx context.Context, deadline time.Time) bool {
+	if ctx.Err() != nil || time.Until(deadline) <= backoffMin {
+		return false
+	}
+	t := time.NewTimer(backoffMin)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
 // notSent is the error of a call whose frame the sidecar certainly did not read, on a
 // connection that broke (err): its write failed before any byte of it was written (EPIPE:
 // a connection the sidecar closed, a graceful restart's drain, before the reader saw the
 // close), or it was the last call pending when the connection was reset (ECONNRESET) with
 // no byte of an answer come: the sidecar closed it with bytes unread, the end of the
-// stream, its frame among them. It was not decided, so roundTrip sends it again.
+// stream, its frame among them; or the sidecar said it read none of it: a drain's
+// farewell (shutting_down), or a connection refused as it was accepted
+// (too_many_connections). It was not decided, so roundTrip sends it again.
 // A release pending on a connection that broke gets it too, read or not: releasing is
 // idempotent (see fail).
 type notSent struct {
@@ -331,13 +360,34 @@ type notSent struct {
 
 func (e *notSent) Error() string { return e.err.Error() }
 
-// farewell reports whether the sidecar said so itself (a drain's shutting_down), rather
-// than the client inferring it from a failed write or a reset.
+// farewell reports whether the sidecar said so itself (a drain's shutting_down, or
+// too_many_connections: a connection refused as it was accepted), rather than the client
+// inferring it from a failed write or a reset.
 func (e *notSent) farewell() bool {
 	var pe *proto.Error
-	return errors.As(e.err, &pe) && pe.Code == proto.CodeShuttingDown
+	return errors.As(e.err, &pe) && (pe.Code == proto.CodeShuttingDown || pe.Code == proto.CodeTooManyConnections)
 }
 func (e *notSent) Unwrap() error { return e.err }
+
+// refused reports whether the sidecar refused the connection as it accepted it
+// (too_many_connections): it serves no more connections for now.
+func (e *notSent) refused() bool { return isRefusal(e.err) }
+
+func isRefusal(err error) bool {
+	var pe *proto.Error
+	return errors.As(err, &pe) && pe.Code == proto.CodeTooManyConnections
+}
+
+// refusal returns why cn broke when the sidecar refused it as it accepted it
+// (too_many_connections), else nil.
+func (cn *conn) refusal() error {
+	cn.mu.Lock()
+	defer cn.mu.Unlock()
+	if cn.broken && isRefusal(cn.err) {
+		return cn.err
+	}
+	return nil
+}
 
 // A connection that answers no check for stallFor while checks are pending on it is given
 // up and redialed: a sidecar that stopped answering on it (frozen; or an old sidecar
@@ -422,10 +472,13 @@ func uintLen(v uint64) int {
 // passes to the next. When every connection it got is full, it waits for a place on the
 // first of them until cl's deadline or ctx; if that connection breaks meanwhile, it
 // starts over (its slot redials). When the deadline passes first, it returns errNoRoom
-// and that connection.
-func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
+// and that connection. A slot last (not nil) comes after every other one.
+func (c *Client) pick(ctx context.Context, cl *call, last *slot) (*conn, error) {
 	n := len(c.slots)
 	start := int(c.next.Add(1) % uint32(n))
+	if last != nil {
+		start = (last.i + 1) % n
+	}
 	for {
 		var full *conn
 		var err error
@@ -465,6 +518,7 @@ func (c *Client) pick(ctx context.Context, cl *call) (*conn, error) {
 // slot holds one connection of the pool, and its dialing and backoff state.
 type slot struct {
 	c        *Client
+	i        int // its index in Client.slots
 	mu       sync.Mutex
 	cn       *conn         // live connection, or nil
 	dialing  chan struct{} // closed when the dial in progress ends; nil when none
@@ -739,28 +793,39 @@ func (cn *conn) readLoop() {
 			cn.fail(err)
 			return
 		}
-		if r.Err.Code == proto.CodeTooManyConnections || r.Err.Code == proto.CodeShuttingDown {
-			// The sidecar closes this connection; this is no fault of the request.
-			err := &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
-			if r.Err.Code == proto.CodeShuttingDown {
-				// The drain's last word (or a connection it accepted and does not serve):
-				// this call and every one after it on the connection were not read, not
-				// decided. Each is sent again, once, on another connection (notSent), to
-				// the sidecar's successor: not answered by the Policy at every restart.
-				// The sidecar answered: its slot redials at once (no backoff), to the
-				// successor.
-				// fresh: it had answered nothing before (see roundTrip: such farewells
-				// are paced and bounded).
-				fresh := !cn.served.Swap(true)
-				cn.mu.Lock()
-				cn.unsentFrom = cl.id
-				cn.fresh = fresh
-				cn.mu.Unlock()
-				cl.complete(&notSent{err: err, fresh: fresh})
-				cn.fail(err)
-				return
-			}
-			cl.complete(err)
+		switch r.Err.Code {
+		case proto.CodeTooManyConnections:
+			// The sidecar refused this connection as it accepted it (past its --max-conns)
+			// and closes it, reading none of it: this call and every one after it were
+			// not read, not decided. Each goes again on another connection of the pool
+			// (notSent), as after a fresh farewell: at most once per pooled connection,
+			// after a pause (roundTrip). Its slot backs off (served stays false): it
+			// answered nothing. Before, each got the Policy though another connection of
+			// the pool was served.
+			err := closedBySidecar(r)
+			cn.mu.Lock()
+			cn.unsentFrom = cl.id
+			cn.fresh = true
+			cn.mu.Unlock()
+			cl.complete(&notSent{err: err, fresh: true})
+			cn.fail(err)
+			return
+		case proto.CodeShuttingDown:
+			// The drain's last word (or a connection it accepted and does not serve):
+			// this call and every one after it on the connection were not read, not
+			// decided. Each is sent again, once, on another connection (notSent), to
+			// the sidecar's successor: not answered by the Policy at every restart.
+			// The sidecar answered: its slot redials at once (no backoff), to the
+			// successor.
+			// fresh: it had answered nothing before (see roundTrip: such farewells
+			// are paced and bounded).
+			err := closedBySidecar(r)
+			fresh := !cn.served.Swap(true)
+			cn.mu.Lock()
+			cn.unsentFrom = cl.id
+			cn.fresh = fresh
+			cn.mu.Unlock()
+			cl.complete(&notSent{err: err, fresh: fresh})
 			cn.fail(err)
 			return
 		}
@@ -808,11 +873,18 @@ func (c *Client) releaseOrphan(lease string) {
 	}()
 }
 
+// closedBySidecar is the error of the calls on a connection the sidecar closes with the
+// error r (too_many_connections, shutting_down, or any with no request pending): no
+// fault of the requests.
+func closedBySidecar(r *proto.Response) error {
+	return &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
+}
+
 // unsolicited describes a frame that arrived with no request pending.
 func unsolicited(dec *proto.Decoder, body []byte) error {
 	var r proto.Response
 	if dec.DecodeResponse(body, &r) == nil && r.IsError() {
-		return &unreachable{what: "the sidecar closed the connection", err: &proto.Error{Code: r.Err.Code, Message: r.Err.Message}}
+		return closedBySidecar(&r)
 	}
 	return &unreachable{what: "response without a pending request"}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -297,4 +298,56 @@ func drainStandIn(t *testing.T, path string, act func(conn, read int) drainAct) 
 		return conns
 	}
 	return decided, accepted
+}
+
+// A sidecar at its --max-conns refuses every new connection as it accepts it
+// (too_many_connections, id 0), reading none of it. A check refused so is sent again on
+// another connection of the pool, but at most once per pooled connection, after a pause:
+// it is not redialed in a loop for its whole timeout; then it answers by the Policy,
+// with the sidecar's reason.
+func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
+	path := socketPath(t)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	accepted := 0
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			nc, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			accepted++
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer nc.Close()
+				enc := proto.NewEncoder()
+				enc.EncodeError(0, proto.CodeTooManyConnections, "the daemon serves at most 1 connections")
+				nc.Write(enc.Bytes())
+				nc.CloseWrite()
+				nc.SetReadDeadline(time.Now().Add(time.Second))
+				io.Copy(io.Discard, nc) // as the daemon lingers
+			}()
+		}
+	}()
+	const pool = 4
+	c := newClient(t, Options{Socket: path, Conns: pool, Timeout: 300 * time.Millisecond, Policy: FailClosed})
+	d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
+	if err != nil || !d.Unreachable || !strings.Contains(d.Cause.Error(), proto.CodeTooManyConnections) {
+		t.Fatalf("decided %+v, %v: want the Policy, for too_many_connections", d, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if accepted > pool+2 {
+		t.Errorf("one check dialed %d connections to a sidecar that refuses each: want at most %d", accepted, pool+2)
+	}
 }

@@ -6,10 +6,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -383,5 +385,76 @@ func TestE2EGoClientTooManyAttrs(t *testing.T) {
 	}
 	if dec, err := c.Check(context.Background(), map[string]string{"ip": "192.0.2.10"}, nil); err != nil || !dec.Allowed || dec.Rule != "per-ip" {
 		t.Fatalf("a check after the errors: %+v %v", dec, err)
+	}
+}
+
+const perUserRules = `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 60s }
+`
+
+// The daemon refuses a connection past its --max-conns as it accepts it (an error
+// too_many_connections with id 0, then it closes), reading none of it: a check sent on
+// it was not decided, and goes on another connection of the pool, counted once. Before,
+// it got the Policy (FailClosed: refused) though the pool's other connection was served:
+// 5 of 20 sequential checks here, each time the refused slot's backoff had ended.
+func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--max-conns", "2")
+	holder := dialRaw(t, d.socket)
+	holder.check(1, 1, "user=holder") // served: one of the daemon's 2
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 2, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+
+	// At once: the pool's two connections are dialed together, one is refused, and the
+	// checks pipelined on it all go on the other.
+	var wg sync.WaitGroup
+	errs := make(chan string, 40)
+	for i := range 40 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			u := fmt.Sprint("v", i)
+			dec, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+			if err != nil || dec.Unreachable || dec.Remaining != 4 {
+				errs <- fmt.Sprintf("%s: %+v, %v (want remaining 4: decided once)", u, dec, err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	n := 0
+	for e := range errs {
+		if n++; n <= 3 {
+			t.Error(e)
+		}
+	}
+	if n > 0 {
+		t.Errorf("%d of 40 concurrent checks not decided once by the daemon", n)
+	}
+
+	// One at a time: each time the refused slot's backoff has ended, a check lands on it.
+	var causes []string
+	for i := range 20 {
+		u := fmt.Sprint("u", i)
+		dec, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dec.Unreachable {
+			causes = append(causes, dec.Cause.Error())
+		} else if dec.Remaining != 4 {
+			t.Errorf("%s: remaining %d, want 4 (counted once)", u, dec.Remaining)
+		}
+		time.Sleep(25 * time.Millisecond) // past the refused slot's backoff, at first: it dials again
+	}
+	if len(causes) > 0 {
+		t.Errorf("%d of 20 checks answered by the Policy; the first: %s", len(causes), causes[0])
 	}
 }
