@@ -348,8 +348,9 @@ func pauseBeforeResend(ctx context.Context, deadline time.Time) bool {
 // close), or it was the last call pending when the connection was reset (ECONNRESET) with
 // no byte of an answer come: the sidecar closed it with bytes unread, the end of the
 // stream, its frame among them; or the sidecar said it read none of it: a drain's
-// farewell (shutting_down), or a connection refused as it was accepted
-// (too_many_connections). It was not decided, so roundTrip sends it again.
+// farewell (shutting_down), a connection refused as it was accepted
+// (too_many_connections), or a frame before it refused as too large (frame_too_large: the
+// sidecar reads nothing more). It was not decided, so roundTrip sends it again.
 // A release pending on a connection that broke gets it too, read or not: releasing is
 // idempotent (see fail).
 type notSent struct {
@@ -835,7 +836,16 @@ func (cn *conn) readLoop() {
 		}
 		if r.Err.Code == proto.CodeFrameTooLarge {
 			// The sidecar closes the connection after this answer: detach it before the
-			// caller can send its next check on it.
+			// caller can send its next check on it. It answered from the frame's header
+			// and reads nothing more of the connection: every call pending after cl was
+			// not read, not decided, and is sent again on a new connection (notSent).
+			// Before, each got the Policy: one oversized request refused the concurrent
+			// checks pipelined behind it.
+			cn.mu.Lock()
+			if cn.unsentFrom == 0 || cn.unsentFrom > cl.id+1 {
+				cn.unsentFrom = cl.id + 1
+			}
+			cn.mu.Unlock()
 			cn.fail(&unreachable{what: "the sidecar closed the connection after an oversized request"})
 			cl.complete(nil)
 			return

@@ -1,8 +1,11 @@
 package rlclient
 
 import (
+	"bufio"
 	"context"
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"math/rand/v2"
@@ -10,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -260,5 +264,127 @@ func TestRefusedWhileStillWriting(t *testing.T) {
 		ServeHTTP(rec, httptest.NewRequest("GET", "/", nil))
 	if rec.Code != http.StatusRequestHeaderFieldsTooLarge {
 		t.Fatalf("middleware: status %d, want 431", rec.Code)
+	}
+}
+
+// The sidecar answers frame_too_large from a frame's header and reads nothing more of the
+// connection (as the daemon does): the checks pipelined behind that frame were not read,
+// not decided, and are sent again on a new connection, each decided once; the oversized
+// one gets its error. Before, each got the Policy (40 refusals here, under FailClosed).
+// A stand-in that does just that, with the 10 checks before the large one, the large one
+// and the 40 after it all written before it answers anything (the real daemon:
+// TestE2EGoClientChecksBehindAFrameTooLargeAreSentAgain, cmd/rlsidecar).
+func TestChecksBehindAFrameTooLargeAreSentAgain(t *testing.T) {
+	path := socketPath(t)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const maxFrame = 1024
+	gate := make(chan struct{}) // the stand-in answers nothing before it is closed
+	open := sync.OnceFunc(func() { close(gate) })
+	var mu sync.Mutex
+	decided := map[string]int{}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { open(); ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer nc.Close()
+				br := bufio.NewReader(nc)
+				enc := proto.NewEncoder()
+				for {
+					head, err := br.Peek(proto.HeaderSize)
+					if err != nil {
+						return
+					}
+					if binary.BigEndian.Uint32(head) > maxFrame {
+						<-gate
+						enc.Reset()
+						enc.EncodeError(0, proto.CodeFrameTooLarge, "a frame over 1024 bytes")
+						nc.Write(enc.Bytes())
+						nc.(*net.UnixConn).CloseWrite()
+						io.Copy(io.Discard, br) // reads nothing more of it, as the daemon lingers
+						return
+					}
+					body, err := proto.ReadFrame(br, nil, maxFrame)
+					if err != nil {
+						return
+					}
+					var req proto.Request
+					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+						return
+					}
+					<-gate
+					mu.Lock()
+					decided[attr(&req, "user")]++
+					mu.Unlock()
+					enc.Reset()
+					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+					if _, err := nc.Write(enc.Bytes()); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 5 * time.Second, Policy: FailClosed})
+	var cw sync.WaitGroup
+	errs := make(chan string, 50)
+	small := func(i int) {
+		cw.Add(1)
+		go func() {
+			defer cw.Done()
+			u := fmt.Sprint("u", i)
+			d, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+			if err != nil || d.Unreachable || d.Rule != u {
+				errs <- fmt.Sprintf("check %d: %+v, %v", i, d, err)
+			}
+		}()
+	}
+	for i := range 10 {
+		small(i)
+	}
+	eventually(t, "10 checks pending", func() bool { return pendingOn(c)[0] == 10 })
+	bigErr := make(chan error, 1)
+	go func() {
+		_, err := c.Check(context.Background(), map[string]string{"user": "big", "path": strings.Repeat("x", 2000)}, nil)
+		bigErr <- err
+	}()
+	eventually(t, "the large check pending", func() bool { return pendingOn(c)[0] == 11 })
+	for i := 10; i < 50; i++ {
+		small(i)
+	}
+	eventually(t, "51 checks pending", func() bool { return pendingOn(c)[0] == 51 })
+	open()
+	var pe *proto.Error
+	if err := <-bigErr; !errors.As(err, &pe) || pe.Code != proto.CodeFrameTooLarge {
+		t.Errorf("the large check: %v, want the sidecar's frame_too_large", err)
+	}
+	cw.Wait()
+	close(errs)
+	n := 0
+	for e := range errs {
+		if n++; n <= 3 {
+			t.Error(e)
+		}
+	}
+	if n > 0 {
+		t.Errorf("%d of 50 checks not answered by the sidecar", n)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range 50 {
+		if k := decided[fmt.Sprint("u", i)]; k != 1 {
+			t.Errorf("u%d decided %d times", i, k)
+		}
 	}
 }

@@ -458,3 +458,65 @@ func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
 		t.Errorf("%d of 20 checks answered by the Policy; the first: %s", len(causes), causes[0])
 	}
 }
+
+// The daemon answers frame_too_large from a frame's header and reads nothing more of the
+// connection: the checks pipelined behind that frame were not read, not decided, and go
+// again on a new connection, each counted once; the oversized request gets its 431.
+// Before, each of them got the Policy (FailClosed: refused).
+func TestE2EGoClientChecksBehindAFrameTooLargeAreSentAgain(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--max-frame", "1024")
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	h := rlclient.Middleware(c, rlclient.MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	for round := range 3 {
+		if _, err := c.Check(context.Background(), map[string]string{"user": "warm"}, nil); err != nil {
+			t.Fatal(err) // the connection, dialed
+		}
+		var wg sync.WaitGroup
+		errs := make(chan string, 50)
+		small := func(i int) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				u := fmt.Sprintf("r%du%d", round, i)
+				dec, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+				if err != nil || dec.Unreachable || dec.Remaining != 4 {
+					errs <- fmt.Sprintf("round %d, %s: %+v, %v (want remaining 4: decided once)", round, u, dec, err)
+				}
+			}()
+		}
+		for i := range 10 {
+			small(i)
+		}
+		status := make(chan int, 1)
+		go func() {
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/"+strings.Repeat("x", 2000), nil))
+			status <- rec.Code
+		}()
+		for i := 10; i < 50; i++ {
+			small(i)
+		}
+		if code := <-status; code != http.StatusRequestHeaderFieldsTooLarge {
+			t.Errorf("round %d: the oversized request got %d, want 431", round, code)
+		}
+		wg.Wait()
+		close(errs)
+		n := 0
+		for e := range errs {
+			if n++; n <= 3 {
+				t.Error(e)
+			}
+		}
+		if n > 0 {
+			t.Errorf("round %d: %d of 50 checks not decided once by the daemon", round, n)
+		}
+	}
+}
