@@ -522,15 +522,26 @@ type slot struct {
 	i        int // its index in Client.slots
 	mu       sync.Mutex
 	cn       *conn         // live connection, or nil
-	dialing  chan struct{} // closed when the dial in progress ends; nil when none
+	dialing  *dialAttempt  // the dial in progress, or nil
 	failures int           // consecutive failed dials (or connections that never answered)
 	retryAt  time.Time     // no dial before this
 	backoff  *backoffError // non-nil while failures > 0
 	closed   bool
 }
 
+// dialAttempt is a slot's dial in progress.
+type dialAttempt struct {
+	done chan struct{} // closed when it ends
+	cn   *conn         // the connection it made, or nil; set before done is closed
+}
+
 // get returns the slot's live connection, dialing one if needed and allowed. While a dial
-// is in progress it waits for it, up to the call's deadline.
+// is in progress it waits for it, up to the call's deadline, and returns the connection
+// it made even when that broke meanwhile: the call's send finds it broken, and roundTrip
+// picks again, counting a refusal (too_many_connections, read before the call was
+// written on it) as the call's own (paced, and bounded per check). Before, the pick went
+// on to dial the next slot at once, and a sidecar that refuses every connection was
+// dialed more often than once per pooled connection for a check.
 func (s *slot) get(ctx context.Context, cl *call) (*conn, error) {
 	for {
 		s.mu.Lock()
@@ -548,14 +559,17 @@ func (s *slot) get(ctx context.Context, cl *call) (*conn, error) {
 				s.mu.Unlock()
 				return nil, b
 			}
-			s.dialing = make(chan struct{})
+			s.dialing = &dialAttempt{done: make(chan struct{})}
 			s.c.wg.Add(1)
 			go s.dial(s.dialing)
 		}
-		ch := s.dialing
+		a := s.dialing
 		s.mu.Unlock()
 		select {
-		case <-ch:
+		case <-a.done:
+			if a.cn != nil {
+				return a.cn, nil // live, or broken: see above
+			}
 		case <-cl.timer.C:
 			return nil, errTimeout
 		case <-ctx.Done():
@@ -567,12 +581,12 @@ func (s *slot) get(ctx context.Context, cl *call) (*conn, error) {
 // dial connects the slot and starts the connection's reader. It runs in its own goroutine
 // so that it finishes (and its result serves later checks) even when the check that
 // started it has given up waiting.
-func (s *slot) dial(done chan struct{}) {
+func (s *slot) dial(a *dialAttempt) {
 	defer s.c.wg.Done()
 	nc, err := s.c.dialer.DialContext(s.c.ctx, "unix", s.c.opts.Socket)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	defer close(done)
+	defer close(a.done)
 	s.dialing = nil
 	if s.closed {
 		if err == nil {
@@ -587,7 +601,7 @@ func (s *slot) dial(done chan struct{}) {
 	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
 		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
 	cn.quietFrom.Store(int64(s.c.mono())) // quiet since it was dialed, until an answer
-	s.cn = cn
+	s.cn, a.cn = cn, cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
 }
@@ -775,11 +789,18 @@ func (cn *conn) readLoop() {
 		buf = body
 		cn.mu.Lock()
 		cl := cn.pending.pop()
-		cn.mu.Unlock()
 		if cl == nil {
-			cn.fail(unsolicited(dec, body))
+			// No call is queued on cn from now on: send sees werr, and its caller picks
+			// again (roundTrip). Before, a call queued between this pop and fail got
+			// this frame's error, and the Policy, though the sidecar never read it (a
+			// refusal, too_many_connections, read before the check was written).
+			err := unsolicited(dec, body)
+			cn.werr = err
+			cn.mu.Unlock()
+			cn.fail(err)
 			return
 		}
+		cn.mu.Unlock()
 		<-cn.room // cl's place: the next caller waiting for room takes it
 		if err := dec.DecodeResponse(body, &cl.resp); err != nil {
 			err = &unreachable{what: "undecodable response", err: err}

@@ -347,7 +347,11 @@ func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if accepted > pool+2 {
-		t.Errorf("one check dialed %d connections to a sidecar that refuses each: want at most %d", accepted, pool+2)
+	// Its first send and one per pooled connection: each dials at most one connection,
+	// whether the refusal is read before the check is written on it or after. (Before a
+	// refusal read first was counted, a pick went on to dial the next slot at once: up to
+	// 10 connections here.)
+	if accepted > pool+1 {
+		t.Errorf("one check dialed %d connections to a sidecar that refuses each: want at most %d", accepted, pool+1)
 	}
 }
