@@ -23,6 +23,18 @@ func TestWatchConfigChangedWhileStarting(t *testing.T) {
 		}
 	}
 	defer func() { afterFirstLoad = func() {} }()
+	rule, stderr := serveUntilRule(t, cfg, socket, nil, "after")
+	if rule != "after" {
+		t.Fatalf("the daemon still decides by %q, 10 s after the file changed while it started; stderr:\n%s", rule, stderr)
+	}
+}
+
+// serveUntilRule runs serve in this process on cfg, listening on socket, and once it
+// listens runs onListening (nil: nothing), then checks user=u every 20 ms until the rule
+// deciding it is want or 10 s have passed since serve began, and drains it (SIGTERM). It
+// returns the last rule that decided and serve's standard error.
+func serveUntilRule(t *testing.T, cfg, socket string, onListening func(), want string) (rule, stderr string) {
+	t.Helper()
 	var out, errs syncBuffer
 	done := make(chan error, 1)
 	go func() {
@@ -42,10 +54,12 @@ func TestWatchConfigChangedWhileStarting(t *testing.T) {
 			t.Fatalf("no socket after 10 s; stderr:\n%s", errs.String())
 		}
 	}
+	if onListening != nil {
+		onListening()
+	}
 	c := dialRaw(t, socket)
-	rule := ""
 	for id := uint64(1); time.Now().Before(deadline); id++ {
-		if rule = c.check(id, 1, "user=u").Rule; rule == "after" {
+		if rule = c.check(id, 1, "user=u").Rule; rule == want {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -56,7 +70,5 @@ func TestWatchConfigChangedWhileStarting(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Errorf("serve: %v", err)
 	}
-	if rule != "after" {
-		t.Fatalf("the daemon still decides by %q, 10 s after the file changed while it started; stderr:\n%s", rule, errs.String())
-	}
+	return rule, errs.String()
 }

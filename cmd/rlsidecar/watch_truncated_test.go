@@ -5,9 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"testing"
-	"time"
 )
 
 // A writer in place truncates the rules file, then writes it: a reload that reads it in
@@ -37,44 +35,13 @@ func TestWatchConfigTruncatedBeforeRead(t *testing.T) {
 		}
 	}
 	defer func() { beforeFileRead = func() {} }()
-	var out, errs syncBuffer
-	done := make(chan error, 1)
-	go func() {
-		done <- serve([]string{"--config", cfg, "--socket", socket, "--admin", ""}, &out, &errs)
-	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, err := os.Stat(socket); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			t.Fatalf("serve returned %v before listening; stderr:\n%s", err, errs.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no socket after 10 s; stderr:\n%s", errs.String())
-		}
-	}
-	writeFile(t, dir, "rules.yaml", after) // the change the watcher reloads on
-	c := dialRaw(t, socket)
-	rule := ""
-	for id := uint64(1); time.Now().Before(deadline); id++ {
-		if rule = c.check(id, 1, "user=u").Rule; rule == "after" {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err := syscall.Kill(os.Getpid(), syscall.SIGTERM); err != nil { // serve drains and returns
-		t.Fatal(err)
-	}
-	if err := <-done; err != nil {
-		t.Errorf("serve: %v", err)
-	}
+	rule, stderr := serveUntilRule(t, cfg, socket, func() {
+		writeFile(t, dir, "rules.yaml", after) // the change the watcher reloads on
+	}, "after")
 	if rule != "after" {
-		t.Fatalf("the daemon still decides by %q, 10 s after the file was written; stderr:\n%s", rule, errs.String())
+		t.Fatalf("the daemon still decides by %q, 10 s after the file was written; stderr:\n%s", rule, stderr)
 	}
-	if log := errs.String(); strings.Contains(log, "reload failed") {
-		t.Fatalf("a file read between its truncation and its bytes was a failed reload:\n%s", log)
+	if strings.Contains(stderr, "reload failed") {
+		t.Fatalf("a file read between its truncation and its bytes was a failed reload:\n%s", stderr)
 	}
 }
