@@ -16,19 +16,7 @@ import (
 // 404 "no ban" and the ban stayed in force on every daemon (as for a ban past the 10,000
 // a read of the index keeps).
 func TestE2ELiftUnlistedSharedBan(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: global
-    penalty: { after: 2, within: 1h, ban: 10m }
-`)
-	args := []string{"--config", cfg, "--admin", "127.0.0.1:0", "--global-timeout", "3s", "--redis-timeout", "3s", "--redis", "redis://" + srv.Addr}
-	a := startDaemon(t, append(args, "--sync-interval", "100ms")...)
-	b := startDaemon(t, append(args, "--sync-interval", "30s")...)
-	ca, cb := dialFault(t, a.socket), dialFault(t, b.socket)
+	_, b, ca, cb := startGlobalBanPair(t, "100ms", "30s")
 	banned := func(c *checker.Conn) bool {
 		t.Helper()
 		r, _, err := c.Check("ip=5.5.5.5")
@@ -61,4 +49,24 @@ rules:
 	if banned(ca) {
 		t.Fatal("daemon A still enforces the ban lifted on daemon B")
 	}
+}
+
+// startGlobalBanPair starts two real daemons on one Redis, sharing a global penalty rule
+// login (1 an hour per ip; 2 refusals within the hour ban for 10 minutes), with the sync
+// intervals (the rounds that read and write the bans' index) ia and ib, and dials each.
+func startGlobalBanPair(t *testing.T, ia, ib string) (a, b *daemonProc, ca, cb *checker.Conn) {
+	t.Helper()
+	srv := redistest.StartStandalone(t)
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
+rules:
+  - name: login
+    key: ip
+    limit: { requests: 1, per: 1h }
+    mode: global
+    penalty: { after: 2, within: 1h, ban: 10m }
+`)
+	args := []string{"--config", cfg, "--admin", "127.0.0.1:0", "--global-timeout", "3s", "--redis-timeout", "3s", "--redis", "redis://" + srv.Addr}
+	a = startDaemon(t, append(args, "--sync-interval", ia)...)
+	b = startDaemon(t, append(args, "--sync-interval", ib)...)
+	return a, b, dialFault(t, a.socket), dialFault(t, b.socket)
 }

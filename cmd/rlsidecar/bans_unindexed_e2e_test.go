@@ -4,8 +4,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 )
 
 // TestE2EBanOfAKilledDaemonIsListed: daemon A's refusals start a global ban, and A is
@@ -15,19 +13,7 @@ import (
 // and never listed it (nor could any daemon's hybrid check of the rule enforce it), for
 // the ban's whole hour.
 func TestE2EBanOfAKilledDaemonIsListed(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	cfg := writeFile(t, shortTempDir(t), "rules.yaml", `
-rules:
-  - name: login
-    key: ip
-    limit: { requests: 1, per: 1h }
-    mode: global
-    penalty: { after: 2, within: 1h, ban: 10m }
-`)
-	args := []string{"--config", cfg, "--admin", "127.0.0.1:0", "--global-timeout", "3s", "--redis-timeout", "3s", "--redis", "redis://" + srv.Addr}
-	a := startDaemon(t, append(args, "--sync-interval", "30s")...)
-	b := startDaemon(t, append(args, "--sync-interval", "100ms")...)
-	ca, cb := dialFault(t, a.socket), dialFault(t, b.socket)
+	a, b, ca, cb := startGlobalBanPair(t, "30s", "100ms")
 	for i := 0; ; i++ {
 		r, _, err := ca.Check("ip=6.6.6.6")
 		if err != nil {
