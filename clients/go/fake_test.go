@@ -187,3 +187,33 @@ func (f *fakeSidecar) stop() {
 	f.mu.Unlock()
 	f.wg.Wait()
 }
+
+// standIn listens on path and serves each connection accepted with handle, in a
+// goroutine of its own, n counting the connections from 0; handle's connection is closed
+// when it returns. At the test's end the listener is closed and every handle waited for
+// (cleanups a test registers after calling standIn run before).
+func standIn(t *testing.T, path string, handle func(nc *net.UnixConn, n int)) {
+	t.Helper()
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for n := 0; ; n++ {
+			nc, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer nc.Close()
+				handle(nc, n)
+			}()
+		}
+	}()
+}

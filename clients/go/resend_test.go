@@ -27,62 +27,44 @@ func TestResendsCheckTheSidecarNeverRead(t *testing.T) {
 	for _, mode := range []string{"shut-read", "reset"} {
 		t.Run(mode, func(t *testing.T) {
 			path := socketPath(t)
-			ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var wg sync.WaitGroup
 			done := make(chan struct{})
-			t.Cleanup(func() { close(done); ln.Close(); wg.Wait() })
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			standIn(t, path, func(nc *net.UnixConn, _ int) {
+				body, err := proto.ReadFrame(bufio.NewReader(nc), nil, proto.DefaultMaxFrame)
+				if err != nil {
+					return
+				}
+				var req proto.Request
+				if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+					return
+				}
+				enc := proto.NewEncoder()
+				enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+				if _, err := nc.Write(enc.Bytes()); err != nil {
+					return
+				}
+				if mode == "shut-read" {
+					nc.CloseRead() // the client's next write fails: EPIPE
+					time.Sleep(5 * time.Millisecond)
+					return
+				}
+				// Close once the next check is in, unread: the client reads a reset.
+				rc, _ := nc.SyscallConn()
 				for {
-					nc, err := ln.AcceptUnix()
-					if err != nil {
+					select {
+					case <-done:
+						return
+					case <-time.After(time.Millisecond):
+					}
+					n := 0
+					rc.Control(func(fd uintptr) {
+						n, _, _ = syscall.Recvfrom(int(fd), make([]byte, 1), syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+					})
+					if n > 0 {
 						return
 					}
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						defer nc.Close()
-						body, err := proto.ReadFrame(bufio.NewReader(nc), nil, proto.DefaultMaxFrame)
-						if err != nil {
-							return
-						}
-						var req proto.Request
-						if proto.NewDecoder().DecodeRequest(body, &req) != nil {
-							return
-						}
-						enc := proto.NewEncoder()
-						enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
-						if _, err := nc.Write(enc.Bytes()); err != nil {
-							return
-						}
-						if mode == "shut-read" {
-							nc.CloseRead() // the client's next write fails: EPIPE
-							time.Sleep(5 * time.Millisecond)
-							return
-						}
-						// Close once the next check is in, unread: the client reads a reset.
-						rc, _ := nc.SyscallConn()
-						for {
-							select {
-							case <-done:
-								return
-							case <-time.After(time.Millisecond):
-							}
-							n := 0
-							rc.Control(func(fd uintptr) {
-								n, _, _ = syscall.Recvfrom(int(fd), make([]byte, 1), syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-							})
-							if n > 0 {
-								return
-							}
-						}
-					}()
 				}
-			}()
+			})
+			t.Cleanup(func() { close(done) })
 			c := newClient(t, Options{Socket: path, Conns: 1, Timeout: time.Second, Policy: FailClosed})
 			const n = 50
 			policy := 0
@@ -227,66 +209,46 @@ const (
 // connections were accepted.
 func drainStandIn(t *testing.T, path string, act func(conn, read int) drainAct) (decided func(user string) int, accepted func() int) {
 	t.Helper()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
 	var mu sync.Mutex
 	users := map[string]int{}
 	conns := 0
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			nc, err := ln.AcceptUnix()
+	standIn(t, path, func(nc *net.UnixConn, conn int) {
+		mu.Lock()
+		conns++
+		mu.Unlock()
+		br := bufio.NewReader(nc)
+		enc := proto.NewEncoder()
+		for read := 0; ; read++ {
+			a := act(conn, read)
+			if a == drainFarewell {
+				enc.Reset()
+				enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
+				nc.Write(enc.Bytes())
+				nc.CloseWrite()
+				io.Copy(io.Discard, br) // as the daemon lingers
+				return
+			}
+			body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
 			if err != nil {
 				return
 			}
+			var req proto.Request
+			if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+				return
+			}
+			if a == drainSkip {
+				continue
+			}
 			mu.Lock()
-			conn := conns
-			conns++
+			users[attr(&req, "user")]++
 			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer nc.Close()
-				br := bufio.NewReader(nc)
-				enc := proto.NewEncoder()
-				for read := 0; ; read++ {
-					a := act(conn, read)
-					if a == drainFarewell {
-						enc.Reset()
-						enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
-						nc.Write(enc.Bytes())
-						nc.CloseWrite()
-						io.Copy(io.Discard, br) // as the daemon lingers
-						return
-					}
-					body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
-					if err != nil {
-						return
-					}
-					var req proto.Request
-					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
-						return
-					}
-					if a == drainSkip {
-						continue
-					}
-					mu.Lock()
-					users[attr(&req, "user")]++
-					mu.Unlock()
-					enc.Reset()
-					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
-					if _, err := nc.Write(enc.Bytes()); err != nil {
-						return
-					}
-				}
-			}()
+			enc.Reset()
+			enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+			if _, err := nc.Write(enc.Bytes()); err != nil {
+				return
+			}
 		}
-	}()
+	})
 	decided = func(user string) int {
 		mu.Lock()
 		defer mu.Unlock()
@@ -307,38 +269,19 @@ func drainStandIn(t *testing.T, path string, act func(conn, read int) drainAct) 
 // with the sidecar's reason.
 func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
 	path := socketPath(t)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
 	var mu sync.Mutex
 	accepted := 0
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			nc, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			accepted++
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer nc.Close()
-				enc := proto.NewEncoder()
-				enc.EncodeError(0, proto.CodeTooManyConnections, "the daemon serves at most 1 connections")
-				nc.Write(enc.Bytes())
-				nc.CloseWrite()
-				nc.SetReadDeadline(time.Now().Add(time.Second))
-				io.Copy(io.Discard, nc) // as the daemon lingers
-			}()
-		}
-	}()
+	standIn(t, path, func(nc *net.UnixConn, _ int) {
+		mu.Lock()
+		accepted++
+		mu.Unlock()
+		enc := proto.NewEncoder()
+		enc.EncodeError(0, proto.CodeTooManyConnections, "the daemon serves at most 1 connections")
+		nc.Write(enc.Bytes())
+		nc.CloseWrite()
+		nc.SetReadDeadline(time.Now().Add(time.Second))
+		io.Copy(io.Discard, nc) // as the daemon lingers
+	})
 	const pool = 4
 	c := newClient(t, Options{Socket: path, Conns: pool, Timeout: 300 * time.Millisecond, Policy: FailClosed})
 	d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)

@@ -276,66 +276,48 @@ func TestRefusedWhileStillWriting(t *testing.T) {
 // TestE2EGoClientChecksBehindAFrameTooLargeAreSentAgain, cmd/rlsidecar).
 func TestChecksBehindAFrameTooLargeAreSentAgain(t *testing.T) {
 	path := socketPath(t)
-	ln, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
 	const maxFrame = 1024
 	gate := make(chan struct{}) // the stand-in answers nothing before it is closed
 	open := sync.OnceFunc(func() { close(gate) })
 	var mu sync.Mutex
 	decided := map[string]int{}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { open(); ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	standIn(t, path, func(nc *net.UnixConn, _ int) {
+		br := bufio.NewReader(nc)
+		enc := proto.NewEncoder()
 		for {
-			nc, err := ln.Accept()
+			head, err := br.Peek(proto.HeaderSize)
 			if err != nil {
 				return
 			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer nc.Close()
-				br := bufio.NewReader(nc)
-				enc := proto.NewEncoder()
-				for {
-					head, err := br.Peek(proto.HeaderSize)
-					if err != nil {
-						return
-					}
-					if binary.BigEndian.Uint32(head) > maxFrame {
-						<-gate
-						enc.Reset()
-						enc.EncodeError(0, proto.CodeFrameTooLarge, "a frame over 1024 bytes")
-						nc.Write(enc.Bytes())
-						nc.(*net.UnixConn).CloseWrite()
-						io.Copy(io.Discard, br) // reads nothing more of it, as the daemon lingers
-						return
-					}
-					body, err := proto.ReadFrame(br, nil, maxFrame)
-					if err != nil {
-						return
-					}
-					var req proto.Request
-					if proto.NewDecoder().DecodeRequest(body, &req) != nil {
-						return
-					}
-					<-gate
-					mu.Lock()
-					decided[attr(&req, "user")]++
-					mu.Unlock()
-					enc.Reset()
-					enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
-					if _, err := nc.Write(enc.Bytes()); err != nil {
-						return
-					}
-				}
-			}()
+			if binary.BigEndian.Uint32(head) > maxFrame {
+				<-gate
+				enc.Reset()
+				enc.EncodeError(0, proto.CodeFrameTooLarge, "a frame over 1024 bytes")
+				nc.Write(enc.Bytes())
+				nc.CloseWrite()
+				io.Copy(io.Discard, br) // reads nothing more of it, as the daemon lingers
+				return
+			}
+			body, err := proto.ReadFrame(br, nil, maxFrame)
+			if err != nil {
+				return
+			}
+			var req proto.Request
+			if proto.NewDecoder().DecodeRequest(body, &req) != nil {
+				return
+			}
+			<-gate
+			mu.Lock()
+			decided[attr(&req, "user")]++
+			mu.Unlock()
+			enc.Reset()
+			enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+			if _, err := nc.Write(enc.Bytes()); err != nil {
+				return
+			}
 		}
-	}()
+	})
+	t.Cleanup(open)
 	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 5 * time.Second, Policy: FailClosed})
 	var cw sync.WaitGroup
 	errs := make(chan string, 50)
