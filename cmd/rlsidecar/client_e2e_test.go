@@ -429,15 +429,7 @@ func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
 	}
 	wg.Wait()
 	close(errs)
-	n := 0
-	for e := range errs {
-		if n++; n <= 3 {
-			t.Error(e)
-		}
-	}
-	if n > 0 {
-		t.Errorf("%d of 40 concurrent checks not decided once by the daemon", n)
-	}
+	reportFirst(t, errs, "of 40 concurrent checks not decided once by the daemon")
 
 	// One at a time: each time the refused slot's backoff has ended, a check lands on it.
 	var causes []string
@@ -509,14 +501,21 @@ func TestE2EGoClientChecksBehindAFrameTooLargeAreSentAgain(t *testing.T) {
 		}
 		wg.Wait()
 		close(errs)
-		n := 0
-		for e := range errs {
-			if n++; n <= 3 {
-				t.Error(e)
-			}
+		reportFirst(t, errs, fmt.Sprintf("of 50 checks not decided once by the daemon (round %d)", round))
+	}
+}
+
+// reportFirst fails t with the first 3 of the messages errs holds (closed), and their
+// count, followed by what.
+func reportFirst(t *testing.T, errs <-chan string, what string) {
+	t.Helper()
+	n := 0
+	for e := range errs {
+		if n++; n <= 3 {
+			t.Error(e)
 		}
-		if n > 0 {
-			t.Errorf("round %d: %d of 50 checks not decided once by the daemon", round, n)
-		}
+	}
+	if n > 0 {
+		t.Errorf("%d %s", n, what)
 	}
 }
