@@ -140,7 +140,11 @@ class _Protocol(asyncio.Protocol):
                         return
             if e is not None and e[0] == "frame_too_large":
                 # The sidecar closes the connection after this answer: no check may follow on it.
-                return self.fail("the sidecar closed the connection: frame_too_large")
+                # It answered from the frame's header and reads nothing more of the
+                # connection: every check still pending (pipelined after that frame) was not
+                # read, not decided, and goes again on a new connection. Before, each got
+                # the policy: one oversized request refused the concurrent ones behind it.
+                return self.fail("the sidecar closed the connection: frame_too_large", unread_rest=True)
 
     def timed_out(self):
         """Note a check this connection left unanswered for the whole timeout: the first
@@ -226,9 +230,10 @@ class _Protocol(asyncio.Protocol):
                 return
             self.data_received(data)
 
-    def fail(self, why, unread_last=False, unread_all=False):
+    def fail(self, why, unread_last=False, unread_all=False, unread_rest=False):
         """Break the connection once: close it and fail every pending check (with
-        _NotRead: the last when unread_last, every one when unread_all)."""
+        _NotRead: the last when unread_last, every one when unread_all, a farewell's,
+        or unread_rest, not a farewell: each is sent again once)."""
         if self.broken is not None:
             return
         self.broken = why
@@ -256,7 +261,7 @@ class _Protocol(asyncio.Protocol):
             _, fut = self.pending.popleft()
             if not fut.done():
                 fut.set_exception(_NotRead(why, unread_all, unread_all and self.fresh_farewell)
-                                  if unread_all or unread_last and not self.pending else err)
+                                  if unread_all or unread_rest or unread_last and not self.pending else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():

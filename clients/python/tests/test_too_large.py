@@ -272,3 +272,29 @@ def test_attr_too_large(make_daemon):
             check_431(e.value.decision)
             assert (await c.check({"user": "kim"})).allowed
     asyncio.run(main())
+
+
+def test_async_checks_pipelined_behind_a_refused_frame_are_sent_again(make_daemon):
+    """The daemon answers frame_too_large from a frame's header and reads nothing more of
+    the connection: the checks pipelined after that frame on it were not read, not
+    decided, and go again on a new connection, each counted once. Before, each got the
+    policy (40 of 40 here, under "closed": one oversized request among concurrent ones
+    refused the others)."""
+    from conftest import RULES
+    d = make_daemon(RULES, args=["--max-frame", "1024"])
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=5, on_unavailable="closed", max_frame=1 << 20) as c:
+            await c.check({"user": "warm"})  # the connection, dialed
+            before = [asyncio.ensure_future(c.check({"user": "u%d" % i})) for i in range(10)]
+            big = asyncio.ensure_future(c.check({"user": "big", "path": "/" + "x" * 2000}))
+            after = [asyncio.ensure_future(c.check({"user": "u%d" % i})) for i in range(10, 50)]
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                await big
+            check_431(e.value.decision)
+            ds = await asyncio.gather(*(before + after))
+            causes = [x.cause for x in ds if x.unreachable]
+            assert causes == [], "%d of 50 checks answered by the policy: %s" % (len(causes), causes[:1])
+            assert [x.remaining for x in ds] == [4] * 50  # each counted once
+    asyncio.run(main())
+
