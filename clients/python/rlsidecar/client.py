@@ -234,7 +234,8 @@ class Client:
                         conn.sock.close()
                     return self._unreachable("the sidecar closed the connection: %s" % e[0], len(checks))
                 if e[0] == "frame_too_large":
-                    keep = False  # the sidecar closes the connection after this answer
+                    if i >= own:  # (before own: on a connection already closed)
+                        keep = False  # the sidecar closes the connection after this answer
                     pe = _proto.RequestTooLargeError(e[1])
                 elif e[0] == "attr_too_large":  # a value over its --max-attr-len
                     pe = _proto.RequestTooLargeError(e[1], e[0])
@@ -433,7 +434,8 @@ class Client:
                     ids.extend(range(first, first + n))
                     answered.extend(e.answered)
                     bodies = bodies[n:]
-                if resent and not farewell:
+                if resent and not farewell and not e.answered:
+                    # (a frame_too_large in the resent rest: answers came, so the loop ends)
                     return _lost("connection lost: %s" % e, ids, answered)
                 if farewell and not pooled and not e.answered:
                     # A farewell on a new connection, before any answer: the sidecar may say
@@ -499,13 +501,20 @@ class Client:
                 if n < len(data):
                     try:
                         conn.sock.sendall(memoryview(data)[n:])
-                    except (BrokenPipeError, ConnectionResetError):
-                        refused = self._refused(conn, deadline) if len(frames) == 1 else None
+                    except (BrokenPipeError, ConnectionResetError) as e:
+                        if len(frames) > 1:
+                            self._read_to_refusal(conn, deadline, msgs, len(frames), e)
+                            return msgs  # the last frame was the one refused
+                        refused = self._refused(conn, deadline)
                         if refused is None:
                             raise
                         return [refused]
             else:
-                conn.sock.sendall(data)
+                try:
+                    conn.sock.sendall(data)
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    self._read_to_refusal(conn, deadline, msgs, len(frames), e)
+                    return msgs  # the last frame was the one refused
             for _ in window:
                 msg = self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1)
                 e = _proto.error_of(msg) if msg.get("id") == 0 else None
@@ -515,7 +524,36 @@ class Client:
                     # are sent again on a new connection (to the successor).
                     raise _NotRead("the sidecar closed the connection: shutting_down", farewell=True, answered=msgs)
                 msgs.append(msg)
+                self._past_refusal(msg, msgs, len(frames))
         return msgs
+
+    @staticmethod
+    def _past_refusal(msg, msgs, total):
+        """Raise _NotRead when msg (the last of msgs) is a frame_too_large with frames
+        written after it: the daemon answers it from the frame's header and reads nothing
+        more of the connection, so the frames after it were not read, not decided. They are
+        sent again on a new connection (the answers before, the refusal included, stand).
+        Before, the whole batch got the policy: under "open" the oversized request too."""
+        if len(msgs) < total:
+            e = _proto.error_of(msg)
+            if e is not None and e[0] == "frame_too_large":
+                raise _NotRead("the sidecar closed the connection: frame_too_large", answered=msgs)
+
+    def _read_to_refusal(self, conn, deadline, msgs, total, err):
+        """A write of a batch failed: read the answers the daemon wrote before it stopped
+        reading, onto msgs, up to its frame_too_large (then _past_refusal raises _NotRead,
+        or msgs has every answer and returns); raise err when there is none."""
+        while len(msgs) < total:
+            try:
+                msg = self._read(conn, deadline)
+            except (OSError, ValueError):
+                break
+            msgs.append(msg)
+            self._past_refusal(msg, msgs, total)
+            e = _proto.error_of(msg)
+            if e is not None and e[0] == "frame_too_large":
+                return
+        raise err
 
     def _refused(self, conn, deadline):
         """The answer the daemon wrote before it stopped reading a request we were still

@@ -298,3 +298,31 @@ def test_async_checks_pipelined_behind_a_refused_frame_are_sent_again(make_daemo
             assert [x.remaining for x in ds] == [4] * 50  # each counted once
     asyncio.run(main())
 
+
+def test_checks_batched_behind_a_refused_frame(make_daemon):
+    """check_many pipelines a batch on one connection: the daemon answers frame_too_large
+    for an oversized frame in it and reads nothing more. The batch raises
+    RequestTooLargeError (a 431), never the policy (under "open", that let the oversized
+    request through), and the checks after that frame, never read, are sent again on a
+    new connection, each counted once. Before, the whole batch got the policy."""
+    from conftest import RULES
+    from fixedwindow import in_one_window
+    d = make_daemon(RULES, args=["--max-frame", "1024"])
+
+    def batches(big):
+        def run(attempt):
+            users = ["u%d-%d-%d" % (len(big), attempt, i) for i in range(50)]
+            batch = [({"user": u}, 1, None) for u in users]
+            batch.insert(10, ({"user": "big", "ua": big}, 1, None))
+            for _ in range(4):
+                with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                    c.check_many(batch)
+                check_431(e.value.decision)
+            return [x.remaining for x in c.check_many([({"user": u}, 0, None) for u in users])]
+        return run
+
+    with rlsidecar.Client(d.socket, timeout=5, on_unavailable="open", max_frame=1 << 20) as c:
+        assert in_one_window(60000, batches("x" * 2000)) == [1] * 50  # each counted once a batch
+        # A frame far over --max-frame (the daemon drains what follows it, unread, before
+        # it closes): the same.
+        assert in_one_window(60000, batches(BIG)) == [1] * 50
