@@ -20,6 +20,10 @@ _POLICIES = ("open", "closed")
 #: check_many writes at most this many frames before reading their answers.
 BATCH_WINDOW = 256
 
+#: The longest wait, after the sidecar refused a new connection at its --max-conns, for
+#: another connection of the pool to be put back (s); then the check redials.
+REFUSED_PAUSE = 0.010
+
 
 def _lost(why, ids, answered):
     """What _exchange returns when it gives up (why): why, or, when the first requests
@@ -103,7 +107,11 @@ class Client:
     a 503); either way ``degraded`` and ``unreachable`` are True. A connection that timed
     out is closed (a late answer must not be read as the next one's). Failed dials, and
     connections dropped before their first answer, back off from 10 ms to 1 s; meanwhile
-    checks answer by the policy at once. Such a sidecar is logged (logger "rlsidecar",
+    checks answer by the policy at once. A connection refused at the daemon's
+    --max-conns (too_many_connections, none of it read) is such a failed dial; its check
+    waits up to 10 ms for another thread's connection to be put back and goes on it (or
+    on a new one once the backoff has ended), at most pool_size times, then answers by
+    the policy. Such a sidecar is logged (logger "rlsidecar",
     WARNING): the first check decided by the policy at once, then at most one line per
     10 s while checks keep being so decided, with their count, and one line when the
     sidecar answers again.
@@ -145,6 +153,8 @@ class Client:
         self.pool_size = pool_size
         self.max_frame = max_frame
         self._lock = threading.Lock()
+        self._put_back = threading.Condition(self._lock)  # notified by _put when checks wait on it
+        self._waiting = 0  # checks waiting on _put_back
         self._idle = []
         self._closed = False
         self._failures = 0
@@ -162,6 +172,8 @@ class Client:
         parent, unused. The lock is new too: another thread of the parent may have held
         it at the fork, and it would never be released here."""
         self._lock = threading.Lock()
+        self._put_back = threading.Condition(self._lock)
+        self._waiting = 0
         conns = self._idle + list(self._holding)
         self._idle, self._holding, self._lease_conn = [], set(), {}
         self._pid = os.getpid()
@@ -406,6 +418,7 @@ class Client:
         conn, pooled = self._take(deadline)
         resent = False
         fresh_farewells = 0
+        refusals = 0
         ids, answered = [], []  # of the requests answered before a farewell, on other connections
         while True:
             if isinstance(conn, str):
@@ -472,7 +485,20 @@ class Client:
                 # Refused as it was accepted (--max-conns), before any answer: a failed dial,
                 # backed off. Before, every check dialed a daemon at its cap again at once.
                 conn.sock.close()
-                return _lost(self._failed("the sidecar closed the connection: %s" % e[0]), ids, answered)
+                why = self._failed("the sidecar closed the connection: %s" % e[0])
+                # The sidecar read none of it: the requests were not decided. Another
+                # thread's connection of the pool, put back meanwhile, may serve them: they
+                # go on it (or on a new one, once the backoff has ended) after a pause, at
+                # most pool_size times, then the policy. Before, the policy at once, though
+                # the pool's other connection was served.
+                refusals += 1
+                if refusals > self.pool_size or time.monotonic() + REFUSED_PAUSE >= deadline:
+                    return _lost(why, ids, answered)
+                self._wait_put_back(REFUSED_PAUSE)
+                conn, pooled = self._take(deadline)
+                if isinstance(conn, str) and conn.startswith("backing off"):
+                    conn = why  # none put back, and no dial yet: the refusal is the cause
+                continue
             conn.served = True
             with self._lock:
                 self._failures = 0
@@ -612,8 +638,21 @@ class Client:
                 return
             if not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
+                if self._waiting:
+                    self._put_back.notify()
                 return
         conn.sock.close()
+
+    def _wait_put_back(self, pause):
+        """Wait up to pause seconds for an idle connection in the pool (see _exchange)."""
+        with self._lock:
+            if self._idle or self._closed:
+                return
+            self._waiting += 1
+            try:
+                self._put_back.wait(pause)
+            finally:
+                self._waiting -= 1
 
     def _unpark(self, now):
         """Return to use the connections set aside whose leases have all expired (taken

@@ -441,3 +441,45 @@ def test_too_many_connections_backs_off(make_daemon, monkeypatch):
             assert second.unreachable and second.cause.startswith("backing off"), second.cause
     finally:
         holder.close()
+
+
+def test_refused_at_max_conns_goes_on_the_pools_live_connection(make_daemon):
+    """The daemon refuses a connection past its --max-conns as it accepts it
+    (too_many_connections), reading none of it: a check refused so was not decided. While
+    another thread's connection of the pool is served, the check goes on that one once it
+    is put back (after a pause, at most pool_size times), not to the policy. Before, each
+    refused check answered by the policy at once: here, with the daemon's second place
+    taken, two threads checking in step got about one policy answer a round."""
+    import socket
+    d = make_daemon(RULES, args=["--max-conns", "2"])
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    holder.connect(d.socket)
+    try:
+        with rlsidecar.Client(d.socket, timeout=5, pool_size=2, on_unavailable="closed") as c:
+            c.check({"user": "warm"})  # once this is answered, the daemon has counted the holder too
+            rounds = 20
+            barrier = threading.Barrier(2)
+            causes, remaining, errors = [], [], []
+
+            def run(t):
+                try:
+                    for i in range(rounds):
+                        barrier.wait(10)
+                        dec = c.check({"user": "t%d-%d" % (t, i)})
+                        if dec.unreachable:
+                            causes.append(dec.cause)
+                        else:
+                            remaining.append(dec.remaining)
+                except BaseException as e:
+                    errors.append(e)
+
+            ts = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert not errors, errors
+            assert causes == [], "%d of %d checks answered by the policy: %s" % (len(causes), 2 * rounds, causes[:1])
+            assert remaining == [4] * (2 * rounds)  # each counted once
+    finally:
+        holder.close()
