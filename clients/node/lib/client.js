@@ -379,8 +379,12 @@ class Conn {
           en.done(null, why);
           continue;
         }
+        // This slot is tried last: its backoff (5-10 ms after one failure) ends within the
+        // pause, and round-robin sent the check straight back to it, to a sidecar still at
+        // its --max-conns, refused again while another slot's connection was live.
+        const slot = this.slot;
         setTimeout(() => {
-          if (!en.settled && !client.closed) client.route(en);
+          if (!en.settled && !client.closed) client.route(en, slot);
         }, FRESH_FAREWELL_PAUSE);
       }
       client.reroute();
@@ -816,19 +820,20 @@ class Client {
   }
 
   // route sends entry on the next slot round-robin (one that backs off passes to the next),
-  // dialing it if needed.
-  route(entry) {
+  // dialing it if needed; the slot last (when given) only when no other is usable.
+  route(entry, last = null) {
     const n = this.slots.length;
     const now = monoNow();
     let slot = null;
     for (let i = 0; i < n; i++) {
       const s = this.slots[(this.next + i) % n];
-      if (!s.backingOff(now)) {
+      if (s !== last && !s.backingOff(now)) {
         slot = s;
         break;
       }
     }
     this.next = (this.next + 1) % n;
+    if (slot === null && last !== null && !last.backingOff(now)) slot = last;
     if (slot === null) slot = this.slots[this.next];
     const got = slot.get();
     if (got instanceof Conn) this.sendOn(entry, got);

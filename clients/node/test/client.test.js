@@ -323,3 +323,36 @@ test('a check on a connection refused at --max-conns goes on the pool\'s live on
   }
   assert.deepEqual(causes, [], `${causes.length} of 20 checks answered by the policy`);
 });
+
+// A check refused at --max-conns goes again, after a 10 ms pause, on another slot first:
+// the refused slot's backoff after one failure (5-10 ms) ends within that pause, and
+// round-robin sent the resend straight back to it, to be refused again by the daemon
+// still at its cap, and paused again. Here three concurrent checks dial both slots with
+// the daemon's one free place: when the second slot's dial was refused, round-robin
+// pointed back at it and it was redialed (refused again) before the first slot's live
+// connection took the check: 3 dials, not 2.
+test('a check refused at --max-conns is resent on another slot first', async (t) => {
+  const net = require('net');
+  const dial = net.createConnection;
+  let dials = 0;
+  net.createConnection = (...args) => {
+    dials++;
+    return dial.apply(net, args);
+  };
+  t.after(() => {
+    net.createConnection = dial;
+  });
+  const counts = [];
+  for (let i = 0; i < 10; i++) {
+    const d = await startDaemon(t, undefined, ['--max-conns', '2']);
+    const holder = net.connect(d.socket);
+    await new Promise((r) => holder.once('connect', r));
+    t.after(() => holder.destroy());
+    const c = client(t, { socket: d.socket, timeoutMs: 5000, onUnavailable: 'closed', conns: 2, logger: null });
+    dials = 0;
+    const ds = await Promise.all([c.check({ user: 'a' }), c.check({ user: 'b' }), c.check({ user: 'c' })]);
+    for (const dec of ds) assert.ok(!dec.unreachable && dec.remaining === 4, dec.cause);
+    counts.push(dials);
+  }
+  assert.deepEqual(counts, Array(10).fill(2), 'dials of each fresh client, the refused slot redialed when 3');
+});
