@@ -326,3 +326,61 @@ def test_checks_batched_behind_a_refused_frame(make_daemon):
         # A frame far over --max-frame (the daemon drains what follows it, unread, before
         # it closes): the same.
         assert in_one_window(60000, batches(BIG)) == [1] * 50
+
+
+def test_batch_refused_while_still_writing(short_tmp):
+    """As test_refused_while_still_writing, for a check_many batch: the daemon answers the
+    checks before an oversized frame, then frame_too_large from its header, and closes
+    while the client still writes the batch (EPIPE; the real daemon drains before closing,
+    unless too many refused connections linger at once). The answers already in the
+    receive queue are read: the batch raises the 431, and the checks after the oversized
+    frame, never read, go on a new connection, once each. Here a server that does just
+    that, so that the write always fails."""
+    import os
+    import socket
+    import struct
+    import threading
+
+    import msgpack
+
+    path = os.path.join(short_tmp, "refuse.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(2)
+    seen = []  # the users checked on the second connection
+
+    def send(c, m):
+        body = msgpack.packb(m)
+        c.sendall(struct.pack(">I", len(body)) + body)
+
+    def frame(c):
+        n = struct.unpack(">I", c.recv(4, socket.MSG_WAITALL))[0]
+        return msgpack.unpackb(c.recv(n, socket.MSG_WAITALL))
+
+    def serve():
+        c, _ = srv.accept()
+        m = frame(c)  # the first check, whole
+        send(c, {"id": m["id"], "allowed": True, "remaining": 4})
+        c.recv(4, socket.MSG_WAITALL)  # the oversized frame's header only
+        send(c, {"id": 0, "error": {"code": "frame_too_large",
+                                    "message": "a frame of 4000000 bytes is over this daemon's 65536"}})
+        c.close()
+        c, _ = srv.accept()
+        for _ in range(2):
+            m = frame(c)
+            seen.append(m["attrs"]["user"])
+            send(c, {"id": m["id"], "allowed": True, "remaining": 4})
+        c.recv(1)  # until the client closes
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with rlsidecar.Client(path, timeout=5, max_frame=1 << 22, on_unavailable="open") as c:
+            with pytest.raises(rlsidecar.RequestTooLargeError) as e:
+                c.check_many([({"user": "a"}, 1, None), ({"user": "big", "ua": "x" * 4_000_000}, 1, None),
+                              ({"user": "b"}, 1, None), ({"user": "c"}, 1, None)])
+            check_431(e.value.decision)
+    finally:
+        t.join(5)
+        srv.close()
+    assert seen == ["b", "c"]
