@@ -384,3 +384,22 @@ def test_batch_refused_while_still_writing(short_tmp):
         t.join(5)
         srv.close()
     assert seen == ["b", "c"]
+
+
+def test_asgi_requests_behind_a_refused_frame_are_answered(make_daemon):
+    """The ASGI middleware's concurrent requests are pipelined on AsyncClient's connection:
+    one whose frame the daemon refuses as too large gets its 431, and those behind it on
+    the connection, which the daemon never read, are checked on a new one. Before, each
+    got the policy (503s under "closed")."""
+    from conftest import RULES
+    d = make_daemon(RULES, args=["--max-frame", "1024"])
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=5, on_unavailable="closed", max_frame=1 << 20) as client:
+            app = rlsidecar.ASGIMiddleware(hello_asgi, client, attrs=ua_attrs_asgi)
+            assert (await asgi_get(app, "/warm"))[0] == 200  # the connection, dialed
+            ua = [b"big" * 700 if i == 5 else b"curl" for i in range(30)]
+            got = await asyncio.gather(*(asgi_get(app, "/api/x", ip="192.0.2.%d" % (i + 10), headers=[(b"user-agent", u)])
+                                         for i, u in enumerate(ua)))
+            assert [g[0] for g in got] == [431 if i == 5 else 200 for i in range(30)]
+    asyncio.run(main())
