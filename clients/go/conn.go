@@ -824,13 +824,7 @@ func (cn *conn) readLoop() {
 			// after a pause (roundTrip). Its slot backs off (served stays false): it
 			// answered nothing. Before, each got the Policy though another connection of
 			// the pool was served.
-			err := closedBySidecar(r)
-			cn.mu.Lock()
-			cn.unsentFrom = cl.id
-			cn.fresh = true
-			cn.mu.Unlock()
-			cl.complete(&notSent{err: err, fresh: true})
-			cn.fail(err)
+			cn.closedUnread(cl, closedBySidecar(r), true)
 			return
 		case proto.CodeShuttingDown:
 			// The drain's last word (or a connection it accepted and does not serve):
@@ -841,14 +835,7 @@ func (cn *conn) readLoop() {
 			// successor.
 			// fresh: it had answered nothing before (see roundTrip: such farewells
 			// are paced and bounded).
-			err := closedBySidecar(r)
-			fresh := !cn.served.Swap(true)
-			cn.mu.Lock()
-			cn.unsentFrom = cl.id
-			cn.fresh = fresh
-			cn.mu.Unlock()
-			cl.complete(&notSent{err: err, fresh: fresh})
-			cn.fail(err)
+			cn.closedUnread(cl, closedBySidecar(r), !cn.served.Swap(true))
 			return
 		}
 		cn.served.Store(true)
@@ -946,6 +933,18 @@ func (cn *conn) writeFailed(err *unreachable, rest []byte) {
 	if cn.nc.SetReadDeadline(time.Now().Add(cn.s.c.opts.Timeout)) != nil {
 		cn.fail(err)
 	}
+}
+
+// closedUnread ends cn on err, the sidecar's last word, which says it read none of cl nor
+// of the calls after it: they are sent again on another connection (notSent; fresh: cn
+// had answered nothing before, see roundTrip).
+func (cn *conn) closedUnread(cl *call, err error, fresh bool) {
+	cn.mu.Lock()
+	cn.unsentFrom = cl.id
+	cn.fresh = fresh
+	cn.mu.Unlock()
+	cl.complete(&notSent{err: err, fresh: fresh})
+	cn.fail(err)
 }
 
 // fail breaks the connection once: it closes the socket, fails every pending call with
