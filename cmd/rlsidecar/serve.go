@@ -32,6 +32,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// maxLoggedWarnings is how many of a rule set's warnings the daemon logs at a load.
+const maxLoggedWarnings = 20
+
 // octalMode is a flag holding a file mode written in octal, like 0660.
 type octalMode os.FileMode
 
@@ -226,8 +229,16 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	afterFirstLoad()
 	// What validate warns of, in the journal too: an operator who skipped validate sees
 	// a rule that can never decide, or a rule set with no rules.
+	// At most maxLoggedWarnings of them a load, then how many more: 20,000 rules each
+	// listing GET without HEAD logged 20,000 lines at every reload.
 	logWarnings := func(set *rules.Set) {
-		for _, w := range set.Warnings() {
+		ws := set.Warnings()
+		for i, w := range ws {
+			if i == maxLoggedWarnings {
+				log.Warn(fmt.Sprintf("rules: %d more warnings not logged; rlsidecar validate lists them all", len(ws)-i),
+					"version", set.Version)
+				break
+			}
 			log.Warn("rules: "+w.Error(), "version", set.Version)
 		}
 	}

@@ -1,8 +1,10 @@
 package main
 
 import (
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 // validate reports rules that can never have an effect as warnings on stderr and still
@@ -41,5 +43,34 @@ func TestValidateWarnings(t *testing.T) {
 	clean := writeFile(t, dir, "clean.yaml", "rules:\n  - { name: a, key: user, limit: { requests: 1, per: 1s } }\n")
 	if out, errOut, code := runInProcess("validate", "--config", clean); code != exitOK || errOut != "" || !strings.Contains(out, "0 warnings") {
 		t.Fatalf("clean: code %d out %q err %q", code, out, errOut)
+	}
+}
+
+// The daemon logs at most maxLoggedWarnings of a rule set's warnings at a load, then how
+// many more there are; validate still lists them all. Before, 20,000 rules each with GET
+// and not HEAD logged 20,000 warnings at every reload.
+func TestServeWarningsCapped(t *testing.T) {
+	dir := t.TempDir()
+	var b strings.Builder
+	b.WriteString("rules:\n")
+	const n = 100
+	for i := range n {
+		fmt.Fprintf(&b, "  - { name: r%d, match: { method: GET, path: /r%d }, key: user, limit: { requests: 10, per: 1m } }\n", i, i)
+	}
+	cfg := writeFile(t, dir, "rules.yaml", b.String())
+	if _, errOut, code := runInProcess("validate", "--config", cfg); code != exitOK || strings.Count(errOut, "GET without HEAD") != n {
+		t.Fatalf("validate: code %d, %d warnings listed, want %d", code, strings.Count(errOut, "GET without HEAD"), n)
+	}
+	d := startDaemon(t, "--config", cfg)
+	more := fmt.Sprintf("%d more warnings not logged", n-maxLoggedWarnings)
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(d.stderr.String(), more) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q in the daemon's log:\n%s", more, d.stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := strings.Count(d.stderr.String(), "GET without HEAD"); got != maxLoggedWarnings {
+		t.Fatalf("%d warnings logged, want %d", got, maxLoggedWarnings)
 	}
 }
