@@ -1,10 +1,12 @@
 package daemon
 
 import (
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -121,7 +123,18 @@ func newAdmin(ln net.Listener, addr string, deps AdminDeps) *Admin {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-		deps.Metrics.WritePrometheus(w)
+		w.Header().Set("Vary", "Accept-Encoding")
+		if !acceptsGzip(r.Header.Values("Accept-Encoding")) {
+			deps.Metrics.WritePrometheus(w)
+			return
+		}
+		w.Header().Set("Content-Encoding", "gzip")
+		zw := gzipWriters.Get().(*gzip.Writer)
+		zw.Reset(w)
+		deps.Metrics.WritePrometheus(zw)
+		_ = zw.Close() // a write error is the client's going away: nothing to tell it
+		zw.Reset(io.Discard)
+		gzipWriters.Put(zw)
 	})
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "ok")
@@ -859,4 +872,34 @@ func writeJSON(w http.ResponseWriter, v any) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(v)
+}
+
+// gzipWriters keeps the compressors of /metrics answers. A scrape that accepts gzip (as
+// Prometheus's does) gets one: the exposition of 20,000 rules is about 7 MB of text, which
+// compresses about 10 to 1 (TestMetricsGzip).
+var gzipWriters = sync.Pool{New: func() any {
+	zw, _ := gzip.NewWriterLevel(io.Discard, gzip.BestSpeed)
+	return zw
+}}
+
+// acceptsGzip reports whether Accept-Encoding header values list gzip with a weight
+// above 0 (RFC 9110, 12.5.3).
+func acceptsGzip(values []string) bool {
+	for _, v := range values {
+		for part := range strings.SplitSeq(v, ",") {
+			coding, params, _ := strings.Cut(strings.TrimSpace(part), ";")
+			if !strings.EqualFold(strings.TrimSpace(coding), "gzip") {
+				continue
+			}
+			q, ok := strings.CutPrefix(strings.ReplaceAll(params, " ", ""), "q=")
+			if !ok {
+				return true
+			}
+			if w, err := strconv.ParseFloat(q, 64); err == nil && w > 0 {
+				return true
+			}
+			return false
+		}
+	}
+	return false
 }
