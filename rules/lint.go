@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 )
 
 // Warnings returns the rules of s that can never have an effect, as errors that do not
@@ -484,6 +485,12 @@ func holes(r *Rule) Errors {
 	var out Errors
 	field := "rule " + strconv.Quote(r.Name) + " match."
 	for _, m := range r.Match {
+		for _, v := range slices.Concat(m.Values, m.Glob, m.Not, m.NotGlob) {
+			if c, ok := unseen(v, r.literal); ok {
+				out = append(out, &Error{File: r.File, Line: r.Line, Field: field + m.Attr,
+					Msg: fmt.Sprintf("%q holds %U, a character the file does not show as what it matches (a right-to-left override shows the text after it reversed; a block scalar, | or >, ends its value with a line feed); if it is meant, write it as an escape in a double-quoted string (\"\\u%04X\")", v, c, c)})
+			}
+		}
 		switch m.Attr {
 		case "method":
 			if slices.Contains(m.Values, "GET") && !slices.Contains(m.Values, "HEAD") {
@@ -497,6 +504,47 @@ func holes(r *Rule) Errors {
 				}
 			}
 		}
+	}
+	return out
+}
+
+// unseen returns the first rune of v that a reader of the rules file does not see as
+// what it matches: a tab, line feed or carriage return (a value from a YAML block
+// scalar, `|` or `>`, ends with one), or, where the file holds it as itself (literal), a
+// control character (C0, DEL, C1) or an invisible formatting one (zero-width spaces and
+// joiners, the bidirectional marks, embeddings, overrides and isolates, the byte-order
+// mark), which can make a value read as another (CVE-2021-42574, "Trojan Source").
+func unseen(v string, literal map[rune]bool) (rune, bool) {
+	for _, c := range v {
+		if c == '\t' || c == '\n' || c == '\r' || literal[c] {
+			return c, true
+		}
+	}
+	return 0, false
+}
+
+// hidden reports whether c is a control or an invisible formatting character (unseen).
+func hidden(c rune) bool {
+	return unicode.IsControl(c) ||
+		c >= 0x200B && c <= 0x200F || // zero-width space, joiners; left-to-right, right-to-left marks
+		c >= 0x202A && c <= 0x202E || // embeddings and overrides
+		c >= 0x2060 && c <= 0x2069 || // word joiner, invisible operators, isolates
+		c == 0x061C || c == 0xFEFF
+}
+
+// literalUnseen returns the hidden runes that data holds as themselves, other than tab,
+// line feed and carriage return (the file's own whitespace) and a byte-order mark that
+// starts it; nil when none.
+func literalUnseen(data []byte) map[rune]bool {
+	var out map[rune]bool
+	for i, c := range string(data) {
+		if c == '\t' || c == '\n' || c == '\r' || c == 0xFEFF && i == 0 || !hidden(c) {
+			continue
+		}
+		if out == nil {
+			out = map[rune]bool{}
+		}
+		out[c] = true
 	}
 	return out
 }

@@ -418,3 +418,42 @@ func TestShippedLoginRuleCoversTrailingSlash(t *testing.T) {
 		}
 	}
 }
+
+// A match value holding a character the file does not show as what it matches is
+// warned of: a right-to-left override or a zero-width space written as itself (a value
+// that reads as another: "Trojan Source"), or a line feed a block scalar ends the value
+// with; the same characters written as escapes (seen) are not, nor an ordinary value.
+// Before, none was.
+func TestWarningsUnseenCharacters(t *testing.T) {
+	const rule = "rules:\n  - name: a\n    match: { path: %s, user: { not: %s } }\n    key: user\n    limit: { requests: 1, per: 1s }\n"
+	for _, c := range []struct {
+		path, not string
+		want      []string
+	}{
+		{"\"/admin\u202e/x\"", "bob", []string{`match.path: "/admin\u202e/x" holds U+202E`}},
+		{"/x", "\"bob\u200b\"", []string{`match.user: "bob\u200b" holds U+200B`}},
+		{"/x", "\u2066bob", []string{`match.user: "\u2066bob" holds U+2066`}},
+		{"\"/admin\\u202e/x\"", "\"bob\\u200b\"", nil}, // escapes: seen
+		{"/x/*", "bob", nil},
+		{"/ünïcödé/*", "bob", nil},
+	} {
+		src := fmt.Sprintf(rule, c.path, c.not)
+		var got []string
+		for _, w := range mustParse(t, src).Warnings() {
+			got = append(got, w.Error())
+		}
+		if len(got) != len(c.want) {
+			t.Errorf("%s: warnings %q, want %q", src, got, c.want)
+			continue
+		}
+		for i := range got {
+			if !strings.Contains(got[i], c.want[i]) {
+				t.Errorf("%s: warning %q, want %q in it", src, got[i], c.want[i])
+			}
+		}
+	}
+	block := "rules:\n  - name: a\n    match:\n      path: >\n        /folded\n    key: user\n    limit: { requests: 1, per: 1s }\n"
+	if ws := mustParse(t, block).Warnings(); len(ws) != 1 || !strings.Contains(ws[0].Error(), `"/folded\n" holds U+000A`) {
+		t.Errorf("a folded block scalar's value: warnings %v", ws)
+	}
+}

@@ -113,6 +113,8 @@ func Parse(filename string, data []byte) (*Set, error) {
 type parser struct {
 	file string
 	errs Errors
+	// literal is the unseen runes (lint.go) the file holds as themselves, not as escapes.
+	literal map[rune]bool
 	// plans are the file's top-level plan definitions; inDir allows a file with plans
 	// and no rules (one file of a directory).
 	top   map[string]*topPlan
@@ -236,6 +238,7 @@ func emptyDocument(doc *yaml.Node) bool {
 }
 
 func (p *parser) parse(data []byte) []*Rule {
+	p.literal = literalUnseen(data)
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil {
@@ -352,7 +355,7 @@ func (p *parser) rule(idx int, n *yaml.Node) *Rule {
 	if f == nil {
 		return nil
 	}
-	r := &Rule{File: p.file, Line: n.Line}
+	r := &Rule{File: p.file, Line: n.Line, literal: p.literal}
 
 	if v := f["name"]; isNull(v) {
 		p.errorf(n, field+".name", "missing (required)")

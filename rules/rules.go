@@ -164,7 +164,10 @@ type Rule struct {
 	// emptyMatch: the file wrote match with no condition (null or {}), which matches
 	// every request as no match does, but reads as a rule meant to match some (lint.go).
 	emptyMatch bool
-	keyLits    []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
+	// literal is the unseen runes (lint.go) its file holds as themselves: a match value
+	// holding one such is warned of; one written as an escape (\u202E) is seen.
+	literal map[rune]bool
+	keyLits []string // what AppendKey writes before each key value: Name+":{user=", "|ip="
 	// keyWords are the shortWord of each key attribute name (set with keyLits): AppendKey
 	// finds a name of at most 8 bytes by its length and word.
 	keyWords []uint64
