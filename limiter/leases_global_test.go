@@ -786,6 +786,32 @@ func TestGlobalLeaseReleasedLateCountsExpired(t *testing.T) {
 	}
 }
 
+// A global lease released through another daemon is not counted expired by the daemon
+// that took it when its connection closes after the lease's expiry as that daemon knew
+// it: the other daemon counted it released, and Redis no longer holds it. Before, the
+// close counted every lease it did not free and past that expiry as expired, so one
+// lease counted once released and once expired across the fleet, and the leak alert
+// (RlsidecarLeasesExpired) fired for a lease released in time. A lease Redis holds
+// expired is still counted expired at the close (TestGlobalLeaseReleasedLateCountsExpired).
+func TestGlobalLeaseReleasedElsewhereNotExpiredAtClose(t *testing.T) {
+	rdb := realRedis(t)
+	yaml := "rules:\n  - name: short\n    key: user\n    concurrency: { max: 2, lease: 50ms }\n    mode: global\n"
+	a := globalLimiter(t, rdb, yaml, "rel-else:")
+	b := globalLimiter(t, rdb, yaml, "rel-else:")
+	_, tok, _ := acquire(t, a, &Input{Attrs: attrs("user=kim"), Cost: 1}, 7) // held by a's connection 7
+	if !b.ReleaseLease(tok, nowNs()) {
+		t.Fatal("release through the other daemon: false")
+	}
+	time.Sleep(80 * time.Millisecond) // past the lease as a knows it; no sweep has run
+	a.ReleaseOwner(7, nowNs())
+	if s := stats(a, "short"); s.Expired != 0 || s.Closed != 0 || s.InFlight != 0 {
+		t.Fatalf("the daemon that took it, after its connection closed: %+v, want nothing counted", s)
+	}
+	if s := stats(b, "short"); s.Released != 1 {
+		t.Fatalf("the daemon it was released through: %+v, want 1 released", s)
+	}
+}
+
 // longAttrs returns an attribute named by each letter of names, each valued at 4,096
 // bytes kept as they are: the longest key part a value makes.
 func longAttrs(names string) []string {

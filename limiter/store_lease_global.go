@@ -492,27 +492,29 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 }
 
 // releaseAll frees the global leases gls (a closed connection's, no longer tracked) in
-// Redis, on one bounded context, counts those it freed as closed, those not freed and
-// past their expiry as expired (the others were released through another daemon), and
-// reports how many it freed. When
+// Redis, on one bounded context, counts those it freed as closed, those Redis held
+// expired as expired (the others were released through another daemon), and reports
+// how many it freed. When
 // Redis failed, those it did not free may still hold their slots: they are tracked
 // again, ownerless, so the sweep counts them expired or finds them gone.
-func (s *globalLeaseStore) releaseAll(gls []*globalLease, now int64) int {
+func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids, parts := leaseParts(gls)
-	freed, err := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	rs, err := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
 	n := 0
-	for i, f := range freed {
+	for i, r := range rs {
 		switch {
-		case f:
+		case r.Freed:
 			n++
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
 		case err != nil:
 			s.ls.retrack(gls[i])
-		case gls[i].expires <= now:
-			// Not freed, and past its expiry as this daemon knew it: it ran out (a
-			// renewal through another daemon would have kept it, and it would be freed).
+		case r.Expired:
+			// Redis held it expired: it ran out unreleased (a renewal through another
+			// daemon would have kept it, and it would be freed). One not there was
+			// released through another daemon, which counted it: before, one past its
+			// expiry as this daemon knew it was counted expired here too.
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Expired++ })
 		}
 	}
@@ -748,7 +750,7 @@ func (l *Limiter) ReleaseOwner(owner uint64, now int64) int {
 	n := l.leases.ReleaseOwner(owner, now)
 	if l.global != nil {
 		if gls := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
-			n += l.global.releaseAll(gls, now)
+			n += l.global.releaseAll(gls)
 		}
 	}
 	return n

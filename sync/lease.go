@@ -124,9 +124,9 @@ func (g *Global) release(ctx context.Context, id string, parts []LeasePart) (boo
 }
 
 // ReleaseAll frees the parts of several leases (parts[i] of ids[i]) in one pipeline,
-// and reports for each lease whether it freed a live part of it, with the first error.
-func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) ([]bool, error) {
-	freed := make([]bool, len(ids))
+// and reports for each lease what it found (Released), with the first error.
+func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePart) ([]Released, error) {
+	out := make([]Released, len(ids))
 	var calls []call
 	var of []int // lease of each call
 	for i, id := range ids {
@@ -136,10 +136,10 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		}
 	}
 	if len(calls) == 0 {
-		return freed, nil
+		return out, nil
 	}
 	if err := g.runGated(ctx, leaseScript, calls); err != nil {
-		return freed, err
+		return out, err
 	}
 	var firstErr error
 	for k := range calls {
@@ -150,9 +150,22 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 			}
 			continue
 		}
-		freed[of[k]] = freed[of[k]] || n > 0
+		r := &out[of[k]]
+		r.Freed = r.Freed || n > 0
+		r.Expired = r.Expired || n < 0
 	}
-	return freed, firstErr
+	for i := range out {
+		out[i].Expired = out[i].Expired && !out[i].Freed
+	}
+	return out, firstErr
+}
+
+// Released is what a release found of one lease in Redis: Freed, a live part of it,
+// which it freed; else Expired, a part that had run out (its slot no longer held; the
+// lease was never released in time), removed; neither: the lease was gone, released
+// already (through another daemon, say) or dropped.
+type Released struct {
+	Freed, Expired bool
 }
 
 // Renew extends each part of lease id to its Lease from now (Redis time) and reports

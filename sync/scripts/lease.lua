@@ -16,8 +16,9 @@
 --
 -- ARGV[1]: the operation; ARGV[2]: the lease id; ARGV[3]: grace_ms. Then per key, in
 -- KEYS order:
---   'r' release: part. Reply: the number of parts removed (0: unknown, expired or
---       already released).
+--   'r' release: part. Reply: the number of live parts removed; when none, -1 if an
+--       expired part was there (removed too: it ran out unreleased), else 0 (unknown or
+--       already released, through this daemon or another).
 --   'n' renew: part, lease_ms. Reply: {parts renewed, the shortest new lease in ms}: all
 --       of them, or none (0) when one is no longer live.
 --   'q' query: part. Reply: per key, the part's score (its expiry, ms) or -1 when absent;
@@ -55,16 +56,17 @@ end
 local function arg(i, j) return ARGV[3 + (i - 1) * per + j] end
 
 if op == 'r' then
-  local n = 0
+  local n, expired = 0, false
   for i = 1, #KEYS do
     local key, m = KEYS[i], id .. ':' .. arg(i, 1)
     prune(key)
     local s = tonumber(redis.call('ZSCORE', key, m))
     if s then
       redis.call('ZREM', key, m)
-      if s > now then n = n + 1 end
+      if s > now then n = n + 1 else expired = true end
     end
   end
+  if n == 0 and expired then return -1 end
   return n
 end
 
