@@ -891,14 +891,13 @@ func acceptsGzip(values []string) bool {
 			if !strings.EqualFold(strings.TrimSpace(coding), "gzip") {
 				continue
 			}
-			q, ok := strings.CutPrefix(strings.ReplaceAll(params, " ", ""), "q=")
-			if !ok {
-				return true
+			for param := range strings.SplitSeq(params, ";") {
+				if q, ok := strings.CutPrefix(strings.ReplaceAll(param, " ", ""), "q="); ok {
+					w, err := strconv.ParseFloat(q, 64)
+					return err == nil && w > 0
+				}
 			}
-			if w, err := strconv.ParseFloat(q, 64); err == nil && w > 0 {
-				return true
-			}
-			return false
+			return true
 		}
 	}
 	return false

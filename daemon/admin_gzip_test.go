@@ -52,7 +52,7 @@ func TestMetricsGzip(t *testing.T) {
 	if enc := plainResp.Header.Get("Content-Encoding"); enc != "" || !strings.Contains(string(plain), `rlsidecar_checks_total{rule="rule-1999"`) {
 		t.Fatalf("identity: Content-Encoding %q, %d bytes", enc, len(plain))
 	}
-	for _, ae := range []string{"gzip", "deflate, gzip;q=0.8", "GZIP", "br;q=1.0, gzip"} {
+	for _, ae := range []string{"gzip", "deflate, gzip;q=0.8", "GZIP", "br;q=1.0, gzip", "gzip; q=0.5; x=y"} {
 		resp, zipped := scrape(ae)
 		if enc := resp.Header.Get("Content-Encoding"); enc != "gzip" {
 			t.Fatalf("Accept-Encoding %q: Content-Encoding %q", ae, enc)
@@ -72,7 +72,7 @@ func TestMetricsGzip(t *testing.T) {
 			t.Fatalf("Accept-Encoding %q: %d bytes of text, want about %d", ae, len(text), len(plain))
 		}
 	}
-	for _, ae := range []string{"gzip;q=0", "deflate", "gzipx"} {
+	for _, ae := range []string{"gzip;q=0", "deflate", "gzipx", "gzip;q=0.000"} {
 		if resp, _ := scrape(ae); resp.Header.Get("Content-Encoding") != "" {
 			t.Fatalf("Accept-Encoding %q: Content-Encoding %q", ae, resp.Header.Get("Content-Encoding"))
 		}
