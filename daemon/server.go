@@ -132,6 +132,9 @@ type Server struct {
 	// since. Zero when the listener came from Config.Listener.
 	sock     unixsock.FileID
 	draining atomic.Bool
+	// stopping is closed when Shutdown begins: it wakes the connections whose read side
+	// is shut, waiting for their leases to end (awaitLeases), which no read deadline can.
+	stopping chan struct{}
 	mu       sync.Mutex
 	conns    map[*net.UnixConn]struct{}
 	wg       sync.WaitGroup
@@ -178,7 +181,8 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		return nil, errors.New("daemon: no socket path")
 	}
 	cfg.setDefaults()
-	srv := &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize, orderSeed: maphash.MakeSeed()}
+	srv := &Server{cfg: cfg, lim: lim, log: cfg.Logger, conns: make(map[*net.UnixConn]struct{}), readBuf: readBufSize, orderSeed: maphash.MakeSeed(),
+		stopping: make(chan struct{})}
 	if cfg.BusyPoll > 0 {
 		srv.spin = rawio.NewSpinner(cfg.BusyPoll)
 	}
@@ -467,7 +471,9 @@ func (s *Server) untrack(c *net.UnixConn) {
 // returns when every connection goroutine is done.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
-	s.draining.Store(true)
+	if !s.draining.Swap(true) {
+		close(s.stopping)
+	}
 	s.mu.Unlock()
 	// Clients that connected and wrote just before the drain are answered, not reset.
 	for _, c := range s.acceptBacklog() {
@@ -865,9 +871,36 @@ func (cn *conn) waitIdle(yield bool) error {
 		if cn.shutIdle(err) {
 			return nil
 		}
+		if cn.idleShut {
+			cn.awaitLeases()
+		}
 		cn.cutBy(closeIdleTimeout, err)
 	}
 	return err
+}
+
+// awaitLeases keeps a connection whose read side shutIdle shut open while it holds
+// leases: a check written as the idle timeout fired, answered after the shut, may have
+// taken one, and the connection's close frees its slots (ReleaseOwner) while the
+// gateway's request still runs. Nothing can be read from it any more, so it looks again
+// every IdleTimeout, as an idle connection holding leases does (waitIdle), until they are
+// released (through another connection) or have run out, or the daemon drains. Before,
+// it closed once its answers were written, and another request took the slot the client
+// had just been granted (TestIdleShutKeepsALeaseTakenAsItFired).
+func (cn *conn) awaitLeases() {
+	s := cn.s
+	if !s.lim.HoldsLeases(cn.id, s.now()) {
+		return
+	}
+	t := time.NewTimer(s.cfg.IdleTimeout)
+	defer t.Stop()
+	for !s.draining.Load() && s.lim.HoldsLeases(cn.id, s.now()) {
+		t.Reset(s.cfg.IdleTimeout)
+		select {
+		case <-t.C:
+		case <-s.stopping:
+		}
+	}
 }
 
 // beforeIdleShut, when set (tests), runs as an idle connection's read side is about to be

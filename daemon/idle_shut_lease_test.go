@@ -1,0 +1,60 @@
+package daemon
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/proto"
+)
+
+// A check that takes a lease, written as the idle timeout fires and answered after the
+// read side is shut (shutIdle), keeps its slot: the connection that took the lease stays
+// open (unreadable) until the lease is released or runs out, as an idle connection
+// holding leases does. Before, it closed once the answer was written, and its close
+// freed the slot the client had just been granted: another request took it while the
+// first still ran.
+func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServerRules(t, Config{IdleTimeout: 100 * time.Millisecond, Metrics: m},
+		"rules:\n  - { name: exports, key: user, concurrency: { max: 1, lease: 30s } }\n")
+	defer s.Shutdown(context.Background())
+	m.SetRules(s.lim.Rules(), time.Now())
+	c, br := dialServer(t, s)
+	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
+	enc := proto.NewEncoder()
+	enc.EncodeRequest(&proto.Request{ID: 2, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
+	wrote := make(chan error, 1)
+	hook := func() { // the client's check arrives as the timeout fires
+		_, err := c.Write(enc.Bytes())
+		wrote <- err
+	}
+	beforeIdleShut.Store(&hook)
+	defer beforeIdleShut.Store(nil)
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	r := readResponse(t, br)
+	if r.ID != 2 || !r.Allowed || r.Lease == "" {
+		t.Fatalf("check: %+v; want allowed with a lease", r)
+	}
+	// Give the old code's close its time: the connection gone, the slot was freed. The
+	// slot is held for 30 s, so this wait decides nothing by itself.
+	for deadline := time.Now().Add(2 * time.Second); s.Connections() != 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	c2, br2 := dialServer(t, s)
+	if r2 := roundTrip(t, c2, br2, &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}}); r2.Allowed {
+		t.Fatal("another check took the slot of a lease the client holds: the idle cut freed it")
+	}
+	if rr := roundTrip(t, c2, br2, &proto.Request{ID: 2, Op: proto.OpRelease, Lease: r.Lease}); !rr.Released {
+		t.Fatalf("release: %+v", rr)
+	}
+	// Released: the shut connection ends, counted as idle.
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Fatalf("after the release: %v, want the end of the connection", err)
+	}
+	waitClosed(t, m, closeIdleTimeout)
+}
