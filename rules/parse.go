@@ -817,6 +817,10 @@ func (p *parser) str(n *yaml.Node, field string) (string, bool) {
 
 // count reads a whole number >= 1; hint is appended to the "at least 1" message.
 func (p *parser) count(n *yaml.Node, field, hint string) (uint64, bool) {
+	if n.Kind == yaml.ScalarNode && (n.ShortTag() == "!!int" || n.ShortTag() == "!!float") && leadingZero.MatchString(n.Value) {
+		p.leadingZero(n, field, hint)
+		return 0, false
+	}
 	if n.Kind == yaml.ScalarNode && n.ShortTag() == "!!float" && digits.MatchString(n.Value) {
 		p.errorf(n, field, "%s is too large", n.Value) // YAML makes integers past 2^64 floats
 		return 0, false
@@ -829,14 +833,6 @@ func (p *parser) count(n *yaml.Node, field, hint string) (uint64, bool) {
 		p.errorf(n, field, "must be at least 1, got %s%s", n.Value, hint)
 		return 0, false
 	}
-	if leadingZero.MatchString(n.Value) {
-		// YAML reads a plain 010 as octal: 8, not the 10 written (0900, not octal, is a
-		// string). Taken as it came, a limit of "010" per hour admitted 8.
-		var octal uint64
-		_ = n.Decode(&octal)
-		p.errorf(n, field, "%s has a leading zero, which YAML reads as octal (%d): write %s, or 0o%s for %d", n.Value, octal, strings.TrimLeft(n.Value, "0+"), strings.TrimLeft(n.Value, "0+"), octal)
-		return 0, false
-	}
 	var v uint64
 	if err := n.Decode(&v); err != nil {
 		p.errorf(n, field, "%s is too large", n.Value)
@@ -847,6 +843,23 @@ func (p *parser) count(n *yaml.Node, field, hint string) (uint64, bool) {
 		return 0, false
 	}
 	return v, true
+}
+
+// leadingZero refuses a count written with a leading zero. YAML reads a plain 010 as
+// octal: 8, not the 10 written; taken as it came, a limit of "010" per hour admitted 8.
+// One with a digit past 7 (0900, 08) is no octal: YAML reads it as a float, which was
+// refused as "too large"; and 00 is 0, below any count.
+func (p *parser) leadingZero(n *yaml.Node, field, hint string) {
+	meant := strings.TrimLeft(strings.ReplaceAll(strings.TrimPrefix(n.Value, "+"), "_", ""), "0")
+	var octal uint64
+	switch {
+	case meant == "":
+		p.errorf(n, field, "must be at least 1, got %s%s", n.Value, hint)
+	case n.ShortTag() == "!!int" && n.Decode(&octal) == nil:
+		p.errorf(n, field, "%s has a leading zero, which YAML reads as octal (%d): write %s, or 0o%s for %d", n.Value, octal, meant, meant, octal)
+	default:
+		p.errorf(n, field, "%s has a leading zero: write %s", n.Value, meant)
+	}
 }
 
 // parsePer parses a window: a Go duration ("1m30s"), optionally preceded by whole days

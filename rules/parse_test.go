@@ -514,3 +514,28 @@ func TestIsEmptyFile(t *testing.T) {
 		t.Error("IsEmptyFile(nil)")
 	}
 }
+
+// A count written with a leading zero is refused with what to write: a digit past 7
+// (0900, 08) makes it no octal, a float to YAML, which was refused as "too large"; 00 is
+// 0, and an underscore after the zero (0_10) was suggested as "_10".
+func TestCountLeadingZeroMessages(t *testing.T) {
+	for v, want := range map[string]string{
+		"010":  "010 has a leading zero, which YAML reads as octal (8): write 10, or 0o10 for 8",
+		"0_10": "0_10 has a leading zero, which YAML reads as octal (8): write 10, or 0o10 for 8",
+		"0900": "0900 has a leading zero: write 900",
+		"08":   "08 has a leading zero: write 8",
+		"00":   "must be at least 1, got 00",
+	} {
+		_, err := Parse("t.yaml", []byte("rules:\n  - { name: r, key: user, limit: { requests: "+v+", per: 1h } }\n"))
+		if got, w := errString(err), "t.yaml:2: rules[0].limit.requests: "+want; got != w {
+			t.Errorf("requests: %s:\n got %s\nwant %s", v, got, w)
+		}
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	return err.Error()
+}
