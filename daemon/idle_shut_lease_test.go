@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"encoding/binary"
 	"io"
 	"testing"
 	"time"
@@ -57,4 +58,36 @@ func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
 		t.Fatalf("after the release: %v, want the end of the connection", err)
 	}
 	waitClosed(t, m, closeIdleTimeout)
+}
+
+// A frame too large that arrives as the idle timeout fires is refused as one that comes
+// at any other time: its client reads frame_too_large (the connection lingers for it),
+// and the connection counts as closed for frame_too_large. Before, the shut had already
+// marked the connection idle_timeout: it was closed at once with the frame's bytes
+// unread, which can reset the connection before the client reads the answer (lingerClose),
+// and it was counted as idle.
+func TestIdleShutFrameTooLarge(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{IdleTimeout: 100 * time.Millisecond, Metrics: m})
+	defer s.Shutdown(context.Background())
+	c, br := dialServer(t, s)
+	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
+	n := proto.DefaultMaxFrame + 1
+	part := make([]byte, proto.HeaderSize+4096) // the header and the start of its body
+	binary.BigEndian.PutUint32(part, uint32(n))
+	part[proto.HeaderSize] = 0x80
+	wrote := make(chan error, 1)
+	hook := func() { // the oversized frame's start arrives as the timeout fires
+		_, err := c.Write(part)
+		wrote <- err
+	}
+	beforeIdleShut.Store(&hook)
+	defer beforeIdleShut.Store(nil)
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if code, err := readError(c); err != nil || code != proto.CodeFrameTooLarge {
+		t.Fatalf("got %q, %v; want %s", code, err, proto.CodeFrameTooLarge)
+	}
+	waitClosed(t, m, closeFrameTooLarge)
 }

@@ -718,7 +718,15 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	}()
 	if m := s.cfg.Metrics; m != nil {
 		defer func() { // after wait: a deciding goroutine's write may be the cause
-			if r := closeReason(cn.cut.Load()); r != 0 {
+			r := closeReason(cn.cut.Load())
+			if r == 0 && cn.idleShut {
+				// Ended after its read side was shut for idleness, by nothing else (a
+				// frame too large after the shut is that): not marked at the shut, which
+				// would have kept a later reason from its mark, and a frame too large from
+				// its lingering close.
+				r = closeIdleTimeout
+			}
+			if r != 0 {
 				m.connClosed(r)
 			}
 		}()
@@ -929,7 +937,6 @@ func (cn *conn) shutIdle(err error) bool {
 	if cerr := cn.raw.Control(func(fd uintptr) { serr = syscall.Shutdown(int(fd), syscall.SHUT_RD) }); cerr != nil || serr != nil {
 		return false
 	}
-	cn.cut.CompareAndSwap(0, uint32(closeIdleTimeout))
 	if cn.setDeadline(time.Time{}) != nil {
 		return false
 	}
