@@ -17,6 +17,15 @@ import (
 // freed the slot the client had just been granted: another request took it while the
 // first still ran.
 func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
+	for _, end := range []string{"released", "client closed"} {
+		t.Run(end, func(t *testing.T) { testIdleShutKeepsALease(t, end) })
+	}
+}
+
+// testIdleShutKeepsALease ends the lease by end: released through another connection, or
+// the client closing the connection that took it (a gateway that died: its slot is freed
+// then, as on a connection not shut).
+func testIdleShutKeepsALease(t *testing.T, end string) {
 	m := NewMetrics("test", 10)
 	s := startServerRules(t, Config{IdleTimeout: 100 * time.Millisecond, Metrics: m},
 		"rules:\n  - { name: exports, key: user, concurrency: { max: 1, lease: 30s } }\n")
@@ -49,6 +58,22 @@ func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
 	c2, br2 := dialServer(t, s)
 	if r2 := roundTrip(t, c2, br2, &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}}); r2.Allowed {
 		t.Fatal("another check took the slot of a lease the client holds: the idle cut freed it")
+	}
+	if end == "client closed" {
+		c.Close()
+		// The slot is freed with the connection; within a second or so (awaitLeasesEvery),
+		// well before the lease's 30 s.
+		for deadline := time.Now().Add(15 * time.Second); ; {
+			if r2 := roundTrip(t, c2, br2, &proto.Request{ID: 3, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}}); r2.Allowed {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the client closed the connection that took the lease: its slot is still held")
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		waitClosed(t, m, closeIdleTimeout)
+		return
 	}
 	if rr := roundTrip(t, c2, br2, &proto.Request{ID: 2, Op: proto.OpRelease, Lease: r.Lease}); !rr.Released {
 		t.Fatalf("release: %+v", rr)

@@ -891,24 +891,37 @@ func (cn *conn) waitIdle(yield bool) error {
 // leases: a check written as the idle timeout fired, answered after the shut, may have
 // taken one, and the connection's close frees its slots (ReleaseOwner) while the
 // gateway's request still runs. Nothing can be read from it any more, so it looks again
-// every IdleTimeout, as an idle connection holding leases does (waitIdle), until they are
-// released (through another connection) or have run out, or the daemon drains. Before,
-// it closed once its answers were written, and another request took the slot the client
-// had just been granted (TestIdleShutKeepsALeaseTakenAsItFired).
+// every awaitLeasesEvery (IdleTimeout if shorter) until they are released (through
+// another connection) or have run out, its client has closed its end (a gateway that
+// died: its slots are freed, as at once on a connection not shut), or the daemon drains.
+// Before, it closed once its answers were written, and another request took the slot the
+// client had just been granted (TestIdleShutKeepsALeaseTakenAsItFired).
 func (cn *conn) awaitLeases() {
 	s := cn.s
-	if !s.lim.HoldsLeases(cn.id, s.now()) {
-		return
-	}
-	t := time.NewTimer(s.cfg.IdleTimeout)
+	every := min(s.cfg.IdleTimeout, awaitLeasesEvery)
+	t := time.NewTimer(every)
 	defer t.Stop()
-	for !s.draining.Load() && s.lim.HoldsLeases(cn.id, s.now()) {
-		t.Reset(s.cfg.IdleTimeout)
+	for !s.draining.Load() && !cn.peerClosed() && s.lim.HoldsLeases(cn.id, s.now()) {
+		t.Reset(every)
 		select {
 		case <-t.C:
 		case <-s.stopping:
 		}
 	}
+}
+
+// awaitLeasesEvery bounds how long awaitLeases takes to see that the client has closed
+// its end of a connection it keeps open.
+const awaitLeasesEvery = time.Second
+
+// peerClosed reports whether the client has closed its end of the connection, whose
+// read side is shut (awaitLeases).
+func (cn *conn) peerClosed() bool {
+	closed := false
+	if cn.raw != nil {
+		_ = cn.raw.Control(func(fd uintptr) { closed = peerClosed(int(fd)) })
+	}
+	return closed
 }
 
 // beforeIdleShut, when set (tests), runs as an idle connection's read side is about to be
