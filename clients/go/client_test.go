@@ -278,7 +278,9 @@ func TestSlowSidecarTimesOutThenRecovers(t *testing.T) {
 			}
 			start := time.Now()
 			d, err := c.Check(context.Background(), map[string]string{"user": "slow"}, nil)
-			if took := time.Since(start); err != nil || took < timeout || took > 4*timeout {
+			// Not before its timeout, and by it (the sidecar's answer never comes while the
+			// gate is shut): bounded loosely, as a timer on a loaded machine fires late.
+			if took := time.Since(start); err != nil || took < timeout || took > timeout+5*time.Second {
 				t.Fatalf("slow check: %v after %v", err, took)
 			}
 			if d.Allowed != (p == FailOpen) || !d.Unreachable || !errors.Is(d.Cause, ErrUnreachable) {
