@@ -275,6 +275,7 @@ type h2conn struct {
 	draining bool        // the first GOAWAY of a graceful close sent (goAway), the final one not yet
 	goAwayT  *time.Timer // sends the final GOAWAY if the PING is not acknowledged first
 	closed   bool        // the connection is closed or closing: nothing more is written
+	prefaced bool        // the server's preface (its SETTINGS) written: prefaceLocked
 	linger   bool        // closed gracefully: only the write side is shut, serve drains the read side
 	sendConn int64       // what the connection's send window still allows
 	peerInit int64       // the peer's SETTINGS_INITIAL_WINDOW_SIZE
@@ -403,16 +404,16 @@ func (cn *h2conn) serve() {
 	if _, err := io.ReadFull(cn.br, preface[:]); err != nil || string(preface[:]) != http2.ClientPreface {
 		return
 	}
-	cn.nc.SetReadDeadline(time.Time{})
 	cn.mu.Lock()
-	err := cn.wfr.WriteSettings(
-		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: h2MaxStreams},
-		http2.Setting{ID: http2.SettingInitialWindowSize, Val: h2Window},
-		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: h2MaxHeaderList},
-	)
-	if err == nil {
-		err = cn.wfr.WriteWindowUpdate(0, h2Window-65535)
+	if cn.closed {
+		// Closed gracefully while the preface came (Shutdown, the client sending
+		// nothing before the final GOAWAY): the read deadline that woke this read or
+		// would wake the next is the close's.
+		cn.mu.Unlock()
+		return
 	}
+	cn.nc.SetReadDeadline(time.Time{})
+	err := cn.prefaceLocked()
 	if err == nil {
 		err = cn.bw.Flush()
 	}
@@ -469,6 +470,27 @@ func (cn *h2conn) serve() {
 		cn.bodyDeadline() // for the next read, under the lock this frame already took
 		cn.mu.Unlock()
 	}
+}
+
+// prefaceLocked writes the server's connection preface, its SETTINGS and the
+// connection's window, unless written already: by serve once the client's preface came,
+// or by goAway first, when Shutdown finds a connection whose client has not sent its
+// preface yet (RFC 9113 3.4: the server's first frame is its SETTINGS). Called with mu
+// held; the caller flushes.
+func (cn *h2conn) prefaceLocked() error {
+	if cn.prefaced {
+		return nil
+	}
+	cn.prefaced = true
+	err := cn.wfr.WriteSettings(
+		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: h2MaxStreams},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: h2Window},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: h2MaxHeaderList},
+	)
+	if err == nil {
+		err = cn.wfr.WriteWindowUpdate(0, h2Window-65535)
+	}
+	return err
 }
 
 // bodyDeadline sets the connection's read deadline to FrameTimeout after the oldest
@@ -664,7 +686,14 @@ func (cn *h2conn) goAway() {
 		return
 	}
 	cn.draining = true
-	err := cn.wfr.WriteGoAway(1<<31-1, http2.ErrCodeNo, nil)
+	// A connection accepted before Shutdown whose client's preface has not come yet
+	// gets the server's SETTINGS first. Before, the GOAWAY was the first frame, which
+	// Envoy's codec and grpc-go's client take for a protocol error: the calls the
+	// client had written on the connection failed, to Envoy's failure mode.
+	err := cn.prefaceLocked()
+	if err == nil {
+		err = cn.wfr.WriteGoAway(1<<31-1, http2.ErrCodeNo, nil)
+	}
 	if err == nil {
 		err = cn.wfr.WritePing(false, goAwayPing)
 	}

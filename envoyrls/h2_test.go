@@ -1586,3 +1586,55 @@ func openingWithCall(t *testing.T) *bytes.Buffer {
 	}
 	return &b
 }
+
+// A connection accepted before Shutdown whose client had not yet sent its preface (Envoy
+// connecting as the daemon begins to drain) gets the server's SETTINGS first, as RFC
+// 9113 3.4 requires of the server's first frame, then the graceful close's GOAWAY, and a
+// call it sends then is served. Before, the GOAWAY went first: Envoy's HTTP/2 codec (and
+// grpc-go's client, "error reading server preface") take a first frame other than
+// SETTINGS for a protocol error and fail the calls they had sent on the connection,
+// which Envoy's rate limit filter then decides by its failure mode.
+func TestNativeGoAwayBeforePreface(t *testing.T) {
+	defer func(d time.Duration) { h2GoAwayWait = d }(h2GoAwayWait)
+	h2GoAwayWait = time.Minute // only the PING's acknowledgement ends the first step
+	s, done := serveNativeTCP(t)
+	c, err := net.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitFor(t, func() bool { return openConns(s)() == 1 })
+	shut := make(chan error, 1)
+	go func() { shut <- s.Shutdown(ctx10(t)) }()
+	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	r.henc = hpack.NewEncoder(&r.hbuf)
+	if f := r.next(); f.Header().Type != http2.FrameSettings || f.Header().Flags.Has(http2.FlagSettingsAck) {
+		t.Fatalf("the server's first frame is %v, want its SETTINGS", f.Header())
+	}
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	ping := r.firstGoAway()
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	if err := r.fr.WriteData(1, true, oneCall("early")); err != nil {
+		t.Fatal(err)
+	}
+	okAnswer(t, r.await(1, nil))
+	if err := r.fr.WritePing(true, ping); err != nil {
+		t.Fatal(err)
+	}
+	if last := r.finalGoAway(); last != 1 {
+		t.Fatalf("the final GOAWAY names stream %d, want 1", last)
+	}
+	c.Close()
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
