@@ -113,8 +113,19 @@ const (
 	methodHealthWatch
 )
 
-// serveNative accepts connections on s.ln until Shutdown, one goroutine each.
+// serveNative accepts connections on s.ln until Shutdown, one goroutine each. A
+// connection accepted as Shutdown begins is served like the others, and closed with
+// them in the graceful close's two steps: shutdownNative waits for this loop to end
+// before it sends its GOAWAYs.
 func (s *Server) serveNative() error {
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return nil
+	}
+	s.accepting.Add(1)
+	s.mu.Unlock()
+	defer s.accepting.Done()
 	var backoff time.Duration
 	for {
 		nc, err := s.ln.Accept()
@@ -136,12 +147,12 @@ func (s *Server) serveNative() error {
 		}
 		backoff = 0
 		cn := newH2Conn(s, nc)
+		// Accepted as Shutdown began (stopped already), it is served all the same: its
+		// client may have written calls on it, which closed unread failed, to Envoy's
+		// failure mode, calls that under socket activation the next daemon would have
+		// served from the backlog. Shutdown's GOAWAY reaches it (shutdownNative waits
+		// for this loop).
 		s.mu.Lock()
-		if s.stopped {
-			s.mu.Unlock()
-			nc.Close()
-			continue
-		}
 		if s.conns == nil {
 			s.conns = make(map[*h2conn]struct{})
 		}
@@ -161,6 +172,9 @@ func (s *Server) serveNative() error {
 // shutdownNative sends every connection GOAWAY, lets the calls in flight finish until ctx
 // ends, then closes what is left.
 func (s *Server) shutdownNative(ctx context.Context) error {
+	// The accept loop ends at the listener's close (Shutdown closed it): a connection it
+	// accepted meanwhile is among those sent GOAWAY below.
+	s.accepting.Wait()
 	s.mu.Lock()
 	conns := make([]*h2conn, 0, len(s.conns))
 	for cn := range s.conns {

@@ -1638,3 +1638,118 @@ func TestNativeGoAwayBeforePreface(t *testing.T) {
 		t.Fatalf("Serve: %v", err)
 	}
 }
+
+// lateListener hands out each connection it accepts only once Close has been called:
+// the connection the kernel queued that an Accept takes just as Shutdown begins (a
+// gateway connecting while the daemon drains, under socket activation the backlog the
+// next daemon would otherwise serve). accepted is sent each connection's arrival.
+type lateListener struct {
+	net.Listener
+	accepted chan struct{}
+	closing  chan struct{}
+	once     sync.Once
+}
+
+func (l *lateListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.accepted <- struct{}{}
+	<-l.closing
+	return c, nil
+}
+
+func (l *lateListener) Close() error {
+	l.once.Do(func() { close(l.closing) })
+	return l.Listener.Close()
+}
+
+// A connection accepted as Shutdown begins is served as the others are, in the graceful
+// close's two steps: the call its client wrote before it read the GOAWAY is answered.
+// Before, it was closed unread as soon as it was accepted, and the calls on it failed,
+// to Envoy's failure mode: under socket activation, calls the next daemon would have
+// served from the backlog.
+func TestNativeAcceptedWhileStopping(t *testing.T) {
+	defer func(d time.Duration) { h2GoAwayWait = d }(h2GoAwayWait)
+	h2GoAwayWait = time.Minute // only the PING's acknowledgement ends the first step
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ll := &lateListener{Listener: inner, accepted: make(chan struct{}, 1), closing: make(chan struct{})}
+	defer ll.Close()
+	s := testServer(t)
+	s.cfg.Addr, s.cfg.Transport, s.cfg.Listener = inner.Addr().String(), TransportNative, ll
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve() }()
+
+	c, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	r.henc = hpack.NewEncoder(&r.hbuf)
+	// The client writes its preface, SETTINGS and a call at once, as Envoy does.
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	if err := r.fr.WriteData(1, true, oneCall("late")); err != nil {
+		t.Fatal(err)
+	}
+	<-ll.accepted
+	shut := make(chan error, 1)
+	go func() { shut <- s.Shutdown(ctx10(t)) }()
+	// The answer and the first GOAWAY with its PING, in either order.
+	var answered, pinged bool
+	var rp reply
+	for !answered || !pinged {
+		switch f := r.next().(type) {
+		case *http2.MetaHeadersFrame:
+			for _, hf := range f.Fields {
+				switch hf.Name {
+				case ":status":
+					rp.status = hf.Value
+				case "grpc-status":
+					rp.grpcStatus = hf.Value
+				}
+			}
+			answered = f.StreamEnded()
+		case *http2.DataFrame:
+			rp.data = append(rp.data, f.Data()...)
+		case *http2.RSTStreamFrame:
+			t.Fatalf("the call was reset: %v", f.ErrCode)
+		case *http2.GoAwayFrame:
+			if f.LastStreamID != 1<<31-1 {
+				t.Fatalf("GOAWAY names stream %d before the PING's acknowledgement", f.LastStreamID)
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				if err := r.fr.WritePing(true, f.Data); err != nil {
+					t.Fatal(err)
+				}
+				pinged = true
+			}
+		}
+	}
+	okAnswer(t, rp)
+	if last := r.finalGoAway(); last != 1 {
+		t.Fatalf("the final GOAWAY names stream %d, want 1", last)
+	}
+	c.Close()
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}

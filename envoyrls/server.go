@@ -172,7 +172,10 @@ type Server struct {
 	errs     ErrorRecorder        // Config.Recorder's EnvoyErrorAnswered, when it has one
 	conns    map[*h2conn]struct{} // the native transport's connections, under mu
 	connWG   sync.WaitGroup       // their goroutines
-	charging sync.WaitGroup       // charges of refused calls that wait on Redis (chargeRefused)
+	// accepting is the native transport's accept loop, while it runs (serveNative):
+	// added to under mu while not stopped, so that Shutdown's Wait follows every Add.
+	accepting sync.WaitGroup
+	charging  sync.WaitGroup // charges of refused calls that wait on Redis (chargeRefused)
 }
 
 // New returns a server deciding with lim. Call Listen, then Serve.
