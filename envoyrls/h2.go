@@ -146,26 +146,77 @@ func (s *Server) serveNative() error {
 			return fmt.Errorf("envoy rls: accepting: %w", err)
 		}
 		backoff = 0
-		cn := newH2Conn(s, nc)
 		// Accepted as Shutdown began (stopped already), it is served all the same: its
 		// client may have written calls on it, which closed unread failed, to Envoy's
 		// failure mode, calls that under socket activation the next daemon would have
 		// served from the backlog. Shutdown's GOAWAY reaches it (shutdownNative waits
 		// for this loop).
+		s.serveConn(nc)
+	}
+}
+
+// serveConn serves nc on a goroutine of its own, among s.conns until it ends. Called by
+// the accept loop, or by Shutdown for the backlog, before shutdownNative waits for
+// connWG.
+func (s *Server) serveConn(nc net.Conn) {
+	cn := newH2Conn(s, nc)
+	s.mu.Lock()
+	if s.conns == nil {
+		s.conns = make(map[*h2conn]struct{})
+	}
+	s.conns[cn] = struct{}{}
+	s.connWG.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.connWG.Done()
+		cn.serve()
 		s.mu.Lock()
-		if s.conns == nil {
-			s.conns = make(map[*h2conn]struct{})
-		}
-		s.conns[cn] = struct{}{}
-		s.connWG.Add(1)
+		delete(s.conns, cn)
 		s.mu.Unlock()
-		go func() {
-			defer s.connWG.Done()
-			cn.serve()
-			s.mu.Lock()
-			delete(s.conns, cn)
-			s.mu.Unlock()
-		}()
+	}()
+}
+
+// acceptBacklog serves, without waiting, the connections waiting in the listen backlog
+// of a socket the server made (at most maxConns open in all): closing the listener
+// would reset them, and their clients (Envoy writes its preface and first call as it
+// connects) may have written calls already. A socket systemd passed (Config.Listener) is
+// left alone: systemd keeps it, and its backlog, for the next daemon. Called by Shutdown
+// before it closes the listener.
+func (s *Server) acceptBacklog() {
+	sc, ok := s.own.(syscall.Conn)
+	if !ok {
+		return
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return
+	}
+	s.mu.Lock()
+	room := maxConns - len(s.conns)
+	s.mu.Unlock()
+	var fds []int
+	_ = rc.Control(func(fd uintptr) {
+		for len(fds) < room {
+			// The listener is nonblocking: an empty backlog is EAGAIN.
+			nfd, _, err := syscall.Accept(int(fd))
+			switch {
+			case err == syscall.EINTR || err == syscall.ECONNABORTED:
+				continue
+			case err != nil:
+				return
+			}
+			fds = append(fds, nfd)
+		}
+	})
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "backlog")
+		nc, err := net.FileConn(f) // a duplicate, nonblocking, in the netpoller
+		f.Close()
+		if err != nil {
+			s.cfg.Logger.Warn("envoy rls: drain: taking a connection from the backlog", "err", err)
+			continue
+		}
+		s.serveConn(nc)
 	}
 }
 

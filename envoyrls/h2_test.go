@@ -1753,3 +1753,84 @@ func TestNativeAcceptedWhileStopping(t *testing.T) {
 		t.Fatalf("Serve: %v", err)
 	}
 }
+
+// Clients that connected and wrote a call just before Shutdown, still in the listen
+// backlog of the server's own socket (its accept loop has not taken them), are answered
+// in the graceful close's two steps, on a Unix socket and on TCP. Before, closing the
+// listener reset them, and their calls failed, to Envoy's failure mode (the msgpack
+// socket takes its backlog the same way: daemon.Server.acceptBacklog).
+func TestNativeShutdownServesTheBacklog(t *testing.T) {
+	defer func(d time.Duration) { h2GoAwayWait = d }(h2GoAwayWait)
+	h2GoAwayWait = 10 * time.Millisecond
+	for _, network := range []string{"unix", "tcp"} {
+		t.Run(network, func(t *testing.T) {
+			s := testServer(t)
+			s.cfg.Transport = TransportNative
+			s.cfg.Addr = "127.0.0.1:0"
+			if network == "unix" {
+				s.cfg.Addr = "unix:" + filepath.Join(t.TempDir(), "e.sock")
+			}
+			if err := s.Listen(); err != nil {
+				t.Fatal(err)
+			}
+			addr := s.Addr().String()
+			// Serve is not running: the connections stay in the backlog.
+			const n = 8
+			rs := make([]*rawConn, n)
+			for i := range rs {
+				c, err := net.Dial(network, addr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.Close() })
+				r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+				r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+				r.henc = hpack.NewEncoder(&r.hbuf)
+				if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+					t.Fatal(err)
+				}
+				if err := r.fr.WriteSettings(); err != nil {
+					t.Fatal(err)
+				}
+				r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+				if err := r.fr.WriteData(1, true, oneCall("backlog")); err != nil {
+					t.Fatal(err)
+				}
+				rs[i] = r
+			}
+			shut := make(chan error, 1)
+			go func() { shut <- s.Shutdown(ctx10(t)) }()
+			for i, r := range rs {
+				var rp reply
+				for done := false; !done; {
+					r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+					f, err := r.fr.ReadFrame()
+					if err != nil {
+						t.Fatalf("client %d: %v", i, err)
+					}
+					switch f := f.(type) {
+					case *http2.MetaHeadersFrame:
+						for _, hf := range f.Fields {
+							switch hf.Name {
+							case ":status":
+								rp.status = hf.Value
+							case "grpc-status":
+								rp.grpcStatus = hf.Value
+							}
+						}
+						done = f.StreamEnded()
+					case *http2.DataFrame:
+						rp.data = append(rp.data, f.Data()...)
+					case *http2.RSTStreamFrame:
+						t.Fatalf("client %d: the call was reset: %v", i, f.ErrCode)
+					}
+				}
+				okAnswer(t, rp)
+				r.c.Close()
+			}
+			if err := <-shut; err != nil {
+				t.Fatalf("Shutdown: %v", err)
+			}
+		})
+	}
+}

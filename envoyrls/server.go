@@ -175,7 +175,10 @@ type Server struct {
 	// accepting is the native transport's accept loop, while it runs (serveNative):
 	// added to under mu while not stopped, so that Shutdown's Wait follows every Add.
 	accepting sync.WaitGroup
-	charging  sync.WaitGroup // charges of refused calls that wait on Redis (chargeRefused)
+	// own is the listening socket Listen made (a Unix socket or TCP; nil for
+	// Config.Listener), whose backlog Shutdown serves (acceptBacklog).
+	own      net.Listener
+	charging sync.WaitGroup // charges of refused calls that wait on Redis (chargeRefused)
 }
 
 // New returns a server deciding with lim. Call Listen, then Serve.
@@ -289,7 +292,7 @@ func (s *Server) Listen() error {
 		if err != nil {
 			return fmt.Errorf("envoy rls: listening on %s: %w", s.cfg.Addr, err)
 		}
-		s.ln = s.capped(ln)
+		s.own, s.ln = ln, s.capped(ln)
 		return nil
 	}
 	if path == "" {
@@ -359,7 +362,7 @@ func (s *Server) Listen() error {
 	// it: another daemon may have put its own there since (after this one's was removed).
 	s.sockPath, s.sock = path, unixsock.IDOf(fi)
 	ln.SetUnlinkOnClose(false)
-	s.ln = s.capped(ln)
+	s.own, s.ln = ln, s.capped(ln)
 	return nil
 }
 
@@ -430,6 +433,9 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	g := s.grpc
 	s.mu.Unlock()
 	if s.cfg.Transport == TransportNative {
+		// Clients that connected and wrote just before the drain are answered, not
+		// reset by the listener's close.
+		s.acceptBacklog()
 		if s.ln != nil {
 			_ = s.ln.Close()
 		}
