@@ -600,6 +600,7 @@ func (s *slot) dial(a *dialAttempt) {
 	}
 	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
 		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
+	cn.wrote.L = &cn.mu
 	cn.quietFrom.Store(int64(s.c.mono())) // quiet since it was dialed, until an answer
 	s.cn, a.cn = cn, cn
 	s.c.wg.Add(1)
@@ -666,10 +667,15 @@ type conn struct {
 	flushedID  uint64
 	unsentFrom uint64
 	resetLast  bool
-	fresh      bool // a farewell came before any answer (notSent.fresh)
-	pending    queue
-	broken     bool
-	err        error // why it broke
+	// writing: a write is under way, from outside mu; wrote is signaled when it ends and
+	// what it delivered is recorded (unsentFrom, werr). A reader whose read failed waits
+	// for it (see readLoop).
+	writing bool
+	wrote   sync.Cond
+	fresh   bool // a farewell came before any answer (notSent.fresh)
+	pending queue
+	broken  bool
+	err     error // why it broke
 	// werr is the write error of a connection about to break: its reader reads what the
 	// sidecar answered before (see writeFailed); no request is sent on it any more.
 	werr error
@@ -729,6 +735,7 @@ func (cn *conn) send(cl *call) error {
 		first, last := cn.flushedID+1, cn.nextID
 		cn.flushedID = last
 		cn.enc, cn.spare = cn.spare, buf
+		cn.writing = true
 		cn.mu.Unlock()
 		n := 0
 		err := cn.nc.SetWriteDeadline(time.Now().Add(cn.s.c.opts.Timeout))
@@ -741,6 +748,9 @@ func (cn *conn) send(cl *call) error {
 		}
 		buf.Reset()
 		if err != nil {
+			if f := writeFailedHook.Load(); f != nil {
+				(*f)()
+			}
 			// No frame from first on reached the sidecar when nothing of this write did;
 			// else none after last (the frames encoded meanwhile are never written).
 			cn.mu.Lock()
@@ -751,14 +761,24 @@ func (cn *conn) send(cl *call) error {
 			}
 			cn.mu.Unlock()
 			cn.writeFailed(&unreachable{what: "writing a request", err: err}, rest)
+			cn.mu.Lock()
+			cn.writing = false
+			cn.wrote.Broadcast()
+			cn.mu.Unlock()
 			return nil
 		}
 		cn.mu.Lock()
+		cn.writing = false
+		cn.wrote.Broadcast()
 	}
 	cn.flushing = false
 	cn.mu.Unlock()
 	return nil
 }
+
+// writeFailedHook and readFailedHook, when set (tests), run as a write of request frames
+// has failed (before what it delivered is recorded) and as the reader's read fails.
+var writeFailedHook, readFailedHook atomic.Pointer[func()]
 
 // readLoop hands each response to the oldest pending call until the connection breaks.
 func (cn *conn) readLoop() {
@@ -776,7 +796,19 @@ func (cn *conn) readLoop() {
 			body, err = proto.ReadFrame(br, buf, maxResponseFrame)
 		}
 		if err != nil {
+			if f := readFailedHook.Load(); f != nil {
+				(*f)()
+			}
 			cn.mu.Lock()
+			// A write under way ends at once on a connection the sidecar closed (EPIPE:
+			// nothing of it was delivered) or within Options.Timeout: wait for it, so
+			// that what it delivered is known. Before, an end of stream read as the
+			// write was failing (a sidecar at --idle-timeout shuts its read side and
+			// closes as a check is written) failed its checks, and those encoded
+			// behind them, which the sidecar never read, as undecided: the Policy.
+			for cn.writing {
+				cn.wrote.Wait()
+			}
 			werr := cn.werr
 			cn.resetLast = reset
 			cn.mu.Unlock()

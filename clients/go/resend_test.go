@@ -298,3 +298,63 @@ func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
 		t.Errorf("one check dialed %d connections to a sidecar that refuses each: want at most %d", accepted, pool+1)
 	}
 }
+
+// A sidecar at --idle-timeout shuts a connection's read side and closes it: a check
+// written then fails its write (EPIPE, nothing delivered), and the client's reader reads
+// the end of the stream. When the reader got there before the writer had recorded its
+// failure, the check (and any encoded behind it) failed with the end of stream, as if
+// the sidecar might have read it: the Policy, though it was never sent (10 of 2,400
+// checks in TestE2EGoClientIdleTimeoutChecksAreNotLost, cmd/rlsidecar). The reader now
+// waits for the write under way, and the check is sent again on a new connection. Here
+// the hooks order it so: the stand-in's first connection shuts its read side, answers one
+// check, and closes once the next check's write has failed; the writer goes on only
+// once the reader has read that end.
+func TestResendsCheckWhoseWriteFailedAsTheStreamEnded(t *testing.T) {
+	path := socketPath(t)
+	writeFailed, readFailed := make(chan struct{}), make(chan struct{})
+	var wOnce, rOnce sync.Once
+	wf := func() {
+		wOnce.Do(func() { close(writeFailed) })
+		select {
+		case <-readFailed:
+		case <-time.After(5 * time.Second): // the fixed reader waits for this write
+		}
+	}
+	rf := func() { rOnce.Do(func() { close(readFailed) }) }
+	writeFailedHook.Store(&wf)
+	readFailedHook.Store(&rf)
+	t.Cleanup(func() { writeFailedHook.Store(nil); readFailedHook.Store(nil) })
+	standIn(t, path, func(nc *net.UnixConn, n int) {
+		br := bufio.NewReader(nc)
+		dec, enc := proto.NewDecoder(), proto.NewEncoder()
+		for {
+			body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+			if err != nil {
+				return
+			}
+			var req proto.Request
+			if dec.DecodeRequest(body, &req) != nil {
+				return
+			}
+			if n == 0 {
+				nc.CloseRead() // before the answer: the client's next write fails (EPIPE)
+			}
+			enc.Reset()
+			enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+			if _, err := nc.Write(enc.Bytes()); err != nil {
+				return
+			}
+			if n == 0 {
+				<-writeFailed // then the connection ends: the reader reads EOF
+				return
+			}
+		}
+	})
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 10 * time.Second, Policy: FailClosed})
+	for i := 0; i < 2; i++ {
+		d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
+		if err != nil || d.Unreachable || !d.Allowed || d.Rule != "u" {
+			t.Fatalf("check %d: %+v %v", i, d, err)
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -449,6 +450,43 @@ func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
 	if len(causes) > 0 {
 		t.Errorf("%d of 20 checks answered by the Policy; the first: %s", len(causes), causes[0])
 	}
+}
+
+// A daemon at --idle-timeout shuts an idle connection's read side and closes it. A check
+// written then fails its write (EPIPE: not delivered) and is sent again on a new
+// connection; but when the client's reader read the end of the stream before the writer
+// had recorded the failed write, the check and those encoded behind it failed as if the
+// daemon might have read them: the Policy (FailClosed: 503s), 10 of 2,400 checks here.
+// Rounds of 4 concurrent checks on one connection, paused about the idle timeout; each
+// is decided by the daemon, once.
+func TestE2EGoClientIdleTimeoutChecksAreNotLost(t *testing.T) {
+	dir := shortTempDir(t)
+	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--idle-timeout", "20ms")
+	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	errs := make(chan string, 1600)
+	for i := range 400 {
+		time.Sleep(time.Duration(17000+rand.IntN(6000)) * time.Microsecond) // about the idle timeout
+		var wg sync.WaitGroup
+		for j := range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				u := fmt.Sprint("u", i, "-", j)
+				dec, err := c.Check(context.Background(), map[string]string{"user": u}, nil)
+				if err != nil || dec.Unreachable || dec.Remaining != 4 {
+					errs <- fmt.Sprintf("%s: %+v, %v (want remaining 4: decided once)", u, dec, err)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	close(errs)
+	reportFirst(t, errs, "of 1,600 checks not decided once by the daemon")
 }
 
 // The daemon answers frame_too_large from a frame's header and reads nothing more of the
