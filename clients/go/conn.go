@@ -266,8 +266,8 @@ send:
 	}
 	if err != nil {
 		cl.timer.Stop()
-		if err == errNoRoom && wait == c.opts.Timeout {
-			// The full connection it waited on left it unanswered for the whole Timeout,
+		if err == errNoRoom {
+			// The full connection it waited on left it unanswered until its deadline,
 			// as if it had timed out on it. Else a connection filled with checks a
 			// stalled sidecar never answers would never be given up: none is sent on it,
 			// so none times out on it, and every check is answered by the Policy until
@@ -277,8 +277,14 @@ send:
 		return fail(err)
 	}
 	res, err := cl.wait(ctx)
-	if err == errTimeout && wait == c.opts.Timeout {
-		cn.timedOut() // the whole Timeout, not a caller's shorter deadline
+	if err == errTimeout {
+		// Timeout or the caller's earlier deadline: either way cn left the check
+		// unanswered. Before, only a wait of the whole Timeout counted, and a gateway
+		// giving each check a shorter deadline of its own kept a stalled sidecar's
+		// connections, every check answered by the Policy, until that process ended. A
+		// deadline too short for a sidecar that answers gives nothing up: its late
+		// answers end each quiet spell (timedOut).
+		cn.timedOut()
 	}
 	if ns, ok := err.(*notSent); ok {
 		// The sidecar never read it (see notSent): send it again, once, on another

@@ -37,6 +37,59 @@ func TestStalledConnectionRedials(t *testing.T) {
 	switchSidecar(t, c, path, attrs, "connections")
 }
 
+// The same when every check's ctx ends before Options.Timeout (a gateway that gives each
+// check a deadline of its own, shorter than the Client's Timeout): those checks time out
+// on the stalled connection all the same. Before, only a wait of the whole Timeout counted
+// toward a stall, and such a gateway kept the frozen sidecar's connections, every check
+// answered by the policy, until that process ended.
+func TestStalledConnectionRedialsUnderShorterDeadlines(t *testing.T) {
+	path, c := frozenSidecar(t)
+	within := c.opts.Timeout / 2
+	attrs := map[string]string{"user": "blue"}
+	for range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), within)
+		d, _ := c.Check(ctx, attrs, nil)
+		cancel()
+		if !d.Unreachable {
+			t.Fatalf("the frozen sidecar answered: %+v", d)
+		}
+	}
+	switchSidecarWithin(t, c, path, attrs, "connections", within)
+}
+
+// A sidecar that answers, only later than the callers' deadlines, is no stall: its late
+// answers end each quiet spell, and its connection is kept however long every check
+// times out on it (here for twice stallFor).
+func TestSlowSidecarKeptUnderShorterDeadlines(t *testing.T) {
+	path := socketPath(t)
+	f := startFake(t, path, nil)
+	f.delay.Store(int64(3 * time.Millisecond))
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
+	attrs := map[string]string{"user": "slow"}
+	var first *conn
+	timedOut := 0
+	for start := time.Now(); time.Since(start) < 2*c.stallFor(); {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		d, _ := c.Check(ctx, attrs, nil)
+		cancel()
+		if d.Unreachable {
+			timedOut++
+		}
+		c.slots[0].mu.Lock()
+		cn := c.slots[0].cn
+		c.slots[0].mu.Unlock()
+		if first == nil {
+			first = cn
+		} else if cn != first {
+			t.Fatalf("the answering sidecar's connection was given up after %d checks timed out on it", timedOut)
+		}
+		time.Sleep(3 * time.Millisecond) // the sidecar keeps up
+	}
+	if timedOut == 0 {
+		t.Fatal("no check timed out: the test proves nothing")
+	}
+}
+
 // A stall is timed on the Client's monotonic clock (Client.mono), not the wall clock: a
 // step of the wall clock neither gives a connection up early nor keeps a stalled one
 // longer (measured in Unix ns, the quiet spell lasted as long as a step back besides: an
@@ -397,13 +450,25 @@ func frozenSidecar(t *testing.T) (string, *Client) {
 
 func switchSidecar(t *testing.T, c *Client, path string, attrs map[string]string, what string) {
 	t.Helper()
+	switchSidecarWithin(t, c, path, attrs, what, 0)
+}
+
+// switchSidecarWithin is switchSidecar with each check's ctx ending after within (0:
+// never).
+func switchSidecarWithin(t *testing.T, c *Client, path string, attrs map[string]string, what string, within time.Duration) {
+	t.Helper()
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
 	startFake(t, path, nil)
 	switched := time.Now()
 	for i := 1; ; i++ {
-		d, err := c.Check(context.Background(), attrs, nil)
+		ctx, cancel := context.Background(), context.CancelFunc(func() {})
+		if within > 0 {
+			ctx, cancel = context.WithTimeout(ctx, within)
+		}
+		d, err := c.Check(ctx, attrs, nil)
+		cancel()
 		if err != nil {
 			t.Fatal(err)
 		}
