@@ -759,11 +759,16 @@ func (cn *conn) send(cl *call) error {
 			}
 			// No frame from first on reached the sidecar when nothing of this write did;
 			// else none after last (the frames encoded meanwhile are never written).
+			unsent := first
+			if n > 0 {
+				unsent = last + 1
+			}
 			cn.mu.Lock()
-			if n == 0 {
-				cn.unsentFrom = first
-			} else {
-				cn.unsentFrom = last + 1
+			// The earliest mark stands: a farewell noted meanwhile may say the sidecar
+			// read none from an earlier call on. Before, this one replaced it, and the
+			// calls between failed as if read: the Policy.
+			if cn.unsentFrom == 0 || unsent < cn.unsentFrom {
+				cn.unsentFrom = unsent
 			}
 			cn.mu.Unlock()
 			cn.writeFailed(&unreachable{what: "writing a request", err: err}, rest)
@@ -784,7 +789,9 @@ func (cn *conn) send(cl *call) error {
 
 // writeFailedHook and readFailedHook, when set (tests), run as a write of request frames
 // has failed (before what it delivered is recorded) and as the reader's read fails.
-var writeFailedHook, readFailedHook atomic.Pointer[func()]
+// closedUnreadHook, when set (tests), runs as the sidecar's last word has been noted
+// (closedUnread), before the calls it was not read are failed.
+var writeFailedHook, readFailedHook, closedUnreadHook atomic.Pointer[func()]
 
 // readLoop hands each response to the oldest pending call until the connection breaks.
 func (cn *conn) readLoop() {
@@ -981,6 +988,9 @@ func (cn *conn) closedUnread(cl *call, err error, fresh bool) {
 	cn.unsentFrom = cl.id
 	cn.fresh = fresh
 	cn.mu.Unlock()
+	if f := closedUnreadHook.Load(); f != nil {
+		(*f)()
+	}
 	cl.complete(&notSent{err: err, fresh: fresh})
 	cn.fail(err)
 }

@@ -358,3 +358,109 @@ func TestResendsCheckWhoseWriteFailedAsTheStreamEnded(t *testing.T) {
 		}
 	}
 }
+
+// A drain's farewell says the sidecar read nothing from the oldest pending check on. A
+// write failing meanwhile (the drain shut the read side) recorded the first frame it did
+// not deliver over the farewell's mark: the checks between, written before and never
+// read, failed as if read: the Policy. Each is sent again. Here check A is pending, B was
+// written after it, C's write fails (EPIPE); the farewell comes as C's write fails, and
+// the hooks have the writer note its failure between the reader noting the farewell and
+// failing the connection.
+func TestFarewellNotOverriddenByAFailedWrite(t *testing.T) {
+	path := socketPath(t)
+	readTwo, writeFailed, farewell := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	var wOnce, fOnce sync.Once
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 10 * time.Second, Policy: FailClosed})
+	wf := func() {
+		wOnce.Do(func() { close(writeFailed) })
+		select {
+		case <-farewell:
+		case <-time.After(5 * time.Second):
+		}
+	}
+	fh := func() {
+		fOnce.Do(func() { close(farewell) })
+		// Wait for the failed write to be noted (writeFailed sets werr).
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			s := &c.slots[0]
+			s.mu.Lock()
+			cn := s.cn
+			s.mu.Unlock()
+			if cn == nil {
+				return
+			}
+			cn.mu.Lock()
+			noted := cn.werr != nil
+			cn.mu.Unlock()
+			if noted {
+				return
+			}
+		}
+	}
+	writeFailedHook.Store(&wf)
+	closedUnreadHook.Store(&fh)
+	t.Cleanup(func() { writeFailedHook.Store(nil); closedUnreadHook.Store(nil) })
+	standIn(t, path, func(nc *net.UnixConn, n int) {
+		br := bufio.NewReader(nc)
+		dec, enc := proto.NewDecoder(), proto.NewEncoder()
+		for i := 0; ; i++ {
+			body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+			if err != nil {
+				return
+			}
+			var req proto.Request
+			if dec.DecodeRequest(body, &req) != nil {
+				return
+			}
+			if n == 0 {
+				if i == 0 {
+					continue // A: read, not decided
+				}
+				nc.CloseRead() // after B: C's write fails (EPIPE)
+				close(readTwo)
+				<-writeFailed
+				enc.EncodeError(0, proto.CodeShuttingDown, "farewell")
+				nc.Write(enc.Bytes())
+				<-farewell
+				return
+			}
+			enc.Reset()
+			enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+			if _, err := nc.Write(enc.Bytes()); err != nil {
+				return
+			}
+		}
+	})
+	t.Cleanup(func() { c.Close() }) // before the stand-in's cleanup waits for its connections
+	errs := make(chan string, 3)
+	var wg sync.WaitGroup
+	check := func(user string) {
+		defer wg.Done()
+		d, err := c.Check(context.Background(), map[string]string{"user": user}, nil)
+		if err != nil || d.Unreachable || d.Rule != user {
+			errs <- fmt.Sprintf("%s: %+v %v", user, d, err)
+		}
+	}
+	wg.Add(2)
+	go check("A")
+	eventually(t, "A sent", func() bool { // A before B on the connection
+		s := &c.slots[0]
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.cn == nil {
+			return false
+		}
+		s.cn.mu.Lock()
+		defer s.cn.mu.Unlock()
+		return s.cn.flushedID >= 1
+	})
+	go check("B")
+	<-readTwo
+	wg.Add(1)
+	go check("C")
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+}
