@@ -489,6 +489,58 @@ func TestE2EGoClientIdleTimeoutChecksAreNotLost(t *testing.T) {
 	reportFirst(t, errs, "of 1,600 checks not decided once by the daemon")
 }
 
+// A blue/green switch under a gateway that gives each check a deadline of its own,
+// shorter than the client's Timeout: the old daemon is frozen (SIGSTOP) with the client's
+// connections, and its successor serves the socket path. The checks time out at their
+// deadline on the frozen connections, which are given up after the stall (1 s here) and
+// redialed to the successor. Before, only a check waiting the whole Timeout counted
+// toward the stall, and every check was answered by the policy until the old process
+// ended.
+func TestE2EGoClientStallUnderShorterDeadlines(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", perUserRules)
+	old := startDaemon(t, "--config", cfg)
+	c, err := rlclient.New(rlclient.Options{Socket: old.socket, Conns: 2, Timeout: 200 * time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	check := func(u string) rlclient.Decision {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		d, _ := c.Check(ctx, map[string]string{"user": u}, nil)
+		return d
+	}
+	for i := range 2 { // both connections dialed, answered
+		if d := check(fmt.Sprint("before", i)); d.Unreachable {
+			t.Fatalf("before the switch: %+v", d)
+		}
+	}
+	if err := old.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { old.cmd.Process.Signal(syscall.SIGCONT) })
+	if err := os.Remove(old.socket); err != nil {
+		t.Fatal(err)
+	}
+	startDaemonAt(t, old.socket, "--config", cfg)
+	switched := time.Now()
+	for i := 0; ; i++ {
+		d := check(fmt.Sprint("after", i))
+		if !d.Unreachable {
+			if d.Remaining != 4 {
+				t.Fatalf("the successor's answer: %+v", d)
+			}
+			t.Logf("the successor answered %v (%d checks) after the switch", time.Since(switched).Round(time.Millisecond), i+1)
+			return
+		}
+		if time.Since(switched) > 15*time.Second {
+			t.Fatalf("15 s after the switch, checks still time out on the frozen daemon: %v", d.Cause)
+		}
+	}
+}
+
 // The daemon answers frame_too_large from a frame's header and reads nothing more of the
 // connection: the checks pipelined behind that frame were not read, not decided, and go
 // again on a new connection, each counted once; the oversized request gets its 431.
