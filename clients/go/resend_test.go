@@ -303,7 +303,7 @@ func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
 // written then fails its write (EPIPE, nothing delivered), and the client's reader reads
 // the end of the stream. When the reader got there before the writer had recorded its
 // failure, the check (and any encoded behind it) failed with the end of stream, as if
-// the sidecar might have read it: the Policy, though it was never sent (10 of 2,400
+// the sidecar might have read it: the Policy, though it was never sent (13 of 1,600
 // checks in TestE2EGoClientIdleTimeoutChecksAreNotLost, cmd/rlsidecar). The reader now
 // waits for the write under way, and the check is sent again on a new connection. Here
 // the hooks order it so: the stand-in's first connection shuts its read side, answers one
