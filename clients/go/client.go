@@ -252,6 +252,9 @@ func (e *unreachable) Unwrap() []error {
 var (
 	errTimeout = &unreachable{what: "no answer within the timeout"}
 	errNoRoom  = &unreachable{what: "every connection had as many requests in flight as it may until the deadline"}
+	// errExpired: the caller's deadline had passed before the request was made; it was
+	// not sent, and says nothing of the sidecar (the outage log leaves it out).
+	errExpired = &unreachable{what: "the caller's deadline had passed: not sent", err: context.DeadlineExceeded}
 )
 
 // Client asks one sidecar for decisions over a pool of pipelined connections.

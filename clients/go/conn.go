@@ -210,7 +210,10 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	if c.closed.Load() {
 		return fail(ErrClosed)
 	}
-	if ctx.Err() != nil {
+	if err := ctx.Err(); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			return fail(errExpired)
+		}
 		return fail(ctxError(ctx))
 	}
 	now := time.Now()
@@ -219,7 +222,7 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 		wait = min(wait, dl.Sub(now))
 	}
 	if wait <= 0 {
-		return fail(errTimeout)
+		return fail(errExpired)
 	}
 	if err := c.sizeUp(cl); err != nil {
 		return fail(err)

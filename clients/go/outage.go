@@ -38,9 +38,13 @@ func (c *Client) logger() *slog.Logger {
 
 // unreachable records a check the Policy decided because the sidecar gave no answer
 // (cause), and writes a line when one is due. A check whose caller's context was
-// canceled (its client went away) says nothing of the sidecar: it is not counted.
+// canceled (its client went away), or whose deadline had passed before it was sent, says
+// nothing of the sidecar: it is not counted.
 func (c *Client) unreachable(cause error) {
-	if errors.Is(cause, context.Canceled) {
+	if errors.Is(cause, context.Canceled) || cause == errExpired {
+		// Its caller went away, or its deadline had passed before it was sent. Before,
+		// the latter was logged as an outage ("requests pass without rate limiting"),
+		// then "answers again", while the sidecar answered every other check.
 		return
 	}
 	o := &c.outage

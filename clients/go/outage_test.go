@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -196,5 +197,30 @@ func TestUnreachableSidecarLogsToSlogDefault(t *testing.T) {
 	lines := l.lines(t)
 	if called != 3 || len(lines) != 1 || !strings.Contains(lines[0]["msg"].(string), "rlsidecar unreachable") {
 		t.Fatalf("next called %d times, lines %v", called, lines)
+	}
+}
+
+// A check whose caller's deadline had passed before it was made (a request that waited
+// past its own deadline, under load) was not sent: it says nothing of the sidecar, which
+// answers the other checks. Before, it was logged "rlsidecar unreachable; requests pass
+// without rate limiting", then "answers again" at the next check, while the sidecar
+// answered all along.
+func TestExpiredCheckIsNotLogged(t *testing.T) {
+	path := socketPath(t)
+	startFake(t, path, nil)
+	c, l, _ := loggedClient(t, Options{Socket: path})
+	if d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil); err != nil || d.Unreachable {
+		t.Fatalf("%+v %v", d, err)
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	if d, _ := c.Check(ctx, map[string]string{"user": "u"}, nil); !d.Unreachable || !errors.Is(d.Cause, ErrUnreachable) {
+		t.Fatalf("%+v", d)
+	}
+	if d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil); err != nil || d.Unreachable {
+		t.Fatalf("%+v %v", d, err)
+	}
+	if lines := l.lines(t); len(lines) != 0 {
+		t.Fatalf("%v", lines)
 	}
 }
