@@ -171,7 +171,7 @@ func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 }
 
 // retrack tracks again gl, taken off its owner (takeOwnerGlobal) but not released in
-// Redis, with no owner: in flight until the sweep settles it.
+// Redis, with no owner and marked unreleased: in flight until the sweep releases it.
 func (ls *Leases) retrack(gl *globalLease) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
@@ -179,6 +179,7 @@ func (ls *Leases) retrack(gl *globalLease) {
 		return
 	}
 	gl.owner = 0
+	gl.unreleased = true
 	for _, st := range gl.stats {
 		st.InFlight++
 	}
@@ -203,7 +204,7 @@ func (ls *Leases) dueGlobal(now int64) []*globalLease {
 	defer ls.mu.Unlock()
 	var due []*globalLease
 	for _, gl := range ls.global {
-		if gl.expires <= now {
+		if gl.expires <= now && !gl.unreleased { // those: releaseAgain
 			due = append(due, gl)
 			if len(due) == maxDue {
 				break
@@ -211,6 +212,49 @@ func (ls *Leases) dueGlobal(now int64) []*globalLease {
 		}
 	}
 	return due
+}
+
+// untrackReleased forgets gl, if still tracked, freed by releaseAgain: its parts
+// counted closed when its connection's close gave it up (it has no owner left), else
+// released.
+func (ls *Leases) untrackReleased(gl *globalLease) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	count := func(st *LeaseStats) { st.Released++ }
+	if gl.owner == 0 {
+		count = func(st *LeaseStats) { st.Closed++ }
+	}
+	ls.untrackLocked(gl, count)
+}
+
+// markUnreleased marks gl (nil: none), if still tracked, as given up by its holder but
+// not released in Redis: the sweep releases it again (releaseAgain).
+func (ls *Leases) markUnreleased(gl *globalLease) {
+	if gl == nil {
+		return
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.global[gl.id] == gl {
+		gl.unreleased = true
+	}
+}
+
+// unreleasedGlobal returns the tracked global leases marked unreleased, at most maxDue
+// of them (the next sweep takes the rest).
+func (ls *Leases) unreleasedGlobal() []*globalLease {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var out []*globalLease
+	for _, gl := range ls.global {
+		if gl.unreleased {
+			out = append(out, gl)
+			if len(out) == maxDue {
+				break
+			}
+		}
+	}
+	return out
 }
 
 // ownerGlobalDue returns owner's tracked global leases whose first part was due to

@@ -60,6 +60,10 @@ type globalLease struct {
 	parts   []rlsync.LeasePart
 	stats   []*LeaseStats // per part
 	expires int64         // this daemon's clock: when the first part expires, as last known
+	// unreleased marks a lease given up (released by its holder, or its connection
+	// closed) whose release Redis did not answer: the sweep sends it again (a release
+	// only removes the lease's members, so sending it twice frees nothing more).
+	unreleased bool
 }
 
 // leaseIDBytes is the size of a global lease's random id: unguessable, so that a token
@@ -457,7 +461,10 @@ func (s *globalLeaseStore) release(token string, now int64) (bool, error) {
 	defer cancel()
 	freed, err := s.g.Release(ctx, id, parts)
 	if err != nil {
-		return false, err // the lease expires after its lease
+		// Its holder is done with it: if this daemon tracks it, the sweep sends the
+		// release again once Redis answers (else it expires after its lease).
+		s.ls.markUnreleased(s.ls.trackedGlobal(token))
+		return false, err
 	}
 	s.ls.releasedGlobal(id, rs, freed, now)
 	return freed, nil
@@ -496,7 +503,7 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 // expired as expired (the others were released through another daemon), and reports
 // how many it freed. When
 // Redis failed, those it did not free may still hold their slots: they are tracked
-// again, ownerless, so the sweep counts them expired or finds them gone.
+// again, ownerless and marked unreleased, so the sweep sends their release again.
 func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
@@ -538,6 +545,7 @@ const closeReleaseWait = time.Second
 // part still there and expired is counted expired (the leak signal), one renewed
 // through another daemon stays tracked, one gone was released through another daemon.
 func (s *globalLeaseStore) sweep(now int64) int {
+	s.releaseAgain(now)
 	due := s.ls.dueGlobal(now)
 	if len(due) == 0 {
 		return 0
@@ -557,6 +565,41 @@ func (s *globalLeaseStore) sweep(now int64) int {
 		n += s.ls.settleGlobal(gl, now, st[i].Left, st[i].Present)
 	}
 	return n
+}
+
+// releaseAgain sends again the releases of the tracked global leases given up while
+// Redis did not answer (unreleased: their holder released them, or their connection
+// closed, during an outage or a Cluster failover), at most maxDue of them, in one
+// pipeline on a bounded context. A lease freed is counted as its first release would
+// have been (closed when it has no owner left, else released); one Redis holds run out
+// is forgotten, counted expired; one it no longer holds (released through another
+// daemon, or dropped) is forgotten uncounted; one Redis still does not answer for stays
+// marked, until Redis has dropped it whatever it was. Before, such a lease held its
+// slots for its whole lease: a client of a concurrency rule refused, not degraded, long
+// after Redis was back.
+func (s *globalLeaseStore) releaseAgain(now int64) {
+	gls := s.ls.unreleasedGlobal()
+	if len(gls) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
+	defer cancel()
+	ids, parts := leaseParts(gls)
+	rs, err := s.g.ReleaseAll(ctx, ids, parts)
+	for i, gl := range gls {
+		switch {
+		case rs[i].Freed:
+			s.ls.untrackReleased(gl)
+		case err == nil:
+			var count func(*LeaseStats)
+			if rs[i].Expired {
+				count = func(st *LeaseStats) { st.Expired++ } // Redis held it run out
+			}
+			s.ls.untrack(gl, count)
+		case now-gl.expires > int64(rlsync.LeaseGrace):
+			s.ls.untrack(gl, nil) // Redis has dropped it by now, whatever it was
+		}
+	}
 }
 
 // LeaseToken returns the opaque token of the lease d's allowed check took: "" when it
