@@ -169,3 +169,25 @@ func TestSettleNotSent(t *testing.T) {
 		t.Fatal("a call answered did not close the breaker")
 	}
 }
+
+// A call the master refused with TRYAGAIN (its keys split by a slot's migration) was
+// answered: the master is up, and its breaker must not open on it, or every client of
+// that master is decided by its policy while one slot moves
+// (cmd/rlsidecar:TestFaultClusterReshardTryAgainDegradesOnlyItsSlot). A reply that is
+// not the script's (failed, no error) still counts as a failure.
+func TestSettleTryAgainIsNoFailure(t *testing.T) {
+	b := NewBreaker(1, time.Hour)
+	x := mastersOf(b, nil).ForKey("k")
+	c := redis.NewCmd(context.Background())
+	c.SetErr(tryAgainErr{})
+	for range 10 {
+		settle([]call{{m: x, failed: true, cmd: c}}, []*Master{x})
+	}
+	if b.Open() {
+		t.Fatal("calls refused with TRYAGAIN opened the master's breaker")
+	}
+	settle([]call{{m: x, failed: true, cmd: redis.NewCmd(context.Background())}}, []*Master{x})
+	if !b.Open() {
+		t.Fatal("a call whose reply was not the script's did not open the breaker")
+	}
+}

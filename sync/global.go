@@ -343,7 +343,11 @@ func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
 // valid answer (an error, a timeout, a reply that is not the script's), a success
 // otherwise. Calls the auto-pipeline did not send (errNotSent: their deadline passed in
 // its queue) tell nothing of Redis: a master none of whose calls went hears nothing, and
-// gets back the probe its open breaker gave them.
+// gets back the probe its open breaker gave them. A call the master refused with
+// TRYAGAIN (its keys split by a slot's migration) was answered: it says the master is
+// up, and counts as no failure of it. Before, three such calls (one client's checks
+// while its slot was resharded) opened the master's breaker, and every global check of
+// every client of that master followed its policy, degraded, until a probe closed it.
 func settle(calls []call, ms []*Master) {
 	for _, x := range ms {
 		failed, sent := false, false
@@ -356,7 +360,8 @@ func settle(calls []call, ms []*Master) {
 				continue
 			}
 			sent = true
-			if c.failed || c.cmd == nil || c.cmd.Err() != nil {
+			if c.cmd == nil || (c.cmd.Err() != nil && !redis.HasErrorPrefix(c.cmd.Err(), "TRYAGAIN")) ||
+				(c.failed && c.cmd.Err() == nil) {
 				failed = true
 				break
 			}
