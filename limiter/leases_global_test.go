@@ -553,6 +553,69 @@ func TestGlobalLeasesOwnerCloseRedisFrozen(t *testing.T) {
 	}
 }
 
+// Global leases given up while Redis does not run their release (clients paused: the
+// releases time out, their connections close, and Redis drops them unrun), one by its
+// holder's release, two by their connection's close: once Redis answers, the sweep
+// releases them, long before their lease (an hour) runs out, and counts them released
+// and closed. Before, the release answered false and nothing sent it again: the three
+// slots stayed held for the hour, in flight, their client refused at max 3.
+func TestGlobalLeasesGivenUpWhileRedisAwayReleasedBySweep(t *testing.T) {
+	srv, rdb := realRedisServer(t, time.Second)
+	yaml := "rules:\n  - name: slots\n    key: user\n    concurrency: { max: 3, lease: 1h }\n    mode: global\n"
+	a := globalLimiter(t, rdb, yaml, "rl:")
+	in := &Input{Attrs: attrs("user=kim"), Cost: 1}
+	var held string
+	for i := range 3 {
+		owner := uint64(42)
+		if i == 2 {
+			owner = 43
+		}
+		ok, token, _ := acquire(t, a, in, owner)
+		if !ok {
+			t.Fatalf("lease %d refused", i+1)
+		}
+		held = token
+	}
+	if ok, _, _ := acquire(t, a, in, 44); ok {
+		t.Fatal("a fourth lease past max 3 admitted")
+	}
+	// Every client but the pausing one waits; those whose call times out close their
+	// connection, and Redis drops their command unrun.
+	// The releases give up after the client's timeout (1 s) each; the pause outlasts both.
+	if out, err := srv.Command("CLIENT", "PAUSE", "6000", "ALL"); err != nil {
+		t.Fatalf("CLIENT PAUSE: %q %v", out, err)
+	}
+	paused := time.Now()
+	released := a.ReleaseLease(held, nowNs())
+	freed := a.ReleaseOwner(42, nowNs())
+	if el := time.Since(paused); el >= 6*time.Second {
+		t.Fatalf("the releases took %s, past the pause: this test needs them to give up during it", el)
+	}
+	for { // the pause over (a PING on a connection of its own is answered)
+		if out, err := srv.Command("PING"); err == nil && out == "PONG" {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if released || freed != 0 {
+		t.Fatalf("with Redis paused: released %v, the closed connection's leases freed %d; want false, 0", released, freed)
+	}
+	ctx := context.Background()
+	if n, err := rdb.ZCard(ctx, "rl:slots:{user=kim}").Result(); err != nil || n != 3 {
+		t.Fatalf("slots held in Redis after the paused releases: %d (%v); want 3 (this test needs them unrun)", n, err)
+	}
+	a.Sweep(nowNs()) // long before the hour is out
+	if n, err := rdb.ZCard(ctx, "rl:slots:{user=kim}").Result(); err != nil || n != 0 {
+		t.Errorf("slots held in Redis after a sweep with Redis back: %d (%v); want 0", n, err)
+	}
+	if s := stats(a, "slots"); s.InFlight != 0 || s.Released != 1 || s.Closed != 2 {
+		t.Errorf("stats after the sweep: %+v; want 0 in flight, 1 released, 2 closed", s)
+	}
+	if ok, _, _ := acquire(t, a, in, 44); !ok {
+		t.Error("a lease after the sweep refused: the slots given up are still held")
+	}
+}
+
 // scriptCalls returns how many EVAL and EVALSHA calls the masters behind rdb have served.
 func scriptCalls(t *testing.T, rdb redis.UniversalClient) int64 {
 	t.Helper()
