@@ -93,6 +93,14 @@ func (b *Breaker) Success() {
 }
 
 // Failure records a call that failed (an error or a timeout, not a rejection).
+//
+// While the breaker is open only its probe doubles the wait: the failure of a call let
+// through before it opened (the rest of a batch in flight, the checks of other
+// connections, answered after the third failure) says nothing new. Before, each such
+// failure doubled the wait too, so a moment's failure under concurrent load (a Cluster's
+// CLUSTERDOWN while it promotes a replica, a planned failover's pause) pushed the first
+// probe to the whole cool-down at once: a healthy master's global checks followed their
+// policy for up to a second after it answered again.
 func (b *Breaker) Failure() {
 	if b == nil {
 		return
@@ -101,6 +109,9 @@ func (b *Breaker) Failure() {
 	defer b.mu.Unlock()
 	streak := b.streak.Add(1)
 	if b.open.Load() {
+		if !b.probe {
+			return // not the probe: a call from before the breaker opened
+		}
 		// A failed probe: stay open, twice as long as before, at most a cool-down.
 		b.probe = false
 		b.wait = min(2*b.wait, b.cooldown)

@@ -3,6 +3,9 @@ package sync
 import (
 	"context"
 	"errors"
+	"fmt"
+	gosync "sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -146,5 +149,93 @@ func TestBreakerBackoff(t *testing.T) {
 	b.Failure() // opens again: from the first wait
 	if b.wait != 100*time.Millisecond {
 		t.Fatalf("reopened: wait %v, want 100ms", b.wait)
+	}
+}
+
+// The failures of calls let through before the breaker opened (a batch in flight, other
+// connections' checks) answered once it is open are no failed probes: the first probe
+// still comes after an eighth of the cool-down. Before, each doubled the wait, and three
+// more such failures pushed the first probe to the whole cool-down.
+func TestBreakerFailuresInFlightKeepFirstWait(t *testing.T) {
+	b := NewBreaker(3, 800*time.Millisecond)
+	for range 3 {
+		b.Failure()
+	}
+	if !b.Open() || b.wait != 100*time.Millisecond {
+		t.Fatalf("opened: open %v, wait %v; want open, 100ms", b.Open(), b.wait)
+	}
+	b.mu.Lock()
+	until := b.until
+	b.mu.Unlock()
+	for range 10 {
+		b.Failure() // calls sent before it opened
+	}
+	b.mu.Lock()
+	wait, same := b.wait, b.until.Equal(until)
+	b.mu.Unlock()
+	if wait != 100*time.Millisecond || !same {
+		t.Fatalf("after 10 failures of calls in flight: wait %v (first probe moved: %v); want 100ms, unmoved", wait, !same)
+	}
+	b.mu.Lock()
+	b.until = time.Now() // as if the wait were over
+	b.mu.Unlock()
+	if ok, probe := b.allow(); !ok || !probe {
+		t.Fatal("no probe after the first wait")
+	}
+	b.Failure() // the probe failed: now the wait doubles
+	if b.wait != 200*time.Millisecond {
+		t.Fatalf("after a failed probe: wait %v, want 200ms", b.wait)
+	}
+}
+
+// A real redis-server frozen under 32 concurrent global checks: they all time out, and
+// those answered (failed) after the third failure opened the breaker are no failed
+// probes: its first probe is still due an eighth of the cool-down later, so a Redis that
+// paused for a moment (a planned failover, CLUSTERDOWN while a replica is promoted) is
+// probed again soon. Before, each of them doubled the wait, and the first probe was
+// pushed to the whole cool-down.
+func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(3, 8*time.Second)
+	g := NewGlobal(rdb).WithBreaker(b)
+	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
+	check := func(wait time.Duration, i int) error {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		_, err := g.Check(ctx, []GlobalOp{{Key: fmt.Sprintf("rl:b:{u=%d}", i), Limit: l, Cost: 1}})
+		return err
+	}
+	if err := check(2*time.Second, 0); err != nil { // the script loaded, a connection dialled
+		t.Fatal(err)
+	}
+	srv.Freeze()
+	defer srv.Thaw()
+	var wg gosync.WaitGroup
+	var sent atomic.Int32
+	for i := range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := check(300*time.Millisecond, i); !errors.Is(err, ErrBreakerOpen) {
+				sent.Add(1) // it went to Redis (and failed)
+			}
+		}()
+	}
+	wg.Wait()
+	srv.Thaw()
+	b.mu.Lock()
+	wait := b.wait
+	b.mu.Unlock()
+	t.Logf("%d of 32 checks sent to the frozen Redis; the open breaker's wait %s", sent.Load(), wait)
+	if !b.Open() || sent.Load() <= 3 {
+		t.Fatalf("breaker open %v, %d checks sent; this test needs more than 3 in flight when it opens", b.Open(), sent.Load())
+	}
+	if wait != time.Second {
+		t.Errorf("the open breaker waits %s before its first probe, want an eighth of the cool-down (1s)", wait)
 	}
 }
