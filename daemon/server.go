@@ -367,34 +367,12 @@ func (s *Server) acceptBacklog() []*net.UnixConn {
 	if s.ln == nil || s.cfg.Listener != nil {
 		return nil
 	}
-	rc, err := s.ln.SyscallConn()
-	if err != nil {
-		return nil
+	cs, errs := rawio.AcceptPending(s.ln, int(int64(s.cfg.MaxConns)-s.nconns.Load()))
+	for _, err := range errs {
+		s.log.Warn("drain: taking a connection from the backlog", "err", err)
 	}
-	room := int64(s.cfg.MaxConns) - s.nconns.Load()
-	var fds []int
-	_ = rc.Control(func(fd uintptr) {
-		for int64(len(fds)) < room {
-			// The listener is nonblocking: an empty backlog is EAGAIN.
-			nfd, _, err := syscall.Accept(int(fd))
-			switch {
-			case err == syscall.EINTR || err == syscall.ECONNABORTED:
-				continue
-			case err != nil:
-				return
-			}
-			fds = append(fds, nfd)
-		}
-	})
-	conns := make([]*net.UnixConn, 0, len(fds))
-	for _, fd := range fds {
-		f := os.NewFile(uintptr(fd), "backlog")
-		c, err := net.FileConn(f) // a duplicate, nonblocking, in the netpoller
-		f.Close()
-		if err != nil {
-			s.log.Warn("drain: taking a connection from the backlog", "err", err)
-			continue
-		}
+	conns := make([]*net.UnixConn, 0, len(cs))
+	for _, c := range cs {
 		if uc, ok := c.(*net.UnixConn); ok {
 			conns = append(conns, uc)
 		} else {

@@ -187,35 +187,14 @@ func (s *Server) acceptBacklog() {
 	if !ok {
 		return
 	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return
-	}
 	s.mu.Lock()
 	room := maxConns - len(s.conns)
 	s.mu.Unlock()
-	var fds []int
-	_ = rc.Control(func(fd uintptr) {
-		for len(fds) < room {
-			// The listener is nonblocking: an empty backlog is EAGAIN.
-			nfd, _, err := syscall.Accept(int(fd))
-			switch {
-			case err == syscall.EINTR || err == syscall.ECONNABORTED:
-				continue
-			case err != nil:
-				return
-			}
-			fds = append(fds, nfd)
-		}
-	})
-	for _, fd := range fds {
-		f := os.NewFile(uintptr(fd), "backlog")
-		nc, err := net.FileConn(f) // a duplicate, nonblocking, in the netpoller
-		f.Close()
-		if err != nil {
-			s.cfg.Logger.Warn("envoy rls: drain: taking a connection from the backlog", "err", err)
-			continue
-		}
+	conns, errs := rawio.AcceptPending(sc, room)
+	for _, err := range errs {
+		s.cfg.Logger.Warn("envoy rls: drain: taking a connection from the backlog", "err", err)
+	}
+	for _, nc := range conns {
 		s.serveConn(nc)
 	}
 }

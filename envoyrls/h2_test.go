@@ -52,9 +52,7 @@ func dialRawNet(t *testing.T, network, addr string, settings ...http2.Setting) *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
-	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	r.henc = hpack.NewEncoder(&r.hbuf)
+	r := newRawConn(t, c)
 	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
 		t.Fatal(err)
 	}
@@ -69,6 +67,30 @@ func dialRawNet(t *testing.T, network, addr string, settings ...http2.Setting) *
 			}
 			return r
 		}
+	}
+}
+
+// newRawConn is a raw HTTP/2 client on c, connected: nothing written yet.
+func newRawConn(t *testing.T, c net.Conn) *rawConn {
+	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	r.henc = hpack.NewEncoder(&r.hbuf)
+	return r
+}
+
+// prefaceAndCall writes the client's preface, its SETTINGS and one ShouldRateLimit call
+// of domain on stream 1, without waiting for the server, as Envoy does as it connects.
+func (r *rawConn) prefaceAndCall(domain string) {
+	r.t.Helper()
+	if _, err := io.WriteString(r.c, http2.ClientPreface); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := r.fr.WriteSettings(); err != nil {
+		r.t.Fatal(err)
+	}
+	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
+	if err := r.fr.WriteData(1, true, oneCall(domain)); err != nil {
+		r.t.Fatal(err)
 	}
 }
 
@@ -1502,9 +1524,7 @@ func TestNativeUnfinishedCallsYield(t *testing.T) {
 			t.Fatal(err)
 		}
 		_ = c.SetDeadline(time.Now().Add(time.Second))
-		r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
-		r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-		r.henc = hpack.NewEncoder(&r.hbuf)
+		r := newRawConn(t, c)
 		if _, err = io.WriteString(c, http2.ClientPreface); err == nil {
 			err = r.fr.WriteSettings()
 		}
@@ -1606,9 +1626,7 @@ func TestNativeGoAwayBeforePreface(t *testing.T) {
 	waitFor(t, func() bool { return openConns(s)() == 1 })
 	shut := make(chan error, 1)
 	go func() { shut <- s.Shutdown(ctx10(t)) }()
-	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
-	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	r.henc = hpack.NewEncoder(&r.hbuf)
+	r := newRawConn(t, c)
 	if f := r.next(); f.Header().Type != http2.FrameSettings || f.Header().Flags.Has(http2.FlagSettingsAck) {
 		t.Fatalf("the server's first frame is %v, want its SETTINGS", f.Header())
 	}
@@ -1692,20 +1710,8 @@ func TestNativeAcceptedWhileStopping(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
-	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	r.henc = hpack.NewEncoder(&r.hbuf)
-	// The client writes its preface, SETTINGS and a call at once, as Envoy does.
-	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.fr.WriteSettings(); err != nil {
-		t.Fatal(err)
-	}
-	r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
-	if err := r.fr.WriteData(1, true, oneCall("late")); err != nil {
-		t.Fatal(err)
-	}
+	r := newRawConn(t, c)
+	r.prefaceAndCall("late") // at once, as Envoy does
 	<-ll.accepted
 	shut := make(chan error, 1)
 	go func() { shut <- s.Shutdown(ctx10(t)) }()
@@ -1783,19 +1789,8 @@ func TestNativeShutdownServesTheBacklog(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { c.Close() })
-				r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
-				r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-				r.henc = hpack.NewEncoder(&r.hbuf)
-				if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-					t.Fatal(err)
-				}
-				if err := r.fr.WriteSettings(); err != nil {
-					t.Fatal(err)
-				}
-				r.headers(1, false, grpcHeaders(pathShouldRateLimit)...)
-				if err := r.fr.WriteData(1, true, oneCall("backlog")); err != nil {
-					t.Fatal(err)
-				}
+				r := newRawConn(t, c)
+				r.prefaceAndCall("backlog")
 				rs[i] = r
 			}
 			shut := make(chan error, 1)
