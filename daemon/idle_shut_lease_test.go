@@ -35,16 +35,7 @@ func testIdleShutKeepsALease(t *testing.T, end string) {
 	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
 	enc := proto.NewEncoder()
 	enc.EncodeRequest(&proto.Request{ID: 2, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "ann"}}})
-	wrote := make(chan error, 1)
-	hook := func() { // the client's check arrives as the timeout fires
-		_, err := c.Write(enc.Bytes())
-		wrote <- err
-	}
-	beforeIdleShut.Store(&hook)
-	defer beforeIdleShut.Store(nil)
-	if err := <-wrote; err != nil {
-		t.Fatal(err)
-	}
+	writeAsIdleShut(t, c, enc.Bytes()) // the client's check arrives as the timeout fires
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	r := readResponse(t, br)
 	if r.ID != 2 || !r.Allowed || r.Lease == "" {
@@ -101,16 +92,7 @@ func TestIdleShutFrameTooLarge(t *testing.T) {
 	part := make([]byte, proto.HeaderSize+4096) // the header and the start of its body
 	binary.BigEndian.PutUint32(part, uint32(n))
 	part[proto.HeaderSize] = 0x80
-	wrote := make(chan error, 1)
-	hook := func() { // the oversized frame's start arrives as the timeout fires
-		_, err := c.Write(part)
-		wrote <- err
-	}
-	beforeIdleShut.Store(&hook)
-	defer beforeIdleShut.Store(nil)
-	if err := <-wrote; err != nil {
-		t.Fatal(err)
-	}
+	writeAsIdleShut(t, c, part) // the oversized frame's start arrives as the timeout fires
 	if code, err := readError(c); err != nil || code != proto.CodeFrameTooLarge {
 		t.Fatalf("got %q, %v; want %s", code, err, proto.CodeFrameTooLarge)
 	}

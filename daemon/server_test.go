@@ -789,6 +789,22 @@ func TestFrameTooLargeReadByTheClient(t *testing.T) {
 	}
 }
 
+// writeAsIdleShut writes b on c as the idle timeout fires, from the hook run just before
+// the server shuts the connection's read side (beforeIdleShut), and waits for the write.
+func writeAsIdleShut(t *testing.T, c net.Conn, b []byte) {
+	t.Helper()
+	wrote := make(chan error, 1)
+	hook := func() {
+		_, err := c.Write(b)
+		wrote <- err
+	}
+	beforeIdleShut.Store(&hook)
+	defer beforeIdleShut.Store(nil)
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // A request the client writes as the idle timeout fires is answered before the
 // connection ends, not closed unread (a Unix socket closed with bytes unread resets the
 // connection, and a client that had pipelined several could not tell which were read).
@@ -801,16 +817,7 @@ func TestIdleTimeoutAnswersWhatCameAsItFired(t *testing.T) {
 	enc := proto.NewEncoder()
 	enc.EncodeRequest(&proto.Request{ID: 2, Op: proto.OpPing})
 	enc.EncodeRequest(&proto.Request{ID: 3, Op: proto.OpPing})
-	wrote := make(chan error, 1)
-	hook := func() { // the client's pipelined requests arrive as the timeout fires
-		_, err := c.Write(enc.Bytes())
-		wrote <- err
-	}
-	beforeIdleShut.Store(&hook)
-	defer beforeIdleShut.Store(nil)
-	if err := <-wrote; err != nil {
-		t.Fatal(err)
-	}
+	writeAsIdleShut(t, c, enc.Bytes()) // the client's pipelined requests arrive as the timeout fires
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	for _, id := range []uint64{2, 3} {
 		if r := readResponse(t, br); r.ID != id {
