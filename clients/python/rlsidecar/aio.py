@@ -78,6 +78,7 @@ class _Protocol(asyncio.Protocol):
         self.broken = None  # why the connection broke; None while usable
         self.room = collections.deque()  # futures of checks waiting for room, in turn
         self.fresh_farewell = False  # a farewell came before any answer (_NotRead.fresh)
+        self.rest_end = None  # ends read_rest's reading of the answers after a failed write
         # The leases taken on it and not yet released, and (monotonic) when the last of
         # them expires: given up for a stall while it holds some, it is retired, not
         # closed (give_up), and expiry is then the timer that closes it.
@@ -201,10 +202,67 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc):
         unread = False
+        why = "connection lost: %s" % exc if exc else "the sidecar closed the connection"
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self.pending:
-            self.read_left()
+            ended = self.read_left()
+            if isinstance(exc, BrokenPipeError) and self.served and not ended and len(self.pending) > 1 \
+                    and self.read_rest(why):
+                return
             unread = not self.buf  # no byte of an answer came: the last check's frame is unread
-        self.fail("connection lost: %s" % exc if exc else "the sidecar closed the connection", unread)
+        self.fail(why, unread)
+
+    def read_rest(self, why):
+        """After a failed write (EPIPE), send its check (the last) again at once, and read
+        the answers still to come to the checks written before it, whole. The daemon at
+        --idle-timeout shuts an idle connection's read side, answers what the socket held
+        then (a check written as the timeout fired), and closes it: a check written after
+        the shut fails its write, and the answer to the one before comes later. Before,
+        the connection was failed at once, and that check, decided by the daemon, got
+        on_unavailable. The transport closes its socket once connection_lost returns:
+        the rest is read on a duplicate of its descriptor, for at most the client's
+        timeout (each check's own timer still bounds its wait). Detached at once: no
+        check is sent on it any more. False when it cannot be read so."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        try:
+            fd = os.dup(sock.fileno())
+        except (AttributeError, OSError):
+            return False
+        client = self.client
+        client._detach(self)
+        client._reading_rest.add(self)
+        if not self.buf:  # the failed write's check (the last) goes again at once
+            _, fut = self.pending.pop()
+            if not fut.done():
+                fut.set_exception(_NotRead(why))
+        loop = self.loop
+        timer = None
+
+        def end(cause=why):  # once: fail() calls it when it is in progress
+            self.rest_end = None
+            client._reading_rest.discard(self)
+            timer.cancel()
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+            os.close(fd)
+            self.fail(cause)
+
+        def ready():
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if data:
+                self.data_received(data)
+                if self.rest_end is None or self.pending:
+                    return  # ended (data_received failed it), or more to come
+            end()
+
+        self.rest_end = end
+        timer = loop.call_later(self.client.timeout, end)
+        loop.add_reader(fd, ready)
+        return True
 
     def read_left(self):
         """Hand data_received what the sidecar wrote before a write failed. The sidecar
@@ -213,22 +271,26 @@ class _Protocol(asyncio.Protocol):
         in the receive queue. When the loop runs the write before the read, the transport
         stops reading and the check would get the policy, not its 431; the socket is still
         open here (the transport closes it after connection_lost), so the answer is read
-        from its descriptor (non-blocking: until nothing more, or the end)."""
+        from its descriptor (non-blocking: until nothing more, or the end). True when it
+        read the end (or a reset)."""
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
         if sock is None:
-            return
+            return False
         try:
             fd = sock.fileno()
         except OSError:
-            return
+            return False
         while self.broken is None and fd >= 0:
             try:
                 data = os.read(fd, 65536)
-            except OSError:  # nothing more (EAGAIN), or the connection reset
-                return
+            except BlockingIOError:  # nothing more for now
+                return False
+            except OSError:  # the connection reset
+                return True
             if not data:
-                return
+                return True
             self.data_received(data)
+        return False
 
     def fail(self, why, unread_last=False, unread_all=False, unread_rest=False):
         """Break the connection once: close it and fail every pending check (with
@@ -236,6 +298,8 @@ class _Protocol(asyncio.Protocol):
         or unread_rest, not a farewell: each is sent again once)."""
         if self.broken is not None:
             return
+        if self.rest_end is not None:  # read_rest's reading ends with it
+            return self.rest_end(why)
         self.broken = why
         if self.transport is not None:
             if not self.loop.is_closed():
@@ -313,6 +377,7 @@ class AsyncClient:
         self._leases = {}  # lease -> [connection that took it, (monotonic) expiry]: not yet released
         self._lease_prune = 0
         self._retired = set()  # connections given up for a stall while holding leases (give_up)
+        self._reading_rest = set()  # connections reading answers after a failed write (read_rest)
         self._outage = OutageLog(socket_path, on_unavailable)  # logs an unreachable sidecar
         _clients.add(self)
 
@@ -343,7 +408,7 @@ class AsyncClient:
         self._dial = None
         if self._conn is not None:
             self._conn.fail("client closed")
-        for conn in list(self._retired):
+        for conn in list(self._retired) + list(self._reading_rest):
             conn.fail("client closed")
 
     def _track_lease(self, conn, lease, msg):

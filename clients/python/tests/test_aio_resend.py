@@ -283,3 +283,82 @@ def test_blocking_client_sends_again_after_the_drains_farewell(short_tmp):
         stop.set()
         t.join()
     assert decided == ["u%d" % i for i in range(10)]
+
+
+def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
+    """The daemon at --idle-timeout shuts an idle connection's read side, answers what the
+    socket held then (a check written as the timeout fired) and closes it. A check written
+    after the shut fails its write (EPIPE) and is sent again; the one written before it
+    was read and decided, and its answer comes after that failure. Before, the failed
+    write gave the connection up at once: the earlier check got on_unavailable (a 503
+    under "closed"), though the daemon had counted it (2 of 3,200 checks in fours at
+    --idle-timeout 20ms, in a scratch run). Here a stand-in orders it so: it reads the
+    first check after one answered, shuts its read side, and answers it only once the second check's resend
+    has dialed a new connection."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop, shut, redialed = threading.Event(), threading.Event(), threading.Event()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def answer(c, req):
+        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+        try:
+            c.sendall(struct.pack(">I", len(body)) + body)
+        except OSError:  # the client gave the connection up (before the fix)
+            pass
+
+    def read(c):
+        head = c.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+
+    def serve(c, first):
+        with c:
+            if first:
+                answer(c, read(c))  # it served: idle after an answer
+                req = read(c)
+                c.shutdown(socket.SHUT_RD)  # the check after it fails its write: EPIPE
+                shut.set()
+                redialed.wait(10)  # its answer comes after that failure
+                answer(c, req)
+                return
+            redialed.set()
+            while not stop.is_set():
+                req = read(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    def accept():
+        first = True
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c, first), daemon=True).start()
+                first = False
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(path, timeout=5, on_unavailable="closed") as c:
+            assert (await c.check({"user": "warm"})).rule == "warm"
+            read_first = loop.create_task(c.check({"user": "read"}))
+            await loop.run_in_executor(None, shut.wait, 10)  # waited for, not slept on
+            unread = await c.check({"user": "unread"})
+            return await read_first, unread
+
+    try:
+        read_first, unread = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    assert not unread.unreachable and unread.rule == "unread", unread.cause
+    assert not read_first.unreachable and read_first.rule == "read", read_first.cause
