@@ -167,6 +167,20 @@ type reply struct {
 	maxData     int // the largest DATA frame
 }
 
+// headers takes a reply's status fields from a HEADERS frame (headers or trailers).
+func (rp *reply) headers(f *http2.MetaHeadersFrame) {
+	for _, hf := range f.Fields {
+		switch hf.Name {
+		case ":status":
+			rp.status = hf.Value
+		case "grpc-status":
+			rp.grpcStatus = hf.Value
+		case "grpc-message":
+			rp.grpcMessage = hf.Value
+		}
+	}
+}
+
 // await reads frames until stream id ends (trailers with END_STREAM, or RST_STREAM),
 // answering PINGs and giving window back with windowUpdate (nil: none).
 func (r *rawConn) await(id uint32, onData func(n int)) reply {
@@ -178,16 +192,7 @@ func (r *rawConn) await(id uint32, onData func(n int)) reply {
 			if f.StreamID != id {
 				continue
 			}
-			for _, hf := range f.Fields {
-				switch hf.Name {
-				case ":status":
-					rp.status = hf.Value
-				case "grpc-status":
-					rp.grpcStatus = hf.Value
-				case "grpc-message":
-					rp.grpcMessage = hf.Value
-				}
-			}
+			rp.headers(f)
 			if f.StreamEnded() {
 				return rp
 			}
@@ -1721,14 +1726,7 @@ func TestNativeAcceptedWhileStopping(t *testing.T) {
 	for !answered || !pinged {
 		switch f := r.next().(type) {
 		case *http2.MetaHeadersFrame:
-			for _, hf := range f.Fields {
-				switch hf.Name {
-				case ":status":
-					rp.status = hf.Value
-				case "grpc-status":
-					rp.grpcStatus = hf.Value
-				}
-			}
+			rp.headers(f)
 			answered = f.StreamEnded()
 		case *http2.DataFrame:
 			rp.data = append(rp.data, f.Data()...)
@@ -1805,14 +1803,7 @@ func TestNativeShutdownServesTheBacklog(t *testing.T) {
 					}
 					switch f := f.(type) {
 					case *http2.MetaHeadersFrame:
-						for _, hf := range f.Fields {
-							switch hf.Name {
-							case ":status":
-								rp.status = hf.Value
-							case "grpc-status":
-								rp.grpcStatus = hf.Value
-							}
-						}
+						rp.headers(f)
 						done = f.StreamEnded()
 					case *http2.DataFrame:
 						rp.data = append(rp.data, f.Data()...)

@@ -16,6 +16,26 @@ import pytest
 import rlsidecar
 
 
+def serve_each(srv, stop, serve):
+    """Accept on the listening socket srv (with a timeout) until stop is set, each
+    connection served on a thread of its own by serve(c, first), first True for the first
+    connection only; return the accepting thread, started."""
+    def accept():
+        first = True
+        with srv:
+            while not stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=serve, args=(c, first), daemon=True).start()
+                first = False
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    return t
+
+
 def one_check_per_conn(path, mode, stop):
     """Serve a stand-in that answers the first check of each connection, then stops reading
     it: "shut-read" shuts its read side (the client's next write fails: EPIPE) and closes
@@ -45,17 +65,7 @@ def one_check_per_conn(path, mode, stop):
                     pass
                 time.sleep(0.001)
 
-    def accept():
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
+    t = serve_each(srv, stop, lambda c, first: serve(c))
     return t
 
 
@@ -108,19 +118,7 @@ def drains_first_conn(path, stop, shut):
                     stop.wait()
                     return
 
-    def accept():
-        first = True
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c, first), daemon=True).start()
-                first = False
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
+    t = serve_each(srv, stop, serve)
     return t
 
 
@@ -187,19 +185,7 @@ def farewell_sidecar(path, stop, decided, lock):
                     decided[u] = decided.get(u, 0) + 1
                 c.sendall(frame({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]}))
 
-    def accept():
-        first = True
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c, first), daemon=True).start()
-                first = False
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
+    t = serve_each(srv, stop, serve)
     return t
 
 
@@ -259,17 +245,7 @@ def test_blocking_client_sends_again_after_the_drains_farewell(short_tmp):
                 decided.append(req["attrs"]["user"])
                 c.sendall(frame({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]}))
 
-    def accept():
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
+    t = serve_each(srv, stop, lambda c, first: serve(c))
     try:
         c = rlsidecar.Client(path, timeout=1, on_unavailable="closed")
         try:
@@ -332,19 +308,7 @@ def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
                     return
                 answer(c, req)
 
-    def accept():
-        first = True
-        with srv:
-            while not stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                threading.Thread(target=serve, args=(c, first), daemon=True).start()
-                first = False
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
+    t = serve_each(srv, stop, serve)
 
     async def main():
         loop = asyncio.get_running_loop()
