@@ -70,6 +70,23 @@ func dialRawNet(t *testing.T, network, addr string, settings ...http2.Setting) *
 	}
 }
 
+// endGracefulClose reads the server's final GOAWAY, which must name stream 1 (the one
+// call), closes the connection and waits for Shutdown (shut) and Serve (done) to end
+// without an error.
+func (r *rawConn) endGracefulClose(shut, done <-chan error) {
+	r.t.Helper()
+	if last := r.finalGoAway(); last != 1 {
+		r.t.Fatalf("the final GOAWAY names stream %d, want 1", last)
+	}
+	r.c.Close()
+	if err := <-shut; err != nil {
+		r.t.Fatalf("Shutdown: %v", err)
+	}
+	if err := <-done; err != nil {
+		r.t.Fatalf("Serve: %v", err)
+	}
+}
+
 // newRawConn is a raw HTTP/2 client on c, connected: nothing written yet.
 func newRawConn(t *testing.T, c net.Conn) *rawConn {
 	r := &rawConn{t: t, c: c, fr: http2.NewFramer(c, c)}
@@ -1650,16 +1667,7 @@ func TestNativeGoAwayBeforePreface(t *testing.T) {
 	if err := r.fr.WritePing(true, ping); err != nil {
 		t.Fatal(err)
 	}
-	if last := r.finalGoAway(); last != 1 {
-		t.Fatalf("the final GOAWAY names stream %d, want 1", last)
-	}
-	c.Close()
-	if err := <-shut; err != nil {
-		t.Fatalf("Shutdown: %v", err)
-	}
-	if err := <-done; err != nil {
-		t.Fatalf("Serve: %v", err)
-	}
+	r.endGracefulClose(shut, done)
 }
 
 // lateListener hands out each connection it accepts only once Close has been called:
@@ -1746,16 +1754,7 @@ func TestNativeAcceptedWhileStopping(t *testing.T) {
 		}
 	}
 	okAnswer(t, rp)
-	if last := r.finalGoAway(); last != 1 {
-		t.Fatalf("the final GOAWAY names stream %d, want 1", last)
-	}
-	c.Close()
-	if err := <-shut; err != nil {
-		t.Fatalf("Shutdown: %v", err)
-	}
-	if err := <-done; err != nil {
-		t.Fatalf("Serve: %v", err)
-	}
+	r.endGracefulClose(shut, done)
 }
 
 // Clients that connected and wrote a call just before Shutdown, still in the listen

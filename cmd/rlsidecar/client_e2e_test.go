@@ -406,12 +406,7 @@ func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
 	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--max-conns", "2")
 	holder := dialRaw(t, d.socket)
 	holder.check(1, 1, "user=holder") // served: one of the daemon's 2
-	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 2, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
-		Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := failClosedClient(t, d.socket, 2)
 
 	// At once: the pool's two connections are dialed together, one is refused, and the
 	// checks pipelined on it all go on the other.
@@ -462,12 +457,7 @@ func TestE2EGoClientTooManyConnectionsGoesOnThePool(t *testing.T) {
 func TestE2EGoClientIdleTimeoutChecksAreNotLost(t *testing.T) {
 	dir := shortTempDir(t)
 	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--idle-timeout", "20ms")
-	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
-		Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := failClosedClient(t, d.socket, 1)
 	errs := make(chan string, 1600)
 	for i := range 400 {
 		time.Sleep(time.Duration(17000+rand.IntN(6000)) * time.Microsecond) // about the idle timeout
@@ -556,12 +546,7 @@ func TestE2EGoClientStallUnderShorterDeadlines(t *testing.T) {
 func TestE2EGoClientChecksBehindAFrameTooLargeAreSentAgain(t *testing.T) {
 	dir := shortTempDir(t)
 	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", perUserRules), "--max-frame", "1024")
-	c, err := rlclient.New(rlclient.Options{Socket: d.socket, Conns: 1, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
-		Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := failClosedClient(t, d.socket, 1)
 	h := rlclient.Middleware(c, rlclient.MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
@@ -616,4 +601,17 @@ func reportFirst(t *testing.T, errs <-chan string, what string) {
 	if n > 0 {
 		t.Errorf("%d %s", n, what)
 	}
+}
+
+// failClosedClient is a Go client of the daemon at socket with conns connections, a
+// 5 s timeout, FailClosed, and its outage log discarded; closed when t ends.
+func failClosedClient(t *testing.T, socket string, conns int) *rlclient.Client {
+	t.Helper()
+	c, err := rlclient.New(rlclient.Options{Socket: socket, Conns: conns, Timeout: 5 * time.Second, Policy: rlclient.FailClosed,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
 }
