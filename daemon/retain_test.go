@@ -31,9 +31,9 @@ func pipelineThenRead(t *testing.T, c net.Conn, n int) {
 }
 
 // writeAllThenRead writes batch, n checks, on c, and only once it is all written reads
-// their n answers into buf. The daemon, which reads on while it holds under maxHeld of
-// answers, then holds those the socket has no room for, however fast this client could
-// read them. Reading as it wrote, the client kept up with a daemon slowed by -race, which
+// their n answers into buf. The daemon, which reads on while it holds under
+// Config.HeldPerConn of answers, then holds those the socket has no room for, however
+// fast this client could read them. Reading as it wrote, the client kept up with a daemon slowed by -race, which
 // then held nothing: TestIdleConnectionKeepsNoBurstBuffers passed under -race on the code
 // before b11bbc8 it names.
 func writeAllThenRead(t *testing.T, c net.Conn, batch []byte, n int, buf []byte) {
@@ -84,14 +84,16 @@ func TestIdleConnectionKeepsNoBurstBuffers(t *testing.T) {
 }
 
 // A client that never reads, pipelining checks of a global rule that each carry a long
-// attribute, costs the daemon what it holds for it (maxHeld, about 2 MiB), request
+// attribute, costs the daemon what it holds for it (Config.HeldPerConn, 2 MiB here), request
 // copies included: the daemon stops reading it once the copies waiting for their answers
 // to be written reach that. Before, they were not counted, and the daemon read on while
 // its answers alone stayed under 2 MiB: about 20 MB per such connection (a few hundred
 // entries of the write queue, each with its 60 KB copy).
 func TestHeldCountsRequestCopies(t *testing.T) {
 	const conns, frames = 2, 6000
-	s := startGlobalServerConfig(t, globalPipelineRules, false, Config{WriteTimeout: time.Minute})
+	// The bound per connection as it was when the copies went uncounted (2 MiB): the
+	// default, 16 MiB, would not tell the about 20 MB held then from what is counted now.
+	s := startGlobalServerConfig(t, globalPipelineRules, false, Config{WriteTimeout: time.Minute, HeldPerConn: 2 << 20})
 	frame := frameOf(proto.Request{ID: 7, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
 		{Name: "path", Value: "/g"}, {Name: "user", Value: strings.Repeat("u", 60_000)}}})
 	base := heapAfterGC()
@@ -114,7 +116,7 @@ func TestHeldCountsRequestCopies(t *testing.T) {
 	if n := s.nconns.Load(); n != conns {
 		t.Fatalf("%d connections open, want %d: the heap was not measured with them", n, conns)
 	}
-	const bound = conns * 8 << 20 // maxHeld, up to maxPending copies deciding, the read buffer, with room
+	const bound = conns * 8 << 20 // HeldPerConn, up to maxPending copies deciding, the read buffer, with room
 	if kept > bound {
 		t.Fatalf("%d connections that never read, pipelining 60 KB checks of a global rule, cost %d bytes of heap (%d each); want at most %d",
 			conns, kept, kept/conns, bound)

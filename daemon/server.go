@@ -60,10 +60,16 @@ type Config struct {
 	IdleTimeout  time.Duration // close a connection idle this long; 0 (default) keeps idle connections
 	DrainTimeout time.Duration // on shutdown, time to answer what is in flight before connections are closed; default 5s
 	// HeldBudget bounds the bytes of answers all connections together hold for clients
-	// not reading them (see maxHeld, the bound per connection): past it, a connection
+	// not reading them (HeldPerConn bounds one connection's): past it, a connection
 	// holding more than minHeld stops reading until its client reads or the others'
 	// clients do. Default 64 MiB.
 	HeldBudget int
+	// HeldPerConn bounds the bytes of answers (and of the requests they answer) one
+	// connection holds for a client that is not reading them, as one that writes its
+	// whole pipeline before it reads: past it the connection stops reading until its
+	// client reads. Default 16 MiB (about 50,000 checks matching three rules); the
+	// connections together stay under HeldBudget.
+	HeldPerConn int
 	// BusyPoll, when above zero, lets one connection at a time keep reading its socket for
 	// up to this long after it finds it empty, instead of sleeping in the netpoller at
 	// once: a gateway's next request then finds the daemon awake. It trades CPU (up to
@@ -107,6 +113,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.HeldBudget <= 0 {
 		c.HeldBudget = 64 << 20
+	}
+	if c.HeldPerConn <= 0 {
+		c.HeldPerConn = 16 << 20
 	}
 	if c.Version == "" {
 		c.Version = "dev"
@@ -618,12 +627,14 @@ type pending struct {
 // past it the connection waits for one to be decided before reading further.
 const maxPending = 64
 
-// maxHeld bounds the bytes of answers a connection holds for a client that is not
-// reading them (it may be writing a long pipeline first, as the protocol allows): past
-// it the connection stops reading until the client reads. maxQueued bounds the write
-// queue's entries; past it, runs of decided entries are merged (compact), so that a
-// pipeline of checks that wait on Redis is held to the same bytes as one answered inline,
-// not to a number of entries.
+// Config.HeldPerConn bounds the bytes of answers a connection holds for a client that is
+// not reading them (it may be writing a long pipeline first, as the protocol allows):
+// past it the connection stops reading until the client reads. (It was 2 MiB, a
+// constant: a client that wrote 8,000 checks of three rules before reading was cut off
+// by the write timeout, blocked writing while the daemon waited for it to read.)
+// maxQueued bounds the write queue's entries; past it, runs of decided entries are
+// merged (compact), so that a pipeline of checks that wait on Redis is held to the same
+// bytes as one answered inline, not to a number of entries.
 //
 // Every connection holding that much would come to gigabytes at the default 1,024
 // connections (a local process that writes and never reads, on each of them): together
@@ -632,8 +643,7 @@ const maxPending = 64
 // cut off by the write timeout), so the total stays under the budget plus minHeld and a
 // batch per connection, and a client reading its answers is never held back.
 const (
-	maxHeld   = maxPending * flushAt // 2 MiB
-	minHeld   = 2 * flushAt          // 64 KiB
+	minHeld   = 2 * flushAt // 64 KiB
 	heldPoll  = 5 * time.Millisecond
 	maxQueued = 4 * maxPending
 )
@@ -1179,7 +1189,7 @@ func (cn *conn) handOver() error {
 			}
 			h := cn.held()
 			cn.report(h)
-			if len(cn.queue) < maxQueued && h < maxHeld {
+			if len(cn.queue) < maxQueued && h < cn.s.cfg.HeldPerConn {
 				if h < minHeld || cn.s.held.Load() <= int64(cn.s.cfg.HeldBudget) {
 					break
 				}

@@ -333,8 +333,8 @@ func TestWriteTimeoutFreesSlot(t *testing.T) {
 
 // A client that takes its answers slowly but steadily is never cut off, however long it
 // takes them all: the write timeout counts from the last bytes it took, not from when the
-// daemon began to write what it holds. It used to cover a whole write of up to maxHeld
-// bytes: a client reading 160 KB/s was cut 5 s into a 2 MB pipeline, its answers lost.
+// daemon began to write what it holds. It used to cover a whole write of up to
+// Config.HeldPerConn bytes (then 2 MiB): a client reading 160 KB/s was cut 5 s into a 2 MB pipeline, its answers lost.
 // And one that stops reading, partway, is still cut off.
 func TestSlowSteadyReaderNotCut(t *testing.T) {
 	// A write timeout a loaded machine does not reach between two reads of the client
@@ -602,7 +602,8 @@ func TestLongPipelineWrittenBeforeReading(t *testing.T) {
 	}
 }
 
-// Connections whose clients write and never read each hold their answers up to maxHeld;
+// Connections whose clients write and never read each hold their answers up to
+// Config.HeldPerConn;
 // together they are held to Config.HeldBudget (plus minHeld and a batch each), a client
 // that reads is answered meanwhile, and what they held is freed with them.
 func TestHeldBudget(t *testing.T) {
