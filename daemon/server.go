@@ -156,6 +156,9 @@ type Server struct {
 	// whose close waits for their client to take the error answer (lingerClose).
 	lingering atomic.Int32
 	connIDs   atomic.Uint64 // the last connection id given (conn.id)
+	// owners holds the connections being served, by id (conn.id: the owner of the
+	// leases taken on it), for ownerGone.
+	owners sync.Map
 	// held is the bytes of answers the connections hold for clients not reading them,
 	// as each last counted its own (conn.report).
 	held atomic.Int64
@@ -195,7 +198,19 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 	if cfg.BusyPoll > 0 {
 		srv.spin = rawio.NewSpinner(cfg.BusyPoll)
 	}
+	lim.Leases().SetOwnerGone(srv.ownerGone)
 	return srv, nil
+}
+
+// ownerGone reports whether connection owner, still served, has been closed by its
+// client: a check that finds a concurrency slot full frees such a connection's leases at
+// once (limiter.Leases.SetOwnerGone), rather than after its goroutine has seen the close.
+// A client that closes a connection holding leases, then checks again on another, finds
+// its slots free (PROTOCOL.md: a lease holds its slots "until released, expired, or its
+// connection closed").
+func (s *Server) ownerGone(owner uint64) bool {
+	v, ok := s.owners.Load(owner)
+	return ok && v.(*conn).peerClosed()
 }
 
 // Connections returns the number of connections being served.
@@ -694,6 +709,8 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	if rc, err := c.SyscallConn(); err == nil {
 		cn.raw = rc
 	}
+	s.owners.Store(cn.id, cn) // once cn.raw is set: ownerGone reads it
+	defer s.owners.Delete(cn.id)
 	// Last, once no check is deciding: the connection's leases are freed when it closes,
 	// so a gateway that dies frees its slots at once; but not its global leases when the
 	// daemon is the one going away (draining): the gateway's requests still hold them.

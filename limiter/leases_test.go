@@ -162,6 +162,51 @@ func TestLeasesOwnerClosed(t *testing.T) {
 	}
 }
 
+// A check that finds a slot full frees first the leases of the holders whose
+// connections are gone (SetOwnerGone: closed by their clients, not yet seen ending by the
+// daemon), as their ReleaseOwner would, and is allowed; a holder not gone keeps its slot,
+// and neither the checking owner nor owner 0 is asked about.
+func TestLeasesFullSlotReapsGoneOwners(t *testing.T) {
+	l := newLimiter(t, leaseRules)
+	in := exportInput("ann")
+	gone := map[uint64]bool{}
+	var asked []uint64
+	l.Leases().SetOwnerGone(func(owner uint64) bool {
+		asked = append(asked, owner)
+		return gone[owner]
+	})
+	checkLease(t, l, t0, in, 7)
+	checkLease(t, l, t0, in, 8)
+	if len(asked) != 0 {
+		t.Fatalf("asked about %v while the slot had room", asked)
+	}
+	if ok, _, _ := checkLease(t, l, t0, in, 9); ok {
+		t.Fatal("allowed past max while no holder is gone")
+	}
+	if fmt.Sprint(asked) != "[7 8]" && fmt.Sprint(asked) != "[8 7]" {
+		t.Fatalf("asked about %v; want owners 7 and 8", asked)
+	}
+	gone[7] = true
+	asked = asked[:0]
+	ok, _, r := checkLease(t, l, t0, in, 8) // owner 8 is not asked about itself
+	if !ok || r.Remaining != 0 {
+		t.Fatalf("owner 7 gone: allowed %v, %+v; want allowed, 0 free", ok, r)
+	}
+	if fmt.Sprint(asked) != "[7]" {
+		t.Fatalf("asked about %v; want only owner 7", asked)
+	}
+	if n := l.Leases().ReleaseOwner(7, t0); n != 0 {
+		t.Fatalf("owner 7's close, seen later: freed %d; want 0 (freed already)", n)
+	}
+	if s := stats(l, "exports"); s.Closed != 1 || s.InFlight != 2 {
+		t.Errorf("stats %+v; want 1 closed, 2 in flight", s)
+	}
+	asked = asked[:0]
+	if ok, _, _ := checkLease(t, l, t0, in, 0); ok || fmt.Sprint(asked) != "[8]" {
+		t.Fatalf("owner 8 holds both slots, not gone: allowed %v, asked %v; want refused, asked [8]", ok, asked)
+	}
+}
+
 func TestLeasesRateRefusedHoldsNothing(t *testing.T) {
 	l := newLimiter(t, leaseRules)
 	in := exportInput("ann")

@@ -59,7 +59,11 @@ func (s leaseStore) peekLocked(now int64, d *Decision, first bool) (ok bool, n i
 			ls.expireSlot(sl, now)
 			sl = ls.slots[string(o.key)] // gone when every part expired
 		}
-		if !s.report(d, i, o, sl, now, s.earlier(d, i)) && !o.shadow {
+		taking := s.earlier(d, i)
+		if sl != nil && uint64(len(sl.held))+taking >= o.lim.Requests() && ls.reapGoneLocked(sl, d.Owner, now) {
+			sl = ls.slots[string(o.key)] // full, but some of it held by closed connections
+		}
+		if !s.report(d, i, o, sl, now, taking) && !o.shadow {
 			ok = false
 			if first {
 				return false, n
