@@ -67,7 +67,7 @@ type Config struct {
 	// HeldPerConn bounds the bytes of answers (and of the requests they answer) one
 	// connection holds for a client that is not reading them, as one that writes its
 	// whole pipeline before it reads: past it the connection stops reading until its
-	// client reads. Default 16 MiB (about 50,000 checks matching three rules); the
+	// client reads. Default 16 MiB (about 45,000 checks matching three rules); the
 	// connections together stay under HeldBudget.
 	HeldPerConn int
 	// BusyPoll, when above zero, lets one connection at a time keep reading its socket for
