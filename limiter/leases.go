@@ -70,6 +70,9 @@ type LeaseStats struct {
 type slot struct {
 	key  string
 	held []*leasePart
+	// askedAt is when a check that found it full last asked about its holders'
+	// connections and found none gone (reapGoneLocked); 0: not since it was made.
+	askedAt int64
 }
 
 // lease is one check's hold: a part per concurrency rule it matched.
@@ -338,6 +341,15 @@ func (ls *Leases) SetOwnerGone(gone func(owner uint64) bool) { ls.gone.Store(&go
 // refused flood on a key held by many connections costs at most that many calls each.
 const maxGoneChecks = 8
 
+// goneAskEvery is how long a full slot whose holders were all found connected is not
+// asked about again: the refused checks of one batch of frames (read at one instant),
+// and a client's pipelined flood of them, ask once, not once each (each question is a
+// system call, made under ls.mu). It is far shorter than a round trip through a client
+// (an answer read, a connection closed, another dialed, a check written and read), so
+// a check sent after a holder's close still finds it gone; and the daemon sees such a
+// close itself some tens of microseconds after it.
+const goneAskEvery = 20 * time.Microsecond
+
 // reapGoneLocked frees the leases of the owners holding parts of s (other than self, the
 // owner checking) whose connections their clients have closed, as ReleaseOwner does
 // once the connection's goroutine sees the close, and reports whether it freed any. s
@@ -349,6 +361,9 @@ const maxGoneChecks = 8
 func (ls *Leases) reapGoneLocked(s *slot, self uint64, now int64) bool {
 	f := ls.gone.Load()
 	if f == nil {
+		return false
+	}
+	if s.askedAt != 0 && now >= s.askedAt && now-s.askedAt < int64(goneAskEvery) {
 		return false
 	}
 	var asked, gone [maxGoneChecks]uint64
@@ -368,10 +383,14 @@ func (ls *Leases) reapGoneLocked(s *slot, self uint64, now int64) bool {
 			ng++
 		}
 	}
+	if ng == 0 {
+		s.askedAt = now
+		return false
+	}
 	for _, o := range gone[:ng] {
 		ls.releaseOwnerLocked(o, now)
 	}
-	return ng > 0
+	return true
 }
 
 // releaseOwnerLocked is ReleaseOwner with ls.mu held.

@@ -186,23 +186,29 @@ func TestLeasesFullSlotReapsGoneOwners(t *testing.T) {
 	if fmt.Sprint(asked) != "[7 8]" && fmt.Sprint(asked) != "[8 7]" {
 		t.Fatalf("asked about %v; want owners 7 and 8", asked)
 	}
+	// The same instant (one batch of frames), or under goneAskEvery later: not asked
+	// again, though owner 7 is gone by now.
 	gone[7] = true
 	asked = asked[:0]
-	ok, _, r := checkLease(t, l, t0, in, 8) // owner 8 is not asked about itself
+	if ok, _, _ := checkLease(t, l, t0+int64(goneAskEvery)-1, in, 9); ok || len(asked) != 0 {
+		t.Fatalf("asked again within goneAskEvery: allowed %v, asked %v; want refused, none asked", ok, asked)
+	}
+	t1 := t0 + int64(goneAskEvery)
+	ok, _, r := checkLease(t, l, t1, in, 8) // owner 8 is not asked about itself
 	if !ok || r.Remaining != 0 {
 		t.Fatalf("owner 7 gone: allowed %v, %+v; want allowed, 0 free", ok, r)
 	}
 	if fmt.Sprint(asked) != "[7]" {
 		t.Fatalf("asked about %v; want only owner 7", asked)
 	}
-	if n := l.Leases().ReleaseOwner(7, t0); n != 0 {
+	if n := l.Leases().ReleaseOwner(7, t1); n != 0 {
 		t.Fatalf("owner 7's close, seen later: freed %d; want 0 (freed already)", n)
 	}
 	if s := stats(l, "exports"); s.Closed != 1 || s.InFlight != 2 {
 		t.Errorf("stats %+v; want 1 closed, 2 in flight", s)
 	}
 	asked = asked[:0]
-	if ok, _, _ := checkLease(t, l, t0, in, 0); ok || fmt.Sprint(asked) != "[8]" {
+	if ok, _, _ := checkLease(t, l, t1+int64(goneAskEvery), in, 0); ok || fmt.Sprint(asked) != "[8]" {
 		t.Fatalf("owner 8 holds both slots, not gone: allowed %v, asked %v; want refused, asked [8]", ok, asked)
 	}
 }

@@ -60,7 +60,7 @@ func (s leaseStore) peekLocked(now int64, d *Decision, first bool) (ok bool, n i
 			sl = ls.slots[string(o.key)] // gone when every part expired
 		}
 		taking := s.earlier(d, i)
-		if sl != nil && uint64(len(sl.held))+taking >= o.lim.Requests() && ls.reapGoneLocked(sl, d.Owner, now) {
+		if sl != nil && !o.shadow && uint64(len(sl.held))+taking >= o.lim.Requests() && ls.reapGoneLocked(sl, d.Owner, now) {
 			sl = ls.slots[string(o.key)] // full, but some of it held by closed connections
 		}
 		if !s.report(d, i, o, sl, now, taking) && !o.shadow {
@@ -186,7 +186,7 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 		} else {
 			sl = new(slot)
 		}
-		sl.key = string(key)
+		sl.key, sl.askedAt = string(key), 0
 		ls.slots[sl.key] = sl
 		ls.keyUnits += slotUnits(len(key))
 	}
