@@ -16,20 +16,32 @@ import (
 // holding leases does. Before, it closed once the answer was written, and its close
 // freed the slot the client had just been granted: another request took it while the
 // first still ran.
+//
+// A global lease (mode: global, a real redis-server) is decided by a goroutine of its
+// own: the connection reached the shut read side's end before Redis answered, found no
+// lease held yet, and closed once the answer was written, freeing the slot just granted.
 func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
-	for _, end := range []string{"released", "client closed"} {
-		t.Run(end, func(t *testing.T) { testIdleShutKeepsALease(t, end) })
+	for _, mode := range []string{"local", "global"} {
+		for _, end := range []string{"released", "client closed"} {
+			t.Run(mode+"/"+end, func(t *testing.T) { testIdleShutKeepsALease(t, mode, end) })
+		}
 	}
 }
 
 // testIdleShutKeepsALease ends the lease by end: released through another connection, or
 // the client closing the connection that took it (a gateway that died: its slot is freed
-// then, as on a connection not shut).
-func testIdleShutKeepsALease(t *testing.T, end string) {
+// then, as on a connection not shut). mode is the concurrency rule's.
+func testIdleShutKeepsALease(t *testing.T, mode, end string) {
 	m := NewMetrics("test", 10)
-	s := startServerRules(t, Config{IdleTimeout: 100 * time.Millisecond, Metrics: m},
-		"rules:\n  - { name: exports, key: user, concurrency: { max: 1, lease: 30s } }\n")
-	defer s.Shutdown(context.Background())
+	cfg := Config{IdleTimeout: 100 * time.Millisecond, Metrics: m}
+	yaml := "rules:\n  - { name: exports, key: user, mode: " + mode + ", concurrency: { max: 1, lease: 30s } }\n"
+	var s *Server
+	if mode == "global" {
+		s = startGlobalServerConfig(t, yaml, false, cfg)
+	} else {
+		s = startServerRules(t, cfg, yaml)
+		defer s.Shutdown(context.Background())
+	}
 	m.SetRules(s.lim.Rules(), time.Now())
 	c, br := dialServer(t, s)
 	roundTrip(t, c, br, &proto.Request{ID: 1, Op: proto.OpPing})
@@ -63,12 +75,14 @@ func testIdleShutKeepsALease(t *testing.T, end string) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
+		c2.Close() // not left to idle out itself: one connection counted idle_timeout
 		waitClosed(t, m, closeIdleTimeout)
 		return
 	}
 	if rr := roundTrip(t, c2, br2, &proto.Request{ID: 2, Op: proto.OpRelease, Lease: r.Lease}); !rr.Released {
 		t.Fatalf("release: %+v", rr)
 	}
+	c2.Close() // not left to idle out itself: one connection counted idle_timeout
 	// Released: the shut connection ends, counted as idle.
 	if _, err := br.ReadByte(); err != io.EOF {
 		t.Fatalf("after the release: %v, want the end of the connection", err)

@@ -885,6 +885,9 @@ func (cn *conn) waitIdle(yield bool) error {
 			return nil
 		}
 		if cn.idleShut {
+			// A check that waits on Redis (a global lease) is decided by a goroutine of
+			// its own, likely not done yet: the lease it takes is seen only after it.
+			cn.wait()
 			cn.awaitLeases()
 		}
 		cn.cutBy(closeIdleTimeout, err)
