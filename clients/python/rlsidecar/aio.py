@@ -237,14 +237,14 @@ class _Protocol(asyncio.Protocol):
         loop = self.loop
         timer = None
 
-        def end(cause=why):  # once: fail() calls it when it is in progress
+        def end(cause=why, **unread):  # once: fail() calls it, with its flags, when it is in progress
             self.rest_end = None
             client._reading_rest.discard(self)
             timer.cancel()
             if not loop.is_closed():
                 loop.remove_reader(fd)
             os.close(fd)
-            self.fail(cause)
+            self.fail(cause, **unread)
 
         def ready():
             try:
@@ -298,8 +298,10 @@ class _Protocol(asyncio.Protocol):
         or unread_rest, not a farewell: each is sent again once)."""
         if self.broken is not None:
             return
-        if self.rest_end is not None:  # read_rest's reading ends with it
-            return self.rest_end(why)
+        if self.rest_end is not None:  # read_rest's reading ends with it, its flags kept
+            # (a farewell read there says the checks after it were not read: before, they
+            # got on_unavailable)
+            return self.rest_end(why, unread_last=unread_last, unread_all=unread_all, unread_rest=unread_rest)
         self.broken = why
         if self.transport is not None:
             if not self.loop.is_closed():

@@ -326,3 +326,68 @@ def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
         t.join()
     assert not unread.unreachable and unread.rule == "unread", unread.cause
     assert not read_first.unreachable and read_first.rule == "read", read_first.cause
+
+
+def test_farewell_after_a_failed_write_sends_the_unread_checks_again(short_tmp):
+    """After a failed write (EPIPE) the answers still to come are read (read_rest); when
+    they end with the drain's farewell (id 0, shutting_down), every check after the
+    answered ones was not read, and goes again on a new connection, as on a connection
+    whose write had not failed. Before, the farewell's flag was lost on the way through
+    read_rest's end: the check after the one the farewell came in place of got
+    on_unavailable (a 503 under "closed"). A stand-in orders it so: it reads three checks,
+    shuts its read side (the fourth fails its write), answers the first once the fourth's
+    resend has dialed a new connection, then says farewell."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop, shut, redialed = threading.Event(), threading.Event(), threading.Event()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+
+    def answer(c, req):
+        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+        c.sendall(struct.pack(">I", len(body)) + body)
+
+    def read(c):
+        head = c.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+
+    def serve(c, first):
+        with c:
+            if first:
+                answer(c, read(c))  # it served: idle after an answer
+                reqs = [read(c) for _ in range(3)]
+                c.shutdown(socket.SHUT_RD)  # the check after them fails its write: EPIPE
+                shut.set()
+                redialed.wait(10)
+                answer(c, reqs[0])
+                body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
+                c.sendall(struct.pack(">I", len(body)) + body)
+                return
+            redialed.set()
+            while not stop.is_set():
+                req = read(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    t = serve_each(srv, stop, serve)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(path, timeout=5, on_unavailable="closed") as c:
+            assert (await c.check({"user": "warm"})).rule == "warm"
+            before = [loop.create_task(c.check({"user": u})) for u in ("a", "b", "d")]
+            await loop.run_in_executor(None, shut.wait, 10)  # waited for, not slept on
+            after = await c.check({"user": "c"})
+            return [await f for f in before] + [after]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    for d, user in zip(got, ("a", "b", "d", "c")):
+        assert not d.unreachable and d.rule == user, (user, d.cause)
