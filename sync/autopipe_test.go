@@ -138,7 +138,7 @@ func TestSettleNotSent(t *testing.T) {
 	}
 	notSent := []call{{m: x, failed: true, cmd: cmdErr(fmt.Errorf("%w (%w)", errNotSent, context.DeadlineExceeded))}}
 
-	settle(notSent, []*Master{x})
+	settle(notSent, []*Master{x}, 0)
 	if b.Open() {
 		t.Fatal("a call not sent opened the breaker")
 	}
@@ -155,16 +155,16 @@ func TestSettleNotSent(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	settle(notSent, []*Master{x}) // the probe's call was not sent: the probe goes back
+	settle(notSent, []*Master{x}, 1) // the probe's call was not sent: the probe goes back
 	if ok, probe := b.allow(); !ok || !probe {
 		t.Fatalf("after a probe that was not sent: allow() = %v, %v; want the probe again", ok, probe)
 	}
 	sentFailed := []call{{m: x, failed: true, cmd: cmdErr(errors.New("i/o timeout"))}}
-	settle(sentFailed, []*Master{x})
+	settle(sentFailed, []*Master{x}, 1) // the probe's call
 	if !b.Open() {
 		t.Fatal("a sent call that failed did not keep the breaker open")
 	}
-	settle([]call{{m: x, cmd: cmdErr(nil)}}, []*Master{x})
+	settle([]call{{m: x, cmd: cmdErr(nil)}}, []*Master{x}, 0)
 	if b.Open() {
 		t.Fatal("a call answered did not close the breaker")
 	}
@@ -181,12 +181,12 @@ func TestSettleTryAgainIsNoFailure(t *testing.T) {
 	c := redis.NewCmd(context.Background())
 	c.SetErr(tryAgainErr{})
 	for range 10 {
-		settle([]call{{m: x, failed: true, cmd: c}}, []*Master{x})
+		settle([]call{{m: x, failed: true, cmd: c}}, []*Master{x}, 0)
 	}
 	if b.Open() {
 		t.Fatal("calls refused with TRYAGAIN opened the master's breaker")
 	}
-	settle([]call{{m: x, failed: true, cmd: redis.NewCmd(context.Background())}}, []*Master{x})
+	settle([]call{{m: x, failed: true, cmd: redis.NewCmd(context.Background())}}, []*Master{x}, 0)
 	if !b.Open() {
 		t.Fatal("a call whose reply was not the script's did not open the breaker")
 	}

@@ -101,15 +101,28 @@ func (b *Breaker) Success() {
 // CLUSTERDOWN while it promotes a replica, a planned failover's pause) pushed the first
 // probe to the whole cool-down at once: a healthy master's global checks followed their
 // policy for up to a second after it answered again.
+//
+// A caller that knows whether its call was the probe (allow's) says so with failed:
+// Failure takes any failure while the probe is out for the probe's.
 func (b *Breaker) Failure() {
 	if b == nil {
 		return
 	}
+	b.failed(true)
+}
+
+// failed is Failure for a caller that knows whether its call was the open breaker's
+// probe (allow's, gate's). While open, the failure of a call that was not (let through
+// before it opened: a check with a longer deadline than the ones that opened it) says
+// nothing of the probe still out. Before, it was taken for the probe's: the wait doubled,
+// and another probe could go while the first was still out
+// (TestGlobalBreakerOldFailureIsNotTheProbes).
+func (b *Breaker) failed(probe bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	streak := b.streak.Add(1)
 	if b.open.Load() {
-		if !b.probe {
+		if !b.probe || !probe {
 			return // not the probe: a call from before the breaker opened
 		}
 		// A failed probe: stay open, twice as long as before, at most a cool-down.

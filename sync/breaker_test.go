@@ -239,3 +239,85 @@ func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
 		t.Errorf("the open breaker waits %s before its first probe, want an eighth of the cool-down (1s)", wait)
 	}
 }
+
+// A call sent before the breaker opened whose failure comes while the open breaker's
+// probe is out (a check with a long deadline, Redis frozen) is not the probe: its
+// failure leaves the probe out and the wait as it was, and the probe's own answer
+// decides. Before, it was taken for the probe's failure: the wait doubled, and another
+// probe could go while the first was still out.
+func TestGlobalBreakerOldFailureIsNotTheProbes(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	b := NewBreaker(3, 800*time.Millisecond) // first wait 100ms
+	g := NewGlobal(rdb).WithBreaker(b)
+	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
+	check := func(wait time.Duration, i int) error {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		_, err := g.Check(ctx, []GlobalOp{{Key: fmt.Sprintf("rl:b:{u=%d}", i), Limit: l, Cost: 1}})
+		return err
+	}
+	if err := check(2*time.Second, 0); err != nil { // the script loaded, a connection dialled
+		t.Fatal(err)
+	}
+	srv.Freeze()
+	defer srv.Thaw()
+	old := make(chan error, 1)
+	go func() { old <- check(4*time.Second, 1) }() // sent while the breaker is closed
+	for i := range 3 {
+		if err := check(100*time.Millisecond, 2+i); err == nil || errors.Is(err, ErrBreakerOpen) {
+			t.Fatalf("check %d with Redis frozen: %v; want it sent, and failed", i, err)
+		}
+	}
+	if !b.Open() {
+		t.Fatal("the breaker did not open after 3 failures")
+	}
+	probe := make(chan error, 1)
+	for {
+		b.mu.Lock()
+		due := !time.Now().Before(b.until)
+		b.mu.Unlock()
+		if due {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	go func() { probe <- check(20*time.Second, 9) }()
+	for { // the probe out
+		b.mu.Lock()
+		out := b.probe
+		b.mu.Unlock()
+		if out {
+			break
+		}
+		select {
+		case err := <-probe:
+			t.Fatalf("the probe returned %v with Redis frozen", err)
+		default:
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := <-old; err == nil || errors.Is(err, ErrBreakerOpen) {
+		t.Fatalf("the check sent before the breaker opened: %v; want it failed at its deadline", err)
+	}
+	b.mu.Lock()
+	wait, out := b.wait, b.probe
+	b.mu.Unlock()
+	if wait != 100*time.Millisecond || !out {
+		t.Errorf("after the failure of a check sent before the breaker opened: wait %v, probe out %v; want 100ms, the probe still out", wait, out)
+	}
+	if err := check(time.Second, 10); !errors.Is(err, ErrBreakerOpen) {
+		t.Errorf("a check while the probe is out: %v; want ErrBreakerOpen (one probe at a time)", err)
+	}
+	srv.Thaw()
+	if err := <-probe; err != nil {
+		t.Fatalf("the probe, Redis thawed: %v", err)
+	}
+	if b.Open() {
+		t.Error("the breaker is still open after its probe succeeded")
+	}
+}

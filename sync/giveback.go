@@ -56,7 +56,9 @@ type giveBack struct {
 	args []any
 	due  time.Time // the second round's time; zero while the first is to go
 	m    *Master   // its master in this pass (nextGiveBacks); nil: not gated
-	err  error     // the last round's error
+	// probe: in this pass it took the probe of its master's open breaker (settle)
+	probe bool
+	err   error // the last round's error
 }
 
 // giveBackUnsure queues the give-back of the lease slots of acquires that failed
@@ -190,13 +192,14 @@ func (g *Global) nextGiveBacks(batch []giveBack, now time.Time, all bool) (_ []g
 			return true
 		}
 		x := g.masters.ForKey(gb.keys[0])
-		gb.m = x
+		gb.m, gb.probe = x, false
 		for _, d := range decided {
 			if d.m == x {
 				return d.ok
 			}
 		}
-		ok, _ := x.breaker.allow() // a probe taken is used: the call goes
+		ok, probe := x.breaker.allow() // a probe taken is used: the call goes
+		gb.probe = probe
 		decided = append(decided, struct {
 			m  *Master
 			ok bool
@@ -338,7 +341,17 @@ func (g *Global) sendGiveBacks(ctx context.Context, batch []giveBack) {
 				ms = append(ms, calls[i].m)
 			}
 		}
-		settle(calls, ms)
+		var probes probeSet // the masters whose probe a give-back of the batch took
+		for i := range batch {
+			if batch[i].probe {
+				for j, x := range ms {
+					if x == batch[i].m && j < 64 {
+						probes |= 1 << j
+					}
+				}
+			}
+		}
+		settle(calls, ms, probes)
 	}
 	for i := range batch {
 		batch[i].err = calls[of[i]].cmd.Err()

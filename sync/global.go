@@ -320,10 +320,11 @@ func (g *Global) WithMasters(m *Masters) *Global {
 }
 
 // admit finds each call's master and reports whether every one of them lets the calls
-// go (gate); ms is scratch for the distinct masters, returned.
-func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
+// go (gate), and which gave them their probe; ms is scratch for the distinct masters,
+// returned.
+func (g *Global) admit(calls []call, ms []*Master) ([]*Master, probeSet, bool) {
 	if g.masters == nil {
-		return ms, true
+		return ms, 0, true
 	}
 	for i := range calls {
 		x := g.masters.ForKey(calls[i].keys[0])
@@ -336,7 +337,8 @@ func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
 			ms = append(ms, x)
 		}
 	}
-	return ms, gate(ms)
+	ok, probes := gate(ms)
+	return ms, probes, ok
 }
 
 // settle tells each master of ms how its calls went: a failure if one of them got no
@@ -348,8 +350,12 @@ func (g *Global) admit(calls []call, ms []*Master) ([]*Master, bool) {
 // up, and counts as no failure of it. Before, three such calls (one client's checks
 // while its slot was resharded) opened the master's breaker, and every global check of
 // every client of that master followed its policy, degraded, until a probe closed it.
-func settle(calls []call, ms []*Master) {
-	for _, x := range ms {
+//
+// probes are the masters of ms that gave these calls their probe (gate): only the
+// probe's failure keeps an open breaker open longer, and only an unused probe is handed
+// back.
+func settle(calls []call, ms []*Master, probes probeSet) {
+	for i, x := range ms {
 		failed, sent := false, false
 		for i := range calls {
 			c := &calls[i]
@@ -368,10 +374,10 @@ func settle(calls []call, ms []*Master) {
 		}
 		switch {
 		case failed:
-			x.breaker.Failure()
+			x.breaker.failed(probes.has(i, x))
 		case sent:
 			x.breaker.Success()
-		case x.breaker.Open():
+		case probes.has(i, x):
 			x.breaker.unprobe()
 		}
 	}
@@ -381,12 +387,12 @@ func settle(calls []call, ms []*Master) {
 // master the calls need refuses them; otherwise run, each master told how its calls went.
 func (g *Global) runGated(ctx context.Context, s script, calls []call) error {
 	var buf [inlineOps]*Master
-	ms, ok := g.admit(calls, buf[:0])
+	ms, probes, ok := g.admit(calls, buf[:0])
 	if !ok {
 		return ErrBreakerOpen
 	}
 	run(ctx, g.longRdb(), s, calls)
-	settle(calls, ms)
+	settle(calls, ms, probes)
 	return nil
 }
 
@@ -408,7 +414,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 	}
 	cs.calls = calls
 	var msBuf [inlineOps]*Master
-	ms, admitted := g.admit(calls, msBuf[:0])
+	ms, probes, admitted := g.admit(calls, msBuf[:0])
 	if !admitted {
 		return false, ErrBreakerOpen
 	}
@@ -448,7 +454,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 			ok = false
 		}
 	}
-	settle(calls, ms)
+	settle(calls, ms, probes)
 	for i := range ops {
 		ops[i].window = cs.window[i]
 	}

@@ -377,8 +377,9 @@ func reloadNow(ctx context.Context, c *redis.ClusterClient) {
 // gate lets a call go to the masters ms (each once) only if each one's breaker lets it:
 // a master whose breaker is open and not due for a probe refuses, and then the probes
 // taken from the others are handed back (they were not used) and gate returns false.
-func gate(ms []*Master) bool {
-	var probes uint64 // bit i: ms[i] gave its probe (past 64 masters: it is open)
+//
+// probes tells which of ms gave the call its probe (settle).
+func gate(ms []*Master) (ok bool, probes probeSet) {
 	for i, x := range ms {
 		ok, probe := x.breaker.allow()
 		if probe && i < 64 {
@@ -386,14 +387,25 @@ func gate(ms []*Master) bool {
 		}
 		if !ok {
 			for j, y := range ms[:i] {
-				if j < 64 && probes&(1<<j) != 0 || j >= 64 && y.breaker.Open() {
+				if probes.has(j, y) {
 					y.breaker.unprobe()
 				}
 			}
-			return false
+			return false, 0
 		}
 	}
-	return true
+	return true, probes
+}
+
+// probeSet tells which masters of a call's list (ms) gave it their breaker's probe: bit
+// i for ms[i]; past 64 masters, every one whose breaker is open.
+type probeSet uint64
+
+func (p probeSet) has(i int, x *Master) bool {
+	if i >= 64 {
+		return x.breaker.Open()
+	}
+	return p&(1<<i) != 0
 }
 
 // keepAnswered clears the error of each cmd that holds a reply: go-redis's cluster

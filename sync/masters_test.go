@@ -38,7 +38,7 @@ func TestGate(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := gate(tt.ms); got != tt.want {
+			if got, _ := gate(tt.ms); got != tt.want {
 				t.Fatalf("gate = %v, want %v", got, tt.want)
 			}
 			if !tt.want && !due.breaker.Allow() {
