@@ -172,9 +172,13 @@ func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
 
 // retrack tracks again gl, taken off its owner (takeOwnerGlobal) but not released in
 // Redis, with no owner and marked unreleased: in flight until the sweep releases it.
-func (ls *Leases) retrack(gl *globalLease) {
+//
+// partFreed: a part of it was freed (ReleaseAll's Freed), which counts it freed once
+// the rest is settled.
+func (ls *Leases) retrack(gl *globalLease, partFreed bool) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
+	gl.partFreed = gl.partFreed || partFreed
 	if ls.global[gl.id] != nil {
 		return
 	}
@@ -228,16 +232,43 @@ func (ls *Leases) untrackReleased(gl *globalLease) {
 }
 
 // markUnreleased marks gl (nil: none), if still tracked, as given up by its holder but
-// not released in Redis: the sweep releases it again (releaseAgain).
-func (ls *Leases) markUnreleased(gl *globalLease) {
+// not released in Redis: the sweep releases it again (releaseAgain). partFreed: a part
+// of it was freed (see globalLease.partFreed). It reports whether gl is tracked.
+func (ls *Leases) markUnreleased(gl *globalLease, partFreed bool) bool {
 	if gl == nil {
-		return
+		return false
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	if ls.global[gl.id] == gl {
-		gl.unreleased = true
+	if ls.global[gl.id] != gl {
+		return false
 	}
+	gl.unreleased = true
+	gl.partFreed = gl.partFreed || partFreed
+	return true
+}
+
+// freedPart reports whether a release of gl freed a part of it already (partFreed).
+func (ls *Leases) freedPart(gl *globalLease) bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return gl.partFreed
+}
+
+// untrackReleasedIf forgets gl, if still tracked, counted as untrackReleased counts it
+// when a part of it was freed, else uncounted: Redis has dropped what was left of it.
+func (ls *Leases) untrackReleasedIf(gl *globalLease) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var count func(st *LeaseStats)
+	switch {
+	case !gl.partFreed:
+	case gl.owner == 0:
+		count = func(st *LeaseStats) { st.Closed++ }
+	default:
+		count = func(st *LeaseStats) { st.Released++ }
+	}
+	ls.untrackLocked(gl, count)
 }
 
 // unreleasedGlobal returns the tracked global leases marked unreleased, at most maxDue

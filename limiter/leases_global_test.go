@@ -1434,3 +1434,96 @@ func asksFor(t *testing.T, l *Limiter, in *Input, d *Decision, dur time.Duration
 	}
 	return asks, refused
 }
+
+// On a Redis Cluster, a global lease whose parts are on two masters, given up (its
+// connection closed) while one master does not answer (its clients paused): the part on
+// the master that answered is freed, the other's release times out. Once that master
+// answers, the sweep releases the part left, long before the lease (an hour) runs out,
+// and the lease is counted closed once. Before, the part freed made the lease count
+// closed at once, forgotten: the other part held its slot for the whole hour, and every
+// client of that rule's key was refused.
+func TestGlobalLeasePartlyReleasedOnClusterReleasedBySweep(t *testing.T) {
+	cl := redistest.StartCluster(t)
+	rdb, err := rlsync.Open(rlsync.Config{Cluster: cl.Addrs, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	cc := rdb.(*redis.ClusterClient)
+	yaml := `
+rules:
+  - name: by-user
+    key: user
+    concurrency: { max: 1, lease: 1h }
+    mode: global
+  - name: by-tenant
+    key: tenant
+    concurrency: { max: 1, lease: 1h }
+    mode: global
+`
+	a := globalLimiter(t, rdb, yaml, "rl:")
+	ctx := context.Background()
+	tenantKey := "rl:by-tenant:{tenant=acme}"
+	tm, err := cc.MasterForKey(ctx, tenantKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := "" // one whose key is on another master than the tenant's
+	for i := 0; i < 1000 && user == ""; i++ {
+		u := fmt.Sprint("u", i)
+		if m, err := cc.MasterForKey(ctx, "rl:by-user:{user="+u+"}"); err == nil && m.Options().Addr != tm.Options().Addr {
+			user = u
+		}
+	}
+	var paused *redistest.Server
+	for _, n := range cl.Nodes {
+		if n.Addr == tm.Options().Addr {
+			paused = n
+		}
+	}
+	if user == "" || paused == nil {
+		t.Fatal("the test needs the two keys on two masters")
+	}
+	in := &Input{Attrs: attrs("user="+user, "tenant=acme"), Cost: 1}
+	// A lease taken and released first: the release script is loaded on both masters, as
+	// on a daemon that has run for a while.
+	ok, tok, _ := acquire(t, a, in, 41)
+	if !ok || !a.ReleaseLease(tok, nowNs()) {
+		t.Fatal("the first lease: refused, or not released")
+	}
+	if ok, _, _ := acquire(t, a, in, 42); !ok {
+		t.Fatal("refused")
+	}
+	if out, err := paused.Command("CLIENT", "PAUSE", "6000", "ALL"); err != nil {
+		t.Fatalf("CLIENT PAUSE: %q %v", out, err)
+	}
+	start := time.Now()
+	a.ReleaseOwner(42, nowNs())
+	if el := time.Since(start); el >= 6*time.Second {
+		t.Fatalf("the release took %s, past the pause: this test needs it to give up during it", el)
+	}
+	for { // the pause over
+		if out, err := paused.Command("PING"); err == nil && out == "PONG" {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := cc.ZCard(ctx, "rl:by-user:{user="+user+"}").Val(); n != 0 {
+		t.Fatalf("the answering master's part: %d held after the release; want 0 (this test needs it freed)", n)
+	}
+	if n := cc.ZCard(ctx, tenantKey).Val(); n != 1 {
+		t.Fatalf("the paused master's part: %d held after the release; want 1 (this test needs it unrun)", n)
+	}
+	a.Sweep(nowNs()) // long before the hour is out
+	if n := cc.ZCard(ctx, tenantKey).Val(); n != 0 {
+		t.Errorf("the paused master's part: %d held after a sweep with it back; want 0", n)
+	}
+	for _, rule := range []string{"by-user", "by-tenant"} {
+		if s := stats(a, rule); s.InFlight != 0 || s.Closed != 1 || s.Released != 1 || s.Expired != 0 {
+			t.Errorf("%s stats after the sweep: %+v; want 0 in flight, 1 released (the first lease), 1 closed", rule, s)
+		}
+	}
+	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=other", "tenant=acme"), Cost: 1}, 44); !ok {
+		t.Error("a lease of the tenant refused after the sweep: the part given up still holds its slot")
+	}
+}

@@ -64,6 +64,10 @@ type globalLease struct {
 	// closed) whose release Redis did not answer: the sweep sends it again (a release
 	// only removes the lease's members, so sending it twice frees nothing more).
 	unreleased bool
+	// partFreed: a release of an unreleased lease freed a live part of it (on a Cluster,
+	// the parts on the masters that answered): it is counted as freed when the rest is
+	// settled, whatever Redis says of the rest then.
+	partFreed bool
 }
 
 // leaseIDBytes is the size of a global lease's random id: unguessable, so that a token
@@ -463,7 +467,7 @@ func (s *globalLeaseStore) release(token string, now int64) (bool, error) {
 	if err != nil {
 		// Its holder is done with it: if this daemon tracks it, the sweep sends the
 		// release again once Redis answers (else it expires after its lease).
-		s.ls.markUnreleased(s.ls.trackedGlobal(token))
+		s.ls.markUnreleased(s.ls.trackedGlobal(token), freed)
 		return false, err
 	}
 	s.ls.releasedGlobal(id, rs, freed, now)
@@ -508,15 +512,20 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids, parts := leaseParts(gls)
-	rs, err := s.g.ReleaseAll(ctx, ids, parts) // failed: the slots expire after their lease
+	rs, _ := s.g.ReleaseAll(ctx, ids, parts)
 	n := 0
 	for i, r := range rs {
 		switch {
+		case r.Failed:
+			// A part Redis did not answer for may still hold its slot, though others
+			// were freed (a Cluster, one master away): the sweep releases it again.
+			// Before, a part freed counted the lease closed and forgot it, and the
+			// part left held its slot for the whole lease
+			// (TestGlobalLeasePartlyReleasedOnClusterReleasedBySweep).
+			s.ls.retrack(gls[i], r.Freed)
 		case r.Freed:
 			n++
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
-		case err != nil:
-			s.ls.retrack(gls[i])
 		case r.Expired:
 			// Redis held it expired: it ran out unreleased (a renewal through another
 			// daemon would have kept it, and it would be freed). One not there was
@@ -585,19 +594,24 @@ func (s *globalLeaseStore) releaseAgain(now int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids, parts := leaseParts(gls)
-	rs, err := s.g.ReleaseAll(ctx, ids, parts)
+	rs, _ := s.g.ReleaseAll(ctx, ids, parts)
 	for i, gl := range gls {
-		switch {
-		case rs[i].Freed:
-			s.ls.untrackReleased(gl)
-		case err == nil:
-			var count func(*LeaseStats)
-			if rs[i].Expired {
-				count = func(st *LeaseStats) { st.Expired++ } // Redis held it run out
+		r := rs[i]
+		if r.Failed {
+			// A part still unanswered (the others may have been freed): sent again
+			// at the next sweep, until Redis has dropped it whatever it was.
+			if s.ls.markUnreleased(gl, r.Freed) && now-gl.expires > int64(rlsync.LeaseGrace) {
+				s.ls.untrackReleasedIf(gl)
 			}
-			s.ls.untrack(gl, count)
-		case now-gl.expires > int64(rlsync.LeaseGrace):
-			s.ls.untrack(gl, nil) // Redis has dropped it by now, whatever it was
+			continue
+		}
+		switch {
+		case r.Freed || s.ls.freedPart(gl):
+			s.ls.untrackReleased(gl)
+		case r.Expired:
+			s.ls.untrack(gl, func(st *LeaseStats) { st.Expired++ }) // Redis held it run out
+		default:
+			s.ls.untrack(gl, nil)
 		}
 	}
 }

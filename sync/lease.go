@@ -139,18 +139,22 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 		return out, nil
 	}
 	if err := g.runGated(ctx, leaseScript, calls); err != nil {
+		for i := range out {
+			out[i].Failed = len(parts[i]) > 0
+		}
 		return out, err
 	}
 	var firstErr error
 	for k := range calls {
+		r := &out[of[k]]
 		n, err := calls[k].cmd.Int64()
 		if err != nil {
 			if firstErr == nil {
 				firstErr = fmt.Errorf("lease release: %w", err)
 			}
+			r.Failed = true
 			continue
 		}
-		r := &out[of[k]]
 		r.Freed = r.Freed || n > 0
 		r.Expired = r.Expired || n < 0
 	}
@@ -163,9 +167,11 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 // Released is what a release found of one lease in Redis: Freed, a live part of it,
 // which it freed; else Expired, a part that had run out (its slot no longer held; the
 // lease was never released in time), removed; neither: the lease was gone, released
-// already (through another daemon, say) or dropped.
+// already (through another daemon, say) or dropped. Failed: the call of one of its parts
+// got no answer (an error, a timeout), and that part may still hold its slot, whatever
+// the others' (on a Cluster, parts on another master may have been freed: Freed).
 type Released struct {
-	Freed, Expired bool
+	Freed, Expired, Failed bool
 }
 
 // Renew extends each part of lease id to its Lease from now (Redis time) and reports
