@@ -1,9 +1,11 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"io"
+	"net"
 	"testing"
 	"time"
 
@@ -111,4 +113,30 @@ func TestIdleShutFrameTooLarge(t *testing.T) {
 		t.Fatalf("got %q, %v; want %s", code, err, proto.CodeFrameTooLarge)
 	}
 	waitClosed(t, m, closeFrameTooLarge)
+}
+
+// A client that writes a pipeline whose answers fill the socket, then neither reads nor
+// writes, is cut off once a write has waited WriteTimeout, also with --idle-timeout set:
+// the write's failure wakes the connection's goroutine from its wait for the next frame
+// (a read deadline in the past). Before, that wait took the wake-up for an idle
+// deadline come early and waited again, for the rest of IdleTimeout: the connection and
+// its goroutine were held that long past the write timeout (or for as long as it held
+// leases).
+func TestWriteTimeoutCutsAnIdleWaitingConnection(t *testing.T) {
+	m := NewMetrics("test", 10)
+	s := startServer(t, Config{WriteTimeout: 200 * time.Millisecond, IdleTimeout: time.Minute, Metrics: m})
+	defer s.Shutdown(context.Background())
+	c, err := net.Dial("unix", s.cfg.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// About 1 MB of answers: more than the socket holds, less than a connection may hold
+	// queued (maxHeld), so the connection's goroutine reads on, and waits for a frame.
+	batch := bytes.Repeat(frameOf(proto.Request{ID: 1, Op: proto.OpPing}), 30000)
+	if _, err := c.Write(batch); err != nil {
+		t.Fatal(err)
+	}
+	waitConns(t, s, 0, 20*time.Second) // well before the minute's idle timeout
+	waitClosed(t, m, closeWriteTimeout)
 }

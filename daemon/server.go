@@ -860,7 +860,12 @@ func (cn *conn) waitIdle(yield bool) error {
 	// as long as its request runs (a download, a stream), and closing it would free the
 	// slots of requests still running. Such a connection outlives the idle timeout; it is
 	// cut once its leases are released or have run out.
-	for err != nil && s.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) && !s.draining.Load() {
+	//
+	// A write that failed (writeReady) wakes this wait with a past read deadline too: the
+	// connection is done, and ends now. Before, the wake-up was taken for an idle
+	// deadline come early, and the wait went on for the rest of IdleTimeout, or for as
+	// long as the connection held leases (TestWriteTimeoutCutsAnIdleWaitingConnection).
+	for err != nil && s.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) && !s.draining.Load() && !cn.wfailed.Load() {
 		next := cn.idleSince.Add(s.cfg.IdleTimeout)
 		if now := time.Now(); !now.Before(next) {
 			if !s.lim.HoldsLeases(cn.id, s.now()) {
@@ -879,6 +884,9 @@ func (cn *conn) waitIdle(yield bool) error {
 			}
 		}
 		_, err = cn.peek(1)
+	}
+	if err != nil && cn.wfailed.Load() {
+		return err // not idle: its write failed (its cause is counted: cutBy)
 	}
 	if err != nil {
 		if cn.shutIdle(err) {
