@@ -955,7 +955,7 @@ var beforeIdleShut atomic.Pointer[func()]
 // reads as not sent, and sends again on a new connection.
 func (cn *conn) shutIdle(err error) bool {
 	s := cn.s
-	if cn.idleShut || cn.raw == nil || s.cfg.IdleTimeout <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) || s.draining.Load() {
+	if cn.idleShut || cn.raw == nil || s.cfg.IdleTimeout <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) || s.draining.Load() || cn.wfailed.Load() {
 		return false
 	}
 	cn.idleShut = true
@@ -1039,9 +1039,15 @@ func (cn *conn) Read(p []byte) (int, error) {
 }
 
 // cutBy records r as why the daemon closes the connection when err is a deadline that
-// passed (not the client's close, nor a shutdown's deadline); the first cause wins.
+// passed (not the client's close, nor a shutdown's deadline); the first cause wins. The
+// past deadline a failed write sets to end the reads (writeReady) is none of the
+// reader's: a write timeout is recorded by the write itself, and a write that failed
+// because the client is gone (EPIPE, ECONNRESET) is the client's close. Before, a read
+// waiting for a next frame, or for the rest of one, took that deadline for its own, and
+// a client that shut its read side while answers waited for room was counted as an
+// idle_timeout (at --idle-timeout 0, where none is cut for idleness) or a frame_timeout.
 func (cn *conn) cutBy(r closeReason, err error) {
-	if errors.Is(err, os.ErrDeadlineExceeded) && !cn.s.draining.Load() {
+	if errors.Is(err, os.ErrDeadlineExceeded) && !cn.s.draining.Load() && !cn.wfailed.Load() {
 		cn.cut.CompareAndSwap(0, uint32(r))
 	}
 }
