@@ -180,3 +180,126 @@ func TestE2EClientsClosingUnreadCountNoClose(t *testing.T) {
 	waitSample(t, base, "rlsidecar_connections", 0)
 	wantClosed(t, base, nil)
 }
+
+// readToEnd reads c until its end (or an error: a reset), and returns the frames read,
+// decoded.
+func readToEnd(t *testing.T, r *rawConn) []*proto.Response {
+	t.Helper()
+	var out []*proto.Response
+	for {
+		frame, err := r.readFrame()
+		if err != nil {
+			return out
+		}
+		var resp proto.Response
+		if err := r.dec.DecodeResponse(frame[proto.HeaderSize:], &resp); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, &resp)
+	}
+}
+
+// Every way a connection ends, each through the real daemon: rlsidecar_connections_closed_total
+// counts the ones the daemon ended once, under their reason, and a client's own ending
+// (close, reset, after a malformed frame) under none.
+func TestE2EEveryCloseCountedOnce(t *testing.T) {
+	const rules = bulkRules + "  - { name: exports, key: job, concurrency: { max: 1, lease: 700ms } }\n"
+	for _, tc := range []struct {
+		name string
+		args []string
+		run  func(t *testing.T, d *daemonProc)
+		want map[string]float64
+	}{
+		{"client close", nil, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			if a := r.check(1, 1, "user=ann"); !a.Allowed {
+				t.Fatalf("check: %+v", a)
+			}
+			r.c.Close()
+		}, nil},
+		{"reset: closed with requests and answers unread", nil, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			r.write(checkBurst(100, "ann"))
+			r.c.Close()
+		}, nil},
+		{"malformed frames, then the client's close", nil, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			r.write([]byte{0, 0, 0, 1, 0x01}) // a msgpack int, not a map
+			if a := r.recv(); a.Err.Code != proto.CodeBadRequest {
+				t.Fatalf("a body that is no map: %+v", a)
+			}
+			if a := r.check(2, 1, "user=ann"); !a.Allowed {
+				t.Fatalf("check after a bad_request: %+v", a)
+			}
+			r.c.Close()
+		}, nil},
+		{"frame too large", nil, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			r.write([]byte{0, 0x10, 0, 0}) // 1 MiB, past the 64 KiB maximum
+			if got := readToEnd(t, r); len(got) != 1 || got[0].Err.Code != proto.CodeFrameTooLarge {
+				t.Fatalf("a frame too large: %+v", got)
+			}
+			r.c.Close()
+		}, map[string]float64{"frame_too_large": 1}},
+		{"too many connections", []string{"--max-conns", "1"}, func(t *testing.T, d *daemonProc) {
+			a := dialRaw(t, d.socket)
+			a.check(1, 1, "user=ann") // served: it holds the one slot
+			b := dialRaw(t, d.socket)
+			if got := readToEnd(t, b); len(got) != 1 || got[0].Err.Code != proto.CodeTooManyConnections {
+				t.Fatalf("past --max-conns: %+v", got)
+			}
+			b.c.Close()
+			a.c.Close()
+		}, map[string]float64{"too_many_connections": 1}},
+		{"frame timeout", []string{"--frame-timeout", "200ms"}, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			r.write([]byte{0, 0, 0}) // a header begun, never finished
+			if got := readToEnd(t, r); len(got) != 0 {
+				t.Fatalf("answers to half a header: %+v", got)
+			}
+			r.c.Close()
+		}, map[string]float64{"frame_timeout": 1}},
+		{"idle timeout", []string{"--idle-timeout", "200ms"}, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			r.check(1, 1, "user=ann")
+			readToEnd(t, r)
+			r.c.Close()
+		}, map[string]float64{"idle_timeout": 1}},
+		{"idle timeout with a lease held", []string{"--idle-timeout", "100ms"}, func(t *testing.T, d *daemonProc) {
+			r := dialRaw(t, d.socket)
+			if a := r.check(1, 1, "job=x"); a.Lease == "" {
+				t.Fatalf("check: %+v; want a lease", a)
+			}
+			start := time.Now()
+			readToEnd(t, r) // cut once the lease has run out
+			if el := time.Since(start); el < 700*time.Millisecond {
+				t.Errorf("cut after %v, with a 700 ms lease held", el)
+			}
+			r.c.Close()
+		}, map[string]float64{"idle_timeout": 1}},
+		// A client that stops reading its answers is cut off after --write-timeout, and
+		// counted once, for that; with an idle timeout too, not kept open until it.
+		{"write timeout, idle timeout set", []string{"--write-timeout", "200ms", "--idle-timeout", "1h"}, func(t *testing.T, d *daemonProc) {
+			c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: d.socket, Net: "unix"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close() // open, never read, until the daemon cuts it off
+			c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+			if _, err := c.Write(checkBurst(10000, "ann")); err != nil {
+				t.Fatal(err)
+			}
+			base := "http://" + adminAddr(t, d)
+			waitSample(t, base, "rlsidecar_connections", 0)
+		}, map[string]float64{"write_timeout": 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := writeFile(t, shortTempDir(t), "rules.yaml", rules)
+			d := startDaemon(t, append([]string{"--config", cfg, "--admin", "127.0.0.1:0"}, tc.args...)...)
+			base := "http://" + adminAddr(t, d)
+			tc.run(t, d)
+			waitSample(t, base, "rlsidecar_connections", 0)
+			wantClosed(t, base, tc.want)
+		})
+	}
+}
