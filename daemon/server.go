@@ -841,7 +841,10 @@ func (cn *conn) waitIdle(yield bool) error {
 		// Move the deadline only when it is more than half used: one syscall-free check
 		// per request, one timer update per IdleTimeout/2. It can then fire before the
 		// connection has been idle for IdleTimeout (after half of it, at worst): see below.
-		if cn.deadline.IsZero() || cn.deadline.Sub(now) < s.cfg.IdleTimeout/2 {
+		// One further ahead than IdleTimeout is no idle wait's: the deadline set for the
+		// rest of a frame (FrameTimeout). Before, it was kept, and a connection whose last
+		// request arrived in pieces was cut after the frame timeout instead.
+		if left := cn.deadline.Sub(now); cn.deadline.IsZero() || left < s.cfg.IdleTimeout/2 || left > s.cfg.IdleTimeout {
 			if err := cn.setDeadline(now.Add(s.cfg.IdleTimeout)); err != nil {
 				return err
 			}

@@ -1,8 +1,10 @@
 package main
 
 import (
+	"errors"
 	"math/rand"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -328,4 +330,36 @@ func TestE2EEveryCloseCountedOnce(t *testing.T) {
 			wantClosed(t, base, tc.want)
 		})
 	}
+}
+
+// A connection whose last request arrived in pieces is cut once idle for --idle-timeout,
+// like any other. Before, the deadline the daemon had set for the rest of that frame
+// (--frame-timeout ahead) was left in place as the idle wait's when it was more than
+// half the idle timeout ahead: the connection was cut after the frame timeout instead
+// (4.95 s at --idle-timeout 300ms and the default 5 s).
+func TestE2EIdleCutAfterASplitFrame(t *testing.T) {
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", bulkRules)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--idle-timeout", "200ms", "--frame-timeout", "1m")
+	base := "http://" + adminAddr(t, d)
+	r := dialRaw(t, d.socket)
+	b := checkBurst(2, "ann")
+	half := len(b)/2 + 3
+	r.write(b[:half]) // the first check, and the second's first bytes
+	// The first answer is written as the daemon begins to wait for the rest (under the
+	// frame timeout).
+	if a := r.recv(); a.ID != 1 || !a.Allowed {
+		t.Fatalf("first answer: %+v", a)
+	}
+	r.write(b[half:])
+	if a := r.recv(); a.ID != 2 || !a.Allowed {
+		t.Fatalf("second answer: %+v", a)
+	}
+	r.c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := r.readFrame(); err == nil {
+		t.Fatal("an answer to nothing")
+	} else if errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatal("not cut 20 s after its last request, with --idle-timeout 200ms")
+	}
+	waitSample(t, base, "rlsidecar_connections", 0)
+	wantClosed(t, base, map[string]float64{"idle_timeout": 1})
 }
