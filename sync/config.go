@@ -27,8 +27,11 @@ type Config struct {
 	// Cluster is the seed nodes of a Redis Cluster, host:port each. A redis:// or
 	// rediss:// URL form is accepted too: rediss://[user@]host1:port1,host2:port2.
 	Cluster []string
-	// PasswordFile holds the password (trailing newline ignored).
+	// PasswordFile holds the password (trailing newline ignored), read again at every
+	// new connection (PasswordFile, the type); Passwords, when set, is that file as
+	// LoadPasswordFile read it, shared by several clients, and PasswordFile is not read.
 	PasswordFile string
+	Passwords    *PasswordFile
 	// Timeout bounds every Redis call (dial, read, write); default 50ms.
 	Timeout time.Duration
 	// PoolSize is the connection pool size per node; default 16.
@@ -51,9 +54,13 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	if pool <= 0 {
 		pool = 16
 	}
-	password, err := readPassword(cfg.PasswordFile)
+	pwFile, err := cfg.passwords()
 	if err != nil {
 		return nil, err
+	}
+	password := os.Getenv(PasswordEnv)
+	if pwFile != nil {
+		password = pwFile.Password()
 	}
 	// A password in the URL and another source: which one a reader of the unit meant
 	// is a guess (the URL's won, and a rotated file was silently not used).
@@ -72,7 +79,11 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 			return nil, fmt.Errorf("redis URL %s: %w", redactURL(cfg.URL), quoteless(cfg.URL, urlErr(err)))
 		}
 		if opt.Password == "" {
-			opt.Password = password
+			if pwFile != nil {
+				opt.CredentialsProviderContext = pwFile.credentials(opt.Username)
+			} else {
+				opt.Password = password
+			}
 		}
 		if err := cfg.checkTLS(opt.TLSConfig); err != nil {
 			return nil, err
@@ -94,17 +105,23 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	if urlPass != "" {
 		password = urlPass
 	}
+	var credentials func(context.Context) (string, string, error)
+	if urlPass == "" && pwFile != nil {
+		credentials = pwFile.credentials(user)
+	}
 	opt := &redis.ClusterOptions{
-		Addrs:                 addrs,
-		Username:              user,
-		Password:              password,
-		DialTimeout:           timeout,
-		ReadTimeout:           timeout,
-		WriteTimeout:          timeout,
-		PoolSize:              pool,
-		MaxRetries:            -1,
-		DialerRetries:         1,
-		ContextTimeoutEnabled: true,
+		Addrs:    addrs,
+		Username: user,
+		Password: password,
+		// The password file read at each new connection to a node (PasswordFile).
+		CredentialsProviderContext: credentials,
+		DialTimeout:                timeout,
+		ReadTimeout:                timeout,
+		WriteTimeout:               timeout,
+		PoolSize:                   pool,
+		MaxRetries:                 -1,
+		DialerRetries:              1,
+		ContextTimeoutEnabled:      true,
 	}
 	if useTLS {
 		// No ServerName: each node's certificate is checked against the host of the
@@ -170,6 +187,9 @@ func (cfg Config) Password() (string, error) {
 	if p, ok := cfg.urlPassword(); ok {
 		return p, nil
 	}
+	if cfg.Passwords != nil {
+		return cfg.Passwords.Password(), nil
+	}
 	return readPassword(cfg.PasswordFile)
 }
 
@@ -190,23 +210,28 @@ func (cfg Config) urlPassword() (string, bool) {
 	return "", false
 }
 
+// passwords returns the password file Open reads at each new connection: Passwords,
+// else PasswordFile loaded; nil for none.
+func (cfg Config) passwords() (*PasswordFile, error) {
+	if cfg.Passwords != nil {
+		return cfg.Passwords, nil
+	}
+	if cfg.PasswordFile == "" {
+		return nil, nil
+	}
+	return LoadPasswordFile(cfg.PasswordFile, nil, nil)
+}
+
 // readPassword reads the password from file, else from $RLSIDECAR_REDIS_PASSWORD. Both
 // set, or an empty file, is an error: the one not used, or an empty password, would
 // otherwise show only as Redis refusing the daemon (WRONGPASS, NOAUTH).
 func readPassword(file string) (string, error) {
 	if file != "" {
-		if os.Getenv(PasswordEnv) != "" {
-			return "", fmt.Errorf("redis: --redis-password-file and $%s both set: give one", PasswordEnv)
-		}
-		b, err := os.ReadFile(file)
+		f, err := LoadPasswordFile(file, nil, nil)
 		if err != nil {
-			return "", fmt.Errorf("reading the Redis password file: %w", err)
+			return "", err
 		}
-		p := strings.TrimRight(string(b), "\r\n")
-		if p == "" {
-			return "", fmt.Errorf("the Redis password file %s is empty", file)
-		}
-		return p, nil
+		return f.Password(), nil
 	}
 	return os.Getenv(PasswordEnv), nil
 }

@@ -3,32 +3,48 @@ package main
 import (
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 )
 
-// scrubber keeps a secret (the Redis password) out of the daemon's logs: every record's
-// message and attributes are searched for it, whatever quotes it. The daemon never logs
-// the password itself, but a Redis server, or a proxy in front of one, may quote a
+// scrubber keeps secrets (the Redis passwords) out of the daemon's logs: every record's
+// message and attributes are searched for each, whatever quotes it. The daemon never logs
+// a password itself, but a Redis server, or a proxy in front of one, may quote a
 // command's arguments in an error ("ERR unknown command 'auth', with args beginning
 // with: ..."), and such errors are logged as they come. Redis quotes at most 128 bytes
 // of them, so a longer password is quoted cut short: the scrubber hides any beginning of
-// it of at least scrubMinPrefix bytes too. Logging is not on the hot path.
+// it of at least scrubMinPrefix bytes too. A password file is read again at each new
+// connection, and every password it has held is kept (a rotated one may still be
+// quoted by an error about a connection made before). Logging is not on the hot path.
 type scrubber struct {
-	secret atomic.Pointer[string]
+	mu      sync.Mutex
+	secrets atomic.Pointer[[]string]
 }
 
-// set names the secret; one shorter than 4 bytes is not searched for (it would blank
-// out common words, and hides nothing a guess would not find).
+// set adds a secret; one shorter than 4 bytes is not searched for (it would blank out
+// common words, and hides nothing a guess would not find).
 func (s *scrubber) set(secret string) {
-	if len(secret) >= 4 {
-		s.secret.Store(&secret)
+	if len(secret) < 4 {
+		return
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var list []string
+	if p := s.secrets.Load(); p != nil {
+		if slices.Contains(*p, secret) {
+			return
+		}
+		list = slices.Clone(*p)
+	}
+	list = append(list, secret)
+	s.secrets.Store(&list)
 }
 
 // replace is a slog.HandlerOptions.ReplaceAttr.
 func (s *scrubber) replace(_ []string, a slog.Attr) slog.Attr {
-	p := s.secret.Load()
+	p := s.secrets.Load()
 	if p == nil {
 		return a
 	}
@@ -48,8 +64,15 @@ func (s *scrubber) replace(_ []string, a slog.Attr) slog.Attr {
 	default:
 		return a
 	}
-	if out, ok := scrub(text, *p); ok {
-		a.Value = slog.StringValue(out)
+	found := false
+	for _, secret := range *p {
+		var ok bool
+		if text, ok = scrub(text, secret); ok {
+			found = true
+		}
+	}
+	if found {
+		a.Value = slog.StringValue(text)
 	}
 	return a
 }

@@ -82,3 +82,22 @@ func TestCheckSocketPathTooLong(t *testing.T) {
 		t.Fatalf("check on a %d-byte socket path: %v", len(long), err)
 	}
 }
+
+// A password file read again at each new connection may hold a new password: each one
+// it has held is hidden, the one before it too (an error about a connection made with
+// it may still be logged).
+func TestLogScrubsEveryPasswordSet(t *testing.T) {
+	var buf bytes.Buffer
+	secrets := &scrubber{}
+	log, err := newLogger(&buf, "text", "info", secrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secrets.set("Old-PW-4471")
+	secrets.set("New-PW-8820")
+	secrets.set("Old-PW-4471")
+	log.Warn("auth", "err", errors.New("ERR with args beginning with: 'Old-PW-4471' then 'New-PW-8820'"))
+	if out := buf.String(); strings.Contains(out, "PW-") || strings.Count(out, "xxxxx") != 2 {
+		t.Fatalf("want both passwords hidden:\n%s", out)
+	}
+}

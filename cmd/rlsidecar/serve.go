@@ -94,7 +94,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	watch := fs.Bool("watch", true, "reload the rules file when it changes (SIGHUP reloads too)")
 	redisURL := fs.String("redis", "", "standalone Redis: redis://host:port[/db] or rediss:// (TLS); turns on hybrid mode, the default for rules that name no mode")
 	redisCluster := fs.String("redis-cluster", "", "Redis Cluster seed nodes: host:port,host:port (or redis[s]://host:port,host:port)")
-	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
+	redisPassFile := fs.String("redis-password-file", "", "file holding the Redis password, re-read at each new connection (else $"+rlsync.PasswordEnv+"; a password in the URL shows in ps)")
 	redisTLSCA := fs.String("redis-tls-ca-file", "", "rediss://: PEM file of the CAs the Redis server's certificate must chain to, in place of the system's (a private CA); re-read at each new connection")
 	redisTLSCert := fs.String("redis-tls-cert-file", "", "rediss://: PEM client certificate presented to a Redis that asks for one (mutual TLS), with --redis-tls-key-file; re-read at each new connection")
 	redisTLSKey := fs.String("redis-tls-key-file", "", "rediss://: PEM private key of --redis-tls-cert-file, readable by the daemon's user only; re-read at each new connection")
@@ -290,6 +290,17 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	modeDesc := "local mode"
 	if haveRedis {
 		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
+		if *redisPassFile != "" {
+			// Read again at each new connection (a rotated password needs no restart),
+			// shared by the clients below: a bad change is logged once, and each new
+			// password is kept out of the logs as the first is.
+			cfg.Passwords, err = rlsync.LoadPasswordFile(*redisPassFile, func(err error) {
+				log.Warn("redis: the password file changed and cannot be used", "err", err)
+			}, secrets.set)
+			if err != nil {
+				return err
+			}
+		}
 		if useTLSFiles {
 			// One set of files for the three clients below: a bad change is logged once.
 			redisTLS.OnReloadError = func(err error) {
