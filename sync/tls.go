@@ -185,11 +185,11 @@ func (f *TLSFiles) dialer(base *tls.Config, timeout time.Duration) func(ctx cont
 		d := &tls.Dialer{NetDialer: &net.Dialer{Timeout: timeout, KeepAliveConfig: keepAlive}, Config: c}
 		conn, err := d.DialContext(ctx, network, addr)
 		if err != nil {
-			caFile := ""
+			var caFile, serverName string
 			if f != nil {
-				caFile = f.opts.CAFile
+				caFile, serverName = f.opts.CAFile, f.opts.ServerName
 			}
-			return nil, tlsHint(err, caFile)
+			return nil, tlsHint(err, caFile, serverName)
 		}
 		return checkable(conn.(*tls.Conn)), nil
 	}
@@ -201,8 +201,9 @@ var keepAlive = net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interv
 
 // tlsHint adds to a certificate the client does not trust what to do about it. caFile
 // is --redis-tls-ca-file ("" when not given): when it was, the hint to give one would
-// send the operator looking for a mistake in the flag rather than in the file.
-func tlsHint(err error, caFile string) error {
+// send the operator looking for a mistake in the flag rather than in the file. The same
+// for serverName, --redis-tls-server-name.
+func tlsHint(err error, caFile, serverName string) error {
 	var unknown x509.UnknownAuthorityError
 	if errors.As(err, &unknown) {
 		if caFile != "" {
@@ -214,6 +215,10 @@ func tlsHint(err error, caFile string) error {
 	if errors.As(err, &name) {
 		if name.Certificate != nil && !hasSANs(name.Certificate) {
 			return fmt.Errorf("%w (the certificate has no subject alternative names, and its Common Name is not checked, so no name matches it: reissue it with the server's names or IPs as subject alternative names)", err)
+		}
+		if serverName != "" {
+			// Not "can be given in --redis-tls-server-name" to an operator who gave it.
+			return fmt.Errorf("%w (--redis-tls-server-name is %q: give a name the certificate carries)", err, serverName)
 		}
 		return fmt.Errorf("%w (the name the certificate carries can be given in --redis-tls-server-name)", err)
 	}
