@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/proto"
 )
 
 // hostileValues are attribute values that try to leave their Redis hash tag, or to
@@ -114,12 +115,28 @@ func TestE2EHostileKeyValues(t *testing.T) {
 					}
 				}
 			}
+			// Inline limits (from the request) keyed by the values themselves: the
+			// same, each key its own (an empty key is refused: a key is required).
+			for round, want := range []bool{true, false} {
+				for i, v := range values {
+					if v == "" {
+						continue
+					}
+					id++
+					conn.send(&proto.Request{ID: id, Op: proto.OpCheck, Cost: 1,
+						Limits: []proto.InlineLimit{{Key: v, Limit: 1, WindowMs: 3600000, Mode: c.mode}}})
+					r := conn.recv()
+					if r.IsError() || r.Allowed != want || r.Degraded {
+						t.Fatalf("inline, round %d, value %d %q: %+v; want allowed %v, decided\n%s", round, i, trim(v), r, want, d.stderr.String())
+					}
+				}
+			}
 			if c.nodes == nil {
 				return
 			}
 			// Every client key in Redis: one '{' and one '}', its end, so the tag is the
 			// client whole. In hybrid mode the keys arrive with the syncs.
-			want := 5 * len(values)
+			want := 6*len(values) + len(values) - 1
 			var keys []string
 			waitFor(t, 10*time.Second, strconv.Itoa(want)+" client keys in Redis", func() bool {
 				keys = keys[:0]
@@ -132,19 +149,23 @@ func TestE2EHostileKeyValues(t *testing.T) {
 				}
 				return len(keys) >= want
 			})
-			tags := map[string]bool{}
+			tags, inline := map[string]bool{}, map[string]bool{}
 			for _, k := range keys {
 				open, closing := strings.IndexByte(k, '{'), strings.IndexByte(k, '}')
 				if strings.Count(k, "{") != 1 || strings.Count(k, "}") != 1 || closing != len(k)-1 || open > closing {
 					t.Fatalf("key %q: want one hash tag, at its end", trim(k))
+				}
+				if strings.HasPrefix(k, "rl:~inline/") {
+					inline[k] = true
+					continue
 				}
 				if strings.HasPrefix(k, "rl:pair~") || strings.HasPrefix(k, "rl:daemons:") {
 					continue // the live daemons' set on a Cluster: one a master, {<n>}
 				}
 				tags[k[open:]] = true
 			}
-			if len(tags) != len(values) {
-				t.Fatalf("%d hash tags of the one-attribute rules for %d values", len(tags), len(values))
+			if len(tags) != len(values) || len(inline) != len(values)-1 {
+				t.Fatalf("%d hash tags of the one-attribute rules for %d values, %d inline keys for %d", len(tags), len(values), len(inline), len(values)-1)
 			}
 		})
 	}
