@@ -52,10 +52,10 @@ func testPasswordRotated(t *testing.T, nodes []*redistest.Server, redisArgs ...s
 		t.Fatal(err)
 	}
 	// replace writes the password file as an operator should: beside it, then renamed.
-	replace := func(content string) {
+	replace := func(content string, mode os.FileMode) {
 		t.Helper()
 		tmp := filepath.Join(dir, "pw.new")
-		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+		if err := os.WriteFile(tmp, []byte(content), mode); err != nil {
 			t.Fatal(err)
 		}
 		if err := os.Rename(tmp, pw); err != nil {
@@ -79,7 +79,7 @@ func testPasswordRotated(t *testing.T, nodes []*redistest.Server, redisArgs ...s
 	}
 
 	acl("ACL", "SETUSER", "rotor", "resetpass", ">"+newPW)
-	replace(newPW + "\n")
+	replace(newPW+"\n", 0o644)
 	acl("CLIENT", "KILL", "USER", "rotor")
 	waitFor(t, 20*time.Second, "global check decided by Redis after the rotation", decided)
 	for range 10 {
@@ -88,9 +88,14 @@ func testPasswordRotated(t *testing.T, nodes []*redistest.Server, redisArgs ...s
 		}
 	}
 
+	// The new file every local user can read (as the first one at start): warned of.
+	if !strings.Contains(d.stderr.String(), "password file can be read by every local user") {
+		t.Fatalf("no warning of the new password file every user can read:\n%s", d.stderr.String())
+	}
+
 	// Emptied (a file truncated before it is written again): logged, and new
 	// connections keep the password before it.
-	replace("")
+	replace("", 0o600)
 	acl("CLIENT", "KILL", "USER", "rotor")
 	waitFor(t, 20*time.Second, "warning of the emptied password file", func() bool {
 		decided()

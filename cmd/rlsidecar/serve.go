@@ -296,7 +296,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			// password is kept out of the logs as the first is.
 			cfg.Passwords, err = rlsync.LoadPasswordFile(*redisPassFile, func(err error) {
 				log.Warn("redis: the password file changed and cannot be used", "err", err)
-			}, secrets.set)
+			}, func(password string) {
+				secrets.set(password)
+				// The new file's mode, as the first's at start: a rotation by rename
+				// may have left it readable by every user.
+				warnReadableSecrets(log, *socket, [2]string{"redis-password-file", *redisPassFile})
+			})
 			if err != nil {
 				return err
 			}
