@@ -212,3 +212,30 @@ rules:
 		t.Fatalf("%d of %d answers degraded after the restart, Redis up\n%s", degraded, total, d.stderr.String())
 	}
 }
+
+// A rediss:// URL with skip_verify=true reaches Redis over TLS without checking its
+// certificate (go-redis's option): the daemon serves, and warns at start that the
+// connection can be intercepted, naming the flags that check it instead. Before, it
+// was taken without a word; the same URL without the option draws no warning.
+func TestE2ERedisTLSSkipVerifyWarned(t *testing.T) {
+	ca := redistest.NewCA(t, "private CA")
+	srv := redistest.StartStandalone(t, redistest.WithTLS(redistest.TLS{CA: ca}))
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", tlsRules)
+	const warning = "skip_verify=true checks no server certificate"
+	d := startDaemon(t, "--config", cfg, "--redis", "rediss://"+srv.Addr+"/0?skip_verify=true", "--redis-timeout", "3s", "--global-timeout", "3s")
+	if r := dialRaw(t, d.socket).check(1, 1, "ip=10.0.0.1"); !r.Allowed || r.Degraded {
+		t.Fatalf("%+v: want decided by Redis\n%s", r, d.stderr.String())
+	}
+	e := startDaemon(t, "--config", cfg, "--redis", "rediss://"+srv.Addr+"/0", "--redis-tls-ca-file", ca.CertFile, "--redis-timeout", "3s", "--global-timeout", "3s")
+	if r := dialRaw(t, e.socket).check(1, 1, "ip=10.0.0.2"); !r.Allowed || r.Degraded {
+		t.Fatalf("%+v: want decided by Redis\n%s", r, e.stderr.String())
+	}
+	stopDaemon(t, d)
+	stopDaemon(t, e)
+	if !strings.Contains(d.stderr.String(), warning) || !strings.Contains(d.stderr.String(), "--redis-tls-ca-file") {
+		t.Fatalf("no warning of skip_verify=true:\n%s", d.stderr.String())
+	}
+	if strings.Contains(e.stderr.String(), warning) {
+		t.Fatalf("a warning of skip_verify without it:\n%s", e.stderr.String())
+	}
+}

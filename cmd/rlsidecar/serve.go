@@ -323,6 +323,9 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if pw, err := cfg.Password(); err == nil {
 			secrets.set(pw)
 		}
+		if skipsVerify(*redisURL) {
+			log.Warn("the --redis URL's skip_verify=true checks no server certificate: whoever can intercept the connection can read the password and every count, and answer in Redis's place; give the server's CA in --redis-tls-ca-file (and --redis-tls-server-name) instead", "redis", rlsync.Redact(*redisURL))
+		}
 		for _, name := range []string{"redis", "redis-cluster"} {
 			if v, given := flagValue(args, name); given && urlHasPassword(v) {
 				log.Warn("the --"+name+" URL on the command line holds a password, which ps shows to every user of this host: give it in $RLSIDECAR_REDIS_PASSWORD or --redis-password-file", "redis", rlsync.Redact(v))
@@ -1270,6 +1273,18 @@ func startWatching(log *slog.Logger, watch func() (func(), error)) (kick func(),
 		return func() {}, false
 	}
 	return kick, true
+}
+
+// skipsVerify reports whether the standalone URL s is rediss:// with skip_verify=true
+// (go-redis's option: TLS without checking the server's certificate). Before, it was
+// taken without a word; a Cluster URL refuses options.
+func skipsVerify(s string) bool {
+	u, err := url.Parse(s)
+	if err != nil || u.Scheme != "rediss" {
+		return false
+	}
+	v := u.Query().Get("skip_verify") // as go-redis reads it
+	return v == "true" || v == "1"
 }
 
 // urlHasPassword reports whether the URL s names a password (redis://:pw@host).
