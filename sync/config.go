@@ -28,10 +28,12 @@ type Config struct {
 	// rediss:// URL form is accepted too: rediss://[user@]host1:port1,host2:port2.
 	Cluster []string
 	// PasswordFile holds the password (trailing newline ignored), read again at every
-	// new connection (PasswordFile, the type); Passwords, when set, is that file as
-	// LoadPasswordFile read it, shared by several clients, and PasswordFile is not read.
+	// new connection (see the PasswordFile type).
 	PasswordFile string
-	Passwords    *PasswordFile
+	// Passwords, when set, is the password file as LoadPasswordFile read it, which
+	// several clients may share (its errors then reported once); PasswordFile is then
+	// not read.
+	Passwords *PasswordFile
 	// Timeout bounds every Redis call (dial, read, write); default 50ms.
 	Timeout time.Duration
 	// PoolSize is the connection pool size per node; default 16.
