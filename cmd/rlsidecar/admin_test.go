@@ -672,7 +672,11 @@ func TestE2EReloadEmptyWhileWritten(t *testing.T) {
 			v := rulesVersion(t, base)
 			f, err := os.OpenFile(file, os.O_WRONLY|os.O_TRUNC, 0)
 			must(t, err)
-			time.Sleep(250 * time.Millisecond) // the writer paused: the watcher fired on the truncation
+			// The writer pauses past the watcher's debounce (100 ms): it fires on the
+			// truncation and finds the file empty. The daemon looks again for 5 more
+			// debounces before it reports an empty file broken; at 250 ms, a writer slowed
+			// by a loaded machine outlasted that once (load 5).
+			time.Sleep(150 * time.Millisecond)
 			_, err = f.WriteString(rulesWithLimit(2))
 			must(t, err)
 			must(t, f.Close())
