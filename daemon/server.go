@@ -199,6 +199,7 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 		srv.spin = rawio.NewSpinner(cfg.BusyPoll)
 	}
 	lim.Leases().SetOwnerGone(srv.ownerGone)
+	lim.Leases().SetGlobalOwnerGone(srv.globalOwnerGone)
 	return srv, nil
 }
 
@@ -211,6 +212,14 @@ func New(cfg Config, lim *limiter.Limiter) (*Server, error) {
 func (s *Server) ownerGone(owner uint64) bool {
 	v, ok := s.owners.Load(owner)
 	return ok && v.(*conn).peerClosed()
+}
+
+// globalOwnerGone is ownerGone for the global leases: false while the server drains,
+// when a connection's close keeps its global leases (ReleaseOwnerAtShutdown), since the
+// gateway's requests still hold them. Draining is read after the poll: a client that
+// closed in answer to the drain has done so after it began.
+func (s *Server) globalOwnerGone(owner uint64) bool {
+	return s.ownerGone(owner) && !s.draining.Load()
 }
 
 // Connections returns the number of connections being served.

@@ -52,10 +52,20 @@ type Leases struct {
 	// nil until the first.
 	global       map[string]*globalLease
 	globalOwners map[uint64]map[string]*globalLease
+	// globalKeys counts, by Redis key, the tracked global leases with a part there, by
+	// owner (owner 0 is not counted): the owners a refused global check asks about
+	// (reapGoneGlobal).
+	globalKeys map[string]map[uint64]int
+	// releasing lists, by Redis key, the releases under way of global leases with a
+	// part there that this daemon no longer tracks (a closed connection's): a refused
+	// global check waits for them (reapGone).
+	releasing map[string][]*globalRelease
 
 	// gone, when set (SetOwnerGone), reports whether an owner's connection has been
 	// closed by its client: see reapGoneLocked.
 	gone atomic.Pointer[func(owner uint64) bool]
+	// goneGlobal is gone for the global leases (SetGlobalOwnerGone): see reapGoneGlobal.
+	goneGlobal atomic.Pointer[func(owner uint64) bool]
 }
 
 // LeaseStats counts one concurrency rule's leases on this daemon.

@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"encoding/base64"
+	"slices"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -22,6 +23,7 @@ func (ls *Leases) track(gl *globalLease, nameOf func(p int) string, ops []rlsync
 	if ls.global == nil {
 		ls.global = map[string]*globalLease{}
 		ls.globalOwners = map[uint64]map[string]*globalLease{}
+		ls.globalKeys = map[string]map[uint64]int{}
 	}
 	for p := range ops {
 		if !ops[p].Allowed || !ops[p].Take {
@@ -40,6 +42,14 @@ func (ls *Leases) track(gl *globalLease, nameOf func(p int) string, ops []rlsync
 			ls.globalOwners[gl.owner] = m
 		}
 		m[gl.id] = gl
+		for _, p := range gl.parts {
+			k := ls.globalKeys[p.Key]
+			if k == nil {
+				k = map[uint64]int{}
+				ls.globalKeys[p.Key] = k
+			}
+			k[gl.owner]++
+		}
 	}
 }
 
@@ -71,6 +81,16 @@ func (ls *Leases) untrackLocked(gl *globalLease, count func(*LeaseStats)) bool {
 		delete(m, gl.id)
 		if len(m) == 0 {
 			delete(ls.globalOwners, gl.owner)
+		}
+		for _, p := range gl.parts {
+			if k := ls.globalKeys[p.Key]; k != nil {
+				if k[gl.owner]--; k[gl.owner] <= 0 {
+					delete(k, gl.owner)
+					if len(k) == 0 {
+						delete(ls.globalKeys, p.Key)
+					}
+				}
+			}
 		}
 	}
 	for _, st := range gl.stats {
@@ -149,26 +169,143 @@ func (ls *Leases) countGlobal(gl *globalLease, count func(*LeaseStats)) {
 }
 
 // takeOwnerGlobal forgets the global leases of owner and returns them for releasing in
-// Redis (releaseAll counts those it frees as closed).
-func (ls *Leases) takeOwnerGlobal(owner uint64) []*globalLease {
+// Redis (releaseAll counts those it frees as closed), with the release, under way until
+// releaseAll ends it (nil when there are none).
+func (ls *Leases) takeOwnerGlobal(owner uint64) ([]*globalLease, *globalRelease) {
 	if owner == 0 {
-		return nil
+		return nil, nil
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	m := ls.globalOwners[owner]
-	if len(m) == 0 {
+	gls := ls.takeOwnerGlobalLocked(owner, nil)
+	return gls, ls.beginReleaseLocked(gls)
+}
+
+// globalRelease is the release in Redis of global leases this daemon has stopped
+// tracking (releaseAll), under way until done is closed: a check refused on one of
+// their keys meanwhile waits for it, and asks again if it freed any (reapGone). Before,
+// a check sent right after a connection's close, once the daemon had seen the close,
+// often reached Redis before the close's release and was refused.
+type globalRelease struct {
+	done  chan struct{}
+	freed bool // written before done is closed
+}
+
+// beginReleaseLocked registers the release of gls, no longer tracked, under their parts'
+// keys, and returns it (nil for none). ls.mu must be held.
+func (ls *Leases) beginReleaseLocked(gls []*globalLease) *globalRelease {
+	if len(gls) == 0 {
 		return nil
 	}
-	out := make([]*globalLease, 0, len(m))
+	gr := &globalRelease{done: make(chan struct{})}
+	if ls.releasing == nil {
+		ls.releasing = map[string][]*globalRelease{}
+	}
+	for _, gl := range gls {
+		for _, p := range gl.parts {
+			if rs := ls.releasing[p.Key]; len(rs) == 0 || rs[len(rs)-1] != gr {
+				ls.releasing[p.Key] = append(rs, gr)
+			}
+		}
+	}
+	return gr
+}
+
+// endRelease ends gr (nil: none), the release of gls, which freed a slot or not.
+func (ls *Leases) endRelease(gr *globalRelease, gls []*globalLease, freed bool) {
+	if gr == nil {
+		return
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, gl := range gls {
+		for _, p := range gl.parts {
+			rs := slices.DeleteFunc(ls.releasing[p.Key], func(r *globalRelease) bool { return r == gr })
+			if len(rs) == 0 {
+				delete(ls.releasing, p.Key)
+			} else {
+				ls.releasing[p.Key] = rs
+			}
+		}
+	}
+	gr.freed = freed
+	close(gr.done)
+}
+
+// takeOwnerGlobalLocked is takeOwnerGlobal with ls.mu held, appending to out.
+func (ls *Leases) takeOwnerGlobalLocked(owner uint64, out []*globalLease) []*globalLease {
+	m := ls.globalOwners[owner]
+	if len(m) == 0 {
+		return out
+	}
+	from := len(out)
 	for _, gl := range m {
 		out = append(out, gl)
 	}
-	for _, gl := range out {
+	for _, gl := range out[from:] {
 		ls.untrackLocked(gl, nil)
 	}
 	return out
 }
+
+// SetGlobalOwnerGone is SetOwnerGone for the global leases: a global check refused
+// because a slot is full frees first the global leases of the owners holding parts of
+// that key whose connections their clients have closed (reapGoneGlobal). The daemon
+// answers false while it drains: a gateway that closes its connections then keeps its
+// global leases (Limiter.ReleaseOwnerAtShutdown). The function must not block; it is
+// called with the store's lock held.
+func (ls *Leases) SetGlobalOwnerGone(gone func(owner uint64) bool) { ls.goneGlobal.Store(&gone) }
+
+// reapGoneGlobal is for a global check refused on keys (full): it returns the releases
+// under way of leases with a part on one of them (at most maxReleaseWaits), and it
+// forgets and returns, with their release begun, the global leases of the owners holding
+// parts on the keys of poll (other than self, the owner checking) whose connections their
+// clients have closed, at most maxGoneChecks owners asked: for releasing in Redis as
+// their close would (releaseAll; their close, seen later, finds them gone:
+// takeOwnerGlobal).
+func (ls *Leases) reapGoneGlobal(keys []string, poll []bool, self uint64) (waits []*globalRelease, gls []*globalLease, gr *globalRelease) {
+	f := ls.goneGlobal.Load()
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, key := range keys {
+		for _, r := range ls.releasing[key] {
+			if len(waits) < maxReleaseWaits && !slices.Contains(waits, r) {
+				waits = append(waits, r)
+			}
+		}
+	}
+	if f == nil {
+		return waits, nil, nil
+	}
+	var asked, gone [maxGoneChecks]uint64
+	na, ng := 0, 0
+	for i, key := range keys {
+		if !poll[i] {
+			continue
+		}
+		for o := range ls.globalKeys[key] {
+			if na == len(asked) {
+				break
+			}
+			if o == self || slices.Contains(asked[:na], o) {
+				continue
+			}
+			asked[na] = o
+			na++
+			if (*f)(o) {
+				gone[ng] = o
+				ng++
+			}
+		}
+	}
+	for _, o := range gone[:ng] {
+		gls = ls.takeOwnerGlobalLocked(o, gls)
+	}
+	return waits, gls, ls.beginReleaseLocked(gls)
+}
+
+// maxReleaseWaits bounds the releases under way a refused global check waits for.
+const maxReleaseWaits = 4
 
 // retrack tracks again gl, taken off its owner (takeOwnerGlobal) but not released in
 // Redis, with no owner and marked unreleased: in flight until the sweep releases it.

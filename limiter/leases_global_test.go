@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"slices"
 	"strings"
 	gosync "sync"
 	"sync/atomic"
@@ -1525,5 +1526,92 @@ rules:
 	}
 	if ok, _, _ := acquire(t, a, &Input{Attrs: attrs("user=other", "tenant=acme"), Cost: 1}, 44); !ok {
 		t.Error("a lease of the tenant refused after the sweep: the part given up still holds its slot")
+	}
+}
+
+// A global check refused because a key's slots are full frees first this daemon's global
+// leases on that key held by owners whose connections are gone (SetGlobalOwnerGone:
+// closed by their clients, not yet seen ending by the daemon), in Redis as their close
+// would, and asks again: allowed. A holder not gone keeps its slot; the checking owner
+// and owner 0 are not asked about; a key whose holders were found not gone is not asked
+// about again for reapGoneEvery; the gone owner's close, seen later, frees nothing more,
+// and its lease is counted closed once.
+func TestGlobalLeasesFullKeyReapsGoneOwners(t *testing.T) {
+	rdb := realRedis(t)
+	yaml := "rules:\n  - name: two\n    key: user\n    concurrency: { max: 2, lease: 10s }\n    mode: global\n"
+	l := globalLimiter(t, rdb, yaml, "reap:")
+	in := &Input{Attrs: attrs("user=ann"), Cost: 1}
+	var mu gosync.Mutex
+	gone := map[uint64]bool{}
+	var asked []uint64
+	l.Leases().SetGlobalOwnerGone(func(owner uint64) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		asked = append(asked, owner)
+		return gone[owner]
+	})
+	askedNow := func() []uint64 {
+		mu.Lock()
+		defer mu.Unlock()
+		out := asked
+		asked = nil
+		slices.Sort(out)
+		return out
+	}
+	now := nowNs()
+	check := func(at int64, owner uint64) *Decision {
+		t.Helper()
+		d := &Decision{Owner: owner}
+		if err := l.Check(at, in, d); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	for _, o := range []uint64{7, 8} {
+		if d := check(now, o); !d.Allowed {
+			t.Fatalf("owner %d: refused %+v", o, d.Results[0])
+		}
+	}
+	if a := askedNow(); len(a) != 0 {
+		t.Fatalf("asked about %v while the key had room", a)
+	}
+	if d := check(now, 9); d.Allowed {
+		t.Fatal("allowed past max while no holder is gone")
+	}
+	if a := fmt.Sprint(askedNow()); a != "[7 8]" {
+		t.Fatalf("asked about %s; want owners 7 and 8", a)
+	}
+	if d := check(now+int64(reapGoneEvery)/2, 9); d.Allowed {
+		t.Fatal("allowed past max while no holder is gone")
+	}
+	if a := askedNow(); len(a) != 0 {
+		t.Fatalf("asked about %v within reapGoneEvery of finding none gone", a)
+	}
+	mu.Lock()
+	gone[7] = true
+	mu.Unlock()
+	now += int64(reapGoneEvery)
+	d := check(now, 8) // owner 8 is not asked about itself
+	if !d.Allowed || d.Results[0].Remaining != 0 {
+		t.Fatalf("owner 7 gone: allowed %v, %+v; want allowed, 0 free", d.Allowed, d.Results[0])
+	}
+	if a := fmt.Sprint(askedNow()); a != "[7]" {
+		t.Fatalf("asked about %s; want only owner 7", a)
+	}
+	if n := l.ReleaseOwner(7, now); n != 0 {
+		t.Fatalf("owner 7's close, seen later: freed %d; want 0 (freed already)", n)
+	}
+	if s := stats(l, "two"); s.Closed != 1 || s.InFlight != 2 || s.Expired != 0 {
+		t.Errorf("stats %+v; want 1 closed, 2 in flight", s)
+	}
+	if n := rdb.ZCard(context.Background(), "reap:two:{user=ann}").Val(); n != 2 {
+		t.Fatalf("Redis holds %d members; want 2 (owner 8's)", n)
+	}
+	now += int64(reapGoneEvery)
+	if d := check(now, 0); d.Allowed {
+		t.Fatal("owner 8 holds both slots, not gone: allowed")
+	}
+	if a := fmt.Sprint(askedNow()); a != "[8]" {
+		t.Fatalf("asked about %s; want [8]", a)
 	}
 }

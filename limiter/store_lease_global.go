@@ -44,6 +44,13 @@ type globalLeaseStore struct {
 	// relieveEvery (relieved is the limiter's clock at the last).
 	relieving atomic.Bool
 	relieved  atomic.Int64
+	// reaped throttles reapGone: by a hash of the key (reapBucket), the limiter's clock
+	// when it last found none of its holders gone.
+	reaped [reapBuckets]atomic.Int64
+	// freed counts, by a hash of the key (reapBucket), the releases of leases this
+	// daemon no longer tracks (releaseAll) that freed a slot there: a check refused
+	// on a key whose count moved while it was asked asks again (reapGone).
+	freed [reapBuckets]atomic.Uint64
 }
 
 // ruleNames is the global concurrency rules of one rule set, by name.
@@ -91,9 +98,10 @@ type leaseBatch struct {
 	native[rlsync.LeaseOp]
 	raw      [leaseIDBytes]byte
 	id       string
-	combined bool  // decided by the global store's call: take and skip call no Redis
-	capped   bool  // the daemon holds the most live leases it keeps: refused as full, unasked
-	err      error // prepare's error, or the combined call's
+	combined bool     // decided by the global store's call: take and skip call no Redis
+	freedAt  []uint64 // per op: its key's freed count (globalLeaseStore.freed) before it was asked
+	capped   bool     // the daemon holds the most live leases it keeps: refused as full, unasked
+	err      error    // prepare's error, or the combined call's
 }
 
 // leaseBatchOf returns d's lease batch, created on first use.
@@ -160,14 +168,101 @@ func (s *globalLeaseStore) take(now int64, d *Decision) (bool, error) {
 	if lb.err != nil {
 		return false, lb.err
 	}
+	lb.freedAt = lb.freedAt[:0]
+	for k := range lb.ops {
+		lb.freedAt = append(lb.freedAt, s.freed[reapBucket(lb.ops[k].Key)].Load())
+	}
 	ctx, cancel := context.WithTimeout(d.queuedCtx(), s.wait)
 	ok, err := s.g.Acquire(ctx, lb.id, lb.ops)
 	cancel()
+	if err == nil && !ok && s.reapGone(now, d, lb) {
+		// Full, but this daemon freed slots of it held by closed connections: once more,
+		// under a fresh id (the refused call held nothing).
+		_, _ = rand.Read(lb.raw[:])
+		lb.id = base64.RawURLEncoding.EncodeToString(lb.raw[:])
+		ctx, cancel := context.WithTimeout(d.queuedCtx(), s.wait)
+		ok, err = s.g.Acquire(ctx, lb.id, lb.ops)
+		cancel()
+	}
 	if err != nil {
 		return false, err
 	}
 	return s.hold(now, d, lb, ok), nil
 }
+
+// reapGone is for a check of lb refused by Redis, and reports whether this daemon has
+// since freed slots of the keys that refused it (full), in which case the check asks
+// again. A client that closes a connection holding every slot of a key and checks at
+// once on another found them still held in a share of rounds (145 of 1,000 on a
+// concurrency rule of max 2, the rule in Redis): the daemon sees the close tens of
+// microseconds later, and its release of the connection's leases reaches Redis a round
+// trip after that. So reapGone waits for the releases of those keys under way
+// (takeOwnerGlobal, releaseAll), and frees in Redis, as their close would (releaseAll,
+// counted closed), the global leases this daemon tracks of the owners holding slots of
+// those keys whose connections their clients have closed (Leases.SetGlobalOwnerGone).
+// A key whose owners it asked about and found none gone is not asked about again for
+// reapGoneEvery (one throttle per hash bucket of the keys), so that a flood of refused
+// checks on a full key does not poll its holders each time. Nothing is asked of Redis,
+// and no wait made, unless a release is under way or a holder is gone.
+func (s *globalLeaseStore) reapGone(now int64, d *Decision, lb *leaseBatch) bool {
+	var keys [4]string
+	var poll [4]bool
+	var buckets [4]*atomic.Int64
+	n, freed := 0, false
+	for k := range lb.ops {
+		lo := &lb.ops[k]
+		if lo.Allowed || !lo.Take || lo.Shadow || n == len(keys) {
+			continue
+		}
+		i := reapBucket(lo.Key)
+		// A release of a slot of this key ended while the check was asked: it may have
+		// reached Redis after the check.
+		freed = freed || s.freed[i].Load() != lb.freedAt[k]
+		b := &s.reaped[i]
+		last := b.Load()
+		keys[n], poll[n], buckets[n] = lo.Key, last == 0 || now-last >= int64(reapGoneEvery), b
+		n++
+	}
+	if n == 0 {
+		return false
+	}
+	waits, gls, gr := s.ls.reapGoneGlobal(keys[:n], poll[:n], d.Owner)
+	if len(gls) > 0 {
+		freed = s.releaseAll(gls, gr) > 0 || freed
+	} else {
+		for i, b := range buckets[:n] {
+			if poll[i] {
+				b.Store(now)
+			}
+		}
+	}
+	if len(waits) > 0 {
+		ctx, cancel := context.WithTimeout(d.queuedCtx(), s.wait)
+		defer cancel()
+		for _, w := range waits {
+			select {
+			case <-w.done:
+				freed = freed || w.freed
+			case <-ctx.Done():
+				return freed
+			}
+		}
+	}
+	return freed
+}
+
+// reapGoneEvery is how long after finding no holder of a full key gone a refused check
+// does not ask about that key's holders again (reapGone).
+const reapGoneEvery = time.Millisecond
+
+// reapBuckets is the number of reapGone's throttles and freed counts.
+const reapBuckets = 64
+
+// reapSeed hashes keys to their reapGone throttle and freed count.
+var reapSeed = maphash.MakeSeed()
+
+// reapBucket returns key's reapGone throttle and freed count.
+func reapBucket(key string) uint64 { return maphash.String(reapSeed, key) % reapBuckets }
 
 // relieve is for a daemon at the bound on live leases: it asks Redis about up to maxDue
 // of the global leases it tracks, whatever their expiry (the sweep asks only about those
@@ -508,12 +603,12 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 // how many it freed. When
 // Redis failed, those it did not free may still hold their slots: they are tracked
 // again, ownerless and marked unreleased, so the sweep sends their release again.
-func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
+func (s *globalLeaseStore) releaseAll(gls []*globalLease, gr *globalRelease) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids, parts := leaseParts(gls)
 	rs, _ := s.g.ReleaseAll(ctx, ids, parts)
-	n := 0
+	n, freed := 0, false
 	for i, r := range rs {
 		switch {
 		case r.Failed:
@@ -523,9 +618,18 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 			// part left held its slot for the whole lease
 			// (TestGlobalLeasePartlyReleasedOnClusterReleasedBySweep).
 			s.ls.retrack(gls[i], r.Freed)
+			if r.Freed {
+				freed = true
+				for _, p := range gls[i].parts {
+					s.freed[reapBucket(p.Key)].Add(1) // one part freed: which is not known
+				}
+			}
 		case r.Freed:
 			n++
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Closed++ })
+			for _, p := range gls[i].parts {
+				s.freed[reapBucket(p.Key)].Add(1)
+			}
 		case r.Expired:
 			// Redis held it expired: it ran out unreleased (a renewal through another
 			// daemon would have kept it, and it would be freed). One not there was
@@ -534,6 +638,7 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease) int {
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Expired++ })
 		}
 	}
+	s.ls.endRelease(gr, gls, n > 0 || freed)
 	return n
 }
 
@@ -806,8 +911,8 @@ func (s *globalLeaseStore) refreshOwner(owner uint64, now int64) bool {
 func (l *Limiter) ReleaseOwner(owner uint64, now int64) int {
 	n := l.leases.ReleaseOwner(owner, now)
 	if l.global != nil {
-		if gls := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
-			n += l.global.releaseAll(gls)
+		if gls, gr := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
+			n += l.global.releaseAll(gls, gr)
 		}
 	}
 	return n
