@@ -252,8 +252,10 @@ func (s *globalLeaseStore) reapGone(now int64, d *Decision, lb *leaseBatch) bool
 }
 
 // reapGoneEvery is how long after finding no holder of a full key gone a refused check
-// does not ask about that key's holders again (reapGone).
-const reapGoneEvery = time.Millisecond
+// does not ask about that key's holders again (reapGone): as for the local leases
+// (goneAskEvery), far shorter than a client's round trip from a refusal to a close and
+// a check on another connection, which must find the closed holder gone.
+const reapGoneEvery = goneAskEvery
 
 // reapBuckets is the number of reapGone's throttles and freed counts.
 const reapBuckets = 64
