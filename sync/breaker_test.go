@@ -188,20 +188,20 @@ func TestBreakerFailuresInFlightKeepFirstWait(t *testing.T) {
 	}
 }
 
-// A real redis-server frozen under 32 concurrent global checks: they all time out, and
-// those answered (failed) after the third failure opened the breaker are no failed
-// probes: its first probe is still due an eighth of the cool-down later, so a Redis that
-// paused for a moment (a planned failover, CLUSTERDOWN while a replica is promoted) is
-// probed again soon. Before, each of them doubled the wait, and the first probe was
-// pushed to the whole cool-down.
-func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
+// frozenBreaker starts a real redis-server of its own and a global store on it behind a
+// breaker (3 failures, cool-down cool) whose Redis calls time out after timeout; check
+// sends one global check of client i that waits at most wait. The script is loaded and a
+// connection dialled before it returns, so that freezing the server fails calls, not a
+// first dial.
+func frozenBreaker(t *testing.T, timeout, cool time.Duration) (*redistest.Server, *Breaker, func(wait time.Duration, i int) error) {
+	t.Helper()
 	srv := redistest.StartStandalone(t)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rdb.Close()
-	b := NewBreaker(3, 8*time.Second)
+	t.Cleanup(func() { rdb.Close() })
+	b := NewBreaker(3, cool)
 	g := NewGlobal(rdb).WithBreaker(b)
 	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
 	check := func(wait time.Duration, i int) error {
@@ -210,9 +210,20 @@ func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
 		_, err := g.Check(ctx, []GlobalOp{{Key: fmt.Sprintf("rl:b:{u=%d}", i), Limit: l, Cost: 1}})
 		return err
 	}
-	if err := check(2*time.Second, 0); err != nil { // the script loaded, a connection dialled
+	if err := check(2*time.Second, 0); err != nil {
 		t.Fatal(err)
 	}
+	return srv, b, check
+}
+
+// A real redis-server frozen under 32 concurrent global checks: they all time out, and
+// those answered (failed) after the third failure opened the breaker are no failed
+// probes: its first probe is still due an eighth of the cool-down later, so a Redis that
+// paused for a moment (a planned failover, CLUSTERDOWN while a replica is promoted) is
+// probed again soon. Before, each of them doubled the wait, and the first probe was
+// pushed to the whole cool-down.
+func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
+	srv, b, check := frozenBreaker(t, time.Second, 8*time.Second)
 	srv.Freeze()
 	defer srv.Thaw()
 	var wg gosync.WaitGroup
@@ -246,24 +257,7 @@ func TestGlobalBreakerFrozenUnderConcurrentChecks(t *testing.T) {
 // decides. Before, it was taken for the probe's failure: the wait doubled, and another
 // probe could go while the first was still out.
 func TestGlobalBreakerOldFailureIsNotTheProbes(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 30 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rdb.Close()
-	b := NewBreaker(3, 800*time.Millisecond) // first wait 100ms
-	g := NewGlobal(rdb).WithBreaker(b)
-	l := mustLimit(t, localbucket.TokenBucket, 100, time.Minute)
-	check := func(wait time.Duration, i int) error {
-		ctx, cancel := context.WithTimeout(context.Background(), wait)
-		defer cancel()
-		_, err := g.Check(ctx, []GlobalOp{{Key: fmt.Sprintf("rl:b:{u=%d}", i), Limit: l, Cost: 1}})
-		return err
-	}
-	if err := check(2*time.Second, 0); err != nil { // the script loaded, a connection dialled
-		t.Fatal(err)
-	}
+	srv, b, check := frozenBreaker(t, 30*time.Second, 800*time.Millisecond) // first wait 100ms
 	srv.Freeze()
 	defer srv.Thaw()
 	old := make(chan error, 1)

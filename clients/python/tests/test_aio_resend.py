@@ -16,6 +16,15 @@ import pytest
 import rlsidecar
 
 
+def unix_listener(path):
+    """A Unix socket listening on path, its accept timing out after 50 ms (serve_each)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    srv.settimeout(0.05)
+    return srv
+
+
 def serve_each(srv, stop, serve):
     """Accept on the listening socket srv (with a timeout) until stop is set, each
     connection served on a thread of its own by serve(c, first), first True for the first
@@ -40,10 +49,7 @@ def one_check_per_conn(path, mode, stop):
     """Serve a stand-in that answers the first check of each connection, then stops reading
     it: "shut-read" shuts its read side (the client's next write fails: EPIPE) and closes
     5 ms later; "reset" closes once the next check is in, unread (the client reads a reset)."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    srv = unix_listener(path)
 
     def serve(c):
         with c:
@@ -98,10 +104,7 @@ def drains_first_conn(path, stop, shut):
     """Serve a stand-in whose first connection answers one check, then shuts its read side,
     as a restart's drain closes a connection between the client's writes (the client's
     next write fails: EPIPE), and sets shut; every later connection answers every check."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    srv = unix_listener(path)
 
     def serve(c, first):
         with c:
@@ -155,10 +158,7 @@ def farewell_sidecar(path, stop, decided, lock):
     """Serve a stand-in whose first connection answers 5 checks, reads 5 more without
     deciding them, then says the drain's farewell (id 0, shutting_down) and discards the
     rest; later connections answer every check."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    srv = unix_listener(path)
 
     def frame(obj):
         body = msgpack.packb(obj)
@@ -221,10 +221,7 @@ def test_blocking_client_sends_again_after_the_drains_farewell(short_tmp):
     sent again on a new connection, not answered by on_unavailable."""
     path = os.path.join(short_tmp, "s.sock")
     stop = threading.Event()
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    srv = unix_listener(path)
     decided = []
 
     def frame(obj):
@@ -261,6 +258,45 @@ def test_blocking_client_sends_again_after_the_drains_farewell(short_tmp):
     assert decided == ["u%d" % i for i in range(10)]
 
 
+def answer_user(c, req):
+    """Answers req allowed, its rule the check's user (which check got which answer)."""
+    body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+    try:
+        c.sendall(struct.pack(">I", len(body)) + body)
+    except OSError:  # the client gave the connection up
+        pass
+
+
+def read_frame(c):
+    """One request read whole from c, or None at its end."""
+    head = c.recv(4, socket.MSG_WAITALL)
+    if len(head) < 4:
+        return None
+    return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+
+
+def shut_then_served_again(path, stop, first):
+    """A stand-in sidecar on path: its first connection is served by first(c, redialed),
+    redialed being set once the client has dialed again; every later one answers each
+    check (answer_user) until stop. Returns its thread."""
+    redialed = threading.Event()
+    srv = unix_listener(path)
+
+    def serve(c, is_first):
+        with c:
+            if is_first:
+                first(c, redialed)
+                return
+            redialed.set()
+            while not stop.is_set():
+                req = read_frame(c)
+                if req is None:
+                    return
+                answer_user(c, req)
+
+    return serve_each(srv, stop, serve)
+
+
 def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
     """The daemon at --idle-timeout shuts an idle connection's read side, answers what the
     socket held then (a check written as the timeout fired) and closes it. A check written
@@ -272,43 +308,17 @@ def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
     first check after one answered, shuts its read side, and answers it only once the second check's resend
     has dialed a new connection."""
     path = os.path.join(short_tmp, "s.sock")
-    stop, shut, redialed = threading.Event(), threading.Event(), threading.Event()
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    stop, shut = threading.Event(), threading.Event()
 
-    def answer(c, req):
-        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
-        try:
-            c.sendall(struct.pack(">I", len(body)) + body)
-        except OSError:  # the client gave the connection up (before the fix)
-            pass
+    def first(c, redialed):
+        answer_user(c, read_frame(c))  # it served: idle after an answer
+        req = read_frame(c)
+        c.shutdown(socket.SHUT_RD)  # the check after it fails its write: EPIPE
+        shut.set()
+        redialed.wait(10)  # its answer comes after that failure
+        answer_user(c, req)
 
-    def read(c):
-        head = c.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            return None
-        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
-
-    def serve(c, first):
-        with c:
-            if first:
-                answer(c, read(c))  # it served: idle after an answer
-                req = read(c)
-                c.shutdown(socket.SHUT_RD)  # the check after it fails its write: EPIPE
-                shut.set()
-                redialed.wait(10)  # its answer comes after that failure
-                answer(c, req)
-                return
-            redialed.set()
-            while not stop.is_set():
-                req = read(c)
-                if req is None:
-                    return
-                answer(c, req)
-
-    t = serve_each(srv, stop, serve)
+    t = shut_then_served_again(path, stop, first)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -338,42 +348,19 @@ def test_farewell_after_a_failed_write_sends_the_unread_checks_again(short_tmp):
     shuts its read side (the fourth fails its write), answers the first once the fourth's
     resend has dialed a new connection, then says farewell."""
     path = os.path.join(short_tmp, "s.sock")
-    stop, shut, redialed = threading.Event(), threading.Event(), threading.Event()
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    srv.settimeout(0.05)
+    stop, shut = threading.Event(), threading.Event()
 
-    def answer(c, req):
-        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+    def first(c, redialed):
+        answer_user(c, read_frame(c))  # it served: idle after an answer
+        reqs = [read_frame(c) for _ in range(3)]
+        c.shutdown(socket.SHUT_RD)  # the check after them fails its write: EPIPE
+        shut.set()
+        redialed.wait(10)
+        answer_user(c, reqs[0])
+        body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
         c.sendall(struct.pack(">I", len(body)) + body)
 
-    def read(c):
-        head = c.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            return None
-        return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
-
-    def serve(c, first):
-        with c:
-            if first:
-                answer(c, read(c))  # it served: idle after an answer
-                reqs = [read(c) for _ in range(3)]
-                c.shutdown(socket.SHUT_RD)  # the check after them fails its write: EPIPE
-                shut.set()
-                redialed.wait(10)
-                answer(c, reqs[0])
-                body = msgpack.packb({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}})
-                c.sendall(struct.pack(">I", len(body)) + body)
-                return
-            redialed.set()
-            while not stop.is_set():
-                req = read(c)
-                if req is None:
-                    return
-                answer(c, req)
-
-    t = serve_each(srv, stop, serve)
+    t = shut_then_served_again(path, stop, first)
 
     async def main():
         loop = asyncio.get_running_loop()
