@@ -40,8 +40,8 @@ type Leases struct {
 	leases map[uint64]*lease
 	owners map[uint64]map[uint64]*lease // owner → its live leases; owner 0 is not tracked
 	stats  map[string]*LeaseStats       // by rule name
-	free   []*lease                     // released leases, for reuse
-	spare  []*slot                      // emptied slots, for reuse
+	free   []*lease                     // released leases, for reuse (at most the live ones plus spareKeep: keepSpare)
+	spare  []*slot                      // emptied slots, for reuse (likewise)
 
 	// keyUnits is what the keys of the held slots and of the tracked global leases'
 	// parts take of max beyond their leases: a key counts one lease more per whole
@@ -591,7 +591,7 @@ func (ls *Leases) freePart(p *leasePart) {
 		delete(ls.slots, s.key)
 		ls.keyUnits -= slotUnits(len(s.key))
 		s.key = ""
-		ls.spare = append(ls.spare, s)
+		ls.spare = keepSpare(ls.spare, s, len(ls.slots))
 	}
 }
 
@@ -605,7 +605,34 @@ func (ls *Leases) dropLease(l *lease) {
 	}
 	l.parts = l.parts[:0]
 	l.id, l.owner = 0, 0
-	ls.free = append(ls.free, l)
+	ls.free = keepSpare(ls.free, l, len(ls.leases))
+}
+
+// spareKeep is how many released leases, and emptied slots, are kept for reuse beyond
+// the live ones (keepSpare).
+const spareKeep = 1024
+
+// keepSpare returns list, the released objects kept for reuse, with x added while it
+// holds fewer than live (the objects of its kind in use, x no longer one of them) plus
+// spareKeep, and trimmed to that; its array moves to one of twice its length once it
+// is under a quarter full. A daemon whose live leases fall by one at a time from a peak
+// then keeps about half of them at most, and spareKeep once they are gone, where it kept
+// every object of the peak for good: up to DefaultMaxLeases leases, about 200 MB, for
+// the rest of its run. Steady traffic, whose live leases stay about the same, reuses
+// them as before: no allocation a check.
+func keepSpare[T any](list []*T, x *T, live int) []*T {
+	bound := live + spareKeep
+	if len(list) < bound {
+		list = append(list, x)
+	}
+	for len(list) > bound { // mostly once at most: live falls by one a call
+		list[len(list)-1] = nil
+		list = list[:len(list)-1]
+	}
+	if c := cap(list); c > 4*spareKeep && len(list) < c/4 {
+		list = append(make([]*T, 0, 2*len(list)), list...)
+	}
+	return list
 }
 
 // peekSlot reports how many of s's slots are held and, when all max are, how long until
