@@ -101,6 +101,7 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 			sh.onWay = map[*hentry]uint64{}
 		}
 		sh.onWay[e] = e.pending
+		sh.onWayPeak = max(sh.onWayPeak, len(sh.onWay))
 	}
 	e.pending = 0
 	it.owed, e.owed = uint64(e.owed), 0
@@ -120,6 +121,9 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	e.flags &^= flagBusy
 	if it.used > 0 {
 		delete(sh.onWay, e)
+		if len(sh.onWay) == 0 && sh.onWayPeak > onWayKeep {
+			sh.onWay, sh.onWayPeak = nil, 0 // its memory goes with it (hshard.onWayPeak)
+		}
 	}
 	if it.err != nil {
 		// Not confirmed: keep the counts for the next sync. One that asked for units
@@ -631,6 +635,9 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 			}
 		}
 		clear(sh.dirty[len(keep):])
+		if c := cap(keep); c > dirtyKeep && len(keep) < c/4 {
+			keep = append(make([]*hentry, 0, max(dirtyKeep, 2*len(keep))), keep...) // see dirtyKeep
+		}
 		sh.dirty = keep
 		sh.mu.Unlock()
 	}

@@ -25,6 +25,12 @@ type hshard struct {
 	// onWay holds, for each entry whose sync is on its way (flagBusy) and carries units,
 	// those units: sent, so no longer pending, and not yet in a view (pendingOf).
 	onWay map[*hentry]uint64
+	// onWayPeak is the most entries onWay has held since it was made: a Go map keeps
+	// the memory of its largest size, so once empty again after holding more than
+	// onWayKeep, it is dropped (apply). Kept, a flood of new keys (a sync of 100,000
+	// of them on their way) left each shard's map at its peak for good: 60 MB at
+	// --max-keys' default (BenchmarkMemoryAtMaxKeys, a heap profile).
+	onWayPeak int
 	// load is what the keys held take of the shard's cap (Hybrid.perShard): units each.
 	load int
 	// noFirstUntil (daemon clock, ns): until then a key new in this shard gets no unit
@@ -33,6 +39,16 @@ type hshard struct {
 	// first unit at every visit (evict).
 	noFirstUntil int64
 }
+
+// onWayKeep is the most entries a shard's onWay map may have held and still be kept
+// once empty (hshard.onWayPeak): about 20 KB, made again by the next sync that needs it.
+const onWayKeep = 1024
+
+// dirtyKeep is the capacity of a shard's dirty list kept however few keys it holds; a
+// list whose keys fell below a quarter of its capacity moves to one twice their number
+// (collect), so the array a flood of new keys grew (62,500 keys a shard at --max-keys'
+// default: 41 MB in all) does not stay for good.
+const dirtyKeep = 1024
 
 // units is what a key of n bytes takes of a shard's cap of max: one entry, and one more
 // per whole 96 bytes (an entry's size) of the key, held beside it, so that the cap

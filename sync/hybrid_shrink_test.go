@@ -1,0 +1,57 @@
+package sync
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// After a flood of new keys is synced, the shards give back what the flood grew: the
+// maps of units on their way (onWay) and the dirty lists' arrays. A Go map keeps the
+// memory of its largest size, and a slice resliced to nothing its array: kept, they
+// held about 100 MB for good after 4,000,000 keys (--max-keys' default) were synced
+// (BenchmarkMemoryAtMaxKeys, a heap profile of the daemon: 60 MB of onWay maps, none of
+// them holding an entry, and 41 MB of dirty lists).
+func TestHybridSyncGivesBackFloodMemory(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000})
+	if _, err := h.Heartbeat(context.Background(), "flood", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	lim := mustLimit(t, localbucket.TokenBucket, 100, time.Hour)
+	now := time.Now().UnixNano()
+	// About 1,560 keys a shard, each with a unit admitted on credit, so on its way at the
+	// sync: more than onWayKeep and dirtyKeep in every shard.
+	const keys = 100_000
+	for i := range keys {
+		if r := take(h, now, "rl:flood~fp:{user="+strconv.Itoa(i)+"}", lim, 1); !r.Allowed {
+			t.Fatalf("key %d: its first unit was refused; the test needs it admitted on credit", i)
+		}
+	}
+	for i := range h.shards {
+		if sh := &h.shards[i]; len(sh.dirty) <= max(onWayKeep, dirtyKeep) {
+			t.Fatalf("shard %d: %d keys to sync; the test needs more than %d", i, len(sh.dirty), max(onWayKeep, dirtyKeep))
+		}
+	}
+	if err := h.Flush(context.Background(), now); err != nil {
+		t.Fatal(err)
+	}
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		onWay, dirty, dirtyCap := sh.onWay, len(sh.dirty), cap(sh.dirty)
+		sh.mu.Unlock()
+		if onWay != nil {
+			t.Errorf("shard %d: its map of units on their way kept after the sync (%d entries)", i, len(onWay))
+		}
+		if dirtyCap > max(dirtyKeep, 2*dirty) {
+			t.Errorf("shard %d: its dirty list kept an array of %d for %d keys", i, dirtyCap, dirty)
+		}
+	}
+	if n := h.Len(); n != keys {
+		t.Fatalf("%d keys held after the sync, want %d", n, keys)
+	}
+}
