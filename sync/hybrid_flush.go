@@ -540,7 +540,19 @@ func (h *Hybrid) flushEach(now int64, limit int, budget time.Duration, wg *gosyn
 // whose master's breaker refuses, or whose master's last sync is still on its way (flushEach),
 // stays dirty for a later sync; each item then carries the master that let it.
 func (h *Hybrid) collect(now int64, limit int) []syncItem {
-	var items []syncItem
+	// Room for the keys at once, from the dirty lists' lengths: most of a long list
+	// goes (keys new here, or used since their last sync). Grown by append, a sync of
+	// 100,000 keys (17.6 MB of items) allocated 40 MB, and syncing a flood of new keys
+	// that was 86% of what the daemon allocated (a heap profile: 5.8 GB of 6.8 GB), the
+	// garbage that took its heap to twice what it held.
+	dirty := 0
+	for i := range h.shards {
+		sh := &h.shards[i]
+		sh.mu.Lock()
+		dirty += len(sh.dirty)
+		sh.mu.Unlock()
+	}
+	items := make([]syncItem, 0, min(limit, dirty))
 	backlog := 0
 	// The masters asked, each once per sync (an open breaker gives one probe): a master
 	// a sync does not reach is not asked.

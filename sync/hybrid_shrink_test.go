@@ -2,9 +2,12 @@ package sync
 
 import (
 	"context"
+	"math"
+	"runtime"
 	"strconv"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
@@ -53,5 +56,44 @@ func TestHybridSyncGivesBackFloodMemory(t *testing.T) {
 	}
 	if n := h.Len(); n != keys {
 		t.Fatalf("%d keys held after the sync, want %d", n, keys)
+	}
+}
+
+// A sync makes room for its keys at once (collect): grown by append, the items of a sync
+// of 100,000 keys (17.6 MB) took 40 MB of allocations, and syncing a flood of new keys
+// that was 86% of what the daemon allocated (a heap profile of BenchmarkMemoryAtMaxKeys'
+// daemon), the garbage that took its heap to twice what it held.
+func TestHybridCollectAllocatesItsItemsOnce(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000})
+	if _, err := h.Heartbeat(context.Background(), "collect", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	lim := mustLimit(t, localbucket.TokenBucket, 100, time.Hour)
+	now := time.Now().UnixNano()
+	const keys = 50_000
+	for i := range keys {
+		take(h, now, "rl:collect~fp:{user="+strconv.Itoa(i)+"}", lim, 1)
+	}
+	// The maps of units on their way made beforehand (snapshot fills them), so that
+	// the count below is the items'.
+	for i := range h.shards {
+		h.shards[i].onWay = make(map[*hentry]uint64, keys)
+	}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	items := h.collect(now, math.MaxInt)
+	runtime.ReadMemStats(&after)
+	if len(items) != keys {
+		t.Fatalf("the sync took %d keys, want %d", len(items), keys)
+	}
+	need := uint64(len(items)) * uint64(unsafe.Sizeof(syncItem{}))
+	if got := after.TotalAlloc - before.TotalAlloc; got > need+need/4 {
+		t.Fatalf("a sync of %d keys allocated %.1f MB, its items %.1f MB", keys, float64(got)/1e6, float64(need)/1e6)
+	} else {
+		t.Logf("a sync of %d keys allocated %.1f MB, its items %.1f MB", keys, float64(got)/1e6, float64(need)/1e6)
+	}
+	if _, err := h.settle(context.Background(), items, false); err != nil {
+		t.Fatal(err)
 	}
 }
