@@ -121,9 +121,6 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	e.flags &^= flagBusy
 	if it.used > 0 {
 		delete(sh.onWay, e)
-		if len(sh.onWay) == 0 && sh.onWayPeak > onWayKeep {
-			sh.onWay, sh.onWayPeak = nil, 0 // its memory goes with it (hshard.onWayPeak)
-		}
 	}
 	if it.err != nil {
 		// Not confirmed: keep the counts for the next sync. One that asked for units
@@ -647,9 +644,6 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 			}
 		}
 		clear(sh.dirty[len(keep):])
-		if c := cap(keep); c > dirtyKeep && len(keep) < c/4 {
-			keep = append(make([]*hentry, 0, max(dirtyKeep, 2*len(keep))), keep...) // see dirtyKeep
-		}
 		sh.dirty = keep
 		sh.mu.Unlock()
 	}

@@ -26,10 +26,7 @@ type hshard struct {
 	// those units: sent, so no longer pending, and not yet in a view (pendingOf).
 	onWay map[*hentry]uint64
 	// onWayPeak is the most entries onWay has held since it was made: a Go map keeps
-	// the memory of its largest size, so once empty again after holding more than
-	// onWayKeep, it is dropped (apply). Kept, a flood of new keys (a sync of 100,000
-	// of them on their way) left each shard's map at its peak for good: 60 MB at
-	// --max-keys' default (BenchmarkMemoryAtMaxKeys, a heap profile).
+	// the memory of its largest size (giveBack).
 	onWayPeak int
 	// load is what the keys held take of the shard's cap (Hybrid.perShard): units each.
 	load int
@@ -41,14 +38,31 @@ type hshard struct {
 }
 
 // onWayKeep is the most entries a shard's onWay map may have held and still be kept
-// once empty (hshard.onWayPeak): about 20 KB, made again by the next sync that needs it.
+// once empty (giveBack): about 20 KB, made again by the next sync that needs it.
 const onWayKeep = 1024
 
-// dirtyKeep is the capacity of a shard's dirty list kept however few keys it holds; a
-// list whose keys fell below a quarter of its capacity moves to one twice their number
-// (collect), so the array a flood of new keys grew (62,500 keys a shard at --max-keys'
-// default: 41 MB in all) does not stay for good.
+// dirtyKeep is the capacity of a shard's dirty list kept however few keys it holds
+// (giveBack).
 const dirtyKeep = 1024
+
+// giveBack gives back what a flood of keys grew in sh and no longer uses (the shard's
+// lock held): its map of units on their way once empty, if it held more than onWayKeep,
+// and its dirty list's array once under a quarter full (for one twice the keys it
+// holds, at least dirtyKeep). Kept, a Go map holds the memory of its largest size and a
+// slice resliced to nothing its array: after 4,000,000 new keys (--max-keys' default)
+// were synced, 60 MB of maps holding nothing and 41 MB of dirty lists stayed for good
+// (a heap profile of BenchmarkMemoryAtMaxKeys' daemon). Called by sweep, each shard once
+// every hybridShards intervals, not by every sync: during a flood, which empties a list
+// or a map at one sync and fills it at the next, given back at each sync they were
+// grown again as often.
+func (sh *hshard) giveBack() {
+	if len(sh.onWay) == 0 && sh.onWayPeak > onWayKeep {
+		sh.onWay, sh.onWayPeak = nil, 0
+	}
+	if c := cap(sh.dirty); c > dirtyKeep && len(sh.dirty) < c/4 {
+		sh.dirty = append(make([]*hentry, 0, max(dirtyKeep, 2*len(sh.dirty))), sh.dirty...)
+	}
+}
 
 // units is what a key of n bytes takes of a shard's cap of max: one entry, and one more
 // per whole 96 bytes (an entry's size) of the key, held beside it, so that the cap
@@ -567,6 +581,7 @@ func (h *Hybrid) sweep(i int, now int64) {
 	sh := &h.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
+	sh.giveBack()
 	for k, e := range sh.m {
 		if seenMs(now)-e.seen > uint32(h.keepAlive/time.Millisecond) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
 			fullAgain(e, now) {
