@@ -98,3 +98,56 @@ func TestHybridCollectAllocatesItsItemsOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Once most of a flood's keys are gone (swept, each unused for KeepAlive), the shards'
+// key maps are made again at their size: a Go map keeps the memory of its largest size,
+// and after 4,000,000 keys were swept about 200 MB of maps holding next to nothing stayed
+// for good.
+func TestHybridSweepGivesBackTheKeyMap(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000, KeepAlive: time.Second})
+	if _, err := h.Heartbeat(context.Background(), "swept", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	heap := func() int64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return int64(ms.HeapAlloc)
+	}
+	lim := mustLimit(t, localbucket.TokenBucket, 100, time.Hour)
+	now := time.Now().UnixNano()
+	key := func(i int) string { return "rl:swept~fp:{user=" + strconv.Itoa(i) + "}" }
+	take(h, now, key(-1), lim, 1) // the shards' lazily made parts, made
+	if err := h.Flush(context.Background(), now); err != nil {
+		t.Fatal(err)
+	}
+	before := heap()
+	const keys, kept = 200_000, 8 // one key in kept used again: not swept
+	for i := range keys {
+		take(h, now, key(i), lim, 1)
+	}
+	if err := h.Flush(context.Background(), now); err != nil {
+		t.Fatal(err)
+	}
+	held := heap() - before
+	later := now + int64(2*time.Hour) // idle, and full again
+	for i := 0; i < keys; i += kept {
+		take(h, later, key(i), lim, 1)
+	}
+	if err := h.Flush(context.Background(), later); err != nil {
+		t.Fatal(err)
+	}
+	for i := range h.shards {
+		h.sweep(i, later)
+	}
+	if n := h.Len(); n != keys/kept {
+		t.Fatalf("%d keys held after the sweep, want %d", n, keys/kept)
+	}
+	after := heap() - before
+	runtime.KeepAlive(h)
+	t.Logf("%d keys: %.1f MB held; %d of them kept: %.1f MB", keys, float64(held)/1e6, keys/kept, float64(after)/1e6)
+	if after > held/kept*3/2 {
+		t.Fatalf("%d of %d keys kept, and %.1f MB of the %.1f MB they took, want at most %.1f", keys/kept, keys, float64(after)/1e6, float64(held)/1e6, float64(held/kept*3/2)/1e6)
+	}
+}

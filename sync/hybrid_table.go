@@ -28,6 +28,9 @@ type hshard struct {
 	// onWayPeak is the most entries onWay has held since it was made: a Go map keeps
 	// the memory of its largest size (giveBack).
 	onWayPeak int
+	// mPeak is the most keys m has held since it was made, as sweep found them
+	// (giveBack).
+	mPeak int
 	// load is what the keys held take of the shard's cap (Hybrid.perShard): units each.
 	load int
 	// noFirstUntil (daemon clock, ns): until then a key new in this shard gets no unit
@@ -45,10 +48,14 @@ const onWayKeep = 1024
 // (giveBack).
 const dirtyKeep = 1024
 
+// mapKeep is the most keys a shard's map may have held and be kept as it is however
+// few it holds now (giveBack).
+const mapKeep = 1024
+
 // giveBack gives back what a flood of keys grew in sh and no longer uses (the shard's
 // lock held): its map of units on their way once empty, if it held more than onWayKeep,
-// and its dirty list's array once under a quarter full (for one twice the keys it
-// holds, at least dirtyKeep). Kept, a Go map holds the memory of its largest size and a
+// its dirty list's array once under a quarter full (for one twice the keys it holds, at
+// least dirtyKeep), and its key map once its keys are under a quarter of its peak. Kept, a Go map holds the memory of its largest size and a
 // slice resliced to nothing its array: after 4,000,000 new keys (--max-keys' default)
 // were synced, 60 MB of maps holding nothing and 41 MB of dirty lists stayed for good
 // (a heap profile of BenchmarkMemoryAtMaxKeys' daemon). Called by sweep, each shard once
@@ -61,6 +68,18 @@ func (sh *hshard) giveBack() {
 	}
 	if c := cap(sh.dirty); c > dirtyKeep && len(sh.dirty) < c/4 {
 		sh.dirty = append(make([]*hentry, 0, max(dirtyKeep, 2*len(sh.dirty))), sh.dirty...)
+	}
+	// The key map itself, once its keys fell under a quarter of the most it held: a
+	// flood of 4,000,000 keys gone (swept, each unused for KeepAlive) left about 200 MB
+	// of map holding nothing. Made again at its size: the entries' keys (hentry.kp) are
+	// the same strings.
+	sh.mPeak = max(sh.mPeak, len(sh.m))
+	if sh.mPeak > mapKeep && len(sh.m) < sh.mPeak/4 {
+		m := make(map[string]*hentry, len(sh.m))
+		for k, e := range sh.m {
+			m[k] = e
+		}
+		sh.m, sh.mPeak = m, len(m)
 	}
 }
 
@@ -581,7 +600,8 @@ func (h *Hybrid) sweep(i int, now int64) {
 	sh := &h.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	sh.giveBack()
+	sh.mPeak = max(sh.mPeak, len(sh.m))
+	defer sh.giveBack() // after the keys this sweep forgets
 	for k, e := range sh.m {
 		if seenMs(now)-e.seen > uint32(h.keepAlive/time.Millisecond) && !e.holds() && e.flags&(flagDirty|flagBusy) == 0 &&
 			fullAgain(e, now) {
