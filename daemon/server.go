@@ -1003,18 +1003,8 @@ func (cn *conn) peek(n int) ([]byte, error) {
 // net.ErrClosed. So every frame a client wrote before the drain is answered, a frame it
 // has begun and not finished is not waited for, and a client that keeps writing does not
 // hold the connection, nor the daemon's exit, until DrainTimeout.
-//
-// Once a write has failed, it reads nothing: the connection is done. The failed write
-// wakes a read waiting with a past deadline (writeReady), but a deadline the reader set
-// after that (its next wait's, in waitIdle or awaitFrame) replaced it, and the read then
-// waited for a client that was gone or could not read: with a client that had shut its
-// read side and kept its end open, the connection stayed open (TestE2EHalfShutClientsAllEnd:
-// 129 to 237 of 480 such connections, whose last frame came in pieces, still open).
 func (cn *conn) Read(p []byte) (int, error) {
 	if !cn.s.draining.Load() {
-		if cn.wfailed.Load() {
-			return 0, net.ErrClosed
-		}
 		return cn.rw.Read(p)
 	}
 	if cn.raw == nil || cn.wfailed.Load() || len(p) == 0 {
