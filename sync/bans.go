@@ -199,9 +199,10 @@ type BanRefusal struct {
 	Started bool
 	At      int64
 	// Unsent (written by Refused): the refusals did not reach Redis, for sure (no
-	// connection to it, or a reply saying the script did not run): the caller may send
-	// them again. Not after a timeout, which may have come after the script ran: sent
-	// again, they could count twice.
+	// connection to it, a reply saying the script did not run, or the context ended
+	// before the call was written: notWritten): the caller may send them again. Not
+	// after a timeout, which may have come after the script ran: sent again, they could
+	// count twice.
 	Unsent bool
 }
 
@@ -239,7 +240,7 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 		}
 		if err != nil {
 			r.Unsent = notRun(err) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) ||
-				errors.Is(err, errNotSent)
+				errors.Is(err, errNotSent) || notWritten(err)
 			if firstErr == nil {
 				firstErr = fmt.Errorf("ban refusals of %d keys: %w", len(rs), err)
 			}

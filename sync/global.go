@@ -664,6 +664,16 @@ func appendLeaseGiveBack(calls []call, ops []GlobalOp, idx []int) []call {
 	return append(calls, c)
 }
 
+// notWritten reports whether err is the call's context ending before go-redis wrote the
+// call: cancelled or past its deadline while it waited for a pool turn or a dial. With
+// every call sent once (MaxRetries -1, noRetry), go-redis returns the context's own error
+// only then: a deadline that passes once the call is written ends its read or write as
+// an i/o timeout (os.ErrDeadlineExceeded, not context.DeadlineExceeded), and a
+// cancellation does not stop a call under way (TestContextErrorOnlyBeforeWriting).
+func notWritten(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
+}
+
 // notRun reports whether err is a reply by which Redis says it did not run the command.
 func notRun(err error) bool {
 	if err == nil {
