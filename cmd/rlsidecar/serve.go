@@ -123,7 +123,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	}
 
 	if err := checkBounds(
-		intAtLeast{"max-frame", *maxFrame, 256}, intAtMost{"max-frame", *maxFrame, math.MaxUint32},
+		intAtLeast{"max-frame", *maxFrame, 256}, intAtMost{"max-frame", *maxFrame, min(math.MaxUint32, math.MaxInt)},
 		intAtLeast{"max-conns", *maxConns, 1},
 		intAtLeast{"hybrid-max-sync-keys", *maxSyncKeys, 1}, intAtLeast{"max-keys", *maxKeys, 1},
 		intAtLeast{"max-attrs", *maxAttrs, 1}, intAtLeast{"max-attr-len", *maxAttrLen, 1},
