@@ -147,9 +147,13 @@ type shard struct {
 	// Shards sit side by side in one slice and are locked from different cores: each
 	// takes a whole number of 128-byte blocks (two cache lines, which the adjacent-line
 	// prefetcher pulls together), so that no two share a line. TestShardSize checks it.
-	// The padding comes first: a zero-size last field would itself add padding.
-	_ [(shardAlign - unsafe.Sizeof(shardFields{})%shardAlign) % shardAlign]byte
+	// The padding comes last, so that the fields a hit reads (the mutex, the slots'
+	// header and the first chunk's address) open the shard's first line: first, they
+	// began at the padding's length, and the chunk directory's header sat in the next
+	// 128-byte block, one more line to fetch on every lookup. It is 1 to shardAlign
+	// bytes, never zero: a zero-size last field would itself add padding.
 	shardFields
+	_ [shardAlign - unsafe.Sizeof(shardFields{})%shardAlign]byte
 }
 
 // shardAlign is the block a shard's size is a multiple of.
@@ -157,14 +161,20 @@ const shardAlign = 128
 
 // shardFields is a shard's state; shard pads it.
 type shardFields struct {
+	// The fields a hit reads, together in the shard's first cache line (64 bytes).
 	mu    sync.Mutex
 	slots []uint64
-	n     int // live records
+	// chunk0 is chunks[0], nil until the shard's first record: the records of a shard
+	// of up to chunkSize keys (256 shards hold 65,536 keys so) are found from here,
+	// without reading the chunk directory, a separate allocation and so one more
+	// dependent cache miss on every hit (rec).
+	chunk0 *[chunkSize]record
+	chunks []*[chunkSize]record
+	n      int // live records
 	// load is what the live records take of cap: one unit each, and a key longer than
 	// inlineKey its units besides (units).
-	load   int
-	chunks []*[chunkSize]record
-	free   []uint32 // indexes of free records
+	load int
+	free []uint32 // indexes of free records
 	// long holds, by record index, the keys longer than inlineKey.
 	long map[uint32]string
 	used uint32 // records handed out from chunks
@@ -271,7 +281,16 @@ func (sh *shard) fallbackFor(key []byte) *entry {
 	return e
 }
 
-func (sh *shard) rec(i uint32) *record { return &sh.chunks[i>>chunkBits][i&(chunkSize-1)] }
+// rec returns record i, handed out (i < used). One of the first chunk's is found from
+// chunk0 by arithmetic, with no bounds or nil check, which would read the chunk
+// directory or the chunk's first line (a cache line besides the record's under many
+// keys); the others through the directory.
+func (sh *shard) rec(i uint32) *record {
+	if i < chunkSize {
+		return (*record)(unsafe.Add(unsafe.Pointer(sh.chunk0), uintptr(i)*unsafe.Sizeof(record{})))
+	}
+	return &sh.chunks[i>>chunkBits][i&(chunkSize-1)]
+}
 
 // find returns the slot of key (hi: the high 32 bits of its hash) and its record, or the
 // empty slot where it would go.
@@ -317,6 +336,7 @@ func (sh *shard) add(hi uint32, key []byte, e entry) uint32 {
 	} else {
 		if int(sh.used) == len(sh.chunks)*chunkSize {
 			sh.chunks = append(sh.chunks, new([chunkSize]record))
+			sh.chunk0 = sh.chunks[0]
 		}
 		i = sh.used
 		sh.used++
