@@ -841,7 +841,7 @@ func (cn *conn) waitIdle(yield bool) error {
 		return err
 	}
 	if yield {
-		runtime.Gosched()
+		goyield()
 	}
 	s := cn.s
 	if s.cfg.IdleTimeout > 0 {
