@@ -118,6 +118,8 @@ func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool, now in
 			// counts one never released, and as a local lease released late is; it was
 			// counted nowhere when released before the sweep came to it.
 			count = func(s *LeaseStats) { s.Expired++ }
+		default:
+			count = gl.goneCount() // nothing freed: gone, by an earlier release maybe
 		}
 		ls.untrackLocked(gl, count)
 		return
@@ -312,10 +314,13 @@ const maxReleaseWaits = 4
 //
 // partFreed: a part of it was freed (ReleaseAll's Freed), which counts it freed once
 // the rest is settled.
-func (ls *Leases) retrack(gl *globalLease, partFreed bool) {
+// unsure: the release may have run in Redis all the same (rlsync.Released.Unsure), at
+// now (see globalLease.sentUnsure).
+func (ls *Leases) retrack(gl *globalLease, partFreed, unsure bool, now int64) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	gl.partFreed = gl.partFreed || partFreed
+	gl.sentAt(unsure, now)
 	if ls.global[gl.id] != nil {
 		return
 	}
@@ -370,8 +375,10 @@ func (ls *Leases) untrackReleased(gl *globalLease) {
 
 // markUnreleased marks gl (nil: none), if still tracked, as given up by its holder but
 // not released in Redis: the sweep releases it again (releaseAgain). partFreed: a part
-// of it was freed (see globalLease.partFreed). It reports whether gl is tracked.
-func (ls *Leases) markUnreleased(gl *globalLease, partFreed bool) bool {
+// of it was freed (see globalLease.partFreed); unsure: the release may have run in
+// Redis all the same, at now (see globalLease.sentUnsure). It reports whether gl is
+// tracked.
+func (ls *Leases) markUnreleased(gl *globalLease, partFreed, unsure bool, now int64) bool {
 	if gl == nil {
 		return false
 	}
@@ -382,7 +389,53 @@ func (ls *Leases) markUnreleased(gl *globalLease, partFreed bool) bool {
 	}
 	gl.unreleased = true
 	gl.partFreed = gl.partFreed || partFreed
+	gl.sentAt(unsure, now)
 	return true
+}
+
+// sentAt notes, when unsure, that a release of gl that may have run in Redis went
+// unanswered at now (the first such release counts). The store's lock must be held.
+func (gl *globalLease) sentAt(unsure bool, now int64) {
+	if unsure && !gl.sentUnsure {
+		gl.sentUnsure, gl.sentLate = true, gl.expires <= now
+	}
+}
+
+// goneCount returns how gl, found gone from Redis, is counted: as the release of it
+// that went unanswered but may have run would have been (sentUnsure), expired when it
+// had run out by then, closed when its connection's close gave it up (it has no owner
+// left), else released; nil (not counted) without such a release: it was released
+// through another daemon, which counted it. The store's lock must be held, or gl no
+// longer tracked.
+func (gl *globalLease) goneCount() func(*LeaseStats) {
+	switch {
+	case !gl.sentUnsure:
+		return nil
+	case gl.sentLate:
+		return func(st *LeaseStats) { st.Expired++ }
+	case gl.owner == 0:
+		return func(st *LeaseStats) { st.Closed++ }
+	}
+	return func(st *LeaseStats) { st.Released++ }
+}
+
+// untrackGone forgets gl, if still tracked, found gone from Redis, counted by
+// goneCount.
+func (ls *Leases) untrackGone(gl *globalLease) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.untrackLocked(gl, gl.goneCount())
+}
+
+// countGone counts gl, no longer tracked, found gone from Redis, by goneCount.
+func (ls *Leases) countGone(gl *globalLease) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if count := gl.goneCount(); count != nil {
+		for _, st := range gl.stats {
+			count(st)
+		}
+	}
 }
 
 // freedPart reports whether a release of gl freed a part of it already (partFreed).
@@ -490,10 +543,14 @@ func (ls *Leases) settleGlobal(gl *globalLease, now int64, left []time.Duration,
 		return 0
 	}
 	n := 0
+	gone := gl.goneCount()
 	for p, st := range gl.stats {
-		if p < len(present) && present[p] {
+		switch {
+		case p < len(present) && present[p]:
 			st.Expired++
 			n++
+		case gone != nil:
+			gone(st) // freed by a release that went unanswered (sentUnsure)
 		}
 	}
 	ls.untrackLocked(gl, nil)

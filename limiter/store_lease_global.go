@@ -75,6 +75,14 @@ type globalLease struct {
 	// the parts on the masters that answered): it is counted as freed when the rest is
 	// settled, whatever Redis says of the rest then.
 	partFreed bool
+	// sentUnsure: a release of it (its holder's, or its connection's close) went
+	// unanswered after it may have reached Redis (rlsync.MayHaveRun), which then ran it
+	// in most cases (a Redis frozen a moment runs what it was sent once thawed): a later
+	// release, or query, that finds it gone counts it as that release would have, as
+	// expired when it had run out by then (sentLate) as this daemon knew (goneCount).
+	// Before, it was counted nowhere: rlsidecar_leases_total lost a lease per release
+	// that a frozen Redis ran late.
+	sentUnsure, sentLate bool
 }
 
 // leaseIDBytes is the size of a global lease's random id: unguessable, so that a token
@@ -228,7 +236,7 @@ func (s *globalLeaseStore) reapGone(now int64, d *Decision, lb *leaseBatch) bool
 	}
 	waits, gls, gr := s.ls.reapGoneGlobal(keys[:n], poll[:n], d.Owner)
 	if len(gls) > 0 {
-		freed = s.releaseAll(gls, gr) > 0 || freed
+		freed = s.releaseAll(gls, gr, now) > 0 || freed
 	} else {
 		for i, b := range buckets[:n] {
 			if poll[i] {
@@ -564,7 +572,7 @@ func (s *globalLeaseStore) release(token string, now int64) (bool, error) {
 	if err != nil {
 		// Its holder is done with it: if this daemon tracks it, the sweep sends the
 		// release again once Redis answers (else it expires after its lease).
-		s.ls.markUnreleased(s.ls.trackedGlobal(token), freed)
+		s.ls.markUnreleased(s.ls.trackedGlobal(token), freed, rlsync.MayHaveRun(err), now)
 		return false, err
 	}
 	s.ls.releasedGlobal(id, rs, freed, now)
@@ -605,7 +613,7 @@ func (s *globalLeaseStore) renew(token string, d time.Duration, now int64) (bool
 // how many it freed. When
 // Redis failed, those it did not free may still hold their slots: they are tracked
 // again, ownerless and marked unreleased, so the sweep sends their release again.
-func (s *globalLeaseStore) releaseAll(gls []*globalLease, gr *globalRelease) int {
+func (s *globalLeaseStore) releaseAll(gls []*globalLease, gr *globalRelease, now int64) int {
 	ctx, cancel := context.WithTimeout(context.Background(), closeReleaseWait)
 	defer cancel()
 	ids, parts := leaseParts(gls)
@@ -619,7 +627,7 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease, gr *globalRelease) int
 			// Before, a part freed counted the lease closed and forgot it, and the
 			// part left held its slot for the whole lease
 			// (TestGlobalLeasePartlyReleasedOnClusterReleasedBySweep).
-			s.ls.retrack(gls[i], r.Freed)
+			s.ls.retrack(gls[i], r.Freed, r.Unsure, now)
 			if r.Freed {
 				freed = true
 				for _, p := range gls[i].parts {
@@ -638,6 +646,10 @@ func (s *globalLeaseStore) releaseAll(gls []*globalLease, gr *globalRelease) int
 			// released through another daemon, which counted it: before, one past its
 			// expiry as this daemon knew it was counted expired here too.
 			s.ls.countGlobal(gls[i], func(st *LeaseStats) { st.Expired++ })
+		default:
+			// Gone: released through another daemon, which counted it, or by a release
+			// of this daemon's that Redis ran after it went unanswered (goneCount).
+			s.ls.countGone(gls[i])
 		}
 	}
 	s.ls.endRelease(gr, gls, n > 0 || freed)
@@ -707,7 +719,7 @@ func (s *globalLeaseStore) releaseAgain(now int64) {
 		if r.Failed {
 			// A part still unanswered (the others may have been freed): sent again
 			// at the next sweep, until Redis has dropped it whatever it was.
-			if s.ls.markUnreleased(gl, r.Freed) && now-gl.expires > int64(rlsync.LeaseGrace) {
+			if s.ls.markUnreleased(gl, r.Freed, r.Unsure, now) && now-gl.expires > int64(rlsync.LeaseGrace) {
 				s.ls.untrackReleasedIf(gl)
 			}
 			continue
@@ -718,7 +730,7 @@ func (s *globalLeaseStore) releaseAgain(now int64) {
 		case r.Expired:
 			s.ls.untrack(gl, func(st *LeaseStats) { st.Expired++ }) // Redis held it run out
 		default:
-			s.ls.untrack(gl, nil)
+			s.ls.untrackGone(gl)
 		}
 	}
 }
@@ -914,7 +926,7 @@ func (l *Limiter) ReleaseOwner(owner uint64, now int64) int {
 	n := l.leases.ReleaseOwner(owner, now)
 	if l.global != nil {
 		if gls, gr := l.leases.takeOwnerGlobal(owner); len(gls) > 0 {
-			n += l.global.releaseAll(gls, gr)
+			n += l.global.releaseAll(gls, gr, now)
 		}
 	}
 	return n

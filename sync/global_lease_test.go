@@ -2,9 +2,14 @@ package sync
 
 import (
 	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
 	"strconv"
 	gosync "sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -280,5 +285,26 @@ func TestAcquireTimedOutGivesSlotBack(t *testing.T) {
 			t.Fatalf("%d slots held (%v) 5 s after an acquire that timed out: no one holds its lease", n, err)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A lease release that failed may have run in Redis only when it was written and its
+// answer lost: not when the breaker refused it, its context ended before the write
+// (go-redis returns the context's error only then), Redis answered an error, or the
+// connection was refused. The daemon counts a lease found gone after such a release as
+// that release (limiter: globalLease.sentUnsure).
+func TestMayHaveRunLeaseRelease(t *testing.T) {
+	for _, err := range []error{nil, ErrBreakerOpen, context.DeadlineExceeded, context.Canceled,
+		fmt.Errorf("lease release: %w", context.DeadlineExceeded), tryAgainErr{},
+		&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, errNotSent} {
+		if MayHaveRun(err) {
+			t.Errorf("MayHaveRun(%v) = true, want false: not run", err)
+		}
+	}
+	for _, err := range []error{&net.OpError{Op: "read", Err: os.ErrDeadlineExceeded}, io.EOF,
+		fmt.Errorf("lease release: %w", io.ErrUnexpectedEOF)} {
+		if !MayHaveRun(err) {
+			t.Errorf("MayHaveRun(%v) = false, want true: written, its answer lost", err)
+		}
 	}
 }

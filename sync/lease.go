@@ -3,6 +3,7 @@ package sync
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"time"
 
@@ -153,6 +154,7 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 				firstErr = fmt.Errorf("lease release: %w", err)
 			}
 			r.Failed = true
+			r.Unsure = r.Unsure || MayHaveRun(err)
 			continue
 		}
 		r.Freed = r.Freed || n > 0
@@ -170,8 +172,19 @@ func (g *Global) ReleaseAll(ctx context.Context, ids []string, parts [][]LeasePa
 // already (through another daemon, say) or dropped. Failed: the call of one of its parts
 // got no answer (an error, a timeout), and that part may still hold its slot, whatever
 // the others' (on a Cluster, parts on another master may have been freed: Freed).
+// Unsure: a failed call may have run in Redis all the same (MayHaveRun): sent, its
+// answer lost, so that its parts may have been freed, or removed run out, by it.
 type Released struct {
-	Freed, Expired, Failed bool
+	Freed, Expired, Failed, Unsure bool
+}
+
+// MayHaveRun reports whether a lease call that failed with err may have run in Redis
+// all the same: it was written, and its answer was lost (an i/o timeout, a connection
+// lost after the write). Not for an open breaker's refusal, a context that ended before
+// the call was written, a reply of Redis (an error it gave, or one saying it did not
+// run the command), nor a connection refused.
+func MayHaveRun(err error) bool {
+	return err != nil && !errors.Is(err, ErrBreakerOpen) && !notWritten(err) && !notRun(err) && mayHaveRun(err)
 }
 
 // Renew extends each part of lease id to its Lease from now (Redis time) and reports
