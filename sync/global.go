@@ -142,9 +142,13 @@ const (
 )
 
 // settleRefunds counts the refunds of calls that failed, after handing those Redis did
-// not run to a background retry (they count only if that gives up).
+// not run to a background retry (they count only if that gives up). The lease slots of
+// a refund that failed otherwise (not sent in time, or its answer lost) go to the
+// background give-back (giveBackUnsure), which removes their members whether it ran or
+// not: before, such a slot, taken by a check another of its calls refused, was held by
+// no one until its lease ran out (TestRefundNotSentGivesLeaseSlotBack).
 func (g *Global) settleRefunds(calls []call) {
-	var again []call
+	var again, leases []call
 	for i := range calls {
 		err := calls[i].cmd.Err()
 		switch {
@@ -153,7 +157,11 @@ func (g *Global) settleRefunds(calls []call) {
 			again = append(again, call{keys: calls[i].keys, args: calls[i].args})
 		default:
 			g.refundErrors.Add(1)
+			leases = appendLeaseRefunds(leases, &calls[i])
 		}
+	}
+	if len(leases) > 0 {
+		g.giveBackUnsure(leases)
 	}
 	if len(again) == 0 {
 		return
@@ -662,6 +670,24 @@ func appendLeaseGiveBack(calls []call, ops []GlobalOp, idx []int) []call {
 		return calls
 	}
 	return append(calls, c)
+}
+
+// appendLeaseRefunds appends to calls a call of the lease slots that the refund call c
+// gives back (refund.lua's algLease entries, refundArgs each), if it has any: removing
+// a lease's member is safe to send again, unlike a rate refund.
+func appendLeaseRefunds(calls []call, c *call) []call {
+	var lc call
+	for k, key := range c.keys {
+		a := c.args[k*refundArgs : (k+1)*refundArgs]
+		if alg, ok := a[0].(int); ok && alg == algLease {
+			lc.keys = append(lc.keys, key)
+			lc.args = append(lc.args, a...)
+		}
+	}
+	if len(lc.keys) == 0 {
+		return calls
+	}
+	return append(calls, lc)
 }
 
 // notWritten reports whether err is the call's context ending before go-redis wrote the

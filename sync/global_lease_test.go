@@ -308,3 +308,90 @@ func TestMayHaveRunLeaseRelease(t *testing.T) {
 		}
 	}
 }
+
+// busyAfterFirstCall is a Redis client on a pool of one connection whose second call
+// (a refused check's refund, after the check's pipeline) finds that connection taken,
+// by a call to the frozen server, until its context ends: a refund that could not be
+// written.
+type busyAfterFirstCall struct {
+	*redis.Client
+	srv   *redistest.Server
+	n     *atomic.Int32
+	taken chan struct{}
+}
+
+func (c busyAfterFirstCall) block() {
+	if c.n.Add(1) != 2 {
+		return
+	}
+	c.srv.Freeze()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		close(c.taken)
+		_ = c.Client.Ping(ctx).Err() // holds the only connection while frozen
+	}()
+	<-c.taken
+	time.Sleep(20 * time.Millisecond) // the ping is on the connection
+}
+
+func (c busyAfterFirstCall) Pipeline() redis.Pipeliner {
+	c.block()
+	return c.Client.Pipeline()
+}
+
+func (c busyAfterFirstCall) Process(ctx context.Context, cmd redis.Cmder) error {
+	c.block()
+	return c.Client.Process(ctx, cmd)
+}
+
+// A check with two concurrency rules on two hash slots, one full: the other's slot,
+// taken in its own call, is given back by the refund. A refund that could not be sent
+// (no connection to be had before its timeout: a Redis frozen a moment) left that slot
+// held by no one until its lease ran out (an hour here); counted in RefundErrors, no
+// more. Its lease slots now go to the background give-back, as an unanswered acquire's
+// do: removing a member is safe whether the refund ran or not.
+func TestRefundNotSentGivesLeaseSlotBack(t *testing.T) {
+	defer func(d time.Duration) { giveBackDelay = d }(giveBackDelay)
+	giveBackDelay = 200 * time.Millisecond
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true, MaxRetries: -1, PoolSize: 1})
+	t.Cleanup(func() { rdb.Close() })
+	ctx := context.Background()
+	free, full := "rl:conc_a:{user=a}", "rl:conc_z:{user=z}"
+	warm := NewGlobal(rdb)
+	if ok, err := warm.Acquire(ctx, "holder", []LeaseOp{{Key: full, Max: 1, Lease: time.Hour, Take: true}}); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	thawed := false
+	defer func() {
+		if !thawed {
+			srv.Thaw()
+		}
+	}()
+	g := (&Global{rdb: busyAfterFirstCall{rdb, srv, new(atomic.Int32), make(chan struct{})}, bySlot: true}).WithRefundTimeout(100 * time.Millisecond)
+	defer g.Close()
+	ok, err := g.Acquire(ctx, "refused", []LeaseOp{
+		{Key: free, Part: 0, Max: 10, Lease: time.Hour, Take: true},
+		{Key: full, Part: 1, Max: 1, Lease: time.Hour, Take: true},
+	})
+	if ok || err != nil {
+		t.Fatalf("Acquire: %v %v, want refused (full)", ok, err)
+	}
+	if g.RefundErrors() == 0 {
+		t.Fatal("the refund was sent: the test does not test anything")
+	}
+	srv.Thaw()
+	thawed = true
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := rdb.ZCard(ctx, free).Result()
+		if err == nil && n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d slots of %s held (%v) 10 s after a refused acquire whose refund was not sent: no one holds its lease", n, free, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
