@@ -793,8 +793,11 @@ func (cn *conn) send(cl *call) error {
 // writeFailedHook and readFailedHook, when set (tests), run as a write of request frames
 // has failed (before what it delivered is recorded) and as the reader's read fails.
 // closedUnreadHook, when set (tests), runs as the sidecar's last word has been noted
-// (closedUnread), before the calls it was not read are failed.
+// (closedUnread), before the calls it was not read are failed. readEndedHook, when set
+// (tests), runs as the reader whose read failed has noted what the writes delivered,
+// before it breaks the connection.
 var writeFailedHook, readFailedHook, closedUnreadHook atomic.Pointer[func()]
+var readEndedHook atomic.Pointer[func(*conn)]
 
 // readLoop hands each response to the oldest pending call until the connection breaks.
 func (cn *conn) readLoop() {
@@ -825,11 +828,21 @@ func (cn *conn) readLoop() {
 			for cn.writing {
 				cn.wrote.Wait()
 			}
+			// No call is queued on cn from now on: send sees werr, and its caller waits
+			// for cn to break and picks again. Before, a check sent in the moment between
+			// this and fail (cn not yet broken) was queued and written, and fail gave it
+			// the end of stream, as if the sidecar might have read it: the Policy, though
+			// the sidecar had closed before it was written (a sidecar at --idle-timeout:
+			// TestE2EGoClientIdleTimeoutChecksAreNotLost, cmd/rlsidecar, failed 4 of 20
+			// runs so, "reading a response: EOF", as in a CI run).
+			if cn.werr == nil {
+				cn.werr = &unreachable{what: "reading a response", err: err}
+			}
 			werr := cn.werr
 			cn.resetLast = reset
 			cn.mu.Unlock()
-			if werr == nil {
-				werr = &unreachable{what: "reading a response", err: err}
+			if f := readEndedHook.Load(); f != nil {
+				(*f)(cn)
 			}
 			cn.fail(werr)
 			return

@@ -464,3 +464,81 @@ func TestFarewellNotOverriddenByAFailedWrite(t *testing.T) {
 		t.Error(e)
 	}
 }
+
+// A sidecar at --idle-timeout closes an idle connection (its read side shut first), and
+// the client's reader reads the end of the stream with nothing pending and no write under
+// way. A check sent in the moment before the reader broke the connection was queued on
+// it and written (EPIPE: nothing delivered), and breaking the connection gave it the end
+// of stream, as if the sidecar might have read it: the Policy, though the sidecar had
+// closed before it was written (TestE2EGoClientIdleTimeoutChecksAreNotLost, cmd/rlsidecar:
+// "reading a response: EOF", 1 check in 4 of 20 runs under load). No call is queued on a
+// connection once its reader has read its end: the check goes on a new connection. Here
+// the hooks place the check in that moment: sent once the reader has noted what the
+// writes delivered, its write's failure recorded only once the connection is broken.
+func TestCheckSentAsTheReaderReadTheEndGoesOnANewConnection(t *testing.T) {
+	path := socketPath(t)
+	writeFailed := make(chan struct{})
+	var dead <-chan struct{}
+	var rOnce, wOnce sync.Once
+	lateDone := make(chan struct{})
+	var late Decision
+	var lateErr error
+	var c *Client
+	re := func(cn *conn) {
+		rOnce.Do(func() {
+			dead = cn.dead
+			go func() {
+				defer close(lateDone)
+				late, lateErr = c.Check(context.Background(), map[string]string{"user": "late"}, nil)
+			}()
+			select {
+			case <-writeFailed: // the check was queued on cn, and its write failed
+			case <-time.After(time.Second): // the fixed client queues nothing on cn
+			}
+		})
+	}
+	wf := func() {
+		wOnce.Do(func() {
+			close(writeFailed)
+			select {
+			case <-dead: // cn broken, its pending calls failed
+			case <-time.After(5 * time.Second):
+			}
+		})
+	}
+	standIn(t, path, func(nc *net.UnixConn, n int) {
+		br := bufio.NewReader(nc)
+		dec, enc := proto.NewDecoder(), proto.NewEncoder()
+		for {
+			body, err := proto.ReadFrame(br, nil, proto.DefaultMaxFrame)
+			if err != nil {
+				return
+			}
+			var req proto.Request
+			if dec.DecodeRequest(body, &req) != nil {
+				return
+			}
+			enc.Reset()
+			enc.EncodeCheck(&proto.Response{ID: req.ID, Allowed: true, Rule: attr(&req, "user")})
+			if _, err := nc.Write(enc.Bytes()); err != nil {
+				return
+			}
+			if n == 0 {
+				nc.CloseRead() // idle: its read side shut, then closed
+				return
+			}
+		}
+	})
+	c = newClient(t, Options{Socket: path, Conns: 1, Timeout: 10 * time.Second, Policy: FailClosed})
+	readEndedHook.Store(&re)
+	writeFailedHook.Store(&wf)
+	t.Cleanup(func() { readEndedHook.Store(nil); writeFailedHook.Store(nil) }) // before c closes
+	d, err := c.Check(context.Background(), map[string]string{"user": "first"}, nil)
+	if err != nil || d.Unreachable || d.Rule != "first" {
+		t.Fatalf("first check: %+v %v", d, err)
+	}
+	<-lateDone // the reader read the end of the first connection, and the check was sent
+	if lateErr != nil || late.Unreachable || !late.Allowed || late.Rule != "late" {
+		t.Fatalf("the check sent as the reader read the end: %+v %v (want it answered on a new connection)", late, lateErr)
+	}
+}
