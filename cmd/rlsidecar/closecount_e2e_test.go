@@ -363,3 +363,66 @@ func TestE2EIdleCutAfterASplitFrame(t *testing.T) {
 	waitSample(t, base, "rlsidecar_connections", 0)
 	wantClosed(t, base, map[string]float64{"idle_timeout": 1})
 }
+
+// Clients that pipeline checks (the last one in two pieces), shut their read side, take
+// what their socket holds and keep their end open: the daemon's next write fails
+// (EPIPE), and every one of those connections ends, counted under no reason. Before, the
+// failed write's wake-up of the reader (a past read deadline) was replaced by the
+// deadline the reader set for its next wait when it came just before it (conn.setDeadline),
+// and the connection waited on for a next frame that could not come: 129 to 237 of 480
+// were still open 10 s on (at --idle-timeout 0, for as long as the client kept its end).
+func TestE2EHalfShutClientsAllEnd(t *testing.T) {
+	cfg := writeFile(t, shortTempDir(t), "rules.yaml", bulkRules)
+	d := startDaemon(t, "--config", cfg, "--admin", "127.0.0.1:0", "--idle-timeout", "0")
+	base := "http://" + adminAddr(t, d)
+	burst := checkBurst(8000, "a")
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []*net.UnixConn
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewSource(int64(w)))
+			buf := make([]byte, 256<<10)
+			for range 60 {
+				c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: d.socket, Net: "unix"})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+				c.SetDeadline(time.Now().Add(30 * time.Second))
+				cut := len(burst) - 1 - rng.Intn(20)
+				if _, err := c.Write(burst[:cut]); err != nil {
+					t.Error(err)
+					return
+				}
+				time.Sleep(time.Duration(rng.Intn(300)) * time.Microsecond)
+				if _, err := c.Write(burst[cut:]); err != nil {
+					t.Error(err)
+					return
+				}
+				if err := c.CloseRead(); err != nil {
+					t.Error(err)
+					return
+				}
+				for { // what the socket holds, then its end
+					if _, err := c.Read(buf); err != nil {
+						break
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	waitSample(t, base, "rlsidecar_connections", 0)
+	wantClosed(t, base, nil)
+}
