@@ -320,7 +320,7 @@ func (ls *Leases) retrack(gl *globalLease, partFreed, unsure bool, now int64) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	gl.partFreed = gl.partFreed || partFreed
-	gl.sentAt(unsure, now)
+	gl.sentAt(unsure, now, true) // its connection's close
 	if ls.global[gl.id] != nil {
 		return
 	}
@@ -389,31 +389,32 @@ func (ls *Leases) markUnreleased(gl *globalLease, partFreed, unsure bool, now in
 	}
 	gl.unreleased = true
 	gl.partFreed = gl.partFreed || partFreed
-	gl.sentAt(unsure, now)
+	gl.sentAt(unsure, now, gl.owner == 0) // its holder's release, or the sweep's after a close
 	return true
 }
 
 // sentAt notes, when unsure, that a release of gl that may have run in Redis went
-// unanswered at now (the first such release counts). The store's lock must be held.
-func (gl *globalLease) sentAt(unsure bool, now int64) {
+// unanswered at now (the first such release counts), closed: a release of its
+// connection's close. The store's lock must be held.
+func (gl *globalLease) sentAt(unsure bool, now int64, closed bool) {
 	if unsure && !gl.sentUnsure {
-		gl.sentUnsure, gl.sentLate = true, gl.expires <= now
+		gl.sentUnsure, gl.sentLate, gl.sentClosed = true, gl.expires <= now, closed
 	}
 }
 
 // goneCount returns how gl, found gone from Redis, is counted: as the release of it
 // that went unanswered but may have run would have been (sentUnsure), expired when it
-// had run out by then, closed when its connection's close gave it up (it has no owner
-// left), else released; nil (not counted) without such a release: it was released
-// through another daemon, which counted it. The store's lock must be held, or gl no
-// longer tracked.
+// had run out by then, closed when that release was its connection's close's (or the
+// sweep's sent again after it: sentClosed), else released; nil (not counted) without
+// such a release: it was released through another daemon, which counted it. The
+// store's lock must be held, or gl no longer tracked.
 func (gl *globalLease) goneCount() func(*LeaseStats) {
 	switch {
 	case !gl.sentUnsure:
 		return nil
 	case gl.sentLate:
 		return func(st *LeaseStats) { st.Expired++ }
-	case gl.owner == 0:
+	case gl.sentClosed:
 		return func(st *LeaseStats) { st.Closed++ }
 	}
 	return func(st *LeaseStats) { st.Released++ }

@@ -83,6 +83,11 @@ type globalLease struct {
 	// Before, it was counted nowhere: rlsidecar_leases_total lost a lease per release
 	// that a frozen Redis ran late.
 	sentUnsure, sentLate bool
+	// sentClosed: that release was its connection's close's (or the sweep's, sent again
+	// after it), not its holder's. Set with sentUnsure, as the lease's owner is not: a
+	// close after an unsure release by its holder leaves it ownerless (retrack), and it
+	// was counted closed, though the holder's release, which Redis ran first, freed it.
+	sentClosed bool
 }
 
 // leaseIDBytes is the size of a global lease's random id: unguessable, so that a token
