@@ -22,9 +22,7 @@ import (
 // 550-900 leases from the counts in 4 of 5 runs). Each is now counted as its first
 // release would have been.
 func TestE2EGlobalLeaseGivenUpWhileRedisFrozenIsCounted(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	dir := shortTempDir(t)
-	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", `
+	d, base, rdb, freeze, thaw := frozenLeases(t, `
 rules:
   - name: held
     match: { path: /held }
@@ -36,18 +34,8 @@ rules:
     key: user
     concurrency: { max: 2, lease: 100ms }
     on_store_failure: closed
-`), "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--redis-prefix", "fz:",
-		"--global-timeout", "200ms", "--redis-timeout", "200ms", "--sweep-interval", "3s")
-	base := "http://" + adminAddr(t, d)
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	t.Cleanup(func() { rdb.Close() })
+`)
 	ctx := context.Background()
-	thawed := true
-	t.Cleanup(func() {
-		if !thawed {
-			srv.Thaw()
-		}
-	})
 	members := func(key string) int64 {
 		n, err := rdb.ZCard(ctx, key).Result()
 		must(t, err)
@@ -95,24 +83,20 @@ rules:
 		lease, key string
 	}{{live, "fz:held:{user=ann}"}, {late, "fz:short:{user=ann}"}} {
 		warm()
-		srv.Freeze()
-		thawed = false
+		freeze()
 		if release(c.lease) {
 			t.Fatalf("release %d answered released: true while Redis was frozen", i)
 		}
-		srv.Thaw()
-		thawed = true
+		thaw()
 		waitFor(t, 10*time.Second, "Redis to run the release it held", func() bool { return members(c.key) == 0 })
 	}
 	warm()
-	srv.Freeze()
-	thawed = false
+	freeze()
 	b.c.Close()
 	// Frozen past the wait of the close's release (a second), which is then given up
 	// unanswered too (thawed sooner, it is answered, and counted as it always was).
 	time.Sleep(1500 * time.Millisecond)
-	srv.Thaw()
-	thawed = true
+	thaw()
 	waitFor(t, 10*time.Second, "Redis to free bob's slot", func() bool { return members("fz:held:{user=bob}") == 0 })
 
 	// The sweep settles them: nothing in flight.
@@ -138,4 +122,27 @@ rules:
 	if len(bad) > 0 {
 		t.Errorf("lease counts after the thaw:\n%s\n%s", strings.Join(bad, "\n"), d.stderr.String())
 	}
+}
+
+// frozenLeases starts a redis-server and a daemon with rules (global concurrency rules)
+// whose Redis calls time out after 200 ms and whose sweep runs every 3 s, for tests that
+// freeze Redis (SIGSTOP) under leases. It returns the daemon, its admin URL, a client of
+// the Redis, and freeze and thaw, which t.Cleanup thaws after when a test ends frozen.
+func frozenLeases(t *testing.T, rules string) (d *daemonProc, base string, rdb *redis.Client, freeze, thaw func()) {
+	t.Helper()
+	srv := redistest.StartStandalone(t)
+	d = startDaemon(t, "--config", writeFile(t, shortTempDir(t), "rules.yaml", rules), "--admin", "127.0.0.1:0",
+		"--redis", "redis://"+srv.Addr, "--redis-prefix", "fz:",
+		"--global-timeout", "200ms", "--redis-timeout", "200ms", "--sweep-interval", "3s")
+	rdb = redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	frozen := false
+	t.Cleanup(func() {
+		if frozen {
+			srv.Thaw()
+		}
+	})
+	freeze = func() { srv.Freeze(); frozen = true }
+	thaw = func() { srv.Thaw(); frozen = false }
+	return d, "http://" + adminAddr(t, d), rdb, freeze, thaw
 }

@@ -5,9 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -19,27 +16,15 @@ import (
 // lease ownerless, decided the count: closed, though the holder had released it (a
 // client that reconnects after a release times out does this).
 func TestE2EGlobalLeaseReleasedThenClosedWhileRedisFrozenIsCountedReleased(t *testing.T) {
-	srv := redistest.StartStandalone(t)
-	dir := shortTempDir(t)
-	d := startDaemon(t, "--config", writeFile(t, dir, "rules.yaml", `
+	d, base, rdb, freeze, thaw := frozenLeases(t, `
 rules:
   - name: held
     match: { path: /held }
     key: user
     concurrency: { max: 2, lease: 60s }
     on_store_failure: closed
-`), "--admin", "127.0.0.1:0", "--redis", "redis://"+srv.Addr, "--redis-prefix", "fz:",
-		"--global-timeout", "200ms", "--redis-timeout", "200ms", "--sweep-interval", "3s")
-	base := "http://" + adminAddr(t, d)
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	t.Cleanup(func() { rdb.Close() })
+`)
 	ctx := context.Background()
-	thawed := true
-	t.Cleanup(func() {
-		if !thawed {
-			srv.Thaw()
-		}
-	})
 
 	a, h := dialRaw(t, d.socket), dialRaw(t, d.socket)
 	id := uint64(0)
@@ -63,16 +48,14 @@ rules:
 	if !release(a, take(a, "warm")) {
 		t.Fatal("the warm-up release was not answered released: true")
 	}
-	srv.Freeze()
-	thawed = false
+	freeze()
 	if release(h, lease) {
 		t.Fatal("a release answered released: true while Redis was frozen")
 	}
 	h.c.Close()
 	// Frozen past the wait of the close's release (a second), given up unanswered too.
 	time.Sleep(1500 * time.Millisecond)
-	srv.Thaw()
-	thawed = true
+	thaw()
 	waitFor(t, 10*time.Second, "Redis to free ann's slot", func() bool {
 		n, err := rdb.ZCard(ctx, "fz:held:{user=ann}").Result()
 		must(t, err)
