@@ -296,7 +296,7 @@ func TestAcquireTimedOutGivesSlotBack(t *testing.T) {
 func TestMayHaveRunLeaseRelease(t *testing.T) {
 	for _, err := range []error{nil, ErrBreakerOpen, context.DeadlineExceeded, context.Canceled,
 		fmt.Errorf("lease release: %w", context.DeadlineExceeded), tryAgainErr{},
-		&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, errNotSent} {
+		&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, &net.OpError{Op: "dial", Err: syscall.ENOENT}, errNotSent} {
 		if MayHaveRun(err) {
 			t.Errorf("MayHaveRun(%v) = true, want false: not run", err)
 		}

@@ -464,7 +464,8 @@ func TestMayHaveRun(t *testing.T) {
 	}
 	// errNotSent: a global call the auto-pipeline held past its deadline and never sent
 	// (a lease acquire's give-back was queued for it, filling the bounded queue).
-	for _, err := range []error{errNotServed, &net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, fmt.Errorf("%w (%w)", errNotSent, context.DeadlineExceeded)} {
+	for _, err := range []error{errNotServed, &net.OpError{Op: "dial", Err: syscall.ECONNREFUSED},
+		&net.OpError{Op: "dial", Err: syscall.ENOENT}, fmt.Errorf("%w (%w)", errNotSent, context.DeadlineExceeded)} {
 		if mayHaveRun(err) {
 			t.Fatalf("%v: a sync that never reached Redis taken for a lost answer", err)
 		}

@@ -246,11 +246,12 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 // mayHaveRun reports whether a sync that failed with err may have run in Redis all the
 // same: a timeout, a connection lost with the call written. Not an error Redis answered
 // (the script was refused or stopped: a key it cannot read would fail every resend, and
-// each failure would count against its master's breaker).
+// each failure would count against its master's breaker), nor a connection that could
+// not be made: refused, or a Redis Unix socket that is not there (ENOENT).
 func mayHaveRun(err error) bool {
 	var rerr redis.Error
 	return !errors.As(err, &rerr) && !errors.Is(err, errNotServed) && !errors.Is(err, errNotSent) && !errors.Is(err, errNoTime) &&
-		!errors.Is(err, syscall.ECONNREFUSED)
+		!errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.ENOENT)
 }
 
 // errNoTime is the error of a key a sync did not send because its time was running

@@ -182,7 +182,7 @@ type Released struct {
 // all the same: it was written, and its answer was lost (an i/o timeout, a connection
 // lost after the write). Not for an open breaker's refusal, a context that ended before
 // the call was written, a reply of Redis (an error it gave, or one saying it did not
-// run the command), nor a connection refused.
+// run the command), nor a connection refused or a Redis Unix socket not there.
 func MayHaveRun(err error) bool {
 	return err != nil && !errors.Is(err, ErrBreakerOpen) && !notWritten(err) && !notRun(err) && mayHaveRun(err)
 }
