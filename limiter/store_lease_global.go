@@ -221,6 +221,8 @@ func (s *globalLeaseStore) reapGone(now int64, d *Decision, lb *leaseBatch) bool
 	var keys [4]string
 	var poll [4]bool
 	var buckets [4]*atomic.Int64
+	var bucket [4]uint64
+	var freedAt [4]uint64
 	n, freed := 0, false
 	for k := range lb.ops {
 		lo := &lb.ops[k]
@@ -228,18 +230,27 @@ func (s *globalLeaseStore) reapGone(now int64, d *Decision, lb *leaseBatch) bool
 			continue
 		}
 		i := reapBucket(lo.Key)
-		// A release of a slot of this key ended while the check was asked: it may have
-		// reached Redis after the check.
-		freed = freed || s.freed[i].Load() != lb.freedAt[k]
 		b := &s.reaped[i]
 		last := b.Load()
 		keys[n], poll[n], buckets[n] = lo.Key, last == 0 || now-last >= int64(reapGoneEvery), b
+		bucket[n], freedAt[n] = i, lb.freedAt[k]
 		n++
 	}
 	if n == 0 {
 		return false
 	}
 	waits, gls, gr := s.ls.reapGoneGlobal(keys[:n], poll[:n], d.Owner)
+	// A release of a slot of these keys ended while the check was asked: it may have
+	// reached Redis after the check. Read after reapGoneGlobal, which no longer lists a
+	// release that has ended: a release counts its freed slots before it ends
+	// (releaseAll, endRelease), so one ended since the check was asked is seen here, and
+	// one not ended is among waits. Before, the counts were read first, and a release
+	// that ended between that read and reapGoneGlobal was seen by neither: the check was
+	// refused though its slots were free (TestE2EGlobalLeaseFreedByCloseBeforeTheNextCheck,
+	// 1 of 1,000 rounds in 4 of 24 runs under -race).
+	for j := range n {
+		freed = freed || s.freed[bucket[j]].Load() != freedAt[j]
+	}
 	if len(gls) > 0 {
 		freed = s.releaseAll(gls, gr, now) > 0 || freed
 	} else {
