@@ -79,6 +79,11 @@ class _Protocol(asyncio.Protocol):
         self.room = collections.deque()  # futures of checks waiting for room, in turn
         self.fresh_farewell = False  # a farewell came before any answer (_NotRead.fresh)
         self.rest_end = None  # ends read_rest's reading of the answers after a failed write
+        # The frames of the last len(unsent) pending checks, not yet handed to the
+        # transport: it holds at most one frame not yet taken by the socket (send), so
+        # that a failed write's checks are known (fail).
+        self.unsent = collections.deque()
+        self.paused = False  # the transport holds a frame the socket has not taken whole
         # The leases taken on it and not yet released, and (monotonic) when the last of
         # them expires: given up for a stall while it holds some, it is retired, not
         # closed (give_up), and expiry is then the timer that closes it.
@@ -89,6 +94,37 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport):
         self.transport = transport
+        # pause_writing as soon as the transport holds a byte the socket did not take,
+        # resume_writing once it holds none (see send).
+        transport.set_write_buffer_limits(high=0, low=0)
+
+    def send(self, frame):
+        """Write a check's frame (its check the last pending), or queue it behind the one
+        the socket has not taken whole yet. When a write fails (EPIPE, ECONNRESET) asyncio
+        drops, unsent, what its buffer holds, and says nothing of how much of it went out
+        before: with several frames there, a check whose frame the sidecar never got could
+        not be told from one it had read and counted. So asyncio's buffer holds at most
+        the rest of one frame, the last handed to it, and the frames after it wait here:
+        on a failed write, that frame and the queued ones were certainly not read (fail,
+        read_rest), and each is sent again on a new connection. Before, they all went to
+        asyncio's buffer, and only the last was sent again: the others got on_unavailable
+        (1,999 of 2,000 checks written to a frozen sidecar that was then killed and
+        restarted: test_checks_the_socket_never_took_are_sent_again_after_a_kill)."""
+        if self.unsent or self.paused:
+            self.unsent.append(frame)
+        else:
+            self.transport.write(frame)
+
+    def pause_writing(self):
+        self.paused = True
+
+    def resume_writing(self):
+        """The socket took the whole frame asyncio held: hand it the queued ones, one at
+        a time, until one is not taken whole (pause_writing, called from write) or none is
+        left."""
+        self.paused = False
+        while self.unsent and not self.paused and self.broken is None and not self.transport.is_closing():
+            self.transport.write(self.unsent.popleft())
 
     def data_received(self, data):
         buf = self.buf
@@ -205,15 +241,18 @@ class _Protocol(asyncio.Protocol):
         why = "connection lost: %s" % exc if exc else "the sidecar closed the connection"
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self.pending:
             ended = self.read_left()
-            if isinstance(exc, BrokenPipeError) and self.served and not ended and len(self.pending) > 1 \
-                    and self.read_rest(why):
+            if isinstance(exc, BrokenPipeError) and self.served and not ended \
+                    and len(self.pending) > len(self.unsent) + 1 and self.read_rest(why):
                 return
-            unread = not self.buf  # no byte of an answer came: the last check's frame is unread
+            # No byte of an answer came: the frame last handed to the transport is unread
+            # (with the queued ones after it, which fail gives back in any case).
+            unread = not self.buf
         self.fail(why, unread)
 
     def read_rest(self, why):
-        """After a failed write (EPIPE), send its check (the last) again at once, and read
-        the answers still to come to the checks written before it, whole. The daemon at
+        """After a failed write (EPIPE), send its check (the last handed to the
+        transport) and the ones queued after it (send) again at once, and read the
+        answers still to come to the checks written before it, whole. The daemon at
         --idle-timeout shuts an idle connection's read side, answers what the socket held
         then (a check written as the timeout fired), and closes it: a check written after
         the shut fails its write, and the answer to the one before comes later. Before,
@@ -230,10 +269,12 @@ class _Protocol(asyncio.Protocol):
         client = self.client
         client._detach(self)
         client._reading_rest.add(self)
-        if not self.buf:  # the failed write's check (the last) goes again at once
+        # The failed write's check and the ones queued after it go again at once.
+        for _ in range(len(self.unsent) + (0 if self.buf else 1)):
             _, fut = self.pending.pop()
             if not fut.done():
                 fut.set_exception(_NotRead(why))
+        self.unsent.clear()
         loop = self.loop
         timer = None
 
@@ -294,8 +335,10 @@ class _Protocol(asyncio.Protocol):
 
     def fail(self, why, unread_last=False, unread_all=False, unread_rest=False):
         """Break the connection once: close it and fail every pending check (with
-        _NotRead: the last when unread_last, every one when unread_all, a farewell's,
-        or unread_rest, not a farewell: each is sent again once)."""
+        _NotRead: those whose frames were queued, never handed to the transport (send),
+        and the one before them too when unread_last (the frame last handed to it);
+        every one when unread_all, a farewell's, or unread_rest, not a farewell: each is
+        sent again once)."""
         if self.broken is not None:
             return
         if self.rest_end is not None:  # read_rest's reading ends with it, its flags kept
@@ -323,11 +366,13 @@ class _Protocol(asyncio.Protocol):
             if self.expiry is not None:
                 self.expiry.cancel()
         err = ConnectionError(why)
+        unread_tail = len(self.unsent) + (1 if unread_last else 0)  # the last pending checks not read
+        self.unsent.clear()
         while self.pending:
             _, fut = self.pending.popleft()
             if not fut.done():
                 fut.set_exception(_NotRead(why, unread_all, unread_all and self.fresh_farewell)
-                                  if unread_all or unread_rest or unread_last and not self.pending else err)
+                                  if unread_all or unread_rest or len(self.pending) < unread_tail else err)
         while self.room:  # the checks waiting for room try again, on a new connection
             w = self.room.popleft()
             if not w.done():
@@ -616,7 +661,7 @@ class AsyncClient:
         conn.next_id += 1
         fut = loop.create_future()
         conn.pending.append((conn.next_id, fut))
-        conn.transport.write(frame)
+        conn.send(frame)
         timer = loop.call_at(deadline, _expire, fut)
         try:
             return await fut

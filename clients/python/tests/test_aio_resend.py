@@ -4,6 +4,7 @@ it (a graceful restart's drain answers what a connection held, then closes it; s
 within its timeout, not answered by on_unavailable (a 503 under "closed")."""
 
 import asyncio
+import collections
 import os
 import socket
 import struct
@@ -378,3 +379,127 @@ def test_farewell_after_a_failed_write_sends_the_unread_checks_again(short_tmp):
         t.join()
     for d, user in zip(got, ("a", "b", "d", "c")):
         assert not d.unreachable and d.rule == user, (user, d.cause)
+
+
+def test_checks_the_socket_never_took_are_sent_again_after_a_kill(daemon):
+    """Checks written faster than a frozen sidecar reads fill the socket; asyncio keeps
+    what it will not take in its write buffer. The sidecar is then killed (SIGKILL) and a
+    successor started on its socket: the connection is reset, and every check whose frame
+    the socket never took was certainly not read, so it is sent again, once, to the
+    successor; only the frames the socket held (the killed sidecar may have read them)
+    get on_unavailable, but the last of them: a reset says the end of the stream was
+    unread. Before, asyncio's buffer held all the frames after the first ~170 here, its
+    failed write dropped them, and only the last check was sent again: all the others got
+    on_unavailable (a 503 under "closed"), 1,999 of 2,000 here."""
+    frame_len = len(rlsidecar._proto.frame(rlsidecar._proto.body(
+        rlsidecar._proto.check_message(0, {"user": "u0000", "path": "/" + "x" * 200}, 1, None)), 1))
+    with open("/proc/sys/net/core/wmem_default") as f:
+        held = int(f.read()) // frame_len + 1  # the most frames the socket can hold
+    n = 2000
+    assert held < n // 2, "the socket holds %d frames: too many for this test" % held
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(daemon.socket, timeout=10, on_unavailable="closed") as c:
+            assert not (await c.check({"user": "warm"})).unreachable
+            conn = c._conn
+            daemon.pause()
+            checks = [loop.create_task(c.check({"user": "u%04d" % i, "path": "/" + "x" * 200})) for i in range(n)]
+            deadline = time.monotonic() + 10
+            while len(conn.pending) < n or conn.transport.get_write_buffer_size() == 0:  # waited for, not slept on
+                assert time.monotonic() < deadline, "the socket took every frame (%d pending)" % len(conn.pending)
+                await asyncio.sleep(0.001)
+            # Killed and its successor up before the loop runs again: the client sees the
+            # reset with the successor listening (no failed redial in between).
+            daemon.proc.kill()
+            daemon.proc.wait()
+            daemon.start()
+            return await asyncio.gather(*checks)
+
+    ds = asyncio.run(main())
+    policy = [i for i, d in enumerate(ds) if d.unreachable]
+    assert len(policy) < held, "%d of %d checks answered by on_unavailable (the socket held at most %d)" % (
+        len(policy), n, held)
+    assert policy == list(range(len(policy))), "only the first frames, those the socket held, get the policy"
+    for d in ds[len(policy):]:
+        # Sent again once: the successor's first count of each user (5 a minute).
+        assert d.allowed and d.rule == "per-user" and d.remaining == 4, (d.remaining, d.cause)
+
+
+def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
+    """As the daemon at --idle-timeout does, a stand-in shuts its connection's read side,
+    answers the checks the socket held and closes it; here the socket was full, and the
+    client held the checks it would not take. The client's next write fails (EPIPE): the
+    checks whose frames never reached the socket go again on a new connection at once,
+    and the answers to those the socket held, which the stand-in sends only once the
+    client has dialed again, are read (read_rest). Each check decided once, none by
+    on_unavailable. Before, asyncio's buffer held the frames the socket would not take,
+    and its failed write dropped them; read_rest sent only the last again, and the others
+    got on_unavailable (1,832 of 2,000 here)."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop, full, redialed = threading.Event(), threading.Event(), threading.Event()
+    decided, lock = collections.Counter(), threading.Lock()
+
+    def answer(c, req):
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        answer_user(c, req)
+
+    def first(c):
+        answer(c, read_frame(c))  # it served
+        full.wait(10)  # the socket is full: the client holds the rest
+        c.shutdown(socket.SHUT_RD)  # the client's next write fails: EPIPE
+        held = []
+        while True:  # what the socket held; a frame cut short is not a request
+            head = c.recv(4, socket.MSG_WAITALL)
+            if len(head) < 4:
+                break
+            n = struct.unpack(">I", head)[0]
+            body = c.recv(n, socket.MSG_WAITALL)
+            if len(body) < n:
+                break
+            held.append(msgpack.unpackb(body, raw=False))
+        redialed.wait(10)  # their answers come after the failed write
+        for req in held:
+            answer(c, req)
+
+    srv = unix_listener(path)
+
+    def serve(c, is_first):
+        with c:
+            if is_first:
+                first(c)
+                return
+            redialed.set()
+            while not stop.is_set():
+                req = read_frame(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    t = serve_each(srv, stop, serve)
+    n = 2000
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(path, timeout=10, on_unavailable="closed") as c:
+            assert (await c.check({"user": "warm"})).rule == "warm"
+            conn = c._conn
+            checks = [loop.create_task(c.check({"user": "u%04d" % i, "path": "/" + "x" * 200})) for i in range(n)]
+            deadline = time.monotonic() + 10
+            while len(conn.pending) < n or conn.transport.get_write_buffer_size() == 0:  # waited for, not slept on
+                assert time.monotonic() < deadline, "the socket took every frame (%d pending)" % len(conn.pending)
+                await asyncio.sleep(0.001)
+            full.set()
+            return await asyncio.gather(*checks)
+
+    try:
+        ds = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    policy = [i for i, d in enumerate(ds) if d.unreachable]
+    assert policy == [], "%d of %d checks answered by on_unavailable: %s" % (len(policy), n, ds[policy[0]].cause)
+    assert [d.rule for d in ds] == ["u%04d" % i for i in range(n)]
+    twice = {u: k for u, k in decided.items() if k != 1}
+    assert twice == {}, "decided more than once: %s" % list(twice.items())[:5]

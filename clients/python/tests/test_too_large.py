@@ -186,6 +186,9 @@ def test_async_write_failed_before_the_answer_was_read():
             def close(self):
                 pass
 
+            def set_write_buffer_limits(self, high=None, low=None):
+                pass
+
         class Client:
             def _detach(self, conn):
                 pass
