@@ -80,7 +80,7 @@ class _NotRead(Exception):
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "next_id", "served", "leases", "hold_until")
+    __slots__ = ("sock", "buf", "next_id", "served", "leases", "hold_until", "unsure")
 
     def __init__(self, sock):
         self.sock = sock
@@ -89,6 +89,10 @@ class _Conn:
         self.served = False  # an answer arrived: the sidecar is really there
         self.leases = 0  # leases taken on it and not released through this client
         self.hold_until = 0.0  # (monotonic) when the last of them expires, unless renewed
+        # A lease taken on it was released through this client without released: true
+        # (answered false, or unanswered): the sidecar it goes to may still hold it, and
+        # closing the connection frees it there (release).
+        self.unsure = False
 
 
 class Client:
@@ -129,8 +133,12 @@ class Client:
     connection holding leases is set aside, open and unused, until they are released
     (a release the sidecar does not answer closes it, which frees them) or expire (a
     lease never released is not held past its expiry): a check on it that timed out
-    would close it, and free the slots of requests still running. close() frees them
-    all.
+    would close it, and free the slots of requests still running. It is closed, not
+    used again, once its last lease is released unless every release of its leases was
+    answered ``released: true``: a release answered false came from a sidecar that does
+    not hold the lease (expired, released already; or taken through another one, an old
+    sidecar in a blue/green switch, which still holds it on this connection). close()
+    frees them all.
 
     Too large: a request whose frame body is over ``max_frame`` bytes (default 65,536,
     the daemon's default --max-frame) is not sent; check() raises RequestTooLargeError,
@@ -290,10 +298,10 @@ class Client:
     def release(self, lease):
         """Free the slots ``lease`` holds; True when it did, False when the lease was
         unknown, expired or already released, and when the sidecar is unreachable or
-        gives no answer within the timeout or the client is closed (the connection that
-        took the lease is then closed, once it holds no other, which frees it; else it
-        expires): call it in a finally, it raises only ProtocolError, on an error answer
-        (a malformed release)."""
+        gives no answer within the timeout or the client is closed (on False the
+        connection that took the lease is closed, once it holds no other, which frees it
+        where it may still be held; else it expires): call it in a finally, it raises
+        only ProtocolError, on an error answer (a malformed release)."""
         if not lease:
             return False
         try:
@@ -304,22 +312,33 @@ class Client:
             # when a stalled sidecar runs again). Before, it was kept open until the lease
             # expired (up to an hour): a sidecar restarted under load left one descriptor
             # open, on a dead connection, per leased request that ended meanwhile.
-            conn = self._forget_lease(lease)
-            if conn is not None:
-                conn.sock.close()
-            return False
-        conn = self._forget_lease(lease)
+            msg = None
+        released = msg is not None and bool(msg.get("released", False))
+        # Answered false: the sidecar that answered does not hold the lease. The one the
+        # connection goes to may (a blue/green switch: the release went to the successor
+        # on the socket's path; the old sidecar holds the lease on this connection), so
+        # it is closed as for no answer, which frees it there. Before, it was pooled again:
+        # the lease stayed held on the old sidecar, and the checks sent on the connection
+        # went to that sidecar, a concurrency rule's refused by the slot of the request
+        # that had ended (test_release_answered_false_closes_the_set_aside_connection).
+        conn = self._forget_lease(lease, unsure=not released)
         if conn is not None:
-            self._put(conn)  # it holds no lease any more: usable again
-        return bool(msg.get("released", False))
+            if conn.unsure:
+                conn.sock.close()
+            else:
+                self._put(conn)  # it holds no lease any more: usable again
+        return released
 
-    def _forget_lease(self, lease):
-        """Forget lease (released, or its release unanswered); return the connection set
-        aside for it when it holds no other lease now, taken out of the set-aside ones."""
+    def _forget_lease(self, lease, unsure=False):
+        """Forget lease (released; unsure: its release unanswered or answered false, and
+        then the connection that took it is closed once it holds no other); return the
+        connection set aside for it when it holds no other lease now, taken out of the
+        set-aside ones."""
         with self._lock:
             conn = self._lease_conn.pop(lease, None)
             if conn is None:
                 return None
+            conn.unsure = conn.unsure or unsure
             conn.leases -= 1
             if conn.leases > 0 or conn not in self._holding:
                 return None
@@ -636,7 +655,7 @@ class Client:
             if not self._closed and conn.leases > 0:
                 self._holding.add(conn)  # kept open for its leases, not used (see the class doc)
                 return
-            if not self._closed and len(self._idle) < self.pool_size:
+            if not self._closed and not conn.unsure and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
                 if self._waiting:
                     self._put_back.notify()
@@ -663,6 +682,7 @@ class Client:
             for conn in [c for c in self._holding if now >= c.hold_until]:
                 self._holding.discard(conn)
                 conn.leases = 0
+                conn.unsure = False  # (expired: the sidecar holds none of them)
                 freed.append(conn)
             if freed:
                 gone = set(freed)

@@ -1,5 +1,6 @@
 """Concurrency leases through the blocking client, against the real daemon."""
 
+import os
 import threading
 
 import pytest
@@ -956,3 +957,30 @@ def test_wsgi_renewal_thread_that_cannot_start_frees_the_slot(make_daemon, monke
             with pytest.raises(RuntimeError, match="can't start new thread"):
                 mw({}, lambda status, headers, exc_info=None: None)
         assert c.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the failed request's lease holds the slot"
+
+
+def test_release_answered_false_closes_the_set_aside_connection(make_daemon):
+    """A release answered ``released: false`` came from a sidecar that does not hold the
+    lease; the one the connection set aside for it goes to may. In a blue/green switch
+    the successor takes the socket's path, the release goes to it (unknown there: false),
+    and the old sidecar holds the lease on that connection: it is closed, as for a release
+    unanswered, which frees the lease there. Before, it was pooled again: the slot stayed
+    held on the old sidecar, and the next check went on that connection to it and was
+    refused by the slot of the request that had ended."""
+    rules = RULES.replace("max: 2", "max: 1")
+    old, new = make_daemon(rules), make_daemon(rules)
+    with rlsidecar.Client(old.socket, timeout=2) as c, rlsidecar.Client(old.socket, timeout=2) as watch:
+        watch.ping()  # its pooled connection stays on the old sidecar: it sees that one's slot
+        held = c.check({"user": "ann"})
+        assert held.allowed and held.lease
+        (conn,) = c._holding
+        os.rename(new.socket, old.socket)  # the successor takes the path
+        assert c.release(held.lease) is False  # the successor does not know it
+        # The old sidecar freed the slot when the connection closed (a check that finds
+        # it full first frees the leases of connections their clients have closed).
+        assert watch.check({"user": "ann"}, cost=0).rules[0].remaining == 1, "the old sidecar still holds the lease"
+        d = c.check({"user": "ann"})
+        assert d.allowed and d.lease, "refused: the check went to the old sidecar, on the connection set aside"
+        assert c.release(d.lease) is True  # the successor's own lease
+        assert not c._holding and not c._lease_conn
+        assert conn.sock.fileno() == -1 and conn not in c._idle, "the connection set aside is used again"
