@@ -2,6 +2,7 @@
 
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -77,6 +78,15 @@ class _NotRead(Exception):
         super().__init__(why)
         self.farewell = farewell
         self.answered = answered
+
+
+class _WriteCut(Exception):
+    """A write failed (err: EPIPE, ECONNRESET) after sent bytes of its data went out."""
+
+    def __init__(self, err, sent):
+        super().__init__(str(err))
+        self.err = err
+        self.sent = sent
 
 
 class _Conn:
@@ -241,7 +251,14 @@ class Client:
         out = []
         err = None
         keep = conn is not None
+        unanswered = None  # (cause, count) of the requests written whole with no answer
         for i, msg in enumerate(msgs):
+            if isinstance(msg, str):
+                # Written whole before a failed write, and no answer came: the daemon may
+                # have read it (_read_after_cut).
+                out.append(self._policy(msg))
+                unanswered = (msg, (unanswered[1] if unanswered else 0) + 1)
+                continue
             mid = msg.get("id")
             e = _proto.error_of(msg)
             if mid != ids[i] and not (e is not None and mid == 0):
@@ -275,9 +292,11 @@ class Client:
                         conn.hold_until = max(conn.hold_until, hold)
                         self._lease_conn[d.lease] = conn
                 out.append(d)
+        if unanswered is not None:
+            self._outage.unreachable(*unanswered)
         if lost is not None:
             out.extend(self._unreachable(lost, len(checks) - len(msgs)))
-        elif self._outage.failing:
+        elif unanswered is None and self._outage.failing:
             self._outage.answered()
         if keep:
             self._put(conn)
@@ -406,7 +425,9 @@ class Client:
         the ids they were sent with, the answer maps, the index of the first answered on
         conn), conn not yet back in the pool; or a str saying why there is no answer (the
         connection is then closed), or, when requests were answered before a farewell and
-        the rest got none, (None, their ids, their answers, their count, why).
+        the rest got none, (None, their ids, their answers, their count, why). An answer
+        may be a str: the policy's cause for a request written whole before a failed
+        write, which got no answer (_read_after_cut).
 
         A pooled connection may be one the daemon has closed since its last answer (a
         restart, --idle-timeout). Sent on such a connection, a request is sent again, once,
@@ -423,12 +444,15 @@ class Client:
           In a batch, the farewell may come after the answers to its first requests (a
           window of BATCH_WINDOW sent after the drain began): those answers stand, and
           only the requests after them are sent again.
+        - a write of a batch fails after its first bytes went out: the requests the
+          socket never took whole were not read, and are sent again; the answers to those
+          it took whole are read, and one of those that gets none (the daemon died or
+          closed while deciding it) answers by the policy (_read_after_cut).
 
         Never after end-of-file with no answer: on a Unix socket that means the daemon took
         every byte sent (a daemon closing with bytes unread resets the connection instead),
         then closed without answering: it died, or a drain timed out, while deciding a
-        request it may have counted. Nor for a batch whose first write went through: the
-        daemon may have decided its first requests before closing unread the rest. Except
+        request it may have counted. Except
         for an idempotent request (a release: releasing twice frees nothing more), sent
         again once after such an end too: to the daemon's successor on the socket, which
         frees a global lease the dead daemon may not have (the Go, Node and asyncio clients
@@ -499,7 +523,7 @@ class Client:
             except BaseException:  # interrupted: the connection is out of step
                 conn.sock.close()
                 raise
-            e = _proto.error_of(msgs[0]) if msgs and msgs[0].get("id") == 0 else None
+            e = _proto.error_of(msgs[0]) if msgs and isinstance(msgs[0], dict) and msgs[0].get("id") == 0 else None
             if e is not None and e[0] == "too_many_connections" and not conn.served:
                 # Refused as it was accepted (--max-conns), before any answer: a failed dial,
                 # backed off. Before, every check dialed a daemon at its cap again at once.
@@ -545,21 +569,19 @@ class Client:
                     raise
                 if n < len(data):
                     try:
-                        conn.sock.sendall(memoryview(data)[n:])
-                    except (BrokenPipeError, ConnectionResetError) as e:
+                        self._send_rest(conn, data, n)
+                    except _WriteCut as cut:
                         if len(frames) > 1:
-                            self._read_to_refusal(conn, deadline, msgs, len(frames), e)
-                            return msgs  # the last frame was the one refused
+                            return self._read_after_cut(conn, deadline, msgs, window, len(frames), cut)
                         refused = self._refused(conn, deadline)
                         if refused is None:
-                            raise
+                            raise cut.err from None
                         return [refused]
             else:
                 try:
-                    conn.sock.sendall(data)
-                except (BrokenPipeError, ConnectionResetError) as e:
-                    self._read_to_refusal(conn, deadline, msgs, len(frames), e)
-                    return msgs  # the last frame was the one refused
+                    self._send_rest(conn, data, 0)
+                except _WriteCut as cut:
+                    return self._read_after_cut(conn, deadline, msgs, window, len(frames), cut)
             for _ in window:
                 msg = self._read(conn, deadline, unread_is_stale=pooled and len(frames) == 1)
                 e = _proto.error_of(msg) if msg.get("id") == 0 else None
@@ -584,21 +606,64 @@ class Client:
             if e is not None and e[0] == "frame_too_large":
                 raise _NotRead("the sidecar closed the connection: frame_too_large", answered=msgs)
 
-    def _read_to_refusal(self, conn, deadline, msgs, total, err):
-        """A write of a batch failed: read the answers the daemon wrote before it stopped
-        reading, onto msgs, up to its frame_too_large (then _past_refusal raises _NotRead,
-        or msgs has every answer and returns); raise err when there is none."""
-        while len(msgs) < total:
+    @staticmethod
+    def _send_rest(conn, data, sent):
+        """Write data[sent:] on conn; a write that fails (EPIPE, ECONNRESET) raises
+        _WriteCut, which says how many bytes of data went out before it."""
+        view = memoryview(data)
+        try:
+            while sent < len(data):
+                sent += conn.sock.send(view[sent:])
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _WriteCut(e, sent) from None
+
+    def _read_after_cut(self, conn, deadline, msgs, window, total, cut):
+        """A write of a batch failed (cut) after the first bytes went out: the window's
+        frames written whole before it may have been read; those after, and the one cut
+        short, were not. Read the answers the daemon wrote before it stopped reading, onto
+        msgs: to the frames written whole, and then any already come (its frame_too_large
+        to a frame it refused from the header; _past_refusal raises _NotRead after one).
+        Return msgs when every frame has its answer. Else raise _NotRead for the frames
+        after those read or written whole, which _exchange sends again on a new
+        connection; a frame written whole with no answer (the daemon died or closed
+        while deciding it) answers by the policy (a cause str in place of its answer).
+        Before, a failure after the first write gave the whole batch the policy: 256 of
+        256 checks of a batch written to a frozen sidecar that was then killed and
+        restarted, the 149 the socket never took included."""
+        whole, end = 0, 0
+        for f in window:
+            end += len(f)
+            if end > cut.sent:
+                break
+            whole += 1
+        want = len(msgs) + whole  # the frames written whole: the windows before were all answered
+        why = "connection lost: %s" % cut.err
+        while len(msgs) < total and (len(msgs) < want or conn.buf or self._readable(conn)):
             try:
                 msg = self._read(conn, deadline)
             except (OSError, ValueError):
                 break
+            e = _proto.error_of(msg) if msg.get("id") == 0 else None
+            if e is not None and e[0] == "shutting_down":
+                raise _NotRead("the sidecar closed the connection: shutting_down", farewell=True, answered=msgs)
             msgs.append(msg)
             self._past_refusal(msg, msgs, total)
-            e = _proto.error_of(msg)
-            if e is not None and e[0] == "frame_too_large":
-                return
-        raise err
+        if len(msgs) < want:
+            msgs.extend([why] * (want - len(msgs)))  # written whole, unanswered: may have been read
+        if len(msgs) >= total:
+            return msgs
+        if not msgs and not conn.served:
+            raise cut.err  # a new connection that answered nothing: a failed attempt, backed off
+        raise _NotRead(why, answered=msgs)
+
+    @staticmethod
+    def _readable(conn):
+        """Whether conn has bytes, its end or an error to read now, without waiting (a
+        recv on a socket with a timeout waits for it, MSG_DONTWAIT or not)."""
+        try:
+            return bool(select.select([conn.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True  # the read says what
 
     def _refused(self, conn, deadline):
         """The answer the daemon wrote before it stopped reading a request we were still

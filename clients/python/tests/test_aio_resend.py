@@ -503,3 +503,74 @@ def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
     assert [d.rule for d in ds] == ["u%04d" % i for i in range(n)]
     twice = {u: k for u, k in decided.items() if k != 1}
     assert twice == {}, "decided more than once: %s" % list(twice.items())[:5]
+
+
+def test_blocking_batch_cut_by_a_read_shut_sends_the_rest_again(short_tmp):
+    """Client: a check_many batch larger than the socket takes, on a pooled connection
+    whose sidecar then shuts its read side (as the daemon at --idle-timeout does), answers
+    what the socket held and closes. The rest of the write fails (EPIPE): the answers to
+    the requests the socket took whole stand, and the requests it never took whole go
+    again on a new connection. Each decided once, none by on_unavailable. Before, the
+    whole batch got on_unavailable (a 503 under "closed"), the answered ones included. The
+    shut is timed by the socket's own short write, not by a sleep."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop, full = threading.Event(), threading.Event()
+    decided, lock = collections.Counter(), threading.Lock()
+
+    def answer(c, req):
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        answer_user(c, req)
+
+    def serve(c, first):
+        with c:
+            if first:
+                answer(c, read_frame(c))  # it served: pooled
+                full.wait(10)
+                c.shutdown(socket.SHUT_RD)  # the client's next write fails: EPIPE
+                while True:  # what the socket held, answered; a frame cut short is not
+                    head = c.recv(4, socket.MSG_WAITALL)
+                    if len(head) < 4:
+                        return
+                    n = struct.unpack(">I", head)[0]
+                    body = c.recv(n, socket.MSG_WAITALL)
+                    if len(body) < n:
+                        return
+                    answer(c, msgpack.unpackb(body, raw=False))
+            while not stop.is_set():
+                req = read_frame(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    t = serve_each(unix_listener(path), stop, serve)
+    try:
+        with rlsidecar.Client(path, timeout=10, pool_size=1, on_unavailable="closed") as c:
+            assert c.check({"user": "warm"}).rule == "warm"
+            (conn,) = c._idle
+
+            class ShutWhenFull:
+                def __init__(self, sock):
+                    self.sock = sock
+
+                def send(self, data):
+                    n = self.sock.send(data)
+                    if n < len(data):
+                        full.set()
+                    return n
+
+                def __getattr__(self, name):
+                    return getattr(self.sock, name)
+
+            conn.sock = ShutWhenFull(conn.sock)
+            users = ["u%03d" % i for i in range(256)]
+            ds = c.check_many([({"user": u, "path": "/" + "x" * 2000}, 1, None) for u in users])
+            assert full.is_set(), "the socket took the whole batch"
+    finally:
+        stop.set()
+        t.join()
+    policy = [i for i, d in enumerate(ds) if d.unreachable]
+    assert policy == [], "%d of 256 answered by on_unavailable: %s" % (len(policy), ds[policy[0]].cause)
+    assert [d.rule for d in ds] == users
+    twice = {u: k for u, k in decided.items() if k != 1}
+    assert twice == {}, "decided more than once: %s" % list(twice.items())[:5]

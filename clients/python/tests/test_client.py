@@ -2,6 +2,7 @@
 and a sidecar that is missing, stalled or restarted."""
 
 import os
+import struct
 import threading
 import time
 
@@ -297,6 +298,55 @@ def test_restart_every_pooled_connection_recovers(daemon):
         assert c.ping()
         # Each stale one was closed and dropped; the two fresh ones are pooled.
         assert len(c._idle) == 2 and all(conn.sock.fileno() >= 0 for conn in c._idle)
+
+
+def test_batch_cut_by_a_kill_sends_again_what_the_socket_never_took(daemon):
+    """A check_many batch larger than the socket takes, written to a frozen sidecar that is
+    killed, and a successor started, just as the socket stops taking it: the rest of the
+    write fails. The requests the socket held whole may have been read (the killed sidecar
+    may have counted them): those answer by the policy. The ones it never took whole were
+    not read: they are sent again, once, on a new connection to the successor, each
+    counted once. Before, a failure after the batch's first write gave every request the
+    policy (256 of 256 here, about 150 never written). The kill is timed by the socket's
+    own short write, not by a sleep."""
+    with rlsidecar.Client(daemon.socket, timeout=10, pool_size=1, on_unavailable="closed") as c:
+        c.ping()
+        (conn,) = c._idle
+        daemon.pause()
+
+        class KilledWhenFull:
+            """The pooled socket: the first write the socket does not take whole kills the
+            frozen daemon and starts its successor on the socket's path."""
+
+            def __init__(self, sock):
+                self.sock, self.cut, self.held = sock, False, 0
+
+            def send(self, data):
+                n = self.sock.send(data)
+                if n < len(data) and not self.cut:
+                    self.cut = True
+                    at = 0  # the frames the socket took whole
+                    while at + 4 <= n and at + 4 + struct.unpack(">I", data[at:at + 4])[0] <= n:
+                        at += 4 + struct.unpack(">I", data[at:at + 4])[0]
+                        self.held += 1
+                    daemon.proc.kill()
+                    daemon.proc.wait()
+                    daemon.start()
+                return n
+
+            def __getattr__(self, name):
+                return getattr(self.sock, name)
+
+        conn.sock = KilledWhenFull(conn.sock)
+        ds = c.check_many([({"user": "u%03d" % i, "path": "/" + "x" * 2000}, 1, None) for i in range(256)])
+        assert conn.sock.cut, "the socket took the whole batch"
+        policy = [i for i, d in enumerate(ds) if d.unreachable]
+        assert policy == list(range(conn.sock.held)), "%d of 256 answered by the policy (%s); the socket held %d" % (
+            len(policy), ds[0].cause, conn.sock.held)
+        for d in ds[len(policy):]:
+            # Sent again once: the successor's first count of each user (5 a minute).
+            assert d.allowed and d.rule == "per-user" and d.remaining == 4, (d.remaining, d.cause)
+        assert c.check({"user": "u255"}).remaining == 3  # the client goes on
 
 
 def test_idle_timeout_closes_pooled_connections(make_daemon):
