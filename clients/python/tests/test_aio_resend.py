@@ -381,6 +381,15 @@ def test_farewell_after_a_failed_write_sends_the_unread_checks_again(short_tmp):
         assert not d.unreachable and d.rule == user, (user, d.cause)
 
 
+def _frames_the_socket_holds(path):
+    """The most frames of a check of user u0000 and this path that a Unix socket holds
+    unread: its send buffer (net.core.wmem_default) counts at least their bytes."""
+    frame_len = len(rlsidecar._proto.frame(rlsidecar._proto.body(
+        rlsidecar._proto.check_message(0, {"user": "u0000", "path": path}, 1, None)), 1))
+    with open("/proc/sys/net/core/wmem_default") as f:
+        return int(f.read()) // frame_len + 1
+
+
 def test_checks_the_socket_never_took_are_sent_again_after_a_kill(daemon):
     """Checks written faster than a frozen sidecar reads fill the socket; asyncio keeps
     what it will not take in its write buffer. The sidecar is then killed (SIGKILL) and a
@@ -391,12 +400,10 @@ def test_checks_the_socket_never_took_are_sent_again_after_a_kill(daemon):
     unread. Before, asyncio's buffer held all the frames after the first ~170 here, its
     failed write dropped them, and only the last check was sent again: all the others got
     on_unavailable (a 503 under "closed"), 1,999 of 2,000 here."""
-    frame_len = len(rlsidecar._proto.frame(rlsidecar._proto.body(
-        rlsidecar._proto.check_message(0, {"user": "u0000", "path": "/" + "x" * 200}, 1, None)), 1))
-    with open("/proc/sys/net/core/wmem_default") as f:
-        held = int(f.read()) // frame_len + 1  # the most frames the socket can hold
-    n = 2000
-    assert held < n // 2, "the socket holds %d frames: too many for this test" % held
+    held = _frames_the_socket_holds("/" + "x" * 200)
+    n = max(2000, 2 * held)
+    if n >= rlsidecar.aio.MAX_PENDING:
+        pytest.skip("the socket holds %d frames: more than this test can fill it with" % held)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -436,6 +443,9 @@ def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
     on_unavailable. Before, asyncio's buffer held the frames the socket would not take,
     and its failed write dropped them; read_rest sent only the last again, and the others
     got on_unavailable (1,832 of 2,000 here)."""
+    n = max(2000, 2 * _frames_the_socket_holds("/" + "x" * 200))
+    if n >= rlsidecar.aio.MAX_PENDING:
+        pytest.skip("the socket holds %d frames: more than this test can fill it with" % (n // 2))
     path = os.path.join(short_tmp, "s.sock")
     stop, full, redialed = threading.Event(), threading.Event(), threading.Event()
     decided, lock = collections.Counter(), threading.Lock()
@@ -478,7 +488,6 @@ def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
                 answer(c, req)
 
     t = serve_each(srv, stop, serve)
-    n = 2000
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -565,7 +574,8 @@ def test_blocking_batch_cut_by_a_read_shut_sends_the_rest_again(short_tmp):
             conn.sock = ShutWhenFull(conn.sock)
             users = ["u%03d" % i for i in range(256)]
             ds = c.check_many([({"user": u, "path": "/" + "x" * 2000}, 1, None) for u in users])
-            assert full.is_set(), "the socket took the whole batch"
+            if not full.is_set():
+                pytest.skip("the socket took the whole batch: nothing to cut")
     finally:
         stop.set()
         t.join()
