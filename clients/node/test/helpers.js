@@ -86,20 +86,49 @@ class Daemon {
   }
 
   /** Stops the daemon with SIGSTOP and waits until it is stopped: a stalled sidecar. */
-  async pause() {
-    this.proc.kill('SIGSTOP');
-    const deadline = Date.now() + 5000;
-    while (Date.now() < deadline) {
-      const stat = fs.readFileSync(`/proc/${this.proc.pid}/stat`, 'utf8');
-      if (stat.slice(stat.lastIndexOf(')') + 2).startsWith('T')) return;
-      await new Promise((r) => setTimeout(r, 1));
-    }
-    throw new Error('the daemon did not stop');
+  pause() {
+    return freeze(this.proc, 'the daemon');
   }
 
   resume() {
     this.proc.kill('SIGCONT');
   }
+}
+
+// freeze stops the child process proc with SIGSTOP and waits until it is stopped.
+async function freeze(proc, what) {
+  proc.kill('SIGSTOP');
+  const deadline = Date.now() + 5000;
+  while (Date.now() < deadline) {
+    const stat = fs.readFileSync(`/proc/${proc.pid}/stat`, 'utf8');
+    if (stat.slice(stat.lastIndexOf(')') + 2).startsWith('T')) return;
+    await new Promise((r) => setTimeout(r, 1));
+  }
+  throw new Error(`${what} did not stop`);
+}
+
+// waitFor polls cond every 10 ms until it holds, failing after ms.
+async function waitFor(what, ms, cond) {
+  const deadline = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+/**
+ * A redis-server on a Unix socket in a temp directory (no TCP port), killed when the test
+ * ends: { socket, proc, freeze() (SIGSTOP, awaited: a Redis that stalls), thaw() }.
+ */
+async function startRedis(t) {
+  const socket = path.join(tempDir(t), 'r.sock');
+  const proc = spawn('redis-server', ['--port', '0', '--unixsocket', socket, '--save', '', '--appendonly', 'no'], { stdio: 'ignore' });
+  t.after(() => {
+    proc.kill('SIGCONT');
+    proc.kill('SIGKILL');
+  });
+  await waitFor('redis-server', 10000, () => fs.existsSync(socket));
+  return { socket, proc, freeze: () => freeze(proc, 'redis-server'), thaw: () => proc.kill('SIGCONT') };
 }
 
 async function startDaemon(t, rules = RULES, args = []) {
@@ -164,4 +193,4 @@ async function inOneWindow(windowMs, run) {
   }
 }
 
-module.exports = { ROOT, RULES, Daemon, binary, tempDir, startDaemon, standIn, inOneWindow };
+module.exports = { ROOT, RULES, Daemon, binary, tempDir, startDaemon, startRedis, waitFor, standIn, inOneWindow };

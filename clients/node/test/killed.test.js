@@ -4,24 +4,12 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { spawn, spawnSync, execFileSync } = require('child_process');
+const { spawnSync, execFileSync } = require('child_process');
 const fs = require('fs');
-const path = require('path');
 
 const rl = require('..');
 const proto = require('../lib/proto');
-const { Daemon, tempDir } = require('./helpers');
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-// waitFor polls cond every 10 ms until it holds, failing after ms.
-async function waitFor(what, ms, cond) {
-  const deadline = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms} ms`);
-    await sleep(10);
-  }
-}
+const { Daemon, startRedis, tempDir, waitFor } = require('./helpers');
 
 // unreadOn returns the bytes the connections accepted on the Unix socket path hold unread
 // (ss's Recv-Q).
@@ -37,11 +25,7 @@ function unreadOn(sock) {
 const hasTools = spawnSync('redis-server', ['--version']).status === 0 && spawnSync('ss', ['-V']).status === 0;
 
 test('releases pending on a killed sidecar are sent to its successor', { skip: !hasTools && 'needs redis-server and ss' }, async (t) => {
-  const dir = tempDir(t);
-  const redisSock = path.join(dir, 'r.sock');
-  const redis = spawn('redis-server', ['--port', '0', '--unixsocket', redisSock, '--save', '', '--appendonly', 'no'], { stdio: 'ignore' });
-  t.after(() => redis.kill('SIGKILL'));
-  await waitFor('redis-server', 10000, () => fs.existsSync(redisSock));
+  const redisSock = (await startRedis(t)).socket;
   const rules = `
 rules:
   - name: exports
