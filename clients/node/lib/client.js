@@ -131,27 +131,41 @@ class Conn {
     this.holdUntil = 0;
     this.retired = false;
     this.expiry = null;
-    // Every write's callback: a write that failed (EPIPE, ECONNRESET) may have failed
-    // because the sidecar answered and closed (frame_too_large, too_many_connections),
-    // its answer still unread; the callback runs before the socket is destroyed.
-    this.onWritten = (e) => {
-      if (e) {
-        this.writeFailed = true;
-        this.readLeft();
-      }
-    };
-    // A write failed, or the connection was reset with no byte of an answer come: the
-    // last pending check's frame was not all read by the sidecar (a graceful restart's
-    // drain answers what a connection held, then closes it; a check written meanwhile is
-    // unread), so it was not decided: fail sends it again (see resendable).
-    this.writeFailed = false;
+    // The connection was reset with no byte of an answer come: the last pending check's
+    // frame was not all read by the sidecar (the unread bytes are the end of the
+    // stream), so it was not decided: fail sends it again.
     this.resetUnread = false;
+    // Bytes of the frames given to the socket (queued: each entry's end is the offset
+    // just past its frame) and handed to the kernel's writes (dispatched), from the
+    // start: a failed write says which checks it held (see writeFailed).
+    this.queued = 0;
+    this.dispatched = 0;
+    // Why a write failed (null: none did): nothing more is written on the connection,
+    // which still reads the answers to come to the checks written before (see
+    // writeFailed); cutTimer ends that reading.
+    this.cut = null;
+    this.cutTimer = null;
+    // The write that failed took no byte (the kernel holds whole frames only, up to it).
+    this.cutWhole = false;
+    // A failed write does not destroy the socket, as Node does with a write's error:
+    // the sidecar at --idle-timeout shuts an idle connection's read side, answers what
+    // it held, then closes it, so a check written after the shut fails its write while
+    // the answer to one written before is still to come. Before, Node destroyed the
+    // socket at the failed write, and that check, decided (counted) by the sidecar, got
+    // the policy. Each write goes through dispatch, which notes what it held and takes
+    // its error (see writeFailed).
+    const { _write, _writev } = net.Socket.prototype;
+    socket._write = (data, encoding, cb) => this.dispatch(data.length, cb, (done) => _write.call(socket, data, encoding, done));
+    socket._writev = (chunks, cb) => {
+      let n = 0;
+      for (const c of chunks) n += c.chunk.length;
+      this.dispatch(n, cb, (done) => _writev.call(socket, chunks, done));
+    };
     // The id of the first check whose frame certainly never reached the sidecar (0: none
-    // known): its write failed as it was made, before the kernel took a byte of it (a
-    // connection the sidecar had closed: --idle-timeout, a daemon that died), or it was
-    // written on a socket that could no longer write, or it came after a frame the
-    // sidecar refused as too large (it reads nothing more). Every check from it on was
-    // not read, so not decided: fail sends each again (the Go client's unsentFrom).
+    // known): it was written on a socket that could no longer write, or it came after a
+    // frame the sidecar refused as too large (it reads nothing more). Every check from it
+    // on was not read, so not decided: fail sends each again (the Go client's
+    // unsentFrom). Those of a failed write are sent again by writeFailed.
     this.unsentFrom = 0;
     socket.on('data', (chunk) => this.onData(chunk));
     socket.on('error', (e) => {
@@ -161,15 +175,84 @@ class Conn {
     socket.on('close', () => this.fail('the sidecar closed the connection'));
   }
 
+  // dispatch makes a write of n bytes (write(done)) for the socket's stream, whose
+  // callback is cb. A write that fails is the connection's (writeFailed), not the
+  // stream's: cb is told it succeeded, so Node keeps the socket and reads on. Once a
+  // write has failed, nothing more is written: a later frame certainly never reaches the
+  // sidecar, which may not read it twice if it got through after one sent again.
+  dispatch(n, cb, write) {
+    if (this.cut !== null || this.broken !== null) {
+      cb();
+      return;
+    }
+    const from = this.dispatched;
+    this.dispatched += n;
+    let sync = true;
+    write((e) => {
+      // Failed as it was made (in write): the kernel took no byte of it. Failed later,
+      // from the event loop: it took some, never the last.
+      if (e) this.writeFailed(e, sync ? from : from + n - 1, sync);
+      cb();
+    });
+    sync = false;
+  }
+
+  // writeFailed ends the writing of a connection whose write failed (EPIPE, ECONNRESET):
+  // the sidecar closed it (a graceful restart's drain answers what a connection held,
+  // then closes it; a daemon that died), or shut its read side (--idle-timeout). Every
+  // check whose frame ends past the offset unread (the write's first byte, when the
+  // kernel took none of it; else its last, never taken) was not read, so not decided,
+  // and is sent again, once, on another connection within its timeout. The checks
+  // before it may have been read: the connection is detached (the next check redials)
+  // but reads on, for up to timeoutMs, until each is answered; one still unanswered when
+  // the sidecar closes it gets the policy, as at any end of file.
+  writeFailed(e, unread, whole) {
+    if (this.broken !== null) return;
+    this.readLeft(); // an answer come already (frame_too_large, too_many_connections, a farewell) says more
+    if (this.broken !== null) return;
+    const client = this.slot.client;
+    if (this.cut === null) {
+      this.cut = `connection lost: ${e.message}`;
+      this.cutWhole = whole;
+      this.slot.detach(this, this.cut);
+      this.cutTimer = setTimeout(() => this.giveUp(this.cut), client.timeoutMs);
+      if (typeof this.cutTimer.unref === 'function') this.cutTimer.unref();
+    }
+    let i = this.pending.length;
+    while (i > this.head && this.pending[i - 1].end > unread) i--;
+    const again = this.pending.splice(i);
+    for (const en of again) {
+      if (en.settled) continue;
+      if (en.resent || en.msg === null || client.closed) {
+        en.done(null, this.cut);
+        continue;
+      }
+      en.resent = true;
+      en.conn = null;
+      client.route(en);
+    }
+    client.reroute();
+    this.cutDone();
+  }
+
+  // cutDone ends a connection whose write failed once every check written on it before is
+  // answered: closed, or retired while it holds leases (see giveUp). The sidecar keeps a
+  // connection it shut for idleness open while it holds a lease (one a check written as
+  // the timeout fired took): closing it would free the slot of a request still running.
+  cutDone() {
+    if (this.cut !== null && this.head === this.pending.length) this.giveUp(this.cut);
+  }
+
   // readLeft reads, at once, what the sidecar wrote before a write failed, and hands it to
   // onData. The sidecar refuses a frame over its --max-frame from its header: it answers
   // frame_too_large and closes, and the write of the rest fails (EPIPE), though the answer
   // is already in the receive queue; one over its --max-conns is answered
   // too_many_connections and closed as it connects, before the first check is read. libuv may report that failure
   // before reading (when the poll said only "writable"), and the socket is then destroyed,
-  // its answer unread: the check would get the policy, not its 431. A write's callback
-  // runs before that destroy, so the answer is read here, from the socket's descriptor
-  // (non-blocking: it stops at EAGAIN, or at the end).
+  // its answer unread: the check would get the policy, not its 431. Node no longer
+  // destroys it there (dispatch), but the answer is still read here, at once, from the
+  // socket's descriptor (non-blocking: it stops at EAGAIN, or at the end), before
+  // writeFailed takes the checks it may concern for unread.
   readLeft() {
     const h = this.socket._handle;
     const fd = h ? h.fd : -1;
@@ -190,6 +273,8 @@ class Conn {
   send(entry, frame) {
     entry.id = ++this.nextId;
     entry.conn = this;
+    this.queued += frame.length;
+    entry.end = this.queued;
     this.pending.push(entry);
     // A socket that can no longer write (its write failed, or it is ending) sends nothing
     // more: this frame never goes out.
@@ -197,21 +282,13 @@ class Conn {
     // Frames written in the same tick go out in one write.
     if (!this.corked) {
       this.corked = true;
-      const first = entry.id;
       this.socket.cork();
       process.nextTick(() => {
         this.corked = false;
-        const before = this.socket.errored;
         this.socket.uncork();
-        // The write failed within uncork: the kernel refused its first byte (a write that
-        // took some bytes fails later, from the event loop), so none of this tick's
-        // frames, nor any after them, reached the sidecar. Before, only the last check
-        // pending was sent again: under --idle-timeout, every check but one of those
-        // written together on a connection the daemon had just closed got the policy.
-        if (!before && this.socket.errored && this.unsentFrom === 0) this.unsentFrom = first;
       });
     }
-    this.socket.write(frame, this.onWritten);
+    this.socket.write(frame);
   }
 
   // timedOut notes a check this connection left unanswered for the whole timeout: the
@@ -336,7 +413,8 @@ class Conn {
       }
     }
     this.buf = off === buf.length ? null : buf.subarray(off);
-    if (!this.retired) this.slot.client.admit(this);
+    if (this.cut !== null) this.cutDone();
+    else if (!this.retired) this.slot.client.admit(this);
   }
 
   // fail breaks the connection once: every pending check gets the policy decision, but
@@ -351,6 +429,7 @@ class Conn {
     if (this.broken !== null) return;
     this.broken = why;
     this.socket.destroy();
+    clearTimeout(this.cutTimer);
     this.slot.detach(this);
     if (this.retired) {
       this.slot.client.retired.delete(this);
@@ -390,18 +469,21 @@ class Conn {
       client.reroute();
       return;
     }
-    // The last pending check, when its frame certainly was not all read (writeFailed,
-    // resetUnread: the unread bytes are the end of the stream), and every check from
-    // unsentFrom on (their frames never reached the sidecar), is sent again, once, on
-    // another connection within its timeout; a check before them may have been read and
-    // decided, and answers by the policy, as every check does after end-of-file.
+    // The last pending check, when its frame certainly was not all read (resetUnread: the
+    // unread bytes are the end of the stream; after a failed write, only if it took no
+    // byte: else the stream ends in a frame the write began, which writeFailed sent
+    // again, or one before it), and every check from unsentFrom on (their frames never
+    // reached the sidecar), is sent again, once, on another connection within its
+    // timeout (so were those of a failed write: writeFailed); a check before them may
+    // have been read and decided, and answers by the policy, as every check does after
+    // end-of-file.
     // A release may have been read, but releasing is idempotent: it is sent again too,
     // once, to the sidecar's successor when this one died (SIGKILL), which frees a global
     // lease's slots in Redis. Failed, they stayed held for the whole lease with no
     // request running.
     const client = this.slot.client;
     let last = pending.length - 1;
-    if (last < head || !(this.writeFailed || this.resetUnread) || pending[last].resent || pending[last].msg === null) last = -1;
+    if (last < head || !this.resetUnread || (this.cut !== null && !this.cutWhole) || pending[last].resent || pending[last].msg === null) last = -1;
     const again = [];
     for (let i = head; i < pending.length; i++) {
       const en = pending[i];
@@ -488,11 +570,11 @@ class Slot {
     this.lastError = why;
   }
 
-  detach(conn) {
+  detach(conn, why = conn.broken) {
     if (this.conn !== conn) return;
     this.conn = null;
     if (conn.served) this.failures = 0;
-    else this.failed(conn.broken);
+    else this.failed(why);
   }
 
   close() {
@@ -847,7 +929,7 @@ class Client {
     if (entry.settled) return;
     if (typeof conn === 'string') return entry.done(null, conn);
     if (conn.broken !== null) return entry.done(null, conn.broken);
-    if (conn.retired) return this.route(entry); // given up meanwhile: its slot redials
+    if (conn.retired || conn.cut !== null) return this.route(entry); // given up meanwhile: its slot redials
     if (this.waiting.size === 0 && conn.inFlight() < MAX_PENDING) {
       this.write(entry, conn);
       return;
@@ -879,7 +961,7 @@ class Client {
 
   // admit sends waiting checks on conn while it has room.
   admit(conn) {
-    while (this.waiting.size > 0 && conn.broken === null && conn.inFlight() < MAX_PENDING) {
+    while (this.waiting.size > 0 && conn.broken === null && conn.cut === null && conn.inFlight() < MAX_PENDING) {
       this.write(this.waiting.shift(), conn);
     }
   }

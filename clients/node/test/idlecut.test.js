@@ -1,0 +1,107 @@
+'use strict';
+// Connections the daemon ends under --idle-timeout. The daemon shuts an idle connection's
+// read side first: it answers what the socket held then (a check written as the timeout
+// fired), and a write after the shut fails at once (EPIPE). A check it read before the
+// shut was decided (counted), and its answer can come after that later write failed.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { execFileSync, spawnSync } = require('child_process');
+
+const rl = require('..');
+const { startDaemon, startRedis, waitFor } = require('./helpers');
+
+const hasTools = spawnSync('redis-server', ['--version']).status === 0 && spawnSync('ss', ['-V']).status === 0;
+
+// readShut reports whether the daemon has shut the read side of the one connection it
+// accepted on the Unix socket path sock: ss -e shows its end as `-->` (sends only).
+function readShut(sock) {
+  for (const line of execFileSync('ss', ['-xHne', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
+    const f = line.trim().split(/\s+/);
+    if (f.length >= 8 && f[3] === sock) return f[7] === '-->';
+  }
+  return false;
+}
+
+// here: a local rule; shared, a global one (with a Redis).
+const HERE = `
+  - name: here
+    match: { route: /l }
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: local
+`;
+const RULES = `
+rules:
+  - name: shared
+    match: { route: /g }
+    key: user
+    limit: { requests: 10, per: 1h }
+    mode: global
+${HERE}`;
+
+// A global check waits on Redis (frozen here) on a goroutine of the daemon's own, so the
+// connection goes idle with it undecided, and the daemon shuts its read side. The next
+// check's write fails (EPIPE): it goes again on a new connection, answered at once (a
+// local rule). Redis thawed, the global check is decided and answered on the old
+// connection, which the daemon closes after it. Before, that answer was lost: the client
+// failed the connection at the failed write, and the check, which Redis counted, got the
+// policy (a 503 under 'closed').
+test('a check the daemon read before an idle shut gets its answer after a later write failed', { skip: !hasTools && 'needs redis-server and ss' }, async (t) => {
+  const redis = await startRedis(t);
+  const d = await startDaemon(t, RULES, ['--redis', `unix://${redis.socket}`, '--idle-timeout', '200ms',
+    '--global-timeout', '60s', '--redis-timeout', '60s']);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 60000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  const first = await c.check({ route: '/g', user: 'ann' });
+  assert.ok(first.allowed && !first.degraded && first.remaining === 9, JSON.stringify(first));
+  await redis.freeze();
+  const pending = c.check({ route: '/g', user: 'ann' });
+  await waitFor('the daemon shut the idle connection', 30000, () => readShut(d.socket));
+  const local = await c.check({ route: '/l', user: 'ann' });
+  assert.ok(!local.unreachable, `the check written after the shut: ${local.cause}`);
+  assert.equal(local.remaining, 9);
+  redis.thaw();
+  const got = await pending;
+  assert.ok(!got.unreachable, `the check the daemon read before the shut: ${got.cause}`);
+  assert.equal(got.remaining, 8);
+  const next = await c.check({ route: '/g', user: 'ann' });
+  assert.equal(next.remaining, 7, 'the check read before the shut counted once');
+});
+
+// As above, the check waiting on a frozen Redis takes a lease (a global concurrency rule
+// of max 1), answered after the connection's write failed. The sidecar frees a lease when
+// its connection closes, and keeps a connection it shut for idleness open while it holds
+// one: the client does too, until the lease is released (then it closes it), so the
+// slot stays held while the request runs.
+test('a lease answered after a failed write keeps its connection open until released', { skip: !hasTools && 'needs redis-server and ss' }, async (t) => {
+  const redis = await startRedis(t);
+  const d = await startDaemon(t, `
+rules:
+  - name: exports
+    match: { route: /c }
+    key: user
+    concurrency: { max: 1, lease: 1h }
+    mode: global
+${HERE}`, ['--redis', `unix://${redis.socket}`, '--idle-timeout', '200ms', '--global-timeout', '60s', '--redis-timeout', '60s']);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 60000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  assert.equal((await c.check({ route: '/l', user: 'cy' })).remaining, 9);
+  const conn = c.slots[0].conn;
+  await redis.freeze();
+  const pending = c.check({ route: '/c', user: 'cy' });
+  await waitFor('the daemon shut the idle connection', 30000, () => readShut(d.socket));
+  const local = await c.check({ route: '/l', user: 'cy' });
+  assert.ok(!local.unreachable, `the check written after the shut: ${local.cause}`);
+  assert.notEqual(c.slots[0].conn, conn);
+  redis.thaw();
+  const got = await pending;
+  assert.ok(got.allowed && !got.unreachable && got.lease, JSON.stringify(got));
+  assert.ok(!conn.socket.destroyed, 'the connection holding the lease was closed: its slot freed under the request');
+  const second = await c.check({ route: '/c', user: 'cy' });
+  assert.ok(!second.allowed && !second.unreachable, `a second request beside the lease: ${JSON.stringify(second)}`);
+  assert.equal(await c.release(got.lease), true);
+  assert.ok(conn.socket.destroyed, 'the connection is closed once its lease is released');
+  const third = await c.check({ route: '/c', user: 'cy' });
+  assert.ok(third.allowed && !third.unreachable, `after the release: ${JSON.stringify(third)}`);
+});
