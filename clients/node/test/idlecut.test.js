@@ -105,3 +105,43 @@ ${HERE}`, ['--redis', `unix://${redis.socket}`, '--idle-timeout', '200ms', '--gl
   const third = await c.check({ route: '/c', user: 'cy' });
   assert.ok(third.allowed && !third.unreachable, `after the release: ${JSON.stringify(third)}`);
 });
+
+// The Go client's window: a check sent as the reader has read the end of a connection the
+// daemon closed for idleness, before the connection is marked broken, was written there
+// (EPIPE: nothing delivered) and given the end of stream, the policy. Node reads the end
+// and breaks the connection on one thread, but in steps: the read of the end (the
+// stream's push of null), the 'end' event, the 'close' event (whose handler breaks it).
+// A check is sent at each of them in turn, on a fresh connection each: every one goes on
+// a new connection, answered, and counted once.
+test('a check sent as the client reads the end of a connection closed idle goes on a new connection', async (t) => {
+  const d = await startDaemon(t, `rules:\n${HERE}`, ['--idle-timeout', '100ms']);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 10000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  assert.equal((await c.check({ route: '/l', user: 'bob' })).remaining, 9);
+  const moments = {
+    // the read of the end, before Node acts on it
+    read: (socket, send) => {
+      const push = socket.push;
+      socket.push = function (chunk, ...rest) {
+        if (chunk === null) send();
+        return push.call(this, chunk, ...rest);
+      };
+    },
+    end: (socket, send) => socket.prependListener('end', send),
+    close: (socket, send) => socket.prependListener('close', send), // before the client's own
+  };
+  let remaining = 9;
+  for (const [name, at] of Object.entries(moments)) {
+    const conn = c.slots[0].conn;
+    assert.ok(conn !== null, `${name}: no connection`);
+    let late = null;
+    at(conn.socket, () => {
+      if (late === null) late = c.check({ route: '/l', user: 'bob' });
+    });
+    await waitFor(`${name}: the daemon closed the idle connection`, 30000, () => late !== null);
+    const got = await late;
+    assert.ok(!got.unreachable, `the check sent at the ${name}: ${got.cause}`);
+    assert.equal(got.remaining, --remaining, `the check sent at the ${name} counted once`);
+    assert.notEqual(c.slots[0].conn, conn, `${name}: answered on a new connection`);
+  }
+});
