@@ -202,7 +202,7 @@ class Conn {
   // then closes it; a daemon that died), or shut its read side (--idle-timeout). Every
   // check whose frame ends past the offset unread (the write's first byte, when the
   // kernel took none of it; else its last, never taken) was not read, so not decided,
-  // and is sent again, once, on another connection within its timeout. The checks
+  // and is sent again on another connection within its timeout. The checks
   // before it may have been read: the connection is detached (the next check redials)
   // but reads on, for up to timeoutMs, until each is answered; one still unanswered when
   // the sidecar closes it gets the policy, as at any end of file.
@@ -223,7 +223,11 @@ class Conn {
     const again = this.pending.splice(i);
     for (const en of again) {
       if (en.settled) continue;
-      if (en.resent || en.msg === null || client.closed) {
+      // Its frame never reached the sidecar: sent again as often as the pool has
+      // connections, each of which the sidecar may have closed idle, unseen yet (before,
+      // once: a resend that met the pool's other such connection got the policy).
+      en.unread = (en.unread || 0) + 1;
+      if (en.unread > client.slots.length || en.msg === null || client.closed) {
         en.done(null, this.cut);
         continue;
       }

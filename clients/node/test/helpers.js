@@ -2,7 +2,7 @@
 // The real rlsidecar daemon for the tests: built once per test file with go build (or
 // taken from $RLSIDECAR_BIN), started on a temp socket with a temp rules file.
 
-const { spawnSync, spawn } = require('child_process');
+const { execFileSync, spawnSync, spawn } = require('child_process');
 const fs = require('fs');
 const os = require('os');
 const path = require('path');
@@ -179,6 +179,26 @@ async function standIn(t, name, answer) {
   return sock;
 }
 
+// peerClosed reports whether the daemon has closed its end of every connection accepted
+// on the Unix socket path sock: ss lists an accepted connection under the socket's path.
+function peerClosed(sock) {
+  for (const line of execFileSync('ss', ['-xHn', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
+    const f = line.trim().split(/\s+/);
+    if (f.length >= 4 && f[3] === sock) return false;
+  }
+  return true;
+}
+
+// readShut reports whether the daemon has shut the read side of the one connection it
+// accepted on the Unix socket path sock: ss -e shows its end as `-->` (sends only).
+function readShut(sock) {
+  for (const line of execFileSync('ss', ['-xHne', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
+    const f = line.trim().split(/\s+/);
+    if (f.length >= 8 && f[3] === sock) return f[7] === '-->';
+  }
+  return false;
+}
+
 // inOneWindow runs run(attempt) once more, with the next attempt number (for fresh keys),
 // when the boundary of a fixed window of windowMs fell within the run (at most 3 runs),
 // and returns what the last run returned. A fixed window is aligned to a multiple of its
@@ -193,4 +213,4 @@ async function inOneWindow(windowMs, run) {
   }
 }
 
-module.exports = { ROOT, RULES, Daemon, binary, tempDir, startDaemon, startRedis, waitFor, standIn, inOneWindow };
+module.exports = { ROOT, RULES, Daemon, binary, tempDir, startDaemon, startRedis, waitFor, standIn, peerClosed, readShut, inOneWindow };

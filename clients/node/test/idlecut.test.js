@@ -6,22 +6,12 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { execFileSync, spawnSync } = require('child_process');
+const { spawnSync } = require('child_process');
 
 const rl = require('..');
-const { startDaemon, startRedis, waitFor } = require('./helpers');
+const { peerClosed, readShut, startDaemon, startRedis, waitFor } = require('./helpers');
 
 const hasTools = spawnSync('redis-server', ['--version']).status === 0 && spawnSync('ss', ['-V']).status === 0;
-
-// readShut reports whether the daemon has shut the read side of the one connection it
-// accepted on the Unix socket path sock: ss -e shows its end as `-->` (sends only).
-function readShut(sock) {
-  for (const line of execFileSync('ss', ['-xHne', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
-    const f = line.trim().split(/\s+/);
-    if (f.length >= 8 && f[3] === sock) return f[7] === '-->';
-  }
-  return false;
-}
 
 // here: a local rule; shared, a global one (with a Redis).
 const HERE = `
@@ -104,6 +94,29 @@ ${HERE}`, ['--redis', `unix://${redis.socket}`, '--idle-timeout', '200ms', '--gl
   assert.ok(conn.socket.destroyed, 'the connection is closed once its lease is released');
   const third = await c.check({ route: '/c', user: 'cy' });
   assert.ok(third.allowed && !third.unreachable, `after the release: ${JSON.stringify(third)}`);
+});
+
+// Both connections of a pool closed idle by the daemon, unseen yet by the client: a
+// check's write fails on the first (EPIPE: nothing delivered), and its resend's on the
+// second. Its frame never reached the daemon, either time: it is sent again on a new
+// connection, answered, counted once. Before, a check was sent again once, and the second
+// failure gave it the policy (in a scratch run of 1,800 checks in threes, written in
+// separate ticks as a 50 ms idle timeout fired, with two connections: 7 to 12).
+test('a check whose resend meets a second connection closed idle is sent again', { skip: !hasTools && 'needs ss' }, async (t) => {
+  const d = await startDaemon(t, `rules:\n${HERE}`, ['--idle-timeout', '100ms']);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 10000, onUnavailable: 'closed', conns: 2, logger: null });
+  t.after(() => c.close());
+  const first = await Promise.all([1, 2].map(() => c.check({ route: '/l', user: 'dee' })));
+  assert.deepEqual(first.map((x) => x.remaining).sort(), [8, 9]);
+  assert.ok(c.slots.every((s) => s.conn !== null), 'two connections');
+  // The event loop held until the daemon has closed both: the client has not seen it.
+  const deadline = Date.now() + 10000;
+  while (!peerClosed(d.socket)) {
+    if (Date.now() > deadline) throw new Error('the daemon did not close the idle connections within 10 s');
+  }
+  const got = await c.check({ route: '/l', user: 'dee' });
+  assert.ok(!got.unreachable, got.cause);
+  assert.equal(got.remaining, 7, 'counted once');
 });
 
 // The Go client's window: a check sent as the reader has read the end of a connection the

@@ -8,12 +8,12 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const net = require('net');
 const path = require('path');
-const { execFileSync, spawnSync } = require('child_process');
+const { spawnSync } = require('child_process');
 const { encode } = require('@msgpack/msgpack');
 
 const rl = require('..');
 const proto = require('../lib/proto');
-const { tempDir, startDaemon, RULES } = require('./helpers');
+const { tempDir, startDaemon, peerClosed, RULES } = require('./helpers');
 
 const hasSS = spawnSync('ss', ['-V']).status === 0;
 
@@ -156,16 +156,6 @@ test('a farewell on every connection is not redialed in a loop', async (t) => {
   assert.equal(d.unreachable, true);
   assert.ok(dialed <= 4, `one check dialed ${dialed} connections: want at most 4`);
 });
-
-// peerClosed reports whether the daemon has closed its end of every connection accepted
-// on the Unix socket path sock: ss lists an accepted connection under the socket's path.
-function peerClosed(sock) {
-  for (const line of execFileSync('ss', ['-xHn', 'state', 'established'], { encoding: 'utf8' }).split('\n')) {
-    const f = line.trim().split(/\s+/);
-    if (f.length >= 4 && f[3] === sock) return false;
-  }
-  return true;
-}
 
 // The daemon's --idle-timeout closes an idle connection; checks written on it together
 // (one write) before the client saw the close fail that write at once (EPIPE): the kernel
