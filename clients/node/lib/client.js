@@ -190,7 +190,7 @@ class Conn {
     let sync = true;
     write((e) => {
       // Failed as it was made (in write): the kernel took no byte of it. Failed later,
-      // from the event loop: it took some, never the last.
+      // from the event loop: it may have taken some, never the last.
       if (e) this.writeFailed(e, sync ? from : from + n - 1, sync);
       cb();
     });
@@ -202,9 +202,10 @@ class Conn {
   // then closes it; a daemon that died), or shut its read side (--idle-timeout). Every
   // check whose frame ends past the offset unread (the write's first byte, when the
   // kernel took none of it; else its last, never taken) was not read, so not decided,
-  // and is sent again on another connection within its timeout. The checks
-  // before it may have been read: the connection is detached (the next check redials)
-  // but reads on, for up to timeoutMs, until each is answered; one still unanswered when
+  // and is sent again on another connection within its timeout. The checks before it
+  // may have been read (those of a write that failed after taking some bytes, which
+  // Node does not count, too): the connection is detached (the next check redials) but
+  // reads on, for up to timeoutMs, until each is answered; one still unanswered when
   // the sidecar closes it gets the policy, as at any end of file.
   writeFailed(e, unread, whole) {
     if (this.broken !== null) return;
@@ -215,6 +216,7 @@ class Conn {
       this.cut = `connection lost: ${e.message}`;
       this.cutWhole = whole;
       this.slot.detach(this, this.cut);
+      client.reading.add(this);
       this.cutTimer = setTimeout(() => this.giveUp(this.cut), client.timeoutMs);
       if (typeof this.cutTimer.unref === 'function') this.cutTimer.unref();
     }
@@ -434,6 +436,7 @@ class Conn {
     this.broken = why;
     this.socket.destroy();
     clearTimeout(this.cutTimer);
+    this.slot.client.reading.delete(this);
     this.slot.detach(this);
     if (this.retired) {
       this.slot.client.retired.delete(this);
@@ -633,6 +636,7 @@ class Client {
     this.leases = new Map(); // lease → { conn, until }: leases taken and not yet released (trackLease)
     this.leasePrune = 0;
     this.retired = new Set(); // connections given up for a stall while holding leases (Conn.giveUp)
+    this.reading = new Set(); // connections whose write failed, reading the answers still to come (Conn.writeFailed)
     for (let i = 0; i < conns; i++) this.slots.push(new Slot(this));
     this.next = 0;
     this.waiting = new WaitQueue(); // checks waiting for room on a connection
@@ -808,7 +812,7 @@ class Client {
     this.closed = true;
     for (let e = this.waiting.shift(); e !== null; e = this.waiting.shift()) e.done(null, 'client closed');
     for (const s of this.slots) s.close();
-    for (const conn of [...this.retired]) conn.fail('client closed');
+    for (const conn of [...this.retired, ...this.reading]) conn.fail('client closed');
     return Promise.resolve();
   }
 

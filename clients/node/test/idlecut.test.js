@@ -59,6 +59,27 @@ test('a check the daemon read before an idle shut gets its answer after a later 
   assert.equal(next.remaining, 7, 'the check read before the shut counted once');
 });
 
+// close() ends such a connection too: the check still waiting for its answer rejects with
+// a ClosedError, as every check in flight does.
+test('close() ends a connection reading the answers after a failed write', { skip: !hasTools && 'needs redis-server and ss' }, async (t) => {
+  const redis = await startRedis(t);
+  const d = await startDaemon(t, RULES, ['--redis', `unix://${redis.socket}`, '--idle-timeout', '200ms',
+    '--global-timeout', '60s', '--redis-timeout', '60s']);
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 60000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  assert.equal((await c.check({ route: '/l', user: 'eve' })).remaining, 9);
+  const conn = c.slots[0].conn;
+  await redis.freeze();
+  t.after(() => redis.thaw());
+  const pending = c.check({ route: '/g', user: 'eve' });
+  await waitFor('the daemon shut the idle connection', 30000, () => readShut(d.socket));
+  assert.ok(!(await c.check({ route: '/l', user: 'eve' })).unreachable);
+  assert.ok(!conn.socket.destroyed, 'the connection whose write failed reads on');
+  await c.close();
+  assert.ok(conn.socket.destroyed, 'close() left it open');
+  await assert.rejects(pending, rl.ClosedError);
+});
+
 // As above, the check waiting on a frozen Redis takes a lease (a global concurrency rule
 // of max 1), answered after the connection's write failed. The sidecar frees a lease when
 // its connection closes, and keeps a connection it shut for idleness open while it holds
