@@ -230,6 +230,10 @@ type client struct {
 	br  *bufio.Reader
 	buf []byte
 	out []byte
+	// at is where in its frames the next pipelined run starts: each run goes on from
+	// the last, so that a load of many runs walks all of its frames (and clients), not
+	// the first run's share again and again.
+	at int
 	// verify, when set, checks every answer read.
 	verify func(body []byte) error
 }
@@ -272,10 +276,11 @@ func (c *client) roundTrips(fr [][]byte, n int, lat []time.Duration) ([]time.Dur
 // requests as it has read answers, in one write.
 func (c *client) pipelined(fr [][]byte, n, inflight int) error {
 	sent, recvd := 0, 0
+	defer func() { c.at = (c.at + sent) % len(fr) }()
 	for recvd < n {
 		c.out = c.out[:0]
 		for sent < n && sent-recvd < inflight {
-			c.out = append(c.out, fr[sent%len(fr)]...)
+			c.out = append(c.out, fr[(c.at+sent)%len(fr)]...)
 			sent++
 		}
 		if len(c.out) > 0 {
@@ -340,8 +345,8 @@ const vsName = "rlsidecar-vs"
 
 // startPair starts the floor server and rlsidecar. With RLSIDECAR_BENCH_VS set to the path
 // of another rlsidecar binary (a build of main, say), that daemon takes the floor's place,
-// with the same flags as rlsidecar: the floor-* figures are then its, and the ratios
-// compare two builds of the daemon in the same run.
+// with the same flags as rlsidecar (and RLSIDECAR_BENCH_VS_ARGS's): the floor-* figures
+// are then its, and the ratios compare two builds of the daemon in the same run.
 //
 //	git archive main | tar -x -C /tmp/main && (cd /tmp/main && go build -o /tmp/rls-main ./cmd/rlsidecar)
 //	RLSIDECAR_BENCH_VS=/tmp/rls-main go test ./bench -run '^$' -bench 'SocketThroughput4x32$' -benchtime 600000x -count 5
@@ -354,7 +359,10 @@ func startPair(b *testing.B) (floor, rls *server) {
 		if err != nil {
 			b.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
 		}
-		return startServer(b, vsName, "--config", "rules.yaml"), startServer(b, "rlsidecar", "--config", "rules.yaml")
+		// RLSIDECAR_BENCH_VS_ARGS: flags for that daemon alone, e.g. --prefetch-from=0 to
+		// compare this build with itself, not fetching ahead.
+		vsArgs := append([]string{"--config", "rules.yaml"}, strings.Fields(os.Getenv("RLSIDECAR_BENCH_VS_ARGS"))...)
+		return startServer(b, vsName, vsArgs...), startServer(b, "rlsidecar", "--config", "rules.yaml")
 	}
 	return startServer(b, "floorserver"), startServer(b, "rlsidecar", "--config", "rules.yaml")
 }
