@@ -1,0 +1,5 @@
+//go:build !race && amd64
+
+package localbucket
+
+const prefetching = true
