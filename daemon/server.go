@@ -535,10 +535,11 @@ type conn struct {
 	dec        *proto.Decoder
 	enc        *proto.Encoder
 
-	req proto.Request
-	in  limiter.Input
-	dcs limiter.Decision
-	big []byte // body of a frame larger than br's buffer
+	// stages are the frames of a walk decoded, and for checks prepared, before their
+	// turn: frame k of a walk in stages[k%len(stages)], up to ahead frames before the one
+	// answered (walk). The general path (frame) uses stages[0] alone.
+	stages [ahead + 1]staged
+	big    []byte // body of a frame larger than br's buffer
 	// raw is c's descriptor, for the drain's reads (Read); nil in tests without a socket.
 	raw syscall.RawConn
 	// drainNoted: the drain has noted drainLeft, the bytes the socket held when it began
@@ -706,7 +707,9 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	cut = &cn.cut
 	cn.br = bufio.NewReaderSize(cn, s.readBuf) // through Read: rw's, or the drain's
 	cn.wcond.L = &cn.wmu
-	cn.dcs.Owner = cn.id
+	for i := range cn.stages {
+		cn.stages[i].d.Owner = cn.id
+	}
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
 	}
@@ -1491,17 +1494,47 @@ func (cn *conn) loop() error {
 func (cn *conn) walk(now *int64, batched *int) (done bool, err error) {
 	// Buffered bytes only: Peek does not read.
 	buf, _ := cn.br.Peek(cn.br.Buffered())
-	maxFrame := cn.s.cfg.MaxFrame
+	var off int
+	if cn.s.lim.Prefetching() {
+		off, err = cn.walkAhead(buf, now, batched)
+	} else {
+		off, err = cn.walkEach(buf, now, batched)
+	}
+	if err != nil {
+		return false, err
+	}
+	if off > 0 {
+		// The frames walked stayed in the buffer until now: a flush does not read.
+		_, err := cn.br.Discard(off) // buffered: cannot fail
+		return false, err
+	}
+	return cn.frame(now, batched)
+}
+
+// frameEnd returns the end in buf of the frame at off, or -1 when it is not all there or
+// is longer than the maximum (the general path's: frame).
+func (cn *conn) frameEnd(buf []byte, off int) int {
+	if len(buf)-off < proto.HeaderSize {
+		return -1
+	}
+	l := proto.FrameLength(buf[off:])
+	if uint64(l) > uint64(cn.s.cfg.MaxFrame) { // compared unconverted: int is 32 bits on some platforms
+		return -1
+	}
+	if end := off + proto.HeaderSize + int(l); end <= len(buf) {
+		return end
+	}
+	return -1
+}
+
+// walkEach is walk's loop over the frames of buf, each answered in turn; it returns the
+// end of the last one answered.
+func (cn *conn) walkEach(buf []byte, now *int64, batched *int) (int, error) {
 	off := 0
-	for len(buf)-off >= proto.HeaderSize {
-		l := proto.FrameLength(buf[off:])
-		if uint64(l) > uint64(maxFrame) { // compared unconverted: int is 32 bits on some platforms
-			break
-		}
-		n := int(l)
-		end := off + proto.HeaderSize + n
-		if end > len(buf) {
-			break
+	for {
+		end := cn.frameEnd(buf, off)
+		if end < 0 {
+			return off, nil
 		}
 		if *batched%clockEvery == 0 {
 			*now = cn.s.now()
@@ -1511,18 +1544,58 @@ func (cn *conn) walk(now *int64, batched *int) (done bool, err error) {
 		cn.handle(buf[off+proto.HeaderSize:end], *now)
 		off = end
 		if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
-			// The frames walked stay in the buffer until discarded below: a flush
-			// does not read.
 			if err := cn.flush(); err != nil {
-				return false, err
+				return off, err
 			}
 		}
 	}
-	if off > 0 {
-		_, err := cn.br.Discard(off) // buffered: cannot fail
-		return false, err
+}
+
+// walkAhead is walkEach for a local store too big for the CPU's caches: it decodes and
+// prepares (stage) the frames up to ahead past the one it answers, so that their keys'
+// slots, then records, are fetched while the checks before them are decided
+// (limiter.Prefetch): under a million keys most of a check's time was those misses, one
+// after the other.
+func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
+	off, next := 0, 0 // the frame to answer, the frame to stage
+	k, n := 0, 0      // frames answered and staged: k <= n <= k+ahead+1
+	for {
+		for n <= k+ahead {
+			end := cn.frameEnd(buf, next)
+			if end < 0 {
+				break
+			}
+			cn.stage(&cn.stages[n%len(cn.stages)], buf[next+proto.HeaderSize:end])
+			next = end
+			n++
+		}
+		if k == n {
+			return off, nil
+		}
+		if k+1 < n {
+			// The next check's records, found from the slots fetched when it was staged.
+			cn.s.lim.PrefetchRecords(&cn.stages[(k+1)%len(cn.stages)].d)
+		}
+		if *batched%clockEvery == 0 {
+			*now = cn.s.now()
+		}
+		*batched++
+		cn.count(*now)
+		end := cn.frameEnd(buf, off)
+		body := buf[off+proto.HeaderSize : end]
+		if st := &cn.stages[k%len(cn.stages)]; st.prepared {
+			cn.check(st, body, *now, st.waits, st.perr)
+		} else {
+			cn.decoded(&st.req, st.err, body, *now)
+		}
+		off = end
+		k++
+		if cn.out().Len() >= flushAt || len(cn.pending) >= maxPending {
+			if err := cn.flush(); err != nil {
+				return off, err
+			}
+		}
 	}
-	return cn.frame(now, batched)
 }
 
 // count counts the frame about to be answered: into the output buffer, or after a
@@ -1625,11 +1698,56 @@ func (cn *conn) frame(now *int64, batched *int) (done bool, err error) {
 	return false, nil
 }
 
+// ahead is how many frames past the one it answers walkAhead decodes and prepares: the
+// slots of a check's keys are fetched two checks before its turn, and their records one
+// check before, when the slots have arrived.
+const ahead = 2
+
+// staged is a frame decoded before its turn, and when it is a check, prepared.
+type staged struct {
+	req proto.Request
+	err error // the decoding's
+	in  limiter.Input
+	d   limiter.Decision
+	// prepared: a check, whose Prepare gave waits and perr.
+	prepared bool
+	waits    bool
+	perr     error
+}
+
+// stage decodes body into st and, when it is a check, prepares it (limiter.Prepare:
+// nothing is taken) and starts fetching its keys' slots. Nothing is answered or changed
+// before the frame's turn.
+func (cn *conn) stage(st *staged, body []byte) {
+	st.err = cn.dec.DecodeRequest(body, &st.req)
+	st.prepared = st.err == nil && st.req.Op == proto.OpCheck
+	if st.prepared {
+		input(&st.in, &st.req)
+		st.waits, st.perr = cn.s.lim.Prepare(&st.in, &st.d)
+		if st.perr == nil && !st.waits {
+			cn.s.lim.Prefetch(&st.d)
+		}
+	}
+}
+
 // handle answers one frame body into the output buffer. now is the request's time, read
 // once at the edge.
 func (cn *conn) handle(body []byte, now int64) {
-	req := &cn.req
-	if err := cn.dec.DecodeRequest(body, req); err != nil {
+	st := &cn.stages[0]
+	err := cn.dec.DecodeRequest(body, &st.req)
+	if err == nil && st.req.Op == proto.OpCheck {
+		input(&st.in, &st.req)
+		waits, err := cn.s.lim.Prepare(&st.in, &st.d)
+		cn.check(st, body, now, waits, err)
+		return
+	}
+	cn.decoded(&st.req, err, body, now)
+}
+
+// decoded answers the request req decoded from body, other than a check, or the error
+// err its decoding gave.
+func (cn *conn) decoded(req *proto.Request, err error, body []byte, now int64) {
+	if err != nil {
 		var pe *proto.Error
 		if errors.As(err, &pe) {
 			cn.s.encodeError(cn.out(), req.ID, pe.Code, pe.Message)
@@ -1639,8 +1757,6 @@ func (cn *conn) handle(body []byte, now int64) {
 		return
 	}
 	switch req.Op {
-	case proto.OpCheck:
-		cn.check(body, now)
 	case proto.OpPing:
 		cn.out().EncodePing(req.ID, cn.s.cfg.Version)
 	case proto.OpRelease:
@@ -1652,7 +1768,7 @@ func (cn *conn) handle(body []byte, now int64) {
 		}
 		cn.out().EncodeRelease(req.ID, cn.s.lim.ReleaseLease(req.Lease, now))
 	case proto.OpRenew:
-		cn.renew(body, now)
+		cn.renew(req, body, now)
 	default:
 		// proto.Quote: an op may be as long as its frame; the answer quotes its start.
 		cn.s.encodeError(cn.out(), req.ID, proto.CodeUnknownOp, fmt.Sprintf("unknown op %s; this server knows %q, %q, %q and %q",
@@ -1660,10 +1776,9 @@ func (cn *conn) handle(body []byte, now int64) {
 	}
 }
 
-// renew answers the renew request in cn.req (decoded from body): inline for a local
-// lease, off the fast path (goWait) for one with a global part.
-func (cn *conn) renew(body []byte, now int64) {
-	req := &cn.req
+// renew answers the renew request req (decoded from body): inline for a local lease,
+// off the fast path (goWait) for one with a global part.
+func (cn *conn) renew(req *proto.Request, body []byte, now int64) {
 	if req.LeaseMs > uint64(rules.MaxLease/time.Millisecond) {
 		cn.s.encodeError(cn.out(), req.ID, proto.CodeBadRequest, fmt.Sprintf("lease_ms %d is longer than the longest lease, %d (1h)", req.LeaseMs, rules.MaxLease/time.Millisecond))
 		return
@@ -1692,15 +1807,13 @@ func input(in *limiter.Input, req *proto.Request) {
 	}
 }
 
-// check answers the check in cn.req (decoded from body). A check that waits on Redis (a
-// global rule, or a hybrid key the daemon cannot decide from its local view) is decided
-// by a goroutine of its own, so that the Redis round trips of a pipelined connection
-// overlap and its other requests are not stalled; every other check is decided and
-// answered inline.
-func (cn *conn) check(body []byte, now int64) {
-	input(&cn.in, &cn.req)
-	d := &cn.dcs
-	waits, err := cn.s.lim.Prepare(&cn.in, d)
+// check answers the check in st (decoded from body), whose Prepare gave waits and err.
+// A check that waits on Redis (a global rule, or a hybrid key the daemon cannot decide
+// from its local view) is decided by a goroutine of its own, so that the Redis round
+// trips of a pipelined connection overlap and its other requests are not stalled; every
+// other check is decided and answered inline.
+func (cn *conn) check(st *staged, body []byte, now int64, waits bool, err error) {
+	d := &st.d
 	if err == nil && (waits || cn.turns.Load() > 0 && cn.behind(cn.keysOf(d), true)) {
 		// Waits on Redis, or shares a key with a check of this connection that does: it
 		// is decided after that one, off the fast path.
@@ -1712,7 +1825,7 @@ func (cn *conn) check(body []byte, now int64) {
 		cn.goWait(body, now, cn.keysOf(d), nil)
 		return
 	}
-	cn.s.answer(cn.out(), &cn.req, d, err, &cn.tally)
+	cn.s.answer(cn.out(), &st.req, d, err, &cn.tally)
 }
 
 // keysOf returns the hashes of the keys d's prepared check takes from, in cn.hashes.

@@ -75,3 +75,30 @@ func addLocal(n *native[localbucket.Op], key []byte, lim *localbucket.Limit, cos
 	lo.Key, lo.Limit, lo.Cost, lo.Shadow = key, lim, cost, shadow
 	n.at = append(n.at, i)
 }
+
+// Prefetching reports whether Prefetch fetches: the local store is too big for the
+// CPU's caches (localbucket.Store.Prefetching).
+func (l *Limiter) Prefetching() bool { return l.buckets.Prefetching() }
+
+// Prefetch starts fetching into the CPU's caches the local store's slots of the keys d's
+// prepared check takes from (localbucket.Store.Prefetch): a caller deciding a pipelined
+// batch calls it a few checks ahead, then PrefetchRecords, and its misses overlap the
+// checks before. A hint: it changes nothing that Decide decides.
+func (l *Limiter) Prefetch(d *Decision) {
+	if !d.localReady {
+		return
+	}
+	for k := range d.local.ops {
+		l.buckets.Prefetch(&d.local.ops[k])
+	}
+}
+
+// PrefetchRecords starts fetching the records of the keys whose slots Prefetch fetched.
+func (l *Limiter) PrefetchRecords(d *Decision) {
+	if !d.localReady {
+		return
+	}
+	for k := range d.local.ops {
+		l.buckets.PrefetchRecord(&d.local.ops[k])
+	}
+}

@@ -212,7 +212,7 @@ func TestServeRefusesOutOfRangeFlags(t *testing.T) {
 	dir := shortTempDir(t)
 	sock := filepath.Join(dir, "s.sock")
 	for _, c := range [][]string{
-		{"--max-frame", "10"}, {"--max-conns", "-5"}, {"--max-keys", "0"}, {"--max-attrs", "0"},
+		{"--max-frame", "10"}, {"--max-conns", "-5"}, {"--max-keys", "0"}, {"--max-attrs", "0"}, {"--prefetch-from", "-1"},
 		{"--top-k", "-1"}, {"--frame-timeout", "0s"}, {"--sweep-interval", "0s"},
 		{"--sync-interval", "0s", "--redis", "redis://127.0.0.1:1"}, {"--idle-timeout", "-1s"},
 		{"--breaker-failures", "0"}, {"--drain-timeout", "0s"}, {"--max-frame", "4294967296"},
