@@ -21,19 +21,20 @@ type Options struct {
 	MaxKeys int
 	// PrefetchFrom is about how many keys the store holds (one shard's share of them,
 	// reached by any shard) when [Store.Prefetch] starts fetching: below it a check's
-	// keys are mostly in the CPU's caches already; default 100,000; negative, never.
+	// keys are mostly in the CPU's caches already; default 65,536; negative, never.
 	PrefetchFrom int
 }
 
 const (
 	defaultShards  = 256
 	defaultMaxKeys = 4_000_000
-	// defaultPrefetchFrom: on the 2-core VMs this was measured on (1 MB of L2 a core),
-	// fetching ahead gave nothing back in the connection loop at 16,384 keys (each
-	// Prefetch costs a hash and a few loads), and at 262,144 keys or more drawn
-	// uniformly took a pipelined check's time to 0.65-0.85 of what it was
-	// (daemon's BenchmarkLoopPrefetch at 1,048,576: 0.65-0.75).
-	defaultPrefetchFrom = 100_000
+	// defaultPrefetchFrom: in the connection loop on the 2-core VMs this was measured
+	// on (1 MB of L2 a core), pipelined checks over keys drawn uniformly took, fetching
+	// ahead, 1.13-1.20 of the time at 4,096 keys (each Prefetch costs a hash and a few
+	// loads, and the lines were there already), 0.95 at 16,384, 0.72 at 65,536, 0.69 at
+	// 131,072 and 0.65-0.75 at 1,048,576 (BenchmarkLoopPrefetch); under hot keys the
+	// crossover moves up, so the default is past it.
+	defaultPrefetchFrom = 65_536
 	maxShards           = 1 << 16
 )
 

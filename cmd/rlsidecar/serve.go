@@ -75,7 +75,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	maxConns := fs.Int("max-conns", 1024, "connections served at once")
 	maxSyncKeys := fs.Int("hybrid-max-sync-keys", 100_000, "hybrid mode: keys one periodic sync carries at most; the rest wait for the next (rlsidecar_hybrid_sync_backlog)")
 	maxKeys := fs.Int("max-keys", 4_000_000, "client keys held in memory; past it, the least informative states are evicted (never a limited client before one that is not)")
-	prefetchFrom := fs.Int("prefetch-from", 100_000, "local client keys held from which a pipelined connection's checks fetch their keys' state into the CPU's caches a few checks ahead (under about that many they are there already); 0: never")
+	prefetchFrom := fs.Int("prefetch-from", 65_536, "local client keys held from which a pipelined connection's checks fetch their keys' state into the CPU's caches a few checks ahead (under about that many they are there already, and fetching costs more than it saves); 0: never")
 	maxAttrs := fs.Int("max-attrs", 64, "attributes per request")
 	maxAttrLen := fs.Int("max-attr-len", proto.DefaultMaxAttrLen, "bytes per attribute value (and inline limit key); a request with a longer one gets attr_too_large, which the gateways' clients answer with 431 whatever their failure policy. A value over 4,096 bytes is keyed by its SHA-256")
 	frameTimeout := fs.Duration("frame-timeout", 5*time.Second, "time a client has to finish sending a frame it has begun")
