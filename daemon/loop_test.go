@@ -138,17 +138,22 @@ func BenchmarkLoopBatch32Zipf(b *testing.B) {
 	frames := make([][]byte, 1<<16)
 	enc := proto.NewEncoder()
 	for i := range frames {
-		u := int(z.Uint64())
-		enc.Reset()
-		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
-			{Name: "method", Value: "POST"},
-			{Name: "path", Value: "/v1/events/" + strconv.Itoa(u%97) + "/holds"},
-			{Name: "user", Value: "user-" + strconv.Itoa(u)},
-			{Name: "ip", Value: "10." + strconv.Itoa(u>>16) + "." + strconv.Itoa(u>>8&255) + "." + strconv.Itoa(u&255)},
-		}})
-		frames[i] = bytes.Clone(enc.Bytes())
+		frames[i] = userFrame(enc, i, int(z.Uint64()))
 	}
 	benchLoop(b, frames)
+}
+
+// userFrame is the benchmarks' two-rule check of user u (its ip and one of 97 paths
+// derived from u) as request id, a header and a body.
+func userFrame(enc *proto.Encoder, id, u int) []byte {
+	enc.Reset()
+	enc.EncodeRequest(&proto.Request{ID: uint64(id), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
+		{Name: "method", Value: "POST"},
+		{Name: "path", Value: "/v1/events/" + strconv.Itoa(u%97) + "/holds"},
+		{Name: "user", Value: "user-" + strconv.Itoa(u)},
+		{Name: "ip", Value: "10." + strconv.Itoa(u>>16) + "." + strconv.Itoa(u>>8&255) + "." + strconv.Itoa(u&255)},
+	}})
+	return bytes.Clone(enc.Bytes())
 }
 
 // benchLoop runs the connection loop over frames, 32 per read: once through them all
@@ -333,14 +338,7 @@ func BenchmarkLoopPrefetch(b *testing.B) {
 	frames := make([][]byte, users)
 	enc := proto.NewEncoder()
 	for i, u := range r.Perm(users) {
-		enc.Reset()
-		enc.EncodeRequest(&proto.Request{ID: uint64(i), Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{
-			{Name: "method", Value: "POST"},
-			{Name: "path", Value: "/v1/events/" + strconv.Itoa(u%97) + "/holds"},
-			{Name: "user", Value: "user-" + strconv.Itoa(u)},
-			{Name: "ip", Value: "10." + strconv.Itoa(u>>16) + "." + strconv.Itoa(u>>8&255) + "." + strconv.Itoa(u&255)},
-		}})
-		frames[i] = bytes.Clone(enc.Bytes())
+		frames[i] = userFrame(enc, i, u)
 	}
 	type side struct {
 		feed *batchFeed
