@@ -535,10 +535,12 @@ type conn struct {
 	dec        *proto.Decoder
 	enc        *proto.Encoder
 
-	// stages are the frames of a walk decoded, and for checks prepared, before their
-	// turn: frame k of a walk in stages[k%len(stages)], up to ahead frames before the one
-	// answered (walk). The general path (frame) uses stages[0] alone.
-	stages [ahead + 1]staged
+	// st is the frame being answered, decoded (and for a check, prepared), by handle.
+	st staged
+	// staged are walkAhead's frames decoded, and for checks prepared, before their turn:
+	// frame k of a walk in staged[k%len(staged)], up to ahead frames past the one
+	// answered. Made at its first walk: most connections never take it.
+	staged *[ahead + 1]staged
 	big    []byte // body of a frame larger than br's buffer
 	// raw is c's descriptor, for the drain's reads (Read); nil in tests without a socket.
 	raw syscall.RawConn
@@ -707,9 +709,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	cut = &cn.cut
 	cn.br = bufio.NewReaderSize(cn, s.readBuf) // through Read: rw's, or the drain's
 	cn.wcond.L = &cn.wmu
-	for i := range cn.stages {
-		cn.stages[i].d.Owner = cn.id
-	}
+	cn.st.d.Owner = cn.id
 	if s.cfg.MaxAttrs > 0 {
 		cn.dec.MaxAttrs = s.cfg.MaxAttrs
 	}
@@ -1557,6 +1557,13 @@ func (cn *conn) walkEach(buf []byte, now *int64, batched *int) (int, error) {
 // (limiter.Prefetch): under a million keys most of a check's time was those misses, one
 // after the other.
 func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
+	if cn.staged == nil {
+		cn.staged = new([ahead + 1]staged)
+		for i := range cn.staged {
+			cn.staged[i].d.Owner = cn.id
+		}
+	}
+	stages := cn.staged
 	off, next := 0, 0 // the frame to answer, the frame to stage
 	k, n := 0, 0      // frames answered and staged: k <= n <= k+ahead+1
 	for {
@@ -1565,7 +1572,7 @@ func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
 			if end < 0 {
 				break
 			}
-			cn.stage(&cn.stages[n%len(cn.stages)], buf[next+proto.HeaderSize:end])
+			cn.stage(&stages[n%len(stages)], buf[next+proto.HeaderSize:end])
 			next = end
 			n++
 		}
@@ -1574,7 +1581,7 @@ func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
 		}
 		if k+1 < n {
 			// The next check's records, found from the slots fetched when it was staged.
-			cn.s.lim.PrefetchRecords(&cn.stages[(k+1)%len(cn.stages)].d)
+			cn.s.lim.PrefetchRecords(&stages[(k+1)%len(stages)].d)
 		}
 		if *batched%clockEvery == 0 {
 			*now = cn.s.now()
@@ -1583,7 +1590,7 @@ func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
 		cn.count(*now)
 		end := cn.frameEnd(buf, off)
 		body := buf[off+proto.HeaderSize : end]
-		if st := &cn.stages[k%len(cn.stages)]; st.prepared {
+		if st := &stages[k%len(stages)]; st.prepared {
 			cn.check(st, body, *now, st.waits, st.perr)
 		} else {
 			cn.decoded(&st.req, st.err, body, *now)
@@ -1733,7 +1740,7 @@ func (cn *conn) stage(st *staged, body []byte) {
 // handle answers one frame body into the output buffer. now is the request's time, read
 // once at the edge.
 func (cn *conn) handle(body []byte, now int64) {
-	st := &cn.stages[0]
+	st := &cn.st
 	err := cn.dec.DecodeRequest(body, &st.req)
 	if err == nil && st.req.Op == proto.OpCheck {
 		input(&st.in, &st.req)
