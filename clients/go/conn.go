@@ -230,6 +230,7 @@ func (c *Client) roundTrip(ctx context.Context, cl *call) (*call, error) {
 	deadline := now.Add(wait)
 	cl.timer.Reset(wait)
 	resent := false
+	unwritten := 0      // sends whose frame no write delivered (below)
 	freshFarewells := 0 // farewells on connections that had answered nothing (below)
 	var refusedBy *slot // the slot whose connection the sidecar refused (below)
 	var err error
@@ -291,7 +292,8 @@ send:
 	}
 	if ns, ok := err.(*notSent); ok {
 		// The sidecar never read it (see notSent): send it again, once, on another
-		// connection, within the same deadline. After a drain's farewell as often as one
+		// connection, within the same deadline; after a failed write, once per pooled
+		// connection (below). After a drain's farewell as often as one
 		// comes: the pool's other connections may be the draining sidecar's too, each
 		// saying farewell in turn, and the sidecar's word is that it read none of them.
 		//
@@ -303,7 +305,21 @@ send:
 		//
 		// A too_many_connections refusal is such a farewell: the sidecar refused the
 		// connection as it accepted it (past its --max-conns) and read none of it.
+		//
+		// A check whose frame no write delivered (a failed write: EPIPE) goes again as
+		// often as the pool has connections, whatever else sent it again: each of them may
+		// have been closed by the sidecar (--idle-timeout) before its reader saw it, and
+		// the resend's write fail in turn. Before, it was sent again once, and a resend that
+		// met the pool's second such connection got the Policy ("writing a request: broken
+		// pipe"), though the sidecar had read none of it. The sidecar never read it, so it
+		// is never counted twice; and the bound (one try per pooled connection, then one on
+		// a connection dialed since) keeps a sidecar that closes every connection from being
+		// redialed for the whole timeout.
 		again := !resent
+		if ns.unwritten {
+			unwritten++
+			again = unwritten <= c.opts.Conns
+		}
 		if ns.farewell() {
 			if !ns.fresh {
 				again = true
@@ -366,6 +382,9 @@ type notSent struct {
 	err error
 	// fresh: the farewell came on a connection that had answered nothing (see farewell).
 	fresh bool
+	// unwritten: no write delivered any byte of its frame (a failed write), rather than
+	// the sidecar saying, or a reset showing, that it read none of it: see roundTrip.
+	unwritten bool
 }
 
 func (e *notSent) Error() string { return e.err.Error() }
@@ -673,9 +692,12 @@ type conn struct {
 	// flushedID is the id of the last call whose frame was handed to a write; unsentFrom,
 	// when not 0, the first id whose frame no write delivered (its write failed: see
 	// notSent). resetLast: the connection was reset with no byte of an answer come.
-	flushedID  uint64
-	unsentFrom uint64
-	resetLast  bool
+	// unwrittenFrom, when not 0, is the first id from which no write delivered any
+	// frame (notSent.unwritten); unsentFrom is at most it.
+	flushedID     uint64
+	unsentFrom    uint64
+	unwrittenFrom uint64
+	resetLast     bool
 	// writing: a write is under way, from outside mu; wrote is signaled when it ends and
 	// what it delivered is recorded (unsentFrom, werr). A reader whose read failed waits
 	// for it (see readLoop).
@@ -773,6 +795,9 @@ func (cn *conn) send(cl *call) error {
 			if cn.unsentFrom == 0 || unsent < cn.unsentFrom {
 				cn.unsentFrom = unsent
 			}
+			if cn.unwrittenFrom == 0 || unsent < cn.unwrittenFrom {
+				cn.unwrittenFrom = unsent
+			}
 			cn.mu.Unlock()
 			cn.writeFailed(&unreachable{what: "writing a request", err: err}, rest)
 			cn.mu.Lock()
@@ -796,8 +821,8 @@ func (cn *conn) send(cl *call) error {
 // (closedUnread), before the calls it was not read are failed. readEndedHook, when set
 // (tests), runs as the reader whose read failed has noted what the writes delivered,
 // before it breaks the connection.
-var writeFailedHook, readFailedHook, closedUnreadHook atomic.Pointer[func()]
-var readEndedHook atomic.Pointer[func(*conn)]
+var writeFailedHook, closedUnreadHook atomic.Pointer[func()]
+var readFailedHook, readEndedHook atomic.Pointer[func(*conn)]
 
 // readLoop hands each response to the oldest pending call until the connection breaks.
 func (cn *conn) readLoop() {
@@ -816,7 +841,7 @@ func (cn *conn) readLoop() {
 		}
 		if err != nil {
 			if f := readFailedHook.Load(); f != nil {
-				(*f)()
+				(*f)(cn)
 			}
 			cn.mu.Lock()
 			// A write under way ends at once on a connection the sidecar closed (EPIPE:
@@ -1022,7 +1047,7 @@ func (cn *conn) fail(err error) {
 	cn.broken = true
 	cn.err = err
 	pending := cn.pending.drain()
-	unsentFrom, resetLast, fresh := cn.unsentFrom, cn.resetLast, cn.fresh
+	unsentFrom, unwrittenFrom, resetLast, fresh := cn.unsentFrom, cn.unwrittenFrom, cn.resetLast, cn.fresh
 	cn.mu.Unlock()
 	cn.nc.Close()
 	cn.forgetRetired()
@@ -1030,7 +1055,7 @@ func (cn *conn) fail(err error) {
 	cn.closeDead()  // and the callers waiting for room on it try again
 	for i, cl := range pending {
 		if (unsentFrom != 0 && cl.id >= unsentFrom) || (resetLast && i == len(pending)-1) {
-			cl.complete(&notSent{err: err, fresh: fresh})
+			cl.complete(&notSent{err: err, fresh: fresh, unwritten: unwrittenFrom != 0 && cl.id >= unwrittenFrom})
 		} else if cl.req.Op == proto.OpRelease {
 			// The sidecar may have read it, but a release is idempotent: sent again, to
 			// the sidecar's successor when this one died (SIGKILL), it frees a global

@@ -320,7 +320,7 @@ func TestResendsCheckWhoseWriteFailedAsTheStreamEnded(t *testing.T) {
 		case <-time.After(5 * time.Second): // the fixed reader waits for this write
 		}
 	}
-	rf := func() { rOnce.Do(func() { close(readFailed) }) }
+	rf := func(*conn) { rOnce.Do(func() { close(readFailed) }) }
 	writeFailedHook.Store(&wf)
 	readFailedHook.Store(&rf)
 	t.Cleanup(func() { writeFailedHook.Store(nil); readFailedHook.Store(nil) })
