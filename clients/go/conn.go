@@ -629,7 +629,6 @@ func (s *slot) dial(a *dialAttempt) {
 	cn := &conn{s: s, nc: nc, enc: proto.NewEncoder(), spare: proto.NewEncoder(),
 		room: make(chan struct{}, s.c.maxPending), dead: make(chan struct{})}
 	cn.wrote.L = &cn.mu
-	cn.quietFrom.Store(int64(s.c.mono())) // quiet since it was dialed, until an answer
 	s.cn, a.cn = cn, cn
 	s.c.wg.Add(1)
 	go cn.readLoop()
@@ -675,7 +674,8 @@ type conn struct {
 	nc     net.Conn
 	served atomic.Bool // a response arrived: the sidecar is really there
 	// heard: an answer arrived since the last check that timed out; quietFrom: when the
-	// connection's quiet spell began, on Client.mono (timedOut).
+	// connection's quiet spell began, on Client.mono (timedOut): its first check, or the
+	// first check since an answer that timed out.
 	heard     atomic.Bool
 	quietFrom atomic.Int64
 	// room holds one element per call in flight (abandoned ones included), at most
@@ -752,6 +752,14 @@ func (cn *conn) send(cl *call) error {
 		}
 	}
 	cn.nextID++
+	if cn.nextID == 1 {
+		// Quiet from its first check on, until an answer (timedOut). Before, from its
+		// dial: a connection dialed for a check that stopped waiting (its ctx, or a dial
+		// longer than its Timeout) and left idle over stallFor was given up at the first
+		// check that timed out on it, though the sidecar answered; the checks pending on
+		// it got the Policy.
+		cn.quietFrom.Store(int64(cn.s.c.mono()))
+	}
 	cl.id = cn.nextID
 	cl.req.ID = cl.id
 	cn.enc.EncodeRequest(&cl.req)

@@ -484,3 +484,56 @@ func switchSidecarWithin(t *testing.T, c *Client, path string, attrs map[string]
 		}
 	}
 }
+
+// A connection's quiet spell starts when a check is first sent on it, not when it was
+// dialed: a dial can outlive the check that started it (DialTimeout, 100 ms by default,
+// is longer than Timeout; the caller's ctx can end), and the connection then waits unused
+// in its slot. Timed from the dial, the first check on it that timed out (a caller's
+// short deadline, a slow global check) found it quiet for as long as it had been idle,
+// over stallFor, and gave it up though the sidecar answered: the other checks pending on
+// it got the Policy, and the slot redialed. Here the connection is dialed as a check does
+// (slot.get), left idle two stallFor on the Client's clock, then a check times out on it
+// (the stand-in holds its answer): it is kept, and answers the next check.
+func TestIdleDialedConnectionNotGivenUpAtItsFirstTimeout(t *testing.T) {
+	path := socketPath(t)
+	hold := make(chan struct{})
+	var held sync.Once
+	release := func() { held.Do(func() { close(hold) }) }
+	startFake(t, path, func(req *proto.Request, resp *proto.Response) {
+		if attr(req, "user") == "late" {
+			<-hold
+		}
+		echoUser(req, resp)
+	})
+	t.Cleanup(release)
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 50 * time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler)})
+	var clock atomic.Int64
+	c.mono = func() time.Duration { return time.Duration(clock.Load()) }
+	cl := getCall()
+	cn, err := c.slots[0].get(context.Background(), cl)
+	cl.release()
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Store(int64(2 * c.stallFor()))
+	if d, _ := c.Check(context.Background(), map[string]string{"user": "late"}, nil); !d.Unreachable || !errors.Is(d.Cause, errTimeout) {
+		t.Fatalf("the held check: %+v (want it timed out)", d)
+	}
+	select {
+	case <-cn.dead:
+		t.Fatalf("the connection, idle since it was dialed, was given up at its first check's timeout: %v", cn.err)
+	default:
+	}
+	release()
+	d, err := c.Check(context.Background(), map[string]string{"user": "next"}, nil)
+	if err != nil || d.Unreachable || d.Rule != "next" {
+		t.Fatalf("the next check: %+v %v", d, err)
+	}
+	s := &c.slots[0]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cn != cn {
+		t.Fatal("the next check went on another connection")
+	}
+}
