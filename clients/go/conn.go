@@ -312,9 +312,10 @@ send:
 		// the resend's write fail in turn. Before, it was sent again once, and a resend that
 		// met the pool's second such connection got the Policy ("writing a request: broken
 		// pipe"), though the sidecar had read none of it. The sidecar never read it, so it
-		// is never counted twice; and the bound (one try per pooled connection, then one on
-		// a connection dialed since) keeps a sidecar that closes every connection from being
-		// redialed for the whole timeout.
+		// is never counted twice; and the bound (Conns + 1 writes: one per pooled
+		// connection, and one more, by then on a connection dialed since a failure) keeps
+		// a sidecar that closes every connection from being redialed for the whole
+		// timeout.
 		again := !resent
 		if ns.unwritten {
 			unwritten++
