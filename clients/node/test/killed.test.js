@@ -64,3 +64,53 @@ rules:
     assert.ok(d.allowed && !d.degraded, `check ${i + 1} after the releases: ${JSON.stringify(d)} (slots held with no request)`);
   }
 });
+
+// Checks written faster than a frozen sidecar reads fill its socket; libuv holds in its
+// write queue the frames the kernel would not take. The sidecar is then killed (SIGKILL),
+// its successor already on the socket's path: the connection is reset, and each check
+// whose frame never reached the kernel whole was certainly not read, so it goes to the
+// successor, counted there once; only the frames the socket held (the killed sidecar may
+// have read them) get the policy. Before, every check pending on the connection but the
+// last got the policy: 3,999 of 4,000 here, the socket holding 219,264 bytes (900
+// frames; now those 900 only).
+test('checks libuv never handed to a killed sidecar go to its successor', { skip: spawnSync('ss', ['-V']).status !== 0 && 'needs ss' }, async (t) => {
+  const rules = `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 5, per: 1h }
+`;
+  const blue = new Daemon(tempDir(t), rules);
+  t.after(() => blue.stop());
+  await blue.start();
+  const green = new Daemon(tempDir(t), rules);
+  t.after(() => green.stop());
+  await green.start();
+  const c = new rl.Client({ socket: blue.socket, conns: 1, timeoutMs: 30000, onUnavailable: 'closed', logger: null });
+  t.after(() => c.close());
+  assert.ok(!(await c.check({ user: 'warm' })).unreachable);
+  const conn = c.slots[0].conn;
+  fs.renameSync(green.socket, blue.socket); // new connections go to green
+  await blue.pause();
+  const pad = 'x'.repeat(200);
+  const n = 4000;
+  const checks = [];
+  for (let i = 0; i < n; i++) checks.push(c.check({ user: `u${i}`, path: pad }));
+  // Written (one tick's frames, in one write), the kernel full, the rest in libuv's queue.
+  await waitFor('frames the kernel would not take', 30000, () => conn.socket._handle && conn.socket._handle.writeQueueSize > 0);
+  const held = unreadOn(blue.socket);
+  const exited = new Promise((r) => blue.proc.once('exit', r));
+  blue.proc.kill('SIGKILL');
+  await exited;
+  const ds = await Promise.all(checks);
+  const policy = ds.filter((d) => d.unreachable);
+  t.diagnostic(`${policy.length} of ${n} checks answered by the policy; the socket held ${held} bytes`);
+  assert.ok(policy.length < n / 2, `${policy.length} of ${n} checks answered by the policy (the socket held ${held} bytes): ${policy[0] && policy[0].cause}`);
+  for (const d of ds) {
+    // Answered by green: its first count of each user.
+    if (!d.unreachable) assert.ok(d.allowed && d.rule === 'per-user' && d.remaining === 4, JSON.stringify(d));
+  }
+  // The policy only for the first frames (those the socket held), in order.
+  const firstAnswered = ds.findIndex((d) => !d.unreachable);
+  assert.ok(ds.slice(firstAnswered).every((d) => !d.unreachable), 'a check after the first answered by green got the policy');
+});
