@@ -154,23 +154,36 @@ class Conn {
     // socket at the failed write, and that check, decided (counted) by the sidecar, got
     // the policy. Each write goes through dispatch, which notes what it held and takes
     // its error (see writeFailed).
-    const { _write, _writev } = net.Socket.prototype;
-    socket._write = (data, encoding, cb) => this.dispatch(data.length, cb, (done) => _write.call(socket, data, encoding, done));
-    socket._writev = (chunks, cb) => {
-      let n = 0;
-      for (const c of chunks) n += c.chunk.length;
-      this.dispatch(n, cb, (done) => _writev.call(socket, chunks, done));
-    };
+    // These hooks are net.Socket's own (Node 18 to 20), not a public API: net.Socket
+    // forces autoDestroy, and nothing public says how much of a failed write went out.
+    // Each is wrapped only where Node has it: without _writev, Writable writes the
+    // frames one by one through _write; without _write, no write is counted (counted
+    // false), and no check is sent again for where the kernel's part ends (taken).
+    // Before, a Node without _writev ended the process at the first write (a TypeError
+    // from uncork: test/internals.test.js).
+    const { _write, _writev, _destroy } = net.Socket.prototype;
+    this.counted = typeof _write === 'function';
+    if (this.counted) {
+      socket._write = (data, encoding, cb) => this.dispatch(data.length, cb, (done) => _write.call(socket, data, encoding, done));
+    }
+    if (this.counted && typeof _writev === 'function') {
+      socket._writev = (chunks, cb) => {
+        let n = 0;
+        for (const c of chunks) n += c.chunk.length;
+        this.dispatch(n, cb, (done) => _writev.call(socket, chunks, done));
+      };
+    }
     // How many of the bytes dispatched the kernel took (the rest were in libuv's write
     // queue), noted as the socket is destroyed, before its handle goes (a reset read, an
     // error, fail): null until then. A frame that ends past it never reached the sidecar
     // whole, so it was not read, not decided, and fail sends it again (see taken).
     this.kernelTook = null;
-    const { _destroy } = net.Socket.prototype;
-    socket._destroy = (err, cb) => {
-      this.taken();
-      _destroy.call(socket, err, cb);
-    };
+    if (typeof _destroy === 'function') {
+      socket._destroy = (err, cb) => {
+        this.taken();
+        _destroy.call(socket, err, cb);
+      };
+    }
     // The id of the first check whose frame certainly never reached the sidecar (0: none
     // known): it was written on a socket that could no longer write, or it came after a
     // frame the sidecar refused as too large (it reads nothing more). Every check from it
@@ -258,6 +271,10 @@ class Conn {
   // few.
   taken() {
     if (this.kernelTook !== null) return this.kernelTook;
+    if (!this.counted) {
+      this.kernelTook = Infinity; // no write counted: where the kernel's part ends is not known
+      return this.kernelTook;
+    }
     const h = this.socket._handle;
     const queued = h && typeof h.writeQueueSize === 'number' ? h.writeQueueSize : 0;
     this.kernelTook = this.dispatched - Math.min(Math.max(queued, 0), this.dispatched);
