@@ -659,9 +659,16 @@ class Client:
     @staticmethod
     def _readable(conn):
         """Whether conn has bytes, its end or an error to read now, without waiting (a
-        recv on a socket with a timeout waits for it, MSG_DONTWAIT or not)."""
+        recv on a socket with a timeout waits for it, MSG_DONTWAIT or not). poll, not
+        select: select refuses a descriptor >= 1024 (ValueError), common in a server
+        process with many open, and the socket was then taken for readable: the read
+        waited for a connection the daemon keeps open (its read side shut at
+        --idle-timeout, holding leases) until the deadline, and the requests it never read
+        answered by the policy instead of being sent again."""
+        p = select.poll()
         try:
-            return bool(select.select([conn.sock], [], [], 0)[0])
+            p.register(conn.sock.fileno(), select.POLLIN)
+            return bool(p.poll(0))
         except (OSError, ValueError):
             return True  # the read says what
 

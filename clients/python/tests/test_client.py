@@ -1,7 +1,10 @@
 """The blocking Client against the real daemon: decisions, the pool, pipelined batches,
 and a sidecar that is missing, stalled or restarted."""
 
+import ctypes
 import os
+import resource
+import socket
 import struct
 import threading
 import time
@@ -348,6 +351,119 @@ def test_batch_cut_by_a_kill_sends_again_what_the_socket_never_took(daemon):
             # Sent again once: the successor's first count of each user (5 a minute).
             assert d.allowed and d.rule == "per-user" and d.remaining == 4, (d.remaining, d.cause)
         assert c.check({"user": "u255"}).remaining == 3  # the client goes on
+
+
+def _fill_fds_below_1024():
+    """Open pipes until every descriptor below 1024 is taken (raising the soft
+    RLIMIT_NOFILE if need be), so the next socket gets one >= 1024, as in a server process
+    with many open; returns them, to close."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            pytest.skip("RLIMIT_NOFILE hard limit %d: no descriptor >= 1024" % hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1023:
+            held.extend(os.pipe())
+    except BaseException:
+        for fd in held:
+            os.close(fd)
+        raise
+    return held
+
+
+def _daemon_end(pid, before):
+    """A duplicate of the daemon's end of the one connection it accepted since before
+    (its socket descriptors then, _socket_fds), taken with pidfd_getfd(2)."""
+    (fd,) = [fd for ino, fd in _socket_fds(pid).items() if ino not in before]
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd (x86-64, arm64)
+        if got < 0:
+            pytest.skip("pidfd_getfd: %s" % os.strerror(ctypes.get_errno()))
+        return socket.socket(fileno=got)
+    finally:
+        os.close(pidfd)
+
+
+def _socket_fds(pid):
+    """The daemon's socket descriptors: {"socket:[inode]": fd}."""
+    out = {}
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[target] = int(fd)
+    return out
+
+
+def test_batch_cut_on_a_connection_kept_open_is_sent_again_at_once_from_a_high_fd(make_daemon):
+    """The client's socket is descriptor >= 1024 (a server process with many open). A
+    check_many batch larger than the socket takes, written to a frozen sidecar whose read
+    side is then shut, the connection kept open: what shutIdle does at --idle-timeout
+    when a batch is written as it fires, awaitLeases then keeping the connection open
+    while the checks it answered hold leases. The test shuts it itself, on a duplicate of
+    the daemon's end (pidfd_getfd), which it keeps open, then lets the daemon run: the
+    rest of the write fails (EPIPE), the daemon answers the requests the socket held
+    whole, and sends nothing more. Those answers are read; the requests the socket never
+    took are sent again at once on a new connection. Before, select() refused the
+    descriptor (ValueError) and the socket was taken for readable: the client waited for
+    an answer that never came until its timeout, and the 149 requests the daemon never
+    read answered by the policy ("no connection within the timeout")."""
+    d = make_daemon(RULES)
+    held = _fill_fds_below_1024()
+    kept = []
+    try:
+        with rlsidecar.Client(d.socket, timeout=5, pool_size=1, on_unavailable="closed") as c:
+            before = _socket_fds(d.proc.pid)
+            c.ping()
+            (conn,) = c._idle
+            assert conn.sock.fileno() >= 1024
+            theirs = _daemon_end(d.proc.pid, before)
+            kept.append(theirs)
+            d.pause()
+
+            class ShutWhenFull:
+                """The pooled socket: the first write the socket does not take whole shuts
+                the frozen daemon's read side, and lets it run."""
+
+                def __init__(self, sock):
+                    self.sock, self.cut, self.held = sock, False, 0
+
+                def send(self, data):
+                    n = self.sock.send(data)
+                    if n < len(data) and not self.cut:
+                        self.cut = True
+                        at = 0  # the frames the socket took whole
+                        while at + 4 <= n and at + 4 + struct.unpack(">I", data[at:at + 4])[0] <= n:
+                            at += 4 + struct.unpack(">I", data[at:at + 4])[0]
+                            self.held += 1
+                        theirs.shutdown(socket.SHUT_RD)
+                        d.resume()
+                    return n
+
+                def __getattr__(self, name):
+                    return getattr(self.sock, name)
+
+            conn.sock = ShutWhenFull(conn.sock)
+            ds = c.check_many([({"user": "u%03d" % i, "path": "/" + "x" * 2000}, 1, None) for i in range(256)])
+            if not conn.sock.cut:
+                pytest.skip("the socket took the whole batch: nothing to cut")
+            assert 0 < conn.sock.held < 256
+            policy = [i for i, x in enumerate(ds) if x.unreachable]
+            assert not policy, "%d of 256 answered by the policy (%s); the socket held %d" % (
+                len(policy), ds[policy[0]].cause, conn.sock.held)
+            for x in ds:  # each counted once: the first of each user's 5 a minute
+                assert x.allowed and x.rule == "per-user" and x.remaining == 4, (x.remaining, x.cause)
+    finally:
+        for s in kept:
+            s.close()
+        for fd in held:
+            os.close(fd)
 
 
 def test_idle_timeout_closes_pooled_connections(make_daemon):
