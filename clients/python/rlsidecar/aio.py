@@ -244,9 +244,13 @@ class _Protocol(asyncio.Protocol):
             if isinstance(exc, BrokenPipeError) and self.served and not ended \
                     and len(self.pending) > len(self.unsent) + 1 and self.read_rest(why):
                 return
-            # No byte of an answer came: the frame last handed to the transport is unread
-            # (with the queued ones after it, which fail gives back in any case).
-            unread = not self.buf
+            # The frame last handed to the transport is unread (with the queued ones after
+            # it, which fail gives back in any case) when no byte of an answer came, or it
+            # was never whole in the socket: the transport still held part of it (paused:
+            # asyncio drops that part unsent), or the write that failed (EPIPE) was its own
+            # (the transport writes nothing else: send). Before, part of an answer to an
+            # earlier check in buf gave it on_unavailable in those cases too.
+            unread = not self.buf or self.paused or isinstance(exc, BrokenPipeError)
         self.fail(why, unread)
 
     def read_rest(self, why):
@@ -269,8 +273,10 @@ class _Protocol(asyncio.Protocol):
         client = self.client
         client._detach(self)
         client._reading_rest.add(self)
-        # The failed write's check and the ones queued after it go again at once.
-        for _ in range(len(self.unsent) + (0 if self.buf else 1)):
+        # The failed write's check (the last handed to the transport: its write is the
+        # one that failed, so it was never whole in the socket, part of an answer to an
+        # earlier check in buf or not) and the ones queued after it go again at once.
+        for _ in range(len(self.unsent) + 1):
             _, fut = self.pending.pop()
             if not fut.done():
                 fut.set_exception(_NotRead(why))

@@ -584,3 +584,158 @@ def test_blocking_batch_cut_by_a_read_shut_sends_the_rest_again(short_tmp):
     assert [d.rule for d in ds] == users
     twice = {u: k for u, k in decided.items() if k != 1}
     assert twice == {}, "decided more than once: %s" % list(twice.items())[:5]
+
+
+def test_check_cut_short_in_the_transport_is_sent_again_after_part_of_an_answer(short_tmp):
+    """The socket is full: the client holds the rest of the last frame it handed asyncio
+    (paused) and queues the checks after it. The stand-in, which read none of them, writes
+    the first bytes of an answer and closes (a reset: it left bytes unread). The checks
+    whose frames the socket took whole may have been read: they answer by on_unavailable.
+    The one cut short in asyncio's buffer was never whole in the socket, so it cannot have
+    been read: it goes again on a new connection, with the queued ones after it. Before,
+    part of an answer in the client's buffer gave it on_unavailable too (unread was only
+    "no byte of an answer came")."""
+    n = max(2000, 2 * _frames_the_socket_holds("/" + "x" * 200))
+    if n >= rlsidecar.aio.MAX_PENDING:
+        pytest.skip("the socket holds %d frames: more than this test can fill it with" % (n // 2))
+    path = os.path.join(short_tmp, "s.sock")
+    stop, full, partial_in = threading.Event(), threading.Event(), threading.Event()
+    decided, lock = collections.Counter(), threading.Lock()
+
+    def answer(c, req):
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        answer_user(c, req)
+
+    def first(c):
+        answer(c, read_frame(c))  # it served
+        full.wait(10)  # the socket is full: the client holds the rest
+        body = msgpack.packb({"id": 2, "allowed": True, "rule": "u0000"})
+        c.sendall(struct.pack(">I", len(body)) + body[:3])  # part of an answer
+        partial_in.wait(10)  # the client has read it
+
+    srv = unix_listener(path)
+
+    def serve(c, is_first):
+        with c:
+            if is_first:
+                first(c)
+                return  # closed with bytes unread: a reset
+            while not stop.is_set():
+                req = read_frame(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    t = serve_each(srv, stop, serve)
+    handed = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(path, timeout=10, on_unavailable="closed") as c:
+            assert (await c.check({"user": "warm"})).rule == "warm"
+            conn = c._conn
+            checks = [loop.create_task(c.check({"user": "u%04d" % i, "path": "/" + "x" * 200})) for i in range(n)]
+            deadline = time.monotonic() + 10
+            while len(conn.pending) < n or not conn.paused:  # waited for, not slept on
+                assert time.monotonic() < deadline, "the socket took every frame (%d pending)" % len(conn.pending)
+                await asyncio.sleep(0.001)
+            handed.append(len(conn.pending) - len(conn.unsent))  # the last of them cut short
+            full.set()
+            while not conn.buf:
+                assert time.monotonic() < deadline, "no part of an answer came"
+                await asyncio.sleep(0.001)
+            partial_in.set()
+            return await asyncio.gather(*checks)
+
+    try:
+        ds = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    (k,) = handed
+    assert 1 < k < n
+    policy = [i for i, d in enumerate(ds) if d.unreachable]
+    assert policy == list(range(k - 1)), "%d checks answered by on_unavailable, %d frames whole in the socket (%s)" % (
+        len(policy), k - 1, ds[policy[-1]].cause if policy else "")
+    assert [d.rule for d in ds[k - 1:]] == ["u%04d" % i for i in range(k - 1, n)]
+    twice = {u: m for u, m in decided.items() if m != 1}
+    assert twice == {}, "decided more than once: %s" % list(twice.items())[:5]
+
+
+def test_check_whose_write_failed_is_sent_again_after_part_of_an_answer(short_tmp):
+    """A stand-in reads check A, writes the first bytes of its answer (the daemon's
+    buffered writer can split an answer between two writes), and shuts its read side, as
+    the daemon at --idle-timeout does. The client's write of the next check, B, fails
+    (EPIPE): none of B went out, so it goes again at once on a new connection, and the
+    rest of A's answer, which the stand-in sends once the client has dialed again, is
+    read (read_rest). Before, part of an answer in the client's buffer kept B on the
+    broken connection, and it got on_unavailable when that one closed."""
+    path = os.path.join(short_tmp, "s.sock")
+    stop, partial_in, redialed = threading.Event(), threading.Event(), threading.Event()
+    decided, lock = collections.Counter(), threading.Lock()
+
+    def answer(c, req):
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        answer_user(c, req)
+
+    def first(c):
+        answer(c, read_frame(c))  # it served
+        req = read_frame(c)  # A
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        body = msgpack.packb({"id": req["id"], "allowed": True, "rule": req["attrs"]["user"]})
+        frame = struct.pack(">I", len(body)) + body
+        c.sendall(frame[:5])  # part of A's answer
+        partial_in.wait(10)  # the client has read it
+        c.shutdown(socket.SHUT_RD)  # the client's next write fails: EPIPE
+        redialed.wait(5)  # the rest of A's answer comes after the failed write
+        c.sendall(frame[5:])
+
+    srv = unix_listener(path)
+
+    def serve(c, is_first):
+        with c:
+            if is_first:
+                first(c)
+                return
+            redialed.set()
+            while not stop.is_set():
+                req = read_frame(c)
+                if req is None:
+                    return
+                answer(c, req)
+
+    t = serve_each(srv, stop, serve)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with rlsidecar.AsyncClient(path, timeout=10, on_unavailable="closed") as c:
+            assert (await c.check({"user": "warm"})).rule == "warm"
+            conn = c._conn
+            a = loop.create_task(c.check({"user": "A"}))
+            deadline = time.monotonic() + 10
+            while not conn.buf:  # waited for, not slept on
+                assert time.monotonic() < deadline, "no part of an answer came"
+                await asyncio.sleep(0.001)
+            partial_in.set()
+            # The shut is seen by a zero-length send (EPIPE) before B is written.
+            fd = conn.transport.get_extra_info("socket").fileno()
+            while True:
+                assert time.monotonic() < deadline, "the read side was not shut"
+                try:
+                    os.write(fd, b"")
+                except BrokenPipeError:
+                    break
+                await asyncio.sleep(0.001)
+            b = loop.create_task(c.check({"user": "B"}))
+            return await asyncio.gather(a, b)
+
+    try:
+        ds = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    assert [(d.unreachable, d.rule) for d in ds] == [(False, "A"), (False, "B")], [d.cause for d in ds]
+    assert decided == {"warm": 1, "A": 1, "B": 1}
