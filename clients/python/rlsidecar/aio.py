@@ -79,6 +79,7 @@ class _Protocol(asyncio.Protocol):
         self.room = collections.deque()  # futures of checks waiting for room, in turn
         self.fresh_farewell = False  # a farewell came before any answer (_NotRead.fresh)
         self.rest_end = None  # ends read_rest's reading of the answers after a failed write
+        self.ended_unused = False  # closed by the sidecar (end of file) before any check or word
         # The frames of the last len(unsent) pending checks, not yet handed to the
         # transport: it holds at most one frame not yet taken by the socket (send), so
         # that a failed write's checks are known (fail).
@@ -237,6 +238,8 @@ class _Protocol(asyncio.Protocol):
                 return
 
     def connection_lost(self, exc):
+        if exc is None and self.broken is None and not self.served and not self.pending:
+            self.ended_unused = True  # closed with nothing said, no check sent (_do_dial)
         unread = False
         why = "connection lost: %s" % exc if exc else "the sidecar closed the connection"
         if isinstance(exc, (BrokenPipeError, ConnectionResetError)) and self.pending:
@@ -733,27 +736,38 @@ class AsyncClient:
 
     async def _do_dial(self):
         try:
-            _, conn = await asyncio.wait_for(
-                asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(self), self.socket_path),
-                max(self.timeout, 0.1))
-        except (OSError, asyncio.TimeoutError) as e:
-            self._failed("connecting to %s: %s" % (self.socket_path, e or "timed out"))
-            return self._last_error
+            for attempt in range(2):
+                try:
+                    _, conn = await asyncio.wait_for(
+                        asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(self), self.socket_path),
+                        max(self.timeout, 0.1))
+                except (OSError, asyncio.TimeoutError) as e:
+                    self._failed("connecting to %s: %s" % (self.socket_path, e or "timed out"))
+                    return self._last_error
+                if self._closed:
+                    conn.fail("client closed")
+                    return "client closed"
+                if conn.broken is None:
+                    self._conn = conn
+                    return conn
+                if conn.ended_unused and attempt == 0:
+                    # Closed with nothing said before this dial took it: the daemon's
+                    # --idle-timeout, when the event loop ran late (under load) between
+                    # the accept and this resumption. No check was sent on it: dialed
+                    # again, once (a sidecar that drops every connection it accepts is
+                    # backed off after the second). Before, the checks waiting for the
+                    # dial answered by the policy, "the sidecar closed the connection".
+                    continue
+                # It ended before this dial took it (a farewell or a too_many_connections
+                # refusal the moment it was accepted, read while the dial was resuming):
+                # its fail() had no connection to detach. Kept, it answered every later
+                # check with this cause at once, never redialing. A failed attempt, as one
+                # detached.
+                self._failed(conn.broken)
+                return conn.broken
         finally:
             if self._dial is asyncio.current_task():
                 self._dial = None
-        if self._closed:
-            conn.fail("client closed")
-            return "client closed"
-        if conn.broken is not None:
-            # It ended before this dial took it (a farewell or a too_many_connections
-            # refusal the moment it was accepted, read while the dial was resuming): its
-            # fail() had no connection to detach. Kept, it answered every later check with
-            # this cause at once, never redialing. A failed attempt, as one detached.
-            self._failed(conn.broken)
-            return conn.broken
-        self._conn = conn
-        return conn
 
     def _failed(self, why):
         self._failures += 1

@@ -580,3 +580,36 @@ def test_async_refusal_after_the_check(short_tmp):
     finally:
         srv.close()
         t.join(2)
+
+
+def test_new_connection_closed_idle_before_the_dial_resumed_is_dialed_again(make_daemon, monkeypatch):
+    """Under load the event loop runs late: the daemon's --idle-timeout closes a new
+    connection before the dial task that made it resumes (here: the loop is held in
+    connection_made until the daemon has closed it). No check was sent on it: the checks
+    waiting for the dial go on a new one, and are answered. Before, they answered by the
+    policy ("the sidecar closed the connection"), and the next checks backed off."""
+    import select
+
+    d = make_daemon(RULES, ["--idle-timeout", "100ms"])
+    made = rlsidecar.aio._Protocol.connection_made
+    held = []
+
+    def late(self, transport):
+        made(self, transport)
+        if not held:  # the first connection only
+            held.append(True)
+            p = select.poll()
+            p.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+            assert p.poll(10000), "the daemon did not close the idle connection"
+
+    monkeypatch.setattr(rlsidecar.aio._Protocol, "connection_made", late)
+
+    async def main():
+        async with rlsidecar.AsyncClient(d.socket, timeout=30, on_unavailable="closed") as c:
+            ds = await asyncio.gather(*[c.check({"user": "u%d" % i}) for i in range(4)])
+            return ds, c._failures
+
+    ds, failures = run(main())
+    assert held
+    assert [(x.unreachable, x.remaining) for x in ds] == [(False, 4)] * 4, [x.cause for x in ds]
+    assert failures == 0
