@@ -1601,6 +1601,11 @@ func (cn *conn) walkAhead(buf []byte, now *int64, batched *int) (int, error) {
 			if err := cn.flush(); err != nil {
 				return off, err
 			}
+			// A flush may wait (for the client to take its answers, or for checks
+			// waiting on Redis): the frames staged before it are staged again, so that
+			// a rules reload meanwhile decides them as it does the frames after them.
+			// Before, they were decided under the rules it replaced.
+			next, n = off, k
 		}
 	}
 }
