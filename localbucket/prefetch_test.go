@@ -1,6 +1,7 @@
 package localbucket
 
 import (
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"testing"
@@ -72,5 +73,28 @@ func TestPrefetchingFrom(t *testing.T) {
 	}
 	if n := max(s.shards[0].n, s.shards[1].n); n != 100 {
 		t.Fatalf("fetching ahead from %d keys in a shard, want 100 (200 over 2 shards)", n)
+	}
+}
+
+// TestHugeOptionsAreNotNegativeShares: PrefetchFrom and MaxKeys near math.MaxInt (a
+// flag given as "as many as you like") are shares that large, not overflowed negative
+// ones: before, such a PrefetchFrom made the store fetch ahead from its first key, and
+// such a MaxKeys held no key past the first (a shard's cap below zero).
+func TestHugeOptionsAreNotNegativeShares(t *testing.T) {
+	l := mustLimit(t, TokenBucket, 3, time.Minute, 0)
+	fill := func(s *Store) {
+		for i := range 100 {
+			s.Apply(base, []Op{{Key: []byte("k" + strconv.Itoa(i)), Limit: l, Cost: 1}})
+		}
+	}
+	s := NewStore(Options{PrefetchFrom: math.MaxInt})
+	fill(s)
+	if s.big.Load() {
+		t.Errorf("fetching ahead at %d keys, PrefetchFrom %d", s.Len(), math.MaxInt)
+	}
+	s = NewStore(Options{MaxKeys: math.MaxInt})
+	fill(s)
+	if s.Len() != 100 {
+		t.Errorf("%d keys held of 100, MaxKeys %d", s.Len(), math.MaxInt)
 	}
 }

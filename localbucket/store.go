@@ -466,15 +466,27 @@ func NewStore(o Options) *Store {
 	case o.PrefetchFrom < 0:
 		s.prefetchAt = math.MaxInt
 	default:
-		s.prefetchAt = (o.PrefetchFrom + o.Shards - 1) / o.Shards
+		s.prefetchAt = shareOf(o.PrefetchFrom, o.Shards)
 	}
-	per := (o.MaxKeys + o.Shards - 1) / o.Shards
+	per := shareOf(o.MaxKeys, o.Shards)
 	for i := range s.shards {
 		s.shards[i].slots = make([]uint64, minSlots)
 		s.shards[i].cap = per
 		s.shards[i].publish()
 	}
 	return s
+}
+
+// shareOf is a shard's share of n (positive) over shards, rounded up. Not (n+shards-1)/
+// shards, which overflowed for n near math.MaxInt (a flag given "as many as you like")
+// to a negative share: every shard full from its first key (MaxKeys), or fetching ahead
+// from it (PrefetchFrom).
+func shareOf(n, shards int) int {
+	q := n / shards
+	if n%shards != 0 {
+		q++
+	}
+	return q
 }
 
 // Op is one check in an all-or-nothing batch given to [Store.Apply].
