@@ -248,3 +248,20 @@ func pfNorm(r *proto.Response) string {
 	b.WriteString("]")
 	return b.String()
 }
+
+// The daemon given --max-keys and --prefetch-from as large as an int holds (a way of
+// saying "no cap") limits as with the defaults. Before, a shard's share of them
+// overflowed negative: such a --max-keys held no key at all, and a limit of 2 an hour
+// let every check of a client through (4 of 4 allowed).
+func TestE2EHugeMaxKeysAndPrefetchFrom(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", "rules:\n  - name: per-user\n    key: user\n    limit: { requests: 2, per: 1h }\n")
+	huge := strconv.Itoa(int(^uint(0) >> 1))
+	d := startDaemon(t, "--config", cfg, "--max-keys", huge, "--prefetch-from", huge)
+	c := dialRaw(t, d.socket)
+	for i, want := range []bool{true, true, false, false} {
+		if r := c.check(uint64(i+1), 1, "user=ann"); r.Allowed != want || r.IsError() {
+			t.Fatalf("check %d: %+v; want allowed %v (a limit of 2 an hour)", i+1, r, want)
+		}
+	}
+}
