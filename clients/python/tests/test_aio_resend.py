@@ -276,26 +276,38 @@ def read_frame(c):
     return msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
 
 
-def shut_then_served_again(path, stop, first):
+def shut_then_served_again(path, stop, first, answer=None, redialed=None):
     """A stand-in sidecar on path: its first connection is served by first(c, redialed),
-    redialed being set once the client has dialed again; every later one answers each
-    check (answer_user) until stop. Returns its thread."""
-    redialed = threading.Event()
+    redialed (a threading.Event, made when not given) being set once the client has
+    dialed again; every later one answers each check (answer, default answer_user) until
+    stop. Returns its thread."""
+    redialed = redialed or threading.Event()
+    answer = answer or answer_user
     srv = unix_listener(path)
 
     def serve(c, is_first):
         with c:
             if is_first:
                 first(c, redialed)
-                return
+                return  # closed, with what it left unread: a reset
             redialed.set()
             while not stop.is_set():
                 req = read_frame(c)
                 if req is None:
                     return
-                answer_user(c, req)
+                answer(c, req)
 
     return serve_each(srv, stop, serve)
+
+
+def counting_answer(decided, lock):
+    """An answer for shut_then_served_again that counts, in decided, each user's checks
+    decided."""
+    def answer(c, req):
+        with lock:
+            decided[req["attrs"]["user"]] += 1
+        answer_user(c, req)
+    return answer
 
 
 def test_answer_to_a_check_read_before_the_idle_shut_is_waited_for(short_tmp):
@@ -450,10 +462,7 @@ def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
     stop, full, redialed = threading.Event(), threading.Event(), threading.Event()
     decided, lock = collections.Counter(), threading.Lock()
 
-    def answer(c, req):
-        with lock:
-            decided[req["attrs"]["user"]] += 1
-        answer_user(c, req)
+    answer = counting_answer(decided, lock)
 
     def first(c):
         answer(c, read_frame(c))  # it served
@@ -473,21 +482,7 @@ def test_checks_queued_behind_a_failed_write_are_sent_again(short_tmp):
         for req in held:
             answer(c, req)
 
-    srv = unix_listener(path)
-
-    def serve(c, is_first):
-        with c:
-            if is_first:
-                first(c)
-                return
-            redialed.set()
-            while not stop.is_set():
-                req = read_frame(c)
-                if req is None:
-                    return
-                answer(c, req)
-
-    t = serve_each(srv, stop, serve)
+    t = shut_then_served_again(path, stop, lambda c, _: first(c), answer, redialed)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -526,10 +521,7 @@ def test_blocking_batch_cut_by_a_read_shut_sends_the_rest_again(short_tmp):
     stop, full = threading.Event(), threading.Event()
     decided, lock = collections.Counter(), threading.Lock()
 
-    def answer(c, req):
-        with lock:
-            decided[req["attrs"]["user"]] += 1
-        answer_user(c, req)
+    answer = counting_answer(decided, lock)
 
     def serve(c, first):
         with c:
@@ -602,10 +594,7 @@ def test_check_cut_short_in_the_transport_is_sent_again_after_part_of_an_answer(
     stop, full, partial_in = threading.Event(), threading.Event(), threading.Event()
     decided, lock = collections.Counter(), threading.Lock()
 
-    def answer(c, req):
-        with lock:
-            decided[req["attrs"]["user"]] += 1
-        answer_user(c, req)
+    answer = counting_answer(decided, lock)
 
     def first(c):
         answer(c, read_frame(c))  # it served
@@ -614,20 +603,7 @@ def test_check_cut_short_in_the_transport_is_sent_again_after_part_of_an_answer(
         c.sendall(struct.pack(">I", len(body)) + body[:3])  # part of an answer
         partial_in.wait(10)  # the client has read it
 
-    srv = unix_listener(path)
-
-    def serve(c, is_first):
-        with c:
-            if is_first:
-                first(c)
-                return  # closed with bytes unread: a reset
-            while not stop.is_set():
-                req = read_frame(c)
-                if req is None:
-                    return
-                answer(c, req)
-
-    t = serve_each(srv, stop, serve)
+    t = shut_then_served_again(path, stop, lambda c, _: first(c), answer)
     handed = []
 
     async def main():
@@ -675,10 +651,7 @@ def test_check_whose_write_failed_is_sent_again_after_part_of_an_answer(short_tm
     stop, partial_in, redialed = threading.Event(), threading.Event(), threading.Event()
     decided, lock = collections.Counter(), threading.Lock()
 
-    def answer(c, req):
-        with lock:
-            decided[req["attrs"]["user"]] += 1
-        answer_user(c, req)
+    answer = counting_answer(decided, lock)
 
     def first(c):
         answer(c, read_frame(c))  # it served
@@ -693,21 +666,7 @@ def test_check_whose_write_failed_is_sent_again_after_part_of_an_answer(short_tm
         redialed.wait(5)  # the rest of A's answer comes after the failed write
         c.sendall(frame[5:])
 
-    srv = unix_listener(path)
-
-    def serve(c, is_first):
-        with c:
-            if is_first:
-                first(c)
-                return
-            redialed.set()
-            while not stop.is_set():
-                req = read_frame(c)
-                if req is None:
-                    return
-                answer(c, req)
-
-    t = serve_each(srv, stop, serve)
+    t = shut_then_served_again(path, stop, lambda c, _: first(c), answer, redialed)
 
     async def main():
         loop = asyncio.get_running_loop()
