@@ -303,6 +303,28 @@ def test_restart_every_pooled_connection_recovers(daemon):
         assert len(c._idle) == 2 and all(conn.sock.fileno() >= 0 for conn in c._idle)
 
 
+class CutWhenFull:
+    """A pooled socket standing in for the client's: at the first write the socket does
+    not take whole it counts the frames taken whole (held) and calls cut(), once."""
+
+    def __init__(self, sock, cut):
+        self.sock, self.on_cut, self.cut, self.held = sock, cut, False, 0
+
+    def send(self, data):
+        n = self.sock.send(data)
+        if n < len(data) and not self.cut:
+            self.cut = True
+            at = 0  # the frames the socket took whole
+            while at + 4 <= n and at + 4 + struct.unpack(">I", data[at:at + 4])[0] <= n:
+                at += 4 + struct.unpack(">I", data[at:at + 4])[0]
+                self.held += 1
+            self.on_cut()
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
 def test_batch_cut_by_a_kill_sends_again_what_the_socket_never_took(daemon):
     """A check_many batch larger than the socket takes, written to a frozen sidecar that is
     killed, and a successor started, just as the socket stops taking it: the rest of the
@@ -317,30 +339,12 @@ def test_batch_cut_by_a_kill_sends_again_what_the_socket_never_took(daemon):
         (conn,) = c._idle
         daemon.pause()
 
-        class KilledWhenFull:
-            """The pooled socket: the first write the socket does not take whole kills the
-            frozen daemon and starts its successor on the socket's path."""
+        def kill_and_restart():  # the frozen daemon, its successor on the socket's path
+            daemon.proc.kill()
+            daemon.proc.wait()
+            daemon.start()
 
-            def __init__(self, sock):
-                self.sock, self.cut, self.held = sock, False, 0
-
-            def send(self, data):
-                n = self.sock.send(data)
-                if n < len(data) and not self.cut:
-                    self.cut = True
-                    at = 0  # the frames the socket took whole
-                    while at + 4 <= n and at + 4 + struct.unpack(">I", data[at:at + 4])[0] <= n:
-                        at += 4 + struct.unpack(">I", data[at:at + 4])[0]
-                        self.held += 1
-                    daemon.proc.kill()
-                    daemon.proc.wait()
-                    daemon.start()
-                return n
-
-            def __getattr__(self, name):
-                return getattr(self.sock, name)
-
-        conn.sock = KilledWhenFull(conn.sock)
+        conn.sock = CutWhenFull(conn.sock, kill_and_restart)
         ds = c.check_many([({"user": "u%03d" % i, "path": "/" + "x" * 2000}, 1, None) for i in range(256)])
         if not conn.sock.cut:
             pytest.skip("the socket took the whole batch: nothing to cut")
@@ -427,29 +431,11 @@ def test_batch_cut_on_a_connection_kept_open_is_sent_again_at_once_from_a_high_f
             kept.append(theirs)
             d.pause()
 
-            class ShutWhenFull:
-                """The pooled socket: the first write the socket does not take whole shuts
-                the frozen daemon's read side, and lets it run."""
+            def shut_and_resume():  # the frozen daemon's read side, and it runs again
+                theirs.shutdown(socket.SHUT_RD)
+                d.resume()
 
-                def __init__(self, sock):
-                    self.sock, self.cut, self.held = sock, False, 0
-
-                def send(self, data):
-                    n = self.sock.send(data)
-                    if n < len(data) and not self.cut:
-                        self.cut = True
-                        at = 0  # the frames the socket took whole
-                        while at + 4 <= n and at + 4 + struct.unpack(">I", data[at:at + 4])[0] <= n:
-                            at += 4 + struct.unpack(">I", data[at:at + 4])[0]
-                            self.held += 1
-                        theirs.shutdown(socket.SHUT_RD)
-                        d.resume()
-                    return n
-
-                def __getattr__(self, name):
-                    return getattr(self.sock, name)
-
-            conn.sock = ShutWhenFull(conn.sock)
+            conn.sock = CutWhenFull(conn.sock, shut_and_resume)
             ds = c.check_many([({"user": "u%03d" % i, "path": "/" + "x" * 2000}, 1, None) for i in range(256)])
             if not conn.sock.cut:
                 pytest.skip("the socket took the whole batch: nothing to cut")
