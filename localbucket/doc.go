@@ -9,7 +9,9 @@
 // passed in as now, nanoseconds since the Unix epoch, read once at the edge; fixed and
 // sliding windows are aligned to absolute time so that every daemon agrees on them. A
 // clock that goes backwards never creates capacity: every algorithm clamps now to the
-// time its state last saw. One exception, in [Store.Apply] only: a fixed window's state
+// time its state last saw, and the [Store] decides each shard's batches at times that
+// never go back (a batch whose clock was read before another's, decided after it, is
+// decided at the other's time). One exception, in [Store.Apply] only: a fixed window's state
 // that the wall time (now plus [Store.SetWallOffset]) has fallen behind by more than
 // max(its window, 1 s), which only a step of the wall clock does, moves to the wall
 // time's window with its count, so that it refuses for at most a window rather than for

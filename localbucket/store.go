@@ -199,6 +199,9 @@ type shardFields struct {
 	// full scan found only limited entries; while it is in the future no scan can find
 	// an entry to evict.
 	allLimitedUntil int64
+	// last is the latest now a batch on the shard was decided at (clock): a batch whose
+	// clock was read earlier, and that got the lock later, is decided at it.
+	last int64
 	// fallback holds, per rule (the part of a key before its hash tag), the state that
 	// decides the rule's new keys while the shard is full of limited clients: they share
 	// it, so a flood of limited keys cannot make every new key unlimited. At most
@@ -638,6 +641,12 @@ func (s *Store) WallOffset() int64 { return s.wallOffset.Load() }
 // the key's current state as a cost-0 peek would, with Allowed still true and RetryAfter
 // 0. Ops on the same key in one batch are applied in order on the tentative state.
 //
+// A batch is decided at now, or at the latest time a batch on one of its keys' shards
+// was decided at, when that is later: concurrent callers read their clocks in one
+// order and may get the shards' locks in the other, and a token bucket's check decided
+// at an earlier now than its state's last is stricter by the lag (the last unit of a
+// burst refused for a few nanoseconds, a remaining one less than is left).
+//
 // Apply is atomic and safe for concurrent use: it locks the shards involved in ascending
 // order and releases them when done. It allocates only to store a new key (and for
 // batches of more than 16 ops).
@@ -697,6 +706,7 @@ func (s *Store) apply1(now int64, ops []Op, veto bool) bool {
 	h := maphash.Bytes(s.seed, op.Key)
 	sh := &s.shards[uint32(h)&s.mask]
 	sh.mu.Lock()
+	now = sh.clock(now)
 	e := sh.entry(uint32(h>>32), op.Key)
 	var in State
 	off := s.wallOffset.Load()
@@ -754,6 +764,8 @@ func (s *Store) apply2(now int64, ops []Op, veto bool) bool {
 		sb.mu.Lock()
 		sa.mu.Lock()
 	}
+	now = sb.clock(sa.clock(now))
+	sa.last = now
 	// Both keys' home slots, then the records they lead to, before either is compared
 	// (their misses overlap under many keys); a key elsewhere in its probe run, by entry.
 	hia, hib := uint32(ha>>32), uint32(hb>>32)
@@ -885,6 +897,7 @@ func (s *Store) applySmall(now int64, ops []Op, veto bool) bool {
 	for _, li := range locks[:nl] {
 		s.shards[li].mu.Lock()
 	}
+	now = s.clock(locks[:nl], now)
 	off := s.wallOffset.Load()
 	for i := range ops {
 		sh := shs[i]
@@ -955,6 +968,28 @@ func unlock2(sa, sb *shard) {
 	if sb != sa {
 		sb.mu.Unlock()
 	}
+}
+
+// clock returns the time a batch on sh is decided at: now, or the latest time a batch on
+// sh was decided at when now is before it (see Store.Apply), which it notes.
+func (sh *shard) clock(now int64) int64 {
+	if now < sh.last {
+		return sh.last
+	}
+	sh.last = now
+	return now
+}
+
+// clock is shard.clock for a batch on the shards numbered in locks, all locked: the
+// latest of now and their times, noted in each.
+func (s *Store) clock(locks []uint32, now int64) int64 {
+	for _, li := range locks {
+		now = max(now, s.shards[li].last)
+	}
+	for _, li := range locks {
+		s.shards[li].last = now
+	}
+	return now
 }
 
 // takeFast is take for the fast paths: a token bucket's takeToken called directly (the
@@ -1051,6 +1086,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 	for _, li := range locks {
 		s.shards[li].mu.Lock()
 	}
+	now = s.clock(locks, now)
 
 	off := s.wallOffset.Load()
 	ok := !veto
