@@ -8,6 +8,8 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -166,6 +168,58 @@ rules:
 	wg.Wait()
 	if got := allowed.Load(); got != 100 {
 		t.Fatalf("admitted %d across %d racing connections, want exactly 100", got, conns)
+	}
+}
+
+// Connections each sending one check of a new key at once, as a gateway's workers do,
+// are each answered a remaining of their own (7 down to 0 of 8 an hour) and all
+// admitted. Before, a check whose clock the daemon read before another's and decided
+// after it was answered one less than was left, and the last of the limit could be
+// refused: the Node client's CI run got 9 and 7 for two first checks of 10 (here, 4 runs
+// of 6 on the code before failed, at rounds 0 to 679).
+func TestE2EConcurrentChecksEachTheirOwnRemaining(t *testing.T) {
+	dir := shortTempDir(t)
+	cfg := writeFile(t, dir, "rules.yaml", `
+rules:
+  - name: per-user
+    key: user
+    limit: { requests: 8, per: 1h }
+`)
+	d := startDaemon(t, "--config", cfg)
+	const conns, rounds = 8, 1000
+	cs := make([]*rawConn, conns)
+	for i := range cs {
+		cs[i] = dialRaw(t, d.socket)
+	}
+	for round := range rounds {
+		req := &proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1, Attrs: []proto.Attr{{Name: "user", Value: "u" + strconv.Itoa(round)}}}
+		got := make([]*proto.Response, conns)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i, c := range cs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				c.send(req)
+				got[i] = c.recv()
+			}()
+		}
+		close(start)
+		wg.Wait()
+		var remaining []uint64
+		for _, r := range got {
+			if r == nil || !r.Allowed {
+				t.Fatalf("round %d: %+v; want each of the %d checks admitted", round, r, conns)
+			}
+			remaining = append(remaining, r.Remaining)
+		}
+		slices.Sort(remaining)
+		for i, r := range remaining {
+			if r != uint64(i) {
+				t.Fatalf("round %d: remaining %v; want 0 to %d, each once", round, remaining, conns-1)
+			}
+		}
 	}
 }
 
