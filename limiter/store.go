@@ -177,8 +177,9 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 		ok = false
 	}
 	var took [numStores]bool
+	localDone := false // decided with the local concurrency rules (leaseStore.takeThen)
 	for id := range numStores {
-		if !d.routes(id) {
+		if !d.routes(id) || id == storeLocal && localDone {
 			continue
 		}
 		s := l.stores[id]
@@ -187,7 +188,18 @@ func (l *Limiter) apply(now int64, d *Decision, ok bool) bool {
 			d.skipped |= 1 << id
 			continue
 		}
-		passed, err := s.take(now, d)
+		var passed bool
+		var err error
+		if id == storeLease && d.routes(storeLocal) {
+			// The local buckets are decided while the slots are known free, and the slots
+			// held only when they pass: a request they refuse holds none, not for a moment.
+			passed = leaseStore{l.leases}.takeThen(now, d, func() bool {
+				localDone = true
+				return localStore{l.buckets}.take1(now, d)
+			})
+		} else {
+			passed, err = s.take(now, d)
+		}
 		if d.wouldWait {
 			// DecideInline: this store would wait on Redis. Give back what the earlier
 			// stores took; the decision is made again where waiting is fine.
