@@ -62,6 +62,10 @@ func (f *fakeClock) add(d time.Duration) {
 	f.mu.Unlock()
 }
 
+// loggedClient is a client of o logging to the returned lines, its outage log on the
+// returned clock. A test whose stand-in sidecar must answer gives o a Timeout of
+// seconds: a check that misses the default 50 ms (a loaded machine, -race) is logged
+// "unreachable", and these tests count the lines.
 func loggedClient(t *testing.T, o Options) (*Client, *logLines, *fakeClock) {
 	t.Helper()
 	l := &logLines{}
@@ -79,7 +83,7 @@ func TestUnreachableSidecarIsLogged(t *testing.T) {
 	for _, p := range []Policy{FailOpen, FailClosed} {
 		t.Run(p.String(), func(t *testing.T) {
 			path := socketPath(t)
-			c, l, clock := loggedClient(t, Options{Socket: path, Policy: p})
+			c, l, clock := loggedClient(t, Options{Socket: path, Policy: p, Timeout: 10 * time.Second})
 			ctx := context.Background()
 			for i := 0; i < 5; i++ {
 				if d, _ := c.Check(ctx, map[string]string{"user": "a"}, nil); !d.Unreachable {
@@ -140,7 +144,7 @@ func TestUnreachableSidecarIsLogged(t *testing.T) {
 func TestFlappingSidecarDoesNotFloodTheLog(t *testing.T) {
 	path := socketPath(t)
 	fail := true
-	c, l, clock := loggedClient(t, Options{Socket: path})
+	c, l, clock := loggedClient(t, Options{Socket: path, Timeout: 10 * time.Second})
 	f := startFake(t, path, nil)
 	defer f.stop()
 	ctx := context.Background()
@@ -208,7 +212,7 @@ func TestUnreachableSidecarLogsToSlogDefault(t *testing.T) {
 func TestExpiredCheckIsNotLogged(t *testing.T) {
 	path := socketPath(t)
 	startFake(t, path, nil)
-	c, l, _ := loggedClient(t, Options{Socket: path})
+	c, l, _ := loggedClient(t, Options{Socket: path, Timeout: 10 * time.Second})
 	if d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil); err != nil || d.Unreachable {
 		t.Fatalf("%+v %v", d, err)
 	}
