@@ -383,8 +383,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		// The scripts into Redis's cache before the first check, which would otherwise
 		// send them itself (rlsync.LoadScripts). Bounded: a Redis that does not answer
 		// delays the start by at most this, and its checks follow their policies anyway.
+		// On the long calls' client, whose own timeout does not cut the bound: on the
+		// checks' client each round trip was cut to --redis-timeout (50 ms), and a Redis
+		// or a host that took longer at the start (a loaded machine) got the scripts
+		// from the first checks, which then missed a short --global-timeout.
 		lctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
-		if err := rlsync.LoadScripts(lctx, rdbChecks); err != nil {
+		if err := rlsync.LoadScripts(lctx, rdbLong); err != nil {
 			log.Warn("loading the scripts into Redis failed; the first calls will send them", "err", err)
 		}
 		cancel()
@@ -393,7 +397,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		vctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
 		// Those that answered: a Cluster master that did not (it is away, which the
 		// scripts' load above has logged) does not hide another that is too old.
-		old, _ := rlsync.CheckVersion(vctx, rdbChecks)
+		old, _ := rlsync.CheckVersion(vctx, rdbLong)
 		for _, why := range old {
 			log.Warn(why)
 		}
