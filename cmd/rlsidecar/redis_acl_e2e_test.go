@@ -72,8 +72,15 @@ func TestE2ERedisLeastPrivilegeACL(t *testing.T) {
 					}
 				}
 				stopDaemon(t, d)
-				if logs := d.stderr.String(); strings.Contains(logs, "NOPERM") || strings.Contains(logs, "level=WARN") {
-					t.Fatalf("a warning with the least-privilege ACL:\n%s", logs)
+				// No warning, but the load of the scripts at the start passing its
+				// bound (250 ms): a loaded machine, not the ACL, which would be a
+				// NOPERM (and the checks above send the scripts again, under the ACL).
+				logs := d.stderr.String()
+				for _, line := range strings.Split(logs, "\n") {
+					cut := strings.Contains(line, "loading the scripts into Redis failed") && strings.Contains(line, `err="context deadline exceeded"`)
+					if strings.Contains(line, "NOPERM") || strings.Contains(line, "level=WARN") && !cut {
+						t.Fatalf("a warning with the least-privilege ACL:\n%s", logs)
+					}
 				}
 			})
 		}
