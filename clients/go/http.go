@@ -270,13 +270,15 @@ func Middleware(c *Client, o MiddlewareOptions) func(http.Handler) http.Handler 
 	}
 }
 
-// wait holds r for d; false when r's context ended first.
+// wait holds r for d; false when r's context ended first. Both may be ready when the
+// select runs (a goroutine scheduled late): the ended context wins, so a request whose
+// client went away while it was held is never forwarded. Before, select chose at random.
 func wait(r *http.Request, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
-		return true
+		return r.Context().Err() == nil
 	case <-r.Context().Done():
 		return false
 	}
