@@ -314,7 +314,11 @@ func TestE2EEveryCloseCountedOnce(t *testing.T) {
 			}
 			defer c.Close() // open, never read, until the daemon cuts it off
 			c.SetWriteDeadline(time.Now().Add(30 * time.Second))
-			if _, err := c.Write(checkBurst(10000, "ann")); err != nil {
+			// The write timeout runs from the first answer the client does not take: on
+			// a loaded machine it may pass before the daemon has read the whole burst
+			// (10,000 checks), and the write then fails on the cut (broken pipe, once in
+			// 8 runs at load 15). The count below says why it was cut.
+			if _, err := c.Write(checkBurst(10000, "ann")); err != nil && !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
 				t.Fatal(err)
 			}
 			base := "http://" + adminAddr(t, d)
