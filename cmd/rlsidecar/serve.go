@@ -391,6 +391,12 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if err := rlsync.LoadScripts(lctx, rdbLong); err != nil {
 			log.Warn("loading the scripts into Redis failed; the first calls will send them", "err", err)
 		}
+		// The checks' Cluster client fetches its slot map and Redis's command table now
+		// (a PING: docs/reliability.md, "Redis back"), not in the first global check,
+		// as LoadScripts did when it went through that client.
+		if cc, ok := rdbChecks.(*redis.ClusterClient); ok {
+			_ = cc.Ping(lctx).Err()
+		}
 		cancel()
 		// A Redis too old for some commands says so at the start, not in a ban that
 		// fails or a key without a TTL later (rlsync.MinRedisVersion).
