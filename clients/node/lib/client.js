@@ -147,6 +147,9 @@ class Conn {
     this.cutTimer = null;
     // The write that failed took no byte (the kernel holds whole frames only, up to it).
     this.cutWhole = false;
+    // The write that failed was its first, and the sidecar had closed it before (see
+    // writeFailed): its slot redials at once.
+    this.endedUnused = false;
     // A failed write does not destroy the socket, as Node does with a write's error:
     // the sidecar at --idle-timeout shuts an idle connection's read side, answers what
     // it held, then closes it, so a check written after the shut fails its write while
@@ -238,7 +241,12 @@ class Conn {
     if (this.cut === null) {
       this.cut = `connection lost: ${e.message}`;
       this.cutWhole = whole;
-      this.slot.detach(this, this.cut);
+      // Its first write, failed whole, with no word from the sidecar: no byte reached it.
+      // It closed the connection before the client wrote to it: its --idle-timeout, the
+      // event loop having run late (under load) between the accept and the write. The
+      // slot redials at once, once (see Slot.detach), and the checks go on that
+      // connection without counting a resend.
+      this.endedUnused = this.slot.detach(this, this.cut, whole && unread === 0 && !this.served);
       client.reading.add(this);
       this.cutTimer = setTimeout(() => this.giveUp(this.cut), client.timeoutMs);
       if (typeof this.cutTimer.unref === 'function') this.cutTimer.unref();
@@ -251,7 +259,7 @@ class Conn {
       // Its frame never reached the sidecar: sent again as often as the pool has
       // connections, each of which the sidecar may have closed idle, unseen yet (before,
       // once: a resend that met the pool's other such connection got the policy).
-      en.unread = (en.unread || 0) + 1;
+      if (!this.endedUnused) en.unread = (en.unread || 0) + 1;
       if (en.unread > client.slots.length || en.msg === null || client.closed) {
         en.done(null, this.cut);
         continue;
@@ -569,6 +577,7 @@ class Slot {
     this.failures = 0;
     this.retryAt = 0;
     this.lastError = null;
+    this.endedUnused = false; // the last connection detached ended unused (see detach)
   }
 
   backingOff(now) {
@@ -626,11 +635,26 @@ class Slot {
     this.lastError = why;
   }
 
-  detach(conn, why = conn.broken) {
-    if (this.conn !== conn) return;
+  // detach takes conn off the slot: one that answered nothing is a failed attempt (the
+  // slot backs off), but for the first in a row that ended unused, with no byte of it read
+  // (its first write failed whole: the sidecar closed it idle before the client wrote),
+  // which is dialed again at once. Before, its checks got the policy ("backing off after 1
+  // failed attempt(s): connection lost: write EPIPE"). A sidecar that closes every
+  // connection so is backed off after the second.
+  // It returns true when the slot redials at once for a connection that ended unused.
+  detach(conn, why = conn.broken, unused = false) {
+    if (this.conn !== conn) return false;
     this.conn = null;
-    if (conn.served) this.failures = 0;
-    else this.failed(why);
+    if (conn.served) {
+      this.failures = 0;
+      this.endedUnused = false;
+    } else if (unused && !this.endedUnused) {
+      this.endedUnused = true;
+      return true;
+    } else {
+      this.failed(why);
+    }
+    return false;
   }
 
   close() {

@@ -179,3 +179,54 @@ test('a check sent as the client reads the end of a connection closed idle goes 
     assert.notEqual(c.slots[0].conn, conn, `${name}: answered on a new connection`);
   }
 });
+
+// Under load the event loop runs late: the daemon's --idle-timeout closes a new connection
+// before the client has written to it (here: the loop is held at its 'connect' until the
+// daemon has closed it). Its first write fails whole (EPIPE): the sidecar read nothing of
+// it, and its checks go on a new connection, dialed at once, and are answered. Before,
+// the slot counted a failed attempt (the connection had answered nothing) and backed
+// off, and the checks it held got the policy: "backing off after 1 failed attempt(s):
+// connection lost: write EPIPE" (the first check of this file's tests, 2 runs in 60 under
+// load). A sidecar that closes every connection so is still backed off, after the second.
+test('a check on a new connection closed idle before its first write goes on a new connection', async (t) => {
+  const net = require('net');
+  const fs = require('fs');
+  // 1 s: the redial is not held, and must not be closed idle before its write too.
+  const d = await startDaemon(t, `rules:\n${HERE}`, ['--idle-timeout', '1s']);
+  const dial = net.createConnection;
+  let held = 0;
+  let holdAll = false;
+  net.createConnection = (...args) => {
+    const socket = dial(...args);
+    if (held === 0 || holdAll) {
+      socket.prependOnceListener('connect', () => {
+        held++;
+        const buf = Buffer.alloc(16);
+        const deadline = Date.now() + 10000;
+        for (;;) {
+          try {
+            if (fs.readSync(socket._handle.fd, buf, 0, buf.length, null) === 0) return; // end of file
+          } catch (e) {
+            if (e.code !== 'EAGAIN') throw e;
+          }
+          if (Date.now() > deadline) throw new Error('the daemon did not close the idle connection within 10 s');
+        }
+      });
+    }
+    return socket;
+  };
+  t.after(() => { net.createConnection = dial; });
+  const c = new rl.Client({ socket: d.socket, timeoutMs: 10000, onUnavailable: 'closed', conns: 1, logger: null });
+  t.after(() => c.close());
+  const got = await Promise.all([1, 2, 3, 4].map((i) => c.check({ route: '/l', user: `u${i}` })));
+  assert.equal(held, 1, 'the first connection was held');
+  assert.deepEqual(got.map((x) => [x.unreachable, x.remaining]), [[false, 9], [false, 9], [false, 9], [false, 9]], got.map((x) => x.cause).join('; '));
+  assert.equal(c.slots[0].failures, 0, 'the slot backs off');
+  // Every new connection so: the redial's ends unused too, and the slot backs off.
+  holdAll = true;
+  await waitFor('the daemon closed the idle connection', 30000, () => c.slots[0].conn === null);
+  const next = await c.check({ route: '/l', user: 'u5' });
+  assert.ok(next.unreachable && /write EPIPE/.test(next.cause), JSON.stringify(next));
+  assert.equal(held, 3, 'dialed again once');
+  assert.equal(c.slots[0].failures, 1);
+});
