@@ -62,8 +62,12 @@ def test_decisions_and_errors(daemon):
 
 @pytest.mark.parametrize("policy", ["open", "closed"])
 def test_missing_socket(short_tmp, policy):
+    # A timeout of 5 s: a missing socket fails the dial at once (ENOENT), and that is the
+    # cause asserted. At the default 50 ms, an event loop run late (a loaded machine) let
+    # the check's timeout come first: "no connection within the timeout" (1 run of the
+    # suite in 10 under load).
     async def main():
-        c = rlsidecar.AsyncClient(os.path.join(short_tmp, "none.sock"), on_unavailable=policy)
+        c = rlsidecar.AsyncClient(os.path.join(short_tmp, "none.sock"), on_unavailable=policy, timeout=5)
         d = await c.check({"user": "x"})
         assert d.allowed == (policy == "open") and d.degraded and d.unreachable and "none.sock" in d.cause
         causes = [(await c.check({"user": "x"})).cause for _ in range(20)]
