@@ -569,22 +569,31 @@ test('a late answer\'s lease does not keep a retired connection open', async (t)
     if (req.op === 'release') return { released: true };
     return { allowed: false, lease: '', retry_after_ms: 1000, rules: [rule] };
   });
-  const c = new rl.Client({ socket: sock, timeoutMs: 2000, conns: 1, logger: null });
+  const c = new rl.Client({ socket: sock, timeoutMs: 10000, conns: 1, logger: null });
   t.after(() => c.close());
   const a = await c.check({ user: 'ann' });
   assert.ok(a.allowed && a.lease === 'A', JSON.stringify(a));
   // 50 ms from here: the stall's checks, and the late lease's release (answered 100 ms
-  // late). The last release is awaited 2 s: the stand-in answers it at once, but a loaded
-  // machine may take longer than 50 ms.
+  // late). The other checks are awaited 10 s: the stand-in answers them at once, but a
+  // loaded machine may take longer than 50 ms (at 2 s, the first check timed out in 2
+  // runs of 160 under load).
   c.timeoutMs = 50;
   const start = Date.now();
   while (c.retired.size === 0 && Date.now() - start < 5000) assert.ok((await c.check({ user: 'bob' })).unreachable);
   assert.equal(c.retired.size, 1, 'the stalled connection holding a lease is retired');
+  // The slot's next connection, dialed and answering before the late answer comes: the
+  // late lease's release is then written at once. Dialed by that release, it was never
+  // sent when the dial took over the release's 50 ms (a loaded machine: 1 run in 30),
+  // as a check's timeout counts its dial.
+  c.timeoutMs = 10000;
+  const second = await c.check({ user: 'bob' });
+  assert.ok(!second.unreachable && c.slots[0].conn !== null, second.cause);
+  c.timeoutMs = 50;
   first.send({ id: held[0].id, allowed: true, lease: 'B', rules: [rule] }); // late
   for (let i = 0; i < 200 && !orphanAsked; i++) await new Promise((r) => setTimeout(r, 5));
   assert.ok(orphanAsked, 'the late answer\'s lease is released');
   await new Promise((r) => setTimeout(r, 200)); // that release timed out, then came late
-  c.timeoutMs = 2000;
+  c.timeoutMs = 10000;
   assert.equal(await c.release(a.lease), true);
   assert.equal(c.retired.size, 0, 'the retired connection closed once the running request\'s lease was released');
 });
