@@ -8,7 +8,7 @@ const path = require('path');
 
 const rl = require('..');
 const { OUTAGE_LOG_INTERVAL } = require('../lib/client');
-const { RULES, startDaemon, tempDir } = require('./helpers');
+const { RULES, startDaemon, tempDir, waitFor } = require('./helpers');
 
 function logged(t, opts) {
   const lines = [];
@@ -119,16 +119,18 @@ test('a connection the sidecar stopped answering on is given up and redialed', a
 test('a full connection the sidecar stopped answering on is given up and redialed', async (t) => {
   const { MAX_PENDING } = require('../lib/client');
   const { p, c } = await frozenSidecar(t);
-  for (let i = 0; i < 2; i++) assert.ok((await c.check({ user: 'a' })).unreachable); // dials both
-  // The burst's checks wait 2 s, so its stall time is 8 s: building it takes over a second
-  // on a loaded machine, and with 20 ms (a stall time of 1 s from the dial) its first
-  // timeouts gave the connections up before they were full (3 runs of 4 under load).
-  c.timeoutMs = 2000;
-  const burst = await Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
-  assert.ok(burst.every((d) => d.unreachable));
-  assert.deepEqual(c.slots.map((s) => s.conn && s.conn.inFlight()), [MAX_PENDING, MAX_PENDING], 'both connections full');
+  // The burst dials both connections and fills them, its checks waiting 60 s: none times
+  // out before the switch, so none gives a connection up before it is full, however long
+  // building it takes on a loaded machine. Before, they waited 2 s (a stall time of 8 s
+  // from the dial), and building it took longer once: both connections were given up
+  // before the burst was awaited (1 run of the suite in 6 under load); with 20 ms, 3 runs
+  // of 4. Its checks settle when the connections are given up.
+  c.timeoutMs = 60000;
+  const burst = Promise.all(Array.from({ length: 2 * MAX_PENDING + 100 }, () => c.check({ user: 'a' })));
+  await waitFor('both connections full', 30000, () => c.slots.every((s) => s.conn !== null && s.conn.inFlight() === MAX_PENDING));
   c.timeoutMs = 20; // from here every check waits for room, and times out there
   await switchSidecar(t, c, p, 'full connections');
+  await burst;
 });
 
 // frozenSidecar listens on a new socket path p as a sidecar that reads its checks and
@@ -140,7 +142,8 @@ async function frozenSidecar(t) {
   const frozen = net.createServer((s) => { held.push(s); s.on('data', () => {}); }); // reads, never answers
   await new Promise((r) => frozen.listen(p, r));
   t.after(() => { for (const s of held) s.destroy(); frozen.close(); });
-  const c = new rl.Client({ socket: p, timeoutMs: 20, conns: 2, logger: { warn() {} } });
+  // Dials wait 10 s (not 100 ms, from the timeout): a loaded machine may take longer.
+  const c = new rl.Client({ socket: p, timeoutMs: 20, connectTimeoutMs: 10000, conns: 2, logger: { warn() {} } });
   t.after(() => c.close());
   return { p, c };
 }
