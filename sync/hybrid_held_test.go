@@ -8,30 +8,32 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
-// A window whose last units are reserved by another daemon (its share grant, unused so
-// far) refuses here until those come back, and says so: retry after this daemon's next
-// sync, not at the window's end. Told the window's end, a client spread over 3 daemons
+// A window or bucket whose last units are reserved by another daemon (its share grant,
+// unused so far) refuses here until those come back, and says so: retry after this
+// daemon's next sync, not at the window's end or the bucket's refill. Told the window's end, a client spread over 3 daemons
 // at its 84th request of 100 a minute waited up to 39 s for units free again within
 // half a second (found by an audit of hybrid against global under load). Once the other
 // daemon gives its grant back, the units are admitted here.
 func TestHybridRefusalForHeldUnitsRetriesSoon(t *testing.T) {
 	rdb := standalone(t)
 	ctx := context.Background()
-	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
 		t.Run(alg.String(), func(t *testing.T) {
 			key := "rl:held:{" + alg.String() + "}"
 			w := hourWindow()
 			lim := mustLimit(t, alg, 10, w)
-			salg := int64(2) // the script's fixed_window
+			salg, burst := int64(2), int64(0) // the script's fixed_window
 			if alg == localbucket.SlidingWindow {
 				salg = 1
+			} else if alg == localbucket.TokenBucket {
+				salg, burst = 0, 10
 			}
 			// Daemon b reserves a share grant and uses none of it yet.
 			b := func(used, prevGrant, window, demand, prevToken, token int64) []int64 {
 				t.Helper()
 				v, err := int64s(hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("b",
 					int64(100*time.Millisecond/time.Microsecond), 2, 10000, 100, 0, 1, 0,
-					salg, 10, int64(w/time.Microsecond), 0,
+					salg, 10, int64(w/time.Microsecond), burst,
 					1, used, prevGrant, window, demand, int64(modeShare), prevToken, token, 0)...))
 				if err != nil {
 					t.Fatal(err)
@@ -73,9 +75,43 @@ func TestHybridRefusalForHeldUnitsRetriesSoon(t *testing.T) {
 			for i := 0; i < 20 && take(a, now, key, lim, 1).Allowed; i++ {
 			}
 			syncAll(t, now, a)
-			if r := take(a, now, key, lim, 1); r.Allowed || r.RetryAfter < int64(time.Minute) && alg == localbucket.FixedWindow {
-				t.Fatalf("at the limit, nothing held elsewhere: %+v; want refused until the window's end", r)
+			if r := take(a, now, key, lim, 1); r.Allowed || r.RetryAfter < int64(time.Minute) && alg != localbucket.SlidingWindow {
+				t.Fatalf("at the limit, nothing held elsewhere: %+v; want refused until the window's end or a unit's refill", r)
 			}
 		})
+	}
+}
+
+// A token bucket forgets grants nobody settles (a daemon killed holding one) once it is
+// full again: refusals after that are not reported as held units that will come back,
+// which would have its clients retry every sync until the key went idle.
+func TestHybridHeldTokenBucketForgetsUnsettledGrantsWhenFull(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	key := "rl:held:{forgot}"
+	w := time.Second
+	run := func(id string, used, prevGrant, demand, prevToken, token int64) []int64 {
+		t.Helper()
+		// 2 a second, burst 2: no credit reserved for a previous user (2 ÷ (2 x 2) is 0).
+		v, err := int64s(hybridScript.Run(ctx, rdb, []string{key}, hybridArgs(id,
+			int64(100*time.Millisecond/time.Microsecond), 2, 10000, 100, 0, 1, 0,
+			0, 2, int64(w/time.Microsecond), 2,
+			1, used, prevGrant, 0, demand, int64(modeExact), prevToken, token, 0)...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	if v := run("b", 0, 0, 2, 0, 1); v[0] != 2 {
+		t.Fatalf("b's exact grant %d, want 2: %v", v[0], v)
+	}
+	// b never settles it. Once the bucket has refilled (a second), a takes it all, then
+	// is refused: nothing is held by others that could come back.
+	time.Sleep(w + 100*time.Millisecond)
+	if v := run("a", 0, 0, 2, 0, 1); v[0] != 2 || v[6]&2 != 0 {
+		t.Fatalf("a's exact grant of the full bucket: %v; want 2, flags without 2", v)
+	}
+	if v := run("a", 2, 2, 1, 1, 2); v[0] != 0 || v[6]&2 != 0 {
+		t.Fatalf("a refused with b's grant long refilled: %v; want grant 0, flags without 2 (nothing held)", v)
 	}
 }

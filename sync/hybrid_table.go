@@ -419,9 +419,10 @@ const (
 	// next sync of the key (the record's token tells Redis it is a resend) gives them
 	// back, so the key is synced, and kept, until one succeeds.
 	flagUnsettled
-	// flagHeld: at the last sync other daemons held units of the key's window reserved
-	// (their grants), which come back at their next syncs unless used: a refusal for
-	// want of room is retried after this daemon's next sync, not at the window's end.
+	// flagHeld: at the last sync other daemons held units of the key reserved (their
+	// grants), which come back at their next syncs unless used: a refusal for want of
+	// room is retried after this daemon's next sync, not at the window's end or the
+	// bucket's refill.
 	flagHeld
 	// flagRelimit: the key's limit changed (relimit) since its last confirmed sync,
 	// whose next sync tells scripts/hybrid.lua so (modeRelimit): the one sync of this

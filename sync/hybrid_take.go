@@ -887,11 +887,12 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 		// units admitted here beyond the grant took the room: 5/s, costs 3, 1 and 3, a
 		// retry of 200 ms where 2 tokens take 400; 4 per 2 s, costs 2, 1 and 2, 100 ms
 		// where the window had to end, or 500 ms for a token bucket.)
-	case alg != localbucket.TokenBucket && e.flags&flagHeld != 0 && e.synced > 0:
-		// Units of the window are reserved by other daemons, and come back at their
-		// next syncs unless used: after this daemon's next sync (nextView), not at the
-		// window's end. Told the window's end, a client spread over 3 daemons waited 39 s
-		// for units free again within half a second.
+	case e.flags&flagHeld != 0 && e.synced > 0:
+		// Units of the key are reserved by other daemons, and come back at their next
+		// syncs unless used: after this daemon's next sync (nextView), not at the
+		// window's end or the bucket's refill. Told those, a client spread over 3
+		// daemons waited 39 s for units free again within half a second; one of 8 an
+		// hour, 450 s (TestE2EHybridBurstSpreadRetriedGetsTheLimit).
 	case alg == localbucket.SlidingWindow && e.synced > 0:
 		// When the estimate leaves room for need more units beside those admitted here
 		// and not in Redis yet: at the previous window's pace, then at this one's. (The

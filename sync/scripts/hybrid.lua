@@ -30,7 +30,8 @@
 --
 -- State (a hash; every write sets a TTL, so idle keys vanish): t = GCRA theoretical
 -- arrival time, or the current window's start; n = current window count (reservations
--- included); g = of which the grants reserved in it and not yet settled; p = previous
+-- included); g = the units of grants reserved and not yet settled (a window's: of n; a
+-- token bucket's: of how far t runs ahead, forgotten once the bucket is full); p = previous
 -- window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons; o = the last daemon that used the key
 -- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
@@ -84,7 +85,7 @@
 -- now beyond every reservation, times 1000, negative while it is in debt or its next
 -- interval's refill is reserved; and flags: 1 if another daemon used the key within
 -- share_epochs (its daemons then admit on grants only, no credit), plus 2 if other
--- daemons hold units of a window reserved (they come back unless used), plus 4 if a
+-- daemons hold units reserved (they come back unless used), plus 4 if a
 -- token bucket holds units a cut left out (gu) that the answer at this rate does not
 -- count: reported by the syncs that read gu (a cut, a relimit), read back into t at the
 -- next read at another rate.
@@ -240,12 +241,12 @@ for i = 1, nkeys do
     if win then
       h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp', 'g', 'sn')
     else
-      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er', 'sn')
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er', 'g', 'sn')
     end
   elseif win then
     h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'g', 'sn')
   else
-    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er', 'sn')
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er', 'g', 'sn')
   end
   if h.err then
     -- not served here (a slot moved): nothing touched
@@ -266,6 +267,10 @@ for i = 1, nkeys do
       p = tonumber(h[9]) or 0
       d = 10
       if mode == 0 and demand > 0 then g = tonumber(h[13]) or 0 else g = tonumber(h[10]) or 0 end
+    elseif mode == 0 and demand > 0 then
+      g = tonumber(h[12]) or 0
+    else
+      g = tonumber(h[9]) or 0
     end
     local n0, p0, g0 = n, p, g
     local e = tonumber(h[d]) or 0
@@ -447,6 +452,11 @@ for i = 1, nkeys do
       if settle > 0 then since = now - age end
       t = math.max(t, since) + settle * T
       if t < now then t = now end
+      -- The grant settled is no longer reserved (g, as a window's). A full bucket holds
+      -- nothing that could come back: grants of daemons that never settled them (killed)
+      -- are forgotten, not reported as held until the key goes idle.
+      g = math.max(0, g - settled_grant)
+      if t <= now then g = 0 end
       -- At most a whole burst, as the exact mode and the local buckets read a state
       -- written at another rate (localbucket.Limit.Rescale): a lowering leaves the
       -- bucket empty, refilling at the new rate, not in debt. After the settle: what
@@ -598,6 +608,7 @@ for i = 1, nkeys do
       local T = window / requests
       local tau = burst * T
       t = math.max(t, now) + reserve * T
+      g = g + reserve
       local left = (now + tau - t) / T - res + tb_eps(T)
       avail = left
       remaining = math.max(0, math.floor(left))
@@ -752,12 +763,14 @@ for i = 1, nkeys do
     -- credit nobody has counted.
     local flags = 0
     if x >= epoch or kown then flags = 1 end
-    -- Units of a window reserved by other daemons (their grants, a previous user's
-    -- credit): they come back at those daemons' next syncs if unused. A refusal for want
-    -- of them is retried after the next sync, not at the window's end (a client spread
-    -- over 3 daemons, at its 84th of 100 a minute, was told 39 s while its units were
-    -- reserved, free again within half a second).
-    if win and math.min(n, g - grant + res) >= 1 then flags = flags + 2 end
+    -- Units reserved by other daemons (their grants, a previous user's credit), counted
+    -- in the window or in how far the bucket's t runs ahead: they come back at those
+    -- daemons' next syncs if unused. A refusal for want of them is retried after the
+    -- next sync, not at the window's end (a client spread over 3 daemons, at its 84th of
+    -- 100 a minute, was told 39 s while its units were reserved, free again within half
+    -- a second) nor when the bucket refills (8 an hour, 12 requests at once over 3
+    -- daemons: 7 admitted, the rest told 450 s while a unit came free within 200 ms).
+    if math.min(win and n or (t - now) / (window / requests), g - grant + res) >= 1 then flags = flags + 2 end
     -- The key holds units a cut left out (gu): the view, at this rate, does not count
     -- them, and a raise of the daemon's limit must not give them as room.
     if gukept then flags = flags + 4 end
