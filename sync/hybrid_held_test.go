@@ -115,3 +115,41 @@ func TestHybridHeldTokenBucketForgetsUnsettledGrantsWhenFull(t *testing.T) {
 		t.Fatalf("a refused with b's grant long refilled: %v; want grant 0, flags without 2 (nothing held)", v)
 	}
 }
+
+// Units other daemons hold reserved shorten a refusal's retry to the next sync only
+// where the refill is far (heldWait intervals): one about 500 ms away is told as it is. On a
+// key hot on every daemon the holders use what they hold, and clients told to come back
+// each interval were refused again at every try (5 per 2 s, 6 clients honouring
+// retry_after over 3 daemons: 2.6 times the exact mode's refusals and 1.4 times its
+// script calls, for the same admitted).
+func TestHybridHeldUnitsNearRefillWaitForIt(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	key := "rl:held:{near}"
+	w := 2500 * time.Millisecond // 10 per 2.5 s: a unit every 250 ms
+	lim := mustLimit(t, localbucket.TokenBucket, 10, w)
+	v, err := int64s(hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("b",
+		int64(100*time.Millisecond/time.Microsecond), 2, 10000, 100, 0, 1, 0,
+		0, 10, int64(w/time.Microsecond), 10,
+		1, 0, 0, 0, 4, int64(modeShare), 0, 7, 0)...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if held := v[0]; held < 2 || held > 8 {
+		t.Fatalf("b's grant %d, want a few units of 10", held)
+	}
+	a := NewHybrid(rdb, HybridOptions{Interval: 100 * time.Millisecond, FetchWait: time.Second})
+	now := time.Now().UnixNano()
+	var r localbucket.Result
+	for i := 0; i < 12; i++ {
+		if r = take(a, now, key, lim, 1); !r.Allowed {
+			break
+		}
+	}
+	if r.Allowed {
+		t.Fatalf("a admitted 12 of 10 beside b's grant")
+	}
+	if r.RetryAfter < int64(200*time.Millisecond) || r.RetryAfter > int64(900*time.Millisecond) {
+		t.Fatalf("refused with b's grant held, the units needed 250-750 ms away: retry %v; want their refill, not the next sync: %+v", time.Duration(r.RetryAfter), r)
+	}
+}
