@@ -240,6 +240,10 @@ test('a check on a new connection closed idle before its first write goes on a n
   await waitFor('the daemon closed the idle connection', 30000, () => c.slots[0].conn === null);
   const next = await c.check({ route: '/l', user: 'u5' });
   assert.ok(next.unreachable && /write EPIPE/.test(next.cause), JSON.stringify(next));
-  assert.equal(held, 3, 'dialed again once');
-  assert.equal(c.slots[0].failures, 1);
+  // Dialed again once at once; then the check, its frame never written, goes again as
+  // often as the pool has connections (one): the slot backs off 5-10 ms, and a resend
+  // routed after that (a loaded machine: 1 run of 6 at load 9.5) dials once more, whose
+  // connection is closed unused too. Never more: the bound is the pool's connections + 1.
+  assert.ok(held === 3 || held === 4, `dialed again once, and at most once more for the resend: ${held} dials held`);
+  assert.equal(c.slots[0].failures, held - 2, 'each connection after the first unused one a failure');
 });
