@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -581,7 +582,7 @@ func (l *Limiter) report(now int64, d *Decision) {
 			if o.bans == bansGlobal {
 				l.shared.saw(now, d, i)
 			}
-		} else if o.flags&infoPenalty != 0 && !out.Allowed && (o.cost != 0 || o.asked) && !out.Impossible && !d.unasked(i) && !o.shared {
+		} else if d.countsRefusal(i) {
 			// Refused by its rule: not an op whose store a rejection skipped unasked, nor
 			// a cost-0 check, which only asks (it stores nothing: no refusal, no ban),
 			// unless AskLeases made it ask (an Envoy call's concurrency rule: the
@@ -602,7 +603,31 @@ func (l *Limiter) report(now int64, d *Decision) {
 			if !out.Impossible && out.RetryAfter > 0 {
 				admit = now + int64(out.RetryAfter)
 			}
+			// One request is one refusal of its client: identical descriptors of an
+			// Envoy call (a route's and its virtual host's remote_address, say) are
+			// charged once each, but refused together they count once, at the first,
+			// whose ban lasts until the last of them would pass; the others say what it
+			// says. Before, each counted: a single request refused on two of them started
+			// a ban of `after: 2`.
+			first := true
+			for j := range i {
+				if bytes.Equal(d.ops[j].key, o.key) && d.countsRefusal(j) {
+					if p := &d.Results[j]; p.Banned {
+						out.Banned = true
+						out.RetryAfter = max(out.RetryAfter, p.RetryAfter)
+						out.Reset = max(out.Reset, out.RetryAfter)
+					}
+					first = false
+					break
+				}
+			}
+			for k := i + 1; first && k < len(d.ops); k++ {
+				if r := &d.Results[k]; bytes.Equal(d.ops[k].key, o.key) && d.countsRefusal(k) && r.RetryAfter > 0 {
+					admit = max(admit, now+int64(r.RetryAfter))
+				}
+			}
 			switch {
+			case !first:
 			case o.bans == bansLocal:
 				until, started = l.bans.refused(o.key, out.Rule, now, admit)
 			case !o.degraded || (o.bans == bansHybrid && o.fb.policy != rules.FailClosed): // a global op degraded: Redis is away
@@ -678,6 +703,16 @@ func (l *Limiter) DecideInline(now int64, d *Decision) bool {
 		return false
 	}
 	return true
+}
+
+// countsRefusal reports whether op i's result is a refusal that counts toward its rule's
+// penalty: refused by its rule, not an op whose store a rejection skipped unasked, nor a
+// cost-0 check (it only asks) unless AskLeases made it ask, nor a cost above capacity,
+// nor one decided on the shared fallback state of a full store (see report).
+func (d *Decision) countsRefusal(i int) bool {
+	o, out := &d.ops[i], &d.Results[i]
+	return o.bannedUntil == 0 && o.flags&infoPenalty != 0 && !out.Allowed && (o.cost != 0 || o.asked) &&
+		!out.Impossible && !d.unasked(i) && !o.shared
 }
 
 // refusedFirst reports whether the request is refused before any store is asked to
