@@ -525,8 +525,11 @@ type opScratch struct {
 	e       *entry // the stored entry (records never move), nil when the key is not stored
 	idx     int32  // index of the stored entry, -1 when the key is not stored
 	prev    int32  // the previous op on the same key, -1 if none
-	shard   uint32
-	last    bool // no later op has the same key
+	// carry: the cost of the earlier refused ops on the same key, which this one is
+	// decided on top of (see applyWith).
+	carry uint64
+	shard uint32
+	last  bool // no later op has the same key
 }
 
 const inlineOps = 16
@@ -639,7 +642,8 @@ func (s *Store) WallOffset() int64 { return s.wallOffset.Load() }
 // op is allowed, it commits every allowed op and returns true. Otherwise it commits
 // nothing and returns false; the Result of each op that was itself allowed then reports
 // the key's current state as a cost-0 peek would, with Allowed still true and RetryAfter
-// 0. Ops on the same key in one batch are applied in order on the tentative state.
+// 0. Ops on the same key in one batch are applied in order on the tentative state, each
+// decided on top of the cost of the refused ones before it (their retry is when all fit).
 //
 // A batch is decided at now, or at the latest time a batch on one of its keys' shards
 // was decided at, when that is later: concurrent callers read their clocks in one
@@ -1092,11 +1096,21 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 	ok := !veto
 	for i := range ops {
 		op, x := &ops[i], &sc[i]
-		x.over, x.e = nil, nil
+		x.over, x.e, x.carry = nil, nil, 0
 		sh := &s.shards[x.shard]
 		if x.prev >= 0 {
 			p := &sc[x.prev]
 			x.in, x.idx, x.e, x.over = p.out, p.idx, p.e, p.over
+			// Ops on one key are decided as if the ones before them were charged (the
+			// identical descriptors of an Envoy call, each charged once): one refused
+			// leaves the state as it was, and the next is decided on top of its cost, so
+			// that its retry is when both fit. Before, it said when its own cost fit: a
+			// call of two identical descriptors, a token bucket empty, was told to retry
+			// after one unit's refill, and was refused again then.
+			x.carry = p.carry
+			if po := &ops[x.prev]; !po.Result.Allowed {
+				x.carry = satAdd(x.carry, po.Cost)
+			}
 		} else if idx, found := sh.lookup(uint32(x.hash>>32), op.Key); found {
 			x.idx = int32(idx)
 			x.e = &sh.rec(idx).e
@@ -1114,7 +1128,7 @@ func (s *Store) applyWith(now int64, ops []Op, veto bool, sc []opScratch, locks 
 			x.in = State{}
 		}
 		op.Shared = x.over != nil
-		x.out = take(op.Limit, x.in, now, off, op.Cost, &op.Result)
+		x.out = take(op.Limit, x.in, now, off, satAdd(op.Cost, x.carry), &op.Result)
 		if !op.Result.Allowed && !op.Shadow {
 			ok = false
 		}
@@ -1356,3 +1370,11 @@ func (s *Store) Evictions() uint64 { return s.evictions.Load() }
 // state (shared by every such key of the rule in the shard), or, the first time a shard
 // is found full, on a fresh state.
 func (s *Store) Untracked() uint64 { return s.untracked.Load() }
+
+// satAdd returns a + b, or the largest uint64 where that overflows.
+func satAdd(a, b uint64) uint64 {
+	if s := a + b; s >= a {
+		return s
+	}
+	return ^uint64(0)
+}

@@ -76,7 +76,8 @@ func TestStoreModel(t *testing.T) {
 
 // TestStoreBatchModel checks batches of several ops (keys repeated within a batch,
 // shadow ops, limits of every algorithm on one key space) against a plain map applying
-// the documented semantics: ops taken in order on a tentative state; if every non-shadow
+// the documented semantics: ops taken in order on a tentative state, each on top of the
+// cost of the refused ones before it on its key; if every non-shadow
 // op passes, every key keeps its last state (dropped once expired); otherwise nothing
 // changes and each op that passed reports a peek of its key's state before the batch.
 func TestStoreBatchModel(t *testing.T) {
@@ -109,6 +110,7 @@ func TestStoreBatchModel(t *testing.T) {
 			}
 			// The model.
 			tent := map[string]State{}
+			carry := map[string]uint64{} // the cost of the refused ops before, per key
 			want := make([]Result, len(ops))
 			ok := true
 			for i, op := range ops {
@@ -117,7 +119,10 @@ func TestStoreBatchModel(t *testing.T) {
 				if !seen {
 					st = ref[k].st
 				}
-				tent[k], want[i] = op.Limit.Take(st, now, op.Cost)
+				tent[k], want[i] = op.Limit.Take(st, now, op.Cost+carry[k])
+				if !want[i].Allowed {
+					carry[k] += op.Cost
+				}
 				ok = ok && (want[i].Allowed || op.Shadow)
 			}
 			if ok {

@@ -72,3 +72,38 @@ rules:
 		})
 	}
 }
+
+// TestE2EEnvoyIdenticalDescriptorsRetry: through the real daemon's Envoy API, in local,
+// hybrid and global mode on a real Redis, a call of two identical descriptors on an empty
+// token bucket (3 per hour) is told to retry when both fit, two units' refill (2,400 s),
+// as hybrid mode said. Before, local and global mode said one unit's (1,200 s), and a
+// gateway that retried then was refused again (under a penalty, a refusal toward the
+// next ban).
+func TestE2EEnvoyIdenticalDescriptorsRetry(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	for _, mode := range []string{"local", "hybrid", "global"} {
+		t.Run(mode, func(t *testing.T) {
+			f := startEnvoyDaemon(t, strings.ReplaceAll(`
+rules:
+  - name: per-ip
+    match: { domain: edge, descriptor: remote_address }
+    key: [domain, remote_address]
+    limit: { requests: 3, per: 1h }
+    mode: MODE
+`, "MODE", mode), "--redis", "redis://"+srv.Addr, "--redis-prefix", "rlr"+mode+":",
+				"--global-timeout", "3s", "--redis-timeout", "3s")
+			for range 3 {
+				if r := f.call(t, "edge", 1, desc("remote_address=a")); r.OverallCode != ok {
+					t.Fatalf("within the limit: %v", r.OverallCode)
+				}
+			}
+			r := f.call(t, "edge", 1, desc("remote_address=a"), desc("remote_address=a"))
+			if r.OverallCode != over {
+				t.Fatalf("two units on an empty bucket: %v", r.OverallCode)
+			}
+			if h := headerMap(r)["Retry-After"]; h != "2400" && h != "2399" {
+				t.Fatalf("Retry-After %q, want 2400 (two units of 1,200 s)", h)
+			}
+		})
+	}
+}

@@ -480,6 +480,9 @@ local function decide(k0, a0, n, res)
   local commits -- the consuming checks, to mark written if the request commits
   local taking -- lease slots: per key, the slots the request's allowed checks take
   local slots -- lease slots: the checks that take one, if the request commits
+  local carry -- per key: the cost of its earlier refused checks (identical Envoy
+  -- descriptors), which a later check on it is decided on top of, so that its retry is
+  -- when all of them fit (localbucket's applyWith does the same)
   for i = 1, n do
     local key = KEYS[k0 + i]
     local a = a0 + (i - 1) * 7
@@ -535,9 +538,14 @@ local function decide(k0, a0, n, res)
           before[key] = {copy = true, t = st.t, f = st.f, n = st.n, p = st.p, u = st.u, x = st.x, er = st.er, er0 = st.er0}
         end
       end
+      local carried = carry and carry[key] or 0
       local allowed, impossible, remaining, reset, retry, window, expires, consumed =
-        take(alg, st, requests, w, burst, e, cost)
+        take(alg, st, requests, w, burst, e, cost + carried)
       if type(allowed) == 'table' then return allowed end -- an error reply
+      if allowed == 0 then
+        carry = carry or {}
+        carry[key] = carried + cost
+      end
       if consumed then
         commits = commits or {}
         commits[#commits + 1] = key
