@@ -1,0 +1,60 @@
+package sync
+
+import (
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A key new to this daemon, in a request another op refuses before Redis is asked of it,
+// is reported unasked: its figures would be a fresh state's, not Redis's. Before, a key of
+// 1,000 an hour, 50 of them used through another daemon, said allowed with 1,000 left,
+// and a gateway's RateLimit header r=1000 (an outside audit's probe). The same when
+// another store refuses the request after this one admitted it (Undo).
+func TestHybridNewKeyInARefusedRequestIsUnasked(t *testing.T) {
+	rdb := standalone(t)
+	w := hourWindow()
+	tight := mustLimit(t, localbucket.TokenBucket, 1, w)
+	wide := mustLimit(t, localbucket.TokenBucket, 1000, w)
+	opts := HybridOptions{Interval: 100 * time.Millisecond, FetchWait: time.Second}
+	a, b := NewHybrid(rdb, opts), NewHybrid(rdb, opts)
+	now := time.Now().UnixNano()
+	for i := 0; i < 50; i++ {
+		if r := take(a, now, "rl:user:{bob}", wide, 1); !r.Allowed {
+			t.Fatalf("a's check %d of bob refused: %+v", i, r)
+		}
+		syncAll(t, now, a)
+	}
+	// b spends its one unit of ip x and learns so from Redis.
+	if r := take(b, now, "rl:ip:{x}", tight, 1); !r.Allowed {
+		t.Fatalf("b's first check of ip x refused: %+v", r)
+	}
+	syncAll(t, now, b)
+	ops := []HybridOp{{Key: []byte("rl:ip:{x}"), Limit: tight, Cost: 1}, {Key: []byte("rl:user:{bob}"), Limit: wide, Cost: 1}}
+	if b.Take(now, ops) || ops[0].Result.Allowed {
+		t.Fatalf("ip x spent, yet allowed: %+v", ops[0].Result)
+	}
+	if !ops[1].Unasked {
+		t.Fatalf("bob, new to b, in a request ip x refused: %+v, not unasked (Redis holds 950 left)", ops[1].Result)
+	}
+	// Admitted here, then refused by another store (Undo): unasked too.
+	c := NewHybrid(rdb, opts)
+	ops = []HybridOp{{Key: []byte("rl:user:{bob}"), Limit: wide, Cost: 1}}
+	if !c.Take(now, ops) {
+		t.Fatalf("bob's first check on c refused: %+v", ops[0].Result)
+	}
+	c.Undo(ops)
+	if !ops[0].Unasked {
+		t.Fatalf("bob's check on c, given back: %+v, not unasked", ops[0].Result)
+	}
+	// A key this daemon has synced keeps its figures, Redis's.
+	ops = []HybridOp{{Key: []byte("rl:user:{bob}"), Limit: wide, Cost: 1}}
+	if !a.Take(now, ops) {
+		t.Fatalf("bob's check on a refused: %+v", ops[0].Result)
+	}
+	a.Undo(ops)
+	if ops[0].Unasked || ops[0].Result.Remaining != 950 {
+		t.Fatalf("bob's check on a, given back: %+v; want its view, 950 left", ops[0].Result)
+	}
+}
