@@ -126,17 +126,31 @@ func TestWriteTimeoutCutsAnIdleWaitingConnection(t *testing.T) {
 	m := NewMetrics("test", 10)
 	s := startServer(t, Config{WriteTimeout: 200 * time.Millisecond, IdleTimeout: time.Minute, Metrics: m})
 	defer s.Shutdown(context.Background())
+	m.SetRules(s.lim.Rules(), time.Now())
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	// About 1 MB of answers: more than the socket holds, less than a connection may hold
-	// queued (maxHeld), so the connection's goroutine reads on, and waits for a frame.
-	batch := bytes.Repeat(frameOf(proto.Request{ID: 1, Op: proto.OpPing}), 30000)
+	// 8,000 checks that match no rule: 144 kB, which the socket takes whole (its default
+	// 208 KiB), so the write is done whatever the daemon's pace; their answers (85 bytes
+	// each, 680 kB) are more than the socket holds and less than a connection may hold
+	// queued (HeldPerConn), so the connection's goroutine reads on, and waits for a frame.
+	// (It wrote 30,000 pings, 690 kB, and its write failed (EPIPE) whenever the daemon,
+	// on a loaded machine, had not read them all before the write timeout cut it.)
+	batch := bytes.Repeat(frameOf(proto.Request{ID: 1, Op: proto.OpCheck, Cost: 1}), 8000)
 	if _, err := c.Write(batch); err != nil {
 		t.Fatal(err)
 	}
-	waitConns(t, s, 0, 20*time.Second) // well before the minute's idle timeout
+	// The connection ends, counted by its reason as it does, well before the minute's
+	// idle timeout. (Waited for by its count: the write returns before the daemon may
+	// have accepted the connection, and no connection served says nothing until then.)
+	for deadline := time.Now().Add(20 * time.Second); m.closed[closeWriteTimeout].Get() == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection did not end (write_timeout) within 20 s of a 200 ms write timeout")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	waitConns(t, s, 0, 20*time.Second)
 	waitClosed(t, m, closeWriteTimeout)
 }
