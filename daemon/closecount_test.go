@@ -15,9 +15,15 @@ import (
 // header, one whose client pipelined checks and reads none of their answers (which wait
 // for room past the write timeout, and are then cut off by it during the drain), one
 // whose client shut its read side.
+//
+// The write timeout (5 s) is far longer than the set-up takes, and the drain's (30 s)
+// longer still: every connection is in its state when the drain begins, and the two
+// whose answers wait are cut by the write timeout during it. (At 200 ms, a loaded machine
+// took longer than that between the unread burst and the shutdown: both had been cut and
+// counted write_timeout before it, and "2 connections served after 1s, want 4".)
 func TestShutdownCountsNoClose(t *testing.T) {
 	m := NewMetrics("test", 10)
-	s := startServer(t, Config{Metrics: m, IdleTimeout: time.Hour, WriteTimeout: 200 * time.Millisecond, DrainTimeout: 2 * time.Second})
+	s := startServer(t, Config{Metrics: m, IdleTimeout: time.Hour, WriteTimeout: 5 * time.Second, DrainTimeout: 30 * time.Second})
 	idle, br := dialServer(t, s)
 	roundTrip(t, idle, br, &proto.Request{ID: 1, Op: proto.OpPing})
 	half, _ := dialServer(t, s)
@@ -36,8 +42,8 @@ func TestShutdownCountsNoClose(t *testing.T) {
 	if err := shut.(*net.UnixConn).CloseRead(); err != nil {
 		t.Fatal(err)
 	}
-	waitConns(t, s, 4, time.Second)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	waitConns(t, s, 4, 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	_ = s.Shutdown(ctx) // may close what is still busy after DrainTimeout
 	for r := closeReason(1); r < nCloseReasons; r++ {
