@@ -217,8 +217,14 @@ func TestGlobalPipelineClientGone(t *testing.T) {
 // connection's reads with far fewer answers held than the 2 MiB an inline pipeline is
 // allowed (about 1,200 answers in, the write timeout cut the connection); decided
 // entries are now merged, and the bytes bound the queue.
+//
+// The daemon's write timeout is a minute here, past the client's own 20 s deadlines: a
+// daemon that stops reading still fails the test (the client's write times out), but
+// one slowed by -race on a loaded machine, still reading, is not cut off by the default
+// 5 s while its answers wait (it was, 2 of 4 runs at load 17-22: "writing 10000 checks
+// (445878 bytes) before reading: ... broken pipe").
 func TestGlobalLongPipelineWrittenBeforeReading(t *testing.T) {
-	s := startGlobalServer(t)
+	s := startGlobalServerConfig(t, globalPipelineRules, false, Config{WriteTimeout: time.Minute})
 	c, err := net.Dial("unix", s.cfg.Socket)
 	if err != nil {
 		t.Fatal(err)
