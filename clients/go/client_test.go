@@ -43,7 +43,13 @@ func attrList(kv ...string) []proto.Attr {
 // eventually polls cond until it holds or 5 s pass.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); !cond(); {
+	eventuallyWithin(t, what, 5*time.Second, cond)
+}
+
+// eventuallyWithin is eventually, waiting up to bound.
+func eventuallyWithin(t *testing.T, what string, bound time.Duration, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(bound); !cond(); {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
 		}

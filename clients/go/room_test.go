@@ -194,7 +194,9 @@ func TestBurstBeyondMaxPending(t *testing.T) {
 		ds, _ = checkAll(c, context.Background(), us)
 		close(done)
 	}()
-	eventually(t, "the connection to fill", func() bool { return pendingOn(c)[0] == maxPending })
+	// 5,596 goroutines under -race on a loaded machine took more than eventually's 5 s to
+	// put 4,096 checks on the connection; each waits 20 s for its answer, so up to 15 s.
+	eventuallyWithin(t, "the connection to fill", 15*time.Second, func() bool { return pendingOn(c)[0] == maxPending })
 	open()
 	<-done
 	bad := 0

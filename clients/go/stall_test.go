@@ -364,7 +364,11 @@ func TestStalledWriteKeepsLeases(t *testing.T) {
 		_, ok := f.conns[leased]
 		return ok
 	}
-	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
+	// A timeout (each answer's, and each write's) of 500 ms, not 20: on a loaded machine
+	// the lease's check and its release after the stall were not answered within 20 ms
+	// ("no lease", "release: false ... no answer within the timeout"). The writes still
+	// time out soon, once the frozen sidecar's socket is full.
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 500 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
