@@ -215,7 +215,11 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 		defer f.mu.Unlock()
 		return len(f.conns)
 	}
-	c, err := New(Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
+	// 100 ms, not 20: the lease's check, and after the stall the new connection's check and
+	// the release, must be answered in time on a loaded machine. The stall time is the
+	// same (stallFor: at least 1 s), and the late lease's release still goes unanswered
+	// (the stand-in takes 150 ms).
+	c, err := New(Options{Socket: path, Conns: 1, Timeout: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,7 +284,7 @@ func TestUnansweredReleaseClosesTheRetiredConnection(t *testing.T) {
 	}
 }
 
-// retiredWithLease starts a stand-in sidecar and a client of it (one connection, a 20 ms
+// retiredWithLease starts a stand-in sidecar and a client of it (one connection, a 250 ms
 // timeout), takes a lease of a concurrency rule whose lease is leaseMs (beside a rule of 1
 // per day), freezes the sidecar and checks until the connection is retired for the stall.
 // It returns the client, the leased decision and the count of retired connections.
@@ -303,7 +307,10 @@ func retiredWithLease(t *testing.T, leaseMs uint64) (*Client, Decision, func() i
 		}
 	})
 	t.Cleanup(func() { close(thaw) }) // before the stand-in stops (cleanups run last first)
-	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 20 * time.Millisecond})
+	// 250 ms, not 20: the lease's check must be answered in time on a loaded machine ("no
+	// lease": its 20 ms passed, 1 of 8 package runs at load 6). The stall time is the same
+	// (stallFor: at least 1 s).
+	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 250 * time.Millisecond})
 	ctx := context.Background()
 	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
 	if d.Lease != "t.1" {
