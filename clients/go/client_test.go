@@ -46,6 +46,17 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	eventuallyWithin(t, what, 5*time.Second, cond)
 }
 
+// answering pings c until the sidecar answers one in time: its connection is dialed and
+// answering, so that a next call that must be answered within a short Timeout does not
+// spend it dialing on a loaded machine.
+func answering(t *testing.T, c *Client) {
+	t.Helper()
+	eventually(t, "the sidecar to answer a ping", func() bool {
+		_, err := c.Ping(context.Background())
+		return err == nil
+	})
+}
+
 // eventuallyWithin is eventually, waiting up to bound.
 func eventuallyWithin(t *testing.T, what string, bound time.Duration, cond func() bool) {
 	t.Helper()

@@ -225,6 +225,7 @@ func TestStalledConnectionKeepsLeases(t *testing.T) {
 	}
 	defer c.Close()
 	ctx := context.Background()
+	answering(t, c)
 	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
 	if d.Lease != "t.1" {
 		t.Fatalf("no lease: %+v", d)
@@ -312,6 +313,7 @@ func retiredWithLease(t *testing.T, leaseMs uint64) (*Client, Decision, func() i
 	// (stallFor: at least 1 s).
 	c := newClient(t, Options{Socket: path, Conns: 1, Timeout: 250 * time.Millisecond})
 	ctx := context.Background()
+	answering(t, c)
 	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
 	if d.Lease != "t.1" {
 		t.Fatalf("no lease: %+v", d)
@@ -381,6 +383,7 @@ func TestStalledWriteKeepsLeases(t *testing.T) {
 	}
 	defer c.Close()
 	ctx := context.Background()
+	answering(t, c)
 	d, _ := c.Check(ctx, map[string]string{"user": "leased"}, nil)
 	if d.Lease != "t.1" {
 		t.Fatalf("no lease: %+v", d)
