@@ -36,7 +36,7 @@ func TestHybridCreditCountsInItsWindow(t *testing.T) {
 			tm, _ = rdb.Time(ctx).Result()
 			end := tm.UnixNano() - tm.UnixNano()%int64(window) + int64(window)
 			time.Sleep(time.Duration(end-tm.UnixNano()) - 60*time.Millisecond)
-			at := time.Now().UnixNano() // Redis's clock is this machine's
+			at := time.Now().UnixNano()            // Redis's clock is this machine's
 			if !take(h, at, key, lim, 1).Allowed { // 60 ms before the end, on credit
 				t.Fatal("the second request was refused")
 			}
