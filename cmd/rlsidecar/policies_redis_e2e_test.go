@@ -213,7 +213,10 @@ type responseView struct {
 // TestE2ESharedBanGrowth: through two real daemons in global mode, bans grow ban,
 // ban×factor, ban×factor² up to max and decay after max without one, on the daemons'
 // real clocks (short durations). Each ban starts on the refusal that reaches `after`,
-// whichever daemon takes it, whose answer carries the whole ban as retry_after_ms.
+// whichever daemon takes it, whose answer carries the whole ban as retry_after_ms. (At
+// a ban of 300 ms and a max of 1,200 ms, a loaded machine took longer than the max to
+// earn the third ban, and the count had decayed: a ban of 300 ms, want 1,200; the
+// durations are twice that now.)
 func TestE2ESharedBanGrowth(t *testing.T) {
 	srv := redistest.StartStandalone(t)
 	dir := shortTempDir(t)
@@ -223,7 +226,7 @@ rules:
     key: ip
     limit: { requests: 1, per: 50ms }
     mode: global
-    penalty: { after: 2, within: 1m, ban: 300ms, factor: 2, max: 1200ms }
+    penalty: { after: 2, within: 1m, ban: 600ms, factor: 2, max: 2400ms }
 `)
 	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--global-timeout", "3s", "--redis-timeout", "3s"}
 	c := [2]*rawConn{dialRaw(t, startDaemon(t, args...).socket), dialRaw(t, startDaemon(t, args...).socket)}
@@ -245,7 +248,7 @@ rules:
 		t.Fatal("never banned")
 		return 0
 	}
-	for _, want := range []uint64{300, 600, 1200, 1200} {
+	for _, want := range []uint64{600, 1200, 2400, 2400} {
 		got := earn()
 		// The starting refusal carries the whole ban, rounded up to the ms.
 		if got != want && got != want+1 {
@@ -253,9 +256,9 @@ rules:
 		}
 		time.Sleep(time.Duration(got) * time.Millisecond)
 	}
-	time.Sleep(1300 * time.Millisecond) // max (1200ms) without a ban: the count decays
-	if got := earn(); got != 300 && got != 301 {
-		t.Fatalf("after the decay: a ban of %d ms, want 300 again", got)
+	time.Sleep(2600 * time.Millisecond) // max (2400ms) without a ban: the count decays
+	if got := earn(); got != 600 && got != 601 {
+		t.Fatalf("after the decay: a ban of %d ms, want 600 again", got)
 	}
 }
 
