@@ -126,7 +126,8 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 // (the remaining, reset); else refused, with when it would pass, or Impossible when the
 // cost is above the key's capacity. Cost 0 asks whether one more would pass. A key this
 // daemon does not hold, or holds no fresh view of (stale; except a Banned op's), reports
-// its limit only: what Redis would say of it was not asked. For a check another store
+// its limit only: what Redis would say of it was not asked; unless its stale view,
+// projected to now, has no room for it (a refusal, as Take gives without Redis). For a check another store
 // refused (or a ban): its hybrid rules are reported, not asked.
 //
 // Before, every op was judged as a question (cost 0), whatever its cost: a request of
@@ -158,6 +159,19 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 			}
 		} else {
 			op.Result = localbucket.Result{Limit: op.Limit.Requests()}
+			if e != nil && e.synced > 0 && *e.lim == *op.Limit && !op.Shadow {
+				// A stale view with no room for it, projected to now (its refill, its
+				// window's end), refuses it as Take would without Redis: other daemons can
+				// only have used more since (RefusedByView). Reported unasked instead, its
+				// retry went unsaid, and a client banned by another rule was told the ban's
+				// 2.9 s where the exact mode says this rule's hour.
+				if r, _, _, unreachable := h.decide(sh, e, now, upTo, n, false, false, true, false); !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
+					op.Result = r
+					if d := upTo - op.Cost; d > 0 {
+						op.Result.Remaining = subFloor(op.Result.Remaining, d)
+					}
+				}
+			}
 		}
 		sh.mu.Unlock()
 	}
