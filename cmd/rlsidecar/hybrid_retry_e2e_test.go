@@ -33,6 +33,8 @@ rules:
   - { name: tt-b, key: tt, limit: { requests: 5, per: 1h }, mode: hybrid }
 `)
 	const daemons, clients, limit = 3, 12, 8
+	// Before the daemons and connections: the wait for an hour's turn can take minutes.
+	clearOfWindowEnd(t, time.Hour, 2*time.Minute)
 	var socks []string
 	for range daemons {
 		d := startDaemon(t, "--config", cfg, "--redis", "redis://"+srv.Addr, "--sync-interval", "100ms",
@@ -47,6 +49,9 @@ rules:
 		}
 	}
 	ask := func(c *rawConn, attr string) (*proto.Response, error) {
+		// Each ask its own deadline (dialRaw's is 30 s for the connection's life; the
+		// rounds take longer under -race on a loaded machine).
+		_ = c.c.SetDeadline(time.Now().Add(30 * time.Second))
 		enc := proto.NewEncoder()
 		enc.EncodeRequest(checkReq(1, attr))
 		if _, err := c.c.Write(enc.Bytes()); err != nil {
@@ -65,7 +70,6 @@ rules:
 	// A retry this soon is one a client waits for; a longer one, the key's refill or
 	// window's end, ends its tries.
 	const soon = 5 * time.Second
-	clearOfWindowEnd(t, time.Hour, 2*time.Minute)
 	tag := strconv.FormatInt(time.Now().UnixNano(), 36)
 	rounds := 30
 	if testing.Short() {
