@@ -527,13 +527,6 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		if !ok && op.Result.Allowed {
 			op.Result.RetryAfter = 0
-			if e.synced == 0 {
-				// A key new here, refused by another op before Redis was asked of it: its
-				// figures are a fresh state's, not Redis's (a key of 1,000 an hour, 50
-				// used through another daemon, said 1,000 left). Reported unasked, as the
-				// keys of a refused request no view holds are (Peek).
-				op.Unasked = true
-			}
 		}
 	}
 	return ok, nil, false
@@ -572,8 +565,6 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 		sh := &h.shards[op.shard]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil {
-			// A key new here, whose figures are a fresh state's (see Take): unasked.
-			op.Unasked = e.synced == 0
 			e.allowance += float64(op.Cost)
 			if e.pending >= op.Cost {
 				e.pending -= op.Cost
