@@ -45,7 +45,8 @@ type HybridOp struct {
 
 // Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
 // is charged and it returns true; otherwise nothing is charged and it returns false.
-// Offered cost counts as demand either way.
+// Offered cost counts as demand: an admitted op's, and a refused op's (an op that fit
+// in a refused check counts none).
 //
 // Ops are decided from the local view. If the only refusals are of keys this daemon
 // cannot decide locally (no fresh view, and no grant or credit to cover the request),
@@ -508,8 +509,14 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		op := &ops[i]
 		e := ents[i]
 		sh := &h.shards[op.shard]
-		// A question (cost 0) counts no demand: no share grant is asked for it.
-		if cost := op.Cost; cost > 0 {
+		// A question (cost 0) counts no demand: no share grant is asked for it. Nor does
+		// an op that fit in a check another op refused: it used nothing, and will not
+		// while that op refuses. Counted, its key asked share grants for requests it
+		// never admitted, and held them against the daemons that could: two rules on one
+		// key over 3 daemons, each daemon holding the unit the others' checks lacked,
+		// re-reserved at every sync (4 of 5 admitted, the rest told the next sync for
+		// seconds on end).
+		if cost := op.Cost; cost > 0 && (ok || !op.Result.Allowed) {
 			e.demand = satAdd32(e.demand, cost)
 			if ok && op.Result.Allowed {
 				e.allowance -= float64(cost)
