@@ -13,7 +13,7 @@ var updateBodies = flag.Bool("update", false, "rewrite the body of every case in
 
 // bodyVector is one entry of clients/testdata/problem_bodies.json: a decision that does
 // not allow the request, and the exact status and problem+json body every client writes
-// for it (the Lua client's tests read the same file).
+// for it (the Node, Python and Lua clients' tests read the same file).
 type bodyVector struct {
 	headerVector
 	Unreachable bool   `json:"unreachable"`

@@ -78,6 +78,23 @@ test('body bytes as Go writes them', () => {
     + '"rule":"x\x7f\\u2028\u{1F600}\u00a0","retry_after":5}');
 });
 
+// Every case of clients/testdata/problem_bodies.json: status and body byte for byte as the
+// Go client's WriteRejection writes them. (Before, only the Go and Lua clients read the
+// file: this client's bodies were checked against the few cases written here.)
+const BODIES = JSON.parse(fs.readFileSync(path.join(ROOT, 'clients', 'testdata', 'problem_bodies.json'), 'utf8'));
+
+for (const c of BODIES) {
+  test(`problem body ${c.name}`, () => {
+    let d = decisionOf(c);
+    if (c.unreachable) d = new Decision({ ...d, unreachable: true, degraded: true, cause: 'connecting: refused' });
+    const { status, headers, body } = d.rejection();
+    assert.equal(status, c.status, c.meaning);
+    assert.equal(body.toString('utf8'), c.body, c.meaning);
+    const h = lower(headers);
+    for (const [k, v] of Object.entries(c.headers)) assert.equal(h[k.toLowerCase()], v, `${c.name}: ${k}`);
+  });
+}
+
 test('unreachable, closed: 503', () => {
   const d = new Decision({ allowed: false, degraded: true, unreachable: true, cause: 'connecting: refused' });
   const { status, headers, body } = d.rejection();

@@ -78,6 +78,25 @@ def test_body_bytes_as_go_writes_them():
                                 ).encode()
 
 
+with open(os.path.join(ROOT, "clients", "testdata", "problem_bodies.json"), encoding="utf-8") as f:
+    BODIES = json.load(f)
+
+
+@pytest.mark.parametrize("c", BODIES, ids=lambda c: c["name"])
+def test_problem_bodies(c):
+    """Every case of clients/testdata/problem_bodies.json, status and body byte for byte as
+    the Go client's WriteRejection writes them. (Before, only the Go and Lua clients read
+    the file: this client's bodies were checked against a few cases written here.)"""
+    d = decision_of(c)
+    if c["unreachable"]:
+        d.unreachable, d.degraded, d.cause = True, True, "connecting: refused"
+    status, headers, body = d.rejection()
+    assert (status, body.decode("utf-8")) == (c["status"], c["body"]), c["meaning"]
+    h = lower(headers)
+    for k, v in c["headers"].items():
+        assert h.get(k.lower()) == v, (c["name"], k)
+
+
 def test_unreachable_closed_is_503():
     d = Decision(False, degraded=True, unreachable=True, cause="connecting: refused")
     status, headers, body = d.rejection()
