@@ -213,12 +213,20 @@ end
 
 -- NOT_PRINTABLE are the ranges of assigned code points above U+007F that Go's
 -- unicode.IsPrint rejects (separators other than U+0020, C1 controls, format characters,
--- private use); strconv.Quote escapes them. Unassigned code points are not listed.
+-- private use), all of them as of Go's Unicode 15.0.0; strconv.Quote escapes them.
+-- Unassigned code points are not listed: Go escapes them too, so a name holding one
+-- (U+0378) is quoted differently here. (Before, U+0890-U+0891, U+08E2, U+110BD, U+110CD,
+-- U+13430-U+1343F, U+1BCA0-U+1BCA3, U+1D173-U+1D17A and the tags U+E0001 and
+-- U+E0020-U+E007F were missing: kept as they are where the other clients escape them;
+-- vector name-format-characters.)
 local NOT_PRINTABLE = {
   { 0x80, 0xa0 }, { 0xad, 0xad }, { 0x600, 0x605 }, { 0x61c, 0x61c }, { 0x6dd, 0x6dd },
-  { 0x70f, 0x70f }, { 0x1680, 0x1680 }, { 0x180e, 0x180e }, { 0x2000, 0x200f },
-  { 0x2028, 0x202f }, { 0x205f, 0x2064 }, { 0x2066, 0x206f }, { 0x3000, 0x3000 },
-  { 0xd800, 0xf8ff }, { 0xfeff, 0xfeff }, { 0xfff9, 0xfffb }, { 0xf0000, 0x10ffff },
+  { 0x70f, 0x70f }, { 0x890, 0x891 }, { 0x8e2, 0x8e2 }, { 0x1680, 0x1680 },
+  { 0x180e, 0x180e }, { 0x2000, 0x200f }, { 0x2028, 0x202f }, { 0x205f, 0x2064 },
+  { 0x2066, 0x206f }, { 0x3000, 0x3000 }, { 0xd800, 0xf8ff }, { 0xfeff, 0xfeff },
+  { 0xfff9, 0xfffb }, { 0x110bd, 0x110bd }, { 0x110cd, 0x110cd }, { 0x13430, 0x1343f },
+  { 0x1bca0, 0x1bca3 }, { 0x1d173, 0x1d17a }, { 0xe0001, 0xe0001 }, { 0xe0020, 0xe007f },
+  { 0xf0000, 0x10ffff },
 }
 
 local function go_printable(cp)
