@@ -96,6 +96,9 @@ func NewMetrics(version string, topK int) *Metrics {
 	}
 	m := &Metrics{set: metrics.NewSet(), topK: topK, byName: map[string]*ruleMetrics{}, start: time.Now()}
 	m.inline = m.ruleLocked("~inline")
+	// No rules yet: a decision before SetRules counts its inline limits only (its rules'
+	// series come with SetRules). Nil, the first Record dereferenced it.
+	m.byRule.Store(&[]*ruleMetrics{})
 	m.reloadOK = m.set.NewCounter(`rlsidecar_config_reloads_total{result="success"}`)
 	m.reloadErr = m.set.NewCounter(`rlsidecar_config_reloads_total{result="error"}`)
 	m.lastReloadOK.Store(m.start.Unix())

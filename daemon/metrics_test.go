@@ -691,3 +691,19 @@ func BenchmarkSetRulesRemoveMany(b *testing.B) {
 		m.SetRules(small, time.Now())
 	}
 }
+
+// A decision recorded before any rule set is in force (NewMetrics without SetRules)
+// counts what it can, and does not panic: before, the rules' table was nil.
+func TestMetricsRecordBeforeSetRules(t *testing.T) {
+	m := NewMetrics("test", 0)
+	r := &rules.Rule{Name: "x"}
+	m.Record(&limiter.Decision{Allowed: true, Deciding: 0, Results: []limiter.Result{
+		{Name: "x", Rule: r, Limit: 1, Allowed: true},
+		{Name: "inline", Limit: 1, Allowed: true},
+	}})
+	var b bytes.Buffer
+	m.WritePrometheus(&b)
+	if !strings.Contains(b.String(), `rule="~inline"`) {
+		t.Fatalf("the inline limit's decision is not counted:\n%s", b.String())
+	}
+}
