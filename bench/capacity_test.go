@@ -185,9 +185,10 @@ func capCosts(b *testing.B, nodes []*redis.Client, cs []*client, inflight, perRo
 // Left in place, they expired while the fresh clients added theirs, taking their memory
 // and count off the figures; and the fresh keys, with limits of 100 an hour, lasted 37 s
 // (hybrid; 36-47 s global), under the measure's length on a loaded machine (a Cluster's
-// 100,000 fresh clients took 18 s on an unloaded one). Hybrid mode on a Cluster then gave
-// no figure in two runs of three ("only -13042 keys added": the 13,043 keys of the rounds
-// and the fresh ones all expired within the 60 s wait). From an empty Redis, with keys
+// 100,000 fresh clients took 18 s in global mode at a load average of 13). Hybrid mode on
+// a Cluster then gave no figure in two runs of three ("only -13042 keys added": the rounds
+// leave 13,043 keys, so those and nearly every fresh key had expired by the end of the
+// 60 s wait). From an empty Redis, with keys
 // that outlive the measure, every key counted is a fresh client's (exactly two each, or
 // the benchmark fails) and every byte grown is theirs: a real measure of what a key holds.
 //
