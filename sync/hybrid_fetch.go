@@ -23,9 +23,10 @@ import (
 
 // fetchReq is one request's exact syncs.
 type fetchReq struct {
-	items []syncItem
-	left  atomic.Int32 // items not yet applied
-	done  chan bool    // see batchMember
+	items  []syncItem
+	left   atomic.Int32 // items not yet applied
+	failed atomic.Bool  // an item's sync failed (or was not sent): Redis did not decide it
+	done   chan bool    // see batchMember
 }
 
 func (r *fetchReq) wake() chan bool { return r.done }
@@ -40,9 +41,11 @@ const fetchPipe = 1 << 16
 // keeps requests from waiting on a Redis they find slow.
 //
 // A request waits at most for the batch in flight and then its own, each bounded by
-// FetchWait.
-func (h *Hybrid) fetch(items []syncItem) {
-	h.fetchQ.do(&fetchReq{items: items, done: make(chan bool, 1)}, h.sendFetches, nil)
+// FetchWait. It reports whether every item's sync was answered.
+func (h *Hybrid) fetch(items []syncItem) bool {
+	r := &fetchReq{items: items, done: make(chan bool, 1)}
+	h.fetchQ.do(r, h.sendFetches, nil)
+	return !r.failed.Load()
 }
 
 // sendFetches sends batch's exact syncs in one send, applies the replies, and wakes
@@ -68,7 +71,11 @@ func (h *Hybrid) sendFetches(batch []*fetchReq) {
 	applied := func(its []syncItem) {
 		h.applyAll(its, true)
 		for i := range its {
-			if r := its[i].req; r.left.Add(-1) == 0 {
+			r := its[i].req
+			if its[i].err != nil {
+				r.failed.Store(true)
+			}
+			if r.left.Add(-1) == 0 {
 				r.done <- false
 			}
 		}

@@ -75,9 +75,16 @@ func (h *Hybrid) Take(now int64, ops []HybridOp) bool {
 		// granted what its own request needed: this one makes its own exact sync.
 		ok, items, busy := h.take(now, ops, true, waited, false, false)
 		if items != nil {
-			h.fetch(items)
-			ok, _, _ = h.take(now, ops, false, false, false, false)
-			if ok || !lostRace(ops) || expired() {
+			// An exact sync that failed (timed out, not sent in time, its slot moved)
+			// decided nothing: the request waited for Redis in vain (gaveUp), and a refusal
+			// only Redis could turn around is Unreachable, decided by the rule's failure
+			// policy. Decided from the view the sync did not bring, a key new here was
+			// refused, not degraded, with nothing left of a billion (BenchmarkCapacityHybrid's
+			// refusals far from the limit, under load: a FetchWait of 25 ms passed before
+			// the batch was sent).
+			answered := h.fetch(items)
+			ok, _, _ = h.take(now, ops, false, false, false, !answered)
+			if ok || !answered || !lostRace(ops) || expired() {
 				return ok
 			}
 			// Redis had room, but a concurrent request on the key took what this sync
