@@ -50,9 +50,17 @@ type RateLimitItem struct {
 // RetryAfter, as for a refusing rate rule); an allowing one has no t, since nothing says
 // when a slot frees.
 func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
+	return AppendRateLimitPolicyItem(pol, it), AppendRateLimitCurrentItem(cur, it)
+}
+
+// AppendRateLimitPolicyItem appends one rule's item to the value of the RateLimit-Policy
+// field alone (AppendRateLimitItem), separating it from the items before with ", ": a
+// rule whose remaining and reset were not read (a refused request's unasked rule) still
+// has its quota, q and w, which the draft asks to stay the same from one response to the
+// next, but no RateLimit item.
+func AppendRateLimitPolicyItem(pol []byte, it *RateLimitItem) []byte {
 	if len(pol) > 0 {
 		pol = append(pol, ", "...)
-		cur = append(cur, ", "...)
 	}
 	pol = appendSFString(pol, it.Name)
 	pol = append(pol, ";q="...)
@@ -63,6 +71,15 @@ func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 	case !it.NoWindow:
 		pol = append(pol, ";w="...)
 		pol = strconv.AppendInt(pol, max(CeilSeconds(it.Window), 1), 10)
+	}
+	return pol
+}
+
+// AppendRateLimitCurrentItem appends one rule's item to the value of the RateLimit field
+// alone (AppendRateLimitItem), separating it from the items before with ", ".
+func AppendRateLimitCurrentItem(cur []byte, it *RateLimitItem) []byte {
+	if len(cur) > 0 {
+		cur = append(cur, ", "...)
 	}
 	cur = appendSFString(cur, it.Name)
 	cur = append(cur, ";r="...)
@@ -77,7 +94,7 @@ func AppendRateLimitItem(pol, cur []byte, it *RateLimitItem) ([]byte, []byte) {
 		cur = append(cur, ";t="...)
 		cur = strconv.AppendInt(cur, CeilSeconds(it.RetryAfter), 10)
 	}
-	return pol, cur
+	return cur
 }
 
 // AppendWarningItem appends one warning rule's name to the value of the RateLimit-Warning

@@ -34,10 +34,14 @@ func Headers(d *Decision) http.Header {
 //     others in order: `"per-user";q=5;w=60` (q the limit, w the window in seconds) and
 //     `"per-user";r=0;t=12` (r the remaining, t the seconds until more quota is made
 //     available: a refusing rule's retry-after, none when no retry can pass it, an
-//     allowing rule's reset; proto.AppendRateLimitItem); a rule left Unasked is left
-//     out, since its remaining and reset were not read; a Concurrency rule's quota is of
-//     requests in flight, with no window: `"conc";q=2;qu="concurrent-requests"` and
-//     `"conc";r=1`, with a t only when it refused with a retry hint;
+//     allowing rule's reset; proto.AppendRateLimitItem); when d allows, of the rules
+//     tied with the deciding rule on remaining the one with the longest reset comes
+//     first (the deciding rule among equals, else the first in d.Rules: leastRoom); a
+//     rule left Unasked keeps its RateLimit-Policy item, its quota being known, but has
+//     no RateLimit item, since its remaining and reset were not read; a Concurrency
+//     rule's quota is of requests in flight, with no window:
+//     `"conc";q=2;qu="concurrent-requests"` and `"conc";r=1`, with a t only when it
+//     refused with a retry hint;
 //   - when d allows and some non-shadow rule of d.Rules warns (warn_at): RateLimit-Warning,
 //     rlsidecar's own header (not in the draft), a structured-field list of those rules'
 //     names in the order of d.Rules, quoted as in RateLimit-Policy: `"per-user", "per-ip"`;
@@ -49,6 +53,9 @@ func SetHeaders(h http.Header, d *Decision) {
 	if d.Rule != "" {
 		var pol, cur []byte
 		decided := decidingRule(d)
+		if decided >= 0 && d.Allowed {
+			decided = leastRoom(d, decided)
+		}
 		if decided >= 0 {
 			pol, cur = proto.AppendRateLimitItem(pol, cur, d.Rules[decided].item())
 		} else {
@@ -58,10 +65,17 @@ func SetHeaders(h http.Header, d *Decision) {
 				Remaining: d.Remaining, Allowed: d.Allowed, Reset: d.Reset, RetryAfter: d.RetryAfter})
 		}
 		for i := range d.Rules {
-			// An unasked rule's figures were not read: it says nothing of its quota.
-			if r := &d.Rules[i]; !r.Shadow && !r.Unasked && i != decided {
-				pol, cur = proto.AppendRateLimitItem(pol, cur, r.item())
+			r := &d.Rules[i]
+			if r.Shadow || i == decided {
+				continue
 			}
+			if r.Unasked {
+				// Its figures were not read: its quota stays in RateLimit-Policy, the same
+				// from one response to the next, but it has no RateLimit item.
+				pol = proto.AppendRateLimitPolicyItem(pol, r.item())
+				continue
+			}
+			pol, cur = proto.AppendRateLimitItem(pol, cur, r.item())
 		}
 		h.Set("RateLimit-Policy", string(pol))
 		h.Set("RateLimit", string(cur))
@@ -104,6 +118,23 @@ func decidingRule(d *Decision) int {
 		}
 	}
 	return first
+}
+
+// leastRoom returns the index in d.Rules of the rule an allowed d lists first: of the
+// non-shadow rules with as little remaining as the deciding rule (d.Rules[decided]), the
+// one with the longest reset_ms, the most restrictive; among those, the deciding rule,
+// else the first in d.Rules. The daemon's deciding rule, when allowed, is the first with
+// the least remaining: with per-second and per-day both at 1 left, per-second, and a
+// client reading only the first item of RateLimit would miss the daily limit.
+func leastRoom(d *Decision, decided int) int {
+	best := decided
+	for i := range d.Rules {
+		r, b := &d.Rules[i], &d.Rules[best]
+		if !r.Shadow && !r.Unasked && r.Remaining == b.Remaining && r.Reset > b.Reset {
+			best = i
+		}
+	}
+	return best
 }
 
 // tooLargeBody is the problem+json body of a 431: the request's attributes were too large

@@ -42,6 +42,7 @@ type headerVector struct {
 			Allowed      bool   `json:"allowed"`
 			Shadow       bool   `json:"shadow"`
 			Warning      bool   `json:"warning"`
+			Unasked      bool   `json:"unasked"`
 			Concurrency  bool   `json:"concurrency"`
 		} `json:"rules"`
 	} `json:"decision"`
@@ -57,7 +58,7 @@ func (v *headerVector) response() proto.Response {
 	for _, rr := range d.Rules {
 		r.Rules = append(r.Rules, proto.RuleResult{Name: rr.Name, Limit: rr.Limit, WindowMs: rr.WindowMs,
 			Remaining: rr.Remaining, ResetMs: rr.ResetMs, RetryAfterMs: rr.RetryAfterMs, Allowed: rr.Allowed, Shadow: rr.Shadow, Warning: rr.Warning,
-			Concurrency: rr.Concurrency})
+			Unasked: rr.Unasked, Concurrency: rr.Concurrency})
 	}
 	return r
 }
@@ -291,8 +292,8 @@ func TestWriteRejectionCostExceedsCapacity(t *testing.T) {
 }
 
 // A rule the refused request left unasked (its store not asked: its remaining 0 and
-// reset 0 were not read) is exposed as such and left out of RateLimit-Policy and
-// RateLimit, which would otherwise say it has nothing left.
+// reset 0 were not read) is exposed as such and left out of RateLimit, which would
+// otherwise say it has nothing left; its quota stays in RateLimit-Policy.
 func TestHeadersLeaveOutUnasked(t *testing.T) {
 	r := proto.Response{Allowed: false, Rule: "per-ip", Limit: 2, Remaining: 0, ResetMs: 30000, RetryAfterMs: 14500,
 		Rules: []proto.RuleResult{
@@ -303,7 +304,7 @@ func TestHeadersLeaveOutUnasked(t *testing.T) {
 	if d.Rules[0].Unasked || !d.Rules[1].Unasked {
 		t.Fatalf("rules %+v, want per-account unasked", d.Rules)
 	}
-	want := http.Header{"Ratelimit-Policy": {`"per-ip";q=2;w=60`}, "Ratelimit": {`"per-ip";r=0;t=15`}, "Retry-After": {"15"}}
+	want := http.Header{"Ratelimit-Policy": {`"per-ip";q=2;w=60, "per-account";q=5;w=3600`}, "Ratelimit": {`"per-ip";r=0;t=15`}, "Retry-After": {"15"}}
 	if got := Headers(&d); !reflect.DeepEqual(got, want) {
 		t.Fatalf("headers\n got %q\nwant %q", got, want)
 	}

@@ -265,13 +265,18 @@ func checkRateLimitFields(h http.Header) (pol, cur []sfItem, err error) {
 			}
 		}
 	}
-	if len(pol) != len(cur) {
-		return nil, nil, fmt.Errorf("%d RateLimit-Policy items, %d RateLimit items", len(pol), len(cur))
-	}
+	// RateLimit names the policies of RateLimit-Policy in its order, the first first; a
+	// policy whose figures were not read (an unasked rule) has no RateLimit item.
+	j := 0
 	for i := range pol {
-		if pol[i].value != cur[i].value {
-			return nil, nil, fmt.Errorf("item %d: RateLimit-Policy names %q, RateLimit %q", i, pol[i].value, cur[i].value)
+		if j < len(cur) && pol[i].value == cur[j].value {
+			j++
+		} else if i == 0 {
+			return nil, nil, fmt.Errorf("RateLimit-Policy's first item %q is not RateLimit's first", pol[0].value)
 		}
+	}
+	if j != len(cur) {
+		return nil, nil, fmt.Errorf("RateLimit item %d (%q) names no RateLimit-Policy item in order", j, cur[j].value)
 	}
 	if ra := h.Values("Retry-After"); len(ra) > 0 {
 		if n, err := strconv.ParseUint(ra[0], 10, 64); len(ra) > 1 || err != nil || n < 1 || ra[0][0] == '+' {
@@ -361,6 +366,31 @@ func TestStructuredFieldsRandom(t *testing.T) {
 		if rng.IntN(8) == 0 {
 			d.Reason = "cost_exceeds_capacity"
 		}
+		// The first item: the deciding rule, or, allowed, of the non-shadow rules with its
+		// remaining, the one with the longest reset, the deciding rule among equals, else
+		// the first listed.
+		first, unasked, di := d.Rule, 0, decidingRule(&d)
+		for i, r := range d.Rules {
+			if r.Unasked && !r.Shadow && i != di {
+				unasked++
+			}
+		}
+		if d.Allowed && di >= 0 {
+			var longest time.Duration
+			for _, r := range d.Rules {
+				if !r.Shadow && r.Remaining == d.Rules[di].Remaining {
+					longest = max(longest, r.Reset)
+				}
+			}
+			if d.Rules[di].Reset != longest {
+				for _, r := range d.Rules {
+					if !r.Shadow && r.Remaining == d.Rules[di].Remaining && r.Reset == longest {
+						first = r.Name
+						break
+					}
+				}
+			}
+		}
 		h := Headers(&d)
 		pol, cur, err := checkRateLimitFields(h)
 		if err != nil {
@@ -376,15 +406,20 @@ func TestStructuredFieldsRandom(t *testing.T) {
 					t.Fatalf("name %q", nm)
 				}
 			}
-			if i == 0 && nm != sanitized(d.Rule) {
-				t.Fatalf("decision %+v: first item %q, want the deciding rule %q", d, nm, sanitized(d.Rule))
+			if i == 0 && nm != sanitized(first) {
+				t.Fatalf("decision %+v: first item %q, want %q", d, nm, sanitized(first))
 			}
 			if q, _ := pol[i].param("q"); q.(int64) < 0 || q.(int64) > 1<<32 {
 				t.Fatalf("q %v", q)
 			}
+		}
+		for i := range cur {
 			if r, _ := cur[i].param("r"); r.(int64) < 0 {
 				t.Fatalf("r %v", r)
 			}
+		}
+		if len(pol)-len(cur) != unasked {
+			t.Fatalf("decision %+v: %d RateLimit-Policy items, %d RateLimit items, %d unasked", d, len(pol), len(cur), unasked)
 		}
 	}
 }

@@ -99,8 +99,9 @@ local function sf_string(s)
   return '"' .. s:gsub('[\\"]', "\\%0"):gsub("[^\32-\126]", "_") .. '"'
 end
 
--- append_item adds the items of a rule named name (window_ms nil: not known, no w) whose
--- figures (remaining, allowed, reset_ms, retry_after_ms) are f's. t is the draft's time
+-- append_item adds the items of a rule named name (window_ms nil: not known, no w; cur
+-- nil: its RateLimit-Policy item alone) whose figures (remaining, allowed, reset_ms,
+-- retry_after_ms) are f's. t is the draft's time
 -- until more quota is made available, which a Retry-After is never earlier than: a
 -- refusing rule's retry (none when no retry can pass it), an allowing rule's reset.
 -- A concurrency rule's (concurrency true) quota is of concurrent requests, with no window:
@@ -115,6 +116,7 @@ local function append_item(pol, cur, name, limit, window_ms, f, concurrency)
     q = q .. ";w=" .. int(w)
   end
   pol[#pol + 1] = q
+  if not cur then return end
   local c = sf_string(name) .. ";r=" .. int(f.remaining or 0)
   if f.allowed and concurrency then
     -- no t
@@ -147,11 +149,31 @@ local function deciding_rule(d, rules)
   return first
 end
 
+-- least_room returns the index in rules of the rule an allowed d lists first: of the
+-- non-shadow rules with as little remaining as the deciding rule (rules[decided]), the one
+-- with the longest reset_ms, the most restrictive; among those, the deciding rule, else
+-- the first in rules. The daemon's deciding rule, when allowed, is the first with the
+-- least remaining: with per-second and per-day both at 1 left, per-second, and a client
+-- reading only the first item of RateLimit would miss the daily limit.
+local function least_room(rules, decided)
+  local best = decided
+  for i, r in ipairs(rules) do
+    local b = rules[best]
+    if not r.shadow and r.unasked ~= true and (r.remaining or 0) == (b.remaining or 0)
+        and (r.reset_ms or 0) > (b.reset_ms or 0) then
+      best = i
+    end
+  end
+  return best
+end
+
 -- headers returns the rate-limit headers of d as a table name -> value:
 --   RateLimit-Policy and RateLimit when d has a deciding rule, one item per non-shadow
 --   rule, the deciding rule first (built from the top-level fields, without w, when
---   d.rules lacks it), none for a rule with unasked = true (the request was refused
---   before its store was asked: its remaining and reset_ms of 0 were not read); a rule
+--   d.rules lacks it; when d allows, of the rules tied with it on remaining, the one
+--   with the longest reset_ms comes first: least_room), and for a rule with unasked =
+--   true (the request was refused before its store was asked: its remaining and
+--   reset_ms of 0 were not read) a RateLimit-Policy item but no RateLimit item; a rule
 --   with concurrency = true (a concurrency rule: limit is its max in flight) is a quota
 --   of "concurrent-requests" with no w, and a t only when it refused with a retry hint;
 --   RateLimit-Warning (rlsidecar's own header, not in the draft) when
@@ -165,6 +187,7 @@ function M.headers(d)
   local rules = d.rules or {}
   if d.rule ~= nil and d.rule ~= "" then
     local pol, cur, decided = {}, {}, deciding_rule(d, rules)
+    if decided and d.allowed then decided = least_room(rules, decided) end
     if decided then
       local r = rules[decided]
       append_item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency == true)
@@ -172,9 +195,10 @@ function M.headers(d)
       append_item(pol, cur, d.rule, d.limit, nil, d)
     end
     for i, r in ipairs(rules) do
-      -- An unasked rule's figures were not read: it says nothing of its quota.
-      if not r.shadow and r.unasked ~= true and i ~= decided then
-        append_item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency == true)
+      -- An unasked rule's figures were not read: its quota stays in RateLimit-Policy, the
+      -- same from one response to the next, but it has no RateLimit item.
+      if not r.shadow and i ~= decided then
+        append_item(pol, r.unasked ~= true and cur or nil, r.name, r.limit, r.window_ms, r, r.concurrency == true)
       end
     end
     h["RateLimit-Policy"] = concat(pol, ", ")

@@ -255,7 +255,8 @@ end
 
 -- A rule the refused request left unasked (refused before its store was asked: its
 -- remaining 0 and reset_ms 0 not read) comes through both decoders with unasked = true,
--- and has no RateLimit-Policy or RateLimit item, which would say it has nothing left.
+-- keeps its RateLimit-Policy item (its quota is known) and has no RateLimit item, which
+-- would say it has nothing left.
 -- The answer as the daemon encodes it (proto.Encoder.EncodeCheck).
 do
   local frame = unhex("0000011d89a2696401a7616c6c6f776564c2a472756c65a67065722d6970a56c696d697402a972656d61696e696e6700"
@@ -272,7 +273,7 @@ do
       check(d.rules[1].unasked == nil and d.rules[2].name == "per-account" and d.rules[2].unasked == true,
         "%s unasked: rules[2].unasked %s", dec[1], tostring(d.rules[2].unasked))
       local h = http.headers(d)
-      check(h["RateLimit-Policy"] == '"per-ip";q=2;w=60' and h["RateLimit"] == '"per-ip";r=0;t=15'
+      check(h["RateLimit-Policy"] == '"per-ip";q=2;w=60, "per-account";q=5;w=3600' and h["RateLimit"] == '"per-ip";r=0;t=15'
         and h["Retry-After"] == "15", "%s unasked: RateLimit-Policy %s, RateLimit %s, Retry-After %s",
         dec[1], tostring(h["RateLimit-Policy"]), tostring(h["RateLimit"]), tostring(h["Retry-After"]))
     end

@@ -79,8 +79,10 @@ class Decision {
 
   /**
    * The rate-limit headers: RateLimit-Policy and RateLimit (one item per non-shadow
-   * rule, the deciding rule first; none for an unasked rule, whose remaining and reset
-   * were not read; a concurrency rule's is a quota of "concurrent-requests" with no
+   * rule, the deciding rule first, except that when allowed, of the rules tied with it
+   * on remaining, the one with the longest reset comes first; an unasked rule, whose
+   * remaining and reset were not read, keeps its RateLimit-Policy item but has no
+   * RateLimit item; a concurrency rule's is a quota of "concurrent-requests" with no
    * window, and a t only when it refused with a retry hint) when a rule decided;
    * RateLimit-Warning (rlsidecar's
    * own header, not in the draft) when allowed and some non-shadow rule warns (warn_at):
@@ -94,7 +96,8 @@ class Decision {
     if (this.rule !== '') {
       const pol = [];
       const cur = [];
-      const decided = decidingRule(this);
+      let decided = decidingRule(this);
+      if (decided !== null && this.allowed) decided = leastRoom(this, decided);
       if (decided !== null) {
         item(pol, cur, decided, decided.windowMs);
       } else {
@@ -102,8 +105,10 @@ class Decision {
         item(pol, cur, { ...this, name: this.rule }, null);
       }
       for (const r of this.rules) {
-        // An unasked rule's figures were not read: it says nothing of its quota.
-        if (!r.shadow && !r.unasked && r !== decided) item(pol, cur, r, r.windowMs);
+        if (r.shadow || r === decided) continue;
+        // An unasked rule's figures were not read: its quota stays in RateLimit-Policy,
+        // the same from one response to the next, but it has no RateLimit item.
+        item(pol, r.unasked ? null : cur, r, r.windowMs);
       }
       h['RateLimit-Policy'] = pol.join(', ');
       h['RateLimit'] = cur.join(', ');
@@ -191,7 +196,24 @@ function decidingRule(d) {
   return first;
 }
 
-// item adds rule r's items (windowMs null: not known, no w). t is the draft's time until
+/**
+ * The entry of d.rules an allowed d lists first: of the non-shadow rules with as little
+ * remaining as the deciding rule (decided), the one with the longest resetMs, the most
+ * restrictive; among those, the deciding rule, else the first in d.rules. The daemon's
+ * deciding rule, when allowed, is the first with the least remaining: with per-second and
+ * per-day both at 1 left, per-second, and a client reading only the first item of
+ * RateLimit would miss the daily limit.
+ */
+function leastRoom(d, decided) {
+  let best = decided;
+  for (const r of d.rules) {
+    if (!r.shadow && !r.unasked && r.remaining === best.remaining && r.resetMs > best.resetMs) best = r;
+  }
+  return best;
+}
+
+// item adds rule r's items (windowMs null: not known, no w; cur null: its RateLimit-Policy
+// item alone). t is the draft's time until
 // more quota is made available, which a Retry-After is never earlier than: a refusing
 // rule's retry (none when no retry can pass it), an allowing rule's reset. A concurrency
 // rule's quota is of concurrent requests, with no window: qu="concurrent-requests", no w,
@@ -200,6 +222,7 @@ function item(pol, cur, r, windowMs) {
   const n = sfString(r.name);
   if (r.concurrency === true) pol.push(`${n};q=${r.limit};qu="concurrent-requests"`);
   else pol.push(windowMs === null ? `${n};q=${r.limit}` : `${n};q=${r.limit};w=${Math.max(ceilS(windowMs), 1)}`);
+  if (cur === null) return;
   if (r.allowed && r.concurrency === true) cur.push(`${n};r=${r.remaining}`);
   else if (r.allowed) cur.push(`${n};r=${r.remaining};t=${ceilS(r.resetMs)}`);
   else if (r.retryAfterMs > 0) cur.push(`${n};r=${r.remaining};t=${ceilS(r.retryAfterMs)}`);

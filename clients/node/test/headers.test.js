@@ -19,7 +19,7 @@ function decisionOf(c) {
     allowed: d.allowed, rule: d.rule, limit: d.limit, remaining: d.remaining, resetMs: d.reset_ms,
     retryAfterMs: d.retry_after_ms, reason: d.reason, warning: d.warning === true,
     rules: d.rules.map((r) => new RuleDecision(r.name, r.limit, r.window_ms, r.remaining, r.reset_ms, r.retry_after_ms, r.allowed, r.shadow,
-      '', r.warning === true, 0, false, false, r.concurrency === true)),
+      '', r.warning === true, 0, false, r.unasked === true, r.concurrency === true)),
   });
 }
 
@@ -122,11 +122,11 @@ const UNASKED_FRAME = Buffer.from(
   + '656d61696e696e6700a872657365745f6d7300ae72657472795f61667465725f6d7300a7616c6c6f776564c3a6736861646f77c2a7756e6173'
   + '6b6564c3', 'hex');
 
-test('an unasked rule is exposed, and left out of RateLimit-Policy and RateLimit', () => {
+test('an unasked rule is exposed, kept in RateLimit-Policy and left out of RateLimit', () => {
   const d = proto.decision(proto.decode(UNASKED_FRAME.subarray(4)));
   assert.deepEqual(d.rules.map((r) => [r.name, r.unasked]), [['per-ip', false], ['per-account', true]]);
   // "per-account";r=0;t=0 would say it has nothing left: its figures were not read.
-  assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60', 'RateLimit': '"per-ip";r=0;t=15', 'Retry-After': '15' });
+  assert.deepEqual(d.headers(), { 'RateLimit-Policy': '"per-ip";q=2;w=60, "per-account";q=5;w=3600', 'RateLimit': '"per-ip";r=0;t=15', 'Retry-After': '15' });
 });
 
 // A refused check's answer with Redis away, as the daemon encodes it: otp (global,

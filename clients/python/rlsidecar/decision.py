@@ -126,8 +126,10 @@ class Decision:
           ratelimit-headers), one item per non-shadow rule, the deciding rule first:
           ``"per-user";q=5;w=60`` and ``"per-user";r=0;t=12`` (seconds, rounded up;
           t is the time until more quota is made available: a refusing rule's retry,
-          none when no retry can pass it, an allowing rule's reset); an unasked rule
-          has none (its remaining and reset were not read); a concurrency rule's is a
+          none when no retry can pass it, an allowing rule's reset); when allowed, of
+          the rules tied with the deciding rule on remaining, the one with the longest
+          reset comes first; an unasked rule keeps its RateLimit-Policy item but has no
+          RateLimit item (its remaining and reset were not read); a concurrency rule's is a
           quota of requests in flight with no window,
           ``"conc";q=2;qu="concurrent-requests"`` and ``"conc";r=1``, with a t only when
           it refused with a retry hint;
@@ -144,15 +146,20 @@ class Decision:
         if self.rule:
             pol, cur = [], []
             decided = self._deciding_rule()
+            if decided is not None and self.allowed:
+                decided = self._least_room(decided)
             if decided is not None:
                 _item(pol, cur, decided.name, decided.limit, decided.window_ms, decided, decided.concurrency)
             else:
                 # The deciding rule is missing from rules: the top-level fields have no window.
                 _item(pol, cur, self.rule, self.limit, None, self)
             for r in self.rules:
-                # An unasked rule's figures were not read: it says nothing of its quota.
-                if not r.shadow and not r.unasked and r is not decided:
-                    _item(pol, cur, r.name, r.limit, r.window_ms, r, r.concurrency)
+                if r.shadow or r is decided:
+                    continue
+                # An unasked rule's figures were not read: its quota stays in
+                # RateLimit-Policy, the same from one response to the next, but it has no
+                # RateLimit item.
+                _item(pol, None if r.unasked else cur, r.name, r.limit, r.window_ms, r, r.concurrency)
             h["RateLimit-Policy"] = ", ".join(pol)
             h["RateLimit"] = ", ".join(cur)
         if self.allowed:
@@ -180,6 +187,19 @@ class Decision:
             if first is None:
                 first = r
         return first
+
+    def _least_room(self, decided):
+        """The entry of rules an allowed decision lists first: of the non-shadow rules
+        with as little remaining as the deciding rule (decided), the one with the longest
+        reset_ms, the most restrictive; among those, the deciding rule, else the first in
+        rules. The daemon's deciding rule, when allowed, is the first with the least
+        remaining: with per-second and per-day both at 1 left, per-second, and a client
+        reading only the first item of RateLimit would miss the daily limit."""
+        best = decided
+        for r in self.rules:
+            if not r.shadow and not r.unasked and r.remaining == best.remaining and r.reset_ms > best.reset_ms:
+                best = r
+        return best
 
     def _retry_after_s(self):
         return max(_ceil_s(self.retry_after_ms), 1)
@@ -246,6 +266,8 @@ def _item(pol, cur, name, limit, window_ms, f, concurrency=False):
         pol.append('%s;q=%d;qu="concurrent-requests"' % (n, limit))
     else:
         pol.append("%s;q=%d" % (n, limit) if window_ms is None else "%s;q=%d;w=%d" % (n, limit, max(_ceil_s(window_ms), 1)))
+    if cur is None:
+        return  # its RateLimit-Policy item alone
     if f.allowed and concurrency:
         cur.append("%s;r=%d" % (n, f.remaining))
     elif f.allowed:

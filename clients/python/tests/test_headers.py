@@ -17,7 +17,7 @@ with open(os.path.join(ROOT, "clients", "testdata", "http_headers.json")) as f:
 def decision_of(c):
     d = c["decision"]
     rules = [RuleDecision(r["name"], r["limit"], r["window_ms"], r["remaining"], r["reset_ms"], r["retry_after_ms"],
-                          r["allowed"], r["shadow"], warning=r.get("warning", False),
+                          r["allowed"], r["shadow"], warning=r.get("warning", False), unasked=r.get("unasked", False),
                           concurrency=r.get("concurrency", False)) for r in d["rules"]]
     return Decision(d["allowed"], d["rule"], d["limit"], d["remaining"], d["reset_ms"], d["retry_after_ms"], False,
                     rules, d["reason"], warning=d.get("warning", False))
@@ -127,11 +127,12 @@ UNASKED_FRAME = bytes.fromhex(
 
 
 def test_unasked_rule_left_out():
-    """An unasked rule is exposed as such, and has no item in RateLimit-Policy and
-    RateLimit: "r=0;t=0" would say it has nothing left."""
+    """An unasked rule is exposed as such, keeps its RateLimit-Policy item (its quota is
+    known) and has no RateLimit item: "r=0;t=0" would say it has nothing left."""
     d = _proto.decision(_proto.decode(UNASKED_FRAME[4:]))
     assert [(r.name, r.unasked) for r in d.rules] == [("per-ip", False), ("per-account", True)]
-    assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60', "RateLimit": '"per-ip";r=0;t=15',
+    assert d.headers() == {"RateLimit-Policy": '"per-ip";q=2;w=60, "per-account";q=5;w=3600',
+                           "RateLimit": '"per-ip";r=0;t=15',
                            "Retry-After": "15"}
 
 
