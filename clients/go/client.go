@@ -115,7 +115,8 @@ type RuleDecision struct {
 	// Unasked is true when the request was refused (by another rule, a ban or a deny
 	// limit) before this rule's store was asked: it refused nothing (Allowed, no
 	// RetryAfter), and its Remaining and Reset are 0 because they were not read, not
-	// because nothing is left. SetHeaders leaves it out.
+	// because nothing is left. SetHeaders gives it a RateLimit-Policy item (its Limit and
+	// Window are known) but no RateLimit item.
 	Unasked bool
 	// Concurrency is true for a concurrency rule's entry: Limit is its max of requests in
 	// flight (not per Window), Remaining its free slots after this request, Window its

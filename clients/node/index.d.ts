@@ -65,7 +65,8 @@ export declare class RuleDecision {
   readonly banned: boolean;
   /**
    * The request was refused before this rule's store was asked: it refused nothing, and
-   * its remaining and resetMs are 0 because they were not read (headers() leaves it out).
+   * its remaining and resetMs are 0 because they were not read (headers(): a RateLimit-Policy
+   * item, no RateLimit item).
    */
   readonly unasked: boolean;
   /**

@@ -25,7 +25,7 @@ class RuleDecision {
     this.banned = banned; // the key is banned by this rule (its penalty)
     // The request was refused (by another rule, a ban or a deny limit) before this rule's
     // store was asked: it refused nothing, and its remaining and resetMs are 0 because they
-    // were not read. headers() leaves it out.
+    // were not read. headers() gives it a RateLimit-Policy item but no RateLimit item.
     this.unasked = unasked;
     // Decided by its failure policy (on_store_failure), without the store it needed: the
     // rule the Decision's degraded is about.

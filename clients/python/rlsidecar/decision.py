@@ -43,7 +43,8 @@ class RuleDecision:
         self.banned = banned  # the key is banned by this rule (its penalty)
         # The request was refused (by another rule, a ban or a deny limit) before this
         # rule's store was asked: it refused nothing, and its remaining and reset_ms are
-        # 0 because they were not read. headers() leaves it out.
+        # 0 because they were not read. headers() gives it a RateLimit-Policy item but no
+        # RateLimit item.
         self.unasked = unasked
         # Decided by its failure policy (on_store_failure), without the store it needed:
         # the rule the Decision's degraded is about.
