@@ -954,21 +954,54 @@ var unitDuration = map[typev3.RateLimitUnit]time.Duration{
 	typev3.RateLimitUnit_YEAR:   365 * 24 * time.Hour,
 }
 
+// leastRoom returns the index in d.Results of the result written first in the RateLimit
+// headers, as the clients list it (clients/go leastRoom): refused, the deciding one;
+// allowed, of the non-shadow, asked results with as little remaining as the deciding
+// one, the one with the longest reset (in whole milliseconds, as the socket answers it),
+// the most restrictive; among those, the deciding one, else the first. The deciding
+// result, when allowed, is the first with the least remaining: with per-second and
+// per-day both at 1 left, per-second, and a client reading only the first item would
+// miss the daily limit.
+func leastRoom(d *limiter.Decision) int {
+	best := d.Deciding
+	if best < 0 || !d.Allowed {
+		return best
+	}
+	for i := range d.Results {
+		r, b := &d.Results[i], &d.Results[best]
+		if !r.Shadow && !r.Unasked && r.Remaining == b.Remaining && limiter.CeilMs(r.Reset) > limiter.CeilMs(b.Reset) {
+			best = i
+		}
+	}
+	return best
+}
+
 // headerItem reports whether result i of d is written in the RateLimit headers after the
-// deciding one: not shadow, asked, and the item of its name (the headers are keyed by
-// policy name, so a rule that several descriptors hit is written once): no result of
-// that name is the deciding one, or has less remaining (or as much, earlier).
-func headerItem(d *limiter.Decision, i int) bool {
+// first one (d.Results[first], leastRoom): not shadow, and the item of its name (the
+// headers are keyed by policy name, so a rule that several descriptors hit is written
+// once): no result of that name is the first one or the deciding one, and none is
+// better: asked where i is not (an unasked result's figures were not read), or asked
+// alike with less remaining (or as much, earlier).
+func headerItem(d *limiter.Decision, first, i int) bool {
 	r := &d.Results[i]
-	if r.Shadow || r.Unasked || i == d.Deciding {
+	if r.Shadow || i == first {
 		return false
 	}
 	for j := range d.Results {
 		o := &d.Results[j]
-		if j == i || o.Name != r.Name || o.Shadow || o.Unasked {
+		if j == i || o.Name != r.Name || o.Shadow {
 			continue
 		}
-		if j == d.Deciding || o.Remaining < r.Remaining || (o.Remaining == r.Remaining && j < i) {
+		if j == first || j == d.Deciding {
+			return false
+		}
+		if o.Unasked != r.Unasked {
+			if r.Unasked {
+				return false
+			}
+			continue
+		}
+		if o.Remaining < r.Remaining || (o.Remaining == r.Remaining && j < i) {
 			return false
 		}
 	}
@@ -1050,17 +1083,26 @@ func (s *Server) response(n int, sc *scratch) {
 		st.reset = time.Duration(proto.CeilSeconds(r.Reset)) * time.Second
 	}
 
-	// The HTTP mapping, as the clients write it: the deciding rule first.
+	// The HTTP mapping, as the clients write it: the deciding rule first (allowed, the
+	// one of its remaining with the longest reset: leastRoom), then the others in order.
 	sc.pol, sc.cur = sc.pol[:0], sc.cur[:0]
-	if dr := d.DecidingResult(); dr != nil {
-		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(dr))
+	if first := leastRoom(d); first >= 0 {
+		sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(&d.Results[first]))
 		for i := range d.Results {
-			// An unasked rule's figures were not read (limiter.Result.Unasked): it says
-			// nothing of its quota. A rule that several descriptors hit (each its own
-			// key) is one policy: one item, the deciding one's or the least remaining.
-			if headerItem(d, i) {
-				sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(&d.Results[i]))
+			// A rule that several descriptors hit (each its own key) is one policy: one
+			// item, the first one's, the deciding one's, or the least remaining.
+			if !headerItem(d, first, i) {
+				continue
 			}
+			r := &d.Results[i]
+			if r.Unasked {
+				// Its figures were not read (limiter.Result.Unasked): its quota stays in
+				// RateLimit-Policy, the same from one response to the next, but it has
+				// no RateLimit item.
+				sc.pol = proto.AppendRateLimitPolicyItem(sc.pol, rateLimitItem(r))
+				continue
+			}
+			sc.pol, sc.cur = proto.AppendRateLimitItem(sc.pol, sc.cur, rateLimitItem(r))
 		}
 		a.headers = append(a.headers, hdr{"RateLimit-Policy", sc.pol}, hdr{"RateLimit", sc.cur})
 	}
