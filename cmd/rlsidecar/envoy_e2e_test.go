@@ -591,3 +591,37 @@ func TestE2EEnvoyLogsTheBoundPort(t *testing.T) {
 		t.Fatalf("health check at the logged %s: %v %v", addr, r, err)
 	}
 }
+
+// Two rules allowing with 1 left each: the limiter names the first listed, per-second,
+// and the Envoy answer's RateLimit fields, as the clients' (TestE2EHeadersTieListsLongestResetFirst),
+// list first the one with the longest reset, per-day, so that a client reading only the
+// first item sees the daily limit. Before, per-second came first.
+func TestE2EEnvoyRLSHeadersTieListsLongestResetFirst(t *testing.T) {
+	const tieRules = `
+rules:
+  - name: per-second
+    match: { domain: edge, descriptor: ip }
+    key: ip
+    limit: { requests: 2, per: 1s }
+  - name: per-day
+    match: { domain: edge, descriptor: ip }
+    key: ip
+    limit: { requests: 2, per: 24h }
+`
+	for _, tr := range envoyrls.Transports {
+		t.Run(tr, func(t *testing.T) {
+			f := startEnvoyDaemon(t, tieRules, "--envoy-rls-transport", tr)
+			resp := f.call(t, "edge", 0, desc("ip=192.0.2.44"))
+			if resp.OverallCode != ok || resp.Statuses[0].LimitRemaining != 1 {
+				t.Fatalf("call: %v, want OK with 1 left", resp)
+			}
+			h := headerMap(resp)
+			if p := h["RateLimit-Policy"]; p != `"per-day";q=2;w=86400, "per-second";q=2;w=1` {
+				t.Errorf("RateLimit-Policy %q, want per-day first", p)
+			}
+			if r := h["RateLimit"]; !strings.HasPrefix(r, `"per-day";r=1;t=`) || !strings.HasSuffix(r, `, "per-second";r=1;t=1`) {
+				t.Errorf("RateLimit %q, want per-day first", r)
+			}
+		})
+	}
+}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -72,7 +73,8 @@ func TestE2EEnvoyRLSUnaskedStatus(t *testing.T) {
 				"--sync-interval", "50ms", "--global-timeout", "2s", "--redis-timeout", "2s")
 			clearOfWindowEnd(t, time.Hour, 30*time.Second)
 			ip := desc("remote_address=192.0.2.1-" + tr)
-			checkStatuses(t, f.call(t, "edge", 0, desc("tenant=t1-"+tr), desc("user=u1-"+tr), ip), ok,
+			first := f.call(t, "edge", 0, desc("tenant=t1-"+tr), desc("user=u1-"+tr), ip)
+			checkStatuses(t, first, ok,
 				wantStatus{code: ok, limit: true, name: "per-tenant", rpu: 5, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: 4},
 				wantStatus{code: ok, limit: true, name: "per-user", rpu: 5, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: 4},
 				wantStatus{code: ok, limit: true, name: "per-ip", rpu: 1, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: 0})
@@ -83,6 +85,24 @@ func TestE2EEnvoyRLSUnaskedStatus(t *testing.T) {
 				wantStatus{code: ok},
 				wantStatus{code: ok, limit: true, name: "per-user-local", rpu: 100, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: 100},
 				wantStatus{code: over, limit: true, name: "per-ip", rpu: 1, unit: rlsv3.RateLimitResponse_RateLimit_HOUR, remaining: 0})
+			// The unasked rules keep their RateLimit-Policy items, as the clients write
+			// them (TestE2EHeadersUnaskedKeptInPolicy): the field is the same on the
+			// allowed call and the refused one; they have no RateLimit item, their
+			// figures not read. Before, they dropped out of both.
+			policy := headerMap(first)["RateLimit-Policy"]
+			for _, item := range []string{`"per-ip";q=1;w=3600`, `"per-tenant";q=5;w=3600`, `"per-user";q=5;w=3600`, `"per-user-local";q=100;w=3600`} {
+				if !strings.Contains(policy, item) {
+					t.Errorf("allowed call: RateLimit-Policy %q, want %s in it", policy, item)
+				}
+			}
+			h := headerMap(resp)
+			if h["RateLimit-Policy"] != policy {
+				t.Errorf("refused call: RateLimit-Policy %q, want the allowed call's, %q", h["RateLimit-Policy"], policy)
+			}
+			if r := h["RateLimit"]; !strings.HasPrefix(r, `"per-ip";r=0;t=`) || !strings.Contains(r, `"per-user-local";r=100;t=`) ||
+				strings.Contains(r, `"per-tenant";`) || strings.Contains(r, `"per-user";`) {
+				t.Errorf("refused call: RateLimit %q, want per-ip first, per-user-local, and no item of the unasked rules", r)
+			}
 			if st := resp.Statuses[0]; st.DurationUntilReset != nil {
 				t.Errorf("unasked status: duration_until_reset %v, want none", st.DurationUntilReset)
 			}
