@@ -56,10 +56,9 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 	t.Cleanup(func() { seqRdb.Close(); batRdb.Close() })
 	seq := NewGlobal(seqRdb)
 	ap := &autoPipe{rediser: batRdb, merge: true}
-	ctx := globalCtx(t)
 	// Load the script on the batch server: the first merged call must not be a NOSCRIPT
 	// (that path is TestGlobalBatchNoScript's).
-	if err := globalScript.Load(ctx, batRdb).Err(); err != nil {
+	if err := globalScript.Load(globalCtx(t), batRdb).Err(); err != nil {
 		t.Fatal(err)
 	}
 
@@ -71,6 +70,10 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 	}
 	rng := rand.New(rand.NewPCG(9, 32))
 	for round := 0; round < 60; round++ {
+		// A deadline per round, not one for the whole test: under -race on a loaded
+		// 2-core machine the 60 rounds take longer than globalCtx's 5 s, and a PTTL on
+		// the expired context read 0 ("has PTTL 0s"; a ZRange read nil on both servers).
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		n := 2 + rng.IntN(40)
 		if round%10 == 9 {
 			n = mergeMax + 1 + rng.IntN(2*mergeMax) // more than one merged call
@@ -166,8 +169,8 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 					t.Fatalf("round %d: %s holds %+v (exists %v) batched, %+v (exists %v) sequential", round, key, bs, bok, ss, sok)
 				}
 				if bok {
-					if ttl := batRdb.PTTL(ctx, key).Val(); ttl <= 0 {
-						t.Fatalf("round %d: %s has PTTL %v", round, key, ttl)
+					if ttl, err := batRdb.PTTL(ctx, key).Result(); err != nil || ttl <= 0 {
+						t.Fatalf("round %d: %s has PTTL %v (%v)", round, key, ttl, err)
 					}
 				}
 			}
@@ -175,13 +178,21 @@ func TestGlobalBatchMatchesSequential(t *testing.T) {
 		// The lease slots held: the same members.
 		for c := range 4 {
 			key := fmt.Sprintf("rl:b%d_L:{c%d}", round, c)
-			sm, bm := seqRdb.ZRange(ctx, key, 0, -1).Val(), batRdb.ZRange(ctx, key, 0, -1).Val()
+			sm, err := seqRdb.ZRange(ctx, key, 0, -1).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			bm, err := batRdb.ZRange(ctx, key, 0, -1).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
 			slices.Sort(sm)
 			slices.Sort(bm)
 			if !slices.Equal(sm, bm) || len(bm) > 2 {
 				t.Fatalf("round %d: %s holds %v batched, %v sequential (max 2)", round, key, bm, sm)
 			}
 		}
+		cancel()
 	}
 }
 
