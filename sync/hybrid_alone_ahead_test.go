@@ -22,7 +22,7 @@ func TestHybridAloneShareGrantIsOneIntervalAhead(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second}) // interval 100 ms
 	lim := mustLimit(t, localbucket.TokenBucket, 10, time.Second)
-	for trial := range 3 {
+	for trial, slow := 0, 0; trial < 3; trial++ {
 		key := fmt.Sprintf("rl:alone-ahead:{%d-%d}", trial, time.Now().UnixNano())
 		var st localbucket.State // the exact mode's answer to the same requests
 		got, want := 0, 0
@@ -40,6 +40,16 @@ func TestHybridAloneShareGrantIsOneIntervalAhead(t *testing.T) {
 		// than the 100 ms in which the bucket refills a unit, and the exact mode admitted 11.
 		for range 13 {
 			step(t0)
+		}
+		// Redis decides on its own clock: a burst whose exact syncs spanned 100 ms or more
+		// (a -race run on a loaded machine) found a unit refilled there, and the hybrid
+		// mode rightly admitted 11 where the exact mode at one instant admits 10. Such a
+		// trial shows nothing: it is run again on a new key (a few times at most).
+		if span := time.Now().UnixNano() - t0; span >= int64(100*time.Millisecond) && slow < 5 {
+			t.Logf("trial %d: the 13 requests took %v, past a unit's refill: again", trial, time.Duration(span))
+			slow++
+			trial--
+			continue
 		}
 		if got != 10 || want != 10 {
 			t.Fatalf("trial %d: 13 requests at once: hybrid admitted %d, exact %d; want 10", trial, got, want)
