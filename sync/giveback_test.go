@@ -205,14 +205,16 @@ func TestGiveBacksClose(t *testing.T) {
 // these acquires never reach Redis).
 func TestGiveBacksBoundedFrozen(t *testing.T) {
 	defer func(d time.Duration) { giveBackDelay = d }(giveBackDelay)
-	// Past the freeze, which lasts a second or as long as the 10,000 acquires take:
-	// 0.4-0.6 s under -race at load average 7-10, and with 1.5 s a loaded run's second
-	// rounds met a Redis still frozen ("the slot of acquire 53 is still held").
+	// Past the freeze, a second (with 1.5 s a loaded run's second rounds met a Redis
+	// still frozen: "the slot of acquire 53 is still held").
 	giveBackDelay = 4 * time.Second
 	srv := redistest.StartStandalone(t)
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true, MaxRetries: -1})
 	t.Cleanup(func() { rdb.Close() })
-	const wait = 50 * time.Millisecond
+	// The daemon's refund timeout (DefaultRefundTimeout). With 50 ms, a -race run at
+	// load average 17 failed hundreds of second rounds after the thaw, each on a new
+	// connection (the frozen rounds' were dropped) dialed within it.
+	const wait = DefaultRefundTimeout
 	g := NewGlobal(lostAcquires{Client: rdb}).WithRefundTimeout(wait)
 	defer g.Close()
 	ctx := context.Background()
@@ -230,18 +232,28 @@ func TestGiveBacksBoundedFrozen(t *testing.T) {
 	base := runtime.NumGoroutine()
 	srv.Freeze()
 	frozen := time.Now()
+	// Thawed a second later, whether or not the acquires are done (they never reach
+	// Redis): before, the freeze lasted as long as they took, 4 s under -race at load
+	// average 18, and the early give-backs' second rounds met a Redis still frozen.
+	type thaw struct {
+		extra int           // goroutines more than before, while frozen
+		after time.Duration // the freeze's length
+	}
+	thawed := make(chan thaw, 1)
+	time.AfterFunc(time.Second, func() {
+		extra := runtime.NumGoroutine() - base - 1 // not this one
+		srv.Thaw()
+		thawed <- thaw{extra, time.Since(frozen)}
+	})
 	for i := range n {
 		lo := []LeaseOp{{Key: key(i), Max: 5, Lease: time.Hour, Take: true}}
 		ok, err := g.Acquire(ctx, "F"+strconv.Itoa(i), lo)
 		if ok || err == nil {
-			srv.Thaw()
 			t.Fatalf("acquire %d: %v %v, want an error", i, ok, err)
 		}
 	}
-	time.Sleep(time.Second - time.Since(frozen))
-	extra := runtime.NumGoroutine() - base
-	srv.Thaw()
-	frozenFor := time.Since(frozen)
+	th := <-thawed
+	extra, frozenFor := th.extra, th.after
 	if extra > 10 {
 		t.Errorf("%d goroutines more than before %d failed acquires on a frozen Redis", extra, n)
 	}
