@@ -1089,10 +1089,13 @@ func TestNativeGoAwayLingers(t *testing.T) {
 
 // serveNativeTCP serves a test server with the native transport on a loopback TCP port;
 // done gives what Serve returned.
-func serveNativeTCP(t *testing.T) (*Server, chan error) {
+func serveNativeTCP(t *testing.T, configure ...func(*Config)) (*Server, chan error) {
 	t.Helper()
 	s := testServer(t)
 	s.cfg.Addr, s.cfg.Transport = "127.0.0.1:0", TransportNative
+	for _, f := range configure {
+		f(&s.cfg)
+	}
 	if err := s.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -1103,9 +1106,9 @@ func serveNativeTCP(t *testing.T) (*Server, chan error) {
 
 // serveNativeTCPStopping is serveNativeTCP with a stop, to defer, that shuts the server
 // down and checks what Shutdown and Serve returned.
-func serveNativeTCPStopping(t *testing.T) (*Server, func()) {
+func serveNativeTCPStopping(t *testing.T, configure ...func(*Config)) (*Server, func()) {
 	t.Helper()
-	s, done := serveNativeTCP(t)
+	s, done := serveNativeTCP(t, configure...)
 	return s, func() {
 		if err := s.Shutdown(ctx10(t)); err != nil {
 			t.Error(err)
@@ -1523,7 +1526,11 @@ func TestNativeIdleConnsYield(t *testing.T) {
 // 1,024 of them and dialing again as the frame timeout closed each kept Envoy out.
 func TestNativeUnfinishedCallsYield(t *testing.T) {
 	start := time.Now()
-	s, stop := serveNativeTCPStopping(t)
+	// A frame timeout longer than the default 5 s: under -race at load average 16,
+	// opening the 1,024 connections and the second's wait took 4 s, and the test never
+	// tried its new connection before the calls were nearly late.
+	const frameTimeout = 30 * time.Second
+	s, stop := serveNativeTCPStopping(t, func(c *Config) { c.FrameTimeout = frameTimeout })
 	defer stop() // after the connections' closes below
 	addr := s.Addr().String()
 	b := openingWithCall(t)
@@ -1540,7 +1547,7 @@ func TestNativeUnfinishedCallsYield(t *testing.T) {
 	}
 	time.Sleep(time.Second) // the server reads them all
 	var err error
-	for time.Since(start) < 4*time.Second { // their calls are not yet 5 s late (the frame timeout)
+	for time.Since(start) < frameTimeout-time.Second { // their calls are not yet late
 		var c net.Conn
 		if c, err = net.Dial("tcp", addr); err != nil {
 			t.Fatal(err)
