@@ -129,8 +129,11 @@ func TestTransportCases(t *testing.T) {
 	for _, tr := range Transports {
 		t.Run(tr, func(t *testing.T) {
 			sv := serveTest(t, testServer(t), tr)
-			ctx := ctx10(t)
+			// A deadline per subtest, not one for all: under -race at load average 18 the
+			// native transport's subtests took more than 10 s together, and the 64 concurrent
+			// streams met its end (DeadlineExceeded).
 			t.Run("health", func(t *testing.T) {
+				ctx := ctx10(t)
 				for _, svc := range []string{"", ServiceName} {
 					h, err := sv.hc.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
 					if err != nil || h.Status != healthpb.HealthCheckResponse_SERVING {
@@ -142,6 +145,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("watch", func(t *testing.T) {
+				ctx := ctx10(t)
 				w, err := sv.hc.Watch(ctx, &healthpb.HealthCheckRequest{Service: ServiceName})
 				if err != nil {
 					t.Fatal(err)
@@ -159,6 +163,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("unknown method", func(t *testing.T) {
+				ctx := ctx10(t)
 				err := sv.conn.Invoke(ctx, "/"+ServiceName+"/Nope", &rlsv3.RateLimitRequest{}, &rlsv3.RateLimitResponse{})
 				if status.Code(err) != codes.Unimplemented {
 					t.Errorf("%v", err)
@@ -169,6 +174,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("many DATA frames", func(t *testing.T) {
+				ctx := ctx10(t)
 				if gproto.Size(big) < 3*16384 {
 					t.Fatalf("the big request is %d bytes: not several frames", gproto.Size(big))
 				}
@@ -178,6 +184,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("past the stream's receive window", func(t *testing.T) {
+				ctx := ctx10(t)
 				// 3 MiB: the server must give window back while the request arrives.
 				resp, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: strings.Repeat("w", 3<<20), Descriptors: []*commonrl.RateLimitDescriptor{desc1("u")}})
 				if err != nil || len(resp.Statuses) != 1 {
@@ -185,6 +192,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("past the maximum message", func(t *testing.T) {
+				ctx := ctx10(t)
 				_, err := sv.rls.ShouldRateLimit(ctx, huge)
 				if status.Code(err) != codes.ResourceExhausted {
 					t.Errorf("%v", err)
@@ -195,6 +203,7 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("compressed", func(t *testing.T) {
+				ctx := ctx10(t)
 				_, err := sv.rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "api", Descriptors: []*commonrl.RateLimitDescriptor{desc1("u9")}}, grpc.UseCompressor("gzip"))
 				want := codes.OK // grpc-go decompresses what it has a codec for
 				if tr == TransportNative {
@@ -205,6 +214,9 @@ func TestTransportCases(t *testing.T) {
 				}
 			})
 			t.Run("64 concurrent streams", func(t *testing.T) {
+				// 3,200 calls: 7 s alone under -race at load average 14.
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
 				var wg sync.WaitGroup
 				errs := make(chan error, 64)
 				for g := range 64 {
