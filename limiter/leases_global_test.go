@@ -41,12 +41,13 @@ rules:
     mode: local
 `
 
-// globalLimiter returns a limiter on rdb with global mode (and the hybrid default), its
-// Redis keys under prefix.
+// globalLimiter returns a limiter on rdb with global mode (and the hybrid default, but
+// for a FetchWait a loaded machine's exact sync fits in, not 25 ms), its Redis keys under
+// prefix.
 func globalLimiter(t *testing.T, rdb redis.UniversalClient, yaml, prefix string) *Limiter {
 	t.Helper()
 	l := New(mustRules(t, yaml), localbucket.NewStore(localbucket.Options{})).
-		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{Prefix: prefix})).
+		WithHybrid(rlsync.NewHybrid(rdb, rlsync.HybridOptions{Prefix: prefix, FetchWait: 5 * time.Second})).
 		WithGlobal(rlsync.NewGlobal(rdb), 5*time.Second) // a loaded machine is slow, not down
 	if err := l.SetRedisPrefix(prefix); err != nil {
 		t.Fatal(err)
