@@ -35,7 +35,10 @@ func TestIdleShutKeepsALeaseTakenAsItFired(t *testing.T) {
 // then, as on a connection not shut). mode is the concurrency rule's.
 func testIdleShutKeepsALease(t *testing.T, mode, end string) {
 	m := NewMetrics("test", 10)
-	cfg := Config{IdleTimeout: 100 * time.Millisecond, Metrics: m}
+	// Long enough for the second connection's check and release (in global mode, on
+	// Redis) to come within it: with 100 ms a -race run at load average 10 cut that one
+	// idle too ("idle_timeout = 2, want 1").
+	cfg := Config{IdleTimeout: time.Second, Metrics: m}
 	yaml := "rules:\n  - { name: exports, key: user, mode: " + mode + ", concurrency: { max: 1, lease: 30s } }\n"
 	var s *Server
 	if mode == "global" {
