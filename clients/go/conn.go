@@ -613,6 +613,9 @@ func (s *slot) get(ctx context.Context, cl *call) (*conn, error) {
 func (s *slot) dial(a *dialAttempt) {
 	defer s.c.wg.Done()
 	nc, err := s.c.dialer.DialContext(s.c.ctx, "unix", s.c.opts.Socket)
+	if f := dialedHook.Load(); f != nil && err == nil {
+		(*f)()
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer close(a.done)
@@ -826,11 +829,12 @@ func (cn *conn) send(cl *call) error {
 
 // writeFailedHook and readFailedHook, when set (tests), run as a write of request frames
 // has failed (before what it delivered is recorded) and as the reader's read fails.
+// dialedHook, when set (tests), runs as a dial has connected, before anything is written.
 // closedUnreadHook, when set (tests), runs as the sidecar's last word has been noted
 // (closedUnread), before the calls it was not read are failed. readEndedHook, when set
 // (tests), runs as the reader whose read failed has noted what the writes delivered,
 // before it breaks the connection.
-var writeFailedHook, closedUnreadHook atomic.Pointer[func()]
+var writeFailedHook, closedUnreadHook, dialedHook atomic.Pointer[func()]
 var readFailedHook, readEndedHook atomic.Pointer[func(*conn)]
 
 // readLoop hands each response to the oldest pending call until the connection breaks.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -540,5 +541,64 @@ func TestCheckSentAsTheReaderReadTheEndGoesOnANewConnection(t *testing.T) {
 	<-lateDone // the reader read the end of the first connection, and the check was sent
 	if lateErr != nil || late.Unreachable || !late.Allowed || late.Rule != "late" {
 		t.Fatalf("the check sent as the reader read the end: %+v %v (want it answered on a new connection)", late, lateErr)
+	}
+}
+
+// A check whose write failed (EPIPE: the sidecar read none of it) goes again on another
+// connection of the pool, at most Conns + 1 writes in all (conn.go). A broken connection
+// puts its slot in backoff, but a slow dial outlasts a first backoff, and without that
+// count a sidecar failing every write was redialed for the check's whole timeout. Here
+// the stand-in shuts the read side of every connection it accepts and closes it once the
+// client's write has failed: each check (on a fresh client) gets the Policy within that
+// bound, at once.
+func TestWriteFailingOnEveryConnectionIsSentAtMostConnsPlusOneTimes(t *testing.T) {
+	for _, pool := range []int{1, 2, 4} {
+		t.Run(fmt.Sprint("conns=", pool), func(t *testing.T) {
+			path := socketPath(t)
+			shut, writeFailed := make(chan struct{}, 64), make(chan struct{}, 64)
+			standIn(t, path, func(nc *net.UnixConn, n int) {
+				nc.CloseRead() // the client's write to it fails
+				shut <- struct{}{}
+				select { // then it ends, as a sidecar's drain or idle cut ends it
+				case <-writeFailed:
+				case <-time.After(10 * time.Second):
+				}
+			})
+			var failed atomic.Int64
+			wf := func() { failed.Add(1); writeFailed <- struct{}{} }
+			writeFailedHook.Store(&wf)
+			// A client writes as soon as it has connected, before the stand-in has
+			// accepted the connection: each dial waits for its connection's shut read
+			// side, and then longer than a first backoff (5 to 10 ms), as a dial on a
+			// busy machine may: the slot that failed first is free again by the time
+			// the others have, and only the count of failed writes ends the resends.
+			dialed := func() {
+				select {
+				case <-shut:
+				case <-time.After(10 * time.Second):
+				}
+				time.Sleep(2 * backoffMin)
+			}
+			dialedHook.Store(&dialed)
+			t.Cleanup(func() { writeFailedHook.Store(nil); dialedHook.Store(nil) })
+			const timeout = 20 * time.Second
+			for i := 0; i < 3; i++ {
+				c := newClient(t, Options{Socket: path, Conns: pool, Timeout: timeout, Policy: FailClosed})
+				failed.Store(0)
+				start := time.Now()
+				d, err := c.Check(context.Background(), map[string]string{"user": "u"}, nil)
+				took := time.Since(start)
+				if err != nil || !d.Unreachable || d.Allowed {
+					t.Fatalf("check %d: %+v, %v: want the Policy (FailClosed)", i, d, err)
+				}
+				if got := failed.Load(); got < 1 || got > int64(pool+1) {
+					t.Errorf("check %d: %d failed writes, want 1 to Conns + 1 = %d (%v)", i, got, pool+1, d.Cause)
+				}
+				if took > timeout/2 {
+					t.Errorf("check %d took %v: redialed for its timeout (%v)", i, took, timeout)
+				}
+				c.Close()
+			}
+		})
 	}
 }
