@@ -360,8 +360,10 @@ def test_batch_cut_by_a_kill_sends_again_what_the_socket_never_took(daemon):
 def _fill_fds_below_1024():
     """Open pipes until every descriptor below 1024 is taken (raising the soft
     RLIMIT_NOFILE if need be), so the next socket gets one >= 1024, as in a server process
-    with many open; returns them, to close."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with many open; returns them, to close, and the limits to restore (the rest of the
+    session runs under the limit it had)."""
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = limits
     if soft < 2048:
         if hard != resource.RLIM_INFINITY and hard < 2048:
             pytest.skip("RLIMIT_NOFILE hard limit %d: no descriptor >= 1024" % hard)
@@ -373,8 +375,9 @@ def _fill_fds_below_1024():
     except BaseException:
         for fd in held:
             os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
         raise
-    return held
+    return held, limits
 
 
 def _daemon_end(pid, before):
@@ -419,7 +422,7 @@ def test_batch_cut_on_a_connection_kept_open_is_sent_again_at_once_from_a_high_f
     an answer that never came until its timeout, and the 149 requests the daemon never
     read answered by the policy ("no connection within the timeout")."""
     d = make_daemon(RULES)
-    held = _fill_fds_below_1024()
+    held, limits = _fill_fds_below_1024()
     kept = []
     try:
         with rlsidecar.Client(d.socket, timeout=5, pool_size=1, on_unavailable="closed") as c:
@@ -450,6 +453,7 @@ def test_batch_cut_on_a_connection_kept_open_is_sent_again_at_once_from_a_high_f
             s.close()
         for fd in held:
             os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
 def test_idle_timeout_closes_pooled_connections(make_daemon):
