@@ -80,6 +80,7 @@ class _Protocol(asyncio.Protocol):
         self.fresh_farewell = False  # a farewell came before any answer (_NotRead.fresh)
         self.rest_end = None  # ends read_rest's reading of the answers after a failed write
         self.ended_unused = False  # closed by the sidecar (end of file) before any check or word
+        self.farewell_unused = False  # a drain's farewell came before any check was sent on it
         # The frames of the last len(unsent) pending checks, not yet handed to the
         # transport: it holds at most one frame not yet taken by the socket (send), so
         # that a failed write's checks are known (fail).
@@ -144,6 +145,8 @@ class _Protocol(asyncio.Protocol):
                 return self.fail(str(e))
             if not self.pending:
                 e = _proto.error_of(msg)
+                if e is not None and e[0] == "shutting_down" and not self.served:
+                    self.farewell_unused = True  # a drain's, before any check was sent on it (_do_dial)
                 return self.fail("the sidecar closed the connection: %s" % e[0] if e else "an answer nobody asked for")
             want, fut = self.pending.popleft()
             self.wake_one()
@@ -632,7 +635,7 @@ class AsyncClient:
                 conn = None
             if conn is None:
                 conn = await self._connect(loop, deadline)
-                if isinstance(conn, str):
+                if isinstance(conn, (str, _NotRead)):
                     return conn
             if conn.broken is not None:
                 return conn.broken
@@ -764,6 +767,14 @@ class AsyncClient:
                 # check with this cause at once, never redialing. A failed attempt, as one
                 # detached.
                 self._failed(conn.broken)
+                if conn.farewell_unused:
+                    # A drain's farewell (shutting_down), with no check sent on it: the
+                    # checks waiting for this dial go again, once, after a pause, as
+                    # after a fresh connection's farewell read once a check was written
+                    # (_round_trip), to the drain's successor. Before, they answered by
+                    # the policy at once. A refusal (too_many_connections) answers by the
+                    # policy either way (the README's "Unreachable sidecar").
+                    return _NotRead(conn.broken, farewell=True, fresh=True)
                 return conn.broken
         finally:
             if self._dial is asyncio.current_task():

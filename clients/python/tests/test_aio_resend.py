@@ -701,3 +701,65 @@ def test_check_whose_write_failed_is_sent_again_after_part_of_an_answer(short_tm
         t.join()
     assert [(d.unreachable, d.rule) for d in ds] == [(False, "A"), (False, "B")], [d.cause for d in ds]
     assert decided == {"warm": 1, "A": 1, "B": 1}
+
+
+def test_checks_waiting_for_a_dial_the_drain_said_farewell_to_before_it_resumed_go_again(short_tmp, monkeypatch):
+    """The sidecar's first connection gets a drain's farewell (shutting_down, id 0) the moment
+    it is accepted (a drain whose successor is not up yet), and under load the event loop
+    reads that before the dial task resumes (here: the loop is held in connection_made
+    until the word is in). No check was sent on it: the checks waiting for the dial go
+    again, once, after a pause, on a new connection, and are answered, as after a fresh
+    connection's farewell read once a check was written. Before, they answered by the
+    policy at once."""
+    import select
+
+    path = os.path.join(short_tmp, "s.sock")
+    stop = threading.Event()
+    decided, lock = {}, threading.Lock()
+    srv = unix_listener(path)
+
+    def frame(obj):
+        body = msgpack.packb(obj)
+        return struct.pack(">I", len(body)) + body
+
+    def serve(c, first):
+        with c:
+            if first:
+                c.sendall(frame({"id": 0, "error": {"code": "shutting_down", "message": "farewell"}}))
+                return
+            while not stop.is_set():
+                head = c.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    return
+                req = msgpack.unpackb(c.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL), raw=False)
+                with lock:
+                    u = req["attrs"]["user"]
+                    decided[u] = decided.get(u, 0) + 1
+                c.sendall(frame({"id": req["id"], "allowed": True, "rule": u}))
+
+    t = serve_each(srv, stop, serve)
+    made = rlsidecar.aio._Protocol.connection_made
+    held = []
+
+    def late(self, transport):
+        made(self, transport)
+        if not held:  # the first connection only
+            held.append(True)
+            p = select.poll()
+            p.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+            assert p.poll(10000), "the stand-in said no farewell"
+
+    monkeypatch.setattr(rlsidecar.aio._Protocol, "connection_made", late)
+
+    async def main():
+        async with rlsidecar.AsyncClient(path, timeout=5, on_unavailable="closed") as c:
+            return await asyncio.gather(*(c.check({"user": "u%d" % i}) for i in range(4)))
+
+    try:
+        ds = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    assert held
+    assert [(d.unreachable, d.rule) for d in ds] == [(False, "u%d" % i) for i in range(4)], [d.cause for d in ds]
+    assert decided == {"u%d" % i: 1 for i in range(4)}, decided
