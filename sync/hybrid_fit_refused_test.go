@@ -81,3 +81,53 @@ func TestHybridOpThatFitInARefusedCheckHoldsNoGrant(t *testing.T) {
 		})
 	}
 }
+
+// An op that fits in a check another op refuses for good uses nothing, on a key this
+// daemon has no allowance of (shared, or left) as on any other: it does not make the
+// key short, and nothing is synced for it. Taken for a race lost (the view had room,
+// the allowance none), such a check sent the request's keys to an exact sync, which
+// reserved the op's unit until the next sync gave it back; and TryTake told the
+// connection's loop to wait for Take.
+func TestHybridFitInARefusedCheckIsNoShortfall(t *testing.T) {
+	rdb := standalone(t)
+	window := hourWindow()
+	lim := mustLimit(t, localbucket.FixedWindow, 100, window)
+	tight := mustLimit(t, localbucket.FixedWindow, 1, window)
+	a := NewHybrid(rdb, HybridOptions{ID: "a", FetchWait: 10 * time.Second})
+	b := NewHybrid(rdb, HybridOptions{ID: "b", FetchWait: 10 * time.Second})
+	seeEachOther(t, "short", a, b)
+	key := "rl:fit-short:{user=dave}"
+	tk := "rl:fit-short-tight:{user=dave}"
+	now := time.Now().UnixNano()
+	for _, h := range []*Hybrid{b, a} { // shared: a holds no credit
+		if !take(h, now, key, lim, 1).Allowed {
+			t.Fatal("a first unit refused")
+		}
+		syncAll(t, now, h)
+	}
+	if !take(a, now, tk, tight, 1).Allowed {
+		t.Fatal("the tight key's unit refused")
+	}
+	syncAll(t, now, a)
+	if e := entryOf(a, key); e.flags&flagShared == 0 || e.flags&flagDirty != 0 {
+		t.Fatalf("the key is not shared and clean on a: flags %b", e.flags)
+	}
+	for range 10 {
+		ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}, {Key: []byte(tk), Limit: tight, Cost: 1}}
+		if a.Take(now, ops) || !ops[0].Result.Allowed {
+			t.Fatalf("Take: %+v; want refused by the tight key, the key's op fitting", ops)
+		}
+	}
+	sh := &a.shards[a.shardOf([]byte(key))]
+	sh.mu.Lock()
+	short, flags := sh.m[key].short, sh.m[key].flags
+	sh.mu.Unlock()
+	if short != 0 || flags&flagDirty != 0 {
+		t.Fatalf("10 checks the tight key refused made the key short %d, flags %b: synced for nothing", short, flags)
+	}
+	// A connection's loop (TryTake) is told the same at once, not to wait for Take.
+	ops := []HybridOp{{Key: []byte(key), Limit: lim, Cost: 1}, {Key: []byte(tk), Limit: tight, Cost: 1}}
+	if ok, wait := a.TryTake(now, ops); ok || wait || !ops[0].Result.Allowed {
+		t.Fatalf("TryTake: ok %v, wait %v, %+v; want refused by the tight key at once, the key's op fitting", ok, wait, ops)
+	}
+}
