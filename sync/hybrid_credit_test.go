@@ -110,3 +110,43 @@ func TestHybridCreditLapses(t *testing.T) {
 		t.Fatalf("after the credit lapsed a request made %d Redis calls, want 1 (an exact sync)", c-calls)
 	}
 }
+
+// A question's exact sync (cost 0: it carries no use nor demand) does not record the
+// daemon as the key's user in Redis, so it gives the daemon no credit: another daemon,
+// the key's last user, holding credit, is not told the key is shared, and its exact
+// syncs may take every unit while the first spends its credit unseen. Before, b used
+// the key alone (credit of 4), a asked a question (credit of 4 from its answer), then
+// spent it, and b drained the key by exact syncs: 24 admitted of 20.
+func TestHybridQuestionGivesNoCredit(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			rdb := standalone(t)
+			lim := mustLimit(t, alg, 20, hourWindow())
+			a := NewHybrid(rdb, HybridOptions{ID: "a", FetchWait: 10 * time.Second})
+			b := NewHybrid(rdb, HybridOptions{ID: "b", FetchWait: 10 * time.Second})
+			seeEachOther(t, "question", a, b)
+			key := "rl:question-credit:{user=erin}"
+			now := time.Now().UnixNano()
+			admitted := 0
+			if take(b, now, key, lim, 1).Allowed {
+				admitted++
+			}
+			syncAll(t, now, b)
+			if r := take(a, now, key, lim, 0); !r.Allowed {
+				t.Fatalf("a's question: %+v", r)
+			}
+			for range 4 {
+				if take(a, now, key, lim, 1).Allowed {
+					admitted++
+				}
+			}
+			admitted += takeSyncing(t, b, now, key, lim, 40)
+			syncAll(t, now, a, b)
+			syncAll(t, now, a, b)
+			t.Logf("admitted %d of 20", admitted)
+			if admitted > 20+1 {
+				t.Errorf("two daemons admitted %d of 20 (bound 21)", admitted)
+			}
+		})
+	}
+}

@@ -142,6 +142,15 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		}
 		return
 	}
+	// Credit comes with a view only to an entry that holds some, or from a sync that
+	// carried use or demand: Redis records the daemon as the key's last user (the
+	// script's o) only for those, and the next daemon to use the key reserves the
+	// credit of its last user only (k). A sync that carried neither (a question's exact
+	// sync, a grant given back) to an entry with no credit (a key new here, shared, or
+	// left) left it holding credit Redis knew nothing of: another daemon then took the
+	// key as its own, its exact syncs free to take those units (24 admitted of 20:
+	// TestHybridQuestionGivesNoCredit).
+	noCredit := (e.synced == 0 || e.flags&flagShared != 0) && int64(it.used) <= int64(it.owed) && it.demand == 0
 	e.flags &^= flagUnsettled
 	if it.relimit && *it.lim == *e.lim {
 		e.flags &^= flagRelimit // Redis has the key under this limit (else relimit set it again)
@@ -215,7 +224,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		}
 	}
 	credit := math.Floor(max(0, e.view) / n)
-	if v[6]&1 != 0 || it.mode == modeLeave { // a daemon that left the key holds no credit on it
+	if v[6]&1 != 0 || it.mode == modeLeave || noCredit { // a daemon that left the key holds no credit on it
 		e.flags |= flagShared
 		credit = 0
 	} else {
