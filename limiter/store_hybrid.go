@@ -71,9 +71,9 @@ func refusedForRedis(ops []rlsync.HybridOp) bool {
 	return refused
 }
 
-func (s hybridStore) giveBack(_ int64, d *Decision) {
+func (s hybridStore) giveBack(now int64, d *Decision) {
 	n := lastBatch[rlsync.HybridOp](d, storeHybrid)
-	s.h.Undo(n.ops)
+	s.h.Undo(now, n.ops)
 	s.results(d, n)
 }
 

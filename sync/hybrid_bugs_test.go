@@ -590,7 +590,7 @@ func TestHybridUndoAfterSync(t *testing.T) {
 			if err := h.Flush(ctx, now); err != nil { // the unit goes to Redis
 				t.Fatal(err)
 			}
-			h.Undo(ops) // then the request is refused elsewhere
+			h.Undo(now, ops) // then the request is refused elsewhere
 		}
 		for range 2 { // the next syncs take them off, and give the grants back
 			if err := h.Flush(ctx, now); err != nil {

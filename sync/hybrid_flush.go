@@ -59,7 +59,7 @@ type syncItem struct {
 	demand      uint32 // what the script sizes the grant by
 	offered     uint32 // the entry's demand taken by this sync (given back on failure)
 	age         uint32 // ms since the key's last admission: what it admitted beyond its grant is charged from then
-	short       uint16 // the entry's shortfall taken by this sync (ditto)
+	short       uint8  // the entry's shortfall taken by this sync (ditto)
 	mode        uint8
 	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
 	first       bool      // the entry had no view at the snapshot, never synced: sent as modeFirst
@@ -96,6 +96,15 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0,
 		gone: e.flags&flagGone != 0}
 	e.flags |= flagBusy
+	if mode == modeLeave {
+		// A daemon leaving the key holds no credit on it from now, not from the reply:
+		// the sync drops the reservation of its credit (k), and a unit admitted on that
+		// credit while the sync is on its way would be one no reservation covered, which
+		// another daemon's exact sync may have taken meanwhile. Its grant goes back too.
+		// A request meanwhile waits for the reply and makes an exact sync.
+		e.flags |= flagShared
+		e.allowance = min(e.allowance, 0)
+	}
 	if e.pending > 0 {
 		if sh.onWay == nil {
 			sh.onWay = map[*hentry]uint64{}
@@ -131,7 +140,7 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		e.pending += it.used
 		e.addOwed(it.owed)
 		e.demand = satAdd32(e.demand, uint64(it.offered))
-		e.short = satAdd16(e.short, uint64(it.short))
+		e.short = satAdd8(e.short, uint64(it.short))
 		if (it.req != nil || it.demand > 0) && mayHaveRun(it.err) {
 			e.flags |= flagUnsettled
 		}
@@ -580,6 +589,11 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 		sh.mu.Lock()
 		keep := sh.dirty[:0]
 		for _, e := range sh.dirty {
+			if e.flags&flagIdle != 0 && (e.pending > 0 || e.short >= 2 || e.flags&flagShared != 0) {
+				// Used here since it was marked (or in demand here, or told it is shared):
+				// no leave; synced as usual, its credit as that sync says.
+				e.flags &^= flagIdle
+			}
 			switch {
 			case e.flags&flagGone != 0:
 				// Evicted by the key cap holding units beyond its grant: they go now,
@@ -605,6 +619,27 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 				}
 			case e.flags&flagBusy != 0:
 				keep = append(keep, e) // a request's exact sync has it: next time
+			case e.flags&flagIdle != 0 && e.pending == 0 && e.short < 2 && e.flags&flagShared == 0:
+				// Its checks here were refused elsewhere (refusedElsewhere), and it admitted
+				// nothing since: it leaves the key, giving up its credit, and Redis drops a
+				// reservation of that credit (k) and this daemon as the key's last user.
+				// What it holds (a grant, units given back) is settled as a share sync
+				// settles it.
+				if len(items) >= limit {
+					backlog++
+					keep = append(keep, e)
+					continue
+				}
+				m := allowed(e)
+				if m == nil {
+					keep = append(keep, e)
+					continue
+				}
+				e.flags &^= flagDirty | flagIdle
+				e.short = 0
+				it := h.snapshot(sh, e, now, modeLeave, 0)
+				it.m = m
+				items = append(items, it)
 			case !e.needsSync():
 				e.flags &^= flagDirty
 			case e.short < 2 && e.lastDemand < 2 && !e.holds():

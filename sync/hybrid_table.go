@@ -124,10 +124,10 @@ type hentry struct {
 	token      uint32 // the token of the last sync Redis confirmed (before that, the one snapshot names; 0: never synced)
 	grant      uint32 // the units reserved for this daemon at the last sync
 	demand     uint32 // offered since the last sync was sent
-	short      uint16 // of which refused locally for want of allowance (saturating)
 	lastDemand uint16 // the demand the last sync asked a share grant for
 	slot       uint16 // the key's hash slot, on a cluster (its master: Hybrid.masterOf); else 0
-	flags      uint8
+	flags      uint16
+	short      uint8 // of which refused locally for want of allowance (saturating: read only against 2)
 	lag        uint8 // how long the view's sync took, at most (lagNs): when Redis read the key, after the view's time
 }
 
@@ -410,10 +410,10 @@ func (e *hentry) addOwed(n uint64) {
 }
 
 const (
-	flagDirty  uint8 = 1 << iota // on its shard's dirty list
-	flagBusy                     // a sync of it is on its way: no second one meanwhile
-	flagGone                     // evicted: a sync still holding it skips it
-	flagShared                   // another daemon used the key lately: no credit, grants only
+	flagDirty  uint16 = 1 << iota // on its shard's dirty list
+	flagBusy                      // a sync of it is on its way: no second one meanwhile
+	flagGone                      // evicted: a sync still holding it skips it
+	flagShared                    // another daemon used the key lately: no credit, grants only
 	// flagUnsettled: a sync that asked for units (an exact sync, a share grant) failed
 	// without an answer, so Redis may have run it and reserved them for this daemon. The
 	// next sync of the key (the record's token tells Redis it is a resend) gives them
@@ -434,6 +434,13 @@ const (
 	// a raise of the limit moves the view by more room than the key has, and drops it
 	// instead (relimit). Cleared by a relimit sync that finds none.
 	flagCut
+	// flagIdle: a check of the key here that would have used it was refused elsewhere
+	// (another rule of the request, another store, a ban) while this daemon could hold
+	// credit on it, its view at least leaveAfter intervals old (unused). Its next sync,
+	// if the key admitted nothing here meanwhile, leaves it (modeLeave): the daemon gives
+	// up its credit, and Redis drops any reservation of it (k) and this daemon as the
+	// key's last user (refusedElsewhere).
+	flagIdle
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

@@ -136,7 +136,8 @@ func (h *Hybrid) TryTake(now int64, ops []HybridOp) (ok, wait bool) {
 // daemon does not hold, or holds no fresh view of (stale; except a Banned op's), reports
 // its limit only: what Redis would say of it was not asked; unless its stale view,
 // projected to now, has no room for it (a refusal, as Take gives without Redis). For a check another store
-// refused (or a ban): its hybrid rules are reported, not asked.
+// refused (or a ban): its hybrid rules are reported, not asked; a key of an op with a
+// cost may have its credit given up at its next sync (refusedElsewhere).
 //
 // Before, every op was judged as a question (cost 0), whatever its cost: a request of
 // cost 3 that a local rule refused, on a hybrid key with 1 unit left, was told the
@@ -155,7 +156,8 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		}
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
-		if e := sh.m[string(op.Key)]; e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
+		e := sh.m[string(op.Key)]
+		if e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
 			op.Result, _, _, _ = h.decide(sh, e, now, 0, n, false, false, false, op.Shadow)
 			if upTo > 0 && (!op.Result.Allowed || op.Result.Remaining < upTo) {
 				// No room for the cost (or above the capacity): judged as Take judges it
@@ -180,6 +182,9 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 					}
 				}
 			}
+		}
+		if e != nil && op.Cost > 0 && *e.lim == *op.Limit {
+			h.refusedElsewhere(sh, e, now) // the check another store (or a ban) refused used nothing of it
 		}
 		sh.mu.Unlock()
 	}
@@ -488,7 +493,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		for i := range ops {
 			if op := &ops[i]; op.room && op.Cost > 0 {
 				e := ents[i]
-				e.short = satAdd16(e.short, op.Cost)
+				e.short = satAdd8(e.short, op.Cost)
 				h.shards[op.shard].markDirty(e)
 			}
 		}
@@ -557,9 +562,11 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			}
 			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched && !op.Unasked {
 				// Demand beyond the allowance: the next sync asks for a share grant.
-				e.short = satAdd16(e.short, cost)
+				e.short = satAdd8(e.short, cost)
 				sh.markDirty(e)
 			}
+		} else if op.Cost > 0 {
+			h.refusedElsewhere(sh, e, now) // it fit; another op refused the check
 		}
 		if !ok && op.Result.Allowed {
 			op.Result.RetryAfter = 0
@@ -568,11 +575,11 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 	return ok, nil, false
 }
 
-func satAdd16(a uint16, b uint64) uint16 {
-	if s := uint64(a) + b; s < math.MaxUint16 {
-		return uint16(s)
+func satAdd8(a uint8, b uint64) uint8 {
+	if s := uint64(a) + b; s < math.MaxUint8 {
+		return uint8(s)
 	}
-	return math.MaxUint16
+	return math.MaxUint8
 }
 
 func satAdd32(a uint32, b uint64) uint32 {
@@ -591,8 +598,9 @@ func (h *Hybrid) redisAnswering(e *hentry) bool {
 	return h.masterOf(e).answering()
 }
 
-// Undo gives back what Take charged, for a request a later (local) check rejected.
-func (h *Hybrid) Undo(ops []HybridOp) {
+// Undo gives back, at now, what Take charged, for a request a later (local) check
+// rejected.
+func (h *Hybrid) Undo(now int64, ops []HybridOp) {
 	for i := range ops {
 		op := &ops[i]
 		if !op.Result.Allowed || op.Cost == 0 {
@@ -612,6 +620,7 @@ func (h *Hybrid) Undo(ops []HybridOp) {
 				e.pending = 0
 				sh.markDirty(e)
 			}
+			h.refusedElsewhere(sh, e, now)
 		}
 		op.Limit.GiveBack(&op.Result, op.Cost)
 		sh.mu.Unlock()
@@ -716,6 +725,39 @@ func mod(a, w int64) int64 {
 // creditLife the credit lapses here, so no credit outlives its reservation. A key used
 // more rarely than that waits for an exact sync, as a key new here does.
 const creditLife = 50 * time.Second
+
+// refusedElsewhere notes a check of e (cost > 0) that charged e nothing because
+// something else refused it: another rule of the request (an op that fit in a refused
+// check), another store (Peek, Undo), a ban. Such a check uses nothing and is no demand
+// (take), so a daemon whose every check of a key is refused so has nothing to sync
+// for it: its credit stayed, unspent, and so did a reservation of it (field k) made by
+// another daemon that started using the key, for the whole minute it lasts. The other
+// daemons were refused those units meanwhile, their clients told to retry at the next
+// sync, over and over, though no one used them (TestHybridIdleCreditOverFiveSeconds:
+// 10 of the 15 left admitted over 5 s, then 236 refusals told about 50 ms; 15 now).
+//
+// So, if e may hold credit (a view of its own, not shared) that is at least leaveAfter
+// intervals old, e is marked (flagIdle) and its next sync, if the key admitted nothing
+// here meanwhile, leaves it (collect): one key in the batch the sync sends anyway, not a
+// call per check, and at most one per key per leaveAfter intervals. A daemon that left
+// holds no credit (flagShared) until a sync of its own use tells it the key is its own
+// again: the next request it would admit is decided by an exact sync. A view younger
+// than that is left alone: a key admitted here now and then (a client beside a rule of
+// a few a second that refuses the rest) keeps its credit, with no leave and no exact
+// sync at its next admission. The shard's lock is held.
+func (h *Hybrid) refusedElsewhere(sh *hshard, e *hentry, now int64) {
+	if e.flags&(flagShared|flagGone|flagIdle) == 0 && e.synced > 0 && now-e.synced >= leaveAfter*int64(h.interval) {
+		e.flags |= flagIdle
+		sh.markDirty(e)
+	}
+}
+
+// leaveAfter is how many sync intervals old a key's view must be before a check of it
+// refused elsewhere has its next sync leave it (refusedElsewhere): 1 s at the default
+// interval. A reservation of the credit of a daemon whose checks are so refused lasts
+// about that long (and the interval, and the time to its next such check), not a
+// minute.
+const leaveAfter = heldWait
 
 // heldWait is how many sync intervals a refusal's retry must reach (the window's end,
 // the bucket's refill) before units other daemons hold reserved shorten it to this
