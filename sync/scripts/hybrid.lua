@@ -348,20 +348,32 @@ for i = 1, nkeys do
     if used > 0 or demand > 0 then
       if last and last ~= me then
         local oid, oep = string.match(last, '^(%S+) (%S+)$')
-        if oid and oid ~= id and tonumber(oep) >= epoch - share_epochs then
-          other = true
-          if x < epoch and not kown then
+        oep = tonumber(oep)
+        if oid and oid ~= id and oep then
+          local recent = oep >= epoch - share_epochs
+          if x < epoch and not kown and (recent or (oep + 1) * interval + credit_life > now) then
             -- The key changes hands: its last user was answered "not shared" and may
             -- hold credit, up to a 2N-th of the capacity (growth included), that no
-            -- sync has counted yet. Reserve it until that daemon syncs again.
+            -- sync has counted yet. Reserve it until that daemon syncs again. Also for
+            -- a last user whose use is older than share_epochs: its credit lasts
+            -- creditLife (50 s) from its view, and before, a daemon that used the key
+            -- 11 s earlier then spent 4 on credit that no reservation left it, after
+            -- another daemon had taken every unit: 24 admitted of 20
+            -- (TestHybridOldUsersCreditReserved). Its reservation lasts no longer than
+            -- that credit may (from its last use, plus credit_life).
             local cap = burst
             if alg ~= 0 then cap = requests end
             local c = math.floor(cap / (2 * replicas))
             if c > 0 then
-              res, kown, kset = c, oid, oid .. ' ' .. c .. ' ' .. num(now + credit_life)
+              local untl = now + credit_life
+              if not recent then untl = (oep + 1) * interval + credit_life end
+              res, kown, kset = c, oid, oid .. ' ' .. c .. ' ' .. num(untl)
             end
           end
-          if x < epoch + share_epochs then x = epoch + share_epochs + math.floor(share_epochs / 2) end
+          if recent then
+            other = true
+            if x < epoch + share_epochs then x = epoch + share_epochs + math.floor(share_epochs / 2) end
+          end
         end
       end
       o = me
