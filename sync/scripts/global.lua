@@ -277,9 +277,13 @@ local function take_token(st, burst, e, cost, delay)
       retry = nd - tau - delay
     end
   end
+  -- remaining = floor((tau - d) / e) = burst - ceil(d / e), taken from d: tau (burst * e)
+  -- is past 2^53 ns for a bucket that takes more than 104 days to fill, and rounded there;
+  -- a full bucket of 151 at 7 per 22,346,737,943 ms was said to hold 150.
   local remaining = 0
-  local avail = tau - d
-  if avail > 0 then remaining = min(muldiv(avail, 1, e), burst) end
+  local used, r = muldiv(d, 1, e)
+  if r > 0 then used = used + 1 end
+  if used < burst then remaining = burst - used end
   if consumed then
     local us = floor(d / 1000)
     st.t, st.f = now + us, d - us * 1000
