@@ -31,6 +31,7 @@ func TestGlobalTokenBucketRemainingPastTwo53(t *testing.T) {
 		{3, 10 * 24 * time.Hour, 40},
 		{10, 24 * time.Hour, 1500},
 		{41, 13 * time.Hour, 115436},
+		{1, 17172823927 * time.Millisecond, 60}, // 198 days a token: past 2^52 ns
 	}
 	for i, c := range cases {
 		l := globalLimit(t, localbucket.TokenBucket, c.requests, c.window, c.burst)
