@@ -2013,6 +2013,18 @@ func (cn *conn) goWait(body []byte, now int64, keys, shared []uint64) {
 			cn.s.answer(p.enc, &p.req, &p.dcs, err, nil)
 		}
 		if t != nil {
+			// The turn ends once the checks before it whose queued alone it waited for
+			// (keys in Redis) are decided too: a release or renew waits for the latest
+			// check of its slots' keys only, and must find every earlier one decided. t
+			// may be decided without Redis (refused by a local rule) while an earlier
+			// check of the key is still on its way there; a release pipelined after
+			// both then reached Redis first, and the earlier check took the slot it
+			// freed (the wire audit's TestE2EWireFuzz: a concurrency rule's check
+			// allowed where, in request order, its slots were full). The answers are
+			// written in request order anyway: this delays none.
+			for _, before := range t.afterQ {
+				<-before.done
+			}
 			cn.leave(t)
 		}
 		cn.wmu.Lock()
