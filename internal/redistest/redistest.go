@@ -130,7 +130,7 @@ func start(t testing.TB, c config) *Server {
 
 	var lastErr error
 	for attempt := 0; attempt < startAttempts; attempt++ {
-		port, err := freePort(c.cluster)
+		port, err := nextPort(c.cluster)
 		if err != nil {
 			t.Fatalf("redistest: finding a free port: %v", err)
 		}
@@ -182,7 +182,8 @@ func (s *Server) run(bin string) error {
 
 	deadline := time.Now().Add(readyTimeout)
 	for {
-		if err := ping(s.Addr, s.Password, s.TLS); err == nil {
+		err := ping(s.Addr, s.Password, s.TLS, cmd.Process.Pid)
+		if err == nil {
 			return nil
 		}
 		select {
@@ -202,7 +203,7 @@ func (s *Server) run(bin string) error {
 		}
 		if time.Now().After(deadline) {
 			s.Stop()
-			return fmt.Errorf("redis-server on %s did not answer PING within %v", s.Addr, readyTimeout)
+			return fmt.Errorf("redis-server on %s did not answer PING within %v: %v", s.Addr, readyTimeout, err)
 		}
 	}
 }
@@ -348,6 +349,9 @@ func lookPath(t testing.TB, name string) string {
 	return p
 }
 
+// nextPort is freePort; a test gives a port of its own choosing.
+var nextPort = freePort
+
 // freePort returns a loopback port that was free a moment ago. For a cluster node the
 // bus port (port+10000) was free too. The caller retries if redis cannot bind it.
 func freePort(cluster bool) (int, error) {
@@ -385,8 +389,13 @@ func dial(addr string, tlsCfg *tls.Config, timeout time.Duration) (net.Conn, err
 	return tls.DialWithDialer(d, "tcp", addr, tlsCfg)
 }
 
-// ping sends AUTH (if password is set) and PING on a new connection and wants PONG.
-func ping(addr, password string, tlsCfg *tls.Config) error {
+// ping sends AUTH (if password is set), PING and INFO server on a new connection, and
+// wants PONG from the redis-server whose process id is pid. Another server may answer at
+// addr: one that took the port between freePort's probe and this one's bind (which then
+// fails), another test's, perhaps in another test binary, which may stop it at any time.
+// Its PONG was taken for this server's: on a loaded machine a test then ran against
+// another test's Redis, and saw it vanish mid-test ("connection refused").
+func ping(addr, password string, tlsCfg *tls.Config, pid int) error {
 	conn, err := dial(addr, tlsCfg, 200*time.Millisecond)
 	if err != nil {
 		return err
@@ -405,6 +414,13 @@ func ping(addr, password string, tlsCfg *tls.Config) error {
 	}
 	if reply != "PONG" {
 		return fmt.Errorf("PING: got %q", reply)
+	}
+	info, err := do(conn, r, "INFO", "server")
+	if err != nil {
+		return err
+	}
+	if !strings.Contains(info, "\r\nprocess_id:"+strconv.Itoa(pid)+"\r\n") {
+		return fmt.Errorf("%s is answered by another redis-server than process %d", addr, pid)
 	}
 	return nil
 }
