@@ -624,8 +624,21 @@ func TestMastersClusterFailover(t *testing.T) {
 		}
 		return err
 	}
-	if err := check(); err != nil {
-		t.Fatal(err)
+	// The master decides the key before it dies. The first call on a new client also
+	// loads its slot map and the script (NOSCRIPT, then EVAL), and a -race run at load 17
+	// took longer than a check's 500 ms ("global check of 1 keys in slot 1006: i/o
+	// timeout"): the test waits for a check that succeeds (failed ones may open the
+	// master's breaker, which a later check closes as its probe).
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		err := check()
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not decided by its live master within 10 s: %v", key, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	dead := m.ForKey(key)
 	cl.Nodes[0].Stop()
