@@ -230,7 +230,9 @@ rules:
 	admitted := 0
 	check := func(id uint64) {
 		if r := c.check(id, 1, "user=shopper"); !r.Allowed || r.Degraded {
-			t.Fatalf("check %d: %+v", id, r)
+			// The daemon's log says why (a sync that failed, the breaker opening): a
+			// -race run of the package at load 7.5 had check 10 degraded, once in five.
+			t.Fatalf("check %d: %+v\n%s", id, r, d.stderr.String())
 		}
 		admitted++
 	}
