@@ -277,13 +277,13 @@ local function take_token(st, burst, e, cost, delay)
       retry = nd - tau - delay
     end
   end
-  -- remaining = floor((tau - d) / e) = burst - ceil(d / e), taken from d, exactly below
-  -- 2^52 ns, and above it with d a few ns past a whole number of tokens taken for it:
-  -- past 2^53 ns (a bucket that takes more than 104 days to fill) tau (burst * e) and d
-  -- are rounded, by a few ns. From tau - d, a
-  -- full bucket of 151 at 7 per 22,346,737,943 ms was said to hold 150; from d alone,
-  -- exactly, a bucket of 9 per 16,380,212,729 ms holding 8 was said to hold 2 after a take
-  -- of 5 (d rounded a ns past 6 tokens; the wire audit, TestE2EWireFuzz).
+  -- remaining = floor((tau - d) / e) = burst - ceil(d / e), taken from d: exactly below
+  -- 2^52 ns; above it with d a few ns past a whole number of tokens taken for that
+  -- number, since past 2^53 ns (a bucket that takes more than 104 days to fill) tau
+  -- (burst * e) and d are rounded by a few ns. From tau - d, a full bucket of 151 at 7
+  -- per 22,346,737,943 ms was said to hold 150; from d alone, exactly, a bucket of 9 per
+  -- 16,380,212,729 ms holding 8 was said to hold 2 after a take of 5 (d rounded a ns past
+  -- 6 tokens; the wire audit, TestE2EWireFuzz).
   local remaining = 0
   local used, r
   if d < TWO52 then
