@@ -46,6 +46,11 @@ type Hybrid struct {
 	heartbeatKs []string // DaemonsKey, and on a cluster two more on other masters
 
 	replicas atomic.Int64 // live daemons (from heartbeats; at least 1)
+	// creditN is the most live daemons counted within the last creditPeak (at least 1):
+	// what a view's credit is sized by (creditShares), never by fewer than a sync of the
+	// key recorded in Redis while its credit may be spent (creditCount).
+	creditN atomic.Int64
+	counts  creditCount
 
 	id       string              // this daemon, in sync records
 	tokens   atomic.Uint64       // sync tokens: each sync of a key carries a fresh one (newToken)
@@ -230,6 +235,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		maxSync: o.MaxSyncKeys, seed: maphash.MakeSeed(), id: o.ID, clock: o.Clock,
 		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.replicas.Store(1)
+	h.creditN.Store(1)
 	// Tokens start at a random point, not at 1: a daemon restarted under the same ID finds
 	// its previous run's sync records on the keys, and a token that run recorded must not
 	// come back as this run's (newToken).
@@ -252,7 +258,50 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 func (h *Hybrid) Interval() time.Duration { return h.interval }
 
 // SetReplicas records the number of live daemons.
-func (h *Hybrid) SetReplicas(n int) { h.replicas.Store(int64(max(1, n))) }
+func (h *Hybrid) SetReplicas(n int) {
+	n = max(1, n)
+	h.replicas.Store(int64(n))
+	h.creditN.Store(int64(h.counts.add(monoNow(), n)))
+}
+
+// creditPeak is how long a count of the live daemons sizes credit after it was counted:
+// as long as a reservation of credit lasts in Redis (credit_life in scripts/hybrid.lua),
+// longer than credit may be spent (creditLife).
+const creditPeak = 60 * time.Second
+
+// creditCount keeps the most live daemons counted within creditPeak. A sync records,
+// with this daemon as a key's last user, the count it was sized by (replicas), and the
+// daemon that takes the key over reserves this daemon's credit by it (⌊C ÷ 2N⌋). The
+// credit, from the view a sync brought and the refill since (growth), is sized here by
+// no fewer: with a daemon gone, the count falls at the next heartbeat, and credit of
+// ⌊V ÷ 2(N−1)⌋ would outgrow the reservation made by N.
+type creditCount struct {
+	mu gosync.Mutex
+	// The counts that may still be the most, oldest first: each greater than the ones
+	// after it, a later count no smaller having displaced them.
+	q []countAt
+}
+
+type countAt struct {
+	at int64 // monoNow
+	n  int
+}
+
+// add records a count of n at at and returns the most within creditPeak.
+func (c *creditCount) add(at int64, n int) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for len(c.q) > 0 && c.q[len(c.q)-1].n <= n {
+		c.q = c.q[:len(c.q)-1]
+	}
+	c.q = append(c.q, countAt{at, n})
+	drop := 0
+	for c.q[drop].at < at-int64(creditPeak) {
+		drop++ // never the last: at is its time
+	}
+	c.q = c.q[drop:]
+	return c.q[0].n
+}
 
 // Replicas returns the number of live daemons last counted (at least 1).
 func (h *Hybrid) Replicas() int { return h.replicaCount() }

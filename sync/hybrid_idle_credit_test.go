@@ -142,7 +142,7 @@ func TestHybridIdleCreditFreshViewKeptAndResumed(t *testing.T) {
 	if !take(a, late, key, lim, 1).Allowed {
 		t.Fatal("a's request after it left the key refused")
 	}
-	if o := rdb.HGet(ctx, key, "o").Val(); !strings.HasPrefix(o, "a ") {
+	if o := rdb.HGet(ctx, key, "o").Val(); !strings.HasPrefix(o, "a/") {
 		t.Fatalf("a's exact sync did not record it as the key's user: o = %q", o)
 	}
 	if e := entryOf(a, key); e.flags&flagShared != 0 || e.allowance < 1 {

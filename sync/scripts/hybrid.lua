@@ -34,13 +34,14 @@
 -- token bucket's: of how far t runs ahead, forgotten once the bucket is full); p = previous
 -- window count; e = demand epoch; dc, dp = total demand of the
 -- current and previous epoch, over all daemons; o = the last daemon that used the key
--- and when, "id epoch"; x = the epoch until which the key counts as shared (used by more
--- than one daemon within share_epochs; a use by another daemon sets it at least
--- share_epochs ahead, and at most half as much again, so it is rewritten at most every
--- share_epochs ÷ 2 epochs, not at every sync); hx = when the TTL this script last gave the
--- key ends (ms of Redis TIME: PEXPIRE runs only when the TTL must grow, at most every
--- 10 s per key, not at every sync; unknown, so set every time, on a key the global mode
--- also wrote, field gx, which a sync that sets the TTL drops); a token bucket's cut
+-- and when, "id/N epoch" (N its count of live daemons: see me); x = the epoch until
+-- which the key counts as shared (used by more than one daemon within share_epochs; a
+-- use by another daemon sets it at least share_epochs ahead, and at most half as much
+-- again, so it is rewritten at most every share_epochs ÷ 2 epochs, not at every sync);
+-- hx = when the TTL this script last gave the key ends (ms of Redis TIME: PEXPIRE runs
+-- only when the TTL must grow, at most every 10 s per key, not at every sync; unknown,
+-- so set every time, on a key the global mode also wrote, field gx, which a sync that
+-- sets the TTL drops); a token bucket's cut
 -- fields, gce, gct, gpe, gpt, gu and gue, as global.lua's (see the cut below);
 -- s:<daemon> = that daemon's last sync of the key, "prev_token token grant used window
 -- written_s" (written_s not when the sync made the key), written by a sync that changed
@@ -143,7 +144,23 @@ local credit_life = 60000000
 -- The most a token bucket's uncut units (gu, see the cut below) count for, µs: 2^62 ns,
 -- as global.lua and localbucket.Limit.Rescale keep them (about 146 years).
 local GU_MAX = 4611686018427387
-local me = string.format('%s %d', id, epoch) -- the last user, as this sync records it (%d: see the record)
+-- The last user, as this sync records it (%d: see the record): "id/N epoch", N the count
+-- of live daemons this sync was sized by (replicas), which sizes that daemon's credit
+-- (⌊V ÷ 2N⌋), and so the reservation of it (k) when the key changes hands. By the
+-- taker's own count instead, a daemon whose count was a heartbeat old (alone, the others
+-- just started) held credit of ⌊V ÷ 2⌋, of which the taker reserved ⌊C ÷ 6⌋: 26
+-- admitted of 20 (TestHybridStaleLiveCountCreditReserved). A script before this one
+-- wrote "id epoch", and reads "id/N" as another daemon's id, which it is.
+local me = string.format('%s/%d %d', id, replicas, epoch)
+-- owner parses a last user (o): its daemon id, the count its credit was sized by (nil:
+-- written by a script before this one), and its epoch.
+local function owner(last)
+  local oid, oep = string.match(last, '^(%S+) (%S+)$')
+  if not oid then return nil end
+  local base, n = string.match(oid, '^(.*)/(%d+)$')
+  if base then return base, tonumber(n), tonumber(oep) end
+  return oid, nil, tonumber(oep)
+end
 local now_ms = math.floor(now / 1000)
 local now_s = math.floor(now / 1000000)
 
@@ -347,14 +364,14 @@ for i = 1, nkeys do
     local other = false -- another daemon used the key within share_epochs
     if used > 0 or demand > 0 then
       if last and last ~= me then
-        local oid, oep = string.match(last, '^(%S+) (%S+)$')
-        oep = tonumber(oep)
+        local oid, on, oep = owner(last)
         if oid and oid ~= id and oep then
           local recent = oep >= epoch - share_epochs
           if x < epoch and not kown and (recent or (oep + 1) * interval + credit_life > now) then
             -- The key changes hands: its last user was answered "not shared" and may
-            -- hold credit, up to a 2N-th of the capacity (growth included), that no
-            -- sync has counted yet. Reserve it until that daemon syncs again. Also for
+            -- hold credit, up to a 2N-th of the capacity (growth included; N its count
+            -- of the live daemons, recorded with it), that no sync has counted yet.
+            -- Reserve it until that daemon syncs again. Also for
             -- a last user whose use is older than share_epochs: its credit lasts
             -- creditLife (50 s) from its view, and before, a daemon that used the key
             -- 11 s earlier then spent 4 on credit that no reservation left it, after
@@ -363,7 +380,7 @@ for i = 1, nkeys do
             -- that credit may (from its last use, plus credit_life).
             local cap = burst
             if alg ~= 0 then cap = requests end
-            local c = math.floor(cap / (2 * replicas))
+            local c = math.floor(cap / (2 * math.max(1, on or replicas)))
             if c > 0 then
               local untl = now + credit_life
               if not recent then untl = (oep + 1) * interval + credit_life end
@@ -383,7 +400,7 @@ for i = 1, nkeys do
     local drop_o = false
     if mode == 2 then
       o = nil
-      drop_o = last and string.match(last, '^(%S+) ') == id
+      drop_o = last and owner(last) == id
     end
 
     -- Demand, per sync epoch of one interval: each daemon adds its own once per epoch.
