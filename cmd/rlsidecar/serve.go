@@ -20,6 +20,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
 
 	"github.com/rlsidecar/rlsidecar/daemon"
 	"github.com/rlsidecar/rlsidecar/envoyrls"
@@ -212,6 +213,8 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	if id == "" {
 		host, _ := os.Hostname()
 		id = defaultDaemonID(host, os.Getpid())
+	} else if err := checkDaemonID(id); err != nil {
+		return err
 	}
 	load := func() (*rules.Set, error) {
 		if *config == "" {
@@ -1310,4 +1313,16 @@ func urlHasPassword(s string) bool {
 	}
 	_, ok := u.User.Password()
 	return ok
+}
+
+// checkDaemonID refuses a --daemon-id that Redis's records cannot hold: the hybrid
+// scripts keep a key's last user and the reservation of its credit as space-separated
+// fields ("id/N epoch", "id units until"), and a name with a space in them parsed as
+// no daemon at all (the key never counted as shared, its credit never reserved: two
+// daemons each admitting on credit).
+func checkDaemonID(id string) error {
+	if i := strings.IndexFunc(id, func(r rune) bool { return unicode.IsSpace(r) || unicode.IsControl(r) }); i >= 0 {
+		return fmt.Errorf("%w: --daemon-id %q: a space or control character at byte %d (Redis records the id in space-separated fields)", errUsage, id, i)
+	}
+	return nil
 }
