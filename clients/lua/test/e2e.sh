@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# End to end through real gateways: the real daemon (built from this repo) on a temp
-# socket with a temp rules file, a backend (nginx returning 200), and in front of it real
-# nginx (Debian nginx + libnginx-mod-http-lua) and real HAProxy running the example
-# configs of clients/lua/examples (paths and ports substituted, and the 50 ms timeout
-# raised to 2 s so that a loaded CI machine does not turn decisions into policy ones; the
-# silent-sidecar part keeps the example's 50 ms; /burst/ is checked closed, within 10 s).
+# End to end through real gateways: the real daemon ($RLSIDECAR_BIN, or built from this
+# repo) on a temp socket with a temp rules file, a backend (nginx returning 200), and in
+# front of it real nginx (Debian nginx + libnginx-mod-http-lua) and real HAProxy running
+# the example configs of clients/lua/examples (paths and ports substituted, and the 50 ms
+# timeout raised to 2 s so that a loaded CI machine does not turn decisions into policy
+# ones; the silent-sidecar part keeps the example's 50 ms; /burst/ is checked closed,
+# within 10 s).
 # For each gateway it
 # sends a burst with curl and asserts 200s with RateLimit-Policy/RateLimit (and
 # RateLimit-Warning once per-user reaches its warn_at), then 429s with Retry-After, the same
@@ -76,8 +77,8 @@ header() { # header NAME (lower-case): its value in the last response, or ""
 # header values were lower-cased with the names; compare them case-insensitively.
 lc() { tr 'A-Z' 'a-z' <<<"$1"; }
 
-echo "== building the daemon"
-(cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
+echo "== the daemon${RLSIDECAR_BIN:+ (RLSIDECAR_BIN)}"
+daemon_bin "$tmp/rlsidecar"
 
 cat >"$tmp/rules.yaml" <<'EOF'
 rules:

@@ -26,7 +26,7 @@ repo="$(cd "$here/../.." && pwd)"
 keep_var=HAPROXY_DAEMON_KEEP
 . "$here/test/harness.sh"
 
-(cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
+daemon_bin "$tmp/rlsidecar"
 cat >"$tmp/rules.yaml" <<'EOF'
 rules:
   - name: per-path

@@ -1,8 +1,8 @@
 # harness.sh: what the end-to-end scripts under clients/lua/test share, sourced after
-# `here` and `keep_var` are set (keep_var: the environment variable that, set, keeps the
-# temporary directory; its name also prefixes the note saying so). Gives $tmp (a temp
-# dir), pids (the processes to stop on exit, with cleanup trapped on EXIT), failures and
-# pass/fail/expect/expect_re to count them, free_port and wait_for.
+# `here`, `repo` and `keep_var` are set (keep_var: the environment variable that, set,
+# keeps the temporary directory; its name also prefixes the note saying so). Gives $tmp (a
+# temp dir), pids (the processes to stop on exit, with cleanup trapped on EXIT), failures
+# and pass/fail/expect/expect_re to count them, daemon_bin, free_port and wait_for.
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -25,6 +25,16 @@ expect() { # expect WHAT GOT WANT
 }
 expect_re() { # expect_re WHAT GOT REGEX
   if [[ "$2" =~ $3 ]]; then pass "$1"; else fail "$1: got [$2], want /$3/"; fi
+}
+
+# daemon_bin PATH: puts the daemon at PATH: a copy of $RLSIDECAR_BIN when set (scripts/test
+# builds it once for all its scripts), else built from this checkout ($repo).
+daemon_bin() {
+  if [ -n "${RLSIDECAR_BIN:-}" ]; then
+    cp "$RLSIDECAR_BIN" "$1"
+  else
+    (cd "$repo" && go build -o "$1" ./cmd/rlsidecar)
+  fi
 }
 
 free_port() {

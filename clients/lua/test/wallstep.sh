@@ -20,7 +20,7 @@ fi
 keep_var=WALLSTEP_KEEP
 . "$here/test/harness.sh"
 
-(cd "$repo" && go build -o "$tmp/rlsidecar" ./cmd/rlsidecar)
+daemon_bin "$tmp/rlsidecar"
 cat >"$tmp/rules.yaml" <<'EOF'
 rules:
   - name: one-at-a-time
