@@ -380,7 +380,12 @@ for i = 1, nkeys do
             -- that credit may (from its last use, plus credit_life).
             local cap = burst
             if alg ~= 0 then cap = requests end
-            local c = math.floor(cap / (2 * math.max(1, on or replicas)))
+            -- A last user with no count recorded ("id epoch": a daemon running a script
+            -- before this one, beside upgraded ones) may hold credit sized by any count,
+            -- its own alone too: reserve the most, ⌊C ÷ 2⌋. By the taker's count, an old
+            -- daemon still counting itself alone kept ⌊V ÷ 2⌋ of which ⌊C ÷ 6⌋ was
+            -- reserved: 26 admitted of 20 (TestHybridLegacyLastUserCreditReserved).
+            local c = math.floor(cap / (2 * math.max(1, on or 1)))
             if c > 0 then
               local untl = now + credit_life
               if not recent then untl = (oep + 1) * interval + credit_life end
