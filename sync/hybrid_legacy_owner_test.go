@@ -72,3 +72,57 @@ func TestHybridLegacyLastUserCreditReserved(t *testing.T) {
 		})
 	}
 }
+
+// The other way: a script before this one, taking over a key whose last user this one
+// recorded ("a/1 epoch"), reads "a/1" as that daemon's id and reserves its credit under
+// it (k = "a/1 units until"). a's next sync must find the reservation its own and drop
+// it, as it drops one under "a": it did not, and the reservation stood for a minute,
+// against a's own views too. (Real binaries, a new daemon warm on 36 keys, two old ones
+// started beside it, the burst spread over the three: 11 to 20 keys short of their
+// limits, by 110 to 206 units in all; none with every daemon old.)
+func TestHybridLegacyTakersReservationDroppedByItsOwner(t *testing.T) {
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
+		t.Run(fmt.Sprint(alg), func(t *testing.T) {
+			rdb := standalone(t)
+			ctx := context.Background()
+			lim := mustLimit(t, alg, 20, hourWindow())
+			opts := HybridOptions{FetchWait: 10 * time.Second}
+			opts.ID = "a"
+			a := NewHybrid(rdb, opts)
+			opts.ID = "b"
+			b := NewHybrid(rdb, opts)
+			a.SetReplicas(1)
+			b.SetReplicas(3)
+			key := "rl:legacy-taker:{user=grace}"
+			now := time.Now().UnixNano()
+			admitted := 0
+			if take(a, now, key, lim, 1).Allowed {
+				admitted++
+			}
+			syncAll(t, now, a)
+			admitted += takeSyncing(t, b, now, key, lim, 3)
+			// What a script before this one wrote for b's takeover: a's id as it read it.
+			k := rdb.HGet(ctx, key, "k").Val()
+			rest, ok := strings.CutPrefix(k, "a ")
+			if !ok {
+				t.Fatalf("b took a key a had just used: k = %q, want a reservation for a", k)
+			}
+			rdb.HSet(ctx, key, "k", "a/1 "+rest)
+			if take(a, now, key, lim, 1).Allowed {
+				admitted++
+			}
+			syncAll(t, now, a)
+			if k := rdb.HGet(ctx, key, "k").Val(); k != "" {
+				t.Errorf("a synced the key again: its credit is counted, but the reservation for it stands (k = %q)", k)
+			}
+			admitted += takeSyncing(t, b, now, key, lim, 40)
+			syncAll(t, now, a, b)
+			if admitted < 20 {
+				t.Errorf("two daemons admitted %d of 20: units withheld", admitted)
+			}
+			if admitted > 20+1 {
+				t.Errorf("two daemons admitted %d of 20 (bound 21)", admitted)
+			}
+		})
+	}
+}

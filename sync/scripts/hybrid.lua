@@ -351,7 +351,11 @@ for i = 1, nkeys do
     if kres then
       local kid, kamt, kuntil = string.match(kres, '^(%S+) (%S+) (%S+)$')
       if kid and tonumber(kuntil) > now then
-        if kid == id then kset = false else res, kown = tonumber(kamt), kid end
+        -- A script before this one, taking the key over from this one's last user
+        -- ("id/N epoch"), reserved under "id/N", which is this daemon too: left standing,
+        -- it withheld half the key for a minute, from this daemon's views as well
+        -- (TestHybridLegacyTakersReservationDroppedByItsOwner).
+        if kid == id or string.match(kid, '^(.*)/%d+$') == id then kset = false else res, kown = tonumber(kamt), kid end
       else
         kset = false
       end
