@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -21,56 +23,17 @@ import (
 // user whose count is not recorded is reserved for as if it counted itself alone: the
 // most credit it can hold.
 func TestHybridLegacyLastUserCreditReserved(t *testing.T) {
-	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
-		t.Run(fmt.Sprint(alg), func(t *testing.T) {
-			rdb := standalone(t)
-			ctx := context.Background()
-			lim := mustLimit(t, alg, 20, hourWindow())
-			opts := HybridOptions{FetchWait: 10 * time.Second}
-			opts.ID = "a"
-			a := NewHybrid(rdb, opts)
-			opts.ID = "b"
-			b := NewHybrid(rdb, opts)
-			a.SetReplicas(1) // its heartbeat came before the others started
-			b.SetReplicas(3)
-			key := "rl:legacy-owner:{user=grace}"
-			now := time.Now().UnixNano()
-			admitted := 0
-			if take(a, now, key, lim, 1).Allowed {
-				admitted++
-			}
-			syncAll(t, now, a) // alone by Redis's record: credit, ⌊19 ÷ 2⌋
-			// What a script before "id/N epoch" wrote for a's sync: "a epoch".
-			o := rdb.HGet(ctx, key, "o").Val()
-			legacy, ok := strings.CutPrefix(o, "a/1 ")
-			if !ok {
-				t.Fatalf("a's sync recorded o = %q, want \"a/1 epoch\"", o)
-			}
-			rdb.HSet(ctx, key, "o", "a "+legacy)
-			admitted += takeSyncing(t, b, now, key, lim, 40)
-			if k := rdb.HGet(ctx, key, "k").Val(); !strings.HasPrefix(k, "a ") {
-				t.Errorf("b took a key a had just used: nothing reserved for a (k = %q)", k)
-			}
-			onCredit := 0
-			for range 20 {
-				if take(a, now, key, lim, 1).Allowed {
-					onCredit++
-				}
-			}
-			admitted += onCredit
-			syncAll(t, now, a, b)
-			syncAll(t, now, a, b)
-			t.Logf("admitted %d of 20 (a %d on credit after b's)", admitted, onCredit)
-			// b's first unit, before its first sync, is the one allowed beyond the limit.
-			if admitted > 20+1 {
-				t.Errorf("two daemons admitted %d of 20 (bound 21): a, its count not recorded (o = %q), spent %d on credit the reservation b made by its own count did not cover",
-					admitted, "a "+legacy, onCredit)
-			}
-			if admitted < 20 {
-				t.Errorf("two daemons admitted %d of 20: units withheld", admitted)
-			}
-		})
-	}
+	const key = "rl:legacy-owner:{user=grace}"
+	staleCountHandover(t, key, func(t *testing.T, rdb redis.UniversalClient) {
+		// What a script before "id/N epoch" wrote for a's sync: "a epoch".
+		ctx := context.Background()
+		o := rdb.HGet(ctx, key, "o").Val()
+		epoch, ok := strings.CutPrefix(o, "a/1 ")
+		if !ok {
+			t.Fatalf("a's sync recorded o = %q, want \"a/1 epoch\"", o)
+		}
+		rdb.HSet(ctx, key, "o", "a "+epoch)
+	})
 }
 
 // The other way: a script before this one, taking over a key whose last user this one
@@ -86,13 +49,7 @@ func TestHybridLegacyTakersReservationDroppedByItsOwner(t *testing.T) {
 			rdb := standalone(t)
 			ctx := context.Background()
 			lim := mustLimit(t, alg, 20, hourWindow())
-			opts := HybridOptions{FetchWait: 10 * time.Second}
-			opts.ID = "a"
-			a := NewHybrid(rdb, opts)
-			opts.ID = "b"
-			b := NewHybrid(rdb, opts)
-			a.SetReplicas(1)
-			b.SetReplicas(3)
+			a, b := staleDaemons(rdb)
 			key := "rl:legacy-taker:{user=grace}"
 			now := time.Now().UnixNano()
 			admitted := 0

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -19,27 +21,45 @@ import (
 // reservation is now sized by the count the last user synced with, which Redis records
 // with it.
 func TestHybridStaleLiveCountCreditReserved(t *testing.T) {
+	staleCountHandover(t, "rl:stale-count:{user=grace}", nil)
+}
+
+// staleDaemons returns two daemons on rdb: a, whose count of the live daemons is a
+// heartbeat old (alone: the others just started), and b, which counts 3.
+func staleDaemons(rdb redis.UniversalClient) (a, b *Hybrid) {
+	opts := HybridOptions{FetchWait: 10 * time.Second}
+	opts.ID = "a"
+	a = NewHybrid(rdb, opts)
+	opts.ID = "b"
+	b = NewHybrid(rdb, opts)
+	a.SetReplicas(1)
+	b.SetReplicas(3)
+	return a, b
+}
+
+// staleCountHandover runs, for each algorithm and a limit of 20: a (staleDaemons) uses
+// key once and syncs, alone by Redis's record, so it holds credit of ⌊19 ÷ 2⌋; rewrite,
+// if not nil, then changes what Redis holds of the key; b takes every unit it can by
+// exact syncs; a spends what credit it still has. The two must admit 20, or 21 (b's
+// first unit, before its first sync, is the one allowed beyond the limit).
+func staleCountHandover(t *testing.T, key string, rewrite func(t *testing.T, rdb redis.UniversalClient)) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
 		t.Run(fmt.Sprint(alg), func(t *testing.T) {
 			rdb := standalone(t)
-			ctx := context.Background()
 			lim := mustLimit(t, alg, 20, hourWindow())
-			opts := HybridOptions{FetchWait: 10 * time.Second}
-			opts.ID = "a"
-			a := NewHybrid(rdb, opts)
-			opts.ID = "b"
-			b := NewHybrid(rdb, opts)
-			a.SetReplicas(1) // its heartbeat came before the others started
-			b.SetReplicas(3)
-			key := "rl:stale-count:{user=grace}"
+			a, b := staleDaemons(rdb)
 			now := time.Now().UnixNano()
 			admitted := 0
 			if take(a, now, key, lim, 1).Allowed {
 				admitted++
 			}
-			syncAll(t, now, a) // alone by Redis's record: credit, ⌊19 ÷ 2⌋
+			syncAll(t, now, a)
+			if rewrite != nil {
+				rewrite(t, rdb)
+			}
+			o := rdb.HGet(context.Background(), key, "o").Val()
 			admitted += takeSyncing(t, b, now, key, lim, 40)
-			if k := rdb.HGet(ctx, key, "k").Val(); !strings.HasPrefix(k, "a ") {
+			if k := rdb.HGet(context.Background(), key, "k").Val(); !strings.HasPrefix(k, "a ") {
 				t.Errorf("b took a key a had just used: nothing reserved for a (k = %q)", k)
 			}
 			onCredit := 0
@@ -52,10 +72,9 @@ func TestHybridStaleLiveCountCreditReserved(t *testing.T) {
 			syncAll(t, now, a, b)
 			syncAll(t, now, a, b)
 			t.Logf("admitted %d of 20 (a %d on credit after b's)", admitted, onCredit)
-			// b's first unit, before its first sync, is the one allowed beyond the limit.
 			if admitted > 20+1 {
-				t.Errorf("two daemons admitted %d of 20 (bound 21): a, counting itself alone, spent %d on credit the reservation b made by its own count did not cover",
-					admitted, onCredit)
+				t.Errorf("two daemons admitted %d of 20 (bound 21): a, counting itself alone (o = %q), spent %d on credit the reservation b made did not cover",
+					admitted, o, onCredit)
 			}
 			if admitted < 20 {
 				t.Errorf("two daemons admitted %d of 20: units withheld", admitted)
