@@ -46,11 +46,10 @@ type Hybrid struct {
 	heartbeatKs []string // DaemonsKey, and on a cluster two more on other masters
 
 	replicas atomic.Int64 // live daemons (from heartbeats; at least 1)
-	// creditN is the most live daemons counted within the last creditPeak (at least 1):
-	// what a view's credit is sized by (creditShares), never by fewer than a sync of the
-	// key recorded in Redis while its credit may be spent (creditCount).
-	creditN atomic.Int64
-	counts  creditCount
+	// counts keeps the most live daemons counted within the last creditPeak: what a
+	// view's credit is sized by (creditShares), never by fewer than a sync of the key
+	// recorded in Redis while its credit may be spent.
+	counts creditCount
 
 	id       string              // this daemon, in sync records
 	tokens   atomic.Uint64       // sync tokens: each sync of a key carries a fresh one (newToken)
@@ -235,7 +234,7 @@ func NewHybrid(rdb redis.UniversalClient, o HybridOptions) *Hybrid {
 		maxSync: o.MaxSyncKeys, seed: maphash.MakeSeed(), id: o.ID, clock: o.Clock,
 		daemonsKey: DaemonsKeyFor(o.Prefix), perShard: (o.MaxKeys + hybridShards - 1) / hybridShards}
 	h.replicas.Store(1)
-	h.creditN.Store(1)
+	h.counts.most.Store(1)
 	// Tokens start at a random point, not at 1: a daemon restarted under the same ID finds
 	// its previous run's sync records on the keys, and a token that run recorded must not
 	// come back as this run's (newToken).
@@ -261,7 +260,7 @@ func (h *Hybrid) Interval() time.Duration { return h.interval }
 func (h *Hybrid) SetReplicas(n int) {
 	n = max(1, n)
 	h.replicas.Store(int64(n))
-	h.creditN.Store(int64(h.counts.add(monoNow(), n)))
+	h.counts.add(monoNow(), n)
 }
 
 // creditPeak is how long a count of the live daemons sizes credit after it was counted:
@@ -276,7 +275,8 @@ const creditPeak = 60 * time.Second
 // no fewer: with a daemon gone, the count falls at the next heartbeat, and credit of
 // ⌊V ÷ 2(N−1)⌋ would outgrow the reservation made by N.
 type creditCount struct {
-	mu gosync.Mutex
+	most atomic.Int64 // the most within creditPeak, as of the last add (at least 1)
+	mu   gosync.Mutex
 	// The counts that may still be the most, oldest first: each greater than the ones
 	// after it, a later count no smaller having displaced them.
 	q []countAt
@@ -287,7 +287,9 @@ type countAt struct {
 	n  int
 }
 
-// add records a count of n at at and returns the most within creditPeak.
+// add records a count of n at at and returns the most within creditPeak, which it
+// stores in most (under the lock: two adds at once, a heartbeat's and one a sync
+// carried, store in the order they counted).
 func (c *creditCount) add(at int64, n int) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -300,6 +302,7 @@ func (c *creditCount) add(at int64, n int) int {
 		drop++ // never the last: at is its time
 	}
 	c.q = c.q[drop:]
+	c.most.Store(int64(c.q[0].n))
 	return c.q[0].n
 }
 

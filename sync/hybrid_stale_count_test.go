@@ -105,8 +105,8 @@ func TestCreditCountKeepsThePeak(t *testing.T) {
 		{126 * sec, 2, 2},
 	}
 	for _, s := range steps {
-		if got := c.add(s.at, s.n); got != s.want {
-			t.Fatalf("at %ds count %d: credit sized by %d, want %d", s.at/sec, s.n, got, s.want)
+		if got, most := c.add(s.at, s.n), c.most.Load(); got != s.want || most != int64(s.want) {
+			t.Fatalf("at %ds count %d: credit sized by %d (most %d), want %d", s.at/sec, s.n, got, most, s.want)
 		}
 	}
 	if len(c.q) > 2 {

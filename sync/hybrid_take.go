@@ -687,7 +687,7 @@ func project(e *hentry, now int64) float64 {
 // daemon uses: 2N for N live daemons (the most counted within creditPeak: creditCount),
 // so what it may admit unseen stays small if another daemon starts using the key
 // (docs/accuracy.md).
-func (h *Hybrid) creditShares() float64 { return float64(2 * h.creditN.Load()) }
+func (h *Hybrid) creditShares() float64 { return float64(2 * h.counts.most.Load()) }
 
 // growth is the credit the refill since e's view adds to this daemon's share.
 func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
