@@ -18,8 +18,9 @@ import (
 // before: an old daemon still counting itself alone (the new ones just started) held
 // ⌊V ÷ 2⌋, the new daemon taking the key over reserved ⌊C ÷ 6⌋ of it, and 26 were admitted
 // of 20, as TestHybridStaleLiveCountCreditReserved found before the count was recorded.
-// (Real binaries, an old daemon warm on keys and two new ones started beside it, the
-// burst spread over the three: 9 to 19 over limits of 20 and 100 in 3 of 5 runs.) A last
+// (An audit's harness, not in this repository, with the real binaries: an old daemon
+// warm on keys and two new ones started beside it, the burst spread over the three, a
+// key past limit + 2 in 9 of 17 runs, by up to 13.) A last
 // user whose count is not recorded is reserved for as if it counted itself alone: the
 // most credit it can hold.
 func TestHybridLegacyLastUserCreditReserved(t *testing.T) {
@@ -40,9 +41,9 @@ func TestHybridLegacyLastUserCreditReserved(t *testing.T) {
 // recorded ("a/1 epoch"), reads "a/1" as that daemon's id and reserves its credit under
 // it (k = "a/1 units until"). a's next sync must find the reservation its own and drop
 // it, as it drops one under "a": it did not, and the reservation stood for a minute,
-// against a's own views too. (Real binaries, a new daemon warm on 36 keys, two old ones
-// started beside it, the burst spread over the three: 11 to 20 keys short of their
-// limits, by 110 to 206 units in all; none with every daemon old.)
+// against a's own views too. (The audit's harness, real binaries: a new daemon warm on
+// 36 keys, two old ones started beside it, the burst spread over the three: 11 to 20
+// keys short of their limits, by 110 to 206 units in all; none with every daemon old.)
 func TestHybridLegacyTakersReservationDroppedByItsOwner(t *testing.T) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow, localbucket.TokenBucket} {
 		t.Run(fmt.Sprint(alg), func(t *testing.T) {
