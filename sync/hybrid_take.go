@@ -332,6 +332,17 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			// just before a fixed window ended was charged to the next one.
 			e.seen = seenMs(now)
 		}
+		if e.lastDemand != 0 && e.flags&(flagDirty|flagBusy) == 0 && h.stale(e, now) {
+			// The key has cooled: its view went stale with nothing to sync, so the share
+			// grant its last sync asked for says nothing of the demand now. Not hot any
+			// more (decide), it is decided as a key new here would be: an exact sync when
+			// its allowance is spent, until a sync asks a share grant again. Kept, the
+			// first units this check admitted made the key dirty, dirty made it hot again,
+			// and it waited for the next periodic sync with its view a second old: 5 per
+			// second, 5 used, then 5 more a second later: 2 admitted and the rest refused,
+			// each told to retry in 1 ms (TestHybridBurstAgainAfterAFullWindow).
+			e.lastDemand = 0
+		}
 		// With a breaker per master (no single one), a key whose master is stale (its
 		// breaker open, or no answer for StaleAfter) is decided by its rule's policy, as
 		// every key is on a standalone Redis (the caller asks Healthy first).
@@ -916,6 +927,23 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// or on its way. A view gone stale with nothing to sync means the key has cooled:
 	// before, it stayed hot for good and refused here with units free in Redis.
 	hot := e.lastDemand >= 2 && (!stale || e.flags&(flagDirty|flagBusy) != 0)
+	// On a key no other daemon uses or holds units of, the share grant is not waited for
+	// where it cannot be what the request lacks: the view had room for the request at
+	// the key's last sync, beside its grant and what this daemon admitted beyond it (the
+	// grant was smaller than the room: a key's first epoch of demand is shared by two,
+	// and a grant by the demand of the interval before), or the view is of a fixed window
+	// that has ended (the demand that made the key hot was the last window's). The
+	// request is decided as a cooled key's is, by an exact sync, which leaves half the
+	// view as credit: a few a burst. Waited for, 5 per second used just before a window's
+	// end, then 5 more just after it: 3 admitted, 2 refused until the next periodic sync
+	// (TestHybridFixedWindowBurstAfterTheTurn); 1,000 a minute sent at once, 973-982
+	// admitted and the rest refused until then. A key at its limit keeps waiting: the
+	// grant took the view's room, and the refill since is the next grant's. So does a
+	// shared key: without credit, each of its requests would be an exact sync.
+	if hot && e.flags&(flagShared|flagHeld) == 0 && e.synced > 0 &&
+		(e.view-unseen >= need || lim.Algorithm() == localbucket.FixedWindow && e.resetNs() <= now-e.synced) {
+		hot = false
+	}
 	// What this daemon's grant still holds: reserved for it in Redis, and so left out of
 	// the view.
 	held := max(0, float64(e.grant)-float64(pending))
@@ -978,6 +1006,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 		nextView = max(int64(time.Millisecond), e.synced+int64(h.interval)-now)
 	}
 	retry := int64(0)
+	turn := false // the retry is a fixed window's end, when the key has room again here
 	switch alg := lim.Algorithm(); {
 	case proj-unseen+held >= need:
 		// The view has room for it (with the grant this daemon holds), beside what this
@@ -1004,6 +1033,11 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 			age := now - e.synced
 			if end := e.resetNs() - age; end > 0 {
 				retry = end // a fixed window frees nothing before it ends
+				// On a key no other daemon uses or holds units of, with nothing admitted
+				// here that Redis has not counted, the new window has room for the cost
+				// at its start, decided here then (not hot: decide's turn): its end is
+				// the retry even before the next sync.
+				turn = e.flags&(flagShared|flagHeld) == 0 && unseen == 0
 			} else {
 				// The view's window has ended: the units admitted here since are counted
 				// in now's window (as of the sync that carries them), which frees nothing
@@ -1034,7 +1068,11 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	if r.Reset > 0 && retry > r.Reset {
 		retry = r.Reset
 	}
-	r.RetryAfter = max(nextView, retry)
+	if r.RetryAfter = max(nextView, retry); turn {
+		// Before, such a refusal said the next sync: 5 per second used 50 ms before
+		// the window's end, told 100 ms (TestHybridFixedWindowBurstAfterTheTurn).
+		r.RetryAfter = retry
+	}
 	// What is left, as the exact mode reports a refusal: less than the cost (a cost of 2
 	// refused with 1 left says 1, not 0), never more than the view holds.
 	r.Remaining = min(r.Remaining, uint64(need)-1)

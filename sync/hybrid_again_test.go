@@ -1,0 +1,145 @@
+package sync
+
+import (
+	"context"
+	"fmt"
+	"math/rand"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
+
+// A client that used its limit, paused, and came back once the limit allows it again is
+// admitted as the exact mode admits it (one daemon alone, each answer beside the local
+// bucket's to the same requests at the same times). The pause outlasts two sync
+// intervals, so the key's view is stale and clean: the key has cooled. Before, the last
+// sync's share grant (asked for the burst's demand) kept it hot: the units the growth of
+// its view allowed made it dirty, dirty made it hot, and a hot key waits for its next
+// periodic sync: 5 per second, 5 used, a second's pause, then 2 admitted (1 for a
+// sliding window) and the rest refused, each told to retry in 1 ms (the view a second
+// old), in every trial.
+func TestHybridBurstAgainAfterAFullWindow(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	runHybrid(t, h, "d")
+	rnd := rand.New(rand.NewSource(5))
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket, localbucket.SlidingWindow} {
+		{
+			const pause = time.Second + 20*time.Millisecond
+			lim := mustLimit(t, alg, 5, time.Second)
+			for trial := range 2 {
+				key := fmt.Sprintf("rl:again:{%d-%d-%d}", alg, trial, time.Now().UnixNano())
+				time.Sleep(time.Duration(rnd.Int63n(int64(time.Second)))) // any phase of the window
+				var st localbucket.State
+				var log strings.Builder
+				bad := 0
+				step := func() {
+					now := time.Now().UnixNano()
+					r := take(h, now, key, lim, 1)
+					var want localbucket.Result
+					st, want = lim.Take(st, now, 1)
+					fmt.Fprintf(&log, " %v", r.Allowed)
+					if want.Allowed && !r.Allowed {
+						fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
+						bad++
+					}
+				}
+				for range 6 {
+					step()
+				}
+				time.Sleep(pause)
+				log.WriteString(" |")
+				for range 6 {
+					step()
+				}
+				if bad > 0 {
+					t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, bad, log.String())
+				}
+			}
+		}
+	}
+}
+
+// A client that used a fixed window's limit just before the window ended is admitted
+// the new window's limit just after it (one daemon alone, each answer beside the local
+// bucket's), and the refusal before the turn says the window's end, when a retry
+// passes. The key's periodic sync falls between (it asks a share grant for the burst's
+// demand, and gets none: the window is used) or after the turn. Before, the burst's
+// demand kept the key hot across the turn: 2 or 3 of 5 admitted, the rest refused until
+// the key's next sync; and the refusal before the turn said the next sync (100 ms)
+// where the window ended 50 ms later.
+func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	ctx := context.Background()
+	const window = time.Second
+	w := int64(window)
+	lim := mustLimit(t, localbucket.FixedWindow, 5, window)
+	ran := 0
+	for trial := 0; trial < 8 && ran < 4; trial++ {
+		key := fmt.Sprintf("rl:again-turn:{%d-%d}", trial, time.Now().UnixNano())
+		now := time.Now().UnixNano()
+		wait := w - now%w - int64(50*time.Millisecond)
+		if wait < 0 {
+			wait += w
+		}
+		time.Sleep(time.Duration(wait))
+		var st localbucket.State
+		var log strings.Builder
+		bad := 0
+		var last localbucket.Result
+		step := func() {
+			now := time.Now().UnixNano()
+			r := take(h, now, key, lim, 1)
+			var want localbucket.Result
+			st, want = lim.Take(st, now, 1)
+			fmt.Fprintf(&log, " %v", r.Allowed)
+			if want.Allowed && !r.Allowed {
+				fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
+				bad++
+			}
+			// Not past the window's end, but for the view's sync's duration (added to
+			// every retry, so that none is early by it) and a few ms.
+			if lag := lagNs(entryOf(h, key).lag); !r.Allowed && !want.Allowed &&
+				r.RetryAfter > want.RetryAfter+lag+int64(5*time.Millisecond) {
+				fmt.Fprintf(&log, "(retry %v, the window ends in %v, the sync took up to %v)",
+					time.Duration(r.RetryAfter), time.Duration(want.RetryAfter), time.Duration(lag))
+				bad++
+			}
+			last = r
+		}
+		for range 6 {
+			step()
+		}
+		// The periodic sync: before the turn in odd trials, at it in even ones.
+		sync := func() {
+			if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+				t.Fatal(err)
+			}
+			log.WriteString(" (sync)")
+		}
+		if trial%2 == 1 {
+			sync()
+		}
+		if time.Now().UnixNano()%w < w/2 {
+			continue // the machine slept through the turn: not this case
+		}
+		time.Sleep(time.Duration(last.RetryAfter))
+		log.WriteString(" |")
+		if trial%2 == 0 {
+			sync()
+		}
+		for range 6 {
+			step()
+		}
+		ran++
+		if bad > 0 {
+			t.Errorf("trial %d: %d answers unlike the exact mode's:%s", trial, bad, log.String())
+		}
+	}
+	if ran == 0 {
+		t.Fatal("no trial ran: the machine slept through every turn")
+	}
+}
