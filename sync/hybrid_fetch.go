@@ -68,8 +68,9 @@ func (h *Hybrid) sendFetches(batch []*fetchReq) {
 	}
 	// applied applies items whose replies are in and wakes each request whose items
 	// are all applied.
+	var sent int64 // when the batch went (daemon clock), set before send calls applied
 	applied := func(its []syncItem) {
-		h.applyAll(its, true)
+		h.applyAll(its, true, sent)
 		for i := range its {
 			r := its[i].req
 			if its[i].err != nil {
@@ -81,6 +82,7 @@ func (h *Hybrid) sendFetches(batch []*fetchReq) {
 		}
 	}
 	start := time.Now()
+	sent = h.clock()
 	ctx, cancel := context.WithTimeout(context.Background(), h.fetchWait)
 	h.fetches.Add(uint64(n))
 	err := h.send(ctx, items, h.replicaCount(), fetchCallKeys, fetchPipe, applied)

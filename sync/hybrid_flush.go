@@ -282,9 +282,10 @@ var errNoTime = errors.New("hybrid sync: not sent, the sync's time was running o
 // applyAll applies items, locking each one's shard, and counts the items that failed
 // (a key whose slot moved is not a failure: it stays pending for the next sync). It
 // records, per master, that it answered, or, when it answered none of its items (or,
-// with strict, any one of them failed), that a sync to it failed: no exact sync of its
-// keys is tried until it answers. The outcome per master is returned for its breaker.
-func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr error, by []masterOutcome) {
+// with strict, any one of them failed), that a sync to it sent at sent (daemon clock)
+// failed: no exact sync of its keys is tried until it answers (Master.failedSince). The
+// outcome per master is returned for its breaker.
+func (h *Hybrid) applyAll(items []syncItem, strict bool, sent int64) (failed int, firstErr error, by []masterOutcome) {
 	n := h.creditShares()
 	arrived := h.clock()
 	var buf [4]masterOutcome
@@ -332,7 +333,7 @@ func (h *Hybrid) applyAll(items []syncItem, strict bool) (failed int, firstErr e
 			h.answeredBy(o.m, now)
 		}
 		if o.failed > 0 && (o.ok == 0 || strict) {
-			o.m.syncFailed.Store(now)
+			o.m.failedSince(sent)
 		}
 	}
 	return failed, firstErr, by
@@ -702,8 +703,9 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 // for the next sync, counted in the backlog; a release reports them as its error, to be
 // tried again (lastSync).
 func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (int, error) {
+	sentAt := h.clock()
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
-	failed, firstErr, by := h.applyAll(items, false)
+	failed, firstErr, by := h.applyAll(items, false, sentAt)
 	if !release {
 		report(by)
 	}

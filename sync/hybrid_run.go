@@ -175,6 +175,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 	var err error
 	if len(keys) > 0 {
 		var oks []bool
+		sent := h.clock()
 		n, oks, err = h.heartbeat(ctx, id, ttl, keys)
 		answered := make([]bool, len(gates))
 		for i, ok := range oks {
@@ -190,7 +191,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 				// Not answering, as a failed sync says: a key new here is then decided by
 				// its rule's policy (degraded), not by a first unit of credit that Redis
 				// never sees. (A daemon started with Redis away has synced nothing yet.)
-				gates[g].m.syncFailed.Store(h.clock())
+				gates[g].m.failedSince(sent)
 			}
 		}
 	}

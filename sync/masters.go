@@ -99,7 +99,8 @@ type Master struct {
 	Addr    string
 	breaker *Breaker
 	// lastOK is when the master last answered a heartbeat, a ping or a sync (hybrid
-	// clock, ns); syncFailed when a sync to it last failed with no answer.
+	// clock, ns); syncFailed when the latest sync (or heartbeat) to it that failed with
+	// no answer was sent (failedSince).
 	lastOK     atomic.Int64
 	syncFailed atomic.Int64
 	// calls is the master's queue of global checks (autoPipe), on a cluster.
@@ -122,9 +123,26 @@ func (m *Master) answered(now int64) {
 }
 
 // answering reports whether a request may wait for m: its breaker is closed and it has
-// answered since a sync to it last failed.
+// answered since the latest sync to it that failed was sent.
 func (m *Master) answering() bool {
 	return !m.breaker.Open() && m.syncFailed.Load() <= m.lastOK.Load()
+}
+
+// failedSince records that a call to m sent at sent (hybrid clock) got no answer: m is
+// not answering until it answers something after sent. Counted from when the call was
+// sent, not from when the daemon saw it fail: an answer to another call while this one
+// waited (a heartbeat, another sync) says m answers, slowly for this call. Counted from
+// the failure, one call Redis was slow to answer (a loaded host) made every key only
+// Redis could decide follow its rule's policy, degraded, until the next answer, while
+// Redis answered (TestHybridSlowCallBesideAnAnswerIsNoOutage). Never moved back: a
+// failure of an older call, seen later, says less.
+func (m *Master) failedSince(sent int64) {
+	for {
+		old := m.syncFailed.Load()
+		if sent <= old || m.syncFailed.CompareAndSwap(old, sent) {
+			return
+		}
+	}
 }
 
 // fresh reports whether m answered within stale of now, with its breaker closed.
