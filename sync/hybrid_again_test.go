@@ -143,3 +143,62 @@ func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
 		t.Fatal("no trial ran: the machine slept through every turn")
 	}
 }
+
+// Units admitted here just before a fixed window ended, on credit, and not synced by the
+// turn are counted in the window they were admitted in, though the client's requests go
+// on after the turn: the new window's limit is the client's. The key's periodic sync
+// dates what it carries by its last admission; before, the units admitted after the
+// turn carried the ones before it into the new window: 10 a second, 4 on credit 30 ms
+// before the end, then 6 of 10 admitted after it (and 1,000 per 2 s sent at once from
+// 26 ms before the end through a daemon: about 600 in the new window, where the exact
+// mode admits 1,000).
+func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	ctx := context.Background()
+	const window = time.Second
+	w := int64(window)
+	lim := mustLimit(t, localbucket.FixedWindow, 10, window)
+	ran := 0
+	for trial := 0; trial < 6 && ran < 3; trial++ {
+		key := fmt.Sprintf("rl:turn-units:{%d-%d}", trial, time.Now().UnixNano())
+		now := time.Now().UnixNano()
+		wait := w - now%w - int64(30*time.Millisecond)
+		if wait < 0 {
+			wait += w
+		}
+		time.Sleep(time.Duration(wait))
+		before := 0
+		for range 5 {
+			if take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+				before++
+			}
+		}
+		if time.Now().UnixNano()%w < w/2 {
+			continue // the machine slept through the turn: not this case
+		}
+		if e := entryOf(h, key); e.pending <= uint64(e.grant) {
+			t.Fatalf("trial %d: nothing admitted on credit before the turn (pending %d, grant %d)", trial, e.pending, e.grant)
+		}
+		now = time.Now().UnixNano()
+		time.Sleep(time.Duration(w - now%w + int64(5*time.Millisecond)))
+		after := 0
+		for range 12 {
+			if take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+				after++
+			}
+		}
+		if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+			t.Fatal(err)
+		}
+		n, _ := rdb.HGet(ctx, key, "n").Int()
+		ran++
+		if before != 5 || after != 10 || n != 10 {
+			t.Errorf("trial %d: %d of 5 admitted before the turn, %d of 12 after it (the exact mode: 5, 10); Redis counts %d in the new window",
+				trial, before, after, n)
+		}
+	}
+	if ran == 0 {
+		t.Fatal("no trial ran: the machine slept through every turn")
+	}
+}

@@ -896,6 +896,16 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// a client whose requests rotate over the daemons) the daemon asks Redis. With one, it
 	// refuses and asks for a share grant at the next sync.
 	stale := h.stale(e, now)
+	// A fixed window's view whose window has ended, and units this daemon admitted beyond
+	// its grant before the end, not yet in Redis, with none admitted since: the sync that
+	// carries them dates them by the key's last admission, so units admitted after the
+	// turn would carry them into the new window, where the client was refused them (10 a
+	// second, 4 on credit 30 ms before the end: 7 of 10 admitted after it;
+	// TestHybridUnitsBeforeTheTurnStayInTheirWindow). The request is decided by an exact
+	// sync, which counts them in their window first: at most one a key a window's turn,
+	// where the key admitted units on credit in the interval before it.
+	turned := cost > 0 && mayFetch && !shadow && unseen > 0 && lim.Algorithm() == localbucket.FixedWindow &&
+		e.synced > 0 && e.resetNs() <= now-e.synced && int32(seenMs(e.synced+e.resetNs())-e.seen) > 0
 	switch {
 	case shadow:
 		// A shadow rule's op decides nothing and never waits for Redis: it is judged by
@@ -918,6 +928,8 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 			r.Allowed = true
 			return r, false, false, false
 		}
+	case turned:
+		// Not from the allowance: by an exact sync (fetch, below).
 	case h.allowance(e, now, n) >= need:
 		r.Allowed = true
 		return r, false, false, false
@@ -989,7 +1001,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// a request of one unit is never refused while a grant is held.
 	grantRoom := hot && e.flags&flagShared == 0 && e.synced > 0 && held > 0 &&
 		proj-unseen < need && proj-unseen+held >= need
-	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom) && answering
+	fetch = mayFetch && (waited || !hot && stale || overdue || grantRoom || turned) && answering
 	// Without Redis, a key is decided by its rule's policy when only Redis could decide
 	// it: one with no view, or whose view (projected to now: its refill, its window's
 	// end) has room for it, which other daemons may have taken. A view with no room
