@@ -456,22 +456,22 @@ func (sh *hshard) markDirty(e *hentry) {
 }
 
 // needsSync reports whether e has something to tell Redis: units used beyond (or short
-// of) its grant, a grant not yet reported (reserved), or demand that outran its
+// of) its grant, a window's grant not yet reported (reserved), or demand that outran its
 // allowance.
 func (e *hentry) needsSync() bool {
 	return e.holds() || e.short > 0
 }
 
 // holds reports whether forgetting e would lose something: units not yet in Redis (used
-// beyond the grant), a grant not yet given back (used short of it), a grant not yet
-// reported (reserved), or units given back that Redis still counts (owed).
+// beyond the grant), a grant not yet given back (used short of it), a window's grant not
+// yet reported (reserved), or units given back that Redis still counts (owed).
 func (e *hentry) holds() bool {
 	return e.pending != uint64(e.grant) || e.reserved() || e.owed > 0 || e.flags&flagUnsettled != 0
 }
 
-// reserved reports whether Redis counts e's grant as reserved: any grant, until the
-// key's next sync reports it, used or not. Redis keeps the sum of a key's reservations
-// (scripts/hybrid.lua's g), and says "other daemons hold units" while it
+// reserved reports whether Redis counts e's grant as reserved: a window's grant, until
+// the key's next sync reports it, used or not. Redis keeps the sum of a window's
+// reservations (scripts/hybrid.lua's g), and says "other daemons hold units" while it
 // has any but the asking sync's own new grant, so a refusal at the limit is told to
 // retry after the next sync. A grant used exactly (the usual end of an exact sync) was
 // never reported before: its units counted once in the window's count, as they must,
