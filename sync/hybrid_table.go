@@ -478,15 +478,11 @@ func (e *hentry) holds() bool {
 // but g kept them until the window ended, and a refusal at the limit, nothing reserved
 // anywhere, was told the next sync over and over (TestHybridUsedGrantReleasesReservation).
 // Reported, the key's next sync leaves it with no grant (a sync with no demand asks
-// none), so it is then swept as any key holding nothing. A token bucket's grant too:
-// Redis keeps its unsettled grants (g, how far t runs ahead for them) to tell other
-// daemons' refusals that units come back at the next sync. Left out here (when the
-// script kept no g for a token bucket), a grant used exactly was never reported, and
-// until the bucket was full again every daemon's refusal on the key said retry at its
-// next sync, where the next unit was a refill away
-// (TestHybridTokenBucketUsedGrantReported: 100 ms told, 20 minutes away).
+// none), so it is then swept as any key holding nothing. A token bucket's grant is its
+// units taken from the bucket, used or not: Redis keeps no reservation of it, and a grant
+// used exactly has nothing to report.
 func (e *hentry) reserved() bool {
-	return e.grant > 0
+	return e.grant > 0 && e.lim.Algorithm() != localbucket.TokenBucket
 }
 
 // unsynced is what forgetting e loses of what it admitted: the units beyond its grant.
