@@ -868,6 +868,16 @@ func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
 // stale reports whether e has no fresh view at now: none yet (a key new here), or one
 // last synced more than two intervals ago (a client whose requests rotate over the
 // daemons). Such a key is decided by Redis, not by its view.
+// fixedEnded reports whether e is a fixed window's whose view's window has ended by now.
+// A view of a window that counted nothing (reset 0) says nothing of when it ends.
+func (h *Hybrid) fixedEnded(e *hentry, now int64) bool {
+	if e.lim.Algorithm() != localbucket.FixedWindow || e.synced == 0 {
+		return false
+	}
+	end := e.resetNs()
+	return end > 0 && end <= now-e.synced
+}
+
 func (h *Hybrid) stale(e *hentry, now int64) bool {
 	return e.synced == 0 || now-e.synced > 2*int64(h.interval)
 }
@@ -904,8 +914,8 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// TestHybridUnitsBeforeTheTurnStayInTheirWindow). The request is decided by an exact
 	// sync, which counts them in their window first: at most one a key a window's turn,
 	// where the key admitted units on credit in the interval before it.
-	turned := cost > 0 && mayFetch && !shadow && unseen > 0 && lim.Algorithm() == localbucket.FixedWindow &&
-		e.synced > 0 && e.resetNs() <= now-e.synced && int32(seenMs(e.synced+e.resetNs())-e.seen) > 0
+	turned := cost > 0 && mayFetch && !shadow && unseen > 0 && h.fixedEnded(e, now) &&
+		int32(seenMs(e.synced+e.resetNs())-e.seen) > 0
 	switch {
 	case shadow:
 		// A shadow rule's op decides nothing and never waits for Redis: it is judged by
@@ -953,7 +963,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 	// grant took the view's room, and the refill since is the next grant's. So does a
 	// shared key: without credit, each of its requests would be an exact sync.
 	if hot && e.flags&(flagShared|flagHeld) == 0 && e.synced > 0 &&
-		(e.view-unseen >= need || lim.Algorithm() == localbucket.FixedWindow && e.resetNs() <= now-e.synced) {
+		(e.view-unseen >= need || h.fixedEnded(e, now)) {
 		hot = false
 	}
 	// What this daemon's grant still holds: reserved for it in Redis, and so left out of
