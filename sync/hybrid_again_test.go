@@ -80,12 +80,7 @@ func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
 	ran := 0
 	for trial := 0; trial < 8 && ran < 4; trial++ {
 		key := fmt.Sprintf("rl:again-turn:{%d-%d}", trial, time.Now().UnixNano())
-		now := time.Now().UnixNano()
-		wait := w - now%w - int64(50*time.Millisecond)
-		if wait < 0 {
-			wait += w
-		}
-		time.Sleep(time.Duration(wait))
+		sleepUntilBeforeTheEnd(window, 50*time.Millisecond)
 		var st localbucket.State
 		var log strings.Builder
 		bad := 0
@@ -149,7 +144,7 @@ func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
 // on after the turn: the new window's limit is the client's. The key's periodic sync
 // dates what it carries by its last admission; before, the units admitted after the
 // turn carried the ones before it into the new window: 10 a second, 4 on credit 30 ms
-// before the end, then 6 of 10 admitted after it (and 1,000 per 2 s sent at once from
+// before the end, then 7 of 10 admitted after it (and 1,000 per 2 s sent at once from
 // 26 ms before the end through a daemon: about 600 in the new window, where the exact
 // mode admits 1,000).
 func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
@@ -162,12 +157,7 @@ func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
 	ran := 0
 	for trial := 0; trial < 6 && ran < 3; trial++ {
 		key := fmt.Sprintf("rl:turn-units:{%d-%d}", trial, time.Now().UnixNano())
-		now := time.Now().UnixNano()
-		wait := w - now%w - int64(30*time.Millisecond)
-		if wait < 0 {
-			wait += w
-		}
-		time.Sleep(time.Duration(wait))
+		sleepUntilBeforeTheEnd(window, 30*time.Millisecond)
 		before := 0
 		for range 5 {
 			if take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
@@ -180,7 +170,7 @@ func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
 		if e := entryOf(h, key); e.pending <= uint64(e.grant) {
 			t.Fatalf("trial %d: nothing admitted on credit before the turn (pending %d, grant %d)", trial, e.pending, e.grant)
 		}
-		now = time.Now().UnixNano()
+		now := time.Now().UnixNano()
 		time.Sleep(time.Duration(w - now%w + int64(5*time.Millisecond)))
 		after := 0
 		for range 12 {
@@ -201,4 +191,15 @@ func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
 	if ran == 0 {
 		t.Fatal("no trial ran: the machine slept through every turn")
 	}
+}
+
+// sleepUntilBeforeTheEnd sleeps until d before the end of a window of length w (the
+// next one's, if this one's is nearer than d).
+func sleepUntilBeforeTheEnd(w, d time.Duration) {
+	now := time.Now().UnixNano()
+	wait := int64(w) - now%int64(w) - int64(d)
+	if wait < 0 {
+		wait += int64(w)
+	}
+	time.Sleep(time.Duration(wait))
 }
