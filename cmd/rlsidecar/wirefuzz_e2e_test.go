@@ -54,6 +54,14 @@ const (
 	// wfNoRefill bounds a run: a counted token bucket adds no token in it, a counted
 	// window does not turn in it.
 	wfNoRefill = 20 * time.Minute
+	// wfDayLeft is what is left of the per-user rule's day (a fixed window: it turns at
+	// midnight UTC, where no draw can move it) when a seed's run starts: a run takes
+	// seconds. With wfNoRefill, a test reaching it after 23:40 UTC slept until midnight,
+	// up to 20 minutes, and the package, 8 minutes in under -race, passed go test's
+	// -timeout 20m (CI's): "panic: test timed out after 20m0s" with the test asleep in
+	// clearOfWindowEnd. wfRunSeed fails plainly if the day turns before its connections
+	// are done.
+	wfDayLeft = 2 * time.Minute
 )
 
 const wfRules = `
@@ -96,7 +104,7 @@ func TestE2EWireFuzz(t *testing.T) {
 	for _, mode := range []string{"local", "redis"} {
 		t.Run(mode, func(t *testing.T) {
 			for _, seed := range seeds {
-				clearOfWindowEnd(t, 24*time.Hour, wfNoRefill) // the per-user rule's day must not turn in a run
+				clearOfWindowEnd(t, 24*time.Hour, wfDayLeft) // the per-user rule's day must not turn in a run
 				t.Logf("seed %d (replay: RLSIDECAR_WIREFUZZ_SEED=%d go test -run 'TestE2EWireFuzz/%s' ./cmd/rlsidecar)", seed, seed, mode)
 				if !wfRunSeed(t, seed, mode == "redis", size) {
 					t.Fatalf("seed %d failed", seed)
@@ -187,6 +195,10 @@ func wfRunSeed(t *testing.T, seed uint64, redis bool, size wfSize) bool {
 		t.Fatalf("seed %d: the connections did not finish in 5 minutes (a stall)", seed)
 	}
 	elapsed := time.Since(start)
+	if day := (24 * time.Hour).Milliseconds(); time.Now().UnixMilli()/day != run.nowMs/day {
+		t.Fatalf("seed %d: the per-user rule's day turned during the run (%s of connections): longer than the %s of the day clearOfWindowEnd left it; its answers were checked against one day",
+			seed, elapsed.Round(time.Millisecond), wfDayLeft)
+	}
 
 	// Counting across connections: each shared key admitted exactly what its model says.
 	for _, s := range run.shared {
