@@ -496,6 +496,17 @@ rules:
 	}
 }
 
+// phaseChecks is how many checks of each shape TestFaultToxiproxyLatencyAndResets
+// takes, at least, to judge a phase's latencies by their p99. A 2-core machine under
+// load stops a process for 100-500 ms now and then, and the check on the wire then takes
+// that long, whichever rule it is for (12 runs at load 22-28 logged every check over
+// 60 ms: 65-428 ms, of every shape, the no-rule baseline's too, each api one answered
+// by its rule's policy, as the fast ones were). Under load a 1.5 s phase got 91 to 190
+// checks of each shape, whose p99 is the slowest or second slowest: one or two such
+// stalls on a rule's checks failed it (api p99 264.6 ms of 189 checks and 572.6 ms of
+// 91; otp 60.8 ms and search 57.0 ms of 122). With 500 the p99 is the 5th slowest.
+const phaseChecks = 500
+
 // Latency and resets injected between the daemon and Redis: with 50 ms added to every
 // reply, global checks answer by policy (degraded) within about the global timeout and
 // hybrid checks stay fast; with every connection reset, the same; without the toxics,
@@ -528,7 +539,11 @@ func TestFaultToxiproxyLatencyAndResets(t *testing.T) {
 		done := make(chan struct{})
 		go func() { defer close(done); checkLoop(c, rec, stop, shapes) }()
 		start := time.Now()
+		// 1.5 s, and long enough for phaseChecks checks of each shape (at most 15 s in
+		// all): the p99 is then the 5th slowest or later, not the slowest.
 		time.Sleep(1500 * time.Millisecond)
+		n := 0
+		rec.waitFor(15*time.Second-time.Since(start), func(sample) bool { n++; return n >= phaseChecks*len(shapes) })
 		close(stop)
 		<-done
 		byRule := map[string][]sample{}
