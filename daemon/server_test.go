@@ -611,7 +611,13 @@ func TestShutdownAnswersWhatWasSent(t *testing.T) {
 // client, still writing, had not started to read: each waited on the other until the
 // write timeout cut the connection, about 1,100 answers in.
 func TestLongPipelineWrittenBeforeReading(t *testing.T) {
-	s := startServer(t, Config{WriteTimeout: 2 * time.Second})
+	// The client's deadlines (10 s) bound the test, not the write timeout: the client
+	// reads only once the daemon has read all it wrote, so the daemon's first answers
+	// wait for room until it has decided the 10,000 checks. With a 2 s write timeout,
+	// under -race at load 16-23 that took longer: the daemon cut the connection as a
+	// client that takes no answers ("write: broken pipe" 2.3 s in). A daemon that stops
+	// reading still fails it, on the client's write deadline.
+	s := startServer(t, Config{WriteTimeout: time.Minute})
 	c, br := dialServer(t, s)
 	const n = 10_000
 	enc := proto.NewEncoder()
