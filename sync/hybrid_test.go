@@ -302,8 +302,10 @@ func TestHybridConvergence(t *testing.T) {
 			start := time.Now()
 			admitted := 0
 			next := start.Add(100 * time.Millisecond)
+			var last int64 // the last round's time
 			for time.Since(start) < 2*time.Second {
 				now := time.Now().UnixNano()
+				last = now
 				for d, h := range hs {
 					for i := 0; i < perMs[d]; i++ {
 						if take(h, now, key, lim, 1).Allowed {
@@ -321,10 +323,16 @@ func TestHybridConvergence(t *testing.T) {
 				}
 				time.Sleep(time.Millisecond)
 			}
-			elapsed := time.Since(start).Seconds()
+			// Up to the last round's time, not the loop's end: what refilled after the
+			// last round was never offered. (A loaded machine that stalled this process
+			// near the end left the ideal counting refill no request asked for: 140
+			// admitted of 159, at load 19.) A stall earlier costs nothing: the bucket
+			// holds a second's refill.
+			end := time.Now()
+			elapsed := time.Duration(last - start.UnixNano()).Seconds()
 			ideal := 50 + 50*elapsed
 			ratio := float64(admitted) / ideal
-			t.Logf("admitted %d, ideal %.0f, ratio %.3f", admitted, ideal, ratio)
+			t.Logf("admitted %d, ideal %.0f, ratio %.3f (last round %s before the end)", admitted, ideal, ratio, end.Sub(time.Unix(0, last)).Round(time.Millisecond))
 			if ratio < 0.9 || ratio > 1.1 {
 				t.Fatalf("admitted %d against an ideal of %.0f (ratio %.2f)", admitted, ideal, ratio)
 			}
