@@ -59,7 +59,11 @@ func writeAllThenRead(t *testing.T, c net.Conn, batch []byte, n int, buf []byte)
 // connection kept them, about 4 MB (100 connections: 397 MB of RSS for good).
 func TestIdleConnectionKeepsNoBurstBuffers(t *testing.T) {
 	const conns, checks = 20, 12_000
-	s := startServer(t, Config{})
+	// A minute's write timeout: each client reads only once the daemon has read the
+	// 12,000 checks it wrote, its first answers waiting for room meanwhile, and under
+	// -race at load 20 that outlasted the default 5 s, which cut the connection ("write:
+	// broken pipe" at the client's write). The client's 30 s deadline bounds the test.
+	s := startServer(t, Config{WriteTimeout: time.Minute})
 	var cs []net.Conn
 	base := heapAfterGC()
 	for range conns {
