@@ -203,3 +203,62 @@ func sleepUntilBeforeTheEnd(w, d time.Duration) {
 	}
 	time.Sleep(time.Duration(wait))
 }
+
+// The same for a sliding window: units admitted on credit just before its window ended
+// count as the previous window's in the next, weighing less as it goes, and the client
+// is admitted as the exact mode admits it after the turn (each answer beside the local
+// bucket's), then 300 ms later as the previous window's share has fallen. Before, they
+// counted whole in the new window: 1,000 per 2 s sent at once through a daemon from 30
+// ms before the turn, 1,001 admitted and told 1,960 ms, where the exact mode admitted
+// 1,040 and said 1-5 ms.
+func TestHybridSlidingUnitsBeforeTheTurn(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	const window = time.Second
+	w := int64(window)
+	lim := mustLimit(t, localbucket.SlidingWindow, 100, window)
+	ran := 0
+	for trial := 0; trial < 6 && ran < 3; trial++ {
+		key := fmt.Sprintf("rl:slide-turn:{%d-%d}", trial, time.Now().UnixNano())
+		sleepUntilBeforeTheEnd(window, 30*time.Millisecond)
+		var st localbucket.State
+		bad, first := 0, ""
+		step := func(phase string) bool {
+			now := time.Now().UnixNano()
+			r := take(h, now, key, lim, 1)
+			var want localbucket.Result
+			st, want = lim.Take(st, now, 1)
+			if want.Allowed && !r.Allowed {
+				if bad++; first == "" {
+					first = fmt.Sprintf("%s: refused with retry %v at %v into the window", phase, time.Duration(r.RetryAfter), time.Duration(now%w))
+				}
+			}
+			return want.Allowed
+		}
+		// A unit by an exact sync (the key new here), then on credit.
+		for range 20 {
+			step("before the turn")
+		}
+		if time.Now().UnixNano()%w < w/2 {
+			continue // the machine slept through the turn: not this case
+		}
+		if e := entryOf(h, key); e.pending <= uint64(e.grant) {
+			t.Fatalf("trial %d: nothing admitted on credit before the turn (pending %d, grant %d)", trial, e.pending, e.grant)
+		}
+		now := time.Now().UnixNano()
+		time.Sleep(time.Duration(w - now%w + int64(5*time.Millisecond)))
+		for n := 0; step("after the turn") && n < 200; n++ {
+		}
+		time.Sleep(300 * time.Millisecond)
+		for range 10 {
+			step("300 ms later")
+		}
+		ran++
+		if bad > 0 {
+			t.Errorf("trial %d: %d refused that the exact mode admits; the first %s", trial, bad, first)
+		}
+	}
+	if ran == 0 {
+		t.Fatal("no trial ran: the machine slept through every turn")
+	}
+}
