@@ -262,3 +262,200 @@ func TestHybridSlidingUnitsBeforeTheTurn(t *testing.T) {
 		t.Fatal("no trial ran: the machine slept through every turn")
 	}
 }
+
+// A burst that runs through a window's turn (one daemon alone, syncing as it runs, each
+// answer beside the local bucket's at the same time): what it admitted on credit before
+// the turn is counted in the window it was admitted in. Asked once the burst is over and
+// synced, Redis counts the units admitted before the turn as the previous window's (a
+// sliding window weighs them less as the new one goes) and those after it as the new
+// one's; during the burst no refusal the exact mode would not make waits for the units
+// before the turn to leave. The view knows the window's end only within its sync's lag:
+// judged from its latest, the units admitted in the lag (a request every 60 µs, as a
+// client's through a daemon) were synced with the rest at the next refusal and dated
+// after the turn: through a daemon, 1,000 per 2 s from 30 ms before the turn, 1,003
+// admitted and the rest told 1,965 ms, where the exact mode said 4 ms.
+func TestHybridBurstAcrossTheTurn(t *testing.T) {
+	rdb := standalone(t)
+	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+	runHybrid(t, h, "d")
+	const window, limit = time.Second, 1000
+	w := int64(window)
+	for _, alg := range []localbucket.Algorithm{localbucket.SlidingWindow, localbucket.FixedWindow} {
+		lim := mustLimit(t, alg, limit, window)
+		ran := false
+		for trial := 0; trial < 4 && !ran; trial++ {
+			key := fmt.Sprintf("rl:burst-turn:{%v-%d-%d}", alg, trial, time.Now().UnixNano())
+			sleepUntilBeforeTheEnd(window, 20*time.Millisecond)
+			start := time.Now().UnixNano()
+			turn := start - start%w + w
+			if turn-start > w/2 {
+				continue // the machine slept through the turn: not this case
+			}
+			var st localbucket.State
+			before, after := 0, 0 // admitted before the turn and after it
+			var late []string     // refusals the exact mode does not make, told beyond three sync intervals
+			lateN := 0
+			for now := start; now < turn+int64(200*time.Millisecond); now = time.Now().UnixNano() {
+				r := take(h, now, key, lim, 1)
+				var l localbucket.Result
+				st, l = lim.Take(st, now, 1)
+				switch {
+				case r.Allowed && now < turn:
+					before++
+				case r.Allowed:
+					after++
+				case l.Allowed && r.RetryAfter > int64(3*h.Interval()):
+					if lateN++; len(late) < 3 {
+						late = append(late, fmt.Sprintf("%v after the turn: retry %v", time.Duration(now-turn), time.Duration(r.RetryAfter)))
+					}
+				}
+				for d := now + int64(60*time.Microsecond); time.Now().UnixNano() < d; {
+				}
+			}
+			if before < 50 || before >= limit/2-1 || time.Now().UnixNano()-turn > int64(400*time.Millisecond) {
+				// Too few before the turn, or too slow after it: the machine was too busy
+				// for this case. Or too many: the key's credit (half its room) ran out
+				// before the turn, and the exact sync that followed counted them then.
+				continue
+			}
+			ran = true
+			// A few: the units a sync Redis read just after the turn counted there (below).
+			if lateN > 5 {
+				t.Errorf("%v: %d refused that the exact mode admits, told to wait for the units admitted before the turn: %s", alg, lateN, strings.Join(late, "; "))
+			}
+			// Synced since (the view stale), a question is Redis's count.
+			time.Sleep(time.Duration(turn + int64(700*time.Millisecond) - time.Now().UnixNano()))
+			now := time.Now().UnixNano()
+			r := take(h, now, key, lim, 0)
+			counted := after
+			if alg == localbucket.SlidingWindow {
+				counted += before * int(w-(now-turn)) / int(w)
+			}
+			// A few units either way: a sync sent just before the turn is read by Redis
+			// just after it, and counts the request it carries in the new window.
+			if left := limit - counted; int(r.Remaining) < left-3 || int(r.Remaining) > left+3 {
+				t.Errorf("%v: %d left %v after the turn, where %d admitted before it and %d after leave %d",
+					alg, r.Remaining, time.Duration(now-turn).Round(time.Millisecond), before, after, left)
+			}
+		}
+		if !ran {
+			t.Errorf("%v: no trial ran: the machine was too busy at every turn", alg)
+		}
+	}
+}
+
+// Units admitted while a sync is on its way over a window's turn: Redis, paused from
+// just before the turn to just after it, reads a sync sent before it in the next window.
+// The units that sync carries were admitted before the turn (its view's window: dated);
+// so were those admitted while it was out (the window before the new view's: prev),
+// which the key's next request beyond its grant syncs first, by an exact sync. Redis
+// then counts all of them in the window they were admitted in, and the new window only
+// the request after the turn. Before, both were dated by their age, counted from when
+// the daemon sent them, which Redis read after the turn: 30 units in the new window.
+func TestHybridSyncOutOverTheTurn(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	const window = time.Second
+	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.SlidingWindow} {
+		lim := mustLimit(t, alg, 100, window)
+		ran := false
+		for trial := 0; trial < 4 && !ran; trial++ {
+			h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
+			key := fmt.Sprintf("rl:out-over-turn:{%v-%d-%d}", alg, trial, time.Now().UnixNano())
+			sleepUntilBeforeTheEnd(window, 100*time.Millisecond)
+			start := time.Now().UnixNano()
+			turn := start - start%int64(window) + int64(window)
+			// The key's first unit, and a view of the window before the turn.
+			if !take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+				t.Fatal("the first request was refused")
+			}
+			if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+				t.Fatal(err)
+			}
+			for range 20 { // on credit
+				if !take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+					t.Fatal("refused on credit before the turn")
+				}
+			}
+			time.Sleep(time.Duration(turn - int64(50*time.Millisecond) - time.Now().UnixNano()))
+			if err := rdb.Do(ctx, "CLIENT", "PAUSE", "90").Err(); err != nil {
+				t.Fatal(err)
+			}
+			flushed := make(chan error, 1)
+			go func() { flushed <- h.Flush(ctx, time.Now().UnixNano()) }()
+			time.Sleep(10 * time.Millisecond) // the sync is out, held by Redis
+			for range 10 {
+				if !take(h, time.Now().UnixNano(), key, lim, 1).Allowed {
+					t.Fatal("refused on credit while the sync was out")
+				}
+			}
+			if err := <-flushed; err != nil {
+				t.Fatal(err)
+			}
+			last := time.Now().UnixNano()
+			if last <= turn || time.Now().UnixNano() >= turn+int64(window)/2 {
+				continue // Redis answered before the turn, or the machine slept: not this case
+			}
+			if e := entryOf(h, key); e.flags&flagPrev == 0 {
+				continue // the units were in the sync after all (it left late): not this case
+			}
+			if !take(h, last, key, lim, 1).Allowed {
+				t.Fatal("the request after the turn was refused")
+			}
+			if err := h.Flush(ctx, time.Now().UnixNano()); err != nil {
+				t.Fatal(err)
+			}
+			ran = true
+			v, err := rdb.HMGet(ctx, key, "n", "p").Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := []any{"1", "31"}
+			if alg == localbucket.FixedWindow {
+				want[1] = v[1] // the window before counts for nothing
+			}
+			if fmt.Sprint(v) != fmt.Sprint(want) {
+				t.Errorf("%v: the new window counts %v and the one before %v; want %v and %v", alg, v[0], v[1], want[0], want[1])
+			}
+		}
+		if !ran {
+			t.Errorf("%v: no trial ran", alg)
+		}
+	}
+}
+
+// A sync of units in the window before its view's (modePrev) counts them there once:
+// the very same sync again (its answer lost, resent with its token) changes nothing.
+func TestHybridPrevSyncReplayedCountsOnce(t *testing.T) {
+	rdb := standalone(t)
+	ctx := context.Background()
+	key := fmt.Sprintf("rl:prev-replay:{%d}", time.Now().UnixNano())
+	run := func(used, prevGrant, demand, prevTok, tok, window, mode int64) []int64 {
+		t.Helper()
+		cmd := hybridScript.Run(ctx, rdb, []string{key}, hybridArgs("d1",
+			int64(100*time.Millisecond/time.Microsecond), 1, 10000, 100, 0, 1, 0,
+			1, 100, int64(time.Hour/time.Microsecond), 0,
+			1, used, prevGrant, window, demand, mode, prevTok, tok, 0)...)
+		v, err := int64s(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	a := run(0, 0, 1, 0, 1, 0, int64(modeExact)) // a unit reserved: the view of this hour
+	if a[0] != 1 {
+		t.Fatalf("the exact sync granted %d, want 1", a[0])
+	}
+	// 3 units of the hour before (as if this view came while they were admitted), the
+	// grant unused, and a unit asked.
+	prev := int64(modeExact + modeDated + modePrev)
+	run(3, 1, 1, 1, 2, a[4], prev)
+	counts := func() string { return fmt.Sprint(rdb.HMGet(ctx, key, "n", "p").Val()) }
+	if got := counts(); got != "[1 3]" {
+		t.Fatalf("n and p are %v after the units of the hour before: want [1 3] (the grant given back, a unit reserved)", got)
+	}
+	run(3, 1, 1, 1, 2, a[4], prev)
+	if got := counts(); got != "[1 3]" {
+		t.Fatalf("n and p are %v after the same sync again: want [1 3]", got)
+	}
+}

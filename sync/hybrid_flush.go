@@ -42,6 +42,12 @@ const (
 	// its units once (collect): it writes no sync record, which may be the new entry's
 	// of the key (written by that one, whose grant it names).
 	modeGone = 16
+	// modeDated: a window's units beyond the grant were all admitted before the window of
+	// the entry's view ended (syncItem.dated); they count in that window whenever Redis
+	// reads them.
+	modeDated = 32
+	// modePrev, with modeDated: in the window before the view's (flagPrev).
+	modePrev = 64
 )
 
 // syncItem is one key in a sync: a snapshot of its entry taken under its shard's lock,
@@ -64,6 +70,8 @@ type syncItem struct {
 	relimit     bool      // the entry's flagRelimit at the snapshot: sent as modeRelimit
 	first       bool      // the entry had no view at the snapshot, never synced: sent as modeFirst
 	gone        bool      // the entry was evicted (flagGone) at the snapshot: sent as modeGone
+	dated       bool      // its units were all admitted before its view's window ended (dated): sent as modeDated
+	prev        bool      // with dated: in the window before the view's (flagPrev), sent as modePrev
 	now         int64     // the daemon clock when the snapshot was taken: the view's time
 	req         *fetchReq // the request waiting for this exact sync (nil: a periodic sync)
 	m           *Master   // a periodic sync's: the master whose breaker let it (nil: see masterOf)
@@ -94,8 +102,10 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	it := syncItem{sh: sh, e: e, lim: e.lim, used: e.pending, grantWindow: e.grantWindow,
 		prevGrant: e.grant, prevToken: e.token, demand: demand, mode: mode, now: now,
 		age: min(e.sinceSeen(now), maxChargeAge), relimit: e.flags&flagRelimit != 0, first: e.synced == 0,
-		gone: e.flags&flagGone != 0}
+		gone: e.flags&flagGone != 0, dated: dated(e)}
+	it.prev = it.dated && e.flags&flagPrev != 0
 	e.flags |= flagBusy
+	e.flags &^= flagStray | flagPrev // the units go with the sync
 	if mode == modeLeave {
 		// A daemon leaving the key holds no credit on it from now, not from the reply:
 		// the sync drops the reservation of its credit (k), and a unit admitted on that
@@ -121,6 +131,17 @@ func (h *Hybrid) snapshot(sh *hshard, e *hentry, now int64, mode uint8, demand u
 	return it
 }
 
+// dated reports whether e's units waiting to be synced all lie in the window of its
+// view (no flagStray): their sync counts them in that window (modeDated), not by their
+// age. Age counts from when the daemon sends the sync, and Redis reads it up to a lag
+// later: units admitted just before the turn, in a sync sent just before it and read
+// just after, were counted whole in the new window (TestHybridBurstAcrossTheTurn: 481
+// units before a fixed window's turn and 521 after it, the new window full).
+func dated(e *hentry) bool {
+	return e.pending > 0 && e.grantWindow > 0 && e.flags&(flagStray|flagRelimit) == 0 &&
+		e.lim.Algorithm() != localbucket.TokenBucket
+}
+
 // apply applies one sync's outcome to its entry (its shard's lock held), as a view of
 // the key at the snapshot's time; arrived is when (daemon clock) the answer came, which
 // bounds when Redis read the key.
@@ -137,6 +158,16 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 		// passed): the key is synced again until a sync is answered, which gives them
 		// back. Before, a key with nothing else to settle was left, and Redis counted
 		// units no daemon admitted until the window ended.
+		if it.used > 0 {
+			switch {
+			case !it.dated || it.prev && e.pending > 0:
+				// Units of no certain window, or of the window before the view's beside
+				// units of the view's, admitted since.
+				e.flags |= flagStray
+			case it.prev:
+				e.flags |= flagPrev
+			}
+		}
 		e.pending += it.used
 		e.addOwed(it.owed)
 		e.demand = satAdd32(e.demand, uint64(it.offered))
@@ -178,6 +209,18 @@ func (h *Hybrid) apply(it *syncItem, n float64, arrived int64) {
 	// the last view (the window's end, or a sliding window's estimate falling) was
 	// refused at it, a fraction of a millisecond short: 1 in 10 retries of a sliding
 	// window, 4 per 300 ms.
+	if e.pending > 0 && e.grantWindow != v[4] && e.flags&flagStray == 0 {
+		// Admitted while this sync was on its way, judged by the view it replaces, of
+		// another window: in the window before this one's if that is the last view's
+		// (the turn came while the sync was out), else in none for certain.
+		if w := e.lim.Window().Microseconds(); e.lim.Algorithm() != localbucket.TokenBucket && e.synced > 0 &&
+			e.grantWindow > 0 && e.grantWindow+w == v[4] && *it.lim == *e.lim && e.flags&flagPrev == 0 {
+			e.flags |= flagPrev
+		} else {
+			e.flags |= flagStray
+			e.flags &^= flagPrev
+		}
+	}
 	sameWindow := *it.lim == *e.lim && e.synced > 0 && e.grantWindow == v[4]
 	oldEnd, oldStart := int64(0), int64(0)
 	switch e.lim.Algorithm() {
@@ -921,6 +964,12 @@ func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, 
 			}
 			if it.gone {
 				mode += modeGone
+			}
+			if it.dated {
+				mode += modeDated
+			}
+			if it.prev {
+				mode += modePrev
 			}
 			put(int64(limIdx[*it.lim]), int64(it.used)-int64(it.owed), int64(it.prevGrant), it.grantWindow, int64(it.demand), mode,
 				int64(it.prevToken), int64(it.token), int64(it.age)*1000)

@@ -441,6 +441,19 @@ const (
 	// up its credit, and Redis drops any reservation of it (k) and this daemon as the
 	// key's last user (refusedElsewhere).
 	flagIdle
+	// flagStray: a window's key admitted a unit beyond its grant, not yet synced, that
+	// may lie outside the window of its view (admitted with no view, after the window's
+	// earliest end or before its latest start, or while a sync that brought a view of
+	// another window was on its way). Without it, its next sync counts what it admitted
+	// in that window (modeDated); with it, by the last admission's age. Cleared when a
+	// sync takes the units (snapshot).
+	flagStray
+	// flagPrev: the units waiting to be synced all lie in the window before the view's:
+	// admitted in the window of the last view while the sync that brought this one, of
+	// the next window, was on its way. Their sync counts them there (modePrev); the
+	// key's next unit beyond its grant is decided by an exact sync that carries them
+	// first (decide), or makes them stray. Cleared when a sync takes the units.
+	flagPrev
 )
 
 func (h *Hybrid) shardOf(key []byte) uint32 {

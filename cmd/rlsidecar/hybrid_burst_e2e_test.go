@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
+	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
 )
 
@@ -70,6 +71,101 @@ func TestE2EHybridBurstsOnOneDaemonAsExact(t *testing.T) {
 				}
 			}
 			time.Sleep(time.Second + 20*time.Millisecond)
+		}
+	}
+}
+
+// One client, one hybrid daemon: a burst sent one check after another through a
+// window's turn, 1,000 per second from 20 ms before it to 200 ms after, each answer
+// beside a local bucket's at the time it was sent. What it admitted before the turn is
+// counted in the window it was admitted in: asked once the burst is over, the daemon
+// says what is left as the exact mode counts the units before and after the turn (a
+// sliding window's previous count weighed as the new window goes), and no refusal the
+// exact mode would not make told the client to wait for them to leave. Before, the
+// units admitted on credit through the turn were synced at the next refusal, dated
+// after it: a sliding window of 1,000 per 2 s, 1,003 admitted and the rest told 1,965
+// ms, where the exact mode said 4 ms; 1 left 700 ms after the turn, where the exact
+// mode leaves about 320.
+func TestE2EHybridBurstAcrossTheTurn(t *testing.T) {
+	srv := redistest.StartStandalone(t)
+	d := startDaemon(t, "--redis", "redis://"+srv.Addr, "--global-timeout", "3s", "--redis-timeout", "3s")
+	c := dialRaw(t, d.socket)
+	id := uint64(0)
+	check := func(l proto.InlineLimit, cost uint64) *proto.Response {
+		id++
+		c.send(&proto.Request{ID: id, Op: "check", Cost: cost, Limits: []proto.InlineLimit{l}})
+		r := c.recv()
+		if r.IsError() || r.Degraded {
+			t.Fatalf("check %d: %+v", id, r)
+		}
+		return r
+	}
+	const window, limit = time.Second, 1000
+	w := int64(window)
+	for _, alg := range []localbucket.Algorithm{localbucket.SlidingWindow, localbucket.FixedWindow} {
+		lim, err := localbucket.NewLimit(alg, limit, window, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ran := false
+		for trial := 0; trial < 4 && !ran; trial++ {
+			l := proto.InlineLimit{Key: fmt.Sprintf("turn-%v-%d-%d", alg, trial, time.Now().UnixNano()),
+				Limit: limit, WindowMs: uint64(window / time.Millisecond), Algorithm: alg.String(), Mode: "hybrid"}
+			now := time.Now().UnixNano()
+			if wait := w - now%w - int64(20*time.Millisecond); wait > 0 {
+				time.Sleep(time.Duration(wait))
+			} else {
+				time.Sleep(time.Duration(wait + w))
+			}
+			start := time.Now().UnixNano()
+			turn := start - start%w + w
+			if turn-start > w/2 {
+				continue // the machine slept through the turn: not this case
+			}
+			var st localbucket.State
+			before, after, lateN := 0, 0, 0
+			var late []string
+			for now := start; now < turn+int64(200*time.Millisecond); now = time.Now().UnixNano() {
+				r := check(l, 1)
+				var want localbucket.Result
+				st, want = lim.Take(st, now, 1)
+				switch {
+				case r.Allowed && now < turn:
+					before++
+				case r.Allowed:
+					after++
+				case want.Allowed && r.RetryAfterMs > 300:
+					if lateN++; len(late) < 3 {
+						late = append(late, fmt.Sprintf("%v after the turn: retry %d ms", time.Duration(now-turn), r.RetryAfterMs))
+					}
+				}
+			}
+			if before < 50 || before >= limit/2-1 || time.Now().UnixNano()-turn > int64(400*time.Millisecond) {
+				// Too few before the turn, or too slow after it: the machine was too busy
+				// for this case. Or too many: the key's credit (half its room) ran out
+				// before the turn, and the exact sync that followed counted them then.
+				continue
+			}
+			ran = true
+			// A few either way: a sync Redis read just after the turn counts the units it
+			// carries in the new window, and the client's clock dates each check at its send.
+			if lateN > 5 {
+				t.Errorf("%v: %d refused that the exact mode admits, told to wait for the units admitted before the turn: %v", alg, lateN, late)
+			}
+			time.Sleep(time.Duration(turn + int64(700*time.Millisecond) - time.Now().UnixNano()))
+			now = time.Now().UnixNano()
+			r := check(l, 0)
+			counted := after
+			if alg == localbucket.SlidingWindow {
+				counted += before * int(w-(now-turn)) / int(w)
+			}
+			if left := limit - counted; int(r.Remaining) < left-5 || int(r.Remaining) > left+5 {
+				t.Errorf("%v: %d left %v after the turn, where %d admitted before it and %d after leave %d",
+					alg, r.Remaining, time.Duration(now-turn).Round(time.Millisecond), before, after, left)
+			}
+		}
+		if !ran {
+			t.Errorf("%v: no trial ran: the machine was too busy at every turn", alg)
 		}
 	}
 }

@@ -74,7 +74,13 @@
 -- start the previous grant was taken in, 0 if none), demand, mode, prev_token, token,
 -- age_us (how long ago, by the daemon's clock, the key last admitted a unit not yet
 -- synced: units used beyond the grant are charged to a token bucket as of then, and to
--- the window of then, as the exact mode would have charged them).
+-- the window of then, as the exact mode would have charged them). A window's mode plus 32
+-- (dated): those units were all admitted before the window of the daemon's view
+-- (grant_window) ended, whenever Redis reads them: they count in that window. Dated by
+-- age alone, units admitted just before the turn in a sync Redis read just after it were
+-- counted whole in the new window (age counts from when the daemon sent the sync). Plus
+-- 64 as well (prev): in the window before that one, admitted while the sync that brought
+-- the view of the next window was on its way.
 -- On a cluster one call carries every key of one master, whatever their slots: old-style
 -- scripts (no shebang) may touch keys of other slots that the node serves. A key the node
 -- does not serve (its slot moved since the daemon read the slot map) is not touched, and
@@ -248,7 +254,9 @@ for i = 1, nkeys do
   local lb = 4 * (li - 1)
   local alg, requests, window, burst = limits[lb + 1], limits[lb + 2], limits[lb + 3], limits[lb + 4]
 
-  local relimit, first, gone = false, false, false
+  local relimit, first, gone, dated, prev = false, false, false, false, false
+  if mode >= 64 then prev, mode = true, mode - 64 end
+  if mode >= 32 then dated, mode = true, mode - 32 end
   if mode >= 16 then gone, mode = true, mode - 16 end
   if mode >= 8 then first, mode = true, mode - 8 end
   if mode >= 4 then relimit, mode = true, mode - 4 end
@@ -304,6 +312,10 @@ for i = 1, nkeys do
     -- (expired, or Redis lost its data), so is that grant: everything used counts.
     local settle = used - prev_grant
     if h[1] == false then settle = used end
+    -- The window of the daemon's view (a resend replaces grant_window below with the
+    -- lost sync's): a dated sync's units beyond the grant were admitted in it.
+    local view_window = grant_window
+    if prev then view_window = grant_window - window end
     -- The grant this sync settles, which the window's reserved units (g) counted.
     local settled_grant = prev_grant
 
@@ -575,10 +587,30 @@ for i = 1, nkeys do
         if alg == 1 and grant_window == t - window then p = math.max(0, p - settled_grant) end
         if since_lost > 0 then
           local at = now - age
+          if dated then at = view_window end
           if at >= t then
             n = n + since_lost
           elseif alg == 1 and at >= t - window then
             p = p + since_lost
+          end
+        end
+      elseif prev and not replay and not resent then
+        -- The units were admitted in the window before the grant's, while the sync that
+        -- took the grant was on its way: none was drawn from it. The grant goes back
+        -- whole to its window, if that still counts; the units count in theirs. (A
+        -- replay changes nothing; a resend settles against the lost sync's grant, above
+        -- or below, its units dated by the view's window.)
+        if grant_window == t then
+          n = math.max(0, n - settled_grant)
+          g = math.max(0, g - settled_grant)
+        elseif alg == 1 and grant_window == t - window then
+          p = math.max(0, p - settled_grant)
+        end
+        if used > 0 then
+          if view_window >= t then
+            n = n + used
+          elseif alg == 1 and view_window >= t - window then
+            p = p + used
           end
         end
       elseif grant_window == t then
@@ -591,6 +623,7 @@ for i = 1, nkeys do
         p = math.max(0, p + settle)
       elseif settle > 0 then
         local at = now - age
+        if dated then at = view_window end
         if at >= t then
           n = n + settle
         elseif alg == 1 and at >= t - window then
