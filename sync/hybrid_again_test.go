@@ -26,37 +26,35 @@ func TestHybridBurstAgainAfterAFullWindow(t *testing.T) {
 	runHybrid(t, h, "d")
 	rnd := rand.New(rand.NewSource(5))
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket, localbucket.SlidingWindow} {
-		{
-			const pause = time.Second + 20*time.Millisecond
-			lim := mustLimit(t, alg, 5, time.Second)
-			for trial := range 2 {
-				key := fmt.Sprintf("rl:again:{%d-%d-%d}", alg, trial, time.Now().UnixNano())
-				time.Sleep(time.Duration(rnd.Int63n(int64(time.Second)))) // any phase of the window
-				var st localbucket.State
-				var log strings.Builder
-				bad := 0
-				step := func() {
-					now := time.Now().UnixNano()
-					r := take(h, now, key, lim, 1)
-					var want localbucket.Result
-					st, want = lim.Take(st, now, 1)
-					fmt.Fprintf(&log, " %v", r.Allowed)
-					if want.Allowed && !r.Allowed {
-						fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
-						bad++
-					}
+		const pause = time.Second + 20*time.Millisecond
+		lim := mustLimit(t, alg, 5, time.Second)
+		for trial := range 2 {
+			key := fmt.Sprintf("rl:again:{%d-%d-%d}", alg, trial, time.Now().UnixNano())
+			time.Sleep(time.Duration(rnd.Int63n(int64(time.Second)))) // any phase of the window
+			var st localbucket.State
+			var log strings.Builder
+			bad := 0
+			step := func() {
+				now := time.Now().UnixNano()
+				r := take(h, now, key, lim, 1)
+				var want localbucket.Result
+				st, want = lim.Take(st, now, 1)
+				fmt.Fprintf(&log, " %v", r.Allowed)
+				if want.Allowed && !r.Allowed {
+					fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
+					bad++
 				}
-				for range 6 {
-					step()
-				}
-				time.Sleep(pause)
-				log.WriteString(" |")
-				for range 6 {
-					step()
-				}
-				if bad > 0 {
-					t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, bad, log.String())
-				}
+			}
+			for range 6 {
+				step()
+			}
+			time.Sleep(pause)
+			log.WriteString(" |")
+			for range 6 {
+				step()
+			}
+			if bad > 0 {
+				t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, bad, log.String())
 			}
 		}
 	}

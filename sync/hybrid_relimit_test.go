@@ -38,7 +38,7 @@ func TestHybridLoweredLimitMovesAllowance(t *testing.T) {
 			syncAll(t, now, h)
 			sh := &h.shards[h.shardOf([]byte(key))]
 			sh.mu.Lock()
-			a := h.allowance(sh.m[key], now, h.creditShares())
+			a := h.allowance(sh.m[key], now, project(sh.m[key], now), h.creditShares())
 			sh.mu.Unlock()
 			if a < 2 {
 				t.Fatalf("allowance under the old limit %v: the test shows nothing", a)

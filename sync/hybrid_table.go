@@ -231,7 +231,12 @@ func (e *hentry) resetNs() int64 {
 	if e.lim.Algorithm() != localbucket.SlidingWindow {
 		return int64(e.vt)
 	}
-	s := e.slide()
+	return e.slideReset(e.slide())
+}
+
+// slideReset is a sliding window view's resetNs, from its slide s (e.slide()): one
+// computation of it for the callers that need both.
+func (e *hentry) slideReset(s slideView) int64 {
 	var at int64
 	switch {
 	case s.q > 0: // until the current window's count weighs less than one

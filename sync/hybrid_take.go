@@ -667,7 +667,8 @@ func project(e *hentry, now int64) float64 {
 	case localbucket.TokenBucket:
 		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
 	case localbucket.SlidingWindow:
-		if r := e.resetNs(); r > 0 && age >= r {
+		sv := e.slide()
+		if r := e.slideReset(sv); r > 0 && age >= r {
 			return c
 		}
 		// The previous window's share frees at its own pace (the limit's pace overstated
@@ -677,7 +678,6 @@ func project(e *hentry, now int64) float64 {
 		// until Redis's retry for one unit had passed: a cost of 4 that the fallen share
 		// made room for was refused (retry 1 ms) until the next sync, and questions said
 		// 3 left where the exact mode said 4.
-		sv := e.slide()
 		est := 0.0
 		switch end := sv.start + sv.w; {
 		case now < end:
@@ -705,12 +705,13 @@ func project(e *hentry, now int64) float64 {
 // (docs/accuracy.md).
 func (h *Hybrid) creditShares() float64 { return float64(2 * h.counts.most.Load()) }
 
-// growth is the credit the refill since e's view adds to this daemon's share.
-func (h *Hybrid) growth(e *hentry, now int64, n float64) float64 {
+// growth is the credit the refill since e's view adds to this daemon's share, its
+// view projected to now being proj (project).
+func (h *Hybrid) growth(e *hentry, proj, n float64) float64 {
 	if e.synced == 0 || e.flags&flagShared != 0 {
 		return 0
 	}
-	return math.Floor(max(0, project(e, now))/n) - math.Floor(max(0, e.view)/n)
+	return math.Floor(max(0, proj)/n) - math.Floor(max(0, e.view)/n)
 }
 
 // fixedLeft is the time from now until the end of now's window of e's fixed window
@@ -784,12 +785,13 @@ const leaveAfter = heldWait
 const heldWait = 10
 
 // allowance is what e may admit locally at now: its grant left, plus its credit and the
-// credit's growth while the credit has not lapsed (creditLife).
-func (h *Hybrid) allowance(e *hentry, now int64, n float64) float64 {
+// credit's growth while the credit has not lapsed (creditLife); proj is its view
+// projected to now (project).
+func (h *Hybrid) allowance(e *hentry, now int64, proj, n float64) float64 {
 	if e.synced > 0 && now-e.synced > int64(creditLife) {
 		return min(e.allowance, float64(e.grant)-float64(e.pending))
 	}
-	return e.allowance + h.growth(e, now, n)
+	return e.allowance + h.growth(e, proj, n)
 }
 
 // resetOf is the time until e's key is full again (token bucket) or empty (windows),
@@ -816,9 +818,18 @@ func (h *Hybrid) resetOf(e *hentry, now int64, pending uint64) int64 {
 }
 
 func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
+	var s slideView // a sliding window's view (e.slide), worked out once
+	sliding := e.synced > 0 && e.lim.Algorithm() == localbucket.SlidingWindow
+	if sliding {
+		s = e.slide()
+	}
 	base := int64(0)
 	if e.synced > 0 {
-		base = max(0, e.resetNs()-(now-e.synced))
+		r := int64(e.vt) // e.resetNs()
+		if sliding {
+			r = e.slideReset(s)
+		}
+		base = max(0, r-(now-e.synced))
 	}
 	unseen := int64(pending) - int64(e.grant)
 	lim := e.lim
@@ -851,8 +862,8 @@ func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
 		// TIME (fixedLeft). Before, aligned on the daemon's monotonic clock: 200 ms off
 		// the wall clock, 500 ms windows, the reset was 200 or 300 ms off.
 		q, start := float64(unseen), now+h.fixedLeft(e, now)-w
-		if e.synced > 0 {
-			if s := e.slide(); now < s.start+w {
+		if sliding {
+			if now < s.start+w {
 				q, start = q+s.q, s.start
 			} else {
 				start = s.start + (now-s.start)/w*w
@@ -995,7 +1006,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 		}
 	case turned:
 		// Not from the allowance: by an exact sync (fetch, below).
-	case h.allowance(e, now, n) >= need:
+	case h.allowance(e, now, proj, n) >= need:
 		r.Allowed = true
 		return r, false, false, false
 	}
