@@ -217,3 +217,35 @@ func TestHybridFixedWindowRetryAfterTheTurn(t *testing.T) {
 		}
 	}
 }
+
+// A token bucket's grants that exact syncs reserved and their requests used at once are
+// not reported (no sync follows them), so Redis holds them in g until the holders sync
+// the key again or the bucket is full. A second after the key's last reservation they
+// no longer count as units other daemons hold: a client whose requests rotate over 3
+// daemons at 3 an hour, refused at its 4th, is told when its next unit comes (about 20
+// minutes), not the next sync. Before, every such refusal said 100 ms for up to the
+// hour the bucket took to fill, and each retry was refused again.
+func TestHybridUsedGrantsHeldOnlyAShortWhile(t *testing.T) {
+	rdb := standalone(t)
+	hs := []*Hybrid{
+		NewHybrid(rdb, HybridOptions{ID: "a", FetchWait: time.Second}),
+		NewHybrid(rdb, HybridOptions{ID: "b", FetchWait: time.Second}),
+		NewHybrid(rdb, HybridOptions{ID: "c", FetchWait: time.Second}),
+	}
+	seeEachOther(t, "used", hs...)
+	lim := mustLimit(t, localbucket.TokenBucket, 3, time.Hour)
+	key := fmt.Sprintf("rl:used-held:{%d}", time.Now().UnixNano())
+	for i, h := range hs {
+		if r := take(h, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+			t.Fatalf("request %d of 3 refused: %+v", i+1, r)
+		}
+	}
+	time.Sleep(1100 * time.Millisecond)
+	r := take(hs[0], time.Now().UnixNano(), key, lim, 1)
+	if r.Allowed {
+		t.Fatal("a 4th request of 3 an hour admitted")
+	}
+	if r.RetryAfter < int64(19*time.Minute) {
+		t.Errorf("the 4th request refused with retry %v, where the next unit comes in about 20 minutes", time.Duration(r.RetryAfter))
+	}
+}

@@ -102,6 +102,9 @@ local id = ARGV[1]
 local nums = ARGV[2]
 local interval, replicas, min_ttl, share_epochs, extra, nlimits, beat_ttl, pos = struct.unpack('<i8i8i8i8i8i8i8', nums)
 replicas = math.max(1, replicas)
+-- How long a token bucket's grants count as held by other daemons after the key's last
+-- reservation (gt, below): ten intervals, a second at the default, the daemons' heldWait.
+local held_for = 10 * interval
 
 -- tb_eps is what a token bucket's count of units (a quotient by T, window / requests,
 -- of microsecond times near 2^51) is given to make up for the doubles' rounding: up to
@@ -266,12 +269,12 @@ for i = 1, nkeys do
     if win then
       h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'e', 'dc', 'dp', 'g', 'sn')
     else
-      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er', 'g', 'sn')
+      h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'e', 'dc', 'dp', 'er', 'g', 'gt', 'sn')
     end
   elseif win then
     h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'n', 'p', 'g', 'sn')
   else
-    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er', 'g', 'sn')
+    h = redis.pcall('HMGET', key, 't', rfield, 'o', 'x', 'k', 'hx', 'gx', 'er', 'g', 'gt', 'sn')
   end
   if h.err then
     -- not served here (a slot moved): nothing touched
@@ -304,8 +307,11 @@ for i = 1, nkeys do
     -- A token bucket's emission interval t counts in (ns; global.lua's field too), the
     -- last in h.
     local er = nil
+    -- And when units were last reserved in g (µs; gt, before sn, the last in h).
+    local gt = nil
     if not win then
       if mode == 0 and demand > 0 then er = tonumber(h[11]) else er = tonumber(h[8]) end
+      gt = tonumber(h[#h - 1])
     end
 
     -- What the daemon used beyond (or short of) its last grant. If the key is gone
@@ -680,6 +686,7 @@ for i = 1, nkeys do
       local tau = burst * T
       t = math.max(t, now) + reserve * T
       g = g + reserve
+      if reserve > 0 then gt = false end -- now (written below)
       local left = (now + tau - t) / T - res + tb_eps(T)
       avail = left
       remaining = math.max(0, math.floor(left))
@@ -725,6 +732,9 @@ for i = 1, nkeys do
     end
     if g ~= g0 then
       f[#f + 1] = 'g'; f[#f + 1] = g
+    end
+    if gt == false then
+      f[#f + 1] = 'gt'; f[#f + 1] = now
     end
     if cutf then
       for j = 1, #cutf do f[#f + 1] = cutf[j] end
@@ -841,7 +851,18 @@ for i = 1, nkeys do
     -- 100 a minute, was told 39 s while its units were reserved, free again within half
     -- a second) nor when the bucket refills (8 an hour, 12 requests at once over 3
     -- daemons: 7 admitted, the rest told 450 s while a unit came free within 200 ms).
-    if math.min(win and n or (t - now) / (window / requests), g - grant + res) >= 1 then flags = flags + 2 end
+    --
+    -- Not a token bucket's grants reserved held_for or longer ago (gt): one used exactly,
+    -- the usual end of an exact sync, is not reported (a report would cost a periodic
+    -- sync where none is made), and its units stay in g until the holder's next sync of
+    -- the key or the bucket is full. Counted, a client whose requests rotate over 3
+    -- daemons at 3 an hour was told 100 ms at every refusal for up to an hour, where
+    -- its next unit was 20 minutes away; now for a second at most after the last
+    -- reservation. (A grant still unused after that comes back unannounced: a retry
+    -- told the refill is then later than it could be, never earlier.)
+    local others = g - grant
+    if gt and now - gt >= held_for then others = 0 end
+    if math.min(win and n or (t - now) / (window / requests), others + res) >= 1 then flags = flags + 2 end
     -- The key holds units a cut left out (gu): the view, at this rate, does not count
     -- them, and a raise of the daemon's limit must not give them as room.
     if gukept then flags = flags + 4 end
