@@ -76,7 +76,8 @@ func TestE2EHybridBurstsOnOneDaemonAsExact(t *testing.T) {
 }
 
 // One client, one hybrid daemon: a burst sent one check after another through a
-// window's turn, 1,000 per second from 20 ms before it to 200 ms after, each answer
+// window's turn, 1,000 per second from 20 ms before it to 200 ms after (the key's first
+// check 120 ms before it), each answer
 // beside a local bucket's at the time it was sent. What it admitted before the turn is
 // counted in the window it was admitted in: asked once the burst is over, the daemon
 // says what is left as the exact mode counts the units before and after the turn (a
@@ -112,18 +113,26 @@ func TestE2EHybridBurstAcrossTheTurn(t *testing.T) {
 			l := proto.InlineLimit{Key: fmt.Sprintf("turn-%v-%d-%d", alg, trial, time.Now().UnixNano()),
 				Limit: limit, WindowMs: uint64(window / time.Millisecond), Algorithm: alg.String(), Mode: "hybrid"}
 			now := time.Now().UnixNano()
-			if wait := w - now%w - int64(20*time.Millisecond); wait > 0 {
+			if wait := w - now%w - int64(120*time.Millisecond); wait > 0 {
 				time.Sleep(time.Duration(wait))
 			} else {
 				time.Sleep(time.Duration(wait + w))
 			}
-			start := time.Now().UnixNano()
-			turn := start - start%w + w
-			if turn-start > w/2 {
+			first := time.Now().UnixNano()
+			turn := first - first%w + w
+			if turn-first > w/2 {
 				continue // the machine slept through the turn: not this case
 			}
+			// The key's first unit, on credit before any view (of no certain window: dated
+			// by its age), then its first sync, 50 ms later at most, before the burst.
 			var st localbucket.State
-			before, after, lateN := 0, 0, 0
+			st, _ = lim.Take(st, first, 1)
+			if !check(l, 1).Allowed {
+				t.Fatal("the key's first check was refused")
+			}
+			time.Sleep(time.Duration(turn - int64(20*time.Millisecond) - time.Now().UnixNano()))
+			start := time.Now().UnixNano()
+			before, after, lateN := 1, 0, 0
 			var late []string
 			for now := start; now < turn+int64(200*time.Millisecond); now = time.Now().UnixNano() {
 				r := check(l, 1)
@@ -140,7 +149,7 @@ func TestE2EHybridBurstAcrossTheTurn(t *testing.T) {
 					}
 				}
 			}
-			if before < 50 || before >= limit/2-1 || time.Now().UnixNano()-turn > int64(400*time.Millisecond) {
+			if before < 50 || before >= limit/2-1 || start >= turn || time.Now().UnixNano()-turn > int64(400*time.Millisecond) {
 				// Too few before the turn, or too slow after it: the machine was too busy
 				// for this case. Or too many: the key's credit (half its room) ran out
 				// before the turn, and the exact sync that followed counted them then.
