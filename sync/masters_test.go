@@ -380,17 +380,27 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 // hybrid mode: keys on the two others keep fresh allowances, synced every interval or
 // so (their syncs do not wait for the frozen master), and are decided as usual (none
 // refused, none Unreachable); the frozen master's keys go stale and are refused as
-// Unreachable (the caller's policy decides). After SIGCONT all are decided normally
-// again, and Redis counts exactly what was admitted.
+// Unreachable (the caller's policy decides); a key of the frozen master first seen
+// after the freeze, which no sync has brought a view of, costs a check FetchWait at most,
+// never a call's timeout. After SIGCONT all are decided normally again, and Redis counts
+// exactly what was admitted.
 func TestHybridClusterFrozenMaster(t *testing.T) {
-	// A call waits up to 3 s (the client's timeout and Run's): a sync that waited for
-	// the frozen master would leave the healthy ones' keys unsynced at least that long,
-	// far beyond the 1.5 s the test allows them. With 1 s and 700 ms, a process not
-	// scheduled for 750 ms on a loaded machine (-race, load 8) failed it: no tick, no
-	// sync and no check ran in that time.
+	// A call to Redis waits up to 3 s (the client's timeout and Run's): a sync that
+	// waited for the frozen master would leave the healthy ones' keys unsynced at least
+	// that long, far beyond the 1.5 s the test allows them. With 1 s and 700 ms, a
+	// process not scheduled for 750 ms on a loaded machine (-race, load 8) failed it: no
+	// tick, no sync and no check ran in that time.
 	const callWait = 3 * time.Second
+	// A check waits for an exact sync up to FetchWait, which the package's tests raise to
+	// 5 s (fetchwait_test.go), past the whole freeze: a key of the frozen master whose
+	// first sync had not landed when it froze (the warm-up's syncs late, load 20) had no
+	// allowance, and its check waited 5 s for an exact sync, the test's loop with it: 6
+	// checks of the healthy masters' keys in the freeze, and no sync of them to keep
+	// Healthy true. The daemon's FetchWait is --global-timeout (at least 25 ms), never
+	// above its syncs' client timeout.
+	const fetchWait = 100 * time.Millisecond
 	cl, rdb, m, keys := clusterMastersWait(t, 300*time.Millisecond, "rl:hfm", 3, callWait)
-	h := NewHybrid(rdb, HybridOptions{Interval: 50 * time.Millisecond}).WithMasters(m)
+	h := NewHybrid(rdb, HybridOptions{Interval: 50 * time.Millisecond, FetchWait: fetchWait}).WithMasters(m)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg gosync.WaitGroup
 	wg.Add(2)
@@ -442,15 +452,45 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 			}
 		}
 	}
-	// Warm: every key has a fresh view from its master.
+	synced := func(k string) int64 {
+		sh := &h.shards[h.shardOf([]byte(k))]
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		if e := sh.m[k]; e != nil {
+			return e.synced
+		}
+		return 0
+	}
+	// Warm: every key has a view from its master (a check admitted on a key new here
+	// was admitted on credit, before its first sync), then a few syncs.
 	for _, ks := range keys {
 		admitAll(ks, "before the freeze")
 	}
-	time.Sleep(200 * time.Millisecond) // a few syncs
+	warm := time.Now().Add(10 * time.Second)
+	for _, ks := range keys {
+		for _, k := range ks {
+			for synced(k) == 0 {
+				if time.Now().After(warm) {
+					t.Fatalf("%s: no sync within 10 s", k)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
 
 	frozenAddr := cl.Addrs[0]
+	// A key of the frozen master first checked after the freeze: no view of it, so
+	// once its first unit (on credit) is spent only an exact sync could decide it.
+	fresh := ""
+	for i := 0; fresh == ""; i++ {
+		if k := fmt.Sprintf("rl:hfm:new:{user=%d}", i); m.ForKey(k).Addr == frozenAddr {
+			fresh = k
+		}
+	}
 	frozen := node(t, cl, frozenAddr)
 	frozen.Freeze()
+	keys[frozenAddr] = append(keys[frozenAddr], fresh)
 	thawed := false
 	defer func() {
 		if !thawed {
@@ -473,13 +513,10 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 		last  int64 // when the key was last checked
 	}
 	waits := map[string]*syncWait{}
-	var worstWait time.Duration
-	var worstKey string
+	var worstWait, longest time.Duration
+	var worstKey, longestKey string
 	waited := func(k string) {
-		sh := &h.shards[h.shardOf([]byte(k))]
-		sh.mu.Lock()
-		synced := sh.m[k].synced
-		sh.mu.Unlock()
+		synced := synced(k)
 		now := time.Now().UnixNano() // after the check: a sync whose time is past it took its unit
 		w := waits[k]
 		if w == nil {
@@ -513,7 +550,11 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 	for time.Since(start) < freeze {
 		for a, ks := range keys {
 			for _, k := range ks {
+				t0 := time.Now()
 				ok, unreachable := decide(k)
+				if d := time.Since(t0); d > longest {
+					longest, longestKey = d, k
+				}
 				if a != frozenAddr {
 					waited(k)
 					healthyChecks++
@@ -540,7 +581,13 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 	if healthyBad != 0 {
 		t.Errorf("%d of %d checks on healthy masters' keys refused; first: %s", healthyBad, healthyChecks, firstBad)
 	}
-	t.Logf("a unit admitted on a healthy master's key waited at worst %s for a sync (%s)", worstWait.Round(time.Millisecond), worstKey)
+	t.Logf("a unit admitted on a healthy master's key waited at worst %s for a sync (%s); the longest check took %s (%s)",
+		worstWait.Round(time.Millisecond), worstKey, longest.Round(time.Millisecond), longestKey)
+	// FetchWait for the batch in flight and for its own, and FetchWait for another's sync
+	// of the key: not a call's 3 s timeout, which the test's loop would wait with it.
+	if longest > callWait/2 {
+		t.Errorf("a check of %s took %s (FetchWait %s): it waited for the frozen master's call", longestKey, longest, fetchWait)
+	}
 	if worstWait > callWait/2 {
 		t.Errorf("a unit admitted on %s waited %s for a sync (interval 50 ms): its syncs waited for the frozen master", worstKey, worstWait)
 	}
