@@ -141,6 +141,15 @@ local epoch = math.floor(now / interval)
 -- microseconds of a timestamp.
 local function num(x) return string.format('%.17g', x) end
 
+-- count_at adds units admitted at time at (µs) to a window's counts n (the window that
+-- began at t) and p (the one before, a sliding window's), and returns them: units of an
+-- older window, or of a fixed window's before, count nowhere now.
+local function count_at(at, units, t, window, alg, n, p)
+  if at >= t then return n + units, p end
+  if alg == 1 and at >= t - window then return n, p + units end
+  return n, p
+end
+
 -- The fields a key's sync reads (hmget below): its own record, the last user and the
 -- shared mark always; the window counts for windows; the demand epochs only when this
 -- sync brings demand for a share grant (nothing else reads or writes them). Fewer
@@ -594,11 +603,7 @@ for i = 1, nkeys do
         if since_lost > 0 then
           local at = now - age
           if dated then at = view_window end
-          if at >= t then
-            n = n + since_lost
-          elseif alg == 1 and at >= t - window then
-            p = p + since_lost
-          end
+          n, p = count_at(at, since_lost, t, window, alg, n, p)
         end
       elseif prev and not replay and not resent then
         -- The units were admitted in the window before the grant's, while the sync that
@@ -612,13 +617,7 @@ for i = 1, nkeys do
         elseif alg == 1 and grant_window == t - window then
           p = math.max(0, p - settled_grant)
         end
-        if used > 0 then
-          if view_window >= t then
-            n = n + used
-          elseif alg == 1 and view_window >= t - window then
-            p = p + used
-          end
-        end
+        if used > 0 then n, p = count_at(view_window, used, t, window, alg, n, p) end
       elseif grant_window == t then
         n = math.max(0, n + settle)
         g = math.max(0, g - settled_grant)
@@ -630,11 +629,7 @@ for i = 1, nkeys do
       elseif settle > 0 then
         local at = now - age
         if dated then at = view_window end
-        if at >= t then
-          n = n + settle
-        elseif alg == 1 and at >= t - window then
-          p = p + settle
-        end
+        n, p = count_at(at, settle, t, window, alg, n, p)
       end
       wstart = t
       if alg == 2 then
