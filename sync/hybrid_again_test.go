@@ -31,30 +31,17 @@ func TestHybridBurstAgainAfterAFullWindow(t *testing.T) {
 		for trial := range 2 {
 			key := fmt.Sprintf("rl:again:{%d-%d-%d}", alg, trial, time.Now().UnixNano())
 			time.Sleep(time.Duration(rnd.Int63n(int64(time.Second)))) // any phase of the window
-			var st localbucket.State
-			var log strings.Builder
-			bad := 0
-			step := func() {
-				now := time.Now().UnixNano()
-				r := take(h, now, key, lim, 1)
-				var want localbucket.Result
-				st, want = lim.Take(st, now, 1)
-				fmt.Fprintf(&log, " %v", r.Allowed)
-				if want.Allowed && !r.Allowed {
-					fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
-					bad++
-				}
-			}
+			b := &beside{h: h, key: key, lim: lim}
 			for range 6 {
-				step()
+				b.step()
 			}
 			time.Sleep(pause)
-			log.WriteString(" |")
+			b.log.WriteString(" |")
 			for range 6 {
-				step()
+				b.step()
 			}
-			if bad > 0 {
-				t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, bad, log.String())
+			if b.bad > 0 {
+				t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, b.bad, b.log.String())
 			}
 		}
 	}
@@ -79,27 +66,18 @@ func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
 	for trial := 0; trial < 8 && ran < 4; trial++ {
 		key := fmt.Sprintf("rl:again-turn:{%d-%d}", trial, time.Now().UnixNano())
 		sleepUntilBeforeTheEnd(window, 50*time.Millisecond)
-		var st localbucket.State
-		var log strings.Builder
-		bad := 0
+		b := &beside{h: h, key: key, lim: lim}
+		log := &b.log
 		var last localbucket.Result
 		step := func() {
-			now := time.Now().UnixNano()
-			r := take(h, now, key, lim, 1)
-			var want localbucket.Result
-			st, want = lim.Take(st, now, 1)
-			fmt.Fprintf(&log, " %v", r.Allowed)
-			if want.Allowed && !r.Allowed {
-				fmt.Fprintf(&log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
-				bad++
-			}
+			r, want := b.step()
 			// Not past the window's end, but for the view's sync's duration (added to
 			// every retry, so that none is early by it) and a few ms.
 			if lag := lagNs(entryOf(h, key).lag); !r.Allowed && !want.Allowed &&
 				r.RetryAfter > want.RetryAfter+lag+int64(5*time.Millisecond) {
-				fmt.Fprintf(&log, "(retry %v, the window ends in %v, the sync took up to %v)",
+				fmt.Fprintf(log, "(retry %v, the window ends in %v, the sync took up to %v)",
 					time.Duration(r.RetryAfter), time.Duration(want.RetryAfter), time.Duration(lag))
-				bad++
+				b.bad++
 			}
 			last = r
 		}
@@ -128,8 +106,8 @@ func TestHybridFixedWindowBurstAfterTheTurn(t *testing.T) {
 			step()
 		}
 		ran++
-		if bad > 0 {
-			t.Errorf("trial %d: %d answers unlike the exact mode's:%s", trial, bad, log.String())
+		if b.bad > 0 {
+			t.Errorf("trial %d: %d answers unlike the exact mode's:%s", trial, b.bad, log.String())
 		}
 	}
 	if ran == 0 {
@@ -200,6 +178,30 @@ func sleepUntilBeforeTheEnd(w, d time.Duration) {
 		wait += int64(w)
 	}
 	time.Sleep(time.Duration(wait))
+}
+
+// beside takes one unit of key on h at a time, each beside a local bucket's answer at
+// the same time (the exact mode's): log holds the answers, bad counts the refusals the
+// exact mode does not make.
+type beside struct {
+	h   *Hybrid
+	key string
+	lim *localbucket.Limit
+	st  localbucket.State
+	log strings.Builder
+	bad int
+}
+
+func (b *beside) step() (r, want localbucket.Result) {
+	now := time.Now().UnixNano()
+	r = take(b.h, now, b.key, b.lim, 1)
+	b.st, want = b.lim.Take(b.st, now, 1)
+	fmt.Fprintf(&b.log, " %v", r.Allowed)
+	if want.Allowed && !r.Allowed {
+		fmt.Fprintf(&b.log, "(exact: admitted; retry %v)", time.Duration(r.RetryAfter))
+		b.bad++
+	}
+	return r, want
 }
 
 // The same for a sliding window: units admitted on credit just before its window ended
