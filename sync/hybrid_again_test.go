@@ -180,6 +180,18 @@ func sleepUntilBeforeTheEnd(w, d time.Duration) {
 	time.Sleep(time.Duration(wait))
 }
 
+// syncedAt is when key's view on h was read (its entry's synced; 0: never), read under
+// its shard's lock: h's syncs (Run) write it meanwhile.
+func syncedAt(h *Hybrid, key string) int64 {
+	sh := &h.shards[h.shardOf([]byte(key))]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e := sh.m[key]; e != nil {
+		return e.synced
+	}
+	return 0
+}
+
 // beside takes one unit of key on h at a time, each beside a local bucket's answer at
 // the same time (the exact mode's): log holds the answers, bad counts the refusals the
 // exact mode does not make.
@@ -299,10 +311,10 @@ func TestHybridBurstAcrossTheTurn(t *testing.T) {
 			if !take(h, first, key, lim, 1).Allowed {
 				t.Fatal("the key's first request was refused")
 			}
-			for entryOf(h, key).synced == 0 && time.Now().UnixNano() < turn-int64(25*time.Millisecond) {
+			for syncedAt(h, key) == 0 && time.Now().UnixNano() < turn-int64(25*time.Millisecond) {
 				time.Sleep(time.Millisecond)
 			}
-			if entryOf(h, key).synced == 0 {
+			if syncedAt(h, key) == 0 {
 				continue // no view before the burst: the machine was too busy for this case
 			}
 			time.Sleep(time.Duration(turn - int64(20*time.Millisecond) - time.Now().UnixNano()))
