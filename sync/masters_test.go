@@ -452,15 +452,6 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 			}
 		}
 	}
-	synced := func(k string) int64 {
-		sh := &h.shards[h.shardOf([]byte(k))]
-		sh.mu.Lock()
-		defer sh.mu.Unlock()
-		if e := sh.m[k]; e != nil {
-			return e.synced
-		}
-		return 0
-	}
 	// Warm: every key has a view from its master (a check admitted on a key new here
 	// was admitted on credit, before its first sync), then a few syncs.
 	for _, ks := range keys {
@@ -469,7 +460,7 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 	warm := time.Now().Add(10 * time.Second)
 	for _, ks := range keys {
 		for _, k := range ks {
-			for synced(k) == 0 {
+			for syncedAt(h, k) == 0 {
 				if time.Now().After(warm) {
 					t.Fatalf("%s: no sync within 10 s", k)
 				}
@@ -516,7 +507,7 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 	var worstWait, longest time.Duration
 	var worstKey, longestKey string
 	waited := func(k string) {
-		synced := synced(k)
+		synced := syncedAt(h, k)
 		now := time.Now().UnixNano() // after the check: a sync whose time is past it took its unit
 		w := waits[k]
 		if w == nil {
