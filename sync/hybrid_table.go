@@ -344,6 +344,35 @@ type slideView struct {
 	start, w int64
 }
 
+// slideAt is a sliding window view's slide and its reset (slideReset), worked out once
+// for a check: its projection (project), its resets (resetOf) before and after it is
+// charged, and a refusal's retry. Each worked them out afresh, a third of a sliding
+// window's check admitted on credit (BenchmarkHybridTakeOnCredit). lim is the limit they
+// were worked out under (nil: not a sliding window's view): a reload's or another
+// plan's limit (relimit) moves the view, and with it the slide.
+type slideAt struct {
+	s     slideView
+	reset int64
+	lim   *localbucket.Limit
+}
+
+// slideAt returns e's slideAt; the zero value for a view that is not a sliding window's.
+func (e *hentry) slideAt() (v slideAt) {
+	if e.synced > 0 && e.lim.Algorithm() == localbucket.SlidingWindow {
+		v.s = e.slide()
+		v.reset, v.lim = e.slideReset(v.s), e.lim
+	}
+	return v
+}
+
+// of returns v if it was worked out under e's limit, else e's slideAt afresh.
+func (v *slideAt) of(e *hentry) *slideAt {
+	if v.lim != e.lim && e.synced > 0 && e.lim.Algorithm() == localbucket.SlidingWindow {
+		*v = e.slideAt()
+	}
+	return v
+}
+
 // slideMargin covers the µs Redis counts in, against the ns here.
 const slideMargin = int64(time.Microsecond)
 

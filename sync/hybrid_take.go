@@ -41,6 +41,7 @@ type HybridOp struct {
 	// batch on the same key (two identical inline limits, or Envoy descriptors): each is
 	// decided as if the ones before it were charged, as the exact mode decides them.
 	upTo uint64
+	sv   slideAt // its key's slide, worked out once for the check (set by Take)
 }
 
 // Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
@@ -158,11 +159,12 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		sh.mu.Lock()
 		e := sh.m[string(op.Key)]
 		if e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
-			op.Result, _, _, _ = h.decide(sh, e, now, 0, n, false, false, false, op.Shadow)
+			sv := e.slideAt()
+			op.Result, _, _, _ = h.decide(sh, e, &sv, now, 0, n, false, false, false, op.Shadow)
 			if upTo > 0 && (!op.Result.Allowed || op.Result.Remaining < upTo) {
 				// No room for the cost (or above the capacity): judged as Take judges it
 				// from the view, without a sync.
-				op.Result, _, _, _ = h.decide(sh, e, now, upTo, n, false, false, false, op.Shadow)
+				op.Result, _, _, _ = h.decide(sh, e, &sv, now, upTo, n, false, false, false, op.Shadow)
 				if d := upTo - op.Cost; d > 0 && !op.Result.Allowed {
 					op.Result.Remaining = subFloor(op.Result.Remaining, d)
 				}
@@ -175,7 +177,8 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 				// only have used more since (RefusedByView). Reported unasked instead, its
 				// retry went unsaid, and a client banned by another rule was told the ban's
 				// 2.9 s where the exact mode says this rule's hour.
-				if r, _, _, unreachable := h.decide(sh, e, now, upTo, n, false, false, true, false); !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
+				sv := e.slideAt()
+				if r, _, _, unreachable := h.decide(sh, e, &sv, now, upTo, n, false, false, true, false); !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
 					op.Result = r
 					if d := upTo - op.Cost; d > 0 {
 						op.Result.Remaining = subFloor(op.Result.Remaining, d)
@@ -211,7 +214,8 @@ func (h *Hybrid) RefusedByView(now int64, ops []HybridOp) bool {
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil && e.synced > 0 && *e.lim == *op.Limit {
-			r, _, _, unreachable := h.decide(sh, e, now, op.Cost, n, false, false, true, false)
+			sv := e.slideAt()
+			r, _, _, unreachable := h.decide(sh, e, &sv, now, op.Cost, n, false, false, true, false)
 			if !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
 				op.Result = r
 				refused = true
@@ -354,7 +358,8 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			continue
 		}
 		var f bool
-		op.Result, f, op.room, op.Unreachable = h.decide(sh, e, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
+		op.sv = e.slideAt()
+		op.Result, f, op.room, op.Unreachable = h.decide(sh, e, &op.sv, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
 		if d := op.upTo - op.Cost; d > 0 && !op.Result.Allowed {
 			// Refused: what is left for it is what the ops before it on its key leave,
 			// as the exact mode reports it (3 per hour, 1 left, the same descriptor twice:
@@ -383,7 +388,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				for _, later := range ents[i+1:] {
 					if later == ents[i] {
 						op.room = false
-						if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
+						if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], &op.sv, now, 0, n, false, false, false, op.Shadow); r.Allowed {
 							op.Result, op.fetched, op.Unreachable = r, false, false
 						}
 						break
@@ -544,7 +549,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 		}
 		for i := range ops {
 			if op := &ops[i]; decider && op.room && !op.Result.Allowed {
-				if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], now, 0, n, false, false, false, op.Shadow); r.Allowed {
+				if r, _, _, _ := h.decide(&h.shards[op.shard], ents[i], &op.sv, now, 0, n, false, false, false, op.Shadow); r.Allowed {
 					op.Result, op.room, op.fetched, op.Unreachable = r, false, false, false
 				}
 			}
@@ -574,7 +579,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 				e.pending += cost
 				sh.markDirty(e)
 				op.Result.Remaining = subFloor(op.Result.Remaining, op.upTo)
-				op.Result.Reset = h.resetOf(e, now, sh.pendingOf(e))
+				op.Result.Reset = h.resetOf(e, now, sh.pendingOf(e), &op.sv)
 			}
 			if !op.Result.Allowed && !op.Result.Impossible && !op.fetched && !op.Unasked {
 				// Demand beyond the allowance: the next sync asks for a share grant.
@@ -653,6 +658,12 @@ func subFloor(a, b uint64) uint64 {
 // project returns what the key can admit at now beyond every reservation, by e's view
 // and the refill since (an upper bound for a sliding window).
 func project(e *hentry, now int64) float64 {
+	sv := e.slideAt()
+	return projectAt(e, now, &sv)
+}
+
+// projectAt is project with e's slide worked out (sv).
+func projectAt(e *hentry, now int64, sv *slideAt) float64 {
 	lim := e.lim
 	c := float64(lim.Capacity())
 	if e.synced == 0 {
@@ -667,8 +678,8 @@ func project(e *hentry, now int64) float64 {
 	case localbucket.TokenBucket:
 		v += float64(age) * float64(lim.Requests()) / float64(lim.Window())
 	case localbucket.SlidingWindow:
-		sv := e.slide()
-		if r := e.slideReset(sv); r > 0 && age >= r {
+		sv := sv.of(e)
+		if r := sv.reset; r > 0 && age >= r {
 			return c
 		}
 		// The previous window's share frees at its own pace (the limit's pace overstated
@@ -678,14 +689,14 @@ func project(e *hentry, now int64) float64 {
 		// until Redis's retry for one unit had passed: a cost of 4 that the fallen share
 		// made room for was refused (retry 1 ms) until the next sync, and questions said
 		// 3 left where the exact mode said 4.
-		est := 0.0
-		switch end := sv.start + sv.w; {
+		s, est := &sv.s, 0.0
+		switch end := s.start + s.w; {
 		case now < end:
-			est = math.Floor(sv.p*min(1, float64(end-now)/float64(sv.w))) + sv.q
-		case now < end+sv.w:
-			est = math.Floor(sv.q * float64(end+sv.w-now) / float64(sv.w))
+			est = math.Floor(s.p*min(1, float64(end-now)/float64(s.w))) + s.q
+		case now < end+s.w:
+			est = math.Floor(s.q * float64(end+s.w-now) / float64(s.w))
 		}
-		v = max(v, sv.r-est)
+		v = max(v, s.r-est)
 	default:
 		// A view whose reset is 0 with room short of the limit (nothing counted in its
 		// window, units reserved by other daemons' grants) says nothing of when it is
@@ -802,8 +813,8 @@ func (h *Hybrid) allowance(e *hentry, now int64, proj, n float64) float64 {
 // bucket Redis had at most a whole bucket from full (burst units at the limit's pace)
 // is no further than that: beyond, by no more than the lag and the rounding, the lag
 // is dropped. (Kept, a reset right after an exact sync said 10,001 ms of a 10 s window.)
-func (h *Hybrid) resetOf(e *hentry, now int64, pending uint64) int64 {
-	r := h.resetOfView(e, now, pending)
+func (h *Hybrid) resetOf(e *hentry, now int64, pending uint64, sv *slideAt) int64 {
+	r := h.resetOfView(e, now, pending, sv)
 	lim := e.lim
 	switch lim.Algorithm() {
 	case localbucket.TokenBucket:
@@ -817,17 +828,17 @@ func (h *Hybrid) resetOf(e *hentry, now int64, pending uint64) int64 {
 	return r
 }
 
-func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64) int64 {
-	var s slideView // a sliding window's view (e.slide), worked out once
+func (h *Hybrid) resetOfView(e *hentry, now int64, pending uint64, sv *slideAt) int64 {
+	var s slideView // a sliding window's view (e.slide)
 	sliding := e.synced > 0 && e.lim.Algorithm() == localbucket.SlidingWindow
 	if sliding {
-		s = e.slide()
+		s = sv.of(e).s
 	}
 	base := int64(0)
 	if e.synced > 0 {
 		r := int64(e.vt) // e.resetNs()
 		if sliding {
-			r = e.slideReset(s)
+			r = sv.reset
 		}
 		base = max(0, r-(now-e.synced))
 	}
@@ -929,14 +940,14 @@ func (h *Hybrid) stale(e *hentry, now int64) bool {
 	return e.synced == 0 || now-e.synced > 2*int64(h.interval)
 }
 
-func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64, mayFetch, waited, gaveUp, shadow bool) (r localbucket.Result, fetch, room, unreachable bool) {
+func (h *Hybrid) decide(sh *hshard, e *hentry, sv *slideAt, now int64, cost uint64, n float64, mayFetch, waited, gaveUp, shadow bool) (r localbucket.Result, fetch, room, unreachable bool) {
 	lim := e.lim
 	r.Limit = lim.Requests()
-	proj := project(e, now)
+	proj := projectAt(e, now, sv)
 	pending := sh.pendingOf(e)
 	unseen := max(0, float64(pending)-float64(e.grant))
 	r.Remaining = uint64(max(0, math.Floor(proj-unseen))) + subFloor(uint64(e.grant), pending)
-	r.Reset = h.resetOf(e, now, pending)
+	r.Reset = h.resetOf(e, now, pending, sv)
 	if r.Remaining >= lim.Capacity() {
 		// Full: nothing counted, reserved by another daemon or admitted here. The view's
 		// reset counts this daemon's grant as spent (and the sync's lag): a question on
@@ -1109,7 +1120,7 @@ func (h *Hybrid) decide(sh *hshard, e *hentry, now int64, cost uint64, n float64
 		// and not in Redis yet: at the previous window's pace, then at this one's. (The
 		// limit's pace, which this took before, is faster: 5 per 1.5 s, 4 taken, a
 		// cost of 2 was told 300 ms where the window's end was due.)
-		retry = e.slide().at(need, unseen) - now
+		retry = sv.of(e).s.at(need, unseen) - now
 	default:
 		// The view is Redis's at up to the sync's lag after e.synced (and a token
 		// bucket's count is given up to 2 µs of refill for the doubles' rounding,
