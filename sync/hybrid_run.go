@@ -46,45 +46,67 @@ func heartbeatKeys(base string, cluster bool) []string {
 // sent a heartbeat within ttl (the most any heartbeat set counts). It also updates the
 // replica count shares are sized by. It fails only if no heartbeat set answered.
 func (h *Hybrid) Heartbeat(ctx context.Context, id string, ttl time.Duration) (int, error) {
-	n, _, err := h.heartbeat(ctx, id, ttl, h.heartbeatKs)
+	keys := h.heartbeatKs
+	ns := make([]int64, len(keys))
+	errs := make([]error, len(keys))
+	each(len(keys), func(i int) { ns[i], errs[i] = h.beatKey(ctx, keys[i], id, ttl) })
+	return h.counted(keys, ns, errs)
+}
+
+// beatKey sends the heartbeat to the set at k alone, and records k's master as
+// answering as soon as it answers. One call per set, not one cluster pipeline for all:
+// a pipeline returns when its slowest node has answered, and a frozen master held the
+// others' answers back for its call's whole timeout (TestHybridClusterFrozenMasterIdle).
+func (h *Hybrid) beatKey(ctx context.Context, k, id string, ttl time.Duration) (int64, error) {
+	n, err := heartbeatScript.EvalSha(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
+	if isNoScriptErr(err) {
+		n, err = heartbeatScript.Eval(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
+	}
+	if err == nil {
+		h.answeredBy(h.masters.ForKey(k), h.clock())
+	}
 	return n, err
 }
 
-// heartbeat is Heartbeat to keys (some of heartbeatKs), also reporting which answered;
-// each key's master that answered is recorded as answering.
-func (h *Hybrid) heartbeat(ctx context.Context, id string, ttl time.Duration, keys []string) (int, []bool, error) {
-	pipe := h.rdb.Pipeline()
-	cmds := make([]*redis.Cmd, len(keys))
-	for i, k := range keys {
-		cmds[i] = heartbeatScript.EvalSha(ctx, pipe, []string{k}, id, ttl.Milliseconds())
-	}
-	_, err := pipe.Exec(ctx)
-	unanswered(err, cmds...)
-	keepAnswered(cmds...)
+// counted returns the count of live daemons the heartbeats to keys answered (ns, errs:
+// each key's reply), the most any set counts, and sets the replica count to it. It fails
+// only if no set answered; when some did, the others' errors come with the count.
+func (h *Hybrid) counted(keys []string, ns []int64, errs []error) (int, error) {
 	best := 0
-	var errs []error
-	oks := make([]bool, len(keys))
+	var failed []error
 	for i, k := range keys {
-		n, err := cmds[i].Int64()
-		if isNoScriptErr(err) {
-			n, err = heartbeatScript.Eval(ctx, h.rdb, []string{k}, id, ttl.Milliseconds()).Int64()
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", k, err))
+		if errs[i] != nil {
+			failed = append(failed, fmt.Errorf("%s: %w", k, errs[i]))
 			continue
 		}
-		oks[i] = true
-		h.answeredBy(h.masters.ForKey(k), h.clock())
-		best = max(best, int(n))
+		best = max(best, int(ns[i]))
 	}
 	if best == 0 {
-		return 0, oks, fmt.Errorf("heartbeat: %w", errors.Join(errs...))
+		return 0, fmt.Errorf("heartbeat: %w", errors.Join(failed...))
 	}
 	h.SetReplicas(best)
-	if len(errs) > 0 {
-		return best, oks, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(errs...))
+	if len(failed) > 0 {
+		return best, fmt.Errorf("heartbeat (counted from the others): %w", errors.Join(failed...))
 	}
-	return best, oks, nil
+	return best, nil
+}
+
+// each runs f(0) ... f(n-1), each on a goroutine of its own when there are several,
+// and returns when all have.
+func each(n int, f func(i int)) {
+	if n == 1 {
+		f(0)
+		return
+	}
+	var wg gosync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			f(i)
+		}()
+	}
+	wg.Wait()
 }
 
 //go:embed scripts/beat_age.lua
@@ -136,18 +158,20 @@ func (h *Hybrid) leave(ctx context.Context, id string) error {
 }
 
 // beatOnce sends a heartbeat to the sets whose masters' breakers let it (each master
-// asked once) and tells each breaker how its master answered. With a breaker per master
-// of a cluster it also pings, at the same time, each master holding no heartbeat set
-// whose breaker lets it, so a master no key of this daemon is synced to is judged
-// too: its keys go stale only when it stops answering. It returns the heartbeat's
-// count of live daemons (0: none answered, or none was sent), whether a heartbeat was
-// sent (with every breaker open, none is: no success to count), and its error.
+// asked once), each set a call of its own, at once, and tells each breaker how its master
+// answered as soon as it has. With a breaker per master of a cluster it also pings, at the
+// same time, each master holding no heartbeat set whose breaker lets it, so a master no
+// key of this daemon is synced to is judged too: its keys go stale only when it stops
+// answering. It returns the heartbeat's count of live daemons (0: none answered, or none
+// was sent), whether a heartbeat was sent (with every breaker open, none is: no success
+// to count), and its error.
 func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, bool, error) {
+	let := func(m *Master) bool { return m.breaker.Allow() }
 	var keys []string
 	var gates []masterGate
 	var keyGate []int
 	for _, k := range h.heartbeatKs {
-		g := gateOf(&gates, h.masters.ForKey(k), func(m *Master) bool { return m.breaker.Allow() })
+		g := gateOf(&gates, h.masters.ForKey(k), let)
 		if gates[g].ok {
 			keys = append(keys, k)
 			keyGate = append(keyGate, g)
@@ -161,7 +185,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 			for _, g := range gates {
 				held = held || g.m == m
 			}
-			if held || m.Addr == "" || !m.breaker.Allow() {
+			if held || m.Addr == "" || !let(m) {
 				continue
 			}
 			wg.Add(1)
@@ -174,26 +198,36 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 	n := 0
 	var err error
 	if len(keys) > 0 {
-		var oks []bool
-		sent := h.clock()
-		n, oks, err = h.heartbeat(ctx, id, ttl, keys)
-		answered := make([]bool, len(gates))
-		for i, ok := range oks {
-			answered[keyGate[i]] = answered[keyGate[i]] || ok
+		// Per master: its sets still to answer (mostly one), and whether one did.
+		left := make([]atomic.Int32, len(gates))
+		answered := make([]atomic.Bool, len(gates))
+		for _, g := range keyGate {
+			left[g].Add(1)
 		}
-		for g := range gates {
-			switch {
-			case !gates[g].ok:
-			case answered[g]:
-				gates[g].m.breaker.Success()
-			default:
-				gates[g].m.breaker.Failure()
+		ns := make([]int64, len(keys))
+		errs := make([]error, len(keys))
+		sent := h.clock()
+		each(len(keys), func(i int) {
+			g := keyGate[i]
+			ns[i], errs[i] = h.beatKey(ctx, keys[i], id, ttl)
+			if errs[i] == nil {
+				answered[g].Store(true)
+			}
+			if left[g].Add(-1) > 0 {
+				return
+			}
+			m := gates[g].m
+			if answered[g].Load() {
+				m.breaker.Success()
+			} else {
+				m.breaker.Failure()
 				// Not answering, as a failed sync says: a key new here is then decided by
 				// its rule's policy (degraded), not by a first unit of credit that Redis
 				// never sees. (A daemon started with Redis away has synced nothing yet.)
-				gates[g].m.failedSince(sent)
+				m.failedSince(sent)
 			}
-		}
+		})
+		n, err = h.counted(keys, ns, errs)
 	}
 	wg.Wait()
 	return n, len(keys) > 0, err
