@@ -157,16 +157,27 @@ func (h *Hybrid) leave(ctx context.Context, id string) error {
 	return nil
 }
 
-// beatOnce sends a heartbeat to the sets whose masters' breakers let it (each master
-// asked once), each set a call of its own, at once, and tells each breaker how its master
-// answered as soon as it has. With a breaker per master of a cluster it also pings, at the
-// same time, each master holding no heartbeat set whose breaker lets it, so a master no
-// key of this daemon is synced to is judged too: its keys go stale only when it stops
-// answering. It returns the heartbeat's count of live daemons (0: none answered, or none
-// was sent), whether a heartbeat was sent (with every breaker open, none is: no success
-// to count), and its error.
+// beatOnce sends a heartbeat to the sets whose masters let it (each master asked once):
+// its breaker lets it, and its last heartbeat is not still on its way (a master that does
+// not answer holds its own heartbeat for the call's timeout, not the others'). Each set
+// gets a call of its own, at once, and each master's breaker hears how it answered as
+// soon as it has. With a breaker per master of a cluster it also pings, at the same time,
+// each master holding no heartbeat set that lets it, so a master no key of this daemon
+// is synced to is judged too: its keys go stale only when it stops answering. It returns
+// the heartbeat's count of live daemons (0: none answered, or none was sent), whether a
+// heartbeat was sent (with every breaker open, none is: no success to count), and its
+// error.
 func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (int, bool, error) {
-	let := func(m *Master) bool { return m.breaker.Allow() }
+	let := func(m *Master) bool {
+		if !m.beating.CompareAndSwap(false, true) {
+			return false
+		}
+		if !m.breaker.Allow() {
+			m.beating.Store(false)
+			return false
+		}
+		return true
+	}
 	var keys []string
 	var gates []masterGate
 	var keyGate []int
@@ -191,6 +202,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
+				defer m.beating.Store(false)
 				h.ping(ctx, m, slotKeys()[t.first[i]])
 			}()
 		}
@@ -226,6 +238,7 @@ func (h *Hybrid) beatOnce(ctx context.Context, id string, ttl time.Duration) (in
 				// never sees. (A daemon started with Redis away has synced nothing yet.)
 				m.failedSince(sent)
 			}
+			m.beating.Store(false)
 		})
 		n, err = h.counted(keys, ns, errs)
 	}
@@ -352,7 +365,6 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 		defer errMu.Unlock()
 		onErr(err)
 	}
-	var beating atomic.Bool // a heartbeat on its way (breaker per master: on its own goroutine)
 	beatNow := func() {
 		c, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
@@ -371,14 +383,13 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			return
 		}
 		// A breaker per master: a master that does not answer its heartbeat (or ping)
-		// must not hold up the others' syncs.
-		if !beating.CompareAndSwap(false, true) {
-			return // the last one is still on its way
-		}
+		// must not hold up the others' syncs, nor their heartbeats. Each heartbeat skips
+		// the masters whose last one is still on its way (beatOnce); before, the whole
+		// heartbeat was skipped while a frozen master's call waited out its timeout, and
+		// the others' last answer grew two heartbeats old, StaleAfter.
 		syncs.Add(1)
 		go func() {
 			defer syncs.Done()
-			defer beating.Store(false)
 			beatNow()
 		}()
 	}

@@ -107,6 +107,8 @@ type Master struct {
 	calls combiner[*apCall]
 	// syncing: a periodic sync of its keys is on its way (Hybrid.flushEach).
 	syncing atomic.Bool
+	// beating: a heartbeat (or ping) to it is on its way (Hybrid.beatOnce).
+	beating atomic.Bool
 }
 
 // Breaker returns m's circuit breaker.
