@@ -9,9 +9,13 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
+
+// floodCallWait bounds each call to Redis of this file's floods: at standalone's 1 s, a
+// loaded machine's Redis took longer over one of a flood's calls (512 of 200000 keys not
+// synced: i/o timeout; 512 of 50000 in TestHybridCollectAllocatesItsItemsOnce's settle).
+const floodCallWait = 5 * time.Second
 
 // After a flood of new keys is synced, the shards give back what the flood grew at their
 // next sweep: the maps of units on their way (onWay) and the dirty lists' arrays. A Go map keeps the
@@ -20,7 +24,7 @@ import (
 // (BenchmarkMemoryAtMaxKeys, a heap profile of the daemon: 60 MB of onWay maps, none of
 // them holding an entry, and 41 MB of dirty lists).
 func TestHybridSyncGivesBackFloodMemory(t *testing.T) {
-	rdb := standalone(t)
+	rdb := standaloneWait(t, floodCallWait)
 	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000})
 	if _, err := h.Heartbeat(context.Background(), "flood", time.Minute); err != nil {
 		t.Fatal(err)
@@ -66,7 +70,7 @@ func TestHybridSyncGivesBackFloodMemory(t *testing.T) {
 // that was 86% of what the daemon allocated (a heap profile of BenchmarkMemoryAtMaxKeys'
 // daemon), the garbage that took its heap to twice what it held.
 func TestHybridCollectAllocatesItsItemsOnce(t *testing.T) {
-	rdb := standalone(t)
+	rdb := standaloneWait(t, floodCallWait)
 	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000})
 	if _, err := h.Heartbeat(context.Background(), "collect", time.Minute); err != nil {
 		t.Fatal(err)
@@ -105,14 +109,7 @@ func TestHybridCollectAllocatesItsItemsOnce(t *testing.T) {
 // and after 4,000,000 keys were swept about 200 MB of maps holding next to nothing stayed
 // for good.
 func TestHybridSweepGivesBackTheKeyMap(t *testing.T) {
-	// Seconds for each call: at standalone's 1 s, a loaded machine's Redis took longer
-	// over one of the flood's calls (512 of 200000 keys not synced: i/o timeout).
-	srv := redistest.StartStandalone(t)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rdb.Close() })
+	rdb := standaloneWait(t, floodCallWait)
 	h := NewHybrid(rdb, HybridOptions{MaxKeys: 1_000_000, KeepAlive: time.Second})
 	if _, err := h.Heartbeat(context.Background(), "swept", time.Minute); err != nil {
 		t.Fatal(err)

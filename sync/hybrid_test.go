@@ -20,8 +20,16 @@ import (
 
 func standalone(t *testing.T) redis.UniversalClient {
 	t.Helper()
+	return standaloneWait(t, time.Second)
+}
+
+// standaloneWait is standalone with each call to Redis bounded by timeout: for a test
+// whose calls carry many keys, which a loaded machine's Redis may take over a second
+// to answer.
+func standaloneWait(t *testing.T, timeout time.Duration) redis.UniversalClient {
+	t.Helper()
 	srv := redistest.StartStandalone(t)
-	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: time.Second})
+	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
