@@ -345,11 +345,12 @@ type slideView struct {
 }
 
 // slideAt is a sliding window view's slide and its reset (slideReset), worked out once
-// for a check: its projection (project), its resets (resetOf) before and after it is
-// charged, and a refusal's retry. Each worked them out afresh, a third of a sliding
-// window's check admitted on credit (BenchmarkHybridTakeOnCredit). lim is the limit they
-// were worked out under (nil: not a sliding window's view): a reload's or another
-// plan's limit (relimit) moves the view, and with it the slide.
+// for a check, at its first use (of): its projection (project), its resets (resetOf)
+// before and after it is charged, and a refusal's retry. Each worked them out afresh, a
+// third of a sliding window's check admitted on credit (BenchmarkHybridTakeOnCredit).
+// lim is the limit they were worked out under (nil: not yet): a reload's or another
+// plan's limit (relimit) moves the view, and with it the slide. A check's first use
+// must find lim nil (the zero value): the view may have moved since the last check.
 type slideAt struct {
 	s     slideView
 	reset int64
@@ -365,9 +366,10 @@ func (e *hentry) slideAt() (v slideAt) {
 	return v
 }
 
-// of returns v if it was worked out under e's limit, else e's slideAt afresh.
+// of returns v if it was worked out under e's limit, else e's slideAt afresh (only a
+// sliding window's view is read from it).
 func (v *slideAt) of(e *hentry) *slideAt {
-	if v.lim != e.lim && e.synced > 0 && e.lim.Algorithm() == localbucket.SlidingWindow {
+	if v.lim != e.lim {
 		*v = e.slideAt()
 	}
 	return v

@@ -41,7 +41,7 @@ type HybridOp struct {
 	// batch on the same key (two identical inline limits, or Envoy descriptors): each is
 	// decided as if the ones before it were charged, as the exact mode decides them.
 	upTo uint64
-	sv   slideAt // its key's slide, worked out once for the check (set by Take)
+	sv   slideAt // its key's slide, worked out once for the check by Take (slideAt)
 }
 
 // Take decides ops at now, all-or-nothing: if every non-shadow op fits, every fitting op
@@ -159,7 +159,7 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 		sh.mu.Lock()
 		e := sh.m[string(op.Key)]
 		if e != nil && *e.lim == *op.Limit && (op.Banned && e.synced > 0 || !h.stale(e, now)) {
-			sv := e.slideAt()
+			var sv slideAt
 			op.Result, _, _, _ = h.decide(sh, e, &sv, now, 0, n, false, false, false, op.Shadow)
 			if upTo > 0 && (!op.Result.Allowed || op.Result.Remaining < upTo) {
 				// No room for the cost (or above the capacity): judged as Take judges it
@@ -177,7 +177,7 @@ func (h *Hybrid) Peek(now int64, ops []HybridOp) {
 				// only have used more since (RefusedByView). Reported unasked instead, its
 				// retry went unsaid, and a client banned by another rule was told the ban's
 				// 2.9 s where the exact mode says this rule's hour.
-				sv := e.slideAt()
+				var sv slideAt
 				if r, _, _, unreachable := h.decide(sh, e, &sv, now, upTo, n, false, false, true, false); !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
 					op.Result = r
 					if d := upTo - op.Cost; d > 0 {
@@ -214,7 +214,7 @@ func (h *Hybrid) RefusedByView(now int64, ops []HybridOp) bool {
 		sh := &h.shards[h.shardOf(op.Key)]
 		sh.mu.Lock()
 		if e := sh.m[string(op.Key)]; e != nil && e.synced > 0 && *e.lim == *op.Limit {
-			sv := e.slideAt()
+			var sv slideAt
 			r, _, _, unreachable := h.decide(sh, e, &sv, now, op.Cost, n, false, false, true, false)
 			if !r.Allowed && !r.Impossible && !unreachable && r.RetryAfter > 0 {
 				op.Result = r
@@ -358,7 +358,7 @@ func (h *Hybrid) take(now int64, ops []HybridOp, mayFetch, waited, probe, gaveUp
 			continue
 		}
 		var f bool
-		op.sv = e.slideAt()
+		op.sv.lim = nil // worked out at its first use (slideAt.of)
 		op.Result, f, op.room, op.Unreachable = h.decide(sh, e, &op.sv, now, op.upTo, n, mayFetch && !op.Shadow, waited, gaveUp, op.Shadow)
 		if d := op.upTo - op.Cost; d > 0 && !op.Result.Allowed {
 			// Refused: what is left for it is what the ops before it on its key leave,
@@ -658,7 +658,7 @@ func subFloor(a, b uint64) uint64 {
 // project returns what the key can admit at now beyond every reservation, by e's view
 // and the refill since (an upper bound for a sliding window).
 func project(e *hentry, now int64) float64 {
-	sv := e.slideAt()
+	var sv slideAt
 	return projectAt(e, now, &sv)
 }
 
