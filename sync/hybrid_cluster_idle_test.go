@@ -1,8 +1,6 @@
 package sync
 
 import (
-	"context"
-	gosync "sync"
 	"testing"
 	"time"
 )
@@ -19,17 +17,7 @@ func TestHybridClusterFrozenMasterIdle(t *testing.T) {
 	const callWait = 1500 * time.Millisecond
 	cl, rdb, m, _ := clusterMastersWait(t, time.Second, "rl:hfi", 1, callWait)
 	h := NewHybrid(rdb, HybridOptions{}).WithMasters(m) // the daemon's interval: 100 ms
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg gosync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, callWait, func(error) {})
-	}()
-	go func() {
-		defer wg.Done()
-		m.Run(ctx, time.Second)
-	}()
+	stop := runWithMasters(h, m, callWait, time.Second)
 	frozenAddr := cl.Addrs[0]
 	frozen := node(t, cl, frozenAddr)
 	thawed := false
@@ -37,8 +25,7 @@ func TestHybridClusterFrozenMasterIdle(t *testing.T) {
 		if !thawed {
 			frozen.Thaw()
 		}
-		cancel()
-		wg.Wait()
+		stop()
 	}()
 	// Every master holds a heartbeat set (the usual layout): the heartbeat alone keeps
 	// each one answering, no ping.

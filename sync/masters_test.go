@@ -401,23 +401,12 @@ func TestHybridClusterFrozenMaster(t *testing.T) {
 	const fetchWait = 100 * time.Millisecond
 	cl, rdb, m, keys := clusterMastersWait(t, 300*time.Millisecond, "rl:hfm", 3, callWait)
 	h := NewHybrid(rdb, HybridOptions{Interval: 50 * time.Millisecond, FetchWait: fetchWait}).WithMasters(m)
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg gosync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, callWait, func(error) {})
-	}()
-	go func() {
-		defer wg.Done()
-		m.Run(ctx, 200*time.Millisecond)
-	}()
+	halt := runWithMasters(h, m, callWait, 200*time.Millisecond)
 	stopped := false
 	stop := func() {
 		if !stopped {
 			stopped = true
-			cancel()
-			wg.Wait() // Run's last sync settles what each key admitted
+			halt() // Run's last sync settles what each key admitted
 		}
 	}
 	defer stop()
@@ -672,6 +661,24 @@ func TestHybridIdleBreakerCloses(t *testing.T) {
 // reload its slot map), and Masters.Run, reloading the map while a breaker is open, gives
 // those slots their new master and its closed breaker: the checks are decided by Redis
 // again, not left behind the dead node's open breaker.
+// runWithMasters runs h's syncs and heartbeats (Hybrid.Run, its calls bounded by
+// callWait, on the wall clock) and m's slot map (Masters.Run, refreshed every mapEvery)
+// until stop, which waits for both to end.
+func runWithMasters(h *Hybrid, m *Masters, callWait, mapEvery time.Duration) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg gosync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		h.Run(ctx, h.id, func() int64 { return time.Now().UnixNano() }, callWait, func(error) {})
+	}()
+	go func() {
+		defer wg.Done()
+		m.Run(ctx, mapEvery)
+	}()
+	return func() { cancel(); wg.Wait() }
+}
+
 func TestMastersClusterFailover(t *testing.T) {
 	cl := redistest.StartCluster(t) // node timeout 2 s: a quick failover
 	replica := cl.AddReplica(t, 0)
