@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -227,19 +229,7 @@ func TestHybridFixedWindowRetryAfterTheTurn(t *testing.T) {
 // hour the bucket took to fill, and each retry was refused again.
 func TestHybridUsedGrantsHeldOnlyAShortWhile(t *testing.T) {
 	rdb := standalone(t)
-	hs := []*Hybrid{
-		NewHybrid(rdb, HybridOptions{ID: "a", FetchWait: time.Second}),
-		NewHybrid(rdb, HybridOptions{ID: "b", FetchWait: time.Second}),
-		NewHybrid(rdb, HybridOptions{ID: "c", FetchWait: time.Second}),
-	}
-	seeEachOther(t, "used", hs...)
-	lim := mustLimit(t, localbucket.TokenBucket, 3, time.Hour)
-	key := fmt.Sprintf("rl:used-held:{%d}", time.Now().UnixNano())
-	for i, h := range hs {
-		if r := take(h, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
-			t.Fatalf("request %d of 3 refused: %+v", i+1, r)
-		}
-	}
+	hs, lim, key := oneEachOfThree(t, rdb, "used")
 	time.Sleep(1100 * time.Millisecond)
 	r := take(hs[0], time.Now().UnixNano(), key, lim, 1)
 	if r.Allowed {
@@ -248,4 +238,49 @@ func TestHybridUsedGrantsHeldOnlyAShortWhile(t *testing.T) {
 	if r.RetryAfter < int64(19*time.Minute) {
 		t.Errorf("the 4th request refused with retry %v, where the next unit comes in about 20 minutes", time.Duration(r.RetryAfter))
 	}
+}
+
+// Grants reserved by a daemon whose scripts/hybrid.lua records no reservation time (gt:
+// one older than it, in a blue/green upgrade) count as held however long ago they were
+// reserved, as before gt: a refusal is told this daemon's next sync, never the refill
+// while units held elsewhere may come back sooner.
+func TestHybridGrantsWithNoReservationTimeStayHeld(t *testing.T) {
+	rdb := standalone(t)
+	hs, lim, key := oneEachOfThree(t, rdb, "nogt")
+	ctx := context.Background()
+	if n, err := rdb.HDel(ctx, key, "gt").Result(); err != nil || n != 1 {
+		t.Fatalf("HDEL gt: %d, %v (the key records no reservation time: the test cannot tell)", n, err)
+	}
+	if g, err := rdb.HGet(ctx, key, "g").Float64(); err != nil || g < 1 {
+		t.Fatalf("the key's reserved units g = %v (%v): nothing held, the test cannot tell", g, err)
+	}
+	time.Sleep(1100 * time.Millisecond)
+	r := take(hs[0], time.Now().UnixNano(), key, lim, 1)
+	if r.Allowed {
+		t.Fatal("a 4th request of 3 an hour admitted")
+	}
+	if r.RetryAfter > int64(time.Second) {
+		t.Errorf("the 4th request refused with retry %v, where units reserved with no time are held elsewhere: the next sync", time.Duration(r.RetryAfter))
+	}
+}
+
+// oneEachOfThree has three daemons that see each other take one unit each of a token
+// bucket of 3 an hour (a key new to each: an exact sync each, which reserves its unit),
+// and returns them, the limit and the key.
+func oneEachOfThree(t *testing.T, rdb redis.UniversalClient, name string) ([]*Hybrid, *localbucket.Limit, string) {
+	t.Helper()
+	hs := []*Hybrid{
+		NewHybrid(rdb, HybridOptions{ID: "a", FetchWait: time.Second}),
+		NewHybrid(rdb, HybridOptions{ID: "b", FetchWait: time.Second}),
+		NewHybrid(rdb, HybridOptions{ID: "c", FetchWait: time.Second}),
+	}
+	seeEachOther(t, name, hs...)
+	lim := mustLimit(t, localbucket.TokenBucket, 3, time.Hour)
+	key := fmt.Sprintf("rl:%s:{%d}", name, time.Now().UnixNano())
+	for i, h := range hs {
+		if r := take(h, time.Now().UnixNano(), key, lim, 1); !r.Allowed {
+			t.Fatalf("request %d of 3 refused: %+v", i+1, r)
+		}
+	}
+	return hs, lim, key
 }
