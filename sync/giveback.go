@@ -21,7 +21,8 @@ const giveBackCap = 4096
 
 // giveBackBatch is the most give-backs one round trip carries, and so the most on the
 // wire at once: the worker sends one batch and waits for its answer (at most the refund
-// timeout) before the next. On a standalone Redis a batch is one refund.lua call.
+// timeout) before the next. On a standalone Redis a batch is one pipeline of refund.lua
+// calls, one per giveBackKeys keys (a batch of 512 one-key give-backs: two calls).
 const giveBackBatch = 512
 
 // giveBackDelay is how long after its first give-back the slots of a lease whose
