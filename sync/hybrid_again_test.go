@@ -192,6 +192,16 @@ func syncedAt(h *Hybrid, key string) int64 {
 	return 0
 }
 
+// stray reports whether key's units waiting to be synced on h may lie outside its
+// view's window (flagStray: dated by their age, not by the view's window).
+func stray(h *Hybrid, key string) bool {
+	sh := &h.shards[h.shardOf([]byte(key))]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[key]
+	return e != nil && e.flags&flagStray != 0
+}
+
 // beside takes one unit of key on h at a time, each beside a local bucket's answer at
 // the same time (the exact mode's): log holds the answers, bad counts the refusals the
 // exact mode does not make.
@@ -287,9 +297,23 @@ func TestHybridSlidingUnitsBeforeTheTurn(t *testing.T) {
 // after the turn: through a daemon, 1,000 per 2 s from 30 ms before the turn, 1,003
 // admitted and the rest told 1,965 ms, where the exact mode said 4 ms.
 func TestHybridBurstAcrossTheTurn(t *testing.T) {
-	rdb := standalone(t)
-	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
-	runHybrid(t, h, "d")
+	t.Run("standalone", func(t *testing.T) {
+		h := NewHybrid(standalone(t), HybridOptions{ID: "d", FetchWait: time.Second})
+		runHybrid(t, h, "d")
+		burstAcrossTheTurn(t, h)
+	})
+	// On a Redis Cluster, as the daemon runs there: a breaker per master, each master's
+	// keys synced on their own.
+	t.Run("cluster", func(t *testing.T) {
+		_, rdb, m, _ := clusterMasters(t, time.Second, "rl:burst-turn", 1)
+		h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second}).WithMasters(m)
+		t.Cleanup(runWithMasters(h, m, time.Second, time.Second))
+		burstAcrossTheTurn(t, h)
+	})
+}
+
+// burstAcrossTheTurn is TestHybridBurstAcrossTheTurn on h, whose syncs run.
+func burstAcrossTheTurn(t *testing.T, h *Hybrid) {
 	const window, limit = time.Second, 1000
 	w := int64(window)
 	for _, alg := range []localbucket.Algorithm{localbucket.SlidingWindow, localbucket.FixedWindow} {
@@ -320,7 +344,11 @@ func TestHybridBurstAcrossTheTurn(t *testing.T) {
 			time.Sleep(time.Duration(turn - int64(20*time.Millisecond) - time.Now().UnixNano()))
 			start := time.Now().UnixNano()
 			before, after := 1, 0 // admitted before the turn and after it
-			var late []string     // refusals the exact mode does not make, told beyond three sync intervals
+			// Of those before the turn, admitted within the view's lag of its window's end
+			// (stray: the view knows the end only within its sync's lag), which the next
+			// sync dates by their age and Redis may count in the new window: either way.
+			strayN := 0
+			var late []string // refusals the exact mode does not make, told beyond three sync intervals
 			lateN := 0
 			for now := start; now < turn+int64(200*time.Millisecond); now = time.Now().UnixNano() {
 				r := take(h, now, key, lim, 1)
@@ -329,6 +357,9 @@ func TestHybridBurstAcrossTheTurn(t *testing.T) {
 				switch {
 				case r.Allowed && now < turn:
 					before++
+					if stray(h, key) {
+						strayN++
+					}
 				case r.Allowed:
 					after++
 				case l.Allowed && r.RetryAfter > int64(3*h.Interval()):
@@ -339,16 +370,20 @@ func TestHybridBurstAcrossTheTurn(t *testing.T) {
 				for d := now + int64(60*time.Microsecond); time.Now().UnixNano() < d; {
 				}
 			}
-			if before < 50 || before >= limit/2-1 || start >= turn || time.Now().UnixNano()-turn > int64(400*time.Millisecond) {
-				// Too few before the turn, or too slow after it: the machine was too busy
-				// for this case. Or too many: the key's credit (half its room) ran out
-				// before the turn, and the exact sync that followed counted them then.
+			if before < 50 || before >= limit/2-1 || start >= turn || time.Now().UnixNano()-turn > int64(400*time.Millisecond) || strayN > 20 {
+				// Too few before the turn, or too slow after it, or syncs so slow that
+				// the view's lag spans many units: the machine was too busy for this case.
+				// Or too many: the key's credit (half its room) ran out before the turn,
+				// and the exact sync that followed counted them then.
 				continue
 			}
 			ran = true
-			// A few: the units a sync Redis read just after the turn counted there (below).
-			if lateN > 5 {
-				t.Errorf("%v: %d refused that the exact mode admits, told to wait for the units admitted before the turn: %s", alg, lateN, strings.Join(late, "; "))
+			t.Logf("%v: %d admitted before the turn (%d within the view's lag of it), %d after; %d refusals the exact mode does not make", alg, before, strayN, after, lateN)
+			// A few: the units a sync Redis read just after the turn counted there (below),
+			// and those admitted within the view's lag of the turn. (In a CI run under
+			// -race, 7 of 305 before the turn were counted after it.)
+			if lateN > 5+strayN {
+				t.Errorf("%v: %d refused that the exact mode admits (%d of the units before the turn within the view's lag of it), told to wait for the units admitted before the turn: %s", alg, lateN, strayN, strings.Join(late, "; "))
 			}
 			// Synced since (the view stale), a question is Redis's count.
 			time.Sleep(time.Duration(turn + int64(700*time.Millisecond) - time.Now().UnixNano()))
@@ -360,9 +395,9 @@ func TestHybridBurstAcrossTheTurn(t *testing.T) {
 			}
 			// A few units either way: a sync sent just before the turn is read by Redis
 			// just after it, and counts the request it carries in the new window.
-			if left := limit - counted; int(r.Remaining) < left-3 || int(r.Remaining) > left+3 {
-				t.Errorf("%v: %d left %v after the turn, where %d admitted before it and %d after leave %d",
-					alg, r.Remaining, time.Duration(now-turn).Round(time.Millisecond), before, after, left)
+			if left := limit - counted; int(r.Remaining) < left-3-strayN || int(r.Remaining) > left+3 {
+				t.Errorf("%v: %d left %v after the turn, where %d admitted before it (%d within the view's lag of it) and %d after leave %d",
+					alg, r.Remaining, time.Duration(now-turn).Round(time.Millisecond), before, strayN, after, left)
 			}
 		}
 		if !ran {
