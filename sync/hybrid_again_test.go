@@ -182,24 +182,16 @@ func sleepUntilBeforeTheEnd(w, d time.Duration) {
 
 // syncedAt is when key's view on h was read (its entry's synced; 0: never), read under
 // its shard's lock: h's syncs (Run) write it meanwhile.
-func syncedAt(h *Hybrid, key string) int64 {
-	sh := &h.shards[h.shardOf([]byte(key))]
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	if e := sh.m[key]; e != nil {
-		return e.synced
-	}
-	return 0
+func syncedAt(h *Hybrid, key string) (synced int64) {
+	withEntry(h, key, func(e *hentry) { synced = e.synced })
+	return synced
 }
 
 // stray reports whether key's units waiting to be synced on h may lie outside its
 // view's window (flagStray: dated by their age, not by the view's window).
-func stray(h *Hybrid, key string) bool {
-	sh := &h.shards[h.shardOf([]byte(key))]
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	e := sh.m[key]
-	return e != nil && e.flags&flagStray != 0
+func stray(h *Hybrid, key string) (is bool) {
+	withEntry(h, key, func(e *hentry) { is = e.flags&flagStray != 0 })
+	return is
 }
 
 // beside takes one unit of key on h at a time, each beside a local bucket's answer at
@@ -241,16 +233,12 @@ func (b *beside) step() (r, want localbucket.Result) {
 
 // inEndLag reports whether now lies between the earliest and the latest end of the
 // window of key's view on h (windowEnd): the view cannot tell whether it has ended.
-func inEndLag(h *Hybrid, key string, now int64) bool {
-	sh := &h.shards[h.shardOf([]byte(key))]
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	e := sh.m[key]
-	if e == nil {
-		return false
-	}
-	end, earliest, ok := windowEnd(e)
-	return ok && now >= earliest && now < end
+func inEndLag(h *Hybrid, key string, now int64) (in bool) {
+	withEntry(h, key, func(e *hentry) {
+		end, earliest, ok := windowEnd(e)
+		in = ok && now >= earliest && now < end
+	})
+	return in
 }
 
 // The same for a sliding window: units admitted on credit just before its window ended

@@ -10,6 +10,17 @@ import (
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
+// withEntry calls f with h's entry of key, if it holds one, under its shard's lock: for
+// fields h's syncs (Run) write meanwhile, which entryOf's caller reads unlocked.
+func withEntry(h *Hybrid, key string, f func(e *hentry)) {
+	sh := &h.shards[h.shardOf([]byte(key))]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e := sh.m[key]; e != nil {
+		f(e)
+	}
+}
+
 // entryOf returns h's entry of key (nil if it holds none).
 func entryOf(h *Hybrid, key string) *hentry {
 	sh := &h.shards[h.shardOf([]byte(key))]
