@@ -151,6 +151,25 @@ func TestE2ERedisPasswordStaysSecret(t *testing.T) {
 	_ = proto.OpCheck
 }
 
+// TestURLHasPassword: the URLs warned of as showing a password in ps are those that hold
+// one; a user name alone, or beside an empty password, is no secret there.
+func TestURLHasPassword(t *testing.T) {
+	for u, want := range map[string]bool{
+		"redis://:pw@127.0.0.1:6379":              true,
+		"redis://rlsidecar:pw@127.0.0.1:6379/2":   true,
+		"rediss://u:pw@a:1,b:2":                   true,
+		"redis://rlsidecar:@127.0.0.1:6379":       false,
+		"redis://rlsidecar@127.0.0.1:6379":        false,
+		"redis://127.0.0.1:6379":                  false,
+		"127.0.0.1:7000,127.0.0.1:7001":           false,
+		"redis://%zz:pw@127.0.0.1:6379 (invalid)": false,
+	} {
+		if got := urlHasPassword(u); got != want {
+			t.Errorf("urlHasPassword(%q) = %v, want %v", u, got, want)
+		}
+	}
+}
+
 // A password in the --redis URL on the command line shows in ps, whatever the daemon
 // does: it says so, once, without the password, and points at the ways that do not.
 // The same URL from $RLSIDECAR_REDIS (not in ps) draws no warning.

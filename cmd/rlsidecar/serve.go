@@ -1305,14 +1305,16 @@ func skipsVerify(s string) bool {
 	return v == "true" || v == "1"
 }
 
-// urlHasPassword reports whether the URL s names a password (redis://:pw@host).
+// urlHasPassword reports whether the URL s names a password (redis://:pw@host). An
+// empty one (redis://user:@host) is none, as the Redis config takes it (the password
+// then comes from the file or the environment): it was warned of as a password ps shows.
 func urlHasPassword(s string) bool {
 	u, err := url.Parse(s)
 	if err != nil || u.User == nil {
 		return false
 	}
-	_, ok := u.User.Password()
-	return ok
+	p, ok := u.User.Password()
+	return ok && p != ""
 }
 
 // checkDaemonID refuses a --daemon-id that Redis's records cannot hold: the hybrid
