@@ -48,7 +48,7 @@ func TestConformanceRedisModes(t *testing.T) {
 				t.Run(mode, func(t *testing.T) {
 					// A prefix per run: the two modes' keys on one Redis never meet. The
 					// suite asserts that a healthy store never lets a failure policy decide:
-					// --global-timeout 250ms, not the production 10 ms, which a loaded
+					// --global-timeout 250ms, not the default 20 ms, which a loaded
 					// 2-core CI machine (Redis on the same cores) can overrun now and then.
 					args := store + " --redis-prefix conf-" + mode + ": --global-timeout 250ms"
 					cmd := exec.Command("/usr/bin/python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "proto/conformance")
