@@ -40,7 +40,7 @@
 -- whatever POLICY says, and so is one the daemon refuses as frame_too_large.
 --
 -- Set the transaction variable txn.rlsidecar_user (e.g. `http-request set-var(txn.rlsidecar_user)
--- req.hdr(x-user)`) to add a `user` attribute, txn.rlsidecar_api_key for `api_key`, and
+-- req.fhdr(x-user)`, the whole header: examples/haproxy.cfg says why) to add a `user` attribute, txn.rlsidecar_api_key for `api_key`, and
 -- txn.rlsidecar_cost for the cost.
 --
 -- Connections: HAProxy's Lua sockets belong to the stream that opened them, so each check
