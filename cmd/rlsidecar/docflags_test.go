@@ -166,3 +166,75 @@ rules:
 		t.Errorf("%s is not exported by a running daemon", w)
 	}
 }
+
+// Every Go test, benchmark and fuzz target the documents cite (TestX, or a prefix of
+// several in a -run pattern) is one: the documents point readers at tests as proof of
+// a claim, and a test renamed or removed must take its citations with it. (None of the
+// 397 names cited was stale when this was written, but nothing kept them so.)
+func TestDocsNameOnlyRealTests(t *testing.T) {
+	defined := map[string]bool{}
+	def := regexp.MustCompile(`(?m)^func ((?:Test|Benchmark|Fuzz)\w*)\(`)
+	err := filepath.WalkDir("../..", func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == "node_modules" || strings.HasPrefix(d.Name(), ".")) && path != "../.." {
+			return filepath.SkipDir
+		}
+		if !d.IsDir() && strings.HasSuffix(path, "_test.go") {
+			b, err := os.ReadFile(path)
+			if err != nil {
+				return err
+			}
+			for _, m := range def.FindAllSubmatch(b, -1) {
+				defined[string(m[1])] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(defined) < 500 {
+		t.Fatalf("found %d Go tests in the tree; the test reads it wrong", len(defined))
+	}
+	exists := func(name string) bool {
+		if defined[name] {
+			return true
+		}
+		for d := range defined {
+			if strings.HasPrefix(d, name) {
+				return true
+			}
+		}
+		return false
+	}
+	docs, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clients, err := filepath.Glob("../../clients/*/README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	docs = append(append(docs, clients...), "../../README.md", "../../proto/PROTOCOL.md")
+	ref := regexp.MustCompile(`\b(?:Test|Benchmark|Fuzz)[A-Z0-9]\w*`)
+	cited := 0
+	for _, doc := range docs {
+		b, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, l := range strings.Split(string(b), "\n") {
+			for _, name := range ref.FindAllString(l, -1) {
+				cited++
+				if !exists(name) {
+					t.Errorf("%s:%d: %s is no Go test, benchmark or fuzz target in the tree (nor the start of one's name)", doc, i+1, name)
+				}
+			}
+		}
+	}
+	if cited < 300 {
+		t.Fatalf("found %d tests cited in the documents; the test reads them wrong", cited)
+	}
+}
