@@ -322,6 +322,9 @@ func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
 	defer func() { stop(); <-done }()
 	score := func() float64 {
 		v, err := rdb.ZScore(ctx, DaemonsKey, "ride").Result()
+		if err == redis.Nil {
+			return 0 // dropped from the set: no heartbeat within its TTL
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -333,19 +336,24 @@ func TestHybridHeartbeatRidesOnSyncs(t *testing.T) {
 	first := score()
 	lim := mustLimit(t, localbucket.FixedWindow, 1, hourWindow())
 	fetches := h.Fetches()
-	for i, end := 0, time.Now().Add(2500*time.Millisecond); time.Now().Before(end); i++ {
+	// Until two heartbeats have ridden (about 2 s): each is offered an interval before
+	// it is due, a second after the last one's reply, and rides on the next sync. On a
+	// starved host (load 17-19, -race) the ticks and replies come late and the second
+	// ride came after the 2.5 s this loop once had: the set had advanced 1,075 ms.
+	start, last := time.Now(), first
+	for i, end := 0, start.Add(10*time.Second); last < first+1500 || h.Fetches()-fetches < 100; i++ {
+		if time.Now().After(end) {
+			t.Fatalf("the live-daemons set saw the daemon at %v ms, then at %v after %d exact syncs in 10 s: no heartbeat rode on the syncs",
+				first, last, h.Fetches()-fetches)
+		}
 		take(h, time.Now().UnixNano(), fmt.Sprintf("rl:ride:{user=%d}", i), lim, 1) // an exact sync each
 		time.Sleep(5 * time.Millisecond)
-	}
-	if n := h.Fetches() - fetches; n < 100 {
-		t.Fatalf("only %d exact syncs in 2.5 s", n)
+		last = score()
 	}
 	if n := alone.Load(); n != 1 {
 		t.Fatalf("%d heartbeat calls of their own while exact syncs went every 5 ms, want 1 (the first)", n)
 	}
-	if last := score(); last < first+1500 {
-		t.Fatalf("the live-daemons set saw the daemon at %v ms, then at %v: no heartbeat rode on the syncs", first, last)
-	}
+	t.Logf("the set advanced %v ms in %s, %d exact syncs", last-first, time.Since(start).Round(time.Millisecond), h.Fetches()-fetches)
 	if h.Replicas() != 1 {
 		t.Fatalf("replicas %d, want 1", h.Replicas())
 	}
