@@ -376,16 +376,18 @@ func TestStorePathsAllocate0(t *testing.T) {
 }
 
 // BenchmarkCheckHybridLocal is BenchmarkCheck2Rules with one rule in hybrid mode: the
-// hybrid store, then the local one (fresh allowances: after the first request on credit,
-// the hybrid rule rejects and the local bucket only reports).
+// hybrid store deciding on its view (a live Redis gave it at the key's second check),
+// then the local one. Against a Redis that refuses connections, as it ran before, every
+// check after the first was decided by the failure policy: BenchmarkCheckDegraded's path.
 func BenchmarkCheckHybridLocal(b *testing.B) {
-	l := mixedLimiter(b)
+	_, rdb := realRedisServer(b, 5*time.Second)
+	l := mixedLimiterOn(b, rdb)
 	in := Input{Attrs: attrs("user=u-12345", "ip=203.0.113.9"), Cost: 1}
 	now := time.Now().UnixNano()
 	var d Decision
 	b.ReportAllocs()
 	for b.Loop() {
-		if err := l.Check(now, &in, &d); err != nil || len(d.Results) != 2 {
+		if err := l.Check(now, &in, &d); err != nil || len(d.Results) != 2 || d.Degraded {
 			b.Fatal(err, d)
 		}
 	}
