@@ -441,3 +441,36 @@ func TestDecodeRequestNilOptionalLimitFields(t *testing.T) {
 		}
 	}
 }
+
+// A length or count that the rest of the body cannot hold is a truncated body, whatever it
+// claims: bad_request, the code the contract gives a body that is not one complete msgpack
+// map, not attr_too_large (which a gateway answers with 431 as though its client had sent
+// too much). Before, an attrs map or a string claiming 4G was judged by its bound first.
+func TestDecodeTruncatedClaimIsBadRequest(t *testing.T) {
+	head := []byte{0x83, 0xa2, 'i', 'd', 0x07, 0xa2, 'o', 'p', 0xa5, 'c', 'h', 'e', 'c', 'k'}
+	// Each body its own copy: appends to one prefix would share its array.
+	attrs := slices.Clip(append(slices.Clone(head), 0xa5, 'a', 't', 't', 'r', 's'))
+	limits := slices.Clip(append(slices.Clone(head), 0xa6, 'l', 'i', 'm', 'i', 't', 's', 0x91, 0x81, 0xa3, 'k', 'e', 'y'))
+	for _, tc := range []struct {
+		name string
+		body []byte
+	}{
+		{"attrs map claiming 4G entries", append(attrs, 0xdf, 0xff, 0xff, 0xff, 0xff, 0xa4, 'u', 's', 'e', 'r')},
+		{"attrs map claiming 65 entries, holding 1", append(attrs, 0xde, 0x00, 65, 0xa4, 'u', 's', 'e', 'r', 0xa1, 'u')},
+		{"attr value claiming 4G bytes", append(attrs, 0x81, 0xa4, 'u', 's', 'e', 'r', 0xdb, 0xff, 0xff, 0xff, 0xff, 'x')},
+		{"attr name claiming 4G bytes", append(attrs, 0x81, 0xdb, 0xff, 0xff, 0xff, 0xff, 'x')},
+		{"inline key claiming 4G bytes", append(limits, 0xdb, 0xff, 0xff, 0xff, 0xff, 'x')},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got Request
+			err := NewDecoder().DecodeRequest(tc.body, &got)
+			var pe *Error
+			if !errors.As(err, &pe) || pe.Code != CodeBadRequest || !strings.Contains(pe.Message, "frame ends inside") {
+				t.Fatalf("got %v; want bad_request, the frame ending inside it", err)
+			}
+			if got.ID != 7 {
+				t.Fatalf("id %d, want 7 echoed", got.ID)
+			}
+		})
+	}
+}

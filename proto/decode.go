@@ -197,8 +197,13 @@ func (d *Decoder) attrs(attrs []Attr) ([]Attr, error) {
 	// Too many attributes, or a name too long, is attr_too_large as a value too long is:
 	// a gateway may take attributes from its client's headers, whose number and names
 	// that client chooses (under bad_request the failure policy decided, and "open" let
-	// 70 headers past every limit).
+	// 70 headers past every limit). A count the rest of the body cannot hold (an entry
+	// takes two bytes at least) is a truncated body first: bad_request, as the contract
+	// names a body that is not one complete map, whatever it claims.
 	if n > d.MaxAttrs {
+		if n > d.r.Len()/2 {
+			return attrs, d.truncated("attrs")
+		}
 		return attrs, Errorf(CodeAttrTooLarge, "request has %d attrs; the limit is %d", n, d.MaxAttrs)
 	}
 	for i := 0; i < n; i++ {
@@ -408,12 +413,14 @@ func (d *Decoder) strOr(field string, maxLen int, code string) (string, error) {
 		}
 		return "", Errorf(CodeBadRequest, "%s must be a string", field)
 	}
-	if n > maxLen {
-		return "", Errorf(code, "%s is %d bytes long; the limit is %d", field, n, maxLen)
-	}
+	// A length past the body's end is a truncated body before it is a long string (see
+	// attrs): a string's bound is for one that is there.
 	rest := d.r.Len()
 	if n > rest {
 		return "", d.truncated(field)
+	}
+	if n > maxLen {
+		return "", Errorf(code, "%s is %d bytes long; the limit is %d", field, n, maxLen)
 	}
 	if n == 0 {
 		return "", nil

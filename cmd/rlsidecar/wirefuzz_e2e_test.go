@@ -1886,12 +1886,9 @@ func (c *wfConn) genMalformed() *wfPred {
 			return nil
 		}
 		fs2 := append(append(wfFields{}, fs...), wfField{"z", nil})
-		if strings.HasPrefix(what, "attrs") {
-			// More attributes than --max-attrs (attr_too_large) or a length the frame
-			// cannot hold (bad_request): PROTOCOL.md names both; the daemon answers the first.
-			p := c.errAt(fs2, q.id, len(fs), out, what, "bad_request", "attr_too_large")
-			return p
-		}
+		// Attrs claiming 4G entries claim more than --max-attrs, but more than the frame
+		// holds too: a body that is not one complete map, bad_request, not attr_too_large
+		// (a count is judged against its bound only when the body could hold it).
 		return c.errAt(fs2, q.id, len(fs), out, what, "bad_request")
 	case 11: // an op unknown, or none
 		i := fs.index("op")
