@@ -377,7 +377,7 @@ func (s *Server) Serve() error {
 		}
 		backoff = 0
 		if s.nconns.Load() >= int64(s.cfg.MaxConns) {
-			s.refuse(c, proto.CodeTooManyConnections, fmt.Sprintf("the daemon serves at most %d connections; close idle ones or raise --max-conns", s.cfg.MaxConns))
+			s.refuse(c, proto.CodeTooManyConnections, tooManyConnections(s.cfg.MaxConns))
 			if m := s.cfg.Metrics; m != nil {
 				m.connClosed(closeTooManyConnections)
 			}
@@ -390,6 +390,16 @@ func (s *Server) Serve() error {
 		s.track(c)
 		go s.serveConn(c)
 	}
+}
+
+// tooManyConnections is the message of a too_many_connections refusal under --max-conns
+// max ("at most 1 connection" under --max-conns 1, not "1 connections").
+func tooManyConnections(max int) string {
+	noun := "connections"
+	if max == 1 {
+		noun = "connection"
+	}
+	return fmt.Sprintf("the daemon serves at most %d %s; close idle ones or raise --max-conns", max, noun)
 }
 
 // acceptBacklog takes, without waiting, the connections waiting in the listen backlog of

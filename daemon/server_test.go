@@ -437,8 +437,16 @@ func TestConnectionsClosedCounted(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if r := readResponse(t, bufio.NewReader(b)); r.Err.Code != proto.CodeTooManyConnections {
+	r := readResponse(t, bufio.NewReader(b))
+	if r.Err.Code != proto.CodeTooManyConnections {
 		t.Fatalf("past MaxConns: %+v", r)
+	}
+	// The count reads right in the singular ("1 connections" before).
+	if want := "the daemon serves at most 1 connection; close idle ones or raise --max-conns"; r.Err.Message != want {
+		t.Fatalf("past MaxConns 1: message %q, want %q", r.Err.Message, want)
+	}
+	if got, want := tooManyConnections(2), "the daemon serves at most 2 connections; close idle ones or raise --max-conns"; got != want {
+		t.Fatalf("MaxConns 2: message %q, want %q", got, want)
 	}
 	waitClosed(t, m, closeTooManyConnections)
 

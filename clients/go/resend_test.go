@@ -277,7 +277,7 @@ func TestRefusedEveryConnectionDoesNotLoop(t *testing.T) {
 		accepted++
 		mu.Unlock()
 		enc := proto.NewEncoder()
-		enc.EncodeError(0, proto.CodeTooManyConnections, "the daemon serves at most 1 connections")
+		enc.EncodeError(0, proto.CodeTooManyConnections, "the daemon serves at most 1 connection; close idle ones or raise --max-conns")
 		nc.Write(enc.Bytes())
 		nc.CloseWrite()
 		nc.SetReadDeadline(time.Now().Add(time.Second))
