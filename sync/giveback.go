@@ -22,7 +22,10 @@ const giveBackCap = 4096
 // giveBackBatch is the most give-backs one round trip carries, and so the most on the
 // wire at once: the worker sends one batch and waits for its answer (at most the refund
 // timeout) before the next. On a standalone Redis a batch is one pipeline of refund.lua
-// calls, one per giveBackKeys keys (a batch of 512 one-key give-backs: two calls).
+// calls of at most giveBackKeys keys each (sendGiveBacks): a batch of 512 one-key
+// give-backs is two calls. A give-back's keys are never split between calls, so
+// give-backs of several keys can take more calls than their keys ÷ giveBackKeys (512 of
+// three keys: seven), and one of more than giveBackKeys keys gets a call of its own.
 const giveBackBatch = 512
 
 // giveBackDelay is how long after its first give-back the slots of a lease whose
