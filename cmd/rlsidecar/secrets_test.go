@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -85,5 +86,20 @@ func TestE2EWorldReadableSaltFileWarned(t *testing.T) {
 			t.Fatalf("no warning of a world-readable salt file:\n%s", d.stderr.String())
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A salt file too short is refused with its length, in the singular when it is one byte
+// ("holds 1 bytes" before).
+func TestShortSaltFileRefused(t *testing.T) {
+	dir := shortTempDir(t)
+	salt := filepath.Join(dir, "salt")
+	if err := os.WriteFile(salt, []byte("x\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var out, errs bytes.Buffer
+	err := serve([]string{"--socket", filepath.Join(dir, "s.sock"), "--admin", "", "--top-labels-salt-file", salt}, &out, &errs)
+	if err == nil || !errors.Is(err, errUsage) || !strings.Contains(err.Error(), salt+" holds 1 byte; use at least 16") {
+		t.Fatalf("serve with a 1-byte salt file: %v, want a usage error saying it holds 1 byte\n%s", err, errs.String())
 	}
 }

@@ -280,7 +280,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("reading --top-labels-salt-file: %w", err)
 		}
 		if topSalt = []byte(strings.TrimSpace(string(topSalt))); len(topSalt) < 16 {
-			return fmt.Errorf("%w: --top-labels-salt-file %s holds %d bytes; use at least 16 random ones", errUsage, *topSaltFile, len(topSalt))
+			return fmt.Errorf("%w: --top-labels-salt-file %s holds %s; use at least 16 random ones", errUsage, *topSaltFile, plural(len(topSalt), "byte"))
 		}
 	}
 	metrics := daemon.NewMetrics(version, *topK)
@@ -562,7 +562,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {
 		rs := lim.Rules()
-		st := fmt.Sprintf("serving %d rules (version %s) on %s, %s", len(rs.Rules), rs.Version, *socket, modeDesc)
+		st := fmt.Sprintf("serving %s (version %s) on %s, %s", plural(len(rs.Rules), "rule"), rs.Version, *socket, modeDesc)
 		if envoyDesc != "" {
 			st += ", Envoy API on " + envoyDesc
 		}
@@ -784,7 +784,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// The line for a terminal. In the journal with --log-format json, where a log shipper
 	// parses every line of the unit as JSON, the "serving" record below says the same.
 	if !(toJournal(stdout) && strings.EqualFold(*logFormat, "json")) {
-		fmt.Fprintf(stdout, "rlsidecar %s %s %s (%d rules from %s, %s)\n", version, how, *socket, len(set.Rules), ruleSource, modeDesc)
+		fmt.Fprintf(stdout, "rlsidecar %s %s %s (%s from %s, %s)\n", version, how, *socket, plural(len(set.Rules), "rule"), ruleSource, modeDesc)
 	}
 	if limiter.NoStore {
 		log.Error("this daemon was built with -tags rlsidecar_nostore, for measurement: it admits every local check without counting it; never run it for traffic")

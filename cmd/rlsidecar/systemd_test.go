@@ -449,7 +449,7 @@ func TestE2ESocketActivationAndNotify(t *testing.T) {
 	if ready.pid != act.Process.Pid {
 		t.Errorf("READY=1 from pid %d, want the activated process %d (systemd-socket-activate execs it)", ready.pid, act.Process.Pid)
 	}
-	if !strings.Contains(ready.fields["STATUS"], "serving 1 rules") || !strings.Contains(ready.fields["STATUS"], socket) {
+	if !strings.Contains(ready.fields["STATUS"], "serving 1 rule (") || !strings.Contains(ready.fields["STATUS"], socket) {
 		t.Errorf("STATUS=%q", ready.fields["STATUS"])
 	}
 	if r := c.recv(); r.ID != 1 || !r.Allowed || r.Limit != 5 {
