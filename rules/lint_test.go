@@ -108,6 +108,10 @@ func TestWarningsSplitAboveRequests(t *testing.T) {
 		if got := len(ws) > 0 && strings.Contains(ws[0].Error(), "split"); got != tt.warn {
 			t.Errorf("%s split %d: warnings %v, want a split warning: %v", tt.limit, tt.split, ws, tt.warn)
 		}
+		// The count reads right in the singular ("its 1 requests" before).
+		if want := "split 5 is more than its 1 request: each daemon"; tt.warn && !strings.Contains(ws[0].Error(), want) {
+			t.Errorf("%s split %d: %q, want it to say %q", tt.limit, tt.split, ws[0].Error(), want)
+		}
 	}
 }
 
