@@ -448,7 +448,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 				}
 			}
 			if firstErr == nil {
-				firstErr = fmt.Errorf("global check of %d keys in slot %d: %w", len(idx), Slot(ops[idx[0]].Key), err)
+				firstErr = fmt.Errorf("global check of %s in slot %d: %w", plural(len(idx), "key"), Slot(ops[idx[0]].Key), err)
 			}
 			c.failed = true
 			continue
@@ -1002,4 +1002,13 @@ func ping(ctx context.Context, rdb rediser, key string) error {
 	cmd := p.Ping(ctx)
 	_, _ = p.Exec(ctx)
 	return cmd.Err()
+}
+
+// plural is n and noun, with an s unless n is 1: an error says "global check of 1 key",
+// not "1 keys".
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	gosync "sync"
 	"sync/atomic"
 	"testing"
@@ -932,5 +933,24 @@ func TestGlobalRefundOutlivesCheckContext(t *testing.T) {
 	}
 	if r := globalPeek(t, b, a, big); r != 10 {
 		t.Errorf("%s has %d left after the refund, want 10", a, r)
+	}
+}
+
+// A failed global check's error counts its keys in the singular too: "global check of 1
+// keys in slot 1006: i/o timeout" was an audit's log line (masters_test.go).
+func TestGlobalCheckErrorCountsKeys(t *testing.T) {
+	rdb, err := Open(Config{URL: "redis://127.0.0.1:1"}) // refused
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rdb.Close()
+	lim := globalLimit(t, localbucket.FixedWindow, 10, hourWindow(), 0)
+	key := "rl:one:{u}"
+	_, err = NewGlobal(rdb).Check(globalCtx(t), []GlobalOp{{Key: key, Limit: lim, Cost: 1}})
+	if want := fmt.Sprintf("global check of 1 key in slot %d: ", Slot(key)); err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("a check of one key against a refusing Redis: %v, want %q in it", err, want)
+	}
+	if got := plural(2, "key"); got != "2 keys" {
+		t.Fatalf("plural(2, key) = %q", got)
 	}
 }

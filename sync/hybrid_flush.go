@@ -760,14 +760,14 @@ func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (in
 	if unsent > 0 {
 		h.backlog.Add(int64(unsent))
 		if failed == 0 && release {
-			return sent, fmt.Errorf("hybrid sync: %d of %d keys not sent in time: %w", unsent, len(items), errNoTime)
+			return sent, fmt.Errorf("hybrid sync: %d of %s not sent in time: %w", unsent, plural(len(items), "key"), errNoTime)
 		}
 	}
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
 		}
-		return sent, fmt.Errorf("hybrid sync: %d of %d keys not synced: %w", failed, len(items), firstErr)
+		return sent, fmt.Errorf("hybrid sync: %d of %s not synced: %w", failed, plural(len(items), "key"), firstErr)
 	}
 	return sent, nil
 }
