@@ -474,3 +474,37 @@ func TestDecodeTruncatedClaimIsBadRequest(t *testing.T) {
 		})
 	}
 }
+
+// An error answer echoes the request's id wherever it is in the map, also after a key
+// that is not a string: before, such a key stopped the search, and the answer said 0
+// where any other fault before the id left it echoed.
+func TestDecodeErrorEchoesIDAfterANonStringKey(t *testing.T) {
+	rest := []byte{0xa2, 'i', 'd', 0xcd, 0x01, 0x2c, 0xa2, 'o', 'p', 0xa4, 'p', 'i', 'n', 'g'} // id 300, op ping
+	for _, tc := range []struct {
+		name string
+		key  []byte
+	}{
+		{"a number", []byte{0x05, 0x01}},
+		{"nil", []byte{0xc0, 0xa1, 'v'}},
+		{"an array", []byte{0x92, 0x01, 0xa1, 'x', 0x80}},
+		{"a map", []byte{0x81, 0xa1, 'k', 0x02, 0xc3}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			body := slices.Concat([]byte{0x83}, tc.key, rest)
+			var got Request
+			err := NewDecoder().DecodeRequest(body, &got)
+			var pe *Error
+			if !errors.As(err, &pe) || pe.Code != CodeBadRequest {
+				t.Fatalf("got %v; want bad_request", err)
+			}
+			if got.ID != 300 {
+				t.Fatalf("id %d, want 300 echoed (%v)", got.ID, err)
+			}
+		})
+	}
+	// A key that cannot be passed over (truncated) leaves no id to echo.
+	var got Request
+	if err := NewDecoder().DecodeRequest([]byte{0x82, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xa2, 'i', 'd', 0x07}, &got); err == nil || got.ID != 0 {
+		t.Fatalf("a key claiming 4G items: id %d, err %v; want 0 and an error", got.ID, err)
+	}
+}

@@ -101,9 +101,17 @@ func (d *Decoder) findID(body []byte) uint64 {
 		return 0
 	}
 	for range n {
+		pos := len(d.body) - d.r.Len()
 		key, err := d.key()
 		if err != nil {
-			return 0
+			// A key that is not a string (a number, nil, an array) is passed over with
+			// its value, as an unknown field is, so that an id after it is echoed too:
+			// before, the answer said 0 there and the id after any other fault.
+			_, _ = d.r.Seek(int64(pos), io.SeekStart)
+			if d.skip("map key") != nil || d.skip("map key") != nil {
+				return 0
+			}
+			continue
 		}
 		if key == "id" {
 			id, err := d.uint("id")
