@@ -63,13 +63,38 @@ func TestGlobalAutoPipeline(t *testing.T) {
 // reaching Redis, so Redis holds exactly the answered checks. Before, the batch went as
 // one pipeline bounded by the latest deadline: it timed out, every check of it failed
 // (each a Redis failure to the breaker), and Redis still counted the checks it ran.
+//
+// A trial in which a round trip failed after it was sent is run again, up to 3 trials:
+// a 2-core machine under load stops a process for a few hundred ms now and then, and a
+// round trip of 128 checks (a few ms) caught in such a stall times out past its 300 ms
+// (a stall made by hand, Redis frozen for 400 ms 100 ms into the burst: 128 checks
+// failed with an i/o timeout, and Redis counted them, 1,152 keys for 1,024 answered, in
+// each of 3 runs). The one pipeline of before fails every trial, with every check.
 func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
+	const trials = 3
+	for trial := 1; ; trial++ {
+		failed := burstTrial(t, trial == trials)
+		if failed == 0 {
+			return
+		}
+		if trial == trials {
+			t.Fatalf("a round trip failed after it was sent in each of %d trials", trials)
+		}
+		t.Logf("trial %d: %d checks failed after they were sent (a stall of the machine?); again", trial, failed)
+	}
+}
+
+// burstTrial is one trial of TestAutoPipeBurstSendsOnlyWhatCanBeAnswered, on a Redis of
+// its own. It returns how many checks failed after they were sent, which fail t only if
+// last; the trial's other checks fail t at once.
+func burstTrial(t *testing.T, last bool) int {
 	srv := redistest.StartStandalone(t)
+	defer srv.Stop() // not at the test's end: a trial's Redis is done with when it is
 	rdb, err := Open(Config{URL: "redis://" + srv.Addr, Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { rdb.Close() })
+	defer rdb.Close()
 	lim := globalLimit(t, localbucket.FixedWindow, 1_000_000, hourWindow(), 0)
 	// Load the script: no NOSCRIPT in the burst.
 	if ok, err := NewGlobal(rdb).Check(globalCtx(t), []GlobalOp{{Key: "rl:burst:{warm}", Limit: lim, Cost: 1}}); !ok || err != nil {
@@ -109,9 +134,14 @@ func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
 			other = append(other, err)
 		}
 	}
-	t.Logf("%d checks: %d answered, %d not sent", n, answered, unsent)
+	t.Logf("%d checks: %d answered, %d not sent, %d failed after they were sent", n, answered, unsent, len(other))
 	if len(other) > 0 {
-		t.Errorf("%d checks failed after they were sent (want each round trip answered in time), first: %v", len(other), other[0])
+		// Redis may have counted the checks of a round trip that timed out, and the
+		// checks answered may be none: nothing more to judge in this trial.
+		if last {
+			t.Errorf("%d checks failed after they were sent (want each round trip answered in time), first: %v", len(other), other[0])
+		}
+		return len(other)
 	}
 	if answered == 0 || unsent == 0 {
 		t.Errorf("%d answered, %d not sent: want both (a burst Redis answers only in part)", answered, unsent)
@@ -123,6 +153,7 @@ func TestAutoPipeBurstSendsOnlyWhatCanBeAnswered(t *testing.T) {
 	if int(size)-1 != answered { // the warm-up key
 		t.Errorf("Redis holds %d of the checks' keys, %d checks were answered: each answered check, and no other, counted", size-1, answered)
 	}
+	return 0
 }
 
 // settle: a call the auto-pipeline did not send (errNotSent) tells its master's breaker
