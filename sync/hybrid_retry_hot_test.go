@@ -19,21 +19,37 @@ func TestHybridRetryPassesAfterASyncBetween(t *testing.T) {
 	rdb := standalone(t)
 	h := NewHybrid(rdb, HybridOptions{ID: "d", FetchWait: time.Second})
 	lim := mustLimit(t, localbucket.TokenBucket, 5, 500*time.Millisecond)
-	for trial := range 3 {
+	// Three trials whose cost of 5 came within the refill of the first unit (100 ms): a
+	// 2-core machine under load may stop the test for that long between the two (a stall
+	// of 110 ms there made by hand: "1 + 5 of 5 admitted at once"), and the exact mode
+	// then admits the 5 too. Such a trial proves nothing, and another is run in its place.
+	const trials, most = 3, 10
+	valid := 0
+	for trial := 0; valid < trials; trial++ {
+		if trial == most {
+			t.Fatalf("in %d trials, %d had the cost of 5 within 100 ms of the first unit; want %d", most, valid, trials)
+		}
 		key := fmt.Sprintf("rl:retry-sync-between:{%d-%d}", trial, time.Now().UnixNano())
 		t0 := time.Now().UnixNano()
 		if r := take(h, t0, key, lim, 1); !r.Allowed {
 			t.Fatalf("trial %d: the first unit refused: %+v", trial, r)
 		}
 		syncAll(t, time.Now().UnixNano(), h) // the key's first view (Run's kick)
-		r := take(h, time.Now().UnixNano(), key, lim, 5)
+		now := time.Now().UnixNano()
+		r := take(h, now, key, lim, 5)
 		if r.Allowed {
+			st, _ := lim.Take(localbucket.State{}, t0, 1)
+			if _, exact := lim.Take(st, now, 5); exact.Allowed {
+				t.Logf("trial %d: the cost of 5 came %v after the first unit, past the refill: another trial", trial, time.Duration(now-t0))
+				continue
+			}
 			t.Fatalf("trial %d: 1 + 5 of 5 admitted at once: %+v", trial, r)
 		}
+		valid++
 		time.Sleep(40 * time.Millisecond)
 		syncAll(t, time.Now().UnixNano(), h) // the periodic sync, before the retry
 		time.Sleep(time.Duration(r.RetryAfter) - 40*time.Millisecond)
-		now := time.Now().UnixNano()
+		now = time.Now().UnixNano()
 		if again := take(h, now, key, lim, 5); !again.Allowed {
 			t.Errorf("trial %d: refused with retry %v; retried %v after the first unit: refused again %+v",
 				trial, time.Duration(r.RetryAfter), time.Duration(now-t0), again)
