@@ -28,18 +28,38 @@ func TestHybridBurstAgainAfterAFullWindow(t *testing.T) {
 	for _, alg := range []localbucket.Algorithm{localbucket.FixedWindow, localbucket.TokenBucket, localbucket.SlidingWindow} {
 		const pause = time.Second + 20*time.Millisecond
 		lim := mustLimit(t, alg, 5, time.Second)
-		for trial := range 2 {
+		// Two trials whose bursts each lie in one window (by this clock). The phase is
+		// any, so a burst may run over a window's turn, more often the longer a loaded
+		// machine makes it; its units before the turn with no certain window (the key's
+		// first, on credit before any view) are dated by their age, and a few may count
+		// in the new window (docs/accuracy.md): the exact mode then admits a unit hybrid
+		// refuses, a case of its own (TestHybridBurstAcrossTheTurn), not this one. (A CI
+		// run at load 9: "true true true true true false(exact: admitted; retry 997ms)",
+		// the burst 2.5 ms over the turn; 7 of 40 bursts started 0.5-4 ms before it.)
+		ran := 0
+		for trial := 0; ran < 2; trial++ {
+			if trial == 8 {
+				t.Fatalf("%v: %d of 8 trials had both bursts within a window", alg, ran)
+			}
 			key := fmt.Sprintf("rl:again:{%d-%d-%d}", alg, trial, time.Now().UnixNano())
 			time.Sleep(time.Duration(rnd.Int63n(int64(time.Second)))) // any phase of the window
 			b := &beside{h: h, key: key, lim: lim}
-			for range 6 {
-				b.step()
+			burst := func() bool {
+				start := time.Now().UnixNano()
+				for range 6 {
+					b.step()
+				}
+				w := int64(lim.Window())
+				return alg == localbucket.TokenBucket || start/w == time.Now().UnixNano()/w
 			}
+			within := burst()
 			time.Sleep(pause)
 			b.log.WriteString(" |")
-			for range 6 {
-				b.step()
+			if !burst() || !within {
+				t.Logf("%v, trial %d: a burst ran over a window's turn, another trial:%s", alg, trial, b.log.String())
+				continue
 			}
+			ran++
 			if b.bad > 0 {
 				t.Errorf("%v, a pause of %v, trial %d: %d refused that the exact mode admits:%s", alg, pause, trial, b.bad, b.log.String())
 			}
