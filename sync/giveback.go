@@ -33,6 +33,14 @@ const giveBackBatch = 512
 // tests, set before the Global they use gives anything back.
 var giveBackDelay = time.Second
 
+// giveBackRetries is how many more rounds a give-back gets whose second round failed (a
+// Redis slow enough to time it out, its breaker still closed), each giveBackDelay times
+// 2, then 4, after the last: before, a failed second round was the end of it, and the
+// slots its acquire may have taken stayed held until their lease ended (up to an hour).
+// Each retry holds its place in giveBackCap a little longer; the rounds go at most 7
+// giveBackDelays after the first.
+const giveBackRetries = 2
+
 // giveBackPoll is how often the worker looks again at give-backs held by an open
 // breaker: about the first wait of a breaker (an eighth of its default cooldown).
 const giveBackPoll = 100 * time.Millisecond
@@ -44,7 +52,7 @@ const giveBackPoll = 100 * time.Millisecond
 type giveBacks struct {
 	mu      gosync.Mutex
 	first   []giveBack // waiting for their first round, oldest first
-	second  []giveBack // sent once, waiting for their second round, by due
+	second  []giveBack // sent once or more, waiting for their next round (any order)
 	held    int        // give-backs in first, second, or in the worker's batch
 	running bool       // the worker is on
 	closed  bool       // Close was called: the worker sends what is left and ends
@@ -58,8 +66,10 @@ type giveBacks struct {
 type giveBack struct {
 	keys []string
 	args []any
-	due  time.Time // the second round's time; zero while the first is to go
-	m    *Master   // its master in this pass (nextGiveBacks); nil: not gated
+	due  time.Time // the next round's time; zero while the first is to go
+	// retries is the rounds it has had after its second (giveBackRetries)
+	retries uint8
+	m       *Master // its master in this pass (nextGiveBacks); nil: not gated
 	// probe: in this pass it took the probe of its master's open breaker (settle)
 	probe bool
 	err   error // the last round's error
@@ -245,9 +255,10 @@ func (g *Global) nextGiveBacks(batch []giveBack, now time.Time, all bool) (_ []g
 }
 
 // requeueGiveBacks puts the give-backs of batch whose first round went into the
-// second-round queue, due giveBackDelay after now, and lets go of those whose second
-// went: a failed second round is counted in RefundErrors (no later round removes a slot
-// its acquire may still have taken).
+// second-round queue, due giveBackDelay after now, and those whose later round failed
+// back into it, later each time, giveBackRetries times at most; it lets go of the
+// others: one whose last round failed is counted in RefundErrors (no later round
+// removes a slot its acquire may still have taken).
 func (g *Global) requeueGiveBacks(batch []giveBack, now time.Time) {
 	q := &g.giveBacks
 	q.mu.Lock()
@@ -256,6 +267,11 @@ func (g *Global) requeueGiveBacks(batch []giveBack, now time.Time) {
 		gb := &batch[i]
 		if gb.due.IsZero() {
 			q.second = append(q.second, giveBack{keys: gb.keys, args: gb.args, due: now.Add(giveBackDelay)})
+			continue
+		}
+		if gb.err != nil && gb.retries < giveBackRetries {
+			r := gb.retries + 1
+			q.second = append(q.second, giveBack{keys: gb.keys, args: gb.args, due: now.Add(giveBackDelay << r), retries: r})
 			continue
 		}
 		q.held--

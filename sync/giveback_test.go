@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"strconv"
 	gosync "sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -293,5 +294,94 @@ func TestGiveBacksBoundedFrozen(t *testing.T) {
 	// batches.
 	if limit := int64(frozenFor/wait) + 4*(giveBackCap/giveBackBatch+1); calls > limit {
 		t.Errorf("%d script calls for %d failed acquires, want at most %d", calls, n, limit)
+	}
+}
+
+// ranThenLost is a client on which every global.lua call runs in Redis and then fails as
+// a read timeout does (the acquire took its slot, and the daemon cannot know), and on
+// which refund.lua calls fail the same way, without reaching Redis, while failRefunds
+// is above zero (each round counted in refunds); other commands go to Redis.
+type ranThenLost struct {
+	*redis.Client
+	failRefunds *atomic.Int32
+	refunds     *atomic.Int32
+}
+
+func (l ranThenLost) Process(ctx context.Context, cmd redis.Cmder) error {
+	a := cmd.Args()
+	is := func(s script) bool {
+		return len(a) > 1 && (a[0] == "evalsha" && a[1] == s.Hash() || a[0] == "eval" && a[1] == s.src)
+	}
+	switch {
+	case is(globalScript):
+		if err := l.Client.Process(ctx, cmd); err != nil {
+			return err // NOSCRIPT: sent again as EVAL
+		}
+		cmd.SetErr(context.DeadlineExceeded)
+		return cmd.Err()
+	case is(refundScript):
+		if a[0] == "eval" {
+			break // a round's EVALSHA came back NOSCRIPT: the same round, sent again
+		}
+		l.refunds.Add(1)
+		if l.failRefunds.Add(-1) >= 0 {
+			cmd.SetErr(context.DeadlineExceeded)
+			return cmd.Err()
+		}
+	}
+	return l.Client.Process(ctx, cmd)
+}
+
+// A give-back whose second round fails (a Redis slow enough to time it out, its breaker
+// closed) goes again, later, giveBackRetries times: before, the slot its acquire took
+// stayed held until its lease ended (an hour here), counted in RefundErrors, no more.
+func TestGiveBackRetriedAfterAFailedSecondRound(t *testing.T) {
+	defer func(d time.Duration) { giveBackDelay = d }(giveBackDelay)
+	giveBackDelay = 100 * time.Millisecond
+	srv := redistest.StartStandalone(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { rdb.Close() })
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name  string
+		fail  int32 // refund calls that fail
+		calls int32 // refund calls sent in all
+		freed bool
+	}{
+		{"both rounds fail, the first retry goes", 2, 3, true},
+		{"every round fails", 100, 2 + giveBackRetries, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := ranThenLost{Client: rdb, failRefunds: new(atomic.Int32), refunds: new(atomic.Int32)}
+			l.failRefunds.Store(tc.fail)
+			g := NewGlobal(l)
+			defer g.Close()
+			key := "rl:conc_retry:{" + tc.name + "}"
+			if ok, err := g.Acquire(ctx, "lost", []LeaseOp{{Key: key, Max: 1, Lease: time.Hour, Take: true}}); ok || err == nil {
+				t.Fatalf("Acquire: %v %v; want an unanswered failure", ok, err)
+			}
+			if n, _ := rdb.ZCard(ctx, key).Result(); n != 1 {
+				t.Fatalf("the acquire's script did not run: %d slots held", n)
+			}
+			// The rounds: at once, then 100 ms, 200 ms and 400 ms after the one before.
+			deadline := time.Now().Add(5 * time.Second)
+			for time.Now().Before(deadline) && l.refunds.Load() < tc.calls {
+				time.Sleep(20 * time.Millisecond)
+			}
+			time.Sleep(1200 * time.Millisecond) // room for a round too many
+			n, err := rdb.ZCard(ctx, key).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := l.refunds.Load(); got != tc.calls {
+				t.Errorf("%d refund calls, want %d", got, tc.calls)
+			}
+			if tc.freed && n != 0 {
+				t.Errorf("the slot is held after %d refund calls, %d failed: want it given back", l.refunds.Load(), tc.fail)
+			}
+			if !tc.freed && (n != 1 || g.RefundErrors() != 1) {
+				t.Errorf("%d slots held, %d refund errors; want 1 and 1 (the give-back given up, counted)", n, g.RefundErrors())
+			}
+		})
 	}
 }
