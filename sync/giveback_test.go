@@ -354,7 +354,7 @@ func TestGiveBackRetriedAfterAFailedSecondRound(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := ranThenLost{Client: rdb, failRefunds: new(atomic.Int32), refunds: new(atomic.Int32)}
 			l.failRefunds.Store(tc.fail)
-			g := NewGlobal(l)
+			g := NewGlobal(l).WithRefundTimeout(5 * time.Second) // a round that reaches Redis is answered
 			defer g.Close()
 			key := "rl:conc_retry:{" + tc.name + "}"
 			if ok, err := g.Acquire(ctx, "lost", []LeaseOp{{Key: key, Max: 1, Lease: time.Hour, Take: true}}); ok || err == nil {
