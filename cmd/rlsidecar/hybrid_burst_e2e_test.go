@@ -168,7 +168,14 @@ func TestE2EHybridBurstAcrossTheTurn(t *testing.T) {
 			if alg == localbucket.SlidingWindow {
 				counted += before * int(w-(now-turn)) / int(w)
 			}
-			if left := limit - counted; int(r.Remaining) < left-5 || int(r.Remaining) > left+5 {
+			// Fewer left than that, in the safe direction, by the units admitted within
+			// the view's lag before the turn (synced after it, dated by their age, and
+			// counted in the new window: docs/accuracy.md), which under -race beside the
+			// other packages' tests came to 6 and 7 of 183 and more: a tenth of those
+			// before the turn, at least 5. More left than that would be admitted past the
+			// limit: 5 at most.
+			slack := max(5, before/10)
+			if left := limit - counted; int(r.Remaining) < left-slack || int(r.Remaining) > left+5 {
 				t.Errorf("%v: %d left %v after the turn, where %d admitted before it and %d after leave %d",
 					alg, r.Remaining, time.Duration(now-turn).Round(time.Millisecond), before, after, left)
 			}
