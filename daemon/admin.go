@@ -793,6 +793,16 @@ func (m matchDoc) MarshalJSON() ([]byte, error) {
 }
 
 func rulesDoc(deps AdminDeps) any {
+	// The reloads' count before the rules: a reload ends (its count) after its rules are in
+	// force, so the set read next is at least as new as the last reload counted. Read the
+	// other way, a reload ending between the two showed its count beside the rules it
+	// replaced, and `rlsidecar reload` printed the old version as the one in force (a CI
+	// run of TestE2EReloadCommandWaits).
+	var begun, ended uint64
+	var reloadErr string
+	if deps.Reloads != nil {
+		begun, ended, reloadErr = deps.Reloads.Get()
+	}
 	set := deps.Limiter.Rules()
 	out := struct {
 		Version string    `json:"version"`
@@ -807,9 +817,7 @@ func rulesDoc(deps AdminDeps) any {
 		ReloadError  string    `json:"reload_error"`
 		Rules        []ruleDoc `json:"rules"`
 	}{Version: set.Version, Source: set.Source, Shadow: deps.Limiter.ShadowAll(), PID: os.Getpid(), Rules: []ruleDoc{}}
-	if deps.Reloads != nil {
-		out.ReloadsBegun, out.Reloads, out.ReloadError = deps.Reloads.Get()
-	}
+	out.ReloadsBegun, out.Reloads, out.ReloadError = begun, ended, reloadErr
 	deps.Metrics.mu.Lock()
 	out.Loaded = deps.Metrics.config.loaded
 	deps.Metrics.mu.Unlock()
