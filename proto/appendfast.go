@@ -41,17 +41,6 @@ func appendStr(b []byte, v string) []byte {
 	return append(b, v...)
 }
 
-// appendMapLen is msgpack.Encoder.EncodeMapLen.
-func appendMapLen(b []byte, n int) []byte {
-	switch {
-	case n < 16:
-		return append(b, 0x80|byte(n))
-	case n <= math.MaxUint16:
-		return binary.BigEndian.AppendUint16(append(b, 0xde), uint16(n))
-	}
-	return binary.BigEndian.AppendUint32(append(b, 0xdf), uint32(n))
-}
-
 // appendArrayLen is msgpack.Encoder.EncodeArrayLen.
 func appendArrayLen(b []byte, n int) []byte {
 	switch {
@@ -199,12 +188,6 @@ func putUintWide(p unsafe.Pointer, i int, v uint64) int {
 	*(*byte)(q) = 0xcf
 	binary.BigEndian.PutUint64((*[8]byte)(unsafe.Add(q, 1))[:], v)
 	return i + 9
-}
-
-// putBool writes the msgpack bool v.
-func putBool(p unsafe.Pointer, i int, v bool) int {
-	*(*byte)(unsafe.Add(p, i)) = 0xc2 | b2u(v)
-	return i + 1
 }
 
 // b2u is 1 for true, 0 for false, without a branch: a bool's byte is 0 or 1.

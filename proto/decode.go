@@ -108,7 +108,10 @@ func (d *Decoder) findID(body []byte) uint64 {
 			// its value, as an unknown field is, so that an id after it is echoed too:
 			// before, the answer said 0 there and the id after any other fault.
 			_, _ = d.r.Seek(int64(pos), io.SeekStart)
-			if d.skip("map key") != nil || d.skip("map key") != nil {
+			if d.skip("map key") != nil {
+				return 0
+			}
+			if d.skip("map key's value") != nil {
 				return 0
 			}
 			continue

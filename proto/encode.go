@@ -73,14 +73,12 @@ func field(name string) fieldName {
 }
 
 var (
-	fID, fOp, fAttrs, fLimits, fCost              = field("id"), field("op"), field("attrs"), field("limits"), field("cost")
-	fKey, fLimit, fWindowMs, fBurst, fAlgorithm   = field("key"), field("limit"), field("window_ms"), field("burst"), field("algorithm")
-	fMode, fName, fAllowed, fRule, fRemaining     = field("mode"), field("name"), field("allowed"), field("rule"), field("remaining")
-	fResetMs, fRetryAfterMs, fDegraded, fRules    = field("reset_ms"), field("retry_after_ms"), field("degraded"), field("rules")
-	fShadow, fReason, fVersion, fProtocol, fError = field("shadow"), field("reason"), field("version"), field("protocol"), field("error")
-	fCode, fMessage                               = field("code"), field("message")
-	fLease, fLeaseMs, fReleased, fRenewed         = field("lease"), field("lease_ms"), field("released"), field("renewed")
-	fExpiresMs                                    = field("expires_ms")
+	fID, fOp, fAttrs, fLimits, fCost            = field("id"), field("op"), field("attrs"), field("limits"), field("cost")
+	fKey, fLimit, fWindowMs, fBurst, fAlgorithm = field("key"), field("limit"), field("window_ms"), field("burst"), field("algorithm")
+	fMode, fName, fVersion, fProtocol, fError   = field("mode"), field("name"), field("version"), field("protocol"), field("error")
+	fCode, fMessage                             = field("code"), field("message")
+	fLease, fLeaseMs, fReleased, fRenewed       = field("lease"), field("lease_ms"), field("released"), field("renewed")
+	fExpiresMs                                  = field("expires_ms")
 )
 
 func (e *Encoder) str(k fieldName, v string) {

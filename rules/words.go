@@ -51,17 +51,13 @@ func lookupShort(attrs []Attr, n int, w uint64) (string, bool) {
 	return "", false
 }
 
-// geByte has the top bit of each byte of x set where that byte is >= c (1 <= c <= 0x80),
-// provided no byte of x has its top bit set (so no sum carries into the next byte).
-func geByte(x uint64, c uint8) uint64 {
-	return (x + (0x80-uint64(c))*lsb) & msb
-}
-
 // plainWord has the top bit of each byte of x set where that byte is one of - . / 0-9 :
 // A-Z a-z, the kept bytes (see keep) bar + @ _ ~, provided no byte of x has its top bit
 // set: a value whose words are all plain needs no escaping, and one that is not is
 // tested byte by byte. It is two range tests, [-, :] on x and [a, z] on x with A-Z moved
-// onto a-z, each the difference of two geByte.
+// onto a-z, each the difference of two "byte >= c" tests: x + (0x80-c)*lsb has the top
+// bit of each byte set where that byte is >= c (1 <= c <= 0x80), since no byte of x has
+// its top bit set and so no sum carries into the next byte.
 func plainWord(x uint64) uint64 {
 	y := x | 0x20*lsb // A-Z onto a-z; no other byte lands on a-z
 	return ((x+(0x80-'-')*lsb)&^(x+(0x80-':'-1)*lsb) | (y+(0x80-'a')*lsb)&^(y+(0x80-'z'-1)*lsb)) & msb

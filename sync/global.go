@@ -535,7 +535,6 @@ func (g *Global) Undo(ctx context.Context, ops []GlobalOp) error {
 // Results of their allowed ops as peeks on the refunded state.
 func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
 	var refunds []call
-	var ridx []int // group of each refund call
 	for gi := range cs.groups {
 		c, gr := &cs.calls[gi], cs.groups[gi]
 		if c.failed || c.rejected {
@@ -588,7 +587,6 @@ func (g *Global) refund(ctx context.Context, ops []GlobalOp, cs *checkScratch) {
 		}
 		if len(keys) > 0 {
 			refunds = append(refunds, call{keys: keys, args: args})
-			ridx = append(ridx, gi)
 		}
 	}
 	if len(refunds) == 0 {
