@@ -140,12 +140,6 @@ func selfCPU(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// syscalls returns the read and write system calls the server has made (/proc/PID/io).
-func (s *server) syscalls(tb testing.TB) float64 {
-	r, w := s.readsWrites(tb)
-	return r + w
-}
-
 // readsWrites returns the read and the write system calls the server has made, apart.
 func (s *server) readsWrites(tb testing.TB) (reads, writes float64) {
 	return readsWrites(tb, s.cmd.Process.Pid)

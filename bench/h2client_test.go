@@ -26,7 +26,6 @@ type h2Client struct {
 	hbuf    bytes.Buffer
 	stream  uint32
 	path    string
-	msg     []byte
 	unacked uint32 // connection-level bytes received and not yet given back
 }
 

@@ -12,11 +12,10 @@ import (
 // indexGate holds the first pipeline that adds to the ban index (the daemon's round
 // indexing the bans it started) until released.
 type indexGate struct {
-	index    string
-	reached  chan struct{}
-	release  chan struct{}
-	held     bool
-	disarmed bool
+	index   string
+	reached chan struct{}
+	release chan struct{}
+	held    bool
 }
 
 func (g *indexGate) DialHook(next redis.DialHook) redis.DialHook { return next }

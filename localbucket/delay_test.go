@@ -46,7 +46,7 @@ func TestDelayNginxBurstExample(t *testing.T) {
 		t.Fatalf("peek 1s later: allowed %v delay %v, want allowed with delay 5s", r.Allowed, time.Duration(r.Delay))
 	}
 	// One second later, one slot of the queue has drained: one more is held 5s.
-	s, r = lim.Take(s, now+int64(time.Second), 1)
+	_, r = lim.Take(s, now+int64(time.Second), 1)
 	if !r.Allowed || r.Delay != int64(5*time.Second) {
 		t.Fatalf("request 8 at +1s: allowed %v delay %v, want delay 5s", r.Allowed, time.Duration(r.Delay))
 	}

@@ -112,7 +112,10 @@ func TestE2EPipelining(t *testing.T) {
 		}
 		enc.EncodeRequest(&req)
 	}
-	go c.write(enc.Bytes())
+	// Written from another goroutine, which must not call t.Fatal: its error is read
+	// after the answers (a write that fails leaves them unread, and recv fails first).
+	wrote := make(chan error, 1)
+	go func() { _, err := c.c.Write(enc.Bytes()); wrote <- err }()
 	allowed := 0
 	for i := 1; i <= n; i++ {
 		r := c.recv()
@@ -128,6 +131,9 @@ func TestE2EPipelining(t *testing.T) {
 		if r.Allowed {
 			allowed++
 		}
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
 	}
 	// per-ip in the built-in rules: 20 per 10 s; the test runs in far less than 500 ms.
 	if allowed < 20 || allowed > 22 {

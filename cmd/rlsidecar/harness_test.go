@@ -161,7 +161,6 @@ type rawConn struct {
 	c   net.Conn
 	br  *bufio.Reader
 	dec *proto.Decoder
-	buf []byte
 }
 
 func dialRaw(t *testing.T, socket string) *rawConn {

@@ -390,9 +390,7 @@ func (l *wfLimit) fields(r *rand.Rand, redis bool) (fs wfFields, name string, an
 	if l.burst == l.limit {
 		burst = []func(e *wfEnc){nilEnc, u(0), u(l.limit)}
 	} else {
-		burst = []func(e *wfEnc){u(l.burst)}
-		fs = append(fs, wfField{"burst", u(l.burst)})
-		burst = nil
+		fs = append(fs, wfField{"burst", u(l.burst)}) // not the default: always sent
 	}
 	if burst != nil {
 		opt("burst", burst)
