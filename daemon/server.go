@@ -41,6 +41,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 	"github.com/rlsidecar/rlsidecar/internal/rawio"
 	"github.com/rlsidecar/rlsidecar/internal/unixsock"
 	"github.com/rlsidecar/rlsidecar/limiter"
@@ -395,11 +396,7 @@ func (s *Server) Serve() error {
 // tooManyConnections is the message of a too_many_connections refusal under --max-conns
 // max ("at most 1 connection" under --max-conns 1, not "1 connections").
 func tooManyConnections(max int) string {
-	noun := "connections"
-	if max == 1 {
-		noun = "connection"
-	}
-	return fmt.Sprintf("the daemon serves at most %d %s; close idle ones or raise --max-conns", max, noun)
+	return fmt.Sprintf("the daemon serves at most %s; close idle ones or raise --max-conns", plural.Count(max, "connection"))
 }
 
 // acceptBacklog takes, without waiting, the connections waiting in the listen backlog of

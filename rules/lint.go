@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode"
+
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 )
 
 // Warnings returns the rules of s that can never have an effect, as errors that do not
@@ -142,7 +144,7 @@ func (s *Set) Warnings() Errors {
 			// Each daemon enforces ⌈requests ÷ split⌉, at least 1: below split, the
 			// fleet admits split per window, not requests.
 			out = append(out, &Error{File: r.File, Line: r.Line, Field: "rule " + strconv.Quote(r.Name) + " split",
-				Msg: fmt.Sprintf("split %d is more than its %s: each daemon enforces at least 1, so %d daemons admit %d per window", r.Split, plural(r.limit.Requests(), "request"), r.Split, r.Split)})
+				Msg: fmt.Sprintf("split %d is more than its %s: each daemon enforces at least 1, so %d daemons admit %d per window", r.Split, plural.Count(r.limit.Requests(), "request"), r.Split, r.Split)})
 		}
 		sig := shadowSignature(r)
 		e := bySig[sig]
@@ -547,12 +549,4 @@ func literalUnseen(data []byte) map[rune]bool {
 		out[c] = true
 	}
 	return out
-}
-
-// plural is n and noun, with an s unless n is 1.
-func plural(n uint64, noun string) string {
-	if n == 1 {
-		return "1 " + noun
-	}
-	return strconv.FormatUint(n, 10) + " " + noun + "s"
 }

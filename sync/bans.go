@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 )
 
 //go:embed scripts/ban.lua
@@ -242,7 +244,7 @@ func (b *Bans) Refused(ctx context.Context, now int64, rs []BanRefusal) error {
 			r.Unsent = notRun(err) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) ||
 				errors.Is(err, errNotSent) || notWritten(err)
 			if firstErr == nil {
-				firstErr = fmt.Errorf("ban refusals of %s: %w", plural(len(rs), "key"), err)
+				firstErr = fmt.Errorf("ban refusals of %s: %w", plural.Count(len(rs), "key"), err)
 			}
 			continue
 		}
@@ -290,7 +292,7 @@ func (b *Bans) Index(ctx context.Context, bans []SharedBan) error {
 	pipe.Do(ctx, "PEXPIREAT", b.index, at, "NX")
 	pipe.Do(ctx, "PEXPIREAT", b.index, at, "GT")
 	if _, err := pipe.Exec(ctx); err != nil && add.Err() != nil {
-		return fmt.Errorf("adding %s to the index %s: %w", plural(len(bans), "ban"), b.index, add.Err())
+		return fmt.Errorf("adding %s to the index %s: %w", plural.Count(len(bans), "ban"), b.index, add.Err())
 	}
 	return b.recheck(ctx, bans)
 }
@@ -311,7 +313,7 @@ func (b *Bans) recheck(ctx context.Context, bans []SharedBan) error {
 		held[i] = pipe.HMGet(ctx, BanKey(sb.Key), "u", "c")
 	}
 	if _, err := pipe.Exec(ctx); err != nil {
-		return fmt.Errorf("checking %s added to the index %s: %w", plural(len(bans), "ban"), b.index, err)
+		return fmt.Errorf("checking %s added to the index %s: %w", plural.Count(len(bans), "ban"), b.index, err)
 	}
 	fix := b.rdb.Pipeline()
 	for i, sb := range bans {
@@ -354,7 +356,7 @@ func (b *Bans) Held(ctx context.Context, keys []string) ([]SharedBan, error) {
 		held[i] = pipe.HMGet(ctx, BanKey(k), "u", "c")
 	}
 	if _, err := pipe.Exec(ctx); err != nil {
-		return nil, fmt.Errorf("reading %s: %w", plural(len(keys), "ban"), err)
+		return nil, fmt.Errorf("reading %s: %w", plural.Count(len(keys), "ban"), err)
 	}
 	var out []SharedBan
 	for i, k := range keys {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -448,7 +449,7 @@ func (g *Global) check(ctx context.Context, ops []GlobalOp) (bool, error) {
 				}
 			}
 			if firstErr == nil {
-				firstErr = fmt.Errorf("global check of %s in slot %d: %w", plural(len(idx), "key"), Slot(ops[idx[0]].Key), err)
+				firstErr = fmt.Errorf("global check of %s in slot %d: %w", plural.Count(len(idx), "key"), Slot(ops[idx[0]].Key), err)
 			}
 			c.failed = true
 			continue
@@ -1000,13 +1001,4 @@ func ping(ctx context.Context, rdb rediser, key string) error {
 	cmd := p.Ping(ctx)
 	_, _ = p.Exec(ctx)
 	return cmd.Err()
-}
-
-// plural is n and noun, with an s unless n is 1: an error says "global check of 1 key",
-// not "1 keys".
-func plural(n int, noun string) string {
-	if n == 1 {
-		return "1 " + noun
-	}
-	return strconv.Itoa(n) + " " + noun + "s"
 }

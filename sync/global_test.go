@@ -14,6 +14,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
@@ -950,7 +951,7 @@ func TestGlobalCheckErrorCountsKeys(t *testing.T) {
 	if want := fmt.Sprintf("global check of 1 key in slot %d: ", Slot(key)); err == nil || !strings.Contains(err.Error(), want) {
 		t.Fatalf("a check of one key against a refusing Redis: %v, want %q in it", err, want)
 	}
-	if got := plural(2, "key"); got != "2 keys" {
-		t.Fatalf("plural(2, key) = %q", got)
+	if got := plural.Count(2, "key"); got != "2 keys" {
+		t.Fatalf("plural.Count(2, key) = %q", got)
 	}
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -760,14 +761,14 @@ func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (in
 	if unsent > 0 {
 		h.backlog.Add(int64(unsent))
 		if failed == 0 && release {
-			return sent, fmt.Errorf("hybrid sync: %d of %s not sent in time: %w", unsent, plural(len(items), "key"), errNoTime)
+			return sent, fmt.Errorf("hybrid sync: %d of %s not sent in time: %w", unsent, plural.Count(len(items), "key"), errNoTime)
 		}
 	}
 	if failed > 0 {
 		if firstErr == nil {
 			firstErr = sendErr
 		}
-		return sent, fmt.Errorf("hybrid sync: %d of %s not synced: %w", failed, plural(len(items), "key"), firstErr)
+		return sent, fmt.Errorf("hybrid sync: %d of %s not synced: %w", failed, plural.Count(len(items), "key"), firstErr)
 	}
 	return sent, nil
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rlsidecar/rlsidecar/daemon"
 	"github.com/rlsidecar/rlsidecar/envoyrls"
+	"github.com/rlsidecar/rlsidecar/internal/plural"
 	"github.com/rlsidecar/rlsidecar/limiter"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -280,7 +281,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("reading --top-labels-salt-file: %w", err)
 		}
 		if topSalt = []byte(strings.TrimSpace(string(topSalt))); len(topSalt) < 16 {
-			return fmt.Errorf("%w: --top-labels-salt-file %s holds %s; use at least 16 random ones", errUsage, *topSaltFile, plural(len(topSalt), "byte"))
+			return fmt.Errorf("%w: --top-labels-salt-file %s holds %s; use at least 16 random ones", errUsage, *topSaltFile, plural.Count(len(topSalt), "byte"))
 		}
 	}
 	metrics := daemon.NewMetrics(version, *topK)
@@ -562,7 +563,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// status is the service manager's one-line view (systemctl status).
 	status := func() string {
 		rs := lim.Rules()
-		st := fmt.Sprintf("serving %s (version %s) on %s, %s", plural(len(rs.Rules), "rule"), rs.Version, *socket, modeDesc)
+		st := fmt.Sprintf("serving %s (version %s) on %s, %s", plural.Count(len(rs.Rules), "rule"), rs.Version, *socket, modeDesc)
 		if envoyDesc != "" {
 			st += ", Envoy API on " + envoyDesc
 		}
@@ -784,7 +785,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	// The line for a terminal. In the journal with --log-format json, where a log shipper
 	// parses every line of the unit as JSON, the "serving" record below says the same.
 	if !(toJournal(stdout) && strings.EqualFold(*logFormat, "json")) {
-		fmt.Fprintf(stdout, "rlsidecar %s %s %s (%s from %s, %s)\n", version, how, *socket, plural(len(set.Rules), "rule"), ruleSource, modeDesc)
+		fmt.Fprintf(stdout, "rlsidecar %s %s %s (%s from %s, %s)\n", version, how, *socket, plural.Count(len(set.Rules), "rule"), ruleSource, modeDesc)
 	}
 	if limiter.NoStore {
 		log.Error("this daemon was built with -tags rlsidecar_nostore, for measurement: it admits every local check without counting it; never run it for traffic")
@@ -1012,7 +1013,7 @@ func validate(args []string, stdout, stderr io.Writer) error {
 	for _, w := range ws {
 		fmt.Fprintf(stderr, "warning: %v\n", w)
 	}
-	fmt.Fprintf(stdout, "%s: %s, version %s, %s\n", *config, plural(len(set.Rules), "rule"), set.Version, plural(len(ws), "warning"))
+	fmt.Fprintf(stdout, "%s: %s, version %s, %s\n", *config, plural.Count(len(set.Rules), "rule"), set.Version, plural.Count(len(ws), "warning"))
 	return nil
 }
 
@@ -1230,14 +1231,6 @@ func loopbackAddr(addr string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
-}
-
-// plural is n and noun, with an s unless n is 1.
-func plural(n int, noun string) string {
-	if n == 1 {
-		return "1 " + noun
-	}
-	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 // warnReadableSecrets warns of each secret file (flag name, path) that every local user
