@@ -8,15 +8,20 @@ import (
 )
 
 // giveBackCap is the most give-backs a Global holds at once, queued, on the wire, or
-// waiting for their second round; past it a new one is dropped (and counted). A
-// give-back is only needed for an acquire that failed unanswered, and the breaker stops
-// sending checks after a few of those, so in an outage the queue holds about the checks
-// that were in flight when Redis froze: 4096 is four times the daemon's default
-// --max-conns (1024), each with a check on its way. It also bounds what a Redis that is
-// slow but not down (timeouts among answers, the breaker closed) receives: each
-// give-back stays held until its second round, giveBackDelay after its first, so at
-// most giveBackCap per giveBackDelay are taken in (two rounds each, merged into a few
-// calls: see sendGiveBacks); and memory, a few hundred bytes each, about 1 MB.
+// waiting for a later round; past it a new one is dropped (and counted). A give-back is
+// only needed for an acquire that failed unanswered, and the breaker stops sending
+// checks after a few of those, so in an outage the queue holds about the checks that
+// were in flight when Redis froze: 4096 is four times the daemon's default --max-conns
+// (1024), each with a check on its way. It also bounds what a Redis that is slow but not
+// down (timeouts among answers, the breaker closed) receives: a give-back keeps its
+// place until its last round has gone. That is its second, giveBackDelay after its
+// first; when the second fails, a third, 2 giveBackDelays later; when that fails too, a
+// fourth, 4 later (giveBackRetries). So one is held 1, 3 or 7 giveBackDelays after its
+// first round ended, plus the later rounds' own time (each at most the refund timeout)
+// and any wait behind an open breaker, and at most giveBackCap are taken in per
+// giveBackDelay (fewer while retries hold places), each sent in two to four rounds
+// merged into a few calls (see sendGiveBacks). It bounds memory too: a few hundred
+// bytes each, about 1 MB.
 const giveBackCap = 4096
 
 // giveBackBatch is the most give-backs one round trip carries, and so the most on the
@@ -37,8 +42,8 @@ var giveBackDelay = time.Second
 // Redis slow enough to time it out, its breaker still closed), each giveBackDelay times
 // 2, then 4, after the last: before, a failed second round was the end of it, and the
 // slots its acquire may have taken stayed held until their lease ended (up to an hour).
-// Each retry holds its place in giveBackCap a little longer; the rounds go at most 7
-// giveBackDelays after the first.
+// Each retry holds its place in giveBackCap longer: the last round is due 7
+// giveBackDelays after the first ended (plus the rounds' own time; see giveBackCap).
 const giveBackRetries = 2
 
 // giveBackPoll is how often the worker looks again at give-backs held by an open
@@ -82,7 +87,7 @@ type giveBack struct {
 // nor see them (the daemon tracks no such lease). Removing a member that is not there
 // changes nothing, so giving back is safe either way. Each goes twice, at once and
 // again giveBackDelay later, for an acquire still on its way to Redis when the first
-// got there.
+// got there; a second round that fails goes again, up to giveBackRetries times.
 //
 // It never blocks and never spawns a goroutine per call: a Redis slow enough to time
 // acquires out is not sent a give-back per acquire at once. The worker sends them in
