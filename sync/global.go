@@ -270,7 +270,7 @@ func NewGlobal(c redis.UniversalClient) *Global {
 }
 
 // RefundErrors returns how many refunds failed (see [Global.Check]): each left some
-// capacity consumed by a request that was rejected. A lease give-back whose second
+// capacity consumed by a request that was rejected. A lease give-back whose last
 // round failed is counted too (see [Global.Acquire]): its slots may stay held.
 func (g *Global) RefundErrors() uint64 { return g.refundErrors.Load() }
 

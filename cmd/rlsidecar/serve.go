@@ -440,7 +440,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		lim.WithHybrid(hybrid).WithGlobal(global, *globalTimeout)
 		metrics.CounterFunc("rlsidecar_lease_giveback_dropped_total", "Give-backs of global lease slots dropped (their queue full, or at shutdown): slots an acquire that failed unanswered may have taken stay held until their lease ends.",
 			func() float64 { return float64(global.GiveBacksDropped()) })
-		metrics.CounterFunc("rlsidecar_global_refund_errors_total", "Refunds of global rules' units that failed (a check refused, or failed, after another hash slot's keys had taken their units, and Redis did not take them back: a timeout, or a refusal still answered after 30 s of resending): those units stay used until they refill.",
+		metrics.CounterFunc("rlsidecar_global_refund_errors_total", "Refunds of global rules' units that failed (a check refused, or failed, after another hash slot's keys had taken their units, and Redis did not take them back: a timeout, or a refusal still answered after 30 s of resending): those units stay used until they refill. Also lease give-backs whose last round failed: their slots may stay held until their lease ends.",
 			func() float64 { return float64(global.RefundErrors()) })
 		// Penalty rules in hybrid and global mode share their bans through Redis.
 		sharedBans, err := rlsync.NewBans(rdbLong, *redisPrefix) // its calls carry their own deadlines
