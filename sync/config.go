@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
 // PasswordEnv is the environment variable a Redis password is read from when the URL
@@ -36,7 +37,10 @@ type Config struct {
 	Passwords *PasswordFile
 	// Timeout bounds every Redis call (dial, read, write); default 50ms.
 	Timeout time.Duration
-	// PoolSize is the connection pool size per node; default 16.
+	// PoolSize bounds each node's main connection pool; default 16. Pipelines (exact
+	// syncs, batched global checks) use a second pool, of up to 10 connections per node
+	// (go-redis v9.23.0's DefaultPipelinePoolSize), and the main one when it is busy: a
+	// node may see up to PoolSize+10 connections from each client Open returns.
 	PoolSize int
 	// TLS is the CA and client certificate of a rediss:// URL (LoadTLS); nil: the
 	// system's CAs and no client certificate. Set with a redis:// URL, an error.
@@ -98,6 +102,8 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		opt.MaxRetries = -1   // the caller's failure policy decides, not a retry loop
 		opt.DialerRetries = 1 // nor a dial retried within the call (go-redis: 5, 100 ms apart)
 		opt.ContextTimeoutEnabled = true
+		opt.DisableIdentity = true // one round trip fewer in a new connection's first call
+		opt.MaintNotificationsConfig = noMaintNotifications()
 		return redis.NewClient(opt), nil
 	}
 	addrs, user, urlPass, useTLS, err := parseCluster(cfg.Cluster)
@@ -124,6 +130,9 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		MaxRetries:                 -1,
 		DialerRetries:              1,
 		ContextTimeoutEnabled:      true,
+		// Each node's client takes both (noMaintNotifications).
+		DisableIdentity:          true,
+		MaintNotificationsConfig: noMaintNotifications(),
 	}
 	if useTLS {
 		// No ServerName: each node's certificate is checked against the host of the
@@ -137,6 +146,22 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	cc := redis.NewClusterClient(opt)
 	cc.OnNewNode(func(c *redis.Client) { c.AddHook(noEmptySlotMap{}) })
 	return cc, nil
+}
+
+// noMaintNotifications turns off go-redis's maintenance notifications; with
+// DisableIdentity it spares two of the round trips that go-redis v9.23.0 makes to set a
+// connection up, which it does when a call first takes the connection, within that
+// call's deadline: HELLO; CLIENT MAINT_NOTIFICATIONS on a client's first connection
+// (each Cluster node's; on every connection where Redis accepts it); CLIENT SETINFO
+// twice (lib-name, lib-ver, pipelined); then the call. After a timed-out call has
+// closed its connection, the next call (a new key's exact sync, bounded by FetchWait,
+// 25 ms; a global check) opens another, and on a host short of CPU those round trips
+// made it miss its bound and answer degraded (docs/reliability.md, "Known
+// limitations"). What is lost: CLIENT LIST shows no lib-name or lib-ver for the daemon's
+// connections, and a Redis that announces its maintenance (Redis Cloud, Enterprise;
+// 7.0 refuses the command) does not get the daemon to move its connections ahead.
+func noMaintNotifications() *maintnotifications.Config {
+	return &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 }
 
 // errEmptySlotMap is what noEmptySlotMap makes of a CLUSTER SLOTS reply listing no slot.
