@@ -454,8 +454,8 @@ func delayedReplies(t *testing.T, target string, slow *atomic.Bool, delay time.D
 				for {
 					n, err := s.Read(buf)
 					if n > 0 {
-						// A script's answer is an array; the handshake's (HELLO, CLIENT
-						// SETINFO) are a map and simple strings.
+						// A script's answer is an array; the handshake's (HELLO) is a
+						// map.
 						if slow.Load() && buf[0] == '*' {
 							time.Sleep(delay)
 						}

@@ -871,8 +871,7 @@ rules:
 
 // A hybrid sync (and heartbeat) call is bounded by max(--redis-timeout, --sync-interval),
 // as docs/reliability.md says: a Redis 100 ms away answers a daemon syncing every 500 ms
-// (a call on a new connection takes three round trips: go-redis's HELLO, CLIENT SETINFO,
-// then the call).
+// (a call on a new connection takes two round trips: go-redis's HELLO, then the call).
 // Before, the syncs' client kept the 50 ms --redis-timeout as its read deadline, which
 // go-redis takes when it is sooner than the call's: every sync and heartbeat failed, the
 // breaker opened, and the closed rule refused every check, degraded (541 of 541).
