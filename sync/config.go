@@ -47,6 +47,27 @@ type Config struct {
 	TLS *TLSFiles
 }
 
+// MaxConns is the most connections one client Open returns may hold to the Redis the
+// config names: its pool (PoolSize) and go-redis's pool for pipelines
+// (redis.DefaultPipelinePoolSize) to each node, counting one node for a URL and the
+// addresses given for a Cluster (a Cluster with more masters than were given has more).
+func (c Config) MaxConns() int {
+	pool := c.PoolSize
+	if pool <= 0 {
+		pool = defaultPoolSize
+	}
+	nodes := 1
+	if len(c.Cluster) > 0 {
+		if addrs, _, _, _, err := parseCluster(c.Cluster); err == nil {
+			nodes = max(len(addrs), 1)
+		}
+	}
+	return (pool + redis.DefaultPipelinePoolSize) * nodes
+}
+
+// defaultPoolSize is a node's connection pool when Config.PoolSize is not set.
+const defaultPoolSize = 16
+
 // Open connects (lazily) to the Redis the config names.
 func Open(cfg Config) (redis.UniversalClient, error) {
 	if (cfg.URL == "") == (len(cfg.Cluster) == 0) {
@@ -58,7 +79,7 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 	}
 	pool := cfg.PoolSize
 	if pool <= 0 {
-		pool = 16
+		pool = defaultPoolSize
 	}
 	pwFile, err := cfg.passwords()
 	if err != nil {

@@ -297,6 +297,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 	var global *rlsync.Global
 	var syncMasters, checkMasters *rlsync.Masters // a breaker per Redis master, each
 	modeDesc := "local mode"
+	redisConns := 0 // the most the Redis clients below may hold (warnFileLimit)
 	if haveRedis {
 		cfg := rlsync.Config{URL: *redisURL, PasswordFile: *redisPassFile, Timeout: *redisTimeout}
 		if *redisPassFile != "" {
@@ -332,6 +333,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		if pw, err := cfg.Password(); err == nil {
 			secrets.set(pw)
 		}
+		redisConns = 3 * cfg.MaxConns() // the syncs', the checks' and the long calls' clients
 		if skipsVerify(*redisURL) {
 			log.Warn("the --redis URL's skip_verify=true checks no server certificate: whoever can intercept the connection can read the password and every count, and answer in Redis's place; give the server's CA in --redis-tls-ca-file (and --redis-tls-server-name) instead", "redis", rlsync.Redact(*redisURL))
 		}
@@ -484,7 +486,7 @@ func serve(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	warnExposed(log, *admin, *envoyRLS)
-	warnFileLimit(log, *maxConns, *admin != "", *envoyRLS != "" || activated.envoy != nil)
+	warnFileLimit(log, *maxConns, redisConns, *admin != "", *envoyRLS != "" || activated.envoy != nil)
 	// Bind everything before announcing anything, and undo what a failed start created:
 	// a socket file left behind would be found by clients and refuse them.
 	var adm *daemon.Admin
@@ -1190,23 +1192,25 @@ func warnOpenSockets(log *slog.Logger, mode os.FileMode, socket string, activate
 	}
 }
 
-// fileLimitSpare is the descriptors a daemon uses besides its clients' connections: Redis
-// connections (one pool per master), the rules' files and their watches, the listeners.
+// fileLimitSpare is the descriptors a daemon uses besides its clients' and Redis
+// connections: the rules' files and their watches, the listeners, the log.
 const fileLimitSpare = 64
 
 // warnFileLimit warns when the open-file limit (its soft limit, which Go raises to the
 // hard one at start) is below what the connection caps take: --max-conns on the socket,
-// 64 on the admin endpoint, 1,024 on the Envoy listener, and fileLimitSpare. Past the
+// 64 on the admin endpoint, 1,024 on the Envoy listener, the Redis clients' pools
+// (redisConns: three clients, each up to 16 + 10 connections a node), and
+// fileLimitSpare. Past the
 // limit a connection cannot be accepted at all, so instead of being answered
 // too_many_connections a client waits in the listen backlog, unanswered (with `ulimit -n
 // 200` and the default --max-conns, seen by the hostile-client audit), and the daemon only
 // logs that accept failed. The systemd unit sets LimitNOFILE=65536.
-func warnFileLimit(log *slog.Logger, maxConns int, admin, envoy bool) {
+func warnFileLimit(log *slog.Logger, maxConns, redisConns int, admin, envoy bool) {
 	var r syscall.Rlimit
 	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &r) != nil {
 		return
 	}
-	need := uint64(maxConns) + fileLimitSpare
+	need := uint64(maxConns) + uint64(redisConns) + fileLimitSpare
 	if admin {
 		need += 64
 	}
