@@ -115,10 +115,12 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		if err := cfg.checkTLS(opt.TLSConfig); err != nil {
 			return nil, err
 		}
+		opt.DialTimeout, opt.ReadTimeout, opt.WriteTimeout = timeout, timeout, timeout
+		opt.Dialer = redis.NewDialer(opt)
 		if opt.TLSConfig != nil {
 			opt.Dialer = cfg.TLS.dialer(opt.TLSConfig, timeout)
 		}
-		opt.DialTimeout, opt.ReadTimeout, opt.WriteTimeout = timeout, timeout, timeout
+		opt.Dialer = noDialGate(opt.Dialer) // a call that needs a connection always dials
 		opt.PoolSize = pool
 		opt.MaxRetries = -1   // the caller's failure policy decides, not a retry loop
 		opt.DialerRetries = 1 // nor a dial retried within the call (go-redis: 5, 100 ms apart)
@@ -160,7 +162,11 @@ func Open(cfg Config) (redis.UniversalClient, error) {
 		// node's address, or TLSOptions.ServerName.
 		opt.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 		opt.Dialer = cfg.TLS.dialer(opt.TLSConfig, timeout)
+	} else {
+		d := &net.Dialer{Timeout: timeout, KeepAliveConfig: keepAlive} // go-redis's own
+		opt.Dialer = d.DialContext
 	}
+	opt.Dialer = noDialGate(opt.Dialer) // a call that needs a connection always dials
 	if err := cfg.checkTLS(opt.TLSConfig); err != nil {
 		return nil, err
 	}
