@@ -1200,11 +1200,10 @@ const fileLimitSpare = 64
 // hard one at start) is below what the connection caps take: --max-conns on the socket,
 // 64 on the admin endpoint, 1,024 on the Envoy listener, the Redis clients' pools
 // (redisConns: three clients, each up to 16 + 10 connections a node), and
-// fileLimitSpare. Past the
-// limit a connection cannot be accepted at all, so instead of being answered
-// too_many_connections a client waits in the listen backlog, unanswered (with `ulimit -n
-// 200` and the default --max-conns, seen by the hostile-client audit), and the daemon only
-// logs that accept failed. The systemd unit sets LimitNOFILE=65536.
+// fileLimitSpare. Past the limit a connection cannot be accepted at all, so instead of
+// being answered too_many_connections a client waits in the listen backlog, unanswered
+// (with `ulimit -n 200` and the default --max-conns, seen by the hostile-client audit),
+// and the daemon only logs that accept failed. The systemd unit sets LimitNOFILE=65536.
 func warnFileLimit(log *slog.Logger, maxConns, redisConns int, admin, envoy bool) {
 	var r syscall.Rlimit
 	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &r) != nil {
