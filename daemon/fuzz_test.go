@@ -215,6 +215,11 @@ func fuzzSeeds(f *testing.F) {
 // of answer the request decoder predicts — never more, and all of them unless the input
 // ended inside a frame; afterwards a fresh connection still gets a ping answered and no
 // connection is left open. Seeds: below and testdata/fuzz/FuzzServeConn.
+//
+// An input costs milliseconds (up to the 50 ms frame timeout), so run it with
+// -fuzzminimizetime 20x: under the default 60 s of minimizing each new input, a run of
+// 3m51s with one worker counted 91 execs, the rest spent minimizing three inputs; with
+// 20x, 6 minutes counted 43,774.
 func FuzzServeConn(f *testing.F) {
 	fuzzSeeds(f)
 	s, elog := newFuzzServer(f)
