@@ -15,7 +15,7 @@ import (
 
 // slowLink forwards loopback connections to upstream, holding each chunk a client
 // writes for delay before passing it on: a Redis that answers, slowly (a loaded one).
-func slowLink(t *testing.T, upstream string, delay time.Duration) string {
+func slowLink(t testing.TB, upstream string, delay time.Duration) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
