@@ -42,8 +42,8 @@ type failedDial struct{ err error }
 // Read and Write return the dial's error wrapped once: go-redis unwraps once the error
 // of a new connection's set-up, which would otherwise strip what our dialers add to
 // theirs (tlsHint's CA file).
-func (c failedDial) Read([]byte) (int, error)              { return 0, dialError{c.err} }
-func (c failedDial) Write([]byte) (int, error)             { return 0, dialError{c.err} }
+func (c failedDial) Read([]byte) (int, error)              { return 0, dialError(c) }
+func (c failedDial) Write([]byte) (int, error)             { return 0, dialError(c) }
 func (c failedDial) SyscallConn() (syscall.RawConn, error) { return nil, c.err }
 func (failedDial) Close() error                            { return nil }
 func (failedDial) LocalAddr() net.Addr                     { return &net.TCPAddr{} }
