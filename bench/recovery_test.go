@@ -55,28 +55,30 @@ type recoveryDaemon struct {
 // of docs/reliability.md's "Redis back" row, the gate's before and after (70cd2f1 is the
 // commit that kept it open):
 //
-//	git archive 70cd2f1^ | tar -x -C /tmp/pregate && (cd /tmp/pregate && go build -o /tmp/rls-pregate ./cmd/rlsidecar)
-//	RLSIDECAR_BENCH_VS=/tmp/rls-pregate RLSIDECAR_RECOVERY_KILLS=25 RLSIDECAR_RECOVERY_OUTAGE=2s \
+//	mkdir -p /tmp/pregate && git archive 70cd2f1^ | tar -x -C /tmp/pregate && (cd /tmp/pregate && go build -o /tmp/rls-pregate ./cmd/rlsidecar)
+//	RLSIDECAR_BENCH_VS=/tmp/rls-pregate RLSIDECAR_BENCH_RECOVERY_KILLS=25 RLSIDECAR_BENCH_RECOVERY_OUTAGE=2s \
 //	  go test -count=1 -run '^$' -bench 'BenchmarkRecovery$' -benchtime 1x -v ./bench
 //
-// Without the settings it runs 2 outages of 0.5 s, the CI smoke pass. -v logs each
-// recovery.
+// Without the settings it runs 2 outages of 0.5 s, the CI smoke pass. With
+// RLSIDECAR_BENCH_RECOVERY_FREEZE=1 Redis is SIGSTOPped instead of killed (no dial fails: the
+// kernel still accepts connections, and calls time out). -v logs each recovery.
 func BenchmarkRecovery(b *testing.B) {
 	kills, outage, gap := 2, 500*time.Millisecond, time.Second
-	if s := os.Getenv("RLSIDECAR_RECOVERY_KILLS"); s != "" {
+	if s := os.Getenv("RLSIDECAR_BENCH_RECOVERY_KILLS"); s != "" {
 		n, err := strconv.Atoi(s)
 		if err != nil || n < 1 {
-			b.Fatalf("RLSIDECAR_RECOVERY_KILLS=%q: want a count of outages", s)
+			b.Fatalf("RLSIDECAR_BENCH_RECOVERY_KILLS=%q: want a count of outages", s)
 		}
 		kills = n
 	}
-	if s := os.Getenv("RLSIDECAR_RECOVERY_OUTAGE"); s != "" {
+	if s := os.Getenv("RLSIDECAR_BENCH_RECOVERY_OUTAGE"); s != "" {
 		d, err := time.ParseDuration(s)
 		if err != nil || d <= 0 {
-			b.Fatalf("RLSIDECAR_RECOVERY_OUTAGE=%q: want a duration", s)
+			b.Fatalf("RLSIDECAR_BENCH_RECOVERY_OUTAGE=%q: want a duration", s)
 		}
 		outage = d
 	}
+	freeze := os.Getenv("RLSIDECAR_BENCH_RECOVERY_FREEZE") != ""
 	cfg := filepath.Join(b.TempDir(), "recovery.yaml")
 	if err := os.WriteFile(cfg, []byte(recoveryRules), 0o644); err != nil {
 		b.Fatal(err)
@@ -105,7 +107,11 @@ func BenchmarkRecovery(b *testing.B) {
 		}
 		time.Sleep(gap)
 
-		srv.Stop()
+		if freeze {
+			srv.Freeze()
+		} else {
+			srv.Stop()
+		}
 		for i, start := 0, time.Now(); time.Since(start) < outage; i++ {
 			attrs := api
 			if i%2 == 1 {
@@ -118,7 +124,14 @@ func BenchmarkRecovery(b *testing.B) {
 			}
 			time.Sleep(2 * time.Millisecond)
 		}
-		srv.Restart(b) // returns once Redis answers PING
+		if freeze {
+			srv.Thaw()
+			if _, err := srv.Command("PING"); err != nil {
+				b.Fatal(err)
+			}
+		} else {
+			srv.Restart(b) // returns once Redis answers PING
+		}
 		up := time.Now()
 
 		// Each daemon's rules in turn, until every one has answered normally.
