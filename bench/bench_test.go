@@ -337,6 +337,23 @@ func percentile(d []time.Duration, p float64) time.Duration {
 // vsName is the name, in binDir, of the rlsidecar binary RLSIDECAR_BENCH_VS names.
 const vsName = "rlsidecar-vs"
 
+// installVS copies the binary RLSIDECAR_BENCH_VS names into binDir as vsName, for
+// startServer; false when it is not set.
+func installVS(tb testing.TB) bool {
+	vs := os.Getenv("RLSIDECAR_BENCH_VS")
+	if vs == "" {
+		return false
+	}
+	bin, err := os.ReadFile(vs)
+	if err == nil {
+		err = os.WriteFile(filepath.Join(binDir, vsName), bin, 0o755)
+	}
+	if err != nil {
+		tb.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
+	}
+	return true
+}
+
 // startPair starts the floor server and rlsidecar. With RLSIDECAR_BENCH_VS set to the path
 // of another rlsidecar binary (a build of main, say), that daemon takes the floor's place,
 // with the same flags as rlsidecar (and RLSIDECAR_BENCH_VS_ARGS's): the floor-* figures
@@ -345,14 +362,7 @@ const vsName = "rlsidecar-vs"
 //	git archive main | tar -x -C /tmp/main && (cd /tmp/main && go build -o /tmp/rls-main ./cmd/rlsidecar)
 //	RLSIDECAR_BENCH_VS=/tmp/rls-main go test ./bench -run '^$' -bench 'SocketThroughput4x32$' -benchtime 600000x -count 5
 func startPair(b *testing.B) (floor, rls *server) {
-	if vs := os.Getenv("RLSIDECAR_BENCH_VS"); vs != "" {
-		bin, err := os.ReadFile(vs)
-		if err == nil {
-			err = os.WriteFile(filepath.Join(binDir, vsName), bin, 0o755)
-		}
-		if err != nil {
-			b.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
-		}
+	if installVS(b) {
 		// RLSIDECAR_BENCH_VS_ARGS: flags for that daemon alone, e.g. --prefetch-from=0 to
 		// compare this build with itself, not fetching ahead.
 		vsArgs := append([]string{"--config", "rules.yaml"}, strings.Fields(os.Getenv("RLSIDECAR_BENCH_VS_ARGS"))...)

@@ -86,14 +86,7 @@ func BenchmarkRecovery(b *testing.B) {
 	srv := redistest.StartStandalone(b)
 	args := []string{"--config", cfg, "--redis", "redis://" + srv.Addr, "--sync-interval", "50ms"}
 	ds := []*recoveryDaemon{{name: "", c: dialFaultClient(b, startServerNamed(b, "recovery", args...).socket)}}
-	if vs := os.Getenv("RLSIDECAR_BENCH_VS"); vs != "" {
-		bin, err := os.ReadFile(vs)
-		if err == nil {
-			err = os.WriteFile(filepath.Join(binDir, vsName), bin, 0o755)
-		}
-		if err != nil {
-			b.Fatalf("RLSIDECAR_BENCH_VS: %v", err)
-		}
+	if installVS(b) {
 		ds = append(ds, &recoveryDaemon{name: "vs-", c: dialFaultClient(b, startServerAt(b, vsName, "vs-recovery.sock", args...).socket)})
 	}
 	api := []string{"path=/api", "user=u1"}
