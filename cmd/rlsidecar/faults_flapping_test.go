@@ -140,9 +140,13 @@ rules:
 	}
 	// The hybrid rule decides locally and never refuses here (a million an hour; its
 	// fallback, local, admits too).
+	apiDegraded := 0
 	for _, s := range byRule["api"] {
 		if !s.allowed {
 			t.Fatalf("api refused during the flapping (degraded %v)", s.degraded)
+		}
+		if s.degraded {
+			apiDegraded++
 		}
 	}
 	if normal == 0 || refused == 0 || waited == 0 {
@@ -186,8 +190,8 @@ rules:
 	// it plus the baseline's p99 plus 10 ms (the daemon's own work, the proxy), and none
 	// is a stall.
 	apiLat := latencies(byRule["api"])
-	t.Logf("api  %5d checks, p50 %s, p99 %s, max %s, %d over %s",
-		len(apiLat), pct(apiLat, 0.5), pct(apiLat, 0.99), apiLat[len(apiLat)-1], slow(byRule["api"]), globalTimeout)
+	t.Logf("api  %5d checks, p50 %s, p99 %s, max %s, %d over %s, %d degraded",
+		len(apiLat), pct(apiLat, 0.5), pct(apiLat, 0.99), apiLat[len(apiLat)-1], slow(byRule["api"]), globalTimeout, apiDegraded)
 	for rule, lat := range map[string][]time.Duration{"otp": otpLat, "api": apiLat} {
 		if got, want := pct(lat, 0.99), globalTimeout+10*time.Millisecond+pct(baseLat, 0.99); got > want {
 			t.Errorf("%s p99 %s, want < %s (the global timeout + 10 ms + the baseline's p99)", rule, got, want)
