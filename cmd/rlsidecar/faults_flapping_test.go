@@ -161,7 +161,7 @@ rules:
 	// wait, doubling after each failed probe). So a hang of h costs at most
 	// failures + h/(cooldown/8) + 1 waits: 5 for a 150 ms hang, 6 for 300 ms, 55 in
 	// the 10 hangs of a run. Measured: 35 in every run on an idle 2-core machine (3 per
-	// hang, and one failed probe in each 300 ms hang), 16-35 beside 4 busy loops (fewer
+	// hang, and one failed probe in each 300 ms hang), 16-36 beside 4 busy loops (fewer
 	// checks). Without the breaker every global check in a hang waits, about the hangs'
 	// 2.25 s / the global timeout: 97 and 101 with --breaker-failures 1000000 or a
 	// breaker that never opens.
