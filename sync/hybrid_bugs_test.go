@@ -3,6 +3,8 @@ package sync
 import (
 	"context"
 	"fmt"
+	"net"
+	"strconv"
 	"testing"
 	"time"
 
@@ -103,14 +105,20 @@ func TestHybridClusterHeartbeatMasterDown(t *testing.T) {
 	ctx := context.Background()
 	cc := rdb.(*redis.ClusterClient)
 	owner := func(key string) string {
-		slots, err := cc.ClusterSlots(ctx).Result()
+		shards, err := cc.ClusterShards(ctx).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
-		s := int(Slot(key))
-		for _, r := range slots {
-			if r.Start <= s && s <= r.End {
-				return r.Nodes[0].Addr
+		s := int64(Slot(key))
+		for _, sh := range shards {
+			for _, r := range sh.Slots {
+				if r.Start <= s && s <= r.End {
+					for _, n := range sh.Nodes {
+						if n.Role == "master" {
+							return net.JoinHostPort(n.IP, strconv.FormatInt(n.Port, 10))
+						}
+					}
+				}
 			}
 		}
 		t.Fatalf("slot %d not served", s)

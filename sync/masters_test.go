@@ -217,10 +217,7 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	const limit = 40
 	lim := mustLimit(t, localbucket.FixedWindow, limit, hourWindow())
 	frozenAddr := cl.Addrs[0]
-	var healthyAddrs []string
-	for _, a := range cl.Addrs[1:] {
-		healthyAddrs = append(healthyAddrs, a)
-	}
+	healthyAddrs := cl.Addrs[1:]
 	// A check waits up to 200 ms when it needs the frozen master while it is frozen, 2 s
 	// otherwise (a loaded machine must not time out a healthy master: nor the frozen
 	// one before its freeze, whose first check, its connection dialed, took more than
