@@ -329,7 +329,7 @@ var errNoTime = errors.New("hybrid sync: not sent, the sync's time was running o
 // with strict, any one of them failed), that a sync to it sent at sent (daemon clock)
 // failed: no exact sync of its keys is tried until it answers (Master.failedSince). The
 // outcome per master is returned for its breaker.
-func (h *Hybrid) applyAll(items []syncItem, strict bool, sent int64) (failed int, firstErr error, by []masterOutcome) {
+func (h *Hybrid) applyAll(items []syncItem, strict bool, sent int64) (failed int, by []masterOutcome, firstErr error) {
 	n := h.creditShares()
 	arrived := h.clock()
 	var buf [4]masterOutcome
@@ -380,7 +380,7 @@ func (h *Hybrid) applyAll(items []syncItem, strict bool, sent int64) (failed int
 			o.m.failedSince(sent)
 		}
 	}
-	return failed, firstErr, by
+	return failed, by, firstErr
 }
 
 // masterOutcome is how one master's items of a sync went: answered, failed, or not
@@ -749,7 +749,7 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (int, error) {
 	sentAt := h.clock()
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, nil)
-	failed, firstErr, by := h.applyAll(items, false, sentAt)
+	failed, by, firstErr := h.applyAll(items, false, sentAt)
 	if !release {
 		report(by)
 	}

@@ -223,7 +223,7 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	// one before its freeze, whose first check, its connection dialed, took more than
 	// 200 ms in a -race run under load).
 	isFrozen := false // set before the clients start, cleared after they end
-	check := func(ks ...string) (bool, error, time.Duration) {
+	check := func(ks ...string) (bool, time.Duration, error) {
 		ops := make([]GlobalOp, len(ks))
 		wait := 2 * time.Second
 		for i, k := range ks {
@@ -236,10 +236,10 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 		defer cancel()
 		start := time.Now()
 		ok, err := g.Check(c, ops)
-		return ok, err, time.Since(start)
+		return ok, time.Since(start), err
 	}
 	for _, ks := range keys { // every master answers before the freeze
-		if ok, err, _ := check(ks[0]); !ok || err != nil {
+		if ok, _, err := check(ks[0]); !ok || err != nil {
 			t.Fatalf("%s before the freeze: %v %v", ks[0], ok, err)
 		}
 	}
@@ -276,7 +276,7 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 				defer wg.Done()
 				for i := 0; i < limit+10 || a == frozenAddr && time.Since(start) < 2*time.Second; i++ {
 					open := m.ForKey(k).Breaker().Open()
-					ok, err, took := check(k)
+					ok, took, err := check(k)
 					mu.Lock()
 					switch {
 					case err != nil:
@@ -302,13 +302,13 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	}
 	// Checks spanning masters, meanwhile.
 	h0, h1 := keys[healthyAddrs[0]][3], keys[healthyAddrs[1]][3]
-	if ok, err, _ := check(h0, h1); !ok || err != nil {
+	if ok, _, err := check(h0, h1); !ok || err != nil {
 		t.Errorf("a check on two healthy masters, one frozen elsewhere: allowed %v, %v; want allowed", ok, err)
 	} else {
 		admitted[h0]++
 		admitted[h1]++
 	}
-	if ok, err, _ := check(h0, keys[frozenAddr][3]); ok || err == nil {
+	if ok, _, err := check(h0, keys[frozenAddr][3]); ok || err == nil {
 		t.Errorf("a check needing the frozen master: allowed %v, %v; want an error (the caller's policy decides)", ok, err)
 	}
 	wg.Wait()
@@ -352,7 +352,7 @@ func TestGlobalClusterFrozenMaster(t *testing.T) {
 	fk := keys[frozenAddr][1]
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		ok, err, _ := check(fk)
+		ok, _, err := check(fk)
 		if err == nil {
 			if !ok {
 				t.Fatalf("%s after SIGCONT: refused", fk)
