@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -202,7 +203,11 @@ func testPrefixes(t *testing.T, rdb redis.UniversalClient, redisArgs []string) {
 	// The sets were a:daemons and b:daemons while the daemons ran (ZCARD above); each
 	// daemon left its set as it stopped, so none is left.
 	if len(sets) != 0 {
-		t.Fatalf("live-daemon sets %v after every daemon stopped cleanly, want none (each leaves its set)", sets)
+		var logs strings.Builder
+		for _, n := range names {
+			fmt.Fprintf(&logs, "--- %s:\n%s", n, ds[n].stderr.String())
+		}
+		t.Fatalf("live-daemon sets %v after every daemon stopped cleanly, want none (each leaves its set)\n%s", sets, logs.String())
 	}
 }
 
