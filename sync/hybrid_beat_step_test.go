@@ -5,6 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
+	"github.com/rlsidecar/rlsidecar/internal/redistest"
 	"github.com/rlsidecar/rlsidecar/localbucket"
 )
 
@@ -76,5 +79,34 @@ func TestHybridHeartbeatAfterWallStepBack(t *testing.T) {
 			t.Fatalf("no heartbeat in 10 s after the wall clock stepped back (score was %v, now %v: 0 once the other daemons no longer count it)", first, score())
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestHybridLeaveOutlastsTheCallTimeout: a stopping daemon's leave of the live-daemons
+// set is given max(timeout, leaveSetBudget), not Run's call timeout alone. The syncs'
+// client's own timeout is max(--redis-timeout, --sync-interval, --global-timeout), here
+// 100 ms; Run's timeout max(--redis-timeout, --sync-interval), here 50 ms. Through a
+// link holding each request 60 ms, the leave failed at 50 ms and the stopped daemon
+// stayed counted until its last heartbeat was three seconds old.
+func TestHybridLeaveOutlastsTheCallTimeout(t *testing.T) {
+	ctx := context.Background()
+	srv := redistest.StartStandalone(t)
+	direct := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { direct.Close() })
+	const timeout = 50 * time.Millisecond
+	slow, err := Open(Config{URL: "redis://" + slowLink(t, srv.Addr, 60*time.Millisecond), Timeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { slow.Close() })
+	h := NewHybrid(slow, HybridOptions{ID: "leaver"})
+	if err := direct.ZAdd(ctx, DaemonsKey, redis.Z{Score: float64(time.Now().UnixMilli()), Member: "leaver"}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.leaveAtStop("leaver", timeout); err != nil {
+		t.Fatalf("leave: %v", err)
+	}
+	if n := direct.ZCard(ctx, DaemonsKey).Val(); n != 0 {
+		t.Fatalf("the live-daemons set counts %d after the leave, want 0", n)
 	}
 }

@@ -157,6 +157,32 @@ func (h *Hybrid) leave(ctx context.Context, id string) error {
 	return nil
 }
 
+// leaveSetBudget is how long a stopping daemon's leave of the live-daemons sets
+// (leaveAtStop) is given, at least: as a lease's release, max(timeout, 250 ms), tried
+// again within it while it fails (each try still bounded by the client's own timeout),
+// where it had one try bounded by the calls' timeout (50 ms by default), which a loaded
+// host's Cluster pipeline can outlast. A leave that fails has the other daemons count
+// one that stopped until its last heartbeat is three seconds old, their shares cut
+// meanwhile in a blue/green switch. ZREM twice is ZREM once.
+const leaveSetBudget = 250 * time.Millisecond
+
+// leaveAtStop is Run's leave after its last sync.
+func (h *Hybrid) leaveAtStop(id string, timeout time.Duration) error {
+	c, cancel := context.WithTimeout(context.Background(), max(timeout, leaveSetBudget))
+	defer cancel()
+	for {
+		err := h.leave(c, id)
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-c.Done():
+			return err
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // beatOnce sends a heartbeat to the sets whose masters let it (each master asked once):
 // its breaker lets it, and its last heartbeat is not still on its way (a master that does
 // not answer holds its own heartbeat for the call's timeout, not the others'). Each set
@@ -444,11 +470,9 @@ func (h *Hybrid) Run(ctx context.Context, id string, clock func() int64, timeout
 			// way first: their keys are busy until then.
 			syncs.Wait()
 			h.lastSync(clock, timeout, fail)
-			c, cancel := context.WithTimeout(context.Background(), timeout)
-			if err := h.leave(c, id); err != nil {
+			if err := h.leaveAtStop(id, timeout); err != nil {
 				fail(err)
 			}
-			cancel()
 			return
 		case <-t.C:
 			now := monoNow()
