@@ -3,8 +3,6 @@ package sync
 import (
 	"context"
 	"fmt"
-	"net"
-	"strconv"
 	"testing"
 	"time"
 
@@ -105,24 +103,11 @@ func TestHybridClusterHeartbeatMasterDown(t *testing.T) {
 	ctx := context.Background()
 	cc := rdb.(*redis.ClusterClient)
 	owner := func(key string) string {
-		shards, err := cc.ClusterShards(ctx).Result()
+		addr, err := redistest.MasterOf(ctx, cc, int64(Slot(key)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		s := int64(Slot(key))
-		for _, sh := range shards {
-			for _, r := range sh.Slots {
-				if r.Start <= s && s <= r.End {
-					for _, n := range sh.Nodes {
-						if n.Role == "master" {
-							return net.JoinHostPort(n.IP, strconv.FormatInt(n.Port, 10))
-						}
-					}
-				}
-			}
-		}
-		t.Fatalf("slot %d not served", s)
-		return ""
+		return addr
 	}
 	down := owner(DaemonsKey)
 	key := ""

@@ -209,23 +209,11 @@ func masterOf(t *testing.T, rdb *redis.ClusterClient, key string) string {
 	if err != nil {
 		t.Fatalf("CLUSTER KEYSLOT %s: %v", key, err)
 	}
-	shards, err := rdb.ClusterShards(ctx).Result()
+	addr, err := redistest.MasterOf(ctx, rdb, slot)
 	if err != nil {
-		t.Fatalf("CLUSTER SHARDS: %v", err)
+		t.Fatalf("the master of %s: %v", key, err)
 	}
-	for _, s := range shards {
-		for _, r := range s.Slots {
-			if r.Start <= slot && slot <= r.End {
-				for _, n := range s.Nodes {
-					if n.Role == "master" {
-						return net.JoinHostPort(n.IP, strconv.FormatInt(n.Port, 10))
-					}
-				}
-			}
-		}
-	}
-	t.Fatalf("slot %d of %s is not served", slot, key)
-	return ""
+	return addr
 }
 
 // TestRestartWaitsForPort checks that Restart retries while another process holds the

@@ -3,6 +3,7 @@ package redistest
 import (
 	"context"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -50,4 +51,25 @@ func evalCallsIn(info string) (int64, error) {
 		total += n
 	}
 	return total, nil
+}
+
+// MasterOf returns the address (host:port) of the master serving slot, as CLUSTER
+// SHARDS tells it (CLUSTER SLOTS is deprecated since Redis 7.0).
+func MasterOf(ctx context.Context, rdb *redis.ClusterClient, slot int64) (string, error) {
+	shards, err := rdb.ClusterShards(ctx).Result()
+	if err != nil {
+		return "", fmt.Errorf("CLUSTER SHARDS: %w", err)
+	}
+	for _, s := range shards {
+		for _, r := range s.Slots {
+			if r.Start <= slot && slot <= r.End {
+				for _, n := range s.Nodes {
+					if n.Role == "master" {
+						return net.JoinHostPort(n.IP, strconv.FormatInt(n.Port, 10)), nil
+					}
+				}
+			}
+		}
+	}
+	return "", fmt.Errorf("slot %d is not served", slot)
 }
