@@ -150,7 +150,15 @@ func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
 	const window = time.Second
 	w := int64(window)
 	lim := mustLimit(t, localbucket.FixedWindow, 10, window)
-	ran := 0
+	// A trial is off when the daemon's view of the window's end lags past the turn: a
+	// sync late on a starved host dates units by their age (docs/accuracy.md). Under
+	// -race beside 4 busy loops on 2 cores, one trial of three once counted 3 units
+	// before the turn in the new window (7 of 12 admitted after it). The fault this
+	// guards is off in every trial, so the test fails when most trials that ran are.
+	ran, off := 0, 0
+	// A first key's exact sync sets up the connection and loads the script: done
+	// before the trials, which then measure the turn alone.
+	take(h, time.Now().UnixNano(), "rl:turn-units:{warm}", lim, 1)
 	for trial := 0; trial < 6 && ran < 3; trial++ {
 		key := fmt.Sprintf("rl:turn-units:{%d-%d}", trial, time.Now().UnixNano())
 		sleepUntilBeforeTheEnd(window, 30*time.Millisecond)
@@ -180,12 +188,16 @@ func TestHybridUnitsBeforeTheTurnStayInTheirWindow(t *testing.T) {
 		n, _ := rdb.HGet(ctx, key, "n").Int()
 		ran++
 		if before != 5 || after != 10 || n != 10 {
-			t.Errorf("trial %d: %d of 5 admitted before the turn, %d of 12 after it (the exact mode: 5, 10); Redis counts %d in the new window",
+			off++
+			t.Logf("trial %d: %d of 5 admitted before the turn, %d of 12 after it (the exact mode: 5, 10); Redis counts %d in the new window",
 				trial, before, after, n)
 		}
 	}
 	if ran == 0 {
 		t.Fatal("no trial ran: the machine slept through every turn")
+	}
+	if 2*off > ran {
+		t.Errorf("%d of %d trials unlike the exact mode (logged above)", off, ran)
 	}
 }
 
