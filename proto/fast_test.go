@@ -41,11 +41,27 @@ func fastSeeds() [][]byte {
 		{ID: 5, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"f", ""}, {"c", "d"}}},
 		{ID: 6, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {strings.Repeat("n", 33), "v"}, {"a", "x"}}},
 		{ID: 7, Op: OpCheck, Cost: 1, Attrs: []Attr{{"a", "b"}, {"a", strings.Repeat("v", 33)}}},
+		// A release's and a renew's lease (fixstr, str8, str16), and lease_ms.
+		{ID: 8, Op: OpRelease, Cost: 1, Lease: "0a1b2c3d.1.abc"},
+		{ID: 9, Op: OpRenew, Cost: 1, Lease: strings.Repeat("l", 40), LeaseMs: 30000},
+		{ID: 10, Op: OpRenew, Cost: 1, Lease: strings.Repeat("l", 300), LeaseMs: 1 << 40},
+		{ID: 11, Op: OpRelease, Cost: 1, Lease: strings.Repeat("l", MaxLeaseLen+1)},
 	} {
 		enc := NewEncoder()
 		enc.EncodeRequest(&req)
 		seeds = append(seeds, append([]byte(nil), enc.Bytes()[HeaderSize:]...))
 	}
+	add("83 a2 6964 01 a2 6f70 a7 72656c65617365 a5 6c65617365 a0")                                                                            // empty lease
+	add("83 a2 6964 01 a2 6f70 a7 72656c65617365 a5 6c65617365 c0")                                                                            // nil lease
+	add("83 a2 6964 01 a2 6f70 a7 72656c65617365 a5 6c65617365 c4 01 61")                                                                      // bin lease
+	add("83 a2 6964 01 a2 6f70 a7 72656c65617365 a5 6c65617365 01")                                                                            // number lease
+	add("84 a2 6964 01 a2 6f70 a7 72656c65617365 a5 6c65617365 a1 61 a5 6c65617365 a1 62")                                                     // lease twice
+	add("84 a2 6964 01 a2 6f70 a5 72656e6577 a5 6c65617365 a1 61 a8 6c656173655f6d73 cb 40 e3 88 00 00 00 00 00")                              // lease_ms a float
+	add("85 a2 6964 01 a2 6f70 a5 72656e6577 a5 6c65617365 a1 61 a8 6c656173655f6d73 05 a8 6c656173655f6d73 06")                               // lease_ms twice
+	add("83 a2 6964 01 a2 6f70 a5 72656e6577 a8 6c656173655f6d73 ff")                                                                          // negative lease_ms
+	add("83 a2 6964 01 a2 6f70 a5 72656e6577 a5 6c65617365 a1")                                                                                // truncated lease
+	add("83 a2 6964 01 a2 6f70 a5 72656e6577 a5 6c65617378 a1 61")                                                                             // "leasx"
+	add("83 a2 6964 01 a2 6f70 a5 72656e6577 a8 6c656173655f6d78 05")                                                                          // "lease_mx"
 	add("83 a2 6964 01 a2 6f70 a5 636865636b a2 6964 02")                                                                                      // id twice
 	add("83 a2 6f70 a5 636865636b a2 6f70 a4 70696e67 a2 6964 01")                                                                             // op twice
 	add("84 a2 6964 01 a4 636f7374 02 a4 636f7374 03 a2 6f70 a5 636865636b")                                                                   // cost twice
@@ -180,7 +196,7 @@ func checkSeeds() [][]byte {
 }
 
 func sameRequest(a, b *Request) bool {
-	return a.ID == b.ID && a.Op == b.Op && a.Cost == b.Cost &&
+	return a.ID == b.ID && a.Op == b.Op && a.Cost == b.Cost && a.Lease == b.Lease && a.LeaseMs == b.LeaseMs &&
 		len(a.Attrs) == len(b.Attrs) && (len(a.Attrs) == 0 || reflect.DeepEqual(a.Attrs, b.Attrs)) &&
 		len(a.Limits) == len(b.Limits) && (len(a.Limits) == 0 || reflect.DeepEqual(a.Limits, b.Limits))
 }
@@ -254,7 +270,8 @@ func FuzzDecodeFastDifferential(f *testing.F) {
 // TestFastPathTakesCommonShape: the shape clients send is decoded by the fast path (or the
 // benchmark would measure the fallback).
 func TestFastPathTakesCommonShape(t *testing.T) {
-	for _, req := range []Request{sampleRequest(), {ID: 1, Op: OpPing, Cost: 1}, {ID: 1 << 62, Op: OpCheck, Cost: 0}} {
+	for _, req := range []Request{sampleRequest(), {ID: 1, Op: OpPing, Cost: 1}, {ID: 1 << 62, Op: OpCheck, Cost: 0},
+		{ID: 2, Op: OpRelease, Cost: 1, Lease: "0a1b2c3d.1.abc"}, {ID: 3, Op: OpRenew, Cost: 1, Lease: "0a1b2c3d.1.abc", LeaseMs: 60000}} {
 		enc := NewEncoder()
 		enc.EncodeRequest(&req)
 		var got Request

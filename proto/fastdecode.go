@@ -7,10 +7,10 @@ import (
 )
 
 // The fast paths decode the request shape every client sends — a fixmap holding id, op,
-// cost and attrs (a fixmap of short strings), and limits only when nil — straight from the
-// body, without the msgpack.Decoder's per-call overhead. They never produce an error
-// themselves: each either decodes the request completely, exactly as the msgpack path
-// would, or declines, and the msgpack path (the codec of record) decodes it from the
+// cost and attrs (a fixmap of short strings), and limits only when nil; for a release or
+// a renew, id, op, lease and lease_ms (decodeFast) — straight from the body, without the
+// msgpack.Decoder's per-call overhead. They never produce an error themselves: each
+// either decodes the request completely, exactly as the msgpack path would, or declines, and the msgpack path (the codec of record) decodes it from the
 // start. So every error message, and every shape they do not know, comes from one place.
 //
 // There are two, each declining to the next: DecodeRequest's straight path reads the order
@@ -31,6 +31,8 @@ const (
 	seenCost
 	seenAttrs
 	seenLimits
+	seenLease
+	seenLeaseMs
 )
 
 // The fast path's keys after their fixstr header, as the little-endian integers of their
@@ -43,6 +45,9 @@ const (
 	keyAttr   = 'a' | 't'<<8 | 't'<<16 | 'r'<<24 // "attr", then 's'
 	keyLimi   = 'l' | 'i'<<8 | 'm'<<16 | 'i'<<24 // "limi", then "ts"
 	keyLimits = 't' | 's'<<8
+	keyLeas   = 'l' | 'e'<<8 | 'a'<<16 | 's'<<24 // "leas", then 'e'
+	// "lease_ms" whole.
+	keyLeaseMs = 'l' | 'e'<<8 | 'a'<<16 | 's'<<24 | 'e'<<32 | '_'<<40 | 'm'<<48 | 's'<<56
 )
 
 // The fast path reads the body through a frame: the body's bytes with reads that skip
@@ -260,8 +265,19 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 			} else {
 				req.Cost, p, ok = fastUint(f, p+5)
 			}
-		case 0xa5: // "attrs"
-			if f.n-p < 7 || f.le32(p+1) != keyAttr || f.at(p+5) != 's' || seen&seenAttrs != 0 {
+		case 0xa5: // "attrs" or "lease"
+			if f.n-p < 7 {
+				return false
+			}
+			if f.le32(p+1) == keyLeas && f.at(p+5) == 'e' { // a release's or a renew's
+				if seen&seenLease != 0 {
+					return false
+				}
+				seen |= seenLease
+				req.Lease, p, ok = fastStr(f, p+6, MaxLeaseLen)
+				break
+			}
+			if f.le32(p+1) != keyAttr || f.at(p+5) != 's' || seen&seenAttrs != 0 {
 				return false
 			}
 			seen |= seenAttrs
@@ -283,6 +299,12 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 			if i < n {
 				p, ok = d.fastAttrsFrom(f, p, req, i, n)
 			}
+		case 0xa8: // "lease_ms", a renew's
+			if f.n-p < 10 || f.le64(p+1) != keyLeaseMs || seen&seenLeaseMs != 0 {
+				return false
+			}
+			seen |= seenLeaseMs
+			req.LeaseMs, p, ok = fastUint(f, p+9)
 		case 0xa6: // "limits", only nil
 			if f.n-p < 8 || f.le32(p+1) != keyLimi || f.le16(p+5) != keyLimits || f.at(p+7) != 0xc0 || seen&seenLimits != 0 {
 				return false
