@@ -3,6 +3,7 @@ package limiter
 import (
 	"encoding/binary"
 	"fmt"
+	"math"
 	"math/bits"
 	"strconv"
 	"strings"
@@ -97,12 +98,14 @@ func TestLeasesReleaseRenewExpire(t *testing.T) {
 		t.Fatal("second release said true")
 	}
 	id, tag, _ := strings.Cut(strings.TrimPrefix(b, ls.nonce+"."), ".")
-	n, _ := strconv.ParseUint(id, 36, 64)
-	next := strconv.FormatUint(n+1, 36)
+	n, _ := parseBase32(id)
+	next := string(appendBase32(nil, n+1))
 	for _, bad := range []string{"", "x", "nonce.1", ls.nonce + ".", ls.nonce + ".zz!", ls.nonce + ".999",
 		ls.nonce + "." + id, ls.nonce + "." + id + ".", ls.nonce + "." + next, // no tag
 		ls.nonce + "." + next + "." + tag, // the next id, guessed, with a known tag
-		ls.nonce + "." + id + "." + tag + "0", ls.nonce + "." + id + "." + tag + ".1"} {
+		ls.nonce + "." + id + "." + tag + "0", ls.nonce + "." + id + "." + tag + ".1",
+		ls.nonce + "." + strings.ToUpper(id) + "." + strings.ToUpper(tag), // written in lower case only
+		ls.nonce + "." + id + "." + tag[:len(tag)-1] + "w"} {
 		if ls.Release(bad, t0) {
 			t.Errorf("release of unknown token %q said true", bad)
 		}
@@ -549,5 +552,28 @@ func TestLeaseRenewAfterItRanOut(t *testing.T) {
 	}
 	if ok, _, _ := checkLease(t, l, at, exportInput("ann"), 0); !ok {
 		t.Fatal("the slot of the expired lease was not free")
+	}
+}
+
+// The base 32 of lease tokens reads back what it writes, for every width, and refuses
+// what it does not write: other digits, a leading zero, an empty or too long string, a
+// value past 64 bits.
+func TestBase32(t *testing.T) {
+	for _, v := range []uint64{0, 1, 31, 32, 1<<35 - 1, 1 << 59, 1<<60 - 1, 1 << 60, 1<<63 + 12345, math.MaxUint64} {
+		s := string(appendBase32([]byte("x"), v))[1:]
+		if got, ok := parseBase32(s); !ok || got != v {
+			t.Errorf("%d wrote %q, read back %d %v", v, s, got, ok)
+		}
+		if want := strconv.FormatUint(v, 32); s != want {
+			t.Errorf("%d wrote %q, want %q", v, s, want)
+		}
+	}
+	for _, s := range []string{"", "w", "A", "0x1", "-1", " 1", "1.", "01", "00000000000000", "g000000000000", "vvvvvvvvvvvvv"} {
+		if v, ok := parseBase32(s); ok {
+			t.Errorf("%q read as %d, want refused", s, v)
+		}
+	}
+	if v, ok := parseBase32("fvvvvvvvvvvvv"); !ok || v != math.MaxUint64 {
+		t.Errorf("the largest 13-digit value read as %d %v", v, ok)
 	}
 }

@@ -1,6 +1,10 @@
 package limiter
 
-import "github.com/rlsidecar/rlsidecar/localbucket"
+import (
+	"unsafe"
+
+	"github.com/rlsidecar/rlsidecar/localbucket"
+)
 
 // leaseStore is the concurrency rules' store (Leases, leases.go). Its take acquires, all
 // or nothing, one slot in every concurrency op of the check, as one lease whose id it
@@ -202,7 +206,8 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 		} else {
 			sl = new(slot)
 		}
-		sl.key, sl.askedAt = string(key), 0
+		sl.buf = append(sl.buf[:0], key...)
+		sl.key, sl.askedAt = unsafe.String(unsafe.SliceData(sl.buf), len(sl.buf)), 0
 		ls.slots[sl.key] = sl
 		ls.keyUnits += slotUnits(len(key))
 	}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"hash/maphash"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -755,25 +756,40 @@ func (s *globalLeaseStore) releaseAgain(now int64) {
 // took none. A check that matched both local and global concurrency rules holds a lease
 // of each, joined in one token.
 func (l *Limiter) LeaseToken(d *Decision) string {
-	switch {
-	case d.globalLease == nil && d.Lease == 0:
+	if d.globalLease == nil && d.Lease == 0 {
 		return ""
-	case d.globalLease == nil:
-		return l.leases.Token(d.Lease)
-	case d.Lease == 0:
+	}
+	if d.Lease == 0 {
 		return d.globalLease.token
 	}
-	return l.leases.Token(d.Lease) + tokenJoin + d.globalLease.token
+	var b [tokenMaxLen]byte
+	return string(l.AppendLeaseToken(b[:0], d))
 }
+
+// AppendLeaseToken appends LeaseToken(d) to dst and returns it: without allocating for a
+// local lease, into a buffer of tokenMaxLen bytes (LeaseTokenMaxLen).
+func (l *Limiter) AppendLeaseToken(dst []byte, d *Decision) []byte {
+	if d.Lease != 0 {
+		dst = l.leases.AppendToken(dst, d.Lease)
+		if d.globalLease != nil {
+			dst = append(dst, tokenJoin...)
+		}
+	}
+	if d.globalLease != nil {
+		dst = append(dst, d.globalLease.token...)
+	}
+	return dst
+}
+
+// LeaseTokenMaxLen is the longest token of a local lease alone (AppendLeaseToken).
+const LeaseTokenMaxLen = tokenMaxLen
 
 // tokenJoin joins a local and a global token; neither contains it.
 const tokenJoin = "~"
 
 func splitToken(token string) (local, global string) {
-	for i := 0; i < len(token); i++ {
-		if token[i] == tokenJoin[0] {
-			return token[:i], token[i+1:]
-		}
+	if i := strings.IndexByte(token, tokenJoin[0]); i >= 0 {
+		return token[:i], token[i+1:]
 	}
 	if len(token) > 0 && token[0] == globalTokenPrefix {
 		return "", token
