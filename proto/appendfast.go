@@ -81,6 +81,15 @@ const (
 	kUnaskedTrue   = "\xa7unasked\xc3"
 )
 
+// The release and renew answers' keys (EncodeRelease, EncodeRenew).
+const (
+	kReleasedTrue  = "\xa8released\xc3"
+	kReleasedFalse = "\xa8released\xc2"
+	kRenewedTrue   = "\xa7renewed\xc3"
+	kRenewedFalse  = "\xa7renewed\xc2"
+	kExpiresMs     = "\xaaexpires_ms"
+)
+
 // kConcurrencyTrue is a concurrency rule's entry's field (an addition to v1).
 const kConcurrencyTrue = "\xabconcurrency\xc3"
 

@@ -77,8 +77,7 @@ var (
 	fKey, fLimit, fWindowMs, fBurst, fAlgorithm = field("key"), field("limit"), field("window_ms"), field("burst"), field("algorithm")
 	fMode, fName, fVersion, fProtocol, fError   = field("mode"), field("name"), field("version"), field("protocol"), field("error")
 	fCode, fMessage                             = field("code"), field("message")
-	fLease, fLeaseMs, fReleased, fRenewed       = field("lease"), field("lease_ms"), field("released"), field("renewed")
-	fExpiresMs                                  = field("expires_ms")
+	fLease, fLeaseMs                            = field("lease"), field("lease_ms")
 )
 
 func (e *Encoder) str(k fieldName, v string) {
@@ -481,23 +480,27 @@ func (e *Encoder) EndCheck(h *CheckHead) {
 	binary.BigEndian.PutUint32(b[e.check:], uint32(len(b)-e.check-HeaderSize))
 }
 
-// EncodeRelease appends a release response frame: id, released.
+// EncodeRelease appends a release response frame: id, released. Written directly, as
+// the check answer is (TestEncodeReleaseRenewMatchMsgpack).
 func (e *Encoder) EncodeRelease(id uint64, released bool) {
-	start := e.begin()
-	_ = e.enc.EncodeMapLen(2)
-	e.uint(fID, id)
-	e.bool(fReleased, released)
-	e.end(start)
+	b := append(e.buf.b, 0, 0, 0, 0, 0x82)
+	start := len(b) - 5
+	b = appendUintField(b, kID, id)
+	b = appendBoolField(b, kReleasedTrue, kReleasedFalse, released)
+	binary.BigEndian.PutUint32(b[start:], uint32(len(b)-start-HeaderSize))
+	e.buf.b = b
 }
 
-// EncodeRenew appends a renew response frame: id, renewed, expires_ms.
+// EncodeRenew appends a renew response frame: id, renewed, expires_ms. Written
+// directly, as EncodeRelease.
 func (e *Encoder) EncodeRenew(id uint64, renewed bool, expiresMs uint64) {
-	start := e.begin()
-	_ = e.enc.EncodeMapLen(3)
-	e.uint(fID, id)
-	e.bool(fRenewed, renewed)
-	e.uint(fExpiresMs, expiresMs)
-	e.end(start)
+	b := append(e.buf.b, 0, 0, 0, 0, 0x83)
+	start := len(b) - 5
+	b = appendUintField(b, kID, id)
+	b = appendBoolField(b, kRenewedTrue, kRenewedFalse, renewed)
+	b = appendUintField(b, kExpiresMs, expiresMs)
+	binary.BigEndian.PutUint32(b[start:], uint32(len(b)-start-HeaderSize))
+	e.buf.b = b
 }
 
 // policyFields counts the policy fields (additions to v1) that are set.
