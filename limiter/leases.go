@@ -37,10 +37,10 @@ type Leases struct {
 	next   uint64
 	slots  map[string]*slot
 	leases map[uint64]*lease
-	owners map[uint64]map[uint64]*lease // owner → its live leases; owner 0 is not tracked
-	stats  map[string]*LeaseStats       // by rule name
-	free   []*lease                     // released leases, for reuse (at most the live ones plus spareKeep: keepSpare)
-	spare  []*slot                      // emptied slots, for reuse (likewise)
+	owners map[uint64]*ownerLeases // owner → its live leases; owner 0 is not tracked
+	stats  map[string]*LeaseStats  // by rule name
+	free   []*lease                // released leases, for reuse (at most the live ones plus spareKeep: keepSpare)
+	spare  []*slot                 // emptied slots, for reuse (likewise)
 
 	// keyUnits is what the keys of the held slots and of the tracked global leases'
 	// parts take of max beyond their leases: a key counts one lease more per whole
@@ -96,6 +96,53 @@ type lease struct {
 	live  int // parts not yet freed
 	// renewals counts the lease's renewals, so that restore undoes only the last one.
 	renewals uint64
+	// The owner's list of live leases this one is in (nil for owner 0), and its
+	// neighbours there.
+	owned            *ownerLeases
+	ownPrev, ownNext *lease
+}
+
+// ownerLeases lists one owner's live leases (Leases.owners), linked through the leases
+// themselves: a lease joins and leaves it without a map operation, where each owner's
+// map of leases cost two (a lookup and an insert or a delete) per lease. Kept while the
+// owner's connection lives, empty or not, as that map was.
+type ownerLeases struct{ first *lease }
+
+// add puts l, not in any list, first in o.
+func (o *ownerLeases) add(l *lease) {
+	l.owned, l.ownPrev, l.ownNext = o, nil, o.first
+	if o.first != nil {
+		o.first.ownPrev = l
+	}
+	o.first = l
+}
+
+// leaveOwner takes l out of its owner's list, if it is in one.
+func (l *lease) leaveOwner() {
+	o := l.owned
+	if o == nil {
+		return
+	}
+	if l.ownPrev != nil {
+		l.ownPrev.ownNext = l.ownNext
+	} else {
+		o.first = l.ownNext
+	}
+	if l.ownNext != nil {
+		l.ownNext.ownPrev = l.ownPrev
+	}
+	l.owned, l.ownPrev, l.ownNext = nil, nil, nil
+}
+
+// each calls f for each lease in o, which f may free (its next is read before).
+func (o *ownerLeases) each(f func(l *lease) bool) {
+	for l := o.first; l != nil; {
+		next := l.ownNext
+		if !f(l) {
+			return
+		}
+		l = next
+	}
 }
 
 // leasePart is one slot a lease holds, in one rule.
@@ -128,7 +175,7 @@ func newLeases() *Leases {
 		key:    [2]uint64{binary.LittleEndian.Uint64(b[4:]), binary.LittleEndian.Uint64(b[12:])},
 		slots:  map[string]*slot{},
 		leases: map[uint64]*lease{},
-		owners: map[uint64]map[uint64]*lease{},
+		owners: map[uint64]*ownerLeases{},
 		stats:  map[string]*LeaseStats{},
 	}
 }
@@ -465,12 +512,15 @@ func (ls *Leases) reapGoneLocked(s *slot, self uint64, now int64) bool {
 // releaseOwnerLocked is ReleaseOwner with ls.mu held.
 func (ls *Leases) releaseOwnerLocked(owner uint64, now int64) int {
 	n := 0
-	for _, l := range ls.owners[owner] {
-		ls.expireLease(l, now)
-		if l.live > 0 {
-			n++
-			ls.freeLease(l, func(s *LeaseStats) { s.Closed++ })
-		}
+	if o := ls.owners[owner]; o != nil {
+		o.each(func(l *lease) bool {
+			ls.expireLease(l, now)
+			if l.live > 0 {
+				n++
+				ls.freeLease(l, func(s *LeaseStats) { s.Closed++ })
+			}
+			return true
+		})
 	}
 	delete(ls.owners, owner)
 	return n
@@ -485,11 +535,16 @@ func (ls *Leases) Holds(owner uint64, now int64) bool {
 	}
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	for _, l := range ls.owners[owner] {
-		ls.expireLease(l, now)
-		if l.live > 0 {
-			return true
-		}
+	held := false
+	if o := ls.owners[owner]; o != nil {
+		o.each(func(l *lease) bool {
+			ls.expireLease(l, now)
+			held = l.live > 0
+			return !held
+		})
+	}
+	if held {
+		return true
 	}
 	for _, gl := range ls.globalOwners[owner] {
 		if gl.expires > now {
@@ -657,11 +712,7 @@ func (ls *Leases) freePart(p *leasePart) {
 // dropLease forgets l, whose parts are all free, and keeps it for reuse.
 func (ls *Leases) dropLease(l *lease) {
 	delete(ls.leases, l.id)
-	if l.owner != 0 {
-		if m := ls.owners[l.owner]; m != nil {
-			delete(m, l.id)
-		}
-	}
+	l.leaveOwner()
 	l.parts = l.parts[:0]
 	l.id, l.owner = 0, 0
 	ls.free = keepSpare(ls.free, l, len(ls.leases))

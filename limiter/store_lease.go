@@ -186,12 +186,12 @@ func (ls *Leases) newLease(owner uint64, parts int) *lease {
 	l.id, l.owner = ls.next, owner
 	ls.leases[l.id] = l
 	if owner != 0 {
-		m := ls.owners[owner]
-		if m == nil {
-			m = map[uint64]*lease{}
-			ls.owners[owner] = m
+		o := ls.owners[owner]
+		if o == nil {
+			o = new(ownerLeases)
+			ls.owners[owner] = o
 		}
-		m[l.id] = l
+		o.add(l)
 	}
 	return l
 }
