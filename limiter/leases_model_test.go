@@ -40,7 +40,7 @@ type modelLease struct {
 // while a part not freed has not expired (expires > now). Every answer must be the
 // model's: a check allowed when each of its rules has a slot free, a renewal renewed when
 // every part is held (and then each part extended), a release released when any part is
-// held. It found a renewal of a lease run out answered renewed: true.
+// held, an owner holding a lease when a part of one of its leases is held. It found a renewal of a lease run out answered renewed: true.
 func TestLeasesAgainstAModel(t *testing.T) {
 	rapid.Check(t, func(rt *rapid.T) {
 		l := newLimiter(t, leaseModelRules)
@@ -60,7 +60,7 @@ func TestLeasesAgainstAModel(t *testing.T) {
 			return n
 		}
 		for step := rapid.IntRange(1, 60).Draw(rt, "steps"); step > 0; step-- {
-			switch rapid.IntRange(0, 6).Draw(rt, "op") {
+			switch rapid.IntRange(0, 7).Draw(rt, "op") {
 			case 0, 1: // check
 				user := rapid.SampledFrom([]string{"ann", "bob"}).Draw(rt, "user")
 				long := rapid.Bool().Draw(rt, "long")
@@ -151,6 +151,17 @@ func TestLeasesAgainstAModel(t *testing.T) {
 				l.Sweep(now)
 			case 6:
 				now += int64(rapid.IntRange(1, 2500).Draw(rt, "ms")) * int64(time.Millisecond)
+			case 7: // does an owner hold a lease (a connection's idle close asks)
+				owner := uint64(rapid.IntRange(1, 3).Draw(rt, "holder"))
+				want := false
+				for _, ml := range leases {
+					for _, p := range ml.parts {
+						want = want || ml.owner == owner && !p.freed && p.expires > now
+					}
+				}
+				if got := l.Leases().Holds(owner, now); got != want {
+					rt.Fatalf("owner %d holds a lease at +%v: %v, model %v", owner, time.Duration(now-t0), got, want)
+				}
 			}
 		}
 	})
