@@ -2072,11 +2072,14 @@ func (s *Server) answer(enc *proto.Encoder, req *proto.Request, d *limiter.Decis
 	if m := s.cfg.Metrics; m != nil {
 		m.record(d, t)
 	}
-	// The lease's token, written into tb (no allocation for a local lease) and read
-	// through lease until the answer is encoded.
-	var tb [limiter.LeaseTokenMaxLen]byte
-	tok := s.lim.AppendLeaseToken(tb[:0], d)
-	lease := unsafe.String(unsafe.SliceData(tok), len(tok))
+	var lease string
+	if d.TookLease() {
+		// The lease's token, written into tb (no allocation for a local lease) and read
+		// through lease until the answer is encoded.
+		var tb [limiter.LeaseTokenMaxLen]byte
+		tok := s.lim.AppendLeaseToken(tb[:0], d)
+		lease = unsafe.String(unsafe.SliceData(tok), len(tok))
+	}
 	if d.Deciding >= 0 && lease == "" && !d.Warning && d.Delay <= 0 && !d.Banned {
 		r := &d.Results[d.Deciding]
 		if head := s.heads.table().first(r); head != nil && !r.Impossible {

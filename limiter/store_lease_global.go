@@ -766,6 +766,9 @@ func (l *Limiter) LeaseToken(d *Decision) string {
 	return string(l.AppendLeaseToken(b[:0], d))
 }
 
+// TookLease reports whether d's allowed check took a lease (LeaseToken is not "").
+func (d *Decision) TookLease() bool { return d.Lease != 0 || d.globalLease != nil }
+
 // AppendLeaseToken appends LeaseToken(d) to dst and returns it: without allocating for a
 // local lease, into a buffer of tokenMaxLen bytes (LeaseTokenMaxLen).
 func (l *Limiter) AppendLeaseToken(dst []byte, d *Decision) []byte {
