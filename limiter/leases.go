@@ -158,8 +158,9 @@ type leasePart struct {
 // maxRetryHint caps a refusal's retry-after: a slot may be released at any moment.
 const maxRetryHint = time.Second
 
-// DefaultMaxLeases bounds the live leases of a daemon (about 200 bytes each; a global
-// lease it tracks, about 550), local and global together, so that a flood of checks on
+// DefaultMaxLeases bounds the live leases of a daemon (about 300 bytes each, the slot
+// and a short key included: 315 in TestLeaseMemory; a global lease it tracks, about
+// 550), local and global together, so that a flood of checks on
 // distinct keys cannot grow memory without bound: past it, a check matching a
 // concurrency rule is refused as if its slots were full (Leases.Capped). A local slot's
 // key, and each global lease part's, counts one lease more per whole 200 bytes of it

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -576,4 +577,34 @@ func TestBase32(t *testing.T) {
 	if v, ok := parseBase32("fvvvvvvvvvvvv"); !ok || v != math.MaxUint64 {
 		t.Errorf("the largest 13-digit value read as %d %v", v, ok)
 	}
+}
+
+// TestLeaseMemory: what a local lease holds of the heap, its slot and key with it, on
+// distinct keys of a few bytes and owners as a daemon's connections take them, so that
+// DefaultMaxLeases's bound means what its comment says (about 300 bytes each).
+func TestLeaseMemory(t *testing.T) {
+	l := newLimiter(t, "rules:\n  - name: c\n    key: user\n    concurrency: { max: 2, lease: 30s }\n")
+	const n = 100000
+	ins := make([]Input, n)
+	for i := range ins {
+		ins[i] = Input{Attrs: attrs("user=user-" + strconv.Itoa(i)), Cost: 1}
+	}
+	var d Decision
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	for i := range ins {
+		d.Owner = uint64(i%64 + 1)
+		if err := l.Check(t0, &ins[i], &d); err != nil || d.Lease == 0 {
+			t.Fatalf("check %d took no lease: %v", i, err)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := (float64(after.HeapAlloc) - float64(before.HeapAlloc)) / n
+	t.Logf("%.0f bytes a lease (%d live)", per, l.Leases().Len())
+	if per > 400 {
+		t.Errorf("%.0f bytes a lease; DefaultMaxLeases is sized for about 300", per)
+	}
+	runtime.KeepAlive(ins)
 }
