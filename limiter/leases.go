@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // Leases is the local store of concurrency rules: slots held by requests in flight.
@@ -77,10 +78,9 @@ type LeaseStats struct {
 
 // slot is one concurrency key's held parts.
 type slot struct {
-	// key is the slot's key in Leases.slots: buf's bytes, which a slot reused for another
-	// key (Leases.spare) overwrites only once it has left the map, so that a lease's slot
-	// costs no allocation for its key (BenchmarkHandleLease).
-	key  string
+	// buf holds the slot's key, and its key in Leases.slots reads it (key): a slot
+	// reused for another key (Leases.spare) overwrites it only once it has left the map,
+	// so that a lease's slot costs no allocation for its key (BenchmarkHandleLease).
 	buf  []byte
 	held []*leasePart
 	// askedAt is when a check that found it full last asked about its holders'
@@ -101,6 +101,9 @@ type lease struct {
 	owned            *ownerLeases
 	ownPrev, ownNext *lease
 }
+
+// key is s's key in Leases.slots, aliasing s.buf.
+func (s *slot) key() string { return unsafe.String(unsafe.SliceData(s.buf), len(s.buf)) }
 
 // ownerLeases lists one owner's live leases (Leases.owners), linked through the leases
 // themselves: a lease joins and leaves it without a map operation, where each owner's
@@ -159,7 +162,7 @@ type leasePart struct {
 const maxRetryHint = time.Second
 
 // DefaultMaxLeases bounds the live leases of a daemon (about 300 bytes each, the slot
-// and a short key included: 315 in TestLeaseMemory; a global lease it tracks, about
+// and a short key included: 299 in TestLeaseMemory; a global lease it tracks, about
 // 550), local and global together, so that a flood of checks on
 // distinct keys cannot grow memory without bound: past it, a check matching a
 // concurrency rule is refused as if its slots were full (Leases.Capped). A local slot's
@@ -340,7 +343,7 @@ func (ls *Leases) appendKeyHashes(dst []uint64, token string, seed maphash.Seed)
 	if l := ls.leases[id]; l != nil {
 		for i := range l.parts {
 			if s := l.parts[i].s; s != nil {
-				dst = append(dst, maphash.String(seed, s.key)&^1) // here (KeyInRedis)
+				dst = append(dst, maphash.String(seed, s.key())&^1) // here (KeyInRedis)
 			}
 		}
 	}
@@ -703,9 +706,9 @@ func (ls *Leases) freePart(p *leasePart) {
 	p.stats.InFlight--
 	p.l.live--
 	if len(s.held) == 0 {
-		delete(ls.slots, s.key)
-		ls.keyUnits -= slotUnits(len(s.key))
-		s.key = ""
+		delete(ls.slots, s.key())
+		ls.keyUnits -= slotUnits(len(s.buf))
+		s.buf = s.buf[:0]
 		ls.spare = keepSpare(ls.spare, s, len(ls.slots))
 	}
 }

@@ -1,10 +1,6 @@
 package limiter
 
-import (
-	"unsafe"
-
-	"github.com/rlsidecar/rlsidecar/localbucket"
-)
+import "github.com/rlsidecar/rlsidecar/localbucket"
 
 // leaseStore is the concurrency rules' store (Leases, leases.go). Its take acquires, all
 // or nothing, one slot in every concurrency op of the check, as one lease whose id it
@@ -206,9 +202,8 @@ func (ls *Leases) hold(l *lease, key []byte, rule string, now, dur int64) {
 		} else {
 			sl = new(slot)
 		}
-		sl.buf = append(sl.buf[:0], key...)
-		sl.key, sl.askedAt = unsafe.String(unsafe.SliceData(sl.buf), len(sl.buf)), 0
-		ls.slots[sl.key] = sl
+		sl.buf, sl.askedAt = append(sl.buf[:0], key...), 0
+		ls.slots[sl.key()] = sl
 		ls.keyUnits += slotUnits(len(key))
 	}
 	st := ls.stats[rule]
