@@ -10,8 +10,9 @@ import (
 // cost and attrs (a fixmap of short strings), and limits only when nil; for a release or
 // a renew, id, op, lease and lease_ms (decodeFast) — straight from the body, without the
 // msgpack.Decoder's per-call overhead. They never produce an error themselves: each
-// either decodes the request completely, exactly as the msgpack path would, or declines, and the msgpack path (the codec of record) decodes it from the
-// start. So every error message, and every shape they do not know, comes from one place.
+// either decodes the request completely, exactly as the msgpack path would, or declines,
+// and the msgpack path (the codec of record) decodes it from the start. So every error
+// message, and every shape they do not know, comes from one place.
 //
 // There are two, each declining to the next: DecodeRequest's straight path reads the order
 // clients write (id, op, attrs, cost) in one line; decodeFast reads the same keys in any
