@@ -608,3 +608,37 @@ func TestLeaseMemory(t *testing.T) {
 	}
 	runtime.KeepAlive(ins)
 }
+
+// Every token this daemon gives out reads back as its lease, and none with one byte
+// changed (or cut, or one added) reads as any lease: base 32 without leading zeros
+// writes each id and tag one way only, so a changed byte changes the id, the tag or
+// the nonce, and the tag is checked against the id.
+func TestTokenOneByteOffIsUnknown(t *testing.T) {
+	ls := newLeases()
+	alphabet := []byte(base32Digits + ".~-_gwzAZ0")
+	for _, id := range []uint64{1, 2, 31, 32, 1 << 20, 1<<40 + 7, math.MaxUint64} {
+		tok := ls.Token(id)
+		if got := ls.parse(tok); got != id {
+			t.Fatalf("token %q of %d reads as %d", tok, id, got)
+		}
+		for i := range len(tok) + 1 {
+			var variants []string
+			if i < len(tok) {
+				variants = append(variants, tok[:i]+tok[i+1:]) // cut
+				for _, c := range alphabet {
+					if c != tok[i] {
+						variants = append(variants, tok[:i]+string(c)+tok[i+1:])
+					}
+				}
+			}
+			for _, c := range alphabet {
+				variants = append(variants, tok[:i]+string(c)+tok[i:]) // added
+			}
+			for _, v := range variants {
+				if got := ls.parse(v); got != 0 {
+					t.Fatalf("%q, one byte off %q (lease %d), reads as lease %d", v, tok, id, got)
+				}
+			}
+		}
+	}
+}
