@@ -60,8 +60,9 @@ const killLossWindow = 24 * time.Hour
 //
 // Reported per sub-benchmark, over its repeats: admitted and counted (summed), lost
 // (admitted − counted), lost-s-mean and lost-s-max (each run's lost ÷ its admitted per
-// second: how much of its traffic the daemon took with it), admitted/s, and refused
-// (answers not allowed: with this limit, only while Redis did not answer). A unit counted
+// second: how much of its traffic the daemon took with it), admitted/s, refused
+// (answers not allowed: with this limit, only while Redis did not answer), and
+// over-count (units Redis counted beyond a key's admitted answers). A unit counted
 // that was never admitted is a defect ("nothing admitted is counted twice"): on any key,
 // Redis counting more than the answers admitted plus the checks sent and never answered
 // (the daemon may have decided, and synced, a check whose answer the kill kept from being
@@ -110,8 +111,8 @@ func BenchmarkKillLoss(b *testing.B) {
 				run++
 				phase := time.Duration((float64(r) + 0.5) / float64(repeats) * float64(killLossSync))
 				k := killLoss(b, rdb, cfg, sig, fmt.Sprintf("r%d-", run), keys, load+phase)
-				b.Logf("%s %d: %d admitted in %.2f s (%.0f/s), Redis counted %d, lost %d (%.3f s of traffic), %d refused, %d sent unanswered",
-					name, r+1, k.admitted, k.load.Seconds(), k.rate(), k.counted, k.admitted-k.counted, k.lostSeconds(), k.refused, k.unanswered)
+				b.Logf("%s %d: %d admitted in %.2f s (%.0f/s), Redis counted %d, lost %d (%.3f s of traffic), %d refused, %d sent unanswered, over-count %d",
+					name, r+1, k.admitted, k.load.Seconds(), k.rate(), k.counted, k.admitted-k.counted, k.lostSeconds(), k.refused, k.unanswered, k.over)
 				sum.add(k)
 				lostS = append(lostS, k.lostSeconds())
 			}
@@ -126,6 +127,7 @@ func BenchmarkKillLoss(b *testing.B) {
 			b.ReportMetric(slices.Max(lostS), "lost-s-max")
 			b.ReportMetric(sum.rate(), "admitted/s")
 			b.ReportMetric(float64(sum.refused), "refused")
+			b.ReportMetric(float64(sum.over), "over-count")
 			b.ReportMetric(0, "ns/op") // one op is a whole run: its time says nothing
 			if sig == syscall.SIGTERM && sum.counted != sum.admitted {
 				b.Errorf("SIGTERM: Redis counted %d of %d admitted: the last sync should settle every unit (unless Redis was away for its 2 s of tries: the daemon's log then says \"the last sync before stopping failed\")", sum.counted, sum.admitted)
@@ -137,7 +139,10 @@ func BenchmarkKillLoss(b *testing.B) {
 // killLossRun is what one run, or the sum of several, admitted and Redis counted.
 type killLossRun struct {
 	admitted, counted, refused, unanswered int64
-	load                                   time.Duration // from the first check to the signal
+	// over is the units Redis counted beyond the answers admitted, summed over the keys
+	// where it did: at most the key's checks left unanswered, or the run fails.
+	over int64
+	load time.Duration // from the first check to the signal
 }
 
 // add sums o into k (its load too: k.rate is then the mean rate).
@@ -146,6 +151,7 @@ func (k *killLossRun) add(o killLossRun) {
 	k.counted += o.counted
 	k.refused += o.refused
 	k.unanswered += o.unanswered
+	k.over += o.over
 	k.load += o.load
 }
 
@@ -236,6 +242,7 @@ func killLoss(b *testing.B, rdb *redis.Client, cfg string, sig syscall.Signal, p
 		k.admitted += admitted[j]
 		k.counted += counted[j]
 		k.unanswered += unanswered[j]
+		k.over += max(0, counted[j]-admitted[j])
 		if counted[j] > admitted[j]+unanswered[j] {
 			b.Errorf("user=%s%d: Redis counted %d, the daemon answered %d admitted and left %d checks unanswered: counted units never admitted",
 				prefix, j, counted[j], admitted[j], unanswered[j])
