@@ -48,7 +48,9 @@ const killLossWindow = 24 * time.Hour
 // (sub-benchmark kill) or SIGTERM (term), and once it is gone the benchmark reads what
 // Redis counted for each key: n − g, the window's count less the grant the daemon still
 // had reserved (a killed daemon never gives it back; a stopped one's last sync does), as
-// cmd/rlsidecar's end-to-end tests read a hybrid key.
+// cmd/rlsidecar's end-to-end tests read a hybrid key. (In practice g is 0 here: the
+// key's record of the daemon's last sync showed a grant of 0 and the units used, the
+// daemon alone on its keys admitting on credit; n − g stays right if it takes grants.)
 //
 // A kill loses what the daemon admitted since its last sync, so the loss depends on where
 // in the sync interval the kill lands. The daemon's ticker starts with it, a few ms
