@@ -279,7 +279,7 @@ def remaining(conn, attrs):
 
 def raw_map(pairs):
     """A msgpack map with the pairs in this order (repeats allowed)."""
-    b = bytes([0x80 | len(pairs)])
+    b = bytes([0x80 | len(pairs)]) if len(pairs) < 16 else b"\xde" + struct.pack(">H", len(pairs))
     for k, v in pairs:
         b += msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
     return b
@@ -955,6 +955,210 @@ def test_lease_as_bin(conn, op):
         assert_error(r, "bad_request", 39)
     assert held(conn, attrs) == (0 if known and op == "release" else 1), r
     assert_released(conn.rt({"op": "release", "id": 40, "lease": tok}), 40, not (known and op == "release"))
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["float64", "float32"])
+def test_renew_lease_ms_as_a_whole_float(conn, single):
+    """A whole lease_ms written as a float is that number (test_whole_floats_are_integers)."""
+    attrs, tok = take_lease(conn)
+    conn.send_body(msgpack.packb({"op": "renew", "id": 46, "lease": tok, "lease_ms": 1500.0}, use_single_float=single))
+    assert_renewed(conn.recv(), 46, True, 1500)
+    assert_released(conn.rt({"op": "release", "id": 47, "lease": tok}), 47, True)
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("fraction", 60000.5), ("negative", -1), ("negative float", -60000.0), ("nan", float("nan")),
+    ("inf", float("inf")), ("float past 2^64", 2.0**64), ("str", "60000"), ("bool", True), ("nil", None),
+    ("array", [60000]), ("map", {"lease_ms": 60000}), ("ext", msgpack.ExtType(1, b"\x80")),
+    ("timestamp", msgpack.Timestamp(60)),
+])
+def test_renew_lease_ms_of_the_wrong_type_changes_nothing(conn, kind, value):
+    """lease_ms is a count of milliseconds: a fraction, a negative, a NaN, a string or a
+    bool is a wrong type, bad_request with the id echoed; nil too, as for cost (wrong_values:
+    an optional uint given as nil is no uint). The lease keeps the expiry it had: renewed
+    for 300 ms first, it is freed soon after, not 60 s later."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 48, "lease": tok, "lease_ms": 300}), 48, True, 300)
+    assert_error(conn.rt({"op": "renew", "id": 49, "lease": tok, "lease_ms": value}), "bad_request", 49)
+    assert held(conn, attrs) == 1
+    wait_freed(conn, attrs, "a refused renew (lease_ms %r) moved the lease's expiry" % (value,))
+    assert_released(conn.rt({"op": "release", "id": 50, "lease": tok}), 50, False)
+
+
+@pytest.mark.parametrize("lease_ms", [0, 2**31, 2**32, 2**63, 2**64 - 1])
+def test_renew_lease_ms_zero_or_huge(conn, lease_ms):
+    """PROTOCOL.md gives lease_ms no bound and no meaning for 0. The answer is well-formed
+    (renewed with an expires_ms, or an error with the id echoed) and agrees with the lease:
+    renewed, the lease is still held; refused with an error, its expiry did not move (it
+    was renewed for 300 ms first)."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 51, "lease": tok, "lease_ms": 300}), 51, True, 300)
+    r = conn.rt({"op": "renew", "id": 52, "lease": tok, "lease_ms": lease_ms})
+    if assert_release_or_renew_answer(r, 52, "renew"):
+        if r["expires_ms"] > 200:
+            assert_released(conn.rt({"op": "release", "id": 53, "lease": tok}), 53, True)
+        return
+    if "error" in r:
+        assert r["error"]["code"] in ERROR_CODES, r
+    wait_freed(conn, attrs, "a refused renew (lease_ms %d) moved the lease's expiry" % lease_ms)
+
+
+@pytest.mark.parametrize("lease_ms", [1, 127, 128, 255, 256, 65535, 65536, 2**20])
+def test_renew_expires_ms_in_every_integer_width(conn, lease_ms):
+    """expires_ms is the lease_ms asked (test_leases), written in whatever width it needs."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 54, "lease": tok, "lease_ms": lease_ms}), 54, True, lease_ms)
+    if lease_ms > 200:
+        assert held(conn, attrs) == 1
+        assert_released(conn.rt({"op": "release", "id": 55, "lease": tok}), 55, True)
+
+
+@pytest.mark.parametrize("enc", ["cc05", "cd0005", "ce00000005", "cf0000000000000005",
+                                 "d005", "d10005", "d200000005", "d30000000000000005"])
+def test_renew_lease_ms_in_every_integer_encoding(conn, enc):
+    """lease_ms 5, in each msgpack integer encoding (fixint is test_leases'): 5 ms."""
+    attrs, tok = take_lease(conn)
+    body = b"\x84\xa2op\xa5renew\xa2id\x38\xa5lease" + msgpack.packb(tok) + b"\xa8lease_ms" + bytes.fromhex(enc)
+    assert_renewed(conn.rt_body(body), 0x38, True, 5)
+
+
+@pytest.mark.parametrize("rid", [None, 0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1])
+def test_release_and_renew_echo_every_id(conn, rid):
+    """The id in each width the answer may need, and none (0)."""
+    attrs, tok = take_lease(conn)
+    want = rid or 0
+    idf = {} if rid is None else {"id": rid}
+    assert_renewed(conn.rt(dict(idf, op="renew", lease=tok, lease_ms=5000)), want, True, 5000)
+    assert_released(conn.rt(dict(idf, op="release", lease=tok)), want, True)
+    assert_renewed(conn.rt(dict(idf, op="renew", lease=tok, lease_ms=5000)), want, False)
+    assert_released(conn.rt(dict(idf, op="release", lease=tok)), want, False)
+
+
+@pytest.mark.parametrize("enc", ["05", "cc05", "cd0005", "ce00000005", "cf0000000000000005",
+                                 "d005", "d10005", "d200000005", "d30000000000000005", "cb4014000000000000"])
+def test_release_id_in_every_encoding(conn, enc):
+    attrs, tok = take_lease(conn)
+    body = b"\x83\xa2id" + bytes.fromhex(enc) + b"\xa2op\xa7release\xa5lease" + msgpack.packb(tok)
+    assert_released(conn.rt_body(body), 5, True)
+
+
+@pytest.mark.parametrize("kind", ["negative", "fraction", "str", "nil", "bool", "array"])
+@pytest.mark.parametrize("op", ["release", "renew"])
+def test_release_or_renew_with_a_wrong_id_frees_nothing(conn, op, kind):
+    """An id of the wrong type: bad_request, id 0 (the request could not be read), and the
+    lease named beside it is neither released nor renewed."""
+    attrs, tok = take_lease(conn)
+    value = {"negative": -1, "fraction": 5.5, "str": "5", "nil": None, "bool": True, "array": [5]}[kind]
+    assert_error(conn.rt({"op": op, "id": value, "lease": tok, "lease_ms": 60000}), "bad_request", 0)
+    assert held(conn, attrs) == 1
+    assert_released(conn.rt({"op": "release", "id": 56, "lease": tok}), 56, True)
+
+
+def str_as(v, width):
+    """v (under 32 bytes) as a msgpack str with the header of that width."""
+    b = v.encode()
+    assert len(b) < 32
+    return {"fixstr": bytes([0xa0 | len(b)]), "str8": bytes([0xd9, len(b)]),
+            "str16": b"\xda" + struct.pack(">H", len(b)), "str32": b"\xdb" + struct.pack(">I", len(b))}[width] + b
+
+
+@pytest.mark.parametrize("width", ["fixstr", "str8", "str16", "str32"])
+def test_lease_and_keys_in_every_str_width(conn, width):
+    """One string is one string whatever the msgpack str header it comes in: the lease, and
+    the keys "op", "lease" and "lease_ms", each written in the same width."""
+    attrs, tok = take_lease(conn)
+
+    def s(v):
+        return str_as(v, width)
+    body = b"\x84" + s("op") + s("renew") + s("id") + b"\x39" + s("lease") + s(tok) + s("lease_ms") + b"\xcd\x07\xd0"
+    assert_renewed(conn.rt_body(body), 0x39, True, 2000)
+    body = b"\x83" + s("op") + s("release") + s("id") + b"\x3a" + s("lease") + s(tok)
+    assert_released(conn.rt_body(body), 0x3a, True)
+
+
+@pytest.mark.parametrize("header", ["map16", "map32"])
+def test_release_in_a_map16_and_map32(conn, header):
+    """A request map with a map 16 or map 32 header (20 entries: the lease among unknown
+    fields) is a map like another."""
+    attrs, tok = take_lease(conn)
+    pairs = [("z%02d" % i, i) for i in range(10)] + [("op", "release"), ("lease", tok), ("id", 57)] + \
+        [("y%02d" % i, "v") for i in range(7)]
+    body = raw_map(pairs)[3:]  # the pairs, after raw_map's map 16 header
+    body = (b"\xde" + struct.pack(">H", len(pairs)) if header == "map16" else b"\xdf" + struct.pack(">I", len(pairs))) + body
+    assert_released(conn.rt_body(body), 57, True)
+    assert held(conn, attrs) == 0
+
+
+@pytest.mark.parametrize("order", [
+    ["lease", "op", "id"], ["id", "lease", "op"], ["lease_ms", "lease", "id", "op"],
+    ["op", "lease_ms", "id", "lease"], ["lease", "lease_ms", "op", "id"],
+])
+def test_release_and_renew_fields_in_any_order(conn, order):
+    attrs, tok = take_lease(conn)
+    vals = {"op": "renew", "id": 58, "lease": tok, "lease_ms": 2500}
+    keys = order if "lease_ms" in order else order + ["lease_ms"]
+    assert_renewed(conn.rt_body(raw_map([(k, vals[k]) for k in keys])), 58, True, 2500)
+    vals = {"op": "release", "id": 59, "lease": tok}
+    assert_released(conn.rt_body(raw_map([(k, vals[k]) for k in order if k != "lease_ms"])), 59, True)
+
+
+# Unknown fields, some named nearly like `lease` and `lease_ms` and holding the real lease or
+# a lease_ms: none of them is the field, wherever it stands.
+NEAR_LEASE = ["leas", "lease_", "leasee", "Lease", "LEASE", " lease", "lease\x00"]
+NEAR_LEASE_MS = ["lease_m", "lease_mss", "Lease_ms", "leaseMs", "lease-ms", "lease ms"]
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
+def test_fields_named_nearly_like_lease_are_unknown(conn, before):
+    attrs, tok = take_lease(conn)
+    decoys = [(k, tok) for k in NEAR_LEASE] + [(k, 60000) for k in NEAR_LEASE_MS]
+    real = [("op", "renew"), ("id", 60), ("lease", tok), ("lease_ms", 400)]
+    assert_renewed(conn.rt_body(raw_map(decoys + real if before else real + decoys)), 60, True, 400)
+    # none of them is the lease: a release naming another lease releases nothing
+    real = [("op", "release"), ("id", 61), ("lease", "no-such-lease")]
+    assert_released(conn.rt_body(raw_map(decoys + real if before else real + decoys)), 61, False)
+    assert held(conn, attrs) == 1
+    # nor the lease_ms: the renewal for 400 ms above stands, the decoys' 60 s do not
+    wait_freed(conn, attrs, "a field named nearly like lease_ms renewed the lease")
+
+
+@pytest.mark.parametrize("where", ["unknown field", "attrs", "an inline limit", "an array"])
+def test_lease_nested_in_another_field_is_not_the_lease(conn, where):
+    """The real lease as the value of a `lease` key inside another field: not the request's
+    lease. The request's own lease names another, so nothing is released."""
+    attrs, tok = take_lease(conn)
+    nested = {"unknown field": {"zzz": {"lease": tok, "lease_ms": 60000}},
+              "attrs": {"attrs": {"lease": tok}},
+              "an inline limit": {"limits": [{"key": "k", "limit": 1, "window_ms": 1000, "lease": tok}]},
+              "an array": {"zzz": [{"lease": tok}, "lease", tok]}}[where]
+    for pairs in ([("op", "release"), ("id", 62)] + list(nested.items()) + [("lease", "no-such-lease")],
+                  [("op", "release"), ("id", 62), ("lease", "no-such-lease")] + list(nested.items())):
+        r = conn.rt_body(raw_map(pairs))
+        if "error" in r:  # attrs or limits on a release: PROTOCOL.md does not say they are read there
+            assert_error(r, "bad_request", 62)
+        else:
+            assert_released(r, 62, False)
+        assert held(conn, attrs) == 1
+    assert_released(conn.rt({"op": "release", "id": 63, "lease": tok}), 63, True)
+
+
+@pytest.mark.parametrize("field,first,second", [
+    ("lease", "no-such-lease", None), ("lease", None, "no-such-lease"), ("lease", None, None),
+    ("lease_ms", 300, 60000), ("lease_ms", 60000, 300),
+])
+@pytest.mark.parametrize("op", ["release", "renew"])
+def test_lease_or_lease_ms_twice_is_bad_request(conn, op, field, first, second):
+    """A field given twice is bad_request, as id, op and attrs are (the framing cases above),
+    and neither value takes effect: the lease (None above) keeps its slot and its expiry."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 64, "lease": tok, "lease_ms": 300}), 64, True, 300)
+    if field == "lease":
+        pairs = [("op", op), ("id", 65), ("lease", first or tok), ("lease", second or tok)]
+    else:
+        pairs = [("op", op), ("id", 65), ("lease", tok), ("lease_ms", first), ("lease_ms", second)]
+    assert_error(conn.rt_body(raw_map(pairs)), "bad_request", 65)
+    assert held(conn, attrs) == 1
+    wait_freed(conn, attrs, "a request with %s twice renewed the lease" % field)
 
 
 # -- pipelining ------------------------------------------------------------------------
