@@ -1161,6 +1161,141 @@ def test_lease_or_lease_ms_twice_is_bad_request(conn, op, field, first, second):
     wait_freed(conn, attrs, "a request with %s twice renewed the lease" % field)
 
 
+def test_release_of_a_renewed_lease_then_renew_again(conn):
+    """Renewed, then released: released true once and the slot is free; a renew after it is
+    renewed false (the lease is gone, not brought back) and the slot stays free."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 70, "lease": tok, "lease_ms": 5000}), 70, True, 5000)
+    assert_renewed(conn.rt({"op": "renew", "id": 71, "lease": tok, "lease_ms": 4000}), 71, True, 4000)
+    assert held(conn, attrs) == 1
+    assert_released(conn.rt({"op": "release", "id": 72, "lease": tok}), 72, True)
+    assert held(conn, attrs) == 0
+    assert_renewed(conn.rt({"op": "renew", "id": 73, "lease": tok, "lease_ms": 5000}), 73, False)
+    assert_renewed(conn.rt({"op": "renew", "id": 74, "lease": tok}), 74, False)
+    assert held(conn, attrs) == 0
+    assert_released(conn.rt({"op": "release", "id": 75, "lease": tok}), 75, False)
+    # the freed slot is taken again by a new lease, which the old one does not name
+    attrs2 = dict(attrs)
+    r = assert_check(conn.rt({"op": "check", "id": 76, "attrs": attrs2}), 76)
+    assert r["allowed"] and r["lease"] != tok
+    assert_released(conn.rt({"op": "release", "id": 77, "lease": tok}), 77, False)
+    assert held(conn, attrs) == 1
+    assert_released(conn.rt({"op": "release", "id": 78, "lease": r["lease"]}), 78, True)
+
+
+def frames(*reqs):
+    return b"".join(struct.pack(">I", len(b)) + b for b in (msgpack.packb(r) for r in reqs))
+
+
+def test_pipelined_renew_release_check_of_one_lease(conn):
+    """One write: renew, check, release, renew, release, check, a renew of the wrong type, a
+    malformed frame, a release. Each answered once, in order, with its id, and each as if
+    sent alone."""
+    attrs, tok = take_lease(conn)
+    ask = {"op": "check", "attrs": attrs, "cost": 0}
+    conn.s.sendall(frames({"op": "renew", "id": 80, "lease": tok, "lease_ms": 4000}, dict(ask, id=81),
+                          {"op": "release", "id": 82, "lease": tok}, {"op": "renew", "id": 83, "lease": tok},
+                          {"op": "release", "id": 84, "lease": tok}, dict(ask, id=85),
+                          {"op": "renew", "id": 86, "lease": tok, "lease_ms": -5})
+                   + struct.pack(">I", 3) + b"abc" + frames({"op": "release", "id": 87, "lease": tok}))
+    assert_renewed(conn.recv(), 80, True, 4000)
+    assert assert_check(conn.recv(), 81)["rules"][0]["remaining"] == 1
+    assert_released(conn.recv(), 82, True)
+    assert_renewed(conn.recv(), 83, False)
+    assert_released(conn.recv(), 84, False)
+    assert assert_check(conn.recv(), 85)["rules"][0]["remaining"] == 2
+    assert_error(conn.recv(), "bad_request", 86)
+    assert_error(conn.recv(), "bad_request", 0)
+    assert_released(conn.recv(), 87, False)
+
+
+def test_pipelined_leases_taken_renewed_and_released_in_one_write_each(conn):
+    """Fifty users' two leases taken in one write, renewed in the next (the second of each
+    with a wrong lease_ms), released in a third in reverse order, each answered in order
+    with its id."""
+    users = [uniq() for _ in range(50)]
+    conn.s.sendall(frames(*({"op": "check", "id": 1000 + i, "attrs": {"path": "/exports/1", "user": users[i // 2]}}
+                            for i in range(100))))
+    toks = []
+    for i in range(100):
+        r = assert_check(conn.recv(), 1000 + i)
+        assert r["allowed"] and r["lease"] not in toks, r
+        toks.append(r["lease"])
+    conn.s.sendall(frames(*({"op": "renew", "id": 2000 + i, "lease": t, "lease_ms": 3000 if i % 2 == 0 else 1.5}
+                            for i, t in enumerate(toks))))
+    for i in range(100):
+        r = conn.recv()
+        if i % 2 == 0:
+            assert_renewed(r, 2000 + i, True, 3000)
+        else:
+            assert_error(r, "bad_request", 2000 + i)
+    conn.s.sendall(frames(*({"op": "release", "id": 3000 + i, "lease": toks[i]} for i in reversed(range(100)))))
+    for i in reversed(range(100)):
+        assert_released(conn.recv(), 3000 + i, True)
+    assert all(held(conn, {"path": "/exports/1", "user": u}) == 0 for u in users[:5])
+
+
+def test_lease_from_another_connection(conn, daemon):
+    """PROTOCOL.md does not say whether only the connection that took a lease may release or
+    renew it. Whatever the answer, it agrees with the slot. What it does say: the lease holds
+    until released, expired or its connection closed, so the other connection closing
+    frees nothing, and the lease's own closing frees it, renewed or not."""
+    owner = Conn(daemon.socket)
+    other = Conn(daemon.socket)
+    try:
+        attrs, tok = take_lease(owner)
+        r = other.rt({"op": "renew", "id": 90, "lease": tok, "lease_ms": 5000})
+        renewed = assert_release_or_renew_answer(r, 90, "renew")
+        assert held(conn, attrs) == 1
+        other.close()
+        time.sleep(0.2)  # the daemon's reading of the close, were it to free the lease
+        assert held(conn, attrs) == 1, "a connection that did not take the lease closed, and it was freed (renewed: %s)" % renewed
+        owner.close()
+        wait_freed(conn, attrs, "a lease renewed from another connection outlived its own connection's close")
+
+        owner = Conn(daemon.socket)
+        attrs, tok = take_lease(owner)
+        other = Conn(daemon.socket)
+        released = assert_release_or_renew_answer(other.rt({"op": "release", "id": 91, "lease": tok}), 91, "release")
+        assert held(conn, attrs) == (0 if released else 1)
+        assert_released(owner.rt({"op": "release", "id": 92, "lease": tok}), 92, not released)
+    finally:
+        owner.close()
+        other.close()
+
+
+def test_lease_from_another_daemon_is_unknown(conn, daemon, binary):
+    """A lease another daemon issued (a second sidecar, or this one before a restart) is not
+    one this daemon issued: released and renewed false, and neither daemon's lease moves.
+    With a Redis store the two daemons share it, and PROTOCOL.md does not say whether a
+    lease is known to every daemon on one store: there the answer must only agree with the
+    slot."""
+    attrs, tok = take_lease(conn)
+    other = Daemon(binary)
+    try:
+        oc = Conn(other.socket)
+        oattrs, otok = take_lease(oc)
+        if otok == tok:
+            pytest.fail("two daemons issued the same lease %r" % tok)
+        r = conn.rt({"op": "release", "id": 93, "lease": otok})
+        rr = conn.rt({"op": "renew", "id": 94, "lease": otok, "lease_ms": 60000})
+        if WITH_REDIS:
+            assert_release_or_renew_answer(r, 93, "release")
+            assert_release_or_renew_answer(rr, 94, "renew")
+        else:
+            assert_released(r, 93, False)
+            assert_renewed(rr, 94, False)
+            assert held(oc, oattrs) == 1
+            assert_released(oc.rt({"op": "release", "id": 95, "lease": otok}), 95, True)
+            # and the other way: this daemon's lease on the other
+            assert_released(oc.rt({"op": "release", "id": 96, "lease": tok}), 96, False)
+        assert held(conn, attrs) == 1
+        assert_released(conn.rt({"op": "release", "id": 97, "lease": tok}), 97, True)
+        oc.close()
+    finally:
+        other.stop()
+
+
 # -- pipelining ------------------------------------------------------------------------
 
 def test_pipelining_1000_deep_in_order(conn):
