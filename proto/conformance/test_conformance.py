@@ -31,6 +31,7 @@ import shlex
 import shutil
 import signal
 import socket
+import string
 import struct
 import subprocess
 import tempfile
@@ -797,6 +798,11 @@ def wait_freed(conn, attrs, what):
         time.sleep(0.02)
 
 
+def frames(*reqs):
+    """The requests as frames, for one write."""
+    return b"".join(struct.pack(">I", len(b)) + b for b in (msgpack.packb(r) for r in reqs))
+
+
 MANGLED = {
     "first char changed": lambda t: ("0" if t[0] != "0" else "1") + t[1:],
     "middle char changed": lambda t: t[:len(t) // 2] + ("0" if t[len(t) // 2] != "0" else "1") + t[len(t) // 2 + 1:],
@@ -806,6 +812,10 @@ MANGLED = {
     "leading junk": lambda t: "x" + t,
     "trailing space": lambda t: t + " ",
     "trailing newline": lambda t: t + "\n",
+    "trailing CR": lambda t: t + "\r",
+    "trailing CRLF": lambda t: t + "\r\n",
+    "newline inside": lambda t: t[:len(t) // 2] + "\n" + t[len(t) // 2:],
+    "CRLF inside": lambda t: t[:len(t) // 2] + "\r\n" + t[len(t) // 2:],
     "trailing NUL": lambda t: t + "\x00",
     "trailing junk": lambda t: t + "x",
     "trailing non-ASCII": lambda t: t + "\u00e9",
@@ -815,13 +825,23 @@ MANGLED = {
     "one char": lambda t: t[:1],
     "empty": lambda t: "",
     "twice": lambda t: t + t,
-    "dots only": lambda t: ".".join(p for p in t.split(".")[:2]),  # the last part dropped
     "1,000 bytes after it": lambda t: t + "x" * 1000,
     "1,000 bytes before it": lambda t: "x" * 1000 + t,
 }
 
 
-@pytest.mark.parametrize("how", sorted(MANGLED))
+# With Redis (global and hybrid mode) the daemon takes a lease with a CR or LF added, at its
+# end or inside it, for the lease: renewed and released true, the slot freed (seen on this
+# session's daemon and on one built from ae87389, before it). PROTOCOL.md: a lease is an
+# opaque id, and a release is false when the lease was unknown; the daemon never issued
+# that string.
+CR_LF_TAKEN_WITH_REDIS = pytest.mark.xfail(
+    WITH_REDIS, strict=True, reason="departure with Redis: a lease with CR/LF added is taken for the lease "
+    "(released true); PROTOCOL.md: false when the lease was unknown")
+
+
+@pytest.mark.parametrize("how", [pytest.param(h, marks=CR_LF_TAKEN_WITH_REDIS) if "CR" in h or "newline" in h else h
+                                 for h in sorted(MANGLED)])
 def test_mangled_lease_is_unknown_and_frees_nothing(conn, how):
     """A lease with a character changed, cased otherwise, padded, cut or empty is another
     string, so a lease the daemon did not issue: released false and renewed false (never an
@@ -907,6 +927,25 @@ def test_lease_over_the_frame_bound_closes_only_its_connection(conn, daemon, op)
         other.close()
     assert held(conn, attrs) == 1
     assert_released(conn.rt({"op": "release", "id": 45, "lease": tok}), 45, True)
+
+
+def test_every_one_character_change_is_unknown(conn):
+    """Each position of a lease changed to each other letter, digit or -_+/=. in turn: never
+    the lease (a renew of each, pipelined a position at a time, is renewed false), and the
+    lease is still held afterwards."""
+    attrs, tok = take_lease(conn)
+    alphabet = string.ascii_letters + string.digits + "-_+/=."
+    taken = []
+    for pos in range(len(tok)):
+        bads = [tok[:pos] + ch + tok[pos + 1:] for ch in alphabet if ch != tok[pos]]
+        conn.s.sendall(frames(*({"op": "renew", "id": 100 + i, "lease": b, "lease_ms": 60000} for i, b in enumerate(bads))))
+        for i, b in enumerate(bads):
+            r = conn.recv()
+            if r != {"id": 100 + i, "renewed": False, "expires_ms": 0}:
+                taken.append((b, r))
+    assert not taken, (tok, taken[:5])
+    assert held(conn, attrs) == 1
+    assert_released(conn.rt({"op": "release", "id": 99, "lease": tok}), 99, True)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float", "negative", "int", "array", "map", "ext", "timestamp"])
@@ -1055,17 +1094,21 @@ def test_release_or_renew_with_a_wrong_id_frees_nothing(conn, op, kind):
 
 
 def str_as(v, width):
-    """v (under 32 bytes) as a msgpack str with the header of that width."""
+    """v (under 256 bytes) as a msgpack str with the header of that width; "shortest" is
+    the one msgpack writers pick."""
     b = v.encode()
-    assert len(b) < 32
-    return {"fixstr": bytes([0xa0 | len(b)]), "str8": bytes([0xd9, len(b)]),
-            "str16": b"\xda" + struct.pack(">H", len(b)), "str32": b"\xdb" + struct.pack(">I", len(b))}[width] + b
+    assert len(b) < 256
+    if width == "shortest":
+        return msgpack.packb(v)
+    return {"str8": bytes([0xd9, len(b)]), "str16": b"\xda" + struct.pack(">H", len(b)),
+            "str32": b"\xdb" + struct.pack(">I", len(b))}[width] + b
 
 
-@pytest.mark.parametrize("width", ["fixstr", "str8", "str16", "str32"])
+@pytest.mark.parametrize("width", ["shortest", "str8", "str16", "str32"])
 def test_lease_and_keys_in_every_str_width(conn, width):
     """One string is one string whatever the msgpack str header it comes in: the lease, and
-    the keys "op", "lease" and "lease_ms", each written in the same width."""
+    the keys "op", "lease" and "lease_ms", each written in the same width (the keys fit a
+    fixstr; a lease may not)."""
     attrs, tok = take_lease(conn)
 
     def s(v):
@@ -1120,6 +1163,37 @@ def test_fields_named_nearly_like_lease_are_unknown(conn, before):
     assert held(conn, attrs) == 1
     # nor the lease_ms: the renewal for 400 ms above stands, the decoys' 60 s do not
     wait_freed(conn, attrs, "a field named nearly like lease_ms renewed the lease")
+
+
+@pytest.mark.parametrize("name", NEAR_LEASE_MS)
+def test_renew_with_only_a_field_named_nearly_like_lease_ms(conn, name):
+    """A renew whose only lease_ms-like field is a decoy asking 60 s is a renew without
+    lease_ms: whatever its default (PROTOCOL.md gives none; the rule's lease is 1 s), not
+    60 s, and the lease is freed within the wait."""
+    attrs, tok = take_lease(conn)
+    r = conn.rt_body(raw_map([("op", "renew"), ("id", 66), ("lease", tok), (name, 60000)]))
+    assert_renewed(r, 66, True)
+    assert r["expires_ms"] != 60000, r
+    wait_freed(conn, attrs, "a field named %r renewed the lease for 60 s" % name)
+
+
+@pytest.mark.parametrize("name", NEAR_LEASE)
+@pytest.mark.parametrize("op", ["release", "renew"])
+def test_release_or_renew_with_only_a_field_named_nearly_like_lease(conn, op, name):
+    """A release or renew whose only lease-like field is a decoy holding the real lease has
+    no lease (test_lease_missing_or_nil_frees_nothing): the lease stays held, unrenewed."""
+    attrs, tok = take_lease(conn)
+    assert_renewed(conn.rt({"op": "renew", "id": 67, "lease": tok, "lease_ms": 300}), 67, True, 300)
+    r = conn.rt_body(raw_map([("op", op), ("id", 68), (name, tok), ("lease_ms", 60000)] if op == "renew"
+                             else [("op", op), ("id", 68), (name, tok)]))
+    if "error" in r:
+        assert_error(r, "bad_request", 68)
+    elif op == "release":
+        assert_released(r, 68, False)
+    else:
+        assert_renewed(r, 68, False)
+    assert held(conn, attrs) == 1
+    wait_freed(conn, attrs, "a field named %r renewed the lease for 60 s" % name)
 
 
 @pytest.mark.parametrize("where", ["unknown field", "attrs", "an inline limit", "an array"])
@@ -1181,10 +1255,6 @@ def test_release_of_a_renewed_lease_then_renew_again(conn):
     assert_released(conn.rt({"op": "release", "id": 77, "lease": tok}), 77, False)
     assert held(conn, attrs) == 1
     assert_released(conn.rt({"op": "release", "id": 78, "lease": r["lease"]}), 78, True)
-
-
-def frames(*reqs):
-    return b"".join(struct.pack(">I", len(b)) + b for b in (msgpack.packb(r) for r in reqs))
 
 
 def test_pipelined_renew_release_check_of_one_lease(conn):
