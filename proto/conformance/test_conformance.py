@@ -798,6 +798,27 @@ def wait_freed(conn, attrs, what):
         time.sleep(0.02)
 
 
+def expiries_unmoved(conn, cases, renew_ms=300):
+    """Each case on a lease of its own, renewed for renew_ms first (None: not renewed):
+    case(tok) sends its request and asserts the answer. Then every lease is still held, and
+    every one is freed within the wait, together: none had its expiry moved to the 60 s the
+    cases ask. cases maps a name (in the failure) to its function."""
+    leases = {name: take_lease(conn) for name in cases}
+    for name, (attrs, tok) in leases.items():
+        if renew_ms:
+            assert_renewed(conn.rt({"op": "renew", "id": 48, "lease": tok, "lease_ms": renew_ms}), 48, True, renew_ms)
+    for name, case in cases.items():
+        case(leases[name][1])
+    assert [n for n, (attrs, _) in leases.items() if held(conn, attrs) != 1] == []
+    deadline = time.time() + 10
+    while True:
+        left = [n for n, (attrs, _) in leases.items() if held(conn, attrs)]
+        if not left:
+            return
+        assert time.time() < deadline, "leases not freed in 10 s (their expiry moved): %s" % left
+        time.sleep(0.02)
+
+
 def frames(*reqs):
     """The requests as frames, for one write."""
     return b"".join(struct.pack(">I", len(b)) + b for b in (msgpack.packb(r) for r in reqs))
@@ -1005,23 +1026,25 @@ def test_renew_lease_ms_as_a_whole_float(conn, single):
     assert_released(conn.rt({"op": "release", "id": 47, "lease": tok}), 47, True)
 
 
-@pytest.mark.parametrize("kind,value", [
-    ("fraction", 60000.5), ("negative", -1), ("negative float", -60000.0), ("nan", float("nan")),
-    ("inf", float("inf")), ("float past 2^64", 2.0**64), ("str", "60000"), ("bool", True), ("nil", None),
-    ("array", [60000]), ("map", {"lease_ms": 60000}), ("ext", msgpack.ExtType(1, b"\x80")),
-    ("timestamp", msgpack.Timestamp(60)),
-])
-def test_renew_lease_ms_of_the_wrong_type_changes_nothing(conn, kind, value):
+LEASE_MS_WRONG = {
+    "fraction": 60000.5, "negative": -1, "negative float": -60000.0, "nan": float("nan"), "inf": float("inf"),
+    "float past 2^64": 2.0**64, "str": "60000", "bool": True, "nil": None, "array": [60000],
+    "map": {"lease_ms": 60000}, "ext": msgpack.ExtType(1, b"\x80"), "timestamp": msgpack.Timestamp(60),
+}
+
+
+def test_renew_lease_ms_of_the_wrong_type_changes_nothing(conn):
     """lease_ms is a count of milliseconds: a fraction, a negative, a NaN, a string or a
     bool is a wrong type, bad_request with the id echoed; nil too, as for cost (wrong_values:
     an optional uint given as nil is no uint). The lease keeps the expiry it had: renewed
     for 300 ms first, it is freed soon after, not 60 s later."""
-    attrs, tok = take_lease(conn)
-    assert_renewed(conn.rt({"op": "renew", "id": 48, "lease": tok, "lease_ms": 300}), 48, True, 300)
-    assert_error(conn.rt({"op": "renew", "id": 49, "lease": tok, "lease_ms": value}), "bad_request", 49)
-    assert held(conn, attrs) == 1
-    wait_freed(conn, attrs, "a refused renew (lease_ms %r) moved the lease's expiry" % (value,))
-    assert_released(conn.rt({"op": "release", "id": 50, "lease": tok}), 50, False)
+    def case(kind):
+        def send(tok):
+            r = conn.rt({"op": "renew", "id": 49, "lease": tok, "lease_ms": LEASE_MS_WRONG[kind]})
+            assert "error" in r, (kind, r)
+            assert_error(r, "bad_request", 49)
+        return send
+    expiries_unmoved(conn, {kind: case(kind) for kind in LEASE_MS_WRONG})
 
 
 @pytest.mark.parametrize("lease_ms", [0, 2**31, 2**32, 2**63, 2**64 - 1])
@@ -1165,35 +1188,34 @@ def test_fields_named_nearly_like_lease_are_unknown(conn, before):
     wait_freed(conn, attrs, "a field named nearly like lease_ms renewed the lease")
 
 
-@pytest.mark.parametrize("name", NEAR_LEASE_MS)
-def test_renew_with_only_a_field_named_nearly_like_lease_ms(conn, name):
+def test_renew_with_only_a_field_named_nearly_like_lease_ms(conn):
     """A renew whose only lease_ms-like field is a decoy asking 60 s is a renew without
     lease_ms: whatever its default (PROTOCOL.md gives none; the rule's lease is 1 s), not
     60 s, and the lease is freed within the wait."""
-    attrs, tok = take_lease(conn)
-    r = conn.rt_body(raw_map([("op", "renew"), ("id", 66), ("lease", tok), (name, 60000)]))
-    assert_renewed(r, 66, True)
-    assert r["expires_ms"] != 60000, r
-    wait_freed(conn, attrs, "a field named %r renewed the lease for 60 s" % name)
+    def case(name):
+        def send(tok):
+            r = conn.rt_body(raw_map([("op", "renew"), ("id", 66), ("lease", tok), (name, 60000)]))
+            assert_renewed(r, 66, True)
+            assert r["expires_ms"] != 60000, (name, r)
+        return send
+    expiries_unmoved(conn, {name: case(name) for name in NEAR_LEASE_MS}, renew_ms=None)
 
 
-@pytest.mark.parametrize("name", NEAR_LEASE)
-@pytest.mark.parametrize("op", ["release", "renew"])
-def test_release_or_renew_with_only_a_field_named_nearly_like_lease(conn, op, name):
+def test_release_or_renew_with_only_a_field_named_nearly_like_lease(conn):
     """A release or renew whose only lease-like field is a decoy holding the real lease has
     no lease (test_lease_missing_or_nil_frees_nothing): the lease stays held, unrenewed."""
-    attrs, tok = take_lease(conn)
-    assert_renewed(conn.rt({"op": "renew", "id": 67, "lease": tok, "lease_ms": 300}), 67, True, 300)
-    r = conn.rt_body(raw_map([("op", op), ("id", 68), (name, tok), ("lease_ms", 60000)] if op == "renew"
-                             else [("op", op), ("id", 68), (name, tok)]))
-    if "error" in r:
-        assert_error(r, "bad_request", 68)
-    elif op == "release":
-        assert_released(r, 68, False)
-    else:
-        assert_renewed(r, 68, False)
-    assert held(conn, attrs) == 1
-    wait_freed(conn, attrs, "a field named %r renewed the lease for 60 s" % name)
+    def case(op, name):
+        def send(tok):
+            r = conn.rt_body(raw_map([("op", op), ("id", 68), (name, tok), ("lease_ms", 60000)] if op == "renew"
+                                     else [("op", op), ("id", 68), (name, tok)]))
+            if "error" in r:
+                assert_error(r, "bad_request", 68)
+            elif op == "release":
+                assert_released(r, 68, False)
+            else:
+                assert_renewed(r, 68, False)
+        return send
+    expiries_unmoved(conn, {(op, name): case(op, name) for op in ("release", "renew") for name in NEAR_LEASE})
 
 
 @pytest.mark.parametrize("where", ["unknown field", "attrs", "an inline limit", "an array"])
@@ -1216,23 +1238,22 @@ def test_lease_nested_in_another_field_is_not_the_lease(conn, where):
     assert_released(conn.rt({"op": "release", "id": 63, "lease": tok}), 63, True)
 
 
-@pytest.mark.parametrize("field,first,second", [
-    ("lease", "no-such-lease", None), ("lease", None, "no-such-lease"), ("lease", None, None),
-    ("lease_ms", 300, 60000), ("lease_ms", 60000, 300),
-])
-@pytest.mark.parametrize("op", ["release", "renew"])
-def test_lease_or_lease_ms_twice_is_bad_request(conn, op, field, first, second):
+def test_lease_or_lease_ms_twice_is_bad_request(conn):
     """A field given twice is bad_request, as id, op and attrs are (the framing cases above),
-    and neither value takes effect: the lease (None above) keeps its slot and its expiry."""
-    attrs, tok = take_lease(conn)
-    assert_renewed(conn.rt({"op": "renew", "id": 64, "lease": tok, "lease_ms": 300}), 64, True, 300)
-    if field == "lease":
-        pairs = [("op", op), ("id", 65), ("lease", first or tok), ("lease", second or tok)]
-    else:
-        pairs = [("op", op), ("id", 65), ("lease", tok), ("lease_ms", first), ("lease_ms", second)]
-    assert_error(conn.rt_body(raw_map(pairs)), "bad_request", 65)
-    assert held(conn, attrs) == 1
-    wait_freed(conn, attrs, "a request with %s twice renewed the lease" % field)
+    and neither value takes effect: the lease (None below) keeps its slot and its expiry."""
+    def case(op, field, first, second):
+        def send(tok):
+            if field == "lease":
+                pairs = [("op", op), ("id", 65), ("lease", first or tok), ("lease", second or tok)]
+            else:
+                pairs = [("op", op), ("id", 65), ("lease", tok), ("lease_ms", first), ("lease_ms", second)]
+            r = conn.rt_body(raw_map(pairs))
+            assert "error" in r, (op, field, first, second, r)
+            assert_error(r, "bad_request", 65)
+        return send
+    twice = [("lease", "no-such-lease", None), ("lease", None, "no-such-lease"), ("lease", None, None),
+             ("lease_ms", 300, 60000), ("lease_ms", 60000, 300)]
+    expiries_unmoved(conn, {(op,) + t: case(op, *t) for op in ("release", "renew") for t in twice})
 
 
 def test_release_of_a_renewed_lease_then_renew_again(conn):
