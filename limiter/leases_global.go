@@ -3,6 +3,7 @@ package limiter
 import (
 	"encoding/base64"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/rlsidecar/rlsidecar/proto"
@@ -131,6 +132,24 @@ func (ls *Leases) releasedGlobal(id string, rs []*rules.Rule, freed bool, now in
 	}
 }
 
+// tokenEncoding reads a global token's body: base64 without padding, strict, so that the
+// unused low bits of its last character must be zero.
+var tokenEncoding = base64.RawURLEncoding.Strict()
+
+// decodeTokenBody returns the bytes of a global token's body (after its prefix), and false
+// when it is not exactly how a token is written: Go's base64 decoders skip CR and LF
+// anywhere, and a lease with a line break added was taken for the lease (released,
+// renewed: the conformance suite's mangled leases, with Redis), where a lease the daemon
+// did not issue is unknown; and a last character whose unused bits are not zero decoded
+// to the same bytes too.
+func decodeTokenBody(body string) ([]byte, bool) {
+	if strings.ContainsAny(body, "\r\n") {
+		return nil, false
+	}
+	raw, err := tokenEncoding.DecodeString(body)
+	return raw, err == nil
+}
+
 // trackedGlobal returns the global lease of token if this daemon tracks it (it
 // acquired it and has not seen it freed), else nil. The whole token must match: its id
 // alone (random, but written in the token in the clear) is not taken as proof.
@@ -138,8 +157,8 @@ func (ls *Leases) trackedGlobal(token string) *globalLease {
 	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > proto.MaxLeaseLen {
 		return nil
 	}
-	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
-	if err != nil || len(raw) < 1+leaseIDBytes {
+	raw, ok := decodeTokenBody(token[1:])
+	if !ok || len(raw) < 1+leaseIDBytes {
 		return nil
 	}
 	id := base64.RawURLEncoding.EncodeToString(raw[1 : 1+leaseIDBytes])

@@ -1,6 +1,7 @@
 package limiter
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"fmt"
@@ -1620,3 +1621,36 @@ func TestGlobalLeasesFullKeyReapsGoneOwners(t *testing.T) {
 		t.Fatalf("asked about %s; want [8]", a)
 	}
 }
+
+// A global token's body reads only as it is written: not with a CR or LF anywhere in it
+// (Go's base64 skips them: a lease with a line break added was taken for the lease), nor
+// with its last character's unused bits set (the same bytes again).
+func TestGlobalTokenBodyIsExact(t *testing.T) {
+	for n := 1; n <= 12; n++ {
+		raw := make([]byte, n)
+		for i := range raw {
+			raw[i] = byte(37*i + n)
+		}
+		body := tokenEncoding.EncodeToString(raw)
+		if got, ok := decodeTokenBody(body); !ok || !bytes.Equal(got, raw) {
+			t.Fatalf("%q read as % x %v, want % x", body, got, ok, raw)
+		}
+		for _, bad := range []string{body + "\n", body + "\r\n", "\n" + body, body[:1] + "\r" + body[1:], body[:len(body)-1] + "\n" + body[len(body)-1:]} {
+			if got, ok := decodeTokenBody(bad); ok {
+				t.Errorf("%q read as % x; want refused", bad, got)
+			}
+		}
+		// The last character with an unused bit set, where the length leaves some.
+		if unused := 6*len(body) - 8*n; unused > 0 {
+			last := strings.IndexByte(base64URLAlphabet, body[len(body)-1])
+			bad := body[:len(body)-1] + string(base64URLAlphabet[last|1])
+			if bad != body {
+				if got, ok := decodeTokenBody(bad); ok {
+					t.Errorf("%q (unused bits set) read as % x; want refused", bad, got)
+				}
+			}
+		}
+	}
+}
+
+const base64URLAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"

@@ -479,8 +479,8 @@ func (s *globalLeaseStore) decodeGlobal(token string) (id string, parts []rlsync
 	if len(token) < 2 || token[0] != globalTokenPrefix || len(token) > proto.MaxLeaseLen {
 		return "", nil, nil, false
 	}
-	raw, err := base64.RawURLEncoding.DecodeString(token[1:])
-	if err != nil || len(raw) < 2+leaseIDBytes || (raw[0] != tokenV1 && raw[0] != tokenV2) {
+	raw, ok := decodeTokenBody(token[1:])
+	if !ok || len(raw) < 2+leaseIDBytes || (raw[0] != tokenV1 && raw[0] != tokenV2) {
 		return "", nil, nil, false
 	}
 	numbered := raw[0] == tokenV2
