@@ -169,7 +169,9 @@ func (d *Decoder) decodeFields(body []byte, req *Request) error {
 			}
 		case "lease":
 			if err = seen.once(fieldLease, "request", key); err == nil {
-				req.Lease, err = d.str("lease", MaxLeaseLen)
+				// Any length the frame holds: a longer lease than any issued is one
+				// no daemon issued, released false, not an error (PROTOCOL.md).
+				req.Lease, err = d.str("lease", math.MaxInt)
 			}
 		case "lease_ms":
 			if err = seen.once(fieldLeaseMs, "request", key); err == nil {

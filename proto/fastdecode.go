@@ -275,7 +275,7 @@ func (d *Decoder) decodeFast(body []byte, req *Request) bool {
 					return false
 				}
 				seen |= seenLease
-				req.Lease, p, ok = fastStr(f, p+6, MaxLeaseLen)
+				req.Lease, p, ok = fastStr(f, p+6, f.n) // any length, as decodeFields
 				break
 			}
 			if f.le32(p+1) != keyAttr || f.at(p+5) != 's' || seen&seenAttrs != 0 {

@@ -34,9 +34,12 @@ const (
 	OpRenew   = "renew"   // extends a lease (an addition to v1)
 )
 
-// MaxLeaseLen bounds a lease token in a release or renew request. A global lease's token
-// carries its rules and client keys (so that any daemon can release it): the limiter
-// never answers a longer one (limiter.maxGlobalToken). 32 KiB holds a client key of a
+// MaxLeaseLen bounds the lease tokens a daemon issues. A global lease's token carries its
+// rules and client keys (so that any daemon can release it): the limiter never answers
+// a longer one (limiter.maxGlobalToken), and takes a longer one in a release or renew
+// for a lease it did not issue (false), as PROTOCOL.md says of any unknown lease; the
+// decoder reads it at any length the frame holds. (A release of one was bad_request
+// before; the conformance suite's long leases.) 32 KiB holds a client key of a
 // 4,096-byte value every byte of which is escaped (longer values are keyed by their
 // digest), in base64; at 2,048 bytes a value of about 1,100 bytes already made a global
 // concurrency rule fall to its failure policy.

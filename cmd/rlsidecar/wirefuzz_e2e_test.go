@@ -1499,7 +1499,8 @@ func (c *wfConn) genLeaseOp() *wfPred {
 			tok := string(randBytes(c.r, 1+c.r.IntN(64)))
 			fs = append(fs, wfField{"lease", func(e *wfEnc) { e.str(tok) }})
 		case 3:
-			tok := randASCII(c.r, 32768-c.r.IntN(2)) // the longest
+			// Around the longest a daemon issues, and past it: unknown all the same.
+			tok := randASCII(c.r, 32767+c.r.IntN(200))
 			fs = append(fs, wfField{"lease", func(e *wfEnc) { e.str(tok) }})
 		default:
 			tok := randASCII(c.r, 1+c.r.IntN(40))
@@ -1994,8 +1995,11 @@ func (c *wfConn) genMalformed() *wfPred {
 		lf := wfFields{{"id", func(e *wfEnc) { e.uint(id) }}}
 		var fault string
 		if c.r.IntN(2) == 0 {
-			tok := randASCII(c.r, 32769+c.r.IntN(100))
-			lf = append(lf, wfField{"op", func(e *wfEnc) { e.str([]string{"release", "renew"}[c.r.IntN(2)]) }}, wfField{"lease", func(e *wfEnc) { e.str(tok) }})
+			// A lease of the wrong type. (One longer than any issued, 32,769 bytes and
+			// more, was bad_request too; it is now a lease no daemon issued, false, as
+			// PROTOCOL.md says of any unknown lease: the unknown leases below.)
+			w := c.wrongFor("str")
+			lf = append(lf, wfField{"op", func(e *wfEnc) { e.str([]string{"release", "renew"}[c.r.IntN(2)]) }}, wfField{"lease", w.enc})
 			fault = "lease"
 		} else {
 			ms := uint64(wfConcLeaseMs+1) + (c.r.Uint64()>>c.r.IntN(64))/2

@@ -851,18 +851,7 @@ MANGLED = {
 }
 
 
-# With Redis (global and hybrid mode) the daemon takes a lease with a CR or LF added, at its
-# end or inside it, for the lease: renewed and released true, the slot freed (seen on this
-# session's daemon and on one built from ae87389, before it). PROTOCOL.md: a lease is an
-# opaque id, and a release is false when the lease was unknown; the daemon never issued
-# that string.
-CR_LF_TAKEN_WITH_REDIS = pytest.mark.xfail(
-    WITH_REDIS, strict=True, reason="departure with Redis: a lease with CR/LF added is taken for the lease "
-    "(released true); PROTOCOL.md: false when the lease was unknown")
-
-
-@pytest.mark.parametrize("how", [pytest.param(h, marks=CR_LF_TAKEN_WITH_REDIS) if "CR" in h or "newline" in h else h
-                                 for h in sorted(MANGLED)])
+@pytest.mark.parametrize("how", sorted(MANGLED))
 def test_mangled_lease_is_unknown_and_frees_nothing(conn, how):
     """A lease with a character changed, cased otherwise, padded, cut or empty is another
     string, so a lease the daemon did not issue: released false and renewed false (never an
@@ -892,18 +881,7 @@ def lease_body(op, rid, tok, size):
     return body
 
 
-# Past 32,768 bytes the daemon answers a release or renew with bad_request ("lease is N bytes
-# long; the limit is 32768"), where PROTOCOL.md names no bound on a lease short of the
-# frame's and says a lease the daemon does not know gets false, never an error.
-OVER_THE_DAEMONS_BOUND = pytest.mark.xfail(
-    strict=True, reason="departure: bad_request for a lease over 32,768 bytes; PROTOCOL.md: "
-    "false when the lease was unknown (never an error for those), and no bound but the frame's")
-
-
-@pytest.mark.parametrize("n", [100, 4096, 32768,
-                               pytest.param(32769, marks=OVER_THE_DAEMONS_BOUND),
-                               pytest.param(40000, marks=OVER_THE_DAEMONS_BOUND),
-                               pytest.param(0, marks=OVER_THE_DAEMONS_BOUND, id="a-frame-of-MAX_FRAME")])
+@pytest.mark.parametrize("n", [100, 4096, 32768, 32769, 40000, pytest.param(0, id="a-frame-of-MAX_FRAME")])
 @pytest.mark.parametrize("op", ["release", "renew"])
 def test_long_lease_within_a_frame_is_unknown(conn, op, n):
     """A lease tens of KB long in a frame the daemon accepts is a lease it did not issue:
@@ -923,9 +901,9 @@ def test_long_lease_within_a_frame_is_unknown(conn, op, n):
 @pytest.mark.parametrize("n", [32768, 32769, 40000, 0], ids=["32768", "32769", "40000", "a-frame-of-MAX_FRAME"])
 @pytest.mark.parametrize("op", ["release", "renew"])
 def test_long_lease_within_a_frame_frees_nothing(conn, op, n):
-    """Whatever a lease tens of KB long gets (false, or the bad_request the daemon answers
-    past its own bound), the lease it starts with keeps its slot, the frame is answered
-    with its id and the connection serves on. n 0: a frame of MAX_FRAME bytes."""
+    """Whatever a lease tens of KB long gets, the lease it starts with keeps its slot, the
+    frame is answered with its id and the connection serves on. n 0: a frame of MAX_FRAME
+    bytes."""
     attrs, tok = take_lease(conn)
     r = conn.rt_body(msgpack.packb({"op": op, "id": 42, "lease": long_lease(tok, n)}) if n
                      else lease_body(op, 42, tok, MAX_FRAME))
