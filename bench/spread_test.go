@@ -35,6 +35,12 @@ import (
 // RLSIDECAR_SPREAD_ALGORITHM (default token_bucket; sliding_window, fixed_window) is the
 // rule's algorithm; RLSIDECAR_SPREAD_ROUTE=random sends each request to a daemon drawn at
 // random (the same draws in both modes) instead of rotating a client over them.
+// RLSIDECAR_SPREAD_SCHEDULE=boundary replaces the paced 3× load with bursts across each
+// window's turn: every client sends RLSIDECAR_SPREAD_BURST checks (default 30) at 93% of
+// each window and as many at 103%, rotating over the daemons (with a fixed or sliding
+// window, whose runs start aligned to a window):
+//
+//	RLSIDECAR_SPREAD_SCHEDULE=boundary RLSIDECAR_SPREAD_ALGORITHM=fixed_window RLSIDECAR_SPREAD_CLIENTS=10 RLSIDECAR_SPREAD_DAEMONS=5 RLSIDECAR_SPREAD_LIMITS=20/1s RLSIDECAR_SPREAD_SECONDS=10 RLSIDECAR_SPREAD_MAX_LAG=100ms go test -count=1 -run '^$' -bench 'BenchmarkSpreadClients$' -benchtime 1x -v ./bench
 //
 // A run whose sender fell behind its schedule is not a measurement: the clients' late
 // requests find refill they were not offered (one 5,000-client run gave hybrid 1.111 of
@@ -160,9 +166,9 @@ func BenchmarkSpreadClients(b *testing.B) {
 			if gdeg > 0 {
 				verdict += " (global baseline degraded: not exact)"
 			}
-			b.Logf("spread: %d clients at 3× %s (%s, %s) over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
+			b.Logf("spread: %d clients %s (%s, %s) over %d daemons for %v: global admitted %d of %d (%.2f%% degraded), hybrid %d of %d: ratio %.3f, degraded %.2f%%; "+
 				"Redis per check: global %.3f calls %.1f µs of scripts %.1f µs of process CPU, hybrid %.3f calls %.1f µs %.1f µs (send lag max global %v, hybrid %v); target 0.98–1.05, < 1%% degraded: %s",
-				clients, lim.text, spreadEnv("RLSIDECAR_SPREAD_ALGORITHM", "token_bucket"), spreadEnv("RLSIDECAR_SPREAD_ROUTE", "rotate"), daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
+				clients, spreadShape(lim), spreadEnv("RLSIDECAR_SPREAD_ALGORITHM", "token_bucket"), spreadEnv("RLSIDECAR_SPREAD_ROUTE", "rotate"), daemons, load, g.admitted, g.offered, 100*gdeg, h.admitted, h.offered, ratio, 100*deg,
 				g.calls/float64(g.offered), g.cpuUsec/float64(g.offered), g.procUsec/float64(g.offered),
 				h.calls/float64(h.offered), h.cpuUsec/float64(h.offered), h.procUsec/float64(h.offered),
 				g.lag.Round(time.Millisecond), h.lag.Round(time.Millisecond), verdict)
@@ -187,6 +193,14 @@ func BenchmarkSpreadClients(b *testing.B) {
 			}
 		}
 	}
+}
+
+// spreadShape describes the load a run offers each client (RLSIDECAR_SPREAD_SCHEDULE).
+func spreadShape(lim spreadLimit) string {
+	if spreadEnv("RLSIDECAR_SPREAD_SCHEDULE", "paced") == "boundary" {
+		return fmt.Sprintf("under %s, %s checks at 93%% and 103%% of each window", lim.text, spreadEnv("RLSIDECAR_SPREAD_BURST", "30"))
+	}
+	return "at 3× " + lim.text
 }
 
 // spreadRun runs one mode on fresh daemons and a flushed Redis.
@@ -240,6 +254,30 @@ func spreadRun(b *testing.B, addr string, rdb *redis.Client, mode string, daemon
 		b.Fatalf("RLSIDECAR_SPREAD_ROUTE=%q: want rotate or random", r)
 	}
 	perDaemon := make([][]spreadEvent, daemons)
+	if spreadEnv("RLSIDECAR_SPREAD_SCHEDULE", "paced") == "boundary" {
+		// Bursts across each window's turn: every client sends burst checks 7% of a window
+		// before it and burst more 3% after, one after another, rotating over the daemons.
+		// Windows (aligned below) start 10 ms before the run: offsets count from there.
+		burst, err := strconv.Atoi(spreadEnv("RLSIDECAR_SPREAD_BURST", "30"))
+		if err != nil || burst < 1 {
+			b.Fatalf("RLSIDECAR_SPREAD_BURST=%q: want a count ≥ 1", os.Getenv("RLSIDECAR_SPREAD_BURST"))
+		}
+		for c := 0; c < clients; c++ {
+			k := 0
+			for w := time.Duration(0); ; w += lim.window {
+				if w+lim.window*103/100-10*time.Millisecond >= load {
+					break
+				}
+				for _, at := range []time.Duration{w + lim.window*93/100, w + lim.window*103/100} {
+					for range burst {
+						perDaemon[(c+k)%daemons] = append(perDaemon[(c+k)%daemons], spreadEvent{at: at - 10*time.Millisecond, client: c})
+						k++
+					}
+				}
+			}
+		}
+		clients = 0 // the paced schedule's loop below: none
+	}
 	for c := 0; c < clients; c++ {
 		phase := time.Duration(rng.Int64N(int64(period)))
 		for k := 0; ; k++ {
