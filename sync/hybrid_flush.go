@@ -768,11 +768,13 @@ func (it *syncItem) waitedOn() bool {
 // each group in its order: a sync sends its pipelines one after another and leaves what
 // its time did not reach for the next (errNoTime), and a request on a key of the sync
 // waits for its reply, FetchWait at most, then goes to its rule's policy. In collection
-// order, with more keys to sync than Redis could take (4 × 32 checks over 100,000
+// order, with more keys to sync than Redis could take (4 × 32 checks over 100,000 known
 // keys, Redis on the loaded host's 2 cores), a new key's first sync came behind the
-// credit of keys that needed none, and its client's second request, a second later,
-// was degraded: 1-3% of the answers, refused under on_store_failure: closed, while Redis
-// answered every call. Stable, with a copy of the smaller group.
+// credit of keys that needed none, and 15-17% of new clients' second requests, a
+// quarter of a second after their first, were degraded (refused under
+// on_store_failure: closed) while Redis answered every call; under 1% with this and
+// settle's applying each pipeline as it comes (BenchmarkHybridNewClients). Stable, with
+// a copy of the smaller group.
 func waitedOnFirst(items []syncItem) {
 	n := 0
 	for i := range items {
@@ -815,8 +817,8 @@ func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (in
 	// of a busy key waits for that sync, FetchWait at most, then goes to the rule's
 	// policy. Applied at the end, a sync of many keys (20,000 a sync, 40 pipelines one
 	// after another, 300 ms on a loaded host) held its first pipeline's keys busy
-	// through all the others: under 4 × 32 checks over 100,000 keys, 1-3% of the answers
-	// were degraded (refused, on_store_failure: closed) while Redis answered every call.
+	// through all the others, and sending the keys requests wait on first (collect,
+	// waitedOnFirst) gained nothing alone (TestHybridLongSyncSendsWaitedOnKeysFirst).
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, h.applyEach)
 	failed, by, firstErr := h.outcomes(items, false, sentAt)
 	if !release {
@@ -947,6 +949,33 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 	return sn, len(distinct)
 }
 
+// callsOf cuts items into script calls of up to perCall keys. On a cluster (nodes: each
+// item's master, from byNode) a call carries the keys of one master and of one of
+// byNode's groups (waitedOn, or not), each group sorted by slot: the keys of a call's
+// first slot are then all at its start, where firstSlotKeys counts them. A call across
+// the two groups could hold keys of its first slot in both, the second group's
+// undeclared: the fault firstSlotKeys describes, while that slot migrates. It returns
+// the calls and, on a cluster, each call's master.
+func callsOf(items []syncItem, nodes []string, perCall int) (calls []syncCall, callNode []string) {
+	for lo := 0; lo < len(items); {
+		hi := min(lo+perCall, len(items))
+		if nodes != nil {
+			for k := lo + 1; k < hi; k++ {
+				if nodes[k] != nodes[lo] || items[k].waitedOn() != items[lo].waitedOn() {
+					hi = k
+					break
+				}
+			}
+		}
+		calls = append(calls, syncCall{items: items[lo:hi]})
+		if nodes != nil {
+			callNode = append(callNode, nodes[lo])
+		}
+		lo = hi
+	}
+	return calls, callNode
+}
+
 // send runs the script for items, up to perCall keys per call, up to perPipe calls (per
 // node, on a cluster) per pipeline, and records each item's reply or error in it. On a
 // cluster it reorders items (by master). Calls that come back NOSCRIPT (a restarted or
@@ -960,27 +989,11 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 // other slots of the same node, from ARGV. One sync is then one pipeline per master,
 // however many slots its keys span.
 func (h *Hybrid) send(ctx context.Context, items []syncItem, replicas, perCall, perPipe int, applied func([]syncItem)) error {
-	var nodes, callNode []string
+	var nodes []string
 	if h.cluster {
 		nodes, _ = h.byNode(ctx, items)
 	}
-	var calls []syncCall
-	for lo := 0; lo < len(items); {
-		hi := min(lo+perCall, len(items))
-		if h.cluster {
-			for k := lo + 1; k < hi; k++ {
-				if nodes[k] != nodes[lo] {
-					hi = k
-					break
-				}
-			}
-		}
-		calls = append(calls, syncCall{items: items[lo:hi]})
-		if h.cluster {
-			callNode = append(callNode, nodes[lo])
-		}
-		lo = hi
-	}
+	calls, callNode := callsOf(items, nodes, perCall)
 	// A heartbeat Run offered rides on the first call (standalone: the live-daemons set is
 	// on the same node).
 	if !h.cluster && len(calls) > 0 && h.beat.CompareAndSwap(beatOffered, beatTaken) {
@@ -1217,7 +1230,8 @@ func (h *Hybrid) answeredCalls(calls []syncCall) {
 }
 
 // firstSlotKeys returns how many of items, from the first, are in the first one's hash
-// slot: the keys a cluster sync call declares (items come sorted by master, then slot).
+// slot: the keys a cluster sync call declares (a call's items are of one master and one
+// of byNode's groups, sorted by slot: callsOf).
 // The call's other keys, of other slots of the same master, are named in ARGV.
 //
 // Every key of the first slot is declared, not the first alone: while that slot

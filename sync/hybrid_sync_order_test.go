@@ -174,3 +174,39 @@ func order(items []syncItem) string {
 	}
 	return b.String()
 }
+
+// On a cluster a sync call declares the keys of its first slot (firstSlotKeys, from its
+// start): each call must hold all its keys of that slot there, though byNode puts the
+// waited-on keys ahead of the others, each group sorted by slot. A call across the two
+// groups held keys of its first slot in both, those of the second undeclared (the
+// fault firstSlotKeys describes, while the slot migrates). Keys of one hash tag share a
+// slot.
+func TestCallsKeepTheirFirstSlotTogether(t *testing.T) {
+	mk := func(key string, waited bool) syncItem {
+		e := &hentry{}
+		e.setKey(key)
+		return syncItem{e: e, first: waited}
+	}
+	// As byNode sorts one master's items: waited-on first, each group by slot.
+	items := []syncItem{mk("rl:a:{x}", true), mk("rl:a:{y}", true), mk("rl:b:{x}", false), mk("rl:c:{z}", false)}
+	if Slot("rl:a:{x}") == Slot("rl:a:{y}") || Slot("rl:a:{x}") == Slot("rl:c:{z}") {
+		t.Fatal("the test's tags share a slot")
+	}
+	nodes := []string{"m1", "m1", "m1", "m1"}
+	calls, callNode := callsOf(items, nodes, 128)
+	for i, c := range calls {
+		n := firstSlotKeys(c.items)
+		for _, it := range c.items[n:] {
+			if Slot(it.e.key()) == Slot(c.items[0].e.key()) {
+				t.Errorf("call %d (%s): %s is in its first slot, %d, and not declared (the first %d keys are)", i, callNode[i], it.e.key(), Slot(it.e.key()), n)
+			}
+		}
+	}
+	if len(calls) != 2 || len(calls[0].items) != 2 {
+		t.Errorf("%d calls, want 2: the waited-on keys, then the others", len(calls))
+	}
+	// Standalone (no nodes): one call, every key declared.
+	if calls, _ := callsOf(items, nil, 128); len(calls) != 1 {
+		t.Errorf("standalone: %d calls, want 1", len(calls))
+	}
+}
