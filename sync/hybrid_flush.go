@@ -752,22 +752,25 @@ func (h *Hybrid) collect(now int64, limit int) []syncItem {
 		sh.mu.Unlock()
 	}
 	h.backlog.Store(int64(backlog))
-	waitedOnFirst(items)
+	urgentFirst(items)
 	return items
 }
 
-// waitedOn reports whether the key's next request here may wait for this sync's reply:
-// a key new here (its one unit on credit spent), one asking a share grant (its demand
-// outran what it holds), or one leaving (its credit given up). The others carry units
-// admitted on credit or a grant and go on deciding from their view meanwhile.
-func (it *syncItem) waitedOn() bool {
-	return it.first || it.demand > 0 || it.mode == modeLeave
+// urgent reports whether the item's sync should go before the others': the key's next
+// request here may wait for its reply (a key new here, its one unit on credit spent; one
+// asking a share grant, its demand outran what it holds; one leaving, its credit given
+// up), or this sync is its only one (evicted by the key cap: units it does not send are
+// dropped, never resent). The others carry units admitted on credit or a grant, go on
+// deciding from their view meanwhile, and wait for the next sync if this one runs out of
+// time.
+func (it *syncItem) urgent() bool {
+	return it.first || it.demand > 0 || it.mode == modeLeave || it.gone
 }
 
-// waitedOnFirst moves the items requests may wait on (waitedOn) ahead of the others,
-// each group in its order: a sync sends its pipelines one after another and leaves what
-// its time did not reach for the next (errNoTime), and a request on a key of the sync
-// waits for its reply, FetchWait at most, then goes to its rule's policy. In collection
+// urgentFirst moves the urgent items ahead of the others, each group in its order: a
+// sync sends its pipelines one after another and leaves what its time did not reach for
+// the next (errNoTime), and a request on a key of the sync waits for its reply,
+// FetchWait at most, then goes to its rule's policy. In collection
 // order, with more keys to sync than Redis could take (4 × 32 checks over 100,000 known
 // keys, Redis on the loaded host's 2 cores), a new key's first sync came behind the
 // credit of keys that needed none, and 15-17% of new clients' second requests, a
@@ -775,21 +778,21 @@ func (it *syncItem) waitedOn() bool {
 // on_store_failure: closed) while Redis answered every call; under 1% with this and
 // settle's applying each pipeline as it comes (BenchmarkHybridNewClients). Stable, with
 // a copy of the smaller group.
-func waitedOnFirst(items []syncItem) {
+func urgentFirst(items []syncItem) {
 	n := 0
 	for i := range items {
-		if items[i].waitedOn() {
+		if items[i].urgent() {
 			n++
 		}
 	}
 	if n == 0 || n == len(items) {
 		return
 	}
-	want := n <= len(items)-n // buffer the waited-on items (else the others)
+	want := n <= len(items)-n // buffer the urgent items (else the others)
 	buf := make([]syncItem, 0, min(n, len(items)-n))
 	w := 0
 	for i := range items {
-		if items[i].waitedOn() == want {
+		if items[i].urgent() == want {
 			buf = append(buf, items[i])
 		} else {
 			items[w] = items[i]
@@ -818,7 +821,7 @@ func (h *Hybrid) settle(ctx context.Context, items []syncItem, release bool) (in
 	// policy. Applied at the end, a sync of many keys (20,000 a sync, 40 pipelines one
 	// after another, 300 ms on a loaded host) held its first pipeline's keys busy
 	// through all the others, and sending the keys requests wait on first (collect,
-	// waitedOnFirst) gained nothing alone (TestHybridLongSyncSendsWaitedOnKeysFirst).
+	// urgentFirst) gained nothing alone (TestHybridLongSyncSendsWaitedOnKeysFirst).
 	sendErr := h.send(ctx, items, h.replicaCount(), callKeys, pipeCalls, h.applyEach)
 	failed, by, firstErr := h.outcomes(items, false, sentAt)
 	if !release {
@@ -935,8 +938,8 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 		if nodes[i] != nodes[j] {
 			return nodes[i] < nodes[j]
 		}
-		if wi, wj := items[i].waitedOn(), items[j].waitedOn(); wi != wj {
-			return wi // as collect orders them (waitedOnFirst)
+		if wi, wj := items[i].urgent(), items[j].urgent(); wi != wj {
+			return wi // as collect orders them (urgentFirst)
 		}
 		return slots[i] < slots[j]
 	})
@@ -951,7 +954,7 @@ func (h *Hybrid) byNode(ctx context.Context, items []syncItem) ([]string, int) {
 
 // callsOf cuts items into script calls of up to perCall keys. On a cluster (nodes: each
 // item's master, from byNode) a call carries the keys of one master and of one of
-// byNode's groups (waitedOn, or not), each group sorted by slot: the keys of a call's
+// byNode's groups (urgent, or not), each group sorted by slot: the keys of a call's
 // first slot are then all at its start, where firstSlotKeys counts them. A call across
 // the two groups could hold keys of its first slot in both, the second group's
 // undeclared: the fault firstSlotKeys describes, while that slot migrates. It returns
@@ -961,7 +964,7 @@ func callsOf(items []syncItem, nodes []string, perCall int) (calls []syncCall, c
 		hi := min(lo+perCall, len(items))
 		if nodes != nil {
 			for k := lo + 1; k < hi; k++ {
-				if nodes[k] != nodes[lo] || items[k].waitedOn() != items[lo].waitedOn() {
+				if nodes[k] != nodes[lo] || items[k].urgent() != items[lo].urgent() {
 					hi = k
 					break
 				}

@@ -127,35 +127,37 @@ func (h *Hybrid) synced(key string) bool {
 	return e != nil && e.synced > 0 && e.flags&flagBusy == 0
 }
 
-// waitedOnFirst is a stable partition: the waited-on items first, each group in its
+// urgentFirst is a stable partition: the urgent items first, each group in its
 // order, against a stable sort by the same key.
-func TestWaitedOnFirstIsAStablePartition(t *testing.T) {
+func TestUrgentFirstIsAStablePartition(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	for round := range 2000 {
 		n := r.IntN(40)
 		items := make([]syncItem, n)
 		for i := range items {
 			items[i].token = uint32(i) // its place before
-			switch r.IntN(5) {
+			switch r.IntN(6) {
 			case 0:
 				items[i].first = true
 			case 1:
 				items[i].demand = 1
 			case 2:
 				items[i].mode = modeLeave
+			case 3:
+				items[i].gone = true
 			}
 		}
 		want := slices.Clone(items)
 		slices.SortStableFunc(want, func(a, b syncItem) int {
 			switch {
-			case a.waitedOn() == b.waitedOn():
+			case a.urgent() == b.urgent():
 				return 0
-			case a.waitedOn():
+			case a.urgent():
 				return -1
 			}
 			return 1
 		})
-		waitedOnFirst(items)
+		urgentFirst(items)
 		got, exp := order(items), order(want)
 		if got != exp {
 			t.Fatalf("round %d: %v, want %v", round, got, exp)
@@ -167,7 +169,7 @@ func order(items []syncItem) string {
 	var b strings.Builder
 	for i := range items {
 		w := ""
-		if items[i].waitedOn() {
+		if items[i].urgent() {
 			w = "*"
 		}
 		fmt.Fprintf(&b, "%d%s ", items[i].token, w)
@@ -177,7 +179,7 @@ func order(items []syncItem) string {
 
 // On a cluster a sync call declares the keys of its first slot (firstSlotKeys, from its
 // start): each call must hold all its keys of that slot there, though byNode puts the
-// waited-on keys ahead of the others, each group sorted by slot. A call across the two
+// urgent keys ahead of the others, each group sorted by slot. A call across the two
 // groups held keys of its first slot in both, those of the second undeclared (the
 // fault firstSlotKeys describes, while the slot migrates). Keys of one hash tag share a
 // slot.
@@ -187,7 +189,7 @@ func TestCallsKeepTheirFirstSlotTogether(t *testing.T) {
 		e.setKey(key)
 		return syncItem{e: e, first: waited}
 	}
-	// As byNode sorts one master's items: waited-on first, each group by slot.
+	// As byNode sorts one master's items: urgent first, each group by slot.
 	items := []syncItem{mk("rl:a:{x}", true), mk("rl:a:{y}", true), mk("rl:b:{x}", false), mk("rl:c:{z}", false)}
 	if Slot("rl:a:{x}") == Slot("rl:a:{y}") || Slot("rl:a:{x}") == Slot("rl:c:{z}") {
 		t.Fatal("the test's tags share a slot")
@@ -203,7 +205,7 @@ func TestCallsKeepTheirFirstSlotTogether(t *testing.T) {
 		}
 	}
 	if len(calls) != 2 || len(calls[0].items) != 2 {
-		t.Errorf("%d calls, want 2: the waited-on keys, then the others", len(calls))
+		t.Errorf("%d calls, want 2: the urgent keys, then the others", len(calls))
 	}
 	// Standalone (no nodes): one call, every key declared.
 	if calls, _ := callsOf(items, nil, 128); len(calls) != 1 {
