@@ -388,7 +388,7 @@ func accRedisStats(tb testing.TB, rdb *redis.Client) accStats {
 
 // accDaemon is one rlsidecar daemon of the accuracy benchmarks.
 type accDaemon struct {
-	id     string
+	id     string // its name: its socket's, and its --daemon-id unless started under another
 	socket string
 	cmd    *exec.Cmd
 	done   chan struct{} // closed once the process has exited
@@ -408,7 +408,8 @@ func startAccDaemons(tb testing.TB, n int, args []string) []*accDaemon {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ds[i], errs[i] = startAccDaemon(fmt.Sprint("acc", i), args)
+			id := fmt.Sprint("acc", i)
+			ds[i], errs[i] = startAccDaemon(id, id, args)
 		}()
 	}
 	wg.Wait()
@@ -425,10 +426,13 @@ func startAccDaemons(tb testing.TB, n int, args []string) []*accDaemon {
 	return ds
 }
 
-func startAccDaemon(id string, args []string) (*accDaemon, error) {
-	d := &accDaemon{id: id, socket: filepath.Join(binDir, id+".sock"), done: make(chan struct{}), stderr: &accLog{}}
+// startAccDaemon starts one daemon on the socket <name>.sock in binDir, under --daemon-id
+// daemonID: startAccDaemons gives each daemon its name as its ID; BenchmarkSharedDaemonID
+// gives several daemons one ID, as a misconfigured deployment does.
+func startAccDaemon(name, daemonID string, args []string) (*accDaemon, error) {
+	d := &accDaemon{id: name, socket: filepath.Join(binDir, name+".sock"), done: make(chan struct{}), stderr: &accLog{}}
 	d.cmd = exec.Command(filepath.Join(binDir, "rlsidecar"),
-		append([]string{"serve", "--socket", d.socket, "--admin=", "--daemon-id", id, "--log-level", "warn"}, args...)...)
+		append([]string{"serve", "--socket", d.socket, "--admin=", "--daemon-id", daemonID, "--log-level", "warn"}, args...)...)
 	d.cmd.Stderr = d.stderr
 	stdout, err := d.cmd.StdoutPipe()
 	if err != nil {
@@ -451,10 +455,10 @@ func startAccDaemon(id string, args []string) (*accDaemon, error) {
 			return d, nil
 		}
 		d.stop()
-		return nil, fmt.Errorf("daemon %s did not start: %q\n%s", id, line, d.stderr.String())
+		return nil, fmt.Errorf("daemon %s did not start: %q\n%s", name, line, d.stderr.String())
 	case <-time.After(10 * time.Second):
 		d.stop()
-		return nil, fmt.Errorf("daemon %s did not start within 10s\n%s", id, d.stderr.String())
+		return nil, fmt.Errorf("daemon %s did not start within 10s\n%s", name, d.stderr.String())
 	}
 }
 
