@@ -334,6 +334,32 @@ func percentile(d []time.Duration, p float64) time.Duration {
 	return s[int(float64(len(s)-1)*p)]
 }
 
+// benchEnvCount reads a count ≥ 1 from the environment variable name, def if unset.
+func benchEnvCount(tb testing.TB, name string, def int) int {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 {
+		tb.Fatalf("%s=%q: want a count ≥ 1", name, v)
+	}
+	return n
+}
+
+// benchEnvDuration reads a duration > 0 from the environment variable name, def if unset.
+func benchEnvDuration(tb testing.TB, name string, def time.Duration) time.Duration {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		tb.Fatalf("%s=%q: want a duration > 0", name, v)
+	}
+	return d
+}
+
 // vsName is the name, in binDir, of the rlsidecar binary RLSIDECAR_BENCH_VS names.
 const vsName = "rlsidecar-vs"
 

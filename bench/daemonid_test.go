@@ -39,14 +39,11 @@ import (
 //	go test -count=1 -run '^$' -bench 'BenchmarkSharedDaemonID$' -benchtime 1x -v ./bench
 //	RLSIDECAR_BENCH_DAEMONID_CLIENTS=1 RLSIDECAR_BENCH_DAEMONID_DAEMONS=2 RLSIDECAR_BENCH_DAEMONID_LIMIT=100/1h RLSIDECAR_BENCH_DAEMONID_REQUESTS=300 go test -count=1 -run '^$' -bench 'BenchmarkSharedDaemonID$' -benchtime 1x -v ./bench
 func BenchmarkSharedDaemonID(b *testing.B) {
-	clients := daemonIDEnvInt(b, "RLSIDECAR_BENCH_DAEMONID_CLIENTS", 20)
-	daemons := daemonIDEnvInt(b, "RLSIDECAR_BENCH_DAEMONID_DAEMONS", 3)
-	requests := daemonIDEnvInt(b, "RLSIDECAR_BENCH_DAEMONID_REQUESTS", 150)
+	clients := benchEnvCount(b, "RLSIDECAR_BENCH_DAEMONID_CLIENTS", 20)
+	daemons := benchEnvCount(b, "RLSIDECAR_BENCH_DAEMONID_DAEMONS", 3)
+	requests := benchEnvCount(b, "RLSIDECAR_BENCH_DAEMONID_REQUESTS", 150)
 	lim := parseSpreadLimit(b, spreadEnv("RLSIDECAR_BENCH_DAEMONID_LIMIT", "30/1h"))
-	period, err := time.ParseDuration(spreadEnv("RLSIDECAR_BENCH_DAEMONID_PERIOD", "20ms"))
-	if err != nil || period <= 0 {
-		b.Fatalf("RLSIDECAR_BENCH_DAEMONID_PERIOD=%q: want a duration > 0", os.Getenv("RLSIDECAR_BENCH_DAEMONID_PERIOD"))
-	}
+	period := benchEnvDuration(b, "RLSIDECAR_BENCH_DAEMONID_PERIOD", 20*time.Millisecond)
 	srv := redistest.StartStandalone(b)
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	b.Cleanup(func() { rdb.Close() })
@@ -76,19 +73,6 @@ func BenchmarkSharedDaemonID(b *testing.B) {
 		}
 	}
 	b.Logf("shared ÷ distinct: %.3f", means["shared"]/means["distinct"])
-}
-
-// daemonIDEnvInt reads a count ≥ 1 from the environment, def if unset.
-func daemonIDEnvInt(tb testing.TB, name string, def int) int {
-	v := os.Getenv(name)
-	if v == "" {
-		return def
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 {
-		tb.Fatalf("%s=%q: want a count ≥ 1", name, v)
-	}
-	return n
 }
 
 // daemonIDResult is what one run of BenchmarkSharedDaemonID measured.

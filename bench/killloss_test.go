@@ -75,26 +75,9 @@ const killLossWindow = 24 * time.Hour
 // RLSIDECAR_BENCH_KILLLOSS_LOAD (a duration, 1s by default), _KEYS (50) and _REPEATS (1)
 // set the load; the defaults are the CI smoke pass (about 3 s). -v logs each repeat.
 func BenchmarkKillLoss(b *testing.B) {
-	load, keys, repeats := time.Second, 50, 1
-	if s := os.Getenv("RLSIDECAR_BENCH_KILLLOSS_LOAD"); s != "" {
-		d, err := time.ParseDuration(s)
-		if err != nil || d <= 0 {
-			b.Fatalf("RLSIDECAR_BENCH_KILLLOSS_LOAD=%q: want a duration", s)
-		}
-		load = d
-	}
-	for _, e := range []struct {
-		name string
-		v    *int
-	}{{"RLSIDECAR_BENCH_KILLLOSS_KEYS", &keys}, {"RLSIDECAR_BENCH_KILLLOSS_REPEATS", &repeats}} {
-		if s := os.Getenv(e.name); s != "" {
-			n, err := strconv.Atoi(s)
-			if err != nil || n < 1 {
-				b.Fatalf("%s=%q: want a positive count", e.name, s)
-			}
-			*e.v = n
-		}
-	}
+	load := benchEnvDuration(b, "RLSIDECAR_BENCH_KILLLOSS_LOAD", time.Second)
+	keys := benchEnvCount(b, "RLSIDECAR_BENCH_KILLLOSS_KEYS", 50)
+	repeats := benchEnvCount(b, "RLSIDECAR_BENCH_KILLLOSS_REPEATS", 1)
 	cfg := filepath.Join(b.TempDir(), "killloss.yaml")
 	if err := os.WriteFile(cfg, []byte(killLossRules), 0o644); err != nil {
 		b.Fatal(err)

@@ -50,26 +50,9 @@ const newClientsRules = `rules:
 // RLSIDECAR_BENCH_NEWCLIENTS_LOAD (a duration, 3s by default), _KEYS (100000) and
 // _REPEATS (1) set the load; the defaults are the CI smoke pass.
 func BenchmarkHybridNewClients(b *testing.B) {
-	load, keys, repeats := 3*time.Second, 100_000, 1
-	if s := os.Getenv("RLSIDECAR_BENCH_NEWCLIENTS_LOAD"); s != "" {
-		d, err := time.ParseDuration(s)
-		if err != nil || d <= 0 {
-			b.Fatalf("RLSIDECAR_BENCH_NEWCLIENTS_LOAD=%q: want a duration", s)
-		}
-		load = d
-	}
-	for _, e := range []struct {
-		name string
-		v    *int
-	}{{"RLSIDECAR_BENCH_NEWCLIENTS_KEYS", &keys}, {"RLSIDECAR_BENCH_NEWCLIENTS_REPEATS", &repeats}} {
-		if s := os.Getenv(e.name); s != "" {
-			n, err := strconv.Atoi(s)
-			if err != nil || n < 1 {
-				b.Fatalf("%s=%q: want a positive count", e.name, s)
-			}
-			*e.v = n
-		}
-	}
+	load := benchEnvDuration(b, "RLSIDECAR_BENCH_NEWCLIENTS_LOAD", 3*time.Second)
+	keys := benchEnvCount(b, "RLSIDECAR_BENCH_NEWCLIENTS_KEYS", 100_000)
+	repeats := benchEnvCount(b, "RLSIDECAR_BENCH_NEWCLIENTS_REPEATS", 1)
 	cfg := filepath.Join(b.TempDir(), "newclients.yaml")
 	if err := os.WriteFile(cfg, []byte(newClientsRules), 0o644); err != nil {
 		b.Fatal(err)
