@@ -773,9 +773,9 @@ func (it *syncItem) urgent() bool {
 // FetchWait at most, then goes to its rule's policy. In collection
 // order, with more keys to sync than Redis could take (4 × 32 checks over 100,000 known
 // keys, Redis on the loaded host's 2 cores), a new key's first sync came behind the
-// credit of keys that needed none, and 15-17% of new clients' second requests, a
+// credit of keys that needed none, and 15-28% of new clients' second requests, a
 // quarter of a second after their first, were degraded (refused under
-// on_store_failure: closed) while Redis answered every call; under 1% with this and
+// on_store_failure: closed) while Redis answered every call; 0.3-4.7% with this and
 // settle's applying each pipeline as it comes (BenchmarkHybridNewClients). Stable, with
 // a copy of the smaller group.
 func urgentFirst(items []syncItem) {
